@@ -1,0 +1,158 @@
+"""The config schema: dataclasses registered in Hydra's ConfigStore.
+
+Every component module owns the dataclass for its config group (``DeepFMConfig`` in
+``models/deepfm.py``, ``SparseAdagradConfig`` in ``optim.py`` …): field defaults, field docs and
+``__post_init__`` validation live there. This module registers them as ``schema/<group>/<name>``
+and each ``conf/<group>/<name>.yaml`` extends its schema with ``/schema/<group>/<name>@_here_``,
+so YAML only chooses and overrides.
+
+:func:`validate` turns a composed ``DictConfig`` into those dataclasses (running every
+``__post_init__``) — all user mistakes surface there as :class:`ConfigError`, before any process
+group, data or model exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from recsys_runner.data.synthetic import SyntheticDataConfig
+from recsys_runner.distributed import DistributedConfig
+from recsys_runner.errors import ConfigError, require
+from recsys_runner.models.deepfm import DeepFMConfig
+from recsys_runner.models.dlrm import DLRMConfig
+from recsys_runner.optim import (
+    DenseAdagradConfig,
+    DenseAdamConfig,
+    DenseSGDConfig,
+    OptimConfig,
+    SparseAdagradConfig,
+    SparseAdamConfig,
+    SparseRowWiseAdagradConfig,
+    SparseSGDConfig,
+)
+from recsys_runner.precision import PrecisionConfig
+from recsys_runner.scheduler import ConstantConfig, CosineConfig, ExponentialDecayConfig
+from recsys_runner.tracking import NoTrackingConfig, TrackingConfig
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """The ``train`` section: how long to train and how often to log and evaluate."""
+
+    num_steps: int | None = 1000
+    """Optimizer steps to run. Exactly one of ``num_steps`` and ``num_epochs`` is set."""
+    num_epochs: int | None = None
+    """Passes over the training data (then set ``train.num_steps=null``)."""
+    log_every_steps: int = 50
+    """Log train loss, learning rates and samples/s every this many steps."""
+    eval_every_steps: int | None = None
+    """Evaluate every this many steps; ``null`` evaluates only at the end."""
+    eval_max_batches: int | None = None
+    """Cap on eval batches per rank (``null`` = the whole eval split)."""
+
+    def __post_init__(self) -> None:
+        require(
+            (self.num_steps is None) != (self.num_epochs is None),
+            f"set exactly one of train.num_steps ({self.num_steps}) and train.num_epochs ({self.num_epochs}); "
+            f"e.g. train.num_steps=null train.num_epochs=2, or train.num_steps=500",
+        )
+        require(self.num_steps is None or self.num_steps > 0, f"train.num_steps must be positive, got {self.num_steps}")
+        require(self.num_epochs is None or self.num_epochs > 0, f"train.num_epochs must be positive, got {self.num_epochs}")
+        require(self.log_every_steps > 0, f"train.log_every_steps must be positive, got {self.log_every_steps}")
+        require(
+            self.eval_every_steps is None or self.eval_every_steps > 0,
+            f"train.eval_every_steps must be positive or null, got {self.eval_every_steps}",
+        )
+        require(
+            self.eval_max_batches is None or self.eval_max_batches > 0,
+            f"train.eval_max_batches must be positive or null, got {self.eval_max_batches}",
+        )
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """The root of the composed config (``conf/config.yaml``)."""
+
+    model: Any = None
+    data: Any = None
+    optim: Any = None
+    scheduler: Any = None
+    distributed: Any = None
+    precision: Any = None
+    tracking: Any = None
+    train: TrainConfig = field(default_factory=TrainConfig)
+    seed: int = 0
+    """Seeds torch on every rank (dense init, dropout); data has its own ``data.seed``."""
+
+
+GROUPS: dict[str, dict[str, type]] = {
+    "model": {"deepfm": DeepFMConfig, "dlrm": DLRMConfig},
+    "data": {"synthetic": SyntheticDataConfig},
+    "optim": {"optim": OptimConfig},
+    "optim/sparse": {
+        "sgd": SparseSGDConfig,
+        "adagrad": SparseAdagradConfig,
+        "rowwise_adagrad": SparseRowWiseAdagradConfig,
+        "adam": SparseAdamConfig,
+    },
+    "optim/dense": {"sgd": DenseSGDConfig, "adagrad": DenseAdagradConfig, "adam": DenseAdamConfig},
+    "scheduler": {"constant": ConstantConfig, "exponential_decay": ExponentialDecayConfig, "cosine": CosineConfig},
+    "distributed": {"distributed": DistributedConfig},
+    "precision": {"precision": PrecisionConfig},
+    "tracking": {"mlflow": TrackingConfig, "none": NoTrackingConfig},
+}
+"""Every schema, by group and name. A new option registers its dataclass here."""
+
+
+def register_configs() -> None:
+    """Store the root schema and every group schema in Hydra's ConfigStore (idempotent)."""
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunConfig)
+    for group, options in GROUPS.items():
+        for name, node in options.items():
+            cs.store(group=f"schema/{group}", name=name, node=node)
+
+
+def validate(cfg: DictConfig) -> RunConfig:
+    """Resolve and type-check ``cfg`` and run every schema's ``__post_init__``.
+
+    Raises:
+        ConfigError: naming the key and the fix, for any invalid value or combination.
+    """
+    try:
+        run = OmegaConf.to_object(cfg)
+    except ConfigError:
+        raise
+    except OmegaConfBaseException as e:
+        cause = e.__cause__ if isinstance(e.__cause__, ConfigError) else None
+        if cause is not None:
+            raise cause from None
+        raise ConfigError(_omegaconf_message(e)) from None
+    assert isinstance(run, RunConfig), f"root config is {type(run)}; conf/config.yaml must extend run_schema"
+    return run
+
+
+def _omegaconf_message(e: OmegaConfBaseException) -> str:
+    key = getattr(e, "full_key", None)
+    first = str(e).splitlines()[0]
+    return f"{key}: {first}" if key else first
+
+
+def flatten(cfg: DictConfig) -> dict[str, Any]:
+    """``{"optim.sparse.lr": 0.05, …}`` for logging the resolved config as MLflow params."""
+    out: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{prefix}.{k}" if prefix else str(k))
+        else:
+            out[prefix] = node
+
+    walk(OmegaConf.to_container(cfg, resolve=True), "")
+    return out

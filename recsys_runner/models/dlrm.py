@@ -1,0 +1,107 @@
+"""DLRM (Naumov et al., 2019, https://arxiv.org/abs/1906.00091) on TorchRec.
+
+The dense features go through a bottom MLP to a vector of width ``D``; the interaction arch takes
+the pairwise dot products of that vector and the ``F`` sparse embeddings, concatenates them with
+the dense vector, and the top (over) MLP turns the result into a logit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recsys_runner.errors import require
+from recsys_runner.features import FeatureSpec
+from recsys_runner.models.common import MLP, DenseArch, SparseArch, check_layer_sizes
+
+
+@dataclass(kw_only=True)
+class DLRMConfig:
+    """Schema of ``conf/model/dlrm.yaml``."""
+
+    _target_: str = "recsys_runner.models.dlrm.DLRM"
+    _partial_: bool = True
+    embedding_dim: int = 16
+    """Width ``D`` of every embedding table."""
+    dense_arch_layer_sizes: list[int] = field(default_factory=lambda: [64, 16])
+    """Bottom MLP; must end in ``embedding_dim`` (the interaction dots it with every embedding)."""
+    over_arch_layer_sizes: list[int] = field(default_factory=lambda: [256, 64])
+    """Top MLP hidden layers (a final 1-unit layer is added)."""
+
+    def __post_init__(self) -> None:
+        require(self.embedding_dim > 0, f"model.embedding_dim must be positive, got {self.embedding_dim}")
+        check_layer_sizes("dense_arch_layer_sizes", self.dense_arch_layer_sizes)
+        check_layer_sizes("over_arch_layer_sizes", self.over_arch_layer_sizes)
+        require(
+            self.dense_arch_layer_sizes[-1] == self.embedding_dim,
+            f"model.dense_arch_layer_sizes ends in {self.dense_arch_layer_sizes[-1]} but model.embedding_dim="
+            f"{self.embedding_dim}: DLRM's interaction takes dot products between the dense vector and every "
+            f"embedding, so they must have the same width. Fix: make the last entry of "
+            f"model.dense_arch_layer_sizes equal model.embedding_dim.",
+        )
+
+
+class DotInteraction(nn.Module):
+    """DLRM interaction: ``dense [B, D], sparse [B, F, D] → [B, D + (F+1)F/2]``.
+
+    Concatenates the dense vector with the strictly-upper-triangular pairwise dot products of all
+    ``F+1`` vectors.
+    """
+
+    def __init__(self, num_sparse: int) -> None:
+        super().__init__()
+        rows, cols = torch.triu_indices(num_sparse + 1, num_sparse + 1, offset=1)
+        self.register_buffer("rows", rows, persistent=False)
+        self.register_buffer("cols", cols, persistent=False)
+
+    @staticmethod
+    def output_dim(num_sparse: int, embedding_dim: int) -> int:
+        return embedding_dim + (num_sparse + 1) * num_sparse // 2
+
+    def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+        vectors = torch.cat([dense.unsqueeze(1), sparse], dim=1)
+        dots = torch.bmm(vectors, vectors.transpose(1, 2))
+        return torch.cat([dense, dots[:, self.rows, self.cols]], dim=1)
+
+
+class DLRM(nn.Module):
+    """DLRM: bottom MLP, dot interaction, top MLP; ``(dense [B, N], sparse KJT) → logits [B]``.
+
+    Args:
+        features: the data's feature schema (from the runner).
+        embedding_dim: ``D``.
+        dense_arch_layer_sizes: bottom MLP; last entry must be ``D``.
+        over_arch_layer_sizes: top MLP hidden sizes.
+        dense_device: device of the dense parameters (embeddings start on ``meta``).
+
+    Example::
+
+        model = DLRM(features=data.features, embedding_dim=8,
+                     dense_arch_layer_sizes=[8], over_arch_layer_sizes=[32])
+    """
+
+    def __init__(
+        self,
+        *,
+        features: FeatureSpec,
+        embedding_dim: int,
+        dense_arch_layer_sizes: list[int],
+        over_arch_layer_sizes: list[int],
+        dense_device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        num_sparse = len(features.sparse)
+        self.sparse_arch = SparseArch(features, embedding_dim)
+        self.dense_arch = DenseArch(features.num_dense, list(dense_arch_layer_sizes), device=dense_device)
+        self.interaction = DotInteraction(num_sparse).to(dense_device)
+        self.over_arch = nn.Sequential(
+            MLP(DotInteraction.output_dim(num_sparse, embedding_dim), list(over_arch_layer_sizes), device=dense_device),
+            nn.Linear(over_arch_layer_sizes[-1], 1, device=dense_device),
+        )
+
+    def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        interacted = self.interaction(self.dense_arch(dense), self.sparse_arch(sparse))
+        return self.over_arch(interacted).squeeze(1)
