@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.model_parallel import DistributedModelParallel, get_default_sharders
-from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
+from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
 from torchrec.distributed.planner.storage_reservations import HeuristicalStorageReservation
 from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
 from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
@@ -71,6 +72,13 @@ class DistributedConfig:
         )
 
 
+def resolve_device_type(device: str) -> str:
+    """``cuda`` or ``cpu`` for a ``distributed.device`` setting, without touching a process group."""
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        return "cuda"
+    return "cpu"
+
+
 @dataclass(frozen=True)
 class DistEnv:
     """Where this process sits: its rank, the world, its device and the process group."""
@@ -116,7 +124,7 @@ class Distributed:
         world_size = int(os.environ.get("WORLD_SIZE", 1))
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        use_cuda = self._device == "cuda" or (self._device == "auto" and torch.cuda.is_available())
+        use_cuda = resolve_device_type(self._device) == "cuda"
         require(not use_cuda or torch.cuda.is_available(), "distributed.device=cuda but no CUDA device is visible; use distributed.device=auto or cpu")
         device = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
         if use_cuda:
@@ -142,10 +150,9 @@ class Distributed:
     def plan(self, model: nn.Module, batch_size: int) -> ShardingPlan:
         """Ask TorchRec's planner for a sharding plan that every rank agrees on."""
         env = self._require_env()
-        topology = Topology(
-            world_size=env.world_size,
-            local_world_size=env.local_world_size,
-            compute_device=env.device.type,
+        topology = TopologyFactory.create_topology(
+            trainer_config=TrainerConfig(world_size=env.world_size, local_world_size=env.local_world_size),
+            kernel_config=KernelConfig(compute_device=env.device.type),
         )
         constraints = None
         if self._sharding_types or self._compute_kernels:

@@ -8,7 +8,9 @@ of per-rank values.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +58,15 @@ class Throughput:
     def update(self, loss: torch.Tensor) -> None:
         self._loss_sum = self._loss_sum + loss
         self._steps += 1
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Exclude the enclosed time (evaluation) from the samples/s window."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._since += time.perf_counter() - start
 
     def flush(self, step: int) -> dict[str, float]:
         """Metrics since the last flush; resets the window."""

@@ -26,7 +26,7 @@ from torch import nn
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-from recsys_runner.errors import require
+from recsys_runner.errors import ConfigError, require
 
 
 def _check_common(where: str, lr: float, weight_decay: float) -> None:
@@ -153,6 +153,21 @@ class DenseAdamConfig:
     def __post_init__(self) -> None:
         _check_common("optim.dense", self.lr, self.weight_decay)
         require(len(self.betas) == 2, f"optim.dense.betas needs two values, got {self.betas}")
+
+
+CPU_FUSED_SPARSE = {"torchrec.optim.SGD": "sgd", "torchrec.optim.Adagrad": "adagrad", "torchrec.optim.RowWiseAdagrad": "rowwise_adagrad"}
+"""Sparse optimizers for which fbgemm has a CPU kernel (its CPU build asserts on any other)."""
+
+
+def check_sparse_on_device(sparse_target: str, device_type: str) -> None:
+    """Fail early, with the alternatives, when fbgemm has no kernel for this optimizer here."""
+    if device_type == "cpu" and sparse_target not in CPU_FUSED_SPARSE:
+        name = sparse_target.rsplit(".", 1)[-1]
+        raise ConfigError(
+            f"optim.sparse is {name}, which fbgemm implements only on GPU; on CPU the fused embedding optimizers "
+            f"are {sorted(CPU_FUSED_SPARSE.values())}. Fix: optim/sparse=rowwise_adagrad (keeping your dense "
+            f"optimizer, e.g. optim/dense=adam), or run on a CUDA device."
+        )
 
 
 # ----- wiring -----------------------------------------------------------------------------------

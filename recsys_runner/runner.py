@@ -37,7 +37,8 @@ def train(c: Components) -> dict[str, float]:
             if step % cfg.log_every_steps == 0 or step == c.total_steps:
                 _log(c, meter.flush(step) | learning_rates(c.optimizer) | {"train/epoch": epoch}, step)
             if cfg.eval_every_steps and step % cfg.eval_every_steps == 0 and step < c.total_steps:
-                _log(c, evaluate(c), step)
+                with meter.paused():
+                    _log(c, evaluate(c), step)
         if step >= c.total_steps:
             break
     final = evaluate(c)

@@ -1,0 +1,57 @@
+# recsys_runner — `make help` lists the targets. `make run` and `make test` set up .venv themselves.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+
+# The pinned stack (see README "Installing"). GPU users override TORCH_INDEX and FBGEMM, e.g.
+#   make test TORCH_INDEX=<PyTorch CUDA wheel index URL> FBGEMM=fbgemm-gpu==1.8.0
+TORCH ?= torch==2.13.0
+FBGEMM ?= fbgemm-gpu-cpu==1.8.0
+TORCHREC ?= torchrec==1.8.0
+TORCH_INDEX ?=
+TORCH_INDEX_ARGS := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --extra-index-url https://pypi.org/simple,)
+
+RUN_ARGS ?=
+PORT ?= 5000
+
+.PHONY: help install run test test-fast bench lint ui clean
+
+help: ## List the targets
+	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-10s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet $(TORCH_INDEX_ARGS) "$(TORCH)" "$(FBGEMM)"
+	@# torchrec's metadata asks for the CUDA fbgemm-gpu, which would replace the build above.
+	$(PIP) install --quiet --no-deps "$(TORCHREC)"
+	$(PIP) install --quiet -e ".[dev]"
+	$(PY) -c "import torch, fbgemm_gpu, torchrec, hydra, mlflow; print('stack ok: torch', torch.__version__, 'hydra', hydra.__version__)"
+	touch $(STAMP)
+
+install: $(STAMP) ## Create .venv and install the pinned stack (once; again only if pyproject.toml changes)
+
+run: $(STAMP) ## Train DeepFM on synthetic data, evaluate, log to ./mlflow.db (RUN_ARGS="model=dlrm ...")
+	$(PY) -m recsys_runner $(RUN_ARGS)
+
+test: $(STAMP) ## Run the whole test suite, slow multi-process tests included
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP) ## Run the tests except those marked slow
+	$(PY) -m pytest -q -m "not slow"
+
+bench: $(STAMP) ## Runner vs hand-written TorchRec loop: samples/s, ratio, start-up time
+	$(PY) -m recsys_runner.bench
+
+lint: $(STAMP) ## ruff and mypy
+	$(VENV)/bin/ruff check recsys_runner tests
+	$(VENV)/bin/mypy recsys_runner
+
+ui: $(STAMP) ## MLflow UI on ./mlflow.db at http://127.0.0.1:$(PORT)
+	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host 127.0.0.1 --port $(PORT)
+
+clean: ## Remove run outputs (keeps .venv and mlflow.db)
+	rm -rf outputs multirun .pytest_cache
