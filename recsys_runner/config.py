@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from recsys_runner.data.synthetic import SyntheticDataConfig
-from recsys_runner.distributed import DistributedConfig, resolve_device_type
+from recsys_runner.distributed import DistributedConfig, check_sharding_types, resolve_device_type
 from recsys_runner.errors import ConfigError, require
 from recsys_runner.models.deepfm import DeepFMConfig
 from recsys_runner.models.dlrm import DLRMConfig
@@ -135,7 +135,9 @@ def validate(cfg: DictConfig) -> RunConfig:
             raise cause from None
         raise ConfigError(_omegaconf_message(e)) from None
     assert isinstance(run, RunConfig), f"root config is {type(run)}; conf/config.yaml must extend run_schema"
-    check_sparse_on_device(run.optim.sparse._target_, resolve_device_type(run.distributed.device))
+    device_type = resolve_device_type(run.distributed.device)
+    check_sparse_on_device(run.optim.sparse._target_, device_type)
+    check_sharding_types(run.distributed.sharding_types, device_type)
     return run
 
 

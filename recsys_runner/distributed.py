@@ -79,6 +79,21 @@ def resolve_device_type(device: str) -> str:
     return "cpu"
 
 
+def check_sharding_types(sharding_types: list[str] | None, device_type: str) -> None:
+    """Reject sharding types TorchRec cannot use for embedding tables on ``device_type``."""
+    if not sharding_types:
+        return
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    available = EmbeddingBagCollectionSharder().sharding_types(device_type)
+    unusable = [t for t in sharding_types if t not in available]
+    require(
+        not unusable,
+        f"distributed.sharding_types={sharding_types}: {unusable} cannot shard embedding tables on {device_type}; "
+        f"available there: {available}",
+    )
+
+
 @dataclass(frozen=True)
 class DistEnv:
     """Where this process sits: its rank, the world, its device and the process group."""

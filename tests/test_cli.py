@@ -1,0 +1,127 @@
+"""The command line as a user meets it: help, --cfg job, bad configs, a multirun, torchrun."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tests.conftest import TINY, run_cli
+
+
+def test_help_lists_groups_and_options(tmp_path: Path) -> None:
+    out = run_cli("--help", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    for line in ["model: deepfm, dlrm", "optim: adagrad, adam, rowwise_adagrad, sgd", "precision: bf16, fp32",
+                 "scheduler: constant, cosine, exponential_decay", "data: synthetic", "distributed: env", "tracking: mlflow, none"]:
+        assert line in out.stdout, f"--help lacks {line!r}"
+
+
+def test_cfg_job_prints_resolved_config(tmp_path: Path) -> None:
+    out = run_cli("model=dlrm", "optim.lr=0.3", "--cfg", "job", "--resolve", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "_target_: recsys_runner.models.dlrm.DLRM" in out.stdout
+    assert "lr: 0.3" in out.stdout and "${" not in out.stdout
+
+
+BAD_CONFIGS = {
+    "unknown-option": (["model=deepfn"], 1, ["Could not find 'model/deepfn'", "Available options in 'model'", "deepfm", "dlrm"]),
+    "unknown-key": (["train.num_stepz=5"], 1, ["Key 'num_stepz' not in 'TrainConfig'"]),
+    "steps-and-epochs": (["train.num_epochs=2"], 2, ["set exactly one of train.num_steps", "train.num_steps=null train.num_epochs=2"]),
+    "zero-batch": (["data.batch_size=0"], 2, ["data.batch_size must be positive"]),
+    "negative-batch": (["data.batch_size=-8"], 2, ["data.batch_size must be positive"]),
+    "zero-lr": (["optim.lr=0"], 2, ["lr must be positive"]),
+    "negative-dense-lr": (["optim.dense.lr=-0.1"], 2, ["optim.dense.lr must be positive"]),
+    "dims-deepfm": (["model.embedding_dim=8"], 2, ["model.dense_arch_layer_sizes ends in 16 but model.embedding_dim=8", "FM"]),
+    "dims-dlrm": (["model=dlrm", "model.dense_arch_layer_sizes=[64,32]"], 2, ["ends in 32 but model.embedding_dim=16", "DLRM"]),
+    "wrong-type": (["train.num_steps=many"], 1, ["train.num_steps", "many"]),
+    "bad-enum": (["distributed.pipeline=turbo"], 2, ["distributed.pipeline='turbo' must be one of"]),
+    "gpu-only-sharding": (["distributed.device=cpu", "distributed.sharding_types=[row_wise]"], 2,
+                          ["['row_wise'] cannot shard embedding tables on cpu", "table_wise"]),
+    "gpu-only-optimizer": (["optim=adam", "distributed.device=cpu"], 2, ["fbgemm implements only on GPU", "optim/sparse=rowwise_adagrad"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CONFIGS), ids=list(BAD_CONFIGS))
+def test_bad_config_fails_early_with_a_clear_message(tmp_path: Path, case: str) -> None:
+    overrides, code, expected = BAD_CONFIGS[case]
+    out = run_cli(*overrides, "tracking=none", cwd=tmp_path, timeout=120)
+    text = out.stdout + out.stderr
+    assert out.returncode == code, text
+    for fragment in expected:
+        assert fragment in text, f"{fragment!r} missing from:\n{text}"
+    assert "Traceback" not in text
+    # Nothing started: no training step logged, no MLflow store created.
+    assert "step " not in out.stdout
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_full_error_shows_traceback(tmp_path: Path) -> None:
+    out = run_cli("data.batch_size=0", "tracking=none", cwd=tmp_path, env={"HYDRA_FULL_ERROR": "1"}, timeout=120)
+    assert out.returncode != 0 and "Traceback" in out.stderr and "ConfigError" in out.stderr
+
+
+def test_default_store_is_mlflow_db_in_launch_dir(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    out = subprocess.run([sys.executable, "-m", "recsys_runner", *TINY, "train.num_steps=10"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    db = tmp_path / "mlflow.db"
+    assert db.exists()
+    client = MlflowClient(tracking_uri=f"sqlite:///{db}")
+    (run,) = client.search_runs([client.get_experiment_by_name("recsys_runner").experiment_id])
+    assert run.info.status == "FINISHED" and "eval/auc" in run.data.metrics
+
+
+def test_env_var_overrides_default_store(tmp_path: Path) -> None:
+    db = tmp_path / "elsewhere.db"
+    out = run_cli(*TINY, "train.num_steps=5", "tracking.experiment=env_uri", cwd=tmp_path,
+                  env={"MLFLOW_TRACKING_URI": f"sqlite:///{db}"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert db.exists() and not (tmp_path / "mlflow.db").exists()
+
+
+def test_multirun_gives_one_finished_run_per_job(tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path}/sweep.db"
+    out = run_cli("-m", "optim.lr=0.01,0.1", *TINY, "train.num_steps=20", f"tracking.uri={uri}", "tracking.experiment=sweep",
+                  cwd=tmp_path, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name("sweep").experiment_id])
+    assert len(runs) == 2
+    assert all(r.info.status == "FINISHED" and "eval/auc" in r.data.metrics for r in runs)
+    assert sorted(float(r.data.params["optim.sparse.lr"]) for r in runs) == [0.01, 0.1]
+    names = sorted(r.info.run_name for r in runs)
+    assert names[0].startswith("optim.lr=0.01,") and names[1].startswith("optim.lr=0.1,"), names
+    assert all(r.data.tags["hydra.overrides"].startswith("optim.lr=") for r in runs)
+    assert len(list((tmp_path / "multirun").glob("*/*/*/.hydra/config.yaml"))) == 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_gloo(tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path}/ddp.db"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={_free_port()}", "-m", "recsys_runner", *TINY, "train.eval_every_steps=20",
+           "distributed.sharding_types=[column_wise]", f"tracking.uri={uri}", "tracking.experiment=ddp"]
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name("ddp").experiment_id])
+    assert len(runs) == 1, "only rank 0 may log"
+    (run,) = runs
+    assert run.data.tags["world_size"] == "2"
+    assert run.data.metrics["eval/auc"] > 0.6
+    # Global batch = 2 ranks x 256 rows.
+    plan = open(client.download_artifacts(run.info.run_id, "sharding_plan.txt")).read()
+    assert "column_wise" in plan and "rank:1" in plan
