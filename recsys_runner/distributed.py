@@ -19,7 +19,7 @@ from torch import nn
 from torchrec.distributed.model_parallel import DistributedModelParallel, get_default_sharders
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
 from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
-from torchrec.distributed.planner.storage_reservations import HeuristicalStorageReservation
+from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
 from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
 from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
@@ -179,7 +179,7 @@ class Distributed:
             topology=topology,
             batch_size=batch_size,
             constraints=constraints,
-            storage_reservation=HeuristicalStorageReservation(percentage=self._storage_reserve_percent),
+            storage_reservation=FixedPercentageStorageReservation(percentage=self._storage_reserve_percent),
         )
         return planner.collective_plan(model, get_default_sharders(), dist.GroupMember.WORLD)
 

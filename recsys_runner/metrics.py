@@ -51,12 +51,15 @@ class Throughput:
     def __init__(self, total_steps: int, global_batch_size: int) -> None:
         self.total_steps = total_steps
         self.global_batch_size = global_batch_size
-        self._loss_sum: torch.Tensor | float = 0.0
+        self._loss_sum: torch.Tensor | None = None
         self._steps = 0
         self._since = time.perf_counter()
 
     def update(self, loss: torch.Tensor) -> None:
-        self._loss_sum = self._loss_sum + loss
+        if self._loss_sum is None:
+            self._loss_sum = loss.detach().clone().float()
+        else:
+            self._loss_sum.add_(loss.detach())
         self._steps += 1
 
     @contextlib.contextmanager
@@ -75,9 +78,9 @@ class Throughput:
         steps = max(self._steps, 1)
         rate = self._steps * self.global_batch_size / elapsed
         out = {
-            "train/loss": float(self._loss_sum) / steps,
+            "train/loss": float(self._loss_sum) / steps if self._loss_sum is not None else float("nan"),
             "train/samples_per_s": rate,
             "train/eta_s": (self.total_steps - step) * elapsed / steps,
         }
-        self._loss_sum, self._steps, self._since = 0.0, 0, now
+        self._loss_sum, self._steps, self._since = None, 0, now
         return out
