@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import TINY, run_cli
+from tests.conftest import REPO, TINY, run_cli
 
 
 def test_help_lists_groups_and_options(tmp_path: Path) -> None:
@@ -125,3 +125,14 @@ def test_torchrun_two_ranks_gloo(tmp_path: Path) -> None:
     # Global batch = 2 ranks x 256 rows.
     plan = open(client.download_artifacts(run.info.run_id, "sharding_plan.txt")).read()
     assert "column_wise" in plan and "rank:1" in plan
+
+
+def test_sweep_config_from_sweeps_dir(tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path}/grid.db"
+    out = run_cli("-m", "--config-dir", str(REPO / "sweeps"), "--config-name", "lr_grid", *TINY, "train.num_steps=10", "optim.lr=0.05",
+                  f"tracking.uri={uri}", cwd=tmp_path, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name("lr_grid").experiment_id])
+    assert sorted(r.data.params["model._target_"].rsplit(".", 1)[-1] for r in runs) == ["DLRM", "DeepFM"]
+    assert all(r.info.status == "FINISHED" for r in runs)

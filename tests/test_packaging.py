@@ -1,0 +1,32 @@
+"""conf/ is found both from the checkout and from an installed wheel (pkg://recsys_runner.conf)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from recsys_runner.paths import CONFIG_PATH
+from tests.conftest import REPO
+
+
+def test_checkout_uses_top_level_conf() -> None:
+    assert Path(CONFIG_PATH) == REPO / "conf"
+
+
+def test_installed_wheel_finds_packaged_conf(tmp_path: Path) -> None:
+    wheel_dir, target = tmp_path / "wheel", tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(wheel_dir), str(REPO)],
+                   check=True, capture_output=True, timeout=300)
+    (wheel,) = wheel_dir.glob("recsys_runner-*.whl")
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target), str(wheel)],
+                   check=True, capture_output=True, timeout=300)
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    probe = subprocess.run([sys.executable, "-c", "import recsys_runner.paths as p; print(p.CONFIG_PATH, p.__file__)"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, check=True)
+    assert probe.stdout.startswith("pkg://recsys_runner.conf ") and str(target) in probe.stdout
+    out = subprocess.run([sys.executable, "-m", "recsys_runner", "model=dlrm", "optim=sgd", "--cfg", "job"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "recsys_runner.models.dlrm.DLRM" in out.stdout and "torchrec.optim.SGD" in out.stdout
