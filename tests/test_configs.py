@@ -11,6 +11,7 @@ from hydra.utils import instantiate
 
 from recsys_runner.config import GROUPS, RunConfig, validate
 from recsys_runner.data.synthetic import SyntheticData
+from recsys_runner.errors import ConfigError
 from recsys_runner.paths import CONFIG_PATH
 
 CONF = Path(CONFIG_PATH)
@@ -42,8 +43,13 @@ def test_every_yaml_option_has_a_registered_schema() -> None:
 @pytest.mark.parametrize(("group", "option"), OPTION_MATRIX, ids=[f"{g}={o}" for g, o in OPTION_MATRIX])
 def test_option_composes_validates_and_instantiates(make_cfg, group: str, option: str) -> None:
     cfg = make_cfg(f"{group}={option}")
-    run = validate(cfg)
-    assert isinstance(run, RunConfig)
+    try:
+        run = validate(cfg)
+        assert isinstance(run, RunConfig)
+    except ConfigError as e:
+        # fbgemm's CPU build has no kernel for some fused optimizers: that, and only that, may
+        # fail validation here, and it must say so (the option still instantiates below).
+        assert "fbgemm implements only on GPU" in str(e), e
     data = instantiate(cfg.data)
     assert isinstance(data, SyntheticData)
 
