@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from recsys_runner.data.synthetic import SyntheticDataConfig
+from recsys_runner.data.tabular import CriteoDataConfig, CsvDataConfig, ParquetDataConfig
 from recsys_runner.distributed import DistributedConfig, check_sharding_types, resolve_device_type
 from recsys_runner.errors import ConfigError, require
 from recsys_runner.models.deepfm import DeepFMConfig
@@ -93,7 +94,7 @@ class RunConfig:
 
 GROUPS: dict[str, dict[str, type]] = {
     "model": {"deepfm": DeepFMConfig, "dlrm": DLRMConfig},
-    "data": {"synthetic": SyntheticDataConfig},
+    "data": {"synthetic": SyntheticDataConfig, "parquet": ParquetDataConfig, "csv": CsvDataConfig, "criteo": CriteoDataConfig},
     "optim": {"optim": OptimConfig},
     "optim/sparse": {
         "sgd": SparseSGDConfig,

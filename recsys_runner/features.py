@@ -1,8 +1,8 @@
 """The feature schema shared by data and models.
 
-Data modules describe *what* they produce (dense columns, sparse columns and their id spaces);
-models derive their embedding tables from it, so table sizes are written once, in the data
-config, and never repeated in the model config.
+Data modules describe *what* they produce (dense columns, sparse columns, their id spaces, how
+each is pooled, which embedding table it reads); models derive their embedding tables from it, so
+table sizes are written once, in the data config, and never repeated in the model config.
 """
 
 from __future__ import annotations
@@ -11,13 +11,30 @@ from dataclasses import dataclass
 
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
+from recsys_runner.errors import ConfigError
+
+POOLINGS = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}
+"""Pooling modes a sparse feature may ask for (how a multi-hot bag becomes one vector)."""
+
 
 @dataclass(frozen=True, slots=True)
 class SparseFeature:
-    """A categorical feature whose ids lie in ``[0, num_embeddings)``."""
+    """A categorical feature whose ids lie in ``[0, num_embeddings)``.
+
+    ``embedding_dim=None`` takes the model's ``embedding_dim``; ``table=None`` gives the feature a
+    table of its own (``t_<name>``); features naming the same ``table`` share its rows, and must then
+    agree on ``num_embeddings``, ``embedding_dim`` and ``pooling``.
+    """
 
     name: str
     num_embeddings: int
+    embedding_dim: int | None = None
+    pooling: str = "sum"
+    table: str | None = None
+
+    @property
+    def table_name(self) -> str:
+        return self.table or f"t_{self.name}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,17 +53,47 @@ class FeatureSpec:
     def sparse_names(self) -> list[str]:
         return [f.name for f in self.sparse]
 
-    def embedding_tables(
-        self, embedding_dim: int, pooling: PoolingType = PoolingType.SUM
-    ) -> list[EmbeddingBagConfig]:
-        """One table per sparse feature, ``t_<feature>``, all of width ``embedding_dim``."""
-        return [
-            EmbeddingBagConfig(
-                name=f"t_{f.name}",
-                embedding_dim=embedding_dim,
-                num_embeddings=f.num_embeddings,
-                feature_names=[f.name],
-                pooling=pooling,
+    def embedding_tables(self, embedding_dim: int, pooling: PoolingType | None = None) -> list[EmbeddingBagConfig]:
+        """The embedding tables the sparse features read, in first-use order.
+
+        Args:
+            embedding_dim: width of every table whose features do not set their own.
+            pooling: forces one pooling for every table (``None``: each feature's own ``pooling``).
+
+        Raises:
+            ConfigError: features sharing a table disagree on its size, width or pooling.
+        """
+        tables: dict[str, EmbeddingBagConfig] = {}
+        for f in self.sparse:
+            dim = f.embedding_dim or embedding_dim
+            pool = pooling if pooling is not None else POOLINGS[f.pooling]
+            existing = tables.get(f.table_name)
+            if existing is None:
+                tables[f.table_name] = EmbeddingBagConfig(
+                    name=f.table_name, embedding_dim=dim, num_embeddings=f.num_embeddings, feature_names=[f.name], pooling=pool
+                )
+                continue
+            first = existing.feature_names[0]
+            if (existing.num_embeddings, existing.embedding_dim, existing.pooling) != (f.num_embeddings, dim, pool):
+                raise ConfigError(
+                    f"sparse features {first!r} and {f.name!r} share table {f.table_name!r} but differ in num_embeddings "
+                    f"({existing.num_embeddings} vs {f.num_embeddings}), embedding_dim ({existing.embedding_dim} vs {dim}) "
+                    f"or pooling ({existing.pooling.value} vs {pool.value}). Fix: give both the same values in data.sparse, "
+                    f"or drop 'table' from one of them"
+                )
+            existing.feature_names.append(f.name)
+        return list(tables.values())
+
+    def require_uniform_dim(self, embedding_dim: int, model: str) -> None:
+        """Raise :class:`ConfigError` unless every feature embeds to ``embedding_dim``.
+
+        Interaction arches (FM, DLRM's dot products) combine all embeddings pairwise, so they need
+        one common width.
+        """
+        mixed = {f.name: f.embedding_dim for f in self.sparse if f.embedding_dim not in (None, embedding_dim)}
+        if mixed:
+            raise ConfigError(
+                f"{model} needs one embedding width for every feature (model.embedding_dim={embedding_dim}), but "
+                f"data.sparse sets embedding_dim {mixed}. Fix: remove embedding_dim from those data.sparse entries, or "
+                f"set it to {embedding_dim}"
             )
-            for f in self.sparse
-        ]

@@ -1,20 +1,39 @@
-"""The contract between data modules and the runner."""
+"""The contract between data modules and the runner, and what every data module shares."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Protocol
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol, TypeVar
 
+import torch
+import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 
+from recsys_runner.errors import ConfigError
 from recsys_runner.features import FeatureSpec
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class DataError(ConfigError):
+    """The data cannot be read as configured: a missing file or column, a corrupt file, a bad row.
+
+    The message names the file, the row (or row group) and the column, and says what to do. It is
+    a :class:`ConfigError` so that the CLI prints it without a traceback and exits with status 2.
+    """
 
 
 class DataModule(Protocol):
     """Yields a rank's share of the training and evaluation data as TorchRec batches.
 
-    Every rank must receive the same number of batches per epoch: a sharded forward pass is a
-    collective, so a rank that runs out early would leave the others waiting forever.
+    Every rank must receive the same number of batches: a sharded forward pass is a collective,
+    so a rank that runs out early would leave the others waiting forever. A data module either
+    guarantees equal counts or wraps its iterators in :func:`synchronized`.
+
+    Optionally a data module has ``metrics() -> dict[str, float]``: counters since it was built
+    (e.g. ``data/bad_rows_skipped``), meant to be logged with the training metrics.
     """
 
     features: FeatureSpec
@@ -31,3 +50,30 @@ class DataModule(Protocol):
     def num_train_batches(self, world_size: int) -> int | None:
         """Batches per rank per epoch, or ``None`` when it is not known before reading."""
         ...
+
+
+def synchronized(batches: Iterable[T], on_dropped: Callable[[T], None] | None = None) -> Iterator[T]:
+    """Yield from ``batches`` until *any* rank runs out, so that all ranks stop at the same step.
+
+    Before each batch the ranks all-reduce (MIN) a "have one" flag over the default process group;
+    when one rank is out, every rank stops. A rank that still had batches drains them into
+    ``on_dropped`` (for counting: nothing is dropped silently). Costs one tiny collective per
+    batch, so data modules use it only where equal counts are not guaranteed.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        yield from batches
+        return
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    it = iter(batches)
+    while True:
+        item = next(it, None)
+        flag = torch.tensor([0 if item is None else 1], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if int(flag.item()) == 0:
+            break
+        assert item is not None
+        yield item
+    if item is not None and on_dropped is not None:
+        on_dropped(item)
+        for rest in it:
+            on_dropped(rest)

@@ -38,6 +38,7 @@ class SparseArch(nn.Module):
 
     def __init__(self, features: FeatureSpec, embedding_dim: int) -> None:
         super().__init__()
+        features.require_uniform_dim(embedding_dim, "DeepFM/DLRM (their interaction arches)")
         self.ebc = EmbeddingBagCollection(
             tables=features.embedding_tables(embedding_dim), device=torch.device("meta")
         )

@@ -1,0 +1,258 @@
+"""File sources: resolve ``data.path`` into files, cut files into units of known row counts, read them.
+
+A :class:`Unit` is the smallest piece of a file that is read on its own: a Parquet row group, or a
+block of ``block_rows`` lines of a CSV file (found by one newline scan of the file, no parsing).
+Units know their row counts up front, so rows can be split between ranks and workers exactly.
+Reading a unit streams Arrow tables of at most ``read_rows`` rows; nothing reads a whole file.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+
+from recsys_runner.data.base import DataError
+
+PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A row group of a Parquet file or a block of lines of a text file."""
+
+    path: str
+    index: int
+    """Row-group number, or block number."""
+    first_row: int
+    """0-based row number (in the file) of the unit's first row."""
+    num_rows: int
+    byte_range: tuple[int, int] = (0, 0)
+    """Text files: the block's ``[start, stop)`` byte offsets."""
+
+    @property
+    def part(self) -> str:
+        if self.byte_range != (0, 0):
+            return f"rows {self.first_row}-{self.first_row + self.num_rows - 1}"
+        return f"row group {self.index}"
+
+
+def resolve_files(path: str, key: str, suffixes: tuple[str, ...] | None) -> list[str]:
+    """The files ``path`` names: a file, a directory (its files, sorted) or a glob pattern.
+
+    In a directory, names starting with ``.`` or ``_`` (``_SUCCESS``, ``.crc``) are ignored, and so
+    are names without one of ``suffixes`` (when given).
+    """
+    if any(ch in path for ch in "*?["):
+        files = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+        if not files:
+            raise DataError(f"{key}={path!r} is a glob pattern that matches no files. Fix: check the pattern (quote it so the shell does not expand it)")
+        return files
+    if not os.path.exists(path):
+        raise DataError(f"{key}={path!r} does not exist. Fix: point {key} at a file, a directory or a glob such as '/data/train/*.parquet'")
+    if os.path.isfile(path):
+        return [path]
+    names = sorted(n for n in os.listdir(path) if not n.startswith((".", "_")))
+    files = [os.path.join(path, n) for n in names if os.path.isfile(os.path.join(path, n)) and (suffixes is None or n.endswith(suffixes))]
+    if not files:
+        wanted = f" with a name ending in {', '.join(suffixes)}" if suffixes else ""
+        raise DataError(f"{key}={path!r} is a directory without data files{wanted}. Fix: point {key} at the directory that holds them")
+    return files
+
+
+class ParquetSource:
+    """Parquet files, one unit per row group."""
+
+    def __init__(self, files: list[str], columns: list[str], read_rows: int) -> None:
+        self.files, self.columns, self.read_rows = files, columns, read_rows
+
+    def units(self) -> list[Unit]:
+        units = []
+        for path in self.files:
+            meta = self._open(path).metadata
+            if meta.num_rows == 0:
+                raise DataError(f"{path} is an empty Parquet file (0 rows). Fix: remove it from data.path, or write the data again")
+            first = 0
+            for g in range(meta.num_row_groups):
+                n = meta.row_group(g).num_rows
+                if n:
+                    units.append(Unit(path, g, first, n))
+                first += n
+        return units
+
+    def _open(self, path: str) -> pq.ParquetFile:
+        if os.path.getsize(path) == 0:
+            raise DataError(f"{path} is an empty file (0 bytes). Fix: remove it from data.path, or write it again")
+        try:
+            f = pq.ParquetFile(path)
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(
+                f"{path} is not a readable Parquet file ({str(e).splitlines()[0]}): it is truncated or corrupt. "
+                f"Fix: write it again, or remove it from data.path"
+            ) from None
+        names = f.schema_arrow.names
+        missing = [c for c in self.columns if c not in names]
+        if missing:
+            raise DataError(
+                f"{path} has no column {missing[0]!r}" + (f" (nor {missing[1:]})" if len(missing) > 1 else "")
+                + f"; its columns are {names}. Fix: correct the column names in data.label / data.dense / data.sparse"
+            )
+        return f
+
+    def read(self, unit: Unit) -> Iterator[tuple[pa.Table, np.ndarray]]:
+        """The row group as tables of at most ``read_rows`` rows, and the 0-based file row of each row."""
+        f = self._open(unit.path)
+        first = unit.first_row
+        try:
+            for rb in f.iter_batches(batch_size=self.read_rows, row_groups=[unit.index], columns=self.columns, use_threads=False):
+                yield pa.Table.from_batches([rb]), np.arange(first, first + rb.num_rows)
+                first += rb.num_rows
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(
+                f"{unit.path}, row group {unit.index}: cannot be read ({str(e).splitlines()[0]}); the file is corrupt. "
+                f"Fix: write it again, or remove it from data.path"
+            ) from None
+
+
+class CsvSource:
+    """Delimited text files (CSV, TSV, Criteo), one unit per block of ``block_rows`` lines.
+
+    Splitting assumes one record per line (no newlines inside quoted fields). Every field is read as
+    text and converted by the encoder, which reports the exact line of a bad field.
+    """
+
+    def __init__(
+        self,
+        files: list[str],
+        columns: list[str],
+        *,
+        delimiter: str,
+        header: bool,
+        column_names: list[str] | None,
+        null_values: list[str],
+        block_rows: int,
+        on_bad_rows: str,
+    ) -> None:
+        self.files, self.columns = files, columns
+        self.delimiter, self.header, self.column_names = delimiter, header, column_names
+        self.null_values, self.block_rows, self.skip = null_values, block_rows, on_bad_rows == "skip"
+        self.num_bad_rows = 0
+        self._names: dict[str, list[str]] = {}
+        self._data_start: dict[str, int] = {}
+
+    def units(self) -> list[Unit]:
+        units = []
+        for path in self.files:
+            if path.endswith((".gz", ".bz2", ".zst", ".xz")):
+                raise DataError(f"{path} is compressed; text files are split by byte offsets and must be uncompressed. "
+                                f"Fix: decompress it, or convert it with python -m recsys_runner.data convert")
+            units.extend(self._index(path))
+        return units
+
+    def names(self, path: str) -> list[str]:
+        """The column names of ``path`` (its header line, or ``data.column_names``)."""
+        if path not in self._names:
+            self._index(path)
+        return self._names[path]
+
+    def _index(self, path: str) -> list[Unit]:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            first_line = f.readline()
+        if size == 0 or (self.header and len(first_line) == size and not first_line.strip(b"\r\n")):
+            raise DataError(f"{path} is an empty file. Fix: remove it from data.path, or write it again")
+        if self.header:
+            names = first_line.decode("utf-8", errors="replace").rstrip("\r\n").split(self.delimiter)
+            names = [n.strip().strip('"') for n in names]
+            data_start = len(first_line)
+        else:
+            assert self.column_names is not None
+            names, data_start = list(self.column_names), 0
+        missing = [c for c in self.columns if c not in names]
+        if missing:
+            where = "its header" if self.header else "data.column_names"
+            raise DataError(f"{path} has no column {missing[0]!r}; {where} lists {names}. Fix: correct the column names in "
+                            f"data.label / data.dense / data.sparse" + ("" if self.header else " or data.column_names"))
+        self._names[path], self._data_start[path] = names, data_start
+        if data_start >= size:
+            raise DataError(f"{path} has a header but no rows. Fix: remove it from data.path")
+        # One pass over the bytes: the start offset of every block_rows-th line.
+        starts, num_lines, pos, last_byte = [data_start], 0, data_start, b"\n"
+        chunk_bytes = 1 << 24
+        with open(path, "rb") as f:
+            f.seek(data_start)
+            while chunk := f.read(chunk_bytes):
+                newlines = np.flatnonzero(np.frombuffer(chunk, dtype=np.uint8) == 10)
+                # line k+1 starts after newline k; record those with (k+1) % block_rows == 0
+                line_numbers = num_lines + np.arange(1, len(newlines) + 1)
+                picks = newlines[line_numbers % self.block_rows == 0]
+                starts.extend((pos + picks + 1).tolist())
+                num_lines += len(newlines)
+                pos += len(chunk)
+                last_byte = chunk[-1:]
+        if last_byte != b"\n":
+            num_lines += 1  # a last line without a newline
+        elif starts[-1] == size:
+            starts.pop()  # a block boundary exactly at the end of the file
+        units = []
+        for b, start in enumerate(starts):
+            first = b * self.block_rows
+            n = min(self.block_rows, num_lines - first)
+            if n <= 0:
+                break
+            stop = starts[b + 1] if b + 1 < len(starts) else size
+            units.append(Unit(path, b, first, n, (start, stop)))
+        return units
+
+    def line_offset(self, path: str) -> int:
+        """Line number of file row ``r`` is ``r + line_offset`` (1-based, header counted)."""
+        return 2 if self.header else 1
+
+    def read(self, unit: Unit) -> Iterator[tuple[pa.Table, np.ndarray]]:
+        """The unit as one table of text columns, and the 0-based file row of each of its rows."""
+        names = self.names(unit.path)
+        start, stop = unit.byte_range
+        with open(unit.path, "rb") as f:
+            f.seek(start)
+            raw = f.read(stop - start)
+        invalid: list[tuple[int | None, int, int, str]] = []
+
+        def on_invalid(row: pacsv.InvalidRow) -> str:
+            invalid.append((row.number, row.expected_columns, row.actual_columns, row.text))
+            return "skip"
+
+        try:
+            table = pacsv.read_csv(
+                pa.BufferReader(raw),
+                read_options=pacsv.ReadOptions(column_names=names, use_threads=False, block_size=max(1 << 20, len(raw) + 1)),
+                parse_options=pacsv.ParseOptions(delimiter=self.delimiter, ignore_empty_lines=False, invalid_row_handler=on_invalid),
+                convert_options=pacsv.ConvertOptions(
+                    include_columns=self.columns,
+                    column_types=dict.fromkeys(self.columns, pa.string()),
+                    null_values=list(self.null_values),
+                    strings_can_be_null=True,
+                    quoted_strings_can_be_null=True,
+                ),
+            )
+        except pa.ArrowInvalid as e:
+            raise DataError(f"{unit.path}, {unit.part}: cannot be parsed as delimited text ({str(e).splitlines()[0]}). "
+                            f"Fix: check data.delimiter={self.delimiter!r} and the file's format") from None
+        file_rows = np.arange(unit.first_row, unit.first_row + unit.num_rows)
+        if invalid:
+            number, expected, actual, text = invalid[0]
+            if not self.skip:
+                line = f"line {unit.first_row + number + self.line_offset(unit.path) - 1}" if number is not None else unit.part
+                raise DataError(
+                    f"bad row in {unit.path}, {line}: expected {expected} fields separated by {self.delimiter!r}, found {actual} "
+                    f"({text[:80]!r}). Fix the line, or set data.on_bad_rows=skip to skip such rows (they are counted and logged)"
+                )
+            self.num_bad_rows += len(invalid)
+            dropped = [unit.first_row + num - 1 for num, *_ in invalid if num is not None]
+            file_rows = np.setdiff1d(file_rows, dropped)[: table.num_rows]
+        yield table, file_rows

@@ -1,0 +1,538 @@
+"""Streaming data modules over files: ``parquet``, ``csv`` and ``criteo``.
+
+How an epoch is read (see docs/data.md for the full semantics):
+
+1. Files are cut into units with known row counts (Parquet row groups; blocks of CSV lines).
+2. With ``shuffle``, the unit order is permuted from ``(seed, epoch)``.
+3. The rows of that ordered sequence are split into ``world_size × max(num_workers, 1)`` contiguous
+   ranges, one per (rank, worker) shard: disjoint, together every row exactly once, and of equal
+   length (the last ``total mod shards`` rows are left out when ``drop_remainder``), so every rank
+   gets the same number of batches without talking to the others. Where that cannot be known in
+   advance (``on_bad_rows: skip``, or ``drop_remainder: false`` with ranks one batch apart), the
+   ranks agree step by step (:func:`recsys_runner.data.base.synchronized`) and stop together.
+4. Each shard streams its units, encodes and checks the rows (:class:`Encoder`), passes them through
+   a seeded shuffle buffer of ``shuffle_buffer_rows`` and cuts batches of ``batch_size``.
+
+Eval rows come from ``eval_path``, or are a deterministic hash split of the training files: a row is
+held out when a hash of (file name, row number) falls below ``eval_fraction``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import zlib
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recsys_runner.data.base import DataError, synchronized
+from recsys_runner.data.schema import (
+    BAD_ROW_MODES,
+    DENSE_TRANSFORMS,
+    DenseColumn,
+    Encoder,
+    Location,
+    Rows,
+    Schema,
+    SparseColumn,
+    splitmix64,
+)
+from recsys_runner.data.sources import PARQUET_SUFFIXES, CsvSource, ParquetSource, Unit, resolve_files
+from recsys_runner.errors import require
+
+log = logging.getLogger(__name__)
+
+SCHEMA_METADATA_KEY = b"recsys_runner.schema"
+"""Parquet key-value metadata written by ``python -m recsys_runner.data convert``: the schema as JSON."""
+
+DEFAULT_EVAL_FRACTION = 0.1
+CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE = 13, 26
+CRITEO_COLUMNS = ["label", *(f"int_{i}" for i in range(CRITEO_NUM_DENSE)), *(f"cat_{i}" for i in range(CRITEO_NUM_SPARSE))]
+
+
+# -- config schemas ---------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class TabularDataConfig:
+    """Fields shared by every file-backed data option."""
+
+    path: str = ""
+    """Training data: a file, a directory (its data files) or a glob such as ``/data/day_*.parquet``."""
+    eval_path: str | None = None
+    """Eval data in the same format; ``null`` holds out ``eval_fraction`` of the training rows instead."""
+    eval_fraction: float | None = None
+    """Share of training rows held out for eval by a hash of (file name, row number) when ``eval_path``
+    is null (default 0.1); these rows are never trained on."""
+    batch_size: int = 512
+    """Rows per batch *per rank* (the global batch is ``batch_size × world_size``)."""
+    shuffle: bool = True
+    """Shuffle training data: unit (row group / block) order per epoch, plus the shuffle buffer."""
+    shuffle_buffer_rows: int = 65_536
+    """Rows held and permuted together before batching (bounded memory); 0 shuffles unit order only."""
+    drop_remainder: bool = True
+    """Drop each shard's last partial training batch (and the last ``rows mod shards`` rows), so every
+    rank has the same number of full batches. ``false`` keeps them (ranks then agree step by step)."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank reading disjoint shares; 0 reads in the training process."""
+    pin_memory: bool | None = None
+    """Pin batches in page-locked memory for faster copies to the GPU; ``null``: when CUDA is available."""
+    seed: int = 0
+    """Seed of the unit order and the shuffle buffer (combined with the epoch)."""
+    on_bad_rows: str = "fail"
+    """``fail``: stop at the first bad row with its file, row and column. ``skip``: skip bad rows,
+    count them (``data/bad_rows_skipped``) and log the count."""
+    read_rows: int = 65_536
+    """Rows per Arrow record batch read from a Parquet row group (memory bound per read)."""
+
+    def __post_init__(self) -> None:
+        require(bool(self.path), "data.path is required: a file, a directory or a glob, e.g. data.path=/data/train/")
+        require(self.batch_size > 0, f"data.batch_size must be positive, got {self.batch_size}. Fix: data.batch_size=512")
+        require(self.shuffle_buffer_rows >= 0, f"data.shuffle_buffer_rows must be >= 0, got {self.shuffle_buffer_rows}")
+        require(self.num_workers >= 0, f"data.num_workers must be >= 0, got {self.num_workers}")
+        require(self.on_bad_rows in BAD_ROW_MODES, f"data.on_bad_rows={self.on_bad_rows!r} must be one of {BAD_ROW_MODES}")
+        require(self.read_rows > 0, f"data.read_rows must be positive, got {self.read_rows}")
+        require(
+            self.eval_path is None or self.eval_fraction is None,
+            f"data.eval_path and data.eval_fraction={self.eval_fraction} are both set; eval rows come from one of them. "
+            f"Fix: data.eval_fraction=null (use eval_path) or data.eval_path=null (hash split)",
+        )
+        require(self.eval_fraction is None or 0 < self.eval_fraction < 1,
+                f"data.eval_fraction must lie strictly between 0 and 1, got {self.eval_fraction}")
+
+
+@dataclass(kw_only=True)
+class SchemaFields:
+    """The feature schema of a file format that does not fix its columns."""
+
+    label: str = "label"
+    """The binary (0/1) label column."""
+    dense: list[DenseColumn] = field(default_factory=list)
+    """Float input columns, e.g. ``[{name: price, transform: log1p}]``."""
+    sparse: list[SparseColumn] = field(default_factory=list)
+    """Categorical input columns, e.g. ``[{name: item_id, num_embeddings: 100000, encoding: hash}]``. Empty
+    for Parquet: read the schema that ``python -m recsys_runner.data convert`` stored in the file."""
+
+
+@dataclass(kw_only=True)
+class ParquetDataConfig(SchemaFields, TabularDataConfig):
+    """Schema of ``conf/data/parquet.yaml``: Parquet files; list columns are multi-hot features."""
+
+    _target_: str = "recsys_runner.data.tabular.ParquetData"
+
+
+@dataclass(kw_only=True)
+class CsvDataConfig(SchemaFields, TabularDataConfig):
+    """Schema of ``conf/data/csv.yaml``: delimited text (CSV, TSV), one record per line, uncompressed."""
+
+    _target_: str = "recsys_runner.data.tabular.CsvData"
+    delimiter: str = ","
+    """Field delimiter: ``","`` for CSV, ``"\\t"`` for TSV."""
+    header: bool = True
+    """The first line names the columns; ``false``: give ``column_names``."""
+    column_names: list[str] | None = None
+    """Names of all columns, in file order, for files without a header line."""
+    null_values: list[str] = field(default_factory=lambda: [""])
+    """Field texts that mean "missing" (e.g. ``["", "NA", "\\\\N"]``)."""
+    block_rows: int = 65_536
+    """Lines per unit of work (files are indexed once by one newline scan)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(len(self.delimiter) == 1, f"data.delimiter must be one character, got {self.delimiter!r}")
+        require(self.header or bool(self.column_names), "data.header=false needs data.column_names: the names of all columns in file order")
+        require(self.block_rows > 0, f"data.block_rows must be positive, got {self.block_rows}")
+
+
+@dataclass(kw_only=True)
+class CriteoDataConfig(TabularDataConfig):
+    """Schema of ``conf/data/criteo.yaml``: the raw Kaggle/Terabyte Criteo layout.
+
+    Tab-separated, no header: label, 13 integer counts (``int_0…``, may be empty or negative), 26
+    categoricals (``cat_0…``) as 8 hex digits (may be empty). Preprocessing: dense missing → 0,
+    negatives clamped to 0, ``log1p``; categoricals hex → integer, then modulo (or hashed into)
+    the table size; a missing categorical is an empty bag (a zero vector).
+    """
+
+    _target_: str = "recsys_runner.data.tabular.CriteoData"
+    num_embeddings: int = 100_000
+    """Table size of every categorical column."""
+    num_embeddings_per_feature: list[int] | None = None
+    """Per-column table sizes (26 entries); overrides ``num_embeddings``."""
+    categorical_encoding: str = "mod"
+    """``mod``: hex value modulo the table size (TorchRec's Criteo preprocessing); ``hash``: hash the hex string."""
+    dense_transform: str = "log1p"
+    """``log1p`` (clamp negatives to 0, then log(1+x)) or ``none``."""
+    block_rows: int = 65_536
+    """Lines per unit of work."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.num_embeddings > 0, f"data.num_embeddings must be positive, got {self.num_embeddings}")
+        if self.num_embeddings_per_feature is not None:
+            require(len(self.num_embeddings_per_feature) == CRITEO_NUM_SPARSE,
+                    f"data.num_embeddings_per_feature has {len(self.num_embeddings_per_feature)} entries; Criteo has {CRITEO_NUM_SPARSE} categoricals")
+            require(all(n > 0 for n in self.num_embeddings_per_feature), "data.num_embeddings_per_feature entries must be positive")
+        require(self.categorical_encoding in ("mod", "hash"), f"data.categorical_encoding={self.categorical_encoding!r} must be mod or hash")
+        require(self.dense_transform in DENSE_TRANSFORMS, f"data.dense_transform={self.dense_transform!r} must be one of {DENSE_TRANSFORMS}")
+        require(self.block_rows > 0, f"data.block_rows must be positive, got {self.block_rows}")
+
+
+def criteo_schema(num_embeddings: list[int], categorical_encoding: str = "mod", dense_transform: str = "log1p") -> Schema:
+    """The Criteo columns with the usual preprocessing (see :class:`CriteoDataConfig`)."""
+    hexed = categorical_encoding == "mod"
+    return Schema(
+        label="label",
+        dense=[DenseColumn(name=f"int_{i}", transform=dense_transform) for i in range(CRITEO_NUM_DENSE)],
+        sparse=[SparseColumn(name=f"cat_{i}", num_embeddings=n, encoding=categorical_encoding, hex=hexed) for i, n in enumerate(num_embeddings)],
+    )
+
+
+# -- the data module --------------------------------------------------------------------------------
+
+
+def eval_mask(path: str, file_rows: np.ndarray, fraction: float) -> np.ndarray:
+    """Rows held out for eval: a hash of (file name, row number) below ``fraction`` (stable everywhere)."""
+    file_id = np.uint64(zlib.crc32(os.path.basename(path).encode()))
+    h = splitmix64(file_rows.astype(np.uint64) ^ (file_id << np.uint64(32)))
+    return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53)) < fraction
+
+
+@dataclass
+class _Split:
+    """The units of one split and how many of each unit's rows belong to it."""
+
+    source: Any
+    units: list[Unit]
+    counts: list[int]
+    holdout: tuple[float, bool] | None = None
+    """``(fraction, want_eval)`` for a hash split of shared files; ``None``: every row."""
+
+    def select(self, unit: Unit, file_rows: np.ndarray) -> np.ndarray | None:
+        if self.holdout is None:
+            return None
+        fraction, want_eval = self.holdout
+        mask = eval_mask(unit.path, file_rows, fraction)
+        return np.flatnonzero(mask if want_eval else ~mask)
+
+
+def shard_ranges(counts: list[int], order: list[int], shard: int, num_shards: int, equal: bool) -> list[tuple[int, int, int]]:
+    """``(unit, start, stop)`` row ranges of ``shard``: a contiguous share of the rows in ``order``.
+
+    ``equal``: every shard gets ``total // num_shards`` rows (the rest is left out); otherwise shards
+    differ by at most one row and together cover every row.
+    """
+    total = sum(counts[u] for u in order)
+    if equal:
+        per = total // num_shards
+        lo, hi = shard * per, (shard + 1) * per
+    else:
+        lo, hi = shard * total // num_shards, (shard + 1) * total // num_shards
+    out, offset = [], 0
+    for u in order:
+        n = counts[u]
+        a, b = max(lo - offset, 0), min(hi - offset, n)
+        if a < b:
+            out.append((u, a, b))
+        offset += n
+        if offset >= hi:
+            break
+    return out
+
+
+class _ShardStream(IterableDataset):
+    """One rank's share of a split for one epoch; with DataLoader workers, each worker a sub-share."""
+
+    def __init__(self, data: TabularData, split: _Split, epoch: int, rank: int, world_size: int, train: bool) -> None:
+        super().__init__()
+        self.data, self.split, self.epoch, self.rank, self.world_size, self.train = data, split, epoch, rank, world_size, train
+
+    def __iter__(self) -> Iterator[tuple]:
+        info = get_worker_info()
+        workers = info.num_workers if info is not None else 1
+        shard = self.rank * workers + (info.id if info is not None else 0)
+        try:
+            yield from self.data._stream(self.split, self.epoch, shard, self.world_size * workers, self.train)
+        except DataError as e:
+            if info is None:
+                raise
+            # Across a worker process boundary DataLoader would wrap the message in a traceback.
+            yield ("error", str(e))
+
+
+class TabularData:
+    """Batches from files; see the module docstring. Subclasses choose the source and the schema.
+
+    Example::
+
+        data = ParquetData(path="/data/train", sparse=[{"name": "item", "num_embeddings": 1000}])
+        batch = next(iter(data.train_batches(epoch=0, rank=0, world_size=1)))
+    """
+
+    def __init__(self, config: TabularDataConfig, schema: Schema) -> None:
+        self.config = config
+        self.schema = schema
+        self.features = schema.features()
+        self.batch_size = config.batch_size
+        self._bad_rows = 0
+        self._dropped_rows = 0
+        self._workers = config.num_workers
+        self._pin = torch.cuda.is_available() if config.pin_memory is None else config.pin_memory
+        train_source = self._source(resolve_files(config.path, "data.path", self._suffixes()))
+        train_units = train_source.units()
+        if config.eval_path is not None:
+            eval_source = self._source(resolve_files(config.eval_path, "data.eval_path", self._suffixes()))
+            eval_units = eval_source.units()
+            self._train = _Split(train_source, train_units, [u.num_rows for u in train_units])
+            self._eval = _Split(eval_source, eval_units, [u.num_rows for u in eval_units])
+        else:
+            fraction = config.eval_fraction or DEFAULT_EVAL_FRACTION
+            held = [int(eval_mask(u.path, np.arange(u.first_row, u.first_row + u.num_rows), fraction).sum()) for u in train_units]
+            self._train = _Split(train_source, train_units, [u.num_rows - h for u, h in zip(train_units, held, strict=True)], (fraction, False))
+            self._eval = _Split(train_source, train_units, held, (fraction, True))
+        if sum(self._eval.counts) == 0:
+            raise DataError(f"the eval split of {config.eval_path or config.path} has no rows. Fix: a larger data.eval_fraction, or data.eval_path")
+
+    # -- subclass hooks ------------------------------------------------------------------------------
+    def _suffixes(self) -> tuple[str, ...] | None:
+        return None
+
+    def _source(self, files: list[str]) -> Any:
+        raise NotImplementedError  # abstract: ParquetData / CsvData / CriteoData choose the source
+
+    # -- DataModule ------------------------------------------------------------------------------------
+    def train_batches(self, epoch: int, rank: int, world_size: int) -> Iterator[Batch]:
+        return self._batches(self._train, epoch, rank, world_size, train=True)
+
+    def eval_batches(self, rank: int, world_size: int) -> Iterator[Batch]:
+        return self._batches(self._eval, 0, rank, world_size, train=False)
+
+    def num_train_batches(self, world_size: int) -> int | None:
+        if self.config.on_bad_rows == "skip":
+            return None  # skipped rows are only known after reading
+        return min(self._rank_batch_counts(self._train, world_size, train=True))
+
+    def metrics(self) -> dict[str, float]:
+        """Counters since construction: bad rows skipped, rows left unread so that ranks end together."""
+        return {"data/bad_rows_skipped": float(self._bad_rows), "data/rows_dropped_uneven_ranks": float(self._dropped_rows)}
+
+    # -- internals -------------------------------------------------------------------------------------
+    def _rank_batch_counts(self, split: _Split, world_size: int, train: bool) -> list[int]:
+        workers = max(self._workers, 1)
+        shards = world_size * workers
+        drop = train and self.config.drop_remainder
+        order = list(range(len(split.units)))  # shard sizes do not depend on the order
+        per_shard = [sum(b - a for _, a, b in shard_ranges(split.counts, order, s, shards, drop)) for s in range(shards)]
+        per_batch = [n // self.batch_size if drop else math.ceil(n / self.batch_size) for n in per_shard]
+        return [sum(per_batch[r * workers : (r + 1) * workers]) for r in range(world_size)]
+
+    def _batches(self, split: _Split, epoch: int, rank: int, world_size: int, train: bool) -> Iterator[Batch]:
+        stream = _ShardStream(self, split, epoch, rank, world_size, train)
+        if self._workers > 0:
+            items: Any = DataLoader(stream, batch_size=None, num_workers=self._workers, pin_memory=self._pin,
+                                    multiprocessing_context="fork" if os.name == "posix" else None)
+        else:
+            items = stream
+        batches = self._to_batches(items, epoch, rank, train)
+        uneven = self.config.on_bad_rows == "skip" or len(set(self._rank_batch_counts(split, world_size, train))) > 1
+        if world_size > 1 and uneven:
+            return synchronized(batches, on_dropped=self._count_dropped)
+        return batches
+
+    def _count_dropped(self, batch: Batch) -> None:
+        self._dropped_rows += int(batch.labels.shape[0])
+
+    def _to_batches(self, items: Any, epoch: int, rank: int, train: bool) -> Iterator[Batch]:
+        names = self.features.sparse_names
+        skipped_before = self._bad_rows
+        for item in items:
+            if item[0] == "error":
+                raise DataError(item[1])
+            dense, values, lengths, labels, skipped = item
+            self._bad_rows += skipped
+            if labels is None:
+                continue  # a marker carrying only a skipped-rows count
+            if self._pin and self._workers == 0:
+                dense, values, lengths, labels = dense.pin_memory(), values.pin_memory(), lengths.pin_memory(), labels.pin_memory()
+            kjt = KeyedJaggedTensor(keys=names, values=values, lengths=lengths)
+            yield Batch(dense_features=dense, sparse_features=kjt, labels=labels)
+        if self._bad_rows > skipped_before:
+            what = f"epoch {epoch}" if train else "eval"
+            log.warning("rank %d skipped %d bad rows in %s (data.on_bad_rows=skip)", rank, self._bad_rows - skipped_before, what)
+
+    def _stream(self, split: _Split, epoch: int, shard: int, num_shards: int, train: bool) -> Iterator[tuple]:
+        """Encoded batches of one shard, as tensors: (dense, values, lengths, labels, bad rows skipped)."""
+        cfg = self.config
+        shuffle = train and cfg.shuffle
+        order = list(range(len(split.units)))
+        if shuffle:
+            order = np.random.default_rng([cfg.seed, epoch]).permutation(len(order)).tolist()
+        ranges = shard_ranges(split.counts, order, shard, num_shards, equal=train and cfg.drop_remainder)
+        encoder = Encoder(self.schema, cfg.on_bad_rows)
+        rng = np.random.default_rng([cfg.seed, epoch, shard]) if shuffle and cfg.shuffle_buffer_rows > 0 else None
+        hold = max(cfg.shuffle_buffer_rows, self.batch_size) if rng is not None else self.batch_size
+        keep_last = not (train and cfg.drop_remainder)
+        source_bad = getattr(split.source, "num_bad_rows", 0)
+        reported = 0
+
+        def skipped() -> int:
+            nonlocal reported
+            total = encoder.num_bad_rows + getattr(split.source, "num_bad_rows", 0) - source_bad
+            delta, reported = total - reported, total
+            return delta
+
+        buffer: list[Rows] = []
+        held = 0
+        for rows in self._read_ranges(split, ranges, encoder):
+            buffer.append(rows)
+            held += len(rows)
+            if held < hold:
+                continue
+            block = Rows.concat(buffer)
+            if rng is not None:
+                block = block.take(rng.permutation(len(block)))
+            full = len(block) // self.batch_size * self.batch_size
+            for i in range(0, full, self.batch_size):
+                yield self._tensors(block.slice(i, i + self.batch_size), skipped())
+            buffer, held = [block.slice(full, len(block))], len(block) - full
+        if held:
+            block = Rows.concat(buffer)
+            if rng is not None:
+                block = block.take(rng.permutation(len(block)))
+            full = len(block) // self.batch_size * self.batch_size
+            for i in range(0, full, self.batch_size):
+                yield self._tensors(block.slice(i, i + self.batch_size), skipped())
+            if keep_last and full < len(block):
+                yield self._tensors(block.slice(full, len(block)), skipped())
+        last = skipped()
+        if last:
+            yield (None, None, None, None, last)
+
+    def _read_ranges(self, split: _Split, ranges: list[tuple[int, int, int]], encoder: Encoder) -> Iterator[Rows]:
+        for u, start, stop in ranges:
+            unit = split.units[u]
+            seen = 0
+            line_offset = split.source.line_offset(unit.path) if isinstance(split.source, CsvSource) else None
+            for table, file_rows in split.source.read(unit):
+                chosen = split.select(unit, file_rows)
+                k = table.num_rows if chosen is None else len(chosen)
+                lo, hi = max(start - seen, 0), min(stop - seen, k)
+                seen += k
+                if lo < hi:
+                    if chosen is None:
+                        part, rows_of = table.slice(lo, hi - lo), file_rows[lo:hi]
+                    else:
+                        part, rows_of = table.take(pa.array(chosen[lo:hi])), file_rows[chosen[lo:hi]]
+                    yield encoder.encode(part, Location(unit.path, unit.part, rows_of, line_offset))
+                if seen >= stop:
+                    break
+
+    def _tensors(self, rows: Rows, skipped: int) -> tuple:
+        values = np.concatenate([v for v, _ in rows.sparse]) if rows.sparse else np.zeros(0, np.int64)
+        lengths = np.concatenate([ln for _, ln in rows.sparse]) if rows.sparse else np.zeros(0, np.int32)
+        return (
+            torch.from_numpy(np.ascontiguousarray(rows.dense)),
+            torch.from_numpy(values.astype(np.int64, copy=False)),
+            torch.from_numpy(lengths.astype(np.int32, copy=False)),
+            torch.from_numpy(np.ascontiguousarray(rows.labels)),
+            skipped,
+        )
+
+
+# -- the options ------------------------------------------------------------------------------------
+
+
+def _plain(value: Any) -> Any:
+    return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig | ListConfig) else value
+
+
+def _columns(items: Any, cls: type) -> list[Any]:
+    return [item if isinstance(item, cls) else cls(**_plain(item)) for item in _plain(items) or []]
+
+
+def _config(cls: type, fields: dict[str, Any]) -> Any:
+    fields = {k: _plain(v) for k, v in fields.items() if k != "_target_"}
+    if "dense" in fields:
+        fields["dense"] = _columns(fields["dense"], DenseColumn)
+    if "sparse" in fields:
+        fields["sparse"] = _columns(fields["sparse"], SparseColumn)
+    return cls(**fields)
+
+
+def stored_schema(path: str) -> Schema | None:
+    """The schema ``convert`` stored in a Parquet file's metadata, if any."""
+    meta = pq.read_schema(path).metadata or {}
+    if SCHEMA_METADATA_KEY not in meta:
+        return None
+    raw = json.loads(meta[SCHEMA_METADATA_KEY])
+    return Schema(label=raw["label"], dense=[DenseColumn(**d) for d in raw["dense"]], sparse=[SparseColumn(**s) for s in raw["sparse"]])
+
+
+def schema_json(schema: Schema) -> bytes:
+    return json.dumps({"label": schema.label, "dense": [asdict(d) for d in schema.dense], "sparse": [asdict(s) for s in schema.sparse]}).encode()
+
+
+class ParquetData(TabularData):
+    """``data=parquet``: Parquet files (see :class:`ParquetDataConfig`)."""
+
+    def __init__(self, **fields: Any) -> None:
+        config: ParquetDataConfig = _config(ParquetDataConfig, fields)
+        if config.sparse:
+            schema = Schema(label=config.label, dense=config.dense, sparse=config.sparse)
+        else:
+            first = resolve_files(config.path, "data.path", PARQUET_SUFFIXES)[0]
+            ParquetSource([first], [], config.read_rows)._open(first)
+            stored = stored_schema(first)
+            if stored is None:
+                raise DataError(
+                    f"data.sparse is empty and {first} carries no stored schema. Fix: list the columns, e.g. "
+                    f"data.label=clicked 'data.sparse=[{{name: item_id, num_embeddings: 100000}}]' 'data.dense=[{{name: price}}]', "
+                    f"or write the file with python -m recsys_runner.data convert"
+                )
+            schema = stored
+        super().__init__(config, schema)
+
+    def _suffixes(self) -> tuple[str, ...] | None:
+        return PARQUET_SUFFIXES
+
+    def _source(self, files: list[str]) -> ParquetSource:
+        return ParquetSource(files, self.schema.columns, self.config.read_rows)
+
+
+class CsvData(TabularData):
+    """``data=csv``: delimited text files (see :class:`CsvDataConfig`)."""
+
+    def __init__(self, **fields: Any) -> None:
+        config: CsvDataConfig = _config(CsvDataConfig, fields)
+        super().__init__(config, Schema(label=config.label, dense=config.dense, sparse=config.sparse))
+
+    def _source(self, files: list[str]) -> CsvSource:
+        c: CsvDataConfig = self.config  # type: ignore[assignment]
+        return CsvSource(files, self.schema.columns, delimiter=c.delimiter, header=c.header, column_names=c.column_names,
+                         null_values=c.null_values, block_rows=c.block_rows, on_bad_rows=c.on_bad_rows)
+
+
+class CriteoData(TabularData):
+    """``data=criteo``: raw Criteo TSV files (see :class:`CriteoDataConfig`)."""
+
+    def __init__(self, **fields: Any) -> None:
+        config: CriteoDataConfig = _config(CriteoDataConfig, fields)
+        sizes = config.num_embeddings_per_feature or [config.num_embeddings] * CRITEO_NUM_SPARSE
+        super().__init__(config, criteo_schema(sizes, config.categorical_encoding, config.dense_transform))
+
+    def _source(self, files: list[str]) -> CsvSource:
+        c: CriteoDataConfig = self.config  # type: ignore[assignment]
+        return CsvSource(files, self.schema.columns, delimiter="\t", header=False, column_names=CRITEO_COLUMNS,
+                         null_values=[""], block_rows=c.block_rows, on_bad_rows=c.on_bad_rows)
