@@ -2,21 +2,41 @@
 
 The default store is ``sqlite:///mlflow.db`` in the launch directory (MLflow's own embedded
 default), so ``make ui`` shows every run without a server. ``tracking.uri`` or the
-``MLFLOW_TRACKING_URI`` environment variable (in that order) point elsewhere.
+``MLFLOW_TRACKING_URI`` environment variable (in that order) point elsewhere, e.g. a
+``mlflow server`` at ``http://host:5000``.
+
+A remote server may go away mid-run. Training never waits on it: a metric batch that cannot be
+sent stays in memory and is re-sent with the next batch (at the log cadence, with a growing pause
+between attempts), and :meth:`MlflowTracker.finish` retries for ``tracking.flush_timeout_s``. If the
+server is still gone then, the unsent metrics are written to ``mlflow_unsent_<run id>.json`` and
+``python -m recsys_runner.tracking replay <file>`` sends them later.
+
+Runs of a multirun are children of one parent run (see :mod:`recsys_runner.sweep`), which the
+sweep passes to its jobs in the environment variable :data:`PARENT_RUN_ENV`.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import json
+import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from recsys_runner.errors import require
 
+log = logging.getLogger(__name__)
+
 _MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
 _PARAMS_PER_CALL = 100  # MLflow's limit on params per log_batch
+_METRICS_PER_CALL = 1000  # MLflow's limit on metrics per log_batch
+PARENT_RUN_ENV = "RECSYS_RUNNER_PARENT_RUN_ID"
+"""Set by the sweep callback for its jobs: their runs become children of this run."""
 
 
 @dataclass(kw_only=True)
@@ -31,9 +51,13 @@ class TrackingConfig:
     """MLflow experiment the run is filed under (created when missing)."""
     run_name: str | None = None
     """Run name; ``null`` uses the Hydra overrides (e.g. ``model=dlrm,optim.lr=0.1``)."""
+    flush_timeout_s: float = 60.0
+    """At the end of a run, how long to keep retrying metrics a tracking server did not accept
+    before writing them to ``mlflow_unsent_<run id>.json`` (see ``python -m recsys_runner.tracking replay``)."""
 
     def __post_init__(self) -> None:
         require(bool(self.experiment), "tracking.experiment must not be empty")
+        require(self.flush_timeout_s >= 0, f"tracking.flush_timeout_s must be >= 0, got {self.flush_timeout_s}")
 
 
 @dataclass(kw_only=True)
@@ -72,25 +96,74 @@ class NullTracker:
         pass
 
 
+def resolve_uri(uri: str | None) -> str:
+    """``tracking.uri``, else ``$MLFLOW_TRACKING_URI``, else ``mlflow.db`` in the current directory."""
+    return uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.abspath('mlflow.db')}"
+
+
+def experiment_id(client: Any, name: str) -> str:
+    """The id of experiment ``name``, created when missing (tolerating a concurrent creator)."""
+    found = client.get_experiment_by_name(name)
+    if found:
+        return found.experiment_id
+    try:
+        return client.create_experiment(name)
+    except Exception:
+        found = client.get_experiment_by_name(name)
+        if found is None:
+            raise
+        return found.experiment_id
+
+
+@contextlib.contextmanager
+def _no_http_retries(remote: bool) -> Iterator[None]:
+    """Fail fast while training: MLflow's default HTTP policy retries for minutes with backoff.
+
+    The tracker retries on its own schedule instead (at the log cadence, and at the end)."""
+    if not remote:
+        yield
+        return
+    saved = {k: os.environ.get(k) for k in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")}
+    os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
+    os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = "5"
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 class MlflowTracker:
     """Logs one MLflow run through ``MlflowClient`` (no global active-run state, so a multirun's
     jobs in one process never leak into each other)."""
 
-    def __init__(self, *, uri: str | None, experiment: str, run_name: str | None = None) -> None:
-        self.uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.abspath('mlflow.db')}"
+    def __init__(self, *, uri: str | None, experiment: str, run_name: str | None = None, flush_timeout_s: float = 60.0) -> None:
+        self.uri = resolve_uri(uri)
         self.experiment = experiment
         self.run_name = run_name
+        self.flush_timeout_s = flush_timeout_s
         self.run_id: str | None = None
         self._client: Any = None
+        self._remote = self.uri.startswith(("http://", "https://"))
+        self._pending: list[Any] = []  # mlflow.entities.Metric not yet accepted by the store
+        self._pending_text: list[tuple[str, str]] = []
+        self._next_try = 0.0
+        self._backoff_s = 1.0
+        self._warned = False
 
     def start(self, *, run_name: str, tags: Mapping[str, str], params: Mapping[str, Any]) -> None:
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
         self._client = MlflowClient(tracking_uri=self.uri)
-        found = self._client.get_experiment_by_name(self.experiment)
-        experiment_id = found.experiment_id if found else self._client.create_experiment(self.experiment)
-        run = self._client.create_run(experiment_id, run_name=self.run_name or run_name, tags=dict(tags))
+        all_tags = dict(tags)
+        parent = os.environ.get(PARENT_RUN_ENV)
+        if parent:
+            all_tags["mlflow.parentRunId"] = parent
+        run = self._client.create_run(experiment_id(self._client, self.experiment), run_name=self.run_name or run_name, tags=all_tags)
         self.run_id = run.info.run_id
         items = [Param(k, str(v)[:_MAX_PARAM_CHARS]) for k, v in params.items()]
         for i in range(0, len(items), _PARAMS_PER_CALL):
@@ -100,17 +173,105 @@ class MlflowTracker:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
-        self._client.log_batch(self._run(), metrics=batch)
+        self._pending.extend(Metric(k, float(v), now, step) for k, v in metrics.items())
+        if time.monotonic() >= self._next_try:
+            self._flush()
 
     def log_text(self, text: str, artifact_file: str) -> None:
-        self._client.log_text(self._run(), text, artifact_file)
+        self._pending_text.append((text, artifact_file))
+        if time.monotonic() >= self._next_try:
+            self._flush()
 
     def finish(self, status: str) -> None:
-        if self.run_id is not None:
-            self._client.set_terminated(self.run_id, status=status)
-            self.run_id = None
+        if self.run_id is None:
+            return
+        deadline = time.monotonic() + self.flush_timeout_s
+        while not self._flush() and time.monotonic() < deadline:
+            time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
+        if self._pending or self._pending_text:
+            path = self._write_unsent(status)
+            log.warning(
+                "tracking server %s still unreachable after %.0f s: %d metric values of run %s saved to %s; "
+                "send them later with: python -m recsys_runner.tracking replay %s",
+                self.uri, self.flush_timeout_s, len(self._pending), self.run_id, path, path,
+            )
+        else:
+            try:
+                self._client.set_terminated(self.run_id, status=status)
+            except Exception as e:  # noqa: BLE001 - the run's data is safe; only its end status is lost
+                log.warning("could not mark MLflow run %s %s: %s", self.run_id, status, e)
+        self.run_id = None
+
+    def _flush(self) -> bool:
+        """Send everything pending; True when nothing is left. Never raises for a store outage."""
+        run_id = self._run()
+        try:
+            with _no_http_retries(self._remote):
+                while self._pending:
+                    self._client.log_batch(run_id, metrics=self._pending[:_METRICS_PER_CALL])
+                    del self._pending[:_METRICS_PER_CALL]
+                while self._pending_text:
+                    text, artifact_file = self._pending_text[0]
+                    self._client.log_text(run_id, text, artifact_file)
+                    self._pending_text.pop(0)
+        except Exception as e:  # noqa: BLE001 - any store failure: keep the data and carry on training
+            self._next_try = time.monotonic() + self._backoff_s
+            self._backoff_s = min(self._backoff_s * 2, 60.0)
+            if not self._warned:
+                log.warning("tracking server %s unreachable (%s); training continues, metrics are buffered and re-sent",
+                            self.uri, type(e).__name__)
+                self._warned = True
+            return False
+        if self._warned:
+            log.warning("tracking server %s reachable again; buffered metrics sent", self.uri)
+            self._warned = False
+        self._backoff_s = 1.0
+        self._next_try = 0.0
+        return True
+
+    def _write_unsent(self, status: str) -> Path:
+        path = Path(f"mlflow_unsent_{self.run_id}.json").absolute()
+        record = {
+            "uri": self.uri,
+            "run_id": self.run_id,
+            "status": status,
+            "metrics": [[m.key, m.value, m.timestamp, m.step] for m in self._pending],
+            "texts": self._pending_text,
+        }
+        path.write_text(json.dumps(record))
+        return path
 
     def _run(self) -> str:
         assert self.run_id is not None, "MlflowTracker.start() must run first"
         return self.run_id
+
+
+def replay(path: str | Path, uri: str | None = None) -> str:
+    """Send a file written by :meth:`MlflowTracker.finish` to its run and set the run's end status."""
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    record = json.loads(Path(path).read_text())
+    client = MlflowClient(tracking_uri=uri or record["uri"])
+    metrics = [Metric(k, v, ts, step) for k, v, ts, step in record["metrics"]]
+    for i in range(0, len(metrics), _METRICS_PER_CALL):
+        client.log_batch(record["run_id"], metrics=metrics[i : i + _METRICS_PER_CALL])
+    for text, artifact_file in record["texts"]:
+        client.log_text(record["run_id"], text, artifact_file)
+    client.set_terminated(record["run_id"], status=record["status"])
+    return str(record["run_id"])
+
+
+def _main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m recsys_runner.tracking", description="Tracking utilities.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    rep = sub.add_parser("replay", help="send metrics a run could not deliver (mlflow_unsent_<run id>.json)")
+    rep.add_argument("file")
+    rep.add_argument("--uri", default=None, help="tracking URI (default: the one the run used)")
+    args = parser.parse_args(argv)
+    run_id = replay(args.file, args.uri)
+    print(f"replayed {args.file} into run {run_id}")
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,233 @@
+"""``python -m recsys_runner.compare``: runs from MLflow as a table and as PNG plots.
+
+For people who would rather read a terminal or look at a picture than click through the MLflow UI::
+
+    python -m recsys_runner.compare --experiment lr_grid               # every run of an experiment
+    python -m recsys_runner.compare --parent <run id>                   # the children of one sweep
+    python -m recsys_runner.compare --experiment lr_grid --filter "params.model._target_ LIKE '%DLRM'"
+    python -m recsys_runner.compare collect --parent <run id> --wait    # a detached sweep: wait, summarize
+
+It prints one row per run (name, status, the parameters that differ between the runs, final
+metrics) and writes ``curves.png`` (each metric over steps, a line per run) and
+``<metric>_vs_params.png`` (the final metric against each varying parameter) to ``--out``.
+
+``collect`` finishes a sweep whose launcher returned before its jobs did (e.g.
+``hydra/launcher=submitit_slurm_detached``): it waits until every job has ended, writes the best
+trial to the parent run, ends it, then prints and plots like the default command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from recsys_runner.sweep import EXPECTED_JOBS_TAG, OBJECTIVE, SWEEP_PARENT_TAG, finish_parent, summarize
+from recsys_runner.tracking import resolve_uri
+
+DEFAULT_METRICS = ("eval/auc", "eval/logloss", "train/loss")
+_HIDDEN_PARAMS = ("tracking.", "hydra.")
+
+
+def find_runs(client: Any, *, experiments: Sequence[str] = (), parent: str | None = None, filter_string: str = "") -> list[Any]:
+    """Runs of the named experiments (or of the parent's experiment), optionally a sweep's children, filtered."""
+    ids = []
+    for name in experiments:
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            raise SystemExit(f"no MLflow experiment named {name!r} at {client.tracking_uri}")
+        ids.append(exp.experiment_id)
+    clauses = [filter_string] if filter_string else []
+    if parent:
+        ids = ids or [client.get_run(parent).info.experiment_id]
+        clauses.append(f"tags.mlflow.parentRunId = '{parent}'")
+    if not ids:
+        raise SystemExit("name an --experiment or a --parent run")
+    runs = client.search_runs(ids, filter_string=" and ".join(clauses), max_results=10000, order_by=["attributes.start_time ASC"])
+    return [r for r in runs if SWEEP_PARENT_TAG not in r.data.tags]  # a sweep's parent is a summary, not a trial
+
+
+def varying_params(runs: Sequence[Any]) -> list[str]:
+    """Keys every run has as a param, with values that differ between ``runs`` (bookkeeping excluded)."""
+    if not runs:
+        return []
+    keys = sorted(set.intersection(*(set(r.data.params) for r in runs)))
+    keys = [k for k in keys if not k.startswith(_HIDDEN_PARAMS)]
+    return [k for k in keys if len({r.data.params.get(k) for r in runs}) > 1]
+
+
+def _short(value: str | None) -> str:
+    if value is None:
+        return "-"
+    if "." in value and value.split(".")[-1][:1].isupper():  # a _target_ like recsys_runner.models.dlrm.DLRM
+        return value.rsplit(".", 1)[-1]
+    try:
+        return f"{float(value):.4g}"
+    except ValueError:
+        return value if len(value) <= 24 else value[:21] + "..."
+
+
+def table(runs: Sequence[Any], metrics: Sequence[str] = DEFAULT_METRICS) -> str:
+    """A fixed-width text table: run name, status, varying params, final metrics; best ``metrics[0]`` first."""
+    params = varying_params(runs)
+    first = metrics[0] if metrics else None
+    ordered = sorted(runs, key=lambda r: -r.data.metrics.get(first, -math.inf) if first else 0)
+    header = ["run", "status", *params, *metrics]
+    rows = [
+        [_short(r.info.run_name) if len(r.info.run_name or "") <= 24 else r.info.run_id[:8], r.info.status,
+         *(_short(r.data.params.get(p)) for p in params),
+         *(f"{r.data.metrics[m]:.4f}" if m in r.data.metrics else "-" for m in metrics)]
+        for r in ordered
+    ]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
+    lines = ["  ".join(str(x).ljust(w) for x, w in zip(line, widths, strict=True)) for line in [header, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _param_name(key: str) -> str:
+    """``model._target_`` → ``model``, ``optim.sparse.lr`` → ``sparse.lr``: short but unambiguous legend keys."""
+    parts = key.split(".")
+    if parts[-1] == "_target_":
+        return ".".join(parts[:-1])
+    return ".".join(parts[-2:])
+
+
+def _label(run: Any, params: Sequence[str]) -> str:
+    if params:
+        return ", ".join(f"{_param_name(p)}={_short(run.data.params.get(p))}" for p in params[:3])
+    return run.info.run_name or run.info.run_id[:8]
+
+
+def plot_curves(client: Any, runs: Sequence[Any], metrics: Sequence[str], path: Path) -> Path:
+    """One panel per metric, its value over steps, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    params = varying_params(runs)
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4.2), squeeze=False)
+    for ax, metric in zip(axes[0], metrics, strict=True):
+        for run in runs:
+            history = sorted(client.get_metric_history(run.info.run_id, metric), key=lambda m: m.step)
+            if history:
+                ax.plot([m.step for m in history], [m.value for m in history], marker="o" if len(history) < 4 else None,
+                        markersize=4, label=_label(run, params))
+        ax.set_title(metric)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.06 * math.ceil(len(labels) / 3) if handles else 0, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_vs_params(runs: Sequence[Any], metric: str, path: Path) -> Path | None:
+    """The final ``metric`` against each varying parameter (log x for positive numbers spanning > 10x)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
+
+    params = varying_params(runs)[:6]
+    scored = [r for r in runs if metric in r.data.metrics]
+    if not params or not scored:
+        return None
+    fig, axes = plt.subplots(1, len(params), figsize=(4.5 * len(params), 4), squeeze=False)
+    for ax, param in zip(axes[0], params, strict=True):
+        raw = [r.data.params.get(param) for r in scored]
+        ys = [r.data.metrics[metric] for r in scored]
+        try:
+            xs: list[Any] = [float(v) for v in raw]
+            ax.scatter(xs, ys)
+            if min(xs) > 0 and max(xs) / min(xs) > 10:
+                ax.set_xscale("log")
+                ax.xaxis.set_minor_formatter(NullFormatter())
+        except (TypeError, ValueError):
+            names = sorted({_short(v) for v in raw})
+            ax.scatter([names.index(_short(v)) for v in raw], ys)
+            ax.set_xticks(range(len(names)), names)
+        ax.set_xlabel(param)
+        ax.set_ylabel(metric)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"final {metric} vs hyperparameters ({len(scored)} runs)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def collect(client: Any, parent: str, *, wait: bool, timeout_s: float, poll_s: float = 5.0) -> bool:
+    """Summarize a sweep's parent once all its jobs ended; False when ``wait`` is off or time ran out first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        summary = summarize(client, parent)
+        expected = int(client.get_run(parent).data.tags.get(EXPECTED_JOBS_TAG, summary.num_children))
+        if summary.num_children >= expected and summary.num_terminal == summary.num_children:
+            finish_parent(client, parent, summary)
+            return True
+        if not wait or time.monotonic() > deadline:
+            print(f"sweep {parent}: {summary.num_terminal} of {expected} jobs ended; run collect again later", file=sys.stderr)
+            return False
+        time.sleep(poll_s)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m recsys_runner.compare", description=__doc__.split("\n\n")[0])
+    p.add_argument("--uri", default=None, help="tracking URI (default: $MLFLOW_TRACKING_URI or ./mlflow.db)")
+    p.add_argument("--experiment", action="append", default=[], help="experiment name (repeatable)")
+    p.add_argument("--parent", default=None, help="a sweep's parent run id: compare its children")
+    p.add_argument("--filter", default="", help="MLflow search filter, e.g. \"params.optim.sparse.lr > '0.05'\"")
+    p.add_argument("--metric", action="append", default=None, help=f"metrics for the table and plots (default: {', '.join(DEFAULT_METRICS)})")
+    p.add_argument("--out", default="compare", help="directory for the PNGs (default: ./compare)")
+    p.add_argument("--no-plots", action="store_true", help="print the table only")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; ``argv[0] == "collect"`` selects the collector."""
+    from mlflow.tracking import MlflowClient
+
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    is_collect = bool(args_in) and args_in[0] == "collect"
+    parser = _parser()
+    if is_collect:
+        args_in = args_in[1:]
+        parser.add_argument("--wait", action="store_true", help="poll until every job of the sweep has ended")
+        parser.add_argument("--timeout", type=float, default=24 * 3600, help="give up waiting after this many seconds")
+    args = parser.parse_args(args_in)
+    client = MlflowClient(tracking_uri=resolve_uri(args.uri))
+    if is_collect:
+        if not args.parent:
+            parser.error("collect needs --parent <run id>")
+        if not collect(client, args.parent, wait=args.wait, timeout_s=args.timeout):
+            return 1
+        parent = client.get_run(args.parent)
+        print(f"sweep {args.parent}: best {OBJECTIVE}={parent.data.metrics.get('best/' + OBJECTIVE, float('nan')):.4f} "
+              f"({parent.data.tags.get('best.run_name', '-')})")
+    runs = find_runs(client, experiments=args.experiment, parent=args.parent, filter_string=args.filter)
+    if not runs:
+        print("no runs match", file=sys.stderr)
+        return 1
+    metrics = args.metric or list(DEFAULT_METRICS)
+    print(table(runs, metrics))
+    if not args.no_plots:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        written = [plot_curves(client, runs, metrics, out / "curves.png"),
+                   plot_vs_params(runs, metrics[0], out / f"{metrics[0].replace('/', '_')}_vs_params.png")]
+        print("plots: " + ", ".join(str(p) for p in written if p is not None))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
