@@ -10,6 +10,7 @@ import torch
 from hydra.utils import instantiate
 
 from recsys_runner.config import GROUPS, RunConfig, validate
+from recsys_runner.data.generate import write_criteo_csv, write_criteo_parquet, write_criteo_tsv
 from recsys_runner.data.synthetic import SyntheticData
 from recsys_runner.errors import ConfigError
 from recsys_runner.paths import CONFIG_PATH
@@ -40,9 +41,24 @@ def test_every_yaml_option_has_a_registered_schema() -> None:
         assert schema_name in GROUPS[group], f"{group}/{option} extends unregistered schema {schema_name}"
 
 
+def file_backed_data(option: str, tmp_path: Path) -> list[str]:
+    """Overrides giving a file-backed data option (parquet, csv, criteo) a small generated file."""
+    if option == "parquet":
+        write_criteo_parquet(str(tmp_path / "d.parquet"), 300)
+        return [f"data.path={tmp_path}/d.parquet"]
+    if option == "csv":
+        write_criteo_csv(str(tmp_path / "d.csv"), 300)
+        return [f"data.path={tmp_path}/d.csv", "data.sparse=[{name: cat_0, num_embeddings: 100, encoding: hash}]", "data.dense=[{name: int_0}]"]
+    write_criteo_tsv(str(tmp_path / "d.tsv"), 300)
+    return [f"data.path={tmp_path}/d.tsv", "data.num_embeddings=100"]
+
+
 @pytest.mark.parametrize(("group", "option"), OPTION_MATRIX, ids=[f"{g}={o}" for g, o in OPTION_MATRIX])
-def test_option_composes_validates_and_instantiates(make_cfg, group: str, option: str) -> None:
-    cfg = make_cfg(f"{group}={option}")
+def test_option_composes_validates_and_instantiates(make_cfg, tmp_path: Path, group: str, option: str) -> None:
+    if group == "data" and option != "synthetic":
+        cfg = make_cfg(f"data={option}", *file_backed_data(option, tmp_path), "data.batch_size=64", "distributed.device=cpu", tiny=False)
+    else:
+        cfg = make_cfg(f"{group}={option}")
     try:
         run = validate(cfg)
         assert isinstance(run, RunConfig)
@@ -51,7 +67,8 @@ def test_option_composes_validates_and_instantiates(make_cfg, group: str, option
         # fail validation here, and it must say so (the option still instantiates below).
         assert "fbgemm implements only on GPU" in str(e), e
     data = instantiate(cfg.data)
-    assert isinstance(data, SyntheticData)
+    assert isinstance(data, SyntheticData) or group == "data"
+    assert next(iter(data.train_batches(0, 0, 1))).labels.shape[0] == data.batch_size
 
     node = cfg
     for part in group.split("/"):

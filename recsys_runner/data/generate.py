@@ -66,3 +66,12 @@ def write_criteo_parquet(path: str, num_rows: int, *, seed: int = 0, cardinality
         s.encoding, s.hex = "id", False
     table = pa.table(data).replace_schema_metadata({b"recsys_runner.schema": schema_json(schema)})
     pq.write_table(table, path, row_group_size=row_group_rows)
+
+
+def write_criteo_csv(path: str, num_rows: int, *, seed: int = 0, cardinality: int = 500, delimiter: str = ",") -> None:
+    """Criteo columns as CSV with a header line (``label,int_0,…,cat_25``), empty fields for missing values."""
+    cols = criteo_rows(num_rows, seed=seed, cardinality=cardinality)
+    with open(path, "w") as f:
+        f.write(delimiter.join(CRITEO_COLUMNS) + "\n")
+        for i in range(num_rows):
+            f.write(delimiter.join("" if cols[c][i] is None else str(cols[c][i]) for c in CRITEO_COLUMNS) + "\n")

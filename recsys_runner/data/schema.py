@@ -111,6 +111,7 @@ class Rows:
     labels: np.ndarray
     dense: np.ndarray
     sparse: list[tuple[np.ndarray, np.ndarray]]
+    _offsets: list[np.ndarray | None] | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -126,24 +127,38 @@ class Rows:
              for j in range(len(parts[0].sparse))],
         )
 
+    def offsets(self) -> list[np.ndarray | None]:
+        """Per feature: start offsets ``[n+1]`` of each row's values; ``None`` when every row has one value."""
+        if self._offsets is None:
+            self._offsets = [
+                None if values.shape[0] == lengths.shape[0] and bool((lengths == 1).all())
+                else np.concatenate([[0], np.cumsum(lengths)])
+                for values, lengths in self.sparse
+            ]
+        return self._offsets
+
     def slice(self, start: int, stop: int) -> Rows:
         sparse = []
-        for values, lengths in self.sparse:
-            if values.shape[0] == lengths.shape[0] and bool((lengths == 1).all()):
+        for (values, lengths), offsets in zip(self.sparse, self.offsets(), strict=True):
+            if offsets is None:
                 sparse.append((values[start:stop], lengths[start:stop]))
             else:
-                offsets = np.concatenate([[0], np.cumsum(lengths)])
                 sparse.append((values[offsets[start]:offsets[stop]], lengths[start:stop]))
         return Rows(self.labels[start:stop], self.dense[start:stop], sparse)
 
     def take(self, index: np.ndarray) -> Rows:
         sparse = []
-        for values, lengths in self.sparse:
-            if values.shape[0] == lengths.shape[0] and bool((lengths == 1).all()):
+        for (values, lengths), offsets in zip(self.sparse, self.offsets(), strict=True):
+            if offsets is None:
                 sparse.append((values[index], lengths[index]))
                 continue
-            starts = np.concatenate([[0], np.cumsum(lengths)])[:-1][index]
             new_lengths = lengths[index]
+            if int(lengths.max(initial=0)) <= 1:  # single-valued with some missing: gather through a padded column
+                padded = np.zeros(lengths.shape[0], dtype=values.dtype)
+                padded[lengths.astype(bool)] = values
+                sparse.append((padded[index][new_lengths.astype(bool)], new_lengths))
+                continue
+            starts = offsets[:-1][index]
             total = int(new_lengths.sum())
             new_starts = np.concatenate([[0], np.cumsum(new_lengths)])[:-1]
             gather = np.arange(total) + np.repeat(starts - new_starts, new_lengths)

@@ -1,0 +1,186 @@
+"""``python -m recsys_runner.data convert|inspect``: text → Parquet conversion, and a data summary.
+
+``convert`` reads CSV/TSV/Criteo files with a schema, encodes them exactly as training would
+(fills, transforms, hashing, hex parsing, id checks) and writes Parquet files of model-ready columns
+(label int8, dense float32, sparse int64 or list<int64>) with the schema stored in the file, so
+``data=parquet data.path=<out>`` needs no column list::
+
+    python -m recsys_runner.data convert --format criteo --num-embeddings 1000000 day_0.tsv out/
+    python -m recsys_runner.data convert --format csv --schema schema.yaml logs/*.csv out/
+
+``inspect`` prints a file's (or directory's) columns and types, row count, label rate, and per
+column the null count and the number of distinct values::
+
+    python -m recsys_runner.data inspect out/ [--format parquet|csv|criteo] [--label label]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+import yaml
+
+from recsys_runner.data.base import DataError
+from recsys_runner.data.schema import DenseColumn, Encoder, Location, Rows, Schema, SparseColumn
+from recsys_runner.data.sources import PARQUET_SUFFIXES, CsvSource, resolve_files
+from recsys_runner.data.tabular import CRITEO_COLUMNS, CRITEO_NUM_SPARSE, SCHEMA_METADATA_KEY, criteo_schema, schema_json
+from recsys_runner.errors import ConfigError
+
+
+def converted_schema(schema: Schema) -> Schema:
+    """The schema of converted files: values already transformed, ids already in range."""
+    return Schema(
+        label=schema.label,
+        dense=[DenseColumn(name=d.name) for d in schema.dense],
+        sparse=[SparseColumn(name=s.name, num_embeddings=s.num_embeddings, pooling=s.pooling, embedding_dim=s.embedding_dim, table=s.table)
+                for s in schema.sparse],
+    )
+
+
+def rows_to_table(rows: Rows, schema: Schema, multi_hot: list[bool]) -> pa.Table:
+    cols: dict[str, pa.Array] = {schema.label: pa.array(rows.labels.astype(np.int8))}
+    for j, d in enumerate(schema.dense):
+        cols[d.name] = pa.array(rows.dense[:, j].astype(np.float32))
+    for (values, lengths), s, multi in zip(rows.sparse, schema.sparse, multi_hot, strict=True):
+        if multi:
+            offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+            cols[s.name] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, pa.int64()))
+        else:
+            present = lengths.astype(bool)
+            full = np.zeros(len(lengths), np.int64)
+            full[present] = values
+            cols[s.name] = pa.array(full, pa.int64(), mask=~present)
+    return pa.table(cols)
+
+
+def convert(args: argparse.Namespace) -> None:
+    if args.format == "criteo":
+        schema = criteo_schema([args.num_embeddings] * CRITEO_NUM_SPARSE, args.categorical_encoding)
+        options: dict[str, Any] = {"delimiter": "\t", "header": False, "column_names": CRITEO_COLUMNS, "null_values": [""]}
+    else:
+        if not args.schema:
+            raise ConfigError("--format csv needs --schema FILE.yaml with label, dense and sparse (and optionally delimiter, header, column_names, null_values)")
+        with open(args.schema) as f:
+            raw = yaml.safe_load(f) or {}
+        schema = Schema(label=raw.get("label", "label"), dense=[DenseColumn(**d) for d in raw.get("dense", [])],
+                        sparse=[SparseColumn(**s) for s in raw.get("sparse", [])])
+        options = {"delimiter": raw.get("delimiter", ","), "header": raw.get("header", True),
+                   "column_names": raw.get("column_names"), "null_values": raw.get("null_values", [""])}
+    files = [f for p in args.inputs for f in resolve_files(p, "input", None)]
+    source = CsvSource(files, schema.columns, block_rows=args.row_group_rows, on_bad_rows=args.on_bad_rows, **options)
+    encoder = Encoder(schema, args.on_bad_rows)
+    out_schema = converted_schema(schema)
+    multi_hot = [s.separator is not None for s in schema.sparse]
+    os.makedirs(args.output, exist_ok=True)
+    total = 0
+    for path in files:
+        target = os.path.join(args.output, os.path.splitext(os.path.basename(path))[0] + ".parquet")
+        writer = None
+        for unit in source._index(path):
+            for table, file_rows in source.read(unit):
+                rows = encoder.encode(table, Location(path, unit.part, file_rows, source.line_offset(path)))
+                out = rows_to_table(rows, out_schema, multi_hot)
+                if writer is None:
+                    writer = pq.ParquetWriter(target, out.schema.with_metadata({SCHEMA_METADATA_KEY: schema_json(out_schema)}))
+                writer.write_table(out, row_group_size=args.row_group_rows)
+                total += out.num_rows
+        if writer is not None:
+            writer.close()
+        print(f"{path} -> {target}")
+    skipped = encoder.num_bad_rows + source.num_bad_rows
+    print(f"converted {total} rows from {len(files)} file(s) into {args.output}" + (f"; skipped {skipped} bad rows" if skipped else ""))
+    print(f"train with: python -m recsys_runner data=parquet data.path={args.output}")
+
+
+def _tables(args: argparse.Namespace) -> tuple[list[str], Any]:
+    if args.format == "parquet":
+        files = resolve_files(args.path, "path", PARQUET_SUFFIXES)
+
+        def parquet_tables() -> Any:
+            for path in files:
+                yield from (pa.Table.from_batches([b]) for b in pq.ParquetFile(path).iter_batches(batch_size=65_536))
+
+        return files, parquet_tables()
+    files = resolve_files(args.path, "path", None)
+    criteo = args.format == "criteo"
+
+    def text_tables() -> Any:
+        for path in files:
+            reader = pacsv.open_csv(
+                path,
+                read_options=pacsv.ReadOptions(column_names=CRITEO_COLUMNS if criteo else None, autogenerate_column_names=False),
+                parse_options=pacsv.ParseOptions(delimiter="\t" if criteo else args.delimiter),
+                convert_options=pacsv.ConvertOptions(strings_can_be_null=True),
+            )
+            yield from (pa.Table.from_batches([b]) for b in reader)
+
+    return files, text_tables()
+
+
+def inspect(args: argparse.Namespace) -> None:
+    files, tables = _tables(args)
+    rows, positives, labelled = 0, 0, 0
+    nulls: dict[str, int] = {}
+    distinct: dict[str, set] = {}
+    types: dict[str, pa.DataType] = {}
+    for table in tables:
+        rows += table.num_rows
+        for name in table.column_names:
+            col = table.column(name)
+            types.setdefault(name, col.type)
+            nulls[name] = nulls.get(name, 0) + col.null_count
+            seen = distinct.setdefault(name, set())
+            if len(seen) <= args.max_distinct:
+                flat = pc.list_flatten(col) if pa.types.is_list(col.type) else col
+                seen.update(pc.unique(flat.combine_chunks() if isinstance(flat, pa.ChunkedArray) else flat).to_pylist())
+        if args.label in table.column_names:
+            label = table.column(args.label).cast(pa.float64())
+            labelled += table.num_rows - label.null_count
+            positives += int(pc.sum(label).as_py() or 0)
+    print(f"{len(files)} file(s), {rows} rows")
+    if args.label in types:
+        print(f"label {args.label!r}: rate {positives / max(labelled, 1):.4f} ({positives} positive of {labelled} labelled)")
+    print(f"{'column':<24} {'type':<20} {'nulls':>10} {'distinct':>10}")
+    for name, typ in types.items():
+        seen = distinct[name]
+        count = f">{args.max_distinct}" if len(seen) > args.max_distinct else str(len(seen - {None}))
+        print(f"{name:<24} {str(typ):<20} {nulls[name]:>10} {count:>10}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m recsys_runner.data", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("convert", help="CSV/TSV/Criteo -> Parquet with the schema")
+    c.add_argument("inputs", nargs="+", help="input files, directories or globs")
+    c.add_argument("output", help="output directory")
+    c.add_argument("--format", choices=["criteo", "csv"], default="criteo")
+    c.add_argument("--schema", help="csv: YAML file with label, dense, sparse (entries as in data.dense / data.sparse)")
+    c.add_argument("--num-embeddings", type=int, default=100_000, help="criteo: table size of every categorical")
+    c.add_argument("--categorical-encoding", choices=["mod", "hash"], default="mod", help="criteo: hex value modulo the table size, or a hash")
+    c.add_argument("--row-group-rows", type=int, default=65_536)
+    c.add_argument("--on-bad-rows", choices=["fail", "skip"], default="fail")
+    i = sub.add_parser("inspect", help="columns, row count, label rate, nulls, cardinality")
+    i.add_argument("path", help="a file, directory or glob")
+    i.add_argument("--format", choices=["parquet", "csv", "criteo"], default="parquet")
+    i.add_argument("--delimiter", default=",")
+    i.add_argument("--label", default="label")
+    i.add_argument("--max-distinct", type=int, default=1_000_000, help="stop counting distinct values above this")
+    args = parser.parse_args(argv)
+    try:
+        convert(args) if args.command == "convert" else inspect(args)
+    except (DataError, ConfigError) as e:
+        print(f"Data error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""Readers: exact batch contents for known rows in every format, shuffling, sharding, eval splits."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from recsys_runner.data.__main__ import main as data_main
+from recsys_runner.data.generate import write_criteo_parquet
+from recsys_runner.data.tabular import CriteoData, CsvData, ParquetData
+from recsys_runner.errors import ConfigError
+from recsys_runner.features import FeatureSpec, SparseFeature
+
+
+def fnv1a(text: str) -> int:
+    """Reference FNV-1a 64, written independently of the vectorized one."""
+    h = 0xCBF29CE484222325
+    for byte in text.encode():
+        h = ((h ^ byte) * 0x100000001B3) % (1 << 64)
+    return h
+
+
+def bags(batch, key: str) -> list[list[int]]:
+    jt = batch.sparse_features[key]
+    return [t.tolist() for t in jt.to_dense()]
+
+
+CRITEO_LINES = [
+    # label, 13 counts (empty = missing, negatives), 26 hex categoricals (empty = missing)
+    ["1", "5", "-1", "", "0", *["2"] * 9, "68fd1e64", "", *["0000000a"] * 24],
+    ["0", "", "-2", "7", "3", *["0"] * 9, "FFFFFFFF", "80e26c9b", *["00000001"] * 24],
+    ["0", "1", "1", "1", "1", *["1"] * 9, "00000000", "00000010", *["00000002"] * 24],
+    ["1", "100", "0", "0", "0", *["0"] * 9, "0000000f", "", *["00000003"] * 24],
+]
+
+
+def test_criteo_tsv_exact_rows(tmp_path: Path) -> None:
+    path = tmp_path / "day_0.tsv"
+    path.write_text("".join("\t".join(line) + "\n" for line in CRITEO_LINES))
+    data = CriteoData(path=str(path), eval_path=str(path), batch_size=2, shuffle=False, num_embeddings=1000)
+    batches = list(data.train_batches(0, 0, 1))
+    assert len(batches) == 2 and data.num_train_batches(1) == 2
+    b0, b1 = batches
+    assert b0.labels.tolist() == [1.0, 0.0] and b1.labels.tolist() == [0.0, 1.0]
+    # dense: missing -> 0, negatives clamped to 0, log1p
+    assert b0.dense_features[0, :4].tolist() == pytest.approx([math.log1p(5), 0.0, 0.0, 0.0])
+    assert b0.dense_features[1, :4].tolist() == pytest.approx([0.0, 0.0, math.log1p(7), math.log1p(3)])
+    # categoricals: hex -> int, modulo the table size; a missing one is an empty bag
+    assert bags(b0, "cat_0") == [[0x68FD1E64 % 1000], [0xFFFFFFFF % 1000]]
+    assert b0.sparse_features["cat_1"].lengths().tolist() == [0, 1]
+    assert b0.sparse_features["cat_1"].values().tolist() == [0x80E26C9B % 1000]
+    assert bags(b1, "cat_2") == [[2], [3]]
+    assert data.features.num_dense == 13 and len(data.features.sparse) == 26
+
+
+def test_parquet_list_string_and_id_columns(tmp_path: Path) -> None:
+    table = pa.table({
+        "clicked": pa.array([1, 0, 1, 0], pa.int8()),
+        "price": pa.array([1.5, None, -3.0, 10.0]),
+        "item": pa.array([3, 0, 9, None], pa.int64()),
+        "tags": pa.array([[1, 2], [], None, [7]], pa.list_(pa.int64())),
+        "city": pa.array(["paris", "oslo", None, "paris"]),
+    })
+    pq.write_table(table, tmp_path / "part-0.parquet", row_group_size=3)
+    data = ParquetData(
+        path=str(tmp_path), eval_path=str(tmp_path), label="clicked", batch_size=4, shuffle=False, drop_remainder=False,
+        dense=[{"name": "price", "fill": -1.0}],
+        sparse=[{"name": "item", "num_embeddings": 10}, {"name": "tags", "num_embeddings": 8, "pooling": "mean"},
+                {"name": "city", "num_embeddings": 50, "encoding": "hash"}],
+    )
+    (batch,) = list(data.train_batches(0, 0, 1))
+    assert batch.labels.tolist() == [1, 0, 1, 0]
+    assert batch.dense_features[:, 0].tolist() == [1.5, -1.0, -3.0, 10.0]
+    assert bags(batch, "item") == [[3], [0], [9], []]
+    kjt = batch.sparse_features
+    assert kjt["tags"].lengths().tolist() == [2, 0, 0, 1] and kjt["tags"].values().tolist() == [1, 2, 7]
+    paris, oslo = fnv1a("paris") % 50, fnv1a("oslo") % 50
+    assert kjt["city"].lengths().tolist() == [1, 1, 0, 1] and kjt["city"].values().tolist() == [paris, oslo, paris]
+    tables = {t.name: t for t in data.features.embedding_tables(8)}
+    assert tables["t_tags"].pooling.value == "MEAN" and tables["t_item"].num_embeddings == 10
+
+
+def test_csv_multi_hot_missing_token_and_header(tmp_path: Path) -> None:
+    (tmp_path / "a.csv").write_text("y,age,genres,user\n1,30,a|b|c,u1\n0,NA,,u2\n1,-4,b,NA\n0,5,c|c,u1\n")
+    data = CsvData(
+        path=str(tmp_path / "a.csv"), eval_path=str(tmp_path / "a.csv"), label="y", batch_size=4, shuffle=False,
+        null_values=["", "NA"], dense=[{"name": "age", "transform": "log1p"}],
+        sparse=[{"name": "genres", "num_embeddings": 100, "encoding": "hash", "separator": "|"},
+                {"name": "user", "num_embeddings": 7, "encoding": "hash"}],
+    )
+    (batch,) = list(data.train_batches(0, 0, 1))
+    assert batch.labels.tolist() == [1, 0, 1, 0]
+    assert batch.dense_features[:, 0].tolist() == pytest.approx([math.log1p(30), 0.0, 0.0, math.log1p(5)])
+    g = {t: fnv1a(t) % 100 for t in "abc"}
+    assert bags(batch, "genres") == [[g["a"], g["b"], g["c"]], [], [g["b"]], [g["c"], g["c"]]]
+    assert bags(batch, "user") == [[fnv1a("u1") % 7], [fnv1a("u2") % 7], [], [fnv1a("u1") % 7]]
+
+
+def test_tsv_without_header_and_block_boundaries(tmp_path: Path) -> None:
+    lines = [f"{i % 2}\t{i}\t{i}" for i in range(23)]
+    (tmp_path / "x.tsv").write_text("\n".join(lines))  # no trailing newline on the last line
+    data = CsvData(path=str(tmp_path / "x.tsv"), eval_path=str(tmp_path / "x.tsv"), batch_size=5, shuffle=False, drop_remainder=False,
+                   delimiter="\t", header=False, column_names=["label", "v", "id"], block_rows=4,
+                   dense=[{"name": "v"}], sparse=[{"name": "id", "num_embeddings": 23}])
+    ids = [i for b in data.train_batches(0, 0, 1) for i in b.sparse_features["id"].values().tolist()]
+    assert ids == list(range(23))
+    dense = [v for b in data.eval_batches(0, 1) for v in b.dense_features[:, 0].tolist()]
+    assert dense == [float(i) for i in range(23)]
+
+
+def id_data(tmp_path: Path, n: int, **kw) -> ParquetData:
+    pq.write_table(pa.table({"label": np.arange(n) % 2, "rid": np.arange(n)}), tmp_path / "a.parquet", row_group_size=7)
+    pq.write_table(pa.table({"label": np.arange(n) % 2, "rid": np.arange(n, 2 * n)}), tmp_path / "b.parquet", row_group_size=11)
+    args = {"path": str(tmp_path), "batch_size": 4, "sparse": [{"name": "rid", "num_embeddings": 2 * n}], "shuffle_buffer_rows": 16} | kw
+    return ParquetData(**args)
+
+
+def row_ids(batches) -> list[int]:
+    return [i for b in batches for i in b.sparse_features["rid"].values().tolist()]
+
+
+def test_shards_are_disjoint_and_complete_over_ranks_and_workers(tmp_path: Path) -> None:
+    data = id_data(tmp_path, 100, eval_fraction=0.2, drop_remainder=False, num_workers=2)
+    world = 3
+    train = [row_ids(data.train_batches(1, r, world)) for r in range(world)]
+    evals = [row_ids(data.eval_batches(r, world)) for r in range(world)]
+    everything = sorted(sum(train, []) + sum(evals, []))
+    assert everything == list(range(200)), "every row exactly once per epoch, train and eval together"
+    assert not set(sum(train, [])) & set(sum(evals, []))
+    assert 20 < len(sum(evals, [])) < 60  # about eval_fraction of 200
+    # drop_remainder: equal full batches on every rank, rows still disjoint
+    data = id_data(tmp_path, 100, eval_fraction=0.2, num_workers=2)
+    train = [row_ids(data.train_batches(0, r, world)) for r in range(world)]
+    assert len({len(t) for t in train}) == 1 and len(train[0]) == 4 * data.num_train_batches(world)
+    assert len(set(sum(train, []))) == len(sum(train, []))
+
+
+def test_shuffle_is_seeded_per_epoch_and_bounded(tmp_path: Path) -> None:
+    data = id_data(tmp_path, 100, eval_fraction=0.2, drop_remainder=False)
+    e0, again, e1 = row_ids(data.train_batches(0, 0, 1)), row_ids(data.train_batches(0, 0, 1)), row_ids(data.train_batches(1, 0, 1))
+    assert e0 == again and e0 != e1 and sorted(e0) == sorted(e1)
+    assert e0 != sorted(e0)
+    unshuffled = row_ids(id_data(tmp_path, 100, eval_fraction=0.2, shuffle=False, drop_remainder=False).train_batches(0, 0, 1))
+    assert unshuffled == sorted(unshuffled)
+    assert row_ids(data.eval_batches(0, 1)) == row_ids(data.eval_batches(0, 1))
+
+
+def test_convert_criteo_then_train_schema_from_file_and_inspect(tmp_path: Path, capsys) -> None:
+    src = tmp_path / "day_0.tsv"
+    src.write_text("".join("\t".join(line) + "\n" for line in CRITEO_LINES))
+    assert data_main(["convert", "--format", "criteo", "--num-embeddings", "1000", str(src), str(tmp_path / "out")]) == 0
+    converted = ParquetData(path=str(tmp_path / "out"), eval_path=str(tmp_path / "out"), batch_size=2, shuffle=False)
+    raw = CriteoData(path=str(src), eval_path=str(src), batch_size=2, shuffle=False, num_embeddings=1000)
+    for a, b in zip(converted.train_batches(0, 0, 1), raw.train_batches(0, 0, 1), strict=True):
+        assert a.labels.tolist() == b.labels.tolist()
+        assert a.dense_features.flatten().tolist() == pytest.approx(b.dense_features.flatten().tolist())
+        assert a.sparse_features.values().tolist() == b.sparse_features.values().tolist()
+        assert a.sparse_features.lengths().tolist() == b.sparse_features.lengths().tolist()
+    assert [f.num_embeddings for f in converted.features.sparse] == [1000] * 26
+    capsys.readouterr()
+    assert data_main(["inspect", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "1 file(s), 4 rows" in out and "rate 0.5000" in out
+    cat1 = next(line for line in out.splitlines() if line.startswith("cat_1 "))
+    assert cat1.split()[-2:] == ["2", "2"]  # 2 nulls, 2 distinct values
+
+
+def test_inspect_criteo_text(tmp_path: Path, capsys) -> None:
+    src = tmp_path / "day_0.tsv"
+    src.write_text("".join("\t".join(line) + "\n" for line in CRITEO_LINES))
+    assert data_main(["inspect", "--format", "criteo", str(src)]) == 0
+    out = capsys.readouterr().out
+    int0 = next(line for line in out.splitlines() if line.startswith("int_0 "))
+    assert int0.split()[-2:] == ["1", "3"]
+
+
+def test_shared_tables_and_dims_from_schema(tmp_path: Path) -> None:
+    spec = FeatureSpec(("d",), (SparseFeature("a", 10, table="shared"), SparseFeature("b", 10, table="shared"),
+                                SparseFeature("c", 5, embedding_dim=4)))
+    tables = spec.embedding_tables(8)
+    assert [(t.name, t.feature_names, t.embedding_dim) for t in tables] == [("shared", ["a", "b"], 8), ("t_c", ["c"], 4)]
+    with pytest.raises(ConfigError, match="needs one embedding width.*'c': 4"):
+        spec.require_uniform_dim(8, "DeepFM")
+    bad = FeatureSpec((), (SparseFeature("a", 10, table="s"), SparseFeature("b", 11, table="s")))
+    with pytest.raises(ConfigError, match="share table 's' but differ"):
+        bad.embedding_tables(8)
+
+
+def test_converted_parquet_reader_matches_generator(tmp_path: Path) -> None:
+    write_criteo_parquet(str(tmp_path / "g.parquet"), 1000, num_embeddings=321, row_group_rows=128)
+    data = ParquetData(path=str(tmp_path / "g.parquet"), batch_size=100)
+    n = sum(b.labels.shape[0] for b in data.train_batches(0, 0, 1)) + sum(b.labels.shape[0] for b in data.eval_batches(0, 1))
+    assert 880 <= n <= 1000 and data.num_train_batches(1) * 100 <= n
+    assert all(int(b.sparse_features.values().max()) < 321 for b in data.train_batches(0, 0, 1))
