@@ -333,11 +333,14 @@ def _combined(arr: pa.ChunkedArray | pa.Array) -> pa.Array:
 
 
 def _numeric(arr: pa.ChunkedArray | pa.Array, name: str, where: Location, bad) -> pa.Array:
-    """``arr`` as float64 (nulls kept); text (CSV) is parsed, and unparsable fields are bad rows."""
+    """``arr`` as float64 (nulls kept); text files' fields are parsed, and unparsable ones are bad rows.
+
+    A typed (Parquet) column of a non-numeric type is a schema mistake, reported for the whole column.
+    """
     arr = _combined(arr)
     if pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type) or pa.types.is_boolean(arr.type) or pa.types.is_null(arr.type):
         return arr.cast(pa.float64())
-    if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
+    if (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)) and where.line_offset is not None:
         try:
             return arr.cast(pa.float64())
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError):

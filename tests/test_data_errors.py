@@ -1,0 +1,160 @@
+"""Bad data: one test per case, each asserting the message names the file, row and column and the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from recsys_runner.__main__ import run
+from recsys_runner.data.base import DataError
+from recsys_runner.data.tabular import CsvData, ParquetData
+from recsys_runner.errors import ConfigError
+
+SPARSE = [{"name": "item", "num_embeddings": 10}]
+
+
+def parquet(tmp_path: Path, name: str = "p.parquet", **cols) -> str:
+    table = pa.table(cols or {"label": [0, 1, 0], "item": [1, 2, 3], "price": [1.0, 2.0, 3.0]})
+    path = tmp_path / name
+    pq.write_table(table, path)
+    return str(path)
+
+
+def read_all(data) -> int:
+    return sum(b.labels.shape[0] for b in data.train_batches(0, 0, 1)) + sum(b.labels.shape[0] for b in data.eval_batches(0, 1))
+
+
+def make(path: str, **kw) -> ParquetData:
+    return ParquetData(**({"path": path, "eval_path": path, "batch_size": 2, "shuffle": False, "sparse": SPARSE} | kw))
+
+
+def test_missing_path(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match=r"data.path='.*nope' does not exist\. Fix: point data.path at a file, a directory or a glob"):
+        make(str(tmp_path / "nope"))
+
+
+def test_glob_matching_nothing(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match=r"data.path='.*day_\*.parquet' is a glob pattern that matches no files"):
+        make(str(tmp_path / "day_*.parquet"))
+
+
+def test_directory_without_parquet_files(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(DataError, match=r"is a directory without data files with a name ending in \.parquet"):
+        make(str(tmp_path))
+
+
+def test_missing_column(tmp_path: Path) -> None:
+    path = parquet(tmp_path)
+    with pytest.raises(DataError, match=r"p\.parquet has no column 'itme'; its columns are \['label', 'item', 'price'\]\. Fix: correct the column names"):
+        make(path, sparse=[{"name": "itme", "num_embeddings": 10}])
+
+
+def test_missing_column_in_csv_header(tmp_path: Path) -> None:
+    (tmp_path / "a.csv").write_text("label,item\n1,2\n")
+    with pytest.raises(DataError, match=r"a\.csv has no column 'price'; its header lists \['label', 'item'\]"):
+        CsvData(path=str(tmp_path / "a.csv"), sparse=SPARSE, dense=[{"name": "price"}])
+
+
+def test_wrong_type_string_as_dense(tmp_path: Path) -> None:
+    path = parquet(tmp_path, label=[0, 1], item=[1, 2], price=["cheap", "dear"])
+    data = make(path, dense=[{"name": "price"}])
+    with pytest.raises(DataError, match=r"p\.parquet, row group 0: column 'price' has type string, but it is used as a number.*Fix: move it to data.sparse"):
+        read_all(data)
+
+
+def test_wrong_type_csv_field_names_the_line(tmp_path: Path) -> None:
+    (tmp_path / "a.csv").write_text("label,item,price\n1,2,3.5\n0,1,abc\n")
+    data = CsvData(path=str(tmp_path / "a.csv"), eval_path=str(tmp_path / "a.csv"), batch_size=1, sparse=SPARSE, dense=[{"name": "price"}])
+    with pytest.raises(DataError, match=r"bad row in .*a\.csv, line 3, column 'price': 'abc' is not a number\. Fix the data, or set data.on_bad_rows=skip"):
+        read_all(data)
+
+
+def test_null_label(tmp_path: Path) -> None:
+    path = parquet(tmp_path, label=[0, None, 1], item=[1, 2, 3])
+    with pytest.raises(DataError, match=r"bad row in .*p\.parquet, row group 0, row 1 of the file, column 'label': the label is missing"):
+        read_all(make(path))
+
+
+def test_non_binary_label(tmp_path: Path) -> None:
+    path = parquet(tmp_path, label=[0, 1, 2], item=[1, 2, 3])
+    with pytest.raises(DataError, match=r"row 2 of the file, column 'label': the label is 2, but the task is binary \(BCE\) and needs 0 or 1"):
+        read_all(make(path))
+
+
+def test_truncated_parquet(tmp_path: Path) -> None:
+    path = parquet(tmp_path)
+    blob = Path(path).read_bytes()
+    Path(path).write_bytes(blob[: len(blob) // 2])
+    with pytest.raises(DataError, match=r"p\.parquet is not a readable Parquet file \(.*\): it is truncated or corrupt\. Fix: write it again"):
+        make(path)
+
+
+def test_corrupt_row_group(tmp_path: Path) -> None:
+    path = parquet(tmp_path, label=list(range(2)) * 500, item=[3] * 1000)
+    blob = bytearray(Path(path).read_bytes())
+    blob[4:200] = b"\xff" * 196  # garbage over the first column chunk's pages, footer intact
+    Path(path).write_bytes(bytes(blob))
+    with pytest.raises(DataError, match=r"p\.parquet, row group 0: cannot be read \(.*\); the file is corrupt"):
+        read_all(make(path))
+
+
+def test_empty_files(tmp_path: Path) -> None:
+    (tmp_path / "empty.parquet").write_bytes(b"")
+    with pytest.raises(DataError, match=r"empty\.parquet is an empty file \(0 bytes\)"):
+        make(str(tmp_path / "empty.parquet"))
+    pq.write_table(pa.table({"label": pa.array([], pa.int64()), "item": pa.array([], pa.int64())}), tmp_path / "norows.parquet")
+    with pytest.raises(DataError, match=r"norows\.parquet is an empty Parquet file \(0 rows\)"):
+        make(str(tmp_path / "norows.parquet"))
+    (tmp_path / "e.csv").write_text("")
+    with pytest.raises(DataError, match=r"e\.csv is an empty file"):
+        CsvData(path=str(tmp_path / "e.csv"), sparse=SPARSE)
+    (tmp_path / "h.csv").write_text("label,item\n")
+    with pytest.raises(DataError, match=r"h\.csv has a header but no rows"):
+        CsvData(path=str(tmp_path / "h.csv"), sparse=SPARSE)
+
+
+def test_out_of_range_id(tmp_path: Path) -> None:
+    path = parquet(tmp_path, label=[0, 1, 0], item=[1, 10, -1])
+    with pytest.raises(DataError, match=r"row 1 of the file, column 'item': id 10 is outside \[0, 10\) \(encoding=id\)\. "
+                                        r"Raise data.sparse\[item\].num_embeddings, or use encoding=mod or hash"):
+        read_all(make(path))
+
+
+def test_wrong_field_count_in_csv(tmp_path: Path) -> None:
+    (tmp_path / "a.csv").write_text("label,item\n1,2\n0,1,7\n1,3\n")
+    with pytest.raises(DataError, match=r"bad row in .*a\.csv, line 3: expected 2 fields separated by ',', found 3"):
+        read_all(CsvData(path=str(tmp_path / "a.csv"), eval_path=str(tmp_path / "a.csv"), batch_size=1, sparse=SPARSE))
+
+
+def test_skip_mode_skips_and_counts_every_kind(tmp_path: Path) -> None:
+    (tmp_path / "a.csv").write_text("label,item,price\n1,2,3.5\n0,1,abc\n2,1,1\n,1,1\n1,99,1\n0,1,1,1\n1,4,0\n")
+    data = CsvData(path=str(tmp_path / "a.csv"), eval_path=str(tmp_path / "a.csv"), batch_size=1, shuffle=False, on_bad_rows="skip",
+                   sparse=SPARSE, dense=[{"name": "price"}])
+    assert data.num_train_batches(1) is None
+    items = [b.sparse_features.values().tolist() for b in data.train_batches(0, 0, 1)]
+    assert items == [[2], [4]]
+    assert data.metrics()["data/bad_rows_skipped"] == 5  # non-number, label 2, null label, id 99, extra field
+
+
+def test_mixed_embedding_dims_rejected_for_deepfm(make_cfg, tmp_path: Path) -> None:
+    path = parquet(tmp_path, label=[0, 1] * 50, item=[1, 2] * 50, tag=[3, 4] * 50)
+    cfg = make_cfg("data=parquet", f"data.path={path}", "data.batch_size=8",
+                   "data.sparse=[{name: item, num_embeddings: 10}, {name: tag, num_embeddings: 10, embedding_dim: 8}]",
+                   "train.num_steps=2", "distributed.device=cpu", "tracking=none", tiny=False)
+    with pytest.raises(ConfigError, match=r"DeepFM/DLRM .* needs one embedding width .*model.embedding_dim=16.*\{'tag': 8\}"):
+        run(cfg)
+
+
+def test_config_mistakes_name_the_key() -> None:
+    with pytest.raises(ConfigError, match="data.path is required"):
+        ParquetData(sparse=SPARSE)
+    with pytest.raises(ConfigError, match=r"data.sparse\[item\].encoding='hsh' must be one of"):
+        ParquetData(path="x", sparse=[{"name": "item", "num_embeddings": 10, "encoding": "hsh"}])
+    with pytest.raises(ConfigError, match="data.eval_path and data.eval_fraction=0.2 are both set"):
+        ParquetData(path="x", eval_path="y", eval_fraction=0.2, sparse=SPARSE)
+    with pytest.raises(ConfigError, match="data.header=false needs data.column_names"):
+        CsvData(path="x", header=False, sparse=SPARSE)
