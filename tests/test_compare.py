@@ -1,0 +1,81 @@
+"""``python -m recsys_runner.compare``: table and PNGs from runs in an MLflow store; ``collect`` for a detached sweep."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from mlflow.entities import Metric, Param
+from mlflow.tracking import MlflowClient
+
+from recsys_runner import compare
+from recsys_runner.sweep import EXPECTED_JOBS_TAG, SWEEP_PARENT_TAG
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _child(client: MlflowClient, exp: str, parent: str, lr: float, model: str, auc: float, status: str = "FINISHED") -> str:
+    run = client.create_run(exp, run_name=f"optim.lr={lr},model={model}",
+                            tags={"mlflow.parentRunId": parent, "hydra.overrides": f"optim.lr={lr} model={model} train.num_steps=30"})
+    rid = run.info.run_id
+    params = [Param("optim.lr", str(lr)), Param("model._target_", f"recsys_runner.models.{model}.{model.upper()}"),
+              Param("train.num_steps", "30"), Param("tracking.uri", "sqlite:///x.db")]
+    metrics = [Metric("train/loss", 0.7 - 0.01 * s * lr, 0, s) for s in (10, 20, 30)] + [Metric("eval/auc", auc, 0, 30)]
+    client.log_batch(rid, metrics=metrics, params=params)
+    client.set_terminated(rid, status)
+    return rid
+
+
+@pytest.fixture
+def sweep(tmp_path: Path) -> tuple[str, str, dict[str, str]]:
+    uri = f"sqlite:///{tmp_path}/cmp.db"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("cmp")
+    parent = client.create_run(exp, run_name="sweep", tags={SWEEP_PARENT_TAG: "eval/auc", "sweep.overrides": "train.num_steps=30",
+                                                            EXPECTED_JOBS_TAG: "3"}).info.run_id
+    ids = {"a": _child(client, exp, parent, 0.01, "deepfm", 0.61), "b": _child(client, exp, parent, 0.1, "deepfm", 0.68),
+           "c": _child(client, exp, parent, 0.1, "dlrm", 0.65)}
+    return uri, parent, ids
+
+
+def test_table_and_pngs(sweep: tuple[str, str, dict[str, str]], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    uri, _, _ = sweep
+    assert compare.main(["--uri", uri, "--experiment", "cmp", "--out", str(tmp_path / "plots")]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    header = lines[0].split()
+    # Only what varies between the trials; bookkeeping (tracking.*) and constants are left out; parent excluded.
+    assert header == ["run", "status", "model._target_", "optim.lr", "eval/auc", "eval/logloss", "train/loss"]
+    rows = [line.split() for line in lines[2:5]]
+    assert [r[4] for r in rows] == ["0.6800", "0.6500", "0.6100"], "best first"
+    assert rows[0][2:4] == ["DEEPFM", "0.1"] and rows[1][2] == "DLRM"
+    assert "sweep" not in out.split("plots:")[0]
+    for name in ("curves.png", "eval_auc_vs_params.png"):
+        data = (tmp_path / "plots" / name).read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 10_000, name
+
+
+def test_parent_and_filter_select_runs(sweep: tuple[str, str, dict[str, str]], capsys: pytest.CaptureFixture[str]) -> None:
+    uri, parent, _ = sweep
+    assert compare.main(["--uri", uri, "--parent", parent, "--filter", "params.`optim.lr` = '0.1'", "--no-plots"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "optim.lr" not in lines[0], "constant within the selection, so not a column"
+    assert sorted(line.split()[2] for line in lines[2:]) == ["DEEPFM", "DLRM"]
+
+
+def test_collect_summarizes_a_finished_sweep(sweep: tuple[str, str, dict[str, str]], capsys: pytest.CaptureFixture[str]) -> None:
+    uri, parent, ids = sweep
+    assert compare.main(["collect", "--uri", uri, "--parent", parent, "--no-plots"]) == 0
+    p = MlflowClient(tracking_uri=uri).get_run(parent)
+    assert p.info.status == "FINISHED" and p.data.tags["best.run_id"] == ids["b"]
+    assert p.data.params == {"best.optim.lr": "0.1", "best.model": "deepfm"}
+    assert "best eval/auc=0.6800" in capsys.readouterr().out
+
+
+def test_collect_without_wait_reports_missing_jobs(sweep: tuple[str, str, dict[str, str]], capsys: pytest.CaptureFixture[str]) -> None:
+    uri, parent, _ = sweep
+    client = MlflowClient(tracking_uri=uri)
+    client.set_tag(parent, EXPECTED_JOBS_TAG, "4")  # one job still queued: no child run yet
+    assert compare.main(["collect", "--uri", uri, "--parent", parent, "--no-plots"]) == 1
+    assert "3 of 4 jobs ended" in capsys.readouterr().err
+    assert client.get_run(parent).info.status == "RUNNING"
