@@ -19,6 +19,8 @@ from recsys_runner.config import flatten, register_configs, validate
 from recsys_runner.errors import ConfigError
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.runner import train
+from recsys_runner.signals import Interrupted
+from recsys_runner.stopping import NonFiniteLossError
 
 log = logging.getLogger("recsys_runner")
 register_configs()
@@ -30,23 +32,35 @@ def run(cfg: DictConfig) -> float:
     c = build(cfg, spec)
     status = "FAILED"
     try:
-        overrides = _overrides()
-        c.tracker.start(
-            run_name=",".join(overrides) or "defaults",
-            tags={"hydra.overrides": " ".join(overrides), "world_size": str(c.env.world_size)},
-            params=flatten(cfg),
-        )
-        c.tracker.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
-        c.tracker.log_text(str(c.plan), "sharding_plan.txt")
+        if not (c.state.run_id and _resume_tracking(c.tracker, c.state.run_id)):
+            overrides = _overrides()
+            c.tracker.start(
+                run_name=",".join(overrides) or "defaults",
+                tags={"hydra.overrides": " ".join(overrides), "world_size": str(c.env.world_size)},
+                params=flatten(cfg),
+            )
+            c.tracker.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
+            c.tracker.log_text(str(c.plan), "sharding_plan.txt")
+        c.state.run_id = getattr(c.tracker, "run_id", None) or c.state.run_id
         final = train(c)
         status = "FINISHED"
         return final["eval/auc"]
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Interrupted):
         status = "KILLED"
         raise
     finally:
         c.tracker.finish(status)
         c.close()
+
+
+def _resume_tracking(tracker: object, run_id: str) -> bool:
+    """Continue the checkpoint's MLflow run; ``False`` (start a new one) if this store lacks it."""
+    try:
+        tracker.resume(run_id)  # type: ignore[attr-defined]
+        return True
+    except Exception as e:  # a different tracking store, or the run was deleted
+        log.warning("cannot continue MLflow run %s (%s); starting a new run", run_id, e)
+        return False
 
 
 def _overrides() -> list[str]:
@@ -62,6 +76,12 @@ def main(cfg: DictConfig) -> float:
             raise
         print(f"Config error: {e}", file=sys.stderr)
         sys.exit(2)
+    except Interrupted as e:
+        print(f"Interrupted: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except NonFiniteLossError as e:
+        print(f"Training failed: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

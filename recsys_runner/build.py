@@ -1,11 +1,12 @@
 """Build the run's object graph from a validated config, in one fixed order.
 
 The order is TorchRec's: process group → data → model with embedding tables on ``meta`` → fused
-sparse optimizer attached → sharding plan → DistributedModelParallel → dense optimizer over what
-is left → lr schedule → train pipeline → tracker. Every component comes from
-``hydra.utils.instantiate``; the ones that need runtime objects (the data's features, the device,
-the parameters that exist only after sharding, the step count) are partials completed here.
-Nothing here knows a model's or an optimizer's name.
+sparse optimizer attached → sharding plan → DistributedModelParallel → dense optimizers over what
+is left → lr schedules → step policy → train pipeline → tracker → checkpointer (which restores a
+resumed or fine-tuned state last, once everything it loads into exists). Every component comes
+from ``hydra.utils.instantiate``; the ones that need runtime objects (the data's features, the
+device, the parameters that exist only after sharding, the step count) are partials completed
+here. Nothing here knows a model's or an optimizer's name.
 """
 
 from __future__ import annotations
@@ -21,15 +22,21 @@ from omegaconf import DictConfig
 from torch import nn
 from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
 from torchrec.distributed.types import ShardingPlan
-from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.keyed import CombinedOptimizer
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
+from recsys_runner.checkpoint import Checkpointer, TrainState
 from recsys_runner.config import RunConfig
 from recsys_runner.data import DataModule
 from recsys_runner.distributed import DistEnv, Distributed
+from recsys_runner.ema import DenseEMA
 from recsys_runner.errors import ConfigError
 from recsys_runner.models.common import TrainWrapper
-from recsys_runner.optim import apply_sparse_optimizer
+from recsys_runner.optim import apply_sparse_optimizer, dense_optimizers
+from recsys_runner.scheduler import SchedulePosition
+from recsys_runner.scheduler import lr_scheduler as make_lr_scheduler
+from recsys_runner.stepping import StepPolicy
+from recsys_runner.stopping import EarlyStopping
 from recsys_runner.tracking import NullTracker, Tracker
 
 
@@ -48,6 +55,12 @@ class Components:
     pipeline: TrainPipelineBase | TrainPipelineSparseDist
     tracker: Tracker
     total_steps: int
+    steps_per_epoch: int | None
+    policy: StepPolicy
+    ema: DenseEMA | None
+    early_stopping: EarlyStopping
+    checkpointer: Checkpointer
+    state: TrainState
 
     def close(self) -> None:
         """Release the process group (the tracker is finished by the runner, with a status)."""
@@ -67,38 +80,79 @@ def build(cfg: DictConfig, run: RunConfig) -> Components:
     distributed: Distributed = instantiate(cfg.distributed)
     env = distributed.setup()
     try:
+        precision = instantiate(cfg.precision)
+        precision.apply_tf32()
         data: DataModule = instantiate(cfg.data)
-        total_steps = _total_steps(run, data, env.world_size)
+        steps_per_epoch = _steps_per_epoch(data, env.world_size, run.train.grad_accum_steps)
+        total_steps = _total_steps(run, steps_per_epoch)
         model = instantiate(cfg.model)(features=data.features, dense_device=env.device)
-        wrapped = TrainWrapper(model, autocast=instantiate(cfg.precision).autocast(env.device))
+        wrapped = TrainWrapper(model, autocast=precision.autocast(env.device))
         apply_sparse_optimizer(wrapped, instantiate(cfg.optim.sparse))
         plan = distributed.plan(wrapped, batch_size=data.batch_size)
         sharded = distributed.shard(wrapped, plan)
-        dense_factory = instantiate(cfg.optim.dense)
-        dense = KeyedOptimizerWrapper(
-            dict(in_backward_optimizer_filter(sharded.named_parameters())), lambda params: dense_factory(params)
+        dense_params = dict(in_backward_optimizer_filter(sharded.named_parameters()))
+        parts = {name: (part.pattern, instantiate(part.optimizer)) for name, part in cfg.optim.parts.items()}
+        optimizer = CombinedOptimizer(
+            [("sparse", sharded.fused_optimizer), *dense_optimizers(dense_params, instantiate(cfg.optim.dense), parts)]
         )
-        optimizer = CombinedOptimizer([("sparse", sharded.fused_optimizer), ("dense", dense)])
-        schedule = instantiate(cfg.scheduler)(total_steps=total_steps)
-        lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=schedule)
-        pipeline = distributed.pipeline(sharded, optimizer)
+        lr_scheduler = make_lr_scheduler(optimizer, *_schedules(cfg, total_steps, steps_per_epoch))
+        ema = DenseEMA(dense_params, run.train.ema.decay) if run.train.ema.decay is not None else None
+        policy = StepPolicy(optimizer, accumulation_steps=run.train.grad_accum_steps, scaler=precision.grad_scaler(env.device),
+                            clip=run.train.clip_grad, ema=ema)
+        pipeline = distributed.pipeline(sharded, policy if policy.active else optimizer)  # type: ignore[arg-type]
+        if policy.active:
+            policy.install(pipeline, sharded)
         tracker: Tracker = instantiate(cfg.tracking)() if env.is_main else NullTracker()
+        early_stopping = EarlyStopping(**vars(run.train.early_stopping))
+        checkpointer: Checkpointer = instantiate(cfg.checkpoint)(rank=env.rank, world_size=env.world_size)
+        checkpointer.attach(
+            model=sharded, optimizer=optimizer, tensors={"ema": ema} if ema is not None else {},
+            objects={"lr_scheduler": SchedulePosition(lr_scheduler), "policy": policy, "early_stopping": early_stopping},
+        )
+        state = checkpointer.restore()
     except BaseException:
         distributed.close()
         raise
     return Components(
         run=run, env=env, distributed=distributed, data=data, model=sharded, plan=plan, optimizer=optimizer,
-        lr_scheduler=lr_scheduler, pipeline=pipeline, tracker=tracker, total_steps=total_steps,
+        lr_scheduler=lr_scheduler, pipeline=pipeline, tracker=tracker, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
+        policy=policy, ema=ema, early_stopping=early_stopping, checkpointer=checkpointer, state=state,
     )
 
 
-def _total_steps(run: RunConfig, data: Any, world_size: int) -> int:
+def _schedules(cfg: DictConfig, total_steps: int, steps_per_epoch: int | None) -> tuple[dict[str, Any], Any]:
+    """The default schedule and the per-optimizer-key ones that replace it."""
+
+    def make(node: Any) -> Any:
+        return instantiate(node)(total_steps=total_steps, steps_per_epoch=steps_per_epoch)
+
+    default = make(cfg.scheduler)
+    own: dict[str, Any] = {}
+    if cfg.optim.sparse_scheduler is not None:
+        own["sparse"] = make(cfg.optim.sparse_scheduler)
+    dense = make(cfg.optim.dense_scheduler) if cfg.optim.dense_scheduler is not None else None
+    if dense is not None:
+        own["dense"] = dense
+    for name, part in cfg.optim.parts.items():
+        if part.scheduler is not None:
+            own[f"part.{name}"] = make(part.scheduler)
+        elif dense is not None:
+            own[f"part.{name}"] = dense
+    return own, default
+
+
+def _steps_per_epoch(data: Any, world_size: int, accumulation: int) -> int | None:
+    per_epoch = data.num_train_batches(world_size)
+    return per_epoch // accumulation if per_epoch else None
+
+
+def _total_steps(run: RunConfig, steps_per_epoch: int | None) -> int:
     if run.train.num_steps is not None:
         return run.train.num_steps
-    per_epoch = data.num_train_batches(world_size)
-    if not per_epoch:
+    if not steps_per_epoch:
         raise ConfigError(
-            "train.num_epochs needs a dataset whose size is known up front, and this one has no full batch per "
-            "rank; use train.num_steps instead, or more data / a smaller data.batch_size"
+            "train.num_epochs needs a dataset whose size is known up front, and this one has no full step per "
+            "rank; use train.num_steps instead, or more data / a smaller data.batch_size / train.grad_accum_steps"
         )
-    return run.train.num_epochs * per_epoch
+    assert run.train.num_epochs is not None
+    return run.train.num_epochs * steps_per_epoch

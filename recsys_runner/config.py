@@ -20,25 +20,41 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from recsys_runner.checkpoint import CheckpointConfig
 from recsys_runner.data.synthetic import SyntheticDataConfig
 from recsys_runner.data.tabular import CriteoDataConfig, CsvDataConfig, ParquetDataConfig
 from recsys_runner.distributed import DistributedConfig, check_sharding_types, resolve_device_type
+from recsys_runner.ema import EmaConfig
 from recsys_runner.errors import ConfigError, require
 from recsys_runner.models.deepfm import DeepFMConfig
 from recsys_runner.models.dlrm import DLRMConfig
 from recsys_runner.optim import (
     DenseAdagradConfig,
     DenseAdamConfig,
+    DenseAdamWConfig,
     DenseSGDConfig,
     OptimConfig,
     SparseAdagradConfig,
     SparseAdamConfig,
+    SparseLAMBConfig,
+    SparseLarsSGDConfig,
+    SparsePartialRowWiseAdamConfig,
+    SparsePartialRowWiseLAMBConfig,
     SparseRowWiseAdagradConfig,
     SparseSGDConfig,
     check_sparse_on_device,
 )
 from recsys_runner.precision import PrecisionConfig
-from recsys_runner.scheduler import ConstantConfig, CosineConfig, ExponentialDecayConfig
+from recsys_runner.profiling import ProfileConfig
+from recsys_runner.scheduler import (
+    ConstantConfig,
+    CosineConfig,
+    CosineRestartsConfig,
+    ExponentialDecayConfig,
+    ManualStepConfig,
+)
+from recsys_runner.stepping import ClipConfig
+from recsys_runner.stopping import EarlyStoppingConfig
 from recsys_runner.tracking import NoTrackingConfig, TrackingConfig
 
 
@@ -56,6 +72,23 @@ class TrainConfig:
     """Evaluate every this many steps; ``null`` evaluates only at the end."""
     eval_max_batches: int | None = None
     """Cap on eval batches per rank (``null`` = the whole eval split)."""
+    grad_accum_steps: int = 1
+    """Micro-batches per optimizer step; dense gradients are averaged over them (see docs/training.md
+    for how this interacts with the fused embedding optimizers, which update every micro-batch)."""
+    clip_grad: ClipConfig = field(default_factory=ClipConfig)
+    """Clipping of the dense gradients (``train.clip_grad.max=1.0``)."""
+    ema: EmaConfig = field(default_factory=EmaConfig)
+    """Moving average of the dense weights (``train.ema.decay=0.999``)."""
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+    """Stop when an eval metric stops improving (``train.early_stopping.patience=3``)."""
+    nan_guard: bool = True
+    """Stop with a clear error when the train loss is NaN/inf (checked at log steps and before each
+    checkpoint, so a non-finite state is never saved)."""
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    """torch.profiler trace of a few steps, stored in MLflow (``debug=profile``)."""
+    stop_after_steps: int | None = None
+    """Train at most this many steps in this process, then checkpoint and exit like an interruption;
+    relaunching continues (time slices on a preemptible cluster). ``null``: run to the end."""
 
     def __post_init__(self) -> None:
         require(
@@ -74,6 +107,13 @@ class TrainConfig:
             self.eval_max_batches is None or self.eval_max_batches > 0,
             f"train.eval_max_batches must be positive or null, got {self.eval_max_batches}",
         )
+        require(self.stop_after_steps is None or self.stop_after_steps > 0,
+                f"train.stop_after_steps must be positive or null, got {self.stop_after_steps}")
+        require(self.grad_accum_steps > 0, f"train.grad_accum_steps must be positive, got {self.grad_accum_steps}")
+        require(
+            self.early_stopping.patience is None or self.eval_every_steps is not None,
+            "train.early_stopping.patience needs periodic evaluation: set train.eval_every_steps (e.g. 500)",
+        )
 
 
 @dataclass(kw_only=True)
@@ -87,6 +127,7 @@ class RunConfig:
     distributed: Any = None
     precision: Any = None
     tracking: Any = None
+    checkpoint: Any = None
     train: TrainConfig = field(default_factory=TrainConfig)
     seed: int = 0
     """Seeds torch on every rank (dense init, dropout); data has its own ``data.seed``."""
@@ -101,11 +142,22 @@ GROUPS: dict[str, dict[str, type]] = {
         "adagrad": SparseAdagradConfig,
         "rowwise_adagrad": SparseRowWiseAdagradConfig,
         "adam": SparseAdamConfig,
+        "lamb": SparseLAMBConfig,
+        "lars_sgd": SparseLarsSGDConfig,
+        "partial_rowwise_adam": SparsePartialRowWiseAdamConfig,
+        "partial_rowwise_lamb": SparsePartialRowWiseLAMBConfig,
     },
-    "optim/dense": {"sgd": DenseSGDConfig, "adagrad": DenseAdagradConfig, "adam": DenseAdamConfig},
-    "scheduler": {"constant": ConstantConfig, "exponential_decay": ExponentialDecayConfig, "cosine": CosineConfig},
+    "optim/dense": {"sgd": DenseSGDConfig, "adagrad": DenseAdagradConfig, "adam": DenseAdamConfig, "adamw": DenseAdamWConfig},
+    "scheduler": {
+        "constant": ConstantConfig,
+        "exponential_decay": ExponentialDecayConfig,
+        "cosine": CosineConfig,
+        "cosine_restarts": CosineRestartsConfig,
+        "manual_step": ManualStepConfig,
+    },
     "distributed": {"distributed": DistributedConfig},
     "precision": {"precision": PrecisionConfig},
+    "checkpoint": {"checkpoint": CheckpointConfig},
     "tracking": {"mlflow": TrackingConfig, "none": NoTrackingConfig},
 }
 """Every schema, by group and name. A new option registers its dataclass here."""

@@ -12,11 +12,21 @@ the parameters that are left once sharding is done.
 
 ``optim.lr`` is the shared learning rate: both ``optim.sparse.lr`` and ``optim.dense.lr`` default
 to it and can be set independently.
+
+Part-wise dense optimizers (``optim.parts.<name>``): dense parameters whose name matches a part's
+regex get that part's optimizer (and optionally its own schedule) instead of ``optim.dense``;
+parts are matched in the order they are declared and the first match wins.
+
+fbgemm's CPU build implements only ``sgd``, ``adagrad`` and ``rowwise_adagrad``; every other fused
+optimizer composes and instantiates anywhere but is rejected on CPU by
+:func:`check_sparse_on_device` before anything is built.
 """
 
 from __future__ import annotations
 
 import functools
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +35,7 @@ from omegaconf import II
 from torch import nn
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.keyed import KeyedOptimizer, KeyedOptimizerWrapper
 
 from recsys_runner.errors import ConfigError, require
 
@@ -44,6 +55,16 @@ class OptimConfig:
     """Fused embedding optimizer; choose with ``optim/sparse=<name>``."""
     dense: Any = None
     """Dense optimizer; choose with ``optim/dense=<name>``."""
+    parts: dict[str, PartConfig] = field(default_factory=dict)
+    """Part-wise dense optimizers by parameter-name regex, e.g.
+    ``+optim.parts.over={pattern: over_arch, optimizer: {_target_: torch.optim.SGD, _partial_: true, lr: 0.1}}``;
+    parameters no part matches use ``optim.dense``."""
+    sparse_scheduler: Any = None
+    """Schedule of the sparse lr only; ``null`` uses the top-level ``scheduler``. Set with
+    ``+scheduler@optim.sparse_scheduler=cosine``."""
+    dense_scheduler: Any = None
+    """Schedule of the dense lr only; ``null`` uses the top-level ``scheduler``
+    (``+scheduler@optim.dense_scheduler=exponential_decay``)."""
 
     def __post_init__(self) -> None:
         require(self.lr > 0, f"optim.lr must be positive, got {self.lr}. Fix: e.g. optim.lr=0.01")
@@ -51,7 +72,51 @@ class OptimConfig:
         require(self.dense is not None, "optim.dense is not set; choose one with optim/dense=adagrad (or sgd, adam)")
 
 
+@dataclass(kw_only=True)
+class PartConfig:
+    """One part-wise dense optimizer: ``optim.parts.<name>``."""
+
+    pattern: str
+    """Regular expression searched (``re.search``) in each dense parameter's name, e.g. ``over_arch``."""
+    lr: float = II("...lr")
+    """The part's lr, which its optimizer's ``lr`` follows unless set; defaults to ``optim.lr``."""
+    optimizer: Any = None
+    """A dense optimizer config (``_target_`` a ``torch.optim`` class, ``_partial_: true``)."""
+    scheduler: Any = None
+    """The part's own schedule; ``null`` uses ``optim.dense_scheduler`` or else ``scheduler``."""
+
+    def __post_init__(self) -> None:
+        try:
+            re.compile(self.pattern)
+        except re.error as e:
+            raise ConfigError(f"optim.parts pattern {self.pattern!r} is not a valid regular expression: {e}") from None
+        require(self.optimizer is not None, f"optim.parts with pattern {self.pattern!r} has no optimizer; set its "
+                "optimizer: {_target_: torch.optim.SGD, _partial_: true, lr: 0.1} (any torch.optim class)")
+
+
 # ----- sparse (fused, fbgemm) -------------------------------------------------------------------
+
+_WEIGHT_DECAY_MODES = ("none", "l2", "decouple")
+
+
+@dataclass(kw_only=True)
+class _FusedExtras:
+    weight_decay_mode: str = "none"
+    """How ``weight_decay`` is applied by fbgemm: ``none``, ``l2`` (added to the gradient) or
+    ``decouple`` (AdamW-style, applied to the weights)."""
+    gradient_clipping: bool = False
+    """Clip each embedding gradient element to ``[-max_gradient, max_gradient]`` inside the kernel."""
+    max_gradient: float = 1.0
+    """Clipping threshold when ``gradient_clipping`` is on."""
+
+    def _check_extras(self, weight_decay: float) -> None:
+        require(self.weight_decay_mode in _WEIGHT_DECAY_MODES,
+                f"optim.sparse.weight_decay_mode={self.weight_decay_mode!r} must be one of {_WEIGHT_DECAY_MODES}")
+        require(self.max_gradient > 0, f"optim.sparse.max_gradient must be positive, got {self.max_gradient}")
+        require(weight_decay == 0 or self.weight_decay_mode != "none",
+                f"optim.sparse.weight_decay={weight_decay} has no effect with weight_decay_mode=none; "
+                "set optim.sparse.weight_decay_mode=l2 (or decouple)")
+
 
 
 @dataclass(kw_only=True)
@@ -67,7 +132,7 @@ class SparseSGDConfig:
 
 
 @dataclass(kw_only=True)
-class SparseAdagradConfig:
+class SparseAdagradConfig(_FusedExtras):
     """Adagrad with one accumulator per embedding element (fbgemm ``EXACT_ADAGRAD``)."""
 
     _target_: str = "torchrec.optim.Adagrad"
@@ -79,6 +144,7 @@ class SparseAdagradConfig:
     def __post_init__(self) -> None:
         _check_common("optim.sparse", self.lr, self.weight_decay)
         require(self.eps > 0, f"optim.sparse.eps must be positive, got {self.eps}")
+        self._check_extras(self.weight_decay)
 
 
 @dataclass(kw_only=True)
@@ -90,8 +156,8 @@ class SparseRowWiseAdagradConfig(SparseAdagradConfig):
 
 
 @dataclass(kw_only=True)
-class SparseAdamConfig:
-    """Adam on embedding rows (fbgemm ``ADAM``); keeps two moments per element."""
+class SparseAdamConfig(_FusedExtras):
+    """Adam on embedding rows (fbgemm ``ADAM``, GPU only); keeps two moments per element."""
 
     _target_: str = "torchrec.optim.Adam"
     _partial_: bool = True
@@ -104,6 +170,48 @@ class SparseAdamConfig:
     def __post_init__(self) -> None:
         _check_common("optim.sparse", self.lr, self.weight_decay)
         require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, f"optim.sparse.beta1/beta2 must lie in [0, 1), got {self.beta1}, {self.beta2}")
+        require(self.eps > 0, f"optim.sparse.eps must be positive, got {self.eps}")
+        self._check_extras(self.weight_decay)
+
+
+@dataclass(kw_only=True)
+class SparsePartialRowWiseAdamConfig(SparseAdamConfig):
+    """Adam whose second moment is kept per row (fbgemm ``PARTIAL_ROWWISE_ADAM``, GPU only)."""
+
+    _target_: str = "torchrec.optim.PartialRowWiseAdam"
+
+
+@dataclass(kw_only=True)
+class SparseLAMBConfig(SparseAdamConfig):
+    """LAMB: Adam with a per-table trust ratio (fbgemm ``LAMB``, GPU only)."""
+
+    _target_: str = "torchrec.optim.LAMB"
+
+
+@dataclass(kw_only=True)
+class SparsePartialRowWiseLAMBConfig(SparseAdamConfig):
+    """LAMB with a row-wise second moment (fbgemm ``PARTIAL_ROWWISE_LAMB``, GPU only)."""
+
+    _target_: str = "torchrec.optim.PartialRowWiseLAMB"
+
+
+@dataclass(kw_only=True)
+class SparseLarsSGDConfig(_FusedExtras):
+    """LARS SGD: SGD with a layer-wise trust ratio (fbgemm ``LARS_SGD``, GPU only)."""
+
+    _target_: str = "torchrec.optim.LarsSGD"
+    _partial_: bool = True
+    lr: float = II("..lr")
+    eta: float = 0.001
+    """LARS trust coefficient."""
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_common("optim.sparse", self.lr, self.weight_decay)
+        require(self.eta > 0, f"optim.sparse.eta must be positive, got {self.eta}")
+        require(0 <= self.momentum < 1, f"optim.sparse.momentum must lie in [0, 1), got {self.momentum}")
+        self._check_extras(self.weight_decay)
 
 
 # ----- dense (torch.optim) ----------------------------------------------------------------------
@@ -152,7 +260,16 @@ class DenseAdamConfig:
 
     def __post_init__(self) -> None:
         _check_common("optim.dense", self.lr, self.weight_decay)
-        require(len(self.betas) == 2, f"optim.dense.betas needs two values, got {self.betas}")
+        require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+                f"optim.dense.betas needs two values in [0, 1), got {self.betas}")
+
+
+@dataclass(kw_only=True)
+class DenseAdamWConfig(DenseAdamConfig):
+    """``torch.optim.AdamW`` (decoupled weight decay) for the dense parameters."""
+
+    _target_: str = "torch.optim.AdamW"
+    weight_decay: float = 0.01
 
 
 CPU_FUSED_SPARSE = {"torchrec.optim.SGD": "sgd", "torchrec.optim.Adagrad": "adagrad", "torchrec.optim.RowWiseAdagrad": "rowwise_adagrad"}
@@ -173,6 +290,16 @@ def check_sparse_on_device(sparse_target: str, device_type: str) -> None:
 # ----- wiring -----------------------------------------------------------------------------------
 
 
+def fbgemm_kwargs(keywords: Mapping[str, Any]) -> dict[str, Any]:
+    """A sparse optimizer's config kwargs as fbgemm takes them (``weight_decay_mode`` as its enum)."""
+    from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
+
+    out = dict(keywords)
+    if "weight_decay_mode" in out:
+        out["weight_decay_mode"] = WeightDecayMode[str(out["weight_decay_mode"]).upper()]
+    return out
+
+
 def apply_sparse_optimizer(model: nn.Module, sparse: functools.partial[torch.optim.Optimizer]) -> None:
     """Attach the fused optimizer to every embedding module's parameters in ``model``.
 
@@ -182,4 +309,31 @@ def apply_sparse_optimizer(model: nn.Module, sparse: functools.partial[torch.opt
     embedding_modules = [m for m in model.modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))]
     assert embedding_modules, "model has no embedding module; every model builds a SparseArch"
     for module in embedding_modules:
-        apply_optimizer_in_backward(sparse.func, module.parameters(), dict(sparse.keywords))
+        apply_optimizer_in_backward(sparse.func, module.parameters(), fbgemm_kwargs(sparse.keywords))
+
+
+def dense_optimizers(
+    params: Mapping[str, nn.Parameter],
+    dense: Callable[..., torch.optim.Optimizer],
+    parts: Mapping[str, tuple[str, Callable[..., torch.optim.Optimizer]]],
+) -> list[tuple[str, KeyedOptimizer]]:
+    """Split dense ``params`` by the parts' regexes: ``[("part.<name>", opt), …, ("dense", opt)]``.
+
+    ``parts`` maps a part name to ``(pattern, optimizer partial)``; the first matching part takes a
+    parameter. A part that matches nothing is a config mistake and raises :class:`ConfigError`.
+    """
+    remaining = dict(params)
+    out: list[tuple[str, KeyedOptimizer]] = []
+    for name, (pattern, factory) in parts.items():
+        taken = {k: p for k, p in remaining.items() if re.search(pattern, k)}
+        if not taken:
+            raise ConfigError(
+                f"optim.parts.{name}.pattern={pattern!r} matches no dense parameter; dense parameter names are e.g. "
+                f"{sorted(remaining)[:6]}"
+            )
+        for k in taken:
+            del remaining[k]
+        out.append((f"part.{name}", KeyedOptimizerWrapper(taken, lambda ps, f=factory: f(ps))))
+    if remaining:
+        out.append(("dense", KeyedOptimizerWrapper(remaining, lambda ps: dense(ps))))
+    return out

@@ -1,20 +1,54 @@
-"""Precision policy: which dtype the dense forward runs in.
+"""Precision policy: the dense compute dtype, fp16 loss scaling, TF32 switches.
 
-``fp32`` runs everything in float32. ``bf16`` runs the dense arches under ``torch.autocast`` in
-bfloat16 (on CPU too, where recent x86 cores have native bf16 matmul; measured ~1.2× on DeepFM);
-parameters, optimizer state, the embedding tables and the loss stay in float32, so no gradient
-scaling is needed.
+``fp32`` runs everything in float32. ``bf16`` and ``fp16`` run the dense arches under
+``torch.autocast`` in that dtype — on CPU too (torch's CPU autocast supports both; recent x86
+cores have native bf16 matmul, fp16 is mostly emulated there and useful to test the code path).
+Parameters, optimizer state, the embedding tables and the loss stay in float32.
+
+fp16 has a narrow exponent, so small gradients underflow: ``precision.grad_scaler`` multiplies
+the loss by a dynamic scale before backward (``torch.amp.GradScaler``), unscales the dense
+gradients before clipping and the optimizer step, skips steps whose gradients overflowed and
+adapts the scale (``growth_factor`` after ``growth_interval`` good steps, ``backoff_factor`` after
+an overflow). The fused embedding optimizer updates rows *inside* backward, so the gradient
+reaching the embedding tables is unscaled on its way there (:mod:`recsys_runner.stepping`).
+bf16 has fp32's exponent range and needs no scaler.
+
+``allow_tf32_matmul`` / ``allow_tf32_cudnn`` let CUDA matmuls / cuDNN convolutions use TF32
+tensor cores (Ampere and newer): ~10 bits of mantissa instead of 23, much faster. They are
+process-wide torch flags; on CPU they are set but change nothing (no TF32 on CPUs).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from recsys_runner.errors import require
 
-_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(kw_only=True)
+class GradScalerConfig:
+    """``precision.grad_scaler``: dynamic loss scaling (used with ``dtype: fp16``)."""
+
+    enabled: bool | None = None
+    """``null``: on for fp16, off otherwise; ``true`` forces it on (any dtype), ``false`` off."""
+    init_scale: float = 65536.0
+    """Initial loss scale."""
+    growth_factor: float = 2.0
+    """The scale is multiplied by this after ``growth_interval`` steps without overflow."""
+    backoff_factor: float = 0.5
+    """The scale is multiplied by this after a step whose gradients overflowed (the step is skipped)."""
+    growth_interval: int = 2000
+    """Overflow-free steps before the scale grows."""
+
+    def __post_init__(self) -> None:
+        require(self.init_scale > 0, f"precision.grad_scaler.init_scale must be positive, got {self.init_scale}")
+        require(self.growth_factor > 1, f"precision.grad_scaler.growth_factor must be > 1, got {self.growth_factor}")
+        require(0 < self.backoff_factor < 1, f"precision.grad_scaler.backoff_factor must lie in (0, 1), got {self.backoff_factor}")
+        require(self.growth_interval > 0, f"precision.grad_scaler.growth_interval must be positive, got {self.growth_interval}")
 
 
 @dataclass(kw_only=True)
@@ -23,19 +57,48 @@ class PrecisionConfig:
 
     _target_: str = "recsys_runner.precision.Precision"
     dtype: str = "fp32"
-    """Dense compute dtype: ``fp32`` or ``bf16``."""
+    """Dense compute dtype: ``fp32``, ``bf16`` or ``fp16``."""
+    grad_scaler: GradScalerConfig = field(default_factory=GradScalerConfig)
+    """Dynamic loss scaling; on by default for fp16 only."""
+    allow_tf32_matmul: bool = False
+    """``torch.backends.cuda.matmul.allow_tf32`` (CUDA only; torch's default is off)."""
+    allow_tf32_cudnn: bool = True
+    """``torch.backends.cudnn.allow_tf32`` (CUDA only; torch's default is on)."""
 
     def __post_init__(self) -> None:
-        require(self.dtype in _DTYPES, f"precision.dtype={self.dtype!r} is not one of {sorted(_DTYPES)}; choose precision=fp32 or precision=bf16")
+        require(self.dtype in _DTYPES, f"precision.dtype={self.dtype!r} is not one of {sorted(_DTYPES)}; "
+                "choose precision=fp32, precision=bf16 or precision=fp16")
 
 
 class Precision:
-    """Turns the configured dtype into an autocast context for a device type."""
+    """Turns the configured dtype into an autocast context and a loss scaler for a device type."""
 
-    def __init__(self, dtype: str = "fp32") -> None:
+    def __init__(
+        self, dtype: str = "fp32", grad_scaler: GradScalerConfig | dict | None = None,
+        allow_tf32_matmul: bool = False, allow_tf32_cudnn: bool = True,
+    ) -> None:
         self.dtype = dtype
+        scaler = grad_scaler if isinstance(grad_scaler, GradScalerConfig) else GradScalerConfig(**(grad_scaler or {}))
+        self.scaler_config = scaler
+        self.allow_tf32_matmul, self.allow_tf32_cudnn = allow_tf32_matmul, allow_tf32_cudnn
+
+    def apply_tf32(self) -> None:
+        """Set torch's process-wide TF32 switches (no effect on CPU computation)."""
+        torch.backends.cuda.matmul.allow_tf32 = self.allow_tf32_matmul
+        torch.backends.cudnn.allow_tf32 = self.allow_tf32_cudnn
 
     def autocast(self, device: torch.device) -> torch.autocast | None:
         """The autocast to run the dense forward under, or ``None`` for float32."""
         fast = _DTYPES[self.dtype]
         return None if fast is None else torch.autocast(device_type=device.type, dtype=fast)
+
+    def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler | None:
+        """A ``GradScaler`` when loss scaling is on (fp16 by default), else ``None``."""
+        c = self.scaler_config
+        enabled = c.enabled if c.enabled is not None else self.dtype == "fp16"
+        if not enabled:
+            return None
+        return torch.amp.GradScaler(
+            device.type, init_scale=c.init_scale, growth_factor=c.growth_factor,
+            backoff_factor=c.backoff_factor, growth_interval=c.growth_interval,
+        )

@@ -1,57 +1,140 @@
-"""The training loop: steps or epochs, periodic and final eval, logging. Nothing else.
+"""The training loop: steps or epochs, periodic eval, checkpoints, stopping, logging. Nothing else.
 
 Per-step mechanics (moving the batch, forward, backward, optimizer step, input distribution of
-the next batch) belong to the TrainPipeline; building belongs to :mod:`recsys_runner.build`.
+the next batch) belong to the TrainPipeline and the step policy (:mod:`recsys_runner.stepping`);
+building and restoring belong to :mod:`recsys_runner.build`; what a checkpoint holds to
+:mod:`recsys_runner.checkpoint`. A step is one optimizer step (``train.grad_accum_steps``
+micro-batches). Training stops at ``c.total_steps``, on early stopping, on a signal
+(:mod:`recsys_runner.signals`) or on a non-finite loss (:mod:`recsys_runner.stopping`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
 import logging
+from collections.abc import Iterator
 
 import torch
 
 from recsys_runner.build import Components
+from recsys_runner.checkpoint import TrainState
 from recsys_runner.distributed import detached
 from recsys_runner.metrics import Throughput, eval_metrics
+from recsys_runner.profiling import StepProfiler
+from recsys_runner.signals import Interrupted, StopSignals
+from recsys_runner.stopping import check_finite
 
 log = logging.getLogger(__name__)
 
 
 def train(c: Components) -> dict[str, float]:
-    """Train for ``c.total_steps`` steps, evaluating on the configured cadence; return final eval."""
-    cfg, env = c.run.train, c.env
-    meter = Throughput(c.total_steps, c.data.batch_size * env.world_size)
-    step = 0
-    for epoch in itertools.count():
-        c.pipeline.reset()
-        batches = iter(c.data.train_batches(epoch, env.rank, env.world_size))
-        while step < c.total_steps:
-            try:
-                loss, _, _ = c.pipeline.progress(batches)
-            except StopIteration:
-                break
-            step += 1
-            c.lr_scheduler.step()
-            meter.update(loss)
-            if step % cfg.log_every_steps == 0 or step == c.total_steps:
-                _log(c, meter.flush(step) | learning_rates(c.optimizer) | {"train/epoch": epoch}, step)
-            if cfg.eval_every_steps and step % cfg.eval_every_steps == 0 and step < c.total_steps:
-                with meter.paused():
-                    _log(c, evaluate(c), step)
-        if step >= c.total_steps:
-            break
-    final = evaluate(c)
-    _log(c, final, step)
+    """Train from ``c.state`` up to ``c.total_steps`` steps; return the final eval metrics."""
+    cfg, env, state = c.run.train, c.env, dataclasses.replace(c.state)
+    meter = Throughput(c.total_steps, c.data.batch_size * env.world_size * cfg.grad_accum_steps)
+    profiler = StepProfiler(cfg.profile, env.device, env.rank) if cfg.profile.enabled else None
+    stop: str | None = None
+    evaluated: dict[str, float] | None = None
+    with StopSignals(env.world_size, env.device) as signals:
+        while state.step < c.total_steps and stop is None:
+            batches = _epoch_batches(c, state)
+            while state.step < c.total_steps and stop is None:
+                loss = _train_step(c, batches, state)
+                if loss is None:  # the data ran out: the epoch is over
+                    break
+                state.step, state.epoch_step, evaluated = state.step + 1, state.epoch_step + 1, None
+                c.lr_scheduler.step()
+                meter.update(loss)
+                if profiler is not None:
+                    profiler.step()
+                if state.step % cfg.log_every_steps == 0 or state.step == c.total_steps:
+                    _log(c, _checked(c, meter.flush(state.step), state) | learning_rates(c.optimizer) | {"train/epoch": state.epoch}, state.step)
+                if cfg.eval_every_steps and state.step % cfg.eval_every_steps == 0:
+                    evaluated = _evaluate_and_select(c, state, meter)
+                    stop = "early_stopping" if c.early_stopping.update(evaluated) else None
+                if c.checkpointer.due(state.step, _epoch_end(c, state)):
+                    _checkpoint(c, state, loss, evaluated)
+                if (signum := signals.requested()) is not None or _slice_done(c, state):
+                    raise Interrupted(signum, state.step, _checkpoint(c, state, loss, evaluated))
+                if _epoch_end(c, state) is not None:
+                    break
+            else:
+                continue  # stopped mid-epoch: the position stays in this epoch
+            state.epoch, state.epoch_step = state.epoch + 1, 0
+    final = evaluated if evaluated is not None else _evaluate_and_select(c, state, meter)
+    if stop is not None:
+        log.info("early stopping at step %d: %s did not improve for %d evaluations", state.step, c.early_stopping.metric, c.early_stopping.patience)
+    if profiler is not None:
+        profiler.finish(c.tracker)
+    if c.checkpointer.at_end:
+        _checkpoint(c, state, None, final)
     return final
 
 
+def _epoch_batches(c: Components, state: TrainState) -> Iterator:
+    """This epoch's batches from the current position (skipping what a resumed run already saw)."""
+    c.pipeline.reset()
+    c.policy.reset()
+    batches = iter(c.data.train_batches(state.epoch, c.env.rank, c.env.world_size))
+    skip = state.epoch_step * c.run.train.grad_accum_steps
+    return itertools.islice(batches, skip, None) if skip else batches
+
+
+def _train_step(c: Components, batches: Iterator, state: TrainState) -> torch.Tensor | None:
+    """One optimizer step (its micro-batches); the last micro-batch's loss, or ``None`` at the end of the data."""
+    loss = None
+    for _ in range(c.run.train.grad_accum_steps):
+        try:
+            loss, _, _ = c.pipeline.progress(batches)
+        except StopIteration:
+            if state.epoch_step == 0:
+                raise RuntimeError(f"epoch {state.epoch} yielded no full training step on rank {c.env.rank}; "
+                                   "check the data or lower data.batch_size / train.grad_accum_steps") from None
+            return None
+    return loss
+
+
+def _slice_done(c: Components, state: TrainState) -> bool:
+    """``train.stop_after_steps`` steps have run in this process (a time slice of a longer run)."""
+    limit = c.run.train.stop_after_steps
+    return limit is not None and state.step - c.state.step >= limit
+
+
+def _epoch_end(c: Components, state: TrainState) -> int | None:
+    """The epoch that just ended with this step, if one did (epoch length known up front)."""
+    return state.epoch if c.steps_per_epoch and state.epoch_step >= c.steps_per_epoch else None
+
+
+def _checked(c: Components, metrics: dict[str, float], state: TrainState) -> dict[str, float]:
+    if c.run.train.nan_guard:
+        check_finite(metrics["train/loss"], state.step, c.checkpointer.last_saved)
+    return metrics
+
+
+def _checkpoint(c: Components, state: TrainState, loss: torch.Tensor | None, metrics: dict[str, float] | None) -> str | None:
+    """Save a checkpoint of ``state`` unless the loss went non-finite (then raise, keeping the old ones)."""
+    if loss is not None and c.run.train.nan_guard:
+        check_finite(float(loss), state.step, c.checkpointer.last_saved)
+    return c.checkpointer.save(state, metrics)
+
+
+def _evaluate_and_select(c: Components, state: TrainState, meter: Throughput) -> dict[str, float]:
+    """Evaluate, log, and keep the best checkpoint when the watched metric improved."""
+    with meter.paused():
+        metrics = evaluate(c)
+        _log(c, metrics, state.step)
+        c.checkpointer.maybe_save_best(state, metrics)
+    return metrics
+
+
 def evaluate(c: Components) -> dict[str, float]:
-    """AUC and log loss over this rank's eval batches, combined over all ranks."""
+    """AUC and log loss over this rank's eval batches, combined over all ranks (EMA weights if configured)."""
     metrics = eval_metrics(c.env.device)
     batches = c.data.eval_batches(c.env.rank, c.env.world_size)
     limit = c.run.train.eval_max_batches
-    with detached(c.pipeline, c.model) as model:
+    weights = c.ema.swapped_in() if c.ema is not None and c.run.train.ema.eval_with_ema else contextlib.nullcontext()
+    with detached(c.pipeline, c.model) as model, weights:
         model.eval()
         with torch.no_grad():
             for batch in itertools.islice(batches, limit):
@@ -62,7 +145,7 @@ def evaluate(c: Components) -> dict[str, float]:
 
 
 def learning_rates(optimizer: torch.optim.Optimizer) -> dict[str, float]:
-    """Current lr of each optimizer (``lr/sparse``, ``lr/dense``) from its first param group."""
+    """Current lr of each optimizer (``lr/sparse``, ``lr/dense``, ``lr/part.<name>``) from its first param group."""
     out: dict[str, float] = {}
     for key, opt in getattr(optimizer, "optimizers", [("all", optimizer)]):
         if opt.param_groups:

@@ -1,17 +1,27 @@
 """Learning-rate schedules as pure functions ``step → multiplier`` of each group's base lr.
 
 Each schedule is a small callable class, instantiated as a partial from ``conf/scheduler/*.yaml``
-and completed by the builder with ``total_steps``. The builder wraps it in
-``torch.optim.lr_scheduler.LambdaLR`` over the combined (sparse + dense) optimizer, so one schedule
-drives both learning rates; the fused sparse optimizer picks up its new lr on the next ``step()``.
-Being closed-form, every schedule is trivially testable against its formula.
+and completed by the builder with ``total_steps`` and ``steps_per_epoch``. :func:`lr_scheduler`
+wraps them in one ``torch.optim.lr_scheduler.LambdaLR`` over the combined optimizer with one
+function per param group: by default the top-level ``scheduler`` drives every lr (sparse, dense,
+each part); ``optim.sparse_scheduler``, ``optim.dense_scheduler`` and ``optim.parts.<name>.scheduler``
+replace it for their group. The fused sparse optimizer picks up its new lr on the next ``step()``.
+Being closed-form, every schedule is testable against its formula.
+
+Every schedule has a linear warmup (``warmup_steps``, starting at ``warmup_start`` × base lr) and
+counts its own step parameters from the end of the warmup. With ``by_epoch=true`` every count
+(warmup, decay, boundaries, cycles) is in epochs and the lr changes only at epoch boundaries.
 """
 
 from __future__ import annotations
 
 import abc
+import bisect
 import math
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
 
 from recsys_runner.errors import ConfigError, require
 
@@ -26,9 +36,11 @@ def _warmup(step: int, warmup_steps: int, warmup_start: float) -> float | None:
 @dataclass(kw_only=True)
 class _WarmupConfig:
     warmup_steps: int = 0
-    """Steps of linear warmup before the schedule proper starts."""
+    """Steps of linear warmup before the schedule proper starts (epochs if ``by_epoch``)."""
     warmup_start: float = 0.0
-    """Multiplier of the base lr at step 0 of the warmup."""
+    """Multiplier of the base lr at step 0 of the warmup (TorchEasyRec's warmup_learning_rate / lr)."""
+    by_epoch: bool = False
+    """Count every step parameter of this schedule in epochs; the lr then changes once per epoch."""
 
     def __post_init__(self) -> None:
         require(self.warmup_steps >= 0, f"scheduler.warmup_steps must be >= 0, got {self.warmup_steps}")
@@ -52,6 +64,7 @@ class ExponentialDecayConfig(_WarmupConfig):
     decay_steps: int = 1000
     """The lr is multiplied by ``decay_rate`` every ``decay_steps`` steps after warmup."""
     decay_rate: float = 0.5
+    """Factor per ``decay_steps``, in (0, 1]."""
     staircase: bool = False
     """Decay in discrete jumps (``floor``) instead of continuously."""
     min_factor: float = 0.0
@@ -60,7 +73,8 @@ class ExponentialDecayConfig(_WarmupConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         require(self.decay_steps > 0, f"scheduler.decay_steps must be positive, got {self.decay_steps}")
-        require(0 < self.decay_rate <= 1, f"scheduler.decay_rate must lie in (0, 1], got {self.decay_rate}")
+        require(0 < self.decay_rate <= 1, f"scheduler.decay_rate must lie in (0, 1], got {self.decay_rate}; "
+                "e.g. scheduler.decay_rate=0.5 halves the lr every scheduler.decay_steps")
         require(0 <= self.min_factor <= 1, f"scheduler.min_factor must lie in [0, 1], got {self.min_factor}")
 
 
@@ -78,16 +92,67 @@ class CosineConfig(_WarmupConfig):
         require(0 <= self.min_factor <= 1, f"scheduler.min_factor must lie in [0, 1], got {self.min_factor}")
 
 
+@dataclass(kw_only=True)
+class CosineRestartsConfig(CosineConfig):
+    """Schema of ``conf/scheduler/cosine_restarts.yaml`` (SGDR: cosine with warm restarts)."""
+
+    _target_: str = "recsys_runner.scheduler.CosineRestarts"
+    cycle_steps: int = 1000
+    """Length of the first cosine cycle after warmup."""
+    cycle_mult: int = 1
+    """Each cycle is this many times longer than the previous one (1 = equal cycles)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.cycle_steps > 0, f"scheduler.cycle_steps must be positive, got {self.cycle_steps}")
+        require(self.cycle_mult >= 1, f"scheduler.cycle_mult must be >= 1, got {self.cycle_mult}")
+
+
+@dataclass(kw_only=True)
+class ManualStepConfig(_WarmupConfig):
+    """Schema of ``conf/scheduler/manual_step.yaml``: piecewise-constant multipliers."""
+
+    _target_: str = "recsys_runner.scheduler.ManualStep"
+    _partial_: bool = True
+    boundaries: list[int] = field(default_factory=lambda: [1000, 2000])
+    """Steps after warmup at which the next rate starts, strictly increasing."""
+    rates: list[float] = field(default_factory=lambda: [1.0, 0.1, 0.01])
+    """Multipliers of the base lr: ``rates[i]`` until ``boundaries[i]``; one more than boundaries."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(len(self.rates) == len(self.boundaries) + 1,
+                f"scheduler.rates needs one more entry than scheduler.boundaries, got {len(self.rates)} rates "
+                f"for {len(self.boundaries)} boundaries")
+        require(all(b > 0 for b in self.boundaries) and list(self.boundaries) == sorted(set(self.boundaries)),
+                f"scheduler.boundaries must be positive and strictly increasing, got {self.boundaries}")
+        require(all(r >= 0 for r in self.rates), f"scheduler.rates must be >= 0, got {self.rates}")
+
+
 class _Schedule(abc.ABC):
-    def __init__(self, *, total_steps: int, warmup_steps: int = 0, warmup_start: float = 0.0) -> None:
-        if warmup_steps > total_steps:
+    def __init__(
+        self, *, total_steps: int, steps_per_epoch: int | None = None, warmup_steps: int = 0,
+        warmup_start: float = 0.0, by_epoch: bool = False,
+    ) -> None:
+        if by_epoch:
+            if not steps_per_epoch:
+                raise ConfigError("scheduler.by_epoch=true needs a dataset whose epoch length is known up front; "
+                                  "set scheduler.by_epoch=false")
+            total = math.ceil(total_steps / steps_per_epoch)
+        else:
+            total = total_steps
+        unit = "epochs" if by_epoch else "training steps"
+        if warmup_steps > total:
             raise ConfigError(
-                f"scheduler.warmup_steps={warmup_steps} exceeds the run's {total_steps} training steps; "
+                f"scheduler.warmup_steps={warmup_steps} exceeds the run's {total} {unit}; "
                 f"lower scheduler.warmup_steps or train longer"
             )
-        self.total_steps, self.warmup_steps, self.warmup_start = total_steps, warmup_steps, warmup_start
+        self.total_steps, self.warmup_steps, self.warmup_start = total, warmup_steps, warmup_start
+        self.steps_per_epoch = steps_per_epoch if by_epoch else None
 
     def __call__(self, step: int) -> float:
+        if self.steps_per_epoch:
+            step //= self.steps_per_epoch
         warm = _warmup(step, self.warmup_steps, self.warmup_start)
         return warm if warm is not None else self.after_warmup(step - self.warmup_steps)
 
@@ -107,10 +172,9 @@ class ExponentialDecay(_Schedule):
     """``max(min_factor, decay_rate ** (t / decay_steps))`` after warmup (``floor`` if staircase)."""
 
     def __init__(
-        self, *, total_steps: int, decay_steps: int, decay_rate: float, staircase: bool = False,
-        min_factor: float = 0.0, warmup_steps: int = 0, warmup_start: float = 0.0,
+        self, *, decay_steps: int, decay_rate: float, staircase: bool = False, min_factor: float = 0.0, **common: int | float | bool | None,
     ) -> None:
-        super().__init__(total_steps=total_steps, warmup_steps=warmup_steps, warmup_start=warmup_start)
+        super().__init__(**common)  # type: ignore[arg-type]
         self.decay_steps, self.decay_rate, self.staircase, self.min_factor = decay_steps, decay_rate, staircase, min_factor
 
     def after_warmup(self, step: int) -> float:
@@ -120,14 +184,81 @@ class ExponentialDecay(_Schedule):
         return max(self.min_factor, self.decay_rate**exponent)
 
 
+def _half_cosine(progress: float, min_factor: float) -> float:
+    return min_factor + (1 - min_factor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
 class Cosine(_Schedule):
     """Half-cosine from 1 down to ``min_factor`` over the steps after warmup."""
 
-    def __init__(self, *, total_steps: int, min_factor: float = 0.0, warmup_steps: int = 0, warmup_start: float = 0.0) -> None:
-        super().__init__(total_steps=total_steps, warmup_steps=warmup_steps, warmup_start=warmup_start)
+    def __init__(self, *, min_factor: float = 0.0, **common: int | float | bool | None) -> None:
+        super().__init__(**common)  # type: ignore[arg-type]
         self.min_factor = min_factor
 
     def after_warmup(self, step: int) -> float:
         span = max(self.total_steps - self.warmup_steps, 1)
-        progress = min(step / span, 1.0)
-        return self.min_factor + (1 - self.min_factor) * 0.5 * (1 + math.cos(math.pi * progress))
+        return _half_cosine(min(step / span, 1.0), self.min_factor)
+
+
+class CosineRestarts(_Schedule):
+    """Cosine from 1 to ``min_factor`` over each cycle, restarting at 1; cycle ``i`` lasts
+    ``cycle_steps * cycle_mult**i`` steps (SGDR)."""
+
+    def __init__(self, *, cycle_steps: int, cycle_mult: int = 1, min_factor: float = 0.0, **common: int | float | bool | None) -> None:
+        super().__init__(**common)  # type: ignore[arg-type]
+        self.cycle_steps, self.cycle_mult, self.min_factor = cycle_steps, cycle_mult, min_factor
+
+    def after_warmup(self, step: int) -> float:
+        length = self.cycle_steps
+        while step >= length:
+            step -= length
+            length *= self.cycle_mult
+        return _half_cosine(step / length, self.min_factor)
+
+
+class ManualStep(_Schedule):
+    """``rates[i]`` for ``boundaries[i-1] <= t < boundaries[i]`` (t counted after warmup)."""
+
+    def __init__(self, *, boundaries: list[int], rates: list[float], **common: int | float | bool | None) -> None:
+        super().__init__(**common)  # type: ignore[arg-type]
+        self.boundaries, self.rates = list(boundaries), list(rates)
+
+    def after_warmup(self, step: int) -> float:
+        return self.rates[bisect.bisect_right(self.boundaries, step)]
+
+
+def lr_scheduler(
+    optimizer: torch.optim.Optimizer, schedules: Mapping[str, Callable[[int], float]], default: Callable[[int], float]
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """One ``LambdaLR`` whose function for each param group is its optimizer key's schedule.
+
+    ``optimizer`` is a ``CombinedOptimizer`` (``optimizers``: ``[(key, opt), …]``); ``schedules``
+    maps a key (``sparse``, ``dense``, ``part.<name>``) to its schedule; others use ``default``.
+    """
+    lambdas = [
+        schedules.get(key, default)
+        for key, opt in getattr(optimizer, "optimizers", [("all", optimizer)])
+        for _ in opt.param_groups
+    ]
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lambdas)
+
+
+class SchedulePosition:
+    """Checkpoint view of a ``LambdaLR``: its position and base lrs, not the schedules' parameters.
+
+    ``LambdaLR.state_dict`` also stores each schedule object's attributes, which on load would
+    silently replace a relaunch's schedule settings (e.g. a longer ``train.num_steps``) with the old ones.
+    """
+
+    def __init__(self, scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+        self.scheduler = scheduler
+
+    def state_dict(self) -> dict[str, object]:
+        return {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        full = self.scheduler.state_dict()
+        full.update(state)
+        self.scheduler.load_state_dict(full)
+        for group, lr in zip(self.scheduler.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr

@@ -72,6 +72,7 @@ class Tracker(Protocol):
     """What the runner logs through. Only rank 0 gets a real tracker."""
 
     def start(self, *, run_name: str, tags: Mapping[str, str], params: Mapping[str, Any]) -> None: ...
+    def resume(self, run_id: str) -> None: ...
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
     def log_text(self, text: str, artifact_file: str) -> None: ...
     def finish(self, status: str) -> None: ...
@@ -84,6 +85,9 @@ class NullTracker:
         pass
 
     def start(self, *, run_name: str, tags: Mapping[str, str], params: Mapping[str, Any]) -> None:
+        pass
+
+    def resume(self, run_id: str) -> None:
         pass
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
@@ -168,6 +172,17 @@ class MlflowTracker:
         items = [Param(k, str(v)[:_MAX_PARAM_CHARS]) for k, v in params.items()]
         for i in range(0, len(items), _PARAMS_PER_CALL):
             self._client.log_batch(self.run_id, params=items[i : i + _PARAMS_PER_CALL])
+
+    def resume(self, run_id: str) -> None:
+        """Continue logging into existing run ``run_id`` (a training resumed from a checkpoint):
+        it is marked RUNNING again; params are not re-logged (MLflow params are immutable)."""
+        from mlflow.tracking import MlflowClient
+
+        self._client = MlflowClient(tracking_uri=self.uri)
+        self._client.get_run(run_id)  # fails clearly if the store does not have it
+        self._client.update_run(run_id, status="RUNNING")
+        self._client.set_tag(run_id, "resumed", "true")
+        self.run_id = run_id
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         from mlflow.entities import Metric

@@ -1,0 +1,364 @@
+"""Checkpoints: save, keep, select and restore the whole training state.
+
+A checkpoint is a directory ``<checkpoint.dir>/step_<step>`` (or ``best-step_<step>``) holding
+
+* the tensors, written with ``torch.distributed.checkpoint`` (DCP) by every rank: the
+  DistributedModelParallel state (each rank writes its own embedding shards), the fused sparse
+  and dense optimizer state, the EMA weights — keys ``model/<fqn>``, ``optim/<key>/<state>``, ``ema/<fqn>``;
+* ``rank<r>.pt`` per rank: lr schedules, loss scaler, early-stopping state and the RNG states;
+* ``meta.json``, written last by rank 0: step, epoch, position in the epoch, the MLflow run id,
+  the best metric so far.
+
+**Atomic**: everything is written into ``.tmp-<name>`` and renamed to ``<name>`` only when
+complete; a directory without ``meta.json`` and DCP's ``.metadata`` is never considered, so a
+crash mid-write leaves the previous checkpoints as they were. The newest ``keep_last`` step
+checkpoints are kept; the best one by ``best_metric`` lives apart (``best-step_<n>``).
+
+Restoring at build time (:meth:`Checkpointer.restore`): ``resume=auto`` continues from the newest
+checkpoint in ``checkpoint.dir`` if there is one (``latest`` requires one; a path picks one); the
+data position is the step count, so a resumed run sees exactly the batches it would have seen.
+``init_from=<path>`` instead starts a new run from another run's weights (fine-tuning), renaming
+parameters with ``name_map`` and optionally skipping the optimizer state.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torchrec.optim.keyed import KeyedOptimizerWrapper
+
+from recsys_runner.errors import ConfigError, require
+from recsys_runner.stopping import improved
+
+log = logging.getLogger(__name__)
+
+_STEP_DIR = re.compile(r"^(best-)?step_(\d+)$")
+_RESUME_WORDS = ("auto", "latest", "never")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Schema of ``conf/checkpoint/*.yaml``."""
+
+    _target_: str = "recsys_runner.checkpoint.Checkpointer"
+    _partial_: bool = True
+    dir: str | None = None
+    """Where checkpoints go; ``null`` is ``<Hydra run dir>/checkpoints`` under the CLI (to resume a CLI
+    run, relaunch with the same ``hydra.run.dir=…`` or set this). Without Hydra and without a dir,
+    nothing is saved."""
+    every_steps: int | None = None
+    """Save every this many steps (TorchEasyRec's save_checkpoints_steps)."""
+    every_epochs: int | None = None
+    """Save at the end of every this many epochs (save_checkpoints_epochs)."""
+    at_end: bool = True
+    """Save when training ends (also after an early stop)."""
+    keep_last: int | None = 3
+    """Keep this many newest step checkpoints; ``null`` keeps all. The best one is kept apart."""
+    resume: str = "auto"
+    """``auto``: continue from the newest checkpoint in ``dir`` if any; ``latest``: the same, but it is
+    an error if there is none; ``never``: start fresh; or a path to one checkpoint directory."""
+    init_from: str | None = None
+    """Fine-tune: start a new run from this checkpoint's weights (a checkpoint dir, or a checkpoints
+    root whose newest is used). Ignored when resuming."""
+    name_map: dict[str, str] = field(default_factory=dict)
+    """For ``init_from``: ``{name in this model: name in the checkpoint}``; each key is replaced by its
+    value as a substring of parameter names (TorchEasyRec's fine_tune_ckpt_param_map)."""
+    load_optimizer: bool = True
+    """For ``init_from``: also restore optimizer state (false: fresh optimizer, like
+    TorchEasyRec's ignore_restore_optimizer)."""
+    best_metric: str | None = None
+    """Keep the best checkpoint by this eval metric (e.g. ``eval/auc``), saved when an eval improves it."""
+    best_mode: str = "max"
+    """``max`` if higher ``best_metric`` is better, ``min`` if lower is."""
+
+    def __post_init__(self) -> None:
+        require(self.every_steps is None or self.every_steps > 0, f"checkpoint.every_steps must be positive or null, got {self.every_steps}")
+        require(self.every_epochs is None or self.every_epochs > 0, f"checkpoint.every_epochs must be positive or null, got {self.every_epochs}")
+        require(self.keep_last is None or self.keep_last > 0, f"checkpoint.keep_last must be positive or null, got {self.keep_last}")
+        require(self.best_mode in ("max", "min"), f"checkpoint.best_mode={self.best_mode!r} must be max or min")
+        require(self.best_metric is None or self.best_metric.startswith("eval/"),
+                f"checkpoint.best_metric={self.best_metric!r} must be an eval metric, e.g. eval/auc")
+        require(self.resume in _RESUME_WORDS or "/" in self.resume or os.sep in self.resume,
+                f"checkpoint.resume={self.resume!r} must be one of {_RESUME_WORDS} or a path to a checkpoint directory")
+
+
+@dataclass
+class TrainState:
+    """Where training stands; saved in ``meta.json``."""
+
+    step: int = 0
+    """Optimizer steps done."""
+    epoch: int = 0
+    """The current epoch."""
+    epoch_step: int = 0
+    """Optimizer steps done within the current epoch (the data position)."""
+    run_id: str | None = None
+    """The MLflow run this training logs to (so a resumed run continues it)."""
+    best: float | None = None
+    """Best ``checkpoint.best_metric`` so far."""
+    resumed_from: str | None = None
+    """The checkpoint this process resumed from (not saved)."""
+
+
+def default_dir() -> str | None:
+    """``<Hydra run dir>/checkpoints`` when running under Hydra's CLI, else ``None``."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        return str(Path(HydraConfig.get().runtime.output_dir) / "checkpoints")
+    return None
+
+
+def list_checkpoints(root: str | Path, best: bool = False) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first (``best-*`` ones if ``best``)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and bool(m.group(1)) == best and is_complete(p):
+            found.append((int(m.group(2)), p))
+    return [p for _, p in sorted(found)]
+
+
+def is_complete(path: Path) -> bool:
+    """A checkpoint directory whose write finished (meta.json is written last)."""
+    return (path / "meta.json").is_file() and (path / ".metadata").is_file()
+
+
+class Checkpointer:
+    """Saves and restores the run's state; see the module docstring."""
+
+    def __init__(
+        self, *, dir: str | None = None, every_steps: int | None = None, every_epochs: int | None = None, at_end: bool = True,
+        keep_last: int | None = 3, resume: str = "auto", init_from: str | None = None, name_map: Mapping[str, str] | None = None,
+        load_optimizer: bool = True, best_metric: str | None = None, best_mode: str = "max", rank: int = 0, world_size: int = 1,
+    ) -> None:
+        resolved = dir or default_dir()
+        self.dir = Path(resolved) if resolved else None
+        self.every_steps, self.every_epochs, self.at_end, self.keep_last = every_steps, every_epochs, at_end, keep_last
+        self.resume, self.init_from, self.name_map = resume, init_from, dict(name_map or {})
+        self.load_optimizer, self.best_metric, self.best_mode = load_optimizer, best_metric, best_mode
+        self.rank, self.world_size = rank, world_size
+        self.last_saved: str | None = None
+        self._tensors: dict[str, Any] = {}
+        self._objects: dict[str, Any] = {}
+        if self.dir is None and (every_steps or every_epochs or best_metric or resume == "latest"):
+            raise ConfigError(
+                "checkpoint.every_steps/every_epochs/best_metric/resume=latest need a directory: set checkpoint.dir=<path> "
+                "(the CLI defaults it to <Hydra run dir>/checkpoints)"
+            )
+
+    # -- what is saved ---------------------------------------------------------------------------
+    def attach(self, *, model: torch.nn.Module, optimizer: Any, tensors: Mapping[str, Any], objects: Mapping[str, Any]) -> None:
+        """Register the stateful parts: ``model`` and ``optimizer`` (keyed optimizers), extra tensor
+        holders (``tensors``: name → object with ``state_dict``/``load_state_dict`` of tensors, e.g.
+        EMA) and small picklable-state objects (``objects``: schedules, scaler, early stopping)."""
+        self._model, self._optimizer = model, optimizer
+        self._tensors, self._objects = dict(tensors), dict(objects)
+
+    def _tensor_state(self, with_optimizer: bool = True) -> dict[str, Any]:
+        flat: dict[str, Any] = {f"model/{k}": v for k, v in self._model.state_dict().items()}
+        if with_optimizer:
+            for key, states in self._optimizer.state_dict()["state"].items():
+                for name, value in states.items():
+                    flat[f"optim/{key}/{name}"] = value
+        for holder_name, holder in self._tensors.items():
+            for k, v in holder.state_dict().items():
+                flat[f"{holder_name}/{k}"] = v
+        return flat
+
+    # -- when ------------------------------------------------------------------------------------
+    @property
+    def enabled(self) -> bool:
+        return self.dir is not None
+
+    def due(self, step: int, epoch_ended: int | None = None) -> bool:
+        """Whether a periodic checkpoint is due after ``step``, which ended epoch ``epoch_ended`` if not ``None``."""
+        if self.dir is None:
+            return False
+        by_epoch = epoch_ended is not None and bool(self.every_epochs) and (epoch_ended + 1) % self.every_epochs == 0
+        return by_epoch or bool(self.every_steps and step % self.every_steps == 0)
+
+    # -- saving ----------------------------------------------------------------------------------
+    def save(self, state: TrainState, metrics: Mapping[str, float] | None = None, best: bool = False) -> str | None:
+        """Write a checkpoint of ``state`` atomically; returns its path (``None`` without a dir)."""
+        if self.dir is None:
+            return None
+        name = f"{'best-' if best else ''}step_{state.step:08d}"
+        final, tmp = self.dir / name, self.dir / f".tmp-{name}"
+        if is_complete(final):
+            return str(final)
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self._barrier()
+        dcp.save(self._tensor_state(), checkpoint_id=str(tmp))
+        torch.save({"objects": {k: o.state_dict() for k, o in self._objects.items()}, "rng": _rng_state()}, tmp / f"rank{self.rank}.pt")
+        self._barrier()
+        if self.rank == 0:
+            meta = {k: v for k, v in asdict(state).items() if k != "resumed_from"}
+            meta["metrics"] = dict(metrics or {})
+            meta["world_size"] = self.world_size
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            self._prune(best)
+        self._barrier()
+        if not best:
+            self.last_saved = str(final)
+        log.info("checkpoint saved: %s", final)
+        return str(final)
+
+    def maybe_save_best(self, state: TrainState, metrics: Mapping[str, float]) -> str | None:
+        """Save a ``best-*`` checkpoint when ``metrics[best_metric]`` improves on ``state.best``."""
+        if self.best_metric is None or self.dir is None:
+            return None
+        if self.best_metric not in metrics:
+            raise ConfigError(f"checkpoint.best_metric={self.best_metric!r} is not an eval metric; eval logs {sorted(metrics)}")
+        value = metrics[self.best_metric]
+        if not improved(value, state.best, self.best_mode):
+            return None
+        state.best = value
+        return self.save(state, metrics, best=True)
+
+    def _prune(self, best: bool) -> None:
+        assert self.dir is not None
+        keep = 1 if best else self.keep_last
+        if keep is None:
+            return
+        for old in list_checkpoints(self.dir, best=best)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    # -- restoring -------------------------------------------------------------------------------
+    def restore(self) -> TrainState:
+        """Resume, fine-tune or start fresh, per ``resume``/``init_from``; returns where to start."""
+        path = self._resume_path()
+        if path is not None:
+            return self._load(path, strict=True)
+        if self.init_from is not None:
+            source = Path(self.init_from)
+            if not is_complete(source):
+                found = list_checkpoints(source)
+                if not found:
+                    raise ConfigError(f"checkpoint.init_from={self.init_from}: no complete checkpoint there "
+                                      "(a step_* directory with meta.json and .metadata, or a directory holding them)")
+                source = found[-1]
+            self._load(source, strict=False)
+        return TrainState()
+
+    def _resume_path(self) -> Path | None:
+        if self.resume == "never":
+            return None
+        if self.resume not in _RESUME_WORDS:
+            path = Path(self.resume)
+            if not path.exists():
+                raise ConfigError(f"checkpoint.resume={self.resume}: no such checkpoint directory")
+            return path
+        found = list_checkpoints(self.dir) if self.dir is not None else []
+        if not found and self.resume == "latest":
+            raise ConfigError(f"checkpoint.resume=latest but {self.dir} holds no complete checkpoint; "
+                              "use checkpoint.resume=auto to start fresh when there is none")
+        return found[-1] if found else None
+
+    def _load(self, path: Path, strict: bool) -> TrainState:
+        try:
+            meta = json.loads((path / "meta.json").read_text())
+            available = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        except (OSError, ValueError, EOFError, RuntimeError) as e:
+            raise ConfigError(f"checkpoint {path} is missing or corrupt ({type(e).__name__}: {e}); delete it to fall back "
+                              "to the previous one, or point checkpoint.resume/init_from at another") from None
+        with_optimizer = strict or self.load_optimizer
+        if with_optimizer:
+            for _, opt in getattr(self._optimizer, "optimizers", []):
+                if isinstance(opt, KeyedOptimizerWrapper) and not opt.state:
+                    opt.init_state()  # creates lazy state (e.g. Adam moments) so it can be loaded into
+        ours = self._tensor_state(with_optimizer)
+        if strict:
+            wanted = {k: k for k in ours}
+            missing = [k for k in ours if k not in available]
+            if missing:
+                raise ConfigError(f"checkpoint {path} does not match this model/optimizer: it lacks {missing[:5]} "
+                                  f"({len(missing)} in all); resume needs the same config (fine-tune with checkpoint.init_from)")
+        else:
+            wanted = {k: self._rename(k) for k in ours}
+            skipped = [k for k, src in wanted.items() if src not in available]
+            if len(skipped) == len(wanted) or not any(k.startswith("model/") and k not in skipped for k in wanted):
+                raise ConfigError(f"checkpoint.init_from={path} shares no parameter name with this model; map names with "
+                                  f"checkpoint.name_map (e.g. this model has {sorted(ours)[:3]}, it has {sorted(available)[:3]})")
+            if skipped:
+                log.warning("init_from %s: %d tensors not in the checkpoint keep their fresh values, e.g. %s", path, len(skipped), skipped[:5])
+            wanted = {k: src for k, src in wanted.items() if src in available}
+        to_load = {src: ours[k] for k, src in wanted.items()}
+        try:
+            dcp.load(to_load, checkpoint_id=str(path))
+            ranked = torch.load(path / f"rank{self.rank}.pt", weights_only=False) if strict else None
+        except Exception as e:  # DCP wraps reader errors in its own CheckpointException
+            raise ConfigError(f"checkpoint {path} could not be loaded ({type(e).__name__}: {str(e)[:300]}); it is corrupt or "
+                              "from a different model/world size; delete it or point checkpoint.resume/init_from elsewhere") from None
+        if with_optimizer:
+            self._load_optimizer(to_load, wanted)
+        for holder_name, holder in self._tensors.items():
+            prefix = f"{holder_name}/"
+            holder.load_state_dict({k[len(prefix):]: to_load[wanted[k]] for k in wanted if k.startswith(prefix)})
+        if not strict:
+            log.info("initialized from %s (%d tensors)", path, len(wanted))
+            return TrainState()
+        assert ranked is not None
+        for k, o in self._objects.items():
+            if k in ranked["objects"]:
+                o.load_state_dict(ranked["objects"][k])
+        _set_rng_state(ranked["rng"])
+        log.info("resuming from %s at step %d", path, meta["step"])
+        self.last_saved = str(path)
+        return TrainState(step=meta["step"], epoch=meta["epoch"], epoch_step=meta["epoch_step"], run_id=meta.get("run_id"),
+                          best=meta.get("best"), resumed_from=str(path))
+
+    def _load_optimizer(self, loaded: Mapping[str, Any], wanted: Mapping[str, str]) -> None:
+        nested: dict[str, dict[str, Any]] = {}
+        current = self._optimizer.state_dict()["state"]
+        for key, states in current.items():
+            nested[key] = {}
+            for name, value in states.items():
+                flat = f"optim/{key}/{name}"
+                nested[key][name] = loaded[wanted[flat]] if flat in wanted else value
+        self._optimizer.load_state_dict({"state": nested})
+
+    def _rename(self, key: str) -> str:
+        for ours, theirs in self.name_map.items():
+            if ours in key:
+                return key.replace(ours, theirs)
+        return key
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

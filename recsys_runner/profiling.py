@@ -1,0 +1,78 @@
+"""``train.profile``: record a few steps with ``torch.profiler`` and store the trace in MLflow.
+
+The profiler waits ``wait`` steps, warms up for ``warmup`` and records ``active`` steps (CPU
+activity, plus CUDA on GPU); the Chrome trace (open it in ``chrome://tracing`` or Perfetto) and a
+table of the most expensive ops are logged as artifacts ``profile/trace_rank<r>.json`` and
+``profile/key_averages.txt``. Off by default; ``debug=profile`` turns it on.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from recsys_runner.errors import require
+
+
+@dataclass(kw_only=True)
+class ProfileConfig:
+    """``train.profile``: which steps torch.profiler records."""
+
+    enabled: bool = False
+    """Record a trace of ``active`` steps."""
+    wait: int = 5
+    """Steps skipped before the profiler starts."""
+    warmup: int = 2
+    """Steps profiled but discarded (the profiler's own start-up)."""
+    active: int = 5
+    """Steps recorded."""
+    record_shapes: bool = False
+    """Record input shapes of every op (bigger trace)."""
+
+    def __post_init__(self) -> None:
+        require(self.wait >= 0 and self.warmup >= 0, "train.profile.wait and train.profile.warmup must be >= 0")
+        require(self.active > 0, f"train.profile.active must be positive, got {self.active}")
+
+
+class StepProfiler:
+    """A started ``torch.profiler.profile`` stepped by the runner; :meth:`finish` logs the trace."""
+
+    def __init__(self, config: ProfileConfig, device: torch.device, rank: int) -> None:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.rank = rank
+        self._dir = Path(tempfile.mkdtemp(prefix="recsys_profile_"))
+        self._traces: list[Path] = []
+        self._prof = torch.profiler.profile(
+            activities=activities,
+            schedule=torch.profiler.schedule(wait=config.wait, warmup=config.warmup, active=config.active, repeat=1),
+            on_trace_ready=self._save,
+            record_shapes=config.record_shapes,
+        )
+        self._prof.start()
+
+    def _save(self, prof: Any) -> None:
+        path = self._dir / f"trace_rank{self.rank}.json"
+        prof.export_chrome_trace(str(path))
+        self._traces.append(path)
+
+    def step(self) -> None:
+        self._prof.step()
+
+    def finish(self, tracker: Any) -> list[str]:
+        """Stop profiling and log what was recorded; returns the artifact names."""
+        self._prof.stop()
+        names = []
+        for path in self._traces:
+            tracker.log_text(path.read_text(), f"profile/{path.name}")
+            names.append(f"profile/{path.name}")
+        if self._traces:
+            table = self._prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+            tracker.log_text(table, "profile/key_averages.txt")
+            names.append("profile/key_averages.txt")
+        return names

@@ -1,0 +1,86 @@
+"""Reasons to stop training early: an eval metric that stopped improving, a non-finite loss.
+
+Both are small, stateful and checked by the runner only at points where it already has numbers
+on the host (after an eval, at a log step, before a checkpoint), so they add no per-step cost.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from recsys_runner.errors import require
+
+_MODES = ("max", "min")
+
+
+@dataclass(kw_only=True)
+class EarlyStoppingConfig:
+    """``train.early_stopping``: stop when an eval metric has not improved for a while."""
+
+    patience: int | None = None
+    """Evaluations without improvement before training stops; ``null`` turns early stopping off.
+    Evaluations happen every ``train.eval_every_steps``."""
+    metric: str = "eval/auc"
+    """The eval metric watched, as logged (``eval/auc``, ``eval/logloss``)."""
+    mode: str = "max"
+    """``max`` if higher is better (AUC), ``min`` if lower is better (log loss)."""
+    min_delta: float = 0.0
+    """An improvement smaller than this does not count."""
+
+    def __post_init__(self) -> None:
+        require(self.patience is None or self.patience > 0, f"train.early_stopping.patience must be positive or null, got {self.patience}")
+        require(self.mode in _MODES, f"train.early_stopping.mode={self.mode!r} must be one of {_MODES}")
+        require(self.min_delta >= 0, f"train.early_stopping.min_delta must be >= 0, got {self.min_delta}")
+        require(self.metric.startswith("eval/"), f"train.early_stopping.metric={self.metric!r} must be an eval metric, e.g. eval/auc")
+
+
+def improved(value: float, best: float | None, mode: str, min_delta: float = 0.0) -> bool:
+    """Whether ``value`` beats ``best`` by more than ``min_delta`` in direction ``mode``."""
+    if best is None:
+        return True
+    return value > best + min_delta if mode == "max" else value < best - min_delta
+
+
+class EarlyStopping:
+    """Counts evaluations without improvement; :meth:`update` says when to stop."""
+
+    def __init__(self, *, patience: int | None = None, metric: str = "eval/auc", mode: str = "max", min_delta: float = 0.0) -> None:
+        self.patience, self.metric, self.mode, self.min_delta = patience, metric, mode, min_delta
+        self.best: float | None = None
+        self.bad_evals = 0
+
+    def update(self, metrics: dict[str, float]) -> bool:
+        """Record one evaluation; ``True`` when training should stop."""
+        if self.patience is None:
+            return False
+        value = metrics[self.metric]
+        if improved(value, self.best, self.mode, self.min_delta):
+            self.best, self.bad_evals = value, 0
+        else:
+            self.bad_evals += 1
+        return self.bad_evals >= self.patience
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "bad_evals": self.bad_evals}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best, self.bad_evals = state.get("best"), int(state.get("bad_evals", 0))
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training produced a NaN or infinite loss; the last good checkpoint is left intact."""
+
+
+def check_finite(loss: float, step: int, last_checkpoint: str | None) -> None:
+    """Raise :class:`NonFiniteLossError` with what to do when ``loss`` is NaN or infinite."""
+    if math.isfinite(loss):
+        return
+    where = f"the last good checkpoint is {last_checkpoint}" if last_checkpoint else "no checkpoint was written"
+    raise NonFiniteLossError(
+        f"train loss is {loss} at step {step}; training stopped ({where}). Usual causes: a learning rate too "
+        f"high (optim.lr, optim.sparse.lr, optim.dense.lr), fp16 without loss scaling, or bad input data. "
+        f"Lower the lr or add train.clip_grad.max=1.0, then resume with checkpoint.resume=latest "
+        f"(set train.nan_guard=false to train on regardless)."
+    )
