@@ -45,6 +45,7 @@ test-fast: $(STAMP) ## Run the tests except those marked slow
 
 bench: $(STAMP) ## Runner vs hand-written TorchRec loop: samples/s, ratio, start-up time
 	$(PY) -m recsys_runner.bench
+	$(PY) -m recsys_runner.bench_data
 
 lint: $(STAMP) ## ruff and mypy
 	$(VENV)/bin/ruff check recsys_runner tests

@@ -1,0 +1,114 @@
+"""``make bench`` (data part): the Parquet reader's rows/s, and training fed from Parquet vs from memory.
+
+Writes a Criteo-shaped Parquet file (label, 13 float dense, 26 int64 id columns with ~5% nulls, the
+schema stored as ``convert`` does) to a temporary directory, then reports:
+
+* reader rows/s: one process turning the file into shuffled TorchRec batches (median of rounds),
+  and its ratio to the training samples/s (the target is >= 3);
+* training samples/s of the runner's loop fed by ``data=parquet`` and fed the same batches from
+  memory (:class:`~recsys_runner.data.memory.InMemoryData`), alternating rounds; the median of the
+  per-round ratios (the target is >= 0.9).
+
+Usage: ``python -m recsys_runner.bench_data [--rows 500000] [--batch-size 2048] [--steps 60] [--rounds 5] [overrides…]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import replace
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from hydra import compose, initialize_config_dir
+
+from recsys_runner.bench import WINDOW, runner_round
+from recsys_runner.build import build
+from recsys_runner.config import register_configs, validate
+from recsys_runner.data.memory import InMemoryData
+from recsys_runner.data.tabular import CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE, SCHEMA_METADATA_KEY, criteo_schema, schema_json
+from recsys_runner.paths import CONFIG_PATH
+
+
+def write_parquet(path: str, rows: int, num_embeddings: int, seed: int = 0) -> None:
+    """Criteo-shaped model-ready columns, as ``convert`` writes them (vectorized: seconds for 1M rows)."""
+    rng = np.random.default_rng(seed)
+    cols: dict[str, pa.Array] = {"label": pa.array((rng.random(rows) < 0.25).astype(np.int8))}
+    for j in range(CRITEO_NUM_DENSE):
+        cols[f"int_{j}"] = pa.array(np.log1p(rng.geometric(0.1, rows)).astype(np.float32))
+    for j in range(CRITEO_NUM_SPARSE):
+        ids = (num_embeddings * rng.random(rows) ** 3).astype(np.int64)
+        cols[f"cat_{j}"] = pa.array(ids, mask=rng.random(rows) < 0.05)
+    schema = criteo_schema([num_embeddings] * CRITEO_NUM_SPARSE)
+    for d in schema.dense:
+        d.transform = "none"
+    for s in schema.sparse:
+        s.encoding, s.hex = "id", False
+    table = pa.table(cols).replace_schema_metadata({SCHEMA_METADATA_KEY: schema_json(schema)})
+    pq.write_table(table, path, row_group_size=65_536)
+
+
+def reader_rows_per_s(data, epoch: int) -> float:
+    start, rows = time.perf_counter(), 0
+    for batch in data.train_batches(epoch, 0, 1):
+        rows += batch.labels.shape[0]
+    return rows / (time.perf_counter() - start)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=500_000)
+    parser.add_argument("--num-embeddings", type=int, default=100_000)
+    parser.add_argument("--batch-size", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=60, help="training steps per round (windows of 10)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("overrides", nargs="*", help="extra config overrides (e.g. data.num_workers=1)")
+    args = parser.parse_args(argv)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "criteo.parquet")
+        write_parquet(path, args.rows, args.num_embeddings)
+        overrides = ["model=deepfm", "optim=adagrad", "tracking=none", "data=parquet", f"data.path={path}",
+                     f"data.batch_size={args.batch_size}", f"train.log_every_steps={WINDOW}", "train.eval_every_steps=null",
+                     "train.eval_max_batches=1", *args.overrides]
+        register_configs()
+        with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
+            cfg = compose(config_name="config", overrides=overrides)
+        run = validate(cfg)
+        run = replace(run, train=replace(run.train, num_steps=args.steps))
+        c = build(cfg, run)
+        try:
+            parquet = c.data
+            reader = [reader_rows_per_s(parquet, r) for r in range(3)]
+            print(f"reader: {args.rows:,} Criteo-shaped rows, batch {args.batch_size}: "
+                  + "  ".join(f"{r:,.0f}" for r in reader) + " rows/s", flush=True)
+            batches = list(parquet.train_batches(0, 0, 1))[: WINDOW * 2]
+            memory = InMemoryData(parquet.features, batches, batches[:1])
+            fed_parquet, fed_memory = [], []
+            for r in range(args.rounds):
+                # Alternate which goes first so that neither always inherits a warm (or a hot) CPU.
+                for which in ((0, 1) if r % 2 == 0 else (1, 0)):
+                    c.data = parquet if which == 0 else memory
+                    (fed_parquet if which == 0 else fed_memory).append(runner_round(c, args.steps))
+                print(f"round {r + 1}: from Parquet {fed_parquet[-1]:,.0f} samples/s   from memory {fed_memory[-1]:,.0f} samples/s", flush=True)
+        finally:
+            c.close()
+    ratios = [p / m for p, m in zip(fed_parquet, fed_memory, strict=True)]
+    train_rate = statistics.median(fed_parquet)
+    read = statistics.median(reader)
+    print()
+    print(f"model=deepfm batch={args.batch_size} threads={torch.get_num_threads()} num_workers={cfg.data.num_workers}")
+    print(f"reader alone             : {read:,.0f} rows/s  ({read / train_rate:.1f}x training samples/s; target >= 3)")
+    print(f"training fed from memory : {statistics.median(fed_memory):,.0f} samples/s")
+    print(f"training fed from Parquet: {train_rate:,.0f} samples/s")
+    print(f"ratio Parquet / memory   : {statistics.median(ratios):.3f}  (median of per-round ratios, range "
+          f"{min(ratios):.2f}-{max(ratios):.2f}; target >= 0.9)")
+
+
+if __name__ == "__main__":
+    main()
