@@ -1,45 +1,620 @@
-"""Evaluation and train-progress metrics.
+"""Evaluation metrics, decaying train metrics, and the train-progress meter.
 
-Eval metrics are torchmetrics objects whose states are synchronized over the default process
-group in ``compute()``: AUC gathers every rank's predictions and labels, log loss sums, so each
-value equals what one process would compute over the union of all ranks' data — not an average
-of per-rank values.
+Every metric is a torchmetrics :class:`~torchmetrics.Metric` whose states are synchronized over
+the default process group in ``compute()`` so that **each value equals what one process computes
+over the union of all ranks' data** — never an average of per-rank values:
+
+* additive metrics (log loss, accuracy, NE, calibration, MAE, MSE, recall@k) keep sums and counts,
+  which are summed across ranks before dividing;
+* ranking metrics (AUC, grouped AUC, XAUC) keep every row (``cat`` states), gathered from all ranks,
+  then computed once on the union. Grouped AUC therefore sees all of a group's rows even when they
+  were spread over ranks, and every computation is invariant to the order of the rows.
+
+Which metrics run is chosen by config (:class:`MetricsConfig`, a list of names per phase), through
+an explicit registry (:data:`METRICS`): unknown names are errors that list the valid ones, and
+registering a name twice is an error. :func:`build_eval_metrics` builds the eval collection and
+:func:`build_train_metrics` the decaying train metrics (TorchEasyRec's ``TrainMetricWrapper``, with
+``decay_rate`` and ``decay_step``). See ``docs/metrics.md`` for every definition.
+
+Pointwise metrics take ``update(preds, labels)`` with ``preds`` probabilities (or regression
+predictions) ``[B]`` and ``labels`` ``[B]`` (0/1, or real targets for XAUC, MAE, MSE); grouped AUC also
+takes ``groups=`` ``[B]`` integer ids. Recall@k takes ``update(scores [Q, C], positives [Q])``.
+
+Collectives: ``compute()`` is collective when a process group is initialized, so every rank must
+call it, and every rank must have called ``update`` at least once (a rank without a gather state
+would not join the gather).
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor, nn
 from torchmetrics import Metric, MetricCollection
-from torchmetrics.classification import BinaryAUROC
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recsys_runner.errors import ConfigError, require
+
+_EPS = 1e-7
 
 
-class LogLoss(Metric):
-    """Mean binary cross-entropy of probabilities, summed across ranks before dividing."""
+# --------------------------------------------------------------------------------------------
+# Closed-form computations on one process's (or the gathered union's) rows.
+# --------------------------------------------------------------------------------------------
+
+
+def grouped_auc_parts(preds: Tensor, labels: Tensor, groups: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-group AUC with tied predictions counted as half: ``(auc [G], positives [G], negatives [G])``.
+
+    The Mann–Whitney form: within a group, ``auc = (Σ_pos rank − P(P+1)/2) / (P·N)`` with ranks
+    ascending and averaged over ties. Groups are the distinct values of ``groups`` in ascending
+    order; a group without both classes has ``auc`` NaN. ``labels`` count as positive when ``≥ 0.5``.
+    """
+    preds, positive = preds.detach().double().flatten(), (labels.detach().flatten() >= 0.5).double()
+    group_idx = torch.unique(groups.flatten(), return_inverse=True)[1]
+    num_groups = int(group_idx.max()) + 1 if group_idx.numel() else 0
+    # Sorting (group, pred) pairs lexicographically gives each distinct pair its run of rows.
+    pairs, row_to_pair, pair_counts = torch.unique(
+        torch.stack([group_idx.double(), preds], dim=1), dim=0, return_inverse=True, return_counts=True
+    )
+    pair_group = pairs[:, 0].long()
+    group_sizes = torch.zeros(num_groups, dtype=torch.float64, device=preds.device).index_add_(0, group_idx, torch.ones_like(preds))
+    group_start = torch.cumsum(group_sizes, 0) - group_sizes
+    rows_before = torch.cumsum(pair_counts, 0) - pair_counts
+    pair_rank = rows_before.double() - group_start[pair_group] + (pair_counts.double() + 1) / 2
+    row_rank = pair_rank[row_to_pair]
+    num_pos = torch.zeros_like(group_sizes).index_add_(0, group_idx, positive)
+    num_neg = group_sizes - num_pos
+    rank_sum = torch.zeros_like(group_sizes).index_add_(0, group_idx, row_rank * positive)
+    auc = (rank_sum - num_pos * (num_pos + 1) / 2) / (num_pos * num_neg)
+    return torch.where((num_pos > 0) & (num_neg > 0), auc, torch.nan), num_pos, num_neg
+
+
+def binary_auc(preds: Tensor, labels: Tensor) -> Tensor:
+    """ROC AUC: the probability that a random positive outranks a random negative (ties ½); NaN
+    without both classes."""
+    auc, _, _ = grouped_auc_parts(preds, labels, torch.zeros_like(labels, dtype=torch.long))
+    return auc[0] if auc.numel() else torch.tensor(torch.nan, dtype=torch.float64)
+
+
+def grouped_auc(preds: Tensor, labels: Tensor, groups: Tensor, weighting: str = "impressions") -> Tensor:
+    """Mean of per-group AUCs over the groups that have both classes.
+
+    ``weighting="impressions"`` weights each group by its number of rows (the GAUC of Zhou et al.
+    2018, DIN); ``"uniform"`` gives every group the same weight. NaN when no group has both classes.
+    """
+    if weighting not in ("impressions", "uniform"):
+        raise ValueError(f"grouped AUC weighting must be 'impressions' or 'uniform', got {weighting!r}")
+    auc, num_pos, num_neg = grouped_auc_parts(preds, labels, groups)
+    valid = ~torch.isnan(auc)
+    weights = (num_pos + num_neg) if weighting == "impressions" else torch.ones_like(auc)
+    weights = weights[valid]
+    if weights.numel() == 0:
+        return torch.tensor(torch.nan, dtype=torch.float64, device=preds.device)
+    return (auc[valid] * weights).sum() / weights.sum()
+
+
+def xauc(preds: Tensor, targets: Tensor, max_pairs: int = 1 << 24, seed: int = 0) -> Tensor:
+    """Pairwise ordering accuracy for real-valued targets (e.g. watch time).
+
+    Over pairs ``(i, j)`` whose targets differ: 1 when the predictions are ordered like the targets,
+    ½ when the predictions tie, 0 otherwise; the mean of that. Exact (all ``n(n−1)/2`` pairs) while
+    that count is at most ``max_pairs``; above it, ``max_pairs`` pairs drawn uniformly with a
+    generator seeded by ``seed``. The rows are first sorted by ``(target, pred)``, so the sampled
+    value depends only on the multiset of rows, not on their order (nor on which rank held them).
+    NaN when no pair has distinct targets.
+    """
+    p, t = preds.detach().double().flatten(), targets.detach().double().flatten()
+    order = torch.argsort(p, stable=True)
+    order = order[torch.argsort(t[order], stable=True)]
+    p, t = p[order], t[order]
+    n = p.numel()
+    if n * (n - 1) // 2 <= max_pairs:
+        score, valid = torch.zeros((), dtype=torch.float64, device=p.device), torch.zeros((), dtype=torch.float64, device=p.device)
+        chunk = max(1, (1 << 22) // max(n, 1))
+        cols = torch.arange(n, device=p.device)
+        for start in range(0, n, chunk):
+            rows = torch.arange(start, min(start + chunk, n), device=p.device)
+            upper = cols.unsqueeze(0) > rows.unsqueeze(1)
+            s, v = _pair_scores(p[rows].unsqueeze(1), p.unsqueeze(0), t[rows].unsqueeze(1), t.unsqueeze(0), upper)
+            score, valid = score + s, valid + v
+    else:
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        i = torch.randint(n, (max_pairs,), generator=g).to(p.device)
+        j = torch.randint(n - 1, (max_pairs,), generator=g).to(p.device)
+        j = j + (j >= i).long()  # uniform over j != i
+        score, valid = _pair_scores(p[i], p[j], t[i], t[j], None)
+    return score / valid if valid > 0 else torch.tensor(torch.nan, dtype=torch.float64, device=p.device)
+
+
+def _pair_scores(pi: Tensor, pj: Tensor, ti: Tensor, tj: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Sum of pair scores (1 concordant, ½ prediction tie) and count of pairs with distinct targets."""
+    dt, dp = tj - ti, pj - pi
+    valid = dt != 0
+    if mask is not None:
+        valid = valid & mask
+    score = torch.where(dp * dt > 0, 1.0, torch.where(dp == 0, 0.5, 0.0)).double()
+    return (score * valid).sum(), valid.sum().double()
+
+
+def binary_entropy(p: Tensor) -> Tensor:
+    """``−(p log p + (1−p) log(1−p))`` in nats."""
+    p = p.double()
+    return -(torch.xlogy(p, p) + torch.xlogy(1 - p, 1 - p))
+
+
+# --------------------------------------------------------------------------------------------
+# The metrics.
+# --------------------------------------------------------------------------------------------
+
+
+class _SumMetric(Metric):
+    """Base of additive metrics: float64 sum states, summed across ranks before ``compute``."""
 
     full_state_update = False
 
-    def __init__(self) -> None:
+    def __init__(self, *names: str) -> None:
         super().__init__()
-        self.add_state("total", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("count", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
+        for name in names:
+            self.add_state(name, default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
 
-    def update(self, probs: torch.Tensor, labels: torch.Tensor) -> None:  # type: ignore[override]
-        losses = F.binary_cross_entropy(probs.double().clamp(1e-7, 1 - 1e-7), labels.double(), reduction="sum")
-        self.total += losses
+
+class LogLoss(_SumMetric):
+    """Mean binary cross-entropy of probabilities (clamped to ``[1e-7, 1 − 1e-7]``)."""
+
+    def __init__(self) -> None:
+        super().__init__("total", "count")
+
+    def update(self, preds: Tensor, labels: Tensor) -> None:  # type: ignore[override]
+        probs = preds.detach().double().clamp(_EPS, 1 - _EPS)
+        self.total += F.binary_cross_entropy(probs, labels.detach().double(), reduction="sum")
         self.count += labels.numel()
 
-    def compute(self) -> torch.Tensor:
+    def compute(self) -> Tensor:
         return self.total / self.count.clamp_min(1)
 
 
+class Accuracy(_SumMetric):
+    """Share of rows whose thresholded prediction (``pred ≥ threshold``) equals the label."""
+
+    def __init__(self, threshold: float = 0.5) -> None:
+        super().__init__("correct", "count")
+        self.threshold = threshold
+
+    def update(self, preds: Tensor, labels: Tensor) -> None:  # type: ignore[override]
+        self.correct += ((preds.detach() >= self.threshold) == (labels.detach() >= 0.5)).sum()
+        self.count += labels.numel()
+
+    def compute(self) -> Tensor:
+        return self.correct / self.count.clamp_min(1)
+
+
+class NormalizedEntropy(_SumMetric):
+    """Log loss divided by the entropy of the base rate (He et al. 2014): below 1 beats predicting
+    the average CTR for every row. NaN when the labels are all one class."""
+
+    def __init__(self) -> None:
+        super().__init__("total", "positives", "count")
+
+    def update(self, preds: Tensor, labels: Tensor) -> None:  # type: ignore[override]
+        probs = preds.detach().double().clamp(_EPS, 1 - _EPS)
+        self.total += F.binary_cross_entropy(probs, labels.detach().double(), reduction="sum")
+        self.positives += labels.detach().double().sum()
+        self.count += labels.numel()
+
+    def compute(self) -> Tensor:
+        count = self.count.clamp_min(1)
+        base = binary_entropy(self.positives / count)
+        return torch.where(base > 0, self.total / count / base, torch.nan)
+
+
+class Calibration(_SumMetric):
+    """``Σ preds / Σ labels``: 1 is calibrated, above 1 over-predicts (inf/NaN without positives)."""
+
+    def __init__(self) -> None:
+        super().__init__("pred_sum", "label_sum")
+
+    def update(self, preds: Tensor, labels: Tensor) -> None:  # type: ignore[override]
+        self.pred_sum += preds.detach().double().sum()
+        self.label_sum += labels.detach().double().sum()
+
+    def compute(self) -> Tensor:
+        return self.pred_sum / self.label_sum
+
+
+class MeanAbsoluteError(_SumMetric):
+    """``mean |pred − label|``."""
+
+    def __init__(self) -> None:
+        super().__init__("total", "count")
+
+    def update(self, preds: Tensor, labels: Tensor) -> None:  # type: ignore[override]
+        self.total += (preds.detach().double() - labels.detach().double()).abs().sum()
+        self.count += labels.numel()
+
+    def compute(self) -> Tensor:
+        return self.total / self.count.clamp_min(1)
+
+
+class MeanSquaredError(_SumMetric):
+    """``mean (pred − label)²``."""
+
+    def __init__(self) -> None:
+        super().__init__("total", "count")
+
+    def update(self, preds: Tensor, labels: Tensor) -> None:  # type: ignore[override]
+        self.total += (preds.detach().double() - labels.detach().double()).pow(2).sum()
+        self.count += labels.numel()
+
+    def compute(self) -> Tensor:
+        return self.total / self.count.clamp_min(1)
+
+
+class RecallAtK(_SumMetric):
+    """Share of queries whose positive candidate ranks in the top ``k`` of that query's scores.
+
+    ``update(scores [Q, C], positives [Q])``: ``positives[q]`` is the index of query ``q``'s positive
+    among its ``C`` candidates (e.g. the diagonal of an in-batch score matrix). The positive's rank
+    is the number of *other* candidates scoring at least as high — ties count against it, so a
+    constant scorer gets no credit.
+    """
+
+    def __init__(self, k: int) -> None:
+        super().__init__("hits", "count")
+        self.k = k
+
+    def update(self, scores: Tensor, positives: Tensor) -> None:  # type: ignore[override]
+        scores = scores.detach()
+        positive_scores = scores.gather(1, positives.long().view(-1, 1))
+        rank = (scores >= positive_scores).sum(dim=1) - 1
+        self.hits += (rank < self.k).sum()
+        self.count += scores.shape[0]
+
+    def compute(self) -> Tensor:
+        return self.hits / self.count.clamp_min(1)
+
+
+class _GatherMetric(Metric):
+    """Base of ranking metrics: keeps every row; ``compute`` runs on all ranks' rows gathered."""
+
+    full_state_update = False
+
+    def __init__(self, *names: str) -> None:
+        super().__init__()
+        for name in names:
+            self.add_state(name, default=[], dist_reduce_fx="cat")
+
+    def _rows(self, name: str) -> Tensor:
+        state = getattr(self, name)
+        if isinstance(state, list):
+            return torch.cat(state) if state else torch.zeros(0, dtype=torch.long if name == "groups" else torch.float64, device=self.device)
+        return state
+
+
+class AUC(_GatherMetric):
+    """Exact ROC AUC over all rows of all ranks (ties ½); see :func:`binary_auc`."""
+
+    def __init__(self) -> None:
+        super().__init__("preds", "labels")
+
+    def update(self, preds: Tensor, labels: Tensor) -> None:  # type: ignore[override]
+        self.preds.append(preds.detach().double().flatten())
+        self.labels.append(labels.detach().double().flatten())
+
+    def compute(self) -> Tensor:
+        return binary_auc(self._rows("preds"), self._rows("labels"))
+
+
+class GroupedAUC(_GatherMetric):
+    """Grouped AUC over all ranks' ``(group, pred, label)`` rows; see :func:`grouped_auc`."""
+
+    def __init__(self, weighting: str = "impressions") -> None:
+        super().__init__("preds", "labels", "groups")
+        self.weighting = weighting
+
+    def update(self, preds: Tensor, labels: Tensor, groups: Tensor | None = None) -> None:  # type: ignore[override]
+        if groups is None:
+            raise ValueError("gauc needs groups=<[B] integer ids> in update(); the runner passes them when metrics.grouping_key is set")
+        self.preds.append(preds.detach().double().flatten())
+        self.labels.append(labels.detach().double().flatten())
+        self.groups.append(groups.detach().long().flatten())
+
+    def compute(self) -> Tensor:
+        return grouped_auc(self._rows("preds"), self._rows("labels"), self._rows("groups"), self.weighting)
+
+
+class XAUC(_GatherMetric):
+    """XAUC over all ranks' rows; see :func:`xauc` (exact up to ``max_pairs`` pairs, then sampled)."""
+
+    def __init__(self, max_pairs: int = 1 << 24, seed: int = 0) -> None:
+        super().__init__("preds", "targets")
+        self.max_pairs, self.seed = max_pairs, seed
+
+    def update(self, preds: Tensor, labels: Tensor) -> None:  # type: ignore[override]
+        self.preds.append(preds.detach().double().flatten())
+        self.targets.append(labels.detach().double().flatten())
+
+    def compute(self) -> Tensor:
+        return xauc(self._rows("preds"), self._rows("targets"), self.max_pairs, self.seed)
+
+
+class DecayAUC(_SumMetric):
+    """AUC of an exponentially decayed history, for train-time logging (TorchEasyRec's DecayAUC).
+
+    Predictions in ``[0, 1]`` are binned into ``num_bins`` equal bins; ``update`` counts positives
+    and negatives per bin into a buffer, and :meth:`decay` folds the buffer into the history,
+    ``history = rate · history + (1 − rate) · buffer`` (the first fold copies the buffer). ``compute``
+    is the AUC of the history's weighted rows (rows in one bin tie). Bin counts are summed across ranks.
+    """
+
+    def __init__(self, num_bins: int = 1000) -> None:
+        super().__init__()
+        self.num_bins = num_bins
+        for name in ("pos_hist", "neg_hist", "pos_buffer", "neg_buffer"):
+            self.add_state(name, default=torch.zeros(num_bins, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("folds", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="max")
+
+    def update(self, preds: Tensor, labels: Tensor) -> None:  # type: ignore[override]
+        bins = (preds.detach().double().clamp(0, 1) * self.num_bins).long().clamp_max(self.num_bins - 1).flatten()
+        positive = (labels.detach().flatten() >= 0.5).double()
+        self.pos_buffer += torch.bincount(bins, weights=positive, minlength=self.num_bins)
+        self.neg_buffer += torch.bincount(bins, weights=1 - positive, minlength=self.num_bins)
+
+    def decay(self, rate: float) -> None:
+        """Fold the buffer into the decayed history and clear it."""
+        first = bool(self.folds == 0)
+        self.pos_hist = self.pos_buffer.clone() if first else rate * self.pos_hist + (1 - rate) * self.pos_buffer
+        self.neg_hist = self.neg_buffer.clone() if first else rate * self.neg_hist + (1 - rate) * self.neg_buffer
+        self.pos_buffer, self.neg_buffer = torch.zeros_like(self.pos_buffer), torch.zeros_like(self.neg_buffer)
+        self.folds += 1
+        self._computed = None
+
+    def compute(self) -> Tensor:
+        return histogram_auc(self.pos_hist, self.neg_hist)
+
+
+def histogram_auc(pos: Tensor, neg: Tensor) -> Tensor:
+    """AUC of weighted rows binned by ascending score: ``Σ_b pos_b (neg_{<b} + ½ neg_b) / (Σpos · Σneg)``."""
+    neg_below = torch.cumsum(neg, 0) - neg
+    denominator = pos.sum() * neg.sum()
+    return torch.where(denominator > 0, (pos * (neg_below + 0.5 * neg)).sum() / denominator, torch.nan)
+
+
+# --------------------------------------------------------------------------------------------
+# Decaying train metrics (TorchEasyRec's TrainMetricWrapper).
+# --------------------------------------------------------------------------------------------
+
+
+class DecayingMetric(nn.Module):
+    """A train-time metric smoothed over windows of ``decay_step`` updates.
+
+    ``update`` feeds the wrapped metric; every ``decay_step``-th update closes a window:
+
+    * a :class:`DecayAUC` folds the window into its decayed history, and the value is its AUC;
+    * any other metric is computed over the window (over all ranks) and reset, and the value becomes
+      ``rate · value + (1 − rate) · window_value`` (the first window's value is taken as is).
+
+    Before the first window closes, ``compute`` returns the metric over the updates so far. Closing a
+    window and ``compute`` synchronize ranks, so every rank must call them at the same steps — the
+    runner updates on every step and computes at the log cadence, on every rank.
+
+    Example::
+
+        auc = DecayingMetric(DecayAUC(), decay_rate=0.9, decay_step=100)
+        auc.update(torch.sigmoid(logits), labels)   # every step
+        auc.compute()                              # at the log cadence
+    """
+
+    def __init__(self, metric: Metric, decay_rate: float, decay_step: int) -> None:
+        super().__init__()
+        self.metric = metric
+        self.decay_rate, self.decay_step = decay_rate, decay_step
+        self.register_buffer("value", torch.tensor(torch.nan, dtype=torch.float64))
+        self.num_updates = 0
+
+    def update(self, preds: Tensor, labels: Tensor) -> None:
+        self.metric.update(preds, labels)
+        self.num_updates += 1
+        if self.num_updates % self.decay_step:
+            return
+        if isinstance(self.metric, DecayAUC):
+            self.metric.decay(self.decay_rate)
+            self.value = self.metric.compute().to(self.value)
+            return
+        window = self.metric.compute().to(self.value)
+        self.metric.reset()
+        first = self.num_updates == self.decay_step
+        self.value = window if first else self.decay_rate * self.value + (1 - self.decay_rate) * window
+
+    def compute(self) -> Tensor:
+        if self.num_updates < self.decay_step:
+            if isinstance(self.metric, DecayAUC):
+                return histogram_auc(*_synced_sums(self.metric.pos_buffer, self.metric.neg_buffer))
+            return self.metric.compute() if self.num_updates else self.value
+        return self.value
+
+
+def _synced_sums(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """``tensors`` summed over the process group (copies; unchanged without one)."""
+    out = tuple(t.clone() for t in tensors)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        for t in out:
+            torch.distributed.all_reduce(t)
+    return out
+
+
+class TrainMetrics(nn.Module):
+    """The configured decaying train metrics; ``compute()`` gives ``{"train/<name>": value}``."""
+
+    def __init__(self, metrics: dict[str, DecayingMetric]) -> None:
+        super().__init__()
+        self.metrics = nn.ModuleDict(metrics)
+
+    def update(self, preds: Tensor, labels: Tensor) -> None:
+        for metric in self.metrics.values():
+            metric.update(preds, labels)
+
+    def compute(self) -> dict[str, float]:
+        return {f"train/{name}": float(metric.compute()) for name, metric in self.metrics.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# Config and registry.
+# --------------------------------------------------------------------------------------------
+
+Inputs = Literal["pointwise", "grouped", "retrieval"]
+
+
+@dataclass(frozen=True)
+class MetricEntry:
+    """A registered metric: how to build it from the config, and what ``update`` takes."""
+
+    factory: Callable[[MetricsConfig], Metric]
+    inputs: Inputs
+    doc: str
+
+
+METRICS: dict[str, MetricEntry] = {}
+"""The metric registry, by config name. ``recall@<k>`` is matched by :data:`RECALL_AT_K`."""
+
+RECALL_AT_K = re.compile(r"recall@([0-9]+)")
+"""Names ``recall@1``, ``recall@10`` …: :class:`RecallAtK` with that ``k``."""
+
+
+def register_metric(name: str, factory: Callable[[MetricsConfig], Metric], inputs: Inputs, doc: str) -> None:
+    """Add a metric to :data:`METRICS`; a name may be registered once."""
+    if name in METRICS or RECALL_AT_K.fullmatch(name):
+        raise ValueError(f"metric {name!r} is already registered")
+    METRICS[name] = MetricEntry(factory, inputs, doc)
+
+
+register_metric("auc", lambda s: AUC(), "pointwise", "ROC AUC, exact over all ranks' rows")
+register_metric("logloss", lambda s: LogLoss(), "pointwise", "mean binary cross-entropy")
+register_metric("accuracy", lambda s: Accuracy(), "pointwise", "share of rows with (pred >= 0.5) == label")
+register_metric("gauc", lambda s: GroupedAUC(s.gauc_weighting), "grouped", "AUC per metrics.grouping_key group, averaged")
+register_metric("xauc", lambda s: XAUC(s.xauc_max_pairs), "pointwise", "pairwise ordering accuracy for real targets")
+register_metric("ne", lambda s: NormalizedEntropy(), "pointwise", "log loss / entropy of the base rate")
+register_metric("calibration", lambda s: Calibration(), "pointwise", "sum of preds / sum of labels")
+register_metric("mae", lambda s: MeanAbsoluteError(), "pointwise", "mean absolute error")
+register_metric("mse", lambda s: MeanSquaredError(), "pointwise", "mean squared error")
+
+
+def metric_entry(name: str, key: str = "metrics") -> MetricEntry:
+    """The registry entry for ``name``; :class:`ConfigError` listing the valid names otherwise."""
+    if (m := RECALL_AT_K.fullmatch(name)) is not None:
+        k = int(m.group(1))
+        require(k > 0, f"{key}: {name!r} needs k >= 1, e.g. recall@10")
+        return MetricEntry(lambda s: RecallAtK(k), "retrieval", f"recall at {k}")
+    if name not in METRICS:
+        raise ConfigError(f"{key}: unknown metric {name!r}. Valid names: {', '.join(sorted(METRICS))}, recall@<k> (e.g. recall@10)")
+    return METRICS[name]
+
+
+TRAIN_METRICS = {"auc", "logloss", "accuracy", "ne", "calibration", "mae", "mse", "xauc"}
+"""Metrics that can decay at train time: those computed from the step's ``(preds, labels)`` alone."""
+
+
+@dataclass(kw_only=True)
+class MetricsConfig:
+    """Which metrics to compute, by phase (a ``metrics`` section, or a task's field)."""
+
+    eval: list[str] = field(default_factory=lambda: ["auc", "logloss"])
+    """Eval metric names, each logged as ``eval/<name>``; see ``docs/metrics.md``. Pointwise and
+    ``gauc`` metrics combine; ``recall@<k>`` (retrieval scores) only with other ``recall@<k>``."""
+    train: list[str] = field(default_factory=lambda: ["auc"])
+    """Decaying train metrics, logged as ``train/<name>`` at the log cadence (``[]`` for none)."""
+    decay_rate: float = 0.9
+    """Weight of the history when a train-metric window closes: ``value = rate·value + (1−rate)·window``."""
+    decay_step: int = 100
+    """Updates (micro-batches) per train-metric window."""
+    grouping_key: str | None = None
+    """Sparse feature whose id groups rows for ``gauc`` (e.g. a user id); one id per row."""
+    gauc_weighting: str = "impressions"
+    """``gauc`` weights each group by its rows (``impressions``) or equally (``uniform``)."""
+    xauc_max_pairs: int = 1 << 24
+    """``xauc`` is exact up to this many pairs, then computed on this many seeded random pairs."""
+
+    def __post_init__(self) -> None:
+        for phase, names in (("metrics.eval", self.eval), ("metrics.train", self.train)):
+            duplicates = sorted({n for n in names if list(names).count(n) > 1})
+            require(not duplicates, f"{phase} lists {duplicates} more than once; list each metric once")
+            for name in names:
+                metric_entry(name, phase)
+        kinds = {metric_entry(n).inputs == "retrieval" for n in self.eval}
+        require(
+            len(kinds) <= 1,
+            f"metrics.eval={list(self.eval)} mixes recall@<k> (query×candidate scores) with pointwise metrics "
+            f"(per-row predictions); a task produces one or the other. Fix: keep only one kind",
+        )
+        untrainable = [n for n in self.train if n not in TRAIN_METRICS]
+        require(
+            not untrainable,
+            f"metrics.train={list(self.train)}: {untrainable} cannot be computed at train time (they need grouping ids or "
+            f"retrieval scores the train step does not return). Fix: move them to metrics.eval; train-time options: "
+            f"{', '.join(sorted(TRAIN_METRICS))}",
+        )
+        require(
+            "gauc" not in self.eval or self.grouping_key is not None,
+            "metrics.eval lists gauc but metrics.grouping_key is not set. Fix: metrics.grouping_key=<sparse feature "
+            "holding the group id, e.g. a user id>",
+        )
+        require(0 <= self.decay_rate < 1, f"metrics.decay_rate must be in [0, 1), got {self.decay_rate}")
+        require(self.decay_step > 0, f"metrics.decay_step must be positive, got {self.decay_step}")
+        require(
+            self.gauc_weighting in ("impressions", "uniform"),
+            f"metrics.gauc_weighting must be impressions or uniform, got {self.gauc_weighting!r}",
+        )
+        require(self.xauc_max_pairs > 0, f"metrics.xauc_max_pairs must be positive, got {self.xauc_max_pairs}")
+
+
+def build_eval_metrics(spec: MetricsConfig, device: torch.device) -> MetricCollection:
+    """The eval metrics ``spec.eval`` names, as one collection on ``device``.
+
+    ``update(preds, labels, groups=ids)`` passes ``groups`` only to ``gauc``; ``compute()`` returns
+    ``{name: value}`` (collective under a process group).
+    """
+    metrics = {name: metric_entry(name, "metrics.eval").factory(spec) for name in spec.eval}
+    return MetricCollection(metrics, compute_groups=False).to(device)
+
+
+def build_train_metrics(spec: MetricsConfig, device: torch.device) -> TrainMetrics:
+    """The decaying train metrics ``spec.train`` names (``auc`` decays as :class:`DecayAUC`)."""
+    metrics = {}
+    for name in spec.train:
+        inner = DecayAUC() if name == "auc" else metric_entry(name, "metrics.train").factory(spec)
+        metrics[name] = DecayingMetric(inner, spec.decay_rate, spec.decay_step)
+    return TrainMetrics(metrics).to(device)
+
+
+def grouping_ids(sparse: KeyedJaggedTensor, key: str) -> Tensor:
+    """Each row's id of sparse feature ``key`` (the ``gauc`` group): ``[B]``.
+
+    Raises:
+        ConfigError: ``key`` is not a sparse feature, or some row has no or several ids.
+    """
+    if key not in sparse.keys():
+        raise ConfigError(f"metrics.grouping_key={key!r} is not a sparse feature; the data has {', '.join(sparse.keys())}")
+    jagged = sparse[key]
+    if not bool((jagged.lengths() == 1).all()):
+        raise ConfigError(f"metrics.grouping_key={key!r} must hold exactly one id per row (a user id, say); some rows have none or several")
+    return jagged.values()
+
+
 def eval_metrics(device: torch.device) -> MetricCollection:
-    """Binary-classification eval metrics: ``auc`` and ``logloss``."""
-    return MetricCollection({"auc": BinaryAUROC(), "logloss": LogLoss()}).to(device)
+    """Binary-classification eval metrics with the default config: ``auc`` and ``logloss``."""
+    return build_eval_metrics(MetricsConfig(), device)
+
+
+# --------------------------------------------------------------------------------------------
+# Throughput.
+# --------------------------------------------------------------------------------------------
 
 
 class Throughput:
@@ -51,11 +626,11 @@ class Throughput:
     def __init__(self, total_steps: int, global_batch_size: int) -> None:
         self.total_steps = total_steps
         self.global_batch_size = global_batch_size
-        self._loss_sum: torch.Tensor | None = None
+        self._loss_sum: Tensor | None = None
         self._steps = 0
         self._since = time.perf_counter()
 
-    def update(self, loss: torch.Tensor) -> None:
+    def update(self, loss: Tensor) -> None:
         if self._loss_sum is None:
             self._loss_sum = loss.detach().clone().float()
         else:
@@ -84,3 +659,4 @@ class Throughput:
         }
         self._loss_sum, self._steps, self._since = None, 0, now
         return out
+

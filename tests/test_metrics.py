@@ -1,0 +1,276 @@
+"""Every metric against a straightforward reference: hand-checked small cases and brute-force pair counts."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torchmetrics.classification import BinaryAUROC
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recsys_runner.errors import ConfigError
+from recsys_runner.metrics import (
+    AUC,
+    XAUC,
+    Accuracy,
+    Calibration,
+    DecayAUC,
+    DecayingMetric,
+    GroupedAUC,
+    LogLoss,
+    MeanAbsoluteError,
+    MeanSquaredError,
+    MetricsConfig,
+    NormalizedEntropy,
+    RecallAtK,
+    binary_auc,
+    build_eval_metrics,
+    build_train_metrics,
+    eval_metrics,
+    grouped_auc,
+    grouping_ids,
+    register_metric,
+    xauc,
+)
+
+CPU = torch.device("cpu")
+
+
+def t(*values: float) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def pairwise_auc(preds: list[float], labels: list[float], weights: list[float] | None = None) -> float:
+    """Brute force: over (positive, negative) pairs, 1 if the positive scores higher, ½ on a tie."""
+    w = weights or [1.0] * len(preds)
+    num = den = 0.0
+    for i, j in itertools.product(range(len(preds)), repeat=2):
+        if labels[i] == 1 and labels[j] == 0:
+            num += w[i] * w[j] * (1.0 if preds[i] > preds[j] else 0.5 if preds[i] == preds[j] else 0.0)
+            den += w[i] * w[j]
+    return num / den
+
+
+def pairwise_xauc(preds: list[float], targets: list[float]) -> float:
+    num = den = 0
+    for i, j in itertools.combinations(range(len(preds)), 2):
+        if targets[i] != targets[j]:
+            dp, dt = preds[j] - preds[i], targets[j] - targets[i]
+            num += 1.0 if dp * dt > 0 else 0.5 if dp == 0 else 0.0
+            den += 1
+    return num / den
+
+
+def fed(metric, *batches) -> float:
+    for args in batches:
+        metric.update(*args[:2], **({"groups": args[2]} if len(args) > 2 else {}))
+    return float(metric.compute())
+
+
+# ---- AUC --------------------------------------------------------------------------------------
+
+
+def test_auc_hand_cases() -> None:
+    assert fed(AUC(), (t(0.1, 0.4, 0.35, 0.8), t(0, 0, 1, 1))) == pytest.approx(0.75)
+    # positives {0.5, 0.9}, negatives {0.5, 0.2}: the 0.5/0.5 tie counts ½ → 3.5 / 4
+    assert fed(AUC(), (t(0.5, 0.5, 0.2, 0.9), t(1, 0, 0, 1))) == pytest.approx(0.875)
+    assert math.isnan(fed(AUC(), (t(0.3, 0.7), t(1, 1))))
+
+
+def test_auc_matches_pairwise_and_torchmetrics_across_batches() -> None:
+    g = torch.Generator().manual_seed(0)
+    preds = (torch.rand(200, generator=g) * 10).round() / 10  # many ties
+    labels = (torch.rand(200, generator=g) < preds).double()
+    value = fed(AUC(), (preds[:70], labels[:70]), (preds[70:], labels[70:]))
+    assert value == pytest.approx(pairwise_auc(preds.tolist(), labels.tolist()))
+    assert value == pytest.approx(float(BinaryAUROC()(preds, labels.long())), abs=1e-6)
+
+
+def test_default_eval_metrics_keep_their_keys() -> None:
+    m = eval_metrics(CPU)
+    m.update(t(0.2, 0.8, 0.6), torch.tensor([0, 1, 0]))
+    out = m.compute()
+    assert set(out) == {"auc", "logloss"}
+    assert float(out["auc"]) == pytest.approx(1.0)
+
+
+# ---- grouped AUC -------------------------------------------------------------------------------
+
+GAUC_CASE = (
+    # group 7: AUC 1 over 2 rows; group 3: AUC 0 over 3 rows; group 5: one class only, excluded.
+    t(0.9, 0.2, 0.1, 0.6, 0.4, 0.3),
+    t(1, 1, 0, 0, 0, 1),
+    torch.tensor([7, 3, 7, 3, 3, 5]),
+)
+
+
+def test_grouped_auc_hand_case_both_weightings() -> None:
+    assert fed(GroupedAUC("impressions"), GAUC_CASE) == pytest.approx((1.0 * 2 + 0.0 * 3) / 5)
+    assert fed(GroupedAUC("uniform"), GAUC_CASE) == pytest.approx(0.5)
+    assert math.isnan(float(grouped_auc(t(0.1, 0.2), t(1, 1), torch.tensor([1, 2]))))
+
+
+def test_grouped_auc_equals_per_group_reference_with_ties_and_batches() -> None:
+    g = torch.Generator().manual_seed(1)
+    n = 300
+    preds = (torch.rand(n, generator=g) * 8).round() / 8
+    labels = (torch.rand(n, generator=g) < preds).double()
+    groups = torch.randint(0, 12, (n,), generator=g) * 1000  # sparse, non-contiguous ids
+    num = den = 0.0
+    for k in groups.unique().tolist():
+        sel = groups == k
+        if labels[sel].min() != labels[sel].max():
+            num += pairwise_auc(preds[sel].tolist(), labels[sel].tolist()) * int(sel.sum())
+            den += int(sel.sum())
+    value = fed(GroupedAUC(), (preds[:100], labels[:100], groups[:100]), (preds[100:], labels[100:], groups[100:]))
+    assert value == pytest.approx(num / den)
+
+
+def test_grouped_auc_without_groups_says_what_is_missing() -> None:
+    with pytest.raises(ValueError, match="groups="):
+        GroupedAUC().update(t(0.1), t(1))
+
+
+# ---- XAUC --------------------------------------------------------------------------------------
+
+
+def test_xauc_hand_cases() -> None:
+    # pairs (1,2) and (1,3) ordered like the targets, (2,3) reversed → 2/3
+    assert float(xauc(t(0.1, 0.3, 0.2), t(1, 2, 3))) == pytest.approx(2 / 3)
+    # equal targets are skipped; a prediction tie counts ½ → (0.5 + 1) / 2
+    assert float(xauc(t(0.5, 0.1, 0.5), t(1, 1, 2))) == pytest.approx(0.75)
+    assert math.isnan(float(xauc(t(0.5, 0.1), t(1, 1))))
+
+
+def test_xauc_exact_matches_brute_force_and_sampling_is_deterministic_and_order_free() -> None:
+    g = torch.Generator().manual_seed(2)
+    targets = (torch.rand(120, generator=g) * 20).round()
+    preds = targets + torch.randn(120, generator=g) * 5
+    exact = fed(XAUC(), (preds[:50], targets[:50]), (preds[50:], targets[50:]))
+    assert exact == pytest.approx(pairwise_xauc(preds.tolist(), targets.tolist()))
+    sampled = float(xauc(preds, targets, max_pairs=2000))
+    perm = torch.randperm(120, generator=g)
+    assert float(xauc(preds[perm], targets[perm], max_pairs=2000)) == sampled  # same rows, other order: same pairs
+    assert sampled == pytest.approx(exact, abs=0.05)
+
+
+# ---- additive metrics --------------------------------------------------------------------------
+
+
+def test_additive_metrics_hand_cases() -> None:
+    assert fed(LogLoss(), (t(0.5, 0.25), t(1, 0))) == pytest.approx(-(math.log(0.5) + math.log(0.75)) / 2)
+    # 0.5 >= threshold predicts 1 against label 0: rows 1 and 4 right → 0.5
+    assert fed(Accuracy(), (t(0.6, 0.4, 0.5, 0.1), t(1, 1, 0, 0))) == pytest.approx(0.5)
+    assert fed(Calibration(), (t(0.2, 0.3, 0.5, 0.4), t(1, 0, 0, 1))) == pytest.approx(1.4 / 2)
+    assert fed(MeanAbsoluteError(), (t(1, 2, 3), t(2, 2, 5))) == pytest.approx(1.0)
+    assert fed(MeanSquaredError(), (t(1, 2, 3), t(2, 2, 5))) == pytest.approx(5 / 3)
+
+
+def test_normalized_entropy() -> None:
+    # predicting the base rate for every row is NE 1 by definition
+    assert fed(NormalizedEntropy(), (t(0.25, 0.25), t(1, 0)), (t(0.25, 0.25), t(0, 0))) == pytest.approx(1.0)
+    base = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+    assert fed(NormalizedEntropy(), (t(0.5, 0.5, 0.5, 0.5), t(1, 0, 0, 0))) == pytest.approx(math.log(2) / base)
+    assert math.isnan(fed(NormalizedEntropy(), (t(0.3), t(1))))
+
+
+def test_recall_at_k_ties_count_against_the_positive() -> None:
+    scores = t(0.9, 0.1, 0.5, 0.2, 0.8, 0.8, 0.3, 0.2, 0.1).view(3, 3)
+    positives = torch.tensor([2, 1, 0])
+    # query 0: 0.9 beats its positive; query 1: its positive ties 0.8; query 2: positive on top
+    assert fed(RecallAtK(1), (scores, positives)) == pytest.approx(1 / 3)
+    assert fed(RecallAtK(2), (scores, positives)) == pytest.approx(1.0)
+
+
+# ---- decaying train metrics --------------------------------------------------------------------
+
+
+def test_decaying_metric_matches_the_closed_form() -> None:
+    rate, step = 0.5, 2
+    m = DecayingMetric(MeanAbsoluteError(), decay_rate=rate, decay_step=step)
+    errors = [1.0, 3.0, 2.0, 2.0, 4.0, 8.0, 100.0]
+    for i, e in enumerate(errors):
+        m.update(t(e), t(0))
+        if i == 0:
+            assert float(m.compute()) == pytest.approx(1.0)  # before the first window: the metric so far
+    w1, w2, w3 = 2.0, 2.0, 6.0
+    expected = rate * (rate * w1 + (1 - rate) * w2) + (1 - rate) * w3
+    assert float(m.compute()) == pytest.approx(expected)  # the open 7th update is not in it yet
+
+
+def test_decay_auc_matches_weighted_pairwise_auc() -> None:
+    rate, step = 0.8, 3
+    g = torch.Generator().manual_seed(3)
+    m = DecayingMetric(DecayAUC(num_bins=1000), decay_rate=rate, decay_step=step)
+    num_windows, rows = 4, []
+    for w in range(num_windows):
+        for _ in range(step):
+            preds = (torch.rand(6, generator=g) * 100).floor() / 100 + 0.0005  # one bin per distinct value
+            labels = (torch.rand(6, generator=g) < preds).double()
+            m.update(preds, labels)
+            rows += [(p, y, w) for p, y in zip(preds.tolist(), labels.tolist(), strict=True)]
+    weight = [rate ** (num_windows - 1) if w == 0 else (1 - rate) * rate ** (num_windows - 1 - w) for _, _, w in rows]
+    expected = pairwise_auc([p for p, _, _ in rows], [y for _, y, _ in rows], weight)
+    assert float(m.compute()) == pytest.approx(expected)
+
+
+def test_train_metrics_built_from_config() -> None:
+    tm = build_train_metrics(MetricsConfig(train=["auc", "logloss"], decay_step=1), CPU)
+    tm.update(t(0.2, 0.9), t(0, 1))
+    out = tm.compute()
+    assert set(out) == {"train/auc", "train/logloss"} and out["train/auc"] == pytest.approx(1.0)
+
+
+# ---- config and registry -----------------------------------------------------------------------
+
+
+def test_collection_routes_groups_only_to_gauc() -> None:
+    spec = MetricsConfig(eval=["auc", "gauc", "xauc", "ne", "calibration", "accuracy", "mae", "mse", "logloss"], grouping_key="user")
+    m = build_eval_metrics(spec, CPU)
+    preds, labels, groups = GAUC_CASE
+    m.update(preds, labels, groups=groups)
+    out = {k: float(v) for k, v in m.compute().items()}
+    assert set(out) == set(spec.eval)
+    assert out["gauc"] == pytest.approx(0.4) and out["auc"] == pytest.approx(binary_auc(preds, labels).item())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"eval": ["auc", "ndcg"]}, r"unknown metric 'ndcg'. Valid names: accuracy, auc, calibration, gauc"),
+        ({"eval": ["auc", "auc"]}, r"metrics.eval lists \['auc'\] more than once"),
+        ({"eval": ["gauc"]}, "metrics.grouping_key is not set"),
+        ({"eval": ["auc", "recall@10"]}, "mixes recall@<k>"),
+        ({"eval": ["recall@0"]}, "needs k >= 1"),
+        ({"train": ["gauc"], "grouping_key": "u"}, "cannot be computed at train time"),
+        ({"decay_rate": 1.0}, r"metrics.decay_rate must be in \[0, 1\)"),
+        ({"decay_step": 0}, "metrics.decay_step must be positive"),
+        ({"gauc_weighting": "clicks"}, "impressions or uniform"),
+    ],
+)
+def test_bad_metric_configs_say_what_to_fix(kwargs: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(MetricsConfig), kwargs))
+
+
+def test_recall_only_collection_and_registry_refuses_duplicates() -> None:
+    m = build_eval_metrics(MetricsConfig(eval=["recall@1", "recall@2"], train=[]), CPU)
+    m.update(t(0.9, 0.1, 0.5, 0.2, 0.8, 0.8, 0.3, 0.2, 0.1).view(3, 3), torch.tensor([2, 1, 0]))
+    assert {k: round(float(v), 4) for k, v in m.compute().items()} == {"recall@1": 0.3333, "recall@2": 1.0}
+    with pytest.raises(ValueError, match="already registered"):
+        register_metric("auc", lambda s: AUC(), "pointwise", "again")
+    with pytest.raises(ValueError, match="already registered"):
+        register_metric("recall@5", lambda s: AUC(), "retrieval", "shadowing the pattern")
+
+
+def test_grouping_ids_from_a_sparse_feature() -> None:
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=["user", "item"], values=torch.tensor([4, 9, 1, 2]), lengths=torch.tensor([1, 1, 1, 1]))
+    assert grouping_ids(kjt, "user").tolist() == [4, 9]
+    with pytest.raises(ConfigError, match=r"metrics.grouping_key='shop' is not a sparse feature; the data has user, item"):
+        grouping_ids(kjt, "shop")
+    multi = KeyedJaggedTensor.from_lengths_sync(keys=["user"], values=torch.tensor([4, 9, 1]), lengths=torch.tensor([2, 1]))
+    with pytest.raises(ConfigError, match="exactly one id per row"):
+        grouping_ids(multi, "user")
