@@ -75,7 +75,8 @@ class CheckpointConfig:
     root whose newest is used). Ignored when resuming."""
     name_map: dict[str, str] = field(default_factory=dict)
     """For ``init_from``: ``{name in this model: name in the checkpoint}``; each key is replaced by its
-    value as a substring of parameter names (TorchEasyRec's fine_tune_ckpt_param_map)."""
+    value as a substring of parameter names (TorchEasyRec's fine_tune_ckpt_param_map). On the command line add
+    entries with ``+checkpoint.name_map.t_cat_0=t_cat_1``."""
     load_optimizer: bool = True
     """For ``init_from``: also restore optimizer state (false: fresh optimizer, like
     TorchEasyRec's ignore_restore_optimizer)."""
@@ -279,7 +280,7 @@ class Checkpointer:
         try:
             meta = json.loads((path / "meta.json").read_text())
             available = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-        except (OSError, ValueError, EOFError, RuntimeError) as e:
+        except Exception as e:  # unreadable JSON or a truncated pickle: anything means corrupt
             raise ConfigError(f"checkpoint {path} is missing or corrupt ({type(e).__name__}: {e}); delete it to fall back "
                               "to the previous one, or point checkpoint.resume/init_from at another") from None
         with_optimizer = strict or self.load_optimizer
@@ -303,9 +304,19 @@ class Checkpointer:
             if skipped:
                 log.warning("init_from %s: %d tensors not in the checkpoint keep their fresh values, e.g. %s", path, len(skipped), skipped[:5])
             wanted = {k: src for k, src in wanted.items() if src in available}
-        to_load = {src: ours[k] for k, src in wanted.items()}
+        to_load: dict[str, Any] = {}
+        copies: list[tuple[str, str]] = []  # (ours, source) for a source mapped to several of ours
+        for k, src in wanted.items():
+            if src in to_load:
+                if self.world_size > 1:
+                    raise ConfigError(f"checkpoint.name_map maps {src} to several parameters; that works on one rank only")
+                copies.append((k, src))
+            else:
+                to_load[src] = ours[k]
         try:
             dcp.load(to_load, checkpoint_id=str(path))
+            for k, src in copies:
+                _local(ours[k]).copy_(_local(to_load[src]))
             ranked = torch.load(path / f"rank{self.rank}.pt", weights_only=False) if strict else None
         except Exception as e:  # DCP wraps reader errors in its own CheckpointException
             raise ConfigError(f"checkpoint {path} could not be loaded ({type(e).__name__}: {str(e)[:300]}); it is corrupt or "
@@ -347,6 +358,11 @@ class Checkpointer:
     def _barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()
+
+
+def _local(t: Any) -> torch.Tensor:
+    """The local shard of a ShardedTensor (this rank's rows), or the tensor itself."""
+    return t.local_tensor() if hasattr(t, "local_tensor") else t
 
 
 def _rng_state() -> dict[str, Any]:

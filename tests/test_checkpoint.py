@@ -1,0 +1,111 @@
+"""Checkpoints: exact resume, keep-last and best, atomic writes, fine-tuning, clear errors."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from recsys_runner.__main__ import run
+from recsys_runner.build import build
+from recsys_runner.checkpoint import list_checkpoints
+from recsys_runner.config import validate
+from recsys_runner.errors import ConfigError
+from recsys_runner.signals import Interrupted
+
+# Adam on the dense part (lazy state), row-wise Adagrad on embeddings, a schedule that depends on
+# the step: everything a resume must restore shows up in the per-step losses.
+RESUMABLE = ["optim=rowwise_adagrad", "optim/dense=adam", "optim.dense.lr=0.003", "scheduler=cosine", "scheduler.warmup_steps=3",
+             "train.num_steps=12", "train.log_every_steps=1"]
+
+
+def history(uri: str, experiment: str, key: str = "train/loss") -> dict[int, float]:
+    client = MlflowClient(tracking_uri=uri)
+    (mlrun,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    return {m.step: m.value for m in client.get_metric_history(mlrun.info.run_id, key)}
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.local_tensor() if hasattr(t, "local_tensor") else t
+
+
+def test_resumed_training_matches_uninterrupted(make_cfg, mlflow_uri: str, tmp_path: Path) -> None:
+    straight = make_cfg(*RESUMABLE, f"checkpoint.dir={tmp_path}/a", "tracking.experiment=resume_straight")
+    run(straight)
+    sliced = make_cfg(*RESUMABLE, f"checkpoint.dir={tmp_path}/b", "tracking.experiment=resume_sliced", "train.stop_after_steps=5")
+    with pytest.raises(Interrupted, match="after step 5"):
+        run(sliced)
+    assert [p.name for p in list_checkpoints(tmp_path / "b")] == ["step_00000005"]
+    with pytest.raises(Interrupted, match="after step 10"):
+        run(sliced)  # the same command again: resumes at 5, runs another slice of 5
+    run(sliced)  # and finishes 11..12 — all into the same MLflow run
+    expected, resumed = history(mlflow_uri, "resume_straight"), history(mlflow_uri, "resume_sliced")
+    assert sorted(resumed) == list(range(1, 13))
+    for step in range(1, 13):
+        assert resumed[step] == pytest.approx(expected[step], rel=1e-5, abs=1e-6), f"step {step}: {resumed[step]} vs {expected[step]}"
+    lr_a, lr_b = history(mlflow_uri, "resume_straight", "lr/dense"), history(mlflow_uri, "resume_sliced", "lr/dense")
+    assert lr_b == pytest.approx(lr_a)
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    (mlrun,) = client.search_runs([client.get_experiment_by_name("resume_sliced").experiment_id])
+    assert mlrun.info.status == "FINISHED" and mlrun.data.tags.get("resumed") == "true"
+
+
+def test_keep_last_and_best_are_kept_apart(make_cfg, tmp_path: Path) -> None:
+    cfg = make_cfg("train.num_steps=12", "train.eval_every_steps=3", "train.eval_max_batches=4", "checkpoint.every_steps=2",
+                   "checkpoint.keep_last=2", "checkpoint.best_metric=eval/logloss", "checkpoint.best_mode=min",
+                   f"checkpoint.dir={tmp_path}", "tracking=none")
+    run(cfg)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000010", "step_00000012"]
+    (best,) = list_checkpoints(tmp_path, best=True)
+    import json
+
+    meta = json.loads((best / "meta.json").read_text())
+    assert meta["metrics"]["eval/logloss"] == pytest.approx(meta["best"])
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_unfinished_write_is_ignored_and_corrupt_or_missing_checkpoints_error(make_cfg, tmp_path: Path) -> None:
+    cfg = make_cfg("train.num_steps=4", f"checkpoint.dir={tmp_path}", "tracking=none")
+    run(cfg)
+    (last,) = list_checkpoints(tmp_path)
+    # A crash mid-write leaves a .tmp- directory (or one without meta.json): never resumed from.
+    shutil.copytree(last, tmp_path / ".tmp-step_00000008")
+    shutil.copytree(last, tmp_path / "step_00000009", ignore=shutil.ignore_patterns("meta.json"))
+    assert list_checkpoints(tmp_path) == [last]
+
+    (last / ".metadata").write_bytes(b"truncated")
+    with pytest.raises(ConfigError, match="corrupt"):
+        run(make_cfg("train.num_steps=8", f"checkpoint.dir={tmp_path}", "tracking=none"))
+    with pytest.raises(ConfigError, match="holds no complete checkpoint"):
+        run(make_cfg(f"checkpoint.dir={tmp_path}/empty", "checkpoint.resume=latest", "tracking=none"))
+    with pytest.raises(ConfigError, match="no such checkpoint"):
+        run(make_cfg(f"checkpoint.resume={tmp_path}/missing/step_00000001", "tracking=none"))
+    with pytest.raises(ConfigError, match="no complete checkpoint"):
+        run(make_cfg(f"checkpoint.init_from={tmp_path}/empty", "tracking=none"))
+
+
+def test_fine_tune_with_name_map_and_without_optimizer_state(make_cfg, tmp_path: Path) -> None:
+    run(make_cfg("train.num_steps=6", f"checkpoint.dir={tmp_path}/src", "tracking=none"))
+    (src,) = list_checkpoints(tmp_path / "src")
+
+    def built(*overrides: str):
+        cfg = make_cfg(f"checkpoint.dir={tmp_path}/ft", f"checkpoint.init_from={src}", "checkpoint.load_optimizer=false",
+                       "tracking=none", *overrides)
+        c = build(cfg, validate(cfg))
+        state = {k: local(v).clone() for k, v in c.model.state_dict().items()}
+        c.close()
+        return c, state
+
+    plain_c, plain = built()
+    mapped_c, mapped = built("+checkpoint.name_map.t_cat_0=t_cat_1")
+    assert plain_c.state.step == 0 and mapped_c.state.step == 0  # a new run, not a resume
+    key = next(k for k in plain if k.endswith("t_cat_0.weight"))
+    assert torch.equal(mapped[key], plain[key.replace("t_cat_0", "t_cat_1")])
+    assert not torch.equal(mapped[key], plain[key])
+    dense_key = next(k for k in plain if "t_cat" not in k)
+    assert torch.equal(mapped[dense_key], plain[dense_key])
+    with pytest.raises(ConfigError, match="shares no parameter name"):
+        built("+checkpoint.name_map.model=other")
