@@ -26,8 +26,10 @@ from recsys_runner.data.tabular import CriteoDataConfig, CsvDataConfig, ParquetD
 from recsys_runner.distributed import DistributedConfig, check_sharding_types, resolve_device_type
 from recsys_runner.ema import EmaConfig
 from recsys_runner.errors import ConfigError, require
+from recsys_runner.models.dcn_v2 import DCNv2Config
 from recsys_runner.models.deepfm import DeepFMConfig
 from recsys_runner.models.dlrm import DLRMConfig
+from recsys_runner.models.wide_deep import WideDeepConfig
 from recsys_runner.optim import (
     DenseAdagradConfig,
     DenseAdamConfig,
@@ -134,7 +136,7 @@ class RunConfig:
 
 
 GROUPS: dict[str, dict[str, type]] = {
-    "model": {"deepfm": DeepFMConfig, "dlrm": DLRMConfig},
+    "model": {"deepfm": DeepFMConfig, "dlrm": DLRMConfig, "dcn_v2": DCNv2Config, "wide_deep": WideDeepConfig},
     "data": {"synthetic": SyntheticDataConfig, "parquet": ParquetDataConfig, "csv": CsvDataConfig, "criteo": CriteoDataConfig},
     "optim": {"optim": OptimConfig},
     "optim/sparse": {

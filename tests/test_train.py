@@ -29,8 +29,12 @@ def experiment_of(cfg) -> str:
         ["model=deepfm", "optim/sparse=rowwise_adagrad", "optim/dense=adam", "optim.lr=0.01", "precision=bf16"],
         ["model=deepfm", "optim=sgd", "optim.lr=0.5", "scheduler=exponential_decay", "scheduler.warmup_steps=5", "scheduler.decay_steps=20"],
         ["model=deepfm", "distributed.pipeline=sparse_dist", "train.eval_every_steps=20", "scheduler=cosine", "scheduler.warmup_steps=5"],
+        ["model=dcn_v2", "optim=adagrad"],
+        ["model=dcn_v2", "model.structure=parallel", "model.low_rank=null", "optim=rowwise_adagrad"],
+        ["model=wide_deep", "optim=adagrad"],
     ],
-    ids=["deepfm-adagrad", "dlrm-rowwise", "deepfm-adam-bf16", "deepfm-sgd-expdecay", "deepfm-sparsedist-cosine"],
+    ids=["deepfm-adagrad", "dlrm-rowwise", "deepfm-adam-bf16", "deepfm-sgd-expdecay", "deepfm-sparsedist-cosine",
+         "dcn_v2-adagrad", "dcn_v2-parallel-fullrank-rowwise", "wide_deep-adagrad"],
 )
 def test_model_trains_loss_falls_and_auc_beats_chance(make_cfg, mlflow_uri: str, overrides: list[str]) -> None:
     cfg = make_cfg(*overrides)

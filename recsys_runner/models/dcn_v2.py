@@ -1,0 +1,155 @@
+"""DCNv2 (Wang et al., 2021, https://arxiv.org/abs/2008.13535) on TorchRec.
+
+The raw dense features and the ``F`` sparse embeddings are concatenated into one input vector
+``x0`` of width ``W = N + F·D``. A cross network of ``L`` layers builds explicit feature crosses of
+growing degree,
+
+    x_{l+1} = x0 ⊙ (W_l x_l + b_l) + x_l,
+
+with ``W_l`` full (``W × W``) or low-rank (``U_l V_lᵀ``, rank ``r``, the paper's cheaper variant).
+A deep network (an MLP) learns implicit interactions. The two combine in one of the paper's two
+structures:
+
+* ``stacked``: ``x0 → cross → deep → logit``;
+* ``parallel``: ``x0 → cross`` and ``x0 → deep`` side by side, concatenated, ``→ logit``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recsys_runner.errors import require
+from recsys_runner.features import FeatureSpec
+from recsys_runner.models.common import MLP, SparseArch, check_layer_sizes
+
+STRUCTURES = ("stacked", "parallel")
+"""How the cross and deep networks combine (see the module docstring)."""
+
+
+@dataclass(kw_only=True)
+class DCNv2Config:
+    """Schema of ``conf/model/dcn_v2.yaml``."""
+
+    _target_: str = "recsys_runner.models.dcn_v2.DCNv2"
+    _partial_: bool = True
+    embedding_dim: int = 16
+    """Width ``D`` of every embedding table."""
+    num_cross_layers: int = 3
+    """Cross layers ``L``; layer ``l`` adds crosses of degree ``l + 1``."""
+    low_rank: int | None = 64
+    """Rank ``r`` of each cross layer's ``W = U Vᵀ``; ``null`` for full-rank ``W × W`` matrices.
+    Must be below the cross input width ``W = N + F·D`` (a rank that high saves nothing)."""
+    structure: str = "stacked"
+    """``stacked`` (cross, then deep) or ``parallel`` (cross and deep side by side)."""
+    deep_layer_sizes: list[int] = field(default_factory=lambda: [256, 128])
+    """Hidden layers of the deep network (a final 1-unit layer is added)."""
+
+    def __post_init__(self) -> None:
+        require(self.embedding_dim > 0, f"model.embedding_dim must be positive, got {self.embedding_dim}")
+        require(
+            self.num_cross_layers > 0,
+            f"model.num_cross_layers must be at least 1, got {self.num_cross_layers}; for a model without crosses use model=dlrm or model=wide_deep",
+        )
+        require(
+            self.low_rank is None or self.low_rank > 0,
+            f"model.low_rank must be positive or null (full rank), got {self.low_rank}",
+        )
+        require(
+            self.structure in STRUCTURES,
+            f"model.structure={self.structure!r} is not a DCNv2 structure. Fix: model.structure=stacked or model.structure=parallel",
+        )
+        check_layer_sizes("deep_layer_sizes", self.deep_layer_sizes)
+
+
+class CrossLayer(nn.Module):
+    """One cross layer: ``x0 [B, W], x [B, W] → x0 ⊙ (W x + b) + x  [B, W]``.
+
+    Args:
+        width: ``W``.
+        low_rank: ``r`` to factor ``W = U Vᵀ`` (``U, V`` are ``W × r``); ``None`` for a full matrix.
+        device: device of the parameters.
+    """
+
+    def __init__(self, width: int, low_rank: int | None = None, device: torch.device | None = None) -> None:
+        super().__init__()
+        if low_rank is None:
+            self.project: nn.Module = nn.Linear(width, width, device=device)
+        else:
+            self.project = nn.Sequential(nn.Linear(width, low_rank, bias=False, device=device), nn.Linear(low_rank, width, device=device))
+
+    def forward(self, x0: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return x0 * self.project(x) + x
+
+
+class CrossNetwork(nn.Module):
+    """``L`` stacked cross layers: ``x0 [B, W] → [B, W]`` (crosses up to degree ``L + 1``)."""
+
+    def __init__(self, width: int, num_layers: int, low_rank: int | None = None, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(CrossLayer(width, low_rank, device) for _ in range(num_layers))
+
+    def forward(self, x0: torch.Tensor) -> torch.Tensor:
+        x = x0
+        for layer in self.layers:
+            x = layer(x0, x)
+        return x
+
+
+class DCNv2(nn.Module):
+    """DCNv2: cross network + deep network over ``[dense, embeddings]``; ``(dense [B, N], sparse KJT) → logits [B]``.
+
+    Args:
+        features: the data's feature schema (from the runner).
+        embedding_dim: ``D``.
+        num_cross_layers: ``L``.
+        low_rank: ``r`` of each cross matrix, or ``None`` for full rank.
+        structure: ``"stacked"`` or ``"parallel"``.
+        deep_layer_sizes: hidden sizes of the deep network.
+        dense_device: device of the dense parameters (embeddings start on ``meta``).
+
+    Raises:
+        ConfigError: ``low_rank`` is not below the cross input width ``N + F·D``.
+
+    Example::
+
+        model = DCNv2(features=data.features, embedding_dim=8, num_cross_layers=2,
+                      low_rank=16, structure="stacked", deep_layer_sizes=[32])
+    """
+
+    def __init__(
+        self,
+        *,
+        features: FeatureSpec,
+        embedding_dim: int,
+        num_cross_layers: int,
+        low_rank: int | None,
+        structure: str,
+        deep_layer_sizes: list[int],
+        dense_device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        width = features.num_dense + len(features.sparse) * embedding_dim
+        require(
+            low_rank is None or low_rank < width,
+            f"model.low_rank={low_rank} is not below the cross input width {width} (data.num_dense={features.num_dense} + "
+            f"{len(features.sparse)} sparse features × model.embedding_dim={embedding_dim}), so factoring saves nothing. "
+            f"Fix: model.low_rank=null (full rank) or a rank below {width}, e.g. {max(1, width // 4)}",
+        )
+        self.structure = structure
+        self.sparse_arch = SparseArch(features, embedding_dim)
+        self.cross = CrossNetwork(width, num_cross_layers, low_rank, device=dense_device)
+        self.deep = MLP(width, list(deep_layer_sizes), device=dense_device)
+        head_width = deep_layer_sizes[-1] + (width if structure == "parallel" else 0)
+        self.head = nn.Linear(head_width, 1, device=dense_device)
+
+    def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        x0 = torch.cat([dense, self.sparse_arch(sparse).flatten(1)], dim=1)
+        if self.structure == "stacked":
+            out = self.deep(self.cross(x0))
+        else:
+            out = torch.cat([self.cross(x0), self.deep(x0)], dim=1)
+        return self.head(out).squeeze(1)

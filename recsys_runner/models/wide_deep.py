@@ -1,0 +1,115 @@
+"""Wide & Deep (Cheng et al., 2016, https://arxiv.org/abs/1606.07792) on TorchRec.
+
+Two heads trained jointly, their logits summed:
+
+* wide: a linear model — one learned weight per sparse id (a table of its own, pooled per feature)
+  plus a linear term of the dense features. It memorizes: frequent ids and, when the data provides
+  them as sparse features, the paper's cross-product transformations (hashed feature crosses);
+* deep: an MLP over the concatenated dense features and ``D``-wide sparse embeddings. It
+  generalizes to id combinations never seen together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recsys_runner.errors import require
+from recsys_runner.features import FeatureSpec
+from recsys_runner.models.common import MLP, SparseArch, check_layer_sizes
+
+WIDE_ROW_WIDTH = 4
+"""Floats per id in the wide tables: fbgemm's fused kernels store rows in multiples of 4, so an
+id's wide weight is the sum of its 4-float row (still one linear weight per id)."""
+
+
+@dataclass(kw_only=True)
+class WideDeepConfig:
+    """Schema of ``conf/model/wide_deep.yaml``."""
+
+    _target_: str = "recsys_runner.models.wide_deep.WideDeep"
+    _partial_: bool = True
+    embedding_dim: int = 16
+    """Width ``D`` of every deep embedding table."""
+    deep_layer_sizes: list[int] = field(default_factory=lambda: [256, 128, 64])
+    """Hidden layers of the deep head (a final 1-unit layer is added)."""
+
+    def __post_init__(self) -> None:
+        require(self.embedding_dim > 0, f"model.embedding_dim must be positive, got {self.embedding_dim}")
+        check_layer_sizes("deep_layer_sizes", self.deep_layer_sizes)
+
+
+class WideArch(nn.Module):
+    """The wide (linear) head: ``(dense [B, N], sparse KJT) → [B]``.
+
+    ``Σ_f w_f[id_f] + vᵀ dense + b``: each sparse feature reads a table ``wide_<table>`` with one
+    weight per id (a :data:`WIDE_ROW_WIDTH`-float row summed), created on ``meta`` like every table.
+    """
+
+    def __init__(self, features: FeatureSpec, device: torch.device | None = None) -> None:
+        super().__init__()
+        tables = [
+            EmbeddingBagConfig(
+                name=f"wide_{t.name}",
+                embedding_dim=WIDE_ROW_WIDTH,
+                num_embeddings=t.num_embeddings,
+                feature_names=list(t.feature_names),
+                pooling=t.pooling,
+            )
+            for t in features.embedding_tables(WIDE_ROW_WIDTH)
+        ]
+        self.ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+        self.dense = nn.Linear(features.num_dense, 1, device=device) if features.num_dense else None
+        self.feature_names = features.sparse_names
+
+    def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        pooled = self.ebc(sparse).to_dict()
+        logit = torch.stack([pooled[name] for name in self.feature_names], dim=1).sum(dim=(1, 2))
+        return logit if self.dense is None else logit + self.dense(dense).squeeze(1)
+
+
+class DeepArch(nn.Module):
+    """The deep head: ``dense [B, N], embeddings [B, F, D] → [B]`` via an MLP and a 1-unit layer."""
+
+    def __init__(self, in_features: int, layer_sizes: list[int], device: torch.device | None = None) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(MLP(in_features, layer_sizes, device=device), nn.Linear(layer_sizes[-1], 1, device=device))
+
+    def forward(self, dense: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+        return self.mlp(torch.cat([dense, embeddings.flatten(1)], dim=1)).squeeze(1)
+
+
+class WideDeep(nn.Module):
+    """Wide & Deep: a linear head plus an MLP head; ``(dense [B, N], sparse KJT) → logits [B]``.
+
+    Args:
+        features: the data's feature schema (from the runner).
+        embedding_dim: ``D`` of the deep head's embeddings.
+        deep_layer_sizes: hidden sizes of the deep head.
+        dense_device: device of the dense parameters (embeddings start on ``meta``).
+
+    Example::
+
+        model = WideDeep(features=data.features, embedding_dim=8, deep_layer_sizes=[32])
+    """
+
+    def __init__(
+        self,
+        *,
+        features: FeatureSpec,
+        embedding_dim: int,
+        deep_layer_sizes: list[int],
+        dense_device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        self.wide = WideArch(features, device=dense_device)
+        self.sparse_arch = SparseArch(features, embedding_dim)
+        self.deep = DeepArch(features.num_dense + len(features.sparse) * embedding_dim, list(deep_layer_sizes), device=dense_device)
+
+    def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        return self.wide(dense, sparse) + self.deep(dense, self.sparse_arch(sparse))
