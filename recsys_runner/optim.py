@@ -55,10 +55,10 @@ class OptimConfig:
     """Fused embedding optimizer; choose with ``optim/sparse=<name>``."""
     dense: Any = None
     """Dense optimizer; choose with ``optim/dense=<name>``."""
-    parts: dict[str, PartConfig] = field(default_factory=dict)
-    """Part-wise dense optimizers by parameter-name regex, e.g.
-    ``+optim.parts.over={pattern: over_arch, optimizer: {_target_: torch.optim.SGD, _partial_: true, lr: 0.1}}``;
-    parameters no part matches use ``optim.dense``."""
+    parts: dict[str, Any] = field(default_factory=dict)
+    """Part-wise dense optimizers by parameter-name regex, each ``{pattern, optimizer, scheduler}``
+    (:class:`PartConfig`), e.g. ``+optim.parts.over={pattern: over_arch, optimizer: {_target_:
+    torch.optim.SGD, _partial_: true, lr: 0.1}}``; parameters no part matches use ``optim.dense``."""
     sparse_scheduler: Any = None
     """Schedule of the sparse lr only; ``null`` uses the top-level ``scheduler``. Set with
     ``+scheduler@optim.sparse_scheduler=cosine``."""
@@ -70,6 +70,10 @@ class OptimConfig:
         require(self.lr > 0, f"optim.lr must be positive, got {self.lr}. Fix: e.g. optim.lr=0.01")
         require(self.sparse is not None, "optim.sparse is not set; choose one with optim/sparse=adagrad (or sgd, rowwise_adagrad, adam)")
         require(self.dense is not None, "optim.dense is not set; choose one with optim/dense=adagrad (or sgd, adam)")
+        for name, part in self.parts.items():
+            require(isinstance(part, dict) and set(part) <= {"pattern", "optimizer", "scheduler"} and "pattern" in part,
+                    f"optim.parts.{name} must be {{pattern: <regex>, optimizer: {{_target_: …}}, scheduler: <optional>}}, got {part}")
+            PartConfig(**part).check(name)
 
 
 @dataclass(kw_only=True)
@@ -78,20 +82,20 @@ class PartConfig:
 
     pattern: str
     """Regular expression searched (``re.search``) in each dense parameter's name, e.g. ``over_arch``."""
-    lr: float = II("...lr")
-    """The part's lr, which its optimizer's ``lr`` follows unless set; defaults to ``optim.lr``."""
     optimizer: Any = None
-    """A dense optimizer config (``_target_`` a ``torch.optim`` class, ``_partial_: true``)."""
+    """A dense optimizer config (``_target_`` a ``torch.optim`` class, ``_partial_: true``, its own ``lr``)."""
     scheduler: Any = None
     """The part's own schedule; ``null`` uses ``optim.dense_scheduler`` or else ``scheduler``."""
 
-    def __post_init__(self) -> None:
+    def check(self, name: str) -> None:
+        """Called from ``OptimConfig.__post_init__`` (parts are free-form dicts in the schema: OmegaConf
+        cannot add keys to a dict of dataclasses from the command line)."""
         try:
             re.compile(self.pattern)
         except re.error as e:
-            raise ConfigError(f"optim.parts pattern {self.pattern!r} is not a valid regular expression: {e}") from None
-        require(self.optimizer is not None, f"optim.parts with pattern {self.pattern!r} has no optimizer; set its "
-                "optimizer: {_target_: torch.optim.SGD, _partial_: true, lr: 0.1} (any torch.optim class)")
+            raise ConfigError(f"optim.parts.{name}.pattern={self.pattern!r} is not a valid regular expression: {e}") from None
+        require(self.optimizer is not None, f"optim.parts.{name} has no optimizer; set optim.parts.{name}.optimizer="
+                "{_target_: torch.optim.SGD, _partial_: true, lr: 0.1} (any torch.optim class)")
 
 
 # ----- sparse (fused, fbgemm) -------------------------------------------------------------------

@@ -1,0 +1,129 @@
+"""Optimizers and lr schedules: closed forms, per-group schedules, part-wise optimizers, clear errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hydra.errors import HydraException
+from mlflow.tracking import MlflowClient
+from omegaconf.errors import OmegaConfBaseException
+
+from recsys_runner.__main__ import run
+from recsys_runner.config import validate
+from recsys_runner.errors import ConfigError
+from recsys_runner.optim import dense_optimizers
+from recsys_runner.scheduler import Constant, Cosine, CosineRestarts, ExponentialDecay, ManualStep
+
+T = 100
+
+
+def warm(step: int, n: int, start: float) -> float:
+    return start + (1 - start) * step / n
+
+
+@pytest.mark.parametrize(
+    ("schedule", "closed_form"),
+    [
+        (Constant(total_steps=T, warmup_steps=10, warmup_start=0.1), lambda s: warm(s, 10, 0.1) if s < 10 else 1.0),
+        (ExponentialDecay(total_steps=T, decay_steps=20, decay_rate=0.5), lambda s: 0.5 ** (s / 20)),
+        (ExponentialDecay(total_steps=T, decay_steps=20, decay_rate=0.5, staircase=True, min_factor=0.2, warmup_steps=5),
+         lambda s: warm(s, 5, 0.0) if s < 5 else max(0.2, 0.5 ** math.floor((s - 5) / 20))),
+        (Cosine(total_steps=T, warmup_steps=10, min_factor=0.1),
+         lambda s: warm(s, 10, 0.0) if s < 10 else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min((s - 10) / 90, 1)))),
+        (CosineRestarts(total_steps=T, cycle_steps=10, cycle_mult=2),  # cycles [0,10) [10,30) [30,70) [70,150)
+         lambda s: 0.5 * (1 + math.cos(math.pi * next((s - a) / (b - a) for a, b in [(0, 10), (10, 30), (30, 70), (70, 150)] if a <= s < b)))),
+        (ManualStep(total_steps=T, boundaries=[30, 60], rates=[1.0, 0.3, 0.05], warmup_steps=10),
+         lambda s: warm(s, 10, 0.0) if s < 10 else (1.0 if s - 10 < 30 else 0.3 if s - 10 < 60 else 0.05)),
+        (ExponentialDecay(total_steps=T, steps_per_epoch=10, by_epoch=True, decay_steps=2, decay_rate=0.5),
+         lambda s: 0.5 ** ((s // 10) / 2)),
+    ],
+    ids=["constant-warmup", "exp", "exp-staircase-min-warmup", "cosine", "cosine-restarts", "manual-step", "exp-by-epoch"],
+)
+def test_schedule_matches_closed_form(schedule, closed_form) -> None:
+    for step in range(T):
+        assert schedule(step) == pytest.approx(closed_form(step)), f"step {step}"
+
+
+def lr_history(uri: str, experiment: str) -> dict[str, dict[int, float]]:
+    client = MlflowClient(tracking_uri=uri)
+    (mlrun,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    return {k: {m.step: m.value for m in client.get_metric_history(mlrun.info.run_id, k)}
+            for k in mlrun.data.metrics if k.startswith("lr/")}
+
+
+def test_sparse_dense_and_part_have_their_own_lrs_and_schedules(make_cfg, mlflow_uri: str) -> None:
+    cfg = make_cfg(
+        "optim=sgd", "optim.sparse.lr=0.2", "optim.dense.lr=0.05",
+        "+optim.parts.over={pattern: 'deep[.]0', optimizer: {_target_: torch.optim.SGD, _partial_: true, lr: 0.01, momentum: 0.9}}",
+        "+scheduler@optim.sparse_scheduler=exponential_decay", "optim.sparse_scheduler.warmup_steps=0", "optim.sparse_scheduler.decay_steps=10",
+        "+scheduler@optim.parts.over.scheduler=manual_step", "optim.parts.over.scheduler.boundaries=[15]",
+        "optim.parts.over.scheduler.rates=[1.0,0.1]",
+    )
+    assert math.isfinite(run(cfg))
+    lrs = lr_history(mlflow_uri, cfg.tracking.experiment)
+    assert set(lrs) == {"lr/sparse", "lr/dense", "lr/part.over"}
+    assert lrs["lr/sparse"][30] == pytest.approx(0.2 * 0.5 ** 3)  # its own exponential decay
+    assert lrs["lr/dense"][30] == pytest.approx(0.05)  # the default (constant) schedule
+    assert lrs["lr/part.over"][10] == pytest.approx(0.01) and lrs["lr/part.over"][20] == pytest.approx(0.001)
+
+
+def test_part_patterns_route_parameters_first_match_wins() -> None:
+    params = {n: torch.nn.Parameter(torch.zeros(1)) for n in ["deep.w", "over_arch.w", "over_arch.b", "fm.w"]}
+    sgd = lambda ps, **kw: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
+    groups = dict(dense_optimizers(params, sgd, {"over": ("over_arch", sgd), "deep": (r"^deep\.", sgd)}))
+    assert set(groups["part.over"].params) == {"over_arch.w", "over_arch.b"}
+    assert set(groups["part.deep"].params) == {"deep.w"}
+    assert set(groups["dense"].params) == {"fm.w"}
+    assert "dense" not in dict(dense_optimizers(params, sgd, {"all": (".", sgd)}))
+    with pytest.raises(ConfigError, match="matches no dense parameter"):
+        dense_optimizers(params, sgd, {"none": ("nothing_like_this", sgd)})
+
+
+@pytest.mark.parametrize("name", ["adam", "lamb", "lars_sgd", "partial_rowwise_adam", "partial_rowwise_lamb"])
+def test_gpu_only_fused_optimizers_say_so_on_cpu(make_cfg, name: str) -> None:
+    cfg = make_cfg(f"optim/sparse={name}")
+    with pytest.raises(ConfigError, match="fbgemm implements only on GPU"):
+        validate(cfg)
+
+
+def test_fused_kwargs_reach_fbgemm_as_its_enum(make_cfg) -> None:
+    from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
+
+    from recsys_runner.optim import fbgemm_kwargs
+
+    cfg = make_cfg("optim/sparse=lamb", "optim.sparse.weight_decay=0.01", "optim.sparse.weight_decay_mode=decouple",
+                   "optim.sparse.gradient_clipping=true", "optim.sparse.max_gradient=5")
+    from hydra.utils import instantiate
+
+    kwargs = fbgemm_kwargs(instantiate(cfg.optim.sparse).keywords)
+    assert kwargs["weight_decay_mode"] is WeightDecayMode.DECOUPLE and kwargs["max_gradient"] == 5.0 and kwargs["beta1"] == 0.9
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["optim.sparse.bogus=1"], "bogus"),
+        (["scheduler=exponential_decay", "scheduler.decay_rate=-0.5"], "decay_rate must lie in"),
+        (["optim.dense.weight_decay=-1"], "weight_decay must be >= 0"),
+        (["optim.sparse.weight_decay=0.1"], "weight_decay_mode=none"),
+        (["scheduler=manual_step", "scheduler.boundaries=[5,3]", "scheduler.rates=[1,0.5,0.1]"], "strictly increasing"),
+        (["train.clip_grad.max=-1"], "clip_grad.max must be positive"),
+        (["+optim.parts.x={pattern: '(', optimizer: {_target_: torch.optim.SGD}}"], "not a valid regular expression"),
+    ],
+    ids=["unknown-key", "negative-decay", "negative-weight-decay", "decay-without-mode", "boundaries", "clip", "bad-regex"],
+)
+def test_bad_settings_are_clear(make_cfg, overrides: list[str], message: str) -> None:
+    with pytest.raises((ConfigError, HydraException, OmegaConfBaseException)) as raised:
+        validate(make_cfg(*overrides))
+    chain, e = [], raised.value
+    while e is not None:
+        chain.append(str(e))
+        e = e.__cause__ or e.__context__
+    assert any(message in text for text in chain), chain
+
+
+def test_warmup_longer_than_training_is_an_error(make_cfg) -> None:
+    with pytest.raises(ConfigError, match="warmup_steps=100 exceeds the run's 30 training steps"):
+        run(make_cfg("scheduler.warmup_steps=100", "tracking=none"))
