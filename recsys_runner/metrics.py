@@ -101,7 +101,7 @@ def grouped_auc(preds: Tensor, labels: Tensor, groups: Tensor, weighting: str = 
     return (auc[valid] * weights).sum() / weights.sum()
 
 
-def xauc(preds: Tensor, targets: Tensor, max_pairs: int = 1 << 24, seed: int = 0) -> Tensor:
+def xauc(preds: Tensor, targets: Tensor, max_pairs: int = 1 << 22, seed: int = 0) -> Tensor:
     """Pairwise ordering accuracy for real-valued targets (e.g. watch time).
 
     Over pairs ``(i, j)`` whose targets differ: 1 when the predictions are ordered like the targets,
@@ -135,13 +135,17 @@ def xauc(preds: Tensor, targets: Tensor, max_pairs: int = 1 << 24, seed: int = 0
 
 
 def _pair_scores(pi: Tensor, pj: Tensor, ti: Tensor, tj: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Sum of pair scores (1 concordant, ½ prediction tie) and count of pairs with distinct targets."""
-    dt, dp = tj - ti, pj - pi
-    valid = dt != 0
+    """Sum of pair scores (1 concordant, ½ prediction tie) and count of pairs with distinct targets.
+
+    With ``s = sign(Δpred)·sign(Δtarget)`` a valid pair scores ``(s + 1) / 2``; pairs with equal
+    targets have ``sign(Δtarget) = 0`` and drop out of both sums.
+    """
+    target_sign = torch.sign(tj - ti).to(torch.int8)
+    products = torch.sign(pj - pi).to(torch.int8) * target_sign
     if mask is not None:
-        valid = valid & mask
-    score = torch.where(dp * dt > 0, 1.0, torch.where(dp == 0, 0.5, 0.0)).double()
-    return (score * valid).sum(), valid.sum().double()
+        products, target_sign = products * mask, target_sign * mask
+    valid = target_sign.abs().sum(dtype=torch.float64)
+    return 0.5 * (products.sum(dtype=torch.float64) + valid), valid
 
 
 def binary_entropy(p: Tensor) -> Tensor:
@@ -333,7 +337,7 @@ class GroupedAUC(_GatherMetric):
 class XAUC(_GatherMetric):
     """XAUC over all ranks' rows; see :func:`xauc` (exact up to ``max_pairs`` pairs, then sampled)."""
 
-    def __init__(self, max_pairs: int = 1 << 24, seed: int = 0) -> None:
+    def __init__(self, max_pairs: int = 1 << 22, seed: int = 0) -> None:
         super().__init__("preds", "targets")
         self.max_pairs, self.seed = max_pairs, seed
 
@@ -538,7 +542,7 @@ class MetricsConfig:
     """Sparse feature whose id groups rows for ``gauc`` (e.g. a user id); one id per row."""
     gauc_weighting: str = "impressions"
     """``gauc`` weights each group by its rows (``impressions``) or equally (``uniform``)."""
-    xauc_max_pairs: int = 1 << 24
+    xauc_max_pairs: int = 1 << 22
     """``xauc`` is exact up to this many pairs, then computed on this many seeded random pairs."""
 
     def __post_init__(self) -> None:
