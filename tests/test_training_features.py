@@ -1,0 +1,170 @@
+"""Precision, accumulation, clipping, EMA, early stopping, NaN guard, profiling, presets, signals."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recsys_runner.__main__ import run
+from recsys_runner.build import build
+from recsys_runner.checkpoint import is_complete, list_checkpoints
+from recsys_runner.config import validate
+from recsys_runner.ema import DenseEMA
+from recsys_runner.stopping import NonFiniteLossError
+from tests.conftest import REPO, TINY
+
+
+def the_run(uri: str, experiment: str):
+    client = MlflowClient(tracking_uri=uri)
+    (mlrun,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    return client, mlrun
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_half_precision_trains(make_cfg, mlflow_uri: str, precision: str) -> None:
+    cfg = make_cfg(f"precision={precision}", "optim/sparse=rowwise_adagrad", "optim/dense=adam", "optim.dense.lr=0.01")
+    auc = run(cfg)
+    assert auc > 0.55  # fp16's first steps can overflow and be skipped while the loss scale settles
+    client, mlrun = the_run(mlflow_uri, cfg.tracking.experiment)
+    losses = [m.value for m in sorted(client.get_metric_history(mlrun.info.run_id, "train/loss"), key=lambda m: m.step)]
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+
+
+def test_fp16_scaler_settings_reach_the_grad_scaler(make_cfg) -> None:
+    cfg = make_cfg("precision=fp16", "precision.grad_scaler.init_scale=1024", "precision.grad_scaler.growth_interval=7", "tracking=none")
+    c = build(cfg, validate(cfg))
+    try:
+        assert c.policy.scaler is not None and c.policy.scaler.get_scale() == 1024.0
+        assert c.policy.scaler.get_growth_interval() == 7 and c.pipeline._backward == c.policy.backward
+    finally:
+        c.close()
+
+
+def _concat(batches: list[Batch]) -> Batch:
+    jts = [b.sparse_features.to_dict() for b in batches]
+    merged = {}
+    for key in jts[0]:
+        values = torch.cat([jt[key].values() for jt in jts])
+        lengths = torch.cat([jt[key].lengths() for jt in jts])
+        merged[key] = (values, lengths)
+    keys = list(merged)
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=keys, values=torch.cat([merged[k][0] for k in keys]), lengths=torch.cat([merged[k][1] for k in keys]))
+    return Batch(dense_features=torch.cat([b.dense_features for b in batches]), sparse_features=kjt,
+                 labels=torch.cat([b.labels for b in batches]))
+
+
+def test_dense_accumulation_equals_one_large_batch(make_cfg) -> None:
+    # The fused sparse optimizer updates in every micro-batch by design; with a vanishing sparse lr
+    # the embeddings stay put and the dense step must equal one step on the concatenated batch.
+    common = ["optim=sgd", "optim.dense.lr=0.5", "optim.sparse.lr=1e-30", "tracking=none", "train.clip_grad.max=0.5"]
+    small = make_cfg(*common, "data.batch_size=64", "train.grad_accum_steps=4")
+    large = make_cfg(*common, "data.batch_size=256")
+    c_small, c_large = build(small, validate(small)), build(large, validate(large))
+    try:
+        micro = [c_small.data.batch(0, i) for i in range(4)]  # type: ignore[attr-defined]
+        it = iter(micro)
+        for _ in range(4):
+            c_small.pipeline.progress(it)
+        c_large.pipeline.progress(iter([_concat(micro)]))
+        for (name, a), (_, b) in zip(c_small.model.named_parameters(), c_large.model.named_parameters(), strict=True):
+            if "embedding" not in name:
+                assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), name
+    finally:
+        c_small.close()
+        c_large.close()
+
+
+def test_ema_follows_its_formula_and_can_evaluate(make_cfg) -> None:
+    p = torch.nn.Parameter(torch.zeros(2))
+    ema = DenseEMA({"p": p}, decay=0.9)
+    with torch.no_grad():
+        p.fill_(1.0)
+    ema.update()
+    ema.update()
+    assert torch.allclose(ema.shadow[0], torch.full((2,), 1 - 0.9**2))
+    with ema.swapped_in():
+        assert torch.allclose(p, torch.full((2,), 0.19))
+    assert torch.allclose(p, torch.ones(2))
+    assert run(make_cfg("train.ema.decay=0.9", "train.ema.eval_with_ema=true", "tracking=none")) > 0.55
+
+
+def test_early_stopping_stops_after_patience(make_cfg, mlflow_uri: str) -> None:
+    cfg = make_cfg("train.num_steps=30", "train.eval_every_steps=5", "train.eval_max_batches=2",
+                   "train.early_stopping.patience=2", "train.early_stopping.min_delta=1.0")  # nothing improves by 1.0
+    run(cfg)
+    client, mlrun = the_run(mlflow_uri, cfg.tracking.experiment)
+    evals = sorted(m.step for m in client.get_metric_history(mlrun.info.run_id, "eval/auc"))
+    assert evals == [5, 10, 15]  # the first eval sets the best; two without improvement stop it
+
+
+def test_nan_guard_stops_and_keeps_the_last_good_checkpoint(make_cfg, tmp_path: Path, mlflow_uri: str) -> None:
+    cfg = make_cfg("optim=sgd", "optim.lr=1e30", "train.log_every_steps=1", "checkpoint.every_steps=1", f"checkpoint.dir={tmp_path}")
+    with pytest.raises(NonFiniteLossError, match=r"train loss is (nan|inf) at step \d+; training stopped \(the last good checkpoint is"):
+        run(cfg)
+    saved = list_checkpoints(tmp_path)
+    assert saved and all(is_complete(p) for p in saved)
+    _, mlrun = the_run(mlflow_uri, cfg.tracking.experiment)
+    assert mlrun.info.status == "FAILED"
+
+
+def test_profile_preset_stores_a_trace(make_cfg, mlflow_uri: str) -> None:
+    cfg = make_cfg("debug=profile", "train.profile.wait=1", "train.profile.active=2", "train.num_steps=6", "train.log_every_steps=3")
+    run(cfg)
+    client, mlrun = the_run(mlflow_uri, cfg.tracking.experiment)
+    names = {a.path for a in client.list_artifacts(mlrun.info.run_id, "profile")}
+    assert {"profile/trace_rank0.json", "profile/key_averages.txt"} <= names
+
+
+@pytest.mark.parametrize("preset", ["debug=fast", "debug=overfit", "experiment=deepfm_criteo", "experiment=dlrm_criteo"])
+def test_presets_compose(make_cfg, preset: str) -> None:
+    cfg = make_cfg(preset, tiny=False)
+    spec = validate(cfg)
+    if preset.startswith("experiment"):
+        assert spec.checkpoint.best_metric == "eval/auc" and spec.train.num_epochs == 1
+    else:
+        assert spec.checkpoint.at_end is False and spec.train.eval_max_batches == 2
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_and_relaunch_resumes_into_the_same_run(tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    args = [*[a for a in TINY if not a.startswith("train.")], "train.num_steps=400", "train.log_every_steps=1",
+            "train.eval_every_steps=null", "train.eval_max_batches=2", f"tracking.uri={uri}", "tracking.experiment=sigterm",
+            f"hydra.run.dir={tmp_path}/run"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "recsys_runner", *args], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 240
+    for line in proc.stdout:
+        if "step 5/400" in line or time.monotonic() > deadline:
+            break
+    proc.send_signal(signal.SIGTERM)
+    out = proc.stdout.read()
+    assert proc.wait(timeout=120) == 128 + signal.SIGTERM, out
+    assert "Relaunch the same command to resume" in out
+    (ckpt,) = list_checkpoints(tmp_path / "run" / "checkpoints")
+    stopped_at = int(ckpt.name.split("_")[1])
+    client = MlflowClient(tracking_uri=uri)
+    (mlrun,) = client.search_runs([client.get_experiment_by_name("sigterm").experiment_id])
+    assert mlrun.info.status == "KILLED"
+
+    again = subprocess.run([sys.executable, "-m", "recsys_runner", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resuming from {ckpt}" in again.stderr + again.stdout
+    (mlrun,) = client.search_runs([client.get_experiment_by_name("sigterm").experiment_id])
+    assert mlrun.info.status == "FINISHED"
+    steps = sorted(m.step for m in client.get_metric_history(mlrun.info.run_id, "train/loss"))
+    assert steps == list(range(1, 401)), (stopped_at, steps[:10])
