@@ -22,7 +22,7 @@ def options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
-OPTION_MATRIX = [(g, o) for g in ["model", "data", "optim", "optim/sparse", "optim/dense", "scheduler", "distributed", "precision", "tracking"] for o in options(g)]
+OPTION_MATRIX = [(g, o) for g in ["model", "data", "optim", "optim/sparse", "optim/dense", "scheduler", "distributed", "precision", "tracking", "checkpoint"] for o in options(g)]
 
 
 def test_every_group_has_options() -> None:
@@ -87,7 +87,13 @@ def test_option_composes_validates_and_instantiates(make_cfg, tmp_path: Path, gr
     elif group == "scheduler":
         schedule = built(total_steps=1000)
         assert 0.0 <= schedule(0) <= 1.0 and schedule(999) > 0.0
-    elif group in ("precision", "distributed", "tracking"):
+    elif group == "checkpoint":
+        checkpointer = built(rank=0, world_size=1)
+        assert checkpointer.dir is None and not checkpointer.due(10)  # compose mode: no Hydra run dir, nothing saved
+    elif group == "precision":
+        assert built.autocast(torch.device("cpu")) is None or built.dtype in ("bf16", "fp16")
+        assert (built.grad_scaler(torch.device("cpu")) is not None) == (built.dtype == "fp16")
+    elif group in ("distributed", "tracking"):
         assert built is not None
 
 
