@@ -9,28 +9,62 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.model_parallel import DistributedModelParallel, get_default_sharders
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
-from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
+from torchrec.distributed.planner.stats import EmbeddingStats
 from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
+from torchrec.distributed.planner.types import (
+    HardwareConfig,
+    KernelConfig,
+    PlannerError,
+    ShardingOption,
+    Stats,
+    TopologyFactory,
+    TrainerConfig,
+)
 from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
 from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
-from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 
-from recsys_runner.errors import require
+from recsys_runner.errors import ConfigError, require
+from recsys_runner.launch import map_submitit_env
+
+log = logging.getLogger(__name__)
 
 _BACKENDS = ("auto", "gloo", "nccl")
 _DEVICES = ("auto", "cpu", "cuda")
 _PIPELINES = ("auto", "sparse_dist", "base")
 _SHARDING_TYPES = sorted(t.value for t in ShardingType)
 _KERNELS = sorted(k.value for k in EmbeddingComputeKernel)
+_GB = 1024**3
+_GBPS_TO_PLANNER = _GB / 1000  # the planner's bandwidths are bytes per millisecond
+
+
+def _check_choices(key: str, sharding_types: list[str] | None, compute_kernels: list[str] | None) -> None:
+    for t in sharding_types or []:
+        require(t in _SHARDING_TYPES, f"{key}.sharding_types has unknown {t!r}; valid: {_SHARDING_TYPES}")
+    for k in compute_kernels or []:
+        require(k in _KERNELS, f"{key}.compute_kernels has unknown {k!r}; valid: {_KERNELS}")
+
+
+@dataclass(kw_only=True)
+class TableShardingConfig:
+    """One entry of ``distributed.tables``: what the planner may do with that table."""
+
+    sharding_types: list[str] | None = None
+    """Sharding types for this table only (overrides ``distributed.sharding_types``); ``null`` inherits."""
+    compute_kernels: list[str] | None = None
+    """Compute kernels for this table only (overrides ``distributed.compute_kernels``); ``null`` inherits."""
 
 
 @dataclass(kw_only=True)
@@ -51,8 +85,26 @@ class DistributedConfig:
     ``null`` lets the planner consider all."""
     compute_kernels: list[str] | None = None
     """Embedding kernels the planner may choose from (e.g. ``[fused]``); ``null`` for all."""
+    tables: dict[str, TableShardingConfig] = field(default_factory=dict)
+    """Per-table choices by table name (``t_<feature>`` unless the data names tables); on the command
+    line ``+distributed.tables={t_cat_0: {sharding_types: [row_wise]}}``, in YAML a mapping under
+    ``distributed.tables``. A name the model does not have is an error."""
     storage_reserve_percent: float = 0.15
     """Fraction of each device's memory the planner keeps free for activations and buffers."""
+    intra_node_bandwidth_gbps: float | None = None
+    """Bandwidth between devices of one node, GB/s, for the planner's cost model (``null``: TorchRec's 600)."""
+    cross_node_bandwidth_gbps: float | None = None
+    """Bandwidth between nodes, GB/s, for the planner's cost model (``null``: TorchRec's 12.5)."""
+    hbm_cap_gb: float | None = None
+    """Device (GPU) memory per rank the planner may fill, GB (``null``: TorchRec's default, 32)."""
+    ddr_cap_gb: float | None = None
+    """Host memory per rank the planner may fill, GB — the budget for tables on CPU (``null``: 128)."""
+    planner_batch_size: int | None = None
+    """Per-rank batch size the planner costs with (``null``: ``data.batch_size``)."""
+    plan_world_size: int | None = None
+    """``python -m recsys_runner.plan`` only: plan for this many ranks instead of this process's world."""
+    plan_local_world_size: int | None = None
+    """``python -m recsys_runner.plan`` only: ranks per node for ``plan_world_size`` (``null``: all on one node)."""
     timeout_s: int = 1800
     """Collective timeout; a rank that hangs longer than this fails instead of waiting forever."""
 
@@ -60,11 +112,20 @@ class DistributedConfig:
         require(self.device in _DEVICES, f"distributed.device={self.device!r} must be one of {_DEVICES}")
         require(self.backend in _BACKENDS, f"distributed.backend={self.backend!r} must be one of {_BACKENDS}")
         require(self.pipeline in _PIPELINES, f"distributed.pipeline={self.pipeline!r} must be one of {_PIPELINES}")
-        for t in self.sharding_types or []:
-            require(t in _SHARDING_TYPES, f"distributed.sharding_types has unknown {t!r}; valid: {_SHARDING_TYPES}")
-        for k in self.compute_kernels or []:
-            require(k in _KERNELS, f"distributed.compute_kernels has unknown {k!r}; valid: {_KERNELS}")
+        _check_choices("distributed", self.sharding_types, self.compute_kernels)
+        for name, table in self.tables.items():
+            _check_choices(f"distributed.tables.{name}", table.sharding_types, table.compute_kernels)
         require(0 <= self.storage_reserve_percent < 1, "distributed.storage_reserve_percent must lie in [0, 1)")
+        for key in ("intra_node_bandwidth_gbps", "cross_node_bandwidth_gbps", "hbm_cap_gb", "ddr_cap_gb",
+                    "planner_batch_size", "plan_world_size", "plan_local_world_size"):
+            value = getattr(self, key)
+            require(value is None or value > 0, f"distributed.{key} must be positive or null, got {value}")
+        if self.plan_local_world_size is not None:
+            require(
+                self.plan_world_size is not None and self.plan_world_size % self.plan_local_world_size == 0,
+                f"distributed.plan_local_world_size={self.plan_local_world_size} needs distributed.plan_world_size set to a "
+                f"multiple of it (got {self.plan_world_size})",
+            )
         require(self.timeout_s > 0, "distributed.timeout_s must be positive")
         require(
             not (self.device == "cpu" and self.backend == "nccl"),
@@ -79,19 +140,22 @@ def resolve_device_type(device: str) -> str:
     return "cpu"
 
 
-def check_sharding_types(sharding_types: list[str] | None, device_type: str) -> None:
-    """Reject sharding types TorchRec cannot use for embedding tables on ``device_type``."""
-    if not sharding_types:
-        return
+def check_sharding_types(
+    sharding_types: list[str] | None, device_type: str, tables: Mapping[str, TableShardingConfig] | None = None
+) -> None:
+    """Reject sharding types (global or per table) TorchRec cannot use for embedding tables on ``device_type``."""
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 
     available = EmbeddingBagCollectionSharder().sharding_types(device_type)
-    unusable = [t for t in sharding_types if t not in available]
-    require(
-        not unusable,
-        f"distributed.sharding_types={sharding_types}: {unusable} cannot shard embedding tables on {device_type}; "
-        f"available there: {available}",
-    )
+    chosen = {"distributed.sharding_types": sharding_types} | {
+        f"distributed.tables.{name}.sharding_types": t.sharding_types for name, t in (tables or {}).items()
+    }
+    for key, types in chosen.items():
+        unusable = [t for t in types or [] if t not in available]
+        require(
+            not unusable,
+            f"{key}={types}: {unusable} cannot shard embedding tables on {device_type}; available there: {available}",
+        )
 
 
 @dataclass(frozen=True)
@@ -110,6 +174,61 @@ class DistEnv:
         return self.rank == 0
 
 
+@dataclass(frozen=True)
+class RankMemory:
+    """What the plan puts on one rank, against what the planner may use there (bytes)."""
+
+    rank: int
+    hbm: int
+    ddr: int
+    hbm_budget: int
+    ddr_budget: int
+
+    @property
+    def fits(self) -> bool:
+        return self.hbm <= self.hbm_budget and self.ddr <= self.ddr_budget
+
+
+@dataclass
+class PlanReport:
+    """A sharding plan with its per-rank memory — or the planner's reason there is none."""
+
+    world_size: int
+    local_world_size: int
+    compute_device: str
+    plan: ShardingPlan | None
+    ranks: list[RankMemory]
+    error: str | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.plan is not None and all(r.fits for r in self.ranks)
+
+    def __str__(self) -> str:
+        head = (f"sharding plan for world_size={self.world_size} (local_world_size={self.local_world_size}) "
+                f"on {self.compute_device}")
+        if self.plan is None:
+            return f"{head}\nDOES NOT FIT: {self.error}"
+        lines = [head, str(self.plan), "", "per-rank memory (GB used / budget after storage reserve):",
+                 f"{'rank':>4}  {'hbm':>17}  {'ddr':>17}  fits"]
+        for r in self.ranks:
+            lines.append(f"{r.rank:>4}  {r.hbm / _GB:8.3f} / {r.hbm_budget / _GB:6.2f}  "
+                         f"{r.ddr / _GB:8.3f} / {r.ddr_budget / _GB:6.2f}  {'yes' if r.fits else 'NO'}")
+        lines.append(f"fits: {'yes' if self.fits else 'NO'}")
+        return "\n".join(lines)
+
+
+class _RecordBestPlan(Stats):
+    """Keeps the planner's chosen sharding options (their shards carry rank and storage estimates)."""
+
+    def __init__(self) -> None:
+        self.best_plan: list[ShardingOption] = []
+
+    def log(self, sharding_plan: Any, topology: Any, batch_size: int, storage_reservation: Any, num_proposals: int,
+            num_plans: int, run_time: float, best_plan: list[ShardingOption], *args: Any, **kwargs: Any) -> None:
+        self.best_plan = best_plan
+
+
 class Distributed:
     """Owns the process group and turns a model into a sharded, pipelined one."""
 
@@ -121,13 +240,29 @@ class Distributed:
         pipeline: str = "auto",
         sharding_types: list[str] | None = None,
         compute_kernels: list[str] | None = None,
+        tables: Mapping[str, Any] | None = None,
         storage_reserve_percent: float = 0.15,
+        intra_node_bandwidth_gbps: float | None = None,
+        cross_node_bandwidth_gbps: float | None = None,
+        hbm_cap_gb: float | None = None,
+        ddr_cap_gb: float | None = None,
+        planner_batch_size: int | None = None,
+        plan_world_size: int | None = None,
+        plan_local_world_size: int | None = None,
         timeout_s: int = 1800,
     ) -> None:
         self._device, self._backend, self._pipeline = device, backend, pipeline
         self._sharding_types = list(sharding_types) if sharding_types else None
         self._compute_kernels = list(compute_kernels) if compute_kernels else None
+        self._tables = {
+            str(name): (_as_list(_get(t, "sharding_types")), _as_list(_get(t, "compute_kernels")))
+            for name, t in (tables or {}).items()
+        }
         self._storage_reserve_percent = storage_reserve_percent
+        self._bandwidths = (intra_node_bandwidth_gbps, cross_node_bandwidth_gbps)
+        self._caps = (hbm_cap_gb, ddr_cap_gb)
+        self._planner_batch_size = planner_batch_size
+        self._plan_world = (plan_world_size, plan_local_world_size)
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self.env: DistEnv | None = None
         self._owns_group = False
@@ -135,6 +270,7 @@ class Distributed:
     # -- process group ---------------------------------------------------------------------------
     def setup(self) -> DistEnv:
         """Create the process group (unless the launcher already did) and pick the device."""
+        map_submitit_env()  # inside a multi-task SLURM/submitit job: RANK, WORLD_SIZE, … from its environment
         rank = int(os.environ.get("RANK", 0))
         world_size = int(os.environ.get("WORLD_SIZE", 1))
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -153,6 +289,9 @@ class Distributed:
                 dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=self._timeout)
             self._owns_group = True
         self.env = DistEnv(rank, world_size, local_rank, local_world_size, device, backend)
+        if self._plan_world[0] is not None and self._plan_world[0] != world_size and rank == 0:
+            log.warning("distributed.plan_world_size=%d has no effect on training (this run has %d ranks); it is read by "
+                        "python -m recsys_runner.plan", self._plan_world[0], world_size)
         return self.env
 
     def close(self) -> None:
@@ -163,25 +302,80 @@ class Distributed:
 
     # -- sharding --------------------------------------------------------------------------------
     def plan(self, model: nn.Module, batch_size: int) -> ShardingPlan:
-        """Ask TorchRec's planner for a sharding plan that every rank agrees on."""
+        """Ask TorchRec's planner for a sharding plan that every rank agrees on (rank 0 plans, broadcasts)."""
         env = self._require_env()
+        planner, _ = self._planner(model, batch_size, env.world_size, env.local_world_size, env.device.type)
+        plan = planner.collective_plan(model, get_default_sharders(), dist.GroupMember.WORLD)
+        if env.is_main:
+            log.info("sharding plan (%d ranks):\n%s", env.world_size, plan)
+        return plan
+
+    def dry_plan(self, model: nn.Module, batch_size: int, device_type: str) -> PlanReport:
+        """Plan for ``distributed.plan_world_size`` ranks (default: this process's world) without a process group.
+
+        ``model`` may live entirely on ``meta``; nothing is allocated. The report says what each rank
+        would hold and whether it fits the memory budget (``hbm_cap_gb``/``ddr_cap_gb`` minus the reserve).
+        """
+        world_size = self._plan_world[0] or int(os.environ.get("WORLD_SIZE", 1))
+        local_world_size = self._plan_world[1] or (world_size if self._plan_world[0] else int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+        planner, recorder = self._planner(model, batch_size, world_size, local_world_size, device_type)
+        topology = planner._topology  # the capacities the report compares against
+        budgets = [(int(d.storage.hbm * (1 - self._storage_reserve_percent)), int(d.storage.ddr * (1 - self._storage_reserve_percent)))
+                   for d in topology.devices]
+        try:
+            plan = planner.plan(model, get_default_sharders())
+        except PlannerError as e:
+            return PlanReport(world_size, local_world_size, device_type, None, [], error=str(e).strip())
+        used = [[0, 0] for _ in range(world_size)]
+        for option in recorder.best_plan:
+            for shard in option.shards:
+                if shard.rank is not None and shard.storage is not None:
+                    used[shard.rank][0] += shard.storage.hbm
+                    used[shard.rank][1] += shard.storage.ddr
+        ranks = [RankMemory(r, used[r][0], used[r][1], *budgets[r]) for r in range(world_size)]
+        return PlanReport(world_size, local_world_size, device_type, plan, ranks)
+
+    def _planner(self, model: nn.Module, batch_size: int, world_size: int, local_world_size: int,
+                 device_type: str) -> tuple[EmbeddingShardingPlanner, _RecordBestPlan]:
+        intra, cross = self._bandwidths
+        hbm, ddr = self._caps
         topology = TopologyFactory.create_topology(
-            trainer_config=TrainerConfig(world_size=env.world_size, local_world_size=env.local_world_size),
-            kernel_config=KernelConfig(compute_device=env.device.type),
+            trainer_config=TrainerConfig(
+                world_size=world_size, local_world_size=local_world_size,
+                hbm_cap_bytes=None if hbm is None else int(hbm * _GB), ddr_cap_bytes=None if ddr is None else int(ddr * _GB),
+            ),
+            hardware_config=HardwareConfig(
+                intra_host_bw=None if intra is None else intra * _GBPS_TO_PLANNER,
+                inter_host_bw=None if cross is None else cross * _GBPS_TO_PLANNER,
+            ),
+            # Hardware bandwidths are read only in this mode; unset ones fall back to TorchRec's defaults.
+            kernel_config=KernelConfig(compute_device=device_type, use_hardware_based_bandwidth=intra is not None or cross is not None),
         )
-        constraints = None
-        if self._sharding_types or self._compute_kernels:
-            constraints = {
-                table: ParameterConstraints(sharding_types=self._sharding_types, compute_kernels=self._compute_kernels)
-                for table in _table_names(model)
-            }
+        recorder = _RecordBestPlan()
         planner = EmbeddingShardingPlanner(
             topology=topology,
-            batch_size=batch_size,
-            constraints=constraints,
+            batch_size=self._planner_batch_size or batch_size,
+            constraints=self._constraints(_table_names(model)),
             storage_reservation=FixedPercentageStorageReservation(percentage=self._storage_reserve_percent),
+            stats=[EmbeddingStats(), recorder],
         )
-        return planner.collective_plan(model, get_default_sharders(), dist.GroupMember.WORLD)
+        return planner, recorder
+
+    def _constraints(self, tables: list[str]) -> dict[str, ParameterConstraints] | None:
+        """Per-table planner constraints: the table's own choices, else the global ones."""
+        unknown = sorted(set(self._tables) - set(tables))
+        if unknown:
+            known = sorted(tables, key=lambda t: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", t)])
+            raise ConfigError(f"distributed.tables names {unknown}, which the model does not have; its tables: {', '.join(known)}")
+        if not (self._sharding_types or self._compute_kernels or self._tables):
+            return None
+        constraints = {}
+        for table in tables:
+            own_types, own_kernels = self._tables.get(table, (None, None))
+            constraints[table] = ParameterConstraints(
+                sharding_types=own_types or self._sharding_types, compute_kernels=own_kernels or self._compute_kernels
+            )
+        return constraints
 
     def shard(self, model: nn.Module, plan: ShardingPlan) -> DistributedModelParallel:
         """Wrap ``model`` in DistributedModelParallel following ``plan``.
@@ -211,6 +405,14 @@ class Distributed:
     def _require_env(self) -> DistEnv:
         assert self.env is not None, "Distributed.setup() must run first"
         return self.env
+
+
+def _get(node: Any, key: str) -> Any:
+    return node.get(key) if hasattr(node, "get") else getattr(node, key, None)
+
+
+def _as_list(value: Any) -> list[str] | None:
+    return [str(v) for v in value] if value else None
 
 
 def _table_names(model: nn.Module) -> list[str]:

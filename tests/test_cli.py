@@ -92,8 +92,8 @@ def test_multirun_gives_one_finished_run_per_job(tmp_path: Path) -> None:
                   cwd=tmp_path, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     client = MlflowClient(tracking_uri=uri)
-    runs = client.search_runs([client.get_experiment_by_name("sweep").experiment_id])
-    assert len(runs) == 2
+    runs = client.search_runs([client.get_experiment_by_name("sweep").experiment_id], "tags.mlflow.parentRunId != ''")
+    assert len(runs) == 2  # the jobs; the sweep's parent run is tested in test_sweeps.py
     assert all(r.info.status == "FINISHED" and "eval/auc" in r.data.metrics for r in runs)
     assert sorted(float(r.data.params["optim.sparse.lr"]) for r in runs) == [0.01, 0.1]
     names = sorted(r.info.run_name for r in runs)
@@ -133,6 +133,6 @@ def test_sweep_config_from_sweeps_dir(tmp_path: Path) -> None:
                   f"tracking.uri={uri}", cwd=tmp_path, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     client = MlflowClient(tracking_uri=uri)
-    runs = client.search_runs([client.get_experiment_by_name("lr_grid").experiment_id])
+    runs = client.search_runs([client.get_experiment_by_name("lr_grid").experiment_id], "tags.mlflow.parentRunId != ''")
     assert sorted(r.data.params["model._target_"].rsplit(".", 1)[-1] for r in runs) == ["DLRM", "DeepFM"]
     assert all(r.info.status == "FINISHED" for r in runs)

@@ -1,0 +1,61 @@
+"""``python -m recsys_runner.plan [overrides]``: the sharding plan and per-rank memory, nothing else.
+
+Composes the same config as a training run, builds the model with every table on ``meta`` (no
+memory, no data read, no process group), and asks TorchRec's planner for a plan — for this
+machine's world size, or for ``distributed.plan_world_size`` ranks
+(``distributed.plan_local_world_size`` per node). It prints the plan, each rank's estimated
+device (HBM) and host (DDR) memory against its budget (``distributed.hbm_cap_gb``/``ddr_cap_gb``
+minus ``distributed.storage_reserve_percent``) and whether it fits; exit status 0 if it fits, 1 if
+not. E.g. will 8 GPUs with 80 GB hold 26 tables of 10M rows?::
+
+    python -m recsys_runner.plan distributed.device=cuda distributed.plan_world_size=8 \\
+        distributed.hbm_cap_gb=80 data.num_embeddings=10000000
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import hydra
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from recsys_runner.config import register_configs, validate
+from recsys_runner.distributed import Distributed, PlanReport, resolve_device_type
+from recsys_runner.errors import ConfigError
+from recsys_runner.models.common import TrainWrapper
+from recsys_runner.optim import apply_sparse_optimizer
+from recsys_runner.paths import CONFIG_PATH
+
+register_configs()
+
+
+def dry_run(cfg: DictConfig) -> PlanReport:
+    """Validate ``cfg`` and plan its model for the configured world, allocating nothing."""
+    run = validate(cfg)
+    distributed: Distributed = instantiate(cfg.distributed)
+    data = instantiate(cfg.data)
+    # Dense layers on meta too: the plan only places embedding tables, and nothing may allocate.
+    model = TrainWrapper(instantiate(cfg.model)(features=data.features, dense_device=torch.device("meta")))
+    apply_sparse_optimizer(model, instantiate(cfg.optim.sparse))  # optimizer state counts toward table memory
+    return distributed.dry_plan(model, batch_size=data.batch_size, device_type=resolve_device_type(run.distributed.device))
+
+
+@hydra.main(config_path=CONFIG_PATH, config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    try:
+        report = dry_run(cfg)
+    except ConfigError as e:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"Config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(report)
+    if not report.fits:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""submitit's job environment → torch.distributed's variables, and a real 2-task submitit job with two sharding types."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from recsys_runner.launch import map_submitit_env, torch_env_from_submitit
+from tests.conftest import TINY, run_cli
+
+
+def test_torch_env_for_a_task_of_a_two_node_job() -> None:
+    env = torch_env_from_submitit(job_id="4242", global_rank=5, local_rank=1, num_tasks=8, num_nodes=2,
+                                  hostnames=["node-a", "node-b"], environ={})
+    assert env == {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "node-a",
+                   "MASTER_PORT": env["MASTER_PORT"]}
+    assert 20000 <= int(env["MASTER_PORT"]) <= 60000
+    again = torch_env_from_submitit(job_id="4242", global_rank=0, local_rank=0, num_tasks=8, num_nodes=2,
+                                    hostnames=["node-a", "node-b"], environ={})
+    assert again["MASTER_PORT"] == env["MASTER_PORT"], "every task of a job must agree on the port"
+    pinned = torch_env_from_submitit(job_id="1", global_rank=0, local_rank=0, num_tasks=2, num_nodes=1, hostnames=["h"],
+                                     environ={"MASTER_PORT": "29400", "MASTER_ADDR": "10.0.0.1"})
+    assert (pinned["MASTER_ADDR"], pinned["MASTER_PORT"]) == ("10.0.0.1", "29400")
+
+
+SLURM_TASK = {
+    "SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "77", "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4",
+    "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[01-02]",
+}
+
+
+TORCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture
+def clean_torch_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset the torch variables so that monkeypatch removes what map_submitit_env writes afterwards."""
+    for k in TORCH_VARS:
+        monkeypatch.setenv(k, "unset")
+        monkeypatch.delenv(k)
+
+
+def test_map_submitit_env_inside_a_slurm_task(monkeypatch: pytest.MonkeyPatch, clean_torch_env: None) -> None:
+    for k, v in SLURM_TASK.items():
+        monkeypatch.setenv(k, v)
+    values = map_submitit_env()
+    assert {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")} == {
+        "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "gpu01"}
+    assert values["MASTER_PORT"] == os.environ["MASTER_PORT"]
+
+
+def test_map_submitit_env_leaves_torchrun_and_single_tasks_alone(monkeypatch: pytest.MonkeyPatch, clean_torch_env: None) -> None:
+    for k, v in SLURM_TASK.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    assert map_submitit_env() == {} and os.environ["WORLD_SIZE"] == "16"
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    assert map_submitit_env() == {} and "RANK" not in os.environ
+    monkeypatch.delenv("SUBMITIT_EXECUTOR")
+    assert map_submitit_env() == {}
+
+
+@pytest.mark.slow
+def test_submitit_local_two_tasks_shard_with_two_sharding_types(tmp_path: Path) -> None:
+    """One submitit job of 2 tasks: each task maps its environment to a rank, they form a gloo group,
+    and the plan mixes data-parallel (one table) with column-wise (the rest)."""
+    uri = f"sqlite:///{tmp_path}/two.db"
+    out = run_cli("-m", "hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2", "hydra.launcher.timeout_min=5",
+                  *TINY, "train.num_steps=20", "distributed.sharding_types=[column_wise]",
+                  "+distributed.tables={t_cat_0: {sharding_types: [data_parallel]}}",
+                  f"tracking.uri={uri}", "tracking.experiment=two_tasks", cwd=tmp_path, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name("two_tasks").experiment_id], "tags.world_size = '2'")
+    assert len(runs) == 1, "one run, logged by rank 0 only"
+    (run,) = runs
+    assert run.info.status == "FINISHED" and run.data.metrics["eval/auc"] > 0.55
+    plan = Path(client.download_artifacts(run.info.run_id, "sharding_plan.txt", str(tmp_path))).read_text()
+    assert "data_parallel" in plan and "column_wise" in plan and "rank:1" in plan
