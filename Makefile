@@ -28,7 +28,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --quiet $(TORCH_INDEX_ARGS) "$(TORCH)" "$(FBGEMM)"
 	@# torchrec's metadata asks for the CUDA fbgemm-gpu, which would replace the build above.
 	$(PIP) install --quiet --no-deps "$(TORCHREC)"
-	$(PIP) install --quiet -e ".[dev]"
+	@# compat (a path in a .pth): Hydra finds hydra_plugins/recsys_runner_detached only by scanning directories.
+	$(PIP) install --quiet -e ".[dev]" --config-settings editable_mode=compat
 	$(PY) -c "import torch, fbgemm_gpu, torchrec, hydra, mlflow; print('stack ok: torch', torch.__version__, 'hydra', hydra.__version__)"
 	touch $(STAMP)
 

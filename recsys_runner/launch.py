@@ -8,9 +8,10 @@ read — ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTE
 A launcher that already set them (torchrun inside an allocation) wins; a one-task job is left
 alone, so it gets the private in-process store and cannot clash with other jobs on the node.
 
-:class:`DetachedSlurmLauncher` (``hydra/launcher=submitit_slurm_detached``) submits the sweep's
-array and returns without waiting; the jobs log to MLflow as children of the sweep's parent run,
-and ``python -m recsys_runner.compare collect --parent <id> --wait`` gathers them later.
+``hydra/launcher=submitit_slurm_detached`` submits the sweep's array and returns without waiting
+(its class lives in ``hydra_plugins/recsys_runner_detached``: Hydra loads launchers only from the
+``hydra_plugins`` namespace); the jobs log to MLflow as children of the sweep's parent run, and
+``python -m recsys_runner.compare collect --parent <id> --wait`` gathers them later.
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ import logging
 import os
 import random
 from collections.abc import Mapping, Sequence
-from pathlib import Path
-from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -68,64 +67,3 @@ def map_submitit_env(environ: dict[str, str] | os._Environ[str] | None = None) -
     log.info("submitit job %s task %d/%d → torch.distributed via %s:%s", job.job_id, job.global_rank, job.num_tasks,
              values["MASTER_ADDR"], values["MASTER_PORT"])
     return values
-
-
-def _slurm_launcher_base() -> type:
-    from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
-
-    return SlurmLauncher
-
-
-class DetachedSlurmLauncher(_slurm_launcher_base()):  # type: ignore[misc]
-    """``submitit_slurm`` that returns once the array is queued (submit-and-exit).
-
-    Records the number of jobs and their SLURM ids on the sweep's MLflow parent run, so that
-    ``python -m recsys_runner.compare collect`` knows how many children to wait for. Sweepers that
-    need results to continue (Optuna) cannot use it.
-    """
-
-    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[Any]:
-        from hydra.core.utils import JobReturn, JobStatus
-
-        from recsys_runner.errors import ConfigError
-        from recsys_runner.sweep import EXPECTED_JOBS_TAG
-        from recsys_runner.tracking import PARENT_RUN_ENV, resolve_uri
-
-        assert self.config is not None
-        sweeper = str(self.config.hydra.sweeper.get("_target_", ""))
-        if not sweeper.endswith("BasicSweeper"):
-            raise ConfigError(f"hydra/launcher=submitit_slurm_detached returns before jobs finish, but {sweeper} needs their "
-                              "results; use hydra/launcher=submitit_slurm")
-        jobs = self._submit(job_overrides, initial_job_idx)
-        parent = os.environ.get(PARENT_RUN_ENV)
-        if parent:
-            from mlflow.tracking import MlflowClient
-
-            client = MlflowClient(tracking_uri=resolve_uri(self.config.tracking.get("uri")))
-            client.set_tag(parent, EXPECTED_JOBS_TAG, str(len(jobs)))
-            client.set_tag(parent, "sweep.slurm_job_ids", " ".join(j.job_id for j in jobs))
-        log.info("submitted SLURM jobs %s; collect with: python -m recsys_runner.compare collect --parent %s --wait",
-                 " ".join(j.job_id for j in jobs), parent)
-        return [JobReturn(status=JobStatus.UNKNOWN, _return_value=j.job_id) for j in jobs]
-
-    def _submit(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list[Any]:
-        """Submit the array exactly as the plugin's ``SlurmLauncher.launch`` does, without waiting for results."""
-        import submitit
-        from hydra.core.singleton import Singleton
-        from hydra.core.utils import filter_overrides
-        from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
-        from omegaconf import OmegaConf
-
-        assert self.config is not None
-        init_keys = {"submitit_folder", "max_num_timeout"}
-        executor = submitit.AutoExecutor(cluster="slurm", folder=self.params["submitit_folder"],
-                                         slurm_max_num_timeout=self.params.get("max_num_timeout", 0))
-        base = set(OmegaConf.structured(BaseQueueConf).keys())
-        executor.update_parameters(**{k if k in base else f"slurm_{k}": v for k, v in self.params.items() if k not in init_keys})
-        sweep_dir = Path(str(self.config.hydra.sweep.dir))
-        sweep_dir.mkdir(parents=True, exist_ok=True)
-        job_params = []
-        for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
-            log.info("\t#%d : %s", idx, " ".join(filter_overrides(overrides)))
-            job_params.append((list(overrides), "hydra.sweep.dir", idx, f"job_id_for_{idx}", Singleton.get_state()))
-        return list(executor.map_array(self, *zip(*job_params, strict=True)))

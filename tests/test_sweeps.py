@@ -76,3 +76,12 @@ def test_submitit_local_jobs_are_children(tmp_path: Path) -> None:
     assert len(children) == 2 and all(r.info.status == "FINISHED" for r in children)
     assert parent.info.status == "FINISHED" and "best/eval/auc" in parent.data.metrics
     assert list((tmp_path / "multirun").glob("*/*/.submitit/*/*_result.pkl"))
+
+
+def test_detached_slurm_launcher_is_a_discoverable_hydra_plugin() -> None:
+    """Hydra instantiates launchers only from scanned hydra_plugins modules (needs a wheel or a compat editable install)."""
+    from hydra.core.plugins import Plugins
+    from hydra.plugins.launcher import Launcher
+
+    names = {f"{c.__module__}.{c.__name__}" for c in Plugins.instance().discover(Launcher)}
+    assert "hydra_plugins.recsys_runner_detached.DetachedSlurmLauncher" in names

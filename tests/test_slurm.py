@@ -1,0 +1,79 @@
+"""Against a real SLURM cluster (tests/slurm_cluster.py): one job, an array sweep, submit-and-exit + collect.
+
+Every job logs to MLflow as a child of the multirun's parent run, from inside ``sbatch``/``srun``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from recsys_runner.sweep import SWEEP_PARENT_TAG
+from tests.conftest import TINY, run_cli
+from tests.slurm_cluster import SlurmCluster, slurm_cluster_fixture  # noqa: F401 - provides the slurm_cluster fixture
+
+pytestmark = pytest.mark.slow
+
+SLURM = ["hydra/launcher=submitit_slurm", "hydra.launcher.timeout_min=10", "hydra.launcher.cpus_per_task=1"]
+
+
+def _sweep(uri: str, experiment: str) -> tuple[object, list]:
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    (parent,) = [r for r in runs if SWEEP_PARENT_TAG in r.data.tags]
+    children = [r for r in runs if r is not parent]
+    assert all(r.data.tags.get("mlflow.parentRunId") == parent.info.run_id for r in children)
+    return parent, children
+
+
+def test_single_slurm_job(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path}/one.db"
+    out = run_cli("-m", *SLURM, *TINY, "train.num_steps=10", f"tracking.uri={uri}", "tracking.experiment=slurm_one",
+                  cwd=tmp_path, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:] + slurm_cluster.logs()
+    parent, (child,) = _sweep(uri, "slurm_one")
+    assert child.info.status == "FINISHED" and parent.info.status == "FINISHED"
+    # It really ran under SLURM: submitit's folder holds the sbatch script and the job's log.
+    (script,) = (tmp_path / "multirun").glob("*/*/.submitit/*/*_submission.sh")
+    assert "#SBATCH" in script.read_text()
+    assert any("eval/auc" in p.read_text() for p in (tmp_path / "multirun").glob("*/*/.submitit/*/*_log.*"))
+
+
+def test_array_sweep_lands_in_mlflow_as_parent_and_children(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path}/array.db"
+    out = run_cli("-m", *SLURM, "optim.lr=0.01,0.1", *TINY, "train.num_steps=10", f"tracking.uri={uri}",
+                  "tracking.experiment=slurm_array", cwd=tmp_path, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:] + slurm_cluster.logs()
+    parent, children = _sweep(uri, "slurm_array")
+    assert len(children) == 2 and all(r.info.status == "FINISHED" for r in children)
+    assert sorted(float(r.data.params["optim.lr"]) for r in children) == [0.01, 0.1]
+    best = max(children, key=lambda r: r.data.metrics["eval/auc"])
+    assert parent.info.status == "FINISHED" and parent.data.tags["best.run_id"] == best.info.run_id
+    # One array job: "<id>_0" and "<id>_1".
+    ids = {p.name for p in (tmp_path / "multirun").glob("*/*/.submitit/*_*") if p.is_dir()}
+    assert len(ids) == 2 and len({i.split("_")[0] for i in ids}) == 1, ids
+
+
+def test_submit_and_exit_then_collect(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """``submitit_slurm_detached`` returns at once, leaving the parent RUNNING; ``compare collect`` finishes it."""
+    uri = f"sqlite:///{tmp_path}/detached.db"
+    detached = ["hydra/launcher=submitit_slurm_detached", *SLURM[1:]]
+    out = run_cli("-m", *detached, "optim.lr=0.01,0.1", *TINY, "train.num_steps=10", f"tracking.uri={uri}",
+                  "tracking.experiment=slurm_detached", cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    client = MlflowClient(tracking_uri=uri)
+    (parent,) = client.search_runs([client.get_experiment_by_name("slurm_detached").experiment_id], f"tags.`{SWEEP_PARENT_TAG}` != ''")
+    assert parent.data.tags["sweep.num_jobs"] == "2" and len(parent.data.tags["sweep.slurm_job_ids"].split()) == 2
+    assert parent.info.status == "RUNNING", "returned before the jobs finished"
+    collected = subprocess.run([sys.executable, "-m", "recsys_runner.compare", "collect", "--uri", uri, "--parent",
+                                parent.info.run_id, "--wait", "--timeout", "400", "--out", str(tmp_path / "plots")],
+                               cwd=tmp_path, capture_output=True, text=True, timeout=500)
+    assert collected.returncode == 0, collected.stderr[-3000:] + slurm_cluster.squeue("--states=all") + slurm_cluster.logs()
+    assert "best eval/auc=" in collected.stdout and (tmp_path / "plots" / "curves.png").exists()
+    parent, children = _sweep(uri, "slurm_detached")
+    assert parent.info.status == "FINISHED" and len(children) == 2
+    assert all(r.info.status == "FINISHED" for r in children)
