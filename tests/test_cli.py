@@ -17,7 +17,7 @@ from tests.conftest import REPO, TINY, run_cli
 def test_help_lists_groups_and_options(tmp_path: Path) -> None:
     out = run_cli("--help", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    for line in ["model: deepfm, dlrm", "optim: adagrad, adam, rowwise_adagrad, sgd", "precision: bf16, fp16, fp32",
+    for line in ["model: dcn_v2, deepfm, dlrm, wide_deep", "optim: adagrad, adam, rowwise_adagrad, sgd", "precision: bf16, fp16, fp32",
                  "scheduler: constant, cosine, cosine_restarts, exponential_decay, manual_step", "data: criteo, csv, parquet, synthetic", "distributed: env", "tracking: mlflow, none"]:
         assert line in out.stdout, f"--help lacks {line!r}"
 
