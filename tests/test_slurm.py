@@ -77,3 +77,16 @@ def test_submit_and_exit_then_collect(slurm_cluster: SlurmCluster, tmp_path: Pat
     parent, children = _sweep(uri, "slurm_detached")
     assert parent.info.status == "FINISHED" and len(children) == 2
     assert all(r.info.status == "FINISHED" for r in children)
+
+
+def test_two_task_slurm_job_is_one_two_rank_run(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """``tasks_per_node=2``: srun starts 2 tasks, each maps SLURM's environment to a torch rank, one MLflow run."""
+    uri = f"sqlite:///{tmp_path}/ranks.db"
+    out = run_cli("-m", *SLURM, "hydra.launcher.tasks_per_node=2", *TINY, "train.num_steps=10",
+                  "distributed.sharding_types=[column_wise]", f"tracking.uri={uri}", "tracking.experiment=slurm_ranks",
+                  cwd=tmp_path, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:] + slurm_cluster.logs()
+    parent, (child,) = _sweep(uri, "slurm_ranks")
+    assert child.info.status == "FINISHED" and child.data.tags["world_size"] == "2"
+    logs = "".join(p.read_text() for p in (tmp_path / "multirun").glob("*/*/.submitit/*/*_log.*"))
+    assert "task 1/2" in logs and "task 0/2" in logs, "each task announced its torch.distributed rank"
