@@ -173,6 +173,9 @@ class _SumMetric(Metric):
 class LogLoss(_SumMetric):
     """Mean binary cross-entropy of probabilities (clamped to ``[1e-7, 1 − 1e-7]``)."""
 
+    total: Tensor
+    count: Tensor
+
     def __init__(self) -> None:
         super().__init__("total", "count")
 
@@ -187,6 +190,9 @@ class LogLoss(_SumMetric):
 
 class Accuracy(_SumMetric):
     """Share of rows whose thresholded prediction (``pred ≥ threshold``) equals the label."""
+
+    correct: Tensor
+    count: Tensor
 
     def __init__(self, threshold: float = 0.5) -> None:
         super().__init__("correct", "count")
@@ -203,6 +209,10 @@ class Accuracy(_SumMetric):
 class NormalizedEntropy(_SumMetric):
     """Log loss divided by the entropy of the base rate (He et al. 2014): below 1 beats predicting
     the average CTR for every row. NaN when the labels are all one class."""
+
+    total: Tensor
+    positives: Tensor
+    count: Tensor
 
     def __init__(self) -> None:
         super().__init__("total", "positives", "count")
@@ -222,6 +232,9 @@ class NormalizedEntropy(_SumMetric):
 class Calibration(_SumMetric):
     """``Σ preds / Σ labels``: 1 is calibrated, above 1 over-predicts (inf/NaN without positives)."""
 
+    pred_sum: Tensor
+    label_sum: Tensor
+
     def __init__(self) -> None:
         super().__init__("pred_sum", "label_sum")
 
@@ -236,6 +249,9 @@ class Calibration(_SumMetric):
 class MeanAbsoluteError(_SumMetric):
     """``mean |pred − label|``."""
 
+    total: Tensor
+    count: Tensor
+
     def __init__(self) -> None:
         super().__init__("total", "count")
 
@@ -249,6 +265,9 @@ class MeanAbsoluteError(_SumMetric):
 
 class MeanSquaredError(_SumMetric):
     """``mean (pred − label)²``."""
+
+    total: Tensor
+    count: Tensor
 
     def __init__(self) -> None:
         super().__init__("total", "count")
@@ -269,6 +288,9 @@ class RecallAtK(_SumMetric):
     is the number of *other* candidates scoring at least as high — ties count against it, so a
     constant scorer gets no credit.
     """
+
+    hits: Tensor
+    count: Tensor
 
     def __init__(self, k: int) -> None:
         super().__init__("hits", "count")
@@ -305,6 +327,9 @@ class _GatherMetric(Metric):
 class AUC(_GatherMetric):
     """Exact ROC AUC over all rows of all ranks (ties ½); see :func:`binary_auc`."""
 
+    preds: list[Tensor]
+    labels: list[Tensor]
+
     def __init__(self) -> None:
         super().__init__("preds", "labels")
 
@@ -318,6 +343,10 @@ class AUC(_GatherMetric):
 
 class GroupedAUC(_GatherMetric):
     """Grouped AUC over all ranks' ``(group, pred, label)`` rows; see :func:`grouped_auc`."""
+
+    preds: list[Tensor]
+    labels: list[Tensor]
+    groups: list[Tensor]
 
     def __init__(self, weighting: str = "impressions") -> None:
         super().__init__("preds", "labels", "groups")
@@ -336,6 +365,9 @@ class GroupedAUC(_GatherMetric):
 
 class XAUC(_GatherMetric):
     """XAUC over all ranks' rows; see :func:`xauc` (exact up to ``max_pairs`` pairs, then sampled)."""
+
+    preds: list[Tensor]
+    targets: list[Tensor]
 
     def __init__(self, max_pairs: int = 1 << 22, seed: int = 0) -> None:
         super().__init__("preds", "targets")
@@ -357,6 +389,12 @@ class DecayAUC(_SumMetric):
     ``history = rate · history + (1 − rate) · buffer`` (the first fold copies the buffer). ``compute``
     is the AUC of the history's weighted rows (rows in one bin tie). Bin counts are summed across ranks.
     """
+
+    pos_hist: Tensor
+    neg_hist: Tensor
+    pos_buffer: Tensor
+    neg_buffer: Tensor
+    folds: Tensor
 
     def __init__(self, num_bins: int = 1000) -> None:
         super().__init__()
@@ -416,6 +454,9 @@ class DecayingMetric(nn.Module):
         auc.compute()                              # at the log cadence
     """
 
+    metric: Metric
+    value: Tensor
+
     def __init__(self, metric: Metric, decay_rate: float, decay_step: int) -> None:
         super().__init__()
         self.metric = metric
@@ -457,16 +498,23 @@ def _synced_sums(*tensors: Tensor) -> tuple[Tensor, ...]:
 class TrainMetrics(nn.Module):
     """The configured decaying train metrics; ``compute()`` gives ``{"train/<name>": value}``."""
 
+    metrics: nn.ModuleDict
+
     def __init__(self, metrics: dict[str, DecayingMetric]) -> None:
         super().__init__()
         self.metrics = nn.ModuleDict(metrics)
 
     def update(self, preds: Tensor, labels: Tensor) -> None:
-        for metric in self.metrics.values():
+        for _, metric in self._items():
             metric.update(preds, labels)
 
     def compute(self) -> dict[str, float]:
-        return {f"train/{name}": float(metric.compute()) for name, metric in self.metrics.items()}
+        return {f"train/{name}": float(metric.compute()) for name, metric in self._items()}
+
+    def _items(self) -> Iterator[tuple[str, DecayingMetric]]:
+        for name, metric in self.metrics.items():
+            assert isinstance(metric, DecayingMetric)
+            yield name, metric
 
 
 # --------------------------------------------------------------------------------------------
