@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.model_parallel import DistributedModelParallel, get_default_sharders
-from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.planner.stats import EmbeddingStats
 from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
 from torchrec.distributed.planner.types import (
@@ -304,7 +304,7 @@ class Distributed:
     def plan(self, model: nn.Module, batch_size: int) -> ShardingPlan:
         """Ask TorchRec's planner for a sharding plan that every rank agrees on (rank 0 plans, broadcasts)."""
         env = self._require_env()
-        planner, _ = self._planner(model, batch_size, env.world_size, env.local_world_size, env.device.type)
+        planner, _, _ = self._planner(model, batch_size, env.world_size, env.local_world_size, env.device.type)
         plan = planner.collective_plan(model, get_default_sharders(), dist.GroupMember.WORLD)
         if env.is_main:
             log.info("sharding plan (%d ranks):\n%s", env.world_size, plan)
@@ -318,8 +318,7 @@ class Distributed:
         """
         world_size = self._plan_world[0] or int(os.environ.get("WORLD_SIZE", 1))
         local_world_size = self._plan_world[1] or (world_size if self._plan_world[0] else int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-        planner, recorder = self._planner(model, batch_size, world_size, local_world_size, device_type)
-        topology = planner._topology  # the capacities the report compares against
+        planner, recorder, topology = self._planner(model, batch_size, world_size, local_world_size, device_type)
         budgets = [(int(d.storage.hbm * (1 - self._storage_reserve_percent)), int(d.storage.ddr * (1 - self._storage_reserve_percent)))
                    for d in topology.devices]
         try:
@@ -336,7 +335,7 @@ class Distributed:
         return PlanReport(world_size, local_world_size, device_type, plan, ranks)
 
     def _planner(self, model: nn.Module, batch_size: int, world_size: int, local_world_size: int,
-                 device_type: str) -> tuple[EmbeddingShardingPlanner, _RecordBestPlan]:
+                 device_type: str) -> tuple[EmbeddingShardingPlanner, _RecordBestPlan, Topology]:
         intra, cross = self._bandwidths
         hbm, ddr = self._caps
         topology = TopologyFactory.create_topology(
@@ -359,7 +358,7 @@ class Distributed:
             storage_reservation=FixedPercentageStorageReservation(percentage=self._storage_reserve_percent),
             stats=[EmbeddingStats(), recorder],
         )
-        return planner, recorder
+        return planner, recorder, topology
 
     def _constraints(self, tables: list[str]) -> dict[str, ParameterConstraints] | None:
         """Per-table planner constraints: the table's own choices, else the global ones."""
