@@ -72,10 +72,12 @@ def _short(value: str | None) -> str:
 
 
 def table(runs: Sequence[Any], metrics: Sequence[str] = DEFAULT_METRICS) -> str:
-    """A fixed-width text table: run name, status, varying params, final metrics; best ``metrics[0]`` first."""
+    """A fixed-width text table: run name, status, varying params, final metrics; best ``metrics[0]`` first
+    (highest, or lowest for a metric whose name contains ``loss``)."""
     params = varying_params(runs)
     first = metrics[0] if metrics else None
-    ordered = sorted(runs, key=lambda r: -r.data.metrics.get(first, -math.inf) if first else 0)
+    sign = 1.0 if first and "loss" in first else -1.0
+    ordered = sorted(runs, key=lambda r: sign * r.data.metrics.get(first, -sign * math.inf) if first else 0.0)
     header = ["run", "status", *params, *metrics]
     rows = [
         [_short(r.info.run_name) if len(r.info.run_name or "") <= 24 else r.info.run_id[:8], r.info.status,

@@ -55,6 +55,13 @@ def test_table_and_pngs(sweep: tuple[str, str, dict[str, str]], tmp_path: Path, 
         assert data.startswith(PNG_MAGIC) and len(data) > 10_000, name
 
 
+def test_loss_metric_ranks_lowest_first(sweep: tuple[str, str, dict[str, str]], capsys: pytest.CaptureFixture[str]) -> None:
+    uri, _, _ = sweep
+    assert compare.main(["--uri", uri, "--experiment", "cmp", "--metric", "train/loss", "--no-plots"]) == 0
+    losses = [float(line.split()[-1]) for line in capsys.readouterr().out.splitlines()[2:]]
+    assert losses == sorted(losses) and len(losses) == 3
+
+
 def test_parent_and_filter_select_runs(sweep: tuple[str, str, dict[str, str]], capsys: pytest.CaptureFixture[str]) -> None:
     uri, parent, _ = sweep
     assert compare.main(["--uri", uri, "--parent", parent, "--filter", "params.`optim.lr` = '0.1'", "--no-plots"]) == 0
