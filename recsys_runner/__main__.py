@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from recsys_runner.build import build
 from recsys_runner.config import flatten, register_configs, validate
+from recsys_runner.data.base import DataError
 from recsys_runner.errors import ConfigError
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.runner import train
@@ -74,7 +75,8 @@ def main(cfg: DictConfig) -> float:
     except ConfigError as e:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        print(f"Config error: {e}", file=sys.stderr)
+        kind = "Data error" if isinstance(e, DataError) else "Config error"
+        print(f"{kind}: {e}", file=sys.stderr)
         sys.exit(2)
     except Interrupted as e:
         print(f"Interrupted: {e}", file=sys.stderr)

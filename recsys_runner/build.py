@@ -31,6 +31,7 @@ from recsys_runner.data import DataModule
 from recsys_runner.distributed import DistEnv, Distributed
 from recsys_runner.ema import DenseEMA
 from recsys_runner.errors import ConfigError
+from recsys_runner.metrics import TrainMetrics, build_train_metrics
 from recsys_runner.models.common import TrainWrapper
 from recsys_runner.optim import apply_sparse_optimizer, dense_optimizers
 from recsys_runner.scheduler import SchedulePosition
@@ -61,6 +62,7 @@ class Components:
     early_stopping: EarlyStopping
     checkpointer: Checkpointer
     state: TrainState
+    train_metrics: TrainMetrics
 
     def close(self) -> None:
         """Release the process group (the tracker is finished by the runner, with a status)."""
@@ -117,6 +119,7 @@ def build(cfg: DictConfig, run: RunConfig) -> Components:
         run=run, env=env, distributed=distributed, data=data, model=sharded, plan=plan, optimizer=optimizer,
         lr_scheduler=lr_scheduler, pipeline=pipeline, tracker=tracker, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
         policy=policy, ema=ema, early_stopping=early_stopping, checkpointer=checkpointer, state=state,
+        train_metrics=build_train_metrics(run.metrics, env.device),
     )
 
 

@@ -26,6 +26,7 @@ from recsys_runner.data.tabular import CriteoDataConfig, CsvDataConfig, ParquetD
 from recsys_runner.distributed import DistributedConfig, check_sharding_types, resolve_device_type
 from recsys_runner.ema import EmaConfig
 from recsys_runner.errors import ConfigError, require
+from recsys_runner.metrics import MetricsConfig
 from recsys_runner.models.dcn_v2 import DCNv2Config
 from recsys_runner.models.deepfm import DeepFMConfig
 from recsys_runner.models.dlrm import DLRMConfig
@@ -131,6 +132,8 @@ class RunConfig:
     tracking: Any = None
     checkpoint: Any = None
     train: TrainConfig = field(default_factory=TrainConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Eval and decaying train metrics, e.g. ``metrics.eval=[auc,gauc] metrics.grouping_key=cat_0`` (docs/metrics.md)."""
     seed: int = 0
     """Seeds torch on every rank (dense init, dropout); data has its own ``data.seed``."""
 

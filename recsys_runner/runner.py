@@ -21,7 +21,7 @@ import torch
 from recsys_runner.build import Components
 from recsys_runner.checkpoint import TrainState
 from recsys_runner.distributed import detached
-from recsys_runner.metrics import Throughput, eval_metrics
+from recsys_runner.metrics import Throughput, build_eval_metrics, grouping_ids
 from recsys_runner.profiling import StepProfiler
 from recsys_runner.signals import Interrupted, StopSignals
 from recsys_runner.stopping import check_finite
@@ -49,7 +49,7 @@ def train(c: Components) -> dict[str, float]:
                 if profiler is not None:
                     profiler.step()
                 if state.step % cfg.log_every_steps == 0 or state.step == c.total_steps:
-                    _log(c, _checked(c, meter.flush(state.step), state) | learning_rates(c.optimizer) | {"train/epoch": state.epoch}, state.step)
+                    _log(c, _checked(c, meter.flush(state.step), state) | learning_rates(c.optimizer) | c.train_metrics.compute() | _data_metrics(c) | {"train/epoch": state.epoch}, state.step)
                 if cfg.eval_every_steps and state.step % cfg.eval_every_steps == 0:
                     evaluated = _evaluate_and_select(c, state, meter)
                     stop = "early_stopping" if c.early_stopping.update(evaluated) else None
@@ -86,7 +86,8 @@ def _train_step(c: Components, batches: Iterator, state: TrainState) -> torch.Te
     loss = None
     for _ in range(c.run.train.grad_accum_steps):
         try:
-            loss, _, _ = c.pipeline.progress(batches)
+            loss, logits, labels = c.pipeline.progress(batches)
+            c.train_metrics.update(torch.sigmoid(logits), labels)
         except StopIteration:
             if state.epoch_step == 0:
                 raise RuntimeError(f"epoch {state.epoch} yielded no full training step on rank {c.env.rank}; "
@@ -129,8 +130,9 @@ def _evaluate_and_select(c: Components, state: TrainState, meter: Throughput) ->
 
 
 def evaluate(c: Components) -> dict[str, float]:
-    """AUC and log loss over this rank's eval batches, combined over all ranks (EMA weights if configured)."""
-    metrics = eval_metrics(c.env.device)
+    """The configured eval metrics over this rank's eval batches, combined over all ranks (EMA weights if configured)."""
+    metrics = build_eval_metrics(c.run.metrics, c.env.device)
+    key = c.run.metrics.grouping_key
     batches = c.data.eval_batches(c.env.rank, c.env.world_size)
     limit = c.run.train.eval_max_batches
     weights = c.ema.swapped_in() if c.ema is not None and c.run.train.ema.eval_with_ema else contextlib.nullcontext()
@@ -138,10 +140,23 @@ def evaluate(c: Components) -> dict[str, float]:
         model.eval()
         with torch.no_grad():
             for batch in itertools.islice(batches, limit):
-                _, (_, logits, labels) = model(batch.to(c.env.device, non_blocking=True))
-                metrics.update(torch.sigmoid(logits), labels.long())
+                batch = batch.to(c.env.device, non_blocking=True)
+                _, (_, logits, labels) = model(batch)
+                groups = {"groups": grouping_ids(batch.sparse_features, key)} if key else {}
+                metrics.update(torch.sigmoid(logits), labels, **groups)
         model.train()
     return {f"eval/{k}": float(v) for k, v in metrics.compute().items()}
+
+
+def _data_metrics(c: Components) -> dict[str, float]:
+    """The data module's counters (e.g. ``data/bad_rows_skipped``) summed over ranks; empty if it keeps none."""
+    counters = getattr(c.data, "metrics", dict)()
+    if not counters or c.env.world_size == 1:
+        return dict(counters)
+    keys = sorted(counters)
+    totals = torch.tensor([float(counters[k]) for k in keys], dtype=torch.float64, device=c.env.device)
+    torch.distributed.all_reduce(totals)
+    return dict(zip(keys, totals.tolist(), strict=True))
 
 
 def learning_rates(optimizer: torch.optim.Optimizer) -> dict[str, float]:

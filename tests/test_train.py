@@ -90,3 +90,15 @@ def test_epochs_mode_runs_whole_epochs(make_cfg, mlflow_uri: str) -> None:
     epochs = {m.step: m.value for m in MlflowClient(tracking_uri=mlflow_uri).get_metric_history(mlrun.info.run_id, "train/epoch")}
     assert max(epochs) == 256
     assert epochs[128] == 0 and epochs[192] == 1 and epochs[256] == 1
+
+
+def test_configured_metrics_are_logged(make_cfg, mlflow_uri: str) -> None:
+    cfg = make_cfg("metrics.eval=[auc,gauc,logloss,calibration]", "metrics.grouping_key=cat_0",
+                   "metrics.train=[auc,logloss]", "metrics.decay_step=5")
+    run(cfg)
+    (mlrun,) = finished_runs(mlflow_uri, experiment_of(cfg))
+    logged = mlrun.data.metrics
+    assert {"eval/auc", "eval/gauc", "eval/logloss", "eval/calibration", "train/auc", "train/logloss"} <= set(logged)
+    assert 0.5 < logged["eval/gauc"] <= 1.0 and 0.5 < logged["train/auc"] <= 1.0
+    history = MlflowClient(tracking_uri=mlflow_uri).get_metric_history(mlrun.info.run_id, "train/auc")
+    assert sorted(m.step for m in history) == [10, 20, 30]
