@@ -92,6 +92,10 @@ class TrainConfig:
     stop_after_steps: int | None = None
     """Train at most this many steps in this process, then checkpoint and exit like an interruption;
     relaunching continues (time slices on a preemptible cluster). ``null``: run to the end."""
+    stop_check_every_steps: int = 10
+    """With several ranks, how often (in steps) they agree on a pending stop signal. Agreeing is an
+    all-reduce plus a host sync, so it is not done every step; a signal is honoured within this many
+    steps. A single process checks every step for free."""
 
     def __post_init__(self) -> None:
         require(
@@ -112,6 +116,7 @@ class TrainConfig:
         )
         require(self.stop_after_steps is None or self.stop_after_steps > 0,
                 f"train.stop_after_steps must be positive or null, got {self.stop_after_steps}")
+        require(self.stop_check_every_steps > 0, f"train.stop_check_every_steps must be positive, got {self.stop_check_every_steps}")
         require(self.grad_accum_steps > 0, f"train.grad_accum_steps must be positive, got {self.grad_accum_steps}")
         require(
             self.early_stopping.patience is None or self.eval_every_steps is not None,

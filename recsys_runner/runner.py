@@ -36,7 +36,7 @@ def train(c: Components) -> dict[str, float]:
     profiler = StepProfiler(cfg.profile, env.device, env.rank) if cfg.profile.enabled else None
     stop: str | None = None
     evaluated: dict[str, float] | None = None
-    with StopSignals(env.world_size, env.device) as signals:
+    with StopSignals(env.world_size, env.device, cfg.stop_check_every_steps) as signals:
         while state.step < c.total_steps and stop is None:
             batches = _epoch_batches(c, state)
             while state.step < c.total_steps and stop is None:
@@ -55,7 +55,7 @@ def train(c: Components) -> dict[str, float]:
                     stop = "early_stopping" if c.early_stopping.update(evaluated) else None
                 if c.checkpointer.due(state.step, _epoch_end(c, state)):
                     _checkpoint(c, state, loss, evaluated)
-                if (signum := signals.requested()) is not None or _slice_done(c, state):
+                if (signum := signals.requested(state.step)) is not None or _slice_done(c, state):
                     raise Interrupted(signum, state.step, _checkpoint(c, state, loss, evaluated))
                 if _epoch_end(c, state) is not None:
                     break

@@ -4,7 +4,8 @@
 each step); the runner then writes a checkpoint and raises :class:`Interrupted`, the entry point
 closes the MLflow run as ``KILLED`` and exits with ``128 + signal``. Relaunching the same command
 resumes from that checkpoint (``checkpoint.resume=auto``) into the same MLflow run. With several
-ranks the flag is combined with an all-reduce each step, so every rank stops after the same step.
+ranks the flag is combined with an all-reduce every ``train.stop_check_every_steps`` steps, so every
+rank stops after the same step.
 A second SIGINT while stopping raises ``KeyboardInterrupt`` as usual.
 """
 
@@ -38,8 +39,9 @@ class Interrupted(Exception):
 class StopSignals:
     """Context manager: while active, the handled signals request a stop instead of killing."""
 
-    def __init__(self, world_size: int = 1, device: torch.device | None = None) -> None:
+    def __init__(self, world_size: int = 1, device: torch.device | None = None, check_every_steps: int = 1) -> None:
         self.signum: int | None = None
+        self._check_every = check_every_steps
         self._previous: dict[int, object] = {}
         self._world_size, self._device = world_size, device or torch.device("cpu")
 
@@ -59,10 +61,16 @@ class StopSignals:
             raise KeyboardInterrupt
         self.signum = signum
 
-    def requested(self) -> int | None:
-        """The signal that asked to stop (agreed by all ranks), or ``None``."""
+    def requested(self, step: int) -> int | None:
+        """The signal that asked to stop (agreed by all ranks), or ``None``.
+
+        Ranks agree only every ``check_every_steps`` steps: the all-reduce and its host sync would
+        otherwise stall every step of a GPU pipeline.
+        """
         if self._world_size == 1:
             return self.signum
+        if step % self._check_every:
+            return None
         flag = torch.tensor([self.signum or 0], device=self._device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         value = int(flag.item())
