@@ -31,8 +31,8 @@ import contextlib
 import re
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,9 @@ from torchmetrics import Metric, MetricCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.errors import ConfigError, require
+
+if TYPE_CHECKING:
+    from recsys_runner.models.common import Task
 
 _EPS = 1e-7
 
@@ -404,10 +407,14 @@ class DecayAUC(_SumMetric):
         self.add_state("folds", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="max")
 
     def update(self, preds: Tensor, labels: Tensor) -> None:  # type: ignore[override]
-        bins = (preds.detach().double().clamp(0, 1) * self.num_bins).long().clamp_max(self.num_bins - 1).flatten()
+        p = preds.detach().double().flatten()
+        # A diverged step (NaN/inf predictions) must not crash the metric before the NaN guard
+        # reports it: such rows are left out of the bins.
+        finite = torch.isfinite(p).double()
+        bins = (torch.nan_to_num(p, nan=0.0).clamp(0, 1) * self.num_bins).long().clamp_max(self.num_bins - 1)
         positive = (labels.detach().flatten() >= 0.5).double()
-        self.pos_buffer += torch.bincount(bins, weights=positive, minlength=self.num_bins)
-        self.neg_buffer += torch.bincount(bins, weights=1 - positive, minlength=self.num_bins)
+        self.pos_buffer += torch.bincount(bins, weights=positive * finite, minlength=self.num_bins)
+        self.neg_buffer += torch.bincount(bins, weights=(1 - positive) * finite, minlength=self.num_bins)
 
     def decay(self, rate: float) -> None:
         """Fold the buffer into the decayed history and clear it."""
@@ -496,20 +503,21 @@ def _synced_sums(*tensors: Tensor) -> tuple[Tensor, ...]:
 
 
 class TrainMetrics(nn.Module):
-    """The configured decaying train metrics; ``compute()`` gives ``{"train/<name>": value}``."""
+    """The configured decaying train metrics; ``compute()`` gives ``{"<prefix><name>": value}`` (``train/auc``)."""
 
     metrics: nn.ModuleDict
 
-    def __init__(self, metrics: dict[str, DecayingMetric]) -> None:
+    def __init__(self, metrics: dict[str, DecayingMetric], prefix: str = "train/") -> None:
         super().__init__()
         self.metrics = nn.ModuleDict(metrics)
+        self.prefix = prefix
 
     def update(self, preds: Tensor, labels: Tensor) -> None:
         for _, metric in self._items():
             metric.update(preds, labels)
 
     def compute(self) -> dict[str, float]:
-        return {f"train/{name}": float(metric.compute()) for name, metric in self._items()}
+        return {f"{self.prefix}{name}": float(metric.compute()) for name, metric in self._items()}
 
     def _items(self) -> Iterator[tuple[str, DecayingMetric]]:
         for name, metric in self.metrics.items():
@@ -636,13 +644,89 @@ def build_eval_metrics(spec: MetricsConfig, device: torch.device) -> MetricColle
     return MetricCollection(metrics, compute_groups=False).to(device)
 
 
-def build_train_metrics(spec: MetricsConfig, device: torch.device) -> TrainMetrics:
+def build_train_metrics(spec: MetricsConfig, device: torch.device, prefix: str = "train/") -> TrainMetrics:
     """The decaying train metrics ``spec.train`` names (``auc`` decays as :class:`DecayAUC`)."""
     metrics = {}
     for name in spec.train:
         inner = DecayAUC() if name == "auc" else metric_entry(name, "metrics.train").factory(spec)
         metrics[name] = DecayingMetric(inner, spec.decay_rate, spec.decay_step)
-    return TrainMetrics(metrics).to(device)
+    return TrainMetrics(metrics, prefix).to(device)
+
+
+# --------------------------------------------------------------------------------------------
+# Per-task metrics: what the runner drives, fed with the TrainWrapper's (logits, labels).
+# --------------------------------------------------------------------------------------------
+
+
+def _task_spec(spec: MetricsConfig, task: Task) -> MetricsConfig:
+    """``spec`` with the task's own metric lists where it has them (retrieval tasks train no metrics)."""
+    train = [] if task.kind == "retrieval" else task.train_metrics
+    if task.eval_metrics is None and train is None:
+        return spec
+    return replace(spec, eval=list(task.eval_metrics or spec.eval), train=list(spec.train if train is None else train))
+
+
+def _task_outputs(task: Task, index: int, logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """One task's ``(preds, labels)`` from the TrainWrapper's output: probabilities for a binary task,
+    raw predictions for regression, ``(scores [B, C], positives [B])`` for retrieval."""
+    if task.kind == "retrieval":
+        return logits, labels
+    if task.name is not None:
+        logits, labels = logits[:, index], labels[:, index]
+    return (torch.sigmoid(logits) if task.kind == "binary" else logits), labels
+
+
+class TaskEvalMetrics:
+    """Each task's eval metrics; keys ``<task>/<metric>`` (plain ``<metric>`` for an unnamed task).
+
+    ``update(logits, labels, groups=None)`` takes the TrainWrapper's ``(logits, labels)``; ``compute()``
+    is collective under a process group, like :func:`build_eval_metrics`.
+    """
+
+    def __init__(self, spec: MetricsConfig, tasks: tuple[Task, ...], device: torch.device) -> None:
+        self.tasks = tasks
+        self.collections = [build_eval_metrics(_task_spec(spec, t), device) for t in tasks]
+
+    def update(self, logits: Tensor, labels: Tensor, groups: Tensor | None = None) -> None:
+        extra = {} if groups is None else {"groups": groups}
+        for i, (task, metrics) in enumerate(zip(self.tasks, self.collections, strict=True)):
+            preds, targets = _task_outputs(task, i, logits, labels)
+            metrics.update(preds, targets, **({} if task.kind == "retrieval" else extra))
+
+    def compute(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for task, metrics in zip(self.tasks, self.collections, strict=True):
+            prefix = "" if task.name is None else f"{task.name}/"
+            out |= {f"{prefix}{k}": float(v) for k, v in metrics.compute().items()}
+        return out
+
+
+class TaskTrainMetrics(nn.Module):
+    """Each task's decaying train metrics, fed with the TrainWrapper's ``(logits, labels)``.
+
+    Keys ``train/<task>/<metric>`` (plain ``train/<metric>`` for an unnamed task). A single binary
+    task costs what :class:`TrainMetrics` alone costs: one ``sigmoid`` per step, none without metrics.
+    """
+
+    per_task: nn.ModuleList
+
+    def __init__(self, spec: MetricsConfig, tasks: tuple[Task, ...], device: torch.device) -> None:
+        super().__init__()
+        self.tasks = tasks
+        self.per_task = nn.ModuleList(
+            build_train_metrics(_task_spec(spec, t), device, "train/" if t.name is None else f"train/{t.name}/") for t in tasks
+        )
+        self._active = [(i, t, m) for i, (t, m) in enumerate(zip(tasks, self.per_task, strict=True)) if len(m.metrics)]
+
+    def update(self, logits: Tensor, labels: Tensor) -> None:
+        for i, task, metrics in self._active:
+            metrics.update(*_task_outputs(task, i, logits, labels))
+
+    def compute(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for metrics in self.per_task:
+            out |= metrics.compute()
+        return out
 
 
 def grouping_ids(sparse: KeyedJaggedTensor, key: str) -> Tensor:
