@@ -115,15 +115,20 @@ def plot_curves(client: Any, runs: Sequence[Any], metrics: Sequence[str], path: 
     params = varying_params(runs)
     fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4.2), squeeze=False)
     for ax, metric in zip(axes[0], metrics, strict=True):
+        drawn = 0
         for run in runs:
             history = sorted(client.get_metric_history(run.info.run_id, metric), key=lambda m: m.step)
             if history:
                 ax.plot([m.step for m in history], [m.value for m in history], marker="o" if len(history) < 4 else None,
                         markersize=4, label=_label(run, params))
+                drawn += 1
+        if not drawn:
+            ax.text(0.5, 0.5, "not logged by these runs", ha="center", va="center", transform=ax.transAxes, color="gray")
         ax.set_title(metric)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    handles, labels = axes[0][0].get_legend_handles_labels()
+    # The legend from the panel that drew the most runs (a metric may be missing from some runs).
+    handles, labels = max((ax.get_legend_handles_labels() for ax in axes[0]), key=lambda hl: len(hl[1]))
     if handles:
         fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.06 * math.ceil(len(labels) / 3) if handles else 0, 1, 1))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,13 +86,17 @@ class MlflowSweepCallback(Callback):
             os.environ.pop(PARENT_RUN_ENV, None)
         else:
             os.environ[PARENT_RUN_ENV] = self._previous_env
-        summary = summarize(self._client, self._parent)
-        expected = int(self._client.get_run(self._parent).data.tags.get(EXPECTED_JOBS_TAG, summary.num_children))
-        if summary.num_terminal < expected:
-            log.info("%d of %d jobs still running or queued; summarize later with: "
-                     "python -m recsys_runner.compare collect --parent %s", expected - summary.num_terminal, expected, self._parent)
-        else:
-            finish_parent(self._client, self._parent, summary)
+        collect = f"python -m recsys_runner.compare collect --parent {self._parent}"
+        try:
+            summary = summarize(self._client, self._parent)
+            expected = int(self._client.get_run(self._parent).data.tags.get(EXPECTED_JOBS_TAG, summary.num_children))
+            if summary.num_terminal < expected:
+                log.info("%d of %d jobs still running or queued; summarize later with: %s",
+                         expected - summary.num_terminal, expected, collect)
+            else:
+                finish_parent(self._client, self._parent, summary)
+        except Exception as e:  # noqa: BLE001 - the jobs' results are safe in their own runs; only the summary waits
+            log.warning("could not summarize sweep parent run %s (%s); do it later with: %s", self._parent, e, collect)
         self._parent = None
 
 
@@ -124,7 +129,8 @@ def finish_parent(client: Any, parent_run_id: str, summary: SweepSummary, object
         common = {_unescape(o) for o in (client.get_run(parent_run_id).data.tags.get("sweep.overrides") or "").split()}
         swept = [_unescape(o) for o in (summary.best_overrides or "").split() if _unescape(o) not in common]
         params = [Param(f"best.{k}", v) for k, v in _override_pairs(" ".join(swept))]
-        client.log_batch(parent_run_id, metrics=[Metric(f"best/{objective}", float(summary.best_value or 0.0), 0, 0)])
+        now = int(time.time() * 1000)
+        client.log_batch(parent_run_id, metrics=[Metric(f"best/{objective}", float(summary.best_value or 0.0), now, 0)])
         for key in ("train/loss", "eval/logloss"):
             if key in best.data.metrics:
                 client.log_metric(parent_run_id, f"best/{key}", best.data.metrics[key])
