@@ -31,8 +31,8 @@ from recsys_runner.data import DataModule
 from recsys_runner.distributed import DistEnv, Distributed
 from recsys_runner.ema import DenseEMA
 from recsys_runner.errors import ConfigError
-from recsys_runner.metrics import TrainMetrics, build_train_metrics
-from recsys_runner.models.common import TrainWrapper
+from recsys_runner.metrics import TaskTrainMetrics
+from recsys_runner.models.common import Task, TrainWrapper
 from recsys_runner.optim import apply_sparse_optimizer, dense_optimizers
 from recsys_runner.scheduler import SchedulePosition
 from recsys_runner.scheduler import lr_scheduler as make_lr_scheduler
@@ -62,7 +62,8 @@ class Components:
     early_stopping: EarlyStopping
     checkpointer: Checkpointer
     state: TrainState
-    train_metrics: TrainMetrics
+    train_metrics: TaskTrainMetrics
+    tasks: tuple[Task, ...]
 
     def close(self) -> None:
         """Release the process group (the tracker is finished by the runner, with a status)."""
@@ -88,7 +89,7 @@ def build(cfg: DictConfig, run: RunConfig) -> Components:
         steps_per_epoch = _steps_per_epoch(data, env.world_size, run.train.grad_accum_steps)
         total_steps = _total_steps(run, steps_per_epoch)
         model = instantiate(cfg.model)(features=data.features, dense_device=env.device)
-        wrapped = TrainWrapper(model, autocast=precision.autocast(env.device))
+        wrapped = TrainWrapper(model, autocast=precision.autocast(env.device), features=data.features)
         apply_sparse_optimizer(wrapped, instantiate(cfg.optim.sparse))
         plan = distributed.plan(wrapped, batch_size=data.batch_size)
         sharded = distributed.shard(wrapped, plan)
@@ -119,7 +120,7 @@ def build(cfg: DictConfig, run: RunConfig) -> Components:
         run=run, env=env, distributed=distributed, data=data, model=sharded, plan=plan, optimizer=optimizer,
         lr_scheduler=lr_scheduler, pipeline=pipeline, tracker=tracker, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
         policy=policy, ema=ema, early_stopping=early_stopping, checkpointer=checkpointer, state=state,
-        train_metrics=build_train_metrics(run.metrics, env.device),
+        train_metrics=TaskTrainMetrics(run.metrics, wrapped.tasks, env.device), tasks=wrapped.tasks,
     )
 
 

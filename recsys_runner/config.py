@@ -30,6 +30,8 @@ from recsys_runner.metrics import MetricsConfig
 from recsys_runner.models.dcn_v2 import DCNv2Config
 from recsys_runner.models.deepfm import DeepFMConfig
 from recsys_runner.models.dlrm import DLRMConfig
+from recsys_runner.models.dssm import DSSMConfig
+from recsys_runner.models.mmoe import MMoEConfig
 from recsys_runner.models.wide_deep import WideDeepConfig
 from recsys_runner.optim import (
     DenseAdagradConfig,
@@ -144,7 +146,8 @@ class RunConfig:
 
 
 GROUPS: dict[str, dict[str, type]] = {
-    "model": {"deepfm": DeepFMConfig, "dlrm": DLRMConfig, "dcn_v2": DCNv2Config, "wide_deep": WideDeepConfig},
+    "model": {"deepfm": DeepFMConfig, "dlrm": DLRMConfig, "dcn_v2": DCNv2Config, "wide_deep": WideDeepConfig,
+              "mmoe": MMoEConfig, "dssm": DSSMConfig},
     "data": {"synthetic": SyntheticDataConfig, "parquet": ParquetDataConfig, "csv": CsvDataConfig, "criteo": CriteoDataConfig},
     "optim": {"optim": OptimConfig},
     "optim/sparse": {

@@ -39,11 +39,25 @@ class SparseFeature:
 
 @dataclass(frozen=True, slots=True)
 class FeatureSpec:
-    """What one batch contains: ``num_dense`` float columns, the sparse features, one label."""
+    """What one batch contains: ``num_dense`` float columns, the sparse features, the label(s).
+
+    ``label`` is one name (``Batch.labels`` is ``[B]``) or a tuple of task names (``Batch.labels`` is
+    ``[B, T]``, column ``t`` holding task ``label[t]``'s label).
+    """
 
     dense_names: tuple[str, ...]
     sparse: tuple[SparseFeature, ...]
-    label: str = "label"
+    label: str | tuple[str, ...] = "label"
+
+    @property
+    def label_names(self) -> tuple[str, ...]:
+        """The task names whose labels a batch carries, in column order (one for a ``[B]`` label)."""
+        return (self.label,) if isinstance(self.label, str) else self.label
+
+    @property
+    def multi_label(self) -> bool:
+        """Whether ``Batch.labels`` is ``[B, T]`` (one column per task) rather than ``[B]``."""
+        return not isinstance(self.label, str)
 
     @property
     def num_dense(self) -> int:

@@ -676,8 +676,13 @@ def _task_outputs(task: Task, index: int, logits: Tensor, labels: Tensor) -> tup
     return (torch.sigmoid(logits) if task.kind == "binary" else logits), labels
 
 
+def metric_key(name: str) -> str:
+    """The logged key of metric ``name``: ``recall@10`` → ``recall_at_10`` (MLflow keys cannot hold ``@``)."""
+    return name.replace("@", "_at_")
+
+
 class TaskEvalMetrics:
-    """Each task's eval metrics; keys ``<task>/<metric>`` (plain ``<metric>`` for an unnamed task).
+    """Each task's eval metrics; keys ``<task>/<metric>`` (plain ``<metric>`` for an unnamed task), through :func:`metric_key`.
 
     ``update(logits, labels, groups=None)`` takes the TrainWrapper's ``(logits, labels)``; ``compute()``
     is collective under a process group, like :func:`build_eval_metrics`.
@@ -697,7 +702,7 @@ class TaskEvalMetrics:
         out: dict[str, float] = {}
         for task, metrics in zip(self.tasks, self.collections, strict=True):
             prefix = "" if task.name is None else f"{task.name}/"
-            out |= {f"{prefix}{k}": float(v) for k, v in metrics.compute().items()}
+            out |= {f"{prefix}{metric_key(k)}": float(v) for k, v in metrics.compute().items()}
         return out
 
 

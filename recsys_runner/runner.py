@@ -21,7 +21,7 @@ import torch
 from recsys_runner.build import Components
 from recsys_runner.checkpoint import TrainState
 from recsys_runner.distributed import detached
-from recsys_runner.metrics import Throughput, build_eval_metrics, grouping_ids
+from recsys_runner.metrics import TaskEvalMetrics, Throughput, grouping_ids
 from recsys_runner.profiling import StepProfiler
 from recsys_runner.signals import Interrupted, StopSignals
 from recsys_runner.stopping import check_finite
@@ -87,7 +87,7 @@ def _train_step(c: Components, batches: Iterator, state: TrainState) -> torch.Te
     for _ in range(c.run.train.grad_accum_steps):
         try:
             loss, logits, labels = c.pipeline.progress(batches)
-            c.train_metrics.update(torch.sigmoid(logits), labels)
+            c.train_metrics.update(logits, labels)
         except StopIteration:
             if state.epoch_step == 0:
                 raise RuntimeError(f"epoch {state.epoch} yielded no full training step on rank {c.env.rank}; "
@@ -130,8 +130,8 @@ def _evaluate_and_select(c: Components, state: TrainState, meter: Throughput) ->
 
 
 def evaluate(c: Components) -> dict[str, float]:
-    """The configured eval metrics over this rank's eval batches, combined over all ranks (EMA weights if configured)."""
-    metrics = build_eval_metrics(c.run.metrics, c.env.device)
+    """Each task's configured eval metrics over this rank's eval batches, combined over all ranks (EMA weights if configured)."""
+    metrics = TaskEvalMetrics(c.run.metrics, c.tasks, c.env.device)
     key = c.run.metrics.grouping_key
     batches = c.data.eval_batches(c.env.rank, c.env.world_size)
     limit = c.run.train.eval_max_batches
@@ -143,9 +143,9 @@ def evaluate(c: Components) -> dict[str, float]:
                 batch = batch.to(c.env.device, non_blocking=True)
                 _, (_, logits, labels) = model(batch)
                 groups = {"groups": grouping_ids(batch.sparse_features, key)} if key else {}
-                metrics.update(torch.sigmoid(logits), labels, **groups)
+                metrics.update(logits, labels, **groups)
         model.train()
-    return {f"eval/{k}": float(v) for k, v in metrics.compute().items()}
+    return {f"eval/{k}": v for k, v in metrics.compute().items()}
 
 
 def _data_metrics(c: Components) -> dict[str, float]:

@@ -53,12 +53,16 @@ def file_backed_data(option: str, tmp_path: Path) -> list[str]:
     return [f"data.path={tmp_path}/d.tsv", "data.num_embeddings=100"]
 
 
+MODEL_DATA = {"mmoe": ["data=synthetic_multitask"], "dssm": ["data=synthetic_retrieval"]}
+"""Models that need data of another shape than the default's single click label."""
+
+
 @pytest.mark.parametrize(("group", "option"), OPTION_MATRIX, ids=[f"{g}={o}" for g, o in OPTION_MATRIX])
 def test_option_composes_validates_and_instantiates(make_cfg, tmp_path: Path, group: str, option: str) -> None:
-    if group == "data" and option != "synthetic":
+    if group == "data" and not option.startswith("synthetic"):
         cfg = make_cfg(f"data={option}", *file_backed_data(option, tmp_path), "data.batch_size=64", "distributed.device=cpu", tiny=False)
     else:
-        cfg = make_cfg(f"{group}={option}")
+        cfg = make_cfg(f"{group}={option}", *(MODEL_DATA.get(option, []) if group == "model" else []))
     try:
         run = validate(cfg)
         assert isinstance(run, RunConfig)

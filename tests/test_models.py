@@ -26,8 +26,18 @@ MODELS = sorted(p.stem for p in (Path(CONFIG_PATH) / "model").glob("*.yaml"))
 CPU = torch.device("cpu")
 
 
-def small_data() -> SyntheticData:
-    return SyntheticData(batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50, num_train_rows=64, num_eval_rows=64)
+OUTPUT_SHAPES = {"mmoe": (8, 2), "dssm": (8, 8)}
+"""Outputs other than logits ``[B]``: MMoE's two tasks (stacked), DSSM's query×candidate scores."""
+
+
+def small_data(name: str = "") -> SyntheticData:
+    tasks = ["ctr", "cvr"] if name == "mmoe" else None
+    return SyntheticData(batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50, num_train_rows=64, num_eval_rows=64, tasks=tasks)
+
+
+def as_tensor(out: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor:
+    """A multi-task model's ``{task: [B]}`` as ``[B, T]``; other outputs unchanged."""
+    return torch.stack(list(out.values()), dim=1) if isinstance(out, dict) else out
 
 
 def materialize(model: nn.Module) -> nn.Module:
@@ -45,19 +55,19 @@ def build(make_cfg, name: str, *overrides: str, seed: int = 0) -> nn.Module:
     cfg = make_cfg(f"model={name}", "tracking=none", *overrides)
     validate(cfg)
     torch.manual_seed(seed)
-    return materialize(instantiate(cfg.model)(features=small_data().features, dense_device=CPU))
+    return materialize(instantiate(cfg.model)(features=small_data(name).features, dense_device=CPU))
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_forward_shape_and_seeded_stability(make_cfg, name: str) -> None:
-    batch = next(iter(small_data().train_batches(0, 0, 1)))
+    batch = next(iter(small_data(name).train_batches(0, 0, 1)))
     first, second, other = (build(make_cfg, name, seed=s) for s in (0, 0, 1))
     with torch.no_grad():
-        out = first(batch.dense_features, batch.sparse_features)
-        assert out.shape == (8,) and out.dtype == torch.float32 and torch.isfinite(out).all()
-        assert torch.equal(out, second(batch.dense_features, batch.sparse_features)), "same seed, different output"
-        assert not torch.equal(out, other(batch.dense_features, batch.sparse_features)), "the seed has no effect"
-    logits = first(batch.dense_features, batch.sparse_features)
+        out = as_tensor(first(batch.dense_features, batch.sparse_features))
+        assert out.shape == OUTPUT_SHAPES.get(name, (8,)) and out.dtype == torch.float32 and torch.isfinite(out).all()
+        assert torch.equal(out, as_tensor(second(batch.dense_features, batch.sparse_features))), "same seed, different output"
+        assert not torch.equal(out, as_tensor(other(batch.dense_features, batch.sparse_features))), "the seed has no effect"
+    logits = as_tensor(first(batch.dense_features, batch.sparse_features))
     logits.sum().backward()
     assert all(p.grad is not None for p in first.parameters()), "some parameter gets no gradient"
 
@@ -113,3 +123,22 @@ def test_dcn_v2_rank_not_below_the_cross_width_is_refused() -> None:
     # width = 3 dense + 4 sparse × 8 = 35
     with pytest.raises(ConfigError, match=r"model.low_rank=35 is not below the cross input width 35 .* Fix: model.low_rank=null"):
         DCNv2(features=small_data().features, embedding_dim=8, num_cross_layers=2, low_rank=35, structure="stacked", deep_layer_sizes=[16])
+
+
+def test_mmoe_gates_mix_experts_per_task(make_cfg) -> None:
+    model = build(make_cfg, "mmoe", "model.num_experts=3", "model.expert_layer_sizes=[16]", "model.loss_weights=[1.0,0.5]")
+    assert [(t.name, t.column, t.weight) for t in model.tasks] == [("ctr", 0, 1.0), ("cvr", 1, 0.5)]
+    x = torch.randn(8, model.gates["ctr"].logits.in_features)
+    experts = model.experts(x)
+    assert experts.shape == (8, 3, 16)
+    weights = torch.softmax(model.gates["cvr"].logits(x), dim=1)
+    assert torch.allclose(model.gates["cvr"](x, experts), (weights.unsqueeze(2) * experts).sum(1), atol=1e-6)
+
+
+def test_dssm_scores_are_scaled_cosines(make_cfg) -> None:
+    model = build(make_cfg, "dssm", "model.user_features=[cat_0,int_0]", "model.item_features=[cat_1,cat_2]", "model.temperature=0.5")
+    batch = next(iter(small_data("dssm").train_batches(0, 0, 1)))
+    user, item = model.user_item(batch.dense_features, batch.sparse_features)
+    assert user.shape == item.shape == (8, 32)
+    assert torch.allclose(user.norm(dim=1), torch.ones(8)) and torch.allclose(item.norm(dim=1), torch.ones(8))
+    assert torch.allclose(model(batch.dense_features, batch.sparse_features), user @ item.t() / 0.5, atol=1e-6)

@@ -5,6 +5,12 @@ one dense×sparse interaction) is drawn once from ``seed``; each row's click pro
 sigmoid of its score, and its label is a Bernoulli draw. A model that learns the world reaches an
 AUC far above 0.5 (about 0.8 with the defaults); one that learns nothing stays at 0.5.
 
+With ``tasks=[ctr, cvr, …]`` a batch carries one label per task (``labels [B, T]``), a conversion
+funnel like Taobao's: the first task is the click drawn as above; each later task has a hidden world
+of its own and is only ever positive on a clicked row (``label_t = click · Bernoulli(p_t)``). With
+``user_item_clusters=K`` the id of ``cat_1`` (the "item") lies in the cluster ``id mod K`` of
+``cat_0`` (the "user"): a two-tower model can learn which items go with which users.
+
 Every batch is generated from ``(seed, split, batch index)`` alone, so any rank can produce any
 batch without reading the others, training is reproducible, and nothing is written to disk.
 """
@@ -49,8 +55,20 @@ class SyntheticDataConfig:
     """Seed of the hidden world and of every batch; equal seeds give identical data."""
     label_noise: float = 1.0
     """Scale of the click score; smaller means noisier labels and a lower attainable AUC."""
+    tasks: list[str] | None = None
+    """Task names, one label each (``labels [B, T]``): the first is the click, each later one a
+    conversion observed only on clicked rows, e.g. ``[ctr, cvr]``. ``null``: one click label ``[B]``."""
+    user_item_clusters: int | None = None
+    """``K``: draw ``cat_1``'s id in ``cat_0``'s cluster (``id mod K``), so user/item pairs are learnable
+    for retrieval (DSSM). ``null``: independent columns."""
 
     def __post_init__(self) -> None:
+        if self.tasks is not None:
+            require(len(self.tasks) > 0 and len(set(self.tasks)) == len(self.tasks),
+                    f"data.tasks={self.tasks} must list distinct task names, e.g. data.tasks=[ctr,cvr], or be null")
+        if self.user_item_clusters is not None:
+            require(self.user_item_clusters > 0, f"data.user_item_clusters must be positive or null, got {self.user_item_clusters}")
+            require(self.num_sparse >= 2, "data.user_item_clusters needs data.num_sparse >= 2 (cat_0 is the user, cat_1 the item)")
         require(self.batch_size > 0, f"data.batch_size must be positive, got {self.batch_size}. Fix: data.batch_size=512")
         require(self.num_dense >= 0, f"data.num_dense must be >= 0, got {self.num_dense}")
         require(self.num_sparse > 0, f"data.num_sparse must be positive, got {self.num_sparse}: the models need at least one embedding table")
@@ -97,11 +115,14 @@ class SyntheticData:
         id_skew: float = 3.0,
         seed: int = 0,
         label_noise: float = 1.0,
+        tasks: list[str] | None = None,
+        user_item_clusters: int | None = None,
     ) -> None:
         sizes = list(num_embeddings_per_feature or [num_embeddings] * num_sparse)
         self.features = FeatureSpec(
             dense_names=tuple(f"int_{i}" for i in range(num_dense)),
             sparse=tuple(SparseFeature(f"cat_{i}", n) for i, n in enumerate(sizes)),
+            label=tuple(tasks) if tasks is not None else "label",
         )
         self.batch_size = batch_size
         self._num_train_batches = num_train_rows // batch_size
@@ -110,6 +131,11 @@ class SyntheticData:
         self._id_skew = id_skew
         self._seed = seed
         self._world = _World.draw(seed, num_dense, sizes, label_noise)
+        # Later tasks' worlds: their own seeds, a higher base rate (conversion given a click).
+        self._task_worlds = [
+            _World.draw(seed * 1000 + t, num_dense, sizes, label_noise, bias=0.0) for t in range(1, len(tasks or []))
+        ]
+        self._clusters = user_item_clusters
 
     def num_train_batches(self, world_size: int) -> int:
         return self._num_train_batches // world_size
@@ -131,9 +157,16 @@ class SyntheticData:
         n, f = self.batch_size, len(self._sizes)
         u = torch.rand(n, f, generator=g, dtype=torch.float64)
         ids = (self._sizes * u.pow(self._id_skew)).long().clamp_max_(self._sizes.long() - 1)
+        if self._clusters is not None:
+            k, items = self._clusters, ids[:, 1]
+            moved = items - items % k + ids[:, 0] % k
+            ids[:, 1] = torch.where(moved < int(self._sizes[1]), moved, (moved - k).clamp_min(0))
         dense = torch.randn(n, self.features.num_dense, generator=g)
         prob = torch.sigmoid(self._world.score(dense, ids))
         labels = torch.bernoulli(prob, generator=g)
+        if self.features.multi_label:
+            funnel = [labels * torch.bernoulli(torch.sigmoid(w.score(dense, ids)), generator=g) for w in self._task_worlds]
+            labels = torch.stack([labels, *funnel], dim=1)
         kjt = KeyedJaggedTensor.from_lengths_sync(
             keys=self.features.sparse_names,
             values=ids.t().reshape(-1),
@@ -152,14 +185,14 @@ class _World:
     scale: float
 
     @staticmethod
-    def draw(seed: int, num_dense: int, sizes: list[int], scale: float) -> _World:
+    def draw(seed: int, num_dense: int, sizes: list[int], scale: float, bias: float = -1.1) -> _World:
         g = torch.Generator().manual_seed(seed)
         # Each categorical column carries a little signal; together they carry about as much as
         # the dense columns, so both halves of a model have something to learn.
         per_feature = 1.2 / max(len(sizes), 1) ** 0.5
         effects = [torch.randn(n, generator=g) * per_feature for n in sizes]
         dense_w = torch.randn(num_dense, generator=g) * (1.0 / max(num_dense, 1) ** 0.5)
-        return _World(effects, dense_w, bias=-1.1, scale=scale)
+        return _World(effects, dense_w, bias=bias, scale=scale)
 
     def score(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         sparse = sum(e[ids[:, j]] for j, e in enumerate(self.id_effects))

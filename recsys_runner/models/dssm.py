@@ -1,0 +1,148 @@
+"""DSSM (Huang et al., 2013, "Learning Deep Structured Semantic Models for Web Search using
+Clickthrough Data", https://dl.acm.org/doi/10.1145/2505515.2505665): a two-tower retrieval model.
+
+The features are split into a user (query) group and an item (candidate) group, from config. Each
+tower embeds its group, runs an MLP and outputs an (optionally L2-normalized) vector; the score of a
+(user, item) pair is their dot product divided by a temperature. Training uses the in-batch softmax
+(Yi et al. 2019): every row is a positive (user, item) pair, and the other rows' items in the batch
+are its negatives. Eval computes ``recall@k`` over the same in-batch candidates.
+
+Shape legend: ``B`` batch, ``D`` embedding dim, ``O`` tower output width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recsys_runner.errors import ConfigError, require
+from recsys_runner.features import FeatureSpec
+from recsys_runner.metrics import metric_entry
+from recsys_runner.models.common import MLP, SparseArch, Task, check_layer_sizes
+
+
+@dataclass(kw_only=True)
+class DSSMConfig:
+    """Schema of ``conf/model/dssm.yaml``."""
+
+    _target_: str = "recsys_runner.models.dssm.DSSM"
+    _partial_: bool = True
+    embedding_dim: int = 16
+    """Width ``D`` of every embedding table."""
+    user_features: list[str] = field(default_factory=lambda: ["cat_0"])
+    """The user (query) tower's features: sparse or dense feature names of the data."""
+    item_features: list[str] = field(default_factory=lambda: ["cat_1"])
+    """The item (candidate) tower's features; none may also be a user feature."""
+    tower_layer_sizes: list[int] = field(default_factory=lambda: [64, 32])
+    """Layers of both towers; the last is the output width ``O`` of the user and item vectors."""
+    temperature: float = 0.05
+    """Scores are ``<u, v> / temperature``; small values sharpen the in-batch softmax."""
+    normalize: bool = True
+    """L2-normalize both tower outputs (cosine similarity)."""
+    eval_metrics: list[str] = field(default_factory=lambda: ["recall@1", "recall@10", "recall@50"])
+    """Retrieval metrics over in-batch candidates, logged as ``eval/<name>`` (``metrics.eval`` does not apply)."""
+
+    def __post_init__(self) -> None:
+        require(self.embedding_dim > 0, f"model.embedding_dim must be positive, got {self.embedding_dim}")
+        require(len(self.user_features) > 0, "model.user_features is empty; list the user tower's features, e.g. [user_id]")
+        require(len(self.item_features) > 0, "model.item_features is empty; list the item tower's features, e.g. [item_id]")
+        both = sorted(set(self.user_features) & set(self.item_features))
+        require(not both, f"features {both} are in both model.user_features and model.item_features; each belongs to one tower")
+        check_layer_sizes("tower_layer_sizes", self.tower_layer_sizes)
+        require(self.temperature > 0, f"model.temperature must be positive, got {self.temperature}")
+        for name in self.eval_metrics:
+            require(metric_entry(name, "model.eval_metrics").inputs == "retrieval",
+                    f"model.eval_metrics lists {name!r}; DSSM's eval is retrieval, so only recall@<k> applies, e.g. [recall@10]")
+
+
+def check_group(features: FeatureSpec, key: str, names: list[str]) -> None:
+    """Raise :class:`ConfigError` listing the valid names when ``names`` has one the data lacks."""
+    valid = [*features.sparse_names, *features.dense_names]
+    unknown = [n for n in names if n not in valid]
+    if unknown:
+        raise ConfigError(f"{key} has {unknown}, which the data does not have. Valid feature names: {', '.join(valid)}")
+
+
+class Tower(nn.Module):
+    """One side of the two towers: its features' embeddings and dense columns → a vector.
+
+    ``(embedded [B, F, D], dense [B, N]) → [B, O]`` through an MLP (ReLU between layers, none after
+    the last), L2-normalized when ``normalize``.
+    """
+
+    def __init__(self, sparse_index: list[int], dense_index: list[int], embedding_dim: int, layer_sizes: list[int],
+                 normalize: bool, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.sparse_index, self.dense_index, self.normalize = sparse_index, dense_index, normalize
+        in_features = len(sparse_index) * embedding_dim + len(dense_index)
+        self.hidden = MLP(in_features, layer_sizes[:-1], device=device) if len(layer_sizes) > 1 else nn.Identity()
+        self.out = nn.Linear(layer_sizes[-2] if len(layer_sizes) > 1 else in_features, layer_sizes[-1], device=device)
+
+    def forward(self, embedded: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([embedded[:, self.sparse_index].flatten(1), dense[:, self.dense_index]], dim=1)
+        v = self.out(self.hidden(x))
+        return F.normalize(v, dim=1) if self.normalize else v
+
+
+class DSSM(nn.Module):
+    """Two towers; ``(dense [B, N], sparse KJT) → scores [B, B]``, ``scores[q, c] = <user_q, item_c> / τ``.
+
+    Row ``q``'s positive is candidate ``q`` (the diagonal); its ``tasks`` is one ``retrieval`` task,
+    so the TrainWrapper applies the in-batch softmax loss and eval computes ``recall@k``.
+
+    Args:
+        features: the data's feature schema; the groups are checked against it.
+        embedding_dim: ``D``.
+        user_features, item_features: the towers' feature names (sparse or dense).
+        tower_layer_sizes: both towers' layers; the last is ``O``.
+        temperature, normalize, eval_metrics: see :class:`DSSMConfig`.
+        dense_device: device of the dense parameters (embeddings start on ``meta``).
+
+    Example::
+
+        data = SyntheticData(batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50)
+        model = DSSM(features=data.features, embedding_dim=8, user_features=["cat_0", "int_0"],
+                     item_features=["cat_1"], tower_layer_sizes=[16, 8])
+        model.user_item(batch.dense_features, batch.sparse_features)   # ([8, 8], [8, 8])
+        model(batch.dense_features, batch.sparse_features)             # [8, 8]
+    """
+
+    def __init__(
+        self,
+        *,
+        features: FeatureSpec,
+        embedding_dim: int,
+        user_features: list[str],
+        item_features: list[str],
+        tower_layer_sizes: list[int],
+        temperature: float = 0.05,
+        normalize: bool = True,
+        eval_metrics: list[str] | None = None,
+        dense_device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        check_group(features, "model.user_features", list(user_features))
+        check_group(features, "model.item_features", list(item_features))
+        self.tasks = (Task(None, kind="retrieval", eval_metrics=tuple(eval_metrics or ["recall@10"])),)
+        self.temperature = temperature
+        self.sparse_arch = SparseArch(features, embedding_dim)
+
+        def tower(names: list[str]) -> Tower:
+            sparse = [features.sparse_names.index(n) for n in names if n in features.sparse_names]
+            dense = [features.dense_names.index(n) for n in names if n in features.dense_names]
+            return Tower(sparse, dense, embedding_dim, list(tower_layer_sizes), normalize, device=dense_device)
+
+        self.user_tower, self.item_tower = tower(list(user_features)), tower(list(item_features))
+
+    def user_item(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The user and item vectors: ``([B, O], [B, O])`` (e.g. to export the item index)."""
+        embedded = self.sparse_arch(sparse)
+        return self.user_tower(embedded, dense), self.item_tower(embedded, dense)
+
+    def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        user, item = self.user_item(dense, sparse)
+        return user @ item.t() / self.temperature

@@ -1,0 +1,148 @@
+"""MMoE (Ma et al., 2018, "Modeling Task Relationships in Multi-task Learning with Multi-gate
+Mixture-of-Experts", https://dl.acm.org/doi/10.1145/3219819.3220007) on TorchRec.
+
+The embedded sparse features and the dense features are concatenated into one input ``x``. ``E``
+expert MLPs all read ``x``; each task ``t`` has a softmax gate over the experts, mixes their
+outputs with it, and feeds the mixture to its own tower, which ends in one logit. Tasks therefore
+share what helps them all and keep apart what does not.
+
+Shape legend: ``B`` batch, ``F`` sparse features, ``D`` embedding dim, ``N`` dense features,
+``E`` experts, ``H`` expert output width, ``T`` tasks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recsys_runner.errors import require
+from recsys_runner.features import FeatureSpec
+from recsys_runner.models.common import MLP, TASK_KINDS, SparseArch, check_layer_sizes, resolve_tasks
+
+
+@dataclass(kw_only=True)
+class MMoEConfig:
+    """Schema of ``conf/model/mmoe.yaml``."""
+
+    _target_: str = "recsys_runner.models.mmoe.MMoE"
+    _partial_: bool = True
+    embedding_dim: int = 16
+    """Width ``D`` of every embedding table."""
+    tasks: list[str] = field(default_factory=lambda: ["ctr", "cvr"])
+    """Task names, each with a label of the same name in the data (``data.tasks`` / ``data.labels``)."""
+    loss_weights: list[float] | None = None
+    """Weight of each task's loss in the sum (one per task); ``null``: all 1."""
+    task_kinds: list[str] | None = None
+    """``binary`` (BCE, metrics ``metrics.eval``) or ``regression`` (MSE, metrics mse/mae) per task; ``null``: all binary."""
+    num_experts: int = 4
+    """``E``: expert MLPs shared by all tasks."""
+    expert_layer_sizes: list[int] = field(default_factory=lambda: [128, 64])
+    """Layers of each expert; the last is the width ``H`` the gates mix."""
+    tower_layer_sizes: list[int] = field(default_factory=lambda: [32])
+    """Hidden layers of each task's tower (a final 1-unit layer is added)."""
+
+    def __post_init__(self) -> None:
+        require(self.embedding_dim > 0, f"model.embedding_dim must be positive, got {self.embedding_dim}")
+        require(len(self.tasks) > 0 and len(set(self.tasks)) == len(self.tasks),
+                f"model.tasks={self.tasks} must list distinct task names, e.g. model.tasks=[ctr,cvr]")
+        require(self.num_experts > 0, f"model.num_experts must be positive, got {self.num_experts}")
+        check_layer_sizes("expert_layer_sizes", self.expert_layer_sizes)
+        check_layer_sizes("tower_layer_sizes", self.tower_layer_sizes)
+        if self.loss_weights is not None:
+            require(len(self.loss_weights) == len(self.tasks),
+                    f"model.loss_weights={self.loss_weights} has {len(self.loss_weights)} entries but model.tasks={self.tasks} "
+                    f"has {len(self.tasks)}. Fix: one weight per task, or model.loss_weights=null")
+            require(all(w >= 0 for w in self.loss_weights) and sum(self.loss_weights) > 0,
+                    f"model.loss_weights={self.loss_weights} must be >= 0 and not all 0")
+        if self.task_kinds is not None:
+            require(len(self.task_kinds) == len(self.tasks),
+                    f"model.task_kinds={self.task_kinds} has {len(self.task_kinds)} entries but model.tasks={self.tasks} has "
+                    f"{len(self.tasks)}. Fix: one kind per task, or model.task_kinds=null")
+            wrong = [k for k in self.task_kinds if k not in TASK_KINDS]
+            require(not wrong, f"model.task_kinds has {wrong}; each must be one of {list(TASK_KINDS)}")
+
+
+class Experts(nn.Module):
+    """``E`` independent MLPs over the same input: ``[B, I] → [B, E, H]``."""
+
+    def __init__(self, in_features: int, num_experts: int, layer_sizes: list[int], device: torch.device | None = None) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(MLP(in_features, layer_sizes, device=device) for _ in range(num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([expert(x) for expert in self.experts], dim=1)
+
+
+class Gate(nn.Module):
+    """One task's mixture of the experts: softmax weights from the input, ``([B, I], [B, E, H]) → [B, H]``."""
+
+    def __init__(self, in_features: int, num_experts: int, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.logits = nn.Linear(in_features, num_experts, device=device)
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        weights = torch.softmax(self.logits(x), dim=1)
+        return torch.bmm(weights.unsqueeze(1), experts).squeeze(1)
+
+
+class Tower(nn.Module):
+    """One task's head: an MLP ending in one logit, ``[B, H] → [B]``."""
+
+    def __init__(self, in_features: int, layer_sizes: list[int], device: torch.device | None = None) -> None:
+        super().__init__()
+        self.mlp = MLP(in_features, layer_sizes, device=device)
+        self.out = nn.Linear(layer_sizes[-1], 1, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.mlp(x)).squeeze(1)
+
+
+class MMoE(nn.Module):
+    """MMoE: shared experts, a gate and a tower per task; ``(dense [B, N], sparse KJT) → {task: logits [B]}``.
+
+    ``tasks`` (:class:`~recsys_runner.models.common.Task`, in output order) tells the TrainWrapper
+    each task's label column, loss and weight.
+
+    Args:
+        features: the data's feature schema; it must carry a label per task.
+        embedding_dim: ``D``.
+        tasks: task names; ``loss_weights`` / ``task_kinds``: per task (``None``: 1 / binary).
+        num_experts, expert_layer_sizes, tower_layer_sizes: see :class:`MMoEConfig`.
+        dense_device: device of the dense parameters (embeddings start on ``meta``).
+
+    Example::
+
+        data = SyntheticData(batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50, tasks=["ctr", "cvr"])
+        model = MMoE(features=data.features, embedding_dim=8, tasks=["ctr", "cvr"], num_experts=2,
+                     expert_layer_sizes=[16], tower_layer_sizes=[8])
+        model(batch.dense_features, batch.sparse_features)   # {"ctr": [8], "cvr": [8]}
+    """
+
+    def __init__(
+        self,
+        *,
+        features: FeatureSpec,
+        embedding_dim: int,
+        tasks: list[str],
+        loss_weights: list[float] | None = None,
+        task_kinds: list[str] | None = None,
+        num_experts: int,
+        expert_layer_sizes: list[int],
+        tower_layer_sizes: list[int],
+        dense_device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        self.tasks = resolve_tasks(features, list(tasks), loss_weights, task_kinds)
+        in_features = len(features.sparse) * embedding_dim + features.num_dense
+        self.sparse_arch = SparseArch(features, embedding_dim)
+        self.experts = Experts(in_features, num_experts, list(expert_layer_sizes), device=dense_device)
+        self.gates = nn.ModuleDict({t.name: Gate(in_features, num_experts, device=dense_device) for t in self.tasks})  # type: ignore[misc]
+        self.towers = nn.ModuleDict({t.name: Tower(expert_layer_sizes[-1], list(tower_layer_sizes), device=dense_device) for t in self.tasks})  # type: ignore[misc]
+
+    def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> dict[str, torch.Tensor]:
+        x = torch.cat([self.sparse_arch(sparse).flatten(1), dense], dim=1)
+        experts = self.experts(x)
+        return {name: self.towers[name](gate(x, experts)) for name, gate in self.gates.items()}
