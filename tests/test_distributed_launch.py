@@ -83,3 +83,27 @@ def test_submitit_local_two_tasks_shard_with_two_sharding_types(tmp_path: Path) 
     assert run.info.status == "FINISHED" and run.data.metrics["eval/auc"] > 0.55
     plan = Path(client.download_artifacts(run.info.run_id, "sharding_plan.txt", str(tmp_path))).read_text()
     assert "data_parallel" in plan and "column_wise" in plan and "rank:1" in plan
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_table_wise_with_a_data_parallel_table(tmp_path: Path) -> None:
+    """torchrun, 2 ranks: tables placed whole on either rank, one table replicated — two sharding types in one plan."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    uri = f"sqlite:///{tmp_path}/tw.db"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}",
+           "-m", "recsys_runner", *TINY, "train.num_steps=20", "distributed.sharding_types=[table_wise]",
+           "+distributed.tables={t_cat_0: {sharding_types: [data_parallel]}}", f"tracking.uri={uri}", "tracking.experiment=tw"]
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("tw").experiment_id])
+    assert run.data.tags["world_size"] == "2" and run.data.metrics["eval/auc"] > 0.55
+    plan = Path(client.download_artifacts(run.info.run_id, "sharding_plan.txt", str(tmp_path))).read_text()
+    assert "data_parallel" in plan and "table_wise" in plan
+    assert "rank:0" in plan and "rank:1" in plan, "table-wise tables spread over both ranks"
