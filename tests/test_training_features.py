@@ -127,12 +127,17 @@ def test_profile_preset_stores_a_trace(make_cfg, mlflow_uri: str) -> None:
     assert {"profile/trace_rank0.json", "profile/key_averages.txt"} <= names
 
 
-@pytest.mark.parametrize("preset", ["debug=fast", "debug=overfit", "experiment=deepfm_criteo", "experiment=dlrm_criteo"])
+PRESET_BEST = {"experiment=mmoe_taobao": "eval/ctr/auc", "experiment=dssm_taobao": "eval/recall_at_50"}
+
+
+@pytest.mark.parametrize("preset", ["debug=fast", "debug=overfit", "experiment=deepfm_criteo", "experiment=dlrm_criteo",
+                                    "experiment=dcn_v2_criteo", "experiment=wide_deep_criteo", "experiment=mmoe_taobao",
+                                    "experiment=dssm_taobao"])
 def test_presets_compose(make_cfg, preset: str) -> None:
     cfg = make_cfg(preset, tiny=False)
     spec = validate(cfg)
     if preset.startswith("experiment"):
-        assert spec.checkpoint.best_metric == "eval/auc" and spec.train.num_epochs == 1
+        assert spec.checkpoint.best_metric == PRESET_BEST.get(preset, "eval/auc") and spec.train.num_epochs == 1
     else:
         assert spec.checkpoint.at_end is False and spec.train.eval_max_batches == 2
 
