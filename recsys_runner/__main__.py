@@ -28,7 +28,7 @@ register_configs()
 
 
 def run(cfg: DictConfig) -> float:
-    """Run one job; returns the final eval AUC (the objective a sweeper maximizes)."""
+    """Run one job; returns its objective, the final eval metric ``train.objective`` (for sweepers)."""
     spec = validate(cfg)
     c = build(cfg, spec)
     status = "FAILED"
@@ -45,13 +45,22 @@ def run(cfg: DictConfig) -> float:
         c.state.run_id = getattr(c.tracker, "run_id", None) or c.state.run_id
         final = train(c)
         status = "FINISHED"
-        return final["eval/auc"]
+        return objective(final, spec.train.objective)
     except (KeyboardInterrupt, Interrupted):
         status = "KILLED"
         raise
     finally:
         c.tracker.finish(status)
         c.close()
+
+
+def objective(final: dict[str, float], key: str | None) -> float:
+    """``final[key]``; by default ``eval/auc`` if logged, else the first eval metric."""
+    if key is None:
+        key = "eval/auc" if "eval/auc" in final else next(iter(final))
+    if key not in final:
+        raise ConfigError(f"train.objective={key!r} is not among this model's eval metrics {sorted(final)}; pick one of them")
+    return final[key]
 
 
 def _resume_tracking(tracker: object, run_id: str) -> bool:

@@ -94,6 +94,9 @@ class TrainConfig:
     stop_after_steps: int | None = None
     """Train at most this many steps in this process, then checkpoint and exit like an interruption;
     relaunching continues (time slices on a preemptible cluster). ``null``: run to the end."""
+    objective: str | None = None
+    """The final eval metric a job returns (the value Hydra sweepers optimize), e.g. ``eval/ctr/auc``;
+    ``null`` means ``eval/auc`` when the model logs it, else its first eval metric."""
     stop_check_every_steps: int = 10
     """With several ranks, how often (in steps) they agree on a pending stop signal. Agreeing is an
     all-reduce plus a host sync, so it is not done every step; a signal is honoured within this many
@@ -118,6 +121,8 @@ class TrainConfig:
         )
         require(self.stop_after_steps is None or self.stop_after_steps > 0,
                 f"train.stop_after_steps must be positive or null, got {self.stop_after_steps}")
+        require(self.objective is None or self.objective.startswith("eval/"),
+                f"train.objective={self.objective!r} must be an eval metric key, e.g. eval/auc or eval/ctr/auc")
         require(self.stop_check_every_steps > 0, f"train.stop_check_every_steps must be positive, got {self.stop_check_every_steps}")
         require(self.grad_accum_steps > 0, f"train.grad_accum_steps must be positive, got {self.grad_accum_steps}")
         require(

@@ -116,3 +116,15 @@ def test_bad_task_configs_say_what_to_fix(make_cfg, overrides: list[str], messag
     cfg = make_cfg(*data, *overrides, "tracking=none")
     with pytest.raises(ConfigError, match=message):
         build(cfg, validate(cfg)).close()
+
+
+def test_cli_entry_returns_the_task_objective(make_cfg) -> None:
+    from recsys_runner.__main__ import objective, run
+
+    assert objective({"eval/ctr/auc": 0.7, "eval/cvr/auc": 0.6}, None) == 0.7
+    assert objective({"eval/auc": 0.6, "eval/logloss": 0.5}, None) == 0.6
+    with pytest.raises(ConfigError, match=r"train.objective='eval/auc' is not among this model's eval metrics"):
+        objective({"eval/ctr/auc": 0.7}, "eval/auc")
+    cfg = make_cfg("model=mmoe", "data=synthetic_multitask", "train.objective=eval/cvr/auc")
+    value = run(cfg)
+    assert 0.0 < value < 1.0
