@@ -17,9 +17,15 @@ from tests.conftest import REPO, TINY, run_cli
 def test_help_lists_groups_and_options(tmp_path: Path) -> None:
     out = run_cli("--help", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    for line in ["model: dcn_v2, deepfm, dlrm, wide_deep", "optim: adagrad, adam, rowwise_adagrad, sgd", "precision: bf16, fp16, fp32",
-                 "scheduler: constant, cosine, cosine_restarts, exponential_decay, manual_step", "data: criteo, csv, parquet, synthetic", "distributed: env", "tracking: mlflow, none"]:
+    conf = REPO / "conf"
+    groups = ["model", "optim", "optim/sparse", "optim/dense", "scheduler", "data", "distributed", "precision", "tracking",
+              "checkpoint", "debug", "experiment"]
+    for group in groups:
+        options = sorted(p.stem for p in (conf / group).glob("*.yaml"))
+        assert options, f"conf/{group} is empty"
+        line = f"{group}: {', '.join(options)}"
         assert line in out.stdout, f"--help lacks {line!r}"
+    assert {"deepfm", "dlrm"} <= {p.stem for p in (conf / "model").glob("*.yaml")}
 
 
 def test_cfg_job_prints_resolved_config(tmp_path: Path) -> None:
