@@ -2,16 +2,18 @@
 
 ``convert`` reads CSV/TSV/Criteo files with a schema, encodes them exactly as training would
 (fills, transforms, hashing, hex parsing, id checks) and writes Parquet files of model-ready columns
-(label int8, dense float32, sparse int64 or list<int64>) with the schema stored in the file, so
+(binary labels int8, regression labels float32, dense float32, sparse int64 or list<int64>) with the
+schema (the label column or the task → label column mapping included) stored in the file, so
 ``data=parquet data.path=<out>`` needs no column list::
 
     python -m recsys_runner.data convert --format criteo --num-embeddings 1000000 day_0.tsv out/
     python -m recsys_runner.data convert --format csv --schema schema.yaml logs/*.csv out/
 
-``inspect`` prints a file's (or directory's) columns and types, row count, label rate, and per
-column the null count and the number of distinct values::
+``inspect`` prints a file's (or directory's) columns and types, row count, the rate (mean) of each
+label column, and per column the null count and the number of distinct values. Label columns: the
+``--label`` options, else those of the schema stored by ``convert``, else ``label``::
 
-    python -m recsys_runner.data inspect out/ [--format parquet|csv|criteo] [--label label]
+    python -m recsys_runner.data inspect out/ [--format parquet|csv|criteo] [--label click --label conversion]
 """
 
 from __future__ import annotations
@@ -31,7 +33,14 @@ import yaml
 from recsys_runner.data.base import DataError
 from recsys_runner.data.schema import DenseColumn, Encoder, Location, Rows, Schema, SparseColumn
 from recsys_runner.data.sources import PARQUET_SUFFIXES, CsvSource, resolve_files
-from recsys_runner.data.tabular import CRITEO_COLUMNS, CRITEO_NUM_SPARSE, SCHEMA_METADATA_KEY, criteo_schema, schema_json
+from recsys_runner.data.tabular import (
+    CRITEO_COLUMNS,
+    CRITEO_NUM_SPARSE,
+    SCHEMA_METADATA_KEY,
+    criteo_schema,
+    schema_json,
+    stored_schema,
+)
 from recsys_runner.errors import ConfigError
 
 
@@ -39,6 +48,8 @@ def converted_schema(schema: Schema) -> Schema:
     """The schema of converted files: values already transformed, ids already in range."""
     return Schema(
         label=schema.label,
+        labels=schema.labels,
+        label_kinds=schema.label_kinds,
         dense=[DenseColumn(name=d.name) for d in schema.dense],
         sparse=[SparseColumn(name=s.name, num_embeddings=s.num_embeddings, pooling=s.pooling, embedding_dim=s.embedding_dim, table=s.table)
                 for s in schema.sparse],
@@ -46,7 +57,11 @@ def converted_schema(schema: Schema) -> Schema:
 
 
 def rows_to_table(rows: Rows, schema: Schema, multi_hot: list[bool]) -> pa.Table:
-    cols: dict[str, pa.Array] = {schema.label: pa.array(rows.labels.astype(np.int8))}
+    labels = rows.labels.reshape(len(rows), -1)
+    cols: dict[str, pa.Array] = {}
+    for t, (column, task) in enumerate(zip(schema.label_columns, schema.label_tasks, strict=True)):
+        dtype = np.float32 if schema.label_kind(task) == "regression" else np.int8
+        cols[column] = pa.array(labels[:, t].astype(dtype))
     for j, d in enumerate(schema.dense):
         cols[d.name] = pa.array(rows.dense[:, j].astype(np.float32))
     for (values, lengths), s, multi in zip(rows.sparse, schema.sparse, multi_hot, strict=True):
@@ -67,10 +82,12 @@ def convert(args: argparse.Namespace) -> None:
         options: dict[str, Any] = {"delimiter": "\t", "header": False, "column_names": CRITEO_COLUMNS, "null_values": [""]}
     else:
         if not args.schema:
-            raise ConfigError("--format csv needs --schema FILE.yaml with label, dense and sparse (and optionally delimiter, header, column_names, null_values)")
+            raise ConfigError("--format csv needs --schema FILE.yaml with label (or labels: {task: column}, label_kinds), dense and "
+                              "sparse (and optionally delimiter, header, column_names, null_values)")
         with open(args.schema) as f:
             raw = yaml.safe_load(f) or {}
-        schema = Schema(label=raw.get("label", "label"), dense=[DenseColumn(**d) for d in raw.get("dense", [])],
+        label = raw.get("label", "label" if raw.get("labels") is None else None)
+        schema = Schema(label=label, labels=raw.get("labels"), label_kinds=raw.get("label_kinds"), dense=[DenseColumn(**d) for d in raw.get("dense", [])],
                         sparse=[SparseColumn(**s) for s in raw.get("sparse", [])])
         options = {"delimiter": raw.get("delimiter", ","), "header": raw.get("header", True),
                    "column_names": raw.get("column_names"), "null_values": raw.get("null_values", [""])}
@@ -125,9 +142,23 @@ def _tables(args: argparse.Namespace) -> tuple[list[str], Any]:
     return files, text_tables()
 
 
+def _label_columns(args: argparse.Namespace, files: list[str]) -> list[str]:
+    """``--label`` columns, else the stored schema's label columns (Parquet), else ``label``."""
+    if args.label:
+        return list(args.label)
+    if args.format == "parquet":
+        stored = stored_schema(files[0])
+        if stored is not None:
+            return stored.label_columns
+    return ["label"]
+
+
 def inspect(args: argparse.Namespace) -> None:
     files, tables = _tables(args)
-    rows, positives, labelled = 0, 0, 0
+    label_columns = _label_columns(args, files)
+    rows = 0
+    sums: dict[str, float] = dict.fromkeys(label_columns, 0.0)
+    labelled: dict[str, int] = dict.fromkeys(label_columns, 0)
     nulls: dict[str, int] = {}
     distinct: dict[str, set] = {}
     types: dict[str, pa.DataType] = {}
@@ -141,13 +172,15 @@ def inspect(args: argparse.Namespace) -> None:
             if len(seen) <= args.max_distinct:
                 flat = pc.list_flatten(col) if pa.types.is_list(col.type) else col
                 seen.update(pc.unique(flat.combine_chunks() if isinstance(flat, pa.ChunkedArray) else flat).to_pylist())
-        if args.label in table.column_names:
-            label = table.column(args.label).cast(pa.float64())
-            labelled += table.num_rows - label.null_count
-            positives += int(pc.sum(label).as_py() or 0)
+        for name in label_columns:
+            if name in table.column_names:
+                label = table.column(name).cast(pa.float64())
+                labelled[name] += table.num_rows - label.null_count
+                sums[name] += float(pc.sum(label).as_py() or 0.0)
     print(f"{len(files)} file(s), {rows} rows")
-    if args.label in types:
-        print(f"label {args.label!r}: rate {positives / max(labelled, 1):.4f} ({positives} positive of {labelled} labelled)")
+    for name in label_columns:
+        if name in types:
+            print(f"label {name!r}: rate {sums[name] / max(labelled[name], 1):.4f} (mean over {labelled[name]} labelled rows)")
     print(f"{'column':<24} {'type':<20} {'nulls':>10} {'distinct':>10}")
     for name, typ in types.items():
         seen = distinct[name]
@@ -162,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("inputs", nargs="+", help="input files, directories or globs")
     c.add_argument("output", help="output directory")
     c.add_argument("--format", choices=["criteo", "csv"], default="criteo")
-    c.add_argument("--schema", help="csv: YAML file with label, dense, sparse (entries as in data.dense / data.sparse)")
+    c.add_argument("--schema", help="csv: YAML file with label (or labels, label_kinds), dense, sparse (as in data.*)")
     c.add_argument("--num-embeddings", type=int, default=100_000, help="criteo: table size of every categorical")
     c.add_argument("--categorical-encoding", choices=["mod", "hash"], default="mod", help="criteo: hex value modulo the table size, or a hash")
     c.add_argument("--row-group-rows", type=int, default=65_536)
@@ -171,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("path", help="a file, directory or glob")
     i.add_argument("--format", choices=["parquet", "csv", "criteo"], default="parquet")
     i.add_argument("--delimiter", default=",")
-    i.add_argument("--label", default="label")
+    i.add_argument("--label", action="append", help="a label column (repeat for several); default: the stored schema's, else 'label'")
     i.add_argument("--max-distinct", type=int, default=1_000_000, help="stop counting distinct values above this")
     args = parser.parse_args(argv)
     try:

@@ -3,7 +3,8 @@
 Public CTR datasets may not be redistributed, so nothing here downloads: :func:`criteo_rows`
 draws rows with the real format's quirks (empty fields, negative counts, 8-digit hex
 categoricals) whose click probability depends on the features, so a model trained on them beats
-AUC 0.5. Writers produce the raw TSV layout and the Parquet layout ``convert`` writes.
+AUC 0.5. Writers produce the raw TSV layout and the Parquet layout ``convert`` writes, and
+:func:`write_funnel_parquet` a two-label (click, conversion) Parquet file for multi-task models.
 """
 
 from __future__ import annotations
@@ -12,7 +13,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from recsys_runner.data.tabular import CRITEO_COLUMNS, CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE, criteo_schema, schema_json
+from recsys_runner.data.schema import Schema
+from recsys_runner.data.tabular import (
+    CRITEO_COLUMNS,
+    CRITEO_NUM_DENSE,
+    CRITEO_NUM_SPARSE,
+    SCHEMA_METADATA_KEY,
+    criteo_schema,
+    schema_json,
+)
+from recsys_runner.errors import require
 
 
 def criteo_rows(num_rows: int, *, seed: int = 0, cardinality: int = 500, missing: float = 0.05) -> dict[str, list]:
@@ -49,10 +59,8 @@ def write_criteo_tsv(path: str, num_rows: int, *, seed: int = 0, cardinality: in
             f.write("\t".join("" if cols[c][i] is None else str(cols[c][i]) for c in CRITEO_COLUMNS) + "\n")
 
 
-def write_criteo_parquet(path: str, num_rows: int, *, seed: int = 0, cardinality: int = 500, num_embeddings: int = 1000,
-                         row_group_rows: int = 65_536) -> None:
-    """Criteo rows as ``convert`` writes them: label, log1p'd dense floats, int64 ids, the schema stored."""
-    cols = criteo_rows(num_rows, seed=seed, cardinality=cardinality)
+def _converted_criteo(cols: dict[str, list], num_embeddings: int) -> tuple[dict[str, pa.Array], Schema]:
+    """Criteo columns as ``convert`` writes them (log1p'd float dense, int64 ids) and their stored schema."""
     data: dict[str, pa.Array] = {"label": pa.array(cols["label"], pa.int8())}
     for j in range(CRITEO_NUM_DENSE):
         raw = np.array([0 if v is None else v for v in cols[f"int_{j}"]], dtype=np.float64)
@@ -64,7 +72,42 @@ def write_criteo_parquet(path: str, num_rows: int, *, seed: int = 0, cardinality
         d.transform = "none"
     for s in schema.sparse:
         s.encoding, s.hex = "id", False
-    table = pa.table(data).replace_schema_metadata({b"recsys_runner.schema": schema_json(schema)})
+    return data, schema
+
+
+def write_criteo_parquet(path: str, num_rows: int, *, seed: int = 0, cardinality: int = 500, num_embeddings: int = 1000,
+                         row_group_rows: int = 65_536) -> None:
+    """Criteo rows as ``convert`` writes them: label, log1p'd dense floats, int64 ids, the schema stored."""
+    data, schema = _converted_criteo(criteo_rows(num_rows, seed=seed, cardinality=cardinality), num_embeddings)
+    table = pa.table(data).replace_schema_metadata({SCHEMA_METADATA_KEY: schema_json(schema)})
+    pq.write_table(table, path, row_group_size=row_group_rows)
+
+
+def write_funnel_parquet(path: str, num_rows: int, *, seed: int = 0, cardinality: int = 500, num_embeddings: int = 1000,
+                         row_group_rows: int = 65_536, labels: dict[str, str] | None = None) -> None:
+    """Criteo-shaped rows with two learnable labels, as ``convert`` writes them with ``labels``.
+
+    ``labels`` maps two task names to two columns (default ``{ctr: click, cvr: conversion}``): the first
+    is the Criteo click; the second a conversion drawn from hidden per-id effects of its own, and
+    only ever positive on a clicked row (a CTR/CVR funnel, as with ``data=synthetic_multitask``).
+    The stored schema carries the mapping, so ``data=parquet data.path=<file>`` needs no column list.
+    """
+    labels = dict(labels or {"ctr": "click", "cvr": "conversion"})
+    require(len(labels) == 2, f"write_funnel_parquet writes two labels (click, conversion), got labels={labels}")
+    click_column, conversion_column = labels.values()
+    data, schema = _converted_criteo(criteo_rows(num_rows, seed=seed, cardinality=cardinality), num_embeddings)
+    world = np.random.default_rng(54321)  # the conversion's hidden effects: the same for every seed
+    effects = world.normal(0, 0.8, size=(CRITEO_NUM_SPARSE, num_embeddings))
+    score = np.full(num_rows, 0.5)
+    for j in range(CRITEO_NUM_SPARSE):
+        ids = data[f"cat_{j}"]
+        present = np.asarray(ids.is_valid().to_numpy(zero_copy_only=False))
+        score += np.where(present, effects[j, np.asarray(ids.fill_null(0).to_numpy(zero_copy_only=False))], 0.0)
+    click = np.asarray(data.pop("label").to_numpy(zero_copy_only=False), dtype=np.int8)
+    converted = np.random.default_rng([seed, 1]).random(num_rows) < 1 / (1 + np.exp(-score))
+    columns = {click_column: pa.array(click), conversion_column: pa.array((click * converted).astype(np.int8)), **data}
+    schema.label, schema.labels = None, labels
+    table = pa.table(columns).replace_schema_metadata({SCHEMA_METADATA_KEY: schema_json(schema)})
     pq.write_table(table, path, row_group_size=row_group_rows)
 
 

@@ -1,6 +1,7 @@
 """Column schema of tabular data and the vectorized encoder from Arrow columns to model inputs.
 
-A data config lists a ``label`` column, ``dense`` columns (each with a missing-value fill and a
+A data config lists a ``label`` column (or, for multi-task models, ``labels``: task name → column,
+each ``binary`` or ``regression`` by ``label_kinds``), ``dense`` columns (each with a missing-value fill and a
 transform) and ``sparse`` columns (integer ids, hashed values or hexadecimal strings; single- or
 multi-hot). :class:`Encoder` turns one Arrow table of raw columns into :class:`Rows` (NumPy arrays)
 and checks every row; a bad row either raises :class:`DataError` naming the file, row and column,
@@ -24,6 +25,8 @@ from recsys_runner.features import POOLINGS, FeatureSpec, SparseFeature
 DENSE_TRANSFORMS = ("none", "log1p")
 SPARSE_ENCODINGS = ("id", "mod", "hash")
 BAD_ROW_MODES = ("fail", "skip")
+LABEL_KINDS = ("binary", "regression")
+"""How a label column is checked: ``binary`` (every value 0 or 1) or ``regression`` (any finite float)."""
 
 
 @dataclass(kw_only=True)
@@ -79,34 +82,84 @@ class SparseColumn:
         return SparseFeature(self.name, self.num_embeddings, self.embedding_dim, self.pooling, self.table)
 
 
+def check_labels(label: str | None, labels: dict[str, str] | None, label_kinds: dict[str, str] | None) -> None:
+    """Exactly one of ``label`` / ``labels``; distinct label columns; ``label_kinds`` naming tasks of ``labels``.
+
+    Raises:
+        ConfigError: naming the key and the fix.
+    """
+    require(label is None or labels is None,
+            f"data.label={label!r} and data.labels={labels} are both set; a file has one label column or a "
+            f"mapping of task names to label columns. Fix: data.label=null (several labels) or data.labels=null (one label)")
+    require(label is not None or labels is not None,
+            "no label column: set data.label=<column> (one binary label) or data.labels='{ctr: click, cvr: conversion}' "
+            "(task name -> column, one label per task of a multi-task model)")
+    if labels is not None:
+        require(len(labels) > 0, "data.labels is empty; give task name -> column, e.g. data.labels='{ctr: click, cvr: conversion}', "
+                "or use data.label=<column> for one label")
+        columns = list(labels.values())
+        shared = sorted({c for c in columns if columns.count(c) > 1})
+        require(not shared, f"data.labels={labels} reads column(s) {shared} for several tasks; give each task its own column")
+    kinds = label_kinds or {}
+    if kinds:
+        require(labels is not None, f"data.label_kinds={kinds} needs data.labels (task name -> column); a single data.label is binary")
+        unknown = sorted(set(kinds) - set(labels or {}))
+        require(not unknown, f"data.label_kinds names task(s) {unknown} that are not in data.labels={labels}; "
+                f"valid task names: {list(labels or {})}")
+        wrong = {t: k for t, k in kinds.items() if k not in LABEL_KINDS}
+        require(not wrong, f"data.label_kinds has {wrong}; each kind must be one of {LABEL_KINDS}")
+
+
 @dataclass(kw_only=True)
 class Schema:
-    """Label, dense and sparse columns together."""
+    """Label(s), dense and sparse columns together.
 
-    label: str
+    Exactly one of ``label`` (one binary label, ``labels [n]``) and ``labels`` (task name → column,
+    ``labels [n, T]`` in the mapping's order) is set; ``label_kinds`` maps some of ``labels``' tasks
+    to ``regression`` (any finite float), the others are ``binary`` (0 or 1).
+    """
+
+    label: str | None = None
+    labels: dict[str, str] | None = None
+    label_kinds: dict[str, str] | None = None
     dense: list[DenseColumn] = field(default_factory=list)
     sparse: list[SparseColumn] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        names = [self.label, *(c.name for c in self.dense), *(c.name for c in self.sparse)]
+        check_labels(self.label, self.labels, self.label_kinds)
+        names = [*self.label_columns, *(c.name for c in self.dense), *(c.name for c in self.sparse)]
         dupes = sorted({n for n in names if names.count(n) > 1})
-        require(not dupes, f"columns {dupes} appear more than once among data.label, data.dense and data.sparse; each column has one role")
+        require(not dupes, f"columns {dupes} appear more than once among data.label(s), data.dense and data.sparse; each column has one role")
         require(len(self.sparse) > 0, "data.sparse lists no columns: the models need at least one sparse feature, "
                 "e.g. data.sparse=[{name: item_id, num_embeddings: 100000}]")
 
     @property
+    def label_columns(self) -> list[str]:
+        """The label columns in ``Rows.labels`` column order (one for a single label)."""
+        return list(self.labels.values()) if self.labels is not None else [self.label]  # type: ignore[list-item]
+
+    @property
+    def label_tasks(self) -> list[str]:
+        """Per label column: its task name (the column name itself for a single label)."""
+        return list(self.labels) if self.labels is not None else [self.label]  # type: ignore[list-item]
+
+    def label_kind(self, task: str) -> str:
+        return (self.label_kinds or {}).get(task, "binary")
+
+    @property
     def columns(self) -> list[str]:
-        return [self.label, *(c.name for c in self.dense), *(c.name for c in self.sparse)]
+        return [*self.label_columns, *(c.name for c in self.dense), *(c.name for c in self.sparse)]
 
     def features(self) -> FeatureSpec:
-        spec = FeatureSpec(tuple(c.name for c in self.dense), tuple(c.feature() for c in self.sparse), self.label)
+        label: str | tuple[str, ...] = tuple(self.labels) if self.labels is not None else self.label  # type: ignore[assignment]
+        spec = FeatureSpec(tuple(c.name for c in self.dense), tuple(c.feature() for c in self.sparse), label)
         spec.embedding_tables(1)  # tables shared by several features must agree: fail at build, not at shard time
         return spec
 
 
 @dataclass
 class Rows:
-    """A block of encoded rows: ``labels [n]``, ``dense [n, N]`` and per sparse feature (values, lengths)."""
+    """A block of encoded rows: ``labels [n]`` (or ``[n, T]``, several labels), ``dense [n, N]`` and per sparse feature (values, lengths)."""
 
     labels: np.ndarray
     dense: np.ndarray
@@ -228,15 +281,27 @@ class Encoder:
 
     # -- label --------------------------------------------------------------------------------------
     def _label(self, table: pa.Table, where: Location, bad) -> np.ndarray:
-        name = self.schema.label
+        schema = self.schema
+        columns = [self._label_column(table, column, task, schema.label_kind(task), schema.labels is not None, where, bad)
+                   for column, task in zip(schema.label_columns, schema.label_tasks, strict=True)]
+        return columns[0] if schema.labels is None else np.stack(columns, axis=1)
+
+    @staticmethod
+    def _label_column(table: pa.Table, name: str, task: str, kind: str, multi: bool, where: Location, bad) -> np.ndarray:
         arr = _numeric(_column(table, name), name, where, bad)
         values = np.asarray(arr.to_numpy(zero_copy_only=False), dtype=np.float64) if arr.null_count == 0 else \
             np.asarray(arr.fill_null(np.nan).to_numpy(zero_copy_only=False), dtype=np.float64)
         null = np.isnan(values)
-        bad(name, null, lambda i: "the label is missing (null or empty)")
-        nonbinary = ~null & (values != 0) & (values != 1)
-        bad(name, nonbinary, lambda i: f"the label is {values[i]:g}, but the task is binary (BCE) and needs 0 or 1")
-        return np.where(null | nonbinary, 0, values).astype(np.float32)
+        of = f" (task {task!r})" if multi else ""
+        bad(name, null, lambda i: f"the label{of} is missing (null or empty)")
+        if kind == "regression":
+            wrong = ~null & ~np.isfinite(values)
+            bad(name, wrong, lambda i: f"the label{of} is {values[i]}, but a regression label must be finite")
+        else:
+            wrong = ~null & (values != 0) & (values != 1)
+            hint = f"; a float label: data.label_kinds.{task}=regression" if multi else ""
+            bad(name, wrong, lambda i: f"the label{of} is {values[i]:g}, but the task is binary (BCE) and needs 0 or 1{hint}")
+        return np.where(null | wrong, 0, values).astype(np.float32)
 
     # -- dense --------------------------------------------------------------------------------------
     def _dense(self, col: DenseColumn, arr: pa.ChunkedArray | pa.Array, where: Location, bad) -> np.ndarray:

@@ -101,7 +101,7 @@ class ParquetSource:
         if missing:
             raise DataError(
                 f"{path} has no column {missing[0]!r}" + (f" (nor {missing[1:]})" if len(missing) > 1 else "")
-                + f"; its columns are {names}. Fix: correct the column names in data.label / data.dense / data.sparse"
+                + f"; its columns are {names}. Fix: correct the column names in data.label(s) / data.dense / data.sparse"
             )
         return f
 
@@ -178,7 +178,7 @@ class CsvSource:
         if missing:
             where = "its header" if self.header else "data.column_names"
             raise DataError(f"{path} has no column {missing[0]!r}; {where} lists {names}. Fix: correct the column names in "
-                            f"data.label / data.dense / data.sparse" + ("" if self.header else " or data.column_names"))
+                            f"data.label(s) / data.dense / data.sparse" + ("" if self.header else " or data.column_names"))
         self._names[path], self._data_start[path] = names, data_start
         if data_start >= size:
             raise DataError(f"{path} has a header but no rows. Fix: remove it from data.path")

@@ -47,6 +47,7 @@ from recsys_runner.data.schema import (
     Rows,
     Schema,
     SparseColumn,
+    check_labels,
     splitmix64,
 )
 from recsys_runner.data.sources import PARQUET_SUFFIXES, CsvSource, ParquetSource, Unit, resolve_files
@@ -117,13 +118,27 @@ class TabularDataConfig:
 class SchemaFields:
     """The feature schema of a file format that does not fix its columns."""
 
-    label: str = "label"
-    """The binary (0/1) label column."""
+    label: str | None = None
+    """The binary (0/1) label column; ``null``: the column ``label``, unless ``labels`` is set."""
+    labels: Any = None
+    """Several labels for a multi-task model: task name → column, e.g. ``{ctr: click, cvr: conversion}``;
+    batches carry ``labels [B, T]`` in this order and the model's tasks bind by name. Set ``label`` or
+    this (``null``: one label). A mapping (``dict[str, str]``), typed ``Any`` so that
+    ``data.labels={ctr: click, cvr: conversion}`` works as a plain override."""
+    label_kinds: Any = None
+    """Per task of ``labels``: ``binary`` (the default; every value 0 or 1) or ``regression`` (any finite
+    float, e.g. ``{watch_time: regression}``), matching the model's ``task_kinds``."""
     dense: list[DenseColumn] = field(default_factory=list)
     """Float input columns, e.g. ``[{name: price, transform: log1p}]``."""
     sparse: list[SparseColumn] = field(default_factory=list)
     """Categorical input columns, e.g. ``[{name: item_id, num_embeddings: 100000, encoding: hash}]``. Empty
     for Parquet: read the schema that ``python -m recsys_runner.data convert`` stored in the file."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()  # type: ignore[misc]  # TabularDataConfig's, next in the MRO of every data option
+        labels = _mapping(self.labels, "data.labels")
+        check_labels(self.label if self.label is not None or labels is not None else "label", labels,
+                     _mapping(self.label_kinds, "data.label_kinds"))
 
 
 @dataclass(kw_only=True)
@@ -471,17 +486,36 @@ def _config(cls: type, fields: dict[str, Any]) -> Any:
     return cls(**fields)
 
 
+def config_schema(config: Any) -> Schema:
+    """The schema a config's ``label`` / ``labels`` / ``label_kinds`` / ``dense`` / ``sparse`` describe."""
+    labels, kinds = _mapping(config.labels, "data.labels"), _mapping(config.label_kinds, "data.label_kinds")
+    label = config.label if config.label is not None or labels is not None else "label"
+    return Schema(label=label, labels=labels, label_kinds=kinds, dense=config.dense, sparse=config.sparse)
+
+
+def _mapping(value: Any, key: str) -> dict[str, str] | None:
+    """A ``{name: text}`` option as a dict (``None`` stays ``None``), or a ConfigError naming ``key``."""
+    value = _plain(value)
+    require(value is None or (isinstance(value, dict) and all(isinstance(v, str) for v in value.values())),
+            f"{key}={value!r} must be a mapping of task names to strings, e.g. {key}='{{ctr: click, cvr: conversion}}', or null")
+    return None if value is None else {str(k): v for k, v in value.items()}
+
+
 def stored_schema(path: str) -> Schema | None:
     """The schema ``convert`` stored in a Parquet file's metadata, if any."""
     meta = pq.read_schema(path).metadata or {}
     if SCHEMA_METADATA_KEY not in meta:
         return None
     raw = json.loads(meta[SCHEMA_METADATA_KEY])
-    return Schema(label=raw["label"], dense=[DenseColumn(**d) for d in raw["dense"]], sparse=[SparseColumn(**s) for s in raw["sparse"]])
+    return Schema(label=raw.get("label"), labels=raw.get("labels"), label_kinds=raw.get("label_kinds"),
+                  dense=[DenseColumn(**d) for d in raw["dense"]], sparse=[SparseColumn(**s) for s in raw["sparse"]])
 
 
 def schema_json(schema: Schema) -> bytes:
-    return json.dumps({"label": schema.label, "dense": [asdict(d) for d in schema.dense], "sparse": [asdict(s) for s in schema.sparse]}).encode()
+    """The schema as stored in Parquet metadata: ``label`` or ``labels`` (task → column, in order) and
+    ``label_kinds``, ``dense``, ``sparse``."""
+    return json.dumps({"label": schema.label, "labels": schema.labels, "label_kinds": schema.label_kinds,
+                       "dense": [asdict(d) for d in schema.dense], "sparse": [asdict(s) for s in schema.sparse]}).encode()
 
 
 class ParquetData(TabularData):
@@ -490,7 +524,7 @@ class ParquetData(TabularData):
     def __init__(self, **fields: Any) -> None:
         config: ParquetDataConfig = _config(ParquetDataConfig, fields)
         if config.sparse:
-            schema = Schema(label=config.label, dense=config.dense, sparse=config.sparse)
+            schema = config_schema(config)
         else:
             first = resolve_files(config.path, "data.path", PARQUET_SUFFIXES)[0]
             ParquetSource([first], [], config.read_rows)._open(first)
@@ -516,7 +550,7 @@ class CsvData(TabularData):
 
     def __init__(self, **fields: Any) -> None:
         config: CsvDataConfig = _config(CsvDataConfig, fields)
-        super().__init__(config, Schema(label=config.label, dense=config.dense, sparse=config.sparse))
+        super().__init__(config, config_schema(config))
 
     def _source(self, files: list[str]) -> CsvSource:
         c: CsvDataConfig = self.config  # type: ignore[assignment]
