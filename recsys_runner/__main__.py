@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -25,6 +26,9 @@ from recsys_runner.stopping import NonFiniteLossError
 
 log = logging.getLogger("recsys_runner")
 register_configs()
+# conf/hydra/launcher/submitit_slurm.yaml deliberately extends the plugin's same-named schema (max_num_timeout);
+# Hydra still supports that but warns on every launch.
+warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/submitit_slurm' is validated against ConfigStore schema")
 
 
 def run(cfg: DictConfig) -> float:
@@ -46,8 +50,10 @@ def run(cfg: DictConfig) -> float:
         final = train(c)
         status = "FINISHED"
         return objective(final, spec.train.objective)
-    except (KeyboardInterrupt, Interrupted):
+    except (KeyboardInterrupt, Interrupted) as e:
         status = "KILLED"
+        if getattr(e, "preempted", False) and hasattr(c.tracker, "set_tag"):
+            c.tracker.set_tag("preempted", "true")  # submitit requeues it; the relaunch resumes this run
         raise
     finally:
         c.tracker.finish(status)
@@ -89,6 +95,9 @@ def main(cfg: DictConfig) -> float:
         sys.exit(2)
     except Interrupted as e:
         print(f"Interrupted: {e}", file=sys.stderr)
+        if e.handover is not None:  # preempted inside submitit: its handler resubmits this job and requeues it
+            print("Preempted: handing over to submitit to requeue this job", file=sys.stderr)
+            e.handover()
         sys.exit(e.exit_code)
     except NonFiniteLossError as e:
         print(f"Training failed: {e}", file=sys.stderr)

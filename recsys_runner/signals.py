@@ -7,18 +7,31 @@ resumes from that checkpoint (``checkpoint.resume=auto``) into the same MLflow r
 ranks the flag is combined with an all-reduce every ``train.stop_check_every_steps`` steps, so every
 rank stops after the same step.
 A second SIGINT while stopping raises ``KeyboardInterrupt`` as usual.
+
+**Preemption (SIGUSR2)**: submitit asks SLURM for SIGUSR2 before a time limit (``--signal=USR2@<grace>``,
+``hydra.launcher.signal_delay_s``) and its test helper ``job._interrupt()`` sends SIGTERM then SIGUSR2
+for a preemption. Inside a submitit job SIGUSR2 is handled like the others — finish the step, write the
+checkpoint — and wins over a SIGTERM received with it; the :class:`Interrupted` then carries
+``preempted=True`` and a ``handover``: submitit's own SIGUSR2 handler, kept from before we installed ours.
+The entry point closes the MLflow run (``KILLED``, tag ``preempted=true``) and calls ``handover()``, which
+makes submitit resubmit the same Hydra job (same sweep dir, so the same ``checkpoints/``) and requeue
+it; the requeued job resumes from the checkpoint into the same MLflow run. Outside submitit (no
+previous handler) SIGUSR2 just stops like SIGTERM.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType, TracebackType
 
 import torch
 import torch.distributed as dist
 
-HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+PREEMPT = signal.SIGUSR2
+"""submitit's preemption/time-limit signal (its default ``SUBMITIT_PREEMPT_SIGNAL=USR2``)."""
+HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, PREEMPT)
 
 
 class Interrupted(Exception):
@@ -26,6 +39,11 @@ class Interrupted(Exception):
 
     def __init__(self, signum: int | None, step: int, checkpoint: str | None) -> None:
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        self.preempted = False
+        """SIGUSR2 reached this process: the job is being preempted or hits its time limit."""
+        self.handover: Callable[[], None] | None = None
+        """The handler that owned SIGUSR2 before training (submitit's checkpoint-and-requeue), bound to
+        the signal; the entry point calls it once the MLflow run is closed. ``None`` outside submitit."""
         where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint (no checkpoint.dir)"
         cause = signal.Signals(signum).name if signum is not None else "train.stop_after_steps"
         super().__init__(f"stopped by {cause} after step {step}; {where}. Relaunch the same command to resume from there.")
@@ -41,6 +59,7 @@ class StopSignals:
 
     def __init__(self, world_size: int = 1, device: torch.device | None = None, check_every_steps: int = 1) -> None:
         self.signum: int | None = None
+        self.received: set[int] = set()
         self._check_every = check_every_steps
         self._previous: dict[int, object] = {}
         self._world_size, self._device = world_size, device or torch.device("cpu")
@@ -51,15 +70,27 @@ class StopSignals:
                 self._previous[s] = signal.signal(s, self._handle)
         return self
 
-    def __exit__(self, *_: type[BaseException] | BaseException | TracebackType | None) -> None:
+    def __exit__(self, _type: type[BaseException] | None, exc: BaseException | None, _tb: TracebackType | None) -> None:
+        previous_usr2 = self._previous.get(PREEMPT)
         for s, handler in self._previous.items():
             signal.signal(s, handler)  # type: ignore[arg-type]
         self._previous.clear()
+        if isinstance(exc, Interrupted) and self.preempted:
+            exc.preempted = True
+            if callable(previous_usr2):
+                exc.handover = lambda: previous_usr2(PREEMPT, None)
+
+    @property
+    def preempted(self) -> bool:
+        """SIGUSR2 reached this process (on this rank) while training."""
+        return PREEMPT in self.received
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
         if self.signum is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        self.signum = signum
+        self.received.add(signum)
+        if self.signum != PREEMPT:  # a preemption wins over the SIGTERM that comes with it
+            self.signum = signum
 
     def requested(self, step: int) -> int | None:
         """The signal that asked to stop (agreed by all ranks), or ``None``.

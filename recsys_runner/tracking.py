@@ -184,6 +184,14 @@ class MlflowTracker:
         self._client.set_tag(run_id, "resumed", "true")
         self.run_id = run_id
 
+    def set_tag(self, key: str, value: str) -> None:
+        """Tag the run now (e.g. ``preempted``); a store outage only warns."""
+        try:
+            with _no_http_retries(self._remote):
+                self._client.set_tag(self._run(), key, value)
+        except Exception as e:  # noqa: BLE001 - a lost tag must not fail the run
+            log.warning("could not tag MLflow run %s %s=%s: %s", self.run_id, key, value, e)
+
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
