@@ -317,7 +317,7 @@ class Checkpointer:
             dcp.load(to_load, checkpoint_id=str(path))
             for k, src in copies:
                 _local(ours[k]).copy_(_local(to_load[src]))
-            ranked = torch.load(path / f"rank{self.rank}.pt", weights_only=False) if strict else None
+            ranked = torch.load(self._ranked_file(path, meta), weights_only=False) if strict else None
         except Exception as e:  # DCP wraps reader errors in its own CheckpointException
             raise ConfigError(f"checkpoint {path} could not be loaded ({type(e).__name__}: {str(e)[:300]}); it is corrupt or "
                               "from a different model/world size; delete it or point checkpoint.resume/init_from elsewhere") from None
@@ -338,6 +338,16 @@ class Checkpointer:
         self.last_saved = str(path)
         return TrainState(step=meta["step"], epoch=meta["epoch"], epoch_step=meta["epoch_step"], run_id=meta.get("run_id"),
                           best=meta.get("best"), resumed_from=str(path))
+
+    def _ranked_file(self, path: Path, meta: Mapping[str, Any]) -> Path:
+        """This rank's ``rank<r>.pt``; resuming on more ranks than saved it, a new rank takes rank 0's (schedules,
+        scaler and early stopping are the same on every rank; its RNG state then matches rank 0's)."""
+        own = path / f"rank{self.rank}.pt"
+        saved_ranks = int(meta.get("world_size", 1))
+        if own.exists() or self.rank < saved_ranks:
+            return own
+        log.info("checkpoint %s was written by %d rank(s); rank %d resumes with rank 0's schedules and RNG state", path, saved_ranks, self.rank)
+        return path / "rank0.pt"
 
     def _load_optimizer(self, loaded: Mapping[str, Any], wanted: Mapping[str, str]) -> None:
         nested: dict[str, dict[str, Any]] = {}

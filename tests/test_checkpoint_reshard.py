@@ -1,0 +1,114 @@
+"""Resharding resume: a checkpoint written by 2 ranks (column-wise embedding shards) resumes on 1 rank, and one
+written by 1 rank resumes on 2, continuing the same MLflow run from the saved step.
+
+torch.distributed.checkpoint stores every ShardedTensor (DMP embedding shards and the fused optimizer's state)
+as one global tensor with its shards' offsets, and loads into whatever sharding the new plan gives.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from hydra import compose, initialize_config_dir
+from mlflow.tracking import MlflowClient
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+import recsys_runner.__main__ as entry
+from recsys_runner.checkpoint import list_checkpoints
+from recsys_runner.config import register_configs
+from recsys_runner.paths import CONFIG_PATH
+from recsys_runner.signals import Interrupted
+from tests.conftest import REPO, TINY
+
+pytestmark = pytest.mark.slow
+
+STEPS, SLICE = 12, 5
+
+
+def _overrides(tmp_path: Path, experiment: str) -> list[str]:
+    return [*[a for a in TINY if not a.startswith("train.")], f"train.num_steps={STEPS}", "train.log_every_steps=1",
+            "train.eval_every_steps=null", "train.eval_max_batches=2", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
+            f"tracking.experiment={experiment}", f"checkpoint.dir={tmp_path}/ckpt", "checkpoint.keep_last=null"]
+
+
+def _torchrun(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}",
+           "-m", "recsys_runner", "distributed.sharding_types=[column_wise]", "distributed.timeout_s=120",
+           f"hydra.run.dir={tmp_path}/run2", *overrides]
+    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=400, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def _run_in_process(*overrides: str) -> float:
+    register_configs()
+    with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=list(overrides))
+    return entry.run(cfg)
+
+
+def _saved(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint as one full tensor, whatever sharding wrote it."""
+    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    full = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items() if isinstance(m, TensorStorageMetadata)}
+    dcp.load(full, checkpoint_id=str(path), no_dist=True)
+    return full
+
+
+def _one_run(tmp_path: Path, experiment: str) -> tuple[object, list[int]]:
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    return run, sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/loss"))
+
+
+def test_two_rank_checkpoint_resumes_on_one_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    args = _overrides(tmp_path, "reshard_2to1")
+    out = _torchrun(tmp_path, *args, f"train.stop_after_steps={SLICE}")
+    assert out.returncode == 0, out.stderr[-4000:]
+    (ckpt,) = list_checkpoints(tmp_path / "ckpt")
+    saved = _saved(ckpt)
+    assert any(k.startswith("model/") and "embedding_bags" in k for k in saved)
+
+    loaded: dict[str, torch.Tensor] = {}
+    real_train = entry.train
+
+    def check_then_train(c):  # right after build() restored the 2-rank checkpoint onto 1 rank
+        flat = c.checkpointer._tensor_state()
+        for k, v in flat.items():
+            full = v.local_tensor() if hasattr(v, "local_tensor") else v  # 1 rank: the one shard is the whole table
+            loaded[k] = full.detach().clone()
+        assert c.state.step == SLICE
+        return real_train(c)
+
+    monkeypatch.setattr(entry, "train", check_then_train)
+    _run_in_process(*args)
+    assert set(loaded) == set(saved), set(loaded) ^ set(saved)
+    for k, v in saved.items():
+        assert torch.equal(loaded[k], v), f"{k} differs after resharding 2 → 1 ranks"
+    run, steps = _one_run(tmp_path, "reshard_2to1")
+    assert run.info.status == "FINISHED" and run.data.tags["resumed"] == "true"
+    assert steps == list(range(1, STEPS + 1)), steps
+
+
+def test_one_rank_checkpoint_resumes_on_two_ranks(tmp_path: Path) -> None:
+    args = _overrides(tmp_path, "reshard_1to2")
+    with pytest.raises(Interrupted):
+        _run_in_process(*args, f"train.stop_after_steps={SLICE}")
+    (ckpt,) = list_checkpoints(tmp_path / "ckpt")
+    out = _torchrun(tmp_path, *args)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert f"resuming from {ckpt} at step {SLICE}" in out.stderr + out.stdout
+    run, steps = _one_run(tmp_path, "reshard_1to2")
+    assert run.info.status == "FINISHED" and run.data.tags["resumed"] == "true" and run.data.tags["world_size"] == "1"
+    assert steps == list(range(1, STEPS + 1)), steps
+    # The 2-rank run's final checkpoint holds column-wise shards again, readable as whole tables.
+    final = _saved(list_checkpoints(tmp_path / "ckpt")[-1])
+    assert all(torch.isfinite(v).all() for v in final.values())
