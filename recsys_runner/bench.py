@@ -22,6 +22,7 @@ from dataclasses import replace
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
+from omegaconf import DictConfig
 from torchrec.distributed.model_parallel import DistributedModelParallel, get_default_sharders
 from torchrec.distributed.types import ShardingEnv
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -108,6 +109,15 @@ def time_to_first_step(overrides: list[str]) -> float:
     raise RuntimeError(f"{' '.join(cmd)} never logged its first step")
 
 
+def build_for_bench(overrides: list[str], steps: int) -> tuple[DictConfig, Components]:
+    """Compose ``overrides`` as the CLI does, validate, cap the run at ``steps`` and build it."""
+    register_configs()
+    with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    run = validate(cfg)
+    return cfg, build(cfg, replace(run, train=replace(run.train, num_steps=steps)))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-size", type=int, default=2048)
@@ -118,12 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     overrides = ["model=deepfm", "optim=adagrad", "tracking=none", f"data.batch_size={args.batch_size}",
                  f"train.log_every_steps={WINDOW}", "train.eval_every_steps=null", "train.eval_max_batches=1", *args.overrides]
 
-    register_configs()
-    with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
-    run = validate(cfg)
-    run = replace(run, train=replace(run.train, num_steps=args.steps))
-    c = build(cfg, run)
+    cfg, c = build_for_bench(overrides, args.steps)
     try:
         data = c.data
         batches = [data.batch(0, i) for i in range(WINDOW * 2)]  # type: ignore[attr-defined]

@@ -19,20 +19,15 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import replace
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from hydra import compose, initialize_config_dir
 
-from recsys_runner.bench import WINDOW, runner_round
-from recsys_runner.build import build
-from recsys_runner.config import register_configs, validate
+from recsys_runner.bench import WINDOW, build_for_bench, runner_round
 from recsys_runner.data.memory import InMemoryData
 from recsys_runner.data.tabular import CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE, SCHEMA_METADATA_KEY, criteo_schema, schema_json
-from recsys_runner.paths import CONFIG_PATH
 
 
 def write_parquet(path: str, rows: int, num_embeddings: int, seed: int = 0) -> None:
@@ -76,12 +71,7 @@ def main(argv: list[str] | None = None) -> None:
         overrides = ["model=deepfm", "optim=adagrad", "tracking=none", "data=parquet", f"data.path={path}",
                      f"data.batch_size={args.batch_size}", f"train.log_every_steps={WINDOW}", "train.eval_every_steps=null",
                      "train.eval_max_batches=1", *args.overrides]
-        register_configs()
-        with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
-            cfg = compose(config_name="config", overrides=overrides)
-        run = validate(cfg)
-        run = replace(run, train=replace(run.train, num_steps=args.steps))
-        c = build(cfg, run)
+        cfg, c = build_for_bench(overrides, args.steps)
         try:
             parquet = c.data
             reader = [reader_rows_per_s(parquet, r) for r in range(3)]

@@ -410,23 +410,25 @@ class TabularData:
 
         buffer: list[Rows] = []
         held = 0
+
+        def shuffled_block() -> tuple[Rows, int]:
+            """The buffered rows as one block (shuffled if configured) and how many fill whole batches."""
+            block = Rows.concat(buffer)
+            if rng is not None:
+                block = block.take(rng.permutation(len(block)))
+            return block, len(block) // self.batch_size * self.batch_size
+
         for rows in self._read_ranges(split, ranges, encoder):
             buffer.append(rows)
             held += len(rows)
             if held < hold:
                 continue
-            block = Rows.concat(buffer)
-            if rng is not None:
-                block = block.take(rng.permutation(len(block)))
-            full = len(block) // self.batch_size * self.batch_size
+            block, full = shuffled_block()
             for i in range(0, full, self.batch_size):
                 yield self._tensors(block.slice(i, i + self.batch_size), skipped())
             buffer, held = [block.slice(full, len(block))], len(block) - full
         if held:
-            block = Rows.concat(buffer)
-            if rng is not None:
-                block = block.take(rng.permutation(len(block)))
-            full = len(block) // self.batch_size * self.batch_size
+            block, full = shuffled_block()
             for i in range(0, full, self.batch_size):
                 yield self._tensors(block.slice(i, i + self.batch_size), skipped())
             if keep_last and full < len(block):
