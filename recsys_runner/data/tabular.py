@@ -19,6 +19,7 @@ held out when a hash of (file name, row number) falls below ``eval_fraction``.
 
 from __future__ import annotations
 
+import abc
 import json
 import logging
 import math
@@ -287,7 +288,7 @@ class _ShardStream(IterableDataset):
             yield ("error", str(e))
 
 
-class TabularData:
+class TabularData(abc.ABC):
     """Batches from files; see the module docstring. Subclasses choose the source and the schema.
 
     Example::
@@ -324,8 +325,9 @@ class TabularData:
     def _suffixes(self) -> tuple[str, ...] | None:
         return None
 
+    @abc.abstractmethod
     def _source(self, files: list[str]) -> Any:
-        raise NotImplementedError  # abstract: ParquetData / CsvData / CriteoData choose the source
+        """The row source over ``files``: ParquetData / CsvData / CriteoData each choose theirs."""
 
     # -- DataModule ------------------------------------------------------------------------------------
     def train_batches(self, epoch: int, rank: int, world_size: int) -> Iterator[Batch]:
