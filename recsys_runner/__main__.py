@@ -52,7 +52,7 @@ def run(cfg: DictConfig) -> float:
         return objective(final, spec.train.objective)
     except (KeyboardInterrupt, Interrupted) as e:
         status = "KILLED"
-        if getattr(e, "preempted", False) and hasattr(c.tracker, "set_tag"):
+        if getattr(e, "preempted", False):
             c.tracker.set_tag("preempted", "true")  # submitit requeues it; the relaunch resumes this run
         raise
     finally:

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from recsys_runner.sweep import EXPECTED_JOBS_TAG, OBJECTIVE, SWEEP_PARENT_TAG, finish_parent, summarize
+from recsys_runner.sweep import EXPECTED_JOBS_TAG, SWEEP_PARENT_TAG, finish_parent, summarize, sweep_objective
 from recsys_runner.tracking import resolve_uri
 
 DEFAULT_METRICS = ("eval/auc", "eval/logloss", "train/loss")
@@ -219,7 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not collect(client, args.parent, wait=args.wait, timeout_s=args.timeout):
             return 1
         parent = client.get_run(args.parent)
-        print(f"sweep {args.parent}: best {OBJECTIVE}={parent.data.metrics.get('best/' + OBJECTIVE, float('nan')):.4f} "
+        objective = sweep_objective(client, args.parent)
+        print(f"sweep {args.parent}: best {objective}={parent.data.metrics.get('best/' + objective, float('nan')):.4f} "
               f"({parent.data.tags.get('best.run_name', '-')})")
     runs = find_runs(client, experiments=args.experiment, parent=args.parent, filter_string=args.filter)
     if not runs:

@@ -29,7 +29,7 @@ from recsys_runner.tracking import PARENT_RUN_ENV, experiment_id, resolve_uri
 log = logging.getLogger(__name__)
 
 OBJECTIVE = "eval/auc"
-"""The metric the job returns to the sweeper (``__main__.run``), maximized."""
+"""The default of the metric the job returns to the sweeper (``train.objective``, see ``__main__.run``)."""
 _TERMINAL = {"FINISHED", "FAILED", "KILLED"}
 SWEEP_PARENT_TAG = "sweep.objective"
 """Present on a sweep's parent run only (its value is the objective's metric name)."""
@@ -72,7 +72,7 @@ class MlflowSweepCallback(Callback):
             experiment_id(self._client, str(tracking.experiment)),
             run_name=f"sweep {os.path.basename(sweep_dir.rstrip('/'))}" if sweep_dir else "sweep",
             tags={"sweep.dir": os.path.abspath(sweep_dir), "sweep.overrides": overrides, "sweep.sweeper": sweeper,
-                  SWEEP_PARENT_TAG: OBJECTIVE, "sweep.tracking_uri": uri},
+                  SWEEP_PARENT_TAG: OmegaConf.select(config, "train.objective") or OBJECTIVE, "sweep.tracking_uri": uri},
         )
         self._parent = run.info.run_id
         self._previous_env = os.environ.get(PARENT_RUN_ENV)
@@ -100,14 +100,28 @@ class MlflowSweepCallback(Callback):
         self._parent = None
 
 
-def summarize(client: Any, parent_run_id: str, objective: str = OBJECTIVE) -> SweepSummary:
-    """Count the parent's children and find the finished child with the highest ``objective``."""
+def lower_is_better(metric: str) -> bool:
+    """Whether a smaller ``metric`` is better (losses, errors, normalized entropy)."""
+    name = metric.rsplit("/", 1)[-1]
+    return "loss" in name or name in {"mae", "mse", "ne"}
+
+
+def sweep_objective(client: Any, parent_run_id: str) -> str:
+    """The objective metric recorded on a sweep's parent run (``train.objective`` at launch)."""
+    return client.get_run(parent_run_id).data.tags.get(SWEEP_PARENT_TAG) or OBJECTIVE
+
+
+def summarize(client: Any, parent_run_id: str, objective: str | None = None) -> SweepSummary:
+    """Count the parent's children and find the finished child with the best ``objective``
+    (the parent's recorded objective by default; highest wins unless it is a loss or error)."""
+    objective = objective or sweep_objective(client, parent_run_id)
     parent = client.get_run(parent_run_id)
     children = client.search_runs(
         [parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'", max_results=10000
     )
     finished = [r for r in children if r.info.status == "FINISHED" and objective in r.data.metrics]
-    best = max(finished, key=lambda r: r.data.metrics[objective], default=None)
+    sign = -1.0 if lower_is_better(objective) else 1.0
+    best = max(finished, key=lambda r: sign * r.data.metrics[objective], default=None)
     return SweepSummary(
         num_children=len(children),
         num_finished=len(finished),
@@ -118,10 +132,11 @@ def summarize(client: Any, parent_run_id: str, objective: str = OBJECTIVE) -> Sw
     )
 
 
-def finish_parent(client: Any, parent_run_id: str, summary: SweepSummary, objective: str = OBJECTIVE) -> None:
+def finish_parent(client: Any, parent_run_id: str, summary: SweepSummary, objective: str | None = None) -> None:
     """Write the best child's overrides (as ``best.<key>`` params), metric and id to the parent, and end it."""
     from mlflow.entities import Metric, Param
 
+    objective = objective or sweep_objective(client, parent_run_id)
     params = []
     if summary.best_run_id is not None:
         best = client.get_run(summary.best_run_id)

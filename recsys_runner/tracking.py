@@ -75,6 +75,7 @@ class Tracker(Protocol):
     def resume(self, run_id: str) -> None: ...
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
     def log_text(self, text: str, artifact_file: str) -> None: ...
+    def set_tag(self, key: str, value: str) -> None: ...
     def finish(self, status: str) -> None: ...
 
 
@@ -94,6 +95,9 @@ class NullTracker:
         pass
 
     def log_text(self, text: str, artifact_file: str) -> None:
+        pass
+
+    def set_tag(self, key: str, value: str) -> None:
         pass
 
     def finish(self, status: str) -> None:

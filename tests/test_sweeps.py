@@ -85,3 +85,19 @@ def test_detached_slurm_launcher_is_a_discoverable_hydra_plugin() -> None:
 
     names = {f"{c.__module__}.{c.__name__}" for c in Plugins.instance().discover(Launcher)}
     assert "hydra_plugins.recsys_runner_detached.DetachedSlurmLauncher" in names
+
+
+def test_sweep_objective_follows_train_objective_and_direction(tmp_path: Path) -> None:
+    from recsys_runner.sweep import lower_is_better
+
+    assert not lower_is_better("eval/auc") and not lower_is_better("eval/ctr/auc")
+    assert lower_is_better("eval/logloss") and lower_is_better("eval/cvr/logloss") and lower_is_better("eval/mse")
+    uri = f"sqlite:///{tmp_path}/obj.db"
+    out = run_cli("-m", "optim.lr=0.001,0.1", *TINY, "train.num_steps=10", "train.objective=eval/logloss",
+                  f"tracking.uri={uri}", "tracking.experiment=obj", cwd=tmp_path, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    parent, children = _parent_and_children(uri, "obj")
+    best = min(children, key=lambda r: r.data.metrics["eval/logloss"])
+    assert parent.data.tags["sweep.objective"] == "eval/logloss"
+    assert parent.data.tags["best.run_id"] == best.info.run_id
+    assert parent.data.metrics["best/eval/logloss"] == pytest.approx(best.data.metrics["eval/logloss"])
