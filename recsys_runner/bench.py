@@ -17,6 +17,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 
 import torch
@@ -46,11 +47,12 @@ class _Recorder:
         self.rates: list[float] = []
 
     def start(self, **_: object) -> None: ...
+    def resume(self, run_id: str) -> None: ...
     def log_text(self, text: str, artifact_file: str) -> None: ...
     def set_tag(self, key: str, value: str) -> None: ...
     def finish(self, status: str) -> None: ...
 
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         if "train/samples_per_s" in metrics:
             self.rates.append(metrics["train/samples_per_s"])
 
@@ -67,7 +69,7 @@ def hand_written_model(c: Components, cfg) -> tuple[DistributedModelParallel, to
     """TorchRec's canonical recipe, written out: EBC on meta, fused Adagrad, DMP, dense Adagrad."""
     seed_everything(c.run.seed)
     model = TrainWrapper(instantiate(cfg.model)(features=c.data.features, dense_device=c.env.device))
-    ebc = model.model.sparse_arch.ebc
+    ebc = model.model.get_submodule("sparse_arch.ebc")
     apply_optimizer_in_backward(torch.optim.Adagrad, ebc.parameters(), {"lr": cfg.optim.sparse.lr, "eps": cfg.optim.sparse.eps})
     dmp = DistributedModelParallel(
         module=model, device=c.env.device, env=ShardingEnv.from_process_group(torch.distributed.GroupMember.WORLD),

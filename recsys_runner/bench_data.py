@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> None:
                   + "  ".join(f"{r:,.0f}" for r in reader) + " rows/s", flush=True)
             batches = list(parquet.train_batches(0, 0, 1))[: WINDOW * 2]
             memory = InMemoryData(parquet.features, batches, batches[:1])
-            fed_parquet, fed_memory = [], []
+            fed_parquet: list[float] = []
+            fed_memory: list[float] = []
             for r in range(args.rounds):
                 # Alternate which goes first so that neither always inherits a warm (or a hot) CPU.
                 for which in ((0, 1) if r % 2 == 0 else (1, 0)):

@@ -192,7 +192,8 @@ class Checkpointer:
         """Whether a periodic checkpoint is due after ``step``, which ended epoch ``epoch_ended`` if not ``None``."""
         if self.dir is None:
             return False
-        by_epoch = epoch_ended is not None and bool(self.every_epochs) and (epoch_ended + 1) % self.every_epochs == 0
+        by_epoch = epoch_ended is not None and self.every_epochs is not None and self.every_epochs > 0 \
+            and (epoch_ended + 1) % self.every_epochs == 0
         return by_epoch or bool(self.every_steps and step % self.every_steps == 0)
 
     # -- saving ----------------------------------------------------------------------------------

@@ -660,7 +660,7 @@ def build_train_metrics(spec: MetricsConfig, device: torch.device, prefix: str =
 
 def _task_spec(spec: MetricsConfig, task: Task) -> MetricsConfig:
     """``spec`` with the task's own metric lists where it has them (retrieval tasks train no metrics)."""
-    train = [] if task.kind == "retrieval" else task.train_metrics
+    train: list[str] | tuple[str, ...] | None = [] if task.kind == "retrieval" else task.train_metrics
     if task.eval_metrics is None and train is None:
         return spec
     return replace(spec, eval=list(task.eval_metrics or spec.eval), train=list(spec.train if train is None else train))
@@ -718,10 +718,10 @@ class TaskTrainMetrics(nn.Module):
     def __init__(self, spec: MetricsConfig, tasks: tuple[Task, ...], device: torch.device) -> None:
         super().__init__()
         self.tasks = tasks
-        self.per_task = nn.ModuleList(
-            build_train_metrics(_task_spec(spec, t), device, "train/" if t.name is None else f"train/{t.name}/") for t in tasks
-        )
-        self._active = [(i, t, m) for i, (t, m) in enumerate(zip(tasks, self.per_task, strict=True)) if len(m.metrics)]
+        built = [build_train_metrics(_task_spec(spec, t), device, "train/" if t.name is None else f"train/{t.name}/") for t in tasks]
+        self.per_task = nn.ModuleList(built)
+        self._active = [(i, t, m) for i, (t, m) in enumerate(zip(tasks, built, strict=True)) if len(m.metrics)]
+        self._built = built
 
     def update(self, logits: Tensor, labels: Tensor) -> None:
         for i, task, metrics in self._active:
@@ -729,7 +729,7 @@ class TaskTrainMetrics(nn.Module):
 
     def compute(self) -> dict[str, float]:
         out: dict[str, float] = {}
-        for metrics in self.per_task:
+        for metrics in self._built:
             out |= metrics.compute()
         return out
 

@@ -150,7 +150,7 @@ def evaluate(c: Components) -> dict[str, float]:
 
 def _data_metrics(c: Components) -> dict[str, float]:
     """The data module's counters (e.g. ``data/bad_rows_skipped``) summed over ranks; empty if it keeps none."""
-    counters = getattr(c.data, "metrics", dict)()
+    counters: dict[str, float] = getattr(c.data, "metrics", dict)()
     if not counters or c.env.world_size == 1:
         return dict(counters)
     keys = sorted(counters)

@@ -114,10 +114,12 @@ class StepPolicy:
             if self.scaler is not None:
                 self.scaler.unscale_(self.optimizer)
             params = [p for g in self.optimizer.param_groups for p in g["params"] if getattr(p, "grad", None) is not None]
+            limit = self.clip.max
+            assert limit is not None, "ClipConfig validation guarantees train.clip_grad.max when clipping is on"
             if self.clip.mode == "norm":
-                torch.nn.utils.clip_grad_norm_(params, self.clip.max, foreach=True)
+                torch.nn.utils.clip_grad_norm_(params, limit, foreach=True)
             else:
-                torch.nn.utils.clip_grad_value_(params, self.clip.max, foreach=True)
+                torch.nn.utils.clip_grad_value_(params, limit, foreach=True)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()

@@ -152,6 +152,10 @@ class TrainWrapper(nn.Module):
         ConfigError: a single-task model is given data with several labels.
     """
 
+    _columns: torch.Tensor
+    _weights: torch.Tensor
+    _binary: torch.Tensor
+
     def __init__(self, model: nn.Module, autocast: torch.autocast | None = None, features: FeatureSpec | None = None) -> None:
         super().__init__()
         self.model = model

@@ -51,6 +51,9 @@ class DotInteraction(nn.Module):
     ``F+1`` vectors.
     """
 
+    rows: torch.Tensor
+    cols: torch.Tensor
+
     def __init__(self, num_sparse: int) -> None:
         super().__init__()
         rows, cols = torch.triu_indices(num_sparse + 1, num_sparse + 1, offset=1)
