@@ -10,12 +10,14 @@ import logging
 import os
 import sys
 import warnings
+from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from recsys_runner.build import build
+from recsys_runner.build import Components, build
+from recsys_runner.checkpoint import resume_command
 from recsys_runner.config import flatten, register_configs, validate
 from recsys_runner.data.base import DataError
 from recsys_runner.errors import ConfigError
@@ -47,6 +49,7 @@ def run(cfg: DictConfig) -> float:
             c.tracker.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
             c.tracker.log_text(str(c.plan), "sharding_plan.txt")
         c.state.run_id = getattr(c.tracker, "run_id", None) or c.state.run_id
+        _note_resume(c)
         final = train(c)
         status = "FINISHED"
         return objective(final, spec.train.objective)
@@ -79,6 +82,27 @@ def _resume_tracking(tracker: object, run_id: str) -> bool:
         return False
 
 
+def _note_resume(c: Components) -> None:
+    """Tag a fallback past damaged checkpoints; log where checkpoints go and how to resume after a crash."""
+    if c.state.set_aside:
+        c.tracker.set_tag("checkpoint_fallback", f"resumed from {c.state.resumed_from}; damaged, moved aside: {', '.join(c.state.set_aside)}")
+    directory = c.checkpointer.dir
+    if directory is not None and c.env.is_main and (command := resume_command(directory)):
+        log.info("checkpoints: %s (if this run dies, resume it with: %s)", directory, command)
+
+
+def _resume_hint(checkpoint: str | None, after_fix: bool = False) -> str:
+    """The lines telling how to continue from ``checkpoint`` (a ``step_*`` directory), for stderr;
+    ``after_fix``: the command is to be changed first (a NaN loss would only recur)."""
+    if checkpoint is None:
+        return "Nothing to resume from: no checkpoint was written (set checkpoint.dir or checkpoint.every_steps)."
+    command = resume_command(Path(checkpoint).parent)
+    if command is None:
+        return f"Resume from {checkpoint} with checkpoint.dir={Path(checkpoint).parent.absolute()} (same MLflow run)."
+    how = "this command with your change made" if after_fix else "this command"
+    return f"Resume this run from {Path(checkpoint).name}, into the same MLflow run, with {how}:\n  {command}"
+
+
 def _overrides() -> list[str]:
     return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
@@ -98,9 +122,13 @@ def main(cfg: DictConfig) -> float:
         if e.handover is not None:  # preempted inside submitit: its handler resubmits this job and requeues it
             print("Preempted: handing over to submitit to requeue this job", file=sys.stderr)
             e.handover()
+        else:
+            print(_resume_hint(e.checkpoint), file=sys.stderr)
         sys.exit(e.exit_code)
     except NonFiniteLossError as e:
         print(f"Training failed: {e}", file=sys.stderr)
+        if e.checkpoint is not None:
+            print(_resume_hint(e.checkpoint, after_fix=True), file=sys.stderr)
         sys.exit(1)
 
 

@@ -66,7 +66,8 @@ class Components:
     tasks: tuple[Task, ...]
 
     def close(self) -> None:
-        """Release the process group (the tracker is finished by the runner, with a status)."""
+        """Release the checkpoint directory and the process group (the tracker is finished by the runner, with a status)."""
+        self.checkpointer.close()
         self.distributed.close()
 
 
@@ -82,6 +83,7 @@ def build(cfg: DictConfig, run: RunConfig) -> Components:
     seed_everything(run.seed)
     distributed: Distributed = instantiate(cfg.distributed)
     env = distributed.setup()
+    checkpointer: Checkpointer | None = None
     try:
         precision = instantiate(cfg.precision)
         precision.apply_tf32()
@@ -107,13 +109,15 @@ def build(cfg: DictConfig, run: RunConfig) -> Components:
             policy.install(pipeline, sharded)
         tracker: Tracker = instantiate(cfg.tracking)() if env.is_main else NullTracker()
         early_stopping = EarlyStopping(**vars(run.train.early_stopping))
-        checkpointer: Checkpointer = instantiate(cfg.checkpoint)(rank=env.rank, world_size=env.world_size)
+        checkpointer = instantiate(cfg.checkpoint)(rank=env.rank, world_size=env.world_size)
         checkpointer.attach(
             model=sharded, optimizer=optimizer, tensors={"ema": ema} if ema is not None else {},
             objects={"lr_scheduler": SchedulePosition(lr_scheduler), "policy": policy, "early_stopping": early_stopping},
         )
         state = checkpointer.restore()
     except BaseException:
+        if checkpointer is not None:
+            checkpointer.close()
         distributed.close()
         raise
     return Components(

@@ -14,11 +14,24 @@ complete; a directory without ``meta.json`` and DCP's ``.metadata`` is never con
 crash mid-write leaves the previous checkpoints as they were. The newest ``keep_last`` step
 checkpoints are kept; the best one by ``best_metric`` lives apart (``best-step_<n>``).
 
+**One writer**: a run holds ``<checkpoint.dir>/.lock`` (:class:`~recsys_runner.locks.DirectoryLock`)
+from restore to close, so a second live launch on the same directory is refused at start, naming the
+holder; a lock left by a killed process is free again (the kernel drops it with the process).
+
 Restoring at build time (:meth:`Checkpointer.restore`): ``resume=auto`` continues from the newest
 checkpoint in ``checkpoint.dir`` if there is one (``latest`` requires one; a path picks one); the
 data position is the step count, so a resumed run sees exactly the batches it would have seen.
-``init_from=<path>`` instead starts a new run from another run's weights (fine-tuning), renaming
-parameters with ``name_map`` and optionally skipping the optimizer state.
+A damaged newest checkpoint (a file missing or shorter than DCP's index says) is moved aside to
+``damaged-step_<n>`` with a warning naming it and the reason, and the newest whole one is used;
+a checkpoint whose files are whole but fail to load is never guessed past: the error names it and
+the ``checkpoint.resume=<path>`` that picks another. ``init_from=<path>`` instead starts a new run
+from another run's weights (fine-tuning), renaming parameters with ``name_map`` and optionally
+skipping the optimizer state.
+
+**Where a CLI run's checkpoints are**: ``checkpoint.dir`` defaults to ``<Hydra run dir>/checkpoints``,
+a new directory per launch, so relaunching the bare command starts a new run; an interrupted run
+prints the exact command that resumes it (:func:`resume_command`, the original overrides plus
+``checkpoint.dir=<absolute dir>``).
 """
 
 from __future__ import annotations
@@ -28,11 +41,12 @@ import logging
 import os
 import random
 import re
+import shlex
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -41,9 +55,11 @@ import torch.distributed.checkpoint as dcp
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 
 from recsys_runner.errors import ConfigError, require
+from recsys_runner.locks import DirectoryInUse, DirectoryLock
 from recsys_runner.stopping import improved
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _STEP_DIR = re.compile(r"^(best-)?step_(\d+)$")
 _RESUME_WORDS = ("auto", "latest", "never")
@@ -56,9 +72,10 @@ class CheckpointConfig:
     _target_: str = "recsys_runner.checkpoint.Checkpointer"
     _partial_: bool = True
     dir: str | None = None
-    """Where checkpoints go; ``null`` is ``<Hydra run dir>/checkpoints`` under the CLI (to resume a CLI
-    run, relaunch with the same ``hydra.run.dir=…`` or set this). Without Hydra and without a dir,
-    nothing is saved."""
+    """Where checkpoints go; ``null`` is ``<Hydra run dir>/checkpoints`` under the CLI, new for every
+    launch (an interrupted run prints the command that resumes it: its overrides plus
+    ``checkpoint.dir=<that dir>``). Set it to a stable path to make "the same command" resume.
+    One live run at a time may use a directory. Without Hydra and without a dir, nothing is saved."""
     every_steps: int | None = None
     """Save every this many steps (TorchEasyRec's save_checkpoints_steps)."""
     every_epochs: int | None = None
@@ -112,6 +129,8 @@ class TrainState:
     """Best ``checkpoint.best_metric`` so far."""
     resumed_from: str | None = None
     """The checkpoint this process resumed from (not saved)."""
+    set_aside: tuple[str, ...] = ()
+    """Damaged newer checkpoints moved aside before resuming from ``resumed_from`` (not saved)."""
 
 
 def default_dir() -> str | None:
@@ -121,6 +140,34 @@ def default_dir() -> str | None:
     if HydraConfig.initialized():
         return str(Path(HydraConfig.get().runtime.output_dir) / "checkpoints")
     return None
+
+
+def resume_command(checkpoint_dir: str | Path) -> str | None:
+    """The shell command that resumes this CLI run from ``checkpoint_dir``; ``None`` outside Hydra's CLI.
+
+    It is the launch's own overrides (config dir and name included) with ``checkpoint.dir`` set to the
+    absolute directory and any ``checkpoint.resume``/``checkpoint.dir`` override dropped, so the
+    relaunch continues from the newest checkpoint there, into the same MLflow run. A torchrun launch
+    is repeated as torchrun with the same number of processes per node.
+    """
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    hc = HydraConfig.get()
+    keep = [o for o in hc.overrides.task if not re.match(r"^[+~]*checkpoint\.(dir|resume)=", o)]
+    args = [*keep, f"checkpoint.dir={Path(checkpoint_dir).absolute()}"]
+    for source in hc.runtime.config_sources:
+        if source.provider == "command-line" and source.schema == "file":
+            args = ["--config-dir", source.path, *args]
+    if hc.job.config_name not in (None, "config"):
+        args = ["--config-name", str(hc.job.config_name), *args]
+    nproc = os.environ.get("LOCAL_WORLD_SIZE")
+    if os.environ.get("TORCHELASTIC_RUN_ID") and nproc and os.environ.get("GROUP_WORLD_SIZE", "1") == "1":
+        launcher = ["torchrun", f"--nproc_per_node={nproc}", "-m", "recsys_runner"]
+    else:
+        launcher = ["python", "-m", "recsys_runner"]
+    return shlex.join([*launcher, *args])
 
 
 def list_checkpoints(root: str | Path, best: bool = False) -> list[Path]:
@@ -141,6 +188,38 @@ def is_complete(path: Path) -> bool:
     return (path / "meta.json").is_file() and (path / ".metadata").is_file()
 
 
+def damage(path: Path) -> str | None:
+    """Why the checkpoint at ``path`` cannot be resumed from, or ``None`` when every file it needs is whole.
+
+    Checks what can be checked without loading: ``meta.json`` and DCP's ``.metadata`` exist and parse,
+    every data file the index points into exists and is long enough, each saving rank's ``rank<r>.pt``
+    exists. A checkpoint written by :meth:`Checkpointer.save` and renamed into place passes; one that
+    fails was damaged afterwards (a disk fault, a partial copy, a deleted file).
+    """
+    for name in ("meta.json", ".metadata"):
+        if not (path / name).is_file():
+            return f"{name} is missing"
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        index = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # any parse failure of either file means damage
+        return f"meta.json or .metadata cannot be read ({type(e).__name__}: {str(e)[:200]})"
+    sizes: dict[str, int] = {}
+    for info in (index.storage_data or {}).values():
+        rel = info.relative_path
+        if rel not in sizes:
+            file = path / rel
+            sizes[rel] = file.stat().st_size if file.is_file() else -1
+        if sizes[rel] < 0:
+            return f"{rel} is missing"
+        if info.offset + info.length > sizes[rel]:
+            return f"{rel} is truncated ({sizes[rel]} bytes; the index needs {info.offset + info.length})"
+    for r in range(int(meta.get("world_size", 1))):
+        if not (path / f"rank{r}.pt").is_file():
+            return f"rank{r}.pt is missing"
+    return None
+
+
 class Checkpointer:
     """Saves and restores the run's state; see the module docstring."""
 
@@ -156,6 +235,9 @@ class Checkpointer:
         self.load_optimizer, self.best_metric, self.best_mode = load_optimizer, best_metric, best_mode
         self.rank, self.world_size = rank, world_size
         self.last_saved: str | None = None
+        self.verified_step = 0
+        """Step checkpoints before this step are known good: a finite loss was computed from later weights."""
+        self._lock = DirectoryLock(self.dir) if self.dir is not None and rank == 0 else None
         self._tensors: dict[str, Any] = {}
         self._objects: dict[str, Any] = {}
         if self.dir is None and (every_steps or every_epochs or best_metric or resume == "latest"):
@@ -226,6 +308,25 @@ class Checkpointer:
         log.info("checkpoint saved: %s", final)
         return str(final)
 
+    def verified(self, step: int) -> None:
+        """Every train loss up to ``step`` was finite, so the checkpoints before ``step`` hold good weights."""
+        self.verified_step = max(self.verified_step, step)
+
+    def drop_unverified(self) -> str | None:
+        """After a non-finite loss: move the step checkpoints no finite loss has followed aside (``diverged-step_<n>``)
+        and return the newest remaining one, the last good checkpoint, which a resume then picks."""
+        if self.dir is None:
+            return None
+        kept = []
+        for path in list_checkpoints(self.dir):
+            if _step(path) < self.verified_step:
+                kept.append(path)
+            elif self.rank == 0:
+                log.warning("no finite train loss came after checkpoint %s, so its weights may be diverged: moved aside to %s",
+                            path, _set_aside(path, "diverged"))
+        self.last_saved = str(kept[-1]) if kept else None
+        return self.last_saved
+
     def maybe_save_best(self, state: TrainState, metrics: Mapping[str, float]) -> str | None:
         """Save a ``best-*`` checkpoint when ``metrics[best_metric]`` improves on ``state.best``."""
         if self.best_metric is None or self.dir is None:
@@ -248,10 +349,14 @@ class Checkpointer:
 
     # -- restoring -------------------------------------------------------------------------------
     def restore(self) -> TrainState:
-        """Resume, fine-tune or start fresh, per ``resume``/``init_from``; returns where to start."""
-        path = self._resume_path()
+        """Lock ``dir``, then resume, fine-tune or start fresh, per ``resume``/``init_from``; returns where to start."""
+        self._on_rank0(self._take_lock)
+        path, set_aside = self._on_rank0(self._resume_path)
         if path is not None:
-            return self._load(path, strict=True)
+            state = self._load(path, strict=True)
+            state.set_aside = set_aside
+            self.verified_step = state.step + 1  # the checkpoint resumed from is trusted
+            return state
         if self.init_from is not None:
             source = Path(self.init_from)
             if not is_complete(source):
@@ -263,27 +368,78 @@ class Checkpointer:
             self._load(source, strict=False)
         return TrainState()
 
-    def _resume_path(self) -> Path | None:
+    def close(self) -> None:
+        """Release ``dir`` for the next run (also released by the OS if this process dies)."""
+        if self._lock is not None:
+            self._lock.release()
+
+    def _take_lock(self) -> None:
+        if self._lock is None:
+            return
+        try:
+            self._lock.acquire()
+        except DirectoryInUse as e:
+            raise ConfigError(f"checkpoint.dir: {e}. Two runs writing one directory would overwrite each other's checkpoints "
+                              "and log into one MLflow run. Fix: wait for that run to end (or stop it), or give this run its "
+                              "own checkpoint.dir") from None
+
+    def _resume_path(self) -> tuple[Path | None, tuple[str, ...]]:
+        """The checkpoint to resume from and the damaged newer ones moved aside on the way (run on rank 0)."""
         if self.resume == "never":
-            return None
+            return None, ()
         if self.resume not in _RESUME_WORDS:
             path = Path(self.resume)
             if not path.exists():
                 raise ConfigError(f"checkpoint.resume={self.resume}: no such checkpoint directory")
-            return path
-        found = list_checkpoints(self.dir) if self.dir is not None else []
-        if not found and self.resume == "latest":
+            reason = damage(path)
+            if reason is not None:
+                others = [str(p) for p in list_checkpoints(path.parent) if p != path and damage(p) is None]
+                hint = f"checkpoint.resume={others[-1]}" if others else "checkpoint.resume=<another checkpoint directory>"
+                raise ConfigError(f"checkpoint.resume={self.resume}: this checkpoint is damaged ({reason}). Fix: {hint}")
+            return path, ()
+        set_aside: list[str] = []
+        for path in reversed(_step_dirs(self.dir)):
+            reason = damage(path)
+            if reason is None:
+                if set_aside:
+                    log.warning("resuming from %s, the newest whole checkpoint, instead of the damaged %s; steps after %s "
+                                "are trained (and logged) again", path, ", ".join(set_aside), path.name)
+                return path, tuple(set_aside)
+            aside = _set_aside(path)
+            log.warning("checkpoint %s is damaged (%s): moved aside to %s, falling back to the previous one", path, reason, aside)
+            set_aside.append(str(path))
+        if set_aside:
+            raise ConfigError(f"every checkpoint in {self.dir} is damaged (moved aside: {', '.join(set_aside)}). Fix: start over "
+                              "with checkpoint.resume=never, or point checkpoint.resume at a checkpoint kept elsewhere")
+        if self.resume == "latest":
             raise ConfigError(f"checkpoint.resume=latest but {self.dir} holds no complete checkpoint; "
                               "use checkpoint.resume=auto to start fresh when there is none")
-        return found[-1] if found else None
+        return None, ()
+
+    def _on_rank0(self, decide: Callable[[], T]) -> T:
+        """``decide()`` on rank 0 only, its result (or its ConfigError) given to every rank, so that all ranks
+        act alike on one view of the directory and none waits in a collective for a rank that failed."""
+        result: Any = None
+        error: str | None = None
+        if self.rank == 0:
+            try:
+                result = decide()
+            except ConfigError as e:
+                error = str(e)
+        if self.world_size > 1:
+            box: list[Any] = [(result, error)]
+            dist.broadcast_object_list(box, src=0)
+            result, error = box[0]
+        if error is not None:
+            raise ConfigError(error)
+        return result
 
     def _load(self, path: Path, strict: bool) -> TrainState:
-        try:
-            meta = json.loads((path / "meta.json").read_text())
-            available = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-        except Exception as e:  # unreadable JSON or a truncated pickle: anything means corrupt
-            raise ConfigError(f"checkpoint {path} is missing or corrupt ({type(e).__name__}: {e}); delete it to fall back "
-                              "to the previous one, or point checkpoint.resume/init_from at another") from None
+        reason = damage(path)
+        if reason is not None:  # resume paths were checked on rank 0 already; this guards init_from
+            raise ConfigError(f"checkpoint {path} is damaged ({reason}). Fix: point checkpoint.init_from at another checkpoint")
+        meta = json.loads((path / "meta.json").read_text())
+        available = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
         with_optimizer = strict or self.load_optimizer
         if with_optimizer:
             for _, opt in getattr(self._optimizer, "optimizers", []):
@@ -320,8 +476,11 @@ class Checkpointer:
                 _local(ours[k]).copy_(_local(to_load[src]))
             ranked = torch.load(self._ranked_file(path, meta), weights_only=False) if strict else None
         except Exception as e:  # DCP wraps reader errors in its own CheckpointException
-            raise ConfigError(f"checkpoint {path} could not be loaded ({type(e).__name__}: {str(e)[:300]}); it is corrupt or "
-                              "from a different model/world size; delete it or point checkpoint.resume/init_from elsewhere") from None
+            older = [str(p) for p in list_checkpoints(path.parent) if p.name < path.name]
+            choose = f"checkpoint.resume={older[-1]} (the previous one)" if strict and older else "checkpoint.resume/init_from=<another one>"
+            raise ConfigError(f"checkpoint {path} could not be loaded ({type(e).__name__}: {str(e)[:300]}); its files are whole, "
+                              f"so it is corrupt inside or from a different model. Nothing was resumed. Fix: choose one with {choose}, "
+                              "or start over with checkpoint.resume=never") from None
         if with_optimizer:
             self._load_optimizer(to_load, wanted)
         for holder_name, holder in self._tensors.items():
@@ -369,6 +528,30 @@ class Checkpointer:
     def _barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()
+
+
+def _step_dirs(root: Path | None) -> list[Path]:
+    """Every ``step_<n>`` directory under ``root``, whole or not, oldest first."""
+    if root is None or not root.is_dir():
+        return []
+    found = [(int(m.group(2)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and not m.group(1) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def _step(path: Path) -> int:
+    m = _STEP_DIR.match(path.name)
+    assert m is not None, path
+    return int(m.group(2))
+
+
+def _set_aside(path: Path, why: str = "damaged") -> Path:
+    """Rename a checkpoint to ``<why>-<name>[-k]``: kept for inspection, never resumed from or pruned."""
+    target = path.with_name(f"{why}-{path.name}")
+    k = 1
+    while target.exists():
+        target, k = path.with_name(f"{why}-{path.name}-{k}"), k + 1
+    os.replace(path, target)
+    return target
 
 
 def _local(t: Any) -> torch.Tensor:

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import math
 from collections.abc import Iterator
 
 import torch
@@ -24,7 +25,7 @@ from recsys_runner.distributed import detached
 from recsys_runner.metrics import TaskEvalMetrics, Throughput, grouping_ids
 from recsys_runner.profiling import StepProfiler
 from recsys_runner.signals import Interrupted, StopSignals
-from recsys_runner.stopping import check_finite
+from recsys_runner.stopping import check_finite, finite_state
 
 log = logging.getLogger(__name__)
 
@@ -108,16 +109,27 @@ def _epoch_end(c: Components, state: TrainState) -> int | None:
 
 
 def _checked(c: Components, metrics: dict[str, float], state: TrainState) -> dict[str, float]:
+    """NaN guard at a log step: ``train/loss`` is the mean since the last log, so finite means every step's was."""
     if c.run.train.nan_guard:
-        check_finite(metrics["train/loss"], state.step, c.checkpointer.last_saved)
+        _guard(c, state, metrics["train/loss"])
+        c.checkpointer.verified(state.step)
     return metrics
 
 
 def _checkpoint(c: Components, state: TrainState, loss: torch.Tensor | None, metrics: dict[str, float] | None) -> str | None:
-    """Save a checkpoint of ``state`` unless the loss went non-finite (then raise, keeping the old ones)."""
-    if loss is not None and c.run.train.nan_guard:
-        check_finite(float(loss), state.step, c.checkpointer.last_saved)
+    """Save a checkpoint of ``state`` unless the loss or the weights went non-finite (then raise, keeping the old ones)."""
+    if c.run.train.nan_guard and loss is not None:
+        _guard(c, state, float(loss))
+    if c.run.train.nan_guard and c.checkpointer.enabled and not finite_state(c.model, c.env.world_size, c.env.device):
+        _guard(c, state, math.nan, what="the model's weights are not finite")
     return c.checkpointer.save(state, metrics)
+
+
+def _guard(c: Components, state: TrainState, value: float, what: str | None = None) -> None:
+    """Raise :class:`~recsys_runner.stopping.NonFiniteLossError` if ``value`` is not finite, after setting aside
+    the checkpoints no finite loss has followed, so the one it names (and a resume picks) is truly good."""
+    if not math.isfinite(value):
+        check_finite(value, state.step, c.checkpointer.drop_unverified(), what)
 
 
 def _evaluate_and_select(c: Components, state: TrainState, meter: Throughput) -> dict[str, float]:

@@ -244,21 +244,25 @@ def lr_scheduler(
 
 
 class SchedulePosition:
-    """Checkpoint view of a ``LambdaLR``: its position and base lrs, not the schedules' parameters.
+    """Checkpoint view of a ``LambdaLR``: only its position (the step count), not lrs or the schedules' parameters.
 
-    ``LambdaLR.state_dict`` also stores each schedule object's attributes, which on load would
-    silently replace a relaunch's schedule settings (e.g. a longer ``train.num_steps``) with the old ones.
+    ``LambdaLR.state_dict`` also stores each schedule object's attributes, its base lrs and its last
+    lrs; loading those would silently replace a relaunch's settings with the old ones: a longer
+    ``train.num_steps``, another schedule, or the lower ``optim.lr`` a NaN-guard stop asks for. The
+    lrs are recomputed from this run's base lrs and schedules at the restored position.
     """
 
-    def __init__(self, scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+    def __init__(self, scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
         self.scheduler = scheduler
 
     def state_dict(self) -> dict[str, object]:
-        return {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
+        return {"last_epoch": self.scheduler.last_epoch, "_step_count": self.scheduler._step_count}
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
-        full = self.scheduler.state_dict()
-        full.update(state)
-        self.scheduler.load_state_dict(full)
-        for group, lr in zip(self.scheduler.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
+        s = self.scheduler
+        s.last_epoch = int(state["last_epoch"])  # type: ignore[call-overload]
+        s._step_count = int(state.get("_step_count", s.last_epoch + 1))  # type: ignore[call-overload]
+        lrs = [base * schedule(s.last_epoch) for base, schedule in zip(s.base_lrs, s.lr_lambdas, strict=True)]
+        for group, lr in zip(s.optimizer.param_groups, lrs, strict=True):
             group["lr"] = lr
+        s._last_lr = lrs

@@ -2,8 +2,8 @@
 
 :class:`StopSignals` installs handlers that only set a flag (a plain Python bool, free to read
 each step); the runner then writes a checkpoint and raises :class:`Interrupted`, the entry point
-closes the MLflow run as ``KILLED`` and exits with ``128 + signal``. Relaunching the same command
-resumes from that checkpoint (``checkpoint.resume=auto``) into the same MLflow run. With several
+closes the MLflow run as ``KILLED``, prints the command that resumes from that checkpoint into the
+same MLflow run (:func:`recsys_runner.checkpoint.resume_command`) and exits with ``128 + signal``. With several
 ranks the flag is combined with an all-reduce every ``train.stop_check_every_steps`` steps, so every
 rank stops after the same step.
 A second SIGINT while stopping raises ``KeyboardInterrupt`` as usual.
@@ -46,7 +46,7 @@ class Interrupted(Exception):
         the signal; the entry point calls it once the MLflow run is closed. ``None`` outside submitit."""
         where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint (no checkpoint.dir)"
         cause = signal.Signals(signum).name if signum is not None else "train.stop_after_steps"
-        super().__init__(f"stopped by {cause} after step {step}; {where}. Relaunch the same command to resume from there.")
+        super().__init__(f"stopped by {cause} after step {step}; {where}")
 
     @property
     def exit_code(self) -> int:

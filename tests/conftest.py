@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 from collections.abc import Callable
@@ -64,3 +65,14 @@ def run_cli(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: i
     return subprocess.run(
         [sys.executable, "-m", "recsys_runner", *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
     )
+
+
+def hint_of(stderr: str) -> list[str] | None:
+    """The resume command the CLI printed (after an interruption or a NaN stop), as argv for this interpreter."""
+    lines = stderr.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("Resume this run from"):
+            argv = shlex.split(lines[i + 1])
+            assert argv[:3] == ["python", "-m", "recsys_runner"], argv
+            return [sys.executable, *argv[1:]]
+    return None

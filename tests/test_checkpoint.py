@@ -67,7 +67,7 @@ def test_keep_last_and_best_are_kept_apart(make_cfg, tmp_path: Path) -> None:
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
 
 
-def test_unfinished_write_is_ignored_and_corrupt_or_missing_checkpoints_error(make_cfg, tmp_path: Path) -> None:
+def test_unfinished_write_is_ignored_and_damaged_or_missing_checkpoints_error(make_cfg, tmp_path: Path) -> None:
     cfg = make_cfg("train.num_steps=4", f"checkpoint.dir={tmp_path}", "tracking=none")
     run(cfg)
     (last,) = list_checkpoints(tmp_path)
@@ -76,8 +76,8 @@ def test_unfinished_write_is_ignored_and_corrupt_or_missing_checkpoints_error(ma
     shutil.copytree(last, tmp_path / "step_00000009", ignore=shutil.ignore_patterns("meta.json"))
     assert list_checkpoints(tmp_path) == [last]
 
-    (last / ".metadata").write_bytes(b"truncated")
-    with pytest.raises(ConfigError, match="corrupt"):
+    (last / ".metadata").write_bytes(b"truncated")  # now both are damaged (test_run_safety.py: the fallback when one is whole)
+    with pytest.raises(ConfigError, match=r"every checkpoint in .* is damaged"):
         run(make_cfg("train.num_steps=8", f"checkpoint.dir={tmp_path}", "tracking=none"))
     with pytest.raises(ConfigError, match="holds no complete checkpoint"):
         run(make_cfg(f"checkpoint.dir={tmp_path}/empty", "checkpoint.resume=latest", "tracking=none"))

@@ -22,7 +22,7 @@ from recsys_runner.checkpoint import is_complete, list_checkpoints
 from recsys_runner.config import validate
 from recsys_runner.ema import DenseEMA
 from recsys_runner.stopping import NonFiniteLossError
-from tests.conftest import REPO, TINY
+from tests.conftest import REPO, TINY, hint_of
 
 
 def the_run(uri: str, experiment: str):
@@ -143,11 +143,10 @@ def test_presets_compose(make_cfg, preset: str) -> None:
 
 
 @pytest.mark.slow
-def test_sigterm_checkpoints_and_relaunch_resumes_into_the_same_run(tmp_path: Path) -> None:
+def test_sigterm_checkpoints_and_the_printed_command_resumes_into_the_same_run(tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     args = [*[a for a in TINY if not a.startswith("train.")], "train.num_steps=400", "train.log_every_steps=1",
-            "train.eval_every_steps=null", "train.eval_max_batches=2", f"tracking.uri={uri}", "tracking.experiment=sigterm",
-            f"hydra.run.dir={tmp_path}/run"]
+            "train.eval_every_steps=null", "train.eval_max_batches=2", f"tracking.uri={uri}", "tracking.experiment=sigterm"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-m", "recsys_runner", *args], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -159,14 +158,16 @@ def test_sigterm_checkpoints_and_relaunch_resumes_into_the_same_run(tmp_path: Pa
     proc.send_signal(signal.SIGTERM)
     out = proc.stdout.read()
     assert proc.wait(timeout=120) == 128 + signal.SIGTERM, out
-    assert "Relaunch the same command to resume" in out
-    (ckpt,) = list_checkpoints(tmp_path / "run" / "checkpoints")
+    command = hint_of(out)  # the default checkpoint dir is this launch's Hydra run dir: the hint names it
+    assert command is not None, out[-2000:]
+    ckpt_dir = Path(next(a for a in command if a.startswith("checkpoint.dir=")).split("=", 1)[1])
+    (ckpt,) = list_checkpoints(ckpt_dir)
     stopped_at = int(ckpt.name.split("_")[1])
     client = MlflowClient(tracking_uri=uri)
     (mlrun,) = client.search_runs([client.get_experiment_by_name("sigterm").experiment_id])
     assert mlrun.info.status == "KILLED"
 
-    again = subprocess.run([sys.executable, "-m", "recsys_runner", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    again = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resuming from {ckpt}" in again.stderr + again.stdout
     (mlrun,) = client.search_runs([client.get_experiment_by_name("sigterm").experiment_id])

@@ -1,0 +1,202 @@
+"""Never lose or mix up a run: true resume hints, one writer per checkpoint dir, damaged checkpoints.
+
+The CLI tests run exactly what a user would: the default config (checkpoints in a new Hydra run dir
+per launch), the printed resume command executed verbatim, a second launch racing a live one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from recsys_runner.__main__ import run
+from recsys_runner.checkpoint import damage, list_checkpoints
+from recsys_runner.errors import ConfigError
+from recsys_runner.locks import DirectoryInUse, DirectoryLock
+from recsys_runner.signals import Interrupted
+from tests.conftest import REPO, TINY, hint_of, run_cli
+
+SMALL = [a for a in TINY if not a.startswith("train.")] + ["train.log_every_steps=1", "train.eval_every_steps=null",
+                                                          "train.eval_max_batches=2"]
+
+
+def runs(uri: str, experiment: str) -> list:
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(experiment)
+    return client.search_runs([exp.experiment_id]) if exp else []
+
+
+def steps_logged(uri: str, run_id: str, key: str = "train/loss") -> list[int]:
+    return sorted(m.step for m in MlflowClient(tracking_uri=uri).get_metric_history(run_id, key))
+
+
+# -- 1. the resume hint is true --------------------------------------------------------------------------------------
+def test_stop_hint_executed_verbatim_continues_the_same_mlflow_run(tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    first = run_cli(*SMALL, "train.num_steps=12", "train.stop_after_steps=5", f"tracking.uri={uri}", "tracking.experiment=hint",
+                    cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "Interrupted: stopped by train.stop_after_steps after step 5" in first.stderr
+    command = hint_of(first.stderr)
+    assert command is not None, first.stderr[-2000:]
+    assert any(a.startswith("checkpoint.dir=/") for a in command)  # the default dir was this launch's own run dir
+    (mlrun,) = runs(uri, "hint")
+    assert mlrun.info.status == "KILLED"
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    outputs = []
+    for _ in range(3):  # 5 → 10 → 12: each relaunch of the printed command runs one more slice
+        again = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert again.returncode == 0, again.stderr[-3000:]
+        outputs.append(again.stdout + again.stderr)
+        if hint_of(again.stderr) is None:
+            break
+        assert hint_of(again.stderr) == command  # the same command keeps resuming the same dir
+    assert len(outputs) == 2 and "resuming from" in outputs[0] and "step_00000005 at step 5" in outputs[0]
+    (mlrun,) = runs(uri, "hint")  # one run, continued, not a new one per launch
+    assert mlrun.info.status == "FINISHED" and mlrun.data.tags.get("resumed") == "true"
+    assert steps_logged(uri, mlrun.info.run_id) == list(range(1, 13))
+
+
+def test_nan_guard_hint_resumes_from_a_truly_good_checkpoint(tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    # The lr jumps to 1e29 for the 5th update: the 5th loss is still finite, the weights after it are not good.
+    blowup = ["optim=sgd", "scheduler=manual_step", "scheduler.boundaries=[4]", "scheduler.rates=[1.0,1e30]"]
+    common = [*SMALL, "train.num_steps=10", "checkpoint.every_steps=1", f"tracking.uri={uri}", "tracking.experiment=nan_hint"]
+    failed = run_cli(*common, *blowup, cwd=tmp_path)
+    assert failed.returncode == 1, failed.stderr[-3000:]
+    assert "Training failed: train loss is nan at step 6" in failed.stderr
+    assert "the last good checkpoint is" in failed.stderr and "step_00000004)" in failed.stderr
+    command = hint_of(failed.stderr)
+    assert command is not None and "scheduler.rates=[1.0,1e30]" in command
+    ckpt_dir = Path(next(a for a in command if a.startswith("checkpoint.dir=")).split("=", 1)[1])
+    assert [p.name for p in list_checkpoints(ckpt_dir)][-1] == "step_00000004"
+    assert (ckpt_dir / "diverged-step_00000005").is_dir()  # kept for inspection, never resumed from
+
+    fixed = [a if a != "scheduler.rates=[1.0,1e30]" else "scheduler.rates=[1.0,1.0]" for a in command]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    again = subprocess.run(fixed, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "step_00000004 at step 4" in again.stdout + again.stderr
+    (mlrun,) = runs(uri, "nan_hint")
+    assert mlrun.info.status == "FINISHED"
+    assert steps_logged(uri, mlrun.info.run_id)[-6:] == [5, 6, 7, 8, 9, 10]
+
+    straight = run_cli(*common, "optim=sgd", "tracking.experiment=nan_straight", cwd=tmp_path)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    (ref,) = runs(uri, "nan_straight")
+    # After the resume the run is exactly the uninterrupted one with the fixed lr (the lr is recomputed, not restored).
+    assert mlrun.data.metrics["train/loss"] == pytest.approx(ref.data.metrics["train/loss"], rel=1e-5)
+
+
+def test_resume_takes_the_new_lr_not_the_saved_one(make_cfg, mlflow_uri: str, tmp_path: Path) -> None:
+    args = ["train.num_steps=6", "train.log_every_steps=1", f"checkpoint.dir={tmp_path}"]
+    with pytest.raises(Interrupted):
+        run(make_cfg(*args, "optim.lr=0.05", "train.stop_after_steps=3"))
+    cfg = make_cfg(*args, "optim.lr=0.01")
+    run(cfg)
+    (mlrun,) = runs(mlflow_uri, cfg.tracking.experiment)
+    lrs = {m.step: m.value for m in MlflowClient(tracking_uri=mlflow_uri).get_metric_history(mlrun.info.run_id, "lr/dense")}
+    assert lrs[3] == pytest.approx(0.05) and lrs[4] == pytest.approx(0.01) and lrs[6] == pytest.approx(0.01)
+
+
+# -- 2. one writer per checkpoint directory -------------------------------------------------------------------------
+def test_directory_lock_names_its_holder_and_frees_on_release(tmp_path: Path) -> None:
+    first, second = DirectoryLock(tmp_path / "ckpt"), DirectoryLock(tmp_path / "ckpt")
+    first.acquire()
+    with pytest.raises(DirectoryInUse, match=rf"in use by another live run: host {socket.gethostname()}, pid {os.getpid()}"):
+        second.acquire()
+    first.release()
+    second.acquire()  # a released (or dead) holder does not block
+    assert json.loads((tmp_path / "ckpt" / ".lock").read_text())["pid"] == os.getpid()
+    second.release()
+
+
+@pytest.mark.slow
+def test_second_live_writer_is_refused_and_a_killed_ones_lock_does_not_block_resume(tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    ckpt = tmp_path / "shared_ckpt"
+    args = [*SMALL, "train.num_steps=100000", "checkpoint.every_steps=5", f"checkpoint.dir={ckpt}", f"tracking.uri={uri}",
+            "tracking.experiment=lock"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    live = subprocess.Popen([sys.executable, "-m", "recsys_runner", *args], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert live.stdout is not None
+        deadline = time.monotonic() + 240
+        for line in live.stdout:
+            if "checkpoint saved" in line or time.monotonic() > deadline:
+                break
+        assert live.poll() is None
+        second = run_cli(*args, cwd=tmp_path)
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert f"Config error: checkpoint.dir: {ckpt} is in use by another live run: host {socket.gethostname()}, pid {live.pid}" \
+            in second.stderr
+        assert "Fix:" in second.stderr and "Traceback" not in second.stderr
+        (mlrun,) = runs(uri, "lock")  # the refused launch neither created a run nor took over the live one
+        assert mlrun.info.status == "RUNNING"
+    finally:
+        live.send_signal(signal.SIGKILL)  # dies holding the lock: no cleanup at all
+        live.wait(timeout=60)
+    resumed = run_cli(*args, "train.stop_after_steps=3", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout + resumed.stderr and "previous holder" in resumed.stdout + resumed.stderr
+    (again,) = runs(uri, "lock")
+    assert again.info.run_id == mlrun.info.run_id
+
+
+# -- 5. damaged checkpoints -------------------------------------------------------------------------------------------
+def _three_checkpoints(make_cfg, tmp_path: Path, experiment: str = "damaged") -> list[Path]:
+    run(make_cfg("train.num_steps=6", "checkpoint.every_steps=2", f"checkpoint.dir={tmp_path}", f"tracking.experiment={experiment}"))
+    found = list_checkpoints(tmp_path)
+    assert [p.name for p in found] == ["step_00000002", "step_00000004", "step_00000006"]
+    return found
+
+
+@pytest.mark.parametrize("harm", ["truncate_data", "delete_data", "delete_metadata"])
+def test_damaged_newest_checkpoint_falls_back_to_the_previous_one_with_a_warning(
+    make_cfg, mlflow_uri: str, tmp_path: Path, caplog: pytest.LogCaptureFixture, harm: str
+) -> None:
+    newest = _three_checkpoints(make_cfg, tmp_path, f"damaged_{harm}")[-1]
+    data = newest / "__0_0.distcp"
+    if harm == "truncate_data":
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    elif harm == "delete_data":
+        data.unlink()
+    else:
+        (newest / ".metadata").unlink()
+    assert damage(newest) is not None
+    cfg = make_cfg("train.num_steps=8", "checkpoint.every_steps=2", f"checkpoint.dir={tmp_path}", f"tracking.experiment=damaged_{harm}")
+    with caplog.at_level(logging.WARNING, logger="recsys_runner.checkpoint"):
+        run(cfg)
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert f"checkpoint {newest} is damaged" in warned and "falling back" in warned
+    assert f"resuming from {newest.with_name('step_00000004')}" in warned
+    assert (tmp_path / "damaged-step_00000006").is_dir()  # kept for inspection, not deleted
+    assert [p.name for p in list_checkpoints(tmp_path)][-1] == "step_00000008"
+    (mlrun,) = runs(mlflow_uri, f"damaged_{harm}")
+    assert "step_00000006" in mlrun.data.tags["checkpoint_fallback"] and mlrun.info.status == "FINISHED"
+
+
+def test_all_damaged_or_a_damaged_explicit_choice_is_refused_with_the_way_out(make_cfg, tmp_path: Path) -> None:
+    found = _three_checkpoints(make_cfg, tmp_path)
+    (found[-1] / "rank0.pt").unlink()
+    with pytest.raises(ConfigError, match=r"checkpoint.resume=.*step_00000006: this checkpoint is damaged \(rank0.pt is missing\)\. "
+                                          r"Fix: checkpoint.resume=.*step_00000004"):
+        run(make_cfg("train.num_steps=8", f"checkpoint.dir={tmp_path}", f"checkpoint.resume={found[-1]}", "tracking=none"))
+    for p in found[:-1]:
+        (p / "meta.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"every checkpoint in .* is damaged .* Fix: start over with checkpoint.resume=never"):
+        run(make_cfg("train.num_steps=8", f"checkpoint.dir={tmp_path}", "tracking=none"))
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("damaged-")) == [
+        "damaged-step_00000002", "damaged-step_00000004", "damaged-step_00000006"]
