@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from hydra.utils import instantiate
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate as hydra_instantiate
 from omegaconf import DictConfig
 from torch import nn
 from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
@@ -69,6 +70,21 @@ class Components:
         """Release the checkpoint directory and the process group (the tracker is finished by the runner, with a status)."""
         self.checkpointer.close()
         self.distributed.close()
+
+
+def instantiate(node: Any) -> Any:
+    """``hydra.utils.instantiate``, but a :class:`ConfigError` (or :class:`DataError`) from a constructor stays itself.
+
+    Hydra wraps whatever a ``_target_`` raises in ``InstantiationException``, which the CLI would report
+    as "Error executing job" with exit 1; a data module's constructor raises DataError for a missing
+    file or column, and the user must see ``Data error: …`` (exit 2) instead.
+    """
+    try:
+        return hydra_instantiate(node)
+    except InstantiationException as e:
+        if isinstance(e.__cause__, ConfigError):
+            raise e.__cause__ from None
+        raise
 
 
 def seed_everything(seed: int) -> None:

@@ -16,6 +16,27 @@ from recsys_runner.errors import ConfigError
 POOLINGS = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}
 """Pooling modes a sparse feature may ask for (how a multi-hot bag becomes one vector)."""
 
+EMBEDDING_DIM_MULTIPLE = 4
+"""Every embedding table's width must be a multiple of this: fbgemm's fused embedding kernels, which
+TorchRec uses for sharded tables on CPU and GPU, store each row in groups of 4 floats."""
+
+
+def check_embedding_dim(key: str, dim: int) -> None:
+    """Raise :class:`ConfigError` unless ``dim`` (the value of config key ``key``) is a positive multiple of 4.
+
+    Checked in the config dataclasses, before anything is built: otherwise fbgemm fails deep inside
+    DistributedModelParallel with an ``AssertionError`` about ``local_cols``.
+    """
+    if dim <= 0:
+        raise ConfigError(f"{key} must be positive, got {dim}")
+    if dim % EMBEDDING_DIM_MULTIPLE:
+        nearest = -(-dim // EMBEDDING_DIM_MULTIPLE) * EMBEDDING_DIM_MULTIPLE
+        raise ConfigError(
+            f"{key}={dim} is not a multiple of {EMBEDDING_DIM_MULTIPLE}: fbgemm's fused embedding kernels (TorchRec's kernels "
+            f"for sharded embedding tables, on CPU and GPU) store each row in groups of {EMBEDDING_DIM_MULTIPLE} floats. "
+            f"Fix: use a multiple of {EMBEDDING_DIM_MULTIPLE}, e.g. {key}={nearest}"
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class SparseFeature:

@@ -21,6 +21,7 @@ import torch
 
 from recsys_runner.build import Components
 from recsys_runner.checkpoint import TrainState
+from recsys_runner.data.base import DataError
 from recsys_runner.distributed import detached
 from recsys_runner.metrics import TaskEvalMetrics, Throughput, grouping_ids
 from recsys_runner.profiling import StepProfiler
@@ -91,10 +92,19 @@ def _train_step(c: Components, batches: Iterator, state: TrainState) -> torch.Te
             c.train_metrics.update(logits, labels)
         except StopIteration:
             if state.epoch_step == 0:
-                raise RuntimeError(f"epoch {state.epoch} yielded no full training step on rank {c.env.rank}; "
-                                   "check the data or lower data.batch_size / train.grad_accum_steps") from None
+                raise _no_step_error(c, state) from None
             return None
     return loss
+
+
+def _no_step_error(c: Components, state: TrainState) -> DataError:
+    """The epoch ended before one full step: say how much data the rank had (the data module's account, if it keeps one)."""
+    accumulation = c.run.train.grad_accum_steps
+    explain = getattr(c.data, "explain_empty_epoch", None)
+    why = explain(state.epoch, c.env.rank) if explain is not None else \
+        "Fix: check the data, or lower data.batch_size / train.grad_accum_steps"
+    return DataError(f"epoch {state.epoch} gave rank {c.env.rank} no full training step of {c.data.batch_size * accumulation} rows "
+                     f"(data.batch_size={c.data.batch_size} x train.grad_accum_steps={accumulation}): {why}")
 
 
 def _slice_done(c: Components, state: TrainState) -> bool:

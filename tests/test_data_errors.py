@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from recsys_runner.__main__ import run
 from recsys_runner.data.base import DataError
+from recsys_runner.data.schema import splitmix64
 from recsys_runner.data.tabular import CsvData, ParquetData
 from recsys_runner.errors import ConfigError
 
@@ -158,3 +160,36 @@ def test_config_mistakes_name_the_key() -> None:
         ParquetData(path="x", eval_path="y", eval_fraction=0.2, sparse=SPARSE)
     with pytest.raises(ConfigError, match="data.header=false needs data.column_names"):
         CsvData(path="x", header=False, sparse=SPARSE)
+
+
+def test_uint64_ids_beyond_int64_are_bad_rows_not_wrapped(tmp_path: Path) -> None:
+    path = parquet(tmp_path, label=[0, 1, 0], item=pa.array([1, 2**64 - 1, 3], pa.uint64()))
+    with pytest.raises(DataError, match=r"row 1 of the file, column 'item': 18446744073709551615 does not fit in a signed 64-bit integer: "
+                                        r"ids must lie in \[-2\*\*63, 2\*\*63\)\. Hash such ids into the table with data.sparse\[item\].encoding=hash"):
+        read_all(make(path, sparse=[{"name": "item", "num_embeddings": 10, "encoding": "mod"}]))
+    hashed = make(path, sparse=[{"name": "item", "num_embeddings": 10, "encoding": "hash"}])  # the fix the message names
+    ids = [v for b in hashed.eval_batches(0, 1) for v in b.sparse_features.values().tolist()]
+    assert ids == (splitmix64(np.array([1, 2**64 - 1, 3], np.uint64)) % np.uint64(10)).astype(np.int64).tolist()
+
+
+def test_binary_file_given_to_data_csv(tmp_path: Path) -> None:
+    (tmp_path / "a.bin").write_bytes(b"label,item\n\x00\x01\x02\n")
+    with pytest.raises(DataError, match=r"a\.bin is not a text file \(NUL bytes in its first 15 bytes\).*Fix: point data.path at CSV/TSV files"):
+        CsvData(path=str(tmp_path / "a.bin"), sparse=SPARSE)
+
+
+def test_header_less_csv_with_another_delimiter_names_it(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("1;2\n0;3\n")
+    data = CsvData(path=str(tmp_path / "a.txt"), eval_path=str(tmp_path / "a.txt"), batch_size=1, header=False,
+                   column_names=["label", "item"], sparse=SPARSE)
+    with pytest.raises(DataError, match=r"a\.txt, line 1: expected 2 fields separated by ',', found 1 \('1;2'\)\. The line contains "
+                                        r"semicolons: the file looks semicolon-separated, but data.delimiter=','\. Fix: set data.delimiter=';'"):
+        read_all(data)
+
+
+def test_csv_file_removed_after_start_up(tmp_path: Path) -> None:
+    (tmp_path / "a.csv").write_text("label,item\n1,2\n0,3\n")
+    data = CsvData(path=str(tmp_path / "a.csv"), eval_path=str(tmp_path / "a.csv"), batch_size=1, sparse=SPARSE)
+    (tmp_path / "a.csv").unlink()
+    with pytest.raises(DataError, match=r"a\.csv cannot be read \(No such file or directory\)\. Fix: check that it exists"):
+        read_all(data)

@@ -112,6 +112,8 @@ def test_wide_arch_is_linear_in_the_ids() -> None:
         (["model=dcn_v2", "model.deep_layer_sizes=[]"], "model.deep_layer_sizes must list at least one layer size"),
         (["model=wide_deep", "model.deep_layer_sizes=[64,0]"], r"model.deep_layer_sizes=\[64, 0\] has a non-positive layer size"),
         (["model=wide_deep", "model.embedding_dim=0"], "model.embedding_dim must be positive"),
+        *(([f"model={m}", "model.embedding_dim=6"], r"model.embedding_dim=6 is not a multiple of 4: fbgemm's fused embedding kernels "
+           r".* Fix: use a multiple of 4, e.g. model.embedding_dim=8") for m in ("deepfm", "dlrm", "dcn_v2", "wide_deep", "mmoe", "dssm")),
     ],
 )
 def test_bad_model_configs_say_what_to_fix(make_cfg, overrides: list[str], message: str) -> None:

@@ -33,7 +33,10 @@ class DataModule(Protocol):
     guarantees equal counts or wraps its iterators in :func:`synchronized`.
 
     Optionally a data module has ``metrics() -> dict[str, float]``: counters since it was built
-    (e.g. ``data/bad_rows_skipped``), meant to be logged with the training metrics.
+    (e.g. ``data/bad_rows_skipped``), meant to be logged with the training metrics; and
+    ``explain_empty_epoch(epoch, rank) -> str``: why the last pass over ``train_batches(epoch, rank, …)``
+    ended before one full training step (rows read, rows skipped) and what to do, for the
+    :class:`DataError` the runner raises then.
     """
 
     features: FeatureSpec

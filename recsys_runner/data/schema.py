@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 
 from recsys_runner.data.base import DataError
 from recsys_runner.errors import require
-from recsys_runner.features import POOLINGS, FeatureSpec, SparseFeature
+from recsys_runner.features import POOLINGS, FeatureSpec, SparseFeature, check_embedding_dim
 
 DENSE_TRANSFORMS = ("none", "log1p")
 SPARSE_ENCODINGS = ("id", "mod", "hash")
@@ -73,7 +73,8 @@ class SparseColumn:
         require(self.num_embeddings > 0, f"{key}.num_embeddings must be positive, got {self.num_embeddings}")
         require(self.encoding in SPARSE_ENCODINGS, f"{key}.encoding={self.encoding!r} must be one of {SPARSE_ENCODINGS}")
         require(self.pooling in POOLINGS, f"{key}.pooling={self.pooling!r} must be one of {sorted(POOLINGS)}")
-        require(self.embedding_dim is None or self.embedding_dim > 0, f"{key}.embedding_dim must be positive or null")
+        if self.embedding_dim is not None:
+            check_embedding_dim(f"{key}.embedding_dim", self.embedding_dim)
         require(self.separator is None or len(self.separator) > 0, f"{key}.separator must be a non-empty string or null")
         require(not (self.hex and self.encoding == "hash"),
                 f"{key}: hex=true parses values to integers, which encoding=hash does not need; use encoding=mod with hex=true, or hex=false")
@@ -289,28 +290,27 @@ class Encoder:
     @staticmethod
     def _label_column(table: pa.Table, name: str, task: str, kind: str, multi: bool, where: Location, bad) -> np.ndarray:
         arr = _numeric(_column(table, name), name, where, bad)
-        values = np.asarray(arr.to_numpy(zero_copy_only=False), dtype=np.float64) if arr.null_count == 0 else \
-            np.asarray(arr.fill_null(np.nan).to_numpy(zero_copy_only=False), dtype=np.float64)
-        null = np.isnan(values)
+        null = np.asarray(arr.is_null().to_numpy(zero_copy_only=False), dtype=bool) if arr.null_count else np.zeros(len(arr), bool)
+        values = np.asarray(arr.fill_null(0.0).to_numpy(zero_copy_only=False), dtype=np.float64)
         of = f" (task {task!r})" if multi else ""
         bad(name, null, lambda i: f"the label{of} is missing (null or empty)")
         if kind == "regression":
             wrong = ~null & ~np.isfinite(values)
-            bad(name, wrong, lambda i: f"the label{of} is {values[i]}, but a regression label must be finite")
+            bad(name, wrong, lambda i: f"the label{of} is {_shown(float(values[i]))}, but a regression label must be finite")
         else:
             wrong = ~null & (values != 0) & (values != 1)
             hint = f"; a float label: data.label_kinds.{task}=regression" if multi else ""
-            bad(name, wrong, lambda i: f"the label{of} is {values[i]:g}, but the task is binary (BCE) and needs 0 or 1{hint}")
+            bad(name, wrong, lambda i: f"the label{of} is {_shown(float(values[i]))}, but the task is binary (BCE) and needs 0 or 1{hint}")
         return np.where(null | wrong, 0, values).astype(np.float32)
 
     # -- dense --------------------------------------------------------------------------------------
     def _dense(self, col: DenseColumn, arr: pa.ChunkedArray | pa.Array, where: Location, bad) -> np.ndarray:
         arr = _numeric(arr, col.name, where, bad)
-        values = np.asarray(arr.fill_null(col.fill).to_numpy(zero_copy_only=False), dtype=np.float64)
-        nonfinite = ~np.isfinite(values)
-        bad(col.name, nonfinite, lambda i: f"the value {values[i]} is not finite")
-        if nonfinite.any():
-            values = np.where(nonfinite, col.fill, values)
+        read = np.asarray(arr.fill_null(col.fill).to_numpy(zero_copy_only=False), dtype=np.float64)
+        nonfinite = ~np.isfinite(read)
+        bad(col.name, nonfinite, lambda i: f"the value is {_shown(float(read[i]))}, not a finite number (a missing value takes "
+                                           f"data.dense[{col.name}].fill; NaN and infinity are bad rows)")
+        values = np.where(nonfinite, col.fill, read) if nonfinite.any() else read
         if col.transform == "log1p":
             values = np.log1p(np.maximum(values, 0.0))
         return values
@@ -347,6 +347,10 @@ class Encoder:
             def describe(i: int) -> str:
                 value = first_bad.get(i)
                 shown = f"{value!r}" if value is not None else "a value"
+                if _beyond_int64(value, col.hex):
+                    how = "hex=false encoding=hash" if col.hex else "encoding=hash"
+                    return (f"{shown} does not fit in a signed 64-bit integer: ids must lie in [-2**63, 2**63). Hash such ids "
+                            f"into the table with data.sparse[{col.name}].{how} (docs/data.md, 'Sparse column fields')")
                 if col.hex:
                     return f"{shown} is not a hexadecimal string"
                 if col.encoding == "id":
@@ -374,6 +378,10 @@ class Encoder:
             values, wrong = parse_hex(flat)
         elif is_text:
             values, wrong = parse_int(flat)
+        elif pa.types.is_unsigned_integer(flat.type) and flat.type.bit_width == 64:
+            raw = np.asarray(flat.to_numpy(zero_copy_only=False), dtype=np.uint64)
+            wrong = raw > np.uint64(np.iinfo(np.int64).max)  # would wrap to a negative int64
+            values = np.where(wrong, np.uint64(0), raw).astype(np.int64)
         elif pa.types.is_integer(flat.type):
             values, wrong = np.asarray(flat.to_numpy(zero_copy_only=False), dtype=np.int64), None
         else:
@@ -385,6 +393,21 @@ class Encoder:
 
 
 # -- Arrow helpers ------------------------------------------------------------------------------------
+
+
+def _shown(value: float) -> str:
+    """A float for a message: ``nan``, ``inf``, ``-inf``, or the number (``2``, ``0.5``)."""
+    return f"{value:g}"
+
+
+def _beyond_int64(value: object, hex_digits: bool) -> bool:
+    """Whether ``value`` (a raw sparse value from a file) is an integer outside int64's range."""
+    if isinstance(value, str):
+        try:
+            value = int(value, 16 if hex_digits else 10)
+        except ValueError:
+            return False
+    return isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**63
 
 
 def _column(table: pa.Table, name: str) -> pa.ChunkedArray:
@@ -479,7 +502,7 @@ def parse_int(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
         for i, text in enumerate(arr.to_pylist()):
             try:
                 values[i] = int(text)
-            except ValueError:
+            except (ValueError, OverflowError):  # not an integer, or one beyond int64
                 wrong[i] = True
         return values, wrong
 

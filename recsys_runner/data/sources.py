@@ -21,6 +21,38 @@ import pyarrow.parquet as pq
 from recsys_runner.data.base import DataError
 
 PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")
+PARQUET_MAGIC = b"PAR1"
+"""The 4 bytes every Parquet file begins (and ends) with."""
+DELIMITER_NAMES = {"\t": "tabs", ",": "commas", ";": "semicolons", "|": "pipes"}
+"""Delimiters recognized when a file's lines look split by another one than ``data.delimiter``."""
+_SNIFF_BYTES = 4096
+
+
+def _head(path: str) -> bytes:
+    """The first bytes of ``path``, to recognize its format."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(_SNIFF_BYTES)
+    except OSError as e:
+        raise _unreadable(path, e) from None
+
+
+def _unreadable(path: str, e: OSError) -> DataError:
+    return DataError(f"{path} cannot be read ({e.strerror or e}). Fix: check that it exists and that you may read it, or remove it from data.path")
+
+
+def _is_text(head: bytes) -> bool:
+    """Whether a file's first bytes look like text (no NUL byte: binary formats have plenty)."""
+    return b"\x00" not in head
+
+
+def delimiter_hint(text: str, delimiter: str) -> str:
+    """A sentence naming the delimiter ``text`` (a line read as one field) seems to use instead of ``delimiter``, or ``""``."""
+    for other, name in DELIMITER_NAMES.items():
+        if other != delimiter and other in text:
+            return (f" The line contains {name}: the file looks {name[:-1]}-separated, but data.delimiter={delimiter!r}. "
+                    f"Fix: set data.delimiter={other!r}")
+    return ""
 
 
 @dataclass(frozen=True)
@@ -92,6 +124,14 @@ class ParquetSource:
         try:
             f = pq.ParquetFile(path)
         except (pa.ArrowException, OSError) as e:
+            head = _head(path)
+            if not head.startswith(PARQUET_MAGIC) and _is_text(head):
+                first = head.split(b"\n", 1)[0].decode("utf-8", errors="replace").rstrip("\r")
+                raise DataError(
+                    f"{path} is not a Parquet file: it does not begin with Parquet's magic bytes {PARQUET_MAGIC.decode()}, and it "
+                    f"looks like text (first line {first[:120]!r}). Fix: use data=csv for delimited text (CSV, TSV), or "
+                    f"data=criteo for Criteo's TSV files; Parquet files come from python -m recsys_runner.data convert"
+                ) from None
             raise DataError(
                 f"{path} is not a readable Parquet file ({str(e).splitlines()[0]}): it is truncated or corrupt. "
                 f"Fix: write it again, or remove it from data.path"
@@ -163,6 +203,14 @@ class CsvSource:
 
     def _index(self, path: str) -> list[Unit]:
         size = os.path.getsize(path)
+        head = _head(path)
+        if head.startswith(PARQUET_MAGIC):
+            raise DataError(f"{path} looks like a Parquet file (it begins with Parquet's magic bytes {PARQUET_MAGIC.decode()}), "
+                            f"but this data option reads delimited text. Fix: use data=parquet data.path={path}")
+        if not _is_text(head):
+            raise DataError(f"{path} is not a text file (NUL bytes in its first {len(head)} bytes), but this data option reads "
+                            f"delimited text, one record per line. Fix: point data.path at CSV/TSV files (uncompressed), "
+                            f"or choose the data option of the file's format, e.g. data=parquet")
         with open(path, "rb") as f:
             first_line = f.readline()
         if size == 0 or (self.header and len(first_line) == size and not first_line.strip(b"\r\n")):
@@ -176,6 +224,8 @@ class CsvSource:
             names, data_start = list(self.column_names), 0
         missing = [c for c in self.columns if c not in names]
         if missing:
+            if self.header and len(names) == 1 and (hint := delimiter_hint(names[0], self.delimiter)):
+                raise DataError(f"{path} has no column {missing[0]!r}: its header line is one column, {names[0]!r}.{hint}")
             where = "its header" if self.header else "data.column_names"
             raise DataError(f"{path} has no column {missing[0]!r}; {where} lists {names}. Fix: correct the column names in "
                             f"data.label(s) / data.dense / data.sparse" + ("" if self.header else " or data.column_names"))
@@ -218,9 +268,12 @@ class CsvSource:
         """The unit as one table of text columns, and the 0-based file row of each of its rows."""
         names = self.names(unit.path)
         start, stop = unit.byte_range
-        with open(unit.path, "rb") as f:
-            f.seek(start)
-            raw = f.read(stop - start)
+        try:
+            with open(unit.path, "rb") as f:
+                f.seek(start)
+                raw = f.read(stop - start)
+        except OSError as e:
+            raise _unreadable(unit.path, e) from None
         invalid: list[tuple[int | None, int, int, str]] = []
 
         def on_invalid(row: pacsv.InvalidRow) -> str:
@@ -248,9 +301,10 @@ class CsvSource:
             number, expected, actual, text = invalid[0]
             if not self.skip:
                 line = f"line {unit.first_row + number + self.line_offset(unit.path) - 1}" if number is not None else unit.part
+                hint = delimiter_hint(text, self.delimiter) if actual == 1 else ""
                 raise DataError(
                     f"bad row in {unit.path}, {line}: expected {expected} fields separated by {self.delimiter!r}, found {actual} "
-                    f"({text[:80]!r}). Fix the line, or set data.on_bad_rows=skip to skip such rows (they are counted and logged)"
+                    f"({text[:80]!r})." + (hint or " Fix the line, or set data.on_bad_rows=skip to skip such rows (they are counted and logged)")
                 )
             self.num_bad_rows += len(invalid)
             dropped = [unit.first_row + num - 1 for num, *_ in invalid if num is not None]

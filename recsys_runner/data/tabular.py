@@ -60,6 +60,8 @@ SCHEMA_METADATA_KEY = b"recsys_runner.schema"
 """Parquet key-value metadata written by ``python -m recsys_runner.data convert``: the schema as JSON."""
 
 DEFAULT_EVAL_FRACTION = 0.1
+DELIMITER_ESCAPES = {"\\t": "\t"}
+"""``data.delimiter`` spellings that stand for a character hard to pass through a shell and Hydra (a tab)."""
 CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE = 13, 26
 CRITEO_COLUMNS = ["label", *(f"int_{i}" for i in range(CRITEO_NUM_DENSE)), *(f"cat_{i}" for i in range(CRITEO_NUM_SPARSE))]
 
@@ -155,7 +157,8 @@ class CsvDataConfig(SchemaFields, TabularDataConfig):
 
     _target_: str = "recsys_runner.data.tabular.CsvData"
     delimiter: str = ","
-    """Field delimiter: ``","`` for CSV, ``"\\t"`` for TSV."""
+    """Field delimiter: ``","`` for CSV, ``"\\t"`` for TSV. On the command line ``data.delimiter='\\t'`` (Hydra passes
+    the two characters backslash and ``t``, which mean a tab here)."""
     header: bool = True
     """The first line names the columns; ``false``: give ``column_names``."""
     column_names: list[str] | None = None
@@ -167,7 +170,9 @@ class CsvDataConfig(SchemaFields, TabularDataConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(len(self.delimiter) == 1, f"data.delimiter must be one character, got {self.delimiter!r}")
+        self.delimiter = DELIMITER_ESCAPES.get(self.delimiter, self.delimiter)
+        require(len(self.delimiter) == 1, f"data.delimiter must be one character, got {self.delimiter!r}. Fix: data.delimiter=',' "
+                f"for CSV, data.delimiter='\\t' for TSV")
         require(self.header or bool(self.column_names), "data.header=false needs data.column_names: the names of all columns in file order")
         require(self.block_rows > 0, f"data.block_rows must be positive, got {self.block_rows}")
 
@@ -304,6 +309,8 @@ class TabularData(abc.ABC):
         self.batch_size = config.batch_size
         self._bad_rows = 0
         self._dropped_rows = 0
+        self._passes: dict[tuple[int, int], tuple[int, int]] = {}
+        """(epoch, rank) → (rows of the rank's share, bad rows skipped) of the last pass over that epoch's training data."""
         self._workers = config.num_workers
         self._pin = torch.cuda.is_available() if config.pin_memory is None else config.pin_memory
         train_source = self._source(resolve_files(config.path, "data.path", self._suffixes()))
@@ -341,17 +348,37 @@ class TabularData(abc.ABC):
             return None  # skipped rows are only known after reading
         return min(self._rank_batch_counts(self._train, world_size, train=True))
 
+    def explain_empty_epoch(self, epoch: int, rank: int) -> str:
+        """Why ``epoch`` gave ``rank`` no full training step: its rows read and skipped, and what to do.
+
+        For the runner's :class:`DataError` when a pass over ``train_batches(epoch, rank, …)`` ended before one step.
+        """
+        read, skipped = self._passes.get((epoch, rank), (0, 0))
+        where = f"data.path={self.config.path!r}"
+        if skipped:
+            return (f"its share of {where} was {read} training rows, and {skipped} of them were bad rows skipped "
+                    f"(data.on_bad_rows=skip), leaving {read - skipped}. Fix: correct or remove the bad rows (with "
+                    f"data.on_bad_rows=fail the run stops at the first one and names its file, line and column), or add "
+                    f"data, or lower data.batch_size")
+        return (f"its share of {where} was {read} training rows (each rank and data.num_workers worker reads its own share; "
+                f"eval rows are held out). Fix: more data, or a smaller data.batch_size / train.grad_accum_steps")
+
     def metrics(self) -> dict[str, float]:
         """Counters since construction: bad rows skipped, rows left unread so that ranks end together."""
         return {"data/bad_rows_skipped": float(self._bad_rows), "data/rows_dropped_uneven_ranks": float(self._dropped_rows)}
 
     # -- internals -------------------------------------------------------------------------------------
-    def _rank_batch_counts(self, split: _Split, world_size: int, train: bool) -> list[int]:
-        workers = max(self._workers, 1)
-        shards = world_size * workers
+    def _shard_rows(self, split: _Split, world_size: int, train: bool) -> list[int]:
+        """Rows of each (rank, worker) shard, rank-major."""
+        shards = world_size * max(self._workers, 1)
         drop = train and self.config.drop_remainder
         order = list(range(len(split.units)))  # shard sizes do not depend on the order
-        per_shard = [sum(b - a for _, a, b in shard_ranges(split.counts, order, s, shards, drop)) for s in range(shards)]
+        return [sum(b - a for _, a, b in shard_ranges(split.counts, order, s, shards, drop)) for s in range(shards)]
+
+    def _rank_batch_counts(self, split: _Split, world_size: int, train: bool) -> list[int]:
+        workers = max(self._workers, 1)
+        drop = train and self.config.drop_remainder
+        per_shard = self._shard_rows(split, world_size, train)
         per_batch = [n // self.batch_size if drop else math.ceil(n / self.batch_size) for n in per_shard]
         return [sum(per_batch[r * workers : (r + 1) * workers]) for r in range(world_size)]
 
@@ -362,7 +389,9 @@ class TabularData(abc.ABC):
                                     multiprocessing_context="fork" if os.name == "posix" else None)
         else:
             items = stream
-        batches = self._to_batches(items, epoch, rank, train)
+        workers = max(self._workers, 1)
+        rows = sum(self._shard_rows(split, world_size, train)[rank * workers : (rank + 1) * workers])
+        batches = self._to_batches(items, epoch, rank, train, rows)
         uneven = self.config.on_bad_rows == "skip" or len(set(self._rank_batch_counts(split, world_size, train))) > 1
         if world_size > 1 and uneven:
             return synchronized(batches, on_dropped=self._count_dropped)
@@ -371,14 +400,18 @@ class TabularData(abc.ABC):
     def _count_dropped(self, batch: Batch) -> None:
         self._dropped_rows += int(batch.labels.shape[0])
 
-    def _to_batches(self, items: Any, epoch: int, rank: int, train: bool) -> Iterator[Batch]:
+    def _to_batches(self, items: Any, epoch: int, rank: int, train: bool, rows: int) -> Iterator[Batch]:
         names = self.features.sparse_names
         skipped_before = self._bad_rows
+        if train:
+            self._passes[epoch, rank] = (rows, 0)
         for item in items:
             if item[0] == "error":
                 raise DataError(item[1])
             dense, values, lengths, labels, skipped = item
             self._bad_rows += skipped
+            if train and skipped:
+                self._passes[epoch, rank] = (rows, self._bad_rows - skipped_before)
             if labels is None:
                 continue  # a marker carrying only a skipped-rows count
             if self._pin and self._workers == 0:

@@ -23,7 +23,7 @@ from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.errors import require
-from recsys_runner.features import FeatureSpec
+from recsys_runner.features import FeatureSpec, check_embedding_dim
 from recsys_runner.models.common import MLP, SparseArch, check_layer_sizes
 
 STRUCTURES = ("stacked", "parallel")
@@ -49,7 +49,7 @@ class DCNv2Config:
     """Hidden layers of the deep network (a final 1-unit layer is added)."""
 
     def __post_init__(self) -> None:
-        require(self.embedding_dim > 0, f"model.embedding_dim must be positive, got {self.embedding_dim}")
+        check_embedding_dim("model.embedding_dim", self.embedding_dim)
         require(
             self.num_cross_layers > 0,
             f"model.num_cross_layers must be at least 1, got {self.num_cross_layers}; for a model without crosses use model=dlrm or model=wide_deep",

@@ -17,7 +17,7 @@ from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.errors import require
-from recsys_runner.features import FeatureSpec
+from recsys_runner.features import FeatureSpec, check_embedding_dim
 from recsys_runner.models.common import MLP, DenseArch, SparseArch, check_layer_sizes
 
 
@@ -35,7 +35,7 @@ class DeepFMConfig:
     """Hidden layers of the deep head (a final 1-unit layer is added)."""
 
     def __post_init__(self) -> None:
-        require(self.embedding_dim > 0, f"model.embedding_dim must be positive, got {self.embedding_dim}")
+        check_embedding_dim("model.embedding_dim", self.embedding_dim)
         check_layer_sizes("dense_arch_layer_sizes", self.dense_arch_layer_sizes)
         check_layer_sizes("deep_layer_sizes", self.deep_layer_sizes)
         require(

@@ -20,7 +20,7 @@ from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.errors import ConfigError, require
-from recsys_runner.features import FeatureSpec
+from recsys_runner.features import FeatureSpec, check_embedding_dim
 from recsys_runner.metrics import metric_entry
 from recsys_runner.models.common import MLP, SparseArch, Task, check_layer_sizes
 
@@ -47,7 +47,7 @@ class DSSMConfig:
     """Retrieval metrics over in-batch candidates, logged as ``eval/<name>`` (``metrics.eval`` does not apply)."""
 
     def __post_init__(self) -> None:
-        require(self.embedding_dim > 0, f"model.embedding_dim must be positive, got {self.embedding_dim}")
+        check_embedding_dim("model.embedding_dim", self.embedding_dim)
         require(len(self.user_features) > 0, "model.user_features is empty; list the user tower's features, e.g. [user_id]")
         require(len(self.item_features) > 0, "model.item_features is empty; list the item tower's features, e.g. [item_id]")
         both = sorted(set(self.user_features) & set(self.item_features))

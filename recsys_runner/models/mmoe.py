@@ -19,7 +19,7 @@ from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.errors import require
-from recsys_runner.features import FeatureSpec
+from recsys_runner.features import FeatureSpec, check_embedding_dim
 from recsys_runner.models.common import MLP, TASK_KINDS, SparseArch, check_layer_sizes, resolve_tasks
 
 
@@ -45,7 +45,7 @@ class MMoEConfig:
     """Hidden layers of each task's tower (a final 1-unit layer is added)."""
 
     def __post_init__(self) -> None:
-        require(self.embedding_dim > 0, f"model.embedding_dim must be positive, got {self.embedding_dim}")
+        check_embedding_dim("model.embedding_dim", self.embedding_dim)
         require(len(self.tasks) > 0 and len(set(self.tasks)) == len(self.tasks),
                 f"model.tasks={self.tasks} must list distinct task names, e.g. model.tasks=[ctr,cvr]")
         require(self.num_experts > 0, f"model.num_experts must be positive, got {self.num_experts}")

@@ -19,8 +19,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsys_runner.errors import require
-from recsys_runner.features import FeatureSpec
+from recsys_runner.features import FeatureSpec, check_embedding_dim
 from recsys_runner.models.common import MLP, SparseArch, check_layer_sizes
 
 WIDE_ROW_WIDTH = 4
@@ -40,7 +39,7 @@ class WideDeepConfig:
     """Hidden layers of the deep head (a final 1-unit layer is added)."""
 
     def __post_init__(self) -> None:
-        require(self.embedding_dim > 0, f"model.embedding_dim must be positive, got {self.embedding_dim}")
+        check_embedding_dim("model.embedding_dim", self.embedding_dim)
         check_layer_sizes("deep_layer_sizes", self.deep_layer_sizes)
 
 

@@ -1,0 +1,134 @@
+"""Data and config mistakes as the CLI reports them: ``Data error: …`` / ``Config error: …`` on stderr, exit 2,
+no traceback, and the message naming the file, line and column and the fix. A data error during training
+ends the MLflow run FAILED.
+
+Each test runs ``python -m recsys_runner`` on a tiny generated file (40 rows, batches of 4, 2 steps).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from mlflow.tracking import MlflowClient
+
+from recsys_runner.data.tabular import CsvData, CsvDataConfig
+from tests.conftest import run_cli
+
+ROWS = 40
+ITEM = "data.sparse=[{name: item, num_embeddings: 10}]"
+BASE = ["data.batch_size=4", "data.shuffle=false", "train.num_steps=2", "train.log_every_steps=1",
+        "train.eval_every_steps=null", "distributed.device=cpu", "checkpoint=none"]
+
+
+def write_csv(path: Path, bad_line: int | None = None, bad_text: str = "", delimiter: str = ",") -> Path:
+    """``label,item,price`` with ``ROWS`` good rows; line ``bad_line`` (1-based, header is line 1) replaced by ``bad_text``."""
+    lines = ["label,item,price", *(f"{i % 2},{i % 10},{i * 0.5}" for i in range(ROWS))]
+    if bad_line is not None:
+        lines[bad_line - 1] = bad_text
+    path.write_text("".join(line.replace(",", delimiter) + "\n" for line in lines))
+    return path
+
+
+def cli(tmp_path: Path, *overrides: str, data: str = "csv", tracking: list[str] | None = None) -> str:
+    """Run the CLI in ``tmp_path``; assert it failed the documented way and return its stderr."""
+    out = run_cli(f"data={data}", *BASE, *overrides, *(tracking or ["tracking=none"]), cwd=tmp_path, timeout=240)
+    assert out.returncode == 2, f"exit {out.returncode}\n{out.stderr[-4000:]}"
+    assert "Traceback" not in out.stderr and "Error executing job" not in out.stderr, out.stderr[-4000:]
+    return out.stderr
+
+
+def only_run_status(uri: str, experiment: str) -> str:
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    return run.info.status
+
+
+def test_id_beyond_int64_names_line_column_and_hashing(tmp_path: Path, mlflow_uri: str) -> None:
+    path = write_csv(tmp_path / "ids.csv", bad_line=6, bad_text="1,9223372036854775808,1.0")
+    err = cli(tmp_path, f"data.path={path}", f"data.eval_path={write_csv(tmp_path / 'eval.csv')}", ITEM,
+              tracking=[f"tracking.uri={mlflow_uri}", "tracking.experiment=cli_int64"])
+    assert f"Data error: bad row in {path}, line 6, column 'item': '9223372036854775808' does not fit in a signed 64-bit integer" in err
+    assert "data.sparse[item].encoding=hash" in err and "docs/data.md" in err
+    assert only_run_status(mlflow_uri, "cli_int64") == "FAILED"  # the error came mid-training, after the run started
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["model=dcn_v2", "model.embedding_dim=7"], "model.embedding_dim=7"),
+        (["data.sparse=[{name: item, num_embeddings: 10, embedding_dim: 6}]"], "data.sparse[item].embedding_dim=6"),
+    ],
+)
+def test_embedding_dim_not_a_multiple_of_4(tmp_path: Path, overrides: list[str], key: str) -> None:
+    err = cli(tmp_path, f"data.path={write_csv(tmp_path / 'a.csv')}", ITEM, *overrides)
+    assert f"Config error: {key} is not a multiple of 4: fbgemm's fused embedding kernels" in err
+    assert "Fix: use a multiple of 4, e.g." in err and "AssertionError" not in err
+
+
+def test_epoch_without_a_full_step_after_skipping_says_how_many_rows(tmp_path: Path, mlflow_uri: str) -> None:
+    path = tmp_path / "labels.csv"
+    path.write_text("label,item\n" + "".join(f"2,{i % 10}\n" for i in range(ROWS)))  # every label bad
+    err = cli(tmp_path, f"data.path={path}", f"data.eval_path={write_csv(tmp_path / 'eval.csv')}", ITEM, "data.on_bad_rows=skip",
+              tracking=[f"tracking.uri={mlflow_uri}", "tracking.experiment=cli_no_step"])
+    assert ("Data error: epoch 0 gave rank 0 no full training step of 4 rows (data.batch_size=4 x train.grad_accum_steps=1): "
+            f"its share of data.path='{path}' was {ROWS} training rows, and {ROWS} of them were bad rows skipped") in err
+    assert "with data.on_bad_rows=fail the run stops at the first one" in err
+    assert only_run_status(mlflow_uri, "cli_no_step") == "FAILED"
+
+
+def test_epoch_smaller_than_a_batch(tmp_path: Path) -> None:
+    path = write_csv(tmp_path / "small.csv")
+    err = cli(tmp_path, f"data.path={path}", f"data.eval_path={path}", ITEM, "data.batch_size=64")
+    assert f"no full training step of 64 rows (data.batch_size=64 x train.grad_accum_steps=1): its share of data.path='{path}' was {ROWS} " in err
+    assert "Fix: more data, or a smaller data.batch_size" in err
+
+
+def test_nan_field_is_reported_as_nan(tmp_path: Path) -> None:
+    path = write_csv(tmp_path / "nan.csv", bad_line=6, bad_text="1,3,nan")
+    err = cli(tmp_path, f"data.path={path}", f"data.eval_path={path}", ITEM, "data.dense=[{name: price}]")
+    assert f"Data error: bad row in {path}, line 6, column 'price': the value is nan, not a finite number" in err
+
+
+def test_nan_label_is_reported_as_nan_not_missing(tmp_path: Path) -> None:
+    path = write_csv(tmp_path / "nanlabel.csv", bad_line=4, bad_text="nan,3,1.0")
+    err = cli(tmp_path, f"data.path={path}", f"data.eval_path={path}", ITEM)
+    assert f"Data error: bad row in {path}, line 4, column 'label': the label is nan, but the task is binary" in err
+
+
+def test_parquet_file_given_to_data_csv(tmp_path: Path) -> None:
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"label": [0, 1] * 20, "item": list(range(10)) * 4}), path)
+    err = cli(tmp_path, f"data.path={path}", ITEM)
+    assert f"Data error: {path} looks like a Parquet file (it begins with Parquet's magic bytes PAR1)" in err
+    assert f"Fix: use data=parquet data.path={path}" in err
+
+
+def test_csv_file_given_to_data_parquet(tmp_path: Path) -> None:
+    path = write_csv(tmp_path / "t.csv")
+    err = cli(tmp_path, f"data.path={path}", ITEM, data="parquet")
+    assert f"Data error: {path} is not a Parquet file" in err and "first line 'label,item,price'" in err and "Fix: use data=csv" in err
+
+
+def test_tsv_read_with_comma_delimiter_says_set_tab(tmp_path: Path) -> None:
+    path = write_csv(tmp_path / "t.tsv", delimiter="\t")
+    err = cli(tmp_path, f"data.path={path}", ITEM)
+    assert f"Data error: {path} has no column 'label': its header line is one column, 'label\\titem\\tprice'" in err
+    assert "the file looks tab-separated, but data.delimiter=','. Fix: set data.delimiter='\\t'" in err
+
+
+def test_the_suggested_tab_delimiter_works(tmp_path: Path) -> None:
+    """``data.delimiter='\\t'`` on the command line reaches the config as backslash + t, which means a tab."""
+    assert CsvDataConfig(path="x", delimiter="\\t").delimiter == "\t"
+    path = write_csv(tmp_path / "t.tsv", delimiter="\t")
+    data = CsvData(path=str(path), eval_path=str(path), batch_size=4, shuffle=False, delimiter="\\t", sparse=[{"name": "item", "num_embeddings": 10}])
+    assert next(iter(data.train_batches(0, 0, 1))).sparse_features.values().tolist() == [0, 1, 2, 3]
+
+
+def test_file_level_error_at_startup_is_a_data_error_with_exit_2(tmp_path: Path) -> None:
+    """Raised in the data module's constructor, i.e. inside hydra.utils.instantiate, which wraps exceptions."""
+    path = write_csv(tmp_path / "cols.csv")
+    err = cli(tmp_path, f"data.path={path}", "data.sparse=[{name: itme, num_embeddings: 10}]")
+    assert f"Data error: {path} has no column 'itme'; its header lists ['label', 'item', 'price']. Fix: correct the column names" in err
