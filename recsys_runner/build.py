@@ -27,7 +27,7 @@ from torchrec.optim.keyed import CombinedOptimizer
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from recsys_runner.checkpoint import Checkpointer, TrainState
-from recsys_runner.config import RunConfig
+from recsys_runner.config import RunConfig, check_eval_keys
 from recsys_runner.data import DataModule
 from recsys_runner.distributed import DistEnv, Distributed
 from recsys_runner.ema import DenseEMA
@@ -108,6 +108,7 @@ def build(cfg: DictConfig, run: RunConfig) -> Components:
         total_steps = _total_steps(run, steps_per_epoch)
         model = instantiate(cfg.model)(features=data.features, dense_device=env.device)
         wrapped = TrainWrapper(model, autocast=precision.autocast(env.device), features=data.features)
+        check_eval_keys(run, wrapped.tasks, data.features.sparse_names)  # before the tracker starts a run
         apply_sparse_optimizer(wrapped, instantiate(cfg.optim.sparse))
         plan = distributed.plan(wrapped, batch_size=data.batch_size)
         sharded = distributed.shard(wrapped, plan)

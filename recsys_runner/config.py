@@ -13,11 +13,14 @@ group, data or model exists.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from recsys_runner.checkpoint import CheckpointConfig
@@ -26,7 +29,8 @@ from recsys_runner.data.tabular import CriteoDataConfig, CsvDataConfig, ParquetD
 from recsys_runner.distributed import DistributedConfig, check_sharding_types, resolve_device_type
 from recsys_runner.ema import EmaConfig
 from recsys_runner.errors import ConfigError, require
-from recsys_runner.metrics import MetricsConfig
+from recsys_runner.metrics import MetricsConfig, eval_metric_keys
+from recsys_runner.models.common import Task
 from recsys_runner.models.dcn_v2 import DCNv2Config
 from recsys_runner.models.deepfm import DeepFMConfig
 from recsys_runner.models.dlrm import DLRMConfig
@@ -194,9 +198,11 @@ def validate(cfg: DictConfig) -> RunConfig:
     """Resolve and type-check ``cfg`` and run every schema's ``__post_init__``.
 
     Raises:
-        ConfigError: naming the key and the fix, for any invalid value or combination.
+        ConfigError: naming the key and the fix, for any invalid value or combination, or for a key
+            the schema does not define (:func:`check_known_keys`).
     """
     try:
+        check_known_keys(cfg)
         run = OmegaConf.to_object(cfg)
     except ConfigError:
         raise
@@ -210,6 +216,98 @@ def validate(cfg: DictConfig) -> RunConfig:
     check_sparse_on_device(run.optim.sparse._target_, device_type)
     check_sharding_types(run.distributed.sharding_types, device_type, run.distributed.tables)
     return run
+
+
+def check_known_keys(cfg: DictConfig) -> None:
+    """Raise :class:`ConfigError` for a key the schema does not define, e.g. ``+train.num_step=5``.
+
+    Hydra's ``+key=value`` adds a key even to a structured config, and ``OmegaConf.to_object``
+    would then drop it silently, so a typo would train with the default instead. The rule follows
+    the dataclass field types, as OmegaConf records them on each node: a node typed by a dataclass
+    holds only that dataclass's fields; a node typed as a mapping (a ``dict[str, X]`` field such as
+    ``checkpoint.name_map``, ``distributed.tables`` or ``optim.parts``, or a mapping given to an
+    ``Any`` field such as ``data.labels``) is free-form, and each of its values is checked by its own
+    type in turn (``distributed.tables.<name>`` is a ``TableShardingConfig``, a scheduler chosen with
+    ``+scheduler@optim.parts.<name>.scheduler=…`` is that scheduler's dataclass). ``hydra.*`` is
+    Hydra's own and not checked here.
+    """
+    keys = list(_schema_keys(cfg, ""))
+    unknown = [(key, siblings) for key, siblings in keys if siblings is not None]
+    if not unknown:
+        return
+    key, siblings = unknown[0]
+    parent, _, name = key.rpartition(".")
+    known = [k for k, s in keys if s is None]
+    close = difflib.get_close_matches(name, siblings, n=1)
+    suggestion: str | None
+    if close:
+        suggestion = f"{parent}.{close[0]}" if parent else close[0]
+    else:  # perhaps the right name in the wrong section: a known key with a similar last part
+        similar = [k for k in known if difflib.get_close_matches(name, [k.rpartition(".")[2]], n=1)]
+        suggestion = max(similar, key=lambda k: difflib.SequenceMatcher(None, key, k).ratio()) if similar else None
+    hint = f" (did you mean {suggestion}?)" if suggestion else ""
+    fix = f"set {suggestion} instead" if suggestion else "remove it"
+    valid = ", ".join(s for s in siblings if not s.startswith("_"))
+    where = f"the keys of {parent} are" if parent else "the top-level keys are"
+    others = f" Also unknown: {', '.join(k for k, _ in unknown[1:])}." if len(unknown) > 1 else ""
+    raise ConfigError(
+        f"unknown key {key}{hint}. Fix: {fix} (a leading + adds keys only to free-form maps such as "
+        f"checkpoint.name_map); {where} {valid} (python -m recsys_runner --help lists every key).{others}"
+    )
+
+
+def _schema_keys(node: Any, path: str) -> Iterator[tuple[str, list[str] | None]]:
+    """Every key under ``node`` with ``None`` if the schema allows it, else the fields its dataclass has."""
+    if not isinstance(node, DictConfig | ListConfig) or node._is_none() or node._is_missing():
+        return  # a value, or a null or missing section
+    if isinstance(node, ListConfig):
+        for i, item in enumerate(node):
+            yield from _schema_keys(item, f"{path}[{i}]")
+        return
+    typ = OmegaConf.get_type(node)
+    fields = [f.name for f in dataclasses.fields(typ)] if typ is not None and dataclasses.is_dataclass(typ) else None
+    for raw_key, child in node.items_ex(resolve=False):
+        key = str(raw_key)
+        full = f"{path}.{key}" if path else key
+        if not path and key == "hydra":
+            continue
+        if fields is not None and key not in fields:
+            yield full, fields
+            continue
+        yield full, None
+        yield from _schema_keys(child, full)
+
+
+def check_eval_keys(run: RunConfig, tasks: tuple[Task, ...], sparse_names: list[str]) -> None:
+    """Check every key that names an eval metric or a feature against what this run will produce.
+
+    Called by :func:`recsys_runner.build.build` as soon as the model's tasks and the data's features
+    exist, before any MLflow run starts, so a typo fails the job up front rather than after
+    training (when a sweep would lose the trial). The eval keys are :func:`eval_metric_keys`, the
+    ones the runner's evaluation logs. ``train.early_stopping.metric`` is checked only when early
+    stopping is on (``patience`` set).
+
+    Raises:
+        ConfigError: naming the key, the valid values and the closest one.
+    """
+    keys = eval_metric_keys(run.metrics, tasks)
+    require(bool(keys), "no eval metric is configured, so the job has no result (train.objective). Fix: list at least one "
+            "in metrics.eval (or in the model's own eval_metrics where it has them), e.g. metrics.eval=[auc]")
+    named = {"train.objective": run.train.objective, "checkpoint.best_metric": run.checkpoint.best_metric,
+             "train.early_stopping.metric": run.train.early_stopping.metric if run.train.early_stopping.patience is not None else None}
+    for name, value in named.items():
+        _require_one_of(name, value, keys, "an eval metric this run logs")
+    _require_one_of("metrics.grouping_key", run.metrics.grouping_key, sparse_names, "a sparse feature of the data")
+
+
+def _require_one_of(name: str, value: str | None, valid: list[str], what: str) -> None:
+    """:class:`ConfigError` unless ``value`` is ``None`` or in ``valid``, suggesting the closest valid value."""
+    if value is None or value in valid:
+        return
+    closest = difflib.get_close_matches(value, valid, n=1, cutoff=0.0)
+    if not closest:
+        raise ConfigError(f"{name}={value!r} is not {what}, and there is none. Fix: {name}=null")
+    raise ConfigError(f"{name}={value!r} is not {what} (closest: {closest[0]}); valid: {', '.join(valid)}. Fix: {name}={closest[0]}")
 
 
 def _omegaconf_message(e: OmegaConfBaseException) -> str:

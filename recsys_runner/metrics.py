@@ -681,8 +681,23 @@ def metric_key(name: str) -> str:
     return name.replace("@", "_at_")
 
 
+def eval_key(task: Task, name: str) -> str:
+    """The logged key of ``task``'s eval metric ``name``: ``eval/<task>/<metric>`` (``eval/<metric>`` for an
+    unnamed task), through :func:`metric_key`; e.g. ``eval/auc``, ``eval/ctr/auc``, ``eval/recall_at_10``."""
+    return f"eval/{'' if task.name is None else f'{task.name}/'}{metric_key(name)}"
+
+
+def eval_metric_keys(spec: MetricsConfig, tasks: tuple[Task, ...]) -> list[str]:
+    """Exactly the keys :meth:`TaskEvalMetrics.compute` returns for ``tasks`` and ``spec``, in its order.
+
+    Known before training, so keys that name an eval metric (``train.objective``,
+    ``checkpoint.best_metric``, ``train.early_stopping.metric``) are checked before the first step.
+    """
+    return [eval_key(task, name) for task in tasks for name in _task_spec(spec, task).eval]
+
+
 class TaskEvalMetrics:
-    """Each task's eval metrics; keys ``<task>/<metric>`` (plain ``<metric>`` for an unnamed task), through :func:`metric_key`.
+    """Each task's eval metrics, keyed by :func:`eval_key` (``eval/auc``, ``eval/ctr/auc``): :func:`eval_metric_keys`.
 
     ``update(logits, labels, groups=None)`` takes the TrainWrapper's ``(logits, labels)``; ``compute()``
     is collective under a process group, like :func:`build_eval_metrics`.
@@ -690,7 +705,8 @@ class TaskEvalMetrics:
 
     def __init__(self, spec: MetricsConfig, tasks: tuple[Task, ...], device: torch.device) -> None:
         self.tasks = tasks
-        self.collections = [build_eval_metrics(_task_spec(spec, t), device) for t in tasks]
+        self.specs = [_task_spec(spec, t) for t in tasks]
+        self.collections = [build_eval_metrics(s, device) for s in self.specs]
 
     def update(self, logits: Tensor, labels: Tensor, groups: Tensor | None = None) -> None:
         extra = {} if groups is None else {"groups": groups}
@@ -699,10 +715,11 @@ class TaskEvalMetrics:
             metrics.update(preds, targets, **({} if task.kind == "retrieval" else extra))
 
     def compute(self) -> dict[str, float]:
+        """``{key: value}`` in :func:`eval_metric_keys` order: task by task, each task's metrics as configured."""
         out: dict[str, float] = {}
-        for task, metrics in zip(self.tasks, self.collections, strict=True):
-            prefix = "" if task.name is None else f"{task.name}/"
-            out |= {f"{prefix}{metric_key(k)}": float(v) for k, v in metrics.compute().items()}
+        for task, task_spec, metrics in zip(self.tasks, self.specs, self.collections, strict=True):
+            values = metrics.compute()
+            out |= {eval_key(task, name): float(values[name]) for name in task_spec.eval}
         return out
 
 

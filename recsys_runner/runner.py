@@ -167,7 +167,7 @@ def evaluate(c: Components) -> dict[str, float]:
                 groups = {"groups": grouping_ids(batch.sparse_features, key)} if key else {}
                 metrics.update(logits, labels, **groups)
         model.train()
-    return {f"eval/{k}": v for k, v in metrics.compute().items()}
+    return metrics.compute()
 
 
 def _data_metrics(c: Components) -> dict[str, float]:

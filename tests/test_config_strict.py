@@ -1,0 +1,157 @@
+"""Nothing is silently ignored or checked late: unknown keys (even added with ``+``) and keys naming
+an eval metric or a feature fail before the first step and before an MLflow run exists."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from recsys_runner.build import build
+from recsys_runner.config import validate
+from recsys_runner.errors import ConfigError
+from recsys_runner.metrics import eval_metric_keys
+from recsys_runner.runner import evaluate
+from tests.conftest import TINY, run_cli
+
+STEP_LINE = re.compile(r"\bstep \d+/\d+")
+"""A training log line (``step 10/30 train/loss=…``)."""
+
+
+def _cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    return run_cli(*TINY, f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "tracking.experiment=strict",
+                   "distributed.device=cpu", *overrides, cwd=tmp_path, timeout=300)
+
+
+def _runs(tmp_path: Path) -> list[Any]:
+    """The MLflow runs of experiment ``strict`` in ``tmp_path``'s store (none when no store was created)."""
+    if not (tmp_path / "mlflow.db").exists():
+        return []
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    experiment = client.get_experiment_by_name("strict")
+    return [] if experiment is None else client.search_runs([experiment.experiment_id])
+
+
+def _assert_config_error(out: subprocess.CompletedProcess[str], *fragments: str) -> None:
+    text = out.stdout + out.stderr
+    assert out.returncode == 2, text[-3000:]
+    assert "Config error: " in out.stderr, text[-3000:]
+    for fragment in fragments:
+        assert fragment in out.stderr, f"{fragment!r} missing from:\n{out.stderr}"
+    assert "Traceback" not in out.stderr
+
+
+# ----- 3. unknown keys are errors, even with + ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("override", "fragments"),
+    [
+        ("+foo=1", ["unknown key foo.", "Fix: remove it", "the top-level keys are model, data, optim"]),
+        ("+train.num_step=5", ["unknown key train.num_step (did you mean train.num_steps?)", "Fix: set train.num_steps instead"]),
+        ("+model.embeding_dim=8", ["unknown key model.embeding_dim (did you mean model.embedding_dim?)",
+                                   "the keys of model are embedding_dim, dense_arch_layer_sizes, deep_layer_sizes"]),
+    ],
+    ids=["top-level", "train", "nested-group"],
+)
+def test_cli_rejects_unknown_keys_added_with_plus(tmp_path: Path, override: str, fragments: list[str]) -> None:
+    out = _cli(tmp_path, override)
+    _assert_config_error(out, *fragments)
+    assert not STEP_LINE.search(out.stdout + out.stderr)
+    assert _runs(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["+train.clip_grad.mx=1.0"], r"unknown key train.clip_grad.mx \(did you mean train.clip_grad.max\?\)"),
+        (["+lr=0.1"], r"unknown key lr \(did you mean optim.lr\?\)"),
+        # A structured value under an Any field is checked at its own level…
+        (["+scheduler@optim.sparse_scheduler=cosine", "+optim.sparse_scheduler.warmup=5"],
+         r"unknown key optim.sparse_scheduler.warmup \(did you mean optim.sparse_scheduler.warmup_steps\?\)"),
+        # …and so is one inside a free-form map (optim.parts.<name> is free, its scheduler is a ManualStepConfig).
+        (["+optim.parts.deep={pattern: 'deep[.]', optimizer: {_target_: torch.optim.SGD, _partial_: true, lr: 0.1}}",
+          "+scheduler@optim.parts.deep.scheduler=manual_step", "+optim.parts.deep.scheduler.boundary=[5]"],
+         r"unknown key optim.parts.deep.scheduler.boundary \(did you mean optim.parts.deep.scheduler.boundaries\?\)"),
+        (["+train.num_step=5", "+foo=1"], r"unknown key train.num_step .*Also unknown: foo\.$"),
+    ],
+    ids=["nested-dataclass", "wrong-section", "any-field-value", "free-form-map-value", "several"],
+)
+def test_validate_rejects_unknown_keys_at_every_level(make_cfg, overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        validate(make_cfg(*overrides, "tracking=none"))
+
+
+def test_free_form_map_entries_are_still_accepted(make_cfg) -> None:
+    cfg = make_cfg(
+        "+checkpoint.name_map.a=b",
+        "+optim.parts.deep={pattern: 'deep[.]', optimizer: {_target_: torch.optim.SGD, _partial_: true, lr: 0.1}}",
+        "+scheduler@optim.parts.deep.scheduler=manual_step",
+        "+distributed.tables={t_cat_0: {sharding_types: [data_parallel]}}",
+        "tracking=none",
+    )
+    run = validate(cfg)
+    assert run.checkpoint.name_map == {"a": "b"}
+    assert run.optim.parts["deep"]["pattern"] == "deep[.]"
+    assert run.distributed.tables["t_cat_0"].sharding_types == ["data_parallel"]
+
+
+# ----- 4. every check before the first step -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragments"),
+    [
+        (["train.objective=eval/nonexistent"],
+         ["train.objective='eval/nonexistent' is not an eval metric this run logs", "valid: eval/auc, eval/logloss"]),
+        (["checkpoint.best_metric=eval/acu", "checkpoint.dir=ckpt"],
+         ["checkpoint.best_metric='eval/acu' is not an eval metric this run logs (closest: eval/auc)",
+          "valid: eval/auc, eval/logloss", "Fix: checkpoint.best_metric=eval/auc"]),
+        (["train.early_stopping.patience=2", "train.eval_every_steps=10", "train.early_stopping.metric=eval/loglos"],
+         ["train.early_stopping.metric='eval/loglos' is not an eval metric this run logs (closest: eval/logloss)",
+          "Fix: train.early_stopping.metric=eval/logloss"]),
+        (["metrics.eval=[auc,gauc]", "metrics.grouping_key=cat_00"],
+         ["metrics.grouping_key='cat_00' is not a sparse feature of the data (closest: cat_0)", "valid: cat_0, cat_1,"]),
+        (["model=mmoe", "data=synthetic_multitask", "train.objective=eval/auc"],
+         ["train.objective='eval/auc' is not an eval metric this run logs", "valid: eval/ctr/auc, eval/ctr/logloss, "
+          "eval/cvr/auc, eval/cvr/logloss"]),
+    ],
+    ids=["objective", "best-metric", "early-stopping-metric", "grouping-key", "multitask-objective"],
+)
+def test_cli_checks_metric_and_feature_keys_before_training(tmp_path: Path, overrides: list[str], fragments: list[str]) -> None:
+    out = _cli(tmp_path, *overrides)
+    _assert_config_error(out, *fragments)
+    assert not STEP_LINE.search(out.stdout + out.stderr), "training started before the check"
+    assert _runs(tmp_path) == [], "an MLflow run was created before the check"
+
+
+def test_cli_accepts_a_task_metric_of_a_multitask_model(tmp_path: Path) -> None:
+    out = _cli(tmp_path, "model=mmoe", "data=synthetic_multitask", "train.num_steps=10", "train.objective=eval/ctr/auc",
+               "train.eval_every_steps=5", "train.early_stopping.patience=3", "train.early_stopping.metric=eval/cvr/logloss",
+               "train.early_stopping.mode=min", "checkpoint.best_metric=eval/ctr/auc", "checkpoint.dir=ckpt")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert STEP_LINE.search(out.stdout)
+    (run,) = _runs(tmp_path)
+    assert run.info.status == "FINISHED" and "eval/ctr/auc" in run.data.metrics
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["metrics.eval=[auc,logloss,gauc,ne,calibration]", "metrics.grouping_key=cat_0"],
+        ["model=mmoe", "data=synthetic_multitask", "model.task_kinds=[binary,regression]"],
+        ["model=dssm", "data=synthetic_retrieval"],
+    ],
+    ids=["single-task", "multitask", "retrieval"],
+)
+def test_eval_metric_keys_are_exactly_what_evaluate_logs(make_cfg, overrides: list[str]) -> None:
+    cfg = make_cfg(*overrides, "train.eval_max_batches=2", "tracking=none")
+    c = build(cfg, validate(cfg))
+    try:
+        assert list(evaluate(c)) == eval_metric_keys(c.run.metrics, c.tasks)
+    finally:
+        c.close()
