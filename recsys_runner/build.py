@@ -6,11 +6,14 @@ is left → lr schedules → step policy → train pipeline → tracker → chec
 resumed or fine-tuned state last, once everything it loads into exists). Every component comes
 from ``hydra.utils.instantiate``; the ones that need runtime objects (the data's features, the
 device, the parameters that exist only after sharding, the step count) are partials completed
-here. Nothing here knows a model's or an optimizer's name.
+here. The model config's declared data needs (``data_needs()``) reach the data config before the data
+is instantiated, so generated data shapes itself to the model (``for_model``); file-backed data keeps
+its columns and the model checks them. Nothing here knows a model's or an optimizer's name.
 """
 
 from __future__ import annotations
 
+import copy
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +35,7 @@ from recsys_runner.data import DataModule
 from recsys_runner.distributed import DistEnv, Distributed
 from recsys_runner.ema import DenseEMA
 from recsys_runner.errors import ConfigError
+from recsys_runner.features import data_for_model, model_data_needs
 from recsys_runner.metrics import TaskTrainMetrics
 from recsys_runner.models.common import Task, TrainWrapper
 from recsys_runner.optim import apply_sparse_optimizer, dense_optimizers
@@ -103,7 +107,7 @@ def build(cfg: DictConfig, run: RunConfig) -> Components:
     try:
         precision = instantiate(cfg.precision)
         precision.apply_tf32()
-        data: DataModule = instantiate(cfg.data)
+        data: DataModule = instantiate(_data_for_model(cfg, run))
         steps_per_epoch = _steps_per_epoch(data, env.world_size, run.train.grad_accum_steps)
         total_steps = _total_steps(run, steps_per_epoch)
         model = instantiate(cfg.model)(features=data.features, dense_device=env.device)
@@ -126,10 +130,12 @@ def build(cfg: DictConfig, run: RunConfig) -> Components:
             policy.install(pipeline, sharded)
         tracker: Tracker = instantiate(cfg.tracking)() if env.is_main else NullTracker()
         early_stopping = EarlyStopping(**vars(run.train.early_stopping))
+        train_metrics = TaskTrainMetrics(run.metrics, wrapped.tasks, env.device)
         checkpointer = instantiate(cfg.checkpoint)(rank=env.rank, world_size=env.world_size)
         checkpointer.attach(
             model=sharded, optimizer=optimizer, tensors={"ema": ema} if ema is not None else {},
-            objects={"lr_scheduler": SchedulePosition(lr_scheduler), "policy": policy, "early_stopping": early_stopping},
+            objects={"lr_scheduler": SchedulePosition(lr_scheduler), "policy": policy, "early_stopping": early_stopping,
+                     "train_metrics": train_metrics},
         )
         state = checkpointer.restore()
     except BaseException:
@@ -141,8 +147,20 @@ def build(cfg: DictConfig, run: RunConfig) -> Components:
         run=run, env=env, distributed=distributed, data=data, model=sharded, plan=plan, optimizer=optimizer,
         lr_scheduler=lr_scheduler, pipeline=pipeline, tracker=tracker, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
         policy=policy, ema=ema, early_stopping=early_stopping, checkpointer=checkpointer, state=state,
-        train_metrics=TaskTrainMetrics(run.metrics, wrapped.tasks, env.device), tasks=wrapped.tasks,
+        train_metrics=train_metrics, tasks=wrapped.tasks,
     )
+
+
+def _data_for_model(cfg: DictConfig, run: RunConfig) -> DictConfig:
+    """``cfg.data`` with the changes that make it serve the model's declared needs: the fields generated data
+    leaves to the model (its tasks, its towers' pairs); unchanged for data whose columns are fixed."""
+    changes = data_for_model(run.data, model_data_needs(run.model))
+    if not changes:
+        return cfg.data
+    node = copy.deepcopy(cfg)  # the whole config, so interpolations in cfg.data still resolve
+    for key, value in changes.items():
+        node.data[key] = value  # replaces the field (a mapping too) with the schema's type checks
+    return node.data
 
 
 def _schedules(cfg: DictConfig, total_steps: int, steps_per_epoch: int | None) -> tuple[dict[str, Any], Any]:

@@ -8,6 +8,7 @@ table sizes are written once, in the data config, and never repeated in the mode
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
@@ -132,3 +133,35 @@ class FeatureSpec:
                 f"data.sparse sets embedding_dim {mixed}. Fix: remove embedding_dim from those data.sparse entries, or "
                 f"set it to {embedding_dim}"
             )
+
+
+@dataclass(frozen=True, slots=True)
+class DataNeeds:
+    """What a model asks of its data, declared by its config before anything is built.
+
+    Generated data shapes itself to it, so the default ``data=synthetic`` serves every model; data
+    read from files has fixed columns and the model checks them instead (a missing label is a
+    :class:`ConfigError`).
+    """
+
+    labels: tuple[str, ...] = ()
+    """One label per task, in this order (``Batch.labels [B, T]``); empty: one unnamed label ``[B]``."""
+    label_kinds: tuple[str, ...] = ()
+    """``binary`` or ``regression`` per label of ``labels``; empty: all binary."""
+    user_features: tuple[str, ...] = ()
+    """A two-tower model's user (query) features: each row must be a (user, item) pair worth retrieving."""
+    item_features: tuple[str, ...] = ()
+    """The two-tower model's item (candidate) features."""
+
+
+def model_data_needs(model_config: Any) -> DataNeeds:
+    """The model config's ``data_needs()``; a model that declares none needs one binary label ``[B]``."""
+    declare = getattr(model_config, "data_needs", None)
+    return declare() if declare is not None else DataNeeds()
+
+
+def data_for_model(data_config: Any, needs: DataNeeds) -> dict[str, Any]:
+    """The data config fields to change so that the data serves ``needs`` (its config's ``for_model``), as
+    ``instantiate`` overrides; none for data whose labels and columns are fixed (files)."""
+    serve = getattr(data_config, "for_model", None)
+    return serve(needs) if serve is not None else {}

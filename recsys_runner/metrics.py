@@ -28,11 +28,12 @@ would not join the gather).
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,7 @@ from recsys_runner.errors import ConfigError, require
 if TYPE_CHECKING:
     from recsys_runner.models.common import Task
 
+log = logging.getLogger(__name__)
 _EPS = 1e-7
 
 
@@ -466,6 +468,7 @@ class DecayingMetric(nn.Module):
 
     def __init__(self, metric: Metric, decay_rate: float, decay_step: int) -> None:
         super().__init__()
+        metric.persistent(True)  # its states (the open window, DecayAUC's history) belong in checkpoints
         self.metric = metric
         self.decay_rate, self.decay_step = decay_rate, decay_step
         self.register_buffer("value", torch.tensor(torch.nan, dtype=torch.float64))
@@ -492,6 +495,29 @@ class DecayingMetric(nn.Module):
             return self.metric.compute() if self.num_updates else self.value
         return self.value
 
+    def checkpoint_state(self) -> dict[str, Any]:
+        """This rank's progress, on CPU: the update count, the decayed value (the same on every rank) and the
+        wrapped metric's states (this rank's share of the open window; DecayAUC's history)."""
+        return {"num_updates": self.num_updates, "value": self.value.cpu(), "metric": _moved(self.metric.state_dict(), torch.device("cpu"))}
+
+    def load_checkpoint_state(self, state: Mapping[str, Any], own: bool = True) -> None:
+        """Continue from :meth:`checkpoint_state`; ``own=False`` (another rank's state) takes only the shared
+        update count and value, and starts this rank's share of the window and history empty."""
+        self.metric.reset()
+        if own:
+            self.metric.load_state_dict(_moved(state["metric"], self.value.device))
+        self.value = state["value"].to(self.value)
+        self.num_updates = int(state["num_updates"])
+
+
+def _moved(states: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    """Metric states (tensors, or lists of tensors for row-keeping metrics) on ``device``."""
+    return {k: [t.to(device) for t in v] if isinstance(v, list) else v.to(device) for k, v in states.items()}
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
+
 
 def _synced_sums(*tensors: Tensor) -> tuple[Tensor, ...]:
     """``tensors`` summed over the process group (copies; unchanged without one)."""
@@ -517,7 +543,12 @@ class TrainMetrics(nn.Module):
             metric.update(preds, labels)
 
     def compute(self) -> dict[str, float]:
-        return {f"{self.prefix}{name}": float(metric.compute()) for name, metric in self._items()}
+        return {key: float(metric.compute()) for key, metric in self.named_metrics()}
+
+    def named_metrics(self) -> Iterator[tuple[str, DecayingMetric]]:
+        """``(logged key, metric)`` pairs, e.g. ``("train/auc", DecayingMetric(DecayAUC(), …))``."""
+        for name, metric in self._items():
+            yield f"{self.prefix}{name}", metric
 
     def _items(self) -> Iterator[tuple[str, DecayingMetric]]:
         for name, metric in self.metrics.items():
@@ -723,22 +754,19 @@ class TaskEvalMetrics:
         return out
 
 
-class TaskTrainMetrics(nn.Module):
+class TaskTrainMetrics:
     """Each task's decaying train metrics, fed with the TrainWrapper's ``(logits, labels)``.
 
     Keys ``train/<task>/<metric>`` (plain ``train/<metric>`` for an unnamed task). A single binary
     task costs what :class:`TrainMetrics` alone costs: one ``sigmoid`` per step, none without metrics.
+    ``state_dict``/``load_state_dict`` checkpoint each rank's decaying state, so a resumed run logs the
+    train metrics the uninterrupted run would.
     """
 
-    per_task: nn.ModuleList
-
     def __init__(self, spec: MetricsConfig, tasks: tuple[Task, ...], device: torch.device) -> None:
-        super().__init__()
         self.tasks = tasks
-        built = [build_train_metrics(_task_spec(spec, t), device, "train/" if t.name is None else f"train/{t.name}/") for t in tasks]
-        self.per_task = nn.ModuleList(built)
-        self._active = [(i, t, m) for i, (t, m) in enumerate(zip(tasks, built, strict=True)) if len(m.metrics)]
-        self._built = built
+        self.per_task = [build_train_metrics(_task_spec(spec, t), device, "train/" if t.name is None else f"train/{t.name}/") for t in tasks]
+        self._active = [(i, t, m) for i, (t, m) in enumerate(zip(tasks, self.per_task, strict=True)) if len(m.metrics)]
 
     def update(self, logits: Tensor, labels: Tensor) -> None:
         for i, task, metrics in self._active:
@@ -746,9 +774,29 @@ class TaskTrainMetrics(nn.Module):
 
     def compute(self) -> dict[str, float]:
         out: dict[str, float] = {}
-        for metrics in self._built:
+        for metrics in self.per_task:
             out |= metrics.compute()
         return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's decaying state by logged key (:meth:`DecayingMetric.checkpoint_state`), and the saving rank."""
+        return {"rank": _rank(), "metrics": {key: m.checkpoint_state() for ms in self.per_task for key, m in ms.named_metrics()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict`. A metric the checkpoint lacks (added to ``metrics.train`` since) starts
+        fresh, one no longer configured is ignored. A rank resuming from another rank's file (more ranks than
+        saved) takes the shared value and window position with an empty share of window and history, so no
+        row is counted twice."""
+        saved, own = state["metrics"], state["rank"] == _rank()
+        fresh = []
+        for metrics in self.per_task:
+            for key, metric in metrics.named_metrics():
+                if key in saved:
+                    metric.load_checkpoint_state(saved[key], own=own)
+                else:
+                    fresh.append(key)
+        if fresh:
+            log.info("train metrics %s are not in the checkpoint and start fresh", fresh)
 
 
 def grouping_ids(sparse: KeyedJaggedTensor, key: str) -> Tensor:

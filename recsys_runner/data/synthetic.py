@@ -7,9 +7,14 @@ AUC far above 0.5 (about 0.8 with the defaults); one that learns nothing stays a
 
 With ``tasks=[ctr, cvr, …]`` a batch carries one label per task (``labels [B, T]``), a conversion
 funnel like Taobao's: the first task is the click drawn as above; each later task has a hidden world
-of its own and is only ever positive on a clicked row (``label_t = click · Bernoulli(p_t)``). With
-``user_item_clusters=K`` the id of ``cat_1`` (the "item") lies in the cluster ``id mod K`` of
-``cat_0`` (the "user"): a two-tower model can learn which items go with which users.
+of its own and is only ever positive on a clicked row (``label_t = click · Bernoulli(p_t)``); a
+``regression`` task's label is an amount on every row, ``softplus(score_t)``. With ``user_item_clusters=K`` the id
+of each item feature (``cat_1``) lies in the cluster ``id mod K`` of the user feature (``cat_0``): a
+two-tower model can learn which items go with which users.
+
+The data serves whichever model it is given (:meth:`SyntheticDataConfig.for_model`): the fields
+left ``null`` follow the model's declared needs, so a multi-task model gets one label per task and
+a two-tower model gets (user, item) pairs linked through its towers' features.
 
 Every batch is generated from ``(seed, split, batch index)`` alone, so any rank can produce any
 batch without reading the others, training is reproducible, and nothing is written to disk.
@@ -18,16 +23,21 @@ batch without reading the others, training is reproducible, and nothing is writt
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.errors import require
-from recsys_runner.features import FeatureSpec, SparseFeature
+from recsys_runner.features import DataNeeds, FeatureSpec, SparseFeature
 
 _TRAIN, _EVAL = 0, 1
+LABEL_KINDS = ("binary", "regression")
+PAIR_CLUSTERS = 16
+"""``K`` of the (user, item) pairs drawn for a two-tower model when ``user_item_clusters`` is null."""
 
 
 @dataclass(kw_only=True)
@@ -57,18 +67,47 @@ class SyntheticDataConfig:
     """Scale of the click score; smaller means noisier labels and a lower attainable AUC."""
     tasks: list[str] | None = None
     """Task names, one label each (``labels [B, T]``): the first is the click, each later one a
-    conversion observed only on clicked rows, e.g. ``[ctr, cvr]``. ``null``: one click label ``[B]``."""
+    conversion observed only on clicked rows, e.g. ``[ctr, cvr]``. ``null``: the model's tasks — one
+    click label ``[B]`` for a single-task model, one label per task for a multi-task one (``model=mmoe``)."""
+    label_kinds: Any = None
+    """Per task of ``tasks``: ``binary`` (the default) or ``regression`` (an amount on every row: ``softplus`` of
+    the task's own score, e.g. a watch time), e.g. ``{watch: regression}``. With
+    ``tasks: null``, the model's task kinds. A mapping, typed ``Any`` so that ``data.label_kinds={…}``
+    works as a plain override."""
     user_item_clusters: int | None = None
-    """``K``: draw ``cat_1``'s id in ``cat_0``'s cluster (``id mod K``), so user/item pairs are learnable
-    for retrieval (DSSM). ``null``: independent columns."""
+    """``K``: draw each item feature's id in the user feature's cluster (``id mod K``), so (user, item) pairs
+    are learnable for retrieval. ``null``: 16 for a two-tower model (``model=dssm``), else independent columns."""
+    user_feature: str | None = None
+    """The pairs' user column; ``null``: the first sparse feature of the model's user tower, else ``cat_0``."""
+    item_features: list[str] | None = None
+    """The pairs' item columns, each drawn in the user's cluster; ``null``: the sparse features of the
+    model's item tower, else ``[cat_1]``."""
 
     def __post_init__(self) -> None:
         if self.tasks is not None:
             require(len(self.tasks) > 0 and len(set(self.tasks)) == len(self.tasks),
                     f"data.tasks={self.tasks} must list distinct task names, e.g. data.tasks=[ctr,cvr], or be null")
+        kinds = self.label_kinds or {}
+        require(isinstance(kinds, dict), f"data.label_kinds must map task names to kinds, e.g. {{watch: regression}}; got {kinds!r}")
+        require(not kinds or self.tasks is not None,
+                f"data.label_kinds={kinds} is set but data.tasks is null (the model's tasks, with the model's kinds). "
+                f"Fix: data.label_kinds=null and model.task_kinds=[...], or list data.tasks as well")
+        unknown = sorted(set(kinds) - set(self.tasks or []))
+        require(not unknown, f"data.label_kinds names {unknown}, which are not in data.tasks={self.tasks}. Fix: one entry per task to change")
+        wrong = sorted({k for k in kinds.values() if k not in LABEL_KINDS})
+        require(not wrong, f"data.label_kinds has kind(s) {wrong}; each must be one of {list(LABEL_KINDS)}")
         if self.user_item_clusters is not None:
             require(self.user_item_clusters > 0, f"data.user_item_clusters must be positive or null, got {self.user_item_clusters}")
             require(self.num_sparse >= 2, "data.user_item_clusters needs data.num_sparse >= 2 (cat_0 is the user, cat_1 the item)")
+        sparse = _sparse_names(self.num_sparse)
+        pair = [self.user_feature] if self.user_feature is not None else []
+        strangers = [n for n in [*pair, *(self.item_features or [])] if n not in sparse]
+        require(not strangers, f"data.user_feature/item_features name {strangers}, which are not sparse columns of the synthetic "
+                f"data ({sparse[0]} … {sparse[-1]}). Fix: name cat_<i> columns, or leave them null to follow the model")
+        user, items = self.user_feature or "cat_0", self.item_features if self.item_features is not None else ["cat_1"]
+        require(len(items) > 0 and user not in items,
+                f"the pairs' item columns {items} (data.item_features) must be at least one and not the user column {user!r} "
+                f"(data.user_feature). Fix: data.item_features=[<sparse columns other than {user}>]")
         require(self.batch_size > 0, f"data.batch_size must be positive, got {self.batch_size}. Fix: data.batch_size=512")
         require(self.num_dense >= 0, f"data.num_dense must be >= 0, got {self.num_dense}")
         require(self.num_sparse > 0, f"data.num_sparse must be positive, got {self.num_sparse}: the models need at least one embedding table")
@@ -89,6 +128,43 @@ class SyntheticDataConfig:
             f"data.num_eval_rows={self.num_eval_rows} is smaller than one batch (data.batch_size={self.batch_size})",
         )
         require(self.id_skew > 0, f"data.id_skew must be positive, got {self.id_skew}")
+
+    def for_model(self, needs: DataNeeds) -> dict[str, Any]:
+        """The fields to change so that this data serves a model with ``needs`` (only fields left ``null``
+        change): the model's tasks and their kinds; for a two-tower model, (user, item) pairs linked
+        through the sparse features of its towers.
+
+        Raises:
+            ConfigError: a two-tower model's tower has no sparse feature to link the pairs through.
+        """
+        changes: dict[str, Any] = {}
+        if self.tasks is None and needs.labels:
+            changes["tasks"] = list(needs.labels)
+            kinds = {n: k for n, k in zip(needs.labels, needs.label_kinds, strict=False) if k != "binary"}
+            if kinds:
+                changes["label_kinds"] = kinds
+        sparse = _sparse_names(self.num_sparse)
+        known = {*sparse, *(f"int_{i}" for i in range(self.num_dense))}
+        towers = {"user": [n for n in needs.user_features if n in sparse], "item": [n for n in needs.item_features if n in sparse]}
+        # Unknown names are the model's to report (it lists the valid ones); only known, dense-only towers are ours.
+        if (needs.user_features or needs.item_features) and set(needs.user_features) | set(needs.item_features) <= known:
+            empty = [side for side, names in towers.items() if not names]
+            require(not empty, f"data=synthetic links each (user, item) pair through a sparse feature of each tower, but the model's "
+                    f"{' and '.join(empty)} tower has none (user: {list(needs.user_features)}, item: {list(needs.item_features)}). "
+                    f"Fix: add a sparse feature to it (e.g. model.user_features=[cat_0,…], model.item_features=[cat_1,…]), or train "
+                    f"on logged pairs (data=parquet)")
+            if self.user_feature is None:
+                changes["user_feature"] = towers["user"][0]
+            if self.item_features is None:
+                changes["item_features"] = towers["item"]
+            if self.user_item_clusters is None:
+                changes["user_item_clusters"] = PAIR_CLUSTERS
+        replace(self, **changes)  # the combination passes the same checks as a configured one
+        return changes
+
+
+def _sparse_names(num_sparse: int) -> list[str]:
+    return [f"cat_{i}" for i in range(num_sparse)]
 
 
 class SyntheticData:
@@ -116,7 +192,10 @@ class SyntheticData:
         seed: int = 0,
         label_noise: float = 1.0,
         tasks: list[str] | None = None,
+        label_kinds: dict[str, str] | None = None,
         user_item_clusters: int | None = None,
+        user_feature: str | None = None,
+        item_features: list[str] | None = None,
     ) -> None:
         sizes = list(num_embeddings_per_feature or [num_embeddings] * num_sparse)
         self.features = FeatureSpec(
@@ -135,7 +214,12 @@ class SyntheticData:
         self._task_worlds = [
             _World.draw(seed * 1000 + t, num_dense, sizes, label_noise, bias=0.0) for t in range(1, len(tasks or []))
         ]
+        self._kinds = [(label_kinds or {}).get(t, "binary") for t in tasks or []]
         self._clusters = user_item_clusters
+        if user_item_clusters is not None:
+            names = self.features.sparse_names
+            self._user = names.index(user_feature or "cat_0")
+            self._items = [names.index(n) for n in item_features or ["cat_1"]]
 
     def num_train_batches(self, world_size: int) -> int:
         return self._num_train_batches // world_size
@@ -158,21 +242,30 @@ class SyntheticData:
         u = torch.rand(n, f, generator=g, dtype=torch.float64)
         ids = (self._sizes * u.pow(self._id_skew)).long().clamp_max_(self._sizes.long() - 1)
         if self._clusters is not None:
-            k, items = self._clusters, ids[:, 1]
-            moved = items - items % k + ids[:, 0] % k
-            ids[:, 1] = torch.where(moved < int(self._sizes[1]), moved, (moved - k).clamp_min(0))
+            k = self._clusters
+            for j in self._items:
+                moved = ids[:, j] - ids[:, j] % k + ids[:, self._user] % k
+                ids[:, j] = torch.where(moved < int(self._sizes[j]), moved, (moved - k).clamp_min(0))
         dense = torch.randn(n, self.features.num_dense, generator=g)
-        prob = torch.sigmoid(self._world.score(dense, ids))
-        labels = torch.bernoulli(prob, generator=g)
+        score = self._world.score(dense, ids)
+        labels = torch.bernoulli(torch.sigmoid(score), generator=g)
         if self.features.multi_label:
-            funnel = [labels * torch.bernoulli(torch.sigmoid(w.score(dense, ids)), generator=g) for w in self._task_worlds]
-            labels = torch.stack([labels, *funnel], dim=1)
+            labels = torch.stack(self._task_labels(labels, score, dense, ids, g), dim=1)
         kjt = KeyedJaggedTensor.from_lengths_sync(
             keys=self.features.sparse_names,
             values=ids.t().reshape(-1),
             lengths=torch.ones(n * f, dtype=torch.int32),
         )
         return Batch(dense_features=dense, sparse_features=kjt, labels=labels)
+
+    def _task_labels(self, click: torch.Tensor, score: torch.Tensor, dense: torch.Tensor, ids: torch.Tensor,
+                     g: torch.Generator) -> list[torch.Tensor]:
+        """Each task's label ``[B]``: the click, then the funnel's conversions; a ``regression`` task's is ``softplus(score_t)``."""
+        columns = [click if self._kinds[0] == "binary" else F.softplus(score)]
+        for world, kind in zip(self._task_worlds, self._kinds[1:], strict=True):
+            task_score = world.score(dense, ids)
+            columns.append(click * torch.bernoulli(torch.sigmoid(task_score), generator=g) if kind == "binary" else F.softplus(task_score))
+        return columns
 
 
 @dataclass(frozen=True)

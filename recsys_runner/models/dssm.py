@@ -20,7 +20,7 @@ from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.errors import ConfigError, require
-from recsys_runner.features import FeatureSpec, check_embedding_dim
+from recsys_runner.features import DataNeeds, FeatureSpec, check_embedding_dim
 from recsys_runner.metrics import metric_entry
 from recsys_runner.models.common import MLP, SparseArch, Task, check_layer_sizes
 
@@ -57,6 +57,10 @@ class DSSMConfig:
         for name in self.eval_metrics:
             require(metric_entry(name, "model.eval_metrics").inputs == "retrieval",
                     f"model.eval_metrics lists {name!r}; DSSM's eval is retrieval, so only recall@<k> applies, e.g. [recall@10]")
+
+    def data_needs(self) -> DataNeeds:
+        """(user, item) pairs over the two towers' features: generated data (``data=synthetic``) links them."""
+        return DataNeeds(user_features=tuple(self.user_features), item_features=tuple(self.item_features))
 
 
 def check_group(features: FeatureSpec, key: str, names: list[str]) -> None:

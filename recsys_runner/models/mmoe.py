@@ -19,7 +19,7 @@ from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.errors import require
-from recsys_runner.features import FeatureSpec, check_embedding_dim
+from recsys_runner.features import DataNeeds, FeatureSpec, check_embedding_dim
 from recsys_runner.models.common import MLP, TASK_KINDS, SparseArch, check_layer_sizes, resolve_tasks
 
 
@@ -63,6 +63,10 @@ class MMoEConfig:
                     f"{len(self.tasks)}. Fix: one kind per task, or model.task_kinds=null")
             wrong = [k for k in self.task_kinds if k not in TASK_KINDS]
             require(not wrong, f"model.task_kinds has {wrong}; each must be one of {list(TASK_KINDS)}")
+
+    def data_needs(self) -> DataNeeds:
+        """A label per task, of the task's kind: generated data (``data=synthetic``) draws them."""
+        return DataNeeds(labels=tuple(self.tasks), label_kinds=tuple(self.task_kinds or ["binary"] * len(self.tasks)))
 
 
 class Experts(nn.Module):
