@@ -108,9 +108,10 @@ def _no_step_error(c: Components, state: TrainState) -> DataError:
 
 
 def _slice_done(c: Components, state: TrainState) -> bool:
-    """``train.stop_after_steps`` steps have run in this process (a time slice of a longer run)."""
+    """``train.stop_after_steps`` steps have run in this process (a time slice of a longer run) and the run is
+    not over: a slice that ends on the last step finishes the run normally (eval, end checkpoint, FINISHED)."""
     limit = c.run.train.stop_after_steps
-    return limit is not None and state.step - c.state.step >= limit
+    return limit is not None and state.step - c.state.step >= limit and state.step < c.total_steps
 
 
 def _epoch_end(c: Components, state: TrainState) -> int | None:

@@ -110,6 +110,15 @@ def test_resume_takes_the_new_lr_not_the_saved_one(make_cfg, mlflow_uri: str, tm
     assert lrs[3] == pytest.approx(0.05) and lrs[4] == pytest.approx(0.01) and lrs[6] == pytest.approx(0.01)
 
 
+def test_a_slice_ending_on_the_last_step_finishes_the_run(make_cfg, mlflow_uri: str, tmp_path: Path) -> None:
+    cfg = make_cfg("train.num_steps=6", "train.stop_after_steps=3", f"checkpoint.dir={tmp_path}")
+    with pytest.raises(Interrupted, match="after step 3"):
+        run(cfg)
+    assert run(cfg) > 0  # steps 4..6 end the run: evaluated and FINISHED, not "interrupted after step 6"
+    (mlrun,) = runs(mlflow_uri, cfg.tracking.experiment)
+    assert mlrun.info.status == "FINISHED" and "eval/auc" in mlrun.data.metrics
+
+
 # -- 2. one writer per checkpoint directory -------------------------------------------------------------------------
 def test_directory_lock_names_its_holder_and_frees_on_release(tmp_path: Path) -> None:
     first, second = DirectoryLock(tmp_path / "ckpt"), DirectoryLock(tmp_path / "ckpt")
