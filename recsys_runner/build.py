@@ -1,9 +1,10 @@
 """Build the run's object graph from a validated config, in one fixed order.
 
-The order is TorchRec's: process group → data → model with embedding tables on ``meta`` → fused
-sparse optimizer attached → sharding plan → DistributedModelParallel → dense optimizers over what
-is left → lr schedules → step policy → train pipeline → tracker → checkpointer (which restores a
-resumed or fine-tuned state last, once everything it loads into exists). Every component comes
+The order is TorchRec's: process group → tracker (rank 0 checks its store before anything
+expensive) → data → model with embedding tables on ``meta`` → fused sparse optimizer attached →
+sharding plan → DistributedModelParallel → dense optimizers over what is left → lr schedules → step
+policy → train pipeline → checkpointer (which restores a resumed or fine-tuned state last, once
+everything it loads into exists). Every component comes
 from ``hydra.utils.instantiate``; the ones that need runtime objects (the data's features, the
 device, the parameters that exist only after sharding, the step count) are partials completed
 here. The model config's declared data needs (``data_needs()``) reach the data config before the data
@@ -20,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate as hydra_instantiate
 from omegaconf import DictConfig
@@ -105,6 +107,8 @@ def build(cfg: DictConfig, run: RunConfig) -> Components:
     env = distributed.setup()
     checkpointer: Checkpointer | None = None
     try:
+        tracker: Tracker = instantiate(cfg.tracking)() if env.is_main else NullTracker()
+        _check_tracker(tracker, env)
         precision = instantiate(cfg.precision)
         precision.apply_tf32()
         data: DataModule = instantiate(_data_for_model(cfg, run))
@@ -128,7 +132,6 @@ def build(cfg: DictConfig, run: RunConfig) -> Components:
         pipeline = distributed.pipeline(sharded, policy if policy.active else optimizer)  # type: ignore[arg-type]
         if policy.active:
             policy.install(pipeline, sharded)
-        tracker: Tracker = instantiate(cfg.tracking)() if env.is_main else NullTracker()
         early_stopping = EarlyStopping(**vars(run.train.early_stopping))
         train_metrics = TaskTrainMetrics(run.metrics, wrapped.tasks, env.device)
         checkpointer = instantiate(cfg.checkpoint)(rank=env.rank, world_size=env.world_size)
@@ -149,6 +152,23 @@ def build(cfg: DictConfig, run: RunConfig) -> Components:
         policy=policy, ema=ema, early_stopping=early_stopping, checkpointer=checkpointer, state=state,
         train_metrics=train_metrics, tasks=wrapped.tasks,
     )
+
+
+def _check_tracker(tracker: Tracker, env: DistEnv) -> None:
+    """Rank 0 checks its tracking store; a failure there raises the same :class:`ConfigError` on every rank,
+    so no rank is left waiting in a collective for one that exited."""
+    error = None
+    if env.is_main:
+        try:
+            tracker.check()
+        except ConfigError as e:
+            error = str(e)
+    if env.world_size > 1:
+        shared = [error]
+        dist.broadcast_object_list(shared, src=0)
+        error = shared[0]
+    if error is not None:
+        raise ConfigError(error)
 
 
 def _data_for_model(cfg: DictConfig, run: RunConfig) -> DictConfig:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +25,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from recsys_runner.tracking import PARENT_RUN_ENV, experiment_id, resolve_uri
+from recsys_runner.errors import ConfigError
+from recsys_runner.tracking import PARENT_RUN_ENV, experiment_id, open_store, resolve_uri, store_errors, uri_source
 
 log = logging.getLogger(__name__)
 
@@ -61,19 +63,24 @@ class MlflowSweepCallback(Callback):
         tracking = config.get("tracking")
         if tracking is None or not str(tracking.get("_target_", "")).endswith("MlflowTracker"):
             return
-        from mlflow.tracking import MlflowClient
-
-        uri = resolve_uri(tracking.get("uri"))
-        self._client = MlflowClient(tracking_uri=uri)
+        uri, source = resolve_uri(tracking.get("uri")), uri_source(tracking.get("uri"))
         sweep_dir = str(OmegaConf.select(config, "hydra.sweep.dir"))
         overrides = " ".join(OmegaConf.select(config, "hydra.overrides.task") or [])
         sweeper = str(OmegaConf.select(config, "hydra.sweeper._target_") or "").rsplit(".", 1)[-1]
-        run = self._client.create_run(
-            experiment_id(self._client, str(tracking.experiment)),
-            run_name=f"sweep {os.path.basename(sweep_dir.rstrip('/'))}" if sweep_dir else "sweep",
-            tags={"sweep.dir": os.path.abspath(sweep_dir), "sweep.overrides": overrides, "sweep.sweeper": sweeper,
-                  SWEEP_PARENT_TAG: OmegaConf.select(config, "train.objective") or OBJECTIVE, "sweep.tracking_uri": uri},
-        )
+        try:  # the same start-of-run check as every job's (MlflowTracker.check), before any job is launched
+            self._client = open_store(uri, source)
+            with store_errors(uri, source):
+                run = self._client.create_run(
+                    experiment_id(self._client, str(tracking.experiment)),
+                    run_name=f"sweep {os.path.basename(sweep_dir.rstrip('/'))}" if sweep_dir else "sweep",
+                    tags={"sweep.dir": os.path.abspath(sweep_dir), "sweep.overrides": overrides, "sweep.sweeper": sweeper,
+                          SWEEP_PARENT_TAG: OmegaConf.select(config, "train.objective") or OBJECTIVE, "sweep.tracking_uri": uri},
+                )
+        except ConfigError as e:
+            if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                raise
+            print(f"Config error: {e}", file=sys.stderr)  # as the CLI does; Hydra would print a traceback
+            sys.exit(2)
         self._parent = run.info.run_id
         self._previous_env = os.environ.get(PARENT_RUN_ENV)
         os.environ[PARENT_RUN_ENV] = self._parent

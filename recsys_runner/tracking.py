@@ -11,6 +11,15 @@ between attempts), and :meth:`MlflowTracker.finish` retries for ``tracking.flush
 server is still gone then, the unsent metrics are written to ``mlflow_unsent_<run id>.json`` and
 ``python -m recsys_runner.tracking replay <file>`` sends them later.
 
+The start of a run is different: it needs its MLflow run id (a resumed training continues that run,
+a sweep files its jobs under their parent), so a store that cannot be used then is an error, found
+before any data or model is built (:meth:`MlflowTracker.check`, :func:`open_store`): within seconds,
+with MLflow's minutes of HTTP retries off, and as a :class:`~recsys_runner.errors.ConfigError` naming
+the URI, the cause and the fixes. A sqlite store is probed with a write that is rolled back, because
+a read-only file opens fine and would fail only at the first write. Creating a new sqlite store is
+serialized across processes (:func:`store_lock`): MLflow creates its tables without a lock, and runs
+starting together on a new file would crash one another.
+
 Runs of a multirun are children of one parent run (see :mod:`recsys_runner.sweep`), which the
 sweep passes to its jobs in the environment variable :data:`PARENT_RUN_ENV`.
 """
@@ -19,16 +28,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import json
 import logging
 import os
+import sqlite3
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
-from recsys_runner.errors import require
+from recsys_runner.errors import ConfigError, require
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +83,7 @@ class NoTrackingConfig:
 class Tracker(Protocol):
     """What the runner logs through. Only rank 0 gets a real tracker."""
 
+    def check(self) -> None: ...
     def start(self, *, run_name: str, tags: Mapping[str, str], params: Mapping[str, Any]) -> None: ...
     def resume(self, run_id: str) -> None: ...
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
@@ -83,6 +96,9 @@ class NullTracker:
     """Tracks nothing (non-zero ranks, or ``tracking=none``)."""
 
     def __init__(self, **_: Any) -> None:
+        pass
+
+    def check(self) -> None:
         pass
 
     def start(self, *, run_name: str, tags: Mapping[str, str], params: Mapping[str, Any]) -> None:
@@ -107,6 +123,143 @@ class NullTracker:
 def resolve_uri(uri: str | None) -> str:
     """``tracking.uri``, else ``$MLFLOW_TRACKING_URI``, else ``mlflow.db`` in the current directory."""
     return uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.abspath('mlflow.db')}"
+
+
+def uri_source(uri: str | None) -> str:
+    """Where :func:`resolve_uri` takes the URI from, for messages."""
+    if uri:
+        return "tracking.uri"
+    return "$MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI") else "the default store"
+
+
+def is_remote(uri: str) -> bool:
+    """Whether ``uri`` is a tracking server (HTTP) rather than a store this process opens itself."""
+    return uri.startswith(("http://", "https://"))
+
+
+def sqlite_path(uri: str) -> str | None:
+    """The absolute path of a ``sqlite:`` store's database file; ``None`` for other stores and in-memory databases."""
+    if not uri.startswith("sqlite:"):
+        return None
+    from sqlalchemy.engine import make_url
+
+    database = make_url(uri).database
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return None
+    return os.path.abspath(database)
+
+
+@contextlib.contextmanager
+def store_lock(uri: str) -> Iterator[None]:
+    """Hold a lock on ``<database>.lock`` while opening a sqlite store (no-op for other stores).
+
+    MLflow creates a new sqlite store's tables and default experiment without a lock, so processes
+    that open a new file together crash one another (``table experiments already exists``,
+    ``duplicate column name``), e.g. runs launched together by a script or a SLURM array. A store without tables
+    is opened under an exclusive lock, so the next process waits and then finds the tables made; a
+    store that has them is opened under a shared lock, so the jobs of a sweep still open it side by
+    side (opening takes seconds: MLflow verifies the schema). ``flock`` is released by the kernel
+    however its holder dies. The lock file stays (deleting it would let a waiter and a newcomer lock
+    different files)."""
+    path = sqlite_path(uri)
+    if path is None:
+        yield
+        return
+    fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # no creator can be at work while this is held
+        if not _has_tables(path):
+            fcntl.flock(fd, fcntl.LOCK_EX)  # not atomic (flock drops the shared lock first); MLflow re-checks its tables
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _has_tables(path: str) -> bool:
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
+        return False
+    with contextlib.closing(sqlite3.connect(f"{Path(path).as_uri()}?mode=ro", uri=True, timeout=60)) as db:
+        return db.execute("SELECT COUNT(*) FROM sqlite_master WHERE type = 'table'").fetchone()[0] > 0
+
+
+def open_store(uri: str, source: str) -> Any:
+    """Open the store at the start of a run or sweep: an ``MlflowClient`` whose store has answered and
+    can be written.
+
+    Fails within seconds with a :class:`ConfigError` naming ``uri`` (taken from ``source``, see
+    :func:`uri_source`), the cause and the fixes; see the module docstring for why. Creates nothing
+    but a missing sqlite store (the experiment is created with the run)."""
+    from mlflow.tracking import MlflowClient
+
+    with store_errors(uri, source):
+        _check_sqlite_writable(uri, source)
+        with store_lock(uri):
+            client = MlflowClient(tracking_uri=uri)  # builds a sqlite store: its tables, its default experiment
+            client.search_experiments(max_results=1)  # a request: a server answers now, or the check fails now
+        return client
+
+
+@contextlib.contextmanager
+def store_errors(uri: str, source: str) -> Iterator[None]:
+    """Around the start-of-run calls to a store: no HTTP retries, and a failure becomes a :class:`ConfigError`
+    that names the URI, the cause and the fixes."""
+    try:
+        with _no_http_retries(is_remote(uri)):
+            yield
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever the store says, the run cannot start; the cause is in the message
+        raise ConfigError(_store_error(uri, source, e)) from e
+
+
+_NO_TRACKING = "or run without tracking: tracking=none"
+_WHY_AT_START = ("A run needs its MLflow run from the start (a resume continues it, sweep jobs are filed under their "
+                 "parent), so it does not start without its store; an outage after the start only buffers metrics.")
+
+
+def _store_error(uri: str, source: str, error: BaseException) -> str:
+    cause = _root_cause(error)
+    if is_remote(uri) and isinstance(cause, OSError):
+        parts = urlsplit(uri)
+        return (f"tracking server {uri} ({source}) is not reachable: {_describe(cause)}. {_WHY_AT_START} Fix: start the "
+                f"server (mlflow server --host {parts.hostname} --port {parts.port or 5000} --backend-store-uri "
+                f"sqlite:///mlflow.db), check the URI (tracking.uri=... or MLFLOW_TRACKING_URI), {_NO_TRACKING}")
+    return (f"tracking store {uri} ({source}) cannot be used: {_describe(cause)}. {_WHY_AT_START} Fix: check the URI "
+            f"(tracking.uri=... or MLFLOW_TRACKING_URI) and the store behind it, {_NO_TRACKING}")
+
+
+def _check_sqlite_writable(uri: str, source: str) -> None:
+    """Write to a sqlite store and roll back: a read-only file or directory opens fine and fails at the first write."""
+    path = sqlite_path(uri)
+    if path is None:
+        return
+    directory = os.path.dirname(path)
+    try:
+        with contextlib.closing(sqlite3.connect(path, timeout=60)) as db:  # creates a missing file, as MLflow would
+            db.execute("BEGIN IMMEDIATE")
+            db.execute("CREATE TABLE recsys_runner_write_probe (x INTEGER)")
+            db.rollback()
+    except sqlite3.Error as e:
+        missing = "" if os.path.isdir(directory) else f" (directory {directory} does not exist)"
+        raise ConfigError(
+            f"tracking store {uri} ({source}) cannot be written: sqlite says {e!s}{missing}. Fix: make {path} and its "
+            f"directory writable (sqlite writes a journal file next to the database), point tracking.uri (or "
+            f"MLFLOW_TRACKING_URI) at a writable MLflow store, {_NO_TRACKING}"
+        ) from e
+
+
+def _root_cause(error: BaseException) -> BaseException:
+    """The innermost exception of a chain (MLflow wraps requests, which wraps urllib3, which wraps the socket error)."""
+    seen = {id(error)}
+    while (inner := error.__cause__ or error.__context__) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        error = inner
+    return error
+
+
+def _describe(error: BaseException) -> str:
+    text = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {text[:300]}" if text else type(error).__name__
 
 
 def experiment_id(client: Any, name: str) -> str:
@@ -154,38 +307,46 @@ class MlflowTracker:
         self.run_name = run_name
         self.flush_timeout_s = flush_timeout_s
         self.run_id: str | None = None
+        self._source = uri_source(uri)
         self._client: Any = None
-        self._remote = self.uri.startswith(("http://", "https://"))
+        self._remote = is_remote(self.uri)
         self._pending: list[Any] = []  # mlflow.entities.Metric not yet accepted by the store
         self._pending_text: list[tuple[str, str]] = []
         self._next_try = 0.0
         self._backoff_s = 1.0
         self._warned = False
 
+    def check(self) -> None:
+        """Preflight, run by ``build`` on rank 0 before data and model exist: open the store, or raise
+        :class:`ConfigError` naming the URI, the cause and the fixes (:func:`open_store`)."""
+        self._client = open_store(self.uri, self._source)
+
     def start(self, *, run_name: str, tags: Mapping[str, str], params: Mapping[str, Any]) -> None:
         from mlflow.entities import Param
-        from mlflow.tracking import MlflowClient
 
-        self._client = MlflowClient(tracking_uri=self.uri)
+        if self._client is None:
+            self.check()
         all_tags = dict(tags)
         parent = os.environ.get(PARENT_RUN_ENV)
         if parent:
             all_tags["mlflow.parentRunId"] = parent
-        run = self._client.create_run(experiment_id(self._client, self.experiment), run_name=self.run_name or run_name, tags=all_tags)
-        self.run_id = run.info.run_id
-        items = [Param(k, str(v)[:_MAX_PARAM_CHARS]) for k, v in params.items()]
-        for i in range(0, len(items), _PARAMS_PER_CALL):
-            self._client.log_batch(self.run_id, params=items[i : i + _PARAMS_PER_CALL])
+        with store_errors(self.uri, self._source):
+            experiment = experiment_id(self._client, self.experiment)
+            run = self._client.create_run(experiment, run_name=self.run_name or run_name, tags=all_tags)
+            self.run_id = run.info.run_id
+            items = [Param(k, str(v)[:_MAX_PARAM_CHARS]) for k, v in params.items()]
+            for i in range(0, len(items), _PARAMS_PER_CALL):
+                self._client.log_batch(self.run_id, params=items[i : i + _PARAMS_PER_CALL])
 
     def resume(self, run_id: str) -> None:
         """Continue logging into existing run ``run_id`` (a training resumed from a checkpoint):
         it is marked RUNNING again; params are not re-logged (MLflow params are immutable)."""
-        from mlflow.tracking import MlflowClient
-
-        self._client = MlflowClient(tracking_uri=self.uri)
-        self._client.get_run(run_id)  # fails clearly if the store does not have it
-        self._client.update_run(run_id, status="RUNNING")
-        self._client.set_tag(run_id, "resumed", "true")
+        if self._client is None:
+            self.check()
+        with _no_http_retries(self._remote):  # the store answered check(); a failure here means it lacks the run
+            self._client.get_run(run_id)  # fails clearly if the store does not have it
+            self._client.update_run(run_id, status="RUNNING")
+            self._client.set_tag(run_id, "resumed", "true")
         self.run_id = run_id
 
     def set_tag(self, key: str, value: str) -> None:

@@ -1,0 +1,184 @@
+"""Tracking faults at the start of a run: an unreachable server, a read-only sqlite store, and many
+processes creating one new sqlite store together. The first two must stop the CLI within seconds with
+``Config error:`` and exit 2, before any data or model is built; the third must not crash anyone."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from recsys_runner.errors import ConfigError
+from recsys_runner.tracking import MlflowTracker
+
+# tests.conftest (TINY, run_cli) imports torch and torchrec; it is imported inside the CLI tests only, so
+# that the race test's worker processes, which import this module, start in seconds.
+
+EXPERIMENT = "faults"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cli_env() -> dict[str, str]:
+    """The environment for a CLI run, as ``run_cli`` makes it: errors printed without a traceback."""
+    return {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+
+
+def _assert_config_error(result: subprocess.CompletedProcess[str], *fragments: str) -> None:
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    assert "Config error: " in result.stderr and "Traceback" not in output, output[-3000:]
+    for fragment in fragments:
+        assert fragment in result.stderr, (fragment, result.stderr)
+    assert "sharding plan" not in output, "the store is checked before data and model are built"
+
+
+def test_unreachable_server_stops_the_cli_within_seconds(tmp_path: Path) -> None:
+    """Nothing listens on the port: without the preflight MLflow retries for about 4 minutes, then a traceback."""
+    from tests.conftest import TINY, run_cli
+
+    uri = f"http://127.0.0.1:{_free_port()}"
+    started = time.monotonic()
+    result = run_cli(*TINY, f"tracking.uri={uri}", f"tracking.experiment={EXPERIMENT}", cwd=tmp_path, timeout=240)
+    elapsed = time.monotonic() - started
+    _assert_config_error(result, f"tracking server {uri} (tracking.uri) is not reachable", "Connection refused",
+                         "Fix: start the server", "MLFLOW_TRACKING_URI", "tracking=none")
+    assert elapsed < 60, f"took {elapsed:.0f} s"
+
+
+def test_multirun_with_unreachable_server_stops_before_launching_jobs(tmp_path: Path) -> None:
+    from tests.conftest import TINY, run_cli
+
+    uri = f"http://127.0.0.1:{_free_port()}"
+    result = run_cli("-m", "optim.lr=0.01,0.1", *TINY, f"tracking.uri={uri}", cwd=tmp_path, timeout=240)
+    _assert_config_error(result, f"tracking server {uri} (tracking.uri) is not reachable", "tracking=none")
+    assert "Launching" not in result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_unreachable_server_stops_every_torchrun_rank(tmp_path: Path) -> None:
+    """Rank 0 checks the store; rank 1 gets the same error from it instead of waiting in a collective."""
+    from tests.conftest import TINY
+
+    uri = f"http://127.0.0.1:{_free_port()}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={_free_port()}", "-m", "recsys_runner", *TINY, f"tracking.uri={uri}"]
+    started = time.monotonic()
+    result = subprocess.run(cmd, cwd=tmp_path, env=_cli_env(), capture_output=True, text=True, timeout=300)
+    elapsed = time.monotonic() - started
+    assert result.returncode != 0
+    assert result.stderr.count(f"Config error: tracking server {uri} (tracking.uri) is not reachable") == 2, result.stderr[-4000:]
+    assert "sharding plan" not in result.stdout + result.stderr
+    assert elapsed < 120, f"took {elapsed:.0f} s"
+
+
+def test_unreachable_server_from_environment_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    uri = f"http://127.0.0.1:{_free_port()}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=rf"tracking server {uri} \(\$MLFLOW_TRACKING_URI\) is not reachable"):
+        MlflowTracker(uri=None, experiment=EXPERIMENT).check()
+    assert time.monotonic() - started < 10
+
+
+@pytest.fixture(scope="module")
+def store_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real MLflow store that already has the experiment: opening it writes nothing, so without a
+    write probe a read-only copy would fail only at the first write, after the model is built."""
+    path = tmp_path_factory.mktemp("template") / "mlflow.db"
+    client = MlflowClient(tracking_uri=f"sqlite:///{path}")
+    client.create_experiment(EXPERIMENT)
+    return path
+
+
+def _without_root_powers() -> list[str]:
+    """A command prefix under which permission bits hold: root writes through them (CAP_DAC_OVERRIDE), so as
+    root the command runs without that capability (``setpriv`` drops it from the bounding set before exec)."""
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root, and setpriv (util-linux) is missing to drop CAP_DAC_OVERRIDE")
+    return ["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner", "--"]
+
+
+@pytest.mark.parametrize("read_only", ["file", "directory"])
+def test_read_only_sqlite_store_stops_the_cli(read_only: str, store_template: Path, tmp_path: Path) -> None:
+    from tests.conftest import TINY
+
+    store = tmp_path / "store"
+    store.mkdir()
+    db = store / "mlflow.db"
+    shutil.copy(store_template, db)
+    if read_only == "file":
+        db.chmod(0o444)
+    else:  # a writable file in a read-only directory: sqlite cannot create its journal next to it
+        store.chmod(0o555)
+    prefix = _without_root_powers()
+    try:
+        write = f"import sqlite3; sqlite3.connect({str(db)!r}).execute('CREATE TABLE t (x)')"
+        probe = subprocess.run([*prefix, sys.executable, "-c", write], capture_output=True, text=True)
+        assert probe.returncode != 0 and "readonly" in probe.stderr, "the store must be read-only for the CLI's process"
+
+        uri = f"sqlite:///{db}"
+        result = subprocess.run(
+            [*prefix, sys.executable, "-m", "recsys_runner", *TINY, f"tracking.uri={uri}", f"tracking.experiment={EXPERIMENT}"],
+            cwd=tmp_path, env=_cli_env(), capture_output=True, text=True, timeout=240,
+        )
+    finally:
+        store.chmod(0o755)
+    _assert_config_error(result, f"tracking store {uri} (tracking.uri) cannot be written",
+                         "attempt to write a readonly database", f"Fix: make {db} and its directory writable", "tracking=none")
+    with sqlite3.connect(db) as check:
+        assert check.execute("SELECT COUNT(*) FROM runs").fetchone() == (0,)
+
+
+def _start_run(uri: str, index: int, barrier: Any, results: Any) -> None:
+    """One run's start in its own process: check the store, start and finish a run."""
+    barrier.wait()
+    try:
+        tracker = MlflowTracker(uri=uri, experiment="race")
+        tracker.check()
+        tracker.start(run_name=f"job{index}", tags={}, params={"index": index})
+        tracker.finish("FINISHED")
+        results.put((index, None))
+    except BaseException as e:  # noqa: BLE001 - reported to the test, which fails on it
+        results.put((index, f"{type(e).__name__}: {str(e)[:300]}"))
+
+
+def test_processes_creating_a_new_sqlite_store_together_all_start(tmp_path: Path) -> None:
+    """MLflow creates a new store's tables unlocked: processes starting together on a new file used to
+    crash on ``duplicate column name`` / ``table ... already exists`` (runs launched together by a script)."""
+    num_processes = 4
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["mlflow.tracking", "recsys_runner.tracking", "tests.test_tracking_faults"])
+    barrier, results = ctx.Barrier(num_processes), ctx.Queue()
+    processes = [ctx.Process(target=_start_run, args=(uri, i, barrier, results)) for i in range(num_processes)]
+    for p in processes:
+        p.start()
+    try:
+        outcomes = dict(results.get(timeout=240) for _ in processes)
+    finally:
+        for p in processes:
+            p.join(timeout=60)
+    assert {i: e for i, e in outcomes.items() if e is not None} == {}
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("race")
+    assert experiment is not None
+    runs = client.search_runs([experiment.experiment_id])
+    assert sorted(r.info.run_name for r in runs) == [f"job{i}" for i in range(num_processes)]
+    assert all(r.info.status == "FINISHED" for r in runs)
