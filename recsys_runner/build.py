@@ -1,10 +1,10 @@
 """Build the run's object graph from a validated config, in one fixed order.
 
-The order is TorchRec's: process group → tracker (rank 0 checks its store before anything
-expensive) → data → model with embedding tables on ``meta`` → fused sparse optimizer attached →
-sharding plan → DistributedModelParallel → dense optimizers over what is left → lr schedules → step
-policy → train pipeline → checkpointer (which restores a resumed or fine-tuned state last, once
-everything it loads into exists). Every component comes
+The order is TorchRec's: process group → tracker (rank 0 checks its store) and checkpointer (rank 0
+locks its directory), both before anything expensive → data → model with embedding tables on
+``meta`` → fused sparse optimizer attached → sharding plan → DistributedModelParallel → dense
+optimizers over what is left → lr schedules → step policy → train pipeline → restore (a resumed or
+fine-tuned state is loaded last, once everything it loads into exists). Every component comes
 from ``hydra.utils.instantiate``; the ones that need runtime objects (the data's features, the
 device, the parameters that exist only after sharding, the step count) are partials completed
 here. The model config's declared data needs (``data_needs()``) reach the data config before the data
@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate as hydra_instantiate
 from omegaconf import DictConfig
@@ -34,7 +33,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from recsys_runner.checkpoint import Checkpointer, TrainState
 from recsys_runner.config import RunConfig, check_eval_keys
 from recsys_runner.data import DataModule
-from recsys_runner.distributed import DistEnv, Distributed
+from recsys_runner.distributed import DistEnv, Distributed, decided_on_rank0
 from recsys_runner.ema import DenseEMA
 from recsys_runner.errors import ConfigError
 from recsys_runner.features import data_for_model, model_data_needs
@@ -108,7 +107,9 @@ def build(cfg: DictConfig, run: RunConfig) -> Components:
     checkpointer: Checkpointer | None = None
     try:
         tracker: Tracker = instantiate(cfg.tracking)() if env.is_main else NullTracker()
-        _check_tracker(tracker, env)
+        decided_on_rank0(tracker.check, env.rank, env.world_size)
+        checkpointer = instantiate(cfg.checkpoint)(rank=env.rank, world_size=env.world_size)
+        checkpointer.lock()
         precision = instantiate(cfg.precision)
         precision.apply_tf32()
         data: DataModule = instantiate(_data_for_model(cfg, run))
@@ -134,7 +135,6 @@ def build(cfg: DictConfig, run: RunConfig) -> Components:
             policy.install(pipeline, sharded)
         early_stopping = EarlyStopping(**vars(run.train.early_stopping))
         train_metrics = TaskTrainMetrics(run.metrics, wrapped.tasks, env.device)
-        checkpointer = instantiate(cfg.checkpoint)(rank=env.rank, world_size=env.world_size)
         checkpointer.attach(
             model=sharded, optimizer=optimizer, tensors={"ema": ema} if ema is not None else {},
             objects={"lr_scheduler": SchedulePosition(lr_scheduler), "policy": policy, "early_stopping": early_stopping,
@@ -152,23 +152,6 @@ def build(cfg: DictConfig, run: RunConfig) -> Components:
         policy=policy, ema=ema, early_stopping=early_stopping, checkpointer=checkpointer, state=state,
         train_metrics=train_metrics, tasks=wrapped.tasks,
     )
-
-
-def _check_tracker(tracker: Tracker, env: DistEnv) -> None:
-    """Rank 0 checks its tracking store; a failure there raises the same :class:`ConfigError` on every rank,
-    so no rank is left waiting in a collective for one that exited."""
-    error = None
-    if env.is_main:
-        try:
-            tracker.check()
-        except ConfigError as e:
-            error = str(e)
-    if env.world_size > 1:
-        shared = [error]
-        dist.broadcast_object_list(shared, src=0)
-        error = shared[0]
-    if error is not None:
-        raise ConfigError(error)
 
 
 def _data_for_model(cfg: DictConfig, run: RunConfig) -> DictConfig:

@@ -43,10 +43,10 @@ import random
 import re
 import shlex
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,12 +54,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 
+from recsys_runner.distributed import decided_on_rank0
 from recsys_runner.errors import ConfigError, require
 from recsys_runner.locks import DirectoryInUse, DirectoryLock
 from recsys_runner.stopping import improved
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 _STEP_DIR = re.compile(r"^(best-)?step_(\d+)$")
 _RESUME_WORDS = ("auto", "latest", "never")
@@ -331,9 +331,7 @@ class Checkpointer:
         """Save a ``best-*`` checkpoint when ``metrics[best_metric]`` improves on ``state.best``."""
         if self.best_metric is None or self.dir is None:
             return None
-        if self.best_metric not in metrics:
-            raise ConfigError(f"checkpoint.best_metric={self.best_metric!r} is not an eval metric; eval logs {sorted(metrics)}")
-        value = metrics[self.best_metric]
+        value = metrics[self.best_metric]  # a key eval logs: config.check_eval_keys made sure before the first step
         if not improved(value, state.best, self.best_mode):
             return None
         state.best = value
@@ -348,10 +346,15 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
 
     # -- restoring -------------------------------------------------------------------------------
+    def lock(self) -> None:
+        """Become ``dir``'s one writer, or raise :class:`ConfigError` naming the live holder (host, PID).
+
+        Called at the start of the run, before anything is built or logged; released by :meth:`close`."""
+        decided_on_rank0(self._take_lock, self.rank, self.world_size)
+
     def restore(self) -> TrainState:
-        """Lock ``dir``, then resume, fine-tune or start fresh, per ``resume``/``init_from``; returns where to start."""
-        self._on_rank0(self._take_lock)
-        path, set_aside = self._on_rank0(self._resume_path)
+        """Resume, fine-tune or start fresh, per ``resume``/``init_from``; returns where to start."""
+        path, set_aside = decided_on_rank0(self._resume_path, self.rank, self.world_size)
         if path is not None:
             state = self._load(path, strict=True)
             state.set_aside = set_aside
@@ -415,24 +418,6 @@ class Checkpointer:
             raise ConfigError(f"checkpoint.resume=latest but {self.dir} holds no complete checkpoint; "
                               "use checkpoint.resume=auto to start fresh when there is none")
         return None, ()
-
-    def _on_rank0(self, decide: Callable[[], T]) -> T:
-        """``decide()`` on rank 0 only, its result (or its ConfigError) given to every rank, so that all ranks
-        act alike on one view of the directory and none waits in a collective for a rank that failed."""
-        result: Any = None
-        error: str | None = None
-        if self.rank == 0:
-            try:
-                result = decide()
-            except ConfigError as e:
-                error = str(e)
-        if self.world_size > 1:
-            box: list[Any] = [(result, error)]
-            dist.broadcast_object_list(box, src=0)
-            result, error = box[0]
-        if error is not None:
-            raise ConfigError(error)
-        return result
 
     def _load(self, path: Path, strict: bool) -> TrainState:
         reason = damage(path)

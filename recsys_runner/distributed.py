@@ -12,9 +12,9 @@ import datetime
 import logging
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -131,6 +131,32 @@ class DistributedConfig:
             not (self.device == "cpu" and self.backend == "nccl"),
             "distributed.backend=nccl needs CUDA tensors; use distributed.backend=gloo (or auto) with distributed.device=cpu",
         )
+
+
+T = TypeVar("T")
+
+
+def decided_on_rank0(decide: Callable[[], T], rank: int, world_size: int) -> T:
+    """``decide()`` on rank 0 only; every rank gets its result, or raises the same :class:`ConfigError`.
+
+    For start-of-run checks and choices about shared state (the tracking store, the checkpoint
+    directory's lock, which checkpoint to resume): one view of the world, and no rank left waiting in
+    a collective for a rank that raised.
+    """
+    result: Any = None
+    error: str | None = None
+    if rank == 0:
+        try:
+            result = decide()
+        except ConfigError as e:
+            error = str(e)
+    if world_size > 1:
+        box: list[Any] = [(result, error)]
+        dist.broadcast_object_list(box, src=0)
+        result, error = box[0]
+    if error is not None:
+        raise ConfigError(error)
+    return result
 
 
 def resolve_device_type(device: str) -> str:
