@@ -8,23 +8,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from recsys_runner.launch import map_submitit_env, torch_env_from_submitit
+from recsys_runner.launch import map_submitit_env
 from tests.conftest import TINY, run_cli
-
-
-def test_torch_env_for_a_task_of_a_two_node_job() -> None:
-    env = torch_env_from_submitit(job_id="4242", global_rank=5, local_rank=1, num_tasks=8, num_nodes=2,
-                                  hostnames=["node-a", "node-b"], environ={})
-    assert env == {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "node-a",
-                   "MASTER_PORT": env["MASTER_PORT"]}
-    assert 20000 <= int(env["MASTER_PORT"]) <= 60000
-    again = torch_env_from_submitit(job_id="4242", global_rank=0, local_rank=0, num_tasks=8, num_nodes=2,
-                                    hostnames=["node-a", "node-b"], environ={})
-    assert again["MASTER_PORT"] == env["MASTER_PORT"], "every task of a job must agree on the port"
-    pinned = torch_env_from_submitit(job_id="1", global_rank=0, local_rank=0, num_tasks=2, num_nodes=1, hostnames=["h"],
-                                     environ={"MASTER_PORT": "29400", "MASTER_ADDR": "10.0.0.1"})
-    assert (pinned["MASTER_ADDR"], pinned["MASTER_PORT"]) == ("10.0.0.1", "29400")
-
 
 SLURM_TASK = {
     "SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "77", "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4",
@@ -46,10 +31,23 @@ def clean_torch_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_map_submitit_env_inside_a_slurm_task(monkeypatch: pytest.MonkeyPatch, clean_torch_env: None) -> None:
     for k, v in SLURM_TASK.items():
         monkeypatch.setenv(k, v)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     values = map_submitit_env()
-    assert {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")} == {
-        "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "gpu01"}
-    assert values["MASTER_PORT"] == os.environ["MASTER_PORT"]
+    assert values == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "gpu01",
+                      "MASTER_PORT": values["MASTER_PORT"]}
+    assert {k: os.environ[k] for k in TORCH_VARS} == values
+    assert 20000 <= int(values["MASTER_PORT"]) <= 60000
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1", "cuda:<LOCAL_RANK> indexes all of the node's GPUs"
+    for k in TORCH_VARS:  # rank 0, on the first node, of the same job
+        monkeypatch.delenv(k)
+    for k in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID"):
+        monkeypatch.setenv(k, "0")
+    again = map_submitit_env()
+    assert again["RANK"] == "0" and again["MASTER_PORT"] == values["MASTER_PORT"], "every task of a job must agree on the port"
+    for k in TORCH_VARS:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("MASTER_PORT", "29400")  # chosen in hydra.launcher.setup (docs/launch.md)
+    assert map_submitit_env()["MASTER_PORT"] == "29400"
 
 
 def test_map_submitit_env_leaves_torchrun_and_single_tasks_alone(monkeypatch: pytest.MonkeyPatch, clean_torch_env: None) -> None:

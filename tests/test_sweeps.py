@@ -87,6 +87,26 @@ def test_detached_slurm_launcher_is_a_discoverable_hydra_plugin() -> None:
     assert "hydra_plugins.recsys_runner_detached.DetachedSlurmLauncher" in names
 
 
+def test_detached_launcher_submits_without_waiting(tmp_path: Path) -> None:
+    """Inside the plugin's own launch the executor's jobs answer results() with their id at once; the name is restored."""
+    import submitit
+    from hydra.core.utils import JobStatus
+
+    from hydra_plugins.recsys_runner_detached import _results_are_job_ids
+
+    library_executor, ran = submitit.AutoExecutor, []
+    with _results_are_job_ids():
+        executor = submitit.AutoExecutor(folder=tmp_path, cluster="debug")  # a debug job runs when its results are asked for
+        jobs = executor.map_array(ran.append, [1, 2])
+        (returned,) = jobs[1].results()
+    assert submitit.AutoExecutor is library_executor
+    assert returned.status == JobStatus.COMPLETED and returned.return_value == jobs[1].job_id
+    assert ran == [], "nothing waited for the jobs, so none ran"
+    (control,) = library_executor(folder=tmp_path, cluster="debug").map_array(ran.append, [1])
+    control.results()
+    assert ran == [1], "the library's own debug job does run when its results are asked for"
+
+
 def test_sweep_objective_follows_train_objective_and_direction(tmp_path: Path) -> None:
     from recsys_runner.sweep import lower_is_better
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
+from hydra.core.utils import JobReturn, JobStatus
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
 
 log = logging.getLogger(__name__)
@@ -20,14 +21,13 @@ log = logging.getLogger(__name__)
 class DetachedSlurmLauncher(SlurmLauncher):
     """``submitit_slurm`` that returns once the array is queued (submit-and-exit).
 
-    Records the number of jobs and their SLURM ids on the sweep's MLflow parent run, so that
+    Everything but the wait is the plugin's own ``launch``: executor, parameters, sweep dir, job
+    array. Records the number of jobs and their SLURM ids on the sweep's MLflow parent run, so that
     ``python -m recsys_runner.compare collect`` knows how many children to wait for. Sweepers that
     need results to continue (Optuna) cannot use it.
     """
 
-    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[Any]:
-        from hydra.core.utils import JobReturn, JobStatus
-
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         from recsys_runner.errors import ConfigError
         from recsys_runner.sweep import EXPECTED_JOBS_TAG
         from recsys_runner.tracking import PARENT_RUN_ENV, resolve_uri
@@ -37,37 +37,51 @@ class DetachedSlurmLauncher(SlurmLauncher):
         if not sweeper.endswith("BasicSweeper"):
             raise ConfigError(f"hydra/launcher=submitit_slurm_detached returns before jobs finish, but {sweeper} needs their "
                               "results; use hydra/launcher=submitit_slurm")
-        jobs = self._submit(job_overrides, initial_job_idx)
+        with _results_are_job_ids():
+            returns = super().launch(job_overrides, initial_job_idx)
+        job_ids = [str(r.return_value) for r in returns]
         parent = os.environ.get(PARENT_RUN_ENV)
         if parent:
             from mlflow.tracking import MlflowClient
 
             client = MlflowClient(tracking_uri=resolve_uri(self.config.tracking.get("uri")))
-            client.set_tag(parent, EXPECTED_JOBS_TAG, str(len(jobs)))
-            client.set_tag(parent, "sweep.slurm_job_ids", " ".join(j.job_id for j in jobs))
+            client.set_tag(parent, EXPECTED_JOBS_TAG, str(len(job_ids)))
+            client.set_tag(parent, "sweep.slurm_job_ids", " ".join(job_ids))
         log.info("submitted SLURM jobs %s; collect with: python -m recsys_runner.compare collect --parent %s --wait",
-                 " ".join(j.job_id for j in jobs), parent)
+                 " ".join(job_ids), parent)
+        return returns
+
+
+class _Queued:
+    """A submitted job as the plugin's ``launch`` sees it: its result, its SLURM id, is there at once."""
+
+    def __init__(self, job_id: str) -> None:
+        self.job_id = job_id
+
+    def results(self) -> list[JobReturn]:
         # "Completed" from the sweeper's point of view: submitting was the job; the value is the SLURM id.
-        return [JobReturn(status=JobStatus.COMPLETED, _return_value=j.job_id) for j in jobs]
+        return [JobReturn(status=JobStatus.COMPLETED, _return_value=self.job_id)]
 
-    def _submit(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list[Any]:
-        """Submit the array exactly as the plugin's ``SlurmLauncher.launch`` does, without waiting for results."""
-        import submitit
-        from hydra.core.singleton import Singleton
-        from hydra.core.utils import filter_overrides
-        from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
-        from omegaconf import OmegaConf
 
-        assert self.config is not None
-        init_keys = {"submitit_folder", "max_num_timeout"}
-        executor = submitit.AutoExecutor(cluster="slurm", folder=self.params["submitit_folder"],
-                                         slurm_max_num_timeout=self.params.get("max_num_timeout", 0))
-        base = set(OmegaConf.structured(BaseQueueConf).keys())
-        executor.update_parameters(**{k if k in base else f"slurm_{k}": v for k, v in self.params.items() if k not in init_keys})
-        sweep_dir = Path(str(self.config.hydra.sweep.dir))
-        sweep_dir.mkdir(parents=True, exist_ok=True)
-        job_params = []
-        for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
-            log.info("\t#%d : %s", idx, " ".join(filter_overrides(overrides)))
-            job_params.append((list(overrides), "hydra.sweep.dir", idx, f"job_id_for_{idx}", Singleton.get_state()))
-        return list(executor.map_array(self, *zip(*job_params, strict=True)))
+@contextmanager
+def _results_are_job_ids() -> Iterator[None]:
+    """While the plugin's ``launch`` runs, its executor's jobs answer ``results()`` without waiting.
+
+    The plugin's ``launch`` ends with ``executor.map_array(...)`` then ``[j.results()[0] for j in jobs]``,
+    which blocks until every job has run; it builds its executor from ``submitit.AutoExecutor``, looked
+    up when it runs, so for this call that name is a subclass whose ``map_array`` submits as usual and
+    hands back :class:`_Queued` jobs. Launching is single-threaded, and the name is restored on exit.
+    """
+    import submitit
+
+    library_executor = submitit.AutoExecutor
+
+    class SubmitOnlyExecutor(library_executor):  # type: ignore[misc,valid-type]
+        def map_array(self, fn: Callable[..., Any], *iterable: Iterable[Any]) -> list[Any]:
+            return [_Queued(j.job_id) for j in super().map_array(fn, *iterable)]
+
+    submitit.AutoExecutor = SubmitOnlyExecutor  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        submitit.AutoExecutor = library_executor  # type: ignore[misc]
