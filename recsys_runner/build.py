@@ -123,16 +123,14 @@ def build(cfg: DictConfig, run: RunConfig) -> Components:
         sharded = distributed.shard(wrapped, plan)
         dense_params = dict(in_backward_optimizer_filter(sharded.named_parameters()))
         parts = {name: (part.pattern, instantiate(part.optimizer)) for name, part in cfg.optim.parts.items()}
-        optimizer = CombinedOptimizer(
-            [("sparse", sharded.fused_optimizer), *dense_optimizers(dense_params, instantiate(cfg.optim.dense), parts)]
-        )
+        dense = dense_optimizers(dense_params, instantiate(cfg.optim.dense), parts)
+        optimizer = CombinedOptimizer([("sparse", sharded.fused_optimizer), *dense])
         lr_scheduler = make_lr_scheduler(optimizer, *_schedules(cfg, total_steps, steps_per_epoch))
         ema = DenseEMA(dense_params, run.train.ema.decay) if run.train.ema.decay is not None else None
-        policy = StepPolicy(optimizer, accumulation_steps=run.train.grad_accum_steps, scaler=precision.grad_scaler(env.device),
+        policy = StepPolicy(sparse=sharded.fused_optimizer, dense=CombinedOptimizer(dense),
+                            accumulation_steps=run.train.grad_accum_steps, scaler=precision.grad_scaler(env.device),
                             clip=run.train.clip_grad, ema=ema)
-        pipeline = distributed.pipeline(sharded, policy if policy.active else optimizer)  # type: ignore[arg-type]
-        if policy.active:
-            policy.install(pipeline, sharded)
+        pipeline = distributed.pipeline(sharded, optimizer, policy)
         early_stopping = EarlyStopping(**vars(run.train.early_stopping))
         train_metrics = TaskTrainMetrics(run.metrics, wrapped.tasks, env.device)
         checkpointer.attach(

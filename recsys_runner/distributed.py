@@ -38,6 +38,7 @@ from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
 
 from recsys_runner.errors import ConfigError, require
 from recsys_runner.launch import map_submitit_env
+from recsys_runner.stepping import PolicyPipelineBase, PolicyPipelineSparseDist, StepPolicy
 
 log = logging.getLogger(__name__)
 
@@ -417,12 +418,22 @@ class Distributed:
             sharders=get_default_sharders(),
         )
 
-    def pipeline(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> TrainPipelineBase | TrainPipelineSparseDist:
-        """The train pipeline chosen by ``distributed.pipeline``."""
+    def pipeline(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, policy: StepPolicy | None = None
+    ) -> TrainPipelineBase | TrainPipelineSparseDist:
+        """The train pipeline chosen by ``distributed.pipeline``.
+
+        With an active step policy (accumulation, loss scaling, clipping, EMA) it is the same TorchRec
+        pipeline subclassed to run the policy's backward and dense step (:mod:`recsys_runner.stepping`);
+        otherwise TorchRec's own, stepping ``optimizer`` once per batch.
+        """
         env = self._require_env()
         kind = self._pipeline
         if kind == "auto":
             kind = "sparse_dist" if env.device.type == "cuda" else "base"
+        if policy is not None and policy.active:
+            with_policy = PolicyPipelineSparseDist if kind == "sparse_dist" else PolicyPipelineBase
+            return with_policy(model, policy, env.device)
         if kind == "sparse_dist":
             return TrainPipelineSparseDist(model, optimizer, env.device, execute_all_batches=True)
         return TrainPipelineBase(model, optimizer, env.device)

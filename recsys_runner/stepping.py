@@ -1,10 +1,15 @@
 """What one optimizer step does beyond ``optimizer.step()``: accumulation, loss scaling, clipping, EMA.
 
-TorchRec's train pipelines call ``optimizer.zero_grad()``, ``_backward(losses)`` and
-``optimizer.step()`` once per batch. When any of these features is on, :class:`StepPolicy` wraps
-the optimizer the pipeline sees and replaces the pipeline's ``_backward`` (the hook TorchEasyRec
-also overrides); when all are off the builder hands the pipeline the plain optimizer, so the
-default path costs nothing.
+TorchRec's train pipelines run, per batch, ``optimizer.zero_grad()``, the forward, ``_backward(losses)``
+and ``optimizer.step()``. When any of these features is on, the builder takes a subclass of the chosen
+pipeline (:class:`PolicyPipelineBase`, :class:`PolicyPipelineSparseDist`) that overrides ``_backward``
+— the backward hook TorchRec's pipelines define for subclasses (TorchEasyRec overrides it too) — to
+call :meth:`StepPolicy.backward`, and hands the pipeline the **fused sparse optimizer** as its
+optimizer. That is what really happens per batch: the embedding rows are updated inside backward by
+fbgemm, and the fused optimizer's ``zero_grad``/``step`` only push the current learning rate into the
+kernels. The dense optimizers are the policy's own: it zeroes their gradients at a step's first
+micro-batch and steps them after its last. When all features are off the builder hands TorchRec's own
+pipeline the whole optimizer, so the default path costs nothing.
 
 Gradient accumulation over ``N`` micro-batches: the loss is divided by ``N``, dense gradients
 are summed, and the dense optimizer steps once per ``N`` micro-batches — exactly one step on the
@@ -16,18 +21,25 @@ applies to the dense gradients only; the embedding kernels clip per element with
 ``optim.sparse.gradient_clipping``/``max_gradient``.
 
 fp16 loss scaling: the scaled gradient flowing back into the embedding tables is divided by the
-current scale on the way (a hook on every ``SparseArch`` output), and zeroed if it overflowed, so
-the fused optimizer sees true gradients; the dense step is skipped on overflow by the GradScaler.
+current scale on the way, and zeroed if it overflowed, so the fused optimizer sees true gradients;
+the dense step is skipped on overflow by the GradScaler. The policy finds the embedding lookups by
+TorchRec's type, not by a model's class: the output of every top-level
+:class:`~torchrec.distributed.types.ShardedModule` (a sharded EmbeddingBagCollection, whichever
+model part holds it) gets the unscaling, added through the output awaitable's public ``callbacks``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.profiler import record_function
+from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
+from torchrec.distributed.types import Awaitable, ShardedModule
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
+from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from recsys_runner.ema import DenseEMA
 from recsys_runner.errors import require
@@ -54,66 +66,96 @@ class _UnscaleGrad(torch.autograd.Function):
     """Identity forward; backward divides by the loss scale and zeroes a non-finite gradient."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, scaler: torch.amp.GradScaler) -> torch.Tensor:
-        ctx.scaler = scaler
+    def forward(ctx: Any, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        ctx.scale = scale
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        scale = ctx.scaler._get_scale_async()
-        unscaled = grad / scale.to(grad.device)
+        unscaled = grad / ctx.scale.to(grad.device)
         finite = torch.isfinite(unscaled).all()
         return torch.where(finite, unscaled, torch.zeros_like(unscaled)), None
 
 
 class StepPolicy:
-    """Stands in for the optimizer inside the train pipeline; see the module docstring."""
+    """Backward and dense step of one micro-batch; see the module docstring.
+
+    Args:
+        sparse: the fused embedding optimizer — what the pipeline zeroes and steps every batch.
+        dense: the dense optimizers (one, or several part-wise ones combined) — stepped here.
+        accumulation_steps: micro-batches per dense step (``train.grad_accum_steps``).
+        scaler: fp16 loss scaler, or ``None``.
+        clip: dense gradient clipping (off when ``clip.max`` is ``None``).
+        ema: moving average of the dense weights, updated after every dense step.
+    """
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, *, accumulation_steps: int = 1, scaler: torch.amp.GradScaler | None = None,
-        clip: ClipConfig | None = None, ema: DenseEMA | None = None,
+        self, *, sparse: KeyedOptimizer, dense: CombinedOptimizer, accumulation_steps: int = 1,
+        scaler: torch.amp.GradScaler | None = None, clip: ClipConfig | None = None, ema: DenseEMA | None = None,
     ) -> None:
-        self.optimizer, self.accumulation_steps, self.scaler, self.ema = optimizer, accumulation_steps, scaler, ema
+        self.sparse, self.dense = sparse, dense
+        self.accumulation_steps, self.scaler, self.ema = accumulation_steps, scaler, ema
         self.clip = clip if clip is not None and clip.max is not None else None
         self._micro = 0
 
     @property
     def active(self) -> bool:
-        """Whether the pipeline needs this wrapper at all (else it gets the plain optimizer)."""
+        """Whether the pipeline needs the policy at all (else TorchRec's pipeline gets the plain optimizer)."""
         return bool(self.accumulation_steps > 1 or self.scaler or self.clip or self.ema)
 
-    def install(self, pipeline: Any, model: nn.Module) -> None:
-        """Route the pipeline's backward through :meth:`backward`; hook embedding outputs for fp16."""
-        pipeline._backward = self.backward
-        if self.scaler is not None:
-            from recsys_runner.models.common import SparseArch
+    def hook_embeddings(self, model: nn.Module) -> None:
+        """With a loss scaler, unscale the gradient reaching each top-level sharded module (embedding lookups)."""
+        if self.scaler is None:
+            return
+        hooked: list[str] = []
+        for name, module in model.named_modules():
+            if isinstance(module, ShardedModule) and not any(name.startswith(f"{h}.") for h in hooked):
+                module.register_forward_hook(self._unscale_on_backward)
+                hooked.append(name)
 
-            for module in model.modules():
-                if isinstance(module, SparseArch):
-                    module.register_forward_hook(lambda _m, _i, out: _UnscaleGrad.apply(out, self.scaler))
+    def _unscale_on_backward(self, _module: nn.Module, _inputs: Any, output: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return None  # evaluation: no backward to unscale
+        if isinstance(output, Awaitable):  # a sharded module's output: unscale once it is waited for
+            output.callbacks.append(self._unscaled)
+            return None
+        return self._unscaled(output)
 
-    # -- what the pipeline calls -----------------------------------------------------------------
+    def _unscaled(self, result: Any) -> Any:
+        """``result`` with :class:`_UnscaleGrad` on its values, at the scale the loss is multiplied by."""
+        assert self.scaler is not None, "hooked only with a scaler"
+        if isinstance(result, KeyedTensor):
+            values = result.values()
+            scale = self.scaler.scale(torch.ones((), dtype=torch.float32, device=values.device))
+            return KeyedTensor(keys=result.keys(), length_per_key=result.length_per_key(),
+                               values=_UnscaleGrad.apply(values, scale), key_dim=result.key_dim())
+        if isinstance(result, torch.Tensor):
+            scale = self.scaler.scale(torch.ones((), dtype=torch.float32, device=result.device))
+            return _UnscaleGrad.apply(result, scale)
+        raise TypeError(f"fp16 loss scaling unscales embedding outputs of type KeyedTensor or Tensor, got "
+                        f"{type(result).__name__}; use precision.grad_scaler.enabled=false or precision=bf16")
+
+    # -- what the pipeline's _backward calls ------------------------------------------------------
     def backward(self, losses: torch.Tensor) -> None:
+        """Backward of one micro-batch's loss; after a step's last micro-batch, the dense step."""
+        if self._micro == 0:
+            self.dense.zero_grad(set_to_none=True)
         loss = torch.sum(losses, dim=0)
         if self.accumulation_steps > 1:
             loss = loss / self.accumulation_steps
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
         loss.backward()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._micro == 0:
-            self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def step(self, closure: Callable[[], Any] | None = None) -> None:
         self._micro += 1
-        if self._micro < self.accumulation_steps:
-            return
-        self._micro = 0
+        if self._micro == self.accumulation_steps:
+            self._micro = 0
+            self._dense_step()
+
+    def _dense_step(self) -> None:
         if self.clip is not None:
             if self.scaler is not None:
-                self.scaler.unscale_(self.optimizer)
-            params = [p for g in self.optimizer.param_groups for p in g["params"] if getattr(p, "grad", None) is not None]
+                self.scaler.unscale_(self.dense)
+            params = [p for g in self.dense.param_groups for p in g["params"] if getattr(p, "grad", None) is not None]
             limit = self.clip.max
             assert limit is not None, "ClipConfig validation guarantees train.clip_grad.max when clipping is on"
             if self.clip.mode == "norm":
@@ -121,10 +163,10 @@ class StepPolicy:
             else:
                 torch.nn.utils.clip_grad_value_(params, limit, foreach=True)
         if self.scaler is not None:
-            self.scaler.step(self.optimizer)
+            self.scaler.step(self.dense)
             self.scaler.update()
         else:
-            self.optimizer.step()
+            self.dense.step()
         if self.ema is not None:
             self.ema.update()
 
@@ -132,11 +174,7 @@ class StepPolicy:
         """Drop a partial accumulation (at an epoch boundary)."""
         if self._micro:
             self._micro = 0
-            self.optimizer.zero_grad(set_to_none=True)
-
-    @property
-    def param_groups(self) -> Any:
-        return self.optimizer.param_groups
+            self.dense.zero_grad(set_to_none=True)
 
     def state_dict(self) -> dict[str, Any]:
         return {"scaler": self.scaler.state_dict() if self.scaler is not None else None}
@@ -144,3 +182,29 @@ class StepPolicy:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+
+
+class PolicyPipelineBase(TrainPipelineBase):
+    """TorchRec's ``TrainPipelineBase`` whose backward is :meth:`StepPolicy.backward` (dense step included)."""
+
+    def __init__(self, model: nn.Module, policy: StepPolicy, device: torch.device) -> None:
+        super().__init__(model, policy.sparse, device)
+        self.policy = policy
+        policy.hook_embeddings(model)
+
+    def _backward(self, losses: torch.Tensor) -> None:
+        with record_function("## backward (step policy) ##"):
+            self.policy.backward(losses)
+
+
+class PolicyPipelineSparseDist(TrainPipelineSparseDist):
+    """TorchRec's ``TrainPipelineSparseDist`` whose backward is :meth:`StepPolicy.backward` (dense step included)."""
+
+    def __init__(self, model: nn.Module, policy: StepPolicy, device: torch.device) -> None:
+        super().__init__(model, policy.sparse, device, execute_all_batches=True)
+        self.policy = policy
+        policy.hook_embeddings(model)
+
+    def _backward(self, losses: torch.Tensor) -> None:
+        with record_function("## backward (step policy) ##"):
+            self.policy.backward(losses)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from recsys_runner.build import build
 from recsys_runner.checkpoint import is_complete, list_checkpoints
 from recsys_runner.config import validate
 from recsys_runner.ema import DenseEMA
+from recsys_runner.stepping import PolicyPipelineBase, PolicyPipelineSparseDist
 from recsys_runner.stopping import NonFiniteLossError
 from tests.conftest import REPO, TINY, hint_of
 
@@ -46,7 +48,8 @@ def test_fp16_scaler_settings_reach_the_grad_scaler(make_cfg) -> None:
     c = build(cfg, validate(cfg))
     try:
         assert c.policy.scaler is not None and c.policy.scaler.get_scale() == 1024.0
-        assert c.policy.scaler.get_growth_interval() == 7 and c.pipeline._backward == c.policy.backward
+        assert c.policy.scaler.get_growth_interval() == 7
+        assert isinstance(c.pipeline, PolicyPipelineBase) and c.pipeline.policy is c.policy
     finally:
         c.close()
 
@@ -65,10 +68,12 @@ def _concat(batches: list[Batch]) -> Batch:
                  labels=torch.cat([b.labels for b in batches]))
 
 
-def test_dense_accumulation_equals_one_large_batch(make_cfg) -> None:
+@pytest.mark.parametrize("pipeline", ["base", "sparse_dist"])
+def test_dense_accumulation_equals_one_large_batch(make_cfg, pipeline: str) -> None:
     # The fused sparse optimizer updates in every micro-batch by design; with a vanishing sparse lr
     # the embeddings stay put and the dense step must equal one step on the concatenated batch.
-    common = ["optim=sgd", "optim.dense.lr=0.5", "optim.sparse.lr=1e-30", "tracking=none", "train.clip_grad.max=0.5"]
+    common = ["optim=sgd", "optim.dense.lr=0.5", "optim.sparse.lr=1e-30", "tracking=none", "train.clip_grad.max=0.5",
+              f"distributed.pipeline={pipeline}"]
     small = make_cfg(*common, "data.batch_size=64", "train.grad_accum_steps=4")
     large = make_cfg(*common, "data.batch_size=256")
     c_small, c_large = build(small, validate(small)), build(large, validate(large))
@@ -84,6 +89,39 @@ def test_dense_accumulation_equals_one_large_batch(make_cfg) -> None:
     finally:
         c_small.close()
         c_large.close()
+
+
+def _policy_run(make_cfg, *overrides: str, steps: int = 8) -> tuple[list[float], list[torch.Tensor], Any]:
+    """Per-batch losses, the dense parameters after ``steps`` batches, and the step policy's pipeline class."""
+    cfg = make_cfg(*overrides, "tracking=none")
+    c = build(cfg, validate(cfg))
+    try:
+        batches = iter([c.data.batch(0, i) for i in range(steps)])  # type: ignore[attr-defined]
+        losses = [float(c.pipeline.progress(batches)[0]) for _ in range(steps)]
+        dense = [p.detach().clone() for name, p in c.model.named_parameters() if "embedding" not in name]
+        return losses, dense, type(c.pipeline)
+    finally:
+        c.close()
+
+
+def test_both_pipelines_run_the_step_policy_alike_on_cpu(make_cfg) -> None:
+    # Accumulation, fp16 loss scaling, clipping and EMA go through TrainPipelineBase and
+    # TrainPipelineSparseDist subclasses; on one CPU rank both must train identically.
+    common = ["precision=fp16", "train.grad_accum_steps=2", "train.clip_grad.max=0.5", "train.ema.decay=0.9"]
+    base = _policy_run(make_cfg, *common, "distributed.pipeline=base")
+    sparse_dist = _policy_run(make_cfg, *common, "distributed.pipeline=sparse_dist")
+    assert base[2] is PolicyPipelineBase and sparse_dist[2] is PolicyPipelineSparseDist
+    assert sparse_dist[0] == pytest.approx(base[0], rel=1e-6)
+    for a, b in zip(base[1], sparse_dist[1], strict=True):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_fp16_unscales_every_embedding_lookup(make_cfg) -> None:
+    # wide_deep's wide part has an EmbeddingBagCollection of its own, outside SparseArch: its fused
+    # SGD update must see the true gradient too, or the loss explodes by the loss scale (65536).
+    fp32 = _policy_run(make_cfg, "model=wide_deep", "optim=sgd", "precision=fp32", steps=6)[0]
+    fp16 = _policy_run(make_cfg, "model=wide_deep", "optim=sgd", "precision=fp16", steps=6)[0]
+    assert fp16 == pytest.approx(fp32, rel=0.05)
 
 
 def test_ema_follows_its_formula_and_can_evaluate(make_cfg) -> None:
