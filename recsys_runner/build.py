@@ -38,12 +38,13 @@ from recsys_runner.ema import DenseEMA
 from recsys_runner.errors import ConfigError
 from recsys_runner.features import data_for_model, model_data_needs
 from recsys_runner.metrics import TaskTrainMetrics
-from recsys_runner.models.common import Task, TrainWrapper
+from recsys_runner.models.common import TrainWrapper
 from recsys_runner.optim import apply_sparse_optimizer, dense_optimizers
 from recsys_runner.scheduler import SchedulePosition
 from recsys_runner.scheduler import lr_scheduler as make_lr_scheduler
 from recsys_runner.stepping import StepPolicy
 from recsys_runner.stopping import EarlyStopping
+from recsys_runner.tasks import Task
 from recsys_runner.tracking import NullTracker, Tracker
 
 
@@ -117,7 +118,7 @@ def build(cfg: DictConfig, run: RunConfig) -> Components:
         total_steps = _total_steps(run, steps_per_epoch)
         model = instantiate(cfg.model)(features=data.features, dense_device=env.device)
         wrapped = TrainWrapper(model, autocast=precision.autocast(env.device), features=data.features)
-        check_eval_keys(run, wrapped.tasks, data.features.sparse_names)  # before the tracker starts a run
+        check_eval_keys(run, wrapped.tasks, data.features.sparse_names, type(model).__name__)  # before the tracker starts a run
         apply_sparse_optimizer(wrapped, instantiate(cfg.optim.sparse))
         plan = distributed.plan(wrapped, batch_size=data.batch_size)
         sharded = distributed.shard(wrapped, plan)

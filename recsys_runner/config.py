@@ -29,8 +29,7 @@ from recsys_runner.data.tabular import CriteoDataConfig, CsvDataConfig, ParquetD
 from recsys_runner.distributed import DistributedConfig, check_sharding_types, resolve_device_type
 from recsys_runner.ema import EmaConfig
 from recsys_runner.errors import ConfigError, require
-from recsys_runner.metrics import MetricsConfig, eval_metric_keys
-from recsys_runner.models.common import Task
+from recsys_runner.metrics import MetricsConfig, check_task_metrics, eval_metric_keys
 from recsys_runner.models.dcn_v2 import DCNv2Config
 from recsys_runner.models.deepfm import DeepFMConfig
 from recsys_runner.models.dlrm import DLRMConfig
@@ -64,6 +63,7 @@ from recsys_runner.scheduler import (
 )
 from recsys_runner.stepping import ClipConfig
 from recsys_runner.stopping import EarlyStoppingConfig
+from recsys_runner.tasks import Task
 from recsys_runner.tracking import NoTrackingConfig, TrackingConfig
 
 
@@ -278,18 +278,20 @@ def _schema_keys(node: Any, path: str) -> Iterator[tuple[str, list[str] | None]]
         yield from _schema_keys(child, full)
 
 
-def check_eval_keys(run: RunConfig, tasks: tuple[Task, ...], sparse_names: list[str]) -> None:
+def check_eval_keys(run: RunConfig, tasks: tuple[Task, ...], sparse_names: list[str], model: str = "the model") -> None:
     """Check every key that names an eval metric or a feature against what this run will produce.
 
     Called by :func:`recsys_runner.build.build` as soon as the model's tasks and the data's features
     exist, before any MLflow run starts, so a typo fails the job up front rather than after
     training (when a sweep would lose the trial). The eval keys are :func:`eval_metric_keys`, the
     ones the runner's evaluation logs. ``train.early_stopping.metric`` is checked only when early
-    stopping is on (``patience`` set).
+    stopping is on (``patience`` set). Each task's eval metrics must apply to what it produces
+    (:func:`~recsys_runner.metrics.check_task_metrics`; ``model`` names the model in that message).
 
     Raises:
         ConfigError: naming the key, the valid values and the closest one.
     """
+    check_task_metrics(run.metrics, tasks, model)
     keys = eval_metric_keys(run.metrics, tasks)
     require(bool(keys), "no eval metric is configured, so the job has no result (train.objective). Fix: list at least one "
             "in metrics.eval (or in the model's own eval_metrics where it has them), e.g. metrics.eval=[auc]")

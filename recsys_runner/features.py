@@ -120,18 +120,22 @@ class FeatureSpec:
             existing.feature_names.append(f.name)
         return list(tables.values())
 
-    def require_uniform_dim(self, embedding_dim: int, model: str) -> None:
+    def embedding_dims(self, embedding_dim: int) -> list[int]:
+        """Each sparse feature's width, in ``sparse`` order: its own ``embedding_dim``, else ``embedding_dim``."""
+        return [f.embedding_dim or embedding_dim for f in self.sparse]
+
+    def require_uniform_dim(self, embedding_dim: int, model: str, why: str = "its arches combine embeddings pairwise") -> None:
         """Raise :class:`ConfigError` unless every feature embeds to ``embedding_dim``.
 
-        Interaction arches (FM, DLRM's dot products) combine all embeddings pairwise, so they need
-        one common width.
+        Called for models that state they need one width (``same_embedding_width``), e.g. interaction
+        arches (FM, DLRM's dot products) that combine all embeddings pairwise; ``why`` is the model's reason.
         """
         mixed = {f.name: f.embedding_dim for f in self.sparse if f.embedding_dim not in (None, embedding_dim)}
         if mixed:
             raise ConfigError(
-                f"{model} needs one embedding width for every feature (model.embedding_dim={embedding_dim}), but "
+                f"{model} needs one embedding width for every feature (model.embedding_dim={embedding_dim}): {why}; but "
                 f"data.sparse sets embedding_dim {mixed}. Fix: remove embedding_dim from those data.sparse entries, or "
-                f"set it to {embedding_dim}"
+                f"set it to {embedding_dim}, or choose a model that accepts mixed widths (docs/models.md)"
             )
 
 

@@ -33,7 +33,7 @@ import re
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -42,9 +42,7 @@ from torchmetrics import Metric, MetricCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.errors import ConfigError, require
-
-if TYPE_CHECKING:
-    from recsys_runner.models.common import Task
+from recsys_runner.tasks import Task
 
 log = logging.getLogger(__name__)
 _EPS = 1e-7
@@ -578,6 +576,9 @@ METRICS: dict[str, MetricEntry] = {}
 RECALL_AT_K = re.compile(r"recall@([0-9]+)")
 """Names ``recall@1``, ``recall@10`` …: :class:`RecallAtK` with that ``k``."""
 
+NAME_PATTERNS: dict[str, Inputs] = {"recall@<k>": "retrieval"}
+"""The metric names matched by a pattern rather than registered one by one, and their inputs."""
+
 
 def register_metric(name: str, factory: Callable[[MetricsConfig], Metric], inputs: Inputs, doc: str) -> None:
     """Add a metric to :data:`METRICS`; a name may be registered once."""
@@ -690,21 +691,40 @@ def build_train_metrics(spec: MetricsConfig, device: torch.device, prefix: str =
 
 
 def _task_spec(spec: MetricsConfig, task: Task) -> MetricsConfig:
-    """``spec`` with the task's own metric lists where it has them (retrieval tasks train no metrics)."""
-    train: list[str] | tuple[str, ...] | None = [] if task.kind == "retrieval" else task.train_metrics
-    if task.eval_metrics is None and train is None:
+    """``spec`` with the task's metric lists (:meth:`Task.eval_metric_names`, :meth:`Task.train_metric_names`)."""
+    eval_names, train_names = task.eval_metric_names(spec.eval), task.train_metric_names(spec.train)
+    if eval_names == list(spec.eval) and train_names == list(spec.train):
         return spec
-    return replace(spec, eval=list(task.eval_metrics or spec.eval), train=list(spec.train if train is None else train))
+    return replace(spec, eval=eval_names, train=train_names)
 
 
 def _task_outputs(task: Task, index: int, logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-    """One task's ``(preds, labels)`` from the TrainWrapper's output: probabilities for a binary task,
-    raw predictions for regression, ``(scores [B, C], positives [B])`` for retrieval."""
-    if task.kind == "retrieval":
-        return logits, labels
+    """One task's ``(preds, targets)`` from the TrainWrapper's ``(logits, labels)``: a named task's are
+    column ``index`` of ``[B, T]``, an unnamed task's are the whole tensors; :meth:`Task.metric_inputs` does the rest."""
     if task.name is not None:
         logits, labels = logits[:, index], labels[:, index]
-    return (torch.sigmoid(logits) if task.kind == "binary" else logits), labels
+    return task.metric_inputs(logits, labels)
+
+
+def check_task_metrics(spec: MetricsConfig, tasks: tuple[Task, ...], model: str = "the model") -> None:
+    """Raise :class:`ConfigError` unless each task's eval metrics apply to what it produces.
+
+    A task's ``metric_inputs_kinds`` say which registered metrics read its outputs: per-row predictions
+    (pointwise and grouped metrics) or query×candidate scores (``recall@<k>``). ``model`` names the
+    model in the message.
+    """
+    for task in tasks:
+        key = "model.eval_metrics" if task.eval_metrics is not None else "metrics.eval"
+        for name in task.eval_metric_names(spec.eval):
+            if metric_entry(name, key).inputs in task.metric_inputs_kinds:
+                continue
+            valid = [n for n, e in sorted(METRICS.items()) if e.inputs in task.metric_inputs_kinds]
+            valid += [p for p, inputs in NAME_PATTERNS.items() if inputs in task.metric_inputs_kinds]
+            example = task.default_eval_metrics or ("auc",)
+            raise ConfigError(
+                f"{key} lists {name!r}; {model}'s eval is {task.metric_inputs_kinds[0]}, so only {', '.join(valid)} "
+                f"appl{'ies' if len(valid) == 1 else 'y'}, e.g. [{','.join(example)}]"
+            )
 
 
 def metric_key(name: str) -> str:
@@ -742,8 +762,9 @@ class TaskEvalMetrics:
     def update(self, logits: Tensor, labels: Tensor, groups: Tensor | None = None) -> None:
         extra = {} if groups is None else {"groups": groups}
         for i, (task, metrics) in enumerate(zip(self.tasks, self.collections, strict=True)):
-            preds, targets = _task_outputs(task, i, logits, labels)
-            metrics.update(preds, targets, **({} if task.kind == "retrieval" else extra))
+            # Only metrics whose update takes ``groups`` (gauc) get them: MetricCollection filters keyword
+            # arguments by each metric's signature.
+            metrics.update(*_task_outputs(task, i, logits, labels), **extra)
 
     def compute(self) -> dict[str, float]:
         """``{key: value}`` in :func:`eval_metric_keys` order: task by task, each task's metrics as configured."""

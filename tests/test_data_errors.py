@@ -147,7 +147,7 @@ def test_mixed_embedding_dims_rejected_for_deepfm(make_cfg, tmp_path: Path) -> N
     cfg = make_cfg("data=parquet", f"data.path={path}", "data.batch_size=8",
                    "data.sparse=[{name: item, num_embeddings: 10}, {name: tag, num_embeddings: 10, embedding_dim: 8}]",
                    "train.num_steps=2", "distributed.device=cpu", "tracking=none", tiny=False)
-    with pytest.raises(ConfigError, match=r"DeepFM/DLRM .* needs one embedding width .*model.embedding_dim=16.*\{'tag': 8\}"):
+    with pytest.raises(ConfigError, match=r"DeepFM needs one embedding width for every feature \(model.embedding_dim=16\): its FM term .*\{'tag': 8\}"):
         run(cfg)
 
 

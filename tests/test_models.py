@@ -7,6 +7,7 @@ tables (created on ``meta``) are materialized here on CPU and initialized with e
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,61 @@ def test_dssm_scores_are_scaled_cosines(make_cfg) -> None:
     assert user.shape == item.shape == (8, 32)
     assert torch.allclose(user.norm(dim=1), torch.ones(8)) and torch.allclose(item.norm(dim=1), torch.ones(8))
     assert torch.allclose(model(batch.dense_features, batch.sparse_features), user @ item.t() / 0.5, atol=1e-6)
+
+
+# --- per-feature embedding widths: each model states what it needs (``same_embedding_width``) ---
+
+MIXED = "data.sparse=[{name: cat_0, num_embeddings: 50, embedding_dim: 8}, {name: cat_1, num_embeddings: 50, embedding_dim: 16}, " \
+        "{name: cat_2, num_embeddings: 50}]"
+"""Three tables of widths 8, 16 and ``model.embedding_dim=8``."""
+
+
+def mixed_width_csv(tmp_path: Path) -> Path:
+    """A small CSV whose click depends on the ids: ``label`` (and ``ctr``/``cvr``), ``int_0``, ``cat_0..2``."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(50, (512, 3), generator=g)
+    dense = torch.randn(512, generator=g)
+    click = (torch.rand(512, generator=g) < torch.sigmoid((ids[:, 0] % 5 - 2).float() + dense)).long()
+    conversion = click * (ids[:, 1] % 2)
+    rows = [f"{int(c)},{int(c)},{int(v)},{float(d):.4f},{int(a)},{int(b)},{int(e)}"
+            for c, v, d, (a, b, e) in zip(click, conversion, dense, ids.tolist(), strict=True)]
+    path = tmp_path / "mixed.csv"
+    path.write_text("label,ctr,cvr,int_0,cat_0,cat_1,cat_2\n" + "\n".join(rows) + "\n")
+    return path
+
+
+def mixed_width_cfg(make_cfg, tmp_path: Path, name: str, *overrides: str):
+    labels = ["data.label=null", "data.labels={ctr: ctr, cvr: cvr}"] if name == "mmoe" else ["data.label=label"]
+    return make_cfg(f"model={name}", "data=csv", f"data.path={mixed_width_csv(tmp_path)}", "data.eval_fraction=0.25",
+                    "data.batch_size=32", *labels, MIXED, "data.dense=[{name: int_0}]", "model.embedding_dim=8",
+                    "train.num_steps=4", "train.log_every_steps=2", "train.eval_every_steps=null", "distributed.device=cpu",
+                    "optim=adagrad", "tracking=none", *overrides, tiny=False)
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides"),
+    [("mmoe", []), ("dssm", ["model.user_features=[cat_0,int_0]", "model.item_features=[cat_1,cat_2]"]), ("wide_deep", []),
+     ("dcn_v2", ["model.low_rank=8"])],
+)
+def test_concatenating_models_train_with_mixed_widths(make_cfg, tmp_path: Path, name: str, overrides: list[str]) -> None:
+    from recsys_runner.__main__ import run
+
+    cfg = mixed_width_cfg(make_cfg, tmp_path, name, *overrides)
+    model = instantiate(cfg.model)(features=instantiate(cfg.data).features, dense_device=CPU)
+    assert model.sparse_arch.widths == [8, 16, 8] and model.sparse_arch.output_dim == 32
+    assert math.isfinite(run(cfg))
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [("deepfm", "its FM term takes dot products between every pair of fields"),
+     ("dlrm", "its interaction takes dot products between the dense vector and every embedding")],
+)
+def test_interaction_models_refuse_mixed_widths_saying_why(make_cfg, tmp_path: Path, name: str, why: str) -> None:
+    from recsys_runner.__main__ import run
+
+    model = {"deepfm": "DeepFM", "dlrm": "DLRM"}[name]
+    cfg = mixed_width_cfg(make_cfg, tmp_path, name, "model.dense_arch_layer_sizes=[8]")
+    with pytest.raises(ConfigError, match=rf"{model} needs one embedding width for every feature \(model.embedding_dim=8\): {why}.*"
+                                          r"data.sparse sets embedding_dim \{'cat_1': 16\}"):
+        run(cfg)

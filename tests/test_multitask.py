@@ -14,8 +14,9 @@ from recsys_runner.build import build
 from recsys_runner.config import validate
 from recsys_runner.data.synthetic import SyntheticData
 from recsys_runner.errors import ConfigError
-from recsys_runner.models.common import Task, TrainWrapper
+from recsys_runner.models.common import TrainWrapper
 from recsys_runner.runner import train
+from recsys_runner.tasks import BinaryTask, RegressionTask, Task
 
 
 def train_logged(cfg: DictConfig) -> dict[str, float]:
@@ -77,7 +78,7 @@ class _TwoHeads(nn.Module):
 def test_train_wrapper_weights_bce_and_mse_per_task() -> None:
     ctr, reg = torch.tensor([0.0, 2.0]), torch.tensor([1.5, -1.0])
     labels = torch.tensor([[9.0, 1.0, 0.5], [9.0, 0.0, -1.0]])  # column 0 belongs to no task
-    tasks = (Task("ctr", column=1, weight=2.0), Task("watch", kind="regression", column=2, weight=0.5))
+    tasks = (BinaryTask("ctr", column=1, weight=2.0), RegressionTask("watch", column=2, weight=0.5))
     wrapper = TrainWrapper(_TwoHeads(tasks, {"ctr": ctr, "watch": reg}))
     loss, (_, logits, targets) = wrapper(Batch(dense_features=torch.zeros(2, 1), sparse_features=None, labels=labels))  # type: ignore[arg-type]
     bce = (torch.log1p(torch.exp(-torch.tensor(0.0))) + torch.log1p(torch.exp(torch.tensor(2.0)))) / 2

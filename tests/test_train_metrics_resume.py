@@ -11,8 +11,8 @@ from mlflow.tracking import MlflowClient
 
 from recsys_runner.__main__ import run
 from recsys_runner.metrics import MetricsConfig, TaskTrainMetrics
-from recsys_runner.models.common import SINGLE_TASK, Task
 from recsys_runner.signals import Interrupted
+from recsys_runner.tasks import SINGLE_TASK, BinaryTask
 
 # Windows of 4 updates: the stop at step 6 falls mid-window (2 updates into the second), after one
 # window closed, so the saved state holds a decayed value, an AUC history and a partial window.
@@ -55,7 +55,7 @@ def feed(metrics: TaskTrainMetrics, steps: range, rows: int = 64) -> None:
         metrics.update(logits, labels)
 
 
-TWO_TASKS = (Task("ctr", column=0), Task("cvr", column=1))
+TWO_TASKS = (BinaryTask("ctr", column=0), BinaryTask("cvr", column=1))
 SPEC = MetricsConfig(train=["auc", "logloss", "xauc"], decay_step=3, decay_rate=0.7)
 
 

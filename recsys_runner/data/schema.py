@@ -64,7 +64,8 @@ class SparseColumn:
     pooling: str = "sum"
     """How a multi-hot bag becomes one vector: ``sum`` or ``mean``."""
     embedding_dim: int | None = None
-    """Width of this feature's table; ``null`` takes ``model.embedding_dim`` (DeepFM/DLRM need one width)."""
+    """Width of this feature's table; ``null`` takes ``model.embedding_dim`` (models whose arches combine embeddings
+    pairwise, DeepFM and DLRM, need one width: their ``same_embedding_width``)."""
     table: str | None = None
     """Name of a table shared with other features; ``null`` gives the feature its own table."""
 

@@ -6,8 +6,7 @@ Shape legend: ``B`` batch size, ``F`` number of sparse features, ``D`` embedding
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,77 +17,21 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.errors import ConfigError, require
 from recsys_runner.features import FeatureSpec
+from recsys_runner.tasks import SINGLE_TASK, Task
 
-__all__ = ["MLP", "SparseArch", "DenseArch", "Task", "TrainWrapper", "check_layer_sizes", "resolve_tasks", "SINGLE_TASK"]
-
-TaskKind = Literal["binary", "regression", "retrieval"]
-TASK_KINDS: tuple[str, ...] = ("binary", "regression")
-"""Kinds a multi-task model's task may have: ``binary`` (BCE on 0/1 labels) or ``regression`` (MSE)."""
+__all__ = ["MLP", "SparseArch", "DenseArch", "TrainWrapper", "check_layer_sizes", "embedding_width_rule"]
 
 
-@dataclass(frozen=True, slots=True)
-class Task:
-    """What one model output is trained and evaluated as.
+def embedding_width_rule(model: type[nn.Module]) -> str | None:
+    """What ``model`` states about its tables' widths: its ``same_embedding_width`` class attribute.
 
-    A model with several outputs has a ``tasks`` attribute (a tuple of these, in output order) and
-    returns ``{task.name: logits [B]}``; a model without one is a single ``binary`` task, unnamed.
-
-    Attributes:
-        name: metric-key prefix (``eval/<name>/auc``); ``None`` keeps the plain keys (``eval/auc``).
-        kind: ``binary`` (BCE, metrics see ``sigmoid(logits)``), ``regression`` (MSE, metrics see the
-            raw output) or ``retrieval`` (in-batch softmax over query×candidate scores ``[B, C]``;
-            metrics see the scores and each query's positive index).
-        column: the task's column in ``Batch.labels [B, T]``; ``None`` when labels are ``[B]``.
-        weight: the task's weight in the summed loss.
-        eval_metrics: the task's own eval metric names; ``None`` takes ``metrics.eval``.
-        train_metrics: the task's own train metric names; ``None`` takes ``metrics.train``.
+    A reason (why the model needs one width for every table, e.g. an interaction taking dot products
+    between embeddings) makes :class:`SparseArch` refuse per-feature widths that differ from
+    ``model.embedding_dim``; ``None`` (a model that only concatenates embeddings) accepts mixed
+    per-feature widths (``data.sparse[...].embedding_dim``).
     """
-
-    name: str | None
-    kind: TaskKind = "binary"
-    column: int | None = None
-    weight: float = 1.0
-    eval_metrics: tuple[str, ...] | None = None
-    train_metrics: tuple[str, ...] | None = None
-
-
-SINGLE_TASK = (Task(None),)
-"""The task of every model without a ``tasks`` attribute: one unnamed binary output ``[B]``."""
-
-
-def resolve_tasks(features: FeatureSpec, names: list[str], loss_weights: list[float] | None, kinds: list[str] | None) -> tuple[Task, ...]:
-    """Tasks ``names`` bound to their label columns in the data.
-
-    Args:
-        features: the data's schema; its ``label_names`` are the tasks it has labels for.
-        names: the model's task names (``model.tasks``).
-        loss_weights: one weight per task, or ``None`` for all 1.
-        kinds: one kind per task (``binary`` / ``regression``), or ``None`` for all binary.
-
-    Raises:
-        ConfigError: a task has no label column in the data, or a list's length differs from ``names``.
-    """
-    weights = [1.0] * len(names) if loss_weights is None else list(loss_weights)
-    task_kinds = ["binary"] * len(names) if kinds is None else list(kinds)
-    require(len(weights) == len(names), f"model.loss_weights has {len(weights)} entries but model.tasks={list(names)} has "
-            f"{len(names)}. Fix: give one weight per task, e.g. model.loss_weights=[{','.join(['1.0'] * len(names))}]")
-    require(len(task_kinds) == len(names), f"model.task_kinds has {len(task_kinds)} entries but model.tasks={list(names)} "
-            f"has {len(names)}. Fix: give one kind ({'/'.join(TASK_KINDS)}) per task, or model.task_kinds=null")
-    labels = features.label_names
-    missing = [n for n in names if n not in labels]
-    if missing or not features.multi_label:
-        raise ConfigError(
-            f"model.tasks={list(names)}: task(s) {missing or list(names)} have no label column; the data's label(s): "
-            f"{list(labels)}{'' if features.multi_label else ' (a single [B] label)'}. Fix: name tasks after the data's "
-            f"labels, or give the data one label per task (data.tasks=[...] for synthetic data, data.labels={{task: column}} "
-            f"for Parquet/CSV)"
-        )
-    return tuple(
-        Task(n, kind=k, column=labels.index(n), weight=float(w),  # type: ignore[arg-type]
-             eval_metrics=("mse", "mae") if k == "regression" else None, train_metrics=("mse",) if k == "regression" else None)
-        for n, k, w in zip(names, task_kinds, weights, strict=True)
-    )
-
+    rule: Any = getattr(model, "same_embedding_width", None)
+    return rule if isinstance(rule, str) else None
 
 
 def check_layer_sizes(name: str, sizes: list[int]) -> None:
@@ -98,27 +41,53 @@ def check_layer_sizes(name: str, sizes: list[int]) -> None:
 
 
 class SparseArch(nn.Module):
-    """Embeds every sparse feature: ``KeyedJaggedTensor → [B, F, D]``.
+    """Embeds every sparse feature: ``KeyedJaggedTensor → [B, ΣD_f]``, the features' pooled embeddings
+    concatenated in ``features.sparse`` order (``[B, F·D]`` when every width is ``D``).
+
+    Each feature's width ``D_f`` is its own ``embedding_dim`` in the data's schema, else the model's
+    ``embedding_dim``. The model states whether it accepts mixed widths (its ``same_embedding_width``,
+    :func:`embedding_width_rule`); this enforces only that. A model that needs one width reads the
+    fields as ``[B, F, D]`` with :meth:`fields`.
 
     The EmbeddingBagCollection is created on ``meta``: no memory is spent until
     DistributedModelParallel materializes each shard on the rank that owns it.
 
     Args:
-        features: the data's feature schema; one table ``t_<feature>`` per sparse feature.
-        embedding_dim: ``D``, shared by all tables so the interaction arches can combine them.
+        features: the data's feature schema; one table ``t_<feature>`` per sparse feature (or a shared one).
+        embedding_dim: ``D``, the width of every table whose features set none.
+        model: the model class that owns this arch; its ``same_embedding_width`` and name go into the check.
+
+    Raises:
+        ConfigError: the model needs one width and a feature sets another, naming the model and why.
     """
 
-    def __init__(self, features: FeatureSpec, embedding_dim: int) -> None:
+    def __init__(self, features: FeatureSpec, embedding_dim: int, model: type[nn.Module]) -> None:
         super().__init__()
-        features.require_uniform_dim(embedding_dim, "DeepFM/DLRM (their interaction arches)")
+        reason = embedding_width_rule(model)
+        if reason is not None:
+            features.require_uniform_dim(embedding_dim, model.__name__, reason)
         self.ebc = EmbeddingBagCollection(
             tables=features.embedding_tables(embedding_dim), device=torch.device("meta")
         )
         self.feature_names = features.sparse_names
+        self.widths = features.embedding_dims(embedding_dim)
+        """``D_f`` of each feature, in ``feature_names`` order."""
+        self.output_dim = sum(self.widths)
+        """``ΣD_f``: the width of :meth:`forward`'s output."""
 
     def forward(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
         pooled = self.ebc(sparse).to_dict()
-        return torch.stack([pooled[name] for name in self.feature_names], dim=1)
+        return torch.cat([pooled[name] for name in self.feature_names], dim=1)
+
+    def fields(self, embedded: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward`'s ``[B, F·D]`` as ``[B, F, D]``; only for a model that needs one width."""
+        assert len(set(self.widths)) <= 1, "fields() needs one embedding width; the model must state same_embedding_width"
+        return embedded.unflatten(1, (len(self.widths), self.widths[0] if self.widths else 0))
+
+    def columns(self, names: list[str]) -> list[int]:
+        """The columns of :meth:`forward`'s output that hold the features ``names``, feature by feature."""
+        offsets = [sum(self.widths[:i]) for i in range(len(self.widths))]
+        return [c for n in names for i in [self.feature_names.index(n)] for c in range(offsets[i], offsets[i] + self.widths[i])]
 
 
 class DenseArch(nn.Module):
@@ -136,43 +105,36 @@ class TrainWrapper(nn.Module):
     """Adapts a ``(dense, sparse) → output`` model to TorchRec's train pipelines.
 
     A TrainPipeline calls ``model(batch)`` and expects ``(loss, output)``; this wrapper computes the
-    loss of the model's tasks (:class:`Task`) and returns detached ``(loss, logits, labels)`` for
-    metrics:
+    loss of the model's tasks (:mod:`recsys_runner.tasks`: each task's own loss on its own targets,
+    times its weight, summed) and returns detached ``(loss, logits, labels)`` for metrics:
 
-    * a single-task model (no ``tasks`` attribute): BCE; ``logits [B]``, ``labels [B]``;
-    * a multi-task model (``tasks``, returning ``{task: logits [B]}``): the ``weight``-ed sum of each
-      task's BCE or MSE; ``logits [B, T]`` in task order, ``labels [B, T]`` in the same order;
-    * a retrieval model (one ``retrieval`` task, returning scores ``[B, C]`` whose positive for
-      query ``b`` is candidate ``b``): softmax cross-entropy; ``logits [B, C]``, ``labels`` the
-      positive indices ``[B]``.
+    * unnamed task (a model without ``tasks``, or a retrieval model): the model returns one tensor;
+      ``logits`` is that output (``[B]``, or scores ``[B, C]``) and ``labels`` the task's targets
+      (the labels ``[B]``, or the positives' indices ``[B]``);
+    * named tasks (a multi-task model returning ``{task: logits [B]}``): ``logits [B, T]`` in task
+      order, ``labels [B, T]`` each task's targets in the same order.
 
     The dense forward runs under the precision policy's autocast; the loss is always computed in float32.
 
     Raises:
-        ConfigError: a single-task model is given data with several labels.
+        ConfigError: a model with one unnamed labelled output is given data with several labels.
     """
 
-    _columns: torch.Tensor
     _weights: torch.Tensor
-    _binary: torch.Tensor
 
     def __init__(self, model: nn.Module, autocast: torch.autocast | None = None, features: FeatureSpec | None = None) -> None:
         super().__init__()
         self.model = model
         self._autocast_args = None if autocast is None else (autocast.device, autocast.fast_dtype)
         self.tasks: tuple[Task, ...] = tuple(getattr(model, "tasks", SINGLE_TASK))
-        self._multi = self.tasks[0].name is not None and self.tasks[0].kind != "retrieval"
-        self._retrieval = self.tasks[0].kind == "retrieval"
-        if features is not None and features.multi_label and not (self._multi or self._retrieval):
+        self._named = any(t.name is not None for t in self.tasks)
+        if self._named:
+            self.register_buffer("_weights", torch.tensor([t.weight for t in self.tasks]), persistent=False)
+        if features is not None and features.multi_label and any(t.reads_labels and t.column is None for t in self.tasks):
             raise ConfigError(
                 f"{type(model).__name__} has one output but the data has labels {list(features.label_names)}. Fix: a "
                 f"multi-task model (model=mmoe), or single-label data (data.tasks=null / data.label=<column>)"
             )
-        self.loss_fn = nn.BCEWithLogitsLoss()
-        if self._multi:
-            self.register_buffer("_columns", torch.tensor([t.column for t in self.tasks]), persistent=False)
-            self.register_buffer("_weights", torch.tensor([t.weight for t in self.tasks]), persistent=False)
-            self.register_buffer("_binary", torch.tensor([t.kind == "binary" for t in self.tasks]), persistent=False)
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         if self._autocast_args is None:
@@ -181,21 +143,13 @@ class TrainWrapper(nn.Module):
             device, dtype = self._autocast_args
             with torch.autocast(device_type=device, dtype=dtype):
                 out = self.model(batch.dense_features, batch.sparse_features)
-        if self._multi:
-            return self._multi_task(out, batch.labels)
-        logits = out.float()
-        if self._retrieval:
-            labels = torch.arange(logits.shape[0], device=logits.device)
-            loss = nn.functional.cross_entropy(logits, labels)
-            return loss, (loss.detach(), logits.detach(), labels)
-        loss = self.loss_fn(logits, batch.labels.float())
-        return loss, (loss.detach(), logits.detach(), batch.labels.detach())
-
-    def _multi_task(self, out: dict[str, torch.Tensor], labels: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Weighted per-task losses: ``{task: [B]}`` and labels ``[B, T_data]`` → loss, ``[B, T]``, ``[B, T]``."""
-        logits = torch.stack([out[t.name] for t in self.tasks], dim=1).float()  # type: ignore[index]
-        targets = labels.float().index_select(1, self._columns)
-        bce = nn.functional.binary_cross_entropy_with_logits(logits, targets, reduction="none").mean(0)
-        mse = (logits - targets).pow(2).mean(0)
-        loss = (torch.where(self._binary, bce, mse) * self._weights).sum()
-        return loss, (loss.detach(), logits.detach(), targets.detach())
+        outputs = [out[t.name].float() for t in self.tasks] if self._named else [out.float()]
+        targets = [task.targets(output, batch.labels) for task, output in zip(self.tasks, outputs, strict=True)]
+        if self._named:  # row losses [B, T] on the stacked columns, averaged per task in one reduction, weighted, summed
+            logits, labels = torch.stack(outputs, dim=1), torch.stack(targets, dim=1).float()
+            rows = torch.stack([t.row_losses(logits[:, i], labels[:, i]) for i, t in enumerate(self.tasks)], dim=1)
+            loss = (rows.mean(0) * self._weights).sum()
+        else:
+            ((task, logits, labels),) = zip(self.tasks, outputs, targets, strict=True)
+            loss = task.weight * task.loss(logits, labels)
+        return loss, (loss.detach(), logits.detach(), labels.detach())

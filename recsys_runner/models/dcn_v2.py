@@ -1,7 +1,7 @@
 """DCNv2 (Wang et al., 2021, https://arxiv.org/abs/2008.13535) on TorchRec.
 
 The raw dense features and the ``F`` sparse embeddings are concatenated into one input vector
-``x0`` of width ``W = N + F·D``. A cross network of ``L`` layers builds explicit feature crosses of
+``x0`` of width ``W = N + F·D`` (``N + ΣD_f`` when features set their own widths). A cross network of ``L`` layers builds explicit feature crosses of
 growing degree,
 
     x_{l+1} = x0 ⊙ (W_l x_l + b_l) + x_l,
@@ -17,6 +17,7 @@ structures:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -37,7 +38,8 @@ class DCNv2Config:
     _target_: str = "recsys_runner.models.dcn_v2.DCNv2"
     _partial_: bool = True
     embedding_dim: int = 16
-    """Width ``D`` of every embedding table."""
+    """Width ``D`` of every embedding table whose feature sets no ``embedding_dim`` of its own in ``data.sparse``
+    (this model accepts mixed per-feature widths)."""
     num_cross_layers: int = 3
     """Cross layers ``L``; layer ``l`` adds crosses of degree ``l + 1``."""
     low_rank: int | None = 64
@@ -120,6 +122,9 @@ class DCNv2(nn.Module):
                       low_rank=16, structure="stacked", deep_layer_sizes=[32])
     """
 
+    same_embedding_width: ClassVar[str | None] = None
+    """None: the cross network reads the flat concatenation ``x0``, so each feature may have its own width."""
+
     def __init__(
         self,
         *,
@@ -132,22 +137,25 @@ class DCNv2(nn.Module):
         dense_device: torch.device | None = None,
     ) -> None:
         super().__init__()
-        width = features.num_dense + len(features.sparse) * embedding_dim
+        self.sparse_arch = SparseArch(features, embedding_dim, type(self))
+        width = features.num_dense + self.sparse_arch.output_dim
+        widths = self.sparse_arch.widths
+        embedded = (f"{len(widths)} sparse features × model.embedding_dim={embedding_dim}" if set(widths) <= {embedding_dim}
+                    else f"the sparse features' embedding widths {widths}")
         require(
             low_rank is None or low_rank < width,
             f"model.low_rank={low_rank} is not below the cross input width {width} (data.num_dense={features.num_dense} + "
-            f"{len(features.sparse)} sparse features × model.embedding_dim={embedding_dim}), so factoring saves nothing. "
+            f"{embedded}), so factoring saves nothing. "
             f"Fix: model.low_rank=null (full rank) or a rank below {width}, e.g. {max(1, width // 4)}",
         )
         self.structure = structure
-        self.sparse_arch = SparseArch(features, embedding_dim)
         self.cross = CrossNetwork(width, num_cross_layers, low_rank, device=dense_device)
         self.deep = MLP(width, list(deep_layer_sizes), device=dense_device)
         head_width = deep_layer_sizes[-1] + (width if structure == "parallel" else 0)
         self.head = nn.Linear(head_width, 1, device=dense_device)
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        x0 = torch.cat([dense, self.sparse_arch(sparse).flatten(1)], dim=1)
+        x0 = torch.cat([dense, self.sparse_arch(sparse)], dim=1)
         if self.structure == "stacked":
             out = self.deep(self.cross(x0))
         else:

@@ -11,6 +11,7 @@ sparse fields. Three heads share those ``F+1`` fields and their logits are summe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -28,7 +29,8 @@ class DeepFMConfig:
     _target_: str = "recsys_runner.models.deepfm.DeepFM"
     _partial_: bool = True
     embedding_dim: int = 16
-    """Width ``D`` of every embedding table (and of the projected dense field)."""
+    """Width ``D`` of every embedding table (and of the projected dense field); a per-feature ``embedding_dim``
+    in ``data.sparse`` must equal it."""
     dense_arch_layer_sizes: list[int] = field(default_factory=lambda: [64, 16])
     """MLP projecting the dense features into a field; must end in ``embedding_dim``."""
     deep_layer_sizes: list[int] = field(default_factory=lambda: [256, 128, 64])
@@ -72,6 +74,11 @@ class DeepFM(nn.Module):
                        dense_arch_layer_sizes=[8], deep_layer_sizes=[32])
     """
 
+    same_embedding_width: ClassVar[str | None] = (
+        "its FM term takes dot products between every pair of fields (the projected dense field and each embedding)"
+    )
+    """Why every table must have one width (see :class:`~recsys_runner.models.common.SparseArch`)."""
+
     def __init__(
         self,
         *,
@@ -83,7 +90,7 @@ class DeepFM(nn.Module):
     ) -> None:
         super().__init__()
         num_fields = len(features.sparse) + 1
-        self.sparse_arch = SparseArch(features, embedding_dim)
+        self.sparse_arch = SparseArch(features, embedding_dim, type(self))
         self.dense_arch = DenseArch(features.num_dense, list(dense_arch_layer_sizes), device=dense_device)
         self.wide = nn.Linear(features.num_dense, 1, device=dense_device)
         self.fm = FMInteraction()
@@ -93,6 +100,6 @@ class DeepFM(nn.Module):
         )
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        fields = torch.cat([self.dense_arch(dense).unsqueeze(1), self.sparse_arch(sparse)], dim=1)
+        fields = torch.cat([self.dense_arch(dense).unsqueeze(1), self.sparse_arch.fields(self.sparse_arch(sparse))], dim=1)
         deep = self.deep(fields.flatten(1)).squeeze(1)
         return self.wide(dense).squeeze(1) + self.fm(fields) + deep

@@ -8,6 +8,7 @@ the dense vector, and the top (over) MLP turns the result into a logit.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -25,7 +26,7 @@ class DLRMConfig:
     _target_: str = "recsys_runner.models.dlrm.DLRM"
     _partial_: bool = True
     embedding_dim: int = 16
-    """Width ``D`` of every embedding table."""
+    """Width ``D`` of every embedding table (a per-feature ``embedding_dim`` in ``data.sparse`` must equal it)."""
     dense_arch_layer_sizes: list[int] = field(default_factory=lambda: [64, 16])
     """Bottom MLP; must end in ``embedding_dim`` (the interaction dots it with every embedding)."""
     over_arch_layer_sizes: list[int] = field(default_factory=lambda: [256, 64])
@@ -86,6 +87,11 @@ class DLRM(nn.Module):
                      dense_arch_layer_sizes=[8], over_arch_layer_sizes=[32])
     """
 
+    same_embedding_width: ClassVar[str | None] = (
+        "its interaction takes dot products between the dense vector and every embedding, and between every pair of embeddings"
+    )
+    """Why every table must have one width (see :class:`~recsys_runner.models.common.SparseArch`)."""
+
     def __init__(
         self,
         *,
@@ -97,7 +103,7 @@ class DLRM(nn.Module):
     ) -> None:
         super().__init__()
         num_sparse = len(features.sparse)
-        self.sparse_arch = SparseArch(features, embedding_dim)
+        self.sparse_arch = SparseArch(features, embedding_dim, type(self))
         self.dense_arch = DenseArch(features.num_dense, list(dense_arch_layer_sizes), device=dense_device)
         self.interaction = DotInteraction(num_sparse).to(dense_device)
         self.over_arch = nn.Sequential(
@@ -106,5 +112,5 @@ class DLRM(nn.Module):
         )
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        interacted = self.interaction(self.dense_arch(dense), self.sparse_arch(sparse))
+        interacted = self.interaction(self.dense_arch(dense), self.sparse_arch.fields(self.sparse_arch(sparse)))
         return self.over_arch(interacted).squeeze(1)

@@ -13,6 +13,7 @@ Shape legend: ``B`` batch, ``D`` embedding dim, ``O`` tower output width.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -21,8 +22,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.errors import ConfigError, require
 from recsys_runner.features import DataNeeds, FeatureSpec, check_embedding_dim
-from recsys_runner.metrics import metric_entry
-from recsys_runner.models.common import MLP, SparseArch, Task, check_layer_sizes
+from recsys_runner.models.common import MLP, SparseArch, check_layer_sizes
+from recsys_runner.tasks import InBatchSoftmaxTask
 
 
 @dataclass(kw_only=True)
@@ -32,7 +33,8 @@ class DSSMConfig:
     _target_: str = "recsys_runner.models.dssm.DSSM"
     _partial_: bool = True
     embedding_dim: int = 16
-    """Width ``D`` of every embedding table."""
+    """Width ``D`` of every embedding table whose feature sets no ``embedding_dim`` of its own in ``data.sparse``
+    (this model accepts mixed per-feature widths)."""
     user_features: list[str] = field(default_factory=lambda: ["cat_0"])
     """The user (query) tower's features: sparse or dense feature names of the data."""
     item_features: list[str] = field(default_factory=lambda: ["cat_1"])
@@ -44,7 +46,8 @@ class DSSMConfig:
     normalize: bool = True
     """L2-normalize both tower outputs (cosine similarity)."""
     eval_metrics: list[str] = field(default_factory=lambda: ["recall@1", "recall@10", "recall@50"])
-    """Retrieval metrics over in-batch candidates, logged as ``eval/<name>`` (``metrics.eval`` does not apply)."""
+    """Retrieval metrics over in-batch candidates, logged as ``eval/<name>`` (``metrics.eval`` does not apply);
+    only ``recall@<k>`` applies (checked with the task's metrics before the first step)."""
 
     def __post_init__(self) -> None:
         check_embedding_dim("model.embedding_dim", self.embedding_dim)
@@ -54,9 +57,6 @@ class DSSMConfig:
         require(not both, f"features {both} are in both model.user_features and model.item_features; each belongs to one tower")
         check_layer_sizes("tower_layer_sizes", self.tower_layer_sizes)
         require(self.temperature > 0, f"model.temperature must be positive, got {self.temperature}")
-        for name in self.eval_metrics:
-            require(metric_entry(name, "model.eval_metrics").inputs == "retrieval",
-                    f"model.eval_metrics lists {name!r}; DSSM's eval is retrieval, so only recall@<k> applies, e.g. [recall@10]")
 
     def data_needs(self) -> DataNeeds:
         """(user, item) pairs over the two towers' features: generated data (``data=synthetic``) links them."""
@@ -74,20 +74,21 @@ def check_group(features: FeatureSpec, key: str, names: list[str]) -> None:
 class Tower(nn.Module):
     """One side of the two towers: its features' embeddings and dense columns → a vector.
 
-    ``(embedded [B, F, D], dense [B, N]) → [B, O]`` through an MLP (ReLU between layers, none after
+    ``(embedded [B, ΣD_f], dense [B, N]) → [B, O]``: the tower's columns of both (``sparse_columns``
+    from :meth:`SparseArch.columns`, ``dense_index``), through an MLP (ReLU between layers, none after
     the last), L2-normalized when ``normalize``.
     """
 
-    def __init__(self, sparse_index: list[int], dense_index: list[int], embedding_dim: int, layer_sizes: list[int],
+    def __init__(self, sparse_columns: list[int], dense_index: list[int], layer_sizes: list[int],
                  normalize: bool, device: torch.device | None = None) -> None:
         super().__init__()
-        self.sparse_index, self.dense_index, self.normalize = sparse_index, dense_index, normalize
-        in_features = len(sparse_index) * embedding_dim + len(dense_index)
+        self.sparse_columns, self.dense_index, self.normalize = sparse_columns, dense_index, normalize
+        in_features = len(sparse_columns) + len(dense_index)
         self.hidden = MLP(in_features, layer_sizes[:-1], device=device) if len(layer_sizes) > 1 else nn.Identity()
         self.out = nn.Linear(layer_sizes[-2] if len(layer_sizes) > 1 else in_features, layer_sizes[-1], device=device)
 
     def forward(self, embedded: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
-        x = torch.cat([embedded[:, self.sparse_index].flatten(1), dense[:, self.dense_index]], dim=1)
+        x = torch.cat([embedded[:, self.sparse_columns], dense[:, self.dense_index]], dim=1)
         v = self.out(self.hidden(x))
         return F.normalize(v, dim=1) if self.normalize else v
 
@@ -95,8 +96,9 @@ class Tower(nn.Module):
 class DSSM(nn.Module):
     """Two towers; ``(dense [B, N], sparse KJT) → scores [B, B]``, ``scores[q, c] = <user_q, item_c> / τ``.
 
-    Row ``q``'s positive is candidate ``q`` (the diagonal); its ``tasks`` is one ``retrieval`` task,
-    so the TrainWrapper applies the in-batch softmax loss and eval computes ``recall@k``.
+    Row ``q``'s positive is candidate ``q`` (the diagonal); its ``tasks`` is one
+    :class:`~recsys_runner.tasks.InBatchSoftmaxTask`, so the TrainWrapper applies the in-batch softmax loss
+    and eval computes ``recall@k``.
 
     Args:
         features: the data's feature schema; the groups are checked against it.
@@ -115,6 +117,9 @@ class DSSM(nn.Module):
         model(batch.dense_features, batch.sparse_features)             # [8, 8]
     """
 
+    same_embedding_width: ClassVar[str | None] = None
+    """None: each tower concatenates its features' embeddings, so each feature may have its own width."""
+
     def __init__(
         self,
         *,
@@ -131,14 +136,14 @@ class DSSM(nn.Module):
         super().__init__()
         check_group(features, "model.user_features", list(user_features))
         check_group(features, "model.item_features", list(item_features))
-        self.tasks = (Task(None, kind="retrieval", eval_metrics=tuple(eval_metrics or ["recall@10"])),)
+        self.tasks = (InBatchSoftmaxTask(eval_metrics=tuple(eval_metrics) if eval_metrics else None),)
         self.temperature = temperature
-        self.sparse_arch = SparseArch(features, embedding_dim)
+        self.sparse_arch = SparseArch(features, embedding_dim, type(self))
 
         def tower(names: list[str]) -> Tower:
-            sparse = [features.sparse_names.index(n) for n in names if n in features.sparse_names]
+            sparse = self.sparse_arch.columns([n for n in names if n in features.sparse_names])
             dense = [features.dense_names.index(n) for n in names if n in features.dense_names]
-            return Tower(sparse, dense, embedding_dim, list(tower_layer_sizes), normalize, device=dense_device)
+            return Tower(sparse, dense, list(tower_layer_sizes), normalize, device=dense_device)
 
         self.user_tower, self.item_tower = tower(list(user_features)), tower(list(item_features))
 

@@ -13,6 +13,7 @@ Shape legend: ``B`` batch, ``F`` sparse features, ``D`` embedding dim, ``N`` den
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -20,7 +21,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.errors import require
 from recsys_runner.features import DataNeeds, FeatureSpec, check_embedding_dim
-from recsys_runner.models.common import MLP, TASK_KINDS, SparseArch, check_layer_sizes, resolve_tasks
+from recsys_runner.models.common import MLP, SparseArch, check_layer_sizes
+from recsys_runner.tasks import LABEL_TASK_KINDS, BinaryTask, resolve_tasks
 
 
 @dataclass(kw_only=True)
@@ -30,7 +32,8 @@ class MMoEConfig:
     _target_: str = "recsys_runner.models.mmoe.MMoE"
     _partial_: bool = True
     embedding_dim: int = 16
-    """Width ``D`` of every embedding table."""
+    """Width ``D`` of every embedding table whose feature sets no ``embedding_dim`` of its own in ``data.sparse``
+    (this model accepts mixed per-feature widths)."""
     tasks: list[str] = field(default_factory=lambda: ["ctr", "cvr"])
     """Task names, each with a label of the same name in the data (``data.tasks`` / ``data.labels``)."""
     loss_weights: list[float] | None = None
@@ -61,12 +64,12 @@ class MMoEConfig:
             require(len(self.task_kinds) == len(self.tasks),
                     f"model.task_kinds={self.task_kinds} has {len(self.task_kinds)} entries but model.tasks={self.tasks} has "
                     f"{len(self.tasks)}. Fix: one kind per task, or model.task_kinds=null")
-            wrong = [k for k in self.task_kinds if k not in TASK_KINDS]
-            require(not wrong, f"model.task_kinds has {wrong}; each must be one of {list(TASK_KINDS)}")
+            wrong = [k for k in self.task_kinds if k not in LABEL_TASK_KINDS]
+            require(not wrong, f"model.task_kinds has {wrong}; each must be one of {list(LABEL_TASK_KINDS)}")
 
     def data_needs(self) -> DataNeeds:
         """A label per task, of the task's kind: generated data (``data=synthetic``) draws them."""
-        return DataNeeds(labels=tuple(self.tasks), label_kinds=tuple(self.task_kinds or ["binary"] * len(self.tasks)))
+        return DataNeeds(labels=tuple(self.tasks), label_kinds=tuple(self.task_kinds or [BinaryTask.kind] * len(self.tasks)))
 
 
 class Experts(nn.Module):
@@ -107,8 +110,8 @@ class Tower(nn.Module):
 class MMoE(nn.Module):
     """MMoE: shared experts, a gate and a tower per task; ``(dense [B, N], sparse KJT) → {task: logits [B]}``.
 
-    ``tasks`` (:class:`~recsys_runner.models.common.Task`, in output order) tells the TrainWrapper
-    each task's label column, loss and weight.
+    ``tasks`` (:class:`~recsys_runner.tasks.Task` objects, in output order: :class:`~recsys_runner.tasks.BinaryTask` or
+    :class:`~recsys_runner.tasks.RegressionTask`) tells the TrainWrapper each task's label column, loss and weight.
 
     Args:
         features: the data's feature schema; it must carry a label per task.
@@ -125,6 +128,9 @@ class MMoE(nn.Module):
         model(batch.dense_features, batch.sparse_features)   # {"ctr": [8], "cvr": [8]}
     """
 
+    same_embedding_width: ClassVar[str | None] = None
+    """None: the experts and gates read the concatenated embeddings, so each feature may have its own width."""
+
     def __init__(
         self,
         *,
@@ -140,13 +146,13 @@ class MMoE(nn.Module):
     ) -> None:
         super().__init__()
         self.tasks = resolve_tasks(features, list(tasks), loss_weights, task_kinds)
-        in_features = len(features.sparse) * embedding_dim + features.num_dense
-        self.sparse_arch = SparseArch(features, embedding_dim)
+        self.sparse_arch = SparseArch(features, embedding_dim, type(self))
+        in_features = self.sparse_arch.output_dim + features.num_dense
         self.experts = Experts(in_features, num_experts, list(expert_layer_sizes), device=dense_device)
         self.gates = nn.ModuleDict({t.name: Gate(in_features, num_experts, device=dense_device) for t in self.tasks})  # type: ignore[misc]
         self.towers = nn.ModuleDict({t.name: Tower(expert_layer_sizes[-1], list(tower_layer_sizes), device=dense_device) for t in self.tasks})  # type: ignore[misc]
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> dict[str, torch.Tensor]:
-        x = torch.cat([self.sparse_arch(sparse).flatten(1), dense], dim=1)
+        x = torch.cat([self.sparse_arch(sparse), dense], dim=1)
         experts = self.experts(x)
         return {name: self.towers[name](gate(x, experts)) for name, gate in self.gates.items()}

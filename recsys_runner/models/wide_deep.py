@@ -5,13 +5,15 @@ Two heads trained jointly, their logits summed:
 * wide: a linear model — one learned weight per sparse id (a table of its own, pooled per feature)
   plus a linear term of the dense features. It memorizes: frequent ids and, when the data provides
   them as sparse features, the paper's cross-product transformations (hashed feature crosses);
-* deep: an MLP over the concatenated dense features and ``D``-wide sparse embeddings. It
+* deep: an MLP over the concatenated dense features and sparse embeddings (``D`` wide, or each
+  feature's own width). It
   generalizes to id combinations never seen together.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -34,7 +36,8 @@ class WideDeepConfig:
     _target_: str = "recsys_runner.models.wide_deep.WideDeep"
     _partial_: bool = True
     embedding_dim: int = 16
-    """Width ``D`` of every deep embedding table."""
+    """Width ``D`` of every embedding table whose feature sets no ``embedding_dim`` of its own in ``data.sparse``
+    (this model accepts mixed per-feature widths)."""
     deep_layer_sizes: list[int] = field(default_factory=lambda: [256, 128, 64])
     """Hidden layers of the deep head (a final 1-unit layer is added)."""
 
@@ -73,14 +76,14 @@ class WideArch(nn.Module):
 
 
 class DeepArch(nn.Module):
-    """The deep head: ``dense [B, N], embeddings [B, F, D] → [B]`` via an MLP and a 1-unit layer."""
+    """The deep head: ``dense [B, N], embeddings [B, ΣD_f] → [B]`` via an MLP and a 1-unit layer."""
 
     def __init__(self, in_features: int, layer_sizes: list[int], device: torch.device | None = None) -> None:
         super().__init__()
         self.mlp = nn.Sequential(MLP(in_features, layer_sizes, device=device), nn.Linear(layer_sizes[-1], 1, device=device))
 
     def forward(self, dense: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
-        return self.mlp(torch.cat([dense, embeddings.flatten(1)], dim=1)).squeeze(1)
+        return self.mlp(torch.cat([dense, embeddings], dim=1)).squeeze(1)
 
 
 class WideDeep(nn.Module):
@@ -97,6 +100,9 @@ class WideDeep(nn.Module):
         model = WideDeep(features=data.features, embedding_dim=8, deep_layer_sizes=[32])
     """
 
+    same_embedding_width: ClassVar[str | None] = None
+    """None: the deep head concatenates the embeddings, so each feature may have its own width."""
+
     def __init__(
         self,
         *,
@@ -107,8 +113,8 @@ class WideDeep(nn.Module):
     ) -> None:
         super().__init__()
         self.wide = WideArch(features, device=dense_device)
-        self.sparse_arch = SparseArch(features, embedding_dim)
-        self.deep = DeepArch(features.num_dense + len(features.sparse) * embedding_dim, list(deep_layer_sizes), device=dense_device)
+        self.sparse_arch = SparseArch(features, embedding_dim, type(self))
+        self.deep = DeepArch(features.num_dense + self.sparse_arch.output_dim, list(deep_layer_sizes), device=dense_device)
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         return self.wide(dense, sparse) + self.deep(dense, self.sparse_arch(sparse))
