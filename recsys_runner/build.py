@@ -109,7 +109,7 @@ def build(cfg: DictConfig, run: RunConfig) -> Components:
     try:
         tracker: Tracker = instantiate(cfg.tracking)() if env.is_main else NullTracker()
         decided_on_rank0(tracker.check, env.rank, env.world_size)
-        checkpointer = instantiate(cfg.checkpoint)(rank=env.rank, world_size=env.world_size)
+        checkpointer = instantiate(cfg.checkpoint)(rank=env.rank, world_size=env.world_size, device=env.device, nan_guard=run.train.nan_guard)
         checkpointer.lock()
         precision = instantiate(cfg.precision)
         precision.apply_tf32()

@@ -14,6 +14,13 @@ complete; a directory without ``meta.json`` and DCP's ``.metadata`` is never con
 crash mid-write leaves the previous checkpoints as they were. The newest ``keep_last`` step
 checkpoints are kept; the best one by ``best_metric`` lives apart (``best-step_<n>``).
 
+**Policy**: the loop only reports what happened — :meth:`Checkpointer.loss_logged` (a log step's mean
+loss), :meth:`~Checkpointer.after_step`, :meth:`~Checkpointer.on_interrupt`, :meth:`~Checkpointer.on_end`,
+:meth:`~Checkpointer.maybe_save_best` (an eval) — and the checkpointer decides when to save, refuses to
+save a non-finite loss or weights (``train.nan_guard``), and on such a stop sets aside the checkpoints
+no finite loss came after (``diverged-step_<n>``), so the last good one it names is one a resume can
+continue from.
+
 **One writer**: a run holds ``<checkpoint.dir>/.lock`` (:class:`~recsys_runner.locks.DirectoryLock`)
 from restore to close, so a second live launch on the same directory is refused at start, naming the
 holder; a lock left by a killed process is free again (the kernel drops it with the process).
@@ -38,6 +45,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -57,7 +65,7 @@ from torchrec.optim.keyed import KeyedOptimizerWrapper
 from recsys_runner.distributed import decided_on_rank0
 from recsys_runner.errors import ConfigError, require
 from recsys_runner.locks import DirectoryInUse, DirectoryLock
-from recsys_runner.stopping import improved
+from recsys_runner.stopping import check_finite, finite_state, improved
 
 log = logging.getLogger(__name__)
 
@@ -227,6 +235,7 @@ class Checkpointer:
         self, *, dir: str | None = None, every_steps: int | None = None, every_epochs: int | None = None, at_end: bool = True,
         keep_last: int | None = 3, resume: str = "auto", init_from: str | None = None, name_map: Mapping[str, str] | None = None,
         load_optimizer: bool = True, best_metric: str | None = None, best_mode: str = "max", rank: int = 0, world_size: int = 1,
+        device: torch.device | None = None, nan_guard: bool = True,
     ) -> None:
         resolved = dir or default_dir()
         self.dir = Path(resolved) if resolved else None
@@ -234,6 +243,7 @@ class Checkpointer:
         self.resume, self.init_from, self.name_map = resume, init_from, dict(name_map or {})
         self.load_optimizer, self.best_metric, self.best_mode = load_optimizer, best_metric, best_mode
         self.rank, self.world_size = rank, world_size
+        self.device, self.nan_guard = device or torch.device("cpu"), nan_guard
         self.last_saved: str | None = None
         self.verified_step = 0
         """Step checkpoints before this step are known good: a finite loss was computed from later weights."""
@@ -308,9 +318,43 @@ class Checkpointer:
         log.info("checkpoint saved: %s", final)
         return str(final)
 
-    def verified(self, step: int) -> None:
-        """Every train loss up to ``step`` was finite, so the checkpoints before ``step`` hold good weights."""
-        self.verified_step = max(self.verified_step, step)
+    # -- the checkpoint policy the loop drives: when, guarded, best ------------------------------
+    def loss_logged(self, step: int, mean_loss: float) -> None:
+        """NaN guard at a log step. ``mean_loss`` is the mean since the last log, so finite means every step's loss
+        was, and the checkpoints before ``step`` hold good weights; non-finite raises :class:`NonFiniteLossError`."""
+        if self.nan_guard:
+            self._refuse_nonfinite(mean_loss, step)
+            self.verified_step = max(self.verified_step, step)
+
+    def after_step(self, state: TrainState, loss: torch.Tensor, metrics: Mapping[str, float] | None, epoch_ended: int | None) -> None:
+        """Save the periodic checkpoint if one is due after this step (see :meth:`due`)."""
+        if self.due(state.step, epoch_ended):
+            self.save_guarded(state, loss, metrics)
+
+    def on_interrupt(self, state: TrainState, loss: torch.Tensor, metrics: Mapping[str, float] | None) -> str | None:
+        """The checkpoint an interruption (a signal, ``train.stop_after_steps``) resumes from; its path or ``None``."""
+        return self.save_guarded(state, loss, metrics)
+
+    def on_end(self, state: TrainState, metrics: Mapping[str, float]) -> None:
+        """The checkpoint at the end of training (also after an early stop), when ``at_end``."""
+        if self.at_end:
+            self.save_guarded(state, None, metrics)
+
+    def save_guarded(self, state: TrainState, loss: torch.Tensor | None, metrics: Mapping[str, float] | None) -> str | None:
+        """:meth:`save`, unless the NaN guard finds the last loss or the weights non-finite: then raise
+        :class:`NonFiniteLossError` and keep the good checkpoints. The loss of step n is computed before step n's
+        update, so a finite loss does not prove finite weights; the weights are checked too (one pass, on every rank)."""
+        if self.nan_guard and loss is not None:
+            self._refuse_nonfinite(float(loss), state.step)
+        if self.nan_guard and self.dir is not None and not finite_state(self._model, self.world_size, self.device):
+            self._refuse_nonfinite(math.nan, state.step, what="the model's weights are not finite")
+        return self.save(state, metrics)
+
+    def _refuse_nonfinite(self, value: float, step: int, what: str | None = None) -> None:
+        """Raise :class:`NonFiniteLossError` for a non-finite ``value``, after setting aside the checkpoints no finite
+        loss has followed, so the one it names (and a resume picks) is truly good."""
+        if not math.isfinite(value):
+            check_finite(value, step, self.drop_unverified(), what)
 
     def drop_unverified(self) -> str | None:
         """After a non-finite loss: move the step checkpoints no finite loss has followed aside (``diverged-step_<n>``)

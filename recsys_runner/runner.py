@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-import math
 from collections.abc import Iterator
 
 import torch
@@ -26,7 +25,6 @@ from recsys_runner.distributed import detached
 from recsys_runner.metrics import TaskEvalMetrics, Throughput, grouping_ids
 from recsys_runner.profiling import StepProfiler
 from recsys_runner.signals import Interrupted, StopSignals
-from recsys_runner.stopping import check_finite, finite_state
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +49,15 @@ def train(c: Components) -> dict[str, float]:
                 if profiler is not None:
                     profiler.step()
                 if state.step % cfg.log_every_steps == 0 or state.step == c.total_steps:
-                    _log(c, _checked(c, meter.flush(state.step), state) | learning_rates(c.optimizer) | c.train_metrics.compute() | _data_metrics(c) | {"train/epoch": state.epoch}, state.step)
+                    logged = meter.flush(state.step)
+                    c.checkpointer.loss_logged(state.step, logged["train/loss"])
+                    _log(c, logged | learning_rates(c.optimizer) | c.train_metrics.compute() | _data_metrics(c) | {"train/epoch": state.epoch}, state.step)
                 if cfg.eval_every_steps and state.step % cfg.eval_every_steps == 0:
                     evaluated = _evaluate_and_select(c, state, meter)
                     stop = "early_stopping" if c.early_stopping.update(evaluated) else None
-                if c.checkpointer.due(state.step, _epoch_end(c, state)):
-                    _checkpoint(c, state, loss, evaluated)
+                c.checkpointer.after_step(state, loss, evaluated, _epoch_end(c, state))
                 if (signum := signals.requested(state.step)) is not None or _slice_done(c, state):
-                    raise Interrupted(signum, state.step, _checkpoint(c, state, loss, evaluated))
+                    raise Interrupted(signum, state.step, c.checkpointer.on_interrupt(state, loss, evaluated))
                 if _epoch_end(c, state) is not None:
                     break
             else:
@@ -69,8 +68,7 @@ def train(c: Components) -> dict[str, float]:
         log.info("early stopping at step %d: %s did not improve for %d evaluations", state.step, c.early_stopping.metric, c.early_stopping.patience)
     if profiler is not None:
         profiler.finish(c.tracker)
-    if c.checkpointer.at_end:
-        _checkpoint(c, state, None, final)
+    c.checkpointer.on_end(state, final)
     return final
 
 
@@ -117,30 +115,6 @@ def _slice_done(c: Components, state: TrainState) -> bool:
 def _epoch_end(c: Components, state: TrainState) -> int | None:
     """The epoch that just ended with this step, if one did (epoch length known up front)."""
     return state.epoch if c.steps_per_epoch and state.epoch_step >= c.steps_per_epoch else None
-
-
-def _checked(c: Components, metrics: dict[str, float], state: TrainState) -> dict[str, float]:
-    """NaN guard at a log step: ``train/loss`` is the mean since the last log, so finite means every step's was."""
-    if c.run.train.nan_guard:
-        _guard(c, state, metrics["train/loss"])
-        c.checkpointer.verified(state.step)
-    return metrics
-
-
-def _checkpoint(c: Components, state: TrainState, loss: torch.Tensor | None, metrics: dict[str, float] | None) -> str | None:
-    """Save a checkpoint of ``state`` unless the loss or the weights went non-finite (then raise, keeping the old ones)."""
-    if c.run.train.nan_guard and loss is not None:
-        _guard(c, state, float(loss))
-    if c.run.train.nan_guard and c.checkpointer.enabled and not finite_state(c.model, c.env.world_size, c.env.device):
-        _guard(c, state, math.nan, what="the model's weights are not finite")
-    return c.checkpointer.save(state, metrics)
-
-
-def _guard(c: Components, state: TrainState, value: float, what: str | None = None) -> None:
-    """Raise :class:`~recsys_runner.stopping.NonFiniteLossError` if ``value`` is not finite, after setting aside
-    the checkpoints no finite loss has followed, so the one it names (and a resume picks) is truly good."""
-    if not math.isfinite(value):
-        check_finite(value, state.step, c.checkpointer.drop_unverified(), what)
 
 
 def _evaluate_and_select(c: Components, state: TrainState, meter: Throughput) -> dict[str, float]:
