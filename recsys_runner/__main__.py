@@ -19,12 +19,12 @@ from omegaconf import DictConfig, OmegaConf
 from recsys_runner.build import Components, build
 from recsys_runner.checkpoint import resume_command
 from recsys_runner.config import flatten, register_configs, validate
-from recsys_runner.data.base import DataError
-from recsys_runner.errors import ConfigError
+from recsys_runner.errors import ConfigError, UserError
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.runner import train
 from recsys_runner.signals import Interrupted
 from recsys_runner.stopping import NonFiniteLossError
+from recsys_runner.tracking import Tracker
 
 log = logging.getLogger("recsys_runner")
 register_configs()
@@ -48,7 +48,7 @@ def run(cfg: DictConfig) -> float:
             )
             c.tracker.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
             c.tracker.log_text(str(c.plan), "sharding_plan.txt")
-        c.state.run_id = getattr(c.tracker, "run_id", None) or c.state.run_id
+        c.state.run_id = c.tracker.run_id or c.state.run_id
         _note_resume(c)
         final = train(c)
         status = "FINISHED"
@@ -72,10 +72,10 @@ def objective(final: dict[str, float], key: str | None) -> float:
     return final[key]
 
 
-def _resume_tracking(tracker: object, run_id: str) -> bool:
+def _resume_tracking(tracker: Tracker, run_id: str) -> bool:
     """Continue the checkpoint's MLflow run; ``False`` (start a new one) if this store lacks it."""
     try:
-        tracker.resume(run_id)  # type: ignore[attr-defined]
+        tracker.resume(run_id)
         return True
     except Exception as e:  # a different tracking store, or the run was deleted
         log.warning("cannot continue MLflow run %s (%s); starting a new run", run_id, e)
@@ -111,11 +111,10 @@ def _overrides() -> list[str]:
 def main(cfg: DictConfig) -> float:
     try:
         return run(cfg)
-    except ConfigError as e:
+    except UserError as e:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        kind = "Data error" if isinstance(e, DataError) else "Config error"
-        print(f"{kind}: {e}", file=sys.stderr)
+        print(f"{e.label}: {e}", file=sys.stderr)
         sys.exit(2)
     except Interrupted as e:
         print(f"Interrupted: {e}", file=sys.stderr)

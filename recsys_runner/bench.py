@@ -43,6 +43,8 @@ WINDOW = 10
 class _Recorder:
     """A tracker that keeps the runner's samples/s windows in memory."""
 
+    run_id: str | None = None
+
     def __init__(self) -> None:
         self.rates: list[float] = []
 

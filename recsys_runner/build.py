@@ -27,7 +27,6 @@ from omegaconf import DictConfig
 from torch import nn
 from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
 from torchrec.distributed.types import ShardingPlan
-from torchrec.optim.keyed import CombinedOptimizer
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from recsys_runner.checkpoint import Checkpointer, TrainState
@@ -35,11 +34,11 @@ from recsys_runner.config import RunConfig, check_eval_keys
 from recsys_runner.data import DataModule
 from recsys_runner.distributed import DistEnv, Distributed, decided_on_rank0
 from recsys_runner.ema import DenseEMA
-from recsys_runner.errors import ConfigError
+from recsys_runner.errors import ConfigError, UserError
 from recsys_runner.features import data_for_model, model_data_needs
 from recsys_runner.metrics import TaskTrainMetrics
 from recsys_runner.models.common import TrainWrapper
-from recsys_runner.optim import apply_sparse_optimizer, dense_optimizers
+from recsys_runner.optim import DENSE, SPARSE, GroupedOptimizer, OptimizerGroup, apply_sparse_optimizer, dense_optimizers
 from recsys_runner.scheduler import SchedulePosition
 from recsys_runner.scheduler import lr_scheduler as make_lr_scheduler
 from recsys_runner.stepping import StepPolicy
@@ -58,7 +57,7 @@ class Components:
     data: DataModule
     model: nn.Module
     plan: ShardingPlan
-    optimizer: CombinedOptimizer
+    optimizer: GroupedOptimizer
     lr_scheduler: torch.optim.lr_scheduler.LambdaLR
     pipeline: TrainPipelineBase | TrainPipelineSparseDist
     tracker: Tracker
@@ -79,7 +78,7 @@ class Components:
 
 
 def instantiate(node: Any) -> Any:
-    """``hydra.utils.instantiate``, but a :class:`ConfigError` (or :class:`DataError`) from a constructor stays itself.
+    """``hydra.utils.instantiate``, but a :class:`~recsys_runner.errors.UserError` (e.g. :class:`DataError`) from a constructor stays itself.
 
     Hydra wraps whatever a ``_target_`` raises in ``InstantiationException``, which the CLI would report
     as "Error executing job" with exit 1; a data module's constructor raises DataError for a missing
@@ -88,7 +87,7 @@ def instantiate(node: Any) -> Any:
     try:
         return hydra_instantiate(node)
     except InstantiationException as e:
-        if isinstance(e.__cause__, ConfigError):
+        if isinstance(e.__cause__, UserError):
             raise e.__cause__ from None
         raise
 
@@ -125,10 +124,10 @@ def build(cfg: DictConfig, run: RunConfig) -> Components:
         dense_params = dict(in_backward_optimizer_filter(sharded.named_parameters()))
         parts = {name: (part.pattern, instantiate(part.optimizer)) for name, part in cfg.optim.parts.items()}
         dense = dense_optimizers(dense_params, instantiate(cfg.optim.dense), parts)
-        optimizer = CombinedOptimizer([("sparse", sharded.fused_optimizer), *dense])
+        optimizer = GroupedOptimizer([(SPARSE, sharded.fused_optimizer), *dense])
         lr_scheduler = make_lr_scheduler(optimizer, *_schedules(cfg, total_steps, steps_per_epoch))
         ema = DenseEMA(dense_params, run.train.ema.decay) if run.train.ema.decay is not None else None
-        policy = StepPolicy(sparse=sharded.fused_optimizer, dense=CombinedOptimizer(dense),
+        policy = StepPolicy(sparse=sharded.fused_optimizer, dense=GroupedOptimizer(dense),
                             accumulation_steps=run.train.grad_accum_steps, scaler=precision.grad_scaler(env.device),
                             clip=run.train.clip_grad, ema=ema)
         pipeline = distributed.pipeline(sharded, optimizer, policy)
@@ -165,24 +164,24 @@ def _data_for_model(cfg: DictConfig, run: RunConfig) -> DictConfig:
     return node.data
 
 
-def _schedules(cfg: DictConfig, total_steps: int, steps_per_epoch: int | None) -> tuple[dict[str, Any], Any]:
-    """The default schedule and the per-optimizer-key ones that replace it."""
+def _schedules(cfg: DictConfig, total_steps: int, steps_per_epoch: int | None) -> tuple[dict[OptimizerGroup, Any], Any]:
+    """The per-optimizer-group schedules that replace the default one, and the default."""
 
     def make(node: Any) -> Any:
         return instantiate(node)(total_steps=total_steps, steps_per_epoch=steps_per_epoch)
 
     default = make(cfg.scheduler)
-    own: dict[str, Any] = {}
+    own: dict[OptimizerGroup, Any] = {}
     if cfg.optim.sparse_scheduler is not None:
-        own["sparse"] = make(cfg.optim.sparse_scheduler)
+        own[SPARSE] = make(cfg.optim.sparse_scheduler)
     dense = make(cfg.optim.dense_scheduler) if cfg.optim.dense_scheduler is not None else None
     if dense is not None:
-        own["dense"] = dense
+        own[DENSE] = dense
     for name, part in cfg.optim.parts.items():
         if part.scheduler is not None:
-            own[f"part.{name}"] = make(part.scheduler)
+            own[OptimizerGroup.part(name)] = make(part.scheduler)
         elif dense is not None:
-            own[f"part.{name}"] = dense
+            own[OptimizerGroup.part(name)] = dense
     return own, default
 
 

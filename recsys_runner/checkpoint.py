@@ -60,10 +60,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torchrec.optim.keyed import KeyedOptimizerWrapper
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 
 from recsys_runner.distributed import decided_on_rank0
-from recsys_runner.errors import ConfigError, require
+from recsys_runner.errors import CheckpointError, ConfigError, require
 from recsys_runner.locks import DirectoryInUse, DirectoryLock
 from recsys_runner.stopping import check_finite, finite_state, improved
 
@@ -257,7 +257,7 @@ class Checkpointer:
             )
 
     # -- what is saved ---------------------------------------------------------------------------
-    def attach(self, *, model: torch.nn.Module, optimizer: Any, tensors: Mapping[str, Any], objects: Mapping[str, Any]) -> None:
+    def attach(self, *, model: torch.nn.Module, optimizer: CombinedOptimizer, tensors: Mapping[str, Any], objects: Mapping[str, Any]) -> None:
         """Register the stateful parts: ``model`` and ``optimizer`` (keyed optimizers), extra tensor
         holders (``tensors``: name → object with ``state_dict``/``load_state_dict`` of tensors, e.g.
         EMA) and small picklable-state objects (``objects``: schedules, scaler, early stopping)."""
@@ -391,7 +391,7 @@ class Checkpointer:
 
     # -- restoring -------------------------------------------------------------------------------
     def lock(self) -> None:
-        """Become ``dir``'s one writer, or raise :class:`ConfigError` naming the live holder (host, PID).
+        """Become ``dir``'s one writer, or raise :class:`CheckpointError` naming the live holder (host, PID).
 
         Called at the start of the run, before anything is built or logged; released by :meth:`close`."""
         decided_on_rank0(self._take_lock, self.rank, self.world_size)
@@ -409,8 +409,8 @@ class Checkpointer:
             if not is_complete(source):
                 found = list_checkpoints(source)
                 if not found:
-                    raise ConfigError(f"checkpoint.init_from={self.init_from}: no complete checkpoint there "
-                                      "(a step_* directory with meta.json and .metadata, or a directory holding them)")
+                    raise CheckpointError(f"checkpoint.init_from={self.init_from}: no complete checkpoint there "
+                                          "(a step_* directory with meta.json and .metadata, or a directory holding them)")
                 source = found[-1]
             self._load(source, strict=False)
         return TrainState()
@@ -426,9 +426,9 @@ class Checkpointer:
         try:
             self._lock.acquire()
         except DirectoryInUse as e:
-            raise ConfigError(f"checkpoint.dir: {e}. Two runs writing one directory would overwrite each other's checkpoints "
-                              "and log into one MLflow run. Fix: wait for that run to end (or stop it), or give this run its "
-                              "own checkpoint.dir") from None
+            raise CheckpointError(f"checkpoint.dir: {e}. Two runs writing one directory would overwrite each other's checkpoints "
+                                  "and log into one MLflow run. Fix: wait for that run to end (or stop it), or give this run its "
+                                  "own checkpoint.dir") from None
 
     def _resume_path(self) -> tuple[Path | None, tuple[str, ...]]:
         """The checkpoint to resume from and the damaged newer ones moved aside on the way (run on rank 0)."""
@@ -437,12 +437,12 @@ class Checkpointer:
         if self.resume not in _RESUME_WORDS:
             path = Path(self.resume)
             if not path.exists():
-                raise ConfigError(f"checkpoint.resume={self.resume}: no such checkpoint directory")
+                raise CheckpointError(f"checkpoint.resume={self.resume}: no such checkpoint directory")
             reason = damage(path)
             if reason is not None:
                 others = [str(p) for p in list_checkpoints(path.parent) if p != path and damage(p) is None]
                 hint = f"checkpoint.resume={others[-1]}" if others else "checkpoint.resume=<another checkpoint directory>"
-                raise ConfigError(f"checkpoint.resume={self.resume}: this checkpoint is damaged ({reason}). Fix: {hint}")
+                raise CheckpointError(f"checkpoint.resume={self.resume}: this checkpoint is damaged ({reason}). Fix: {hint}")
             return path, ()
         set_aside: list[str] = []
         for path in reversed(_step_dirs(self.dir)):
@@ -456,22 +456,22 @@ class Checkpointer:
             log.warning("checkpoint %s is damaged (%s): moved aside to %s, falling back to the previous one", path, reason, aside)
             set_aside.append(str(path))
         if set_aside:
-            raise ConfigError(f"every checkpoint in {self.dir} is damaged (moved aside: {', '.join(set_aside)}). Fix: start over "
-                              "with checkpoint.resume=never, or point checkpoint.resume at a checkpoint kept elsewhere")
+            raise CheckpointError(f"every checkpoint in {self.dir} is damaged (moved aside: {', '.join(set_aside)}). Fix: start over "
+                                  "with checkpoint.resume=never, or point checkpoint.resume at a checkpoint kept elsewhere")
         if self.resume == "latest":
-            raise ConfigError(f"checkpoint.resume=latest but {self.dir} holds no complete checkpoint; "
-                              "use checkpoint.resume=auto to start fresh when there is none")
+            raise CheckpointError(f"checkpoint.resume=latest but {self.dir} holds no complete checkpoint; "
+                                  "use checkpoint.resume=auto to start fresh when there is none")
         return None, ()
 
     def _load(self, path: Path, strict: bool) -> TrainState:
         reason = damage(path)
         if reason is not None:  # resume paths were checked on rank 0 already; this guards init_from
-            raise ConfigError(f"checkpoint {path} is damaged ({reason}). Fix: point checkpoint.init_from at another checkpoint")
+            raise CheckpointError(f"checkpoint {path} is damaged ({reason}). Fix: point checkpoint.init_from at another checkpoint")
         meta = json.loads((path / "meta.json").read_text())
         available = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
         with_optimizer = strict or self.load_optimizer
         if with_optimizer:
-            for _, opt in getattr(self._optimizer, "optimizers", []):
+            for _, opt in self._optimizer.optimizers:
                 if isinstance(opt, KeyedOptimizerWrapper) and not opt.state:
                     opt.init_state()  # creates lazy state (e.g. Adam moments) so it can be loaded into
         ours = self._tensor_state(with_optimizer)
@@ -479,14 +479,14 @@ class Checkpointer:
             wanted = {k: k for k in ours}
             missing = [k for k in ours if k not in available]
             if missing:
-                raise ConfigError(f"checkpoint {path} does not match this model/optimizer: it lacks {missing[:5]} "
-                                  f"({len(missing)} in all); resume needs the same config (fine-tune with checkpoint.init_from)")
+                raise CheckpointError(f"checkpoint {path} does not match this model/optimizer: it lacks {missing[:5]} "
+                                      f"({len(missing)} in all); resume needs the same config (fine-tune with checkpoint.init_from)")
         else:
             wanted = {k: self._rename(k) for k in ours}
             skipped = [k for k, src in wanted.items() if src not in available]
             if len(skipped) == len(wanted) or not any(k.startswith("model/") and k not in skipped for k in wanted):
-                raise ConfigError(f"checkpoint.init_from={path} shares no parameter name with this model; map names with "
-                                  f"checkpoint.name_map (e.g. this model has {sorted(ours)[:3]}, it has {sorted(available)[:3]})")
+                raise CheckpointError(f"checkpoint.init_from={path} shares no parameter name with this model; map names with "
+                                      f"checkpoint.name_map (e.g. this model has {sorted(ours)[:3]}, it has {sorted(available)[:3]})")
             if skipped:
                 log.warning("init_from %s: %d tensors not in the checkpoint keep their fresh values, e.g. %s", path, len(skipped), skipped[:5])
             wanted = {k: src for k, src in wanted.items() if src in available}
@@ -507,9 +507,9 @@ class Checkpointer:
         except Exception as e:  # DCP wraps reader errors in its own CheckpointException
             older = [str(p) for p in list_checkpoints(path.parent) if p.name < path.name]
             choose = f"checkpoint.resume={older[-1]} (the previous one)" if strict and older else "checkpoint.resume/init_from=<another one>"
-            raise ConfigError(f"checkpoint {path} could not be loaded ({type(e).__name__}: {str(e)[:300]}); its files are whole, "
-                              f"so it is corrupt inside or from a different model. Nothing was resumed. Fix: choose one with {choose}, "
-                              "or start over with checkpoint.resume=never") from None
+            raise CheckpointError(f"checkpoint {path} could not be loaded ({type(e).__name__}: {str(e)[:300]}); its files are whole, "
+                                  f"so it is corrupt inside or from a different model. Nothing was resumed. Fix: choose one with {choose}, "
+                                  "or start over with checkpoint.resume=never") from None
         if with_optimizer:
             self._load_optimizer(to_load, wanted)
         for holder_name, holder in self._tensors.items():

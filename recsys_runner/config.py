@@ -28,7 +28,7 @@ from recsys_runner.data.synthetic import SyntheticDataConfig
 from recsys_runner.data.tabular import CriteoDataConfig, CsvDataConfig, ParquetDataConfig
 from recsys_runner.distributed import DistributedConfig, check_sharding_types, resolve_device_type
 from recsys_runner.ema import EmaConfig
-from recsys_runner.errors import ConfigError, require
+from recsys_runner.errors import ConfigError, UserError, require
 from recsys_runner.metrics import MetricsConfig, check_task_metrics, eval_metric_keys
 from recsys_runner.models.dcn_v2 import DCNv2Config
 from recsys_runner.models.deepfm import DeepFMConfig
@@ -204,10 +204,10 @@ def validate(cfg: DictConfig) -> RunConfig:
     try:
         check_known_keys(cfg)
         run = OmegaConf.to_object(cfg)
-    except ConfigError:
+    except UserError:
         raise
     except OmegaConfBaseException as e:
-        cause = e.__cause__ if isinstance(e.__cause__, ConfigError) else None
+        cause = e.__cause__ if isinstance(e.__cause__, UserError) else None
         if cause is not None:
             raise cause from None
         raise ConfigError(_omegaconf_message(e)) from None

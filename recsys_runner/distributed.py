@@ -36,7 +36,7 @@ from torchrec.distributed.planner.types import (
 from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
 from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
 
-from recsys_runner.errors import ConfigError, require
+from recsys_runner.errors import ConfigError, UserError, require
 from recsys_runner.launch import map_submitit_env
 from recsys_runner.stepping import PolicyPipelineBase, PolicyPipelineSparseDist, StepPolicy
 
@@ -138,25 +138,27 @@ T = TypeVar("T")
 
 
 def decided_on_rank0(decide: Callable[[], T], rank: int, world_size: int) -> T:
-    """``decide()`` on rank 0 only; every rank gets its result, or raises the same :class:`ConfigError`.
+    """``decide()`` on rank 0 only; every rank gets its result, or raises the same :class:`~recsys_runner.errors.UserError`
+    (its class too: a :class:`~recsys_runner.errors.TrackingError` stays one on every rank).
 
     For start-of-run checks and choices about shared state (the tracking store, the checkpoint
     directory's lock, which checkpoint to resume): one view of the world, and no rank left waiting in
     a collective for a rank that raised.
     """
     result: Any = None
-    error: str | None = None
+    error: UserError | None = None
     if rank == 0:
         try:
             result = decide()
-        except ConfigError as e:
-            error = str(e)
+        except UserError as e:
+            error = e
     if world_size > 1:
+        # the error is sent pickled as class and message (an exception's traceback and cause are not pickled)
         box: list[Any] = [(result, error)]
         dist.broadcast_object_list(box, src=0)
         result, error = box[0]
     if error is not None:
-        raise ConfigError(error)
+        raise error
     return result
 
 

@@ -1,15 +1,57 @@
-"""User-facing errors: one exception type for every mistake a user can fix by editing config."""
+"""User-facing errors: one class per kind of cause a user can fix, all under :class:`UserError`.
+
+The CLI prints any :class:`UserError` as ``<label>: <message>`` (``Config error: …``, ``Data error: …``,
+``Checkpoint error: …``, ``Tracking error: …``) without a traceback (unless ``HYDRA_FULL_ERROR=1``) and
+exits with status 2. The message names what is wrong (the key, the file, the directory, the URI) and how
+to fix it. Raise the class that matches the cause: a setting that is invalid on its face is a
+:class:`ConfigError`; a setting that is fine but meets data, a checkpoint directory or a tracking store
+that cannot be used is a :class:`DataError`, :class:`CheckpointError` or :class:`TrackingError`.
+"""
 
 from __future__ import annotations
 
+from typing import ClassVar
 
-class ConfigError(ValueError):
+
+class UserError(ValueError):
+    """A mistake the user can fix; the base of every error the CLI reports without a traceback."""
+
+    label: ClassVar[str] = "Error"
+    """How the CLI introduces the message, e.g. ``Config error``."""
+
+
+class ConfigError(UserError):
     """A setting (or a combination of settings) is invalid.
 
-    The message names the offending key and says how to fix it. The CLI prints it without a
-    traceback (unless ``HYDRA_FULL_ERROR=1``) and exits with status 2, before any process group,
-    data loading or training starts.
+    Raised before any process group, data loading or training starts (by the config schemas, or by a
+    check that needs the composed model, data or device).
     """
+
+    label = "Config error"
+
+
+class DataError(UserError):
+    """The data cannot be read as configured: a missing file or column, a corrupt file, a bad row.
+
+    The message names the file, the row (or row group) and the column, and says what to do.
+    """
+
+    label = "Data error"
+
+
+class CheckpointError(UserError):
+    """The checkpoint directory or a checkpoint cannot be used: it is locked by another live run, damaged,
+    missing, or does not fit this model. The message names the directory or checkpoint and the fix."""
+
+    label = "Checkpoint error"
+
+
+class TrackingError(UserError):
+    """The tracking store cannot be used at the start of a run: unreachable, unwritable or broken.
+
+    The message names the URI, where it came from, the cause and the fixes."""
+
+    label = "Tracking error"
 
 
 def require(condition: bool, message: str) -> None:

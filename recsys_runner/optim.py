@@ -17,6 +17,11 @@ Part-wise dense optimizers (``optim.parts.<name>``): dense parameters whose name
 regex get that part's optimizer (and optionally its own schedule) instead of ``optim.dense``;
 parts are matched in the order they are declared and the first match wins.
 
+The run's optimizers are named by :class:`OptimizerGroup` (sparse, dense, or part ``<name>``) and
+combined in one :class:`GroupedOptimizer`; a group's :attr:`~OptimizerGroup.key` (``sparse``, ``dense``,
+``part.<name>``) is the one string form, used by TorchRec's ``CombinedOptimizer``, hence in checkpoint keys
+(``optim/<key>.<param>/<state>``), and in the logged ``lr/<key>``.
+
 fbgemm's CPU build implements only ``sgd``, ``adagrad`` and ``rowwise_adagrad``; every other fused
 optimizer composes and instantiates anywhere but is rejected on CPU by
 :func:`check_sparse_on_device` before anything is built.
@@ -26,16 +31,16 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from omegaconf import II
 from torch import nn
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
-from torchrec.optim.keyed import KeyedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
 
 from recsys_runner.errors import ConfigError, require
 
@@ -291,6 +296,44 @@ def check_sparse_on_device(sparse_target: str, device_type: str) -> None:
         )
 
 
+# ----- groups -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OptimizerGroup:
+    """Which of the run's optimizers: the fused ``sparse`` one, the ``dense`` one, or part-wise ``part`` ``name``."""
+
+    kind: Literal["sparse", "dense", "part"]
+    name: str | None = None
+    """The part's name (``optim.parts.<name>``); only for ``kind="part"``."""
+
+    def __post_init__(self) -> None:
+        assert (self.kind == "part") == (self.name is not None), f"a part needs a name, and only a part: {self}"
+
+    @classmethod
+    def part(cls, name: str) -> OptimizerGroup:
+        return cls("part", name)
+
+    @property
+    def key(self) -> str:
+        """``sparse``, ``dense`` or ``part.<name>``: the optimizer's key in the ``CombinedOptimizer``, so the
+        prefix of its state in checkpoints and the suffix of its logged ``lr/<key>``. Made here only."""
+        return f"part.{self.name}" if self.kind == "part" else self.kind
+
+
+SPARSE = OptimizerGroup("sparse")
+DENSE = OptimizerGroup("dense")
+
+
+class GroupedOptimizer(CombinedOptimizer):
+    """TorchRec's ``CombinedOptimizer`` whose members are named by :class:`OptimizerGroup` (their keys are
+    the groups' :attr:`~OptimizerGroup.key`); :attr:`groups` gives them back typed."""
+
+    def __init__(self, groups: Sequence[tuple[OptimizerGroup, KeyedOptimizer]]) -> None:
+        super().__init__([(group.key, opt) for group, opt in groups])
+        self.groups: tuple[tuple[OptimizerGroup, KeyedOptimizer], ...] = tuple(groups)
+
+
 # ----- wiring -----------------------------------------------------------------------------------
 
 
@@ -320,14 +363,14 @@ def dense_optimizers(
     params: Mapping[str, nn.Parameter],
     dense: Callable[..., torch.optim.Optimizer],
     parts: Mapping[str, tuple[str, Callable[..., torch.optim.Optimizer]]],
-) -> list[tuple[str, KeyedOptimizer]]:
-    """Split dense ``params`` by the parts' regexes: ``[("part.<name>", opt), …, ("dense", opt)]``.
+) -> list[tuple[OptimizerGroup, KeyedOptimizer]]:
+    """Split dense ``params`` by the parts' regexes: ``[(OptimizerGroup.part(<name>), opt), …, (DENSE, opt)]``.
 
     ``parts`` maps a part name to ``(pattern, optimizer partial)``; the first matching part takes a
     parameter. A part that matches nothing is a config mistake and raises :class:`ConfigError`.
     """
     remaining = dict(params)
-    out: list[tuple[str, KeyedOptimizer]] = []
+    out: list[tuple[OptimizerGroup, KeyedOptimizer]] = []
     for name, (pattern, factory) in parts.items():
         taken = {k: p for k, p in remaining.items() if re.search(pattern, k)}
         if not taken:
@@ -337,7 +380,7 @@ def dense_optimizers(
             )
         for k in taken:
             del remaining[k]
-        out.append((f"part.{name}", KeyedOptimizerWrapper(taken, lambda ps, f=factory: f(ps))))
+        out.append((OptimizerGroup.part(name), KeyedOptimizerWrapper(taken, lambda ps, f=factory: f(ps))))
     if remaining:
-        out.append(("dense", KeyedOptimizerWrapper(remaining, lambda ps: dense(ps))))
+        out.append((DENSE, KeyedOptimizerWrapper(remaining, lambda ps: dense(ps))))
     return out

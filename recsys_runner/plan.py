@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 
 from recsys_runner.config import register_configs, validate
 from recsys_runner.distributed import Distributed, PlanReport, resolve_device_type
-from recsys_runner.errors import ConfigError
+from recsys_runner.errors import UserError
 from recsys_runner.models.common import TrainWrapper
 from recsys_runner.optim import apply_sparse_optimizer
 from recsys_runner.paths import CONFIG_PATH
@@ -47,10 +47,10 @@ def dry_run(cfg: DictConfig) -> PlanReport:
 def main(cfg: DictConfig) -> None:
     try:
         report = dry_run(cfg)
-    except ConfigError as e:
+    except UserError as e:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        print(f"Config error: {e}", file=sys.stderr)
+        print(f"{e.label}: {e}", file=sys.stderr)
         sys.exit(2)
     print(report)
     if not report.fits:

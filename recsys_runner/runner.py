@@ -20,9 +20,10 @@ import torch
 
 from recsys_runner.build import Components
 from recsys_runner.checkpoint import TrainState
-from recsys_runner.data.base import DataError
 from recsys_runner.distributed import detached
+from recsys_runner.errors import DataError
 from recsys_runner.metrics import TaskEvalMetrics, Throughput, grouping_ids
+from recsys_runner.optim import GroupedOptimizer
 from recsys_runner.profiling import StepProfiler
 from recsys_runner.signals import Interrupted, StopSignals
 
@@ -96,11 +97,9 @@ def _train_step(c: Components, batches: Iterator, state: TrainState) -> torch.Te
 
 
 def _no_step_error(c: Components, state: TrainState) -> DataError:
-    """The epoch ended before one full step: say how much data the rank had (the data module's account, if it keeps one)."""
+    """The epoch ended before one full step: say how much data the rank had (the data module's account)."""
     accumulation = c.run.train.grad_accum_steps
-    explain = getattr(c.data, "explain_empty_epoch", None)
-    why = explain(state.epoch, c.env.rank) if explain is not None else \
-        "Fix: check the data, or lower data.batch_size / train.grad_accum_steps"
+    why = c.data.explain_empty_epoch(state.epoch, c.env.rank)
     return DataError(f"epoch {state.epoch} gave rank {c.env.rank} no full training step of {c.data.batch_size * accumulation} rows "
                      f"(data.batch_size={c.data.batch_size} x train.grad_accum_steps={accumulation}): {why}")
 
@@ -147,7 +146,7 @@ def evaluate(c: Components) -> dict[str, float]:
 
 def _data_metrics(c: Components) -> dict[str, float]:
     """The data module's counters (e.g. ``data/bad_rows_skipped``) summed over ranks; empty if it keeps none."""
-    counters: dict[str, float] = getattr(c.data, "metrics", dict)()
+    counters = c.data.metrics()
     if not counters or c.env.world_size == 1:
         return dict(counters)
     keys = sorted(counters)
@@ -156,13 +155,9 @@ def _data_metrics(c: Components) -> dict[str, float]:
     return dict(zip(keys, totals.tolist(), strict=True))
 
 
-def learning_rates(optimizer: torch.optim.Optimizer) -> dict[str, float]:
-    """Current lr of each optimizer (``lr/sparse``, ``lr/dense``, ``lr/part.<name>``) from its first param group."""
-    out: dict[str, float] = {}
-    for key, opt in getattr(optimizer, "optimizers", [("all", optimizer)]):
-        if opt.param_groups:
-            out[f"lr/{key}"] = float(opt.param_groups[0]["lr"])
-    return out
+def learning_rates(optimizer: GroupedOptimizer) -> dict[str, float]:
+    """Current lr of each optimizer group (``lr/sparse``, ``lr/dense``, ``lr/part.<name>``) from its first param group."""
+    return {f"lr/{group.key}": float(opt.param_groups[0]["lr"]) for group, opt in optimizer.groups if opt.param_groups}
 
 
 def _log(c: Components, metrics: dict[str, float], step: int) -> None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from recsys_runner.errors import ConfigError, require
+from recsys_runner.optim import GroupedOptimizer, OptimizerGroup
 
 
 def _warmup(step: int, warmup_steps: int, warmup_start: float) -> float | None:
@@ -228,18 +229,13 @@ class ManualStep(_Schedule):
 
 
 def lr_scheduler(
-    optimizer: torch.optim.Optimizer, schedules: Mapping[str, Callable[[int], float]], default: Callable[[int], float]
+    optimizer: GroupedOptimizer, schedules: Mapping[OptimizerGroup, Callable[[int], float]], default: Callable[[int], float]
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """One ``LambdaLR`` whose function for each param group is its optimizer key's schedule.
+    """One ``LambdaLR`` whose function for each param group is its optimizer group's schedule.
 
-    ``optimizer`` is a ``CombinedOptimizer`` (``optimizers``: ``[(key, opt), …]``); ``schedules``
-    maps a key (``sparse``, ``dense``, ``part.<name>``) to its schedule; others use ``default``.
+    ``schedules`` maps an optimizer group (sparse, dense, a part) to its schedule; the others use ``default``.
     """
-    lambdas = [
-        schedules.get(key, default)
-        for key, opt in getattr(optimizer, "optimizers", [("all", optimizer)])
-        for _ in opt.param_groups
-    ]
+    lambdas = [schedules.get(group, default) for group, opt in optimizer.groups for _ in opt.param_groups]
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lambdas)
 
 

@@ -25,7 +25,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from recsys_runner.errors import ConfigError
+from recsys_runner.errors import UserError
 from recsys_runner.tracking import PARENT_RUN_ENV, experiment_id, open_store, resolve_uri, store_errors, uri_source
 
 log = logging.getLogger(__name__)
@@ -76,10 +76,10 @@ class MlflowSweepCallback(Callback):
                     tags={"sweep.dir": os.path.abspath(sweep_dir), "sweep.overrides": overrides, "sweep.sweeper": sweeper,
                           SWEEP_PARENT_TAG: OmegaConf.select(config, "train.objective") or OBJECTIVE, "sweep.tracking_uri": uri},
                 )
-        except ConfigError as e:
+        except UserError as e:
             if os.environ.get("HYDRA_FULL_ERROR") == "1":
                 raise
-            print(f"Config error: {e}", file=sys.stderr)  # as the CLI does; Hydra would print a traceback
+            print(f"{e.label}: {e}", file=sys.stderr)  # as the CLI does; Hydra would print a traceback
             sys.exit(2)
         self._parent = run.info.run_id
         self._previous_env = os.environ.get(PARENT_RUN_ENV)

@@ -14,7 +14,7 @@ server is still gone then, the unsent metrics are written to ``mlflow_unsent_<ru
 The start of a run is different: it needs its MLflow run id (a resumed training continues that run,
 a sweep files its jobs under their parent), so a store that cannot be used then is an error, found
 before any data or model is built (:meth:`MlflowTracker.check`, :func:`open_store`): within seconds,
-with MLflow's minutes of HTTP retries off, and as a :class:`~recsys_runner.errors.ConfigError` naming
+with MLflow's minutes of HTTP retries off, and as a :class:`~recsys_runner.errors.TrackingError` naming
 the URI, the cause and the fixes. A sqlite store is probed with a write that is rolled back, because
 a read-only file opens fine and would fail only at the first write. Creating a new sqlite store is
 serialized across processes (:func:`store_lock`): MLflow creates its tables without a lock, and runs
@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-from recsys_runner.errors import ConfigError, require
+from recsys_runner.errors import TrackingError, require
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,11 @@ class NoTrackingConfig:
 class Tracker(Protocol):
     """What the runner logs through. Only rank 0 gets a real tracker."""
 
+    @property
+    def run_id(self) -> str | None:
+        """The run being logged to, once started or resumed; ``None`` before, and always for a tracker that tracks nothing."""
+        ...
+
     def check(self) -> None: ...
     def start(self, *, run_name: str, tags: Mapping[str, str], params: Mapping[str, Any]) -> None: ...
     def resume(self, run_id: str) -> None: ...
@@ -97,6 +102,10 @@ class NullTracker:
 
     def __init__(self, **_: Any) -> None:
         pass
+
+    @property
+    def run_id(self) -> str | None:
+        return None
 
     def check(self) -> None:
         pass
@@ -186,7 +195,7 @@ def open_store(uri: str, source: str) -> Any:
     """Open the store at the start of a run or sweep: an ``MlflowClient`` whose store has answered and
     can be written.
 
-    Fails within seconds with a :class:`ConfigError` naming ``uri`` (taken from ``source``, see
+    Fails within seconds with a :class:`TrackingError` naming ``uri`` (taken from ``source``, see
     :func:`uri_source`), the cause and the fixes; see the module docstring for why. Creates nothing
     but a missing sqlite store (the experiment is created with the run)."""
     from mlflow.tracking import MlflowClient
@@ -201,15 +210,15 @@ def open_store(uri: str, source: str) -> Any:
 
 @contextlib.contextmanager
 def store_errors(uri: str, source: str) -> Iterator[None]:
-    """Around the start-of-run calls to a store: no HTTP retries, and a failure becomes a :class:`ConfigError`
+    """Around the start-of-run calls to a store: no HTTP retries, and a failure becomes a :class:`TrackingError`
     that names the URI, the cause and the fixes."""
     try:
         with _no_http_retries(is_remote(uri)):
             yield
-    except ConfigError:
+    except TrackingError:
         raise
     except Exception as e:  # noqa: BLE001 - whatever the store says, the run cannot start; the cause is in the message
-        raise ConfigError(_store_error(uri, source, e)) from e
+        raise TrackingError(_store_error(uri, source, e)) from e
 
 
 _NO_TRACKING = "or run without tracking: tracking=none"
@@ -241,7 +250,7 @@ def _check_sqlite_writable(uri: str, source: str) -> None:
             db.rollback()
     except sqlite3.Error as e:
         missing = "" if os.path.isdir(directory) else f" (directory {directory} does not exist)"
-        raise ConfigError(
+        raise TrackingError(
             f"tracking store {uri} ({source}) cannot be written: sqlite says {e!s}{missing}. Fix: make {path} and its "
             f"directory writable (sqlite writes a journal file next to the database), point tracking.uri (or "
             f"MLFLOW_TRACKING_URI) at a writable MLflow store, {_NO_TRACKING}"
@@ -318,7 +327,7 @@ class MlflowTracker:
 
     def check(self) -> None:
         """Preflight, run by ``build`` on rank 0 before data and model exist: open the store, or raise
-        :class:`ConfigError` naming the URI, the cause and the fixes (:func:`open_store`)."""
+        :class:`TrackingError` naming the URI, the cause and the fixes (:func:`open_store`)."""
         self._client = open_store(self.uri, self._source)
 
     def start(self, *, run_name: str, tags: Mapping[str, str], params: Mapping[str, Any]) -> None:

@@ -13,7 +13,7 @@ from recsys_runner.__main__ import run
 from recsys_runner.build import build
 from recsys_runner.checkpoint import list_checkpoints
 from recsys_runner.config import validate
-from recsys_runner.errors import ConfigError
+from recsys_runner.errors import CheckpointError
 from recsys_runner.signals import Interrupted
 
 # Adam on the dense part (lazy state), row-wise Adagrad on embeddings, a schedule that depends on
@@ -77,13 +77,13 @@ def test_unfinished_write_is_ignored_and_damaged_or_missing_checkpoints_error(ma
     assert list_checkpoints(tmp_path) == [last]
 
     (last / ".metadata").write_bytes(b"truncated")  # now both are damaged (test_run_safety.py: the fallback when one is whole)
-    with pytest.raises(ConfigError, match=r"every checkpoint in .* is damaged"):
+    with pytest.raises(CheckpointError, match=r"every checkpoint in .* is damaged"):
         run(make_cfg("train.num_steps=8", f"checkpoint.dir={tmp_path}", "tracking=none"))
-    with pytest.raises(ConfigError, match="holds no complete checkpoint"):
+    with pytest.raises(CheckpointError, match="holds no complete checkpoint"):
         run(make_cfg(f"checkpoint.dir={tmp_path}/empty", "checkpoint.resume=latest", "tracking=none"))
-    with pytest.raises(ConfigError, match="no such checkpoint"):
+    with pytest.raises(CheckpointError, match="no such checkpoint"):
         run(make_cfg(f"checkpoint.resume={tmp_path}/missing/step_00000001", "tracking=none"))
-    with pytest.raises(ConfigError, match="no complete checkpoint"):
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
         run(make_cfg(f"checkpoint.init_from={tmp_path}/empty", "tracking=none"))
 
 
@@ -107,5 +107,5 @@ def test_fine_tune_with_name_map_and_without_optimizer_state(make_cfg, tmp_path:
     assert not torch.equal(mapped[key], plain[key])
     dense_key = next(k for k in plain if "t_cat" not in k)
     assert torch.equal(mapped[dense_key], plain[dense_key])
-    with pytest.raises(ConfigError, match="shares no parameter name"):
+    with pytest.raises(CheckpointError, match="shares no parameter name"):
         built("+checkpoint.name_map.model=other")

@@ -13,8 +13,9 @@ from omegaconf.errors import OmegaConfBaseException
 from recsys_runner.__main__ import run
 from recsys_runner.config import validate
 from recsys_runner.errors import ConfigError
-from recsys_runner.optim import dense_optimizers
-from recsys_runner.scheduler import Constant, Cosine, CosineRestarts, ExponentialDecay, ManualStep
+from recsys_runner.optim import DENSE, SPARSE, GroupedOptimizer, OptimizerGroup, dense_optimizers
+from recsys_runner.runner import learning_rates
+from recsys_runner.scheduler import Constant, Cosine, CosineRestarts, ExponentialDecay, ManualStep, lr_scheduler
 
 T = 100
 
@@ -73,12 +74,28 @@ def test_part_patterns_route_parameters_first_match_wins() -> None:
     params = {n: torch.nn.Parameter(torch.zeros(1)) for n in ["deep.w", "over_arch.w", "over_arch.b", "fm.w"]}
     sgd = lambda ps, **kw: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
     groups = dict(dense_optimizers(params, sgd, {"over": ("over_arch", sgd), "deep": (r"^deep\.", sgd)}))
-    assert set(groups["part.over"].params) == {"over_arch.w", "over_arch.b"}
-    assert set(groups["part.deep"].params) == {"deep.w"}
-    assert set(groups["dense"].params) == {"fm.w"}
-    assert "dense" not in dict(dense_optimizers(params, sgd, {"all": (".", sgd)}))
+    assert set(groups[OptimizerGroup.part("over")].params) == {"over_arch.w", "over_arch.b"}
+    assert set(groups[OptimizerGroup.part("deep")].params) == {"deep.w"}
+    assert set(groups[DENSE].params) == {"fm.w"}
+    assert DENSE not in dict(dense_optimizers(params, sgd, {"all": (".", sgd)}))
     with pytest.raises(ConfigError, match="matches no dense parameter"):
         dense_optimizers(params, sgd, {"none": ("nothing_like_this", sgd)})
+
+
+def test_optimizer_groups_keep_the_key_strings_of_checkpoints_and_lr_metrics() -> None:
+    """``sparse``, ``dense``, ``part.<name>``: existing checkpoints (``optim/<key>.<param>/…``) and logged
+    ``lr/<key>`` names depend on these exact strings."""
+    assert (SPARSE.key, DENSE.key, OptimizerGroup.part("over").key) == ("sparse", "dense", "part.over")
+    params = {n: torch.nn.Parameter(torch.ones(1)) for n in ["over_arch.w", "fm.w"]}
+    adagrad = lambda ps, **kw: torch.optim.Adagrad(ps, lr=0.1)  # noqa: E731
+    optimizer = GroupedOptimizer(dense_optimizers(params, adagrad, {"over": ("over_arch", adagrad)}))
+    assert [group for group, _ in optimizer.groups] == [OptimizerGroup.part("over"), DENSE]
+    assert [key for key, _ in optimizer.optimizers] == ["part.over", "dense"]
+    assert set(optimizer.state_dict()["state"]) == {"part.over.over_arch.w", "dense.fm.w"}
+    scheduler = lr_scheduler(optimizer, {OptimizerGroup.part("over"): lambda step: 0.5}, lambda step: 1.0)
+    assert learning_rates(optimizer) == {"lr/part.over": pytest.approx(0.05), "lr/dense": pytest.approx(0.1)}
+    scheduler.step()
+    assert learning_rates(optimizer) == {"lr/part.over": pytest.approx(0.05), "lr/dense": pytest.approx(0.1)}
 
 
 @pytest.mark.parametrize("name", ["adam", "lamb", "lars_sgd", "partial_rowwise_adam", "partial_rowwise_lamb"])

@@ -21,7 +21,7 @@ from mlflow.tracking import MlflowClient
 
 from recsys_runner.__main__ import run
 from recsys_runner.checkpoint import damage, list_checkpoints
-from recsys_runner.errors import ConfigError
+from recsys_runner.errors import CheckpointError
 from recsys_runner.locks import DirectoryInUse, DirectoryLock
 from recsys_runner.signals import Interrupted
 from tests.conftest import REPO, TINY, hint_of, run_cli
@@ -148,7 +148,7 @@ def test_second_live_writer_is_refused_and_a_killed_ones_lock_does_not_block_res
         assert live.poll() is None
         second = run_cli(*args, cwd=tmp_path)
         assert second.returncode == 2, second.stderr[-3000:]
-        assert f"Config error: checkpoint.dir: {ckpt} is in use by another live run: host {socket.gethostname()}, pid {live.pid}" \
+        assert f"Checkpoint error: checkpoint.dir: {ckpt} is in use by another live run: host {socket.gethostname()}, pid {live.pid}" \
             in second.stderr
         assert "Fix:" in second.stderr and "Traceback" not in second.stderr
         (mlrun,) = runs(uri, "lock")  # the refused launch neither created a run nor took over the live one
@@ -199,12 +199,12 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one_with_a_warning
 def test_all_damaged_or_a_damaged_explicit_choice_is_refused_with_the_way_out(make_cfg, tmp_path: Path) -> None:
     found = _three_checkpoints(make_cfg, tmp_path)
     (found[-1] / "rank0.pt").unlink()
-    with pytest.raises(ConfigError, match=r"checkpoint.resume=.*step_00000006: this checkpoint is damaged \(rank0.pt is missing\)\. "
-                                          r"Fix: checkpoint.resume=.*step_00000004"):
+    with pytest.raises(CheckpointError, match=r"checkpoint.resume=.*step_00000006: this checkpoint is damaged \(rank0.pt is missing\)\. "
+                                              r"Fix: checkpoint.resume=.*step_00000004"):
         run(make_cfg("train.num_steps=8", f"checkpoint.dir={tmp_path}", f"checkpoint.resume={found[-1]}", "tracking=none"))
     for p in found[:-1]:
         (p / "meta.json").write_text("{not json")
-    with pytest.raises(ConfigError, match=r"every checkpoint in .* is damaged .* Fix: start over with checkpoint.resume=never"):
+    with pytest.raises(CheckpointError, match=r"every checkpoint in .* is damaged .* Fix: start over with checkpoint.resume=never"):
         run(make_cfg("train.num_steps=8", f"checkpoint.dir={tmp_path}", "tracking=none"))
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("damaged-")) == [
         "damaged-step_00000002", "damaged-step_00000004", "damaged-step_00000006"]

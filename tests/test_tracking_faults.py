@@ -1,6 +1,6 @@
 """Tracking faults at the start of a run: an unreachable server, a read-only sqlite store, and many
 processes creating one new sqlite store together. The first two must stop the CLI within seconds with
-``Config error:`` and exit 2, before any data or model is built; the third must not crash anyone."""
+``Tracking error:`` and exit 2, before any data or model is built; the third must not crash anyone."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from mlflow.tracking import MlflowClient
 
-from recsys_runner.errors import ConfigError
+from recsys_runner.errors import TrackingError
 from recsys_runner.tracking import MlflowTracker
 
 # tests.conftest (TINY, run_cli) imports torch and torchrec; it is imported inside the CLI tests only, so
@@ -38,10 +38,10 @@ def _cli_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
 
 
-def _assert_config_error(result: subprocess.CompletedProcess[str], *fragments: str) -> None:
+def _assert_tracking_error(result: subprocess.CompletedProcess[str], *fragments: str) -> None:
     output = result.stdout + result.stderr
     assert result.returncode == 2, output[-3000:]
-    assert "Config error: " in result.stderr and "Traceback" not in output, output[-3000:]
+    assert "Tracking error: " in result.stderr and "Traceback" not in output, output[-3000:]
     for fragment in fragments:
         assert fragment in result.stderr, (fragment, result.stderr)
     assert "sharding plan" not in output, "the store is checked before data and model are built"
@@ -55,7 +55,7 @@ def test_unreachable_server_stops_the_cli_within_seconds(tmp_path: Path) -> None
     started = time.monotonic()
     result = run_cli(*TINY, f"tracking.uri={uri}", f"tracking.experiment={EXPERIMENT}", cwd=tmp_path, timeout=240)
     elapsed = time.monotonic() - started
-    _assert_config_error(result, f"tracking server {uri} (tracking.uri) is not reachable", "Connection refused",
+    _assert_tracking_error(result, f"tracking server {uri} (tracking.uri) is not reachable", "Connection refused",
                          "Fix: start the server", "MLFLOW_TRACKING_URI", "tracking=none")
     assert elapsed < 60, f"took {elapsed:.0f} s"
 
@@ -65,7 +65,7 @@ def test_multirun_with_unreachable_server_stops_before_launching_jobs(tmp_path: 
 
     uri = f"http://127.0.0.1:{_free_port()}"
     result = run_cli("-m", "optim.lr=0.01,0.1", *TINY, f"tracking.uri={uri}", cwd=tmp_path, timeout=240)
-    _assert_config_error(result, f"tracking server {uri} (tracking.uri) is not reachable", "tracking=none")
+    _assert_tracking_error(result, f"tracking server {uri} (tracking.uri) is not reachable", "tracking=none")
     assert "Launching" not in result.stdout + result.stderr
 
 
@@ -81,7 +81,7 @@ def test_unreachable_server_stops_every_torchrun_rank(tmp_path: Path) -> None:
     result = subprocess.run(cmd, cwd=tmp_path, env=_cli_env(), capture_output=True, text=True, timeout=300)
     elapsed = time.monotonic() - started
     assert result.returncode != 0
-    assert result.stderr.count(f"Config error: tracking server {uri} (tracking.uri) is not reachable") == 2, result.stderr[-4000:]
+    assert result.stderr.count(f"Tracking error: tracking server {uri} (tracking.uri) is not reachable") == 2, result.stderr[-4000:]
     assert "sharding plan" not in result.stdout + result.stderr
     assert elapsed < 120, f"took {elapsed:.0f} s"
 
@@ -90,7 +90,7 @@ def test_unreachable_server_from_environment_is_named(monkeypatch: pytest.Monkey
     uri = f"http://127.0.0.1:{_free_port()}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     started = time.monotonic()
-    with pytest.raises(ConfigError, match=rf"tracking server {uri} \(\$MLFLOW_TRACKING_URI\) is not reachable"):
+    with pytest.raises(TrackingError, match=rf"tracking server {uri} \(\$MLFLOW_TRACKING_URI\) is not reachable"):
         MlflowTracker(uri=None, experiment=EXPERIMENT).check()
     assert time.monotonic() - started < 10
 
@@ -140,7 +140,7 @@ def test_read_only_sqlite_store_stops_the_cli(read_only: str, store_template: Pa
         )
     finally:
         store.chmod(0o755)
-    _assert_config_error(result, f"tracking store {uri} (tracking.uri) cannot be written",
+    _assert_tracking_error(result, f"tracking store {uri} (tracking.uri) cannot be written",
                          "attempt to write a readonly database", f"Fix: make {db} and its directory writable", "tracking=none")
     with sqlite3.connect(db) as check:
         assert check.execute("SELECT COUNT(*) FROM runs").fetchone() == (0,)

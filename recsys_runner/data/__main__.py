@@ -30,7 +30,6 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import yaml
 
-from recsys_runner.data.base import DataError
 from recsys_runner.data.schema import DenseColumn, Encoder, Location, Rows, Schema, SparseColumn
 from recsys_runner.data.sources import PARQUET_SUFFIXES, CsvSource, resolve_files
 from recsys_runner.data.tabular import (
@@ -41,7 +40,7 @@ from recsys_runner.data.tabular import (
     schema_json,
     stored_schema,
 )
-from recsys_runner.errors import ConfigError
+from recsys_runner.errors import ConfigError, DataError
 
 
 def converted_schema(schema: Schema) -> Schema:

@@ -10,19 +10,13 @@ import torch
 import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 
-from recsys_runner.errors import ConfigError
+from recsys_runner.errors import DataError
 from recsys_runner.features import FeatureSpec
+
+__all__ = ["DataError", "DataModule", "synchronized"]  # DataError lives in errors.py with its siblings; importable from here too
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class DataError(ConfigError):
-    """The data cannot be read as configured: a missing file or column, a corrupt file, a bad row.
-
-    The message names the file, the row (or row group) and the column, and says what to do. It is
-    a :class:`ConfigError` so that the CLI prints it without a traceback and exits with status 2.
-    """
 
 
 class DataModule(Protocol):
@@ -32,11 +26,9 @@ class DataModule(Protocol):
     so a rank that runs out early would leave the others waiting forever. A data module either
     guarantees equal counts or wraps its iterators in :func:`synchronized`.
 
-    Optionally a data module has ``metrics() -> dict[str, float]``: counters since it was built
-    (e.g. ``data/bad_rows_skipped``), meant to be logged with the training metrics; and
-    ``explain_empty_epoch(epoch, rank) -> str``: why the last pass over ``train_batches(epoch, rank, …)``
-    ended before one full training step (rows read, rows skipped) and what to do, for the
-    :class:`DataError` the runner raises then.
+    A data module subclasses this protocol explicitly, so that it inherits the defaults of
+    :meth:`metrics` (no counters) and :meth:`explain_empty_epoch` (a generic hint) unless it has
+    something better to say.
     """
 
     features: FeatureSpec
@@ -53,6 +45,16 @@ class DataModule(Protocol):
     def num_train_batches(self, world_size: int) -> int | None:
         """Batches per rank per epoch, or ``None`` when it is not known before reading."""
         ...
+
+    def metrics(self) -> dict[str, float]:
+        """Counters since the module was built (e.g. ``data/bad_rows_skipped``), logged with the training
+        metrics (summed over ranks); none by default."""
+        return {}
+
+    def explain_empty_epoch(self, epoch: int, rank: int) -> str:
+        """Why the last pass over ``train_batches(epoch, rank, …)`` ended before one full training step (rows
+        read, rows skipped) and what to do, for the :class:`DataError` the runner raises then."""
+        return "Fix: check the data, or lower data.batch_size / train.grad_accum_steps"
 
 
 def synchronized(batches: Iterable[T], on_dropped: Callable[[T], None] | None = None) -> Iterator[T]:

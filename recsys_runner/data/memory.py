@@ -6,10 +6,11 @@ from collections.abc import Iterator, Sequence
 
 from torchrec.datasets.utils import Batch
 
+from recsys_runner.data.base import DataModule
 from recsys_runner.features import FeatureSpec
 
 
-class InMemoryData:
+class InMemoryData(DataModule):
     """Serves the same list of batches to every rank and epoch (``train``) and for eval.
 
     Meant for measuring the training path without any data cost, so it does not shard: each rank

@@ -18,8 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from recsys_runner.data.base import DataError
-from recsys_runner.errors import require
+from recsys_runner.errors import DataError, require
 from recsys_runner.features import POOLINGS, FeatureSpec, SparseFeature, check_embedding_dim
 
 DENSE_TRANSFORMS = ("none", "log1p")

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from recsys_runner.data.base import DataError
+from recsys_runner.errors import DataError
 
 PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")
 PARQUET_MAGIC = b"PAR1"

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from recsys_runner.data.base import DataModule
 from recsys_runner.errors import require
 from recsys_runner.features import DataNeeds, FeatureSpec, SparseFeature
 
@@ -167,7 +168,7 @@ def _sparse_names(num_sparse: int) -> list[str]:
     return [f"cat_{i}" for i in range(num_sparse)]
 
 
-class SyntheticData:
+class SyntheticData(DataModule):
     """Criteo-shaped click data generated on the fly; see the module docstring.
 
     Example::

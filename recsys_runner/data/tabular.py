@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsys_runner.data.base import DataError, synchronized
+from recsys_runner.data.base import DataModule, synchronized
 from recsys_runner.data.schema import (
     BAD_ROW_MODES,
     DENSE_TRANSFORMS,
@@ -52,7 +52,7 @@ from recsys_runner.data.schema import (
     splitmix64,
 )
 from recsys_runner.data.sources import PARQUET_SUFFIXES, CsvSource, ParquetSource, Unit, resolve_files
-from recsys_runner.errors import require
+from recsys_runner.errors import DataError, require
 
 log = logging.getLogger(__name__)
 
@@ -293,7 +293,7 @@ class _ShardStream(IterableDataset):
             yield ("error", str(e))
 
 
-class TabularData(abc.ABC):
+class TabularData(DataModule, abc.ABC):
     """Batches from files; see the module docstring. Subclasses choose the source and the schema.
 
     Example::
