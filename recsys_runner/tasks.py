@@ -20,6 +20,7 @@ Config names a kind once, in :data:`TASK_KINDS` (``model.task_kinds=[binary,regr
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -36,7 +37,7 @@ __all__ = ["Task", "BinaryTask", "RegressionTask", "InBatchSoftmaxTask", "TASK_K
 
 
 @dataclass(frozen=True, slots=True)
-class Task:
+class Task(abc.ABC):
     """What one model output is trained and evaluated as; subclassed once per kind.
 
     A model with several outputs has a ``tasks`` attribute (a tuple of tasks, in output order) and
@@ -73,9 +74,9 @@ class Task:
         """What ``output`` is trained against: the task's label column (``[B]``)."""
         return labels if self.column is None else labels[:, self.column]
 
+    @abc.abstractmethod
     def row_losses(self, output: Tensor, targets: Tensor) -> Tensor:
         """Each row's unweighted loss ``[B]`` (``output`` is float32)."""
-        raise NotImplementedError
 
     def loss(self, output: Tensor, targets: Tensor) -> Tensor:
         """The task's unweighted loss: the mean of :meth:`row_losses`, a float32 scalar."""
