@@ -276,10 +276,6 @@ class Checkpointer:
         return flat
 
     # -- when ------------------------------------------------------------------------------------
-    @property
-    def enabled(self) -> bool:
-        return self.dir is not None
-
     def due(self, step: int, epoch_ended: int | None = None) -> bool:
         """Whether a periodic checkpoint is due after ``step``, which ended epoch ``epoch_ended`` if not ``None``."""
         if self.dir is None:
