@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -76,3 +77,10 @@ def hint_of(stderr: str) -> list[str] | None:
             assert argv[:3] == ["python", "-m", "recsys_runner"], argv
             return [sys.executable, *argv[1:]]
     return None
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (for a process group, a test server or a SLURM daemon)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

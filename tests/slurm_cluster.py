@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import free_port
+
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "sinfo", "scancel")
 
 SACCT_STANDIN = """#!{python}
@@ -55,10 +57,6 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _listening(port: int) -> bool:
@@ -79,7 +77,7 @@ class SlurmCluster:
         self.conf = root / "slurm.conf"
         self.bin = root / "bin"
         self.munge_socket = root / "munge" / "munge.sock"
-        self.ctld_port, self.slurmd_port = _free_port(), _free_port()
+        self.ctld_port, self.slurmd_port = free_port(), free_port()
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
     @property

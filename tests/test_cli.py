@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import REPO, TINY, run_cli
+from tests.conftest import REPO, TINY, free_port, run_cli
 
 
 def test_help_lists_groups_and_options(tmp_path: Path) -> None:
@@ -108,17 +107,13 @@ def test_multirun_gives_one_finished_run_per_job(tmp_path: Path) -> None:
     assert len(list((tmp_path / "multirun").glob("*/*/*/.hydra/config.yaml"))) == 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
 def test_torchrun_two_ranks_gloo(tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path}/ddp.db"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={_free_port()}", "-m", "recsys_runner", *TINY, "train.eval_every_steps=20",
+           f"--master_port={free_port()}", "-m", "recsys_runner", *TINY, "train.eval_every_steps=20",
            "distributed.sharding_types=[column_wise]", f"tracking.uri={uri}", "tracking.experiment=ddp"]
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]

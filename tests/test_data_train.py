@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ import pytest
 
 from recsys_runner.__main__ import run
 from recsys_runner.data.generate import write_criteo_parquet, write_criteo_tsv
-from tests.conftest import REPO
+from tests.conftest import REPO, free_port
 
 TRAIN = ["train.log_every_steps=10", "train.eval_every_steps=null", "distributed.device=cpu", "data.batch_size=256"]
 
@@ -38,14 +37,10 @@ def test_train_epochs_from_parquet_directory_with_workers(make_cfg, files: Path)
     assert run(cfg) > 0.6
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
            "-m", "recsys_runner", "tracking=none", "distributed.sharding_types=[table_wise]", "distributed.timeout_s=120", *TRAIN, *overrides]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=400, env=env)

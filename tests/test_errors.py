@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ import torch.multiprocessing as mp
 
 from recsys_runner.distributed import decided_on_rank0
 from recsys_runner.errors import CheckpointError, ConfigError, DataError, TrackingError, UserError
+from tests.conftest import free_port
 
 WORLD = 2
 CLASSES = {cls.__name__: cls for cls in (ConfigError, DataError, CheckpointError, TrackingError)}
@@ -51,14 +51,10 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_every_rank_raises_rank_0s_error_class_and_message(tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     expected = {name: [name, f"{name} on rank 0"] for name in CLASSES} | {"result": ["chosen on rank 0"]}
     for rank in range(WORLD):
         assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == expected, rank

@@ -7,7 +7,6 @@ grouped AUC has rows on both ranks, so averaging per-rank values would give a di
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from recsys_runner.metrics import MetricsConfig, build_eval_metrics, build_train_metrics
+from tests.conftest import free_port
 
 WORLD = 2
 POINTWISE = MetricsConfig(
@@ -76,10 +76,6 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -6,7 +6,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from mlflow.tracking import MlflowClient
 
 from recsys_runner import tracking
 from recsys_runner.tracking import MlflowTracker, replay
+from tests.conftest import free_port
 
 
 class Records(logging.Handler):
@@ -103,17 +103,13 @@ def test_finish_writes_unsent_metrics_when_server_stays_away(tmp_path: Path, mon
     assert [m[0] for m in record["metrics"]] == ["eval/auc"] and client.status is None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class MlflowServer:
     """A real ``mlflow server`` on loopback, started and stopped by PID (its own process group)."""
 
     def __init__(self, root: Path) -> None:
-        self.root, self.port = root, _free_port()
+        self.root, self.port = root, free_port()
         self.uri = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
 
