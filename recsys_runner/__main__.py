@@ -39,27 +39,28 @@ def run(cfg: DictConfig) -> float:
     c = build(cfg, spec)
     status = "FAILED"
     try:
-        if not (c.state.run_id and _resume_tracking(c.tracker, c.state.run_id)):
+        loop = c.loop
+        if not (loop.state.run_id and _resume_tracking(loop.tracker, loop.state.run_id)):
             overrides = _overrides()
-            c.tracker.start(
+            loop.tracker.start(
                 run_name=",".join(overrides) or "defaults",
                 tags={"hydra.overrides": " ".join(overrides), "world_size": str(c.env.world_size)},
                 params=flatten(cfg),
             )
-            c.tracker.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
-            c.tracker.log_text(str(c.plan), "sharding_plan.txt")
-        c.state.run_id = c.tracker.run_id or c.state.run_id
+            loop.tracker.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
+            loop.tracker.log_text(str(c.plan), "sharding_plan.txt")
+        loop.state.run_id = loop.tracker.run_id or loop.state.run_id
         _note_resume(c)
-        final = train(c)
+        final = train(loop)
         status = "FINISHED"
         return objective(final, spec.train.objective)
     except (KeyboardInterrupt, Interrupted) as e:
         status = "KILLED"
         if getattr(e, "preempted", False):
-            c.tracker.set_tag("preempted", "true")  # submitit requeues it; the relaunch resumes this run
+            c.loop.tracker.set_tag("preempted", "true")  # submitit requeues it; the relaunch resumes this run
         raise
     finally:
-        c.tracker.finish(status)
+        c.loop.tracker.finish(status)
         c.close()
 
 
@@ -84,9 +85,10 @@ def _resume_tracking(tracker: Tracker, run_id: str) -> bool:
 
 def _note_resume(c: Components) -> None:
     """Tag a fallback past damaged checkpoints; log where checkpoints go and how to resume after a crash."""
-    if c.state.set_aside:
-        c.tracker.set_tag("checkpoint_fallback", f"resumed from {c.state.resumed_from}; damaged, moved aside: {', '.join(c.state.set_aside)}")
-    directory = c.checkpointer.dir
+    state, tracker = c.loop.state, c.loop.tracker
+    if state.set_aside:
+        tracker.set_tag("checkpoint_fallback", f"resumed from {state.resumed_from}; damaged, moved aside: {', '.join(state.set_aside)}")
+    directory = c.loop.checkpointer.dir
     if directory is not None and c.env.is_main and (command := resume_command(directory)):
         log.info("checkpoints: %s (if this run dies, resume it with: %s)", directory, command)
 

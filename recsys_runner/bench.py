@@ -35,7 +35,7 @@ from recsys_runner.config import register_configs, validate
 from recsys_runner.data.memory import InMemoryData
 from recsys_runner.models.common import TrainWrapper
 from recsys_runner.paths import CONFIG_PATH
-from recsys_runner.runner import train
+from recsys_runner.runner import Loop, train
 
 WINDOW = 10
 
@@ -60,18 +60,16 @@ class _Recorder:
             self.rates.append(metrics["train/samples_per_s"])
 
 
-def runner_round(c: Components, steps: int) -> float:
+def runner_round(loop: Loop, steps: int) -> float:
     recorder = _Recorder()
-    c.tracker = recorder
-    c.total_steps = steps
-    train(c)
+    train(replace(loop, tracker=recorder, total_steps=steps))
     return statistics.median(recorder.rates[1:])
 
 
 def hand_written_model(c: Components, cfg) -> tuple[DistributedModelParallel, torch.optim.Optimizer]:
     """TorchRec's canonical recipe, written out: EBC on meta, fused Adagrad, DMP, dense Adagrad."""
     seed_everything(c.run.seed)
-    model = TrainWrapper(instantiate(cfg.model)(features=c.data.features, dense_device=c.env.device))
+    model = TrainWrapper(instantiate(cfg.model)(features=c.loop.data.features, dense_device=c.env.device))
     ebc = model.model.get_submodule("sparse_arch.ebc")
     apply_optimizer_in_backward(torch.optim.Adagrad, ebc.parameters(), {"lr": cfg.optim.sparse.lr, "eps": cfg.optim.sparse.eps})
     dmp = DistributedModelParallel(
@@ -136,18 +134,19 @@ def main(argv: list[str] | None = None) -> None:
 
     cfg, c = build_for_bench(overrides, args.steps)
     try:
-        data = c.data
+        data = c.loop.data
         batches = [data.batch(0, i) for i in range(WINDOW * 2)]  # type: ignore[attr-defined]
-        c.data = InMemoryData(data.features, batches, batches[:1])
+        in_memory = InMemoryData(data.features, batches, batches[:1])
+        loop = replace(c.loop, data=in_memory, evaluator=replace(c.loop.evaluator, data=in_memory))
         hand_model, hand_opt = hand_written_model(c, cfg)
         hand, runner = [], []
         for r in range(args.rounds):
             # Alternate which path goes first so that neither always inherits a warm (or a hot) CPU.
             if r % 2 == 0:
                 hand.append(hand_round(hand_model, hand_opt, batches, args.steps, args.batch_size))
-                runner.append(runner_round(c, args.steps))
+                runner.append(runner_round(loop, args.steps))
             else:
-                runner.append(runner_round(c, args.steps))
+                runner.append(runner_round(loop, args.steps))
                 hand.append(hand_round(hand_model, hand_opt, batches, args.steps, args.batch_size))
             print(f"round {r + 1}: hand-written {hand[-1]:,.0f} samples/s   runner {runner[-1]:,.0f} samples/s", flush=True)
     finally:

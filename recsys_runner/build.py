@@ -24,56 +24,49 @@ import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate as hydra_instantiate
 from omegaconf import DictConfig
-from torch import nn
-from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
 from torchrec.distributed.types import ShardingPlan
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from recsys_runner.checkpoint import Checkpointer, TrainState
+from recsys_runner.checkpoint import Checkpointer
 from recsys_runner.config import RunConfig, check_eval_keys
 from recsys_runner.data import DataModule
 from recsys_runner.distributed import DistEnv, Distributed, decided_on_rank0
 from recsys_runner.ema import DenseEMA
 from recsys_runner.errors import ConfigError, UserError
+from recsys_runner.evaluation import Evaluator
 from recsys_runner.features import data_for_model, model_data_needs
 from recsys_runner.metrics import TaskTrainMetrics
 from recsys_runner.models.common import TrainWrapper
 from recsys_runner.optim import DENSE, SPARSE, GroupedOptimizer, OptimizerGroup, apply_sparse_optimizer, dense_optimizers
+from recsys_runner.runner import Loop
 from recsys_runner.scheduler import SchedulePosition
 from recsys_runner.scheduler import lr_scheduler as make_lr_scheduler
-from recsys_runner.stepping import StepPolicy
+from recsys_runner.stepping import Stepper, StepPolicy
 from recsys_runner.stopping import EarlyStopping
-from recsys_runner.tasks import Task
 from recsys_runner.tracking import NullTracker, Tracker
 
 
 @dataclass
 class Components:
-    """Everything the runner drives; built by :func:`build`, closed by :meth:`close`."""
+    """A built run: the loop and what only the entry point needs around it; closed by :meth:`close`.
+
+    Attributes:
+        run: the validated config the run was built from.
+        env: rank, world size and device.
+        distributed: the process group and planner (closed at the end).
+        plan: the sharding plan (logged as an artifact).
+        loop: what :func:`recsys_runner.runner.train` drives.
+    """
 
     run: RunConfig
     env: DistEnv
     distributed: Distributed
-    data: DataModule
-    model: nn.Module
     plan: ShardingPlan
-    optimizer: GroupedOptimizer
-    lr_scheduler: torch.optim.lr_scheduler.LambdaLR
-    pipeline: TrainPipelineBase | TrainPipelineSparseDist
-    tracker: Tracker
-    total_steps: int
-    steps_per_epoch: int | None
-    policy: StepPolicy
-    ema: DenseEMA | None
-    early_stopping: EarlyStopping
-    checkpointer: Checkpointer
-    state: TrainState
-    train_metrics: TaskTrainMetrics
-    tasks: tuple[Task, ...]
+    loop: Loop
 
     def close(self) -> None:
         """Release the checkpoint directory and the process group (the tracker is finished by the runner, with a status)."""
-        self.checkpointer.close()
+        self.loop.checkpointer.close()
         self.distributed.close()
 
 
@@ -131,12 +124,16 @@ def build(cfg: DictConfig, run: RunConfig) -> Components:
                             accumulation_steps=run.train.grad_accum_steps, scaler=precision.grad_scaler(env.device),
                             clip=run.train.clip_grad, ema=ema)
         pipeline = distributed.pipeline(sharded, optimizer, policy)
+        stepper = Stepper(pipeline=pipeline, policy=policy, lr_scheduler=lr_scheduler, optimizer=optimizer,
+                          train_metrics=TaskTrainMetrics(run.metrics, wrapped.tasks, env.device),
+                          accumulation_steps=run.train.grad_accum_steps)
+        evaluator = Evaluator(model=sharded, pipeline=pipeline, data=data, env=env, tasks=wrapped.tasks, metrics=run.metrics,
+                              max_batches=run.train.eval_max_batches, ema=ema if run.train.ema.eval_with_ema else None)
         early_stopping = EarlyStopping(**vars(run.train.early_stopping))
-        train_metrics = TaskTrainMetrics(run.metrics, wrapped.tasks, env.device)
         checkpointer.attach(
             model=sharded, optimizer=optimizer, tensors={"ema": ema} if ema is not None else {},
             objects={"lr_scheduler": SchedulePosition(lr_scheduler), "policy": policy, "early_stopping": early_stopping,
-                     "train_metrics": train_metrics},
+                     "train_metrics": stepper.train_metrics},
         )
         state = checkpointer.restore()
     except BaseException:
@@ -144,12 +141,9 @@ def build(cfg: DictConfig, run: RunConfig) -> Components:
             checkpointer.close()
         distributed.close()
         raise
-    return Components(
-        run=run, env=env, distributed=distributed, data=data, model=sharded, plan=plan, optimizer=optimizer,
-        lr_scheduler=lr_scheduler, pipeline=pipeline, tracker=tracker, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
-        policy=policy, ema=ema, early_stopping=early_stopping, checkpointer=checkpointer, state=state,
-        train_metrics=train_metrics, tasks=wrapped.tasks,
-    )
+    loop = Loop(config=run.train, env=env, data=data, stepper=stepper, evaluator=evaluator, checkpointer=checkpointer,
+                early_stopping=early_stopping, tracker=tracker, total_steps=total_steps, steps_per_epoch=steps_per_epoch, state=state)
+    return Components(run=run, env=env, distributed=distributed, plan=plan, loop=loop)
 
 
 def _data_for_model(cfg: DictConfig, run: RunConfig) -> DictConfig:

@@ -30,12 +30,14 @@ model part holds it) gets the unscaling, added through the output awaitable's pu
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.autograd.profiler import record_function
+from torchrec.datasets.utils import Batch
 from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
 from torchrec.distributed.types import Awaitable, ShardedModule
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
@@ -43,6 +45,8 @@ from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from recsys_runner.ema import DenseEMA
 from recsys_runner.errors import require
+from recsys_runner.metrics import TaskTrainMetrics
+from recsys_runner.optim import GroupedOptimizer
 
 _CLIP_MODES = ("norm", "value")
 
@@ -208,3 +212,47 @@ class PolicyPipelineSparseDist(TrainPipelineSparseDist):
     def _backward(self, losses: torch.Tensor) -> None:
         with record_function("## backward (step policy) ##"):
             self.policy.backward(losses)
+
+
+@dataclass
+class Stepper:
+    """One optimizer step of the train loop: its micro-batches through the pipeline, then the lr schedule.
+
+    What the loop drives per step, in one object: the pipeline (forward, backward, sparse update),
+    the policy's partial accumulation (dropped with the pipeline's prefetched batches at an epoch
+    boundary), the decaying train metrics fed from each micro-batch, and the schedule advanced once
+    per optimizer step.
+    """
+
+    pipeline: TrainPipelineBase | TrainPipelineSparseDist
+    policy: StepPolicy
+    lr_scheduler: torch.optim.lr_scheduler.LambdaLR
+    optimizer: GroupedOptimizer
+    train_metrics: TaskTrainMetrics
+    accumulation_steps: int = 1
+
+    def reset(self) -> None:
+        """Start an epoch: no batch in flight, no partial accumulation."""
+        self.pipeline.reset()
+        self.policy.reset()
+
+    def step(self, batches: Iterator[Batch]) -> torch.Tensor | None:
+        """One optimizer step; its last micro-batch's loss, or ``None`` when the data ended before the step did."""
+        loss = None
+        for _ in range(self.accumulation_steps):
+            try:
+                loss, logits, labels = self.pipeline.progress(batches)
+            except StopIteration:
+                return None
+            self.train_metrics.update(logits, labels)
+        self.lr_scheduler.step()
+        return loss
+
+    def learning_rates(self) -> dict[str, float]:
+        """The current lr of each optimizer group, as logged (:func:`learning_rates`)."""
+        return learning_rates(self.optimizer)
+
+
+def learning_rates(optimizer: GroupedOptimizer) -> dict[str, float]:
+    """Current lr of each optimizer group (``lr/sparse``, ``lr/dense``, ``lr/part.<name>``) from its first param group."""
+    return {f"lr/{group.key}": float(opt.param_groups[0]["lr"]) for group, opt in optimizer.groups if opt.param_groups}

@@ -95,13 +95,13 @@ def test_fine_tune_with_name_map_and_without_optimizer_state(make_cfg, tmp_path:
         cfg = make_cfg(f"checkpoint.dir={tmp_path}/ft", f"checkpoint.init_from={src}", "checkpoint.load_optimizer=false",
                        "tracking=none", *overrides)
         c = build(cfg, validate(cfg))
-        state = {k: local(v).clone() for k, v in c.model.state_dict().items()}
+        state = {k: local(v).clone() for k, v in c.loop.evaluator.model.state_dict().items()}
         c.close()
         return c, state
 
     plain_c, plain = built()
     mapped_c, mapped = built("+checkpoint.name_map.t_cat_0=t_cat_1")
-    assert plain_c.state.step == 0 and mapped_c.state.step == 0  # a new run, not a resume
+    assert plain_c.loop.state.step == 0 and mapped_c.loop.state.step == 0  # a new run, not a resume
     key = next(k for k in plain if k.endswith("t_cat_0.weight"))
     assert torch.equal(mapped[key], plain[key.replace("t_cat_0", "t_cat_1")])
     assert not torch.equal(mapped[key], plain[key])

@@ -80,13 +80,13 @@ def test_two_rank_checkpoint_resumes_on_one_rank(tmp_path: Path, monkeypatch: py
     loaded: dict[str, torch.Tensor] = {}
     real_train = entry.train
 
-    def check_then_train(c):  # right after build() restored the 2-rank checkpoint onto 1 rank
-        flat = c.checkpointer._tensor_state()
+    def check_then_train(loop):  # right after build() restored the 2-rank checkpoint onto 1 rank
+        flat = loop.checkpointer._tensor_state()
         for k, v in flat.items():
             full = v.local_tensor() if hasattr(v, "local_tensor") else v  # 1 rank: the one shard is the whole table
             loaded[k] = full.detach().clone()
-        assert c.state.step == SLICE
-        return real_train(c)
+        assert loop.state.step == SLICE
+        return real_train(loop)
 
     monkeypatch.setattr(entry, "train", check_then_train)
     _run_in_process(*args)

@@ -15,7 +15,6 @@ from recsys_runner.build import build
 from recsys_runner.config import validate
 from recsys_runner.errors import ConfigError
 from recsys_runner.metrics import eval_metric_keys
-from recsys_runner.runner import evaluate
 from tests.conftest import TINY, run_cli
 
 STEP_LINE = re.compile(r"\bstep \d+/\d+")
@@ -152,6 +151,6 @@ def test_eval_metric_keys_are_exactly_what_evaluate_logs(make_cfg, overrides: li
     cfg = make_cfg(*overrides, "train.eval_max_batches=2", "tracking=none")
     c = build(cfg, validate(cfg))
     try:
-        assert list(evaluate(c)) == eval_metric_keys(c.run.metrics, c.tasks)
+        assert list(c.loop.evaluator.evaluate()) == eval_metric_keys(c.run.metrics, c.loop.evaluator.tasks)
     finally:
         c.close()

@@ -23,7 +23,7 @@ def trained(cfg: DictConfig) -> tuple[dict[str, float], SyntheticData]:
     """Build and train as ``python -m recsys_runner`` does; the final eval metrics and the data trained on."""
     c = build(cfg, validate(cfg))
     try:
-        return train(c), c.data  # type: ignore[return-value]
+        return train(c.loop), c.loop.data  # type: ignore[return-value]
     finally:
         c.close()
 

@@ -23,9 +23,9 @@ def train_logged(cfg: DictConfig) -> dict[str, float]:
     """Build and train as ``python -m recsys_runner`` does, with an MLflow run; the final eval metrics."""
     c = build(cfg, validate(cfg))
     try:
-        c.tracker.start(run_name="test", tags={}, params={})
-        final = train(c)
-        c.tracker.finish("FINISHED")
+        c.loop.tracker.start(run_name="test", tags={}, params={})
+        final = train(c.loop)
+        c.loop.tracker.finish("FINISHED")
     finally:
         c.close()
     return final

@@ -14,8 +14,8 @@ from recsys_runner.__main__ import run
 from recsys_runner.config import validate
 from recsys_runner.errors import ConfigError
 from recsys_runner.optim import DENSE, SPARSE, GroupedOptimizer, OptimizerGroup, dense_optimizers
-from recsys_runner.runner import learning_rates
 from recsys_runner.scheduler import Constant, Cosine, CosineRestarts, ExponentialDecay, ManualStep, lr_scheduler
+from recsys_runner.stepping import learning_rates
 
 T = 100
 

@@ -47,9 +47,10 @@ def test_fp16_scaler_settings_reach_the_grad_scaler(make_cfg) -> None:
     cfg = make_cfg("precision=fp16", "precision.grad_scaler.init_scale=1024", "precision.grad_scaler.growth_interval=7", "tracking=none")
     c = build(cfg, validate(cfg))
     try:
-        assert c.policy.scaler is not None and c.policy.scaler.get_scale() == 1024.0
-        assert c.policy.scaler.get_growth_interval() == 7
-        assert isinstance(c.pipeline, PolicyPipelineBase) and c.pipeline.policy is c.policy
+        policy = c.loop.stepper.policy
+        assert policy.scaler is not None and policy.scaler.get_scale() == 1024.0
+        assert policy.scaler.get_growth_interval() == 7
+        assert isinstance(c.loop.stepper.pipeline, PolicyPipelineBase) and c.loop.stepper.pipeline.policy is policy
     finally:
         c.close()
 
@@ -78,12 +79,12 @@ def test_dense_accumulation_equals_one_large_batch(make_cfg, pipeline: str) -> N
     large = make_cfg(*common, "data.batch_size=256")
     c_small, c_large = build(small, validate(small)), build(large, validate(large))
     try:
-        micro = [c_small.data.batch(0, i) for i in range(4)]  # type: ignore[attr-defined]
+        micro = [c_small.loop.data.batch(0, i) for i in range(4)]  # type: ignore[attr-defined]
         it = iter(micro)
         for _ in range(4):
-            c_small.pipeline.progress(it)
-        c_large.pipeline.progress(iter([_concat(micro)]))
-        for (name, a), (_, b) in zip(c_small.model.named_parameters(), c_large.model.named_parameters(), strict=True):
+            c_small.loop.stepper.pipeline.progress(it)
+        c_large.loop.stepper.pipeline.progress(iter([_concat(micro)]))
+        for (name, a), (_, b) in zip(c_small.loop.evaluator.model.named_parameters(), c_large.loop.evaluator.model.named_parameters(), strict=True):
             if "embedding" not in name:
                 assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), name
     finally:
@@ -96,10 +97,10 @@ def _policy_run(make_cfg, *overrides: str, steps: int = 8) -> tuple[list[float],
     cfg = make_cfg(*overrides, "tracking=none")
     c = build(cfg, validate(cfg))
     try:
-        batches = iter([c.data.batch(0, i) for i in range(steps)])  # type: ignore[attr-defined]
-        losses = [float(c.pipeline.progress(batches)[0]) for _ in range(steps)]
-        dense = [p.detach().clone() for name, p in c.model.named_parameters() if "embedding" not in name]
-        return losses, dense, type(c.pipeline)
+        batches = iter([c.loop.data.batch(0, i) for i in range(steps)])  # type: ignore[attr-defined]
+        losses = [float(c.loop.stepper.pipeline.progress(batches)[0]) for _ in range(steps)]
+        dense = [p.detach().clone() for name, p in c.loop.evaluator.model.named_parameters() if "embedding" not in name]
+        return losses, dense, type(c.loop.stepper.pipeline)
     finally:
         c.close()
 

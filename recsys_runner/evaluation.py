@@ -1,0 +1,64 @@
+"""Evaluation: each task's configured metrics over the eval split, combined over all ranks.
+
+One object the train loop calls between steps (and, later, an eval-only entry point): it owns what
+evaluation needs and nothing the loop needs, so the loop does not reach into the model, the
+pipeline or the EMA to evaluate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
+
+from recsys_runner.data import DataModule
+from recsys_runner.distributed import DistEnv, detached
+from recsys_runner.ema import DenseEMA
+from recsys_runner.metrics import MetricsConfig, TaskEvalMetrics, grouping_ids
+from recsys_runner.tasks import Task
+
+
+@dataclass
+class Evaluator:
+    """Evaluates the sharded model on this rank's eval batches (with the EMA weights swapped in when given).
+
+    Attributes:
+        model: the sharded model (``TrainWrapper`` inside DistributedModelParallel).
+        pipeline: the train pipeline, whose in-flight batches are kept aside while evaluating.
+        data: the data module (its ``eval_batches``).
+        env: rank, world size and device.
+        tasks: the model's tasks, in output order.
+        metrics: which metrics (``metrics.*``), and the grouping key for grouped ones.
+        max_batches: cap on eval batches per rank (``train.eval_max_batches``), ``None`` for all.
+        ema: the dense weights' moving average to evaluate with (``train.ema.eval_with_ema``), or ``None``.
+    """
+
+    model: nn.Module
+    pipeline: TrainPipelineBase | TrainPipelineSparseDist
+    data: DataModule
+    env: DistEnv
+    tasks: tuple[Task, ...]
+    metrics: MetricsConfig
+    max_batches: int | None = None
+    ema: DenseEMA | None = None
+
+    def evaluate(self) -> dict[str, float]:
+        """Each task's eval metrics over this rank's eval batches, combined over all ranks."""
+        metrics = TaskEvalMetrics(self.metrics, self.tasks, self.env.device)
+        key = self.metrics.grouping_key
+        batches = self.data.eval_batches(self.env.rank, self.env.world_size)
+        weights = self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext()
+        with detached(self.pipeline, self.model) as model, weights:
+            model.eval()
+            with torch.no_grad():
+                for batch in itertools.islice(batches, self.max_batches):
+                    batch = batch.to(self.env.device, non_blocking=True)
+                    _, (_, logits, labels) = model(batch)
+                    groups = {"groups": grouping_ids(batch.sparse_features, key)} if key else {}
+                    metrics.update(logits, labels, **groups)
+            model.train()
+        return metrics.compute()
