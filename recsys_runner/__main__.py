@@ -14,11 +14,11 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from recsys_runner.build import Components, build
 from recsys_runner.checkpoint import resume_command
-from recsys_runner.config import flatten, register_configs, validate
+from recsys_runner.config import flatten, register_configs, to_yaml, validate
 from recsys_runner.errors import ConfigError, UserError
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.runner import train
@@ -36,7 +36,7 @@ warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/submitit_slurm' i
 def run(cfg: DictConfig) -> float:
     """Run one job; returns its objective, the final eval metric ``train.objective`` (for sweepers)."""
     spec = validate(cfg)
-    c = build(cfg, spec)
+    c = build(spec)
     status = "FAILED"
     try:
         loop = c.loop
@@ -45,9 +45,9 @@ def run(cfg: DictConfig) -> float:
             loop.tracker.start(
                 run_name=",".join(overrides) or "defaults",
                 tags={"hydra.overrides": " ".join(overrides), "world_size": str(c.env.world_size)},
-                params=flatten(cfg),
+                params=flatten(spec),
             )
-            loop.tracker.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
+            loop.tracker.log_text(to_yaml(spec), "config.yaml")
             loop.tracker.log_text(str(c.plan), "sharding_plan.txt")
         loop.state.run_id = loop.tracker.run_id or loop.state.run_id
         _note_resume(c)

@@ -13,23 +13,28 @@ group, data or model exists.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from recsys_runner.checkpoint import CheckpointConfig
+from recsys_runner.configurable import Configurable, typed
+from recsys_runner.data.base import DataConfig
 from recsys_runner.data.synthetic import SyntheticDataConfig
 from recsys_runner.data.tabular import CriteoDataConfig, CsvDataConfig, ParquetDataConfig
 from recsys_runner.distributed import DistributedConfig, check_sharding_types, resolve_device_type
 from recsys_runner.ema import EmaConfig
 from recsys_runner.errors import ConfigError, UserError, require
 from recsys_runner.metrics import MetricsConfig, check_task_metrics, eval_metric_keys
+from recsys_runner.models.common import ModelConfig
 from recsys_runner.models.dcn_v2 import DCNv2Config
 from recsys_runner.models.deepfm import DeepFMConfig
 from recsys_runner.models.dlrm import DLRMConfig
@@ -60,6 +65,7 @@ from recsys_runner.scheduler import (
     CosineRestartsConfig,
     ExponentialDecayConfig,
     ManualStepConfig,
+    SchedulerConfig,
 )
 from recsys_runner.stepping import ClipConfig
 from recsys_runner.stopping import EarlyStoppingConfig
@@ -137,21 +143,61 @@ class TrainConfig:
 
 @dataclass(kw_only=True)
 class RunConfig:
-    """The root of the composed config (``conf/config.yaml``)."""
+    """The root of the composed config (``conf/config.yaml``), typed all the way down after :func:`validate`.
 
-    model: Any = None
-    data: Any = None
-    optim: Any = None
-    scheduler: Any = None
-    distributed: Any = None
-    precision: Any = None
-    tracking: Any = None
-    checkpoint: Any = None
+    Each group field holds its option's own config dataclass (``model`` a ``DeepFMConfig``, ``data`` a
+    ``SyntheticDataConfig`` …), which builds the component (:mod:`recsys_runner.configurable`).
+    """
+
+    model: ModelConfig = MISSING
+    """The model (``model=deepfm``); any class whose constructor takes a ``ModelConfig`` subclass first."""
+    data: DataConfig = MISSING
+    """The data module (``data=synthetic``, ``data=parquet data.path=…``)."""
+    optim: OptimConfig = MISSING
+    """Sparse (fused) and dense optimizers (``optim=adagrad``, ``optim/sparse=rowwise_adagrad``)."""
+    scheduler: SchedulerConfig = MISSING
+    """The lr schedule of every optimizer group without its own (``scheduler=cosine``)."""
+    distributed: DistributedConfig = MISSING
+    """Process group, device, sharding plan and train pipeline."""
+    precision: PrecisionConfig = MISSING
+    """Mixed precision (``precision=bf16``)."""
+    tracking: TrackingConfig = MISSING
+    """Where runs are recorded (``tracking=mlflow``, ``tracking=none``)."""
+    checkpoint: CheckpointConfig = MISSING
+    """When and where checkpoints are written, and what a launch resumes from."""
     train: TrainConfig = field(default_factory=TrainConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     """Eval and decaying train metrics, e.g. ``metrics.eval=[auc,gauc] metrics.grouping_key=cat_0`` (docs/metrics.md)."""
     seed: int = 0
     """Seeds torch on every rank (dense init, dropout); data has its own ``data.seed``."""
+
+
+def _component_slots() -> dict[str, type]:
+    """The root fields whose option is a component config (``model``, ``data`` …), with their base class."""
+    hints = typing.get_type_hints(RunConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(RunConfig)
+            if isinstance(hints[f.name], type) and issubclass(hints[f.name], Configurable)}
+
+
+def _composition_schema() -> type:
+    """:class:`RunConfig` as Hydra composes it: the same fields, with the component slots left open.
+
+    Derived, not declared: a component slot must accept a mapping whose schema only its ``_target_``
+    knows (a user's own model class), which a field typed by our base class would reject at
+    composition. :func:`validate` types each slot by its ``_target_`` (:func:`~recsys_runner.configurable.typed`)
+    and returns a :class:`RunConfig`.
+    """
+    slots = _component_slots()
+    spec: list[tuple[str, Any, Any]] = []
+    hints = typing.get_type_hints(RunConfig)
+    for f in dataclasses.fields(RunConfig):
+        if f.name in slots:
+            spec.append((f.name, Any, field(default=None)))
+        elif f.default_factory is not dataclasses.MISSING:
+            spec.append((f.name, hints[f.name], field(default_factory=f.default_factory)))
+        else:
+            spec.append((f.name, hints[f.name], field(default=f.default)))
+    return dataclasses.make_dataclass("RunSchema", spec, kw_only=True)
 
 
 GROUPS: dict[str, dict[str, type]] = {
@@ -188,22 +234,29 @@ GROUPS: dict[str, dict[str, type]] = {
 def register_configs() -> None:
     """Store the root schema and every group schema in Hydra's ConfigStore (idempotent)."""
     cs = ConfigStore.instance()
-    cs.store(name="run_schema", node=RunConfig)
+    cs.store(name="run_schema", node=_composition_schema())
     for group, options in GROUPS.items():
         for name, node in options.items():
             cs.store(group=f"schema/{group}", name=name, node=node)
 
 
 def validate(cfg: DictConfig) -> RunConfig:
-    """Resolve and type-check ``cfg`` and run every schema's ``__post_init__``.
+    """Resolve and type-check ``cfg`` and run every schema's ``__post_init__``; the one typed config of the run.
+
+    Each component slot is typed by its option's schema, or for a user's own ``_target_`` by the
+    config class that class declares (:func:`~recsys_runner.configurable.typed`); then every key is
+    checked against its schema and every value converted and validated. ``cfg`` is not changed.
 
     Raises:
         ConfigError: naming the key and the fix, for any invalid value or combination, or for a key
             the schema does not define (:func:`check_known_keys`).
     """
     try:
+        cfg = copy.deepcopy(cfg)
+        for name, base in _component_slots().items():
+            cfg[name] = typed(cfg[name], base, name)
         check_known_keys(cfg)
-        run = OmegaConf.to_object(cfg)
+        composed = OmegaConf.to_object(cfg)
     except UserError:
         raise
     except OmegaConfBaseException as e:
@@ -211,7 +264,8 @@ def validate(cfg: DictConfig) -> RunConfig:
         if cause is not None:
             raise cause from None
         raise ConfigError(_omegaconf_message(e)) from None
-    assert isinstance(run, RunConfig), f"root config is {type(run)}; conf/config.yaml must extend run_schema"
+    assert dataclasses.is_dataclass(composed), f"root config is {type(composed)}; conf/config.yaml must extend run_schema"
+    run = RunConfig(**{f.name: getattr(composed, f.name) for f in dataclasses.fields(RunConfig)})
     device_type = resolve_device_type(run.distributed.device)
     check_sparse_on_device(run.optim.sparse._target_, device_type)
     check_sharding_types(run.distributed.sharding_types, device_type, run.distributed.tables)
@@ -318,8 +372,20 @@ def _omegaconf_message(e: OmegaConfBaseException) -> str:
     return f"{key}: {first}" if key else first
 
 
-def flatten(cfg: DictConfig) -> dict[str, Any]:
-    """``{"optim.sparse.lr": 0.05, …}`` for logging the resolved config as MLflow params."""
+def as_container(run: RunConfig) -> dict[str, Any]:
+    """The validated config as plain values (``_target_`` included), for logging and display."""
+    container = OmegaConf.to_container(OmegaConf.structured(run))
+    assert isinstance(container, dict)
+    return {str(k): v for k, v in container.items()}
+
+
+def to_yaml(run: RunConfig) -> str:
+    """The validated config as YAML: what the run really used (logged as ``config.yaml``)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(run))
+
+
+def flatten(run: RunConfig) -> dict[str, Any]:
+    """``{"optim.sparse.lr": 0.05, …}`` for logging the validated config as MLflow params."""
     out: dict[str, Any] = {}
 
     def walk(node: Any, prefix: str) -> None:
@@ -329,5 +395,5 @@ def flatten(cfg: DictConfig) -> dict[str, Any]:
         else:
             out[prefix] = node
 
-    walk(OmegaConf.to_container(cfg, resolve=True), "")
+    walk(as_container(run), "")
     return out
