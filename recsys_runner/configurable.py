@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -46,13 +45,9 @@ class Configurable:
         """The class ``_target_`` names, or :class:`ConfigError` saying what could not be imported."""
         return locate_class(self._target_)
 
-    def build(self, **runtime: Any) -> Any:
-        """``Cls(self, **runtime)``: the component this config describes, given the runtime objects it needs.
-
-        Each base config (``ModelConfig``, ``DataConfig`` …) narrows this to the runtime arguments and
-        the return type of its kind of component.
-        """
-        return self.component_class()(self, **runtime)
+    # Each base config (``ModelConfig``, ``DataConfig``, ``SchedulerConfig`` …) defines ``build`` with the
+    # runtime arguments and the return type of its kind of component, as ``self.component_class()(self, …)``;
+    # there is no untyped ``build(**runtime)`` here for them to narrow.
 
 
 def locate_class(target: str) -> type:
@@ -68,12 +63,11 @@ def locate_class(target: str) -> type:
 
 def config_class(component: type) -> type | None:
     """The config dataclass ``component`` declares: the annotation of its constructor's ``config`` parameter."""
-    if "config" not in inspect.signature(component).parameters:
-        return None
     try:
-        hint = typing.get_type_hints(component.__init__).get("config")
-    except Exception:  # an annotation that does not resolve: treated as undeclared
+        parameter = inspect.signature(component, eval_str=True).parameters.get("config")
+    except (NameError, TypeError, ValueError):  # an annotation that does not resolve, or no signature: undeclared
         return None
+    hint = parameter.annotation if parameter is not None else None
     return hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
 
 
@@ -121,7 +115,8 @@ def make(cls: type[C], fields: Mapping[str, Any] | None = None, /, **kw: Any) ->
     A ``__post_init__`` error stays itself; a type error becomes :class:`ConfigError`.
     """
     try:
-        node = OmegaConf.merge(OmegaConf.structured(cls), {**(fields or {}), **kw})
+        values: dict[str, Any] = {**(fields or {}), **kw}
+        node = OmegaConf.merge(OmegaConf.structured(cls), values)
         obj = OmegaConf.to_object(node)
     except UserError:
         raise
