@@ -66,7 +66,7 @@ def train(c: Components) -> dict[str, float]:
             state.epoch, state.epoch_step = state.epoch + 1, 0
     final = evaluated if evaluated is not None else _evaluate_and_select(c, state, meter)
     if stop is not None:
-        log.info("early stopping at step %d: %s did not improve for %d evaluations", state.step, c.early_stopping.metric, c.early_stopping.patience)
+        log.info("early stopping at step %d: %s did not improve for %d evaluations", state.step, c.early_stopping.config.metric, c.early_stopping.config.patience)
     if profiler is not None:
         profiler.finish(c.tracker)
     c.checkpointer.on_end(state, final)
