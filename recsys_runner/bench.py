@@ -32,6 +32,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from recsys_runner.build import Components, build, seed_everything
 from recsys_runner.config import register_configs, validate
+from recsys_runner.data import DataModule
 from recsys_runner.data.memory import InMemoryData
 from recsys_runner.models.common import TrainWrapper
 from recsys_runner.paths import CONFIG_PATH
@@ -58,6 +59,11 @@ class _Recorder:
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         if "train/samples_per_s" in metrics:
             self.rates.append(metrics["train/samples_per_s"])
+
+
+def with_data(loop: Loop, data: DataModule) -> Loop:
+    """``loop`` training and evaluating on ``data`` instead (e.g. batches held in memory)."""
+    return replace(loop, data=data, evaluator=replace(loop.evaluator, data=data))
 
 
 def runner_round(loop: Loop, steps: int) -> float:
@@ -136,8 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         data = c.loop.data
         batches = [data.batch(0, i) for i in range(WINDOW * 2)]  # type: ignore[attr-defined]
-        in_memory = InMemoryData(data.features, batches, batches[:1])
-        loop = replace(c.loop, data=in_memory, evaluator=replace(c.loop.evaluator, data=in_memory))
+        loop = with_data(c.loop, InMemoryData(data.features, batches, batches[:1]))
         hand_model, hand_opt = hand_written_model(c, cfg)
         hand, runner = [], []
         for r in range(args.rounds):

@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from recsys_runner.bench import WINDOW, build_for_bench, runner_round
+from recsys_runner.bench import WINDOW, build_for_bench, runner_round, with_data
 from recsys_runner.data.memory import InMemoryData
 from recsys_runner.data.tabular import CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE, SCHEMA_METADATA_KEY, criteo_schema, schema_json
 
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
                      "train.eval_max_batches=1", *args.overrides]
         cfg, c = build_for_bench(overrides, args.steps)
         try:
-            parquet = c.data
+            parquet = c.loop.data
             reader = [reader_rows_per_s(parquet, r) for r in range(3)]
             print(f"reader: {args.rows:,} Criteo-shaped rows, batch {args.batch_size}: "
                   + "  ".join(f"{r:,.0f}" for r in reader) + " rows/s", flush=True)
@@ -84,8 +84,8 @@ def main(argv: list[str] | None = None) -> None:
             for r in range(args.rounds):
                 # Alternate which goes first so that neither always inherits a warm (or a hot) CPU.
                 for which in ((0, 1) if r % 2 == 0 else (1, 0)):
-                    c.data = parquet if which == 0 else memory
-                    (fed_parquet if which == 0 else fed_memory).append(runner_round(c, args.steps))
+                    loop = with_data(c.loop, parquet if which == 0 else memory)
+                    (fed_parquet if which == 0 else fed_memory).append(runner_round(loop, args.steps))
                 print(f"round {r + 1}: from Parquet {fed_parquet[-1]:,.0f} samples/s   from memory {fed_memory[-1]:,.0f} samples/s", flush=True)
         finally:
             c.close()

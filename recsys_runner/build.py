@@ -95,15 +95,15 @@ def seed_everything(seed: int) -> None:
 def build(cfg: DictConfig, run: RunConfig) -> Components:
     """Instantiate and wire every component of the run; see the module docstring for the order."""
     seed_everything(run.seed)
-    distributed: Distributed = instantiate(cfg.distributed)
+    distributed: Distributed = run.distributed.build()
     env = distributed.setup()
     checkpointer: Checkpointer | None = None
     try:
-        tracker: Tracker = instantiate(cfg.tracking)() if env.is_main else NullTracker()
+        tracker: Tracker = run.tracking.build() if env.is_main else NullTracker()
         decided_on_rank0(tracker.check, env.rank, env.world_size)
-        checkpointer = instantiate(cfg.checkpoint)(rank=env.rank, world_size=env.world_size, device=env.device, nan_guard=run.train.nan_guard)
+        checkpointer = run.checkpoint.build(rank=env.rank, world_size=env.world_size, device=env.device, nan_guard=run.train.nan_guard)
         checkpointer.lock()
-        precision = instantiate(cfg.precision)
+        precision = run.precision.build()
         precision.apply_tf32()
         data: DataModule = instantiate(_data_for_model(cfg, run))
         steps_per_epoch = _steps_per_epoch(data, env.world_size, run.train.grad_accum_steps)
@@ -129,7 +129,7 @@ def build(cfg: DictConfig, run: RunConfig) -> Components:
                           accumulation_steps=run.train.grad_accum_steps)
         evaluator = Evaluator(model=sharded, pipeline=pipeline, data=data, env=env, tasks=wrapped.tasks, metrics=run.metrics,
                               max_batches=run.train.eval_max_batches, ema=ema if run.train.ema.eval_with_ema else None)
-        early_stopping = EarlyStopping(**vars(run.train.early_stopping))
+        early_stopping = EarlyStopping(run.train.early_stopping)
         checkpointer.attach(
             model=sharded, optimizer=optimizer, tensors={"ema": ema} if ema is not None else {},
             objects={"lr_scheduler": SchedulePosition(lr_scheduler), "policy": policy, "early_stopping": early_stopping,

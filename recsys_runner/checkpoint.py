@@ -62,6 +62,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 
+from recsys_runner.configurable import Configurable
 from recsys_runner.distributed import decided_on_rank0
 from recsys_runner.errors import CheckpointError, ConfigError, require
 from recsys_runner.locks import DirectoryInUse, DirectoryLock
@@ -74,11 +75,10 @@ _RESUME_WORDS = ("auto", "latest", "never")
 
 
 @dataclass(kw_only=True)
-class CheckpointConfig:
-    """Schema of ``conf/checkpoint/*.yaml``."""
+class CheckpointConfig(Configurable):
+    """Schema of ``conf/checkpoint/*.yaml``; builds :class:`Checkpointer`."""
 
     _target_: str = "recsys_runner.checkpoint.Checkpointer"
-    _partial_: bool = True
     dir: str | None = None
     """Where checkpoints go; ``null`` is ``<Hydra run dir>/checkpoints`` under the CLI, new for every
     launch (an interrupted run prints the command that resumes it: its overrides plus
@@ -119,6 +119,14 @@ class CheckpointConfig:
                 f"checkpoint.best_metric={self.best_metric!r} must be an eval metric, e.g. eval/auc")
         require(self.resume in _RESUME_WORDS or "/" in self.resume or os.sep in self.resume,
                 f"checkpoint.resume={self.resume!r} must be one of {_RESUME_WORDS} or a path to a checkpoint directory")
+
+    def build(
+        self, *, rank: int, world_size: int, device: torch.device, nan_guard: bool,
+    ) -> Checkpointer:
+        """The :class:`Checkpointer` for this process (``rank`` of ``world_size``, state on ``device``; ``nan_guard``
+        is ``train.nan_guard``)."""
+        built: Checkpointer = self.component_class()(self, rank=rank, world_size=world_size, device=device, nan_guard=nan_guard)
+        return built
 
 
 @dataclass
@@ -232,16 +240,13 @@ class Checkpointer:
     """Saves and restores the run's state; see the module docstring."""
 
     def __init__(
-        self, *, dir: str | None = None, every_steps: int | None = None, every_epochs: int | None = None, at_end: bool = True,
-        keep_last: int | None = 3, resume: str = "auto", init_from: str | None = None, name_map: Mapping[str, str] | None = None,
-        load_optimizer: bool = True, best_metric: str | None = None, best_mode: str = "max", rank: int = 0, world_size: int = 1,
-        device: torch.device | None = None, nan_guard: bool = True,
+        self, config: CheckpointConfig, *, rank: int = 0, world_size: int = 1, device: torch.device | None = None,
+        nan_guard: bool = True,
     ) -> None:
-        resolved = dir or default_dir()
+        self.config = config
+        resolved = config.dir or default_dir()
         self.dir = Path(resolved) if resolved else None
-        self.every_steps, self.every_epochs, self.at_end, self.keep_last = every_steps, every_epochs, at_end, keep_last
-        self.resume, self.init_from, self.name_map = resume, init_from, dict(name_map or {})
-        self.load_optimizer, self.best_metric, self.best_mode = load_optimizer, best_metric, best_mode
+        """``checkpoint.dir``, or its CLI default (``None``: nothing is saved)."""
         self.rank, self.world_size = rank, world_size
         self.device, self.nan_guard = device or torch.device("cpu"), nan_guard
         self.last_saved: str | None = None
@@ -250,7 +255,7 @@ class Checkpointer:
         self._lock = DirectoryLock(self.dir) if self.dir is not None and rank == 0 else None
         self._tensors: dict[str, Any] = {}
         self._objects: dict[str, Any] = {}
-        if self.dir is None and (every_steps or every_epochs or best_metric or resume == "latest"):
+        if self.dir is None and (config.every_steps or config.every_epochs or config.best_metric or config.resume == "latest"):
             raise ConfigError(
                 "checkpoint.every_steps/every_epochs/best_metric/resume=latest need a directory: set checkpoint.dir=<path> "
                 "(the CLI defaults it to <Hydra run dir>/checkpoints)"
@@ -280,9 +285,9 @@ class Checkpointer:
         """Whether a periodic checkpoint is due after ``step``, which ended epoch ``epoch_ended`` if not ``None``."""
         if self.dir is None:
             return False
-        by_epoch = epoch_ended is not None and self.every_epochs is not None and self.every_epochs > 0 \
-            and (epoch_ended + 1) % self.every_epochs == 0
-        return by_epoch or bool(self.every_steps and step % self.every_steps == 0)
+        by_epoch = epoch_ended is not None and self.config.every_epochs is not None and self.config.every_epochs > 0 \
+            and (epoch_ended + 1) % self.config.every_epochs == 0
+        return by_epoch or bool(self.config.every_steps and step % self.config.every_steps == 0)
 
     # -- saving ----------------------------------------------------------------------------------
     def save(self, state: TrainState, metrics: Mapping[str, float] | None = None, best: bool = False) -> str | None:
@@ -333,7 +338,7 @@ class Checkpointer:
 
     def on_end(self, state: TrainState, metrics: Mapping[str, float]) -> None:
         """The checkpoint at the end of training (also after an early stop), when ``at_end``."""
-        if self.at_end:
+        if self.config.at_end:
             self.save_guarded(state, None, metrics)
 
     def save_guarded(self, state: TrainState, loss: torch.Tensor | None, metrics: Mapping[str, float] | None) -> str | None:
@@ -369,17 +374,17 @@ class Checkpointer:
 
     def maybe_save_best(self, state: TrainState, metrics: Mapping[str, float]) -> str | None:
         """Save a ``best-*`` checkpoint when ``metrics[best_metric]`` improves on ``state.best``."""
-        if self.best_metric is None or self.dir is None:
+        if self.config.best_metric is None or self.dir is None:
             return None
-        value = metrics[self.best_metric]  # a key eval logs: config.check_eval_keys made sure before the first step
-        if not improved(value, state.best, self.best_mode):
+        value = metrics[self.config.best_metric]  # a key eval logs: config.check_eval_keys made sure before the first step
+        if not improved(value, state.best, self.config.best_mode):
             return None
         state.best = value
         return self.save(state, metrics, best=True)
 
     def _prune(self, best: bool) -> None:
         assert self.dir is not None
-        keep = 1 if best else self.keep_last
+        keep = 1 if best else self.config.keep_last
         if keep is None:
             return
         for old in list_checkpoints(self.dir, best=best)[:-keep]:
@@ -400,12 +405,12 @@ class Checkpointer:
             state.set_aside = set_aside
             self.verified_step = state.step + 1  # the checkpoint resumed from is trusted
             return state
-        if self.init_from is not None:
-            source = Path(self.init_from)
+        if self.config.init_from is not None:
+            source = Path(self.config.init_from)
             if not is_complete(source):
                 found = list_checkpoints(source)
                 if not found:
-                    raise CheckpointError(f"checkpoint.init_from={self.init_from}: no complete checkpoint there "
+                    raise CheckpointError(f"checkpoint.init_from={self.config.init_from}: no complete checkpoint there "
                                           "(a step_* directory with meta.json and .metadata, or a directory holding them)")
                 source = found[-1]
             self._load(source, strict=False)
@@ -428,17 +433,17 @@ class Checkpointer:
 
     def _resume_path(self) -> tuple[Path | None, tuple[str, ...]]:
         """The checkpoint to resume from and the damaged newer ones moved aside on the way (run on rank 0)."""
-        if self.resume == "never":
+        if self.config.resume == "never":
             return None, ()
-        if self.resume not in _RESUME_WORDS:
-            path = Path(self.resume)
+        if self.config.resume not in _RESUME_WORDS:
+            path = Path(self.config.resume)
             if not path.exists():
-                raise CheckpointError(f"checkpoint.resume={self.resume}: no such checkpoint directory")
+                raise CheckpointError(f"checkpoint.resume={self.config.resume}: no such checkpoint directory")
             reason = damage(path)
             if reason is not None:
                 others = [str(p) for p in list_checkpoints(path.parent) if p != path and damage(p) is None]
                 hint = f"checkpoint.resume={others[-1]}" if others else "checkpoint.resume=<another checkpoint directory>"
-                raise CheckpointError(f"checkpoint.resume={self.resume}: this checkpoint is damaged ({reason}). Fix: {hint}")
+                raise CheckpointError(f"checkpoint.resume={self.config.resume}: this checkpoint is damaged ({reason}). Fix: {hint}")
             return path, ()
         set_aside: list[str] = []
         for path in reversed(_step_dirs(self.dir)):
@@ -454,7 +459,7 @@ class Checkpointer:
         if set_aside:
             raise CheckpointError(f"every checkpoint in {self.dir} is damaged (moved aside: {', '.join(set_aside)}). Fix: start over "
                                   "with checkpoint.resume=never, or point checkpoint.resume at a checkpoint kept elsewhere")
-        if self.resume == "latest":
+        if self.config.resume == "latest":
             raise CheckpointError(f"checkpoint.resume=latest but {self.dir} holds no complete checkpoint; "
                                   "use checkpoint.resume=auto to start fresh when there is none")
         return None, ()
@@ -465,7 +470,7 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {path} is damaged ({reason}). Fix: point checkpoint.init_from at another checkpoint")
         meta = json.loads((path / "meta.json").read_text())
         available = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-        with_optimizer = strict or self.load_optimizer
+        with_optimizer = strict or self.config.load_optimizer
         if with_optimizer:
             for _, opt in self._optimizer.optimizers:
                 if isinstance(opt, KeyedOptimizerWrapper) and not opt.state:
@@ -545,7 +550,7 @@ class Checkpointer:
         self._optimizer.load_state_dict({"state": nested})
 
     def _rename(self, key: str) -> str:
-        for ours, theirs in self.name_map.items():
+        for ours, theirs in self.config.name_map.items():
             if ours in key:
                 return key.replace(ours, theirs)
         return key

@@ -70,7 +70,7 @@ from recsys_runner.scheduler import (
 from recsys_runner.stepping import ClipConfig
 from recsys_runner.stopping import EarlyStoppingConfig
 from recsys_runner.tasks import Task
-from recsys_runner.tracking import NoTrackingConfig, TrackingConfig
+from recsys_runner.tracking import MlflowTrackingConfig, NoTrackingConfig, TrackingConfig
 
 
 @dataclass(kw_only=True)
@@ -226,7 +226,7 @@ GROUPS: dict[str, dict[str, type]] = {
     "distributed": {"distributed": DistributedConfig},
     "precision": {"precision": PrecisionConfig},
     "checkpoint": {"checkpoint": CheckpointConfig},
-    "tracking": {"mlflow": TrackingConfig, "none": NoTrackingConfig},
+    "tracking": {"mlflow": MlflowTrackingConfig, "none": NoTrackingConfig},
 }
 """Every schema, by group and name. A new option registers its dataclass here."""
 

@@ -36,6 +36,7 @@ from torchrec.distributed.planner.types import (
 from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
 from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
 
+from recsys_runner.configurable import Configurable
 from recsys_runner.errors import ConfigError, UserError, require
 from recsys_runner.launch import map_submitit_env
 from recsys_runner.stepping import PolicyPipelineBase, PolicyPipelineSparseDist, StepPolicy
@@ -69,8 +70,8 @@ class TableShardingConfig:
 
 
 @dataclass(kw_only=True)
-class DistributedConfig:
-    """Schema of ``conf/distributed/*.yaml``."""
+class DistributedConfig(Configurable):
+    """Schema of ``conf/distributed/*.yaml``; builds :class:`Distributed`."""
 
     _target_: str = "recsys_runner.distributed.Distributed"
     device: str = "auto"
@@ -132,6 +133,11 @@ class DistributedConfig:
             not (self.device == "cpu" and self.backend == "nccl"),
             "distributed.backend=nccl needs CUDA tensors; use distributed.backend=gloo (or auto) with distributed.device=cpu",
         )
+
+    def build(self) -> Distributed:
+        """The :class:`Distributed` this config describes (its process group is created by ``setup()``)."""
+        built: Distributed = self.component_class()(self)
+        return built
 
 
 T = TypeVar("T")
@@ -261,38 +267,8 @@ class _RecordBestPlan(Stats):
 class Distributed:
     """Owns the process group and turns a model into a sharded, pipelined one."""
 
-    def __init__(
-        self,
-        *,
-        device: str = "auto",
-        backend: str = "auto",
-        pipeline: str = "auto",
-        sharding_types: list[str] | None = None,
-        compute_kernels: list[str] | None = None,
-        tables: Mapping[str, Any] | None = None,
-        storage_reserve_percent: float = 0.15,
-        intra_node_bandwidth_gbps: float | None = None,
-        cross_node_bandwidth_gbps: float | None = None,
-        hbm_cap_gb: float | None = None,
-        ddr_cap_gb: float | None = None,
-        planner_batch_size: int | None = None,
-        plan_world_size: int | None = None,
-        plan_local_world_size: int | None = None,
-        timeout_s: int = 1800,
-    ) -> None:
-        self._device, self._backend, self._pipeline = device, backend, pipeline
-        self._sharding_types = list(sharding_types) if sharding_types else None
-        self._compute_kernels = list(compute_kernels) if compute_kernels else None
-        self._tables = {
-            str(name): (_as_list(_get(t, "sharding_types")), _as_list(_get(t, "compute_kernels")))
-            for name, t in (tables or {}).items()
-        }
-        self._storage_reserve_percent = storage_reserve_percent
-        self._bandwidths = (intra_node_bandwidth_gbps, cross_node_bandwidth_gbps)
-        self._caps = (hbm_cap_gb, ddr_cap_gb)
-        self._planner_batch_size = planner_batch_size
-        self._plan_world = (plan_world_size, plan_local_world_size)
-        self._timeout = datetime.timedelta(seconds=timeout_s)
+    def __init__(self, config: DistributedConfig) -> None:
+        self.config = config
         self.env: DistEnv | None = None
         self._owns_group = False
 
@@ -304,23 +280,25 @@ class Distributed:
         world_size = int(os.environ.get("WORLD_SIZE", 1))
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        use_cuda = resolve_device_type(self._device) == "cuda"
+        use_cuda = resolve_device_type(self.config.device) == "cuda"
         require(not use_cuda or torch.cuda.is_available(), "distributed.device=cuda but no CUDA device is visible; use distributed.device=auto or cpu")
         device = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
         if use_cuda:
             torch.cuda.set_device(device)
-        backend = self._backend if self._backend != "auto" else ("nccl" if use_cuda else "gloo")
+        backend = self.config.backend if self.config.backend != "auto" else ("nccl" if use_cuda else "gloo")
+        timeout = datetime.timedelta(seconds=self.config.timeout_s)
         if not dist.is_initialized():
             if world_size == 1 and "MASTER_ADDR" not in os.environ:
                 # A private in-process store: no port to pick, nothing to clash with other runs.
-                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=self._timeout)
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
             else:
-                dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=self._timeout)
+                dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
             self._owns_group = True
         self.env = DistEnv(rank, world_size, local_rank, local_world_size, device, backend)
-        if self._plan_world[0] is not None and self._plan_world[0] != world_size and rank == 0:
+        planned = self.config.plan_world_size
+        if planned is not None and planned != world_size and rank == 0:
             log.warning("distributed.plan_world_size=%d has no effect on training (this run has %d ranks); it is read by "
-                        "python -m recsys_runner.plan", self._plan_world[0], world_size)
+                        "python -m recsys_runner.plan", planned, world_size)
         return self.env
 
     def close(self) -> None:
@@ -345,10 +323,11 @@ class Distributed:
         ``model`` may live entirely on ``meta``; nothing is allocated. The report says what each rank
         would hold and whether it fits the memory budget (``hbm_cap_gb``/``ddr_cap_gb`` minus the reserve).
         """
-        world_size = self._plan_world[0] or int(os.environ.get("WORLD_SIZE", 1))
-        local_world_size = self._plan_world[1] or (world_size if self._plan_world[0] else int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+        c = self.config
+        world_size = c.plan_world_size or int(os.environ.get("WORLD_SIZE", 1))
+        local_world_size = c.plan_local_world_size or (world_size if c.plan_world_size else int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
         planner, recorder, topology = self._planner(model, batch_size, world_size, local_world_size, device_type)
-        budgets = [(int(d.storage.hbm * (1 - self._storage_reserve_percent)), int(d.storage.ddr * (1 - self._storage_reserve_percent)))
+        budgets = [(int(d.storage.hbm * (1 - c.storage_reserve_percent)), int(d.storage.ddr * (1 - c.storage_reserve_percent)))
                    for d in topology.devices]
         try:
             plan = planner.plan(model, get_default_sharders())
@@ -365,8 +344,9 @@ class Distributed:
 
     def _planner(self, model: nn.Module, batch_size: int, world_size: int, local_world_size: int,
                  device_type: str) -> tuple[EmbeddingShardingPlanner, _RecordBestPlan, Topology]:
-        intra, cross = self._bandwidths
-        hbm, ddr = self._caps
+        c = self.config
+        intra, cross = c.intra_node_bandwidth_gbps, c.cross_node_bandwidth_gbps
+        hbm, ddr = c.hbm_cap_gb, c.ddr_cap_gb
         topology = TopologyFactory.create_topology(
             trainer_config=TrainerConfig(
                 world_size=world_size, local_world_size=local_world_size,
@@ -382,26 +362,27 @@ class Distributed:
         recorder = _RecordBestPlan()
         planner = EmbeddingShardingPlanner(
             topology=topology,
-            batch_size=self._planner_batch_size or batch_size,
+            batch_size=c.planner_batch_size or batch_size,
             constraints=self._constraints(_table_names(model)),
-            storage_reservation=FixedPercentageStorageReservation(percentage=self._storage_reserve_percent),
+            storage_reservation=FixedPercentageStorageReservation(percentage=c.storage_reserve_percent),
             stats=[EmbeddingStats(), recorder],
         )
         return planner, recorder, topology
 
     def _constraints(self, tables: list[str]) -> dict[str, ParameterConstraints] | None:
         """Per-table planner constraints: the table's own choices, else the global ones."""
-        unknown = sorted(set(self._tables) - set(tables))
+        c = self.config
+        unknown = sorted(set(c.tables) - set(tables))
         if unknown:
             known = sorted(tables, key=lambda t: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", t)])
             raise ConfigError(f"distributed.tables names {unknown}, which the model does not have; its tables: {', '.join(known)}")
-        if not (self._sharding_types or self._compute_kernels or self._tables):
+        if not (c.sharding_types or c.compute_kernels or c.tables):
             return None
         constraints = {}
         for table in tables:
-            own_types, own_kernels = self._tables.get(table, (None, None))
+            own = c.tables.get(table, TableShardingConfig())
             constraints[table] = ParameterConstraints(
-                sharding_types=own_types or self._sharding_types, compute_kernels=own_kernels or self._compute_kernels
+                sharding_types=own.sharding_types or c.sharding_types, compute_kernels=own.compute_kernels or c.compute_kernels
             )
         return constraints
 
@@ -430,7 +411,7 @@ class Distributed:
         otherwise TorchRec's own, stepping ``optimizer`` once per batch.
         """
         env = self._require_env()
-        kind = self._pipeline
+        kind = self.config.pipeline
         if kind == "auto":
             kind = "sparse_dist" if env.device.type == "cuda" else "base"
         if policy is not None and policy.active:
@@ -443,14 +424,6 @@ class Distributed:
     def _require_env(self) -> DistEnv:
         assert self.env is not None, "Distributed.setup() must run first"
         return self.env
-
-
-def _get(node: Any, key: str) -> Any:
-    return node.get(key) if hasattr(node, "get") else getattr(node, key, None)
-
-
-def _as_list(value: Any) -> list[str] | None:
-    return [str(v) for v in value] if value else None
 
 
 def _table_names(model: nn.Module) -> list[str]:

@@ -35,7 +35,7 @@ register_configs()
 def dry_run(cfg: DictConfig) -> PlanReport:
     """Validate ``cfg`` and plan its model for the configured world, allocating nothing."""
     run = validate(cfg)
-    distributed: Distributed = instantiate(cfg.distributed)
+    distributed: Distributed = run.distributed.build()
     data = instantiate(cfg.data)
     # Dense layers on meta too: the plan only places embedding tables, and nothing may allocate.
     model = TrainWrapper(instantiate(cfg.model)(features=data.features, dense_device=torch.device("meta")))

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from recsys_runner.configurable import Configurable
 from recsys_runner.errors import require
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -52,8 +53,8 @@ class GradScalerConfig:
 
 
 @dataclass(kw_only=True)
-class PrecisionConfig:
-    """Schema of ``conf/precision/*.yaml``."""
+class PrecisionConfig(Configurable):
+    """Schema of ``conf/precision/*.yaml``; builds :class:`Precision`."""
 
     _target_: str = "recsys_runner.precision.Precision"
     dtype: str = "fp32"
@@ -69,33 +70,32 @@ class PrecisionConfig:
         require(self.dtype in _DTYPES, f"precision.dtype={self.dtype!r} is not one of {sorted(_DTYPES)}; "
                 "choose precision=fp32, precision=bf16 or precision=fp16")
 
+    def build(self) -> Precision:
+        """The :class:`Precision` this config describes."""
+        built: Precision = self.component_class()(self)
+        return built
+
 
 class Precision:
     """Turns the configured dtype into an autocast context and a loss scaler for a device type."""
 
-    def __init__(
-        self, dtype: str = "fp32", grad_scaler: GradScalerConfig | dict | None = None,
-        allow_tf32_matmul: bool = False, allow_tf32_cudnn: bool = True,
-    ) -> None:
-        self.dtype = dtype
-        scaler = grad_scaler if isinstance(grad_scaler, GradScalerConfig) else GradScalerConfig(**(grad_scaler or {}))
-        self.scaler_config = scaler
-        self.allow_tf32_matmul, self.allow_tf32_cudnn = allow_tf32_matmul, allow_tf32_cudnn
+    def __init__(self, config: PrecisionConfig) -> None:
+        self.config = config
 
     def apply_tf32(self) -> None:
         """Set torch's process-wide TF32 switches (no effect on CPU computation)."""
-        torch.backends.cuda.matmul.allow_tf32 = self.allow_tf32_matmul
-        torch.backends.cudnn.allow_tf32 = self.allow_tf32_cudnn
+        torch.backends.cuda.matmul.allow_tf32 = self.config.allow_tf32_matmul
+        torch.backends.cudnn.allow_tf32 = self.config.allow_tf32_cudnn
 
     def autocast(self, device: torch.device) -> torch.autocast | None:
         """The autocast to run the dense forward under, or ``None`` for float32."""
-        fast = _DTYPES[self.dtype]
+        fast = _DTYPES[self.config.dtype]
         return None if fast is None else torch.autocast(device_type=device.type, dtype=fast)
 
     def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler | None:
         """A ``GradScaler`` when loss scaling is on (fp16 by default), else ``None``."""
-        c = self.scaler_config
-        enabled = c.enabled if c.enabled is not None else self.dtype == "fp16"
+        c = self.config.grad_scaler
+        enabled = c.enabled if c.enabled is not None else self.config.dtype == "fp16"
         if not enabled:
             return None
         return torch.amp.GradScaler(

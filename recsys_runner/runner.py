@@ -103,8 +103,8 @@ def train(loop: Loop) -> dict[str, float]:
             state.epoch, state.epoch_step = state.epoch + 1, 0
     final = evaluated if evaluated is not None else _evaluate_and_select(loop, state, meter)
     if stop is not None:
-        log.info("early stopping at step %d: %s did not improve for %d evaluations", state.step, loop.early_stopping.metric,
-                 loop.early_stopping.patience)
+        log.info("early stopping at step %d: %s did not improve for %d evaluations", state.step, loop.early_stopping.config.metric,
+                 loop.early_stopping.config.patience)
     if profiler is not None:
         profiler.finish(loop.tracker)
     loop.checkpointer.on_end(state, final)

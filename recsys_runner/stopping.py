@@ -50,21 +50,22 @@ def improved(value: float, best: float | None, mode: str, min_delta: float = 0.0
 class EarlyStopping:
     """Counts evaluations without improvement; :meth:`update` says when to stop."""
 
-    def __init__(self, *, patience: int | None = None, metric: str = "eval/auc", mode: str = "max", min_delta: float = 0.0) -> None:
-        self.patience, self.metric, self.mode, self.min_delta = patience, metric, mode, min_delta
+    def __init__(self, config: EarlyStoppingConfig) -> None:
+        self.config = config
         self.best: float | None = None
         self.bad_evals = 0
 
     def update(self, metrics: dict[str, float]) -> bool:
         """Record one evaluation; ``True`` when training should stop."""
-        if self.patience is None:
+        c = self.config
+        if c.patience is None:
             return False
-        value = metrics[self.metric]
-        if improved(value, self.best, self.mode, self.min_delta):
+        value = metrics[c.metric]
+        if improved(value, self.best, c.mode, c.min_delta):
             self.best, self.bad_evals = value, 0
         else:
             self.bad_evals += 1
-        return self.bad_evals >= self.patience
+        return self.bad_evals >= c.patience
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best, "bad_evals": self.bad_evals}

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
+from recsys_runner.configurable import Configurable
 from recsys_runner.errors import TrackingError, require
 
 log = logging.getLogger(__name__)
@@ -52,11 +53,20 @@ PARENT_RUN_ENV = "RECSYS_RUNNER_PARENT_RUN_ID"
 
 
 @dataclass(kw_only=True)
-class TrackingConfig:
-    """Schema of ``conf/tracking/mlflow.yaml``."""
+class TrackingConfig(Configurable):
+    """Base of the ``tracking`` group's schemas: each builds a :class:`Tracker` (on rank 0; other ranks use :class:`NullTracker`)."""
+
+    def build(self) -> Tracker:
+        """The tracker this config describes; it opens nothing until :meth:`Tracker.check` or ``start``."""
+        built: Tracker = self.component_class()(self)
+        return built
+
+
+@dataclass(kw_only=True)
+class MlflowTrackingConfig(TrackingConfig):
+    """Schema of ``conf/tracking/mlflow.yaml``; builds :class:`MlflowTracker`."""
 
     _target_: str = "recsys_runner.tracking.MlflowTracker"
-    _partial_: bool = True
     uri: str | None = None
     """Tracking URI; ``null`` means ``$MLFLOW_TRACKING_URI`` or ``sqlite:///mlflow.db`` in the launch dir."""
     experiment: str = "recsys_runner"
@@ -73,11 +83,13 @@ class TrackingConfig:
 
 
 @dataclass(kw_only=True)
-class NoTrackingConfig:
-    """Schema of ``conf/tracking/none.yaml``: log to the console only."""
+class NoTrackingConfig(TrackingConfig):
+    """Schema of ``conf/tracking/none.yaml``: log to the console only; builds :class:`NullTracker`."""
 
     _target_: str = "recsys_runner.tracking.NullTracker"
-    _partial_: bool = True
+
+
+_TRACKING_OFF = NoTrackingConfig()
 
 
 class Tracker(Protocol):
@@ -100,8 +112,8 @@ class Tracker(Protocol):
 class NullTracker:
     """Tracks nothing (non-zero ranks, or ``tracking=none``)."""
 
-    def __init__(self, **_: Any) -> None:
-        pass
+    def __init__(self, config: NoTrackingConfig = _TRACKING_OFF) -> None:
+        self.config = config
 
     @property
     def run_id(self) -> str | None:
@@ -310,13 +322,12 @@ class MlflowTracker:
     """Logs one MLflow run through ``MlflowClient`` (no global active-run state, so a multirun's
     jobs in one process never leak into each other)."""
 
-    def __init__(self, *, uri: str | None, experiment: str, run_name: str | None = None, flush_timeout_s: float = 60.0) -> None:
-        self.uri = resolve_uri(uri)
-        self.experiment = experiment
-        self.run_name = run_name
-        self.flush_timeout_s = flush_timeout_s
+    def __init__(self, config: MlflowTrackingConfig) -> None:
+        self.config = config
+        self.uri = resolve_uri(config.uri)
+        """The store logged to: ``tracking.uri``, ``$MLFLOW_TRACKING_URI`` or the default (:func:`resolve_uri`)."""
         self.run_id: str | None = None
-        self._source = uri_source(uri)
+        self._source = uri_source(config.uri)
         self._client: Any = None
         self._remote = is_remote(self.uri)
         self._pending: list[Any] = []  # mlflow.entities.Metric not yet accepted by the store
@@ -340,8 +351,8 @@ class MlflowTracker:
         if parent:
             all_tags["mlflow.parentRunId"] = parent
         with store_errors(self.uri, self._source):
-            experiment = experiment_id(self._client, self.experiment)
-            run = self._client.create_run(experiment, run_name=self.run_name or run_name, tags=all_tags)
+            experiment = experiment_id(self._client, self.config.experiment)
+            run = self._client.create_run(experiment, run_name=self.config.run_name or run_name, tags=all_tags)
             self.run_id = run.info.run_id
             items = [Param(k, str(v)[:_MAX_PARAM_CHARS]) for k, v in params.items()]
             for i in range(0, len(items), _PARAMS_PER_CALL):
@@ -382,7 +393,7 @@ class MlflowTracker:
     def finish(self, status: str) -> None:
         if self.run_id is None:
             return
-        deadline = time.monotonic() + self.flush_timeout_s
+        deadline = time.monotonic() + self.config.flush_timeout_s
         while not self._flush() and time.monotonic() < deadline:
             time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
         if self._pending or self._pending_text:
@@ -390,7 +401,7 @@ class MlflowTracker:
             log.warning(
                 "tracking server %s still unreachable after %.0f s: %d metric values of run %s saved to %s; "
                 "send them later with: python -m recsys_runner.tracking replay %s",
-                self.uri, self.flush_timeout_s, len(self._pending), self.run_id, path, path,
+                self.uri, self.config.flush_timeout_s, len(self._pending), self.run_id, path, path,
             )
         else:
             try:

@@ -12,8 +12,10 @@ from hydra.utils import instantiate
 from recsys_runner.config import GROUPS, RunConfig, validate
 from recsys_runner.data.generate import write_criteo_csv, write_criteo_parquet, write_criteo_tsv
 from recsys_runner.data.synthetic import SyntheticData
+from recsys_runner.distributed import Distributed
 from recsys_runner.errors import ConfigError
 from recsys_runner.paths import CONFIG_PATH
+from recsys_runner.tracking import MlflowTracker, NullTracker
 
 CONF = Path(CONFIG_PATH)
 
@@ -63,6 +65,7 @@ def test_option_composes_validates_and_instantiates(make_cfg, tmp_path: Path, gr
         cfg = make_cfg(f"data={option}", *file_backed_data(option, tmp_path), "data.batch_size=64", "distributed.device=cpu", tiny=False)
     else:
         cfg = make_cfg(f"{group}={option}", *(MODEL_DATA.get(option, []) if group == "model" else []))
+    run: RunConfig | None = None
     try:
         run = validate(cfg)
         assert isinstance(run, RunConfig)
@@ -74,6 +77,10 @@ def test_option_composes_validates_and_instantiates(make_cfg, tmp_path: Path, gr
     assert isinstance(data, SyntheticData) or group == "data"
     assert next(iter(data.train_batches(0, 0, 1))).labels.shape[0] == data.batch_size
 
+    if group in SERVICES:  # config-first components: the validated config builds them
+        assert run is not None
+        check_service(group, run)
+        return
     node = cfg
     for part in group.split("/"):
         node = node[part]
@@ -91,14 +98,25 @@ def test_option_composes_validates_and_instantiates(make_cfg, tmp_path: Path, gr
     elif group == "scheduler":
         schedule = built(total_steps=1000)
         assert 0.0 <= schedule(0) <= 1.0 and schedule(999) > 0.0
-    elif group == "checkpoint":
-        checkpointer = built(rank=0, world_size=1)
+
+
+SERVICES = ("distributed", "precision", "tracking", "checkpoint")
+"""Groups whose component takes its config object (``run.<group>.build(...)``), not Hydra's keyword arguments."""
+
+
+def check_service(group: str, run: RunConfig) -> None:
+    if group == "checkpoint":
+        checkpointer = run.checkpoint.build(rank=0, world_size=1, device=torch.device("cpu"), nan_guard=True)
+        assert checkpointer.config is run.checkpoint
         assert checkpointer.dir is None and not checkpointer.due(10)  # compose mode: no Hydra run dir, nothing saved
     elif group == "precision":
-        assert built.autocast(torch.device("cpu")) is None or built.dtype in ("bf16", "fp16")
-        assert (built.grad_scaler(torch.device("cpu")) is not None) == (built.dtype == "fp16")
-    elif group in ("distributed", "tracking"):
-        assert built is not None
+        built = run.precision.build()
+        assert built.autocast(torch.device("cpu")) is None or built.config.dtype in ("bf16", "fp16")
+        assert (built.grad_scaler(torch.device("cpu")) is not None) == (built.config.dtype == "fp16")
+    elif group == "distributed":
+        assert isinstance(run.distributed.build(), Distributed)
+    elif group == "tracking":
+        assert isinstance(run.tracking.build(), MlflowTracker | NullTracker)
 
 
 def test_shared_lr_flows_to_both_optimizers_and_each_can_be_set(make_cfg) -> None:

@@ -17,7 +17,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from recsys_runner import tracking
-from recsys_runner.tracking import MlflowTracker, replay
+from recsys_runner.configurable import make
+from recsys_runner.tracking import MlflowTracker, MlflowTrackingConfig, replay
 from tests.conftest import free_port
 
 
@@ -65,7 +66,7 @@ class FlakyClient:
 
 
 def _tracker(client: FlakyClient, flush_timeout_s: float = 0.0) -> MlflowTracker:
-    t = MlflowTracker(uri="http://127.0.0.1:9", experiment="x", flush_timeout_s=flush_timeout_s)
+    t = MlflowTracker(make(MlflowTrackingConfig, uri="http://127.0.0.1:9", experiment="x", flush_timeout_s=flush_timeout_s))
     t._client, t.run_id = client, "run0"
     return t
 

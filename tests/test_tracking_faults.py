@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 from mlflow.tracking import MlflowClient
 
+from recsys_runner.configurable import make
 from recsys_runner.errors import TrackingError
-from recsys_runner.tracking import MlflowTracker
+from recsys_runner.tracking import MlflowTracker, MlflowTrackingConfig
 
 # tests.conftest (TINY, run_cli) imports torch and torchrec; it is imported inside the CLI tests only, so
 # that the race test's worker processes, which import this module, start in seconds.
@@ -91,7 +92,7 @@ def test_unreachable_server_from_environment_is_named(monkeypatch: pytest.Monkey
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     started = time.monotonic()
     with pytest.raises(TrackingError, match=rf"tracking server {uri} \(\$MLFLOW_TRACKING_URI\) is not reachable"):
-        MlflowTracker(uri=None, experiment=EXPERIMENT).check()
+        MlflowTracker(make(MlflowTrackingConfig, uri=None, experiment=EXPERIMENT)).check()
     assert time.monotonic() - started < 10
 
 
@@ -150,7 +151,7 @@ def _start_run(uri: str, index: int, barrier: Any, results: Any) -> None:
     """One run's start in its own process: check the store, start and finish a run."""
     barrier.wait()
     try:
-        tracker = MlflowTracker(uri=uri, experiment="race")
+        tracker = MlflowTracker(make(MlflowTrackingConfig, uri=uri, experiment="race"))
         tracker.check()
         tracker.start(run_name=f"job{index}", tags={}, params={"index": index})
         tracker.finish("FINISHED")
