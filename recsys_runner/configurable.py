@@ -71,7 +71,7 @@ def config_class(component: type) -> type | None:
     if "config" not in inspect.signature(component).parameters:
         return None
     try:
-        hint = typing.get_type_hints(component.__init__).get("config")
+        hint = typing.get_type_hints(component.__init__).get("config")  # type: ignore[misc]  # the class's own __init__
     except Exception:  # an annotation that does not resolve: treated as undeclared
         return None
     return hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
@@ -121,7 +121,8 @@ def make(cls: type[C], fields: Mapping[str, Any] | None = None, /, **kw: Any) ->
     A ``__post_init__`` error stays itself; a type error becomes :class:`ConfigError`.
     """
     try:
-        node = OmegaConf.merge(OmegaConf.structured(cls), {**(fields or {}), **kw})
+        values: dict[str, Any] = {**(fields or {}), **kw}
+        node = OmegaConf.merge(OmegaConf.structured(cls), values)
         obj = OmegaConf.to_object(node)
     except UserError:
         raise
