@@ -22,7 +22,6 @@ from dataclasses import replace
 
 import torch
 from hydra import compose, initialize_config_dir
-from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torchrec.distributed.model_parallel import DistributedModelParallel, get_default_sharders
 from torchrec.distributed.types import ShardingEnv
@@ -75,7 +74,7 @@ def runner_round(loop: Loop, steps: int) -> float:
 def hand_written_model(c: Components, cfg) -> tuple[DistributedModelParallel, torch.optim.Optimizer]:
     """TorchRec's canonical recipe, written out: EBC on meta, fused Adagrad, DMP, dense Adagrad."""
     seed_everything(c.run.seed)
-    model = TrainWrapper(instantiate(cfg.model)(features=c.loop.data.features, dense_device=c.env.device))
+    model = TrainWrapper(c.run.model.build(features=c.loop.data.features, dense_device=c.env.device))
     ebc = model.model.get_submodule("sparse_arch.ebc")
     apply_optimizer_in_backward(torch.optim.Adagrad, ebc.parameters(), {"lr": cfg.optim.sparse.lr, "eps": cfg.optim.sparse.eps})
     dmp = DistributedModelParallel(

@@ -34,7 +34,7 @@ from recsys_runner.distributed import DistEnv, Distributed, decided_on_rank0
 from recsys_runner.ema import DenseEMA
 from recsys_runner.errors import ConfigError, UserError
 from recsys_runner.evaluation import Evaluator
-from recsys_runner.features import data_for_model, model_data_needs
+from recsys_runner.features import data_for_model
 from recsys_runner.metrics import TaskTrainMetrics
 from recsys_runner.models.common import TrainWrapper
 from recsys_runner.optim import DENSE, SPARSE, GroupedOptimizer, OptimizerGroup, apply_sparse_optimizer, dense_optimizers
@@ -108,7 +108,7 @@ def build(cfg: DictConfig, run: RunConfig) -> Components:
         data: DataModule = instantiate(_data_for_model(cfg, run))
         steps_per_epoch = _steps_per_epoch(data, env.world_size, run.train.grad_accum_steps)
         total_steps = _total_steps(run, steps_per_epoch)
-        model = instantiate(cfg.model)(features=data.features, dense_device=env.device)
+        model = run.model.build(features=data.features, dense_device=env.device)
         wrapped = TrainWrapper(model, autocast=precision.autocast(env.device), features=data.features)
         check_eval_keys(run, wrapped.tasks, data.features.sparse_names, type(model).__name__)  # before the tracker starts a run
         apply_sparse_optimizer(wrapped, instantiate(cfg.optim.sparse))
@@ -149,7 +149,7 @@ def build(cfg: DictConfig, run: RunConfig) -> Components:
 def _data_for_model(cfg: DictConfig, run: RunConfig) -> DictConfig:
     """``cfg.data`` with the changes that make it serve the model's declared needs: the fields generated data
     leaves to the model (its tasks, its towers' pairs); unchanged for data whose columns are fixed."""
-    changes = data_for_model(run.data, model_data_needs(run.model))
+    changes = data_for_model(run.data, run.model.data_needs())
     if not changes:
         return cfg.data
     node = copy.deepcopy(cfg)  # the whole config, so interpolations in cfg.data still resolve

@@ -38,7 +38,7 @@ def dry_run(cfg: DictConfig) -> PlanReport:
     distributed: Distributed = run.distributed.build()
     data = instantiate(cfg.data)
     # Dense layers on meta too: the plan only places embedding tables, and nothing may allocate.
-    model = TrainWrapper(instantiate(cfg.model)(features=data.features, dense_device=torch.device("meta")))
+    model = TrainWrapper(run.model.build(features=data.features, dense_device=torch.device("meta")))
     apply_sparse_optimizer(model, instantiate(cfg.optim.sparse))  # optimizer state counts toward table memory
     return distributed.dry_plan(model, batch_size=data.batch_size, device_type=resolve_device_type(run.distributed.device))
 

@@ -14,6 +14,7 @@ from recsys_runner.data.generate import write_criteo_csv, write_criteo_parquet, 
 from recsys_runner.data.synthetic import SyntheticData
 from recsys_runner.distributed import Distributed
 from recsys_runner.errors import ConfigError
+from recsys_runner.models.common import ModelConfig
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.tracking import MlflowTracker, NullTracker
 
@@ -84,9 +85,10 @@ def test_option_composes_validates_and_instantiates(make_cfg, tmp_path: Path, gr
     node = cfg
     for part in group.split("/"):
         node = node[part]
-    built = instantiate(node)
+    built = validate(cfg).model if group == "model" else instantiate(node)  # a model is built by its validated config
     if group == "model":
-        model = built(features=data.features, dense_device=torch.device("cpu"))
+        assert isinstance(built, ModelConfig)
+        model = built.build(features=data.features, dense_device=torch.device("cpu"))
         assert sum(p.numel() for p in model.parameters()) > 0
     elif group in ("optim/sparse", "optim/dense"):
         assert isinstance(built, functools.partial) and issubclass(built.func, torch.optim.Optimizer)

@@ -15,7 +15,7 @@ from recsys_runner.config import validate
 from recsys_runner.data.generate import write_criteo_parquet
 from recsys_runner.data.synthetic import SyntheticData
 from recsys_runner.errors import ConfigError
-from recsys_runner.features import data_for_model, model_data_needs
+from recsys_runner.features import data_for_model
 from recsys_runner.runner import train
 
 
@@ -66,7 +66,7 @@ def test_a_regression_task_gets_a_learnable_amount(make_cfg) -> None:
 )
 def test_the_data_follows_what_the_model_declares(make_cfg, overrides: list[str], changes: dict) -> None:
     run = validate(make_cfg(*overrides, "distributed.device=cpu", "tracking=none", tiny=False))
-    assert data_for_model(run.data, model_data_needs(run.model)) == changes
+    assert data_for_model(run.data, run.model.data_needs()) == changes
 
 
 def test_pairs_link_every_item_feature_to_the_user_cluster() -> None:

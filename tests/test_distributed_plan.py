@@ -66,7 +66,7 @@ def test_planner_knobs_reach_the_topology(make_cfg) -> None:
                    "distributed.ddr_cap_gb=3", "distributed.planner_batch_size=4096", "tracking=none")
     distributed = validate(cfg).distributed.build()
     data = instantiate(cfg.data)
-    model = TrainWrapper(instantiate(cfg.model)(features=data.features, dense_device=torch.device("meta")))
+    model = TrainWrapper(validate(cfg).model.build(features=data.features, dense_device=torch.device("meta")))
     planner, _, topology = distributed._planner(model, batch_size=256, world_size=8, local_world_size=4, device_type="cuda")
     assert topology.world_size == 8 and topology.local_world_size == 4
     assert topology.intra_host_bw == pytest.approx(100 * 1024**3 / 1000)

@@ -1,12 +1,13 @@
 """Every model: output shape, a seeded forward pass that is stable across builds, clear config errors.
 
-Models are built as the runner builds them — the composed ``model`` config, instantiated, called
-with ``features`` and ``dense_device`` — but without DistributedModelParallel, so the embedding
+Models are built as the runner builds them — the composed ``model`` config, validated into its
+``ModelConfig``, whose ``build`` is given ``features`` and ``dense_device`` — but without DistributedModelParallel, so the embedding
 tables (created on ``meta``) are materialized here on CPU and initialized with each table's ``init_fn``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -16,10 +17,12 @@ from hydra.utils import instantiate
 from torch import nn
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from recsys_runner.config import validate
+from recsys_runner.config import GROUPS, validate
+from recsys_runner.configurable import config_class, locate_class, make
 from recsys_runner.data.synthetic import SyntheticData
 from recsys_runner.errors import ConfigError
-from recsys_runner.models.dcn_v2 import CrossLayer, CrossNetwork, DCNv2
+from recsys_runner.models.common import ModelConfig
+from recsys_runner.models.dcn_v2 import CrossLayer, CrossNetwork, DCNv2, DCNv2Config
 from recsys_runner.models.wide_deep import WideArch
 from recsys_runner.paths import CONFIG_PATH
 
@@ -54,9 +57,16 @@ def materialize(model: nn.Module) -> nn.Module:
 
 def build(make_cfg, name: str, *overrides: str, seed: int = 0) -> nn.Module:
     cfg = make_cfg(f"model={name}", "tracking=none", *overrides)
-    validate(cfg)
+    model_config = validate(cfg).model
     torch.manual_seed(seed)
-    return materialize(instantiate(cfg.model)(features=small_data(name).features, dense_device=CPU))
+    return materialize(model_config.build(features=small_data(name).features, dense_device=CPU))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_every_model_declares_its_config(name: str) -> None:
+    schema = GROUPS["model"][name]
+    assert issubclass(schema, ModelConfig) and "_partial_" not in {f.name for f in dataclasses.fields(schema)}
+    assert config_class(locate_class(schema()._target_)) is schema
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -125,7 +135,8 @@ def test_bad_model_configs_say_what_to_fix(make_cfg, overrides: list[str], messa
 def test_dcn_v2_rank_not_below_the_cross_width_is_refused() -> None:
     # width = 3 dense + 4 sparse × 8 = 35
     with pytest.raises(ConfigError, match=r"model.low_rank=35 is not below the cross input width 35 .* Fix: model.low_rank=null"):
-        DCNv2(features=small_data().features, embedding_dim=8, num_cross_layers=2, low_rank=35, structure="stacked", deep_layer_sizes=[16])
+        DCNv2(make(DCNv2Config, embedding_dim=8, num_cross_layers=2, low_rank=35, structure="stacked", deep_layer_sizes=[16]),
+              features=small_data().features)
 
 
 def test_mmoe_gates_mix_experts_per_task(make_cfg) -> None:
@@ -185,7 +196,7 @@ def test_concatenating_models_train_with_mixed_widths(make_cfg, tmp_path: Path, 
     from recsys_runner.__main__ import run
 
     cfg = mixed_width_cfg(make_cfg, tmp_path, name, *overrides)
-    model = instantiate(cfg.model)(features=instantiate(cfg.data).features, dense_device=CPU)
+    model = validate(cfg).model.build(features=instantiate(cfg.data).features, dense_device=CPU)
     assert model.sparse_arch.widths == [8, 16, 8] and model.sparse_arch.output_dim == 32
     assert math.isfinite(run(cfg))
 

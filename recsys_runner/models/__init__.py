@@ -1,7 +1,9 @@
 """Model zoo: one module per architecture, built from the named parts in ``common``.
 
-A model's constructor takes its hyperparameters (from ``conf/model/<name>.yaml``) plus two runtime
-arguments the runner supplies: ``features`` (the data's :class:`~recsys_runner.features.FeatureSpec`)
-and ``dense_device``. Its embedding tables are created on the ``meta`` device; TorchRec's
+Each model has a config dataclass (a :class:`~recsys_runner.models.common.ModelConfig`, the schema of
+``conf/model/<name>.yaml``) that declares its hyperparameters once. The model's constructor takes that
+config first plus two runtime arguments the runner supplies: ``features`` (the data's
+:class:`~recsys_runner.features.FeatureSpec`) and ``dense_device``; ``config.build(features=…,
+dense_device=…)`` calls it. Its embedding tables are created on the ``meta`` device; TorchRec's
 DistributedModelParallel materializes them sharded. ``forward(dense, sparse)`` returns logits ``[B]``.
 """

@@ -6,6 +6,7 @@ Shape legend: ``B`` batch size, ``F`` number of sparse features, ``D`` embedding
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,11 +16,44 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.modules.mlp import MLP
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from recsys_runner.configurable import Configurable
 from recsys_runner.errors import ConfigError, require
-from recsys_runner.features import FeatureSpec
+from recsys_runner.features import DataNeeds, FeatureSpec
 from recsys_runner.tasks import SINGLE_TASK, Task
 
-__all__ = ["MLP", "SparseArch", "DenseArch", "TrainWrapper", "check_layer_sizes", "embedding_width_rule"]
+__all__ = ["MLP", "ModelConfig", "SparseArch", "DenseArch", "TrainWrapper", "check_layer_sizes", "embedding_width_rule"]
+
+
+@dataclass(kw_only=True)
+class ModelConfig(Configurable):
+    """Base of every model config (``conf/model/<name>.yaml``'s schema): the model's parameters, each declared once.
+
+    A subclass sets ``_target_`` to its model class, declares the hyperparameters with their defaults and
+    docstrings, and checks them in ``__post_init__``. The model class takes the config first plus the
+    runtime objects only the builder has::
+
+        class DeepFM(nn.Module):
+            def __init__(self, config: DeepFMConfig, *, features: FeatureSpec, dense_device: torch.device | None = None) -> None: …
+
+        model = run.model.build(features=data.features, dense_device=device)
+    """
+
+    def data_needs(self) -> DataNeeds:
+        """What the model asks of its data (its labels, its towers' pairs), declared before anything is built.
+
+        By default one binary label ``[B]``; a multi-task or two-tower model overrides this.
+        """
+        return DataNeeds()
+
+    def build(self, *, features: FeatureSpec, dense_device: torch.device | None = None) -> nn.Module:
+        """The model this config describes: ``Cls(self, features=features, dense_device=dense_device)``.
+
+        Args:
+            features: the data's feature schema.
+            dense_device: device of the dense parameters (embedding tables start on ``meta``).
+        """
+        model: nn.Module = self.component_class()(self, features=features, dense_device=dense_device)
+        return model
 
 
 def embedding_width_rule(model: type[nn.Module]) -> str | None:

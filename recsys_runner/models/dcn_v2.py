@@ -25,18 +25,17 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.errors import require
 from recsys_runner.features import FeatureSpec, check_embedding_dim
-from recsys_runner.models.common import MLP, SparseArch, check_layer_sizes
+from recsys_runner.models.common import MLP, ModelConfig, SparseArch, check_layer_sizes
 
 STRUCTURES = ("stacked", "parallel")
 """How the cross and deep networks combine (see the module docstring)."""
 
 
 @dataclass(kw_only=True)
-class DCNv2Config:
+class DCNv2Config(ModelConfig):
     """Schema of ``conf/model/dcn_v2.yaml``."""
 
     _target_: str = "recsys_runner.models.dcn_v2.DCNv2"
-    _partial_: bool = True
     embedding_dim: int = 16
     """Width ``D`` of every embedding table whose feature sets no ``embedding_dim`` of its own in ``data.sparse``
     (this model accepts mixed per-feature widths)."""
@@ -105,38 +104,27 @@ class DCNv2(nn.Module):
     """DCNv2: cross network + deep network over ``[dense, embeddings]``; ``(dense [B, N], sparse KJT) → logits [B]``.
 
     Args:
+        config: its hyperparameters (:class:`DCNv2Config`: ``embedding_dim`` ``D``, ``num_cross_layers`` ``L``,
+            ``low_rank`` ``r`` of each cross matrix or ``None`` for full rank, ``structure`` ``"stacked"`` or
+            ``"parallel"``, the deep network's hidden sizes).
         features: the data's feature schema (from the runner).
-        embedding_dim: ``D``.
-        num_cross_layers: ``L``.
-        low_rank: ``r`` of each cross matrix, or ``None`` for full rank.
-        structure: ``"stacked"`` or ``"parallel"``.
-        deep_layer_sizes: hidden sizes of the deep network.
         dense_device: device of the dense parameters (embeddings start on ``meta``).
 
     Raises:
-        ConfigError: ``low_rank`` is not below the cross input width ``N + F·D``.
+        ConfigError: ``config.low_rank`` is not below the cross input width ``N + F·D``.
 
     Example::
 
-        model = DCNv2(features=data.features, embedding_dim=8, num_cross_layers=2,
-                      low_rank=16, structure="stacked", deep_layer_sizes=[32])
+        model = DCNv2(DCNv2Config(embedding_dim=8, num_cross_layers=2, low_rank=16, structure="stacked",
+                                  deep_layer_sizes=[32]), features=data.features)
     """
 
     same_embedding_width: ClassVar[str | None] = None
     """None: the cross network reads the flat concatenation ``x0``, so each feature may have its own width."""
 
-    def __init__(
-        self,
-        *,
-        features: FeatureSpec,
-        embedding_dim: int,
-        num_cross_layers: int,
-        low_rank: int | None,
-        structure: str,
-        deep_layer_sizes: list[int],
-        dense_device: torch.device | None = None,
-    ) -> None:
+    def __init__(self, config: DCNv2Config, *, features: FeatureSpec, dense_device: torch.device | None = None) -> None:
         super().__init__()
+        embedding_dim, low_rank = config.embedding_dim, config.low_rank
         self.sparse_arch = SparseArch(features, embedding_dim, type(self))
         width = features.num_dense + self.sparse_arch.output_dim
         widths = self.sparse_arch.widths
@@ -148,10 +136,10 @@ class DCNv2(nn.Module):
             f"{embedded}), so factoring saves nothing. "
             f"Fix: model.low_rank=null (full rank) or a rank below {width}, e.g. {max(1, width // 4)}",
         )
-        self.structure = structure
-        self.cross = CrossNetwork(width, num_cross_layers, low_rank, device=dense_device)
-        self.deep = MLP(width, list(deep_layer_sizes), device=dense_device)
-        head_width = deep_layer_sizes[-1] + (width if structure == "parallel" else 0)
+        self.structure = config.structure
+        self.cross = CrossNetwork(width, config.num_cross_layers, low_rank, device=dense_device)
+        self.deep = MLP(width, list(config.deep_layer_sizes), device=dense_device)
+        head_width = config.deep_layer_sizes[-1] + (width if config.structure == "parallel" else 0)
         self.head = nn.Linear(head_width, 1, device=dense_device)
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:

@@ -19,15 +19,14 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.errors import require
 from recsys_runner.features import FeatureSpec, check_embedding_dim
-from recsys_runner.models.common import MLP, DenseArch, SparseArch, check_layer_sizes
+from recsys_runner.models.common import MLP, DenseArch, ModelConfig, SparseArch, check_layer_sizes
 
 
 @dataclass(kw_only=True)
-class DeepFMConfig:
+class DeepFMConfig(ModelConfig):
     """Schema of ``conf/model/deepfm.yaml``."""
 
     _target_: str = "recsys_runner.models.deepfm.DeepFM"
-    _partial_: bool = True
     embedding_dim: int = 16
     """Width ``D`` of every embedding table (and of the projected dense field); a per-feature ``embedding_dim``
     in ``data.sparse`` must equal it."""
@@ -62,16 +61,15 @@ class DeepFM(nn.Module):
     """DeepFM: wide + FM + deep heads over shared fields; ``(dense [B, N], sparse KJT) → logits [B]``.
 
     Args:
+        config: its hyperparameters (:class:`DeepFMConfig`: ``embedding_dim`` ``D``, the dense projection
+            MLP ending in ``D``, the deep head's hidden sizes).
         features: the data's feature schema (from the runner).
-        embedding_dim: ``D``.
-        dense_arch_layer_sizes: dense projection MLP; last entry must be ``D``.
-        deep_layer_sizes: hidden sizes of the deep head.
         dense_device: device of the dense parameters (embeddings start on ``meta``).
 
     Example::
 
-        model = DeepFM(features=data.features, embedding_dim=8,
-                       dense_arch_layer_sizes=[8], deep_layer_sizes=[32])
+        model = DeepFM(DeepFMConfig(embedding_dim=8, dense_arch_layer_sizes=[8], deep_layer_sizes=[32]),
+                       features=data.features)
     """
 
     same_embedding_width: ClassVar[str | None] = (
@@ -79,24 +77,16 @@ class DeepFM(nn.Module):
     )
     """Why every table must have one width (see :class:`~recsys_runner.models.common.SparseArch`)."""
 
-    def __init__(
-        self,
-        *,
-        features: FeatureSpec,
-        embedding_dim: int,
-        dense_arch_layer_sizes: list[int],
-        deep_layer_sizes: list[int],
-        dense_device: torch.device | None = None,
-    ) -> None:
+    def __init__(self, config: DeepFMConfig, *, features: FeatureSpec, dense_device: torch.device | None = None) -> None:
         super().__init__()
         num_fields = len(features.sparse) + 1
-        self.sparse_arch = SparseArch(features, embedding_dim, type(self))
-        self.dense_arch = DenseArch(features.num_dense, list(dense_arch_layer_sizes), device=dense_device)
+        self.sparse_arch = SparseArch(features, config.embedding_dim, type(self))
+        self.dense_arch = DenseArch(features.num_dense, list(config.dense_arch_layer_sizes), device=dense_device)
         self.wide = nn.Linear(features.num_dense, 1, device=dense_device)
         self.fm = FMInteraction()
         self.deep = nn.Sequential(
-            MLP(num_fields * embedding_dim, list(deep_layer_sizes), device=dense_device),
-            nn.Linear(deep_layer_sizes[-1], 1, device=dense_device),
+            MLP(num_fields * config.embedding_dim, list(config.deep_layer_sizes), device=dense_device),
+            nn.Linear(config.deep_layer_sizes[-1], 1, device=dense_device),
         )
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:

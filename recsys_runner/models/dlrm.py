@@ -16,15 +16,14 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.errors import require
 from recsys_runner.features import FeatureSpec, check_embedding_dim
-from recsys_runner.models.common import MLP, DenseArch, SparseArch, check_layer_sizes
+from recsys_runner.models.common import MLP, DenseArch, ModelConfig, SparseArch, check_layer_sizes
 
 
 @dataclass(kw_only=True)
-class DLRMConfig:
+class DLRMConfig(ModelConfig):
     """Schema of ``conf/model/dlrm.yaml``."""
 
     _target_: str = "recsys_runner.models.dlrm.DLRM"
-    _partial_: bool = True
     embedding_dim: int = 16
     """Width ``D`` of every embedding table (a per-feature ``embedding_dim`` in ``data.sparse`` must equal it)."""
     dense_arch_layer_sizes: list[int] = field(default_factory=lambda: [64, 16])
@@ -75,16 +74,15 @@ class DLRM(nn.Module):
     """DLRM: bottom MLP, dot interaction, top MLP; ``(dense [B, N], sparse KJT) → logits [B]``.
 
     Args:
+        config: its hyperparameters (:class:`DLRMConfig`: ``embedding_dim`` ``D``, the bottom MLP ending
+            in ``D``, the top MLP's hidden sizes).
         features: the data's feature schema (from the runner).
-        embedding_dim: ``D``.
-        dense_arch_layer_sizes: bottom MLP; last entry must be ``D``.
-        over_arch_layer_sizes: top MLP hidden sizes.
         dense_device: device of the dense parameters (embeddings start on ``meta``).
 
     Example::
 
-        model = DLRM(features=data.features, embedding_dim=8,
-                     dense_arch_layer_sizes=[8], over_arch_layer_sizes=[32])
+        model = DLRM(DLRMConfig(embedding_dim=8, dense_arch_layer_sizes=[8], over_arch_layer_sizes=[32]),
+                     features=data.features)
     """
 
     same_embedding_width: ClassVar[str | None] = (
@@ -92,23 +90,15 @@ class DLRM(nn.Module):
     )
     """Why every table must have one width (see :class:`~recsys_runner.models.common.SparseArch`)."""
 
-    def __init__(
-        self,
-        *,
-        features: FeatureSpec,
-        embedding_dim: int,
-        dense_arch_layer_sizes: list[int],
-        over_arch_layer_sizes: list[int],
-        dense_device: torch.device | None = None,
-    ) -> None:
+    def __init__(self, config: DLRMConfig, *, features: FeatureSpec, dense_device: torch.device | None = None) -> None:
         super().__init__()
         num_sparse = len(features.sparse)
-        self.sparse_arch = SparseArch(features, embedding_dim, type(self))
-        self.dense_arch = DenseArch(features.num_dense, list(dense_arch_layer_sizes), device=dense_device)
+        self.sparse_arch = SparseArch(features, config.embedding_dim, type(self))
+        self.dense_arch = DenseArch(features.num_dense, list(config.dense_arch_layer_sizes), device=dense_device)
         self.interaction = DotInteraction(num_sparse).to(dense_device)
         self.over_arch = nn.Sequential(
-            MLP(DotInteraction.output_dim(num_sparse, embedding_dim), list(over_arch_layer_sizes), device=dense_device),
-            nn.Linear(over_arch_layer_sizes[-1], 1, device=dense_device),
+            MLP(DotInteraction.output_dim(num_sparse, config.embedding_dim), list(config.over_arch_layer_sizes), device=dense_device),
+            nn.Linear(config.over_arch_layer_sizes[-1], 1, device=dense_device),
         )
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:

@@ -22,16 +22,15 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.errors import ConfigError, require
 from recsys_runner.features import DataNeeds, FeatureSpec, check_embedding_dim
-from recsys_runner.models.common import MLP, SparseArch, check_layer_sizes
+from recsys_runner.models.common import MLP, ModelConfig, SparseArch, check_layer_sizes
 from recsys_runner.tasks import InBatchSoftmaxTask
 
 
 @dataclass(kw_only=True)
-class DSSMConfig:
+class DSSMConfig(ModelConfig):
     """Schema of ``conf/model/dssm.yaml``."""
 
     _target_: str = "recsys_runner.models.dssm.DSSM"
-    _partial_: bool = True
     embedding_dim: int = 16
     """Width ``D`` of every embedding table whose feature sets no ``embedding_dim`` of its own in ``data.sparse``
     (this model accepts mixed per-feature widths)."""
@@ -101,18 +100,17 @@ class DSSM(nn.Module):
     and eval computes ``recall@k``.
 
     Args:
+        config: its hyperparameters (:class:`DSSMConfig`: ``embedding_dim`` ``D``, the towers' feature names
+            ``user_features`` / ``item_features`` (sparse or dense), ``tower_layer_sizes`` ending in ``O``,
+            ``temperature``, ``normalize``, ``eval_metrics``).
         features: the data's feature schema; the groups are checked against it.
-        embedding_dim: ``D``.
-        user_features, item_features: the towers' feature names (sparse or dense).
-        tower_layer_sizes: both towers' layers; the last is ``O``.
-        temperature, normalize, eval_metrics: see :class:`DSSMConfig`.
         dense_device: device of the dense parameters (embeddings start on ``meta``).
 
     Example::
 
         data = SyntheticData(batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50)
-        model = DSSM(features=data.features, embedding_dim=8, user_features=["cat_0", "int_0"],
-                     item_features=["cat_1"], tower_layer_sizes=[16, 8])
+        model = DSSM(DSSMConfig(embedding_dim=8, user_features=["cat_0", "int_0"], item_features=["cat_1"],
+                                tower_layer_sizes=[16, 8]), features=data.features)
         model.user_item(batch.dense_features, batch.sparse_features)   # ([8, 8], [8, 8])
         model(batch.dense_features, batch.sparse_features)             # [8, 8]
     """
@@ -120,32 +118,20 @@ class DSSM(nn.Module):
     same_embedding_width: ClassVar[str | None] = None
     """None: each tower concatenates its features' embeddings, so each feature may have its own width."""
 
-    def __init__(
-        self,
-        *,
-        features: FeatureSpec,
-        embedding_dim: int,
-        user_features: list[str],
-        item_features: list[str],
-        tower_layer_sizes: list[int],
-        temperature: float = 0.05,
-        normalize: bool = True,
-        eval_metrics: list[str] | None = None,
-        dense_device: torch.device | None = None,
-    ) -> None:
+    def __init__(self, config: DSSMConfig, *, features: FeatureSpec, dense_device: torch.device | None = None) -> None:
         super().__init__()
-        check_group(features, "model.user_features", list(user_features))
-        check_group(features, "model.item_features", list(item_features))
-        self.tasks = (InBatchSoftmaxTask(eval_metrics=tuple(eval_metrics) if eval_metrics else None),)
-        self.temperature = temperature
-        self.sparse_arch = SparseArch(features, embedding_dim, type(self))
+        check_group(features, "model.user_features", list(config.user_features))
+        check_group(features, "model.item_features", list(config.item_features))
+        self.tasks = (InBatchSoftmaxTask(eval_metrics=tuple(config.eval_metrics) if config.eval_metrics else None),)
+        self.temperature = config.temperature
+        self.sparse_arch = SparseArch(features, config.embedding_dim, type(self))
 
         def tower(names: list[str]) -> Tower:
             sparse = self.sparse_arch.columns([n for n in names if n in features.sparse_names])
             dense = [features.dense_names.index(n) for n in names if n in features.dense_names]
-            return Tower(sparse, dense, list(tower_layer_sizes), normalize, device=dense_device)
+            return Tower(sparse, dense, list(config.tower_layer_sizes), config.normalize, device=dense_device)
 
-        self.user_tower, self.item_tower = tower(list(user_features)), tower(list(item_features))
+        self.user_tower, self.item_tower = tower(list(config.user_features)), tower(list(config.item_features))
 
     def user_item(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The user and item vectors: ``([B, O], [B, O])`` (e.g. to export the item index)."""

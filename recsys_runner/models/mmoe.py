@@ -21,16 +21,15 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.errors import require
 from recsys_runner.features import DataNeeds, FeatureSpec, check_embedding_dim
-from recsys_runner.models.common import MLP, SparseArch, check_layer_sizes
+from recsys_runner.models.common import MLP, ModelConfig, SparseArch, check_layer_sizes
 from recsys_runner.tasks import LABEL_TASK_KINDS, BinaryTask, resolve_tasks
 
 
 @dataclass(kw_only=True)
-class MMoEConfig:
+class MMoEConfig(ModelConfig):
     """Schema of ``conf/model/mmoe.yaml``."""
 
     _target_: str = "recsys_runner.models.mmoe.MMoE"
-    _partial_: bool = True
     embedding_dim: int = 16
     """Width ``D`` of every embedding table whose feature sets no ``embedding_dim`` of its own in ``data.sparse``
     (this model accepts mixed per-feature widths)."""
@@ -114,43 +113,32 @@ class MMoE(nn.Module):
     :class:`~recsys_runner.tasks.RegressionTask`) tells the TrainWrapper each task's label column, loss and weight.
 
     Args:
+        config: its hyperparameters (:class:`MMoEConfig`: ``embedding_dim`` ``D``, the task names with their
+            ``loss_weights`` / ``task_kinds`` (``None``: 1 / binary), ``num_experts``, ``expert_layer_sizes``,
+            ``tower_layer_sizes``).
         features: the data's feature schema; it must carry a label per task.
-        embedding_dim: ``D``.
-        tasks: task names; ``loss_weights`` / ``task_kinds``: per task (``None``: 1 / binary).
-        num_experts, expert_layer_sizes, tower_layer_sizes: see :class:`MMoEConfig`.
         dense_device: device of the dense parameters (embeddings start on ``meta``).
 
     Example::
 
         data = SyntheticData(batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50, tasks=["ctr", "cvr"])
-        model = MMoE(features=data.features, embedding_dim=8, tasks=["ctr", "cvr"], num_experts=2,
-                     expert_layer_sizes=[16], tower_layer_sizes=[8])
+        model = MMoE(MMoEConfig(embedding_dim=8, tasks=["ctr", "cvr"], num_experts=2, expert_layer_sizes=[16],
+                                tower_layer_sizes=[8]), features=data.features)
         model(batch.dense_features, batch.sparse_features)   # {"ctr": [8], "cvr": [8]}
     """
 
     same_embedding_width: ClassVar[str | None] = None
     """None: the experts and gates read the concatenated embeddings, so each feature may have its own width."""
 
-    def __init__(
-        self,
-        *,
-        features: FeatureSpec,
-        embedding_dim: int,
-        tasks: list[str],
-        loss_weights: list[float] | None = None,
-        task_kinds: list[str] | None = None,
-        num_experts: int,
-        expert_layer_sizes: list[int],
-        tower_layer_sizes: list[int],
-        dense_device: torch.device | None = None,
-    ) -> None:
+    def __init__(self, config: MMoEConfig, *, features: FeatureSpec, dense_device: torch.device | None = None) -> None:
         super().__init__()
-        self.tasks = resolve_tasks(features, list(tasks), loss_weights, task_kinds)
-        self.sparse_arch = SparseArch(features, embedding_dim, type(self))
+        num_experts, expert_layer_sizes = config.num_experts, config.expert_layer_sizes
+        self.tasks = resolve_tasks(features, list(config.tasks), config.loss_weights, config.task_kinds)
+        self.sparse_arch = SparseArch(features, config.embedding_dim, type(self))
         in_features = self.sparse_arch.output_dim + features.num_dense
         self.experts = Experts(in_features, num_experts, list(expert_layer_sizes), device=dense_device)
         self.gates = nn.ModuleDict({t.name: Gate(in_features, num_experts, device=dense_device) for t in self.tasks})  # type: ignore[misc]
-        self.towers = nn.ModuleDict({t.name: Tower(expert_layer_sizes[-1], list(tower_layer_sizes), device=dense_device) for t in self.tasks})  # type: ignore[misc]
+        self.towers = nn.ModuleDict({t.name: Tower(expert_layer_sizes[-1], list(config.tower_layer_sizes), device=dense_device) for t in self.tasks})  # type: ignore[misc]
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> dict[str, torch.Tensor]:
         x = torch.cat([self.sparse_arch(sparse), dense], dim=1)

@@ -22,7 +22,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.features import FeatureSpec, check_embedding_dim
-from recsys_runner.models.common import MLP, SparseArch, check_layer_sizes
+from recsys_runner.models.common import MLP, ModelConfig, SparseArch, check_layer_sizes
 
 WIDE_ROW_WIDTH = 4
 """Floats per id in the wide tables: fbgemm's fused kernels store rows in multiples of 4, so an
@@ -30,11 +30,10 @@ id's wide weight is the sum of its 4-float row (still one linear weight per id).
 
 
 @dataclass(kw_only=True)
-class WideDeepConfig:
+class WideDeepConfig(ModelConfig):
     """Schema of ``conf/model/wide_deep.yaml``."""
 
     _target_: str = "recsys_runner.models.wide_deep.WideDeep"
-    _partial_: bool = True
     embedding_dim: int = 16
     """Width ``D`` of every embedding table whose feature sets no ``embedding_dim`` of its own in ``data.sparse``
     (this model accepts mixed per-feature widths)."""
@@ -90,31 +89,24 @@ class WideDeep(nn.Module):
     """Wide & Deep: a linear head plus an MLP head; ``(dense [B, N], sparse KJT) → logits [B]``.
 
     Args:
+        config: its hyperparameters (:class:`WideDeepConfig`: ``embedding_dim`` ``D`` of the deep head's
+            embeddings, the deep head's hidden sizes).
         features: the data's feature schema (from the runner).
-        embedding_dim: ``D`` of the deep head's embeddings.
-        deep_layer_sizes: hidden sizes of the deep head.
         dense_device: device of the dense parameters (embeddings start on ``meta``).
 
     Example::
 
-        model = WideDeep(features=data.features, embedding_dim=8, deep_layer_sizes=[32])
+        model = WideDeep(WideDeepConfig(embedding_dim=8, deep_layer_sizes=[32]), features=data.features)
     """
 
     same_embedding_width: ClassVar[str | None] = None
     """None: the deep head concatenates the embeddings, so each feature may have its own width."""
 
-    def __init__(
-        self,
-        *,
-        features: FeatureSpec,
-        embedding_dim: int,
-        deep_layer_sizes: list[int],
-        dense_device: torch.device | None = None,
-    ) -> None:
+    def __init__(self, config: WideDeepConfig, *, features: FeatureSpec, dense_device: torch.device | None = None) -> None:
         super().__init__()
         self.wide = WideArch(features, device=dense_device)
-        self.sparse_arch = SparseArch(features, embedding_dim, type(self))
-        self.deep = DeepArch(features.num_dense + self.sparse_arch.output_dim, list(deep_layer_sizes), device=dense_device)
+        self.sparse_arch = SparseArch(features, config.embedding_dim, type(self))
+        self.deep = DeepArch(features.num_dense + self.sparse_arch.output_dim, list(config.deep_layer_sizes), device=dense_device)
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         return self.wide(dense, sparse) + self.deep(dense, self.sparse_arch(sparse))
