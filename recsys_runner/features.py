@@ -162,10 +162,3 @@ def model_data_needs(model_config: Any) -> DataNeeds:
     """The model config's ``data_needs()``; a model that declares none needs one binary label ``[B]``."""
     declare = getattr(model_config, "data_needs", None)
     return declare() if declare is not None else DataNeeds()
-
-
-def data_for_model(data_config: Any, needs: DataNeeds) -> dict[str, Any]:
-    """The data config fields to change so that the data serves ``needs`` (its config's ``for_model``), as
-    ``instantiate`` overrides; none for data whose labels and columns are fixed (files)."""
-    serve = getattr(data_config, "for_model", None)
-    return serve(needs) if serve is not None else {}

@@ -25,6 +25,7 @@ from omegaconf import DictConfig
 from recsys_runner.config import register_configs, validate
 from recsys_runner.distributed import Distributed, PlanReport, resolve_device_type
 from recsys_runner.errors import UserError
+from recsys_runner.features import model_data_needs
 from recsys_runner.models.common import TrainWrapper
 from recsys_runner.optim import apply_sparse_optimizer
 from recsys_runner.paths import CONFIG_PATH
@@ -36,7 +37,7 @@ def dry_run(cfg: DictConfig) -> PlanReport:
     """Validate ``cfg`` and plan its model for the configured world, allocating nothing."""
     run = validate(cfg)
     distributed: Distributed = instantiate(cfg.distributed)
-    data = instantiate(cfg.data)
+    data = run.data.for_model(model_data_needs(run.model)).build()
     # Dense layers on meta too: the plan only places embedding tables, and nothing may allocate.
     model = TrainWrapper(instantiate(cfg.model)(features=data.features, dense_device=torch.device("meta")))
     apply_sparse_optimizer(model, instantiate(cfg.optim.sparse))  # optimizer state counts toward table memory
