@@ -14,7 +14,6 @@ its columns and the model checks them. Nothing here knows a model's or an optimi
 
 from __future__ import annotations
 
-import copy
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +33,6 @@ from recsys_runner.distributed import DistEnv, Distributed, decided_on_rank0
 from recsys_runner.ema import DenseEMA
 from recsys_runner.errors import ConfigError, UserError
 from recsys_runner.evaluation import Evaluator
-from recsys_runner.features import data_for_model
 from recsys_runner.metrics import TaskTrainMetrics
 from recsys_runner.models.common import TrainWrapper
 from recsys_runner.optim import DENSE, SPARSE, GroupedOptimizer, OptimizerGroup, apply_sparse_optimizer, dense_optimizers
@@ -105,7 +103,7 @@ def build(cfg: DictConfig, run: RunConfig) -> Components:
         checkpointer.lock()
         precision = run.precision.build()
         precision.apply_tf32()
-        data: DataModule = instantiate(_data_for_model(cfg, run))
+        data: DataModule = run.data.for_model(run.model.data_needs()).build()
         steps_per_epoch = _steps_per_epoch(data, env.world_size, run.train.grad_accum_steps)
         total_steps = _total_steps(run, steps_per_epoch)
         model = run.model.build(features=data.features, dense_device=env.device)
@@ -144,18 +142,6 @@ def build(cfg: DictConfig, run: RunConfig) -> Components:
     loop = Loop(config=run.train, env=env, data=data, stepper=stepper, evaluator=evaluator, checkpointer=checkpointer,
                 early_stopping=early_stopping, tracker=tracker, total_steps=total_steps, steps_per_epoch=steps_per_epoch, state=state)
     return Components(run=run, env=env, distributed=distributed, plan=plan, loop=loop)
-
-
-def _data_for_model(cfg: DictConfig, run: RunConfig) -> DictConfig:
-    """``cfg.data`` with the changes that make it serve the model's declared needs: the fields generated data
-    leaves to the model (its tasks, its towers' pairs); unchanged for data whose columns are fixed."""
-    changes = data_for_model(run.data, run.model.data_needs())
-    if not changes:
-        return cfg.data
-    node = copy.deepcopy(cfg)  # the whole config, so interpolations in cfg.data still resolve
-    for key, value in changes.items():
-        node.data[key] = value  # replaces the field (a mapping too) with the schema's type checks
-    return node.data
 
 
 def _schedules(cfg: DictConfig, total_steps: int, steps_per_epoch: int | None) -> tuple[dict[OptimizerGroup, Any], Any]:

@@ -8,7 +8,6 @@ table sizes are written once, in the data config, and never repeated in the mode
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
@@ -158,8 +157,3 @@ class DataNeeds:
     """The two-tower model's item (candidate) features."""
 
 
-def data_for_model(data_config: Any, needs: DataNeeds) -> dict[str, Any]:
-    """The data config fields to change so that the data serves ``needs`` (its config's ``for_model``), as
-    ``instantiate`` overrides; none for data whose labels and columns are fixed (files)."""
-    serve = getattr(data_config, "for_model", None)
-    return serve(needs) if serve is not None else {}

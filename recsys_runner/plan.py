@@ -36,7 +36,7 @@ def dry_run(cfg: DictConfig) -> PlanReport:
     """Validate ``cfg`` and plan its model for the configured world, allocating nothing."""
     run = validate(cfg)
     distributed: Distributed = run.distributed.build()
-    data = instantiate(cfg.data)
+    data = run.data.for_model(run.model.data_needs()).build()
     # Dense layers on meta too: the plan only places embedding tables, and nothing may allocate.
     model = TrainWrapper(run.model.build(features=data.features, dense_device=torch.device("meta")))
     apply_sparse_optimizer(model, instantiate(cfg.optim.sparse))  # optimizer state counts toward table memory

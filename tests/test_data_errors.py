@@ -10,9 +10,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from recsys_runner.__main__ import run
+from recsys_runner.configurable import make
 from recsys_runner.data.base import DataError
 from recsys_runner.data.schema import splitmix64
-from recsys_runner.data.tabular import CsvData, ParquetData
+from recsys_runner.data.tabular import CsvData, CsvDataConfig, ParquetData, ParquetDataConfig
 from recsys_runner.errors import ConfigError
 
 SPARSE = [{"name": "item", "num_embeddings": 10}]
@@ -29,48 +30,48 @@ def read_all(data) -> int:
     return sum(b.labels.shape[0] for b in data.train_batches(0, 0, 1)) + sum(b.labels.shape[0] for b in data.eval_batches(0, 1))
 
 
-def make(path: str, **kw) -> ParquetData:
-    return ParquetData(**({"path": path, "eval_path": path, "batch_size": 2, "shuffle": False, "sparse": SPARSE} | kw))
+def parquet_data(path: str, **kw) -> ParquetData:
+    return ParquetData(make(ParquetDataConfig, **({"path": path, "eval_path": path, "batch_size": 2, "shuffle": False, "sparse": SPARSE} | kw)))
 
 
 def test_missing_path(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"data.path='.*nope' does not exist\. Fix: point data.path at a file, a directory or a glob"):
-        make(str(tmp_path / "nope"))
+        parquet_data(str(tmp_path / "nope"))
 
 
 def test_glob_matching_nothing(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"data.path='.*day_\*.parquet' is a glob pattern that matches no files"):
-        make(str(tmp_path / "day_*.parquet"))
+        parquet_data(str(tmp_path / "day_*.parquet"))
 
 
 def test_directory_without_parquet_files(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(DataError, match=r"is a directory without data files with a name ending in \.parquet"):
-        make(str(tmp_path))
+        parquet_data(str(tmp_path))
 
 
 def test_missing_column(tmp_path: Path) -> None:
     path = parquet(tmp_path)
     with pytest.raises(DataError, match=r"p\.parquet has no column 'itme'; its columns are \['label', 'item', 'price'\]\. Fix: correct the column names"):
-        make(path, sparse=[{"name": "itme", "num_embeddings": 10}])
+        parquet_data(path, sparse=[{"name": "itme", "num_embeddings": 10}])
 
 
 def test_missing_column_in_csv_header(tmp_path: Path) -> None:
     (tmp_path / "a.csv").write_text("label,item\n1,2\n")
     with pytest.raises(DataError, match=r"a\.csv has no column 'price'; its header lists \['label', 'item'\]"):
-        CsvData(path=str(tmp_path / "a.csv"), sparse=SPARSE, dense=[{"name": "price"}])
+        CsvData(make(CsvDataConfig, path=str(tmp_path / "a.csv"), sparse=SPARSE, dense=[{"name": "price"}]))
 
 
 def test_wrong_type_string_as_dense(tmp_path: Path) -> None:
     path = parquet(tmp_path, label=[0, 1], item=[1, 2], price=["cheap", "dear"])
-    data = make(path, dense=[{"name": "price"}])
+    data = parquet_data(path, dense=[{"name": "price"}])
     with pytest.raises(DataError, match=r"p\.parquet, row group 0: column 'price' has type string, but it is used as a number.*Fix: move it to data.sparse"):
         read_all(data)
 
 
 def test_wrong_type_csv_field_names_the_line(tmp_path: Path) -> None:
     (tmp_path / "a.csv").write_text("label,item,price\n1,2,3.5\n0,1,abc\n")
-    data = CsvData(path=str(tmp_path / "a.csv"), eval_path=str(tmp_path / "a.csv"), batch_size=1, sparse=SPARSE, dense=[{"name": "price"}])
+    data = CsvData(make(CsvDataConfig, path=str(tmp_path / "a.csv"), eval_path=str(tmp_path / "a.csv"), batch_size=1, sparse=SPARSE, dense=[{"name": "price"}]))
     with pytest.raises(DataError, match=r"bad row in .*a\.csv, line 3, column 'price': 'abc' is not a number\. Fix the data, or set data.on_bad_rows=skip"):
         read_all(data)
 
@@ -78,13 +79,13 @@ def test_wrong_type_csv_field_names_the_line(tmp_path: Path) -> None:
 def test_null_label(tmp_path: Path) -> None:
     path = parquet(tmp_path, label=[0, None, 1], item=[1, 2, 3])
     with pytest.raises(DataError, match=r"bad row in .*p\.parquet, row group 0, row 1 of the file, column 'label': the label is missing"):
-        read_all(make(path))
+        read_all(parquet_data(path))
 
 
 def test_non_binary_label(tmp_path: Path) -> None:
     path = parquet(tmp_path, label=[0, 1, 2], item=[1, 2, 3])
     with pytest.raises(DataError, match=r"row 2 of the file, column 'label': the label is 2, but the task is binary \(BCE\) and needs 0 or 1"):
-        read_all(make(path))
+        read_all(parquet_data(path))
 
 
 def test_truncated_parquet(tmp_path: Path) -> None:
@@ -92,7 +93,7 @@ def test_truncated_parquet(tmp_path: Path) -> None:
     blob = Path(path).read_bytes()
     Path(path).write_bytes(blob[: len(blob) // 2])
     with pytest.raises(DataError, match=r"p\.parquet is not a readable Parquet file \(.*\): it is truncated or corrupt\. Fix: write it again"):
-        make(path)
+        parquet_data(path)
 
 
 def test_corrupt_row_group(tmp_path: Path) -> None:
@@ -101,41 +102,41 @@ def test_corrupt_row_group(tmp_path: Path) -> None:
     blob[4:200] = b"\xff" * 196  # garbage over the first column chunk's pages, footer intact
     Path(path).write_bytes(bytes(blob))
     with pytest.raises(DataError, match=r"p\.parquet, row group 0: cannot be read \(.*\); the file is corrupt"):
-        read_all(make(path))
+        read_all(parquet_data(path))
 
 
 def test_empty_files(tmp_path: Path) -> None:
     (tmp_path / "empty.parquet").write_bytes(b"")
     with pytest.raises(DataError, match=r"empty\.parquet is an empty file \(0 bytes\)"):
-        make(str(tmp_path / "empty.parquet"))
+        parquet_data(str(tmp_path / "empty.parquet"))
     pq.write_table(pa.table({"label": pa.array([], pa.int64()), "item": pa.array([], pa.int64())}), tmp_path / "norows.parquet")
     with pytest.raises(DataError, match=r"norows\.parquet is an empty Parquet file \(0 rows\)"):
-        make(str(tmp_path / "norows.parquet"))
+        parquet_data(str(tmp_path / "norows.parquet"))
     (tmp_path / "e.csv").write_text("")
     with pytest.raises(DataError, match=r"e\.csv is an empty file"):
-        CsvData(path=str(tmp_path / "e.csv"), sparse=SPARSE)
+        CsvData(make(CsvDataConfig, path=str(tmp_path / "e.csv"), sparse=SPARSE))
     (tmp_path / "h.csv").write_text("label,item\n")
     with pytest.raises(DataError, match=r"h\.csv has a header but no rows"):
-        CsvData(path=str(tmp_path / "h.csv"), sparse=SPARSE)
+        CsvData(make(CsvDataConfig, path=str(tmp_path / "h.csv"), sparse=SPARSE))
 
 
 def test_out_of_range_id(tmp_path: Path) -> None:
     path = parquet(tmp_path, label=[0, 1, 0], item=[1, 10, -1])
     with pytest.raises(DataError, match=r"row 1 of the file, column 'item': id 10 is outside \[0, 10\) \(encoding=id\)\. "
                                         r"Raise data.sparse\[item\].num_embeddings, or use encoding=mod or hash"):
-        read_all(make(path))
+        read_all(parquet_data(path))
 
 
 def test_wrong_field_count_in_csv(tmp_path: Path) -> None:
     (tmp_path / "a.csv").write_text("label,item\n1,2\n0,1,7\n1,3\n")
     with pytest.raises(DataError, match=r"bad row in .*a\.csv, line 3: expected 2 fields separated by ',', found 3"):
-        read_all(CsvData(path=str(tmp_path / "a.csv"), eval_path=str(tmp_path / "a.csv"), batch_size=1, sparse=SPARSE))
+        read_all(CsvData(make(CsvDataConfig, path=str(tmp_path / "a.csv"), eval_path=str(tmp_path / "a.csv"), batch_size=1, sparse=SPARSE)))
 
 
 def test_skip_mode_skips_and_counts_every_kind(tmp_path: Path) -> None:
     (tmp_path / "a.csv").write_text("label,item,price\n1,2,3.5\n0,1,abc\n2,1,1\n,1,1\n1,99,1\n0,1,1,1\n1,4,0\n")
-    data = CsvData(path=str(tmp_path / "a.csv"), eval_path=str(tmp_path / "a.csv"), batch_size=1, shuffle=False, on_bad_rows="skip",
-                   sparse=SPARSE, dense=[{"name": "price"}])
+    data = CsvData(make(CsvDataConfig, path=str(tmp_path / "a.csv"), eval_path=str(tmp_path / "a.csv"), batch_size=1, shuffle=False, on_bad_rows="skip",
+                   sparse=SPARSE, dense=[{"name": "price"}]))
     assert data.num_train_batches(1) is None
     items = [b.sparse_features.values().tolist() for b in data.train_batches(0, 0, 1)]
     assert items == [[2], [4]]
@@ -153,21 +154,21 @@ def test_mixed_embedding_dims_rejected_for_deepfm(make_cfg, tmp_path: Path) -> N
 
 def test_config_mistakes_name_the_key() -> None:
     with pytest.raises(ConfigError, match="data.path is required"):
-        ParquetData(sparse=SPARSE)
+        ParquetData(make(ParquetDataConfig, sparse=SPARSE))
     with pytest.raises(ConfigError, match=r"data.sparse\[item\].encoding='hsh' must be one of"):
-        ParquetData(path="x", sparse=[{"name": "item", "num_embeddings": 10, "encoding": "hsh"}])
+        ParquetData(make(ParquetDataConfig, path="x", sparse=[{"name": "item", "num_embeddings": 10, "encoding": "hsh"}]))
     with pytest.raises(ConfigError, match="data.eval_path and data.eval_fraction=0.2 are both set"):
-        ParquetData(path="x", eval_path="y", eval_fraction=0.2, sparse=SPARSE)
+        ParquetData(make(ParquetDataConfig, path="x", eval_path="y", eval_fraction=0.2, sparse=SPARSE))
     with pytest.raises(ConfigError, match="data.header=false needs data.column_names"):
-        CsvData(path="x", header=False, sparse=SPARSE)
+        CsvData(make(CsvDataConfig, path="x", header=False, sparse=SPARSE))
 
 
 def test_uint64_ids_beyond_int64_are_bad_rows_not_wrapped(tmp_path: Path) -> None:
     path = parquet(tmp_path, label=[0, 1, 0], item=pa.array([1, 2**64 - 1, 3], pa.uint64()))
     with pytest.raises(DataError, match=r"row 1 of the file, column 'item': 18446744073709551615 does not fit in a signed 64-bit integer: "
                                         r"ids must lie in \[-2\*\*63, 2\*\*63\)\. Hash such ids into the table with data.sparse\[item\].encoding=hash"):
-        read_all(make(path, sparse=[{"name": "item", "num_embeddings": 10, "encoding": "mod"}]))
-    hashed = make(path, sparse=[{"name": "item", "num_embeddings": 10, "encoding": "hash"}])  # the fix the message names
+        read_all(parquet_data(path, sparse=[{"name": "item", "num_embeddings": 10, "encoding": "mod"}]))
+    hashed = parquet_data(path, sparse=[{"name": "item", "num_embeddings": 10, "encoding": "hash"}])  # the fix the message names
     ids = [v for b in hashed.eval_batches(0, 1) for v in b.sparse_features.values().tolist()]
     assert ids == (splitmix64(np.array([1, 2**64 - 1, 3], np.uint64)) % np.uint64(10)).astype(np.int64).tolist()
 
@@ -175,13 +176,13 @@ def test_uint64_ids_beyond_int64_are_bad_rows_not_wrapped(tmp_path: Path) -> Non
 def test_binary_file_given_to_data_csv(tmp_path: Path) -> None:
     (tmp_path / "a.bin").write_bytes(b"label,item\n\x00\x01\x02\n")
     with pytest.raises(DataError, match=r"a\.bin is not a text file \(NUL bytes in its first 15 bytes\).*Fix: point data.path at CSV/TSV files"):
-        CsvData(path=str(tmp_path / "a.bin"), sparse=SPARSE)
+        CsvData(make(CsvDataConfig, path=str(tmp_path / "a.bin"), sparse=SPARSE))
 
 
 def test_header_less_csv_with_another_delimiter_names_it(tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_text("1;2\n0;3\n")
-    data = CsvData(path=str(tmp_path / "a.txt"), eval_path=str(tmp_path / "a.txt"), batch_size=1, header=False,
-                   column_names=["label", "item"], sparse=SPARSE)
+    data = CsvData(make(CsvDataConfig, path=str(tmp_path / "a.txt"), eval_path=str(tmp_path / "a.txt"), batch_size=1, header=False,
+                   column_names=["label", "item"], sparse=SPARSE))
     with pytest.raises(DataError, match=r"a\.txt, line 1: expected 2 fields separated by ',', found 1 \('1;2'\)\. The line contains "
                                         r"semicolons: the file looks semicolon-separated, but data.delimiter=','\. Fix: set data.delimiter=';'"):
         read_all(data)
@@ -189,7 +190,7 @@ def test_header_less_csv_with_another_delimiter_names_it(tmp_path: Path) -> None
 
 def test_csv_file_removed_after_start_up(tmp_path: Path) -> None:
     (tmp_path / "a.csv").write_text("label,item\n1,2\n0,3\n")
-    data = CsvData(path=str(tmp_path / "a.csv"), eval_path=str(tmp_path / "a.csv"), batch_size=1, sparse=SPARSE)
+    data = CsvData(make(CsvDataConfig, path=str(tmp_path / "a.csv"), eval_path=str(tmp_path / "a.csv"), batch_size=1, sparse=SPARSE))
     (tmp_path / "a.csv").unlink()
     with pytest.raises(DataError, match=r"a\.csv cannot be read \(No such file or directory\)\. Fix: check that it exists"):
         read_all(data)

@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 from mlflow.tracking import MlflowClient
 
+from recsys_runner.configurable import make
 from recsys_runner.data.tabular import CsvData, CsvDataConfig
 from tests.conftest import run_cli
 
@@ -123,7 +124,7 @@ def test_the_suggested_tab_delimiter_works(tmp_path: Path) -> None:
     """``data.delimiter='\\t'`` on the command line reaches the config as backslash + t, which means a tab."""
     assert CsvDataConfig(path="x", delimiter="\\t").delimiter == "\t"
     path = write_csv(tmp_path / "t.tsv", delimiter="\t")
-    data = CsvData(path=str(path), eval_path=str(path), batch_size=4, shuffle=False, delimiter="\\t", sparse=[{"name": "item", "num_embeddings": 10}])
+    data = CsvData(make(CsvDataConfig, path=str(path), eval_path=str(path), batch_size=4, shuffle=False, delimiter="\\t", sparse=[{"name": "item", "num_embeddings": 10}]))
     assert next(iter(data.train_batches(0, 0, 1))).sparse_features.values().tolist() == [0, 1, 2, 3]
 
 

@@ -12,10 +12,11 @@ from mlflow.tracking import MlflowClient
 
 from recsys_runner.__main__ import run
 from recsys_runner.config import validate
+from recsys_runner.configurable import make
 from recsys_runner.data.__main__ import main as data_main
 from recsys_runner.data.base import DataError
 from recsys_runner.data.generate import write_funnel_parquet
-from recsys_runner.data.tabular import CsvData, ParquetData, stored_schema
+from recsys_runner.data.tabular import CsvData, CsvDataConfig, ParquetData, ParquetDataConfig, stored_schema
 from recsys_runner.errors import ConfigError
 
 LABELS = {"ctr": "click", "cvr": "conversion"}
@@ -37,7 +38,7 @@ def two_label_parquet(tmp_path: Path, conversion: list | None = None) -> str:
 def reader(path: str, cls=ParquetData, **kw):
     fields = {"path": path, "eval_path": path, "labels": LABELS, "dense": [{"name": "price"}], "sparse": SPARSE,
               "batch_size": 5, "shuffle": False, "drop_remainder": False}
-    return cls(**(fields | kw))
+    return cls(make({ParquetData: ParquetDataConfig, CsvData: CsvDataConfig}[cls], **(fields | kw)))
 
 
 def test_parquet_two_labels_exact_batch(tmp_path: Path) -> None:
@@ -116,7 +117,7 @@ def test_convert_csv_stores_the_mapping_and_inspect_reports_each_label(tmp_path:
     out_file = str(tmp_path / "out" / "logs.parquet")
     stored = stored_schema(out_file)
     assert stored is not None and stored.labels == LABELS and stored.label is None
-    converted = ParquetData(path=out_file, eval_path=out_file, batch_size=4, shuffle=False)  # no column list
+    converted = ParquetData(make(ParquetDataConfig, path=out_file, eval_path=out_file, batch_size=4, shuffle=False))  # no column list
     (batch,) = list(converted.train_batches(0, 0, 1))
     assert converted.features.label == ("ctr", "cvr")
     assert batch.labels.tolist() == [[1, 1], [0, 0], [1, 0], [1, 1]]

@@ -10,9 +10,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from recsys_runner.configurable import make
 from recsys_runner.data.__main__ import main as data_main
 from recsys_runner.data.generate import write_criteo_parquet
-from recsys_runner.data.tabular import CriteoData, CsvData, ParquetData
+from recsys_runner.data.tabular import CriteoData, CriteoDataConfig, CsvData, CsvDataConfig, ParquetData, ParquetDataConfig
 from recsys_runner.errors import ConfigError
 from recsys_runner.features import FeatureSpec, SparseFeature
 
@@ -42,7 +43,7 @@ CRITEO_LINES = [
 def test_criteo_tsv_exact_rows(tmp_path: Path) -> None:
     path = tmp_path / "day_0.tsv"
     path.write_text("".join("\t".join(line) + "\n" for line in CRITEO_LINES))
-    data = CriteoData(path=str(path), eval_path=str(path), batch_size=2, shuffle=False, num_embeddings=1000)
+    data = CriteoData(make(CriteoDataConfig, path=str(path), eval_path=str(path), batch_size=2, shuffle=False, num_embeddings=1000))
     batches = list(data.train_batches(0, 0, 1))
     assert len(batches) == 2 and data.num_train_batches(1) == 2
     b0, b1 = batches
@@ -67,12 +68,11 @@ def test_parquet_list_string_and_id_columns(tmp_path: Path) -> None:
         "city": pa.array(["paris", "oslo", None, "paris"]),
     })
     pq.write_table(table, tmp_path / "part-0.parquet", row_group_size=3)
-    data = ParquetData(
-        path=str(tmp_path), eval_path=str(tmp_path), label="clicked", batch_size=4, shuffle=False, drop_remainder=False,
+    data = ParquetData(make(ParquetDataConfig, path=str(tmp_path), eval_path=str(tmp_path), label="clicked", batch_size=4, shuffle=False, drop_remainder=False,
         dense=[{"name": "price", "fill": -1.0}],
         sparse=[{"name": "item", "num_embeddings": 10}, {"name": "tags", "num_embeddings": 8, "pooling": "mean"},
                 {"name": "city", "num_embeddings": 50, "encoding": "hash"}],
-    )
+    ))
     (batch,) = list(data.train_batches(0, 0, 1))
     assert batch.labels.tolist() == [1, 0, 1, 0]
     assert batch.dense_features[:, 0].tolist() == [1.5, -1.0, -3.0, 10.0]
@@ -87,12 +87,11 @@ def test_parquet_list_string_and_id_columns(tmp_path: Path) -> None:
 
 def test_csv_multi_hot_missing_token_and_header(tmp_path: Path) -> None:
     (tmp_path / "a.csv").write_text("y,age,genres,user\n1,30,a|b|c,u1\n0,NA,,u2\n1,-4,b,NA\n0,5,c|c,u1\n")
-    data = CsvData(
-        path=str(tmp_path / "a.csv"), eval_path=str(tmp_path / "a.csv"), label="y", batch_size=4, shuffle=False,
+    data = CsvData(make(CsvDataConfig, path=str(tmp_path / "a.csv"), eval_path=str(tmp_path / "a.csv"), label="y", batch_size=4, shuffle=False,
         null_values=["", "NA"], dense=[{"name": "age", "transform": "log1p"}],
         sparse=[{"name": "genres", "num_embeddings": 100, "encoding": "hash", "separator": "|"},
                 {"name": "user", "num_embeddings": 7, "encoding": "hash"}],
-    )
+    ))
     (batch,) = list(data.train_batches(0, 0, 1))
     assert batch.labels.tolist() == [1, 0, 1, 0]
     assert batch.dense_features[:, 0].tolist() == pytest.approx([math.log1p(30), 0.0, 0.0, math.log1p(5)])
@@ -104,9 +103,9 @@ def test_csv_multi_hot_missing_token_and_header(tmp_path: Path) -> None:
 def test_tsv_without_header_and_block_boundaries(tmp_path: Path) -> None:
     lines = [f"{i % 2}\t{i}\t{i}" for i in range(23)]
     (tmp_path / "x.tsv").write_text("\n".join(lines))  # no trailing newline on the last line
-    data = CsvData(path=str(tmp_path / "x.tsv"), eval_path=str(tmp_path / "x.tsv"), batch_size=5, shuffle=False, drop_remainder=False,
+    data = CsvData(make(CsvDataConfig, path=str(tmp_path / "x.tsv"), eval_path=str(tmp_path / "x.tsv"), batch_size=5, shuffle=False, drop_remainder=False,
                    delimiter="\t", header=False, column_names=["label", "v", "id"], block_rows=4,
-                   dense=[{"name": "v"}], sparse=[{"name": "id", "num_embeddings": 23}])
+                   dense=[{"name": "v"}], sparse=[{"name": "id", "num_embeddings": 23}]))
     ids = [i for b in data.train_batches(0, 0, 1) for i in b.sparse_features["id"].values().tolist()]
     assert ids == list(range(23))
     dense = [v for b in data.eval_batches(0, 1) for v in b.dense_features[:, 0].tolist()]
@@ -117,7 +116,7 @@ def id_data(tmp_path: Path, n: int, **kw) -> ParquetData:
     pq.write_table(pa.table({"label": np.arange(n) % 2, "rid": np.arange(n)}), tmp_path / "a.parquet", row_group_size=7)
     pq.write_table(pa.table({"label": np.arange(n) % 2, "rid": np.arange(n, 2 * n)}), tmp_path / "b.parquet", row_group_size=11)
     args = {"path": str(tmp_path), "batch_size": 4, "sparse": [{"name": "rid", "num_embeddings": 2 * n}], "shuffle_buffer_rows": 16} | kw
-    return ParquetData(**args)
+    return ParquetData(make(ParquetDataConfig, **args))
 
 
 def row_ids(batches) -> list[int]:
@@ -154,8 +153,8 @@ def test_convert_criteo_then_train_schema_from_file_and_inspect(tmp_path: Path, 
     src = tmp_path / "day_0.tsv"
     src.write_text("".join("\t".join(line) + "\n" for line in CRITEO_LINES))
     assert data_main(["convert", "--format", "criteo", "--num-embeddings", "1000", str(src), str(tmp_path / "out")]) == 0
-    converted = ParquetData(path=str(tmp_path / "out"), eval_path=str(tmp_path / "out"), batch_size=2, shuffle=False)
-    raw = CriteoData(path=str(src), eval_path=str(src), batch_size=2, shuffle=False, num_embeddings=1000)
+    converted = ParquetData(make(ParquetDataConfig, path=str(tmp_path / "out"), eval_path=str(tmp_path / "out"), batch_size=2, shuffle=False))
+    raw = CriteoData(make(CriteoDataConfig, path=str(src), eval_path=str(src), batch_size=2, shuffle=False, num_embeddings=1000))
     for a, b in zip(converted.train_batches(0, 0, 1), raw.train_batches(0, 0, 1), strict=True):
         assert a.labels.tolist() == b.labels.tolist()
         assert a.dense_features.flatten().tolist() == pytest.approx(b.dense_features.flatten().tolist())
@@ -193,7 +192,7 @@ def test_shared_tables_and_dims_from_schema(tmp_path: Path) -> None:
 
 def test_converted_parquet_reader_matches_generator(tmp_path: Path) -> None:
     write_criteo_parquet(str(tmp_path / "g.parquet"), 1000, num_embeddings=321, row_group_rows=128)
-    data = ParquetData(path=str(tmp_path / "g.parquet"), batch_size=100)
+    data = ParquetData(make(ParquetDataConfig, path=str(tmp_path / "g.parquet"), batch_size=100))
     n = sum(b.labels.shape[0] for b in data.train_batches(0, 0, 1)) + sum(b.labels.shape[0] for b in data.eval_batches(0, 1))
     assert 880 <= n <= 1000 and data.num_train_batches(1) * 100 <= n
     assert all(int(b.sparse_features.values().max()) < 321 for b in data.train_batches(0, 0, 1))

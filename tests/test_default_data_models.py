@@ -4,6 +4,7 @@ data read from files keeps its columns and is refused when it lacks a model's la
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -12,10 +13,10 @@ from omegaconf import DictConfig
 
 from recsys_runner.build import build
 from recsys_runner.config import validate
+from recsys_runner.configurable import make
 from recsys_runner.data.generate import write_criteo_parquet
-from recsys_runner.data.synthetic import SyntheticData
+from recsys_runner.data.synthetic import SyntheticData, SyntheticDataConfig
 from recsys_runner.errors import ConfigError
-from recsys_runner.features import data_for_model
 from recsys_runner.runner import train
 
 
@@ -66,12 +67,14 @@ def test_a_regression_task_gets_a_learnable_amount(make_cfg) -> None:
 )
 def test_the_data_follows_what_the_model_declares(make_cfg, overrides: list[str], changes: dict) -> None:
     run = validate(make_cfg(*overrides, "distributed.device=cpu", "tracking=none", tiny=False))
-    assert data_for_model(run.data, run.model.data_needs()) == changes
+    served = run.data.for_model(run.model.data_needs())
+    assert {f.name: getattr(served, f.name) for f in fields(served) if getattr(served, f.name) != getattr(run.data, f.name)} == changes
+    assert (served is run.data) == (not changes)  # a new config when anything changes; the configured one is left alone
 
 
 def test_pairs_link_every_item_feature_to_the_user_cluster() -> None:
-    data = SyntheticData(batch_size=2048, num_dense=2, num_sparse=5, num_embeddings=100, user_item_clusters=4,
-                         user_feature="cat_2", item_features=["cat_0", "cat_3"])
+    data = SyntheticData(make(SyntheticDataConfig, batch_size=2048, num_dense=2, num_sparse=5, num_embeddings=100, user_item_clusters=4,
+                         user_feature="cat_2", item_features=["cat_0", "cat_3"]))
     ids = data.batch(0, 0).sparse_features.to_dict()
     user = ids["cat_2"].values() % 4
     assert torch.equal(ids["cat_0"].values() % 4, user) and torch.equal(ids["cat_3"].values() % 4, user)
@@ -79,13 +82,13 @@ def test_pairs_link_every_item_feature_to_the_user_cluster() -> None:
 
 
 def test_synthetic_regression_labels_are_amounts() -> None:
-    data = SyntheticData(batch_size=4096, num_dense=3, num_sparse=4, num_embeddings=100, tasks=["ctr", "watch", "cvr"],
-                         label_kinds={"watch": "regression"})
+    data = SyntheticData(make(SyntheticDataConfig, batch_size=4096, num_dense=3, num_sparse=4, num_embeddings=100, tasks=["ctr", "watch", "cvr"],
+                         label_kinds={"watch": "regression"}))
     labels = data.batch(0, 0).labels
     click, watch, cvr = labels.unbind(1)
     assert bool((watch > 0).all()) and len(torch.unique(watch)) > 1000  # an amount on every row, not a 0/1 label
     assert set(cvr.unique().tolist()) == {0.0, 1.0} and bool((cvr <= click).all())
-    binary = SyntheticData(batch_size=4096, num_dense=3, num_sparse=4, num_embeddings=100, tasks=["ctr", "watch", "cvr"])
+    binary = SyntheticData(make(SyntheticDataConfig, batch_size=4096, num_dense=3, num_sparse=4, num_embeddings=100, tasks=["ctr", "watch", "cvr"]))
     assert torch.equal(binary.batch(0, 0).labels[:, 0], click)  # the click does not depend on the other tasks' kinds
 
 

@@ -58,14 +58,13 @@ def test_bad_planner_settings(make_cfg, override: str, message: str) -> None:
 
 def test_planner_knobs_reach_the_topology(make_cfg) -> None:
     import torch
-    from hydra.utils import instantiate
 
     from recsys_runner.models.common import TrainWrapper
 
     cfg = make_cfg("distributed.intra_node_bandwidth_gbps=100", "distributed.cross_node_bandwidth_gbps=5", "distributed.hbm_cap_gb=2",
                    "distributed.ddr_cap_gb=3", "distributed.planner_batch_size=4096", "tracking=none")
     distributed = validate(cfg).distributed.build()
-    data = instantiate(cfg.data)
+    data = validate(cfg).data.build()
     model = TrainWrapper(validate(cfg).model.build(features=data.features, dense_device=torch.device("meta")))
     planner, _, topology = distributed._planner(model, batch_size=256, world_size=8, local_world_size=4, device_type="cuda")
     assert topology.world_size == 8 and topology.local_world_size == 4

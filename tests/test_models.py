@@ -13,13 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra.utils import instantiate
 from torch import nn
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from recsys_runner.config import GROUPS, validate
 from recsys_runner.configurable import config_class, locate_class, make
-from recsys_runner.data.synthetic import SyntheticData
+from recsys_runner.data.synthetic import SyntheticData, SyntheticDataConfig
 from recsys_runner.errors import ConfigError
 from recsys_runner.models.common import ModelConfig
 from recsys_runner.models.dcn_v2 import CrossLayer, CrossNetwork, DCNv2, DCNv2Config
@@ -36,7 +35,7 @@ OUTPUT_SHAPES = {"mmoe": (8, 2), "dssm": (8, 8)}
 
 def small_data(name: str = "") -> SyntheticData:
     tasks = ["ctr", "cvr"] if name == "mmoe" else None
-    return SyntheticData(batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50, num_train_rows=64, num_eval_rows=64, tasks=tasks)
+    return SyntheticData(make(SyntheticDataConfig, batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50, num_train_rows=64, num_eval_rows=64, tasks=tasks))
 
 
 def as_tensor(out: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor:
@@ -196,7 +195,7 @@ def test_concatenating_models_train_with_mixed_widths(make_cfg, tmp_path: Path, 
     from recsys_runner.__main__ import run
 
     cfg = mixed_width_cfg(make_cfg, tmp_path, name, *overrides)
-    model = validate(cfg).model.build(features=instantiate(cfg.data).features, dense_device=CPU)
+    model = validate(cfg).model.build(features=validate(cfg).data.build().features, dense_device=CPU)
     assert model.sparse_arch.widths == [8, 16, 8] and model.sparse_arch.output_dim == 32
     assert math.isfinite(run(cfg))
 

@@ -12,7 +12,8 @@ from torchrec.datasets.utils import Batch
 
 from recsys_runner.build import build
 from recsys_runner.config import validate
-from recsys_runner.data.synthetic import SyntheticData
+from recsys_runner.configurable import make
+from recsys_runner.data.synthetic import SyntheticData, SyntheticDataConfig
 from recsys_runner.errors import ConfigError
 from recsys_runner.models.common import TrainWrapper
 from recsys_runner.runner import train
@@ -88,7 +89,7 @@ def test_train_wrapper_weights_bce_and_mse_per_task() -> None:
 
 
 def test_synthetic_multitask_labels_follow_the_funnel() -> None:
-    data = SyntheticData(batch_size=4096, num_dense=3, num_sparse=4, num_embeddings=100, tasks=["ctr", "cvr"])
+    data = SyntheticData(make(SyntheticDataConfig, batch_size=4096, num_dense=3, num_sparse=4, num_embeddings=100, tasks=["ctr", "cvr"]))
     labels = data.batch(0, 0).labels
     assert labels.shape == (4096, 2) and data.features.label_names == ("ctr", "cvr")
     assert bool((labels[:, 1] <= labels[:, 0]).all()), "a conversion without a click"

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torchmetrics.functional.classification import binary_auroc
 
-from recsys_runner.data.synthetic import SyntheticData
+from recsys_runner.configurable import make
+from recsys_runner.data.synthetic import SyntheticData, SyntheticDataConfig
 from recsys_runner.errors import ConfigError
 from recsys_runner.metrics import LogLoss, Throughput
 from recsys_runner.scheduler import Constant, Cosine, ExponentialDecay
@@ -17,7 +18,7 @@ from recsys_runner.scheduler import Constant, Cosine, ExponentialDecay
 def small_data(**kw) -> SyntheticData:
     args = dict(batch_size=64, num_dense=13, num_sparse=26, num_embeddings=500, num_embeddings_per_feature=None,
                 num_train_rows=64 * 20, num_eval_rows=64 * 8, id_skew=3.0, seed=0, label_noise=1.0)
-    return SyntheticData(**(args | kw))
+    return SyntheticData(make(SyntheticDataConfig, **(args | kw)))
 
 
 class TestSchedules:
@@ -84,7 +85,7 @@ class TestSyntheticData:
         assert e0 != e1 and sorted(e0) == sorted(e1)
 
     def test_labels_depend_on_features(self) -> None:
-        data = small_data(batch_size=4096, num_eval_rows=4096)
+        data = small_data(batch_size=4096, num_train_rows=4096, num_eval_rows=4096)
         batch = next(iter(data.eval_batches(0, 1)))
         ids = torch.stack([batch.sparse_features[k].values() for k in data.features.sparse_names], dim=1)
         oracle = binary_auroc(torch.sigmoid(data._world.score(batch.dense_features, ids)), batch.labels.long())

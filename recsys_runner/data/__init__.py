@@ -3,7 +3,7 @@
 Every data module implements :class:`DataModule`; the runner only uses that protocol.
 """
 
-from recsys_runner.data.base import DataModule
+from recsys_runner.data.base import DataConfig, DataModule
 from recsys_runner.data.synthetic import SyntheticData, SyntheticDataConfig
 
-__all__ = ["DataModule", "SyntheticData", "SyntheticDataConfig"]
+__all__ = ["DataConfig", "DataModule", "SyntheticData", "SyntheticDataConfig"]

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 
-from recsys_runner.errors import DataError
-from recsys_runner.features import FeatureSpec
+from recsys_runner.configurable import Configurable
+from recsys_runner.errors import DataError, require
+from recsys_runner.features import DataNeeds, FeatureSpec
 
-__all__ = ["DataError", "DataModule", "synchronized"]  # DataError lives in errors.py with its siblings; importable from here too
+__all__ = ["DataConfig", "DataError", "DataModule", "synchronized"]  # DataError lives in errors.py with its siblings; importable from here too
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -55,6 +57,29 @@ class DataModule(Protocol):
         """Why the last pass over ``train_batches(epoch, rank, …)`` ended before one full training step (rows
         read, rows skipped) and what to do, for the :class:`DataError` the runner raises then."""
         return "Fix: check the data, or lower data.batch_size / train.grad_accum_steps"
+
+
+@dataclass(kw_only=True)
+class DataConfig(Configurable):
+    """Base of every data config (``conf/data/*.yaml``): the fields every data option shares, and how the
+    config builds its data module (``_target_``, whose constructor takes the config: ``Cls(config)``)."""
+
+    batch_size: int = 512
+    """Rows per batch *per rank* (the global batch is ``batch_size × world_size``)."""
+
+    def __post_init__(self) -> None:
+        require(self.batch_size > 0, f"data.batch_size must be positive, got {self.batch_size}. Fix: data.batch_size=512")
+
+    def build(self) -> DataModule:  # type: ignore[override]  # a data module needs no runtime objects
+        """The data module this config describes."""
+        data: DataModule = self.component_class()(self)
+        return data
+
+    def for_model(self, needs: DataNeeds) -> DataConfig:
+        """This config made to serve a model with ``needs``: a new config with the fields the data leaves to
+        the model filled in (generated data); ``self`` for data whose labels and columns are fixed (files),
+        which the model then checks against its needs."""
+        return self
 
 
 def synchronized(batches: Iterable[T], on_dropped: Callable[[T], None] | None = None) -> Iterator[T]:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsys_runner.data.base import DataModule
+from recsys_runner.data.base import DataConfig, DataModule
 from recsys_runner.errors import require
 from recsys_runner.features import DataNeeds, FeatureSpec, SparseFeature
 
@@ -42,12 +42,10 @@ PAIR_CLUSTERS = 16
 
 
 @dataclass(kw_only=True)
-class SyntheticDataConfig:
+class SyntheticDataConfig(DataConfig):
     """Schema of ``conf/data/synthetic.yaml``."""
 
     _target_: str = "recsys_runner.data.synthetic.SyntheticData"
-    batch_size: int = 512
-    """Rows per batch *per rank* (the global batch is ``batch_size × world_size``)."""
     num_dense: int = 13
     """Dense (float) columns, ``int_0 …``; Criteo has 13."""
     num_sparse: int = 26
@@ -85,6 +83,7 @@ class SyntheticDataConfig:
     model's item tower, else ``[cat_1]``."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.tasks is not None:
             require(len(self.tasks) > 0 and len(set(self.tasks)) == len(self.tasks),
                     f"data.tasks={self.tasks} must list distinct task names, e.g. data.tasks=[ctr,cvr], or be null")
@@ -109,7 +108,6 @@ class SyntheticDataConfig:
         require(len(items) > 0 and user not in items,
                 f"the pairs' item columns {items} (data.item_features) must be at least one and not the user column {user!r} "
                 f"(data.user_feature). Fix: data.item_features=[<sparse columns other than {user}>]")
-        require(self.batch_size > 0, f"data.batch_size must be positive, got {self.batch_size}. Fix: data.batch_size=512")
         require(self.num_dense >= 0, f"data.num_dense must be >= 0, got {self.num_dense}")
         require(self.num_sparse > 0, f"data.num_sparse must be positive, got {self.num_sparse}: the models need at least one embedding table")
         require(self.num_embeddings > 0, f"data.num_embeddings must be positive, got {self.num_embeddings}")
@@ -130,13 +128,14 @@ class SyntheticDataConfig:
         )
         require(self.id_skew > 0, f"data.id_skew must be positive, got {self.id_skew}")
 
-    def for_model(self, needs: DataNeeds) -> dict[str, Any]:
-        """The fields to change so that this data serves a model with ``needs`` (only fields left ``null``
-        change): the model's tasks and their kinds; for a two-tower model, (user, item) pairs linked
-        through the sparse features of its towers.
+    def for_model(self, needs: DataNeeds) -> SyntheticDataConfig:
+        """A new config that serves a model with ``needs``: the fields left ``null`` follow the model (its
+        tasks and their kinds; for a two-tower model, (user, item) pairs linked through the sparse features
+        of its towers); ``self`` when nothing changes.
 
         Raises:
-            ConfigError: a two-tower model's tower has no sparse feature to link the pairs through.
+            ConfigError: a two-tower model's tower has no sparse feature to link the pairs through, or
+                the combination fails a check of :meth:`__post_init__`.
         """
         changes: dict[str, Any] = {}
         if self.tasks is None and needs.labels:
@@ -160,8 +159,7 @@ class SyntheticDataConfig:
                 changes["item_features"] = towers["item"]
             if self.user_item_clusters is None:
                 changes["user_item_clusters"] = PAIR_CLUSTERS
-        replace(self, **changes)  # the combination passes the same checks as a configured one
-        return changes
+        return replace(self, **changes) if changes else self  # the combination passes the same checks as a configured one
 
 
 def _sparse_names(num_sparse: int) -> list[str]:
@@ -173,54 +171,37 @@ class SyntheticData(DataModule):
 
     Example::
 
-        data = SyntheticData(batch_size=4, num_dense=2, num_sparse=3, num_embeddings=10)
+        data = make(SyntheticDataConfig, batch_size=4, num_dense=2, num_sparse=3, num_embeddings=10).build()
         batch = next(iter(data.train_batches(epoch=0, rank=0, world_size=1)))
         batch.dense_features.shape   # (4, 2)
         batch.sparse_features.keys() # ['cat_0', 'cat_1', 'cat_2']
     """
 
-    def __init__(
-        self,
-        *,
-        batch_size: int = 512,
-        num_dense: int = 13,
-        num_sparse: int = 26,
-        num_embeddings: int = 10_000,
-        num_embeddings_per_feature: list[int] | None = None,
-        num_train_rows: int = 1_048_576,
-        num_eval_rows: int = 65_536,
-        id_skew: float = 3.0,
-        seed: int = 0,
-        label_noise: float = 1.0,
-        tasks: list[str] | None = None,
-        label_kinds: dict[str, str] | None = None,
-        user_item_clusters: int | None = None,
-        user_feature: str | None = None,
-        item_features: list[str] | None = None,
-    ) -> None:
-        sizes = list(num_embeddings_per_feature or [num_embeddings] * num_sparse)
+    def __init__(self, config: SyntheticDataConfig) -> None:
+        c = self.config = config
+        sizes = list(c.num_embeddings_per_feature or [c.num_embeddings] * c.num_sparse)
         self.features = FeatureSpec(
-            dense_names=tuple(f"int_{i}" for i in range(num_dense)),
+            dense_names=tuple(f"int_{i}" for i in range(c.num_dense)),
             sparse=tuple(SparseFeature(f"cat_{i}", n) for i, n in enumerate(sizes)),
-            label=tuple(tasks) if tasks is not None else "label",
+            label=tuple(c.tasks) if c.tasks is not None else "label",
         )
-        self.batch_size = batch_size
-        self._num_train_batches = num_train_rows // batch_size
-        self._num_eval_batches = num_eval_rows // batch_size
+        self.batch_size = c.batch_size
+        self._num_train_batches = c.num_train_rows // c.batch_size
+        self._num_eval_batches = c.num_eval_rows // c.batch_size
         self._sizes = torch.tensor(sizes, dtype=torch.float64)
-        self._id_skew = id_skew
-        self._seed = seed
-        self._world = _World.draw(seed, num_dense, sizes, label_noise)
+        self._id_skew = c.id_skew
+        self._seed = c.seed
+        self._world = _World.draw(c.seed, c.num_dense, sizes, c.label_noise)
         # Later tasks' worlds: their own seeds, a higher base rate (conversion given a click).
         self._task_worlds = [
-            _World.draw(seed * 1000 + t, num_dense, sizes, label_noise, bias=0.0) for t in range(1, len(tasks or []))
+            _World.draw(c.seed * 1000 + t, c.num_dense, sizes, c.label_noise, bias=0.0) for t in range(1, len(c.tasks or []))
         ]
-        self._kinds = [(label_kinds or {}).get(t, "binary") for t in tasks or []]
-        self._clusters = user_item_clusters
-        if user_item_clusters is not None:
+        self._kinds = [(c.label_kinds or {}).get(t, "binary") for t in c.tasks or []]
+        self._clusters = c.user_item_clusters
+        if c.user_item_clusters is not None:
             names = self.features.sparse_names
-            self._user = names.index(user_feature or "cat_0")
-            self._items = [names.index(n) for n in item_features or ["cat_1"]]
+            self._user = names.index(c.user_feature or "cat_0")
+            self._items = [names.index(n) for n in c.item_features or ["cat_1"]]
 
     def num_train_batches(self, world_size: int) -> int:
         return self._num_train_batches // world_size

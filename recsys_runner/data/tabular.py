@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsys_runner.data.base import DataModule, synchronized
+from recsys_runner.data.base import DataConfig, DataModule, synchronized
 from recsys_runner.data.schema import (
     BAD_ROW_MODES,
     DENSE_TRANSFORMS,
@@ -70,7 +70,7 @@ CRITEO_COLUMNS = ["label", *(f"int_{i}" for i in range(CRITEO_NUM_DENSE)), *(f"c
 
 
 @dataclass(kw_only=True)
-class TabularDataConfig:
+class TabularDataConfig(DataConfig):
     """Fields shared by every file-backed data option."""
 
     path: str = ""
@@ -80,8 +80,6 @@ class TabularDataConfig:
     eval_fraction: float | None = None
     """Share of training rows held out for eval by a hash of (file name, row number) when ``eval_path``
     is null (default 0.1); these rows are never trained on."""
-    batch_size: int = 512
-    """Rows per batch *per rank* (the global batch is ``batch_size × world_size``)."""
     shuffle: bool = True
     """Shuffle training data: unit (row group / block) order per epoch, plus the shuffle buffer."""
     shuffle_buffer_rows: int = 65_536
@@ -103,7 +101,7 @@ class TabularDataConfig:
 
     def __post_init__(self) -> None:
         require(bool(self.path), "data.path is required: a file, a directory or a glob, e.g. data.path=/data/train/")
-        require(self.batch_size > 0, f"data.batch_size must be positive, got {self.batch_size}. Fix: data.batch_size=512")
+        super().__post_init__()
         require(self.shuffle_buffer_rows >= 0, f"data.shuffle_buffer_rows must be >= 0, got {self.shuffle_buffer_rows}")
         require(self.num_workers >= 0, f"data.num_workers must be >= 0, got {self.num_workers}")
         require(self.on_bad_rows in BAD_ROW_MODES, f"data.on_bad_rows={self.on_bad_rows!r} must be one of {BAD_ROW_MODES}")
@@ -298,7 +296,7 @@ class TabularData(DataModule, abc.ABC):
 
     Example::
 
-        data = ParquetData(path="/data/train", sparse=[{"name": "item", "num_embeddings": 1000}])
+        data = make(ParquetDataConfig, path="/data/train", sparse=[{"name": "item", "num_embeddings": 1000}]).build()
         batch = next(iter(data.train_batches(epoch=0, rank=0, world_size=1)))
     """
 
@@ -510,19 +508,6 @@ def _plain(value: Any) -> Any:
     return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig | ListConfig) else value
 
 
-def _columns(items: Any, cls: type) -> list[Any]:
-    return [item if isinstance(item, cls) else cls(**_plain(item)) for item in _plain(items) or []]
-
-
-def _config(cls: type, fields: dict[str, Any]) -> Any:
-    fields = {k: _plain(v) for k, v in fields.items() if k != "_target_"}
-    if "dense" in fields:
-        fields["dense"] = _columns(fields["dense"], DenseColumn)
-    if "sparse" in fields:
-        fields["sparse"] = _columns(fields["sparse"], SparseColumn)
-    return cls(**fields)
-
-
 def config_schema(config: Any) -> Schema:
     """The schema a config's ``label`` / ``labels`` / ``label_kinds`` / ``dense`` / ``sparse`` describe."""
     labels, kinds = _mapping(config.labels, "data.labels"), _mapping(config.label_kinds, "data.label_kinds")
@@ -558,8 +543,7 @@ def schema_json(schema: Schema) -> bytes:
 class ParquetData(TabularData):
     """``data=parquet``: Parquet files (see :class:`ParquetDataConfig`)."""
 
-    def __init__(self, **fields: Any) -> None:
-        config: ParquetDataConfig = _config(ParquetDataConfig, fields)
+    def __init__(self, config: ParquetDataConfig) -> None:
         if config.sparse:
             schema = config_schema(config)
         else:
@@ -585,8 +569,7 @@ class ParquetData(TabularData):
 class CsvData(TabularData):
     """``data=csv``: delimited text files (see :class:`CsvDataConfig`)."""
 
-    def __init__(self, **fields: Any) -> None:
-        config: CsvDataConfig = _config(CsvDataConfig, fields)
+    def __init__(self, config: CsvDataConfig) -> None:
         super().__init__(config, config_schema(config))
 
     def _source(self, files: list[str]) -> CsvSource:
@@ -598,8 +581,7 @@ class CsvData(TabularData):
 class CriteoData(TabularData):
     """``data=criteo``: raw Criteo TSV files (see :class:`CriteoDataConfig`)."""
 
-    def __init__(self, **fields: Any) -> None:
-        config: CriteoDataConfig = _config(CriteoDataConfig, fields)
+    def __init__(self, config: CriteoDataConfig) -> None:
         sizes = config.num_embeddings_per_feature or [config.num_embeddings] * CRITEO_NUM_SPARSE
         super().__init__(config, criteo_schema(sizes, config.categorical_encoding, config.dense_transform))
 

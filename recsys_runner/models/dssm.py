@@ -108,7 +108,7 @@ class DSSM(nn.Module):
 
     Example::
 
-        data = SyntheticData(batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50)
+        data = make(SyntheticDataConfig, batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50).build()
         model = DSSM(DSSMConfig(embedding_dim=8, user_features=["cat_0", "int_0"], item_features=["cat_1"],
                                 tower_layer_sizes=[16, 8]), features=data.features)
         model.user_item(batch.dense_features, batch.sparse_features)   # ([8, 8], [8, 8])

@@ -121,7 +121,7 @@ class MMoE(nn.Module):
 
     Example::
 
-        data = SyntheticData(batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50, tasks=["ctr", "cvr"])
+        data = make(SyntheticDataConfig, batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50, tasks=["ctr", "cvr"]).build()
         model = MMoE(MMoEConfig(embedding_dim=8, tasks=["ctr", "cvr"], num_experts=2, expert_layer_sizes=[16],
                                 tower_layer_sizes=[8]), features=data.features)
         model(batch.dense_features, batch.sparse_features)   # {"ctr": [8], "cvr": [8]}
