@@ -213,7 +213,7 @@ def validate(cfg: DictConfig) -> RunConfig:
         raise ConfigError(_omegaconf_message(e)) from None
     assert isinstance(run, RunConfig), f"root config is {type(run)}; conf/config.yaml must extend run_schema"
     device_type = resolve_device_type(run.distributed.device)
-    check_sparse_on_device(run.optim.sparse._target_, device_type)
+    check_sparse_on_device(run.optim.sparse, device_type)
     check_sharding_types(run.distributed.sharding_types, device_type, run.distributed.tables)
     return run
 

@@ -39,7 +39,7 @@ def dry_run(cfg: DictConfig) -> PlanReport:
     data = instantiate(cfg.data)
     # Dense layers on meta too: the plan only places embedding tables, and nothing may allocate.
     model = TrainWrapper(instantiate(cfg.model)(features=data.features, dense_device=torch.device("meta")))
-    apply_sparse_optimizer(model, instantiate(cfg.optim.sparse))  # optimizer state counts toward table memory
+    apply_sparse_optimizer(model, run.optim.sparse)  # optimizer state counts toward table memory
     return distributed.dry_plan(model, batch_size=data.batch_size, device_type=resolve_device_type(run.distributed.device))
 
 
