@@ -35,9 +35,17 @@ from recsys_runner.errors import ConfigError, UserError
 from recsys_runner.evaluation import Evaluator
 from recsys_runner.metrics import TaskTrainMetrics
 from recsys_runner.models.common import TrainWrapper
-from recsys_runner.optim import DENSE, SPARSE, GroupedOptimizer, OptimizerGroup, apply_sparse_optimizer, dense_optimizers
+from recsys_runner.optim import (
+    DENSE,
+    SPARSE,
+    GroupedOptimizer,
+    OptimConfig,
+    OptimizerGroup,
+    apply_sparse_optimizer,
+    dense_optimizers,
+)
 from recsys_runner.runner import Loop
-from recsys_runner.scheduler import SchedulePosition
+from recsys_runner.scheduler import Schedule, SchedulePosition, SchedulerConfig
 from recsys_runner.scheduler import lr_scheduler as make_lr_scheduler
 from recsys_runner.stepping import Stepper, StepPolicy
 from recsys_runner.stopping import EarlyStopping
@@ -109,14 +117,14 @@ def build(cfg: DictConfig, run: RunConfig) -> Components:
         model = run.model.build(features=data.features, dense_device=env.device)
         wrapped = TrainWrapper(model, autocast=precision.autocast(env.device), features=data.features)
         check_eval_keys(run, wrapped.tasks, data.features.sparse_names, type(model).__name__)  # before the tracker starts a run
-        apply_sparse_optimizer(wrapped, instantiate(cfg.optim.sparse))
+        apply_sparse_optimizer(wrapped, run.optim.sparse)
         plan = distributed.plan(wrapped, batch_size=data.batch_size)
         sharded = distributed.shard(wrapped, plan)
         dense_params = dict(in_backward_optimizer_filter(sharded.named_parameters()))
-        parts = {name: (part.pattern, instantiate(part.optimizer)) for name, part in cfg.optim.parts.items()}
-        dense = dense_optimizers(dense_params, instantiate(cfg.optim.dense), parts)
+        parts = {name: (part.pattern, part.optimizer.build) for name, part in run.optim.part_configs().items()}
+        dense = dense_optimizers(dense_params, run.optim.dense.build, parts)
         optimizer = GroupedOptimizer([(SPARSE, sharded.fused_optimizer), *dense])
-        lr_scheduler = make_lr_scheduler(optimizer, *_schedules(cfg, total_steps, steps_per_epoch))
+        lr_scheduler = make_lr_scheduler(optimizer, *_schedules(run, total_steps, steps_per_epoch))
         ema = DenseEMA(dense_params, run.train.ema.decay) if run.train.ema.decay is not None else None
         policy = StepPolicy(sparse=sharded.fused_optimizer, dense=GroupedOptimizer(dense),
                             accumulation_steps=run.train.grad_accum_steps, scaler=precision.grad_scaler(env.device),
@@ -144,20 +152,21 @@ def build(cfg: DictConfig, run: RunConfig) -> Components:
     return Components(run=run, env=env, distributed=distributed, plan=plan, loop=loop)
 
 
-def _schedules(cfg: DictConfig, total_steps: int, steps_per_epoch: int | None) -> tuple[dict[OptimizerGroup, Any], Any]:
+def _schedules(run: RunConfig, total_steps: int, steps_per_epoch: int | None) -> tuple[dict[OptimizerGroup, Schedule], Schedule]:
     """The per-optimizer-group schedules that replace the default one, and the default."""
 
-    def make(node: Any) -> Any:
-        return instantiate(node)(total_steps=total_steps, steps_per_epoch=steps_per_epoch)
+    def make(config: SchedulerConfig) -> Schedule:
+        return config.build(total_steps=total_steps, steps_per_epoch=steps_per_epoch)
 
-    default = make(cfg.scheduler)
-    own: dict[OptimizerGroup, Any] = {}
-    if cfg.optim.sparse_scheduler is not None:
-        own[SPARSE] = make(cfg.optim.sparse_scheduler)
-    dense = make(cfg.optim.dense_scheduler) if cfg.optim.dense_scheduler is not None else None
+    optim: OptimConfig = run.optim
+    default = make(run.scheduler)
+    own: dict[OptimizerGroup, Schedule] = {}
+    if optim.sparse_scheduler is not None:
+        own[SPARSE] = make(optim.sparse_scheduler)
+    dense = make(optim.dense_scheduler) if optim.dense_scheduler is not None else None
     if dense is not None:
         own[DENSE] = dense
-    for name, part in cfg.optim.parts.items():
+    for name, part in optim.part_configs().items():
         if part.scheduler is not None:
             own[OptimizerGroup.part(name)] = make(part.scheduler)
         elif dense is not None:

@@ -7,11 +7,17 @@ updates each row *during* the backward pass, so embedding gradients are never ma
 Its keyword arguments are passed to fbgemm as-is (``lr`` becomes ``learning_rate``), which is why
 Adam takes ``beta1``/``beta2`` here, not ``betas``.
 
-Dense: an ordinary ``torch.optim`` class, instantiated as a partial and called by the builder with
-the parameters that are left once sharding is done.
+Dense: an ordinary ``torch.optim`` class, built by its config (:meth:`DenseOptimizerConfig.build`)
+with the parameters that are left once sharding is done.
+
+Both kinds of config name a class that is not ours (a ``torchrec.optim`` or ``torch.optim`` class), so
+unlike other :class:`~recsys_runner.configurable.Configurable` configs they do not pass themselves to
+it: :class:`SparseOptimizerConfig` hands its class and keyword arguments to TorchRec
+(:func:`apply_sparse_optimizer`), :class:`DenseOptimizerConfig` calls its class with the parameters
+and its fields.
 
 ``optim.lr`` is the shared learning rate: both ``optim.sparse.lr`` and ``optim.dense.lr`` default
-to it and can be set independently.
+to it and can be set independently (a part's optimizer too, unless it sets its own ``lr``).
 
 Part-wise dense optimizers (``optim.parts.<name>``): dense parameters whose name matches a part's
 regex get that part's optimizer (and optionally its own schedule) instead of ``optim.dense``;
@@ -29,20 +35,25 @@ optimizer composes and instantiates anywhere but is rejected on CPU by
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
-from omegaconf import II
+from omegaconf import II, MISSING
 from torch import nn
+from torch.optim.optimizer import ParamsT
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
 
+from recsys_runner.configurable import Configurable, config_class, locate_class, make
 from recsys_runner.errors import ConfigError, require
+from recsys_runner.scheduler import SchedulerConfig
+
+C = TypeVar("C")
 
 
 def _check_common(where: str, lr: float, weight_decay: float) -> None:
@@ -50,66 +61,49 @@ def _check_common(where: str, lr: float, weight_decay: float) -> None:
     require(weight_decay >= 0, f"{where}.weight_decay must be >= 0, got {weight_decay}")
 
 
-@dataclass(kw_only=True)
-class OptimConfig:
-    """Schema of every ``conf/optim/*.yaml``: a shared lr plus one sparse and one dense optimizer."""
-
-    lr: float = 0.01
-    """Learning rate used by both optimizers unless ``optim.sparse.lr``/``optim.dense.lr`` are set."""
-    sparse: Any = None
-    """Fused embedding optimizer; choose with ``optim/sparse=<name>``."""
-    dense: Any = None
-    """Dense optimizer; choose with ``optim/dense=<name>``."""
-    parts: dict[str, Any] = field(default_factory=dict)
-    """Part-wise dense optimizers by parameter-name regex, each ``{pattern, optimizer, scheduler}``
-    (:class:`PartConfig`), e.g. ``+optim.parts.over={pattern: over_arch, optimizer: {_target_:
-    torch.optim.SGD, _partial_: true, lr: 0.1}}``; parameters no part matches use ``optim.dense``."""
-    sparse_scheduler: Any = None
-    """Schedule of the sparse lr only; ``null`` uses the top-level ``scheduler``. Set with
-    ``+scheduler@optim.sparse_scheduler=cosine``."""
-    dense_scheduler: Any = None
-    """Schedule of the dense lr only; ``null`` uses the top-level ``scheduler``
-    (``+scheduler@optim.dense_scheduler=exponential_decay``)."""
-
-    def __post_init__(self) -> None:
-        require(self.lr > 0, f"optim.lr must be positive, got {self.lr}. Fix: e.g. optim.lr=0.01")
-        require(self.sparse is not None, "optim.sparse is not set; choose one with optim/sparse=adagrad (or sgd, rowwise_adagrad, adam)")
-        require(self.dense is not None, "optim.dense is not set; choose one with optim/dense=adagrad (or sgd, adam)")
-        for name, part in self.parts.items():
-            require(isinstance(part, dict) and set(part) <= {"pattern", "optimizer", "scheduler"} and "pattern" in part,
-                    f"optim.parts.{name} must be {{pattern: <regex>, optimizer: {{_target_: …}}, scheduler: <optional>}}, got {part}")
-            PartConfig(**part).check(name)
-
-
-@dataclass(kw_only=True)
-class PartConfig:
-    """One part-wise dense optimizer: ``optim.parts.<name>``."""
-
-    pattern: str
-    """Regular expression searched (``re.search``) in each dense parameter's name, e.g. ``over_arch``."""
-    optimizer: Any = None
-    """A dense optimizer config (``_target_`` a ``torch.optim`` class, ``_partial_: true``, its own ``lr``)."""
-    scheduler: Any = None
-    """The part's own schedule; ``null`` uses ``optim.dense_scheduler`` or else ``scheduler``."""
-
-    def check(self, name: str) -> None:
-        """Called from ``OptimConfig.__post_init__`` (parts are free-form dicts in the schema: OmegaConf
-        cannot add keys to a dict of dataclasses from the command line)."""
-        try:
-            re.compile(self.pattern)
-        except re.error as e:
-            raise ConfigError(f"optim.parts.{name}.pattern={self.pattern!r} is not a valid regular expression: {e}") from None
-        require(self.optimizer is not None, f"optim.parts.{name} has no optimizer; set optim.parts.{name}.optimizer="
-                "{_target_: torch.optim.SGD, _partial_: true, lr: 0.1} (any torch.optim class)")
+def _kwargs(config: Configurable) -> dict[str, Any]:
+    """Every field of ``config`` but ``_target_``: the keyword arguments of the optimizer class it names."""
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "_target_"}
 
 
 # ----- sparse (fused, fbgemm) -------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class SparseOptimizerConfig(Configurable):
+    """Base of every fused embedding optimizer's config (``optim.sparse``, ``conf/optim/sparse/*.yaml``).
+
+    ``_target_`` is a TorchRec optimizer class (``torchrec.optim.Adagrad`` …), which is never
+    instantiated here: :func:`apply_sparse_optimizer` attaches :meth:`optimizer_class` with
+    :meth:`kwargs` to the embedding parameters and fbgemm builds the fused kernel from them.
+    """
+
+    lr: float = II("..lr")
+    """The embedding learning rate; ``optim.lr`` unless set."""
+
+    def __post_init__(self) -> None:
+        _check_common("optim.sparse", self.lr, 0.0)
+
+    def optimizer_class(self) -> type[torch.optim.Optimizer]:
+        """The TorchRec optimizer class ``_target_`` names."""
+        cls = self.component_class()
+        if not issubclass(cls, torch.optim.Optimizer):
+            raise ConfigError(f"optim.sparse._target_={self._target_} is not an optimizer class; e.g. torchrec.optim.RowWiseAdagrad")
+        return cls
+
+    def kwargs(self) -> dict[str, Any]:
+        """The fields but ``_target_``, as fbgemm takes them: passed as-is (``lr`` becomes its ``learning_rate``)."""
+        return _kwargs(self)
+
 
 _WEIGHT_DECAY_MODES = ("none", "l2", "decouple")
 
 
 @dataclass(kw_only=True)
-class _FusedExtras:
+class _FusedConfig(SparseOptimizerConfig):
+    """The fields every fused optimizer but plain SGD has: weight decay and in-kernel gradient clipping."""
+
+    weight_decay: float = 0.0
     weight_decay_mode: str = "none"
     """How ``weight_decay`` is applied by fbgemm: ``none``, ``l2`` (added to the gradient) or
     ``decouple`` (AdamW-style, applied to the weights)."""
@@ -118,42 +112,39 @@ class _FusedExtras:
     max_gradient: float = 1.0
     """Clipping threshold when ``gradient_clipping`` is on."""
 
-    def _check_extras(self, weight_decay: float) -> None:
+    def __post_init__(self) -> None:
+        _check_common("optim.sparse", self.lr, self.weight_decay)
         require(self.weight_decay_mode in _WEIGHT_DECAY_MODES,
                 f"optim.sparse.weight_decay_mode={self.weight_decay_mode!r} must be one of {_WEIGHT_DECAY_MODES}")
         require(self.max_gradient > 0, f"optim.sparse.max_gradient must be positive, got {self.max_gradient}")
-        require(weight_decay == 0 or self.weight_decay_mode != "none",
-                f"optim.sparse.weight_decay={weight_decay} has no effect with weight_decay_mode=none; "
+        require(self.weight_decay == 0 or self.weight_decay_mode != "none",
+                f"optim.sparse.weight_decay={self.weight_decay} has no effect with weight_decay_mode=none; "
                 "set optim.sparse.weight_decay_mode=l2 (or decouple)")
 
+    def kwargs(self) -> dict[str, Any]:
+        """As the base, with ``weight_decay_mode`` as fbgemm's ``WeightDecayMode`` enum."""
+        from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
+
+        return {**_kwargs(self), "weight_decay_mode": WeightDecayMode[self.weight_decay_mode.upper()]}
 
 
 @dataclass(kw_only=True)
-class SparseSGDConfig:
+class SparseSGDConfig(SparseOptimizerConfig):
     """Plain SGD on embedding rows (fbgemm ``EXACT_SGD``)."""
 
     _target_: str = "torchrec.optim.SGD"
-    _partial_: bool = True
-    lr: float = II("..lr")
-
-    def __post_init__(self) -> None:
-        _check_common("optim.sparse", self.lr, 0.0)
 
 
 @dataclass(kw_only=True)
-class SparseAdagradConfig(_FusedExtras):
+class SparseAdagradConfig(_FusedConfig):
     """Adagrad with one accumulator per embedding element (fbgemm ``EXACT_ADAGRAD``)."""
 
     _target_: str = "torchrec.optim.Adagrad"
-    _partial_: bool = True
-    lr: float = II("..lr")
     eps: float = 1e-8
-    weight_decay: float = 0.0
 
     def __post_init__(self) -> None:
-        _check_common("optim.sparse", self.lr, self.weight_decay)
+        super().__post_init__()
         require(self.eps > 0, f"optim.sparse.eps must be positive, got {self.eps}")
-        self._check_extras(self.weight_decay)
 
 
 @dataclass(kw_only=True)
@@ -165,22 +156,18 @@ class SparseRowWiseAdagradConfig(SparseAdagradConfig):
 
 
 @dataclass(kw_only=True)
-class SparseAdamConfig(_FusedExtras):
+class SparseAdamConfig(_FusedConfig):
     """Adam on embedding rows (fbgemm ``ADAM``, GPU only); keeps two moments per element."""
 
     _target_: str = "torchrec.optim.Adam"
-    _partial_: bool = True
-    lr: float = II("..lr")
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
-    weight_decay: float = 0.0
 
     def __post_init__(self) -> None:
-        _check_common("optim.sparse", self.lr, self.weight_decay)
+        super().__post_init__()
         require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, f"optim.sparse.beta1/beta2 must lie in [0, 1), got {self.beta1}, {self.beta2}")
         require(self.eps > 0, f"optim.sparse.eps must be positive, got {self.eps}")
-        self._check_extras(self.weight_decay)
 
 
 @dataclass(kw_only=True)
@@ -205,70 +192,77 @@ class SparsePartialRowWiseLAMBConfig(SparseAdamConfig):
 
 
 @dataclass(kw_only=True)
-class SparseLarsSGDConfig(_FusedExtras):
+class SparseLarsSGDConfig(_FusedConfig):
     """LARS SGD: SGD with a layer-wise trust ratio (fbgemm ``LARS_SGD``, GPU only)."""
 
     _target_: str = "torchrec.optim.LarsSGD"
-    _partial_: bool = True
-    lr: float = II("..lr")
     eta: float = 0.001
     """LARS trust coefficient."""
     momentum: float = 0.9
-    weight_decay: float = 0.0
 
     def __post_init__(self) -> None:
-        _check_common("optim.sparse", self.lr, self.weight_decay)
+        super().__post_init__()
         require(self.eta > 0, f"optim.sparse.eta must be positive, got {self.eta}")
         require(0 <= self.momentum < 1, f"optim.sparse.momentum must lie in [0, 1), got {self.momentum}")
-        self._check_extras(self.weight_decay)
 
 
 # ----- dense (torch.optim) ----------------------------------------------------------------------
 
 
 @dataclass(kw_only=True)
-class DenseSGDConfig:
-    """``torch.optim.SGD`` for the dense parameters."""
+class DenseOptimizerConfig(Configurable):
+    """Base of every dense optimizer's config (``optim.dense``, ``conf/optim/dense/*.yaml``, a part's ``optimizer``).
 
-    _target_: str = "torch.optim.SGD"
-    _partial_: bool = True
+    ``_target_`` is a ``torch.optim`` class; :meth:`build` calls it with the parameters and every
+    other field as a keyword argument, so a subclass declares exactly that class's arguments.
+    """
+
     lr: float = II("..lr")
-    momentum: float = 0.0
-    nesterov: bool = False
+    """The dense learning rate; ``optim.lr`` unless set."""
     weight_decay: float = 0.0
 
     def __post_init__(self) -> None:
         _check_common("optim.dense", self.lr, self.weight_decay)
+
+    def build(self, params: ParamsT) -> torch.optim.Optimizer:  # type: ignore[override]
+        """``<_target_>(params, **fields)``: the optimizer of ``params``."""
+        cls = self.component_class()
+        if not issubclass(cls, torch.optim.Optimizer):
+            raise ConfigError(f"optim.dense._target_={self._target_} is not a torch.optim.Optimizer class; e.g. torch.optim.Adam")
+        return cls(params, **_kwargs(self))
+
+
+@dataclass(kw_only=True)
+class DenseSGDConfig(DenseOptimizerConfig):
+    """``torch.optim.SGD`` for the dense parameters."""
+
+    _target_: str = "torch.optim.SGD"
+    momentum: float = 0.0
+    nesterov: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         require(not self.nesterov or self.momentum > 0, "optim.dense.nesterov=true needs optim.dense.momentum > 0")
 
 
 @dataclass(kw_only=True)
-class DenseAdagradConfig:
+class DenseAdagradConfig(DenseOptimizerConfig):
     """``torch.optim.Adagrad`` for the dense parameters."""
 
     _target_: str = "torch.optim.Adagrad"
-    _partial_: bool = True
-    lr: float = II("..lr")
     eps: float = 1e-8
-    weight_decay: float = 0.0
-
-    def __post_init__(self) -> None:
-        _check_common("optim.dense", self.lr, self.weight_decay)
 
 
 @dataclass(kw_only=True)
-class DenseAdamConfig:
+class DenseAdamConfig(DenseOptimizerConfig):
     """``torch.optim.Adam`` for the dense parameters."""
 
     _target_: str = "torch.optim.Adam"
-    _partial_: bool = True
-    lr: float = II("..lr")
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
-    weight_decay: float = 0.0
 
     def __post_init__(self) -> None:
-        _check_common("optim.dense", self.lr, self.weight_decay)
+        super().__post_init__()
         require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
                 f"optim.dense.betas needs two values in [0, 1), got {self.betas}")
 
@@ -281,14 +275,129 @@ class DenseAdamWConfig(DenseAdamConfig):
     weight_decay: float = 0.01
 
 
+DENSE_CONFIGS: tuple[type[DenseOptimizerConfig], ...] = (DenseSGDConfig, DenseAdagradConfig, DenseAdamConfig, DenseAdamWConfig)
+"""The dense optimizer schemas; a part's ``optimizer: {_target_: …}`` is typed by the one with that ``_target_``."""
+
+
+# ----- the optim section ------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class PartConfig:
+    """One part-wise dense optimizer: ``optim.parts.<name>`` (made by :meth:`OptimConfig.__post_init__`)."""
+
+    pattern: str
+    """Regular expression searched (``re.search``) in each dense parameter's name, e.g. ``over_arch``."""
+    optimizer: DenseOptimizerConfig
+    """The part's dense optimizer (``_target_`` a ``torch.optim`` class with a schema, its own fields; ``lr`` defaults to ``optim.lr``)."""
+    scheduler: SchedulerConfig | None = None
+    """The part's own schedule; ``null`` uses ``optim.dense_scheduler`` or else ``scheduler``."""
+
+
+_PART_KEYS = {"pattern", "optimizer", "scheduler"}
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """Schema of every ``conf/optim/*.yaml``: a shared lr plus one sparse and one dense optimizer."""
+
+    lr: float = 0.01
+    """Learning rate used by both optimizers unless ``optim.sparse.lr``/``optim.dense.lr`` are set."""
+    sparse: SparseOptimizerConfig = MISSING
+    """Fused embedding optimizer; choose with ``optim/sparse=<name>``."""
+    dense: DenseOptimizerConfig = MISSING
+    """Dense optimizer; choose with ``optim/dense=<name>``."""
+    parts: dict[str, Any] = field(default_factory=dict)
+    """Part-wise dense optimizers by parameter-name regex, each ``{pattern, optimizer, scheduler}``, e.g.
+    ``+optim.parts.over={pattern: over_arch, optimizer: {_target_: torch.optim.SGD, lr: 0.1}}``;
+    parameters no part matches use ``optim.dense``. A :class:`PartConfig` after validation.
+
+    Free-form in the schema because OmegaConf cannot add a plain mapping to a ``dict[str, PartConfig]``
+    (Hydra's ``+optim.parts.<name>={…}`` fails with "dict is not a subclass of PartConfig"), and a field
+    typed ``DenseOptimizerConfig`` would reject the keys only its subclasses have (``momentum`` …). :meth:`__post_init__`
+    therefore converts each entry with :func:`~recsys_runner.configurable.make`: the optimizer by the
+    schema whose ``_target_`` it names (:data:`DENSE_CONFIGS`, or the ``config`` annotation of a
+    user's class), the scheduler by its ``_target_``'s ``config`` annotation (or kept as is when
+    composed with ``+scheduler@optim.parts.<name>.scheduler=…``). Unknown keys fail there.
+    """
+    sparse_scheduler: SchedulerConfig | None = None
+    """Schedule of the sparse lr only; ``null`` uses the top-level ``scheduler``. Set with
+    ``+scheduler@optim.sparse_scheduler=cosine``."""
+    dense_scheduler: SchedulerConfig | None = None
+    """Schedule of the dense lr only; ``null`` uses the top-level ``scheduler``
+    (``+scheduler@optim.dense_scheduler=exponential_decay``)."""
+
+    def __post_init__(self) -> None:
+        require(self.lr > 0, f"optim.lr must be positive, got {self.lr}. Fix: e.g. optim.lr=0.01")
+        self.parts = {name: _part_config(name, part, self.lr) for name, part in self.parts.items()}
+
+    def part_configs(self) -> dict[str, PartConfig]:
+        """:attr:`parts`, typed (every entry is a :class:`PartConfig` once ``__post_init__`` ran)."""
+        assert all(isinstance(p, PartConfig) for p in self.parts.values())
+        return dict(self.parts)
+
+
+def _part_config(name: str, part: Any, lr: float) -> PartConfig:
+    """``optim.parts.<name>`` as a :class:`PartConfig`; :class:`ConfigError` naming the part for any mistake."""
+    where = f"optim.parts.{name}"
+    if isinstance(part, PartConfig):
+        part = {"pattern": part.pattern, "optimizer": part.optimizer, "scheduler": part.scheduler}
+    require(isinstance(part, Mapping) and set(part) <= _PART_KEYS and "pattern" in part,
+            f"{where} must be {{pattern: <regex>, optimizer: {{_target_: …}}, scheduler: <optional>}}, got {part}")
+    pattern = part["pattern"]
+    require(isinstance(pattern, str), f"{where}.pattern must be a regular expression string, got {pattern!r}")
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise ConfigError(f"{where}.pattern={pattern!r} is not a valid regular expression: {e}") from None
+    optimizer = part.get("optimizer")
+    require(optimizer is not None, f"{where} has no optimizer; set {where}.optimizer="
+            "{_target_: torch.optim.SGD, lr: 0.1} (a torch.optim class of optim/dense: SGD, Adagrad, Adam, AdamW)")
+    scheduler = part.get("scheduler")
+    return PartConfig(
+        pattern=pattern,
+        optimizer=optimizer if isinstance(optimizer, DenseOptimizerConfig) else _dense_config(f"{where}.optimizer", optimizer, lr),
+        scheduler=scheduler if scheduler is None or isinstance(scheduler, SchedulerConfig)
+        else _typed_mapping(f"{where}.scheduler", scheduler, SchedulerConfig, {}),
+    )
+
+
+def _dense_config(where: str, node: Any, lr: float) -> DenseOptimizerConfig:
+    by_target = {c._target_: c for c in DENSE_CONFIGS}
+    target = node.get("_target_") if isinstance(node, Mapping) else None
+    if target in by_target:
+        return _typed_mapping(where, node, DenseOptimizerConfig, {"lr": lr}, by_target[target])
+    return _typed_mapping(where, node, DenseOptimizerConfig, {"lr": lr})
+
+
+def _typed_mapping(where: str, node: Any, base: type[C], defaults: Mapping[str, Any], schema: type | None = None) -> C:
+    """``node`` (a plain mapping with ``_target_``) made into ``schema``, by default the ``config`` annotation of its class."""
+    require(isinstance(node, Mapping) and isinstance(node.get("_target_"), str),
+            f"{where} must be a mapping with a _target_, got {node!r}")
+    fields = {k: v for k, v in node.items() if k != "_partial_"}  # accepted from before configs built their component
+    if schema is None:
+        try:
+            schema = config_class(locate_class(fields["_target_"]))
+        except ConfigError as e:
+            raise ConfigError(f"{where}.{e}") from None
+        require(schema is not None and issubclass(schema, base),
+                f"{where}._target_={fields['_target_']} has no config schema subclassing {base.__name__}"
+                + (f"; use one of {sorted(c._target_ for c in DENSE_CONFIGS)}" if base is DenseOptimizerConfig else ""))
+        assert schema is not None
+    try:
+        return make(schema, {**defaults, **fields})
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
 CPU_FUSED_SPARSE = {"torchrec.optim.SGD": "sgd", "torchrec.optim.Adagrad": "adagrad", "torchrec.optim.RowWiseAdagrad": "rowwise_adagrad"}
 """Sparse optimizers for which fbgemm has a CPU kernel (its CPU build asserts on any other)."""
 
 
-def check_sparse_on_device(sparse_target: str, device_type: str) -> None:
+def check_sparse_on_device(sparse: SparseOptimizerConfig, device_type: str) -> None:
     """Fail early, with the alternatives, when fbgemm has no kernel for this optimizer here."""
-    if device_type == "cpu" and sparse_target not in CPU_FUSED_SPARSE:
-        name = sparse_target.rsplit(".", 1)[-1]
+    if device_type == "cpu" and sparse._target_ not in CPU_FUSED_SPARSE:
+        name = sparse._target_.rsplit(".", 1)[-1]
         raise ConfigError(
             f"optim.sparse is {name}, which fbgemm implements only on GPU; on CPU the fused embedding optimizers "
             f"are {sorted(CPU_FUSED_SPARSE.values())}. Fix: optim/sparse=rowwise_adagrad (keeping your dense "
@@ -337,26 +446,17 @@ class GroupedOptimizer(CombinedOptimizer):
 # ----- wiring -----------------------------------------------------------------------------------
 
 
-def fbgemm_kwargs(keywords: Mapping[str, Any]) -> dict[str, Any]:
-    """A sparse optimizer's config kwargs as fbgemm takes them (``weight_decay_mode`` as its enum)."""
-    from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
-
-    out = dict(keywords)
-    if "weight_decay_mode" in out:
-        out["weight_decay_mode"] = WeightDecayMode[str(out["weight_decay_mode"]).upper()]
-    return out
-
-
-def apply_sparse_optimizer(model: nn.Module, sparse: functools.partial[torch.optim.Optimizer]) -> None:
-    """Attach the fused optimizer to every embedding module's parameters in ``model``.
+def apply_sparse_optimizer(model: nn.Module, sparse: SparseOptimizerConfig) -> None:
+    """Attach the fused optimizer ``sparse`` describes to every embedding module's parameters in ``model``.
 
     Must run before DistributedModelParallel: the sharder reads the attached class and kwargs to
     build fbgemm's fused kernels.
     """
     embedding_modules = [m for m in model.modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))]
     assert embedding_modules, "model has no embedding module; every model builds a SparseArch"
+    optimizer_class, kwargs = sparse.optimizer_class(), sparse.kwargs()
     for module in embedding_modules:
-        apply_optimizer_in_backward(sparse.func, module.parameters(), fbgemm_kwargs(sparse.keywords))
+        apply_optimizer_in_backward(optimizer_class, module.parameters(), kwargs)
 
 
 def dense_optimizers(
@@ -366,7 +466,7 @@ def dense_optimizers(
 ) -> list[tuple[OptimizerGroup, KeyedOptimizer]]:
     """Split dense ``params`` by the parts' regexes: ``[(OptimizerGroup.part(<name>), opt), …, (DENSE, opt)]``.
 
-    ``parts`` maps a part name to ``(pattern, optimizer partial)``; the first matching part takes a
+    ``parts`` maps a part name to ``(pattern, optimizer factory)`` (a :meth:`DenseOptimizerConfig.build`); the first matching part takes a
     parameter. A part that matches nothing is a config mistake and raises :class:`ConfigError`.
     """
     remaining = dict(params)

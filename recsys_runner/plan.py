@@ -19,7 +19,6 @@ import sys
 
 import hydra
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from recsys_runner.config import register_configs, validate
@@ -39,7 +38,7 @@ def dry_run(cfg: DictConfig) -> PlanReport:
     data = run.data.for_model(run.model.data_needs()).build()
     # Dense layers on meta too: the plan only places embedding tables, and nothing may allocate.
     model = TrainWrapper(run.model.build(features=data.features, dense_device=torch.device("meta")))
-    apply_sparse_optimizer(model, instantiate(cfg.optim.sparse))  # optimizer state counts toward table memory
+    apply_sparse_optimizer(model, run.optim.sparse)  # optimizer state counts toward table memory
     return distributed.dry_plan(model, batch_size=data.batch_size, device_type=resolve_device_type(run.distributed.device))
 
 

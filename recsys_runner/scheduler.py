@@ -1,7 +1,8 @@
 """Learning-rate schedules as pure functions ``step → multiplier`` of each group's base lr.
 
-Each schedule is a small callable class, instantiated as a partial from ``conf/scheduler/*.yaml``
-and completed by the builder with ``total_steps`` and ``steps_per_epoch``. :func:`lr_scheduler`
+Each schedule is a small callable class that takes its config dataclass (``CosineConfig`` …, all
+:class:`SchedulerConfig`\ s, the schemas of ``conf/scheduler/*.yaml``) plus the runtime counts only
+the builder knows: ``config.build(total_steps=…, steps_per_epoch=…)``. :func:`lr_scheduler`
 wraps them in one ``torch.optim.lr_scheduler.LambdaLR`` over the combined optimizer with one
 function per param group: by default the top-level ``scheduler`` drives every lr (sparse, dense,
 each part); ``optim.sparse_scheduler``, ``optim.dense_scheduler`` and ``optim.parts.<name>.scheduler``
@@ -20,11 +21,15 @@ import bisect
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from recsys_runner.configurable import Configurable
 from recsys_runner.errors import ConfigError, require
-from recsys_runner.optim import GroupedOptimizer, OptimizerGroup
+
+if TYPE_CHECKING:
+    from recsys_runner.optim import GroupedOptimizer, OptimizerGroup
 
 
 def _warmup(step: int, warmup_steps: int, warmup_start: float) -> float | None:
@@ -35,7 +40,9 @@ def _warmup(step: int, warmup_steps: int, warmup_start: float) -> float | None:
 
 
 @dataclass(kw_only=True)
-class _WarmupConfig:
+class SchedulerConfig(Configurable):
+    """Base of every schedule's config: the warmup every schedule has. ``_target_`` names a :class:`Schedule`."""
+
     warmup_steps: int = 0
     """Steps of linear warmup before the schedule proper starts (epochs if ``by_epoch``)."""
     warmup_start: float = 0.0
@@ -47,21 +54,25 @@ class _WarmupConfig:
         require(self.warmup_steps >= 0, f"scheduler.warmup_steps must be >= 0, got {self.warmup_steps}")
         require(0 <= self.warmup_start <= 1, f"scheduler.warmup_start must lie in [0, 1], got {self.warmup_start}")
 
+    def build(self, *, total_steps: int, steps_per_epoch: int | None = None) -> Schedule:  # type: ignore[override]
+        """The schedule for a run of ``total_steps`` optimizer steps (``steps_per_epoch`` of them per epoch, if known)."""
+        schedule = self.component_class()(self, total_steps=total_steps, steps_per_epoch=steps_per_epoch)
+        assert isinstance(schedule, Schedule), f"{self._target_} is not a recsys_runner.scheduler.Schedule"
+        return schedule
+
 
 @dataclass(kw_only=True)
-class ConstantConfig(_WarmupConfig):
+class ConstantConfig(SchedulerConfig):
     """Schema of ``conf/scheduler/constant.yaml``."""
 
     _target_: str = "recsys_runner.scheduler.Constant"
-    _partial_: bool = True
 
 
 @dataclass(kw_only=True)
-class ExponentialDecayConfig(_WarmupConfig):
+class ExponentialDecayConfig(SchedulerConfig):
     """Schema of ``conf/scheduler/exponential_decay.yaml``."""
 
     _target_: str = "recsys_runner.scheduler.ExponentialDecay"
-    _partial_: bool = True
     decay_steps: int = 1000
     """The lr is multiplied by ``decay_rate`` every ``decay_steps`` steps after warmup."""
     decay_rate: float = 0.5
@@ -80,11 +91,10 @@ class ExponentialDecayConfig(_WarmupConfig):
 
 
 @dataclass(kw_only=True)
-class CosineConfig(_WarmupConfig):
+class CosineConfig(SchedulerConfig):
     """Schema of ``conf/scheduler/cosine.yaml``."""
 
     _target_: str = "recsys_runner.scheduler.Cosine"
-    _partial_: bool = True
     min_factor: float = 0.0
     """Multiplier reached at the last step."""
 
@@ -110,11 +120,10 @@ class CosineRestartsConfig(CosineConfig):
 
 
 @dataclass(kw_only=True)
-class ManualStepConfig(_WarmupConfig):
+class ManualStepConfig(SchedulerConfig):
     """Schema of ``conf/scheduler/manual_step.yaml``: piecewise-constant multipliers."""
 
     _target_: str = "recsys_runner.scheduler.ManualStep"
-    _partial_: bool = True
     boundaries: list[int] = field(default_factory=lambda: [1000, 2000])
     """Steps after warmup at which the next rate starts, strictly increasing."""
     rates: list[float] = field(default_factory=lambda: [1.0, 0.1, 0.01])
@@ -130,26 +139,28 @@ class ManualStepConfig(_WarmupConfig):
         require(all(r >= 0 for r in self.rates), f"scheduler.rates must be >= 0, got {self.rates}")
 
 
-class _Schedule(abc.ABC):
-    def __init__(
-        self, *, total_steps: int, steps_per_epoch: int | None = None, warmup_steps: int = 0,
-        warmup_start: float = 0.0, by_epoch: bool = False,
-    ) -> None:
-        if by_epoch:
+class Schedule(abc.ABC):
+    """``step → multiplier`` of the base lr: the warmup, then :meth:`after_warmup`. Built by :meth:`SchedulerConfig.build`.
+
+    ``total_steps`` and ``warmup_steps`` are in epochs when ``config.by_epoch`` (``steps_per_epoch`` is then required).
+    """
+
+    def __init__(self, config: SchedulerConfig, *, total_steps: int, steps_per_epoch: int | None = None) -> None:
+        if config.by_epoch:
             if not steps_per_epoch:
                 raise ConfigError("scheduler.by_epoch=true needs a dataset whose epoch length is known up front; "
                                   "set scheduler.by_epoch=false")
             total = math.ceil(total_steps / steps_per_epoch)
         else:
             total = total_steps
-        unit = "epochs" if by_epoch else "training steps"
-        if warmup_steps > total:
+        unit = "epochs" if config.by_epoch else "training steps"
+        if config.warmup_steps > total:
             raise ConfigError(
-                f"scheduler.warmup_steps={warmup_steps} exceeds the run's {total} {unit}; "
+                f"scheduler.warmup_steps={config.warmup_steps} exceeds the run's {total} {unit}; "
                 f"lower scheduler.warmup_steps or train longer"
             )
-        self.total_steps, self.warmup_steps, self.warmup_start = total, warmup_steps, warmup_start
-        self.steps_per_epoch = steps_per_epoch if by_epoch else None
+        self.total_steps, self.warmup_steps, self.warmup_start = total, config.warmup_steps, config.warmup_start
+        self.steps_per_epoch = steps_per_epoch if config.by_epoch else None
 
     def __call__(self, step: int) -> float:
         if self.steps_per_epoch:
@@ -162,70 +173,72 @@ class _Schedule(abc.ABC):
         """Multiplier ``step`` steps after warmup ended."""
 
 
-class Constant(_Schedule):
+class Constant(Schedule):
     """``1`` after an optional linear warmup."""
+
+    def __init__(self, config: ConstantConfig, *, total_steps: int, steps_per_epoch: int | None = None) -> None:
+        super().__init__(config, total_steps=total_steps, steps_per_epoch=steps_per_epoch)
 
     def after_warmup(self, step: int) -> float:
         return 1.0
 
 
-class ExponentialDecay(_Schedule):
+class ExponentialDecay(Schedule):
     """``max(min_factor, decay_rate ** (t / decay_steps))`` after warmup (``floor`` if staircase)."""
 
-    def __init__(
-        self, *, decay_steps: int, decay_rate: float, staircase: bool = False, min_factor: float = 0.0, **common: int | float | bool | None,
-    ) -> None:
-        super().__init__(**common)  # type: ignore[arg-type]
-        self.decay_steps, self.decay_rate, self.staircase, self.min_factor = decay_steps, decay_rate, staircase, min_factor
+    def __init__(self, config: ExponentialDecayConfig, *, total_steps: int, steps_per_epoch: int | None = None) -> None:
+        super().__init__(config, total_steps=total_steps, steps_per_epoch=steps_per_epoch)
+        self.config = config
 
     def after_warmup(self, step: int) -> float:
-        exponent = step / self.decay_steps
-        if self.staircase:
+        c = self.config
+        exponent = step / c.decay_steps
+        if c.staircase:
             exponent = math.floor(exponent)
-        return max(self.min_factor, self.decay_rate**exponent)
+        return max(c.min_factor, c.decay_rate**exponent)
 
 
 def _half_cosine(progress: float, min_factor: float) -> float:
     return min_factor + (1 - min_factor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-class Cosine(_Schedule):
+class Cosine(Schedule):
     """Half-cosine from 1 down to ``min_factor`` over the steps after warmup."""
 
-    def __init__(self, *, min_factor: float = 0.0, **common: int | float | bool | None) -> None:
-        super().__init__(**common)  # type: ignore[arg-type]
-        self.min_factor = min_factor
+    def __init__(self, config: CosineConfig, *, total_steps: int, steps_per_epoch: int | None = None) -> None:
+        super().__init__(config, total_steps=total_steps, steps_per_epoch=steps_per_epoch)
+        self.config = config
 
     def after_warmup(self, step: int) -> float:
         span = max(self.total_steps - self.warmup_steps, 1)
-        return _half_cosine(min(step / span, 1.0), self.min_factor)
+        return _half_cosine(min(step / span, 1.0), self.config.min_factor)
 
 
-class CosineRestarts(_Schedule):
+class CosineRestarts(Schedule):
     """Cosine from 1 to ``min_factor`` over each cycle, restarting at 1; cycle ``i`` lasts
     ``cycle_steps * cycle_mult**i`` steps (SGDR)."""
 
-    def __init__(self, *, cycle_steps: int, cycle_mult: int = 1, min_factor: float = 0.0, **common: int | float | bool | None) -> None:
-        super().__init__(**common)  # type: ignore[arg-type]
-        self.cycle_steps, self.cycle_mult, self.min_factor = cycle_steps, cycle_mult, min_factor
+    def __init__(self, config: CosineRestartsConfig, *, total_steps: int, steps_per_epoch: int | None = None) -> None:
+        super().__init__(config, total_steps=total_steps, steps_per_epoch=steps_per_epoch)
+        self.config = config
 
     def after_warmup(self, step: int) -> float:
-        length = self.cycle_steps
+        length = self.config.cycle_steps
         while step >= length:
             step -= length
-            length *= self.cycle_mult
-        return _half_cosine(step / length, self.min_factor)
+            length *= self.config.cycle_mult
+        return _half_cosine(step / length, self.config.min_factor)
 
 
-class ManualStep(_Schedule):
+class ManualStep(Schedule):
     """``rates[i]`` for ``boundaries[i-1] <= t < boundaries[i]`` (t counted after warmup)."""
 
-    def __init__(self, *, boundaries: list[int], rates: list[float], **common: int | float | bool | None) -> None:
-        super().__init__(**common)  # type: ignore[arg-type]
-        self.boundaries, self.rates = list(boundaries), list(rates)
+    def __init__(self, config: ManualStepConfig, *, total_steps: int, steps_per_epoch: int | None = None) -> None:
+        super().__init__(config, total_steps=total_steps, steps_per_epoch=steps_per_epoch)
+        self.config = config
 
     def after_warmup(self, step: int) -> float:
-        return self.rates[bisect.bisect_right(self.boundaries, step)]
+        return self.config.rates[bisect.bisect_right(self.config.boundaries, step)]
 
 
 def lr_scheduler(

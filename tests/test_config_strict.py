@@ -15,6 +15,8 @@ from recsys_runner.build import build
 from recsys_runner.config import validate
 from recsys_runner.errors import ConfigError
 from recsys_runner.metrics import eval_metric_keys
+from recsys_runner.optim import DenseSGDConfig, PartConfig
+from recsys_runner.scheduler import ManualStepConfig
 from tests.conftest import TINY, run_cli
 
 STEP_LINE = re.compile(r"\bstep \d+/\d+")
@@ -73,7 +75,7 @@ def test_cli_rejects_unknown_keys_added_with_plus(tmp_path: Path, override: str,
         (["+scheduler@optim.sparse_scheduler=cosine", "+optim.sparse_scheduler.warmup=5"],
          r"unknown key optim.sparse_scheduler.warmup \(did you mean optim.sparse_scheduler.warmup_steps\?\)"),
         # …and so is one inside a free-form map (optim.parts.<name> is free, its scheduler is a ManualStepConfig).
-        (["+optim.parts.deep={pattern: 'deep[.]', optimizer: {_target_: torch.optim.SGD, _partial_: true, lr: 0.1}}",
+        (["+optim.parts.deep={pattern: 'deep[.]', optimizer: {_target_: torch.optim.SGD, lr: 0.1}}",
           "+scheduler@optim.parts.deep.scheduler=manual_step", "+optim.parts.deep.scheduler.boundary=[5]"],
          r"unknown key optim.parts.deep.scheduler.boundary \(did you mean optim.parts.deep.scheduler.boundaries\?\)"),
         (["+train.num_step=5", "+foo=1"], r"unknown key train.num_step .*Also unknown: foo\.$"),
@@ -95,7 +97,11 @@ def test_free_form_map_entries_are_still_accepted(make_cfg) -> None:
     )
     run = validate(cfg)
     assert run.checkpoint.name_map == {"a": "b"}
-    assert run.optim.parts["deep"]["pattern"] == "deep[.]"
+    part = run.optim.parts["deep"]
+    assert isinstance(part, PartConfig) and part.pattern == "deep[.]"
+    # the old `_partial_: true` is still accepted; the optimizer is typed by its schema and inherits optim.lr only if unset
+    assert isinstance(part.optimizer, DenseSGDConfig) and part.optimizer.lr == 0.1
+    assert isinstance(part.scheduler, ManualStepConfig)
     assert run.distributed.tables["t_cat_0"].sharding_types == ["data_parallel"]
 
 

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import pytest
 import torch
-from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from recsys_runner.config import GROUPS, RunConfig, validate
@@ -17,7 +15,9 @@ from recsys_runner.data.synthetic import SyntheticData
 from recsys_runner.distributed import Distributed
 from recsys_runner.errors import ConfigError
 from recsys_runner.models.common import ModelConfig
+from recsys_runner.optim import DenseOptimizerConfig, OptimConfig, SparseOptimizerConfig
 from recsys_runner.paths import CONFIG_PATH
+from recsys_runner.scheduler import Schedule, SchedulerConfig
 from recsys_runner.tracking import MlflowTracker, NullTracker
 
 CONF = Path(CONFIG_PATH)
@@ -72,12 +72,12 @@ def test_option_composes_validates_and_instantiates(make_cfg, tmp_path: Path, gr
     try:
         run = validate(cfg)
         assert isinstance(run, RunConfig)
-        data_config = run.data
     except ConfigError as e:
         # fbgemm's CPU build has no kernel for some fused optimizers: that, and only that, may
-        # fail validation here, and it must say so (the option still instantiates below).
+        # fail validation here, and it must say so (the option still builds below).
         assert "fbgemm implements only on GPU" in str(e), e
-        data_config = OmegaConf.to_object(cfg.data)  # the data node validated on its own
+        run = None  # the device check refused it; each group below is checked on the composed node
+    data_config = run.data if run is not None else OmegaConf.to_object(cfg.data)
     assert isinstance(data_config, DataConfig)
     data = data_config.build()
     assert isinstance(data, SyntheticData) or group == "data"
@@ -89,25 +89,25 @@ def test_option_composes_validates_and_instantiates(make_cfg, tmp_path: Path, gr
         assert run is not None
         check_service(group, run)
         return
-    node = cfg
-    for part in group.split("/"):
-        node = node[part]
-    built = validate(cfg).model if group == "model" else instantiate(node)  # a model is built by its validated config
-    if group == "model":
-        assert isinstance(built, ModelConfig)
-        model = built.build(features=data.features, dense_device=torch.device("cpu"))
-        assert sum(p.numel() for p in model.parameters()) > 0
-    elif group in ("optim/sparse", "optim/dense"):
-        assert isinstance(built, functools.partial) and issubclass(built.func, torch.optim.Optimizer)
-        if group == "optim/dense":
-            opt = built([torch.nn.Parameter(torch.zeros(3))])
-            assert opt.param_groups[0]["lr"] == cfg.optim.dense.lr
-    elif group == "optim":
-        assert callable(built["sparse"]) and callable(built["dense"])
-    elif group == "scheduler":
-        schedule = built(total_steps=1000)
-        assert 0.0 <= schedule(0) <= 1.0 and schedule(999) > 0.0
+    if group in ("optim", "optim/sparse", "optim/dense"):
+        optim = run.optim if run is not None else OmegaConf.to_object(cfg.optim)
+        assert isinstance(optim, OptimConfig)
+        assert isinstance(optim.sparse, SparseOptimizerConfig) and isinstance(optim.dense, DenseOptimizerConfig)
+        assert issubclass(optim.sparse.optimizer_class(), torch.optim.Optimizer)
+        assert optim.sparse.kwargs()["lr"] == cfg.optim.sparse.lr
+        opt = optim.dense.build([torch.nn.Parameter(torch.zeros(3))])
+        assert isinstance(opt, torch.optim.Optimizer) and opt.param_groups[0]["lr"] == cfg.optim.dense.lr
+        return
+    if group == "scheduler":
+        assert run is not None and isinstance(run.scheduler, SchedulerConfig)
+        schedule = run.scheduler.build(total_steps=1000)
+        assert isinstance(schedule, Schedule) and 0.0 <= schedule(0) <= 1.0 and schedule(999) > 0.0
+        return
 
+    assert group == "model", group
+    assert run is not None and isinstance(run.model, ModelConfig)  # a model is built by its validated config
+    model = run.model.build(features=data.features, dense_device=torch.device("cpu"))
+    assert sum(p.numel() for p in model.parameters()) > 0
 
 SERVICES = ("distributed", "precision", "tracking", "checkpoint")
 """Groups whose component takes its config object (``run.<group>.build(...)``), not Hydra's keyword arguments."""

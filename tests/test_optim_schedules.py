@@ -12,9 +12,21 @@ from omegaconf.errors import OmegaConfBaseException
 
 from recsys_runner.__main__ import run
 from recsys_runner.config import validate
+from recsys_runner.configurable import make
 from recsys_runner.errors import ConfigError
 from recsys_runner.optim import DENSE, SPARSE, GroupedOptimizer, OptimizerGroup, dense_optimizers
-from recsys_runner.scheduler import Constant, Cosine, CosineRestarts, ExponentialDecay, ManualStep, lr_scheduler
+from recsys_runner.scheduler import (
+    Constant,
+    ConstantConfig,
+    Cosine,
+    CosineConfig,
+    CosineRestarts,
+    CosineRestartsConfig,
+    ExponentialDecay,
+    ExponentialDecayConfig,
+    ManualStepConfig,
+    lr_scheduler,
+)
 from recsys_runner.stepping import learning_rates
 
 T = 100
@@ -27,17 +39,18 @@ def warm(step: int, n: int, start: float) -> float:
 @pytest.mark.parametrize(
     ("schedule", "closed_form"),
     [
-        (Constant(total_steps=T, warmup_steps=10, warmup_start=0.1), lambda s: warm(s, 10, 0.1) if s < 10 else 1.0),
-        (ExponentialDecay(total_steps=T, decay_steps=20, decay_rate=0.5), lambda s: 0.5 ** (s / 20)),
-        (ExponentialDecay(total_steps=T, decay_steps=20, decay_rate=0.5, staircase=True, min_factor=0.2, warmup_steps=5),
+        (Constant(make(ConstantConfig, warmup_steps=10, warmup_start=0.1), total_steps=T), lambda s: warm(s, 10, 0.1) if s < 10 else 1.0),
+        (ExponentialDecay(make(ExponentialDecayConfig, decay_steps=20, decay_rate=0.5), total_steps=T), lambda s: 0.5 ** (s / 20)),
+        (ExponentialDecay(make(ExponentialDecayConfig, decay_steps=20, decay_rate=0.5, staircase=True, min_factor=0.2, warmup_steps=5),
+                          total_steps=T),
          lambda s: warm(s, 5, 0.0) if s < 5 else max(0.2, 0.5 ** math.floor((s - 5) / 20))),
-        (Cosine(total_steps=T, warmup_steps=10, min_factor=0.1),
+        (Cosine(make(CosineConfig, warmup_steps=10, min_factor=0.1), total_steps=T),
          lambda s: warm(s, 10, 0.0) if s < 10 else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min((s - 10) / 90, 1)))),
-        (CosineRestarts(total_steps=T, cycle_steps=10, cycle_mult=2),  # cycles [0,10) [10,30) [30,70) [70,150)
+        (CosineRestarts(make(CosineRestartsConfig, cycle_steps=10, cycle_mult=2), total_steps=T),  # cycles [0,10) [10,30) [30,70) [70,150)
          lambda s: 0.5 * (1 + math.cos(math.pi * next((s - a) / (b - a) for a, b in [(0, 10), (10, 30), (30, 70), (70, 150)] if a <= s < b)))),
-        (ManualStep(total_steps=T, boundaries=[30, 60], rates=[1.0, 0.3, 0.05], warmup_steps=10),
+        (make(ManualStepConfig, boundaries=[30, 60], rates=[1.0, 0.3, 0.05], warmup_steps=10).build(total_steps=T),
          lambda s: warm(s, 10, 0.0) if s < 10 else (1.0 if s - 10 < 30 else 0.3 if s - 10 < 60 else 0.05)),
-        (ExponentialDecay(total_steps=T, steps_per_epoch=10, by_epoch=True, decay_steps=2, decay_rate=0.5),
+        (ExponentialDecay(make(ExponentialDecayConfig, by_epoch=True, decay_steps=2, decay_rate=0.5), total_steps=T, steps_per_epoch=10),
          lambda s: 0.5 ** ((s // 10) / 2)),
     ],
     ids=["constant-warmup", "exp", "exp-staircase-min-warmup", "cosine", "cosine-restarts", "manual-step", "exp-by-epoch"],
@@ -57,7 +70,7 @@ def lr_history(uri: str, experiment: str) -> dict[str, dict[int, float]]:
 def test_sparse_dense_and_part_have_their_own_lrs_and_schedules(make_cfg, mlflow_uri: str) -> None:
     cfg = make_cfg(
         "optim=sgd", "optim.sparse.lr=0.2", "optim.dense.lr=0.05",
-        "+optim.parts.over={pattern: 'deep[.]0', optimizer: {_target_: torch.optim.SGD, _partial_: true, lr: 0.01, momentum: 0.9}}",
+        "+optim.parts.over={pattern: 'deep[.]0', optimizer: {_target_: torch.optim.SGD, lr: 0.01, momentum: 0.9}}",
         "+scheduler@optim.sparse_scheduler=exponential_decay", "optim.sparse_scheduler.warmup_steps=0", "optim.sparse_scheduler.decay_steps=10",
         "+scheduler@optim.parts.over.scheduler=manual_step", "optim.parts.over.scheduler.boundaries=[15]",
         "optim.parts.over.scheduler.rates=[1.0,0.1]",
@@ -107,14 +120,15 @@ def test_gpu_only_fused_optimizers_say_so_on_cpu(make_cfg, name: str) -> None:
 
 def test_fused_kwargs_reach_fbgemm_as_its_enum(make_cfg) -> None:
     from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
+    from omegaconf import OmegaConf
 
-    from recsys_runner.optim import fbgemm_kwargs
+    from recsys_runner.optim import SparseLAMBConfig
 
     cfg = make_cfg("optim/sparse=lamb", "optim.sparse.weight_decay=0.01", "optim.sparse.weight_decay_mode=decouple",
                    "optim.sparse.gradient_clipping=true", "optim.sparse.max_gradient=5")
-    from hydra.utils import instantiate
-
-    kwargs = fbgemm_kwargs(instantiate(cfg.optim.sparse).keywords)
+    sparse = OmegaConf.to_object(cfg.optim).sparse  # validate() stops here on CPU: LAMB is GPU only
+    assert isinstance(sparse, SparseLAMBConfig) and sparse.optimizer_class().__name__ == "LAMB"
+    kwargs = sparse.kwargs()
     assert kwargs["weight_decay_mode"] is WeightDecayMode.DECOUPLE and kwargs["max_gradient"] == 5.0 and kwargs["beta1"] == 0.9
 
 

@@ -12,7 +12,7 @@ from recsys_runner.configurable import make
 from recsys_runner.data.synthetic import SyntheticData, SyntheticDataConfig
 from recsys_runner.errors import ConfigError
 from recsys_runner.metrics import LogLoss, Throughput
-from recsys_runner.scheduler import Constant, Cosine, ExponentialDecay
+from recsys_runner.scheduler import Constant, ConstantConfig, Cosine, CosineConfig, ExponentialDecay, ExponentialDecayConfig
 
 
 def small_data(**kw) -> SyntheticData:
@@ -23,14 +23,15 @@ def small_data(**kw) -> SyntheticData:
 
 class TestSchedules:
     def test_constant_with_warmup(self) -> None:
-        s = Constant(total_steps=100, warmup_steps=10, warmup_start=0.1)
+        s = Constant(make(ConstantConfig, warmup_steps=10, warmup_start=0.1), total_steps=100)
         assert s(0) == pytest.approx(0.1)
         assert s(5) == pytest.approx(0.1 + 0.9 * 0.5)
         assert [s(t) for t in (10, 50, 99)] == [1.0, 1.0, 1.0]
 
     @pytest.mark.parametrize("staircase", [False, True])
     def test_exponential_decay_closed_form(self, staircase: bool) -> None:
-        s = ExponentialDecay(total_steps=1000, decay_steps=100, decay_rate=0.5, staircase=staircase, min_factor=0.01, warmup_steps=20)
+        s = ExponentialDecay(make(ExponentialDecayConfig, decay_steps=100, decay_rate=0.5, staircase=staircase, min_factor=0.01,
+                                  warmup_steps=20), total_steps=1000)
         for t in range(0, 1000, 7):
             if t < 20:
                 expected = t / 20
@@ -40,14 +41,14 @@ class TestSchedules:
             assert s(t) == pytest.approx(expected), t
 
     def test_cosine_closed_form(self) -> None:
-        s = Cosine(total_steps=110, warmup_steps=10, min_factor=0.1)
+        s = Cosine(make(CosineConfig, warmup_steps=10, min_factor=0.1), total_steps=110)
         assert s(0) == 0.0 and s(10) == pytest.approx(1.0)
         assert s(60) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
         assert s(110) == pytest.approx(0.1)
 
     def test_warmup_longer_than_training_is_an_error(self) -> None:
         with pytest.raises(ConfigError, match="scheduler.warmup_steps=200 exceeds the run's 100 training steps"):
-            Constant(total_steps=100, warmup_steps=200)
+            make(ConstantConfig, warmup_steps=200).build(total_steps=100)
 
 
 class TestSyntheticData:
