@@ -22,7 +22,6 @@ from dataclasses import replace
 
 import torch
 from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
 from torchrec.distributed.model_parallel import DistributedModelParallel, get_default_sharders
 from torchrec.distributed.types import ShardingEnv
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -34,6 +33,7 @@ from recsys_runner.config import register_configs, validate
 from recsys_runner.data import DataModule
 from recsys_runner.data.memory import InMemoryData
 from recsys_runner.models.common import TrainWrapper
+from recsys_runner.optim import DenseAdagradConfig, SparseAdagradConfig
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.runner import Loop, train
 
@@ -71,19 +71,21 @@ def runner_round(loop: Loop, steps: int) -> float:
     return statistics.median(recorder.rates[1:])
 
 
-def hand_written_model(c: Components, cfg) -> tuple[DistributedModelParallel, torch.optim.Optimizer]:
+def hand_written_model(c: Components) -> tuple[DistributedModelParallel, torch.optim.Optimizer]:
     """TorchRec's canonical recipe, written out: EBC on meta, fused Adagrad, DMP, dense Adagrad."""
     seed_everything(c.run.seed)
+    sparse, dense_config = c.run.optim.sparse, c.run.optim.dense
+    assert isinstance(sparse, SparseAdagradConfig) and isinstance(dense_config, DenseAdagradConfig), "the hand loop is written for optim=adagrad"
     model = TrainWrapper(c.run.model.build(features=c.loop.data.features, dense_device=c.env.device))
     ebc = model.model.get_submodule("sparse_arch.ebc")
-    apply_optimizer_in_backward(torch.optim.Adagrad, ebc.parameters(), {"lr": cfg.optim.sparse.lr, "eps": cfg.optim.sparse.eps})
+    apply_optimizer_in_backward(torch.optim.Adagrad, ebc.parameters(), {"lr": sparse.lr, "eps": sparse.eps})
     dmp = DistributedModelParallel(
         module=model, device=c.env.device, env=ShardingEnv.from_process_group(torch.distributed.GroupMember.WORLD),
         plan=c.plan, sharders=get_default_sharders(),
     )
     dense = KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(dmp.named_parameters())),
-        lambda params: torch.optim.Adagrad(params, lr=cfg.optim.dense.lr, eps=cfg.optim.dense.eps),
+        lambda params: torch.optim.Adagrad(params, lr=dense_config.lr, eps=dense_config.eps),
     )
     return dmp, dense
 
@@ -118,13 +120,12 @@ def time_to_first_step(overrides: list[str]) -> float:
     raise RuntimeError(f"{' '.join(cmd)} never logged its first step")
 
 
-def build_for_bench(overrides: list[str], steps: int) -> tuple[DictConfig, Components]:
-    """Compose ``overrides`` as the CLI does, validate, cap the run at ``steps`` and build it."""
+def build_for_bench(overrides: list[str], steps: int) -> Components:
+    """Compose ``overrides`` plus ``train.num_steps=<steps>`` as the CLI does, validate and build the run."""
     register_configs()
     with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
-    run = validate(cfg)
-    return cfg, build(cfg, replace(run, train=replace(run.train, num_steps=steps)))
+        cfg = compose(config_name="config", overrides=[*overrides, f"train.num_steps={steps}"])
+    return build(validate(cfg))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -137,12 +138,12 @@ def main(argv: list[str] | None = None) -> None:
     overrides = ["model=deepfm", "optim=adagrad", "tracking=none", f"data.batch_size={args.batch_size}",
                  f"train.log_every_steps={WINDOW}", "train.eval_every_steps=null", "train.eval_max_batches=1", *args.overrides]
 
-    cfg, c = build_for_bench(overrides, args.steps)
+    c = build_for_bench(overrides, args.steps)
     try:
         data = c.loop.data
         batches = [data.batch(0, i) for i in range(WINDOW * 2)]  # type: ignore[attr-defined]
         loop = with_data(c.loop, InMemoryData(data.features, batches, batches[:1]))
-        hand_model, hand_opt = hand_written_model(c, cfg)
+        hand_model, hand_opt = hand_written_model(c)
         hand, runner = [], []
         for r in range(args.rounds):
             # Alternate which path goes first so that neither always inherits a warm (or a hot) CPU.
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     ratios = [r / x for r, x in zip(runner, hand, strict=True)]
     ratio = statistics.median(ratios)
     print()
-    print(f"model=deepfm batch={args.batch_size} threads={torch.get_num_threads()} pipeline={cfg.distributed.pipeline}")
+    print(f"model=deepfm batch={args.batch_size} threads={torch.get_num_threads()} pipeline={c.run.distributed.pipeline}")
     print(f"hand-written TorchRec loop : {h:,.0f} samples/s")
     print(f"recsys_runner training path: {rr:,.0f} samples/s")
     print(f"ratio runner / hand-written: {ratio:.3f}  (median of per-round ratios, range {min(ratios):.2f}-{max(ratios):.2f}; target >= 0.97)")

@@ -27,7 +27,14 @@ import torch
 
 from recsys_runner.bench import WINDOW, build_for_bench, runner_round, with_data
 from recsys_runner.data.memory import InMemoryData
-from recsys_runner.data.tabular import CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE, SCHEMA_METADATA_KEY, criteo_schema, schema_json
+from recsys_runner.data.tabular import (
+    CRITEO_NUM_DENSE,
+    CRITEO_NUM_SPARSE,
+    SCHEMA_METADATA_KEY,
+    TabularDataConfig,
+    criteo_schema,
+    schema_json,
+)
 
 
 def write_parquet(path: str, rows: int, num_embeddings: int, seed: int = 0) -> None:
@@ -71,7 +78,9 @@ def main(argv: list[str] | None = None) -> None:
         overrides = ["model=deepfm", "optim=adagrad", "tracking=none", "data=parquet", f"data.path={path}",
                      f"data.batch_size={args.batch_size}", f"train.log_every_steps={WINDOW}", "train.eval_every_steps=null",
                      "train.eval_max_batches=1", *args.overrides]
-        cfg, c = build_for_bench(overrides, args.steps)
+        c = build_for_bench(overrides, args.steps)
+        assert isinstance(c.run.data, TabularDataConfig)
+        num_workers = c.run.data.num_workers
         try:
             parquet = c.loop.data
             reader = [reader_rows_per_s(parquet, r) for r in range(3)]
@@ -93,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     train_rate = statistics.median(fed_parquet)
     read = statistics.median(reader)
     print()
-    print(f"model=deepfm batch={args.batch_size} threads={torch.get_num_threads()} num_workers={cfg.data.num_workers}")
+    print(f"model=deepfm batch={args.batch_size} threads={torch.get_num_threads()} num_workers={num_workers}")
     print(f"reader alone             : {read:,.0f} rows/s  ({read / train_rate:.1f}x training samples/s; target >= 3)")
     print(f"training fed from memory : {statistics.median(fed_memory):,.0f} samples/s")
     print(f"training fed from Parquet: {train_rate:,.0f} samples/s")

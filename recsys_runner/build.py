@@ -1,15 +1,16 @@
-"""Build the run's object graph from a validated config, in one fixed order.
+"""Build the run's object graph from the validated config, in one fixed order.
 
 The order is TorchRec's: process group → tracker (rank 0 checks its store) and checkpointer (rank 0
 locks its directory), both before anything expensive → data → model with embedding tables on
 ``meta`` → fused sparse optimizer attached → sharding plan → DistributedModelParallel → dense
 optimizers over what is left → lr schedules → step policy → train pipeline → restore (a resumed or
-fine-tuned state is loaded last, once everything it loads into exists). Every component comes
-from ``hydra.utils.instantiate``; the ones that need runtime objects (the data's features, the
-device, the parameters that exist only after sharding, the step count) are partials completed
-here. The model config's declared data needs (``data_needs()``) reach the data config before the data
-is instantiated, so generated data shapes itself to the model (``for_model``); file-backed data keeps
-its columns and the model checks them. Nothing here knows a model's or an optimizer's name.
+fine-tuned state is loaded last, once everything it loads into exists). Every component is built by
+its own config object (``run.model.build(features=…, dense_device=…)``, :mod:`recsys_runner.configurable`),
+given only the runtime objects that exist here (the data's features, the device, the parameters left
+after sharding, the step count). The model config's declared data needs (``data_needs()``) reach the data
+config before the data is built, so generated data shapes itself to the model (``for_model``);
+file-backed data keeps its columns and the model checks them. Nothing here knows a model's or an
+optimizer's name, and nothing reads the composed ``DictConfig``: ``run`` is the only config.
 """
 
 from __future__ import annotations
@@ -20,9 +21,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from hydra.errors import InstantiationException
-from hydra.utils import instantiate as hydra_instantiate
-from omegaconf import DictConfig
 from torchrec.distributed.types import ShardingPlan
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
@@ -31,7 +29,7 @@ from recsys_runner.config import RunConfig, check_eval_keys
 from recsys_runner.data import DataModule
 from recsys_runner.distributed import DistEnv, Distributed, decided_on_rank0
 from recsys_runner.ema import DenseEMA
-from recsys_runner.errors import ConfigError, UserError
+from recsys_runner.errors import ConfigError
 from recsys_runner.evaluation import Evaluator
 from recsys_runner.metrics import TaskTrainMetrics
 from recsys_runner.models.common import TrainWrapper
@@ -76,21 +74,6 @@ class Components:
         self.distributed.close()
 
 
-def instantiate(node: Any) -> Any:
-    """``hydra.utils.instantiate``, but a :class:`~recsys_runner.errors.UserError` (e.g. :class:`DataError`) from a constructor stays itself.
-
-    Hydra wraps whatever a ``_target_`` raises in ``InstantiationException``, which the CLI would report
-    as "Error executing job" with exit 1; a data module's constructor raises DataError for a missing
-    file or column, and the user must see ``Data error: …`` (exit 2) instead.
-    """
-    try:
-        return hydra_instantiate(node)
-    except InstantiationException as e:
-        if isinstance(e.__cause__, UserError):
-            raise e.__cause__ from None
-        raise
-
-
 def seed_everything(seed: int) -> None:
     """Seed Python, NumPy and torch (dense init, dropout) identically on every rank."""
     random.seed(seed)
@@ -98,8 +81,8 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build(cfg: DictConfig, run: RunConfig) -> Components:
-    """Instantiate and wire every component of the run; see the module docstring for the order."""
+def build(run: RunConfig) -> Components:
+    """Build and wire every component of the run from the validated config; see the module docstring for the order."""
     seed_everything(run.seed)
     distributed: Distributed = run.distributed.build()
     env = distributed.setup()

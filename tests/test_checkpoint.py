@@ -94,7 +94,7 @@ def test_fine_tune_with_name_map_and_without_optimizer_state(make_cfg, tmp_path:
     def built(*overrides: str):
         cfg = make_cfg(f"checkpoint.dir={tmp_path}/ft", f"checkpoint.init_from={src}", "checkpoint.load_optimizer=false",
                        "tracking=none", *overrides)
-        c = build(cfg, validate(cfg))
+        c = build(validate(cfg))
         state = {k: local(v).clone() for k, v in c.loop.evaluator.model.state_dict().items()}
         c.close()
         return c, state

@@ -155,7 +155,7 @@ def test_cli_accepts_a_task_metric_of_a_multitask_model(tmp_path: Path) -> None:
 )
 def test_eval_metric_keys_are_exactly_what_evaluate_logs(make_cfg, overrides: list[str]) -> None:
     cfg = make_cfg(*overrides, "train.eval_max_batches=2", "tracking=none")
-    c = build(cfg, validate(cfg))
+    c = build(validate(cfg))
     try:
         assert list(c.loop.evaluator.evaluate()) == eval_metric_keys(c.run.metrics, c.loop.evaluator.tasks)
     finally:

@@ -129,7 +129,7 @@ def test_the_suggested_tab_delimiter_works(tmp_path: Path) -> None:
 
 
 def test_file_level_error_at_startup_is_a_data_error_with_exit_2(tmp_path: Path) -> None:
-    """Raised in the data module's constructor, i.e. inside hydra.utils.instantiate, which wraps exceptions."""
+    """Raised in the data module's constructor, while the run is being built."""
     path = write_csv(tmp_path / "cols.csv")
     err = cli(tmp_path, f"data.path={path}", "data.sparse=[{name: itme, num_embeddings: 10}]")
     assert f"Data error: {path} has no column 'itme'; its header lists ['label', 'item', 'price']. Fix: correct the column names" in err

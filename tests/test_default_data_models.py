@@ -22,7 +22,7 @@ from recsys_runner.runner import train
 
 def trained(cfg: DictConfig) -> tuple[dict[str, float], SyntheticData]:
     """Build and train as ``python -m recsys_runner`` does; the final eval metrics and the data trained on."""
-    c = build(cfg, validate(cfg))
+    c = build(validate(cfg))
     try:
         return train(c.loop), c.loop.data  # type: ignore[return-value]
     finally:
@@ -97,7 +97,7 @@ def test_file_backed_data_without_the_labels_is_still_refused(make_cfg, tmp_path
     cfg = make_cfg("model=mmoe", "data=parquet", f"data.path={tmp_path}/d.parquet", "data.batch_size=64", "distributed.device=cpu",
                    "tracking=none", tiny=False)
     with pytest.raises(ConfigError, match=r"task\(s\) \['ctr', 'cvr'\] have no label column.*single \[B\] label.*data.labels="):
-        build(cfg, validate(cfg)).close()
+        build(validate(cfg)).close()
 
 
 @pytest.mark.parametrize(
@@ -116,4 +116,4 @@ def test_file_backed_data_without_the_labels_is_still_refused(make_cfg, tmp_path
 def test_mistakes_say_what_to_fix(make_cfg, overrides: list[str], message: str) -> None:
     cfg = make_cfg(*overrides, "tracking=none")
     with pytest.raises(ConfigError, match=message):
-        build(cfg, validate(cfg)).close()
+        build(validate(cfg)).close()

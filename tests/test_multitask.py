@@ -22,7 +22,7 @@ from recsys_runner.tasks import BinaryTask, RegressionTask, Task
 
 def train_logged(cfg: DictConfig) -> dict[str, float]:
     """Build and train as ``python -m recsys_runner`` does, with an MLflow run; the final eval metrics."""
-    c = build(cfg, validate(cfg))
+    c = build(validate(cfg))
     try:
         c.loop.tracker.start(run_name="test", tags={}, params={})
         final = train(c.loop)
@@ -118,7 +118,7 @@ def test_bad_task_configs_say_what_to_fix(make_cfg, overrides: list[str], messag
     data = [] if any(o.startswith("data=") for o in overrides) else ["data=synthetic_multitask"]
     cfg = make_cfg(*data, *overrides, "tracking=none")
     with pytest.raises(ConfigError, match=message):
-        build(cfg, validate(cfg)).close()
+        build(validate(cfg)).close()
 
 
 def test_cli_entry_returns_the_task_objective(make_cfg) -> None:

@@ -52,4 +52,4 @@ def test_a_tasks_eval_metrics_must_read_what_it_produces(make_cfg) -> None:
     check_task_metrics(MetricsConfig(eval=["auc"]), (InBatchSoftmaxTask(eval_metrics=("recall@1",)),), "DSSM")
     cfg = make_cfg("model=deepfm", "metrics.eval=[recall@10]", "tracking=none")
     with pytest.raises(ConfigError, match=r"metrics.eval lists 'recall@10'; DeepFM's eval is pointwise"):
-        build(cfg, validate(cfg)).close()
+        build(validate(cfg)).close()

@@ -45,7 +45,7 @@ def test_half_precision_trains(make_cfg, mlflow_uri: str, precision: str) -> Non
 
 def test_fp16_scaler_settings_reach_the_grad_scaler(make_cfg) -> None:
     cfg = make_cfg("precision=fp16", "precision.grad_scaler.init_scale=1024", "precision.grad_scaler.growth_interval=7", "tracking=none")
-    c = build(cfg, validate(cfg))
+    c = build(validate(cfg))
     try:
         policy = c.loop.stepper.policy
         assert policy.scaler is not None and policy.scaler.get_scale() == 1024.0
@@ -77,7 +77,7 @@ def test_dense_accumulation_equals_one_large_batch(make_cfg, pipeline: str) -> N
               f"distributed.pipeline={pipeline}"]
     small = make_cfg(*common, "data.batch_size=64", "train.grad_accum_steps=4")
     large = make_cfg(*common, "data.batch_size=256")
-    c_small, c_large = build(small, validate(small)), build(large, validate(large))
+    c_small, c_large = build(validate(small)), build(validate(large))
     try:
         micro = [c_small.loop.data.batch(0, i) for i in range(4)]  # type: ignore[attr-defined]
         it = iter(micro)
@@ -95,7 +95,7 @@ def test_dense_accumulation_equals_one_large_batch(make_cfg, pipeline: str) -> N
 def _policy_run(make_cfg, *overrides: str, steps: int = 8) -> tuple[list[float], list[torch.Tensor], Any]:
     """Per-batch losses, the dense parameters after ``steps`` batches, and the step policy's pipeline class."""
     cfg = make_cfg(*overrides, "tracking=none")
-    c = build(cfg, validate(cfg))
+    c = build(validate(cfg))
     try:
         batches = iter([c.loop.data.batch(0, i) for i in range(steps)])  # type: ignore[attr-defined]
         losses = [float(c.loop.stepper.pipeline.progress(batches)[0]) for _ in range(steps)]
