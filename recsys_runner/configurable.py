@@ -100,7 +100,9 @@ def typed(node: DictConfig, base: type, where: str) -> DictConfig:
             f"subclassing {base.__module__}.{base.__name__}>` first (docs/architecture.md, 'Adding a model')"
         )
     try:
-        result = OmegaConf.merge(OmegaConf.structured(schema), node)
+        result = OmegaConf.structured(schema)
+        OmegaConf.set_struct(result, False)  # keep an unknown key, for check_known_keys to name with the closest valid one
+        result = OmegaConf.merge(result, node)
     except OmegaConfBaseException as e:
         raise ConfigError(f"{where}: {str(e).splitlines()[0]} (schema {schema.__module__}.{schema.__name__})") from None
     assert isinstance(result, DictConfig)

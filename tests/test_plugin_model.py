@@ -63,7 +63,7 @@ def _config_dir(tmp_path: Path) -> Path:
 
 def test_a_model_class_from_outside_the_package_trains_from_yaml(tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    out = run_cli("--config-dir", str(_config_dir(tmp_path)), "model=tiny", "model.embedding_dim=4", *TINY,
+    out = run_cli("--config-dir", str(_config_dir(tmp_path)), "model=tiny", "+model.embedding_dim=4", *TINY,
                   f"tracking.uri={uri}", "tracking.experiment=plugin", cwd=tmp_path,
                   env={"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])})
     assert out.returncode == 0, out.stderr[-3000:]
