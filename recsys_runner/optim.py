@@ -36,6 +36,7 @@ optimizer composes and instantiates anywhere but is rejected on CPU by
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -224,7 +225,7 @@ class DenseOptimizerConfig(Configurable):
     def __post_init__(self) -> None:
         _check_common("optim.dense", self.lr, self.weight_decay)
 
-    def build(self, params: ParamsT) -> torch.optim.Optimizer:  # type: ignore[override]
+    def build(self, params: ParamsT) -> torch.optim.Optimizer:
         """``<_target_>(params, **fields)``: the optimizer of ``params``."""
         cls = self.component_class()
         if not issubclass(cls, torch.optim.Optimizer):
@@ -352,7 +353,7 @@ def _part_config(name: str, part: Any, lr: float) -> PartConfig:
         raise ConfigError(f"{where}.pattern={pattern!r} is not a valid regular expression: {e}") from None
     optimizer = part.get("optimizer")
     require(optimizer is not None, f"{where} has no optimizer; set {where}.optimizer="
-            "{_target_: torch.optim.SGD, lr: 0.1} (a torch.optim class of optim/dense: SGD, Adagrad, Adam, AdamW)")
+            "{_target_: torch.optim.SGD, lr: 0.1} (any torch.optim class)")
     scheduler = part.get("scheduler")
     return PartConfig(
         pattern=pattern,
@@ -360,6 +361,28 @@ def _part_config(name: str, part: Any, lr: float) -> PartConfig:
         scheduler=scheduler if scheduler is None or isinstance(scheduler, SchedulerConfig)
         else _typed_mapping(f"{where}.scheduler", scheduler, SchedulerConfig, {}),
     )
+
+
+def signature_config(cls: type[torch.optim.Optimizer]) -> type[DenseOptimizerConfig]:
+    """A config dataclass for a ``torch.optim`` class we ship none for (e.g. ``torch.optim.RMSprop`` as a part's
+    optimizer), generated from its constructor's keyword arguments and their defaults, as hydra-zen's
+    ``builds(cls, populate_full_signature=True)`` would. Only here: our own components declare their config."""
+    target = f"{cls.__module__}.{cls.__qualname__}"
+    if target in _SIGNATURE_CONFIGS:
+        return _SIGNATURE_CONFIGS[target]
+    declared = {f.name for f in dataclasses.fields(DenseOptimizerConfig)}
+    spec: list[tuple[str, Any, Any]] = [("_target_", str, field(default=target))]
+    for name, p in inspect.signature(cls).parameters.items():
+        if name == "params" or name in declared or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        default = p.default if p.default is not p.empty else MISSING
+        spec.append((name, Any, field(default=list(default) if isinstance(default, tuple) else default)))
+    schema = dataclasses.make_dataclass(f"{cls.__name__}Config", spec, bases=(DenseOptimizerConfig,), kw_only=True)
+    _SIGNATURE_CONFIGS[target] = schema
+    return schema
+
+
+_SIGNATURE_CONFIGS: dict[str, type[DenseOptimizerConfig]] = {}
 
 
 def _dense_config(where: str, node: Any, lr: float) -> DenseOptimizerConfig:
@@ -377,12 +400,15 @@ def _typed_mapping(where: str, node: Any, base: type[C], defaults: Mapping[str, 
     fields = {k: v for k, v in node.items() if k != "_partial_"}  # accepted from before configs built their component
     if schema is None:
         try:
-            schema = config_class(locate_class(fields["_target_"]))
+            cls = locate_class(fields["_target_"])
         except ConfigError as e:
             raise ConfigError(f"{where}.{e}") from None
+        schema = config_class(cls)
+        if schema is None and base is DenseOptimizerConfig and issubclass(cls, torch.optim.Optimizer):
+            schema = signature_config(cls)
         require(schema is not None and issubclass(schema, base),
                 f"{where}._target_={fields['_target_']} has no config schema subclassing {base.__name__}"
-                + (f"; use one of {sorted(c._target_ for c in DENSE_CONFIGS)}" if base is DenseOptimizerConfig else ""))
+                + ("; use a torch.optim class" if base is DenseOptimizerConfig else ""))
         assert schema is not None
     try:
         return make(schema, {**defaults, **fields})

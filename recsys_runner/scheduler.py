@@ -21,7 +21,7 @@ import bisect
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -54,7 +54,7 @@ class SchedulerConfig(Configurable):
         require(self.warmup_steps >= 0, f"scheduler.warmup_steps must be >= 0, got {self.warmup_steps}")
         require(0 <= self.warmup_start <= 1, f"scheduler.warmup_start must lie in [0, 1], got {self.warmup_start}")
 
-    def build(self, *, total_steps: int, steps_per_epoch: int | None = None) -> Schedule:  # type: ignore[override]
+    def build(self, *, total_steps: int, steps_per_epoch: int | None = None) -> Schedule:
         """The schedule for a run of ``total_steps`` optimizer steps (``steps_per_epoch`` of them per epoch, if known)."""
         schedule = self.component_class()(self, total_steps=total_steps, steps_per_epoch=steps_per_epoch)
         assert isinstance(schedule, Schedule), f"{self._target_} is not a recsys_runner.scheduler.Schedule"
@@ -264,14 +264,15 @@ class SchedulePosition:
     def __init__(self, scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
         self.scheduler = scheduler
 
-    def state_dict(self) -> dict[str, object]:
-        return {"last_epoch": self.scheduler.last_epoch, "_step_count": self.scheduler._step_count}
+    def state_dict(self) -> dict[str, int]:
+        return {"last_epoch": self.scheduler.last_epoch}
 
-    def load_state_dict(self, state: Mapping[str, object]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Move this run's scheduler to the saved step, through its public ``state_dict``/``load_state_dict``:
+        its own state (this run's base lrs and schedules) with only the position replaced."""
         s = self.scheduler
-        s.last_epoch = int(state["last_epoch"])  # type: ignore[call-overload]
-        s._step_count = int(state.get("_step_count", s.last_epoch + 1))  # type: ignore[call-overload]
-        lrs = [base * schedule(s.last_epoch) for base, schedule in zip(s.base_lrs, s.lr_lambdas, strict=True)]
+        step = int(state["last_epoch"])
+        lrs = [base * schedule(step) for base, schedule in zip(s.base_lrs, s.lr_lambdas, strict=True)]
+        s.load_state_dict({**s.state_dict(), "last_epoch": step, "_step_count": step + 1, "_last_lr": lrs})
         for group, lr in zip(s.optimizer.param_groups, lrs, strict=True):
             group["lr"] = lr
-        s._last_lr = lrs

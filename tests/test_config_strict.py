@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 
 from recsys_runner.build import build
@@ -160,3 +161,15 @@ def test_eval_metric_keys_are_exactly_what_evaluate_logs(make_cfg, overrides: li
         assert list(c.loop.evaluator.evaluate()) == eval_metric_keys(c.run.metrics, c.loop.evaluator.tasks)
     finally:
         c.close()
+
+
+def test_a_part_may_use_any_torch_optim_class(make_cfg) -> None:
+    """A torch.optim class we ship no config for gets one generated from its signature: its keys are checked."""
+    run = validate(make_cfg("+optim.parts.deep={pattern: 'deep[.]', optimizer: {_target_: torch.optim.RMSprop, alpha: 0.9}}",
+                            "optim.lr=0.03", "tracking=none"))
+    optimizer = run.optim.part_configs()["deep"].optimizer
+    assert type(optimizer).__name__ == "RMSpropConfig" and optimizer.lr == 0.03 and optimizer.alpha == 0.9  # type: ignore[attr-defined]
+    built = optimizer.build([torch.nn.Parameter(torch.zeros(2))])
+    assert isinstance(built, torch.optim.RMSprop) and built.param_groups[0]["alpha"] == 0.9
+    with pytest.raises(ConfigError, match=r"optim\.parts\.deep\.optimizer: RMSpropConfig: Key 'alpah' not in 'RMSpropConfig'"):
+        validate(make_cfg("+optim.parts.deep={pattern: 'deep[.]', optimizer: {_target_: torch.optim.RMSprop, alpah: 0.9}}", "tracking=none"))

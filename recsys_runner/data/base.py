@@ -70,7 +70,7 @@ class DataConfig(Configurable):
     def __post_init__(self) -> None:
         require(self.batch_size > 0, f"data.batch_size must be positive, got {self.batch_size}. Fix: data.batch_size=512")
 
-    def build(self) -> DataModule:  # type: ignore[override]  # a data module needs no runtime objects
+    def build(self) -> DataModule:
         """The data module this config describes."""
         data: DataModule = self.component_class()(self)
         return data

@@ -571,9 +571,11 @@ class CsvData(TabularData):
 
     def __init__(self, config: CsvDataConfig) -> None:
         super().__init__(config, config_schema(config))
+        self.csv = config
+        """:attr:`config`, typed as this option's (its reader settings)."""
 
     def _source(self, files: list[str]) -> CsvSource:
-        c: CsvDataConfig = self.config  # type: ignore[assignment]
+        c = self.csv
         return CsvSource(files, self.schema.columns, delimiter=c.delimiter, header=c.header, column_names=c.column_names,
                          null_values=c.null_values, block_rows=c.block_rows, on_bad_rows=c.on_bad_rows)
 
@@ -584,8 +586,10 @@ class CriteoData(TabularData):
     def __init__(self, config: CriteoDataConfig) -> None:
         sizes = config.num_embeddings_per_feature or [config.num_embeddings] * CRITEO_NUM_SPARSE
         super().__init__(config, criteo_schema(sizes, config.categorical_encoding, config.dense_transform))
+        self.criteo = config
+        """:attr:`config`, typed as this option's (its reader settings)."""
 
     def _source(self, files: list[str]) -> CsvSource:
-        c: CriteoDataConfig = self.config  # type: ignore[assignment]
+        c = self.criteo
         return CsvSource(files, self.schema.columns, delimiter="\t", header=False, column_names=CRITEO_COLUMNS,
                          null_values=[""], block_rows=c.block_rows, on_bad_rows=c.on_bad_rows)
