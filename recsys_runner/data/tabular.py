@@ -570,9 +570,9 @@ class CsvData(TabularData):
     """``data=csv``: delimited text files (see :class:`CsvDataConfig`)."""
 
     def __init__(self, config: CsvDataConfig) -> None:
-        super().__init__(config, config_schema(config))
         self.csv = config
-        """:attr:`config`, typed as this option's (its reader settings)."""
+        """:attr:`config`, typed as this option's (its reader settings; set first: the base class opens the files)."""
+        super().__init__(config, config_schema(config))
 
     def _source(self, files: list[str]) -> CsvSource:
         c = self.csv
@@ -585,9 +585,9 @@ class CriteoData(TabularData):
 
     def __init__(self, config: CriteoDataConfig) -> None:
         sizes = config.num_embeddings_per_feature or [config.num_embeddings] * CRITEO_NUM_SPARSE
-        super().__init__(config, criteo_schema(sizes, config.categorical_encoding, config.dense_transform))
         self.criteo = config
-        """:attr:`config`, typed as this option's (its reader settings)."""
+        """:attr:`config`, typed as this option's (its reader settings; set first: the base class opens the files)."""
+        super().__init__(config, criteo_schema(sizes, config.categorical_encoding, config.dense_transform))
 
     def _source(self, files: list[str]) -> CsvSource:
         c = self.criteo
