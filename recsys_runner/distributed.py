@@ -12,6 +12,7 @@ import datetime
 import logging
 import os
 import re
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -34,7 +35,7 @@ from torchrec.distributed.planner.types import (
     TrainerConfig,
 )
 from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
-from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
+from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardingEnv, ShardingPlan, ShardingType
 
 from recsys_runner.configurable import Configurable
 from recsys_runner.errors import ConfigError, UserError, require
@@ -50,6 +51,10 @@ _SHARDING_TYPES = sorted(t.value for t in ShardingType)
 _KERNELS = sorted(k.value for k in EmbeddingComputeKernel)
 _GB = 1024**3
 _GBPS_TO_PLANNER = _GB / 1000  # the planner's bandwidths are bytes per millisecond
+ONE_RANK_SHARDING_TYPES = [ShardingType.TABLE_WISE.value, ShardingType.DATA_PARALLEL.value]
+"""The sharding types the planner may choose on one rank unless the config names others: row-wise and
+column-wise shard a table across ranks, and with one rank they only add work (row-wise: a bucketize and
+an all-to-all every step, measured on an H100), yet the planner's costs can still prefer them."""
 
 
 def _check_choices(key: str, sharding_types: list[str] | None, compute_kernels: list[str] | None) -> None:
@@ -84,7 +89,8 @@ class DistributedConfig(Configurable):
     is nothing to overlap). ``auto`` picks ``sparse_dist`` on CUDA and ``base`` on CPU."""
     sharding_types: list[str] | None = None
     """Sharding types the planner may choose from for every table (e.g. ``[table_wise, row_wise]``);
-    ``null`` lets the planner consider all."""
+    ``null`` lets the planner consider all — but with one rank only ``table_wise`` and ``data_parallel``
+    (sharding a table across ranks gains nothing there); set it to allow others on one rank."""
     compute_kernels: list[str] | None = None
     """Embedding kernels the planner may choose from (e.g. ``[fused]``); ``null`` for all."""
     tables: dict[str, TableShardingConfig] = field(default_factory=dict)
@@ -311,10 +317,11 @@ class Distributed:
     def plan(self, model: nn.Module, batch_size: int) -> ShardingPlan:
         """Ask TorchRec's planner for a sharding plan that every rank agrees on (rank 0 plans, broadcasts)."""
         env = self._require_env()
-        planner, _, _ = self._planner(model, batch_size, env.world_size, env.local_world_size, env.device.type)
+        planner, recorder, _ = self._planner(model, batch_size, env.world_size, env.local_world_size, env.device.type)
         plan = planner.collective_plan(model, get_default_sharders(), dist.GroupMember.WORLD)
-        if env.is_main:
-            log.info("sharding plan (%d ranks):\n%s", env.world_size, plan)
+        if env.is_main:  # rank 0 planned, so its recorder holds the chosen options and their storage
+            log.info("%s", plan_summary(plan, env.world_size, _rank_usage(recorder.best_plan, env.world_size)))
+            log.debug("sharding plan (%d ranks):\n%s", env.world_size, plan)
         return plan
 
     def dry_plan(self, model: nn.Module, batch_size: int, device_type: str) -> PlanReport:
@@ -333,12 +340,7 @@ class Distributed:
             plan = planner.plan(model, get_default_sharders())
         except PlannerError as e:
             return PlanReport(world_size, local_world_size, device_type, None, [], error=str(e).strip())
-        used = [[0, 0] for _ in range(world_size)]
-        for option in recorder.best_plan:
-            for shard in option.shards:
-                if shard.rank is not None and shard.storage is not None:
-                    used[shard.rank][0] += shard.storage.hbm
-                    used[shard.rank][1] += shard.storage.ddr
+        used = _rank_usage(recorder.best_plan, world_size)
         ranks = [RankMemory(r, used[r][0], used[r][1], *budgets[r]) for r in range(world_size)]
         return PlanReport(world_size, local_world_size, device_type, plan, ranks)
 
@@ -363,26 +365,29 @@ class Distributed:
         planner = EmbeddingShardingPlanner(
             topology=topology,
             batch_size=c.planner_batch_size or batch_size,
-            constraints=self._constraints(_table_names(model)),
+            constraints=self._constraints(_table_names(model), world_size),
             storage_reservation=FixedPercentageStorageReservation(percentage=c.storage_reserve_percent),
             stats=[EmbeddingStats(), recorder],
         )
         return planner, recorder, topology
 
-    def _constraints(self, tables: list[str]) -> dict[str, ParameterConstraints] | None:
-        """Per-table planner constraints: the table's own choices, else the global ones."""
+    def _constraints(self, tables: list[str], world_size: int) -> dict[str, ParameterConstraints] | None:
+        """Per-table planner constraints: the table's own choices, else the global ones, else (sharding
+        types on one rank) :data:`ONE_RANK_SHARDING_TYPES`."""
         c = self.config
         unknown = sorted(set(c.tables) - set(tables))
         if unknown:
             known = sorted(tables, key=lambda t: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", t)])
             raise ConfigError(f"distributed.tables names {unknown}, which the model does not have; its tables: {', '.join(known)}")
-        if not (c.sharding_types or c.compute_kernels or c.tables):
+        sharding_types = c.sharding_types or (ONE_RANK_SHARDING_TYPES if world_size == 1 else None)
+        if not (sharding_types or c.compute_kernels or c.tables):
             return None
         constraints = {}
         for table in tables:
             own = c.tables.get(table, TableShardingConfig())
             constraints[table] = ParameterConstraints(
-                sharding_types=own.sharding_types or c.sharding_types, compute_kernels=own.compute_kernels or c.compute_kernels
+                sharding_types=list(own.sharding_types or sharding_types or []) or None,  # a copy: never the shared default
+                compute_kernels=own.compute_kernels or c.compute_kernels,
             )
         return constraints
 
@@ -424,6 +429,41 @@ class Distributed:
     def _require_env(self) -> DistEnv:
         assert self.env is not None, "Distributed.setup() must run first"
         return self.env
+
+
+def _rank_usage(best_plan: list[ShardingOption], world_size: int) -> list[tuple[int, int]]:
+    """``(hbm, ddr)`` bytes the planner's chosen options put on each rank."""
+    used = [[0, 0] for _ in range(world_size)]
+    for option in best_plan:
+        for shard in option.shards:
+            if shard.rank is not None and shard.storage is not None:
+                used[shard.rank][0] += shard.storage.hbm
+                used[shard.rank][1] += shard.storage.ddr
+    return [(hbm, ddr) for hbm, ddr in used]
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1024**2:.1f} MB" if n < _GB else f"{n / _GB:.2f} GB"
+
+
+def plan_summary(plan: ShardingPlan, world_size: int, usage: list[tuple[int, int]] | None = None) -> str:
+    """One line: how many tables, on how many ranks, per sharding type and compute kernel, and (from the
+    planner's estimates, when ``usage`` has them) the most memory one rank holds, e.g.
+    ``sharding plan: 26 tables on 1 rank: 26 table_wise (fused kernel); est. 12.3 MB/rank (HBM 12.3 MB, DDR 0.0 MB)``.
+    """
+    counts = Counter(
+        (p.sharding_type, p.compute_kernel)
+        for module in plan.plan.values() if isinstance(module, EmbeddingModuleShardingPlan)
+        for p in module.values()
+    )
+    kinds = ", ".join(f"{n} {sharding} ({kernel} kernel)" for (sharding, kernel), n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    line = (f"sharding plan: {sum(counts.values())} tables on {world_size} rank{'s' if world_size != 1 else ''}: "
+            f"{kinds or 'nothing to shard'}")
+    if usage and any(hbm or ddr for hbm, ddr in usage):
+        hbm, ddr = max(usage, key=lambda u: u[0] + u[1])
+        most = "" if world_size == 1 else "max "
+        line += f"; est. {most}{_mb(hbm + ddr)}/rank (HBM {_mb(hbm)}, DDR {_mb(ddr)})"
+    return line
 
 
 def _table_names(model: nn.Module) -> list[str]:

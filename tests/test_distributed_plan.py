@@ -88,3 +88,78 @@ def test_plan_cli_fits_and_does_not_fit(tmp_path: Path) -> None:
     too_big = _plan_cli("distributed.plan_world_size=2", "distributed.ddr_cap_gb=0.01", "data.num_embeddings=200000", cwd=tmp_path)
     assert too_big.returncode == 1, too_big.stderr[-2000:]
     assert "DOES NOT FIT" in too_big.stdout and "insufficient storage" in too_big.stdout
+
+
+def _types(plan) -> dict[str, str]:
+    assert plan is not None
+    (module_plan,) = plan.plan.values()
+    return {name: p.sharding_type for name, p in module_plan.items()}
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])  # planning for cuda needs no GPU; unrestricted, it picked row_wise for all 26
+def test_one_rank_plan_keeps_tables_whole(make_cfg, device: str) -> None:
+    types = _types(dry_run(make_cfg(f"distributed.device={device}", "distributed.plan_world_size=1", "tracking=none")).plan)
+    assert len(types) == 26 and set(types.values()) <= {"table_wise", "data_parallel"}, types
+
+
+def test_one_rank_plan_gives_explicitly_asked_sharding_types(make_cfg) -> None:
+    one_rank = ("distributed.device=cuda", "distributed.plan_world_size=1", "tracking=none")
+    assert set(_types(dry_run(make_cfg("distributed.sharding_types=[row_wise]", *one_rank)).plan).values()) == {"row_wise"}
+    types = _types(dry_run(make_cfg("+distributed.tables={t_cat_0: {sharding_types: [row_wise]}}", *one_rank)).plan)
+    assert types["t_cat_0"] == "row_wise"
+    assert {types[f"t_cat_{i}"] for i in range(1, 26)} <= {"table_wise", "data_parallel"}
+    on_cpu = _types(dry_run(make_cfg("distributed.sharding_types=[column_wise]", "distributed.plan_world_size=1", "tracking=none")).plan)
+    assert set(on_cpu.values()) == {"column_wise"}
+
+
+def test_many_ranks_are_not_restricted() -> None:
+    from recsys_runner.distributed import DistributedConfig
+
+    distributed = DistributedConfig().build()
+    assert distributed._constraints(["t_a", "t_b"], world_size=2) is None
+    one = distributed._constraints(["t_a", "t_b"], world_size=1)
+    assert one is not None and one["t_a"].sharding_types == ["table_wise", "data_parallel"]
+
+
+def test_plan_logs_a_one_line_summary_and_the_full_plan_at_debug(make_cfg, caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    import torch
+
+    from recsys_runner.models.common import TrainWrapper
+    from recsys_runner.optim import apply_sparse_optimizer
+
+    run = validate(make_cfg("tracking=none"))
+    data = run.data.for_model(run.model.data_needs()).build()
+    model = TrainWrapper(run.model.build(features=data.features, dense_device=torch.device("meta")))
+    apply_sparse_optimizer(model, run.optim.sparse)
+    distributed = run.distributed.build()
+    env = distributed.setup()  # gloo, world size 1, as a single-process run
+    try:
+        assert env.world_size == 1
+        with caplog.at_level(logging.DEBUG, logger="recsys_runner.distributed"):
+            plan = distributed.plan(model, batch_size=data.batch_size)
+    finally:
+        distributed.close()
+    ours = [r for r in caplog.records if r.name == "recsys_runner.distributed"]
+    info = [r.getMessage() for r in ours if r.levelno == logging.INFO]
+    assert len(info) == 1, info
+    assert "\n" not in info[0]
+    assert info[0].startswith("sharding plan: 26 tables on 1 rank: 26 table_wise (fused kernel); est. "), info[0]
+    assert "MB/rank (HBM 0.0 MB, DDR " in info[0]
+    debug = [r.getMessage() for r in ours if r.levelno == logging.DEBUG]
+    assert any("t_cat_25" in m and "table_wise" in m for m in debug), "the full per-table plan is logged at DEBUG"
+    assert set(_types(plan).values()) == {"table_wise"}
+
+
+def test_plan_summary_counts_types_and_kernels_over_ranks(make_cfg) -> None:
+    from recsys_runner.distributed import plan_summary
+
+    cfg = make_cfg("+distributed.tables={t_cat_0: {sharding_types: [data_parallel]}}", "distributed.sharding_types=[table_wise]",
+                   "distributed.plan_world_size=4", "tracking=none")
+    report = dry_run(cfg)
+    assert report.plan is not None
+    usage = [(r.hbm, r.ddr) for r in report.ranks]
+    line = plan_summary(report.plan, 4, usage)
+    assert line.startswith("sharding plan: 26 tables on 4 ranks: 25 table_wise (fused kernel), 1 data_parallel (dense kernel); est. max ")
+    assert plan_summary(report.plan, 4).endswith("1 data_parallel (dense kernel)")
