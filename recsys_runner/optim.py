@@ -50,6 +50,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
 
+from recsys_runner.compat import WeightDecayMode
 from recsys_runner.configurable import Configurable, config_class, locate_class, make
 from recsys_runner.errors import ConfigError, require
 from recsys_runner.scheduler import SchedulerConfig
@@ -124,8 +125,6 @@ class _FusedConfig(SparseOptimizerConfig):
 
     def kwargs(self) -> dict[str, Any]:
         """As the base, with ``weight_decay_mode`` as fbgemm's ``WeightDecayMode`` enum."""
-        from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
-
         return {**_kwargs(self), "weight_decay_mode": WeightDecayMode[self.weight_decay_mode.upper()]}
 
 
