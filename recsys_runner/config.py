@@ -267,7 +267,9 @@ def validate(cfg: DictConfig) -> RunConfig:
     assert dataclasses.is_dataclass(composed), f"root config is {type(composed)}; conf/config.yaml must extend run_schema"
     run = RunConfig(**{f.name: getattr(composed, f.name) for f in dataclasses.fields(RunConfig)})
     device_type = resolve_device_type(run.distributed.device)
-    check_sparse_on_device(run.optim.sparse, device_type)
+    ckpt = run.checkpoint
+    saves_checkpoints = bool(ckpt.at_end or ckpt.every_steps or ckpt.every_epochs or ckpt.best_metric)
+    check_sparse_on_device(run.optim.sparse, device_type, checkpoints=saves_checkpoints)
     check_sharding_types(run.distributed.sharding_types, device_type, run.distributed.tables)
     return run
 

@@ -419,14 +419,28 @@ CPU_FUSED_SPARSE = {"torchrec.optim.SGD": "sgd", "torchrec.optim.Adagrad": "adag
 """Sparse optimizers for which fbgemm has a CPU kernel (its CPU build asserts on any other)."""
 
 
-def check_sparse_on_device(sparse: SparseOptimizerConfig, device_type: str) -> None:
-    """Fail early, with the alternatives, when fbgemm has no kernel for this optimizer here."""
+NOT_CHECKPOINTABLE_SPARSE = {"LarsSGD": "lars_sgd"}
+"""Sparse optimizers (by class name) whose state TorchRec cannot export (fbgemm's ``get_optimizer_state`` raises
+``NotImplementedError`` for them), so a run using one dies at its first checkpoint."""
+
+
+def check_sparse_on_device(sparse: SparseOptimizerConfig, device_type: str, checkpoints: bool = False) -> None:
+    """Fail early, with the alternatives, when fbgemm has no kernel for this optimizer here, or when
+    the run would save ``checkpoints`` (any: at the end, periodic or best) of an optimizer whose state
+    TorchRec cannot export."""
+    name = sparse._target_.rsplit(".", 1)[-1]
     if device_type == "cpu" and sparse._target_ not in CPU_FUSED_SPARSE:
-        name = sparse._target_.rsplit(".", 1)[-1]
         raise ConfigError(
             f"optim.sparse is {name}, which fbgemm implements only on GPU; on CPU the fused embedding optimizers "
             f"are {sorted(CPU_FUSED_SPARSE.values())}. Fix: optim/sparse=rowwise_adagrad (keeping your dense "
             f"optimizer, e.g. optim/dense=adam), or run on a CUDA device."
+        )
+    if checkpoints and name in NOT_CHECKPOINTABLE_SPARSE:
+        choice = NOT_CHECKPOINTABLE_SPARSE[name]
+        raise ConfigError(
+            f"optim/sparse={choice} ({name}) cannot be checkpointed: TorchRec cannot export its optimizer state "
+            f"(fbgemm raises NotImplementedError at the first save). Fix: checkpoint=none, or another sparse "
+            f"optimizer (optim/sparse=lamb, adam or rowwise_adagrad)."
         )
 
 

@@ -118,10 +118,32 @@ def test_gpu_only_fused_optimizers_say_so_on_cpu(make_cfg, name: str) -> None:
         validate(cfg)
 
 
-def test_fused_kwargs_reach_fbgemm_as_its_enum(make_cfg) -> None:
-    from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
+def test_lars_sgd_with_checkpoints_is_refused_on_cuda(make_cfg) -> None:
     from omegaconf import OmegaConf
 
+    from recsys_runner.optim import check_sparse_on_device
+
+    # validate() resolves distributed.device=cuda without touching a GPU
+    with pytest.raises(ConfigError, match=r"optim/sparse=lars_sgd \(LarsSGD\) cannot be checkpointed: TorchRec cannot export its "
+                                          r"optimizer state.*Fix: checkpoint=none, or another sparse optimizer"):
+        validate(make_cfg("optim/sparse=lars_sgd", "distributed.device=cuda", "tracking=none"))
+    for saving in ("checkpoint.every_steps=10", "checkpoint.best_metric=eval/auc"):
+        with pytest.raises(ConfigError, match="cannot be checkpointed"):
+            validate(make_cfg("optim/sparse=lars_sgd", "distributed.device=cuda", "checkpoint=none", saving, "tracking=none"))
+    assert validate(make_cfg("optim/sparse=lars_sgd", "distributed.device=cuda", "checkpoint=none", "tracking=none"))
+    assert validate(make_cfg("optim/sparse=lamb", "distributed.device=cuda", "tracking=none"))
+    sparse = OmegaConf.to_object(make_cfg("optim/sparse=lars_sgd", "tracking=none").optim).sparse
+    check_sparse_on_device(sparse, "cuda")  # no checkpoints: fine
+    with pytest.raises(ConfigError, match="cannot be checkpointed"):
+        check_sparse_on_device(sparse, "cuda", checkpoints=True)
+    with pytest.raises(ConfigError, match="fbgemm implements only on GPU"):  # on CPU the missing kernel is the first problem
+        check_sparse_on_device(sparse, "cpu", checkpoints=True)
+
+
+def test_fused_kwargs_reach_fbgemm_as_its_enum(make_cfg) -> None:
+    from omegaconf import OmegaConf
+
+    from recsys_runner.compat import WeightDecayMode
     from recsys_runner.optim import SparseLAMBConfig
 
     cfg = make_cfg("optim/sparse=lamb", "optim.sparse.weight_decay=0.01", "optim.sparse.weight_decay_mode=decouple",
