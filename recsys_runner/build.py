@@ -94,7 +94,7 @@ def build(run: RunConfig) -> Components:
         checkpointer.lock()
         precision = run.precision.build()
         precision.apply_tf32()
-        data: DataModule = run.data.for_model(run.model.data_needs()).build()
+        data: DataModule = run.data.for_model(run.model.data_needs()).build(device=env.device)
         steps_per_epoch = _steps_per_epoch(data, env.world_size, run.train.grad_accum_steps)
         total_steps = _total_steps(run, steps_per_epoch)
         model = run.model.build(features=data.features, dense_device=env.device)

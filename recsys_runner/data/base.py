@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, TypeVar
 
 import torch
@@ -15,10 +16,16 @@ from recsys_runner.configurable import Configurable
 from recsys_runner.errors import DataError, require
 from recsys_runner.features import DataNeeds, FeatureSpec
 
-__all__ = ["DataConfig", "DataError", "DataModule", "synchronized"]  # DataError lives in errors.py with its siblings; importable from here too
+__all__ = ["AUTO", "DataConfig", "DataError", "DataModule", "auto_workers", "data_device_type", "synchronized"]  # DataError lives in errors.py with its siblings; importable from here too
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+D = TypeVar("D", bound="DataConfig")
+
+AUTO = "auto"
+"""``data.num_workers: auto``: DataLoader workers when the run's device is CUDA, none on CPU (:func:`auto_workers`)."""
+MAX_AUTO_WORKERS = 4
+"""The most DataLoader workers per rank that ``num_workers: auto`` starts."""
 
 
 class DataModule(Protocol):
@@ -66,20 +73,61 @@ class DataConfig(Configurable):
 
     batch_size: int = 512
     """Rows per batch *per rank* (the global batch is ``batch_size × world_size``)."""
+    num_workers: int | str = AUTO
+    """DataLoader worker processes per rank that produce the batches off the training thread; 0 produces them
+    in the training process. ``auto``: ``min(4, CPUs per local rank - 1)`` (at least 1) when the run's device is
+    CUDA, 0 on CPU, where extra processes only compete with the step for the cores."""
+    pin_memory: bool | None = None
+    """Produce batches in page-locked (pinned) memory, so that their copy to the GPU overlaps the step;
+    ``null``: when the run's device is CUDA."""
 
     def __post_init__(self) -> None:
         require(self.batch_size > 0, f"data.batch_size must be positive, got {self.batch_size}. Fix: data.batch_size=512")
+        workers = self.num_workers
+        require(workers == AUTO or (isinstance(workers, int) and not isinstance(workers, bool) and workers >= 0),
+                f"data.num_workers={workers!r} must be a number >= 0 or auto. Fix: data.num_workers=auto (workers on CUDA, "
+                f"none on CPU), data.num_workers=0 (in the training process) or e.g. data.num_workers=2")
 
-    def build(self) -> DataModule:
-        """The data module this config describes."""
-        data: DataModule = self.component_class()(self)
+    def build(self, *, device: torch.device | str | None = None) -> DataModule:
+        """The data module this config describes, for a run on ``device`` (``None``: where ``distributed.device=auto``
+        puts it): built from :meth:`resolved`, so that the module sees a number of workers and a pinning decision."""
+        data: DataModule = self.component_class()(self.resolved(device))
         return data
+
+    def resolved(self: D, device: torch.device | str | None = None) -> D:
+        """This config with ``num_workers: auto`` and ``pin_memory: null`` decided for a run on ``device`` (``None``:
+        CUDA when it is available, as ``distributed.device=auto`` decides); ``self`` when both are already set."""
+        if self.num_workers != AUTO and self.pin_memory is not None:
+            return self
+        cuda = data_device_type(device) == "cuda"
+        workers = auto_workers() if cuda else 0
+        return replace(self, num_workers=workers if self.num_workers == AUTO else self.num_workers,
+                       pin_memory=cuda if self.pin_memory is None else self.pin_memory)
 
     def for_model(self, needs: DataNeeds) -> DataConfig:
         """This config made to serve a model with ``needs``: a new config with the fields the data leaves to
         the model filled in (generated data); ``self`` for data whose labels and columns are fixed (files),
         which the model then checks against its needs."""
         return self
+
+
+def data_device_type(device: torch.device | str | None = None) -> str:
+    """``cuda`` or ``cpu``: the type of ``device``, or for ``None`` where ``distributed.device=auto`` runs (CUDA when available)."""
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device).type
+
+
+def auto_workers(local_world_size: int | None = None) -> int:
+    """DataLoader workers per rank for ``num_workers: auto`` on CUDA: ``min(4, CPUs // local_world_size - 1)``, at least 1.
+
+    One core per local rank stays with its training process; ``local_world_size`` defaults to ``LOCAL_WORLD_SIZE``
+    (``WORLD_SIZE``, 1), as the process group reads it.
+    """
+    if local_world_size is None:
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(MAX_AUTO_WORKERS, cpus // max(local_world_size, 1) - 1))
 
 
 def synchronized(batches: Iterable[T], on_dropped: Callable[[T], None] | None = None) -> Iterator[T]:

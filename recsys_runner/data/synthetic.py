@@ -17,17 +17,22 @@ left ``null`` follow the model's declared needs, so a multi-task model gets one 
 a two-tower model gets (user, item) pairs linked through its towers' features.
 
 Every batch is generated from ``(seed, split, batch index)`` alone, so any rank can produce any
-batch without reading the others, training is reproducible, and nothing is written to disk.
+batch without reading the others, training is reproducible, and nothing is written to disk. With
+``num_workers`` (``auto``: on CUDA) DataLoader worker processes generate a rank's batches off the
+training thread, worker ``w`` of ``W`` the ``w``-th, ``(w+W)``-th … of them, which the DataLoader
+interleaves back in order: the batches are exactly those of the in-process path, in the same order.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -178,7 +183,10 @@ class SyntheticData(DataModule):
     """
 
     def __init__(self, config: SyntheticDataConfig) -> None:
-        c = self.config = config
+        c = self.config = config.resolved()  # built by DataConfig.build, already; constructed directly, decided here
+        assert isinstance(c.num_workers, int)
+        self._workers = c.num_workers
+        self._pin = bool(c.pin_memory)
         sizes = list(c.num_embeddings_per_feature or [c.num_embeddings] * c.num_sparse)
         self.features = FeatureSpec(
             dense_names=tuple(f"int_{i}" for i in range(c.num_dense)),
@@ -211,14 +219,37 @@ class SyntheticData(DataModule):
         # and equally many batches (the remainder is dropped) so that no rank waits on another.
         order = torch.randperm(self._num_train_batches, generator=torch.Generator().manual_seed(self._seed * 7919 + epoch))
         mine = order[rank :: world_size][: self.num_train_batches(world_size)]
-        return (self.batch(_TRAIN, int(i)) for i in mine)
+        return self._batches(_TRAIN, [int(i) for i in mine])
 
     def eval_batches(self, rank: int, world_size: int) -> Iterator[Batch]:
         per_rank = self._num_eval_batches // world_size
-        return (self.batch(_EVAL, i) for i in range(rank, per_rank * world_size, world_size))
+        return self._batches(_EVAL, list(range(rank, per_rank * world_size, world_size)))
+
+    def _batches(self, split: int, indices: list[int]) -> Iterator[Batch]:
+        """Batches ``indices`` of ``split``, in that order: generated here, or with workers by DataLoader worker processes."""
+        if self._workers == 0:
+            for index in indices:
+                tensors = self._tensors(split, index)
+                yield self._assemble(tuple(t.pin_memory() for t in tensors) if self._pin else tensors)
+            return
+        # Never more workers than batches: the DataLoader's round robin then hands worker w exactly the
+        # batches i ≡ w (mod workers) that _Stream gives it, in order.
+        loader = DataLoader(_Stream(self, split, indices), batch_size=None, num_workers=min(self._workers, max(len(indices), 1)),
+                            pin_memory=self._pin, multiprocessing_context="fork" if os.name == "posix" else None)
+        for tensors in loader:
+            yield self._assemble(tensors)
 
     def batch(self, split: int, index: int) -> Batch:
         """Generate batch ``index`` of ``split`` (0 train, 1 eval); pure function of the seed."""
+        return self._assemble(self._tensors(split, index))
+
+    def _assemble(self, tensors: tuple[torch.Tensor, ...]) -> Batch:
+        dense, values, lengths, labels = tensors
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys=self.features.sparse_names, values=values, lengths=lengths)
+        return Batch(dense_features=dense, sparse_features=kjt, labels=labels)
+
+    def _tensors(self, split: int, index: int) -> tuple[torch.Tensor, ...]:
+        """Batch ``index`` of ``split`` as ``(dense, values, lengths, labels)``, which cross a worker process boundary as they are."""
         g = torch.Generator().manual_seed(hash((self._seed, split, index)) & 0x7FFF_FFFF_FFFF_FFFF)
         n, f = self.batch_size, len(self._sizes)
         u = torch.rand(n, f, generator=g, dtype=torch.float64)
@@ -233,12 +264,7 @@ class SyntheticData(DataModule):
         labels = torch.bernoulli(torch.sigmoid(score), generator=g)
         if self.features.multi_label:
             labels = torch.stack(self._task_labels(labels, score, dense, ids, g), dim=1)
-        kjt = KeyedJaggedTensor.from_lengths_sync(
-            keys=self.features.sparse_names,
-            values=ids.t().reshape(-1),
-            lengths=torch.ones(n * f, dtype=torch.int32),
-        )
-        return Batch(dense_features=dense, sparse_features=kjt, labels=labels)
+        return dense, ids.t().reshape(-1), torch.ones(n * f, dtype=torch.int32), labels
 
     def _task_labels(self, click: torch.Tensor, score: torch.Tensor, dense: torch.Tensor, ids: torch.Tensor,
                      g: torch.Generator) -> list[torch.Tensor]:
@@ -248,6 +274,19 @@ class SyntheticData(DataModule):
             task_score = world.score(dense, ids)
             columns.append(click * torch.bernoulli(torch.sigmoid(task_score), generator=g) if kind == "binary" else F.softplus(task_score))
         return columns
+
+
+class _Stream(IterableDataset):
+    """Batches ``indices`` of a split as tensors; in DataLoader worker ``w`` of ``W``, the share ``indices[w::W]``."""
+
+    def __init__(self, data: SyntheticData, split: int, indices: list[int]) -> None:
+        super().__init__()
+        self.data, self.split, self.indices = data, split, indices
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        info = get_worker_info()
+        mine = self.indices if info is None else self.indices[info.id :: info.num_workers]
+        return (self.data._tensors(self.split, i) for i in mine)
 
 
 @dataclass(frozen=True)

@@ -87,10 +87,6 @@ class TabularDataConfig(DataConfig):
     drop_remainder: bool = True
     """Drop each shard's last partial training batch (and the last ``rows mod shards`` rows), so every
     rank has the same number of full batches. ``false`` keeps them (ranks then agree step by step)."""
-    num_workers: int = 0
-    """DataLoader worker processes per rank reading disjoint shares; 0 reads in the training process."""
-    pin_memory: bool | None = None
-    """Pin batches in page-locked memory for faster copies to the GPU; ``null``: when CUDA is available."""
     seed: int = 0
     """Seed of the unit order and the shuffle buffer (combined with the epoch)."""
     on_bad_rows: str = "fail"
@@ -103,7 +99,6 @@ class TabularDataConfig(DataConfig):
         require(bool(self.path), "data.path is required: a file, a directory or a glob, e.g. data.path=/data/train/")
         super().__post_init__()
         require(self.shuffle_buffer_rows >= 0, f"data.shuffle_buffer_rows must be >= 0, got {self.shuffle_buffer_rows}")
-        require(self.num_workers >= 0, f"data.num_workers must be >= 0, got {self.num_workers}")
         require(self.on_bad_rows in BAD_ROW_MODES, f"data.on_bad_rows={self.on_bad_rows!r} must be one of {BAD_ROW_MODES}")
         require(self.read_rows > 0, f"data.read_rows must be positive, got {self.read_rows}")
         require(
@@ -301,6 +296,8 @@ class TabularData(DataModule, abc.ABC):
     """
 
     def __init__(self, config: TabularDataConfig, schema: Schema) -> None:
+        config = config.resolved()  # built by DataConfig.build, already; constructed directly, decided here
+        assert isinstance(config.num_workers, int)
         self.config = config
         self.schema = schema
         self.features = schema.features()
@@ -310,7 +307,8 @@ class TabularData(DataModule, abc.ABC):
         self._passes: dict[tuple[int, int], tuple[int, int]] = {}
         """(epoch, rank) → (rows of the rank's share, bad rows skipped) of the last pass over that epoch's training data."""
         self._workers = config.num_workers
-        self._pin = torch.cuda.is_available() if config.pin_memory is None else config.pin_memory
+        """DataLoader workers per rank; each (rank, worker) reads its own shard, so the batch order depends on it."""
+        self._pin = bool(config.pin_memory)
         train_source = self._source(resolve_files(config.path, "data.path", self._suffixes()))
         train_units = train_source.units()
         if config.eval_path is not None:

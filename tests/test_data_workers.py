@@ -1,0 +1,199 @@
+"""Feeding a GPU: DataLoader workers and pinned memory (``data.num_workers``, ``data.pin_memory``).
+
+Synthetic data made by workers is exactly the in-process data; file-backed data with workers reads every row
+once per epoch, deterministically; ``auto`` means workers and pinning on CUDA and neither on CPU (checked
+without a GPU, by reporting CUDA available).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torchrec.datasets.utils import Batch
+
+import recsys_runner.data.synthetic as synthetic
+import recsys_runner.data.tabular as tabular
+from recsys_runner.config import validate
+from recsys_runner.configurable import make
+from recsys_runner.data.base import MAX_AUTO_WORKERS, auto_workers, data_device_type
+from recsys_runner.data.synthetic import SyntheticData, SyntheticDataConfig
+from recsys_runner.data.tabular import CsvData, CsvDataConfig, ParquetData, ParquetDataConfig
+from recsys_runner.errors import ConfigError
+
+SMALL = dict(batch_size=16, num_dense=3, num_sparse=4, num_embeddings=50, num_train_rows=16 * 11, num_eval_rows=16 * 5)
+
+
+def same(a: list[Batch], b: list[Batch]) -> bool:
+    """The same batches in the same order: dense, KJT keys/values/lengths, labels, bit for bit."""
+    return len(a) == len(b) and all(
+        torch.equal(x.dense_features, y.dense_features) and torch.equal(x.labels, y.labels)
+        and x.sparse_features.keys() == y.sparse_features.keys()
+        and torch.equal(x.sparse_features.values(), y.sparse_features.values())
+        and torch.equal(x.sparse_features.lengths(), y.sparse_features.lengths())
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+def synthetic_data(**kw: Any) -> SyntheticData:
+    return SyntheticData(make(SyntheticDataConfig, **(SMALL | kw)))
+
+
+@pytest.mark.parametrize("extra", [{}, {"tasks": ["ctr", "cvr", "watch"], "label_kinds": {"watch": "regression"}, "user_item_clusters": 4}],
+                         ids=["click", "funnel_and_pairs"])
+def test_synthetic_workers_yield_exactly_the_in_process_batches(extra: dict[str, Any]) -> None:
+    here, workers = synthetic_data(num_workers=0, **extra), synthetic_data(num_workers=2, **extra)
+    assert (here.config.num_workers, workers.config.num_workers) == (0, 2)
+    for world in (1, 2):  # 11 batches: odd shares (5 and 6, then 5 each) so one worker has one more
+        for rank in range(world):
+            for epoch in (0, 1):
+                expected = list(here.train_batches(epoch, rank, world))
+                assert len(expected) == here.num_train_batches(world) and expected
+                assert same(list(workers.train_batches(epoch, rank, world)), expected), (world, rank, epoch)
+            assert same(list(workers.eval_batches(rank, world)), list(here.eval_batches(rank, world)))
+    # Equal counts per rank, whatever the workers.
+    assert {len(list(workers.train_batches(0, r, 3))) for r in range(3)} == {here.num_train_batches(3)}
+
+
+def test_synthetic_more_workers_than_batches() -> None:
+    here, workers = synthetic_data(num_workers=0), synthetic_data(num_workers=4, num_eval_rows=16 * 2)
+    assert same(list(workers.eval_batches(0, 1)), list(synthetic_data(num_workers=0, num_eval_rows=16 * 2).eval_batches(0, 1)))
+    assert same(list(workers.train_batches(3, 1, 8)), list(here.train_batches(3, 1, 8)))  # 1 batch for this rank
+
+
+def id_files(tmp_path: Path, n: int = 100) -> Path:
+    pq.write_table(pa.table({"label": np.arange(n) % 2, "rid": np.arange(n)}), tmp_path / "a.parquet", row_group_size=7)
+    pq.write_table(pa.table({"label": np.arange(n) % 2, "rid": np.arange(n, 2 * n)}), tmp_path / "b.parquet", row_group_size=11)
+    lines = ["label,rid", *(f"{i % 2},{i}" for i in range(2 * n))]
+    (tmp_path / "ids.csv").write_text("\n".join(lines) + "\n")
+    return tmp_path
+
+
+def reader(kind: str, tmp_path: Path, **kw: Any) -> ParquetData | CsvData:
+    common = {"batch_size": 4, "sparse": [{"name": "rid", "num_embeddings": 200}], "shuffle_buffer_rows": 16, "eval_fraction": 0.2} | kw
+    if kind == "parquet":
+        return ParquetData(make(ParquetDataConfig, path=str(tmp_path / "*.parquet"), **common))
+    return CsvData(make(CsvDataConfig, path=str(tmp_path / "ids.csv"), block_rows=13, **common))
+
+
+def rids(batches: Any) -> list[int]:
+    return [i for b in batches for i in b.sparse_features["rid"].values().tolist()]
+
+
+@pytest.mark.parametrize("kind", ["parquet", "csv"])
+def test_file_readers_with_workers_read_every_row_once_deterministically(kind: str, tmp_path: Path) -> None:
+    """Each (rank, worker) reads its own shard, so the order differs from the in-process one, but an epoch
+    holds the same rows, twice the same order, and every rank the same number of batches."""
+    id_files(tmp_path)
+    here = reader(kind, tmp_path, num_workers=0, drop_remainder=False)
+    workers = reader(kind, tmp_path, num_workers=2, drop_remainder=False)
+    for epoch in (0, 1):
+        for world in (1, 2):
+            mine = [rids(workers.train_batches(epoch, r, world)) for r in range(world)]
+            assert sorted(sum(mine, [])) == sorted(rids(here.train_batches(epoch, 0, 1)))
+            assert mine == [rids(workers.train_batches(epoch, r, world)) for r in range(world)]  # deterministic
+    assert sorted(rids(workers.eval_batches(0, 1))) == sorted(rids(here.eval_batches(0, 1)))
+    dropped = reader(kind, tmp_path, num_workers=2)
+    counts = {len(list(dropped.train_batches(0, r, 2))) for r in range(2)}
+    assert counts == {dropped.num_train_batches(2)} and dropped.num_train_batches(2) > 0
+
+
+# -- auto ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA reported available (nothing is ever copied to a GPU in these tests)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(8)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+
+
+def test_auto_is_in_process_and_unpinned_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert data_device_type() == "cpu"
+    config = make(SyntheticDataConfig, **SMALL)
+    assert (config.num_workers, config.pin_memory) == ("auto", None)
+    data = config.build()
+    assert isinstance(data, SyntheticData) and (data.config.num_workers, data.config.pin_memory) == (0, False)
+    assert config.num_workers == "auto", "the run's config keeps its setting; the module gets the decision"
+    assert (SyntheticData(config).config.num_workers, SyntheticData(config).config.pin_memory) == (0, False)
+
+
+def test_auto_workers_per_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)), raising=False)
+    assert auto_workers(1) == MAX_AUTO_WORKERS
+    assert auto_workers(4) == 3  # 16 // 4 - 1: one core per rank stays with its training process
+    assert auto_workers(8) == 1 and auto_workers(16) == 1  # at least one
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert auto_workers() == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1}, raising=False)
+    assert auto_workers(1) == 1
+
+
+class Recorder:
+    """Stands in for DataLoader: records its arguments and iterates a real, unpinned one."""
+
+    calls: list[dict[str, Any]]
+
+    def __init__(self) -> None:
+        self.calls = []
+
+    def __call__(self, dataset: Any, **kw: Any) -> torch.utils.data.DataLoader:
+        self.calls.append(kw)
+        return torch.utils.data.DataLoader(dataset, **(kw | {"pin_memory": False}))
+
+
+def test_auto_uses_workers_and_pinned_memory_on_cuda(fake_cuda: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert data_device_type() == "cuda" and auto_workers() == MAX_AUTO_WORKERS
+    config = make(SyntheticDataConfig, **SMALL)
+    data = config.build()
+    assert isinstance(data, SyntheticData) and (data.config.num_workers, data.config.pin_memory) == (MAX_AUTO_WORKERS, True)
+    loader = Recorder()
+    monkeypatch.setattr(synthetic, "DataLoader", loader)
+    made = list(data.train_batches(0, 0, 1))
+    assert [(c["num_workers"], c["pin_memory"]) for c in loader.calls] == [(MAX_AUTO_WORKERS, True)]
+    assert same(made, list(synthetic_data(num_workers=0, pin_memory=False).train_batches(0, 0, 1)))
+    # The run's device decides, not the machine: a CPU run on a CUDA machine neither forks nor pins.
+    on_cpu = config.build(device=torch.device("cpu"))
+    assert isinstance(on_cpu, SyntheticData) and (on_cpu.config.num_workers, on_cpu.config.pin_memory) == (0, False)
+    # A value that is set wins over auto.
+    fixed = make(SyntheticDataConfig, num_workers=1, pin_memory=False, **SMALL).build(device="cuda:0")
+    assert isinstance(fixed, SyntheticData) and (fixed.config.num_workers, fixed.config.pin_memory) == (1, False)
+
+
+def test_auto_file_reader_on_cuda(fake_cuda: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    id_files(tmp_path)
+    config = make(ParquetDataConfig, path=str(tmp_path / "a.parquet"), batch_size=4, eval_fraction=0.2,
+                  sparse=[{"name": "rid", "num_embeddings": 200}])
+    data = config.build()
+    assert isinstance(data, ParquetData) and (data.config.num_workers, data.config.pin_memory) == (MAX_AUTO_WORKERS, True)
+    loader = Recorder()
+    monkeypatch.setattr(tabular, "DataLoader", loader)
+    assert rids(data.train_batches(0, 0, 1))
+    assert [(c["num_workers"], c["pin_memory"]) for c in loader.calls] == [(MAX_AUTO_WORKERS, True)]
+    on_cpu = config.build(device="cpu")
+    assert isinstance(on_cpu, ParquetData) and (on_cpu.config.num_workers, on_cpu.config.pin_memory) == (0, False)
+
+
+@pytest.mark.parametrize(("value", "says"), [(-1, "data.num_workers=-1 must be"), ("many", "data.num_workers='many' must be"),
+                                             (1.5, "incompatible with type hint"), (True, "incompatible with type hint")])
+def test_num_workers_is_validated(value: Any, says: str) -> None:
+    with pytest.raises(ConfigError, match=says):
+        make(SyntheticDataConfig, num_workers=value, **SMALL)
+
+
+def test_num_workers_from_the_command_line(make_cfg: Any) -> None:
+    assert validate(make_cfg("data=synthetic")).data.num_workers == "auto"
+    assert validate(make_cfg("data=synthetic", "data.num_workers=2")).data.num_workers == 2
+    cfg = make_cfg("data=parquet", "data.path=/nowhere", "data.num_workers=auto", "data.pin_memory=true", tiny=False)
+    assert OmegaConf.select(cfg, "data.num_workers") == "auto" and OmegaConf.select(cfg, "data.pin_memory") is True
+    with pytest.raises(ConfigError, match="data.num_workers"):
+        validate(make_cfg("data=synthetic", "data.num_workers=lots"))
