@@ -44,9 +44,9 @@ test: $(STAMP) ## Run the whole test suite, slow multi-process tests included
 test-fast: $(STAMP) ## Run the tests except those marked slow
 	$(PY) -m pytest -q -m "not slow"
 
-bench: $(STAMP) ## Runner vs hand-written TorchRec loop: samples/s, ratio, start-up time
-	$(PY) -m recsys_runner.bench
-	$(PY) -m recsys_runner.bench_data
+BENCH_ARGS ?=
+bench: $(STAMP) ## Runner vs hand loop, end to end (synthetic, Parquet), host overhead, start-up -> table + bench.json (docs/performance.md)
+	$(PY) -m recsys_runner.bench $(BENCH_ARGS)
 
 lint: $(STAMP) ## ruff and mypy
 	$(VENV)/bin/ruff check recsys_runner tests

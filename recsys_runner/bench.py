@@ -1,27 +1,44 @@
-"""``make bench``: the runner's training path against a minimal hand-written TorchRec loop.
+"""``make bench``: what the runner costs, against a minimal hand-written TorchRec loop, on the run's device.
 
-Both train the same DeepFM (same seed, same sharding plan, same fused Adagrad + dense Adagrad)
-on the same in-memory Criteo-shaped batches, in one process, alternating rounds so that machine
-noise hits both alike. Reported: steady-state samples/s of each (median over timed windows, the
-first window of each round discarded as warm-up), the median of the per-round ratios (the target is
-≥ 0.97), and the
-seconds from process start to the first finished training step of ``python -m recsys_runner``.
+Regimes (docs/performance.md says why each one matters):
 
-Usage: ``python -m recsys_runner.bench [--batch-size 2048] [--steps 60] [--rounds 3] [overrides…]``
+* ``a_in_memory`` — the runner's training path (:func:`recsys_runner.runner.train`) against TorchRec's
+  canonical loop written out by hand (:func:`hand_written_model`, :func:`hand_round`): same DeepFM, same
+  seed, same sharding plan, fused Adagrad + dense Adagrad, on the same batches held in memory and
+  already moved to the run's device (``distributed.device=auto``: CUDA when there is one). Target ≥ 0.97.
+* ``b_synthetic`` / ``b_parquet`` — end to end through the real input paths, the same built model: the
+  runner's own ``data=synthetic`` module, and ``data=parquet`` reading a generated Criteo-shaped file
+  (:func:`recsys_runner.bench_data.write_parquet`). Each as samples/s and as a ratio to (a)'s in-memory
+  runner figure. Target ≥ 0.9.
+* ``c_host_overhead`` — (a)'s method on a tiny model and a small batch, where per-step host work
+  (Python, bookkeeping, logging) is most of the step. Target ≥ 0.95.
+* ``d_startup`` — seconds from launching ``python -m recsys_runner`` to its first finished step, split
+  into importing torch + fbgemm_gpu + torchrec + the runner, and the rest (config, build, first step).
+
+Every samples/s figure is the median of steady-state windows of 10 steps (the first window of each round
+is warm-up and dropped). Paths alternate within a round and the order flips every round, so machine noise
+hits all alike; a ratio is the median of the per-round ratios. Prints one table and writes it as JSON.
+
+Usage: ``python -m recsys_runner.bench [--quick] [--json bench.json] [--rounds 5] [overrides…]``
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Mapping
-from dataclasses import replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 import torch
 from hydra import compose, initialize_config_dir
+from torchrec.datasets.utils import Batch
 from torchrec.distributed.model_parallel import DistributedModelParallel, get_default_sharders
 from torchrec.distributed.types import ShardingEnv
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -29,7 +46,7 @@ from torchrec.optim.keyed import KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from recsys_runner.build import Components, build, seed_everything
-from recsys_runner.config import register_configs, validate
+from recsys_runner.config import RunConfig, register_configs, validate
 from recsys_runner.data import DataModule
 from recsys_runner.data.memory import InMemoryData
 from recsys_runner.models.common import TrainWrapper
@@ -38,6 +55,17 @@ from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.runner import Loop, train
 
 WINDOW = 10
+"""Steps per timed window (``train.log_every_steps`` of the runner; one host sync per window in the hand loop)."""
+
+TARGETS = {"a_in_memory": 0.97, "b_synthetic": 0.9, "b_parquet": 0.9, "c_host_overhead": 0.95}
+
+COMMON = ["optim=adagrad", "tracking=none", "checkpoint=none", f"train.log_every_steps={WINDOW}",
+          "train.eval_every_steps=null", "train.eval_max_batches=1"]
+"""Overrides every regime shares: fused + dense Adagrad (what the hand loop writes out), nothing logged or saved."""
+
+TINY = ["model=deepfm", "model.embedding_dim=4", "model.dense_arch_layer_sizes=[4]", "model.deep_layer_sizes=[8]",
+        "data.batch_size=64", "data.num_sparse=4", "data.num_embeddings=1000"]
+"""Regime (c): a model and batch so small that the step is mostly host work."""
 
 
 class _Recorder:
@@ -66,13 +94,14 @@ def with_data(loop: Loop, data: DataModule) -> Loop:
 
 
 def runner_round(loop: Loop, steps: int) -> float:
+    """One call of the runner's :func:`train` for ``steps`` steps: median samples/s of its windows after the first."""
     recorder = _Recorder()
     train(replace(loop, tracker=recorder, total_steps=steps))
     return statistics.median(recorder.rates[1:])
 
 
 def hand_written_model(c: Components) -> tuple[DistributedModelParallel, torch.optim.Optimizer]:
-    """TorchRec's canonical recipe, written out: EBC on meta, fused Adagrad, DMP, dense Adagrad."""
+    """TorchRec's canonical recipe, written out: EBC on meta, fused Adagrad, DMP with the run's plan, dense Adagrad."""
     seed_everything(c.run.seed)
     sparse, dense_config = c.run.optim.sparse, c.run.optim.dense
     assert isinstance(sparse, SparseAdagradConfig) and isinstance(dense_config, DenseAdagradConfig), "the hand loop is written for optim=adagrad"
@@ -90,7 +119,9 @@ def hand_written_model(c: Components) -> tuple[DistributedModelParallel, torch.o
     return dmp, dense
 
 
-def hand_round(model: DistributedModelParallel, optimizer: torch.optim.Optimizer, batches: list, steps: int, batch_size: int) -> float:
+def hand_round(model: DistributedModelParallel, optimizer: torch.optim.Optimizer, batches: Sequence[Batch], steps: int,
+               batch_size: int) -> float:
+    """The hand loop over ``batches`` (already on the model's device) for ``steps`` steps, timed as :func:`runner_round`."""
     rates, start = [], time.perf_counter()
     for step in range(1, steps + 1):
         loss, _ = model(batches[(step - 1) % len(batches)])
@@ -98,17 +129,70 @@ def hand_round(model: DistributedModelParallel, optimizer: torch.optim.Optimizer
         optimizer.step()
         optimizer.zero_grad()
         if step % WINDOW == 0:
-            float(loss.detach())  # one sync per window, as the runner's logging does
+            float(loss.detach())  # one host sync per window, as the runner's logging does
             now = time.perf_counter()
             rates.append(WINDOW * batch_size / (now - start))
             start = now
     return statistics.median(rates[1:])
 
 
-def time_to_first_step(overrides: list[str]) -> float:
+def on_device(batches: Sequence[Batch], device: torch.device) -> list[Batch]:
+    """``batches`` moved to ``device`` (the run's), so that neither path pays a host-to-device copy per step."""
+    moved = [b.to(device) for b in batches]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return moved
+
+
+def compose_run(overrides: Sequence[str]) -> RunConfig:
+    """Compose ``overrides`` as the CLI does and validate them."""
+    register_configs()
+    with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=list(overrides))
+    return validate(cfg)
+
+
+def build_for_bench(overrides: list[str], steps: int) -> Components:
+    """Compose ``overrides`` plus ``train.num_steps=<steps>`` as the CLI does, validate and build the run."""
+    return build(compose_run([*overrides, f"train.num_steps={steps}"]))
+
+
+def alternate(rounds: int, paths: Mapping[str, Callable[[], float]], label: str) -> dict[str, list[float]]:
+    """Run every path once per round, in the given order on even rounds and reversed on odd ones."""
+    names = list(paths)
+    out: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else reversed(names):
+            out[name].append(paths[name]())
+        print(f"{label} round {r + 1}: " + "   ".join(f"{n} {out[n][-1]:,.0f}" for n in names) + " samples/s", flush=True)
+    return out
+
+
+@dataclass
+class Regime:
+    """One row of the table: the runner's figure, its reference, and the median of per-round ratios."""
+
+    name: str
+    what: str
+    runner_samples_per_s: float
+    reference_samples_per_s: float
+    ratio: float
+    target: float
+    ratio_min: float
+    ratio_max: float
+    rounds: dict[str, list[float]] = field(default_factory=dict)
+
+    @classmethod
+    def paired(cls, name: str, what: str, runner: list[float], reference: list[float], rounds: dict[str, list[float]]) -> Regime:
+        ratios = [x / y for x, y in zip(runner, reference, strict=True)]
+        return cls(name, what, statistics.median(runner), statistics.median(reference), statistics.median(ratios), TARGETS[name],
+                   min(ratios), max(ratios), rounds)
+
+
+def time_to_first_step(overrides: Sequence[str], run_dir: str) -> float:
     """Seconds from launching ``python -m recsys_runner`` until it logs step 1."""
-    cmd = [sys.executable, "-m", "recsys_runner", "tracking=none", "train.num_steps=2", "train.log_every_steps=1",
-           "train.eval_every_steps=null", "train.eval_max_batches=1", *overrides]
+    cmd = [sys.executable, "-m", "recsys_runner", "tracking=none", "checkpoint=none", "train.num_steps=2", "train.log_every_steps=1",
+           "train.eval_every_steps=null", "train.eval_max_batches=1", f"hydra.run.dir={run_dir}", *overrides]
     start = time.perf_counter()
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) as proc:
         assert proc.stdout is not None
@@ -120,54 +204,145 @@ def time_to_first_step(overrides: list[str]) -> float:
     raise RuntimeError(f"{' '.join(cmd)} never logged its first step")
 
 
-def build_for_bench(overrides: list[str], steps: int) -> Components:
-    """Compose ``overrides`` plus ``train.num_steps=<steps>`` as the CLI does, validate and build the run."""
-    register_configs()
-    with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[*overrides, f"train.num_steps={steps}"])
-    return build(validate(cfg))
+def time_imports() -> float:
+    """Seconds for a fresh interpreter to import the stack and the runner's build module (interpreter start included)."""
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch, fbgemm_gpu, torchrec, recsys_runner.build"], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - start
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch-size", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=50, help="steps per round (windows of 10)")
-    parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("overrides", nargs="*", help="extra config overrides for both paths")
-    args = parser.parse_args(argv)
-    overrides = ["model=deepfm", "optim=adagrad", "tracking=none", f"data.batch_size={args.batch_size}",
-                 f"train.log_every_steps={WINDOW}", "train.eval_every_steps=null", "train.eval_max_batches=1", *args.overrides]
+def bench_main_model(overrides: list[str], steps: int, rounds: int, parquet_rows: int, workdir: str) -> tuple[list[Regime], dict[str, Any]]:
+    """Regimes (a) and (b): one built DeepFM; hand loop, runner in memory, runner on synthetic, runner on Parquet."""
+    from recsys_runner.bench_data import write_parquet
 
-    c = build_for_bench(overrides, args.steps)
+    c = build_for_bench(["model=deepfm", *COMMON, *overrides], steps)
     try:
         data = c.loop.data
-        batches = [data.batch(0, i) for i in range(WINDOW * 2)]  # type: ignore[attr-defined]
-        loop = with_data(c.loop, InMemoryData(data.features, batches, batches[:1]))
+        info = {"device": str(c.env.device), "batch_size": data.batch_size, "pipeline": c.run.distributed.pipeline,
+                "steps_per_round": steps, "rounds": rounds}
+        batches = on_device([data.batch(0, i) for i in range(WINDOW * 2)], c.env.device)  # type: ignore[attr-defined]
+        memory = with_data(c.loop, InMemoryData(data.features, batches, batches[:1]))
+        # The same model fed from a Parquet file with the synthetic data's columns and id spaces.
+        sizes = sorted({s.num_embeddings for s in data.features.sparse})
+        assert len(sizes) == 1 and data.features.num_dense == 13 and len(data.features.sparse) == 26, \
+            "regime (b) writes Criteo-shaped Parquet (13 dense, 26 sparse, one id-space size): keep data's shape"
+        path = os.path.join(workdir, "criteo.parquet")
+        write_parquet(path, parquet_rows, sizes[0])
+        run_parquet = compose_run(["model=deepfm", *COMMON, *overrides, "data=parquet", f"data.path={path}",
+                                   f"data.batch_size={data.batch_size}", f"train.num_steps={steps}"])
+        parquet_data = run_parquet.data.for_model(run_parquet.model.data_needs()).build()
+        assert parquet_data.features == data.features, f"Parquet features {parquet_data.features} != {data.features}"
+        parquet = with_data(c.loop, parquet_data)
         hand_model, hand_opt = hand_written_model(c)
-        hand, runner = [], []
-        for r in range(args.rounds):
-            # Alternate which path goes first so that neither always inherits a warm (or a hot) CPU.
-            if r % 2 == 0:
-                hand.append(hand_round(hand_model, hand_opt, batches, args.steps, args.batch_size))
-                runner.append(runner_round(loop, args.steps))
-            else:
-                runner.append(runner_round(loop, args.steps))
-                hand.append(hand_round(hand_model, hand_opt, batches, args.steps, args.batch_size))
-            print(f"round {r + 1}: hand-written {hand[-1]:,.0f} samples/s   runner {runner[-1]:,.0f} samples/s", flush=True)
+        per_round = alternate(rounds, {
+            "hand": lambda: hand_round(hand_model, hand_opt, batches, steps, data.batch_size),
+            "runner": lambda: runner_round(memory, steps),
+            "synthetic": lambda: runner_round(c.loop, steps),
+            "parquet": lambda: runner_round(parquet, steps),
+        }, "a/b")
     finally:
         c.close()
-    startup = time_to_first_step([f"data.batch_size={args.batch_size}", *args.overrides])
-    h, rr = statistics.median(hand), statistics.median(runner)
-    # Adjacent rounds share the machine's state, so the median of per-round ratios is steadier
-    # than the ratio of medians on a busy 2-core box.
-    ratios = [r / x for r, x in zip(runner, hand, strict=True)]
-    ratio = statistics.median(ratios)
+    mem = per_round["runner"]
+    regimes = [
+        Regime.paired("a_in_memory", "runner training path vs hand-written TorchRec loop, same on-device batches",
+                      mem, per_round["hand"], {k: per_round[k] for k in ("runner", "hand")}),
+        Regime.paired("b_synthetic", "runner end to end, data=synthetic (the runner's data module) vs (a) in memory",
+                      per_round["synthetic"], mem, {k: per_round[k] for k in ("synthetic", "runner")}),
+        Regime.paired("b_parquet", f"runner end to end, data=parquet ({parquet_rows:,} rows) vs (a) in memory",
+                      per_round["parquet"], mem, {k: per_round[k] for k in ("parquet", "runner")}),
+    ]
+    return regimes, info
+
+
+def bench_host_overhead(overrides: list[str], steps: int, rounds: int) -> Regime:
+    """Regime (c): (a)'s method on a tiny model and a batch of 64."""
+    c = build_for_bench([*TINY, *COMMON, *overrides], steps)
+    try:
+        data = c.loop.data
+        batches = on_device([data.batch(0, i) for i in range(WINDOW * 2)], c.env.device)  # type: ignore[attr-defined]
+        memory = with_data(c.loop, InMemoryData(data.features, batches, batches[:1]))
+        hand_model, hand_opt = hand_written_model(c)
+        per_round = alternate(rounds, {
+            "hand": lambda: hand_round(hand_model, hand_opt, batches, steps, data.batch_size),
+            "runner": lambda: runner_round(memory, steps),
+        }, "c")
+    finally:
+        c.close()
+    return Regime.paired("c_host_overhead", "tiny DeepFM (dim 4, 4 tables x 1000), batch 64: runner vs hand loop",
+                         per_round["runner"], per_round["hand"], per_round)
+
+
+def bench_startup(overrides: list[str], workdir: str, runs: int) -> dict[str, float]:
+    """Regime (d): process start -> first step, and the import part of it; medians of ``runs`` (imports, run) pairs."""
+    imports, totals = [], []
+    for r in range(runs):
+        imports.append(time_imports())
+        totals.append(time_to_first_step(overrides, os.path.join(workdir, f"run{r}")))
+        print(f"d run {r + 1}: imports {imports[-1]:.1f} s   process start -> first step {totals[-1]:.1f} s", flush=True)
+    rest = statistics.median(t - i for t, i in zip(totals, imports, strict=True))
+    return {"total_s": statistics.median(totals), "imports_s": statistics.median(imports), "rest_s": max(rest, 0.0)}
+
+
+def table(regimes: Sequence[Regime], startup: Mapping[str, float]) -> str:
+    rows = [f"{'regime':<16} {'runner samples/s':>17} {'reference samples/s':>20} {'ratio':>6} {'range':>10} {'target':>8}"]
+    for r in regimes:
+        rows.append(f"{r.name:<16} {r.runner_samples_per_s:>17,.0f} {r.reference_samples_per_s:>20,.0f} {r.ratio:>6.3f} "
+                    f"{r.ratio_min:>4.2f}-{r.ratio_max:<5.2f} {'>= ' + format(r.target, '.2f'):>8}")
+    rows.append(f"d_startup        process start -> first step {startup['total_s']:.1f} s = imports {startup['imports_s']:.1f} s "
+                f"+ config/build/first step {startup['rest_s']:.1f} s")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-size", type=int, default=None, help="regimes (a)/(b)/(d) batch size (default 1024; --quick 128)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per round for (a)/(b), windows of 10 (default 100; --quick 20)")
+    parser.add_argument("--host-steps", type=int, default=None, help="steps per round for (c) (default 300; --quick 20)")
+    parser.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 5; --quick 1)")
+    parser.add_argument("--parquet-rows", type=int, default=None, help="rows of the generated Parquet file (default 200000)")
+    parser.add_argument("--json", default="bench.json", help="where to write the results (default ./bench.json)")
+    parser.add_argument("--quick", action="store_true", help="tiny steps and one round: checks that every regime runs, not how fast")
+    parser.add_argument("--skip", action="append", default=[], choices=["ab", "c", "d"], help="leave out regimes (repeatable)")
+    parser.add_argument("overrides", nargs="*", help="extra config overrides for every regime (e.g. distributed.device=cuda)")
+    args = parser.parse_args(argv)
+    q = args.quick
+    batch_size = args.batch_size or (128 if q else 1024)
+    steps = args.steps or (20 if q else 100)
+    host_steps = args.host_steps or (20 if q else 300)
+    rounds = args.rounds or (1 if q else 5)
+    parquet_rows = args.parquet_rows or (20_000 if q else 200_000)
+    for name, n in (("--steps", steps), ("--host-steps", host_steps)):
+        if n < 2 * WINDOW:
+            parser.error(f"{name} must be >= {2 * WINDOW}: the first window of {WINDOW} steps is warm-up")
+
+    started = time.perf_counter()
+    regimes: list[Regime] = []
+    info: dict[str, Any] = {}
+    startup: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="recsys_bench_") as workdir:
+        if "ab" not in args.skip:
+            ab, info = bench_main_model([f"data.batch_size={batch_size}", *args.overrides], steps, rounds, parquet_rows, workdir)
+            regimes += ab
+        if "c" not in args.skip:
+            regimes.append(bench_host_overhead(args.overrides, host_steps, rounds))
+        if "d" not in args.skip:
+            startup = bench_startup([f"data.batch_size={batch_size}", *args.overrides], workdir, 1 if q else 3)
+    result = {
+        "device": info.get("device", "cpu" if not torch.cuda.is_available() else "cuda"),
+        "threads": torch.get_num_threads(), "torch": torch.__version__, "batch_size": batch_size, "steps_per_round": steps,
+        "host_steps_per_round": host_steps, "rounds": rounds, "quick": q, "overrides": args.overrides,
+        "regimes": {r.name: asdict(r) for r in regimes}, "startup": startup,
+        "bench_seconds": time.perf_counter() - started,
+    }
     print()
-    print(f"model=deepfm batch={args.batch_size} threads={torch.get_num_threads()} pipeline={c.run.distributed.pipeline}")
-    print(f"hand-written TorchRec loop : {h:,.0f} samples/s")
-    print(f"recsys_runner training path: {rr:,.0f} samples/s")
-    print(f"ratio runner / hand-written: {ratio:.3f}  (median of per-round ratios, range {min(ratios):.2f}-{max(ratios):.2f}; target >= 0.97)")
-    print(f"process start -> first step: {startup:.1f} s")
+    print(f"device={result['device']} threads={result['threads']} batch={batch_size} steps/round={steps} rounds={rounds} "
+          f"(ratios: median of per-round ratios)")
+    print(table(regimes, startup) if startup else table(regimes, {"total_s": 0.0, "imports_s": 0.0, "rest_s": 0.0}))
+    print(f"bench took {result['bench_seconds']:.0f} s; results in {args.json}")
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=2)
+    return result
 
 
 if __name__ == "__main__":

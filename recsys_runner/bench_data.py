@@ -1,4 +1,7 @@
-"""``make bench`` (data part): the Parquet reader's rows/s, and training fed from Parquet vs from memory.
+"""The Parquet reader's rows/s, and training fed from Parquet vs from memory (standalone data benchmark).
+
+``make bench`` (:mod:`recsys_runner.bench`) uses :func:`write_parquet` for its ``b_parquet`` regime; this
+module's own ``main`` looks closer at the reader (rows/s alone, ``data.num_workers``), on a larger file.
 
 Writes a Criteo-shaped Parquet file (label, 13 float dense, 26 int64 id columns with ~5% nulls, the
 schema stored as ``convert`` does) to a temporary directory, then reports:
@@ -25,7 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from recsys_runner.bench import WINDOW, build_for_bench, runner_round, with_data
+from recsys_runner.bench import WINDOW, build_for_bench, on_device, runner_round, with_data
 from recsys_runner.data.memory import InMemoryData
 from recsys_runner.data.tabular import (
     CRITEO_NUM_DENSE,
@@ -86,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
             reader = [reader_rows_per_s(parquet, r) for r in range(3)]
             print(f"reader: {args.rows:,} Criteo-shaped rows, batch {args.batch_size}: "
                   + "  ".join(f"{r:,.0f}" for r in reader) + " rows/s", flush=True)
-            batches = list(parquet.train_batches(0, 0, 1))[: WINDOW * 2]
+            batches = on_device(list(parquet.train_batches(0, 0, 1))[: WINDOW * 2], c.env.device)
             memory = InMemoryData(parquet.features, batches, batches[:1])
             fed_parquet: list[float] = []
             fed_memory: list[float] = []

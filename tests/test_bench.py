@@ -1,0 +1,54 @@
+"""``recsys_runner.bench``: every regime runs and lands in the JSON (no timing assertions: the numbers are the machine's)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from recsys_runner.bench import TARGETS, Regime, alternate, main
+
+REGIMES = ["a_in_memory", "b_synthetic", "b_parquet", "c_host_overhead"]
+
+
+def test_alternate_flips_the_order_every_round() -> None:
+    calls: list[str] = []
+
+    def path(name: str, value: float):
+        return lambda: calls.append(name) or value
+
+    out = alternate(3, {"x": path("x", 1.0), "y": path("y", 2.0)}, "t")
+    assert out == {"x": [1.0, 1.0, 1.0], "y": [2.0, 2.0, 2.0]}
+    assert calls == ["x", "y", "y", "x", "x", "y"]
+
+
+def test_regime_ratio_is_the_median_of_per_round_ratios() -> None:
+    r = Regime.paired("a_in_memory", "", [90.0, 100.0, 50.0], [100.0, 100.0, 100.0], {})
+    assert (r.ratio, r.ratio_min, r.ratio_max, r.target) == (0.9, 0.5, 1.0, TARGETS["a_in_memory"])
+    assert r.runner_samples_per_s == 90.0 and r.reference_samples_per_s == 100.0
+
+
+def test_too_few_steps_is_refused() -> None:
+    with pytest.raises(SystemExit):
+        main(["--steps", "10"])
+
+
+@pytest.mark.slow
+def test_quick_bench_writes_every_regime(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "recsys_runner.bench", "--quick", "--json", str(out)], cwd=tmp_path,
+                          env=dict(os.environ), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert sorted(result["regimes"]) == sorted(REGIMES)
+    for name in REGIMES:
+        r = result["regimes"][name]
+        for key in ("runner_samples_per_s", "reference_samples_per_s", "ratio", "target"):
+            assert r[key] > 0, (name, key, r)
+    assert set(result["startup"]) == {"total_s", "imports_s", "rest_s"}
+    assert result["startup"]["total_s"] > 0 and result["startup"]["imports_s"] > 0
+    assert "a_in_memory" in proc.stdout and "d_startup" in proc.stdout
