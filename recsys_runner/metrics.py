@@ -31,7 +31,7 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -194,6 +194,8 @@ class LogLoss(_SumMetric):
 class Accuracy(_SumMetric):
     """Share of rows whose thresholded prediction (``pred ≥ threshold``) equals the label."""
 
+    batch_exact = True
+    """Counts only: one ``update`` on several batches concatenated is exactly their updates in turn."""
     correct: Tensor
     count: Tensor
 
@@ -393,6 +395,9 @@ class DecayAUC(_SumMetric):
     is the AUC of the history's weighted rows (rows in one bin tie). Bin counts are summed across ranks.
     """
 
+    batch_exact = True
+    """Bin counts only (integers in float64): one ``update`` on several batches concatenated is exactly their
+    updates in turn."""
     pos_hist: Tensor
     neg_hist: Tensor
     pos_buffer: Tensor
@@ -413,8 +418,10 @@ class DecayAUC(_SumMetric):
         finite = torch.isfinite(p).double()
         bins = (torch.nan_to_num(p, nan=0.0).clamp(0, 1) * self.num_bins).long().clamp_max(self.num_bins - 1)
         positive = (labels.detach().flatten() >= 0.5).double()
-        self.pos_buffer += torch.bincount(bins, weights=positive * finite, minlength=self.num_bins)
-        self.neg_buffer += torch.bincount(bins, weights=(1 - positive) * finite, minlength=self.num_bins)
+        # index_add_ rather than bincount: the same integer counts in any order, and no host sync (CUDA's
+        # bincount reads the largest bin back to the host to size its output).
+        self.pos_buffer.index_add_(0, bins, positive * finite)
+        self.neg_buffer.index_add_(0, bins, (1 - positive) * finite)
 
     def decay(self, rate: float) -> None:
         """Fold the buffer into the decayed history and clear it."""
@@ -473,10 +480,30 @@ class DecayingMetric(nn.Module):
         self.num_updates = 0
 
     def update(self, preds: Tensor, labels: Tensor) -> None:
-        self.metric.update(preds, labels)
-        self.num_updates += 1
-        if self.num_updates % self.decay_step:
-            return
+        self.update_many([(preds, labels)])
+
+    def update_many(self, batches: Sequence[tuple[Tensor, Tensor]]) -> None:
+        """:meth:`update` with each ``(preds, labels)`` of ``batches`` in turn, with the same result.
+
+        A metric whose ``update`` on concatenated batches is exactly its updates in turn (its class sets
+        ``batch_exact``, e.g. :class:`DecayAUC`) takes each window's share of ``batches`` in one ``update``;
+        any other (float sums, whose rounding depends on the order) takes them one by one.
+        """
+        exact = getattr(self.metric, "batch_exact", False)
+        i = 0
+        while i < len(batches):
+            chunk = batches[i:i + self.decay_step - self.num_updates % self.decay_step]
+            if exact and len(chunk) > 1:
+                self.metric.update(torch.cat([p.flatten() for p, _ in chunk]), torch.cat([t.flatten() for _, t in chunk]))
+            else:
+                for preds, labels in chunk:
+                    self.metric.update(preds, labels)
+            self.num_updates += len(chunk)
+            i += len(chunk)
+            if self.num_updates % self.decay_step == 0:
+                self._close_window()
+
+    def _close_window(self) -> None:
         if isinstance(self.metric, DecayAUC):
             self.metric.decay(self.decay_rate)
             self.value = self.metric.compute().to(self.value)
@@ -537,8 +564,12 @@ class TrainMetrics(nn.Module):
         self.prefix = prefix
 
     def update(self, preds: Tensor, labels: Tensor) -> None:
+        self.update_many([(preds, labels)])
+
+    def update_many(self, batches: Sequence[tuple[Tensor, Tensor]]) -> None:
+        """:meth:`update` with each ``(preds, labels)`` of ``batches`` in turn (:meth:`DecayingMetric.update_many`)."""
         for _, metric in self._items():
-            metric.update(preds, labels)
+            metric.update_many(batches)
 
     def compute(self) -> dict[str, float]:
         return {key: float(metric.compute()) for key, metric in self.named_metrics()}
@@ -778,22 +809,43 @@ class TaskEvalMetrics:
 class TaskTrainMetrics:
     """Each task's decaying train metrics, fed with the TrainWrapper's ``(logits, labels)``.
 
-    Keys ``train/<task>/<metric>`` (plain ``train/<metric>`` for an unnamed task). A single binary
-    task costs what :class:`TrainMetrics` alone costs: one ``sigmoid`` per step, none without metrics.
+    Keys ``train/<task>/<metric>`` (plain ``train/<metric>`` for an unnamed task). ``update`` runs every
+    micro-batch, so it only keeps each task's ``(preds, targets)`` (one ``sigmoid`` for a binary task, none
+    without metrics); the metrics take the kept batches in order (:meth:`TrainMetrics.update_many`) when read
+    (``compute``, ``state_dict``) or when ``flush_every`` batches are kept — the same values as updating
+    them every micro-batch, for a fraction of the per-step host work and no host sync.
     ``state_dict``/``load_state_dict`` checkpoint each rank's decaying state, so a resumed run logs the
     train metrics the uninterrupted run would.
+
+    Args:
+        flush_every: most micro-batches kept before the metrics take them (bounds the memory held);
+            ``None``: ``spec.decay_step``.
     """
 
-    def __init__(self, spec: MetricsConfig, tasks: tuple[Task, ...], device: torch.device) -> None:
+    def __init__(self, spec: MetricsConfig, tasks: tuple[Task, ...], device: torch.device, flush_every: int | None = None) -> None:
         self.tasks = tasks
         self.per_task = [build_train_metrics(_task_spec(spec, t), device, "train/" if t.name is None else f"train/{t.name}/") for t in tasks]
         self._active = [(i, t, m) for i, (t, m) in enumerate(zip(tasks, self.per_task, strict=True)) if len(m.metrics)]
+        self.flush_every = max(1, flush_every if flush_every is not None else spec.decay_step)
+        self._pending: list[list[tuple[Tensor, Tensor]]] = [[] for _ in self._active]
 
     def update(self, logits: Tensor, labels: Tensor) -> None:
-        for i, task, metrics in self._active:
-            metrics.update(*_task_outputs(task, i, logits, labels))
+        if not self._active:
+            return
+        for (i, task, _), pending in zip(self._active, self._pending, strict=True):
+            pending.append(_task_outputs(task, i, logits, labels))
+        if len(self._pending[0]) >= self.flush_every:
+            self.flush()
+
+    def flush(self) -> None:
+        """Feed the kept micro-batches to the metrics, in order (every rank at the same steps: closing a window syncs)."""
+        for (_, _, metrics), pending in zip(self._active, self._pending, strict=True):
+            if pending:
+                metrics.update_many(pending)
+                pending.clear()
 
     def compute(self) -> dict[str, float]:
+        self.flush()
         out: dict[str, float] = {}
         for metrics in self.per_task:
             out |= metrics.compute()
@@ -801,6 +853,7 @@ class TaskTrainMetrics:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's decaying state by logged key (:meth:`DecayingMetric.checkpoint_state`), and the saving rank."""
+        self.flush()
         return {"rank": _rank(), "metrics": {key: m.checkpoint_state() for ms in self.per_task for key, m in ms.named_metrics()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -809,6 +862,8 @@ class TaskTrainMetrics:
         saved) takes the shared value and window position with an empty share of window and history, so no
         row is counted twice."""
         saved, own = state["metrics"], state["rank"] == _rank()
+        for pending in self._pending:
+            pending.clear()
         fresh = []
         for metrics in self.per_task:
             for key, metric in metrics.named_metrics():

@@ -217,6 +217,19 @@ def test_decay_auc_matches_weighted_pairwise_auc() -> None:
     assert float(m.compute()) == pytest.approx(expected)
 
 
+def test_decay_auc_bins_count_what_bincount_counts() -> None:
+    """DecayAUC counts rows per bin without a host sync (index_add_); the counts are bincount's, NaN rows left out."""
+    g = torch.Generator().manual_seed(5)
+    preds = torch.cat([torch.rand(500, generator=g), torch.tensor([0.0, 1.0, float("nan"), float("inf")])])
+    labels = (torch.rand(504, generator=g) < 0.4).double()
+    m = DecayAUC(num_bins=100)
+    m.update(preds, labels)
+    keep = torch.isfinite(preds)
+    bins = (preds[keep].clamp(0, 1) * 100).long().clamp_max(99)
+    assert torch.equal(m.pos_buffer, torch.bincount(bins, weights=labels[keep], minlength=100))
+    assert torch.equal(m.neg_buffer, torch.bincount(bins, weights=1 - labels[keep], minlength=100))
+
+
 def test_train_metrics_built_from_config() -> None:
     tm = build_train_metrics(MetricsConfig(train=["auc", "logloss"], decay_step=1), CPU)
     tm.update(t(0.2, 0.9), t(0, 1))

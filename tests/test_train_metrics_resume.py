@@ -10,7 +10,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from recsys_runner.__main__ import run
-from recsys_runner.metrics import MetricsConfig, TaskTrainMetrics
+from recsys_runner.metrics import MetricsConfig, TaskTrainMetrics, _task_outputs
 from recsys_runner.signals import Interrupted
 from recsys_runner.tasks import SINGLE_TASK, BinaryTask
 
@@ -89,3 +89,34 @@ def test_metrics_added_or_dropped_between_runs_start_fresh_or_are_ignored() -> N
     assert values["train/auc"] == pytest.approx(saved.compute()["train/auc"], rel=1e-12)  # continued: 2 windows
     assert values["train/logloss"] == pytest.approx(fresh.compute()["train/logloss"], rel=1e-12)  # added: fresh
     assert "train/accuracy" not in values
+
+
+ALL_TRAIN = ["auc", "logloss", "accuracy", "ne", "calibration", "mae", "mse", "xauc"]
+
+
+@pytest.mark.parametrize("flush_every", [1, 2, 3, 5, 100])
+def test_kept_micro_batches_give_exactly_the_per_step_values(flush_every: int) -> None:
+    """TaskTrainMetrics keeps each micro-batch's outputs and feeds them to the metrics later, a window's worth at
+    once where that is exact: the values read at any step equal those of metrics updated on every micro-batch."""
+    cpu = torch.device("cpu")
+    spec = MetricsConfig(train=ALL_TRAIN, decay_step=3, decay_rate=0.7)
+    deferred = TaskTrainMetrics(spec, TWO_TASKS, cpu, flush_every=flush_every)
+    reference = TaskTrainMetrics(spec, TWO_TASKS, cpu)
+    for step in range(14):
+        g = torch.Generator().manual_seed(step)
+        rows = 37 + 5 * step  # batch sizes differ (a last partial batch)
+        labels = (torch.rand(rows, 2, generator=g) < 0.3).float()
+        logits = torch.randn(rows, 2, generator=g) + 2 * labels
+        deferred.update(logits, labels)
+        for i, task, metrics in reference._active:  # the per-step path: every metric updated right away
+            for metric in metrics.metrics.values():
+                metric.update(*_task_outputs(task, i, logits, labels))
+        if step % 4 == 1:  # read at a log step, mid-window or not
+            assert deferred.compute() == reference.compute()
+    assert deferred.compute() == reference.compute()
+    saved = deferred.state_dict()["metrics"]
+    for key, state in reference.state_dict()["metrics"].items():
+        assert saved[key]["num_updates"] == state["num_updates"]
+        for name, value in state["metric"].items():
+            mine = saved[key]["metric"][name]
+            assert all(torch.equal(a, b) for a, b in zip(mine, value, strict=True)) if isinstance(value, list) else torch.equal(mine, value)

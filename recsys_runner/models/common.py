@@ -177,13 +177,17 @@ class TrainWrapper(nn.Module):
             device, dtype = self._autocast_args
             with torch.autocast(device_type=device, dtype=dtype):
                 out = self.model(batch.dense_features, batch.sparse_features)
-        outputs = [out[t.name].float() for t in self.tasks] if self._named else [out.float()]
-        targets = [task.targets(output, batch.labels) for task, output in zip(self.tasks, outputs, strict=True)]
         if self._named:  # row losses [B, T] on the stacked columns, averaged per task in one reduction, weighted, summed
+            outputs = [out[t.name].float() for t in self.tasks]
+            targets = [task.targets(output, batch.labels) for task, output in zip(self.tasks, outputs, strict=True)]
             logits, labels = torch.stack(outputs, dim=1), torch.stack(targets, dim=1).float()
             rows = torch.stack([t.row_losses(logits[:, i], labels[:, i]) for i, t in enumerate(self.tasks)], dim=1)
             loss = (rows.mean(0) * self._weights).sum()
-        else:
-            ((task, logits, labels),) = zip(self.tasks, outputs, targets, strict=True)
-            loss = task.weight * task.loss(logits, labels)
+        else:  # one unnamed task: no per-step lists; a weight of 1 (x * 1.0 == x exactly) costs no op
+            (task,) = self.tasks
+            logits = out.float()
+            labels = task.targets(logits, batch.labels)
+            loss = task.loss(logits, labels)
+            if task.weight != 1:
+                loss = task.weight * loss
         return loss, (loss.detach(), logits.detach(), labels.detach())
