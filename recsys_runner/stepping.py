@@ -222,6 +222,13 @@ class Stepper:
     the policy's partial accumulation (dropped with the pipeline's prefetched batches at an epoch
     boundary), the decaying train metrics fed from each micro-batch, and the schedule advanced once
     per optimizer step.
+
+    The fused embedding optimizer's ``zero_grad``/``step`` only push the current learning rate into
+    fbgemm's kernels (the rows are updated inside backward). The pipeline is therefore given the dense
+    optimizers alone (or, with an active policy, the fused one it must call anyway), and the stepper
+    pushes the sparse lr itself when it changes: at the start of an epoch (the first, or a restored
+    position) and after a scheduler step that moved it. Same lrs as pushing every step, without the
+    per-step host work of stepping optimizers that do nothing.
     """
 
     pipeline: TrainPipelineBase | TrainPipelineSparseDist
@@ -231,10 +238,14 @@ class Stepper:
     train_metrics: TaskTrainMetrics
     accumulation_steps: int = 1
 
+    def __post_init__(self) -> None:
+        self._pushed_sparse_lrs: list[float] | None = None
+
     def reset(self) -> None:
-        """Start an epoch: no batch in flight, no partial accumulation."""
+        """Start an epoch: no batch in flight, no partial accumulation, the kernels at the current sparse lr."""
         self.pipeline.reset()
         self.policy.reset()
+        self._push_sparse_lr(force=True)
 
     def step(self, batches: Iterator[Batch]) -> torch.Tensor | None:
         """One optimizer step; its last micro-batch's loss, or ``None`` when the data ended before the step did."""
@@ -246,7 +257,16 @@ class Stepper:
                 return None
             self.train_metrics.update(logits, labels)
         self.lr_scheduler.step()
+        self._push_sparse_lr()
         return loss
+
+    def _push_sparse_lr(self, force: bool = False) -> None:
+        """Hand the fused optimizer's current lr to the kernels (its ``step()`` does only that) if it changed."""
+        sparse = self.policy.sparse
+        lrs = [group["lr"] for group in sparse.param_groups]
+        if force or lrs != self._pushed_sparse_lrs:
+            sparse.step()
+            self._pushed_sparse_lrs = lrs
 
     def learning_rates(self) -> dict[str, float]:
         """The current lr of each optimizer group, as logged (:func:`learning_rates`)."""

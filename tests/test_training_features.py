@@ -214,3 +214,31 @@ def test_sigterm_checkpoints_and_the_printed_command_resumes_into_the_same_run(t
     assert mlrun.info.status == "FINISHED"
     steps = sorted(m.step for m in client.get_metric_history(mlrun.info.run_id, "train/loss"))
     assert steps == list(range(1, 401)), (stopped_at, steps[:10])
+
+
+def _embedding_rows_after(make_cfg, *overrides: str, steps: int = 12) -> list[torch.Tensor]:
+    """The embedding tables after ``steps`` optimizer steps driven by the loop's Stepper (scheduler and lr pushes included)."""
+    c = build(validate(make_cfg("scheduler=cosine", "scheduler.warmup_steps=5", "train.num_steps=12", *overrides, "tracking=none")))
+    try:
+        batches = iter([c.loop.data.batch(0, i) for i in range(steps)])  # type: ignore[attr-defined]
+        c.loop.stepper.reset()
+        for _ in range(steps):
+            assert c.loop.stepper.step(batches) is not None
+        tables = [t for name, t in c.loop.evaluator.model.state_dict().items() if "embedding_bags" in name]
+        return [(t.local_shards()[0].tensor if hasattr(t, "local_shards") else t).detach().clone() for t in tables]  # one rank: the whole table
+    finally:
+        c.close()
+
+
+def test_the_sparse_lr_reaches_the_kernels_as_when_pushed_every_step(make_cfg) -> None:
+    # The Stepper pushes the fused optimizer's lr only when the schedule changes it; an active step policy
+    # (here clipping at a bound no gradient reaches: numerically a no-op) makes the pipeline step the fused
+    # optimizer, i.e. push it, every batch. With a warmup + cosine schedule the lr changes every step, so any
+    # push that came late or not at all would show in the embedding rows.
+    pushed_on_change = _embedding_rows_after(make_cfg)
+    pushed_every_step = _embedding_rows_after(make_cfg, "train.clip_grad.max=1e9")
+    assert len(pushed_on_change) > 0
+    for a, b in zip(pushed_on_change, pushed_every_step, strict=True):
+        assert torch.equal(a, b)
+    constant_lr = _embedding_rows_after(make_cfg, "scheduler=constant")
+    assert not all(torch.equal(a, b) for a, b in zip(pushed_on_change, constant_lr, strict=True))  # the schedule mattered
