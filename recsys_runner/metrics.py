@@ -33,7 +33,7 @@ import re
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -166,6 +166,9 @@ class _SumMetric(Metric):
     """Base of additive metrics: float64 sum states, summed across ranks before ``compute``."""
 
     full_state_update = False
+    batch_exact: ClassVar[bool] = False
+    """Whether one ``update`` on concatenated batches gives exactly the state of one ``update`` per batch (integer
+    counts do; float sums may round differently), so deferred train updates may be batched."""
 
     def __init__(self, *names: str) -> None:
         super().__init__()
@@ -316,6 +319,9 @@ class _GatherMetric(Metric):
     """Base of ranking metrics: keeps every row; ``compute`` runs on all ranks' rows gathered."""
 
     full_state_update = False
+    batch_exact: ClassVar[bool] = False
+    """Whether one ``update`` on concatenated batches gives exactly the state of one ``update`` per batch (integer
+    counts do; float sums may round differently), so deferred train updates may be batched."""
 
     def __init__(self, *names: str) -> None:
         super().__init__()
@@ -489,7 +495,7 @@ class DecayingMetric(nn.Module):
         ``batch_exact``, e.g. :class:`DecayAUC`) takes each window's share of ``batches`` in one ``update``;
         any other (float sums, whose rounding depends on the order) takes them one by one.
         """
-        exact = getattr(self.metric, "batch_exact", False)
+        exact = isinstance(self.metric, _SumMetric | _GatherMetric) and self.metric.batch_exact
         i = 0
         while i < len(batches):
             chunk = batches[i:i + self.decay_step - self.num_updates % self.decay_step]
