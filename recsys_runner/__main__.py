@@ -16,6 +16,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from recsys_runner import lineage
 from recsys_runner.build import Components, build
 from recsys_runner.checkpoint import resume_command
 from recsys_runner.config import flatten, register_configs, to_yaml, validate
@@ -40,15 +41,21 @@ def run(cfg: DictConfig) -> float:
     status = "FAILED"
     try:
         loop = c.loop
+        manifest = lineage.collect(world_size=c.env.world_size, device=c.env.device) if c.env.is_main else None
         if not (loop.state.run_id and _resume_tracking(loop.tracker, loop.state.run_id)):
             overrides = _overrides()
-            loop.tracker.start(
-                run_name=",".join(overrides) or "defaults",
-                tags={"hydra.overrides": " ".join(overrides), "world_size": str(c.env.world_size)},
-                params=flatten(spec),
-            )
+            tags = {"hydra.overrides": " ".join(overrides), "world_size": str(c.env.world_size)}
+            if loop.checkpointer.dir is not None:
+                tags[lineage.CHECKPOINT_DIR_TAG] = str(loop.checkpointer.dir.absolute())
+            if manifest is not None:
+                tags |= manifest.tags()
+            loop.tracker.start(run_name=",".join(overrides) or "defaults", tags=tags, params=flatten(spec))
             loop.tracker.log_text(to_yaml(spec), "config.yaml")
             loop.tracker.log_text(str(c.plan), "sharding_plan.txt")
+            if manifest is not None:
+                lineage.record(loop.tracker, manifest)
+        elif manifest is not None:  # the run's manifest.json stays the first launch's; each resume adds its own
+            loop.tracker.log_text(manifest.to_json(), f"manifest_resume_step{loop.state.step}.json")
         loop.state.run_id = loop.tracker.run_id or loop.state.run_id
         _note_resume(c)
         final = train(loop)

@@ -1,0 +1,201 @@
+"""Where a run came from and what it produced: the reproducibility manifest and checkpoint lookup.
+
+Every entry point (training, evaluate, predict, export) records a **manifest**: the code version
+(git commit of the source tree recsys_runner runs from, whether it was dirty, the diff when it was),
+library versions, hardware, world size, host and the exact command line. It goes to the MLflow run
+as ``manifest.*`` tags (plus MLflow's own ``mlflow.source.git.commit``, which the UI shows) and as
+one ``manifest.json`` artifact, because runs are created through ``MlflowClient`` and so get none
+of MLflow's automatic source tags. Months later, ``python -m recsys_runner.compare`` can list the
+columns beside the metrics.
+
+A training run also tags where its checkpoints are (``checkpoint_dir``), so later commands accept
+an MLflow run id wherever they take a checkpoint (:func:`resolve_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import shlex
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from recsys_runner.checkpoint import is_complete, list_checkpoints
+from recsys_runner.errors import CheckpointError
+
+CHECKPOINT_DIR_TAG = "checkpoint_dir"
+"""Tag on a training run: the absolute directory its checkpoints were written to."""
+MANIFEST_FILE = "manifest.json"
+DIFF_FILE = "git_diff.patch"
+_PACKAGES = {"torch": "torch", "torchrec": "torchrec", "fbgemm": "fbgemm_gpu", "hydra": "hydra-core", "mlflow": "mlflow",
+             "recsys_runner": "recsys_runner"}
+_FBGEMM_DISTRIBUTIONS = ("fbgemm-gpu", "fbgemm-gpu-cpu", "fbgemm-gpu-nightly", "fbgemm-gpu-genai")
+
+
+@dataclass
+class Manifest:
+    """What it takes to reproduce a run; see the module docstring. Serialised as ``manifest.json``."""
+
+    command: str
+    """The exact command line, as a user would type it (``python -m recsys_runner.<entry> …``)."""
+    git_commit: str | None
+    """Commit of the source tree recsys_runner was imported from; ``None`` for an installed wheel."""
+    git_dirty: bool | None
+    """Whether that tree had uncommitted changes (then the diff is logged as ``git_diff.patch``)."""
+    versions: dict[str, str]
+    """``python``, ``torch``, ``torchrec``, ``fbgemm``, ``hydra``, ``mlflow``, ``recsys_runner`` (``missing`` if absent)."""
+    device_type: str
+    device_name: str
+    device_count: int
+    """Accelerators visible to this process (0 on a CPU-only host)."""
+    world_size: int
+    hostname: str
+    git_diff: str = field(default="", repr=False)
+    """The uncommitted changes (``git diff HEAD``); logged as an artifact, not as a tag."""
+
+    def tags(self) -> dict[str, str]:
+        """The ``manifest.*`` tags (and MLflow's git tag, which its UI shows as the source version)."""
+        out = {
+            "manifest.command": self.command[:5000],
+            "manifest.git_commit": self.git_commit or "unknown",
+            "manifest.git_dirty": "unknown" if self.git_dirty is None else str(self.git_dirty).lower(),
+            "manifest.device": f"{self.device_type}:{self.device_name}",
+            "manifest.device_count": str(self.device_count),
+            "manifest.world_size": str(self.world_size),
+            "manifest.hostname": self.hostname,
+        }
+        out.update({f"manifest.version.{name}": version for name, version in self.versions.items()})
+        if self.git_commit:
+            out["mlflow.source.git.commit"] = self.git_commit
+        return out
+
+    def to_json(self) -> str:
+        record = asdict(self)
+        record.pop("git_diff")
+        return json.dumps(record, indent=2, sort_keys=True)
+
+
+def collect(*, world_size: int, device: torch.device, argv: list[str] | None = None) -> Manifest:
+    """The manifest of this process (rank 0's view; every rank runs the same code by construction)."""
+    commit, dirty, diff = _git_state(Path(__file__).resolve().parent.parent)
+    name, count = _device(device)
+    return Manifest(command=command_line(argv), git_commit=commit, git_dirty=dirty, versions=_versions(),
+                    device_type=device.type, device_name=name, device_count=count, world_size=world_size,
+                    hostname=socket.gethostname(), git_diff=diff)
+
+
+def record(tracker: Any, manifest: Manifest) -> None:
+    """Log ``manifest.json`` to the tracker's run, and the diff when the tree was dirty. The tags go in with the
+    run's creation (``tracker.start(tags=… | manifest.tags())``): one store call instead of one per tag."""
+    tracker.log_text(manifest.to_json(), MANIFEST_FILE)
+    if manifest.git_diff:
+        tracker.log_text(manifest.git_diff, DIFF_FILE)
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """``sys.argv`` as the command a user typed: ``python -m <module> …`` for a module run, quoted for a shell."""
+    args = list(sys.argv if argv is None else argv)
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)  # None when run as a script or in an interactive session
+    if argv is None and spec is not None and spec.name:
+        module = spec.name.removesuffix(".__main__")
+        return shlex.join(["python", "-m", module, *args[1:]])
+    return shlex.join(["python", *args] if argv is None else args)
+
+
+def _git_state(source: Path) -> tuple[str | None, bool | None, str]:
+    """(commit, dirty, diff) of the git tree holding ``source``; ``(None, None, "")`` outside one or without git."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(source), *args], capture_output=True, text=True, check=True, timeout=30).stdout
+
+    try:
+        commit = git("rev-parse", "HEAD").strip()
+        status = git("status", "--porcelain", "--untracked-files=no")
+        diff = git("diff", "HEAD") if status.strip() else ""
+    except (OSError, subprocess.SubprocessError):
+        return None, None, ""
+    return commit, bool(status.strip()), diff
+
+
+def _versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name, distribution in _PACKAGES.items():
+        candidates = _FBGEMM_DISTRIBUTIONS if name == "fbgemm" else (distribution,)
+        out[name] = next((v for d in candidates if (v := _version(d)) is not None), "missing")
+    return out
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _device(device: torch.device) -> tuple[str, int]:
+    """(name, count) of this process's device kind: the GPU model, or the CPU's."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(device), torch.cuda.device_count()
+    return _cpu_model() or platform.processor() or platform.machine() or "cpu", 0
+
+
+def _cpu_model() -> str | None:
+    """The CPU's model name on Linux (``platform.processor()`` only says ``x86_64`` there)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def resolve_checkpoint(spec: str, *, lookup_run: Any = None) -> Path:
+    """The checkpoint directory ``spec`` names: a ``step_*`` directory, a checkpoints root (its best
+    checkpoint if one was kept, else its newest), or an MLflow run id whose ``checkpoint_dir`` tag gives
+    the root (``lookup_run(run_id) -> tags``, e.g. :func:`run_tags`). Raises :class:`CheckpointError` naming
+    what was looked for and where."""
+    path = Path(spec).expanduser()
+    if not path.exists() and lookup_run is not None and "/" not in spec:
+        tags: Mapping[str, str] = lookup_run(spec)
+        if CHECKPOINT_DIR_TAG not in tags:
+            raise CheckpointError(f"MLflow run {spec} has no {CHECKPOINT_DIR_TAG!r} tag (it saved no checkpoints, or was "
+                                  f"made by an older recsys_runner); pass the checkpoint directory instead: checkpoint=<path>")
+        path = Path(tags[CHECKPOINT_DIR_TAG])
+        if not path.exists():
+            raise CheckpointError(f"MLflow run {spec} wrote its checkpoints to {path}, which does not exist on this machine; "
+                                  f"copy them here and pass checkpoint=<path>")
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {spec!r} is neither a directory nor a known MLflow run id; pass a step_* checkpoint "
+                              f"directory, a checkpoints root, or the training run's id")
+    if is_complete(path):
+        return path
+    found = list_checkpoints(path, best=True) or list_checkpoints(path)
+    if not found:
+        raise CheckpointError(f"{path} holds no complete checkpoint (a step_* or best-step_* directory with meta.json and "
+                              f".metadata); point checkpoint= at one")
+    return found[-1]
+
+
+def run_tags(uri: str) -> Any:
+    """A ``lookup_run`` for :func:`resolve_checkpoint` reading run tags from the MLflow store at ``uri``."""
+
+    def lookup(run_id: str) -> Mapping[str, str]:
+        from mlflow.tracking import MlflowClient
+
+        try:
+            return dict(MlflowClient(tracking_uri=uri).get_run(run_id).data.tags)
+        except Exception as e:  # noqa: BLE001 - any failure means: not a run this store knows
+            raise CheckpointError(f"{run_id!r} is not a checkpoint directory, and the MLflow store {uri} has no such run "
+                                  f"({type(e).__name__}); pass checkpoint=<path to a checkpoint directory>") from e
+
+    return lookup

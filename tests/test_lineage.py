@@ -1,0 +1,79 @@
+"""The reproducibility manifest on a run, and finding a run's checkpoint from its MLflow id."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from recsys_runner import lineage
+from recsys_runner.errors import CheckpointError
+from tests.conftest import TINY, run_cli
+
+MANIFEST_TAGS = {"manifest.command", "manifest.git_commit", "manifest.git_dirty", "manifest.device", "manifest.device_count",
+                 "manifest.world_size", "manifest.hostname", "manifest.version.python", "manifest.version.torch",
+                 "manifest.version.torchrec", "manifest.version.fbgemm", "manifest.version.hydra", "manifest.version.mlflow"}
+
+
+def test_a_training_run_carries_the_manifest_and_its_checkpoint_dir(tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    out = run_cli(*TINY, "train.num_steps=4", f"tracking.uri={uri}", "tracking.experiment=lineage",
+                  f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("lineage").experiment_id])
+    tags = run.data.tags
+    assert MANIFEST_TAGS <= set(tags), MANIFEST_TAGS - set(tags)
+    assert tags["manifest.command"].startswith("python -m recsys_runner ") and "train.num_steps=4" in tags["manifest.command"]
+    assert tags["manifest.world_size"] == "1" and tags["manifest.version.torch"] == torch.__version__
+    assert tags["manifest.device"].startswith("cpu:")
+    manifest = json.loads(Path(client.download_artifacts(run.info.run_id, "manifest.json", str(tmp_path))).read_text())
+    assert manifest["command"] == tags["manifest.command"] and manifest["versions"]["torch"] == torch.__version__
+    # the checkpoint the run saved at its end is found from the run id alone
+    found = lineage.resolve_checkpoint(run.info.run_id, lookup_run=lineage.run_tags(uri))
+    assert found == Path(tags[lineage.CHECKPOINT_DIR_TAG]) / "step_00000004"
+
+
+def _git(repo: Path, *args: str) -> None:
+    subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True, capture_output=True)
+
+
+def test_git_state_reports_commit_dirty_and_diff(tmp_path: Path) -> None:
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    _git(tmp_path, "add", "a.py")
+    _git(tmp_path, "commit", "-qm", "one")
+    commit, dirty, diff = lineage._git_state(tmp_path)
+    assert commit is not None and len(commit) == 40 and dirty is False and diff == ""
+    (tmp_path / "a.py").write_text("x = 2\n")
+    commit2, dirty, diff = lineage._git_state(tmp_path)
+    assert commit2 == commit and dirty is True and "+x = 2" in diff
+    assert lineage._git_state(tmp_path / "nowhere") == (None, None, "")
+
+
+def test_a_dirty_tree_logs_its_diff_and_tags_mlflow_source() -> None:
+    logged: dict[str, str] = {}
+
+    class Texts:
+        def log_text(self, text: str, artifact_file: str) -> None:
+            logged[artifact_file] = text
+
+    manifest = lineage.collect(world_size=2, device=torch.device("cpu"), argv=["python", "-m", "recsys_runner", "x=1"])
+    manifest.git_commit, manifest.git_dirty, manifest.git_diff = "a" * 40, True, "+changed"
+    lineage.record(Texts(), manifest)
+    assert logged[lineage.DIFF_FILE] == "+changed" and json.loads(logged[lineage.MANIFEST_FILE])["world_size"] == 2
+    assert "git_diff" not in json.loads(logged[lineage.MANIFEST_FILE])
+    assert manifest.tags()["mlflow.source.git.commit"] == "a" * 40 and manifest.tags()["manifest.git_dirty"] == "true"
+
+
+def test_resolve_checkpoint_explains_what_is_missing(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="neither a directory nor a known MLflow run id"):
+        lineage.resolve_checkpoint(str(tmp_path / "nope"))
+    with pytest.raises(CheckpointError, match="holds no complete checkpoint"):
+        lineage.resolve_checkpoint(str(tmp_path))
+    with pytest.raises(CheckpointError, match="has no 'checkpoint_dir' tag"):
+        lineage.resolve_checkpoint("abc123", lookup_run=lambda run_id: {})
