@@ -112,7 +112,7 @@ def build(run: RunConfig) -> Components:
         policy = StepPolicy(sparse=sharded.fused_optimizer, dense=GroupedOptimizer(dense),
                             accumulation_steps=run.train.grad_accum_steps, scaler=precision.grad_scaler(env.device),
                             clip=run.train.clip_grad, ema=ema)
-        pipeline = distributed.pipeline(sharded, policy.dense, policy)  # the fused lr is pushed by the Stepper
+        pipeline = distributed.pipeline(sharded, policy.dense, policy, annotate=run.train.profile.enabled)  # the fused lr is pushed by the Stepper
         stepper = Stepper(pipeline=pipeline, policy=policy, lr_scheduler=lr_scheduler, optimizer=optimizer,
                           train_metrics=TaskTrainMetrics(run.metrics, wrapped.tasks, env.device),
                           accumulation_steps=run.train.grad_accum_steps)

@@ -40,7 +40,7 @@ from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardingEnv,
 from recsys_runner.configurable import Configurable
 from recsys_runner.errors import ConfigError, UserError, require
 from recsys_runner.launch import map_submitit_env
-from recsys_runner.stepping import PolicyPipelineBase, PolicyPipelineSparseDist, StepPolicy
+from recsys_runner.stepping import LeanPipeline, Pipeline, PolicyPipelineBase, PolicyPipelineSparseDist, StepPolicy
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,8 @@ class DistributedConfig(Configurable):
     pipeline: str = "auto"
     """Train pipeline: ``sparse_dist`` overlaps the next batch's input distribution with the current
     step (a win on GPU); ``base`` is a plain forward/backward/step loop (faster on CPU, where there
-    is nothing to overlap). ``auto`` picks ``sparse_dist`` on CUDA and ``base`` on CPU."""
+    is nothing to overlap; on CPU it is :class:`~recsys_runner.stepping.LeanPipeline`, which skips the
+    per-batch device copy and profiler ranges). ``auto`` picks ``sparse_dist`` on CUDA and ``base`` on CPU."""
     sharding_types: list[str] | None = None
     """Sharding types the planner may choose from for every table (e.g. ``[table_wise, row_wise]``);
     ``null`` lets the planner consider all — but with one rank only ``table_wise`` and ``data_parallel``
@@ -407,19 +408,28 @@ class Distributed:
         )
 
     def pipeline(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, policy: StepPolicy | None = None
-    ) -> TrainPipelineBase | TrainPipelineSparseDist:
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, policy: StepPolicy | None = None, *, annotate: bool = False,
+    ) -> Pipeline:
         """The train pipeline chosen by ``distributed.pipeline``.
 
-        With an active step policy (accumulation, loss scaling, clipping, EMA) it is the same TorchRec
-        pipeline subclassed to run the policy's backward and dense step (:mod:`recsys_runner.stepping`);
-        otherwise TorchRec's own, stepping ``optimizer`` once per batch.
+        ``base`` on a CPU is :class:`~recsys_runner.stepping.LeanPipeline` (batches are made where the model is);
+        on a GPU it is TorchRec's ``TrainPipelineBase``, which copies the next batch on a side stream. With an
+        active step policy (accumulation, loss scaling, clipping, EMA) the pipeline runs the policy's backward and
+        dense step (:mod:`recsys_runner.stepping`) and steps the fused optimizer; otherwise it steps ``optimizer``
+        once per batch. ``annotate`` keeps the profiler ranges of the lean pipeline (``train.profile``).
         """
         env = self._require_env()
         kind = self.config.pipeline
         if kind == "auto":
             kind = "sparse_dist" if env.device.type == "cuda" else "base"
-        if policy is not None and policy.active:
+        active = policy is not None and policy.active
+        if kind == "base" and env.device.type == "cpu":
+            if active:
+                assert policy is not None
+                return LeanPipeline(model, policy.sparse, policy=policy, annotate=annotate)
+            return LeanPipeline(model, optimizer, annotate=annotate)
+        if active:
+            assert policy is not None
             with_policy = PolicyPipelineSparseDist if kind == "sparse_dist" else PolicyPipelineBase
             return with_policy(model, policy, env.device)
         if kind == "sparse_dist":
@@ -475,7 +485,7 @@ def _table_names(model: nn.Module) -> list[str]:
 
 
 @contextlib.contextmanager
-def detached(pipeline: TrainPipelineBase | TrainPipelineSparseDist, model: nn.Module) -> Iterator[nn.Module]:
+def detached(pipeline: Pipeline, model: nn.Module) -> Iterator[nn.Module]:
     """The pipeline's model with its original forward, for evaluation between training steps.
 
     TrainPipelineSparseDist rewrites the sharded modules' forward to read pre-distributed inputs;

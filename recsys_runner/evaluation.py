@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
 
 from recsys_runner.data import DataModule
 from recsys_runner.distributed import DistEnv, detached
 from recsys_runner.ema import DenseEMA
 from recsys_runner.metrics import MetricsConfig, TaskEvalMetrics, grouping_ids
+from recsys_runner.stepping import Pipeline
 from recsys_runner.tasks import Task
 
 
@@ -38,7 +38,7 @@ class Evaluator:
     """
 
     model: nn.Module
-    pipeline: TrainPipelineBase | TrainPipelineSparseDist
+    pipeline: Pipeline
     data: DataModule
     env: DistEnv
     tasks: tuple[Task, ...]

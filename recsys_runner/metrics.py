@@ -816,9 +816,10 @@ class TaskTrainMetrics:
     """Each task's decaying train metrics, fed with the TrainWrapper's ``(logits, labels)``.
 
     Keys ``train/<task>/<metric>`` (plain ``train/<metric>`` for an unnamed task). ``update`` runs every
-    micro-batch, so it only keeps each task's ``(preds, targets)`` (one ``sigmoid`` for a binary task, none
-    without metrics); the metrics take the kept batches in order (:meth:`TrainMetrics.update_many`) when read
-    (``compute``, ``state_dict``) or when ``flush_every`` batches are kept — the same values as updating
+    micro-batch, so it only keeps the batch's detached ``(logits, labels)`` (nothing without metrics); each task's
+    ``(preds, targets)`` (its column, a ``sigmoid`` for a binary task) are made when the metrics take the kept
+    batches in order (:meth:`TrainMetrics.update_many`): when read (``compute``, ``state_dict``) or when
+    ``flush_every`` batches are kept — the same values as updating
     them every micro-batch, for a fraction of the per-step host work and no host sync.
     ``state_dict``/``load_state_dict`` checkpoint each rank's decaying state, so a resumed run logs the
     train metrics the uninterrupted run would.
@@ -833,22 +834,22 @@ class TaskTrainMetrics:
         self.per_task = [build_train_metrics(_task_spec(spec, t), device, "train/" if t.name is None else f"train/{t.name}/") for t in tasks]
         self._active = [(i, t, m) for i, (t, m) in enumerate(zip(tasks, self.per_task, strict=True)) if len(m.metrics)]
         self.flush_every = max(1, flush_every if flush_every is not None else spec.decay_step)
-        self._pending: list[list[tuple[Tensor, Tensor]]] = [[] for _ in self._active]
+        self._pending: list[tuple[Tensor, Tensor]] = []
 
     def update(self, logits: Tensor, labels: Tensor) -> None:
         if not self._active:
             return
-        for (i, task, _), pending in zip(self._active, self._pending, strict=True):
-            pending.append(_task_outputs(task, i, logits, labels))
-        if len(self._pending[0]) >= self.flush_every:
+        self._pending.append((logits, labels))  # per-task columns and sigmoid when flushed: no per-step ops
+        if len(self._pending) >= self.flush_every:
             self.flush()
 
     def flush(self) -> None:
         """Feed the kept micro-batches to the metrics, in order (every rank at the same steps: closing a window syncs)."""
-        for (_, _, metrics), pending in zip(self._active, self._pending, strict=True):
-            if pending:
-                metrics.update_many(pending)
-                pending.clear()
+        if not self._pending:
+            return
+        for i, task, metrics in self._active:
+            metrics.update_many([_task_outputs(task, i, logits, labels) for logits, labels in self._pending])
+        self._pending.clear()
 
     def compute(self) -> dict[str, float]:
         self.flush()
@@ -868,8 +869,7 @@ class TaskTrainMetrics:
         saved) takes the shared value and window position with an empty share of window and history, so no
         row is counted twice."""
         saved, own = state["metrics"], state["rank"] == _rank()
-        for pending in self._pending:
-            pending.clear()
+        self._pending.clear()
         fresh = []
         for metrics in self.per_task:
             for key, metric in metrics.named_metrics():

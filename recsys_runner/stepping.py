@@ -32,13 +32,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 from torchrec.datasets.utils import Batch
-from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
+from torchrec.distributed.train_pipeline import TrainPipeline, TrainPipelineBase, TrainPipelineSparseDist
 from torchrec.distributed.types import Awaitable, ShardedModule
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedTensor
@@ -214,6 +214,68 @@ class PolicyPipelineSparseDist(TrainPipelineSparseDist):
             self.policy.backward(losses)
 
 
+class LeanPipeline(TrainPipeline[Batch, Any]):
+    """TorchRec's ``TrainPipelineBase`` for batches that are already where the model is (a CPU run).
+
+    The same contract and order per batch — fetch the next batch, ``optimizer.zero_grad()``, forward,
+    backward (the step policy's when one is given), ``optimizer.step()``, the output of the forward
+    returned, ``StopIteration`` on the call after the last batch — minus the per-batch host work that
+    buys nothing when host and device are one: the copy of each batch "to the device" (a new
+    KeyedJaggedTensor per batch on CPU), the profiler ranges around each phase (kept with
+    ``annotate``, i.e. when ``train.profile`` is on) and TorchRec's event-logging decorator. On a CPU
+    with a tiny model that work is a visible share of the step (regime (c) of ``make bench``). It
+    holds no private state of TorchRec's classes, so it behaves the same on every TorchRec release.
+
+    Args:
+        model: the DistributedModelParallel model; ``model(batch) -> (losses, output)``.
+        optimizer: stepped and zeroed once per batch (the dense optimizers, or the fused one with a policy).
+        policy: the step policy whose :meth:`StepPolicy.backward` runs instead of ``losses.sum().backward()``.
+        annotate: wrap the phases in ``record_function`` ranges, as TorchRec does (for the profiler's trace).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, policy: StepPolicy | None = None,
+                 annotate: bool = False) -> None:
+        super().__init__()
+        self._model, self._optimizer, self.policy, self.annotate = model, optimizer, policy, annotate
+        if policy is not None:
+            policy.hook_embeddings(model)
+        self._next: Batch | None = None
+        self._connected = False
+
+    def progress(self, dataloader_iter: Iterator[Batch]) -> Any:
+        if not self._connected:
+            self._next, self._connected = next(dataloader_iter, None), True
+        batch = self._next
+        if batch is None:
+            raise StopIteration
+        self._next = next(dataloader_iter, None)
+        if not self.annotate:
+            return self._step(batch)
+        with record_function("## lean pipeline step ##"):
+            return self._step(batch)
+
+    def _step(self, batch: Batch) -> Any:
+        training = self._model.training
+        if training:
+            self._optimizer.zero_grad()
+        losses, output = self._model(batch)
+        if training:
+            if self.policy is not None:
+                self.policy.backward(losses)
+            else:  # the TrainWrapper's loss is already a scalar: no sum op (and backward node) per step
+                (losses if losses.dim() == 0 else torch.sum(losses, dim=0)).backward()
+            self._optimizer.step()
+        return output
+
+    def reset(self) -> None:
+        """Forget the fetched next batch (a new epoch starts a new iterator)."""
+        self._next, self._connected = None, False
+
+
+Pipeline: TypeAlias = TrainPipelineBase | TrainPipelineSparseDist | LeanPipeline
+"""The pipelines ``distributed.pipeline`` chooses from (:meth:`recsys_runner.distributed.Distributed.pipeline`)."""
+
+
 @dataclass
 class Stepper:
     """One optimizer step of the train loop: its micro-batches through the pipeline, then the lr schedule.
@@ -231,7 +293,7 @@ class Stepper:
     per-step host work of stepping optimizers that do nothing.
     """
 
-    pipeline: TrainPipelineBase | TrainPipelineSparseDist
+    pipeline: Pipeline
     policy: StepPolicy
     lr_scheduler: torch.optim.lr_scheduler.LambdaLR
     optimizer: GroupedOptimizer

@@ -15,6 +15,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 from torchrec.datasets.utils import Batch
+from torchrec.distributed.train_pipeline import TrainPipelineBase
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.__main__ import run
@@ -22,7 +23,7 @@ from recsys_runner.build import build
 from recsys_runner.checkpoint import is_complete, list_checkpoints
 from recsys_runner.config import validate
 from recsys_runner.ema import DenseEMA
-from recsys_runner.stepping import PolicyPipelineBase, PolicyPipelineSparseDist
+from recsys_runner.stepping import LeanPipeline, PolicyPipelineBase, PolicyPipelineSparseDist
 from recsys_runner.stopping import NonFiniteLossError
 from tests.conftest import REPO, TINY, hint_of
 
@@ -50,7 +51,7 @@ def test_fp16_scaler_settings_reach_the_grad_scaler(make_cfg) -> None:
         policy = c.loop.stepper.policy
         assert policy.scaler is not None and policy.scaler.get_scale() == 1024.0
         assert policy.scaler.get_growth_interval() == 7
-        assert isinstance(c.loop.stepper.pipeline, PolicyPipelineBase) and c.loop.stepper.pipeline.policy is policy
+        assert isinstance(c.loop.stepper.pipeline, LeanPipeline) and c.loop.stepper.pipeline.policy is policy
     finally:
         c.close()
 
@@ -92,11 +93,16 @@ def test_dense_accumulation_equals_one_large_batch(make_cfg, pipeline: str) -> N
         c_large.close()
 
 
-def _policy_run(make_cfg, *overrides: str, steps: int = 8) -> tuple[list[float], list[torch.Tensor], Any]:
-    """Per-batch losses, the dense parameters after ``steps`` batches, and the step policy's pipeline class."""
+def _policy_run(make_cfg, *overrides: str, steps: int = 8, torchrec_base: bool = False) -> tuple[list[float], list[torch.Tensor], Any]:
+    """Per-batch losses, the dense parameters after ``steps`` batches, and the step policy's pipeline class;
+    ``torchrec_base``: through TorchRec's TrainPipelineBase (what ``base`` is on a GPU) instead of the built one."""
     cfg = make_cfg(*overrides, "tracking=none")
     c = build(validate(cfg))
     try:
+        if torchrec_base:
+            policy, model = c.loop.stepper.policy, c.loop.evaluator.model
+            c.loop.stepper.pipeline = (PolicyPipelineBase(model, policy, torch.device("cpu")) if policy.active
+                                       else TrainPipelineBase(model, policy.dense, torch.device("cpu")))
         batches = iter([c.loop.data.batch(0, i) for i in range(steps)])  # type: ignore[attr-defined]
         losses = [float(c.loop.stepper.pipeline.progress(batches)[0]) for _ in range(steps)]
         dense = [p.detach().clone() for name, p in c.loop.evaluator.model.named_parameters() if "embedding" not in name]
@@ -111,10 +117,23 @@ def test_both_pipelines_run_the_step_policy_alike_on_cpu(make_cfg) -> None:
     common = ["precision=fp16", "train.grad_accum_steps=2", "train.clip_grad.max=0.5", "train.ema.decay=0.9"]
     base = _policy_run(make_cfg, *common, "distributed.pipeline=base")
     sparse_dist = _policy_run(make_cfg, *common, "distributed.pipeline=sparse_dist")
-    assert base[2] is PolicyPipelineBase and sparse_dist[2] is PolicyPipelineSparseDist
+    assert base[2] is LeanPipeline and sparse_dist[2] is PolicyPipelineSparseDist
     assert sparse_dist[0] == pytest.approx(base[0], rel=1e-6)
     for a, b in zip(base[1], sparse_dist[1], strict=True):
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("policy", [[], ["train.grad_accum_steps=2", "train.clip_grad.max=0.5", "train.ema.decay=0.9"]],
+                         ids=["plain", "policy"])
+def test_the_lean_pipeline_trains_exactly_as_torchrecs_base_pipeline(make_cfg, policy: list[str]) -> None:
+    # On a CPU, distributed.pipeline=base is LeanPipeline (no per-batch device copy or profiler ranges);
+    # it must be the same computation as TorchRec's TrainPipelineBase, bit for bit.
+    lean = _policy_run(make_cfg, *policy, "distributed.pipeline=base")
+    torchrec = _policy_run(make_cfg, *policy, "distributed.pipeline=base", torchrec_base=True)
+    assert lean[2] is LeanPipeline and torchrec[2] in (TrainPipelineBase, PolicyPipelineBase)
+    assert lean[0] == torchrec[0]
+    for a, b in zip(lean[1], torchrec[1], strict=True):
+        assert torch.equal(a, b)
 
 
 def test_fp16_unscales_every_embedding_lookup(make_cfg) -> None:
