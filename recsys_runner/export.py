@@ -49,6 +49,7 @@ import torch.distributed.checkpoint as dcp
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import MISSING, DictConfig, OmegaConf
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -174,8 +175,8 @@ def load_weights(model: nn.Module, checkpoint: Path, ema: bool) -> None:
         wanted[key] = tensor
     missing = [k for k in wanted if k not in saved]
     extra = [k for k in saved if k.startswith(CHECKPOINT_MODEL_PREFIX) and k.removeprefix("model/") not in {f"model.{n}" for n in state}]
-    wrong = [f"{k} {tuple(saved[k].size)} vs {tuple(t.shape)}" for k, t in wanted.items()
-             if k in saved and tuple(getattr(saved[k], "size", t.shape)) != tuple(t.shape)]
+    shapes = {k: tuple(m.size) for k, m in saved.items() if isinstance(m, TensorStorageMetadata)}
+    wrong = [f"{k} {shapes[k]} vs {tuple(t.shape)}" for k, t in wanted.items() if k in shapes and shapes[k] != tuple(t.shape)]
     if missing or extra or wrong:
         raise CheckpointError(
             f"{checkpoint} does not hold this model's weights: missing {missing[:3]}, unexpected {extra[:3]}, shapes differ "
