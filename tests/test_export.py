@@ -118,12 +118,12 @@ def check_export(make_cfg, export_cfg, tmp_path: Path, *overrides: str, load: st
 
 def test_deepfm_export_loads_without_recsys_runner_and_scores_like_the_trained_model(
         make_cfg, export_cfg, mlflow_uri: str, tmp_path: Path) -> None:
-    train_run(make_cfg(*SMALL, "train.num_steps=1", f"checkpoint.dir={tmp_path / 'other'}"))  # not the run exported below
+    batch, expected = train_and_score(make_cfg, tmp_path / "ck")
     client = MlflowClient(tracking_uri=mlflow_uri)
     (experiment,) = [e for e in client.search_experiments() if e.name.startswith("test_deepfm_export")]
-    before = {r.info.run_id for r in client.search_runs([experiment.experiment_id])}
-    batch, expected = train_and_score(make_cfg, tmp_path / "ck")
-    (source,) = {r.info.run_id for r in client.search_runs([experiment.experiment_id])} - before
+    (trained,) = client.search_runs([experiment.experiment_id])
+    source = trained.info.run_id
+    assert trained.data.tags["checkpoint_dir"] == str((tmp_path / "ck").absolute())
 
     # load= an MLflow run id: its checkpoint_dir tag names the checkpoints
     out = export.run(export_cfg(*SMALL, f"load={source}", f"export.dir={tmp_path / 'export'}"))
@@ -165,9 +165,9 @@ def test_every_model_exports_and_scores_like_the_trained_model(make_cfg, export_
 
 @pytest.mark.slow
 def test_cli_exports_the_ema_weights_a_run_evaluated_with(make_cfg, tmp_path: Path, mlflow_uri: str) -> None:
-    ema = ["train.ema.decay=0.5", "train.ema.eval_with_ema=true", "tracking.experiment=export_cli"]
+    ema = ["train.ema.decay=0.5", "train.ema.eval_with_ema=true"]
     batch, expected = train_and_score(make_cfg, tmp_path / "ck", *ema)
-    args = [*TINY, *SMALL, *ema, f"tracking.uri={mlflow_uri}", f"load={tmp_path / 'ck'}", f"export.dir={tmp_path / 'export'}"]
+    args = [*TINY, *SMALL, *ema, f"tracking.uri={mlflow_uri}", "tracking.experiment=export_cli", f"load={tmp_path / 'ck'}", f"export.dir={tmp_path / 'export'}"]
     done = subprocess.run([sys.executable, "-m", "recsys_runner.export", *args], cwd=tmp_path, capture_output=True, text=True,
                           timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 0, done.stderr[-3000:]
