@@ -132,6 +132,8 @@ def export_program(model: nn.Module, keys: list[str], batch: Batch) -> torch.exp
     inputs = serving_inputs(batch)
     batch_dim, ids = torch.export.Dim("batch"), torch.export.Dim("ids")
     shapes = {"dense": {0: batch_dim}, "values": {0: ids}, "lengths": {1: batch_dim}}
+    root = logging.getLogger()
+    root.addFilter(_quiet_kjt_warning)
     try:
         with torch.no_grad():
             program = torch.export.export(serving, inputs, dynamic_shapes=shapes, strict=False)
@@ -142,7 +144,15 @@ def export_program(model: nn.Module, keys: list[str], batch: Batch) -> torch.exp
             f"must be traceable for any batch size and id count: no Python branches on tensor values, no .item()/.tolist() "
             f"feeding shapes. Serve it from a checkpoint instead, or make its forward traceable (docs/export.md)"
         ) from e
+    finally:
+        root.removeFilter(_quiet_kjt_warning)
     return program
+
+
+def _quiet_kjt_warning(record: logging.LogRecord) -> bool:
+    """Drop TorchRec's "non-strict torch.export KJT to_dict … extremely slow" warning: it is about tracing time
+    (seconds, once), not about the exported program, which runs plain ATen ops."""
+    return "non-strict torch.export KJT" not in record.getMessage()
 
 
 def build_unsharded(run: RunConfig) -> tuple[nn.Module, FeatureSpec, Batch]:
