@@ -250,7 +250,8 @@ def register_entry_schema(name: str, fields: list[tuple[str, Any, Any]]) -> None
     dataclasses.field(...))`` as for :func:`dataclasses.make_dataclass`, e.g. ``load`` and an ``export``
     section), so :func:`check_known_keys` still names a typo anywhere. It subclasses the root schema
     (OmegaConf merges only a subclass onto a typed node) with every inherited field redeclared as
-    ``???``, which a merge never copies, so the training values composed before it are kept.
+    ``Any = ???``, which a merge never copies: the training values composed before it are kept, and so
+    are their nodes' own types (redeclaring them typed would retype the composed nodes).
     :func:`validate` reads only the training keys.
     """
     register_configs()

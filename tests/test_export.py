@@ -182,6 +182,11 @@ def test_export_needs_load_and_rejects_unknown_keys(export_cfg, tmp_path: Path) 
         export.run(export_cfg(f"export.dir={tmp_path}"))
     with pytest.raises(ConfigError, match="unknown key export.dri .did you mean export.dir"):
         export.run(export_cfg(f"load={tmp_path}", f"+export.dri={tmp_path}"))
+    with pytest.raises(ConfigError, match="unknown key train.num_step .did you mean train.num_steps"):
+        export.run(export_cfg(f"load={tmp_path}", "+train.num_step=5"))
+    kept = validate(export_cfg(f"load={tmp_path}", "model=dlrm"))  # conf/export.yaml keeps the training config's values
+    assert type(kept.model).__name__ == "DLRMConfig" and type(kept.data).__name__ == "SyntheticDataConfig"
+    assert kept.train.num_steps == 30 and kept.data.num_embeddings == 1000 and kept.tracking.experiment.startswith("test_export")
     with pytest.raises(ConfigError, match="export.weights='best' must be one of"):
         export.run(export_cfg(f"load={tmp_path}", "export.weights=best"))
     with pytest.raises(CheckpointError, match="holds no complete checkpoint"):
