@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import functools
 import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -179,6 +180,7 @@ def _component_slots() -> dict[str, type]:
             if isinstance(hints[f.name], type) and issubclass(hints[f.name], Configurable)}
 
 
+@functools.cache
 def _composition_schema() -> type:
     """:class:`RunConfig` as Hydra composes it: the same fields, with the component slots left open.
 
@@ -238,6 +240,25 @@ def register_configs() -> None:
     for group, options in GROUPS.items():
         for name, node in options.items():
             cs.store(group=f"schema/{group}", name=name, node=node)
+
+
+def register_entry_schema(name: str, fields: list[tuple[str, Any, Any]]) -> None:
+    """Store ``<name>_schema``: the root schema plus the top-level keys only the entry point ``name`` reads.
+
+    ``conf/<name>.yaml`` lists ``defaults: [config, <name>_schema, _self_]``: the whole training config
+    composes as usual, then this schema adds the entry's own keys (``fields``, ``(name, type,
+    dataclasses.field(...))`` as for :func:`dataclasses.make_dataclass`, e.g. ``load`` and an ``export``
+    section), so :func:`check_known_keys` still names a typo anywhere. It subclasses the root schema
+    (OmegaConf merges only a subclass onto a typed node) with every inherited field redeclared as
+    ``Any = ???``, which a merge never copies: the training values composed before it are kept, and so
+    are their nodes' own types (redeclaring them typed would retype the composed nodes).
+    :func:`validate` reads only the training keys.
+    """
+    register_configs()
+    base = _composition_schema()
+    inherited = [(f.name, Any, field(default=MISSING)) for f in dataclasses.fields(base)]
+    schema = dataclasses.make_dataclass(f"{name.title().replace('_', '')}Schema", [*inherited, *fields], bases=(base,), kw_only=True)
+    ConfigStore.instance().store(name=f"{name}_schema", node=schema)
 
 
 def validate(cfg: DictConfig) -> RunConfig:

@@ -1,0 +1,350 @@
+"""``python -m recsys_runner.export load=<checkpoint | run id> [training overrides]``: the model, for serving.
+
+Writes ``<export.dir>/model.pt2`` — the trained model, unsharded, as a ``torch.export`` program that
+loads with ``torch`` alone (no recsys_runner, Hydra, TorchRec or fbgemm_gpu) — beside
+``feature_spec.json`` (the inputs it takes, in order, and the outputs it returns), ``example.pt`` (one
+batch of inputs with the outputs the exporting process computed, for a server's smoke test) and
+``manifest.json`` (:mod:`recsys_runner.lineage`); all four are logged to a new MLflow run tagged
+``entry=export`` whose parent is the training run.
+
+**Why torch.export, not TorchScript.** Under torch 2.13 / TorchRec 1.8 ``torch.export.export(...,
+strict=False)`` traces an unsharded :class:`~torchrec.modules.embedding_modules.EmbeddingBagCollection`
+into plain ATen ops (TorchRec takes torch-only paths while exporting, e.g. ``torch.cumsum`` instead of
+fbgemm's ``asynchronous_complete_cumsum``), with the batch size and the number of ids left dynamic; it
+works for all six built-in models, gives bit-identical scores, and TorchScript is in maintenance only.
+``torch.jit.script`` fails on these models' Python (e.g. DeepFM's ``SparseArch.fields``), and
+``torch.jit.trace`` would freeze the per-feature id counts of the traced batch into the graph. TorchRec's
+own ``torchrec.ir`` serializer is not used: it keeps the EBC as a TorchRec module to be swapped back in,
+so loading it needs TorchRec.
+
+**Inputs are plain tensors**, not a KeyedJaggedTensor, so a server needs no TorchRec: the exported
+forward is ``module(dense [B, N] float32, values [V] int64, lengths [F, B] int64)``, where ``lengths[f, b]``
+is how many ids row ``b`` has for sparse feature ``f`` (features in ``feature_spec.json``'s order) and
+``values`` holds every id, feature by feature and row by row within a feature (TorchRec's KJT layout).
+It returns what the model returns: logits ``[B]`` (single task), ``{task: [B]}`` (multi-task) or
+scores ``[B, B]`` (two-tower retrieval); see ``feature_spec.json``'s ``outputs``.
+
+**Weights.** The checkpoint's ``model/<fqn>`` tensors are loaded with ``torch.distributed.checkpoint``
+into a model built from the validated config with its tables on CPU (DCP reshards whatever plan the
+run trained with into plain tensors). With ``train.ema.eval_with_ema=true`` the dense weights come
+from ``ema/<fqn>`` instead, because those are the weights that were evaluated and that picked the
+best checkpoint (``export.weights=raw`` or ``ema`` overrides; tables are never averaged). The forward
+runs in float32 without the run's autocast.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+import torch.distributed.checkpoint as dcp
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import MISSING, DictConfig, OmegaConf
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recsys_runner import lineage
+from recsys_runner.config import RunConfig, flatten, register_entry_schema, to_yaml, validate
+from recsys_runner.errors import CheckpointError, ConfigError, UserError, require
+from recsys_runner.features import FeatureSpec
+from recsys_runner.paths import CONFIG_PATH
+from recsys_runner.tasks import SINGLE_TASK, Task
+from recsys_runner.tracking import MlflowTrackingConfig, resolve_uri
+
+log = logging.getLogger("recsys_runner")
+
+MODEL_FILE = "model.pt2"
+FEATURE_SPEC_FILE = "feature_spec.json"
+EXAMPLE_FILE = "example.pt"
+ARTIFACT_DIR = "export"
+"""Where the files go inside the MLflow run's artifacts."""
+CHECKPOINT_MODEL_PREFIX = "model/model."
+"""DCP keys of the model's weights: ``model/`` (:mod:`recsys_runner.checkpoint`) + the TrainWrapper's ``model.``."""
+CHECKPOINT_EMA_PREFIX = "ema/model."
+WEIGHTS = ("auto", "raw", "ema")
+EXACT_ATOL = 1e-6
+"""Largest difference allowed between the exported program and the eager model on the example batch."""
+
+
+@dataclass(kw_only=True)
+class ExportConfig:
+    """The ``export`` section of ``conf/export.yaml``."""
+
+    dir: str | None = None
+    """Where ``model.pt2``, ``feature_spec.json``, ``example.pt`` and ``manifest.json`` go; ``null`` is
+    ``<Hydra run dir>/export``."""
+    weights: str = "auto"
+    """``auto``: the EMA dense weights when the run evaluated with them (``train.ema.eval_with_ema``), else the
+    trained ones; ``raw`` or ``ema`` to choose."""
+
+    def __post_init__(self) -> None:
+        require(self.weights in WEIGHTS, f"export.weights={self.weights!r} must be one of {list(WEIGHTS)}")
+
+
+def register() -> None:
+    """Store ``export_schema``: the training schema plus ``load`` and ``export`` (``conf/export.yaml``)."""
+    register_entry_schema("export", [
+        ("load", str, field(default=MISSING)),
+        ("export", ExportConfig, field(default_factory=ExportConfig)),
+    ])
+
+
+class ServingModule(nn.Module):
+    """What is exported: ``(dense [B, N], values [V], lengths [F, B]) → the model's output``.
+
+    Builds the KeyedJaggedTensor inside, so the caller passes plain tensors (module docstring).
+    """
+
+    def __init__(self, model: nn.Module, keys: list[str]) -> None:
+        super().__init__()
+        self.model = model
+        self.keys = keys
+
+    def forward(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> Any:
+        sparse = KeyedJaggedTensor(keys=self.keys, values=values, lengths=lengths.reshape(-1))
+        return self.model(dense, sparse)
+
+
+def serving_inputs(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batch as :class:`ServingModule`'s inputs: ``(dense float32, values int64, lengths [F, B] int64)``."""
+    kjt = batch.sparse_features
+    lengths = kjt.lengths().to(torch.int64).reshape(len(kjt.keys()), -1)
+    return batch.dense_features.float(), kjt.values().to(torch.int64), lengths
+
+
+def export_program(model: nn.Module, keys: list[str], batch: Batch) -> torch.export.ExportedProgram:
+    """``model`` (unsharded, on CPU, in eval mode) as a torch.export program with a dynamic batch size and id count.
+
+    Raises:
+        ConfigError: torch.export cannot trace the model, naming the model and the first line of why.
+    """
+    serving = ServingModule(model, keys).eval()
+    inputs = serving_inputs(batch)
+    batch_dim, ids = torch.export.Dim("batch"), torch.export.Dim("ids")
+    shapes = {"dense": {0: batch_dim}, "values": {0: ids}, "lengths": {1: batch_dim}}
+    root = logging.getLogger()
+    root.addFilter(_quiet_kjt_warning)
+    try:
+        with torch.no_grad():
+            program = torch.export.export(serving, inputs, dynamic_shapes=shapes, strict=False)
+    except Exception as e:  # noqa: BLE001 - torch.export raises many kinds; all mean "cannot be exported"
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(
+            f"model {type(model).__name__} cannot be exported with torch.export ({type(e).__name__}: {why}). Its forward "
+            f"must be traceable for any batch size and id count: no Python branches on tensor values, no .item()/.tolist() "
+            f"feeding shapes. Serve it from a checkpoint instead, or make its forward traceable (docs/export.md)"
+        ) from e
+    finally:
+        root.removeFilter(_quiet_kjt_warning)
+    return program
+
+
+def _quiet_kjt_warning(record: logging.LogRecord) -> bool:
+    """Drop TorchRec's "non-strict torch.export KJT to_dict … extremely slow" warning: it is about tracing time
+    (seconds, once), not about the exported program, which runs plain ATen ops."""
+    return "non-strict torch.export KJT" not in record.getMessage()
+
+
+def build_unsharded(run: RunConfig) -> tuple[nn.Module, FeatureSpec, Batch]:
+    """The model the config describes, every table materialized on CPU, in eval mode; its features; an eval batch."""
+    cpu = torch.device("cpu")
+    data = run.data.for_model(run.model.data_needs()).build(device=cpu)
+    model = run.model.build(features=data.features, dense_device=cpu)
+    for module in model.modules():  # tables start on meta (sharding would place them); the weights come from the checkpoint
+        if any(t.is_meta for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]):
+            module.to_empty(device=cpu, recurse=False)
+    batch = next(iter(data.eval_batches(0, 1)), None)
+    if batch is None:
+        batch = next(iter(data.train_batches(0, 0, 1)))
+    return model.eval().requires_grad_(False), data.features, batch.to(cpu)
+
+
+def load_weights(model: nn.Module, checkpoint: Path, ema: bool) -> None:
+    """Load the checkpoint's ``model/`` weights (or, for the dense ones, its ``ema/`` weights) into ``model`` in place.
+
+    Raises:
+        CheckpointError: the checkpoint does not hold this model's weights (another model or data config), or no EMA.
+    """
+    saved = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    state = model.state_dict()
+    if ema and not any(k.startswith(CHECKPOINT_EMA_PREFIX) for k in saved):
+        raise CheckpointError(f"{checkpoint} holds no EMA weights (the run had no train.ema.decay). Fix: export.weights=raw")
+    wanted: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        key = CHECKPOINT_EMA_PREFIX + name if ema and CHECKPOINT_EMA_PREFIX + name in saved else CHECKPOINT_MODEL_PREFIX + name
+        wanted[key] = tensor
+    missing = [k for k in wanted if k not in saved]
+    extra = [k for k in saved if k.startswith(CHECKPOINT_MODEL_PREFIX) and k.removeprefix("model/") not in {f"model.{n}" for n in state}]
+    shapes = {k: tuple(m.size) for k, m in saved.items() if isinstance(m, TensorStorageMetadata)}
+    wrong = [f"{k} {shapes[k]} vs {tuple(t.shape)}" for k, t in wanted.items() if k in shapes and shapes[k] != tuple(t.shape)]
+    if missing or extra or wrong:
+        raise CheckpointError(
+            f"{checkpoint} does not hold this model's weights: missing {missing[:3]}, unexpected {extra[:3]}, shapes differ "
+            f"{wrong[:3]}. Fix: pass the training run's model and data overrides (model=…, data=…, data.num_embeddings=…) "
+            f"with load=, e.g. from its MLflow tag hydra.overrides"
+        )
+    with warnings.catch_warnings():  # "torch.distributed is … uninitialized, assuming … a single process": just so
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(wanted, checkpoint_id=str(checkpoint))
+    leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if leftover:
+        raise CheckpointError(f"{type(model).__name__} has tensors no checkpoint key fills: {leftover[:3]}")
+
+
+def use_ema(run: RunConfig, weights: str) -> bool:
+    """Whether to export the EMA dense weights (:class:`ExportConfig`'s ``weights``)."""
+    return weights == "ema" or (weights == "auto" and run.train.ema.eval_with_ema)
+
+
+def feature_spec(features: FeatureSpec, keys: list[str], tasks: tuple[Task, ...], inputs: tuple[torch.Tensor, ...],
+                 output: Any) -> dict[str, Any]:
+    """What ``feature_spec.json`` says: how to load and call the program, its inputs and outputs."""
+    by_name = {f.name: f for f in features.sparse}
+    named = any(t.name is not None for t in tasks)
+    outputs = [{"name": t.name, "kind": t.kind, "shape": list(output[t.name].shape[1:]) if named else list(output.shape[1:]),
+                "meaning": _meaning(t)} for t in tasks]
+    return {
+        "format": "torch.export ExportedProgram (torch.export.save)",
+        "load": f"torch.export.load('{MODEL_FILE}').module()  # needs only torch=={torch.__version__.split('+')[0]} (or a "
+                f"later torch that reads this format); no torchrec, fbgemm_gpu, hydra or recsys_runner",
+        "call": "module(dense, values, lengths)",
+        "needs_torchrec": False,
+        "device": "cpu",
+        "inputs": {
+            "dense": {"dtype": str(inputs[0].dtype).removeprefix("torch."), "shape": ["B", features.num_dense],
+                      "columns": list(features.dense_names)},
+            "values": {"dtype": "int64", "shape": ["V"],
+                       "meaning": "every id of the batch: feature 0's ids of rows 0..B-1, then feature 1's, ... (TorchRec KJT order); "
+                                  "V = lengths.sum()"},
+            "lengths": {"dtype": "int64", "shape": [len(keys), "B"],
+                        "meaning": "lengths[f, b]: how many ids row b has for sparse feature f (0 allowed: an empty bag)"},
+        },
+        "sparse_features": [{"name": k, "num_embeddings": by_name[k].num_embeddings, "pooling": by_name[k].pooling}
+                            if k in by_name else {"name": k} for k in keys],
+        "batch_size": "dynamic: any B >= 1 (and any V)",
+        "output_type": "dict[task name, Tensor]" if named else "Tensor",
+        "outputs": outputs,
+    }
+
+
+def _meaning(task: Task) -> str:
+    return {"binary": "logit; sigmoid(logit) is the probability",
+            "regression": "the predicted value",
+            "retrieval": "scores[q, c] = <user vector of row q, item vector of row c> / temperature; rank items by it"}.get(
+        task.kind, task.kind)
+
+
+def export_dir(configured: str | None) -> Path:
+    """``export.dir``, else ``<Hydra run dir>/export``."""
+    if configured is not None:
+        return Path(configured).expanduser()
+    if HydraConfig.initialized():
+        return Path(HydraConfig.get().runtime.output_dir) / "export"
+    raise ConfigError("export.dir is not set and this is not a Hydra run. Fix: export.dir=<directory>")
+
+
+def run(cfg: DictConfig) -> Path:
+    """Export the checkpoint ``cfg.load`` names; returns the directory written (see the module docstring)."""
+    load, options = _entry_keys(cfg)
+    spec = validate(cfg)
+    uri = resolve_uri(spec.tracking.uri) if isinstance(spec.tracking, MlflowTrackingConfig) else None
+    checkpoint = lineage.resolve_checkpoint(load, lookup_run=lineage.run_tags(uri) if uri else None)
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    source_run = meta.get("run_id")
+    torch.manual_seed(spec.seed)
+    model, features, batch = build_unsharded(spec)
+    ema = use_ema(spec, options.weights)
+    load_weights(model, checkpoint, ema)
+    keys = list(batch.sparse_features.keys())
+    program = export_program(model, keys, batch)
+    inputs = serving_inputs(batch)
+    with torch.no_grad():
+        eager = ServingModule(model, keys)(*inputs)
+        exported = program.module()(*inputs)
+    _check_same(eager, exported, type(model).__name__)
+    out = export_dir(options.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.export.save(program, str(out / MODEL_FILE))
+    tasks = tuple(getattr(model, "tasks", SINGLE_TASK))
+    described = feature_spec(features, keys, tasks, inputs, eager) | {
+        "weights": "ema" if ema else "raw", "checkpoint": str(checkpoint.absolute()), "step": meta.get("step"),
+        "source_run_id": source_run, "model": type(model).__name__}
+    (out / FEATURE_SPEC_FILE).write_text(json.dumps(described, indent=2) + "\n")
+    torch.save({"inputs": inputs, "outputs": eager}, out / EXAMPLE_FILE)
+    manifest = lineage.collect(world_size=1, device=torch.device("cpu"))
+    (out / lineage.MANIFEST_FILE).write_text(manifest.to_json() + "\n")
+    _log_run(spec, out, manifest, checkpoint, source_run, described)
+    log.info("exported %s (%s weights) from %s to %s", type(model).__name__, described["weights"], checkpoint, out)
+    return out
+
+
+def _entry_keys(cfg: DictConfig) -> tuple[str, ExportConfig]:
+    """``load`` and the ``export`` section, validated."""
+    if OmegaConf.is_missing(cfg, "load"):
+        raise ConfigError("export needs the checkpoint to export. Fix: load=<a step_* checkpoint dir, a checkpoints root, "
+                          "or the training run's MLflow run id>")
+    options = OmegaConf.to_object(cfg.export)
+    assert isinstance(options, ExportConfig)
+    return str(cfg.load), options
+
+
+def _check_same(eager: Any, exported: Any, model: str) -> None:
+    """Refuse to write a program whose output differs from the eager model's on the example batch."""
+    pairs = [(eager[k], exported[k]) for k in eager] if isinstance(eager, dict) else [(eager, exported)]
+    worst = max(float((a - b).abs().max()) for a, b in pairs)
+    if worst > EXACT_ATOL:
+        raise ConfigError(f"model {model}: the exported program's output differs from the model's by {worst:.3g} on the "
+                          f"example batch (allowed {EXACT_ATOL}); it cannot be exported faithfully")
+
+
+def _log_run(spec: RunConfig, out: Path, manifest: lineage.Manifest, checkpoint: Path, source_run: str | None,
+             described: dict[str, Any]) -> None:
+    """A new MLflow run, ``entry=export``, child of the training run, holding the exported files."""
+    tracker = spec.tracking.build()
+    tags = {"entry": "export", "checkpoint": str(checkpoint.absolute()), "export.weights": str(described["weights"]),
+            **manifest.tags()}
+    if source_run:
+        tags |= {"source_run_id": source_run, "mlflow.parentRunId": source_run}
+    tracker.start(run_name=f"export {described['model']} step {described['step']}", tags=tags, params=flatten(spec))
+    status = "FAILED"
+    try:
+        tracker.log_text(to_yaml(spec), "config.yaml")
+        lineage.record(tracker, manifest)
+        if tracker.run_id is not None and isinstance(spec.tracking, MlflowTrackingConfig):
+            from mlflow.tracking import MlflowClient
+
+            client = MlflowClient(tracking_uri=resolve_uri(spec.tracking.uri))
+            for name in (MODEL_FILE, FEATURE_SPEC_FILE, EXAMPLE_FILE, lineage.MANIFEST_FILE):
+                client.log_artifact(tracker.run_id, str(out / name), ARTIFACT_DIR)
+        status = "FINISHED"
+    finally:
+        tracker.finish(status)
+
+
+register()
+
+
+@hydra.main(config_path=CONFIG_PATH, config_name="export", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    try:
+        out = run(cfg)
+    except UserError as e:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"{e.label}: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(f"exported to {out}")
+
+
+if __name__ == "__main__":
+    main()

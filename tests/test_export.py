@@ -1,0 +1,213 @@
+"""Export for serving: the trained model as a torch.export program that a fresh process loads with torch alone.
+
+Each case trains a few real steps through the CLI's ``run``, exports the checkpoint, loads ``model.pt2``
+in a new Python process that imports only torch (asserted), and compares its output on an eval batch
+with the trained model's: the sharded DistributedModelParallel model restored from the same checkpoint
+by the training build. Tolerance: ``atol=1e-5, rtol=1e-5`` (fbgemm's CPU embedding kernels, which the
+sharded model runs, may sum a bag in another order than ATen's ``embedding_bag``; the exported program
+itself matches the eager unsharded model to ``EXACT_ATOL`` = 1e-6, checked by the export).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from mlflow.tracking import MlflowClient
+from omegaconf import DictConfig
+from torch import nn
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recsys_runner import export
+from recsys_runner.__main__ import run as train_run
+from recsys_runner.build import build
+from recsys_runner.config import validate
+from recsys_runner.errors import CheckpointError, ConfigError
+from recsys_runner.paths import CONFIG_PATH
+from tests.conftest import REPO, TINY
+
+SMALL = ["data.batch_size=64", "data.num_train_rows=1024", "data.num_eval_rows=256", "train.num_steps=3",
+         "train.log_every_steps=3", "train.eval_max_batches=1"]
+ATOL = RTOL = 1e-5
+
+# Runs in a fresh interpreter: torch only. Loads the program, runs it on saved inputs, saves the output,
+# and fails if anything of recsys_runner, Hydra, TorchRec or fbgemm_gpu was imported.
+LOADER = """
+import sys, torch
+program = torch.export.load(sys.argv[1]).module()
+dense, values, lengths = torch.load(sys.argv[2])
+with torch.no_grad():
+    out = program(dense, values, lengths)
+torch.save(out, sys.argv[3])
+leaked = sorted(m for m in sys.modules if m.split(".")[0] in ("recsys_runner", "hydra", "omegaconf", "torchrec", "fbgemm_gpu"))
+assert not leaked, leaked
+"""
+
+
+@pytest.fixture
+def export_cfg(mlflow_uri: str, request: pytest.FixtureRequest) -> Callable[..., DictConfig]:
+    """``conf/export.yaml`` composed like the CLI, with the TINY settings and this test's MLflow experiment."""
+    export.register()
+    experiment = re.sub(r"[^A-Za-z0-9_]+", "_", request.node.name)
+
+    def _make(*overrides: str) -> DictConfig:
+        with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
+            return compose(config_name="export", overrides=[*TINY, f"tracking.uri={mlflow_uri}",
+                                                            f"tracking.experiment={experiment}", *overrides])
+
+    return _make
+
+
+def train_and_score(make_cfg: Callable[..., DictConfig], checkpoints: Path, *overrides: str) -> tuple[Batch, torch.Tensor]:
+    """Train ``overrides`` into ``checkpoints``; the trained model's logits on the second eval batch (the export's
+    own example is the first), from the sharded model the training build restores from that checkpoint."""
+    train_run(make_cfg(*SMALL, *overrides, f"checkpoint.dir={checkpoints}"))
+    c = build(validate(make_cfg(*SMALL, *overrides, f"checkpoint.dir={checkpoints}", "checkpoint.resume=latest", "tracking=none")))
+    try:
+        *_, batch = itertools.islice(c.loop.data.eval_batches(0, 1), 2)
+        evaluator = c.loop.evaluator
+        model = evaluator.model.eval()
+        with torch.no_grad(), evaluator.ema.swapped_in() if evaluator.ema is not None else contextlib.nullcontext():
+            _, (_, logits, _) = model(batch)
+        return batch, logits
+    finally:
+        c.close()
+
+
+def load_fresh(directory: Path, batch: Batch, tmp_path: Path) -> object:
+    """``model.pt2`` run on ``batch`` in a new interpreter that imports only torch; its output."""
+    inputs, output = tmp_path / "inputs.pt", tmp_path / "output.pt"
+    torch.save(export.serving_inputs(batch), inputs)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-c", LOADER, str(directory / export.MODEL_FILE), str(inputs), str(output)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(output)
+
+
+def as_logits(output: object, spec: dict) -> torch.Tensor:
+    """The program's output as the TrainWrapper's logits: a multi-task dict stacked in task order."""
+    if isinstance(output, dict):
+        return torch.stack([output[o["name"]] for o in spec["outputs"]], dim=1)
+    assert isinstance(output, torch.Tensor)
+    return output
+
+
+def check_export(make_cfg, export_cfg, tmp_path: Path, *overrides: str, load: str | None = None) -> dict:
+    batch, expected = train_and_score(make_cfg, tmp_path / "ck", *overrides)
+    out = export.run(export_cfg(*SMALL, *overrides, f"load={load or tmp_path / 'ck'}", f"export.dir={tmp_path / 'export'}"))
+    spec = json.loads((out / export.FEATURE_SPEC_FILE).read_text())
+    got = as_logits(load_fresh(out, batch, tmp_path), spec)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=RTOL)
+    assert spec["sparse_features"] and [f["name"] for f in spec["sparse_features"]] == list(batch.sparse_features.keys())
+    assert spec["inputs"]["lengths"]["shape"] == [len(batch.sparse_features.keys()), "B"] and spec["needs_torchrec"] is False
+    return spec
+
+
+def test_deepfm_export_loads_without_recsys_runner_and_scores_like_the_trained_model(
+        make_cfg, export_cfg, mlflow_uri: str, tmp_path: Path) -> None:
+    batch, expected = train_and_score(make_cfg, tmp_path / "ck")
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    (experiment,) = [e for e in client.search_experiments() if e.name.startswith("test_deepfm_export")]
+    (trained,) = client.search_runs([experiment.experiment_id])
+    source = trained.info.run_id
+    assert trained.data.tags["checkpoint_dir"] == str((tmp_path / "ck").absolute())
+
+    # load= an MLflow run id: its checkpoint_dir tag names the checkpoints
+    out = export.run(export_cfg(*SMALL, f"load={source}", f"export.dir={tmp_path / 'export'}"))
+    spec = json.loads((out / export.FEATURE_SPEC_FILE).read_text())
+    got = load_fresh(out, batch, tmp_path)
+    assert isinstance(got, torch.Tensor) and got.shape == (64,)
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=RTOL)
+    assert spec["model"] == "DeepFM" and spec["weights"] == "raw" and spec["source_run_id"] == source
+    assert spec["outputs"] == [{"name": None, "kind": "binary", "shape": [], "meaning": "logit; sigmoid(logit) is the probability"}]
+    assert spec["inputs"]["dense"]["shape"] == ["B", 13] and len(spec["sparse_features"]) == 26
+    example = torch.load(out / export.EXAMPLE_FILE)
+    assert torch.export.load(str(out / export.MODEL_FILE)).module()(*example["inputs"]).shape == example["outputs"].shape
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["world_size"] == 1 and manifest["device_type"] == "cpu"
+    assert manifest["versions"]["torch"] == torch.__version__
+
+    (mlrun,) = [r for r in client.search_runs([experiment.experiment_id]) if r.data.tags.get("entry") == "export"]
+    tags = mlrun.data.tags
+    assert mlrun.info.status == "FINISHED"
+    assert tags["source_run_id"] == source and tags["mlflow.parentRunId"] == source and tags["export.weights"] == "raw"
+    assert tags["manifest.world_size"] == "1" and tags["manifest.device"].startswith("cpu:") and "manifest.version.torch" in tags
+    artifacts = {a.path for a in client.list_artifacts(mlrun.info.run_id, export.ARTIFACT_DIR)}
+    assert artifacts == {f"export/{n}" for n in ("model.pt2", "feature_spec.json", "example.pt", "manifest.json")}
+    assert "manifest.json" in {a.path for a in client.list_artifacts(mlrun.info.run_id)}
+
+    # the same checkpoint under another model's config: refused, naming the fix
+    with pytest.raises(CheckpointError, match="does not hold this model's weights.*model and data overrides"):
+        export.run(export_cfg(*SMALL, "model=dlrm", f"load={tmp_path / 'ck'}", f"export.dir={tmp_path / 'x'}"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["dlrm", "dcn_v2", "wide_deep", "mmoe", "dssm"])
+def test_every_model_exports_and_scores_like_the_trained_model(make_cfg, export_cfg, tmp_path: Path, model: str) -> None:
+    spec = check_export(make_cfg, export_cfg, tmp_path, f"model={model}")
+    kinds = {"mmoe": ["binary", "binary"], "dssm": ["retrieval"]}.get(model, ["binary"])
+    assert [o["kind"] for o in spec["outputs"]] == kinds
+    assert spec["output_type"] == ("dict[task name, Tensor]" if model == "mmoe" else "Tensor")
+
+
+@pytest.mark.slow
+def test_cli_exports_the_ema_weights_a_run_evaluated_with(make_cfg, tmp_path: Path, mlflow_uri: str) -> None:
+    ema = ["train.ema.decay=0.5", "train.ema.eval_with_ema=true"]
+    batch, expected = train_and_score(make_cfg, tmp_path / "ck", *ema)
+    args = [*TINY, *SMALL, *ema, f"tracking.uri={mlflow_uri}", "tracking.experiment=export_cli", f"load={tmp_path / 'ck'}", f"export.dir={tmp_path / 'export'}"]
+    done = subprocess.run([sys.executable, "-m", "recsys_runner.export", *args], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"exported to {tmp_path / 'export'}" in done.stdout
+    spec = json.loads((tmp_path / "export" / export.FEATURE_SPEC_FILE).read_text())
+    assert spec["weights"] == "ema"
+    torch.testing.assert_close(load_fresh(tmp_path / "export", batch, tmp_path), expected, atol=ATOL, rtol=RTOL)
+
+
+def test_export_needs_load_and_rejects_unknown_keys(export_cfg, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="load=<a step_\\* checkpoint dir"):
+        export.run(export_cfg(f"export.dir={tmp_path}"))
+    with pytest.raises(ConfigError, match="unknown key export.dri .did you mean export.dir"):
+        export.run(export_cfg(f"load={tmp_path}", f"+export.dri={tmp_path}"))
+    with pytest.raises(ConfigError, match="unknown key train.num_step .did you mean train.num_steps"):
+        export.run(export_cfg(f"load={tmp_path}", "+train.num_step=5"))
+    kept = validate(export_cfg(f"load={tmp_path}", "model=dlrm"))  # conf/export.yaml keeps the training config's values
+    assert type(kept.model).__name__ == "DLRMConfig" and type(kept.data).__name__ == "SyntheticDataConfig"
+    assert kept.train.num_steps == 30 and kept.data.num_embeddings == 1000 and kept.tracking.experiment.startswith("test_export")
+    with pytest.raises(ConfigError, match="export.weights='best' must be one of"):
+        export.run(export_cfg(f"load={tmp_path}", "export.weights=best"))
+    with pytest.raises(CheckpointError, match="holds no complete checkpoint"):
+        export.run(export_cfg(f"load={tmp_path}", f"export.dir={tmp_path}"))
+
+
+class BranchesOnIds(nn.Module):
+    """A model torch.export cannot trace for every batch: a Python branch on the ids' values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2, 1)
+
+    def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        if sparse.values().max() > 5:
+            return self.linear(dense).squeeze(1)
+        return -self.linear(dense).squeeze(1)
+
+
+def test_a_model_that_cannot_be_exported_is_named_with_the_reason() -> None:
+    kjt = KeyedJaggedTensor(keys=["a"], values=torch.tensor([1, 7, 3]), lengths=torch.tensor([1, 1, 1]))
+    batch = Batch(dense_features=torch.randn(3, 2), sparse_features=kjt, labels=torch.zeros(3))
+    with pytest.raises(ConfigError, match=r"model BranchesOnIds cannot be exported with torch.export \(.*\)\. Its forward must be traceable"):
+        export.export_program(BranchesOnIds(), ["a"], batch)
