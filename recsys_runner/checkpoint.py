@@ -416,6 +416,39 @@ class Checkpointer:
             self._load(source, strict=False)
         return TrainState()
 
+    def load_weights(self, path: Path) -> TrainState:
+        """Load the model's and the EMA's weights of checkpoint ``path`` (evaluate, predict): nothing else is read,
+        nothing is locked or written, the optimizer keeps its fresh state. Strict, unlike ``init_from``: every tensor
+        of this model must be in the checkpoint with the same shape and the checkpoint may hold no other model
+        tensor, so weights of another model config are refused by name, not half-loaded. Returns the checkpoint's
+        step and MLflow run id (``meta.json``).
+
+        Raises:
+            CheckpointError: damaged, or written by another model config (naming the first differences).
+        """
+        reason = damage(path)
+        if reason is not None:
+            raise CheckpointError(f"checkpoint {path} is damaged ({reason}). Fix: point load= at another checkpoint")
+        meta = json.loads((path / "meta.json").read_text())
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        ours = self._tensor_state(with_optimizer=False)
+        missing = [k for k in ours if k not in saved]
+        extra = [k for k in saved if k.startswith("model/") and k not in ours]
+        shapes = [f"{k} is {list(getattr(saved[k], 'size', []))} there, {list(ours[k].size())} here" for k in ours
+                  if k in saved and hasattr(ours[k], "size") and list(getattr(saved[k], "size", ours[k].size())) != list(ours[k].size())]
+        if missing or extra or shapes:
+            parts = ([f"lacks {missing[:3]} ({len(missing)} in all)"] if missing else []) + \
+                    ([f"has {extra[:3]} this model does not ({len(extra)} in all)"] if extra else []) + shapes[:3]
+            raise CheckpointError(f"checkpoint {path} does not match this model config: it {'; '.join(parts)}. Fix: give the "
+                                  f"same model=/model.*/data overrides as the training run (its resolved config is config.yaml "
+                                  f"in its MLflow run and .hydra/ beside its checkpoints)")
+        dcp.load(ours, checkpoint_id=str(path))
+        for holder_name, holder in self._tensors.items():
+            prefix = f"{holder_name}/"
+            holder.load_state_dict({k[len(prefix):]: v for k, v in ours.items() if k.startswith(prefix)})
+        log.info("loaded weights of %s (step %d)", path, meta["step"])
+        return TrainState(step=meta["step"], epoch=meta["epoch"], run_id=meta.get("run_id"), resumed_from=str(path))
+
     def close(self) -> None:
         """Release ``dir`` for the next run (also released by the OS if this process dies)."""
         if self._lock is not None:
