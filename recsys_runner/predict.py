@@ -117,7 +117,7 @@ def run(cfg: DictConfig) -> PredictResult:
     status = "FAILED"
     try:
         _check_tasks(c.loop.evaluator.tasks)
-        params = {f"predict.{k}": v for k, v in OmegaConf.to_container(cfg.predict).items()}  # type: ignore[union-attr]
+        params = {f"predict.{name}": getattr(settings, name) for name in ("input", "output", "columns")}
         start_run(c, entry="predict", checkpoint=checkpoint, load=str(cfg.load), extra_params=params)
         result = predict(c, settings, output)
         c.loop.tracker.set_tag("predict.output", str(output.absolute()))
