@@ -51,6 +51,7 @@ import random
 import re
 import shlex
 import shutil
+import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -60,6 +61,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 
 from recsys_runner.configurable import Configurable
@@ -434,8 +436,8 @@ class Checkpointer:
         ours = self._tensor_state(with_optimizer=False)
         missing = [k for k in ours if k not in saved]
         extra = [k for k in saved if k.startswith("model/") and k not in ours]
-        shapes = [f"{k} is {list(getattr(saved[k], 'size', []))} there, {list(ours[k].size())} here" for k in ours
-                  if k in saved and hasattr(ours[k], "size") and list(getattr(saved[k], "size", ours[k].size())) != list(ours[k].size())]
+        sizes = {k: list(m.size) for k, m in saved.items() if isinstance(m, TensorStorageMetadata)}
+        shapes = [f"{k} is {sizes[k]} there, {_shape(ours[k])} here" for k in ours if k in sizes and sizes[k] != _shape(ours[k])]
         if missing or extra or shapes:
             parts = ([f"lacks {missing[:3]} ({len(missing)} in all)"] if missing else []) + \
                     ([f"has {extra[:3]} this model does not ({len(extra)} in all)"] if extra else []) + shapes[:3]
@@ -615,6 +617,13 @@ def _set_aside(path: Path, why: str = "damaged") -> Path:
         target, k = path.with_name(f"{why}-{path.name}-{k}"), k + 1
     os.replace(path, target)
     return target
+
+
+def _shape(t: Any) -> list[int]:
+    """The global shape of a tensor or ShardedTensor (whose ``size()`` warns that ShardedTensor is deprecated)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return list(t.size())
 
 
 def _local(t: Any) -> torch.Tensor:
