@@ -51,10 +51,15 @@ def run(cfg: DictConfig) -> dict[str, float]:
 
 
 @hydra.main(config_path=CONFIG_PATH, config_name="evaluate", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def _hydra_main(cfg: DictConfig) -> None:
     cli(run, cfg)
 
 
-if __name__ == "__main__":
+def main() -> None:
+    """The command line: this entry's root schema is registered before Hydra composes ``conf/evaluate.yaml``."""
     register_configs(EVALUATE_SCHEMA)
+    _hydra_main()
+
+
+if __name__ == "__main__":
     main()

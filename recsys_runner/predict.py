@@ -327,10 +327,15 @@ class _PartWriter:
 
 
 @hydra.main(config_path=CONFIG_PATH, config_name="predict", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def _hydra_main(cfg: DictConfig) -> None:
     cli(run, cfg)
 
 
-if __name__ == "__main__":
+def main() -> None:
+    """The command line: this entry's root schema is registered before Hydra composes ``conf/predict.yaml``."""
     register_configs(PREDICT_SCHEMA)
+    _hydra_main()
+
+
+if __name__ == "__main__":
     main()
