@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -81,8 +82,13 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build(run: RunConfig) -> Components:
-    """Build and wire every component of the run from the validated config; see the module docstring for the order."""
+def build(run: RunConfig, *, weights: Path | None = None) -> Components:
+    """Build and wire every component of the run from the validated config; see the module docstring for the order.
+
+    ``weights``: a checkpoint directory whose model (and EMA) weights to load instead of resuming or fine-tuning
+    (``python -m recsys_runner.evaluate`` / ``.predict``): its checkpoints directory is not locked, nothing is restored
+    from ``checkpoint.*`` and a mismatching model config is refused (:meth:`Checkpointer.load_weights`).
+    """
     seed_everything(run.seed)
     distributed: Distributed = run.distributed.build()
     env = distributed.setup()
@@ -91,7 +97,8 @@ def build(run: RunConfig) -> Components:
         tracker: Tracker = run.tracking.build() if env.is_main else NullTracker()
         decided_on_rank0(tracker.check, env.rank, env.world_size)
         checkpointer = run.checkpoint.build(rank=env.rank, world_size=env.world_size, device=env.device, nan_guard=run.train.nan_guard)
-        checkpointer.lock()
+        if weights is None:
+            checkpointer.lock()
         precision = run.precision.build()
         precision.apply_tf32()
         data: DataModule = run.data.for_model(run.model.data_needs()).build(device=env.device)
@@ -124,7 +131,7 @@ def build(run: RunConfig) -> Components:
             objects={"lr_scheduler": SchedulePosition(lr_scheduler), "policy": policy, "early_stopping": early_stopping,
                      "train_metrics": stepper.train_metrics},
         )
-        state = checkpointer.restore()
+        state = checkpointer.restore() if weights is None else checkpointer.load_weights(weights)
     except BaseException:
         if checkpointer is not None:
             checkpointer.close()

@@ -51,6 +51,7 @@ import random
 import re
 import shlex
 import shutil
+import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -60,6 +61,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 
 from recsys_runner.configurable import Configurable
@@ -416,6 +418,39 @@ class Checkpointer:
             self._load(source, strict=False)
         return TrainState()
 
+    def load_weights(self, path: Path) -> TrainState:
+        """Load the model's and the EMA's weights of checkpoint ``path`` (evaluate, predict): nothing else is read,
+        nothing is locked or written, the optimizer keeps its fresh state. Strict, unlike ``init_from``: every tensor
+        of this model must be in the checkpoint with the same shape and the checkpoint may hold no other model
+        tensor, so weights of another model config are refused by name, not half-loaded. Returns the checkpoint's
+        step and MLflow run id (``meta.json``).
+
+        Raises:
+            CheckpointError: damaged, or written by another model config (naming the first differences).
+        """
+        reason = damage(path)
+        if reason is not None:
+            raise CheckpointError(f"checkpoint {path} is damaged ({reason}). Fix: point load= at another checkpoint")
+        meta = json.loads((path / "meta.json").read_text())
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        ours = self._tensor_state(with_optimizer=False)
+        missing = [k for k in ours if k not in saved]
+        extra = [k for k in saved if k.startswith("model/") and k not in ours]
+        sizes = {k: list(m.size) for k, m in saved.items() if isinstance(m, TensorStorageMetadata)}
+        shapes = [f"{k} is {sizes[k]} there, {_shape(ours[k])} here" for k in ours if k in sizes and sizes[k] != _shape(ours[k])]
+        if missing or extra or shapes:
+            parts = ([f"lacks {missing[:3]} ({len(missing)} in all)"] if missing else []) + \
+                    ([f"has {extra[:3]} this model does not ({len(extra)} in all)"] if extra else []) + shapes[:3]
+            raise CheckpointError(f"checkpoint {path} does not match this model config: it {'; '.join(parts)}. Fix: give the "
+                                  f"same model=/model.*/data overrides as the training run (its resolved config is config.yaml "
+                                  f"in its MLflow run and .hydra/ beside its checkpoints)")
+        dcp.load(ours, checkpoint_id=str(path))
+        for holder_name, holder in self._tensors.items():
+            prefix = f"{holder_name}/"
+            holder.load_state_dict({k[len(prefix):]: v for k, v in ours.items() if k.startswith(prefix)})
+        log.info("loaded weights of %s (step %d)", path, meta["step"])
+        return TrainState(step=meta["step"], epoch=meta["epoch"], run_id=meta.get("run_id"), resumed_from=str(path))
+
     def close(self) -> None:
         """Release ``dir`` for the next run (also released by the OS if this process dies)."""
         if self._lock is not None:
@@ -582,6 +617,13 @@ def _set_aside(path: Path, why: str = "damaged") -> Path:
         target, k = path.with_name(f"{why}-{path.name}-{k}"), k + 1
     os.replace(path, target)
     return target
+
+
+def _shape(t: Any) -> list[int]:
+    """The global shape of a tensor or ShardedTensor (whose ``size()`` warns that ShardedTensor is deprecated)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return list(t.size())
 
 
 def _local(t: Any) -> torch.Tensor:

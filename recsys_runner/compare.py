@@ -71,18 +71,50 @@ def _short(value: str | None) -> str:
         return value if len(value) <= 24 else value[:21] + "..."
 
 
-def table(runs: Sequence[Any], metrics: Sequence[str] = DEFAULT_METRICS) -> str:
+MANIFEST_COLUMNS: dict[str, str] = {
+    "entry": "entry",
+    "commit": "manifest.git_commit",
+    "dirty": "manifest.git_dirty",
+    "torch": "manifest.version.torch",
+    "torchrec": "manifest.version.torchrec",
+    "device": "manifest.device",
+    "world": "manifest.world_size",
+}
+"""``--manifest`` columns: header → run tag (:mod:`recsys_runner.lineage`; ``entry`` is set by evaluate/predict runs)."""
+
+
+def manifest_cells(run: Any) -> list[str]:
+    """The :data:`MANIFEST_COLUMNS` of ``run``: the commit shortened to 8 characters, ``-`` where a tag is missing
+    (runs made before the manifest existed; a training run has no ``entry`` tag: ``train``)."""
+    tags = run.data.tags
+    cells = []
+    for header, tag in MANIFEST_COLUMNS.items():
+        value = tags.get(tag, "train" if header == "entry" else None)
+        if value is None:
+            cells.append("-")
+        elif header == "commit":
+            cells.append(value[:8])
+        elif header == "device":
+            cells.append(value if len(value) <= 32 else value[:29] + "...")
+        else:
+            cells.append(value)
+    return cells
+
+
+def table(runs: Sequence[Any], metrics: Sequence[str] = DEFAULT_METRICS, manifest: bool = False) -> str:
     """A fixed-width text table: run name, status, varying params, final metrics; best ``metrics[0]`` first
-    (highest, or lowest for a metric whose name contains ``loss``)."""
+    (highest, or lowest for a metric whose name contains ``loss``). ``manifest``: also where each run came from
+    (:data:`MANIFEST_COLUMNS`: entry, git commit, dirty, torch/torchrec versions, device, world size)."""
     params = varying_params(runs)
     first = metrics[0] if metrics else None
     sign = 1.0 if first and "loss" in first else -1.0
     ordered = sorted(runs, key=lambda r: sign * r.data.metrics.get(first, -sign * math.inf) if first else 0.0)
-    header = ["run", "status", *params, *metrics]
+    header = ["run", "status", *params, *metrics, *(MANIFEST_COLUMNS if manifest else ())]
     rows = [
         [_short(r.info.run_name) if len(r.info.run_name or "") <= 24 else r.info.run_id[:8], r.info.status,
          *(_short(r.data.params.get(p)) for p in params),
-         *(f"{r.data.metrics[m]:.4f}" if m in r.data.metrics else "-" for m in metrics)]
+         *(f"{r.data.metrics[m]:.4f}" if m in r.data.metrics else "-" for m in metrics),
+         *(manifest_cells(r) if manifest else ())]
         for r in ordered
     ]
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
@@ -197,6 +229,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--metric", action="append", default=None, help=f"metrics for the table and plots (default: {', '.join(DEFAULT_METRICS)})")
     p.add_argument("--out", default="compare", help="directory for the PNGs (default: ./compare)")
     p.add_argument("--no-plots", action="store_true", help="print the table only")
+    p.add_argument("--manifest", action="store_true", help="add where each run came from: entry, git commit, dirty, "
+                   "torch/torchrec versions, device, world size")
     return p
 
 
@@ -227,7 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("no runs match", file=sys.stderr)
         return 1
     metrics = args.metric or list(DEFAULT_METRICS)
-    print(table(runs, metrics))
+    print(table(runs, metrics, manifest=args.manifest))
     if not args.no_plots:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

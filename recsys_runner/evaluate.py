@@ -1,0 +1,65 @@
+"""``python -m recsys_runner.evaluate <overrides> load=<checkpoint>``: a checkpoint's eval metrics, as a new MLflow run.
+
+Same overrides as the training run (they rebuild the same model and data), plus ``load``: a ``step_*``
+checkpoint directory, a checkpoints root (best, else newest) or the training run's MLflow id. Change the
+data to evaluate the checkpoint on other data, e.g. that day's ``data.eval_path=/data/day_31``; the
+configured ``metrics.*`` are computed over all ranks (``torchrun --nproc_per_node=N -m recsys_runner.evaluate …``).
+
+The evaluation is the training loop's own (:class:`recsys_runner.evaluation.Evaluator`, built by
+:func:`recsys_runner.build.build`): the same ``train.eval_max_batches`` cap and, with
+``train.ema.eval_with_ema``, the checkpoint's EMA weights, so on the same data and world size it reproduces
+the training run's final eval metrics exactly. A checkpoint of another model config is refused, naming the
+tensors that differ. The result is logged as ``eval/*`` at the checkpoint's step in a new MLflow run, a
+child of the training run (:mod:`recsys_runner.inference`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import hydra
+from omegaconf import DictConfig
+
+from recsys_runner.build import build
+from recsys_runner.config import entry_schema, register_configs, validate
+from recsys_runner.inference import LOAD_FIELD, checkpoint_to_load, cli, start_run
+from recsys_runner.paths import CONFIG_PATH
+
+log = logging.getLogger("recsys_runner")
+EVALUATE_SCHEMA = entry_schema("EvaluateSchema", [LOAD_FIELD])
+"""The root schema of ``conf/evaluate.yaml``: the run's keys plus ``load``."""
+
+
+def run(cfg: DictConfig) -> dict[str, float]:
+    """Evaluate the checkpoint ``cfg.load`` on the configured data; returns the eval metrics (every rank)."""
+    spec = validate(cfg)
+    checkpoint = checkpoint_to_load(cfg, spec)
+    c = build(spec, weights=checkpoint)
+    status = "FAILED"
+    try:
+        start_run(c, entry="evaluate", checkpoint=checkpoint, load=str(cfg.load))
+        metrics = c.loop.evaluator.evaluate()
+        c.loop.tracker.log_metrics(metrics, c.loop.state.step)
+        if c.env.is_main:
+            shown = " ".join(f"{k}={v:.6g}" for k, v in metrics.items())
+            log.info("evaluate %s (step %d): %s", checkpoint, c.loop.state.step, shown)
+        status = "FINISHED"
+        return metrics
+    finally:
+        c.loop.tracker.finish(status)
+        c.close()
+
+
+@hydra.main(config_path=CONFIG_PATH, config_name="evaluate", version_base="1.3")
+def _hydra_main(cfg: DictConfig) -> None:
+    cli(run, cfg)
+
+
+def main() -> None:
+    """The command line: this entry's root schema is registered before Hydra composes ``conf/evaluate.yaml``."""
+    register_configs(EVALUATE_SCHEMA)
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""What ``python -m recsys_runner.evaluate`` and ``python -m recsys_runner.predict`` share.
+
+Both take the training run's overrides plus ``load=<checkpoint>``: a ``step_*`` checkpoint directory, a
+checkpoints root (its best checkpoint if one was kept, else its newest) or the training run's MLflow id
+(whose ``checkpoint_dir`` tag names the root; :func:`recsys_runner.lineage.resolve_checkpoint`). The run is
+built exactly as training builds it (:func:`recsys_runner.build.build`, so the sharded model, the data and
+the evaluator are the training's own), with the checkpoint's weights loaded strictly instead of resuming:
+no lock is taken on the training's checkpoint directory and no checkpoint is written.
+
+Each launch is a new MLflow run in ``tracking.experiment`` (the training's, given the same overrides),
+tagged ``entry=evaluate|predict``, ``checkpoint=<dir>``, ``checkpoint_step`` and, when the checkpoint's
+``meta.json`` names its training run, ``source_run_id`` and ``mlflow.parentRunId`` (the UI nests it under
+the training run), plus the reproducibility manifest (:mod:`recsys_runner.lineage`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from recsys_runner import lineage
+from recsys_runner.build import Components
+from recsys_runner.config import RunConfig, flatten, to_yaml
+from recsys_runner.errors import ConfigError, UserError
+from recsys_runner.tracking import MlflowTrackingConfig, resolve_uri
+
+log = logging.getLogger("recsys_runner")
+T = TypeVar("T")
+
+LOAD_KEY = "load"
+"""The top-level key naming the checkpoint (``checkpoint`` is already the checkpoint config group)."""
+LOAD_FIELD: tuple[str, Any, Any] = (LOAD_KEY, str | None, field(default=None))
+"""``load`` as a field of an entry's root schema (:func:`recsys_runner.config.entry_schema`)."""
+ENTRY_TAG, SOURCE_RUN_TAG, CHECKPOINT_TAG, CHECKPOINT_STEP_TAG = "entry", "source_run_id", "checkpoint", "checkpoint_step"
+
+
+def checkpoint_to_load(cfg: DictConfig, run: RunConfig) -> Path:
+    """The checkpoint directory ``load=`` names (see the module docstring); an MLflow run id is looked up in the
+    store ``tracking.uri`` points at. Each rank resolves it on its own: it only reads files and run tags.
+
+    Raises:
+        ConfigError: ``load`` is not set.
+        CheckpointError: nothing loadable there (:func:`recsys_runner.lineage.resolve_checkpoint`).
+    """
+    spec = cfg.get(LOAD_KEY)
+    if not spec:
+        raise ConfigError("load is required: the checkpoint to use, e.g. load=outputs/<date>/<time>/checkpoints (its best, "
+                          "else newest checkpoint), load=<…>/checkpoints/step_00001000, or load=<MLflow run id of the training run>")
+    lookup = lineage.run_tags(resolve_uri(run.tracking.uri)) if isinstance(run.tracking, MlflowTrackingConfig) else None
+    return lineage.resolve_checkpoint(str(spec), lookup_run=lookup)
+
+
+def start_run(c: Components, *, entry: str, checkpoint: Path, load: str, extra_params: dict[str, Any] | None = None) -> None:
+    """Start this entry's MLflow run (rank 0; other ranks hold a null tracker): tags linking it to the training
+    run and the checkpoint, the manifest, the resolved config as params and ``config.yaml``."""
+    tracker, state = c.loop.tracker, c.loop.state
+    overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    tags = {ENTRY_TAG: entry, CHECKPOINT_TAG: str(checkpoint.absolute()), CHECKPOINT_STEP_TAG: str(state.step),
+            "hydra.overrides": " ".join(overrides), "world_size": str(c.env.world_size)}
+    if state.run_id:
+        tags |= {SOURCE_RUN_TAG: state.run_id, "mlflow.parentRunId": state.run_id}
+    manifest = lineage.collect(world_size=c.env.world_size, device=c.env.device) if c.env.is_main else None
+    if manifest is not None:
+        tags |= manifest.tags()
+    params = flatten(c.run) | {LOAD_KEY: load} | (extra_params or {})
+    tracker.start(run_name=f"{entry} {checkpoint.parent.name}/{checkpoint.name}", tags=tags, params=params)
+    tracker.log_text(to_yaml(c.run), "config.yaml")
+    if manifest is not None:
+        lineage.record(tracker, manifest)
+
+
+def cli(run: Callable[[DictConfig], T], cfg: DictConfig) -> T:
+    """Run an entry's ``run(cfg)``; a user mistake ends with its one-line message and exit status 2, as training does."""
+    try:
+        return run(cfg)
+    except UserError as e:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"{e.label}: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,341 @@
+"""``python -m recsys_runner.predict <overrides> load=<checkpoint> predict.output=<dir>``: score files, write Parquet.
+
+Same overrides as the training run plus ``load`` (a checkpoint directory, a checkpoints root or the training
+run's MLflow id, :mod:`recsys_runner.inference`). The files ``predict.input`` names (default ``data.path``;
+same format and columns as the data option, the label columns may be absent) are scored with the
+checkpoint's weights (the EMA's with ``train.ema.eval_with_ema``, the weights evaluate measures) and
+written to ``predict.output`` as Parquet: one column per task (``score`` for a single-output model,
+``score_<task>`` for a multi-task one; a probability for a binary task, the raw output for a regression
+task) after the pass-through columns ``predict.columns`` (e.g. ``[request_id]``), copied unchanged.
+
+**Streaming.** Files are read in their units, Parquet row groups or blocks of ``data.block_rows`` lines, in
+Arrow tables of at most ``data.read_rows`` rows, scored in batches of ``data.batch_size`` rows; memory is
+bounded by a unit's table, not by the input. A bad row stops the run naming its file and row (rows cannot be
+skipped: every input row has its output row). The last partial batch of each file is scored too.
+
+**Ranks and order.** With several ranks (``torchrun``), the units in input order (files sorted by name, units
+in file order) are cut into ``world_size`` contiguous ranges of about equal rows, one per rank, so ranks read
+disjoint row groups / line blocks (a file may be split between two ranks). Rank ``r`` writes
+``part-<r>-<n>.parquet`` (5-digit numbers), one per input file it touches, rows in file order; so the parts in
+name order are the input rows in input order, each exactly once. Each part's Parquet metadata names its source
+file and first row (``recsys_runner.source``, ``recsys_runner.first_row``). A sharded model's forward is a
+collective, so ranks step together: a rank that has run out scores a one-row placeholder batch (discarded)
+until every rank is done.
+
+The run is logged to MLflow like evaluate (a child of the training run, with the manifest): ``predict/rows``,
+``predict/rows_per_s``, ``predict/seconds`` and the ``predict.output`` tag.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from itertools import groupby
+from pathlib import Path
+from typing import Any
+
+import hydra
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recsys_runner.build import Components, build
+from recsys_runner.config import entry_schema, register_configs, validate
+from recsys_runner.data.schema import Encoder, Location, Rows, Schema
+from recsys_runner.data.sources import CsvSource, Unit, resolve_files
+from recsys_runner.data.tabular import TabularData, TabularDataConfig
+from recsys_runner.distributed import detached
+from recsys_runner.errors import ConfigError, require
+from recsys_runner.features import FeatureSpec
+from recsys_runner.inference import LOAD_FIELD, checkpoint_to_load, cli, start_run
+from recsys_runner.paths import CONFIG_PATH
+from recsys_runner.tasks import Task
+
+log = logging.getLogger("recsys_runner")
+
+SOURCE_KEY, FIRST_ROW_KEY = b"recsys_runner.source", b"recsys_runner.first_row"
+
+
+@dataclass(kw_only=True)
+class PredictConfig:
+    """The ``predict`` section of ``conf/predict.yaml``."""
+
+    input: str | None = None
+    """Files to score: a file, a directory or a glob, in the data option's format; ``null``: ``data.path``."""
+    output: str | None = None
+    """Directory for the ``part-<rank>-<n>.parquet`` files (created; must hold no part files yet)."""
+    columns: list[str] = field(default_factory=list)
+    """Input columns copied to the output beside the scores, e.g. ``[request_id]`` (a label column too, to score offline)."""
+    log_every_batches: int = 100
+    """Log rows done and rows/s every this many batches (rank 0)."""
+
+    def __post_init__(self) -> None:
+        require(self.log_every_batches > 0, f"predict.log_every_batches must be positive, got {self.log_every_batches}")
+        require(len(set(self.columns)) == len(self.columns), f"predict.columns={self.columns} names a column twice")
+
+
+PREDICT_SCHEMA = entry_schema("PredictSchema", [LOAD_FIELD, ("predict", PredictConfig, field(default_factory=PredictConfig))])
+"""The root schema of ``conf/predict.yaml``: the run's keys plus ``load`` and ``predict.*``."""
+
+
+@dataclass
+class PredictResult:
+    """What a predict run wrote: rows over all ranks, seconds, the output directory and this rank's part files."""
+
+    rows: int
+    seconds: float
+    output: Path
+    parts: list[Path]
+
+    @property
+    def rows_per_s(self) -> float:
+        return self.rows / max(self.seconds, 1e-9)
+
+
+def run(cfg: DictConfig) -> PredictResult:
+    """Score ``predict.input`` with the checkpoint ``cfg.load`` and write the parts (see the module docstring)."""
+    spec = validate(cfg)
+    settings = settings_of(cfg)
+    if not isinstance(spec.data, TabularDataConfig):
+        raise ConfigError(f"predict scores files, but data is {type(spec.data).__name__}. Fix: data=parquet|csv|criteo with "
+                          f"the training's data settings, and predict.input=<files to score>")
+    require(bool(settings.output), "predict.output is required: the directory for the Parquet part files, e.g. predict.output=scores/")
+    output = Path(str(settings.output))
+    if any(output.glob("part-*.parquet")):
+        raise ConfigError(f"predict.output={output} already holds part files of an earlier run; the parts of two runs would mix. "
+                          f"Fix: choose a new predict.output, or delete them")
+    checkpoint = checkpoint_to_load(cfg, spec)
+    c = build(spec, weights=checkpoint)
+    status = "FAILED"
+    try:
+        _check_tasks(c.loop.evaluator.tasks)
+        params = {f"predict.{name}": getattr(settings, name) for name in ("input", "output", "columns")}
+        start_run(c, entry="predict", checkpoint=checkpoint, load=str(cfg.load), extra_params=params)
+        result = predict(c, settings, output)
+        c.loop.tracker.set_tag("predict.output", str(output.absolute()))
+        c.loop.tracker.log_metrics({"predict/rows": result.rows, "predict/rows_per_s": result.rows_per_s,
+                                    "predict/seconds": result.seconds}, c.loop.state.step)
+        if c.env.is_main:
+            log.info("predict: wrote %d rows to %s in %.1f s (%.0f rows/s)", result.rows, output, result.seconds, result.rows_per_s)
+        status = "FINISHED"
+        return result
+    finally:
+        c.loop.tracker.finish(status)
+        c.close()
+
+
+def settings_of(cfg: DictConfig) -> PredictConfig:
+    """``cfg.predict`` as a validated :class:`PredictConfig` (its ``__post_init__`` run)."""
+    try:
+        settings = OmegaConf.to_object(cfg.predict)
+    except Exception as e:  # OmegaConf wraps the ConfigError raised in __post_init__
+        cause = e.__cause__ if isinstance(e.__cause__, ConfigError) else None
+        if cause is not None:
+            raise cause from None
+        raise
+    assert isinstance(settings, PredictConfig)
+    return settings
+
+
+def _check_tasks(tasks: tuple[Task, ...]) -> None:
+    for task in tasks:
+        require("pointwise" in task.metric_inputs_kinds,
+                f"predict writes one score per row, but task {task.name!r} ({task.kind}) scores a batch against itself "
+                f"(in-batch retrieval); export the towers instead (python -m recsys_runner.export)")
+
+
+def predict(c: Components, settings: PredictConfig, output: Path) -> PredictResult:
+    """Score this rank's share of the input and write its parts; returns the totals over all ranks."""
+    data = c.loop.data
+    assert isinstance(data, TabularData)
+    env, evaluator = c.env, c.loop.evaluator
+    files = resolve_files(settings.input or data.config.path, "predict.input" if settings.input else "data.path", data._suffixes())
+    source = data._source(files)  # the data option's own reader (format settings), over the input's columns
+    features = [*(d.name for d in data.schema.dense), *(s.name for s in data.schema.sparse)]
+    source.columns = list(dict.fromkeys([*features, *settings.columns]))
+    units = rank_units(source.units(), env.rank, env.world_size)
+    output.mkdir(parents=True, exist_ok=True)
+    writer = _PartWriter(output, env.rank, settings.columns, evaluator.tasks)
+    batches = _batches(source, units, data.schema, data.features, data.batch_size, settings.columns)
+    idle = _placeholder(data.features)
+    rows, start = 0, time.monotonic()
+    weights = evaluator.ema.swapped_in() if evaluator.ema is not None else contextlib.nullcontext()
+    with detached(evaluator.pipeline, evaluator.model) as model, weights, torch.no_grad():
+        model.eval()
+        for n, item in enumerate(_in_step(batches, env.world_size, env.device if env.backend == "nccl" else torch.device("cpu"))):
+            batch = item[1] if item is not None else idle
+            _, (_, logits, _) = model(batch.to(env.device, non_blocking=True))
+            if item is not None:
+                path, _, passthrough, first_row = item
+                writer.write(path, first_row, passthrough, logits)
+                rows += int(logits.shape[0])
+            if env.is_main and (n + 1) % settings.log_every_batches == 0:
+                _progress(rows, env.world_size, time.monotonic() - start)  # the one progress call site
+        model.train()
+    writer.close()
+    seconds = time.monotonic() - start
+    total = rows
+    if env.world_size > 1:
+        counts = torch.tensor([rows], dtype=torch.int64, device=env.device if env.backend == "nccl" else torch.device("cpu"))
+        dist.all_reduce(counts)
+        total = int(counts.item())
+    return PredictResult(rows=total, seconds=seconds, output=output, parts=writer.parts)
+
+
+def _progress(rows: int, world_size: int, seconds: float) -> None:
+    """Progress line (rank 0's rows; the ranks move in step). Replace with recsys_runner.progress once it is merged."""
+    log.info("predict: %d rows on rank 0 (~%d on %d ranks), %.0f rows/s", rows, rows * world_size, world_size,
+             rows * world_size / max(seconds, 1e-9))
+
+
+def rank_units(units: list[Unit], rank: int, world_size: int) -> list[Unit]:
+    """``rank``'s contiguous share of ``units`` (in input order): unit ``i`` goes to the rank whose equal share of all
+    rows holds its first row, so shares are disjoint, cover every unit and differ by about a unit's rows."""
+    total = sum(u.num_rows for u in units)
+    mine, first = [], 0
+    for u in units:
+        if total and first * world_size // total == rank:
+            mine.append(u)
+        first += u.num_rows
+    return mine
+
+
+def _batches(source: Any, units: list[Unit], schema: Schema, features: FeatureSpec, batch_size: int,
+             columns: list[str]) -> Iterator[tuple[str, Batch, pa.Table, int]]:
+    """``(file, batch, pass-through table, first file row)`` over ``units`` in order; a file's last batch may be short.
+
+    The label columns are not read: they are filled with zeros for the encoder (the scores do not depend on them)."""
+    encoder = Encoder(schema, "fail")
+    names = features.sparse_names
+    for path, file_units in groupby(units, key=lambda u: u.path):
+        held: list[tuple[Rows, pa.Table, np.ndarray]] = []
+        count = 0
+        for unit in file_units:
+            line_offset = source.line_offset(path) if isinstance(source, CsvSource) else None
+            for table, file_rows in source.read(unit):
+                rows = encoder.encode(_zero_labels(table, schema), Location(path, unit.part, file_rows, line_offset))
+                held.append((rows, table.select(columns), file_rows))
+                count += len(rows)
+                while count >= batch_size:
+                    block, passthrough, first = _take(held, batch_size)
+                    count -= batch_size
+                    yield path, _to_batch(block, names), passthrough, first
+        if count:
+            block, passthrough, first = _take(held, count)
+            yield path, _to_batch(block, names), passthrough, first
+
+
+def _take(held: list[tuple[Rows, pa.Table, np.ndarray]], n: int) -> tuple[Rows, pa.Table, int]:
+    """The first ``n`` held rows (removed from ``held``), their pass-through columns and their first file row."""
+    rows, tables, first = [], [], int(held[0][2][0])
+    need = n
+    while need:
+        block, table, file_rows = held[0]
+        k = min(need, len(block))
+        rows.append(block.slice(0, k))
+        tables.append(table.slice(0, k))
+        if k == len(block):
+            held.pop(0)
+        else:
+            held[0] = (block.slice(k, len(block)), table.slice(k), file_rows[k:])
+        need -= k
+    return Rows.concat(rows), pa.concat_tables(tables), first
+
+
+def _zero_labels(table: pa.Table, schema: Schema) -> pa.Table:
+    """``table`` with every label column set to 0.0 (added where the input has none)."""
+    zeros = pa.array(np.zeros(table.num_rows))
+    for name in schema.label_columns:
+        table = table.append_column(name, zeros) if name not in table.column_names else \
+            table.set_column(table.column_names.index(name), name, zeros)
+    return table
+
+
+def _to_batch(rows: Rows, names: list[str]) -> Batch:
+    values = np.concatenate([v for v, _ in rows.sparse]) if rows.sparse else np.zeros(0, np.int64)
+    lengths = np.concatenate([ln for _, ln in rows.sparse]) if rows.sparse else np.zeros(0, np.int32)
+    kjt = KeyedJaggedTensor(keys=names, values=torch.from_numpy(values.astype(np.int64, copy=False)),
+                            lengths=torch.from_numpy(lengths.astype(np.int32, copy=False)))
+    return Batch(dense_features=torch.from_numpy(np.ascontiguousarray(rows.dense)), sparse_features=kjt,
+                 labels=torch.from_numpy(np.ascontiguousarray(rows.labels)).float())
+
+
+def _placeholder(features: FeatureSpec) -> Batch:
+    """A one-row batch (zeros, id 0 in every feature) a rank without rows left scores so that the others can step."""
+    labels = torch.zeros(1, len(features.label_names)) if features.multi_label else torch.zeros(1)
+    kjt = KeyedJaggedTensor(keys=features.sparse_names, values=torch.zeros(len(features.sparse_names), dtype=torch.int64),
+                            lengths=torch.ones(len(features.sparse_names), dtype=torch.int32))
+    return Batch(dense_features=torch.zeros(1, features.num_dense), sparse_features=kjt, labels=labels)
+
+
+def _in_step(items: Iterator[Any], world_size: int, device: torch.device) -> Iterator[Any]:
+    """``items``, then ``None`` while another rank still has items: every rank takes the same number of steps."""
+    it = iter(items)
+    while True:
+        item = next(it, None)
+        if world_size > 1:
+            flag = torch.tensor([0 if item is None else 1], dtype=torch.int32, device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if int(flag.item()) == 0:
+                return
+        elif item is None:
+            return
+        yield item
+
+
+class _PartWriter:
+    """Writes ``part-<rank>-<n>.parquet``, one per input file, each batch's pass-through columns and scores."""
+
+    def __init__(self, output: Path, rank: int, columns: list[str], tasks: tuple[Task, ...]) -> None:
+        self.output, self.rank, self.columns, self.tasks = output, rank, columns, tasks
+        self.parts: list[Path] = []
+        self._writer: pq.ParquetWriter | None = None
+        self._path: str | None = None
+
+    def score_columns(self) -> list[str]:
+        return ["score" if t.name is None else f"score_{t.name}" for t in self.tasks]
+
+    def write(self, path: str, first_row: int, passthrough: pa.Table, logits: torch.Tensor) -> None:
+        outputs = logits.float().reshape(logits.shape[0], -1)
+        scores = {name: task.metric_inputs(outputs[:, i], outputs[:, i])[0].cpu().numpy().astype(np.float32)
+                  for i, (name, task) in enumerate(zip(self.score_columns(), self.tasks, strict=True))}
+        table = passthrough
+        for name, values in scores.items():
+            table = table.append_column(name, pa.array(values))
+        if path != self._path:
+            self.close()
+            part = self.output / f"part-{self.rank:05d}-{len(self.parts):05d}.parquet"
+            meta = {SOURCE_KEY: str(Path(path).absolute()).encode(), FIRST_ROW_KEY: str(first_row).encode()}
+            self._writer = pq.ParquetWriter(str(part), table.schema.with_metadata(meta))
+            self._path = path
+            self.parts.append(part)
+        assert self._writer is not None
+        self._writer.write_table(table)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+@hydra.main(config_path=CONFIG_PATH, config_name="predict", version_base="1.3")
+def _hydra_main(cfg: DictConfig) -> None:
+    cli(run, cfg)
+
+
+def main() -> None:
+    """The command line: this entry's root schema is registered before Hydra composes ``conf/predict.yaml``."""
+    register_configs(PREDICT_SCHEMA)
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""``python -m recsys_runner.evaluate``: a checkpoint's eval metrics, exactly the training's, as a linked MLflow run."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from mlflow.tracking import MlflowClient
+from omegaconf import DictConfig
+
+from recsys_runner import compare, evaluate
+from recsys_runner.__main__ import run as train
+from recsys_runner.config import register_configs
+from recsys_runner.errors import CheckpointError, ConfigError
+from recsys_runner.paths import CONFIG_PATH
+
+MANIFEST_TAGS = ("manifest.command", "manifest.git_commit", "manifest.git_dirty", "manifest.device", "manifest.world_size",
+                 "manifest.version.torch", "manifest.version.torchrec")
+
+
+def compose_entry(schema: type, name: str, *overrides: str) -> DictConfig:
+    """Compose ``conf/<name>.yaml`` as its entry point does (its root schema registered), then restore the run's."""
+    register_configs(schema)
+    try:
+        with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
+            return compose(config_name=name, overrides=list(overrides))
+    finally:
+        register_configs()
+
+
+def _training_overrides(make_cfg: Callable[..., DictConfig], *extra: str) -> list[str]:
+    """The overrides ``make_cfg`` composes with (TINY, this test's store and experiment) plus ``extra``."""
+    from tests.conftest import TINY
+
+    cfg = make_cfg(*extra)
+    return [*TINY, f"tracking.uri={cfg.tracking.uri}", f"tracking.experiment={cfg.tracking.experiment}", *extra]
+
+
+def test_evaluate_reproduces_final_eval_exactly(make_cfg: Callable[..., DictConfig], tmp_path: Path) -> None:
+    # EMA weights for eval and a batch cap: both must be honoured for the numbers to agree.
+    extra = ("train.ema.decay=0.9", "train.ema.eval_with_ema=true", "train.eval_max_batches=5", f"checkpoint.dir={tmp_path}/ck")
+    overrides = _training_overrides(make_cfg, *extra)
+    train(make_cfg(*extra))
+    uri = make_cfg().tracking.uri
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name(make_cfg().tracking.experiment)
+    (trained,) = client.search_runs([experiment.experiment_id])
+    final = {k: v for k, v in trained.data.metrics.items() if k.startswith("eval/")}
+    assert set(final) == {"eval/auc", "eval/logloss"}
+
+    # By MLflow run id: the run's checkpoint_dir tag leads to the checkpoint.
+    metrics = evaluate.run(compose_entry(evaluate.EVALUATE_SCHEMA, "evaluate", *overrides, f"load={trained.info.run_id}"))
+    assert metrics == final  # exactly, not approximately
+
+    runs = client.search_runs([experiment.experiment_id], "tags.entry = 'evaluate'")
+    (logged,) = runs
+    tags = logged.data.tags
+    assert tags["mlflow.parentRunId"] == trained.info.run_id == tags["source_run_id"]
+    assert tags["checkpoint"] == str(tmp_path / "ck" / "step_00000030") and tags["checkpoint_step"] == "30"
+    assert all(tag in tags for tag in MANIFEST_TAGS), sorted(tags)
+    assert {k: logged.data.metrics[k] for k in final} == final
+    assert logged.data.params["load"] == trained.info.run_id
+    assert "manifest.json" in {a.path for a in client.list_artifacts(logged.info.run_id)}
+
+    # compare shows the manifest columns of both runs.
+    shown = compare.table(client.search_runs([experiment.experiment_id]), ["eval/auc"], manifest=True)
+    header, _, *rows = shown.splitlines()
+    assert all(column in header for column in compare.MANIFEST_COLUMNS)
+    commit = tags["manifest.git_commit"][:8]
+    assert len(rows) == 2 and all(commit in row for row in rows)
+    assert any(" evaluate " in row for row in rows) and any(" train " in row for row in rows)
+
+
+def test_evaluate_refuses_another_model_config(make_cfg: Callable[..., DictConfig], tmp_path: Path) -> None:
+    extra = ("train.num_steps=5", f"checkpoint.dir={tmp_path}/ck")
+    overrides = _training_overrides(make_cfg, *extra)
+    train(make_cfg(*extra))
+    checkpoint = f"load={tmp_path}/ck"
+    with pytest.raises(CheckpointError, match=r"does not match this model config: it lacks .*Fix: give the same model="):
+        evaluate.run(compose_entry(evaluate.EVALUATE_SCHEMA, "evaluate", *overrides, "model=dlrm", checkpoint))
+    # Same names, other shapes: tables of 2000 rows here, 1000 in the checkpoint.
+    with pytest.raises(CheckpointError, match=r"is \[1000, 16\] there, \[2000, 16\] here"):
+        evaluate.run(compose_entry(evaluate.EVALUATE_SCHEMA, "evaluate", *overrides, "data.num_embeddings=2000", checkpoint))
+
+
+def test_evaluate_config_mistakes(make_cfg: Callable[..., DictConfig], tmp_path: Path) -> None:
+    overrides = _training_overrides(make_cfg)
+    with pytest.raises(ConfigError, match="load is required"):
+        evaluate.run(compose_entry(evaluate.EVALUATE_SCHEMA, "evaluate", *overrides))
+    with pytest.raises(ConfigError, match=r"unknown key lod \(did you mean load\?\)"):
+        evaluate.run(compose_entry(evaluate.EVALUATE_SCHEMA, "evaluate", *overrides, "+lod=x"))
+    with pytest.raises(CheckpointError, match="neither a directory nor a known MLflow run id|no such run"):
+        evaluate.run(compose_entry(evaluate.EVALUATE_SCHEMA, "evaluate", *overrides, f"load={tmp_path}/nothing"))
+    with pytest.raises(CheckpointError, match="holds no complete checkpoint"):
+        evaluate.run(compose_entry(evaluate.EVALUATE_SCHEMA, "evaluate", *overrides, f"load={tmp_path}"))
