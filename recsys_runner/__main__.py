@@ -7,7 +7,6 @@ Kept tiny on purpose (torchtitan's ``train.py``): building lives in ``build.py``
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -20,7 +19,7 @@ from recsys_runner import lineage
 from recsys_runner.build import Components, build
 from recsys_runner.checkpoint import resume_command
 from recsys_runner.config import flatten, register_configs, to_yaml, validate
-from recsys_runner.errors import ConfigError, UserError
+from recsys_runner.errors import ConfigError, reported
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.runner import train
 from recsys_runner.signals import Interrupted
@@ -119,12 +118,8 @@ def _overrides() -> list[str]:
 @hydra.main(config_path=CONFIG_PATH, config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float:
     try:
-        return run(cfg)
-    except UserError as e:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        print(f"{e.label}: {e}", file=sys.stderr)
-        sys.exit(2)
+        with reported():
+            return run(cfg)
     except Interrupted as e:
         print(f"Interrupted: {e}", file=sys.stderr)
         if e.handover is not None:  # preempted inside submitit: its handler resubmits this job and requeues it

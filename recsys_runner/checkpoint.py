@@ -238,6 +238,27 @@ def damage(path: Path) -> str | None:
     return None
 
 
+def check_weights_match(path: Path, wanted: Mapping[str, Any]) -> None:
+    """Refuse checkpoint ``path`` unless it holds every tensor of ``wanted`` (DCP keys, e.g. ``model/<fqn>``) with the
+    same shape, and no ``model/`` tensor beyond them: weights of another model config are refused by name, not
+    half-loaded (evaluate, predict, export; resuming and ``init_from`` have their own rules).
+
+    Raises:
+        CheckpointError: naming the first differences and the overrides to give.
+    """
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    missing = [k for k in wanted if k not in saved]
+    extra = [k for k in saved if k.startswith("model/") and k not in wanted]
+    sizes = {k: list(m.size) for k, m in saved.items() if isinstance(m, TensorStorageMetadata)}
+    shapes = [f"{k} is {sizes[k]} there, {_shape(wanted[k])} here" for k in wanted if k in sizes and sizes[k] != _shape(wanted[k])]
+    if missing or extra or shapes:
+        parts = ([f"lacks {missing[:3]} ({len(missing)} in all)"] if missing else []) + \
+                ([f"has {extra[:3]} this model does not ({len(extra)} in all)"] if extra else []) + shapes[:3]
+        raise CheckpointError(f"checkpoint {path} does not match this model config: it {'; '.join(parts)}. Fix: give the "
+                              f"same model=/model.*/data overrides as the training run (its resolved config is config.yaml "
+                              f"in its MLflow run, its overrides the run's hydra.overrides tag, and .hydra/ beside its checkpoints)")
+
+
 class Checkpointer:
     """Saves and restores the run's state; see the module docstring."""
 
@@ -432,18 +453,8 @@ class Checkpointer:
         if reason is not None:
             raise CheckpointError(f"checkpoint {path} is damaged ({reason}). Fix: point load= at another checkpoint")
         meta = json.loads((path / "meta.json").read_text())
-        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         ours = self._tensor_state(with_optimizer=False)
-        missing = [k for k in ours if k not in saved]
-        extra = [k for k in saved if k.startswith("model/") and k not in ours]
-        sizes = {k: list(m.size) for k, m in saved.items() if isinstance(m, TensorStorageMetadata)}
-        shapes = [f"{k} is {sizes[k]} there, {_shape(ours[k])} here" for k in ours if k in sizes and sizes[k] != _shape(ours[k])]
-        if missing or extra or shapes:
-            parts = ([f"lacks {missing[:3]} ({len(missing)} in all)"] if missing else []) + \
-                    ([f"has {extra[:3]} this model does not ({len(extra)} in all)"] if extra else []) + shapes[:3]
-            raise CheckpointError(f"checkpoint {path} does not match this model config: it {'; '.join(parts)}. Fix: give the "
-                                  f"same model=/model.*/data overrides as the training run (its resolved config is config.yaml "
-                                  f"in its MLflow run and .hydra/ beside its checkpoints)")
+        check_weights_match(path, ours)
         dcp.load(ours, checkpoint_id=str(path))
         for holder_name, holder in self._tensors.items():
             prefix = f"{holder_name}/"

@@ -233,21 +233,10 @@ GROUPS: dict[str, dict[str, type]] = {
 """Every schema, by group and name. A new option registers its dataclass here."""
 
 
-def entry_schema(name: str, fields: list[tuple[str, Any, Any]]) -> type:
-    """The root schema of an entry point with keys of its own besides the run's (``load`` for evaluate and
-    predict, ``predict.*``): the composition schema plus ``fields`` (``(name, type, dataclasses.field(…))``),
-    so the strict unknown-key check (:func:`check_known_keys`) knows them and still catches typos."""
-    return dataclasses.make_dataclass(name, fields, bases=(_composition_schema(),), kw_only=True)
-
-
-def register_configs(root: type | None = None) -> None:
-    """Store the root schema and every group schema in Hydra's ConfigStore (idempotent).
-
-    ``root``: an entry point's own root schema (:func:`entry_schema`) stored as ``run_schema``, which
-    ``conf/config.yaml`` extends; its ``conf/<entry>.yaml`` then composes ``config`` unchanged. Omitted: the run's.
-    """
+def register_configs() -> None:
+    """Store the root schema and every group schema in Hydra's ConfigStore (idempotent)."""
     cs = ConfigStore.instance()
-    cs.store(name="run_schema", node=root if root is not None else _composition_schema())
+    cs.store(name="run_schema", node=_composition_schema())
     for group, options in GROUPS.items():
         for name, node in options.items():
             cs.store(group=f"schema/{group}", name=name, node=node)

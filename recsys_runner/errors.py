@@ -10,6 +10,10 @@ that cannot be used is a :class:`DataError`, :class:`CheckpointError` or :class:
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
 from typing import ClassVar
 
 
@@ -61,3 +65,16 @@ def require(condition: bool, message: str) -> None:
     """
     if not condition:
         raise ConfigError(message)
+
+
+@contextlib.contextmanager
+def reported() -> Iterator[None]:
+    """Every command line's handling of a :class:`UserError` (module docstring): its one-line message on stderr
+    and exit status 2; with ``HYDRA_FULL_ERROR=1`` the traceback instead."""
+    try:
+        yield
+    except UserError as e:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"{e.label}: {e}", file=sys.stderr)
+        sys.exit(2)

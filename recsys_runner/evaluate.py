@@ -21,12 +21,13 @@ import hydra
 from omegaconf import DictConfig
 
 from recsys_runner.build import build
-from recsys_runner.config import entry_schema, register_configs, validate
-from recsys_runner.inference import LOAD_FIELD, checkpoint_to_load, cli, start_run
+from recsys_runner.config import register_entry_schema, validate
+from recsys_runner.errors import reported
+from recsys_runner.inference import LOAD_FIELD, checkpoint_to_load, start_run
 from recsys_runner.paths import CONFIG_PATH
 
 log = logging.getLogger("recsys_runner")
-EVALUATE_SCHEMA = entry_schema("EvaluateSchema", [LOAD_FIELD])
+register_entry_schema("evaluate", [LOAD_FIELD])
 """The root schema of ``conf/evaluate.yaml``: the run's keys plus ``load``."""
 
 
@@ -51,14 +52,9 @@ def run(cfg: DictConfig) -> dict[str, float]:
 
 
 @hydra.main(config_path=CONFIG_PATH, config_name="evaluate", version_base="1.3")
-def _hydra_main(cfg: DictConfig) -> None:
-    cli(run, cfg)
-
-
-def main() -> None:
-    """The command line: this entry's root schema is registered before Hydra composes ``conf/evaluate.yaml``."""
-    register_configs(EVALUATE_SCHEMA)
-    _hydra_main()
+def main(cfg: DictConfig) -> None:
+    with reported():
+        run(cfg)
 
 
 if __name__ == "__main__":

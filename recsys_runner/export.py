@@ -36,8 +36,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,16 +45,17 @@ import hydra
 import torch
 import torch.distributed.checkpoint as dcp
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner import lineage
+from recsys_runner.checkpoint import check_weights_match
 from recsys_runner.config import RunConfig, flatten, register_entry_schema, to_yaml, validate
-from recsys_runner.errors import CheckpointError, ConfigError, UserError, require
+from recsys_runner.errors import CheckpointError, ConfigError, reported, require
 from recsys_runner.features import FeatureSpec
+from recsys_runner.inference import LOAD_FIELD, checkpoint_to_load, link_tags
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.tasks import SINGLE_TASK, Task
 from recsys_runner.tracking import MlflowTrackingConfig, resolve_uri
@@ -94,7 +93,7 @@ class ExportConfig:
 def register() -> None:
     """Store ``export_schema``: the training schema plus ``load`` and ``export`` (``conf/export.yaml``)."""
     register_entry_schema("export", [
-        ("load", str, field(default=MISSING)),
+        LOAD_FIELD,
         ("export", ExportConfig, field(default_factory=ExportConfig)),
     ])
 
@@ -175,24 +174,13 @@ def load_weights(model: nn.Module, checkpoint: Path, ema: bool) -> None:
     Raises:
         CheckpointError: the checkpoint does not hold this model's weights (another model or data config), or no EMA.
     """
-    saved = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
     state = model.state_dict()
+    check_weights_match(checkpoint, {CHECKPOINT_MODEL_PREFIX + name: tensor for name, tensor in state.items()})
+    saved = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
     if ema and not any(k.startswith(CHECKPOINT_EMA_PREFIX) for k in saved):
         raise CheckpointError(f"{checkpoint} holds no EMA weights (the run had no train.ema.decay). Fix: export.weights=raw")
-    wanted: dict[str, torch.Tensor] = {}
-    for name, tensor in state.items():
-        key = CHECKPOINT_EMA_PREFIX + name if ema and CHECKPOINT_EMA_PREFIX + name in saved else CHECKPOINT_MODEL_PREFIX + name
-        wanted[key] = tensor
-    missing = [k for k in wanted if k not in saved]
-    extra = [k for k in saved if k.startswith(CHECKPOINT_MODEL_PREFIX) and k.removeprefix("model/") not in {f"model.{n}" for n in state}]
-    shapes = {k: tuple(m.size) for k, m in saved.items() if isinstance(m, TensorStorageMetadata)}
-    wrong = [f"{k} {shapes[k]} vs {tuple(t.shape)}" for k, t in wanted.items() if k in shapes and shapes[k] != tuple(t.shape)]
-    if missing or extra or wrong:
-        raise CheckpointError(
-            f"{checkpoint} does not hold this model's weights: missing {missing[:3]}, unexpected {extra[:3]}, shapes differ "
-            f"{wrong[:3]}. Fix: pass the training run's model and data overrides (model=…, data=…, data.num_embeddings=…) "
-            f"with load=, e.g. from its MLflow tag hydra.overrides"
-        )
+    wanted = {(CHECKPOINT_EMA_PREFIX + name if ema and CHECKPOINT_EMA_PREFIX + name in saved else CHECKPOINT_MODEL_PREFIX + name): tensor
+              for name, tensor in state.items()}
     with warnings.catch_warnings():  # "torch.distributed is … uninitialized, assuming … a single process": just so
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(wanted, checkpoint_id=str(checkpoint))
@@ -255,10 +243,9 @@ def export_dir(configured: str | None) -> Path:
 
 def run(cfg: DictConfig) -> Path:
     """Export the checkpoint ``cfg.load`` names; returns the directory written (see the module docstring)."""
-    load, options = _entry_keys(cfg)
+    options = _options(cfg)
     spec = validate(cfg)
-    uri = resolve_uri(spec.tracking.uri) if isinstance(spec.tracking, MlflowTrackingConfig) else None
-    checkpoint = lineage.resolve_checkpoint(load, lookup_run=lineage.run_tags(uri) if uri else None)
+    checkpoint = checkpoint_to_load(cfg, spec)
     meta = json.loads((checkpoint / "meta.json").read_text())
     source_run = meta.get("run_id")
     torch.manual_seed(spec.seed)
@@ -288,14 +275,11 @@ def run(cfg: DictConfig) -> Path:
     return out
 
 
-def _entry_keys(cfg: DictConfig) -> tuple[str, ExportConfig]:
-    """``load`` and the ``export`` section, validated."""
-    if OmegaConf.is_missing(cfg, "load"):
-        raise ConfigError("export needs the checkpoint to export. Fix: load=<a step_* checkpoint dir, a checkpoints root, "
-                          "or the training run's MLflow run id>")
+def _options(cfg: DictConfig) -> ExportConfig:
+    """The ``export`` section, validated."""
     options = OmegaConf.to_object(cfg.export)
     assert isinstance(options, ExportConfig)
-    return str(cfg.load), options
+    return options
 
 
 def _check_same(eager: Any, exported: Any, model: str) -> None:
@@ -311,10 +295,8 @@ def _log_run(spec: RunConfig, out: Path, manifest: lineage.Manifest, checkpoint:
              described: dict[str, Any]) -> None:
     """A new MLflow run, ``entry=export``, child of the training run, holding the exported files."""
     tracker = spec.tracking.build()
-    tags = {"entry": "export", "checkpoint": str(checkpoint.absolute()), "export.weights": str(described["weights"]),
-            **manifest.tags()}
-    if source_run:
-        tags |= {"source_run_id": source_run, "mlflow.parentRunId": source_run}
+    tags = link_tags("export", checkpoint, described["step"], source_run) | {"export.weights": str(described["weights"])}
+    tags |= manifest.tags()
     tracker.start(run_name=f"export {described['model']} step {described['step']}", tags=tags, params=flatten(spec))
     status = "FAILED"
     try:
@@ -336,13 +318,8 @@ register()
 
 @hydra.main(config_path=CONFIG_PATH, config_name="export", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    try:
+    with reported():
         out = run(cfg)
-    except UserError as e:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        print(f"{e.label}: {e}", file=sys.stderr)
-        sys.exit(2)
     print(f"exported to {out}")
 
 

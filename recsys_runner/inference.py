@@ -16,9 +16,6 @@ the training run), plus the reproducibility manifest (:mod:`recsys_runner.lineag
 from __future__ import annotations
 
 import logging
-import os
-import sys
-from collections.abc import Callable
 from dataclasses import field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -29,7 +26,7 @@ from omegaconf import DictConfig
 from recsys_runner import lineage
 from recsys_runner.build import Components
 from recsys_runner.config import RunConfig, flatten, to_yaml
-from recsys_runner.errors import ConfigError, UserError
+from recsys_runner.errors import ConfigError
 from recsys_runner.tracking import MlflowTrackingConfig, resolve_uri
 
 log = logging.getLogger("recsys_runner")
@@ -58,15 +55,21 @@ def checkpoint_to_load(cfg: DictConfig, run: RunConfig) -> Path:
     return lineage.resolve_checkpoint(str(spec), lookup_run=lookup)
 
 
+def link_tags(entry: str, checkpoint: Path, step: int | None, source_run: str | None) -> dict[str, str]:
+    """The tags that say which checkpoint a run used and nest it under the training run that wrote it."""
+    tags = {ENTRY_TAG: entry, CHECKPOINT_TAG: str(checkpoint.absolute()), CHECKPOINT_STEP_TAG: str(step)}
+    if source_run:
+        tags |= {SOURCE_RUN_TAG: source_run, "mlflow.parentRunId": source_run}
+    return tags
+
+
 def start_run(c: Components, *, entry: str, checkpoint: Path, load: str, extra_params: dict[str, Any] | None = None) -> None:
     """Start this entry's MLflow run (rank 0; other ranks hold a null tracker): tags linking it to the training
     run and the checkpoint, the manifest, the resolved config as params and ``config.yaml``."""
     tracker, state = c.loop.tracker, c.loop.state
     overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
-    tags = {ENTRY_TAG: entry, CHECKPOINT_TAG: str(checkpoint.absolute()), CHECKPOINT_STEP_TAG: str(state.step),
-            "hydra.overrides": " ".join(overrides), "world_size": str(c.env.world_size)}
-    if state.run_id:
-        tags |= {SOURCE_RUN_TAG: state.run_id, "mlflow.parentRunId": state.run_id}
+    tags = link_tags(entry, checkpoint, state.step, state.run_id)
+    tags |= {"hydra.overrides": " ".join(overrides), "world_size": str(c.env.world_size)}
     manifest = lineage.collect(world_size=c.env.world_size, device=c.env.device) if c.env.is_main else None
     if manifest is not None:
         tags |= manifest.tags()
@@ -75,14 +78,3 @@ def start_run(c: Components, *, entry: str, checkpoint: Path, load: str, extra_p
     tracker.log_text(to_yaml(c.run), "config.yaml")
     if manifest is not None:
         lineage.record(tracker, manifest)
-
-
-def cli(run: Callable[[DictConfig], T], cfg: DictConfig) -> T:
-    """Run an entry's ``run(cfg)``; a user mistake ends with its one-line message and exit status 2, as training does."""
-    try:
-        return run(cfg)
-    except UserError as e:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        print(f"{e.label}: {e}", file=sys.stderr)
-        sys.exit(2)

@@ -14,7 +14,6 @@ not. E.g. will 8 GPUs with 80 GB hold 26 tables of 10M rows?::
 
 from __future__ import annotations
 
-import os
 import sys
 
 import hydra
@@ -23,7 +22,7 @@ from omegaconf import DictConfig
 
 from recsys_runner.config import register_configs, validate
 from recsys_runner.distributed import Distributed, PlanReport, resolve_device_type
-from recsys_runner.errors import UserError
+from recsys_runner.errors import reported
 from recsys_runner.models.common import TrainWrapper
 from recsys_runner.optim import apply_sparse_optimizer
 from recsys_runner.paths import CONFIG_PATH
@@ -44,13 +43,8 @@ def dry_run(cfg: DictConfig) -> PlanReport:
 
 @hydra.main(config_path=CONFIG_PATH, config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    try:
+    with reported():
         report = dry_run(cfg)
-    except UserError as e:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        print(f"{e.label}: {e}", file=sys.stderr)
-        sys.exit(2)
     print(report)
     if not report.fits:
         sys.exit(1)

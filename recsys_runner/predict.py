@@ -48,14 +48,14 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.build import Components, build
-from recsys_runner.config import entry_schema, register_configs, validate
+from recsys_runner.config import register_entry_schema, validate
 from recsys_runner.data.schema import Encoder, Location, Rows, Schema
 from recsys_runner.data.sources import CsvSource, Unit, resolve_files
 from recsys_runner.data.tabular import TabularData, TabularDataConfig
 from recsys_runner.distributed import detached
-from recsys_runner.errors import ConfigError, require
+from recsys_runner.errors import ConfigError, reported, require
 from recsys_runner.features import FeatureSpec
-from recsys_runner.inference import LOAD_FIELD, checkpoint_to_load, cli, start_run
+from recsys_runner.inference import LOAD_FIELD, checkpoint_to_load, start_run
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.tasks import Task
 
@@ -82,7 +82,7 @@ class PredictConfig:
         require(len(set(self.columns)) == len(self.columns), f"predict.columns={self.columns} names a column twice")
 
 
-PREDICT_SCHEMA = entry_schema("PredictSchema", [LOAD_FIELD, ("predict", PredictConfig, field(default_factory=PredictConfig))])
+register_entry_schema("predict", [LOAD_FIELD, ("predict", PredictConfig, field(default_factory=PredictConfig))])
 """The root schema of ``conf/predict.yaml``: the run's keys plus ``load`` and ``predict.*``."""
 
 
@@ -327,14 +327,9 @@ class _PartWriter:
 
 
 @hydra.main(config_path=CONFIG_PATH, config_name="predict", version_base="1.3")
-def _hydra_main(cfg: DictConfig) -> None:
-    cli(run, cfg)
-
-
-def main() -> None:
-    """The command line: this entry's root schema is registered before Hydra composes ``conf/predict.yaml``."""
-    register_configs(PREDICT_SCHEMA)
-    _hydra_main()
+def main(cfg: DictConfig) -> None:
+    with reported():
+        run(cfg)
 
 
 if __name__ == "__main__":

@@ -20,14 +20,11 @@ MANIFEST_TAGS = ("manifest.command", "manifest.git_commit", "manifest.git_dirty"
                  "manifest.version.torch", "manifest.version.torchrec")
 
 
-def compose_entry(schema: type, name: str, *overrides: str) -> DictConfig:
-    """Compose ``conf/<name>.yaml`` as its entry point does (its root schema registered), then restore the run's."""
-    register_configs(schema)
-    try:
-        with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
-            return compose(config_name=name, overrides=list(overrides))
-    finally:
-        register_configs()
+def compose_entry(name: str, *overrides: str) -> DictConfig:
+    """Compose ``conf/<name>.yaml`` as its entry point does (importing the entry's module stored its ``<name>_schema``)."""
+    register_configs()
+    with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
+        return compose(config_name=name, overrides=list(overrides))
 
 
 def _training_overrides(make_cfg: Callable[..., DictConfig], *extra: str) -> list[str]:
@@ -51,7 +48,7 @@ def test_evaluate_reproduces_final_eval_exactly(make_cfg: Callable[..., DictConf
     assert set(final) == {"eval/auc", "eval/logloss"}
 
     # By MLflow run id: the run's checkpoint_dir tag leads to the checkpoint.
-    metrics = evaluate.run(compose_entry(evaluate.EVALUATE_SCHEMA, "evaluate", *overrides, f"load={trained.info.run_id}"))
+    metrics = evaluate.run(compose_entry("evaluate", *overrides, f"load={trained.info.run_id}"))
     assert metrics == final  # exactly, not approximately
 
     runs = client.search_runs([experiment.experiment_id], "tags.entry = 'evaluate'")
@@ -79,19 +76,19 @@ def test_evaluate_refuses_another_model_config(make_cfg: Callable[..., DictConfi
     train(make_cfg(*extra))
     checkpoint = f"load={tmp_path}/ck"
     with pytest.raises(CheckpointError, match=r"does not match this model config: it lacks .*Fix: give the same model="):
-        evaluate.run(compose_entry(evaluate.EVALUATE_SCHEMA, "evaluate", *overrides, "model=dlrm", checkpoint))
+        evaluate.run(compose_entry("evaluate", *overrides, "model=dlrm", checkpoint))
     # Same names, other shapes: tables of 2000 rows here, 1000 in the checkpoint.
     with pytest.raises(CheckpointError, match=r"is \[1000, 16\] there, \[2000, 16\] here"):
-        evaluate.run(compose_entry(evaluate.EVALUATE_SCHEMA, "evaluate", *overrides, "data.num_embeddings=2000", checkpoint))
+        evaluate.run(compose_entry("evaluate", *overrides, "data.num_embeddings=2000", checkpoint))
 
 
 def test_evaluate_config_mistakes(make_cfg: Callable[..., DictConfig], tmp_path: Path) -> None:
     overrides = _training_overrides(make_cfg)
     with pytest.raises(ConfigError, match="load is required"):
-        evaluate.run(compose_entry(evaluate.EVALUATE_SCHEMA, "evaluate", *overrides))
+        evaluate.run(compose_entry("evaluate", *overrides))
     with pytest.raises(ConfigError, match=r"unknown key lod \(did you mean load\?\)"):
-        evaluate.run(compose_entry(evaluate.EVALUATE_SCHEMA, "evaluate", *overrides, "+lod=x"))
+        evaluate.run(compose_entry("evaluate", *overrides, "+lod=x"))
     with pytest.raises(CheckpointError, match="neither a directory nor a known MLflow run id|no such run"):
-        evaluate.run(compose_entry(evaluate.EVALUATE_SCHEMA, "evaluate", *overrides, f"load={tmp_path}/nothing"))
+        evaluate.run(compose_entry("evaluate", *overrides, f"load={tmp_path}/nothing"))
     with pytest.raises(CheckpointError, match="holds no complete checkpoint"):
-        evaluate.run(compose_entry(evaluate.EVALUATE_SCHEMA, "evaluate", *overrides, f"load={tmp_path}"))
+        evaluate.run(compose_entry("evaluate", *overrides, f"load={tmp_path}"))

@@ -150,7 +150,7 @@ def test_deepfm_export_loads_without_recsys_runner_and_scores_like_the_trained_m
     assert "manifest.json" in {a.path for a in client.list_artifacts(mlrun.info.run_id)}
 
     # the same checkpoint under another model's config: refused, naming the fix
-    with pytest.raises(CheckpointError, match="does not hold this model's weights.*model and data overrides"):
+    with pytest.raises(CheckpointError, match="does not match this model config.*Fix: give the same model="):
         export.run(export_cfg(*SMALL, "model=dlrm", f"load={tmp_path / 'ck'}", f"export.dir={tmp_path / 'x'}"))
 
 
@@ -178,7 +178,7 @@ def test_cli_exports_the_ema_weights_a_run_evaluated_with(make_cfg, tmp_path: Pa
 
 
 def test_export_needs_load_and_rejects_unknown_keys(export_cfg, tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="load=<a step_\\* checkpoint dir"):
+    with pytest.raises(ConfigError, match="load is required"):
         export.run(export_cfg(f"export.dir={tmp_path}"))
     with pytest.raises(ConfigError, match="unknown key export.dri .did you mean export.dir"):
         export.run(export_cfg(f"load={tmp_path}", f"+export.dri={tmp_path}"))

@@ -61,7 +61,7 @@ def test_predict_scores_are_the_models_in_input_order(trained: list[str], tmp_pa
     # 1000 rows in row groups of 300: batches cross row groups and the last one (1000 = 7 x 128 + 104) is partial.
     table = _score_file(tmp_path / "score" / "b.parquet", 1000, seed=1, row_group_size=300)
     load = f"load={tmp_path}/ck"
-    cfg = compose_entry(predict.PREDICT_SCHEMA, "predict", *trained, load, f"predict.input={tmp_path}/score",
+    cfg = compose_entry("predict", *trained, load, f"predict.input={tmp_path}/score",
                         f"predict.output={tmp_path}/out", "predict.columns=[request_id,label]")
     result = predict.run(cfg)
     assert result.rows == 1000 and result.parts == [tmp_path / "out" / "part-00000-00000.parquet"]
@@ -72,7 +72,7 @@ def test_predict_scores_are_the_models_in_input_order(trained: list[str], tmp_pa
     assert pq.read_schema(result.parts[0]).metadata[predict.SOURCE_KEY] == str(tmp_path / "score" / "b.parquet").encode()
 
     # The model's own scores of those rows: the same checkpoint built as evaluate builds it, the file as eval data.
-    spec = validate(compose_entry(predict.PREDICT_SCHEMA, "predict", *trained, load, f"data.eval_path={tmp_path}/score"))
+    spec = validate(compose_entry("predict", *trained, load, f"data.eval_path={tmp_path}/score"))
     c = build(spec, weights=tmp_path / "ck" / "step_00000008")
     try:
         model = c.loop.evaluator.model
