@@ -77,6 +77,12 @@ LOG_RECORDS: tuple[LogNoise, ...] = (
         why="a one-time notice about what is_fx_tracing() means under torch.export, printed when TorchRec's modules "
             "ask it in an ordinary eager forward; nothing is traced or exported in training.",
     ),
+    LogNoise(
+        logger="mlflow.store.db.utils",
+        message=r"(Creating initial MLflow database tables|Updating database tables)",
+        why="MLflow creating the tables of a new sqlite store (the first run of `make run` makes ./mlflow.db); "
+            "its failures still raise and its warnings still show.",
+    ),
 )
 
 
