@@ -106,10 +106,11 @@ class Progress:
         self._bar.update(n)
 
     def set_postfix(self, **postfix: Any) -> None:
-        """Show or replace values after the bar (floats as 4 significant digits); the others stay."""
+        """Show or replace values after the bar (floats as 4 significant digits, ints in full); the others stay."""
         if self._bar is None:
             return
-        self._postfix.update({k: f"{v:.4g}" if isinstance(v, float) else v for k, v in postfix.items()})
+        self._postfix.update({k: f"{v:.4g}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else str(v)
+                              for k, v in postfix.items()})
         self._bar.set_postfix(self._postfix, refresh=False)
 
     def write(self, line: str) -> None:
