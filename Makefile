@@ -5,6 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
+INSTALL_LOG := $(VENV)/install.log
 
 # The pinned stack (see README "Installing"). GPU users override TORCH_INDEX and FBGEMM, e.g.
 #   make test TORCH_INDEX=<PyTorch CUDA wheel index URL> FBGEMM=fbgemm-gpu==1.8.0
@@ -22,16 +23,23 @@ PORT ?= 5000
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-10s %s\n", $$1, $$2}'
 
+# Quiet unless it fails: pip's and setuptools' output (the editable-install warnings included) goes to
+# $(INSTALL_LOG), printed in full only when a step fails. torchrec is installed without its dependencies:
+# its metadata asks for the CUDA fbgemm-gpu, which would replace the build above it. The editable install
+# is in compat mode (a path in a .pth): Hydra finds hydra_plugins/recsys_runner_detached only by scanning directories.
 $(STAMP): pyproject.toml Makefile
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet $(TORCH_INDEX_ARGS) "$(TORCH)" "$(FBGEMM)"
-	@# torchrec's metadata asks for the CUDA fbgemm-gpu, which would replace the build above.
-	$(PIP) install --quiet --no-deps "$(TORCHREC)"
-	@# compat (a path in a .pth): Hydra finds hydra_plugins/recsys_runner_detached only by scanning directories.
-	$(PIP) install --quiet -e ".[dev]" --config-settings editable_mode=compat
-	$(PY) -c "import torch, fbgemm_gpu, torchrec, hydra, mlflow; print('stack ok: torch', torch.__version__, 'hydra', hydra.__version__)"
-	touch $(STAMP)
+	@mkdir -p $(VENV) && : > $(INSTALL_LOG)
+	@echo "Installing the pinned stack into $(VENV) (a few minutes the first time; log: $(INSTALL_LOG))"
+	@# && and not set -e: bash ignores -e inside a command whose status || tests.
+	@( set -x; \
+	  { test -x $(PY) || $(PYTHON) -m venv $(VENV); } && \
+	  $(PIP) install --quiet --upgrade pip && \
+	  $(PIP) install --quiet $(TORCH_INDEX_ARGS) "$(TORCH)" "$(FBGEMM)" && \
+	  $(PIP) install --quiet --no-deps "$(TORCHREC)" && \
+	  $(PIP) install --quiet -e ".[dev]" --config-settings editable_mode=compat \
+	) >> $(INSTALL_LOG) 2>&1 || { cat $(INSTALL_LOG) >&2; echo "Installing into $(VENV) failed (output above, also in $(INSTALL_LOG))" >&2; exit 1; }
+	@$(PY) -c "import torch, fbgemm_gpu, torchrec, hydra, mlflow; print('stack ok: torch', torch.__version__, 'hydra', hydra.__version__)"
+	@touch $(STAMP)
 
 install: $(STAMP) ## Create .venv and install the pinned stack (once; again only if pyproject.toml changes)
 

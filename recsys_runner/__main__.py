@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import warnings
 from pathlib import Path
 
 import hydra
@@ -20,6 +19,7 @@ from recsys_runner.build import Components, build
 from recsys_runner.checkpoint import resume_command
 from recsys_runner.config import flatten, register_configs, to_yaml, validate
 from recsys_runner.errors import ConfigError, reported
+from recsys_runner.noise import quiet_known_noise
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.runner import train
 from recsys_runner.signals import Interrupted
@@ -27,10 +27,8 @@ from recsys_runner.stopping import NonFiniteLossError
 from recsys_runner.tracking import Tracker
 
 log = logging.getLogger("recsys_runner")
+quiet_known_noise()  # first, before Hydra composes: the known library warnings, each with its reason (noise.py)
 register_configs()
-# conf/hydra/launcher/submitit_slurm.yaml deliberately extends the plugin's same-named schema (max_num_timeout);
-# Hydra still supports that but warns on every launch.
-warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/submitit_slurm' is validated against ConfigStore schema")
 
 
 def run(cfg: DictConfig) -> float:

@@ -60,8 +60,9 @@ WINDOW = 10
 TARGETS = {"a_in_memory": 0.97, "b_synthetic": 0.9, "b_parquet": 0.9, "c_host_overhead": 0.95}
 
 COMMON = ["optim=adagrad", "tracking=none", "checkpoint=none", f"train.log_every_steps={WINDOW}",
-          "train.eval_every_steps=null", "train.eval_max_batches=1"]
-"""Overrides every regime shares: fused + dense Adagrad (what the hand loop writes out), nothing logged or saved."""
+          "train.eval_every_steps=null", "train.eval_max_batches=1", "train.progress=log"]
+"""Overrides every regime shares: fused + dense Adagrad (what the hand loop writes out), nothing logged or saved, no
+progress bar drawn between the bench's own lines (on a terminal; its per-step update is then a no-op, as in a batch job)."""
 
 TINY = ["model=deepfm", "model.embedding_dim=4", "model.dense_arch_layer_sizes=[4]", "model.deep_layer_sizes=[8]",
         "data.batch_size=64", "data.num_sparse=4", "data.num_embeddings=1000"]

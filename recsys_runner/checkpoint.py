@@ -339,7 +339,8 @@ class Checkpointer:
         self._barrier()
         if not best:
             self.last_saved = str(final)
-        log.info("checkpoint saved: %s", final)
+        if self.rank == 0:  # one line per checkpoint, not one per rank
+            log.info("checkpoint saved: %s", final)
         return str(final)
 
     # -- the checkpoint policy the loop drives: when, guarded, best ------------------------------

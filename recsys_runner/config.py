@@ -60,6 +60,7 @@ from recsys_runner.optim import (
 )
 from recsys_runner.precision import PrecisionConfig
 from recsys_runner.profiling import ProfileConfig
+from recsys_runner.progress import MODES as PROGRESS_MODES
 from recsys_runner.scheduler import (
     ConstantConfig,
     CosineConfig,
@@ -112,6 +113,10 @@ class TrainConfig:
     """With several ranks, how often (in steps) they agree on a pending stop signal. Agreeing is an
     all-reduce plus a host sync, so it is not done every step; a signal is honoured within this many
     steps. A single process checks every step for free."""
+    progress: str = "auto"
+    """How rank 0 shows progress: ``auto`` draws one live bar (step/total, steps/s, ETA, loss, samples/s,
+    the latest eval metrics) when stdout and stderr are a terminal, else logs a ``step N/M ...`` line every
+    ``log_every_steps``; ``bar`` always draws, ``log`` never does. The log file and MLflow get every line either way."""
 
     def __post_init__(self) -> None:
         require(
@@ -134,6 +139,7 @@ class TrainConfig:
                 f"train.stop_after_steps must be positive or null, got {self.stop_after_steps}")
         require(self.objective is None or self.objective.startswith("eval/"),
                 f"train.objective={self.objective!r} must be an eval metric key, e.g. eval/auc or eval/ctr/auc")
+        require(self.progress in PROGRESS_MODES, f"train.progress={self.progress!r} must be one of {PROGRESS_MODES}")
         require(self.stop_check_every_steps > 0, f"train.stop_check_every_steps must be positive, got {self.stop_check_every_steps}")
         require(self.grad_accum_steps > 0, f"train.grad_accum_steps must be positive, got {self.grad_accum_steps}")
         require(

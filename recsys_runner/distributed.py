@@ -271,6 +271,52 @@ class _RecordBestPlan(Stats):
         self.best_plan = best_plan
 
 
+class _StatsAtDebug(Stats):
+    """TorchRec's per-table planner report (:class:`EmbeddingStats`), sent to our log at DEBUG as one record.
+
+    EmbeddingStats writes its rows at INFO through its own module logger, which would put a table of
+    dozens of lines on every run's screen once that logger's level allows INFO. Here it runs only when
+    ``recsys_runner.distributed`` logs DEBUG (``hydra.verbose=recsys_runner``), its rows are collected
+    instead of printed, and they reach the run's log as one DEBUG record; the INFO screen shows
+    :func:`plan_summary`'s line, and MLflow keeps the full plan as ``sharding_plan.txt``.
+    """
+
+    def __init__(self) -> None:
+        self.stats = EmbeddingStats()
+
+    def log(self, *args: Any, **kwargs: Any) -> None:
+        if not log.isEnabledFor(logging.DEBUG):
+            return
+        rows: list[str] = []
+        with _captured(logging.getLogger(EmbeddingStats.__module__), rows):
+            self.stats.log(*args, **kwargs)
+        log.debug("TorchRec planner stats:\n%s", "\n".join(rows))
+
+
+class _Collect(logging.Handler):
+    def __init__(self, rows: list[str]) -> None:
+        super().__init__(logging.DEBUG)
+        self.rows = rows
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.rows.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def _captured(logger: logging.Logger, rows: list[str]) -> Iterator[None]:
+    """Inside: ``logger``'s INFO and above records land in ``rows`` and nowhere else."""
+    handler, saved = _Collect(rows), (logger.level, logger.propagate)
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])  # setLevel, not .level=: the loggers' cached levels are cleared
+        logger.propagate = saved[1]
+
+
 class Distributed:
     """Owns the process group and turns a model into a sharded, pipelined one."""
 
@@ -368,7 +414,7 @@ class Distributed:
             batch_size=c.planner_batch_size or batch_size,
             constraints=self._constraints(_table_names(model), world_size),
             storage_reservation=FixedPercentageStorageReservation(percentage=c.storage_reserve_percent),
-            stats=[EmbeddingStats(), recorder],
+            stats=[_StatsAtDebug(), recorder],
         )
         return planner, recorder, topology
 
@@ -459,7 +505,8 @@ def _mb(n: int) -> str:
 def plan_summary(plan: ShardingPlan, world_size: int, usage: list[tuple[int, int]] | None = None) -> str:
     """One line: how many tables, on how many ranks, per sharding type and compute kernel, and (from the
     planner's estimates, when ``usage`` has them) the most memory one rank holds, e.g.
-    ``sharding plan: 26 tables on 1 rank: 26 table_wise (fused kernel); est. 12.3 MB/rank (HBM 12.3 MB, DDR 0.0 MB)``.
+    ``sharding plan: 26 tables on 1 rank: 26 table_wise (fused kernel); est. 12.3 MB/rank (HBM 12.3 MB, DDR 0.0 MB)``;
+    with several ranks ``est. max ... (HBM ..., DDR ...), min ...``, the fullest and the emptiest rank.
     """
     counts = Counter(
         (p.sharding_type, p.compute_kernel)
@@ -473,6 +520,8 @@ def plan_summary(plan: ShardingPlan, world_size: int, usage: list[tuple[int, int
         hbm, ddr = max(usage, key=lambda u: u[0] + u[1])
         most = "" if world_size == 1 else "max "
         line += f"; est. {most}{_mb(hbm + ddr)}/rank (HBM {_mb(hbm)}, DDR {_mb(ddr)})"
+        if world_size > 1:  # how even the split is
+            line += f", min {_mb(min(h + d for h, d in usage))}"
     return line
 
 

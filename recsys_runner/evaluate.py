@@ -24,8 +24,11 @@ from recsys_runner.build import build
 from recsys_runner.config import register_entry_schema, validate
 from recsys_runner.errors import reported
 from recsys_runner.inference import LOAD_FIELD, checkpoint_to_load, start_run
+from recsys_runner.noise import quiet_known_noise
 from recsys_runner.paths import CONFIG_PATH
+from recsys_runner.progress import Progress
 
+quiet_known_noise()  # the known library warnings, each with its reason (noise.py)
 log = logging.getLogger("recsys_runner")
 register_entry_schema("evaluate", [LOAD_FIELD])
 """The root schema of ``conf/evaluate.yaml``: the run's keys plus ``load``."""
@@ -39,7 +42,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
     status = "FAILED"
     try:
         start_run(c, entry="evaluate", checkpoint=checkpoint, load=str(cfg.load))
-        metrics = c.loop.evaluator.evaluate()
+        with Progress(spec.train.eval_max_batches, enabled=c.env.is_main, unit="batch", desc="evaluate") as progress:
+            metrics = c.loop.evaluator.evaluate(progress)
         c.loop.tracker.log_metrics(metrics, c.loop.state.step)
         if c.env.is_main:
             shown = " ".join(f"{k}={v:.6g}" for k, v in metrics.items())

@@ -18,6 +18,7 @@ from recsys_runner.data import DataModule
 from recsys_runner.distributed import DistEnv, detached
 from recsys_runner.ema import DenseEMA
 from recsys_runner.metrics import MetricsConfig, TaskEvalMetrics, grouping_ids
+from recsys_runner.progress import Progress
 from recsys_runner.stepping import Pipeline
 from recsys_runner.tasks import Task
 
@@ -46,8 +47,9 @@ class Evaluator:
     max_batches: int | None = None
     ema: DenseEMA | None = None
 
-    def evaluate(self) -> dict[str, float]:
-        """Each task's eval metrics over this rank's eval batches, combined over all ranks."""
+    def evaluate(self, progress: Progress | None = None) -> dict[str, float]:
+        """Each task's eval metrics over this rank's eval batches, combined over all ranks; ``progress`` counts the
+        batches (``python -m recsys_runner.evaluate``; during training the train bar shows the results instead)."""
         metrics = TaskEvalMetrics(self.metrics, self.tasks, self.env.device)
         key = self.metrics.grouping_key
         batches = self.data.eval_batches(self.env.rank, self.env.world_size)
@@ -60,5 +62,7 @@ class Evaluator:
                     _, (_, logits, labels) = model(batch)
                     groups = {"groups": grouping_ids(batch.sparse_features, key)} if key else {}
                     metrics.update(logits, labels, **groups)
+                    if progress is not None:
+                        progress.update(1)
             model.train()
         return metrics.compute()

@@ -56,10 +56,12 @@ from recsys_runner.config import RunConfig, flatten, register_entry_schema, to_y
 from recsys_runner.errors import CheckpointError, ConfigError, reported, require
 from recsys_runner.features import FeatureSpec
 from recsys_runner.inference import LOAD_FIELD, checkpoint_to_load, link_tags
+from recsys_runner.noise import quiet_known_noise
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.tasks import SINGLE_TASK, Task
 from recsys_runner.tracking import MlflowTrackingConfig, resolve_uri
 
+quiet_known_noise()  # the known library warnings, each with its reason (noise.py)
 log = logging.getLogger("recsys_runner")
 
 MODEL_FILE = "model.pt2"

@@ -24,9 +24,11 @@ from recsys_runner.config import register_configs, validate
 from recsys_runner.distributed import Distributed, PlanReport, resolve_device_type
 from recsys_runner.errors import reported
 from recsys_runner.models.common import TrainWrapper
+from recsys_runner.noise import quiet_known_noise
 from recsys_runner.optim import apply_sparse_optimizer
 from recsys_runner.paths import CONFIG_PATH
 
+quiet_known_noise()
 register_configs()
 
 

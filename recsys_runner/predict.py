@@ -56,9 +56,12 @@ from recsys_runner.distributed import detached
 from recsys_runner.errors import ConfigError, reported, require
 from recsys_runner.features import FeatureSpec
 from recsys_runner.inference import LOAD_FIELD, checkpoint_to_load, start_run
+from recsys_runner.noise import quiet_known_noise
 from recsys_runner.paths import CONFIG_PATH
+from recsys_runner.progress import Progress
 from recsys_runner.tasks import Task
 
+quiet_known_noise()  # the known library warnings, each with its reason (noise.py)
 log = logging.getLogger("recsys_runner")
 
 SOURCE_KEY, FIRST_ROW_KEY = b"recsys_runner.source", b"recsys_runner.first_row"
@@ -168,7 +171,8 @@ def predict(c: Components, settings: PredictConfig, output: Path) -> PredictResu
     idle = _placeholder(data.features)
     rows, start = 0, time.monotonic()
     weights = evaluator.ema.swapped_in() if evaluator.ema is not None else contextlib.nullcontext()
-    with detached(evaluator.pipeline, evaluator.model) as model, weights, torch.no_grad():
+    progress = Progress(sum(u.num_rows for u in units), enabled=env.is_main, unit="row", desc="predict", unit_scale=True)
+    with detached(evaluator.pipeline, evaluator.model) as model, weights, torch.no_grad(), progress:
         model.eval()
         for n, item in enumerate(_in_step(batches, env.world_size, env.device if env.backend == "nccl" else torch.device("cpu"))):
             batch = item[1] if item is not None else idle
@@ -177,8 +181,9 @@ def predict(c: Components, settings: PredictConfig, output: Path) -> PredictResu
                 path, _, passthrough, first_row = item
                 writer.write(path, first_row, passthrough, logits)
                 rows += int(logits.shape[0])
-            if env.is_main and (n + 1) % settings.log_every_batches == 0:
-                _progress(rows, env.world_size, time.monotonic() - start)  # the one progress call site
+                progress.update(int(logits.shape[0]))
+            if env.is_main and not progress.active and (n + 1) % settings.log_every_batches == 0:
+                _progress(rows, env.world_size, time.monotonic() - start)
         model.train()
     writer.close()
     seconds = time.monotonic() - start
@@ -191,7 +196,7 @@ def predict(c: Components, settings: PredictConfig, output: Path) -> PredictResu
 
 
 def _progress(rows: int, world_size: int, seconds: float) -> None:
-    """Progress line (rank 0's rows; the ranks move in step). Replace with recsys_runner.progress once it is merged."""
+    """A progress line where no bar is drawn (rank 0's rows; the ranks move in step)."""
     log.info("predict: %d rows on rank 0 (~%d on %d ranks), %.0f rows/s", rows, rows * world_size, world_size,
              rows * world_size / max(seconds, 1e-9))
 

@@ -26,6 +26,7 @@ from recsys_runner.errors import DataError
 from recsys_runner.evaluation import Evaluator
 from recsys_runner.metrics import Throughput
 from recsys_runner.profiling import StepProfiler
+from recsys_runner.progress import Progress
 from recsys_runner.signals import Interrupted, StopSignals
 from recsys_runner.stepping import Stepper
 from recsys_runner.stopping import EarlyStopping
@@ -72,7 +73,8 @@ def train(loop: Loop) -> dict[str, float]:
     profiler = StepProfiler(cfg.profile, env.device, env.rank) if cfg.profile.enabled else None
     stop: str | None = None
     evaluated: dict[str, float] | None = None
-    with StopSignals(env.world_size, env.device, cfg.stop_check_every_steps) as signals:
+    with (StopSignals(env.world_size, env.device, cfg.stop_check_every_steps) as signals,
+          Progress(loop.total_steps, enabled=env.is_main, unit="step", initial=state.step, mode=cfg.progress) as progress):
         while state.step < loop.total_steps and stop is None:
             batches = _epoch_batches(loop, state)
             while state.step < loop.total_steps and stop is None:
@@ -83,15 +85,16 @@ def train(loop: Loop) -> dict[str, float]:
                     break
                 state.step, state.epoch_step, evaluated = state.step + 1, state.epoch_step + 1, None
                 meter.update(loss)
+                progress.update(1)
                 if profiler is not None:
                     profiler.step()
                 if state.step % cfg.log_every_steps == 0 or state.step == loop.total_steps:
                     logged = meter.flush(state.step)
                     loop.checkpointer.loss_logged(state.step, logged["train/loss"])
                     _log(loop, logged | loop.stepper.learning_rates() | loop.stepper.train_metrics.compute() | _data_metrics(loop)
-                         | {"train/epoch": state.epoch}, state.step)
+                         | {"train/epoch": state.epoch}, state.step, progress)
                 if cfg.eval_every_steps and state.step % cfg.eval_every_steps == 0:
-                    evaluated = _evaluate_and_select(loop, state, meter)
+                    evaluated = _evaluate_and_select(loop, state, meter, progress)
                     stop = "early_stopping" if loop.early_stopping.update(evaluated) else None
                 loop.checkpointer.after_step(state, loss, evaluated, _epoch_end(loop, state))
                 if (signum := signals.requested(state.step)) is not None or _slice_done(loop, state):
@@ -101,7 +104,7 @@ def train(loop: Loop) -> dict[str, float]:
             else:
                 continue  # stopped mid-epoch: the position stays in this epoch
             state.epoch, state.epoch_step = state.epoch + 1, 0
-    final = evaluated if evaluated is not None else _evaluate_and_select(loop, state, meter)
+    final = evaluated if evaluated is not None else _evaluate_and_select(loop, state, meter, progress)
     if stop is not None:
         log.info("early stopping at step %d: %s did not improve for %d evaluations", state.step, loop.early_stopping.config.metric,
                  loop.early_stopping.config.patience)
@@ -139,11 +142,11 @@ def _epoch_end(loop: Loop, state: TrainState) -> int | None:
     return state.epoch if loop.steps_per_epoch and state.epoch_step >= loop.steps_per_epoch else None
 
 
-def _evaluate_and_select(loop: Loop, state: TrainState, meter: Throughput) -> dict[str, float]:
+def _evaluate_and_select(loop: Loop, state: TrainState, meter: Throughput, progress: Progress) -> dict[str, float]:
     """Evaluate, log, and keep the best checkpoint when the watched metric improved."""
     with meter.paused():
         metrics = loop.evaluator.evaluate()
-        _log(loop, metrics, state.step)
+        _log(loop, metrics, state.step, progress)
         loop.checkpointer.maybe_save_best(state, metrics)
     return metrics
 
@@ -159,10 +162,21 @@ def _data_metrics(loop: Loop) -> dict[str, float]:
     return dict(zip(keys, totals.tolist(), strict=True))
 
 
-def _log(loop: Loop, metrics: dict[str, float], step: int) -> None:
+def _log(loop: Loop, metrics: dict[str, float], step: int, progress: Progress) -> None:
+    """To the tracker, and one ``step N/M ...`` line; with a progress bar up, train lines only reach the log
+    file (the bar shows loss and samples/s), eval lines are printed above it and their values join the bar."""
     loop.tracker.log_metrics(metrics, step)
     if loop.env.is_main:
         parts = [f"{k}={v:.4g}" for k, v in metrics.items() if k != "train/eta_s"]
         eta = metrics.get("train/eta_s")
         suffix = f" eta={eta:.0f}s" if eta is not None else ""
-        log.info("step %d/%d %s%s", step, loop.total_steps, " ".join(parts), suffix)
+        training = "train/loss" in metrics
+        log.info("step %d/%d %s%s", step, loop.total_steps, " ".join(parts), suffix, extra=progress.shown_on_bar() if training else None)
+        progress.set_postfix(**_on_the_bar(metrics))
+
+
+def _on_the_bar(metrics: dict[str, float]) -> dict[str, float]:
+    """What the bar shows after its own step/total, rate and ETA: loss, samples/s and the latest eval metrics."""
+    shown = {"loss": metrics.get("train/loss"), "samples/s": metrics.get("train/samples_per_s")}
+    shown |= {k.removeprefix("eval/"): v for k, v in metrics.items() if k.startswith("eval/")}
+    return {k: v for k, v in shown.items() if v is not None}

@@ -41,6 +41,9 @@ from recsys_runner.data.tabular import (
     stored_schema,
 )
 from recsys_runner.errors import ConfigError, DataError
+from recsys_runner.noise import quiet_known_noise
+from recsys_runner.progress import MODES as PROGRESS_MODES
+from recsys_runner.progress import Progress
 
 
 def converted_schema(schema: Schema) -> Schema:
@@ -97,20 +100,26 @@ def convert(args: argparse.Namespace) -> None:
     multi_hot = [s.separator is not None for s in schema.sparse]
     os.makedirs(args.output, exist_ok=True)
     total = 0
-    for path in files:
-        target = os.path.join(args.output, os.path.splitext(os.path.basename(path))[0] + ".parquet")
-        writer = None
-        for unit in source._index(path):
-            for table, file_rows in source.read(unit):
-                rows = encoder.encode(table, Location(path, unit.part, file_rows, source.line_offset(path)))
-                out = rows_to_table(rows, out_schema, multi_hot)
-                if writer is None:
-                    writer = pq.ParquetWriter(target, out.schema.with_metadata({SCHEMA_METADATA_KEY: schema_json(out_schema)}))
-                writer.write_table(out, row_group_size=args.row_group_rows)
-                total += out.num_rows
-        if writer is not None:
-            writer.close()
-        print(f"{path} -> {target}")
+    # Progress in input bytes: known up front, unlike rows, and it moves within one large file.
+    with Progress(sum(os.path.getsize(f) for f in files), unit="B", unit_scale=True, desc="convert", mode=args.progress) as progress:
+        for path in files:
+            target = os.path.join(args.output, os.path.splitext(os.path.basename(path))[0] + ".parquet")
+            writer, done = None, 0
+            for unit in source._index(path):
+                for table, file_rows in source.read(unit):
+                    rows = encoder.encode(table, Location(path, unit.part, file_rows, source.line_offset(path)))
+                    out = rows_to_table(rows, out_schema, multi_hot)
+                    if writer is None:
+                        writer = pq.ParquetWriter(target, out.schema.with_metadata({SCHEMA_METADATA_KEY: schema_json(out_schema)}))
+                    writer.write_table(out, row_group_size=args.row_group_rows)
+                    total += out.num_rows
+                start, stop = unit.byte_range
+                progress.update(stop - start, rows=total)
+                done += stop - start
+            if writer is not None:
+                writer.close()
+            progress.update(os.path.getsize(path) - done)  # the header line, if any
+            progress.write(f"{path} -> {target}")
     skipped = encoder.num_bad_rows + source.num_bad_rows
     print(f"converted {total} rows from {len(files)} file(s) into {args.output}" + (f"; skipped {skipped} bad rows" if skipped else ""))
     print(f"train with: python -m recsys_runner data=parquet data.path={args.output}")
@@ -199,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--categorical-encoding", choices=["mod", "hash"], default="mod", help="criteo: hex value modulo the table size, or a hash")
     c.add_argument("--row-group-rows", type=int, default=65_536)
     c.add_argument("--on-bad-rows", choices=["fail", "skip"], default="fail")
+    c.add_argument("--progress", choices=list(PROGRESS_MODES), default="auto",
+                   help="auto: a progress bar on a terminal, plain lines otherwise; bar: always; log: never")
     i = sub.add_parser("inspect", help="columns, row count, label rate, nulls, cardinality")
     i.add_argument("path", help="a file, directory or glob")
     i.add_argument("--format", choices=["parquet", "csv", "criteo"], default="parquet")
@@ -206,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--label", action="append", help="a label column (repeat for several); default: the stored schema's, else 'label'")
     i.add_argument("--max-distinct", type=int, default=1_000_000, help="stop counting distinct values above this")
     args = parser.parse_args(argv)
+    quiet_known_noise()
     try:
         convert(args) if args.command == "convert" else inspect(args)
     except (DataError, ConfigError) as e:

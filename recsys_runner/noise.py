@@ -1,0 +1,121 @@
+"""Known, harmless noise from the libraries under us (TorchRec, torch, Hydra), silenced in one place.
+
+Every entry point calls :func:`quiet_known_noise` first (at import, before Hydra composes anything).
+Each filter names the exact message, its category (warnings) or logger (log records), and the
+module it comes from, and says why it is harmless: nothing is silenced wholesale, so any other
+warning, even of the same category from the same library, still reaches the screen. To see the
+silenced ones again, run with ``RECSYS_RUNNER_SHOW_NOISE=1``.
+
+When a pinned version changes (Makefile ``TORCH``/``TORCHREC``), an entry whose message no longer
+appears is dead weight: ``tests/test_progress.py`` runs the default training and checks that none
+of these messages reach the screen, and that a look-alike from elsewhere still does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import warnings
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WarningNoise:
+    """A ``warnings.warn`` to ignore: all three of message, category and module must match."""
+
+    message: str
+    """Regular expression matched against the start of the warning's text."""
+    category: type[Warning]
+    """The exact warning class (subclasses match too, as in :func:`warnings.filterwarnings`)."""
+    module: str
+    """Regular expression matched against the start of the module the warning is attributed to."""
+    why: str
+    """Why it is harmless here (shown by ``python -c 'from recsys_runner.noise import describe; print(describe())'``)."""
+
+
+@dataclass(frozen=True)
+class LogNoise:
+    """A log record to drop: the named logger (not its parents or children) and the message's start."""
+
+    logger: str
+    message: str
+    """Regular expression matched against the start of the formatted message."""
+    why: str
+
+
+WARNINGS: tuple[WarningNoise, ...] = (
+    WarningNoise(
+        message=r"`broadcast_buffers` is deprecated",
+        category=FutureWarning,
+        module=r"torchrec\.distributed\.model_parallel$",
+        why="DistributedModelParallel builds its DDP wrapper with broadcast_buffers=False, which torch 2.13 renamed; "
+            "the behaviour is unchanged and the call is TorchRec's, not ours (once per rank at start-up).",
+    ),
+    WarningNoise(
+        message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`",
+        category=UserWarning,
+        module=r"recsys_runner\.stepping$",
+        why="the schedule steps the GroupedOptimizer of all parameter groups, while the train pipeline steps the dense "
+            "optimizers and the fused sparse optimizer steps inside backward; torch cannot see those steps, but they "
+            "always run before Stepper.step calls lr_scheduler.step(), so no step of the schedule is skipped.",
+    ),
+    WarningNoise(
+        message=r"\s*'hydra/launcher/submitit_slurm' is validated against ConfigStore schema",
+        category=UserWarning,
+        # Hydra warns with a fixed stacklevel, so the frame it blames depends on how deep the launch path is.
+        module=r"(recsys_runner|hydra|sys$)",
+        why="conf/hydra/launcher/submitit_slurm.yaml deliberately extends the plugin's same-named schema "
+            "(max_num_timeout); Hydra 1.3 still supports that but warns on every launch.",
+    ),
+)
+
+LOG_RECORDS: tuple[LogNoise, ...] = (
+    LogNoise(
+        logger="torch.fx._symbolic_trace",
+        message=r"is_fx_tracing will return true for both fx\.symbolic_trace and torch\.export",
+        why="a one-time notice about what is_fx_tracing() means under torch.export, printed when TorchRec's modules "
+            "ask it in an ordinary eager forward; nothing is traced or exported in training.",
+    ),
+    LogNoise(
+        logger="mlflow.store.db.utils",
+        message=r"(Creating initial MLflow database tables|Updating database tables)",
+        why="MLflow creating the tables of a new sqlite store (the first run of `make run` makes ./mlflow.db); "
+            "its failures still raise and its warnings still show.",
+    ),
+)
+
+
+class _DropKnown(logging.Filter):
+    """Drops the records of one logger whose message starts with one of ``patterns``."""
+
+    def __init__(self, patterns: list[str]) -> None:
+        super().__init__()
+        self.patterns = [re.compile(p) for p in patterns]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(p.match(message) for p in self.patterns)
+
+
+def quiet_known_noise() -> None:
+    """Install the filters of :data:`WARNINGS` and :data:`LOG_RECORDS` (idempotent; a no-op with
+    ``RECSYS_RUNNER_SHOW_NOISE=1``)."""
+    if os.environ.get("RECSYS_RUNNER_SHOW_NOISE") == "1":
+        return
+    for w in WARNINGS:
+        warnings.filterwarnings("ignore", message=w.message, category=w.category, module=w.module)
+    by_logger: dict[str, list[str]] = {}
+    for r in LOG_RECORDS:
+        by_logger.setdefault(r.logger, []).append(r.message)
+    for name, patterns in by_logger.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropKnown) for f in logger.filters):
+            logger.addFilter(_DropKnown(patterns))
+
+
+def describe() -> str:
+    """What is silenced and why, one paragraph per filter."""
+    lines = [f"warning {w.category.__name__} from {w.module}: {w.message}\n  {w.why}" for w in WARNINGS]
+    lines += [f"log record of {r.logger}: {r.message}\n  {r.why}" for r in LOG_RECORDS]
+    return "\n".join(lines)
