@@ -43,7 +43,7 @@ BAD_CONFIGS = {
     "zero-lr": (["optim.lr=0"], 2, ["lr must be positive"]),
     "negative-dense-lr": (["optim.dense.lr=-0.1"], 2, ["optim.dense.lr must be positive"]),
     "dims-deepfm": (["model.embedding_dim=8", "model.dense_arch_layer_sizes=[64,16]"], 2,
-                    ["model.dense_arch_layer_sizes ends in 16 but model.embedding_dim=8", "FM", "model.dense_arch_layer_sizes=[64, null]"]),
+                    ["model.dense_arch_layer_sizes ends in 16 but model.embedding_dim=8", "FM", "model.dense_arch_layer_sizes=[64,null]"]),
     "dims-dlrm": (["model=dlrm", "model.dense_arch_layer_sizes=[64,32]"], 2, ["ends in 32 but model.embedding_dim=16", "DLRM"]),
     "wrong-type": (["train.num_steps=many"], 1, ["train.num_steps", "many"]),
     "bad-enum": (["distributed.pipeline=turbo"], 2, ["distributed.pipeline='turbo' must be one of"]),

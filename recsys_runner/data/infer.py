@@ -17,8 +17,9 @@ schema stored by ``convert``), the data module reads the first ``data.infer.samp
     a timestamp) → dense;
   - other numbers (floats, booleans) → dense;
   - ``log1p`` for a dense column whose sampled values are all ``>= 0``, else none;
-  - a text or integer column whose every sampled value differs (at least :data:`ROW_ID_MIN_ROWS` rows) is
-    a row id (Avazu's ``id``) and is left out, as is a column that is empty in the sample;
+  - a text column (or one of integers beyond 64 bits) whose every sampled value differs (at least
+    :data:`ROW_ID_MIN_ROWS` rows) is a row id (Avazu's ``id``) and is left out, as is a column that is empty
+    in the sample;
 
 * each sparse feature's **bucket count** (``num_embeddings``; also for ``data.sparse`` entries without one and
   ``data=criteo data.num_embeddings=null``): the distinct values in the sample times ``data.infer.bucket_margin``
@@ -48,7 +49,7 @@ log = logging.getLogger(__name__)
 LABEL_NAMES = ("label", "click", "clicked", "is_click", "target", "y")
 """Column names (compared case-insensitively, in this order) taken for the label when ``data.label`` is not set."""
 ROW_ID_MIN_ROWS = 100
-"""A text/integer column with a different value in every one of at least this many sampled rows is a row id."""
+"""A text column with a different value in every one of at least this many sampled rows is a row id."""
 _INTEGER = re.compile(r"^[+-]?\d+$")
 
 
@@ -146,7 +147,7 @@ def infer_column(name: str, arr: pa.Array, config: InferConfig) -> tuple[DenseCo
     if kind == "other":
         return None, f"{name!r}: type {arr.type} is neither a number, text nor a list (list it in data.dense / data.sparse after converting it)"
     distinct = len(pc.unique(values))
-    if kind in ("text", "integer") and distinct == rows and rows >= ROW_ID_MIN_ROWS:
+    if kind == "text" and distinct == rows and rows >= ROW_ID_MIN_ROWS:
         return None, f"{name!r}: a different value in every sampled row (a row id?); add it to data.sparse to use it"
     if kind == "text" or (kind == "integer" and distinct <= config.dense_min_distinct_fraction * rows):
         return SparseColumn(name=name, num_embeddings=bucket_count(distinct, config.bucket_margin), encoding="hash"), None

@@ -99,7 +99,7 @@ def projection_sizes(name: str, sizes: list[int | None], embedding_dim: int, mod
         resolved[-1] == embedding_dim,
         f"model.{name} ends in {resolved[-1]} but model.embedding_dim={embedding_dim}: {model}'s {why}, so they must have "
         f"the same width. Fix: end model.{name} in null (it then follows model.embedding_dim), e.g. "
-        f"model.{name}=[{', '.join(str(s) for s in resolved[:-1])}{', ' if len(resolved) > 1 else ''}null]",
+        f"model.{name}=[{''.join(f'{s},' for s in resolved[:-1])}null]",
     )
     return resolved
 
