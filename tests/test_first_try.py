@@ -27,6 +27,7 @@ from recsys_runner.data.tabular import CsvData, CsvDataConfig, ParquetData, Parq
 from recsys_runner.errors import ConfigError, DataError
 from recsys_runner.models.deepfm import DeepFM, DeepFMConfig
 from recsys_runner.runner import train
+from tests.test_checkpoint import local
 from tests.test_models import CPU, MODELS, materialize, small_data
 
 ROWS = 600
@@ -197,10 +198,10 @@ def test_deepfm_first_order_weights_are_trained(make_cfg) -> None:
     c = build(validate(cfg))
     try:
         model = c.loop.evaluator.model
-        first = {k: v.detach().clone() for k, v in model.state_dict().items() if "first_order_t_" in k}
+        first = {k: local(v).detach().clone() for k, v in model.state_dict().items() if "first_order_t_" in k}
         assert len(first) == 26
         train(c.loop)
-        after = {k: v for k, v in model.state_dict().items() if "first_order_t_" in k}
+        after = {k: local(v) for k, v in model.state_dict().items() if "first_order_t_" in k}
         changed = [k for k in first if not torch.equal(first[k], after[k])]
         assert len(changed) == 26, f"first-order tables not trained: {sorted(set(first) - set(changed))}"
     finally:
