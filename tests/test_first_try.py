@@ -219,11 +219,11 @@ def preset_cfg(make_cfg, experiment: str, path: Path, *overrides: str):
 
 @pytest.mark.parametrize(
     ("experiment", "write", "name", "overrides", "auc"),
-    [("criteo_tsv", lambda p: write_criteo_tsv(str(p), 4000), "train.txt", [], 0.58),
+    [pytest.param("criteo_tsv", lambda p: write_criteo_tsv(str(p), 4000), "train.txt", [], 0.58, marks=pytest.mark.slow),
      ("avazu_csv", lambda p: write_avazu_csv(str(p), 4000), "train.csv", [], 0.55),
      ("movielens", lambda p: write_movielens_ratings(str(p), 4000), "u.data", [], 0.7),
      ("movielens", lambda p: write_movielens_ratings(str(p), 4000, layout="ratings.csv"), "ratings.csv",
-      ["data.delimiter=,", "data.header=true", "data.column_names=null"], 0.7)],
+      ["data.delimiter=comma", "data.header=true", "data.column_names=null"], 0.7)],
     ids=["criteo_tsv", "avazu_csv", "movielens_u.data", "movielens_ratings.csv"],
 )
 def test_preset_trains_one_epoch_on_its_layout(make_cfg, tmp_path: Path, experiment: str, write, name: str,

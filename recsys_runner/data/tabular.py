@@ -63,8 +63,9 @@ SCHEMA_METADATA_KEY = b"recsys_runner.schema"
 """Parquet key-value metadata written by ``python -m recsys_runner.data convert``: the schema as JSON."""
 
 DEFAULT_EVAL_FRACTION = 0.1
-DELIMITER_ESCAPES = {"\\t": "\t"}
-"""``data.delimiter`` spellings that stand for a character hard to pass through a shell and Hydra (a tab)."""
+DELIMITER_ESCAPES = {"\\t": "\t", "tab": "\t", "comma": ",", "semicolon": ";", "pipe": "|"}
+"""``data.delimiter`` spellings that stand for a character hard to pass through a shell and Hydra (a tab; a comma,
+which Hydra's override grammar reads as a list separator: ``data.delimiter=comma``)."""
 CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE = 13, 26
 CRITEO_COLUMNS = ["label", *(f"int_{i}" for i in range(CRITEO_NUM_DENSE)), *(f"cat_{i}" for i in range(CRITEO_NUM_SPARSE))]
 
@@ -172,7 +173,8 @@ class CsvDataConfig(SchemaFields, TabularDataConfig):
     _target_: str = "recsys_runner.data.tabular.CsvData"
     delimiter: str = ","
     """Field delimiter: ``","`` for CSV, ``"\\t"`` for TSV. On the command line ``data.delimiter='\\t'`` (Hydra passes
-    the two characters backslash and ``t``, which mean a tab here)."""
+    the two characters backslash and ``t``, which mean a tab here) or ``data.delimiter=tab``; ``data.delimiter=comma``
+    (a bare ``,`` is not a valid override), ``semicolon``, ``pipe``."""
     header: bool = True
     """The first line names the columns; ``false``: give ``column_names``."""
     column_names: list[str] | None = None
