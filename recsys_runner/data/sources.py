@@ -254,8 +254,12 @@ class CsvSource:
         return names, data_start
 
     def header_names(self) -> list[str]:
-        """The first file's column names (its header, or ``data.column_names``), without reading its rows."""
-        return self._header(self.files[0])[0]
+        """The first file's column names (its header, or ``data.column_names``), without reading its rows; a header
+        that is one column split by another delimiter than ``data.delimiter`` is the wrong delimiter, said so."""
+        names = self._header(self.files[0])[0]
+        if self.header and len(names) == 1 and (hint := delimiter_hint(names[0], self.delimiter)):
+            raise DataError(f"{self.files[0]} has no column 'label': its header line is one column, {names[0]!r}.{hint}")
+        return names
 
     def sample(self, num_rows: int) -> pa.Table:
         """The first ``num_rows`` rows of the files (in order), every column as text (missing values null), to infer
