@@ -120,11 +120,9 @@ def _kind(arr: pa.Array) -> tuple[str, pa.Array]:
             return "text", arr
     if pa.types.is_integer(arr.type):
         return "integer", arr
-    if pa.types.is_floating(arr.type) or pa.types.is_boolean(arr.type) or pa.types.is_decimal(arr.type):
+    if pa.types.is_floating(arr.type) or pa.types.is_boolean(arr.type):
         return "float", arr.cast(pa.float64())
-    if pa.types.is_binary(arr.type) or pa.types.is_large_binary(arr.type) or pa.types.is_dictionary(arr.type):
-        return "text", arr
-    return "other", arr
+    return "other", arr  # binary, dictionary, decimal, temporal: the encoder reads none of them as is
 
 
 def infer_column(name: str, arr: pa.Array, config: InferConfig) -> tuple[DenseColumn | SparseColumn | None, str | None]:
@@ -137,6 +135,9 @@ def infer_column(name: str, arr: pa.Array, config: InferConfig) -> tuple[DenseCo
     if rows == 0:
         return None, f"{name!r}: empty in the sample"
     if pa.types.is_list(present.type) or pa.types.is_large_list(present.type):
+        item = present.type.value_type
+        if not (pa.types.is_integer(item) or pa.types.is_string(item) or pa.types.is_large_string(item)):
+            return None, f"{name!r}: a list of {item}, not of ids or strings"
         return SparseColumn(name=name, num_embeddings=bucket_count(_distinct(present), config.bucket_margin), encoding="hash"), None
     if _text(present):
         separator = next((s for s in config.separators if pc.any(pc.match_substring(present, s)).as_py()), None)
