@@ -28,9 +28,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
-import yaml
 
-from recsys_runner.data.schema import DenseColumn, Encoder, Location, Rows, Schema, SparseColumn
+from recsys_runner.data.schema import DenseColumn, Encoder, Location, Rows, Schema, SparseColumn, read_schema_file
 from recsys_runner.data.sources import PARQUET_SUFFIXES, CsvSource, resolve_files
 from recsys_runner.data.tabular import (
     CRITEO_COLUMNS,
@@ -86,13 +85,12 @@ def convert(args: argparse.Namespace) -> None:
         if not args.schema:
             raise ConfigError("--format csv needs --schema FILE.yaml with label (or labels: {task: column}, label_kinds), dense and "
                               "sparse (and optionally delimiter, header, column_names, null_values)")
-        with open(args.schema) as f:
-            raw = yaml.safe_load(f) or {}
-        label = raw.get("label", "label" if raw.get("labels") is None else None)
-        schema = Schema(label=label, labels=raw.get("labels"), label_kinds=raw.get("label_kinds"), dense=[DenseColumn(**d) for d in raw.get("dense", [])],
-                        sparse=[SparseColumn(**s) for s in raw.get("sparse", [])])
-        options = {"delimiter": raw.get("delimiter", ","), "header": raw.get("header", True),
-                   "column_names": raw.get("column_names"), "null_values": raw.get("null_values", [""])}
+        parts, reader = read_schema_file(args.schema)  # the form a training run logs when it infers a schema
+        if parts["label"] is None and parts["labels"] is None:
+            parts["label"] = "label"
+        schema = Schema(**parts)
+        options = {"delimiter": reader.get("delimiter", ","), "header": reader.get("header", True),
+                   "column_names": reader.get("column_names"), "null_values": reader.get("null_values", [""])}
     files = [f for p in args.inputs for f in resolve_files(p, "input", None)]
     source = CsvSource(files, schema.columns, block_rows=args.row_group_rows, on_bad_rows=args.on_bad_rows, **options)
     encoder = Encoder(schema, args.on_bad_rows)

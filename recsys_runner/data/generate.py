@@ -118,3 +118,63 @@ def write_criteo_csv(path: str, num_rows: int, *, seed: int = 0, cardinality: in
         f.write(delimiter.join(CRITEO_COLUMNS) + "\n")
         for i in range(num_rows):
             f.write(delimiter.join("" if cols[c][i] is None else str(cols[c][i]) for c in CRITEO_COLUMNS) + "\n")
+
+
+AVAZU_CATEGORICAL = ["C1", "banner_pos", "site_id", "site_domain", "site_category", "app_id", "app_domain", "app_category",
+                     "device_id", "device_ip", "device_model", "device_type", "device_conn_type",
+                     *(f"C{i}" for i in range(14, 22))]
+AVAZU_COLUMNS = ["id", "click", "hour", *AVAZU_CATEGORICAL]
+"""Avazu's CSV header: a row id, the click, the hour (``YYMMDDHH``) and 21 categoricals (hex strings or integer codes)."""
+_AVAZU_HEX = {"site_id", "site_domain", "site_category", "app_id", "app_domain", "app_category", "device_id", "device_ip", "device_model"}
+
+
+def write_avazu_csv(path: str, num_rows: int, *, seed: int = 0) -> None:
+    """Rows in Avazu's layout (CSV with a header, :data:`AVAZU_COLUMNS`) whose click depends on the categoricals.
+
+    ``id`` is a unique 20-digit number (beyond int64 for some rows, as in the real file), ``hour`` is
+    ``YYMMDDHH``; hex columns are 8 hex digits, integer-coded ones (``C1``, ``banner_pos``, ``C14``…) small ints.
+    """
+    rng = np.random.default_rng(seed)
+    world = np.random.default_rng(777)  # hidden effects shared by every seed
+    cards = {c: (2000 if c == "device_ip" else 300 if c in _AVAZU_HEX else 8 if c in ("C1", "banner_pos", "device_type", "device_conn_type")
+                 else 200) for c in AVAZU_CATEGORICAL}
+    ids = {c: np.minimum((n * rng.random(num_rows) ** 2).astype(np.int64), n - 1) for c, n in cards.items()}
+    effects = {c: world.normal(0, 0.6 if c in ("site_id", "app_id", "C14", "banner_pos", "device_model", "C17") else 0.1, size=n)
+               for c, n in cards.items()}
+    score = sum(effects[c][ids[c]] for c in AVAZU_CATEGORICAL) - 1.6
+    click = (rng.random(num_rows) < 1 / (1 + np.exp(-score))).astype(np.int64)
+    codes = {c: world.integers(0, 2**32, size=n) for c, n in cards.items()}
+    row_ids = rng.integers(10**18, 10**19, size=num_rows, dtype=np.uint64) + np.uint64(10**18) * rng.integers(0, 9, size=num_rows).astype(np.uint64)
+    with open(path, "w") as f:
+        f.write(",".join(AVAZU_COLUMNS) + "\n")
+        for i in range(num_rows):
+            values = [str(int(row_ids[i])), str(int(click[i])), str(14102100 + i * 24 // max(num_rows, 1))]
+            for c in AVAZU_CATEGORICAL:
+                k = int(ids[c][i])
+                values.append(f"{int(codes[c][k]):08x}" if c in _AVAZU_HEX else str(k * 7 + 1000 if c.startswith("C") and c != "C1" else k))
+            f.write(",".join(values) + "\n")
+
+
+def write_movielens_ratings(path: str, num_rows: int, *, seed: int = 0, num_users: int = 300, num_items: int = 500,
+                            layout: str = "u.data") -> None:
+    """MovieLens ratings whose rating (1-5) follows hidden user and item biases, so ``rating >= 4`` is learnable.
+
+    ``layout="u.data"``: ml-100k's ``user item rating timestamp``, tab-separated, no header;
+    ``layout="ratings.csv"``: ml-latest's ``userId,movieId,rating,timestamp`` with a header and half-star ratings.
+    """
+    require(layout in ("u.data", "ratings.csv"), f"layout={layout!r} must be u.data or ratings.csv")
+    rng = np.random.default_rng(seed)
+    world = np.random.default_rng(4242)
+    user_bias, item_bias = world.normal(0, 0.8, num_users), world.normal(0, 0.8, num_items)
+    users = np.minimum((num_users * rng.random(num_rows) ** 1.5).astype(np.int64), num_users - 1)
+    items = np.minimum((num_items * rng.random(num_rows) ** 2).astype(np.int64), num_items - 1)
+    raw = 3.5 + user_bias[users] + item_bias[items] + rng.normal(0, 0.7, num_rows)
+    step = 0.5 if layout == "ratings.csv" else 1.0
+    ratings = np.clip(np.round(raw / step) * step, 1, 5)
+    times = 874_724_710 + rng.integers(0, 20_000_000, num_rows)
+    with open(path, "w") as f:
+        if layout == "ratings.csv":
+            f.write("userId,movieId,rating,timestamp\n")
+            f.writelines(f"{u + 1},{m + 1},{r:.1f},{t}\n" for u, m, r, t in zip(users, items, ratings, times, strict=True))
+        else:
+            f.writelines(f"{u + 1}\t{m + 1}\t{int(r)}\t{t}\n" for u, m, r, t in zip(users, items, ratings, times, strict=True))

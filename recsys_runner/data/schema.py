@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import yaml
 
-from recsys_runner.errors import DataError, require
+from recsys_runner.errors import ConfigError, DataError, require
 from recsys_runner.features import POOLINGS, FeatureSpec, SparseFeature, check_embedding_dim
 
 DENSE_TRANSFORMS = ("none", "log1p")
@@ -50,11 +52,14 @@ class SparseColumn:
 
     name: str
     """Column name in the file; also the feature's name."""
-    num_embeddings: int
-    """Rows of the feature's embedding table: ids must lie in ``[0, num_embeddings)``."""
-    encoding: str = "id"
+    num_embeddings: int | None = None
+    """Rows of the feature's embedding table: ids must lie in ``[0, num_embeddings)``. ``null``: sized from the
+    data, the number of distinct values in a sample of the files times ``data.infer.bucket_margin``, rounded up
+    (``recsys_runner/data/infer.py``; the run logs the size it chose)."""
+    encoding: str | None = None
     """``id``: values are ids already (an id outside the table is a bad row); ``mod``: integer value
-    modulo ``num_embeddings``; ``hash``: any value (string or integer) hashed into ``num_embeddings`` buckets."""
+    modulo ``num_embeddings``; ``hash``: any value (string or integer) hashed into ``num_embeddings`` buckets.
+    ``null``: ``id`` when ``num_embeddings`` is given, ``hash`` when the data sizes it (``mod`` with ``hex``)."""
     hex: bool = False
     """Values are hexadecimal strings (Criteo's categoricals), parsed to integers before ``encoding``."""
     separator: str | None = None
@@ -70,7 +75,9 @@ class SparseColumn:
 
     def __post_init__(self) -> None:
         key = f"data.sparse[{self.name}]"
-        require(self.num_embeddings > 0, f"{key}.num_embeddings must be positive, got {self.num_embeddings}")
+        if self.encoding is None:
+            self.encoding = "id" if self.num_embeddings is not None else ("mod" if self.hex else "hash")
+        require(self.num_embeddings is None or self.num_embeddings > 0, f"{key}.num_embeddings must be positive, got {self.num_embeddings}")
         require(self.encoding in SPARSE_ENCODINGS, f"{key}.encoding={self.encoding!r} must be one of {SPARSE_ENCODINGS}")
         require(self.pooling in POOLINGS, f"{key}.pooling={self.pooling!r} must be one of {sorted(POOLINGS)}")
         if self.embedding_dim is not None:
@@ -79,8 +86,14 @@ class SparseColumn:
         require(not (self.hex and self.encoding == "hash"),
                 f"{key}: hex=true parses values to integers, which encoding=hash does not need; use encoding=mod with hex=true, or hex=false")
 
+    @property
+    def size(self) -> int:
+        """``num_embeddings`` once known (a :class:`Schema`'s columns are always sized)."""
+        assert self.num_embeddings is not None, f"data.sparse[{self.name}] is not sized yet"
+        return self.num_embeddings
+
     def feature(self) -> SparseFeature:
-        return SparseFeature(self.name, self.num_embeddings, self.embedding_dim, self.pooling, self.table)
+        return SparseFeature(self.name, self.size, self.embedding_dim, self.pooling, self.table)
 
 
 def check_labels(label: str | None, labels: dict[str, str] | None, label_kinds: dict[str, str] | None) -> None:
@@ -123,11 +136,18 @@ class Schema:
     label: str | None = None
     labels: dict[str, str] | None = None
     label_kinds: dict[str, str] | None = None
+    label_threshold: float | None = None
+    """A numeric ``label`` column made binary: ``1`` where the value is ``>=`` this (ratings → clicks), else ``0``."""
     dense: list[DenseColumn] = field(default_factory=list)
     sparse: list[SparseColumn] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         check_labels(self.label, self.labels, self.label_kinds)
+        require(self.label_threshold is None or (self.labels is None and math.isfinite(self.label_threshold)),
+                f"data.label_threshold={self.label_threshold} applies to one data.label (a finite number), not to data.labels")
+        unsized = [c.name for c in self.sparse if c.num_embeddings is None]
+        require(not unsized, f"data.sparse columns {unsized} have no num_embeddings; they are sized from the data when the data "
+                f"module is built (recsys_runner/data/infer.py)")
         names = [*self.label_columns, *(c.name for c in self.dense), *(c.name for c in self.sparse)]
         dupes = sorted({n for n in names if names.count(n) > 1})
         require(not dupes, f"columns {dupes} appear more than once among data.label(s), data.dense and data.sparse; each column has one role")
@@ -156,6 +176,79 @@ class Schema:
         spec = FeatureSpec(tuple(c.name for c in self.dense), tuple(c.feature() for c in self.sparse), label)
         spec.embedding_tables(1)  # tables shared by several features must agree: fail at build, not at shard time
         return spec
+
+
+SCHEMA_KEYS = ("label", "labels", "label_kinds", "label_threshold", "dense", "sparse")
+"""The keys of a schema file (``data.schema=<file>``, ``convert --schema``) that describe the columns."""
+READER_KEYS = ("delimiter", "header", "column_names", "null_values")
+"""The keys of a schema file that say how to read delimited text (CSV/TSV options of ``data=csv``)."""
+
+
+def schema_from_mapping(raw: dict[str, Any], where: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The :class:`Schema` fields and the text-reader options (:data:`READER_KEYS` present) a schema file's mapping holds.
+
+    The form is the one the runner prints when it infers a schema, and the one ``convert --schema`` reads:
+    ``label`` (or ``labels`` / ``label_kinds``), ``label_threshold``, ``dense``, ``sparse`` as in ``data.*``,
+    and optionally ``delimiter``, ``header``, ``column_names``, ``null_values``. The fields are keyword
+    arguments of :class:`Schema` (columns built and checked); a sparse column without ``num_embeddings`` is
+    sized from the data by the data module, so ``Schema(**fields)`` alone refuses it.
+
+    Raises:
+        ConfigError: an unknown key or an invalid column, naming ``where``.
+    """
+    require(isinstance(raw, dict), f"{where} must hold a mapping with {', '.join(SCHEMA_KEYS)}, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(SCHEMA_KEYS) - set(READER_KEYS))
+    require(not unknown, f"{where} has unknown key(s) {unknown}; a schema file has {', '.join(SCHEMA_KEYS + READER_KEYS)}")
+    try:
+        dense = [DenseColumn(**d) for d in raw.get("dense") or []]
+        sparse = [SparseColumn(**c) for c in raw.get("sparse") or []]
+    except TypeError as e:  # an unknown field in a column entry
+        raise ConfigError(f"{where}: {e}. Column fields: dense {[f.name for f in fields(DenseColumn)]}, "
+                          f"sparse {[f.name for f in fields(SparseColumn)]}") from None
+    parts = {"label": raw.get("label"), "labels": raw.get("labels"), "label_kinds": raw.get("label_kinds"),
+             "label_threshold": raw.get("label_threshold"), "dense": dense, "sparse": sparse}
+    return parts, {k: raw[k] for k in READER_KEYS if k in raw}
+
+
+def read_schema_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """:func:`schema_from_mapping` of the YAML file ``path`` (``data.schema=<path>``)."""
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise ConfigError(f"data.schema={path!r} cannot be read ({e.strerror or e}). Fix: point data.schema at a schema YAML file "
+                          f"(the one a run prints when it infers the schema)") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"data.schema={path!r} is not valid YAML ({str(e).splitlines()[0]})") from None
+    return schema_from_mapping(raw, f"data.schema={path!r}")
+
+
+def schema_yaml(schema: Schema, reader: dict[str, Any] | None = None, notes: list[str] | None = None) -> str:
+    """``schema`` (and the text-reader options) as a schema file: what :func:`read_schema_file` reads back.
+
+    Fields at their defaults are left out of each column; ``notes`` become comment lines at the top.
+    """
+    out: dict[str, Any] = {}
+    if schema.labels is not None:
+        out["labels"] = dict(schema.labels)
+        if schema.label_kinds:
+            out["label_kinds"] = dict(schema.label_kinds)
+    else:
+        out["label"] = schema.label
+    if schema.label_threshold is not None:
+        out["label_threshold"] = schema.label_threshold
+    out["dense"] = [_non_default(c) for c in schema.dense]
+    out["sparse"] = [_non_default(c) for c in schema.sparse]
+    out.update(reader or {})
+    text = yaml.safe_dump(out, sort_keys=False, default_flow_style=None, width=200)
+    return "".join(f"# {n}\n" for n in notes or []) + text
+
+
+def _non_default(column: DenseColumn | SparseColumn) -> dict[str, Any]:
+    """A column's fields that differ from their defaults (``name`` always; a sparse column's size and encoding always)."""
+    keep = {"name", "num_embeddings", "encoding"}
+    return {f.name: getattr(column, f.name) for f in fields(column)
+            if f.name in keep or getattr(column, f.name) != f.default}
 
 
 @dataclass
@@ -283,23 +376,30 @@ class Encoder:
     # -- label --------------------------------------------------------------------------------------
     def _label(self, table: pa.Table, where: Location, bad) -> np.ndarray:
         schema = self.schema
-        columns = [self._label_column(table, column, task, schema.label_kind(task), schema.labels is not None, where, bad)
+        columns = [self._label_column(table, column, task, schema.label_kind(task), schema.labels is not None, where, bad,
+                                      schema.label_threshold)
                    for column, task in zip(schema.label_columns, schema.label_tasks, strict=True)]
         return columns[0] if schema.labels is None else np.stack(columns, axis=1)
 
     @staticmethod
-    def _label_column(table: pa.Table, name: str, task: str, kind: str, multi: bool, where: Location, bad) -> np.ndarray:
+    def _label_column(table: pa.Table, name: str, task: str, kind: str, multi: bool, where: Location, bad,
+                      threshold: float | None = None) -> np.ndarray:
         arr = _numeric(_column(table, name), name, where, bad)
         null = np.asarray(arr.is_null().to_numpy(zero_copy_only=False), dtype=bool) if arr.null_count else np.zeros(len(arr), bool)
         values = np.asarray(arr.fill_null(0.0).to_numpy(zero_copy_only=False), dtype=np.float64)
         of = f" (task {task!r})" if multi else ""
         bad(name, null, lambda i: f"the label{of} is missing (null or empty)")
+        if threshold is not None:
+            wrong = ~null & ~np.isfinite(values)
+            bad(name, wrong, lambda i: f"the label is {_shown(float(values[i]))}, not a finite number to compare with data.label_threshold")
+            return np.where(null | wrong, 0, values >= threshold).astype(np.float32)
         if kind == "regression":
             wrong = ~null & ~np.isfinite(values)
             bad(name, wrong, lambda i: f"the label{of} is {_shown(float(values[i]))}, but a regression label must be finite")
         else:
             wrong = ~null & (values != 0) & (values != 1)
-            hint = f"; a float label: data.label_kinds.{task}=regression" if multi else ""
+            hint = (f"; a float label: data.label_kinds.{task}=regression" if multi
+                    else "; a rating or score: data.label_threshold=<value> makes values >= it positive")
             bad(name, wrong, lambda i: f"the label{of} is {_shown(float(values[i]))}, but the task is binary (BCE) and needs 0 or 1{hint}")
         return np.where(null | wrong, 0, values).astype(np.float32)
 
@@ -367,11 +467,11 @@ class Encoder:
         is_text = pa.types.is_string(flat.type) or pa.types.is_large_string(flat.type)
         if col.encoding == "hash":
             if is_text:
-                return (fnv1a64(flat) % np.uint64(col.num_embeddings)).astype(np.int64), None
+                return (fnv1a64(flat) % np.uint64(col.size)).astype(np.int64), None
             if not pa.types.is_integer(flat.type):
                 return np.zeros(len(flat), np.int64), np.ones(len(flat), bool)
             v = np.asarray(flat.to_numpy(zero_copy_only=False), dtype=np.int64).view(np.uint64)
-            return (splitmix64(v) % np.uint64(col.num_embeddings)).astype(np.int64), None
+            return (splitmix64(v) % np.uint64(col.size)).astype(np.int64), None
         if col.hex:
             if not is_text:
                 return np.zeros(len(flat), np.int64), np.ones(len(flat), bool)
@@ -387,8 +487,8 @@ class Encoder:
         else:
             return np.zeros(len(flat), np.int64), np.ones(len(flat), bool)
         if col.encoding == "mod":
-            return np.mod(values, col.num_embeddings), wrong
-        out = (values < 0) | (values >= col.num_embeddings)
+            return np.mod(values, col.size), wrong
+        out = (values < 0) | (values >= col.size)
         return values, out if wrong is None else (out | wrong)
 
 

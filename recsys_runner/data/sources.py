@@ -145,6 +145,27 @@ class ParquetSource:
             )
         return f
 
+    def sample(self, num_rows: int) -> pa.Table:
+        """The first ``num_rows`` rows of the files (in order), every column, to infer a schema from."""
+        tables: list[pa.Table] = []
+        wanted = num_rows
+        for path in self.files:
+            f = self._open(path)
+            try:
+                for rb in f.iter_batches(batch_size=min(wanted, self.read_rows), use_threads=False):
+                    if tables and rb.schema.names != tables[0].column_names:
+                        return pa.concat_tables(tables)
+                    tables.append(pa.Table.from_batches([rb]))
+                    wanted -= rb.num_rows
+                    if wanted <= 0:
+                        return pa.concat_tables(tables)
+            except (pa.ArrowException, OSError) as e:
+                raise DataError(f"{path}: its first rows cannot be read to infer a schema ({str(e).splitlines()[0]}); the file is "
+                                f"corrupt. Fix: write it again, or remove it from data.path") from None
+        if not tables:
+            raise DataError(f"{self.files[0]} has no rows to infer a schema from. Fix: point data.path at files with rows")
+        return pa.concat_tables(tables)
+
     def read(self, unit: Unit) -> Iterator[tuple[pa.Table, np.ndarray]]:
         """The row group as tables of at most ``read_rows`` rows, and the 0-based file row of each row."""
         f = self._open(unit.path)
@@ -201,7 +222,8 @@ class CsvSource:
             self._index(path)
         return self._names[path]
 
-    def _index(self, path: str) -> list[Unit]:
+    def _header(self, path: str) -> tuple[list[str], int]:
+        """``path``'s column names and the byte offset of its first data line, after checking it is delimited text."""
         size = os.path.getsize(path)
         head = _head(path)
         if head.startswith(PARQUET_MAGIC):
@@ -229,6 +251,58 @@ class CsvSource:
             where = "its header" if self.header else "data.column_names"
             raise DataError(f"{path} has no column {missing[0]!r}; {where} lists {names}. Fix: correct the column names in "
                             f"data.label(s) / data.dense / data.sparse" + ("" if self.header else " or data.column_names"))
+        return names, data_start
+
+    def header_names(self) -> list[str]:
+        """The first file's column names (its header, or ``data.column_names``), without reading its rows; a header
+        that is one column split by another delimiter than ``data.delimiter`` is the wrong delimiter, said so."""
+        names = self._header(self.files[0])[0]
+        if self.header and len(names) == 1 and (hint := delimiter_hint(names[0], self.delimiter)):
+            raise DataError(f"{self.files[0]} has no column 'label': its header line is one column, {names[0]!r}.{hint}")
+        return names
+
+    def sample(self, num_rows: int) -> pa.Table:
+        """The first ``num_rows`` rows of the files (in order), every column as text (missing values null), to infer
+        a schema from (:mod:`recsys_runner.data.infer`); lines with the wrong number of fields are left out."""
+        tables: list[pa.Table] = []
+        wanted = num_rows
+        for path in self.files:
+            names, data_start = self._header(path)
+            lines: list[bytes] = []
+            with open(path, "rb") as f:
+                f.seek(data_start)
+                for line in f:
+                    if line.strip(b"\r\n"):
+                        lines.append(line)
+                    if len(lines) >= wanted:
+                        break
+            if not lines:
+                continue
+            raw = b"".join(lines if lines[-1].endswith(b"\n") else [*lines[:-1], lines[-1] + b"\n"])
+            try:
+                table = pacsv.read_csv(
+                    pa.BufferReader(raw),
+                    read_options=pacsv.ReadOptions(column_names=names, use_threads=False, block_size=len(raw) + 1),
+                    parse_options=pacsv.ParseOptions(delimiter=self.delimiter, invalid_row_handler=lambda row: "skip"),
+                    convert_options=pacsv.ConvertOptions(column_types=dict.fromkeys(names, pa.string()), null_values=list(self.null_values),
+                                                         strings_can_be_null=True, quoted_strings_can_be_null=True),
+                )
+            except pa.ArrowInvalid as e:
+                raise DataError(f"{path}: its first lines cannot be parsed as delimited text ({str(e).splitlines()[0]}). "
+                                f"Fix: check data.delimiter={self.delimiter!r} and the file's format") from None
+            if tables and table.column_names != tables[0].column_names:
+                break  # a file with other columns: infer from those seen so far
+            tables.append(table)
+            wanted -= table.num_rows
+            if wanted <= 0:
+                break
+        if not tables:
+            raise DataError(f"{self.files[0]} has no data lines to infer a schema from. Fix: point data.path at files with rows")
+        return pa.concat_tables(tables)
+
+    def _index(self, path: str) -> list[Unit]:
+        size = os.path.getsize(path)
+        names, data_start = self._header(path)
         self._names[path], self._data_start[path] = names, data_start
         if data_start >= size:
             raise DataError(f"{path} has a header but no rows. Fix: remove it from data.path")

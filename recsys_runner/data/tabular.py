@@ -26,7 +26,7 @@ import math
 import os
 import zlib
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -39,6 +39,7 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.data.base import DataConfig, DataModule, synchronized
+from recsys_runner.data.infer import InferConfig, Inferred, complete_schema
 from recsys_runner.data.schema import (
     BAD_ROW_MODES,
     DENSE_TRANSFORMS,
@@ -49,6 +50,8 @@ from recsys_runner.data.schema import (
     Schema,
     SparseColumn,
     check_labels,
+    read_schema_file,
+    schema_yaml,
     splitmix64,
 )
 from recsys_runner.data.sources import PARQUET_SUFFIXES, CsvSource, ParquetSource, Unit, resolve_files
@@ -60,8 +63,9 @@ SCHEMA_METADATA_KEY = b"recsys_runner.schema"
 """Parquet key-value metadata written by ``python -m recsys_runner.data convert``: the schema as JSON."""
 
 DEFAULT_EVAL_FRACTION = 0.1
-DELIMITER_ESCAPES = {"\\t": "\t"}
-"""``data.delimiter`` spellings that stand for a character hard to pass through a shell and Hydra (a tab)."""
+DELIMITER_ESCAPES = {"\\t": "\t", "tab": "\t", "comma": ",", "semicolon": ";", "pipe": "|"}
+"""``data.delimiter`` spellings that stand for a character hard to pass through a shell and Hydra (a tab; a comma,
+which Hydra's override grammar reads as a list separator: ``data.delimiter=comma``)."""
 CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE = 13, 26
 CRITEO_COLUMNS = ["label", *(f"int_{i}" for i in range(CRITEO_NUM_DENSE)), *(f"cat_{i}" for i in range(CRITEO_NUM_SPARSE))]
 
@@ -94,6 +98,9 @@ class TabularDataConfig(DataConfig):
     count them (``data/bad_rows_skipped``) and log the count."""
     read_rows: int = 65_536
     """Rows per Arrow record batch read from a Parquet row group (memory bound per read)."""
+    infer: InferConfig = field(default_factory=InferConfig)
+    """How what the config leaves open (no column list, a sparse column without ``num_embeddings``, no label) is
+    inferred from a sample of the files; the run logs the result as a schema file (docs/data.md, *Inferred schema*)."""
 
     def __post_init__(self) -> None:
         require(bool(self.path), "data.path is required: a file, a directory or a glob, e.g. data.path=/data/train/")
@@ -114,8 +121,16 @@ class TabularDataConfig(DataConfig):
 class SchemaFields:
     """The feature schema of a file format that does not fix its columns."""
 
+    schema: str | None = None
+    """A schema file (YAML: ``label`` or ``labels``, ``label_threshold``, ``dense``, ``sparse``, and for text the
+    reader options ``delimiter``, ``header``, ``column_names``, ``null_values``), e.g. the one a run logs when it
+    infers the schema, saved and edited. Its columns replace ``label(s)``/``dense``/``sparse`` (set one or the
+    other) and its reader options those of the config."""
     label: str | None = None
-    """The binary (0/1) label column; ``null``: the column ``label``, unless ``labels`` is set."""
+    """The binary (0/1) label column; ``null`` (and no ``labels``): the first column named ``label``, ``click``,
+    ``clicked``, ``is_click``, ``target`` or ``y`` (any case), else an error naming the columns."""
+    label_threshold: float | None = None
+    """Make a numeric ``label`` binary: ``1`` where the value is ``>=`` this, else ``0`` (ratings → clicks: ``4``)."""
     labels: Any = None
     """Several labels for a multi-task model: task name → column, e.g. ``{ctr: click, cvr: conversion}``;
     batches carry ``labels [B, T]`` in this order and the model's tasks bind by name. Set ``label`` or
@@ -127,14 +142,21 @@ class SchemaFields:
     dense: list[DenseColumn] = field(default_factory=list)
     """Float input columns, e.g. ``[{name: price, transform: log1p}]``."""
     sparse: list[SparseColumn] = field(default_factory=list)
-    """Categorical input columns, e.g. ``[{name: item_id, num_embeddings: 100000, encoding: hash}]``. Empty
-    for Parquet: read the schema that ``python -m recsys_runner.data convert`` stored in the file."""
+    """Categorical input columns, e.g. ``[{name: item_id, num_embeddings: 100000, encoding: hash}]`` (without
+    ``num_embeddings``: sized from the data). With ``dense`` also empty: Parquet files' stored schema (written by
+    ``python -m recsys_runner.data convert``), else a schema inferred from the files (``data.infer``)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()  # type: ignore[misc]  # TabularDataConfig's, next in the MRO of every data option
         labels = _mapping(self.labels, "data.labels")
-        check_labels(self.label if self.label is not None or labels is not None else "label", labels,
-                     _mapping(self.label_kinds, "data.label_kinds"))
+        kinds = _mapping(self.label_kinds, "data.label_kinds")
+        if self.label is not None or labels is not None or kinds:  # neither: detected from the files' columns
+            check_labels(self.label, labels, kinds)
+        require(self.label_threshold is None or (labels is None and math.isfinite(self.label_threshold)),
+                f"data.label_threshold={self.label_threshold} makes one data.label binary (a finite number); it does not apply to data.labels")
+        require(self.schema is None or not (self.dense or self.sparse or self.label is not None or labels is not None),
+                f"data.schema={self.schema!r} and data.label(s)/dense/sparse are both set; the schema file lists the columns. "
+                f"Fix: edit the file, or drop data.schema")
 
 
 @dataclass(kw_only=True)
@@ -151,7 +173,8 @@ class CsvDataConfig(SchemaFields, TabularDataConfig):
     _target_: str = "recsys_runner.data.tabular.CsvData"
     delimiter: str = ","
     """Field delimiter: ``","`` for CSV, ``"\\t"`` for TSV. On the command line ``data.delimiter='\\t'`` (Hydra passes
-    the two characters backslash and ``t``, which mean a tab here)."""
+    the two characters backslash and ``t``, which mean a tab here) or ``data.delimiter=tab``; ``data.delimiter=comma``
+    (a bare ``,`` is not a valid override), ``semicolon``, ``pipe``."""
     header: bool = True
     """The first line names the columns; ``false``: give ``column_names``."""
     column_names: list[str] | None = None
@@ -181,8 +204,9 @@ class CriteoDataConfig(TabularDataConfig):
     """
 
     _target_: str = "recsys_runner.data.tabular.CriteoData"
-    num_embeddings: int = 100_000
-    """Table size of every categorical column."""
+    num_embeddings: int | None = 100_000
+    """Table size of every categorical column; ``null``: each column's sized from a sample of the files (its distinct
+    values × ``data.infer.bucket_margin``, rounded up; logged), for data whose size you do not know."""
     num_embeddings_per_feature: list[int] | None = None
     """Per-column table sizes (26 entries); overrides ``num_embeddings``."""
     categorical_encoding: str = "mod"
@@ -194,7 +218,7 @@ class CriteoDataConfig(TabularDataConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(self.num_embeddings > 0, f"data.num_embeddings must be positive, got {self.num_embeddings}")
+        require(self.num_embeddings is None or self.num_embeddings > 0, f"data.num_embeddings must be positive or null, got {self.num_embeddings}")
         if self.num_embeddings_per_feature is not None:
             require(len(self.num_embeddings_per_feature) == CRITEO_NUM_SPARSE,
                     f"data.num_embeddings_per_feature has {len(self.num_embeddings_per_feature)} entries; Criteo has {CRITEO_NUM_SPARSE} categoricals")
@@ -204,14 +228,18 @@ class CriteoDataConfig(TabularDataConfig):
         require(self.block_rows > 0, f"data.block_rows must be positive, got {self.block_rows}")
 
 
+def criteo_columns(num_embeddings: list[int | None], categorical_encoding: str = "mod",
+                   dense_transform: str = "log1p") -> tuple[list[DenseColumn], list[SparseColumn]]:
+    """The Criteo dense and sparse columns with the usual preprocessing (a ``None`` size: sized from the data)."""
+    hexed = categorical_encoding == "mod"
+    return ([DenseColumn(name=f"int_{i}", transform=dense_transform) for i in range(CRITEO_NUM_DENSE)],
+            [SparseColumn(name=f"cat_{i}", num_embeddings=n, encoding=categorical_encoding, hex=hexed) for i, n in enumerate(num_embeddings)])
+
+
 def criteo_schema(num_embeddings: list[int], categorical_encoding: str = "mod", dense_transform: str = "log1p") -> Schema:
     """The Criteo columns with the usual preprocessing (see :class:`CriteoDataConfig`)."""
-    hexed = categorical_encoding == "mod"
-    return Schema(
-        label="label",
-        dense=[DenseColumn(name=f"int_{i}", transform=dense_transform) for i in range(CRITEO_NUM_DENSE)],
-        sparse=[SparseColumn(name=f"cat_{i}", num_embeddings=n, encoding=categorical_encoding, hex=hexed) for i, n in enumerate(num_embeddings)],
-    )
+    dense, sparse = criteo_columns(list(num_embeddings), categorical_encoding, dense_transform)
+    return Schema(label="label", dense=dense, sparse=sparse)
 
 
 # -- the data module --------------------------------------------------------------------------------
@@ -506,11 +534,26 @@ def _plain(value: Any) -> Any:
     return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig | ListConfig) else value
 
 
-def config_schema(config: Any) -> Schema:
-    """The schema a config's ``label`` / ``labels`` / ``label_kinds`` / ``dense`` / ``sparse`` describe."""
-    labels, kinds = _mapping(config.labels, "data.labels"), _mapping(config.label_kinds, "data.label_kinds")
-    label = config.label if config.label is not None or labels is not None else "label"
-    return Schema(label=label, labels=labels, label_kinds=kinds, dense=config.dense, sparse=config.sparse)
+def config_schema(config: Any, sample: Any, where: str, column_names: Any = None) -> tuple[Inferred, dict[str, Any]]:
+    """The schema a config (or its ``data.schema`` file) describes, with what it leaves open inferred from
+    ``sample()`` (:func:`~recsys_runner.data.infer.complete_schema`), and the text-reader options the schema
+    file sets (``{}`` without one)."""
+    reader: dict[str, Any] = {}
+    if config.schema is not None:
+        parts, reader = read_schema_file(config.schema)
+    else:
+        parts = {"label": config.label, "labels": _mapping(config.labels, "data.labels"), "label_threshold": config.label_threshold,
+                 "label_kinds": _mapping(config.label_kinds, "data.label_kinds"), "dense": list(config.dense), "sparse": list(config.sparse)}
+    return complete_schema(**parts, sample=sample, config=config.infer, where=where, column_names=column_names), reader
+
+
+def log_inferred(done: Inferred, where: str, reader: dict[str, Any] | None = None) -> None:
+    """Log an inferred schema (rank 0) as a schema file the user can save and pass as ``data.schema=<file>``."""
+    if not done.inferred or int(os.environ.get("RANK", "0")) != 0:
+        return
+    text = schema_yaml(done.schema, reader, done.notes)
+    log.info("data schema of %s, inferred (%s). To keep or edit it, save the lines below as a file and train with "
+             "data.schema=<file>:\n%s", where, "; ".join(done.inferred), text)
 
 
 def _mapping(value: Any, key: str) -> dict[str, str] | None:
@@ -527,34 +570,35 @@ def stored_schema(path: str) -> Schema | None:
     if SCHEMA_METADATA_KEY not in meta:
         return None
     raw = json.loads(meta[SCHEMA_METADATA_KEY])
-    return Schema(label=raw.get("label"), labels=raw.get("labels"), label_kinds=raw.get("label_kinds"),
+    return Schema(label=raw.get("label"), labels=raw.get("labels"), label_kinds=raw.get("label_kinds"), label_threshold=raw.get("label_threshold"),
                   dense=[DenseColumn(**d) for d in raw["dense"]], sparse=[SparseColumn(**s) for s in raw["sparse"]])
 
 
 def schema_json(schema: Schema) -> bytes:
     """The schema as stored in Parquet metadata: ``label`` or ``labels`` (task → column, in order) and
     ``label_kinds``, ``dense``, ``sparse``."""
-    return json.dumps({"label": schema.label, "labels": schema.labels, "label_kinds": schema.label_kinds,
+    return json.dumps({"label": schema.label, "labels": schema.labels, "label_kinds": schema.label_kinds, "label_threshold": schema.label_threshold,
                        "dense": [asdict(d) for d in schema.dense], "sparse": [asdict(s) for s in schema.sparse]}).encode()
 
 
 class ParquetData(TabularData):
-    """``data=parquet``: Parquet files (see :class:`ParquetDataConfig`)."""
+    """``data=parquet``: Parquet files (see :class:`ParquetDataConfig`).
+
+    The schema: ``data.schema`` or the config's columns; without either, the one ``convert`` stored in the
+    files; without that, one inferred from the files (:mod:`recsys_runner.data.infer`, logged).
+    """
 
     def __init__(self, config: ParquetDataConfig) -> None:
-        if config.sparse:
-            schema = config_schema(config)
-        else:
-            first = resolve_files(config.path, "data.path", PARQUET_SUFFIXES)[0]
-            ParquetSource([first], [], config.read_rows)._open(first)
-            stored = stored_schema(first)
-            if stored is None:
-                raise DataError(
-                    f"data.sparse is empty and {first} carries no stored schema. Fix: list the columns, e.g. "
-                    f"data.label=clicked 'data.sparse=[{{name: item_id, num_embeddings: 100000}}]' 'data.dense=[{{name: price}}]', "
-                    f"or write the file with python -m recsys_runner.data convert"
-                )
+        files = resolve_files(config.path, "data.path", PARQUET_SUFFIXES)
+        ParquetSource([files[0]], [], config.read_rows)._open(files[0])
+        stored = None if (config.schema or config.sparse or config.dense) else stored_schema(files[0])
+        if stored is not None:
             schema = stored
+        else:
+            done, _ = config_schema(config, lambda: ParquetSource(files, [], config.read_rows).sample(config.infer.sample_rows),
+                                    f"data.path={config.path!r}", lambda: pq.read_schema(files[0]).names)
+            log_inferred(done, f"data.path={config.path!r}")
+            schema = done.schema
         super().__init__(config, schema)
 
     def _suffixes(self) -> tuple[str, ...] | None:
@@ -565,12 +609,25 @@ class ParquetData(TabularData):
 
 
 class CsvData(TabularData):
-    """``data=csv``: delimited text files (see :class:`CsvDataConfig`)."""
+    """``data=csv``: delimited text files (see :class:`CsvDataConfig`); the schema from ``data.schema``, the config's
+    columns, or inferred from the files (:mod:`recsys_runner.data.infer`, logged)."""
 
     def __init__(self, config: CsvDataConfig) -> None:
+        where = f"data.path={config.path!r}"
+        done, reader = config_schema(config, lambda: self._sampler(config).sample(config.infer.sample_rows), where,
+                                     lambda: self._sampler(config).header_names())
+        if reader:  # the schema file says how its files are read
+            config = replace(config, **reader)
         self.csv = config
         """:attr:`config`, typed as this option's (its reader settings; set first: the base class opens the files)."""
-        super().__init__(config, config_schema(config))
+        log_inferred(done, where, {"delimiter": config.delimiter, "header": config.header, "null_values": list(config.null_values),
+                                   **({} if config.header else {"column_names": list(config.column_names or [])})})
+        super().__init__(config, done.schema)
+
+    @staticmethod
+    def _sampler(c: CsvDataConfig) -> CsvSource:
+        return CsvSource(resolve_files(c.path, "data.path", None), [], delimiter=c.delimiter, header=c.header,
+                         column_names=c.column_names, null_values=c.null_values, block_rows=c.block_rows, on_bad_rows=c.on_bad_rows)
 
     def _source(self, files: list[str]) -> CsvSource:
         c = self.csv
@@ -579,15 +636,22 @@ class CsvData(TabularData):
 
 
 class CriteoData(TabularData):
-    """``data=criteo``: raw Criteo TSV files (see :class:`CriteoDataConfig`)."""
+    """``data=criteo``: raw Criteo TSV files (see :class:`CriteoDataConfig`); with ``data.num_embeddings=null`` each
+    table is sized from a sample of the files (logged)."""
 
     def __init__(self, config: CriteoDataConfig) -> None:
-        sizes = config.num_embeddings_per_feature or [config.num_embeddings] * CRITEO_NUM_SPARSE
         self.criteo = config
         """:attr:`config`, typed as this option's (its reader settings; set first: the base class opens the files)."""
-        super().__init__(config, criteo_schema(sizes, config.categorical_encoding, config.dense_transform))
+        sizes: list[int | None] = [*config.num_embeddings_per_feature] if config.num_embeddings_per_feature else [config.num_embeddings] * CRITEO_NUM_SPARSE
+        dense, sparse = criteo_columns(sizes, config.categorical_encoding, config.dense_transform)
+        where = f"data.path={config.path!r}"
+        done = complete_schema(label="label", labels=None, label_kinds=None, label_threshold=None, dense=dense, sparse=sparse,
+                               sample=lambda: self._source(resolve_files(config.path, "data.path", None)).sample(config.infer.sample_rows),
+                               config=config.infer, where=where)
+        log_inferred(done, where)
+        super().__init__(config, done.schema)
 
     def _source(self, files: list[str]) -> CsvSource:
         c = self.criteo
-        return CsvSource(files, self.schema.columns, delimiter="\t", header=False, column_names=CRITEO_COLUMNS,
-                         null_values=[""], block_rows=c.block_rows, on_bad_rows=c.on_bad_rows)
+        return CsvSource(files, self.schema.columns if hasattr(self, "schema") else [], delimiter="\t", header=False,
+                         column_names=CRITEO_COLUMNS, null_values=[""], block_rows=c.block_rows, on_bad_rows=c.on_bad_rows)

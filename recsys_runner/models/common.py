@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 from torchrec.datasets.utils import Batch
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.modules.mlp import MLP
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -21,7 +22,12 @@ from recsys_runner.errors import ConfigError, require
 from recsys_runner.features import DataNeeds, FeatureSpec
 from recsys_runner.tasks import SINGLE_TASK, Task
 
-__all__ = ["MLP", "ModelConfig", "SparseArch", "DenseArch", "TrainWrapper", "check_layer_sizes", "embedding_width_rule"]
+__all__ = ["LINEAR_ROW_WIDTH", "MLP", "DenseArch", "LinearArch", "ModelConfig", "SparseArch", "TrainWrapper", "check_layer_sizes",
+           "embedding_width_rule", "projection_sizes"]
+
+LINEAR_ROW_WIDTH = 4
+"""Floats per id in a :class:`LinearArch` table: fbgemm's fused kernels store rows in multiples of 4, so an
+id's linear weight is the sum of its 4-float row (still one linear weight per id)."""
 
 
 @dataclass(kw_only=True)
@@ -72,6 +78,30 @@ def check_layer_sizes(name: str, sizes: list[int]) -> None:
     """Validate an MLP's layer sizes from config (non-empty, all positive)."""
     require(len(sizes) > 0, f"model.{name} must list at least one layer size, e.g. model.{name}=[64,16]")
     require(all(s > 0 for s in sizes), f"model.{name}={sizes} has a non-positive layer size")
+
+
+def projection_sizes(name: str, sizes: list[int | None], embedding_dim: int, model: str, why: str) -> list[int]:
+    """An MLP's layer sizes from config whose output must be ``embedding_dim`` wide: each ``null`` entry is
+    ``embedding_dim`` (so ``model.embedding_dim`` alone changes the width), and the last must equal it.
+
+    Args:
+        name: the config key (``dense_arch_layer_sizes``), for messages.
+        sizes: the configured sizes, ``None`` meaning "``model.embedding_dim``".
+        embedding_dim: ``D``.
+        model: the model's name and ``why``: the reason the output must be ``D`` wide, for the message.
+
+    Raises:
+        ConfigError: an empty list, a non-positive size, or a last size other than ``D``.
+    """
+    resolved = [embedding_dim if s is None else s for s in sizes]
+    check_layer_sizes(name, resolved)
+    require(
+        resolved[-1] == embedding_dim,
+        f"model.{name} ends in {resolved[-1]} but model.embedding_dim={embedding_dim}: {model}'s {why}, so they must have "
+        f"the same width. Fix: end model.{name} in null (it then follows model.embedding_dim), e.g. "
+        f"model.{name}=[{''.join(f'{s},' for s in resolved[:-1])}null]",
+    )
+    return resolved
 
 
 class SparseArch(nn.Module):
@@ -133,6 +163,43 @@ class DenseArch(nn.Module):
 
     def forward(self, dense: torch.Tensor) -> torch.Tensor:
         return self.mlp(dense)
+
+
+class LinearArch(nn.Module):
+    """A linear model of the inputs, one weight per sparse id: ``(dense [B, N], sparse KJT) → [B]``.
+
+    ``Σ_f w_f[id_f] + vᵀ dense + b``: each sparse feature reads a table ``<prefix><table>`` with one weight
+    per id (a :data:`LINEAR_ROW_WIDTH`-float row summed; a multi-hot bag pools its ids' weights), created on
+    ``meta`` like every table. Wide & Deep's wide head and DeepFM's first-order term.
+
+    Why tables of their own, 4 floats wide, rather than one more column of the embedding tables: they are
+    ordinary EmbeddingBagCollection tables, so the planner shards them like every other (table-wise for
+    small ones, row-wise for large ones, next to or apart from their embedding table) and the fused
+    TBE kernels batch them together; an extra column would make every embedding table ``D + 4`` wide
+    (fbgemm's row granularity), put the linear weight under the embedding row's row-wise Adagrad state,
+    let column-wise sharding split it off, and have every forward slice it out of the FM and deep inputs.
+
+    Args:
+        features: the data's feature schema (tables and pooling follow its tables).
+        prefix: the tables' name prefix (``wide_``, ``first_order_``), distinct from the embedding tables'.
+        device: device of the dense linear layer.
+    """
+
+    def __init__(self, features: FeatureSpec, prefix: str, device: torch.device | None = None) -> None:
+        super().__init__()
+        tables = [
+            EmbeddingBagConfig(name=f"{prefix}{t.name}", embedding_dim=LINEAR_ROW_WIDTH, num_embeddings=t.num_embeddings,
+                               feature_names=list(t.feature_names), pooling=t.pooling)
+            for t in features.embedding_tables(LINEAR_ROW_WIDTH)
+        ]
+        self.ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+        self.dense = nn.Linear(features.num_dense, 1, device=device) if features.num_dense else None
+        self.feature_names = features.sparse_names
+
+    def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        pooled = self.ebc(sparse).to_dict()
+        logit = torch.stack([pooled[name] for name in self.feature_names], dim=1).sum(dim=(1, 2))
+        return logit if self.dense is None else logit + self.dense(dense).squeeze(1)
 
 
 class TrainWrapper(nn.Module):

@@ -1,10 +1,11 @@
 """DeepFM (Guo et al., 2017, https://arxiv.org/abs/1703.04247) on TorchRec.
 
 The dense features are projected to one more "field" of width ``D`` beside the ``F`` embedded
-sparse fields. Three heads share those ``F+1`` fields and their logits are summed:
+sparse fields. As in the paper, the logit is the sum of the FM component's two terms and the deep part:
 
-* wide: a linear model of the raw dense features,
-* FM: the second-order factorization-machine term over all fields,
+* first order: a linear model, one learned weight per sparse id (its own tables, see
+  :class:`~recsys_runner.models.common.LinearArch`) plus a linear term of the raw dense features,
+* second order: the factorization-machine term over all ``F+1`` fields,
 * deep: an MLP over the concatenated fields.
 """
 
@@ -17,9 +18,8 @@ import torch
 from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsys_runner.errors import require
 from recsys_runner.features import FeatureSpec, check_embedding_dim
-from recsys_runner.models.common import MLP, DenseArch, ModelConfig, SparseArch, check_layer_sizes
+from recsys_runner.models.common import MLP, DenseArch, LinearArch, ModelConfig, SparseArch, check_layer_sizes, projection_sizes
 
 
 @dataclass(kw_only=True)
@@ -30,22 +30,21 @@ class DeepFMConfig(ModelConfig):
     embedding_dim: int = 16
     """Width ``D`` of every embedding table (and of the projected dense field); a per-feature ``embedding_dim``
     in ``data.sparse`` must equal it."""
-    dense_arch_layer_sizes: list[int] = field(default_factory=lambda: [64, 16])
-    """MLP projecting the dense features into a field; must end in ``embedding_dim``."""
+    dense_arch_layer_sizes: list[int | None] = field(default_factory=lambda: [64, None])
+    """MLP projecting the dense features into a field; must end in ``embedding_dim``: a ``null`` entry is
+    ``embedding_dim`` (the default ends in one, so ``model.embedding_dim`` alone changes every width)."""
     deep_layer_sizes: list[int] = field(default_factory=lambda: [256, 128, 64])
     """Hidden layers of the deep head (a final 1-unit layer is added)."""
 
     def __post_init__(self) -> None:
         check_embedding_dim("model.embedding_dim", self.embedding_dim)
-        check_layer_sizes("dense_arch_layer_sizes", self.dense_arch_layer_sizes)
+        self.dense_layer_sizes()
         check_layer_sizes("deep_layer_sizes", self.deep_layer_sizes)
-        require(
-            self.dense_arch_layer_sizes[-1] == self.embedding_dim,
-            f"model.dense_arch_layer_sizes ends in {self.dense_arch_layer_sizes[-1]} but model.embedding_dim="
-            f"{self.embedding_dim}: DeepFM's FM term takes dot products between the dense field and every "
-            f"embedding, so they must have the same width. Fix: make the last entry of "
-            f"model.dense_arch_layer_sizes equal model.embedding_dim.",
-        )
+
+    def dense_layer_sizes(self) -> list[int]:
+        """``dense_arch_layer_sizes`` with each ``null`` as ``embedding_dim`` (checked to end in it)."""
+        return projection_sizes("dense_arch_layer_sizes", self.dense_arch_layer_sizes, self.embedding_dim, "DeepFM",
+                                "FM term takes dot products between the dense field and every embedding")
 
 
 class FMInteraction(nn.Module):
@@ -58,7 +57,11 @@ class FMInteraction(nn.Module):
 
 
 class DeepFM(nn.Module):
-    """DeepFM: wide + FM + deep heads over shared fields; ``(dense [B, N], sparse KJT) → logits [B]``.
+    """DeepFM: first-order + FM second-order + deep heads; ``(dense [B, N], sparse KJT) → logits [B]``.
+
+    ``logit = first_order(dense, ids) + fm(fields) + deep(fields)``, where ``first_order`` holds one weight per
+    sparse id (tables ``first_order_<table>``, 4 floats summed per id, sharded like the embedding tables; why
+    separate tables: :class:`~recsys_runner.models.common.LinearArch`) and a linear term of the dense features.
 
     Args:
         config: its hyperparameters (:class:`DeepFMConfig`: ``embedding_dim`` ``D``, the dense projection
@@ -68,7 +71,7 @@ class DeepFM(nn.Module):
 
     Example::
 
-        model = DeepFM(DeepFMConfig(embedding_dim=8, dense_arch_layer_sizes=[8], deep_layer_sizes=[32]),
+        model = DeepFM(DeepFMConfig(embedding_dim=8, dense_arch_layer_sizes=[None], deep_layer_sizes=[32]),
                        features=data.features)
     """
 
@@ -81,8 +84,8 @@ class DeepFM(nn.Module):
         super().__init__()
         num_fields = len(features.sparse) + 1
         self.sparse_arch = SparseArch(features, config.embedding_dim, type(self))
-        self.dense_arch = DenseArch(features.num_dense, list(config.dense_arch_layer_sizes), device=dense_device)
-        self.wide = nn.Linear(features.num_dense, 1, device=dense_device)
+        self.dense_arch = DenseArch(features.num_dense, config.dense_layer_sizes(), device=dense_device)
+        self.first_order = LinearArch(features, prefix="first_order_", device=dense_device)
         self.fm = FMInteraction()
         self.deep = nn.Sequential(
             MLP(num_fields * config.embedding_dim, list(config.deep_layer_sizes), device=dense_device),
@@ -92,4 +95,4 @@ class DeepFM(nn.Module):
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         fields = torch.cat([self.dense_arch(dense).unsqueeze(1), self.sparse_arch.fields(self.sparse_arch(sparse))], dim=1)
         deep = self.deep(fields.flatten(1)).squeeze(1)
-        return self.wide(dense).squeeze(1) + self.fm(fields) + deep
+        return self.first_order(dense, sparse) + self.fm(fields) + deep

@@ -14,9 +14,8 @@ import torch
 from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsys_runner.errors import require
 from recsys_runner.features import FeatureSpec, check_embedding_dim
-from recsys_runner.models.common import MLP, DenseArch, ModelConfig, SparseArch, check_layer_sizes
+from recsys_runner.models.common import MLP, DenseArch, ModelConfig, SparseArch, check_layer_sizes, projection_sizes
 
 
 @dataclass(kw_only=True)
@@ -26,22 +25,21 @@ class DLRMConfig(ModelConfig):
     _target_: str = "recsys_runner.models.dlrm.DLRM"
     embedding_dim: int = 16
     """Width ``D`` of every embedding table (a per-feature ``embedding_dim`` in ``data.sparse`` must equal it)."""
-    dense_arch_layer_sizes: list[int] = field(default_factory=lambda: [64, 16])
-    """Bottom MLP; must end in ``embedding_dim`` (the interaction dots it with every embedding)."""
+    dense_arch_layer_sizes: list[int | None] = field(default_factory=lambda: [64, None])
+    """Bottom MLP; must end in ``embedding_dim`` (the interaction dots it with every embedding): a ``null`` entry
+    is ``embedding_dim`` (the default ends in one, so ``model.embedding_dim`` alone changes every width)."""
     over_arch_layer_sizes: list[int] = field(default_factory=lambda: [256, 64])
     """Top MLP hidden layers (a final 1-unit layer is added)."""
 
     def __post_init__(self) -> None:
         check_embedding_dim("model.embedding_dim", self.embedding_dim)
-        check_layer_sizes("dense_arch_layer_sizes", self.dense_arch_layer_sizes)
+        self.dense_layer_sizes()
         check_layer_sizes("over_arch_layer_sizes", self.over_arch_layer_sizes)
-        require(
-            self.dense_arch_layer_sizes[-1] == self.embedding_dim,
-            f"model.dense_arch_layer_sizes ends in {self.dense_arch_layer_sizes[-1]} but model.embedding_dim="
-            f"{self.embedding_dim}: DLRM's interaction takes dot products between the dense vector and every "
-            f"embedding, so they must have the same width. Fix: make the last entry of "
-            f"model.dense_arch_layer_sizes equal model.embedding_dim.",
-        )
+
+    def dense_layer_sizes(self) -> list[int]:
+        """``dense_arch_layer_sizes`` with each ``null`` as ``embedding_dim`` (checked to end in it)."""
+        return projection_sizes("dense_arch_layer_sizes", self.dense_arch_layer_sizes, self.embedding_dim, "DLRM",
+                                "interaction takes dot products between the dense vector and every embedding")
 
 
 class DotInteraction(nn.Module):
@@ -81,7 +79,7 @@ class DLRM(nn.Module):
 
     Example::
 
-        model = DLRM(DLRMConfig(embedding_dim=8, dense_arch_layer_sizes=[8], over_arch_layer_sizes=[32]),
+        model = DLRM(DLRMConfig(embedding_dim=8, dense_arch_layer_sizes=[None], over_arch_layer_sizes=[32]),
                      features=data.features)
     """
 
@@ -94,7 +92,7 @@ class DLRM(nn.Module):
         super().__init__()
         num_sparse = len(features.sparse)
         self.sparse_arch = SparseArch(features, config.embedding_dim, type(self))
-        self.dense_arch = DenseArch(features.num_dense, list(config.dense_arch_layer_sizes), device=dense_device)
+        self.dense_arch = DenseArch(features.num_dense, config.dense_layer_sizes(), device=dense_device)
         self.interaction = DotInteraction(num_sparse).to(dense_device)
         self.over_arch = nn.Sequential(
             MLP(DotInteraction.output_dim(num_sparse, config.embedding_dim), list(config.over_arch_layer_sizes), device=dense_device),

@@ -17,16 +17,13 @@ from typing import ClassVar
 
 import torch
 from torch import nn
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.features import FeatureSpec, check_embedding_dim
-from recsys_runner.models.common import MLP, ModelConfig, SparseArch, check_layer_sizes
+from recsys_runner.models.common import LINEAR_ROW_WIDTH, MLP, LinearArch, ModelConfig, SparseArch, check_layer_sizes
 
-WIDE_ROW_WIDTH = 4
-"""Floats per id in the wide tables: fbgemm's fused kernels store rows in multiples of 4, so an
-id's wide weight is the sum of its 4-float row (still one linear weight per id)."""
+WIDE_ROW_WIDTH = LINEAR_ROW_WIDTH
+"""Floats per id in the wide tables (:data:`~recsys_runner.models.common.LINEAR_ROW_WIDTH`)."""
 
 
 @dataclass(kw_only=True)
@@ -45,33 +42,12 @@ class WideDeepConfig(ModelConfig):
         check_layer_sizes("deep_layer_sizes", self.deep_layer_sizes)
 
 
-class WideArch(nn.Module):
-    """The wide (linear) head: ``(dense [B, N], sparse KJT) → [B]``.
-
-    ``Σ_f w_f[id_f] + vᵀ dense + b``: each sparse feature reads a table ``wide_<table>`` with one
-    weight per id (a :data:`WIDE_ROW_WIDTH`-float row summed), created on ``meta`` like every table.
-    """
+class WideArch(LinearArch):
+    """The wide (linear) head: ``(dense [B, N], sparse KJT) → [B]``, a :class:`~recsys_runner.models.common.LinearArch`
+    whose tables are named ``wide_<table>``."""
 
     def __init__(self, features: FeatureSpec, device: torch.device | None = None) -> None:
-        super().__init__()
-        tables = [
-            EmbeddingBagConfig(
-                name=f"wide_{t.name}",
-                embedding_dim=WIDE_ROW_WIDTH,
-                num_embeddings=t.num_embeddings,
-                feature_names=list(t.feature_names),
-                pooling=t.pooling,
-            )
-            for t in features.embedding_tables(WIDE_ROW_WIDTH)
-        ]
-        self.ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
-        self.dense = nn.Linear(features.num_dense, 1, device=device) if features.num_dense else None
-        self.feature_names = features.sparse_names
-
-    def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        pooled = self.ebc(sparse).to_dict()
-        logit = torch.stack([pooled[name] for name in self.feature_names], dim=1).sum(dim=(1, 2))
-        return logit if self.dense is None else logit + self.dense(dense).squeeze(1)
+        super().__init__(features, prefix="wide_", device=device)
 
 
 class DeepArch(nn.Module):

@@ -1,0 +1,247 @@
+"""A feature schema inferred from a sample of the files, for a first try without a hand-written column list.
+
+When ``data=csv`` / ``data=parquet`` get no ``data.dense`` / ``data.sparse`` (and no ``data.schema`` file, nor a
+schema stored by ``convert``), the data module reads the first ``data.infer.sample_rows`` rows and decides:
+
+* the **label**: ``data.label`` / ``data.labels`` when set, else the first column named (any case) one of
+  :data:`LABEL_NAMES` (``label``, ``click``, ``target`` …); otherwise a :class:`DataError` lists the columns and
+  the fix (``data.label=<column>``);
+* per other column (``data.infer.exclude`` left out):
+
+  - a Parquet list column, or text whose values contain a ``data.infer.separators`` character (``|``) → a
+    multi-hot sparse feature (``separator`` set for text);
+  - text that is not a number in every sampled row (Criteo's hex, Avazu's ``site_id``), or an integer beyond
+    64 bits → a sparse feature, ``encoding: hash``;
+  - integers → a sparse feature (ids, codes, small counts: Avazu's ``C14``, MovieLens' ``item``), unless more
+    than ``data.infer.dense_min_distinct_fraction`` of the sampled rows have distinct values (a measurement,
+    a timestamp) → dense;
+  - other numbers (floats, booleans) → dense;
+  - ``log1p`` for a dense column whose sampled values are all ``>= 0``, else none;
+  - a text column (or one of integers beyond 64 bits) whose every sampled value differs (at least
+    :data:`ROW_ID_MIN_ROWS` rows) is a row id (Avazu's ``id``) and is left out, as is a column that is empty
+    in the sample;
+
+* each sparse feature's **bucket count** (``num_embeddings``; also for ``data.sparse`` entries without one and
+  ``data=criteo data.num_embeddings=null``): the distinct values in the sample times ``data.infer.bucket_margin``
+  (room for values the sample missed, fewer hash collisions), rounded up to 1, 2 or 5 × 10^k (at least 4).
+
+The result is logged as a schema file (:func:`~recsys_runner.data.schema.schema_yaml`): save it, edit it and
+pass ``data.schema=<file>`` to train with exactly that schema (``convert --schema`` reads the same form).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from recsys_runner.data.schema import DenseColumn, Schema, SparseColumn
+from recsys_runner.errors import DataError, require
+
+log = logging.getLogger(__name__)
+
+LABEL_NAMES = ("label", "click", "clicked", "is_click", "target", "y")
+"""Column names (compared case-insensitively, in this order) taken for the label when ``data.label`` is not set."""
+ROW_ID_MIN_ROWS = 100
+"""A text column with a different value in every one of at least this many sampled rows is a row id."""
+_INTEGER = re.compile(r"^[+-]?\d+$")
+
+
+@dataclass(kw_only=True)
+class InferConfig:
+    """``data.infer``: how a schema is inferred from the files (see :mod:`recsys_runner.data.infer`)."""
+
+    sample_rows: int = 100_000
+    """Rows read from the start of the files to infer column types and bucket counts."""
+    bucket_margin: float = 2.0
+    """A sized sparse feature gets ``distinct values in the sample × this`` buckets (rounded up to 1/2/5 × 10^k):
+    room for values the sample missed and fewer hash collisions."""
+    dense_min_distinct_fraction: float = 0.5
+    """An integer column is dense (a count, a measurement) when more than this fraction of its sampled values
+    are distinct; otherwise it is categorical (ids, codes), hashed into a sized table."""
+    exclude: list[str] = field(default_factory=list)
+    """Columns never used as features (e.g. ``[id]``)."""
+    separators: list[str] = field(default_factory=lambda: ["|"])
+    """Characters that split a text field into several values (a multi-hot feature, e.g. ``Action|Comedy``)."""
+
+    def __post_init__(self) -> None:
+        require(self.sample_rows > 0, f"data.infer.sample_rows must be positive, got {self.sample_rows}")
+        require(self.bucket_margin >= 1, f"data.infer.bucket_margin must be >= 1, got {self.bucket_margin}. Fix: data.infer.bucket_margin=2")
+        require(0 < self.dense_min_distinct_fraction <= 1,
+                f"data.infer.dense_min_distinct_fraction must lie in (0, 1], got {self.dense_min_distinct_fraction}")
+        require(all(len(s) == 1 for s in self.separators), f"data.infer.separators must be single characters, got {self.separators}")
+
+
+def bucket_count(distinct: int, margin: float) -> int:
+    """``distinct × margin`` rounded up to 1, 2 or 5 × 10^k, at least 4: a table size that reads well and leaves room."""
+    target = max(4, math.ceil(distinct * margin))
+    power = 10 ** int(math.floor(math.log10(target)))
+    return next(m * power for m in (1, 2, 5, 10) if m * power >= target)
+
+
+def _text(arr: pa.Array) -> bool:
+    return pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)
+
+
+def _flat_values(arr: pa.Array, separator: str | None) -> pa.Array:
+    """The non-null values of a column, lists flattened and text split at ``separator``."""
+    if separator is not None and _text(arr):
+        arr = pc.split_pattern(arr, separator)
+    if pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
+        arr = pc.list_flatten(arr)
+    arr = arr.drop_null()
+    return pc.filter(arr, pc.not_equal(arr, "")) if _text(arr) else arr
+
+
+def _distinct(arr: pa.Array, separator: str | None = None) -> int:
+    values = _flat_values(arr, separator)
+    return len(pc.unique(values)) if len(values) else 0
+
+
+def _kind(arr: pa.Array) -> tuple[str, pa.Array]:
+    """``integer``, ``float``, ``text`` or ``other`` for a sampled column with nulls dropped, and the values
+    (text parsed to numbers when every value is one)."""
+    if _text(arr):
+        try:
+            return "integer", arr.cast(pa.int64())
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            pass
+        if all(_INTEGER.match(t) for t in arr.to_pylist()):
+            return "text", arr  # an integer beyond 64 bits: hashed as text
+        try:
+            return "float", arr.cast(pa.float64())
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            return "text", arr
+    if pa.types.is_integer(arr.type):
+        return "integer", arr
+    if pa.types.is_floating(arr.type) or pa.types.is_boolean(arr.type):
+        return "float", arr.cast(pa.float64())
+    return "other", arr  # binary, dictionary, decimal, temporal: the encoder reads none of them as is
+
+
+def infer_column(name: str, arr: pa.Array, config: InferConfig) -> tuple[DenseColumn | SparseColumn | None, str | None]:
+    """One sampled column's role: a dense or (sized) sparse column, or ``None`` with the reason it is left out."""
+    arr = arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
+    present = arr.drop_null()
+    if _text(present):
+        present = pc.filter(present, pc.not_equal(present, ""))
+    rows = len(present)
+    if rows == 0:
+        return None, f"{name!r}: empty in the sample"
+    if pa.types.is_list(present.type) or pa.types.is_large_list(present.type):
+        item = present.type.value_type
+        if not (pa.types.is_integer(item) or pa.types.is_string(item) or pa.types.is_large_string(item)):
+            return None, f"{name!r}: a list of {item}, not of ids or strings"
+        return SparseColumn(name=name, num_embeddings=bucket_count(_distinct(present), config.bucket_margin), encoding="hash"), None
+    if _text(present):
+        separator = next((s for s in config.separators if pc.any(pc.match_substring(present, s)).as_py()), None)
+        if separator is not None:
+            size = bucket_count(_distinct(present, separator), config.bucket_margin)
+            return SparseColumn(name=name, num_embeddings=size, encoding="hash", separator=separator), None
+    kind, values = _kind(present)
+    if kind == "other":
+        return None, f"{name!r}: type {arr.type} is neither a number, text nor a list (list it in data.dense / data.sparse after converting it)"
+    distinct = len(pc.unique(values))
+    if kind == "text" and distinct == rows and rows >= ROW_ID_MIN_ROWS:
+        return None, f"{name!r}: a different value in every sampled row (a row id?); add it to data.sparse to use it"
+    if kind == "text" or (kind == "integer" and distinct <= config.dense_min_distinct_fraction * rows):
+        return SparseColumn(name=name, num_embeddings=bucket_count(distinct, config.bucket_margin), encoding="hash"), None
+    numbers = np.asarray(values.cast(pa.float64()).to_numpy(zero_copy_only=False))
+    transform = "log1p" if bool((numbers[np.isfinite(numbers)] >= 0).all()) else "none"
+    return DenseColumn(name=name, transform=transform), None
+
+
+def detect_label(columns: list[str], where: str) -> str:
+    """The label column among ``columns``: the first named one of :data:`LABEL_NAMES` (any case)."""
+    lowered = {c.lower(): c for c in reversed(columns)}
+    for name in LABEL_NAMES:
+        if name in lowered:
+            return lowered[name]
+    raise DataError(
+        f"no label column in {where}: none of its columns {columns} is named {' / '.join(LABEL_NAMES)}. Fix: name it, "
+        f"e.g. data.label={columns[0]} (a 0/1 column; a rating or score with data.label_threshold=<value>), or "
+        f"data.labels='{{ctr: click, cvr: conversion}}' for several"
+    )
+
+
+@dataclass
+class Inferred:
+    """A schema completed from a sample: the schema, what was inferred (for the log), and why columns were left out."""
+
+    schema: Schema
+    inferred: list[str]
+    notes: list[str]
+
+
+def complete_schema(
+    *,
+    label: str | None,
+    labels: dict[str, str] | None,
+    label_kinds: dict[str, str] | None,
+    label_threshold: float | None,
+    dense: list[DenseColumn],
+    sparse: list[SparseColumn],
+    sample: Callable[[], pa.Table],
+    config: InferConfig,
+    where: str,
+    column_names: Callable[[], list[str]] | None = None,
+) -> Inferred:
+    """The schema of the given fields, with what they leave open inferred from ``sample()`` (read only if needed).
+
+    Open are: the label when neither ``label`` nor ``labels`` is set (found among ``column_names()``, or the
+    sample's columns); every column's role when ``dense`` and ``sparse`` are both empty; the size of each
+    sparse column without ``num_embeddings``.
+
+    Raises:
+        DataError: no label can be found, no sparse feature is left, a named column is not in the sample.
+    """
+    table: pa.Table | None = None
+
+    def read() -> pa.Table:
+        nonlocal table
+        if table is None:
+            table = sample()
+        return table
+
+    inferred: list[str] = []
+    notes: list[str] = []
+    if label is None and labels is None:
+        label = detect_label(column_names() if column_names is not None else read().column_names, where)
+        inferred.append(f"label {label!r}")
+    label_columns = list(labels.values()) if labels is not None else [label]
+    dense, sparse = list(dense), list(sparse)
+    if not dense and not sparse:
+        t = read()
+        skip = set(label_columns) | set(config.exclude)
+        for name in t.column_names:
+            if name in skip:
+                continue
+            column, note = infer_column(name, t.column(name), config)
+            if isinstance(column, DenseColumn):
+                dense.append(column)
+            elif isinstance(column, SparseColumn):
+                sparse.append(column)
+            if note is not None:
+                notes.append(f"left out {note}")
+        inferred.append(f"{len(dense)} dense and {len(sparse)} sparse columns from {t.num_rows} sampled rows")
+        if not sparse:
+            raise DataError(f"inferred no sparse (categorical) column in {where}: the models need at least one. Columns: dense "
+                            f"{[d.name for d in dense]}; {'; '.join(notes) or 'nothing left out'}. Fix: list the columns, e.g. "
+                            f"'data.sparse=[{{name: {(dense[0].name if dense else 'item_id')}}}]' (sized from the data)")
+    for i, col in enumerate(sparse):
+        if col.num_embeddings is None:
+            t = read()
+            if col.name not in t.column_names:
+                raise DataError(f"{where} has no column {col.name!r} (data.sparse); its columns are {t.column_names}. Fix: correct "
+                                f"the column names in data.sparse")
+            size = bucket_count(_distinct(t.column(col.name).combine_chunks(), col.separator), config.bucket_margin)
+            sparse[i] = replace(col, num_embeddings=size)
+            inferred.append(f"{col.name} num_embeddings={size}")
+    schema = Schema(label=label, labels=labels, label_kinds=label_kinds, label_threshold=label_threshold, dense=dense, sparse=sparse)
+    return Inferred(schema, inferred, notes)

@@ -1,0 +1,251 @@
+"""A first try on public-CTR-shaped files: schema inference, ``data.schema`` files, presets, embedding width alone,
+DeepFM's first-order term. Every file is generated here (``recsys_runner/data/generate.py``), never real data."""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import yaml
+
+from recsys_runner.__main__ import run
+from recsys_runner.build import build
+from recsys_runner.config import validate
+from recsys_runner.configurable import make
+from recsys_runner.data.__main__ import main as data_main
+from recsys_runner.data.generate import write_avazu_csv, write_criteo_tsv, write_movielens_ratings
+from recsys_runner.data.infer import bucket_count
+from recsys_runner.data.schema import DenseColumn, SparseColumn
+from recsys_runner.data.tabular import CsvData, CsvDataConfig, ParquetData, ParquetDataConfig, schema_json
+from recsys_runner.errors import ConfigError, DataError
+from recsys_runner.models.deepfm import DeepFM, DeepFMConfig
+from recsys_runner.runner import train
+from tests.test_checkpoint import local
+from tests.test_models import CPU, MODELS, materialize, small_data
+
+ROWS = 600
+
+
+def mixed_columns(rows: int = ROWS, seed: int = 0) -> dict[str, list]:
+    """Columns of every kind inference tells apart, with a click that depends on them."""
+    rng = np.random.default_rng(seed)
+    user = rng.integers(0, 40, rows)
+    site = rng.integers(0, 25, rows)
+    price = rng.gamma(2.0, 10.0, rows).round(3)
+    seconds = rng.integers(0, 10**9, rows)  # nearly every value distinct: a measurement, dense
+    delta = rng.normal(0, 1, rows).round(4)  # negative values: no log1p
+    click = (rng.random(rows) < 1 / (1 + np.exp(-(user % 3 - 1 + (site % 2))))).astype(int)
+    tags = ["|".join(f"t{int(t)}" for t in rng.choice(12, size=int(rng.integers(1, 4)), replace=False)) for _ in range(rows)]
+    return {"row_id": [f"r{i:06d}" for i in range(rows)], "Click": click.tolist(), "user_id": user.tolist(),
+            "site": [f"{int(s) * 7919:08x}" for s in site], "price": price.tolist(), "seconds": seconds.tolist(),
+            "delta": delta.tolist(), "tags": tags}
+
+
+def write_mixed_csv(path: Path, rows: int = ROWS) -> dict[str, list]:
+    cols = mixed_columns(rows)
+    names = list(cols)
+    lines = [",".join(names)] + [",".join(str(cols[n][i]) for n in names) for i in range(rows)]
+    path.write_text("\n".join(lines) + "\n")
+    return cols
+
+
+def csv_data(path: Path, **fields) -> CsvData:
+    return CsvData(make(CsvDataConfig, path=str(path), batch_size=32, num_workers=0, **fields))
+
+
+def test_infer_schema_from_csv(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cols = write_mixed_csv(tmp_path / "mixed.csv")
+    with caplog.at_level(logging.INFO, logger="recsys_runner"):
+        data = csv_data(tmp_path / "mixed.csv")
+    schema = data.schema
+    assert schema.label == "Click"  # a column named click, in any case
+    assert [(d.name, d.transform) for d in schema.dense] == [("price", "log1p"), ("seconds", "log1p"), ("delta", "none")]
+    sparse = {s.name: s for s in schema.sparse}
+    assert list(sparse) == ["user_id", "site", "tags"]  # row_id: a different value in every row, left out
+    assert sparse["user_id"].num_embeddings == bucket_count(len(set(cols["user_id"])), 2.0) == 100
+    assert sparse["site"].num_embeddings == bucket_count(25, 2.0) == 50 and sparse["site"].encoding == "hash"
+    assert sparse["tags"].separator == "|" and sparse["tags"].num_embeddings == bucket_count(12, 2.0) == 50
+    assert "left out 'row_id': a different value in every sampled row" in caplog.text
+    batch = next(iter(data.train_batches(0, 0, 1)))
+    assert batch.sparse_features.keys() == ["user_id", "site", "tags"] and batch.dense_features.shape == (32, 3)
+    assert int(batch.sparse_features["tags"].lengths().max()) > 1  # multi-hot bags
+
+
+def test_bucket_counts_round_up_to_1_2_5() -> None:
+    assert [bucket_count(n, 2.0) for n in (1, 3, 40, 943, 1682, 30_000)] == [5, 10, 100, 2000, 5000, 100_000]
+    assert bucket_count(943, 1.0) == 1000
+
+
+def test_infer_schema_from_parquet(tmp_path: Path) -> None:
+    cols = mixed_columns()
+    table = pa.table({"target": pa.array(cols["Click"], pa.int8()), "user_id": pa.array(cols["user_id"], pa.int64()),
+                      "site": cols["site"], "price": pa.array(cols["price"], pa.float32()),
+                      "tags": pa.array([t.split("|") for t in cols["tags"]], pa.list_(pa.string())),
+                      "seen": pa.array([i % 2 == 0 for i in range(ROWS)])})
+    pq.write_table(table, tmp_path / "f.parquet", row_group_size=200)
+    data = ParquetData(make(ParquetDataConfig, path=str(tmp_path / "f.parquet"), batch_size=32, num_workers=0))
+    assert data.schema.label == "target"
+    assert [d.name for d in data.schema.dense] == ["price", "seen"]
+    assert [(s.name, s.num_embeddings, s.separator) for s in data.schema.sparse] == [
+        ("user_id", 100, None), ("site", 50, None), ("tags", 50, None)]  # a list column: multi-hot as is
+    batch = next(iter(data.train_batches(0, 0, 1)))
+    assert int(batch.sparse_features["tags"].lengths().max()) > 1
+
+
+def test_no_label_column_names_the_columns_and_the_fix(tmp_path: Path) -> None:
+    (tmp_path / "r.csv").write_text("user,item,rating\n" + "".join(f"{i % 7},{i % 11},{i % 5 + 1}\n" for i in range(50)))
+    with pytest.raises(DataError, match=r"no label column in data.path=.*r.csv.*\['user', 'item', 'rating'\] is named label / click.* "
+                                        r"Fix: name it, e.g. data.label=user .*data.label_threshold"):
+        csv_data(tmp_path / "r.csv")
+    data = csv_data(tmp_path / "r.csv", label="rating", label_threshold=4)
+    labels = torch.cat([b.labels for b in data.eval_batches(0, 1)] + [b.labels for b in data.train_batches(0, 0, 1)])
+    assert set(labels.tolist()) == {0.0, 1.0}
+
+
+def test_sparse_columns_without_sizes_are_sized_from_the_data(tmp_path: Path) -> None:
+    write_mixed_csv(tmp_path / "m.csv")
+    data = csv_data(tmp_path / "m.csv", label="Click", sparse=[{"name": "user_id"}, {"name": "site", "num_embeddings": 64}])
+    assert [(s.name, s.num_embeddings, s.encoding) for s in data.schema.sparse] == [("user_id", 100, "hash"), ("site", 64, "id")]
+    assert data.schema.dense == []  # a listed schema is used as written
+
+
+def test_printed_schema_round_trips_as_a_schema_file(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    write_mixed_csv(tmp_path / "m.csv")
+    with caplog.at_level(logging.INFO, logger="recsys_runner"):
+        inferred = csv_data(tmp_path / "m.csv")
+    message = next(r.getMessage() for r in caplog.records if "data.schema=<file>" in r.getMessage())
+    text = message.split("data.schema=<file>:\n", 1)[1]
+    (tmp_path / "schema.yaml").write_text(text)
+    assert yaml.safe_load(text)["label"] == "Click"
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="recsys_runner"):
+        again = csv_data(tmp_path / "m.csv", schema=str(tmp_path / "schema.yaml"))
+    assert schema_json(again.schema) == schema_json(inferred.schema)
+    assert "inferred" not in caplog.text  # nothing left to infer
+    # the file's reader options win over the config's, and convert reads the same form
+    (tmp_path / "m.tsv").write_text((tmp_path / "m.csv").read_text().replace(",", "\t"))
+    (tmp_path / "tsv.yaml").write_text(text.replace("delimiter: ','", "delimiter: \"\\t\""))
+    assert csv_data(tmp_path / "m.tsv", schema=str(tmp_path / "tsv.yaml")).csv.delimiter == "\t"
+    assert data_main(["convert", "--format", "csv", "--schema", str(tmp_path / "schema.yaml"), str(tmp_path / "m.csv"),
+                      str(tmp_path / "out")]) == 0
+    assert pq.read_table(tmp_path / "out" / "m.parquet").num_rows == ROWS
+
+
+def test_schema_file_mistakes_are_config_errors(tmp_path: Path) -> None:
+    write_mixed_csv(tmp_path / "m.csv")
+    (tmp_path / "bad.yaml").write_text("label: Click\nsparce: []\n")
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['sparce'\]; a schema file has label, labels"):
+        csv_data(tmp_path / "m.csv", schema=str(tmp_path / "bad.yaml"))
+    with pytest.raises(ConfigError, match="data.schema=.* and data.label\\(s\\)/dense/sparse are both set"):
+        make(CsvDataConfig, path=str(tmp_path / "m.csv"), schema=str(tmp_path / "bad.yaml"), sparse=[{"name": "site"}])
+    with pytest.raises(ConfigError, match="cannot be read"):
+        csv_data(tmp_path / "m.csv", schema=str(tmp_path / "missing.yaml"))
+
+
+# --- model.embedding_dim alone ---
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_embedding_dim_alone_changes_the_width(make_cfg, name: str) -> None:
+    cfg = make_cfg(f"model={name}", "model.embedding_dim=8", "train.num_steps=3", "train.log_every_steps=3", "tracking=none",
+                   "data.num_train_rows=4096", "data.num_eval_rows=1024")
+    spec = validate(cfg)
+    assert spec.model.embedding_dim == 8
+    if name in ("deepfm", "dlrm"):
+        assert spec.model.dense_layer_sizes() == [64, 8]
+    assert math.isfinite(run(cfg))
+
+
+def test_an_explicit_projection_that_does_not_end_in_the_width_is_refused(make_cfg) -> None:
+    with pytest.raises(ConfigError, match=r"ends in 16 but model.embedding_dim=8: DeepFM's FM term .* Fix: end "
+                                          r"model.dense_arch_layer_sizes in null .* model.dense_arch_layer_sizes=\[64,null\]"):
+        validate(make_cfg("model.embedding_dim=8", "model.dense_arch_layer_sizes=[64,16]", "tracking=none"))
+
+
+# --- DeepFM's first-order term ---
+
+
+def test_deepfm_first_order_term_is_per_id_and_in_the_logit() -> None:
+    data = small_data()
+    torch.manual_seed(0)
+    model = materialize(DeepFM(make(DeepFMConfig, embedding_dim=8, dense_arch_layer_sizes=[None], deep_layer_sizes=[16]),
+                               features=data.features, dense_device=CPU))
+    tables = model.first_order.ebc.embedding_bags
+    assert sorted(tables) == [f"first_order_t_{f.name}" for f in data.features.sparse]
+    batch = next(iter(data.train_batches(0, 0, 1)))
+    ids = batch.sparse_features.to_dict()
+    expected = model.first_order.dense(batch.dense_features).squeeze(1)
+    for f in data.features.sparse:
+        expected = expected + tables[f"first_order_t_{f.name}"].weight[ids[f.name].values()].sum(dim=1)
+    with torch.no_grad():
+        assert torch.allclose(model.first_order(batch.dense_features, batch.sparse_features), expected, atol=1e-6)
+        before = model(batch.dense_features, batch.sparse_features)
+        hit = ids[data.features.sparse[0].name].values()[0]
+        tables[f"first_order_t_{data.features.sparse[0].name}"].weight[hit] += 0.25  # one id's weight, 4 floats summed: +1
+        after = model(batch.dense_features, batch.sparse_features)
+    assert torch.allclose(after[0] - before[0], torch.tensor(1.0), atol=1e-5)
+
+
+def test_deepfm_first_order_weights_are_trained(make_cfg) -> None:
+    cfg = make_cfg("train.num_steps=5", "train.log_every_steps=5", "tracking=none", "checkpoint=none")
+    c = build(validate(cfg))
+    try:
+        model = c.loop.evaluator.model
+        first = {k: local(v).detach().clone() for k, v in model.state_dict().items() if "first_order_t_" in k}
+        assert len(first) == 26
+        train(c.loop)
+        after = {k: local(v) for k, v in model.state_dict().items() if "first_order_t_" in k}
+        changed = [k for k in first if not torch.equal(first[k], after[k])]
+        assert len(changed) == 26, f"first-order tables not trained: {sorted(set(first) - set(changed))}"
+    finally:
+        c.loop.tracker.finish("FINISHED")
+        c.close()
+
+
+# --- presets on generated files in each public layout ---
+
+
+def preset_cfg(make_cfg, experiment: str, path: Path, *overrides: str):
+    return make_cfg(f"experiment={experiment}", f"data.path={path}", "distributed.device=cpu", "checkpoint=none",
+                    "data.num_workers=0", *overrides, tiny=False)
+
+
+@pytest.mark.parametrize(
+    ("experiment", "write", "name", "overrides", "auc"),
+    [pytest.param("criteo_tsv", lambda p: write_criteo_tsv(str(p), 4000), "train.txt", [], 0.58, marks=pytest.mark.slow),
+     ("avazu_csv", lambda p: write_avazu_csv(str(p), 4000), "train.csv", [], 0.55),
+     ("movielens", lambda p: write_movielens_ratings(str(p), 4000), "u.data", [], 0.7),
+     ("movielens", lambda p: write_movielens_ratings(str(p), 4000, layout="ratings.csv"), "ratings.csv",
+      ["data.delimiter=comma", "data.header=true", "data.column_names=null"], 0.7)],
+    ids=["criteo_tsv", "avazu_csv", "movielens_u.data", "movielens_ratings.csv"],
+)
+def test_preset_trains_one_epoch_on_its_layout(make_cfg, tmp_path: Path, experiment: str, write, name: str,
+                                               overrides: list[str], auc: float) -> None:
+    write(tmp_path / name)
+    cfg = preset_cfg(make_cfg, experiment, tmp_path / name, *overrides)
+    spec = validate(cfg)
+    assert spec.train.num_epochs == 1 and spec.train.num_steps is None and spec.model.embedding_dim == 8
+    features = spec.data.build(device="cpu").features
+    if experiment == "avazu_csv":
+        assert "id" not in features.sparse_names and {"hour", "C1", "C14", "site_id", "device_ip"} <= set(features.sparse_names)
+        assert features.num_dense == 0
+    if experiment == "movielens":
+        assert features.num_dense == 0 and len(features.sparse_names) == 2
+    assert run(cfg) > auc
+
+
+def test_criteo_preset_sizes_tables_from_the_file(make_cfg, tmp_path: Path) -> None:
+    write_criteo_tsv(str(tmp_path / "train.txt"), 1000, cardinality=50)
+    data = validate(preset_cfg(make_cfg, "criteo_tsv", tmp_path / "train.txt")).data.build(device="cpu")
+    sizes = [f.num_embeddings for f in data.features.sparse]
+    assert len(sizes) == 26 and all(s in (10, 20, 50, 100) for s in sizes), sizes  # ≤ 50 distinct values × 2, rounded
+    assert all(isinstance(c, SparseColumn) and c.encoding == "mod" and c.hex for c in data.schema.sparse)
+    assert all(isinstance(d, DenseColumn) and d.transform == "log1p" for d in data.schema.dense)
+    assert re.fullmatch(r"cat_\d+", data.features.sparse_names[-1])
