@@ -250,7 +250,8 @@ def check_weights_match(path: Path, wanted: Mapping[str, Any]) -> None:
     missing = [k for k in wanted if k not in saved]
     extra = [k for k in saved if k.startswith("model/") and k not in wanted]
     sizes = {k: list(m.size) for k, m in saved.items() if isinstance(m, TensorStorageMetadata)}
-    shapes = [f"{k} is {sizes[k]} there, {_shape(wanted[k])} here" for k in wanted if k in sizes and sizes[k] != _shape(wanted[k])]
+    shapes = [f"has {k} of shape {sizes[k]} where this model's is {_shape(wanted[k])}" for k in wanted
+              if k in sizes and sizes[k] != _shape(wanted[k])]
     if missing or extra or shapes:
         parts = ([f"lacks {missing[:3]} ({len(missing)} in all)"] if missing else []) + \
                 ([f"has {extra[:3]} this model does not ({len(extra)} in all)"] if extra else []) + shapes[:3]
