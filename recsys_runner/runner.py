@@ -47,7 +47,7 @@ class Loop:
         checkpointer: the whole checkpoint policy (when, what, NaN refusal, best).
         early_stopping: stops when the watched eval metric stops improving.
         tracker: where metrics are logged (MLflow, or nothing off rank 0).
-        total_steps: optimizer steps of the whole run (``train.num_steps`` or epochs × steps per epoch).
+        total_steps: optimizer steps of the whole run (``train.num_steps``, epochs × steps per epoch, or the data's default).
         steps_per_epoch: optimizer steps per epoch when the data's size is known up front.
         state: where training starts (step, epoch, position in it), restored from a checkpoint or new.
         best: the best eval of the watched metric so far, reported beside the last.
