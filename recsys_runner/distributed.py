@@ -12,6 +12,7 @@ import datetime
 import logging
 import os
 import re
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -86,9 +87,9 @@ class DistributedConfig(Configurable):
     """``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda``."""
     num_threads: int | str = AUTO_THREADS
     """torch's intra-op CPU threads per rank (``torch.set_num_threads``). ``auto``: ``$OMP_NUM_THREADS`` when it is set,
-    else the physical cores this process may use divided by the ranks on the node (at least 1) — torch's own default
-    takes every core for every rank, and when ranks or other jobs share the cores the oversubscribed threads make
-    each step many times slower. On a machine busy with other work, ``distributed.num_threads=1`` is the safe choice."""
+    else this rank's share of the physical cores it may use, capped by its share of the CPUs idle at start (at
+    least 1): torch's own default takes every core for every rank, and threads that compete with other ranks or
+    other jobs for the cores make each step many times slower (:func:`auto_num_threads`)."""
     backend: str = "auto"
     """Process-group backend: ``auto`` (NCCL on CUDA, gloo on CPU), ``gloo`` or ``nccl``."""
     pipeline: str = "auto"
@@ -158,18 +159,48 @@ class DistributedConfig(Configurable):
         return built
 
 
-def auto_num_threads(local_world_size: int = 1) -> tuple[int, str]:
+def auto_num_threads(local_world_size: int = 1, sample_s: float = 0.1) -> tuple[int, str]:
     """``distributed.num_threads: auto`` for one of ``local_world_size`` ranks on this node, with why.
 
-    An explicit ``OMP_NUM_THREADS`` wins (the user or launcher chose); else the physical cores this process
-    may use (its CPU affinity and cgroup quota, hyperthreads not counted) shared among the node's ranks, at least 1.
+    An explicit ``OMP_NUM_THREADS`` wins (the user or launcher chose). Else each rank gets its share of the
+    physical cores this process may use (its CPU affinity and cgroup quota, hyperthreads not counted), capped
+    by its share of the CPUs idle right now (sampled over ``sample_s``): on a machine other jobs keep busy,
+    torch's threads spin-wait for cores they do not get, and a CPU step measured 10x slower with 2 threads
+    than with 1 on 2 busy cores. At least 1.
     """
     omp = os.environ.get("OMP_NUM_THREADS", "").strip()
     if omp.isdigit() and int(omp) > 0:
         return int(omp), f"OMP_NUM_THREADS={omp}"
-    cores = usable_cores()
-    ranks = max(local_world_size, 1)
-    return max(1, cores // ranks), f"auto: {cores} usable physical cores / {ranks} rank(s) on this node; set distributed.num_threads to change"
+    cores, ranks = usable_cores(), max(local_world_size, 1)
+    idle = idle_cpus(sample_s)
+    threads = max(1, min(cores // ranks, int(idle + 0.5) // ranks if idle is not None else cores))
+    busy = f", {idle:.1f} CPUs idle" if idle is not None else ""
+    return threads, f"auto: {cores} usable physical cores{busy}, {ranks} rank(s) on this node; set distributed.num_threads to change"
+
+
+def idle_cpus(sample_s: float = 0.1) -> float | None:
+    """How many of this process's CPUs were idle over the next ``sample_s`` seconds (``/proc/stat``); ``None``
+    where that cannot be read."""
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+
+    def snapshot() -> dict[str, tuple[int, int]]:
+        times = {}
+        for line in Path("/proc/stat").read_text().splitlines():
+            name, *fields = line.split()
+            if name.startswith("cpu") and name != "cpu" and (allowed is None or int(name[3:]) in allowed):
+                values = [int(v) for v in fields[:8]]
+                times[name] = (values[3] + values[4], sum(values))  # idle + iowait, all
+        return times
+
+    try:
+        before = snapshot()
+        time.sleep(sample_s)
+        after = snapshot()
+    except (OSError, ValueError):
+        return None
+    shares = [(after[c][0] - before[c][0]) / (after[c][1] - before[c][1]) for c in after
+              if c in before and after[c][1] > before[c][1]]
+    return sum(shares) if shares else None
 
 
 def usable_cores() -> int:

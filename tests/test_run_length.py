@@ -5,6 +5,10 @@ of a file, a step count for synthetic data), ``train.num_epochs`` alone, the man
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +21,7 @@ from recsys_runner.build import MANY_EPOCHS, build
 from recsys_runner.config import validate
 from recsys_runner.data.generate import write_criteo_parquet
 from recsys_runner.data.synthetic import DEFAULT_NUM_STEPS
-from recsys_runner.distributed import auto_num_threads
+from recsys_runner.distributed import auto_num_threads, idle_cpus, usable_cores
 from recsys_runner.errors import ConfigError
 from recsys_runner.evaluation import BestEval
 from tests.conftest import TINY
@@ -175,9 +179,9 @@ def test_threads_auto_and_explicit(make_cfg, monkeypatch: pytest.MonkeyPatch, ca
     torch.set_num_threads(7)  # whatever ran before: the build decides
     with caplog.at_level(logging.INFO, logger="recsys_runner"):
         _built_length(make_cfg("tracking=none"))
-    auto, why = auto_num_threads(1)
-    assert torch.get_num_threads() == auto >= 1 and "usable physical cores" in why
-    assert f"torch CPU threads per rank: {auto} (auto:" in caplog.text
+    chosen = torch.get_num_threads()
+    assert 1 <= chosen <= usable_cores()
+    assert f"torch CPU threads per rank: {chosen} (auto: {usable_cores()} usable physical cores" in caplog.text
     _built_length(make_cfg("distributed.num_threads=1", "tracking=none"))
     assert torch.get_num_threads() == 1
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # an explicit choice of the user or launcher wins over auto
@@ -186,6 +190,23 @@ def test_threads_auto_and_explicit(make_cfg, monkeypatch: pytest.MonkeyPatch, ca
     assert auto_num_threads(4) == (3, "OMP_NUM_THREADS=3")
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert auto_num_threads(1_000)[0] == 1, "never fewer than one thread per rank"
+
+
+def test_auto_threads_take_only_the_idle_cpus() -> None:
+    """A CPU kept busy here (a spinning child process pinned to it) is not counted as idle."""
+    cpus = sorted(os.sched_getaffinity(0))
+    idle = idle_cpus(0.5)
+    assert idle is not None and 0.0 <= idle <= len(cpus) + 0.01
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=lambda: os.sched_setaffinity(0, {cpus[0]}))
+    try:
+        time.sleep(0.3)
+        busy = idle_cpus(0.5)
+    finally:
+        spin.kill()
+        spin.wait()
+    assert busy is not None and busy <= len(cpus) - 0.5, "the spinning CPU is at most half idle"
+    threads, why = auto_num_threads(1, sample_s=0.5)
+    assert 1 <= threads <= usable_cores() and "CPUs idle" in why
 
 
 def test_threads_setting_is_validated(make_cfg) -> None:
