@@ -46,7 +46,8 @@ install: $(STAMP) ## Create .venv and install the pinned stack (once; again only
 run: $(STAMP) ## Train DeepFM on synthetic data, evaluate, log to ./mlflow.db (RUN_ARGS="model=dlrm ...")
 	$(PY) -m recsys_runner $(RUN_ARGS)
 
-test: $(STAMP) ## Run the whole test suite, slow multi-process tests included
+test: $(STAMP) ## Run the whole test suite, slow multi-process and SLURM tests included (installs SLURM when it can)
+	@.ci/install-slurm
 	$(PY) -m pytest -q
 
 test-fast: $(STAMP) ## Run the tests except those marked slow

@@ -15,6 +15,7 @@ optimizer's name, and nothing reads the composed ``DictConfig``: ``run`` is the 
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,13 +27,13 @@ from torchrec.distributed.types import ShardingPlan
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from recsys_runner.checkpoint import Checkpointer
-from recsys_runner.config import RunConfig, check_eval_keys
+from recsys_runner.config import RunConfig, TrainConfig, check_eval_keys
 from recsys_runner.data import DataModule
 from recsys_runner.distributed import DistEnv, Distributed, decided_on_rank0
 from recsys_runner.ema import DenseEMA
 from recsys_runner.errors import ConfigError
-from recsys_runner.evaluation import Evaluator
-from recsys_runner.metrics import TaskTrainMetrics
+from recsys_runner.evaluation import BestEval, Evaluator
+from recsys_runner.metrics import TaskTrainMetrics, eval_metric_keys
 from recsys_runner.models.common import TrainWrapper
 from recsys_runner.optim import (
     DENSE,
@@ -48,7 +49,13 @@ from recsys_runner.scheduler import Schedule, SchedulePosition, SchedulerConfig
 from recsys_runner.scheduler import lr_scheduler as make_lr_scheduler
 from recsys_runner.stepping import Stepper, StepPolicy
 from recsys_runner.stopping import EarlyStopping
+from recsys_runner.sweep import OBJECTIVE, lower_is_better
 from recsys_runner.tracking import NullTracker, Tracker
+
+log = logging.getLogger(__name__)
+
+MANY_EPOCHS = 10
+"""A run longer than this many epochs of file-backed data gets a warning: it sees every row that often."""
 
 
 @dataclass
@@ -103,7 +110,8 @@ def build(run: RunConfig, *, weights: Path | None = None) -> Components:
         precision.apply_tf32()
         data: DataModule = run.data.for_model(run.model.data_needs()).build(device=env.device)
         steps_per_epoch = _steps_per_epoch(data, env.world_size, run.train.grad_accum_steps)
-        total_steps = _total_steps(run, steps_per_epoch)
+        total_steps = _total_steps(run, steps_per_epoch, log_choice=env.is_main)
+        check_eval_cadence(run.train, steps_per_epoch)
         model = run.model.build(features=data.features, dense_device=env.device)
         wrapped = TrainWrapper(model, autocast=precision.autocast(env.device), features=data.features)
         check_eval_keys(run, wrapped.tasks, data.features.sparse_names, type(model).__name__)  # before the tracker starts a run
@@ -126,10 +134,11 @@ def build(run: RunConfig, *, weights: Path | None = None) -> Components:
         evaluator = Evaluator(model=sharded, pipeline=pipeline, data=data, env=env, tasks=wrapped.tasks, metrics=run.metrics,
                               max_batches=run.train.eval_max_batches, ema=ema if run.train.ema.eval_with_ema else None)
         early_stopping = EarlyStopping(run.train.early_stopping)
+        best = watched_eval(run, eval_metric_keys(run.metrics, wrapped.tasks))
         checkpointer.attach(
             model=sharded, optimizer=optimizer, tensors={"ema": ema} if ema is not None else {},
             objects={"lr_scheduler": SchedulePosition(lr_scheduler), "policy": policy, "early_stopping": early_stopping,
-                     "train_metrics": stepper.train_metrics},
+                     "train_metrics": stepper.train_metrics, "best_eval": best},
         )
         state = checkpointer.restore() if weights is None else checkpointer.load_weights(weights)
     except BaseException:
@@ -138,7 +147,8 @@ def build(run: RunConfig, *, weights: Path | None = None) -> Components:
         distributed.close()
         raise
     loop = Loop(config=run.train, env=env, data=data, stepper=stepper, evaluator=evaluator, checkpointer=checkpointer,
-                early_stopping=early_stopping, tracker=tracker, total_steps=total_steps, steps_per_epoch=steps_per_epoch, state=state)
+                early_stopping=early_stopping, tracker=tracker, total_steps=total_steps, steps_per_epoch=steps_per_epoch, state=state,
+                best=best)
     return Components(run=run, env=env, distributed=distributed, plan=plan, loop=loop)
 
 
@@ -169,13 +179,57 @@ def _steps_per_epoch(data: Any, world_size: int, accumulation: int) -> int | Non
     return per_epoch // accumulation if per_epoch else None
 
 
-def _total_steps(run: RunConfig, steps_per_epoch: int | None) -> int:
-    if run.train.num_steps is not None:
-        return run.train.num_steps
-    if not steps_per_epoch:
+def _total_steps(run: RunConfig, steps_per_epoch: int | None, log_choice: bool = False) -> int:
+    """The run's length in optimizer steps: ``train.num_steps``, ``train.num_epochs`` × steps per epoch, or with
+    neither the data's default (:meth:`~recsys_runner.data.base.DataConfig.default_num_steps`: one epoch of a file).
+
+    Warns when explicit steps amount to more than :data:`MANY_EPOCHS` passes over file-backed data (a small
+    file trained for "the usual 1000 steps"); ``log_choice`` logs the length the data chose.
+    """
+    train, data_steps = run.train, run.data.default_num_steps()
+    steps = train.num_steps if train.num_steps is not None else data_steps if train.num_epochs is None else None
+    if steps is None:
+        epochs = train.num_epochs or 1
+        if not steps_per_epoch:
+            what = f"train.num_epochs={epochs}" if train.num_epochs is not None else "the default length, one epoch of the data,"
+            raise ConfigError(
+                f"{what} needs to know how many steps an epoch has before reading the data, and this data does not say "
+                f"(its size is known only after reading, e.g. with data.on_bad_rows=skip) or has no full step per rank. "
+                f"Fix: set train.num_steps=<steps>, or use more data / a smaller data.batch_size / train.grad_accum_steps"
+            )
+        if log_choice and train.num_epochs is None:
+            log.info("training one epoch of the data: %d steps (set train.num_epochs or train.num_steps to change)", steps_per_epoch)
+        return epochs * steps_per_epoch
+    if log_choice and train.num_steps is None:
+        log.info("training %d steps, the default of %s (set train.num_steps or train.num_epochs to change)", steps, type(run.data).__name__)
+    if data_steps is None and steps_per_epoch and steps > MANY_EPOCHS * steps_per_epoch and log_choice:
+        log.warning("train.num_steps=%d is %.1f epochs of this data (%d steps each): every row is seen ~%d times. For one pass "
+                    "over it leave train.num_steps unset (the default for file data: one epoch) or set train.num_epochs=1; "
+                    "else fewer steps", steps, steps / steps_per_epoch, steps_per_epoch, steps // steps_per_epoch)
+    return steps
+
+
+def check_eval_cadence(train: TrainConfig, steps_per_epoch: int | None) -> None:
+    """``train.eval_every_epochs`` needs epoch ends the loop can see coming: the epoch length known up front."""
+    if train.eval_every_epochs is not None and not steps_per_epoch:
         raise ConfigError(
-            "train.num_epochs needs a dataset whose size is known up front, and this one has no full step per "
-            "rank; use train.num_steps instead, or more data / a smaller data.batch_size / train.grad_accum_steps"
+            f"train.eval_every_epochs={train.eval_every_epochs} needs data whose epoch length is known before reading it "
+            f"(not so with data.on_bad_rows=skip). Fix: train.eval_every_steps=<steps> instead"
         )
-    assert run.train.num_epochs is not None
-    return run.train.num_epochs * steps_per_epoch
+
+
+def watched_eval(run: RunConfig, eval_keys: list[str]) -> BestEval:
+    """The eval metric whose best value the run reports beside the last: ``train.objective``, else
+    ``checkpoint.best_metric``, else the early-stopping metric (when on), else the default objective
+    (``eval/auc`` when logged, else the first eval metric); its direction from the setting that named it."""
+    train, ckpt, stopping = run.train, run.checkpoint, run.train.early_stopping
+    stopping_metric = stopping.metric if stopping.patience is not None else None
+    default = OBJECTIVE if OBJECTIVE in eval_keys else eval_keys[0]
+    metric = train.objective or ckpt.best_metric or stopping_metric or default
+    if metric == ckpt.best_metric:
+        mode = ckpt.best_mode
+    elif metric == stopping_metric:
+        mode = stopping.mode
+    else:
+        mode = "min" if lower_is_better(metric) else "max"
+    return BestEval(metric=metric, mode=mode)

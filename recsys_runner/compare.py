@@ -2,6 +2,7 @@
 
 For people who would rather read a terminal or look at a picture than click through the MLflow UI::
 
+    python -m recsys_runner.compare                                     # the most recent sweep (else the default experiment)
     python -m recsys_runner.compare --experiment lr_grid               # every run of an experiment
     python -m recsys_runner.compare --parent <run id>                   # the children of one sweep
     python -m recsys_runner.compare --experiment lr_grid --filter "params.model._target_ LIKE '%DLRM'"
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from recsys_runner.sweep import EXPECTED_JOBS_TAG, SWEEP_PARENT_TAG, finish_parent, summarize, sweep_objective
-from recsys_runner.tracking import resolve_uri
+from recsys_runner.tracking import MlflowTrackingConfig, resolve_uri
 
 DEFAULT_METRICS = ("eval/auc", "eval/logloss", "train/loss")
 _HIDDEN_PARAMS = ("tracking.", "hydra.")
@@ -49,6 +50,29 @@ def find_runs(client: Any, *, experiments: Sequence[str] = (), parent: str | Non
         raise SystemExit("name an --experiment or a --parent run")
     runs = client.search_runs(ids, filter_string=" and ".join(clauses), max_results=10000, order_by=["attributes.start_time ASC"])
     return [r for r in runs if SWEEP_PARENT_TAG not in r.data.tags]  # a sweep's parent is a summary, not a trial
+
+
+def default_selection(client: Any) -> tuple[list[str], str | None, str]:
+    """What a bare ``python -m recsys_runner.compare`` shows: the most recently started sweep (its children), else
+    every run of the default experiment (``tracking.experiment``'s default); with a line saying which, and how to
+    pick another."""
+    experiments = client.search_experiments()
+    ids = [e.experiment_id for e in experiments]
+    sweeps = client.search_runs(ids, filter_string=f"tags.`{SWEEP_PARENT_TAG}` != ''", max_results=1,
+                                order_by=["attributes.start_time DESC"]) if ids else []
+    other = "pick another with --parent <run id> or --experiment <name>"
+    if sweeps:
+        parent = sweeps[0]
+        name = next((e.name for e in experiments if e.experiment_id == parent.info.experiment_id), parent.info.experiment_id)
+        started = time.strftime("%Y-%m-%d %H:%M", time.localtime(parent.info.start_time / 1000))
+        return [], parent.info.run_id, (f"the most recent sweep: {parent.info.run_name} (--parent {parent.info.run_id}, "
+                                        f"experiment {name}, started {started}); {other}")
+    default = MlflowTrackingConfig().experiment
+    if client.get_experiment_by_name(default) is None:
+        names = ", ".join(sorted(e.name for e in experiments if e.name != "Default")) or "none"
+        raise SystemExit(f"no sweep and no experiment {default!r} at {client.tracking_uri} (experiments there: {names}); "
+                         f"name one with --experiment <name>, or --uri for another store")
+    return [default], None, f"the runs of experiment {default} (no sweep in this store); {other}"
 
 
 def varying_params(runs: Sequence[Any]) -> list[str]:
@@ -223,7 +247,9 @@ def collect(client: Any, parent: str, *, wait: bool, timeout_s: float, poll_s: f
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m recsys_runner.compare", description=__doc__.split("\n\n")[0])
     p.add_argument("--uri", default=None, help="tracking URI (default: $MLFLOW_TRACKING_URI or ./mlflow.db)")
-    p.add_argument("--experiment", action="append", default=[], help="experiment name (repeatable)")
+    p.add_argument("--experiment", action="append", default=[],
+                   help="experiment name (repeatable); with neither this nor --parent: the most recent sweep, else the "
+                        f"runs of experiment {MlflowTrackingConfig().experiment!r}")
     p.add_argument("--parent", default=None, help="a sweep's parent run id: compare its children")
     p.add_argument("--filter", default="", help="MLflow search filter, e.g. \"params.optim.sparse.lr > '0.05'\"")
     p.add_argument("--metric", action="append", default=None, help=f"metrics for the table and plots (default: {', '.join(DEFAULT_METRICS)})")
@@ -256,7 +282,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         objective = sweep_objective(client, args.parent)
         print(f"sweep {args.parent}: best {objective}={parent.data.metrics.get('best/' + objective, float('nan')):.4f} "
               f"({parent.data.tags.get('best.run_name', '-')})")
-    runs = find_runs(client, experiments=args.experiment, parent=args.parent, filter_string=args.filter)
+    experiments, parent_id = args.experiment, args.parent
+    if not experiments and not parent_id:
+        experiments, parent_id, shown = default_selection(client)
+        print(f"showing {shown}", file=sys.stderr)
+    runs = find_runs(client, experiments=experiments, parent=parent_id, filter_string=args.filter)
     if not runs:
         print("no runs match", file=sys.stderr)
         return 1

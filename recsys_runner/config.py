@@ -79,14 +79,20 @@ from recsys_runner.tracking import MlflowTrackingConfig, NoTrackingConfig, Track
 class TrainConfig:
     """The ``train`` section: how long to train and how often to log and evaluate."""
 
-    num_steps: int | None = 1000
-    """Optimizer steps to run. Exactly one of ``num_steps`` and ``num_epochs`` is set."""
+    num_steps: int | None = None
+    """Optimizer steps to run. At most one of ``num_steps`` and ``num_epochs`` is set; with neither, the
+    data decides the length (:meth:`~recsys_runner.data.base.DataConfig.default_num_steps`): one epoch of
+    a file, 1000 steps of generated data (``data=synthetic``, whose rows never run out)."""
     num_epochs: int | None = None
-    """Passes over the training data (then set ``train.num_steps=null``)."""
+    """Passes over the training data, e.g. ``train.num_epochs=2`` (not together with ``train.num_steps``)."""
     log_every_steps: int = 50
     """Log train loss, learning rates and samples/s every this many steps."""
     eval_every_steps: int | None = None
-    """Evaluate every this many steps; ``null`` evaluates only at the end."""
+    """Evaluate every this many steps; ``null`` (and no ``eval_every_epochs``) evaluates only at the end."""
+    eval_every_epochs: int | None = None
+    """Evaluate at the end of every this many epochs (data whose epoch length is known up front). Combines
+    with ``eval_every_steps``: an eval runs when either is due, once per step; set
+    ``train.eval_every_steps=null`` for epoch ends only."""
     eval_max_batches: int | None = None
     """Cap on eval batches per rank (``null`` = the whole eval split)."""
     grad_accum_steps: int = 1
@@ -120,9 +126,10 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         require(
-            (self.num_steps is None) != (self.num_epochs is None),
-            f"set exactly one of train.num_steps ({self.num_steps}) and train.num_epochs ({self.num_epochs}); "
-            f"e.g. train.num_steps=null train.num_epochs=2, or train.num_steps=500",
+            self.num_steps is None or self.num_epochs is None,
+            f"train.num_steps={self.num_steps} and train.num_epochs={self.num_epochs} are both set; the run length is one "
+            f"of them. Fix: drop one, e.g. train.num_epochs={self.num_epochs} alone (add train.num_steps=null when a "
+            f"preset such as debug=fast sets the steps), or train.num_steps={self.num_steps} alone",
         )
         require(self.num_steps is None or self.num_steps > 0, f"train.num_steps must be positive, got {self.num_steps}")
         require(self.num_epochs is None or self.num_epochs > 0, f"train.num_epochs must be positive, got {self.num_epochs}")
@@ -130,6 +137,10 @@ class TrainConfig:
         require(
             self.eval_every_steps is None or self.eval_every_steps > 0,
             f"train.eval_every_steps must be positive or null, got {self.eval_every_steps}",
+        )
+        require(
+            self.eval_every_epochs is None or self.eval_every_epochs > 0,
+            f"train.eval_every_epochs must be positive or null, got {self.eval_every_epochs}",
         )
         require(
             self.eval_max_batches is None or self.eval_max_batches > 0,
@@ -143,8 +154,8 @@ class TrainConfig:
         require(self.stop_check_every_steps > 0, f"train.stop_check_every_steps must be positive, got {self.stop_check_every_steps}")
         require(self.grad_accum_steps > 0, f"train.grad_accum_steps must be positive, got {self.grad_accum_steps}")
         require(
-            self.early_stopping.patience is None or self.eval_every_steps is not None,
-            "train.early_stopping.patience needs periodic evaluation: set train.eval_every_steps (e.g. 500)",
+            self.early_stopping.patience is None or self.eval_every_steps is not None or self.eval_every_epochs is not None,
+            "train.early_stopping.patience needs periodic evaluation: set train.eval_every_steps (e.g. 500) or train.eval_every_epochs (e.g. 1)",
         )
 
 

@@ -12,9 +12,11 @@ import datetime
 import logging
 import os
 import re
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -44,6 +46,8 @@ from recsys_runner.stepping import LeanPipeline, Pipeline, PolicyPipelineBase, P
 
 log = logging.getLogger(__name__)
 
+AUTO_THREADS = "auto"
+"""``distributed.num_threads: auto``: see :func:`auto_num_threads`."""
 _BACKENDS = ("auto", "gloo", "nccl")
 _DEVICES = ("auto", "cpu", "cuda")
 _PIPELINES = ("auto", "sparse_dist", "base")
@@ -81,6 +85,11 @@ class DistributedConfig(Configurable):
     _target_: str = "recsys_runner.distributed.Distributed"
     device: str = "auto"
     """``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda``."""
+    num_threads: int | str = AUTO_THREADS
+    """torch's intra-op CPU threads per rank (``torch.set_num_threads``). ``auto``: ``$OMP_NUM_THREADS`` when it is set,
+    else this rank's share of the physical cores it may use, capped by its share of the CPUs idle at start (at
+    least 1): torch's own default takes every core for every rank, and threads that compete with other ranks or
+    other jobs for the cores make each step many times slower (:func:`auto_num_threads`)."""
     backend: str = "auto"
     """Process-group backend: ``auto`` (NCCL on CUDA, gloo on CPU), ``gloo`` or ``nccl``."""
     pipeline: str = "auto"
@@ -119,6 +128,10 @@ class DistributedConfig(Configurable):
 
     def __post_init__(self) -> None:
         require(self.device in _DEVICES, f"distributed.device={self.device!r} must be one of {_DEVICES}")
+        threads = self.num_threads
+        require(threads == AUTO_THREADS or (isinstance(threads, int) and not isinstance(threads, bool) and threads > 0),
+                f"distributed.num_threads={threads!r} must be a positive number or auto. Fix: distributed.num_threads=auto "
+                f"(cores / ranks per node) or e.g. distributed.num_threads=4")
         require(self.backend in _BACKENDS, f"distributed.backend={self.backend!r} must be one of {_BACKENDS}")
         require(self.pipeline in _PIPELINES, f"distributed.pipeline={self.pipeline!r} must be one of {_PIPELINES}")
         _check_choices("distributed", self.sharding_types, self.compute_kernels)
@@ -145,6 +158,72 @@ class DistributedConfig(Configurable):
         """The :class:`Distributed` this config describes (its process group is created by ``setup()``)."""
         built: Distributed = self.component_class()(self)
         return built
+
+
+def auto_num_threads(local_world_size: int = 1, sample_s: float = 0.1) -> tuple[int, str]:
+    """``distributed.num_threads: auto`` for one of ``local_world_size`` ranks on this node, with why.
+
+    An explicit ``OMP_NUM_THREADS`` wins (the user or launcher chose). Else each rank gets its share of the
+    physical cores this process may use (its CPU affinity and cgroup quota, hyperthreads not counted), capped
+    by its share of the CPUs idle right now (sampled over ``sample_s``): on a machine other jobs keep busy,
+    torch's threads spin-wait for cores they do not get, and a CPU step measured 10x slower with 2 threads
+    than with 1 on 2 busy cores. At least 1.
+    """
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if omp.isdigit() and int(omp) > 0:
+        return int(omp), f"OMP_NUM_THREADS={omp}"
+    cores, ranks = usable_cores(), max(local_world_size, 1)
+    idle = idle_cpus(sample_s)
+    threads = max(1, min(cores // ranks, int(idle + 0.5) // ranks if idle is not None else cores))
+    busy = f", {idle:.1f} CPUs idle" if idle is not None else ""
+    return threads, f"auto: {cores} usable physical cores{busy}, {ranks} rank(s) on this node; set distributed.num_threads to change"
+
+
+def idle_cpus(sample_s: float = 0.1) -> float | None:
+    """How many of this process's CPUs were idle over the next ``sample_s`` seconds (``/proc/stat``); ``None``
+    where that cannot be read."""
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+
+    def snapshot() -> dict[str, tuple[int, int]]:
+        times = {}
+        for line in Path("/proc/stat").read_text().splitlines():
+            name, *fields = line.split()
+            if name.startswith("cpu") and name != "cpu" and (allowed is None or int(name[3:]) in allowed):
+                values = [int(v) for v in fields[:8]]
+                times[name] = (values[3] + values[4], sum(values))  # idle + iowait, all
+        return times
+
+    try:
+        before = snapshot()
+        time.sleep(sample_s)
+        after = snapshot()
+    except (OSError, ValueError):
+        return None
+    shares = [(after[c][0] - before[c][0]) / (after[c][1] - before[c][1]) for c in after
+              if c in before and after[c][1] > before[c][1]]
+    return sum(shares) if shares else None
+
+
+def usable_cores() -> int:
+    """Physical cores this process may run on: the CPUs of its affinity mask, capped by a cgroup CPU quota
+    (a container's ``cpu.max``), and by the physical core count when CPUs are hyperthreads."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    with contextlib.suppress(OSError, ValueError):
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, int(quota) // int(period)))
+    with contextlib.suppress(OSError):
+        cores: set[tuple[str, str]] = set()
+        physical = "0"
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "physical id":
+                physical = value.strip()
+            elif key.strip() == "core id":
+                cores.add((physical, value.strip()))
+        if cores:
+            cpus = min(cpus, len(cores))
+    return max(1, cpus)
 
 
 T = TypeVar("T")
@@ -348,6 +427,11 @@ class Distributed:
                 dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
             self._owns_group = True
         self.env = DistEnv(rank, world_size, local_rank, local_world_size, device, backend)
+        threads, why = (self.config.num_threads, "distributed.num_threads") if isinstance(self.config.num_threads, int) \
+            else auto_num_threads(local_world_size)
+        torch.set_num_threads(threads)
+        if rank == 0:
+            log.info("torch CPU threads per rank: %d (%s)", threads, why)
         planned = self.config.plan_world_size
         if planned is not None and planned != world_size and rank == 0:
             log.warning("distributed.plan_world_size=%d has no effect on training (this run has %d ranks); it is read by "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,6 +21,7 @@ from recsys_runner.ema import DenseEMA
 from recsys_runner.metrics import MetricsConfig, TaskEvalMetrics, grouping_ids
 from recsys_runner.progress import Progress
 from recsys_runner.stepping import Pipeline
+from recsys_runner.stopping import improved
 from recsys_runner.tasks import Task
 
 
@@ -66,3 +68,51 @@ class Evaluator:
                         progress.update(1)
             model.train()
         return metrics.compute()
+
+
+@dataclass
+class BestEval:
+    """The best value of the run's watched eval metric so far and the step it came at, beside the last.
+
+    The last evaluation is what a run returns (``train.objective``) and what a sweep compares; a run whose
+    metric peaked earlier says so: :meth:`update` reports each improvement (logged as ``best/<metric>`` and
+    ``best/step``) and :meth:`summary` is the closing line. Saved in checkpoints, so a resumed run keeps
+    the best of the steps before its interruption.
+
+    Attributes:
+        metric: the watched eval metric (``train.objective``, else ``checkpoint.best_metric``, else the
+            early-stopping metric, else the default objective; chosen by :func:`recsys_runner.build.build`).
+        mode: ``max`` if higher is better, ``min`` if lower is.
+        value: the best value so far (``None`` before the first evaluation).
+        step: the step of ``value``.
+    """
+
+    metric: str
+    mode: str
+    value: float | None = None
+    step: int | None = None
+
+    def update(self, metrics: dict[str, float], step: int) -> dict[str, float]:
+        """Record the evaluation at ``step``; the metrics to log (``best/<metric>``, ``best/step``) when it is a new
+        best, else none."""
+        value = metrics.get(self.metric)
+        if value is None or not improved(value, self.value, self.mode):
+            return {}
+        self.value, self.step = value, step
+        return {f"best/{self.metric}": value, "best/step": float(step)}
+
+    def summary(self, last: dict[str, float]) -> str:
+        """``best eval/auc=0.7102 at step 400; last 0.7013``: the closing log line of a run."""
+        if self.value is None:
+            return f"no evaluation logged {self.metric}"
+        final = last.get(self.metric)
+        return f"best {self.metric}={self.value:.4g} at step {self.step}; last {final:.4g}" if final is not None else \
+            f"best {self.metric}={self.value:.4g} at step {self.step}"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"metric": self.metric, "value": self.value, "step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's best, unless it watched another metric (the run's settings changed)."""
+        if state.get("metric") == self.metric:
+            self.value, self.step = state.get("value"), state.get("step")

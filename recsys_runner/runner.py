@@ -23,7 +23,7 @@ from recsys_runner.config import TrainConfig
 from recsys_runner.data import DataModule
 from recsys_runner.distributed import DistEnv
 from recsys_runner.errors import DataError
-from recsys_runner.evaluation import Evaluator
+from recsys_runner.evaluation import BestEval, Evaluator
 from recsys_runner.metrics import Throughput
 from recsys_runner.profiling import StepProfiler
 from recsys_runner.progress import Progress
@@ -48,9 +48,10 @@ class Loop:
         checkpointer: the whole checkpoint policy (when, what, NaN refusal, best).
         early_stopping: stops when the watched eval metric stops improving.
         tracker: where metrics are logged (MLflow, or nothing off rank 0).
-        total_steps: optimizer steps of the whole run (``train.num_steps`` or epochs × steps per epoch).
+        total_steps: optimizer steps of the whole run (``train.num_steps``, epochs × steps per epoch, or the data's default).
         steps_per_epoch: optimizer steps per epoch when the data's size is known up front.
         state: where training starts (step, epoch, position in it), restored from a checkpoint or new.
+        best: the best eval of the watched metric so far, reported beside the last.
     """
 
     config: TrainConfig
@@ -64,6 +65,7 @@ class Loop:
     total_steps: int
     steps_per_epoch: int | None
     state: TrainState
+    best: BestEval
 
 
 def train(loop: Loop) -> dict[str, float]:
@@ -93,7 +95,7 @@ def train(loop: Loop) -> dict[str, float]:
                     loop.checkpointer.loss_logged(state.step, logged["train/loss"])
                     _log(loop, logged | loop.stepper.learning_rates() | loop.stepper.train_metrics.compute() | _data_metrics(loop)
                          | {"train/epoch": state.epoch}, state.step, progress)
-                if cfg.eval_every_steps and state.step % cfg.eval_every_steps == 0:
+                if _eval_due(loop, state):
                     evaluated = _evaluate_and_select(loop, state, meter, progress)
                     stop = "early_stopping" if loop.early_stopping.update(evaluated) else None
                 loop.checkpointer.after_step(state, loss, evaluated, _epoch_end(loop, state))
@@ -108,6 +110,8 @@ def train(loop: Loop) -> dict[str, float]:
     if stop is not None:
         log.info("early stopping at step %d: %s did not improve for %d evaluations", state.step, loop.early_stopping.config.metric,
                  loop.early_stopping.config.patience)
+    if env.is_main:
+        log.info("%s", loop.best.summary(final))
     if profiler is not None:
         profiler.finish(loop.tracker)
     loop.checkpointer.on_end(state, final)
@@ -142,11 +146,21 @@ def _epoch_end(loop: Loop, state: TrainState) -> int | None:
     return state.epoch if loop.steps_per_epoch and state.epoch_step >= loop.steps_per_epoch else None
 
 
+def _eval_due(loop: Loop, state: TrainState) -> bool:
+    """Whether this step evaluates: every ``train.eval_every_steps`` steps, or at the end of every
+    ``train.eval_every_epochs``-th epoch (once when both fall on the same step)."""
+    cfg, ended = loop.config, _epoch_end(loop, state)
+    by_steps = cfg.eval_every_steps is not None and state.step % cfg.eval_every_steps == 0
+    return by_steps or (cfg.eval_every_epochs is not None and ended is not None and (ended + 1) % cfg.eval_every_epochs == 0)
+
+
 def _evaluate_and_select(loop: Loop, state: TrainState, meter: Throughput, progress: Progress) -> dict[str, float]:
-    """Evaluate, log, and keep the best checkpoint when the watched metric improved."""
+    """Evaluate, log (with ``best/<metric>`` when the watched metric improved), and keep the best checkpoint."""
     with meter.paused():
         metrics = loop.evaluator.evaluate()
         _log(loop, metrics, state.step, progress)
+        if best := loop.best.update(metrics, state.step):
+            loop.tracker.log_metrics(best, state.step)
         loop.checkpointer.maybe_save_best(state, metrics)
     return metrics
 

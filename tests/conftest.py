@@ -13,8 +13,9 @@ import shlex
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -84,3 +85,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+SLURM_SKIP_MARK = "SLURM TESTS SKIPPED"
+"""Begins the skip reason of every SLURM test that cannot run here (tests/slurm_cluster.py's fixture)."""
+SLURM_HOW_TO_RUN = ("as root on a machine with apt-get, `make test` installs slurmctld slurmd slurm-client munge itself "
+                    "(.ci/install-slurm) and runs them; elsewhere install those packages and run pytest as root")
+
+
+def slurm_skip_summary(skipped: Sequence[Any]) -> str | None:
+    """The one summary line for the SLURM tests among the ``skipped`` reports: how many, why, how to run them; ``None``
+    when none of them was skipped."""
+    reasons = [str(r.longrepr[2]) for r in skipped if isinstance(r.longrepr, tuple) and SLURM_SKIP_MARK in str(r.longrepr[2])]
+    if not reasons:
+        return None
+    why = reasons[0].split(": ", 2)[-1] if ": " in reasons[0] else reasons[0]
+    return f"SLURM tests skipped ({len(reasons)}): {why}; to run them: {SLURM_HOW_TO_RUN}"
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """Say in one line, at the end of the run, that the SLURM tests did not run and how to run them (a skip is
+    otherwise one ``s`` among hundreds of dots)."""
+    line = slurm_skip_summary(terminalreporter.stats.get("skipped", []))
+    if line:
+        terminalreporter.write_line(line, yellow=True, bold=True)

@@ -9,7 +9,7 @@ Without slurmdbd ``sacct`` fails and submitit cannot see a cancelled or timed-ou
 ``sacct`` stand-in answering from ``squeue`` comes first on ``PATH``.
 
 Where the machine cannot run it (not root, packages missing and not installable), the fixture skips
-with the reason; ``.ci/run`` installs the packages before ``make test``.
+with the reason; ``make test`` installs the packages first where it can (``.ci/install-slurm``).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def unavailable_reason() -> str | None:
     missing = [b for b in BINARIES if shutil.which(b) is None and not Path(f"/usr/sbin/{b}").exists()]
     if missing:
         return (f"SLURM/munge binaries missing: {missing}; install with "
-                "`apt-get install -y slurmctld slurmd slurm-client munge` (.ci/run does this)")
+                "`apt-get install -y slurmctld slurmd slurm-client munge` (`make test` does this as root: .ci/install-slurm)")
     return None
 
 

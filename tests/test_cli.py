@@ -37,7 +37,9 @@ def test_cfg_job_prints_resolved_config(tmp_path: Path) -> None:
 BAD_CONFIGS = {
     "unknown-option": (["model=deepfn"], 1, ["Could not find 'model/deepfn'", "Available options in 'model'", "deepfm", "dlrm"]),
     "unknown-key": (["train.num_stepz=5"], 1, ["Key 'num_stepz' not in 'TrainConfig'"]),
-    "steps-and-epochs": (["train.num_epochs=2"], 2, ["set exactly one of train.num_steps", "train.num_steps=null train.num_epochs=2"]),
+    "steps-and-epochs": (["train.num_steps=5", "train.num_epochs=2"], 2,
+                         ["train.num_steps=5 and train.num_epochs=2 are both set", "train.num_epochs=2 alone"]),
+    "preset-steps-and-epochs": (["debug=fast", "train.num_epochs=2"], 2, ["are both set", "add train.num_steps=null"]),
     "zero-batch": (["data.batch_size=0"], 2, ["data.batch_size must be positive"]),
     "negative-batch": (["data.batch_size=-8"], 2, ["data.batch_size must be positive"]),
     "zero-lr": (["optim.lr=0"], 2, ["lr must be positive"]),

@@ -86,3 +86,40 @@ def test_collect_without_wait_reports_missing_jobs(sweep: tuple[str, str, dict[s
     assert compare.main(["collect", "--uri", uri, "--parent", parent, "--no-plots"]) == 1
     assert "3 of 4 jobs ended" in capsys.readouterr().err
     assert client.get_run(parent).info.status == "RUNNING"
+
+
+def test_no_arguments_show_the_most_recent_sweep(sweep: tuple[str, str, dict[str, str]], capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    uri, parent, _ = sweep
+    client = MlflowClient(tracking_uri=uri)
+    older = client.create_experiment("older")  # an earlier sweep elsewhere in the store: not the one shown
+    old_parent = client.create_run(older, run_name="old sweep", start_time=1_000, tags={SWEEP_PARENT_TAG: "eval/auc"}).info.run_id
+    _child(client, older, old_parent, 0.5, "dlrm", 0.9)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # where a bare command looks (tracking.uri's default)
+    assert compare.main(["--no-plots"]) == 0
+    out, err = capsys.readouterr()
+    assert f"showing the most recent sweep: sweep (--parent {parent}, experiment cmp" in err and "--experiment <name>" in err
+    lines = out.splitlines()
+    assert lines[0].split()[:4] == ["run", "status", "model._target_", "optim.lr"]
+    assert [line.split()[4] for line in lines[2:]] == ["0.6800", "0.6500", "0.6100"], "the three trials of the newest sweep"
+
+
+def test_no_arguments_without_a_sweep_show_the_default_experiment(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    uri = f"sqlite:///{tmp_path}/plain.db"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("recsys_runner")  # tracking.experiment's default
+    for lr, auc in ((0.01, 0.6), (0.1, 0.7)):
+        rid = client.create_run(exp, run_name=f"optim.lr={lr}").info.run_id
+        client.log_batch(rid, metrics=[Metric("eval/auc", auc, 0, 30)], params=[Param("optim.lr", str(lr))])
+        client.set_terminated(rid)
+    assert compare.main(["--uri", uri, "--no-plots"]) == 0
+    out, err = capsys.readouterr()
+    assert "showing the runs of experiment recsys_runner (no sweep in this store)" in err
+    assert [line.split()[2] for line in out.splitlines()[2:]] == ["0.1", "0.01"]
+
+
+def test_no_arguments_on_an_empty_store_say_what_to_name(tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path}/empty.db"
+    MlflowClient(tracking_uri=uri).create_experiment("other")
+    with pytest.raises(SystemExit, match=r"no sweep and no experiment 'recsys_runner' .*experiments there: other.*--experiment <name>"):
+        compare.main(["--uri", uri, "--no-plots"])

@@ -104,6 +104,12 @@ class DataConfig(Configurable):
         return replace(self, num_workers=workers if self.num_workers == AUTO else self.num_workers,
                        pin_memory=cuda if self.pin_memory is None else self.pin_memory)
 
+    def default_num_steps(self) -> int | None:
+        """The run length when neither ``train.num_steps`` nor ``train.num_epochs`` is set: a number of optimizer
+        steps, or ``None`` for one epoch (one pass over the data: what "train on my file" means). Data made up
+        on the spot, whose epoch is an arbitrary size, names a number of steps instead."""
+        return None
+
     def for_model(self, needs: DataNeeds) -> DataConfig:
         """This config made to serve a model with ``needs``: a new config with the fields the data leaves to
         the model filled in (generated data); ``self`` for data whose labels and columns are fixed (files),

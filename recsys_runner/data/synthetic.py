@@ -44,6 +44,8 @@ _TRAIN, _EVAL = 0, 1
 LABEL_KINDS = ("binary", "regression")
 PAIR_CLUSTERS = 16
 """``K`` of the (user, item) pairs drawn for a two-tower model when ``user_item_clusters`` is null."""
+DEFAULT_NUM_STEPS = 1000
+"""Optimizer steps a run on generated data takes when neither ``train.num_steps`` nor ``train.num_epochs`` is set."""
 
 
 @dataclass(kw_only=True)
@@ -132,6 +134,10 @@ class SyntheticDataConfig(DataConfig):
             f"data.num_eval_rows={self.num_eval_rows} is smaller than one batch (data.batch_size={self.batch_size})",
         )
         require(self.id_skew > 0, f"data.id_skew must be positive, got {self.id_skew}")
+
+    def default_num_steps(self) -> int:
+        """:data:`DEFAULT_NUM_STEPS`: generated rows are an arbitrary amount, so the default length is in steps, not epochs."""
+        return DEFAULT_NUM_STEPS
 
     def for_model(self, needs: DataNeeds) -> SyntheticDataConfig:
         """A new config that serves a model with ``needs``: the fields left ``null`` follow the model (its
