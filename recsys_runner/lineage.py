@@ -58,6 +58,9 @@ class Manifest:
     """Accelerators visible to this process (0 on a CPU-only host)."""
     world_size: int
     hostname: str
+    num_threads: int
+    """torch's intra-op threads (``distributed.num_threads``; ``auto`` depends on the machine's load at start, and
+    CPU reductions may round differently with another count)."""
     git_diff: str = field(default="", repr=False)
     """The uncommitted changes (``git diff HEAD``); logged as an artifact, not as a tag."""
 
@@ -70,6 +73,7 @@ class Manifest:
             "manifest.device": f"{self.device_type}:{self.device_name}",
             "manifest.device_count": str(self.device_count),
             "manifest.world_size": str(self.world_size),
+            "manifest.num_threads": str(self.num_threads),
             "manifest.hostname": self.hostname,
         }
         out.update({f"manifest.version.{name}": version for name, version in self.versions.items()})
@@ -89,7 +93,7 @@ def collect(*, world_size: int, device: torch.device, argv: list[str] | None = N
     name, count = _device(device)
     return Manifest(command=command_line(argv), git_commit=commit, git_dirty=dirty, versions=_versions(),
                     device_type=device.type, device_name=name, device_count=count, world_size=world_size,
-                    hostname=socket.gethostname(), git_diff=diff)
+                    hostname=socket.gethostname(), num_threads=torch.get_num_threads(), git_diff=diff)
 
 
 def record(tracker: Any, manifest: Manifest) -> None:

@@ -15,7 +15,7 @@ from recsys_runner.errors import CheckpointError
 from tests.conftest import TINY, run_cli
 
 MANIFEST_TAGS = {"manifest.command", "manifest.git_commit", "manifest.git_dirty", "manifest.device", "manifest.device_count",
-                 "manifest.world_size", "manifest.hostname", "manifest.version.python", "manifest.version.torch",
+                 "manifest.world_size", "manifest.hostname", "manifest.num_threads", "manifest.version.python", "manifest.version.torch",
                  "manifest.version.torchrec", "manifest.version.fbgemm", "manifest.version.hydra", "manifest.version.mlflow"}
 
 
