@@ -28,7 +28,7 @@ def test_per_table_sharding_types_override_the_global_ones(make_cfg) -> None:
                    "distributed.sharding_types=[table_wise]", "distributed.plan_world_size=2", "tracking=none")
     plan = dry_run(cfg).plan
     assert plan is not None
-    (module_plan,) = plan.plan.values()
+    module_plan = plan.plan["model.sparse_arch.ebc"]  # DeepFM's embeddings (its first-order weights are another EBC)
     types = {name: p.sharding_type for name, p in module_plan.items()}
     assert types["t_cat_0"] == "data_parallel" and types["t_cat_1"] == "column_wise"
     assert {types[f"t_cat_{i}"] for i in range(2, 26)} == {"table_wise"}
@@ -92,14 +92,13 @@ def test_plan_cli_fits_and_does_not_fit(tmp_path: Path) -> None:
 
 def _types(plan) -> dict[str, str]:
     assert plan is not None
-    (module_plan,) = plan.plan.values()
-    return {name: p.sharding_type for name, p in module_plan.items()}
+    return {name: p.sharding_type for module_plan in plan.plan.values() for name, p in module_plan.items()}
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])  # planning for cuda needs no GPU; unrestricted, it picked row_wise for all 26
 def test_one_rank_plan_keeps_tables_whole(make_cfg, device: str) -> None:
     types = _types(dry_run(make_cfg(f"distributed.device={device}", "distributed.plan_world_size=1", "tracking=none")).plan)
-    assert len(types) == 26 and set(types.values()) <= {"table_wise", "data_parallel"}, types
+    assert len(types) == 52 and set(types.values()) <= {"table_wise", "data_parallel"}, types  # 26 embedding + 26 first-order tables
 
 
 def test_one_rank_plan_gives_explicitly_asked_sharding_types(make_cfg) -> None:
@@ -145,7 +144,7 @@ def test_plan_logs_a_one_line_summary_and_the_full_plan_at_debug(make_cfg, caplo
     info = [r.getMessage() for r in ours if r.levelno == logging.INFO]
     assert len(info) == 1, info
     assert "\n" not in info[0]
-    assert info[0].startswith("sharding plan: 26 tables on 1 rank: 26 table_wise (fused kernel); est. "), info[0]
+    assert info[0].startswith("sharding plan: 52 tables on 1 rank: 52 table_wise (fused kernel); est. "), info[0]
     assert "MB/rank (HBM 0.0 MB, DDR " in info[0]
     debug = [r.getMessage() for r in ours if r.levelno == logging.DEBUG]
     assert any("t_cat_25" in m and "table_wise" in m for m in debug), "the full per-table plan is logged at DEBUG"
@@ -161,5 +160,5 @@ def test_plan_summary_counts_types_and_kernels_over_ranks(make_cfg) -> None:
     assert report.plan is not None
     usage = [(r.hbm, r.ddr) for r in report.ranks]
     line = plan_summary(report.plan, 4, usage)
-    assert line.startswith("sharding plan: 26 tables on 4 ranks: 25 table_wise (fused kernel), 1 data_parallel (dense kernel); est. max ")
+    assert line.startswith("sharding plan: 52 tables on 4 ranks: 51 table_wise (fused kernel), 1 data_parallel (dense kernel); est. max ")
     assert plan_summary(report.plan, 4).endswith("1 data_parallel (dense kernel)")
