@@ -83,7 +83,7 @@ def test_training_in_a_pipe_logs_plain_lines_and_no_known_noise(tmp_path: Path) 
         assert f"step {step}/30 train/loss=" in out.stdout
     assert "step 20/30 eval/auc=" in out.stdout
     summary = [line for line in screen.splitlines() if "sharding plan:" in line]
-    assert len(summary) == 1 and "26 table_wise (fused kernel); est. " in summary[0] and "MB/rank" in summary[0], summary
+    assert len(summary) == 1 and "52 table_wise (fused kernel); est. " in summary[0] and "MB/rank" in summary[0], summary
     assert not [n for n in NOISE if n in screen], screen
 
 
@@ -106,7 +106,7 @@ def test_planner_stats_table_only_at_debug(make_cfg, caplog: pytest.LogCaptureFi
             distributed.plan(model, batch_size=data.batch_size)
     finally:
         distributed.close()
-    assert [r.getMessage()[:26] for r in at_info] == ["sharding plan: 26 tables o"], "at INFO only our summary line"
+    assert [r.getMessage()[:26] for r in at_info] == ["sharding plan: 52 tables o"], "at INFO only our summary line"
     stats = [r for r in caplog.records if r.getMessage().startswith("TorchRec planner stats")]
     assert len(stats) == 1 and stats[0].levelno == logging.DEBUG and stats[0].name == "recsys_runner.distributed"
     assert "Parameter Info" in stats[0].getMessage() and "t_cat_25" in stats[0].getMessage()

@@ -183,13 +183,16 @@ class LinearArch(nn.Module):
         features: the data's feature schema (tables and pooling follow its tables).
         prefix: the tables' name prefix (``wide_``, ``first_order_``), distinct from the embedding tables'.
         device: device of the dense linear layer.
+        zero_init: start every id's weight at 0 (FM's first-order weights, as libFM does: the term adds only
+            what it learns, instead of 4·F random floats of noise per row of the logit at step 0).
     """
 
-    def __init__(self, features: FeatureSpec, prefix: str, device: torch.device | None = None) -> None:
+    def __init__(self, features: FeatureSpec, prefix: str, device: torch.device | None = None, zero_init: bool = False) -> None:
         super().__init__()
+        bounds = {"weight_init_min": 0.0, "weight_init_max": 0.0} if zero_init else {}
         tables = [
             EmbeddingBagConfig(name=f"{prefix}{t.name}", embedding_dim=LINEAR_ROW_WIDTH, num_embeddings=t.num_embeddings,
-                               feature_names=list(t.feature_names), pooling=t.pooling)
+                               feature_names=list(t.feature_names), pooling=t.pooling, **bounds)
             for t in features.embedding_tables(LINEAR_ROW_WIDTH)
         ]
         self.ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))

@@ -85,7 +85,7 @@ class DeepFM(nn.Module):
         num_fields = len(features.sparse) + 1
         self.sparse_arch = SparseArch(features, config.embedding_dim, type(self))
         self.dense_arch = DenseArch(features.num_dense, config.dense_layer_sizes(), device=dense_device)
-        self.first_order = LinearArch(features, prefix="first_order_", device=dense_device)
+        self.first_order = LinearArch(features, prefix="first_order_", device=dense_device, zero_init=True)
         self.fm = FMInteraction()
         self.deep = nn.Sequential(
             MLP(num_fields * config.embedding_dim, list(config.deep_layer_sizes), device=dense_device),
