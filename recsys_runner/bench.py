@@ -41,6 +41,7 @@ from hydra import compose, initialize_config_dir
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.model_parallel import DistributedModelParallel, get_default_sharders
 from torchrec.distributed.types import ShardingEnv
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -107,8 +108,8 @@ def hand_written_model(c: Components) -> tuple[DistributedModelParallel, torch.o
     sparse, dense_config = c.run.optim.sparse, c.run.optim.dense
     assert isinstance(sparse, SparseAdagradConfig) and isinstance(dense_config, DenseAdagradConfig), "the hand loop is written for optim=adagrad"
     model = TrainWrapper(c.run.model.build(features=c.loop.data.features, dense_device=c.env.device))
-    ebc = model.model.get_submodule("sparse_arch.ebc")
-    apply_optimizer_in_backward(torch.optim.Adagrad, ebc.parameters(), {"lr": sparse.lr, "eps": sparse.eps})
+    for ebc in (m for m in model.modules() if isinstance(m, EmbeddingBagCollection)):  # DeepFM has two: embeddings, first order
+        apply_optimizer_in_backward(torch.optim.Adagrad, ebc.parameters(), {"lr": sparse.lr, "eps": sparse.eps})
     dmp = DistributedModelParallel(
         module=model, device=c.env.device, env=ShardingEnv.from_process_group(torch.distributed.GroupMember.WORLD),
         plan=c.plan, sharders=get_default_sharders(),
