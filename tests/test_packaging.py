@@ -36,8 +36,9 @@ def test_make_install_is_quiet_and_prints_its_log_only_on_failure(tmp_path: Path
     """The install step of ``make run``/``make test`` prints one line; pip's output goes to a log file, shown when a step
     fails (a pin no index has: it fails while resolving, before downloading anything)."""
     venv = tmp_path / "venv"
-    env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-    out = subprocess.run(["make", "install", f"VENV={venv}", f"PYTHON={sys.executable}", "TORCH=torch==0.0.0"],
+    # Under `make test` (CI) this make is nested: --no-print-directory keeps make's "Entering directory" lines out.
+    env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1", "MAKELEVEL": "1"}
+    out = subprocess.run(["make", "--no-print-directory", "install", f"VENV={venv}", f"PYTHON={sys.executable}", "TORCH=torch==0.0.0"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
     assert out.stdout.splitlines() == [f"Installing the pinned stack into {venv} (a few minutes the first time; log: {venv}/install.log)"]
