@@ -47,6 +47,7 @@ from recsys_runner.ema import DenseEMA
 from recsys_runner.errors import require
 from recsys_runner.metrics import TaskTrainMetrics
 from recsys_runner.optim import GroupedOptimizer
+from recsys_runner.scheduler import ScheduledLR
 
 _CLIP_MODES = ("norm", "value")
 
@@ -295,7 +296,7 @@ class Stepper:
 
     pipeline: Pipeline
     policy: StepPolicy
-    lr_scheduler: torch.optim.lr_scheduler.LambdaLR
+    lr_scheduler: ScheduledLR
     optimizer: GroupedOptimizer
     train_metrics: TaskTrainMetrics
     accumulation_steps: int = 1
@@ -319,7 +320,8 @@ class Stepper:
                 return None
             self.train_metrics.update(logits, labels)
         self.lr_scheduler.step()
-        self._push_sparse_lr()
+        if self.lr_scheduler.moved:
+            self._push_sparse_lr()
         return loss
 
     def _push_sparse_lr(self, force: bool = False) -> None:

@@ -111,6 +111,39 @@ def test_optimizer_groups_keep_the_key_strings_of_checkpoints_and_lr_metrics() -
     assert learning_rates(optimizer) == {"lr/part.over": pytest.approx(0.05), "lr/dense": pytest.approx(0.1)}
 
 
+@pytest.mark.parametrize(("config", "unmoved_steps"), [
+    (ConstantConfig(warmup_steps=3, warmup_start=0.1), list(range(4, 40))),  # the warmup ends at step 3
+    (ManualStepConfig(boundaries=[10, 25], rates=[1.0, 0.5, 0.1]), [s for s in range(2, 40) if s not in (10, 25)]),
+    (CosineConfig(warmup_steps=5), []),
+])
+def test_scheduled_lr_steps_exactly_as_torchs_lambda_lr_and_says_when_it_moved(config, unmoved_steps: list[int]) -> None:
+    """:class:`ScheduledLR` skips writing the lrs when no schedule moved them; the lrs, ``get_last_lr()`` and
+    the state it would checkpoint stay those of torch's ``LambdaLR`` at every step, and ``moved`` is False exactly
+    on the steps where the schedule stood still (then the fused kernels are not handed an lr). Its first step runs
+    torch's own (with its optimizer-order check) and counts as moved."""
+    def grouped() -> GroupedOptimizer:
+        params = {n: torch.nn.Parameter(torch.ones(1)) for n in ["over_arch.w", "fm.w"]}
+        sgd = lambda ps, **kw: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
+        return GroupedOptimizer(dense_optimizers(params, sgd, {"over": ("over_arch", sgd)}))
+
+    schedule = config.build(total_steps=40)
+    ours_opt, theirs_opt = grouped(), grouped()
+    ours = lr_scheduler(ours_opt, {OptimizerGroup.part("over"): lambda step: 0.5 * schedule(step)}, schedule)
+    theirs = torch.optim.lr_scheduler.LambdaLR(theirs_opt, [lambda step: 0.5 * schedule(step), schedule])
+    unmoved = []
+    for step in range(1, 40):
+        ours_opt.step()
+        theirs_opt.step()
+        ours.step()
+        theirs.step()
+        assert [g["lr"] for g in ours_opt.param_groups] == [g["lr"] for g in theirs_opt.param_groups], step
+        assert ours.get_last_lr() == theirs.get_last_lr() and ours.last_epoch == theirs.last_epoch == step
+        unmoved += [] if ours.moved else [step]
+    assert unmoved == unmoved_steps
+    state, reference = ours.state_dict(), theirs.state_dict()
+    assert {k: v for k, v in state.items() if k != "lr_lambdas"} == {k: v for k, v in reference.items() if k != "lr_lambdas"}
+
+
 @pytest.mark.parametrize("name", ["adam", "lamb", "lars_sgd", "partial_rowwise_adam", "partial_rowwise_lamb"])
 def test_gpu_only_fused_optimizers_say_so_on_cpu(make_cfg, name: str) -> None:
     cfg = make_cfg(f"optim/sparse={name}")
