@@ -21,7 +21,7 @@ from recsys_runner.config import flatten, register_configs, to_yaml, validate
 from recsys_runner.errors import ConfigError, reported
 from recsys_runner.noise import quiet_known_noise
 from recsys_runner.paths import CONFIG_PATH
-from recsys_runner.runner import train
+from recsys_runner.runner import Loop, train
 from recsys_runner.signals import Interrupted
 from recsys_runner.stopping import NonFiniteLossError
 from recsys_runner.tracking import Tracker
@@ -46,7 +46,7 @@ def run(cfg: DictConfig) -> float:
                 tags[lineage.CHECKPOINT_DIR_TAG] = str(loop.checkpointer.dir.absolute())
             if manifest is not None:
                 tags |= manifest.tags()
-            loop.tracker.start(run_name=",".join(overrides) or "defaults", tags=tags, params=flatten(spec))
+            loop.tracker.start(run_name=",".join(overrides) or "defaults", tags=tags, params=flatten(spec) | _run_length(loop))
             loop.tracker.log_text(to_yaml(spec), "config.yaml")
             loop.tracker.log_text(str(c.plan), "sharding_plan.txt")
             if manifest is not None:
@@ -66,6 +66,15 @@ def run(cfg: DictConfig) -> float:
     finally:
         c.loop.tracker.finish(status)
         c.close()
+
+
+def _run_length(loop: Loop) -> dict[str, int]:
+    """The length the run decided (params ``run.total_steps``, ``run.steps_per_epoch``): ``train.num_steps`` and
+    ``train.num_epochs`` are logged as given, ``None`` when the data chose (one epoch of a file), so the UI needs these."""
+    length = {"run.total_steps": loop.total_steps}
+    if loop.steps_per_epoch is not None:
+        length["run.steps_per_epoch"] = loop.steps_per_epoch
+    return length
 
 
 def objective(final: dict[str, float], key: str | None) -> float:

@@ -50,7 +50,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recsys_runner.build import Components, build
 from recsys_runner.config import register_entry_schema, validate
 from recsys_runner.data.schema import Encoder, Location, Rows, Schema
-from recsys_runner.data.sources import CsvSource, Unit, resolve_files
+from recsys_runner.data.sources import CsvSource, Unit
 from recsys_runner.data.tabular import TabularData, TabularDataConfig
 from recsys_runner.distributed import detached
 from recsys_runner.errors import ConfigError, reported, require
@@ -160,8 +160,8 @@ def predict(c: Components, settings: PredictConfig, output: Path) -> PredictResu
     data = c.loop.data
     assert isinstance(data, TabularData)
     env, evaluator = c.env, c.loop.evaluator
-    files = resolve_files(settings.input or data.config.path, "predict.input" if settings.input else "data.path", data._suffixes())
-    source = data._source(files)  # the data option's own reader (format settings), over the input's columns
+    # the data option's own reader (format settings), over the input's columns
+    source = data.open_files(settings.input or data.config.path, "predict.input" if settings.input else "data.path")
     features = [*(d.name for d in data.schema.dense), *(s.name for s in data.schema.sparse)]
     source.columns = list(dict.fromkeys([*features, *settings.columns]))
     units = rank_units(source.units(), env.rank, env.world_size)

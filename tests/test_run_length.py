@@ -55,6 +55,14 @@ def _history(uri: str, experiment: str, key: str) -> dict[int, float]:
     return {m.step: m.value for m in client.get_metric_history(mlrun.info.run_id, key)}
 
 
+def _params(uri: str, experiment: str) -> dict[str, str]:
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(experiment)
+    assert exp is not None
+    (mlrun,) = client.search_runs([exp.experiment_id])
+    return mlrun.data.params
+
+
 def _built_length(cfg) -> tuple[int, int | None]:
     """(total steps, steps per epoch) of the run ``cfg`` builds."""
     c = build(validate(cfg))
@@ -70,6 +78,9 @@ def test_num_epochs_alone_trains_that_many_epochs(make_cfg, mlflow_uri: str) -> 
     run(cfg)
     epochs = _history(mlflow_uri, cfg.tracking.experiment, "train/epoch")
     assert max(epochs) == 32 and epochs[16] == 0 and epochs[24] == 1
+    params = _params(mlflow_uri, cfg.tracking.experiment)  # the length the run decided, beside the settings as given
+    assert (params["train.num_epochs"], params["train.num_steps"], params["run.total_steps"], params["run.steps_per_epoch"]) == \
+        ("2", "None", "32", "16")
 
 
 def test_steps_and_epochs_both_set_is_an_error_naming_the_fix(make_cfg) -> None:
@@ -89,6 +100,8 @@ def test_file_data_trains_one_epoch_by_default(make_cfg, mlflow_uri: str, small_
         run(cfg)
     steps = _history(mlflow_uri, cfg.tracking.experiment, "train/loss")
     assert max(steps) == 8, "one pass over the file"
+    params = _params(mlflow_uri, cfg.tracking.experiment)
+    assert (params["train.num_steps"], params["run.total_steps"], params["run.steps_per_epoch"]) == ("None", "8", "8")
     assert "training one epoch of the data: 8 steps" in caplog.text
     assert "epochs of this data" not in caplog.text
 

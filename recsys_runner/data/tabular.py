@@ -337,10 +337,10 @@ class TabularData(DataModule, abc.ABC):
         self._workers = config.num_workers
         """DataLoader workers per rank; each (rank, worker) reads its own shard, so the batch order depends on it."""
         self._pin = bool(config.pin_memory)
-        train_source = self._source(resolve_files(config.path, "data.path", self._suffixes()))
+        train_source = self.open_files(config.path, "data.path")
         train_units = train_source.units()
         if config.eval_path is not None:
-            eval_source = self._source(resolve_files(config.eval_path, "data.eval_path", self._suffixes()))
+            eval_source = self.open_files(config.eval_path, "data.eval_path")
             eval_units = eval_source.units()
             self._train = _Split(train_source, train_units, [u.num_rows for u in train_units])
             self._eval = _Split(eval_source, eval_units, [u.num_rows for u in eval_units])
@@ -351,6 +351,15 @@ class TabularData(DataModule, abc.ABC):
             self._eval = _Split(train_source, train_units, held, (fraction, True))
         if sum(self._eval.counts) == 0:
             raise DataError(f"the eval split of {config.eval_path or config.path} has no rows. Fix: a larger data.eval_fraction, or data.eval_path")
+
+    def open_files(self, path: str, key: str) -> Any:
+        """A row source over the files at ``path`` with this data option's own reader and format settings (the
+        training data's, or another input such as ``predict.input``); ``key`` names the setting in errors.
+
+        Raises:
+            DataError: ``path`` matches no file of this format.
+        """
+        return self._source(resolve_files(path, key, self._suffixes()))
 
     # -- subclass hooks ------------------------------------------------------------------------------
     def _suffixes(self) -> tuple[str, ...] | None:
@@ -646,7 +655,7 @@ class CriteoData(TabularData):
         dense, sparse = criteo_columns(sizes, config.categorical_encoding, config.dense_transform)
         where = f"data.path={config.path!r}"
         done = complete_schema(label="label", labels=None, label_kinds=None, label_threshold=None, dense=dense, sparse=sparse,
-                               sample=lambda: self._source(resolve_files(config.path, "data.path", None)).sample(config.infer.sample_rows),
+                               sample=lambda: self.open_files(config.path, "data.path").sample(config.infer.sample_rows),
                                config=config.infer, where=where)
         log_inferred(done, where)
         super().__init__(config, done.schema)
