@@ -138,6 +138,33 @@ def test_printed_schema_round_trips_as_a_schema_file(tmp_path: Path, caplog: pyt
     assert pq.read_table(tmp_path / "out" / "m.parquet").num_rows == ROWS
 
 
+def test_convert_infers_the_schema_a_training_run_infers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``convert --format csv`` without ``--schema``: the schema ``data=csv`` would infer, stored in the Parquet and
+    printed as a schema file that ``--schema`` takes back; a file without a label column names the flag to set."""
+    write_mixed_csv(tmp_path / "m.csv")
+    assert data_main(["convert", "--format", "csv", str(tmp_path / "m.csv"), str(tmp_path / "out"), "--progress", "log"]) == 0
+    printed = capsys.readouterr().out
+    trained_on_text = csv_data(tmp_path / "m.csv")
+    converted = ParquetData(make(ParquetDataConfig, path=str(tmp_path / "out"), batch_size=32, num_workers=0))
+    assert [(s.name, s.num_embeddings) for s in converted.schema.sparse] == [(s.name, s.num_embeddings) for s in trained_on_text.schema.sparse]
+    assert [d.name for d in converted.schema.dense] == [d.name for d in trained_on_text.schema.dense]
+    assert converted.schema.label == "Click" and pq.read_table(tmp_path / "out" / "m.parquet").num_rows == ROWS
+    text = printed.split("pass --schema <file>:\n", 1)[1].split("\n\n", 1)[0]
+    (tmp_path / "schema.yaml").write_text(text)
+    assert data_main(["convert", "--format", "csv", "--schema", str(tmp_path / "schema.yaml"), str(tmp_path / "m.csv"),
+                      str(tmp_path / "again"), "--progress", "log"]) == 0
+    assert pq.read_table(tmp_path / "again" / "m.parquet").equals(pq.read_table(tmp_path / "out" / "m.parquet"))
+    # ratings -> clicks, with flags; an excluded column is not a feature
+    (tmp_path / "r.csv").write_text("user,item,rating\n" + "".join(f"{i % 7},{i % 11},{i % 5 + 1}\n" for i in range(50)))
+    assert data_main(["convert", "--format", "csv", str(tmp_path / "r.csv"), str(tmp_path / "r"), "--label", "rating",
+                      "--label-threshold", "4", "--exclude", "item", "--progress", "log"]) == 0
+    table = pq.read_table(tmp_path / "r" / "r.parquet")
+    assert table.column_names == ["rating", "user"] and set(table.column("rating").to_pylist()) == {0, 1}
+    capsys.readouterr()
+    assert data_main(["convert", "--format", "csv", str(tmp_path / "r.csv"), str(tmp_path / "r2")]) == 2
+    assert re.search(r"no label column in the input .*r\.csv.*Fix: name it, e\.g\. --label user", capsys.readouterr().err)
+
+
 def test_schema_file_mistakes_are_config_errors(tmp_path: Path) -> None:
     write_mixed_csv(tmp_path / "m.csv")
     (tmp_path / "bad.yaml").write_text("label: Click\nsparce: []\n")

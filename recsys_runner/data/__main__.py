@@ -8,6 +8,7 @@ schema (the label column or the task → label column mapping included) stored i
 
     python -m recsys_runner.data convert --format criteo --num-embeddings 1000000 day_0.tsv out/
     python -m recsys_runner.data convert --format csv --schema schema.yaml logs/*.csv out/
+    python -m recsys_runner.data convert --format csv ratings.csv out/ --label rating --label-threshold 4   # schema inferred
 
 ``inspect`` prints a file's (or directory's) columns and types, row count, the rate (mean) of each
 label column, and per column the null count and the number of distinct values. Label columns: the
@@ -29,11 +30,13 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from recsys_runner.data.schema import DenseColumn, Encoder, Location, Rows, Schema, SparseColumn, read_schema_file
+from recsys_runner.data.infer import InferConfig, complete_schema
+from recsys_runner.data.schema import DenseColumn, Encoder, Location, Rows, Schema, SparseColumn, read_schema_file, schema_yaml
 from recsys_runner.data.sources import PARQUET_SUFFIXES, CsvSource, resolve_files
 from recsys_runner.data.tabular import (
     CRITEO_COLUMNS,
     CRITEO_NUM_SPARSE,
+    DELIMITER_ESCAPES,
     SCHEMA_METADATA_KEY,
     criteo_schema,
     schema_json,
@@ -77,14 +80,32 @@ def rows_to_table(rows: Rows, schema: Schema, multi_hot: list[bool]) -> pa.Table
     return pa.table(cols)
 
 
+def inferred_csv_schema(args: argparse.Namespace, files: list[str]) -> tuple[Schema, dict[str, Any]]:
+    """``--format csv`` without ``--schema``: the schema inferred from the files' first rows exactly as a training run
+    on ``data=csv`` infers it (:mod:`recsys_runner.data.infer`), and the reader options; printed as a schema file
+    to keep, edit and pass back as ``--schema`` (or ``data.schema=`` to train on the text files)."""
+    options: dict[str, Any] = {"delimiter": DELIMITER_ESCAPES.get(args.delimiter, args.delimiter), "header": True,
+                               "column_names": None, "null_values": [""]}
+    sampler = CsvSource(files, [], block_rows=args.row_group_rows, on_bad_rows=args.on_bad_rows, **options)
+    infer = InferConfig(sample_rows=args.sample_rows, exclude=list(args.exclude))
+    where = f"the input {files[0]}" + (f" (and {len(files) - 1} more file(s))" if len(files) > 1 else "")
+    try:
+        done = complete_schema(label=args.label, labels=None, label_kinds=None, label_threshold=args.label_threshold, dense=[],
+                               sparse=[], sample=lambda: sampler.sample(infer.sample_rows), config=infer, where=where,
+                               column_names=sampler.header_names)
+    except DataError as e:  # the inference speaks of data.* settings; here they are flags
+        raise DataError(str(e).replace("data.label_threshold=", "--label-threshold ").replace("data.label=", "--label ")
+                        .replace("data.labels=", "--schema with labels: ")) from None
+    print(f"schema inferred ({'; '.join(done.inferred)}). To keep or edit it, save the lines below as a file and pass "
+          f"--schema <file>:\n{schema_yaml(done.schema, {'delimiter': options['delimiter']}, done.notes)}")
+    return done.schema, options
+
+
 def convert(args: argparse.Namespace) -> None:
     if args.format == "criteo":
         schema = criteo_schema([args.num_embeddings] * CRITEO_NUM_SPARSE, args.categorical_encoding)
         options: dict[str, Any] = {"delimiter": "\t", "header": False, "column_names": CRITEO_COLUMNS, "null_values": [""]}
-    else:
-        if not args.schema:
-            raise ConfigError("--format csv needs --schema FILE.yaml with label (or labels: {task: column}, label_kinds), dense and "
-                              "sparse (and optionally delimiter, header, column_names, null_values)")
+    elif args.schema:
         parts, reader = read_schema_file(args.schema)  # the form a training run logs when it infers a schema
         if parts["label"] is None and parts["labels"] is None:
             parts["label"] = "label"
@@ -92,6 +113,8 @@ def convert(args: argparse.Namespace) -> None:
         options = {"delimiter": reader.get("delimiter", ","), "header": reader.get("header", True),
                    "column_names": reader.get("column_names"), "null_values": reader.get("null_values", [""])}
     files = [f for p in args.inputs for f in resolve_files(p, "input", None)]
+    if args.format == "csv" and not args.schema:
+        schema, options = inferred_csv_schema(args, files)
     source = CsvSource(files, schema.columns, block_rows=args.row_group_rows, on_bad_rows=args.on_bad_rows, **options)
     encoder = Encoder(schema, args.on_bad_rows)
     out_schema = converted_schema(schema)
@@ -201,7 +224,13 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("inputs", nargs="+", help="input files, directories or globs")
     c.add_argument("output", help="output directory")
     c.add_argument("--format", choices=["criteo", "csv"], default="criteo")
-    c.add_argument("--schema", help="csv: YAML file with label (or labels, label_kinds), dense, sparse (as in data.*)")
+    c.add_argument("--schema", help="csv: YAML file with label (or labels, label_kinds), dense, sparse (as in data.*); "
+                                    "without it the schema is inferred from the files' first rows and printed")
+    c.add_argument("--label", help="csv without --schema: the label column (default: one named label, click, clicked, …)")
+    c.add_argument("--label-threshold", type=float, help="csv without --schema: label = (label column >= this), e.g. a rating of 4")
+    c.add_argument("--exclude", action="append", default=[], help="csv without --schema: a column not to use as a feature (repeatable)")
+    c.add_argument("--delimiter", default=",", help="csv without --schema: the field delimiter (a character, or tab/comma/semicolon/pipe)")
+    c.add_argument("--sample-rows", type=int, default=InferConfig.sample_rows, help="csv without --schema: rows read to infer the schema")
     c.add_argument("--num-embeddings", type=int, default=100_000, help="criteo: table size of every categorical")
     c.add_argument("--categorical-encoding", choices=["mod", "hash"], default="mod", help="criteo: hex value modulo the table size, or a hash")
     c.add_argument("--row-group-rows", type=int, default=65_536)
