@@ -5,7 +5,9 @@ loads with ``torch`` alone (no recsys_runner, Hydra, TorchRec or fbgemm_gpu) —
 ``feature_spec.json`` (the inputs it takes, in order, and the outputs it returns), ``example.pt`` (one
 batch of inputs with the outputs the exporting process computed, for a server's smoke test) and
 ``manifest.json`` (:mod:`recsys_runner.lineage`); all four are logged to a new MLflow run tagged
-``entry=export`` whose parent is the training run.
+``entry=export`` whose parent is the training run. A two-tower model (DSSM) also gets each tower as a program of
+its own, ``user_tower.pt2`` and ``item_tower.pt2`` (:class:`TowerServing`): user vectors at request time, item
+vectors once for the candidate index; ``feature_spec.json``'s ``towers`` says what each takes.
 
 **Why torch.export, not TorchScript.** Under torch 2.13 / TorchRec 1.8 ``torch.export.export(...,
 strict=False)`` traces an unsharded :class:`~torchrec.modules.embedding_modules.EmbeddingBagCollection`
@@ -39,7 +41,7 @@ import logging
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast
 
 import hydra
 import torch
@@ -67,6 +69,8 @@ log = logging.getLogger("recsys_runner")
 MODEL_FILE = "model.pt2"
 FEATURE_SPEC_FILE = "feature_spec.json"
 EXAMPLE_FILE = "example.pt"
+TOWER_FILE = "{}_tower.pt2"
+"""A two-tower model's towers, each a program of its own (``user_tower.pt2``, ``item_tower.pt2``)."""
 ARTIFACT_DIR = "export"
 """Where the files go inside the MLflow run's artifacts."""
 CHECKPOINT_MODEL_PREFIX = "model/model."
@@ -116,6 +120,52 @@ class ServingModule(nn.Module):
         return self.model(dense, sparse)
 
 
+class TwoTowerModel(Protocol):
+    """What :class:`TowerServing` needs of a two-tower model (:class:`~recsys_runner.models.dssm.DSSM` has it)."""
+
+    tower_features: dict[str, list[str]]
+    temperature: float
+
+    def tower(self, name: str, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor: ...
+
+
+class TowerServing(nn.Module):
+    """One tower of a two-tower model: ``(dense [B, n], values [V], lengths [f, B])`` of the tower's own features
+    (``feature_spec.json``'s ``towers.<name>``) → its vectors ``[B, O]``.
+
+    The model's forward needs every feature; a tower reads only its own, so the other tower's features are filled
+    in as empty bags and zero columns inside, and a server passes a user's features alone (or an item's).
+    """
+
+    sparse_index: torch.Tensor
+    dense_index: torch.Tensor
+
+    def __init__(self, model: nn.Module, name: str, keys: list[str], dense_names: list[str]) -> None:
+        super().__init__()
+        mine = set(cast(TwoTowerModel, model).tower_features[name])
+        self.model, self.name, self.keys, self.num_dense = model, name, keys, len(dense_names)
+        self.sparse_keys = [k for k in keys if k in mine]
+        self.dense_columns = [c for c in dense_names if c in mine]
+        self.register_buffer("sparse_index", torch.tensor([keys.index(k) for k in self.sparse_keys], dtype=torch.long), persistent=False)
+        self.register_buffer("dense_index", torch.tensor([dense_names.index(c) for c in self.dense_columns], dtype=torch.long),
+                             persistent=False)
+
+    def forward(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        rows = dense.shape[0]
+        all_lengths = lengths.new_zeros(len(self.keys), rows).index_copy(0, self.sparse_index, lengths)
+        all_dense = dense.new_zeros(rows, self.num_dense).index_copy(1, self.dense_index, dense)
+        sparse = KeyedJaggedTensor(keys=self.keys, values=values, lengths=all_lengths.reshape(-1))
+        return cast(TwoTowerModel, self.model).tower(self.name, all_dense, sparse)
+
+    def inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``batch`` as this tower's inputs: its dense columns, and its sparse features' ids and lengths (in key order)."""
+        dense, values, lengths = serving_inputs(batch)
+        per_feature = torch.split(values, lengths.sum(dim=1).tolist())
+        index = self.sparse_index.tolist()
+        mine = torch.cat([per_feature[i] for i in index]) if index else values[:0]
+        return dense[:, self.dense_index], mine, lengths[self.sparse_index]
+
+
 def serving_inputs(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A batch as :class:`ServingModule`'s inputs: ``(dense float32, values int64, lengths [F, B] int64)``."""
     kjt = batch.sparse_features
@@ -123,14 +173,17 @@ def serving_inputs(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return batch.dense_features.float(), kjt.values().to(torch.int64), lengths
 
 
-def export_program(model: nn.Module, keys: list[str], batch: Batch) -> torch.export.ExportedProgram:
-    """``model`` (unsharded, on CPU, in eval mode) as a torch.export program with a dynamic batch size and id count.
+def export_program(model: nn.Module, keys: list[str], batch: Batch, serving: nn.Module | None = None) -> torch.export.ExportedProgram:
+    """``model`` (unsharded, on CPU, in eval mode) as a torch.export program with a dynamic batch size and id count:
+    its :class:`ServingModule`, or ``serving`` (e.g. a :class:`TowerServing`) on its own inputs.
 
     Raises:
         ConfigError: torch.export cannot trace the model, naming the model and the first line of why.
     """
-    serving = ServingModule(model, keys).eval()
-    inputs = serving_inputs(batch)
+    if serving is None:
+        serving = ServingModule(model, keys)
+    serving.eval()
+    inputs = serving.inputs(batch) if isinstance(serving, TowerServing) else serving_inputs(batch)
     batch_dim, ids = torch.export.Dim("batch"), torch.export.Dim("ids")
     shapes = {"dense": {0: batch_dim}, "values": {0: ids}, "lengths": {1: batch_dim}}
     root = logging.getLogger()
@@ -263,11 +316,13 @@ def run(cfg: DictConfig) -> Path:
     _check_same(eager, exported, type(model).__name__)
     out = export_dir(options.dir)
     out.mkdir(parents=True, exist_ok=True)
-    torch.export.save(program, str(out / MODEL_FILE))
     tasks = tuple(getattr(model, "tasks", SINGLE_TASK))
     described = feature_spec(features, keys, tasks, inputs, eager) | {
         "weights": "ema" if ema else "raw", "checkpoint": str(checkpoint.absolute()), "step": meta.get("step"),
         "source_run_id": source_run, "model": type(model).__name__}
+    if hasattr(model, "tower_features"):  # a two-tower model: each tower on its own as well (checked, then written)
+        described["towers"] = export_towers(model, keys, features, batch, eager, out)
+    torch.export.save(program, str(out / MODEL_FILE))
     (out / FEATURE_SPEC_FILE).write_text(json.dumps(described, indent=2) + "\n")
     torch.save({"inputs": inputs, "outputs": eager}, out / EXAMPLE_FILE)
     manifest = lineage.collect(world_size=1, device=torch.device("cpu"))
@@ -275,6 +330,35 @@ def run(cfg: DictConfig) -> Path:
     _log_run(spec, out, manifest, checkpoint, source_run, described)
     log.info("exported %s (%s weights) from %s to %s", type(model).__name__, described["weights"], checkpoint, out)
     return out
+
+
+def export_towers(model: nn.Module, keys: list[str], features: FeatureSpec, batch: Batch, scores: torch.Tensor,
+                  out: Path) -> dict[str, Any]:
+    """A two-tower model's towers, each as its own program (``<name>_tower.pt2``): the user tower at request time,
+    the item tower to build the candidate index. Checked before writing: ``user @ item.T / temperature`` of the two
+    programs is the whole model's ``scores`` on the example batch. Returns their part of ``feature_spec.json``."""
+    two_tower = cast(TwoTowerModel, model)
+    towers, vectors, programs = {}, {}, {}
+    for name in two_tower.tower_features:
+        serving = TowerServing(model, name, keys, list(features.dense_names))
+        programs[name] = export_program(model, keys, batch, serving)
+        with torch.no_grad():
+            vectors[name] = programs[name].module()(*serving.inputs(batch))
+        by_name = {f.name: f for f in features.sparse}
+        towers[name] = {
+            "file": TOWER_FILE.format(name), "call": "module(dense, values, lengths)",
+            "inputs": {"dense": {"dtype": "float32", "shape": ["B", len(serving.dense_columns)], "columns": serving.dense_columns},
+                       "values": {"dtype": "int64", "shape": ["V"], "meaning": "the ids of this tower's sparse features, in KJT order"},
+                       "lengths": {"dtype": "int64", "shape": [len(serving.sparse_keys), "B"]}},
+            "sparse_features": [{"name": k, "num_embeddings": by_name[k].num_embeddings} for k in serving.sparse_keys],
+            "output": {"shape": ["B", int(vectors[name].shape[1])], "meaning": f"the {name} vectors"},
+        }
+    temperature = float(two_tower.temperature)
+    _check_same(scores, vectors["user"] @ vectors["item"].t() / temperature, f"{type(model).__name__} (its towers apart)")
+    for name, program in programs.items():
+        torch.export.save(program, str(out / TOWER_FILE.format(name)))
+    return {"score": "scores[q, c] = user_vectors[q] · item_vectors[c] / temperature: the same as model.pt2's", "temperature": temperature,
+            **towers}
 
 
 def _options(cfg: DictConfig) -> ExportConfig:
@@ -308,7 +392,8 @@ def _log_run(spec: RunConfig, out: Path, manifest: lineage.Manifest, checkpoint:
             from mlflow.tracking import MlflowClient
 
             client = MlflowClient(tracking_uri=resolve_uri(spec.tracking.uri))
-            for name in (MODEL_FILE, FEATURE_SPEC_FILE, EXAMPLE_FILE, lineage.MANIFEST_FILE):
+            towers = [t["file"] for k, t in described.get("towers", {}).items() if isinstance(t, dict)]
+            for name in (MODEL_FILE, FEATURE_SPEC_FILE, EXAMPLE_FILE, lineage.MANIFEST_FILE, *towers):
                 client.log_artifact(tracker.run_id, str(out / name), ARTIFACT_DIR)
         status = "FINISHED"
     finally:

@@ -85,12 +85,13 @@ def train_and_score(make_cfg: Callable[..., DictConfig], checkpoints: Path, *ove
         c.close()
 
 
-def load_fresh(directory: Path, batch: Batch, tmp_path: Path) -> object:
-    """``model.pt2`` run on ``batch`` in a new interpreter that imports only torch; its output."""
+def load_fresh(directory: Path, batch: Batch, tmp_path: Path, file: str = export.MODEL_FILE,
+               inputs_of: Callable[[Batch], tuple[torch.Tensor, ...]] = export.serving_inputs) -> object:
+    """``file`` (``model.pt2``) run on ``batch`` in a new interpreter that imports only torch; its output."""
     inputs, output = tmp_path / "inputs.pt", tmp_path / "output.pt"
-    torch.save(export.serving_inputs(batch), inputs)
+    torch.save(inputs_of(batch), inputs)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run([sys.executable, "-c", LOADER, str(directory / export.MODEL_FILE), str(inputs), str(output)],
+    done = subprocess.run([sys.executable, "-c", LOADER, str(directory / file), str(inputs), str(output)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return torch.load(output)
@@ -104,7 +105,7 @@ def as_logits(output: object, spec: dict) -> torch.Tensor:
     return output
 
 
-def check_export(make_cfg, export_cfg, tmp_path: Path, *overrides: str, load: str | None = None) -> dict:
+def check_export(make_cfg, export_cfg, tmp_path: Path, *overrides: str, load: str | None = None) -> tuple[dict, Batch, torch.Tensor]:
     batch, expected = train_and_score(make_cfg, tmp_path / "ck", *overrides)
     out = export.run(export_cfg(*SMALL, *overrides, f"load={load or tmp_path / 'ck'}", f"export.dir={tmp_path / 'export'}"))
     spec = json.loads((out / export.FEATURE_SPEC_FILE).read_text())
@@ -113,7 +114,7 @@ def check_export(make_cfg, export_cfg, tmp_path: Path, *overrides: str, load: st
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=RTOL)
     assert spec["sparse_features"] and [f["name"] for f in spec["sparse_features"]] == list(batch.sparse_features.keys())
     assert spec["inputs"]["lengths"]["shape"] == [len(batch.sparse_features.keys()), "B"] and spec["needs_torchrec"] is False
-    return spec
+    return spec, batch, expected
 
 
 def test_deepfm_export_loads_without_recsys_runner_and_scores_like_the_trained_model(
@@ -157,10 +158,32 @@ def test_deepfm_export_loads_without_recsys_runner_and_scores_like_the_trained_m
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["dlrm", "dcn_v2", "wide_deep", "mmoe", "dssm"])
 def test_every_model_exports_and_scores_like_the_trained_model(make_cfg, export_cfg, tmp_path: Path, model: str) -> None:
-    spec = check_export(make_cfg, export_cfg, tmp_path, f"model={model}")
+    spec, batch, expected = check_export(make_cfg, export_cfg, tmp_path, f"model={model}")
     kinds = {"mmoe": ["binary", "binary"], "dssm": ["retrieval"]}.get(model, ["binary"])
     assert [o["kind"] for o in spec["outputs"]] == kinds
     assert spec["output_type"] == ("dict[task name, Tensor]" if model == "mmoe" else "Tensor")
+    assert ("towers" in spec) == (model == "dssm")
+    if model == "dssm":  # each tower apart, fed only its own features: user · item / temperature is the model's score
+        towers = spec["towers"]
+        vectors = {name: load_fresh(tmp_path / "export", batch, tmp_path, towers[name]["file"],
+                                    lambda b, name=name: tower_inputs(b, spec, name)) for name in ("user", "item")}
+        scores = vectors["user"] @ vectors["item"].t() / towers["temperature"]
+        torch.testing.assert_close(scores, expected, atol=ATOL, rtol=RTOL)
+        features = {name: towers[name]["inputs"]["dense"]["columns"] + [f["name"] for f in towers[name]["sparse_features"]]
+                    for name in ("user", "item")}
+        assert features["user"] and features["item"] and set(features["user"]).isdisjoint(features["item"])
+
+
+def tower_inputs(batch: Batch, spec: dict, tower: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``batch`` as a server would feed tower ``tower`` from ``feature_spec.json`` alone: the tower's dense columns,
+    and its sparse features' ids and lengths, in the order the spec lists them."""
+    dense, values, lengths = export.serving_inputs(batch)
+    keys, columns = list(batch.sparse_features.keys()), spec["inputs"]["dense"]["columns"]
+    mine = spec["towers"][tower]
+    dense_index = [columns.index(c) for c in mine["inputs"]["dense"]["columns"]]
+    sparse_index = [keys.index(f["name"]) for f in mine["sparse_features"]]
+    per_feature = torch.split(values, lengths.sum(dim=1).tolist())
+    return dense[:, dense_index], torch.cat([per_feature[i] for i in sparse_index]), lengths[sparse_index]
 
 
 @pytest.mark.slow

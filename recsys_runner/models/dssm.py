@@ -132,6 +132,15 @@ class DSSM(nn.Module):
             return Tower(sparse, dense, list(config.tower_layer_sizes), config.normalize, device=dense_device)
 
         self.user_tower, self.item_tower = tower(list(config.user_features)), tower(list(config.item_features))
+        self.tower_features = {"user": list(config.user_features), "item": list(config.item_features)}
+        """Each tower's features (data columns, sparse or dense), by tower name: what :meth:`tower` reads."""
+
+    def tower(self, name: str, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        """Tower ``name``'s (``user`` or ``item``) vectors ``[B, O]``; it reads only its own features of the batch.
+
+        Serving uses the towers apart: user vectors at request time, item vectors computed once into an index
+        (``python -m recsys_runner.export`` writes each as its own program)."""
+        return getattr(self, f"{name}_tower")(self.sparse_arch(sparse), dense)
 
     def user_item(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The user and item vectors: ``([B, O], [B, O])`` (e.g. to export the item index)."""
