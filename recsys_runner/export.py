@@ -119,6 +119,10 @@ class ServingModule(nn.Module):
         sparse = KeyedJaggedTensor(keys=self.keys, values=values, lengths=lengths.reshape(-1))
         return self.model(dense, sparse)
 
+    def inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``batch`` as this module's inputs (:func:`serving_inputs`)."""
+        return serving_inputs(batch)
+
 
 class TwoTowerModel(Protocol):
     """What :class:`TowerServing` needs of a two-tower model (:class:`~recsys_runner.models.dssm.DSSM` has it)."""
@@ -173,17 +177,16 @@ def serving_inputs(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return batch.dense_features.float(), kjt.values().to(torch.int64), lengths
 
 
-def export_program(model: nn.Module, keys: list[str], batch: Batch, serving: nn.Module | None = None) -> torch.export.ExportedProgram:
-    """``model`` (unsharded, on CPU, in eval mode) as a torch.export program with a dynamic batch size and id count:
-    its :class:`ServingModule`, or ``serving`` (e.g. a :class:`TowerServing`) on its own inputs.
+def export_program(serving: ServingModule | TowerServing, batch: Batch) -> torch.export.ExportedProgram:
+    """``serving`` (its model unsharded, on CPU, in eval mode) as a torch.export program with a dynamic batch size and
+    id count, traced on ``batch`` as its inputs.
 
     Raises:
         ConfigError: torch.export cannot trace the model, naming the model and the first line of why.
     """
-    if serving is None:
-        serving = ServingModule(model, keys)
+    model = serving.model
     serving.eval()
-    inputs = serving.inputs(batch) if isinstance(serving, TowerServing) else serving_inputs(batch)
+    inputs = serving.inputs(batch)
     batch_dim, ids = torch.export.Dim("batch"), torch.export.Dim("ids")
     shapes = {"dense": {0: batch_dim}, "values": {0: ids}, "lengths": {1: batch_dim}}
     root = logging.getLogger()
@@ -308,10 +311,11 @@ def run(cfg: DictConfig) -> Path:
     ema = use_ema(spec, options.weights)
     load_weights(model, checkpoint, ema)
     keys = list(batch.sparse_features.keys())
-    program = export_program(model, keys, batch)
-    inputs = serving_inputs(batch)
+    serving = ServingModule(model, keys)
+    program = export_program(serving, batch)
+    inputs = serving.inputs(batch)
     with torch.no_grad():
-        eager = ServingModule(model, keys)(*inputs)
+        eager = serving(*inputs)
         exported = program.module()(*inputs)
     _check_same(eager, exported, type(model).__name__)
     out = export_dir(options.dir)
@@ -341,7 +345,7 @@ def export_towers(model: nn.Module, keys: list[str], features: FeatureSpec, batc
     towers, vectors, programs = {}, {}, {}
     for name in two_tower.tower_features:
         serving = TowerServing(model, name, keys, list(features.dense_names))
-        programs[name] = export_program(model, keys, batch, serving)
+        programs[name] = export_program(serving, batch)
         with torch.no_grad():
             vectors[name] = programs[name].module()(*serving.inputs(batch))
         by_name = {f.name: f for f in features.sparse}

@@ -233,4 +233,4 @@ def test_a_model_that_cannot_be_exported_is_named_with_the_reason() -> None:
     kjt = KeyedJaggedTensor(keys=["a"], values=torch.tensor([1, 7, 3]), lengths=torch.tensor([1, 1, 1]))
     batch = Batch(dense_features=torch.randn(3, 2), sparse_features=kjt, labels=torch.zeros(3))
     with pytest.raises(ConfigError, match=r"model BranchesOnIds cannot be exported with torch.export \(.*\)\. Its forward must be traceable"):
-        export.export_program(BranchesOnIds(), ["a"], batch)
+        export.export_program(export.ServingModule(BranchesOnIds(), ["a"]), batch)
