@@ -41,15 +41,17 @@ SMALL = ["data.batch_size=64", "data.num_train_rows=1024", "data.num_eval_rows=2
          "train.log_every_steps=3", "train.eval_max_batches=1"]
 ATOL = RTOL = 1e-5
 
-# Runs in a fresh interpreter: torch only. Loads the program, runs it on saved inputs, saves the output,
-# and fails if anything of recsys_runner, Hydra, TorchRec or fbgemm_gpu was imported.
+# Runs in a fresh interpreter: torch only. Loads each program, runs it on its saved inputs, saves its output
+# (arguments: program, inputs, output, repeated), and fails if anything of recsys_runner, Hydra, TorchRec or
+# fbgemm_gpu was imported.
 LOADER = """
 import sys, torch
-program = torch.export.load(sys.argv[1]).module()
-dense, values, lengths = torch.load(sys.argv[2])
-with torch.no_grad():
-    out = program(dense, values, lengths)
-torch.save(out, sys.argv[3])
+args = sys.argv[1:]
+for program_file, inputs_file, output_file in zip(args[0::3], args[1::3], args[2::3]):
+    program = torch.export.load(program_file).module()
+    dense, values, lengths = torch.load(inputs_file)
+    with torch.no_grad():
+        torch.save(program(dense, values, lengths), output_file)
 leaked = sorted(m for m in sys.modules if m.split(".")[0] in ("recsys_runner", "hydra", "omegaconf", "torchrec", "fbgemm_gpu"))
 assert not leaked, leaked
 """
@@ -85,16 +87,22 @@ def train_and_score(make_cfg: Callable[..., DictConfig], checkpoints: Path, *ove
         c.close()
 
 
-def load_fresh(directory: Path, batch: Batch, tmp_path: Path, file: str = export.MODEL_FILE,
-               inputs_of: Callable[[Batch], tuple[torch.Tensor, ...]] = export.serving_inputs) -> object:
-    """``file`` (``model.pt2``) run on ``batch`` in a new interpreter that imports only torch; its output."""
-    inputs, output = tmp_path / "inputs.pt", tmp_path / "output.pt"
-    torch.save(inputs_of(batch), inputs)
+def run_fresh(directory: Path, tmp_path: Path, calls: list[tuple[str, tuple[torch.Tensor, ...]]]) -> list[object]:
+    """Each ``(file, inputs)`` of ``calls``: the program ``directory/file`` run on ``inputs``, all in one new interpreter
+    that imports only torch; their outputs."""
+    args = []
+    for i, (file, inputs) in enumerate(calls):
+        torch.save(inputs, tmp_path / f"inputs{i}.pt")
+        args += [str(directory / file), str(tmp_path / f"inputs{i}.pt"), str(tmp_path / f"output{i}.pt")]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run([sys.executable, "-c", LOADER, str(directory / file), str(inputs), str(output)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", LOADER, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    return torch.load(output)
+    return [torch.load(tmp_path / f"output{i}.pt") for i in range(len(calls))]
+
+
+def load_fresh(directory: Path, batch: Batch, tmp_path: Path) -> object:
+    """``model.pt2`` run on ``batch`` in a new interpreter that imports only torch; its output."""
+    return run_fresh(directory, tmp_path, [(export.MODEL_FILE, export.serving_inputs(batch))])[0]
 
 
 def as_logits(output: object, spec: dict) -> torch.Tensor:
@@ -165,9 +173,10 @@ def test_every_model_exports_and_scores_like_the_trained_model(make_cfg, export_
     assert ("towers" in spec) == (model == "dssm")
     if model == "dssm":  # each tower apart, fed only its own features: user · item / temperature is the model's score
         towers = spec["towers"]
-        vectors = {name: load_fresh(tmp_path / "export", batch, tmp_path, towers[name]["file"],
-                                    lambda b, name=name: tower_inputs(b, spec, name)) for name in ("user", "item")}
-        scores = vectors["user"] @ vectors["item"].t() / towers["temperature"]
+        user, item = run_fresh(tmp_path / "export", tmp_path, [(towers[name]["file"], tower_inputs(batch, spec, name))
+                                                               for name in ("user", "item")])
+        assert isinstance(user, torch.Tensor) and isinstance(item, torch.Tensor)
+        scores = user @ item.t() / towers["temperature"]
         torch.testing.assert_close(scores, expected, atol=ATOL, rtol=RTOL)
         features = {name: towers[name]["inputs"]["dense"]["columns"] + [f["name"] for f in towers[name]["sparse_features"]]
                     for name in ("user", "item")}
