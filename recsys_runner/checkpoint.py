@@ -61,6 +61,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from hydra.core.hydra_config import HydraConfig
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 
@@ -153,8 +154,6 @@ class TrainState:
 
 def default_dir() -> str | None:
     """``<Hydra run dir>/checkpoints`` when running under Hydra's CLI, else ``None``."""
-    from hydra.core.hydra_config import HydraConfig
-
     if HydraConfig.initialized():
         return str(Path(HydraConfig.get().runtime.output_dir) / "checkpoints")
     return None
@@ -274,6 +273,9 @@ class Checkpointer:
         self.rank, self.world_size = rank, world_size
         self.device, self.nan_guard = device or torch.device("cpu"), nan_guard
         self.last_saved: str | None = None
+        self.overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else None
+        """The launch's command-line overrides, saved in each ``meta.json``: evaluate, predict and export rebuild the
+        training's config from them (:func:`recsys_runner.inference.with_training_overrides`). ``None`` outside a CLI."""
         self.verified_step = 0
         """Step checkpoints before this step are known good: a finite loss was computed from later weights."""
         self._lock = DirectoryLock(self.dir) if self.dir is not None and rank == 0 else None
@@ -333,6 +335,8 @@ class Checkpointer:
             meta = {k: v for k, v in asdict(state).items() if k != "resumed_from"}
             meta["metrics"] = dict(metrics or {})
             meta["world_size"] = self.world_size
+            if self.overrides is not None:
+                meta["overrides"] = self.overrides
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)

@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from recsys_runner.build import build
 from recsys_runner.config import register_entry_schema, validate
 from recsys_runner.errors import reported
-from recsys_runner.inference import LOAD_FIELD, checkpoint_to_load, start_run
+from recsys_runner.inference import LOAD_FIELD, checkpoint_to_load, start_run, with_training_overrides
 from recsys_runner.noise import quiet_known_noise
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.progress import Progress
@@ -58,7 +58,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
 @hydra.main(config_path=CONFIG_PATH, config_name="evaluate", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     with reported():
-        run(cfg)
+        run(with_training_overrides(cfg))
 
 
 if __name__ == "__main__":

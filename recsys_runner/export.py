@@ -1,4 +1,4 @@
-"""``python -m recsys_runner.export load=<checkpoint | run id> [training overrides]``: the model, for serving.
+"""``python -m recsys_runner.export load=<checkpoint | run id> [overrides]``: the model, for serving.
 
 Writes ``<export.dir>/model.pt2`` — the trained model, unsharded, as a ``torch.export`` program that
 loads with ``torch`` alone (no recsys_runner, Hydra, TorchRec or fbgemm_gpu) — beside
@@ -57,7 +57,7 @@ from recsys_runner.checkpoint import check_weights_match
 from recsys_runner.config import RunConfig, flatten, register_entry_schema, to_yaml, validate
 from recsys_runner.errors import CheckpointError, ConfigError, reported, require
 from recsys_runner.features import FeatureSpec
-from recsys_runner.inference import LOAD_FIELD, checkpoint_to_load, link_tags
+from recsys_runner.inference import LOAD_FIELD, checkpoint_to_load, link_tags, with_training_overrides
 from recsys_runner.noise import quiet_known_noise
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.tasks import SINGLE_TASK, Task
@@ -410,7 +410,7 @@ register()
 @hydra.main(config_path=CONFIG_PATH, config_name="export", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     with reported():
-        out = run(cfg)
+        out = run(with_training_overrides(cfg))
     print(f"exported to {out}")
 
 

@@ -1,6 +1,7 @@
 """What ``python -m recsys_runner.evaluate`` and ``python -m recsys_runner.predict`` share.
 
-Both take the training run's overrides plus ``load=<checkpoint>``: a ``step_*`` checkpoint directory, a
+Both take ``load=<checkpoint>`` (and, where needed, the training run's overrides: a checkpoint written by the
+CLI carries them, :func:`with_training_overrides`): a ``step_*`` checkpoint directory, a
 checkpoints root (its best checkpoint if one was kept, else its newest) or the training run's MLflow id
 (whose ``checkpoint_dir`` tag names the root; :func:`recsys_runner.lineage.resolve_checkpoint`). The run is
 built exactly as training builds it (:func:`recsys_runner.build.build`, so the sharded model, the data and
@@ -15,17 +16,20 @@ the training run), plus the reproducibility manifest (:mod:`recsys_runner.lineag
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from hydra import compose
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig
 
 from recsys_runner import lineage
 from recsys_runner.build import Components
-from recsys_runner.config import RunConfig, flatten, to_yaml
+from recsys_runner.config import RunConfig, flatten, to_yaml, validate
 from recsys_runner.errors import ConfigError
 from recsys_runner.tracking import MlflowTrackingConfig, resolve_uri
 
@@ -53,6 +57,36 @@ def checkpoint_to_load(cfg: DictConfig, run: RunConfig) -> Path:
                           "else newest checkpoint), load=<…>/checkpoints/step_00001000, or load=<MLflow run id of the training run>")
     lookup = lineage.run_tags(resolve_uri(run.tracking.uri)) if isinstance(run.tracking, MlflowTrackingConfig) else None
     return lineage.resolve_checkpoint(str(spec), lookup_run=lookup)
+
+
+NEVER_CARRIED = ("hydra", "checkpoint.resume", "checkpoint.init_from")
+"""Training overrides :func:`with_training_overrides` leaves out: Hydra's own (run dir, launcher, sweeper) and how
+the training started (resume, fine-tune); they say nothing about the model or the data."""
+
+
+def with_training_overrides(cfg: DictConfig) -> DictConfig:
+    """``cfg`` recomposed with the overrides of the training launch that wrote the checkpoint ``load`` names (saved in
+    its ``meta.json``) before this command's own: ``python -m recsys_runner.evaluate load=<run id>`` then evaluates the
+    model as trained (``model=dlrm model.embedding_dim=8 data=parquet …``) without repeating them, and any override
+    given here wins over the training's of the same key. ``cfg`` unchanged outside the CLI, without ``load``, or for a
+    checkpoint written outside the CLI (no saved overrides): the command's overrides must then describe the model.
+
+    Raises:
+        ConfigError / CheckpointError: as :func:`checkpoint_to_load`.
+    """
+    if not HydraConfig.initialized() or not cfg.get(LOAD_KEY):
+        return cfg
+    checkpoint = checkpoint_to_load(cfg, validate(cfg))
+    saved = json.loads((checkpoint / "meta.json").read_text()).get("overrides") or []
+    here = list(HydraConfig.get().overrides.task)
+    parser = OverridesParser.create()
+    given = {o.key_or_group for o in parser.parse_overrides(here)}
+    carried = [text for text, o in zip(saved, parser.parse_overrides(saved), strict=True)
+               if o.key_or_group not in given and not o.key_or_group.startswith(NEVER_CARRIED)]
+    if not carried:
+        return cfg
+    log.info("using the overrides of the training launch that wrote %s: %s (those given here win)", checkpoint, " ".join(carried))
+    return compose(config_name=HydraConfig.get().job.config_name, overrides=[*carried, *here])
 
 
 def link_tags(entry: str, checkpoint: Path, step: int | None, source_run: str | None) -> dict[str, str]:

@@ -61,6 +61,13 @@ WARNINGS: tuple[WarningNoise, ...] = (
             "always run before Stepper.step calls lr_scheduler.step(), so no step of the schedule is skipped.",
     ),
     WarningNoise(
+        message=r"Please use DTensor instead and we are deprecating ShardedTensor",
+        category=FutureWarning,
+        module=r"torch\.distributed\.checkpoint\.",
+        why="TorchRec keeps sharded embedding tables as ShardedTensors, and torch.distributed.checkpoint warns about each "
+            "one it plans to save or load; the tensors are TorchRec's, nothing a user can change (a pair per resume or load).",
+    ),
+    WarningNoise(
         message=r"\s*'hydra/launcher/submitit_slurm' is validated against ConfigStore schema",
         category=UserWarning,
         # Hydra warns with a fixed stacklevel, so the frame it blames depends on how deep the launch path is.

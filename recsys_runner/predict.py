@@ -55,7 +55,7 @@ from recsys_runner.data.tabular import TabularData, TabularDataConfig
 from recsys_runner.distributed import detached
 from recsys_runner.errors import ConfigError, reported, require
 from recsys_runner.features import FeatureSpec
-from recsys_runner.inference import LOAD_FIELD, checkpoint_to_load, start_run
+from recsys_runner.inference import LOAD_FIELD, checkpoint_to_load, start_run, with_training_overrides
 from recsys_runner.noise import quiet_known_noise
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.progress import Progress
@@ -334,7 +334,7 @@ class _PartWriter:
 @hydra.main(config_path=CONFIG_PATH, config_name="predict", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     with reported():
-        run(cfg)
+        run(with_training_overrides(cfg))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import re
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -92,3 +96,29 @@ def test_evaluate_config_mistakes(make_cfg: Callable[..., DictConfig], tmp_path:
         evaluate.run(compose_entry("evaluate", *overrides, f"load={tmp_path}/nothing"))
     with pytest.raises(CheckpointError, match="holds no complete checkpoint"):
         evaluate.run(compose_entry("evaluate", *overrides, f"load={tmp_path}"))
+
+
+def test_cli_evaluate_takes_the_training_overrides_from_the_checkpoint(tmp_path: Path) -> None:
+    """A checkpoint written by the CLI carries its launch's overrides; ``python -m recsys_runner.evaluate load=<dir>``
+    rebuilds that model from them without their being repeated (exactly the training's final eval), and an override
+    given to evaluate wins over the training's of the same key (here refused: another width than the checkpoint's)."""
+    from tests.conftest import TINY, run_cli
+
+    trained = [*TINY, "model=dlrm", "model.embedding_dim=8", "tracking=none", "hydra.run.dir=train"]
+    done = run_cli(*trained, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    final = re.findall(r"step \d+/\d+ eval/auc=([0-9.]+)", done.stdout + done.stderr)[-1]
+    meta = json.loads(next((tmp_path / "train" / "checkpoints").glob("step_*/meta.json")).read_text())
+    assert "model=dlrm" in meta["overrides"] and "model.embedding_dim=8" in meta["overrides"]
+
+    def evaluate_cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "recsys_runner.evaluate", "load=train/checkpoints", "tracking=none", *args],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
+
+    out = evaluate_cli("hydra.run.dir=eval")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "using the overrides of the training launch" in out.stdout + out.stderr
+    auc = re.search(r"evaluate .*: eval/auc=([0-9.]+)", out.stdout + out.stderr)
+    assert auc is not None and float(auc.group(1)) == pytest.approx(float(final), abs=1e-4)
+    wider = evaluate_cli("hydra.run.dir=eval2", "model.embedding_dim=16")
+    assert wider.returncode != 0 and "does not match this model config" in wider.stderr and "Traceback" not in wider.stderr
