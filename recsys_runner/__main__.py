@@ -14,17 +14,17 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from recsys_runner import lineage
 from recsys_runner.build import Components, build
 from recsys_runner.checkpoint import resume_command
 from recsys_runner.config import flatten, register_configs, to_yaml, validate
 from recsys_runner.errors import ConfigError, reported
 from recsys_runner.noise import quiet_known_noise
 from recsys_runner.paths import CONFIG_PATH
-from recsys_runner.runner import Loop, train
-from recsys_runner.signals import Interrupted
-from recsys_runner.stopping import NonFiniteLossError
-from recsys_runner.tracking import Tracker
+from recsys_runner.tracking import lineage
+from recsys_runner.tracking.tracker import Tracker
+from recsys_runner.train.loop import Loop, train
+from recsys_runner.train.signals import Interrupted
+from recsys_runner.train.stopping import NonFiniteLossError
 
 log = logging.getLogger("recsys_runner")
 quiet_known_noise()  # first, before Hydra composes: the known library warnings, each with its reason (noise.py)

@@ -29,13 +29,12 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from recsys_runner.checkpoint import Checkpointer
 from recsys_runner.config import RunConfig, TrainConfig, check_eval_keys
 from recsys_runner.data import DataModule
-from recsys_runner.distributed import DistEnv, Distributed, decided_on_rank0
-from recsys_runner.ema import DenseEMA
+from recsys_runner.distributed.env import DistEnv, decided_on_rank0
+from recsys_runner.distributed.sharding import Distributed
 from recsys_runner.errors import ConfigError
-from recsys_runner.evaluation import BestEval, Evaluator
 from recsys_runner.metrics import TaskTrainMetrics, eval_metric_keys
 from recsys_runner.models.common import TrainWrapper
-from recsys_runner.optim import (
+from recsys_runner.optim.optimizers import (
     DENSE,
     SPARSE,
     GroupedOptimizer,
@@ -44,13 +43,16 @@ from recsys_runner.optim import (
     apply_sparse_optimizer,
     dense_optimizers,
 )
-from recsys_runner.runner import Loop
-from recsys_runner.scheduler import Schedule, SchedulePosition, SchedulerConfig
-from recsys_runner.scheduler import lr_scheduler as make_lr_scheduler
-from recsys_runner.stepping import Stepper, StepPolicy
-from recsys_runner.stopping import EarlyStopping
-from recsys_runner.sweep import OBJECTIVE, lower_is_better
-from recsys_runner.tracking import NullTracker, Tracker
+from recsys_runner.optim.schedulers import Schedule, SchedulePosition, SchedulerConfig
+from recsys_runner.optim.schedulers import lr_scheduler as make_lr_scheduler
+from recsys_runner.tracking.sweep import OBJECTIVE, lower_is_better
+from recsys_runner.tracking.tracker import NullTracker, Tracker
+from recsys_runner.train.ema import DenseEMA
+from recsys_runner.train.evaluation import BestEval, Evaluator
+from recsys_runner.train.loop import Loop
+from recsys_runner.train.pipeline import make_pipeline
+from recsys_runner.train.stepping import Stepper, StepPolicy
+from recsys_runner.train.stopping import EarlyStopping
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +69,7 @@ class Components:
         env: rank, world size and device.
         distributed: the process group and planner (closed at the end).
         plan: the sharding plan (logged as an artifact).
-        loop: what :func:`recsys_runner.runner.train` drives.
+        loop: what :func:`recsys_runner.train.loop.train` drives.
     """
 
     run: RunConfig
@@ -127,7 +129,7 @@ def build(run: RunConfig, *, weights: Path | None = None) -> Components:
         policy = StepPolicy(sparse=sharded.fused_optimizer, dense=GroupedOptimizer(dense),
                             accumulation_steps=run.train.grad_accum_steps, scaler=precision.grad_scaler(env.device),
                             clip=run.train.clip_grad, ema=ema)
-        pipeline = distributed.pipeline(sharded, policy.dense, policy, annotate=run.train.profile.enabled)  # the fused lr is pushed by the Stepper
+        pipeline = make_pipeline(run.distributed.pipeline, env, sharded, policy.dense, policy, annotate=run.train.profile.enabled)  # the fused lr is pushed by the Stepper
         stepper = Stepper(pipeline=pipeline, policy=policy, lr_scheduler=lr_scheduler, optimizer=optimizer,
                           train_metrics=TaskTrainMetrics(run.metrics, wrapped.tasks, env.device),
                           accumulation_steps=run.train.grad_accum_steps)

@@ -27,8 +27,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from recsys_runner.sweep import EXPECTED_JOBS_TAG, SWEEP_PARENT_TAG, finish_parent, summarize, sweep_objective
-from recsys_runner.tracking import MlflowTrackingConfig, resolve_uri
+from recsys_runner.tracking.store import resolve_uri
+from recsys_runner.tracking.sweep import EXPECTED_JOBS_TAG, SWEEP_PARENT_TAG, finish_parent, summarize, sweep_objective
+from recsys_runner.tracking.tracker import MlflowTrackingConfig
 
 DEFAULT_METRICS = ("eval/auc", "eval/logloss", "train/loss")
 _HIDDEN_PARAMS = ("tracking.", "hydra.")
@@ -104,7 +105,7 @@ MANIFEST_COLUMNS: dict[str, str] = {
     "device": "manifest.device",
     "world": "manifest.world_size",
 }
-"""``--manifest`` columns: header → run tag (:mod:`recsys_runner.lineage`; ``entry`` is set by evaluate/predict runs)."""
+"""``--manifest`` columns: header → run tag (:mod:`recsys_runner.tracking.lineage`; ``entry`` is set by evaluate/predict runs)."""
 
 
 def manifest_cells(run: Any) -> list[str]:

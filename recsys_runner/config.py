@@ -31,8 +31,7 @@ from recsys_runner.configurable import Configurable, typed
 from recsys_runner.data.base import DataConfig
 from recsys_runner.data.synthetic import SyntheticDataConfig
 from recsys_runner.data.tabular import CriteoDataConfig, CsvDataConfig, ParquetDataConfig
-from recsys_runner.distributed import DistributedConfig, check_sharding_types, resolve_device_type
-from recsys_runner.ema import EmaConfig
+from recsys_runner.distributed.config import DistributedConfig, check_sharding_types, resolve_device_type
 from recsys_runner.errors import ConfigError, UserError, require
 from recsys_runner.metrics import MetricsConfig, check_task_metrics, eval_metric_keys
 from recsys_runner.models.common import ModelConfig
@@ -42,7 +41,7 @@ from recsys_runner.models.dlrm import DLRMConfig
 from recsys_runner.models.dssm import DSSMConfig
 from recsys_runner.models.mmoe import MMoEConfig
 from recsys_runner.models.wide_deep import WideDeepConfig
-from recsys_runner.optim import (
+from recsys_runner.optim.optimizers import (
     DenseAdagradConfig,
     DenseAdamConfig,
     DenseAdamWConfig,
@@ -58,10 +57,7 @@ from recsys_runner.optim import (
     SparseSGDConfig,
     check_sparse_on_device,
 )
-from recsys_runner.precision import PrecisionConfig
-from recsys_runner.profiling import ProfileConfig
-from recsys_runner.progress import MODES as PROGRESS_MODES
-from recsys_runner.scheduler import (
+from recsys_runner.optim.schedulers import (
     ConstantConfig,
     CosineConfig,
     CosineRestartsConfig,
@@ -69,10 +65,14 @@ from recsys_runner.scheduler import (
     ManualStepConfig,
     SchedulerConfig,
 )
-from recsys_runner.stepping import ClipConfig
-from recsys_runner.stopping import EarlyStoppingConfig
+from recsys_runner.progress import MODES as PROGRESS_MODES
 from recsys_runner.tasks import Task
-from recsys_runner.tracking import MlflowTrackingConfig, NoTrackingConfig, TrackingConfig
+from recsys_runner.tracking.tracker import MlflowTrackingConfig, NoTrackingConfig, TrackingConfig
+from recsys_runner.train.ema import EmaConfig
+from recsys_runner.train.precision import PrecisionConfig
+from recsys_runner.train.profiling import ProfileConfig
+from recsys_runner.train.stepping import ClipConfig
+from recsys_runner.train.stopping import EarlyStoppingConfig
 
 
 @dataclass(kw_only=True)

@@ -5,7 +5,7 @@ checkpoint directory, a checkpoints root (best, else newest) or the training run
 data to evaluate the checkpoint on other data, e.g. that day's ``data.eval_path=/data/day_31``; the
 configured ``metrics.*`` are computed over all ranks (``torchrun --nproc_per_node=N -m recsys_runner.evaluate …``).
 
-The evaluation is the training loop's own (:class:`recsys_runner.evaluation.Evaluator`, built by
+The evaluation is the training loop's own (:class:`recsys_runner.train.evaluation.Evaluator`, built by
 :func:`recsys_runner.build.build`): the same ``train.eval_max_batches`` cap and, with
 ``train.ema.eval_with_ema``, the checkpoint's EMA weights, so on the same data and world size it reproduces
 the training run's final eval metrics exactly. A checkpoint of another model config is refused, naming the

@@ -4,7 +4,7 @@ Writes ``<export.dir>/model.pt2`` — the trained model, unsharded, as a ``torch
 loads with ``torch`` alone (no recsys_runner, Hydra, TorchRec or fbgemm_gpu) — beside
 ``feature_spec.json`` (the inputs it takes, in order, and the outputs it returns), ``example.pt`` (one
 batch of inputs with the outputs the exporting process computed, for a server's smoke test) and
-``manifest.json`` (:mod:`recsys_runner.lineage`); all four are logged to a new MLflow run tagged
+``manifest.json`` (:mod:`recsys_runner.tracking.lineage`); all four are logged to a new MLflow run tagged
 ``entry=export`` whose parent is the training run. A two-tower model (DSSM) also gets each tower as a program of
 its own, ``user_tower.pt2`` and ``item_tower.pt2`` (:class:`TowerServing`): user vectors at request time, item
 vectors once for the candidate index; ``feature_spec.json``'s ``towers`` says what each takes.
@@ -52,7 +52,6 @@ from torch import nn
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsys_runner import lineage
 from recsys_runner.checkpoint import check_weights_match
 from recsys_runner.config import RunConfig, flatten, register_entry_schema, to_yaml, validate
 from recsys_runner.errors import CheckpointError, ConfigError, reported, require
@@ -61,7 +60,9 @@ from recsys_runner.inference import LOAD_FIELD, checkpoint_to_load, link_tags, w
 from recsys_runner.noise import quiet_known_noise
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.tasks import SINGLE_TASK, Task
-from recsys_runner.tracking import MlflowTrackingConfig, resolve_uri
+from recsys_runner.tracking import lineage
+from recsys_runner.tracking.store import resolve_uri
+from recsys_runner.tracking.tracker import MlflowTrackingConfig
 
 quiet_known_noise()  # the known library warnings, each with its reason (noise.py)
 log = logging.getLogger("recsys_runner")

@@ -3,7 +3,7 @@
 Both take ``load=<checkpoint>`` (and, where needed, the training run's overrides: a checkpoint written by the
 CLI carries them, :func:`with_training_overrides`): a ``step_*`` checkpoint directory, a
 checkpoints root (its best checkpoint if one was kept, else its newest) or the training run's MLflow id
-(whose ``checkpoint_dir`` tag names the root; :func:`recsys_runner.lineage.resolve_checkpoint`). The run is
+(whose ``checkpoint_dir`` tag names the root; :func:`recsys_runner.tracking.lineage.resolve_checkpoint`). The run is
 built exactly as training builds it (:func:`recsys_runner.build.build`, so the sharded model, the data and
 the evaluator are the training's own), with the checkpoint's weights loaded strictly instead of resuming:
 no lock is taken on the training's checkpoint directory and no checkpoint is written.
@@ -11,7 +11,7 @@ no lock is taken on the training's checkpoint directory and no checkpoint is wri
 Each launch is a new MLflow run in ``tracking.experiment`` (the training's, given the same overrides),
 tagged ``entry=evaluate|predict``, ``checkpoint=<dir>``, ``checkpoint_step`` and, when the checkpoint's
 ``meta.json`` names its training run, ``source_run_id`` and ``mlflow.parentRunId`` (the UI nests it under
-the training run), plus the reproducibility manifest (:mod:`recsys_runner.lineage`).
+the training run), plus the reproducibility manifest (:mod:`recsys_runner.tracking.lineage`).
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig
 
-from recsys_runner import lineage
 from recsys_runner.build import Components
 from recsys_runner.config import RunConfig, flatten, to_yaml, validate
 from recsys_runner.errors import ConfigError
-from recsys_runner.tracking import MlflowTrackingConfig, resolve_uri
+from recsys_runner.tracking import lineage
+from recsys_runner.tracking.store import resolve_uri
+from recsys_runner.tracking.tracker import MlflowTrackingConfig
 
 log = logging.getLogger("recsys_runner")
 T = TypeVar("T")
@@ -49,7 +50,7 @@ def checkpoint_to_load(cfg: DictConfig, run: RunConfig) -> Path:
 
     Raises:
         ConfigError: ``load`` is not set.
-        CheckpointError: nothing loadable there (:func:`recsys_runner.lineage.resolve_checkpoint`).
+        CheckpointError: nothing loadable there (:func:`recsys_runner.tracking.lineage.resolve_checkpoint`).
     """
     spec = cfg.get(LOAD_KEY)
     if not spec:

@@ -21,11 +21,12 @@ import torch
 from omegaconf import DictConfig
 
 from recsys_runner.config import register_configs, validate
-from recsys_runner.distributed import Distributed, PlanReport, resolve_device_type
+from recsys_runner.distributed.config import resolve_device_type
+from recsys_runner.distributed.sharding import Distributed, PlanReport
 from recsys_runner.errors import reported
 from recsys_runner.models.common import TrainWrapper
 from recsys_runner.noise import quiet_known_noise
-from recsys_runner.optim import apply_sparse_optimizer
+from recsys_runner.optim.optimizers import apply_sparse_optimizer
 from recsys_runner.paths import CONFIG_PATH
 
 quiet_known_noise()

@@ -52,7 +52,6 @@ from recsys_runner.config import register_entry_schema, validate
 from recsys_runner.data.schema import Encoder, Location, Rows, Schema
 from recsys_runner.data.sources import CsvSource, Unit
 from recsys_runner.data.tabular import TabularData, TabularDataConfig
-from recsys_runner.distributed import detached
 from recsys_runner.errors import ConfigError, reported, require
 from recsys_runner.features import FeatureSpec
 from recsys_runner.inference import LOAD_FIELD, checkpoint_to_load, start_run, with_training_overrides
@@ -60,6 +59,7 @@ from recsys_runner.noise import quiet_known_noise
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.progress import Progress
 from recsys_runner.tasks import Task
+from recsys_runner.train.pipeline import detached
 
 quiet_known_noise()  # the known library warnings, each with its reason (noise.py)
 log = logging.getLogger("recsys_runner")

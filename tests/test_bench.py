@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from recsys_runner.bench import TARGETS, Regime, alternate, main
+from recsys_runner.bench.regimes import TARGETS, Regime, alternate, main
 
 REGIMES = ["a_in_memory", "b_synthetic", "b_parquet", "c_host_overhead"]
 

@@ -14,7 +14,7 @@ from recsys_runner.build import build
 from recsys_runner.checkpoint import list_checkpoints
 from recsys_runner.config import validate
 from recsys_runner.errors import CheckpointError
-from recsys_runner.signals import Interrupted
+from recsys_runner.train.signals import Interrupted
 
 # Adam on the dense part (lazy state), row-wise Adagrad on embeddings, a schedule that depends on
 # the step: everything a resume must restore shows up in the per-step losses.

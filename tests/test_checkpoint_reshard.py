@@ -24,7 +24,7 @@ import recsys_runner.__main__ as entry
 from recsys_runner.checkpoint import list_checkpoints
 from recsys_runner.config import register_configs
 from recsys_runner.paths import CONFIG_PATH
-from recsys_runner.signals import Interrupted
+from recsys_runner.train.signals import Interrupted
 from tests.conftest import REPO, TINY
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,7 @@ from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
 from recsys_runner import compare
-from recsys_runner.sweep import EXPECTED_JOBS_TAG, SWEEP_PARENT_TAG
+from recsys_runner.tracking.sweep import EXPECTED_JOBS_TAG, SWEEP_PARENT_TAG
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

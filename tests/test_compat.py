@@ -1,4 +1,4 @@
-"""recsys_runner.compat: version-specific imports of fbgemm_gpu/TorchRec, with a fallback and a clear error."""
+"""recsys_runner.optim.compat: version-specific imports of fbgemm_gpu/TorchRec, with a fallback and a clear error."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-import recsys_runner.compat as compat
+import recsys_runner.optim.compat as compat
 
 NEW, OLD = compat.WEIGHT_DECAY_MODE_MODULES  # fbgemm_gpu 1.8's location, then 1.6's
 
@@ -50,4 +50,4 @@ def test_the_package_imports_weight_decay_mode_only_through_compat() -> None:
     package = Path(compat.__file__).parent
     offenders = [str(p.relative_to(package)) for p in package.rglob("*.py")
                  if p.name != "compat.py" and ("from fbgemm_gpu" in p.read_text() or "import fbgemm_gpu" in p.read_text())]
-    assert offenders == [], f"import fbgemm_gpu names through recsys_runner.compat: {offenders}"
+    assert offenders == [], f"import fbgemm_gpu names through recsys_runner.optim.compat: {offenders}"

@@ -16,8 +16,8 @@ from recsys_runner.build import build
 from recsys_runner.config import validate
 from recsys_runner.errors import ConfigError
 from recsys_runner.metrics import eval_metric_keys
-from recsys_runner.optim import DenseSGDConfig, PartConfig
-from recsys_runner.scheduler import ManualStepConfig
+from recsys_runner.optim.optimizers import DenseSGDConfig, PartConfig
+from recsys_runner.optim.schedulers import ManualStepConfig
 from tests.conftest import TINY, run_cli
 
 STEP_LINE = re.compile(r"\bstep \d+/\d+")

@@ -12,13 +12,13 @@ from recsys_runner.config import GROUPS, RunConfig, validate
 from recsys_runner.data.base import DataConfig
 from recsys_runner.data.generate import write_criteo_csv, write_criteo_parquet, write_criteo_tsv
 from recsys_runner.data.synthetic import SyntheticData
-from recsys_runner.distributed import Distributed
+from recsys_runner.distributed.sharding import Distributed
 from recsys_runner.errors import ConfigError
 from recsys_runner.models.common import ModelConfig
-from recsys_runner.optim import DenseOptimizerConfig, OptimConfig, SparseOptimizerConfig
+from recsys_runner.optim.optimizers import DenseOptimizerConfig, OptimConfig, SparseOptimizerConfig
+from recsys_runner.optim.schedulers import Schedule, SchedulerConfig
 from recsys_runner.paths import CONFIG_PATH
-from recsys_runner.scheduler import Schedule, SchedulerConfig
-from recsys_runner.tracking import MlflowTracker, NullTracker
+from recsys_runner.tracking.tracker import MlflowTracker, NullTracker
 
 CONF = Path(CONFIG_PATH)
 

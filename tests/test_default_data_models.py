@@ -17,7 +17,7 @@ from recsys_runner.configurable import make
 from recsys_runner.data.generate import write_criteo_parquet
 from recsys_runner.data.synthetic import SyntheticData, SyntheticDataConfig
 from recsys_runner.errors import ConfigError
-from recsys_runner.runner import train
+from recsys_runner.train.loop import train
 
 
 def trained(cfg: DictConfig) -> tuple[dict[str, float], SyntheticData]:

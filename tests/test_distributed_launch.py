@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from recsys_runner.launch import map_submitit_env
+from recsys_runner.distributed.launch import map_submitit_env
 from tests.conftest import TINY, run_cli
 
 SLURM_TASK = {

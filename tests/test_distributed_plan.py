@@ -112,7 +112,7 @@ def test_one_rank_plan_gives_explicitly_asked_sharding_types(make_cfg) -> None:
 
 
 def test_many_ranks_are_not_restricted() -> None:
-    from recsys_runner.distributed import DistributedConfig
+    from recsys_runner.distributed.config import DistributedConfig
 
     distributed = DistributedConfig().build()
     assert distributed._constraints(["t_a", "t_b"], world_size=2) is None
@@ -126,7 +126,7 @@ def test_plan_logs_a_one_line_summary_and_the_full_plan_at_debug(make_cfg, caplo
     import torch
 
     from recsys_runner.models.common import TrainWrapper
-    from recsys_runner.optim import apply_sparse_optimizer
+    from recsys_runner.optim.optimizers import apply_sparse_optimizer
 
     run = validate(make_cfg("tracking=none"))
     data = run.data.for_model(run.model.data_needs()).build()
@@ -152,7 +152,7 @@ def test_plan_logs_a_one_line_summary_and_the_full_plan_at_debug(make_cfg, caplo
 
 
 def test_plan_summary_counts_types_and_kernels_over_ranks(make_cfg) -> None:
-    from recsys_runner.distributed import plan_summary
+    from recsys_runner.distributed.sharding import plan_summary
 
     cfg = make_cfg("+distributed.tables={t_cat_0: {sharding_types: [data_parallel]}}", "distributed.sharding_types=[table_wise]",
                    "distributed.plan_world_size=4", "tracking=none")

@@ -9,7 +9,7 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from recsys_runner.distributed import decided_on_rank0
+from recsys_runner.distributed.env import decided_on_rank0
 from recsys_runner.errors import CheckpointError, ConfigError, DataError, TrackingError, UserError
 from tests.conftest import free_port
 

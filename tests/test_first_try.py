@@ -26,7 +26,7 @@ from recsys_runner.data.schema import DenseColumn, SparseColumn
 from recsys_runner.data.tabular import CsvData, CsvDataConfig, ParquetData, ParquetDataConfig, schema_json
 from recsys_runner.errors import ConfigError, DataError
 from recsys_runner.models.deepfm import DeepFM, DeepFMConfig
-from recsys_runner.runner import train
+from recsys_runner.train.loop import train
 from tests.test_checkpoint import local
 from tests.test_models import CPU, MODELS, materialize, small_data
 

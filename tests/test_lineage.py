@@ -10,8 +10,8 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from recsys_runner import lineage
 from recsys_runner.errors import CheckpointError
+from recsys_runner.tracking import lineage
 from tests.conftest import TINY, run_cli
 
 MANIFEST_TAGS = {"manifest.command", "manifest.git_commit", "manifest.git_dirty", "manifest.device", "manifest.device_count",

@@ -16,8 +16,8 @@ from recsys_runner.configurable import make
 from recsys_runner.data.synthetic import SyntheticData, SyntheticDataConfig
 from recsys_runner.errors import ConfigError
 from recsys_runner.models.common import TrainWrapper
-from recsys_runner.runner import train
 from recsys_runner.tasks import BinaryTask, RegressionTask, Task
+from recsys_runner.train.loop import train
 
 
 def train_logged(cfg: DictConfig) -> dict[str, float]:

@@ -14,8 +14,8 @@ from recsys_runner.__main__ import run
 from recsys_runner.config import validate
 from recsys_runner.configurable import make
 from recsys_runner.errors import ConfigError
-from recsys_runner.optim import DENSE, SPARSE, GroupedOptimizer, OptimizerGroup, dense_optimizers
-from recsys_runner.scheduler import (
+from recsys_runner.optim.optimizers import DENSE, SPARSE, GroupedOptimizer, OptimizerGroup, dense_optimizers
+from recsys_runner.optim.schedulers import (
     Constant,
     ConstantConfig,
     Cosine,
@@ -27,7 +27,7 @@ from recsys_runner.scheduler import (
     ManualStepConfig,
     lr_scheduler,
 )
-from recsys_runner.stepping import learning_rates
+from recsys_runner.train.stepping import learning_rates
 
 T = 100
 
@@ -154,7 +154,7 @@ def test_gpu_only_fused_optimizers_say_so_on_cpu(make_cfg, name: str) -> None:
 def test_lars_sgd_with_checkpoints_is_refused_on_cuda(make_cfg) -> None:
     from omegaconf import OmegaConf
 
-    from recsys_runner.optim import check_sparse_on_device
+    from recsys_runner.optim.optimizers import check_sparse_on_device
 
     # validate() resolves distributed.device=cuda without touching a GPU
     with pytest.raises(ConfigError, match=r"optim/sparse=lars_sgd \(LarsSGD\) cannot be checkpointed: TorchRec cannot export its "
@@ -176,8 +176,8 @@ def test_lars_sgd_with_checkpoints_is_refused_on_cuda(make_cfg) -> None:
 def test_fused_kwargs_reach_fbgemm_as_its_enum(make_cfg) -> None:
     from omegaconf import OmegaConf
 
-    from recsys_runner.compat import WeightDecayMode
-    from recsys_runner.optim import SparseLAMBConfig
+    from recsys_runner.optim.compat import WeightDecayMode
+    from recsys_runner.optim.optimizers import SparseLAMBConfig
 
     cfg = make_cfg("optim/sparse=lamb", "optim.sparse.weight_decay=0.01", "optim.sparse.weight_decay_mode=decouple",
                    "optim.sparse.gradient_clipping=true", "optim.sparse.max_gradient=5")

@@ -21,9 +21,9 @@ from recsys_runner.build import MANY_EPOCHS, build
 from recsys_runner.config import validate
 from recsys_runner.data.generate import write_criteo_parquet
 from recsys_runner.data.synthetic import DEFAULT_NUM_STEPS
-from recsys_runner.distributed import auto_num_threads, idle_cpus, usable_cores
+from recsys_runner.distributed.env import auto_num_threads, idle_cpus, usable_cores
 from recsys_runner.errors import ConfigError
-from recsys_runner.evaluation import BestEval
+from recsys_runner.train.evaluation import BestEval
 from tests.conftest import TINY
 
 NO_LENGTH = [a for a in TINY if not a.startswith("train.num_steps")]

@@ -21,9 +21,9 @@ from mlflow.tracking import MlflowClient
 
 from recsys_runner.__main__ import run
 from recsys_runner.checkpoint import damage, list_checkpoints
+from recsys_runner.checkpoint.lock import DirectoryInUse, DirectoryLock
 from recsys_runner.errors import CheckpointError
-from recsys_runner.locks import DirectoryInUse, DirectoryLock
-from recsys_runner.signals import Interrupted
+from recsys_runner.train.signals import Interrupted
 from tests.conftest import REPO, TINY, hint_of, run_cli
 
 SMALL = [a for a in TINY if not a.startswith("train.")] + ["train.log_every_steps=1", "train.eval_every_steps=null",

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from recsys_runner.sweep import SWEEP_PARENT_TAG, _override_pairs
+from recsys_runner.tracking.sweep import SWEEP_PARENT_TAG, _override_pairs
 from tests.conftest import REPO, TINY, run_cli
 
 
@@ -108,7 +108,7 @@ def test_detached_launcher_submits_without_waiting(tmp_path: Path) -> None:
 
 
 def test_sweep_objective_follows_train_objective_and_direction(tmp_path: Path) -> None:
-    from recsys_runner.sweep import lower_is_better
+    from recsys_runner.tracking.sweep import lower_is_better
 
     assert not lower_is_better("eval/auc") and not lower_is_better("eval/ctr/auc")
     assert lower_is_better("eval/logloss") and lower_is_better("eval/cvr/logloss") and lower_is_better("eval/mse")

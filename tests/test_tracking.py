@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient
 
 from recsys_runner import tracking
 from recsys_runner.configurable import make
-from recsys_runner.tracking import MlflowTracker, MlflowTrackingConfig, replay
+from recsys_runner.tracking.tracker import MlflowTracker, MlflowTrackingConfig, replay
 from tests.conftest import free_port
 
 

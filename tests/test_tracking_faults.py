@@ -20,7 +20,7 @@ from mlflow.tracking import MlflowClient
 
 from recsys_runner.configurable import make
 from recsys_runner.errors import TrackingError
-from recsys_runner.tracking import MlflowTracker, MlflowTrackingConfig
+from recsys_runner.tracking.tracker import MlflowTracker, MlflowTrackingConfig
 
 # tests.conftest (TINY, run_cli) imports torch and torchrec; it is imported inside the CLI tests only, so
 # that the race test's worker processes, which import this module, start in seconds.

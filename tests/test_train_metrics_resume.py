@@ -11,8 +11,8 @@ from mlflow.tracking import MlflowClient
 
 from recsys_runner.__main__ import run
 from recsys_runner.metrics import MetricsConfig, TaskTrainMetrics, _task_outputs
-from recsys_runner.signals import Interrupted
 from recsys_runner.tasks import SINGLE_TASK, BinaryTask
+from recsys_runner.train.signals import Interrupted
 
 # Windows of 4 updates: the stop at step 6 falls mid-window (2 updates into the second), after one
 # window closed, so the saved state holds a decayed value, an AUC history and a partial window.

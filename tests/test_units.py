@@ -12,7 +12,14 @@ from recsys_runner.configurable import make
 from recsys_runner.data.synthetic import SyntheticData, SyntheticDataConfig
 from recsys_runner.errors import ConfigError
 from recsys_runner.metrics import LogLoss, Throughput
-from recsys_runner.scheduler import Constant, ConstantConfig, Cosine, CosineConfig, ExponentialDecay, ExponentialDecayConfig
+from recsys_runner.optim.schedulers import (
+    Constant,
+    ConstantConfig,
+    Cosine,
+    CosineConfig,
+    ExponentialDecay,
+    ExponentialDecayConfig,
+)
 
 
 def small_data(**kw) -> SyntheticData:

@@ -1,7 +1,7 @@
 """``hydra/launcher=submitit_slurm_detached``: submit a sweep to SLURM and return (submit-and-exit).
 
 A Hydra plugin module (Hydra instantiates launchers only from the ``hydra_plugins`` namespace);
-the recsys_runner side of launching lives in :mod:`recsys_runner.launch`.
+the recsys_runner side of launching lives in :mod:`recsys_runner.distributed.launch`.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ class DetachedSlurmLauncher(SlurmLauncher):
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         from recsys_runner.errors import ConfigError
-        from recsys_runner.sweep import EXPECTED_JOBS_TAG
-        from recsys_runner.tracking import PARENT_RUN_ENV, resolve_uri
+        from recsys_runner.tracking.sweep import EXPECTED_JOBS_TAG
+        from recsys_runner.tracking.tracker import PARENT_RUN_ENV
+        from recsys_runner.tracking.store import resolve_uri
 
         assert self.config is not None
         sweeper = str(self.config.hydra.sweeper.get("_target_", ""))

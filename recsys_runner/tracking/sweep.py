@@ -2,7 +2,7 @@
 
 :class:`MlflowSweepCallback` is a Hydra callback (``hydra.callbacks.mlflow_sweep`` in
 ``conf/config.yaml``). In the launching process, ``on_multirun_start`` creates the parent run and
-exports its id in :data:`recsys_runner.tracking.PARENT_RUN_ENV`; every job's tracker tags its run
+exports its id in :data:`recsys_runner.tracking.tracker.PARENT_RUN_ENV`; every job's tracker tags its run
 with ``mlflow.parentRunId``. The environment is the one channel that reaches every kind of job:
 in-process (basic launcher), ``submitit_local`` subprocesses and SLURM jobs (``sbatch`` exports the
 submitting environment) — and a requeued SLURM job gets it again.
@@ -26,7 +26,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from recsys_runner.errors import UserError
-from recsys_runner.tracking import PARENT_RUN_ENV, experiment_id, open_store, resolve_uri, store_errors, uri_source
+from recsys_runner.tracking.store import experiment_id, open_store, resolve_uri, store_errors, uri_source
+from recsys_runner.tracking.tracker import PARENT_RUN_ENV
 
 log = logging.getLogger(__name__)
 

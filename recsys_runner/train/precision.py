@@ -10,7 +10,7 @@ the loss by a dynamic scale before backward (``torch.amp.GradScaler``), unscales
 gradients before clipping and the optimizer step, skips steps whose gradients overflowed and
 adapts the scale (``growth_factor`` after ``growth_interval`` good steps, ``backoff_factor`` after
 an overflow). The fused embedding optimizer updates rows *inside* backward, so the gradient
-reaching the embedding tables is unscaled on its way there (:mod:`recsys_runner.stepping`).
+reaching the embedding tables is unscaled on its way there (:mod:`recsys_runner.train.stepping`).
 bf16 has fp32's exponent range and needs no scaler.
 
 ``allow_tf32_matmul`` / ``allow_tf32_cudnn`` let CUDA matmuls / cuDNN convolutions use TF32
@@ -56,7 +56,7 @@ class GradScalerConfig:
 class PrecisionConfig(Configurable):
     """Schema of ``conf/precision/*.yaml``; builds :class:`Precision`."""
 
-    _target_: str = "recsys_runner.precision.Precision"
+    _target_: str = "recsys_runner.train.precision.Precision"
     dtype: str = "fp32"
     """Dense compute dtype: ``fp32``, ``bf16`` or ``fp16``."""
     grad_scaler: GradScalerConfig = field(default_factory=GradScalerConfig)

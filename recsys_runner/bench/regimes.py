@@ -2,14 +2,14 @@
 
 Regimes (docs/performance.md says why each one matters):
 
-* ``a_in_memory`` — the runner's training path (:func:`recsys_runner.runner.train`) against TorchRec's
+* ``a_in_memory`` — the runner's training path (:func:`recsys_runner.train.loop.train`) against TorchRec's
   canonical loop written out by hand (:func:`hand_written_model`, :func:`hand_round`): same DeepFM, same
   seed, same sharding plan, fused Adagrad + dense Adagrad, on the same batches held in memory and
   already moved to the run's device (``distributed.device=auto``: CUDA when there is one): the first
   ``min(steps, 100)`` batches of the synthetic stream, which (b) makes on the fly. Target ≥ 0.97.
 * ``b_synthetic`` / ``b_parquet`` — end to end through the real input paths, the same built model: the
   runner's own ``data=synthetic`` module, and ``data=parquet`` reading a generated Criteo-shaped file
-  (:func:`recsys_runner.bench_data.write_parquet`). Each as samples/s and as a ratio to (a)'s in-memory
+  (:func:`recsys_runner.bench.data.write_parquet`). Each as samples/s and as a ratio to (a)'s in-memory
   runner figure. Target ≥ 0.9.
 * ``c_host_overhead`` — (a)'s method on a tiny model and a small batch, where per-step host work
   (Python, bookkeeping, logging) is most of the step. Target ≥ 0.95.
@@ -20,7 +20,7 @@ Every samples/s figure is the median of steady-state windows of 10 steps (the fi
 is warm-up and dropped). Paths alternate within a round and the order flips every round, so machine noise
 hits all alike; a ratio is the median of the per-round ratios. Prints one table and writes it as JSON.
 
-Usage: ``python -m recsys_runner.bench [--quick] [--json bench.json] [--rounds 7] [overrides…]``
+Usage: ``python -m recsys_runner.bench.regimes [--quick] [--json bench.json] [--rounds 7] [overrides…]``
 """
 
 from __future__ import annotations
@@ -53,9 +53,9 @@ from recsys_runner.config import RunConfig, register_configs, validate
 from recsys_runner.data import DataModule
 from recsys_runner.data.memory import InMemoryData
 from recsys_runner.models.common import TrainWrapper
-from recsys_runner.optim import DenseAdagradConfig, SparseAdagradConfig
+from recsys_runner.optim.optimizers import DenseAdagradConfig, SparseAdagradConfig
 from recsys_runner.paths import CONFIG_PATH
-from recsys_runner.runner import Loop, train
+from recsys_runner.train.loop import Loop, train
 
 WINDOW = 10
 MAX_DISTINCT_BATCHES = 100
@@ -220,7 +220,7 @@ def time_imports() -> float:
 
 def bench_main_model(overrides: list[str], steps: int, rounds: int, parquet_rows: int, workdir: str) -> tuple[list[Regime], dict[str, Any]]:
     """Regimes (a) and (b): one built DeepFM; hand loop, runner in memory, runner on synthetic, runner on Parquet."""
-    from recsys_runner.bench_data import write_parquet
+    from recsys_runner.bench.data import write_parquet
 
     c = build_for_bench(["model=deepfm", *COMMON, *overrides], steps)
     try:

@@ -43,11 +43,11 @@ from torchrec.distributed.types import Awaitable, ShardedModule
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
-from recsys_runner.ema import DenseEMA
 from recsys_runner.errors import require
 from recsys_runner.metrics import TaskTrainMetrics
-from recsys_runner.optim import GroupedOptimizer
-from recsys_runner.scheduler import ScheduledLR
+from recsys_runner.optim.optimizers import GroupedOptimizer
+from recsys_runner.optim.schedulers import ScheduledLR
+from recsys_runner.train.ema import DenseEMA
 
 _CLIP_MODES = ("norm", "value")
 
@@ -274,7 +274,7 @@ class LeanPipeline(TrainPipeline[Batch, Any]):
 
 
 Pipeline: TypeAlias = TrainPipelineBase | TrainPipelineSparseDist | LeanPipeline
-"""The pipelines ``distributed.pipeline`` chooses from (:meth:`recsys_runner.distributed.Distributed.pipeline`)."""
+"""The pipelines ``distributed.pipeline`` chooses from (:meth:`recsys_runner.distributed.sharding.Distributed.pipeline`)."""
 
 
 @dataclass

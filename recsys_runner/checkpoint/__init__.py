@@ -21,7 +21,7 @@ save a non-finite loss or weights (``train.nan_guard``), and on such a stop sets
 no finite loss came after (``diverged-step_<n>``), so the last good one it names is one a resume can
 continue from.
 
-**One writer**: a run holds ``<checkpoint.dir>/.lock`` (:class:`~recsys_runner.locks.DirectoryLock`)
+**One writer**: a run holds ``<checkpoint.dir>/.lock`` (:class:`~recsys_runner.checkpoint.lock.DirectoryLock`)
 from restore to close, so a second live launch on the same directory is refused at start, naming the
 holder; a lock left by a killed process is free again (the kernel drops it with the process).
 
@@ -65,11 +65,11 @@ from hydra.core.hydra_config import HydraConfig
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 
+from recsys_runner.checkpoint.lock import DirectoryInUse, DirectoryLock
 from recsys_runner.configurable import Configurable
-from recsys_runner.distributed import decided_on_rank0
+from recsys_runner.distributed.env import decided_on_rank0
 from recsys_runner.errors import CheckpointError, ConfigError, require
-from recsys_runner.locks import DirectoryInUse, DirectoryLock
-from recsys_runner.stopping import check_finite, finite_state, improved
+from recsys_runner.train.stopping import check_finite, finite_state, improved
 
 log = logging.getLogger(__name__)
 

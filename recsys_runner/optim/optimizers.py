@@ -50,10 +50,10 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
 
-from recsys_runner.compat import WeightDecayMode
 from recsys_runner.configurable import Configurable, config_class, locate_class, make
 from recsys_runner.errors import ConfigError, require
-from recsys_runner.scheduler import SchedulerConfig
+from recsys_runner.optim.compat import WeightDecayMode
+from recsys_runner.optim.schedulers import SchedulerConfig
 
 C = TypeVar("C")
 

@@ -20,34 +20,41 @@ a read-only file opens fine and would fail only at the first write. Creating a n
 serialized across processes (:func:`store_lock`): MLflow creates its tables without a lock, and runs
 starting together on a new file would crash one another.
 
-Runs of a multirun are children of one parent run (see :mod:`recsys_runner.sweep`), which the
+Runs of a multirun are children of one parent run (see :mod:`recsys_runner.tracking.sweep`), which the
 sweep passes to its jobs in the environment variable :data:`PARENT_RUN_ENV`.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import fcntl
 import json
 import logging
 import os
-import sqlite3
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
-from urllib.parse import urlsplit
 
 from recsys_runner.configurable import Configurable
-from recsys_runner.errors import TrackingError, require
+from recsys_runner.errors import require
+from recsys_runner.tracking.store import (
+    experiment_id,
+    is_remote,
+    no_http_retries,
+    open_store,
+    resolve_uri,
+    store_errors,
+    uri_source,
+)
 
 log = logging.getLogger(__name__)
 
 _MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
+
 _PARAMS_PER_CALL = 100  # MLflow's limit on params per log_batch
+
 _METRICS_PER_CALL = 1000  # MLflow's limit on metrics per log_batch
+
 PARENT_RUN_ENV = "RECSYS_RUNNER_PARENT_RUN_ID"
 """Set by the sweep callback for its jobs: their runs become children of this run."""
 
@@ -66,7 +73,7 @@ class TrackingConfig(Configurable):
 class MlflowTrackingConfig(TrackingConfig):
     """Schema of ``conf/tracking/mlflow.yaml``; builds :class:`MlflowTracker`."""
 
-    _target_: str = "recsys_runner.tracking.MlflowTracker"
+    _target_: str = "recsys_runner.tracking.tracker.MlflowTracker"
     uri: str | None = None
     """Tracking URI; ``null`` means ``$MLFLOW_TRACKING_URI`` or ``sqlite:///mlflow.db`` in the launch dir."""
     experiment: str = "recsys_runner"
@@ -86,8 +93,7 @@ class MlflowTrackingConfig(TrackingConfig):
 class NoTrackingConfig(TrackingConfig):
     """Schema of ``conf/tracking/none.yaml``: log to the console only; builds :class:`NullTracker`."""
 
-    _target_: str = "recsys_runner.tracking.NullTracker"
-
+    _target_: str = "recsys_runner.tracking.tracker.NullTracker"
 
 _TRACKING_OFF = NoTrackingConfig()
 
@@ -141,183 +147,6 @@ class NullTracker:
         pass
 
 
-def resolve_uri(uri: str | None) -> str:
-    """``tracking.uri``, else ``$MLFLOW_TRACKING_URI``, else ``mlflow.db`` in the current directory."""
-    return uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.abspath('mlflow.db')}"
-
-
-def uri_source(uri: str | None) -> str:
-    """Where :func:`resolve_uri` takes the URI from, for messages."""
-    if uri:
-        return "tracking.uri"
-    return "$MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI") else "the default store"
-
-
-def is_remote(uri: str) -> bool:
-    """Whether ``uri`` is a tracking server (HTTP) rather than a store this process opens itself."""
-    return uri.startswith(("http://", "https://"))
-
-
-def sqlite_path(uri: str) -> str | None:
-    """The absolute path of a ``sqlite:`` store's database file; ``None`` for other stores and in-memory databases."""
-    if not uri.startswith("sqlite:"):
-        return None
-    from sqlalchemy.engine import make_url
-
-    database = make_url(uri).database
-    if not database or database == ":memory:" or database.startswith("file:"):
-        return None
-    return os.path.abspath(database)
-
-
-@contextlib.contextmanager
-def store_lock(uri: str) -> Iterator[None]:
-    """Hold a lock on ``<database>.lock`` while opening a sqlite store (no-op for other stores).
-
-    MLflow creates a new sqlite store's tables and default experiment without a lock, so processes
-    that open a new file together crash one another (``table experiments already exists``,
-    ``duplicate column name``), e.g. runs launched together by a script or a SLURM array. A store without tables
-    is opened under an exclusive lock, so the next process waits and then finds the tables made; a
-    store that has them is opened under a shared lock, so the jobs of a sweep still open it side by
-    side (opening takes seconds: MLflow verifies the schema). ``flock`` is released by the kernel
-    however its holder dies. The lock file stays (deleting it would let a waiter and a newcomer lock
-    different files)."""
-    path = sqlite_path(uri)
-    if path is None:
-        yield
-        return
-    fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH)  # no creator can be at work while this is held
-        if not _has_tables(path):
-            fcntl.flock(fd, fcntl.LOCK_EX)  # not atomic (flock drops the shared lock first); MLflow re-checks its tables
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
-def _has_tables(path: str) -> bool:
-    if not os.path.exists(path) or os.path.getsize(path) == 0:
-        return False
-    with contextlib.closing(sqlite3.connect(f"{Path(path).as_uri()}?mode=ro", uri=True, timeout=60)) as db:
-        return db.execute("SELECT COUNT(*) FROM sqlite_master WHERE type = 'table'").fetchone()[0] > 0
-
-
-def open_store(uri: str, source: str) -> Any:
-    """Open the store at the start of a run or sweep: an ``MlflowClient`` whose store has answered and
-    can be written.
-
-    Fails within seconds with a :class:`TrackingError` naming ``uri`` (taken from ``source``, see
-    :func:`uri_source`), the cause and the fixes; see the module docstring for why. Creates nothing
-    but a missing sqlite store (the experiment is created with the run)."""
-    from mlflow.tracking import MlflowClient
-
-    with store_errors(uri, source):
-        _check_sqlite_writable(uri, source)
-        with store_lock(uri):
-            client = MlflowClient(tracking_uri=uri)  # builds a sqlite store: its tables, its default experiment
-            client.search_experiments(max_results=1)  # a request: a server answers now, or the check fails now
-        return client
-
-
-@contextlib.contextmanager
-def store_errors(uri: str, source: str) -> Iterator[None]:
-    """Around the start-of-run calls to a store: no HTTP retries, and a failure becomes a :class:`TrackingError`
-    that names the URI, the cause and the fixes."""
-    try:
-        with _no_http_retries(is_remote(uri)):
-            yield
-    except TrackingError:
-        raise
-    except Exception as e:  # noqa: BLE001 - whatever the store says, the run cannot start; the cause is in the message
-        raise TrackingError(_store_error(uri, source, e)) from e
-
-
-_NO_TRACKING = "or run without tracking: tracking=none"
-_WHY_AT_START = ("A run needs its MLflow run from the start (a resume continues it, sweep jobs are filed under their "
-                 "parent), so it does not start without its store; an outage after the start only buffers metrics.")
-
-
-def _store_error(uri: str, source: str, error: BaseException) -> str:
-    cause = _root_cause(error)
-    if is_remote(uri) and isinstance(cause, OSError):
-        parts = urlsplit(uri)
-        return (f"tracking server {uri} ({source}) is not reachable: {_describe(cause)}. {_WHY_AT_START} Fix: start the "
-                f"server (mlflow server --host {parts.hostname} --port {parts.port or 5000} --backend-store-uri "
-                f"sqlite:///mlflow.db), check the URI (tracking.uri=... or MLFLOW_TRACKING_URI), {_NO_TRACKING}")
-    return (f"tracking store {uri} ({source}) cannot be used: {_describe(cause)}. {_WHY_AT_START} Fix: check the URI "
-            f"(tracking.uri=... or MLFLOW_TRACKING_URI) and the store behind it, {_NO_TRACKING}")
-
-
-def _check_sqlite_writable(uri: str, source: str) -> None:
-    """Write to a sqlite store and roll back: a read-only file or directory opens fine and fails at the first write."""
-    path = sqlite_path(uri)
-    if path is None:
-        return
-    directory = os.path.dirname(path)
-    try:
-        with contextlib.closing(sqlite3.connect(path, timeout=60)) as db:  # creates a missing file, as MLflow would
-            db.execute("BEGIN IMMEDIATE")
-            db.execute("CREATE TABLE recsys_runner_write_probe (x INTEGER)")
-            db.rollback()
-    except sqlite3.Error as e:
-        missing = "" if os.path.isdir(directory) else f" (directory {directory} does not exist)"
-        raise TrackingError(
-            f"tracking store {uri} ({source}) cannot be written: sqlite says {e!s}{missing}. Fix: make {path} and its "
-            f"directory writable (sqlite writes a journal file next to the database), point tracking.uri (or "
-            f"MLFLOW_TRACKING_URI) at a writable MLflow store, {_NO_TRACKING}"
-        ) from e
-
-
-def _root_cause(error: BaseException) -> BaseException:
-    """The innermost exception of a chain (MLflow wraps requests, which wraps urllib3, which wraps the socket error)."""
-    seen = {id(error)}
-    while (inner := error.__cause__ or error.__context__) is not None and id(inner) not in seen:
-        seen.add(id(inner))
-        error = inner
-    return error
-
-
-def _describe(error: BaseException) -> str:
-    text = (str(error).strip().splitlines() or [""])[0]
-    return f"{type(error).__name__}: {text[:300]}" if text else type(error).__name__
-
-
-def experiment_id(client: Any, name: str) -> str:
-    """The id of experiment ``name``, created when missing (tolerating a concurrent creator)."""
-    found = client.get_experiment_by_name(name)
-    if found:
-        return found.experiment_id
-    try:
-        return client.create_experiment(name)
-    except Exception:
-        found = client.get_experiment_by_name(name)
-        if found is None:
-            raise
-        return found.experiment_id
-
-
-@contextlib.contextmanager
-def _no_http_retries(remote: bool) -> Iterator[None]:
-    """Fail fast while training: MLflow's default HTTP policy retries for minutes with backoff.
-
-    The tracker retries on its own schedule instead (at the log cadence, and at the end)."""
-    if not remote:
-        yield
-        return
-    saved = {k: os.environ.get(k) for k in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")}
-    os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
-    os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = "5"
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 class MlflowTracker:
     """Logs one MLflow run through ``MlflowClient`` (no global active-run state, so a multirun's
     jobs in one process never leak into each other)."""
@@ -363,7 +192,7 @@ class MlflowTracker:
         it is marked RUNNING again; params are not re-logged (MLflow params are immutable)."""
         if self._client is None:
             self.check()
-        with _no_http_retries(self._remote):  # the store answered check(); a failure here means it lacks the run
+        with no_http_retries(self._remote):  # the store answered check(); a failure here means it lacks the run
             self._client.get_run(run_id)  # fails clearly if the store does not have it
             self._client.update_run(run_id, status="RUNNING")
             self._client.set_tag(run_id, "resumed", "true")
@@ -372,7 +201,7 @@ class MlflowTracker:
     def set_tag(self, key: str, value: str) -> None:
         """Tag the run now (e.g. ``preempted``); a store outage only warns."""
         try:
-            with _no_http_retries(self._remote):
+            with no_http_retries(self._remote):
                 self._client.set_tag(self._run(), key, value)
         except Exception as e:  # noqa: BLE001 - a lost tag must not fail the run
             log.warning("could not tag MLflow run %s %s=%s: %s", self.run_id, key, value, e)
@@ -414,7 +243,7 @@ class MlflowTracker:
         """Send everything pending; True when nothing is left. Never raises for a store outage."""
         run_id = self._run()
         try:
-            with _no_http_retries(self._remote):
+            with no_http_retries(self._remote):
                 while self._pending:
                     self._client.log_batch(run_id, metrics=self._pending[:_METRICS_PER_CALL])
                     del self._pending[:_METRICS_PER_CALL]
@@ -468,18 +297,3 @@ def replay(path: str | Path, uri: str | None = None) -> str:
         client.log_text(record["run_id"], text, artifact_file)
     client.set_terminated(record["run_id"], status=record["status"])
     return str(record["run_id"])
-
-
-def _main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m recsys_runner.tracking", description="Tracking utilities.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    rep = sub.add_parser("replay", help="send metrics a run could not deliver (mlflow_unsent_<run id>.json)")
-    rep.add_argument("file")
-    rep.add_argument("--uri", default=None, help="tracking URI (default: the one the run used)")
-    args = parser.parse_args(argv)
-    run_id = replay(args.file, args.uri)
-    print(f"replayed {args.file} into run {run_id}")
-
-
-if __name__ == "__main__":
-    _main()

@@ -29,7 +29,7 @@ from recsys_runner.configurable import Configurable
 from recsys_runner.errors import ConfigError, require
 
 if TYPE_CHECKING:
-    from recsys_runner.optim import GroupedOptimizer, OptimizerGroup
+    from recsys_runner.optim.optimizers import GroupedOptimizer, OptimizerGroup
 
 
 def _warmup(step: int, warmup_steps: int, warmup_start: float) -> float | None:
@@ -57,7 +57,7 @@ class SchedulerConfig(Configurable):
     def build(self, *, total_steps: int, steps_per_epoch: int | None = None) -> Schedule:
         """The schedule for a run of ``total_steps`` optimizer steps (``steps_per_epoch`` of them per epoch, if known)."""
         schedule = self.component_class()(self, total_steps=total_steps, steps_per_epoch=steps_per_epoch)
-        assert isinstance(schedule, Schedule), f"{self._target_} is not a recsys_runner.scheduler.Schedule"
+        assert isinstance(schedule, Schedule), f"{self._target_} is not a recsys_runner.optim.schedulers.Schedule"
         return schedule
 
 
@@ -65,14 +65,14 @@ class SchedulerConfig(Configurable):
 class ConstantConfig(SchedulerConfig):
     """Schema of ``conf/scheduler/constant.yaml``."""
 
-    _target_: str = "recsys_runner.scheduler.Constant"
+    _target_: str = "recsys_runner.optim.schedulers.Constant"
 
 
 @dataclass(kw_only=True)
 class ExponentialDecayConfig(SchedulerConfig):
     """Schema of ``conf/scheduler/exponential_decay.yaml``."""
 
-    _target_: str = "recsys_runner.scheduler.ExponentialDecay"
+    _target_: str = "recsys_runner.optim.schedulers.ExponentialDecay"
     decay_steps: int = 1000
     """The lr is multiplied by ``decay_rate`` every ``decay_steps`` steps after warmup."""
     decay_rate: float = 0.5
@@ -94,7 +94,7 @@ class ExponentialDecayConfig(SchedulerConfig):
 class CosineConfig(SchedulerConfig):
     """Schema of ``conf/scheduler/cosine.yaml``."""
 
-    _target_: str = "recsys_runner.scheduler.Cosine"
+    _target_: str = "recsys_runner.optim.schedulers.Cosine"
     min_factor: float = 0.0
     """Multiplier reached at the last step."""
 
@@ -107,7 +107,7 @@ class CosineConfig(SchedulerConfig):
 class CosineRestartsConfig(CosineConfig):
     """Schema of ``conf/scheduler/cosine_restarts.yaml`` (SGDR: cosine with warm restarts)."""
 
-    _target_: str = "recsys_runner.scheduler.CosineRestarts"
+    _target_: str = "recsys_runner.optim.schedulers.CosineRestarts"
     cycle_steps: int = 1000
     """Length of the first cosine cycle after warmup."""
     cycle_mult: int = 1
@@ -123,7 +123,7 @@ class CosineRestartsConfig(CosineConfig):
 class ManualStepConfig(SchedulerConfig):
     """Schema of ``conf/scheduler/manual_step.yaml``: piecewise-constant multipliers."""
 
-    _target_: str = "recsys_runner.scheduler.ManualStep"
+    _target_: str = "recsys_runner.optim.schedulers.ManualStep"
     boundaries: list[int] = field(default_factory=lambda: [1000, 2000])
     """Steps after warmup at which the next rate starts, strictly increasing."""
     rates: list[float] = field(default_factory=lambda: [1.0, 0.1, 0.01])
@@ -248,7 +248,7 @@ class ScheduledLR(torch.optim.lr_scheduler.LambdaLR):
     times and rewrites every group's lr, ~80 µs of host work per step; with a constant schedule, or any
     schedule between its changes (``by_epoch``, ``manual_step``), nothing changes. The lrs, ``last_epoch``,
     ``get_last_lr()`` and the state dict are those of ``LambdaLR``. :attr:`moved` says whether the last
-    step changed an lr, so that the fused kernels are handed a new lr only then (:class:`~recsys_runner.stepping.Stepper`).
+    step changed an lr, so that the fused kernels are handed a new lr only then (:class:`~recsys_runner.train.stepping.Stepper`).
     The first step always counts as moved (it runs torch's own step, with its check that the optimizer stepped first).
     """
 

@@ -1,6 +1,6 @@
 """The Parquet reader's rows/s, and training fed from Parquet vs from memory (standalone data benchmark).
 
-``make bench`` (:mod:`recsys_runner.bench`) uses :func:`write_parquet` for its ``b_parquet`` regime; this
+``make bench`` (:mod:`recsys_runner.bench.regimes`) uses :func:`write_parquet` for its ``b_parquet`` regime; this
 module's own ``main`` looks closer at the reader (rows/s alone, ``data.num_workers``), on a larger file.
 
 Writes a Criteo-shaped Parquet file (label, 13 float dense, 26 int64 id columns with ~5% nulls, the
@@ -12,7 +12,7 @@ schema stored as ``convert`` does) to a temporary directory, then reports:
   memory (:class:`~recsys_runner.data.memory.InMemoryData`), alternating rounds; the median of the
   per-round ratios (the target is >= 0.9).
 
-Usage: ``python -m recsys_runner.bench_data [--rows 500000] [--batch-size 2048] [--steps 60] [--rounds 5] [overrides…]``
+Usage: ``python -m recsys_runner.bench.data [--rows 500000] [--batch-size 2048] [--steps 60] [--rounds 5] [overrides…]``
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from recsys_runner.bench import WINDOW, build_for_bench, on_device, runner_round, with_data
+from recsys_runner.bench.regimes import WINDOW, build_for_bench, on_device, runner_round, with_data
 from recsys_runner.data.memory import InMemoryData
 from recsys_runner.data.tabular import (
     CRITEO_NUM_DENSE,

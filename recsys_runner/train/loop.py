@@ -1,11 +1,11 @@
 """The training loop: steps or epochs, periodic eval, checkpoints, stopping, logging. Nothing else.
 
 Per-step mechanics (moving the batch, forward, backward, optimizer step, input distribution of
-the next batch) belong to the TrainPipeline and the step policy (:mod:`recsys_runner.stepping`);
+the next batch) belong to the TrainPipeline and the step policy (:mod:`recsys_runner.train.stepping`);
 building and restoring belong to :mod:`recsys_runner.build`; what a checkpoint holds to
 :mod:`recsys_runner.checkpoint`. A step is one optimizer step (``train.grad_accum_steps``
 micro-batches). Training stops at ``loop.total_steps``, on early stopping, on a signal
-(:mod:`recsys_runner.signals`) or on a non-finite loss (:mod:`recsys_runner.stopping`).
+(:mod:`recsys_runner.train.signals`) or on a non-finite loss (:mod:`recsys_runner.train.stopping`).
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ import torch
 from recsys_runner.checkpoint import Checkpointer, TrainState
 from recsys_runner.config import TrainConfig
 from recsys_runner.data import DataModule
-from recsys_runner.distributed import DistEnv
+from recsys_runner.distributed.env import DistEnv
 from recsys_runner.errors import DataError
-from recsys_runner.evaluation import BestEval, Evaluator
 from recsys_runner.metrics import Throughput
-from recsys_runner.profiling import StepProfiler
 from recsys_runner.progress import Progress
-from recsys_runner.signals import Interrupted, StopSignals
-from recsys_runner.stepping import Stepper
-from recsys_runner.stopping import EarlyStopping
-from recsys_runner.tracking import Tracker
+from recsys_runner.tracking.tracker import Tracker
+from recsys_runner.train.evaluation import BestEval, Evaluator
+from recsys_runner.train.profiling import StepProfiler
+from recsys_runner.train.signals import Interrupted, StopSignals
+from recsys_runner.train.stepping import Stepper
+from recsys_runner.train.stopping import EarlyStopping
 
 log = logging.getLogger(__name__)
 

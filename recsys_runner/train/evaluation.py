@@ -16,13 +16,14 @@ import torch
 from torch import nn
 
 from recsys_runner.data import DataModule
-from recsys_runner.distributed import DistEnv, detached
-from recsys_runner.ema import DenseEMA
+from recsys_runner.distributed.env import DistEnv
 from recsys_runner.metrics import MetricsConfig, TaskEvalMetrics, grouping_ids
 from recsys_runner.progress import Progress
-from recsys_runner.stepping import Pipeline
-from recsys_runner.stopping import improved
 from recsys_runner.tasks import Task
+from recsys_runner.train.ema import DenseEMA
+from recsys_runner.train.pipeline import detached
+from recsys_runner.train.stepping import Pipeline
+from recsys_runner.train.stopping import improved
 
 
 @dataclass

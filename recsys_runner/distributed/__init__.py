@@ -1,0 +1,5 @@
+"""Process groups, where a rank sits, and TorchRec's sharding: ``config`` (``distributed.*``), ``env`` (rank, device,
+threads, rank-0 decisions), ``sharding`` (process group, planner, DistributedModelParallel), ``launch`` (submitit's env).
+
+May import only ``errors`` and ``configurable``: the train pipeline that runs over the sharded model lives in ``train/``.
+"""

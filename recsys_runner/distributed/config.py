@@ -1,0 +1,154 @@
+"""``distributed.*``: the schema of ``conf/distributed/*.yaml`` and the checks that need no process group."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.types import ShardingType
+
+from recsys_runner.configurable import Configurable
+from recsys_runner.errors import require
+
+if TYPE_CHECKING:  # built by name (_target_); the config must not import the machinery it configures
+    from recsys_runner.distributed.sharding import Distributed
+
+AUTO_THREADS = "auto"
+"""``distributed.num_threads: auto``: see :func:`auto_num_threads`."""
+
+_BACKENDS = ("auto", "gloo", "nccl")
+
+_DEVICES = ("auto", "cpu", "cuda")
+
+_PIPELINES = ("auto", "sparse_dist", "base")
+
+_SHARDING_TYPES = sorted(t.value for t in ShardingType)
+
+_KERNELS = sorted(k.value for k in EmbeddingComputeKernel)
+
+
+def _check_choices(key: str, sharding_types: list[str] | None, compute_kernels: list[str] | None) -> None:
+    for t in sharding_types or []:
+        require(t in _SHARDING_TYPES, f"{key}.sharding_types has unknown {t!r}; valid: {_SHARDING_TYPES}")
+    for k in compute_kernels or []:
+        require(k in _KERNELS, f"{key}.compute_kernels has unknown {k!r}; valid: {_KERNELS}")
+
+
+@dataclass(kw_only=True)
+class TableShardingConfig:
+    """One entry of ``distributed.tables``: what the planner may do with that table."""
+
+    sharding_types: list[str] | None = None
+    """Sharding types for this table only (overrides ``distributed.sharding_types``); ``null`` inherits."""
+    compute_kernels: list[str] | None = None
+    """Compute kernels for this table only (overrides ``distributed.compute_kernels``); ``null`` inherits."""
+
+
+@dataclass(kw_only=True)
+class DistributedConfig(Configurable):
+    """Schema of ``conf/distributed/*.yaml``; builds :class:`Distributed`."""
+
+    _target_: str = "recsys_runner.distributed.sharding.Distributed"
+    device: str = "auto"
+    """``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda``."""
+    num_threads: int | str = AUTO_THREADS
+    """torch's intra-op CPU threads per rank (``torch.set_num_threads``). ``auto``: ``$OMP_NUM_THREADS`` when it is set,
+    else this rank's share of the physical cores it may use, capped by its share of the CPUs idle at start (at
+    least 1): torch's own default takes every core for every rank, and threads that compete with other ranks or
+    other jobs for the cores make each step many times slower (:func:`auto_num_threads`)."""
+    backend: str = "auto"
+    """Process-group backend: ``auto`` (NCCL on CUDA, gloo on CPU), ``gloo`` or ``nccl``."""
+    pipeline: str = "auto"
+    """Train pipeline: ``sparse_dist`` overlaps the next batch's input distribution with the current
+    step (a win on GPU); ``base`` is a plain forward/backward/step loop (faster on CPU, where there
+    is nothing to overlap; on CPU it is :class:`~recsys_runner.train.stepping.LeanPipeline`, which skips the
+    per-batch device copy and profiler ranges). ``auto`` picks ``sparse_dist`` on CUDA and ``base`` on CPU."""
+    sharding_types: list[str] | None = None
+    """Sharding types the planner may choose from for every table (e.g. ``[table_wise, row_wise]``);
+    ``null`` lets the planner consider all — but with one rank only ``table_wise`` and ``data_parallel``
+    (sharding a table across ranks gains nothing there); set it to allow others on one rank."""
+    compute_kernels: list[str] | None = None
+    """Embedding kernels the planner may choose from (e.g. ``[fused]``); ``null`` for all."""
+    tables: dict[str, TableShardingConfig] = field(default_factory=dict)
+    """Per-table choices by table name (``t_<feature>`` unless the data names tables); on the command
+    line ``+distributed.tables={t_cat_0: {sharding_types: [row_wise]}}``, in YAML a mapping under
+    ``distributed.tables``. A name the model does not have is an error."""
+    storage_reserve_percent: float = 0.15
+    """Fraction of each device's memory the planner keeps free for activations and buffers."""
+    intra_node_bandwidth_gbps: float | None = None
+    """Bandwidth between devices of one node, GB/s, for the planner's cost model (``null``: TorchRec's 600)."""
+    cross_node_bandwidth_gbps: float | None = None
+    """Bandwidth between nodes, GB/s, for the planner's cost model (``null``: TorchRec's 12.5)."""
+    hbm_cap_gb: float | None = None
+    """Device (GPU) memory per rank the planner may fill, GB (``null``: TorchRec's default, 32)."""
+    ddr_cap_gb: float | None = None
+    """Host memory per rank the planner may fill, GB — the budget for tables on CPU (``null``: 128)."""
+    planner_batch_size: int | None = None
+    """Per-rank batch size the planner costs with (``null``: ``data.batch_size``)."""
+    plan_world_size: int | None = None
+    """``python -m recsys_runner.plan`` only: plan for this many ranks instead of this process's world."""
+    plan_local_world_size: int | None = None
+    """``python -m recsys_runner.plan`` only: ranks per node for ``plan_world_size`` (``null``: all on one node)."""
+    timeout_s: int = 1800
+    """Collective timeout; a rank that hangs longer than this fails instead of waiting forever."""
+
+    def __post_init__(self) -> None:
+        require(self.device in _DEVICES, f"distributed.device={self.device!r} must be one of {_DEVICES}")
+        threads = self.num_threads
+        require(threads == AUTO_THREADS or (isinstance(threads, int) and not isinstance(threads, bool) and threads > 0),
+                f"distributed.num_threads={threads!r} must be a positive number or auto. Fix: distributed.num_threads=auto "
+                f"(cores / ranks per node) or e.g. distributed.num_threads=4")
+        require(self.backend in _BACKENDS, f"distributed.backend={self.backend!r} must be one of {_BACKENDS}")
+        require(self.pipeline in _PIPELINES, f"distributed.pipeline={self.pipeline!r} must be one of {_PIPELINES}")
+        _check_choices("distributed", self.sharding_types, self.compute_kernels)
+        for name, table in self.tables.items():
+            _check_choices(f"distributed.tables.{name}", table.sharding_types, table.compute_kernels)
+        require(0 <= self.storage_reserve_percent < 1, "distributed.storage_reserve_percent must lie in [0, 1)")
+        for key in ("intra_node_bandwidth_gbps", "cross_node_bandwidth_gbps", "hbm_cap_gb", "ddr_cap_gb",
+                    "planner_batch_size", "plan_world_size", "plan_local_world_size"):
+            value = getattr(self, key)
+            require(value is None or value > 0, f"distributed.{key} must be positive or null, got {value}")
+        if self.plan_local_world_size is not None:
+            require(
+                self.plan_world_size is not None and self.plan_world_size % self.plan_local_world_size == 0,
+                f"distributed.plan_local_world_size={self.plan_local_world_size} needs distributed.plan_world_size set to a "
+                f"multiple of it (got {self.plan_world_size})",
+            )
+        require(self.timeout_s > 0, "distributed.timeout_s must be positive")
+        require(
+            not (self.device == "cpu" and self.backend == "nccl"),
+            "distributed.backend=nccl needs CUDA tensors; use distributed.backend=gloo (or auto) with distributed.device=cpu",
+        )
+
+    def build(self) -> Distributed:
+        """The :class:`Distributed` this config describes (its process group is created by ``setup()``)."""
+        built: Distributed = self.component_class()(self)
+        return built
+
+
+def resolve_device_type(device: str) -> str:
+    """``cuda`` or ``cpu`` for a ``distributed.device`` setting, without touching a process group."""
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        return "cuda"
+    return "cpu"
+
+
+def check_sharding_types(
+    sharding_types: list[str] | None, device_type: str, tables: Mapping[str, TableShardingConfig] | None = None
+) -> None:
+    """Reject sharding types (global or per table) TorchRec cannot use for embedding tables on ``device_type``."""
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    available = EmbeddingBagCollectionSharder().sharding_types(device_type)
+    chosen = {"distributed.sharding_types": sharding_types} | {
+        f"distributed.tables.{name}.sharding_types": t.sharding_types for name, t in (tables or {}).items()
+    }
+    for key, types in chosen.items():
+        unusable = [t for t in types or [] if t not in available]
+        require(
+            not unusable,
+            f"{key}={types}: {unusable} cannot shard embedding tables on {device_type}; available there: {available}",
+        )

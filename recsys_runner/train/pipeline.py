@@ -1,0 +1,60 @@
+"""The train pipeline: which TorchRec pipeline (or :class:`~recsys_runner.train.stepping.LeanPipeline`) runs the steps,
+and the pipeline's model detached for an eval between steps."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
+
+from recsys_runner.distributed.env import DistEnv
+from recsys_runner.train.stepping import LeanPipeline, Pipeline, PolicyPipelineBase, PolicyPipelineSparseDist, StepPolicy
+
+
+def make_pipeline(
+    kind: str, env: DistEnv, model: nn.Module, optimizer: torch.optim.Optimizer, policy: StepPolicy | None = None, *,
+    annotate: bool = False,
+) -> Pipeline:
+    """The train pipeline chosen by ``distributed.pipeline`` (``kind``) for a model sharded on ``env``'s device.
+
+    ``base`` on a CPU is :class:`~recsys_runner.train.stepping.LeanPipeline` (batches are made where the model is);
+    on a GPU it is TorchRec's ``TrainPipelineBase``, which copies the next batch on a side stream. With an
+    active step policy (accumulation, loss scaling, clipping, EMA) the pipeline runs the policy's backward and
+    dense step (:mod:`recsys_runner.train.stepping`) and steps the fused optimizer; otherwise it steps ``optimizer``
+    once per batch. ``annotate`` keeps the profiler ranges of the lean pipeline (``train.profile``).
+    """
+    if kind == "auto":
+        kind = "sparse_dist" if env.device.type == "cuda" else "base"
+    active = policy is not None and policy.active
+    if kind == "base" and env.device.type == "cpu":
+        if active:
+            assert policy is not None
+            return LeanPipeline(model, policy.sparse, policy=policy, annotate=annotate)
+        return LeanPipeline(model, optimizer, annotate=annotate)
+    if active:
+        assert policy is not None
+        with_policy = PolicyPipelineSparseDist if kind == "sparse_dist" else PolicyPipelineBase
+        return with_policy(model, policy, env.device)
+    if kind == "sparse_dist":
+        return TrainPipelineSparseDist(model, optimizer, env.device, execute_all_batches=True)
+    return TrainPipelineBase(model, optimizer, env.device)
+
+
+@contextlib.contextmanager
+def detached(pipeline: Pipeline, model: nn.Module) -> Iterator[nn.Module]:
+    """The pipeline's model with its original forward, for evaluation between training steps.
+
+    TrainPipelineSparseDist rewrites the sharded modules' forward to read pre-distributed inputs;
+    detaching restores it and keeps in-flight training batches, which resume after ``attach``.
+    """
+    if isinstance(pipeline, TrainPipelineSparseDist):
+        original = pipeline.detach()
+        try:
+            yield original
+        finally:
+            pipeline.attach(original)
+    else:
+        yield model
