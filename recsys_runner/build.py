@@ -23,30 +23,33 @@ from typing import Any
 
 import numpy as np
 import torch
+from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import ShardingPlan
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from recsys_runner.checkpoint import Checkpointer
-from recsys_runner.config import RunConfig, TrainConfig, check_eval_keys
-from recsys_runner.data import DataModule
+from recsys_runner.checkpoint.policy import Checkpointer
+from recsys_runner.config import RunConfig, check_eval_keys
+from recsys_runner.data.base import DataModule
 from recsys_runner.distributed.env import DistEnv, decided_on_rank0
 from recsys_runner.distributed.sharding import Distributed
 from recsys_runner.errors import ConfigError
-from recsys_runner.metrics import TaskTrainMetrics, eval_metric_keys
+from recsys_runner.metrics.registry import default_objective, higher_is_better
+from recsys_runner.metrics.tasks import TaskTrainMetrics, eval_metric_keys
 from recsys_runner.models.common import TrainWrapper
+from recsys_runner.optim.config import OptimConfig
 from recsys_runner.optim.optimizers import (
     DENSE,
     SPARSE,
     GroupedOptimizer,
-    OptimConfig,
     OptimizerGroup,
     apply_sparse_optimizer,
     dense_optimizers,
 )
-from recsys_runner.optim.schedulers import Schedule, SchedulePosition, SchedulerConfig
+from recsys_runner.optim.schedulers import Schedule, ScheduledLR, SchedulePosition, SchedulerConfig
 from recsys_runner.optim.schedulers import lr_scheduler as make_lr_scheduler
-from recsys_runner.tracking.sweep import OBJECTIVE, lower_is_better
+from recsys_runner.runtime import Launch
 from recsys_runner.tracking.tracker import NullTracker, Tracker
+from recsys_runner.train.config import TrainConfig
 from recsys_runner.train.ema import DenseEMA
 from recsys_runner.train.evaluation import BestEval, Evaluator
 from recsys_runner.train.loop import Loop
@@ -91,8 +94,11 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build(run: RunConfig, *, weights: Path | None = None) -> Components:
+def build(run: RunConfig, *, launch: Launch = Launch(), weights: Path | None = None) -> Components:
     """Build and wire every component of the run from the validated config; see the module docstring for the order.
+
+    ``launch``: the command-line launch (:class:`~recsys_runner.runtime.Launch`; the default is a launch from Python),
+    which sets the checkpoint directory's default and the overrides each checkpoint records.
 
     ``weights``: a checkpoint directory whose model (and EMA) weights to load instead of resuming or fine-tuning
     (``python -m recsys_runner.evaluate`` / ``.predict``): its checkpoints directory is not locked, nothing is restored
@@ -105,7 +111,8 @@ def build(run: RunConfig, *, weights: Path | None = None) -> Components:
     try:
         tracker: Tracker = run.tracking.build() if env.is_main else NullTracker()
         decided_on_rank0(tracker.check, env.rank, env.world_size)
-        checkpointer = run.checkpoint.build(rank=env.rank, world_size=env.world_size, device=env.device, nan_guard=run.train.nan_guard)
+        checkpointer = run.checkpoint.build(rank=env.rank, world_size=env.world_size, device=env.device, nan_guard=run.train.nan_guard,
+                                            launch=launch)
         if weights is None:
             checkpointer.lock()
         precision = run.precision.build()
@@ -120,15 +127,8 @@ def build(run: RunConfig, *, weights: Path | None = None) -> Components:
         apply_sparse_optimizer(wrapped, run.optim.sparse)
         plan = distributed.plan(wrapped, batch_size=data.batch_size)
         sharded = distributed.shard(wrapped, plan)
-        dense_params = dict(in_backward_optimizer_filter(sharded.named_parameters()))
-        parts = {name: (part.pattern, part.optimizer.build) for name, part in run.optim.part_configs().items()}
-        dense = dense_optimizers(dense_params, run.optim.dense.build, parts)
-        optimizer = GroupedOptimizer([(SPARSE, sharded.fused_optimizer), *dense])
-        lr_scheduler = make_lr_scheduler(optimizer, *_schedules(run, total_steps, steps_per_epoch))
-        ema = DenseEMA(dense_params, run.train.ema.decay) if run.train.ema.decay is not None else None
-        policy = StepPolicy(sparse=sharded.fused_optimizer, dense=GroupedOptimizer(dense),
-                            accumulation_steps=run.train.grad_accum_steps, scaler=precision.grad_scaler(env.device),
-                            clip=run.train.clip_grad, ema=ema)
+        optimizer, lr_scheduler, policy = _optimizers(run, sharded, precision.grad_scaler(env.device), total_steps, steps_per_epoch)
+        ema = policy.ema
         pipeline = make_pipeline(run.distributed.pipeline, env, sharded, policy.dense, policy, annotate=run.train.profile.enabled)  # the fused lr is pushed by the Stepper
         stepper = Stepper(pipeline=pipeline, policy=policy, lr_scheduler=lr_scheduler, optimizer=optimizer,
                           train_metrics=TaskTrainMetrics(run.metrics, wrapped.tasks, env.device),
@@ -152,6 +152,22 @@ def build(run: RunConfig, *, weights: Path | None = None) -> Components:
                 early_stopping=early_stopping, tracker=tracker, total_steps=total_steps, steps_per_epoch=steps_per_epoch, state=state,
                 best=best)
     return Components(run=run, env=env, distributed=distributed, plan=plan, loop=loop)
+
+
+def _optimizers(run: RunConfig, sharded: DistributedModelParallel, scaler: torch.amp.GradScaler | None, total_steps: int,
+                steps_per_epoch: int | None) -> tuple[GroupedOptimizer, ScheduledLR, StepPolicy]:
+    """The dense optimizers over the parameters sharding left (the fused one is the sharded model's), all of them
+    combined, their lr schedules, and the step policy (accumulation, loss scaling, clipping, EMA) that steps them."""
+    fused = sharded.fused_optimizer
+    dense_params = dict(in_backward_optimizer_filter(sharded.named_parameters()))
+    parts = {name: (part.pattern, part.optimizer.build) for name, part in run.optim.part_configs().items()}
+    dense = dense_optimizers(dense_params, run.optim.dense.build, parts)
+    optimizer = GroupedOptimizer([(SPARSE, fused), *dense])
+    lr_scheduler = make_lr_scheduler(optimizer, *_schedules(run, total_steps, steps_per_epoch))
+    ema = DenseEMA(dense_params, run.train.ema.decay) if run.train.ema.decay is not None else None
+    policy = StepPolicy(sparse=fused, dense=GroupedOptimizer(dense), accumulation_steps=run.train.grad_accum_steps,
+                        scaler=scaler, clip=run.train.clip_grad, ema=ema)
+    return optimizer, lr_scheduler, policy
 
 
 def _schedules(run: RunConfig, total_steps: int, steps_per_epoch: int | None) -> tuple[dict[OptimizerGroup, Schedule], Schedule]:
@@ -223,15 +239,15 @@ def check_eval_cadence(train: TrainConfig, steps_per_epoch: int | None) -> None:
 def watched_eval(run: RunConfig, eval_keys: list[str]) -> BestEval:
     """The eval metric whose best value the run reports beside the last: ``train.objective``, else
     ``checkpoint.best_metric``, else the early-stopping metric (when on), else the default objective
-    (``eval/auc`` when logged, else the first eval metric); its direction from the setting that named it."""
+    (:func:`~recsys_runner.metrics.registry.default_objective`); its direction from the setting that named it,
+    else the metric's own (:func:`~recsys_runner.metrics.registry.higher_is_better`)."""
     train, ckpt, stopping = run.train, run.checkpoint, run.train.early_stopping
     stopping_metric = stopping.metric if stopping.patience is not None else None
-    default = OBJECTIVE if OBJECTIVE in eval_keys else eval_keys[0]
-    metric = train.objective or ckpt.best_metric or stopping_metric or default
+    metric = train.objective or ckpt.best_metric or stopping_metric or default_objective(eval_keys)
     if metric == ckpt.best_metric:
         mode = ckpt.best_mode
     elif metric == stopping_metric:
         mode = stopping.mode
     else:
-        mode = "min" if lower_is_better(metric) else "max"
+        mode = "max" if higher_is_better(metric) else "min"
     return BestEval(metric=metric, mode=mode)

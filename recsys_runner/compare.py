@@ -27,6 +27,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from recsys_runner.errors import ConfigError
+from recsys_runner.metrics.registry import higher_is_better
 from recsys_runner.tracking.store import resolve_uri
 from recsys_runner.tracking.sweep import EXPECTED_JOBS_TAG, SWEEP_PARENT_TAG, finish_parent, summarize, sweep_objective
 from recsys_runner.tracking.tracker import MlflowTrackingConfig
@@ -128,12 +130,10 @@ def manifest_cells(run: Any) -> list[str]:
 
 def table(runs: Sequence[Any], metrics: Sequence[str] = DEFAULT_METRICS, manifest: bool = False) -> str:
     """A fixed-width text table: run name, status, varying params, final metrics; best ``metrics[0]`` first
-    (highest, or lowest for a metric whose name contains ``loss``). ``manifest``: also where each run came from
+    (:func:`best_first`). ``manifest``: also where each run came from
     (:data:`MANIFEST_COLUMNS`: entry, git commit, dirty, torch/torchrec versions, device, world size)."""
     params = varying_params(runs)
-    first = metrics[0] if metrics else None
-    sign = 1.0 if first and "loss" in first else -1.0
-    ordered = sorted(runs, key=lambda r: sign * r.data.metrics.get(first, -sign * math.inf) if first else 0.0)
+    ordered = best_first(runs, metrics[0]) if metrics else list(runs)
     header = ["run", "status", *params, *metrics, *(MANIFEST_COLUMNS if manifest else ())]
     rows = [
         [_short(r.info.run_name) if len(r.info.run_name or "") <= 24 else r.info.run_id[:8], r.info.status,
@@ -146,6 +146,17 @@ def table(runs: Sequence[Any], metrics: Sequence[str] = DEFAULT_METRICS, manifes
     lines = ["  ".join(str(x).ljust(w) for x, w in zip(line, widths, strict=True)) for line in [header, *rows]]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def best_first(runs: Sequence[Any], metric: str) -> list[Any]:
+    """``runs`` ordered by final ``metric``, best first in the metric's direction (highest AUC, lowest log loss or
+    MSE: :func:`~recsys_runner.metrics.registry.higher_is_better`), runs without it last; in their given order when
+    the metric has no direction (``train/samples_per_s``, ``eval/calibration``)."""
+    try:
+        sign = -1.0 if higher_is_better(metric) else 1.0
+    except ConfigError:
+        return list(runs)
+    return sorted(runs, key=lambda r: (metric not in r.data.metrics, sign * r.data.metrics.get(metric, 0.0)))
 
 
 def _param_name(key: str) -> str:

@@ -22,11 +22,12 @@ from omegaconf import DictConfig
 
 from recsys_runner.build import build
 from recsys_runner.config import register_entry_schema, validate
-from recsys_runner.errors import reported
-from recsys_runner.inference import LOAD_FIELD, checkpoint_to_load, start_run, with_training_overrides
+from recsys_runner.inference import LOAD_FIELD, checkpoint_to_load, inference_start, with_training_overrides
+from recsys_runner.lifecycle import exit_codes, tracked_run
 from recsys_runner.noise import quiet_known_noise
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.progress import Progress
+from recsys_runner.runtime import Launch
 
 quiet_known_noise()  # the known library warnings, each with its reason (noise.py)
 log = logging.getLogger("recsys_runner")
@@ -34,31 +35,27 @@ register_entry_schema("evaluate", [LOAD_FIELD])
 """The root schema of ``conf/evaluate.yaml``: the run's keys plus ``load``."""
 
 
-def run(cfg: DictConfig) -> dict[str, float]:
+def run(cfg: DictConfig, launch: Launch = Launch()) -> dict[str, float]:
     """Evaluate the checkpoint ``cfg.load`` on the configured data; returns the eval metrics (every rank)."""
     spec = validate(cfg)
     checkpoint = checkpoint_to_load(cfg, spec)
-    c = build(spec, weights=checkpoint)
-    status = "FAILED"
-    try:
-        start_run(c, entry="evaluate", checkpoint=checkpoint, load=str(cfg.load))
+    c = build(spec, launch=launch, weights=checkpoint)
+    start = inference_start(c, entry="evaluate", checkpoint=checkpoint, load=str(cfg.load))
+    with tracked_run(c.loop.tracker, start, launch, close=c.close):
         with Progress(spec.train.eval_max_batches, enabled=c.env.is_main, unit="batch", desc="evaluate") as progress:
             metrics = c.loop.evaluator.evaluate(progress)
         c.loop.tracker.log_metrics(metrics, c.loop.state.step)
         if c.env.is_main:
             shown = " ".join(f"{k}={v:.6g}" for k, v in metrics.items())
             log.info("evaluate %s (step %d): %s", checkpoint, c.loop.state.step, shown)
-        status = "FINISHED"
         return metrics
-    finally:
-        c.loop.tracker.finish(status)
-        c.close()
 
 
 @hydra.main(config_path=CONFIG_PATH, config_name="evaluate", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    with reported():
-        run(with_training_overrides(cfg))
+    launch = Launch.from_hydra()  # Hydra's runtime, read here once and handed down
+    with exit_codes(launch):
+        run(with_training_overrides(cfg, launch), launch)
 
 
 if __name__ == "__main__":

@@ -45,24 +45,25 @@ from typing import Any, Protocol, cast
 
 import hydra
 import torch
-import torch.distributed.checkpoint as dcp
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsys_runner.checkpoint import check_weights_match
+from recsys_runner.checkpoint.storage import DcpFileStorage, TensorIndex
+from recsys_runner.checkpoint.weights import load_into
 from recsys_runner.config import RunConfig, flatten, register_entry_schema, to_yaml, validate
-from recsys_runner.errors import CheckpointError, ConfigError, reported, require
+from recsys_runner.errors import CheckpointError, ConfigError, require
 from recsys_runner.features import FeatureSpec
-from recsys_runner.inference import LOAD_FIELD, checkpoint_to_load, link_tags, with_training_overrides
+from recsys_runner.inference import LOAD_FIELD, checkpoint_to_load, with_training_overrides
+from recsys_runner.lifecycle import RunStart, exit_codes, link_tags, tracked_run
 from recsys_runner.noise import quiet_known_noise
 from recsys_runner.paths import CONFIG_PATH
+from recsys_runner.runtime import Launch
 from recsys_runner.tasks import SINGLE_TASK, Task
 from recsys_runner.tracking import lineage
 from recsys_runner.tracking.store import resolve_uri
-from recsys_runner.tracking.tracker import MlflowTrackingConfig
+from recsys_runner.tracking.tracker import MlflowTrackingConfig, Tracker
 
 quiet_known_noise()  # the known library warnings, each with its reason (noise.py)
 log = logging.getLogger("recsys_runner")
@@ -228,21 +229,24 @@ def build_unsharded(run: RunConfig) -> tuple[nn.Module, FeatureSpec, Batch]:
 
 
 def load_weights(model: nn.Module, checkpoint: Path, ema: bool) -> None:
-    """Load the checkpoint's ``model/`` weights (or, for the dense ones, its ``ema/`` weights) into ``model`` in place.
+    """Load the checkpoint's ``model/`` weights (or, for the dense ones, its ``ema/`` weights) into ``model`` in place,
+    through the one strict loader (:func:`recsys_runner.checkpoint.weights.load_into`).
 
     Raises:
         CheckpointError: the checkpoint does not hold this model's weights (another model or data config), or no EMA.
     """
-    state = model.state_dict()
-    check_weights_match(checkpoint, {CHECKPOINT_MODEL_PREFIX + name: tensor for name, tensor in state.items()})
-    saved = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
-    if ema and not any(k.startswith(CHECKPOINT_EMA_PREFIX) for k in saved):
-        raise CheckpointError(f"{checkpoint} holds no EMA weights (the run had no train.ema.decay). Fix: export.weights=raw")
-    wanted = {(CHECKPOINT_EMA_PREFIX + name if ema and CHECKPOINT_EMA_PREFIX + name in saved else CHECKPOINT_MODEL_PREFIX + name): tensor
-              for name, tensor in state.items()}
+    ours = {CHECKPOINT_MODEL_PREFIX + name: tensor for name, tensor in model.state_dict().items()}
+
+    def sources(index: TensorIndex) -> dict[str, str]:
+        """Each weight's ``ema/`` twin when ``ema`` and the checkpoint has one (dense weights; tables are never averaged)."""
+        if ema and not any(k.startswith(CHECKPOINT_EMA_PREFIX) for k in index):
+            raise CheckpointError(f"{checkpoint} holds no EMA weights (the run had no train.ema.decay). Fix: export.weights=raw")
+        twin = {k: CHECKPOINT_EMA_PREFIX + k.removeprefix(CHECKPOINT_MODEL_PREFIX) for k in ours}
+        return {k: twin[k] if ema and twin[k] in index else k for k in ours}
+
     with warnings.catch_warnings():  # "torch.distributed is … uninitialized, assuming … a single process": just so
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(wanted, checkpoint_id=str(checkpoint))
+        load_into(DcpFileStorage(), checkpoint, ours, rule="exact", sources=sources)
     leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if leftover:
         raise CheckpointError(f"{type(model).__name__} has tensors no checkpoint key fills: {leftover[:3]}")
@@ -291,25 +295,43 @@ def _meaning(task: Task) -> str:
         task.kind, task.kind)
 
 
-def export_dir(configured: str | None) -> Path:
+def export_dir(configured: str | None, launch: Launch) -> Path:
     """``export.dir``, else ``<Hydra run dir>/export``."""
     if configured is not None:
         return Path(configured).expanduser()
-    if HydraConfig.initialized():
-        return Path(HydraConfig.get().runtime.output_dir) / "export"
-    raise ConfigError("export.dir is not set and this is not a Hydra run. Fix: export.dir=<directory>")
+    default = launch.under_output_dir("export")
+    if default is None:
+        raise ConfigError("export.dir is not set and this is not a Hydra run. Fix: export.dir=<directory>")
+    return default
 
 
-def run(cfg: DictConfig) -> Path:
+def run(cfg: DictConfig, launch: Launch = Launch()) -> Path:
     """Export the checkpoint ``cfg.load`` names; returns the directory written (see the module docstring)."""
     options = _options(cfg)
     spec = validate(cfg)
     checkpoint = checkpoint_to_load(cfg, spec)
+    out = export_dir(options.dir, launch)
     meta = json.loads((checkpoint / "meta.json").read_text())
-    source_run = meta.get("run_id")
     torch.manual_seed(spec.seed)
     model, features, batch = build_unsharded(spec)
     ema = use_ema(spec, options.weights)
+    manifest = lineage.collect(world_size=1, device=torch.device("cpu"))
+    start = RunStart(
+        run_name=f"export {type(model).__name__} step {meta.get('step')}", params=flatten(spec),
+        tags=link_tags("export", checkpoint, meta.get("step"), meta.get("run_id")) | {"export.weights": "ema" if ema else "raw"},
+        texts={"config.yaml": to_yaml(spec)}, manifest=manifest)
+    tracker = spec.tracking.build()
+    with tracked_run(tracker, start, launch):
+        files = write_export(model, features, batch, checkpoint=checkpoint, meta=meta, ema=ema, out=out)
+        (out / lineage.MANIFEST_FILE).write_text(manifest.to_json() + "\n")
+        _log_artifacts(spec, tracker, out, [*files, lineage.MANIFEST_FILE])
+    return out
+
+
+def write_export(model: nn.Module, features: FeatureSpec, batch: Batch, *, checkpoint: Path, meta: dict[str, Any], ema: bool,
+                 out: Path) -> list[str]:
+    """Load the checkpoint's weights into ``model``, trace it (and a two-tower model's towers), check each program
+    against the eager model on ``batch`` and write the files to ``out``; returns their names."""
     load_weights(model, checkpoint, ema)
     keys = list(batch.sparse_features.keys())
     serving = ServingModule(model, keys)
@@ -319,22 +341,19 @@ def run(cfg: DictConfig) -> Path:
         eager = serving(*inputs)
         exported = program.module()(*inputs)
     _check_same(eager, exported, type(model).__name__)
-    out = export_dir(options.dir)
     out.mkdir(parents=True, exist_ok=True)
     tasks = tuple(getattr(model, "tasks", SINGLE_TASK))
     described = feature_spec(features, keys, tasks, inputs, eager) | {
         "weights": "ema" if ema else "raw", "checkpoint": str(checkpoint.absolute()), "step": meta.get("step"),
-        "source_run_id": source_run, "model": type(model).__name__}
+        "source_run_id": meta.get("run_id"), "model": type(model).__name__}
     if hasattr(model, "tower_features"):  # a two-tower model: each tower on its own as well (checked, then written)
         described["towers"] = export_towers(model, keys, features, batch, eager, out)
     torch.export.save(program, str(out / MODEL_FILE))
     (out / FEATURE_SPEC_FILE).write_text(json.dumps(described, indent=2) + "\n")
     torch.save({"inputs": inputs, "outputs": eager}, out / EXAMPLE_FILE)
-    manifest = lineage.collect(world_size=1, device=torch.device("cpu"))
-    (out / lineage.MANIFEST_FILE).write_text(manifest.to_json() + "\n")
-    _log_run(spec, out, manifest, checkpoint, source_run, described)
     log.info("exported %s (%s weights) from %s to %s", type(model).__name__, described["weights"], checkpoint, out)
-    return out
+    towers = [t["file"] for t in described.get("towers", {}).values() if isinstance(t, dict)]
+    return [MODEL_FILE, FEATURE_SPEC_FILE, EXAMPLE_FILE, *towers]
 
 
 def export_towers(model: nn.Module, keys: list[str], features: FeatureSpec, batch: Batch, scores: torch.Tensor,
@@ -382,27 +401,14 @@ def _check_same(eager: Any, exported: Any, model: str) -> None:
                           f"example batch (allowed {EXACT_ATOL}); it cannot be exported faithfully")
 
 
-def _log_run(spec: RunConfig, out: Path, manifest: lineage.Manifest, checkpoint: Path, source_run: str | None,
-             described: dict[str, Any]) -> None:
-    """A new MLflow run, ``entry=export``, child of the training run, holding the exported files."""
-    tracker = spec.tracking.build()
-    tags = link_tags("export", checkpoint, described["step"], source_run) | {"export.weights": str(described["weights"])}
-    tags |= manifest.tags()
-    tracker.start(run_name=f"export {described['model']} step {described['step']}", tags=tags, params=flatten(spec))
-    status = "FAILED"
-    try:
-        tracker.log_text(to_yaml(spec), "config.yaml")
-        lineage.record(tracker, manifest)
-        if tracker.run_id is not None and isinstance(spec.tracking, MlflowTrackingConfig):
-            from mlflow.tracking import MlflowClient
+def _log_artifacts(spec: RunConfig, tracker: Tracker, out: Path, files: list[str]) -> None:
+    """The exported files as the run's artifacts (``export/``), when it logs to MLflow."""
+    if tracker.run_id is not None and isinstance(spec.tracking, MlflowTrackingConfig):
+        from mlflow.tracking import MlflowClient
 
-            client = MlflowClient(tracking_uri=resolve_uri(spec.tracking.uri))
-            towers = [t["file"] for k, t in described.get("towers", {}).items() if isinstance(t, dict)]
-            for name in (MODEL_FILE, FEATURE_SPEC_FILE, EXAMPLE_FILE, lineage.MANIFEST_FILE, *towers):
-                client.log_artifact(tracker.run_id, str(out / name), ARTIFACT_DIR)
-        status = "FINISHED"
-    finally:
-        tracker.finish(status)
+        client = MlflowClient(tracking_uri=resolve_uri(spec.tracking.uri))
+        for name in files:
+            client.log_artifact(tracker.run_id, str(out / name), ARTIFACT_DIR)
 
 
 register()
@@ -410,8 +416,9 @@ register()
 
 @hydra.main(config_path=CONFIG_PATH, config_name="export", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    with reported():
-        out = run(with_training_overrides(cfg))
+    launch = Launch.from_hydra()  # Hydra's runtime, read here once and handed down
+    with exit_codes(launch):
+        out = run(with_training_overrides(cfg, launch), launch)
     print(f"exported to {out}")
 
 

@@ -23,13 +23,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from hydra import compose
-from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig
 
 from recsys_runner.build import Components
 from recsys_runner.config import RunConfig, flatten, to_yaml, validate
 from recsys_runner.errors import ConfigError
+from recsys_runner.lifecycle import RunStart, link_tags
+from recsys_runner.runtime import Launch
 from recsys_runner.tracking import lineage
 from recsys_runner.tracking.store import resolve_uri
 from recsys_runner.tracking.tracker import MlflowTrackingConfig
@@ -41,7 +42,6 @@ LOAD_KEY = "load"
 """The top-level key naming the checkpoint (``checkpoint`` is already the checkpoint config group)."""
 LOAD_FIELD: tuple[str, Any, Any] = (LOAD_KEY, str | None, field(default=None))
 """``load`` as a field of an entry's root schema (:func:`recsys_runner.config.entry_schema`)."""
-ENTRY_TAG, SOURCE_RUN_TAG, CHECKPOINT_TAG, CHECKPOINT_STEP_TAG = "entry", "source_run_id", "checkpoint", "checkpoint_step"
 
 
 def checkpoint_to_load(cfg: DictConfig, run: RunConfig) -> Path:
@@ -65,7 +65,7 @@ NEVER_CARRIED = ("hydra", "checkpoint.resume", "checkpoint.init_from")
 the training started (resume, fine-tune); they say nothing about the model or the data."""
 
 
-def with_training_overrides(cfg: DictConfig) -> DictConfig:
+def with_training_overrides(cfg: DictConfig, launch: Launch) -> DictConfig:
     """``cfg`` recomposed with the overrides of the training launch that wrote the checkpoint ``load`` names (saved in
     its ``meta.json``) before this command's own: ``python -m recsys_runner.evaluate load=<run id>`` then evaluates the
     model as trained (``model=dlrm model.embedding_dim=8 data=parquet …``) without repeating them, and any override
@@ -75,11 +75,11 @@ def with_training_overrides(cfg: DictConfig) -> DictConfig:
     Raises:
         ConfigError / CheckpointError: as :func:`checkpoint_to_load`.
     """
-    if not HydraConfig.initialized() or not cfg.get(LOAD_KEY):
+    if not launch.from_cli or not cfg.get(LOAD_KEY):
         return cfg
     checkpoint = checkpoint_to_load(cfg, validate(cfg))
     saved = json.loads((checkpoint / "meta.json").read_text()).get("overrides") or []
-    here = list(HydraConfig.get().overrides.task)
+    here = list(launch.overrides)
     parser = OverridesParser.create()
     given = {o.key_or_group for o in parser.parse_overrides(here)}
     carried = [text for text, o in zip(saved, parser.parse_overrides(saved), strict=True)
@@ -87,29 +87,16 @@ def with_training_overrides(cfg: DictConfig) -> DictConfig:
     if not carried:
         return cfg
     log.info("using the overrides of the training launch that wrote %s: %s (those given here win)", checkpoint, " ".join(carried))
-    return compose(config_name=HydraConfig.get().job.config_name, overrides=[*carried, *here])
+    return compose(config_name=launch.config_name, overrides=[*carried, *here])
 
 
-def link_tags(entry: str, checkpoint: Path, step: int | None, source_run: str | None) -> dict[str, str]:
-    """The tags that say which checkpoint a run used and nest it under the training run that wrote it."""
-    tags = {ENTRY_TAG: entry, CHECKPOINT_TAG: str(checkpoint.absolute()), CHECKPOINT_STEP_TAG: str(step)}
-    if source_run:
-        tags |= {SOURCE_RUN_TAG: source_run, "mlflow.parentRunId": source_run}
-    return tags
-
-
-def start_run(c: Components, *, entry: str, checkpoint: Path, load: str, extra_params: dict[str, Any] | None = None) -> None:
-    """Start this entry's MLflow run (rank 0; other ranks hold a null tracker): tags linking it to the training
-    run and the checkpoint, the manifest, the resolved config as params and ``config.yaml``."""
-    tracker, state = c.loop.tracker, c.loop.state
-    overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
-    tags = link_tags(entry, checkpoint, state.step, state.run_id)
-    tags |= {"hydra.overrides": " ".join(overrides), "world_size": str(c.env.world_size)}
-    manifest = lineage.collect(world_size=c.env.world_size, device=c.env.device) if c.env.is_main else None
-    if manifest is not None:
-        tags |= manifest.tags()
-    params = flatten(c.run) | {LOAD_KEY: load} | (extra_params or {})
-    tracker.start(run_name=f"{entry} {checkpoint.parent.name}/{checkpoint.name}", tags=tags, params=params)
-    tracker.log_text(to_yaml(c.run), "config.yaml")
-    if manifest is not None:
-        lineage.record(tracker, manifest)
+def inference_start(c: Components, *, entry: str, checkpoint: Path, load: str,
+                    extra_params: dict[str, Any] | None = None) -> RunStart:
+    """The MLflow run of an evaluate or predict launch (rank 0; other ranks hold a null tracker): tags linking it to
+    the training run and the checkpoint, the resolved config as params and ``config.yaml``
+    (:func:`recsys_runner.lifecycle.tracked_run` adds the overrides and the manifest)."""
+    return RunStart(
+        run_name=f"{entry} {checkpoint.parent.name}/{checkpoint.name}",
+        tags=link_tags(entry, checkpoint, c.loop.state.step, c.loop.state.run_id),
+        params=flatten(c.run) | {LOAD_KEY: load} | (extra_params or {}), texts={"config.yaml": to_yaml(c.run)},
+        world_size=c.env.world_size, device=c.env.device if c.env.is_main else None)

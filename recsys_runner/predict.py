@@ -49,15 +49,19 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.build import Components, build
 from recsys_runner.config import register_entry_schema, validate
-from recsys_runner.data.schema import Encoder, Location, Rows, Schema
+from recsys_runner.data.encoder import Encoder, Location, Rows
+from recsys_runner.data.schema import Schema
 from recsys_runner.data.sources import CsvSource, Unit
-from recsys_runner.data.tabular import TabularData, TabularDataConfig
-from recsys_runner.errors import ConfigError, reported, require
+from recsys_runner.data.tabular import TabularData
+from recsys_runner.data.tabular_config import TabularDataConfig
+from recsys_runner.errors import ConfigError, require
 from recsys_runner.features import FeatureSpec
-from recsys_runner.inference import LOAD_FIELD, checkpoint_to_load, start_run, with_training_overrides
+from recsys_runner.inference import LOAD_FIELD, checkpoint_to_load, inference_start, with_training_overrides
+from recsys_runner.lifecycle import exit_codes, tracked_run
 from recsys_runner.noise import quiet_known_noise
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.progress import Progress
+from recsys_runner.runtime import Launch
 from recsys_runner.tasks import Task
 from recsys_runner.train.pipeline import detached
 
@@ -103,7 +107,7 @@ class PredictResult:
         return self.rows / max(self.seconds, 1e-9)
 
 
-def run(cfg: DictConfig) -> PredictResult:
+def run(cfg: DictConfig, launch: Launch = Launch()) -> PredictResult:
     """Score ``predict.input`` with the checkpoint ``cfg.load`` and write the parts (see the module docstring)."""
     spec = validate(cfg)
     settings = settings_of(cfg)
@@ -116,23 +120,18 @@ def run(cfg: DictConfig) -> PredictResult:
         raise ConfigError(f"predict.output={output} already holds part files of an earlier run; the parts of two runs would mix. "
                           f"Fix: choose a new predict.output, or delete them")
     checkpoint = checkpoint_to_load(cfg, spec)
-    c = build(spec, weights=checkpoint)
-    status = "FAILED"
-    try:
+    c = build(spec, launch=launch, weights=checkpoint)
+    params = {f"predict.{name}": getattr(settings, name) for name in ("input", "output", "columns")}
+    start = inference_start(c, entry="predict", checkpoint=checkpoint, load=str(cfg.load), extra_params=params)
+    with tracked_run(c.loop.tracker, start, launch, close=c.close):
         _check_tasks(c.loop.evaluator.tasks)
-        params = {f"predict.{name}": getattr(settings, name) for name in ("input", "output", "columns")}
-        start_run(c, entry="predict", checkpoint=checkpoint, load=str(cfg.load), extra_params=params)
         result = predict(c, settings, output)
         c.loop.tracker.set_tag("predict.output", str(output.absolute()))
         c.loop.tracker.log_metrics({"predict/rows": result.rows, "predict/rows_per_s": result.rows_per_s,
                                     "predict/seconds": result.seconds}, c.loop.state.step)
         if c.env.is_main:
             log.info("predict: wrote %d rows to %s in %.1f s (%.0f rows/s)", result.rows, output, result.seconds, result.rows_per_s)
-        status = "FINISHED"
         return result
-    finally:
-        c.loop.tracker.finish(status)
-        c.close()
 
 
 def settings_of(cfg: DictConfig) -> PredictConfig:
@@ -333,8 +332,9 @@ class _PartWriter:
 
 @hydra.main(config_path=CONFIG_PATH, config_name="predict", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    with reported():
-        run(with_training_overrides(cfg))
+    launch = Launch.from_hydra()  # Hydra's runtime, read here once and handed down
+    with exit_codes(launch):
+        run(with_training_overrides(cfg, launch), launch)
 
 
 if __name__ == "__main__":

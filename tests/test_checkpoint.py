@@ -11,7 +11,7 @@ from mlflow.tracking import MlflowClient
 
 from recsys_runner.__main__ import run
 from recsys_runner.build import build
-from recsys_runner.checkpoint import list_checkpoints
+from recsys_runner.checkpoint.storage import list_checkpoints
 from recsys_runner.config import validate
 from recsys_runner.errors import CheckpointError
 from recsys_runner.train.signals import Interrupted

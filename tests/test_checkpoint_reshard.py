@@ -21,7 +21,7 @@ from mlflow.tracking import MlflowClient
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import recsys_runner.__main__ as entry
-from recsys_runner.checkpoint import list_checkpoints
+from recsys_runner.checkpoint.storage import list_checkpoints
 from recsys_runner.config import register_configs
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.train.signals import Interrupted

@@ -62,6 +62,22 @@ def test_loss_metric_ranks_lowest_first(sweep: tuple[str, str, dict[str, str]], 
     assert losses == sorted(losses) and len(losses) == 3
 
 
+def test_lower_is_better_metric_ranks_best_lowest_first(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``eval/mse`` is lower-is-better (its metric class says so): the lowest error is listed first, a run that
+    never logged it last."""
+    uri = f"sqlite:///{tmp_path}/mse.db"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("reg")
+    for name, mse in (("mid", 0.5), ("best", 0.2), ("worst", 0.9), ("failed", None)):
+        rid = client.create_run(exp, run_name=name).info.run_id
+        client.log_batch(rid, metrics=[Metric("eval/mse", mse, 0, 30)] if mse is not None else [],
+                         params=[Param("optim.lr", name)])
+        client.set_terminated(rid, "FINISHED" if mse is not None else "FAILED")
+    assert compare.main(["--uri", uri, "--experiment", "reg", "--metric", "eval/mse", "--no-plots"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [(r[0], r[-1]) for r in rows] == [("best", "0.2000"), ("mid", "0.5000"), ("worst", "0.9000"), ("failed", "-")]
+
+
 def test_parent_and_filter_select_runs(sweep: tuple[str, str, dict[str, str]], capsys: pytest.CaptureFixture[str]) -> None:
     uri, parent, _ = sweep
     assert compare.main(["--uri", uri, "--parent", parent, "--filter", "params.`optim.lr` = '0.1'", "--no-plots"]) == 0

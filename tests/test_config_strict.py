@@ -15,8 +15,9 @@ from mlflow.tracking import MlflowClient
 from recsys_runner.build import build
 from recsys_runner.config import validate
 from recsys_runner.errors import ConfigError
-from recsys_runner.metrics import eval_metric_keys
-from recsys_runner.optim.optimizers import DenseSGDConfig, PartConfig
+from recsys_runner.metrics.tasks import eval_metric_keys
+from recsys_runner.optim.config import PartConfig
+from recsys_runner.optim.optimizers import DenseSGDConfig
 from recsys_runner.optim.schedulers import ManualStepConfig
 from tests.conftest import TINY, run_cli
 

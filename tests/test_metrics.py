@@ -12,29 +12,31 @@ from torchmetrics.classification import BinaryAUROC
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.errors import ConfigError
-from recsys_runner.metrics import (
+from recsys_runner.metrics.classification import (
     AUC,
     XAUC,
     Accuracy,
     Calibration,
-    DecayAUC,
-    DecayingMetric,
     GroupedAUC,
     LogLoss,
-    MeanAbsoluteError,
-    MeanSquaredError,
-    MetricsConfig,
     NormalizedEntropy,
-    RecallAtK,
-    binary_auc,
+)
+from recsys_runner.metrics.decay import DecayAUC, DecayingMetric
+from recsys_runner.metrics.functional import binary_auc, grouped_auc, xauc
+from recsys_runner.metrics.registry import (
+    METRICS,
+    MetricsConfig,
     build_eval_metrics,
     build_train_metrics,
+    default_objective,
     eval_metrics,
-    grouped_auc,
-    grouping_ids,
+    higher_is_better,
+    improved,
     register_metric,
-    xauc,
 )
+from recsys_runner.metrics.regression import MeanAbsoluteError, MeanSquaredError
+from recsys_runner.metrics.retrieval import RecallAtK
+from recsys_runner.metrics.tasks import grouping_ids
 
 CPU = torch.device("cpu")
 
@@ -274,9 +276,50 @@ def test_recall_only_collection_and_registry_refuses_duplicates() -> None:
     m.update(t(0.9, 0.1, 0.5, 0.2, 0.8, 0.8, 0.3, 0.2, 0.1).view(3, 3), torch.tensor([2, 1, 0]))
     assert {k: round(float(v), 4) for k, v in m.compute().items()} == {"recall@1": 0.3333, "recall@2": 1.0}
     with pytest.raises(ValueError, match="already registered"):
-        register_metric("auc", lambda s: AUC(), "pointwise", "again")
+        register_metric("auc", AUC, "pointwise", "again")
     with pytest.raises(ValueError, match="already registered"):
-        register_metric("recall@5", lambda s: AUC(), "retrieval", "shadowing the pattern")
+        register_metric("recall@5", RecallAtK, "retrieval", "shadowing the pattern")
+
+
+@pytest.mark.parametrize(
+    ("key", "higher"),
+    [("eval/auc", True), ("eval/ctr/auc", True), ("eval/gauc", True), ("train/accuracy", True), ("eval/xauc", True),
+     ("eval/recall_at_10", True), ("recall@10", True), ("eval/logloss", False), ("eval/cvr/logloss", False),
+     ("train/mse", False), ("eval/mae", False), ("eval/ne", False), ("train/loss", False)],
+)
+def test_direction_is_the_metric_class_s(key: str, higher: bool) -> None:
+    assert higher_is_better(key) is higher
+
+
+def test_every_registered_metric_states_its_direction() -> None:
+    assert {name: entry.higher_is_better for name, entry in METRICS.items()} == {
+        "auc": True, "gauc": True, "xauc": True, "accuracy": True,
+        "logloss": False, "ne": False, "mae": False, "mse": False, "calibration": None,
+    }
+    assert DecayAUC.higher_is_better is True and RecallAtK.higher_is_better is True
+
+
+def test_direction_of_an_unknown_or_undirected_metric_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"'eval/ndcg' names no metric.*Valid names: accuracy, auc, calibration"):
+        higher_is_better("eval/ndcg")
+    with pytest.raises(ConfigError, match="calibration .* is best at a target value"):
+        higher_is_better("eval/ctr/calibration")
+
+
+def test_improved_follows_the_direction_and_min_delta() -> None:
+    assert improved(0.7, None, True) and improved(0.3, None, False)
+    assert improved(0.71, 0.7, True) and not improved(0.69, 0.7, True) and not improved(0.7, 0.7, True)
+    assert improved(0.69, 0.7, False) and not improved(0.71, 0.7, False)
+    assert not improved(0.705, 0.7, True, min_delta=0.01) and improved(0.72, 0.7, True, min_delta=0.01)
+    assert not improved(0.695, 0.7, False, min_delta=0.01) and improved(0.68, 0.7, False, min_delta=0.01)
+
+
+def test_default_objective_is_eval_auc_when_logged_else_the_first() -> None:
+    assert default_objective(["eval/logloss", "eval/auc"]) == "eval/auc"
+    assert default_objective(["eval/ctr/auc", "eval/cvr/auc"]) == "eval/ctr/auc"
+    assert default_objective({"eval/mse": 1.0}) == "eval/mse"
+    with pytest.raises(ConfigError, match="no eval metric"):
+        default_objective([])
 
 
 def test_grouping_ids_from_a_sparse_feature() -> None:
@@ -287,3 +330,13 @@ def test_grouping_ids_from_a_sparse_feature() -> None:
     multi = KeyedJaggedTensor.from_lengths_sync(keys=["user"], values=torch.tensor([4, 9, 1]), lengths=torch.tensor([2, 1]))
     with pytest.raises(ConfigError, match="exactly one id per row"):
         grouping_ids(multi, "user")
+
+
+def test_logloss_matches_definition() -> None:
+    probs = torch.tensor([0.9, 0.2, 0.6, 0.4])
+    labels = torch.tensor([1, 0, 0, 1])
+    metric = LogLoss()
+    metric.update(probs[:2], labels[:2])
+    metric.update(probs[2:], labels[2:])
+    expected = -(math.log(0.9) + math.log(0.8) + math.log(0.4) + math.log(0.4)) / 4
+    assert float(metric.compute()) == pytest.approx(expected)

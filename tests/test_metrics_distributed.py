@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from recsys_runner.metrics import MetricsConfig, build_eval_metrics, build_train_metrics
+from recsys_runner.metrics.registry import MetricsConfig, build_eval_metrics, build_train_metrics
 from tests.conftest import free_port
 
 WORLD = 2

@@ -6,9 +6,7 @@ import math
 
 import pytest
 import torch
-from hydra.errors import HydraException
 from mlflow.tracking import MlflowClient
-from omegaconf.errors import OmegaConfBaseException
 
 from recsys_runner.__main__ import run
 from recsys_runner.config import validate
@@ -190,7 +188,8 @@ def test_fused_kwargs_reach_fbgemm_as_its_enum(make_cfg) -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["optim.sparse.bogus=1"], "bogus"),
+        # A key the schema lacks: the project's check names it and the fix (without the +, Hydra refuses it earlier).
+        (["+optim.sparse.bogus=1"], "unknown key optim.sparse.bogus. Fix: remove it"),
         (["scheduler=exponential_decay", "scheduler.decay_rate=-0.5"], "decay_rate must lie in"),
         (["optim.dense.weight_decay=-1"], "weight_decay must be >= 0"),
         (["optim.sparse.weight_decay=0.1"], "weight_decay_mode=none"),
@@ -201,15 +200,42 @@ def test_fused_kwargs_reach_fbgemm_as_its_enum(make_cfg) -> None:
     ids=["unknown-key", "negative-decay", "negative-weight-decay", "decay-without-mode", "boundaries", "clip", "bad-regex"],
 )
 def test_bad_settings_are_clear(make_cfg, overrides: list[str], message: str) -> None:
-    with pytest.raises((ConfigError, HydraException, OmegaConfBaseException)) as raised:
-        validate(make_cfg(*overrides))
-    chain, e = [], raised.value
-    while e is not None:
-        chain.append(str(e))
-        e = e.__cause__ or e.__context__
-    assert any(message in text for text in chain), chain
+    cfg = make_cfg(*overrides)
+    with pytest.raises(ConfigError) as raised:  # the project's own error, which the CLI prints as "Config error: ..."
+        validate(cfg)
+    assert message in str(raised.value), str(raised.value)
 
 
 def test_warmup_longer_than_training_is_an_error(make_cfg) -> None:
     with pytest.raises(ConfigError, match="warmup_steps=100 exceeds the run's 30 training steps"):
         run(make_cfg("scheduler.warmup_steps=100", "tracking=none"))
+
+
+class TestSchedules:
+    def test_constant_with_warmup(self) -> None:
+        s = Constant(make(ConstantConfig, warmup_steps=10, warmup_start=0.1), total_steps=100)
+        assert s(0) == pytest.approx(0.1)
+        assert s(5) == pytest.approx(0.1 + 0.9 * 0.5)
+        assert [s(t) for t in (10, 50, 99)] == [1.0, 1.0, 1.0]
+
+    @pytest.mark.parametrize("staircase", [False, True])
+    def test_exponential_decay_closed_form(self, staircase: bool) -> None:
+        s = ExponentialDecay(make(ExponentialDecayConfig, decay_steps=100, decay_rate=0.5, staircase=staircase, min_factor=0.01,
+                                  warmup_steps=20), total_steps=1000)
+        for t in range(0, 1000, 7):
+            if t < 20:
+                expected = t / 20
+            else:
+                e = (t - 20) / 100
+                expected = max(0.01, 0.5 ** (math.floor(e) if staircase else e))
+            assert s(t) == pytest.approx(expected), t
+
+    def test_cosine_closed_form(self) -> None:
+        s = Cosine(make(CosineConfig, warmup_steps=10, min_factor=0.1), total_steps=110)
+        assert s(0) == 0.0 and s(10) == pytest.approx(1.0)
+        assert s(60) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+        assert s(110) == pytest.approx(0.1)
+
+    def test_warmup_longer_than_training_is_an_error(self) -> None:
+        with pytest.raises(ConfigError, match="scheduler.warmup_steps=200 exceeds the run's 100 training steps"):
+            make(ConstantConfig, warmup_steps=200).build(total_steps=100)

@@ -20,8 +20,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from recsys_runner.__main__ import run
-from recsys_runner.checkpoint import damage, list_checkpoints
 from recsys_runner.checkpoint.lock import DirectoryInUse, DirectoryLock
+from recsys_runner.checkpoint.storage import damage, list_checkpoints
 from recsys_runner.errors import CheckpointError
 from recsys_runner.train.signals import Interrupted
 from tests.conftest import REPO, TINY, hint_of, run_cli

@@ -108,10 +108,10 @@ def test_detached_launcher_submits_without_waiting(tmp_path: Path) -> None:
 
 
 def test_sweep_objective_follows_train_objective_and_direction(tmp_path: Path) -> None:
-    from recsys_runner.tracking.sweep import lower_is_better
+    from recsys_runner.metrics.registry import higher_is_better
 
-    assert not lower_is_better("eval/auc") and not lower_is_better("eval/ctr/auc")
-    assert lower_is_better("eval/logloss") and lower_is_better("eval/cvr/logloss") and lower_is_better("eval/mse")
+    assert higher_is_better("eval/auc") and higher_is_better("eval/ctr/auc") and higher_is_better("eval/recall_at_10")
+    assert not higher_is_better("eval/logloss") and not higher_is_better("eval/cvr/logloss") and not higher_is_better("eval/mse")
     uri = f"sqlite:///{tmp_path}/obj.db"
     out = run_cli("-m", "optim.lr=0.001,0.1", *TINY, "train.num_steps=10", "train.objective=eval/logloss",
                   f"tracking.uri={uri}", "tracking.experiment=obj", cwd=tmp_path, timeout=600)

@@ -8,7 +8,8 @@ import torch
 from recsys_runner.build import build
 from recsys_runner.config import validate
 from recsys_runner.errors import ConfigError
-from recsys_runner.metrics import MetricsConfig, check_task_metrics, eval_metric_keys
+from recsys_runner.metrics.registry import MetricsConfig
+from recsys_runner.metrics.tasks import check_task_metrics, eval_metric_keys
 from recsys_runner.tasks import SINGLE_TASK, TASK_KINDS, BinaryTask, InBatchSoftmaxTask, RegressionTask, task_kind
 
 

@@ -10,7 +10,8 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from recsys_runner.__main__ import run
-from recsys_runner.metrics import MetricsConfig, TaskTrainMetrics, _task_outputs
+from recsys_runner.metrics.registry import MetricsConfig
+from recsys_runner.metrics.tasks import TaskTrainMetrics, _task_outputs
 from recsys_runner.tasks import SINGLE_TASK, BinaryTask
 from recsys_runner.train.signals import Interrupted
 

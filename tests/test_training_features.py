@@ -20,11 +20,11 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.__main__ import run
 from recsys_runner.build import build
-from recsys_runner.checkpoint import is_complete, list_checkpoints
+from recsys_runner.checkpoint.guard import NonFiniteLossError
+from recsys_runner.checkpoint.storage import is_complete, list_checkpoints
 from recsys_runner.config import validate
 from recsys_runner.train.ema import DenseEMA
 from recsys_runner.train.stepping import LeanPipeline, PolicyPipelineBase, PolicyPipelineSparseDist
-from recsys_runner.train.stopping import NonFiniteLossError
 from tests.conftest import REPO, TINY, hint_of
 
 

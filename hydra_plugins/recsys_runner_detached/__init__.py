@@ -11,6 +11,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
+from unittest.mock import patch
 
 from hydra.core.utils import JobReturn, JobStatus
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
@@ -29,9 +30,9 @@ class DetachedSlurmLauncher(SlurmLauncher):
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         from recsys_runner.errors import ConfigError
+        from recsys_runner.tracking.store import resolve_uri
         from recsys_runner.tracking.sweep import EXPECTED_JOBS_TAG
         from recsys_runner.tracking.tracker import PARENT_RUN_ENV
-        from recsys_runner.tracking.store import resolve_uri
 
         assert self.config is not None
         sweeper = str(self.config.hydra.sweeper.get("_target_", ""))
@@ -75,14 +76,9 @@ def _results_are_job_ids() -> Iterator[None]:
     """
     import submitit
 
-    library_executor = submitit.AutoExecutor
-
-    class SubmitOnlyExecutor(library_executor):  # type: ignore[misc,valid-type]
+    class SubmitOnlyExecutor(submitit.AutoExecutor):
         def map_array(self, fn: Callable[..., Any], *iterable: Iterable[Any]) -> list[Any]:
             return [_Queued(j.job_id) for j in super().map_array(fn, *iterable)]
 
-    submitit.AutoExecutor = SubmitOnlyExecutor  # type: ignore[misc]
-    try:
+    with patch.object(submitit, "AutoExecutor", SubmitOnlyExecutor):  # the library's class again on exit
         yield
-    finally:
-        submitit.AutoExecutor = library_executor  # type: ignore[misc]

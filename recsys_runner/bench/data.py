@@ -1,10 +1,11 @@
 """The Parquet reader's rows/s, and training fed from Parquet vs from memory (standalone data benchmark).
 
-``make bench`` (:mod:`recsys_runner.bench.regimes`) uses :func:`write_parquet` for its ``b_parquet`` regime; this
-module's own ``main`` looks closer at the reader (rows/s alone, ``data.num_workers``), on a larger file.
+``make bench`` (:mod:`recsys_runner.bench.regimes`) trains on the same kind of file in its ``b_parquet`` regime; this
+module looks closer at the reader (rows/s alone, ``data.num_workers``), on a larger file.
 
-Writes a Criteo-shaped Parquet file (label, 13 float dense, 26 int64 id columns with ~5% nulls, the
-schema stored as ``convert`` does) to a temporary directory, then reports:
+Writes a Criteo-shaped Parquet file (:func:`recsys_runner.data.generate.write_criteo_parquet` with ``learnable=False``:
+label, 13 float dense, 26 int64 id columns with ~5% nulls, the schema stored as ``convert`` does) to a temporary
+directory, then reports:
 
 * reader rows/s: one process turning the file into shuffled TorchRec batches (median of rounds),
   and its ratio to the training samples/s (the target is >= 3);
@@ -23,39 +24,12 @@ import statistics
 import tempfile
 import time
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
 from recsys_runner.bench.regimes import WINDOW, build_for_bench, on_device, runner_round, with_data
+from recsys_runner.data.generate import write_criteo_parquet
 from recsys_runner.data.memory import InMemoryData
-from recsys_runner.data.tabular import (
-    CRITEO_NUM_DENSE,
-    CRITEO_NUM_SPARSE,
-    SCHEMA_METADATA_KEY,
-    TabularDataConfig,
-    criteo_schema,
-    schema_json,
-)
-
-
-def write_parquet(path: str, rows: int, num_embeddings: int, seed: int = 0) -> None:
-    """Criteo-shaped model-ready columns, as ``convert`` writes them (vectorized: seconds for 1M rows)."""
-    rng = np.random.default_rng(seed)
-    cols: dict[str, pa.Array] = {"label": pa.array((rng.random(rows) < 0.25).astype(np.int8))}
-    for j in range(CRITEO_NUM_DENSE):
-        cols[f"int_{j}"] = pa.array(np.log1p(rng.geometric(0.1, rows)).astype(np.float32))
-    for j in range(CRITEO_NUM_SPARSE):
-        ids = (num_embeddings * rng.random(rows) ** 3).astype(np.int64)
-        cols[f"cat_{j}"] = pa.array(ids, mask=rng.random(rows) < 0.05)
-    schema = criteo_schema([num_embeddings] * CRITEO_NUM_SPARSE)
-    for d in schema.dense:
-        d.transform = "none"
-    for s in schema.sparse:
-        s.encoding, s.hex = "id", False
-    table = pa.table(cols).replace_schema_metadata({SCHEMA_METADATA_KEY: schema_json(schema)})
-    pq.write_table(table, path, row_group_size=65_536)
+from recsys_runner.data.tabular_config import TabularDataConfig
 
 
 def reader_rows_per_s(data, epoch: int) -> float:
@@ -77,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "criteo.parquet")
-        write_parquet(path, args.rows, args.num_embeddings)
+        write_criteo_parquet(path, args.rows, num_embeddings=args.num_embeddings, learnable=False)
         overrides = ["model=deepfm", "optim=adagrad", "tracking=none", "data=parquet", f"data.path={path}",
                      f"data.batch_size={args.batch_size}", f"train.log_every_steps={WINDOW}", "train.eval_every_steps=null",
                      "train.eval_max_batches=1", *args.overrides]

@@ -9,8 +9,8 @@ Regimes (docs/performance.md says why each one matters):
   ``min(steps, 100)`` batches of the synthetic stream, which (b) makes on the fly. Target ≥ 0.97.
 * ``b_synthetic`` / ``b_parquet`` — end to end through the real input paths, the same built model: the
   runner's own ``data=synthetic`` module, and ``data=parquet`` reading a generated Criteo-shaped file
-  (:func:`recsys_runner.bench.data.write_parquet`). Each as samples/s and as a ratio to (a)'s in-memory
-  runner figure. Target ≥ 0.9.
+  (:func:`recsys_runner.data.generate.write_criteo_parquet`, ``learnable=False``). Each as samples/s and as a
+  ratio to (a)'s in-memory runner figure. Target ≥ 0.9.
 * ``c_host_overhead`` — (a)'s method on a tiny model and a small batch, where per-step host work
   (Python, bookkeeping, logging) is most of the step. Target ≥ 0.95.
 * ``d_startup`` — seconds from launching ``python -m recsys_runner`` to its first finished step, split
@@ -50,8 +50,10 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from recsys_runner.build import Components, build, seed_everything
 from recsys_runner.config import RunConfig, register_configs, validate
-from recsys_runner.data import DataModule
+from recsys_runner.data.base import DataModule
+from recsys_runner.data.generate import write_criteo_parquet
 from recsys_runner.data.memory import InMemoryData
+from recsys_runner.data.synthetic import SyntheticData
 from recsys_runner.models.common import TrainWrapper
 from recsys_runner.optim.optimizers import DenseAdagradConfig, SparseAdagradConfig
 from recsys_runner.paths import CONFIG_PATH
@@ -220,8 +222,6 @@ def time_imports() -> float:
 
 def bench_main_model(overrides: list[str], steps: int, rounds: int, parquet_rows: int, workdir: str) -> tuple[list[Regime], dict[str, Any]]:
     """Regimes (a) and (b): one built DeepFM; hand loop, runner in memory, runner on synthetic, runner on Parquet."""
-    from recsys_runner.bench.data import write_parquet
-
     c = build_for_bench(["model=deepfm", *COMMON, *overrides], steps)
     try:
         data = c.loop.data
@@ -235,7 +235,7 @@ def bench_main_model(overrides: list[str], steps: int, rounds: int, parquet_rows
         assert len(sizes) == 1 and data.features.num_dense == 13 and len(data.features.sparse) == 26, \
             "regime (b) writes Criteo-shaped Parquet (13 dense, 26 sparse, one id-space size): keep data's shape"
         path = os.path.join(workdir, "criteo.parquet")
-        write_parquet(path, parquet_rows, sizes[0])
+        write_criteo_parquet(path, parquet_rows, num_embeddings=sizes[0], learnable=False)
         run_parquet = compose_run(["model=deepfm", *COMMON, *overrides, "data=parquet", f"data.path={path}",
                                    f"data.batch_size={data.batch_size}", f"train.num_steps={steps}"])
         parquet_data = run_parquet.data.for_model(run_parquet.model.data_needs()).build()
@@ -267,7 +267,8 @@ def bench_host_overhead(overrides: list[str], steps: int, rounds: int) -> Regime
     c = build_for_bench([*TINY, *COMMON, *overrides], steps)
     try:
         data = c.loop.data
-        batches = on_device([data.batch(0, i) for i in range(WINDOW * 2)], c.env.device)  # type: ignore[attr-defined]
+        assert isinstance(data, SyntheticData), "regime (c) draws its batches from the synthetic data (data=synthetic, the default)"
+        batches = on_device([data.batch(0, i) for i in range(WINDOW * 2)], c.env.device)
         memory = with_data(c.loop, InMemoryData(data.features, batches, batches[:1]))
         hand_model, hand_opt = hand_written_model(c)
         per_round = alternate(rounds, {

@@ -1,9 +1,3 @@
-"""Data modules: each turns a ``data`` config into per-rank iterables of TorchRec ``Batch``es.
-
-Every data module implements :class:`DataModule`; the runner only uses that protocol.
+"""Data modules: each turns a ``data`` config into per-rank iterables of TorchRec ``Batch``es (:class:`~recsys_runner.data.base.DataModule`).
+May import ``features``, ``errors``, ``configurable``, ``progress``, ``noise``; never ``models``, ``train``, ``build``, ``config``.
 """
-
-from recsys_runner.data.base import DataConfig, DataModule
-from recsys_runner.data.synthetic import SyntheticData, SyntheticDataConfig
-
-__all__ = ["DataConfig", "DataModule", "SyntheticData", "SyntheticDataConfig"]

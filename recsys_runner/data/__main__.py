@@ -30,18 +30,20 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from recsys_runner.data.encoder import Encoder, Location, Rows
 from recsys_runner.data.infer import InferConfig, complete_schema
-from recsys_runner.data.schema import DenseColumn, Encoder, Location, Rows, Schema, SparseColumn, read_schema_file, schema_yaml
-from recsys_runner.data.sources import PARQUET_SUFFIXES, CsvSource, resolve_files
-from recsys_runner.data.tabular import (
-    CRITEO_COLUMNS,
-    CRITEO_NUM_SPARSE,
-    DELIMITER_ESCAPES,
+from recsys_runner.data.schema import (
     SCHEMA_METADATA_KEY,
-    criteo_schema,
+    DenseColumn,
+    Schema,
+    SparseColumn,
+    read_schema_file,
     schema_json,
+    schema_yaml,
     stored_schema,
 )
+from recsys_runner.data.sources import PARQUET_SUFFIXES, CsvSource, resolve_files
+from recsys_runner.data.tabular_config import CRITEO_COLUMNS, CRITEO_NUM_SPARSE, DELIMITER_ESCAPES, criteo_schema
 from recsys_runner.errors import ConfigError, DataError
 from recsys_runner.noise import quiet_known_noise
 from recsys_runner.progress import MODES as PROGRESS_MODES

@@ -3,8 +3,9 @@
 Public CTR datasets may not be redistributed, so nothing here downloads: :func:`criteo_rows`
 draws rows with the real format's quirks (empty fields, negative counts, 8-digit hex
 categoricals) whose click probability depends on the features, so a model trained on them beats
-AUC 0.5. Writers produce the raw TSV layout and the Parquet layout ``convert`` writes, and
-:func:`write_funnel_parquet` a two-label (click, conversion) Parquet file for multi-task models.
+AUC 0.5. Writers produce the raw TSV layout and the Parquet layout ``convert`` writes (also the benchmarks'
+file, with ``learnable=False``), and :func:`write_funnel_parquet` a two-label (click, conversion) Parquet file
+for multi-task models.
 """
 
 from __future__ import annotations
@@ -13,15 +14,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from recsys_runner.data.schema import Schema
-from recsys_runner.data.tabular import (
-    CRITEO_COLUMNS,
-    CRITEO_NUM_DENSE,
-    CRITEO_NUM_SPARSE,
-    SCHEMA_METADATA_KEY,
-    criteo_schema,
-    schema_json,
-)
+from recsys_runner.data.schema import SCHEMA_METADATA_KEY, Schema, schema_json
+from recsys_runner.data.tabular_config import CRITEO_COLUMNS, CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE, criteo_schema
 from recsys_runner.errors import require
 
 
@@ -59,28 +53,60 @@ def write_criteo_tsv(path: str, num_rows: int, *, seed: int = 0, cardinality: in
             f.write("\t".join("" if cols[c][i] is None else str(cols[c][i]) for c in CRITEO_COLUMNS) + "\n")
 
 
-def _converted_criteo(cols: dict[str, list], num_embeddings: int) -> tuple[dict[str, pa.Array], Schema]:
-    """Criteo columns as ``convert`` writes them (log1p'd float dense, int64 ids) and their stored schema."""
+def converted_criteo_schema(num_embeddings: int) -> Schema:
+    """The schema ``convert`` stores with Criteo columns: dense already log1p'd, ids already in ``[0, num_embeddings)``."""
+    schema = criteo_schema([num_embeddings] * CRITEO_NUM_SPARSE)
+    for d in schema.dense:
+        d.transform = "none"
+    for s in schema.sparse:
+        s.encoding, s.hex = "id", False
+    return schema
+
+
+def _converted_criteo(cols: dict[str, list], num_embeddings: int) -> dict[str, pa.Array]:
+    """Criteo columns as ``convert`` writes them: log1p'd float dense, int64 ids."""
     data: dict[str, pa.Array] = {"label": pa.array(cols["label"], pa.int8())}
     for j in range(CRITEO_NUM_DENSE):
         raw = np.array([0 if v is None else v for v in cols[f"int_{j}"]], dtype=np.float64)
         data[f"int_{j}"] = pa.array(np.log1p(np.maximum(raw, 0)).astype(np.float32))
     for j in range(CRITEO_NUM_SPARSE):
         data[f"cat_{j}"] = pa.array([None if v is None else int(v, 16) % num_embeddings for v in cols[f"cat_{j}"]], pa.int64())
-    schema = criteo_schema([num_embeddings] * CRITEO_NUM_SPARSE)
-    for d in schema.dense:
-        d.transform = "none"
-    for s in schema.sparse:
-        s.encoding, s.hex = "id", False
-    return data, schema
+    return data
+
+
+def _random_converted_criteo(num_rows: int, num_embeddings: int, seed: int) -> dict[str, pa.Array]:
+    """Converted Criteo columns drawn at random, vectorized (seconds for 1M rows): 25% positive labels independent of
+    the features, log1p'd geometric counts, ids skewed over the whole ``[0, num_embeddings)`` with ~5% nulls."""
+    rng = np.random.default_rng(seed)
+    cols: dict[str, pa.Array] = {"label": pa.array((rng.random(num_rows) < 0.25).astype(np.int8))}
+    for j in range(CRITEO_NUM_DENSE):
+        cols[f"int_{j}"] = pa.array(np.log1p(rng.geometric(0.1, num_rows)).astype(np.float32))
+    for j in range(CRITEO_NUM_SPARSE):
+        ids = (num_embeddings * rng.random(num_rows) ** 3).astype(np.int64)
+        cols[f"cat_{j}"] = pa.array(ids, mask=rng.random(num_rows) < 0.05)
+    return cols
+
+
+def _write_converted(path: str, columns: dict[str, pa.Array], schema: Schema, row_group_rows: int) -> None:
+    """Model-ready columns with their schema stored in the file's metadata, as ``convert`` writes them."""
+    table = pa.table(columns).replace_schema_metadata({SCHEMA_METADATA_KEY: schema_json(schema)})
+    pq.write_table(table, path, row_group_size=row_group_rows)
 
 
 def write_criteo_parquet(path: str, num_rows: int, *, seed: int = 0, cardinality: int = 500, num_embeddings: int = 1000,
-                         row_group_rows: int = 65_536) -> None:
-    """Criteo rows as ``convert`` writes them: label, log1p'd dense floats, int64 ids, the schema stored."""
-    data, schema = _converted_criteo(criteo_rows(num_rows, seed=seed, cardinality=cardinality), num_embeddings)
-    table = pa.table(data).replace_schema_metadata({SCHEMA_METADATA_KEY: schema_json(schema)})
-    pq.write_table(table, path, row_group_size=row_group_rows)
+                         row_group_rows: int = 65_536, learnable: bool = True) -> None:
+    """Criteo rows as ``convert`` writes them: label, log1p'd dense floats, int64 ids (~5% null), the schema stored.
+
+    ``learnable``: the rows of :func:`criteo_rows` (``cardinality`` hex values per column, a click that depends on
+    the features), for training. ``False``: rows drawn at random, vectorized (``cardinality`` unused; ids over the
+    whole table), the same columns and schema for a reader or throughput benchmark (``make bench``), where writing
+    a large file fast matters and AUC does not.
+    """
+    if learnable:
+        columns = _converted_criteo(criteo_rows(num_rows, seed=seed, cardinality=cardinality), num_embeddings)
+    else:
+        columns = _random_converted_criteo(num_rows, num_embeddings, seed)
+    _write_converted(path, columns, converted_criteo_schema(num_embeddings), row_group_rows)
 
 
 def write_funnel_parquet(path: str, num_rows: int, *, seed: int = 0, cardinality: int = 500, num_embeddings: int = 1000,
@@ -95,7 +121,7 @@ def write_funnel_parquet(path: str, num_rows: int, *, seed: int = 0, cardinality
     labels = dict(labels or {"ctr": "click", "cvr": "conversion"})
     require(len(labels) == 2, f"write_funnel_parquet writes two labels (click, conversion), got labels={labels}")
     click_column, conversion_column = labels.values()
-    data, schema = _converted_criteo(criteo_rows(num_rows, seed=seed, cardinality=cardinality), num_embeddings)
+    data = _converted_criteo(criteo_rows(num_rows, seed=seed, cardinality=cardinality), num_embeddings)
     world = np.random.default_rng(54321)  # the conversion's hidden effects: the same for every seed
     effects = world.normal(0, 0.8, size=(CRITEO_NUM_SPARSE, num_embeddings))
     score = np.full(num_rows, 0.5)
@@ -106,9 +132,9 @@ def write_funnel_parquet(path: str, num_rows: int, *, seed: int = 0, cardinality
     click = np.asarray(data.pop("label").to_numpy(zero_copy_only=False), dtype=np.int8)
     converted = np.random.default_rng([seed, 1]).random(num_rows) < 1 / (1 + np.exp(-score))
     columns = {click_column: pa.array(click), conversion_column: pa.array((click * converted).astype(np.int8)), **data}
+    schema = converted_criteo_schema(num_embeddings)
     schema.label, schema.labels = None, labels
-    table = pa.table(columns).replace_schema_metadata({SCHEMA_METADATA_KEY: schema_json(schema)})
-    pq.write_table(table, path, row_group_size=row_group_rows)
+    _write_converted(path, columns, schema, row_group_rows)
 
 
 def write_criteo_csv(path: str, num_rows: int, *, seed: int = 0, cardinality: int = 500, delimiter: str = ",") -> None:

@@ -214,34 +214,54 @@ def complete_schema(
     if label is None and labels is None:
         label = detect_label(column_names() if column_names is not None else read().column_names, where)
         inferred.append(f"label {label!r}")
-    label_columns = list(labels.values()) if labels is not None else [label]
+    label_columns = list(labels.values()) if labels is not None else [label] if label is not None else []
     dense, sparse = list(dense), list(sparse)
     if not dense and not sparse:
         t = read()
-        skip = set(label_columns) | set(config.exclude)
-        for name in t.column_names:
-            if name in skip:
-                continue
-            column, note = infer_column(name, t.column(name), config)
-            if isinstance(column, DenseColumn):
-                dense.append(column)
-            elif isinstance(column, SparseColumn):
-                sparse.append(column)
-            if note is not None:
-                notes.append(f"left out {note}")
+        dense, sparse, notes = _infer_columns(t, set(label_columns) | set(config.exclude), config, where)
         inferred.append(f"{len(dense)} dense and {len(sparse)} sparse columns from {t.num_rows} sampled rows")
-        if not sparse:
-            raise DataError(f"inferred no sparse (categorical) column in {where}: the models need at least one. Columns: dense "
-                            f"{[d.name for d in dense]}; {'; '.join(notes) or 'nothing left out'}. Fix: list the columns, e.g. "
-                            f"'data.sparse=[{{name: {(dense[0].name if dense else 'item_id')}}}]' (sized from the data)")
     for i, col in enumerate(sparse):
         if col.num_embeddings is None:
-            t = read()
-            if col.name not in t.column_names:
-                raise DataError(f"{where} has no column {col.name!r} (data.sparse); its columns are {t.column_names}. Fix: correct "
-                                f"the column names in data.sparse")
-            size = bucket_count(_distinct(t.column(col.name).combine_chunks(), col.separator), config.bucket_margin)
-            sparse[i] = replace(col, num_embeddings=size)
-            inferred.append(f"{col.name} num_embeddings={size}")
+            sparse[i] = _sized(col, read(), config, where)
+            inferred.append(f"{col.name} num_embeddings={sparse[i].num_embeddings}")
     schema = Schema(label=label, labels=labels, label_kinds=label_kinds, label_threshold=label_threshold, dense=dense, sparse=sparse)
     return Inferred(schema, inferred, notes)
+
+
+def _infer_columns(t: pa.Table, skip: set[str], config: InferConfig, where: str) -> tuple[list[DenseColumn], list[SparseColumn], list[str]]:
+    """The dense and sparse columns of the sampled table ``t`` (``skip`` left out), and notes on the columns left out.
+
+    Raises:
+        DataError: no sparse column is left.
+    """
+    dense: list[DenseColumn] = []
+    sparse: list[SparseColumn] = []
+    notes: list[str] = []
+    for name in t.column_names:
+        if name in skip:
+            continue
+        column, note = infer_column(name, t.column(name), config)
+        if isinstance(column, DenseColumn):
+            dense.append(column)
+        elif isinstance(column, SparseColumn):
+            sparse.append(column)
+        if note is not None:
+            notes.append(f"left out {note}")
+    if not sparse:
+        raise DataError(f"inferred no sparse (categorical) column in {where}: the models need at least one. Columns: dense "
+                        f"{[d.name for d in dense]}; {'; '.join(notes) or 'nothing left out'}. Fix: list the columns, e.g. "
+                        f"'data.sparse=[{{name: {(dense[0].name if dense else 'item_id')}}}]' (sized from the data)")
+    return dense, sparse, notes
+
+
+def _sized(col: SparseColumn, t: pa.Table, config: InferConfig, where: str) -> SparseColumn:
+    """``col`` with ``num_embeddings`` from its distinct values in the sampled table ``t``.
+
+    Raises:
+        DataError: ``t`` has no such column.
+    """
+    if col.name not in t.column_names:
+        raise DataError(f"{where} has no column {col.name!r} (data.sparse); its columns are {t.column_names}. Fix: correct "
+                        f"the column names in data.sparse")
+    size = bucket_count(_distinct(t.column(col.name).combine_chunks(), col.separator), config.bucket_margin)
+    return replace(col, num_embeddings=size)

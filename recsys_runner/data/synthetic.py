@@ -37,11 +37,11 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.data.base import DataConfig, DataModule
+from recsys_runner.data.schema import LABEL_KINDS
 from recsys_runner.errors import require
 from recsys_runner.features import DataNeeds, FeatureSpec, SparseFeature
 
 _TRAIN, _EVAL = 0, 1
-LABEL_KINDS = ("binary", "regression")
 PAIR_CLUSTERS = 16
 """``K`` of the (user, item) pairs drawn for a two-tower model when ``user_item_clusters`` is null."""
 DEFAULT_NUM_STEPS = 1000

@@ -1,4 +1,4 @@
-"""Streaming data modules over files: ``parquet``, ``csv`` and ``criteo``.
+"""Streaming data modules over files: ``parquet``, ``csv`` and ``criteo`` (their configs: :mod:`recsys_runner.data.tabular_config`).
 
 How an epoch is read (see docs/data.md for the full semantics):
 
@@ -20,229 +20,41 @@ held out when a hash of (file name, row number) falls below ``eval_fraction``.
 from __future__ import annotations
 
 import abc
-import json
 import logging
 import math
 import os
 import zlib
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsys_runner.data.base import DataConfig, DataModule, synchronized
-from recsys_runner.data.infer import InferConfig, Inferred, complete_schema
-from recsys_runner.data.schema import (
-    BAD_ROW_MODES,
-    DENSE_TRANSFORMS,
-    DenseColumn,
-    Encoder,
-    Location,
-    Rows,
-    Schema,
-    SparseColumn,
-    check_labels,
-    read_schema_file,
-    schema_yaml,
-    splitmix64,
-)
+from recsys_runner.data.base import DataModule, synchronized
+from recsys_runner.data.encoder import Encoder, Location, Rows, splitmix64
+from recsys_runner.data.infer import Inferred, complete_schema
+from recsys_runner.data.schema import Schema, read_schema_file, schema_yaml, stored_schema
 from recsys_runner.data.sources import PARQUET_SUFFIXES, CsvSource, ParquetSource, Unit, resolve_files
-from recsys_runner.errors import DataError, require
+from recsys_runner.data.tabular_config import (
+    CRITEO_COLUMNS,
+    CRITEO_NUM_SPARSE,
+    DEFAULT_EVAL_FRACTION,
+    CriteoDataConfig,
+    CsvDataConfig,
+    ParquetDataConfig,
+    TabularDataConfig,
+    criteo_columns,
+    mapping_option,
+)
+from recsys_runner.errors import DataError
 
 log = logging.getLogger(__name__)
-
-SCHEMA_METADATA_KEY = b"recsys_runner.schema"
-"""Parquet key-value metadata written by ``python -m recsys_runner.data convert``: the schema as JSON."""
-
-DEFAULT_EVAL_FRACTION = 0.1
-DELIMITER_ESCAPES = {"\\t": "\t", "tab": "\t", "comma": ",", "semicolon": ";", "pipe": "|"}
-"""``data.delimiter`` spellings that stand for a character hard to pass through a shell and Hydra (a tab; a comma,
-which Hydra's override grammar reads as a list separator: ``data.delimiter=comma``)."""
-CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE = 13, 26
-CRITEO_COLUMNS = ["label", *(f"int_{i}" for i in range(CRITEO_NUM_DENSE)), *(f"cat_{i}" for i in range(CRITEO_NUM_SPARSE))]
-
-
-# -- config schemas ---------------------------------------------------------------------------------
-
-
-@dataclass(kw_only=True)
-class TabularDataConfig(DataConfig):
-    """Fields shared by every file-backed data option."""
-
-    path: str = ""
-    """Training data: a file, a directory (its data files) or a glob such as ``/data/day_*.parquet``."""
-    eval_path: str | None = None
-    """Eval data in the same format; ``null`` holds out ``eval_fraction`` of the training rows instead."""
-    eval_fraction: float | None = None
-    """Share of training rows held out for eval by a hash of (file name, row number) when ``eval_path``
-    is null (default 0.1); these rows are never trained on."""
-    shuffle: bool = True
-    """Shuffle training data: unit (row group / block) order per epoch, plus the shuffle buffer."""
-    shuffle_buffer_rows: int = 65_536
-    """Rows held and permuted together before batching (bounded memory); 0 shuffles unit order only."""
-    drop_remainder: bool = True
-    """Drop each shard's last partial training batch (and the last ``rows mod shards`` rows), so every
-    rank has the same number of full batches. ``false`` keeps them (ranks then agree step by step)."""
-    seed: int = 0
-    """Seed of the unit order and the shuffle buffer (combined with the epoch)."""
-    on_bad_rows: str = "fail"
-    """``fail``: stop at the first bad row with its file, row and column. ``skip``: skip bad rows,
-    count them (``data/bad_rows_skipped``) and log the count."""
-    read_rows: int = 65_536
-    """Rows per Arrow record batch read from a Parquet row group (memory bound per read)."""
-    infer: InferConfig = field(default_factory=InferConfig)
-    """How what the config leaves open (no column list, a sparse column without ``num_embeddings``, no label) is
-    inferred from a sample of the files; the run logs the result as a schema file (docs/data.md, *Inferred schema*)."""
-
-    def __post_init__(self) -> None:
-        require(bool(self.path), "data.path is required: a file, a directory or a glob, e.g. data.path=/data/train/")
-        super().__post_init__()
-        require(self.shuffle_buffer_rows >= 0, f"data.shuffle_buffer_rows must be >= 0, got {self.shuffle_buffer_rows}")
-        require(self.on_bad_rows in BAD_ROW_MODES, f"data.on_bad_rows={self.on_bad_rows!r} must be one of {BAD_ROW_MODES}")
-        require(self.read_rows > 0, f"data.read_rows must be positive, got {self.read_rows}")
-        require(
-            self.eval_path is None or self.eval_fraction is None,
-            f"data.eval_path and data.eval_fraction={self.eval_fraction} are both set; eval rows come from one of them. "
-            f"Fix: data.eval_fraction=null (use eval_path) or data.eval_path=null (hash split)",
-        )
-        require(self.eval_fraction is None or 0 < self.eval_fraction < 1,
-                f"data.eval_fraction must lie strictly between 0 and 1, got {self.eval_fraction}")
-
-
-@dataclass(kw_only=True)
-class SchemaFields:
-    """The feature schema of a file format that does not fix its columns."""
-
-    schema: str | None = None
-    """A schema file (YAML: ``label`` or ``labels``, ``label_threshold``, ``dense``, ``sparse``, and for text the
-    reader options ``delimiter``, ``header``, ``column_names``, ``null_values``), e.g. the one a run logs when it
-    infers the schema, saved and edited. Its columns replace ``label(s)``/``dense``/``sparse`` (set one or the
-    other) and its reader options those of the config."""
-    label: str | None = None
-    """The binary (0/1) label column; ``null`` (and no ``labels``): the first column named ``label``, ``click``,
-    ``clicked``, ``is_click``, ``target`` or ``y`` (any case), else an error naming the columns."""
-    label_threshold: float | None = None
-    """Make a numeric ``label`` binary: ``1`` where the value is ``>=`` this, else ``0`` (ratings → clicks: ``4``)."""
-    labels: Any = None
-    """Several labels for a multi-task model: task name → column, e.g. ``{ctr: click, cvr: conversion}``;
-    batches carry ``labels [B, T]`` in this order and the model's tasks bind by name. Set ``label`` or
-    this (``null``: one label). A mapping (``dict[str, str]``), typed ``Any`` so that
-    ``data.labels={ctr: click, cvr: conversion}`` works as a plain override."""
-    label_kinds: Any = None
-    """Per task of ``labels``: ``binary`` (the default; every value 0 or 1) or ``regression`` (any finite
-    float, e.g. ``{watch_time: regression}``), matching the model's ``task_kinds``."""
-    dense: list[DenseColumn] = field(default_factory=list)
-    """Float input columns, e.g. ``[{name: price, transform: log1p}]``."""
-    sparse: list[SparseColumn] = field(default_factory=list)
-    """Categorical input columns, e.g. ``[{name: item_id, num_embeddings: 100000, encoding: hash}]`` (without
-    ``num_embeddings``: sized from the data). With ``dense`` also empty: Parquet files' stored schema (written by
-    ``python -m recsys_runner.data convert``), else a schema inferred from the files (``data.infer``)."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()  # type: ignore[misc]  # TabularDataConfig's, next in the MRO of every data option
-        labels = _mapping(self.labels, "data.labels")
-        kinds = _mapping(self.label_kinds, "data.label_kinds")
-        if self.label is not None or labels is not None or kinds:  # neither: detected from the files' columns
-            check_labels(self.label, labels, kinds)
-        require(self.label_threshold is None or (labels is None and math.isfinite(self.label_threshold)),
-                f"data.label_threshold={self.label_threshold} makes one data.label binary (a finite number); it does not apply to data.labels")
-        require(self.schema is None or not (self.dense or self.sparse or self.label is not None or labels is not None),
-                f"data.schema={self.schema!r} and data.label(s)/dense/sparse are both set; the schema file lists the columns. "
-                f"Fix: edit the file, or drop data.schema")
-
-
-@dataclass(kw_only=True)
-class ParquetDataConfig(SchemaFields, TabularDataConfig):
-    """Schema of ``conf/data/parquet.yaml``: Parquet files; list columns are multi-hot features."""
-
-    _target_: str = "recsys_runner.data.tabular.ParquetData"
-
-
-@dataclass(kw_only=True)
-class CsvDataConfig(SchemaFields, TabularDataConfig):
-    """Schema of ``conf/data/csv.yaml``: delimited text (CSV, TSV), one record per line, uncompressed."""
-
-    _target_: str = "recsys_runner.data.tabular.CsvData"
-    delimiter: str = ","
-    """Field delimiter: ``","`` for CSV, ``"\\t"`` for TSV. On the command line ``data.delimiter='\\t'`` (Hydra passes
-    the two characters backslash and ``t``, which mean a tab here) or ``data.delimiter=tab``; ``data.delimiter=comma``
-    (a bare ``,`` is not a valid override), ``semicolon``, ``pipe``."""
-    header: bool = True
-    """The first line names the columns; ``false``: give ``column_names``."""
-    column_names: list[str] | None = None
-    """Names of all columns, in file order, for files without a header line."""
-    null_values: list[str] = field(default_factory=lambda: [""])
-    """Field texts that mean "missing" (e.g. ``["", "NA", "\\\\N"]``)."""
-    block_rows: int = 65_536
-    """Lines per unit of work (files are indexed once by one newline scan)."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.delimiter = DELIMITER_ESCAPES.get(self.delimiter, self.delimiter)
-        require(len(self.delimiter) == 1, f"data.delimiter must be one character, got {self.delimiter!r}. Fix: data.delimiter=',' "
-                f"for CSV, data.delimiter='\\t' for TSV")
-        require(self.header or bool(self.column_names), "data.header=false needs data.column_names: the names of all columns in file order")
-        require(self.block_rows > 0, f"data.block_rows must be positive, got {self.block_rows}")
-
-
-@dataclass(kw_only=True)
-class CriteoDataConfig(TabularDataConfig):
-    """Schema of ``conf/data/criteo.yaml``: the raw Kaggle/Terabyte Criteo layout.
-
-    Tab-separated, no header: label, 13 integer counts (``int_0…``, may be empty or negative), 26
-    categoricals (``cat_0…``) as 8 hex digits (may be empty). Preprocessing: dense missing → 0,
-    negatives clamped to 0, ``log1p``; categoricals hex → integer, then modulo (or hashed into)
-    the table size; a missing categorical is an empty bag (a zero vector).
-    """
-
-    _target_: str = "recsys_runner.data.tabular.CriteoData"
-    num_embeddings: int | None = 100_000
-    """Table size of every categorical column; ``null``: each column's sized from a sample of the files (its distinct
-    values × ``data.infer.bucket_margin``, rounded up; logged), for data whose size you do not know."""
-    num_embeddings_per_feature: list[int] | None = None
-    """Per-column table sizes (26 entries); overrides ``num_embeddings``."""
-    categorical_encoding: str = "mod"
-    """``mod``: hex value modulo the table size (TorchRec's Criteo preprocessing); ``hash``: hash the hex string."""
-    dense_transform: str = "log1p"
-    """``log1p`` (clamp negatives to 0, then log(1+x)) or ``none``."""
-    block_rows: int = 65_536
-    """Lines per unit of work."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        require(self.num_embeddings is None or self.num_embeddings > 0, f"data.num_embeddings must be positive or null, got {self.num_embeddings}")
-        if self.num_embeddings_per_feature is not None:
-            require(len(self.num_embeddings_per_feature) == CRITEO_NUM_SPARSE,
-                    f"data.num_embeddings_per_feature has {len(self.num_embeddings_per_feature)} entries; Criteo has {CRITEO_NUM_SPARSE} categoricals")
-            require(all(n > 0 for n in self.num_embeddings_per_feature), "data.num_embeddings_per_feature entries must be positive")
-        require(self.categorical_encoding in ("mod", "hash"), f"data.categorical_encoding={self.categorical_encoding!r} must be mod or hash")
-        require(self.dense_transform in DENSE_TRANSFORMS, f"data.dense_transform={self.dense_transform!r} must be one of {DENSE_TRANSFORMS}")
-        require(self.block_rows > 0, f"data.block_rows must be positive, got {self.block_rows}")
-
-
-def criteo_columns(num_embeddings: list[int | None], categorical_encoding: str = "mod",
-                   dense_transform: str = "log1p") -> tuple[list[DenseColumn], list[SparseColumn]]:
-    """The Criteo dense and sparse columns with the usual preprocessing (a ``None`` size: sized from the data)."""
-    hexed = categorical_encoding == "mod"
-    return ([DenseColumn(name=f"int_{i}", transform=dense_transform) for i in range(CRITEO_NUM_DENSE)],
-            [SparseColumn(name=f"cat_{i}", num_embeddings=n, encoding=categorical_encoding, hex=hexed) for i, n in enumerate(num_embeddings)])
-
-
-def criteo_schema(num_embeddings: list[int], categorical_encoding: str = "mod", dense_transform: str = "log1p") -> Schema:
-    """The Criteo columns with the usual preprocessing (see :class:`CriteoDataConfig`)."""
-    dense, sparse = criteo_columns(list(num_embeddings), categorical_encoding, dense_transform)
-    return Schema(label="label", dense=dense, sparse=sparse)
-
-
-# -- the data module --------------------------------------------------------------------------------
 
 
 def eval_mask(path: str, file_rows: np.ndarray, fraction: float) -> np.ndarray:
@@ -539,10 +351,6 @@ class TabularData(DataModule, abc.ABC):
 # -- the options ------------------------------------------------------------------------------------
 
 
-def _plain(value: Any) -> Any:
-    return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig | ListConfig) else value
-
-
 def config_schema(config: Any, sample: Any, where: str, column_names: Any = None) -> tuple[Inferred, dict[str, Any]]:
     """The schema a config (or its ``data.schema`` file) describes, with what it leaves open inferred from
     ``sample()`` (:func:`~recsys_runner.data.infer.complete_schema`), and the text-reader options the schema
@@ -551,8 +359,8 @@ def config_schema(config: Any, sample: Any, where: str, column_names: Any = None
     if config.schema is not None:
         parts, reader = read_schema_file(config.schema)
     else:
-        parts = {"label": config.label, "labels": _mapping(config.labels, "data.labels"), "label_threshold": config.label_threshold,
-                 "label_kinds": _mapping(config.label_kinds, "data.label_kinds"), "dense": list(config.dense), "sparse": list(config.sparse)}
+        parts = {"label": config.label, "labels": mapping_option(config.labels, "data.labels"), "label_threshold": config.label_threshold,
+                 "label_kinds": mapping_option(config.label_kinds, "data.label_kinds"), "dense": list(config.dense), "sparse": list(config.sparse)}
     return complete_schema(**parts, sample=sample, config=config.infer, where=where, column_names=column_names), reader
 
 
@@ -563,31 +371,6 @@ def log_inferred(done: Inferred, where: str, reader: dict[str, Any] | None = Non
     text = schema_yaml(done.schema, reader, done.notes)
     log.info("data schema of %s, inferred (%s). To keep or edit it, save the lines below as a file and train with "
              "data.schema=<file>:\n%s", where, "; ".join(done.inferred), text)
-
-
-def _mapping(value: Any, key: str) -> dict[str, str] | None:
-    """A ``{name: text}`` option as a dict (``None`` stays ``None``), or a ConfigError naming ``key``."""
-    value = _plain(value)
-    require(value is None or (isinstance(value, dict) and all(isinstance(v, str) for v in value.values())),
-            f"{key}={value!r} must be a mapping of task names to strings, e.g. {key}='{{ctr: click, cvr: conversion}}', or null")
-    return None if value is None else {str(k): v for k, v in value.items()}
-
-
-def stored_schema(path: str) -> Schema | None:
-    """The schema ``convert`` stored in a Parquet file's metadata, if any."""
-    meta = pq.read_schema(path).metadata or {}
-    if SCHEMA_METADATA_KEY not in meta:
-        return None
-    raw = json.loads(meta[SCHEMA_METADATA_KEY])
-    return Schema(label=raw.get("label"), labels=raw.get("labels"), label_kinds=raw.get("label_kinds"), label_threshold=raw.get("label_threshold"),
-                  dense=[DenseColumn(**d) for d in raw["dense"]], sparse=[SparseColumn(**s) for s in raw["sparse"]])
-
-
-def schema_json(schema: Schema) -> bytes:
-    """The schema as stored in Parquet metadata: ``label`` or ``labels`` (task → column, in order) and
-    ``label_kinds``, ``dense``, ``sparse``."""
-    return json.dumps({"label": schema.label, "labels": schema.labels, "label_kinds": schema.label_kinds, "label_threshold": schema.label_threshold,
-                       "dense": [asdict(d) for d in schema.dense], "sparse": [asdict(s) for s in schema.sparse]}).encode()
 
 
 class ParquetData(TabularData):

@@ -133,12 +133,13 @@ class MMoE(nn.Module):
     def __init__(self, config: MMoEConfig, *, features: FeatureSpec, dense_device: torch.device | None = None) -> None:
         super().__init__()
         num_experts, expert_layer_sizes = config.num_experts, config.expert_layer_sizes
-        self.tasks = resolve_tasks(features, list(config.tasks), config.loss_weights, config.task_kinds)
+        names = list(config.tasks)  # the tasks' names, in output order
+        self.tasks = resolve_tasks(features, names, config.loss_weights, config.task_kinds)
         self.sparse_arch = SparseArch(features, config.embedding_dim, type(self))
         in_features = self.sparse_arch.output_dim + features.num_dense
         self.experts = Experts(in_features, num_experts, list(expert_layer_sizes), device=dense_device)
-        self.gates = nn.ModuleDict({t.name: Gate(in_features, num_experts, device=dense_device) for t in self.tasks})  # type: ignore[misc]
-        self.towers = nn.ModuleDict({t.name: Tower(expert_layer_sizes[-1], list(config.tower_layer_sizes), device=dense_device) for t in self.tasks})  # type: ignore[misc]
+        self.gates = nn.ModuleDict({name: Gate(in_features, num_experts, device=dense_device) for name in names})
+        self.towers = nn.ModuleDict({name: Tower(expert_layer_sizes[-1], list(config.tower_layer_sizes), device=dense_device) for name in names})
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> dict[str, torch.Tensor]:
         x = torch.cat([self.sparse_arch(sparse), dense], dim=1)

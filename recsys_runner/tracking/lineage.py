@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from recsys_runner.checkpoint import is_complete, list_checkpoints
+from recsys_runner.checkpoint.storage import is_complete, list_checkpoints
 from recsys_runner.errors import CheckpointError
 
 CHECKPOINT_DIR_TAG = "checkpoint_dir"

@@ -26,13 +26,12 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from recsys_runner.errors import UserError
+from recsys_runner.metrics.registry import DEFAULT_OBJECTIVE, higher_is_better
 from recsys_runner.tracking.store import experiment_id, open_store, resolve_uri, store_errors, uri_source
 from recsys_runner.tracking.tracker import PARENT_RUN_ENV
 
 log = logging.getLogger(__name__)
 
-OBJECTIVE = "eval/auc"
-"""The default of the metric the job returns to the sweeper (``train.objective``, see ``__main__.run``)."""
 _TERMINAL = {"FINISHED", "FAILED", "KILLED"}
 SWEEP_PARENT_TAG = "sweep.objective"
 """Present on a sweep's parent run only (its value is the objective's metric name)."""
@@ -75,7 +74,7 @@ class MlflowSweepCallback(Callback):
                     experiment_id(self._client, str(tracking.experiment)),
                     run_name=f"sweep {os.path.basename(sweep_dir.rstrip('/'))}" if sweep_dir else "sweep",
                     tags={"sweep.dir": os.path.abspath(sweep_dir), "sweep.overrides": overrides, "sweep.sweeper": sweeper,
-                          SWEEP_PARENT_TAG: OmegaConf.select(config, "train.objective") or OBJECTIVE, "sweep.tracking_uri": uri},
+                          SWEEP_PARENT_TAG: OmegaConf.select(config, "train.objective") or DEFAULT_OBJECTIVE, "sweep.tracking_uri": uri},
                 )
         except UserError as e:
             if os.environ.get("HYDRA_FULL_ERROR") == "1":
@@ -108,27 +107,21 @@ class MlflowSweepCallback(Callback):
         self._parent = None
 
 
-def lower_is_better(metric: str) -> bool:
-    """Whether a smaller ``metric`` is better (losses, errors, normalized entropy)."""
-    name = metric.rsplit("/", 1)[-1]
-    return "loss" in name or name in {"mae", "mse", "ne"}
-
-
 def sweep_objective(client: Any, parent_run_id: str) -> str:
     """The objective metric recorded on a sweep's parent run (``train.objective`` at launch)."""
-    return client.get_run(parent_run_id).data.tags.get(SWEEP_PARENT_TAG) or OBJECTIVE
+    return client.get_run(parent_run_id).data.tags.get(SWEEP_PARENT_TAG) or DEFAULT_OBJECTIVE
 
 
 def summarize(client: Any, parent_run_id: str, objective: str | None = None) -> SweepSummary:
     """Count the parent's children and find the finished child with the best ``objective``
-    (the parent's recorded objective by default; highest wins unless it is a loss or error)."""
+    (the parent's recorded objective by default), in the metric's direction (:func:`higher_is_better`)."""
     objective = objective or sweep_objective(client, parent_run_id)
     parent = client.get_run(parent_run_id)
     children = client.search_runs(
         [parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'", max_results=10000
     )
     finished = [r for r in children if r.info.status == "FINISHED" and objective in r.data.metrics]
-    sign = -1.0 if lower_is_better(objective) else 1.0
+    sign = 1.0 if higher_is_better(objective) else -1.0
     best = max(finished, key=lambda r: sign * r.data.metrics[objective], default=None)
     return SweepSummary(
         num_children=len(children),

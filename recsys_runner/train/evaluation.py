@@ -15,9 +15,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from recsys_runner.data import DataModule
+from recsys_runner.data.base import DataModule
 from recsys_runner.distributed.env import DistEnv
-from recsys_runner.metrics import MetricsConfig, TaskEvalMetrics, grouping_ids
+from recsys_runner.metrics.registry import MetricsConfig
+from recsys_runner.metrics.tasks import TaskEvalMetrics, grouping_ids
 from recsys_runner.progress import Progress
 from recsys_runner.tasks import Task
 from recsys_runner.train.ema import DenseEMA

@@ -18,19 +18,20 @@ from dataclasses import dataclass
 
 import torch
 
-from recsys_runner.checkpoint import Checkpointer, TrainState
-from recsys_runner.config import TrainConfig
-from recsys_runner.data import DataModule
+from recsys_runner.checkpoint.config import TrainState
+from recsys_runner.checkpoint.policy import Checkpointer
+from recsys_runner.data.base import DataModule
 from recsys_runner.distributed.env import DistEnv
 from recsys_runner.errors import DataError
-from recsys_runner.metrics import Throughput
 from recsys_runner.progress import Progress
 from recsys_runner.tracking.tracker import Tracker
+from recsys_runner.train.config import TrainConfig
 from recsys_runner.train.evaluation import BestEval, Evaluator
 from recsys_runner.train.profiling import StepProfiler
 from recsys_runner.train.signals import Interrupted, StopSignals
 from recsys_runner.train.stepping import Stepper
 from recsys_runner.train.stopping import EarlyStopping
+from recsys_runner.train.throughput import Throughput
 
 log = logging.getLogger(__name__)
 

@@ -25,6 +25,7 @@ import signal
 import threading
 from collections.abc import Callable
 from types import FrameType, TracebackType
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,8 @@ import torch.distributed as dist
 PREEMPT = signal.SIGUSR2
 """submitit's preemption/time-limit signal (its default ``SUBMITIT_PREEMPT_SIGNAL=USR2``)."""
 HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, PREEMPT)
+Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+"""What :func:`signal.signal` installs and returns: a function, ``SIG_DFL`` / ``SIG_IGN``, or ``None`` (not set from Python)."""
 
 
 class Interrupted(Exception):
@@ -61,7 +64,7 @@ class StopSignals:
         self.signum: int | None = None
         self.received: set[int] = set()
         self._check_every = check_every_steps
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Handler] = {}
         self._world_size, self._device = world_size, device or torch.device("cpu")
 
     def __enter__(self) -> StopSignals:
@@ -73,7 +76,7 @@ class StopSignals:
     def __exit__(self, _type: type[BaseException] | None, exc: BaseException | None, _tb: TracebackType | None) -> None:
         previous_usr2 = self._previous.get(PREEMPT)
         for s, handler in self._previous.items():
-            signal.signal(s, handler)  # type: ignore[arg-type]
+            signal.signal(s, handler)
         self._previous.clear()
         if isinstance(exc, Interrupted) and self.preempted:
             exc.preempted = True

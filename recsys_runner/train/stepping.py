@@ -44,7 +44,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from recsys_runner.errors import require
-from recsys_runner.metrics import TaskTrainMetrics
+from recsys_runner.metrics.tasks import TaskTrainMetrics
 from recsys_runner.optim.optimizers import GroupedOptimizer
 from recsys_runner.optim.schedulers import ScheduledLR
 from recsys_runner.train.ema import DenseEMA

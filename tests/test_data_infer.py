@@ -1,10 +1,9 @@
-"""A first try on public-CTR-shaped files: schema inference, ``data.schema`` files, presets, embedding width alone,
-DeepFM's first-order term. Every file is generated here (``recsys_runner/data/generate.py``), never real data."""
+"""Schema inference and schema files on generated CTR-shaped files: what ``data=csv`` / ``data=parquet`` infer without a
+column list, the schema file a run prints and takes back (``data.schema``), and ``convert`` inferring the same schema."""
 
 from __future__ import annotations
 
 import logging
-import math
 import re
 from pathlib import Path
 
@@ -15,20 +14,13 @@ import pytest
 import torch
 import yaml
 
-from recsys_runner.__main__ import run
-from recsys_runner.build import build
-from recsys_runner.config import validate
 from recsys_runner.configurable import make
 from recsys_runner.data.__main__ import main as data_main
-from recsys_runner.data.generate import write_avazu_csv, write_criteo_tsv, write_movielens_ratings
 from recsys_runner.data.infer import bucket_count
-from recsys_runner.data.schema import DenseColumn, SparseColumn
-from recsys_runner.data.tabular import CsvData, CsvDataConfig, ParquetData, ParquetDataConfig, schema_json
+from recsys_runner.data.schema import schema_json
+from recsys_runner.data.tabular import CsvData, ParquetData
+from recsys_runner.data.tabular_config import CsvDataConfig, ParquetDataConfig
 from recsys_runner.errors import ConfigError, DataError
-from recsys_runner.models.deepfm import DeepFM, DeepFMConfig
-from recsys_runner.train.loop import train
-from tests.test_checkpoint import local
-from tests.test_models import CPU, MODELS, materialize, small_data
 
 ROWS = 600
 
@@ -174,105 +166,3 @@ def test_schema_file_mistakes_are_config_errors(tmp_path: Path) -> None:
         make(CsvDataConfig, path=str(tmp_path / "m.csv"), schema=str(tmp_path / "bad.yaml"), sparse=[{"name": "site"}])
     with pytest.raises(ConfigError, match="cannot be read"):
         csv_data(tmp_path / "m.csv", schema=str(tmp_path / "missing.yaml"))
-
-
-# --- model.embedding_dim alone ---
-
-
-@pytest.mark.parametrize("name", MODELS)
-def test_embedding_dim_alone_changes_the_width(make_cfg, name: str) -> None:
-    cfg = make_cfg(f"model={name}", "model.embedding_dim=8", "train.num_steps=3", "train.log_every_steps=3", "tracking=none",
-                   "data.num_train_rows=4096", "data.num_eval_rows=1024")
-    spec = validate(cfg)
-    assert spec.model.embedding_dim == 8
-    if name in ("deepfm", "dlrm"):
-        assert spec.model.dense_layer_sizes() == [64, 8]
-    assert math.isfinite(run(cfg))
-
-
-def test_an_explicit_projection_that_does_not_end_in_the_width_is_refused(make_cfg) -> None:
-    with pytest.raises(ConfigError, match=r"ends in 16 but model.embedding_dim=8: DeepFM's FM term .* Fix: end "
-                                          r"model.dense_arch_layer_sizes in null .* model.dense_arch_layer_sizes=\[64,null\]"):
-        validate(make_cfg("model.embedding_dim=8", "model.dense_arch_layer_sizes=[64,16]", "tracking=none"))
-
-
-# --- DeepFM's first-order term ---
-
-
-def test_deepfm_first_order_term_is_per_id_and_in_the_logit() -> None:
-    data = small_data()
-    torch.manual_seed(0)
-    model = materialize(DeepFM(make(DeepFMConfig, embedding_dim=8, dense_arch_layer_sizes=[None], deep_layer_sizes=[16]),
-                               features=data.features, dense_device=CPU))
-    tables = model.first_order.ebc.embedding_bags
-    assert sorted(tables) == [f"first_order_t_{f.name}" for f in data.features.sparse]
-    batch = next(iter(data.train_batches(0, 0, 1)))
-    ids = batch.sparse_features.to_dict()
-    expected = model.first_order.dense(batch.dense_features).squeeze(1)
-    for f in data.features.sparse:
-        expected = expected + tables[f"first_order_t_{f.name}"].weight[ids[f.name].values()].sum(dim=1)
-    with torch.no_grad():
-        assert torch.allclose(model.first_order(batch.dense_features, batch.sparse_features), expected, atol=1e-6)
-        before = model(batch.dense_features, batch.sparse_features)
-        hit = ids[data.features.sparse[0].name].values()[0]
-        tables[f"first_order_t_{data.features.sparse[0].name}"].weight[hit] += 0.25  # one id's weight, 4 floats summed: +1
-        after = model(batch.dense_features, batch.sparse_features)
-    assert torch.allclose(after[0] - before[0], torch.tensor(1.0), atol=1e-5)
-
-
-def test_deepfm_first_order_weights_are_trained(make_cfg) -> None:
-    cfg = make_cfg("train.num_steps=5", "train.log_every_steps=5", "tracking=none", "checkpoint=none")
-    c = build(validate(cfg))
-    try:
-        model = c.loop.evaluator.model
-        first = {k: local(v).detach().clone() for k, v in model.state_dict().items() if "first_order_t_" in k}
-        assert len(first) == 26
-        train(c.loop)
-        after = {k: local(v) for k, v in model.state_dict().items() if "first_order_t_" in k}
-        changed = [k for k in first if not torch.equal(first[k], after[k])]
-        assert len(changed) == 26, f"first-order tables not trained: {sorted(set(first) - set(changed))}"
-    finally:
-        c.loop.tracker.finish("FINISHED")
-        c.close()
-
-
-# --- presets on generated files in each public layout ---
-
-
-def preset_cfg(make_cfg, experiment: str, path: Path, *overrides: str):
-    return make_cfg(f"experiment={experiment}", f"data.path={path}", "distributed.device=cpu", "checkpoint=none",
-                    "data.num_workers=0", *overrides, tiny=False)
-
-
-@pytest.mark.parametrize(
-    ("experiment", "write", "name", "overrides", "auc"),
-    [pytest.param("criteo_tsv", lambda p: write_criteo_tsv(str(p), 4000), "train.txt", [], 0.58, marks=pytest.mark.slow),
-     ("avazu_csv", lambda p: write_avazu_csv(str(p), 4000), "train.csv", [], 0.55),
-     ("movielens", lambda p: write_movielens_ratings(str(p), 4000), "u.data", [], 0.7),
-     ("movielens", lambda p: write_movielens_ratings(str(p), 4000, layout="ratings.csv"), "ratings.csv",
-      ["data.delimiter=comma", "data.header=true", "data.column_names=null"], 0.7)],
-    ids=["criteo_tsv", "avazu_csv", "movielens_u.data", "movielens_ratings.csv"],
-)
-def test_preset_trains_one_epoch_on_its_layout(make_cfg, tmp_path: Path, experiment: str, write, name: str,
-                                               overrides: list[str], auc: float) -> None:
-    write(tmp_path / name)
-    cfg = preset_cfg(make_cfg, experiment, tmp_path / name, *overrides)
-    spec = validate(cfg)
-    assert spec.train.num_epochs == 1 and spec.train.num_steps is None and spec.model.embedding_dim == 8
-    features = spec.data.build(device="cpu").features
-    if experiment == "avazu_csv":
-        assert "id" not in features.sparse_names and {"hour", "C1", "C14", "site_id", "device_ip"} <= set(features.sparse_names)
-        assert features.num_dense == 0
-    if experiment == "movielens":
-        assert features.num_dense == 0 and len(features.sparse_names) == 2
-    assert run(cfg) > auc
-
-
-def test_criteo_preset_sizes_tables_from_the_file(make_cfg, tmp_path: Path) -> None:
-    write_criteo_tsv(str(tmp_path / "train.txt"), 1000, cardinality=50)
-    data = validate(preset_cfg(make_cfg, "criteo_tsv", tmp_path / "train.txt")).data.build(device="cpu")
-    sizes = [f.num_embeddings for f in data.features.sparse]
-    assert len(sizes) == 26 and all(s in (10, 20, 50, 100) for s in sizes), sizes  # ≤ 50 distinct values × 2, rounded
-    assert all(isinstance(c, SparseColumn) and c.encoding == "mod" and c.hex for c in data.schema.sparse)
-    assert all(isinstance(d, DenseColumn) and d.transform == "log1p" for d in data.schema.dense)
-    assert re.fullmatch(r"cat_\d+", data.features.sparse_names[-1])

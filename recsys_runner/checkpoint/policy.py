@@ -1,0 +1,262 @@
+"""The checkpoint policy: :class:`Checkpointer` decides when to save, what to keep, and guards what is saved; where
+checkpoints live is a :class:`~recsys_runner.checkpoint.storage.CheckpointStorage` (DCP on a file system today).
+
+**When**: the loop only reports what happened — :meth:`Checkpointer.loss_logged` (a log step's mean loss),
+:meth:`~Checkpointer.after_step`, :meth:`~Checkpointer.on_interrupt`, :meth:`~Checkpointer.on_end`,
+:meth:`~Checkpointer.maybe_save_best` (an eval) — and the checkpointer saves every ``every_steps`` steps, every
+``every_epochs`` epochs, at the end (``at_end``) and on an interruption.
+
+**What is kept**: the newest ``keep_last`` step checkpoints; the best one by ``best_metric`` lives apart
+(``best-step_<n>``).
+
+**Guarded** (``train.nan_guard``, :mod:`~recsys_runner.checkpoint.guard`): a non-finite loss or weights are never
+saved; on such a stop the checkpoints no finite loss came after are set aside (``diverged-step_<n>``), so the last
+good one the error names is one a resume can continue from.
+
+**One writer**: a run holds ``<checkpoint.dir>/.lock`` (:class:`~recsys_runner.checkpoint.lock.DirectoryLock`) from
+restore to close, so a second live launch on the same directory is refused at start, naming the holder; a lock left
+by a killed process is free again (the kernel drops it with the process).
+
+**Where a CLI run's checkpoints are**: ``checkpoint.dir`` defaults to ``<Hydra run dir>/checkpoints``, a new
+directory per launch, so relaunching the bare command starts a new run; an interrupted run prints the exact command
+that resumes it (:meth:`recsys_runner.runtime.Launch.resume_command`, the original overrides plus
+``checkpoint.dir=<absolute dir>``). What a run starts from: :mod:`~recsys_runner.checkpoint.resume`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchrec.optim.keyed import CombinedOptimizer
+
+from recsys_runner.checkpoint import resume
+from recsys_runner.checkpoint.config import CheckpointConfig, TrainState
+from recsys_runner.checkpoint.guard import check_finite, finite_state
+from recsys_runner.checkpoint.lock import DirectoryInUse, DirectoryLock
+from recsys_runner.checkpoint.storage import CheckpointStorage, DcpFileStorage, checkpoint_name, step_of
+from recsys_runner.checkpoint.weights import TrainingParts, load_into
+from recsys_runner.distributed.env import decided_on_rank0
+from recsys_runner.errors import CheckpointError, ConfigError
+from recsys_runner.metrics.registry import improved
+from recsys_runner.runtime import Launch
+
+log = logging.getLogger(__name__)
+
+
+class Checkpointer:
+    """Saves and restores the run's state; see the module docstring."""
+
+    def __init__(
+        self, config: CheckpointConfig, *, rank: int = 0, world_size: int = 1, device: torch.device | None = None,
+        nan_guard: bool = True, launch: Launch = Launch(), storage: CheckpointStorage | None = None,
+    ) -> None:
+        self.config = config
+        resolved = config.dir or launch.under_output_dir("checkpoints")
+        self.dir = Path(resolved) if resolved else None
+        """``checkpoint.dir``, or its CLI default (``None``: nothing is saved)."""
+        self.rank, self.world_size = rank, world_size
+        self.device, self.nan_guard = device or torch.device("cpu"), nan_guard
+        self.storage: CheckpointStorage = storage or DcpFileStorage(rank, world_size)
+        """Where the checkpoints are written and read."""
+        self.last_saved: str | None = None
+        self.overrides = list(launch.overrides) if launch.from_cli else None
+        """The launch's command-line overrides, saved in each ``meta.json``: evaluate, predict and export rebuild the
+        training's config from them (:func:`recsys_runner.inference.with_training_overrides`). ``None`` outside a CLI."""
+        self.verified_step = 0
+        """Step checkpoints before this step are known good: a finite loss was computed from later weights."""
+        self._lock = DirectoryLock(self.dir) if self.dir is not None and rank == 0 else None
+        self._parts: TrainingParts | None = None
+        if self.dir is None and (config.every_steps or config.every_epochs or config.best_metric or config.resume == "latest"):
+            raise ConfigError(
+                "checkpoint.every_steps/every_epochs/best_metric/resume=latest need a directory: set checkpoint.dir=<path> "
+                "(the CLI defaults it to <Hydra run dir>/checkpoints)"
+            )
+
+    # -- what is saved ---------------------------------------------------------------------------
+    def attach(self, *, model: torch.nn.Module, optimizer: CombinedOptimizer, tensors: Mapping[str, Any], objects: Mapping[str, Any]) -> None:
+        """Register the stateful parts: ``model`` and ``optimizer`` (keyed optimizers), extra tensor
+        holders (``tensors``: name → object with ``state_dict``/``load_state_dict`` of tensors, e.g.
+        EMA) and small picklable-state objects (``objects``: schedules, scaler, early stopping)."""
+        self._parts = TrainingParts(model, optimizer, dict(tensors), dict(objects))
+
+    @property
+    def parts(self) -> TrainingParts:
+        """What :meth:`attach` registered."""
+        assert self._parts is not None, "Checkpointer.attach() first"
+        return self._parts
+
+    def _tensor_state(self, with_optimizer: bool = True) -> dict[str, Any]:
+        return self.parts.tensor_state(with_optimizer)
+
+    # -- when ------------------------------------------------------------------------------------
+    def due(self, step: int, epoch_ended: int | None = None) -> bool:
+        """Whether a periodic checkpoint is due after ``step``, which ended epoch ``epoch_ended`` if not ``None``."""
+        if self.dir is None:
+            return False
+        by_epoch = epoch_ended is not None and self.config.every_epochs is not None and self.config.every_epochs > 0 \
+            and (epoch_ended + 1) % self.config.every_epochs == 0
+        return by_epoch or bool(self.config.every_steps and step % self.config.every_steps == 0)
+
+    # -- saving ----------------------------------------------------------------------------------
+    def save(self, state: TrainState, metrics: Mapping[str, float] | None = None, best: bool = False) -> str | None:
+        """Write a checkpoint of ``state`` atomically; returns its path (``None`` without a dir)."""
+        if self.dir is None:
+            return None
+        final = self.dir / checkpoint_name(state.step, best)
+        if self.storage.is_complete(final):
+            return str(final)
+        meta = {k: v for k, v in asdict(state).items() if k != "resumed_from"}
+        meta["metrics"] = dict(metrics or {})
+        meta["world_size"] = self.world_size
+        if self.overrides is not None:
+            meta["overrides"] = self.overrides
+        ranked = {"objects": self.parts.object_states(), "rng": resume.rng_state()}
+        self.storage.write(final, self._tensor_state(), ranked, meta)
+        if self.rank == 0:
+            self._prune(best)
+        self._barrier()
+        if not best:
+            self.last_saved = str(final)
+        if self.rank == 0:  # one line per checkpoint, not one per rank
+            log.info("checkpoint saved: %s", final)
+        return str(final)
+
+    # -- the checkpoint policy the loop drives: when, guarded, best ------------------------------
+    def loss_logged(self, step: int, mean_loss: float) -> None:
+        """NaN guard at a log step. ``mean_loss`` is the mean since the last log, so finite means every step's loss
+        was, and the checkpoints before ``step`` hold good weights; non-finite raises
+        :class:`~recsys_runner.checkpoint.guard.NonFiniteLossError`."""
+        if self.nan_guard:
+            self._refuse_nonfinite(mean_loss, step)
+            self.verified_step = max(self.verified_step, step)
+
+    def after_step(self, state: TrainState, loss: torch.Tensor, metrics: Mapping[str, float] | None, epoch_ended: int | None) -> None:
+        """Save the periodic checkpoint if one is due after this step (see :meth:`due`)."""
+        if self.due(state.step, epoch_ended):
+            self.save_guarded(state, loss, metrics)
+
+    def on_interrupt(self, state: TrainState, loss: torch.Tensor, metrics: Mapping[str, float] | None) -> str | None:
+        """The checkpoint an interruption (a signal, ``train.stop_after_steps``) resumes from; its path or ``None``."""
+        return self.save_guarded(state, loss, metrics)
+
+    def on_end(self, state: TrainState, metrics: Mapping[str, float]) -> None:
+        """The checkpoint at the end of training (also after an early stop), when ``at_end``."""
+        if self.config.at_end:
+            self.save_guarded(state, None, metrics)
+
+    def save_guarded(self, state: TrainState, loss: torch.Tensor | None, metrics: Mapping[str, float] | None) -> str | None:
+        """:meth:`save`, unless the NaN guard finds the last loss or the weights non-finite: then raise
+        :class:`~recsys_runner.checkpoint.guard.NonFiniteLossError` and keep the good checkpoints. The loss of step n is
+        computed before step n's update, so a finite loss does not prove finite weights; the weights are checked too
+        (one pass, on every rank)."""
+        if self.nan_guard and loss is not None:
+            self._refuse_nonfinite(float(loss), state.step)
+        if self.nan_guard and self.dir is not None and not finite_state(self.parts.model, self.world_size, self.device):
+            self._refuse_nonfinite(math.nan, state.step, what="the model's weights are not finite")
+        return self.save(state, metrics)
+
+    def _refuse_nonfinite(self, value: float, step: int, what: str | None = None) -> None:
+        """Raise :class:`~recsys_runner.checkpoint.guard.NonFiniteLossError` for a non-finite ``value``, after setting
+        aside the checkpoints no finite loss has followed, so the one it names (and a resume picks) is truly good."""
+        if not math.isfinite(value):
+            check_finite(value, step, self.drop_unverified(), what)
+
+    def drop_unverified(self) -> str | None:
+        """After a non-finite loss: move the step checkpoints no finite loss has followed aside (``diverged-step_<n>``)
+        and return the newest remaining one, the last good checkpoint, which a resume then picks."""
+        if self.dir is None:
+            return None
+        kept = []
+        for path in self.storage.checkpoints(self.dir):
+            if step_of(path) < self.verified_step:
+                kept.append(path)
+            elif self.rank == 0:
+                log.warning("no finite train loss came after checkpoint %s, so its weights may be diverged: moved aside to %s",
+                            path, self.storage.set_aside(path, "diverged"))
+        self.last_saved = str(kept[-1]) if kept else None
+        return self.last_saved
+
+    def maybe_save_best(self, state: TrainState, metrics: Mapping[str, float]) -> str | None:
+        """Save a ``best-*`` checkpoint when ``metrics[best_metric]`` improves on ``state.best``."""
+        if self.config.best_metric is None or self.dir is None:
+            return None
+        value = metrics[self.config.best_metric]  # a key eval logs: config.check_eval_keys made sure before the first step
+        if not improved(value, state.best, higher_is_better=self.config.best_mode == "max"):
+            return None
+        state.best = value
+        return self.save(state, metrics, best=True)
+
+    def _prune(self, best: bool) -> None:
+        assert self.dir is not None
+        keep = 1 if best else self.config.keep_last
+        if keep is None:
+            return
+        for old in self.storage.checkpoints(self.dir, best=best)[:-keep]:
+            self.storage.remove(old)
+
+    # -- restoring -------------------------------------------------------------------------------
+    def lock(self) -> None:
+        """Become ``dir``'s one writer, or raise :class:`CheckpointError` naming the live holder (host, PID).
+
+        Called at the start of the run, before anything is built or logged; released by :meth:`close`."""
+        decided_on_rank0(self._take_lock, self.rank, self.world_size)
+
+    def restore(self) -> TrainState:
+        """Resume, fine-tune or start fresh, per ``resume``/``init_from``; returns where to start
+        (:mod:`~recsys_runner.checkpoint.resume`)."""
+        path, set_aside = decided_on_rank0(lambda: resume.choose(self.config, self.storage, self.dir), self.rank, self.world_size)
+        if path is not None:
+            state = resume.load_run(self.storage, path, self.parts, self.config, strict=True, rank=self.rank, world_size=self.world_size)
+            state.set_aside = set_aside
+            self.last_saved = str(path)
+            self.verified_step = state.step + 1  # the checkpoint resumed from is trusted
+            return state
+        if self.config.init_from is not None:
+            source = resume.init_source(self.config, self.storage)
+            resume.load_run(self.storage, source, self.parts, self.config, strict=False, rank=self.rank, world_size=self.world_size)
+        return TrainState()
+
+    def load_weights(self, path: Path) -> TrainState:
+        """Load the model's and the EMA's weights of checkpoint ``path`` (evaluate, predict): nothing else is read,
+        nothing is locked or written, the optimizer keeps its fresh state. Strict, unlike ``init_from``: every tensor
+        of this model must be in the checkpoint with the same shape and the checkpoint may hold no other model
+        tensor, so weights of another model config are refused by name, not half-loaded. Returns the checkpoint's
+        step and MLflow run id (``meta.json``).
+
+        Raises:
+            CheckpointError: damaged, or written by another model config (naming the first differences).
+        """
+        reason = self.storage.damage(path)
+        if reason is not None:
+            raise CheckpointError(f"checkpoint {path} is damaged ({reason}). Fix: point load= at another checkpoint")
+        meta = self.storage.read_meta(path)
+        loaded = load_into(self.storage, path, self._tensor_state(with_optimizer=False), rule="exact", world_size=self.world_size)
+        self.parts.take(loaded, with_optimizer=False)
+        log.info("loaded weights of %s (step %d)", path, meta["step"])
+        return TrainState(step=meta["step"], epoch=meta["epoch"], run_id=meta.get("run_id"), resumed_from=str(path))
+
+    def close(self) -> None:
+        """Release ``dir`` for the next run (also released by the OS if this process dies)."""
+        if self._lock is not None:
+            self._lock.release()
+
+    def _take_lock(self) -> None:
+        if self._lock is None:
+            return
+        try:
+            self._lock.acquire()
+        except DirectoryInUse as e:
+            raise CheckpointError(f"checkpoint.dir: {e}. Two runs writing one directory would overwrite each other's checkpoints "
+                                  "and log into one MLflow run. Fix: wait for that run to end (or stop it), or give this run its "
+                                  "own checkpoint.dir") from None
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()

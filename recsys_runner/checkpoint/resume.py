@@ -1,0 +1,156 @@
+"""What a run starts from: the checkpoint to resume (``checkpoint.resume``), the one to fine-tune from
+(``checkpoint.init_from`` with ``name_map``), and loading either — weights, optimizer, per-rank objects, RNG states.
+
+``resume=auto`` continues from the newest checkpoint in ``checkpoint.dir`` if there is one (``latest`` requires one;
+a path picks one); the data position is the step count, so a resumed run sees exactly the batches it would have seen.
+A damaged newest checkpoint (a file missing or shorter than DCP's index says) is moved aside to ``damaged-step_<n>``
+with a warning naming it and the reason, and the newest whole one is used; a checkpoint whose files are whole but fail
+to load is never guessed past: the error names it and the ``checkpoint.resume=<path>`` that picks another.
+``init_from=<path>`` instead starts a new run from another run's weights (fine-tuning), renaming parameters with
+``name_map`` and optionally skipping the optimizer state.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from recsys_runner.checkpoint.config import RESUME_WORDS, CheckpointConfig, TrainState
+from recsys_runner.checkpoint.storage import CheckpointStorage, TensorIndex
+from recsys_runner.checkpoint.weights import TrainingParts, load_into
+from recsys_runner.errors import CheckpointError, UserError
+
+log = logging.getLogger(__name__)
+
+
+def choose(config: CheckpointConfig, storage: CheckpointStorage, root: Path | None) -> tuple[Path | None, tuple[str, ...]]:
+    """The checkpoint to resume from and the damaged newer ones moved aside on the way (run on rank 0)."""
+    if config.resume == "never":
+        return None, ()
+    if config.resume not in RESUME_WORDS:
+        path = Path(config.resume)
+        if not storage.exists(path):
+            raise CheckpointError(f"checkpoint.resume={config.resume}: no such checkpoint directory")
+        reason = storage.damage(path)
+        if reason is not None:
+            others = [str(p) for p in storage.checkpoints(path.parent) if p != path and storage.damage(p) is None]
+            hint = f"checkpoint.resume={others[-1]}" if others else "checkpoint.resume=<another checkpoint directory>"
+            raise CheckpointError(f"checkpoint.resume={config.resume}: this checkpoint is damaged ({reason}). Fix: {hint}")
+        return path, ()
+    set_aside: list[str] = []
+    for path in reversed(storage.checkpoints(root, complete=False) if root is not None else []):
+        reason = storage.damage(path)
+        if reason is None:
+            if set_aside:
+                log.warning("resuming from %s, the newest whole checkpoint, instead of the damaged %s; steps after %s "
+                            "are trained (and logged) again", path, ", ".join(set_aside), path.name)
+            return path, tuple(set_aside)
+        aside = storage.set_aside(path, "damaged")
+        log.warning("checkpoint %s is damaged (%s): moved aside to %s, falling back to the previous one", path, reason, aside)
+        set_aside.append(str(path))
+    if set_aside:
+        raise CheckpointError(f"every checkpoint in {root} is damaged (moved aside: {', '.join(set_aside)}). Fix: start over "
+                              "with checkpoint.resume=never, or point checkpoint.resume at a checkpoint kept elsewhere")
+    if config.resume == "latest":
+        raise CheckpointError(f"checkpoint.resume=latest but {root} holds no complete checkpoint; "
+                              "use checkpoint.resume=auto to start fresh when there is none")
+    return None, ()
+
+
+def init_source(config: CheckpointConfig, storage: CheckpointStorage) -> Path:
+    """``init_from``'s checkpoint: the one named, or the newest under the directory named."""
+    assert config.init_from is not None
+    source = Path(config.init_from)
+    if storage.is_complete(source):
+        return source
+    found = storage.checkpoints(source)
+    if not found:
+        raise CheckpointError(f"checkpoint.init_from={config.init_from}: no complete checkpoint there "
+                              "(a step_* directory with meta.json and .metadata, or a directory holding them)")
+    return found[-1]
+
+
+def load_run(storage: CheckpointStorage, path: Path, parts: TrainingParts, config: CheckpointConfig, *, strict: bool,
+             rank: int, world_size: int) -> TrainState:
+    """Resume (``strict``: everything, optimizer, per-rank objects and RNG states included) or fine-tune from ``path``
+    (its weights, renamed by ``name_map``; the optimizer's if ``load_optimizer``); returns where training stands.
+
+    Raises:
+        CheckpointError: damaged, not this model, or its whole files fail to load (naming the one to choose instead).
+    """
+    reason = storage.damage(path)
+    if reason is not None:  # resume paths were checked on rank 0 already; this guards init_from
+        raise CheckpointError(f"checkpoint {path} is damaged ({reason}). Fix: point checkpoint.init_from at another checkpoint")
+    meta = storage.read_meta(path)
+    with_optimizer = strict or config.load_optimizer
+    if with_optimizer:
+        parts.init_optimizer_state()
+    ours = parts.tensor_state(with_optimizer)
+
+    def renamed(index: TensorIndex) -> dict[str, str]:
+        return {k: k if strict else _rename(k, config.name_map) for k in ours}
+
+    try:
+        loaded = load_into(storage, path, ours, rule="resume" if strict else "fine_tune", sources=renamed, world_size=world_size)
+        ranked = _ranked(storage, path, meta, rank) if strict else None
+    except UserError:
+        raise
+    except Exception as e:  # DCP wraps reader errors in its own CheckpointException
+        older = [str(p) for p in storage.checkpoints(path.parent) if p.name < path.name]
+        pick = f"checkpoint.resume={older[-1]} (the previous one)" if strict and older else "checkpoint.resume/init_from=<another one>"
+        raise CheckpointError(f"checkpoint {path} could not be loaded ({type(e).__name__}: {str(e)[:300]}); its files are whole, "
+                              f"so it is corrupt inside or from a different model. Nothing was resumed. Fix: choose one with {pick}, "
+                              "or start over with checkpoint.resume=never") from None
+    parts.take(loaded, with_optimizer)
+    if ranked is None:
+        log.info("initialized from %s (%d tensors)", path, len(loaded))
+        return TrainState()
+    parts.load_objects(ranked["objects"])
+    set_rng_state(ranked["rng"])
+    log.info("resuming from %s at step %d", path, meta["step"])
+    return TrainState(step=meta["step"], epoch=meta["epoch"], epoch_step=meta["epoch_step"], run_id=meta.get("run_id"),
+                      best=meta.get("best"), resumed_from=str(path))
+
+
+def _ranked(storage: CheckpointStorage, path: Path, meta: Mapping[str, Any], rank: int) -> dict[str, Any]:
+    """This rank's objects; resuming on more ranks than saved them, a new rank takes rank 0's (schedules, scaler and
+    early stopping are the same on every rank; its RNG state then matches rank 0's)."""
+    ranked = storage.read_ranked(path, rank)
+    saved_ranks = int(meta.get("world_size", 1))
+    if ranked is None and rank >= saved_ranks:
+        log.info("checkpoint %s was written by %d rank(s); rank %d resumes with rank 0's schedules and RNG state", path, saved_ranks, rank)
+        ranked = storage.read_ranked(path, 0)
+    if ranked is None:
+        raise FileNotFoundError(f"rank{rank}.pt is missing")
+    return ranked
+
+
+def _rename(key: str, name_map: Mapping[str, str]) -> str:
+    """``key`` with the first of ``name_map``'s keys it contains replaced by its value (``init_from``)."""
+    for ours, theirs in name_map.items():
+        if ours in key:
+            return key.replace(ours, theirs)
+    return key
+
+
+def rng_state() -> dict[str, Any]:
+    """Python's, NumPy's, torch's (and CUDA's, once initialized) random states, saved per rank."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore what :func:`rng_state` saved."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

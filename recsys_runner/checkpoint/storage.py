@@ -1,0 +1,209 @@
+"""Where checkpoints live: :class:`CheckpointStorage`, what the checkpoint policy needs of a place to keep them, and
+:class:`DcpFileStorage`, its one implementation: ``torch.distributed.checkpoint`` (DCP) on a file system.
+
+A checkpoint is a directory ``<checkpoint.dir>/step_<step>`` (or ``best-step_<step>``) holding
+
+* the tensors, written with DCP by every rank (each rank its own shards), keys ``model/<fqn>``,
+  ``optim/<key>/<state>``, ``ema/<fqn>``, indexed by DCP's ``.metadata``;
+* ``rank<r>.pt`` per rank: small picklable state (lr schedules, loss scaler, early stopping, RNG states);
+* ``meta.json``, written last by rank 0: where training stands (:class:`~recsys_runner.checkpoint.config.TrainState`).
+
+**Atomic**: everything is written into ``.tmp-<name>`` and renamed to ``<name>`` only when complete; a directory
+without ``meta.json`` and ``.metadata`` is never listed as a checkpoint, so a crash mid-write leaves the previous
+checkpoints as they were. A checkpoint damaged afterwards (a file missing, or shorter than the index says) is found
+without loading it (:func:`damage`) and can be renamed aside (``damaged-step_<n>``) for inspection.
+
+Checkpoints are addressed by path (``<root>/<name>``); the policy only joins and splits names, never touches files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+STEP_DIR = re.compile(r"^(best-)?step_(\d+)$")
+META_FILE = "meta.json"
+INDEX_FILE = ".metadata"
+"""DCP's index of the tensors: which file and where in it each one's bytes are."""
+
+TensorIndex = dict[str, list[int] | None]
+"""A checkpoint's tensors: DCP key → global shape (``None`` for a non-tensor entry)."""
+
+
+def checkpoint_name(step: int, best: bool = False) -> str:
+    """The name of the checkpoint of ``step``: ``step_<8 digits>``, ``best-step_<8 digits>`` for the best one."""
+    return f"{'best-' if best else ''}step_{step:08d}"
+
+
+def step_of(path: Path) -> int:
+    """The step a checkpoint named by :func:`checkpoint_name` was taken at."""
+    m = STEP_DIR.match(path.name)
+    assert m is not None, path
+    return int(m.group(2))
+
+
+class CheckpointStorage(Protocol):
+    """Where checkpoints live. Every method but :meth:`write` runs on the rank that calls it, alone."""
+
+    def write(self, path: Path, tensors: dict[str, Any], ranked: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
+        """Collective (every rank calls it): write ``tensors`` (each rank its shards), this rank's ``ranked`` objects
+        and, last, rank 0's ``meta``, atomically: ``path`` is complete when this returns, or absent after a crash."""
+
+    def exists(self, path: Path) -> bool:
+        """Whether anything is at ``path``, whole or not."""
+
+    def is_complete(self, path: Path) -> bool:
+        """Whether a write to ``path`` finished (its meta and tensor index are there)."""
+
+    def checkpoints(self, root: Path, *, best: bool = False, complete: bool = True) -> list[Path]:
+        """The step checkpoints under ``root`` (``best-*`` ones if ``best``), oldest first; whole or not unless
+        ``complete``."""
+
+    def damage(self, path: Path) -> str | None:
+        """Why ``path`` cannot be loaded, judged without loading it, or ``None`` when every part it needs is whole."""
+
+    def read_meta(self, path: Path) -> dict[str, Any]:
+        """The checkpoint's ``meta``."""
+
+    def tensor_index(self, path: Path) -> TensorIndex:
+        """The checkpoint's tensors, by key, with their shapes."""
+
+    def load_tensors(self, path: Path, state: dict[str, Any]) -> None:
+        """Load the checkpoint's tensors named by ``state``'s keys into its values (in place; each rank its shards,
+        resharded from however they were saved); a non-tensor value is replaced in ``state``."""
+
+    def read_ranked(self, path: Path, rank: int) -> dict[str, Any] | None:
+        """The objects rank ``rank`` saved, or ``None`` when that rank saved none there."""
+
+    def set_aside(self, path: Path, why: str) -> Path:
+        """Rename the checkpoint to ``<why>-<name>[-k]``: kept for inspection, never listed, resumed from or pruned."""
+
+    def remove(self, path: Path) -> None:
+        """Delete the checkpoint."""
+
+
+class DcpFileStorage:
+    """:class:`CheckpointStorage` on a file system with ``torch.distributed.checkpoint``; the module docstring."""
+
+    def __init__(self, rank: int = 0, world_size: int = 1) -> None:
+        self.rank, self.world_size = rank, world_size
+
+    def write(self, path: Path, tensors: dict[str, Any], ranked: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
+        tmp = path.with_name(f".tmp-{path.name}")
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self._barrier()
+        dcp.save(tensors, checkpoint_id=str(tmp))
+        torch.save(dict(ranked), tmp / f"rank{self.rank}.pt")
+        self._barrier()
+        if self.rank == 0:
+            (tmp / META_FILE).write_text(json.dumps(dict(meta), indent=1))
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(tmp, path)
+        self._barrier()
+
+    def exists(self, path: Path) -> bool:
+        return path.exists()
+
+    def is_complete(self, path: Path) -> bool:
+        return is_complete(path)
+
+    def checkpoints(self, root: Path, *, best: bool = False, complete: bool = True) -> list[Path]:
+        return list_checkpoints(root, best, complete=complete)
+
+    def damage(self, path: Path) -> str | None:
+        return damage(path)
+
+    def read_meta(self, path: Path) -> dict[str, Any]:
+        meta: dict[str, Any] = json.loads((path / META_FILE).read_text())
+        return meta
+
+    def tensor_index(self, path: Path) -> TensorIndex:
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        return {k: list(m.size) if isinstance(m, TensorStorageMetadata) else None for k, m in saved.items()}
+
+    def load_tensors(self, path: Path, state: dict[str, Any]) -> None:
+        dcp.load(state, checkpoint_id=str(path))
+
+    def read_ranked(self, path: Path, rank: int) -> dict[str, Any] | None:
+        file = path / f"rank{rank}.pt"
+        if not file.exists():
+            return None
+        ranked: dict[str, Any] = torch.load(file, weights_only=False)
+        return ranked
+
+    def set_aside(self, path: Path, why: str) -> Path:
+        target = path.with_name(f"{why}-{path.name}")
+        k = 1
+        while target.exists():
+            target, k = path.with_name(f"{why}-{path.name}-{k}"), k + 1
+        os.replace(path, target)
+        return target
+
+    def remove(self, path: Path) -> None:
+        shutil.rmtree(path, ignore_errors=True)
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+
+def list_checkpoints(root: str | Path, best: bool = False, *, complete: bool = True) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first (``best-*`` ones if ``best``; whole or not unless ``complete``)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = STEP_DIR.match(p.name)
+        if m and bool(m.group(1)) == best and (is_complete(p) if complete else p.is_dir()):
+            found.append((int(m.group(2)), p))
+    return [p for _, p in sorted(found)]
+
+
+def is_complete(path: Path) -> bool:
+    """A checkpoint directory whose write finished (meta.json is written last)."""
+    return (path / META_FILE).is_file() and (path / INDEX_FILE).is_file()
+
+
+def damage(path: Path) -> str | None:
+    """Why the checkpoint at ``path`` cannot be resumed from, or ``None`` when every file it needs is whole.
+
+    Checks what can be checked without loading: ``meta.json`` and DCP's ``.metadata`` exist and parse,
+    every data file the index points into exists and is long enough, each saving rank's ``rank<r>.pt``
+    exists. A checkpoint written by :meth:`DcpFileStorage.write` passes; one that fails was damaged
+    afterwards (a disk fault, a partial copy, a deleted file).
+    """
+    for name in (META_FILE, INDEX_FILE):
+        if not (path / name).is_file():
+            return f"{name} is missing"
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+        index = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # any parse failure of either file means damage
+        return f"meta.json or .metadata cannot be read ({type(e).__name__}: {str(e)[:200]})"
+    sizes: dict[str, int] = {}
+    for info in (index.storage_data or {}).values():
+        rel = info.relative_path
+        if rel not in sizes:
+            file = path / rel
+            sizes[rel] = file.stat().st_size if file.is_file() else -1
+        if sizes[rel] < 0:
+            return f"{rel} is missing"
+        if info.offset + info.length > sizes[rel]:
+            return f"{rel} is truncated ({sizes[rel]} bytes; the index needs {info.offset + info.length})"
+    for r in range(int(meta.get("world_size", 1))):
+        if not (path / f"rank{r}.pt").is_file():
+            return f"rank{r}.pt is missing"
+    return None

@@ -1,0 +1,402 @@
+"""The vectorized encoder from Arrow columns of raw values to model inputs, checking every row.
+
+:class:`Encoder` turns one Arrow table of raw columns into :class:`Rows` (NumPy arrays) by a
+:class:`~recsys_runner.data.schema.Schema` and checks every row; a bad row either raises :class:`DataError`
+naming the file, row and column (:class:`Location`), or is skipped and counted (``on_bad_rows: skip``).
+Stable hashes (:func:`fnv1a64`, :func:`splitmix64`) and hex/decimal parsing live here too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from recsys_runner.data.schema import DenseColumn, Schema, SparseColumn
+from recsys_runner.errors import DataError
+
+BAD_ROW_MODES = ("fail", "skip")
+"""``data.on_bad_rows``: ``fail`` stops at the first bad row, ``skip`` drops and counts bad rows."""
+
+
+@dataclass
+class Rows:
+    """A block of encoded rows: ``labels [n]`` (or ``[n, T]``, several labels), ``dense [n, N]`` and per sparse feature (values, lengths)."""
+
+    labels: np.ndarray
+    dense: np.ndarray
+    sparse: list[tuple[np.ndarray, np.ndarray]]
+    _offsets: list[np.ndarray | None] | None = field(default=None, repr=False)
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    @staticmethod
+    def concat(parts: list[Rows]) -> Rows:
+        if len(parts) == 1:
+            return parts[0]
+        return Rows(
+            np.concatenate([p.labels for p in parts]),
+            np.concatenate([p.dense for p in parts]),
+            [(np.concatenate([p.sparse[j][0] for p in parts]), np.concatenate([p.sparse[j][1] for p in parts]))
+             for j in range(len(parts[0].sparse))],
+        )
+
+    def offsets(self) -> list[np.ndarray | None]:
+        """Per feature: start offsets ``[n+1]`` of each row's values; ``None`` when every row has one value."""
+        if self._offsets is None:
+            self._offsets = [
+                None if values.shape[0] == lengths.shape[0] and bool((lengths == 1).all())
+                else np.concatenate([[0], np.cumsum(lengths)])
+                for values, lengths in self.sparse
+            ]
+        return self._offsets
+
+    def slice(self, start: int, stop: int) -> Rows:
+        sparse = []
+        for (values, lengths), offsets in zip(self.sparse, self.offsets(), strict=True):
+            if offsets is None:
+                sparse.append((values[start:stop], lengths[start:stop]))
+            else:
+                sparse.append((values[offsets[start]:offsets[stop]], lengths[start:stop]))
+        return Rows(self.labels[start:stop], self.dense[start:stop], sparse)
+
+    def take(self, index: np.ndarray) -> Rows:
+        sparse = []
+        for (values, lengths), offsets in zip(self.sparse, self.offsets(), strict=True):
+            if offsets is None:
+                sparse.append((values[index], lengths[index]))
+                continue
+            new_lengths = lengths[index]
+            if int(lengths.max(initial=0)) <= 1:  # single-valued with some missing: gather through a padded column
+                padded = np.zeros(lengths.shape[0], dtype=values.dtype)
+                padded[lengths.astype(bool)] = values
+                sparse.append((padded[index][new_lengths.astype(bool)], new_lengths))
+                continue
+            starts = offsets[:-1][index]
+            total = int(new_lengths.sum())
+            new_starts = np.concatenate([[0], np.cumsum(new_lengths)])[:-1]
+            gather = np.arange(total) + np.repeat(starts - new_starts, new_lengths)
+            sparse.append((values[gather], new_lengths))
+        return Rows(self.labels[index], self.dense[index], sparse)
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a block of rows came from, for error messages: ``describe(i)`` names row ``i``."""
+
+    path: str
+    part: str
+    """e.g. ``row group 3`` or ``lines 1-65536``."""
+    file_rows: np.ndarray
+    """0-based row number in the file of each row of the block."""
+    line_offset: int | None = None
+    """For text files: line number = file row + this (1-based, header counted); ``None`` for Parquet."""
+
+    def describe(self, i: int) -> str:
+        row = int(self.file_rows[i])
+        if self.line_offset is not None:
+            return f"{self.path}, line {row + self.line_offset}"
+        return f"{self.path}, {self.part}, row {row} of the file"
+
+
+class Encoder:
+    """Turns Arrow tables of raw columns into :class:`Rows`, checking every row.
+
+    Args:
+        schema: the columns and how to encode them.
+        on_bad_rows: ``fail`` raises :class:`DataError` at the first bad row; ``skip`` drops bad
+            rows and counts them in ``num_bad_rows``.
+    """
+
+    def __init__(self, schema: Schema, on_bad_rows: str = "fail") -> None:
+        self.schema = schema
+        self.skip = on_bad_rows == "skip"
+        self.num_bad_rows = 0
+
+    def encode(self, table: pa.Table, where: Location) -> Rows:
+        n = table.num_rows
+        problems: list[tuple[str, str, np.ndarray, Callable[[int], str]]] = []
+
+        def bad(column: str, mask: np.ndarray, what: Callable[[int], str]) -> None:
+            if mask.any():
+                problems.append((column, "", mask, what))
+
+        labels = self._label(table, where, bad)
+        dense = np.empty((n, len(self.schema.dense)), dtype=np.float32)
+        for j, col in enumerate(self.schema.dense):
+            dense[:, j] = self._dense(col, _column(table, col.name), where, bad)
+        sparse = [self._sparse(col, _column(table, col.name), where, bad) for col in self.schema.sparse]
+        rows = Rows(labels, dense, sparse)
+        if not problems:
+            return rows
+        first = min(int(np.flatnonzero(mask)[0]) for _, _, mask, _ in problems)
+        if not self.skip:
+            column, _, _, what = next(p for p in problems if p[2][first])
+            raise DataError(
+                f"bad row in {where.describe(first)}, column {column!r}: {what(first)}. Fix the data, or set "
+                f"data.on_bad_rows=skip to skip such rows (they are counted and logged)"
+            )
+        keep = ~np.logical_or.reduce([mask for _, _, mask, _ in problems])
+        self.num_bad_rows += int(n - keep.sum())
+        return rows.take(np.flatnonzero(keep))
+
+    # -- label --------------------------------------------------------------------------------------
+    def _label(self, table: pa.Table, where: Location, bad) -> np.ndarray:
+        schema = self.schema
+        columns = [self._label_column(table, column, task, schema.label_kind(task), schema.labels is not None, where, bad,
+                                      schema.label_threshold)
+                   for column, task in zip(schema.label_columns, schema.label_tasks, strict=True)]
+        return columns[0] if schema.labels is None else np.stack(columns, axis=1)
+
+    @staticmethod
+    def _label_column(table: pa.Table, name: str, task: str, kind: str, multi: bool, where: Location, bad,
+                      threshold: float | None = None) -> np.ndarray:
+        arr = _numeric(_column(table, name), name, where, bad)
+        null = np.asarray(arr.is_null().to_numpy(zero_copy_only=False), dtype=bool) if arr.null_count else np.zeros(len(arr), bool)
+        values = np.asarray(arr.fill_null(0.0).to_numpy(zero_copy_only=False), dtype=np.float64)
+        of = f" (task {task!r})" if multi else ""
+        bad(name, null, lambda i: f"the label{of} is missing (null or empty)")
+        if threshold is not None:
+            wrong = ~null & ~np.isfinite(values)
+            bad(name, wrong, lambda i: f"the label is {_shown(float(values[i]))}, not a finite number to compare with data.label_threshold")
+            return np.where(null | wrong, 0, values >= threshold).astype(np.float32)
+        if kind == "regression":
+            wrong = ~null & ~np.isfinite(values)
+            bad(name, wrong, lambda i: f"the label{of} is {_shown(float(values[i]))}, but a regression label must be finite")
+        else:
+            wrong = ~null & (values != 0) & (values != 1)
+            hint = (f"; a float label: data.label_kinds.{task}=regression" if multi
+                    else "; a rating or score: data.label_threshold=<value> makes values >= it positive")
+            bad(name, wrong, lambda i: f"the label{of} is {_shown(float(values[i]))}, but the task is binary (BCE) and needs 0 or 1{hint}")
+        return np.where(null | wrong, 0, values).astype(np.float32)
+
+    # -- dense --------------------------------------------------------------------------------------
+    def _dense(self, col: DenseColumn, arr: pa.ChunkedArray | pa.Array, where: Location, bad) -> np.ndarray:
+        arr = _numeric(arr, col.name, where, bad)
+        read = np.asarray(arr.fill_null(col.fill).to_numpy(zero_copy_only=False), dtype=np.float64)
+        nonfinite = ~np.isfinite(read)
+        bad(col.name, nonfinite, lambda i: f"the value is {_shown(float(read[i]))}, not a finite number (a missing value takes "
+                                           f"data.dense[{col.name}].fill; NaN and infinity are bad rows)")
+        values = np.where(nonfinite, col.fill, read) if nonfinite.any() else read
+        if col.transform == "log1p":
+            values = np.log1p(np.maximum(values, 0.0))
+        return values
+
+    # -- sparse -------------------------------------------------------------------------------------
+    def _sparse(self, col: SparseColumn, arr: pa.ChunkedArray | pa.Array, where: Location, bad) -> tuple[np.ndarray, np.ndarray]:
+        arr = _combined(arr)
+        n = len(arr)
+        if pa.types.is_null(arr.type):
+            return np.zeros(0, dtype=np.int64), np.zeros(n, dtype=np.int32)
+        if col.separator is not None and (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)):
+            arr = pc.split_pattern(arr, col.separator)
+        if pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
+            lengths = np.asarray(pc.fill_null(pc.list_value_length(arr), 0).to_numpy(zero_copy_only=False), dtype=np.int32)
+            flat = pc.list_flatten(arr)
+            row_of = np.repeat(np.arange(n), lengths)
+        else:
+            lengths = np.where(np.asarray(arr.is_valid().to_numpy(zero_copy_only=False)), 1, 0).astype(np.int32)
+            flat = arr.drop_null() if arr.null_count else arr
+            row_of = np.flatnonzero(lengths) if arr.null_count else np.arange(n)
+        if flat.null_count:  # a null inside a list: drop the element, keep the row
+            valid = np.asarray(flat.is_valid().to_numpy(zero_copy_only=False))
+            lengths = lengths - np.bincount(row_of[~valid], minlength=n).astype(np.int32)
+            row_of = row_of[valid]
+            flat = flat.drop_null()
+        ids, wrong = self._ids(col, flat)
+        row_bad = np.zeros(n, dtype=bool)
+        if wrong is not None and wrong.any():
+            row_bad[row_of[wrong]] = True
+            first_bad = {}
+            for k in np.flatnonzero(wrong)[:1]:
+                first_bad[int(row_of[k])] = flat[int(k)].as_py()
+
+            def describe(i: int) -> str:
+                value = first_bad.get(i)
+                shown = f"{value!r}" if value is not None else "a value"
+                if _beyond_int64(value, col.hex):
+                    how = "hex=false encoding=hash" if col.hex else "encoding=hash"
+                    return (f"{shown} does not fit in a signed 64-bit integer: ids must lie in [-2**63, 2**63). Hash such ids "
+                            f"into the table with data.sparse[{col.name}].{how} (docs/data.md, 'Sparse column fields')")
+                if col.hex:
+                    return f"{shown} is not a hexadecimal string"
+                if col.encoding == "id":
+                    return (f"id {shown} is outside [0, {col.num_embeddings}) (encoding=id). Raise data.sparse[{col.name}].num_embeddings, "
+                            f"or use encoding=mod or hash")
+                return f"{shown} is not an integer (encoding={col.encoding}); use encoding=hash for strings"
+
+            bad(col.name, row_bad, describe)
+            ids = np.where(wrong, 0, ids)
+        return ids, lengths
+
+    def _ids(self, col: SparseColumn, flat: pa.Array) -> tuple[np.ndarray, np.ndarray | None]:
+        """Encode a flat array of values to ids; also a mask of values that cannot be encoded."""
+        is_text = pa.types.is_string(flat.type) or pa.types.is_large_string(flat.type)
+        if col.encoding == "hash":
+            if is_text:
+                return (fnv1a64(flat) % np.uint64(col.size)).astype(np.int64), None
+            if not pa.types.is_integer(flat.type):
+                return np.zeros(len(flat), np.int64), np.ones(len(flat), bool)
+            v = np.asarray(flat.to_numpy(zero_copy_only=False), dtype=np.int64).view(np.uint64)
+            return (splitmix64(v) % np.uint64(col.size)).astype(np.int64), None
+        if col.hex:
+            if not is_text:
+                return np.zeros(len(flat), np.int64), np.ones(len(flat), bool)
+            values, wrong = parse_hex(flat)
+        elif is_text:
+            values, wrong = parse_int(flat)
+        elif pa.types.is_unsigned_integer(flat.type) and flat.type.bit_width == 64:
+            raw = np.asarray(flat.to_numpy(zero_copy_only=False), dtype=np.uint64)
+            wrong = raw > np.uint64(np.iinfo(np.int64).max)  # would wrap to a negative int64
+            values = np.where(wrong, np.uint64(0), raw).astype(np.int64)
+        elif pa.types.is_integer(flat.type):
+            values, wrong = np.asarray(flat.to_numpy(zero_copy_only=False), dtype=np.int64), None
+        else:
+            return np.zeros(len(flat), np.int64), np.ones(len(flat), bool)
+        if col.encoding == "mod":
+            return np.mod(values, col.size), wrong
+        out = (values < 0) | (values >= col.size)
+        return values, out if wrong is None else (out | wrong)
+
+
+# -- Arrow helpers ------------------------------------------------------------------------------------
+
+
+def _shown(value: float) -> str:
+    """A float for a message: ``nan``, ``inf``, ``-inf``, or the number (``2``, ``0.5``)."""
+    return f"{value:g}"
+
+
+def _beyond_int64(value: object, hex_digits: bool) -> bool:
+    """Whether ``value`` (a raw sparse value from a file) is an integer outside int64's range."""
+    if isinstance(value, str):
+        try:
+            value = int(value, 16 if hex_digits else 10)
+        except ValueError:
+            return False
+    return isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**63
+
+
+def _column(table: pa.Table, name: str) -> pa.ChunkedArray:
+    return table.column(name)
+
+
+def _combined(arr: pa.ChunkedArray | pa.Array) -> pa.Array:
+    if isinstance(arr, pa.ChunkedArray):
+        return arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)
+    return arr
+
+
+def _numeric(arr: pa.ChunkedArray | pa.Array, name: str, where: Location, bad) -> pa.Array:
+    """``arr`` as float64 (nulls kept); text files' fields are parsed, and unparsable ones are bad rows.
+
+    A typed (Parquet) column of a non-numeric type is a schema mistake, reported for the whole column.
+    """
+    arr = _combined(arr)
+    if pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type) or pa.types.is_boolean(arr.type) or pa.types.is_null(arr.type):
+        return arr.cast(pa.float64())
+    if (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)) and where.line_offset is not None:
+        try:
+            return arr.cast(pa.float64())
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            texts = arr.to_pylist()
+            parsed, wrong = [], np.zeros(len(texts), dtype=bool)
+            for i, t in enumerate(texts):
+                try:
+                    parsed.append(None if t is None else float(t))
+                except ValueError:
+                    parsed.append(None)
+                    wrong[i] = True
+            bad(name, wrong, lambda i: f"{texts[i]!r} is not a number")
+            return pa.array(parsed, pa.float64()).fill_null(0.0) if wrong.any() else pa.array(parsed, pa.float64())
+    raise DataError(
+        f"{where.path}, {where.part}: column {name!r} has type {arr.type}, but it is used as a number (label or dense). "
+        f"Fix: move it to data.sparse (with encoding=hash for strings), or convert it to a numeric type"
+    )
+
+
+_HEX = np.full(256, -1, dtype=np.int64)
+for _i, _c in enumerate(b"0123456789abcdef"):
+    _HEX[_c] = _i
+for _i, _c in enumerate(b"ABCDEF"):
+    _HEX[_c] = 10 + _i
+
+
+def _string_buffers(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets [n+1] relative to data, data bytes) of a string array without nulls."""
+    if pa.types.is_large_string(arr.type):
+        arr = arr.cast(pa.string())
+    _, offsets_buf, data_buf = arr.buffers()
+    offsets = np.frombuffer(offsets_buf, dtype=np.int32)[arr.offset : arr.offset + len(arr) + 1].astype(np.int64)
+    data = np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None else np.zeros(0, np.uint8)
+    return offsets, data
+
+
+def parse_hex(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """Hexadecimal strings → int64 values and a mask of strings that are not 1-15 hex digits."""
+    n = len(arr)
+    if n == 0:
+        return np.zeros(0, np.int64), np.zeros(0, bool)
+    offsets, data = _string_buffers(arr)
+    lengths = np.diff(offsets)
+    width = int(lengths.max())
+    if width == int(lengths.min()) and 0 < width <= 15:
+        # Fixed width (Criteo: 8 digits): one table lookup and a shift-add per digit position.
+        digits = _HEX[data[offsets[0] : offsets[-1]].reshape(n, width)]
+        wrong = (digits < 0).any(axis=1)
+        values = np.zeros(n, dtype=np.int64)
+        for k in range(width):
+            values = (values << 4) | np.maximum(digits[:, k], 0)
+        return values, wrong
+    values, wrong = np.zeros(n, np.int64), np.zeros(n, bool)
+    for i, text in enumerate(arr.to_pylist()):
+        try:
+            v = int(text, 16)
+            if not 0 < len(text) <= 15 or v < 0:
+                raise ValueError(text)
+            values[i] = v
+        except ValueError:
+            wrong[i] = True
+    return values, wrong
+
+
+def parse_int(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """Decimal integer strings → int64 and a mask of strings that are not integers."""
+    try:
+        return np.asarray(arr.cast(pa.int64()).to_numpy(zero_copy_only=False), dtype=np.int64), np.zeros(len(arr), bool)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        values, wrong = np.zeros(len(arr), np.int64), np.zeros(len(arr), bool)
+        for i, text in enumerate(arr.to_pylist()):
+            try:
+                values[i] = int(text)
+            except (ValueError, OverflowError):  # not an integer, or one beyond int64
+                wrong[i] = True
+        return values, wrong
+
+
+_FNV_OFFSET, _FNV_PRIME = np.uint64(0xCBF29CE484222325), np.uint64(0x100000001B3)
+
+
+def fnv1a64(arr: pa.Array) -> np.ndarray:
+    """Stable 64-bit FNV-1a hash of each string (identical across processes, runs and machines)."""
+    offsets, data = _string_buffers(arr)
+    lengths = np.diff(offsets)
+    h = np.full(len(arr), _FNV_OFFSET, dtype=np.uint64)
+    starts = offsets[:-1]
+    for k in range(int(lengths.max()) if len(arr) else 0):
+        live = lengths > k
+        idx = np.flatnonzero(live)
+        h[idx] = (h[idx] ^ data[starts[idx] + k].astype(np.uint64)) * _FNV_PRIME
+    return h
+
+
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """Stable 64-bit mix of integers (splitmix64's finalizer)."""
+    z = x.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))

@@ -1,0 +1,60 @@
+"""The two state layouts every metric class builds on: additive sums and kept rows.
+
+States are synchronized over the default process group in ``compute()``, so **each value equals what one
+process computes over the union of all ranks' data** — never an average of per-rank values:
+
+* :class:`SumMetric`: float64 sum states (log loss, accuracy, NE, calibration, MAE, MSE, recall@k, DecayAUC's
+  bins), summed across ranks before ``compute`` divides;
+* :class:`GatherMetric`: every row kept (``cat`` states; AUC, grouped AUC, XAUC), gathered from all ranks,
+  then computed once on the union. Grouped AUC therefore sees all of a group's rows even when they were
+  spread over ranks, and every computation is invariant to the order of the rows.
+
+Collectives: ``compute()`` is collective when a process group is initialized, so every rank must call it,
+and every rank must have called ``update`` at least once (a rank without a gather state would not join the
+gather).
+
+Each metric class states its direction in torchmetrics' ``higher_is_better`` class attribute (``None``: best
+at a target value, e.g. calibration at 1); :func:`recsys_runner.metrics.registry.higher_is_better` reads it.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric
+
+
+class SumMetric(Metric):
+    """Base of additive metrics: float64 sum states, summed across ranks before ``compute``."""
+
+    full_state_update = False
+    batch_exact: ClassVar[bool] = False
+    """Whether one ``update`` on concatenated batches gives exactly the state of one ``update`` per batch (integer
+    counts do; float sums may round differently), so deferred train updates may be batched."""
+
+    def __init__(self, *names: str) -> None:
+        super().__init__()
+        for name in names:
+            self.add_state(name, default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+
+
+class GatherMetric(Metric):
+    """Base of ranking metrics: keeps every row; ``compute`` runs on all ranks' rows gathered."""
+
+    full_state_update = False
+    batch_exact: ClassVar[bool] = False
+    """Whether one ``update`` on concatenated batches gives exactly the state of one ``update`` per batch (integer
+    counts do; float sums may round differently), so deferred train updates may be batched."""
+
+    def __init__(self, *names: str) -> None:
+        super().__init__()
+        for name in names:
+            self.add_state(name, default=[], dist_reduce_fx="cat")
+
+    def _rows(self, name: str) -> Tensor:
+        state = getattr(self, name)
+        if isinstance(state, list):
+            return torch.cat(state) if state else torch.zeros(0, dtype=torch.long if name == "groups" else torch.float64, device=self.device)
+        return state

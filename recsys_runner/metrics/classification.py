@@ -1,0 +1,164 @@
+"""Binary-classification metrics: log loss, accuracy, NE, calibration (sums); AUC, grouped AUC, XAUC (kept rows).
+
+``update(preds, labels)`` with ``preds`` probabilities ``[B]`` and ``labels`` ``[B]`` (0/1; real targets for
+XAUC); grouped AUC also takes ``groups=`` ``[B]`` integer ids. Definitions: ``docs/metrics.md``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from recsys_runner.metrics.base import GatherMetric, SumMetric
+from recsys_runner.metrics.functional import EPS, binary_auc, binary_entropy, grouped_auc, xauc
+
+
+class LogLoss(SumMetric):
+    """Mean binary cross-entropy of probabilities (clamped to ``[1e-7, 1 − 1e-7]``)."""
+
+    higher_is_better = False
+
+    total: Tensor
+    count: Tensor
+
+    def __init__(self) -> None:
+        super().__init__("total", "count")
+
+    def update(self, preds: Tensor, labels: Tensor) -> None:
+        probs = preds.detach().double().clamp(EPS, 1 - EPS)
+        self.total += F.binary_cross_entropy(probs, labels.detach().double(), reduction="sum")
+        self.count += labels.numel()
+
+    def compute(self) -> Tensor:
+        return self.total / self.count.clamp_min(1)
+
+
+class Accuracy(SumMetric):
+    """Share of rows whose thresholded prediction (``pred ≥ threshold``) equals the label."""
+
+    higher_is_better = True
+
+    batch_exact = True
+    """Counts only: one ``update`` on several batches concatenated is exactly their updates in turn."""
+    correct: Tensor
+    count: Tensor
+
+    def __init__(self, threshold: float = 0.5) -> None:
+        super().__init__("correct", "count")
+        self.threshold = threshold
+
+    def update(self, preds: Tensor, labels: Tensor) -> None:
+        self.correct += ((preds.detach() >= self.threshold) == (labels.detach() >= 0.5)).sum()
+        self.count += labels.numel()
+
+    def compute(self) -> Tensor:
+        return self.correct / self.count.clamp_min(1)
+
+
+class NormalizedEntropy(SumMetric):
+    """Log loss divided by the entropy of the base rate (He et al. 2014): below 1 beats predicting
+    the average CTR for every row. NaN when the labels are all one class."""
+
+    higher_is_better = False
+
+    total: Tensor
+    positives: Tensor
+    count: Tensor
+
+    def __init__(self) -> None:
+        super().__init__("total", "positives", "count")
+
+    def update(self, preds: Tensor, labels: Tensor) -> None:
+        probs = preds.detach().double().clamp(EPS, 1 - EPS)
+        self.total += F.binary_cross_entropy(probs, labels.detach().double(), reduction="sum")
+        self.positives += labels.detach().double().sum()
+        self.count += labels.numel()
+
+    def compute(self) -> Tensor:
+        count = self.count.clamp_min(1)
+        base = binary_entropy(self.positives / count)
+        return torch.where(base > 0, self.total / count / base, torch.nan)
+
+
+class Calibration(SumMetric):
+    """``Σ preds / Σ labels``: 1 is calibrated, above 1 over-predicts (inf/NaN without positives)."""
+
+    higher_is_better = None
+    """Neither: 1 is best (above over-predicts, below under-predicts), so it ranks no runs."""
+
+    pred_sum: Tensor
+    label_sum: Tensor
+
+    def __init__(self) -> None:
+        super().__init__("pred_sum", "label_sum")
+
+    def update(self, preds: Tensor, labels: Tensor) -> None:
+        self.pred_sum += preds.detach().double().sum()
+        self.label_sum += labels.detach().double().sum()
+
+    def compute(self) -> Tensor:
+        return self.pred_sum / self.label_sum
+
+
+class AUC(GatherMetric):
+    """Exact ROC AUC over all rows of all ranks (ties ½); see :func:`binary_auc`."""
+
+    higher_is_better = True
+
+    preds: list[Tensor]
+    labels: list[Tensor]
+
+    def __init__(self) -> None:
+        super().__init__("preds", "labels")
+
+    def update(self, preds: Tensor, labels: Tensor) -> None:
+        self.preds.append(preds.detach().double().flatten())
+        self.labels.append(labels.detach().double().flatten())
+
+    def compute(self) -> Tensor:
+        return binary_auc(self._rows("preds"), self._rows("labels"))
+
+
+class GroupedAUC(GatherMetric):
+    """Grouped AUC over all ranks' ``(group, pred, label)`` rows; see :func:`grouped_auc`."""
+
+    higher_is_better = True
+
+    preds: list[Tensor]
+    labels: list[Tensor]
+    groups: list[Tensor]
+
+    def __init__(self, weighting: str = "impressions") -> None:
+        super().__init__("preds", "labels", "groups")
+        self.weighting = weighting
+
+    def update(self, preds: Tensor, labels: Tensor, groups: Tensor | None = None) -> None:
+        if groups is None:
+            raise ValueError("gauc needs groups=<[B] integer ids> in update(); the runner passes them when metrics.grouping_key is set")
+        self.preds.append(preds.detach().double().flatten())
+        self.labels.append(labels.detach().double().flatten())
+        self.groups.append(groups.detach().long().flatten())
+
+    def compute(self) -> Tensor:
+        return grouped_auc(self._rows("preds"), self._rows("labels"), self._rows("groups"), self.weighting)
+
+
+class XAUC(GatherMetric):
+    """XAUC over all ranks' rows; see :func:`xauc` (exact up to ``max_pairs`` pairs, then sampled)."""
+
+    higher_is_better = True
+
+    preds: list[Tensor]
+    targets: list[Tensor]
+
+    def __init__(self, max_pairs: int = 1 << 22, seed: int = 0) -> None:
+        super().__init__("preds", "targets")
+        self.max_pairs, self.seed = max_pairs, seed
+
+    def update(self, preds: Tensor, labels: Tensor) -> None:
+        self.preds.append(preds.detach().double().flatten())
+        self.targets.append(labels.detach().double().flatten())
+
+    def compute(self) -> Tensor:
+        return xauc(self._rows("preds"), self._rows("targets"), self.max_pairs, self.seed)

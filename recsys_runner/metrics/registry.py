@@ -1,0 +1,246 @@
+"""The metric registry: config name → metric class, what its ``update`` reads, and which way is better.
+
+Which metrics run is chosen by config (:class:`MetricsConfig`, a list of names per phase) through :data:`METRICS`:
+unknown names are errors that list the valid ones, and registering a name twice is an error.
+:func:`build_eval_metrics` builds the eval collection and :func:`build_train_metrics` the decaying train metrics.
+
+A metric's direction is a fact of its class (torchmetrics' ``higher_is_better``), exposed by its
+:class:`MetricEntry`; :func:`higher_is_better` reads it for a logged key (``eval/ctr/logloss``) and
+:func:`improved` compares two values with it. The default objective (the eval metric a run reports and a
+sweep ranks by when no setting names one) is declared here once: :data:`DEFAULT_OBJECTIVE`,
+:func:`default_objective`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torchmetrics import Metric, MetricCollection
+
+from recsys_runner.errors import ConfigError, require
+from recsys_runner.metrics.classification import AUC, XAUC, Accuracy, Calibration, GroupedAUC, LogLoss, NormalizedEntropy
+from recsys_runner.metrics.decay import DecayAUC, DecayingMetric, TrainMetrics
+from recsys_runner.metrics.regression import MeanAbsoluteError, MeanSquaredError
+from recsys_runner.metrics.retrieval import RecallAtK
+
+Inputs = Literal["pointwise", "grouped", "retrieval"]
+
+
+@dataclass(frozen=True)
+class MetricEntry:
+    """A registered metric: its class, how to build it from the config, and what ``update`` takes."""
+
+    metric: type[Metric]
+    factory: Callable[[MetricsConfig], Metric]
+    inputs: Inputs
+    doc: str
+
+    @property
+    def higher_is_better(self) -> bool | None:
+        """The class's direction: ``True`` (AUC), ``False`` (log loss), ``None`` when best at a target
+        value (calibration, at 1)."""
+        return self.metric.higher_is_better
+
+
+METRICS: dict[str, MetricEntry] = {}
+"""The metric registry, by config name. ``recall@<k>`` is matched by :data:`RECALL_AT_K`."""
+
+RECALL_AT_K = re.compile(r"recall@([0-9]+)")
+"""Names ``recall@1``, ``recall@10`` …: :class:`RecallAtK` with that ``k``."""
+
+NAME_PATTERNS: dict[str, Inputs] = {"recall@<k>": "retrieval"}
+"""The metric names matched by a pattern rather than registered one by one, and their inputs."""
+
+
+def register_metric(
+    name: str, metric: type[Metric], inputs: Inputs, doc: str, factory: Callable[[MetricsConfig], Metric] | None = None
+) -> None:
+    """Add ``metric`` to :data:`METRICS` as ``name``; a name may be registered once. ``factory`` builds it from
+    the config (default: ``metric()``); its direction is ``metric.higher_is_better``."""
+    if name in METRICS or RECALL_AT_K.fullmatch(name):
+        raise ValueError(f"metric {name!r} is already registered")
+    METRICS[name] = MetricEntry(metric, factory or (lambda spec: metric()), inputs, doc)
+
+
+register_metric("auc", AUC, "pointwise", "ROC AUC, exact over all ranks' rows")
+register_metric("logloss", LogLoss, "pointwise", "mean binary cross-entropy")
+register_metric("accuracy", Accuracy, "pointwise", "share of rows with (pred >= 0.5) == label")
+register_metric("gauc", GroupedAUC, "grouped", "AUC per metrics.grouping_key group, averaged", lambda s: GroupedAUC(s.gauc_weighting))
+register_metric("xauc", XAUC, "pointwise", "pairwise ordering accuracy for real targets", lambda s: XAUC(s.xauc_max_pairs))
+register_metric("ne", NormalizedEntropy, "pointwise", "log loss / entropy of the base rate")
+register_metric("calibration", Calibration, "pointwise", "sum of preds / sum of labels")
+register_metric("mae", MeanAbsoluteError, "pointwise", "mean absolute error")
+register_metric("mse", MeanSquaredError, "pointwise", "mean squared error")
+
+
+def metric_entry(name: str, key: str = "metrics") -> MetricEntry:
+    """The registry entry for ``name``; :class:`ConfigError` listing the valid names otherwise."""
+    if (m := RECALL_AT_K.fullmatch(name)) is not None:
+        k = int(m.group(1))
+        require(k > 0, f"{key}: {name!r} needs k >= 1, e.g. recall@10")
+        return MetricEntry(RecallAtK, lambda s: RecallAtK(k), "retrieval", f"recall at {k}")
+    if name not in METRICS:
+        raise ConfigError(f"{key}: unknown metric {name!r}. Valid names: {', '.join(sorted(METRICS))}, recall@<k> (e.g. recall@10)")
+    return METRICS[name]
+
+
+def metric_key(name: str) -> str:
+    """The logged key of metric ``name``: ``recall@10`` → ``recall_at_10`` (MLflow keys cannot hold ``@``)."""
+    return name.replace("@", "_at_")
+
+
+def metric_name(key: str) -> str:
+    """The metric name in a logged key, :func:`metric_key` undone: ``eval/ctr/logloss`` → ``logloss``,
+    ``eval/recall_at_10`` → ``recall@10`` (the last ``/`` segment; a bare name is its own)."""
+    name = key.rsplit("/", 1)[-1]
+    return name if name in METRICS else name.replace("_at_", "@")
+
+
+# --------------------------------------------------------------------------------------------
+# Direction and the default objective.
+# --------------------------------------------------------------------------------------------
+
+LOSS = "loss"
+"""The training loss's name in logged keys (``train/loss``, the train loop's meter): no registered metric, but
+a logged value with a direction — lower is better."""
+
+DEFAULT_OBJECTIVE = "eval/auc"
+"""The eval metric a run reports (``train.objective``), watches for its best value and a sweep ranks by when
+no setting names one and the run logs it; :func:`default_objective` otherwise takes the first eval metric."""
+
+
+def default_objective(eval_keys: Iterable[str]) -> str:
+    """:data:`DEFAULT_OBJECTIVE` when among ``eval_keys`` (as logged), else the first of them.
+
+    Raises:
+        ConfigError: ``eval_keys`` is empty.
+    """
+    keys = list(eval_keys)
+    if DEFAULT_OBJECTIVE in keys:
+        return DEFAULT_OBJECTIVE
+    if not keys:
+        raise ConfigError("no eval metric is logged, so the run has no objective. Fix: list at least one in metrics.eval, "
+                          "e.g. metrics.eval=[auc]")
+    return keys[0]
+
+
+def higher_is_better(key: str) -> bool:
+    """Whether a larger value of ``key`` is better: its metric class's ``higher_is_better``.
+
+    ``key`` is a logged key (``eval/auc``, ``eval/ctr/logloss``, ``train/mse``, ``eval/recall_at_10``) or a
+    metric name (``recall@10``): the phase prefix and task segment are dropped (:func:`metric_name`).
+    ``train/loss`` (:data:`LOSS`) is lower-is-better.
+
+    Raises:
+        ConfigError: the name is no registered metric (the message lists the valid ones), or its metric is
+            best at a target value rather than higher or lower (``calibration``).
+    """
+    name = metric_name(key)
+    if name == LOSS:
+        return False
+    if name not in METRICS and not RECALL_AT_K.fullmatch(name):
+        raise ConfigError(f"{key!r} names no metric with a known direction. Valid names: {', '.join(sorted(METRICS))}, "
+                          f"recall@<k> (e.g. recall@10), {LOSS}")
+    entry = metric_entry(name, key)
+    if entry.higher_is_better is None:
+        raise ConfigError(f"{key!r}: {name} ({entry.doc}) is best at a target value, neither higher nor lower, so it "
+                          f"cannot rank runs. Fix: name another metric, e.g. {DEFAULT_OBJECTIVE}")
+    return entry.higher_is_better
+
+
+def improved(value: float, best: float | None, higher_is_better: bool, min_delta: float = 0.0) -> bool:
+    """Whether ``value`` beats ``best`` (``None``: nothing to beat yet) by more than ``min_delta``, in the
+    direction ``higher_is_better`` (e.g. :func:`higher_is_better` of the watched key)."""
+    if best is None:
+        return True
+    return value > best + min_delta if higher_is_better else value < best - min_delta
+
+
+# --------------------------------------------------------------------------------------------
+# The metrics config and the builders.
+# --------------------------------------------------------------------------------------------
+
+
+TRAIN_METRICS = {"auc", "logloss", "accuracy", "ne", "calibration", "mae", "mse", "xauc"}
+"""Metrics that can decay at train time: those computed from the step's ``(preds, labels)`` alone."""
+
+
+@dataclass(kw_only=True)
+class MetricsConfig:
+    """Which metrics to compute, by phase (a ``metrics`` section, or a task's field)."""
+
+    eval: list[str] = field(default_factory=lambda: ["auc", "logloss"])
+    """Eval metric names, each logged as ``eval/<name>``; see ``docs/metrics.md``. Pointwise and
+    ``gauc`` metrics combine; ``recall@<k>`` (retrieval scores) only with other ``recall@<k>``."""
+    train: list[str] = field(default_factory=lambda: ["auc"])
+    """Decaying train metrics, logged as ``train/<name>`` at the log cadence (``[]`` for none)."""
+    decay_rate: float = 0.9
+    """Weight of the history when a train-metric window closes: ``value = rate·value + (1−rate)·window``."""
+    decay_step: int = 100
+    """Updates (micro-batches) per train-metric window."""
+    grouping_key: str | None = None
+    """Sparse feature whose id groups rows for ``gauc`` (e.g. a user id); one id per row."""
+    gauc_weighting: str = "impressions"
+    """``gauc`` weights each group by its rows (``impressions``) or equally (``uniform``)."""
+    xauc_max_pairs: int = 1 << 22
+    """``xauc`` is exact up to this many pairs, then computed on this many seeded random pairs."""
+
+    def __post_init__(self) -> None:
+        for phase, names in (("metrics.eval", self.eval), ("metrics.train", self.train)):
+            duplicates = sorted({n for n in names if list(names).count(n) > 1})
+            require(not duplicates, f"{phase} lists {duplicates} more than once; list each metric once")
+            for name in names:
+                metric_entry(name, phase)
+        kinds = {metric_entry(n).inputs == "retrieval" for n in self.eval}
+        require(
+            len(kinds) <= 1,
+            f"metrics.eval={list(self.eval)} mixes recall@<k> (query×candidate scores) with pointwise metrics "
+            f"(per-row predictions); a task produces one or the other. Fix: keep only one kind",
+        )
+        untrainable = [n for n in self.train if n not in TRAIN_METRICS]
+        require(
+            not untrainable,
+            f"metrics.train={list(self.train)}: {untrainable} cannot be computed at train time (they need grouping ids or "
+            f"retrieval scores the train step does not return). Fix: move them to metrics.eval; train-time options: "
+            f"{', '.join(sorted(TRAIN_METRICS))}",
+        )
+        require(
+            "gauc" not in self.eval or self.grouping_key is not None,
+            "metrics.eval lists gauc but metrics.grouping_key is not set. Fix: metrics.grouping_key=<sparse feature "
+            "holding the group id, e.g. a user id>",
+        )
+        require(0 <= self.decay_rate < 1, f"metrics.decay_rate must be in [0, 1), got {self.decay_rate}")
+        require(self.decay_step > 0, f"metrics.decay_step must be positive, got {self.decay_step}")
+        require(
+            self.gauc_weighting in ("impressions", "uniform"),
+            f"metrics.gauc_weighting must be impressions or uniform, got {self.gauc_weighting!r}",
+        )
+        require(self.xauc_max_pairs > 0, f"metrics.xauc_max_pairs must be positive, got {self.xauc_max_pairs}")
+
+
+def build_eval_metrics(spec: MetricsConfig, device: torch.device) -> MetricCollection:
+    """The eval metrics ``spec.eval`` names, as one collection on ``device``.
+
+    ``update(preds, labels, groups=ids)`` passes ``groups`` only to ``gauc``; ``compute()`` returns
+    ``{name: value}`` (collective under a process group).
+    """
+    metrics = {name: metric_entry(name, "metrics.eval").factory(spec) for name in spec.eval}
+    return MetricCollection(metrics, compute_groups=False).to(device)
+
+
+def build_train_metrics(spec: MetricsConfig, device: torch.device, prefix: str = "train/") -> TrainMetrics:
+    """The decaying train metrics ``spec.train`` names (``auc`` decays as :class:`DecayAUC`)."""
+    metrics = {}
+    for name in spec.train:
+        inner = DecayAUC() if name == "auc" else metric_entry(name, "metrics.train").factory(spec)
+        metrics[name] = DecayingMetric(inner, spec.decay_rate, spec.decay_step)
+    return TrainMetrics(metrics, prefix).to(device)
+
+
+def eval_metrics(device: torch.device) -> MetricCollection:
+    """Binary-classification eval metrics with the default config: ``auc`` and ``logloss``."""
+    return build_eval_metrics(MetricsConfig(), device)

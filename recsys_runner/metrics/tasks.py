@@ -1,0 +1,197 @@
+"""Per-task metrics: what the runner drives, fed with the TrainWrapper's ``(logits, labels)``.
+
+Each task (:mod:`recsys_runner.tasks`) gets its own eval collection and decaying train metrics, logged as
+``eval/<task>/<metric>`` and ``train/<task>/<metric>`` (no task segment for an unnamed task).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import Tensor
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recsys_runner.errors import ConfigError
+from recsys_runner.metrics.registry import (
+    METRICS,
+    NAME_PATTERNS,
+    MetricsConfig,
+    build_eval_metrics,
+    build_train_metrics,
+    metric_entry,
+    metric_key,
+)
+from recsys_runner.tasks import Task
+
+log = logging.getLogger(__name__)
+
+
+def _task_spec(spec: MetricsConfig, task: Task) -> MetricsConfig:
+    """``spec`` with the task's metric lists (:meth:`Task.eval_metric_names`, :meth:`Task.train_metric_names`)."""
+    eval_names, train_names = task.eval_metric_names(spec.eval), task.train_metric_names(spec.train)
+    if eval_names == list(spec.eval) and train_names == list(spec.train):
+        return spec
+    return replace(spec, eval=eval_names, train=train_names)
+
+
+def _task_outputs(task: Task, index: int, logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """One task's ``(preds, targets)`` from the TrainWrapper's ``(logits, labels)``: a named task's are
+    column ``index`` of ``[B, T]``, an unnamed task's are the whole tensors; :meth:`Task.metric_inputs` does the rest."""
+    if task.name is not None:
+        logits, labels = logits[:, index], labels[:, index]
+    return task.metric_inputs(logits, labels)
+
+
+def check_task_metrics(spec: MetricsConfig, tasks: tuple[Task, ...], model: str = "the model") -> None:
+    """Raise :class:`ConfigError` unless each task's eval metrics apply to what it produces.
+
+    A task's ``metric_inputs_kinds`` say which registered metrics read its outputs: per-row predictions
+    (pointwise and grouped metrics) or query×candidate scores (``recall@<k>``). ``model`` names the
+    model in the message.
+    """
+    for task in tasks:
+        key = "model.eval_metrics" if task.eval_metrics is not None else "metrics.eval"
+        for name in task.eval_metric_names(spec.eval):
+            if metric_entry(name, key).inputs in task.metric_inputs_kinds:
+                continue
+            valid = [n for n, e in sorted(METRICS.items()) if e.inputs in task.metric_inputs_kinds]
+            valid += [p for p, inputs in NAME_PATTERNS.items() if inputs in task.metric_inputs_kinds]
+            example = task.default_eval_metrics or ("auc",)
+            raise ConfigError(
+                f"{key} lists {name!r}; {model}'s eval is {task.metric_inputs_kinds[0]}, so only {', '.join(valid)} "
+                f"appl{'ies' if len(valid) == 1 else 'y'}, e.g. [{','.join(example)}]"
+            )
+
+
+def eval_key(task: Task, name: str) -> str:
+    """The logged key of ``task``'s eval metric ``name``: ``eval/<task>/<metric>`` (``eval/<metric>`` for an
+    unnamed task), through :func:`metric_key`; e.g. ``eval/auc``, ``eval/ctr/auc``, ``eval/recall_at_10``."""
+    return f"eval/{'' if task.name is None else f'{task.name}/'}{metric_key(name)}"
+
+
+def eval_metric_keys(spec: MetricsConfig, tasks: tuple[Task, ...]) -> list[str]:
+    """Exactly the keys :meth:`TaskEvalMetrics.compute` returns for ``tasks`` and ``spec``, in its order.
+
+    Known before training, so keys that name an eval metric (``train.objective``,
+    ``checkpoint.best_metric``, ``train.early_stopping.metric``) are checked before the first step.
+    """
+    return [eval_key(task, name) for task in tasks for name in _task_spec(spec, task).eval]
+
+
+class TaskEvalMetrics:
+    """Each task's eval metrics, keyed by :func:`eval_key` (``eval/auc``, ``eval/ctr/auc``): :func:`eval_metric_keys`.
+
+    ``update(logits, labels, groups=None)`` takes the TrainWrapper's ``(logits, labels)``; ``compute()``
+    is collective under a process group, like :func:`build_eval_metrics`.
+    """
+
+    def __init__(self, spec: MetricsConfig, tasks: tuple[Task, ...], device: torch.device) -> None:
+        self.tasks = tasks
+        self.specs = [_task_spec(spec, t) for t in tasks]
+        self.collections = [build_eval_metrics(s, device) for s in self.specs]
+
+    def update(self, logits: Tensor, labels: Tensor, groups: Tensor | None = None) -> None:
+        extra = {} if groups is None else {"groups": groups}
+        for i, (task, metrics) in enumerate(zip(self.tasks, self.collections, strict=True)):
+            # Only metrics whose update takes ``groups`` (gauc) get them: MetricCollection filters keyword
+            # arguments by each metric's signature.
+            metrics.update(*_task_outputs(task, i, logits, labels), **extra)
+
+    def compute(self) -> dict[str, float]:
+        """``{key: value}`` in :func:`eval_metric_keys` order: task by task, each task's metrics as configured."""
+        out: dict[str, float] = {}
+        for task, task_spec, metrics in zip(self.tasks, self.specs, self.collections, strict=True):
+            values = metrics.compute()
+            out |= {eval_key(task, name): float(values[name]) for name in task_spec.eval}
+        return out
+
+
+class TaskTrainMetrics:
+    """Each task's decaying train metrics, fed with the TrainWrapper's ``(logits, labels)``.
+
+    Keys ``train/<task>/<metric>`` (plain ``train/<metric>`` for an unnamed task). ``update`` runs every
+    micro-batch, so it only keeps the batch's detached ``(logits, labels)`` (nothing without metrics); each task's
+    ``(preds, targets)`` (its column, a ``sigmoid`` for a binary task) are made when the metrics take the kept
+    batches in order (:meth:`TrainMetrics.update_many`): when read (``compute``, ``state_dict``) or when
+    ``flush_every`` batches are kept — the same values as updating
+    them every micro-batch, for a fraction of the per-step host work and no host sync.
+    ``state_dict``/``load_state_dict`` checkpoint each rank's decaying state, so a resumed run logs the
+    train metrics the uninterrupted run would.
+
+    Args:
+        flush_every: most micro-batches kept before the metrics take them (bounds the memory held);
+            ``None``: ``spec.decay_step``.
+    """
+
+    def __init__(self, spec: MetricsConfig, tasks: tuple[Task, ...], device: torch.device, flush_every: int | None = None) -> None:
+        self.tasks = tasks
+        self.per_task = [build_train_metrics(_task_spec(spec, t), device, "train/" if t.name is None else f"train/{t.name}/") for t in tasks]
+        self._active = [(i, t, m) for i, (t, m) in enumerate(zip(tasks, self.per_task, strict=True)) if len(m.metrics)]
+        self.flush_every = max(1, flush_every if flush_every is not None else spec.decay_step)
+        self._pending: list[tuple[Tensor, Tensor]] = []
+
+    def update(self, logits: Tensor, labels: Tensor) -> None:
+        if not self._active:
+            return
+        self._pending.append((logits, labels))  # per-task columns and sigmoid when flushed: no per-step ops
+        if len(self._pending) >= self.flush_every:
+            self.flush()
+
+    def flush(self) -> None:
+        """Feed the kept micro-batches to the metrics, in order (every rank at the same steps: closing a window syncs)."""
+        if not self._pending:
+            return
+        for i, task, metrics in self._active:
+            metrics.update_many([_task_outputs(task, i, logits, labels) for logits, labels in self._pending])
+        self._pending.clear()
+
+    def compute(self) -> dict[str, float]:
+        self.flush()
+        out: dict[str, float] = {}
+        for metrics in self.per_task:
+            out |= metrics.compute()
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's decaying state by logged key (:meth:`DecayingMetric.checkpoint_state`), and the saving rank."""
+        self.flush()
+        return {"rank": _rank(), "metrics": {key: m.checkpoint_state() for ms in self.per_task for key, m in ms.named_metrics()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict`. A metric the checkpoint lacks (added to ``metrics.train`` since) starts
+        fresh, one no longer configured is ignored. A rank resuming from another rank's file (more ranks than
+        saved) takes the shared value and window position with an empty share of window and history, so no
+        row is counted twice."""
+        saved, own = state["metrics"], state["rank"] == _rank()
+        self._pending.clear()
+        fresh = []
+        for metrics in self.per_task:
+            for key, metric in metrics.named_metrics():
+                if key in saved:
+                    metric.load_checkpoint_state(saved[key], own=own)
+                else:
+                    fresh.append(key)
+        if fresh:
+            log.info("train metrics %s are not in the checkpoint and start fresh", fresh)
+
+
+def grouping_ids(sparse: KeyedJaggedTensor, key: str) -> Tensor:
+    """Each row's id of sparse feature ``key`` (the ``gauc`` group): ``[B]``.
+
+    Raises:
+        ConfigError: ``key`` is not a sparse feature, or some row has no or several ids.
+    """
+    if key not in sparse.keys():
+        raise ConfigError(f"metrics.grouping_key={key!r} is not a sparse feature; the data has {', '.join(sparse.keys())}")
+    jagged = sparse[key]
+    if not bool((jagged.lengths() == 1).all()):
+        raise ConfigError(f"metrics.grouping_key={key!r} must hold exactly one id per row (a user id, say); some rows have none or several")
+    return jagged.values()
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0

@@ -1,0 +1,30 @@
+"""The package's import structure: each room imports only what docs/architecture.md allows (import-linter's contracts
+in pyproject.toml, as `make lint` runs them) and no modules import each other in a cycle."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import grimp
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_import_linter_contracts_hold() -> None:
+    lint_imports = Path(sys.executable).with_name("lint-imports")
+    proc = subprocess.run([str(lint_imports), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "broken" not in proc.stdout.lower().replace("0 broken", "")
+
+
+def test_no_import_cycles() -> None:
+    graph = grimp.build_graph("recsys_runner", exclude_type_checking_imports=True)
+    cycles = sorted(
+        (importer, imported)
+        for importer in graph.modules
+        for imported in graph.find_modules_directly_imported_by(importer)
+        if imported != importer and graph.chain_exists(importer=imported, imported=importer)
+    )
+    assert not cycles, "modules importing each other in a cycle: " + "; ".join(f"{a} <-> {b}" for a, b in cycles)

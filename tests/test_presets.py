@@ -1,0 +1,53 @@
+"""The experiment presets (``experiment=criteo_tsv|avazu_csv|movielens``) each train one epoch on a generated file in
+their public layout (``recsys_runner/data/generate.py``; never real data)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from recsys_runner.__main__ import run
+from recsys_runner.config import validate
+from recsys_runner.data.generate import write_avazu_csv, write_criteo_tsv, write_movielens_ratings
+from recsys_runner.data.schema import DenseColumn, SparseColumn
+
+
+def preset_cfg(make_cfg, experiment: str, path: Path, *overrides: str):
+    return make_cfg(f"experiment={experiment}", f"data.path={path}", "distributed.device=cpu", "checkpoint=none",
+                    "data.num_workers=0", *overrides, tiny=False)
+
+
+@pytest.mark.parametrize(
+    ("experiment", "write", "name", "overrides", "auc"),
+    [pytest.param("criteo_tsv", lambda p: write_criteo_tsv(str(p), 4000), "train.txt", [], 0.58, marks=pytest.mark.slow),
+     ("avazu_csv", lambda p: write_avazu_csv(str(p), 4000), "train.csv", [], 0.55),
+     ("movielens", lambda p: write_movielens_ratings(str(p), 4000), "u.data", [], 0.7),
+     ("movielens", lambda p: write_movielens_ratings(str(p), 4000, layout="ratings.csv"), "ratings.csv",
+      ["data.delimiter=comma", "data.header=true", "data.column_names=null"], 0.7)],
+    ids=["criteo_tsv", "avazu_csv", "movielens_u.data", "movielens_ratings.csv"],
+)
+def test_preset_trains_one_epoch_on_its_layout(make_cfg, tmp_path: Path, experiment: str, write, name: str,
+                                               overrides: list[str], auc: float) -> None:
+    write(tmp_path / name)
+    cfg = preset_cfg(make_cfg, experiment, tmp_path / name, *overrides)
+    spec = validate(cfg)
+    assert spec.train.num_epochs == 1 and spec.train.num_steps is None and spec.model.embedding_dim == 8
+    features = spec.data.build(device="cpu").features
+    if experiment == "avazu_csv":
+        assert "id" not in features.sparse_names and {"hour", "C1", "C14", "site_id", "device_ip"} <= set(features.sparse_names)
+        assert features.num_dense == 0
+    if experiment == "movielens":
+        assert features.num_dense == 0 and len(features.sparse_names) == 2
+    assert run(cfg) > auc
+
+
+def test_criteo_preset_sizes_tables_from_the_file(make_cfg, tmp_path: Path) -> None:
+    write_criteo_tsv(str(tmp_path / "train.txt"), 1000, cardinality=50)
+    data = validate(preset_cfg(make_cfg, "criteo_tsv", tmp_path / "train.txt")).data.build(device="cpu")
+    sizes = [f.num_embeddings for f in data.features.sparse]
+    assert len(sizes) == 26 and all(s in (10, 20, 50, 100) for s in sizes), sizes  # ≤ 50 distinct values × 2, rounded
+    assert all(isinstance(c, SparseColumn) and c.encoding == "mod" and c.hex for c in data.schema.sparse)
+    assert all(isinstance(d, DenseColumn) and d.transform == "log1p" for d in data.schema.dense)
+    assert re.fullmatch(r"cat_\d+", data.features.sparse_names[-1])
