@@ -57,9 +57,10 @@ BENCH_ARGS ?=
 bench: $(STAMP) ## Runner vs hand loop, end to end (synthetic, Parquet), host overhead, start-up -> table + bench.json (docs/performance.md)
 	$(PY) -m recsys_runner.bench $(BENCH_ARGS)
 
-lint: $(STAMP) ## ruff and mypy
-	$(VENV)/bin/ruff check recsys_runner tests
-	$(VENV)/bin/mypy recsys_runner
+lint: $(STAMP) ## ruff, mypy, and import-linter (what each room may import: docs/architecture.md)
+	$(VENV)/bin/ruff check recsys_runner tests hydra_plugins
+	$(VENV)/bin/mypy recsys_runner hydra_plugins
+	$(VENV)/bin/lint-imports
 
 ui: $(STAMP) ## MLflow UI on ./mlflow.db at http://127.0.0.1:$(PORT)
 	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host 127.0.0.1 --port $(PORT)

@@ -239,15 +239,13 @@ def check_eval_cadence(train: TrainConfig, steps_per_epoch: int | None) -> None:
 def watched_eval(run: RunConfig, eval_keys: list[str]) -> BestEval:
     """The eval metric whose best value the run reports beside the last: ``train.objective``, else
     ``checkpoint.best_metric``, else the early-stopping metric (when on), else the default objective
-    (:func:`~recsys_runner.metrics.registry.default_objective`); its direction from the setting that named it,
-    else the metric's own (:func:`~recsys_runner.metrics.registry.higher_is_better`)."""
+    (:func:`~recsys_runner.metrics.registry.default_objective`); its direction is the metric's own
+    (:func:`~recsys_runner.metrics.registry.higher_is_better`), which ``validate()`` also gave the checkpoint's and
+    early stopping's modes (a metric without one, e.g. calibration, takes the mode set there)."""
     train, ckpt, stopping = run.train, run.checkpoint, run.train.early_stopping
     stopping_metric = stopping.metric if stopping.patience is not None else None
     metric = train.objective or ckpt.best_metric or stopping_metric or default_objective(eval_keys)
-    if metric == ckpt.best_metric:
-        mode = ckpt.best_mode
-    elif metric == stopping_metric:
-        mode = stopping.mode
-    else:
+    mode = ckpt.best_mode if metric == ckpt.best_metric else stopping.mode if metric == stopping_metric else None
+    if mode is None:
         mode = "max" if higher_is_better(metric) else "min"
     return BestEval(metric=metric, mode=mode)

@@ -33,7 +33,7 @@ from recsys_runner.data.synthetic import SyntheticDataConfig
 from recsys_runner.data.tabular_config import CriteoDataConfig, CsvDataConfig, ParquetDataConfig
 from recsys_runner.distributed.config import DistributedConfig, check_sharding_types, resolve_device_type
 from recsys_runner.errors import ConfigError, UserError, require
-from recsys_runner.metrics.registry import MetricsConfig
+from recsys_runner.metrics.registry import METRICS, RECALL_AT_K, MetricsConfig, higher_is_better, metric_name
 from recsys_runner.metrics.tasks import check_task_metrics, eval_metric_keys
 from recsys_runner.models.common import ModelConfig
 from recsys_runner.models.dcn_v2 import DCNv2Config
@@ -222,7 +222,32 @@ def validate(cfg: DictConfig) -> RunConfig:
     saves_checkpoints = bool(ckpt.at_end or ckpt.every_steps or ckpt.every_epochs or ckpt.best_metric)
     check_sparse_on_device(run.optim.sparse, device_type, checkpoints=saves_checkpoints)
     check_sharding_types(run.distributed.sharding_types, device_type, run.distributed.tables)
+    if ckpt.best_metric is not None:
+        ckpt.best_mode = metric_mode(ckpt.best_metric, ckpt.best_mode, "checkpoint.best_mode")
+    stopping = run.train.early_stopping
+    if stopping.patience is not None:
+        stopping.mode = metric_mode(stopping.metric, stopping.mode, "train.early_stopping.mode")
     return run
+
+
+def metric_mode(key: str, mode: str | None, where: str) -> str | None:
+    """``max`` or ``min`` for the watched metric ``key``: its own direction (the metric class's ``higher_is_better``)
+    unless ``mode`` is set for a metric that has none. ``None`` for a name no metric has, which
+    :func:`check_eval_keys` reports with the valid keys once the model's tasks are known.
+
+    Raises:
+        ConfigError: ``mode`` contradicts the metric's direction, or the metric has none and ``mode`` is unset.
+    """
+    if metric_name(key) not in METRICS and not RECALL_AT_K.fullmatch(metric_name(key)):
+        return mode
+    try:
+        own = "max" if higher_is_better(key) else "min"
+    except ConfigError:  # best at a target value (calibration): the user says which way
+        require(mode is not None, f"{where} must be max or min for {key}, which has no better direction of its own")
+        return mode
+    require(mode in (None, own), f"{where}={mode} contradicts {key}, for which {'higher' if own == 'max' else 'lower'} is "
+                                 f"better. Fix: drop {where} (the metric's own direction is used)")
+    return own
 
 
 def check_known_keys(cfg: DictConfig) -> None:

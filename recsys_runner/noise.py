@@ -55,7 +55,7 @@ WARNINGS: tuple[WarningNoise, ...] = (
     WarningNoise(
         message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`",
         category=UserWarning,
-        module=r"recsys_runner\.scheduler$",  # torch blames its caller: ScheduledLR.step, whose first step is torch's own
+        module=r"recsys_runner\.optim\.schedulers$",  # torch blames its caller: ScheduledLR.step, whose first step is torch's own
         why="the schedule steps the GroupedOptimizer of all parameter groups, while the train pipeline steps the dense "
             "optimizers and the fused sparse optimizer steps inside backward; torch cannot see those steps, but they "
             "always run before Stepper.step calls lr_scheduler.step(), so no step of the schedule is skipped.",

@@ -174,3 +174,14 @@ def test_a_part_may_use_any_torch_optim_class(make_cfg) -> None:
     assert isinstance(built, torch.optim.RMSprop) and built.param_groups[0]["alpha"] == 0.9
     with pytest.raises(ConfigError, match=r"optim\.parts\.deep\.optimizer: RMSpropConfig: Key 'alpah' not in 'RMSpropConfig'"):
         validate(make_cfg("+optim.parts.deep={pattern: 'deep[.]', optimizer: {_target_: torch.optim.RMSprop, alpah: 0.9}}", "tracking=none"))
+
+
+def test_best_checkpoint_and_early_stopping_follow_the_metrics_own_direction(make_cfg: Any) -> None:
+    run = validate(make_cfg("checkpoint.best_metric=eval/logloss", "train.eval_every_steps=5",
+                            "train.early_stopping.patience=2", "train.early_stopping.metric=eval/auc"))
+    assert run.checkpoint.best_mode == "min" and run.train.early_stopping.mode == "max"
+    with pytest.raises(ConfigError, match=r"checkpoint.best_mode=max contradicts eval/logloss.*Fix: drop checkpoint.best_mode"):
+        validate(make_cfg("checkpoint.best_metric=eval/logloss", "checkpoint.best_mode=max"))
+    with pytest.raises(ConfigError, match=r"train.early_stopping.mode must be max or min for eval/calibration"):
+        validate(make_cfg("metrics.eval=[auc,calibration]", "train.eval_every_steps=5", "train.early_stopping.patience=2",
+                          "train.early_stopping.metric=eval/calibration"))

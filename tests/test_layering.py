@@ -28,3 +28,11 @@ def test_no_import_cycles() -> None:
         if imported != importer and graph.chain_exists(importer=imported, imported=importer)
     )
     assert not cycles, "modules importing each other in a cycle: " + "; ".join(f"{a} <-> {b}" for a, b in cycles)
+
+
+def test_every_module_is_listed_in_docs_architecture() -> None:
+    listed = (ROOT / "docs" / "architecture.md").read_text()
+    modules = sorted(str(p.relative_to(ROOT / "recsys_runner")) for p in (ROOT / "recsys_runner").rglob("*.py")
+                     if p.name != "__init__.py" or p.parent.name != "recsys_runner")
+    missing = [m for m in modules if f"`{m}`" not in listed]
+    assert not missing, f"docs/architecture.md does not list {missing}"

@@ -53,14 +53,16 @@ class CheckpointConfig(Configurable):
     TorchEasyRec's ignore_restore_optimizer)."""
     best_metric: str | None = None
     """Keep the best checkpoint by this eval metric (e.g. ``eval/auc``), saved when an eval improves it."""
-    best_mode: str = "max"
-    """``max`` if higher ``best_metric`` is better, ``min`` if lower is."""
+    best_mode: str | None = None
+    """``null``: the metric's own direction (``eval/auc`` higher is better, ``eval/logloss`` lower;
+    :func:`recsys_runner.metrics.registry.higher_is_better`), set by ``validate()``. ``max``/``min`` only for a metric
+    without one (calibration); one contradicting the metric's direction is refused."""
 
     def __post_init__(self) -> None:
         require(self.every_steps is None or self.every_steps > 0, f"checkpoint.every_steps must be positive or null, got {self.every_steps}")
         require(self.every_epochs is None or self.every_epochs > 0, f"checkpoint.every_epochs must be positive or null, got {self.every_epochs}")
         require(self.keep_last is None or self.keep_last > 0, f"checkpoint.keep_last must be positive or null, got {self.keep_last}")
-        require(self.best_mode in ("max", "min"), f"checkpoint.best_mode={self.best_mode!r} must be max or min")
+        require(self.best_mode in (None, "max", "min"), f"checkpoint.best_mode={self.best_mode!r} must be max, min or null")
         require(self.best_metric is None or self.best_metric.startswith("eval/"),
                 f"checkpoint.best_metric={self.best_metric!r} must be an eval metric, e.g. eval/auc")
         require(self.resume in RESUME_WORDS or "/" in self.resume or os.sep in self.resume,

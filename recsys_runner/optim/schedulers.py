@@ -1,7 +1,7 @@
 """Learning-rate schedules as pure functions ``step → multiplier`` of each group's base lr.
 
 Each schedule is a small callable class that takes its config dataclass (``CosineConfig`` …, all
-:class:`SchedulerConfig`\ s, the schemas of ``conf/scheduler/*.yaml``) plus the runtime counts only
+:class:`SchedulerConfig` subclasses, the schemas of ``conf/scheduler/*.yaml``) plus the runtime counts only
 the builder knows: ``config.build(total_steps=…, steps_per_epoch=…)``. :func:`lr_scheduler`
 wraps them in one ``torch.optim.lr_scheduler.LambdaLR`` over the combined optimizer with one
 function per param group: by default the top-level ``scheduler`` drives every lr (sparse, dense,

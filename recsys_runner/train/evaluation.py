@@ -17,14 +17,13 @@ from torch import nn
 
 from recsys_runner.data.base import DataModule
 from recsys_runner.distributed.env import DistEnv
-from recsys_runner.metrics.registry import MetricsConfig
+from recsys_runner.metrics.registry import MetricsConfig, improved
 from recsys_runner.metrics.tasks import TaskEvalMetrics, grouping_ids
 from recsys_runner.progress import Progress
 from recsys_runner.tasks import Task
 from recsys_runner.train.ema import DenseEMA
 from recsys_runner.train.pipeline import detached
 from recsys_runner.train.stepping import Pipeline
-from recsys_runner.train.stopping import improved
 
 
 @dataclass
@@ -98,7 +97,7 @@ class BestEval:
         """Record the evaluation at ``step``; the metrics to log (``best/<metric>``, ``best/step``) when it is a new
         best, else none."""
         value = metrics.get(self.metric)
-        if value is None or not improved(value, self.value, self.mode):
+        if value is None or not improved(value, self.value, self.mode == "max"):
             return {}
         self.value, self.step = value, step
         return {f"best/{self.metric}": value, "best/step": float(step)}

@@ -3,7 +3,7 @@
 :class:`StopSignals` installs handlers that only set a flag (a plain Python bool, free to read
 each step); the runner then writes a checkpoint and raises :class:`Interrupted`, the entry point
 closes the MLflow run as ``KILLED``, prints the command that resumes from that checkpoint into the
-same MLflow run (:func:`recsys_runner.checkpoint.resume_command`) and exits with ``128 + signal``. With several
+same MLflow run (:meth:`recsys_runner.runtime.Launch.resume_command`) and exits with ``128 + signal``. With several
 ranks the flag is combined with an all-reduce every ``train.stop_check_every_steps`` steps, so every
 rank stops after the same step.
 A second SIGINT while stopping raises ``KeyboardInterrupt`` as usual.

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from recsys_runner.errors import require
+from recsys_runner.metrics.registry import improved
 
 _MODES = ("max", "min")
 
@@ -23,23 +24,18 @@ class EarlyStoppingConfig:
     Evaluations happen every ``train.eval_every_steps``."""
     metric: str = "eval/auc"
     """The eval metric watched, as logged (``eval/auc``, ``eval/logloss``)."""
-    mode: str = "max"
-    """``max`` if higher is better (AUC), ``min`` if lower is better (log loss)."""
+    mode: str | None = None
+    """``null``: the metric's own direction (AUC higher is better, log loss lower;
+    :func:`recsys_runner.metrics.registry.higher_is_better`), set by ``validate()``. ``max``/``min`` only for a metric
+    without one; one contradicting the metric's direction is refused."""
     min_delta: float = 0.0
     """An improvement smaller than this does not count."""
 
     def __post_init__(self) -> None:
         require(self.patience is None or self.patience > 0, f"train.early_stopping.patience must be positive or null, got {self.patience}")
-        require(self.mode in _MODES, f"train.early_stopping.mode={self.mode!r} must be one of {_MODES}")
+        require(self.mode in (None, *_MODES), f"train.early_stopping.mode={self.mode!r} must be one of {_MODES} or null")
         require(self.min_delta >= 0, f"train.early_stopping.min_delta must be >= 0, got {self.min_delta}")
         require(self.metric.startswith("eval/"), f"train.early_stopping.metric={self.metric!r} must be an eval metric, e.g. eval/auc")
-
-
-def improved(value: float, best: float | None, mode: str, min_delta: float = 0.0) -> bool:
-    """Whether ``value`` beats ``best`` by more than ``min_delta`` in direction ``mode``."""
-    if best is None:
-        return True
-    return value > best + min_delta if mode == "max" else value < best - min_delta
 
 
 class EarlyStopping:
@@ -56,7 +52,7 @@ class EarlyStopping:
         if c.patience is None:
             return False
         value = metrics[c.metric]
-        if improved(value, self.best, c.mode, c.min_delta):
+        if improved(value, self.best, c.mode == "max", c.min_delta):
             self.best, self.bad_evals = value, 0
         else:
             self.bad_evals += 1
