@@ -140,7 +140,7 @@ def test_plan_logs_a_one_line_summary_and_the_full_plan_at_debug(make_cfg, caplo
             plan = distributed.plan(model, batch_size=data.batch_size)
     finally:
         distributed.close()
-    ours = [r for r in caplog.records if r.name == "recsys_runner.distributed"]
+    ours = [r for r in caplog.records if r.name == "recsys_runner.distributed.sharding"]
     info = [r.getMessage() for r in ours if r.levelno == logging.INFO]
     assert len(info) == 1, info
     assert "\n" not in info[0]

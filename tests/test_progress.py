@@ -100,7 +100,7 @@ def test_planner_stats_table_only_at_debug(make_cfg, caplog: pytest.LogCaptureFi
     try:
         with caplog.at_level(logging.INFO):  # every logger at INFO, TorchRec's planner stats logger included
             distributed.plan(model, batch_size=data.batch_size)
-        at_info = [r for r in caplog.records if r.name in ("torchrec.distributed.planner.stats", "recsys_runner.distributed")]
+        at_info = [r for r in caplog.records if r.name in ("torchrec.distributed.planner.stats", "recsys_runner.distributed.sharding")]
         caplog.clear()
         with caplog.at_level(logging.DEBUG, logger="recsys_runner.distributed"):
             distributed.plan(model, batch_size=data.batch_size)
@@ -108,7 +108,7 @@ def test_planner_stats_table_only_at_debug(make_cfg, caplog: pytest.LogCaptureFi
         distributed.close()
     assert [r.getMessage()[:26] for r in at_info] == ["sharding plan: 52 tables o"], "at INFO only our summary line"
     stats = [r for r in caplog.records if r.getMessage().startswith("TorchRec planner stats")]
-    assert len(stats) == 1 and stats[0].levelno == logging.DEBUG and stats[0].name == "recsys_runner.distributed"
+    assert len(stats) == 1 and stats[0].levelno == logging.DEBUG and stats[0].name == "recsys_runner.distributed.sharding"
     assert "Parameter Info" in stats[0].getMessage() and "t_cat_25" in stats[0].getMessage()
     assert not [r for r in caplog.records if r.name.startswith("torchrec")], "the table went through our logger only"
 

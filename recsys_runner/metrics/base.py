@@ -26,13 +26,18 @@ from torch import Tensor
 from torchmetrics import Metric
 
 
-class SumMetric(Metric):
-    """Base of additive metrics: float64 sum states, summed across ranks before ``compute``."""
+class RecMetric(Metric):
+    """Base of every metric here: states updated per batch only (no full-state update), and whether batches may be
+    merged before ``update``."""
 
     full_state_update = False
     batch_exact: ClassVar[bool] = False
     """Whether one ``update`` on concatenated batches gives exactly the state of one ``update`` per batch (integer
     counts do; float sums may round differently), so deferred train updates may be batched."""
+
+
+class SumMetric(RecMetric):
+    """Base of additive metrics: float64 sum states, summed across ranks before ``compute``."""
 
     def __init__(self, *names: str) -> None:
         super().__init__()
@@ -40,13 +45,8 @@ class SumMetric(Metric):
             self.add_state(name, default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
 
 
-class GatherMetric(Metric):
+class GatherMetric(RecMetric):
     """Base of ranking metrics: keeps every row; ``compute`` runs on all ranks' rows gathered."""
-
-    full_state_update = False
-    batch_exact: ClassVar[bool] = False
-    """Whether one ``update`` on concatenated batches gives exactly the state of one ``update`` per batch (integer
-    counts do; float sums may round differently), so deferred train updates may be batched."""
 
     def __init__(self, *names: str) -> None:
         super().__init__()

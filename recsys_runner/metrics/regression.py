@@ -10,39 +10,41 @@ from torch import Tensor
 from recsys_runner.metrics.base import SumMetric
 
 
-class MeanAbsoluteError(SumMetric):
+class _MeanRowError(SumMetric):
+    """``mean error(pred, label)`` over rows: a float64 sum and a count, summed across ranks."""
+
+    higher_is_better = False
+
+    total: Tensor
+    count: Tensor
+
+    def __init__(self) -> None:
+        super().__init__("total", "count")
+
+    @staticmethod
+    def row_errors(diff: Tensor) -> Tensor:
+        """Each row's error from ``pred - label`` (float64)."""
+        raise NotImplementedError
+
+    def update(self, preds: Tensor, labels: Tensor) -> None:
+        self.total += self.row_errors(preds.detach().double() - labels.detach().double()).sum()
+        self.count += labels.numel()
+
+    def compute(self) -> Tensor:
+        return self.total / self.count.clamp_min(1)
+
+
+class MeanAbsoluteError(_MeanRowError):
     """``mean |pred − label|``."""
 
-    higher_is_better = False
-
-    total: Tensor
-    count: Tensor
-
-    def __init__(self) -> None:
-        super().__init__("total", "count")
-
-    def update(self, preds: Tensor, labels: Tensor) -> None:
-        self.total += (preds.detach().double() - labels.detach().double()).abs().sum()
-        self.count += labels.numel()
-
-    def compute(self) -> Tensor:
-        return self.total / self.count.clamp_min(1)
+    @staticmethod
+    def row_errors(diff: Tensor) -> Tensor:
+        return diff.abs()
 
 
-class MeanSquaredError(SumMetric):
+class MeanSquaredError(_MeanRowError):
     """``mean (pred − label)²``."""
 
-    higher_is_better = False
-
-    total: Tensor
-    count: Tensor
-
-    def __init__(self) -> None:
-        super().__init__("total", "count")
-
-    def update(self, preds: Tensor, labels: Tensor) -> None:
-        self.total += (preds.detach().double() - labels.detach().double()).pow(2).sum()
-        self.count += labels.numel()
-
-    def compute(self) -> Tensor:
-        return self.total / self.count.clamp_min(1)
+    @staticmethod
+    def row_errors(diff: Tensor) -> Tensor:
+        return diff.pow(2)

@@ -6,4 +6,6 @@ config first plus two runtime arguments the runner supplies: ``features`` (the d
 :class:`~recsys_runner.features.FeatureSpec`) and ``dense_device``; ``config.build(features=…,
 dense_device=…)`` calls it. Its embedding tables are created on the ``meta`` device; TorchRec's
 DistributedModelParallel materializes them sharded. ``forward(dense, sparse)`` returns logits ``[B]``.
+
+May import ``tasks``, ``features``, ``configurable`` and ``errors``; never ``metrics``, ``data``, ``train`` or ``build``.
 """

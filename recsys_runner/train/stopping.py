@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from recsys_runner.errors import require
-from recsys_runner.metrics.registry import improved
+from recsys_runner.metrics.registry import DEFAULT_OBJECTIVE, improved
 
 _MODES = ("max", "min")
 
@@ -22,7 +22,7 @@ class EarlyStoppingConfig:
     patience: int | None = None
     """Evaluations without improvement before training stops; ``null`` turns early stopping off.
     Evaluations happen every ``train.eval_every_steps``."""
-    metric: str = "eval/auc"
+    metric: str = DEFAULT_OBJECTIVE
     """The eval metric watched, as logged (``eval/auc``, ``eval/logloss``)."""
     mode: str | None = None
     """``null``: the metric's own direction (AUC higher is better, log loss lower;
