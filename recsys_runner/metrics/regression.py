@@ -5,6 +5,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
 from torch import Tensor
 
 from recsys_runner.metrics.base import SumMetric
@@ -18,13 +21,10 @@ class _MeanRowError(SumMetric):
     total: Tensor
     count: Tensor
 
-    def __init__(self) -> None:
+    def __init__(self, row_errors: Callable[[Tensor], Tensor]) -> None:
         super().__init__("total", "count")
-
-    @staticmethod
-    def row_errors(diff: Tensor) -> Tensor:
+        self.row_errors = row_errors
         """Each row's error from ``pred - label`` (float64)."""
-        raise NotImplementedError
 
     def update(self, preds: Tensor, labels: Tensor) -> None:
         self.total += self.row_errors(preds.detach().double() - labels.detach().double()).sum()
@@ -37,14 +37,12 @@ class _MeanRowError(SumMetric):
 class MeanAbsoluteError(_MeanRowError):
     """``mean |pred − label|``."""
 
-    @staticmethod
-    def row_errors(diff: Tensor) -> Tensor:
-        return diff.abs()
+    def __init__(self) -> None:
+        super().__init__(torch.abs)
 
 
 class MeanSquaredError(_MeanRowError):
     """``mean (pred − label)²``."""
 
-    @staticmethod
-    def row_errors(diff: Tensor) -> Tensor:
-        return diff.pow(2)
+    def __init__(self) -> None:
+        super().__init__(torch.square)
