@@ -15,10 +15,10 @@ from omegaconf import DictConfig
 from recsys_runner.build import Components, build
 from recsys_runner.config import flatten, register_configs, to_yaml, validate
 from recsys_runner.errors import ConfigError
-from recsys_runner.lifecycle import RunStart, exit_codes, tracked_run
+from recsys_runner.lifecycle import RunStart, exit_codes, mark_finished, note_interrupted_runs, tracked_run
 from recsys_runner.noise import quiet_known_noise
 from recsys_runner.paths import CONFIG_PATH
-from recsys_runner.runtime import Launch
+from recsys_runner.runtime import TRAIN_MODULE, Launch
 from recsys_runner.tracking import lineage
 from recsys_runner.train.loop import Loop, train
 
@@ -37,10 +37,14 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> float:
         tags={lineage.CHECKPOINT_DIR_TAG: str(loop.checkpointer.dir.absolute())} if loop.checkpointer.dir is not None else {},
         texts={"config.yaml": to_yaml(spec), "sharding_plan.txt": str(c.plan)}, continue_run=loop.state.run_id,
         world_size=c.env.world_size, device=c.env.device if c.env.is_main else None, step=loop.state.step)
+    if c.env.is_main and spec.checkpoint.dir is None and spec.checkpoint.resume == "auto" and loop.state.step == 0:
+        note_interrupted_runs(launch, loop.checkpointer.storage, loop.checkpointer.dir)  # the default dir is new per launch
     with tracked_run(loop.tracker, start, launch, close=c.close):
         loop.state.run_id = loop.tracker.run_id or loop.state.run_id
         _note_resume(c, launch)
         final = train(loop)
+        if c.env.is_main:
+            mark_finished(loop.checkpointer.dir)
         return objective(final, spec.train.objective)
 
 
@@ -76,8 +80,8 @@ def _note_resume(c: Components, launch: Launch) -> None:
 
 @hydra.main(config_path=CONFIG_PATH, config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float:
-    launch = Launch.from_hydra()  # Hydra's runtime, read here once and handed down
-    with exit_codes(launch):
+    launch = Launch.from_hydra(TRAIN_MODULE)  # Hydra's runtime, read here once and handed down
+    with exit_codes(launch):  # a signal: KILLED, what was kept and how to go on, exit 128 + signal (lifecycle.py)
         return run(cfg, launch)
 
 

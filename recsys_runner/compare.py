@@ -15,12 +15,17 @@ metrics) and writes ``curves.png`` (each metric over steps, a line per run) and
 ``collect`` finishes a sweep whose launcher returned before its jobs did (e.g.
 ``hydra/launcher=submitit_slurm_detached``): it waits until every job has ended, writes the best
 trial to the parent run, ends it, then prints and plots like the default command.
+
+compare only reads: a store that does not exist (``--uri sqlite:///no/such/dir/x.db``, or a bare ``compare`` in a
+folder without ``mlflow.db``) is not created; it says so in one line naming the URI and how to point at the right
+one, and exits with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -29,7 +34,7 @@ from typing import Any
 
 from recsys_runner.errors import ConfigError
 from recsys_runner.metrics.registry import higher_is_better
-from recsys_runner.tracking.store import resolve_uri
+from recsys_runner.tracking.store import missing_store, resolve_uri
 from recsys_runner.tracking.sweep import EXPECTED_JOBS_TAG, SWEEP_PARENT_TAG, finish_parent, summarize, sweep_objective
 from recsys_runner.tracking.tracker import MlflowTrackingConfig
 
@@ -258,7 +263,8 @@ def collect(client: Any, parent: str, *, wait: bool, timeout_s: float, poll_s: f
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m recsys_runner.compare", description=__doc__.split("\n\n")[0])
-    p.add_argument("--uri", default=None, help="tracking URI (default: $MLFLOW_TRACKING_URI or ./mlflow.db)")
+    p.add_argument("--uri", default=None, help="tracking URI (default: $MLFLOW_TRACKING_URI or ./mlflow.db); a store that "
+                   "does not exist is not created: compare says so and exits with status 2")
     p.add_argument("--experiment", action="append", default=[],
                    help="experiment name (repeatable); with neither this nor --parent: the most recent sweep, else the "
                         f"runs of experiment {MlflowTrackingConfig().experiment!r}")
@@ -284,7 +290,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.add_argument("--wait", action="store_true", help="poll until every job of the sweep has ended")
         parser.add_argument("--timeout", type=float, default=24 * 3600, help="give up waiting after this many seconds")
     args = parser.parse_args(args_in)
-    client = MlflowClient(tracking_uri=resolve_uri(args.uri))
+    uri = resolve_uri(args.uri)
+    missing = missing_store(uri)
+    if missing is not None:  # opening it would create it (a sqlite file and its folder): compare only reads
+        source = "--uri" if args.uri else "$MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI") else "the default, ./mlflow.db"
+        print(f"no MLflow store at {uri} ({source}): {missing}; compare reads runs and creates no store. Fix: point --uri "
+              "(or MLFLOW_TRACKING_URI) at the store the runs logged to, their tracking.uri (e.g. --uri sqlite:///<dir>/mlflow.db), "
+              "or run compare in the directory holding mlflow.db", file=sys.stderr)
+        return 2
+    client = MlflowClient(tracking_uri=uri)
     if is_collect:
         if not args.parent:
             parser.error("collect needs --parent <run id>")

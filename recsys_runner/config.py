@@ -33,13 +33,15 @@ from recsys_runner.data.synthetic import SyntheticDataConfig
 from recsys_runner.data.tabular_config import CriteoDataConfig, CsvDataConfig, ParquetDataConfig
 from recsys_runner.distributed.config import DistributedConfig, check_sharding_types, resolve_device_type
 from recsys_runner.errors import ConfigError, UserError, require
-from recsys_runner.metrics.registry import METRICS, RECALL_AT_K, MetricsConfig, higher_is_better, metric_name
+from recsys_runner.metrics.registry import DEFAULT_OBJECTIVE, METRICS, RECALL_AT_K, MetricsConfig, higher_is_better, metric_name
 from recsys_runner.metrics.tasks import check_task_metrics, eval_metric_keys
 from recsys_runner.models.common import ModelConfig
 from recsys_runner.models.dcn_v2 import DCNv2Config
 from recsys_runner.models.deepfm import DeepFMConfig
 from recsys_runner.models.dlrm import DLRMConfig
 from recsys_runner.models.dssm import DSSMConfig
+from recsys_runner.models.fm import FMConfig
+from recsys_runner.models.lr import LRConfig
 from recsys_runner.models.mmoe import MMoEConfig
 from recsys_runner.models.wide_deep import WideDeepConfig
 from recsys_runner.optim.config import OptimConfig
@@ -134,7 +136,7 @@ def _composition_schema() -> type:
 
 GROUPS: dict[str, dict[str, type]] = {
     "model": {"deepfm": DeepFMConfig, "dlrm": DLRMConfig, "dcn_v2": DCNv2Config, "wide_deep": WideDeepConfig,
-              "mmoe": MMoEConfig, "dssm": DSSMConfig},
+              "mmoe": MMoEConfig, "dssm": DSSMConfig, "lr": LRConfig, "fm": FMConfig},
     "data": {"synthetic": SyntheticDataConfig, "parquet": ParquetDataConfig, "csv": CsvDataConfig, "criteo": CriteoDataConfig},
     "optim": {"optim": OptimConfig},
     "optim/sparse": {
@@ -316,8 +318,11 @@ def check_eval_keys(run: RunConfig, tasks: tuple[Task, ...], sparse_names: list[
     Called by :func:`recsys_runner.build.build` as soon as the model's tasks and the data's features
     exist, before any MLflow run starts, so a typo fails the job up front rather than after
     training (when a sweep would lose the trial). The eval keys are :func:`eval_metric_keys`, the
-    ones the runner's evaluation logs. ``train.early_stopping.metric`` is checked only when early
-    stopping is on (``patience`` set). Each task's eval metrics must apply to what it produces
+    ones the runner's evaluation logs. ``train.early_stopping.metric`` is checked when early stopping is on
+    (``patience`` set) and, with it off, when the metric was set to anything but its default
+    (:data:`~recsys_runner.metrics.registry.DEFAULT_OBJECTIVE`): a name no metric of this run has is a mistake either
+    way (most often a typo made while also forgetting ``patience``), while the untouched default is not checked, so
+    a model that logs no ``eval/auc`` (a regression task) needs no setting to turn it off. Each task's eval metrics must apply to what it produces
     (:func:`~recsys_runner.metrics.tasks.check_task_metrics`; ``model`` names the model in that message).
 
     Raises:
@@ -327,21 +332,26 @@ def check_eval_keys(run: RunConfig, tasks: tuple[Task, ...], sparse_names: list[
     keys = eval_metric_keys(run.metrics, tasks)
     require(bool(keys), "no eval metric is configured, so the job has no result (train.objective). Fix: list at least one "
             "in metrics.eval (or in the model's own eval_metrics where it has them), e.g. metrics.eval=[auc]")
+    stopping = run.train.early_stopping
+    watched = stopping.patience is not None or stopping.metric != DEFAULT_OBJECTIVE
     named = {"train.objective": run.train.objective, "checkpoint.best_metric": run.checkpoint.best_metric,
-             "train.early_stopping.metric": run.train.early_stopping.metric if run.train.early_stopping.patience is not None else None}
+             "train.early_stopping.metric": stopping.metric if watched else None}
+    off = "; early stopping is off until train.early_stopping.patience is set, or drop the setting" if stopping.patience is None else ""
     for name, value in named.items():
-        _require_one_of(name, value, keys, "an eval metric this run logs")
+        _require_one_of(name, value, keys, "an eval metric this run logs", also=off if name == "train.early_stopping.metric" else "")
     _require_one_of("metrics.grouping_key", run.metrics.grouping_key, sparse_names, "a sparse feature of the data")
 
 
-def _require_one_of(name: str, value: str | None, valid: list[str], what: str) -> None:
-    """:class:`ConfigError` unless ``value`` is ``None`` or in ``valid``, suggesting the closest valid value."""
+def _require_one_of(name: str, value: str | None, valid: list[str], what: str, also: str = "") -> None:
+    """:class:`ConfigError` unless ``value`` is ``None`` or in ``valid``, suggesting the closest valid value (``also``
+    ends the fix)."""
     if value is None or value in valid:
         return
     closest = difflib.get_close_matches(value, valid, n=1, cutoff=0.0)
     if not closest:
-        raise ConfigError(f"{name}={value!r} is not {what}, and there is none. Fix: {name}=null")
-    raise ConfigError(f"{name}={value!r} is not {what} (closest: {closest[0]}); valid: {', '.join(valid)}. Fix: {name}={closest[0]}")
+        raise ConfigError(f"{name}={value!r} is not {what}, and there is none. Fix: {name}=null{also}")
+    raise ConfigError(f"{name}={value!r} is not {what} (closest: {closest[0]}); valid: {', '.join(valid)}. "
+                      f"Fix: {name}={closest[0]}{also}")
 
 
 def _omegaconf_message(e: OmegaConfBaseException) -> str:

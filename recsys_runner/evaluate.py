@@ -53,8 +53,8 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> dict[str, float]:
 
 @hydra.main(config_path=CONFIG_PATH, config_name="evaluate", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    launch = Launch.from_hydra()  # Hydra's runtime, read here once and handed down
-    with exit_codes(launch):
+    launch = Launch.from_hydra("recsys_runner.evaluate")  # Hydra's runtime, read here once and handed down
+    with exit_codes(launch):  # a signal: the MLflow run KILLED, the command to redo it, exit 128 + signal (lifecycle.py)
         run(with_training_overrides(cfg, launch), launch)
 
 

@@ -26,6 +26,14 @@ is how many ids row ``b`` has for sparse feature ``f`` (features in ``feature_sp
 It returns what the model returns: logits ``[B]`` (single task), ``{task: [B]}`` (multi-task) or
 scores ``[B, B]`` (two-tower retrieval); see ``feature_spec.json``'s ``outputs``.
 
+**Atomic output.** The files are written into a temporary sibling of ``export.dir`` (``.<name>.tmp-<pid>``) and moved
+into place only when all are written and checked, so ``export.dir`` holds one whole export or none; a failed or
+interrupted export (any exception, including Ctrl-C and the SIGTERM the lifecycle turns into one) deletes the
+temporary directory. A non-empty ``export.dir`` is refused before any model is built, unless
+``export.overwrite=true``: then the earlier export is replaced as a whole (its files, e.g. a DSSM's tower programs,
+do not linger beside the new model) once the new one is complete. Overwrite replaces only an earlier export: a
+directory holding files no export writes is refused even then.
+
 **Weights.** The checkpoint's ``model/<fqn>`` tensors are loaded with ``torch.distributed.checkpoint``
 into a model built from the validated config with its tables on CPU (DCP reshards whatever plan the
 run trained with into plain tensors). With ``train.ema.eval_with_ema=true`` the dense weights come
@@ -38,6 +46,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,6 +74,7 @@ from recsys_runner.tasks import SINGLE_TASK, Task
 from recsys_runner.tracking import lineage
 from recsys_runner.tracking.store import resolve_uri
 from recsys_runner.tracking.tracker import MlflowTrackingConfig, Tracker
+from recsys_runner.train.signals import Interrupted
 
 quiet_known_noise()  # the known library warnings, each with its reason (noise.py)
 log = logging.getLogger("recsys_runner")
@@ -93,6 +104,9 @@ class ExportConfig:
     weights: str = "auto"
     """``auto``: the EMA dense weights when the run evaluated with them (``train.ema.eval_with_ema``), else the
     trained ones; ``raw`` or ``ema`` to choose."""
+    overwrite: bool = False
+    """Replace the earlier export in a non-empty ``dir`` (as a whole, once the new one is complete); ``false`` refuses
+    such a directory."""
 
     def __post_init__(self) -> None:
         require(self.weights in WEIGHTS, f"export.weights={self.weights!r} must be one of {list(WEIGHTS)}")
@@ -197,6 +211,8 @@ def export_program(serving: ServingModule | TowerServing, batch: Batch) -> torch
         with torch.no_grad():
             program = torch.export.export(serving, inputs, dynamic_shapes=shapes, strict=False)
     except Exception as e:  # noqa: BLE001 - torch.export raises many kinds; all mean "cannot be exported"
+        if _stopped(e):  # a signal while tracing (the lifecycle raises it here): a stop, not a model that cannot be exported
+            raise
         why = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ConfigError(
             f"model {type(model).__name__} cannot be exported with torch.export ({type(e).__name__}: {why}). Its forward "
@@ -206,6 +222,17 @@ def export_program(serving: ServingModule | TowerServing, batch: Batch) -> torch
     finally:
         root.removeFilter(_quiet_kjt_warning)
     return program
+
+
+def _stopped(e: BaseException | None) -> bool:
+    """Whether ``e`` is, or was raised while handling or because of, the lifecycle's :class:`Interrupted` (a signal)."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, Interrupted):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _quiet_kjt_warning(record: logging.LogRecord) -> bool:
@@ -305,12 +332,57 @@ def export_dir(configured: str | None, launch: Launch) -> Path:
     return default
 
 
+def is_export_file(name: str) -> bool:
+    """Whether ``name`` is a file an export writes (what ``export.overwrite=true`` may replace)."""
+    return name in (MODEL_FILE, FEATURE_SPEC_FILE, EXAMPLE_FILE, lineage.MANIFEST_FILE) or name.endswith(TOWER_FILE.format(""))
+
+
+def check_target(out: Path, overwrite: bool) -> None:
+    """Refuse an ``export.dir`` that is a file, or a non-empty directory unless ``overwrite`` (and then only one holding
+    nothing but an earlier export's files); called before any model is built.
+
+    Raises:
+        ConfigError: naming the directory, what it holds and the fix.
+    """
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"export.dir={out} is a file, not a directory. Fix: export.dir=<a new or empty directory>")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if not held:
+        return
+    shown = held[:8] + ([f"… {len(held) - 8} more"] if len(held) > 8 else [])
+    if not overwrite:
+        raise ConfigError(f"export.dir={out} is not empty (it holds {shown}): an earlier export's files would be overwritten or "
+                          f"mixed with this one's. Fix: export.overwrite=true to replace them, or a new export.dir")
+    foreign = [n for n in held if not (is_export_file(n) and (out / n).is_file())]
+    if foreign:
+        raise ConfigError(f"export.dir={out} holds {foreign[:8]}, which no export writes; export.overwrite=true replaces only an "
+                          f"earlier export's files. Fix: a new export.dir, or move those away")
+
+
+def replace_dir(staged: Path, out: Path) -> None:
+    """Move the complete export ``staged`` to ``out``, replacing an earlier export there as a whole: the earlier one is
+    first renamed aside, so ``out`` never holds the files of two exports."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    shutil.rmtree(old, ignore_errors=True)  # left by an earlier process of this id that was killed here
+    if out.exists():
+        os.replace(out, old)
+    try:
+        os.replace(staged, out)
+    except BaseException:
+        if old.exists() and not out.exists():
+            os.replace(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def run(cfg: DictConfig, launch: Launch = Launch()) -> Path:
     """Export the checkpoint ``cfg.load`` names; returns the directory written (see the module docstring)."""
     options = _options(cfg)
     spec = validate(cfg)
     checkpoint = checkpoint_to_load(cfg, spec)
     out = export_dir(options.dir, launch)
+    check_target(out, options.overwrite)
     meta = json.loads((checkpoint / "meta.json").read_text())
     torch.manual_seed(spec.seed)
     model, features, batch = build_unsharded(spec)
@@ -322,8 +394,17 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> Path:
         texts={"config.yaml": to_yaml(spec)}, manifest=manifest)
     tracker = spec.tracking.build()
     with tracked_run(tracker, start, launch):
-        files = write_export(model, features, batch, checkpoint=checkpoint, meta=meta, ema=ema, out=out)
-        (out / lineage.MANIFEST_FILE).write_text(manifest.to_json() + "\n")
+        staged = out.parent / f".{out.name}.tmp-{os.getpid()}"
+        try:
+            shutil.rmtree(staged, ignore_errors=True)
+            staged.mkdir(parents=True)
+            files = write_export(model, features, batch, checkpoint=checkpoint, meta=meta, ema=ema, out=staged)
+            (staged / lineage.MANIFEST_FILE).write_text(manifest.to_json() + "\n")
+            check_target(out, options.overwrite)  # still as checked before the build (nothing else wrote there since)
+            replace_dir(staged, out)
+        finally:  # an error or a stop anywhere above leaves no partial export behind
+            shutil.rmtree(staged, ignore_errors=True)
+        log.info("wrote %s to %s", ", ".join([*files, lineage.MANIFEST_FILE]), out)
         _log_artifacts(spec, tracker, out, [*files, lineage.MANIFEST_FILE])
     return out
 
@@ -341,7 +422,7 @@ def write_export(model: nn.Module, features: FeatureSpec, batch: Batch, *, check
         eager = serving(*inputs)
         exported = program.module()(*inputs)
     _check_same(eager, exported, type(model).__name__)
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)  # run() passes a temporary directory, moved into place when complete
     tasks = tuple(getattr(model, "tasks", SINGLE_TASK))
     described = feature_spec(features, keys, tasks, inputs, eager) | {
         "weights": "ema" if ema else "raw", "checkpoint": str(checkpoint.absolute()), "step": meta.get("step"),
@@ -351,7 +432,7 @@ def write_export(model: nn.Module, features: FeatureSpec, batch: Batch, *, check
     torch.export.save(program, str(out / MODEL_FILE))
     (out / FEATURE_SPEC_FILE).write_text(json.dumps(described, indent=2) + "\n")
     torch.save({"inputs": inputs, "outputs": eager}, out / EXAMPLE_FILE)
-    log.info("exported %s (%s weights) from %s to %s", type(model).__name__, described["weights"], checkpoint, out)
+    log.info("exported %s (%s weights) from %s", type(model).__name__, described["weights"], checkpoint)
     towers = [t["file"] for t in described.get("towers", {}).values() if isinstance(t, dict)]
     return [MODEL_FILE, FEATURE_SPEC_FILE, EXAMPLE_FILE, *towers]
 

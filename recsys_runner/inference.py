@@ -18,18 +18,22 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import field
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from hydra import compose
+from hydra import compose, initialize_config_dir, initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from recsys_runner.build import Components
-from recsys_runner.config import RunConfig, flatten, to_yaml, validate
+from recsys_runner.config import RunConfig, flatten, register_configs, to_yaml
 from recsys_runner.errors import ConfigError
 from recsys_runner.lifecycle import RunStart, link_tags
+from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.runtime import Launch
 from recsys_runner.tracking import lineage
 from recsys_runner.tracking.store import resolve_uri
@@ -60,43 +64,155 @@ def checkpoint_to_load(cfg: DictConfig, run: RunConfig) -> Path:
     return lineage.resolve_checkpoint(str(spec), lookup_run=lookup)
 
 
-NEVER_CARRIED = ("hydra", "checkpoint.resume", "checkpoint.init_from")
+NEVER_CARRIED = ("hydra", "checkpoint.resume", "checkpoint.init_from", LOAD_KEY)
 """Training overrides :func:`with_training_overrides` leaves out: Hydra's own (run dir, launcher, sweeper) and how
 the training started (resume, fine-tune); they say nothing about the model or the data."""
 
+ENTRY_MODULES = ("recsys_runner.evaluate", "recsys_runner.predict", "recsys_runner.export")
+"""The commands that take ``load=`` and so the training's overrides (:func:`carry_into_argv`)."""
 
-def with_training_overrides(cfg: DictConfig, launch: Launch) -> DictConfig:
-    """``cfg`` recomposed with the overrides of the training launch that wrote the checkpoint ``load`` names (saved in
-    its ``meta.json``) before this command's own: ``python -m recsys_runner.evaluate load=<run id>`` then evaluates the
-    model as trained (``model=dlrm model.embedding_dim=8 data=parquet …``) without repeating them, and any override
-    given here wins over the training's of the same key. ``cfg`` unchanged outside the CLI, without ``load``, or for a
-    checkpoint written outside the CLI (no saved overrides): the command's overrides must then describe the model.
 
-    Raises:
-        ConfigError / CheckpointError: as :func:`checkpoint_to_load`.
+@dataclass(frozen=True)
+class Carried:
+    """What :func:`carry_into_argv` did before Hydra composed the command's config."""
+
+    checkpoint: Path
+    """The checkpoint whose ``meta.json`` the overrides came from."""
+    overrides: tuple[str, ...]
+    """The training's overrides put before the command's own."""
+    argv: tuple[str, ...]
+    """The command line as typed (restored once Hydra has read it, so the manifest records what was typed)."""
+
+
+_carried: Carried | None = None
+
+
+def training_overrides(here: Sequence[str]) -> tuple[Path, list[str], list[str]] | None:
+    """For a command whose overrides ``here`` include ``load=<checkpoint>``: the checkpoint, the overrides of the
+    training launch that wrote it (its ``meta.json``) that ``here`` does not give a value for, and ``here`` with
+    ``+key=value`` made ``++key=value`` (an option the training chose may hold the key the command adds: ``+`` would
+    fail where the key exists, ``++`` adds or sets it). ``None`` without ``load`` or saved overrides (a checkpoint
+    written outside the CLI), or when ``load`` names no checkpoint (the command then reports it as usual).
+
+    A run id is looked up in the store the command's own ``tracking=``/``tracking.*`` overrides name.
     """
-    if not launch.from_cli or not cfg.get(LOAD_KEY):
-        return cfg
-    checkpoint = checkpoint_to_load(cfg, validate(cfg))
-    saved = json.loads((checkpoint / "meta.json").read_text()).get("overrides") or []
-    here = list(launch.overrides)
     parser = OverridesParser.create()
-    given = {o.key_or_group for o in parser.parse_overrides(here)}
-    carried = [text for text, o in zip(saved, parser.parse_overrides(saved), strict=True)
+    try:
+        parsed = parser.parse_overrides(list(here))
+    except Exception:  # noqa: BLE001 - Hydra reports a malformed override itself, with its own message
+        return None
+    spec = next((o.value() for o in parsed if o.key_or_group == LOAD_KEY and o.package is None and not o.is_sweep_override()), None)
+    if not isinstance(spec, str) or not spec:
+        return None
+    try:
+        tracking = [text for text, o in zip(here, parsed, strict=True) if o.key_or_group.startswith("tracking")]
+        checkpoint = lineage.resolve_checkpoint(spec, lookup_run=_run_lookup(tracking))
+        saved = json.loads((checkpoint / "meta.json").read_text()).get("overrides") or []
+        saved_parsed = parser.parse_overrides(saved)
+    except Exception:  # noqa: BLE001 - nothing to carry; the command's own resolution says what is wrong
+        return None
+    given = {o.key_or_group for o in parsed}
+    carried = [text for text, o in zip(saved, saved_parsed, strict=True)
                if o.key_or_group not in given and not o.key_or_group.startswith(NEVER_CARRIED)]
     if not carried:
+        return None
+    own = [f"+{text}" if o.is_add() and o.package is None and "/" not in o.key_or_group else text for text, o in zip(here, parsed, strict=True)]
+    return checkpoint, carried, own
+
+
+def _run_lookup(tracking: list[str]) -> Any:
+    """A run-tags lookup in the MLflow store the command's tracking overrides (else the config's default) name; ``None``
+    with ``tracking=none``. Composes the training config with those overrides alone (the others may need the
+    training's options to compose)."""
+    register_configs()
+    if GlobalHydra.instance().is_initialized():  # inside @hydra.main
+        cfg = compose(config_name="config", overrides=tracking)
+    else:
+        context = initialize_config_module("recsys_runner.conf", version_base="1.3") if CONFIG_PATH.startswith("pkg://") \
+            else initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3")
+        with context:
+            cfg = compose(config_name="config", overrides=tracking)
+    if OmegaConf.select(cfg, "tracking.uri", default="<none>") == "<none>":
+        return None
+    return lineage.run_tags(resolve_uri(OmegaConf.select(cfg, "tracking.uri")))
+
+
+def carry_into_argv(argv: list[str]) -> Carried | None:
+    """Put the training's overrides into ``argv`` (in place) before the command's own when it loads a checkpoint written
+    by the CLI (:func:`training_overrides`), so that Hydra composes the training's config plus this command's changes:
+    ``python -m recsys_runner.evaluate load=<run> data.eval_path=<file>`` then composes where the training used file
+    data, whereas the command line alone would set ``data.eval_path`` on the default (generated) data, which has no such
+    key. Runs when an entry module is run as ``python -m`` (at the import of this module, before ``@hydra.main``
+    composes); :func:`with_training_overrides` restores the typed command line and says what was carried.
+    """
+    from hydra._internal.utils import get_args_parser
+
+    try:
+        args, _ = get_args_parser().parse_known_args(argv[1:])
+    except (Exception, SystemExit):  # noqa: BLE001 - Hydra's own parse reports bad arguments
+        return None
+    here = list(args.overrides or [])
+    found = training_overrides(here) if here else None
+    if found is None:
+        return None
+    checkpoint, carried, own = found
+    typed = tuple(argv)
+    first = argv.index(here[0], 1)  # the overrides are one run of arguments (Hydra's positional list)
+    argv[first:first + len(here)] = [*carried, *own]
+    return Carried(checkpoint, tuple(carried), typed)
+
+
+def _carry_when_an_entry_runs() -> None:
+    """:func:`carry_into_argv` for ``python -m recsys_runner.evaluate|predict|export``; nothing for any other import."""
+    global _carried
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name in ENTRY_MODULES and _carried is None:
+        _carried = carry_into_argv(sys.argv)
+
+
+def with_training_overrides(cfg: DictConfig, launch: Launch) -> DictConfig:
+    """``cfg`` composed with the overrides of the training launch that wrote the checkpoint ``load`` names (saved in
+    its ``meta.json``) before this command's own: ``python -m recsys_runner.evaluate load=<run id>`` then evaluates the
+    model as trained (``model=dlrm model.embedding_dim=8 data=parquet …``) without repeating them, any override given
+    here wins over the training's of the same key, and keys of the training's options can be set
+    (``data.eval_path=<file>`` where the training read files). ``cfg`` unchanged outside the CLI, without ``load``, or
+    for a checkpoint written outside the CLI (no saved overrides): the command's overrides must then describe the model.
+
+    Under ``python -m`` the overrides were put before the command's when this module was imported, so Hydra composed
+    them (:func:`carry_into_argv`); this then only says so. Otherwise (``main`` called from Python) ``cfg`` is
+    recomposed here.
+    """
+    global _carried
+    if _carried is not None:
+        done, _carried = _carried, None
+        sys.argv[:] = list(done.argv)  # the manifest's command: as typed
+        log.info("using the overrides of the training launch that wrote %s: %s (those given here win)", done.checkpoint,
+                 " ".join(done.overrides))
         return cfg
+    if not launch.from_cli or not cfg.get(LOAD_KEY):
+        return cfg
+    found = training_overrides(launch.overrides)
+    if found is None:
+        return cfg
+    checkpoint, carried, own = found
     log.info("using the overrides of the training launch that wrote %s: %s (those given here win)", checkpoint, " ".join(carried))
-    return compose(config_name=launch.config_name, overrides=[*carried, *here])
+    return compose(config_name=launch.config_name, overrides=[*carried, *own])
 
 
 def inference_start(c: Components, *, entry: str, checkpoint: Path, load: str,
                     extra_params: dict[str, Any] | None = None) -> RunStart:
     """The MLflow run of an evaluate or predict launch (rank 0; other ranks hold a null tracker): tags linking it to
     the training run and the checkpoint, the resolved config as params and ``config.yaml``
-    (:func:`recsys_runner.lifecycle.tracked_run` adds the overrides and the manifest)."""
+    (:func:`recsys_runner.lifecycle.tracked_run` adds the overrides and the manifest). The checkpoint named is the one
+    whose weights were loaded: ``checkpoint``, or the newer one loaded instead when a run writing there rotated it away
+    (:meth:`recsys_runner.checkpoint.policy.Checkpointer.load_weights`)."""
+    if c.loop.state.resumed_from:
+        checkpoint = Path(c.loop.state.resumed_from)
     return RunStart(
         run_name=f"{entry} {checkpoint.parent.name}/{checkpoint.name}",
         tags=link_tags(entry, checkpoint, c.loop.state.step, c.loop.state.run_id),
         params=flatten(c.run) | {LOAD_KEY: load} | (extra_params or {}), texts={"config.yaml": to_yaml(c.run)},
         world_size=c.env.world_size, device=c.env.device if c.env.is_main else None)
+
+
+_carry_when_an_entry_runs()  # before the entry's @hydra.main composes (carry_into_argv)

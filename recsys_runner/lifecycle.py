@@ -3,8 +3,23 @@
 Modelled on lightning-hydra-template's ``task_wrapper``: each entry point wraps its work once, in
 :func:`tracked_run` (open or continue the MLflow run with its tags, params, ``config.yaml`` and the reproducibility
 manifest; set ``FINISHED``, ``FAILED`` or ``KILLED`` on every exit; then release what the run holds) inside
-:func:`exit_codes` (a user error prints its one line and exits 2, an interrupted training prints how to resume and
-exits ``128 + signal``, a non-finite loss exits 1). Nothing else starts or ends an MLflow run.
+:func:`exit_codes` (a user error prints its one line and exits 2, an interrupted command says what was kept and the
+command that resumes or redoes it and exits ``128 + signal``, a non-finite loss exits 1). Nothing else starts or ends
+an MLflow run.
+
+**Signals, the same for every command.** :func:`exit_codes` holds SIGTERM, SIGINT and SIGUSR1 for the command's whole
+run (:class:`~recsys_runner.train.signals.RaiseOnSignal`): one raises
+:class:`~recsys_runner.train.signals.Interrupted` where the command is, its ``finally`` blocks run (predict and export
+remove their partial files), :func:`tracked_run` ends the MLflow run ``KILLED``, and one line says that nothing was kept
+and the command that redoes it, e.g. ``python -m recsys_runner.evaluate <overrides>``; exit ``128 + signal`` (143 for
+SIGTERM, 130 for SIGINT). Training's loop takes the signals over (:class:`~recsys_runner.train.signals.StopSignals`):
+the step, or the final eval, ends, the checkpoint is written and the command that resumes from it is printed.
+
+**An interrupted run in the default place.** With ``checkpoint.dir`` unset every CLI launch checkpoints into its own new
+``<Hydra run dir>/checkpoints``, so relaunching the same command starts over. :func:`note_interrupted_runs` looks in the
+sibling run directories for checkpoints of a launch with the same overrides that did not finish (no :data:`FINISHED_MARK`,
+written by :func:`mark_finished`) and logs one line naming the newest and the command that resumes it; nothing is resumed
+without being asked.
 
 May import ``build``'s rooms (``train``, ``tracking``) and the shared modules; only entry points import it.
 """
@@ -22,16 +37,20 @@ from typing import Any
 import torch
 
 from recsys_runner.checkpoint.guard import NonFiniteLossError
+from recsys_runner.checkpoint.storage import CheckpointStorage
 from recsys_runner.errors import reported
 from recsys_runner.runtime import Launch
 from recsys_runner.tracking import lineage
 from recsys_runner.tracking.tracker import Tracker
+from recsys_runner.train import signals
 from recsys_runner.train.signals import Interrupted
 
 log = logging.getLogger("recsys_runner")
 
 ENTRY_TAG, SOURCE_RUN_TAG, CHECKPOINT_TAG, CHECKPOINT_STEP_TAG = "entry", "source_run_id", "checkpoint", "checkpoint_step"
 OVERRIDES_TAG = "hydra.overrides"
+FINISHED_MARK = ".finished"
+"""A file in a checkpoint directory whose training finished (:func:`mark_finished`): nothing there to resume."""
 
 
 @dataclass
@@ -67,7 +86,9 @@ def tracked_run(tracker: Tracker, start: RunStart, launch: Launch, *, close: Cal
     """Open (or continue) the run ``start`` describes on ``tracker``; on exit set its status and call ``close``.
 
     ``FINISHED`` when the body returns, ``KILLED`` on Ctrl-C or a signal (a preempted job is tagged ``preempted`` so
-    its requeued relaunch is recognised), ``FAILED`` on any other exception, which propagates.
+    its requeued relaunch is recognised), ``FAILED`` on any other exception, which propagates. A signal that comes
+    while the end is written waits for it (:func:`~recsys_runner.train.signals.deferred`); after a ``FINISHED`` end it
+    is then raised as an :class:`Interrupted` that says the run had finished.
     """
     status = "FAILED"
     try:
@@ -76,13 +97,18 @@ def tracked_run(tracker: Tracker, start: RunStart, launch: Launch, *, close: Cal
         status = "FINISHED"
     except (KeyboardInterrupt, Interrupted) as e:
         status = "KILLED"
+        if isinstance(e, Interrupted):
+            e.run_id = tracker.run_id
         if getattr(e, "preempted", False):
             tracker.set_tag("preempted", "true")  # submitit requeues it; the relaunch resumes this run
         raise
     finally:
-        tracker.finish(status)
-        if close is not None:
-            close()
+        with signals.deferred() as late:
+            tracker.finish(status)
+            if close is not None:
+                close()
+        if status == "FINISHED" and (signum := late()) is not None:
+            raise Interrupted(signum, None, None, when=f"as {launch.command_name} ended", finished=True)
 
 
 def _open(tracker: Tracker, start: RunStart, launch: Launch) -> None:
@@ -116,25 +142,40 @@ def _continued(tracker: Tracker, run_id: str) -> bool:
 
 @contextlib.contextmanager
 def exit_codes(launch: Launch) -> Iterator[None]:
-    """Every command's exit: a user error is one line and status 2 (:func:`recsys_runner.errors.reported`); an
-    interrupted training prints how to resume (or hands a preempted job to submitit) and exits ``128 + signal``;
-    a non-finite loss prints the last good checkpoint and exits 1."""
+    """Every command's exit: a user error is one line and status 2 (:func:`recsys_runner.errors.reported`); a signal
+    (SIGTERM, SIGINT, SIGUSR1) stops the command where it is (:class:`~recsys_runner.train.signals.RaiseOnSignal`;
+    training's loop stops after its step or final eval instead), which prints what was kept and the command that
+    resumes or redoes it (or hands a preempted job to submitit) and exits ``128 + signal``; a non-finite loss prints
+    the last good checkpoint and exits 1."""
     try:
-        with reported():
+        with signals.RaiseOnSignal(f"during {launch.command_name}"), reported():
             yield
     except Interrupted as e:
-        print(f"Interrupted: {e}", file=sys.stderr)
         if e.handover is not None:  # preempted inside submitit: its handler resubmits this job and requeues it
+            print(f"Interrupted: {e}", file=sys.stderr)
             print("Preempted: handing over to submitit to requeue this job", file=sys.stderr)
             e.handover()
         else:
-            print(resume_hint(launch, e.checkpoint), file=sys.stderr)
+            print(interrupted_message(launch, e), file=sys.stderr)
         sys.exit(e.exit_code)
     except NonFiniteLossError as e:
         print(f"Training failed: {e}", file=sys.stderr)
         if e.checkpoint is not None:
             print(resume_hint(launch, e.checkpoint, after_fix=True), file=sys.stderr)
         sys.exit(1)
+
+
+def interrupted_message(launch: Launch, e: Interrupted) -> str:
+    """What an interruption kept and the exact command that goes on: training that stopped after a step resumes from
+    its checkpoint (:func:`resume_hint`); a command stopped elsewhere kept nothing and is redone as launched."""
+    if e.step is not None:
+        return f"Interrupted: {e}\n{resume_hint(launch, e.checkpoint)}"
+    run = f"MLflow run {e.run_id} " if e.run_id else "the MLflow run "
+    if e.finished:
+        return f"Interrupted: {e}; {run}had FINISHED with everything kept, nothing to redo."
+    kept = f"nothing was kept ({run}is KILLED)" if e.run_id else "nothing was kept"
+    command = launch.command()
+    return f"Interrupted: {e}; {kept}; redo it with: {command}" if command else f"Interrupted: {e}; {kept}."
 
 
 def resume_hint(launch: Launch, checkpoint: str | None, after_fix: bool = False) -> str:
@@ -147,3 +188,41 @@ def resume_hint(launch: Launch, checkpoint: str | None, after_fix: bool = False)
         return f"Resume from {checkpoint} with checkpoint.dir={Path(checkpoint).parent.absolute()} (same MLflow run)."
     how = "this command with your change made" if after_fix else "this command"
     return f"Resume this run from {Path(checkpoint).name}, into the same MLflow run, with {how}:\n  {command}"
+
+
+def mark_finished(directory: Path | None) -> None:
+    """Training into ``directory`` finished: mark it, so a later launch does not offer to resume it."""
+    if directory is not None and directory.is_dir():
+        (directory / FINISHED_MARK).write_text("training finished; nothing to resume here\n")
+
+
+def interrupted_runs(launch: Launch, storage: CheckpointStorage, own: Path | None) -> list[Path]:
+    """Checkpoint directories of earlier single launches of this same command (the same overrides, in any order) under
+    ``launch.runs_root`` (``<runs root>/<date>/<time>/checkpoints``) that hold complete checkpoints and did not finish,
+    newest last; ``own`` (this launch's directory) excluded."""
+    if launch.runs_root is None or not launch.runs_root.is_dir():
+        return []
+    found = []
+    for directory in launch.runs_root.glob("*/*/checkpoints"):
+        if (own is not None and directory.absolute() == own.absolute()) or (directory / FINISHED_MARK).exists():
+            continue
+        try:
+            newest = storage.checkpoints(directory)[-1:]
+            overrides = storage.read_meta(newest[0]).get("overrides") if newest else None
+        except (OSError, ValueError):
+            continue  # unreadable: not one to offer
+        if overrides is not None and sorted(overrides) == sorted(launch.overrides):
+            found.append((newest[0].stat().st_mtime, directory))
+    return [d for _, d in sorted(found)]
+
+
+def note_interrupted_runs(launch: Launch, storage: CheckpointStorage, own: Path | None) -> None:
+    """Log one line when an earlier launch of this command left checkpoints in its default directory and did not
+    finish (see the module docstring): which, and the command that resumes it. This launch starts over all the same."""
+    found = interrupted_runs(launch, storage, own)
+    if not found or (command := launch.resume_command(found[-1])) is None:
+        return
+    newest = storage.checkpoints(found[-1])[-1]
+    older = f" (and {len(found) - 1} older)" if len(found) > 1 else ""
+    log.warning("an interrupted run of this command left checkpoints in %s%s, up to %s; this launch starts a new run "
+                "from step 0 instead. To continue that run, stop this one and run: %s", found[-1], older, newest.name, command)

@@ -53,6 +53,24 @@ WARNINGS: tuple[WarningNoise, ...] = (
             "the behaviour is unchanged and the call is TorchRec's, not ours (once per rank at start-up).",
     ),
     WarningNoise(
+        message=r"`broadcast_buffers` is deprecated",
+        category=FutureWarning,
+        module=r"torchrec\.distributed\.embeddingbag$",
+        why="the same rename, from TorchRec's lookup of data_parallel tables, which wraps them in DDP with "
+            "broadcast_buffers=False: the planner replicates small tables on GPU (the 4-float per-id weights of DeepFM's "
+            "first-order term, Wide&Deep's wide head, LR and FM, or tables sized from a small file). Unchanged behaviour, "
+            "TorchRec's call (once per rank at start-up).",
+    ),
+    WarningNoise(
+        message=r"fbgemm::dense_embedding_codegen_lookup_function: an autograd kernel was not registered",
+        category=UserWarning,
+        module=r"torch\.autograd\.graph$",  # raised by the C++ engine inside backward(); torch blames its Python entry
+        why="the lookup of a data_parallel (replicated) table, fbgemm's dense TBE kernel, builds its own autograd "
+            "function inside the op instead of registering one to the Autograd key, so torch's fallback warns once on the "
+            "first backward; the gradients are exact (each id's row gets its bag's gradient: checked against a plain "
+            "sum), and the planner replicates only small tables (per-id linear weights, tables sized from small files).",
+    ),
+    WarningNoise(
         message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`",
         category=UserWarning,
         module=r"recsys_runner\.optim\.schedulers$",  # torch blames its caller: ScheduledLR.step, whose first step is torch's own
@@ -78,6 +96,20 @@ WARNINGS: tuple[WarningNoise, ...] = (
 )
 
 LOG_RECORDS: tuple[LogNoise, ...] = (
+    LogNoise(
+        logger="root",  # TorchRec's planner logs it with logging.warning, on the root logger
+        message=r"Sharding spec not found for ",
+        why="the planner replicated a table (data_parallel: it chooses that for small tables, such as the 4-float per-id "
+            "weights of DeepFM's first-order term or a table sized from a small file, on GPU), and a replicated table has "
+            "no sharding spec by design; torchrec.distributed.planner.planners.validate_rank_assignment still logs one "
+            "line per such table of a valid plan. The plan is logged by the runner (sharding plan: … data_parallel).",
+    ),
+    LogNoise(
+        logger="torchrec.distributed.utils",
+        message=r"Sharding Type is data_parallel, caching params will be ignored",
+        why="one line per replicated (data_parallel) table: its weights are an ordinary dense tensor, so the UVM-caching "
+            "options TorchRec passes every sharded table have nothing to apply to; we set no caching options at all.",
+    ),
     LogNoise(
         logger="torch.fx._symbolic_trace",
         message=r"is_fx_tracing will return true for both fx\.symbolic_trace and torch\.export",

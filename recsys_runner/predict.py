@@ -22,6 +22,17 @@ file and first row (``recsys_runner.source``, ``recsys_runner.first_row``). A sh
 collective, so ranks step together: a rank that has run out scores a one-row placeholder batch (discarded)
 until every rank is done.
 
+**Atomic parts.** A part is written as ``.tmp-part-<r>-<n>.parquet`` (a dot name: directory readers and
+``part-*`` globs skip it) and renamed to its final name once its footer is written, so a ``part-*.parquet`` is
+always complete. A run that stops on any exception (a bad row, Ctrl-C, the SIGTERM the lifecycle turns into one)
+deletes the files this rank wrote (its temp part and the parts it finished), leaving no partial output. An
+output directory holding part files of an earlier run (complete, or incomplete: temp parts or parts without a
+readable footer, e.g. from a killed process) is refused before anything is built, listing both kinds;
+``predict.overwrite=true`` deletes them first.
+
+**Columns.** ``predict.columns`` are checked against the input files' columns (Parquet footers, CSV header
+lines or ``data.column_names``, the Criteo layout) before the model is built.
+
 The run is logged to MLflow like evaluate (a child of the training run, with the manifest): ``predict/rows``,
 ``predict/rows_per_s``, ``predict/seconds`` and the ``predict.output`` tag.
 """
@@ -30,9 +41,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import groupby
 from pathlib import Path
 from typing import Any
@@ -50,10 +62,16 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recsys_runner.build import Components, build
 from recsys_runner.config import register_entry_schema, validate
 from recsys_runner.data.encoder import Encoder, Location, Rows
-from recsys_runner.data.schema import Schema
-from recsys_runner.data.sources import CsvSource, Unit
+from recsys_runner.data.schema import Schema, read_schema_file
+from recsys_runner.data.sources import PARQUET_SUFFIXES, CsvSource, Unit, resolve_files
 from recsys_runner.data.tabular import TabularData
-from recsys_runner.data.tabular_config import TabularDataConfig
+from recsys_runner.data.tabular_config import (
+    CRITEO_COLUMNS,
+    CriteoDataConfig,
+    CsvDataConfig,
+    ParquetDataConfig,
+    TabularDataConfig,
+)
 from recsys_runner.errors import ConfigError, require
 from recsys_runner.features import FeatureSpec
 from recsys_runner.inference import LOAD_FIELD, checkpoint_to_load, inference_start, with_training_overrides
@@ -69,6 +87,9 @@ quiet_known_noise()  # the known library warnings, each with its reason (noise.p
 log = logging.getLogger("recsys_runner")
 
 SOURCE_KEY, FIRST_ROW_KEY = b"recsys_runner.source", b"recsys_runner.first_row"
+PART_GLOB = "part-*.parquet"
+TEMP_PREFIX = ".tmp-"
+"""A part being written is ``.tmp-part-<r>-<n>.parquet``, renamed to ``part-<r>-<n>.parquet`` once complete."""
 
 
 @dataclass(kw_only=True)
@@ -78,11 +99,14 @@ class PredictConfig:
     input: str | None = None
     """Files to score: a file, a directory or a glob, in the data option's format; ``null``: ``data.path``."""
     output: str | None = None
-    """Directory for the ``part-<rank>-<n>.parquet`` files (created; must hold no part files yet)."""
+    """Directory for the ``part-<rank>-<n>.parquet`` files (created; must hold no part files yet, see ``overwrite``)."""
     columns: list[str] = field(default_factory=list)
     """Input columns copied to the output beside the scores, e.g. ``[request_id]`` (a label column too, to score offline)."""
     log_every_batches: int = 100
     """Log rows done and rows/s every this many batches (rank 0)."""
+    overwrite: bool = False
+    """Delete the part files (complete or not) an earlier run left in ``output`` before scoring; ``false`` refuses
+    such a directory, so that the parts of two runs never mix."""
 
     def __post_init__(self) -> None:
         require(self.log_every_batches > 0, f"predict.log_every_batches must be positive, got {self.log_every_batches}")
@@ -116,9 +140,8 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> PredictResult:
                           f"the training's data settings, and predict.input=<files to score>")
     require(bool(settings.output), "predict.output is required: the directory for the Parquet part files, e.g. predict.output=scores/")
     output = Path(str(settings.output))
-    if any(output.glob("part-*.parquet")):
-        raise ConfigError(f"predict.output={output} already holds part files of an earlier run; the parts of two runs would mix. "
-                          f"Fix: choose a new predict.output, or delete them")
+    check_output(output, settings.overwrite)
+    check_columns(spec.data, settings)
     checkpoint = checkpoint_to_load(cfg, spec)
     c = build(spec, launch=launch, weights=checkpoint)
     params = {f"predict.{name}": getattr(settings, name) for name in ("input", "output", "columns")}
@@ -147,6 +170,82 @@ def settings_of(cfg: DictConfig) -> PredictConfig:
     return settings
 
 
+def earlier_parts(output: Path) -> tuple[list[Path], list[Path]]:
+    """The part files an earlier run left in ``output``: ``(complete, incomplete)``, each sorted by name; incomplete
+    are temp parts (a write that never finished) and ``part-*.parquet`` files whose Parquet footer cannot be read."""
+    if not output.is_dir():
+        return [], []
+    complete, incomplete = [], []
+    for path in sorted(output.glob(PART_GLOB)):
+        try:
+            pq.read_metadata(path)
+        except (pa.ArrowException, OSError):
+            incomplete.append(path)
+        else:
+            complete.append(path)
+    incomplete += sorted(output.glob(TEMP_PREFIX + PART_GLOB))
+    return complete, sorted(incomplete)
+
+
+def check_output(output: Path, overwrite: bool) -> None:
+    """Refuse an ``output`` holding part files of an earlier run, saying which are complete and which incomplete; with
+    ``overwrite`` delete them instead (every rank may do so: nothing is written before all ranks have built)."""
+    if output.exists() and not output.is_dir():
+        raise ConfigError(f"predict.output={output} is a file, not a directory. Fix: predict.output=<directory for the part files>")
+    complete, incomplete = earlier_parts(output)
+    if not complete and not incomplete:
+        return
+    if overwrite:
+        for path in [*complete, *incomplete]:
+            path.unlink(missing_ok=True)
+        log.info("predict.overwrite=true: deleted %d part file(s) of an earlier run in %s", len(complete) + len(incomplete), output)
+        return
+    said = [f"complete: {_names(complete)}"] if complete else []
+    if incomplete:
+        said.append(f"incomplete (an interrupted write: temp parts, or parts whose Parquet footer cannot be read): {_names(incomplete)}")
+    raise ConfigError(f"predict.output={output} already holds part files of an earlier run ({'; '.join(said)}); the parts of two "
+                      f"runs would mix. Fix: predict.overwrite=true to delete them first, or choose a new predict.output")
+
+
+def _names(paths: list[Path], limit: int = 5) -> str:
+    names = [p.name for p in paths]
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def check_columns(data: TabularDataConfig, settings: PredictConfig) -> None:
+    """Refuse ``predict.columns`` naming a column some input file lacks, before anything is built: each file's columns
+    are read from its Parquet footer, its header line (or ``data.column_names``), or the Criteo layout."""
+    if not settings.columns:
+        return
+    key = "predict.input" if settings.input else "data.path"
+    path = settings.input or data.path
+    for file, names in _file_columns(data, path, key):
+        missing = [c for c in settings.columns if c not in names]
+        if missing:
+            raise ConfigError(f"predict.columns={list(settings.columns)} names {missing} (not in {file}, one of the files "
+                              f"{key}={path!r} names); its columns are {names}. Fix: predict.columns=<some of those>")
+
+
+def _file_columns(data: TabularDataConfig, path: str, key: str) -> Iterator[tuple[str, list[str]]]:
+    """``(file, its column names)`` for each file ``path`` names, read as ``data`` reads them (no rows read)."""
+    if isinstance(data, ParquetDataConfig):
+        for file in resolve_files(path, key, PARQUET_SUFFIXES):
+            try:
+                yield file, pq.read_schema(file).names
+            except (pa.ArrowException, OSError):
+                continue  # not a readable Parquet file: reading it reports that, with the fix
+        return
+    files = resolve_files(path, key, None)
+    if isinstance(data, CriteoDataConfig):
+        for file in files:
+            yield file, list(CRITEO_COLUMNS)
+    elif isinstance(data, CsvDataConfig):
+        c = replace(data, **read_schema_file(data.schema)[1]) if data.schema is not None else data  # as CsvData reads them
+        for file in files:
+            yield file, CsvSource([file], [], delimiter=c.delimiter, header=c.header, column_names=c.column_names,
+                                  null_values=c.null_values, block_rows=c.block_rows, on_bad_rows=c.on_bad_rows).header_names()
+
+
 def _check_tasks(tasks: tuple[Task, ...]) -> None:
     for task in tasks:
         require("pointwise" in task.metric_inputs_kinds,
@@ -171,20 +270,24 @@ def predict(c: Components, settings: PredictConfig, output: Path) -> PredictResu
     rows, start = 0, time.monotonic()
     weights = evaluator.ema.swapped_in() if evaluator.ema is not None else contextlib.nullcontext()
     progress = Progress(sum(u.num_rows for u in units), enabled=env.is_main, unit="row", desc="predict", unit_scale=True)
-    with detached(evaluator.pipeline, evaluator.model) as model, weights, torch.no_grad(), progress:
-        model.eval()
-        for n, item in enumerate(_in_step(batches, env.world_size, env.device if env.backend == "nccl" else torch.device("cpu"))):
-            batch = item[1] if item is not None else idle
-            _, (_, logits, _) = model(batch.to(env.device, non_blocking=True))
-            if item is not None:
-                path, _, passthrough, first_row = item
-                writer.write(path, first_row, passthrough, logits)
-                rows += int(logits.shape[0])
-                progress.update(int(logits.shape[0]))
-            if env.is_main and not progress.active and (n + 1) % settings.log_every_batches == 0:
-                _progress(rows, env.world_size, time.monotonic() - start)
-        model.train()
-    writer.close()
+    try:
+        with detached(evaluator.pipeline, evaluator.model) as model, weights, torch.no_grad(), progress:
+            model.eval()
+            for n, item in enumerate(_in_step(batches, env.world_size, env.device if env.backend == "nccl" else torch.device("cpu"))):
+                batch = item[1] if item is not None else idle
+                _, (_, logits, _) = model(batch.to(env.device, non_blocking=True))
+                if item is not None:
+                    path, _, passthrough, first_row = item
+                    writer.write(path, first_row, passthrough, logits)
+                    rows += int(logits.shape[0])
+                    progress.update(int(logits.shape[0]))
+                if env.is_main and not progress.active and (n + 1) % settings.log_every_batches == 0:
+                    _progress(rows, env.world_size, time.monotonic() - start)
+            model.train()
+        writer.close()
+    except BaseException:  # any stop (an error, Ctrl-C, the lifecycle's SIGTERM): no partial output is left behind
+        writer.discard()
+        raise
     seconds = time.monotonic() - start
     total = rows
     if env.world_size > 1:
@@ -296,13 +399,18 @@ def _in_step(items: Iterator[Any], world_size: int, device: torch.device) -> Ite
 
 
 class _PartWriter:
-    """Writes ``part-<rank>-<n>.parquet``, one per input file, each batch's pass-through columns and scores."""
+    """Writes ``part-<rank>-<n>.parquet``, one per input file, each batch's pass-through columns and scores; each part
+    under its temp name (``.tmp-part-…``) until it is complete (:meth:`close`), every file of it deleted by
+    :meth:`discard`."""
 
     def __init__(self, output: Path, rank: int, columns: list[str], tasks: tuple[Task, ...]) -> None:
         self.output, self.rank, self.columns, self.tasks = output, rank, columns, tasks
         self.parts: list[Path] = []
+        """The complete parts, in the order written."""
         self._writer: pq.ParquetWriter | None = None
         self._path: str | None = None
+        self._temp: Path | None = None
+        self._next = 0
 
     def score_columns(self) -> list[str]:
         return ["score" if t.name is None else f"score_{t.name}" for t in self.tasks]
@@ -311,23 +419,44 @@ class _PartWriter:
         outputs = logits.float().reshape(logits.shape[0], -1)
         scores = {name: task.metric_inputs(outputs[:, i], outputs[:, i])[0].cpu().numpy().astype(np.float32)
                   for i, (name, task) in enumerate(zip(self.score_columns(), self.tasks, strict=True))}
-        table = passthrough
-        for name, values in scores.items():
-            table = table.append_column(name, pa.array(values))
+        # built column by column: a table without columns (predict.columns=[]) has no rows to append scores to
+        table = pa.Table.from_arrays([*passthrough.columns, *(pa.array(v) for v in scores.values())],
+                                     names=[*passthrough.column_names, *scores])
         if path != self._path:
             self.close()
-            part = self.output / f"part-{self.rank:05d}-{len(self.parts):05d}.parquet"
+            self._temp = self.output / f"{TEMP_PREFIX}part-{self.rank:05d}-{self._next:05d}.parquet"
+            self._next += 1
             meta = {SOURCE_KEY: str(Path(path).absolute()).encode(), FIRST_ROW_KEY: str(first_row).encode()}
-            self._writer = pq.ParquetWriter(str(part), table.schema.with_metadata(meta))
+            self._writer = pq.ParquetWriter(str(self._temp), table.schema.with_metadata(meta))
             self._path = path
-            self.parts.append(part)
         assert self._writer is not None
         self._writer.write_table(table)
 
     def close(self) -> None:
+        """Finish the part being written (its footer) and give it its final name."""
         if self._writer is not None:
+            assert self._temp is not None
             self._writer.close()
             self._writer = None
+            part = self.output / self._temp.name.removeprefix(TEMP_PREFIX)
+            os.replace(self._temp, part)
+            self.parts.append(part)
+            self._temp = None
+
+    def discard(self) -> None:
+        """Delete everything this writer wrote: the part being written and the parts it finished."""
+        if self._writer is not None:
+            with contextlib.suppress(Exception):
+                self._writer.close()
+            self._writer = None
+        written = [*([self._temp] if self._temp is not None else []), *self.parts]
+        for path in written:
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+        if written:
+            log.warning("predict stopped: deleted the part files rank %d had written (%s), so that no partial output is left",
+                        self.rank, ", ".join(p.name for p in written))
+        self._temp, self.parts = None, []
 
 
 @hydra.main(config_path=CONFIG_PATH, config_name="predict", version_base="1.3")

@@ -15,8 +15,14 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+TRAIN_MODULE = "recsys_runner"
+ENTRY_CONFIGS = {TRAIN_MODULE: "config", "recsys_runner.evaluate": "evaluate", "recsys_runner.predict": "predict",
+                 "recsys_runner.export": "export"}
+"""Each command's module and its own primary config (``--config-name`` is repeated only when it differs)."""
 
 
 @dataclass(frozen=True)
@@ -31,24 +37,40 @@ class Launch:
     """The primary config (``config``, ``evaluate``, …); ``None`` outside the CLI."""
     config_dir: str | None = None
     """A ``--config-dir`` given on the command line, else ``None``."""
+    module: str = TRAIN_MODULE
+    """The module launched, ``python -m <module>``: ``recsys_runner`` (training), ``recsys_runner.evaluate``, …"""
+    runs_root: Path | None = None
+    """Where a single launch's run directories are (``outputs`` for the default ``outputs/<date>/<time>``: two levels
+    above :attr:`output_dir`); ``None`` for a multirun job and outside the CLI."""
 
     @property
     def from_cli(self) -> bool:
         """Whether this is a command-line launch (Hydra composed the config)."""
         return self.config_name is not None
 
+    @property
+    def command_name(self) -> str:
+        """The command in words: ``training``, ``evaluate``, ``predict``, ``export``."""
+        return "training" if self.module == TRAIN_MODULE else self.module.rsplit(".", 1)[-1]
+
     @classmethod
-    def from_hydra(cls) -> Launch:
-        """The launch Hydra is running now; ``Launch()`` outside ``@hydra.main`` (tests, notebooks)."""
+    def from_hydra(cls, module: str | None = None) -> Launch:
+        """The launch Hydra is running now; ``Launch()`` outside ``@hydra.main`` (tests, notebooks). ``module``: the
+        command's module, by default the one ``python -m`` ran (else the one whose config Hydra composed)."""
         from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
 
         if not HydraConfig.initialized():
             return cls()
         hc = HydraConfig.get()
         config_dir = next((s.path for s in hc.runtime.config_sources
                            if s.provider == "command-line" and s.schema == "file"), None)
-        return cls(overrides=tuple(hc.overrides.task), output_dir=Path(hc.runtime.output_dir),
-                   config_name=str(hc.job.config_name) if hc.job.config_name is not None else None, config_dir=config_dir)
+        config_name = str(hc.job.config_name) if hc.job.config_name is not None else None
+        output_dir = Path(hc.runtime.output_dir)
+        runs_root = output_dir.parent.parent if hc.mode == RunMode.RUN else None
+        return cls(overrides=tuple(hc.overrides.task), output_dir=output_dir, config_name=config_name, config_dir=config_dir,
+                   module=module or _launched_module(config_name),
+                   runs_root=runs_root if runs_root is not None and len(runs_root.absolute().parts) > 2 else None)
 
     def under_output_dir(self, name: str) -> Path | None:
         """``<run dir>/<name>`` (``checkpoints``, ``export``) under the CLI; ``None`` from Python."""
@@ -65,14 +87,36 @@ class Launch:
         if not self.from_cli:
             return None
         keep = [o for o in self.overrides if not re.match(r"^[+~]*checkpoint\.(dir|resume)=", o)]
-        args = [*keep, f"checkpoint.dir={Path(checkpoint_dir).absolute()}"]
+        return self._command(TRAIN_MODULE, [*keep, f"checkpoint.dir={Path(checkpoint_dir).absolute()}"])
+
+    def command(self) -> str | None:
+        """The shell command that repeats this launch as it was (the same module and overrides), e.g. to redo an
+        interrupted ``evaluate``; ``None`` outside the CLI."""
+        if not self.from_cli:
+            return None
+        return self._command(self.module, list(self.overrides))
+
+    def _command(self, module: str, overrides: list[str]) -> str:
+        """``python -m <module>`` (torchrun with the same processes per node under torchrun) with the config dir and
+        name of this launch, then ``overrides``."""
+        args = overrides
         if self.config_dir is not None:
             args = ["--config-dir", self.config_dir, *args]
-        if self.config_name not in (None, "config"):
+        if self.config_name not in (None, ENTRY_CONFIGS.get(module, "config")):
             args = ["--config-name", str(self.config_name), *args]
         nproc = os.environ.get("LOCAL_WORLD_SIZE")
         if os.environ.get("TORCHELASTIC_RUN_ID") and nproc and os.environ.get("GROUP_WORLD_SIZE", "1") == "1":
-            launcher = ["torchrun", f"--nproc_per_node={nproc}", "-m", "recsys_runner"]
+            launcher = ["torchrun", f"--nproc_per_node={nproc}", "-m", module]
         else:
-            launcher = ["python", "-m", "recsys_runner"]
+            launcher = ["python", "-m", module]
         return shlex.join([*launcher, *args])
+
+
+def _launched_module(config_name: str | None) -> str:
+    """The command ``python -m`` (or torchrun ``-m``) ran; under another runner (submitit) the one whose primary
+    config Hydra composed; training otherwise."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    name = str(getattr(spec, "name", "") or "").removesuffix(".__main__")
+    if name in ENTRY_CONFIGS:
+        return name
+    return next((module for module, config in ENTRY_CONFIGS.items() if config == config_name), TRAIN_MODULE)

@@ -139,3 +139,27 @@ def test_no_arguments_on_an_empty_store_say_what_to_name(tmp_path: Path) -> None
     MlflowClient(tracking_uri=uri).create_experiment("other")
     with pytest.raises(SystemExit, match=r"no sweep and no experiment 'recsys_runner' .*experiments there: other.*--experiment <name>"):
         compare.main(["--uri", uri, "--no-plots"])
+
+
+@pytest.mark.parametrize("how", ["uri", "bare"])
+def test_a_missing_store_is_not_created(how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--uri sqlite:///missing/dir/x.db`` and a bare ``compare`` in an empty folder: one line naming the URI and how to
+    point at the right store, exit status 2, and nothing left behind (no folder, no ``mlflow.db``)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    if how == "uri":
+        uri = f"sqlite:///{tmp_path}/missing/dir/x.db"
+        assert compare.main(["--uri", uri, "--no-plots"]) == 2
+    else:
+        uri = f"sqlite:///{tmp_path}/mlflow.db"
+        assert compare.main(["--no-plots"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"no MLflow store at {uri}" in err and "creates no store" in err and "Fix: point --uri" in err
+    assert ("(--uri)" if how == "uri" else "(the default, ./mlflow.db)") in err
+    assert list(tmp_path.iterdir()) == [], "compare created something"
+    # An empty database file is no store either.
+    (tmp_path / "empty.db").touch()
+    assert compare.main(["--uri", f"sqlite:///{tmp_path}/empty.db", "--no-plots"]) == 2
+    assert "holds no MLflow tables" in capsys.readouterr().err

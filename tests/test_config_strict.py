@@ -121,19 +121,39 @@ def test_free_form_map_entries_are_still_accepted(make_cfg) -> None:
         (["train.early_stopping.patience=2", "train.eval_every_steps=10", "train.early_stopping.metric=eval/loglos"],
          ["train.early_stopping.metric='eval/loglos' is not an eval metric this run logs (closest: eval/logloss)",
           "Fix: train.early_stopping.metric=eval/logloss"]),
+        # Early stopping off (no patience): a metric set for it is still checked, with how to turn it on.
+        (["train.early_stopping.metric=eval/loglos"],
+         ["train.early_stopping.metric='eval/loglos' is not an eval metric this run logs (closest: eval/logloss)",
+          "Fix: train.early_stopping.metric=eval/logloss; early stopping is off until train.early_stopping.patience is set"]),
         (["metrics.eval=[auc,gauc]", "metrics.grouping_key=cat_00"],
          ["metrics.grouping_key='cat_00' is not a sparse feature of the data (closest: cat_0)", "valid: cat_0, cat_1,"]),
         (["model=mmoe", "data=synthetic_multitask", "train.objective=eval/auc"],
          ["train.objective='eval/auc' is not an eval metric this run logs", "valid: eval/ctr/auc, eval/ctr/logloss, "
           "eval/cvr/auc, eval/cvr/logloss"]),
     ],
-    ids=["objective", "best-metric", "early-stopping-metric", "grouping-key", "multitask-objective"],
+    ids=["objective", "best-metric", "early-stopping-metric", "early-stopping-off-metric", "grouping-key", "multitask-objective"],
 )
 def test_cli_checks_metric_and_feature_keys_before_training(tmp_path: Path, overrides: list[str], fragments: list[str]) -> None:
     out = _cli(tmp_path, *overrides)
     _assert_config_error(out, *fragments)
     assert not STEP_LINE.search(out.stdout + out.stderr), "training started before the check"
     assert _runs(tmp_path) == [], "an MLflow run was created before the check"
+
+
+def test_early_stopping_metric_is_checked_when_set_even_with_early_stopping_off(make_cfg) -> None:
+    """Unknown ``train.early_stopping.metric``: an error with ``patience`` set, and also without it when the metric was
+    set (its default, which a regression model does not log, is then not checked); a known one without ``patience``
+    is fine."""
+    from recsys_runner.config import check_eval_keys
+    from recsys_runner.tasks import SINGLE_TASK, RegressionTask
+
+    tasks = SINGLE_TASK
+    names = ["cat_0"]
+    for extra in ([], ["train.early_stopping.patience=2", "train.eval_every_steps=10"]):
+        with pytest.raises(ConfigError, match=r"train\.early_stopping\.metric='eval/nope' is not an eval metric"):
+            check_eval_keys(validate(make_cfg("train.early_stopping.metric=eval/nope", *extra, "tracking=none")), tasks, names)
+    check_eval_keys(validate(make_cfg("train.early_stopping.metric=eval/logloss", "tracking=none")), tasks, names)
+    check_eval_keys(validate(make_cfg("train.objective=eval/mse", "tracking=none")), (RegressionTask(),), names)  # default: unchecked
 
 
 def test_cli_accepts_a_task_metric_of_a_multitask_model(tmp_path: Path) -> None:

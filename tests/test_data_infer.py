@@ -61,9 +61,10 @@ def test_infer_schema_from_csv(tmp_path: Path, caplog: pytest.LogCaptureFixture)
     assert [(d.name, d.transform) for d in schema.dense] == [("price", "log1p"), ("seconds", "log1p"), ("delta", "none")]
     sparse = {s.name: s for s in schema.sparse}
     assert list(sparse) == ["user_id", "site", "tags"]  # row_id: a different value in every row, left out
-    assert sparse["user_id"].num_embeddings == bucket_count(len(set(cols["user_id"])), 2.0) == 100
-    assert sparse["site"].num_embeddings == bucket_count(25, 2.0) == 50 and sparse["site"].encoding == "hash"
-    assert sparse["tags"].separator == "|" and sparse["tags"].num_embeddings == bucket_count(12, 2.0) == 50
+    # the sample holds every row: a vocabulary of each column's values plus data.infer.oov_buckets (16) rows
+    assert sparse["user_id"].num_embeddings == len(set(cols["user_id"])) + 16 == 56 and sparse["user_id"].encoding == "vocab"
+    assert sparse["site"].num_embeddings == 25 + 16 and sparse["site"].encoding == "vocab" and sparse["site"].oov_buckets == 16
+    assert sparse["tags"].separator == "|" and sparse["tags"].num_embeddings == 12 + 16
     assert "left out 'row_id': a different value in every sampled row" in caplog.text
     batch = next(iter(data.train_batches(0, 0, 1)))
     assert batch.sparse_features.keys() == ["user_id", "site", "tags"] and batch.dense_features.shape == (32, 3)
@@ -86,7 +87,7 @@ def test_infer_schema_from_parquet(tmp_path: Path) -> None:
     assert data.schema.label == "target"
     assert [d.name for d in data.schema.dense] == ["price", "seen"]
     assert [(s.name, s.num_embeddings, s.separator) for s in data.schema.sparse] == [
-        ("user_id", 100, None), ("site", 50, None), ("tags", 50, None)]  # a list column: multi-hot as is
+        ("user_id", 56, None), ("site", 41, None), ("tags", 28, None)]  # a list column: multi-hot as is
     batch = next(iter(data.train_batches(0, 0, 1)))
     assert int(batch.sparse_features["tags"].lengths().max()) > 1
 
@@ -104,7 +105,13 @@ def test_no_label_column_names_the_columns_and_the_fix(tmp_path: Path) -> None:
 def test_sparse_columns_without_sizes_are_sized_from_the_data(tmp_path: Path) -> None:
     write_mixed_csv(tmp_path / "m.csv")
     data = csv_data(tmp_path / "m.csv", label="Click", sparse=[{"name": "user_id"}, {"name": "site", "num_embeddings": 64}])
-    assert [(s.name, s.num_embeddings, s.encoding) for s in data.schema.sparse] == [("user_id", 100, "hash"), ("site", 64, "id")]
+    assert [(s.name, s.num_embeddings, s.encoding) for s in data.schema.sparse] == [("user_id", 56, "vocab"), ("site", 64, "id")]
+    hashed = csv_data(tmp_path / "m.csv", label="Click", sparse=[{"name": "user_id", "encoding": "hash"}])  # asked for: hashed, sized × 2
+    assert [(s.name, s.num_embeddings, s.encoding) for s in hashed.schema.sparse] == [("user_id", bucket_count(40, 2.0), "hash")]
+    sampled = csv_data(tmp_path / "m.csv", label="Click", sparse=[{"name": "user_id"}, {"name": "row_id"}],
+                       infer={"sample_rows": 300, "max_unseen_fraction": 0.05})
+    # 300 of 600 rows sampled: user_id's 40 values recur (covered: a vocabulary), row_id's are each seen once (hashed)
+    assert [(s.name, s.encoding) for s in sampled.schema.sparse] == [("user_id", "vocab"), ("row_id", "hash")]
     assert data.schema.dense == []  # a listed schema is used as written
 
 

@@ -122,3 +122,82 @@ def test_cli_evaluate_takes_the_training_overrides_from_the_checkpoint(tmp_path:
     assert auc is not None and float(auc.group(1)) == pytest.approx(float(final), abs=1e-4)
     wider = evaluate_cli("hydra.run.dir=eval2", "model.embedding_dim=16")
     assert wider.returncode != 0 and "does not match this model config" in wider.stderr and "Traceback" not in wider.stderr
+
+
+def test_cli_evaluate_sets_keys_of_the_trainings_data_option(tmp_path: Path) -> None:
+    """Trained on a Parquet file, ``evaluate load=<checkpoints> data.eval_path=<another file>`` composes the training's
+    ``data=parquet data.path=…`` first (from the checkpoint's saved overrides), so ``data.eval_path`` (a key only file
+    data has) is set on it and that file is evaluated; ``+data.eval_path`` works as well."""
+    from recsys_runner.data.generate import write_criteo_parquet
+    from tests.conftest import run_cli
+
+    write_criteo_parquet(str(tmp_path / "train.parquet"), 4096, seed=1, num_embeddings=1000, row_group_rows=1024)
+    write_criteo_parquet(str(tmp_path / "day2.parquet"), 2048, seed=7, num_embeddings=1000, row_group_rows=1024)
+    trained = ["data=parquet", "data.path=train.parquet", "data.batch_size=256", "train.num_steps=10",
+               "train.log_every_steps=10", "train.eval_every_steps=null", "distributed.device=cpu", "tracking=none",
+               "hydra.run.dir=train"]
+    done = run_cli(*trained, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    def evaluate_cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "recsys_runner.evaluate", "load=train/checkpoints", *args],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
+
+    out = evaluate_cli("data.eval_path=day2.parquet", "tracking=none", "hydra.run.dir=eval")
+    assert out.returncode == 0, out.stderr[-3000:]
+    logged = out.stdout + out.stderr
+    assert "using the overrides of the training launch" in logged and "data=parquet data.path=train.parquet" in logged
+    auc = re.search(r"evaluate .*step_00000010 \(step 10\): eval/auc=([0-9.]+)", logged)
+    assert auc is not None, logged[-3000:]
+    # The same checkpoint on day2.parquet, all overrides spelled out: the same number, so that file was evaluated.
+    (tmp_path / "eval").mkdir(exist_ok=True)
+    ckpt = next((tmp_path / "train" / "checkpoints").glob("step_*"))
+    spelled = [o.replace("=train.parquet", f"={tmp_path}/train.parquet") for o in trained if not o.startswith("hydra.")]
+    metrics = evaluate.run(compose_entry("evaluate", *spelled, f"data.eval_path={tmp_path}/day2.parquet", f"load={ckpt}"))
+    assert metrics["eval/auc"] == pytest.approx(float(auc.group(1)), abs=1e-5)
+    # +data.eval_path (what Hydra suggests when data.eval_path is not in the default data) composes the same.
+    shown = evaluate_cli("+data.eval_path=day2.parquet", "--cfg", "job")
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    assert "eval_path: day2.parquet" in shown.stdout and "path: train.parquet" in shown.stdout
+
+
+def test_evaluate_skips_a_checkpoint_rotated_away_after_it_was_chosen(make_cfg: Callable[..., DictConfig], tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """``load=<checkpoints root>`` while a run writes there: keep-last removes the checkpoint evaluate picked (here, made
+    deterministic, right after it was picked, once a newer one exists); evaluate loads the newest complete one instead,
+    with a warning naming both, and its run names the one loaded."""
+    import shutil
+
+    from recsys_runner.tracking import lineage
+
+    extra = ("train.num_steps=20", "checkpoint.every_steps=10", "checkpoint.keep_last=null", f"checkpoint.dir={tmp_path}/ck")
+    overrides = _training_overrides(make_cfg, *extra)
+    train(make_cfg(*extra))
+    root = tmp_path / "ck"
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000010", "step_00000020"]
+    newest = root / "step_00000020"
+    shutil.move(str(newest), str(tmp_path / "later"))  # for now, the newest is step 10
+    resolve = lineage.resolve_checkpoint
+
+    def pick_then_rotate(spec: str, **kwargs: object) -> Path:
+        picked = resolve(spec, **kwargs)
+        assert picked == root / "step_00000010"
+        shutil.move(str(tmp_path / "later"), str(newest))  # the run saves step 20 ...
+        shutil.rmtree(picked)  # ... and keep_last=1 removes step 10
+        return picked
+
+    monkeypatch.setattr(lineage, "resolve_checkpoint", pick_then_rotate)
+    metrics = evaluate.run(compose_entry("evaluate", *overrides, f"load={root}"))
+    assert set(metrics) == {"eval/auc", "eval/logloss"}
+    assert f"checkpoint {root / 'step_00000010'} is gone" in caplog.text and f"loading {newest}" in caplog.text
+    client = MlflowClient(tracking_uri=make_cfg().tracking.uri)
+    experiment = client.get_experiment_by_name(make_cfg().tracking.experiment)
+    (logged,) = client.search_runs([experiment.experiment_id], "tags.entry = 'evaluate'")
+    assert logged.data.tags["checkpoint"] == str(newest) and logged.data.tags["checkpoint_step"] == "20"
+
+    # Damaged with nothing newer to take its place: refused as before.
+    (newest / "rank0.pt").unlink()
+    monkeypatch.setattr(lineage, "resolve_checkpoint", resolve)
+    with pytest.raises(CheckpointError, match=r"step_00000020 is damaged \(rank0.pt is missing\). Fix: point load= at another"):
+        evaluate.run(compose_entry("evaluate", *overrides, f"load={newest}"))

@@ -15,10 +15,12 @@ import itertools
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -35,6 +37,7 @@ from recsys_runner.build import build
 from recsys_runner.config import validate
 from recsys_runner.errors import CheckpointError, ConfigError
 from recsys_runner.paths import CONFIG_PATH
+from recsys_runner.train.signals import Interrupted
 from tests.conftest import REPO, TINY
 
 SMALL = ["data.batch_size=64", "data.num_train_rows=1024", "data.num_eval_rows=256", "train.num_steps=3",
@@ -245,3 +248,63 @@ def test_a_model_that_cannot_be_exported_is_named_with_the_reason() -> None:
     batch = Batch(dense_features=torch.randn(3, 2), sparse_features=kjt, labels=torch.zeros(3))
     with pytest.raises(ConfigError, match=r"model BranchesOnIds cannot be exported with torch.export \(.*\)\. Its forward must be traceable"):
         export.export_program(export.ServingModule(BranchesOnIds(), ["a"]), batch)
+
+
+def test_export_refuses_a_used_dir_before_building_and_overwrite_replaces_the_whole_export(
+        make_cfg, export_cfg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    train_run(make_cfg(*SMALL, f"checkpoint.dir={tmp_path / 'ck'}"))
+    out = tmp_path / "export"
+    out.mkdir()
+    for stale in ("model.pt2", "feature_spec.json", "user_tower.pt2", "item_tower.pt2"):  # an earlier DSSM export
+        (out / stale).write_text("dssm")
+    cfg = [*SMALL, f"load={tmp_path / 'ck'}", f"export.dir={out}"]
+
+    def no_build(*_: object) -> None:
+        raise AssertionError("the model was built before export.dir was refused")
+
+    monkeypatch.setattr(export, "build_unsharded", no_build)
+    with pytest.raises(ConfigError, match=rf"export.dir={out} is not empty \(it holds \['feature_spec.json', 'item_tower.pt2', "
+                                          r".*Fix: export.overwrite=true to replace them, or a new export.dir"):
+        export.run(export_cfg(*cfg))
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=r"holds \['notes.txt'\], which no export writes; export.overwrite=true replaces only"):
+        export.run(export_cfg(*SMALL, f"load={tmp_path / 'ck'}", f"export.dir={tmp_path / 'other'}", "export.overwrite=true"))
+    monkeypatch.undo()
+
+    # overwrite: the DeepFM export replaces the DSSM one as a whole (no tower files left beside it)
+    assert export.run(export_cfg(*cfg, "export.overwrite=true")) == out
+    written = {"model.pt2", "feature_spec.json", "example.pt", "manifest.json"}
+    assert {p.name for p in out.iterdir()} == written
+    assert json.loads((out / export.FEATURE_SPEC_FILE).read_text())["model"] == "DeepFM"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "export", "other"]  # no temporary sibling left
+
+    # stopped after every file is written (Ctrl-C, or the lifecycle's SIGTERM) but before the move: the export in place
+    # stays whole and the temporary directory is gone
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    write_export = export.write_export
+
+    def stopped(*args: Any, **kwargs: Any) -> list[str]:
+        write_export(*args, **kwargs)
+        assert {p.name for p in kwargs["out"].iterdir()} >= written - {"manifest.json"} and kwargs["out"] != out
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export, "write_export", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        export.run(export_cfg(*cfg, "export.overwrite=true"))
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "export", "other"]
+
+
+class StoppedWhileTraced(nn.Module):
+    """A model whose forward is where the lifecycle's signal handler raises (SIGTERM while torch.export traces it)."""
+
+    def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        raise Interrupted(signal.SIGTERM, None, None)
+
+
+def test_a_signal_while_tracing_is_a_stop_not_a_model_that_cannot_be_exported() -> None:
+    kjt = KeyedJaggedTensor(keys=["a"], values=torch.tensor([1, 7, 3]), lengths=torch.tensor([1, 1, 1]))
+    batch = Batch(dense_features=torch.randn(3, 2), sparse_features=kjt, labels=torch.zeros(3))
+    with pytest.raises(Interrupted):
+        export.export_program(export.ServingModule(StoppedWhileTraced(), ["a"]), batch)

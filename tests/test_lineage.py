@@ -73,7 +73,12 @@ def test_a_dirty_tree_logs_its_diff_and_tags_mlflow_source() -> None:
 def test_resolve_checkpoint_explains_what_is_missing(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="neither a directory nor a known MLflow run id"):
         lineage.resolve_checkpoint(str(tmp_path / "nope"))
-    with pytest.raises(CheckpointError, match="holds no complete checkpoint"):
+    with pytest.raises(CheckpointError, match=r"holds no complete checkpoint .*point load= at one"):
         lineage.resolve_checkpoint(str(tmp_path))
-    with pytest.raises(CheckpointError, match="has no 'checkpoint_dir' tag"):
+    with pytest.raises(CheckpointError, match=r"has no 'checkpoint_dir' tag.*instead: load=<path>"):
         lineage.resolve_checkpoint("abc123", lookup_run=lambda run_id: {})
+    with pytest.raises(CheckpointError, match=r"does not exist on this machine; copy them here and pass load=<path>"):
+        lineage.resolve_checkpoint("abc123", lookup_run=lambda run_id: {lineage.CHECKPOINT_DIR_TAG: str(tmp_path / "gone")})
+    # evaluate, predict and export take load=; no hint names the checkpoint= of another command
+    source = Path(lineage.__file__).read_text()
+    assert "checkpoint=<" not in source and "point checkpoint=" not in source

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -120,3 +121,110 @@ def test_predict_two_ranks_write_disjoint_parts_covering_the_input(trained: list
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
     (run,) = client.search_runs([client.get_experiment_by_name("predict").experiment_id], "tags.entry = 'predict'")
     assert run.data.tags["manifest.world_size"] == "2" and run.data.metrics["predict/rows"] == 1400
+
+
+@pytest.fixture(scope="module")
+def trained_once(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+    """A DeepFM trained once for this module's cheap tests (its own store): its directory and training overrides."""
+    root = tmp_path_factory.mktemp("predict_trained")
+    (root / "train").mkdir()
+    write_criteo_parquet(str(root / "train" / "a.parquet"), 1000, seed=0, num_embeddings=1000)
+    overrides = [*_overrides(root, f"sqlite:///{root}/mlflow.db"), "train.num_steps=2"]
+    register_configs()
+    with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
+        train(compose(config_name="config", overrides=overrides))
+    return root, overrides
+
+
+def _no_build(*_: object, **__: object) -> None:
+    raise AssertionError("the model was built before the config was refused")
+
+
+def test_predict_default_columns_and_a_stop_mid_write_leaves_no_part(trained_once: tuple[Path, list[str]], tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    root, trained = trained_once
+    (tmp_path / "score").mkdir()
+    for i, name in enumerate(["b", "c"]):
+        _score_file(tmp_path / "score" / f"{name}.parquet", 300, seed=i + 1, row_group_size=300)
+    entry = [*trained, f"load={root}/ck", f"predict.input={tmp_path}/score"]
+
+    # predict.columns=[] (the default): the scores alone, one row per input row
+    result = predict.run(compose_entry("predict", *entry, f"predict.output={tmp_path}/out"))
+    assert [p.name for p in result.parts] == ["part-00000-00000.parquet", "part-00000-00001.parquet"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [p.name for p in result.parts]
+    for part in result.parts:
+        written = pq.read_table(part)
+        assert written.column_names == ["score"] and written.num_rows == 300
+
+    # Ctrl-C (or the lifecycle's SIGTERM) in the second file's second batch: b's finished part and c's temp part are deleted
+    write = predict._PartWriter.write
+    in_c = []
+
+    def stop_in_second_file(self: predict._PartWriter, path: str, *args: Any) -> None:
+        if path.endswith("c.parquet"):
+            in_c.append(path)
+            if len(in_c) == 2:
+                stopped = sorted(p.name for p in (tmp_path / "stopped").iterdir())
+                assert stopped == [".tmp-part-00000-00001.parquet", "part-00000-00000.parquet"]
+                raise KeyboardInterrupt
+        write(self, path, *args)
+
+    monkeypatch.setattr(predict._PartWriter, "write", stop_in_second_file)
+    with pytest.raises(KeyboardInterrupt):
+        predict.run(compose_entry("predict", *entry, f"predict.output={tmp_path}/stopped"))
+    assert list((tmp_path / "stopped").iterdir()) == []
+
+    # a write failing mid-file (after its first batch is written) leaves no temp part either
+    calls = []
+
+    def fail_after_first_batch(self: predict._PartWriter, *args: Any) -> None:
+        calls.append(1)
+        if len(calls) > 1:
+            assert len(list((tmp_path / "failed").glob(".tmp-part-*"))) == 1 and not list((tmp_path / "failed").glob("part-*"))
+            raise OSError("disk full")
+        write(self, *args)
+
+    monkeypatch.setattr(predict._PartWriter, "write", fail_after_first_batch)
+    with pytest.raises(OSError, match="disk full"):
+        predict.run(compose_entry("predict", *entry, f"predict.output={tmp_path}/failed", f"data.batch_size={BATCH // 2}"))
+    assert list((tmp_path / "failed").iterdir()) == []
+
+
+def test_predict_refuses_an_output_with_earlier_parts_naming_the_incomplete_ones(
+        trained_once: tuple[Path, list[str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root, trained = trained_once
+    table = _score_file(tmp_path / "b.parquet", 200, seed=1, row_group_size=200)
+    out = tmp_path / "out"
+    out.mkdir()
+    pq.write_table(table, out / "part-00000-00000.parquet")
+    truncated = (out / "part-00000-00000.parquet").read_bytes()[:-100]
+    (out / "part-00001-00000.parquet").write_bytes(truncated)  # a part killed mid-write by an older version
+    (out / ".tmp-part-00002-00000.parquet").write_bytes(truncated)  # a temp part of a process killed with SIGKILL
+    cfg = compose_entry("predict", *trained, f"load={root}/ck", f"predict.input={tmp_path}/b.parquet", f"predict.output={out}",
+                        "predict.columns=[request_id]")
+    monkeypatch.setattr(predict, "build", _no_build)
+    with pytest.raises(ConfigError, match=r"already holds part files of an earlier run \(complete: part-00000-00000.parquet; "
+                                          r"incomplete .*: .tmp-part-00002-00000.parquet, part-00001-00000.parquet\).*"
+                                          r"Fix: predict.overwrite=true to delete them first"):
+        predict.run(cfg)
+    monkeypatch.undo()
+
+    cfg.predict.overwrite = True
+    result = predict.run(cfg)
+    assert sorted(p.name for p in out.iterdir()) == ["part-00000-00000.parquet"]
+    assert pq.read_table(result.parts[0])["request_id"].to_pylist() == table["request_id"].to_pylist()
+
+
+def test_predict_columns_missing_from_the_input_fail_before_the_model_is_built(tmp_path: Path,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(predict, "build", _no_build)
+    _score_file(tmp_path / "b.parquet", 10, seed=1, row_group_size=10)
+    with pytest.raises(ConfigError, match=r"predict.columns=\['request_id', 'request'\] names \['request'\] \(not in .*b.parquet.*"
+                                          r"its columns are \[.*'request_id'\]. Fix: predict.columns="):
+        predict.run(compose_entry("predict", "data=parquet", f"data.path={tmp_path}/b.parquet", "load=nowhere",
+                                  f"predict.output={tmp_path}/out", "predict.columns=[request_id,request]"))
+    (tmp_path / "in.csv").write_text("label,price,item\n1,2.0,7\n")
+    with pytest.raises(ConfigError, match=r"names \['id'\] .*its columns are \['label', 'price', 'item'\]"):
+        predict.run(compose_entry("predict", "data=csv", f"data.path={tmp_path}/in.csv", "load=nowhere",
+                                  f"predict.output={tmp_path}/out", "predict.columns=[id]"))
+    assert not (tmp_path / "out").exists()

@@ -25,8 +25,9 @@ def preset_cfg(make_cfg, experiment: str, path: Path, *overrides: str):
      ("avazu_csv", lambda p: write_avazu_csv(str(p), 4000), "train.csv", [], 0.55),
      ("movielens", lambda p: write_movielens_ratings(str(p), 4000), "u.data", [], 0.7),
      ("movielens", lambda p: write_movielens_ratings(str(p), 4000, layout="ratings.csv"), "ratings.csv",
-      ["data.delimiter=comma", "data.header=true", "data.column_names=null"], 0.7)],
-    ids=["criteo_tsv", "avazu_csv", "movielens_u.data", "movielens_ratings.csv"],
+      ["data.delimiter=comma", "data.header=true", "data.column_names=null"], 0.7),
+     ("movielens", lambda p: write_movielens_ratings(str(p), 4000, layout="ratings.csv"), "ratings.csv", [], 0.7)],
+    ids=["criteo_tsv", "avazu_csv", "movielens_u.data", "movielens_ratings.csv", "movielens_ratings.csv_detected"],
 )
 def test_preset_trains_one_epoch_on_its_layout(make_cfg, tmp_path: Path, experiment: str, write, name: str,
                                                overrides: list[str], auc: float) -> None:
@@ -47,7 +48,8 @@ def test_criteo_preset_sizes_tables_from_the_file(make_cfg, tmp_path: Path) -> N
     write_criteo_tsv(str(tmp_path / "train.txt"), 1000, cardinality=50)
     data = validate(preset_cfg(make_cfg, "criteo_tsv", tmp_path / "train.txt")).data.build(device="cpu")
     sizes = [f.num_embeddings for f in data.features.sparse]
-    assert len(sizes) == 26 and all(s in (10, 20, 50, 100) for s in sizes), sizes  # ≤ 50 distinct values × 2, rounded
-    assert all(isinstance(c, SparseColumn) and c.encoding == "mod" and c.hex for c in data.schema.sparse)
+    # the sample is the whole file: a vocabulary of each column's <= 50 values + data.infer.oov_buckets (16) rows
+    assert len(sizes) == 26 and all(s <= 50 + 16 for s in sizes), sizes
+    assert all(isinstance(c, SparseColumn) and c.encoding == "vocab" and c.hex and c.oov_buckets == 16 for c in data.schema.sparse)
     assert all(isinstance(d, DenseColumn) and d.transform == "log1p" for d in data.schema.dense)
     assert re.fullmatch(r"cat_\d+", data.features.sparse_names[-1])

@@ -25,6 +25,7 @@ that resumes it (:meth:`recsys_runner.runtime.Launch.resume_command`, the origin
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Mapping
@@ -40,7 +41,7 @@ from recsys_runner.checkpoint import resume
 from recsys_runner.checkpoint.config import CheckpointConfig, TrainState
 from recsys_runner.checkpoint.guard import check_finite, finite_state
 from recsys_runner.checkpoint.lock import DirectoryInUse, DirectoryLock
-from recsys_runner.checkpoint.storage import CheckpointStorage, DcpFileStorage, checkpoint_name, step_of
+from recsys_runner.checkpoint.storage import STEP_DIR, CheckpointStorage, DcpFileStorage, checkpoint_name, step_of
 from recsys_runner.checkpoint.weights import TrainingParts, load_into
 from recsys_runner.distributed.env import decided_on_rank0
 from recsys_runner.errors import CheckpointError, ConfigError
@@ -48,6 +49,9 @@ from recsys_runner.metrics.registry import improved
 from recsys_runner.runtime import Launch
 
 log = logging.getLogger(__name__)
+
+_ROTATION_RETRIES = 5
+"""How many times :meth:`Checkpointer.load_weights` moves on to a newer checkpoint when the one it loads is rotated away."""
 
 
 class Checkpointer:
@@ -230,17 +234,47 @@ class Checkpointer:
         tensor, so weights of another model config are refused by name, not half-loaded. Returns the checkpoint's
         step and MLflow run id (``meta.json``).
 
+        A checkpoint that a run still writing there rotated away since it was chosen (``keep_last`` removes the oldest
+        step checkpoints after writing a newer one, a new best replaces the old best) is skipped with a warning for the
+        newest complete one of its kind there (a best one for a best one), decided on rank 0; ``resumed_from`` of the returned
+        state names the one loaded.
+
         Raises:
-            CheckpointError: damaged, or written by another model config (naming the first differences).
+            CheckpointError: damaged (and no newer checkpoint replaced it), or written by another model config (naming
+                the first differences).
         """
+        for _ in range(_ROTATION_RETRIES):
+            path = decided_on_rank0(functools.partial(self._still_there, path), self.rank, self.world_size)
+            meta = self.storage.read_meta(path)
+            ours = self._tensor_state(with_optimizer=False)
+            try:
+                loaded = load_into(self.storage, path, ours, rule="exact", world_size=self.world_size)
+            except CheckpointError:
+                raise
+            except Exception:  # DCP's reader fails when the files go while it reads: rotated away meanwhile?
+                if self.storage.is_complete(path) and self.storage.damage(path) is None:
+                    raise
+                continue
+            self.parts.take(loaded, with_optimizer=False)
+            log.info("loaded weights of %s (step %d)", path, meta["step"])
+            return TrainState(step=meta["step"], epoch=meta["epoch"], run_id=meta.get("run_id"), resumed_from=str(path))
+        raise CheckpointError(f"the checkpoints in {path.parent} were rotated away {_ROTATION_RETRIES} times while loading "
+                              f"one; a run is writing there faster than this can read. Fix: load=<a checkpoint kept elsewhere>")
+
+    def _still_there(self, path: Path) -> Path:
+        """``path`` if it can be loaded; else, when a newer checkpoint of its kind replaced it (it was rotated away by
+        the run writing there), the newest complete one of that kind, with a warning."""
         reason = self.storage.damage(path)
-        if reason is not None:
+        if reason is None:
+            return path
+        kind = STEP_DIR.match(path.name)
+        found = self.storage.checkpoints(path.parent, best=bool(kind.group(1))) if kind else []
+        newer = found[-1] if found else None
+        if newer is None or step_of(newer) <= step_of(path) or self.storage.damage(newer) is not None:
             raise CheckpointError(f"checkpoint {path} is damaged ({reason}). Fix: point load= at another checkpoint")
-        meta = self.storage.read_meta(path)
-        loaded = load_into(self.storage, path, self._tensor_state(with_optimizer=False), rule="exact", world_size=self.world_size)
-        self.parts.take(loaded, with_optimizer=False)
-        log.info("loaded weights of %s (step %d)", path, meta["step"])
-        return TrainState(step=meta["step"], epoch=meta["epoch"], run_id=meta.get("run_id"), resumed_from=str(path))
+        log.warning("checkpoint %s is gone (%s): the run writing %s rotated it away (checkpoint.keep_last) after saving "
+                    "newer ones; loading %s, the newest complete one there, instead", path, reason, path.parent, newer)
+        return newer
 
     def close(self) -> None:
         """Release ``dir`` for the next run (also released by the OS if this process dies)."""

@@ -111,12 +111,15 @@ def convert(args: argparse.Namespace) -> None:
         parts, reader = read_schema_file(args.schema)  # the form a training run logs when it infers a schema
         if parts["label"] is None and parts["labels"] is None:
             parts["label"] = "label"
-        schema = Schema(**parts)
         options = {"delimiter": reader.get("delimiter", ","), "header": reader.get("header", True),
                    "column_names": reader.get("column_names"), "null_values": reader.get("null_values", [""])}
     files = [f for p in args.inputs for f in resolve_files(p, "input", None)]
     if args.format == "csv" and not args.schema:
         schema, options = inferred_csv_schema(args, files)
+    elif args.schema:  # vocabularies (and sizes left out) come from the files, as in training
+        sampler = CsvSource(files, [], block_rows=args.row_group_rows, on_bad_rows=args.on_bad_rows, **options)
+        infer = InferConfig(sample_rows=args.sample_rows)
+        schema = complete_schema(**parts, sample=lambda: sampler.sample(infer.sample_rows), config=infer, where=f"the input {files[0]}").schema
     source = CsvSource(files, schema.columns, block_rows=args.row_group_rows, on_bad_rows=args.on_bad_rows, **options)
     encoder = Encoder(schema, args.on_bad_rows)
     out_schema = converted_schema(schema)

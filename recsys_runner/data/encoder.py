@@ -224,6 +224,8 @@ class Encoder:
                             f"into the table with data.sparse[{col.name}].{how} (docs/data.md, 'Sparse column fields')")
                 if col.hex:
                     return f"{shown} is not a hexadecimal string"
+                if col.encoding == "vocab":
+                    return f"{shown} is neither text nor an integer (encoding=vocab)"
                 if col.encoding == "id":
                     return (f"id {shown} is outside [0, {col.num_embeddings}) (encoding=id). Raise data.sparse[{col.name}].num_embeddings, "
                             f"or use encoding=mod or hash")
@@ -236,6 +238,11 @@ class Encoder:
     def _ids(self, col: SparseColumn, flat: pa.Array) -> tuple[np.ndarray, np.ndarray | None]:
         """Encode a flat array of values to ids; also a mask of values that cannot be encoded."""
         is_text = pa.types.is_string(flat.type) or pa.types.is_large_string(flat.type)
+        if col.encoding == "vocab":
+            vocabulary = self.schema.vocabularies.get(col.name)
+            assert vocabulary is not None, f"data.sparse[{col.name}] (encoding=vocab) has no vocabulary: build its schema with complete_schema"
+            keys, wrong = value_keys(flat, col.hex)
+            return vocabulary.lookup(keys), wrong
         if col.encoding == "hash":
             if is_text:
                 return (fnv1a64(flat) % np.uint64(col.size)).astype(np.int64), None
@@ -400,3 +407,19 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return z ^ (z >> np.uint64(31))
+
+
+def value_keys(flat: pa.Array, hex_digits: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    """The 64-bit key of each value of a flat array without nulls, and a mask of values that cannot be keyed
+    (``None`` when all can): text is hashed as text (a ``hex`` column's text parsed first), integers by their 64 bits."""
+    is_text = pa.types.is_string(flat.type) or pa.types.is_large_string(flat.type)
+    if hex_digits:
+        if not is_text:
+            return np.zeros(len(flat), np.uint64), np.ones(len(flat), bool)
+        values, wrong = parse_hex(flat)
+        return splitmix64(values.view(np.uint64)), wrong
+    if is_text:
+        return fnv1a64(flat), None
+    if pa.types.is_integer(flat.type):
+        return splitmix64(np.asarray(flat.to_numpy(zero_copy_only=False), dtype=np.int64).view(np.uint64)), None
+    return np.zeros(len(flat), np.uint64), np.ones(len(flat), bool)

@@ -21,9 +21,17 @@ schema stored by ``convert``), the data module reads the first ``data.infer.samp
     :data:`ROW_ID_MIN_ROWS` rows) is a row id (Avazu's ``id``) and is left out, as is a column that is empty
     in the sample;
 
-* each sparse feature's **bucket count** (``num_embeddings``; also for ``data.sparse`` entries without one and
-  ``data=criteo data.num_embeddings=null``): the distinct values in the sample times ``data.infer.bucket_margin``
-  (room for values the sample missed, fewer hash collisions), rounded up to 1, 2 or 5 × 10^k (at least 4).
+* each sparse feature's **rows** (``num_embeddings``; also for ``data.sparse`` entries without one and
+  ``data=criteo data.num_embeddings=null``):
+
+  - when the sample covers the column (it holds every row of the files, or the values seen once in it make up at
+    most ``data.infer.max_unseen_fraction`` of its values: Good–Turing's estimate of the share of later values it
+    has not seen) → ``encoding: vocab``: a row per distinct value of the sample plus ``data.infer.oov_buckets`` rows
+    that every other value is hashed into (:class:`~recsys_runner.data.vocabulary.Vocabulary`), so an id unseen in
+    training never shares a row with one seen in training;
+  - otherwise (a column with more values than the sample shows) → ``encoding: hash`` (``mod`` for ``hex``): the
+    distinct values in the sample times ``data.infer.bucket_margin`` (room for values the sample missed, fewer hash
+    collisions), rounded up to 1, 2 or 5 × 10^k (at least 4).
 
 The result is logged as a schema file (:func:`~recsys_runner.data.schema.schema_yaml`): save it, edit it and
 pass ``data.schema=<file>`` to train with exactly that schema (``convert --schema`` reads the same form).
@@ -41,7 +49,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from recsys_runner.data.encoder import value_keys
 from recsys_runner.data.schema import DenseColumn, Schema, SparseColumn
+from recsys_runner.data.vocabulary import Vocabulary
 from recsys_runner.errors import DataError, require
 
 log = logging.getLogger(__name__)
@@ -69,6 +79,15 @@ class InferConfig:
     """Columns never used as features (e.g. ``[id]``)."""
     separators: list[str] = field(default_factory=lambda: ["|"])
     """Characters that split a text field into several values (a multi-hot feature, e.g. ``Action|Comedy``)."""
+    oov_buckets: int = 16
+    """Out-of-vocabulary rows of a column given a vocabulary (``encoding: vocab``): every value the sample did not
+    hold (a cold-start user, an item new in the eval data) is hashed into one of them, apart from the rows of the
+    values seen in training."""
+    max_unseen_fraction: float = 0.05
+    """An unsized id column gets a vocabulary when the sample covers it: the sample holds every row of the files, or
+    values seen once make up at most this share of its sampled values (the estimated share of later values that are
+    not in the sample). Otherwise it is hashed into ``distinct × bucket_margin`` rows; ``0``: only a sample of
+    every row gives vocabularies, ``1``: always."""
 
     def __post_init__(self) -> None:
         require(self.sample_rows > 0, f"data.infer.sample_rows must be positive, got {self.sample_rows}")
@@ -76,6 +95,8 @@ class InferConfig:
         require(0 < self.dense_min_distinct_fraction <= 1,
                 f"data.infer.dense_min_distinct_fraction must lie in (0, 1], got {self.dense_min_distinct_fraction}")
         require(all(len(s) == 1 for s in self.separators), f"data.infer.separators must be single characters, got {self.separators}")
+        require(self.oov_buckets >= 1, f"data.infer.oov_buckets must be at least 1, got {self.oov_buckets}. Fix: data.infer.oov_buckets=16")
+        require(0 <= self.max_unseen_fraction <= 1, f"data.infer.max_unseen_fraction must lie in [0, 1], got {self.max_unseen_fraction}")
 
 
 def bucket_count(distinct: int, margin: float) -> int:
@@ -97,11 +118,6 @@ def _flat_values(arr: pa.Array, separator: str | None) -> pa.Array:
         arr = pc.list_flatten(arr)
     arr = arr.drop_null()
     return pc.filter(arr, pc.not_equal(arr, "")) if _text(arr) else arr
-
-
-def _distinct(arr: pa.Array, separator: str | None = None) -> int:
-    values = _flat_values(arr, separator)
-    return len(pc.unique(values)) if len(values) else 0
 
 
 def _kind(arr: pa.Array) -> tuple[str, pa.Array]:
@@ -126,7 +142,7 @@ def _kind(arr: pa.Array) -> tuple[str, pa.Array]:
 
 
 def infer_column(name: str, arr: pa.Array, config: InferConfig) -> tuple[DenseColumn | SparseColumn | None, str | None]:
-    """One sampled column's role: a dense or (sized) sparse column, or ``None`` with the reason it is left out."""
+    """One sampled column's role: a dense or (not yet sized) sparse column, or ``None`` with the reason it is left out."""
     arr = arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
     present = arr.drop_null()
     if _text(present):
@@ -138,12 +154,11 @@ def infer_column(name: str, arr: pa.Array, config: InferConfig) -> tuple[DenseCo
         item = present.type.value_type
         if not (pa.types.is_integer(item) or pa.types.is_string(item) or pa.types.is_large_string(item)):
             return None, f"{name!r}: a list of {item}, not of ids or strings"
-        return SparseColumn(name=name, num_embeddings=bucket_count(_distinct(present), config.bucket_margin), encoding="hash"), None
+        return SparseColumn(name=name), None  # sized (vocab or hash) by complete_schema
     if _text(present):
         separator = next((s for s in config.separators if pc.any(pc.match_substring(present, s)).as_py()), None)
         if separator is not None:
-            size = bucket_count(_distinct(present, separator), config.bucket_margin)
-            return SparseColumn(name=name, num_embeddings=size, encoding="hash", separator=separator), None
+            return SparseColumn(name=name, separator=separator), None
     kind, values = _kind(present)
     if kind == "other":
         return None, f"{name!r}: type {arr.type} is neither a number, text nor a list (list it in data.dense / data.sparse after converting it)"
@@ -151,7 +166,7 @@ def infer_column(name: str, arr: pa.Array, config: InferConfig) -> tuple[DenseCo
     if kind == "text" and distinct == rows and rows >= ROW_ID_MIN_ROWS:
         return None, f"{name!r}: a different value in every sampled row (a row id?); add it to data.sparse to use it"
     if kind == "text" or (kind == "integer" and distinct <= config.dense_min_distinct_fraction * rows):
-        return SparseColumn(name=name, num_embeddings=bucket_count(distinct, config.bucket_margin), encoding="hash"), None
+        return SparseColumn(name=name), None
     numbers = np.asarray(values.cast(pa.float64()).to_numpy(zero_copy_only=False))
     transform = "log1p" if bool((numbers[np.isfinite(numbers)] >= 0).all()) else "none"
     return DenseColumn(name=name, transform=transform), None
@@ -220,11 +235,21 @@ def complete_schema(
         t = read()
         dense, sparse, notes = _infer_columns(t, set(label_columns) | set(config.exclude), config, where)
         inferred.append(f"{len(dense)} dense and {len(sparse)} sparse columns from {t.num_rows} sampled rows")
+    vocabularies: dict[str, Vocabulary] = {}
     for i, col in enumerate(sparse):
         if col.num_embeddings is None:
-            sparse[i] = _sized(col, read(), config, where)
-            inferred.append(f"{col.name} num_embeddings={sparse[i].num_embeddings}")
-    schema = Schema(label=label, labels=labels, label_kinds=label_kinds, label_threshold=label_threshold, dense=dense, sparse=sparse)
+            sparse[i] = col = _sized(col, read(), config, where)
+            inferred.append(f"{col.name} num_embeddings={col.num_embeddings}"
+                            + (f" (vocabulary of {col.size - (col.oov_buckets or 0)} + {col.oov_buckets} OOV rows)" if col.encoding == "vocab" else
+                               f" (encoding={col.encoding}: more values than the sample covers)"))
+        if col.encoding == "vocab":
+            if col.oov_buckets is None:
+                sparse[i] = col = replace(col, oov_buckets=min(config.oov_buckets, col.size - 1))
+            assert col.oov_buckets is not None
+            keys = _keys(col, read(), where)
+            vocabularies[col.name] = Vocabulary.build(keys, col.size - col.oov_buckets, col.oov_buckets)
+    schema = Schema(label=label, labels=labels, label_kinds=label_kinds, label_threshold=label_threshold, dense=dense, sparse=sparse,
+                    vocabularies=vocabularies)
     return Inferred(schema, inferred, notes)
 
 
@@ -254,8 +279,8 @@ def _infer_columns(t: pa.Table, skip: set[str], config: InferConfig, where: str)
     return dense, sparse, notes
 
 
-def _sized(col: SparseColumn, t: pa.Table, config: InferConfig, where: str) -> SparseColumn:
-    """``col`` with ``num_embeddings`` from its distinct values in the sampled table ``t``.
+def _keys(col: SparseColumn, t: pa.Table, where: str) -> np.ndarray:
+    """The vocabulary keys (:func:`~recsys_runner.data.encoder.value_keys`) of ``col``'s sampled values, repeats kept.
 
     Raises:
         DataError: ``t`` has no such column.
@@ -263,5 +288,30 @@ def _sized(col: SparseColumn, t: pa.Table, config: InferConfig, where: str) -> S
     if col.name not in t.column_names:
         raise DataError(f"{where} has no column {col.name!r} (data.sparse); its columns are {t.column_names}. Fix: correct "
                         f"the column names in data.sparse")
-    size = bucket_count(_distinct(t.column(col.name).combine_chunks(), col.separator), config.bucket_margin)
-    return replace(col, num_embeddings=size)
+    values = _flat_values(t.column(col.name).combine_chunks(), col.separator)
+    keys, wrong = value_keys(values, col.hex)
+    return keys if wrong is None else keys[~wrong]
+
+
+def unseen_share(keys: np.ndarray) -> float:
+    """Good–Turing's estimate of the share of later values not among ``keys`` (a sample): values seen once / values."""
+    if not len(keys):
+        return 1.0
+    _, counts = np.unique(keys, return_counts=True)
+    return float((counts == 1).sum()) / len(keys)
+
+
+def _sized(col: SparseColumn, t: pa.Table, config: InferConfig, where: str) -> SparseColumn:
+    """``col`` with ``num_embeddings`` (and, left open, its encoding) from its values in the sampled table ``t``: a
+    vocabulary and ``oov_buckets`` rows when the sample covers the column (or ``encoding: vocab`` asks for one), else
+    ``distinct × bucket_margin`` hashed rows.
+
+    Raises:
+        DataError: ``t`` has no such column.
+    """
+    keys = _keys(col, t, where)
+    distinct = len(np.unique(keys))
+    if col.encoding == "vocab" or (col.encoding is None and (t.num_rows < config.sample_rows or unseen_share(keys) <= config.max_unseen_fraction)):
+        oov = col.oov_buckets or config.oov_buckets
+        return replace(col, encoding="vocab", num_embeddings=distinct + oov, oov_buckets=oov)
+    return replace(col, num_embeddings=bucket_count(distinct, config.bucket_margin), encoding=col.encoding or ("mod" if col.hex else "hash"))

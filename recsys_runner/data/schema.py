@@ -18,11 +18,12 @@ from typing import Any
 import pyarrow.parquet as pq
 import yaml
 
+from recsys_runner.data.vocabulary import Vocabulary
 from recsys_runner.errors import ConfigError, require
 from recsys_runner.features import POOLINGS, FeatureSpec, SparseFeature, check_embedding_dim
 
 DENSE_TRANSFORMS = ("none", "log1p")
-SPARSE_ENCODINGS = ("id", "mod", "hash")
+SPARSE_ENCODINGS = ("id", "mod", "hash", "vocab")
 LABEL_KINDS = ("binary", "regression")
 """How a label column is checked: ``binary`` (every value 0 or 1) or ``regression`` (any finite float)."""
 
@@ -51,12 +52,19 @@ class SparseColumn:
     """Column name in the file; also the feature's name."""
     num_embeddings: int | None = None
     """Rows of the feature's embedding table: ids must lie in ``[0, num_embeddings)``. ``null``: sized from the
-    data, the number of distinct values in a sample of the files times ``data.infer.bucket_margin``, rounded up
-    (``recsys_runner/data/infer.py``; the run logs the size it chose)."""
+    data (``recsys_runner/data/infer.py``; the run logs the size it chose): a vocabulary of the values in a sample of
+    the files plus ``oov_buckets`` rows, or, when the sample does not cover the column, its distinct values times
+    ``data.infer.bucket_margin``, rounded up."""
     encoding: str | None = None
     """``id``: values are ids already (an id outside the table is a bad row); ``mod``: integer value
-    modulo ``num_embeddings``; ``hash``: any value (string or integer) hashed into ``num_embeddings`` buckets.
-    ``null``: ``id`` when ``num_embeddings`` is given, ``hash`` when the data sizes it (``mod`` with ``hex``)."""
+    modulo ``num_embeddings``; ``hash``: any value (string or integer) hashed into ``num_embeddings`` buckets;
+    ``vocab``: each value of the sample of the training files gets a row of its own (the most frequent first, up to
+    ``num_embeddings - oov_buckets``), every other value is hashed into the last ``oov_buckets`` rows, so ids unseen
+    in training never share a row with seen ones (the vocabulary is built from the files at start-up, never stored).
+    ``null``: ``id`` when ``num_embeddings`` is given; when the data sizes it, ``vocab`` if the sample covers the
+    column (``data.infer.max_unseen_fraction``), else ``hash`` (``mod`` with ``hex``)."""
+    oov_buckets: int | None = None
+    """``encoding: vocab``: rows shared by values outside the vocabulary (``null``: ``data.infer.oov_buckets``)."""
     hex: bool = False
     """Values are hexadecimal strings (Criteo's categoricals), parsed to integers before ``encoding``."""
     separator: str | None = None
@@ -72,10 +80,15 @@ class SparseColumn:
 
     def __post_init__(self) -> None:
         key = f"data.sparse[{self.name}]"
-        if self.encoding is None:
-            self.encoding = "id" if self.num_embeddings is not None else ("mod" if self.hex else "hash")
+        if self.encoding is None and self.num_embeddings is not None:
+            self.encoding = "id"  # unsized: decided when the data sizes it (vocab or hash)
         require(self.num_embeddings is None or self.num_embeddings > 0, f"{key}.num_embeddings must be positive, got {self.num_embeddings}")
-        require(self.encoding in SPARSE_ENCODINGS, f"{key}.encoding={self.encoding!r} must be one of {SPARSE_ENCODINGS}")
+        require(self.encoding is None or self.encoding in SPARSE_ENCODINGS,
+                f"{key}.encoding={self.encoding!r} must be one of {SPARSE_ENCODINGS}")
+        require(self.oov_buckets is None or self.oov_buckets >= 1, f"{key}.oov_buckets must be at least 1, got {self.oov_buckets}")
+        require(self.encoding != "vocab" or self.num_embeddings is None or self.oov_buckets is None
+                or self.num_embeddings > self.oov_buckets,
+                f"{key}: num_embeddings={self.num_embeddings} leaves no row for the vocabulary beside oov_buckets={self.oov_buckets}")
         require(self.pooling in POOLINGS, f"{key}.pooling={self.pooling!r} must be one of {sorted(POOLINGS)}")
         if self.embedding_dim is not None:
             check_embedding_dim(f"{key}.embedding_dim", self.embedding_dim)
@@ -137,6 +150,9 @@ class Schema:
     """A numeric ``label`` column made binary: ``1`` where the value is ``>=`` this (ratings → clicks), else ``0``."""
     dense: list[DenseColumn] = field(default_factory=list)
     sparse: list[SparseColumn] = field(default_factory=list)
+    vocabularies: dict[str, Vocabulary] = field(default_factory=dict, repr=False, compare=False)
+    """The vocabulary of each ``encoding: vocab`` column, by column name, built from a sample of the training files
+    (:func:`recsys_runner.data.infer.complete_schema`); runtime state, never written to a schema file."""
 
     def __post_init__(self) -> None:
         check_labels(self.label, self.labels, self.label_kinds)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -25,7 +26,45 @@ PARQUET_MAGIC = b"PAR1"
 """The 4 bytes every Parquet file begins (and ends) with."""
 DELIMITER_NAMES = {"\t": "tabs", ",": "commas", ";": "semicolons", "|": "pipes"}
 """Delimiters recognized when a file's lines look split by another one than ``data.delimiter``."""
+DELIMITER_OPTIONS = {"\t": "tab", ",": "comma", ";": "semicolon", "|": "pipe"}
+"""How each detectable delimiter is written on the command line (``data.delimiter=comma``)."""
 _SNIFF_BYTES = 4096
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_ .\-]*$")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _fields(line: str, delimiter: str) -> list[str]:
+    return [f.strip().strip('"') for f in line.split(delimiter)]
+
+
+def detect_delimiter(lines: list[str]) -> str | None:
+    """The delimiter of :data:`DELIMITER_NAMES` that splits the first lines into the same number (> 1) of fields, the
+    one giving the most fields; ``None`` if none does."""
+    best: tuple[int, str] | None = None
+    for d in DELIMITER_NAMES:
+        counts = {line.count(d) for line in lines}
+        if len(counts) == 1 and (n := counts.pop()) > 0 and (best is None or n > best[0]):
+            best = (n, d)
+    return None if best is None else best[1]
+
+
+def looks_like_header(lines: list[str], delimiter: str) -> bool:
+    """Whether the first of ``lines`` names columns: every field a name (not a number, not empty), and the next line
+    has a number in a field where it has a name."""
+    first = _fields(lines[0], delimiter)
+    if not all(_NAME.match(f) for f in first):
+        return False
+    if len(lines) < 2:
+        return True
+    second = _fields(lines[1], delimiter)
+    return any(_is_number(b) for a, b in zip(first, second, strict=False) if not _is_number(a))
 
 
 def _head(path: str) -> bytes:
@@ -193,8 +232,8 @@ class CsvSource:
         files: list[str],
         columns: list[str],
         *,
-        delimiter: str,
-        header: bool,
+        delimiter: str | None,
+        header: bool | None,
         column_names: list[str] | None,
         null_values: list[str],
         block_rows: int,
@@ -202,10 +241,78 @@ class CsvSource:
     ) -> None:
         self.files, self.columns = files, columns
         self.delimiter, self.header, self.column_names = delimiter, header, column_names
+        """As configured; ``None``: detected per file (:meth:`layout`)."""
         self.null_values, self.block_rows, self.skip = null_values, block_rows, on_bad_rows == "skip"
         self.num_bad_rows = 0
         self._names: dict[str, list[str]] = {}
         self._data_start: dict[str, int] = {}
+        self._layouts: dict[str, tuple[str, bool]] = {}
+
+    def _first_lines(self, path: str, n: int = 2) -> list[str]:
+        lines = []
+        with open(path, "rb") as f:
+            for raw in f:
+                if line := raw.decode("utf-8", errors="replace").rstrip("\r\n"):
+                    lines.append(line)
+                if len(lines) >= n:
+                    break
+        return lines
+
+    def layout(self, path: str) -> tuple[str, bool]:
+        """``path``'s delimiter and whether its first line is a header: as configured, or detected from its first lines
+        where ``data.delimiter`` / ``data.header`` is null.
+
+        Raises:
+            DataError: nothing to detect from, or a header-less file without ``data.column_names``.
+        """
+        if path in self._layouts:
+            return self._layouts[path]
+        delimiter, header = self.delimiter, self.header
+        lines = self._first_lines(path) if delimiter is None or header is None else []
+        if delimiter is None:
+            delimiter = detect_delimiter(lines) if lines else None
+            if delimiter is None:
+                shown = repr(lines[0][:120]) if lines else "nothing"
+                raise DataError(f"{path}: cannot detect its delimiter (data.delimiter=null): its first line is {shown}, split alike "
+                                f"by none of tab, comma, semicolon, pipe. Fix: set data.delimiter (tab, comma, semicolon, pipe, or the character)")
+        if header is None:
+            header = bool(lines) and looks_like_header(lines, delimiter)
+            if not header and not self.column_names:
+                raise DataError(f"{path}: its first line {lines[0][:120]!r} looks like data, not a header naming the columns "
+                                f"(data.header=null detects it). Fix: data.column_names=[...] (all columns, in file order), or data.header=true")
+        self._layouts[path] = (delimiter, header)
+        return delimiter, header
+
+    def detected(self) -> tuple[str, bool]:
+        """The first file's ``delimiter`` and ``header`` as read (detected where configured ``null``)."""
+        return self.layout(self.files[0])
+
+    def _misread(self, path: str, delimiter: str, header: bool, names: list[str]) -> str:
+        """Why ``path`` may be misread with ``delimiter``/``header`` (``names`` the columns it gets): what its first lines
+        look like instead, and the settings that read them; ``""`` when they fit."""
+        lines = self._first_lines(path)
+        if not lines:
+            return ""
+        data = lines[1:] if header else lines
+        found = detect_delimiter(lines)
+        seen = (f"Its first line is {lines[0][:100]!r}" + (f", detected: delimiter {DELIMITER_OPTIONS.get(found, found)!r}" if found else "")
+                + (f", a header line ({', '.join(_fields(lines[0], found)[:6])})" if found and looks_like_header(lines, found) else "")
+                if found else f"Its first line is {lines[0][:100]!r}")
+        fields = len(_fields(data[0], delimiter)) if data else len(names)
+        if fields != len(names) and (fields == 1 or (found is not None and found != delimiter)):
+            fix = []
+            if found and found != delimiter:
+                fix.append(f"data.delimiter={DELIMITER_OPTIONS.get(found, found)}")
+            if found and looks_like_header(lines, found) and not header:
+                fix.append("data.header=true")
+            return (f" The lines split into {fields} field(s) by data.delimiter={delimiter!r}, but "
+                    f"{'the header' if header else 'data.column_names'} names {len(names)} columns {names}: the wrong delimiter"
+                    f"{' or header' if not header else ''}? {seen}. Fix: {' '.join(fix) or 'set data.delimiter and data.header to match the file'} "
+                    f"(or data.delimiter=null data.header=null to detect both)")
+        if not header and found == delimiter and looks_like_header(lines, delimiter):
+            return (f" {seen}: it names columns, but data.header=false reads it as data. Fix: data.header=true (data.column_names then "
+                    f"replaces its names), or data.header=null to detect it")
+        return ""
 
     def units(self) -> list[Unit]:
         units = []
@@ -235,29 +342,36 @@ class CsvSource:
                             f"or choose the data option of the file's format, e.g. data=parquet")
         with open(path, "rb") as f:
             first_line = f.readline()
-        if size == 0 or (self.header and len(first_line) == size and not first_line.strip(b"\r\n")):
+        if size == 0 or (self.header is not False and len(first_line) == size and not first_line.strip(b"\r\n")):
             raise DataError(f"{path} is an empty file. Fix: remove it from data.path, or write it again")
-        if self.header:
-            names = first_line.decode("utf-8", errors="replace").rstrip("\r\n").split(self.delimiter)
-            names = [n.strip().strip('"') for n in names]
+        delimiter, header = self.layout(path)
+        if header:
+            names = _fields(first_line.decode("utf-8", errors="replace").rstrip("\r\n"), delimiter)
             data_start = len(first_line)
+            if self.column_names:  # names of the config's replace the header's
+                if len(self.column_names) != len(names):
+                    raise DataError(f"{path}'s header names {len(names)} columns {names}, but data.column_names lists {len(self.column_names)} "
+                                    f"{list(self.column_names)}. Fix: list one name per column of the file, or data.column_names=null")
+                names = list(self.column_names)
         else:
             assert self.column_names is not None
             names, data_start = list(self.column_names), 0
         missing = [c for c in self.columns if c not in names]
         if missing:
-            if self.header and len(names) == 1 and (hint := delimiter_hint(names[0], self.delimiter)):
+            if header and len(names) == 1 and (hint := delimiter_hint(names[0], delimiter)):
                 raise DataError(f"{path} has no column {missing[0]!r}: its header line is one column, {names[0]!r}.{hint}")
-            where = "its header" if self.header else "data.column_names"
+            where = "its header" if header else "data.column_names"
             raise DataError(f"{path} has no column {missing[0]!r}; {where} lists {names}. Fix: correct the column names in "
-                            f"data.label(s) / data.dense / data.sparse" + ("" if self.header else " or data.column_names"))
+                            f"data.label(s) / data.dense / data.sparse" + ("" if header else " or data.column_names")
+                            + self._misread(path, delimiter, header, names))
         return names, data_start
 
     def header_names(self) -> list[str]:
         """The first file's column names (its header, or ``data.column_names``), without reading its rows; a header
         that is one column split by another delimiter than ``data.delimiter`` is the wrong delimiter, said so."""
         names = self._header(self.files[0])[0]
-        if self.header and len(names) == 1 and (hint := delimiter_hint(names[0], self.delimiter)):
+        delimiter, header = self.layout(self.files[0])
+        if header and len(names) == 1 and (hint := delimiter_hint(names[0], delimiter)):
             raise DataError(f"{self.files[0]} has no column 'label': its header line is one column, {names[0]!r}.{hint}")
         return names
 
@@ -268,6 +382,9 @@ class CsvSource:
         wanted = num_rows
         for path in self.files:
             names, data_start = self._header(path)
+            delimiter, header = self.layout(path)
+            if path == self.files[0] and (why := self._misread(path, delimiter, header, names)):
+                raise DataError(f"{path} does not read as configured.{why}")
             lines: list[bytes] = []
             with open(path, "rb") as f:
                 f.seek(data_start)
@@ -283,13 +400,13 @@ class CsvSource:
                 table = pacsv.read_csv(
                     pa.BufferReader(raw),
                     read_options=pacsv.ReadOptions(column_names=names, use_threads=False, block_size=len(raw) + 1),
-                    parse_options=pacsv.ParseOptions(delimiter=self.delimiter, invalid_row_handler=lambda row: "skip"),
+                    parse_options=pacsv.ParseOptions(delimiter=delimiter, invalid_row_handler=lambda row: "skip"),
                     convert_options=pacsv.ConvertOptions(column_types=dict.fromkeys(names, pa.string()), null_values=list(self.null_values),
                                                          strings_can_be_null=True, quoted_strings_can_be_null=True),
                 )
             except pa.ArrowInvalid as e:
                 raise DataError(f"{path}: its first lines cannot be parsed as delimited text ({str(e).splitlines()[0]}). "
-                                f"Fix: check data.delimiter={self.delimiter!r} and the file's format") from None
+                                f"Fix: check data.delimiter={delimiter!r} and the file's format") from None
             if tables and table.column_names != tables[0].column_names:
                 break  # a file with other columns: infer from those seen so far
             tables.append(table)
@@ -336,11 +453,12 @@ class CsvSource:
 
     def line_offset(self, path: str) -> int:
         """Line number of file row ``r`` is ``r + line_offset`` (1-based, header counted)."""
-        return 2 if self.header else 1
+        return 2 if self.layout(path)[1] else 1
 
     def read(self, unit: Unit) -> Iterator[tuple[pa.Table, np.ndarray]]:
         """The unit as one table of text columns, and the 0-based file row of each of its rows."""
         names = self.names(unit.path)
+        delimiter = self.layout(unit.path)[0]
         start, stop = unit.byte_range
         try:
             with open(unit.path, "rb") as f:
@@ -358,7 +476,7 @@ class CsvSource:
             table = pacsv.read_csv(
                 pa.BufferReader(raw),
                 read_options=pacsv.ReadOptions(column_names=names, use_threads=False, block_size=max(1 << 20, len(raw) + 1)),
-                parse_options=pacsv.ParseOptions(delimiter=self.delimiter, ignore_empty_lines=False, invalid_row_handler=on_invalid),
+                parse_options=pacsv.ParseOptions(delimiter=delimiter, ignore_empty_lines=False, invalid_row_handler=on_invalid),
                 convert_options=pacsv.ConvertOptions(
                     include_columns=self.columns,
                     column_types=dict.fromkeys(self.columns, pa.string()),
@@ -369,15 +487,15 @@ class CsvSource:
             )
         except pa.ArrowInvalid as e:
             raise DataError(f"{unit.path}, {unit.part}: cannot be parsed as delimited text ({str(e).splitlines()[0]}). "
-                            f"Fix: check data.delimiter={self.delimiter!r} and the file's format") from None
+                            f"Fix: check data.delimiter={delimiter!r} and the file's format") from None
         file_rows = np.arange(unit.first_row, unit.first_row + unit.num_rows)
         if invalid:
             number, expected, actual, text = invalid[0]
             if not self.skip:
                 line = f"line {unit.first_row + number + self.line_offset(unit.path) - 1}" if number is not None else unit.part
-                hint = delimiter_hint(text, self.delimiter) if actual == 1 else ""
+                hint = delimiter_hint(text, delimiter) if actual == 1 else ""
                 raise DataError(
-                    f"bad row in {unit.path}, {line}: expected {expected} fields separated by {self.delimiter!r}, found {actual} "
+                    f"bad row in {unit.path}, {line}: expected {expected} fields separated by {delimiter!r}, found {actual} "
                     f"({text[:80]!r})." + (hint or " Fix the line, or set data.on_bad_rows=skip to skip such rows (they are counted and logged)")
                 )
             self.num_bad_rows += len(invalid)

@@ -406,14 +406,18 @@ class CsvData(TabularData):
 
     def __init__(self, config: CsvDataConfig) -> None:
         where = f"data.path={config.path!r}"
-        done, reader = config_schema(config, lambda: self._sampler(config).sample(config.infer.sample_rows), where,
-                                     lambda: self._sampler(config).header_names())
-        if reader:  # the schema file says how its files are read
-            config = replace(config, **reader)
+        if config.schema is not None and (reader := read_schema_file(config.schema)[1]):
+            config = replace(config, **reader)  # the schema file says how its files are read
+        if config.delimiter is None or config.header is None:
+            delimiter, header = self._sampler(config).detected()
+            log.info("%s: detected delimiter %r, header %s (data.delimiter / data.header null)", where, delimiter, header)
+            config = replace(config, delimiter=delimiter, header=header)
+        done, _ = config_schema(config, lambda: self._sampler(config).sample(config.infer.sample_rows), where,
+                                lambda: self._sampler(config).header_names())
         self.csv = config
         """:attr:`config`, typed as this option's (its reader settings; set first: the base class opens the files)."""
         log_inferred(done, where, {"delimiter": config.delimiter, "header": config.header, "null_values": list(config.null_values),
-                                   **({} if config.header else {"column_names": list(config.column_names or [])})})
+                                   **({"column_names": list(config.column_names)} if config.column_names else {})})
         super().__init__(config, done.schema)
 
     @staticmethod

@@ -19,9 +19,10 @@ from recsys_runner.errors import require
 
 DEFAULT_EVAL_FRACTION = 0.1
 """``data.eval_fraction`` when it and ``data.eval_path`` are both null."""
-DELIMITER_ESCAPES = {"\\t": "\t", "tab": "\t", "comma": ",", "semicolon": ";", "pipe": "|"}
+DELIMITER_ESCAPES = {"\\t": "\t", "tab": "\t", "comma": ",", "semicolon": ";", "pipe": "|", "space": " "}
 """``data.delimiter`` spellings that stand for a character hard to pass through a shell and Hydra (a tab; a comma,
-which Hydra's override grammar reads as a list separator: ``data.delimiter=comma``)."""
+which Hydra's override grammar reads as a list separator: ``data.delimiter=comma``, or Hydra's own escapes
+``'data.delimiter=\\,'`` and ``"data.delimiter=','"``)."""
 CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE = 13, 26
 CRITEO_COLUMNS = ["label", *(f"int_{i}" for i in range(CRITEO_NUM_DENSE)), *(f"cat_{i}" for i in range(CRITEO_NUM_SPARSE))]
 
@@ -124,14 +125,18 @@ class CsvDataConfig(SchemaFields):
     """Schema of ``conf/data/csv.yaml``: delimited text (CSV, TSV), one record per line, uncompressed."""
 
     _target_: str = "recsys_runner.data.tabular.CsvData"
-    delimiter: str = ","
-    """Field delimiter: ``","`` for CSV, ``"\\t"`` for TSV. On the command line ``data.delimiter='\\t'`` (Hydra passes
-    the two characters backslash and ``t``, which mean a tab here) or ``data.delimiter=tab``; ``data.delimiter=comma``
-    (a bare ``,`` is not a valid override), ``semicolon``, ``pipe``."""
-    header: bool = True
-    """The first line names the columns; ``false``: give ``column_names``."""
+    delimiter: str | None = ","
+    """Field delimiter: ``","`` for CSV, ``"\\t"`` for TSV; ``null``: detected from the first file's first lines (tab,
+    comma, semicolon or pipe; logged). On the command line ``data.delimiter=tab`` or ``data.delimiter='\\t'`` (Hydra
+    passes the two characters backslash and ``t``, which mean a tab here); a comma as ``data.delimiter=comma``, or
+    Hydra's escaped ``'data.delimiter=\\,'`` or quoted ``"data.delimiter=','"`` (a bare ``data.delimiter=,`` is not a
+    valid override: Hydra reads the comma as a list separator); ``semicolon``, ``pipe``, ``space`` likewise."""
+    header: bool | None = True
+    """The first line names the columns; ``false``: give ``column_names``; ``null``: detected (a first line with a
+    field that is not a number where the next line has one is a header; logged)."""
     column_names: list[str] | None = None
-    """Names of all columns, in file order, for files without a header line."""
+    """Names of all columns, in file order: for files without a header line, or, with one, names that replace the
+    header's (so one config reads ``u.data`` and ``ratings.csv`` alike)."""
     null_values: list[str] = field(default_factory=lambda: [""])
     """Field texts that mean "missing" (e.g. ``["", "NA", "\\\\N"]``)."""
     block_rows: int = 65_536
@@ -139,10 +144,13 @@ class CsvDataConfig(SchemaFields):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.delimiter = DELIMITER_ESCAPES.get(self.delimiter, self.delimiter)
-        require(len(self.delimiter) == 1, f"data.delimiter must be one character, got {self.delimiter!r}. Fix: data.delimiter=',' "
-                f"for CSV, data.delimiter='\\t' for TSV")
-        require(self.header or bool(self.column_names), "data.header=false needs data.column_names: the names of all columns in file order")
+        if self.delimiter is not None:
+            self.delimiter = DELIMITER_ESCAPES.get(self.delimiter, self.delimiter)
+        require(self.delimiter is None or len(self.delimiter) == 1,
+                f"data.delimiter must be one character, got {self.delimiter!r}. Fix: data.delimiter=comma (or 'data.delimiter=\\,') "
+                f"for CSV, data.delimiter=tab for TSV, data.delimiter=null to detect it")
+        require(self.header is not False or bool(self.column_names),
+                "data.header=false needs data.column_names: the names of all columns in file order")
         require(self.block_rows > 0, f"data.block_rows must be positive, got {self.block_rows}")
 
 
@@ -157,13 +165,15 @@ class CriteoDataConfig(TabularDataConfig):
     """
 
     _target_: str = "recsys_runner.data.tabular.CriteoData"
-    num_embeddings: int | None = 100_000
-    """Table size of every categorical column; ``null``: each column's sized from a sample of the files (its distinct
-    values × ``data.infer.bucket_margin``, rounded up; logged), for data whose size you do not know."""
+    num_embeddings: int | None = None
+    """Table size of every categorical column; ``null`` (the default): each column sized from a sample of the files
+    (logged): a vocabulary of its values plus ``data.infer.oov_buckets`` rows when the sample covers the column, else
+    its distinct values × ``data.infer.bucket_margin``, rounded up, and ``categorical_encoding``."""
     num_embeddings_per_feature: list[int] | None = None
     """Per-column table sizes (26 entries); overrides ``num_embeddings``."""
     categorical_encoding: str = "mod"
-    """``mod``: hex value modulo the table size (TorchRec's Criteo preprocessing); ``hash``: hash the hex string."""
+    """``mod``: hex value modulo the table size (TorchRec's Criteo preprocessing); ``hash``: hash the hex string. With
+    tables sized from the data, for the columns that get no vocabulary."""
     dense_transform: str = "log1p"
     """``log1p`` (clamp negatives to 0, then log(1+x)) or ``none``."""
     block_rows: int = 65_536
@@ -183,10 +193,12 @@ class CriteoDataConfig(TabularDataConfig):
 
 def criteo_columns(num_embeddings: list[int | None], categorical_encoding: str = "mod",
                    dense_transform: str = "log1p") -> tuple[list[DenseColumn], list[SparseColumn]]:
-    """The Criteo dense and sparse columns with the usual preprocessing (a ``None`` size: sized from the data)."""
+    """The Criteo dense and sparse columns with the usual preprocessing (a ``None`` size: sized from the data, a
+    vocabulary or ``categorical_encoding``, :mod:`recsys_runner.data.infer`)."""
     hexed = categorical_encoding == "mod"
     return ([DenseColumn(name=f"int_{i}", transform=dense_transform) for i in range(CRITEO_NUM_DENSE)],
-            [SparseColumn(name=f"cat_{i}", num_embeddings=n, encoding=categorical_encoding, hex=hexed) for i, n in enumerate(num_embeddings)])
+            [SparseColumn(name=f"cat_{i}", num_embeddings=n, encoding=categorical_encoding if n is not None else None, hex=hexed)
+             for i, n in enumerate(num_embeddings)])
 
 
 def criteo_schema(num_embeddings: list[int], categorical_encoding: str = "mod", dense_transform: str = "log1p") -> Schema:

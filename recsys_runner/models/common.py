@@ -6,6 +6,7 @@ Shape legend: ``B`` batch size, ``F`` number of sparse features, ``D`` embedding
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,8 +23,8 @@ from recsys_runner.errors import ConfigError, require
 from recsys_runner.features import DataNeeds, FeatureSpec
 from recsys_runner.tasks import SINGLE_TASK, Task
 
-__all__ = ["LINEAR_ROW_WIDTH", "MLP", "DenseArch", "LinearArch", "ModelConfig", "SparseArch", "TrainWrapper", "check_layer_sizes",
-           "embedding_width_rule", "projection_sizes"]
+__all__ = ["LINEAR_ROW_WIDTH", "MLP", "DenseArch", "DenseFields", "FMInteraction", "LinearArch", "ModelConfig", "SparseArch",
+           "TrainWrapper", "check_layer_sizes", "embedding_width_rule", "projection_sizes"]
 
 LINEAR_ROW_WIDTH = 4
 """Floats per id in a :class:`LinearArch` table: fbgemm's fused kernels store rows in multiples of 4, so an
@@ -159,7 +160,12 @@ class DenseArch(nn.Module):
 
     def __init__(self, in_features: int, layer_sizes: list[int], device: torch.device | None = None) -> None:
         super().__init__()
-        self.mlp = MLP(in_features, layer_sizes, bias=True, activation="relu", device=device)
+        with warnings.catch_warnings():
+            # Data without dense columns (MovieLens' ids) gives a first layer of 0 inputs: its weight is empty, and torch
+            # warns that initializing it does nothing. That is exactly right here: the layer's output is its bias, a
+            # learned constant field (DeepFM's, DLRM's interactions keep their shape).
+            warnings.filterwarnings("ignore", message="Initializing zero-element tensors is a no-op", category=UserWarning)
+            self.mlp = MLP(in_features, layer_sizes, bias=True, activation="relu", device=device)
 
     def forward(self, dense: torch.Tensor) -> torch.Tensor:
         return self.mlp(dense)
@@ -203,6 +209,29 @@ class LinearArch(nn.Module):
         pooled = self.ebc(sparse).to_dict()
         logit = torch.stack([pooled[name] for name in self.feature_names], dim=1).sum(dim=(1, 2))
         return logit if self.dense is None else logit + self.dense(dense).squeeze(1)
+
+
+class FMInteraction(nn.Module):
+    """Second-order factorization-machine term: ``[B, F, D] → [B]``, ``½ Σ_d ((Σ_f v)² − Σ_f v²)``: the sum of the
+    dot products of every pair of fields, in ``O(F·D)``."""
+
+    def forward(self, fields: torch.Tensor) -> torch.Tensor:
+        square_of_sum = fields.sum(dim=1).pow(2)
+        sum_of_square = fields.pow(2).sum(dim=1)
+        return 0.5 * (square_of_sum - sum_of_square).sum(dim=1)
+
+
+class DenseFields(nn.Module):
+    """Each dense feature as a field of width ``D``: ``dense [B, N] → [B, N, D]``, ``x_j · v_j`` with a learned
+    vector ``v_j`` per feature (how a factorization machine embeds a real-valued input)."""
+
+    def __init__(self, num_dense: int, embedding_dim: int, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_dense, embedding_dim, device=device))
+        nn.init.normal_(self.weight, std=0.01)
+
+    def forward(self, dense: torch.Tensor) -> torch.Tensor:
+        return dense.unsqueeze(2) * self.weight
 
 
 class TrainWrapper(nn.Module):

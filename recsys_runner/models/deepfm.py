@@ -19,7 +19,18 @@ from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.features import FeatureSpec, check_embedding_dim
-from recsys_runner.models.common import MLP, DenseArch, LinearArch, ModelConfig, SparseArch, check_layer_sizes, projection_sizes
+from recsys_runner.models.common import (
+    MLP,
+    DenseArch,
+    FMInteraction,
+    LinearArch,
+    ModelConfig,
+    SparseArch,
+    check_layer_sizes,
+    projection_sizes,
+)
+
+__all__ = ["DeepFM", "DeepFMConfig", "FMInteraction"]
 
 
 @dataclass(kw_only=True)
@@ -45,15 +56,6 @@ class DeepFMConfig(ModelConfig):
         """``dense_arch_layer_sizes`` with each ``null`` as ``embedding_dim`` (checked to end in it)."""
         return projection_sizes("dense_arch_layer_sizes", self.dense_arch_layer_sizes, self.embedding_dim, "DeepFM",
                                 "FM term takes dot products between the dense field and every embedding")
-
-
-class FMInteraction(nn.Module):
-    """Second-order FM term: ``[B, F+1, D] → [B]``, ``½ Σ_d ((Σ_f v)² − Σ_f v²)``."""
-
-    def forward(self, fields: torch.Tensor) -> torch.Tensor:
-        square_of_sum = fields.sum(dim=1).pow(2)
-        sum_of_square = fields.pow(2).sum(dim=1)
-        return 0.5 * (square_of_sum - sum_of_square).sum(dim=1)
 
 
 class DeepFM(nn.Module):

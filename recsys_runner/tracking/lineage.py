@@ -173,11 +173,11 @@ def resolve_checkpoint(spec: str, *, lookup_run: Any = None) -> Path:
         tags: Mapping[str, str] = lookup_run(spec)
         if CHECKPOINT_DIR_TAG not in tags:
             raise CheckpointError(f"MLflow run {spec} has no {CHECKPOINT_DIR_TAG!r} tag (it saved no checkpoints, or was "
-                                  f"made by an older recsys_runner); pass the checkpoint directory instead: checkpoint=<path>")
+                                  f"made by an older recsys_runner); pass the checkpoint directory instead: load=<path>")
         path = Path(tags[CHECKPOINT_DIR_TAG])
         if not path.exists():
             raise CheckpointError(f"MLflow run {spec} wrote its checkpoints to {path}, which does not exist on this machine; "
-                                  f"copy them here and pass checkpoint=<path>")
+                                  f"copy them here and pass load=<path>")
     if not path.exists():
         raise CheckpointError(f"checkpoint {spec!r} is neither a directory nor a known MLflow run id; pass a step_* checkpoint "
                               f"directory, a checkpoints root, or the training run's id")
@@ -186,7 +186,7 @@ def resolve_checkpoint(spec: str, *, lookup_run: Any = None) -> Path:
     found = list_checkpoints(path, best=True) or list_checkpoints(path)
     if not found:
         raise CheckpointError(f"{path} holds no complete checkpoint (a step_* or best-step_* directory with meta.json and "
-                              f".metadata); point checkpoint= at one")
+                              f".metadata); point load= at one")
     return found[-1]
 
 
@@ -200,6 +200,6 @@ def run_tags(uri: str) -> Any:
             return dict(MlflowClient(tracking_uri=uri).get_run(run_id).data.tags)
         except Exception as e:  # noqa: BLE001 - any failure means: not a run this store knows
             raise CheckpointError(f"{run_id!r} is not a checkpoint directory, and the MLflow store {uri} has no such run "
-                                  f"({type(e).__name__}); pass checkpoint=<path to a checkpoint directory>") from e
+                                  f"({type(e).__name__}); pass load=<path to a checkpoint directory>") from e
 
     return lookup

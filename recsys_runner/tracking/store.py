@@ -75,6 +75,23 @@ def store_lock(uri: str) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
+def missing_store(uri: str) -> str | None:
+    """Why ``uri`` names no existing store, for a reader that must not create one (``compare``): a ``sqlite:`` file
+    that does not exist or holds no tables yet, a local (``file:`` or plain path) store directory that does not exist;
+    ``None`` when it exists, or when only a request can tell (a tracking server, a database server, in-memory sqlite).
+    Reads nothing but the file system and creates nothing."""
+    path = sqlite_path(uri)
+    if path is not None:
+        if not os.path.isfile(path):
+            return f"{path} does not exist"
+        return None if _has_tables(path) else f"{path} holds no MLflow tables (an empty database)"
+    scheme = urlsplit(uri).scheme
+    if scheme not in ("", "file"):
+        return None
+    local = urlsplit(uri).path if scheme == "file" else uri
+    return None if os.path.isdir(local) else f"{os.path.abspath(local)} does not exist"
+
+
 def _has_tables(path: str) -> bool:
     if not os.path.exists(path) or os.path.getsize(path) == 0:
         return False

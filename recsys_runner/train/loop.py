@@ -6,6 +6,12 @@ building and restoring belong to :mod:`recsys_runner.build`; what a checkpoint h
 :mod:`recsys_runner.checkpoint`. A step is one optimizer step (``train.grad_accum_steps``
 micro-batches). Training stops at ``loop.total_steps``, on early stopping, on a signal
 (:mod:`recsys_runner.train.signals`) or on a non-finite loss (:mod:`recsys_runner.train.stopping`).
+
+A signal is handled from the first step to the end checkpoint: during the steps (and periodic evals) the current
+step ends, its checkpoint is written and :class:`~recsys_runner.train.signals.Interrupted` is raised; during the
+final eval, the eval is abandoned between two batches, the checkpoint of the last step is written and the run is
+interrupted there, so a resume runs the final eval again (with several ranks the eval ends first, so that no rank leaves
+its collectives early); a signal after the eval lets the end checkpoint be written, then interrupts.
 """
 
 from __future__ import annotations
@@ -76,6 +82,7 @@ def train(loop: Loop) -> dict[str, float]:
     profiler = StepProfiler(cfg.profile, env.device, env.rank) if cfg.profile.enabled else None
     stop: str | None = None
     evaluated: dict[str, float] | None = None
+    last_loss: torch.Tensor | None = None  # the NaN guard checks it before a checkpoint written after the steps
     with (StopSignals(env.world_size, env.device, cfg.stop_check_every_steps) as signals,
           Progress(loop.total_steps, enabled=env.is_main, unit="step", initial=state.step, mode=cfg.progress) as progress):
         while state.step < loop.total_steps and stop is None:
@@ -88,6 +95,7 @@ def train(loop: Loop) -> dict[str, float]:
                     break
                 state.step, state.epoch_step, evaluated = state.step + 1, state.epoch_step + 1, None
                 meter.update(loss)
+                last_loss = loss
                 progress.update(1)
                 if profiler is not None:
                     profiler.step()
@@ -107,16 +115,55 @@ def train(loop: Loop) -> dict[str, float]:
             else:
                 continue  # stopped mid-epoch: the position stays in this epoch
             state.epoch, state.epoch_step = state.epoch + 1, 0
-    final = evaluated if evaluated is not None else _evaluate_and_select(loop, state, meter, progress)
-    if stop is not None:
-        log.info("early stopping at step %d: %s did not improve for %d evaluations", state.step, loop.early_stopping.config.metric,
-                 loop.early_stopping.config.patience)
-    if env.is_main:
-        log.info("%s", loop.best.summary(final))
-    if profiler is not None:
-        profiler.finish(loop.tracker)
-    loop.checkpointer.on_end(state, final)
+        final = evaluated if evaluated is not None else _final_eval(loop, state, last_loss, signals, meter, progress)
+        if stop is not None:
+            log.info("early stopping at step %d: %s did not improve for %d evaluations", state.step,
+                     loop.early_stopping.config.metric, loop.early_stopping.config.patience)
+        if env.is_main:
+            log.info("%s", loop.best.summary(final))
+        if profiler is not None:
+            profiler.finish(loop.tracker)
+        loop.checkpointer.on_end(state, final)
+        if (signum := signals.agreed()) is not None:  # came during the end checkpoint: it is written, then stop
+            raise Interrupted(signum, state.step, loop.checkpointer.save_guarded(state, last_loss, final),
+                              when="at the end of training")
     return final
+
+
+class _Abandoned(Exception):
+    """A signal asked to stop during the final eval (raised between two eval batches)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _StopBetweenBatches(Progress):
+    """No bar: after each eval batch, raise :class:`_Abandoned` if a signal asked to stop (a point where the eval's
+    own ``finally`` blocks, EMA weights swapped back and the pipeline reattached, still run)."""
+
+    def __init__(self, signals: StopSignals) -> None:
+        super().__init__(None, enabled=False)
+        self._signals = signals
+
+    def update(self, n: int = 1, **postfix: object) -> None:
+        if self._signals.signum is not None:
+            raise _Abandoned(self._signals.signum)
+
+
+def _final_eval(loop: Loop, state: TrainState, loss: torch.Tensor | None, signals: StopSignals, meter: Throughput,
+                progress: Progress) -> dict[str, float]:
+    """The final eval; a signal before it, or during it with one rank (abandoned between two batches), writes the
+    checkpoint of this step and raises :class:`Interrupted`, so a resume evaluates again. With several ranks the eval
+    ends first (one rank must not leave its collectives early) and the signal stops the run after the end checkpoint."""
+    signum = signals.agreed()
+    if signum is None:
+        try:
+            alone = loop.env.world_size == 1
+            return _evaluate_and_select(loop, state, meter, progress, _StopBetweenBatches(signals) if alone else None)
+        except _Abandoned as e:
+            signum = e.signum
+    raise Interrupted(signum, state.step, loop.checkpointer.save_guarded(state, loss, None), when="during the final eval")
 
 
 def _epoch_batches(loop: Loop, state: TrainState) -> Iterator:
@@ -155,10 +202,12 @@ def _eval_due(loop: Loop, state: TrainState) -> bool:
     return by_steps or (cfg.eval_every_epochs is not None and ended is not None and (ended + 1) % cfg.eval_every_epochs == 0)
 
 
-def _evaluate_and_select(loop: Loop, state: TrainState, meter: Throughput, progress: Progress) -> dict[str, float]:
-    """Evaluate, log (with ``best/<metric>`` when the watched metric improved), and keep the best checkpoint."""
+def _evaluate_and_select(loop: Loop, state: TrainState, meter: Throughput, progress: Progress,
+                         batches: Progress | None = None) -> dict[str, float]:
+    """Evaluate, log (with ``best/<metric>`` when the watched metric improved), and keep the best checkpoint;
+    ``batches`` is told of each eval batch."""
     with meter.paused():
-        metrics = loop.evaluator.evaluate()
+        metrics = loop.evaluator.evaluate(batches)
         _log(loop, metrics, state.step, progress)
         if best := loop.best.update(metrics, state.step):
             loop.tracker.log_metrics(best, state.step)

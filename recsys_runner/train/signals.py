@@ -17,13 +17,22 @@ The entry point closes the MLflow run (``KILLED``, tag ``preempted=true``) and c
 makes submitit resubmit the same Hydra job (same sweep dir, so the same ``checkpoints/``) and requeue
 it; the requeued job resumes from the checkpoint into the same MLflow run. Outside submitit (no
 previous handler) SIGUSR2 just stops like SIGTERM.
+
+**Outside the training loop** (every command's whole run: evaluate, predict, export, and training while it builds):
+:class:`RaiseOnSignal`, installed by :func:`recsys_runner.lifecycle.exit_codes`, turns SIGTERM, SIGINT and SIGUSR1
+into an :class:`Interrupted` raised where the main thread is, so every ``finally`` runs (temp files are removed),
+:func:`~recsys_runner.lifecycle.tracked_run` ends the MLflow run ``KILLED`` and the entry point says what was kept and
+how to redo it. It takes a signal only while the signal has its default action: a handler someone else installed
+(submitit's) is left alone. Once an :class:`Interrupted` is on its way out, further signals are only noted (a second
+SIGINT still raises ``KeyboardInterrupt``), and :func:`deferred` holds a signal back while the run's end is written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType, TracebackType
 from typing import Any
 
@@ -33,23 +42,35 @@ import torch.distributed as dist
 PREEMPT = signal.SIGUSR2
 """submitit's preemption/time-limit signal (its default ``SUBMITIT_PREEMPT_SIGNAL=USR2``)."""
 HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, PREEMPT)
+RAISED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+"""What :class:`RaiseOnSignal` turns into :class:`Interrupted` (not SIGUSR2: submitit owns it outside training)."""
 Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 """What :func:`signal.signal` installs and returns: a function, ``SIG_DFL`` / ``SIG_IGN``, or ``None`` (not set from Python)."""
 
 
 class Interrupted(Exception):
-    """Training stopped on a signal (or after ``train.stop_after_steps``) after writing a checkpoint."""
+    """A command stopped on a signal: training after a step (or ``train.stop_after_steps``) with the checkpoint it
+    wrote, any command elsewhere (``step`` is ``None``: nothing was kept)."""
 
-    def __init__(self, signum: int | None, step: int, checkpoint: str | None) -> None:
-        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+    def __init__(self, signum: int | None, step: int | None, checkpoint: str | None, *, when: str | None = None,
+                 finished: bool = False) -> None:
+        self.signum, self.step, self.checkpoint, self.when, self.finished = signum, step, checkpoint, when, finished
+        """``when``: what was under way (``during the final eval``, ``during evaluate``); ``finished``: the signal came
+        as the run ended, after its work was done and recorded."""
         self.preempted = False
         """SIGUSR2 reached this process: the job is being preempted or hits its time limit."""
         self.handover: Callable[[], None] | None = None
         """The handler that owned SIGUSR2 before training (submitit's checkpoint-and-requeue), bound to
         the signal; the entry point calls it once the MLflow run is closed. ``None`` outside submitit."""
-        where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint (no checkpoint.dir)"
+        self.run_id: str | None = None
+        """The MLflow run that ended ``KILLED`` (set by :func:`recsys_runner.lifecycle.tracked_run`)."""
         cause = signal.Signals(signum).name if signum is not None else "train.stop_after_steps"
-        super().__init__(f"stopped by {cause} after step {step}; {where}")
+        during = f" {when}" if when else ""
+        if step is None:
+            super().__init__(f"stopped by {cause}{during}")
+        else:
+            where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint (no checkpoint.dir)"
+            super().__init__(f"stopped by {cause}{during} after step {step}; {where}")
 
     @property
     def exit_code(self) -> int:
@@ -74,6 +95,8 @@ class StopSignals:
         return self
 
     def __exit__(self, _type: type[BaseException] | None, exc: BaseException | None, _tb: TracebackType | None) -> None:
+        if isinstance(exc, Interrupted) or self.signum is not None:
+            stopping()  # before the outer handlers are back: a signal now must not replace this stop
         previous_usr2 = self._previous.get(PREEMPT)
         for s, handler in self._previous.items():
             signal.signal(s, handler)
@@ -105,7 +128,82 @@ class StopSignals:
             return self.signum
         if step % self._check_every:
             return None
+        return self.agreed()
+
+    def agreed(self) -> int | None:
+        """The signal that asked to stop on any rank, now (an all-reduce with several ranks: every rank calls it)."""
+        if self._world_size == 1:
+            return self.signum
         flag = torch.tensor([self.signum or 0], device=self._device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         value = int(flag.item())
         return value or None
+
+
+class RaiseOnSignal:
+    """Context manager for a command's whole run: SIGTERM, SIGINT and SIGUSR1 raise :class:`Interrupted` (``step``
+    ``None``, ``when`` as given) where the main thread is, once; see the module docstring.
+
+    Training's :class:`StopSignals` takes the signals over for its loop and gives them back after."""
+
+    def __init__(self, when: str) -> None:
+        self.when = when
+        self.signum: int | None = None
+        """The signal that stopped the command (raised, or noted while :func:`deferred`)."""
+        self.stopping = False
+        """An :class:`Interrupted` is on its way out: further signals are only noted."""
+        self.deferring = False
+        self._previous: dict[int, Handler] = {}
+        self._outer: RaiseOnSignal | None = None
+
+    def __enter__(self) -> RaiseOnSignal:
+        global _active
+        if threading.current_thread() is threading.main_thread():
+            for s in RAISED:
+                if signal.getsignal(s) in (signal.SIG_DFL, signal.default_int_handler):
+                    self._previous[s] = signal.signal(s, self._handle)
+        self._outer, _active = _active, self
+        return self
+
+    def __exit__(self, _type: type[BaseException] | None, _exc: BaseException | None, _tb: TracebackType | None) -> None:
+        global _active
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous.clear()
+        _active = self._outer
+
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        if self.stopping:
+            if signum == signal.SIGINT and self.signum is not None:
+                raise KeyboardInterrupt  # a second Ctrl-C: stop stopping cleanly
+            self.signum = self.signum or signum
+            return
+        self.signum, self.stopping = signum, True
+        if not self.deferring:
+            raise Interrupted(signum, None, None, when=self.when)
+
+
+_active: RaiseOnSignal | None = None
+"""The innermost :class:`RaiseOnSignal` in force (the main thread's), if any."""
+
+
+def stopping() -> None:
+    """An :class:`Interrupted` is on its way out (training stopped): from now on a signal is only noted."""
+    if _active is not None:
+        _active.stopping = True
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[Callable[[], int | None]]:
+    """Hold signals back while the block runs (writing a run's end status); yields a function that returns the
+    signal that arrived meanwhile, when it is the first one (nothing was stopping yet), else ``None``."""
+    guard = _active
+    if guard is None:
+        yield lambda: None
+        return
+    before, was_deferring = guard.stopping, guard.deferring
+    guard.deferring = True
+    try:
+        yield lambda: guard.signum if not before and guard.stopping else None
+    finally:
+        guard.deferring = was_deferring

@@ -1,0 +1,176 @@
+"""Every command ends the same way on a signal: SIGTERM/SIGINT end the unit under way (or abandon it), training
+checkpoints, the MLflow run ends KILLED, one message says what was kept and the exact command that resumes or redoes
+it, and the exit status is 128 + signal (143, 130). Real processes and real signals, as a user or a scheduler sends
+them; and a relaunch of the same command that notices an interrupted run in the default checkpoint place.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from recsys_runner.__main__ import run
+from recsys_runner.checkpoint.storage import DcpFileStorage, list_checkpoints
+from recsys_runner.lifecycle import FINISHED_MARK, interrupted_message, interrupted_runs
+from recsys_runner.runtime import Launch
+from recsys_runner.train.signals import Interrupted, RaiseOnSignal, deferred, stopping
+from tests.conftest import REPO, TINY, hint_of, run_cli
+from tests.test_run_safety import SMALL, runs
+
+ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+ENV.pop("HYDRA_FULL_ERROR", None)
+LONG_EVAL = ["data.num_eval_rows=400000", "train.eval_max_batches=null"]
+"""~1500 eval batches: a final eval (or an evaluate) that lasts seconds, long enough to be hit by a signal."""
+
+
+def _signal_when(argv: list[str], marker: str, signum: int, cwd: Path, delay_s: float = 0.5,
+                 timeout_s: float = 120) -> tuple[int, str]:
+    """Run ``argv``, send ``signum`` ``delay_s`` after ``marker`` appears in its output; its exit status and output."""
+    proc = subprocess.Popen(argv, cwd=cwd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: list[str] = []
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        for line in proc.stdout:
+            seen.append(line)
+            if marker in line or time.monotonic() > deadline:
+                break
+        assert proc.poll() is None and marker in seen[-1], "".join(seen)[-3000:]
+        time.sleep(delay_s)
+        proc.send_signal(signum)
+        rest, _ = proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, "".join(seen) + rest
+
+
+def _status(uri: str, run_id: str) -> str:
+    return MlflowClient(tracking_uri=uri).get_run(run_id).info.status
+
+
+# -- training: a signal during the final eval ---------------------------------------------------------------------
+@pytest.mark.slow
+def test_sigterm_during_the_final_eval_checkpoints_and_the_printed_command_resumes(tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    args = [*SMALL, *LONG_EVAL, "train.num_steps=6", f"tracking.uri={uri}", "tracking.experiment=final_eval"]
+    code, out = _signal_when([sys.executable, "-m", "recsys_runner", *args], "step 6/6 train/loss", signal.SIGTERM, tmp_path)
+    assert code == 143, out[-3000:]
+    assert "Interrupted: stopped by SIGTERM during the final eval after step 6; checkpoint " in out, out[-3000:]
+    command = hint_of(out)
+    assert command is not None, out[-3000:]
+    ckpt_dir = Path(next(a for a in command if a.startswith("checkpoint.dir=")).split("=", 1)[1])
+    assert [p.name for p in list_checkpoints(ckpt_dir)] == ["step_00000006"]  # the default dir: this launch's run dir
+    assert not (ckpt_dir / FINISHED_MARK).exists()
+    (killed,) = runs(uri, "final_eval")
+    assert killed.info.status == "KILLED" and "eval/auc" not in killed.data.metrics  # the eval was abandoned
+
+    again = subprocess.run(command, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "step_00000006 at step 6" in again.stdout + again.stderr  # resumed there: no step trained twice
+    (finished,) = runs(uri, "final_eval")  # the same MLflow run, continued
+    assert finished.info.run_id == killed.info.run_id
+    assert finished.info.status == "FINISHED" and "eval/auc" in finished.data.metrics
+    assert (ckpt_dir / FINISHED_MARK).exists()
+
+
+# -- evaluate: nothing to keep, the run KILLED, the command to redo it ----------------------------------------------
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_during_evaluate_ends_its_run_killed_with_the_command_to_redo_it(
+    make_cfg, tmp_path: Path, signum: int, code: int
+) -> None:
+    model = [a for a in TINY if a.startswith("data.")]
+    run(make_cfg("train.num_steps=4", f"checkpoint.dir={tmp_path}/ckpt"))  # in-process: faster
+    (checkpoint,) = list_checkpoints(tmp_path / "ckpt")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    args = [*model, *LONG_EVAL, "distributed.device=cpu", f"load={checkpoint}", f"tracking.uri={uri}", "tracking.experiment=ev"]
+    got, out = _signal_when([sys.executable, "-m", "recsys_runner.evaluate", *args], "loaded weights of", signum, tmp_path)
+    assert got == code, out[-3000:]
+    (line,) = [x for x in out.splitlines() if x.startswith("Interrupted:")]
+    (mlrun,) = runs(uri, "ev")
+    assert mlrun.info.status == "KILLED"
+    name = signal.Signals(signum).name
+    assert line.startswith(f"Interrupted: stopped by {name} during evaluate; nothing was kept "
+                           f"(MLflow run {mlrun.info.run_id} is KILLED); redo it with: python -m recsys_runner.evaluate "), line
+    assert f"load={checkpoint}" in line and "Traceback" not in out
+
+
+# -- a relaunch notices the interrupted run in the default place ----------------------------------------------------
+def test_a_relaunch_names_the_interrupted_run_of_the_same_command_and_how_to_resume_it(tmp_path: Path) -> None:
+    args = [*SMALL, "train.num_steps=6", "train.stop_after_steps=3", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
+            "tracking.experiment=notice"]
+    first = run_cli(*args, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    first_dir = Path(next(a for a in hint_of(first.stderr) or [] if a.startswith("checkpoint.dir=")).split("=", 1)[1])
+
+    second = run_cli(*args, cwd=tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    out = second.stdout + second.stderr
+    (notice,) = [x for x in out.splitlines() if "an interrupted run of this command left checkpoints" in x]
+    resume = hint_of(first.stderr)
+    assert resume is not None
+    assert f"in {first_dir}, up to step_00000003; this launch starts a new run from step 0" in notice, notice
+    assert notice.endswith("run: python -m recsys_runner " + " ".join(resume[3:])), notice  # the first run's own hint
+    assert "resuming from" not in out  # noticed, not resumed silently
+
+    finished = subprocess.run(resume, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0 and hint_of(finished.stderr) is None, finished.stderr[-3000:]  # 3 → 6: the end
+    assert (first_dir / FINISHED_MARK).exists()
+    launch = Launch(overrides=tuple(reversed(args)), runs_root=tmp_path / "outputs", config_name="config")  # any order
+    found = interrupted_runs(launch, DcpFileStorage(), None)
+    assert first_dir not in found and len(found) == 1  # only the second launch's is left to offer
+    other = Launch(overrides=(*args[:-1], "tracking.experiment=other"), runs_root=tmp_path / "outputs", config_name="config")
+    assert interrupted_runs(other, DcpFileStorage(), None) == []  # another command's runs are not offered
+
+
+# -- the guard every command runs under -----------------------------------------------------------------------------
+def test_the_guard_raises_once_then_notes_and_leaves_others_handlers_alone() -> None:
+    with pytest.raises(Interrupted, match="stopped by SIGTERM during evaluate") as caught, RaiseOnSignal("during evaluate"):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises before this ends
+    assert caught.value.exit_code == 143 and caught.value.step is None
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # given back
+
+    def theirs(_s: int, _f: object) -> None: ...
+
+    previous = signal.signal(signal.SIGUSR1, theirs)
+    try:
+        with RaiseOnSignal("during export"):
+            assert signal.getsignal(signal.SIGUSR1) is theirs  # a handler someone installed (submitit's) stays
+            with deferred() as late:
+                os.kill(os.getpid(), signal.SIGTERM)
+            assert late() == signal.SIGTERM  # held back while the run's end was written
+            os.kill(os.getpid(), signal.SIGTERM)  # stopping already: only noted
+        with RaiseOnSignal("during predict"):
+            stopping()  # training's Interrupted is on its way out
+            os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_the_message_says_what_was_kept_and_the_command() -> None:
+    launch = Launch(overrides=("load=/ck/step_00000004", "data.num_eval_rows=512"), config_name="evaluate",
+                    module="recsys_runner.evaluate")
+    e = Interrupted(signal.SIGINT, None, None, when="during evaluate")
+    assert interrupted_message(launch, e) == ("Interrupted: stopped by SIGINT during evaluate; nothing was kept; redo it with: "
+                                              "python -m recsys_runner.evaluate load=/ck/step_00000004 data.num_eval_rows=512")
+    e.run_id = "abc"
+    assert "nothing was kept (MLflow run abc is KILLED); redo it with" in interrupted_message(launch, e)
+    done = Interrupted(signal.SIGTERM, None, None, when="as evaluate ended", finished=True)
+    assert interrupted_message(launch, done).endswith("the MLflow run had FINISHED with everything kept, nothing to redo.")
+    training = Launch(overrides=("optim.lr=0.1",), output_dir=Path("/o/r"), config_name="config")
+    stopped = Interrupted(signal.SIGTERM, 6, "/o/r/checkpoints/step_00000006", when="during the final eval")
+    assert interrupted_message(training, stopped) == (
+        "Interrupted: stopped by SIGTERM during the final eval after step 6; checkpoint /o/r/checkpoints/step_00000006\n"
+        "Resume this run from step_00000006, into the same MLflow run, with this command:\n"
+        "  python -m recsys_runner optim.lr=0.1 checkpoint.dir=/o/r/checkpoints")
+    assert Launch(config_name="evaluate", module="recsys_runner.evaluate").command() == "python -m recsys_runner.evaluate"
+    assert Launch(config_name="config").command_name == "training"
