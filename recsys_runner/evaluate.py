@@ -22,7 +22,13 @@ from omegaconf import DictConfig
 
 from recsys_runner.build import build
 from recsys_runner.config import register_entry_schema, validate
-from recsys_runner.inference import LOAD_FIELD, checkpoint_to_load, inference_start, with_training_overrides
+from recsys_runner.inference import (
+    LOAD_FIELD,
+    carry_training_overrides,
+    checkpoint_to_load,
+    inference_start,
+    with_training_overrides,
+)
 from recsys_runner.lifecycle import exit_codes, tracked_run
 from recsys_runner.noise import quiet_known_noise
 from recsys_runner.paths import CONFIG_PATH
@@ -59,4 +65,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    carry_training_overrides()  # before @hydra.main composes: the training's overrides, then this command's
     main()

@@ -142,7 +142,7 @@ def carry_into_argv(argv: list[str]) -> Carried | None:
     by the CLI (:func:`training_overrides`), so that Hydra composes the training's config plus this command's changes:
     ``python -m recsys_runner.evaluate load=<run> data.eval_path=<file>`` then composes where the training used file
     data, whereas the command line alone would set ``data.eval_path`` on the default (generated) data, which has no such
-    key. Runs when an entry module is run as ``python -m`` (at the import of this module, before ``@hydra.main``
+    key. Runs when an entry module is run as ``python -m`` (:func:`carry_training_overrides`, before ``@hydra.main``
     composes); :func:`with_training_overrides` restores the typed command line and says what was carried.
     """
     from hydra._internal.utils import get_args_parser
@@ -162,8 +162,9 @@ def carry_into_argv(argv: list[str]) -> Carried | None:
     return Carried(checkpoint, tuple(carried), typed)
 
 
-def _carry_when_an_entry_runs() -> None:
-    """:func:`carry_into_argv` for ``python -m recsys_runner.evaluate|predict|export``; nothing for any other import."""
+def carry_training_overrides() -> None:
+    """:func:`carry_into_argv` for ``python -m recsys_runner.evaluate|predict|export``, called by each of them before its
+    ``@hydra.main`` composes the command line; nothing when the process runs anything else."""
     global _carried
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     if spec is not None and spec.name in ENTRY_MODULES and _carried is None:
@@ -178,7 +179,7 @@ def with_training_overrides(cfg: DictConfig, launch: Launch) -> DictConfig:
     (``data.eval_path=<file>`` where the training read files). ``cfg`` unchanged outside the CLI, without ``load``, or
     for a checkpoint written outside the CLI (no saved overrides): the command's overrides must then describe the model.
 
-    Under ``python -m`` the overrides were put before the command's when this module was imported, so Hydra composed
+    Under ``python -m`` the overrides were put before the command's before Hydra composed, so Hydra composed
     them (:func:`carry_into_argv`); this then only says so. Otherwise (``main`` called from Python) ``cfg`` is
     recomposed here.
     """
@@ -214,5 +215,3 @@ def inference_start(c: Components, *, entry: str, checkpoint: Path, load: str,
         params=flatten(c.run) | {LOAD_KEY: load} | (extra_params or {}), texts={"config.yaml": to_yaml(c.run)},
         world_size=c.env.world_size, device=c.env.device if c.env.is_main else None)
 
-
-_carry_when_an_entry_runs()  # before the entry's @hydra.main composes (carry_into_argv)

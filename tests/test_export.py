@@ -31,7 +31,7 @@ from torch import nn
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsys_runner import export
+from recsys_runner import export, serving
 from recsys_runner.__main__ import run as train_run
 from recsys_runner.build import build
 from recsys_runner.config import validate
@@ -105,7 +105,7 @@ def run_fresh(directory: Path, tmp_path: Path, calls: list[tuple[str, tuple[torc
 
 def load_fresh(directory: Path, batch: Batch, tmp_path: Path) -> object:
     """``model.pt2`` run on ``batch`` in a new interpreter that imports only torch; its output."""
-    return run_fresh(directory, tmp_path, [(export.MODEL_FILE, export.serving_inputs(batch))])[0]
+    return run_fresh(directory, tmp_path, [(export.MODEL_FILE, serving.serving_inputs(batch))])[0]
 
 
 def as_logits(output: object, spec: dict) -> torch.Tensor:
@@ -191,7 +191,7 @@ def test_every_model_exports_and_scores_like_the_trained_model(make_cfg, export_
 def tower_inputs(batch: Batch, spec: dict, tower: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``batch`` as a server would feed tower ``tower`` from ``feature_spec.json`` alone: the tower's dense columns,
     and its sparse features' ids and lengths, in the order the spec lists them."""
-    dense, values, lengths = export.serving_inputs(batch)
+    dense, values, lengths = serving.serving_inputs(batch)
     keys, columns = list(batch.sparse_features.keys()), spec["inputs"]["dense"]["columns"]
     mine = spec["towers"][tower]
     dense_index = [columns.index(c) for c in mine["inputs"]["dense"]["columns"]]
@@ -247,7 +247,7 @@ def test_a_model_that_cannot_be_exported_is_named_with_the_reason() -> None:
     kjt = KeyedJaggedTensor(keys=["a"], values=torch.tensor([1, 7, 3]), lengths=torch.tensor([1, 1, 1]))
     batch = Batch(dense_features=torch.randn(3, 2), sparse_features=kjt, labels=torch.zeros(3))
     with pytest.raises(ConfigError, match=r"model BranchesOnIds cannot be exported with torch.export \(.*\)\. Its forward must be traceable"):
-        export.export_program(export.ServingModule(BranchesOnIds(), ["a"]), batch)
+        serving.export_program(serving.ServingModule(BranchesOnIds(), ["a"]), batch)
 
 
 def test_export_refuses_a_used_dir_before_building_and_overwrite_replaces_the_whole_export(
@@ -307,4 +307,4 @@ def test_a_signal_while_tracing_is_a_stop_not_a_model_that_cannot_be_exported() 
     kjt = KeyedJaggedTensor(keys=["a"], values=torch.tensor([1, 7, 3]), lengths=torch.tensor([1, 1, 1]))
     batch = Batch(dense_features=torch.randn(3, 2), sparse_features=kjt, labels=torch.zeros(3))
     with pytest.raises(Interrupted):
-        export.export_program(export.ServingModule(StoppedWhileTraced(), ["a"]), batch)
+        serving.export_program(serving.ServingModule(StoppedWhileTraced(), ["a"]), batch)

@@ -3,14 +3,12 @@
 A :class:`Unit` is the smallest piece of a file that is read on its own: a Parquet row group, or a
 block of ``block_rows`` lines of a CSV file (found by one newline scan of the file, no parsing).
 Units know their row counts up front, so rows can be split between ranks and workers exactly.
-Reading a unit streams Arrow tables of at most ``read_rows`` rows; nothing reads a whole file.
-"""
+Reading a unit streams Arrow tables of at most ``read_rows`` rows; nothing reads a whole file."""
 
 from __future__ import annotations
 
 import glob
 import os
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -19,52 +17,19 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from recsys_runner.data.layout import delimiter_hint, detect_delimiter, looks_like_header, split_fields
 from recsys_runner.errors import DataError
 
 PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")
+
 PARQUET_MAGIC = b"PAR1"
 """The 4 bytes every Parquet file begins (and ends) with."""
-DELIMITER_NAMES = {"\t": "tabs", ",": "commas", ";": "semicolons", "|": "pipes"}
-"""Delimiters recognized when a file's lines look split by another one than ``data.delimiter``."""
+
 DELIMITER_OPTIONS = {"\t": "tab", ",": "comma", ";": "semicolon", "|": "pipe"}
 """How each detectable delimiter is written on the command line (``data.delimiter=comma``)."""
+
 _SNIFF_BYTES = 4096
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_ .\-]*$")
 
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def _fields(line: str, delimiter: str) -> list[str]:
-    return [f.strip().strip('"') for f in line.split(delimiter)]
-
-
-def detect_delimiter(lines: list[str]) -> str | None:
-    """The delimiter of :data:`DELIMITER_NAMES` that splits the first lines into the same number (> 1) of fields, the
-    one giving the most fields; ``None`` if none does."""
-    best: tuple[int, str] | None = None
-    for d in DELIMITER_NAMES:
-        counts = {line.count(d) for line in lines}
-        if len(counts) == 1 and (n := counts.pop()) > 0 and (best is None or n > best[0]):
-            best = (n, d)
-    return None if best is None else best[1]
-
-
-def looks_like_header(lines: list[str], delimiter: str) -> bool:
-    """Whether the first of ``lines`` names columns: every field a name (not a number, not empty), and the next line
-    has a number in a field where it has a name."""
-    first = _fields(lines[0], delimiter)
-    if not all(_NAME.match(f) for f in first):
-        return False
-    if len(lines) < 2:
-        return True
-    second = _fields(lines[1], delimiter)
-    return any(_is_number(b) for a, b in zip(first, second, strict=False) if not _is_number(a))
 
 
 def _head(path: str) -> bytes:
@@ -83,15 +48,6 @@ def _unreadable(path: str, e: OSError) -> DataError:
 def _is_text(head: bytes) -> bool:
     """Whether a file's first bytes look like text (no NUL byte: binary formats have plenty)."""
     return b"\x00" not in head
-
-
-def delimiter_hint(text: str, delimiter: str) -> str:
-    """A sentence naming the delimiter ``text`` (a line read as one field) seems to use instead of ``delimiter``, or ``""``."""
-    for other, name in DELIMITER_NAMES.items():
-        if other != delimiter and other in text:
-            return (f" The line contains {name}: the file looks {name[:-1]}-separated, but data.delimiter={delimiter!r}. "
-                    f"Fix: set data.delimiter={other!r}")
-    return ""
 
 
 @dataclass(frozen=True)
@@ -296,9 +252,9 @@ class CsvSource:
         data = lines[1:] if header else lines
         found = detect_delimiter(lines)
         seen = (f"Its first line is {lines[0][:100]!r}" + (f", detected: delimiter {DELIMITER_OPTIONS.get(found, found)!r}" if found else "")
-                + (f", a header line ({', '.join(_fields(lines[0], found)[:6])})" if found and looks_like_header(lines, found) else "")
+                + (f", a header line ({', '.join(split_fields(lines[0], found)[:6])})" if found and looks_like_header(lines, found) else "")
                 if found else f"Its first line is {lines[0][:100]!r}")
-        fields = len(_fields(data[0], delimiter)) if data else len(names)
+        fields = len(split_fields(data[0], delimiter)) if data else len(names)
         if fields != len(names) and (fields == 1 or (found is not None and found != delimiter)):
             fix = []
             if found and found != delimiter:
@@ -346,7 +302,7 @@ class CsvSource:
             raise DataError(f"{path} is an empty file. Fix: remove it from data.path, or write it again")
         delimiter, header = self.layout(path)
         if header:
-            names = _fields(first_line.decode("utf-8", errors="replace").rstrip("\r\n"), delimiter)
+            names = split_fields(first_line.decode("utf-8", errors="replace").rstrip("\r\n"), delimiter)
             data_start = len(first_line)
             if self.column_names:  # names of the config's replace the header's
                 if len(self.column_names) != len(names):

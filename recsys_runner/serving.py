@@ -1,0 +1,137 @@
+"""The model as a server calls it: plain tensors in (no TorchRec), traced by ``torch.export`` into a program that loads
+with torch alone. :class:`ServingModule` wraps a whole model, :class:`TowerServing` one tower of a two-tower model;
+:func:`export_program` traces either (``python -m recsys_runner.export`` writes them; docs/export.md)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol, cast
+
+import torch
+from torch import nn
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recsys_runner.errors import ConfigError
+from recsys_runner.train.signals import Interrupted
+
+
+class ServingModule(nn.Module):
+    """What is exported: ``(dense [B, N], values [V], lengths [F, B]) → the model's output``.
+
+    Builds the KeyedJaggedTensor inside, so the caller passes plain tensors (module docstring).
+    """
+
+    def __init__(self, model: nn.Module, keys: list[str]) -> None:
+        super().__init__()
+        self.model = model
+        self.keys = keys
+
+    def forward(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> Any:
+        sparse = KeyedJaggedTensor(keys=self.keys, values=values, lengths=lengths.reshape(-1))
+        return self.model(dense, sparse)
+
+    def inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``batch`` as this module's inputs (:func:`serving_inputs`)."""
+        return serving_inputs(batch)
+
+
+class TwoTowerModel(Protocol):
+    """What :class:`TowerServing` needs of a two-tower model (:class:`~recsys_runner.models.dssm.DSSM` has it)."""
+
+    tower_features: dict[str, list[str]]
+    temperature: float
+
+    def tower(self, name: str, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor: ...
+
+
+class TowerServing(nn.Module):
+    """One tower of a two-tower model: ``(dense [B, n], values [V], lengths [f, B])`` of the tower's own features
+    (``feature_spec.json``'s ``towers.<name>``) → its vectors ``[B, O]``.
+
+    The model's forward needs every feature; a tower reads only its own, so the other tower's features are filled
+    in as empty bags and zero columns inside, and a server passes a user's features alone (or an item's).
+    """
+
+    sparse_index: torch.Tensor
+    dense_index: torch.Tensor
+
+    def __init__(self, model: nn.Module, name: str, keys: list[str], dense_names: list[str]) -> None:
+        super().__init__()
+        mine = set(cast(TwoTowerModel, model).tower_features[name])
+        self.model, self.name, self.keys, self.num_dense = model, name, keys, len(dense_names)
+        self.sparse_keys = [k for k in keys if k in mine]
+        self.dense_columns = [c for c in dense_names if c in mine]
+        self.register_buffer("sparse_index", torch.tensor([keys.index(k) for k in self.sparse_keys], dtype=torch.long), persistent=False)
+        self.register_buffer("dense_index", torch.tensor([dense_names.index(c) for c in self.dense_columns], dtype=torch.long),
+                             persistent=False)
+
+    def forward(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        rows = dense.shape[0]
+        all_lengths = lengths.new_zeros(len(self.keys), rows).index_copy(0, self.sparse_index, lengths)
+        all_dense = dense.new_zeros(rows, self.num_dense).index_copy(1, self.dense_index, dense)
+        sparse = KeyedJaggedTensor(keys=self.keys, values=values, lengths=all_lengths.reshape(-1))
+        return cast(TwoTowerModel, self.model).tower(self.name, all_dense, sparse)
+
+    def inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``batch`` as this tower's inputs: its dense columns, and its sparse features' ids and lengths (in key order)."""
+        dense, values, lengths = serving_inputs(batch)
+        per_feature = torch.split(values, lengths.sum(dim=1).tolist())
+        index = self.sparse_index.tolist()
+        mine = torch.cat([per_feature[i] for i in index]) if index else values[:0]
+        return dense[:, self.dense_index], mine, lengths[self.sparse_index]
+
+
+def serving_inputs(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batch as :class:`ServingModule`'s inputs: ``(dense float32, values int64, lengths [F, B] int64)``."""
+    kjt = batch.sparse_features
+    lengths = kjt.lengths().to(torch.int64).reshape(len(kjt.keys()), -1)
+    return batch.dense_features.float(), kjt.values().to(torch.int64), lengths
+
+
+def export_program(serving: ServingModule | TowerServing, batch: Batch) -> torch.export.ExportedProgram:
+    """``serving`` (its model unsharded, on CPU, in eval mode) as a torch.export program with a dynamic batch size and
+    id count, traced on ``batch`` as its inputs.
+
+    Raises:
+        ConfigError: torch.export cannot trace the model, naming the model and the first line of why.
+    """
+    model = serving.model
+    serving.eval()
+    inputs = serving.inputs(batch)
+    batch_dim, ids = torch.export.Dim("batch"), torch.export.Dim("ids")
+    shapes = {"dense": {0: batch_dim}, "values": {0: ids}, "lengths": {1: batch_dim}}
+    root = logging.getLogger()
+    root.addFilter(_quiet_kjt_warning)
+    try:
+        with torch.no_grad():
+            program = torch.export.export(serving, inputs, dynamic_shapes=shapes, strict=False)
+    except Exception as e:  # noqa: BLE001 - torch.export raises many kinds; all mean "cannot be exported"
+        if _stopped(e):  # a signal while tracing (the lifecycle raises it here): a stop, not a model that cannot be exported
+            raise
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(
+            f"model {type(model).__name__} cannot be exported with torch.export ({type(e).__name__}: {why}). Its forward "
+            f"must be traceable for any batch size and id count: no Python branches on tensor values, no .item()/.tolist() "
+            f"feeding shapes. Serve it from a checkpoint instead, or make its forward traceable (docs/export.md)"
+        ) from e
+    finally:
+        root.removeFilter(_quiet_kjt_warning)
+    return program
+
+
+def _stopped(e: BaseException | None) -> bool:
+    """Whether ``e`` is, or was raised while handling or because of, the lifecycle's :class:`Interrupted` (a signal)."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, Interrupted):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _quiet_kjt_warning(record: logging.LogRecord) -> bool:
+    """Drop TorchRec's "non-strict torch.export KJT to_dict … extremely slow" warning: it is about tracing time
+    (seconds, once), not about the exported program, which runs plain ATen ops."""
+    return "non-strict torch.export KJT" not in record.getMessage()
