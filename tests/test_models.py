@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
+from recsys_runner.__main__ import run
 from recsys_runner.config import GROUPS, validate
 from recsys_runner.configurable import config_class, locate_class, make
 from recsys_runner.data.synthetic import SyntheticData, SyntheticDataConfig
@@ -192,8 +193,6 @@ def mixed_width_cfg(make_cfg, tmp_path: Path, name: str, *overrides: str):
      ("dcn_v2", ["model.low_rank=8"])],
 )
 def test_concatenating_models_train_with_mixed_widths(make_cfg, tmp_path: Path, name: str, overrides: list[str]) -> None:
-    from recsys_runner.__main__ import run
-
     cfg = mixed_width_cfg(make_cfg, tmp_path, name, *overrides)
     model = validate(cfg).model.build(features=validate(cfg).data.build().features, dense_device=CPU)
     assert model.sparse_arch.widths == [8, 16, 8] and model.sparse_arch.output_dim == 32
@@ -206,10 +205,14 @@ def test_concatenating_models_train_with_mixed_widths(make_cfg, tmp_path: Path, 
      ("dlrm", "its interaction takes dot products between the dense vector and every embedding")],
 )
 def test_interaction_models_refuse_mixed_widths_saying_why(make_cfg, tmp_path: Path, name: str, why: str) -> None:
-    from recsys_runner.__main__ import run
-
     model = {"deepfm": "DeepFM", "dlrm": "DLRM"}[name]
     cfg = mixed_width_cfg(make_cfg, tmp_path, name, "model.dense_arch_layer_sizes=[8]")
     with pytest.raises(ConfigError, match=rf"{model} needs one embedding width for every feature \(model.embedding_dim=8\): {why}.*"
                                           r"data.sparse sets embedding_dim \{'cat_1': 16\}"):
         run(cfg)
+
+
+@pytest.mark.parametrize("model", ["lr", "fm"])
+def test_baselines_train_on_the_default_data(make_cfg, model: str) -> None:
+    auc = run(make_cfg(f"model={model}", "tracking=none", "train.num_steps=20"))
+    assert auc > 0.55, auc

@@ -18,10 +18,12 @@ from mlflow.tracking import MlflowClient
 
 from recsys_runner.__main__ import run
 from recsys_runner.checkpoint.storage import DcpFileStorage, list_checkpoints
+from recsys_runner.data.generate import write_criteo_parquet
 from recsys_runner.lifecycle import FINISHED_MARK, interrupted_message, interrupted_runs
 from recsys_runner.runtime import Launch
 from recsys_runner.train.signals import Interrupted, RaiseOnSignal, deferred, stopping
 from tests.conftest import REPO, TINY, hint_of, run_cli
+from tests.test_predict import trained_once  # noqa: F401 - a fixture: a DeepFM trained on Parquet once
 from tests.test_run_safety import SMALL, runs
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -174,3 +176,23 @@ def test_the_message_says_what_was_kept_and_the_command() -> None:
         "  python -m recsys_runner optim.lr=0.1 checkpoint.dir=/o/r/checkpoints")
     assert Launch(config_name="evaluate", module="recsys_runner.evaluate").command() == "python -m recsys_runner.evaluate"
     assert Launch(config_name="config").command_name == "training"
+
+
+# -- predict: a signal mid-write leaves no part, the run KILLED -----------------------------------------------------
+def test_sigterm_during_predict_leaves_no_part_and_ends_its_run_killed(
+    trained_once: tuple[Path, list[str]], tmp_path: Path,  # noqa: F811 - the fixture imported above
+) -> None:
+    root, trained = trained_once
+    (tmp_path / "score").mkdir()
+    write_criteo_parquet(str(tmp_path / "score" / "big.parquet"), 400_000, seed=3, num_embeddings=1000)
+    out_dir = tmp_path / "out"
+    argv = [sys.executable, "-m", "recsys_runner.predict", *trained, f"load={root}/ck", f"predict.input={tmp_path}/score",
+            f"predict.output={out_dir}"]
+    code, out = _signal_when(argv, "loaded weights of", signal.SIGTERM, tmp_path, delay_s=1.0)
+    assert code == 143, out[-3000:]
+    (line,) = [x for x in out.splitlines() if x.startswith("Interrupted:")]
+    assert line.startswith("Interrupted: stopped by SIGTERM during predict; ") and "python -m recsys_runner.predict " in line, line
+    assert not out_dir.exists() or list(out_dir.iterdir()) == [], sorted(p.name for p in out_dir.iterdir())
+    uri = next(a.split("=", 1)[1] for a in trained if a.startswith("tracking.uri="))
+    predicted = [r for r in runs(uri, "predict") if r.data.tags.get("entry") == "predict"]
+    assert [r.info.status for r in predicted] == ["KILLED"]
