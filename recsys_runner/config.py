@@ -30,6 +30,7 @@ from recsys_runner.checkpoint.config import CheckpointConfig
 from recsys_runner.configurable import Configurable, typed
 from recsys_runner.data.base import DataConfig
 from recsys_runner.data.synthetic import SyntheticDataConfig
+from recsys_runner.data.synthetic_sequences import SyntheticSequencesConfig
 from recsys_runner.data.tabular_config import CriteoDataConfig, CsvDataConfig, ParquetDataConfig
 from recsys_runner.distributed.config import DistributedConfig, check_sharding_types, resolve_device_type
 from recsys_runner.errors import ConfigError, UserError, require
@@ -38,6 +39,7 @@ from recsys_runner.metrics.tasks import check_task_metrics, eval_metric_keys
 from recsys_runner.models.common import ModelConfig
 from recsys_runner.models.dcn_v2 import DCNv2Config
 from recsys_runner.models.deepfm import DeepFMConfig
+from recsys_runner.models.din import DINConfig
 from recsys_runner.models.dlrm import DLRMConfig
 from recsys_runner.models.dssm import DSSMConfig
 from recsys_runner.models.fm import FMConfig
@@ -136,8 +138,10 @@ def _composition_schema() -> type:
 
 GROUPS: dict[str, dict[str, type]] = {
     "model": {"deepfm": DeepFMConfig, "dlrm": DLRMConfig, "dcn_v2": DCNv2Config, "wide_deep": WideDeepConfig,
-              "mmoe": MMoEConfig, "dssm": DSSMConfig, "lr": LRConfig, "fm": FMConfig},
-    "data": {"synthetic": SyntheticDataConfig, "parquet": ParquetDataConfig, "csv": CsvDataConfig, "criteo": CriteoDataConfig},
+              "mmoe": MMoEConfig, "dssm": DSSMConfig, "lr": LRConfig, "fm": FMConfig,
+              "din": DINConfig},
+    "data": {"synthetic": SyntheticDataConfig, "parquet": ParquetDataConfig, "csv": CsvDataConfig, "criteo": CriteoDataConfig,
+             "synthetic_sequences": SyntheticSequencesConfig},
     "optim": {"optim": OptimConfig},
     "optim/sparse": {
         "sgd": SparseSGDConfig,

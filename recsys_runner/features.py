@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
 
 from recsys_runner.errors import ConfigError
 
@@ -58,6 +58,42 @@ class SparseFeature:
         return self.table or f"t_{self.name}"
 
 
+TRUNCATIONS = ("recent", "oldest")
+"""Which end of a history longer than ``max_len`` is kept: the most ``recent`` events (the default) or the ``oldest``."""
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceGroup:
+    """A user's ordered history: sparse features of equal length per row, oldest event first.
+
+    Each of ``features`` is a sparse feature of the :class:`FeatureSpec` (``hist_item_id``, ``hist_category``): the
+    ``i``-th value of every one of them describes the ``i``-th event of the row's history, so they have the same
+    length in every row (0 for an empty history). Such features are embedded *unpooled* (TorchRec's
+    ``EmbeddingCollection``, one vector per event) by sequence models, and pooled like any multi-hot feature by the
+    others. A sequence feature's candidate is the non-sequence feature reading the same table (``item_id`` for
+    ``hist_item_id`` when both name ``table: item``): attention models compare each event with it.
+
+    ``timestamps`` names a key of the batch's ``KeyedJaggedTensor`` holding each event's time (int64 seconds, same
+    lengths, never embedded) for models with a time-gap bias or embedding; ``None``: the data has no event times.
+    """
+
+    name: str
+    features: tuple[str, ...]
+    max_len: int
+    """The longest history a row keeps; longer ones were truncated by the data (``truncate``)."""
+    truncate: str = "recent"
+    timestamps: str | None = None
+
+    def __post_init__(self) -> None:
+        key = f"data.sequences.{self.name}"
+        if not self.features:
+            raise ConfigError(f"{key} lists no features: a sequence group has one or more list columns, e.g. [hist_item_id]")
+        if self.max_len <= 0:
+            raise ConfigError(f"{key}.max_len must be positive, got {self.max_len}")
+        if self.truncate not in TRUNCATIONS:
+            raise ConfigError(f"{key}.truncate={self.truncate!r} must be one of {list(TRUNCATIONS)}")
+
+
 @dataclass(frozen=True, slots=True)
 class FeatureSpec:
     """What one batch contains: ``num_dense`` float columns, the sparse features, the label(s).
@@ -69,6 +105,27 @@ class FeatureSpec:
     dense_names: tuple[str, ...]
     sparse: tuple[SparseFeature, ...]
     label: str | tuple[str, ...] = "label"
+    sequences: tuple[SequenceGroup, ...] = ()
+    """The histories among ``sparse`` (:class:`SequenceGroup`); empty for data without sequences."""
+
+    def __post_init__(self) -> None:
+        names = self.sparse_names
+        seen: dict[str, str] = {}
+        for group in self.sequences:
+            unknown = [f for f in group.features if f not in names]
+            if unknown:
+                raise ConfigError(f"data.sequences.{group.name} names {unknown}, which are not sparse features of the data "
+                                  f"({', '.join(names)}). Fix: list each history column in data.sparse as well")
+            for f in group.features:
+                if f in seen:
+                    raise ConfigError(f"sparse feature {f!r} is in sequence groups {seen[f]!r} and {group.name!r}; it belongs to one")
+                seen[f] = group.name
+            if group.timestamps is not None and group.timestamps in names:
+                raise ConfigError(f"data.sequences.{group.name}.timestamps={group.timestamps!r} is a sparse feature; event times "
+                                  f"are not embedded. Fix: remove it from data.sparse")
+        groups = [g.name for g in self.sequences]
+        if len(set(groups)) != len(groups):
+            raise ConfigError(f"sequence group names {groups} repeat; give each group its own name")
 
     @property
     def label_names(self) -> tuple[str, ...]:
@@ -88,12 +145,62 @@ class FeatureSpec:
     def sparse_names(self) -> list[str]:
         return [f.name for f in self.sparse]
 
-    def embedding_tables(self, embedding_dim: int, pooling: PoolingType | None = None) -> list[EmbeddingBagConfig]:
+    @property
+    def kjt_keys(self) -> list[str]:
+        """The keys of a batch's ``KeyedJaggedTensor``, in order: the sparse features, then each group's event times."""
+        return [*self.sparse_names, *(g.timestamps for g in self.sequences if g.timestamps is not None)]
+
+    @property
+    def sequence_names(self) -> list[str]:
+        """The sparse features that are histories (members of a :class:`SequenceGroup`), in group order."""
+        return [f for g in self.sequences for f in g.features]
+
+    def group(self, name: str | None = None, *, model: str = "this model") -> SequenceGroup:
+        """The sequence group ``name`` (``None``: the only or first one).
+
+        Raises:
+            ConfigError: the data has no sequence group (naming ``model``, which needs one), or none called ``name``.
+        """
+        if not self.sequences:
+            raise ConfigError(f"{model} attends over a user's history, but the data has no sequence group. Fix: data=synthetic_sequences, "
+                              f"or declare the history columns in data.sequences (docs/sequences.md)")
+        if name is None:
+            return self.sequences[0]
+        for g in self.sequences:
+            if g.name == name:
+                return g
+        raise ConfigError(f"{model} reads sequence group {name!r}, which the data does not have; its groups: "
+                          f"{[g.name for g in self.sequences]}. Fix: model.sequence_group=<one of them>")
+
+    def candidate_of(self, sequence_feature: str) -> str | None:
+        """The non-sequence feature that reads ``sequence_feature``'s table (the candidate it is compared with), or ``None``."""
+        by_name = {f.name: f for f in self.sparse}
+        table, histories = by_name[sequence_feature].table_name, set(self.sequence_names)
+        return next((f.name for f in self.sparse if f.table_name == table and f.name not in histories), None)
+
+    @property
+    def sequence_table_names(self) -> set[str]:
+        """The tables some sequence feature reads: these are embedded unpooled (``EmbeddingCollection``) by sequence models."""
+        histories = set(self.sequence_names)
+        return {f.table_name for f in self.sparse if f.name in histories}
+
+    def sequence_tables(self, embedding_dim: int) -> list[EmbeddingConfig]:
+        """The unpooled tables of :attr:`sequence_table_names` with every feature reading them (histories and their
+        candidates), for an ``EmbeddingCollection``; one width per table, as for :meth:`embedding_tables`."""
+        unpooled = self.sequence_table_names
+        return [EmbeddingConfig(name=t.name, embedding_dim=t.embedding_dim, num_embeddings=t.num_embeddings,
+                                feature_names=list(t.feature_names))
+                for t in self.embedding_tables(embedding_dim) if t.name in unpooled]
+
+    def embedding_tables(self, embedding_dim: int, pooling: PoolingType | None = None,
+                         skip_sequence_tables: bool = False) -> list[EmbeddingBagConfig]:
         """The embedding tables the sparse features read, in first-use order.
 
         Args:
             embedding_dim: width of every table whose features do not set their own.
             pooling: forces one pooling for every table (``None``: each feature's own ``pooling``).
+            skip_sequence_tables: leave out the tables a sequence feature reads (a sequence model embeds them
+                unpooled, :meth:`sequence_tables`).
 
         Raises:
             ConfigError: features sharing a table disagree on its size, width or pooling.
@@ -117,7 +224,8 @@ class FeatureSpec:
                     f"or drop 'table' from one of them"
                 )
             existing.feature_names.append(f.name)
-        return list(tables.values())
+        skip = self.sequence_table_names if skip_sequence_tables else set()
+        return [t for t in tables.values() if t.name not in skip]
 
     def embedding_dims(self, embedding_dim: int) -> list[int]:
         """Each sparse feature's width, in ``sparse`` order: its own ``embedding_dim``, else ``embedding_dim``."""
@@ -155,5 +263,10 @@ class DataNeeds:
     """A two-tower model's user (query) features: each row must be a (user, item) pair worth retrieving."""
     item_features: tuple[str, ...] = ()
     """The two-tower model's item (candidate) features."""
+    sequences: bool = False
+    """The model attends over a user's history: generated data (``data=synthetic``) then generates histories
+    (``data=synthetic_sequences``'s defaults)."""
+    next_item: bool = False
+    """A next-item model: every row's candidate should be the item that truly came next (no sampled negatives)."""
 
 

@@ -73,6 +73,9 @@ class DataConfig(Configurable):
 
     batch_size: int = 512
     """Rows per batch *per rank* (the global batch is ``batch_size × world_size``)."""
+    batch_tokens: int | None = None
+    """Instead of ``batch_size`` rows, batches of as many rows as fit this many history tokens per rank (a row costs
+    its history length + 1, :mod:`recsys_runner.data.tokens`); only for data with sequences. ``null``: ``batch_size``."""
     num_workers: int | str = AUTO
     """DataLoader worker processes per rank that produce the batches off the training thread; 0 produces them
     in the training process. ``auto``: ``min(4, CPUs per local rank - 1)`` (at least 1) when the run's device is
@@ -83,10 +86,20 @@ class DataConfig(Configurable):
 
     def __post_init__(self) -> None:
         require(self.batch_size > 0, f"data.batch_size must be positive, got {self.batch_size}. Fix: data.batch_size=512")
+        if self.batch_tokens is not None:
+            require(self.batch_tokens > 0, f"data.batch_tokens must be positive or null, got {self.batch_tokens}")
+            require(self.supports_batch_tokens(),
+                    f"data.batch_tokens={self.batch_tokens} sizes batches by history tokens, but this data "
+                    f"({type(self).__name__}) has no histories. Fix: data.batch_tokens=null and data.batch_size=<rows>, or "
+                    f"data with sequences (data=synthetic_sequences, or data.sequences on Parquet/CSV files)")
         workers = self.num_workers
         require(workers == AUTO or (isinstance(workers, int) and not isinstance(workers, bool) and workers >= 0),
                 f"data.num_workers={workers!r} must be a number >= 0 or auto. Fix: data.num_workers=auto (workers on CUDA, "
                 f"none on CPU), data.num_workers=0 (in the training process) or e.g. data.num_workers=2")
+
+    def supports_batch_tokens(self) -> bool:
+        """Whether this data has histories whose tokens ``batch_tokens`` can count (data with sequences overrides this)."""
+        return False
 
     def build(self, *, device: torch.device | str | None = None) -> DataModule:
         """The data module this config describes, for a run on ``device`` (``None``: where ``distributed.device=auto``

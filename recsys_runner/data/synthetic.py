@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+import logging
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -38,9 +39,11 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.data.base import DataConfig, DataModule
 from recsys_runner.data.schema import LABEL_KINDS
+from recsys_runner.data.synthetic_sequences import SyntheticSequencesConfig
 from recsys_runner.errors import require
 from recsys_runner.features import DataNeeds, FeatureSpec, SparseFeature
 
+log = logging.getLogger(__name__)
 _TRAIN, _EVAL = 0, 1
 PAIR_CLUSTERS = 16
 """``K`` of the (user, item) pairs drawn for a two-tower model when ``user_item_clusters`` is null."""
@@ -148,6 +151,8 @@ class SyntheticDataConfig(DataConfig):
             ConfigError: a two-tower model's tower has no sparse feature to link the pairs through, or
                 the combination fails a check of :meth:`__post_init__`.
         """
+        if needs.sequences:
+            return self._as_sequences(needs)
         changes: dict[str, Any] = {}
         if self.tasks is None and needs.labels:
             changes["tasks"] = list(needs.labels)
@@ -171,6 +176,16 @@ class SyntheticDataConfig(DataConfig):
             if self.user_item_clusters is None:
                 changes["user_item_clusters"] = PAIR_CLUSTERS
         return replace(self, **changes) if changes else self  # the combination passes the same checks as a configured one
+
+
+    def _as_sequences(self, needs: DataNeeds) -> DataConfig:
+        """``data=synthetic_sequences`` with this config's shared fields (batch size, rows, workers, seed), for a model
+        that attends over histories: the Criteo-shaped columns have none. Logged, so that the switch is seen."""
+        shared = {f.name: getattr(self, f.name) for f in fields(SyntheticSequencesConfig)
+                  if f.name != "_target_" and hasattr(self, f.name) and getattr(self, f.name) != getattr(SyntheticDataConfig, f.name, None)}
+        log.info("the model attends over user histories, which data=synthetic does not have: generating them as "
+                 "data=synthetic_sequences does (set data=synthetic_sequences to tune them)")
+        return SyntheticSequencesConfig(**shared).for_model(needs)
 
 
 def _sparse_names(num_sparse: int) -> list[str]:

@@ -1,0 +1,273 @@
+"""Generated user histories whose labels and next items depend on the history: the default data of sequence models.
+
+A hidden world is drawn once from ``seed``: ``num_items`` items, each in one of ``num_categories`` categories,
+with Zipf popularity; every item has a *successor* in its own category (what people tend to watch next); every
+user prefers two categories. A row is one user's history (``hist_item_id``, ``hist_category`` and, with
+``timestamps``, ``hist_ts``), then a candidate item (``item_id``, ``category``) and a click label:
+
+* each event follows the previous one's successor with probability ``follow``, else it is a fresh pick (a
+  popular item of one of the user's categories, or of any category);
+* the *true next item* is drawn by the same rule from the newest event;
+* the candidate is the true next item with probability ``1 - negatives`` (always for a next-item model), else a
+  popular item of any category;
+* the click's score adds the share of the history in the candidate's category, whether the candidate is the
+  successor of the newest event, the item's own appeal and a little of two dense columns.
+
+So a model that reads the history (DIN, BST) beats the same model without it, and a next-item model (SASRec)
+that learns successors beats the popularity ranking. History lengths are long-tailed (a Zipf law over
+``1 … max_len`` with exponent ``length_skew``, plus ``empty_fraction`` empty histories).
+
+As with ``data=synthetic``, every batch is a pure function of ``(seed, split, batch index)``; nothing is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+import torch
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recsys_runner.data.base import DataConfig, DataModule
+from recsys_runner.errors import require
+from recsys_runner.features import TRUNCATIONS, DataNeeds, FeatureSpec, SequenceGroup, SparseFeature
+
+_TRAIN, _EVAL = 0, 1
+DEFAULT_NUM_STEPS = 1000
+"""Optimizer steps of a run on this data when neither ``train.num_steps`` nor ``train.num_epochs`` is set."""
+HISTORY = "hist"
+"""The name of the one sequence group (``data.sequences`` key of file data)."""
+
+
+@dataclass(kw_only=True)
+class SyntheticSequencesConfig(DataConfig):
+    """Schema of ``conf/data/synthetic_sequences.yaml``."""
+
+    _target_: str = "recsys_runner.data.synthetic_sequences.SyntheticSequences"
+    batch_size: int = 512
+    num_train_rows: int = 524_288
+    """Rows in one training epoch (all ranks together)."""
+    num_eval_rows: int = 32_768
+    """Rows in the evaluation split (all ranks together)."""
+    num_users: int = 50_000
+    num_items: int = 20_000
+    num_categories: int = 100
+    num_dense: int = 2
+    """Dense columns ``int_0 …`` (a little signal each)."""
+    max_len: int = 50
+    """The longest history a row has; lengths follow a Zipf law over ``1 … max_len``."""
+    length_skew: float = 1.2
+    """Exponent ``a`` of the length distribution ``P(L = k) ∝ k^-a``: larger means more short histories."""
+    empty_fraction: float = 0.05
+    """Rows with no history at all (a new user)."""
+    follow: float = 0.6
+    """Probability that an event is the previous event's successor rather than a fresh pick."""
+    negatives: float | None = None
+    """Fraction of rows whose candidate is a random popular item instead of the true next item. ``null``: 0.5, or
+    0 for a next-item model (every row's candidate is then the item that came next)."""
+    timestamps: bool = True
+    """Carry each event's time (``hist_ts``, seconds, ascending) for time-aware models."""
+    truncate: str = "recent"
+    """Kept in the schema for models and docs: generated histories never exceed ``max_len``."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key in ("num_users", "num_items", "num_categories", "max_len"):
+            require(getattr(self, key) > 0, f"data.{key} must be positive, got {getattr(self, key)}")
+        require(self.num_items >= self.num_categories, f"data.num_items={self.num_items} must be at least data.num_categories="
+                f"{self.num_categories} (every category holds items)")
+        require(self.num_dense >= 0, f"data.num_dense must be >= 0, got {self.num_dense}")
+        require(self.length_skew >= 0, f"data.length_skew must be >= 0, got {self.length_skew}")
+        for key in ("empty_fraction", "follow"):
+            require(0 <= getattr(self, key) <= 1, f"data.{key} must lie in [0, 1], got {getattr(self, key)}")
+        require(self.negatives is None or 0 <= self.negatives < 1, f"data.negatives must lie in [0, 1) or be null, got {self.negatives}")
+        require(self.truncate in TRUNCATIONS, f"data.truncate={self.truncate!r} must be one of {list(TRUNCATIONS)}")
+        require(self.num_train_rows >= self.batch_size and self.num_eval_rows >= self.batch_size,
+                f"data.num_train_rows and data.num_eval_rows must each hold one batch (data.batch_size={self.batch_size})")
+
+    def default_num_steps(self) -> int:
+        return DEFAULT_NUM_STEPS
+
+    def for_model(self, needs: DataNeeds) -> SyntheticSequencesConfig:
+        """``negatives: null`` decided for the model: none for a next-item model (every candidate is the true next item)."""
+        if self.negatives is not None:
+            return self
+        return replace(self, negatives=0.0 if needs.next_item else 0.5)
+
+
+class SyntheticSequences(DataModule):
+    """Histories, candidates and clicks generated on the fly; see the module docstring.
+
+    Example::
+
+        data = make(SyntheticSequencesConfig, batch_size=4, max_len=5).build()
+        batch = next(iter(data.train_batches(epoch=0, rank=0, world_size=1)))
+        batch.sparse_features["hist_item_id"].lengths()   # e.g. tensor([5, 1, 0, 2])
+    """
+
+    def __init__(self, config: SyntheticSequencesConfig) -> None:
+        c = self.config = config.resolved()
+        self.batch_size = c.batch_size
+        self._negatives = 0.5 if c.negatives is None else c.negatives
+        item, category = "item", "category"
+        sparse = (
+            SparseFeature("user_id", c.num_users),
+            SparseFeature("item_id", c.num_items, pooling="mean", table=item),
+            SparseFeature("category", c.num_categories, pooling="mean", table=category),
+            SparseFeature("hist_item_id", c.num_items, pooling="mean", table=item),
+            SparseFeature("hist_category", c.num_categories, pooling="mean", table=category),
+        )
+        group = SequenceGroup(HISTORY, ("hist_item_id", "hist_category"), c.max_len, c.truncate,
+                              timestamps="hist_ts" if c.timestamps else None)
+        self.features = FeatureSpec(tuple(f"int_{i}" for i in range(c.num_dense)), sparse, "label", sequences=(group,))
+        self._world = _World.draw(c)
+
+    def num_train_batches(self, world_size: int) -> int:
+        return self.config.num_train_rows // self.batch_size // world_size
+
+    def train_batches(self, epoch: int, rank: int, world_size: int) -> Iterator[Batch]:
+        total = self.config.num_train_rows // self.batch_size
+        order = torch.randperm(total, generator=torch.Generator().manual_seed(self.config.seed * 7919 + epoch))
+        mine = order[rank::world_size][: self.num_train_batches(world_size)]
+        return (self.batch(_TRAIN, int(i)) for i in mine)
+
+    def eval_batches(self, rank: int, world_size: int) -> Iterator[Batch]:
+        per_rank = self.config.num_eval_rows // self.batch_size // world_size
+        return (self.batch(_EVAL, i) for i in range(rank, per_rank * world_size, world_size))
+
+    def batch(self, split: int, index: int) -> Batch:
+        """Batch ``index`` of ``split`` (0 train, 1 eval): a pure function of the seed."""
+        g = torch.Generator().manual_seed(hash((self.config.seed, "seq", split, index)) & 0x7FFF_FFFF_FFFF_FFFF)
+        rows = self._world.rows(self.batch_size, self._negatives, g)
+        return self.assemble(rows)
+
+    def assemble(self, rows: _Rows) -> Batch:
+        """The rows as a TorchRec batch: one ``KeyedJaggedTensor`` with the candidate's ids (one per row), the jagged
+        histories and (with ``timestamps``) their event times, in :attr:`FeatureSpec.kjt_keys` order."""
+        n = rows.user.shape[0]
+        one = torch.ones(n, dtype=torch.int32)
+        lengths = rows.lengths.int()
+        values = [rows.user, rows.item, rows.category, rows.hist_items, rows.hist_categories]
+        parts = [one, one, one, lengths, lengths]
+        if self.config.timestamps:
+            values.append(rows.hist_ts)
+            parts.append(lengths)
+        kjt = KeyedJaggedTensor(keys=self.features.kjt_keys, values=torch.cat(values), lengths=torch.cat(parts))
+        return Batch(dense_features=rows.dense, sparse_features=kjt, labels=rows.labels)
+
+
+@dataclass
+class _Rows:
+    """Generated rows: per-row ids ``[n]``, histories flat (oldest first per row) with ``lengths [n]``."""
+
+    user: torch.Tensor
+    item: torch.Tensor
+    category: torch.Tensor
+    hist_items: torch.Tensor
+    hist_categories: torch.Tensor
+    hist_ts: torch.Tensor
+    lengths: torch.Tensor
+    dense: torch.Tensor
+    labels: torch.Tensor
+    next_item: torch.Tensor
+    """The true next item of each row (the candidate on positive rows)."""
+
+
+@dataclass(frozen=True)
+class _World:
+    """The hidden ground truth the rows are drawn from."""
+
+    category: torch.Tensor
+    """``[num_items]``: each item's category."""
+    successor: torch.Tensor
+    """``[num_items]``: the item that tends to come next, in the same category."""
+    by_category: torch.Tensor
+    """Every item, grouped by category, each category's most popular first."""
+    category_start: torch.Tensor
+    """``[num_categories]``: where each category's items start in ``by_category``."""
+    category_size: torch.Tensor
+    """``[num_categories]``: how many items each category has."""
+    popularity: torch.Tensor
+    """``[num_items]`` draw weights (Zipf)."""
+    appeal: torch.Tensor
+    """``[num_items]``: each item's own effect on the click."""
+    preferred: torch.Tensor
+    """``[num_users, 2]``: each user's categories."""
+    length_probs: torch.Tensor
+    """``[max_len + 1]``: the distribution of history lengths."""
+    dense_weights: torch.Tensor
+    config: SyntheticSequencesConfig
+
+    @staticmethod
+    def draw(c: SyntheticSequencesConfig) -> _World:
+        g = torch.Generator().manual_seed(c.seed * 104_729 + 17)
+        category = torch.randint(c.num_categories, (c.num_items,), generator=g)
+        category[: c.num_categories] = torch.arange(c.num_categories)  # no category is empty
+        popularity = 1.0 / torch.arange(1, c.num_items + 1, dtype=torch.float64)[torch.randperm(c.num_items, generator=g)]
+        successor = torch.empty(c.num_items, dtype=torch.long)
+        by_category = []
+        for k in range(c.num_categories):
+            members = torch.nonzero(category == k).squeeze(1)
+            by_category.append(members[torch.argsort(popularity[members], descending=True)])
+            successor[members] = members[torch.randperm(len(members), generator=g)]
+        k = torch.arange(1, c.max_len + 1, dtype=torch.float64)
+        lengths = k.pow(-c.length_skew)
+        probs = torch.cat([torch.tensor([c.empty_fraction], dtype=torch.float64), (1 - c.empty_fraction) * lengths / lengths.sum()])
+        sizes = torch.tensor([len(m) for m in by_category])
+        return _World(category=category, successor=successor, by_category=torch.cat(by_category), category_size=sizes,
+                      category_start=sizes.cumsum(0) - sizes, popularity=popularity,
+                      appeal=torch.randn(c.num_items, generator=g) * 0.5,
+                      preferred=torch.randint(c.num_categories, (c.num_users, 2), generator=g), length_probs=probs,
+                      dense_weights=torch.randn(c.num_dense, generator=g) * 0.3, config=c)
+
+    def _fresh(self, users: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+        """A fresh pick per user: with 0.8 a popular item of one of the user's categories, else a popular item of any."""
+        n = users.shape[0]
+        pick = self.preferred[users, torch.randint(2, (n,), generator=g)]
+        # A popular item of category `pick`: rank ~ Zipf within the category, by inverse CDF of u**3.
+        sizes = self.category_size[pick]
+        rank = (sizes.double() * torch.rand(n, generator=g, dtype=torch.float64).pow(3)).long().clamp_max(sizes - 1)
+        own = self.by_category[self.category_start[pick] + rank]
+        anywhere = torch.multinomial(self.popularity, n, replacement=True, generator=g) if n else pick
+        return torch.where(torch.rand(n, generator=g) < 0.8, own, anywhere)
+
+    def _step(self, previous: torch.Tensor, users: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+        follow = torch.rand(users.shape[0], generator=g) < self.config.follow
+        return torch.where(follow, self.successor[previous], self._fresh(users, g))
+
+    def rows(self, n: int, negatives: float, g: torch.Generator) -> _Rows:
+        c = self.config
+        users = torch.multinomial(torch.ones(c.num_users), n, replacement=True, generator=g)
+        lengths = torch.multinomial(self.length_probs, n, replacement=True, generator=g)
+        longest = int(lengths.max()) if n else 0
+        events = torch.zeros(n, longest + 1, dtype=torch.long)  # events[:, L] is the true next item
+        current = self._fresh(users, g)
+        for t in range(longest + 1):
+            events[:, t] = current
+            current = self._step(current, users, g)
+        # Row b's history is events[b, :L_b]; its next item events[b, L_b] (each step follows the one before).
+        next_item = events[torch.arange(n), lengths]
+        mask = torch.arange(longest + 1).unsqueeze(0) < lengths.unsqueeze(1)
+        hist_items = events[mask]
+        gaps = torch.empty(n, longest + 1).exponential_(generator=g).mul_(3600).long() + 1
+        hist_ts = (1_700_000_000 + gaps.cumsum(1))[mask]
+        negative = torch.rand(n, generator=g) < negatives
+        item = torch.where(negative, torch.multinomial(self.popularity, n, replacement=True, generator=g) if n else next_item, next_item)
+        dense = torch.randn(n, c.num_dense, generator=g)
+        labels = torch.bernoulli(torch.sigmoid(self._score(item, events, lengths, mask, dense)), generator=g)
+        return _Rows(user=users, item=item, category=self.category[item], hist_items=hist_items,
+                     hist_categories=self.category[hist_items], hist_ts=hist_ts, lengths=lengths, dense=dense,
+                     labels=labels, next_item=next_item)
+
+    def _score(self, item: torch.Tensor, events: torch.Tensor, lengths: torch.Tensor, mask: torch.Tensor,
+               dense: torch.Tensor) -> torch.Tensor:
+        """The click logit: history share of the candidate's category, the candidate being the newest event's successor,
+        the item's appeal and the dense columns."""
+        same = (self.category[events] == self.category[item].unsqueeze(1)) & mask
+        share = same.sum(1).float() / lengths.clamp_min(1).float()
+        newest = events[torch.arange(item.shape[0]), (lengths - 1).clamp_min(0)]
+        follows = ((self.successor[newest] == item) & (lengths > 0)).float()
+        linear = dense @ self.dense_weights if dense.shape[1] else torch.zeros(item.shape[0])
+        return -1.5 + 3.0 * share + 2.0 * follows + self.appeal[item] + linear

@@ -1,0 +1,53 @@
+"""Token-budget batches (``data.batch_tokens``): rows grouped so that their history tokens fit a budget.
+
+With long-tailed histories a fixed ``batch_size`` either wastes memory on short rows or blows up on long
+ones; a step's cost is the number of history events it embeds and attends over. A row costs
+:func:`row_tokens` (its history length plus one for the row itself, so that rows with empty histories
+still count), and :func:`token_slices` cuts a run of rows, in order, into consecutive batches whose
+costs sum to at most the budget. One step is then one such batch (a varying number of rows); losses are
+row means within the batch, and ``train/samples_per_s`` counts the rows really trained.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from recsys_runner.errors import ConfigError
+
+__all__ = ["row_tokens", "token_slices", "check_budget"]
+
+
+def row_tokens(lengths: np.ndarray) -> np.ndarray:
+    """Each row's cost in tokens: its history length + 1 (the row's own candidate/event)."""
+    return np.asarray(lengths, dtype=np.int64) + 1
+
+
+def check_budget(batch_tokens: int, max_len: int, key: str = "data.batch_tokens") -> None:
+    """Raise :class:`ConfigError` unless one row of the longest history (``max_len`` events) fits ``batch_tokens``."""
+    if batch_tokens < max_len + 1:
+        raise ConfigError(
+            f"{key}={batch_tokens} is smaller than one row of the longest history: max_len={max_len} events + 1 = "
+            f"{max_len + 1} tokens. Fix: {key}={max(4 * (max_len + 1), 1024)} (a few long rows per batch), or a smaller max_len"
+        )
+
+
+def token_slices(costs: np.ndarray, budget: int) -> list[tuple[int, int]]:
+    """Cut rows with per-row ``costs`` (in order) into consecutive ``[start, stop)`` slices of total cost ``<= budget``.
+
+    Greedy in row order (no reordering: the reader's shuffle decides which rows go together); the last slice may
+    be under-full. Raises :class:`ValueError` when one row alone exceeds the budget (callers check it first with
+    :func:`check_budget`, which can name the config key).
+    """
+    costs = np.asarray(costs, dtype=np.int64)
+    if costs.size and int(costs.max()) > budget:
+        raise ValueError(f"a row costs {int(costs.max())} tokens, more than the budget {budget}")
+    slices: list[tuple[int, int]] = []
+    start, total = 0, 0
+    for i, cost in enumerate(costs.tolist()):
+        if total + cost > budget:
+            slices.append((start, i))
+            start, total = i, 0
+        total += cost
+    if start < len(costs):
+        slices.append((start, len(costs)))
+    return slices

@@ -1,0 +1,152 @@
+"""What every sequence model shares: jagged histories embedded unpooled, padded per batch only where needed.
+
+A batch's ``KeyedJaggedTensor`` carries each history feature (``hist_item_id``, ``hist_category``) as a jagged
+list per row, oldest event first (:class:`~recsys_runner.features.SequenceGroup`). :class:`SequenceArch` embeds
+the tables that histories read with TorchRec's ``EmbeddingCollection`` (one vector per event, sharded by
+DistributedModelParallel like every table) and every other table with an ``EmbeddingBagCollection`` (pooled).
+A feature that shares its table with a history (the candidate ``item_id`` beside ``hist_item_id``) is looked up
+in the same unpooled table, so the candidate and the events it is compared with use the same rows.
+
+A model that needs a dense block (attention) gets :class:`History`: the events padded to the longest row *of
+this batch*, never to ``max_len``, with a mask. Shape legend: ``B`` batch, ``L`` longest history in the batch,
+``D`` embedding width, ``P`` width of the pooled features.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
+
+from recsys_runner.errors import ConfigError
+from recsys_runner.features import FeatureSpec, SequenceGroup
+from recsys_runner.models.common import embedding_width_rule
+
+__all__ = ["History", "SequenceArch", "SequenceEmbeddings", "check_candidates", "padded", "recency_positions"]
+
+
+@dataclass
+class History:
+    """One sequence group of a batch as a dense block: ``values [B, L, D_g]`` (the group's features' embeddings
+    concatenated per event, ``D_g = Σ D_f``), ``mask [B, L]`` (True on real events, False on padding, events
+    left-aligned, oldest first), ``lengths [B]``, and ``timestamps [B, L]`` (int64, 0 on padding) when the data has
+    event times."""
+
+    values: torch.Tensor
+    mask: torch.Tensor
+    lengths: torch.Tensor
+    timestamps: torch.Tensor | None = None
+
+
+@dataclass
+class SequenceEmbeddings:
+    """What :class:`SequenceArch` returns: the pooled features ``[B, P]`` (every non-history feature, in
+    ``features.sparse`` order), each history group as a :class:`History`, and each candidate's own vector
+    ``[B, D_f]`` by feature name (also part of ``pooled``)."""
+
+    pooled: torch.Tensor
+    histories: dict[str, History]
+    candidates: dict[str, torch.Tensor]
+
+
+def padded(jagged: JaggedTensor, length: int) -> torch.Tensor:
+    """``jagged``'s rows as ``[B, length, D]`` (``[B, length]`` for ids), zero past each row's end."""
+    return jagged.to_padded_dense(desired_length=length)
+
+
+def recency_positions(lengths: torch.Tensor, length: int) -> torch.Tensor:
+    """``[B, length]``: each event's distance from the newest event of its row (0 for the newest), 0 on padding.
+
+    Why from the newest end: histories of different lengths then agree on what position 0 means ("the last
+    thing the user did"), which is what positional embeddings should learn.
+    """
+    index = torch.arange(length, device=lengths.device).unsqueeze(0)
+    return (lengths.unsqueeze(1) - 1 - index).clamp_min(0)
+
+
+class SequenceArch(nn.Module):
+    """Embeds a batch with histories: ``KeyedJaggedTensor → SequenceEmbeddings``.
+
+    Args:
+        features: the data's schema; ``features.sequences`` must name at least one group when
+            ``required`` (a model that attends over a history).
+        embedding_dim: the width of every table whose features set none.
+        model: the model class that owns this arch (its ``same_embedding_width`` and name).
+        required: raise unless the data has a sequence group.
+
+    Raises:
+        ConfigError: no sequence group while ``required``; the model needs one width and a feature sets another.
+    """
+
+    def __init__(self, features: FeatureSpec, embedding_dim: int, model: type[nn.Module], required: bool = True) -> None:
+        super().__init__()
+        if required:
+            features.group(model=model.__name__)
+        reason = embedding_width_rule(model)
+        if reason is not None:
+            features.require_uniform_dim(embedding_dim, model.__name__, reason)
+        self.groups: tuple[SequenceGroup, ...] = features.sequences
+        widths = dict(zip(features.sparse_names, features.embedding_dims(embedding_dim), strict=True))
+        unpooled = features.sequence_table_names
+        sequence = features.sequence_tables(embedding_dim)
+        self.ec = EmbeddingCollection(tables=sequence, device=torch.device("meta")) if sequence else None
+        bags = features.embedding_tables(embedding_dim, skip_sequence_tables=True)
+        self.ebc = EmbeddingBagCollection(tables=bags, device=torch.device("meta")) if bags else None
+        histories = set(features.sequence_names)
+        self.pooled_names = [f.name for f in features.sparse if f.name not in histories]
+        """The non-history features, in ``features.sparse`` order: the columns of ``pooled``."""
+        self.candidate_names = [f.name for f in features.sparse if f.table_name in unpooled and f.name not in histories]
+        """Non-history features read from an unpooled table (a history's candidate): pooled here by summing."""
+        self.widths = {name: widths[name] for name in [*self.pooled_names, *histories]}
+        self.pooled_dim = sum(self.widths[n] for n in self.pooled_names)
+        """``P``: the width of ``pooled``."""
+        self.group_dims = {g.name: sum(widths[f] for f in g.features) for g in self.groups}
+        """``D_g`` of each group: the width of its :attr:`History.values`."""
+
+    def forward(self, sparse: KeyedJaggedTensor) -> SequenceEmbeddings:
+        unpooled = self.ec(sparse) if self.ec is not None else {}
+        bags = self.ebc(sparse).to_dict() if self.ebc is not None else {}
+        candidates = {name: self._pool(unpooled[name]) for name in self.candidate_names}
+        pieces = [candidates[n] if n in candidates else bags[n] for n in self.pooled_names]
+        pooled = torch.cat(pieces, dim=1) if pieces else torch.zeros(sparse.stride(), 0, device=sparse.values().device)
+        histories = {g.name: self._history(g, unpooled, sparse) for g in self.groups}
+        return SequenceEmbeddings(pooled=pooled, histories=histories, candidates=candidates)
+
+    @staticmethod
+    def _pool(jagged: JaggedTensor) -> torch.Tensor:
+        """A candidate's vector ``[B, D]``: the sum of its row's embeddings (its one id's, for a single-valued column)."""
+        lengths = jagged.lengths()
+        return padded(jagged, max(int(lengths.max()) if lengths.numel() else 0, 1)).sum(dim=1)
+
+    def _history(self, group: SequenceGroup, unpooled: dict[str, JaggedTensor], sparse: KeyedJaggedTensor) -> History:
+        """Group ``group`` padded to the longest row of this batch (at least 1, so an all-empty batch still has a block)."""
+        first = unpooled[group.features[0]]
+        lengths = first.lengths()
+        length = max(int(lengths.max()) if lengths.numel() else 0, 1)
+        values = torch.cat([padded(unpooled[f], length) for f in group.features], dim=2)
+        mask = torch.arange(length, device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)
+        timestamps = None
+        if group.timestamps is not None:
+            timestamps = sparse[group.timestamps].to_padded_dense(desired_length=length, padding_value=0)
+        return History(values=values, mask=mask, lengths=lengths.long(), timestamps=timestamps)
+
+
+def check_candidates(features: FeatureSpec, group: SequenceGroup, model: str) -> list[str]:
+    """The candidate feature of each of ``group``'s features (:meth:`FeatureSpec.candidate_of`), for a model that
+    compares the candidate with each event.
+
+    Raises:
+        ConfigError: a history feature has no candidate sharing its table, naming it and the fix.
+    """
+    candidates = [features.candidate_of(f) for f in group.features]
+    missing = [f for f, c in zip(group.features, candidates, strict=True) if c is None]
+    if missing:
+        raise ConfigError(
+            f"{model} compares the candidate with each event of data.sequences.{group.name}, but history feature(s) {missing} "
+            f"share no table with a candidate feature. Fix: give each history column and its candidate column the same "
+            f"table (e.g. data.sparse entries hist_item_id and item_id both with table: item)"
+        )
+    return [c for c in candidates if c is not None]
