@@ -173,7 +173,6 @@ def use_ema(run: RunConfig, weights: str) -> bool:
 def feature_spec(features: FeatureSpec, keys: list[str], tasks: tuple[Task, ...], inputs: tuple[torch.Tensor, ...],
                  output: Any) -> dict[str, Any]:
     """What ``feature_spec.json`` says: how to load and call the program, its inputs and outputs."""
-    by_name = {f.name: f for f in features.sparse}
     named = any(t.name is not None for t in tasks)
     outputs = [{"name": t.name, "kind": t.kind, "shape": list(output[t.name].shape[1:]) if named else list(output.shape[1:]),
                 "meaning": _meaning(t)} for t in tasks]
@@ -193,12 +192,29 @@ def feature_spec(features: FeatureSpec, keys: list[str], tasks: tuple[Task, ...]
             "lengths": {"dtype": "int64", "shape": [len(keys), "B"],
                         "meaning": "lengths[f, b]: how many ids row b has for sparse feature f (0 allowed: an empty bag)"},
         },
-        "sparse_features": [{"name": k, "num_embeddings": by_name[k].num_embeddings, "pooling": by_name[k].pooling}
-                            if k in by_name else {"name": k} for k in keys],
+        "sparse_features": [_sparse_entry(features, k) for k in keys],
+        "sequences": [{"group": g.name, "features": list(g.features), "max_len": g.max_len, "truncate": g.truncate,
+                       "timestamps": g.timestamps, "order": "oldest event first; a row's lengths are equal across the group"}
+                      for g in features.sequences],
         "batch_size": "dynamic: any B >= 1 (and any V)",
         "output_type": "dict[task name, Tensor]" if named else "Tensor",
         "outputs": outputs,
     }
+
+
+def _sparse_entry(features: FeatureSpec, key: str) -> dict[str, Any]:
+    """One entry of ``feature_spec.json``'s ``sparse_features``: a feature's table size and pooling (and its history
+    group), or a history group's event times, which the program reads but never embeds."""
+    by_name = {f.name: f for f in features.sparse}
+    groups = {f: g.name for g in features.sequences for f in g.features}
+    if key in by_name:
+        f = by_name[key]
+        entry: dict[str, Any] = {"name": key, "num_embeddings": f.num_embeddings, "pooling": f.pooling}
+        if key in groups:
+            entry["history"] = groups[key]
+        return entry
+    group = next((g.name for g in features.sequences if g.timestamps == key), None)
+    return {"name": key, "timestamps_of": group, "meaning": "event times (int64) of the history, one per event, not embedded"}
 
 
 def _meaning(task: Task) -> str:

@@ -181,10 +181,17 @@ class SyntheticDataConfig(DataConfig):
     def _as_sequences(self, needs: DataNeeds) -> DataConfig:
         """``data=synthetic_sequences`` with this config's shared fields (batch size, rows, workers, seed), for a model
         that attends over histories: the Criteo-shaped columns have none. Logged, so that the switch is seen."""
-        shared = {f.name: getattr(self, f.name) for f in fields(SyntheticSequencesConfig)
-                  if f.name != "_target_" and hasattr(self, f.name) and getattr(self, f.name) != getattr(SyntheticDataConfig, f.name, None)}
+        changed = {f.name: getattr(self, f.name) for f in fields(self)
+                   if f.name != "_target_" and getattr(self, f.name) != getattr(SyntheticDataConfig, f.name, None)}
+        own = {f.name for f in fields(SyntheticSequencesConfig)}
+        shared = {k: v for k, v in changed.items() if k in own}
         log.info("the model attends over user histories, which data=synthetic does not have: generating them as "
                  "data=synthetic_sequences does (set data=synthetic_sequences to tune them)")
+        ignored = sorted(k for k in changed if k not in own)
+        if ignored:
+            log.warning("data.%s %s no effect on generated histories (data=synthetic_sequences has no such field%s); "
+                        "set data=synthetic_sequences and its own fields instead", ", data.".join(ignored),
+                        "has" if len(ignored) == 1 else "have", "" if len(ignored) == 1 else "s")
         return SyntheticSequencesConfig(**shared).for_model(needs)
 
 

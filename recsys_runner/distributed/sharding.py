@@ -338,8 +338,10 @@ def plan_summary(plan: ShardingPlan, world_size: int, usage: list[tuple[int, int
 
 
 def _table_names(model: nn.Module) -> list[str]:
+    """Every embedding table of ``model``: its EmbeddingBagCollections' (pooled) and EmbeddingCollections' (histories)."""
     return [
         config.name
         for module in model.modules()
-        for config in getattr(module, "embedding_bag_configs", lambda: [])()
+        for getter in ("embedding_bag_configs", "embedding_configs")
+        for config in getattr(module, getter, lambda: [])()
     ]

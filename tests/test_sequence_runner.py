@@ -1,0 +1,130 @@
+"""Sequence models through the rest of the runner: resume, resharding on another world size, evaluate, export, plan, sweeps.
+
+DIN on generated histories (``data=synthetic`` turned into ``data=synthetic_sequences`` by the model's needs) stands in
+for every sequence model: the parts exercised here (the EmbeddingCollection of history tables, jagged batches,
+per-batch padding) are shared by all of them (``recsys_runner/models/sequence.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from recsys_runner import evaluate, plan
+from recsys_runner.__main__ import run
+from recsys_runner.checkpoint.storage import list_checkpoints
+from recsys_runner.train.signals import Interrupted
+from tests.conftest import REPO, TINY, run_cli
+from tests.test_checkpoint import history
+from tests.test_evaluate import compose_entry
+from tests.test_export import check_export, export_cfg  # noqa: F401 - a fixture
+
+SEQ = ["model=din", "data.batch_size=128", "data.num_train_rows=8192", "data.num_eval_rows=1024"]
+"""DIN on small generated histories (its data needs switch the default data to histories)."""
+SEQ_DATA = ["data=synthetic_sequences", "data.num_items=2000", "data.num_users=5000", "data.max_len=30"]
+
+
+def test_sequence_model_resumes_to_the_same_losses_and_eval(make_cfg, mlflow_uri: str, tmp_path: Path) -> None:
+    args = [*SEQ, "train.num_steps=10", "train.log_every_steps=1", "optim/dense=adam"]
+    run(make_cfg(*args, f"checkpoint.dir={tmp_path}/a", "tracking.experiment=seq_straight"))
+    sliced = make_cfg(*args, f"checkpoint.dir={tmp_path}/b", "tracking.experiment=seq_sliced", "train.stop_after_steps=4")
+    with pytest.raises(Interrupted, match="after step 4"):
+        run(sliced)
+    run(make_cfg(*args, f"checkpoint.dir={tmp_path}/b", "tracking.experiment=seq_sliced"))
+    expected, resumed = history(mlflow_uri, "seq_straight"), history(mlflow_uri, "seq_sliced")
+    assert sorted(resumed) == list(range(1, 11))
+    for step in range(1, 11):
+        assert resumed[step] == pytest.approx(expected[step], rel=1e-5, abs=1e-6), step
+    auc = history(mlflow_uri, "seq_straight", "eval/auc")
+    assert history(mlflow_uri, "seq_sliced", "eval/auc") == pytest.approx(auc, rel=1e-6)
+
+
+def test_evaluate_a_sequence_checkpoint_gives_the_training_eval(make_cfg, tmp_path: Path) -> None:
+    trained = run(make_cfg(*SEQ, "train.num_steps=6", f"checkpoint.dir={tmp_path}/ck", "tracking=none"))
+    (checkpoint,) = list_checkpoints(tmp_path / "ck")
+    metrics = evaluate.run(compose_entry("evaluate", *TINY, *SEQ, f"load={checkpoint}", "tracking=none"))
+    assert metrics["eval/auc"] == pytest.approx(trained, abs=1e-6)
+
+
+def test_exported_din_takes_the_jagged_history(make_cfg, export_cfg, tmp_path: Path) -> None:  # noqa: F811
+    # check_export scores the second eval batch, whose histories differ from the traced first one: padding is per call
+    spec, batch, _ = check_export(make_cfg, export_cfg, tmp_path, *SEQ)
+    (group,) = spec["sequences"]
+    assert group["group"] == "hist" and group["features"] == ["hist_item_id", "hist_category"] and group["timestamps"] == "hist_ts"
+    entries = {f["name"]: f for f in spec["sparse_features"]}
+    assert entries["hist_item_id"]["history"] == "hist" and entries["hist_ts"]["timestamps_of"] == "hist"
+    lengths = batch.sparse_features["hist_item_id"].lengths()
+    assert int(lengths.max()) > int(lengths.min()), "the scored batch has histories of several lengths"
+
+
+def test_plan_counts_the_history_tables(make_cfg) -> None:
+    report = plan.dry_run(make_cfg(*SEQ, "tracking=none"))
+    text = str(report)
+    assert report.fits and "item" in text and "category" in text and "user_id" in text
+
+
+@pytest.mark.slow
+def test_two_ranks_shard_history_tables_and_one_rank_evaluates_the_same(tmp_path: Path) -> None:
+    """torchrun, 2 ranks, every table column-wise across both: jagged histories through sharded EmbeddingCollections;
+    the 2-rank checkpoint then evaluated on 1 rank (resharded by DCP) gives the 2-rank run's eval."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    uri = f"sqlite:///{tmp_path}/seq.db"
+    args = [*(a for a in TINY if not a.startswith("data.")), *SEQ, *SEQ_DATA, "train.num_steps=16", "distributed.sharding_types=[column_wise]", f"tracking.uri={uri}",
+            "tracking.experiment=seq2", f"checkpoint.dir={tmp_path}/ck"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}",
+           "-m", "recsys_runner", *args, f"hydra.run.dir={tmp_path}/run"]
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr[-4000:]
+    client = MlflowClient(tracking_uri=uri)
+    (mlrun,) = client.search_runs([client.get_experiment_by_name("seq2").experiment_id])
+    assert mlrun.data.tags["world_size"] == "2" and mlrun.data.metrics["eval/auc"] > 0.55
+    sharding = Path(client.download_artifacts(mlrun.info.run_id, "sharding_plan.txt", str(tmp_path))).read_text()
+    assert "column_wise" in sharding and "rank:1" in sharding and "item" in sharding
+    (checkpoint,) = list_checkpoints(tmp_path / "ck")
+    one = evaluate.run(compose_entry("evaluate", *[a for a in args if not a.startswith(("tracking.", "distributed.sharding"))],
+                                     "tracking=none", f"load={checkpoint}"))
+    auc = one["eval/auc"]
+    assert auc == pytest.approx(mlrun.data.metrics["eval/auc"], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_a_sweep_over_a_sequence_model(tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path}/sweep.db"
+    out = run_cli("-m", *TINY, *SEQ, "train.num_steps=4", "model.attention_layer_sizes=[16],[32]",
+                  f"tracking.uri={uri}", "tracking.experiment=seq_sweep", "checkpoint=none", f"hydra.sweep.dir={tmp_path}/multi",
+                  cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-4000:]
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name("seq_sweep").experiment_id])
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    assert len(children) == 2 and all(r.info.status == "FINISHED" and "eval/auc" in r.data.metrics for r in children)
+    assert sorted(json.loads(r.data.params["model.attention_layer_sizes"].replace("'", '"')) for r in children) == [[16], [32]]
+
+
+def test_history_batches_are_padded_per_batch_not_to_max_len() -> None:
+    from recsys_runner.configurable import make
+    from recsys_runner.data.synthetic_sequences import SyntheticSequencesConfig
+    from recsys_runner.models.din import DIN, DINConfig
+
+    data = make(SyntheticSequencesConfig, batch_size=16, max_len=200, length_skew=3.0, num_items=500, num_users=100,
+                num_categories=10).build(device="cpu")
+    batch = data.batch(0, 0)
+    model = DIN(DINConfig(embedding_dim=8, attention_layer_sizes=[8], deep_layer_sizes=[8]), features=data.features)
+    for module in (model.arch.ec, model.arch.ebc):
+        assert module is not None
+        module.to_empty(device="cpu")
+    embedded = model.arch(batch.sparse_features)
+    history_block = embedded.histories["hist"]
+    longest = int(batch.sparse_features["hist_item_id"].lengths().max())
+    assert history_block.values.shape[:2] == (16, max(longest, 1)) and longest < 200
+    assert torch.equal(history_block.mask.sum(1), batch.sparse_features["hist_item_id"].lengths().long())
