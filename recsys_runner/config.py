@@ -34,8 +34,9 @@ from recsys_runner.data.synthetic_sequences import SyntheticSequencesConfig
 from recsys_runner.data.tabular_config import CriteoDataConfig, CsvDataConfig, ParquetDataConfig
 from recsys_runner.distributed.config import DistributedConfig, check_sharding_types, resolve_device_type
 from recsys_runner.errors import ConfigError, UserError, require
-from recsys_runner.metrics.registry import DEFAULT_OBJECTIVE, METRICS, RECALL_AT_K, MetricsConfig, higher_is_better, metric_name
+from recsys_runner.metrics.registry import AT_K_NAME, DEFAULT_OBJECTIVE, METRICS, MetricsConfig, higher_is_better, metric_name
 from recsys_runner.metrics.tasks import check_task_metrics, eval_metric_keys
+from recsys_runner.models.bst import BSTConfig
 from recsys_runner.models.common import ModelConfig
 from recsys_runner.models.dcn_v2 import DCNv2Config
 from recsys_runner.models.deepfm import DeepFMConfig
@@ -45,6 +46,7 @@ from recsys_runner.models.dssm import DSSMConfig
 from recsys_runner.models.fm import FMConfig
 from recsys_runner.models.lr import LRConfig
 from recsys_runner.models.mmoe import MMoEConfig
+from recsys_runner.models.sasrec import SASRecConfig
 from recsys_runner.models.wide_deep import WideDeepConfig
 from recsys_runner.optim.config import OptimConfig
 from recsys_runner.optim.optimizers import (
@@ -139,7 +141,7 @@ def _composition_schema() -> type:
 GROUPS: dict[str, dict[str, type]] = {
     "model": {"deepfm": DeepFMConfig, "dlrm": DLRMConfig, "dcn_v2": DCNv2Config, "wide_deep": WideDeepConfig,
               "mmoe": MMoEConfig, "dssm": DSSMConfig, "lr": LRConfig, "fm": FMConfig,
-              "din": DINConfig},
+              "din": DINConfig, "bst": BSTConfig, "sasrec": SASRecConfig},
     "data": {"synthetic": SyntheticDataConfig, "parquet": ParquetDataConfig, "csv": CsvDataConfig, "criteo": CriteoDataConfig,
              "synthetic_sequences": SyntheticSequencesConfig},
     "optim": {"optim": OptimConfig},
@@ -244,7 +246,7 @@ def metric_mode(key: str, mode: str | None, where: str) -> str | None:
     Raises:
         ConfigError: ``mode`` contradicts the metric's direction, or the metric has none and ``mode`` is unset.
     """
-    if metric_name(key) not in METRICS and not RECALL_AT_K.fullmatch(metric_name(key)):
+    if metric_name(key) not in METRICS and not AT_K_NAME.fullmatch(metric_name(key)):
         return mode
     try:
         own = "max" if higher_is_better(key) else "min"

@@ -255,8 +255,9 @@ def _file_columns(data: TabularDataConfig, path: str, key: str) -> Iterator[tupl
 def _check_tasks(tasks: tuple[Task, ...]) -> None:
     for task in tasks:
         require("pointwise" in task.metric_inputs_kinds,
-                f"predict writes one score per row, but task {task.name!r} ({task.kind}) scores a batch against itself "
-                f"(in-batch retrieval); export the towers instead (python -m recsys_runner.export)")
+                f"predict writes one score per row, but task {task.name!r} ({task.kind}) scores each row against candidates "
+                f"(retrieval: the batch's items; next_item: every item of the table); export the model instead "
+                f"(python -m recsys_runner.export: the towers, or the next-item scores) and rank its scores")
 
 
 def predict(c: Components, settings: PredictConfig, output: Path) -> PredictResult:
@@ -266,7 +267,7 @@ def predict(c: Components, settings: PredictConfig, output: Path) -> PredictResu
     env, evaluator = c.env, c.loop.evaluator
     # the data option's own reader (format settings), over the input's columns
     source = data.open_files(settings.input or data.config.path, "predict.input" if settings.input else "data.path")
-    features = [*(d.name for d in data.schema.dense), *(s.name for s in data.schema.sparse)]
+    features = [c for c in data.schema.columns if c not in data.schema.label_columns]  # dense, sparse, histories' times
     source.columns = list(dict.fromkeys([*features, *settings.columns]))
     units = rank_units(source.units(), env.rank, env.world_size)
     output.mkdir(parents=True, exist_ok=True)
@@ -327,7 +328,7 @@ def _batches(source: Any, units: list[Unit], schema: Schema, features: FeatureSp
 
     The label columns are not read: they are filled with zeros for the encoder (the scores do not depend on them)."""
     encoder = Encoder(schema, "fail")
-    names = features.sparse_names
+    names = features.kjt_keys  # the sparse features, then each history's event times
     for path, file_units in groupby(units, key=lambda u: u.path):
         held: list[tuple[Rows, pa.Table, np.ndarray]] = []
         count = 0
@@ -384,8 +385,8 @@ def _to_batch(rows: Rows, names: list[str]) -> Batch:
 def _placeholder(features: FeatureSpec) -> Batch:
     """A one-row batch (zeros, id 0 in every feature) a rank without rows left scores so that the others can step."""
     labels = torch.zeros(1, len(features.label_names)) if features.multi_label else torch.zeros(1)
-    kjt = KeyedJaggedTensor(keys=features.sparse_names, values=torch.zeros(len(features.sparse_names), dtype=torch.int64),
-                            lengths=torch.ones(len(features.sparse_names), dtype=torch.int32))
+    keys = features.kjt_keys
+    kjt = KeyedJaggedTensor(keys=keys, values=torch.zeros(len(keys), dtype=torch.int64), lengths=torch.ones(len(keys), dtype=torch.int32))
     return Batch(dense_features=torch.zeros(1, features.num_dense), sparse_features=kjt, labels=labels)
 
 

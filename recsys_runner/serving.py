@@ -13,6 +13,7 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.errors import ConfigError
+from recsys_runner.tasks import SINGLE_TASK, Task
 from recsys_runner.train.signals import Interrupted
 
 
@@ -26,10 +27,14 @@ class ServingModule(nn.Module):
         super().__init__()
         self.model = model
         self.keys = keys
+        tasks = tuple(getattr(model, "tasks", SINGLE_TASK))
+        self.task: Task | None = tasks[0] if len(tasks) == 1 else None
+        """The model's one task, which says what a server gets of its output (:meth:`Task.served`); ``None``: all of it."""
 
     def forward(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> Any:
         sparse = KeyedJaggedTensor(keys=self.keys, values=values, lengths=lengths.reshape(-1))
-        return self.model(dense, sparse)
+        out = self.model(dense, sparse)
+        return out if self.task is None else self.task.served(out)
 
     def inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``batch`` as this module's inputs (:func:`serving_inputs`)."""

@@ -13,6 +13,8 @@ kind (config name)     loss                    metrics see                     d
 :class:`RegressionTask`  MSE                   raw predictions, targets        mse, mae / mse
 :class:`InBatchSoftmaxTask`  softmax CE over   scores ``[B, C]``, positive     recall@10 / none
                        the in-batch scores     index ``[B]`` (the diagonal)
+:class:`NextItemTask`  softmax CE over the     full-table scores ``[B, N]``,   hr@10, ndcg@10, hr@50 /
+                       model's sampled logits  true item ids ``[B]``           none
 =====================  ======================  ==============================  =======================
 
 Config names a kind once, in :data:`TASK_KINDS` (``model.task_kinds=[binary,regression]``).
@@ -23,7 +25,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +34,7 @@ from torch import Tensor
 from recsys_runner.errors import ConfigError, require
 from recsys_runner.features import FeatureSpec
 
-__all__ = ["Task", "BinaryTask", "RegressionTask", "InBatchSoftmaxTask", "TASK_KINDS", "LABEL_TASK_KINDS", "SINGLE_TASK",
+__all__ = ["Task", "BinaryTask", "RegressionTask", "InBatchSoftmaxTask", "NextItemTask", "TASK_KINDS", "LABEL_TASK_KINDS", "SINGLE_TASK",
            "task_kind", "resolve_tasks"]
 
 
@@ -73,6 +75,16 @@ class Task(abc.ABC):
     def targets(self, output: Tensor, labels: Tensor) -> Tensor:
         """What ``output`` is trained against: the task's label column (``[B]``)."""
         return labels if self.column is None else labels[:, self.column]
+
+    def output_and_targets(self, out: Any, labels: Tensor) -> tuple[Tensor, Tensor]:
+        """An unnamed task's model output as float32 and its targets (:meth:`targets`); a kind whose model returns
+        its own targets beside its output (:class:`NextItemTask`) overrides this."""
+        output = out.float()
+        return output, self.targets(output, labels)
+
+    def served(self, out: Any) -> Any:
+        """What a server gets of the model's eval-mode output (the exported program's output): all of it by default."""
+        return out
 
     @abc.abstractmethod
     def row_losses(self, output: Tensor, targets: Tensor) -> Tensor:
@@ -143,7 +155,40 @@ class InBatchSoftmaxTask(Task):
         return F.cross_entropy(output, targets)
 
 
-TASK_KINDS: dict[str, type[Task]] = {cls.kind: cls for cls in (BinaryTask, RegressionTask, InBatchSoftmaxTask)}
+@dataclass(frozen=True, slots=True)
+class NextItemTask(Task):
+    """Next-item prediction (SASRec, HSTU): the model returns ``(scores, targets)`` itself, because its targets are
+    items of the batch, not labels.
+
+    * training: ``scores [P, C]`` of the batch's ``P`` positions with a next event against ``C`` candidate items (the
+      in-batch positives, the model's sampled-softmax logits, any logQ correction applied), ``targets [P]`` the index
+      of each position's positive among them; the loss is softmax cross-entropy;
+    * evaluation: ``scores [B, N]`` of each row's user state against every item of the table, ``targets [B]`` the
+      row's true next item id; the metrics (``hr@<k>``, ``ndcg@<k>``) rank it among all ``N`` items.
+    """
+
+    kind: ClassVar[str] = "next_item"
+    reads_labels: ClassVar[bool] = False
+    default_eval_metrics: ClassVar[tuple[str, ...] | None] = ("hr@10", "ndcg@10", "hr@50")
+    default_train_metrics: ClassVar[tuple[str, ...] | None] = ()
+    metric_inputs_kinds: ClassVar[tuple[str, ...]] = ("ranking",)
+
+    def output_and_targets(self, out: Any, labels: Tensor) -> tuple[Tensor, Tensor]:
+        scores, targets = out
+        return scores.float(), targets
+
+    def served(self, out: Any) -> Any:
+        """The scores ``[B, N]`` of every item for each row: the true next items are the eval's, not a server's."""
+        return out[0]
+
+    def row_losses(self, output: Tensor, targets: Tensor) -> Tensor:
+        return F.cross_entropy(output, targets, reduction="none")
+
+    def loss(self, output: Tensor, targets: Tensor) -> Tensor:
+        return F.cross_entropy(output, targets)
+
+
+TASK_KINDS: dict[str, type[Task]] = {cls.kind: cls for cls in (BinaryTask, RegressionTask, InBatchSoftmaxTask, NextItemTask)}
 """Every task kind by its config name: the one place a kind's name is read."""
 
 LABEL_TASK_KINDS: tuple[str, ...] = tuple(name for name, cls in TASK_KINDS.items() if cls.reads_labels)

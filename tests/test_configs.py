@@ -12,6 +12,7 @@ from recsys_runner.config import GROUPS, RunConfig, validate
 from recsys_runner.data.base import DataConfig
 from recsys_runner.data.generate import write_criteo_csv, write_criteo_parquet, write_criteo_tsv
 from recsys_runner.data.synthetic import SyntheticData
+from recsys_runner.data.synthetic_sequences import SyntheticSequences
 from recsys_runner.distributed.sharding import Distributed
 from recsys_runner.errors import ConfigError
 from recsys_runner.models.common import ModelConfig
@@ -67,6 +68,9 @@ MODEL_DATA = {"mmoe": ["data=synthetic_multitask"], "dssm": ["data=synthetic_ret
 def test_option_composes_validates_and_instantiates(make_cfg, tmp_path: Path, group: str, option: str) -> None:
     if group == "data" and not option.startswith("synthetic"):
         cfg = make_cfg(f"data={option}", *file_backed_data(option, tmp_path), "data.batch_size=64", "distributed.device=cpu", tiny=False)
+    elif option == "synthetic_sequences":  # TINY's data keys are data=synthetic's
+        cfg = make_cfg(f"data={option}", "data.batch_size=64", "data.num_train_rows=4096", "data.num_eval_rows=1024",
+                       "distributed.device=cpu", tiny=False)
     else:
         cfg = make_cfg(f"{group}={option}", *(MODEL_DATA.get(option, []) if group == "model" else []))
     run: RunConfig | None = None
@@ -80,8 +84,9 @@ def test_option_composes_validates_and_instantiates(make_cfg, tmp_path: Path, gr
         run = None  # the device check refused it; each group below is checked on the composed node
     data_config = run.data if run is not None else OmegaConf.to_object(cfg.data)
     assert isinstance(data_config, DataConfig)
-    data = data_config.build()
-    assert isinstance(data, SyntheticData) or group == "data"
+    needs = run.model.data_needs() if run is not None else None
+    data = (data_config if needs is None else data_config.for_model(needs)).build()  # as build() does: sequence models get histories
+    assert isinstance(data, SyntheticData | SyntheticSequences) or group == "data"
     assert next(iter(data.train_batches(0, 0, 1))).labels.shape[0] == data.batch_size
 
     if group == "data":

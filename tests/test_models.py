@@ -14,12 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.datasets.utils import Batch
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from recsys_runner.__main__ import run
 from recsys_runner.config import GROUPS, validate
 from recsys_runner.configurable import config_class, locate_class, make
+from recsys_runner.data.base import DataModule
 from recsys_runner.data.synthetic import SyntheticData, SyntheticDataConfig
+from recsys_runner.data.synthetic_sequences import SyntheticSequences, SyntheticSequencesConfig
 from recsys_runner.errors import ConfigError
 from recsys_runner.models.common import ModelConfig
 from recsys_runner.models.dcn_v2 import CrossLayer, CrossNetwork, DCNv2, DCNv2Config
@@ -31,27 +34,65 @@ CPU = torch.device("cpu")
 
 
 OUTPUT_SHAPES = {"mmoe": (8, 2), "dssm": (8, 8)}
-"""Outputs other than logits ``[B]``: MMoE's two tasks (stacked), DSSM's query×candidate scores."""
+"""Outputs other than logits ``[B]``: MMoE's two tasks (stacked), DSSM's query×candidate scores (SASRec's: see
+:func:`check_sasrec_output`)."""
+
+UNREAD_PARAMETERS = {"sasrec": ("arch.ebc.",)}
+"""Parameters a model builds but never reads: SASRec's state depends on the history alone, so the pooled tables of the
+other features (``user_id``) get no gradient."""
+
+SEQUENCE_MODELS = {"din", "bst", "sasrec"}
+"""Models that attend over a user's history (``data_needs().sequences``): they are built on generated histories."""
 
 
-def small_data(name: str = "") -> SyntheticData:
+def small_data(name: str = "") -> DataModule:
+    """Eight-row batches of the data ``name`` trains on: generated histories for a sequence model, else Criteo-shaped columns."""
+    if name == "sasrec":
+        return small_sequences(negatives=0.0)  # a next-item model: every candidate is the item that came next
+    if name in SEQUENCE_MODELS:
+        return small_sequences()
     tasks = ["ctr", "cvr"] if name == "mmoe" else None
     return SyntheticData(make(SyntheticDataConfig, batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50, num_train_rows=64, num_eval_rows=64, tasks=tasks))
 
 
-def as_tensor(out: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor:
-    """A multi-task model's ``{task: [B]}`` as ``[B, T]``; other outputs unchanged."""
+def small_sequences(**overrides: object) -> SyntheticSequences:
+    """Eight rows of generated histories (up to 6 events, some empty), with event times; ``overrides`` change the config."""
+    values: dict[str, object] = {"batch_size": 8, "num_train_rows": 64, "num_eval_rows": 64, "num_users": 40, "num_items": 60,
+                                 "num_categories": 6, "max_len": 6, "empty_fraction": 0.2, **overrides}
+    return SyntheticSequences(make(SyntheticSequencesConfig, **values))
+
+
+def as_tensor(out: torch.Tensor | dict[str, torch.Tensor] | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """A multi-task model's ``{task: [B]}`` as ``[B, T]``; a next-item model's ``(scores, targets)`` as its scores;
+    other outputs unchanged."""
+    if isinstance(out, tuple):
+        return out[0]
     return torch.stack(list(out.values()), dim=1) if isinstance(out, dict) else out
 
 
+def check_sasrec_output(out: tuple[torch.Tensor, torch.Tensor], batch: Batch) -> None:
+    """SASRec in training mode: ``(logits [P, U], positives [P])``, one row per real position (each event's successor
+    and the candidate after the whole history: ``P = Σ lengths + B``), one column per distinct positive item."""
+    logits, positives = out
+    positions = int(batch.sparse_features["hist_item_id"].lengths().sum()) + batch.labels.shape[0]
+    assert logits.shape == (positions, int(positives.unique().numel())) and positives.shape == (positions,)
+    assert int(positives.max()) == logits.shape[1] - 1
+
+
 def materialize(model: nn.Module) -> nn.Module:
-    """Allocate the ``meta`` embedding tables on CPU and initialize them (DMP does this when sharding)."""
+    """Allocate the ``meta`` embedding tables on CPU and initialize them (DMP does this when sharding): pooled tables
+    (EmbeddingBagCollection) and the unpooled tables of sequence models (EmbeddingCollection)."""
     for module in model.modules():
         if isinstance(module, EmbeddingBagCollection):
             module.to_empty(device=CPU)
             for table in module.embedding_bag_configs():
                 assert table.init_fn is not None
                 table.init_fn(module.embedding_bags[table.name].weight)
+        elif isinstance(module, EmbeddingCollection):
+            module.to_empty(device=CPU)
+            for config in module.embedding_configs():
+                assert config.init_fn is not None
+                config.init_fn(module.embeddings[config.name].weight)
     return model
 
 
@@ -73,14 +114,25 @@ def test_every_model_declares_its_config(name: str) -> None:
 def test_forward_shape_and_seeded_stability(make_cfg, name: str) -> None:
     batch = next(iter(small_data(name).train_batches(0, 0, 1)))
     first, second, other = (build(make_cfg, name, seed=s) for s in (0, 0, 1))
+
+    def forward(model: nn.Module) -> torch.Tensor:
+        torch.manual_seed(7)  # the same dropout masks in every call (BST's transformer has dropout)
+        return as_tensor(model(batch.dense_features, batch.sparse_features))
+
     with torch.no_grad():
-        out = as_tensor(first(batch.dense_features, batch.sparse_features))
-        assert out.shape == OUTPUT_SHAPES.get(name, (8,)) and out.dtype == torch.float32 and torch.isfinite(out).all()
-        assert torch.equal(out, as_tensor(second(batch.dense_features, batch.sparse_features))), "same seed, different output"
-        assert not torch.equal(out, as_tensor(other(batch.dense_features, batch.sparse_features))), "the seed has no effect"
-    logits = as_tensor(first(batch.dense_features, batch.sparse_features))
+        out = forward(first)
+        if name == "sasrec":
+            torch.manual_seed(7)
+            check_sasrec_output(first(batch.dense_features, batch.sparse_features), batch)
+        else:
+            assert out.shape == OUTPUT_SHAPES.get(name, (8,))
+        assert out.dtype == torch.float32 and torch.isfinite(out).all()
+        assert torch.equal(out, forward(second)), "same seed, different output"
+        assert not torch.equal(out, forward(other)), "the seed has no effect"
+    logits = forward(first)
     logits.sum().backward()
-    assert all(p.grad is not None for p in first.parameters()), "some parameter gets no gradient"
+    unread = UNREAD_PARAMETERS.get(name, ())
+    assert all(p.grad is not None for n, p in first.named_parameters() if not n.startswith(unread)), "some parameter gets no gradient"
 
 
 @pytest.mark.parametrize("overrides", [["model.structure=parallel", "model.low_rank=16"], ["model.low_rank=null"], ["model.num_cross_layers=1", "model.low_rank=4"]])

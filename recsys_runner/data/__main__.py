@@ -1,4 +1,4 @@
-"""``python -m recsys_runner.data convert|inspect``: text → Parquet conversion, and a data summary.
+"""``python -m recsys_runner.data convert|inspect|sequences``: text → Parquet conversion, a data summary, and an interaction log → rows with histories.
 
 ``convert`` reads CSV/TSV/Criteo files with a schema, encodes them exactly as training would
 (fills, transforms, hashing, hex parsing, id checks) and writes Parquet files of model-ready columns
@@ -15,6 +15,13 @@ label column, and per column the null count and the number of distinct values. L
 ``--label`` options, else those of the schema stored by ``convert``, else ``label``::
 
     python -m recsys_runner.data inspect out/ [--format parquet|csv|criteo] [--label click --label conversion]
+
+``sequences`` turns an interaction log (user, item, time, optional label or rating, item side columns) into rows
+whose histories hold each user's earlier events only (:mod:`recsys_runner.data.interactions`), split by time or
+leave-last-out, with the schema stored::
+
+    python -m recsys_runner.data sequences events.csv out/ --user user --item item --time ts --side category \
+        --max-len 50 --split time --eval-from 1700000000
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import pyarrow.parquet as pq
 
 from recsys_runner.data.encoder import Encoder, Location, Rows
 from recsys_runner.data.infer import InferConfig, complete_schema
+from recsys_runner.data.interactions import SPLITS, LogSpec, convert_log
 from recsys_runner.data.schema import (
     SCHEMA_METADATA_KEY,
     DenseColumn,
@@ -59,6 +67,7 @@ def converted_schema(schema: Schema) -> Schema:
         dense=[DenseColumn(name=d.name) for d in schema.dense],
         sparse=[SparseColumn(name=s.name, num_embeddings=s.num_embeddings, pooling=s.pooling, embedding_dim=s.embedding_dim, table=s.table)
                 for s in schema.sparse],
+        sequences=list(schema.sequences),
     )
 
 
@@ -70,15 +79,16 @@ def rows_to_table(rows: Rows, schema: Schema, multi_hot: list[bool]) -> pa.Table
         cols[column] = pa.array(labels[:, t].astype(dtype))
     for j, d in enumerate(schema.dense):
         cols[d.name] = pa.array(rows.dense[:, j].astype(np.float32))
-    for (values, lengths), s, multi in zip(rows.sparse, schema.sparse, multi_hot, strict=True):
+    lists = [(s.name, multi) for s, multi in zip(schema.sparse, multi_hot, strict=True)] + [(t, True) for t in schema.timestamp_columns]
+    for (values, lengths), (name, multi) in zip(rows.sparse, lists, strict=True):
         if multi:
             offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-            cols[s.name] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, pa.int64()))
+            cols[name] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, pa.int64()))
         else:
             present = lengths.astype(bool)
             full = np.zeros(len(lengths), np.int64)
             full[present] = values
-            cols[s.name] = pa.array(full, pa.int64(), mask=~present)
+            cols[name] = pa.array(full, pa.int64(), mask=~present)
     return pa.table(cols)
 
 
@@ -222,6 +232,38 @@ def inspect(args: argparse.Namespace) -> None:
         print(f"{name:<24} {str(typ):<20} {nulls[name]:>10} {count:>10}")
 
 
+def sequences(args: argparse.Namespace) -> None:
+    """``sequences``: the log → ``<output>/train.parquet`` and ``<output>/eval.parquet`` (:mod:`recsys_runner.data.interactions`)."""
+    spec = LogSpec(user=args.user, item=args.item, time=args.time, label=args.label, label_threshold=args.label_threshold,
+                   sides=list(args.side), max_len=args.max_len, split=args.split, eval_from=args.eval_from)
+    delimiter = DELIMITER_ESCAPES.get(args.delimiter, args.delimiter)
+    train, held = convert_log(args.log, args.output, spec, args.format, delimiter, args.row_group_rows)
+    out = args.output.rstrip("/")
+    print(f"wrote {train} training rows to {out}/train.parquet and {held} eval rows to {out}/eval.parquet "
+          f"(histories: up to {spec.max_len} earlier events per row)")
+    print(f"train with: python -m recsys_runner model=din data=parquet data.path={out}/train.parquet data.eval_path={out}/eval.parquet")
+
+
+def _sequences_parser(sub: Any) -> None:
+    s = sub.add_parser("sequences", help="an interaction log -> rows with user histories (train.parquet, eval.parquet)")
+    s.add_argument("log", help="the log: a Parquet or CSV/TSV file (or a directory or glob of them)")
+    s.add_argument("output", help="output directory (train.parquet, eval.parquet)")
+    s.add_argument("--user", default="user", help="the user column")
+    s.add_argument("--item", default="item", help="the item column")
+    s.add_argument("--time", default="timestamp", help="the event time column (integers, e.g. Unix seconds, or timestamps)")
+    s.add_argument("--label", help="a 0/1 label column, or a rating with --label-threshold (default: every event is a positive)")
+    s.add_argument("--label-threshold", type=float, help="label = (--label column >= this), e.g. a rating of 4")
+    s.add_argument("--side", action="append", default=[], help="an item side column such as category (repeatable): "
+                                                               "a candidate feature and its history hist_<side>")
+    s.add_argument("--max-len", type=int, default=50, help="the longest history kept (the most recent events)")
+    s.add_argument("--split", choices=list(SPLITS), default="leave-last-out",
+                   help="time: events at or after --eval-from are eval rows; leave-last-out: each user's last event is")
+    s.add_argument("--eval-from", type=int, help="--split time: the first eval time, in the time column's units")
+    s.add_argument("--format", choices=["auto", "parquet", "csv"], default="auto", help="auto: Parquet by file name, else text")
+    s.add_argument("--delimiter", default=",", help="text logs: the field delimiter (a character, or tab/comma/semicolon/pipe)")
+    s.add_argument("--row-group-rows", type=int, default=65_536)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m recsys_runner.data", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -248,10 +290,11 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--delimiter", default=",")
     i.add_argument("--label", action="append", help="a label column (repeat for several); default: the stored schema's, else 'label'")
     i.add_argument("--max-distinct", type=int, default=1_000_000, help="stop counting distinct values above this")
+    _sequences_parser(sub)
     args = parser.parse_args(argv)
     quiet_known_noise()
     try:
-        convert(args) if args.command == "convert" else inspect(args)
+        {"convert": convert, "inspect": inspect, "sequences": sequences}[args.command](args)
     except (DataError, ConfigError) as e:
         print(f"Data error: {e}", file=sys.stderr)
         return 2

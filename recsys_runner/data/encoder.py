@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from recsys_runner.data.histories import HistoryEncoder
 from recsys_runner.data.schema import DenseColumn, Schema, SparseColumn
 from recsys_runner.errors import DataError
 
@@ -24,7 +25,8 @@ BAD_ROW_MODES = ("fail", "skip")
 
 @dataclass
 class Rows:
-    """A block of encoded rows: ``labels [n]`` (or ``[n, T]``, several labels), ``dense [n, N]`` and per sparse feature (values, lengths)."""
+    """A block of encoded rows: ``labels [n]`` (or ``[n, T]``, several labels), ``dense [n, N]`` and per key of the batch's
+    ``KeyedJaggedTensor`` (each sparse feature, then each history's event times) its (values, lengths)."""
 
     labels: np.ndarray
     dense: np.ndarray
@@ -110,12 +112,20 @@ class Encoder:
         schema: the columns and how to encode them.
         on_bad_rows: ``fail`` raises :class:`DataError` at the first bad row; ``skip`` drops bad
             rows and counts them in ``num_bad_rows``.
+
+    Histories (``schema.sequences``) are checked and truncated by a :class:`~recsys_runner.data.histories.HistoryEncoder`;
+    ``num_truncated_rows`` counts the rows whose history was longer than its ``max_len``.
     """
 
     def __init__(self, schema: Schema, on_bad_rows: str = "fail") -> None:
         self.schema = schema
         self.skip = on_bad_rows == "skip"
         self.num_bad_rows = 0
+        self.histories = HistoryEncoder(schema)
+
+    @property
+    def num_truncated_rows(self) -> int:
+        return self.histories.num_truncated_rows
 
     def encode(self, table: pa.Table, where: Location) -> Rows:
         n = table.num_rows
@@ -130,7 +140,7 @@ class Encoder:
         for j, col in enumerate(self.schema.dense):
             dense[:, j] = self._dense(col, _column(table, col.name), where, bad)
         sparse = [self._sparse(col, _column(table, col.name), where, bad) for col in self.schema.sparse]
-        rows = Rows(labels, dense, sparse)
+        rows = Rows(labels, dense, self.histories.apply(table, sparse, where, bad))
         if not problems:
             return rows
         first = min(int(np.flatnonzero(mask)[0]) for _, _, mask, _ in problems)

@@ -53,6 +53,7 @@ from recsys_runner.data.encoder import value_keys
 from recsys_runner.data.schema import DenseColumn, Schema, SparseColumn
 from recsys_runner.data.vocabulary import Vocabulary
 from recsys_runner.errors import DataError, require
+from recsys_runner.features import SequenceGroup
 
 log = logging.getLogger(__name__)
 
@@ -206,12 +207,14 @@ def complete_schema(
     config: InferConfig,
     where: str,
     column_names: Callable[[], list[str]] | None = None,
+    sequences: list[SequenceGroup] | None = None,
 ) -> Inferred:
     """The schema of the given fields, with what they leave open inferred from ``sample()`` (read only if needed).
 
     Open are: the label when neither ``label`` nor ``labels`` is set (found among ``column_names()``, or the
     sample's columns); every column's role when ``dense`` and ``sparse`` are both empty; the size of each
-    sparse column without ``num_embeddings``.
+    sparse column without ``num_embeddings`` (columns sharing a table are sized together: one id space). ``sequences``
+    are the schema's histories (``data.sequences``).
 
     Raises:
         DataError: no label can be found, no sparse feature is left, a named column is not in the sample.
@@ -235,22 +238,48 @@ def complete_schema(
         t = read()
         dense, sparse, notes = _infer_columns(t, set(label_columns) | set(config.exclude), config, where)
         inferred.append(f"{len(dense)} dense and {len(sparse)} sparse columns from {t.num_rows} sampled rows")
-    vocabularies: dict[str, Vocabulary] = {}
-    for i, col in enumerate(sparse):
-        if col.num_embeddings is None:
-            sparse[i] = col = _sized(col, read(), config, where)
-            inferred.append(f"{col.name} num_embeddings={col.num_embeddings}"
-                            + (f" (vocabulary of {col.size - (col.oov_buckets or 0)} + {col.oov_buckets} OOV rows)" if col.encoding == "vocab" else
-                               f" (encoding={col.encoding}: more values than the sample covers)"))
-        if col.encoding == "vocab":
-            if col.oov_buckets is None:
-                sparse[i] = col = replace(col, oov_buckets=min(config.oov_buckets, col.size - 1))
-            assert col.oov_buckets is not None
-            keys = _keys(col, read(), where)
-            vocabularies[col.name] = Vocabulary.build(keys, col.size - col.oov_buckets, col.oov_buckets)
+    sparse, vocabularies = _size_tables(sparse, read, config, where, inferred)
     schema = Schema(label=label, labels=labels, label_kinds=label_kinds, label_threshold=label_threshold, dense=dense, sparse=sparse,
-                    vocabularies=vocabularies)
+                    sequences=list(sequences or []), vocabularies=vocabularies)
     return Inferred(schema, inferred, notes)
+
+
+def _size_tables(sparse: list[SparseColumn], read: Callable[[], pa.Table], config: InferConfig, where: str,
+                 inferred: list[str]) -> tuple[list[SparseColumn], dict[str, Vocabulary]]:
+    """Each sparse column sized, and the vocabulary of each ``encoding: vocab`` column; ``inferred`` gets a line per size chosen.
+
+    Columns sharing a table (``table:``, e.g. a history ``hist_item_id`` and its candidate ``item_id``) share one id
+    space: an unsized one takes a sized sibling's size and encoding, unsized ones are sized together from all their
+    values, and one vocabulary is built from the values of every ``vocab`` column on the table.
+    """
+    sparse = list(sparse)
+    tables: dict[str, list[int]] = {}
+    for i, col in enumerate(sparse):
+        tables.setdefault(col.table_name, []).append(i)
+    vocabularies: dict[str, Vocabulary] = {}
+    for members in tables.values():
+        cols = [sparse[i] for i in members]
+        joint = next((c for c in cols if c.num_embeddings is not None), None)
+        if joint is None:
+            joint = _sized(cols, read(), config, where)
+            inferred.append(f"{' + '.join(c.name for c in cols)} num_embeddings={joint.num_embeddings}"
+                            + (f" (vocabulary of {joint.size - (joint.oov_buckets or 0)} + {joint.oov_buckets} OOV rows)" if joint.encoding == "vocab"
+                               else f" (encoding={joint.encoding}: more values than the sample covers)"))
+        for i in members:
+            col = sparse[i]
+            if col.num_embeddings is None:
+                col = replace(col, num_embeddings=joint.num_embeddings, encoding=joint.encoding, oov_buckets=joint.oov_buckets)
+            if col.encoding == "vocab" and col.oov_buckets is None:
+                col = replace(col, oov_buckets=min(config.oov_buckets, col.size - 1))
+            sparse[i] = col
+        in_vocab = [sparse[i] for i in members if sparse[i].encoding == "vocab"]
+        if in_vocab:
+            first = in_vocab[0]
+            assert first.oov_buckets is not None
+            keys = np.concatenate([_keys(c, read(), where) for c in in_vocab])
+            vocabulary = Vocabulary.build(keys, first.size - first.oov_buckets, first.oov_buckets)
+            vocabularies.update((c.name, vocabulary) for c in in_vocab)
+    return sparse, vocabularies
 
 
 def _infer_columns(t: pa.Table, skip: set[str], config: InferConfig, where: str) -> tuple[list[DenseColumn], list[SparseColumn], list[str]]:
@@ -301,15 +330,16 @@ def unseen_share(keys: np.ndarray) -> float:
     return float((counts == 1).sum()) / len(keys)
 
 
-def _sized(col: SparseColumn, t: pa.Table, config: InferConfig, where: str) -> SparseColumn:
-    """``col`` with ``num_embeddings`` (and, left open, its encoding) from its values in the sampled table ``t``: a
-    vocabulary and ``oov_buckets`` rows when the sample covers the column (or ``encoding: vocab`` asks for one), else
-    ``distinct × bucket_margin`` hashed rows.
+def _sized(cols: list[SparseColumn], t: pa.Table, config: InferConfig, where: str) -> SparseColumn:
+    """The first of ``cols`` (columns of one table) with ``num_embeddings`` (and, left open, its encoding) from all their
+    values in the sampled table ``t``: a vocabulary and ``oov_buckets`` rows when the sample covers the columns (or
+    ``encoding: vocab`` asks for one), else ``distinct × bucket_margin`` hashed rows.
 
     Raises:
         DataError: ``t`` has no such column.
     """
-    keys = _keys(col, t, where)
+    col = replace(cols[0], encoding=next((c.encoding for c in cols if c.encoding is not None), None))
+    keys = np.concatenate([_keys(c, t, where) for c in cols])
     distinct = len(np.unique(keys))
     if col.encoding == "vocab" or (col.encoding is None and (t.num_rows < config.sample_rows or unseen_share(keys) <= config.max_unseen_fraction)):
         oov = col.oov_buckets or config.oov_buckets

@@ -20,7 +20,7 @@ import yaml
 
 from recsys_runner.data.vocabulary import Vocabulary
 from recsys_runner.errors import ConfigError, require
-from recsys_runner.features import POOLINGS, FeatureSpec, SparseFeature, check_embedding_dim
+from recsys_runner.features import POOLINGS, FeatureSpec, SequenceGroup, SparseFeature, check_embedding_dim
 
 DENSE_TRANSFORMS = ("none", "log1p")
 SPARSE_ENCODINGS = ("id", "mod", "hash", "vocab")
@@ -70,8 +70,9 @@ class SparseColumn:
     separator: str | None = None
     """Multi-hot in CSV: the delimiter between values inside one field (e.g. ``"|"``). Parquet list
     columns are multi-hot without it. ``null``: one value per field."""
-    pooling: str = "sum"
-    """How a multi-hot bag becomes one vector: ``sum`` or ``mean``."""
+    pooling: str | None = None
+    """How a multi-hot bag becomes one vector: ``sum`` or ``mean``. ``null``: ``mean`` for the features of a table that a
+    history reads (``data.sequences``: a history and its candidate), ``sum`` for the others."""
     embedding_dim: int | None = None
     """Width of this feature's table; ``null`` takes ``model.embedding_dim`` (models whose arches combine embeddings
     pairwise, DeepFM and DLRM, need one width: their ``same_embedding_width``)."""
@@ -89,7 +90,7 @@ class SparseColumn:
         require(self.encoding != "vocab" or self.num_embeddings is None or self.oov_buckets is None
                 or self.num_embeddings > self.oov_buckets,
                 f"{key}: num_embeddings={self.num_embeddings} leaves no row for the vocabulary beside oov_buckets={self.oov_buckets}")
-        require(self.pooling in POOLINGS, f"{key}.pooling={self.pooling!r} must be one of {sorted(POOLINGS)}")
+        require(self.pooling is None or self.pooling in POOLINGS, f"{key}.pooling={self.pooling!r} must be one of {sorted(POOLINGS)}")
         if self.embedding_dim is not None:
             check_embedding_dim(f"{key}.embedding_dim", self.embedding_dim)
         require(self.separator is None or len(self.separator) > 0, f"{key}.separator must be a non-empty string or null")
@@ -102,8 +103,13 @@ class SparseColumn:
         assert self.num_embeddings is not None, f"data.sparse[{self.name}] is not sized yet"
         return self.num_embeddings
 
-    def feature(self) -> SparseFeature:
-        return SparseFeature(self.name, self.size, self.embedding_dim, self.pooling, self.table)
+    def feature(self, default_pooling: str = "sum") -> SparseFeature:
+        """The sparse feature; ``default_pooling`` where ``pooling`` is ``null`` (``mean`` on tables histories read)."""
+        return SparseFeature(self.name, self.size, self.embedding_dim, self.pooling or default_pooling, self.table)
+
+    @property
+    def table_name(self) -> str:
+        return self.table or f"t_{self.name}"
 
 
 def check_labels(label: str | None, labels: dict[str, str] | None, label_kinds: dict[str, str] | None) -> None:
@@ -150,6 +156,8 @@ class Schema:
     """A numeric ``label`` column made binary: ``1`` where the value is ``>=`` this (ratings → clicks), else ``0``."""
     dense: list[DenseColumn] = field(default_factory=list)
     sparse: list[SparseColumn] = field(default_factory=list)
+    sequences: list[SequenceGroup] = field(default_factory=list)
+    """Histories among ``sparse`` (``data.sequences``, :func:`sequence_groups`): list columns of equal length per row."""
     vocabularies: dict[str, Vocabulary] = field(default_factory=dict, repr=False, compare=False)
     """The vocabulary of each ``encoding: vocab`` column, by column name, built from a sample of the training files
     (:func:`recsys_runner.data.infer.complete_schema`); runtime state, never written to a schema file."""
@@ -161,9 +169,12 @@ class Schema:
         unsized = [c.name for c in self.sparse if c.num_embeddings is None]
         require(not unsized, f"data.sparse columns {unsized} have no num_embeddings; they are sized from the data when the data "
                 f"module is built (recsys_runner/data/infer.py)")
-        names = [*self.label_columns, *(c.name for c in self.dense), *(c.name for c in self.sparse)]
+        for group in self.sequences:
+            check_group(group, self.sparse, [*self.label_columns, *(c.name for c in self.dense)])
+        names = [*self.label_columns, *(c.name for c in self.dense), *(c.name for c in self.sparse), *self.timestamp_columns]
         dupes = sorted({n for n in names if names.count(n) > 1})
-        require(not dupes, f"columns {dupes} appear more than once among data.label(s), data.dense and data.sparse; each column has one role")
+        require(not dupes, f"columns {dupes} appear more than once among data.label(s), data.dense, data.sparse and the timestamps of "
+                f"data.sequences; each column has one role")
         require(len(self.sparse) > 0, "data.sparse lists no columns: the models need at least one sparse feature, "
                 "e.g. data.sparse=[{name: item_id, num_embeddings: 100000}]")
 
@@ -186,17 +197,99 @@ class Schema:
         return (self.label_kinds or {}).get(task, "binary")
 
     @property
+    def timestamp_columns(self) -> list[str]:
+        """The event-time columns of the sequence groups (int64 lists, carried in the batch, never embedded)."""
+        return [g.timestamps for g in self.sequences if g.timestamps is not None]
+
+    @property
     def columns(self) -> list[str]:
-        return [*self.label_columns, *(c.name for c in self.dense), *(c.name for c in self.sparse)]
+        return [*self.label_columns, *(c.name for c in self.dense), *(c.name for c in self.sparse), *self.timestamp_columns]
+
+    @property
+    def sequence_tables(self) -> set[str]:
+        """The tables a history feature reads: their features pool with ``mean`` unless they set ``pooling``."""
+        histories = {f for g in self.sequences for f in g.features}
+        return {c.table_name for c in self.sparse if c.name in histories}
 
     def features(self) -> FeatureSpec:
         label: str | tuple[str, ...] = tuple(self.labels) if self.labels is not None else self._single_label()
-        spec = FeatureSpec(tuple(c.name for c in self.dense), tuple(c.feature() for c in self.sparse), label)
+        mean = self.sequence_tables
+        sparse = tuple(c.feature("mean" if c.table_name in mean else "sum") for c in self.sparse)
+        spec = FeatureSpec(tuple(c.name for c in self.dense), sparse, label, sequences=tuple(self.sequences))
         spec.embedding_tables(1)  # tables shared by several features must agree: fail at build, not at shard time
         return spec
 
 
-SCHEMA_KEYS = ("label", "labels", "label_kinds", "label_threshold", "dense", "sparse")
+SEQUENCE_KEYS = ("features", "max_len", "truncate", "timestamps")
+"""The keys of one ``data.sequences`` group."""
+
+
+def sequence_groups(raw: Any, key: str = "data.sequences") -> list[SequenceGroup]:
+    """``data.sequences`` (group name → ``{features, max_len, truncate, timestamps}``) as :class:`SequenceGroup` objects.
+
+    Raises:
+        ConfigError: not a mapping of mappings, an unknown key, a missing ``features`` / ``max_len``, naming ``key``.
+    """
+    if raw is None:
+        return []
+    example = "{hist: {features: [hist_item_id, hist_category], max_len: 50, timestamps: hist_ts}}"
+    require(isinstance(raw, dict), f"{key}={raw!r} must be a mapping of group names to groups, e.g. {key}='{example}'")
+    groups = []
+    for name, group in raw.items():
+        where = f"{key}.{name}"
+        require(isinstance(group, dict), f"{where}={group!r} must be a mapping with {', '.join(SEQUENCE_KEYS)}, e.g. {key}='{example}'")
+        unknown = sorted(set(group) - set(SEQUENCE_KEYS))
+        require(not unknown, f"{where} has unknown key(s) {unknown}; a sequence group has {', '.join(SEQUENCE_KEYS)}")
+        features = group.get("features")
+        require(isinstance(features, list | tuple) and all(isinstance(f, str) for f in features),
+                f"{where}.features={features!r} must be a list of column names, e.g. [hist_item_id, hist_category]")
+        max_len = group.get("max_len")
+        require(isinstance(max_len, int) and not isinstance(max_len, bool),
+                f"{where}.max_len={max_len!r} must be a positive integer: the longest history a row keeps, e.g. 50")
+        timestamps = group.get("timestamps")
+        require(timestamps is None or isinstance(timestamps, str), f"{where}.timestamps={timestamps!r} must be a column name or null")
+        groups.append(SequenceGroup(str(name), tuple(features), max_len, group.get("truncate") or "recent", timestamps))
+    return groups
+
+
+def sequences_mapping(groups: list[SequenceGroup]) -> dict[str, dict[str, Any]]:
+    """:func:`sequence_groups`' inverse: the form of a schema file and of the stored schema."""
+    return {g.name: {"features": list(g.features), "max_len": g.max_len, "truncate": g.truncate, "timestamps": g.timestamps}
+            for g in groups}
+
+
+def check_group(group: SequenceGroup, sparse: list[SparseColumn], other_columns: list[str], id_space: bool = True) -> None:
+    """A sequence group against the columns: every feature a ``data.sparse`` column, the timestamps column none of
+    them, and each history sharing its table's id space (same encoding, size, ``hex``) with the features on it.
+
+    Raises:
+        ConfigError: naming the key and the fix.
+    """
+    key = f"data.sequences.{group.name}"
+    by_name = {c.name: c for c in sparse}
+    for f in group.features:
+        require(f in by_name, f"{key}.features names {f!r}, which is not a data.sparse column (the columns: "
+                f"{[c.name for c in sparse]}). Fix: add it to data.sparse, e.g. {{name: {f}, table: item}} next to the candidate "
+                f"{{name: item_id, table: item}}")
+    ts = group.timestamps
+    if ts is not None:
+        require(ts not in by_name, f"{key}.timestamps={ts!r} is also a data.sparse column; event times ride in the batch "
+                f"as they are and are never embedded. Fix: remove {ts!r} from data.sparse")
+        require(ts not in other_columns, f"{key}.timestamps={ts!r} is also a label or dense column. Fix: name the event-time "
+                f"list column in {key}.timestamps and nothing else")
+    for f in group.features if id_space else ():  # unsized columns (a config before sizing) are sized together later
+        col = by_name[f]
+        for other in sparse:
+            if other is col or other.table_name != col.table_name:
+                continue
+            mine, theirs = (col.encoding, col.num_embeddings, col.hex), (other.encoding, other.num_embeddings, other.hex)
+            require(mine == theirs, f"data.sparse[{f}] (history of {key}) and data.sparse[{other.name}] share table "
+                    f"{col.table_name!r} but not one id space: encoding/num_embeddings/hex {mine} vs {theirs}. A history and its "
+                    f"candidate must encode ids alike. Fix: give both the same encoding, num_embeddings and hex (or leave "
+                    f"num_embeddings out of both: they are then sized together, one vocabulary from both columns)")
+
+
+SCHEMA_KEYS = ("label", "labels", "label_kinds", "label_threshold", "dense", "sparse", "sequences")
 """The keys of a schema file (``data.schema=<file>``, ``convert --schema``) that describe the columns."""
 READER_KEYS = ("delimiter", "header", "column_names", "null_values")
 """The keys of a schema file that say how to read delimited text (CSV/TSV options of ``data=csv``)."""
@@ -224,7 +317,8 @@ def schema_from_mapping(raw: dict[str, Any], where: str) -> tuple[dict[str, Any]
         raise ConfigError(f"{where}: {e}. Column fields: dense {[f.name for f in fields(DenseColumn)]}, "
                           f"sparse {[f.name for f in fields(SparseColumn)]}") from None
     parts = {"label": raw.get("label"), "labels": raw.get("labels"), "label_kinds": raw.get("label_kinds"),
-             "label_threshold": raw.get("label_threshold"), "dense": dense, "sparse": sparse}
+             "label_threshold": raw.get("label_threshold"), "dense": dense, "sparse": sparse,
+             "sequences": sequence_groups(raw.get("sequences"), f"{where}: sequences")}
     return parts, {k: raw[k] for k in READER_KEYS if k in raw}
 
 
@@ -257,6 +351,8 @@ def schema_yaml(schema: Schema, reader: dict[str, Any] | None = None, notes: lis
         out["label_threshold"] = schema.label_threshold
     out["dense"] = [_non_default(c) for c in schema.dense]
     out["sparse"] = [_non_default(c) for c in schema.sparse]
+    if schema.sequences:
+        out["sequences"] = sequences_mapping(schema.sequences)
     out.update(reader or {})
     text = yaml.safe_dump(out, sort_keys=False, default_flow_style=None, width=200)
     return "".join(f"# {n}\n" for n in notes or []) + text
@@ -280,11 +376,13 @@ def stored_schema(path: str) -> Schema | None:
         return None
     raw = json.loads(meta[SCHEMA_METADATA_KEY])
     return Schema(label=raw.get("label"), labels=raw.get("labels"), label_kinds=raw.get("label_kinds"), label_threshold=raw.get("label_threshold"),
-                  dense=[DenseColumn(**d) for d in raw["dense"]], sparse=[SparseColumn(**s) for s in raw["sparse"]])
+                  dense=[DenseColumn(**d) for d in raw["dense"]], sparse=[SparseColumn(**s) for s in raw["sparse"]],
+                  sequences=sequence_groups(raw.get("sequences"), f"{path}: the stored schema's sequences"))
 
 
 def schema_json(schema: Schema) -> bytes:
     """The schema as stored in Parquet metadata: ``label`` or ``labels`` (task → column, in order) and
-    ``label_kinds``, ``dense``, ``sparse``."""
+    ``label_kinds``, ``dense``, ``sparse``, ``sequences``."""
     return json.dumps({"label": schema.label, "labels": schema.labels, "label_kinds": schema.label_kinds, "label_threshold": schema.label_threshold,
-                       "dense": [asdict(d) for d in schema.dense], "sparse": [asdict(s) for s in schema.sparse]}).encode()
+                       "dense": [asdict(d) for d in schema.dense], "sparse": [asdict(s) for s in schema.sparse],
+                       "sequences": sequences_mapping(schema.sequences)}).encode()

@@ -11,7 +11,9 @@ How an epoch is read (see docs/data.md for the full semantics):
    advance (``on_bad_rows: skip``, or ``drop_remainder: false`` with ranks one batch apart), the
    ranks agree step by step (:func:`recsys_runner.data.base.synchronized`) and stop together.
 4. Each shard streams its units, encodes and checks the rows (:class:`Encoder`), passes them through
-   a seeded shuffle buffer of ``shuffle_buffer_rows`` and cuts batches of ``batch_size``.
+   a seeded shuffle buffer of ``shuffle_buffer_rows`` and cuts batches of ``batch_size`` (training batches with
+   ``batch_tokens``: as many rows as fit that many history tokens, :mod:`recsys_runner.data.histories`; the batch
+   count is then known only by reading, and the ranks agree step by step).
 
 Eval rows come from ``eval_path``, or are a deterministic hash split of the training files: a row is
 held out when a hash of (file name, row number) falls below ``eval_fraction``.
@@ -38,6 +40,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.data.base import DataModule, synchronized
 from recsys_runner.data.encoder import Encoder, Location, Rows, splitmix64
+from recsys_runner.data.histories import check_list_columns, expected_rows, history_costs, token_cuts
 from recsys_runner.data.infer import Inferred, complete_schema
 from recsys_runner.data.schema import Schema, read_schema_file, schema_yaml, stored_schema
 from recsys_runner.data.sources import PARQUET_SUFFIXES, CsvSource, ParquetSource, Unit, resolve_files
@@ -49,10 +52,12 @@ from recsys_runner.data.tabular_config import (
     CsvDataConfig,
     ParquetDataConfig,
     TabularDataConfig,
+    check_text_lists,
     criteo_columns,
     mapping_option,
 )
-from recsys_runner.errors import DataError
+from recsys_runner.data.tokens import check_budget
+from recsys_runner.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +148,7 @@ class TabularData(DataModule, abc.ABC):
         self.features = schema.features()
         self.batch_size = config.batch_size
         self._bad_rows = 0
+        self._truncated_rows = 0
         self._dropped_rows = 0
         self._passes: dict[tuple[int, int], tuple[int, int]] = {}
         """(epoch, rank) → (rows of the rank's share, bad rows skipped) of the last pass over that epoch's training data."""
@@ -163,6 +169,13 @@ class TabularData(DataModule, abc.ABC):
             self._eval = _Split(train_source, train_units, held, (fraction, True))
         if sum(self._eval.counts) == 0:
             raise DataError(f"the eval split of {config.eval_path or config.path} has no rows. Fix: a larger data.eval_fraction, or data.eval_path")
+        if config.batch_tokens is not None:
+            if not schema.sequences:
+                raise ConfigError(f"data.batch_tokens={config.batch_tokens} sizes batches by history tokens, but the schema of "
+                                  f"data.path={config.path!r} has no histories. Fix: data.batch_tokens=null, or data.sequences")
+            for group in schema.sequences:
+                check_budget(config.batch_tokens, group.max_len)
+            self.batch_size = expected_rows(train_source.sample(1000), schema, config.batch_tokens)
 
     def open_files(self, path: str, key: str) -> Any:
         """A row source over the files at ``path`` with this data option's own reader and format settings (the
@@ -189,8 +202,8 @@ class TabularData(DataModule, abc.ABC):
         return self._batches(self._eval, 0, rank, world_size, train=False)
 
     def num_train_batches(self, world_size: int) -> int | None:
-        if self.config.on_bad_rows == "skip":
-            return None  # skipped rows are only known after reading
+        if self.config.on_bad_rows == "skip" or self.config.batch_tokens is not None:
+            return None  # skipped rows, and rows per token batch, are only known after reading
         return min(self._rank_batch_counts(self._train, world_size, train=True))
 
     def explain_empty_epoch(self, epoch: int, rank: int) -> str:
@@ -209,8 +222,9 @@ class TabularData(DataModule, abc.ABC):
                 f"eval rows are held out). Fix: more data, or a smaller data.batch_size / train.grad_accum_steps")
 
     def metrics(self) -> dict[str, float]:
-        """Counters since construction: bad rows skipped, rows left unread so that ranks end together."""
-        return {"data/bad_rows_skipped": float(self._bad_rows), "data/rows_dropped_uneven_ranks": float(self._dropped_rows)}
+        """Counters since construction: bad rows skipped, rows left unread so that ranks end together, histories truncated."""
+        return {"data/bad_rows_skipped": float(self._bad_rows), "data/rows_dropped_uneven_ranks": float(self._dropped_rows),
+                "data/truncated_histories": float(self._truncated_rows)}
 
     # -- internals -------------------------------------------------------------------------------------
     def _shard_rows(self, split: _Split, world_size: int, train: bool) -> list[int]:
@@ -237,7 +251,8 @@ class TabularData(DataModule, abc.ABC):
         workers = max(self._workers, 1)
         rows = sum(self._shard_rows(split, world_size, train)[rank * workers : (rank + 1) * workers])
         batches = self._to_batches(items, epoch, rank, train, rows)
-        uneven = self.config.on_bad_rows == "skip" or len(set(self._rank_batch_counts(split, world_size, train))) > 1
+        uneven = (self.config.on_bad_rows == "skip" or (train and self.config.batch_tokens is not None)
+                  or len(set(self._rank_batch_counts(split, world_size, train))) > 1)
         if world_size > 1 and uneven:
             return synchronized(batches, on_dropped=self._count_dropped)
         return batches
@@ -246,15 +261,20 @@ class TabularData(DataModule, abc.ABC):
         self._dropped_rows += int(batch.labels.shape[0])
 
     def _to_batches(self, items: Any, epoch: int, rank: int, train: bool, rows: int) -> Iterator[Batch]:
-        names = self.features.sparse_names
+        names = self.features.kjt_keys
         skipped_before = self._bad_rows
         if train:
             self._passes[epoch, rank] = (rows, 0)
         for item in items:
             if item[0] == "error":
                 raise DataError(item[1])
-            dense, values, lengths, labels, skipped = item
+            dense, values, lengths, labels, skipped, truncated = item
             self._bad_rows += skipped
+            if truncated and not self._truncated_rows:
+                log.warning("%s: histories longer than max_len were truncated (data.sequences %s); the count of such rows is "
+                            "logged as data/truncated_histories", self.config.path,
+                            ", ".join(f"{g.name}: max_len={g.max_len}, truncate={g.truncate}" for g in self.schema.sequences))
+            self._truncated_rows += truncated
             if train and skipped:
                 self._passes[epoch, rank] = (rows, self._bad_rows - skipped_before)
             if labels is None:
@@ -268,7 +288,7 @@ class TabularData(DataModule, abc.ABC):
             log.warning("rank %d skipped %d bad rows in %s (data.on_bad_rows=skip)", rank, self._bad_rows - skipped_before, what)
 
     def _stream(self, split: _Split, epoch: int, shard: int, num_shards: int, train: bool) -> Iterator[tuple]:
-        """Encoded batches of one shard, as tensors: (dense, values, lengths, labels, bad rows skipped)."""
+        """Encoded batches of one shard, as tensors: (dense, values, lengths, labels, bad rows skipped, histories truncated)."""
         cfg = self.config
         shuffle = train and cfg.shuffle
         order = list(range(len(split.units)))
@@ -279,43 +299,47 @@ class TabularData(DataModule, abc.ABC):
         rng = np.random.default_rng([cfg.seed, epoch, shard]) if shuffle and cfg.shuffle_buffer_rows > 0 else None
         hold = max(cfg.shuffle_buffer_rows, self.batch_size) if rng is not None else self.batch_size
         keep_last = not (train and cfg.drop_remainder)
+        budget = cfg.batch_tokens if train else None
         source_bad = getattr(split.source, "num_bad_rows", 0)
-        reported = 0
+        reported = [0, 0]
 
-        def skipped() -> int:
-            nonlocal reported
-            total = encoder.num_bad_rows + getattr(split.source, "num_bad_rows", 0) - source_bad
-            delta, reported = total - reported, total
-            return delta
+        def counts() -> tuple[int, int]:
+            """Bad rows skipped and histories truncated since the last call."""
+            totals = [encoder.num_bad_rows + getattr(split.source, "num_bad_rows", 0) - source_bad, encoder.num_truncated_rows]
+            deltas = (totals[0] - reported[0], totals[1] - reported[1])
+            reported[:] = totals
+            return deltas
 
         buffer: list[Rows] = []
         held = 0
 
-        def shuffled_block() -> tuple[Rows, int]:
-            """The buffered rows as one block (shuffled if configured) and how many fill whole batches."""
+        def cut(final: bool) -> Iterator[tuple]:
+            """Batches of the buffered rows (shuffled if configured); the rows left over stay in ``buffer``."""
+            nonlocal buffer, held
             block = Rows.concat(buffer)
             if rng is not None:
                 block = block.take(rng.permutation(len(block)))
-            return block, len(block) // self.batch_size * self.batch_size
+            if budget is not None:
+                slices, used = token_cuts(history_costs(self.schema, block.sparse), budget, final=final and keep_last)
+            else:
+                used = len(block) // self.batch_size * self.batch_size
+                slices = [(i, i + self.batch_size) for i in range(0, used, self.batch_size)]
+                if final and keep_last and used < len(block):
+                    slices, used = [*slices, (used, len(block))], len(block)
+            for a, b in slices:
+                yield self._tensors(block.slice(a, b), *counts())
+            buffer, held = [block.slice(used, len(block))], len(block) - used
 
         for rows in self._read_ranges(split, ranges, encoder):
             buffer.append(rows)
             held += len(rows)
-            if held < hold:
-                continue
-            block, full = shuffled_block()
-            for i in range(0, full, self.batch_size):
-                yield self._tensors(block.slice(i, i + self.batch_size), skipped())
-            buffer, held = [block.slice(full, len(block))], len(block) - full
+            if held >= hold:
+                yield from cut(final=False)
         if held:
-            block, full = shuffled_block()
-            for i in range(0, full, self.batch_size):
-                yield self._tensors(block.slice(i, i + self.batch_size), skipped())
-            if keep_last and full < len(block):
-                yield self._tensors(block.slice(full, len(block)), skipped())
-        last = skipped()
-        if last:
-            yield (None, None, None, None, last)
+            yield from cut(final=True)
+        last = counts()
+        if any(last):
+            yield (None, None, None, None, *last)
 
     def _read_ranges(self, split: _Split, ranges: list[tuple[int, int, int]], encoder: Encoder) -> Iterator[Rows]:
         for u, start, stop in ranges:
@@ -336,7 +360,7 @@ class TabularData(DataModule, abc.ABC):
                 if seen >= stop:
                     break
 
-    def _tensors(self, rows: Rows, skipped: int) -> tuple:
+    def _tensors(self, rows: Rows, skipped: int, truncated: int) -> tuple:
         values = np.concatenate([v for v, _ in rows.sparse]) if rows.sparse else np.zeros(0, np.int64)
         lengths = np.concatenate([ln for _, ln in rows.sparse]) if rows.sparse else np.zeros(0, np.int32)
         return (
@@ -345,6 +369,7 @@ class TabularData(DataModule, abc.ABC):
             torch.from_numpy(lengths.astype(np.int32, copy=False)),
             torch.from_numpy(np.ascontiguousarray(rows.labels)),
             skipped,
+            truncated,
         )
 
 
@@ -360,7 +385,8 @@ def config_schema(config: Any, sample: Any, where: str, column_names: Any = None
         parts, reader = read_schema_file(config.schema)
     else:
         parts = {"label": config.label, "labels": mapping_option(config.labels, "data.labels"), "label_threshold": config.label_threshold,
-                 "label_kinds": mapping_option(config.label_kinds, "data.label_kinds"), "dense": list(config.dense), "sparse": list(config.sparse)}
+                 "label_kinds": mapping_option(config.label_kinds, "data.label_kinds"), "dense": list(config.dense), "sparse": list(config.sparse),
+                 "sequences": config.sequence_groups()}
     return complete_schema(**parts, sample=sample, config=config.infer, where=where, column_names=column_names), reader
 
 
@@ -391,6 +417,7 @@ class ParquetData(TabularData):
                                     f"data.path={config.path!r}", lambda: pq.read_schema(files[0]).names)
             log_inferred(done, f"data.path={config.path!r}")
             schema = done.schema
+        check_list_columns(schema, pq.read_schema(files[0]), files[0])
         super().__init__(config, schema)
 
     def _suffixes(self) -> tuple[str, ...] | None:
@@ -416,6 +443,7 @@ class CsvData(TabularData):
                                 lambda: self._sampler(config).header_names())
         self.csv = config
         """:attr:`config`, typed as this option's (its reader settings; set first: the base class opens the files)."""
+        check_text_lists(done.schema.sequences, done.schema.sparse, f"data.schema={config.schema!r}: sparse" if config.schema else "data.sparse")
         log_inferred(done, where, {"delimiter": config.delimiter, "header": config.header, "null_values": list(config.null_values),
                                    **({"column_names": list(config.column_names)} if config.column_names else {})})
         super().__init__(config, done.schema)

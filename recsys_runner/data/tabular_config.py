@@ -14,8 +14,18 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from recsys_runner.data.base import DataConfig
 from recsys_runner.data.encoder import BAD_ROW_MODES
 from recsys_runner.data.infer import InferConfig
-from recsys_runner.data.schema import DENSE_TRANSFORMS, DenseColumn, Schema, SparseColumn, check_labels
+from recsys_runner.data.schema import (
+    DENSE_TRANSFORMS,
+    DenseColumn,
+    Schema,
+    SparseColumn,
+    check_group,
+    check_labels,
+    sequence_groups,
+)
+from recsys_runner.data.tokens import check_budget
 from recsys_runner.errors import require
+from recsys_runner.features import SequenceGroup
 
 DEFAULT_EVAL_FRACTION = 0.1
 """``data.eval_fraction`` when it and ``data.eval_path`` are both null."""
@@ -99,6 +109,13 @@ class SchemaFields(TabularDataConfig):
     """Categorical input columns, e.g. ``[{name: item_id, num_embeddings: 100000, encoding: hash}]`` (without
     ``num_embeddings``: sized from the data). With ``dense`` also empty: Parquet files' stored schema (written by
     ``python -m recsys_runner.data convert``), else a schema inferred from the files (``data.infer``)."""
+    sequences: Any = None
+    """Histories: group name → ``{features: [hist_item_id, hist_category], max_len: 50, truncate: recent, timestamps:
+    hist_ts}`` (``truncate``: keep the most ``recent`` or the ``oldest`` ``max_len`` events; ``timestamps``: an optional
+    list column of int64 event times, carried in the batch, never embedded). Each feature is a ``data.sparse`` list
+    column (in CSV with a ``separator``), oldest event first, of equal length per row within a group; one sharing a
+    table with a candidate (``table: item`` on both) shares its id space. A mapping, typed ``Any`` so that it works as a
+    plain override. ``null``: no histories (or those of the schema file / stored schema). docs/data.md, *Histories in files*."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -108,9 +125,22 @@ class SchemaFields(TabularDataConfig):
             check_labels(self.label, labels, kinds)
         require(self.label_threshold is None or (labels is None and math.isfinite(self.label_threshold)),
                 f"data.label_threshold={self.label_threshold} makes one data.label binary (a finite number); it does not apply to data.labels")
-        require(self.schema is None or not (self.dense or self.sparse or self.label is not None or labels is not None),
-                f"data.schema={self.schema!r} and data.label(s)/dense/sparse are both set; the schema file lists the columns. "
-                f"Fix: edit the file, or drop data.schema")
+        require(self.schema is None or not (self.dense or self.sparse or self.label is not None or labels is not None
+                                            or self.sequences is not None),
+                f"data.schema={self.schema!r} and data.label(s)/dense/sparse are both set (or data.sequences); the schema file lists "
+                f"the columns. Fix: edit the file, or drop data.schema")
+        for group in self.sequence_groups():
+            check_group(group, list(self.sparse), [*(d.name for d in self.dense)], id_space=False)
+            if self.batch_tokens is not None:
+                check_budget(self.batch_tokens, group.max_len)
+
+    def sequence_groups(self) -> list[SequenceGroup]:
+        """``data.sequences`` as sequence groups (empty when unset)."""
+        return sequence_groups(_plain(self.sequences))
+
+    def supports_batch_tokens(self) -> bool:
+        """``data.sequences`` is set, or the columns come from a schema file or the files (checked when the data is built)."""
+        return self.sequences is not None or self.schema is not None or not (self.sparse or self.dense)
 
 
 @dataclass(kw_only=True)
@@ -152,6 +182,19 @@ class CsvDataConfig(SchemaFields):
         require(self.header is not False or bool(self.column_names),
                 "data.header=false needs data.column_names: the names of all columns in file order")
         require(self.block_rows > 0, f"data.block_rows must be positive, got {self.block_rows}")
+        check_text_lists(self.sequence_groups(), list(self.sparse), "data.sparse")
+
+
+def check_text_lists(groups: list[SequenceGroup], sparse: list[SparseColumn], key: str) -> None:
+    """In delimited text a history is one field with a ``separator`` between its events: a history column without one is a
+    :class:`ConfigError` naming ``key`` (``data.sparse`` or the schema file) and the fix."""
+    separators = {c.name: c.separator for c in sparse}
+    for group in groups:
+        also = f" (and the same separator in its timestamps column {group.timestamps!r})" if group.timestamps else ""
+        for f in group.features:
+            require(f not in separators or separators[f] is not None,
+                    f"{key}[{f}] is a history (data.sequences.{group.name}) but has no separator: in CSV/TSV a history is one "
+                    f"field with its events separated, oldest first, e.g. 12|40|7. Fix: {key}[{f}].separator='|'{also}")
 
 
 @dataclass(kw_only=True)

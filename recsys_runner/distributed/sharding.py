@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel, get_default_sharders
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.planner.stats import EmbeddingStats
@@ -253,30 +254,33 @@ class Distributed:
         planner = EmbeddingShardingPlanner(
             topology=topology,
             batch_size=c.planner_batch_size or batch_size,
-            constraints=self._constraints(_table_names(model), world_size),
+            constraints=self._constraints(_table_names(model), world_size, set(_table_names(model, unpooled=True)), device_type),
             storage_reservation=FixedPercentageStorageReservation(percentage=c.storage_reserve_percent),
             stats=[_StatsAtDebug(), recorder],
         )
         return planner, recorder, topology
 
-    def _constraints(self, tables: list[str], world_size: int) -> dict[str, ParameterConstraints] | None:
+    def _constraints(self, tables: list[str], world_size: int, unpooled: set[str] | None = None,
+                     device_type: str = "cpu") -> dict[str, ParameterConstraints] | None:
         """Per-table planner constraints: the table's own choices, else the global ones, else (sharding
-        types on one rank) :data:`ONE_RANK_SHARDING_TYPES`."""
+        types on one rank) :data:`ONE_RANK_SHARDING_TYPES`; ``unpooled`` tables (an EmbeddingCollection's: histories)
+        never get ``data_parallel`` (:func:`_unpooled_types`)."""
         c = self.config
         unknown = sorted(set(c.tables) - set(tables))
         if unknown:
             known = sorted(tables, key=lambda t: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", t)])
             raise ConfigError(f"distributed.tables names {unknown}, which the model does not have; its tables: {', '.join(known)}")
         sharding_types = c.sharding_types or (ONE_RANK_SHARDING_TYPES if world_size == 1 else None)
-        if not (sharding_types or c.compute_kernels or c.tables):
+        if not (sharding_types or c.compute_kernels or c.tables or unpooled):
             return None
         constraints = {}
         for table in tables:
             own = c.tables.get(table, TableShardingConfig())
-            constraints[table] = ParameterConstraints(
-                sharding_types=list(own.sharding_types or sharding_types or []) or None,  # a copy: never the shared default
-                compute_kernels=own.compute_kernels or c.compute_kernels,
-            )
+            types = list(own.sharding_types or sharding_types or [])  # a copy: never the shared default
+            if table in (unpooled or set()):
+                types = _unpooled_types(table, types, device_type, chosen=own.sharding_types or c.sharding_types)
+            constraints[table] = ParameterConstraints(sharding_types=types or None,
+                                                      compute_kernels=own.compute_kernels or c.compute_kernels)
         return constraints
 
     def shard(self, model: nn.Module, plan: ShardingPlan) -> DistributedModelParallel:
@@ -337,11 +341,27 @@ def plan_summary(plan: ShardingPlan, world_size: int, usage: list[tuple[int, int
     return line
 
 
-def _table_names(model: nn.Module) -> list[str]:
-    """Every embedding table of ``model``: its EmbeddingBagCollections' (pooled) and EmbeddingCollections' (histories)."""
-    return [
-        config.name
-        for module in model.modules()
-        for getter in ("embedding_bag_configs", "embedding_configs")
-        for config in getattr(module, getter, lambda: [])()
-    ]
+def _table_names(model: nn.Module, unpooled: bool = False) -> list[str]:
+    """Every embedding table of ``model``: its EmbeddingBagCollections' (pooled) and EmbeddingCollections' (histories);
+    with ``unpooled`` only the latter."""
+    getters = ("embedding_configs",) if unpooled else ("embedding_bag_configs", "embedding_configs")
+    return [config.name for module in model.modules() for getter in getters for config in getattr(module, getter, lambda: [])()]
+
+
+def _unpooled_types(table: str, types: list[str], device_type: str, chosen: list[str] | None) -> list[str]:
+    """The sharding types an unpooled (EmbeddingCollection) table may take: ``types`` (all the sharder offers when
+    empty) without ``data_parallel``, which in this TorchRec returns one row per bag instead of one per id for an
+    EmbeddingCollection (measured on CPU: the forward fails in ``split_with_sizes``).
+
+    Raises:
+        ConfigError: the configured types (``chosen``) leave none for the table.
+    """
+    offered = types or EmbeddingCollectionSharder().sharding_types(device_type)
+    usable = [t for t in offered if t != ShardingType.DATA_PARALLEL.value]
+    if not usable:
+        raise ConfigError(
+            f"table {table!r} is read unpooled (a history's table, in an EmbeddingCollection), which cannot be sharded "
+            f"data_parallel, and the sharding types {chosen} leave nothing else. Fix: +distributed.tables.{table}.sharding_types="
+            f"[table_wise] (or row_wise / column_wise)"
+        )
+    return usable

@@ -25,9 +25,9 @@ from recsys_runner.errors import ConfigError, require
 from recsys_runner.metrics.classification import AUC, XAUC, Accuracy, Calibration, GroupedAUC, LogLoss, NormalizedEntropy
 from recsys_runner.metrics.decay import DecayAUC, DecayingMetric, TrainMetrics
 from recsys_runner.metrics.regression import MeanAbsoluteError, MeanSquaredError
-from recsys_runner.metrics.retrieval import RecallAtK
+from recsys_runner.metrics.retrieval import HitRateAtK, NDCGAtK, RecallAtK
 
-Inputs = Literal["pointwise", "grouped", "retrieval"]
+Inputs = Literal["pointwise", "grouped", "retrieval", "ranking"]
 
 
 @dataclass(frozen=True)
@@ -47,12 +47,18 @@ class MetricEntry:
 
 
 METRICS: dict[str, MetricEntry] = {}
-"""The metric registry, by config name. ``recall@<k>`` is matched by :data:`RECALL_AT_K`."""
+"""The metric registry, by config name. ``recall@<k>``, ``hr@<k>``, ``ndcg@<k>`` are matched by :data:`AT_K_NAME`."""
 
-RECALL_AT_K = re.compile(r"recall@([0-9]+)")
-"""Names ``recall@1``, ``recall@10`` …: :class:`RecallAtK` with that ``k``."""
+AT_K: dict[str, tuple[type[RecallAtK] | type[HitRateAtK], Inputs, str]] = {
+    "recall": (RecallAtK, "retrieval", "recall at {k} over in-batch candidates"),
+    "hr": (HitRateAtK, "ranking", "hit rate at {k} of the true item over the full item table"),
+    "ndcg": (NDCGAtK, "ranking", "NDCG at {k} of the true item over the full item table"),
+}
+"""The ``<name>@<k>`` metrics (``recall@10``, ``hr@10``, ``ndcg@10``): class, inputs, doc, by name."""
+AT_K_NAME = re.compile(r"(recall|hr|ndcg)@([0-9]+)")
+"""Names ``recall@1``, ``hr@10``, ``ndcg@50`` …: :data:`AT_K`'s class with that ``k``."""
 
-NAME_PATTERNS: dict[str, Inputs] = {"recall@<k>": "retrieval"}
+NAME_PATTERNS: dict[str, Inputs] = {f"{name}@<k>": inputs for name, (_, inputs, _) in AT_K.items()}
 """The metric names matched by a pattern rather than registered one by one, and their inputs."""
 
 
@@ -61,7 +67,7 @@ def register_metric(
 ) -> None:
     """Add ``metric`` to :data:`METRICS` as ``name``; a name may be registered once. ``factory`` builds it from
     the config (default: ``metric()``); its direction is ``metric.higher_is_better``."""
-    if name in METRICS or RECALL_AT_K.fullmatch(name):
+    if name in METRICS or AT_K_NAME.fullmatch(name):
         raise ValueError(f"metric {name!r} is already registered")
     METRICS[name] = MetricEntry(metric, factory or (lambda spec: metric()), inputs, doc)
 
@@ -79,12 +85,14 @@ register_metric("mse", MeanSquaredError, "pointwise", "mean squared error")
 
 def metric_entry(name: str, key: str = "metrics") -> MetricEntry:
     """The registry entry for ``name``; :class:`ConfigError` listing the valid names otherwise."""
-    if (m := RECALL_AT_K.fullmatch(name)) is not None:
-        k = int(m.group(1))
-        require(k > 0, f"{key}: {name!r} needs k >= 1, e.g. recall@10")
-        return MetricEntry(RecallAtK, lambda s: RecallAtK(k), "retrieval", f"recall at {k}")
+    if (m := AT_K_NAME.fullmatch(name)) is not None:
+        base, k = m.group(1), int(m.group(2))
+        require(k > 0, f"{key}: {name!r} needs k >= 1, e.g. {base}@10")
+        cls, inputs, doc = AT_K[base]
+        return MetricEntry(cls, lambda s: cls(k), inputs, doc.format(k=k))
     if name not in METRICS:
-        raise ConfigError(f"{key}: unknown metric {name!r}. Valid names: {', '.join(sorted(METRICS))}, recall@<k> (e.g. recall@10)")
+        raise ConfigError(f"{key}: unknown metric {name!r}. Valid names: {', '.join(sorted(METRICS))}, recall@<k> (e.g. recall@10), "
+                          f"hr@<k>, ndcg@<k>")
     return METRICS[name]
 
 
@@ -142,9 +150,9 @@ def higher_is_better(key: str) -> bool:
     name = metric_name(key)
     if name == LOSS:
         return False
-    if name not in METRICS and not RECALL_AT_K.fullmatch(name):
+    if name not in METRICS and not AT_K_NAME.fullmatch(name):
         raise ConfigError(f"{key!r} names no metric with a known direction. Valid names: {', '.join(sorted(METRICS))}, "
-                          f"recall@<k> (e.g. recall@10), {LOSS}")
+                          f"recall@<k> (e.g. recall@10), hr@<k>, ndcg@<k>, {LOSS}")
     entry = metric_entry(name, key)
     if entry.higher_is_better is None:
         raise ConfigError(f"{key!r}: {name} ({entry.doc}) is best at a target value, neither higher nor lower, so it "
@@ -175,7 +183,8 @@ class MetricsConfig:
 
     eval: list[str] = field(default_factory=lambda: ["auc", "logloss"])
     """Eval metric names, each logged as ``eval/<name>``; see ``docs/metrics.md``. Pointwise and
-    ``gauc`` metrics combine; ``recall@<k>`` (retrieval scores) only with other ``recall@<k>``."""
+    ``gauc`` metrics combine; ``recall@<k>`` (retrieval scores) only with other ``recall@<k>``, ``hr@<k>`` and
+    ``ndcg@<k>`` (full-table ranking of a next item) only with each other."""
     train: list[str] = field(default_factory=lambda: ["auc"])
     """Decaying train metrics, logged as ``train/<name>`` at the log cadence (``[]`` for none)."""
     decay_rate: float = 0.9
@@ -195,11 +204,11 @@ class MetricsConfig:
             require(not duplicates, f"{phase} lists {duplicates} more than once; list each metric once")
             for name in names:
                 metric_entry(name, phase)
-        kinds = {metric_entry(n).inputs == "retrieval" for n in self.eval}
+        kinds = {"pointwise" if e.inputs == "grouped" else e.inputs for e in map(metric_entry, self.eval)}
         require(
             len(kinds) <= 1,
-            f"metrics.eval={list(self.eval)} mixes recall@<k> (query×candidate scores) with pointwise metrics "
-            f"(per-row predictions); a task produces one or the other. Fix: keep only one kind",
+            f"metrics.eval={list(self.eval)} mixes recall@<k> (query×candidate scores), hr@<k>/ndcg@<k> (full-table "
+            f"scores) and pointwise metrics (per-row predictions); a task produces one of them. Fix: keep only one kind",
         )
         untrainable = [n for n in self.train if n not in TRAIN_METRICS]
         require(

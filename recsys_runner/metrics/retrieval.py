@@ -1,7 +1,12 @@
-"""Retrieval metrics: recall@k over query×candidate score matrices (counts, summed across ranks)."""
+"""Retrieval metrics: recall@k over query×candidate score matrices, HR@k and NDCG@k of a true item ranked against a whole
+item table (sums and counts, summed across ranks).
+
+Shape legend: ``Q`` queries, ``C`` candidates, ``B`` rows, ``N`` items in the table.
+"""
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from recsys_runner.metrics.base import SumMetric
@@ -34,3 +39,56 @@ class RecallAtK(SumMetric):
 
     def compute(self) -> Tensor:
         return self.hits / self.count.clamp_min(1)
+
+
+def target_ranks(scores: Tensor, targets: Tensor) -> Tensor:
+    """Each row's rank of its target among all ``N`` candidates, exactly: ``[B]`` float64.
+
+    ``scores [B, N]`` (a row's score of every item of the table), ``targets [B]`` (the index of the row's true item).
+    The rank is the number of items scoring strictly higher than the target, plus half of the *other* items scoring
+    exactly the same (ties count half, so a constant scorer gets the expected rank ``(N-1)/2`` of a random one):
+    0 for a target strictly on top.
+    """
+    scores = scores.detach()
+    target_scores = scores.gather(1, targets.long().view(-1, 1))
+    higher = (scores > target_scores).sum(dim=1).double()
+    ties = (scores == target_scores).sum(dim=1).double() - 1
+    return higher + 0.5 * ties
+
+
+class HitRateAtK(SumMetric):
+    """HR@k: share of rows whose true item ranks in the top ``k`` of the whole item table (rank ``< k``,
+    :func:`target_ranks`; a target tied with others has a fractional rank).
+
+    ``update(scores [B, N], targets [B])``: each row's score of every item and the index of its true item. Each row's
+    gain (:meth:`gain`) and the row count are float64 sums, summed across ranks before ``compute`` divides, so the
+    value over several ranks equals one process's over all their rows.
+    """
+
+    higher_is_better = True
+
+    total: Tensor
+    count: Tensor
+
+    def __init__(self, k: int) -> None:
+        super().__init__("total", "count")
+        self.k = k
+
+    def gain(self, rank: Tensor) -> Tensor:
+        """Each row's value ``[B]`` from its target's rank ``[B]``: 1 for a hit, else 0."""
+        return (rank < self.k).double()
+
+    def update(self, scores: Tensor, targets: Tensor) -> None:
+        self.total += self.gain(target_ranks(scores, targets)).sum()
+        self.count += scores.shape[0]
+
+    def compute(self) -> Tensor:
+        return self.total / self.count.clamp_min(1)
+
+
+class NDCGAtK(HitRateAtK):
+    """NDCG@k with one relevant item: ``1 / log2(rank + 2)`` when the true item's rank (:func:`target_ranks`) is
+    ``< k``, else 0, averaged over rows (1 for a target on top); same inputs and reduction as :class:`HitRateAtK`."""
+
+    def gain(self, rank: Tensor) -> Tensor:
+        return torch.where(rank < self.k, 1.0 / torch.log2(rank + 2), torch.zeros_like(rank))

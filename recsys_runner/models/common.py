@@ -243,7 +243,8 @@ class TrainWrapper(nn.Module):
 
     * unnamed task (a model without ``tasks``, or a retrieval model): the model returns one tensor;
       ``logits`` is that output (``[B]``, or scores ``[B, C]``) and ``labels`` the task's targets
-      (the labels ``[B]``, or the positives' indices ``[B]``);
+      (the labels ``[B]``, or the positives' indices ``[B]``); a task whose model returns its targets itself
+      (next-item: ``(scores, targets)``) takes both from the output (:meth:`~recsys_runner.tasks.Task.output_and_targets`);
     * named tasks (a multi-task model returning ``{task: logits [B]}``): ``logits [B, T]`` in task
       order, ``labels [B, T]`` each task's targets in the same order.
 
@@ -284,8 +285,7 @@ class TrainWrapper(nn.Module):
             loss = (rows.mean(0) * self._weights).sum()
         else:  # one unnamed task: no per-step lists; a weight of 1 (x * 1.0 == x exactly) costs no op
             (task,) = self.tasks
-            logits = out.float()
-            labels = task.targets(logits, batch.labels)
+            logits, labels = task.output_and_targets(out, batch.labels)
             loss = task.loss(logits, labels)
             if task.weight != 1:
                 loss = task.weight * loss

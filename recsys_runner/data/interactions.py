@@ -1,0 +1,287 @@
+"""An interaction log → training rows with user histories (``python -m recsys_runner.data sequences``).
+
+The log has one event per line: a user, an item, a time, optionally a label (or a rating made 0/1 by a threshold;
+without one every event is a positive, label 1) and item side columns (``category``). Each event becomes one row:
+the event's ``user_id``, ``item_id`` and side columns (the candidate), its ``label`` and time ``ts``, and the user's
+history — ``hist_item_id``, ``hist_<side>`` and ``hist_ts``, oldest first — made of that user's events *strictly
+before* it in time, at most ``max_len`` of them (the most recent). Events at the same time as the row's own event
+are not before it (nor is the event itself): a basket logged at one second never shows one of its items in another's
+history, so a model cannot read an event's label-bearing item from its own history.
+
+Rows are split by time (``--split time --eval-from T``: events at or after ``T`` are eval rows, their histories still
+hold the user's earlier training events) or leave-last-out (each user's last event is an eval row). Ids are numbered
+in order of first appearance in the log (users, items, each side column), items and histories in one id space, and
+the files carry the schema in their Parquet metadata (the form ``convert`` writes), so
+``data=parquet data.path=<out>/train.parquet data.eval_path=<out>/eval.parquet`` needs nothing else.
+
+Everything is vectorized (one sort by user and time, per-user running offsets, one gather per list column).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+
+from recsys_runner.data.schema import SCHEMA_METADATA_KEY, Schema, SparseColumn, schema_json
+from recsys_runner.data.sources import PARQUET_SUFFIXES, resolve_files
+from recsys_runner.errors import ConfigError, DataError
+from recsys_runner.features import SequenceGroup
+
+SPLITS = ("time", "leave-last-out")
+HISTORY_GROUP = "hist"
+
+
+@dataclass(kw_only=True)
+class LogSpec:
+    """What the log's columns are and how rows are made of it (the command's flags)."""
+
+    user: str = "user"
+    item: str = "item"
+    time: str = "timestamp"
+    label: str | None = None
+    """A 0/1 label column, or a rating with ``label_threshold``; ``None``: every event is a positive (label 1)."""
+    label_threshold: float | None = None
+    sides: list[str] = field(default_factory=list)
+    """Item side columns (``category``): each becomes a candidate feature and a history ``hist_<side>``."""
+    max_len: int = 50
+    split: str = "leave-last-out"
+    eval_from: int | None = None
+    """``split="time"``: the first eval time."""
+
+    def __post_init__(self) -> None:
+        if self.max_len <= 0:
+            raise ConfigError(f"--max-len must be positive, got {self.max_len}")
+        if self.split not in SPLITS:
+            raise ConfigError(f"--split {self.split!r} must be one of {list(SPLITS)}")
+        if self.split == "time" and self.eval_from is None:
+            raise ConfigError("--split time needs --eval-from <time>: events at or after it are eval rows. Fix: e.g. "
+                              "--eval-from 1700000000 (in the units of the time column), or --split leave-last-out")
+        if self.label_threshold is not None and self.label is None:
+            raise ConfigError("--label-threshold needs --label <rating column>")
+        names = [self.user, self.item, self.time, *([self.label] if self.label else []), *self.sides]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"the columns {names} (--user, --item, --time, --label, --side) repeat; each has one role")
+
+    @property
+    def columns(self) -> list[str]:
+        return [self.user, self.item, self.time, *([self.label] if self.label else []), *self.sides]
+
+
+def read_log(path: str, spec: LogSpec, fmt: str = "auto", delimiter: str = ",") -> tuple[pa.Table, str]:
+    """The log's columns (``spec.columns``) from Parquet or delimited text, and a name for messages.
+
+    Raises:
+        DataError: no such file, a missing column (naming the columns there are).
+    """
+    files = resolve_files(path, "the log", None)
+    parquet = fmt == "parquet" or (fmt == "auto" and all(f.endswith(PARQUET_SUFFIXES) for f in files))
+    tables = []
+    for f in files:
+        names = pq.read_schema(f).names if parquet else _header(f, delimiter)
+        missing = [c for c in spec.columns if c not in names]
+        if missing:
+            raise DataError(f"{f} has no column(s) {missing}; its columns are {names}. Fix: name the log's columns with --user, "
+                            f"--item, --time, --label and --side")
+        if parquet:
+            tables.append(pq.read_table(f, columns=spec.columns))
+        else:
+            tables.append(pacsv.read_csv(f, parse_options=pacsv.ParseOptions(delimiter=delimiter),
+                                         convert_options=pacsv.ConvertOptions(include_columns=spec.columns)))
+    where = files[0] + (f" (and {len(files) - 1} more file(s))" if len(files) > 1 else "")
+    return pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0], where
+
+
+def _header(path: str, delimiter: str) -> list[str]:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.readline().rstrip("\r\n").split(delimiter)
+
+
+def _no_nulls(arr: pa.ChunkedArray, column: str, where: str) -> pa.Array:
+    arr = arr.combine_chunks()
+    if arr.null_count:
+        row = int(np.flatnonzero(np.asarray(arr.is_null().to_numpy(zero_copy_only=False)))[0])
+        raise DataError(f"{where}, row {row} (0-based, header not counted): column {column!r} is missing. Fix: every event needs a "
+                        f"user, an item and a time; drop such lines")
+    return arr
+
+
+def event_times(arr: pa.ChunkedArray, column: str, where: str) -> np.ndarray:
+    """The time column as int64 (integers as they are, timestamps in seconds).
+
+    Raises:
+        DataError: a null, or a column of another type (naming it and the fix).
+    """
+    arr = _no_nulls(arr, column, where)
+    if pa.types.is_timestamp(arr.type) or pa.types.is_date(arr.type):
+        arr = arr.cast(pa.timestamp("s")).cast(pa.int64())
+    if not pa.types.is_integer(arr.type):
+        raise DataError(f"{where}: the time column {column!r} has type {arr.type}; event times are integers (e.g. Unix seconds) "
+                        f"or timestamps. Fix: --time <an integer time column>, or convert it first")
+    return np.asarray(arr.to_numpy(zero_copy_only=False), dtype=np.int64)
+
+
+def event_labels(table: pa.Table, spec: LogSpec, where: str) -> np.ndarray:
+    """Each event's label (int8): the label column (0/1), a rating ``>= label_threshold``, or 1 without a label column."""
+    if spec.label is None:
+        return np.ones(table.num_rows, np.int8)
+    arr = _no_nulls(table.column(spec.label), spec.label, where)
+    if not (pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type) or pa.types.is_boolean(arr.type)):
+        raise DataError(f"{where}: the label column {spec.label!r} has type {arr.type}, not a number. Fix: --label <a 0/1 or rating column>")
+    values = np.asarray(arr.cast(pa.float64()).to_numpy(zero_copy_only=False))
+    if spec.label_threshold is not None:
+        return (values >= spec.label_threshold).astype(np.int8)
+    wrong = np.flatnonzero((values != 0) & (values != 1))
+    if len(wrong):
+        raise DataError(f"{where}, row {int(wrong[0])}: the label {spec.label!r} is {values[wrong[0]]:g}, not 0 or 1. Fix: a rating "
+                        f"needs --label-threshold <value> (ratings >= it are positives)")
+    return values.astype(np.int8)
+
+
+def dense_ids(arr: pa.ChunkedArray, column: str, where: str) -> tuple[np.ndarray, int]:
+    """Ids ``0 … n-1`` of a column's values in order of first appearance, and ``n``."""
+    encoded = pc.dictionary_encode(_no_nulls(arr, column, where))
+    return np.asarray(encoded.indices.to_numpy(zero_copy_only=False), dtype=np.int64), len(encoded.dictionary)
+
+
+@dataclass(frozen=True)
+class Histories:
+    """Events sorted by (user, time, input order) and each one's history ``[begin, end)`` in that order."""
+
+    order: np.ndarray
+    """Input row of each sorted event."""
+    begin: np.ndarray
+    end: np.ndarray
+    last: np.ndarray
+    """Whether the sorted event is its user's last one."""
+
+
+def history_bounds(users: np.ndarray, times: np.ndarray, max_len: int, inclusive: bool = False) -> Histories:
+    """Each event's history: the same user's events strictly before it in time (at most ``max_len``, the most recent).
+
+    Events are sorted by user, then time, ties in input order. ``inclusive=True`` builds the *leaky* history (events up
+    to and including the event itself): only for tests that check that the leakage check catches it.
+    """
+    n = len(users)
+    order = np.lexsort((np.arange(n), times, users))
+    u, t = users[order], times[order]
+    index = np.arange(n)
+    new_user = np.ones(n, bool)
+    new_user[1:] = u[1:] != u[:-1]
+    user_start = np.maximum.accumulate(np.where(new_user, index, 0)) if n else index
+    new_time = new_user.copy()
+    new_time[1:] |= t[1:] != t[:-1]
+    time_start = np.maximum.accumulate(np.where(new_time, index, 0)) if n else index
+    end = index + 1 if inclusive else time_start
+    begin = np.maximum(user_start, end - max_len)
+    last = np.ones(n, bool)
+    last[:-1] = new_user[1:]
+    return Histories(order, begin, end, last)
+
+
+def gather_lists(values: np.ndarray, begin: np.ndarray, end: np.ndarray) -> pa.Array:
+    """``[values[begin[i]:end[i]] for i]`` as an Arrow list array, in one gather."""
+    lengths = (end - begin).astype(np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    index = np.repeat(begin - offsets[:-1], lengths) + np.arange(offsets[-1], dtype=np.int64)
+    list_type = pa.ListArray if offsets[-1] < 2**31 else pa.LargeListArray
+    off_type = pa.int32() if list_type is pa.ListArray else pa.int64()
+    return list_type.from_arrays(pa.array(offsets, off_type), pa.array(values[index], pa.int64()))
+
+
+@dataclass
+class Events:
+    """The log encoded: per input row its user, item, side ids, time and label; and each id space's size."""
+
+    user: np.ndarray
+    item: np.ndarray
+    sides: dict[str, np.ndarray]
+    time: np.ndarray
+    label: np.ndarray
+    sizes: dict[str, int]
+
+
+def encode_log(table: pa.Table, spec: LogSpec, where: str) -> Events:
+    """Ids, times and labels of the log's events (see :func:`dense_ids`, :func:`event_times`, :func:`event_labels`)."""
+    user, num_users = dense_ids(table.column(spec.user), spec.user, where)
+    item, num_items = dense_ids(table.column(spec.item), spec.item, where)
+    sides, sizes = {}, {"user_id": num_users, "item_id": num_items}
+    for side in spec.sides:
+        sides[side], sizes[side] = dense_ids(table.column(side), side, where)
+    return Events(user, item, sides, event_times(table.column(spec.time), spec.time, where), event_labels(table, spec, where), sizes)
+
+
+def rows_table(events: Events, h: Histories, rows: np.ndarray) -> pa.Table:
+    """The output rows for sorted positions ``rows``: candidate, sides, histories, time and label."""
+    o = h.order
+    begin, end = h.begin[rows], h.end[rows]
+    cols: dict[str, pa.Array] = {"user_id": pa.array(events.user[o][rows]), "item_id": pa.array(events.item[o][rows])}
+    for side, ids in events.sides.items():
+        cols[side] = pa.array(ids[o][rows])
+    cols["hist_item_id"] = gather_lists(events.item[o], begin, end)
+    for side, ids in events.sides.items():
+        cols[f"hist_{side}"] = gather_lists(ids[o], begin, end)
+    cols["hist_ts"] = gather_lists(events.time[o], begin, end)
+    cols["ts"] = pa.array(events.time[o][rows])
+    cols["label"] = pa.array(events.label[o][rows])
+    return pa.table(cols)
+
+
+def rows_schema(events: Events, spec: LogSpec) -> Schema:
+    """The schema stored with the rows: ``label``; ``user_id``; ``item_id`` and ``hist_item_id`` on table ``item``; each side
+    and its history on a table of the side's name; the history group ``hist`` with its timestamps ``hist_ts``."""
+    sparse = [SparseColumn(name="user_id", num_embeddings=events.sizes["user_id"]),
+              SparseColumn(name="item_id", num_embeddings=events.sizes["item_id"], table="item")]
+    sparse += [SparseColumn(name=s, num_embeddings=events.sizes[s], table=s) for s in spec.sides]
+    sparse.append(SparseColumn(name="hist_item_id", num_embeddings=events.sizes["item_id"], table="item"))
+    sparse += [SparseColumn(name=f"hist_{s}", num_embeddings=events.sizes[s], table=s) for s in spec.sides]
+    group = SequenceGroup(HISTORY_GROUP, ("hist_item_id", *(f"hist_{s}" for s in spec.sides)), spec.max_len, "recent", "hist_ts")
+    return Schema(label="label", sparse=sparse, sequences=[group])
+
+
+def split_rows(events: Events, h: Histories, spec: LogSpec) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted positions of the training rows and of the eval rows."""
+    if spec.split == "time":
+        assert spec.eval_from is not None
+        held = events.time[h.order] >= spec.eval_from
+    else:
+        held = h.last
+    return np.flatnonzero(~held), np.flatnonzero(held)
+
+
+def log_to_rows(table: pa.Table, spec: LogSpec, where: str) -> tuple[pa.Table, pa.Table, Schema]:
+    """The training rows, the eval rows and their schema (see the module docstring).
+
+    Raises:
+        DataError: a split without rows (naming the split and the fix), or a bad column (see :func:`encode_log`).
+    """
+    events = encode_log(table, spec, where)
+    h = history_bounds(events.user, events.time, spec.max_len)
+    train, held = split_rows(events, h, spec)
+    how = f"--split time --eval-from {spec.eval_from}" if spec.split == "time" else "--split leave-last-out"
+    for name, rows in (("training", train), ("eval", held)):
+        if not len(rows):
+            raise DataError(f"{where}: {how} leaves no {name} rows ({table.num_rows} events, times {int(events.time.min(initial=0))} "
+                            f"… {int(events.time.max(initial=0))}). Fix: an --eval-from between those times, or the other --split")
+    return rows_table(events, h, train), rows_table(events, h, held), rows_schema(events, spec)
+
+
+def write_rows(table: pa.Table, schema: Schema, path: str, row_group_rows: int = 65_536) -> None:
+    """``table`` as a Parquet file with ``schema`` in its metadata (the form ``convert`` stores)."""
+    pq.write_table(table.replace_schema_metadata({SCHEMA_METADATA_KEY: schema_json(schema)}), path, row_group_size=row_group_rows)
+
+
+def convert_log(path: str, output: str, spec: LogSpec, fmt: str = "auto", delimiter: str = ",",
+                row_group_rows: int = 65_536) -> tuple[int, int]:
+    """``<output>/train.parquet`` and ``<output>/eval.parquet`` from the log at ``path``; their row counts."""
+    table, where = read_log(path, spec, fmt, delimiter)
+    train, held, schema = log_to_rows(table, spec, where)
+    os.makedirs(output, exist_ok=True)
+    write_rows(train, schema, os.path.join(output, "train.parquet"), row_group_rows)
+    write_rows(held, schema, os.path.join(output, "eval.parquet"), row_group_rows)
+    return train.num_rows, held.num_rows

@@ -1,0 +1,94 @@
+"""HSTU's attention block (Zhai et al., 2024, "Actions Speak Louder than Words: Trillion-Parameter Sequential
+Transducers for Generative Recommendations", https://arxiv.org/abs/2402.17152), the ``block: hstu`` of ``model=sasrec``.
+
+One layer, as in the paper (eqs. 1-3) and meta-recsys/generative-recommenders' reference code::
+
+    U, V, Q, K = Split(SiLU(f1(LayerNorm(X))))
+    A = SiLU(Q Kᵀ + rab) / n          (causal; no softmax: pointwise attention)
+    Y = X + f2(Dropout(LayerNorm(A V) ⊙ U))
+
+``rab`` is a learned relative bias: one weight per distance ``i - j`` between the query and key positions, plus
+(when the data has event times) one weight per log-scale bucket of the time gap ``|t_i - t_j|`` in seconds,
+``floor(ln(gap) / 0.301)`` (the reference code's bucketization), clamped to ``time_buckets``. ``n`` is the longest
+block the model takes (the history's ``max_len`` + 1), a constant, so a row's attention does not depend on how
+long the other rows of its batch are. There is no feed-forward sublayer: the gate ``U`` takes its place.
+
+Shape legend: ``B`` batch, ``L`` positions of the block, ``D`` model width, ``H`` heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["HSTUBlock", "RelativeBias", "TIME_BUCKET_WIDTH"]
+
+TIME_BUCKET_WIDTH = 0.301
+"""Width of one time-gap bucket in ``ln(seconds)``: bucket ``floor(ln(gap) / 0.301)`` (the reference code's)."""
+
+
+class RelativeBias(nn.Module):
+    """HSTU's ``rab``: ``(length L, timestamps [B, L] | None) → bias [B or 1, L, L]``.
+
+    ``bias[b, i, j] = w_pos[min(i - j, max_len - 1)] + w_time[bucket(|t_i - t_j|)]`` for ``j <= i`` (keys after the
+    query are masked by the block anyway, and get distance 0's weight).
+
+    Args:
+        max_len: the longest block (distances ``0 … max_len - 1``).
+        time_buckets: number of time-gap buckets; ``0``: no time bias (data without event times).
+    """
+
+    def __init__(self, max_len: int, time_buckets: int, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.max_len = max_len
+        self.position = nn.Parameter(torch.empty(max_len, device=device).normal_(0, 0.02))
+        self.time = nn.Parameter(torch.empty(time_buckets + 1, device=device).normal_(0, 0.02)) if time_buckets else None
+
+    def forward(self, length: int, timestamps: torch.Tensor | None) -> torch.Tensor:
+        index = torch.arange(length, device=self.position.device)
+        distance = (index.unsqueeze(1) - index.unsqueeze(0)).clamp(0, self.max_len - 1)
+        bias = self.position[distance].unsqueeze(0)
+        if self.time is None or timestamps is None:
+            return bias
+        gap = (timestamps.unsqueeze(2) - timestamps.unsqueeze(1)).abs().clamp_min(1).double()
+        bucket = (torch.log(gap) / TIME_BUCKET_WIDTH).long().clamp(0, self.time.shape[0] - 1)
+        return bias + self.time[bucket]
+
+
+class HSTUBlock(nn.Module):
+    """One HSTU layer: ``(x [B, L, D], mask [B, L], timestamps [B, L] | None) → [B, L, D]``; see the module docstring.
+
+    ``mask`` is True on real positions (left-aligned); position ``i`` attends to the real positions ``j <= i``.
+
+    Args:
+        dim: ``D``, divisible by ``num_heads``.
+        num_heads: ``H``; each head has ``D / H`` dims of ``Q``, ``K``, ``V`` and ``U``.
+        max_len: the longest block, the attention's constant normalizer ``n`` and the relative bias's range.
+        dropout: dropout before the output projection.
+        time_buckets: time-gap buckets of the relative bias (``0``: none).
+    """
+
+    def __init__(self, dim: int, num_heads: int, max_len: int, dropout: float, time_buckets: int,
+                 device: torch.device | None = None) -> None:
+        super().__init__()
+        self.num_heads, self.max_len = num_heads, max_len
+        self.norm_in = nn.LayerNorm(dim, device=device)
+        self.uvqk = nn.Linear(dim, 4 * dim, device=device)
+        self.norm_attention = nn.LayerNorm(dim, device=device)
+        self.out = nn.Linear(dim, dim, device=device)
+        self.dropout = nn.Dropout(dropout)
+        self.bias = RelativeBias(max_len, time_buckets, device=device)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, timestamps: torch.Tensor | None = None) -> torch.Tensor:
+        b, length, dim = x.shape
+        u, v, q, k = F.silu(self.uvqk(self.norm_in(x))).split(dim, dim=2)
+        heads = (b, length, self.num_heads, dim // self.num_heads)
+        q, k, v = (t.reshape(heads).transpose(1, 2) for t in (q, k, v))  # [B, H, L, D/H]
+        logits = q @ k.transpose(2, 3) + self.bias(length, timestamps).unsqueeze(1).to(q.dtype)
+        causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
+        allowed = (causal.unsqueeze(0) & mask.unsqueeze(1)).unsqueeze(1)  # [B, 1, L, L]: real keys at or before the query
+        attention = F.silu(logits) / self.max_len * allowed.to(logits.dtype)
+        mixed = (attention @ v).transpose(1, 2).reshape(b, length, dim)
+        return x + self.out(self.dropout(self.norm_attention(mixed) * u))
+

@@ -1,0 +1,280 @@
+"""SASRec (Kang & McAuley, 2018, "Self-Attentive Sequential Recommendation", https://arxiv.org/abs/1808.09781): a
+next-item model, with HSTU's block as an option (``block: hstu``, :mod:`recsys_runner.models.hstu`).
+
+A row's history (oldest first) is prefixed with a learned start token and read by causally masked self-attention
+blocks, so position ``t`` holds the user's state after ``t`` events and predicts event ``t + 1``; the state after the
+whole history predicts the row's candidate ``item_id``, which a next-item model's data makes the true next item
+(``DataNeeds(next_item=True)``). Inputs are each event's features (``hist_item_id``, ``hist_category``) projected to
+the item table's width ``D``, scaled by ``√D``, plus a learned embedding of the event's distance from the newest
+event; a state scores an item by the dot product with the item's own embedding (the same table, as in the paper),
+of both L2-normalized when ``normalize``, divided by ``temperature``.
+
+* Training (:meth:`SASRec.sampled_logits`): a sampled softmax over the batch's items. Every real position's positive
+  is its next item; its negatives are the other positions' positives (each distinct item once), with the logQ
+  correction ``- ln(count / P)`` of the in-batch frequency when ``logq_correction``.
+* Evaluation (:meth:`SASRec.full_scores`): the state after the whole history against every item of the table,
+  ``[B, N]``, for ``hr@<k>``/``ndcg@<k>``. The table is read through the model's own (sharded) EmbeddingCollection,
+  once per evaluation (kept while the model is in eval mode): every rank looks up ids ``0 … N-1`` at its first eval
+  batch, so the collective is the same on every rank. An eval batch holds ``B × N`` scores (and the table ``N × D``):
+  for tables of millions of items, lower ``data.batch_size`` for eval or cap it with ``train.eval_max_batches``.
+
+Shape legend: ``B`` batch, ``L`` longest history in the batch (``L + 1`` positions with the start token), ``D`` the
+item table's width (the model's width), ``D_g`` an event's width (its features' embeddings concatenated), ``H``
+heads, ``P`` real positions of the batch, ``U`` distinct positives among them, ``N`` items in the table.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recsys_runner.errors import ConfigError, require
+from recsys_runner.features import DataNeeds, FeatureSpec, SequenceGroup, check_embedding_dim
+from recsys_runner.models.common import ModelConfig
+from recsys_runner.models.hstu import HSTUBlock
+from recsys_runner.models.sequence import History, SequenceArch, padded, recency_positions
+from recsys_runner.tasks import NextItemTask
+
+__all__ = ["BLOCKS", "SASRec", "SASRecBlock", "SASRecConfig"]
+
+BLOCKS = ("sasrec", "hstu")
+"""``model.block`` options: SASRec's softmax self-attention + feed-forward, or HSTU's pointwise gated attention."""
+
+
+@dataclass(kw_only=True)
+class SASRecConfig(ModelConfig):
+    """Schema of ``conf/model/sasrec.yaml``."""
+
+    _target_: str = "recsys_runner.models.sasrec.SASRec"
+    embedding_dim: int = 64
+    """Width ``D`` of every table whose feature sets none; the item table's width is the model's width."""
+    sequence_group: str | None = None
+    """The history to read (a ``data.sequences`` group); ``null``: the data's first group."""
+    item_feature: str | None = None
+    """The history feature holding item ids (its candidate, e.g. ``item_id``, is the next item); ``null``: the
+    group's first feature."""
+    block: str = "sasrec"
+    """``sasrec``: causal softmax self-attention and a feed-forward layer per block; ``hstu``: HSTU's pointwise SiLU
+    attention with a relative position (and time) bias, gated by ``U`` (Zhai et al. 2024)."""
+    num_blocks: int = 2
+    """Attention blocks stacked."""
+    num_heads: int = 1
+    """Attention heads; must divide the item table's width."""
+    dropout: float = 0.2
+    """Dropout on the inputs and inside every block."""
+    temperature: float = 0.05
+    """Scores are ``<state, item> / temperature``."""
+    normalize: bool = True
+    """L2-normalize the states and the item embeddings (cosine scores)."""
+    logq_correction: bool = True
+    """Subtract ``ln`` of each in-batch item's frequency from its training logits (Yi et al. 2019), so popular items
+    are not over-penalized as negatives."""
+    time_buckets: int = 128
+    """``block: hstu``: log-scale time-gap buckets of the relative bias when the history has event times (``0``: no
+    time bias)."""
+    eval_metrics: list[str] = field(default_factory=lambda: ["hr@10", "ndcg@10", "hr@50"])
+    """Full-table ranking metrics of the true next item, logged as ``eval/hr_at_10`` …; only ``hr@<k>`` and
+    ``ndcg@<k>`` apply."""
+
+    def __post_init__(self) -> None:
+        check_embedding_dim("model.embedding_dim", self.embedding_dim)
+        require(self.block in BLOCKS, f"model.block={self.block!r} must be one of {list(BLOCKS)}, e.g. model.block=hstu")
+        require(self.num_blocks > 0, f"model.num_blocks must be positive, got {self.num_blocks}")
+        require(self.num_heads > 0, f"model.num_heads must be positive, got {self.num_heads}")
+        require(self.embedding_dim % self.num_heads == 0, f"model.num_heads={self.num_heads} must divide model.embedding_dim="
+                f"{self.embedding_dim} (each head takes an equal share). Fix: model.num_heads=1, or a divisor of it")
+        require(0 <= self.dropout < 1, f"model.dropout must lie in [0, 1), got {self.dropout}")
+        require(self.temperature > 0, f"model.temperature must be positive, got {self.temperature}")
+        require(self.time_buckets >= 0, f"model.time_buckets must be >= 0, got {self.time_buckets}")
+
+    def data_needs(self) -> DataNeeds:
+        """Histories whose rows' candidates are the true next items: generated data has no sampled negatives."""
+        return DataNeeds(sequences=True, next_item=True)
+
+
+class SASRecBlock(nn.Module):
+    """One pre-norm SASRec block: ``(x [B, L, D], mask [B, L], timestamps) → [B, L, D]``.
+
+    ``x + Dropout(CausalSelfAttention(LN(x)))``, then ``+ Dropout(FFN(LN(·)))`` with a ReLU feed-forward of width
+    ``D``; position ``i`` attends to positions ``j <= i`` (padding lies after every real position, so causality keeps
+    it out of the real positions' states). ``timestamps`` is ignored (SASRec has no time bias).
+    """
+
+    def __init__(self, dim: int, num_heads: int, dropout: float, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.num_heads, self.dropout_p = num_heads, dropout
+        self.norm_attention = nn.LayerNorm(dim, device=device)
+        self.qkv = nn.Linear(dim, 3 * dim, device=device)
+        self.out = nn.Linear(dim, dim, device=device)
+        self.norm_ffn = nn.LayerNorm(dim, device=device)
+        self.ffn = nn.Sequential(nn.Linear(dim, dim, device=device), nn.ReLU(), nn.Dropout(dropout), nn.Linear(dim, dim, device=device))
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, timestamps: torch.Tensor | None = None) -> torch.Tensor:
+        b, length, dim = x.shape
+        q, k, v = (t.reshape(b, length, self.num_heads, dim // self.num_heads).transpose(1, 2)
+                   for t in self.qkv(self.norm_attention(x)).split(dim, dim=2))
+        mixed = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout_p if self.training else 0.0)
+        x = x + self.dropout(self.out(mixed.transpose(1, 2).reshape(b, length, dim)))
+        return x + self.dropout(self.ffn(self.norm_ffn(x)))
+
+
+class SASRec(nn.Module):
+    """SASRec / HSTU next-item model: ``(dense [B, N_dense], sparse KJT with a history) → (scores, targets)``.
+
+    In training ``(logits [P, U], positives [P])`` (:meth:`sampled_logits`), in eval mode ``(scores [B, N],
+    true item ids [B])`` (:meth:`full_scores`); its task is :class:`~recsys_runner.tasks.NextItemTask`. Dense
+    columns and the other features are not read (the state depends on the history alone).
+
+    Args:
+        config: its hyperparameters (:class:`SASRecConfig`).
+        features: the data's schema: a sequence group with an item feature that shares its table with a candidate
+            feature (``hist_item_id`` ↔ ``item_id``).
+        dense_device: device of the dense parameters (embedding tables start on ``meta``).
+
+    Raises:
+        ConfigError: no sequence group, no such ``model.item_feature`` in it, no candidate for it, or heads that do
+            not divide the item table's width.
+    """
+
+    same_embedding_width: ClassVar[str | None] = None
+    """None: events are projected to the item table's width, so features may have their own widths."""
+
+    def __init__(self, config: SASRecConfig, *, features: FeatureSpec, dense_device: torch.device | None = None) -> None:
+        super().__init__()
+        self.arch = SequenceArch(features, config.embedding_dim, type(self))
+        self.group = features.group(config.sequence_group, model="SASRec")
+        self.item_feature, self.candidate = _item_and_candidate(features, self.group, config.item_feature)
+        widths = dict(zip(features.sparse_names, features.embedding_dims(config.embedding_dim), strict=True))
+        dim = widths[self.item_feature]
+        require(dim % config.num_heads == 0, f"model.num_heads={config.num_heads} must divide the item table's width {dim} "
+                f"(data.sparse {self.item_feature}'s embedding_dim, else model.embedding_dim). Fix: model.num_heads=1")
+        self.item_offset = sum(widths[f] for f in self.group.features[: self.group.features.index(self.item_feature)])
+        """Where the item feature's embedding starts among an event's ``D_g`` columns."""
+        self.dim, self.num_items = dim, next(f.num_embeddings for f in features.sparse if f.name == self.item_feature)
+        self.temperature, self.normalize, self.logq = config.temperature, config.normalize, config.logq_correction
+        self.tasks = (NextItemTask(eval_metrics=tuple(config.eval_metrics) if config.eval_metrics else None),)
+        event_dim = self.arch.group_dims[self.group.name]
+        self.project = nn.Linear(event_dim, dim, device=dense_device) if event_dim != dim else nn.Identity()
+        self.start = nn.Parameter(torch.empty(dim, device=dense_device).normal_(0, 0.02))
+        self.positions = nn.Embedding(self.group.max_len + 1, dim, device=dense_device)
+        nn.init.normal_(self.positions.weight, 0, 0.02)
+        self.dropout = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(self._block(config, dim, dense_device) for _ in range(config.num_blocks))
+        self.norm = nn.LayerNorm(dim, device=dense_device)
+        self._table: torch.Tensor | None = None
+
+    def _block(self, config: SASRecConfig, dim: int, device: torch.device | None) -> nn.Module:
+        """One attention block of ``config.block``: a :class:`SASRecBlock` or an :class:`~recsys_runner.models.hstu.HSTUBlock`
+        (with the time bias when the history has event times)."""
+        if config.block == "hstu":
+            buckets = config.time_buckets if self.group.timestamps is not None else 0
+            return HSTUBlock(dim, config.num_heads, self.group.max_len + 1, config.dropout, buckets, device=device)
+        return SASRecBlock(dim, config.num_heads, config.dropout, device=device)
+
+    def train(self, mode: bool = True) -> SASRec:
+        """Switch mode; the item table read for evaluation is dropped (it is read again at the next eval batch)."""
+        self._table = None
+        return super().train(mode)
+
+    def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor]:
+        embedded = self.arch(sparse)
+        history = embedded.histories[self.group.name]
+        states = self.encode(history)
+        if self.training:
+            return self.sampled_logits(states, history, embedded.candidates[self.candidate], sparse)
+        return self.full_scores(states, history.lengths, sparse)
+
+    def encode(self, history: History) -> torch.Tensor:
+        """The user state at every position, ``[B, L + 1, D]``: position 0 is the start token, position ``t`` has
+        seen events ``1 … t``; positions past ``lengths`` are padding."""
+        b, length, _ = history.values.shape
+        events = self.project(history.values)
+        x = torch.cat([self.start.to(events.dtype).expand(b, 1, self.dim), events], dim=1) * math.sqrt(self.dim)
+        lengths = history.lengths + 1
+        x = x + self.positions(recency_positions(lengths, length + 1).clamp_max(self.group.max_len))
+        mask = torch.arange(length + 1, device=x.device).unsqueeze(0) < lengths.unsqueeze(1)
+        x = self.dropout(x) * mask.unsqueeze(2).to(x.dtype)
+        timestamps = None
+        if history.timestamps is not None:  # the start token takes the first event's time
+            timestamps = torch.cat([history.timestamps[:, :1], history.timestamps], dim=1)
+        for block in self.blocks:
+            x = block(x, mask, timestamps)
+        return self.norm(x)
+
+    def score(self, states: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+        """``states [S, D]`` × ``items [I, D]`` → ``[S, I]``: (cosine when ``normalize``) dot products / temperature."""
+        if self.normalize:
+            states, items = F.normalize(states, dim=1), F.normalize(items.to(states.dtype), dim=1)
+        return states @ items.to(states.dtype).t() / self.temperature
+
+    def sampled_logits(self, states: torch.Tensor, history: History, candidate: torch.Tensor,
+                       sparse: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """In-batch sampled softmax: ``(logits [P, U], positives [P])`` over the batch's real positions.
+
+        Position ``t`` of a row (``0 … length``) has positive event ``t + 1`` of its history, the last one the row's
+        candidate (the true next item); the ``U`` distinct positives of the batch are every position's candidates,
+        each read once from its embedding, ``- ln(count / P)`` added per item when ``logq_correction``.
+        """
+        b, length = history.mask.shape
+        last = torch.arange(length + 1, device=states.device).unsqueeze(0) == history.lengths.unsqueeze(1)  # [B, L + 1]
+        valid = torch.arange(length + 1, device=states.device).unsqueeze(0) <= history.lengths.unsqueeze(1)
+        ids = sparse[self.item_feature].to_padded_dense(desired_length=length, padding_value=0)
+        ids = torch.where(last, self._candidate_ids(sparse).unsqueeze(1), F.pad(ids, (0, 1)))[valid]
+        vectors = history.values[..., self.item_offset: self.item_offset + self.dim]
+        vectors = torch.where(last.unsqueeze(2), candidate.unsqueeze(1).to(vectors.dtype), F.pad(vectors, (0, 0, 0, 1)))[valid]
+        distinct, positives, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+        order = torch.arange(ids.shape[0], device=ids.device)
+        first = torch.full_like(distinct, ids.shape[0]).scatter_reduce(0, positives, order, reduce="amin")
+        logits = self.score(states[valid], vectors[first])
+        if self.logq:
+            logits = logits - torch.log(counts.to(logits.dtype) / ids.shape[0]).unsqueeze(0)
+        return logits, positives
+
+    def full_scores(self, states: torch.Tensor, lengths: torch.Tensor, sparse: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(scores [B, N], true item ids [B])``: the state after each row's whole history against every item."""
+        user = states[torch.arange(states.shape[0], device=states.device), lengths]
+        return self.score(user, self.item_table(sparse)), self._candidate_ids(sparse)
+
+    def item_table(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        """Every item's embedding ``[N, D]``, looked up (ids ``0 … N-1`` as the candidate feature of a batch with
+        ``sparse``'s keys) through the model's EmbeddingCollection, sharded or not; kept while in eval mode."""
+        if self._table is not None and not self.training:
+            return self._table
+        keys, device = sparse.keys(), sparse.values().device
+        lengths = torch.zeros(len(keys), self.num_items, dtype=torch.int32, device=device)
+        lengths[keys.index(self.candidate)] = 1
+        ids = torch.arange(self.num_items, dtype=sparse.values().dtype, device=device)
+        assert self.arch.ec is not None, "SequenceArch has an EmbeddingCollection for a model with a history"
+        table = self.arch.ec(KeyedJaggedTensor(keys=keys, values=ids, lengths=lengths.flatten()))[self.candidate].values()
+        if not self.training and not torch.compiler.is_exporting():  # a traced table must not outlive the trace
+            self._table = table
+        return table
+
+    def _candidate_ids(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        """Each row's candidate item id ``[B]`` (its first id; the candidate has one per row)."""
+        return padded(sparse.to_dict()[self.candidate], 1)[:, 0]
+
+
+def _item_and_candidate(features: FeatureSpec, group: SequenceGroup, item_feature: str | None) -> tuple[str, str]:
+    """The group's item feature (``model.item_feature``, else its first) and its candidate feature.
+
+    Raises:
+        ConfigError: ``item_feature`` is not in the group, or no non-history feature shares its table.
+    """
+    item = item_feature or group.features[0]
+    if item not in group.features:
+        raise ConfigError(f"model.item_feature={item!r} is not a feature of data.sequences.{group.name} "
+                          f"({list(group.features)}). Fix: model.item_feature=<one of them>, or null for the first")
+    candidate = features.candidate_of(item)
+    if candidate is None:
+        raise ConfigError(f"SASRec predicts the next {item} of data.sequences.{group.name}, but no non-history feature shares "
+                          f"its table to hold the true next item. Fix: give the history column and the next-item column the "
+                          f"same table (e.g. data.sparse entries hist_item_id and item_id both with table: item)")
+    return item, candidate

@@ -1,0 +1,208 @@
+"""Next-item prediction (model=sasrec, block sasrec or hstu): hr@k / ndcg@k exact over the full item table and across
+ranks, the next-item task through the TrainWrapper, training that beats the popularity ranking, and a 2-rank run
+with the item table sharded row-wise."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from mlflow.tracking import MlflowClient
+from omegaconf import DictConfig
+
+from recsys_runner.__main__ import run
+from recsys_runner.config import validate
+from recsys_runner.configurable import make
+from recsys_runner.data.synthetic import SyntheticDataConfig
+from recsys_runner.data.synthetic_sequences import SyntheticSequencesConfig
+from recsys_runner.errors import ConfigError
+from recsys_runner.metrics.registry import MetricsConfig, build_eval_metrics, higher_is_better, metric_entry
+from recsys_runner.metrics.retrieval import target_ranks
+from recsys_runner.metrics.tasks import eval_metric_keys
+from recsys_runner.models.common import TrainWrapper
+from recsys_runner.models.sasrec import SASRec, SASRecConfig
+from recsys_runner.tasks import NextItemTask
+from tests.conftest import free_port
+
+SMALL = [
+    "model=sasrec", "data=synthetic_sequences", "distributed.device=cpu", "checkpoint=none",
+    "data.batch_size=128", "data.num_items=500", "data.num_categories=20", "data.num_users=2000", "data.max_len=20",
+    "data.num_train_rows=65536", "data.num_eval_rows=2048", "train.num_steps=150", "train.log_every_steps=50",
+    "train.eval_every_steps=null", "model.embedding_dim=32", "optim=adagrad", "optim.lr=0.05",
+]
+"""A next-item run of ~5-10 s on 2 CPU cores: 500 items, histories of up to 20 events, 150 steps of 128 rows."""
+
+RANKING = MetricsConfig(eval=["hr@1", "hr@3", "ndcg@3", "ndcg@10"], train=[])
+
+
+def test_ranks_count_strictly_higher_items_and_half_the_ties() -> None:
+    scores = torch.tensor([[0.9, 0.5, 0.7, 0.1],    # target 1: 0.9 and 0.7 above → rank 2
+                           [0.3, 0.3, 0.3, 0.3],    # target 0: all tied → 0 above + 3 ties / 2 = 1.5
+                           [0.2, 0.8, 0.8, 0.1],    # target 2: 1 tie → 0.5
+                           [0.1, 0.2, 0.3, 0.4]])   # target 3: on top → 0
+    targets = torch.tensor([1, 0, 2, 3])
+    assert target_ranks(scores, targets).tolist() == [2.0, 1.5, 0.5, 0.0]
+    metrics = build_eval_metrics(RANKING, torch.device("cpu"))
+    metrics.update(scores[:2], targets[:2])
+    metrics.update(scores[2:], targets[2:])
+    out = {k: float(v) for k, v in metrics.compute().items()}
+    ranks = [2.0, 1.5, 0.5, 0.0]
+    assert out["hr@1"] == pytest.approx(2 / 4) and out["hr@3"] == pytest.approx(1.0)
+    assert out["ndcg@3"] == pytest.approx(sum(1 / math.log2(r + 2) for r in ranks) / 4)
+    assert out["ndcg@10"] == out["ndcg@3"]
+    assert higher_is_better("eval/hr_at_10") and higher_is_better("eval/ndcg_at_10")
+    assert eval_metric_keys(MetricsConfig(), (NextItemTask(),)) == ["eval/hr_at_10", "eval/ndcg_at_10", "eval/hr_at_50"]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"eval": ["hr@10", "auc"]}, "mixes recall@<k>"),
+    ({"eval": ["ndcg@0"]}, r"needs k >= 1, e.g. ndcg@10"),
+    ({"eval": ["hr"]}, r"unknown metric 'hr'.*hr@<k>, ndcg@<k>"),
+])
+def test_ranking_metric_config_errors(kwargs: dict[str, list[str]], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        MetricsConfig(**kwargs)
+    assert metric_entry("ndcg@5").inputs == "ranking"
+
+
+def _rank_scores(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Rank ``rank``'s uneven batches of full-table scores (rounded: ties within rows) and true item ids."""
+    g = torch.Generator().manual_seed(7 + rank)
+    sizes = [9, 30] if rank == 0 else [41, 5, 17]
+    return [(torch.randn(n, 25, generator=g).round(decimals=1), torch.randint(0, 25, (n,), generator=g)) for n in sizes]
+
+
+def _ranking_values(shards: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> dict[str, float]:
+    metrics = build_eval_metrics(RANKING, torch.device("cpu"))
+    for shard in shards:
+        for scores, targets in shard:
+            metrics.update(scores, targets)
+    return {k: float(v) for k, v in metrics.compute().items()}
+
+
+def _ranking_worker(rank: int, port: int, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(_ranking_values([_rank_scores(rank)])))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_ranking_metrics_equal_one_process_over_both_halves(tmp_path: Path) -> None:
+    mp.spawn(_ranking_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    reference = _ranking_values([_rank_scores(0), _rank_scores(1)])
+    alone = [_ranking_values([_rank_scores(r)]) for r in range(2)]
+    for r in range(2):
+        values = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert values == pytest.approx(reference, rel=1e-12)
+    assert (alone[0]["ndcg@3"] + alone[1]["ndcg@3"]) / 2 != pytest.approx(reference["ndcg@3"], rel=1e-6), "uneven shares"
+
+
+def test_train_wrapper_takes_the_models_targets_and_eval_scores_the_whole_table() -> None:
+    data = make(SyntheticSequencesConfig, batch_size=16, num_items=60, num_categories=4, num_users=30, max_len=6,
+                num_train_rows=64, num_eval_rows=64).for_model(SASRecConfig().data_needs()).build()
+    torch.manual_seed(0)
+    model = SASRec(make(SASRecConfig, embedding_dim=8, block="hstu"), features=data.features)
+    model.arch.to_empty(device=torch.device("cpu"))
+    for p in model.arch.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    wrapper = TrainWrapper(model, features=data.features)
+    batch = data.batch(0, 0)
+    loss, (_, logits, positives) = wrapper(batch)
+    lengths = batch.sparse_features["hist_item_id"].lengths()
+    assert logits.shape[0] == int(lengths.sum()) + 16, "one position per event plus the start token, per row"
+    assert logits.shape[1] == int(positives.max()) + 1 and torch.isfinite(loss)
+    wrapper.eval()
+    with torch.no_grad():
+        _, (_, scores, targets) = wrapper(batch)
+    assert scores.shape == (16, 60) and torch.equal(targets, batch.sparse_features["item_id"].values())
+    table = model._table
+    assert table is not None and table.shape == (60, 8)
+    expected = model.arch.ec.embeddings["item"].weight  # type: ignore[union-attr,index]
+    assert torch.equal(table, expected), "ids 0..N-1 looked up through the model's own table"
+    wrapper.train()
+    assert model._table is None
+
+
+def test_sasrec_config_errors_name_the_key_and_the_fix(make_cfg) -> None:
+    from recsys_runner.build import build
+
+    with pytest.raises(ConfigError, match=r"model.item_feature='user_id' is not a feature of data.sequences.hist .*Fix:"):
+        build(validate(make_cfg(*SMALL, "tracking=none", "model.item_feature=user_id", tiny=False))).close()
+    criteo_shaped = make(SyntheticDataConfig, num_dense=2, num_sparse=3, num_embeddings=50).build().features
+    with pytest.raises(ConfigError, match=r"SASRec attends over a user's history, but the data has no sequence group. Fix:"):
+        SASRec(SASRecConfig(), features=criteo_shaped)
+    with pytest.raises(ConfigError, match=r"model.num_heads=3 must divide model.embedding_dim=16"):
+        make(SASRecConfig, embedding_dim=16, num_heads=3)
+    with pytest.raises(ConfigError, match=r"model.block='gru' must be one of \['sasrec', 'hstu'\]"):
+        make(SASRecConfig, block="gru")
+
+
+def popularity_hr_at_10(cfg: DictConfig) -> float:
+    """HR@10 of ranking every item by how often it occurred in the run's training rows (history events and next items),
+    on the run's eval rows, with the same tie rule as the model's metric."""
+    spec = validate(cfg)
+    data = spec.data.for_model(spec.model.data_needs()).build()
+    num_items = int(cfg.data.num_items)
+    counts = torch.zeros(num_items, dtype=torch.float64)
+    for batch in list(data.train_batches(0, 0, 1))[: int(cfg.train.num_steps)]:
+        for key in ("item_id", "hist_item_id"):
+            counts += torch.bincount(batch.sparse_features[key].values(), minlength=num_items).double()
+    hits = rows = 0.0
+    for batch in data.eval_batches(0, 1):
+        targets = batch.sparse_features["item_id"].values()
+        hits += float((target_ranks(counts.expand(targets.shape[0], -1), targets) < 10).sum())
+        rows += targets.shape[0]
+    return hits / rows
+
+
+@pytest.mark.parametrize("block", ["sasrec", "hstu"])
+def test_sasrec_beats_the_popularity_ranking(make_cfg, mlflow_uri: str, block: str) -> None:
+    cfg = make_cfg(*SMALL, f"model.block={block}", tiny=False)
+    objective = run(cfg)
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    (logged,) = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])
+    metrics = logged.data.metrics
+    assert {"eval/hr_at_10", "eval/ndcg_at_10", "eval/hr_at_50", "train/loss"} <= set(metrics)
+    assert objective == pytest.approx(metrics["eval/hr_at_10"])
+    popularity = popularity_hr_at_10(cfg)
+    print(f"{block}: eval/hr_at_10={objective:.4f} popularity={popularity:.4f} eval/ndcg_at_10={metrics['eval/ndcg_at_10']:.4f}")
+    assert objective > popularity + 0.3, (objective, popularity)
+    assert metrics["eval/hr_at_50"] >= metrics["eval/hr_at_10"] >= metrics["eval/ndcg_at_10"] > 0
+
+
+@pytest.mark.slow
+def test_two_ranks_with_the_item_table_sharded_column_wise(tmp_path: Path) -> None:
+    """torchrun, 2 ranks, gloo: every table split column-wise (row-wise has no CPU kernel), so each rank holds a part of
+    every item vector and eval reads the whole table through the sharded EmbeddingCollection on both ranks. Its final
+    eval metrics (each rank half of the eval rows) equal ``evaluate`` of the same checkpoint on one process."""
+    from recsys_runner import evaluate
+    from tests.test_evaluate import compose_entry
+
+    uri = f"sqlite:///{tmp_path}/sasrec.db"
+    overrides = [*(o for o in SMALL if o != "checkpoint=none"), "train.num_steps=40", "distributed.sharding_types=[column_wise]",
+                 "model.embedding_dim=256"]  # two 128-wide column shards (TorchRec's smallest) of the item table, one per rank
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", "-m", "recsys_runner", *overrides, f"checkpoint.dir={tmp_path}/ck",
+           f"tracking.uri={uri}", "tracking.experiment=sasrec2"]
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    client = MlflowClient(tracking_uri=uri)
+    (logged,) = client.search_runs([client.get_experiment_by_name("sasrec2").experiment_id])
+    assert logged.data.tags["world_size"] == "2"
+    plan = Path(client.download_artifacts(logged.info.run_id, "sharding_plan.txt", str(tmp_path))).read_text()
+    item_shards = [line for line in plan.splitlines() if line.startswith("item ")]
+    assert any("column_wise" in line for line in item_shards), plan
+    assert any("rank:0" in line for line in item_shards) and any("rank:1" in line for line in item_shards), plan
+    final = {k: v for k, v in logged.data.metrics.items() if k.startswith("eval/")}
+    assert set(final) == {"eval/hr_at_10", "eval/ndcg_at_10", "eval/hr_at_50"} and final["eval/hr_at_10"] > 0.3, final
+    alone = evaluate.run(compose_entry("evaluate", *overrides, f"load={tmp_path}/ck", "tracking=none"))
+    assert alone == pytest.approx(final, abs=1e-6), "one process over all eval rows, the table on one rank"
