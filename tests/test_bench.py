@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 
 from recsys_runner.bench.regimes import TARGETS, Regime, alternate, main
+from recsys_runner.bench.sequences import Settings, variants
 
-REGIMES = ["a_in_memory", "b_synthetic", "b_parquet", "c_host_overhead"]
+REGIMES = ["a_in_memory", "b_synthetic", "b_parquet", "c_host_overhead", "e_din_in_memory"]
+BATCHINGS = ["rows", "tokens", "grouped_quarter", "grouped_half", "grouped"]
 
 
 def test_alternate_flips_the_order_every_round() -> None:
@@ -30,6 +32,15 @@ def test_regime_ratio_is_the_median_of_per_round_ratios() -> None:
     r = Regime.paired("a_in_memory", "", [90.0, 100.0, 50.0], [100.0, 100.0, 100.0], {})
     assert (r.ratio, r.ratio_min, r.ratio_max, r.target) == (0.9, 0.5, 1.0, TARGETS["a_in_memory"])
     assert r.runner_samples_per_s == 90.0 and r.reference_samples_per_s == 100.0
+
+
+def test_sequence_batchings_share_one_token_budget() -> None:
+    s = Settings()
+    assert s.fixed_rows == 8192 // 201  # the rows whose longest histories (200 events + 1) fit the same budget
+    assert list(variants(s)) == BATCHINGS
+    assert variants(s)["grouped"] == "data.batch_tokens=8192,data.group_by_length=true"
+    quick = Settings.quick()
+    assert quick.batch_tokens // 4 >= quick.max_len + 1, "every quick budget must hold one longest row"
 
 
 def test_too_few_steps_is_refused() -> None:
@@ -52,3 +63,8 @@ def test_quick_bench_writes_every_regime(tmp_path: Path) -> None:
     assert set(result["startup"]) == {"total_s", "imports_s", "rest_s"}
     assert result["startup"]["total_s"] > 0 and result["startup"]["imports_s"] > 0
     assert "a_in_memory" in proc.stdout and "d_startup" in proc.stdout
+    sequences = result["sequences"]
+    assert sorted(sequences["memory"]) == sorted(BATCHINGS) and sorted(sequences["speed"]) == sorted(BATCHINGS)
+    for name in BATCHINGS:
+        assert sequences["speed"][name]["tokens_per_s"] > 0 and sequences["memory"][name]["tokens"] > 0, name
+    assert "f_tokens_vs_rows" in proc.stdout and "g_memory_linear" in proc.stdout

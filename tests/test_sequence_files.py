@@ -80,6 +80,11 @@ def parquet(files: Path, **overrides: Any) -> ParquetData:
                                                   **columns(), **overrides}))
 
 
+def per_row_lengths(files: Path) -> list[list[int]]:
+    """Every training row's history length, as the reader without token batches gives them (truncated to max_len)."""
+    return [b.sparse_features["hist_item"].lengths().tolist() for b in parquet(files).train_batches(0, 0, 1)]
+
+
 def per_row(batches: list, key: str) -> list[list[int]]:
     out = []
     for b in batches:
@@ -188,14 +193,19 @@ def test_csv_history_without_separator_and_split_id_spaces_are_refused(files: Pa
              batch_tokens=64)
 
 
-def test_batch_tokens_cut_training_batches_by_history_tokens(files: Path) -> None:
-    data = parquet(files, batch_tokens=12)
+@pytest.mark.parametrize("grouped", [False, True])
+def test_batch_tokens_cut_training_batches_by_history_tokens(files: Path, grouped: bool) -> None:
+    data = parquet(files, batch_tokens=12, group_by_length=grouped)
     assert data.num_train_batches(1) is None and 1 <= data.batch_size <= 12
     batches = list(data.train_batches(0, 0, 1))
-    costs = [int(b.sparse_features["hist_item"].lengths().sum()) + len(b.labels) for b in batches]
+    lengths = [b.sparse_features["hist_item"].lengths() for b in batches]
+    costs = [int(x.sum()) + len(x) for x in lengths]
     assert max(costs) <= 12 and sum(len(b.labels) for b in batches) == N
     assert len({len(b.labels) for b in batches}) > 1  # rows per batch vary with the histories
     assert all(len(b.labels) <= data.batch_size for b in data.eval_batches(0, 1))  # eval batches: expected rows
+    if grouped:  # rows of similar length together: each batch padded to its longest row fits the budget too
+        assert all(len(x) * (int(x.max()) + 1) <= 12 for x in lengths)
+        assert sorted(v for x in lengths for v in x.tolist()) == sorted(v for x in per_row_lengths(files) for v in x)
 
 
 @pytest.mark.slow

@@ -20,7 +20,8 @@ Every samples/s figure is the median of steady-state windows of 10 steps (the fi
 is warm-up and dropped). Paths alternate within a round and the order flips every round, so machine noise
 hits all alike; a ratio is the median of the per-round ratios. Prints one table and writes it as JSON.
 
-Usage: ``python -m recsys_runner.bench.regimes [--quick] [--json bench.json] [--rounds 7] [overrides…]``
+Usage: ``python -m recsys_runner.bench [--quick] [--json bench.json] [--rounds 7] [overrides…]`` (which also runs the
+sequence regimes e-g of :mod:`recsys_runner.bench.sequences`; ``python -m recsys_runner.bench.regimes`` runs a-d only).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from hydra import compose, initialize_config_dir
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.model_parallel import DistributedModelParallel, get_default_sharders
 from torchrec.distributed.types import ShardingEnv
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -64,7 +65,7 @@ MAX_DISTINCT_BATCHES = 100
 """Regimes (a)/(b) hold at most this many distinct batches in memory (on a GPU, 2.4 GB at batch 65536)."""
 """Steps per timed window (``train.log_every_steps`` of the runner; one host sync per window in the hand loop)."""
 
-TARGETS = {"a_in_memory": 0.97, "b_synthetic": 0.9, "b_parquet": 0.9, "c_host_overhead": 0.95}
+TARGETS = {"a_in_memory": 0.97, "b_synthetic": 0.9, "b_parquet": 0.9, "c_host_overhead": 0.95, "e_din_in_memory": 0.95}
 
 COMMON = ["optim=adagrad", "tracking=none", "checkpoint=none", f"train.log_every_steps={WINDOW}",
           "train.eval_every_steps=null", "train.eval_max_batches=1", "train.progress=log"]
@@ -77,12 +78,13 @@ TINY = ["model=deepfm", "model.embedding_dim=4", "model.dense_arch_layer_sizes=[
 
 
 class _Recorder:
-    """A tracker that keeps the runner's samples/s windows in memory."""
+    """A tracker that keeps the runner's samples/s (and, for data with histories, tokens/s) windows in memory."""
 
     run_id: str | None = None
 
     def __init__(self) -> None:
         self.rates: list[float] = []
+        self.token_rates: list[float] = []
 
     def check(self) -> None: ...
     def start(self, **_: object) -> None: ...
@@ -94,6 +96,8 @@ class _Recorder:
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         if "train/samples_per_s" in metrics:
             self.rates.append(metrics["train/samples_per_s"])
+        if "train/tokens_per_s" in metrics:
+            self.token_rates.append(metrics["train/tokens_per_s"])
 
 
 def with_data(loop: Loop, data: DataModule) -> Loop:
@@ -109,13 +113,14 @@ def runner_round(loop: Loop, steps: int) -> float:
 
 
 def hand_written_model(c: Components) -> tuple[DistributedModelParallel, torch.optim.Optimizer]:
-    """TorchRec's canonical recipe, written out: EBC on meta, fused Adagrad, DMP with the run's plan, dense Adagrad."""
+    """TorchRec's canonical recipe, written out: EBC/EC on meta, fused Adagrad, DMP with the run's plan, dense Adagrad."""
     seed_everything(c.run.seed)
     sparse, dense_config = c.run.optim.sparse, c.run.optim.dense
     assert isinstance(sparse, SparseAdagradConfig) and isinstance(dense_config, DenseAdagradConfig), "the hand loop is written for optim=adagrad"
     model = TrainWrapper(c.run.model.build(features=c.loop.data.features, dense_device=c.env.device))
-    for ebc in (m for m in model.modules() if isinstance(m, EmbeddingBagCollection)):  # DeepFM has two: embeddings, first order
-        apply_optimizer_in_backward(torch.optim.Adagrad, ebc.parameters(), {"lr": sparse.lr, "eps": sparse.eps})
+    # DeepFM has two EBCs (embeddings, first order); a sequence model has an EC for its history tables (and maybe an EBC)
+    for tables in (m for m in model.modules() if isinstance(m, EmbeddingBagCollection | EmbeddingCollection)):
+        apply_optimizer_in_backward(torch.optim.Adagrad, tables.parameters(), {"lr": sparse.lr, "eps": sparse.eps})
     dmp = DistributedModelParallel(
         module=model, device=c.env.device, env=ShardingEnv.from_process_group(torch.distributed.GroupMember.WORLD),
         plan=c.plan, sharders=get_default_sharders(),
@@ -127,20 +132,22 @@ def hand_written_model(c: Components) -> tuple[DistributedModelParallel, torch.o
     return dmp, dense
 
 
-def hand_round(model: DistributedModelParallel, optimizer: torch.optim.Optimizer, batches: Sequence[Batch], steps: int,
-               batch_size: int) -> float:
-    """The hand loop over ``batches`` (already on the model's device) for ``steps`` steps, timed as :func:`runner_round`."""
-    rates, start = [], time.perf_counter()
+def hand_round(model: DistributedModelParallel, optimizer: torch.optim.Optimizer, batches: Sequence[Batch], steps: int) -> float:
+    """The hand loop over ``batches`` (already on the model's device) for ``steps`` steps, timed as :func:`runner_round`
+    (samples/s of the rows really trained: token batches hold varying rows)."""
+    sizes = [int(b.labels.shape[0]) for b in batches]
+    rates, rows, start = [], 0, time.perf_counter()
     for step in range(1, steps + 1):
         loss, _ = model(batches[(step - 1) % len(batches)])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        rows += sizes[(step - 1) % len(batches)]
         if step % WINDOW == 0:
             float(loss.detach())  # one host sync per window, as the runner's logging does
             now = time.perf_counter()
-            rates.append(WINDOW * batch_size / (now - start))
-            start = now
+            rates.append(rows / (now - start))
+            rows, start = 0, now
     return statistics.median(rates[1:])
 
 
@@ -243,7 +250,7 @@ def bench_main_model(overrides: list[str], steps: int, rounds: int, parquet_rows
         parquet = with_data(c.loop, parquet_data)
         hand_model, hand_opt = hand_written_model(c)
         per_round = alternate(rounds, {
-            "hand": lambda: hand_round(hand_model, hand_opt, batches, steps, data.batch_size),
+            "hand": lambda: hand_round(hand_model, hand_opt, batches, steps),
             "runner": lambda: runner_round(memory, steps),
             "synthetic": lambda: runner_round(c.loop, steps),
             "parquet": lambda: runner_round(parquet, steps),
@@ -272,7 +279,7 @@ def bench_host_overhead(overrides: list[str], steps: int, rounds: int) -> Regime
         memory = with_data(c.loop, InMemoryData(data.features, batches, batches[:1]))
         hand_model, hand_opt = hand_written_model(c)
         per_round = alternate(rounds, {
-            "hand": lambda: hand_round(hand_model, hand_opt, batches, steps, data.batch_size),
+            "hand": lambda: hand_round(hand_model, hand_opt, batches, steps),
             "runner": lambda: runner_round(memory, steps),
         }, "c")
     finally:
@@ -302,7 +309,13 @@ def table(regimes: Sequence[Regime], startup: Mapping[str, float]) -> str:
     return "\n".join(rows)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+SequenceBench = Callable[[list[str], bool, "int | None"], tuple[Regime, dict[str, Any], str]]
+"""The sequence regimes (:func:`recsys_runner.bench.sequences.bench_sequences`): ``(overrides, quick, rounds)`` →
+the DIN regime's row, the JSON of the others and their printed rows. Passed in by ``python -m recsys_runner.bench``,
+since that module builds on this one's helpers (no import cycle)."""
+
+
+def main(argv: list[str] | None = None, sequence_bench: SequenceBench | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-size", type=int, default=None, help="regimes (a)/(b)/(d) batch size (default 1024; --quick 128)")
     parser.add_argument("--steps", type=int, default=None, help="steps per round for (a)/(b), windows of 10 (default 100; --quick 20)")
@@ -311,7 +324,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--parquet-rows", type=int, default=None, help="rows of the generated Parquet file (default 200000)")
     parser.add_argument("--json", default="bench.json", help="where to write the results (default ./bench.json)")
     parser.add_argument("--quick", action="store_true", help="tiny steps and one round: checks that every regime runs, not how fast")
-    parser.add_argument("--skip", action="append", default=[], choices=["ab", "c", "d"], help="leave out regimes (repeatable)")
+    parser.add_argument("--skip", action="append", default=[], choices=["ab", "c", "d", "seq"],
+                        help="leave out regimes (repeatable); seq: the sequence regimes e-g (bench/sequences.py)")
     parser.add_argument("overrides", nargs="*", help="extra config overrides for every regime (e.g. distributed.device=cuda)")
     args = parser.parse_args(argv)
     q = args.quick
@@ -336,21 +350,36 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             regimes.append(bench_host_overhead(args.overrides, host_steps, rounds))
         if "d" not in args.skip:
             startup = bench_startup([f"data.batch_size={batch_size}", *args.overrides], workdir, 1 if q else 3)
+    sequences: dict[str, Any] = {}
+    sequence_rows = ""
+    if sequence_bench is not None and "seq" not in args.skip:
+        din, sequences, sequence_rows = sequence_bench(args.overrides, q, args.rounds)
+        regimes.append(din)
     result = {
         "device": info.get("device", "cpu" if not torch.cuda.is_available() else "cuda"),
         "threads": torch.get_num_threads(), "torch": torch.__version__, "batch_size": batch_size, "steps_per_round": steps,
         "host_steps_per_round": host_steps, "rounds": rounds, "quick": q, "overrides": args.overrides,
-        "regimes": {r.name: asdict(r) for r in regimes}, "startup": startup,
+        "regimes": {r.name: asdict(r) for r in regimes}, "startup": startup, "sequences": sequences,
         "bench_seconds": time.perf_counter() - started,
     }
-    print()
-    print(f"device={result['device']} threads={result['threads']} batch={batch_size} steps/round={steps} rounds={rounds} "
-          f"(ratios: median of per-round ratios)")
-    print(table(regimes, startup) if startup else table(regimes, {"total_s": 0.0, "imports_s": 0.0, "rest_s": 0.0}))
-    print(f"bench took {result['bench_seconds']:.0f} s; results in {args.json}")
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=2)
+    report(result, regimes, sequence_rows, args.json)
     return result
+
+
+def report(result: Mapping[str, Any], regimes: Sequence[Regime], sequence_rows: str, path: str) -> None:
+    """Print the table (the sequence regimes' rows under it) and write ``result`` as JSON to ``path``."""
+    print()
+    print(f"device={result['device']} threads={result['threads']} batch={result['batch_size']} "
+          f"steps/round={result['steps_per_round']} rounds={result['rounds']} (ratios: median of per-round ratios)")
+    plain = [r for r in regimes if r.name != "e_din_in_memory"]  # printed with the sequence rows
+    startup = result["startup"]
+    if plain or startup:
+        print(table(plain, startup) if startup else table(plain, {"total_s": 0.0, "imports_s": 0.0, "rest_s": 0.0}))
+    if sequence_rows:
+        print(sequence_rows)
+    print(f"bench took {result['bench_seconds']:.0f} s; results in {path}")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -76,6 +76,12 @@ class DataConfig(Configurable):
     batch_tokens: int | None = None
     """Instead of ``batch_size`` rows, batches of as many rows as fit this many history tokens per rank (a row costs
     its history length + 1, :mod:`recsys_runner.data.tokens`); only for data with sequences. ``null``: ``batch_size``."""
+    group_by_length: bool = True
+    """With ``batch_tokens``: batch rows of similar history length together (within a pool of rows: the shuffle buffer, or
+    a pool of generated batches), each batch cut so that rows × (its longest history + 1) fits ``batch_tokens``, then the
+    batches shuffled. Models pad a batch to its longest history (DIN, BST, SASRec), so this makes a step's memory follow
+    the budget and its work the tokens (docs/performance.md, *Sequences*). ``false``: rows in read order, cut when their
+    tokens reach the budget (a batch then pads to its longest row)."""
     num_workers: int | str = AUTO
     """DataLoader worker processes per rank that produce the batches off the training thread; 0 produces them
     in the training process. ``auto``: ``min(4, CPUs per local rank - 1)`` (at least 1) when the run's device is

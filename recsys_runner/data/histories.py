@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from recsys_runner.data.schema import Schema
-from recsys_runner.data.tokens import row_tokens, token_slices
+from recsys_runner.data.tokens import padded_slices, row_tokens, token_slices
 from recsys_runner.errors import DataError
 from recsys_runner.features import SequenceGroup
 
@@ -169,12 +169,14 @@ def history_costs(schema: Schema, sparse: list[Jagged]) -> np.ndarray:
     return row_tokens(np.asarray(lengths))
 
 
-def token_cuts(costs: np.ndarray, budget: int, final: bool) -> tuple[list[tuple[int, int]], int]:
-    """Batches of ``budget`` tokens over a block of rows with ``costs``, and how many rows they use.
+def token_cuts(costs: np.ndarray, budget: int, final: bool, padded: bool = False) -> tuple[list[tuple[int, int]], int]:
+    """Batches of ``budget`` tokens over a block of rows with ``costs``, and how many rows they use; ``padded``: each
+    batch's rows × its largest cost within the budget (:func:`~recsys_runner.data.tokens.padded_slices`, for rows
+    sorted by cost).
 
     Until the ``final`` block the last (possibly under-full) slice is held back for the next rows.
     """
-    slices = token_slices(costs, budget)
+    slices = padded_slices(costs, budget) if padded else token_slices(costs, budget)
     if not final and slices:
         slices = slices[:-1]
     return slices, (slices[-1][1] if slices else 0)

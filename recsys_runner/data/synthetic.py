@@ -25,9 +25,9 @@ interleaves back in order: the batches are exactly those of the in-process path,
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
-import logging
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -142,8 +142,9 @@ class SyntheticDataConfig(DataConfig):
         """:data:`DEFAULT_NUM_STEPS`: generated rows are an arbitrary amount, so the default length is in steps, not epochs."""
         return DEFAULT_NUM_STEPS
 
-    def for_model(self, needs: DataNeeds) -> SyntheticDataConfig:
-        """A new config that serves a model with ``needs``: the fields left ``null`` follow the model (its
+    def for_model(self, needs: DataNeeds) -> DataConfig:
+        """A new config that serves a model with ``needs`` (for a model over histories a ``data=synthetic_sequences`` one,
+        :meth:`_as_sequences`): the fields left ``null`` follow the model (its
         tasks and their kinds; for a two-tower model, (user, item) pairs linked through the sparse features
         of its towers); ``self`` when nothing changes.
 

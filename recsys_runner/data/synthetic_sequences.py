@@ -18,6 +18,22 @@ that learns successors beats the popularity ranking. History lengths are long-ta
 ``1 … max_len`` with exponent ``length_skew``, plus ``empty_fraction`` empty histories).
 
 As with ``data=synthetic``, every batch is a pure function of ``(seed, split, batch index)``; nothing is written.
+
+With ``data.batch_tokens`` a batch holds as many rows as fit that many history tokens (a row costs its length + 1,
+:mod:`recsys_runner.data.tokens`) instead of ``batch_size`` rows: batch ``i`` draws its rows' lengths from its own
+seeded stream and keeps the first :func:`~recsys_runner.data.tokens.token_slices` cut of them, so it is still a pure
+function of ``(seed, split, i)``. An epoch then has a fixed number of batches, ``num_train_rows // rows_per_batch``
+(the *expected* rows of a token batch, :meth:`SyntheticSequencesConfig.rows_per_batch`), dealt to the ranks as
+before: every rank gets the same count, whatever rows each batch turns out to hold.
+
+``data.group_by_length`` (with ``batch_tokens``) batches rows of similar length together, for models that pad each
+batch to its longest row (DIN, BST): then a batch of mixed lengths costs ``rows × longest`` padded slots, far more
+than its tokens, and only length-sorted batches make memory follow the budget. Batches ``i`` of one *pool* of
+:data:`POOL_BATCHES` consecutive indices share the pool's lengths, drawn from the pool's own stream, sorted and cut so
+that each batch's padded size, rows × (longest + 1), fits the budget (:func:`~recsys_runner.data.tokens.padded_slices`);
+batch ``i`` takes one of the cuts (the pool's cuts are dealt in a seeded random order, and any cut beyond
+:data:`POOL_BATCHES` is dropped at a random position, so no length is favoured). Its rows' other columns come from
+its own stream, so it is still a pure function of ``(seed, split, i)``.
 """
 
 from __future__ import annotations
@@ -30,12 +46,16 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.data.base import DataConfig, DataModule
+from recsys_runner.data.tokens import check_budget, padded_slices, row_tokens, token_slices
 from recsys_runner.errors import require
 from recsys_runner.features import TRUNCATIONS, DataNeeds, FeatureSpec, SequenceGroup, SparseFeature
 
 _TRAIN, _EVAL = 0, 1
 DEFAULT_NUM_STEPS = 1000
 """Optimizer steps of a run on this data when neither ``train.num_steps`` nor ``train.num_epochs`` is set."""
+POOL_BATCHES = 16
+"""``group_by_length``: consecutive batch indices whose rows are sorted by length together (the batch order is then
+shuffled by the epoch's permutation, so a run does not see all short rows together)."""
 HISTORY = "hist"
 """The name of the one sequence group (``data.sequences`` key of file data)."""
 
@@ -46,6 +66,13 @@ class SyntheticSequencesConfig(DataConfig):
 
     _target_: str = "recsys_runner.data.synthetic_sequences.SyntheticSequences"
     batch_size: int = 512
+    """Rows per batch per rank. Ignored when ``data.batch_tokens`` is set: batches are then cut by history tokens and
+    the module's ``batch_size`` (what the sharding planner costs with) is the expected rows of one such batch."""
+    batch_tokens: int | None = None
+    """Batches of as many rows as fit this many history tokens per rank (a row costs its history length + 1) instead
+    of ``batch_size`` rows: steps of even cost on long-tailed lengths. At least ``max_len + 1`` (one longest row).
+    An epoch is ``num_train_rows // rows_per_batch`` batches per rank group, the same count on every rank.
+    ``null``: ``batch_size`` rows."""
     num_train_rows: int = 524_288
     """Rows in one training epoch (all ranks together)."""
     num_eval_rows: int = 32_768
@@ -84,8 +111,31 @@ class SyntheticSequencesConfig(DataConfig):
             require(0 <= getattr(self, key) <= 1, f"data.{key} must lie in [0, 1], got {getattr(self, key)}")
         require(self.negatives is None or 0 <= self.negatives < 1, f"data.negatives must lie in [0, 1) or be null, got {self.negatives}")
         require(self.truncate in TRUNCATIONS, f"data.truncate={self.truncate!r} must be one of {list(TRUNCATIONS)}")
-        require(self.num_train_rows >= self.batch_size and self.num_eval_rows >= self.batch_size,
-                f"data.num_train_rows and data.num_eval_rows must each hold one batch (data.batch_size={self.batch_size})")
+        if self.batch_tokens is not None:
+            check_budget(self.batch_tokens, self.max_len)
+        rows = self.rows_per_batch()
+        sized = f"data.batch_tokens={self.batch_tokens}: ~{rows} rows" if self.batch_tokens is not None else f"data.batch_size={rows}"
+        require(self.num_train_rows >= rows and self.num_eval_rows >= rows,
+                f"data.num_train_rows and data.num_eval_rows must each hold one batch ({sized})")
+
+    def supports_batch_tokens(self) -> bool:
+        """Every row has a history, so ``batch_tokens`` can size the batches."""
+        return True
+
+    def expected_row_tokens(self) -> float:
+        """The mean cost of a row in tokens, ``1 + E[length]``, from the length law (plain Python: this runs on ``meta``)."""
+        weights = [k ** -self.length_skew for k in range(1, self.max_len + 1)]
+        mean_length = (1 - self.empty_fraction) * sum(k * w for k, w in enumerate(weights, 1)) / sum(weights)
+        return 1.0 + mean_length
+
+    def rows_per_batch(self) -> int:
+        """``batch_size``, or with ``batch_tokens`` the expected rows of a token batch, ``batch_tokens // E[row cost]``:
+        what the planner costs with and what sizes an epoch. Real batches hold about this many on average (a few %
+        more in drawn order, since the row that overflows a budget tends to be a long one; grouped batches range from
+        a few long rows to many short ones)."""
+        if self.batch_tokens is None:
+            return self.batch_size
+        return max(1, int(self.batch_tokens // self.expected_row_tokens()))
 
     def default_num_steps(self) -> int:
         return DEFAULT_NUM_STEPS
@@ -109,7 +159,7 @@ class SyntheticSequences(DataModule):
 
     def __init__(self, config: SyntheticSequencesConfig) -> None:
         c = self.config = config.resolved()
-        self.batch_size = c.batch_size
+        self.batch_size = c.rows_per_batch()
         self._negatives = 0.5 if c.negatives is None else c.negatives
         item, category = "item", "category"
         sparse = (
@@ -122,7 +172,14 @@ class SyntheticSequences(DataModule):
         group = SequenceGroup(HISTORY, ("hist_item_id", "hist_category"), c.max_len, c.truncate,
                               timestamps="hist_ts" if c.timestamps else None)
         self.features = FeatureSpec(tuple(f"int_{i}" for i in range(c.num_dense)), sparse, "label", sequences=(group,))
-        self._world = _World.draw(c)
+        self._drawn: _World | None = None
+
+    @property
+    def _world(self) -> _World:
+        """The hidden world, drawn at the first batch: planning (``recsys_runner.plan``, on ``meta``) never draws it."""
+        if self._drawn is None:
+            self._drawn = _World.draw(self.config)
+        return self._drawn
 
     def num_train_batches(self, world_size: int) -> int:
         return self.config.num_train_rows // self.batch_size // world_size
@@ -139,9 +196,42 @@ class SyntheticSequences(DataModule):
 
     def batch(self, split: int, index: int) -> Batch:
         """Batch ``index`` of ``split`` (0 train, 1 eval): a pure function of the seed."""
-        g = torch.Generator().manual_seed(hash((self.config.seed, "seq", split, index)) & 0x7FFF_FFFF_FFFF_FFFF)
-        rows = self._world.rows(self.batch_size, self._negatives, g)
+        g = torch.Generator().manual_seed(hash((self.config.seed, 104_729, split, index)) & 0x7FFF_FFFF_FFFF_FFFF)
+        budget = self.config.batch_tokens
+        lengths = None
+        if budget is not None:
+            lengths = self._grouped_lengths(budget, split, index) if self.config.group_by_length else self._token_lengths(budget, g)
+        rows = self._world.rows(self.batch_size, self._negatives, g, lengths)
         return self.assemble(rows)
+
+    def _token_lengths(self, budget: int, g: torch.Generator) -> torch.Tensor:
+        """History lengths of one token batch: rows drawn from ``g`` until they overflow ``budget``, cut at the first
+        row that does not fit (:func:`token_slices`), so the batch's tokens are ``<= budget``."""
+        lengths = self._draw_lengths(budget + 1, g)
+        start, stop = token_slices(row_tokens(lengths.numpy()), budget)[0]
+        return lengths[start:stop]
+
+    def _grouped_lengths(self, budget: int, split: int, index: int) -> torch.Tensor:
+        """``group_by_length``: the lengths of batch ``index``, one padded cut of its pool's rows sorted by length."""
+        pool, slot = divmod(index, POOL_BATCHES)  # the seed below hashes ints only: a str's hash differs per process
+        g = torch.Generator().manual_seed(hash((self.config.seed, 15_485_863, split, pool)) & 0x7FFF_FFFF_FFFF_FFFF)
+        lengths = self._draw_lengths(POOL_BATCHES * budget, g).sort().values
+        cuts = padded_slices(row_tokens(lengths.numpy()), budget)  # at least POOL_BATCHES of them
+        start, stop = cuts[int(torch.randperm(len(cuts), generator=g)[slot])]
+        return lengths[start:stop]
+
+    def _draw_lengths(self, tokens: int, g: torch.Generator) -> torch.Tensor:
+        """History lengths drawn from ``g``: the fewest rows that cost at least ``tokens``."""
+        chunk = max(16, int(2 * tokens / self.config.expected_row_tokens()))
+        drawn: list[torch.Tensor] = []
+        total = 0
+        while total < tokens:  # almost always once: a chunk holds ~2x the tokens asked for
+            lengths = torch.multinomial(self._world.length_probs, chunk, replacement=True, generator=g)
+            drawn.append(lengths)
+            total += int(lengths.sum()) + chunk
+        lengths = torch.cat(drawn)
+        enough = int(torch.searchsorted(torch.cumsum(lengths + 1, 0), tokens)) + 1
+        return lengths[:enough]
 
     def assemble(self, rows: _Rows) -> Batch:
         """The rows as a TorchRec batch: one ``KeyedJaggedTensor`` with the candidate's ids (one per row), the jagged
@@ -212,8 +302,7 @@ class _World:
             members = torch.nonzero(category == k).squeeze(1)
             by_category.append(members[torch.argsort(popularity[members], descending=True)])
             successor[members] = members[torch.randperm(len(members), generator=g)]
-        k = torch.arange(1, c.max_len + 1, dtype=torch.float64)
-        lengths = k.pow(-c.length_skew)
+        lengths = torch.arange(1, c.max_len + 1, dtype=torch.float64).pow(-c.length_skew)
         probs = torch.cat([torch.tensor([c.empty_fraction], dtype=torch.float64), (1 - c.empty_fraction) * lengths / lengths.sum()])
         sizes = torch.tensor([len(m) for m in by_category])
         return _World(category=category, successor=successor, by_category=torch.cat(by_category), category_size=sizes,
@@ -237,10 +326,13 @@ class _World:
         follow = torch.rand(users.shape[0], generator=g) < self.config.follow
         return torch.where(follow, self.successor[previous], self._fresh(users, g))
 
-    def rows(self, n: int, negatives: float, g: torch.Generator) -> _Rows:
+    def rows(self, n: int, negatives: float, g: torch.Generator, lengths: torch.Tensor | None = None) -> _Rows:
+        """``n`` rows drawn from ``g``; with ``lengths`` (a token batch's, drawn first) as many rows as it has lengths."""
         c = self.config
+        n = n if lengths is None else lengths.shape[0]
         users = torch.multinomial(torch.ones(c.num_users), n, replacement=True, generator=g)
-        lengths = torch.multinomial(self.length_probs, n, replacement=True, generator=g)
+        if lengths is None:
+            lengths = torch.multinomial(self.length_probs, n, replacement=True, generator=g)
         longest = int(lengths.max()) if n else 0
         events = torch.zeros(n, longest + 1, dtype=torch.long)  # events[:, L] is the true next item
         current = self._fresh(users, g)

@@ -300,6 +300,7 @@ class TabularData(DataModule, abc.ABC):
         hold = max(cfg.shuffle_buffer_rows, self.batch_size) if rng is not None else self.batch_size
         keep_last = not (train and cfg.drop_remainder)
         budget = cfg.batch_tokens if train else None
+        batch_order = np.random.default_rng([cfg.seed, epoch, shard, 1])  # grouped token batches: the order they go in
         source_bad = getattr(split.source, "num_bad_rows", 0)
         reported = [0, 0]
 
@@ -320,7 +321,7 @@ class TabularData(DataModule, abc.ABC):
             if rng is not None:
                 block = block.take(rng.permutation(len(block)))
             if budget is not None:
-                slices, used = token_cuts(history_costs(self.schema, block.sparse), budget, final=final and keep_last)
+                block, slices, used = self._token_batches(block, budget, final=final and keep_last, order=batch_order)
             else:
                 used = len(block) // self.batch_size * self.batch_size
                 slices = [(i, i + self.batch_size) for i in range(0, used, self.batch_size)]
@@ -340,6 +341,19 @@ class TabularData(DataModule, abc.ABC):
         last = counts()
         if any(last):
             yield (None, None, None, None, *last)
+
+    def _token_batches(self, block: Rows, budget: int, final: bool, order: np.random.Generator) -> tuple[Rows, list[tuple[int, int]], int]:
+        """``block`` (sorted by history length with ``group_by_length``), its ``batch_tokens`` batches and the rows they use.
+
+        Grouped, the batches are cut by padded size (rows × longest) and yielded in a seeded random order, so that a run
+        does not see the short rows of a block first; the longest rows left over wait for the next block."""
+        costs = history_costs(self.schema, block.sparse)
+        if not self.config.group_by_length:
+            return block, *token_cuts(costs, budget, final=final)
+        by_length = np.argsort(costs, kind="stable")
+        block, costs = block.take(by_length), costs[by_length]
+        slices, used = token_cuts(costs, budget, final=final, padded=True)
+        return block, [slices[i] for i in order.permutation(len(slices))], used
 
     def _read_ranges(self, split: _Split, ranges: list[tuple[int, int, int]], encoder: Encoder) -> Iterator[Rows]:
         for u, start, stop in ranges:

@@ -6,6 +6,9 @@ ones; a step's cost is the number of history events it embeds and attends over. 
 still count), and :func:`token_slices` cuts a run of rows, in order, into consecutive batches whose
 costs sum to at most the budget. One step is then one such batch (a varying number of rows); losses are
 row means within the batch, and ``train/samples_per_s`` counts the rows really trained.
+
+A model that pads each batch to its longest history (DIN, BST) allocates ``rows × longest`` slots, not the batch's
+tokens; for rows grouped by length, :func:`padded_slices` cuts so that this padded size fits the budget instead.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import numpy as np
 
 from recsys_runner.errors import ConfigError
 
-__all__ = ["row_tokens", "token_slices", "check_budget"]
+__all__ = ["row_tokens", "token_slices", "padded_slices", "check_budget"]
 
 
 def row_tokens(lengths: np.ndarray) -> np.ndarray:
@@ -48,6 +51,29 @@ def token_slices(costs: np.ndarray, budget: int) -> list[tuple[int, int]]:
             slices.append((start, i))
             start, total = i, 0
         total += cost
+    if start < len(costs):
+        slices.append((start, len(costs)))
+    return slices
+
+
+def padded_slices(costs: np.ndarray, budget: int) -> list[tuple[int, int]]:
+    """Cut rows with per-row ``costs`` (in order) into consecutive ``[start, stop)`` slices whose *padded* cost, rows ×
+    the slice's largest cost, is at most ``budget``: what a batch padded to its longest row allocates.
+
+    Meant for rows sorted by length (then padding is small and the cut wastes little); a slice's tokens are never more
+    than its padded cost, so each slice also fits :func:`token_slices`' budget. Raises :class:`ValueError` when one
+    row alone exceeds the budget.
+    """
+    costs = np.asarray(costs, dtype=np.int64)
+    if costs.size and int(costs.max()) > budget:
+        raise ValueError(f"a row costs {int(costs.max())} tokens, more than the budget {budget}")
+    slices: list[tuple[int, int]] = []
+    start, widest = 0, 0
+    for i, cost in enumerate(costs.tolist()):
+        if (i - start + 1) * max(widest, cost) > budget:
+            slices.append((start, i))
+            start, widest = i, 0
+        widest = max(widest, cost)
     if start < len(costs):
         slices.append((start, len(costs)))
     return slices

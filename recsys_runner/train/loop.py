@@ -78,7 +78,8 @@ class Loop:
 def train(loop: Loop) -> dict[str, float]:
     """Train from ``loop.state`` up to ``loop.total_steps`` steps; return the final eval metrics."""
     cfg, env, state = loop.config, loop.env, dataclasses.replace(loop.state)
-    meter = Throughput(loop.total_steps, loop.data.batch_size * env.world_size * cfg.grad_accum_steps)
+    meter = Throughput(loop.total_steps, features=loop.data.features, micro_batches=cfg.grad_accum_steps,
+                       world_size=env.world_size, device=env.device)  # counts the rows each step really trained
     profiler = StepProfiler(cfg.profile, env.device, env.rank) if cfg.profile.enabled else None
     stop: str | None = None
     evaluated: dict[str, float] | None = None
@@ -86,7 +87,7 @@ def train(loop: Loop) -> dict[str, float]:
     with (StopSignals(env.world_size, env.device, cfg.stop_check_every_steps) as signals,
           Progress(loop.total_steps, enabled=env.is_main, unit="step", initial=state.step, mode=cfg.progress) as progress):
         while state.step < loop.total_steps and stop is None:
-            batches = _epoch_batches(loop, state)
+            batches = meter.counted(_epoch_batches(loop, state))
             while state.step < loop.total_steps and stop is None:
                 loss = loop.stepper.step(batches)
                 if loss is None:  # the data ran out: the epoch is over
@@ -178,8 +179,10 @@ def _no_step_error(loop: Loop, state: TrainState) -> DataError:
     """The epoch ended before one full step: say how much data the rank had (the data module's account)."""
     accumulation, batch_size = loop.config.grad_accum_steps, loop.data.batch_size
     why = loop.data.explain_empty_epoch(state.epoch, loop.env.rank)
+    tokens = getattr(getattr(loop.data, "config", None), "batch_tokens", None)
+    sized = f"data.batch_tokens={tokens}: ~{batch_size} rows a batch" if tokens is not None else f"data.batch_size={batch_size}"
     return DataError(f"epoch {state.epoch} gave rank {loop.env.rank} no full training step of {batch_size * accumulation} rows "
-                     f"(data.batch_size={batch_size} x train.grad_accum_steps={accumulation}): {why}")
+                     f"({sized} x train.grad_accum_steps={accumulation}): {why}")
 
 
 def _slice_done(loop: Loop, state: TrainState) -> bool:
