@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import hydra
+import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
@@ -61,10 +62,12 @@ from torchrec.datasets.utils import Batch
 from recsys_runner.checkpoint.storage import DcpFileStorage, TensorIndex
 from recsys_runner.checkpoint.weights import load_into
 from recsys_runner.config import RunConfig, flatten, register_entry_schema, to_yaml, validate
+from recsys_runner.data.items import ItemTable
 from recsys_runner.errors import CheckpointError, ConfigError, require
 from recsys_runner.features import FeatureSpec
 from recsys_runner.inference import LOAD_FIELD, carry_training_overrides, checkpoint_to_load, with_training_overrides
 from recsys_runner.lifecycle import RunStart, exit_codes, link_tags, tracked_run
+from recsys_runner.models.collision import restore_collision_state
 from recsys_runner.noise import quiet_known_noise
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.runtime import Launch
@@ -86,6 +89,10 @@ EXAMPLE_FILE = "example.pt"
 
 TOWER_FILE = "{}_tower.pt2"
 """A two-tower model's towers, each a program of its own (``user_tower.pt2``, ``item_tower.pt2``)."""
+
+ITEMS_FILE = "items.pt"
+"""A two-tower model's item index, when the data has an item catalogue: ``{"ids": [N] int64, "vectors": [N, O] float32}``
+(the item tower over every catalogue item: what a server loads into its nearest-neighbour index)."""
 
 ARTIFACT_DIR = "export"
 """Where the files go inside the MLflow run's artifacts."""
@@ -131,8 +138,9 @@ def register() -> None:
     ])
 
 
-def build_unsharded(run: RunConfig) -> tuple[nn.Module, FeatureSpec, Batch]:
-    """The model the config describes, every table materialized on CPU, in eval mode; its features; an eval batch."""
+def build_unsharded(run: RunConfig) -> tuple[nn.Module, FeatureSpec, Batch, ItemTable | None]:
+    """The model the config describes, every table materialized on CPU, in eval mode; its features; an eval batch; the
+    data's item catalogue (``None`` for data without one)."""
     cpu = torch.device("cpu")
     data = run.data.for_model(run.model.data_needs()).build(device=cpu)
     model = run.model.build(features=data.features, dense_device=cpu)
@@ -142,7 +150,7 @@ def build_unsharded(run: RunConfig) -> tuple[nn.Module, FeatureSpec, Batch]:
     batch = next(iter(data.eval_batches(0, 1)), None)
     if batch is None:
         batch = next(iter(data.train_batches(0, 0, 1)))
-    return model.eval().requires_grad_(False), data.features, batch.to(cpu)
+    return model.eval().requires_grad_(False), data.features, batch.to(cpu), data.item_table()
 
 
 def load_weights(model: nn.Module, checkpoint: Path, ema: bool) -> None:
@@ -164,6 +172,7 @@ def load_weights(model: nn.Module, checkpoint: Path, ema: bool) -> None:
     with warnings.catch_warnings():  # "torch.distributed is … uninitialized, assuming … a single process": just so
         warnings.simplefilter("ignore", UserWarning)
         load_into(DcpFileStorage(), checkpoint, ours, rule="exact", sources=sources)
+    restore_collision_state(model)  # a mapping saved by several row-wise shards is their sorted blocks end to end
     leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if leftover:
         raise CheckpointError(f"{type(model).__name__} has tensors no checkpoint key fills: {leftover[:3]}")
@@ -242,7 +251,7 @@ def export_dir(configured: str | None, launch: Launch) -> Path:
 
 def is_export_file(name: str) -> bool:
     """Whether ``name`` is a file an export writes (what ``export.overwrite=true`` may replace)."""
-    return name in (MODEL_FILE, FEATURE_SPEC_FILE, EXAMPLE_FILE, lineage.MANIFEST_FILE) or name.endswith(TOWER_FILE.format(""))
+    return name in (MODEL_FILE, FEATURE_SPEC_FILE, EXAMPLE_FILE, ITEMS_FILE, lineage.MANIFEST_FILE) or name.endswith(TOWER_FILE.format(""))
 
 
 def check_target(out: Path, overwrite: bool) -> None:
@@ -293,7 +302,7 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> Path:
     check_target(out, options.overwrite)
     meta = json.loads((checkpoint / "meta.json").read_text())
     torch.manual_seed(spec.seed)
-    model, features, batch = build_unsharded(spec)
+    model, features, batch, items = build_unsharded(spec)
     ema = use_ema(spec, options.weights)
     manifest = lineage.collect(world_size=1, device=torch.device("cpu"))
     start = RunStart(
@@ -306,7 +315,7 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> Path:
         try:
             shutil.rmtree(staged, ignore_errors=True)
             staged.mkdir(parents=True)
-            files = write_export(model, features, batch, checkpoint=checkpoint, meta=meta, ema=ema, out=staged)
+            files = write_export(model, features, batch, checkpoint=checkpoint, meta=meta, ema=ema, out=staged, items=items)
             (staged / lineage.MANIFEST_FILE).write_text(manifest.to_json() + "\n")
             check_target(out, options.overwrite)  # still as checked before the build (nothing else wrote there since)
             replace_dir(staged, out)
@@ -318,9 +327,10 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> Path:
 
 
 def write_export(model: nn.Module, features: FeatureSpec, batch: Batch, *, checkpoint: Path, meta: dict[str, Any], ema: bool,
-                 out: Path) -> list[str]:
+                 out: Path, items: ItemTable | None = None) -> list[str]:
     """Load the checkpoint's weights into ``model``, trace it (and a two-tower model's towers), check each program
-    against the eager model on ``batch`` and write the files to ``out``; returns their names."""
+    against the eager model on ``batch`` and write the files to ``out`` (with ``items``, a two-tower model's item
+    index :data:`ITEMS_FILE` too); returns their names."""
     load_weights(model, checkpoint, ema)
     keys = list(batch.sparse_features.keys())
     serving = ServingModule(model, keys)
@@ -337,11 +347,13 @@ def write_export(model: nn.Module, features: FeatureSpec, batch: Batch, *, check
         "source_run_id": meta.get("run_id"), "model": type(model).__name__}
     if hasattr(model, "tower_features"):  # a two-tower model: each tower on its own as well (checked, then written)
         described["towers"] = export_towers(model, keys, features, batch, eager, out)
+        if items is not None:
+            described["towers"]["items"] = export_items(model, items, keys, features, out)
     torch.export.save(program, str(out / MODEL_FILE))
     (out / FEATURE_SPEC_FILE).write_text(json.dumps(described, indent=2) + "\n")
     torch.save({"inputs": inputs, "outputs": eager}, out / EXAMPLE_FILE)
     log.info("exported %s (%s weights) from %s", type(model).__name__, described["weights"], checkpoint)
-    towers = [t["file"] for t in described.get("towers", {}).values() if isinstance(t, dict)]
+    towers = [t["file"] for t in described.get("towers", {}).values() if isinstance(t, dict) and "file" in t]
     return [MODEL_FILE, FEATURE_SPEC_FILE, EXAMPLE_FILE, *towers]
 
 
@@ -372,6 +384,24 @@ def export_towers(model: nn.Module, keys: list[str], features: FeatureSpec, batc
         torch.export.save(program, str(out / TOWER_FILE.format(name)))
     return {"score": "scores[q, c] = user_vectors[q] · item_vectors[c] / temperature: the same as model.pt2's", "temperature": temperature,
             **towers}
+
+
+def export_items(model: nn.Module, items: ItemTable, keys: list[str], features: FeatureSpec, out: Path) -> dict[str, Any]:
+    """A two-tower model's item vectors of the whole catalogue, with their ids, as :data:`ITEMS_FILE`; returns its part
+    of ``feature_spec.json``. Chunked as the full-corpus evaluation builds its index (``model.corpus_chunk_rows``)."""
+    two_tower = cast(TwoTowerModel, model)
+    chunk = int(getattr(model, "corpus_chunk_rows", 8192))
+    parts = []
+    with torch.no_grad():
+        for start in range(0, len(items), chunk):
+            dense, sparse = items.rows(np.arange(start, min(start + chunk, len(items))), keys, features.dense_names)
+            parts.append(two_tower.tower("item", dense, sparse).float())
+    vectors = torch.cat(parts) if parts else torch.zeros(0, 0)
+    torch.save({"ids": torch.as_tensor(np.asarray(items.ids, dtype=np.int64)), "vectors": vectors}, out / ITEMS_FILE)
+    return {"file": ITEMS_FILE, "load": f"torch.load('{ITEMS_FILE}')", "id_feature": items.id_feature,
+            "ids": {"dtype": "int64", "shape": [len(items)], "meaning": f"each item's {items.id_feature} id, as the data encodes it"},
+            "vectors": {"dtype": "float32", "shape": [len(items), int(vectors.shape[1]) if parts else 0],
+                        "meaning": "item_tower.pt2's vectors of those items, row for row: the candidate index"}}
 
 
 def _options(cfg: DictConfig) -> ExportConfig:

@@ -38,13 +38,35 @@ def check_embedding_dim(key: str, dim: int) -> None:
         )
 
 
+EVICTION_POLICIES = ("lfu", "lru", "distance_lfu")
+"""Eviction policies of a managed-collision table (TorchRec's MCH ``LFU_``, ``LRU_``, ``DistanceLFU_EvictionPolicy``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ManagedCollision:
+    """How a table maps raw ids to its rows through TorchRec's managed-collision (MCH) module, rather than by hashing.
+
+    The table's ``num_embeddings`` rows are the slots; raw ids in ``[0, input_hash_size)`` are admitted to a slot
+    every ``eviction_interval`` training steps by ``eviction_policy``, evicting the ids it scores lowest (``decay_exponent``
+    weighs how fast an id's last access ages it: ``lru`` and ``distance_lfu``). The last slot of the table (of each
+    row-wise shard) is the fallback: an id holding no slot reads it. Carried by :class:`SparseFeature`, so the models
+    build the module; the data configs declare it (``recsys_runner.data.collision``).
+    """
+
+    input_hash_size: int
+    eviction_policy: str = "lfu"
+    eviction_interval: int = 100
+    decay_exponent: float = 1.0
+
+
 @dataclass(frozen=True, slots=True)
 class SparseFeature:
     """A categorical feature whose ids lie in ``[0, num_embeddings)``.
 
     ``embedding_dim=None`` takes the model's ``embedding_dim``; ``table=None`` gives the feature a
     table of its own (``t_<name>``); features naming the same ``table`` share its rows, and must then
-    agree on ``num_embeddings``, ``embedding_dim`` and ``pooling``.
+    agree on ``num_embeddings``, ``embedding_dim`` and ``pooling``. ``managed_collision``: the feature's raw ids are
+    mapped to rows by a managed-collision module (:class:`ManagedCollision`), not hashed by the data.
     """
 
     name: str
@@ -52,6 +74,7 @@ class SparseFeature:
     embedding_dim: int | None = None
     pooling: str = "sum"
     table: str | None = None
+    managed_collision: ManagedCollision | None = None
 
     @property
     def table_name(self) -> str:
@@ -107,6 +130,10 @@ class FeatureSpec:
     label: str | tuple[str, ...] = "label"
     sequences: tuple[SequenceGroup, ...] = ()
     """The histories among ``sparse`` (:class:`SequenceGroup`); empty for data without sequences."""
+    sampled_items: int = 0
+    """The last ``sampled_items`` (``K``) rows of every *training* batch are sampled catalogue items (item features only,
+    user features empty, labels 0), appended after the ``B`` real rows by ``data.negatives``: a two-tower model scores its
+    ``B`` queries against ``B + K`` candidates. Eval batches carry none. 0: every row is a real row."""
 
     def __post_init__(self) -> None:
         names = self.sparse_names
@@ -123,6 +150,8 @@ class FeatureSpec:
             if group.timestamps is not None and group.timestamps in names:
                 raise ConfigError(f"data.sequences.{group.name}.timestamps={group.timestamps!r} is a sparse feature; event times "
                                   f"are not embedded. Fix: remove it from data.sparse")
+        if self.sampled_items < 0:
+            raise ConfigError(f"FeatureSpec.sampled_items must be >= 0, got {self.sampled_items}")
         groups = [g.name for g in self.sequences]
         if len(set(groups)) != len(groups):
             raise ConfigError(f"sequence group names {groups} repeat; give each group its own name")
@@ -226,6 +255,20 @@ class FeatureSpec:
             existing.feature_names.append(f.name)
         skip = self.sequence_table_names if skip_sequence_tables else set()
         return [t for t in tables.values() if t.name not in skip]
+
+    def managed_tables(self) -> dict[str, ManagedCollision]:
+        """Each managed-collision table's settings by table name (empty: every table reads ids as the data encoded them).
+
+        Raises:
+            ConfigError: features sharing a table disagree on its managed collision.
+        """
+        managed: dict[str, tuple[str, ManagedCollision | None]] = {}
+        for f in self.sparse:
+            first = managed.setdefault(f.table_name, (f.name, f.managed_collision))
+            if first[1] != f.managed_collision:
+                raise ConfigError(f"sparse features {first[0]!r} and {f.name!r} share table {f.table_name!r} but not its "
+                                  f"managed_collision ({first[1]} vs {f.managed_collision}). Fix: give both the same settings")
+        return {t: mc for t, (_, mc) in managed.items() if mc is not None}
 
     def embedding_dims(self, embedding_dim: int) -> list[int]:
         """Each sparse feature's width, in ``sparse`` order: its own ``embedding_dim``, else ``embedding_dim``."""

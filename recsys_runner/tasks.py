@@ -11,8 +11,8 @@ kind (config name)     loss                    metrics see                     d
 =====================  ======================  ==============================  =======================
 :class:`BinaryTask`    BCE on 0/1 labels       ``sigmoid(logits)``, labels     ``metrics.eval/train``
 :class:`RegressionTask`  MSE                   raw predictions, targets        mse, mae / mse
-:class:`InBatchSoftmaxTask`  softmax CE over   scores ``[B, C]``, positive     recall@10 / none
-                       the in-batch scores     index ``[B]`` (the diagonal)
+:class:`InBatchSoftmaxTask`  softmax CE over   scores ``[Q, C]``, positive     inbatch_recall@10 / none
+                       the in-batch scores     index ``[Q]`` (the diagonal)
 :class:`NextItemTask`  softmax CE over the     full-table scores ``[B, N]``,   hr@10, ndcg@10, hr@50 /
                        model's sampled logits  true item ids ``[B]``           none
 =====================  ======================  ==============================  =======================
@@ -71,6 +71,9 @@ class Task(abc.ABC):
     metric_inputs_kinds: ClassVar[tuple[str, ...]] = ("pointwise", "grouped")
     """Which registered metrics apply (their ``inputs``, see ``metrics.register_metric``): per-row
     predictions feed pointwise and grouped metrics, score matrices feed retrieval metrics."""
+    catalogue_kinds: ClassVar[tuple[str, ...]] = ()
+    """Which of :attr:`metric_inputs_kinds` are not computed from the output but by a pass over the data's item
+    catalogue (a two-tower model's full-corpus ``recall@k``: ``train/corpus.py``); none for most kinds."""
 
     def targets(self, output: Tensor, labels: Tensor) -> Tensor:
         """What ``output`` is trained against: the task's label column (``[B]``)."""
@@ -135,15 +138,19 @@ class RegressionTask(Task):
 
 @dataclass(frozen=True, slots=True)
 class InBatchSoftmaxTask(Task):
-    """Retrieval by in-batch softmax: the output is query×candidate scores ``[B, C]`` whose positive for
-    query ``b`` is candidate ``b``; softmax cross-entropy over each row. Metrics see the scores and the
-    positives' indices ``[B]`` (``recall@k``); the train step logs no metrics."""
+    """Retrieval by in-batch softmax: the output is query×candidate scores ``[Q, C]`` (``Q <= C``: the batch's last
+    ``C - Q`` rows may be sampled items, candidates only) whose positive for query ``q`` is candidate ``q``; softmax
+    cross-entropy over each row (any logQ correction is the model's, in its training scores). Metrics see the scores
+    and the positives' indices ``[Q]`` (``inbatch_recall@k``); the full-corpus ranking metrics (``recall@k``,
+    ``ndcg@k``, ``mrr``, ``coverage@k``) are computed over the data's item catalogue instead; the train step logs
+    no metrics."""
 
     kind: ClassVar[str] = "retrieval"
     reads_labels: ClassVar[bool] = False
-    default_eval_metrics: ClassVar[tuple[str, ...] | None] = ("recall@10",)
+    default_eval_metrics: ClassVar[tuple[str, ...] | None] = ("inbatch_recall@10",)
     default_train_metrics: ClassVar[tuple[str, ...] | None] = ()
-    metric_inputs_kinds: ClassVar[tuple[str, ...]] = ("retrieval",)
+    metric_inputs_kinds: ClassVar[tuple[str, ...]] = ("retrieval", "ranking")
+    catalogue_kinds: ClassVar[tuple[str, ...]] = ("ranking",)
 
     def targets(self, output: Tensor, labels: Tensor) -> Tensor:
         return torch.arange(output.shape[0], device=output.device)

@@ -272,9 +272,9 @@ def test_bad_metric_configs_say_what_to_fix(kwargs: dict, message: str) -> None:
 
 
 def test_recall_only_collection_and_registry_refuses_duplicates() -> None:
-    m = build_eval_metrics(MetricsConfig(eval=["recall@1", "recall@2"], train=[]), CPU)
+    m = build_eval_metrics(MetricsConfig(eval=["inbatch_recall@1", "inbatch_recall@2"], train=[]), CPU)
     m.update(t(0.9, 0.1, 0.5, 0.2, 0.8, 0.8, 0.3, 0.2, 0.1).view(3, 3), torch.tensor([2, 1, 0]))
-    assert {k: round(float(v), 4) for k, v in m.compute().items()} == {"recall@1": 0.3333, "recall@2": 1.0}
+    assert {k: round(float(v), 4) for k, v in m.compute().items()} == {"inbatch_recall@1": 0.3333, "inbatch_recall@2": 1.0}
     with pytest.raises(ValueError, match="already registered"):
         register_metric("auc", AUC, "pointwise", "again")
     with pytest.raises(ValueError, match="already registered"):
@@ -294,7 +294,7 @@ def test_direction_is_the_metric_class_s(key: str, higher: bool) -> None:
 def test_every_registered_metric_states_its_direction() -> None:
     assert {name: entry.higher_is_better for name, entry in METRICS.items()} == {
         "auc": True, "gauc": True, "xauc": True, "accuracy": True,
-        "logloss": False, "ne": False, "mae": False, "mse": False, "calibration": None,
+        "logloss": False, "ne": False, "mae": False, "mse": False, "calibration": None, "mrr": True,
     }
     assert DecayAUC.higher_is_better is True and RecallAtK.higher_is_better is True
 

@@ -26,7 +26,7 @@ POINTWISE = MetricsConfig(
     decay_step=2,
     xauc_max_pairs=5000,  # below the union's pair count: the sampled path must also agree
 )
-RETRIEVAL = MetricsConfig(eval=["recall@1", "recall@3"], train=[])
+RETRIEVAL = MetricsConfig(eval=["inbatch_recall@1", "inbatch_recall@3"], train=[])
 STEPS = 5
 
 

@@ -54,14 +54,14 @@ def test_mmoe_learns_every_task_and_logs_per_task_keys(make_cfg, mlflow_uri: str
 
 
 def test_dssm_recall_far_above_random_candidates(make_cfg, mlflow_uri: str) -> None:
-    cfg = make_cfg("model=dssm", "data=synthetic_retrieval", "optim=adagrad", "optim.lr=0.1",
-                   "model.eval_metrics=[recall@10,recall@50]")
+    cfg = make_cfg("model=dssm", "data=synthetic_retrieval", "optim=adagrad", "optim.lr=0.1", "model.logq_correction=false",
+                   "model.eval_metrics=[inbatch_recall@10,inbatch_recall@50]")
     final = train_logged(cfg)
     random_rate = 10 / 256  # the positive among 256 in-batch candidates, ranked at random
-    assert final["eval/recall_at_10"] > 3 * random_rate, final
-    assert final["eval/recall_at_50"] > final["eval/recall_at_10"]
+    assert final["eval/inbatch_recall_at_10"] > 3 * random_rate, final
+    assert final["eval/inbatch_recall_at_50"] > final["eval/inbatch_recall_at_10"]
     _, _, logged = logged_metrics(mlflow_uri, cfg.tracking.experiment)
-    assert {"eval/recall_at_10", "eval/recall_at_50", "train/loss"} <= set(logged)
+    assert {"eval/inbatch_recall_at_10", "eval/inbatch_recall_at_50", "train/loss"} <= set(logged)
     assert not any(k.startswith("train/auc") for k in logged)
 
 
@@ -110,7 +110,7 @@ def test_synthetic_multitask_labels_follow_the_funnel() -> None:
         (["model=dssm", "model.user_features=[user_id]"],
          r"model.user_features has \['user_id'\], which the data does not have. Valid feature names: cat_0, cat_1, .*int_0"),
         (["model=dssm", "model.item_features=[cat_0]"], r"features \['cat_0'\] are in both model.user_features and model.item_features"),
-        (["model=dssm", "model.eval_metrics=[auc]"], r"DSSM's eval is retrieval, so only recall@<k> applies"),
+        (["model=dssm", "model.eval_metrics=[auc]"], r"DSSM's eval is retrieval, so only mrr, .*inbatch_recall@<k>.* apply"),
         (["model=mmoe", "model.expert_layer_sizes=[]"], "model.expert_layer_sizes must list at least one layer size"),
     ],
 )

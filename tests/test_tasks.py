@@ -33,7 +33,7 @@ def test_default_metrics_come_from_the_kind_unless_the_task_sets_its_own() -> No
     assert SINGLE_TASK == (BinaryTask(),)
     assert BinaryTask().eval_metric_names(spec.eval) == ["auc", "logloss"] and BinaryTask().train_metric_names(spec.train) == ["auc"]
     assert RegressionTask("w").eval_metric_names(spec.eval) == ["mse", "mae"] and RegressionTask("w").train_metric_names(spec.train) == ["mse"]
-    assert InBatchSoftmaxTask().eval_metric_names(spec.eval) == ["recall@10"] and InBatchSoftmaxTask().train_metric_names(spec.train) == []
+    assert InBatchSoftmaxTask().eval_metric_names(spec.eval) == ["inbatch_recall@10"] and InBatchSoftmaxTask().train_metric_names(spec.train) == []
     assert InBatchSoftmaxTask(eval_metrics=("recall@5",)).eval_metric_names(spec.eval) == ["recall@5"]
     keys = eval_metric_keys(spec, (BinaryTask("ctr", column=0), RegressionTask("watch", column=1)))
     assert keys == ["eval/ctr/auc", "eval/ctr/logloss", "eval/watch/mse", "eval/watch/mae"]

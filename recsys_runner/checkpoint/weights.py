@@ -24,6 +24,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 
 from recsys_runner.checkpoint.storage import CheckpointStorage, TensorIndex
 from recsys_runner.errors import CheckpointError, ConfigError
+from recsys_runner.models.collision import restore_collision_state
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,8 @@ class TrainingParts:
 
     def take(self, loaded: Mapping[str, Any], with_optimizer: bool) -> None:
         """Hand what :func:`load_into` returned to the optimizer (``with_optimizer``) and the tensor holders; the
-        model's tensors were loaded in place."""
+        model's tensors were loaded in place, so its managed-collision mappings are checked and re-sorted here."""
+        restore_collision_state(self.model)
         if with_optimizer:
             nested: dict[str, dict[str, Any]] = {}
             for key, states in self.optimizer.state_dict()["state"].items():
@@ -107,6 +109,12 @@ def load_into(
         if missing:
             raise CheckpointError(f"checkpoint {path} does not match this model/optimizer: it lacks {missing[:5]} "
                                   f"({len(missing)} in all); resume needs the same config (fine-tune with checkpoint.init_from)")
+        resized = [f"{k} is {index[k]} there, {_shape(v)} here" for k, v in ours.items()
+                   if k.startswith("model/") and index.get(k) is not None and index[k] != _shape(v)]
+        if resized:  # by name, before DCP's own size check fails inside its load plan
+            raise CheckpointError(f"checkpoint {path} does not match this model: {'; '.join(resized[:3])} ({len(resized)} in all): "
+                                  f"a table's num_embeddings (a managed-collision table's slots) or a width changed. Fix: resume "
+                                  f"with the training run's data and model settings (fine-tune with checkpoint.init_from)")
     wanted = dict(sources(index)) if sources is not None else {k: k for k in ours}
     if rule == "fine_tune":
         wanted = _shared(path, index, ours, wanted)

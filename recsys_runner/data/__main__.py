@@ -65,7 +65,8 @@ def converted_schema(schema: Schema) -> Schema:
         labels=schema.labels,
         label_kinds=schema.label_kinds,
         dense=[DenseColumn(name=d.name) for d in schema.dense],
-        sparse=[SparseColumn(name=s.name, num_embeddings=s.num_embeddings, pooling=s.pooling, embedding_dim=s.embedding_dim, table=s.table)
+        sparse=[SparseColumn(name=s.name, num_embeddings=s.num_embeddings, pooling=s.pooling, embedding_dim=s.embedding_dim, table=s.table,
+                             managed_collision=s.managed_collision)  # raw ids stay raw: the model maps them
                 for s in schema.sparse],
         sequences=list(schema.sequences),
     )

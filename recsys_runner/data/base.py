@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 
 from recsys_runner.configurable import Configurable
+from recsys_runner.data.items import ItemTable
 from recsys_runner.errors import DataError, require
 from recsys_runner.features import DataNeeds, FeatureSpec
 
@@ -59,6 +60,12 @@ class DataModule(Protocol):
         """Counters since the module was built (e.g. ``data/bad_rows_skipped``), logged with the training
         metrics (summed over ranks); none by default."""
         return {}
+
+    def item_table(self) -> ItemTable | None:
+        """The item catalogue (:class:`~recsys_runner.data.items.ItemTable`, encoded as this data's rows) that sampled
+        negatives are drawn from and full-corpus evaluation scores against; ``None`` when the data has none (the default:
+        a retrieval model then sees only the items of its batches)."""
+        return None
 
     def explain_empty_epoch(self, epoch: int, rank: int) -> str:
         """Why the last pass over ``train_batches(epoch, rank, …)`` ended before one full training step (rows

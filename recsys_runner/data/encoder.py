@@ -236,6 +236,10 @@ class Encoder:
                     return f"{shown} is not a hexadecimal string"
                 if col.encoding == "vocab":
                     return f"{shown} is neither text nor an integer (encoding=vocab)"
+                if col.encoding == "raw":
+                    space = col.managed_collision.input_hash_size if col.managed_collision is not None else 0
+                    return (f"raw id {shown} is outside [0, {space}). Raise data.sparse[{col.name}].managed_collision."
+                            f"input_hash_size, or pass the ids as text (hashed into it)")
                 if col.encoding == "id":
                     return (f"id {shown} is outside [0, {col.num_embeddings}) (encoding=id). Raise data.sparse[{col.name}].num_embeddings, "
                             f"or use encoding=mod or hash")
@@ -264,6 +268,8 @@ class Encoder:
             if not is_text:
                 return np.zeros(len(flat), np.int64), np.ones(len(flat), bool)
             values, wrong = parse_hex(flat)
+        elif is_text and col.encoding == "raw":
+            return _raw_text(flat, col)
         elif is_text:
             values, wrong = parse_int(flat)
         elif pa.types.is_unsigned_integer(flat.type) and flat.type.bit_width == 64:
@@ -276,8 +282,20 @@ class Encoder:
             return np.zeros(len(flat), np.int64), np.ones(len(flat), bool)
         if col.encoding == "mod":
             return np.mod(values, col.size), wrong
-        out = (values < 0) | (values >= col.size)
+        limit = col.managed_collision.input_hash_size if col.managed_collision is not None else col.size
+        out = (values < 0) | (values >= limit)
         return values, out if wrong is None else (out | wrong)
+
+
+def _raw_text(flat: pa.Array, col: SparseColumn) -> tuple[np.ndarray, None]:
+    """``encoding: raw`` text: a non-negative integer written as text is that id, any other value its FNV-1a hash, both modulo the
+    raw id space, so the managed-collision module sees every value as one stable id (never a bad row)."""
+    assert col.managed_collision is not None, "encoding=raw is a managed-collision column's"
+    space = col.managed_collision.input_hash_size
+    digits = pc.fill_null(pc.match_substring_regex(flat, r"^[0-9]{1,18}$"), False)
+    values = np.asarray(pc.if_else(digits, flat, "0").cast(pa.int64()).to_numpy(zero_copy_only=False), dtype=np.int64)
+    hashed = (fnv1a64(flat) % np.uint64(space)).astype(np.int64)
+    return np.where(np.asarray(digits.to_numpy(zero_copy_only=False), dtype=bool), np.mod(values, space), hashed), None
 
 
 # -- Arrow helpers ------------------------------------------------------------------------------------

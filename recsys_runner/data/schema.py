@@ -18,12 +18,13 @@ from typing import Any
 import pyarrow.parquet as pq
 import yaml
 
+from recsys_runner.data.collision import ManagedCollisionConfig, collision_config
 from recsys_runner.data.vocabulary import Vocabulary
 from recsys_runner.errors import ConfigError, require
 from recsys_runner.features import POOLINGS, FeatureSpec, SequenceGroup, SparseFeature, check_embedding_dim
 
 DENSE_TRANSFORMS = ("none", "log1p")
-SPARSE_ENCODINGS = ("id", "mod", "hash", "vocab")
+SPARSE_ENCODINGS = ("id", "mod", "hash", "vocab", "raw")
 LABEL_KINDS = ("binary", "regression")
 """How a label column is checked: ``binary`` (every value 0 or 1) or ``regression`` (any finite float)."""
 
@@ -61,6 +62,8 @@ class SparseColumn:
     ``vocab``: each value of the sample of the training files gets a row of its own (the most frequent first, up to
     ``num_embeddings - oov_buckets``), every other value is hashed into the last ``oov_buckets`` rows, so ids unseen
     in training never share a row with seen ones (the vocabulary is built from the files at start-up, never stored).
+    ``raw``: the raw id (an integer in ``[0, managed_collision.input_hash_size)``, text hashed into it), mapped to a row
+    by the model's managed-collision module; only with ``managed_collision``, whose encoding it is.
     ``null``: ``id`` when ``num_embeddings`` is given; when the data sizes it, ``vocab`` if the sample covers the
     column (``data.infer.max_unseen_fraction``), else ``hash`` (``mod`` with ``hex``)."""
     oov_buckets: int | None = None
@@ -78,14 +81,22 @@ class SparseColumn:
     pairwise, DeepFM and DLRM, need one width: their ``same_embedding_width``)."""
     table: str | None = None
     """Name of a table shared with other features; ``null`` gives the feature its own table."""
+    managed_collision: ManagedCollisionConfig | None = None
+    """Map raw ids to the table's ``num_embeddings`` slots with TorchRec's managed-collision module (admission and
+    eviction) instead of hashing (``recsys_runner/data/collision.py``, docs/data.md); ``encoding`` is then ``raw``."""
 
     def __post_init__(self) -> None:
         key = f"data.sparse[{self.name}]"
+        self.managed_collision = collision_config(self.managed_collision, ManagedCollisionConfig, f"{key}.managed_collision")
+        if self.managed_collision is not None:
+            self._check_managed(key)
         if self.encoding is None and self.num_embeddings is not None:
             self.encoding = "id"  # unsized: decided when the data sizes it (vocab or hash)
         require(self.num_embeddings is None or self.num_embeddings > 0, f"{key}.num_embeddings must be positive, got {self.num_embeddings}")
         require(self.encoding is None or self.encoding in SPARSE_ENCODINGS,
                 f"{key}.encoding={self.encoding!r} must be one of {SPARSE_ENCODINGS}")
+        require(self.encoding != "raw" or self.managed_collision is not None, f"{key}.encoding=raw passes raw ids, which only a "
+                f"managed-collision table maps to rows. Fix: add {key}.managed_collision={{}} (docs/data.md), or encoding=hash")
         require(self.oov_buckets is None or self.oov_buckets >= 1, f"{key}.oov_buckets must be at least 1, got {self.oov_buckets}")
         require(self.encoding != "vocab" or self.num_embeddings is None or self.oov_buckets is None
                 or self.num_embeddings > self.oov_buckets,
@@ -97,6 +108,16 @@ class SparseColumn:
         require(not (self.hex and self.encoding == "hash"),
                 f"{key}: hex=true parses values to integers, which encoding=hash does not need; use encoding=mod with hex=true, or hex=false")
 
+    def _check_managed(self, key: str) -> None:
+        """A managed column is sized by its config (its slots) and encoded ``raw``: the model, not the data, maps ids to rows."""
+        assert self.managed_collision is not None
+        require(self.num_embeddings is not None, f"{key}.managed_collision needs {key}.num_embeddings: the number of slots "
+                f"(rows) the managed-collision module maps raw ids to. Fix: set it, e.g. {key}.num_embeddings=100000")
+        require(self.encoding in (None, "raw"), f"{key}.encoding={self.encoding!r} hashes ids in the data, but "
+                f"managed_collision maps raw ids itself. Fix: {key}.encoding=raw (or leave it out)")
+        self.encoding = "raw"
+        self.managed_collision.check(f"{key}.managed_collision", self.num_embeddings)
+
     @property
     def size(self) -> int:
         """``num_embeddings`` once known (a :class:`Schema`'s columns are always sized)."""
@@ -105,7 +126,8 @@ class SparseColumn:
 
     def feature(self, default_pooling: str = "sum") -> SparseFeature:
         """The sparse feature; ``default_pooling`` where ``pooling`` is ``null`` (``mean`` on tables histories read)."""
-        return SparseFeature(self.name, self.size, self.embedding_dim, self.pooling or default_pooling, self.table)
+        managed = self.managed_collision.spec() if self.managed_collision is not None else None
+        return SparseFeature(self.name, self.size, self.embedding_dim, self.pooling or default_pooling, self.table, managed)
 
     @property
     def table_name(self) -> str:

@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
@@ -38,7 +39,11 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.data.base import DataConfig, DataModule
+from recsys_runner.data.collision import SyntheticCollisionConfig, collision_config, spread_ids
+from recsys_runner.data.items import ItemTable
+from recsys_runner.data.negatives import NegativeSampler, NegativesConfig
 from recsys_runner.data.schema import LABEL_KINDS
+from recsys_runner.data.synthetic_items import generated_item_table, item_lookups, pair_popularity
 from recsys_runner.data.synthetic_sequences import SyntheticSequencesConfig
 from recsys_runner.errors import require
 from recsys_runner.features import DataNeeds, FeatureSpec, SparseFeature
@@ -91,6 +96,13 @@ class SyntheticDataConfig(DataConfig):
     item_features: list[str] | None = None
     """The pairs' item columns, each drawn in the user's cluster; ``null``: the sparse features of the
     model's item tower, else ``[cat_1]``."""
+    negatives: NegativesConfig = field(default_factory=NegativesConfig)
+    """Catalogue items appended to every training batch as shared negatives (``num_negatives``, ``distribution``, ``alpha``;
+    docs/retrieval.md), drawn from the generated item table of the (user, item) pairs. ``num_negatives: 0``: in-batch only."""
+    managed_collision: Any = None
+    """Managed-collision tables (docs/data.md, ``SyntheticCollisionConfig``): ``{features: [cat_0], distinct_ids: …, eviction_policy: lfu, …}`` gives
+    those columns raw ids drawn from ``distinct_ids`` (default 10× their slots), mapped to ``num_embeddings`` slots by
+    the model's managed-collision module. ``null``: every column is an id in its table."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -137,6 +149,9 @@ class SyntheticDataConfig(DataConfig):
             f"data.num_eval_rows={self.num_eval_rows} is smaller than one batch (data.batch_size={self.batch_size})",
         )
         require(self.id_skew > 0, f"data.id_skew must be positive, got {self.id_skew}")
+        self.managed_collision = collision_config(self.managed_collision, SyntheticCollisionConfig, "data.managed_collision")
+        if self.managed_collision is not None:
+            self.managed_collision.check_features(sparse, list(self.num_embeddings_per_feature or [self.num_embeddings] * self.num_sparse))
 
     def default_num_steps(self) -> int:
         """:data:`DEFAULT_NUM_STEPS`: generated rows are an arbitrary amount, so the default length is in steps, not epochs."""
@@ -184,7 +199,9 @@ class SyntheticDataConfig(DataConfig):
         that attends over histories: the Criteo-shaped columns have none. Logged, so that the switch is seen."""
         changed = {f.name: getattr(self, f.name) for f in fields(self)
                    if f.name != "_target_" and getattr(self, f.name) != getattr(SyntheticDataConfig, f.name, None)}
-        own = {f.name for f in fields(SyntheticSequencesConfig)}
+        if not self.negatives.enabled:  # the histories' data.negatives is another thing: a share of negative rows
+            changed.pop("negatives")
+        own = {f.name for f in fields(SyntheticSequencesConfig)} - {"negatives"}
         shared = {k: v for k, v in changed.items() if k in own}
         log.info("the model attends over user histories, which data=synthetic does not have: generating them as "
                  "data=synthetic_sequences does (set data=synthetic_sequences to tune them)")
@@ -216,10 +233,15 @@ class SyntheticData(DataModule):
         assert isinstance(c.num_workers, int)
         self._workers = c.num_workers
         self._pin = bool(c.pin_memory)
-        sizes = list(c.num_embeddings_per_feature or [c.num_embeddings] * c.num_sparse)
+        slots = list(c.num_embeddings_per_feature or [c.num_embeddings] * c.num_sparse)
+        mc, names = c.managed_collision, _sparse_names(c.num_sparse)
+        sizes = mc.check_features(names, slots) if mc is not None else slots  # ids drawn per column: a managed one's raw ids
+        managed = {n: mc.spec() for n in mc.features} if mc is not None else {}
+        self._raw = [(j, sizes[j], managed[n].input_hash_size) for j, n in enumerate(names) if n in managed]
+        """``(column, distinct ids, input_hash_size)`` of each managed column: its ids are spread over that raw id space."""
         self.features = FeatureSpec(
             dense_names=tuple(f"int_{i}" for i in range(c.num_dense)),
-            sparse=tuple(SparseFeature(f"cat_{i}", n) for i, n in enumerate(sizes)),
+            sparse=tuple(SparseFeature(n, k, managed_collision=managed.get(n)) for n, k in zip(names, slots, strict=True)),
             label=tuple(c.tasks) if c.tasks is not None else "label",
         )
         self.batch_size = c.batch_size
@@ -239,6 +261,38 @@ class SyntheticData(DataModule):
             names = self.features.sparse_names
             self._user = names.index(c.user_feature or "cat_0")
             self._items = [names.index(n) for n in c.item_features or ["cat_1"]]
+        self._catalogue, self._sampler = self._open_catalogue(c, sizes)
+
+    def _open_catalogue(self, c: SyntheticDataConfig, sizes: list[int]) -> tuple[ItemTable | None, NegativeSampler | None]:
+        """The generated item table of the (user, item) pairs (none without pairs) and, with ``data.negatives``, its sampler;
+        the item columns after the first become functions of the item id (``self._lookups``) so that the catalogue is real."""
+        self._lookups: list[torch.Tensor] = []
+        table = None
+        if self._clusters is not None:
+            first, others = self._items[0], self._items[1:]
+            lookups = item_lookups(sizes[first], [sizes[j] for j in others], self._clusters, c.seed)
+            self._lookups = [torch.from_numpy(v) for v in lookups]
+            names = [self.features.sparse_names[j] for j in self._items]
+            popularity = pair_popularity(sizes[first], sizes[self._user], self._clusters, c.id_skew)
+            table = generated_item_table(names, lookups, popularity, self._as_generated)
+        c.negatives.check(table, self.features, "the generated data has no (user, item) pairs. Fix: data=synthetic_retrieval, or a "
+                                                "two-tower model (model=dssm), or data.user_item_clusters=<K>")
+        if table is None or not c.negatives.enabled:
+            return table, None
+        sampler = NegativeSampler(c.negatives, table, self.features, c.seed)
+        self.features = sampler.features(self.features)
+        return table, sampler
+
+    def _as_generated(self, name: str, ids: np.ndarray) -> np.ndarray:
+        """Column ``name``'s ids as batches carry them (a managed-collision column's spread over its raw id space)."""
+        j = self.features.sparse_names.index(name)
+        for column, *spread in self._raw:
+            if column == j:
+                return spread_ids(torch.from_numpy(ids), *spread).numpy()
+        return ids
+
+    def item_table(self) -> ItemTable | None:
+        return self._catalogue
 
     def num_train_batches(self, world_size: int) -> int:
         return self._num_train_batches // world_size
@@ -285,15 +339,20 @@ class SyntheticData(DataModule):
         ids = (self._sizes * u.pow(self._id_skew)).long().clamp_max_(self._sizes.long() - 1)
         if self._clusters is not None:
             k = self._clusters
-            for j in self._items:
-                moved = ids[:, j] - ids[:, j] % k + ids[:, self._user] % k
-                ids[:, j] = torch.where(moved < int(self._sizes[j]), moved, (moved - k).clamp_min(0))
+            first = self._items[0]
+            moved = ids[:, first] - ids[:, first] % k + ids[:, self._user] % k
+            ids[:, first] = torch.where(moved < int(self._sizes[first]), moved, (moved - k).clamp_min(0))
+            for j, lookup in zip(self._items[1:], self._lookups, strict=True):
+                ids[:, j] = lookup[ids[:, first]]  # the item's own value: one catalogue row per item id
         dense = torch.randn(n, self.features.num_dense, generator=g)
         score = self._world.score(dense, ids)
         labels = torch.bernoulli(torch.sigmoid(score), generator=g)
         if self.features.multi_label:
             labels = torch.stack(self._task_labels(labels, score, dense, ids, g), dim=1)
-        return dense, ids.t().reshape(-1), torch.ones(n * f, dtype=torch.int32), labels
+        for j, distinct, space in self._raw:
+            ids[:, j] = spread_ids(ids[:, j], distinct, space)
+        tensors = (dense, ids.t().reshape(-1), torch.ones(n * f, dtype=torch.int32), labels)
+        return self._sampler.extend(tensors, (index,)) if self._sampler is not None and split == _TRAIN else tensors
 
     def _task_labels(self, click: torch.Tensor, score: torch.Tensor, dense: torch.Tensor, ids: torch.Tensor,
                      g: torch.Generator) -> list[torch.Tensor]:

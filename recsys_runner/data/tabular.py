@@ -42,6 +42,7 @@ from recsys_runner.data.base import DataModule, synchronized
 from recsys_runner.data.encoder import Encoder, Location, Rows, splitmix64
 from recsys_runner.data.histories import check_list_columns, expected_rows, history_costs, token_cuts
 from recsys_runner.data.infer import Inferred, complete_schema
+from recsys_runner.data.item_files import Catalogue
 from recsys_runner.data.schema import Schema, read_schema_file, schema_yaml, stored_schema
 from recsys_runner.data.sources import PARQUET_SUFFIXES, CsvSource, ParquetSource, Unit, resolve_files
 from recsys_runner.data.tabular_config import (
@@ -123,7 +124,8 @@ class _ShardStream(IterableDataset):
         workers = info.num_workers if info is not None else 1
         shard = self.rank * workers + (info.id if info is not None else 0)
         try:
-            yield from self.data._stream(self.split, self.epoch, shard, self.world_size * workers, self.train)
+            stream = self.data._stream(self.split, self.epoch, shard, self.world_size * workers, self.train)
+            yield from self.data.with_negatives(stream, self.epoch, shard, self.train)
         except DataError as e:
             if info is None:
                 raise
@@ -131,7 +133,7 @@ class _ShardStream(IterableDataset):
             yield ("error", str(e))
 
 
-class TabularData(DataModule, abc.ABC):
+class TabularData(Catalogue, DataModule, abc.ABC):
     """Batches from files; see the module docstring. Subclasses choose the source and the schema.
 
     Example::
@@ -176,6 +178,7 @@ class TabularData(DataModule, abc.ABC):
             for group in schema.sequences:
                 check_budget(config.batch_tokens, group.max_len)
             self.batch_size = expected_rows(train_source.sample(1000), schema, config.batch_tokens)
+        self.open_catalogue(train_source)  # data.items and data.negatives (item_files.py), checked before the first step
 
     def open_files(self, path: str, key: str) -> Any:
         """A row source over the files at ``path`` with this data option's own reader and format settings (the

@@ -14,6 +14,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from recsys_runner.data.base import DataConfig
 from recsys_runner.data.encoder import BAD_ROW_MODES
 from recsys_runner.data.infer import InferConfig
+from recsys_runner.data.item_files import ItemsConfig
+from recsys_runner.data.negatives import NegativesConfig
 from recsys_runner.data.schema import (
     DENSE_TRANSFORMS,
     DenseColumn,
@@ -65,6 +67,12 @@ class TabularDataConfig(DataConfig):
     infer: InferConfig = field(default_factory=InferConfig)
     """How what the config leaves open (no column list, a sparse column without ``num_embeddings``, no label) is
     inferred from a sample of the files; the run logs the result as a schema file (docs/data.md, *Inferred schema*)."""
+    items: ItemsConfig = field(default_factory=ItemsConfig)
+    """The item catalogue of a two-tower model: ``{path: items.parquet, id: item_id, features: [cate_id], popularity: null}``,
+    each column encoded as the training data's same-named column (docs/retrieval.md); ``path: null``: none."""
+    negatives: NegativesConfig = field(default_factory=NegativesConfig)
+    """Sampled catalogue items appended to every training batch (``num_negatives``, ``distribution``, ``alpha``,
+    ``hard_column``, ``hard_ratio``; docs/retrieval.md); needs ``data.items``. ``num_negatives: 0``: in-batch only."""
 
     def __post_init__(self) -> None:
         require(bool(self.path), "data.path is required: a file, a directory or a glob, e.g. data.path=/data/train/")
@@ -79,6 +87,9 @@ class TabularDataConfig(DataConfig):
         )
         require(self.eval_fraction is None or 0 < self.eval_fraction < 1,
                 f"data.eval_fraction must lie strictly between 0 and 1, got {self.eval_fraction}")
+        require(not self.negatives.enabled or self.items.path is not None,
+                f"data.negatives.num_negatives={self.negatives.num_negatives} samples catalogue items, but data.items.path is null. "
+                f"Fix: data.items.path=<items file> data.items.id=<item id column>, or data.negatives.num_negatives=0")
 
 
 @dataclass(kw_only=True)

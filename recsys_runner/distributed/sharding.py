@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel, get_default_sharders
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.planner.stats import EmbeddingStats
@@ -34,7 +36,8 @@ from torchrec.distributed.planner.types import (
     TopologyFactory,
     TrainerConfig,
 )
-from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardingEnv, ShardingPlan, ShardingType
+from torchrec.distributed.types import EmbeddingModuleShardingPlan, ModuleSharder, ShardingEnv, ShardingPlan, ShardingType
+from torchrec.modules.mc_modules import ManagedCollisionCollection
 
 from recsys_runner.distributed.config import DistributedConfig, TableShardingConfig, resolve_device_type
 from recsys_runner.distributed.env import DistEnv, auto_num_threads
@@ -51,6 +54,34 @@ ONE_RANK_SHARDING_TYPES = [ShardingType.TABLE_WISE.value, ShardingType.DATA_PARA
 """The sharding types the planner may choose on one rank unless the config names others: row-wise and
 column-wise shard a table across ranks, and with one rank they only add work (row-wise: a bucketize and
 an all-to-all every step, measured on an H100), yet the planner's costs can still prefer them."""
+
+
+class _RowWiseOnCpu(EmbeddingBagCollectionSharder):
+    """TorchRec's EmbeddingBagCollection sharder, offering ``row_wise`` on CPU too: a managed-collision table's mapping
+    is sharded row-wise only, and its embedding table must follow (TorchRec's sharder offers ``row_wise`` on CUDA alone)."""
+
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        types = super().sharding_types(compute_device_type)
+        return types if ShardingType.ROW_WISE.value in types else [*types, ShardingType.ROW_WISE.value]
+
+
+class _ManagedSharder(ManagedCollisionEmbeddingBagCollectionSharder):
+    """TorchRec's ManagedCollisionEmbeddingBagCollection sharder over :class:`_RowWiseOnCpu`, offering only the compute
+    kernels its table sharder has on the device (TorchRec's lists UVM kernels on CPU too, which the planner's cost
+    estimator then rejects)."""
+
+    def __init__(self) -> None:
+        super().__init__(ebc_sharder=_RowWiseOnCpu())
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
+        offered = self._e_sharder.compute_kernels(sharding_type, compute_device_type)
+        return [k for k in super().compute_kernels(sharding_type, compute_device_type) if k in offered]
+
+
+def runner_sharders() -> list[ModuleSharder[nn.Module]]:
+    """TorchRec's default sharders (which include the managed-collision ones), the ManagedCollisionEmbeddingBagCollection
+    sharder replaced by :class:`_ManagedSharder` so that a managed table is shardable on CPU (gloo) as on CUDA."""
+    return [_ManagedSharder() if isinstance(s, ManagedCollisionEmbeddingBagCollectionSharder) else s for s in get_default_sharders()]
 
 
 @dataclass(frozen=True)
@@ -207,7 +238,7 @@ class Distributed:
         """Ask TorchRec's planner for a sharding plan that every rank agrees on (rank 0 plans, broadcasts)."""
         env = self._require_env()
         planner, recorder, _ = self._planner(model, batch_size, env.world_size, env.local_world_size, env.device.type)
-        plan = planner.collective_plan(model, get_default_sharders(), dist.GroupMember.WORLD)
+        plan = planner.collective_plan(model, runner_sharders(), dist.GroupMember.WORLD)
         if env.is_main:  # rank 0 planned, so its recorder holds the chosen options and their storage
             log.info("%s", plan_summary(plan, env.world_size, _rank_usage(recorder.best_plan, env.world_size)))
             log.debug("sharding plan (%d ranks):\n%s", env.world_size, plan)
@@ -226,7 +257,7 @@ class Distributed:
         budgets = [(int(d.storage.hbm * (1 - c.storage_reserve_percent)), int(d.storage.ddr * (1 - c.storage_reserve_percent)))
                    for d in topology.devices]
         try:
-            plan = planner.plan(model, get_default_sharders())
+            plan = planner.plan(model, runner_sharders())
         except PlannerError as e:
             return PlanReport(world_size, local_world_size, device_type, None, [], error=str(e).strip())
         used = _rank_usage(recorder.best_plan, world_size)
@@ -254,17 +285,19 @@ class Distributed:
         planner = EmbeddingShardingPlanner(
             topology=topology,
             batch_size=c.planner_batch_size or batch_size,
-            constraints=self._constraints(_table_names(model), world_size, set(_table_names(model, unpooled=True)), device_type),
+            constraints=self._constraints(_table_names(model), world_size, set(_table_names(model, unpooled=True)), device_type,
+                                          managed=_managed_table_names(model)),
             storage_reservation=FixedPercentageStorageReservation(percentage=c.storage_reserve_percent),
             stats=[_StatsAtDebug(), recorder],
         )
         return planner, recorder, topology
 
     def _constraints(self, tables: list[str], world_size: int, unpooled: set[str] | None = None,
-                     device_type: str = "cpu") -> dict[str, ParameterConstraints] | None:
+                     device_type: str = "cpu", managed: set[str] | None = None) -> dict[str, ParameterConstraints] | None:
         """Per-table planner constraints: the table's own choices, else the global ones, else (sharding
         types on one rank) :data:`ONE_RANK_SHARDING_TYPES`; ``unpooled`` tables (an EmbeddingCollection's: histories)
-        never get ``data_parallel`` (:func:`_unpooled_types`)."""
+        never get ``data_parallel`` (:func:`_unpooled_types`); ``managed`` (managed-collision) tables are row-wise, the
+        one way TorchRec shards their mapping (:func:`_managed_types`)."""
         c = self.config
         unknown = sorted(set(c.tables) - set(tables))
         if unknown:
@@ -279,6 +312,8 @@ class Distributed:
             types = list(own.sharding_types or sharding_types or [])  # a copy: never the shared default
             if table in (unpooled or set()):
                 types = _unpooled_types(table, types, device_type, chosen=own.sharding_types or c.sharding_types)
+            if table in (managed or set()):
+                types = _managed_types(table, chosen=own.sharding_types or c.sharding_types)
             constraints[table] = ParameterConstraints(sharding_types=types or None,
                                                       compute_kernels=own.compute_kernels or c.compute_kernels)
         return constraints
@@ -295,7 +330,7 @@ class Distributed:
             device=env.device,
             env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
             plan=plan,
-            sharders=get_default_sharders(),
+            sharders=runner_sharders(),
         )
 
     def _require_env(self) -> DistEnv:
@@ -343,9 +378,27 @@ def plan_summary(plan: ShardingPlan, world_size: int, usage: list[tuple[int, int
 
 def _table_names(model: nn.Module, unpooled: bool = False) -> list[str]:
     """Every embedding table of ``model``: its EmbeddingBagCollections' (pooled) and EmbeddingCollections' (histories);
-    with ``unpooled`` only the latter."""
+    with ``unpooled`` only the latter. A ManagedCollisionCollection lists its tables' configs too, but holds no table."""
     getters = ("embedding_configs",) if unpooled else ("embedding_bag_configs", "embedding_configs")
-    return [config.name for module in model.modules() for getter in getters for config in getattr(module, getter, lambda: [])()]
+    return [config.name for module in model.modules() if not isinstance(module, ManagedCollisionCollection)
+            for getter in getters for config in getattr(module, getter, lambda: [])()]
+
+
+def _managed_table_names(model: nn.Module) -> set[str]:
+    """The tables of ``model`` whose ids a managed-collision module maps (``models/collision.py``)."""
+    return {c.name for m in model.modules() if isinstance(m, ManagedCollisionCollection) for c in m.embedding_configs()}
+
+
+def _managed_types(table: str, chosen: list[str] | None) -> list[str]:
+    """``[row_wise]``: TorchRec's ManagedCollisionCollectionSharder shards a mapping row-wise only (one rank included).
+
+    Raises:
+        ConfigError: the configured types (``chosen``) exclude ``row_wise``.
+    """
+    if chosen and ShardingType.ROW_WISE.value not in chosen:
+        raise ConfigError(f"table {table!r} is a managed-collision table, which TorchRec shards row_wise only, but the sharding "
+                          f"types {chosen} exclude it. Fix: +distributed.tables.{table}.sharding_types=[row_wise]")
+    return [ShardingType.ROW_WISE.value]
 
 
 def _unpooled_types(table: str, types: list[str], device_type: str, chosen: list[str] | None) -> list[str]:

@@ -23,6 +23,7 @@ from torchmetrics import Metric, MetricCollection
 
 from recsys_runner.errors import ConfigError, require
 from recsys_runner.metrics.classification import AUC, XAUC, Accuracy, Calibration, GroupedAUC, LogLoss, NormalizedEntropy
+from recsys_runner.metrics.corpus import AnnRecallAtK, CoverageAtK, MeanReciprocalRank
 from recsys_runner.metrics.decay import DecayAUC, DecayingMetric, TrainMetrics
 from recsys_runner.metrics.regression import MeanAbsoluteError, MeanSquaredError
 from recsys_runner.metrics.retrieval import HitRateAtK, NDCGAtK, RecallAtK
@@ -47,15 +48,21 @@ class MetricEntry:
 
 
 METRICS: dict[str, MetricEntry] = {}
-"""The metric registry, by config name. ``recall@<k>``, ``hr@<k>``, ``ndcg@<k>`` are matched by :data:`AT_K_NAME`."""
+"""The metric registry, by config name. ``recall@<k>``, ``inbatch_recall@<k>``, ``hr@<k>``, ``ndcg@<k>``, ``coverage@<k>``
+are matched by :data:`AT_K_NAME`."""
 
-AT_K: dict[str, tuple[type[RecallAtK] | type[HitRateAtK], Inputs, str]] = {
-    "recall": (RecallAtK, "retrieval", "recall at {k} over in-batch candidates"),
+AT_K: dict[str, tuple[type[RecallAtK] | type[HitRateAtK] | type[CoverageAtK] | type[AnnRecallAtK], Inputs, str]] = {
+    "inbatch_recall": (RecallAtK, "retrieval", "recall at {k} over in-batch candidates"),
+    "recall": (HitRateAtK, "ranking", "recall at {k} of the true item over the full item table (the whole catalogue)"),
     "hr": (HitRateAtK, "ranking", "hit rate at {k} of the true item over the full item table"),
     "ndcg": (NDCGAtK, "ranking", "NDCG at {k} of the true item over the full item table"),
+    "coverage": (CoverageAtK, "ranking", "share of the item table in some row's top {k}"),
+    "ann_recall": (AnnRecallAtK, "ranking", "share of the exact top {k} an approximate index (model.index=faiss) returns"),
 }
-"""The ``<name>@<k>`` metrics (``recall@10``, ``hr@10``, ``ndcg@10``): class, inputs, doc, by name."""
-AT_K_NAME = re.compile(r"(recall|hr|ndcg)@([0-9]+)")
+"""The ``<name>@<k>`` metrics (``recall@10``, ``hr@10``, ``ndcg@10``): class, inputs, doc, by name. ``recall@k`` is
+full-table (full-corpus) recall, which equals ``hr@k`` with one relevant item per row; ``inbatch_recall@k`` ranks among
+the batch's candidates only."""
+AT_K_NAME = re.compile(r"(inbatch_recall|ann_recall|recall|hr|ndcg|coverage)@([0-9]+)")
 """Names ``recall@1``, ``hr@10``, ``ndcg@50`` …: :data:`AT_K`'s class with that ``k``."""
 
 NAME_PATTERNS: dict[str, Inputs] = {f"{name}@<k>": inputs for name, (_, inputs, _) in AT_K.items()}
@@ -81,6 +88,7 @@ register_metric("ne", NormalizedEntropy, "pointwise", "log loss / entropy of the
 register_metric("calibration", Calibration, "pointwise", "sum of preds / sum of labels")
 register_metric("mae", MeanAbsoluteError, "pointwise", "mean absolute error")
 register_metric("mse", MeanSquaredError, "pointwise", "mean squared error")
+register_metric("mrr", MeanReciprocalRank, "ranking", "mean reciprocal rank of the true item over the full item table")
 
 
 def metric_entry(name: str, key: str = "metrics") -> MetricEntry:
@@ -92,7 +100,7 @@ def metric_entry(name: str, key: str = "metrics") -> MetricEntry:
         return MetricEntry(cls, lambda s: cls(k), inputs, doc.format(k=k))
     if name not in METRICS:
         raise ConfigError(f"{key}: unknown metric {name!r}. Valid names: {', '.join(sorted(METRICS))}, recall@<k> (e.g. recall@10), "
-                          f"hr@<k>, ndcg@<k>")
+                          f"inbatch_recall@<k>, hr@<k>, ndcg@<k>, coverage@<k>")
     return METRICS[name]
 
 
@@ -152,7 +160,7 @@ def higher_is_better(key: str) -> bool:
         return False
     if name not in METRICS and not AT_K_NAME.fullmatch(name):
         raise ConfigError(f"{key!r} names no metric with a known direction. Valid names: {', '.join(sorted(METRICS))}, "
-                          f"recall@<k> (e.g. recall@10), hr@<k>, ndcg@<k>, {LOSS}")
+                          f"recall@<k> (e.g. recall@10), inbatch_recall@<k>, hr@<k>, ndcg@<k>, coverage@<k>, {LOSS}")
     entry = metric_entry(name, key)
     if entry.higher_is_better is None:
         raise ConfigError(f"{key!r}: {name} ({entry.doc}) is best at a target value, neither higher nor lower, so it "
@@ -183,8 +191,9 @@ class MetricsConfig:
 
     eval: list[str] = field(default_factory=lambda: ["auc", "logloss"])
     """Eval metric names, each logged as ``eval/<name>``; see ``docs/metrics.md``. Pointwise and
-    ``gauc`` metrics combine; ``recall@<k>`` (retrieval scores) only with other ``recall@<k>``, ``hr@<k>`` and
-    ``ndcg@<k>`` (full-table ranking of a next item) only with each other."""
+    ``gauc`` metrics combine; ``inbatch_recall@<k>`` (in-batch retrieval scores) and the full-table ranking metrics
+    (``recall@<k>``, ``hr@<k>``, ``ndcg@<k>``, ``mrr``, ``coverage@<k>``) with each other only: a two-tower model
+    computes both kinds, the ranking ones over its item catalogue."""
     train: list[str] = field(default_factory=lambda: ["auc"])
     """Decaying train metrics, logged as ``train/<name>`` at the log cadence (``[]`` for none)."""
     decay_rate: float = 0.9
@@ -206,9 +215,9 @@ class MetricsConfig:
                 metric_entry(name, phase)
         kinds = {"pointwise" if e.inputs == "grouped" else e.inputs for e in map(metric_entry, self.eval)}
         require(
-            len(kinds) <= 1,
-            f"metrics.eval={list(self.eval)} mixes recall@<k> (query×candidate scores), hr@<k>/ndcg@<k> (full-table "
-            f"scores) and pointwise metrics (per-row predictions); a task produces one of them. Fix: keep only one kind",
+            len(kinds) <= 1 or kinds == {"retrieval", "ranking"},
+            f"metrics.eval={list(self.eval)} mixes recall@<k>/inbatch_recall@<k> (retrieval scores), hr@<k>/ndcg@<k> "
+            f"(full-table scores) and pointwise metrics (per-row predictions); a task produces one of them. Fix: keep only one kind",
         )
         untrainable = [n for n in self.train if n not in TRAIN_METRICS]
         require(

@@ -1,10 +1,13 @@
-"""Retrieval metrics: recall@k over query×candidate score matrices, HR@k and NDCG@k of a true item ranked against a whole
-item table (sums and counts, summed across ranks).
+"""Retrieval metrics: in-batch recall@k over query×candidate score matrices (``inbatch_recall@k``), HR@k and NDCG@k of a
+true item ranked against a whole item table (sums and counts, summed across ranks; :mod:`recsys_runner.metrics.corpus`
+has the chunked full-corpus pass, ``mrr`` and ``coverage@k``).
 
 Shape legend: ``Q`` queries, ``C`` candidates, ``B`` rows, ``N`` items in the table.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -39,6 +42,32 @@ class RecallAtK(SumMetric):
 
     def compute(self) -> Tensor:
         return self.hits / self.count.clamp_min(1)
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """Rows already ranked against a whole item table, for the full-table metrics' ``update`` instead of a score
+    matrix: a chunked full-corpus pass (:func:`recsys_runner.metrics.corpus.corpus_ranks`) never holds ``[B, N]``.
+
+    Attributes:
+        ranks: ``[B]`` float64, each row's target rank as :func:`target_ranks` counts it (``inf``: not in the table).
+        top: ``[B, K]`` each row's top ``K`` item rows, best first (for ``coverage@k``, ``k <= K``).
+        num_items: ``N``, the table's size.
+    """
+
+    ranks: Tensor
+    top: Tensor
+    num_items: int
+    exact_top: Tensor | None = None
+    """``[B, K]`` the exact top ``K`` when ``ranks`` and ``top`` come from an approximate index (``ann_recall@k``
+    compares the two); ``None`` when they are exact."""
+
+
+def _given(targets: Tensor | None) -> Tensor:
+    """``targets``, which a score matrix needs beside it."""
+    if targets is None:
+        raise ValueError("update(scores, targets) needs the targets beside a score matrix")
+    return targets
 
 
 def target_ranks(scores: Tensor, targets: Tensor) -> Tensor:
@@ -78,9 +107,10 @@ class HitRateAtK(SumMetric):
         """Each row's value ``[B]`` from its target's rank ``[B]``: 1 for a hit, else 0."""
         return (rank < self.k).double()
 
-    def update(self, scores: Tensor, targets: Tensor) -> None:
-        self.total += self.gain(target_ranks(scores, targets)).sum()
-        self.count += scores.shape[0]
+    def update(self, scores: Tensor | Ranked, targets: Tensor | None = None) -> None:
+        ranks = scores.ranks if isinstance(scores, Ranked) else target_ranks(scores, _given(targets))
+        self.total += self.gain(ranks.double()).sum()
+        self.count += ranks.shape[0]
 
     def compute(self) -> Tensor:
         return self.total / self.count.clamp_min(1)

@@ -38,6 +38,20 @@ def _task_spec(spec: MetricsConfig, task: Task) -> MetricsConfig:
     return replace(spec, eval=eval_names, train=train_names)
 
 
+def catalogue_metric_names(spec: MetricsConfig, task: Task) -> list[str]:
+    """``task``'s eval metrics computed over the data's item catalogue rather than from its output (its kind's
+    :attr:`~recsys_runner.tasks.Task.catalogue_kinds`: a two-tower model's ``recall@k``, ``ndcg@k``, ``mrr``,
+    ``coverage@k``), in config order; empty for most tasks."""
+    return [n for n in _task_spec(spec, task).eval if metric_entry(n).inputs in task.catalogue_kinds]
+
+
+def _output_spec(spec: MetricsConfig, task: Task) -> MetricsConfig:
+    """``task``'s eval spec without its catalogue metrics (:func:`catalogue_metric_names`): what its output feeds."""
+    own = _task_spec(spec, task)
+    catalogue = catalogue_metric_names(spec, task)
+    return replace(own, eval=[n for n in own.eval if n not in catalogue]) if catalogue else own
+
+
 def _task_outputs(task: Task, index: int, logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
     """One task's ``(preds, targets)`` from the TrainWrapper's ``(logits, labels)``: a named task's are
     column ``index`` of ``[B, T]``, an unnamed task's are the whole tensors; :meth:`Task.metric_inputs` does the rest."""
@@ -83,7 +97,8 @@ def eval_metric_keys(spec: MetricsConfig, tasks: tuple[Task, ...]) -> list[str]:
 
 
 class TaskEvalMetrics:
-    """Each task's eval metrics, keyed by :func:`eval_key` (``eval/auc``, ``eval/ctr/auc``): :func:`eval_metric_keys`.
+    """Each task's eval metrics fed by its output, keyed by :func:`eval_key` (``eval/auc``, ``eval/ctr/auc``):
+    :func:`eval_metric_keys` less the catalogue metrics (:func:`catalogue_metric_names`, computed by the corpus pass).
 
     ``update(logits, labels, groups=None)`` takes the TrainWrapper's ``(logits, labels)``; ``compute()``
     is collective under a process group, like :func:`build_eval_metrics`.
@@ -91,7 +106,7 @@ class TaskEvalMetrics:
 
     def __init__(self, spec: MetricsConfig, tasks: tuple[Task, ...], device: torch.device) -> None:
         self.tasks = tasks
-        self.specs = [_task_spec(spec, t) for t in tasks]
+        self.specs = [_output_spec(spec, t) for t in tasks]
         self.collections = [build_eval_metrics(s, device) for s in self.specs]
 
     def update(self, logits: Tensor, labels: Tensor, groups: Tensor | None = None) -> None:

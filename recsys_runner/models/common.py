@@ -14,13 +14,13 @@ import torch
 from torch import nn
 from torchrec.datasets.utils import Batch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.modules.mlp import MLP
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.configurable import Configurable
 from recsys_runner.errors import ConfigError, require
 from recsys_runner.features import DataNeeds, FeatureSpec
+from recsys_runner.models.collision import pooled_collections, pooled_lookup
 from recsys_runner.tasks import SINGLE_TASK, Task
 
 __all__ = ["LINEAR_ROW_WIDTH", "MLP", "DenseArch", "DenseFields", "FMInteraction", "LinearArch", "ModelConfig", "SparseArch",
@@ -114,6 +114,9 @@ class SparseArch(nn.Module):
     :func:`embedding_width_rule`); this enforces only that. A model that needs one width reads the
     fields as ``[B, F, D]`` with :meth:`fields`.
 
+    A table whose feature asks for managed collision (``SparseFeature.managed_collision``) is looked up through
+    TorchRec's ManagedCollisionEmbeddingBagCollection (``mc_ebc``), the others through a plain one (``ebc``).
+
     The EmbeddingBagCollection is created on ``meta``: no memory is spent until
     DistributedModelParallel materializes each shard on the rank that owns it.
 
@@ -131,9 +134,8 @@ class SparseArch(nn.Module):
         reason = embedding_width_rule(model)
         if reason is not None:
             features.require_uniform_dim(embedding_dim, model.__name__, reason)
-        self.ebc = EmbeddingBagCollection(
-            tables=features.embedding_tables(embedding_dim), device=torch.device("meta")
-        )
+        self.ebc, self.mc_ebc = pooled_collections(features.embedding_tables(embedding_dim), features.managed_tables())
+        """The plain tables, and those whose raw ids a managed-collision module maps (``models/collision.py``)."""
         self.feature_names = features.sparse_names
         self.widths = features.embedding_dims(embedding_dim)
         """``D_f`` of each feature, in ``feature_names`` order."""
@@ -141,7 +143,7 @@ class SparseArch(nn.Module):
         """``ΣD_f``: the width of :meth:`forward`'s output."""
 
     def forward(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        pooled = self.ebc(sparse).to_dict()
+        pooled = pooled_lookup(self.ebc, self.mc_ebc, sparse)
         return torch.cat([pooled[name] for name in self.feature_names], dim=1)
 
     def fields(self, embedded: torch.Tensor) -> torch.Tensor:
@@ -201,12 +203,13 @@ class LinearArch(nn.Module):
                                feature_names=list(t.feature_names), pooling=t.pooling, **bounds)
             for t in features.embedding_tables(LINEAR_ROW_WIDTH)
         ]
-        self.ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+        managed = {f"{prefix}{t}": mc for t, mc in features.managed_tables().items()}  # the same raw ids, mapped alike
+        self.ebc, self.mc_ebc = pooled_collections(tables, managed)
         self.dense = nn.Linear(features.num_dense, 1, device=device) if features.num_dense else None
         self.feature_names = features.sparse_names
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        pooled = self.ebc(sparse).to_dict()
+        pooled = pooled_lookup(self.ebc, self.mc_ebc, sparse)
         logit = torch.stack([pooled[name] for name in self.feature_names], dim=1).sum(dim=(1, 2))
         return logit if self.dense is None else logit + self.dense(dense).squeeze(1)
 

@@ -5,13 +5,20 @@ The features are split into a user (query) group and an item (candidate) group, 
 tower embeds its group, runs an MLP and outputs an (optionally L2-normalized) vector; the score of a
 (user, item) pair is their dot product divided by a temperature. Training uses the in-batch softmax
 (Yi et al. 2019): every row is a positive (user, item) pair, and the other rows' items in the batch
-are its negatives. Eval computes ``recall@k`` over the same in-batch candidates.
+are its negatives, plus the batch's last ``K`` rows when the data samples catalogue items into it
+(``features.sampled_items``: item features only, candidates but no queries). With ``logq_correction``
+each candidate's training logit loses ``log p_c``, its streaming-estimated probability of being a
+candidate (:class:`~recsys_runner.models.frequency.FrequencyEstimator`), whatever put it there. Eval
+computes ``inbatch_recall@k`` over the in-batch candidates (uncorrected scores, as served) and, when
+the data has an item catalogue, the full-corpus metrics (``train/corpus.py``) with :meth:`DSSM.tower`.
 
-Shape legend: ``B`` batch, ``D`` embedding dim, ``O`` tower output width.
+Shape legend: ``B`` batch, ``K`` sampled rows of a training batch, ``Q = B - K`` queries, ``D``
+embedding dim, ``O`` tower output width, ``N`` catalogue items.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -23,7 +30,11 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recsys_runner.errors import ConfigError, require
 from recsys_runner.features import DataNeeds, FeatureSpec, check_embedding_dim
 from recsys_runner.models.common import MLP, ModelConfig, SparseArch, check_layer_sizes
+from recsys_runner.models.frequency import FrequencyEstimator
 from recsys_runner.tasks import InBatchSoftmaxTask
+
+INDEXES = ("exact", "faiss")
+"""``model.index`` options: the full-corpus evaluation's exact chunked scoring, or FAISS's approximate HNSW search."""
 
 
 @dataclass(kw_only=True)
@@ -44,9 +55,25 @@ class DSSMConfig(ModelConfig):
     """Scores are ``<u, v> / temperature``; small values sharpen the in-batch softmax."""
     normalize: bool = True
     """L2-normalize both tower outputs (cosine similarity)."""
-    eval_metrics: list[str] = field(default_factory=lambda: ["recall@1", "recall@10", "recall@50"])
-    """Retrieval metrics over in-batch candidates, logged as ``eval/<name>`` (``metrics.eval`` does not apply);
-    only ``recall@<k>`` applies (checked with the task's metrics before the first step)."""
+    eval_metrics: list[str] = field(default_factory=lambda: ["inbatch_recall@1", "inbatch_recall@10", "inbatch_recall@50"])
+    """Retrieval metrics, logged as ``eval/<name>`` (``metrics.eval`` does not apply): ``inbatch_recall@<k>`` over
+    the batch's candidates, and over the data's whole item catalogue (``data.item_table()``; refused without one)
+    ``recall@<k>``, ``ndcg@<k>``, ``mrr``, ``coverage@<k>`` (docs/retrieval.md, "Full-corpus evaluation")."""
+    logq_correction: bool = True
+    """Subtract ``log p_c`` (each candidate's streaming-estimated probability of being a step's candidate) from its
+    training logit (Yi et al. 2019), so that popular items are not over-penalized as in-batch negatives; reads the
+    first sparse feature of ``item_features`` as the item id."""
+    logq_buckets: int | None = None
+    """Hash buckets of the frequency estimator; ``null``: the item id feature's ``num_embeddings`` (one per id)."""
+    logq_alpha: float = 0.01
+    """Rate of the estimator's moving average of each item's gap between sightings (the paper's ``α``)."""
+    corpus_chunk_rows: int = 8192
+    """Full-corpus evaluation scores this many catalogue items at once (and builds the item index in chunks of it):
+    memory is an eval batch's ``B × (corpus_chunk_rows + k)`` scores, not ``B × N``."""
+    index: str = "exact"
+    """Full-corpus evaluation's index: ``exact`` (chunked matmul) or ``faiss`` (an HNSW graph, as a server would search:
+    the ranking metrics are those of its top ``k``, and ``ann_recall@<k>`` says how much of the exact top ``k`` it
+    returns; needs ``pip install faiss-cpu``)."""
 
     def __post_init__(self) -> None:
         check_embedding_dim("model.embedding_dim", self.embedding_dim)
@@ -56,6 +83,13 @@ class DSSMConfig(ModelConfig):
         require(not both, f"features {both} are in both model.user_features and model.item_features; each belongs to one tower")
         check_layer_sizes("tower_layer_sizes", self.tower_layer_sizes)
         require(self.temperature > 0, f"model.temperature must be positive, got {self.temperature}")
+        require(self.logq_buckets is None or self.logq_buckets > 0, f"model.logq_buckets must be positive or null, got {self.logq_buckets}")
+        require(0 < self.logq_alpha <= 1, f"model.logq_alpha must lie in (0, 1], got {self.logq_alpha}. Fix: model.logq_alpha=0.01")
+        require(self.index in INDEXES, f"model.index={self.index!r} must be one of {list(INDEXES)}, e.g. model.index=exact")
+        require(self.index != "faiss" or importlib.util.find_spec("faiss") is not None,
+                "model.index=faiss needs the faiss package, which is not installed. Fix: pip install faiss-cpu, or model.index=exact")
+        require(self.corpus_chunk_rows > 0, f"model.corpus_chunk_rows must be positive, got {self.corpus_chunk_rows}. Fix: "
+                f"model.corpus_chunk_rows=8192")
 
     def data_needs(self) -> DataNeeds:
         """(user, item) pairs over the two towers' features: generated data (``data=synthetic``) links them."""
@@ -93,11 +127,13 @@ class Tower(nn.Module):
 
 
 class DSSM(nn.Module):
-    """Two towers; ``(dense [B, N], sparse KJT) → scores [B, B]``, ``scores[q, c] = <user_q, item_c> / τ``.
+    """Two towers; ``(dense [B, n], sparse KJT) → scores [Q, B]``, ``scores[q, c] = <user_q, item_c> / τ`` (in
+    training ``- log p_c`` with ``logq_correction``; ``Q = B`` in eval mode, ``B - K`` in training with ``K`` sampled
+    item rows).
 
     Row ``q``'s positive is candidate ``q`` (the diagonal); its ``tasks`` is one
     :class:`~recsys_runner.tasks.InBatchSoftmaxTask`, so the TrainWrapper applies the in-batch softmax loss
-    and eval computes ``recall@k``.
+    and eval computes ``inbatch_recall@k`` (and the corpus metrics, through :meth:`tower`).
 
     Args:
         config: its hyperparameters (:class:`DSSMConfig`: ``embedding_dim`` ``D``, the towers' feature names
@@ -134,6 +170,12 @@ class DSSM(nn.Module):
         self.user_tower, self.item_tower = tower(list(config.user_features)), tower(list(config.item_features))
         self.tower_features = {"user": list(config.user_features), "item": list(config.item_features)}
         """Each tower's features (data columns, sparse or dense), by tower name: what :meth:`tower` reads."""
+        self.sampled_items = int(getattr(features, "sampled_items", 0))
+        """``K``: the last rows of a training batch that are sampled catalogue items (candidates, not queries)."""
+        self.corpus_chunk_rows, self.corpus_index = config.corpus_chunk_rows, config.index
+        self.item_id = next((n for n in features.sparse_names if n in config.item_features), None)
+        """The item tower's id feature (its first sparse feature): what the frequency estimator counts."""
+        self.logq = _estimator(config, features, self.item_id, dense_device)
 
     def tower(self, name: str, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         """Tower ``name``'s (``user`` or ``item``) vectors ``[B, O]``; it reads only its own features of the batch.
@@ -149,4 +191,36 @@ class DSSM(nn.Module):
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         user, item = self.user_item(dense, sparse)
-        return user @ item.t() / self.temperature
+        queries = user.shape[0] - (self.sampled_items if self.training else 0)
+        scores = user[:queries] @ item.t() / self.temperature
+        if self.training and self.logq is not None and self.item_id is not None:
+            scores = scores - self.logq(first_ids(sparse, self.item_id)).to(scores.dtype)
+        return scores
+
+
+def _estimator(config: DSSMConfig, features: FeatureSpec, item_id: str | None,
+               device: torch.device | None) -> FrequencyEstimator | None:
+    """The logQ correction's frequency estimator, or ``None`` without ``logq_correction``.
+
+    Raises:
+        ConfigError: the correction is on but the item tower has no sparse (id) feature to count.
+    """
+    if not config.logq_correction:
+        return None
+    if item_id is None:
+        raise ConfigError(f"model.logq_correction counts item ids, but model.item_features={list(config.item_features)} has no "
+                          f"sparse feature. Fix: add the item id feature to model.item_features, or model.logq_correction=false")
+    size = next(f.num_embeddings for f in features.sparse if f.name == item_id)
+    return FrequencyEstimator(config.logq_buckets or size, config.logq_alpha, device=device)
+
+
+def first_ids(sparse: KeyedJaggedTensor, key: str) -> torch.Tensor:
+    """Each row's first id of feature ``key``, ``[B]`` (``-1`` for a row without one): a row's item id."""
+    jagged = sparse[key]
+    values, lengths = jagged.values(), jagged.lengths()
+    starts = jagged.offsets()[:-1].clamp_max(max(values.numel() - 1, 0))
+    first = values[starts] if values.numel() else torch.zeros_like(lengths, dtype=values.dtype)
+    return torch.where(lengths > 0, first, torch.full_like(first, -1))
+
+
+torch.fx.wrap("first_ids")  # a call in traced graphs (TorchRec's sparse-dist pipeline traces forward): it branches on sizes

@@ -19,11 +19,12 @@ from typing import cast
 
 import torch
 from torch import nn
-from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from recsys_runner.errors import ConfigError
 from recsys_runner.features import FeatureSpec, SequenceGroup
+from recsys_runner.models.collision import pooled_collections, pooled_lookup
 from recsys_runner.models.common import embedding_width_rule
 
 __all__ = ["History", "SequenceArch", "SequenceEmbeddings", "check_candidates", "longest", "padded", "recency_positions"]
@@ -100,7 +101,8 @@ class SequenceArch(nn.Module):
         required: raise unless the data has a sequence group.
 
     Raises:
-        ConfigError: no sequence group while ``required``; the model needs one width and a feature sets another.
+        ConfigError: no sequence group while ``required``; the model needs one width and a feature sets another; a
+            history's table asks for managed collision (only pooled tables take it).
     """
 
     def __init__(self, features: FeatureSpec, embedding_dim: int, model: type[nn.Module], required: bool = True) -> None:
@@ -115,8 +117,13 @@ class SequenceArch(nn.Module):
         unpooled = features.sequence_table_names
         sequence = features.sequence_tables(embedding_dim)
         self.ec = EmbeddingCollection(tables=sequence, device=torch.device("meta")) if sequence else None
+        managed = features.managed_tables()
+        if unpooled & set(managed):
+            raise ConfigError(f"{model.__name__} embeds the history tables {sorted(unpooled & set(managed))} unpooled, one vector per "
+                              f"event, which managed collision does not cover here. Fix: drop managed_collision from the "
+                              f"history columns and their candidates (keep it on the other sparse columns)")
         bags = features.embedding_tables(embedding_dim, skip_sequence_tables=True)
-        self.ebc = EmbeddingBagCollection(tables=bags, device=torch.device("meta")) if bags else None
+        self.ebc, self.mc_ebc = pooled_collections(bags, managed)
         histories = set(features.sequence_names)
         self.pooled_names = [f.name for f in features.sparse if f.name not in histories]
         """The non-history features, in ``features.sparse`` order: the columns of ``pooled``."""
@@ -130,7 +137,7 @@ class SequenceArch(nn.Module):
 
     def forward(self, sparse: KeyedJaggedTensor) -> SequenceEmbeddings:
         unpooled = self.ec(sparse) if self.ec is not None else {}
-        bags = self.ebc(sparse).to_dict() if self.ebc is not None else {}
+        bags = pooled_lookup(self.ebc, self.mc_ebc, sparse)
         candidates = {name: self._pool(unpooled[name]) for name in self.candidate_names}
         pieces = [candidates[n] if n in candidates else bags[n] for n in self.pooled_names]
         pooled = torch.cat(pieces, dim=1) if pieces else torch.zeros(sparse.stride(), 0, device=sparse.values().device)

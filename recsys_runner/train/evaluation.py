@@ -18,9 +18,10 @@ from torch import nn
 from recsys_runner.data.base import DataModule
 from recsys_runner.distributed.env import DistEnv
 from recsys_runner.metrics.registry import MetricsConfig, improved
-from recsys_runner.metrics.tasks import TaskEvalMetrics, grouping_ids
+from recsys_runner.metrics.tasks import TaskEvalMetrics, eval_metric_keys, grouping_ids
 from recsys_runner.progress import Progress
 from recsys_runner.tasks import Task
+from recsys_runner.train.corpus import CorpusEval
 from recsys_runner.train.ema import DenseEMA
 from recsys_runner.train.pipeline import detached
 from recsys_runner.train.stepping import Pipeline
@@ -39,6 +40,8 @@ class Evaluator:
         metrics: which metrics (``metrics.*``), and the grouping key for grouped ones.
         max_batches: cap on eval batches per rank (``train.eval_max_batches``), ``None`` for all.
         ema: the dense weights' moving average to evaluate with (``train.ema.eval_with_ema``), or ``None``.
+        corpus: the full-corpus pass of a two-tower model over the data's item catalogue (``train/corpus.py``), made
+            from the tasks' metrics when ``None`` (refused, at build time, when they ask for one the data lacks).
     """
 
     model: nn.Module
@@ -49,6 +52,11 @@ class Evaluator:
     metrics: MetricsConfig
     max_batches: int | None = None
     ema: DenseEMA | None = None
+    corpus: CorpusEval | None = None
+
+    def __post_init__(self) -> None:
+        if self.corpus is None:
+            self.corpus = CorpusEval.for_run(self.model, self.data, self.tasks, self.metrics)
 
     def evaluate(self, progress: Progress | None = None) -> dict[str, float]:
         """Each task's eval metrics over this rank's eval batches, combined over all ranks; ``progress`` counts the
@@ -57,6 +65,7 @@ class Evaluator:
         key = self.metrics.grouping_key
         batches = self.data.eval_batches(self.env.rank, self.env.world_size)
         weights = self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext()
+        corpus: dict[str, float] = {}
         with detached(self.pipeline, self.model) as model, weights:
             model.eval()
             with torch.no_grad():
@@ -67,8 +76,12 @@ class Evaluator:
                     metrics.update(logits, labels, **groups)
                     if progress is not None:
                         progress.update(1)
+                if self.corpus is not None:  # a second pass: the user tower's queries against the whole catalogue
+                    corpus = self.corpus.evaluate(model, self.data, self.env, itertools.islice(
+                        self.data.eval_batches(self.env.rank, self.env.world_size), self.max_batches))
             model.train()
-        return metrics.compute()
+        out = metrics.compute() | corpus
+        return {k: out[k] for k in eval_metric_keys(self.metrics, self.tasks)}
 
 
 @dataclass

@@ -45,6 +45,8 @@ class Throughput:
         self.global_batch_size = global_batch_size
         self.micro_batches, self.world_size, self.device = micro_batches, world_size, device
         self._history_keys = _history_key_indices(features) if features is not None else []
+        self._sampled = features.sampled_items if features is not None else 0
+        """Catalogue rows appended to each training batch as negatives (``FeatureSpec.sampled_items``): not samples."""
         self.has_tokens = bool(self._history_keys)
         self._fetched: collections.deque[tuple[int, Tensor | int]] = collections.deque()
         self._loss_sum: Tensor | None = None
@@ -66,10 +68,11 @@ class Throughput:
             yield batch
 
     def _size(self, batch: Batch) -> tuple[int, Tensor | int]:
-        """``(rows, tokens)`` of ``batch``; tokens is a tensor on the batch's device (no sync), 0 without histories."""
+        """``(rows, tokens)`` of ``batch``; tokens is a tensor on the batch's device (no sync), 0 without histories. Sampled
+        negative rows are not counted: samples/s is the real rows trained."""
         rows = int(batch.labels.shape[0])
         if not self._history_keys:
-            return rows, 0
+            return rows - self._sampled, 0
         lengths = batch.sparse_features.lengths()
         history = sum(lengths[k * rows:(k + 1) * rows].sum() for k in self._history_keys)
         return rows, history + rows

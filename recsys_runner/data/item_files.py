@@ -1,0 +1,246 @@
+"""The item catalogue of file data (``data.items``), and what the file data modules share to serve it and sampled negatives.
+
+An items file (Parquet, or delimited text) has one row per item: the item id column and the item tower's other columns,
+named as in the training files. Each is encoded by the training data's own :class:`~recsys_runner.data.encoder.Encoder`
+for the same-named ``data.sparse`` / ``data.dense`` column, so the table's ids are the ids of the training rows (the same
+vocabulary, hash or modulo). Built once when the data module is built, so that a missing column, a duplicate item or an
+eval row whose item the table lacks stops the run before its first step, naming the file and the column.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+
+from recsys_runner.data.encoder import Encoder, Location
+from recsys_runner.data.items import ItemTable
+from recsys_runner.data.negatives import NegativeSampler, NegativesConfig
+from recsys_runner.data.schema import Schema
+from recsys_runner.data.sources import PARQUET_SUFFIXES
+from recsys_runner.errors import DataError, require
+from recsys_runner.features import FeatureSpec
+
+__all__ = ["Catalogue", "ItemsConfig", "read_item_table"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class ItemsConfig:
+    """``data.items``: the item catalogue file of a two-tower model (docs/retrieval.md, *The item catalogue*)."""
+
+    path: str | None = None
+    """One file, ``.parquet`` or delimited text (the training data's ``data.delimiter``, else ``,``, with a header line):
+    one row per item. ``null``: no item table."""
+    id: str | None = None
+    """The item id column: a ``data.sparse`` column of the training data (the id of each table row, distinct)."""
+    features: list[str] = field(default_factory=list)
+    """The item's other columns (``data.sparse`` or ``data.dense`` columns of the training data, e.g. ``[cate_id, brand]``)."""
+    popularity: str | None = None
+    """A count column of the file (how often each item was seen); ``null``: the item id's counts in a sample of the
+    training files (``count_rows`` rows), uniform when that finds none of the items."""
+    count_rows: int = 1_000_000
+    """Training rows read to count item popularity when ``popularity`` is null."""
+
+    def __post_init__(self) -> None:
+        require(self.path is None or bool(self.id),
+                f"data.items.path={self.path!r} needs data.items.id: the item id column, a data.sparse column, e.g. data.items.id=item_id")
+        require(self.count_rows > 0, f"data.items.count_rows must be positive, got {self.count_rows}")
+
+    def check(self, schema: Schema) -> None:
+        """Raise :class:`ConfigError` unless the id is a sparse column and every feature a sparse or dense column of ``schema``."""
+        sparse, dense = [c.name for c in schema.sparse], [c.name for c in schema.dense]
+        require(self.id in sparse, f"data.items.id={self.id!r} is not a data.sparse column of the training data ({', '.join(sparse)}). "
+                f"Fix: data.items.id=<the item id column>")
+        unknown = [f for f in self.features if f not in sparse and f not in dense]
+        require(not unknown, f"data.items.features has {unknown}, which are not data.sparse / data.dense columns of the training data "
+                f"({', '.join([*sparse, *dense])}). Fix: list the item columns by their training names")
+
+
+def _read(path: str, columns: list[str], delimiter: str) -> pa.Table:
+    """``columns`` of the items file (text columns as strings, as the text reader gives them to the encoder)."""
+    try:
+        if path.endswith(PARQUET_SUFFIXES):
+            names = pq.read_schema(path).names
+        else:
+            with open(path, encoding="utf-8") as f:
+                names = f.readline().rstrip("\r\n").split(delimiter)
+    except (OSError, pa.ArrowException) as e:
+        raise DataError(f"data.items.path={path!r} cannot be read ({str(e).splitlines()[0]}). Fix: point data.items.path at the "
+                        f"items file (Parquet, or text with a header line)") from None
+    missing = [c for c in columns if c not in names]
+    if missing:
+        raise DataError(f"{path} (data.items.path) has no column {missing[0]!r}, which data.items names; its columns are {names}. "
+                        f"Fix: add the column to the file, or correct data.items.id / features / popularity")
+    if path.endswith(PARQUET_SUFFIXES):
+        return pq.read_table(path, columns=columns)
+    return pacsv.read_csv(path, parse_options=pacsv.ParseOptions(delimiter=delimiter),
+                          convert_options=pacsv.ConvertOptions(include_columns=columns, column_types=dict.fromkeys(columns, pa.string())))
+
+
+def _raise_bad(path: str, rows: np.ndarray) -> Callable[..., None]:
+    """The encoder's ``bad`` callback for an items file: the first bad value stops the run, naming file, row and column."""
+    where = Location(path, "items", rows, 2 if not path.endswith(PARQUET_SUFFIXES) else None)
+
+    def bad(column: str, mask: np.ndarray, what: Callable[[int], str]) -> None:
+        if mask.any():
+            i = int(np.flatnonzero(mask)[0])
+            raise DataError(f"bad item in {where.describe(i)}, column {column!r}: {what(i)}. Fix the items file (data.items.path)")
+    return bad
+
+
+def _check_unique(path: str, column: str, arr: pa.ChunkedArray) -> None:
+    counts = pc.value_counts(arr)
+    repeated = pc.filter(counts, pc.greater(counts.field("counts"), 1))
+    if len(repeated):
+        first = repeated[0].as_py()
+        raise DataError(f"{path} (data.items.path) has item {first['values']!r} of column {column!r} {first['counts']} times "
+                        f"({len(repeated)} ids repeat): the catalogue has each item once. Fix: deduplicate the file by {column!r}")
+
+
+def read_item_table(config: ItemsConfig, schema: Schema, delimiter: str = ",",
+                    train_sample: Callable[[int], pa.Table] | None = None) -> ItemTable:
+    """The :class:`ItemTable` of ``config.path``, encoded with ``schema``'s columns; popularity from its column, else counted
+    in ``train_sample(config.count_rows)`` (training rows), else uniform.
+
+    Raises:
+        ConfigError: the id or a feature is not a column of the training data.
+        DataError: the file lacks a configured column, an item id repeats or is missing, a value does not encode.
+    """
+    assert config.path is not None and config.id is not None
+    config.check(schema)
+    path, id_name = config.path, config.id
+    table = _read(path, [id_name, *config.features, *([config.popularity] if config.popularity else [])], delimiter)
+    _check_unique(path, id_name, table.column(id_name))
+    encoder, bad = Encoder(schema), _raise_bad(path, np.arange(table.num_rows))
+    sparse_cols, dense_cols = {c.name: c for c in schema.sparse}, {c.name: c for c in schema.dense}
+    ids, lengths = encoder._sparse(sparse_cols[id_name], table.column(id_name), Location(path, "items", np.arange(0)), bad)
+    bad(id_name, lengths != 1, lambda i: "the item id is missing, or a list (an item has one id)")
+    features = {n: encoder._sparse(sparse_cols[n], table.column(n), Location(path, "items", np.arange(0)), bad)
+                for n in [id_name, *config.features] if n in sparse_cols}
+    dense_names = tuple(n for n in config.features if n in dense_cols)
+    dense = np.stack([encoder._dense(dense_cols[n], table.column(n), Location(path, "items", np.arange(0)), bad)
+                      for n in dense_names], axis=1) if dense_names else np.zeros((table.num_rows, 0))
+    items = ItemTable(id_name, ids, features, dense_names, dense.astype(np.float32), np.ones(table.num_rows))
+    items = _first_of_each_id(items, path)
+    if config.popularity is not None:
+        popularity = _popularity_column(table.column(config.popularity), path, config.popularity, ids)
+        return _with_popularity(items, popularity)
+    return _with_popularity(items, _counted(items, encoder, sparse_cols[id_name], train_sample, config.count_rows))
+
+
+def _first_of_each_id(items: ItemTable, path: str) -> ItemTable:
+    """``items`` keeping the first row of each encoded id: distinct raw ids that a hash or a modulo maps to one embedding row
+    are one item to the model (logged, so that a too small table is seen)."""
+    _, first = np.unique(items.ids, return_index=True)
+    if first.size == len(items):
+        return items
+    log.warning("%s (data.items.path): %d items share an embedding row with another (distinct ids that data.sparse[%s]'s encoding "
+                "maps to one id); each such row is one catalogue item. Fix: a larger num_embeddings, or encoding=vocab",
+                path, len(items) - first.size, items.id_feature)
+    return items.take(np.sort(first))
+
+
+def _popularity_column(arr: pa.ChunkedArray, path: str, column: str, ids: np.ndarray) -> np.ndarray:
+    values = np.asarray(pc.cast(arr, pa.float64(), safe=False).fill_null(0).to_numpy(zero_copy_only=False), dtype=np.float64)
+    wrong = ~np.isfinite(values) | (values < 0)
+    if wrong.any():
+        i = int(np.flatnonzero(wrong)[0])
+        raise DataError(f"{path} (data.items.path), item row {i}, column {column!r} (data.items.popularity): {values[i]} is not a "
+                        f"count >= 0. Fix the file, or data.items.popularity=null to count the training data")
+    _, first = np.unique(ids, return_index=True)  # the rows _first_of_each_id keeps, in order
+    return values[np.sort(first)]
+
+
+def _counted(items: ItemTable, encoder: Encoder, column: Any, train_sample: Callable[[int], pa.Table] | None,
+             count_rows: int) -> np.ndarray:
+    """Each item's count in a sample of the training rows; all ones (uniform) when there is no sample or it has no item."""
+    if train_sample is None:
+        return np.ones(len(items))
+    sample = train_sample(count_rows)
+    ids, _ = encoder._sparse(column, sample.column(column.name), Location("", "sample", np.arange(sample.num_rows)),
+                             lambda *_: None)
+    index, found = items.index_of(ids)
+    counts = np.bincount(index[found], minlength=len(items)).astype(np.float64)
+    if counts.sum() == 0:
+        log.warning("no item of data.items.path occurs in %d sampled training rows: item popularity is uniform", sample.num_rows)
+        return np.ones(len(items))
+    return counts
+
+
+def _with_popularity(items: ItemTable, popularity: np.ndarray) -> ItemTable:
+    return ItemTable(items.id_feature, items.ids, items.features, items.dense_names, items.dense, popularity)
+
+
+def check_eval_items(items: ItemTable, schema: Schema, split: Any, items_path: str) -> None:
+    """Raise :class:`DataError` at the first eval row (of ``split``: its ``units``, ``source`` and ``select``) whose item id
+    is not in ``items``: full-corpus evaluation could never rank its positive."""
+    column = next(c for c in schema.sparse if c.name == items.id_feature)
+    encoder = Encoder(schema)
+    for unit in split.units:
+        line_offset = split.source.line_offset(unit.path) if hasattr(split.source, "line_offset") else None
+        for table, file_rows in split.source.read(unit):
+            chosen = split.select(unit, file_rows)
+            if chosen is not None:
+                table, file_rows = table.take(pa.array(chosen)), file_rows[chosen]
+            ids, lengths = encoder._sparse(column, table.column(column.name), Location(unit.path, unit.part, file_rows), lambda *_: None)
+            _, found = items.index_of(ids)
+            if not found.all():
+                k = int(np.flatnonzero(~found)[0])
+                row = int(np.repeat(np.arange(len(lengths)), lengths)[k])
+                where = Location(unit.path, unit.part, file_rows, line_offset).describe(row)
+                raise DataError(f"eval row {where}: its item {table.column(column.name)[row].as_py()!r} (column {column.name!r}) is "
+                                f"not in the item table {items_path} (data.items.path), so full-corpus evaluation cannot rank it. "
+                                f"Fix: add the item to {items_path}, or remove such rows from the eval data")
+
+
+class Catalogue:
+    """What a file data module mixes in to have an item table and sampled negatives (:class:`TabularData`): the table built
+    from ``data.items`` when the module is built, :meth:`item_table`, and :meth:`with_negatives` over its batch stream."""
+
+    config: Any
+    schema: Schema
+    features: FeatureSpec
+    _eval: Any
+    _item_catalogue: ItemTable | None = None
+    _negative_sampler: NegativeSampler | None = None
+
+    def open_catalogue(self, train_source: Any) -> None:
+        """Build the item table and the negative sampler (the module's schema, splits and features exist by now)."""
+        items: ItemsConfig = self.config.items
+        negatives: NegativesConfig = self.config.negatives
+        if items.path is not None:
+            delimiter = getattr(self.config, "delimiter", None) or ","
+            self._item_catalogue = read_item_table(items, self.schema, delimiter, train_source.sample)
+            check_eval_items(self._item_catalogue, self.schema, self._eval, items.path)
+        negatives.check(self._item_catalogue, self.features, "the data has no item table. Fix: data.items.path=<items file> and "
+                                                    "data.items.id=<item id column> (docs/retrieval.md)")
+        if negatives.enabled and self._item_catalogue is not None:
+            self._negative_sampler = NegativeSampler(negatives, self._item_catalogue, self.features, int(self.config.seed))
+            self.features = self._negative_sampler.features(self.features)
+
+    def item_table(self) -> ItemTable | None:
+        return self._item_catalogue
+
+    def with_negatives(self, stream: Iterator[tuple], epoch: int, shard: int, train: bool) -> Iterator[tuple]:
+        """``stream``'s batch tuples with the sampled rows appended to each training batch, seeded by (epoch, shard, batch
+        number): markers (skipped-row counts, worker errors) pass as they are."""
+        if self._negative_sampler is None or not train:
+            yield from stream
+            return
+        number = 0
+        for item in stream:
+            if isinstance(item[0], str) or item[3] is None:
+                yield item
+                continue
+            yield self._negative_sampler.extend(item, (epoch, shard, number))
+            number += 1
+

@@ -1,0 +1,206 @@
+"""Full-corpus evaluation of a two-tower model: every eval query ranked against the data's whole item catalogue.
+
+In-batch recall says how well a query's item beats a few hundred batch neighbours; serving retrieves from the whole
+catalogue. With a catalogue (``data.item_table()``) and a task whose eval lists catalogue metrics (``recall@k``,
+``ndcg@k``, ``mrr``, ``coverage@k``: :func:`~recsys_runner.metrics.tasks.catalogue_metric_names`), one evaluation:
+
+1. builds the item index: the item tower over the whole table, in chunks of ``model.corpus_chunk_rows`` rows
+   (:meth:`ItemTable.rows`); rank ``r`` embeds chunks ``r, r + W, …``. The sharded model's forward is a collective
+   (its embedding lookups are all-to-alls), so every rank runs the same number of forwards: a rank out of chunks
+   embeds one row of chunk 0 and drops it. The ranks' vectors are then all-gathered: every rank holds ``[N, O]``;
+2. scores each of its eval queries (the user tower on its eval batches) against all of it, chunk by chunk, exactly
+   (:func:`~recsys_runner.metrics.corpus.corpus_ranks`: memory ``B × (chunk + k)``, never ``B × N``);
+3. sums the metrics' states over ranks, so the values equal one process's over all queries.
+
+A query's target is its row's item id (the table's ``id_feature``); one missing from the catalogue counts as a miss.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol, cast
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchmetrics import Metric
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recsys_runner.data.base import DataModule
+from recsys_runner.data.items import ItemTable
+from recsys_runner.distributed.env import DistEnv
+from recsys_runner.errors import ConfigError
+from recsys_runner.metrics.corpus import corpus_k, corpus_ranks
+from recsys_runner.metrics.registry import MetricsConfig, metric_entry
+from recsys_runner.metrics.retrieval import Ranked
+from recsys_runner.metrics.tasks import catalogue_metric_names, eval_key
+from recsys_runner.models.dssm import first_ids
+from recsys_runner.progress import Progress
+from recsys_runner.tasks import Task
+
+__all__ = ["CorpusEval", "TwoTower", "item_index", "two_tower_of"]
+
+
+class TwoTower(Protocol):
+    """What the corpus pass needs of a model: its towers apart (:class:`~recsys_runner.models.dssm.DSSM` has them)."""
+
+    corpus_chunk_rows: int
+    corpus_index: str
+
+    def tower(self, name: str, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor: ...
+
+
+def two_tower_of(model: nn.Module) -> TwoTower | None:
+    """The two-tower model inside ``model`` (DistributedModelParallel, DDP, the TrainWrapper), or ``None``."""
+    inner: Any = model
+    for _ in range(4):
+        if hasattr(inner, "tower") and hasattr(inner, "corpus_chunk_rows"):
+            return cast(TwoTower, inner)
+        inner = getattr(inner, "module", None) or getattr(inner, "model", None)
+        if inner is None:
+            return None
+    return None
+
+
+def item_index(model: TwoTower, table: ItemTable, keys: list[str], dense_names: tuple[str, ...], chunk_rows: int,
+               env: DistEnv) -> torch.Tensor:
+    """The item tower's vectors of every table row, ``[N, O]`` float32 on ``env.device``, the same on every rank.
+
+    Rank ``r`` of ``W`` embeds chunks ``r, r + W, …`` of ``chunk_rows`` rows; every rank runs
+    ``ceil(chunks / W)`` forwards (the sharded forward is a collective), then the vectors are all-gathered.
+    """
+    n, world = len(table), env.world_size
+    chunks = [np.arange(s, min(s + chunk_rows, n)) for s in range(0, n, chunk_rows)]
+    rounds = math.ceil(len(chunks) / world)
+    mine: list[torch.Tensor] = []
+    for r in range(rounds):
+        i = r * world + env.rank
+        dense, sparse = table.rows(chunks[i] if i < len(chunks) else chunks[0][:1], keys, dense_names)
+        vectors = model.tower("item", dense.to(env.device), sparse.to(env.device)).float()
+        if i < len(chunks):
+            mine.append(vectors)
+    if world == 1:
+        return torch.cat(mine)
+    width = mine[0].shape[1] if mine else int(vectors.shape[1])
+    padded = torch.zeros(rounds * chunk_rows, width, device=env.device)
+    for r, v in enumerate(mine):
+        padded[r * chunk_rows: r * chunk_rows + v.shape[0]] = v
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded)
+    return torch.cat([parts[i % world][(i // world) * chunk_rows:][: len(c)] for i, c in enumerate(chunks)])
+
+
+@dataclass
+class CorpusEval:
+    """The catalogue metrics of each task, computed over ``table`` (see the module's docstring).
+
+    Attributes:
+        table: the item catalogue.
+        tasks: the model's tasks with their catalogue metric names (``[(task, [recall@10, mrr, …])]``).
+        spec: the metrics config (what builds each metric).
+        chunk_rows: items scored, and embedded, at once (``model.corpus_chunk_rows``).
+        k: the largest ``k`` asked for (each query's top ``k`` is kept for ``coverage@k``).
+        index: ``exact``, or ``faiss``: the metrics of an HNSW search's top ``k`` (``model.index``).
+    """
+
+    table: ItemTable
+    tasks: list[tuple[Task, list[str]]]
+    spec: MetricsConfig
+    chunk_rows: int
+    k: int
+    index: str = "exact"
+
+    @classmethod
+    def for_run(cls, model: nn.Module, data: DataModule, tasks: tuple[Task, ...], spec: MetricsConfig) -> CorpusEval | None:
+        """The corpus pass of a run, or ``None`` when no task lists a catalogue metric.
+
+        Raises:
+            ConfigError: a catalogue metric is listed but the data has no item catalogue or the model no towers, or
+                a ``k`` exceeds the catalogue's size.
+        """
+        wanted = [(t, names) for t in tasks if (names := catalogue_metric_names(spec, t))]
+        if not wanted:
+            return None
+        listed = [n for _, names in wanted for n in names]
+        table_of = getattr(data, "item_table", None)
+        table = table_of() if table_of is not None else None
+        key = "model.eval_metrics" if any(t.eval_metrics is not None for t, _ in wanted) else "metrics.eval"
+        if table is None:
+            raise ConfigError(f"{key} lists {listed}, which rank each query's item among the whole item catalogue, but the data "
+                              f"has none. Fix: give the data its items (data.items=<file>, or data=synthetic_retrieval), or list "
+                              f"only in-batch metrics, e.g. {key}=[inbatch_recall@10,inbatch_recall@50]")
+        towers = two_tower_of(model)
+        if towers is None:
+            raise ConfigError(f"{key} lists {listed}, full-corpus metrics of a two-tower model; this model has no towers. "
+                              f"Fix: model=dssm, or remove them")
+        return cls(table, wanted, spec, towers.corpus_chunk_rows, corpus_k(listed, len(table), key), towers.corpus_index)
+
+    def evaluate(self, model: nn.Module, data: DataModule, env: DistEnv, batches: Iterable[Batch],
+                 progress: Progress | None = None) -> dict[str, float]:
+        """Each task's catalogue metrics over ``batches`` (this rank's eval batches), combined over all ranks."""
+        towers = two_tower_of(model)
+        assert towers is not None, "CorpusEval.for_run checked the model's towers"
+        features = data.features
+        index = item_index(towers, self.table, features.kjt_keys, features.dense_names, self.chunk_rows, env)
+        rows = _RowOf(self.table, env.device)
+        ann = hnsw_index(index) if self.index == "faiss" else None
+        metrics = [(task, {name: _metric(name, self.spec, env.device) for name in names}) for task, names in self.tasks]
+        for batch in batches:
+            batch = batch.to(env.device, non_blocking=True)
+            queries = towers.tower("user", batch.dense_features, batch.sparse_features).float()
+            targets = rows(first_ids(batch.sparse_features, self.table.id_feature))
+            ranks, top = corpus_ranks(queries, index, targets, self.k, self.chunk_rows)
+            ranked = Ranked(ranks, top, len(self.table)) if ann is None else searched(ann, queries, targets, top, len(self.table))
+            for _, by_name in metrics:
+                for metric in by_name.values():
+                    metric.update(ranked)
+            if progress is not None:
+                progress.update(1)
+        return {eval_key(task, name): float(m.compute()) for task, by_name in metrics for name, m in by_name.items()}
+
+
+def _metric(name: str, spec: MetricsConfig, device: torch.device) -> Metric:
+    """Metric ``name`` built from ``spec`` on ``device``."""
+    return metric_entry(name).factory(spec).to(device)
+
+
+class _RowOf:
+    """Maps item ids to their table rows (``-1`` for an id not in the catalogue), on ``device``."""
+
+    def __init__(self, table: ItemTable, device: torch.device) -> None:
+        ids = torch.as_tensor(np.asarray(table.ids, dtype=np.int64), device=device)
+        self.sorted_ids, self.order = ids.sort()
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.sorted_ids.numel() == 0:
+            return torch.full_like(ids, -1)
+        at = torch.searchsorted(self.sorted_ids, ids.long()).clamp_max(self.sorted_ids.numel() - 1)
+        return torch.where(self.sorted_ids[at] == ids, self.order[at], torch.full_like(at, -1))
+
+
+
+def hnsw_index(vectors: torch.Tensor) -> Any:
+    """A FAISS HNSW graph (inner product, 32 links a node) over the item vectors ``[N, O]``, searched with ``efSearch``
+    set per query to ``max(64, 2k)``: how a server would search them."""
+    import faiss  # optional (model.index=faiss checks that it is installed)
+
+    graph = faiss.IndexHNSWFlat(int(vectors.shape[1]), 32, faiss.METRIC_INNER_PRODUCT)
+    graph.add(np.ascontiguousarray(vectors.cpu().numpy(), dtype=np.float32))
+    return graph
+
+
+def searched(graph: Any, queries: torch.Tensor, targets: torch.Tensor, exact_top: torch.Tensor, num_items: int) -> Ranked:
+    """The queries' top ``k`` from the HNSW ``graph`` as :class:`Ranked` rows: a target's rank is its place in the list
+    (``inf`` when the search misses it, so ``mrr`` is cut at ``k``), ``exact_top`` kept for ``ann_recall@k``."""
+    k = exact_top.shape[1]
+    graph.hnsw.efSearch = max(64, 2 * k)
+    _, found = graph.search(np.ascontiguousarray(queries.cpu().numpy(), dtype=np.float32), k)
+    top = torch.from_numpy(found).to(device=queries.device, dtype=torch.long)
+    hit = top == targets.view(-1, 1)
+    place = hit.float().argmax(dim=1).double()
+    ranks = torch.where(hit.any(dim=1) & (targets >= 0), place, torch.full_like(place, math.inf))
+    return Ranked(ranks, top, num_items, exact_top=exact_top)

@@ -1,0 +1,236 @@
+"""Managed-collision embeddings: raw ids that never stop arriving, mapped to a table's slots by TorchRec's MCH module.
+
+A run with 10x more distinct ids than slots trains, evicts, checkpoints and resumes to the same losses and eval
+metrics as an uninterrupted run (also from 2 ranks to 1: slow); unknown ids read the fallback slot and are counted;
+impossible settings are refused with the key and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from mlflow.tracking import MlflowClient
+from torchrec.sparse.jagged_tensor import JaggedTensor
+
+import recsys_runner.__main__ as entry
+from recsys_runner.checkpoint.storage import DcpFileStorage, list_checkpoints
+from recsys_runner.config import register_configs
+from recsys_runner.configurable import make
+from recsys_runner.data.encoder import _raw_text
+from recsys_runner.data.schema import SparseColumn
+from recsys_runner.data.synthetic import SyntheticDataConfig
+from recsys_runner.distributed.sharding import _managed_types
+from recsys_runner.errors import CheckpointError, ConfigError
+from recsys_runner.features import FeatureSpec, ManagedCollision, SequenceGroup, SparseFeature
+from recsys_runner.models.collision import CountedMCH, collision_counters, collision_rates, managed_collision_module
+from recsys_runner.models.sequence import SequenceArch
+from recsys_runner.paths import CONFIG_PATH
+from recsys_runner.train.signals import Interrupted
+from tests.conftest import REPO, TINY
+from tests.test_checkpoint_reshard import _saved
+
+STEPS, SLICE, SLOTS = 12, 4, 100
+MANAGED = "data.managed_collision={features: [cat_0, cat_1], input_hash_size: 1000000, eviction_interval: 2}"
+"""cat_0 and cat_1 draw 1000 distinct raw ids (10x their 100 slots); a checkpoint every SLICE steps falls on an
+eviction step, so no id seen since the last admission is lost by a resume."""
+
+
+def _overrides(tmp_path: Path, experiment: str) -> list[str]:
+    return [*[a for a in TINY if not a.startswith(("train.", "data.num_embeddings"))], f"data.num_embeddings={SLOTS}",
+            MANAGED, f"train.num_steps={STEPS}", "train.log_every_steps=1", "train.eval_every_steps=null",
+            "train.eval_max_batches=4", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"tracking.experiment={experiment}",
+            f"checkpoint.dir={tmp_path}/{experiment}", "checkpoint.keep_last=null"]
+
+
+def _run(*overrides: str) -> float:
+    register_configs()
+    with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=list(overrides))
+    return entry.run(cfg)
+
+
+def _history(tmp_path: Path, experiment: str) -> tuple[dict[str, list[tuple[int, float]]], dict[str, float]]:
+    """The run's train/loss and mc/… histories (step, value), and its last metrics."""
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    keys = [k for k in run.data.metrics if k == "train/loss" or k.startswith("mc/")]
+    return {k: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, k)) for k in keys}, run.data.metrics
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, float]:
+    """One uninterrupted run: its directory and objective (eval AUC)."""
+    tmp = tmp_path_factory.mktemp("mc_straight")
+    return tmp, _run(*_overrides(tmp, "straight"))
+
+
+def test_run_evicts_and_logs_collision_metrics(straight: tuple[Path, float]) -> None:
+    tmp, auc = straight
+    history, last = _history(tmp, "straight")
+    assert auc > 0.55
+    for table in ("t_cat_0", "t_cat_1", "first_order_t_cat_0"):
+        assert sum(v for _, v in history[f"mc/{table}/evictions"]) > 0, table
+        assert last[f"mc/{table}/slots_used"] == SLOTS - 1  # every slot but the fallback holds an id
+        assert 0 < last[f"mc/{table}/fallback_rate"] < 1
+    assert not any(k.startswith("mc/t_cat_2/") for k in history)  # plain tables stay plain
+
+
+def test_resume_gives_the_same_losses_and_eval(straight: tuple[Path, float], tmp_path: Path) -> None:
+    args = _overrides(tmp_path, "sliced")
+    with pytest.raises(Interrupted):
+        _run(*args, f"train.stop_after_steps={SLICE}")
+    (ckpt,) = list_checkpoints(tmp_path / "sliced")
+    index = DcpFileStorage().tensor_index(ckpt)
+    assert any("_mch_sorted_raw_ids" in k and "t_cat_0" in k for k in index), sorted(index)[:10]
+    assert any("_mch_counts" in k for k in index)
+    auc = _run(*args)
+    resumed, _ = _history(tmp_path, "sliced")
+    reference, _ = _history(straight[0], "straight")
+    assert [s for s, _ in resumed["train/loss"]] == list(range(1, STEPS + 1))
+    assert [v for _, v in resumed["train/loss"]] == pytest.approx([v for _, v in reference["train/loss"]], rel=1e-5, abs=1e-6)
+    assert auc == pytest.approx(straight[1], rel=1e-6)
+    # python -m recsys_runner.evaluate on the resumed run's last checkpoint: the restored mapping gives the same metrics
+    final = list_checkpoints(tmp_path / "sliced")[-1]
+    evaluated = subprocess.run([sys.executable, "-m", "recsys_runner.evaluate", *[a for a in args if not a.startswith("tracking.")],
+                                "tracking=none", f"load={final}", f"hydra.run.dir={tmp_path}/evaluate"], cwd=tmp_path,
+                               capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    (line,) = [x for x in (evaluated.stdout + evaluated.stderr).splitlines() if "] - evaluate " in x and "eval/auc=" in x]
+    assert float(line.split("eval/auc=")[1].split()[0]) == pytest.approx(auc, abs=1e-6)
+
+
+def test_resume_refuses_another_id_space(tmp_path: Path) -> None:
+    args = _overrides(tmp_path, "changed")
+    with pytest.raises(Interrupted):
+        _run(*args, f"train.stop_after_steps={SLICE}")
+    smaller = [MANAGED.replace("1000000", "1000, distinct_ids: 1000") if a == MANAGED else a for a in args]
+    with pytest.raises(CheckpointError, match=r"'t_cat_0' maps raw ids up to \d+, outside this config's input_hash_size=1000"):
+        _run(*smaller)
+
+
+def test_resume_refuses_other_slots(tmp_path: Path) -> None:
+    args = _overrides(tmp_path, "resized")
+    with pytest.raises(Interrupted):
+        _run(*args, f"train.stop_after_steps={SLICE}")
+    resized = [a for a in args if not a.startswith("data.num_embeddings")]
+    with pytest.raises(CheckpointError, match=r"t_cat_0\._mch_\w+ is \[100\] there, \[50\] here.*slots"):
+        _run(*resized, f"data.num_embeddings_per_feature=[50,{','.join(['100'] * 25)}]")
+
+
+def test_unknown_ids_read_the_fallback_slot_and_are_counted() -> None:
+    table = SparseFeature("u", 10, managed_collision=ManagedCollision(input_hash_size=1000, eviction_interval=1))
+    features = FeatureSpec(dense_names=(), sparse=(table,))
+    (config,) = features.embedding_tables(8)
+    module = managed_collision_module(config, features.managed_tables()["t_u"], torch.device("cpu"))
+    assert isinstance(module, CountedMCH)
+    seen = torch.tensor([5, 7, 5, 900])
+    module.train()
+    module({"t_u": JaggedTensor(values=seen, lengths=torch.tensor([4]))})  # admitted at once: eviction_interval 1
+    module.eval()
+    out = module({"t_u": JaggedTensor(values=torch.tensor([5, 123, 456]), lengths=torch.tensor([3]))})["t_u"].values()
+    assert out[0] != 9 and out[1:].tolist() == [9, 9]  # the last slot is the fallback
+    counts = collision_rates(collision_counters(torch.nn.ModuleDict({"m": module})))
+    assert counts["mc/t_u/eval_fallback_lookups"] == 2 and counts["mc/t_u/eval_fallback_rate"] == pytest.approx(2 / 3)
+    assert counts["mc/t_u/slots_used"] == 3
+
+
+def test_raw_encoding_of_text_and_integers() -> None:
+    col = SparseColumn(name="u", num_embeddings=10, managed_collision={"input_hash_size": 1000})
+    assert col.encoding == "raw"
+    ids, wrong = _raw_text(pa.array(["12", "abc", "12", "abc"]), col)
+    assert wrong is None and ids[0] == 12 and ids[1] == ids[3] and 0 <= ids[1] < 1000
+    assert col.feature().managed_collision == ManagedCollision(input_hash_size=1000)
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    (dict(num_embeddings=10, encoding="hash", managed_collision={}), r"data.sparse\[u\].encoding='hash'.*Fix: data.sparse\[u\].encoding=raw"),
+    (dict(managed_collision={}), r"needs data.sparse\[u\].num_embeddings"),
+    (dict(num_embeddings=10, encoding="raw"), r"encoding=raw passes raw ids"),
+    (dict(num_embeddings=1, managed_collision={}), r"at least 2 slots"),
+    (dict(num_embeddings=10, managed_collision={"eviction_policy": "fifo"}), r"eviction_policy='fifo' must be one of"),
+    (dict(num_embeddings=10, managed_collision={"eviction_interval": 0}), r"eviction_interval=0"),
+    (dict(num_embeddings=10, managed_collision={"decay_exponent": 2.0}), r"decay_exponent is set but eviction_policy=lfu"),
+    (dict(num_embeddings=10, managed_collision={"ttl": 5}), r"unknown key\(s\) \['ttl'\]"),
+])
+def test_impossible_column_settings_are_refused(values: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        SparseColumn(name="u", **values)
+
+
+def test_impossible_synthetic_settings_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"data.managed_collision.features=\['cat_99'\] must name sparse columns"):
+        make(SyntheticDataConfig, managed_collision={"features": ["cat_99"]})
+    with pytest.raises(ConfigError, match=r"distinct_ids=5000 exceeds input_hash_size=100"):
+        make(SyntheticDataConfig, managed_collision={"input_hash_size": 100, "distinct_ids": 5000})
+    with pytest.raises(ConfigError, match=r"exclude it. Fix: \+distributed.tables.t_cat_0.sharding_types=\[row_wise\]"):
+        _managed_types("t_cat_0", ["table_wise"])
+
+
+def test_history_tables_refuse_managed_collision() -> None:
+    mc = ManagedCollision(input_hash_size=1000)
+    features = FeatureSpec(dense_names=(), sparse=(SparseFeature("item", 10, table="item", managed_collision=mc),
+                                                   SparseFeature("hist", 10, table="item", managed_collision=mc)),
+                           sequences=(SequenceGroup("h", ("hist",), 5),))
+    with pytest.raises(ConfigError, match=r"history tables \['item'\] unpooled.*Fix: drop managed_collision"):
+        SequenceArch(features, 8, torch.nn.Module)
+
+
+def _torchrun(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}",
+           "-m", "recsys_runner", "distributed.timeout_s=120", f"hydra.run.dir={tmp_path}/run2", *overrides]
+    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=400, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+@pytest.mark.slow
+def test_two_rank_mapping_resumes_on_one_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    args = _overrides(tmp_path, "mc_2to1")
+    out = _torchrun(tmp_path, *args, f"train.stop_after_steps={SLICE}")
+    assert out.returncode == 0, out.stderr[-4000:]
+    (ckpt,) = list_checkpoints(tmp_path / "mc_2to1")
+    saved = _saved(ckpt)
+    key = next(k for k in saved if k.endswith("t_cat_0._mch_sorted_raw_ids"))
+    mapping = key.replace("_mch_sorted_raw_ids", "_mch_remapped_ids_mapping")
+    pairs = {(int(r), int(s)) for r, s in zip(saved[key], saved[mapping], strict=True) if r != torch.iinfo(torch.int64).max}
+    assert len(pairs) > SLOTS // 2  # both shards admitted ids
+    restored: dict[str, torch.Tensor] = {}
+    real_train = entry.train
+
+    def check_then_train(loop):  # right after build() restored the 2-rank checkpoint onto 1 rank
+        state = loop.checkpointer._tensor_state()
+        restored.update({k: state[k].local_tensor().clone() if hasattr(state[k], "local_tensor") else state[k].clone()
+                         for k in (key, mapping)})
+        return real_train(loop)
+
+    monkeypatch.setattr(entry, "train", check_then_train)
+    _run(*args)
+    ids = restored[key]
+    assert torch.equal(ids, ids.sort().values)  # re-sorted after loading two shards' sorted blocks
+    assert {(int(r), int(s)) for r, s in zip(ids, restored[mapping], strict=True) if r != torch.iinfo(torch.int64).max} == pairs
+    history, _ = _history(tmp_path, "mc_2to1")
+    assert [s for s, _ in history["train/loss"]] == list(range(1, STEPS + 1))
+
+
+def test_file_column_with_text_ids_trains(tmp_path: Path) -> None:
+    rows = 4096
+    g = torch.Generator().manual_seed(0)
+    users = torch.randint(0, 400, (rows,), generator=g)
+    pq.write_table(pa.table({"label": (users % 3 == 0).to(torch.int8).numpy(), "user": [f"u{u}" for u in users.tolist()],
+                             "item": (users * 7 % 50).numpy()}), tmp_path / "train.parquet")
+    column = "{name: user, num_embeddings: 64, managed_collision: {input_hash_size: 1000000, eviction_policy: distance_lfu}}"
+    auc = _run("data=parquet", f"data.path={tmp_path}/train.parquet", "data.eval_fraction=0.1", "data.batch_size=256",
+               "data.label=label", f"data.sparse=[{column}, {{name: item, num_embeddings: 50}}]", "data.dense=[]",
+               "model=wide_deep", "train.num_steps=10", "train.eval_max_batches=2", "distributed.device=cpu", "tracking=none",
+               "checkpoint=none")
+    assert auc > 0.5
