@@ -54,8 +54,10 @@ test-fast: $(STAMP) ## Run the tests except those marked slow
 	$(PY) -m pytest -q -m "not slow"
 
 BENCH_ARGS ?=
-bench: $(STAMP) ## Runner vs hand loop, end to end (synthetic, Parquet), host overhead, start-up -> table + bench.json (docs/performance.md)
+bench: $(STAMP) ## Runner vs hand loop (synthetic, Parquet, sequences, managed collision), start-up; negatives; corpus eval (docs/performance.md)
 	$(PY) -m recsys_runner.bench $(BENCH_ARGS)
+	$(PY) -m recsys_runner.bench.retrieval
+	$(PY) -m recsys_runner.bench --corpus
 
 lint: $(STAMP) ## ruff, mypy, and import-linter (what each room may import: docs/architecture.md)
 	$(VENV)/bin/ruff check recsys_runner tests hydra_plugins

@@ -212,7 +212,6 @@ def test_export_writes_the_item_index_with_its_ids(make_cfg, export_cfg, tmp_pat
 def test_faiss_index_reports_its_recall_against_exact() -> None:
     """``model.index=faiss``: the metrics measure the HNSW search's top k, and ``ann_recall@k`` the share of the exact
     top k it finds (1 for the exact index)."""
-    pytest.importorskip("faiss")
     from recsys_runner.train.corpus import hnsw_index, searched
 
     g = torch.Generator().manual_seed(5)

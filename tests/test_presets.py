@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from recsys_runner.__main__ import run
-from recsys_runner.config import validate
+from recsys_runner.config import RunConfig, validate
 from recsys_runner.data.generate import write_avazu_csv, write_criteo_tsv, write_movielens_ratings
 from recsys_runner.data.schema import DenseColumn, SparseColumn
+from recsys_runner.paths import CONFIG_PATH
 
 
 def preset_cfg(make_cfg, experiment: str, path: Path, *overrides: str):
@@ -53,3 +54,12 @@ def test_criteo_preset_sizes_tables_from_the_file(make_cfg, tmp_path: Path) -> N
     assert all(isinstance(c, SparseColumn) and c.encoding == "vocab" and c.hex and c.oov_buckets == 16 for c in data.schema.sparse)
     assert all(isinstance(d, DenseColumn) and d.transform == "log1p" for d in data.schema.dense)
     assert re.fullmatch(r"cat_\d+", data.features.sparse_names[-1])
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in (Path(CONFIG_PATH) / "experiment").glob("*.yaml")))
+def test_every_preset_composes_and_validates(make_cfg, preset: str) -> None:
+    """Each ``experiment=<preset>`` composes and passes every schema check as shipped (the file presets with a path)."""
+    cfg = make_cfg(f"experiment={preset}", tiny=False)
+    if "tabular" in str(cfg.data._target_):  # a preset for your own files: any path validates
+        cfg = make_cfg(f"experiment={preset}", "data.path=train.parquet", tiny=False)
+    assert isinstance(validate(cfg), RunConfig)

@@ -190,9 +190,12 @@ class DSSM(nn.Module):
         return self.user_tower(embedded, dense), self.item_tower(embedded, dense)
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        user, item = self.user_item(dense, sparse)
-        queries = user.shape[0] - (self.sampled_items if self.training else 0)
-        scores = user[:queries] @ item.t() / self.temperature
+        embedded = self.sparse_arch(sparse)
+        queries = embedded.shape[0] - (self.sampled_items if self.training else 0)
+        # the user tower over the queries only: the sampled rows have no user side
+        user = self.user_tower(embedded[:queries], dense[:queries])
+        item = self.item_tower(embedded, dense)
+        scores = user @ item.t() / self.temperature
         if self.training and self.logq is not None and self.item_id is not None:
             scores = scores - self.logq(first_ids(sparse, self.item_id)).to(scores.dtype)
         return scores
