@@ -80,6 +80,14 @@ def hint_of(stderr: str) -> list[str] | None:
     return None
 
 
+def torchrun(*args: str, cwd: Path, module: str = "recsys_runner", timeout: int = 600) -> subprocess.CompletedProcess[str]:
+    """``python -m torch.distributed.run --nproc_per_node=2 -m <module> *args`` on loopback in ``cwd``, capturing output:
+    the 2-rank gloo run of the multi-rank tests (this checkout's package first on the path)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", "-m", module, *args]
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
 def free_port() -> int:
     """A TCP port free on loopback now (for a process group, a test server or a SLURM daemon)."""
     with socket.socket() as s:

@@ -5,9 +5,6 @@ estimator follows the paper's update, and logQ-corrected training changes full-c
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, cast
 
@@ -30,7 +27,7 @@ from recsys_runner.models.common import TrainWrapper
 from recsys_runner.models.dssm import DSSM, DSSMConfig, first_ids
 from recsys_runner.models.frequency import FrequencyEstimator
 from recsys_runner.train.corpus import CorpusEval
-from tests.conftest import TINY, free_port
+from tests.conftest import TINY, torchrun
 from tests.test_evaluate import compose_entry
 from tests.test_export import check_export, export_cfg  # noqa: F401 - a fixture
 from tests.test_models import materialize
@@ -107,9 +104,7 @@ def test_two_ranks_full_corpus_eval_equals_one_rank(tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path}/corpus.db"
     args = [*TINY, *CORPUS, "data.num_eval_rows=2048", "train.num_steps=8", "distributed.sharding_types=[column_wise]",
             f"tracking.uri={uri}", "tracking.experiment=corpus2", f"checkpoint.dir={tmp_path}/ck"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-           "-m", "recsys_runner", *args, f"hydra.run.dir={tmp_path}/run"]
-    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
+    out = torchrun(*args, f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-4000:]
     client = MlflowClient(tracking_uri=uri)
     (mlrun,) = client.search_runs([client.get_experiment_by_name("corpus2").experiment_id])

@@ -8,7 +8,6 @@ impossible settings are refused with the key and the fix.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +34,7 @@ from recsys_runner.models.collision import CountedMCH, collision_counters, colli
 from recsys_runner.models.sequence import SequenceArch
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.train.signals import Interrupted
-from tests.conftest import REPO, TINY
+from tests.conftest import REPO, TINY, torchrun
 from tests.test_checkpoint_reshard import _saved
 
 STEPS, SLICE, SLOTS = 12, 4, 100
@@ -185,12 +184,7 @@ def test_history_tables_refuse_managed_collision() -> None:
 
 
 def _torchrun(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}",
-           "-m", "recsys_runner", "distributed.timeout_s=120", f"hydra.run.dir={tmp_path}/run2", *overrides]
-    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=400, env={**os.environ, "PYTHONPATH": str(REPO)})
+    return torchrun("distributed.timeout_s=120", f"hydra.run.dir={tmp_path}/run2", *overrides, cwd=tmp_path, timeout=400)
 
 
 @pytest.mark.slow

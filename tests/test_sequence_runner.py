@@ -8,10 +8,6 @@ per-batch padding) are shared by all of them (``recsys_runner/models/sequence.py
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +19,7 @@ from recsys_runner.__main__ import run
 from recsys_runner.checkpoint.storage import list_checkpoints
 from recsys_runner.errors import ConfigError
 from recsys_runner.train.signals import Interrupted
-from tests.conftest import REPO, TINY, run_cli
+from tests.conftest import TINY, run_cli, torchrun
 from tests.test_checkpoint import history
 from tests.test_evaluate import compose_entry
 from tests.test_export import check_export, export_cfg  # noqa: F401 - a fixture
@@ -82,15 +78,10 @@ def test_plan_counts_the_history_tables(make_cfg) -> None:
 def test_two_ranks_shard_history_tables_and_one_rank_evaluates_the_same(tmp_path: Path) -> None:
     """torchrun, 2 ranks, every table column-wise across both: jagged histories through sharded EmbeddingCollections;
     the 2-rank checkpoint then evaluated on 1 rank (resharded by DCP) gives the 2-rank run's eval."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     uri = f"sqlite:///{tmp_path}/seq.db"
     args = [*(a for a in TINY if not a.startswith("data.")), *SEQ, *SEQ_DATA, "train.num_steps=16", "distributed.sharding_types=[column_wise]", f"tracking.uri={uri}",
             "tracking.experiment=seq2", f"checkpoint.dir={tmp_path}/ck"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}",
-           "-m", "recsys_runner", *args, f"hydra.run.dir={tmp_path}/run"]
-    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
+    out = torchrun(*args, f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-4000:]
     client = MlflowClient(tracking_uri=uri)
     (mlrun,) = client.search_runs([client.get_experiment_by_name("seq2").experiment_id])
