@@ -1,0 +1,89 @@
+"""What every multi-task model shares: its task list in config (:class:`MultiTaskConfig`) and the named parts
+mixture-of-experts models are built from (:class:`Experts`, :class:`Gate`, :class:`Tower`).
+
+MMoE, PLE and DBMTL subclass :class:`MultiTaskConfig`, so the task fields are declared, documented and
+checked once; how the task losses are weighted is not the model's concern (``train/weighting.py``).
+
+Shape legend: ``B`` batch, ``I`` input width, ``E`` experts, ``H`` expert output width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from recsys_runner.errors import require
+from recsys_runner.features import DataNeeds
+from recsys_runner.models.common import MLP, ModelConfig
+from recsys_runner.tasks import LABEL_TASK_KINDS, BinaryTask
+
+__all__ = ["MultiTaskConfig", "Experts", "Gate", "Tower"]
+
+
+@dataclass(kw_only=True)
+class MultiTaskConfig(ModelConfig):
+    """The task fields of a multi-task model's config; a model's own config adds its hyperparameters."""
+
+    tasks: list[str] = field(default_factory=lambda: ["ctr", "cvr"])
+    """Task names, each with a label of the same name in the data (``data.tasks`` / ``data.labels``)."""
+    loss_weights: list[float] | None = None
+    """Weight of each task's loss in the sum (one per task); ``null``: all 1."""
+    task_kinds: list[str] | None = None
+    """``binary`` (BCE, metrics ``metrics.eval``) or ``regression`` (MSE, metrics mse/mae) per task; ``null``: all binary."""
+
+    def __post_init__(self) -> None:
+        require(len(self.tasks) > 0 and len(set(self.tasks)) == len(self.tasks),
+                f"model.tasks={self.tasks} must list distinct task names, e.g. model.tasks=[ctr,cvr]")
+        if self.loss_weights is not None:
+            require(len(self.loss_weights) == len(self.tasks),
+                    f"model.loss_weights={self.loss_weights} has {len(self.loss_weights)} entries but model.tasks={self.tasks} "
+                    f"has {len(self.tasks)}. Fix: one weight per task, or model.loss_weights=null")
+            require(all(w >= 0 for w in self.loss_weights) and sum(self.loss_weights) > 0,
+                    f"model.loss_weights={self.loss_weights} must be >= 0 and not all 0")
+        if self.task_kinds is not None:
+            require(len(self.task_kinds) == len(self.tasks),
+                    f"model.task_kinds={self.task_kinds} has {len(self.task_kinds)} entries but model.tasks={self.tasks} has "
+                    f"{len(self.tasks)}. Fix: one kind per task, or model.task_kinds=null")
+            wrong = [k for k in self.task_kinds if k not in LABEL_TASK_KINDS]
+            require(not wrong, f"model.task_kinds has {wrong}; each must be one of {list(LABEL_TASK_KINDS)}")
+
+    def data_needs(self) -> DataNeeds:
+        """A label per task, of the task's kind: generated data (``data=synthetic``) draws them."""
+        return DataNeeds(labels=tuple(self.tasks), label_kinds=tuple(self.task_kinds or [BinaryTask.kind] * len(self.tasks)))
+
+
+class Experts(nn.Module):
+    """``E`` independent MLPs over the same input: ``[B, I] → [B, E, H]``."""
+
+    def __init__(self, in_features: int, num_experts: int, layer_sizes: list[int], device: torch.device | None = None) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(MLP(in_features, layer_sizes, device=device) for _ in range(num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([expert(x) for expert in self.experts], dim=1)
+
+
+class Gate(nn.Module):
+    """One task's mixture of the experts: softmax weights from the input, ``([B, I], [B, E, H]) → [B, H]``."""
+
+    def __init__(self, in_features: int, num_experts: int, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.logits = nn.Linear(in_features, num_experts, device=device)
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        weights = torch.softmax(self.logits(x), dim=1)
+        return torch.bmm(weights.unsqueeze(1), experts).squeeze(1)
+
+
+class Tower(nn.Module):
+    """One task's head: an MLP ending in one logit, ``[B, H] → [B]``."""
+
+    def __init__(self, in_features: int, layer_sizes: list[int], device: torch.device | None = None) -> None:
+        super().__init__()
+        self.mlp = MLP(in_features, layer_sizes, device=device)
+        self.out = nn.Linear(layer_sizes[-1], 1, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.mlp(x)).squeeze(1)
