@@ -139,14 +139,17 @@ ZIPF = {"batch_size": 256, "num_dense": 1, "num_sparse": 2, "num_embeddings": 40
 clusters; one pass of 120 steps of 256 rows trains in a few seconds."""
 
 
-def _trained_recall(logq: bool, seed: int, steps: int = 120) -> dict[str, float]:
-    """Full-corpus recall@50 of a DSSM trained with or without logQ: over all eval queries, the popular head's (the
-    items holding half the traffic) and the tail's."""
-    data = SyntheticData(make(SyntheticDataConfig, seed=seed, **ZIPF))
+def _trained_recall(logq: bool, seed: int, steps: int = 120, source: str = "stream", **data_fields: object) -> dict[str, float]:
+    """Full-corpus recall@50 of a DSSM trained with or without logQ (``p_c`` from ``source``): over all eval queries, the
+    popular head's (the items holding half the traffic) and the tail's."""
+    data = SyntheticData(make(SyntheticDataConfig, seed=seed, **{**ZIPF, **data_fields}))
     torch.manual_seed(seed)
     config = make(DSSMConfig, embedding_dim=16, user_features=["cat_0"], item_features=["cat_1"], tower_layer_sizes=[32, 16],
-                  logq_correction=logq, logq_alpha=0.05)
+                  logq_correction=logq, logq_alpha=0.05, logq_source=source)
     model = materialize(DSSM(config, features=data.features, dense_device=torch.device("cpu")))
+    catalogue = data.item_table()
+    assert catalogue is not None
+    model.use_catalogue(torch.from_numpy(catalogue.ids), torch.from_numpy(catalogue.popularity))
     wrapper = TrainWrapper(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     for batch in list(data.train_batches(0, 0, 1))[:steps]:

@@ -228,3 +228,16 @@ def test_file_column_with_text_ids_trains(tmp_path: Path) -> None:
                "model=wide_deep", "train.num_steps=10", "train.eval_max_batches=2", "distributed.device=cpu", "tracking=none",
                "checkpoint=none")
     assert auc > 0.5
+
+
+def test_collision_bench_reports_lookup_and_eviction_apart(tmp_path: Path) -> None:
+    """``bench/collision.py`` splits what managed collision adds to a step into the lookups (the round less its timed
+    evictions) and the evictions amortized over ``eviction_interval``; every path has an eviction's cost (forced when
+    none fell in its rounds)."""
+    from recsys_runner.bench.collision import main
+
+    result = main(["--quick", "--json", str(tmp_path / "c.json"), "distributed.device=cpu"])
+    assert (tmp_path / "c.json").exists() and sorted(result["rounds"]) == ["every_10", "plain"]
+    added, lookup, eviction = result["added_step"]["every_10"], result["lookup_added"]["every_10"], result["eviction_added"]["every_10"]
+    assert added == pytest.approx(lookup + eviction) and eviction > 0 and result["eviction_ms"]["every_10"] > 0
+    assert result["mch_calls_added"]["every_10"] > 0

@@ -13,10 +13,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+import torch
 
 from recsys_runner.data.items import ItemTable
 
-__all__ = ["generated_item_table", "item_lookups", "pair_popularity"]
+__all__ = ["HARD_COLUMN", "generated_item_table", "hard_negative_ids", "item_lookups", "pair_popularity"]
+
+HARD_COLUMN = "hard_items"
+"""The list column of per-row hard negative item ids that ``data.hard_negatives`` adds."""
 
 
 def _base_probabilities(size: int, id_skew: float) -> np.ndarray:
@@ -65,3 +69,17 @@ def generated_item_table(names: list[str], lookups: list[np.ndarray], popularity
     for name, values in zip(names, [ids, *lookups], strict=True):
         features[name] = (as_generated(name, values) if as_generated else values, np.ones(ids.shape[0], np.int32))
     return ItemTable(names[0], features[names[0]][0], features, (), np.zeros((ids.shape[0], 0), np.float32), popularity)
+
+
+def hard_negative_ids(positives: torch.Tensor, users: torch.Tensor, count: int, item_size: int, clusters: int, id_skew: float,
+                      g: torch.Generator) -> torch.Tensor:
+    """``[B, count]`` hard negatives per row: items drawn as the row's positive was (a skewed base id moved into the user's
+    cluster ``users mod clusters``), so each is one the user's cluster plausibly shows, popular ones more often; a draw
+    equal to the row's positive moves to the cluster's next item (or its first). ``item_size >= 2 · clusters`` keeps that
+    item another one."""
+    base = (item_size * torch.rand(positives.shape[0], count, generator=g, dtype=torch.float64).pow(id_skew)).long()
+    base = base.clamp_max(item_size - 1)
+    moved = base - base % clusters + (users % clusters).view(-1, 1)
+    moved = torch.where(moved < item_size, moved, (moved - clusters).clamp_min(0))
+    after = torch.where(moved + clusters < item_size, moved + clusters, moved % clusters)
+    return torch.where(moved == positives.view(-1, 1), after, moved)

@@ -30,9 +30,11 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recsys_runner.errors import ConfigError, require
 from recsys_runner.features import DataNeeds, FeatureSpec, check_embedding_dim
 from recsys_runner.models.common import MLP, ModelConfig, SparseArch, check_layer_sizes
-from recsys_runner.models.frequency import FrequencyEstimator
+from recsys_runner.models.frequency import FrequencyEstimator, TableFrequency
 from recsys_runner.tasks import InBatchSoftmaxTask
 
+LOGQ_SOURCES = ("stream", "item_table")
+"""``model.logq_source`` options: the streaming estimate of each candidate's frequency, or the item catalogue's counts."""
 INDEXES = ("exact", "faiss")
 """``model.index`` options: the full-corpus evaluation's exact chunked scoring, or FAISS's approximate HNSW search."""
 
@@ -63,6 +65,10 @@ class DSSMConfig(ModelConfig):
     """Subtract ``log p_c`` (each candidate's streaming-estimated probability of being a step's candidate) from its
     training logit (Yi et al. 2019), so that popular items are not over-penalized as in-batch negatives; reads the
     first sparse feature of ``item_features`` as the item id."""
+    logq_source: str = "stream"
+    """Where ``p_c`` comes from: ``stream`` (estimated from the candidates of the steps so far, every candidate row
+    counted: in-batch and ``data.negatives`` alike) or ``item_table`` (the catalogue's popularity, ``data.item_table()``:
+    exact from the first step; in-batch candidates only, so not with ``data.negatives``)."""
     logq_buckets: int | None = None
     """Hash buckets of the frequency estimator; ``null``: the item id feature's ``num_embeddings`` (one per id)."""
     logq_alpha: float = 0.01
@@ -84,6 +90,7 @@ class DSSMConfig(ModelConfig):
         check_layer_sizes("tower_layer_sizes", self.tower_layer_sizes)
         require(self.temperature > 0, f"model.temperature must be positive, got {self.temperature}")
         require(self.logq_buckets is None or self.logq_buckets > 0, f"model.logq_buckets must be positive or null, got {self.logq_buckets}")
+        require(self.logq_source in LOGQ_SOURCES, f"model.logq_source={self.logq_source!r} must be one of {list(LOGQ_SOURCES)}")
         require(0 < self.logq_alpha <= 1, f"model.logq_alpha must lie in (0, 1], got {self.logq_alpha}. Fix: model.logq_alpha=0.01")
         require(self.index in INDEXES, f"model.index={self.index!r} must be one of {list(INDEXES)}, e.g. model.index=exact")
         require(self.index != "faiss" or importlib.util.find_spec("faiss") is not None,
@@ -177,6 +184,25 @@ class DSSM(nn.Module):
         """The item tower's id feature (its first sparse feature): what the frequency estimator counts."""
         self.logq = _estimator(config, features, self.item_id, dense_device)
 
+    def use_catalogue(self, ids: torch.Tensor | None, popularity: torch.Tensor | None) -> None:
+        """The data's item catalogue (item ids ``[N]``, popularity ``[N]``; ``None``: the data has none), given once the model
+        is built: ``logq_source: item_table`` takes ``p_c`` from it.
+
+        Raises:
+            ConfigError: ``logq_source: item_table`` without a catalogue, or with sampled negatives.
+        """
+        if not isinstance(self.logq, TableFrequency):
+            return
+        if ids is None or popularity is None:
+            raise ConfigError("model.logq_source=item_table reads each item's popularity from the data's item catalogue, and "
+                              "the data has none. Fix: data.items=<items file> (or data=synthetic_retrieval), or "
+                              "model.logq_source=stream")
+        if self.sampled_items:
+            raise ConfigError(f"model.logq_source=item_table gives the probability of an in-batch candidate, but the batches also "
+                              f"carry {self.sampled_items} sampled negatives (data.negatives) drawn otherwise. Fix: "
+                              f"model.logq_source=stream (it counts every candidate), or data.negatives.num_negatives=0")
+        self.logq.load(ids, popularity)
+
     def tower(self, name: str, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         """Tower ``name``'s (``user`` or ``item``) vectors ``[B, O]``; it reads only its own features of the batch.
 
@@ -202,7 +228,7 @@ class DSSM(nn.Module):
 
 
 def _estimator(config: DSSMConfig, features: FeatureSpec, item_id: str | None,
-               device: torch.device | None) -> FrequencyEstimator | None:
+               device: torch.device | None) -> FrequencyEstimator | TableFrequency | None:
     """The logQ correction's frequency estimator, or ``None`` without ``logq_correction``.
 
     Raises:
@@ -214,6 +240,8 @@ def _estimator(config: DSSMConfig, features: FeatureSpec, item_id: str | None,
         raise ConfigError(f"model.logq_correction counts item ids, but model.item_features={list(config.item_features)} has no "
                           f"sparse feature. Fix: add the item id feature to model.item_features, or model.logq_correction=false")
     size = next(f.num_embeddings for f in features.sparse if f.name == item_id)
+    if config.logq_source == "item_table":
+        return TableFrequency(config.logq_buckets or size, device=device)
     return FrequencyEstimator(config.logq_buckets or size, config.logq_alpha, device=device)
 
 

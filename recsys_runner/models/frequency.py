@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["FrequencyEstimator"]
+__all__ = ["FrequencyEstimator", "TableFrequency"]
 
 
 class FrequencyEstimator(nn.Module):
@@ -66,6 +66,43 @@ class FrequencyEstimator(nn.Module):
         gap = (self.step - last).float()
         self.gap[seen] = torch.where(fresh, gap, (1 - self.alpha) * self.gap[seen] + self.alpha * gap)
         self.last_seen[seen] = self.step
+
+
+class TableFrequency(nn.Module):
+    """``log q_c`` of a step's in-batch candidate ids ``[C]`` from the item catalogue's counts instead of the stream:
+    ``q_c = 1 − (1 − p_c) ** R``, the chance that item ``c`` is among a step's ``R = C · world_size`` rows when each row
+    carries it with probability ``p_c`` (its share of the table's popularity): the quantity the streaming estimate
+    tracks, known from the first step and not drifting with ``alpha``.
+
+    Args:
+        buckets: ``H``, ids map to ``id mod H`` (colliding items add their shares).
+        device: where the buffer lives.
+    """
+
+    probability: torch.Tensor
+
+    def __init__(self, buckets: int, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.buckets = buckets
+        self.register_buffer("probability", torch.zeros(buckets, dtype=torch.float32, device=device))
+
+    def load(self, ids: torch.Tensor, popularity: torch.Tensor) -> None:
+        """Set ``p`` from the catalogue: item ids ``[N]`` and their popularity ``[N]`` (counts or weights >= 0). A bucket no
+        item falls in (an id the catalogue lacks) gets the rarest item's share."""
+        weights = popularity.double().clamp_min(0)
+        total = float(weights.sum())
+        if total <= 0:  # no counts known: every item alike
+            weights, total = torch.ones_like(weights), float(weights.numel())
+        share = torch.zeros(self.buckets, dtype=torch.float64).index_add_(0, torch.remainder(ids.long(), self.buckets), weights / total)
+        known = share > 0
+        share[~known] = share[known].min() if bool(known.any()) else 1.0 / self.buckets
+        self.probability.copy_(share.to(self.probability))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+            p = self.probability[torch.remainder(ids.long(), self.buckets)].double().clamp(1e-30, 1 - 1e-12)
+            return torch.log(-torch.expm1(ids.numel() * world * torch.log1p(-p))).float()
 
 
 def _gathered(ids: torch.Tensor) -> torch.Tensor:

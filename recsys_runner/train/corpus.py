@@ -32,6 +32,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.data.base import DataModule
 from recsys_runner.data.items import ItemTable
+from recsys_runner.data.negatives import MinedNegatives
 from recsys_runner.distributed.env import DistEnv
 from recsys_runner.errors import ConfigError
 from recsys_runner.metrics.corpus import corpus_k, corpus_ranks
@@ -42,7 +43,7 @@ from recsys_runner.models.dssm import first_ids
 from recsys_runner.progress import Progress
 from recsys_runner.tasks import Task
 
-__all__ = ["CorpusEval", "TwoTower", "item_index", "two_tower_of"]
+__all__ = ["CorpusEval", "TwoTower", "item_index", "mine", "two_tower_of"]
 
 
 class TwoTower(Protocol):
@@ -124,6 +125,10 @@ class CorpusEval:
         """
         wanted = [(t, names) for t in tasks if (names := catalogue_metric_names(spec, t))]
         if not wanted:
+            if _miner(data) is not None:
+                raise ConfigError("data.negatives.mined_ratio mines hard negatives from the item index each full-corpus "
+                                  "evaluation builds, but no eval metric ranks against the catalogue, so none is built. Fix: "
+                                  "add one, e.g. model.eval_metrics=[recall@50], or data.negatives.mined_ratio=0")
             return None
         listed = [n for _, names in wanted for n in names]
         table_of = getattr(data, "item_table", None)
@@ -160,7 +165,35 @@ class CorpusEval:
                     metric.update(ranked)
             if progress is not None:
                 progress.update(1)
+        miner = _miner(data)
+        if miner is not None:  # the index refresh: the next training batches draw hard negatives from it
+            mine(miner, index, self.chunk_rows, env)
         return {eval_key(task, name): float(m.compute()) for task, by_name in metrics for name, m in by_name.items()}
+
+
+def mine(miner: MinedNegatives, index: torch.Tensor, chunk_rows: int, env: DistEnv) -> None:
+    """Refresh ``miner``'s lists from the item index ``[N, O]`` (the same on every rank): rank ``r`` of ``W`` mines the
+    items of chunks ``r, r + W, …`` (``chunk_rows`` each), the ranks' lists are all-gathered, every rank stores all of
+    them: each rank's share of the ``N² · O`` work is ``1/W``, and every rank's data pipeline reads the same lists."""
+    n, world = index.shape[0], env.world_size
+    if world == 1:
+        miner.refresh(index, chunk_rows)
+        return
+    chunks = [(s, min(chunk_rows, n - s)) for s in range(0, n, chunk_rows)]
+    rounds = math.ceil(len(chunks) / world)
+    local = torch.full((rounds * chunk_rows, miner.top_k), -1, dtype=torch.long, device=index.device)
+    for r in range(rounds):
+        if (i := r * world + env.rank) < len(chunks):
+            local[r * chunk_rows: r * chunk_rows + chunks[i][1]] = miner.mine(index, *chunks[i], chunk_rows)
+    parts = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(parts, local)
+    miner.store(torch.cat([parts[i % world][(i // world) * chunk_rows:][:count] for i, (_, count) in enumerate(chunks)]).cpu())
+
+
+def _miner(data: DataModule) -> MinedNegatives | None:
+    """The data's mined hard-negative lists (``data.negatives.mined_ratio``), or ``None``."""
+    miner_of = getattr(data, "negative_miner", None)
+    return miner_of() if miner_of is not None else None
 
 
 def _metric(name: str, spec: MetricsConfig, device: torch.device) -> Metric:
