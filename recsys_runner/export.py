@@ -47,6 +47,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,7 +60,9 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torchrec.datasets.utils import Batch
 
-from recsys_runner.checkpoint.storage import DcpFileStorage, TensorIndex
+from recsys_runner import stores
+from recsys_runner.checkpoint.object_storage import storage_for
+from recsys_runner.checkpoint.storage import TensorIndex
 from recsys_runner.checkpoint.weights import load_into
 from recsys_runner.config import RunConfig, flatten, register_entry_schema, to_yaml, validate
 from recsys_runner.data.items import ItemTable
@@ -171,7 +174,7 @@ def load_weights(model: nn.Module, checkpoint: Path, ema: bool) -> None:
 
     with warnings.catch_warnings():  # "torch.distributed is … uninitialized, assuming … a single process": just so
         warnings.simplefilter("ignore", UserWarning)
-        load_into(DcpFileStorage(), checkpoint, ours, rule="exact", sources=sources)
+        load_into(storage_for(checkpoint), checkpoint, ours, rule="exact", sources=sources)
     restore_collision_state(model)  # a mapping saved by several row-wise shards is their sorted blocks end to end
     leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if leftover:
@@ -242,7 +245,7 @@ def _meaning(task: Task) -> str:
 def export_dir(configured: str | None, launch: Launch) -> Path:
     """``export.dir``, else ``<Hydra run dir>/export``."""
     if configured is not None:
-        return Path(configured).expanduser()
+        return stores.as_path(configured)
     default = launch.under_output_dir("export")
     if default is None:
         raise ConfigError("export.dir is not set and this is not a Hydra run. Fix: export.dir=<directory>")
@@ -261,16 +264,18 @@ def check_target(out: Path, overwrite: bool) -> None:
     Raises:
         ConfigError: naming the directory, what it holds and the fix.
     """
-    if out.exists() and not out.is_dir():
+    remote = stores.is_uri(out)  # a prefix in an object store: what is under it
+    if not remote and out.exists() and not out.is_dir():
         raise ConfigError(f"export.dir={out} is a file, not a directory. Fix: export.dir=<a new or empty directory>")
-    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    held = sorted(p.rsplit("/", 1)[-1] for p in stores.glob(f"{out}/*", ConfigError)) if remote else \
+        sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     if not held:
         return
     shown = held[:8] + ([f"… {len(held) - 8} more"] if len(held) > 8 else [])
     if not overwrite:
         raise ConfigError(f"export.dir={out} is not empty (it holds {shown}): an earlier export's files would be overwritten or "
                           f"mixed with this one's. Fix: export.overwrite=true to replace them, or a new export.dir")
-    foreign = [n for n in held if not (is_export_file(n) and (out / n).is_file())]
+    foreign = [n for n in held if not (is_export_file(n) and (remote or (out / n).is_file()))]
     if foreign:
         raise ConfigError(f"export.dir={out} holds {foreign[:8]}, which no export writes; export.overwrite=true replaces only an "
                           f"earlier export's files. Fix: a new export.dir, or move those away")
@@ -278,7 +283,12 @@ def check_target(out: Path, overwrite: bool) -> None:
 
 def replace_dir(staged: Path, out: Path) -> None:
     """Move the complete export ``staged`` to ``out``, replacing an earlier export there as a whole: the earlier one is
-    first renamed aside, so ``out`` never holds the files of two exports."""
+    first renamed aside, so ``out`` never holds the files of two exports. In an object store (no rename) the earlier
+    export's objects are deleted and the new ones uploaded, each whole."""
+    if stores.is_uri(out):
+        stores.remove(str(out), ConfigError)
+        stores.upload(staged, str(out), ConfigError)
+        return
     out.parent.mkdir(parents=True, exist_ok=True)
     old = out.parent / f".{out.name}.old-{os.getpid()}"
     shutil.rmtree(old, ignore_errors=True)  # left by an earlier process of this id that was killed here
@@ -300,7 +310,7 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> Path:
     checkpoint = checkpoint_to_load(cfg, spec)
     out = export_dir(options.dir, launch)
     check_target(out, options.overwrite)
-    meta = json.loads((checkpoint / "meta.json").read_text())
+    meta = json.loads(stores.read_bytes(str(checkpoint / "meta.json"), CheckpointError))
     torch.manual_seed(spec.seed)
     model, features, batch, items = build_unsharded(spec)
     ema = use_ema(spec, options.weights)
@@ -311,7 +321,8 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> Path:
         texts={"config.yaml": to_yaml(spec)}, manifest=manifest)
     tracker = spec.tracking.build()
     with tracked_run(tracker, start, launch):
-        staged = out.parent / f".{out.name}.tmp-{os.getpid()}"
+        remote = stores.is_uri(out)  # staged on the local disk, then uploaded
+        staged = (Path(tempfile.mkdtemp(prefix="export-")) if remote else out.parent) / f".{out.name}.tmp-{os.getpid()}"
         try:
             shutil.rmtree(staged, ignore_errors=True)
             staged.mkdir(parents=True)
@@ -319,10 +330,10 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> Path:
             (staged / lineage.MANIFEST_FILE).write_text(manifest.to_json() + "\n")
             check_target(out, options.overwrite)  # still as checked before the build (nothing else wrote there since)
             replace_dir(staged, out)
+            log.info("wrote %s to %s", ", ".join([*files, lineage.MANIFEST_FILE]), out)
+            _log_artifacts(spec, tracker, staged if remote else out, [*files, lineage.MANIFEST_FILE])
         finally:  # an error or a stop anywhere above leaves no partial export behind
-            shutil.rmtree(staged, ignore_errors=True)
-        log.info("wrote %s to %s", ", ".join([*files, lineage.MANIFEST_FILE]), out)
-        _log_artifacts(spec, tracker, out, [*files, lineage.MANIFEST_FILE])
+            shutil.rmtree(staged.parent if remote else staged, ignore_errors=True)
     return out
 
 

@@ -29,9 +29,10 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
+from recsys_runner import stores
 from recsys_runner.build import Components
 from recsys_runner.config import RunConfig, flatten, register_configs, to_yaml
-from recsys_runner.errors import ConfigError
+from recsys_runner.errors import CheckpointError, ConfigError
 from recsys_runner.lifecycle import RunStart, link_tags
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.runtime import Launch
@@ -60,6 +61,7 @@ def checkpoint_to_load(cfg: DictConfig, run: RunConfig) -> Path:
     if not spec:
         raise ConfigError("load is required: the checkpoint to use, e.g. load=outputs/<date>/<time>/checkpoints (its best, "
                           "else newest checkpoint), load=<…>/checkpoints/step_00001000, or load=<MLflow run id of the training run>")
+    stores.configure(run.storage)
     lookup = lineage.run_tags(resolve_uri(run.tracking.uri)) if isinstance(run.tracking, MlflowTrackingConfig) else None
     return lineage.resolve_checkpoint(str(spec), lookup_run=lookup)
 
@@ -107,7 +109,7 @@ def training_overrides(here: Sequence[str]) -> tuple[Path, list[str], list[str]]
     try:
         tracking = [text for text, o in zip(here, parsed, strict=True) if o.key_or_group.startswith("tracking")]
         checkpoint = lineage.resolve_checkpoint(spec, lookup_run=_run_lookup(tracking))
-        saved = json.loads((checkpoint / "meta.json").read_text()).get("overrides") or []
+        saved = json.loads(stores.read_bytes(str(checkpoint / "meta.json"), CheckpointError)).get("overrides") or []
         saved_parsed = parser.parse_overrides(saved)
     except Exception:  # noqa: BLE001 - nothing to carry; the command's own resolution says what is wrong
         return None
@@ -208,7 +210,7 @@ def inference_start(c: Components, *, entry: str, checkpoint: Path, load: str,
     whose weights were loaded: ``checkpoint``, or the newer one loaded instead when a run writing there rotated it away
     (:meth:`recsys_runner.checkpoint.policy.Checkpointer.load_weights`)."""
     if c.loop.state.resumed_from:
-        checkpoint = Path(c.loop.state.resumed_from)
+        checkpoint = stores.as_path(c.loop.state.resumed_from)
     return RunStart(
         run_name=f"{entry} {checkpoint.parent.name}/{checkpoint.name}",
         tags=link_tags(entry, checkpoint, c.loop.state.step, c.loop.state.run_id),

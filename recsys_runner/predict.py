@@ -59,6 +59,7 @@ from omegaconf import DictConfig, OmegaConf
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from recsys_runner import stores
 from recsys_runner.build import Components, build
 from recsys_runner.config import register_entry_schema, validate
 from recsys_runner.data.encoder import Encoder, Location, Rows
@@ -72,7 +73,7 @@ from recsys_runner.data.tabular_config import (
     ParquetDataConfig,
     TabularDataConfig,
 )
-from recsys_runner.errors import ConfigError, require
+from recsys_runner.errors import ConfigError, UserError, require
 from recsys_runner.features import FeatureSpec
 from recsys_runner.inference import (
     LOAD_FIELD,
@@ -140,12 +141,13 @@ class PredictResult:
 def run(cfg: DictConfig, launch: Launch = Launch()) -> PredictResult:
     """Score ``predict.input`` with the checkpoint ``cfg.load`` and write the parts (see the module docstring)."""
     spec = validate(cfg)
+    stores.configure(spec.storage)
     settings = settings_of(cfg)
     if not isinstance(spec.data, TabularDataConfig):
         raise ConfigError(f"predict scores files, but data is {type(spec.data).__name__}. Fix: data=parquet|csv|criteo with "
                           f"the training's data settings, and predict.input=<files to score>")
     require(bool(settings.output), "predict.output is required: the directory for the Parquet part files, e.g. predict.output=scores/")
-    output = Path(str(settings.output))
+    output = stores.as_path(str(settings.output))
     check_output(output, settings.overwrite)
     check_columns(spec.data, settings)
     checkpoint = checkpoint_to_load(cfg, spec)
@@ -178,7 +180,10 @@ def settings_of(cfg: DictConfig) -> PredictConfig:
 
 def earlier_parts(output: Path) -> tuple[list[Path], list[Path]]:
     """The part files an earlier run left in ``output``: ``(complete, incomplete)``, each sorted by name; incomplete
-    are temp parts (a write that never finished) and ``part-*.parquet`` files whose Parquet footer cannot be read."""
+    are temp parts (a write that never finished) and ``part-*.parquet`` files whose Parquet footer cannot be read. In an
+    object store a part is only seen once complete (an upload is whole or absent): every part there is complete."""
+    if stores.is_uri(output):
+        return [stores.as_path(p) for p in stores.glob(str(output / PART_GLOB), ConfigError)], []
     if not output.is_dir():
         return [], []
     complete, incomplete = [], []
@@ -196,14 +201,14 @@ def earlier_parts(output: Path) -> tuple[list[Path], list[Path]]:
 def check_output(output: Path, overwrite: bool) -> None:
     """Refuse an ``output`` holding part files of an earlier run, saying which are complete and which incomplete; with
     ``overwrite`` delete them instead (every rank may do so: nothing is written before all ranks have built)."""
-    if output.exists() and not output.is_dir():
+    if not stores.is_uri(output) and output.exists() and not output.is_dir():
         raise ConfigError(f"predict.output={output} is a file, not a directory. Fix: predict.output=<directory for the part files>")
     complete, incomplete = earlier_parts(output)
     if not complete and not incomplete:
         return
     if overwrite:
         for path in [*complete, *incomplete]:
-            path.unlink(missing_ok=True)
+            stores.remove(str(path))
         log.info("predict.overwrite=true: deleted %d part file(s) of an earlier run in %s", len(complete) + len(incomplete), output)
         return
     said = [f"complete: {_names(complete)}"] if complete else []
@@ -237,7 +242,8 @@ def _file_columns(data: TabularDataConfig, path: str, key: str) -> Iterator[tupl
     if isinstance(data, ParquetDataConfig):
         for file in resolve_files(path, key, PARQUET_SUFFIXES):
             try:
-                yield file, pq.read_schema(file).names
+                fs, where = stores.arrow_filesystem(file)
+                yield file, pq.read_schema(where, filesystem=fs).names
             except (pa.ArrowException, OSError):
                 continue  # not a readable Parquet file: reading it reports that, with the fix
         return
@@ -431,10 +437,12 @@ class _PartWriter:
                                      names=[*passthrough.column_names, *scores])
         if path != self._path:
             self.close()
-            self._temp = self.output / f"{TEMP_PREFIX}part-{self.rank:05d}-{self._next:05d}.parquet"
+            temp = "" if stores.is_uri(self.output) else TEMP_PREFIX  # an upload is seen only once complete: no temp name
+            self._temp = self.output / f"{temp}part-{self.rank:05d}-{self._next:05d}.parquet"
             self._next += 1
-            meta = {SOURCE_KEY: str(Path(path).absolute()).encode(), FIRST_ROW_KEY: str(first_row).encode()}
-            self._writer = pq.ParquetWriter(str(self._temp), table.schema.with_metadata(meta))
+            meta = {SOURCE_KEY: str(stores.as_path(path).absolute()).encode(), FIRST_ROW_KEY: str(first_row).encode()}
+            fs, where = stores.arrow_filesystem(str(self._temp))
+            self._writer = pq.ParquetWriter(where, table.schema.with_metadata(meta), filesystem=fs)
             self._path = path
         assert self._writer is not None
         self._writer.write_table(table)
@@ -446,7 +454,8 @@ class _PartWriter:
             self._writer.close()
             self._writer = None
             part = self.output / self._temp.name.removeprefix(TEMP_PREFIX)
-            os.replace(self._temp, part)
+            if part != self._temp:
+                os.replace(self._temp, part)
             self.parts.append(part)
             self._temp = None
 
@@ -458,8 +467,8 @@ class _PartWriter:
             self._writer = None
         written = [*([self._temp] if self._temp is not None else []), *self.parts]
         for path in written:
-            with contextlib.suppress(OSError):
-                path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError, UserError):
+                stores.remove(str(path))
         if written:
             log.warning("predict stopped: deleted the part files rank %d had written (%s), so that no partial output is left",
                         self.rank, ", ".join(p.name for p in written))

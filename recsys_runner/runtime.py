@@ -19,6 +19,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from recsys_runner import stores
+
 TRAIN_MODULE = "recsys_runner"
 ENTRY_CONFIGS = {TRAIN_MODULE: "config", "recsys_runner.evaluate": "evaluate", "recsys_runner.predict": "predict",
                  "recsys_runner.export": "export"}
@@ -87,7 +89,8 @@ class Launch:
         if not self.from_cli:
             return None
         keep = [o for o in self.overrides if not re.match(r"^[+~]*checkpoint\.(dir|resume)=", o)]
-        return self._command(TRAIN_MODULE, [*keep, f"checkpoint.dir={Path(checkpoint_dir).absolute()}"])
+        where = str(checkpoint_dir) if stores.is_uri(checkpoint_dir) else Path(checkpoint_dir).absolute()
+        return self._command(TRAIN_MODULE, [*keep, f"checkpoint.dir={where}"])
 
     def command(self) -> str | None:
         """The shell command that repeats this launch as it was (the same module and overrides), e.g. to redo an

@@ -29,7 +29,8 @@ class CheckpointConfig(Configurable):
     """Where checkpoints go; ``null`` is ``<Hydra run dir>/checkpoints`` under the CLI, new for every
     launch (an interrupted run prints the command that resumes it: its overrides plus
     ``checkpoint.dir=<that dir>``). Set it to a stable path to make "the same command" resume.
-    One live run at a time may use a directory. Without Hydra and without a dir, nothing is saved."""
+    One live run at a time may use a directory. Without Hydra and without a dir, nothing is saved. An object-store URI
+    (``s3://bucket/runs/x``) keeps them there (docs/storage.md)."""
     every_steps: int | None = None
     """Save every this many steps (TorchEasyRec's save_checkpoints_steps)."""
     every_epochs: int | None = None

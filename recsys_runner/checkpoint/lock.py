@@ -1,4 +1,5 @@
-"""One writer per directory: an OS file lock that names its holder.
+"""One writer per directory: an OS file lock that names its holder (:class:`DirectoryLock`), and in an object store a
+conditional create with a renewed lease (:class:`ObjectStoreLock`; :func:`lock_for` picks).
 
 Two launches that share ``checkpoint.dir`` would interleave checkpoint writes and continue the same
 MLflow run from two processes. :class:`DirectoryLock` refuses the second one at start. It holds
@@ -10,6 +11,7 @@ The file's text (host, PID, start time, command) only serves the error message.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -17,9 +19,12 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import IO, Any
+
+from recsys_runner import stores
 
 log = logging.getLogger(__name__)
 
@@ -103,3 +108,119 @@ def _parse(text: str) -> dict[str, Any]:
     except ValueError:
         return {}
     return record if isinstance(record, dict) else {}
+
+
+class ObjectStoreLock:
+    """One writer per ``checkpoint.dir`` in an object store: ``<dir>/.lock`` created only if absent (``PutObject`` with
+    ``If-None-Match: *``, the store's compare-and-set), renewed by a background thread every third of
+    ``storage.lock_ttl_s``. No kernel drops it when its holder dies, so a lock counts as abandoned when it was not renewed
+    for ``lock_ttl_s``, or at once when it names this host and a PID that is gone (a ``kill -9`` and its resume); a
+    lock of another host is watched until its lease runs out (refused as soon as it is renewed); an abandoned lock is
+    deleted only if unchanged (``If-Match`` on its ETag), then created again, so of two runs taking
+    it over one wins."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = str(directory).rstrip("/")
+        self.uri = f"{self.directory}/{LOCK_NAME}"
+        self.fs, self.key = stores.fsspec_filesystem(self.uri)
+        self.ttl = stores.settings().lock_ttl_s
+        self._stop: threading.Event | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._stop is not None
+
+    def acquire(self) -> None:
+        """Take the lock or raise :class:`DirectoryInUse` naming the holder; idempotent."""
+        if self._stop is not None:
+            return
+        if not self._create():
+            holder, etag = self._holder()
+            if holder is not None and not _abandoned(holder, self.ttl) and not self._expires_unrenewed(holder, etag):
+                raise DirectoryInUse(Path(self.directory), holder)
+            if holder is not None:
+                log.info("%s: the previous holder (host %s, PID %s) is gone; taking over", self.uri, holder.get("host"), holder.get("pid"))
+                with contextlib.suppress(OSError):  # someone else took it over first: the create below fails
+                    self.fs.call_s3("delete_object", Bucket=self.key.split("/", 1)[0], Key=self.key.split("/", 1)[1], IfMatch=etag)
+            if not self._create():
+                raise DirectoryInUse(Path(self.directory), self._holder()[0] or {})
+        self._stop = threading.Event()
+        threading.Thread(target=self._renew, args=(self._stop,), name="checkpoint-lock", daemon=True).start()
+
+    def _record(self) -> bytes:
+        return json.dumps({**holder_record(), "renewed": time.time()}).encode()
+
+    def _expires_unrenewed(self, holder: dict[str, Any], etag: str | None) -> bool:
+        """For a holder on another host (whose PID cannot be checked): wait until its lease runs out, and say whether it
+        did so without a renewal (the holder is gone: a preempted job requeued on another node) or was renewed (alive)."""
+        if holder.get("host") == socket.gethostname():
+            return False
+        deadline = float(holder.get("renewed", 0)) + self.ttl
+        log.info("%s is held by host %s, PID %s: waiting up to %.0f s to see whether it is renewed", self.uri, holder.get("host"),
+                 holder.get("pid"), max(deadline - time.time(), 0))
+        while time.time() < deadline:
+            time.sleep(min(1.0, max(deadline - time.time(), 0.01)))
+            if self._holder()[1] != etag:
+                return False
+        return True
+
+    def _create(self) -> bool:
+        """Create the lock object if there is none; whether this call created it."""
+        try:
+            self.fs.pipe_file(self.key, self._record(), mode="create")
+        except FileExistsError:
+            return False
+        except OSError as e:
+            if "PreconditionFailed" in str(e) or "412" in str(e):
+                return False
+            raise
+        return True
+
+    def _holder(self) -> tuple[dict[str, Any] | None, str | None]:
+        try:
+            info = self.fs.info(self.key)
+            return _parse(self.fs.cat_file(self.key).decode()), info.get("ETag")
+        except FileNotFoundError:
+            return None, None
+
+    def _renew(self, stop: threading.Event) -> None:
+        while not stop.wait(self.ttl / 3):
+            try:
+                self.fs.pipe_file(self.key, self._record())
+            except OSError as e:  # the store is away for a moment: the next renewal tries again
+                log.warning("%s: the lock could not be renewed (%s)", self.uri, e)
+
+    def release(self) -> None:
+        """Stop renewing and delete the lock object; idempotent."""
+        if self._stop is None:
+            return
+        self._stop.set()
+        self._stop = None
+        with contextlib.suppress(OSError):
+            self.fs.rm_file(self.key)
+
+    def __enter__(self) -> ObjectStoreLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.release()
+
+
+def _abandoned(holder: dict[str, Any], ttl: float) -> bool:
+    """Whether a lock's holder is gone: not renewed for ``ttl`` seconds, or a dead PID on this host."""
+    if time.time() - float(holder.get("renewed", 0)) > ttl:
+        return True
+    if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
+        try:
+            os.kill(holder["pid"], 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+    return False
+
+
+def lock_for(directory: Path) -> DirectoryLock | ObjectStoreLock:
+    """The one-writer lock of a checkpoint directory: a file lock on disk, a conditional create in an object store."""
+    return ObjectStoreLock(directory) if stores.is_uri(directory) else DirectoryLock(directory)

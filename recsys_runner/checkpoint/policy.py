@@ -1,5 +1,6 @@
 """The checkpoint policy: :class:`Checkpointer` decides when to save, what to keep, and guards what is saved; where
-checkpoints live is a :class:`~recsys_runner.checkpoint.storage.CheckpointStorage` (DCP on a file system today).
+checkpoints live is a :class:`~recsys_runner.checkpoint.storage.CheckpointStorage` (DCP on a file system, or DCP's fsspec
+storage in an object store: :mod:`~recsys_runner.checkpoint.object_storage`).
 
 **When**: the loop only reports what happened — :meth:`Checkpointer.loss_logged` (a log step's mean loss),
 :meth:`~Checkpointer.after_step`, :meth:`~Checkpointer.on_interrupt`, :meth:`~Checkpointer.on_end`,
@@ -15,7 +16,8 @@ good one the error names is one a resume can continue from.
 
 **One writer**: a run holds ``<checkpoint.dir>/.lock`` (:class:`~recsys_runner.checkpoint.lock.DirectoryLock`) from
 restore to close, so a second live launch on the same directory is refused at start, naming the holder; a lock left
-by a killed process is free again (the kernel drops it with the process).
+by a killed process is free again (the kernel drops it with the process; in an object store, a conditional create
+whose abandoned lock is taken over: :class:`~recsys_runner.checkpoint.lock.ObjectStoreLock`).
 
 **Where a CLI run's checkpoints are**: ``checkpoint.dir`` defaults to ``<Hydra run dir>/checkpoints``, a new
 directory per launch, so relaunching the bare command starts a new run; an interrupted run prints the exact command
@@ -37,11 +39,13 @@ import torch
 import torch.distributed as dist
 from torchrec.optim.keyed import CombinedOptimizer
 
+from recsys_runner import stores
 from recsys_runner.checkpoint import resume
 from recsys_runner.checkpoint.config import CheckpointConfig, TrainState
 from recsys_runner.checkpoint.guard import check_finite, finite_state
-from recsys_runner.checkpoint.lock import DirectoryInUse, DirectoryLock
-from recsys_runner.checkpoint.storage import STEP_DIR, CheckpointStorage, DcpFileStorage, checkpoint_name, step_of
+from recsys_runner.checkpoint.lock import DirectoryInUse, lock_for
+from recsys_runner.checkpoint.object_storage import storage_for
+from recsys_runner.checkpoint.storage import STEP_DIR, CheckpointStorage, checkpoint_name, step_of
 from recsys_runner.checkpoint.weights import TrainingParts, load_into
 from recsys_runner.distributed.env import decided_on_rank0
 from recsys_runner.errors import CheckpointError, ConfigError
@@ -63,11 +67,11 @@ class Checkpointer:
     ) -> None:
         self.config = config
         resolved = config.dir or launch.under_output_dir("checkpoints")
-        self.dir = Path(resolved) if resolved else None
+        self.dir = stores.as_path(resolved) if resolved else None
         """``checkpoint.dir``, or its CLI default (``None``: nothing is saved)."""
         self.rank, self.world_size = rank, world_size
         self.device, self.nan_guard = device or torch.device("cpu"), nan_guard
-        self.storage: CheckpointStorage = storage or DcpFileStorage(rank, world_size)
+        self.storage: CheckpointStorage = storage or storage_for(self.dir, rank, world_size)
         """Where the checkpoints are written and read."""
         self.last_saved: str | None = None
         self.overrides = list(launch.overrides) if launch.from_cli else None
@@ -75,7 +79,7 @@ class Checkpointer:
         training's config from them (:func:`recsys_runner.inference.with_training_overrides`). ``None`` outside a CLI."""
         self.verified_step = 0
         """Step checkpoints before this step are known good: a finite loss was computed from later weights."""
-        self._lock = DirectoryLock(self.dir) if self.dir is not None and rank == 0 else None
+        self._lock = lock_for(self.dir) if self.dir is not None and rank == 0 else None
         self._parts: TrainingParts | None = None
         if self.dir is None and (config.every_steps or config.every_epochs or config.best_metric or config.resume == "latest"):
             raise ConfigError(

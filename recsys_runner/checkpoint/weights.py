@@ -133,10 +133,15 @@ def load_into(
     return {k: to_load[src] for k, src in wanted.items()}
 
 
+TRAINING_ONLY = "model/weighting."
+"""The TrainWrapper's multi-task loss weighting state (learned log-variances, Pareto weights): trained and resumed, but no
+part of the model a reader of weights (export) builds, so the ``exact`` rule does not count it as another model's."""
+
+
 def _refuse_mismatch(path: Path, index: TensorIndex, wanted: Mapping[str, Any]) -> None:
     """The ``exact`` rule: every tensor of ``wanted`` with the same shape, and no ``model/`` tensor beyond them."""
     missing = [k for k in wanted if k not in index]
-    extra = [k for k in index if k.startswith("model/") and k not in wanted]
+    extra = [k for k in index if k.startswith("model/") and not k.startswith(TRAINING_ONLY) and k not in wanted]
     shapes = [f"has {k} of shape {index[k]} where this model's is {_shape(wanted[k])}" for k in wanted
               if index.get(k) is not None and index[k] != _shape(wanted[k])]
     if missing or extra or shapes:

@@ -20,9 +20,10 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from recsys_runner import stores
 from recsys_runner.data.encoder import Encoder, Location
 from recsys_runner.data.items import ItemTable
-from recsys_runner.data.negatives import NegativeSampler, NegativesConfig
+from recsys_runner.data.negatives import MinedNegatives, NegativeSampler, NegativesConfig
 from recsys_runner.data.schema import Schema
 from recsys_runner.data.sources import PARQUET_SUFFIXES
 from recsys_runner.errors import DataError, require
@@ -68,12 +69,15 @@ class ItemsConfig:
 def _read(path: str, columns: list[str], delimiter: str) -> pa.Table:
     """``columns`` of the items file (text columns as strings, as the text reader gives them to the encoder)."""
     try:
+        fs, where = stores.arrow_filesystem(path)
         if path.endswith(PARQUET_SUFFIXES):
-            names = pq.read_schema(path).names
+            names = pq.read_schema(where, filesystem=fs).names
         else:
-            with open(path, encoding="utf-8") as f:
-                names = f.readline().rstrip("\r\n").split(delimiter)
+            with stores.open_input(path) as f:
+                names = f.readline().decode("utf-8").rstrip("\r\n").split(delimiter)
     except (OSError, pa.ArrowException) as e:
+        if stores.is_uri(path) and stores.is_store_failure(e):
+            raise stores.store_error(path, e, key="data.items.path") from None
         raise DataError(f"data.items.path={path!r} cannot be read ({str(e).splitlines()[0]}). Fix: point data.items.path at the "
                         f"items file (Parquet, or text with a header line)") from None
     missing = [c for c in columns if c not in names]
@@ -81,9 +85,10 @@ def _read(path: str, columns: list[str], delimiter: str) -> pa.Table:
         raise DataError(f"{path} (data.items.path) has no column {missing[0]!r}, which data.items names; its columns are {names}. "
                         f"Fix: add the column to the file, or correct data.items.id / features / popularity")
     if path.endswith(PARQUET_SUFFIXES):
-        return pq.read_table(path, columns=columns)
-    return pacsv.read_csv(path, parse_options=pacsv.ParseOptions(delimiter=delimiter),
-                          convert_options=pacsv.ConvertOptions(include_columns=columns, column_types=dict.fromkeys(columns, pa.string())))
+        return pq.read_table(where, columns=columns, filesystem=fs)
+    with stores.open_input(path) as f:
+        return pacsv.read_csv(f, parse_options=pacsv.ParseOptions(delimiter=delimiter),
+                              convert_options=pacsv.ConvertOptions(include_columns=columns, column_types=dict.fromkeys(columns, pa.string())))
 
 
 def _raise_bad(path: str, rows: np.ndarray) -> Callable[..., None]:
@@ -229,6 +234,10 @@ class Catalogue:
 
     def item_table(self) -> ItemTable | None:
         return self._item_catalogue
+
+    def negative_miner(self) -> MinedNegatives | None:
+        """The lists hard negatives are mined into at each full-corpus eval (``data.negatives.mined_ratio``), or ``None``."""
+        return self._negative_sampler.mined if self._negative_sampler is not None else None
 
     def with_negatives(self, stream: Iterator[tuple], epoch: int, shard: int, train: bool) -> Iterator[tuple]:
         """``stream``'s batch tuples with the sampled rows appended to each training batch, seeded by (epoch, shard, batch

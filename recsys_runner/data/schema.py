@@ -18,6 +18,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import yaml
 
+from recsys_runner import stores
 from recsys_runner.data.collision import ManagedCollisionConfig, collision_config
 from recsys_runner.data.vocabulary import Vocabulary
 from recsys_runner.errors import ConfigError, require
@@ -347,8 +348,7 @@ def schema_from_mapping(raw: dict[str, Any], where: str) -> tuple[dict[str, Any]
 def read_schema_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """:func:`schema_from_mapping` of the YAML file ``path`` (``data.schema=<path>``)."""
     try:
-        with open(path) as f:
-            raw = yaml.safe_load(f) or {}
+        raw = yaml.safe_load(stores.read_bytes(path, ConfigError)) or {}
     except OSError as e:
         raise ConfigError(f"data.schema={path!r} cannot be read ({e.strerror or e}). Fix: point data.schema at a schema YAML file "
                           f"(the one a run prints when it infers the schema)") from None
@@ -393,7 +393,8 @@ SCHEMA_METADATA_KEY = b"recsys_runner.schema"
 
 def stored_schema(path: str) -> Schema | None:
     """The schema ``convert`` stored in a Parquet file's metadata, if any."""
-    meta = pq.read_schema(path).metadata or {}
+    fs, where = stores.arrow_filesystem(path)
+    meta = pq.read_schema(where, filesystem=fs).metadata or {}
     if SCHEMA_METADATA_KEY not in meta:
         return None
     raw = json.loads(meta[SCHEMA_METADATA_KEY])

@@ -17,8 +17,9 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from recsys_runner import stores
 from recsys_runner.data.layout import delimiter_hint, detect_delimiter, looks_like_header, split_fields
-from recsys_runner.errors import DataError
+from recsys_runner.errors import DataError, UserError
 
 PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")
 
@@ -35,13 +36,15 @@ _SNIFF_BYTES = 4096
 def _head(path: str) -> bytes:
     """The first bytes of ``path``, to recognize its format."""
     try:
-        with open(path, "rb") as f:
+        with stores.open_input(path) as f:
             return f.read(_SNIFF_BYTES)
     except OSError as e:
         raise _unreadable(path, e) from None
 
 
-def _unreadable(path: str, e: OSError) -> DataError:
+def _unreadable(path: str, e: OSError) -> UserError:
+    if stores.is_uri(path):
+        return stores.store_error(path, e)
     return DataError(f"{path} cannot be read ({e.strerror or e}). Fix: check that it exists and that you may read it, or remove it from data.path")
 
 
@@ -74,8 +77,11 @@ def resolve_files(path: str, key: str, suffixes: tuple[str, ...] | None) -> list
     """The files ``path`` names: a file, a directory (its files, sorted) or a glob pattern.
 
     In a directory, names starting with ``.`` or ``_`` (``_SUCCESS``, ``.crc``) are ignored, and so
-    are names without one of ``suffixes`` (when given).
+    are names without one of ``suffixes`` (when given). An object-store URI (``s3://bucket/prefix/``, a glob of one)
+    names objects alike (:func:`recsys_runner.stores.list_files`).
     """
+    if stores.is_uri(path):
+        return stores.list_files(path, key, suffixes)
     if any(ch in path for ch in "*?["):
         files = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
         if not files:
@@ -98,6 +104,8 @@ class ParquetSource:
 
     def __init__(self, files: list[str], columns: list[str], read_rows: int) -> None:
         self.files, self.columns, self.read_rows = files, columns, read_rows
+        self._footers: dict[str, pq.FileMetaData] = {}
+        """Object-store files' footers, read once (a footer costs a round trip to the store)."""
 
     def units(self) -> list[Unit]:
         units = []
@@ -114,11 +122,25 @@ class ParquetSource:
         return units
 
     def _open(self, path: str) -> pq.ParquetFile:
-        if os.path.getsize(path) == 0:
+        remote = stores.is_uri(path)
+        if remote and path in self._footers:
+            fs, rest = stores.arrow_filesystem(path)
+            try:
+                return pq.ParquetFile(rest, filesystem=fs, metadata=self._footers[path], pre_buffer=True)
+            except OSError as e:
+                raise stores.store_error(path, e) from None
+        if stores.file_size(path) == 0:
             raise DataError(f"{path} is an empty file (0 bytes). Fix: remove it from data.path, or write it again")
         try:
-            f = pq.ParquetFile(path)
+            if remote:
+                fs, rest = stores.arrow_filesystem(path)
+                f = pq.ParquetFile(rest, filesystem=fs, pre_buffer=True)
+                self._footers[path] = f.metadata
+            else:
+                f = pq.ParquetFile(path)
         except (pa.ArrowException, OSError) as e:
+            if remote and stores.is_store_failure(e):
+                raise stores.store_error(path, e) from None
             head = _head(path)
             if not head.startswith(PARQUET_MAGIC) and _is_text(head):
                 first = head.split(b"\n", 1)[0].decode("utf-8", errors="replace").rstrip("\r")
@@ -170,6 +192,8 @@ class ParquetSource:
                 yield pa.Table.from_batches([rb]), np.arange(first, first + rb.num_rows)
                 first += rb.num_rows
         except (pa.ArrowException, OSError) as e:
+            if stores.is_uri(unit.path) and stores.is_store_failure(e):
+                raise stores.store_error(f"{unit.path} (row group {unit.index})", e) from None
             raise DataError(
                 f"{unit.path}, row group {unit.index}: cannot be read ({str(e).splitlines()[0]}); the file is corrupt. "
                 f"Fix: write it again, or remove it from data.path"
@@ -206,7 +230,7 @@ class CsvSource:
 
     def _first_lines(self, path: str, n: int = 2) -> list[str]:
         lines = []
-        with open(path, "rb") as f:
+        with stores.open_input(path) as f:
             for raw in f:
                 if line := raw.decode("utf-8", errors="replace").rstrip("\r\n"):
                     lines.append(line)
@@ -287,7 +311,7 @@ class CsvSource:
 
     def _header(self, path: str) -> tuple[list[str], int]:
         """``path``'s column names and the byte offset of its first data line, after checking it is delimited text."""
-        size = os.path.getsize(path)
+        size = stores.file_size(path)
         head = _head(path)
         if head.startswith(PARQUET_MAGIC):
             raise DataError(f"{path} looks like a Parquet file (it begins with Parquet's magic bytes {PARQUET_MAGIC.decode()}), "
@@ -296,7 +320,7 @@ class CsvSource:
             raise DataError(f"{path} is not a text file (NUL bytes in its first {len(head)} bytes), but this data option reads "
                             f"delimited text, one record per line. Fix: point data.path at CSV/TSV files (uncompressed), "
                             f"or choose the data option of the file's format, e.g. data=parquet")
-        with open(path, "rb") as f:
+        with stores.open_input(path) as f:
             first_line = f.readline()
         if size == 0 or (self.header is not False and len(first_line) == size and not first_line.strip(b"\r\n")):
             raise DataError(f"{path} is an empty file. Fix: remove it from data.path, or write it again")
@@ -342,7 +366,7 @@ class CsvSource:
             if path == self.files[0] and (why := self._misread(path, delimiter, header, names)):
                 raise DataError(f"{path} does not read as configured.{why}")
             lines: list[bytes] = []
-            with open(path, "rb") as f:
+            with stores.open_input(path) as f:
                 f.seek(data_start)
                 for line in f:
                     if line.strip(b"\r\n"):
@@ -374,7 +398,7 @@ class CsvSource:
         return pa.concat_tables(tables)
 
     def _index(self, path: str) -> list[Unit]:
-        size = os.path.getsize(path)
+        size = stores.file_size(path)
         names, data_start = self._header(path)
         self._names[path], self._data_start[path] = names, data_start
         if data_start >= size:
@@ -382,7 +406,7 @@ class CsvSource:
         # One pass over the bytes: the start offset of every block_rows-th line.
         starts, num_lines, pos, last_byte = [data_start], 0, data_start, b"\n"
         chunk_bytes = 1 << 24
-        with open(path, "rb") as f:
+        with stores.open_input(path) as f:
             f.seek(data_start)
             while chunk := f.read(chunk_bytes):
                 newlines = np.flatnonzero(np.frombuffer(chunk, dtype=np.uint8) == 10)
@@ -417,7 +441,7 @@ class CsvSource:
         delimiter = self.layout(unit.path)[0]
         start, stop = unit.byte_range
         try:
-            with open(unit.path, "rb") as f:
+            with stores.open_input(unit.path) as f:
                 f.seek(start)
                 raw = f.read(stop - start)
         except OSError as e:
@@ -458,3 +482,4 @@ class CsvSource:
             dropped = [unit.first_row + num - 1 for num, *_ in invalid if num is not None]
             file_rows = np.setdiff1d(file_rows, dropped)[: table.num_rows]
         yield table, file_rows
+

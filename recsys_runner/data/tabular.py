@@ -32,7 +32,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torchrec.datasets.utils import Batch
@@ -43,6 +42,7 @@ from recsys_runner.data.encoder import Encoder, Location, Rows, splitmix64
 from recsys_runner.data.histories import check_list_columns, expected_rows, history_costs, token_cuts
 from recsys_runner.data.infer import Inferred, complete_schema
 from recsys_runner.data.item_files import Catalogue
+from recsys_runner.data.prefetch import read_ahead
 from recsys_runner.data.schema import Schema, read_schema_file, schema_yaml, stored_schema
 from recsys_runner.data.sources import PARQUET_SUFFIXES, CsvSource, ParquetSource, Unit, resolve_files
 from recsys_runner.data.tabular_config import (
@@ -359,11 +359,12 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         return block, [slices[i] for i in order.permutation(len(slices))], used
 
     def _read_ranges(self, split: _Split, ranges: list[tuple[int, int, int]], encoder: Encoder) -> Iterator[Rows]:
-        for u, start, stop in ranges:
+        ahead = read_ahead(split.source, [split.units[u] for u, _, _ in ranges])
+        for (u, start, stop), tables in zip(ranges, ahead, strict=True):
             unit = split.units[u]
             seen = 0
             line_offset = split.source.line_offset(unit.path) if isinstance(split.source, CsvSource) else None
-            for table, file_rows in split.source.read(unit):
+            for table, file_rows in tables:
                 chosen = split.select(unit, file_rows)
                 k = table.num_rows if chosen is None else len(chosen)
                 lo, hi = max(start - seen, 0), min(stop - seen, k)
@@ -425,16 +426,16 @@ class ParquetData(TabularData):
 
     def __init__(self, config: ParquetDataConfig) -> None:
         files = resolve_files(config.path, "data.path", PARQUET_SUFFIXES)
-        ParquetSource([files[0]], [], config.read_rows)._open(files[0])
+        first = ParquetSource([files[0]], [], config.read_rows)._open(files[0]).schema_arrow
         stored = None if (config.schema or config.sparse or config.dense) else stored_schema(files[0])
         if stored is not None:
             schema = stored
         else:
             done, _ = config_schema(config, lambda: ParquetSource(files, [], config.read_rows).sample(config.infer.sample_rows),
-                                    f"data.path={config.path!r}", lambda: pq.read_schema(files[0]).names)
+                                    f"data.path={config.path!r}", lambda: first.names)
             log_inferred(done, f"data.path={config.path!r}")
             schema = done.schema
-        check_list_columns(schema, pq.read_schema(files[0]), files[0])
+        check_list_columns(schema, first, files[0])
         super().__init__(config, schema)
 
     def _suffixes(self) -> tuple[str, ...] | None:

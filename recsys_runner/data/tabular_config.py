@@ -44,7 +44,8 @@ class TabularDataConfig(DataConfig):
     """Fields shared by every file-backed data option."""
 
     path: str = ""
-    """Training data: a file, a directory (its data files) or a glob such as ``/data/day_*.parquet``."""
+    """Training data: a file, a directory (its data files) or a glob such as ``/data/day_*.parquet``; each also in an
+    object store, e.g. ``s3://bucket/train/`` or ``'s3://bucket/day_*.parquet'`` (docs/storage.md)."""
     eval_path: str | None = None
     """Eval data in the same format; ``null`` holds out ``eval_fraction`` of the training rows instead."""
     eval_fraction: float | None = None

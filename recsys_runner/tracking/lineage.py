@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from recsys_runner.checkpoint.storage import is_complete, list_checkpoints
+from recsys_runner import stores
+from recsys_runner.checkpoint.object_storage import storage_for
 from recsys_runner.errors import CheckpointError
 
 CHECKPOINT_DIR_TAG = "checkpoint_dir"
@@ -168,26 +169,31 @@ def resolve_checkpoint(spec: str, *, lookup_run: Any = None) -> Path:
     checkpoint if one was kept, else its newest), or an MLflow run id whose ``checkpoint_dir`` tag gives
     the root (``lookup_run(run_id) -> tags``, e.g. :func:`run_tags`). Raises :class:`CheckpointError` naming
     what was looked for and where."""
-    path = Path(spec).expanduser()
-    if not path.exists() and lookup_run is not None and "/" not in spec:
+    path = stores.as_path(spec)
+    if not _exists(path) and lookup_run is not None and "/" not in spec:
         tags: Mapping[str, str] = lookup_run(spec)
         if CHECKPOINT_DIR_TAG not in tags:
             raise CheckpointError(f"MLflow run {spec} has no {CHECKPOINT_DIR_TAG!r} tag (it saved no checkpoints, or was "
                                   f"made by an older recsys_runner); pass the checkpoint directory instead: load=<path>")
-        path = Path(tags[CHECKPOINT_DIR_TAG])
-        if not path.exists():
+        path = stores.as_path(tags[CHECKPOINT_DIR_TAG])
+        if not _exists(path):
             raise CheckpointError(f"MLflow run {spec} wrote its checkpoints to {path}, which does not exist on this machine; "
                                   f"copy them here and pass load=<path>")
-    if not path.exists():
+    if not _exists(path):
         raise CheckpointError(f"checkpoint {spec!r} is neither a directory nor a known MLflow run id; pass a step_* checkpoint "
                               f"directory, a checkpoints root, or the training run's id")
-    if is_complete(path):
+    storage = storage_for(path)
+    if storage.is_complete(path):
         return path
-    found = list_checkpoints(path, best=True) or list_checkpoints(path)
+    found = storage.checkpoints(path, best=True) or storage.checkpoints(path)
     if not found:
         raise CheckpointError(f"{path} holds no complete checkpoint (a step_* or best-step_* directory with meta.json and "
                               f".metadata); point load= at one")
     return found[-1]
+
+
+def _exists(path: Path) -> bool:
+    return storage_for(path).exists(path)
 
 
 def run_tags(uri: str) -> Any:

@@ -1,0 +1,364 @@
+"""Object stores: a path or a URI (``s3://bucket/prefix/*.parquet``) → a file system and the path in it.
+
+Every place that takes a path (``data.path``, ``data.items``, ``checkpoint.dir``, ``predict.output``, export's
+``out``) takes a URI too: local paths go to the local disk as before; ``s3://`` goes to pyarrow's
+``S3FileSystem`` (data reads) and to s3fs (DCP checkpoints, the lock, small writes); any other scheme fsspec knows
+(``gs://``, ``abfs://``…) goes through fsspec, wrapped for pyarrow where pyarrow reads it.
+
+Credentials are never configured here: both clients read the standard chain of the store's client
+(``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN``, ``AWS_PROFILE`` and ``~/.aws/credentials``,
+an instance role). What is configured (``storage.*``, :class:`StorageConfig`) is where the store is
+(``endpoint_url`` for an S3-compatible store, else ``AWS_ENDPOINT_URL``), its region and how hard to retry.
+Every failure becomes a :class:`~recsys_runner.errors.UserError` naming the URI, the cause and the fix
+(:func:`store_error`). May import ``errors`` only.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob as local_glob
+import io
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path, PosixPath
+from typing import IO, Any
+
+import fsspec
+import pyarrow.fs as pafs
+
+from recsys_runner.errors import DataError, UserError, require
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+@dataclass(kw_only=True)
+class StorageConfig:
+    """``storage.*``: where an object store is and how hard to retry it. Never credentials (module docstring)."""
+
+    endpoint_url: str | None = None
+    """The S3 endpoint of an S3-compatible store (MinIO, Ceph, a loopback test server), e.g.
+    ``http://127.0.0.1:9000``; ``null``: ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``, else AWS itself."""
+    region: str | None = None
+    """The bucket's region; ``null``: ``AWS_REGION`` / ``AWS_DEFAULT_REGION`` / the client's config file."""
+    max_attempts: int = 5
+    """Tries of each request (the first included), with exponential backoff between them, before it fails."""
+    connect_timeout_s: float = 5.0
+    """Seconds to wait for a connection to the store."""
+    request_timeout_s: float = 30.0
+    """Seconds to wait for a request's answer."""
+    lock_ttl_s: float = 60.0
+    """A checkpoint directory's lock in an object store is renewed every third of this; a lock not renewed for this
+    long belongs to a dead run and is taken over (on one host a dead holder's lock is taken over at once)."""
+    prefetch_units: int = 2
+    """Units (Parquet row groups, blocks of text lines) of object-store files read ahead in a background thread, so
+    a slow store does not stall steps; 0 reads in the training process's turn."""
+
+    def __post_init__(self) -> None:
+        require(self.max_attempts >= 1, f"storage.max_attempts={self.max_attempts} must be >= 1 (1: no retry). Fix: e.g. storage.max_attempts=5")
+        require(self.connect_timeout_s > 0 and self.request_timeout_s > 0, "storage.connect_timeout_s and storage.request_timeout_s must "
+                "be > 0. Fix: e.g. storage.request_timeout_s=30")
+        require(self.lock_ttl_s >= 3, f"storage.lock_ttl_s={self.lock_ttl_s} must be >= 3 seconds. Fix: e.g. storage.lock_ttl_s=60")
+        require(self.prefetch_units >= 0, f"storage.prefetch_units={self.prefetch_units} must be >= 0. Fix: e.g. storage.prefetch_units=2")
+        require(self.endpoint_url is None or "://" in self.endpoint_url,
+                f"storage.endpoint_url={self.endpoint_url!r} needs a scheme. Fix: e.g. storage.endpoint_url=http://127.0.0.1:9000")
+
+
+_settings = StorageConfig()
+
+
+def configure(config: StorageConfig) -> None:
+    """Use ``config`` for every store this process opens from now on (each entry calls it once, from the run's config)."""
+    global _settings
+    _settings = config
+    _arrow_s3.cache_clear()  # a new client: the settings, and the credentials in the environment now
+    _fsspec.cache_clear()
+
+
+def settings() -> StorageConfig:
+    """The :class:`StorageConfig` in force."""
+    return _settings
+
+
+def is_uri(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` names an object in a store (``scheme://…``; ``file://`` is the local disk)."""
+    m = _SCHEME.match(os.fspath(path))
+    return m is not None and m.group(1).lower() != "file"
+
+
+class UriPath(PosixPath):
+    """A URI as a :class:`~pathlib.Path`, so the checkpoint policy can join and split names of a store's
+    checkpoints as it does of local ones (``root / name``, ``.name``, ``.parent``, ``.with_name``). It is an address
+    only: reads and writes go through a storage (``checkpoint/storage.py``), never through Path's file methods."""
+
+    def __str__(self) -> str:
+        return re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*):/(?!/)", r"\1://", super().__str__())
+
+    def __fspath__(self) -> str:
+        return str(self)
+
+    def __repr__(self) -> str:
+        return f"UriPath({str(self)!r})"
+
+    def absolute(self) -> UriPath:
+        return self  # a URI is absolute already
+
+    def resolve(self, strict: bool = False) -> UriPath:
+        return self
+
+    def expanduser(self) -> UriPath:
+        return self
+
+
+def as_path(path: str | os.PathLike[str]) -> Path:
+    """``path`` as a :class:`Path`: a :class:`UriPath` for a URI, else the local path with ``~`` expanded."""
+    return UriPath(os.fspath(path)) if is_uri(path) else Path(path).expanduser()
+
+
+def join(base: str, *names: str) -> str:
+    """``base/name/…`` for a URI or a local path."""
+    return "/".join([base.rstrip("/"), *names]) if is_uri(base) else os.path.join(base, *names)
+
+
+def _split(uri: str) -> tuple[str, str]:
+    """``(scheme, path after the scheme)``; the path of ``s3://bucket/key`` is ``bucket/key``."""
+    m = _SCHEME.match(uri)
+    assert m is not None, uri
+    return m.group(1).lower(), uri[m.end():]
+
+
+def endpoint_url() -> str | None:
+    """The S3 endpoint in force: ``storage.endpoint_url``, ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL`` or none (AWS)."""
+    return _settings.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+
+
+def region() -> str | None:
+    """The region in force; an endpoint without one gets ``us-east-1`` (S3-compatible stores ignore it)."""
+    found = _settings.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    return found or ("us-east-1" if endpoint_url() else None)
+
+
+@functools.cache
+def _arrow_s3() -> pafs.S3FileSystem:
+    s = _settings
+    options: dict[str, Any] = {"connect_timeout": s.connect_timeout_s, "request_timeout": s.request_timeout_s,
+                               "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=s.max_attempts)}
+    if (url := endpoint_url()) is not None:
+        options["endpoint_override"] = url
+        options["scheme"] = url.split("://", 1)[0]
+    if (where := region()) is not None:
+        options["region"] = where
+    return pafs.S3FileSystem(**options)
+
+
+@functools.cache
+def _fsspec(scheme: str) -> fsspec.AbstractFileSystem:
+    return fsspec.filesystem(scheme, **fsspec_options(scheme))
+
+
+def fsspec_options(scheme: str = "s3") -> dict[str, Any]:
+    """The fsspec storage options of ``scheme`` (for s3fs: endpoint, region, retries, timeouts; never credentials)."""
+    if scheme not in ("s3", "s3a"):
+        return {}
+    s = _settings
+    client: dict[str, Any] = {}
+    if (url := endpoint_url()) is not None:
+        client["endpoint_url"] = url
+    if (where := region()) is not None:
+        client["region_name"] = where
+    return {"client_kwargs": client, "skip_instance_cache": True, "use_listings_cache": False,
+            "config_kwargs": {"retries": {"max_attempts": s.max_attempts, "mode": "standard"},
+                              "connect_timeout": s.connect_timeout_s, "read_timeout": s.request_timeout_s}}
+
+
+def arrow_filesystem(path: str) -> tuple[pafs.FileSystem, str]:
+    """The pyarrow file system that holds ``path`` and the path in it (the local disk for a local path)."""
+    if not is_uri(path):
+        return pafs.LocalFileSystem(), path
+    scheme, rest = _split(path)
+    if scheme in ("s3", "s3a"):
+        return _arrow_s3(), rest
+    return pafs.PyFileSystem(pafs.FSSpecHandler(_fsspec(scheme))), rest
+
+
+def fsspec_filesystem(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The fsspec file system of a URI and the path in it."""
+    scheme, rest = _split(uri)
+    return _fsspec(scheme), rest
+
+
+def _uri(scheme: str, rest: str) -> str:
+    return f"{scheme}://{rest}"
+
+
+def list_files(path: str, key: str, suffixes: tuple[str, ...] | None) -> list[str]:
+    """The objects a URI names, as URIs: one object, the objects under a prefix (sorted; names starting with ``.`` or
+    ``_`` and, with ``suffixes``, other names left out) or a glob (``s3://b/day_*/*.parquet``)."""
+    scheme, rest = _split(path)
+    fs = _fsspec(scheme)
+    try:
+        if any(ch in rest for ch in "*?["):
+            found = [p for p, info in fs.glob(rest, detail=True).items() if info.get("type") == "file"]
+            if not found:
+                _check_bucket(path)
+                raise DataError(f"{key}={path!r} is a glob pattern that matches no objects. Fix: check the pattern and the bucket's listing "
+                                f"(aws s3 ls {path.rsplit('/', 1)[0]}/)")
+            return [_uri(scheme, p) for p in sorted(found)]
+        if fs.isfile(rest):
+            return [path]
+        entries = fs.find(rest.rstrip("/") + "/", maxdepth=1, detail=True)
+    except (OSError, ValueError) as e:
+        raise store_error(path, e, key=key) from None
+    names = sorted(p for p, info in entries.items() if info.get("type") == "file" and not p.rsplit("/", 1)[-1].startswith((".", "_")))
+    files = [_uri(scheme, p) for p in names if suffixes is None or p.endswith(suffixes)]
+    if not files:
+        _check_bucket(path)
+        wanted = f" with a name ending in {', '.join(suffixes)}" if suffixes else ""
+        raise DataError(f"{key}={path!r} is an empty prefix: no objects{wanted} under it. Fix: point {key} at the prefix that holds "
+                        f"the data (aws s3 ls {path.rstrip('/')}/ lists it), or upload the files there")
+    return files
+
+
+def _check_bucket(uri: str) -> None:
+    """Raise the clear error when the bucket of ``uri`` does not exist (a listing of a missing bucket is just empty)."""
+    scheme, rest = _split(uri)
+    bucket = rest.split("/", 1)[0]
+    try:
+        _fsspec(scheme).ls(bucket, detail=False)  # raises what a listing under it swallows: no bucket, no access
+    except FileNotFoundError:
+        found = False
+    except (OSError, ValueError) as e:
+        raise store_error(uri, e) from None
+    else:
+        found = True
+    if not found:
+        raise DataError(f"{uri}: the bucket {bucket!r} does not exist (at {endpoint_url() or 'AWS'}). Fix: create it, or correct the URI "
+                        f"(and storage.endpoint_url / AWS_ENDPOINT_URL for an S3-compatible store)")
+
+
+def open_input(path: str, *, buffer_bytes: int = 1 << 20) -> IO[bytes]:
+    """``path`` opened for reading bytes (seekable, line-iterable): the local file, or a buffered object-store reader."""
+    if not is_uri(path):
+        return open(path, "rb")  # noqa: SIM115 - the caller closes it
+    fs, rest = arrow_filesystem(path)
+    try:
+        return io.BufferedReader(fs.open_input_file(rest), buffer_size=buffer_bytes)
+    except OSError as e:
+        raise store_error(path, e) from None
+
+
+def file_size(path: str) -> int:
+    """The size of ``path`` in bytes."""
+    if not is_uri(path):
+        return os.path.getsize(path)
+    fs, rest = arrow_filesystem(path)
+    try:
+        info = fs.get_file_info(rest)
+    except OSError as e:
+        raise store_error(path, e) from None
+    if info.type != pafs.FileType.File:
+        raise DataError(f"{path} does not exist. Fix: check the URI (aws s3 ls {path})")
+    return int(info.size)
+
+
+def read_bytes(path: str, cls: type[UserError] = DataError) -> bytes:
+    """The whole object (or local file) at ``path``."""
+    if not is_uri(path):
+        return Path(path).read_bytes()
+    fs, rest = fsspec_filesystem(path)
+    try:
+        data: bytes = fs.cat_file(rest)
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError) as e:
+        raise store_error(path, e, cls=cls) from None
+    return data
+
+
+def write_bytes(path: str, data: bytes, cls: type[UserError] = DataError) -> None:
+    """Write ``data`` to ``path`` (an object is replaced whole, never seen half-written)."""
+    if not is_uri(path):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_bytes(data)
+        return
+    fs, rest = fsspec_filesystem(path)
+    try:
+        fs.pipe_file(rest, data)
+    except (OSError, ValueError) as e:
+        raise store_error(path, e, cls=cls) from None
+
+
+def glob(pattern: str, cls: type[UserError] = DataError) -> list[str]:
+    """The objects (or local files) matching ``pattern``, sorted, as URIs (or paths)."""
+    if not is_uri(pattern):
+        return sorted(p for p in local_glob.glob(pattern) if os.path.isfile(p))
+    scheme, rest = _split(pattern)
+    try:
+        found = _fsspec(scheme).glob(rest, detail=True)
+    except (OSError, ValueError) as e:
+        raise store_error(pattern, e, cls=cls) from None
+    return sorted(_uri(scheme, p) for p, info in found.items() if info.get("type") == "file")
+
+
+def remove(path: str, cls: type[UserError] = DataError) -> None:
+    """Delete the file or object at ``path`` (everything under it for a directory or a prefix); nothing there is fine."""
+    if not is_uri(path):
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            Path(path).unlink(missing_ok=True)
+        return
+    fs, rest = fsspec_filesystem(path)
+    try:
+        fs.rm(rest, recursive=True)
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError) as e:
+        raise store_error(path, e, cls=cls) from None
+
+
+def upload(local: Path, uri: str, cls: type[UserError] = DataError) -> list[str]:
+    """Copy the file or directory tree ``local`` to ``uri`` (files under it keep their relative names); the URIs written."""
+    fs, rest = fsspec_filesystem(uri)
+    files = [local] if local.is_file() else sorted(p for p in local.rglob("*") if p.is_file())
+    written = []
+    for f in files:
+        target = rest if f == local else f"{rest.rstrip('/')}/{f.relative_to(local).as_posix()}"
+        try:
+            fs.put_file(str(f), target)
+        except (OSError, ValueError) as e:
+            raise store_error(_uri(_split(uri)[0], target), e, cls=cls) from None
+        written.append(_uri(_split(uri)[0], target))
+    return written
+
+
+_CAUSES = (
+    (("ACCESS_DENIED", "AccessDenied", "InvalidAccessKeyId", "INVALID_ACCESS_KEY_ID", "SignatureDoesNotMatch", "Forbidden", "403",
+      "credentials", "Access Key Id", "PermissionError"),
+     "access denied: the credentials are wrong, missing or may not use it",
+     "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, ~/.aws/credentials) to keys that may use it"),
+    (("NoSuchBucket", "NO_SUCH_BUCKET", "bucket does not exist", "Bucket does not exist"),
+     "its bucket does not exist", "create the bucket, or correct the URI"),
+    (("curlCode", "NETWORK_CONNECTION", "Could not connect", "Couldn't connect", "Connection refused", "timed out", "Timeout",
+      "ConnectTimeout", "ReadTimeout", "EndpointConnectionError", "Connect timeout", "Operation timed out"),
+     "the store cannot be reached", "check that it is up and reachable, and storage.endpoint_url / AWS_ENDPOINT_URL"),
+)
+
+
+def store_error(uri: str, e: BaseException, *, key: str | None = None, cls: type[UserError] = DataError) -> UserError:
+    """A :class:`UserError` of ``cls`` naming ``uri`` (and the setting ``key``), why the store refused it and the fix."""
+    text = f"{type(e).__name__}: {e}"
+    where = f"{key}={uri!r}" if key else uri
+    at = f" at {endpoint_url()}" if endpoint_url() else ""
+    for marks, cause, fix in _CAUSES:
+        if any(m in text for m in marks):
+            tries = f", after {_settings.max_attempts} attempts with backoff (storage.max_attempts)" if "reached" in cause else ""
+            return cls(f"{where}: {cause}{at}{tries} ({text.splitlines()[0][:300]}). Fix: {fix}")
+    return cls(f"{where}: the store{at} refused it ({text.splitlines()[0][:300]}). Fix: check the URI and that the store holds it")
+
+
+def is_store_failure(e: BaseException) -> bool:
+    """Whether ``e`` is the store refusing or not answering (credentials, bucket, network), not a damaged file."""
+    text = f"{type(e).__name__}: {e}"
+    return any(m in text for marks, _, _ in _CAUSES for m in marks)

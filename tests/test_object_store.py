@@ -1,0 +1,300 @@
+"""Object-store paths (``s3://``) against a real S3-compatible server on loopback (moto's, started here: nothing to
+set up): data from a bucket read as from disk, checkpoints to a bucket with the one-writer lock, kill -9 and resume
+to the same eval as local checkpoints, predict and export to a bucket, and the faults: a stopped server, wrong
+credentials, a missing bucket, an empty prefix."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from recsys_runner import stores
+from recsys_runner.__main__ import run
+from recsys_runner.checkpoint.lock import DirectoryInUse, ObjectStoreLock
+from recsys_runner.checkpoint.object_storage import DcpObjectStorage
+from recsys_runner.config import register_configs
+from recsys_runner.configurable import make
+from recsys_runner.data.generate import write_criteo_csv, write_criteo_parquet
+from recsys_runner.data.prefetch import read_ahead
+from recsys_runner.data.sources import Unit
+from recsys_runner.data.tabular import CsvData, ParquetData
+from recsys_runner.data.tabular_config import CsvDataConfig, ParquetDataConfig
+from recsys_runner.errors import CheckpointError, DataError
+from recsys_runner.paths import CONFIG_PATH
+from tests.conftest import REPO
+from tests.object_store import MotoServer, start_moto
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
+    """One moto server for the module, with a bucket ``data`` holding Criteo-shaped Parquet (``train/``, two files in
+    row groups of 700) and CSV (``csv/``); stopped by its PID at the end."""
+    tmp = tmp_path_factory.mktemp("s3")
+    server = start_moto(tmp)
+    try:
+        server.bucket("data")
+        (tmp / "train").mkdir()
+        for i in range(2):
+            write_criteo_parquet(str(tmp / "train" / f"part{i}.parquet"), 2500, seed=i, num_embeddings=1000, row_group_rows=700)
+        server.put(tmp / "train", "s3://data/train")
+        (tmp / "csv").mkdir()
+        write_criteo_csv(str(tmp / "csv" / "a.csv"), 900, seed=3)
+        server.put(tmp / "csv", "s3://data/csv")
+        server.local = tmp  # type: ignore[attr-defined]
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_env(s3: MotoServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[MotoServer]:
+    """This process set up as a user would: the server's endpoint and credentials in the environment."""
+    for key, value in s3.env.items():
+        monkeypatch.setenv(key, value)
+    stores.configure(stores.StorageConfig(max_attempts=2, connect_timeout_s=1, request_timeout_s=2))
+    yield s3
+    stores.configure(stores.StorageConfig())
+
+
+def _ids(batches: Iterator) -> list[tuple[int, ...]]:
+    return [tuple(b.sparse_features["cat_0"].values().tolist()) + tuple(b.labels.tolist()) for b in batches]
+
+
+# -- 1. data ------------------------------------------------------------------------------------------------------------
+def test_bucket_data_reads_the_same_batches_as_local_files_per_rank_and_worker(s3_env: MotoServer) -> None:
+    local = s3_env.local  # type: ignore[attr-defined]
+    for path in ("s3://data/train/", "s3://data/train/*.parquet"):
+        assert stores.list_files(path, "data.path", (".parquet",)) == ["s3://data/train/part0.parquet", "s3://data/train/part1.parquet"]
+    args = {"batch_size": 64, "eval_fraction": 0.2, "num_workers": 2}
+    remote = ParquetData(make(ParquetDataConfig, path="s3://data/train/*.parquet", **args))
+    disk = ParquetData(make(ParquetDataConfig, path=f"{local}/train", **args))
+    for rank in range(2):  # rank- and worker-disjoint exactly as on disk: the same rows, in the same batches
+        assert _ids(remote.train_batches(1, rank, 2)) == _ids(disk.train_batches(1, rank, 2))
+        assert _ids(remote.eval_batches(rank, 2)) == _ids(disk.eval_batches(rank, 2))
+    csv_args = {"label": "label", "batch_size": 50, "shuffle": False, "num_workers": 0}
+    csv_remote = CsvData(make(CsvDataConfig, path="s3://data/csv/a.csv", **csv_args))
+    csv_disk = CsvData(make(CsvDataConfig, path=f"{local}/csv/a.csv", **csv_args))
+    assert _ids(csv_remote.train_batches(0, 0, 1)) == _ids(csv_disk.train_batches(0, 0, 1))
+
+
+def test_object_store_units_are_read_ahead_while_the_current_one_is_used() -> None:
+    read: list[int] = []
+
+    class Slow:
+        def read(self, unit: Unit) -> Iterator[tuple[pa.Table, np.ndarray]]:
+            read.append(unit.index)
+            yield pa.table({"x": [unit.index]}), np.arange(1)
+
+    units = [Unit(f"s3://b/{i}.parquet", i, 0, 1) for i in range(5)]
+    ahead = read_ahead(Slow(), units, depth=2)
+    first = next(ahead)
+    deadline = time.monotonic() + 10
+    while len(read) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert read == [0, 1, 2]  # while unit 0 is in use, units 1 and 2 are read in the background, no further
+    assert [t["x"][0].as_py() for t, _ in first] == [0]
+    assert [next(iter(tables))[0]["x"][0].as_py() for tables in ahead] == [1, 2, 3, 4]
+    local = [Unit(f"/data/{i}.parquet", i, 0, 1) for i in range(2)]
+    read.clear()
+    lazy = read_ahead(Slow(), local, depth=2)
+    next(lazy)
+    assert read == []  # local files: read in turn, when their rows are wanted
+
+
+def test_missing_bucket_empty_prefix_and_wrong_credentials_name_the_uri(s3_env: MotoServer, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(DataError, match=r"data.path='s3://data/nothing/' is an empty prefix.*Fix:"):
+        ParquetData(make(ParquetDataConfig, path="s3://data/nothing/"))
+    with pytest.raises(DataError, match=r"s3://nobucket/train/: the bucket 'nobucket' does not exist .*Fix: create it"):
+        ParquetData(make(ParquetDataConfig, path="s3://nobucket/train/"))
+    with pytest.raises(DataError, match=r"glob pattern that matches no objects"):
+        ParquetData(make(ParquetDataConfig, path="s3://data/train/*.csv"))
+    strict = start_moto(tmp_path, {"INITIAL_NO_AUTH_ACTION_COUNT": "0"})  # a server that checks credentials
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", strict.endpoint)
+        stores.configure(stores.StorageConfig(max_attempts=1))
+        with pytest.raises(DataError, match=r"s3://data/train/.*access denied.*Fix: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"):
+            ParquetData(make(ParquetDataConfig, path="s3://data/train/"))
+    finally:
+        strict.stop()
+
+
+def test_reads_retry_then_fail_clearly_when_the_server_stops(s3_env: MotoServer, tmp_path: Path) -> None:
+    server = start_moto(tmp_path)  # its own server: this test stops it
+    try:
+        server.bucket("slow")
+        pq.write_table(pa.table({"label": np.arange(1000) % 2, "rid": np.arange(1000)}), tmp_path / "a.parquet", row_group_size=50)
+        server.put(tmp_path / "a.parquet", "s3://slow/a.parquet")
+        stores.configure(stores.StorageConfig(endpoint_url=server.endpoint, max_attempts=2, connect_timeout_s=1, request_timeout_s=1))
+        data = ParquetData(make(ParquetDataConfig, path="s3://slow/a.parquet", batch_size=10, shuffle=False,
+                                sparse=[{"name": "rid", "num_embeddings": 1000}]))
+        batches = data.train_batches(0, 0, 1)
+        next(batches)
+        server.pause()  # the server stops answering mid-epoch
+        started = time.monotonic()
+        with pytest.raises(DataError, match=r"s3://slow/a.parquet.*the store cannot be reached at http://127.0.0.1:\d+, after 2 attempts "
+                                            r"with backoff.*Fix:"):
+            list(batches)
+        assert time.monotonic() - started >= 1  # it waited and tried again before giving up
+    finally:
+        server.stop()
+
+
+# -- 2. checkpoints -----------------------------------------------------------------------------------------------------
+def test_object_store_lock_is_a_conditional_create_taken_over_only_when_abandoned(s3_env: MotoServer) -> None:
+    first, second = ObjectStoreLock("s3://data/lock-test"), ObjectStoreLock("s3://data/lock-test")
+    first.acquire()
+    with pytest.raises(DirectoryInUse, match=rf"s3:/+data/lock-test is in use by another live run: host .*, pid {os.getpid()}"):
+        second.acquire()
+    first.release()
+    second.acquire()
+    second.release()
+    # a holder that died (kill -9: no release) on this host is taken over at once
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    fs = s3_env.fs()
+    fs.pipe_file("data/lock-test/.lock", json.dumps({"host": socket.gethostname(), "pid": dead.pid, "renewed": time.time()}).encode())
+    taken = ObjectStoreLock("s3://data/lock-test")
+    taken.acquire()
+    taken.release()
+    # one of another host is refused once it is renewed, and taken over when its lease (storage.lock_ttl_s) runs out unrenewed
+    stores.configure(stores.StorageConfig(lock_ttl_s=3))
+    elsewhere = ObjectStoreLock("s3://data/lock-test")
+    elsewhere.acquire()
+    fs.pipe_file("data/lock-test/.lock", json.dumps({"host": "elsewhere", "pid": 1, "renewed": time.time()}).encode())
+    with pytest.raises(DirectoryInUse, match="host elsewhere"):
+        ObjectStoreLock("s3://data/lock-test").acquire()  # the renewal thread of `elsewhere` rewrites it within 1 s
+    elsewhere.release()
+    fs.pipe_file("data/lock-test/.lock", json.dumps({"host": "elsewhere", "pid": 1, "renewed": time.time()}).encode())
+    started = time.monotonic()
+    stale = ObjectStoreLock("s3://data/lock-test")
+    stale.acquire()
+    assert 2 <= time.monotonic() - started < 10
+    stale.release()
+
+
+def test_a_failed_checkpoint_write_leaves_the_previous_one_usable(s3_env: MotoServer, tmp_path: Path) -> None:
+    server = start_moto(tmp_path)
+    try:
+        server.bucket("ckpt")
+        stores.configure(stores.StorageConfig(endpoint_url=server.endpoint, max_attempts=1, connect_timeout_s=1, request_timeout_s=1))
+        storage, root = DcpObjectStorage(), stores.as_path("s3://ckpt/run")
+        good = {"model/w": torch.arange(6.0)}
+        storage.write(root / "step_00000002", good, {"objects": {}}, {"step": 2, "world_size": 1})
+        server.pause()
+        with pytest.raises(CheckpointError, match=r"s3://ckpt/run/step_00000004.*cannot be reached"):
+            storage.write(root / "step_00000004", {"model/w": torch.zeros(6)}, {"objects": {}}, {"step": 4, "world_size": 1})
+        server.resume()
+        assert storage.checkpoints(root) == [root / "step_00000002"]
+        loaded = {"model/w": torch.empty(6)}
+        storage.load_tensors(root / "step_00000002", loaded)
+        assert torch.equal(loaded["model/w"], good["model/w"]) and storage.damage(root / "step_00000002") is None
+    finally:
+        server.stop()
+
+
+def _train_args(tmp: Path, data: str, ckpt: str, experiment: str) -> list[str]:
+    return ["data=parquet", f"data.path={data}", "data.batch_size=128", "data.eval_fraction=0.2", "train.num_steps=12",
+            "train.log_every_steps=2", "train.eval_every_steps=null", "distributed.device=cpu", "checkpoint.every_steps=2",
+            f"checkpoint.dir={ckpt}", f"tracking.uri=sqlite:///{tmp}/mlflow.db", f"tracking.experiment={experiment}"]
+
+
+def _final_eval(output: str) -> str:
+    found = re.findall(r"step 12/12 (eval/auc=\S+ eval/logloss=\S+)", output)
+    assert found, output[-3000:]
+    return found[-1]
+
+
+@pytest.mark.slow
+def test_train_from_a_bucket_kill_9_resume_to_the_same_eval_then_predict_and_export_to_it(
+    s3: MotoServer, tmp_path: Path
+) -> None:
+    local = s3.local  # type: ignore[attr-defined]
+    env = {**os.environ, **s3.env, "PYTHONPATH": str(REPO)}
+
+    def cli(*args: str, module: str = "recsys_runner") -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", module, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+    straight = cli(*_train_args(tmp_path, f"{local}/train", f"{tmp_path}/ck", "local"))  # the reference: local files, local checkpoints
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    args = _train_args(tmp_path, "s3://data/train/*.parquet", "s3://data/runs/ck", "bucket")
+    live = subprocess.Popen([sys.executable, "-m", "recsys_runner", *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        assert live.stdout is not None
+        for line in live.stdout:
+            if "checkpoint saved: s3://data/runs/ck/step_00000002" in line:
+                break
+        s3.pause()  # the next step's reads or checkpoint hang: the run is surely killed mid-run
+        live.send_signal(signal.SIGKILL)
+        live.wait(timeout=60)
+    finally:
+        s3.resume()
+    assert s3.fs().exists("data/runs/ck/.lock")  # a kill -9 leaves its lock behind ...
+    resumed = cli(*args)  # ... which the same command takes over (its holder is gone), resuming from the bucket
+    out = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, out[-3000:]
+    assert "previous holder" in out and re.search(r"resuming from s3://data/runs/ck/step_0000000[24]", out), out[-3000:]
+    assert _final_eval(out) == _final_eval(straight.stdout + straight.stderr)
+    assert not s3.fs().exists("data/runs/ck/.lock")
+
+    predicted = cli("load=s3://data/runs/ck", "predict.input=s3://data/train/part1.parquet", "predict.output=s3://data/scores",
+                    *args[:3], "distributed.device=cpu", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", module="recsys_runner.predict")
+    assert predicted.returncode == 0, predicted.stderr[-3000:]
+    (part,) = s3.fs().glob("data/scores/part-*.parquet")
+    with s3.fs().open(part, "rb") as f:
+        assert pq.read_table(f).num_rows == 2500
+    exported = cli("load=s3://data/runs/ck", "export.dir=s3://data/export", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
+                   module="recsys_runner.export")
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert "data/export/model.pt2" in s3.fs().find("data/export")
+
+
+def test_in_process_resume_from_a_bucket_matches_local(s3_env: MotoServer, tmp_path: Path, mlflow_uri: str) -> None:
+    """The done-when of the issue in one process: a checkpoint written to the bucket resumes to the eval a local one does."""
+    register_configs()
+    local = s3_env.local  # type: ignore[attr-defined]
+
+    def final(ckpt: str, experiment: str, *extra: str) -> float:
+        overrides = [*_train_args(tmp_path, f"{local}/train", ckpt, experiment), f"tracking.uri={mlflow_uri}",
+                     f"storage.endpoint_url={s3_env.endpoint}", "checkpoint.keep_last=2", "train.eval_every_steps=6",
+                     "checkpoint.best_metric=eval/auc", *extra]
+        with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
+            return float(run(compose(config_name="config", overrides=overrides)))
+
+    from recsys_runner.train.signals import Interrupted
+
+    with pytest.raises(Interrupted):
+        final("s3://data/inproc/ck", "inproc_bucket", "train.stop_after_steps=6")
+    assert [p.name for p in DcpObjectStorage().checkpoints(stores.as_path("s3://data/inproc/ck"))][-1] == "step_00000006"
+    assert final("s3://data/inproc/ck", "inproc_bucket") == pytest.approx(final(f"{tmp_path}/ck", "inproc_local"), rel=1e-6)
+    storage, root = DcpObjectStorage(), stores.as_path("s3://data/inproc/ck")
+    assert [p.name for p in storage.checkpoints(root)] == ["step_00000010", "step_00000012"]  # keep_last=2 in the bucket
+    assert len(storage.checkpoints(root, best=True)) == 1  # and the best one apart
+
+
+@pytest.mark.slow
+def test_storage_bench_quick_runs_and_writes_its_regime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from recsys_runner.bench import storage as bench
+
+    for key, value in bench.CREDENTIALS.items():
+        monkeypatch.setenv(key, value)
+    result = bench.main(["--quick", "--json", str(tmp_path / "bench_storage.json"), "distributed.device=cpu"])
+    regime = result["regimes"]["s_bucket_parquet"]
+    assert regime["target"] == 0.9 and regime["runner_samples_per_s"] > 0 and regime["reference_samples_per_s"] > 0
+    assert json.loads((tmp_path / "bench_storage.json").read_text())["regimes"]["s_bucket_parquet"]["ratio"] == regime["ratio"]
