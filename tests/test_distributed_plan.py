@@ -162,3 +162,36 @@ def test_plan_summary_counts_types_and_kernels_over_ranks(make_cfg) -> None:
     line = plan_summary(report.plan, 4, usage)
     assert line.startswith("sharding plan: 52 tables on 4 ranks: 51 table_wise (fused kernel), 1 data_parallel (dense kernel); est. max ")
     assert plan_summary(report.plan, 4).endswith("1 data_parallel (dense kernel)")
+
+
+def _placements(plan) -> dict[str, tuple[str, str, tuple[int, ...]]]:
+    assert plan is not None
+    return {name: (p.sharding_type, p.compute_kernel, tuple(p.ranks or ())) for module_plan in plan.plan.values()
+            for name, p in module_plan.items()}
+
+
+def test_dynamic_programming_proposer_plans_a_large_table_config_differently(make_cfg) -> None:
+    """52 tables of 1M rows (DeepFM's embeddings and first-order weights) on 2 GPUs of 2 GB: not every table fits in HBM,
+    so the plan trades device memory for speed; TorchRec's default proposers upgrade tables one at a time, the dynamic
+    programming proposer picks one option per table for each total HBM budget. Both plans are valid (every table placed,
+    each rank within its budget) and they differ."""
+    plans = {}
+    for proposer in ("default", "dynamic_programming"):
+        report = dry_run(make_cfg("distributed.device=cuda", "distributed.plan_world_size=2", "distributed.hbm_cap_gb=2",
+                                  "data.num_embeddings=1000000", f"distributed.planner.proposer={proposer}", "tracking=none"))
+        assert report.fits, str(report)
+        assert f"on cuda, proposer={proposer}" in str(report).splitlines()[0]
+        plans[proposer] = _placements(report.plan)
+        assert len(plans[proposer]) == 52 and all(ranks for _, _, ranks in plans[proposer].values())
+        assert "fused_uvm_caching" in {kernel for _, kernel, _ in plans[proposer].values()}, "the budget forces tables off HBM"
+    assert plans["default"].keys() == plans["dynamic_programming"].keys()
+    assert plans["default"] != plans["dynamic_programming"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["distributed.planner.proposer=magic"], r"distributed.planner.proposer='magic' is not one of .*dynamic_programming"),
+    (["distributed.planner.proposer=dynamic_programming"], r"dynamic_programming budgets device \(HBM\) memory.*Fix"),
+])
+def test_bad_proposer_settings(make_cfg, overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        validate(make_cfg(*overrides, "tracking=none"))  # TINY plans on distributed.device=cpu

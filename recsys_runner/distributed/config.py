@@ -29,6 +29,9 @@ _SHARDING_TYPES = sorted(t.value for t in ShardingType)
 
 _KERNELS = sorted(k.value for k in EmbeddingComputeKernel)
 
+PROPOSERS = ("default", "dynamic_programming", "greedy", "grid_search", "uniform")
+"""``distributed.planner.proposer``'s choices (:func:`recsys_runner.distributed.sharding.proposers` builds them)."""
+
 
 def _check_choices(key: str, sharding_types: list[str] | None, compute_kernels: list[str] | None) -> None:
     for t in sharding_types or []:
@@ -45,6 +48,30 @@ class TableShardingConfig:
     """Sharding types for this table only (overrides ``distributed.sharding_types``); ``null`` inherits."""
     compute_kernels: list[str] | None = None
     """Compute kernels for this table only (overrides ``distributed.compute_kernels``); ``null`` inherits."""
+
+
+@dataclass(kw_only=True)
+class PlannerConfig:
+    """``distributed.planner``: how TorchRec's planner searches for a sharding plan (its constraints are
+    ``distributed.sharding_types``, ``distributed.tables`` and the memory settings)."""
+
+    proposer: str = "default"
+    """Which proposer(s) suggest the plans the planner partitions and rates, keeping the best: ``default`` is
+    TorchRec's own set (grid search, greedy by depth, greedy, uniform); ``dynamic_programming`` is TorchRec's
+    ``DynamicProgrammingProposer`` (what TorchEasyRec uses): for every total HBM budget it picks one option per table
+    minimising the summed perf estimate, so it weighs all tables together instead of upgrading them one at a time —
+    it budgets device memory (HBM) only, so it needs ``distributed.device=cuda`` (planning for CUDA needs no GPU:
+    ``python -m recsys_runner.plan distributed.device=cuda``). ``greedy``, ``grid_search``, ``uniform``: one of the
+    default set alone."""
+    hbm_bins_per_device: int = 100
+    """``dynamic_programming`` only: HBM budget steps per device (its precision; time grows with it)."""
+
+    def __post_init__(self) -> None:
+        require(self.proposer in PROPOSERS,
+                f"distributed.planner.proposer={self.proposer!r} is not one of {PROPOSERS}. Fix: e.g. "
+                f"distributed.planner.proposer=dynamic_programming")
+        require(self.hbm_bins_per_device > 0,
+                f"distributed.planner.hbm_bins_per_device must be positive, got {self.hbm_bins_per_device}")
 
 
 @dataclass(kw_only=True)
@@ -86,6 +113,8 @@ class DistributedConfig(Configurable):
     """Device (GPU) memory per rank the planner may fill, GB (``null``: TorchRec's default, 32)."""
     ddr_cap_gb: float | None = None
     """Host memory per rank the planner may fill, GB — the budget for tables on CPU (``null``: 128)."""
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    """How the planner searches: ``distributed.planner.proposer=dynamic_programming`` (TorchEasyRec's choice) or TorchRec's default set."""
     planner_batch_size: int | None = None
     """Per-rank batch size the planner costs with (``null``: ``data.batch_size``)."""
     plan_world_size: int | None = None
@@ -118,6 +147,9 @@ class DistributedConfig(Configurable):
                 f"multiple of it (got {self.plan_world_size})",
             )
         require(self.timeout_s > 0, "distributed.timeout_s must be positive")
+        require(not (self.device == "cpu" and self.planner.proposer == "dynamic_programming"),
+                "distributed.planner.proposer=dynamic_programming budgets device (HBM) memory, which a CPU plan has none of. "
+                "Fix: distributed.planner.proposer=default on CPU (or plan for CUDA: distributed.device=cuda)")
         require(
             not (self.device == "cpu" and self.backend == "nccl"),
             "distributed.backend=nccl needs CUDA tensors; use distributed.backend=gloo (or auto) with distributed.device=cpu",

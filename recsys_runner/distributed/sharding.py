@@ -13,7 +13,7 @@ import logging
 import os
 import re
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,12 +25,14 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel, get_default_sharders
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.planner.proposers import DynamicProgrammingProposer, GreedyProposer, GridSearchProposer, UniformProposer
 from torchrec.distributed.planner.stats import EmbeddingStats
 from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
 from torchrec.distributed.planner.types import (
     HardwareConfig,
     KernelConfig,
     PlannerError,
+    Proposer,
     ShardingOption,
     Stats,
     TopologyFactory,
@@ -39,7 +41,7 @@ from torchrec.distributed.planner.types import (
 from torchrec.distributed.types import EmbeddingModuleShardingPlan, ModuleSharder, ShardingEnv, ShardingPlan, ShardingType
 from torchrec.modules.mc_modules import ManagedCollisionCollection
 
-from recsys_runner.distributed.config import DistributedConfig, TableShardingConfig, resolve_device_type
+from recsys_runner.distributed.config import DistributedConfig, PlannerConfig, TableShardingConfig, resolve_device_type
 from recsys_runner.distributed.env import DistEnv, auto_num_threads
 from recsys_runner.distributed.launch import map_submitit_env
 from recsys_runner.errors import ConfigError, require
@@ -109,6 +111,8 @@ class PlanReport:
     plan: ShardingPlan | None
     ranks: list[RankMemory]
     error: str | None = None
+    proposer: str = "default"
+    """``distributed.planner.proposer``: which proposer(s) the planner searched with."""
 
     @property
     def fits(self) -> bool:
@@ -116,7 +120,7 @@ class PlanReport:
 
     def __str__(self) -> str:
         head = (f"sharding plan for world_size={self.world_size} (local_world_size={self.local_world_size}) "
-                f"on {self.compute_device}")
+                f"on {self.compute_device}, proposer={self.proposer}")
         if self.plan is None:
             return f"{head}\nDOES NOT FIT: {self.error}"
         lines = [head, str(self.plan), "", "per-rank memory (GB used / budget after storage reserve):",
@@ -259,10 +263,10 @@ class Distributed:
         try:
             plan = planner.plan(model, runner_sharders())
         except PlannerError as e:
-            return PlanReport(world_size, local_world_size, device_type, None, [], error=str(e).strip())
+            return PlanReport(world_size, local_world_size, device_type, None, [], error=str(e).strip(), proposer=c.planner.proposer)
         used = _rank_usage(recorder.best_plan, world_size)
         ranks = [RankMemory(r, used[r][0], used[r][1], *budgets[r]) for r in range(world_size)]
-        return PlanReport(world_size, local_world_size, device_type, plan, ranks)
+        return PlanReport(world_size, local_world_size, device_type, plan, ranks, proposer=c.planner.proposer)
 
     def _planner(self, model: nn.Module, batch_size: int, world_size: int, local_world_size: int,
                  device_type: str) -> tuple[EmbeddingShardingPlanner, _RecordBestPlan, Topology]:
@@ -288,6 +292,7 @@ class Distributed:
             constraints=self._constraints(_table_names(model), world_size, set(_table_names(model, unpooled=True)), device_type,
                                           managed=_managed_table_names(model)),
             storage_reservation=FixedPercentageStorageReservation(percentage=c.storage_reserve_percent),
+            proposer=proposers(c.planner, device_type),
             stats=[_StatsAtDebug(), recorder],
         )
         return planner, recorder, topology
@@ -336,6 +341,19 @@ class Distributed:
     def _require_env(self) -> DistEnv:
         assert self.env is not None, "Distributed.setup() must run first"
         return self.env
+
+
+def proposers(config: PlannerConfig, device_type: str) -> list[Proposer] | None:
+    """The proposers ``distributed.planner.proposer`` names; ``None`` for TorchRec's default set."""
+    if config.proposer == "dynamic_programming":
+        require(device_type == "cuda",
+                "distributed.planner.proposer=dynamic_programming budgets device (HBM) memory, and this plan is for "
+                f"{device_type}, which has none. Fix: distributed.planner.proposer=default, or distributed.device=cuda")
+        return [DynamicProgrammingProposer(hbm_bins_per_device=config.hbm_bins_per_device)]
+    chosen: dict[str, Callable[[], list[Proposer]]] = {
+        "greedy": lambda: [GreedyProposer()], "grid_search": lambda: [GridSearchProposer()], "uniform": lambda: [UniformProposer()],
+    }
+    return chosen[config.proposer]() if config.proposer in chosen else None
 
 
 def _rank_usage(best_plan: list[ShardingOption], world_size: int) -> list[tuple[int, int]]:

@@ -31,7 +31,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -59,9 +59,26 @@ PARENT_RUN_ENV = "RECSYS_RUNNER_PARENT_RUN_ID"
 """Set by the sweep callback for its jobs: their runs become children of this run."""
 
 
+@dataclass(frozen=True)
+class Histogram:
+    """One histogram in TensorBoard's raw form (``SummaryWriter.add_histogram_raw``): ``bucket_limits`` are right edges."""
+
+    min: float
+    max: float
+    num: int
+    sum: float
+    sum_squares: float
+    bucket_limits: list[float]
+    bucket_counts: list[int]
+
+
 @dataclass(kw_only=True)
 class TrackingConfig(Configurable):
     """Base of the ``tracking`` group's schemas: each builds a :class:`Tracker` (on rank 0; other ranks use :class:`NullTracker`)."""
+
+    tensorboard: bool = False
+    """Also write every logged metric (and ``train.summary_histograms``' histograms) to TensorBoard event files under
+    ``<run dir>/tensorboard`` (``./tensorboard`` from Python), rank 0 only: ``tensorboard --logdir <run dir>`` shows them."""
 
     def build(self) -> Tracker:
         """The tracker this config describes; it opens nothing until :meth:`Tracker.check` or ``start``."""
@@ -111,6 +128,7 @@ class Tracker(Protocol):
     def resume(self, run_id: str) -> None: ...
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
     def log_text(self, text: str, artifact_file: str) -> None: ...
+    def log_histograms(self, histograms: Mapping[str, Histogram], step: int) -> None: ...
     def set_tag(self, key: str, value: str) -> None: ...
     def finish(self, status: str) -> None: ...
 
@@ -138,6 +156,9 @@ class NullTracker:
         pass
 
     def log_text(self, text: str, artifact_file: str) -> None:
+        pass
+
+    def log_histograms(self, histograms: Mapping[str, Histogram], step: int) -> None:
         pass
 
     def set_tag(self, key: str, value: str) -> None:
@@ -218,6 +239,11 @@ class MlflowTracker:
         self._pending_text.append((text, artifact_file))
         if time.monotonic() >= self._next_try:
             self._flush()
+
+    def log_histograms(self, histograms: Mapping[str, Histogram], step: int) -> None:
+        """One JSON artifact per step, ``summaries/histograms_step_<step>.json``: tag → :class:`Histogram` fields."""
+        text = json.dumps({tag: asdict(h) for tag, h in histograms.items()})
+        self.log_text(text, f"summaries/histograms_step_{step:08d}.json")
 
     def finish(self, status: str) -> None:
         if self.run_id is None:

@@ -1,0 +1,75 @@
+"""``tracking.tensorboard=true``: every metric the run logs, also written to TensorBoard event files (rank 0).
+
+:class:`TensorBoardTracker` wraps the run's tracker (MLflow, or none): it forwards every call and writes each
+metric as a scalar and each histogram (``train.summary_histograms``) as a histogram, through torch's
+``SummaryWriter`` (the ``tensorboard`` package's event-file format), into ``<run dir>/tensorboard``, so
+``tensorboard --logdir <run dir>`` (or ``--logdir outputs`` for many runs) shows the run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from recsys_runner.tracking.tracker import Histogram, Tracker
+
+LOGDIR_NAME = "tensorboard"
+"""The event files' folder under the run directory."""
+
+_FLUSH_SECS = 30  # a live ``tensorboard`` sees new points within this (the writer's default is 120)
+
+
+class TensorBoardTracker:
+    """``inner`` plus TensorBoard event files in ``logdir``; the writer opens at the first event and closes at :meth:`finish`."""
+
+    def __init__(self, inner: Tracker, logdir: Path) -> None:
+        self.inner, self.logdir = inner, logdir
+        self._writer: Any = None
+
+    @property
+    def run_id(self) -> str | None:
+        return self.inner.run_id
+
+    def check(self) -> None:
+        self.inner.check()
+
+    def start(self, *, run_name: str, tags: Mapping[str, str], params: Mapping[str, Any]) -> None:
+        self.inner.start(run_name=run_name, tags=tags, params=params)
+
+    def resume(self, run_id: str) -> None:
+        self.inner.resume(run_id)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        self.inner.log_metrics(metrics, step)
+        writer = self._open()
+        for key, value in metrics.items():
+            writer.add_scalar(key, float(value), global_step=step)
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        self.inner.log_text(text, artifact_file)
+
+    def log_histograms(self, histograms: Mapping[str, Histogram], step: int) -> None:
+        self.inner.log_histograms(histograms, step)
+        writer = self._open()
+        for tag, h in histograms.items():
+            writer.add_histogram_raw(tag, min=h.min, max=h.max, num=h.num, sum=h.sum, sum_squares=h.sum_squares,
+                                     bucket_limits=h.bucket_limits, bucket_counts=h.bucket_counts, global_step=step)
+
+    def set_tag(self, key: str, value: str) -> None:
+        self.inner.set_tag(key, value)
+
+    def finish(self, status: str) -> None:
+        try:
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
+        finally:
+            self.inner.finish(status)
+
+    def _open(self) -> Any:
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when it is used
+
+            self._writer = SummaryWriter(log_dir=str(self.logdir), flush_secs=_FLUSH_SECS)
+        return self._writer
