@@ -19,7 +19,7 @@ import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -27,6 +27,7 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import ShardingPlan
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
+from recsys_runner import stores
 from recsys_runner.checkpoint.policy import Checkpointer
 from recsys_runner.config import RunConfig, check_eval_keys
 from recsys_runner.data.base import DataModule
@@ -35,7 +36,7 @@ from recsys_runner.distributed.sharding import Distributed
 from recsys_runner.errors import ConfigError
 from recsys_runner.metrics.registry import default_objective, higher_is_better
 from recsys_runner.metrics.tasks import TaskTrainMetrics, eval_metric_keys
-from recsys_runner.models.common import TrainWrapper
+from recsys_runner.models.common import TaskWeighting, TrainWrapper
 from recsys_runner.optim.config import OptimConfig
 from recsys_runner.optim.optimizers import (
     DENSE,
@@ -48,6 +49,8 @@ from recsys_runner.optim.optimizers import (
 from recsys_runner.optim.schedulers import Schedule, ScheduledLR, SchedulePosition, SchedulerConfig
 from recsys_runner.optim.schedulers import lr_scheduler as make_lr_scheduler
 from recsys_runner.runtime import Launch
+from recsys_runner.tasks import SINGLE_TASK
+from recsys_runner.tracking.tensorboard import LOGDIR_NAME, TensorBoardTracker
 from recsys_runner.tracking.tracker import NullTracker, Tracker
 from recsys_runner.train.config import TrainConfig
 from recsys_runner.train.ema import DenseEMA
@@ -56,6 +59,8 @@ from recsys_runner.train.loop import Loop
 from recsys_runner.train.pipeline import make_pipeline
 from recsys_runner.train.stepping import Stepper, StepPolicy
 from recsys_runner.train.stopping import EarlyStopping
+from recsys_runner.train.summaries import Summaries
+from recsys_runner.train.weighting import WeightingPosition
 
 log = logging.getLogger(__name__)
 
@@ -105,11 +110,12 @@ def build(run: RunConfig, *, launch: Launch = Launch(), weights: Path | None = N
     from ``checkpoint.*`` and a mismatching model config is refused (:meth:`Checkpointer.load_weights`).
     """
     seed_everything(run.seed)
+    stores.configure(run.storage)
     distributed: Distributed = run.distributed.build()
     env = distributed.setup()
     checkpointer: Checkpointer | None = None
     try:
-        tracker: Tracker = run.tracking.build() if env.is_main else NullTracker()
+        tracker = _tracker(run, launch) if env.is_main else NullTracker()
         decided_on_rank0(tracker.check, env.rank, env.world_size)
         checkpointer = run.checkpoint.build(rank=env.rank, world_size=env.world_size, device=env.device, nan_guard=run.train.nan_guard,
                                             launch=launch)
@@ -121,8 +127,9 @@ def build(run: RunConfig, *, launch: Launch = Launch(), weights: Path | None = N
         steps_per_epoch = _steps_per_epoch(data, env.world_size, run.train.grad_accum_steps)
         total_steps = _total_steps(run, steps_per_epoch, log_choice=env.is_main)
         check_eval_cadence(run.train, steps_per_epoch)
-        model = run.model.build(features=data.features, dense_device=env.device)
-        wrapped = TrainWrapper(model, autocast=precision.autocast(env.device), features=data.features)
+        model = _with_catalogue(run.model.build(features=data.features, dense_device=env.device), data)
+        wrapped = TrainWrapper(model, autocast=precision.autocast(env.device), features=data.features,
+                               weighting=_loss_weighting(run, model))
         check_eval_keys(run, wrapped.tasks, data.features.sparse_names, type(model).__name__)  # before the tracker starts a run
         apply_sparse_optimizer(wrapped, run.optim.sparse)
         plan = distributed.plan(wrapped, batch_size=data.batch_size)
@@ -132,7 +139,7 @@ def build(run: RunConfig, *, launch: Launch = Launch(), weights: Path | None = N
         pipeline = make_pipeline(run.distributed.pipeline, env, sharded, policy.dense, policy, annotate=run.train.profile.enabled)  # the fused lr is pushed by the Stepper
         stepper = Stepper(pipeline=pipeline, policy=policy, lr_scheduler=lr_scheduler, optimizer=optimizer,
                           train_metrics=TaskTrainMetrics(run.metrics, wrapped.tasks, env.device),
-                          accumulation_steps=run.train.grad_accum_steps)
+                          accumulation_steps=run.train.grad_accum_steps, weighting=wrapped.weighting)
         evaluator = Evaluator(model=sharded, pipeline=pipeline, data=data, env=env, tasks=wrapped.tasks, metrics=run.metrics,
                               max_batches=run.train.eval_max_batches, ema=ema if run.train.ema.eval_with_ema else None)
         early_stopping = EarlyStopping(run.train.early_stopping)
@@ -140,7 +147,7 @@ def build(run: RunConfig, *, launch: Launch = Launch(), weights: Path | None = N
         checkpointer.attach(
             model=sharded, optimizer=optimizer, tensors={"ema": ema} if ema is not None else {},
             objects={"lr_scheduler": SchedulePosition(lr_scheduler), "policy": policy, "early_stopping": early_stopping,
-                     "train_metrics": stepper.train_metrics, "best_eval": best},
+                     "train_metrics": stepper.train_metrics, "best_eval": best, "loss_weighting": WeightingPosition(wrapped.weighting)},
         )
         state = checkpointer.restore() if weights is None else checkpointer.load_weights(weights)
     except BaseException:
@@ -148,10 +155,27 @@ def build(run: RunConfig, *, launch: Launch = Launch(), weights: Path | None = N
             checkpointer.close()
         distributed.close()
         raise
+    summaries = Summaries(run.train.summary_every_steps, histograms=run.train.summary_histograms, model=sharded, optimizer=optimizer,
+                          dense=policy.dense, env=env, tracker=tracker, log_every_steps=run.train.log_every_steps,
+                          total_steps=total_steps, next_step=state.step + 1)
     loop = Loop(config=run.train, env=env, data=data, stepper=stepper, evaluator=evaluator, checkpointer=checkpointer,
                 early_stopping=early_stopping, tracker=tracker, total_steps=total_steps, steps_per_epoch=steps_per_epoch, state=state,
-                best=best)
+                best=best, summaries=summaries)
     return Components(run=run, env=env, distributed=distributed, plan=plan, loop=loop)
+
+
+def _tracker(run: RunConfig, launch: Launch) -> Tracker:
+    """Rank 0's tracker: ``tracking``'s, writing TensorBoard event files too with ``tracking.tensorboard=true``
+    (into ``<run dir>/tensorboard``; ``./tensorboard`` from Python)."""
+    tracker: Tracker = run.tracking.build()
+    if run.tracking.tensorboard:
+        tracker = TensorBoardTracker(tracker, launch.under_output_dir(LOGDIR_NAME) or Path(LOGDIR_NAME))
+    return tracker
+
+
+def _loss_weighting(run: RunConfig, model: torch.nn.Module) -> TaskWeighting | None:
+    """``train.loss_weighting`` built for the model's tasks; ``None`` for fixed weights (the TrainWrapper's own)."""
+    return run.train.loss_weighting.build(tuple(getattr(model, "tasks", SINGLE_TASK)), accumulation_steps=run.train.grad_accum_steps)
 
 
 def _optimizers(run: RunConfig, sharded: DistributedModelParallel, scaler: torch.amp.GradScaler | None, total_steps: int,
@@ -190,6 +214,19 @@ def _schedules(run: RunConfig, total_steps: int, steps_per_epoch: int | None) ->
         elif dense is not None:
             own[OptimizerGroup.part(name)] = dense
     return own, default
+
+
+ModelT = TypeVar("ModelT", bound=torch.nn.Module)
+
+
+def _with_catalogue(model: ModelT, data: DataModule) -> ModelT:
+    """``model``, handed the data's item ids and popularity (``None`` when the data has no catalogue) when it reads them
+    (``use_catalogue``: a two-tower model's logQ from the item counts)."""
+    use = getattr(model, "use_catalogue", None)
+    table = data.item_table() if use is not None else None
+    if use is not None:
+        use(*((None, None) if table is None else (torch.from_numpy(table.ids), torch.from_numpy(table.popularity))))
+    return model
 
 
 def _steps_per_epoch(data: Any, world_size: int, accumulation: int) -> int | None:

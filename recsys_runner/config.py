@@ -34,10 +34,19 @@ from recsys_runner.data.synthetic_sequences import SyntheticSequencesConfig
 from recsys_runner.data.tabular_config import CriteoDataConfig, CsvDataConfig, ParquetDataConfig
 from recsys_runner.distributed.config import DistributedConfig, check_sharding_types, resolve_device_type
 from recsys_runner.errors import ConfigError, UserError, require
-from recsys_runner.metrics.registry import AT_K_NAME, DEFAULT_OBJECTIVE, METRICS, MetricsConfig, higher_is_better, metric_name
+from recsys_runner.metrics.registry import (
+    AT_K_NAME,
+    DEFAULT_OBJECTIVE,
+    METRICS,
+    SELECTION_KEY,
+    MetricsConfig,
+    higher_is_better,
+    metric_name,
+)
 from recsys_runner.metrics.tasks import check_task_metrics, eval_metric_keys
 from recsys_runner.models.bst import BSTConfig
 from recsys_runner.models.common import ModelConfig
+from recsys_runner.models.dbmtl import DBMTLConfig
 from recsys_runner.models.dcn_v2 import DCNv2Config
 from recsys_runner.models.deepfm import DeepFMConfig
 from recsys_runner.models.din import DINConfig
@@ -46,6 +55,7 @@ from recsys_runner.models.dssm import DSSMConfig
 from recsys_runner.models.fm import FMConfig
 from recsys_runner.models.lr import LRConfig
 from recsys_runner.models.mmoe import MMoEConfig
+from recsys_runner.models.ple import PLEConfig
 from recsys_runner.models.sasrec import SASRecConfig
 from recsys_runner.models.wide_deep import WideDeepConfig
 from recsys_runner.optim.config import OptimConfig
@@ -72,6 +82,7 @@ from recsys_runner.optim.schedulers import (
     ManualStepConfig,
     SchedulerConfig,
 )
+from recsys_runner.stores import StorageConfig
 from recsys_runner.tasks import Task
 from recsys_runner.tracking.tracker import MlflowTrackingConfig, NoTrackingConfig, TrackingConfig
 from recsys_runner.train.config import TrainConfig
@@ -107,6 +118,9 @@ class RunConfig:
     """Eval and decaying train metrics, e.g. ``metrics.eval=[auc,gauc] metrics.grouping_key=cat_0`` (docs/metrics.md)."""
     seed: int = 0
     """Seeds torch on every rank (dense init, dropout); data has its own ``data.seed``."""
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    """Object stores (``s3://`` paths, docs/storage.md): ``storage.endpoint_url`` of an S3-compatible store, region,
+    retries, timeouts; never credentials (the store client's environment and config files hold those)."""
 
 
 def _component_slots() -> dict[str, type]:
@@ -141,7 +155,7 @@ def _composition_schema() -> type:
 GROUPS: dict[str, dict[str, type]] = {
     "model": {"deepfm": DeepFMConfig, "dlrm": DLRMConfig, "dcn_v2": DCNv2Config, "wide_deep": WideDeepConfig,
               "mmoe": MMoEConfig, "dssm": DSSMConfig, "lr": LRConfig, "fm": FMConfig,
-              "din": DINConfig, "bst": BSTConfig, "sasrec": SASRecConfig},
+              "din": DINConfig, "bst": BSTConfig, "sasrec": SASRecConfig, "ple": PLEConfig, "dbmtl": DBMTLConfig},
     "data": {"synthetic": SyntheticDataConfig, "parquet": ParquetDataConfig, "csv": CsvDataConfig, "criteo": CriteoDataConfig,
              "synthetic_sequences": SyntheticSequencesConfig},
     "optim": {"optim": OptimConfig},
@@ -345,6 +359,12 @@ def check_eval_keys(run: RunConfig, tasks: tuple[Task, ...], sparse_names: list[
     off = "; early stopping is off until train.early_stopping.patience is set, or drop the setting" if stopping.patience is None else ""
     for name, value in named.items():
         _require_one_of(name, value, keys, "an eval metric this run logs", also=off if name == "train.early_stopping.metric" else "")
+    logged = [k for k in keys if k != SELECTION_KEY]
+    for key in run.metrics.selection:
+        if key not in logged:
+            closest = difflib.get_close_matches(key, logged, n=1, cutoff=0.0)
+            raise ConfigError(f"metrics.selection names {key!r}, which this run does not log (its tasks: "
+                              f"{[t.name for t in tasks]}); valid: {', '.join(logged)}. Fix: use {closest[0] if closest else 'one of them'}")
     _require_one_of("metrics.grouping_key", run.metrics.grouping_key, sparse_names, "a sparse feature of the data")
 
 

@@ -33,8 +33,11 @@ MODELS = sorted(p.stem for p in (Path(CONFIG_PATH) / "model").glob("*.yaml"))
 CPU = torch.device("cpu")
 
 
-OUTPUT_SHAPES = {"mmoe": (8, 2), "dssm": (8, 8)}
-"""Outputs other than logits ``[B]``: MMoE's two tasks (stacked), DSSM's query×candidate scores (SASRec's: see
+MULTI_TASK_MODELS = {"mmoe", "ple", "dbmtl"}
+"""Models with a ``[B]`` output per task (``ctr``, ``cvr``): they are built on data with a label per task."""
+
+OUTPUT_SHAPES = {**{m: (8, 2) for m in MULTI_TASK_MODELS}, "dssm": (8, 8)}
+"""Outputs other than logits ``[B]``: the multi-task models' two tasks (stacked), DSSM's query×candidate scores (SASRec's: see
 :func:`check_sasrec_output`)."""
 
 UNREAD_PARAMETERS = {"sasrec": ("arch.ebc.",)}
@@ -51,7 +54,7 @@ def small_data(name: str = "") -> DataModule:
         return small_sequences(negatives=0.0)  # a next-item model: every candidate is the item that came next
     if name in SEQUENCE_MODELS:
         return small_sequences()
-    tasks = ["ctr", "cvr"] if name == "mmoe" else None
+    tasks = ["ctr", "cvr"] if name in MULTI_TASK_MODELS else None
     return SyntheticData(make(SyntheticDataConfig, batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50, num_train_rows=64, num_eval_rows=64, tasks=tasks))
 
 

@@ -41,9 +41,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recsys_runner.data.base import DataConfig, DataModule
 from recsys_runner.data.collision import SyntheticCollisionConfig, collision_config, spread_ids
 from recsys_runner.data.items import ItemTable
-from recsys_runner.data.negatives import NegativeSampler, NegativesConfig
+from recsys_runner.data.negatives import MinedNegatives, NegativeSampler, NegativesConfig
 from recsys_runner.data.schema import LABEL_KINDS
-from recsys_runner.data.synthetic_items import generated_item_table, item_lookups, pair_popularity
+from recsys_runner.data.synthetic_items import HARD_COLUMN, generated_item_table, hard_negative_ids, item_lookups, pair_popularity
 from recsys_runner.data.synthetic_sequences import SyntheticSequencesConfig
 from recsys_runner.errors import require
 from recsys_runner.features import DataNeeds, FeatureSpec, SparseFeature
@@ -88,6 +88,16 @@ class SyntheticDataConfig(DataConfig):
     the task's own score, e.g. a watch time), e.g. ``{watch: regression}``. With
     ``tasks: null``, the model's task kinds. A mapping, typed ``Any`` so that ``data.label_kinds={…}``
     works as a plain override."""
+    conversion_bias: float = 0.0
+    """Logit offset of each later task's own score: its base rate given a click (0: about one in two; -3: a few in
+    a hundred, a rare task whose loss is small next to the click's)."""
+    conversion_conflict: float = 0.0
+    """How strongly each later task's score falls with the click's score (``score_t - c·score_click``): with ``c > 0`` the
+    tasks pull the shared layers apart — a seesaw, where equal fixed loss weights favour the click (docs/multitask.md)."""
+    conversion_amount: float | None = None
+    """A later ``regression`` task's label as a purchase amount: ``conversion_amount·(1 + softplus(score_t))`` on rows that
+    convert (the funnel: a click, then ``Bernoulli(sigmoid(score_t))``), 0 elsewhere — a large-variance amount whose MSE
+    dwarfs the click's log loss; its ``auc`` ranks the converting rows. ``null``: ``softplus(score_t)`` on every row."""
     user_item_clusters: int | None = None
     """``K``: draw each item feature's id in the user feature's cluster (``id mod K``), so (user, item) pairs
     are learnable for retrieval. ``null``: 16 for a two-tower model (``model=dssm``), else independent columns."""
@@ -99,6 +109,10 @@ class SyntheticDataConfig(DataConfig):
     negatives: NegativesConfig = field(default_factory=NegativesConfig)
     """Catalogue items appended to every training batch as shared negatives (``num_negatives``, ``distribution``, ``alpha``;
     docs/retrieval.md), drawn from the generated item table of the (user, item) pairs. ``num_negatives: 0``: in-batch only."""
+    hard_negatives: int = 0
+    """Per row, this many hard negative item ids in a list column ``hard_items`` (sharing the item column's table): items
+    the row's user's cluster draws as it draws positives (the generator's latent factor: what the user was likely shown),
+    never the row's positive, for ``data.negatives.hard_column=hard_items``. Needs (user, item) pairs; 0: no column."""
     managed_collision: Any = None
     """Managed-collision tables (docs/data.md, ``SyntheticCollisionConfig``): ``{features: [cat_0], distinct_ids: …, eviction_policy: lfu, …}`` gives
     those columns raw ids drawn from ``distinct_ids`` (default 10× their slots), mapped to ``num_embeddings`` slots by
@@ -130,6 +144,7 @@ class SyntheticDataConfig(DataConfig):
         require(len(items) > 0 and user not in items,
                 f"the pairs' item columns {items} (data.item_features) must be at least one and not the user column {user!r} "
                 f"(data.user_feature). Fix: data.item_features=[<sparse columns other than {user}>]")
+        require(self.hard_negatives >= 0, f"data.hard_negatives must be >= 0, got {self.hard_negatives}. Fix: e.g. 8, or 0 for none")
         require(self.num_dense >= 0, f"data.num_dense must be >= 0, got {self.num_dense}")
         require(self.num_sparse > 0, f"data.num_sparse must be positive, got {self.num_sparse}: the models need at least one embedding table")
         require(self.num_embeddings > 0, f"data.num_embeddings must be positive, got {self.num_embeddings}")
@@ -239,9 +254,19 @@ class SyntheticData(DataModule):
         managed = {n: mc.spec() for n in mc.features} if mc is not None else {}
         self._raw = [(j, sizes[j], managed[n].input_hash_size) for j, n in enumerate(names) if n in managed]
         """``(column, distinct ids, input_hash_size)`` of each managed column: its ids are spread over that raw id space."""
+        sparse = tuple(SparseFeature(n, k, managed_collision=managed.get(n)) for n, k in zip(names, slots, strict=True))
+        self._hard = c.hard_negatives
+        if self._hard:
+            item = sparse[names.index((c.item_features or ["cat_1"])[0])]
+            require(c.user_item_clusters is not None and item.managed_collision is None
+                    and item.num_embeddings >= 2 * c.user_item_clusters,
+                    f"data.hard_negatives={self._hard} lists other items of the user's cluster per (user, item) pair; the data "
+                    f"has no pairs, a managed-collision item column, or fewer than 2 items per cluster. Fix: "
+                    f"data=synthetic_retrieval (or model=dssm) with data.num_embeddings >= 2 · clusters, or data.hard_negatives=0")
+            sparse = (*sparse, SparseFeature(HARD_COLUMN, item.num_embeddings, table=item.table_name))
         self.features = FeatureSpec(
             dense_names=tuple(f"int_{i}" for i in range(c.num_dense)),
-            sparse=tuple(SparseFeature(n, k, managed_collision=managed.get(n)) for n, k in zip(names, slots, strict=True)),
+            sparse=sparse,
             label=tuple(c.tasks) if c.tasks is not None else "label",
         )
         self.batch_size = c.batch_size
@@ -253,8 +278,10 @@ class SyntheticData(DataModule):
         self._world = _World.draw(c.seed, c.num_dense, sizes, c.label_noise)
         # Later tasks' worlds: their own seeds, a higher base rate (conversion given a click).
         self._task_worlds = [
-            _World.draw(c.seed * 1000 + t, c.num_dense, sizes, c.label_noise, bias=0.0) for t in range(1, len(c.tasks or []))
+            _World.draw(c.seed * 1000 + t, c.num_dense, sizes, c.label_noise, bias=c.conversion_bias) for t in range(1, len(c.tasks or []))
         ]
+        self._conflict = c.conversion_conflict
+        self._amount = c.conversion_amount
         self._kinds = [(c.label_kinds or {}).get(t, "binary") for t in c.tasks or []]
         self._clusters = c.user_item_clusters
         if c.user_item_clusters is not None:
@@ -293,6 +320,10 @@ class SyntheticData(DataModule):
 
     def item_table(self) -> ItemTable | None:
         return self._catalogue
+
+    def negative_miner(self) -> MinedNegatives | None:
+        """The lists hard negatives are mined into at each full-corpus eval (``data.negatives.mined_ratio``), or ``None``."""
+        return self._sampler.mined if self._sampler is not None else None
 
     def num_train_batches(self, world_size: int) -> int:
         return self._num_train_batches // world_size
@@ -349,18 +380,30 @@ class SyntheticData(DataModule):
         labels = torch.bernoulli(torch.sigmoid(score), generator=g)
         if self.features.multi_label:
             labels = torch.stack(self._task_labels(labels, score, dense, ids, g), dim=1)
+        if self._hard:  # drawn last, so the other columns are the same with and without the list
+            first = self._items[0]
+            hard = hard_negative_ids(ids[:, first], ids[:, self._user], self._hard, int(self._sizes[first]), self._clusters or 1,
+                                     self._id_skew, g)
         for j, distinct, space in self._raw:
             ids[:, j] = spread_ids(ids[:, j], distinct, space)
         tensors = (dense, ids.t().reshape(-1), torch.ones(n * f, dtype=torch.int32), labels)
+        if self._hard:
+            tensors = (dense, torch.cat([tensors[1], hard.reshape(-1)]),
+                       torch.cat([tensors[2], torch.full((n,), self._hard, dtype=torch.int32)]), labels)
         return self._sampler.extend(tensors, (index,)) if self._sampler is not None and split == _TRAIN else tensors
 
     def _task_labels(self, click: torch.Tensor, score: torch.Tensor, dense: torch.Tensor, ids: torch.Tensor,
                      g: torch.Generator) -> list[torch.Tensor]:
-        """Each task's label ``[B]``: the click, then the funnel's conversions; a ``regression`` task's is ``softplus(score_t)``."""
+        """Each task's label ``[B]``: the click, then the funnel's conversions; a ``regression`` task's is ``softplus(score_t)``,
+        or with ``conversion_amount`` an amount on the converting rows."""
         columns = [click if self._kinds[0] == "binary" else F.softplus(score)]
         for world, kind in zip(self._task_worlds, self._kinds[1:], strict=True):
-            task_score = world.score(dense, ids)
-            columns.append(click * torch.bernoulli(torch.sigmoid(task_score), generator=g) if kind == "binary" else F.softplus(task_score))
+            task_score = world.score(dense, ids) - self._conflict * score if self._conflict else world.score(dense, ids)
+            if kind != "binary" and self._amount is None:
+                columns.append(F.softplus(task_score))
+                continue
+            converted = click * torch.bernoulli(torch.sigmoid(task_score), generator=g)
+            columns.append(converted if self._amount is None or kind == "binary" else converted * self._amount * (1 + F.softplus(task_score)))
         return columns
 
 

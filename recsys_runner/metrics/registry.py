@@ -124,6 +124,15 @@ LOSS = "loss"
 """The training loss's name in logged keys (``train/loss``, the train loop's meter): no registered metric, but
 a logged value with a direction — lower is better."""
 
+SELECTION_KEY = "eval/selection"
+"""The logged weighted sum of eval metrics ``metrics.selection`` configures: higher is better, since each
+lower-is-better metric enters it negated (:func:`selection_score`)."""
+
+
+def selection_score(weights: dict[str, float], values: dict[str, float]) -> float:
+    """``Σ_k w_k·±v_k`` over ``metrics.selection``'s keys: ``+v`` for a higher-is-better metric, ``-v`` for a lower one."""
+    return sum(w * (values[k] if higher_is_better(k) else -values[k]) for k, w in weights.items())
+
 DEFAULT_OBJECTIVE = "eval/auc"
 """The eval metric a run reports (``train.objective``), watches for its best value and a sweep ranks by when
 no setting names one and the run logs it; :func:`default_objective` otherwise takes the first eval metric."""
@@ -158,6 +167,8 @@ def higher_is_better(key: str) -> bool:
     name = metric_name(key)
     if name == LOSS:
         return False
+    if key == SELECTION_KEY:
+        return True
     if name not in METRICS and not AT_K_NAME.fullmatch(name):
         raise ConfigError(f"{key!r} names no metric with a known direction. Valid names: {', '.join(sorted(METRICS))}, "
                           f"recall@<k> (e.g. recall@10), inbatch_recall@<k>, hr@<k>, ndcg@<k>, coverage@<k>, {LOSS}")
@@ -206,6 +217,11 @@ class MetricsConfig:
     """``gauc`` weights each group by its rows (``impressions``) or equally (``uniform``)."""
     xauc_max_pairs: int = 1 << 22
     """``xauc`` is exact up to this many pairs, then computed on this many seeded random pairs."""
+    selection: dict[str, float] = field(default_factory=dict)
+    """Weights of eval metrics whose sum is logged as ``eval/selection``, to choose the best checkpoint, stop early or
+    rank a sweep by several tasks at once, e.g. ``{eval/ctr/auc: 0.5, eval/cvr/auc: 0.5}`` with
+    ``checkpoint.best_metric=eval/selection``; a lower-is-better metric (logloss) enters negated, so the sum is
+    higher-is-better. ``{}``: none."""
 
     def __post_init__(self) -> None:
         for phase, names in (("metrics.eval", self.eval), ("metrics.train", self.train)):
@@ -238,6 +254,14 @@ class MetricsConfig:
             f"metrics.gauc_weighting must be impressions or uniform, got {self.gauc_weighting!r}",
         )
         require(self.xauc_max_pairs > 0, f"metrics.xauc_max_pairs must be positive, got {self.xauc_max_pairs}")
+        if self.selection:
+            bad = [f"{k}={w}" for k, w in self.selection.items() if w < 0]
+            require(not bad, f"metrics.selection weights must be >= 0, got {', '.join(bad)}")
+            require(sum(self.selection.values()) > 0, f"metrics.selection={self.selection}: the weights are all 0. Fix: a positive weight")
+            for key in self.selection:
+                require(key.startswith("eval/") and key != SELECTION_KEY,
+                        f"metrics.selection key {key!r} must be an eval metric as logged, e.g. eval/ctr/auc")
+                higher_is_better(key)  # a metric with a direction: a ConfigError names the key otherwise
 
 
 def build_eval_metrics(spec: MetricsConfig, device: torch.device) -> MetricCollection:

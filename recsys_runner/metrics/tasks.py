@@ -19,6 +19,7 @@ from recsys_runner.errors import ConfigError
 from recsys_runner.metrics.registry import (
     METRICS,
     NAME_PATTERNS,
+    SELECTION_KEY,
     MetricsConfig,
     build_eval_metrics,
     build_train_metrics,
@@ -90,10 +91,11 @@ def eval_key(task: Task, name: str) -> str:
 def eval_metric_keys(spec: MetricsConfig, tasks: tuple[Task, ...]) -> list[str]:
     """Exactly the keys :meth:`TaskEvalMetrics.compute` returns for ``tasks`` and ``spec``, in its order.
 
+    With ``metrics.selection`` the weighted sum ``eval/selection`` comes last (the Evaluator adds it).
     Known before training, so keys that name an eval metric (``train.objective``,
     ``checkpoint.best_metric``, ``train.early_stopping.metric``) are checked before the first step.
     """
-    return [eval_key(task, name) for task in tasks for name in _task_spec(spec, task).eval]
+    return [eval_key(task, name) for task in tasks for name in _task_spec(spec, task).eval] + ([SELECTION_KEY] if spec.selection else [])
 
 
 class TaskEvalMetrics:

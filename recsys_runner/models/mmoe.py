@@ -23,7 +23,6 @@ from recsys_runner.errors import require
 from recsys_runner.features import FeatureSpec, check_embedding_dim
 from recsys_runner.models.common import SparseArch, check_layer_sizes
 from recsys_runner.models.multitask import Experts, Gate, MultiTaskConfig, Tower
-from recsys_runner.tasks import resolve_tasks
 
 
 @dataclass(kw_only=True)
@@ -70,6 +69,9 @@ class MMoE(nn.Module):
         model(batch.dense_features, batch.sparse_features)   # {"ctr": [8], "cvr": [8]}
     """
 
+    shared_module: ClassVar[str] = "experts"
+    """The representation every task reads (``[B, E, H]``, the experts' outputs): Pareto weighting takes each task's
+    gradient with respect to it (``train.loss_weighting``)."""
     same_embedding_width: ClassVar[str | None] = None
     """None: the experts and gates read the concatenated embeddings, so each feature may have its own width."""
 
@@ -77,7 +79,7 @@ class MMoE(nn.Module):
         super().__init__()
         num_experts, expert_layer_sizes = config.num_experts, config.expert_layer_sizes
         names = list(config.tasks)  # the tasks' names, in output order
-        self.tasks = resolve_tasks(features, names, config.loss_weights, config.task_kinds)
+        self.tasks = config.resolve_tasks(features)
         self.sparse_arch = SparseArch(features, config.embedding_dim, type(self))
         in_features = self.sparse_arch.output_dim + features.num_dense
         self.experts = Experts(in_features, num_experts, list(expert_layer_sizes), device=dense_device)

@@ -9,15 +9,26 @@ Shape legend: ``B`` batch, ``I`` input width, ``E`` experts, ``H`` expert output
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 from torch import nn
 
 from recsys_runner.errors import require
-from recsys_runner.features import DataNeeds
+from recsys_runner.features import DataNeeds, FeatureSpec
 from recsys_runner.models.common import MLP, ModelConfig
-from recsys_runner.tasks import LABEL_TASK_KINDS, BinaryTask
+from recsys_runner.tasks import (
+    LABEL_TASK_KINDS,
+    TASK_KINDS,
+    BinaryTask,
+    Task,
+    TaskSpec,
+    check_task_specs,
+    resolve_tasks,
+    task_labels,
+)
 
 __all__ = ["MultiTaskConfig", "Experts", "Gate", "Tower"]
 
@@ -31,7 +42,11 @@ class MultiTaskConfig(ModelConfig):
     loss_weights: list[float] | None = None
     """Weight of each task's loss in the sum (one per task); ``null``: all 1."""
     task_kinds: list[str] | None = None
-    """``binary`` (BCE, metrics ``metrics.eval``) or ``regression`` (MSE, metrics mse/mae) per task; ``null``: all binary."""
+    """``binary`` (BCE, metrics ``metrics.eval``), ``regression`` (MSE, metrics mse/mae) or ``huber`` per task; ``null``: all binary."""
+    task_specs: dict[str, Any] = field(default_factory=dict)
+    """Per task, what the lists above do not say (docs/multitask.md): its data ``label`` column, ``kind``, ``weight``,
+    ``huber_delta``, ``eval_metrics``/``train_metrics``, a ``sample_weight`` column and ``only_where_positive`` (a mask:
+    the loss only on rows where another task is positive), e.g. ``+model.task_specs.cvr.only_where_positive=ctr``."""
 
     def __post_init__(self) -> None:
         require(len(self.tasks) > 0 and len(set(self.tasks)) == len(self.tasks),
@@ -48,10 +63,36 @@ class MultiTaskConfig(ModelConfig):
                     f"{len(self.tasks)}. Fix: one kind per task, or model.task_kinds=null")
             wrong = [k for k in self.task_kinds if k not in LABEL_TASK_KINDS]
             require(not wrong, f"model.task_kinds has {wrong}; each must be one of {list(LABEL_TASK_KINDS)}")
+        self.task_specs = {name: _task_spec(name, spec) for name, spec in self.task_specs.items()}
+        check_task_specs(self.tasks, self.task_specs, self.task_kinds, self.loss_weights)
+
+    def resolve_tasks(self, features: FeatureSpec) -> tuple[Task, ...]:
+        """The model's tasks bound to the data's columns (:func:`recsys_runner.tasks.resolve_tasks` of these fields):
+        what a multi-task model sets as its ``tasks`` attribute, ``self.tasks = config.resolve_tasks(features)``."""
+        return resolve_tasks(features, list(self.tasks), self.loss_weights, self.task_kinds, self.task_specs)
 
     def data_needs(self) -> DataNeeds:
-        """A label per task, of the task's kind: generated data (``data=synthetic``) draws them."""
-        return DataNeeds(labels=tuple(self.tasks), label_kinds=tuple(self.task_kinds or [BinaryTask.kind] * len(self.tasks)))
+        """A label per task (its ``label`` column), of the task's label kind, and each sample-weight column (a positive
+        amount): generated data (``data=synthetic``) draws them."""
+        kinds = [TASK_KINDS[k].label_kind for k in (self.task_kinds or [BinaryTask.kind] * len(self.tasks))]
+        by_column = {}
+        for name, kind in zip(self.tasks, kinds, strict=True):
+            spec = _task_spec(name, self.task_specs[name]) if name in self.task_specs else None
+            by_column[(spec.label if spec else None) or name] = TASK_KINDS[spec.kind].label_kind if spec and spec.kind else kind
+        labels = task_labels(self.tasks, self.task_specs)
+        return DataNeeds(labels=tuple(labels), label_kinds=tuple(by_column.get(c, "regression") for c in labels))
+
+
+def _task_spec(name: str, spec: Any) -> TaskSpec:
+    """``model.task_specs.<name>`` as a :class:`TaskSpec` (a mapping from YAML or an override); a typo names the key."""
+    if isinstance(spec, TaskSpec):
+        return spec
+    known = [f.name for f in fields(TaskSpec)]
+    require(isinstance(spec, Mapping), f"model.task_specs.{name} must be a mapping of {known}, got {spec!r}")
+    unknown = sorted(set(spec) - set(known))
+    require(not unknown, f"model.task_specs.{name} has unknown key(s) {unknown}; valid: {known}")
+    values: dict[str, Any] = {str(k): list(v) if isinstance(v, Sequence) and not isinstance(v, str) else v for k, v in spec.items()}
+    return TaskSpec(**values)
 
 
 class Experts(nn.Module):

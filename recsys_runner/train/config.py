@@ -11,6 +11,7 @@ from recsys_runner.train.ema import EmaConfig
 from recsys_runner.train.profiling import ProfileConfig
 from recsys_runner.train.stepping import ClipConfig
 from recsys_runner.train.stopping import EarlyStoppingConfig
+from recsys_runner.train.weighting import LossWeightingConfig
 
 
 @dataclass(kw_only=True)
@@ -42,6 +43,9 @@ class TrainConfig:
     """Moving average of the dense weights (``train.ema.decay=0.999``)."""
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
     """Stop when an eval metric stops improving (``train.early_stopping.patience=3``)."""
+    loss_weighting: LossWeightingConfig = field(default_factory=LossWeightingConfig)
+    """How a multi-task model's task losses are combined: ``fixed``, ``uncertainty`` or ``pareto``
+    (``train.loss_weighting.kind=pareto``; docs/multitask.md)."""
     nan_guard: bool = True
     """Stop with a clear error when the train loss is NaN/inf (checked at log steps and before each
     checkpoint, so a non-finite state is never saved)."""
@@ -57,6 +61,14 @@ class TrainConfig:
     """With several ranks, how often (in steps) they agree on a pending stop signal. Agreeing is an
     all-reduce plus a host sync, so it is not done every step; a signal is honoured within this many
     steps. A single process checks every step for free."""
+    summary_every_steps: int | None = None
+    """Every this many steps, log training summaries (:mod:`recsys_runner.train.summaries`): the global gradient norm of
+    the dense parameters and of the looked-up embeddings (``grad_norm/dense``, ``grad_norm/sparse``), each embedding
+    table's row-norm mean/max/min and every optimizer group's lr; ``null`` or 0: off (the default). Each summary reads
+    every table once; every 100 steps costs well under 3 % (docs/performance.md)."""
+    summary_histograms: bool = False
+    """On summary steps also log histograms of every dense parameter and its gradient (MLflow: a JSON artifact per
+    step; TensorBoard with ``tracking.tensorboard=true``). Needs ``train.summary_every_steps``."""
     progress: str = "auto"
     """How rank 0 shows progress: ``auto`` draws one live bar (step/total, steps/s, ETA, loss, samples/s,
     the latest eval metrics) when stdout and stderr are a terminal, else logs a ``step N/M ...`` line every
@@ -90,6 +102,12 @@ class TrainConfig:
                 f"train.objective={self.objective!r} must be an eval metric key, e.g. eval/auc or eval/ctr/auc")
         require(self.progress in PROGRESS_MODES, f"train.progress={self.progress!r} must be one of {PROGRESS_MODES}")
         require(self.stop_check_every_steps > 0, f"train.stop_check_every_steps must be positive, got {self.stop_check_every_steps}")
+        require(self.summary_every_steps is None or self.summary_every_steps >= 0,
+                f"train.summary_every_steps must be positive, or 0/null for off, got {self.summary_every_steps}. "
+                f"Fix: e.g. train.summary_every_steps=100")
+        require(not self.summary_histograms or bool(self.summary_every_steps),
+                "train.summary_histograms=true has no effect without summaries. Fix: set train.summary_every_steps "
+                "(e.g. 100), or drop train.summary_histograms")
         require(self.grad_accum_steps > 0, f"train.grad_accum_steps must be positive, got {self.grad_accum_steps}")
         require(
             self.early_stopping.patience is None or self.eval_every_steps is not None or self.eval_every_epochs is not None,

@@ -17,7 +17,7 @@ from torch import nn
 
 from recsys_runner.data.base import DataModule
 from recsys_runner.distributed.env import DistEnv
-from recsys_runner.metrics.registry import MetricsConfig, improved
+from recsys_runner.metrics.registry import SELECTION_KEY, MetricsConfig, improved, selection_score
 from recsys_runner.metrics.tasks import TaskEvalMetrics, eval_metric_keys, grouping_ids
 from recsys_runner.progress import Progress
 from recsys_runner.tasks import Task
@@ -81,6 +81,8 @@ class Evaluator:
                         self.data.eval_batches(self.env.rank, self.env.world_size), self.max_batches))
             model.train()
         out = metrics.compute() | corpus
+        if self.metrics.selection:
+            out[SELECTION_KEY] = selection_score(self.metrics.selection, out)
         return {k: out[k] for k in eval_metric_keys(self.metrics, self.tasks)}
 
 

@@ -38,6 +38,7 @@ from recsys_runner.train.profiling import StepProfiler
 from recsys_runner.train.signals import Interrupted, StopSignals
 from recsys_runner.train.stepping import Stepper
 from recsys_runner.train.stopping import EarlyStopping
+from recsys_runner.train.summaries import Summaries
 from recsys_runner.train.throughput import Throughput
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class Loop:
         steps_per_epoch: optimizer steps per epoch when the data's size is known up front.
         state: where training starts (step, epoch, position in it), restored from a checkpoint or new.
         best: the best eval of the watched metric so far, reported beside the last.
+        summaries: gradient norms, embedding row norms, lrs, histograms every ``train.summary_every_steps`` (or nothing).
     """
 
     config: TrainConfig
@@ -74,6 +76,7 @@ class Loop:
     steps_per_epoch: int | None
     state: TrainState
     best: BestEval
+    summaries: Summaries
 
 
 def train(loop: Loop) -> dict[str, float]:
@@ -101,10 +104,11 @@ def train(loop: Loop) -> dict[str, float]:
                 progress.update(1)
                 if profiler is not None:
                     profiler.step()
+                loop.summaries.after_step(state.step)
                 if state.step % cfg.log_every_steps == 0 or state.step == loop.total_steps:
                     logged = meter.flush(state.step)
                     loop.checkpointer.loss_logged(state.step, logged["train/loss"])
-                    _log(loop, logged | loop.stepper.learning_rates() | loop.stepper.train_metrics.compute() | _data_metrics(loop)
+                    _log(loop, logged | loop.stepper.learning_rates() | loop.stepper.task_losses() | loop.stepper.train_metrics.compute() | _data_metrics(loop)
                          | {"train/epoch": state.epoch}, state.step, progress)
                 if _eval_due(loop, state):
                     evaluated = _evaluate_and_select(loop, state, meter, progress)

@@ -45,6 +45,7 @@ from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from recsys_runner.errors import require
 from recsys_runner.metrics.tasks import TaskTrainMetrics
+from recsys_runner.models.common import TaskWeighting
 from recsys_runner.optim.optimizers import GroupedOptimizer
 from recsys_runner.optim.schedulers import ScheduledLR
 from recsys_runner.train.ema import DenseEMA
@@ -300,6 +301,8 @@ class Stepper:
     optimizer: GroupedOptimizer
     train_metrics: TaskTrainMetrics
     accumulation_steps: int = 1
+    weighting: TaskWeighting | None = None
+    """A multi-task model's loss weighting, whose per-task losses and weights are logged (:meth:`task_losses`)."""
 
     def __post_init__(self) -> None:
         self._pushed_sparse_lrs: list[float] | None = None
@@ -332,11 +335,23 @@ class Stepper:
             sparse.step()
             self._pushed_sparse_lrs = lrs
 
+    def task_losses(self) -> dict[str, float]:
+        """``train/loss/<task>`` (mean over the steps since the last call) and ``train/weight/<task>``; empty for one task."""
+        return self.weighting.logged() if self.weighting is not None else {}
+
     def learning_rates(self) -> dict[str, float]:
         """The current lr of each optimizer group, as logged (:func:`learning_rates`)."""
         return learning_rates(self.optimizer)
 
 
 def learning_rates(optimizer: GroupedOptimizer) -> dict[str, float]:
-    """Current lr of each optimizer group (``lr/sparse``, ``lr/dense``, ``lr/part.<name>``) from its first param group."""
-    return {f"lr/{group.key}": float(opt.param_groups[0]["lr"]) for group, opt in optimizer.groups if opt.param_groups}
+    """Current lr of each optimizer group (``lr/sparse``, ``lr/dense``, ``lr/part.<name>``); when the parameter groups
+    of one optimizer differ in lr, each of them (``lr/<group>/<i>``)."""
+    lrs: dict[str, float] = {}
+    for group, opt in optimizer.groups:
+        values = [float(g["lr"]) for g in opt.param_groups]
+        if len(set(values)) == 1:
+            lrs[f"lr/{group.key}"] = values[0]
+        else:
+            lrs |= {f"lr/{group.key}/{i}": v for i, v in enumerate(values)}
+    return lrs

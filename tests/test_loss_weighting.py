@@ -1,0 +1,269 @@
+"""Multi-task training: task definitions (label, kind, mask, sample weight), loss weighting (fixed, uncertainty,
+Pareto) with its MLflow keys and checkpoint state, selection by a weighted sum of task metrics, and their errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from omegaconf import DictConfig
+from torch import nn
+from torchrec.datasets.utils import Batch
+
+from recsys_runner.__main__ import run
+from recsys_runner.build import build
+from recsys_runner.config import validate
+from recsys_runner.errors import ConfigError
+from recsys_runner.models.common import TrainWrapper
+from recsys_runner.tasks import BinaryTask, HuberTask, Task
+from recsys_runner.train.loop import train
+from recsys_runner.train.signals import Interrupted
+from recsys_runner.train.weighting import LossWeightingConfig, ParetoWeighting, UncertaintyWeighting, min_norm_weights
+from tests.conftest import TINY, torchrun
+
+MULTITASK = ["model=mmoe", "data=synthetic_multitask", "model.num_experts=2", "model.expert_layer_sizes=[16]",
+             "model.tower_layer_sizes=[8]", "model.embedding_dim=8"]
+
+
+def train_run(cfg: DictConfig, tracked: bool = True) -> tuple[dict[str, float], nn.Module]:
+    """Train as the CLI does (an MLflow run when ``tracked``); the final eval metrics and the TrainWrapper's weighting."""
+    c = build(validate(cfg))
+    try:
+        if tracked:
+            c.loop.tracker.start(run_name="test", tags={}, params={})
+        final = train(c.loop)
+        if tracked:
+            c.loop.tracker.finish("FINISHED")
+        weighting = c.loop.stepper.weighting
+        assert weighting is not None
+        return final, weighting
+    finally:
+        c.close()
+
+
+def history(uri: str, experiment: str, key: str) -> dict[int, float]:
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(experiment)
+    assert exp is not None
+    (mlrun,) = client.search_runs([exp.experiment_id])
+    return {m.step: m.value for m in client.get_metric_history(mlrun.info.run_id, key)}
+
+
+# -- the min-norm solver ------------------------------------------------------------------------------------------------
+def test_min_norm_weights_match_the_closed_form_and_a_grid() -> None:
+    g = torch.tensor([[1.0, 0.0], [0.2, 0.5]])
+    gram = g @ g.t()
+    alpha = min_norm_weights(gram, torch.zeros(2))
+    a = float(((g[1] - g[0]) @ g[1]) / ((g[0] - g[1]) @ (g[0] - g[1])))  # Sener & Koltun's two-task closed form
+    assert alpha.tolist() == pytest.approx([a, 1 - a], abs=1e-5)
+    floored = min_norm_weights(gram, torch.tensor([0.45, 0.0]))
+    assert floored.tolist() == pytest.approx([0.45, 0.55], abs=1e-5)  # the optimum (a < 0.45) moved onto the floor
+    g3 = torch.tensor([[1.0, 0.1, 0.0], [-0.3, 1.0, 0.2], [0.1, -0.4, 0.8]])
+    gram3 = g3 @ g3.t()
+    floors = torch.tensor([0.1, 0.05, 0.0])
+    solved = min_norm_weights(gram3, floors, iterations=200)
+    grid = torch.stack(torch.meshgrid(torch.linspace(0, 1, 201), torch.linspace(0, 1, 201), indexing="ij"), -1).reshape(-1, 2)
+    grid = grid[grid.sum(1) <= 1]
+    u = torch.cat([grid, 1 - grid.sum(1, keepdim=True)], 1)
+    candidates = floors + (1 - floors.sum()) * u
+    best = ((candidates @ gram3) * candidates).sum(1).min()
+    assert float(solved @ gram3 @ solved) <= float(best) + 1e-4
+    assert bool((solved >= floors - 1e-6).all()) and float(solved.sum()) == pytest.approx(1.0)
+
+
+# -- task definitions -----------------------------------------------------------------------------------------------------
+class _Heads(nn.Module):
+    def __init__(self, tasks: tuple[Task, ...], out: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.tasks, self.out = tasks, out
+
+    def forward(self, dense: torch.Tensor, sparse: object) -> dict[str, torch.Tensor]:
+        return self.out
+
+
+def test_mask_sample_weight_and_huber_losses() -> None:
+    ctr, cvr, amount = torch.tensor([0.0, 1.0, -1.0]), torch.tensor([0.5, -0.5, 2.0]), torch.tensor([0.0, 3.0, 1.0])
+    labels = torch.tensor([[1.0, 1.0, 0.5, 2.0], [0.0, 0.0, 0.0, 1.0], [1.0, 0.0, 4.0, 0.0]])  # ctr, cvr, amount, row weight
+    tasks = (BinaryTask("ctr", column=0, weight_column=3), BinaryTask("cvr", column=1, mask_column=0),
+             HuberTask("amount", column=2, delta=1.0))
+    wrapper = TrainWrapper(_Heads(tasks, {"ctr": ctr, "cvr": cvr, "amount": amount}))
+    loss, _ = wrapper(Batch(dense_features=torch.zeros(3, 1), sparse_features=None, labels=labels))  # type: ignore[arg-type]
+    bce = torch.nn.functional.binary_cross_entropy_with_logits
+    ctr_rows = bce(ctr, labels[:, 0], reduction="none")
+    ctr_loss = (ctr_rows * labels[:, 3]).sum() / labels[:, 3].sum()
+    cvr_loss = bce(cvr[[0, 2]], labels[[0, 2], 1])  # clicked rows only
+    huber = torch.tensor([0.5 * 0.25, 3.0 - 0.5, 3.0 - 0.5]).mean()  # |d| = 0.5, 3, 3
+    assert float(loss) == pytest.approx(float(ctr_loss + cvr_loss + huber), rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["+model.task_specs.cvr.only_where_positive=click"],
+         r"model.task_specs.cvr.only_where_positive='click' must name another task of model.tasks=\['ctr', 'cvr'\]"),
+        (["+model.task_specs.ltv.weight=1.0"], r"model.task_specs names \['ltv'\], which are not tasks"),
+        (["model.loss_weights=[1.0,-0.5]"], r"model.loss_weights=\[1.0, -0.5\] must be >= 0 and not all 0"),
+        (["+model.task_specs.cvr.weight=-0.5"], r"task weights must be >= 0 .* got cvr=-0.5"),
+        (["model.loss_weights=[0.0,0.0]"], r"model.loss_weights=\[0.0, 0.0\] must be >= 0 and not all 0"),
+        (["+model.task_specs.ctr.weight=0", "+model.task_specs.cvr.weight=0"], r"task weights are all 0"),
+        (["+model.task_specs.cvr.label=buy"], r"model.task_specs.cvr.label='buy' is not a label column of the data; its label columns: \['ctr', 'cvr'\]"),
+        (["+model.task_specs.ctr.sample_weight=w"], r"model.task_specs.ctr.sample_weight='w' is not a column of the data"),
+        (["+model.task_specs.cvr.kind=ordinal"], r"model.task_specs.cvr.kind has \['ordinal'\]"),
+        (["train.loss_weighting.kind=pareto", "train.loss_weighting.min_weight=0.6"],
+         r"train.loss_weighting.min_weight\(s\) ctr=0.6, cvr=0.6 above 1/num_tasks=0.5"),
+        (["train.loss_weighting.kind=pareto", "+train.loss_weighting.min_weights.ltv=0.1"],
+         r"train.loss_weighting.min_weights names \['ltv'\], which are not tasks"),
+        (["train.loss_weighting.kind=pareto", "model.loss_weights=[1.0,2.0]"], r"kind=pareto chooses the task weights itself"),
+        (["train.loss_weighting.kind=magic"], r"train.loss_weighting.kind='magic' must be one of \['fixed', 'uncertainty', 'pareto'\]"),
+        (["+metrics.selection={eval/ctr/auc: 0.5, eval/ltv/auc: 0.5}"],
+         r"metrics.selection names 'eval/ltv/auc', which this run does not log \(its tasks: \['ctr', 'cvr'\]\)"),
+        (["+metrics.selection={eval/ctr/auc: -1.0}"], r"metrics.selection weights must be >= 0"),
+    ],
+)
+def test_bad_multitask_configs_name_the_key_before_step_one(make_cfg, overrides: list[str], message: str) -> None:
+    cfg = make_cfg(*MULTITASK, *overrides, "tracking=none")
+    with pytest.raises(ConfigError, match=message):
+        build(validate(cfg)).close()
+
+
+def test_pareto_needs_a_declared_shared_representation(make_cfg) -> None:
+    cfg = make_cfg("model=deepfm", "data=synthetic", "train.loss_weighting.kind=uncertainty", "tracking=none")
+    with pytest.raises(ConfigError, match=r"weights the losses of several tasks, but DeepFM has one"):
+        build(validate(cfg)).close()
+    tasks = (BinaryTask("a", column=0), BinaryTask("b", column=1))
+    weighting = LossWeightingConfig(kind="pareto").build(tasks)
+    with pytest.raises(ConfigError, match=r"_Heads declares none \(a class attribute shared_module"):
+        TrainWrapper(_Heads(tasks, {}), weighting=weighting)
+
+
+# -- weighting in training: logged, learned, checkpointed -----------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["uncertainty", "pareto"])
+def test_weighting_trains_and_logs_each_task_weight_and_loss(make_cfg, mlflow_uri: str, kind: str) -> None:
+    cfg = make_cfg(*MULTITASK, f"train.loss_weighting.kind={kind}", "data.conversion_bias=-3")
+    final, weighting = train_run(cfg)
+    assert final["eval/ctr/auc"] > 0.55 and final["eval/cvr/auc"] > 0.55, final
+    for task in ("ctr", "cvr"):
+        losses = history(mlflow_uri, cfg.tracking.experiment, f"train/loss/{task}")
+        weights = history(mlflow_uri, cfg.tracking.experiment, f"train/weight/{task}")
+        assert sorted(losses) == sorted(weights) == [10, 20, 30] and all(v > 0 for v in losses.values())
+    w = history(mlflow_uri, cfg.tracking.experiment, "train/weight/cvr")[30]
+    if kind == "uncertainty":
+        assert isinstance(weighting, UncertaintyWeighting)
+        assert float(weighting.log_variance.detach()[0]) != 0.0  # trained by the dense optimizer
+        assert w == pytest.approx(float(torch.exp(-weighting.log_variance.detach()[1])), rel=1e-5)
+    else:
+        assert isinstance(weighting, ParetoWeighting) and weighting.count == 30
+        assert w > 1.0, "the rare task (smaller loss and gradient) gets the larger share"
+        assert w == pytest.approx(2 * float(weighting.alpha[1]), rel=1e-5)
+
+
+def test_pareto_with_accumulation_and_bf16_solves_once_per_optimizer_step(make_cfg) -> None:
+    cfg = make_cfg(*MULTITASK, "train.loss_weighting.kind=pareto", "train.grad_accum_steps=2", "precision=bf16",
+                   "train.num_steps=6", "data.conversion_bias=-3", "tracking=none", "checkpoint=none")
+    c = build(validate(cfg))
+    try:
+        weighting = c.loop.stepper.weighting
+        assert isinstance(weighting, ParetoWeighting) and weighting.every_n_steps == 2  # forwards between solves
+        solves = []
+        solve = weighting._solve
+        weighting._solve = lambda *args: (solves.append(weighting.count), solve(*args))[1]  # type: ignore[method-assign]
+        final = train(c.loop)
+    finally:
+        c.close()
+    assert solves == [0, 2, 4, 6, 8, 10], "a solve at each optimizer step's first micro-batch"
+    assert torch.isfinite(weighting.task_weights).all() and float(weighting.task_weights[1]) > 1.0
+    assert all(v == v for v in final.values())
+
+
+@pytest.mark.parametrize("kind", ["uncertainty", "pareto"])
+def test_resume_keeps_the_weighting_state(make_cfg, mlflow_uri: str, tmp_path: Path, kind: str) -> None:
+    common = [*MULTITASK, f"train.loss_weighting.kind={kind}", "train.loss_weighting.every_n_steps=3", "train.num_steps=12",
+              "train.log_every_steps=1", "optim/dense=adam", "optim.dense.lr=0.003"]
+    straight = make_cfg(*common, f"checkpoint.dir={tmp_path}/a", f"tracking.experiment=straight_{kind}")
+    run(straight)
+    sliced = make_cfg(*common, f"checkpoint.dir={tmp_path}/b", f"tracking.experiment=sliced_{kind}", "train.stop_after_steps=7")
+    with pytest.raises(Interrupted, match="after step 7"):
+        run(sliced)
+    run(sliced)  # resumes at 7: the Pareto solves stay on steps 1, 4, 7, 10 only if the counter was restored
+    for key in ("train/weight/ctr", "train/weight/cvr", "train/loss/cvr"):
+        a, b = history(mlflow_uri, f"straight_{kind}", key), history(mlflow_uri, f"sliced_{kind}", key)
+        assert sorted(b) == list(range(1, 13))
+        for step in range(1, 13):
+            assert b[step] == pytest.approx(a[step], rel=1e-4, abs=1e-6), f"{key} step {step}: {b[step]} vs {a[step]}"
+
+
+@pytest.mark.slow
+def test_weightings_train_on_two_ranks(tmp_path: Path) -> None:
+    """2-rank gloo runs: the Pareto Gram matrix and uncertainty's first losses are all-reduced inside the forward."""
+    for kind in ("pareto", "uncertainty"):
+        out = torchrun(*MULTITASK, *TINY, "train.num_steps=6", f"train.loss_weighting.kind={kind}", "tracking=none", "checkpoint=none",
+                       f"hydra.run.dir={tmp_path}/{kind}", cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert "eval/ctr/auc=" in out.stdout + out.stderr
+
+
+def test_selection_by_a_weighted_sum_of_task_metrics(make_cfg, mlflow_uri: str, tmp_path: Path) -> None:
+    cfg = make_cfg(*MULTITASK, "+metrics.selection={eval/ctr/auc: 0.5, eval/cvr/logloss: 1.0}", "checkpoint.best_metric=eval/selection",
+                   "train.early_stopping.metric=eval/selection", "train.early_stopping.patience=5", "train.objective=eval/selection",
+                   "train.eval_every_steps=10", "train.eval_max_batches=4", f"checkpoint.dir={tmp_path}")
+    final, _ = train_run(cfg)
+    assert final["eval/selection"] == pytest.approx(0.5 * final["eval/ctr/auc"] - final["eval/cvr/logloss"])
+    logged = history(mlflow_uri, cfg.tracking.experiment, "eval/selection")
+    assert sorted(logged) == [10, 20, 30]
+    best = history(mlflow_uri, cfg.tracking.experiment, "best/eval/selection")
+    assert max(best.values()) == pytest.approx(max(logged.values()))  # higher is better: logloss entered negated
+
+
+# -- the seesaw: equal fixed weights lose the click; uncertainty and Pareto keep both tasks ------------------------------
+SEESAW = ["model=mmoe", "data=synthetic", "data.tasks=[ctr,gmv]", "data.label_kinds={gmv: regression}", "data.conversion_amount=10",
+          "data.conversion_bias=-1", "data.conversion_conflict=0.5", "model.tasks=[ctr,gmv]", "model.task_kinds=[binary,regression]",
+          "+model.task_specs.gmv.eval_metrics=[auc,mse]", "optim=adagrad", "optim.lr=0.1", "data.batch_size=512",
+          "data.num_embeddings=1000", "data.num_train_rows=1048576", "data.num_eval_rows=131072", "train.num_steps=400",
+          "train.log_every_steps=100", "checkpoint=none", "tracking=none"]
+"""A click and a purchase amount (``gmv``: 10·(1 + softplus) on the ~11 % of rows that convert, else 0): the amount's MSE
+(~45) dwarfs the click's log loss (~0.6), so with equal fixed weights the amount's gradients run the shared experts and
+embeddings and the click's AUC falls; the amount's ``auc`` ranks the converting rows (docs/multitask.md)."""
+WEIGHTINGS = {"fixed": [], "uncertainty": ["train.loss_weighting.kind=uncertainty"],
+              "pareto": ["train.loss_weighting.kind=pareto", "train.loss_weighting.normalization=l2"]}
+"""Uncertainty as configured by default (log-variances from the first losses); Pareto on unit-norm task gradients
+(without normalization it gives the click, the smaller gradient, nearly all the weight)."""
+TOLERANCE = 0.01
+
+
+def _aucs(make_cfg, *overrides: str) -> dict[str, float]:
+    c = build(validate(make_cfg(*SEESAW, *overrides, tiny=False)))
+    try:
+        final = train(c.loop)
+    finally:
+        c.close()
+    return {t: final[f"eval/{t}/auc"] for t in ("ctr", "gmv")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1])
+def test_seesaw_uncertainty_and_pareto_keep_both_tasks_near_their_single_task_best(make_cfg, seed: int) -> None:
+    seeds = [f"seed={seed}", f"data.seed={seed}"]
+    best = {"ctr": _aucs(make_cfg, *seeds, "model.loss_weights=[1.0,0.0]")["ctr"],
+            "gmv": _aucs(make_cfg, *seeds, "model.loss_weights=[0.0,1.0]")["gmv"]}
+    gaps = {}
+    for kind, overrides in WEIGHTINGS.items():
+        aucs = _aucs(make_cfg, *seeds, *overrides)
+        gaps[kind] = {t: round(best[t] - aucs[t], 4) for t in best}
+    print(f"seed {seed}: single-task best {best}; AUC below it: {gaps}")
+    assert max(gaps["fixed"].values()) > TOLERANCE, f"fixed equal weights should lose a task by more than {TOLERANCE}: {gaps}"
+    for kind in ("uncertainty", "pareto"):
+        assert max(gaps[kind].values()) <= TOLERANCE, f"{kind} should keep both tasks within {TOLERANCE} AUC: {gaps}"
+
+
+def test_a_reader_of_weights_ignores_the_loss_weighting_state(tmp_path: Path) -> None:
+    """export builds the model without the TrainWrapper: the checkpoint's ``model/weighting.*`` is not another model's."""
+    from recsys_runner.checkpoint.weights import _refuse_mismatch
+    from recsys_runner.errors import CheckpointError
+
+    wanted = {"model/model.tower.weight": torch.zeros(2, 3)}
+    _refuse_mismatch(tmp_path, {"model/model.tower.weight": [2, 3], "model/weighting.log_variance": [2],
+                                "model/weighting.alpha": [2]}, wanted)
+    with pytest.raises(CheckpointError, match=r"has \['model/model.other.weight'\] this model does not"):
+        _refuse_mismatch(tmp_path, {"model/model.tower.weight": [2, 3], "model/model.other.weight": [4]}, wanted)
