@@ -57,9 +57,11 @@ def test_criteo_preset_sizes_tables_from_the_file(make_cfg, tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize("preset", sorted(p.stem for p in (Path(CONFIG_PATH) / "experiment").glob("*.yaml")))
-def test_every_preset_composes_and_validates(make_cfg, preset: str) -> None:
-    """Each ``experiment=<preset>`` composes and passes every schema check as shipped (the file presets with a path)."""
-    cfg = make_cfg(f"experiment={preset}", tiny=False)
+@pytest.mark.parametrize("tracking", ["mlflow", "none"])
+def test_every_preset_composes_and_validates(make_cfg, preset: str, tracking: str) -> None:
+    """Each ``experiment=<preset>`` composes and passes every schema check as shipped (the file presets with a path),
+    also with tracking off: a preset names its MLflow experiment, which ``tracking=none`` ignores."""
+    cfg = make_cfg(f"experiment={preset}", f"tracking={tracking}", tiny=False)
     if "tabular" in str(cfg.data._target_):  # a preset for your own files: any path validates
-        cfg = make_cfg(f"experiment={preset}", "data.path=train.parquet", tiny=False)
+        cfg = make_cfg(f"experiment={preset}", f"tracking={tracking}", "data.path=train.parquet", tiny=False)
     assert isinstance(validate(cfg), RunConfig)

@@ -76,6 +76,9 @@ class Histogram:
 class TrackingConfig(Configurable):
     """Base of the ``tracking`` group's schemas: each builds a :class:`Tracker` (on rank 0; other ranks use :class:`NullTracker`)."""
 
+    experiment: str = "recsys_runner"
+    """The experiment the run belongs to: MLflow files the run under it (created when missing); a tracker that tracks
+    nothing ignores it, so a preset that names its experiment still runs with ``tracking=none``."""
     tensorboard: bool = False
     """Also write every logged metric (and ``train.summary_histograms``' histograms) to TensorBoard event files under
     ``<run dir>/tensorboard`` (``./tensorboard`` from Python), rank 0 only: ``tensorboard --logdir <run dir>`` shows them."""
@@ -93,8 +96,6 @@ class MlflowTrackingConfig(TrackingConfig):
     _target_: str = "recsys_runner.tracking.tracker.MlflowTracker"
     uri: str | None = None
     """Tracking URI; ``null`` means ``$MLFLOW_TRACKING_URI`` or ``sqlite:///mlflow.db`` in the launch dir."""
-    experiment: str = "recsys_runner"
-    """MLflow experiment the run is filed under (created when missing)."""
     run_name: str | None = None
     """Run name; ``null`` uses the Hydra overrides (e.g. ``model=dlrm,optim.lr=0.1``)."""
     flush_timeout_s: float = 60.0
