@@ -28,6 +28,7 @@ from torchrec.distributed.types import ShardingPlan
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from recsys_runner import stores
+from recsys_runner.checkpoint.config import TrainState
 from recsys_runner.checkpoint.policy import Checkpointer
 from recsys_runner.config import RunConfig, check_eval_keys
 from recsys_runner.data.base import DataModule
@@ -149,7 +150,7 @@ def build(run: RunConfig, *, launch: Launch = Launch(), weights: Path | None = N
             objects={"lr_scheduler": SchedulePosition(lr_scheduler), "policy": policy, "early_stopping": early_stopping,
                      "train_metrics": stepper.train_metrics, "best_eval": best, "loss_weighting": WeightingPosition(wrapped.weighting)},
         )
-        state = checkpointer.restore() if weights is None else checkpointer.load_weights(weights)
+        state = _restore(checkpointer, tracker, weights)
     except BaseException:
         if checkpointer is not None:
             checkpointer.close()
@@ -162,6 +163,17 @@ def build(run: RunConfig, *, launch: Launch = Launch(), weights: Path | None = N
                 early_stopping=early_stopping, tracker=tracker, total_steps=total_steps, steps_per_epoch=steps_per_epoch, state=state,
                 best=best, summaries=summaries)
     return Components(run=run, env=env, distributed=distributed, plan=plan, loop=loop)
+
+
+def _restore(checkpointer: Checkpointer, tracker: Tracker, weights: Path | None) -> TrainState:
+    """Restore training (a resume, a fine-tune) or load ``weights``; a training resumed at step ``n`` purges what an
+    earlier launch logged to the same TensorBoard folder after step ``n`` (:meth:`TensorBoardTracker.purge_from`)."""
+    if weights is not None:
+        return checkpointer.load_weights(weights)
+    state = checkpointer.restore()
+    if state.step > 0 and isinstance(tracker, TensorBoardTracker):
+        tracker.purge_from(state.step + 1)
+    return state
 
 
 def _tracker(run: RunConfig, launch: Launch) -> Tracker:

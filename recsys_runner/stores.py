@@ -23,7 +23,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path, PosixPath
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 import fsspec
 import pyarrow.fs as pafs
@@ -90,7 +90,9 @@ def is_uri(path: str | os.PathLike[str]) -> bool:
 class UriPath(PosixPath):
     """A URI as a :class:`~pathlib.Path`, so the checkpoint policy can join and split names of a store's
     checkpoints as it does of local ones (``root / name``, ``.name``, ``.parent``, ``.with_name``). It is an address
-    only: reads and writes go through a storage (``checkpoint/storage.py``), never through Path's file methods."""
+    only: reads and writes go through a storage (``checkpoint/storage.py``) or this module; Path's file methods
+    (``exists``, ``open``, ``mkdir``, ``glob``…: :data:`_LOCAL_FILE_METHODS`) raise :class:`TypeError` on it rather
+    than silently use a local file named like the URI."""
 
     def __str__(self) -> str:
         return re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*):/(?!/)", r"\1://", super().__str__())
@@ -109,6 +111,27 @@ class UriPath(PosixPath):
 
     def expanduser(self) -> UriPath:
         return self
+
+
+_LOCAL_FILE_METHODS = ("exists", "is_dir", "is_file", "is_symlink", "stat", "lstat", "open", "read_text", "read_bytes", "write_text",
+                       "write_bytes", "mkdir", "rmdir", "touch", "unlink", "rename", "replace", "glob", "rglob", "iterdir", "samefile",
+                       "chmod", "owner", "group", "readlink", "symlink_to", "hardlink_to")
+"""Path's methods that touch the local disk: on a :class:`UriPath` they would read or write a local file named like
+the URI (``s3:/bucket/…``), so each raises :class:`TypeError` instead (:func:`_refuse_local`)."""
+
+
+def _refuse_local(name: str) -> Any:
+    def refuse(self: UriPath, *args: Any, **kwargs: Any) -> NoReturn:
+        raise TypeError(f"UriPath.{name}() on {self}: a UriPath is an address in an object store, and Path.{name} would use the local "
+                        f"disk. Fix (in the code): go through the store: recsys_runner.stores (read_bytes, write_bytes, glob, "
+                        f"list_files, remove, upload) or the checkpoint storage (checkpoint.object_storage.storage_for(path))")
+
+    refuse.__name__ = refuse.__qualname__ = name
+    return refuse
+
+
+for _name in _LOCAL_FILE_METHODS:
+    setattr(UriPath, _name, _refuse_local(_name))
 
 
 def as_path(path: str | os.PathLike[str]) -> Path:

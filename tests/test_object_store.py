@@ -29,11 +29,11 @@ from recsys_runner.checkpoint.lock import DirectoryInUse, ObjectStoreLock
 from recsys_runner.checkpoint.object_storage import DcpObjectStorage
 from recsys_runner.config import register_configs
 from recsys_runner.configurable import make
-from recsys_runner.data.generate import write_criteo_csv, write_criteo_parquet
+from recsys_runner.data.generate import write_criteo_csv, write_criteo_parquet, write_criteo_tsv
 from recsys_runner.data.prefetch import read_ahead
 from recsys_runner.data.sources import Unit
-from recsys_runner.data.tabular import CsvData, ParquetData
-from recsys_runner.data.tabular_config import CsvDataConfig, ParquetDataConfig
+from recsys_runner.data.tabular import CriteoData, CsvData, ParquetData
+from recsys_runner.data.tabular_config import CriteoDataConfig, CsvDataConfig, ParquetDataConfig
 from recsys_runner.errors import CheckpointError, DataError
 from recsys_runner.paths import CONFIG_PATH
 from tests.conftest import REPO
@@ -90,6 +90,25 @@ def test_bucket_data_reads_the_same_batches_as_local_files_per_rank_and_worker(s
     csv_remote = CsvData(make(CsvDataConfig, path="s3://data/csv/a.csv", **csv_args))
     csv_disk = CsvData(make(CsvDataConfig, path=f"{local}/csv/a.csv", **csv_args))
     assert _ids(csv_remote.train_batches(0, 0, 1)) == _ids(csv_disk.train_batches(0, 0, 1))
+
+
+def test_criteo_tsv_from_a_bucket_reads_the_same_batches_and_tables_as_the_local_files(s3_env: MotoServer, tmp_path: Path) -> None:
+    """``data=criteo`` (raw TSV, no header) from a prefix: the tables sized from a sample read through the store, and
+    per rank the same blocks of lines, batches and hash-split eval rows as the same files on disk."""
+    (tmp_path / "tsv").mkdir()
+    for day in range(2):
+        write_criteo_tsv(str(tmp_path / "tsv" / f"day_{day}.tsv"), 700, seed=10 + day)
+    s3_env.put(tmp_path / "tsv", "s3://data/tsv")
+    args = {"batch_size": 40, "eval_fraction": 0.25, "block_rows": 128, "num_workers": 0}
+    remote = CriteoData(make(CriteoDataConfig, path="s3://data/tsv/", **args))  # num_embeddings=null: sized from the files
+    disk = CriteoData(make(CriteoDataConfig, path=f"{tmp_path}/tsv", **args))
+    assert [c.num_embeddings for c in remote.features.sparse] == [c.num_embeddings for c in disk.features.sparse]
+    for rank in range(2):
+        ids = _ids(remote.train_batches(1, rank, 2))
+        assert ids and ids == _ids(disk.train_batches(1, rank, 2))
+        assert _ids(remote.eval_batches(rank, 2)) == _ids(disk.eval_batches(rank, 2))
+    first = next(iter(remote.train_batches(0, 0, 1)))
+    assert torch.equal(first.dense_features, next(iter(disk.train_batches(0, 0, 1))).dense_features)
 
 
 def test_object_store_units_are_read_ahead_while_the_current_one_is_used() -> None:
@@ -159,7 +178,7 @@ def test_reads_retry_then_fail_clearly_when_the_server_stops(s3_env: MotoServer,
 def test_object_store_lock_is_a_conditional_create_taken_over_only_when_abandoned(s3_env: MotoServer) -> None:
     first, second = ObjectStoreLock("s3://data/lock-test"), ObjectStoreLock("s3://data/lock-test")
     first.acquire()
-    with pytest.raises(DirectoryInUse, match=rf"s3:/+data/lock-test is in use by another live run: host .*, pid {os.getpid()}"):
+    with pytest.raises(DirectoryInUse, match=rf"s3://data/lock-test is in use by another live run: host .*, pid {os.getpid()}"):
         second.acquire()
     first.release()
     second.acquire()
@@ -286,6 +305,59 @@ def test_in_process_resume_from_a_bucket_matches_local(s3_env: MotoServer, tmp_p
     storage, root = DcpObjectStorage(), stores.as_path("s3://data/inproc/ck")
     assert [p.name for p in storage.checkpoints(root)] == ["step_00000010", "step_00000012"]  # keep_last=2 in the bucket
     assert len(storage.checkpoints(root, best=True)) == 1  # and the best one apart
+    assert s3_env.fs().cat_file("data/inproc/ck/.finished").startswith(b"training finished")  # the mark, in the bucket
+    assert not (tmp_path / "s3:").exists() and not Path("s3:").exists()  # nothing went to a local path named like the URI
+
+
+def test_uri_path_refuses_local_file_methods_and_hints_keep_the_uri() -> None:
+    from recsys_runner.lifecycle import resume_hint
+    from recsys_runner.runtime import Launch
+
+    path = stores.as_path("s3://bucket/runs/ck")
+    for call in (path.exists, path.is_dir, path.iterdir, path.stat, path.read_bytes, lambda: path.mkdir(parents=True),
+                 lambda: path.glob("*"), lambda: (path / "meta.json").read_text(), lambda: (path / "x").write_text("x"),
+                 lambda: (path / ".lock").unlink(missing_ok=True), lambda: (path / "x").open("rb")):
+        with pytest.raises(TypeError, match=r"on s3://bucket/runs/ck.*object store.*Fix.*recsys_runner.stores"):
+            call()
+    assert str(path / "step_00000002") == "s3://bucket/runs/ck/step_00000002" and path.absolute() == path
+    hint = resume_hint(Launch(overrides=("data=parquet",), output_dir=Path("/tmp/run"), config_name="config"), "s3://bucket/runs/ck/step_00000002")
+    assert "checkpoint.dir=s3://bucket/runs/ck" in hint and "s3:/bucket" not in hint.replace("s3://", ""), hint
+
+
+@pytest.mark.slow
+def test_mlflow_artifacts_go_to_the_bucket_through_a_tracking_server_serving_it(s3: MotoServer, tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/storage.md's server command: ``mlflow server --artifacts-destination s3://…`` with the store's endpoint and
+    credentials in the server's environment; the runner, with none of them, logs its artifacts into the bucket."""
+    from mlflow.tracking import MlflowClient
+
+    from tests.test_tracking import MlflowServer
+
+    server_env = {k: v for k, v in s3.env.items() if k != "AWS_ENDPOINT_URL"} | {"MLFLOW_S3_ENDPOINT_URL": s3.endpoint}
+    server = MlflowServer(tmp_path, artifacts="s3://data/mlflow", env=server_env)
+    for key in (*s3.env, "MLFLOW_S3_ENDPOINT_URL", "AWS_PROFILE"):  # the runner's process: no store settings at all
+        monkeypatch.delenv(key, raising=False)
+    server.start()
+    try:
+        register_configs()
+        overrides = ["data.batch_size=64", "data.num_train_rows=2048", "data.num_eval_rows=512", "data.num_embeddings=100",
+                     "train.num_steps=4", "train.log_every_steps=2", "distributed.device=cpu", "checkpoint=none",
+                     f"tracking.uri={server.uri}", "tracking.experiment=bucket_artifacts"]
+        with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
+            run(compose(config_name="config", overrides=overrides))
+        client = MlflowClient(tracking_uri=server.uri)
+        (found,) = client.search_runs([client.get_experiment_by_name("bucket_artifacts").experiment_id])
+        run_id = found.info.run_id
+        logged = {a.path for a in client.list_artifacts(run_id)}
+        assert {"config.yaml", "manifest.json"} <= logged, logged
+        fs = s3.fs()
+        in_bucket = {key.split(f"/{run_id}/artifacts/", 1)[1]: key for key in fs.find("data/mlflow") if f"/{run_id}/artifacts/" in key}
+        assert logged <= set(in_bucket), (logged, in_bucket)  # every artifact is an object under s3://data/mlflow
+        config = Path(client.download_artifacts(run_id, "config.yaml", str(tmp_path))).read_text()
+        assert fs.cat_file(in_bucket["config.yaml"]).decode() == config and "num_steps: 4" in config
+        assert not (tmp_path / "artifacts").exists() and not (tmp_path / "mlartifacts").exists()  # nothing on the server's disk
+    finally:
+        server.stop()
 
 
 @pytest.mark.slow

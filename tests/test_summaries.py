@@ -131,3 +131,32 @@ def test_histogram_counts_every_value() -> None:
 def test_histograms_need_summaries(make_cfg) -> None:
     with pytest.raises(ConfigError, match="train.summary_histograms=true has no effect without summaries"):
         validate(make_cfg("train.summary_histograms=true", "tracking=none"))
+
+
+def test_a_resume_into_the_same_tensorboard_folder_shows_each_step_once(tmp_path: Path, mlflow_uri: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run resumed from the checkpoint of step 4 trains steps 5-12 again into the same ``./tensorboard``: the writer's
+    ``purge_step`` makes TensorBoard drop the first launch's points after step 4, so each step shows once."""
+    from hydra import compose, initialize_config_dir
+
+    from recsys_runner.__main__ import run
+    from recsys_runner.config import register_configs
+    from recsys_runner.paths import CONFIG_PATH
+
+    monkeypatch.chdir(tmp_path)  # from Python the event files go to ./tensorboard: both launches write there
+    register_configs()
+    base = [*TINY, "train.num_steps=12", "train.log_every_steps=1", "tracking.tensorboard=true", f"tracking.uri={mlflow_uri}",
+            "tracking.experiment=tb_resume", f"checkpoint.dir={tmp_path}/ck", "checkpoint.every_steps=4", "checkpoint.keep_last=null"]
+
+    def launch(*extra: str) -> None:
+        with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
+            run(compose(config_name="config", overrides=[*base, *extra]))
+
+    launch()
+    launch(f"checkpoint.resume={tmp_path}/ck/step_00000004")  # steps 5-12 are trained, and logged, again
+    assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 2
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    steps = [e.step for e in events.Scalars("train/loss")]
+    assert steps == list(range(1, 13)), steps  # without the purge: 1..12 then 5..12 again
+    assert [e.step for e in events.Scalars("eval/auc")] == [12]

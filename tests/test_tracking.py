@@ -109,18 +109,22 @@ def test_finish_writes_unsent_metrics_when_server_stays_away(tmp_path: Path, mon
 class MlflowServer:
     """A real ``mlflow server`` on loopback, started and stopped by PID (its own process group)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, artifacts: str | None = None, env: dict[str, str] | None = None) -> None:
         self.root, self.port = root, free_port()
         self.uri = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.artifacts = artifacts or str(root / "artifacts")
+        """``--artifacts-destination``: a local folder, or a bucket (``s3://…``, with its client's variables in ``env``)."""
+        self.env = env or {}
 
     def start(self, timeout_s: float = 90) -> None:
         mlflow = Path(sys.executable).with_name("mlflow")
         cmd = [str(mlflow), "server", "--backend-store-uri", f"sqlite:///{self.root}/server.db",
-               "--artifacts-destination", str(self.root / "artifacts"), "--host", "127.0.0.1", "--port", str(self.port),
+               "--artifacts-destination", self.artifacts, "--host", "127.0.0.1", "--port", str(self.port),
                "--workers", "1"]
         log = open(self.root / "server.log", "ab")
-        self.proc = subprocess.Popen(cmd, cwd=self.root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, cwd=self.root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, **self.env})
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, (self.root / "server.log").read_text()[-2000:]

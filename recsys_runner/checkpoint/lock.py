@@ -137,13 +137,13 @@ class ObjectStoreLock:
         if not self._create():
             holder, etag = self._holder()
             if holder is not None and not _abandoned(holder, self.ttl) and not self._expires_unrenewed(holder, etag):
-                raise DirectoryInUse(Path(self.directory), holder)
+                raise DirectoryInUse(stores.as_path(self.directory), holder)
             if holder is not None:
                 log.info("%s: the previous holder (host %s, PID %s) is gone; taking over", self.uri, holder.get("host"), holder.get("pid"))
                 with contextlib.suppress(OSError):  # someone else took it over first: the create below fails
                     self.fs.call_s3("delete_object", Bucket=self.key.split("/", 1)[0], Key=self.key.split("/", 1)[1], IfMatch=etag)
             if not self._create():
-                raise DirectoryInUse(Path(self.directory), self._holder()[0] or {})
+                raise DirectoryInUse(stores.as_path(self.directory), self._holder()[0] or {})
         self._stop = threading.Event()
         threading.Thread(target=self._renew, args=(self._stop,), name="checkpoint-lock", daemon=True).start()
 

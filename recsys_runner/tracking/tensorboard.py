@@ -4,6 +4,11 @@
 metric as a scalar and each histogram (``train.summary_histograms``) as a histogram, through torch's
 ``SummaryWriter`` (the ``tensorboard`` package's event-file format), into ``<run dir>/tensorboard``, so
 ``tensorboard --logdir <run dir>`` (or ``--logdir outputs`` for many runs) shows the run.
+
+A run resumed from the checkpoint of step ``n`` into the same folder (a requeued job, a fixed ``hydra.run.dir``, a
+run from Python) trains steps ``n+1…`` again: :meth:`TensorBoardTracker.purge_from` opens the writer with
+``purge_step=n+1``, so TensorBoard drops the points the interrupted run logged after its checkpoint and shows each
+step once.
 """
 
 from __future__ import annotations
@@ -26,6 +31,15 @@ class TensorBoardTracker:
     def __init__(self, inner: Tracker, logdir: Path) -> None:
         self.inner, self.logdir = inner, logdir
         self._writer: Any = None
+        self._purge_step: int | None = None
+
+    def purge_from(self, step: int) -> None:
+        """The run goes on from ``step`` (a resume): events logged earlier into this folder at ``step`` or later are
+        dropped by TensorBoard (the writer's ``purge_step``), as they are logged again."""
+        self._purge_step = step
+        if self._writer is not None:  # opened already: the purge is written at the start of a new event file
+            self._writer.close()
+            self._writer = None
 
     @property
     def run_id(self) -> str | None:
@@ -71,5 +85,6 @@ class TensorBoardTracker:
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when it is used
 
-            self._writer = SummaryWriter(log_dir=str(self.logdir), flush_secs=_FLUSH_SECS)
+            self._writer = SummaryWriter(log_dir=str(self.logdir), flush_secs=_FLUSH_SECS, purge_step=self._purge_step)
+            self._purge_step = None  # written once, at the start of this writer's event file
         return self._writer
