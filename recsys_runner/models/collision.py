@@ -16,6 +16,7 @@ over ranks) and :func:`collision_rates` turns the summed counts into the logged 
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -35,10 +36,10 @@ from torchrec.modules.mc_modules import (
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from recsys_runner.errors import CheckpointError
-from recsys_runner.features import ManagedCollision
+from recsys_runner.features import FeatureSpec, ManagedCollision
 
 __all__ = ["CountedMCH", "collision_counters", "collision_rates", "managed_collision_module", "pooled_collections",
-           "pooled_lookup", "restore_collision_state"]
+           "pooled_lookup", "managed_feature_names", "restore_collision_state"]
 
 _EMPTY = torch.iinfo(torch.int64).max
 """The raw id TorchRec's MCH keeps in a slot no id holds (and in the fallback slot)."""
@@ -153,13 +154,29 @@ def pooled_collections(tables: list[EmbeddingBagConfig], managed: dict[str, Mana
     return ebc, ManagedCollisionEmbeddingBagCollection(EmbeddingBagCollection(tables=ours, device=meta), collection)
 
 
-def pooled_lookup(ebc: nn.Module | None, mc_ebc: nn.Module | None, sparse: KeyedJaggedTensor) -> dict[str, torch.Tensor]:
-    """Each feature's pooled embedding ``[B, D_f]`` by name, from the plain and the managed collections."""
-    pooled = ebc(sparse).to_dict() if ebc is not None else {}
-    if mc_ebc is not None:
-        managed, _ = mc_ebc(sparse)
-        pooled.update(managed.to_dict())
+def pooled_lookup(ebc: nn.Module | None, mc_ebc: nn.Module | None, sparse: KeyedJaggedTensor, names: Sequence[str],
+                  managed: Collection[str]) -> dict[str, torch.Tensor]:
+    """Each feature ``names``' pooled embedding ``[B, D_f]`` by name: from the managed collection for the features in
+    ``managed``, from the plain one for the others.
+
+    Written so that ``torch.fx`` can trace it (TorchRec's ``TrainPipelineSparseDist`` does, to find the lookups it
+    pipelines): the collections' outputs are indexed by the known names, never iterated or merged as dicts, which a
+    traced ``KeyedTensor`` cannot be (``tests/test_pipelines.py``)."""
+    plain = ebc(sparse) if ebc is not None else None
+    mapped = mc_ebc(sparse)[0] if mc_ebc is not None else None  # (pooled KeyedTensor, remapped ids)
+    pooled: dict[str, torch.Tensor] = {}
+    for name in names:
+        source = mapped if name in managed else plain
+        assert source is not None, f"feature {name!r} is in neither embedding collection"
+        pooled[name] = source[name]
     return pooled
+
+
+def managed_feature_names(features: FeatureSpec) -> frozenset[str]:
+    """The sparse features whose table maps its raw ids through a managed-collision module (:func:`pooled_lookup`'s
+    ``managed``)."""
+    tables = features.managed_tables()
+    return frozenset(f.name for f in features.sparse if f.table_name in tables)
 
 
 def _tables(model: nn.Module) -> list[tuple[str, CountedMCH]]:

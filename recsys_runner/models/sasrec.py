@@ -43,6 +43,8 @@ from recsys_runner.tasks import NextItemTask
 
 __all__ = ["BLOCKS", "SASRec", "SASRecBlock", "SASRecConfig"]
 
+torch.fx.wrap("padded")  # a leaf of TorchRec's pipeline trace here too (models/sequence.py says why)
+
 BLOCKS = ("sasrec", "hstu")
 """``model.block`` options: SASRec's softmax self-attention + feed-forward, or HSTU's pointwise gated attention."""
 

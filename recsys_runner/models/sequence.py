@@ -24,7 +24,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from recsys_runner.errors import ConfigError
 from recsys_runner.features import FeatureSpec, SequenceGroup
-from recsys_runner.models.collision import pooled_collections, pooled_lookup
+from recsys_runner.models.collision import managed_feature_names, pooled_collections, pooled_lookup
 from recsys_runner.models.common import embedding_width_rule
 
 __all__ = ["History", "SequenceArch", "SequenceEmbeddings", "check_candidates", "longest", "padded", "recency_positions"]
@@ -54,6 +54,9 @@ class SequenceEmbeddings:
     candidates: dict[str, torch.Tensor]
 
 
+# Leaves of a torch.fx trace (TorchRec's TrainPipelineSparseDist traces the model to find its lookups): their row
+# lengths decide shapes, which a symbolic trace cannot follow; a traced call records them as one opaque node each.
+@torch.fx.wrap
 def padded(jagged: JaggedTensor, length: int) -> torch.Tensor:
     """``jagged``'s rows as ``[B, length, D]`` (``[B, length]`` for ids), zero past each row's end.
 
@@ -72,6 +75,7 @@ def padded(jagged: JaggedTensor, length: int) -> torch.Tensor:
     return out.index_copy(0, flat, values).view(batch, length, *values.shape[1:])
 
 
+@torch.fx.wrap
 def longest(lengths: torch.Tensor) -> int:
     """The longest row of ``lengths`` (at least 1, so that a batch of empty histories still has a block): a plain
     ``int`` when run eagerly, a size symbol under ``torch.export`` (so the exported program pads per call too)."""
@@ -129,6 +133,9 @@ class SequenceArch(nn.Module):
         """The non-history features, in ``features.sparse`` order: the columns of ``pooled``."""
         self.candidate_names = [f.name for f in features.sparse if f.table_name in unpooled and f.name not in histories]
         """Non-history features read from an unpooled table (a history's candidate): pooled here by summing."""
+        self.bag_names = [n for n in self.pooled_names if n not in self.candidate_names]
+        """The pooled features looked up in the embedding-bag collections."""
+        self.managed_names = managed_feature_names(features)
         self.widths = {name: widths[name] for name in [*self.pooled_names, *histories]}
         self.pooled_dim = sum(self.widths[n] for n in self.pooled_names)
         """``P``: the width of ``pooled``."""
@@ -137,7 +144,7 @@ class SequenceArch(nn.Module):
 
     def forward(self, sparse: KeyedJaggedTensor) -> SequenceEmbeddings:
         unpooled = self.ec(sparse) if self.ec is not None else {}
-        bags = pooled_lookup(self.ebc, self.mc_ebc, sparse)
+        bags = pooled_lookup(self.ebc, self.mc_ebc, sparse, self.bag_names, self.managed_names)
         candidates = {name: self._pool(unpooled[name]) for name in self.candidate_names}
         pieces = [candidates[n] if n in candidates else bags[n] for n in self.pooled_names]
         pooled = torch.cat(pieces, dim=1) if pieces else torch.zeros(sparse.stride(), 0, device=sparse.values().device)

@@ -9,9 +9,28 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
+from torchrec.distributed.train_pipeline import utils as pipeline_utils
 
 from recsys_runner.distributed.env import DistEnv
 from recsys_runner.train.stepping import LeanPipeline, Pipeline, PolicyPipelineBase, PolicyPipelineSparseDist, StepPolicy
+
+
+class SubtreeLeafTracer(pipeline_utils.Tracer):
+    """TorchRec's pipeline tracer with its ``extend_leaf_fqn`` option on: every module *inside* an embedding-free module
+    is a leaf too, not only the module of that exact name.
+
+    ``TrainPipelineSparseDist`` (``distributed.pipeline=sparse_dist``, the default on a GPU) traces the model with
+    ``torch.fx`` to find its embedding lookups, treating each embedding-free child as an opaque leaf. By default a leaf
+    is matched by its exact name, so towers kept in a ``ModuleDict`` (``towers.ctr``) or blocks in a ``ModuleList``
+    (``blocks.0``) are traced through, and their shape-dependent code (``x.shape`` unpacked, a width compared) stops
+    the trace. With the option they stay opaque, as the model's author meant (``tests/test_pipelines.py``).
+    """
+
+    def __init__(self, leaf_modules: list[str] | None = None, extend_leaf_fqn: bool = True) -> None:
+        super().__init__(leaf_modules=leaf_modules, extend_leaf_fqn=True)
+
+
+pipeline_utils.Tracer = SubtreeLeafTracer  # what _rewrite_model builds its tracer from
 
 
 def make_pipeline(
