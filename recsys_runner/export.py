@@ -23,7 +23,7 @@ so loading it needs TorchRec.
 forward is ``module(dense [B, N] float32, values [V] int64, lengths [F, B] int64)``, where ``lengths[f, b]``
 is how many ids row ``b`` has for sparse feature ``f`` (features in ``feature_spec.json``'s order) and
 ``values`` holds every id, feature by feature and row by row within a feature (TorchRec's KJT layout).
-It returns what the model returns: logits ``[B]`` (single task), ``{task: [B]}`` (multi-task) or
+It returns what the model returns: logits ``[B]`` (single task), ``{task: [B]}`` (multi-task; ``[B, C]`` for a multiclass task) or
 scores ``[B, B]`` (two-tower retrieval); see ``feature_spec.json``'s ``outputs``.
 
 **Atomic output.** The files are written into a temporary sibling of ``export.dir`` (``.<name>.tmp-<pid>``) and moved
@@ -236,6 +236,8 @@ def _sparse_entry(features: FeatureSpec, key: str) -> dict[str, Any]:
 def _meaning(task: Task) -> str:
     return {"binary": "logit; sigmoid(logit) is the probability",
             "regression": "the predicted value",
+            "huber": "the predicted value",
+            "multiclass": "logits [B, C] of the C classes; softmax(logits, dim=1) are the class probabilities",
             "retrieval": "scores[q, c] = <user vector of row q, item vector of row c> / temperature; rank items by it",
             "next_item": "scores[b, i]: row b's user state (after its history) against item i, for every item id of the "
                          "table; the top-k are the next-item recommendations"}.get(

@@ -301,7 +301,9 @@ class DataNeeds:
     labels: tuple[str, ...] = ()
     """One label per task, in this order (``Batch.labels [B, T]``); empty: one unnamed label ``[B]``."""
     label_kinds: tuple[str, ...] = ()
-    """``binary`` or ``regression`` per label of ``labels``; empty: all binary."""
+    """``binary``, ``regression`` or ``multiclass`` per label of ``labels``; empty: all binary."""
+    label_classes: tuple[int, ...] = ()
+    """Per label of ``labels``: a ``multiclass`` label's number of classes, 0 for the others; empty: none."""
     user_features: tuple[str, ...] = ()
     """A two-tower model's user (query) features: each row must be a (user, item) pair worth retrieving."""
     item_features: tuple[str, ...] = ()

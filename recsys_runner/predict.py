@@ -6,7 +6,8 @@ same format and columns as the data option, the label columns may be absent) are
 checkpoint's weights (the EMA's with ``train.ema.eval_with_ema``, the weights evaluate measures) and
 written to ``predict.output`` as Parquet: one column per task (``score`` for a single-output model,
 ``score_<task>`` for a multi-task one; a probability for a binary task, the raw output for a regression
-task) after the pass-through columns ``predict.columns`` (e.g. ``[request_id]``), copied unchanged.
+task; a multi-class task writes ``class_<task>``, its most probable class (int64), and ``score_<task>``, that class's
+probability) after the pass-through columns ``predict.columns`` (e.g. ``[request_id]``), copied unchanged.
 
 **Streaming.** Files are read in their units, Parquet row groups or blocks of ``data.block_rows`` lines, in
 Arrow tables of at most ``data.read_rows`` rows, scored in batches of ``data.batch_size`` rows; memory is
@@ -87,7 +88,7 @@ from recsys_runner.noise import quiet_known_noise
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.progress import Progress
 from recsys_runner.runtime import Launch
-from recsys_runner.tasks import Task
+from recsys_runner.tasks import Task, output_columns
 from recsys_runner.train.pipeline import detached
 
 quiet_known_noise()  # the known library warnings, each with its reason (noise.py)
@@ -260,7 +261,7 @@ def _file_columns(data: TabularDataConfig, path: str, key: str) -> Iterator[tupl
 
 def _check_tasks(tasks: tuple[Task, ...]) -> None:
     for task in tasks:
-        require("pointwise" in task.metric_inputs_kinds,
+        require(bool({"pointwise", "multiclass"} & set(task.metric_inputs_kinds)),
                 f"predict writes one score per row, but task {task.name!r} ({task.kind}) scores each row against candidates "
                 f"(retrieval: the batch's items; next_item: every item of the table); export the model instead "
                 f"(python -m recsys_runner.export: the towers, or the next-item scores) and rank its scores")
@@ -276,7 +277,8 @@ def predict(c: Components, settings: PredictConfig, output: Path) -> PredictResu
     features = [c for c in data.schema.columns if c not in data.schema.label_columns]  # dense, sparse, histories' times
     source.columns = list(dict.fromkeys([*features, *settings.columns]))
     units = rank_units(source.units(), env.rank, env.world_size)
-    output.mkdir(parents=True, exist_ok=True)
+    if not stores.is_uri(output):  # in an object store a part is an object: no directory to make
+        output.mkdir(parents=True, exist_ok=True)
     writer = _PartWriter(output, env.rank, settings.columns, evaluator.tasks)
     batches = _batches(source, units, data.schema, data.features, data.batch_size, settings.columns)
     idle = _placeholder(data.features)
@@ -430,8 +432,15 @@ class _PartWriter:
 
     def write(self, path: str, first_row: int, passthrough: pa.Table, logits: torch.Tensor) -> None:
         outputs = logits.float().reshape(logits.shape[0], -1)
-        scores = {name: task.metric_inputs(outputs[:, i], outputs[:, i])[0].cpu().numpy().astype(np.float32)
-                  for i, (name, task) in enumerate(zip(self.score_columns(), self.tasks, strict=True))}
+        scores: dict[str, np.ndarray] = {}
+        for name, task, columns in zip(self.score_columns(), self.tasks, output_columns(self.tasks), strict=True):
+            out = outputs[:, columns]
+            preds = task.metric_inputs(out if task.output_width > 1 else out[:, 0], out[:, 0])[0]
+            if preds.dim() == 2:  # a multi-class task: its most probable class, and that class's probability
+                prob, label = preds.max(dim=1)
+                scores[f"class_{name.removeprefix('score_')}"] = label.cpu().numpy().astype(np.int64)
+                preds = prob
+            scores[name] = preds.cpu().numpy().astype(np.float32)
         # built column by column: a table without columns (predict.columns=[]) has no rows to append scores to
         table = pa.Table.from_arrays([*passthrough.columns, *(pa.array(v) for v in scores.values())],
                                      names=[*passthrough.column_names, *scores])

@@ -12,6 +12,8 @@ kind (config name)     loss                    metrics see                     d
 :class:`BinaryTask`    BCE on 0/1 labels       ``sigmoid(logits)``, labels     ``metrics.eval/train``
 :class:`RegressionTask`  MSE                   raw predictions, targets        mse, mae / mse
 :class:`HuberTask`     Huber (``delta``)       raw predictions, targets        mse, mae / mse
+:class:`MulticlassTask`  softmax CE over        ``softmax(logits) [B, C]``,     accuracy, logloss, auc /
+                       ``C`` logits            class indices ``[B]``           accuracy
 :class:`InBatchSoftmaxTask`  softmax CE over   scores ``[Q, C]``, positive     inbatch_recall@10 / none
                        the in-batch scores     index ``[Q]`` (the diagonal)
 :class:`NextItemTask`  softmax CE over the     full-table scores ``[B, N]``,   hr@10, ndcg@10, hr@50 /
@@ -32,11 +34,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from recsys_runner.errors import ConfigError, require
+from recsys_runner.errors import ConfigError, DataError, require
 from recsys_runner.features import FeatureSpec
 
-__all__ = ["Task", "BinaryTask", "RegressionTask", "HuberTask", "InBatchSoftmaxTask", "NextItemTask", "TASK_KINDS", "LABEL_TASK_KINDS", "SINGLE_TASK",
-           "TaskSpec", "check_task_specs", "task_labels", "task_kind", "resolve_tasks"]
+__all__ = ["Task", "BinaryTask", "RegressionTask", "HuberTask", "MulticlassTask", "InBatchSoftmaxTask", "NextItemTask", "TASK_KINDS", "LABEL_TASK_KINDS", "SINGLE_TASK",
+           "TaskSpec", "check_task_specs", "task_labels", "task_kind", "resolve_tasks", "output_columns", "mask_task_index"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,8 +56,9 @@ class Task(abc.ABC):
         eval_metrics: the task's own eval metric names; ``None`` takes the kind's default, else ``metrics.eval``.
         train_metrics: the task's own train metric names; ``None`` takes the kind's default, else ``metrics.train``.
         weight_column: a column of ``Batch.labels`` holding each row's sample weight; ``None``: every row weighs 1.
-        mask_column: a column of ``Batch.labels`` (another task's label): the loss counts only rows where it is positive
-            (a conversion loss on clicked rows, as ESMM-style setups need); ``None``: every row.
+        mask_column: a column of ``Batch.labels`` (another task's label): the loss and the metrics count only rows where it
+            is positive (a conversion loss on clicked rows, as ESMM-style setups need); ``None``: every row.
+        label: the data's name of the label column (for messages); ``None``: unknown.
     """
 
     name: str | None = None
@@ -65,11 +68,12 @@ class Task(abc.ABC):
     train_metrics: tuple[str, ...] | None = None
     weight_column: int | None = None
     mask_column: int | None = None
+    label: str | None = None
 
     kind: ClassVar[str]
     """The kind's config name (``model.task_kinds``) and how error messages call it."""
     label_kind: ClassVar[str] = "binary"
-    """How the data checks (and generated data draws) the task's label column: ``binary`` or ``regression``."""
+    """How the data checks (and generated data draws) the task's label column: ``binary``, ``regression`` or ``multiclass``."""
     reads_labels: ClassVar[bool] = True
     """Whether the targets come from ``Batch.labels`` (an in-batch softmax's targets are row positions)."""
     default_eval_metrics: ClassVar[tuple[str, ...] | None] = None
@@ -79,9 +83,16 @@ class Task(abc.ABC):
     metric_inputs_kinds: ClassVar[tuple[str, ...]] = ("pointwise", "grouped")
     """Which registered metrics apply (their ``inputs``, see ``metrics.register_metric``): per-row
     predictions feed pointwise and grouped metrics, score matrices feed retrieval metrics."""
+    train_metric_choices: ClassVar[tuple[str, ...] | None] = None
+    """The decaying train metrics the kind's outputs can feed; ``None``: any of ``metrics.train``'s."""
     catalogue_kinds: ClassVar[tuple[str, ...]] = ()
     """Which of :attr:`metric_inputs_kinds` are not computed from the output but by a pass over the data's item
     catalogue (a two-tower model's full-corpus ``recall@k``: ``train/corpus.py``); none for most kinds."""
+
+    @property
+    def output_width(self) -> int:
+        """How many values the model outputs per row for this task: 1 (a logit ``[B]``); a multi-class task's ``C``."""
+        return 1
 
     def targets(self, output: Tensor, labels: Tensor) -> Tensor:
         """What ``output`` is trained against: the task's label column (``[B]``)."""
@@ -158,6 +169,44 @@ class HuberTask(RegressionTask):
 
 
 @dataclass(frozen=True, slots=True)
+class MulticlassTask(Task):
+    """One of ``num_classes`` classes: the label column holds a class index ``0..C-1``, the model outputs ``C`` logits
+    ``[B, C]``; softmax cross-entropy; metrics see ``softmax(logits) [B, C]`` and the class indices ``[B]``.
+
+    A label outside ``[0, C)`` (or not an integer) is a :class:`~recsys_runner.errors.DataError` naming the column and
+    the value, raised by :meth:`targets` (one host sync per step; ``F.cross_entropy`` would assert inside the kernel)."""
+
+    kind: ClassVar[str] = "multiclass"
+    label_kind: ClassVar[str] = "multiclass"
+    default_eval_metrics: ClassVar[tuple[str, ...] | None] = ("accuracy", "logloss", "auc")
+    default_train_metrics: ClassVar[tuple[str, ...] | None] = ("accuracy",)
+    metric_inputs_kinds: ClassVar[tuple[str, ...]] = ("multiclass",)
+    train_metric_choices: ClassVar[tuple[str, ...]] = ("accuracy", "logloss")
+    """The decaying train metrics that read class probabilities (the decaying ``auc`` is binary)."""
+    num_classes: int = 2
+
+    @property
+    def output_width(self) -> int:
+        return self.num_classes
+
+    def targets(self, output: Tensor, labels: Tensor) -> Tensor:
+        target = labels if self.column is None else labels[:, self.column]
+        bad = (target < 0) | (target >= self.num_classes) | (target != target.trunc())
+        if bool(bad.any()):
+            value = float(target[bad][0])
+            raise DataError(f"task {self.name!r}: its label {self.label or self.column!r} holds {value:g}, but a multiclass task "
+                            f"with num_classes={self.num_classes} needs class indices 0..{self.num_classes - 1}. Fix the data, or "
+                            f"set model.task_specs.{self.name}.num_classes")
+        return target
+
+    def row_losses(self, output: Tensor, targets: Tensor) -> Tensor:
+        return F.cross_entropy(output, targets.long(), reduction="none")
+
+    def metric_inputs(self, output: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        return torch.softmax(output, dim=-1), targets
+
+
+@dataclass(frozen=True, slots=True)
 class InBatchSoftmaxTask(Task):
     """Retrieval by in-batch softmax: the output is query×candidate scores ``[Q, C]`` (``Q <= C``: the batch's last
     ``C - Q`` rows may be sampled items, candidates only) whose positive for query ``q`` is candidate ``q``; softmax
@@ -216,7 +265,8 @@ class NextItemTask(Task):
         return F.cross_entropy(output, targets)
 
 
-TASK_KINDS: dict[str, type[Task]] = {cls.kind: cls for cls in (BinaryTask, RegressionTask, HuberTask, InBatchSoftmaxTask, NextItemTask)}
+TASK_KINDS: dict[str, type[Task]] = {cls.kind: cls for cls in (BinaryTask, RegressionTask, HuberTask, MulticlassTask, InBatchSoftmaxTask,
+                                                        NextItemTask)}
 """Every task kind by its config name: the one place a kind's name is read."""
 
 LABEL_TASK_KINDS: tuple[str, ...] = tuple(name for name, cls in TASK_KINDS.items() if cls.reads_labels)
@@ -245,11 +295,15 @@ class TaskSpec:
     label: str | None = None
     """The data's label column the task is trained on; ``null``: the column named like the task."""
     kind: str | None = None
-    """``binary`` (BCE), ``regression`` (MSE) or ``huber`` (Huber loss); ``null``: its ``model.task_kinds`` entry, else binary."""
+    """``binary`` (BCE), ``regression`` (MSE), ``huber`` (Huber loss) or ``multiclass`` (softmax cross-entropy over
+    ``num_classes`` logits); ``null``: its ``model.task_kinds`` entry, else binary."""
     weight: float | None = None
     """Weight of the task's loss (fixed and uncertainty weighting); ``null``: its ``model.loss_weights`` entry, else 1."""
     huber_delta: float = 1.0
     """Where a ``huber`` task's loss turns from quadratic to linear (in label units)."""
+    num_classes: int | None = None
+    """A ``multiclass`` task's number of classes ``C >= 2`` (its label holds ``0..C-1``, its head outputs ``C`` logits);
+    required for that kind, refused for any other."""
     eval_metrics: list[str] | None = None
     """The task's own eval metrics (``[auc, gauc]``); ``null``: its kind's default, else ``metrics.eval``."""
     train_metrics: list[str] | None = None
@@ -258,7 +312,8 @@ class TaskSpec:
     """A column of the data holding each row's weight in the task's loss (a weighted mean over rows); ``null``: all 1."""
     only_where_positive: str | None = None
     """Another (binary) task: this task's loss counts only rows where that task's label is positive, e.g. ``cvr``'s on
-    ``ctr``-positive (clicked) rows, as ESMM-style setups need; ``null``: every row. Metrics still see every row."""
+    ``ctr``-positive (clicked) rows, as ESMM-style setups need; ``null``: every row. The task's metrics see those rows
+    only too (``eval/cvr/auc`` over clicked rows)."""
 
 
 def check_task_specs(names: Sequence[str], specs: Mapping[str, TaskSpec], kinds: Sequence[str] | None,
@@ -279,6 +334,7 @@ def check_task_specs(names: Sequence[str], specs: Mapping[str, TaskSpec], kinds:
     require(not negative, f"task weights must be >= 0 (model.task_specs.<task>.weight / model.loss_weights), got {', '.join(negative)}")
     require(sum(resolved) > 0, "task weights are all 0 (model.task_specs.<task>.weight / model.loss_weights): nothing would be "
             "trained. Fix: give some task a positive weight")
+    _check_classes(names, specs, resolved_kinds)
     for name, spec in specs.items():
         require(spec.huber_delta > 0, f"model.task_specs.{name}.huber_delta must be positive, got {spec.huber_delta}")
         gate = spec.only_where_positive
@@ -289,6 +345,25 @@ def check_task_specs(names: Sequence[str], specs: Mapping[str, TaskSpec], kinds:
         require(resolved_kinds[list(names).index(gate)] == BinaryTask.kind,
                 f"model.task_specs.{name}.only_where_positive={gate!r} names a {resolved_kinds[list(names).index(gate)]} task; "
                 f"a mask needs a binary task's 0/1 label")
+
+
+def _check_classes(names: Sequence[str], specs: Mapping[str, TaskSpec], kinds: Sequence[str]) -> None:
+    """``num_classes`` given, and at least 2, exactly for the multiclass tasks; their train metrics read class probabilities."""
+    for name, kind in zip(names, kinds, strict=True):
+        spec = specs.get(name)
+        classes = spec.num_classes if spec is not None else None
+        if kind != MulticlassTask.kind:
+            require(classes is None, f"model.task_specs.{name}.num_classes={classes} is only for a multiclass task, but {name!r} is "
+                    f"{kind}. Fix: remove it, or set model.task_specs.{name}.kind=multiclass")
+            continue
+        require(classes is not None, f"task {name!r} is multiclass but has no number of classes. Fix: "
+                f"'+model.task_specs.{name}={{kind: multiclass, num_classes: <C>}}'")
+        require(isinstance(classes, int) and classes >= 2,
+                f"model.task_specs.{name}.num_classes must be an integer >= 2, got {classes!r}")
+        assert spec is not None
+        allowed = MulticlassTask.train_metric_choices or ()
+        wrong = [m for m in (spec.train_metrics or []) if m not in allowed]
+        require(not wrong, f"model.task_specs.{name}.train_metrics lists {wrong}; a multiclass task's train metrics are {list(allowed)}")
 
 
 def _per_task(names: Sequence[str], specs: Mapping[str, TaskSpec], key: str, defaults: list[Any]) -> list[Any]:
@@ -362,4 +437,28 @@ def _bind(name: str, cls: type[Task], column: str, weight: float, spec: TaskSpec
             extra["train_metrics"] = tuple(spec.train_metrics)
         if cls is HuberTask:
             extra["delta"] = spec.huber_delta
-    return cls(name, column=list(labels).index(column), weight=float(weight), **extra)
+        if cls is MulticlassTask:
+            extra["num_classes"] = spec.num_classes
+    return cls(name, column=list(labels).index(column), weight=float(weight), label=column, **extra)
+
+
+def output_columns(tasks: Sequence[Task]) -> list[slice]:
+    """Each task's columns in the TrainWrapper's ``logits [B, ΣW]`` (the tasks' outputs side by side, ``W`` each task's
+    :attr:`~Task.output_width`: one column per task unless a task is multi-class)."""
+    ends = [sum(t.output_width for t in tasks[:i + 1]) for i in range(len(tasks))]
+    return [slice(end - t.output_width, end) for t, end in zip(tasks, ends, strict=True)]
+
+
+def mask_task_index(task: Task, tasks: Sequence[Task]) -> int | None:
+    """The position in ``tasks`` (and in the TrainWrapper's ``labels [B, T]``) of the task whose positive label masks
+    ``task`` (its :attr:`~Task.mask_column`), or ``None`` for an unmasked task.
+
+    Raises:
+        ConfigError: no task reads the mask column.
+    """
+    if task.mask_column is None:
+        return None
+    index = next((i for i, t in enumerate(tasks) if t.column == task.mask_column), None)
+    if index is None:
+        raise ConfigError(f"task {task.name!r} is masked by label column {task.mask_column}, which no task of {[t.name for t in tasks]} reads")
+    return index

@@ -109,9 +109,10 @@ def load_fresh(directory: Path, batch: Batch, tmp_path: Path) -> object:
 
 
 def as_logits(output: object, spec: dict) -> torch.Tensor:
-    """The program's output as the TrainWrapper's logits: a multi-task dict stacked in task order."""
+    """The program's output as the TrainWrapper's logits: a multi-task dict side by side in task order (a multiclass
+    task's ``[B, C]`` as ``C`` columns)."""
     if isinstance(output, dict):
-        return torch.stack([output[o["name"]] for o in spec["outputs"]], dim=1)
+        return torch.cat([output[o["name"]].reshape(len(output[o["name"]]), -1) for o in spec["outputs"]], dim=1)
     assert isinstance(output, torch.Tensor)
     return output
 

@@ -41,10 +41,10 @@ def test_default_metrics_come_from_the_kind_unless_the_task_sets_its_own() -> No
 
 def test_kind_names_are_read_in_one_registry() -> None:
     assert {name: cls.__name__ for name, cls in TASK_KINDS.items()} == {
-        "binary": "BinaryTask", "regression": "RegressionTask", "huber": "HuberTask", "retrieval": "InBatchSoftmaxTask",
-        "next_item": "NextItemTask"}
+        "binary": "BinaryTask", "regression": "RegressionTask", "huber": "HuberTask", "multiclass": "MulticlassTask",
+        "retrieval": "InBatchSoftmaxTask", "next_item": "NextItemTask"}
     assert task_kind("regression", "model.task_kinds") is RegressionTask
-    with pytest.raises(ConfigError, match=r"model.task_kinds has \['ordinal'\]; each must be one of \['binary', 'regression', 'huber'\]"):
+    with pytest.raises(ConfigError, match=r"model.task_kinds has \['ordinal'\]; each must be one of \['binary', 'regression', 'huber', 'multiclass'\]"):
         task_kind("ordinal", "model.task_kinds")
 
 

@@ -177,6 +177,9 @@ class Encoder:
         if kind == "regression":
             wrong = ~null & ~np.isfinite(values)
             bad(name, wrong, lambda i: f"the label{of} is {_shown(float(values[i]))}, but a regression label must be finite")
+        elif kind == "multiclass":
+            wrong = ~null & ~(np.isfinite(values) & (values >= 0) & (values == np.round(values)))
+            bad(name, wrong, lambda i: f"the label{of} is {_shown(float(values[i]))}, but a multiclass label is a class index (an integer >= 0)")
         else:
             wrong = ~null & (values != 0) & (values != 1)
             hint = (f"; a float label: data.label_kinds.{task}=regression" if multi

@@ -26,8 +26,9 @@ from recsys_runner.features import POOLINGS, FeatureSpec, SequenceGroup, SparseF
 
 DENSE_TRANSFORMS = ("none", "log1p")
 SPARSE_ENCODINGS = ("id", "mod", "hash", "vocab", "raw")
-LABEL_KINDS = ("binary", "regression")
-"""How a label column is checked: ``binary`` (every value 0 or 1) or ``regression`` (any finite float)."""
+LABEL_KINDS = ("binary", "regression", "multiclass")
+"""How a label column is checked: ``binary`` (every value 0 or 1), ``regression`` (any finite float) or ``multiclass``
+(a class index: an integer >= 0; the model's task checks it is below its ``num_classes``)."""
 
 
 @dataclass(kw_only=True)

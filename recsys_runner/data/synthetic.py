@@ -88,6 +88,10 @@ class SyntheticDataConfig(DataConfig):
     the task's own score, e.g. a watch time), e.g. ``{watch: regression}``. With
     ``tasks: null``, the model's task kinds. A mapping, typed ``Any`` so that ``data.label_kinds={…}``
     works as a plain override."""
+    label_classes: Any = None
+    """Per ``multiclass`` task of ``label_kinds``: its number of classes ``C >= 2``, e.g. ``{category: 5}``; its label is a
+    class index ``0..C-1``, the ``C`` quantiles of ``sigmoid(score_t + logistic noise)`` (learnable: the class rises with
+    the task's own score). With ``tasks: null``, the model's (``model.task_specs.<task>.num_classes``)."""
     conversion_bias: float = 0.0
     """Logit offset of each later task's own score: its base rate given a click (0: about one in two; -3: a few in
     a hundred, a rare task whose loss is small next to the click's)."""
@@ -132,6 +136,7 @@ class SyntheticDataConfig(DataConfig):
         require(not unknown, f"data.label_kinds names {unknown}, which are not in data.tasks={self.tasks}. Fix: one entry per task to change")
         wrong = sorted({k for k in kinds.values() if k not in LABEL_KINDS})
         require(not wrong, f"data.label_kinds has kind(s) {wrong}; each must be one of {list(LABEL_KINDS)}")
+        self._check_classes(kinds)
         if self.user_item_clusters is not None:
             require(self.user_item_clusters > 0, f"data.user_item_clusters must be positive or null, got {self.user_item_clusters}")
             require(self.num_sparse >= 2, "data.user_item_clusters needs data.num_sparse >= 2 (cat_0 is the user, cat_1 the item)")
@@ -172,6 +177,16 @@ class SyntheticDataConfig(DataConfig):
         """:data:`DEFAULT_NUM_STEPS`: generated rows are an arbitrary amount, so the default length is in steps, not epochs."""
         return DEFAULT_NUM_STEPS
 
+    def _check_classes(self, kinds: dict[str, str]) -> None:
+        """``label_classes``: a count ``>= 2`` for each multiclass task of ``label_kinds``, and for no other."""
+        classes = self.label_classes or {}
+        require(isinstance(classes, dict), f"data.label_classes must map task names to class counts, e.g. {{category: 5}}; got {classes!r}")
+        multi = sorted(t for t, k in kinds.items() if k == "multiclass")
+        require(sorted(classes) == multi, f"data.label_classes={classes} must give exactly the multiclass tasks of "
+                f"data.label_kinds ({multi}) their number of classes, e.g. data.label_classes={{{multi[0] if multi else 'category'}: 5}}")
+        small = {t: c for t, c in classes.items() if not isinstance(c, int) or c < 2}
+        require(not small, f"data.label_classes has {small}; each must be an integer >= 2")
+
     def for_model(self, needs: DataNeeds) -> DataConfig:
         """A new config that serves a model with ``needs`` (for a model over histories a ``data=synthetic_sequences`` one,
         :meth:`_as_sequences`): the fields left ``null`` follow the model (its
@@ -190,6 +205,9 @@ class SyntheticDataConfig(DataConfig):
             kinds = {n: k for n, k in zip(needs.labels, needs.label_kinds, strict=False) if k != "binary"}
             if kinds:
                 changes["label_kinds"] = kinds
+            classes = {n: c for n, c in zip(needs.labels, needs.label_classes, strict=False) if c}
+            if classes:
+                changes["label_classes"] = classes
         sparse = _sparse_names(self.num_sparse)
         known = {*sparse, *(f"int_{i}" for i in range(self.num_dense))}
         towers = {"user": [n for n in needs.user_features if n in sparse], "item": [n for n in needs.item_features if n in sparse]}
@@ -283,6 +301,7 @@ class SyntheticData(DataModule):
         self._conflict = c.conversion_conflict
         self._amount = c.conversion_amount
         self._kinds = [(c.label_kinds or {}).get(t, "binary") for t in c.tasks or []]
+        self._classes = [(c.label_classes or {}).get(t, 0) for t in c.tasks or []]
         self._clusters = c.user_item_clusters
         if c.user_item_clusters is not None:
             names = self.features.sparse_names
@@ -396,15 +415,29 @@ class SyntheticData(DataModule):
                      g: torch.Generator) -> list[torch.Tensor]:
         """Each task's label ``[B]``: the click, then the funnel's conversions; a ``regression`` task's is ``softplus(score_t)``,
         or with ``conversion_amount`` an amount on the converting rows."""
-        columns = [click if self._kinds[0] == "binary" else F.softplus(score)]
-        for world, kind in zip(self._task_worlds, self._kinds[1:], strict=True):
+        first = {"binary": click, "multiclass": _class_index(score, self._classes[0] if self._classes else 0, g)}
+        columns = [first.get(self._kinds[0], F.softplus(score))]
+        for world, kind, classes in zip(self._task_worlds, self._kinds[1:], self._classes[1:], strict=True):
             task_score = world.score(dense, ids) - self._conflict * score if self._conflict else world.score(dense, ids)
+            if kind == "multiclass":
+                columns.append(_class_index(task_score, classes, g))
+                continue
             if kind != "binary" and self._amount is None:
                 columns.append(F.softplus(task_score))
                 continue
             converted = click * torch.bernoulli(torch.sigmoid(task_score), generator=g)
             columns.append(converted if self._amount is None or kind == "binary" else converted * self._amount * (1 + F.softplus(task_score)))
         return columns
+
+
+def _class_index(score: torch.Tensor, classes: int, g: torch.Generator) -> torch.Tensor:
+    """A multiclass label ``[B]`` (float class indices ``0..classes-1``): the ``classes`` quantiles of
+    ``sigmoid(score + logistic noise)``, so a row's class rises with its score; zeros (no draw) when the task is not multiclass."""
+    if classes < 2:
+        return score.new_zeros(score.shape)
+    u = torch.rand(score.shape, generator=g, dtype=score.dtype).clamp(1e-6, 1 - 1e-6)
+    noisy = torch.sigmoid(score + torch.log(u / (1 - u)))
+    return (noisy * classes).floor().clamp(max=classes - 1)
 
 
 class _Stream(IterableDataset):

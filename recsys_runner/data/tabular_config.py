@@ -113,8 +113,9 @@ class SchemaFields(TabularDataConfig):
     this (``null``: one label). A mapping (``dict[str, str]``), typed ``Any`` so that
     ``data.labels={ctr: click, cvr: conversion}`` works as a plain override."""
     label_kinds: Any = None
-    """Per task of ``labels``: ``binary`` (the default; every value 0 or 1) or ``regression`` (any finite
-    float, e.g. ``{watch_time: regression}``), matching the model's ``task_kinds``."""
+    """Per task of ``labels``: ``binary`` (the default; every value 0 or 1), ``regression`` (any finite
+    float, e.g. ``{watch_time: regression}``) or ``multiclass`` (a class index, an integer >= 0), matching the model's
+    ``task_kinds``."""
     dense: list[DenseColumn] = field(default_factory=list)
     """Float input columns, e.g. ``[{name: price, transform: log1p}]``."""
     sparse: list[SparseColumn] = field(default_factory=list)

@@ -1,7 +1,9 @@
 """Binary-classification metrics: log loss, accuracy, NE, calibration (sums); AUC, grouped AUC, XAUC (kept rows).
 
 ``update(preds, labels)`` with ``preds`` probabilities ``[B]`` and ``labels`` ``[B]`` (0/1; real targets for
-XAUC); grouped AUC also takes ``groups=`` ``[B]`` integer ids. Definitions: ``docs/metrics.md``.
+XAUC); grouped AUC also takes ``groups=`` ``[B]`` integer ids. Log loss, accuracy and AUC also take a multi-class task's
+class probabilities ``[B, C]`` with class indices ``[B]`` (multi-class log loss, argmax accuracy, macro one-vs-rest
+AUC). Definitions: ``docs/metrics.md``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from recsys_runner.metrics.functional import EPS, binary_auc, binary_entropy, gr
 
 
 class LogLoss(SumMetric):
-    """Mean binary cross-entropy of probabilities (clamped to ``[1e-7, 1 − 1e-7]``)."""
+    """Mean binary cross-entropy of probabilities (clamped to ``[1e-7, 1 − 1e-7]``); with class probabilities ``[B, C]``,
+    the mean of ``−log p(true class)`` (clamped below at ``1e-7``)."""
 
     higher_is_better = False
 
@@ -26,8 +29,12 @@ class LogLoss(SumMetric):
         super().__init__("total", "count")
 
     def update(self, preds: Tensor, labels: Tensor) -> None:
-        probs = preds.detach().double().clamp(EPS, 1 - EPS)
-        self.total += F.binary_cross_entropy(probs, labels.detach().double(), reduction="sum")
+        if preds.dim() == 2:  # class probabilities [B, C]: -log p(true class)
+            true = preds.detach().double().gather(1, labels.detach().long().unsqueeze(1))
+            self.total -= true.clamp_min(EPS).log().sum()
+        else:
+            probs = preds.detach().double().clamp(EPS, 1 - EPS)
+            self.total += F.binary_cross_entropy(probs, labels.detach().double(), reduction="sum")
         self.count += labels.numel()
 
     def compute(self) -> Tensor:
@@ -35,7 +42,8 @@ class LogLoss(SumMetric):
 
 
 class Accuracy(SumMetric):
-    """Share of rows whose thresholded prediction (``pred ≥ threshold``) equals the label."""
+    """Share of rows whose thresholded prediction (``pred ≥ threshold``) equals the label; with class probabilities
+    ``[B, C]``, whose most probable class is the label."""
 
     higher_is_better = True
 
@@ -49,7 +57,10 @@ class Accuracy(SumMetric):
         self.threshold = threshold
 
     def update(self, preds: Tensor, labels: Tensor) -> None:
-        self.correct += ((preds.detach() >= self.threshold) == (labels.detach() >= 0.5)).sum()
+        if preds.dim() == 2:  # class probabilities [B, C]: the most probable class is the prediction
+            self.correct += (preds.detach().argmax(dim=1) == labels.detach().long()).sum()
+        else:
+            self.correct += ((preds.detach() >= self.threshold) == (labels.detach() >= 0.5)).sum()
         self.count += labels.numel()
 
     def compute(self) -> Tensor:
@@ -102,7 +113,9 @@ class Calibration(SumMetric):
 
 
 class AUC(GatherMetric):
-    """Exact ROC AUC over all rows of all ranks (ties ½); see :func:`binary_auc`."""
+    """Exact ROC AUC over all rows of all ranks (ties ½); see :func:`binary_auc`. With class probabilities ``[B, C]``
+    and class indices: the macro one-vs-rest AUC, the mean over the classes present (with some rows of another class too)
+    of the AUC of ``p[:, c]`` for ``label == c``."""
 
     higher_is_better = True
 
@@ -113,11 +126,16 @@ class AUC(GatherMetric):
         super().__init__("preds", "labels")
 
     def update(self, preds: Tensor, labels: Tensor) -> None:
-        self.preds.append(preds.detach().double().flatten())
+        self.preds.append(preds.detach().double() if preds.dim() == 2 else preds.detach().double().flatten())
         self.labels.append(labels.detach().double().flatten())
 
     def compute(self) -> Tensor:
-        return binary_auc(self._rows("preds"), self._rows("labels"))
+        preds, labels = self._rows("preds"), self._rows("labels")
+        if preds.dim() < 2:
+            return binary_auc(preds, labels)
+        per_class = torch.stack([binary_auc(preds[:, c], (labels == c).double()) for c in range(preds.shape[1])])
+        present = per_class[~torch.isnan(per_class)]
+        return present.mean() if present.numel() else torch.tensor(torch.nan, dtype=torch.float64, device=preds.device)
 
 
 class GroupedAUC(GatherMetric):

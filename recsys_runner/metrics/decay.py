@@ -115,7 +115,8 @@ class DecayingMetric(nn.Module):
         while i < len(batches):
             chunk = batches[i:i + self.decay_step - self.num_updates % self.decay_step]
             if exact and len(chunk) > 1:
-                self.metric.update(torch.cat([p.flatten() for p, _ in chunk]), torch.cat([t.flatten() for _, t in chunk]))
+                self.metric.update(torch.cat([p if p.dim() == 2 else p.flatten() for p, _ in chunk]),
+                                   torch.cat([t.flatten() for _, t in chunk]))
             else:
                 for preds, labels in chunk:
                     self.metric.update(preds, labels)

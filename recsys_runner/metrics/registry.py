@@ -28,7 +28,7 @@ from recsys_runner.metrics.decay import DecayAUC, DecayingMetric, TrainMetrics
 from recsys_runner.metrics.regression import MeanAbsoluteError, MeanSquaredError
 from recsys_runner.metrics.retrieval import HitRateAtK, NDCGAtK, RecallAtK
 
-Inputs = Literal["pointwise", "grouped", "retrieval", "ranking"]
+Inputs = Literal["pointwise", "grouped", "retrieval", "ranking", "multiclass"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,13 @@ class MetricEntry:
     factory: Callable[[MetricsConfig], Metric]
     inputs: Inputs
     doc: str
+    also: tuple[Inputs, ...] = ()
+    """Other inputs ``update`` takes: ``multiclass`` for a metric that also reads class probabilities ``[B, C]`` with
+    class indices ``[B]`` (a multi-class task's, ``accuracy``, ``logloss``, ``auc``)."""
+
+    def reads(self, kinds: Iterable[str]) -> bool:
+        """Whether the metric's ``update`` takes any of the inputs ``kinds`` (a task's ``metric_inputs_kinds``)."""
+        return any(k == self.inputs or k in self.also for k in kinds)
 
     @property
     def higher_is_better(self) -> bool | None:
@@ -70,18 +77,22 @@ NAME_PATTERNS: dict[str, Inputs] = {f"{name}@<k>": inputs for name, (_, inputs, 
 
 
 def register_metric(
-    name: str, metric: type[Metric], inputs: Inputs, doc: str, factory: Callable[[MetricsConfig], Metric] | None = None
+    name: str, metric: type[Metric], inputs: Inputs, doc: str, factory: Callable[[MetricsConfig], Metric] | None = None,
+    also: tuple[Inputs, ...] = (),
 ) -> None:
     """Add ``metric`` to :data:`METRICS` as ``name``; a name may be registered once. ``factory`` builds it from
-    the config (default: ``metric()``); its direction is ``metric.higher_is_better``."""
+    the config (default: ``metric()``); its direction is ``metric.higher_is_better``; ``also``: other inputs its
+    ``update`` takes (:attr:`MetricEntry.also`)."""
     if name in METRICS or AT_K_NAME.fullmatch(name):
         raise ValueError(f"metric {name!r} is already registered")
-    METRICS[name] = MetricEntry(metric, factory or (lambda spec: metric()), inputs, doc)
+    METRICS[name] = MetricEntry(metric, factory or (lambda spec: metric()), inputs, doc, also)
 
 
-register_metric("auc", AUC, "pointwise", "ROC AUC, exact over all ranks' rows")
-register_metric("logloss", LogLoss, "pointwise", "mean binary cross-entropy")
-register_metric("accuracy", Accuracy, "pointwise", "share of rows with (pred >= 0.5) == label")
+register_metric("auc", AUC, "pointwise", "ROC AUC, exact over all ranks' rows; multi-class: macro one-vs-rest AUC",
+                also=("multiclass",))
+register_metric("logloss", LogLoss, "pointwise", "mean binary cross-entropy; multi-class: mean -log p(true class)", also=("multiclass",))
+register_metric("accuracy", Accuracy, "pointwise", "share of rows with (pred >= 0.5) == label; multi-class: argmax == label",
+                also=("multiclass",))
 register_metric("gauc", GroupedAUC, "grouped", "AUC per metrics.grouping_key group, averaged", lambda s: GroupedAUC(s.gauc_weighting))
 register_metric("xauc", XAUC, "pointwise", "pairwise ordering accuracy for real targets", lambda s: XAUC(s.xauc_max_pairs))
 register_metric("ne", NormalizedEntropy, "pointwise", "log loss / entropy of the base rate")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -26,7 +26,7 @@ from recsys_runner.metrics.registry import (
     metric_entry,
     metric_key,
 )
-from recsys_runner.tasks import Task
+from recsys_runner.tasks import Task, mask_task_index, output_columns
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +53,41 @@ def _output_spec(spec: MetricsConfig, task: Task) -> MetricsConfig:
     return replace(own, eval=[n for n in own.eval if n not in catalogue]) if catalogue else own
 
 
-def _task_outputs(task: Task, index: int, logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-    """One task's ``(preds, targets)`` from the TrainWrapper's ``(logits, labels)``: a named task's are
-    column ``index`` of ``[B, T]``, an unnamed task's are the whole tensors; :meth:`Task.metric_inputs` does the rest."""
-    if task.name is not None:
-        logits, labels = logits[:, index], labels[:, index]
-    return task.metric_inputs(logits, labels)
+@dataclass(frozen=True)
+class _TaskView:
+    """Where one task's rows are in the TrainWrapper's ``(logits, labels)``: its output columns and the column of the task
+    whose positive label masks it (``only_where_positive``); see :func:`_views`."""
+
+    task: Task
+    index: int
+    columns: slice
+    mask: int | None
+
+    def rows(self, logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The task's ``(preds, targets)`` (:meth:`Task.metric_inputs`) and the rows kept (``None``: all): a named task's
+        are its columns of ``logits [B, ΣW]`` (one, or ``C`` for a multi-class task) and column ``index`` of ``labels
+        [B, T]``, an unnamed task's the whole tensors; a masked task keeps only the rows where its mask task's label is
+        positive (the rows its loss counts)."""
+        if self.task.name is None:
+            return *self.task.metric_inputs(logits, labels), None
+        out = logits[:, self.columns]
+        preds, targets = self.task.metric_inputs(out if self.task.output_width > 1 else out[:, 0], labels[:, self.index])
+        if self.mask is None:
+            return preds, targets, None
+        keep = labels[:, self.mask] > 0
+        return preds[keep], targets[keep], keep
+
+
+def _views(tasks: tuple[Task, ...]) -> list[_TaskView]:
+    """Each task's :class:`_TaskView`, in task order."""
+    columns = output_columns(tasks)
+    return [_TaskView(t, i, columns[i], mask_task_index(t, tasks)) for i, t in enumerate(tasks)]
+
+
+def _task_outputs(view: _TaskView, logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """One task's ``(preds, targets)`` for its metrics (:meth:`_TaskView.rows`, the masked rows only)."""
+    preds, targets, _ = view.rows(logits, labels)
+    return preds, targets
 
 
 def check_task_metrics(spec: MetricsConfig, tasks: tuple[Task, ...], model: str = "the model") -> None:
@@ -71,9 +100,9 @@ def check_task_metrics(spec: MetricsConfig, tasks: tuple[Task, ...], model: str 
     for task in tasks:
         key = "model.eval_metrics" if task.eval_metrics is not None else "metrics.eval"
         for name in task.eval_metric_names(spec.eval):
-            if metric_entry(name, key).inputs in task.metric_inputs_kinds:
+            if metric_entry(name, key).reads(task.metric_inputs_kinds):
                 continue
-            valid = [n for n, e in sorted(METRICS.items()) if e.inputs in task.metric_inputs_kinds]
+            valid = [n for n, e in sorted(METRICS.items()) if e.reads(task.metric_inputs_kinds)]
             valid += [p for p, inputs in NAME_PATTERNS.items() if inputs in task.metric_inputs_kinds]
             example = task.default_eval_metrics or ("auc",)
             raise ConfigError(
@@ -102,21 +131,25 @@ class TaskEvalMetrics:
     """Each task's eval metrics fed by its output, keyed by :func:`eval_key` (``eval/auc``, ``eval/ctr/auc``):
     :func:`eval_metric_keys` less the catalogue metrics (:func:`catalogue_metric_names`, computed by the corpus pass).
 
-    ``update(logits, labels, groups=None)`` takes the TrainWrapper's ``(logits, labels)``; ``compute()``
-    is collective under a process group, like :func:`build_eval_metrics`.
+    ``update(logits, labels, groups=None)`` takes the TrainWrapper's ``(logits, labels)``; a masked task
+    (``only_where_positive``) updates its metrics with the rows where its mask task's label is positive only, so
+    ``eval/cvr/auc`` is the AUC over clicked rows. ``compute()`` is collective under a process group, like
+    :func:`build_eval_metrics` (ranks may keep different numbers of rows).
     """
 
     def __init__(self, spec: MetricsConfig, tasks: tuple[Task, ...], device: torch.device) -> None:
         self.tasks = tasks
         self.specs = [_output_spec(spec, t) for t in tasks]
         self.collections = [build_eval_metrics(s, device) for s in self.specs]
+        self._views = _views(tasks)
 
     def update(self, logits: Tensor, labels: Tensor, groups: Tensor | None = None) -> None:
         extra = {} if groups is None else {"groups": groups}
-        for i, (task, metrics) in enumerate(zip(self.tasks, self.collections, strict=True)):
+        for view, metrics in zip(self._views, self.collections, strict=True):
+            preds, targets, keep = view.rows(logits, labels)
             # Only metrics whose update takes ``groups`` (gauc) get them: MetricCollection filters keyword
             # arguments by each metric's signature.
-            metrics.update(*_task_outputs(task, i, logits, labels), **extra)
+            metrics.update(preds, targets, **(extra if keep is None or groups is None else {"groups": groups[keep]}))
 
     def compute(self) -> dict[str, float]:
         """``{key: value}`` in :func:`eval_metric_keys` order: task by task, each task's metrics as configured."""
@@ -147,7 +180,7 @@ class TaskTrainMetrics:
     def __init__(self, spec: MetricsConfig, tasks: tuple[Task, ...], device: torch.device, flush_every: int | None = None) -> None:
         self.tasks = tasks
         self.per_task = [build_train_metrics(_task_spec(spec, t), device, "train/" if t.name is None else f"train/{t.name}/") for t in tasks]
-        self._active = [(i, t, m) for i, (t, m) in enumerate(zip(tasks, self.per_task, strict=True)) if len(m.metrics)]
+        self._active = [(v, m) for v, m in zip(_views(tasks), self.per_task, strict=True) if len(m.metrics)]
         self.flush_every = max(1, flush_every if flush_every is not None else spec.decay_step)
         self._pending: list[tuple[Tensor, Tensor]] = []
 
@@ -162,8 +195,8 @@ class TaskTrainMetrics:
         """Feed the kept micro-batches to the metrics, in order (every rank at the same steps: closing a window syncs)."""
         if not self._pending:
             return
-        for i, task, metrics in self._active:
-            metrics.update_many([_task_outputs(task, i, logits, labels) for logits, labels in self._pending])
+        for view, metrics in self._active:
+            metrics.update_many([_task_outputs(view, logits, labels) for logits, labels in self._pending])
         self._pending.clear()
 
     def compute(self) -> dict[str, float]:

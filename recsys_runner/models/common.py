@@ -20,7 +20,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recsys_runner.configurable import Configurable
 from recsys_runner.errors import ConfigError, require
 from recsys_runner.features import DataNeeds, FeatureSpec
-from recsys_runner.models.collision import pooled_collections, pooled_lookup
+from recsys_runner.models.collision import managed_feature_names, pooled_collections, pooled_lookup
 from recsys_runner.tasks import SINGLE_TASK, Task
 
 __all__ = ["LINEAR_ROW_WIDTH", "MLP", "DenseArch", "DenseFields", "FMInteraction", "LinearArch", "ModelConfig", "SparseArch",
@@ -137,13 +137,14 @@ class SparseArch(nn.Module):
         self.ebc, self.mc_ebc = pooled_collections(features.embedding_tables(embedding_dim), features.managed_tables())
         """The plain tables, and those whose raw ids a managed-collision module maps (``models/collision.py``)."""
         self.feature_names = features.sparse_names
+        self.managed_names = managed_feature_names(features)
         self.widths = features.embedding_dims(embedding_dim)
         """``D_f`` of each feature, in ``feature_names`` order."""
         self.output_dim = sum(self.widths)
         """``ΣD_f``: the width of :meth:`forward`'s output."""
 
     def forward(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        pooled = pooled_lookup(self.ebc, self.mc_ebc, sparse)
+        pooled = pooled_lookup(self.ebc, self.mc_ebc, sparse, self.feature_names, self.managed_names)
         return torch.cat([pooled[name] for name in self.feature_names], dim=1)
 
     def fields(self, embedded: torch.Tensor) -> torch.Tensor:
@@ -207,9 +208,10 @@ class LinearArch(nn.Module):
         self.ebc, self.mc_ebc = pooled_collections(tables, managed)
         self.dense = nn.Linear(features.num_dense, 1, device=device) if features.num_dense else None
         self.feature_names = features.sparse_names
+        self.managed_names = managed_feature_names(features)
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        pooled = pooled_lookup(self.ebc, self.mc_ebc, sparse)
+        pooled = pooled_lookup(self.ebc, self.mc_ebc, sparse, self.feature_names, self.managed_names)
         logit = torch.stack([pooled[name] for name in self.feature_names], dim=1).sum(dim=(1, 2))
         return logit if self.dense is None else logit + self.dense(dense).squeeze(1)
 
@@ -314,8 +316,9 @@ class TrainWrapper(nn.Module):
       ``logits`` is that output (``[B]``, or scores ``[B, C]``) and ``labels`` the task's targets
       (the labels ``[B]``, or the positives' indices ``[B]``); a task whose model returns its targets itself
       (next-item: ``(scores, targets)``) takes both from the output (:meth:`~recsys_runner.tasks.Task.output_and_targets`);
-    * named tasks (a multi-task model returning ``{task: logits [B]}``): ``logits [B, T]`` in task
-      order, ``labels [B, T]`` each task's targets in the same order.
+    * named tasks (a multi-task model returning ``{task: logits [B]}``, ``[B, C]`` for a multi-class task): ``logits [B, ΣW]``
+      the outputs side by side in task order (``[B, T]`` when no task is multi-class; each task's columns:
+      :func:`~recsys_runner.tasks.output_columns`), ``labels [B, T]`` each task's targets in the same order.
 
     The dense forward runs under the precision policy's autocast; the loss is always computed in float32.
 
@@ -378,7 +381,8 @@ class TrainWrapper(nn.Module):
             outputs = [out[t.name].float() for t in self.tasks]
             targets = [task.targets(output, batch.labels) for task, output in zip(self.tasks, outputs, strict=True)]
             per_task = [self._task_loss(t, o, y, batch.labels) for t, o, y in zip(self.tasks, outputs, targets, strict=True)]
-            logits, labels = torch.stack(outputs, dim=1), torch.stack(targets, dim=1).float()
+            logits = torch.cat([o.reshape(o.shape[0], -1) for o in outputs], dim=1)
+            labels = torch.stack(targets, dim=1).float()
             shared, self._shared, self._capture = self._shared, None, False
             loss = self.weighting(per_task, shared)
         else:  # one unnamed task: no per-step lists; a weight of 1 (x * 1.0 == x exactly) costs no op

@@ -172,15 +172,18 @@ class DBMTL(nn.Module):
         self.towers = nn.ModuleDict({n: MLP(width, list(config.tower_layer_sizes), device=dense_device) for n in names})
         """Each task's tower MLP ``[B, G] → [B, H_t]``."""
         self.relation_mlps, self.heads = self._relations_and_heads(config, dense_device)
+        self.output_widths = {t.name: t.output_width for t in self.tasks}
+        """Each task's output width: 1 (a logit, squeezed to ``[B]``) or a multi-class task's ``C``."""
 
     def _relations_and_heads(self, config: DBMTLConfig, device: torch.device | None) -> tuple[nn.ModuleDict, nn.ModuleDict]:
         """A relation MLP per task with dependencies (reading its tower's output and its dependencies' hidden vectors),
-        and each task's final 1-logit layer over its hidden vector."""
+        and each task's final layer over its hidden vector: one logit, or a multi-class task's ``C`` (``Task.output_width``)."""
         tower, relation = config.tower_layer_sizes[-1], config.relation_layer_sizes[-1]
         hidden = {n: relation if self.dependencies[n] else tower for n in self.order}
         relation_mlps = nn.ModuleDict({n: MLP(tower + sum(hidden[d] for d in deps), list(config.relation_layer_sizes), device=device)
                                        for n, deps in self.dependencies.items() if deps})
-        heads = nn.ModuleDict({n: nn.Linear(hidden[n], 1, device=device) for n in config.tasks})
+        widths = {t.name: t.output_width for t in self.tasks}
+        heads = nn.ModuleDict({n: nn.Linear(hidden[n], widths[n], device=device) for n in config.tasks})
         return relation_mlps, heads
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> dict[str, torch.Tensor]:
@@ -192,4 +195,10 @@ class DBMTL(nn.Module):
             if name in self.relation_mlps:
                 h = self.relation_mlps[name](torch.cat([h, *(hidden[d] for d in self.dependencies[name])], dim=1))
             hidden[name] = h
-        return {name: head(hidden[name]).squeeze(1) for name, head in self.heads.items()}
+        return {name: _squeezed(head(hidden[name]), self.output_widths[name]) for name, head in self.heads.items()}
+
+
+def _squeezed(logits: torch.Tensor, width: int) -> torch.Tensor:
+    """A head's ``[B, 1]`` as ``[B]``; a multi-class head's ``[B, C]`` as is. The head's ``width`` decides, not
+    ``logits.shape``: TorchRec's pipeline traces this forward, where a shape is symbolic (``tests/test_pipelines.py``)."""
+    return logits.squeeze(1) if width == 1 else logits

@@ -38,7 +38,7 @@ class MMoEConfig(MultiTaskConfig):
     expert_layer_sizes: list[int] = field(default_factory=lambda: [128, 64])
     """Layers of each expert; the last is the width ``H`` the gates mix."""
     tower_layer_sizes: list[int] = field(default_factory=lambda: [32])
-    """Hidden layers of each task's tower (a final 1-unit layer is added)."""
+    """Hidden layers of each task's tower (a final layer is added: 1 unit, or ``C`` for a multiclass task)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -84,7 +84,9 @@ class MMoE(nn.Module):
         in_features = self.sparse_arch.output_dim + features.num_dense
         self.experts = Experts(in_features, num_experts, list(expert_layer_sizes), device=dense_device)
         self.gates = nn.ModuleDict({name: Gate(in_features, num_experts, device=dense_device) for name in names})
-        self.towers = nn.ModuleDict({name: Tower(expert_layer_sizes[-1], list(config.tower_layer_sizes), device=dense_device) for name in names})
+        widths = {t.name: t.output_width for t in self.tasks}
+        self.towers = nn.ModuleDict({name: Tower(expert_layer_sizes[-1], list(config.tower_layer_sizes), device=dense_device,
+                                                      out_width=widths[name]) for name in names})
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> dict[str, torch.Tensor]:
         x = torch.cat([self.sparse_arch(sparse), dense], dim=1)

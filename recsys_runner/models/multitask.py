@@ -42,11 +42,13 @@ class MultiTaskConfig(ModelConfig):
     loss_weights: list[float] | None = None
     """Weight of each task's loss in the sum (one per task); ``null``: all 1."""
     task_kinds: list[str] | None = None
-    """``binary`` (BCE, metrics ``metrics.eval``), ``regression`` (MSE, metrics mse/mae) or ``huber`` per task; ``null``: all binary."""
+    """``binary`` (BCE, metrics ``metrics.eval``), ``regression`` (MSE, metrics mse/mae), ``huber`` or ``multiclass`` (its
+    ``num_classes`` in ``task_specs``) per task; ``null``: all binary."""
     task_specs: dict[str, Any] = field(default_factory=dict)
     """Per task, what the lists above do not say (docs/multitask.md): its data ``label`` column, ``kind``, ``weight``,
-    ``huber_delta``, ``eval_metrics``/``train_metrics``, a ``sample_weight`` column and ``only_where_positive`` (a mask:
-    the loss only on rows where another task is positive), e.g. ``+model.task_specs.cvr.only_where_positive=ctr``."""
+    ``huber_delta``, ``num_classes`` (a ``multiclass`` task's), ``eval_metrics``/``train_metrics``, a ``sample_weight`` column
+    and ``only_where_positive`` (a mask: the loss and metrics only on rows where another task is positive), e.g.
+    ``+model.task_specs.cvr.only_where_positive=ctr``, ``'+model.task_specs.category={kind: multiclass, num_classes: 5}'``."""
 
     def __post_init__(self) -> None:
         require(len(self.tasks) > 0 and len(set(self.tasks)) == len(self.tasks),
@@ -72,15 +74,18 @@ class MultiTaskConfig(ModelConfig):
         return resolve_tasks(features, list(self.tasks), self.loss_weights, self.task_kinds, self.task_specs)
 
     def data_needs(self) -> DataNeeds:
-        """A label per task (its ``label`` column), of the task's label kind, and each sample-weight column (a positive
-        amount): generated data (``data=synthetic``) draws them."""
+        """A label per task (its ``label`` column), of the task's label kind (with a multi-class task's number of
+        classes), and each sample-weight column (a positive amount): generated data (``data=synthetic``) draws them."""
         kinds = [TASK_KINDS[k].label_kind for k in (self.task_kinds or [BinaryTask.kind] * len(self.tasks))]
-        by_column = {}
+        by_column, classes = {}, {}
         for name, kind in zip(self.tasks, kinds, strict=True):
             spec = _task_spec(name, self.task_specs[name]) if name in self.task_specs else None
-            by_column[(spec.label if spec else None) or name] = TASK_KINDS[spec.kind].label_kind if spec and spec.kind else kind
+            column = (spec.label if spec else None) or name
+            by_column[column] = TASK_KINDS[spec.kind].label_kind if spec and spec.kind else kind
+            classes[column] = spec.num_classes if spec and spec.num_classes else 0
         labels = task_labels(self.tasks, self.task_specs)
-        return DataNeeds(labels=tuple(labels), label_kinds=tuple(by_column.get(c, "regression") for c in labels))
+        return DataNeeds(labels=tuple(labels), label_kinds=tuple(by_column.get(c, "regression") for c in labels),
+                         label_classes=tuple(classes.get(c, 0) for c in labels))
 
 
 def _task_spec(name: str, spec: Any) -> TaskSpec:
@@ -119,12 +124,15 @@ class Gate(nn.Module):
 
 
 class Tower(nn.Module):
-    """One task's head: an MLP ending in one logit, ``[B, H] → [B]``."""
+    """One task's head: an MLP ending in one logit, ``[B, H] → [B]``, or in ``out_width > 1`` (a multi-class task's
+    ``Task.output_width``) logits, ``[B, H] → [B, out_width]``."""
 
-    def __init__(self, in_features: int, layer_sizes: list[int], device: torch.device | None = None) -> None:
+    def __init__(self, in_features: int, layer_sizes: list[int], device: torch.device | None = None, out_width: int = 1) -> None:
         super().__init__()
         self.mlp = MLP(in_features, layer_sizes, device=device)
-        self.out = nn.Linear(layer_sizes[-1], 1, device=device)
+        self.out = nn.Linear(layer_sizes[-1], out_width, device=device)
+        self.out_width = out_width
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.mlp(x)).squeeze(1)
+        out = self.out(self.mlp(x))
+        return out.squeeze(1) if self.out_width == 1 else out  # the width is known here; a traced out.shape is not

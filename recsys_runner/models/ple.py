@@ -153,11 +153,14 @@ class PLE(nn.Module):
         """Every level but the last (none with ``num_levels=1``)."""
         self.last_level = ExtractionLevel(config, inputs[-1], len(names), final=True, device=dense_device)
         """The last level: no shared gate; its shared experts are :attr:`shared_module`."""
-        self.towers = nn.ModuleDict({name: Tower(width, list(config.tower_layer_sizes), device=dense_device) for name in names})
+        widths = {t.name: t.output_width for t in self.tasks}
+        self.towers = nn.ModuleDict({name: Tower(width, list(config.tower_layer_sizes), device=dense_device,
+                                                      out_width=widths[name]) for name in names})
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> dict[str, torch.Tensor]:
         x = torch.cat([self.sparse_arch(sparse), dense], dim=1)
         task_inputs, shared = [x] * len(self.towers), x
         for level in [*self.levels, self.last_level]:
-            task_inputs, shared = level(task_inputs, shared)
-        return {name: tower(h) for (name, tower), h in zip(self.towers.items(), task_inputs, strict=True)}
+            outputs = level(task_inputs, shared)  # indexed, not unpacked: under TorchRec's pipeline trace it is one value
+            task_inputs, shared = [outputs[0][t] for t in range(len(self.towers))], outputs[1]
+        return {name: self.towers[name](task_inputs[t]) for t, name in enumerate(self.towers)}
