@@ -168,6 +168,22 @@ class HuberTask(RegressionTask):
         return F.huber_loss(output, targets.float(), reduction="none", delta=self.delta)
 
 
+@torch.fx.wrap  # one opaque node in TorchRec's pipeline trace, which cannot follow a value-dependent raise
+def checked_classes(target: Tensor, num_classes: int, task: str, label: str) -> Tensor:
+    """``target`` unchanged when every value is a class index ``0 … num_classes - 1``.
+
+    Raises:
+        DataError: a label outside ``[0, num_classes)`` or not a whole number, naming the task, its label and the fix.
+    """
+    bad = (target < 0) | (target >= num_classes) | (target != target.trunc())
+    if bool(bad.any()):
+        value = float(target[bad][0])
+        raise DataError(f"task {task!r}: its label {label!r} holds {value:g}, but a multiclass task with "
+                        f"num_classes={num_classes} needs class indices 0..{num_classes - 1}. Fix the data, or set "
+                        f"model.task_specs.{task}.num_classes")
+    return target
+
+
 @dataclass(frozen=True, slots=True)
 class MulticlassTask(Task):
     """One of ``num_classes`` classes: the label column holds a class index ``0..C-1``, the model outputs ``C`` logits
@@ -191,13 +207,7 @@ class MulticlassTask(Task):
 
     def targets(self, output: Tensor, labels: Tensor) -> Tensor:
         target = labels if self.column is None else labels[:, self.column]
-        bad = (target < 0) | (target >= self.num_classes) | (target != target.trunc())
-        if bool(bad.any()):
-            value = float(target[bad][0])
-            raise DataError(f"task {self.name!r}: its label {self.label or self.column!r} holds {value:g}, but a multiclass task "
-                            f"with num_classes={self.num_classes} needs class indices 0..{self.num_classes - 1}. Fix the data, or "
-                            f"set model.task_specs.{self.name}.num_classes")
-        return target
+        return checked_classes(target, self.num_classes, str(self.name), str(self.label or self.column))
 
     def row_losses(self, output: Tensor, targets: Tensor) -> Tensor:
         return F.cross_entropy(output, targets.long(), reduction="none")

@@ -44,3 +44,9 @@ def test_pareto_weighting_trains_under_the_sparse_dist_pipeline(make_cfg, model:
 def test_managed_collision_tables_train_under_the_sparse_dist_pipeline(make_cfg) -> None:
     final = _train(make_cfg, "model=deepfm", "data.managed_collision={features: [cat_0, cat_1], eviction_interval: 2}")
     assert all(math.isfinite(v) for v in final.values()), final
+
+
+def test_a_multiclass_task_trains_under_the_sparse_dist_pipeline(make_cfg) -> None:
+    """Its label check (a value-dependent raise) is an fx leaf; traced inline it stopped the pipeline on an H200."""
+    final = _train(make_cfg, "model=mmoe", "model.tasks=[ctr,category]", "+model.task_specs.category={kind: multiclass, num_classes: 5}")
+    assert "eval/category/accuracy" in final and all(math.isfinite(v) for v in final.values()), final

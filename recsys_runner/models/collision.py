@@ -64,9 +64,9 @@ class CountedMCH(MCHManagedCollisionModule):
         self._lookups = [0, 0]
         """Lookups in training, in evaluation (their sizes are known without a sync)."""
 
-    def remap(self, features: dict[str, JaggedTensor], mutate_miss_lengths: bool = True,
-              write_weights: torch.Tensor | None = None) -> dict[str, JaggedTensor]:
-        out = super().remap(features, mutate_miss_lengths, write_weights)
+    def remap(self, features: dict[str, JaggedTensor], *args: Any, **kwargs: Any) -> dict[str, JaggedTensor]:
+        # passes on whatever this TorchRec's collection gives (1.8: mutate_miss_lengths, write_weights; 1.6: nothing)
+        out = super().remap(features, *args, **kwargs)
         fallback = self._output_global_offset + self._zch_size - 1
         hits = self._fallbacks if self.training else self._eval_fallbacks
         for jagged in out.values():
