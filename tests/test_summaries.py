@@ -17,7 +17,7 @@ from recsys_runner.build import build
 from recsys_runner.config import validate
 from recsys_runner.distributed.env import DistEnv
 from recsys_runner.errors import ConfigError
-from recsys_runner.tracking.tracker import Histogram
+from recsys_runner.tracking.tracker import NullTracker
 from recsys_runner.train.summaries import _local_row_norms, histogram
 from tests.conftest import TINY, run_cli
 
@@ -58,21 +58,12 @@ def test_summaries_reach_mlflow_and_a_tensorboard_event_file(tmp_path: Path) -> 
     assert set(events.Tags()["histograms"]) == set(hists)
 
 
-class _Recorder:
+class _Recorder(NullTracker):
     """A tracker that keeps what it is given."""
 
-    run_id: str | None = None
-
     def __init__(self) -> None:
+        super().__init__()
         self.metrics: dict[int, dict[str, float]] = {}
-
-    def check(self) -> None: ...
-    def start(self, **_: object) -> None: ...
-    def resume(self, run_id: str) -> None: ...
-    def log_text(self, text: str, artifact_file: str) -> None: ...
-    def log_histograms(self, histograms: Mapping[str, Histogram], step: int) -> None: ...
-    def set_tag(self, key: str, value: str) -> None: ...
-    def finish(self, status: str) -> None: ...
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         self.metrics.setdefault(step, {}).update(metrics)

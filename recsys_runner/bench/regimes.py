@@ -58,7 +58,7 @@ from recsys_runner.data.synthetic import SyntheticData
 from recsys_runner.models.common import TrainWrapper
 from recsys_runner.optim.optimizers import DenseAdagradConfig, SparseAdagradConfig
 from recsys_runner.paths import CONFIG_PATH
-from recsys_runner.tracking.tracker import Histogram
+from recsys_runner.tracking.tracker import NullTracker
 from recsys_runner.train.loop import Loop, train
 
 WINDOW = 10
@@ -78,22 +78,13 @@ TINY = ["model=deepfm", "model.embedding_dim=4", "model.dense_arch_layer_sizes=[
 """Regime (c): a model and batch so small that the step is mostly host work."""
 
 
-class _Recorder:
+class _Recorder(NullTracker):
     """A tracker that keeps the runner's samples/s (and, for data with histories, tokens/s) windows in memory."""
 
-    run_id: str | None = None
-
     def __init__(self) -> None:
+        super().__init__()
         self.rates: list[float] = []
         self.token_rates: list[float] = []
-
-    def check(self) -> None: ...
-    def start(self, **_: object) -> None: ...
-    def resume(self, run_id: str) -> None: ...
-    def log_text(self, text: str, artifact_file: str) -> None: ...
-    def log_histograms(self, histograms: Mapping[str, Histogram], step: int) -> None: ...
-    def set_tag(self, key: str, value: str) -> None: ...
-    def finish(self, status: str) -> None: ...
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         if "train/samples_per_s" in metrics:
