@@ -18,11 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from recsys_runner.config import register_configs
 from recsys_runner.paths import CONFIG_PATH
+from recsys_runner.tasks import Task
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -117,3 +119,14 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     line = slurm_skip_summary(terminalreporter.stats.get("skipped", []))
     if line:
         terminalreporter.write_line(line, yellow=True, bold=True)
+
+
+class FixedHeads(torch.nn.Module):
+    """A stand-in multi-task model for loss tests: its ``tasks`` and a fixed output ``{task: tensor}``, whatever the input."""
+
+    def __init__(self, tasks: tuple[Task, ...], out: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.tasks, self.out = tasks, out
+
+    def forward(self, dense: torch.Tensor, sparse: object) -> dict[str, torch.Tensor]:
+        return self.out

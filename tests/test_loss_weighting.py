@@ -17,11 +17,11 @@ from recsys_runner.build import build
 from recsys_runner.config import validate
 from recsys_runner.errors import ConfigError
 from recsys_runner.models.common import TrainWrapper
-from recsys_runner.tasks import BinaryTask, HuberTask, Task
+from recsys_runner.tasks import BinaryTask, HuberTask
 from recsys_runner.train.loop import train
 from recsys_runner.train.signals import Interrupted
 from recsys_runner.train.weighting import LossWeightingConfig, ParetoWeighting, UncertaintyWeighting, min_norm_weights
-from tests.conftest import TINY, torchrun
+from tests.conftest import TINY, FixedHeads, torchrun
 
 MULTITASK = ["model=mmoe", "data=synthetic_multitask", "model.num_experts=2", "model.expert_layer_sizes=[16]",
              "model.tower_layer_sizes=[8]", "model.embedding_dim=8"]
@@ -74,13 +74,6 @@ def test_min_norm_weights_match_the_closed_form_and_a_grid() -> None:
 
 
 # -- task definitions -----------------------------------------------------------------------------------------------------
-class _Heads(nn.Module):
-    def __init__(self, tasks: tuple[Task, ...], out: dict[str, torch.Tensor]) -> None:
-        super().__init__()
-        self.tasks, self.out = tasks, out
-
-    def forward(self, dense: torch.Tensor, sparse: object) -> dict[str, torch.Tensor]:
-        return self.out
 
 
 def test_mask_sample_weight_and_huber_losses() -> None:
@@ -88,7 +81,7 @@ def test_mask_sample_weight_and_huber_losses() -> None:
     labels = torch.tensor([[1.0, 1.0, 0.5, 2.0], [0.0, 0.0, 0.0, 1.0], [1.0, 0.0, 4.0, 0.0]])  # ctr, cvr, amount, row weight
     tasks = (BinaryTask("ctr", column=0, weight_column=3), BinaryTask("cvr", column=1, mask_column=0),
              HuberTask("amount", column=2, delta=1.0))
-    wrapper = TrainWrapper(_Heads(tasks, {"ctr": ctr, "cvr": cvr, "amount": amount}))
+    wrapper = TrainWrapper(FixedHeads(tasks, {"ctr": ctr, "cvr": cvr, "amount": amount}))
     loss, _ = wrapper(Batch(dense_features=torch.zeros(3, 1), sparse_features=None, labels=labels))  # type: ignore[arg-type]
     bce = torch.nn.functional.binary_cross_entropy_with_logits
     ctr_rows = bce(ctr, labels[:, 0], reduction="none")
@@ -134,8 +127,8 @@ def test_pareto_needs_a_declared_shared_representation(make_cfg) -> None:
         build(validate(cfg)).close()
     tasks = (BinaryTask("a", column=0), BinaryTask("b", column=1))
     weighting = LossWeightingConfig(kind="pareto").build(tasks)
-    with pytest.raises(ConfigError, match=r"_Heads declares none \(a class attribute shared_module"):
-        TrainWrapper(_Heads(tasks, {}), weighting=weighting)
+    with pytest.raises(ConfigError, match=r"FixedHeads declares none \(a class attribute shared_module"):
+        TrainWrapper(FixedHeads(tasks, {}), weighting=weighting)
 
 
 # -- weighting in training: logged, learned, checkpointed -----------------------------------------------------------------

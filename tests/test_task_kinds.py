@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from torch import nn
 from torchrec.datasets.utils import Batch
 
 from recsys_runner import export, predict
@@ -28,7 +27,7 @@ from recsys_runner.models.common import TrainWrapper
 from recsys_runner.models.multitask import MultiTaskConfig
 from recsys_runner.tasks import BinaryTask, MulticlassTask, Task, output_columns
 from recsys_runner.train.loop import train
-from tests.conftest import free_port
+from tests.conftest import FixedHeads, free_port
 from tests.test_evaluate import compose_entry
 from tests.test_export import SMALL, check_export, export_cfg  # noqa: F401 - a fixture
 
@@ -36,17 +35,10 @@ MULTICLASS = ["model=mmoe", "model.tasks=[ctr,category]", "+model.task_specs.cat
               "model.num_experts=2", "model.expert_layer_sizes=[32]", "model.tower_layer_sizes=[16]", "model.embedding_dim=8"]
 
 
-class _Heads(nn.Module):
-    def __init__(self, tasks: tuple[Task, ...], out: dict[str, torch.Tensor]) -> None:
-        super().__init__()
-        self.tasks, self.out = tasks, out
-
-    def forward(self, dense: torch.Tensor, sparse: object) -> dict[str, torch.Tensor]:
-        return self.out
 
 
 def _forward(tasks: tuple[Task, ...], out: dict[str, torch.Tensor], labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    wrapper = TrainWrapper(_Heads(tasks, out))
+    wrapper = TrainWrapper(FixedHeads(tasks, out))
     loss, (_, logits, targets) = wrapper(Batch(dense_features=torch.zeros(len(labels), 1), sparse_features=None, labels=labels))  # type: ignore[arg-type]
     return loss, logits, targets
 
