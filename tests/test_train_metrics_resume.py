@@ -109,9 +109,9 @@ def test_kept_micro_batches_give_exactly_the_per_step_values(flush_every: int) -
         labels = (torch.rand(rows, 2, generator=g) < 0.3).float()
         logits = torch.randn(rows, 2, generator=g) + 2 * labels
         deferred.update(logits, labels)
-        for i, task, metrics in reference._active:  # the per-step path: every metric updated right away
+        for view, metrics in reference._active:  # the per-step path: every metric updated right away
             for metric in metrics.metrics.values():
-                metric.update(*_task_outputs(task, i, logits, labels))
+                metric.update(*_task_outputs(view, logits, labels))
         if step % 4 == 1:  # read at a log step, mid-window or not
             assert deferred.compute() == reference.compute()
     assert deferred.compute() == reference.compute()
