@@ -53,6 +53,7 @@ from recsys_runner.runtime import Launch
 from recsys_runner.tasks import SINGLE_TASK
 from recsys_runner.tracking.tensorboard import LOGDIR_NAME, TensorBoardTracker
 from recsys_runner.tracking.tracker import NullTracker, Tracker
+from recsys_runner.train.compile import check_static_shapes, compile_dense
 from recsys_runner.train.config import TrainConfig
 from recsys_runner.train.ema import DenseEMA
 from recsys_runner.train.evaluation import BestEval, Evaluator
@@ -128,6 +129,7 @@ def build(run: RunConfig, *, launch: Launch = Launch(), weights: Path | None = N
         steps_per_epoch = _steps_per_epoch(data, env.world_size, run.train.grad_accum_steps)
         total_steps = _total_steps(run, steps_per_epoch, log_choice=env.is_main)
         check_eval_cadence(run.train, steps_per_epoch)
+        check_static_shapes(run.train.compile, data.features)
         model = _with_catalogue(run.model.build(features=data.features, dense_device=env.device), data)
         wrapped = TrainWrapper(model, autocast=precision.autocast(env.device), features=data.features,
                                weighting=_loss_weighting(run, model))
@@ -135,9 +137,11 @@ def build(run: RunConfig, *, launch: Launch = Launch(), weights: Path | None = N
         apply_sparse_optimizer(wrapped, run.optim.sparse)
         plan = distributed.plan(wrapped, batch_size=data.batch_size)
         sharded = distributed.shard(wrapped, plan)
+        compile_dense(model, run.train.compile, wrapper=wrapped)  # the same module objects DMP now holds
         optimizer, lr_scheduler, policy = _optimizers(run, sharded, precision.grad_scaler(env.device), total_steps, steps_per_epoch)
         ema = policy.ema
-        pipeline = make_pipeline(run.distributed.pipeline, env, sharded, policy.dense, policy, annotate=run.train.profile.enabled)  # the fused lr is pushed by the Stepper
+        pipeline = make_pipeline(run.distributed.pipeline, env, sharded, policy.dense, policy, annotate=run.train.profile.enabled,
+                                 semi_sync_start_batch=run.distributed.semi_sync_start_batch)  # the fused lr is pushed by the Stepper
         stepper = Stepper(pipeline=pipeline, policy=policy, lr_scheduler=lr_scheduler, optimizer=optimizer,
                           train_metrics=TaskTrainMetrics(run.metrics, wrapped.tasks, env.device),
                           accumulation_steps=run.train.grad_accum_steps, weighting=wrapped.weighting)

@@ -85,6 +85,7 @@ from recsys_runner.optim.schedulers import (
 from recsys_runner.stores import StorageConfig
 from recsys_runner.tasks import Task
 from recsys_runner.tracking.tracker import MlflowTrackingConfig, NoTrackingConfig, TrackingConfig
+from recsys_runner.train.compile import check_compile
 from recsys_runner.train.config import TrainConfig
 from recsys_runner.train.precision import PrecisionConfig
 
@@ -244,6 +245,7 @@ def validate(cfg: DictConfig) -> RunConfig:
     saves_checkpoints = bool(ckpt.at_end or ckpt.every_steps or ckpt.every_epochs or ckpt.best_metric)
     check_sparse_on_device(run.optim.sparse, device_type, checkpoints=saves_checkpoints)
     check_sharding_types(run.distributed.sharding_types, device_type, run.distributed.tables)
+    check_compile(run.train.compile, device_type, run.data)
     if ckpt.best_metric is not None:
         ckpt.best_mode = metric_mode(ckpt.best_metric, ckpt.best_mode, "checkpoint.best_mode")
     stopping = run.train.early_stopping

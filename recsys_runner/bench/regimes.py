@@ -316,6 +316,7 @@ def main(argv: list[str] | None = None, sequence_bench: SequenceBench | None = N
     parser.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 7; --quick 1)")
     parser.add_argument("--parquet-rows", type=int, default=None, help="rows of the generated Parquet file (default 200000)")
     parser.add_argument("--json", default="bench.json", help="where to write the results (default ./bench.json)")
+    parser.add_argument("--startup-runs", type=int, default=None, help="launches timed for (d) (default 3; --quick 1)")
     parser.add_argument("--quick", action="store_true", help="tiny steps and one round: checks that every regime runs, not how fast")
     parser.add_argument("--skip", action="append", default=[], choices=["ab", "c", "d", "seq"],
                         help="leave out regimes (repeatable); seq: the sequence regimes e-g (bench/sequences.py)")
@@ -342,7 +343,7 @@ def main(argv: list[str] | None = None, sequence_bench: SequenceBench | None = N
         if "c" not in args.skip:
             regimes.append(bench_host_overhead(args.overrides, host_steps, rounds))
         if "d" not in args.skip:
-            startup = bench_startup([f"data.batch_size={batch_size}", *args.overrides], workdir, 1 if q else 3)
+            startup = bench_startup([f"data.batch_size={batch_size}", *args.overrides], workdir, args.startup_runs or (1 if q else 3))
     sequences: dict[str, Any] = {}
     sequence_rows = ""
     if sequence_bench is not None and "seq" not in args.skip:

@@ -23,7 +23,7 @@ _BACKENDS = ("auto", "gloo", "nccl")
 
 _DEVICES = ("auto", "cpu", "cuda")
 
-_PIPELINES = ("auto", "sparse_dist", "base")
+_PIPELINES = ("auto", "sparse_dist", "base", "semi_sync", "prefetch")
 
 _SHARDING_TYPES = sorted(t.value for t in ShardingType)
 
@@ -33,11 +33,16 @@ PROPOSERS = ("default", "dynamic_programming", "greedy", "grid_search", "uniform
 """``distributed.planner.proposer``'s choices (:func:`recsys_runner.distributed.sharding.proposers` builds them)."""
 
 
-def _check_choices(key: str, sharding_types: list[str] | None, compute_kernels: list[str] | None) -> None:
+def _check_choices(key: str, sharding_types: list[str] | None, compute_kernels: list[str] | None,
+                   cache_load_factor: float | None = None) -> None:
     for t in sharding_types or []:
         require(t in _SHARDING_TYPES, f"{key}.sharding_types has unknown {t!r}; valid: {_SHARDING_TYPES}")
     for k in compute_kernels or []:
         require(k in _KERNELS, f"{key}.compute_kernels has unknown {k!r}; valid: {_KERNELS}")
+    require(cache_load_factor is None or 0 < cache_load_factor < 1,
+            f"{key}.cache_load_factor={cache_load_factor} must lie strictly between 0 and 1 (the share of a UVM-cached table's "
+            f"rows its HBM cache holds; at 1 the whole table would sit in HBM, which is the fused kernel, and TorchRec refuses it). "
+            f"Fix: e.g. {key}.cache_load_factor=0.2, or null for TorchRec's default")
 
 
 @dataclass(kw_only=True)
@@ -48,6 +53,9 @@ class TableShardingConfig:
     """Sharding types for this table only (overrides ``distributed.sharding_types``); ``null`` inherits."""
     compute_kernels: list[str] | None = None
     """Compute kernels for this table only (overrides ``distributed.compute_kernels``); ``null`` inherits."""
+    cache_load_factor: float | None = None
+    """This table's HBM cache, as a share of its rows, when it is UVM-cached (overrides ``distributed.cache_load_factor``;
+    ``null`` inherits). Tables that fbgemm runs in one kernel share one cache, of their summed sizes."""
 
 
 @dataclass(kw_only=True)
@@ -92,7 +100,16 @@ class DistributedConfig(Configurable):
     """Train pipeline: ``sparse_dist`` overlaps the next batch's input distribution with the current
     step (a win on GPU); ``base`` is a plain forward/backward/step loop (faster on CPU, where there
     is nothing to overlap; on CPU it is :class:`~recsys_runner.train.stepping.LeanPipeline`, which skips the
-    per-batch device copy and profiler ranges). ``auto`` picks ``sparse_dist`` on CUDA and ``base`` on CPU."""
+    per-batch device copy and profiler ranges). ``auto`` picks ``sparse_dist`` on CUDA and ``base`` on CPU.
+    ``semi_sync`` is TorchRec's ``TrainPipelineSemiSync``: batch ``i``'s embedding all-to-all overlaps the dense
+    forward of batch ``i-1``, so after ``distributed.semi_sync_start_batch`` synchronous batches each batch is looked up
+    with embeddings one update older — faster on several GPUs, but *not* the same training as the others (never a
+    default). ``prefetch`` is TorchRec's ``PrefetchTrainPipelineSparseDist``: ``sparse_dist`` plus a stage that
+    prefetches the next batch's rows into the UVM caches (``fused_uvm_caching`` tables, see ``distributed.hbm_cap_gb``),
+    exact. Both run on CUDA only. Neither takes a step policy (``train.grad_accum_steps``, fp16 loss scaling, clipping, EMA)."""
+    semi_sync_start_batch: int = 100
+    """``distributed.pipeline=semi_sync`` only: batches trained synchronously before the pipeline turns semi-synchronous
+    (TorchRec's ``start_batch``; a short synchronous start keeps the early loss from jumping)."""
     sharding_types: list[str] | None = None
     """Sharding types the planner may choose from for every table (e.g. ``[table_wise, row_wise]``);
     ``null`` lets the planner consider all — but with one rank only ``table_wise`` and ``data_parallel``
@@ -113,6 +130,15 @@ class DistributedConfig(Configurable):
     """Device (GPU) memory per rank the planner may fill, GB (``null``: TorchRec's default, 32)."""
     ddr_cap_gb: float | None = None
     """Host memory per rank the planner may fill, GB — the budget for tables on CPU (``null``: 128)."""
+    cache_load_factor: float | None = None
+    """The share of a UVM-cached table's rows that its HBM cache holds, in (0, 1): TorchRec's
+    ``CacheParams(load_factor=...)`` for every table (``distributed.tables.<t>.cache_load_factor`` for one). A table the
+    planner gives ``fused_uvm_caching`` (fbgemm's kernel: the table in host memory, its hot rows cached on the GPU; chosen
+    when the tables exceed ``distributed.hbm_cap_gb`` and ``distributed.compute_kernels`` allows it, e.g.
+    ``[fused, fused_uvm_caching]``) costs this share of its size in HBM. It is the trade the plan makes: a smaller cache
+    fits a smaller cap (or leaves room to keep more tables whole in HBM), a larger one misses less, which matters when
+    ids are not heavy-headed. The planner budgets the caches at this size and fbgemm allocates them so; the plan prints
+    it (``cache 20% of rows``). ``null``: TorchRec's default, 0.2. No effect on tables kept in HBM, nor on CPU."""
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     """How the planner searches: ``distributed.planner.proposer=dynamic_programming`` (TorchEasyRec's choice) or TorchRec's default set."""
     planner_batch_size: int | None = None
@@ -132,9 +158,14 @@ class DistributedConfig(Configurable):
                 f"(cores / ranks per node) or e.g. distributed.num_threads=4")
         require(self.backend in _BACKENDS, f"distributed.backend={self.backend!r} must be one of {_BACKENDS}")
         require(self.pipeline in _PIPELINES, f"distributed.pipeline={self.pipeline!r} must be one of {_PIPELINES}")
-        _check_choices("distributed", self.sharding_types, self.compute_kernels)
+        require(not (self.pipeline in ("semi_sync", "prefetch") and self.device == "cpu"), cuda_pipeline_reason(self.pipeline))
+        require(self.semi_sync_start_batch >= 0,
+                f"distributed.semi_sync_start_batch must be >= 0, got {self.semi_sync_start_batch}")
+        _check_choices("distributed", self.sharding_types, self.compute_kernels, self.cache_load_factor)
         for name, table in self.tables.items():
-            _check_choices(f"distributed.tables.{name}", table.sharding_types, table.compute_kernels)
+            _check_choices(f"distributed.tables.{name}", table.sharding_types, table.compute_kernels, table.cache_load_factor)
+        if self.compute_kernels or any(t.compute_kernels for t in self.tables.values()):
+            check_compute_kernels(self, resolve_device_type(self.device))
         require(0 <= self.storage_reserve_percent < 1, "distributed.storage_reserve_percent must lie in [0, 1)")
         for key in ("intra_node_bandwidth_gbps", "cross_node_bandwidth_gbps", "hbm_cap_gb", "ddr_cap_gb",
                     "planner_batch_size", "plan_world_size", "plan_local_world_size"):
@@ -161,6 +192,13 @@ class DistributedConfig(Configurable):
         return built
 
 
+def cuda_pipeline_reason(kind: str) -> str:
+    """Why ``distributed.pipeline=<kind>`` (``semi_sync``, ``prefetch``) cannot run on a CPU, and the fix."""
+    what = ("prefetches rows into the GPU's UVM caches" if kind == "prefetch"
+            else "overlaps the all-to-all with the forward on CUDA streams")
+    return f"distributed.pipeline={kind} {what}; it runs on CUDA only. Fix: distributed.pipeline=auto (or base) on CPU"
+
+
 def resolve_device_type(device: str) -> str:
     """``cuda`` or ``cpu`` for a ``distributed.device`` setting, without touching a process group."""
     if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
@@ -183,4 +221,25 @@ def check_sharding_types(
         require(
             not unusable,
             f"{key}={types}: {unusable} cannot shard embedding tables on {device_type}; available there: {available}",
+        )
+
+
+def check_compute_kernels(config: DistributedConfig, device_type: str) -> None:
+    """Reject compute kernels (global or per table) TorchRec has no embedding kernel for on ``device_type``: on a CPU
+    only ``dense`` and ``fused``; the UVM and key-value kernels are fbgemm's CUDA kernels (tables in host memory or on
+    SSD, looked up by the GPU), which the planner would otherwise reject with a message about its search space."""
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    sharder = EmbeddingBagCollectionSharder()
+    available = sorted({k for t in sharder.sharding_types(device_type) for k in sharder.compute_kernels(t, device_type)})
+    chosen = {"distributed.compute_kernels": config.compute_kernels} | {
+        f"distributed.tables.{name}.compute_kernels": t.compute_kernels for name, t in config.tables.items()
+    }
+    for key, kernels in chosen.items():
+        unusable = [k for k in kernels or [] if k not in available]
+        require(
+            not unusable,
+            f"{key}={kernels}: {unusable} cannot run on {device_type} (fbgemm's UVM and key-value kernels keep a table in "
+            f"host memory or on SSD for a GPU to look up); available there: {available}. Fix: {key}=[fused] (or null), "
+            f"or distributed.device=cuda",
         )

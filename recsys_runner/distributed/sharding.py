@@ -10,10 +10,11 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import math
 import os
 import re
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,10 +22,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel, get_default_sharders
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.planner.constants import UVM_CACHING_RATIO
+from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.proposers import DynamicProgrammingProposer, GreedyProposer, GridSearchProposer, UniformProposer
 from torchrec.distributed.planner.stats import EmbeddingStats
 from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
@@ -38,7 +42,14 @@ from torchrec.distributed.planner.types import (
     TopologyFactory,
     TrainerConfig,
 )
-from torchrec.distributed.types import EmbeddingModuleShardingPlan, ModuleSharder, ShardingEnv, ShardingPlan, ShardingType
+from torchrec.distributed.types import (
+    CacheParams,
+    EmbeddingModuleShardingPlan,
+    ModuleSharder,
+    ShardingEnv,
+    ShardingPlan,
+    ShardingType,
+)
 from torchrec.modules.mc_modules import ManagedCollisionCollection
 
 from recsys_runner.distributed.config import DistributedConfig, PlannerConfig, TableShardingConfig, resolve_device_type
@@ -51,6 +62,9 @@ log = logging.getLogger(__name__)
 _GB = 1024**3
 
 _GBPS_TO_PLANNER = _GB / 1000  # the planner's bandwidths are bytes per millisecond
+
+_CACHING_KERNELS = {EmbeddingComputeKernel.FUSED_UVM_CACHING.value, EmbeddingComputeKernel.QUANT_UVM_CACHING.value}
+"""The kernels that keep a table in host memory behind an HBM cache of ``cache_load_factor`` of its rows (fbgemm's)."""
 
 ONE_RANK_SHARDING_TYPES = [ShardingType.TABLE_WISE.value, ShardingType.DATA_PARALLEL.value]
 """The sharding types the planner may choose on one rank unless the config names others: row-wise and
@@ -113,6 +127,8 @@ class PlanReport:
     error: str | None = None
     proposer: str = "default"
     """``distributed.planner.proposer``: which proposer(s) the planner searched with."""
+    summary: str = ""
+    """The plan's one line (:func:`plan_summary`): tables per sharding type and kernel, UVM caches' ratio and size."""
 
     @property
     def fits(self) -> bool:
@@ -123,7 +139,8 @@ class PlanReport:
                 f"on {self.compute_device}, proposer={self.proposer}")
         if self.plan is None:
             return f"{head}\nDOES NOT FIT: {self.error}"
-        lines = [head, str(self.plan), "", "per-rank memory (GB used / budget after storage reserve):",
+        lines = [head, str(self.plan), "", *([self.summary, ""] if self.summary else []),
+                 "per-rank memory (GB used / budget after storage reserve):",
                  f"{'rank':>4}  {'hbm':>17}  {'ddr':>17}  fits"]
         for r in self.ranks:
             lines.append(f"{r.rank:>4}  {r.hbm / _GB:8.3f} / {r.hbm_budget / _GB:6.2f}  "
@@ -196,6 +213,7 @@ class Distributed:
         self.config = config
         self.env: DistEnv | None = None
         self._owns_group = False
+        self.summary = ""  # the last plan's line (plan_summary), as logged; the caches' sizes only on rank 0, which planned
 
     # -- process group ---------------------------------------------------------------------------
     def setup(self) -> DistEnv:
@@ -206,7 +224,9 @@ class Distributed:
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         use_cuda = resolve_device_type(self.config.device) == "cuda"
-        require(not use_cuda or torch.cuda.is_available(), "distributed.device=cuda but no CUDA device is visible; use distributed.device=auto or cpu")
+        require(not use_cuda or torch.cuda.is_available(),
+                f"distributed.device=cuda but no CUDA device is visible (torch {torch.__version__}: no GPU, no driver, or a "
+                f"CPU build of torch). Fix: distributed.device=auto (CUDA when there is one) or distributed.device=cpu")
         device = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
         if use_cuda:
             torch.cuda.set_device(device)
@@ -241,11 +261,20 @@ class Distributed:
     def plan(self, model: nn.Module, batch_size: int) -> ShardingPlan:
         """Ask TorchRec's planner for a sharding plan that every rank agrees on (rank 0 plans, broadcasts)."""
         env = self._require_env()
-        planner, recorder, _ = self._planner(model, batch_size, env.world_size, env.local_world_size, env.device.type)
-        plan = planner.collective_plan(model, runner_sharders(), dist.GroupMember.WORLD)
-        if env.is_main:  # rank 0 planned, so its recorder holds the chosen options and their storage
-            log.info("%s", plan_summary(plan, env.world_size, _rank_usage(recorder.best_plan, env.world_size)))
+        planner, recorder, topology = self._planner(model, batch_size, env.world_size, env.local_world_size, env.device.type)
+        try:
+            plan = planner.collective_plan(model, runner_sharders(), dist.GroupMember.WORLD)
+        except PlannerError as e:
+            why = self._caches_overflow_hbm(model, batch_size, topology)
+            if why is None:
+                raise
+            raise ConfigError(why) from e
+        # rank 0 planned, so its recorder holds the chosen options and their storage
+        self.summary = plan_summary(plan, env.world_size, _rank_usage(recorder.best_plan, env.world_size), recorder.best_plan)
+        if env.is_main:
+            log.info("%s", self.summary)
             log.debug("sharding plan (%d ranks):\n%s", env.world_size, plan)
+            self._warn_unused_cache_load_factor(plan)
         return plan
 
     def dry_plan(self, model: nn.Module, batch_size: int, device_type: str) -> PlanReport:
@@ -263,10 +292,13 @@ class Distributed:
         try:
             plan = planner.plan(model, runner_sharders())
         except PlannerError as e:
-            return PlanReport(world_size, local_world_size, device_type, None, [], error=str(e).strip(), proposer=c.planner.proposer)
+            why = self._caches_overflow_hbm(model, batch_size, topology)
+            error = str(e).strip() if why is None else f"{why}\n\nTorchRec's planner: {str(e).strip()}"
+            return PlanReport(world_size, local_world_size, device_type, None, [], error=error, proposer=c.planner.proposer)
         used = _rank_usage(recorder.best_plan, world_size)
         ranks = [RankMemory(r, used[r][0], used[r][1], *budgets[r]) for r in range(world_size)]
-        return PlanReport(world_size, local_world_size, device_type, plan, ranks, proposer=c.planner.proposer)
+        return PlanReport(world_size, local_world_size, device_type, plan, ranks, proposer=c.planner.proposer,
+                          summary=plan_summary(plan, world_size, used, recorder.best_plan))
 
     def _planner(self, model: nn.Module, batch_size: int, world_size: int, local_world_size: int,
                  device_type: str) -> tuple[EmbeddingShardingPlanner, _RecordBestPlan, Topology]:
@@ -289,27 +321,75 @@ class Distributed:
         planner = EmbeddingShardingPlanner(
             topology=topology,
             batch_size=c.planner_batch_size or batch_size,
-            constraints=self._constraints(_table_names(model), world_size, set(_table_names(model, unpooled=True)), device_type,
-                                          managed=_managed_table_names(model)),
+            constraints=self._model_constraints(model, world_size, device_type),
             storage_reservation=FixedPercentageStorageReservation(percentage=c.storage_reserve_percent),
             proposer=proposers(c.planner, device_type),
             stats=[_StatsAtDebug(), recorder],
         )
         return planner, recorder, topology
 
+    def _model_constraints(self, model: nn.Module, world_size: int, device_type: str) -> dict[str, ParameterConstraints] | None:
+        return self._constraints(_table_names(model), world_size, set(_table_names(model, unpooled=True)), device_type,
+                                 managed=_managed_table_names(model))
+
+    def _caches_overflow_hbm(self, model: nn.Module, batch_size: int, topology: Topology) -> str | None:
+        """Why no plan fits, when it is because the device memory cannot hold even the UVM caches: every table in its
+        least-HBM option that the allowed kernels offer (the planner's own enumeration and estimates), and some of
+        those options cache; ``None`` otherwise (the planner's message stands)."""
+        if topology.compute_device != "cuda":
+            return None
+        c = self.config
+        constraints = self._model_constraints(model, topology.world_size, topology.compute_device)
+        options = EmbeddingEnumerator(topology, c.planner_batch_size or batch_size, constraints).enumerate(model, runner_sharders())
+        least: dict[str, ShardingOption] = {}
+        for option in options:
+            if option.fqn not in least or option.total_storage.hbm < least[option.fqn].total_storage.hbm:
+                least[option.fqn] = option
+        need = sum(o.total_storage.hbm for o in least.values())
+        budget = sum(int(d.storage.hbm * (1 - c.storage_reserve_percent)) for d in topology.devices)
+        cached = [o for o in least.values() if o.compute_kernel in _CACHING_KERNELS]
+        if need <= budget or not cached:
+            return None
+        ratios = sorted({_load_factor(o) for o in cached})
+        ratio = "/".join(f"{r:.0%}" for r in ratios)
+        source = "distributed.cache_load_factor" if c.cache_load_factor is not None else "TorchRec's default"
+        cap_gb = topology.devices[0].storage.hbm / _GB
+        need_gb = need / len(topology.devices) / (1 - c.storage_reserve_percent) / _GB
+        ranks = f"{len(topology.devices)} rank{'s' if len(topology.devices) != 1 else ''}"
+        allowed = f"distributed.compute_kernels={c.compute_kernels}" if c.compute_kernels else "distributed.tables.<t>.compute_kernels"
+        return (
+            f"distributed.hbm_cap_gb={cap_gb:g} cannot hold even the tables' UVM caches: with the kernels allowed "
+            f"({allowed}), {len(cached)} tables are at best cached, {ratio} of their rows "
+            f"({source}), and the tables then need {_mb(need)} of HBM (caches, optimizer state and buffers: the planner's "
+            f"estimate), more than {ranks} x {cap_gb:g} GB leave after distributed.storage_reserve_percent="
+            f"{c.storage_reserve_percent:g} ({_mb(budget)}). Fix: distributed.hbm_cap_gb={math.ceil(need_gb * 100) / 100:g} or "
+            f"more (what they need), a smaller distributed.cache_load_factor (e.g. {ratios[0] / 2:g}), or allow tables in host "
+            f"memory without a cache: distributed.compute_kernels=null (or add fused_uvm)"
+        )
+
+    def _warn_unused_cache_load_factor(self, plan: ShardingPlan) -> None:
+        c = self.config
+        if c.cache_load_factor is None and not any(t.cache_load_factor is not None for t in c.tables.values()):
+            return
+        kernels = {p.compute_kernel for m in plan.plan.values() if isinstance(m, EmbeddingModuleShardingPlan) for p in m.values()}
+        if not kernels & _CACHING_KERNELS:
+            log.warning("distributed.cache_load_factor has no effect: no table was given a UVM caching kernel (every table fits "
+                        "in distributed.hbm_cap_gb, or the plan is for a CPU)")
+
     def _constraints(self, tables: list[str], world_size: int, unpooled: set[str] | None = None,
                      device_type: str = "cpu", managed: set[str] | None = None) -> dict[str, ParameterConstraints] | None:
         """Per-table planner constraints: the table's own choices, else the global ones, else (sharding
         types on one rank) :data:`ONE_RANK_SHARDING_TYPES`; ``unpooled`` tables (an EmbeddingCollection's: histories)
         never get ``data_parallel`` (:func:`_unpooled_types`); ``managed`` (managed-collision) tables are row-wise, the
-        one way TorchRec shards their mapping (:func:`_managed_types`)."""
+        one way TorchRec shards their mapping (:func:`_managed_types`). On CUDA each table's UVM cache settings
+        (:func:`_cache_params`) go with it, for the planner to budget and fbgemm to build if the table is cached."""
         c = self.config
         unknown = sorted(set(c.tables) - set(tables))
         if unknown:
             known = sorted(tables, key=lambda t: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", t)])
             raise ConfigError(f"distributed.tables names {unknown}, which the model does not have; its tables: {', '.join(known)}")
         sharding_types = c.sharding_types or (ONE_RANK_SHARDING_TYPES if world_size == 1 else None)
-        if not (sharding_types or c.compute_kernels or c.tables or unpooled):
+        if not (sharding_types or c.compute_kernels or c.tables or unpooled or c.cache_load_factor or c.pipeline == "prefetch"):
             return None
         constraints = {}
         for table in tables:
@@ -320,7 +400,8 @@ class Distributed:
             if table in (managed or set()):
                 types = _managed_types(table, chosen=own.sharding_types or c.sharding_types)
             constraints[table] = ParameterConstraints(sharding_types=types or None,
-                                                      compute_kernels=own.compute_kernels or c.compute_kernels)
+                                                      compute_kernels=own.compute_kernels or c.compute_kernels,
+                                                      cache_params=_cache_params(c, own, device_type))
         return constraints
 
     def shard(self, model: nn.Module, plan: ShardingPlan) -> DistributedModelParallel:
@@ -371,18 +452,25 @@ def _mb(n: int) -> str:
     return f"{n / 1024**2:.1f} MB" if n < _GB else f"{n / _GB:.2f} GB"
 
 
-def plan_summary(plan: ShardingPlan, world_size: int, usage: list[tuple[int, int]] | None = None) -> str:
+def plan_summary(plan: ShardingPlan, world_size: int, usage: list[tuple[int, int]] | None = None,
+                 options: Sequence[ShardingOption] = ()) -> str:
     """One line: how many tables, on how many ranks, per sharding type and compute kernel, and (from the
     planner's estimates, when ``usage`` has them) the most memory one rank holds, e.g.
     ``sharding plan: 26 tables on 1 rank: 26 table_wise (fused kernel); est. 12.3 MB/rank (HBM 12.3 MB, DDR 0.0 MB)``;
     with several ranks ``est. max ... (HBM ..., DDR ...), min ...``, the fullest and the emptiest rank.
+
+    With the planner's chosen ``options``, tables with a UVM caching kernel also say their cache ratio and the cache's
+    size against the whole tables' (weights, all ranks), e.g. ``26 table_wise (fused_uvm_caching kernel, cache 20% of
+    rows: 0.41 GB HBM of 2.05 GB)``.
     """
     counts = Counter(
         (p.sharding_type, p.compute_kernel)
         for module in plan.plan.values() if isinstance(module, EmbeddingModuleShardingPlan)
         for p in module.values()
     )
-    kinds = ", ".join(f"{n} {sharding} ({kernel} kernel)" for (sharding, kernel), n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    caches = _cache_notes(options)
+    kinds = ", ".join(f"{n} {sharding} ({kernel} kernel{caches.get((sharding, kernel), '')})"
+                      for (sharding, kernel), n in sorted(counts.items(), key=lambda kv: -kv[1]))
     line = (f"sharding plan: {sum(counts.values())} tables on {world_size} rank{'s' if world_size != 1 else ''}: "
             f"{kinds or 'nothing to shard'}")
     if usage and any(hbm or ddr for hbm, ddr in usage):
@@ -392,6 +480,41 @@ def plan_summary(plan: ShardingPlan, world_size: int, usage: list[tuple[int, int
         if world_size > 1:  # how even the split is
             line += f", min {_mb(min(h + d for h, d in usage))}"
     return line
+
+
+def _load_factor(option: ShardingOption) -> float:
+    """The share of rows a cached table's HBM cache holds: its ``cache_load_factor``, else TorchRec's default (which
+    the planner budgets and TorchRec's fbgemm kernels allocate alike)."""
+    return option.cache_load_factor if option.cache_load_factor is not None else UVM_CACHING_RATIO
+
+
+def _cache_notes(options: Sequence[ShardingOption]) -> dict[tuple[str, str], str]:
+    """Per (sharding type, caching kernel): ``, cache 20% of rows: 0.41 GB HBM of 2.05 GB``, the tables' caches and
+    whole sizes (weights) summed; a range of ratios when tables differ."""
+    groups: dict[tuple[str, str], list[ShardingOption]] = {}
+    for option in options:
+        if option.compute_kernel in _CACHING_KERNELS:
+            groups.setdefault((option.sharding_type, option.compute_kernel), []).append(option)
+    out = {}
+    for key, group in groups.items():
+        ratios = sorted({_load_factor(o) for o in group})
+        ratio = f"{ratios[0]:.0%}" if len(ratios) == 1 else f"{ratios[0]:.0%}-{ratios[-1]:.0%}"
+        whole = [o.tensor.numel() * o.tensor.element_size() for o in group]
+        cache = sum(round(_load_factor(o) * size) for o, size in zip(group, whole, strict=True))
+        out[key] = f", cache {ratio} of rows: {_mb(cache)} HBM of {_mb(sum(whole))}"
+    return out
+
+
+def _cache_params(config: DistributedConfig, table: TableShardingConfig, device_type: str) -> CacheParams | None:
+    """A table's UVM cache settings on CUDA, used if the planner caches it: its ``cache_load_factor`` (else the global
+    one) and, with ``distributed.pipeline=prefetch``, ``prefetch_pipeline``: fbgemm then locks the rows prefetched for
+    the next batch in the cache until that batch has used them (without it TorchRec warns that backward may read wrong
+    cache locations). ``None`` where nothing is set (TorchRec's defaults) and on CPU, which has no such kernel."""
+    load_factor = table.cache_load_factor if table.cache_load_factor is not None else config.cache_load_factor
+    prefetch = config.pipeline == "prefetch"
+    if device_type != "cuda" or (load_factor is None and not prefetch):
+        return None
+    return CacheParams(load_factor=load_factor, prefetch_pipeline=True if prefetch else None)
 
 
 def _table_names(model: nn.Module, unpooled: bool = False) -> list[str]:

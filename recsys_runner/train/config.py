@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from recsys_runner.errors import require
 from recsys_runner.progress import MODES as PROGRESS_MODES
+from recsys_runner.train.compile import CompileConfig
 from recsys_runner.train.ema import EmaConfig
 from recsys_runner.train.profiling import ProfileConfig
 from recsys_runner.train.stepping import ClipConfig
@@ -49,6 +50,9 @@ class TrainConfig:
     nan_guard: bool = True
     """Stop with a clear error when the train loss is NaN/inf (checked at log steps and before each
     checkpoint, so a non-finite state is never saved)."""
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    """``torch.compile`` of the model's dense modules, optionally as CUDA graphs (``train.compile.enabled=true``,
+    ``train.compile.cuda_graphs=true``; docs/performance.md measures both on a GPU)."""
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     """torch.profiler trace of a few steps, stored in MLflow (``debug=profile``)."""
     stop_after_steps: int | None = None

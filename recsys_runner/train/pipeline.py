@@ -10,8 +10,11 @@ import torch
 from torch import nn
 from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
 from torchrec.distributed.train_pipeline import utils as pipeline_utils
+from torchrec.distributed.train_pipeline.train_pipelines import PrefetchTrainPipelineSparseDist, TrainPipelineSemiSync
 
+from recsys_runner.distributed.config import cuda_pipeline_reason
 from recsys_runner.distributed.env import DistEnv
+from recsys_runner.errors import ConfigError
 from recsys_runner.train.stepping import LeanPipeline, Pipeline, PolicyPipelineBase, PolicyPipelineSparseDist, StepPolicy
 
 
@@ -35,7 +38,7 @@ pipeline_utils.Tracer = SubtreeLeafTracer  # what _rewrite_model builds its trac
 
 def make_pipeline(
     kind: str, env: DistEnv, model: nn.Module, optimizer: torch.optim.Optimizer, policy: StepPolicy | None = None, *,
-    annotate: bool = False,
+    annotate: bool = False, semi_sync_start_batch: int = 100,
 ) -> Pipeline:
     """The train pipeline chosen by ``distributed.pipeline`` (``kind``) for a model sharded on ``env``'s device.
 
@@ -44,10 +47,27 @@ def make_pipeline(
     active step policy (accumulation, loss scaling, clipping, EMA) the pipeline runs the policy's backward and
     dense step (:mod:`recsys_runner.train.stepping`) and steps the fused optimizer; otherwise it steps ``optimizer``
     once per batch. ``annotate`` keeps the profiler ranges of the lean pipeline (``train.profile``).
+
+    ``semi_sync`` and ``prefetch`` are TorchRec's ``TrainPipelineSemiSync`` (after ``semi_sync_start_batch`` batches,
+    embeddings looked up one update older) and ``PrefetchTrainPipelineSparseDist`` (UVM cache prefetch, CUDA only);
+    they run no step policy.
+
+    Raises:
+        ConfigError: ``semi_sync``/``prefetch`` with an active step policy, or on a CPU.
     """
     if kind == "auto":
         kind = "sparse_dist" if env.device.type == "cuda" else "base"
     active = policy is not None and policy.active
+    if kind in ("semi_sync", "prefetch"):
+        if active:
+            raise ConfigError(f"distributed.pipeline={kind} runs TorchRec's own backward and cannot apply gradient accumulation, "
+                              f"fp16 loss scaling, clipping or EMA. Fix: distributed.pipeline=sparse_dist with those, or drop "
+                              f"train.grad_accum_steps / precision=fp16 / train.clip_grad / train.ema")
+        if env.device.type != "cuda":
+            raise ConfigError(cuda_pipeline_reason(kind))
+        if kind == "prefetch":
+            return PrefetchTrainPipelineSparseDist(model, optimizer, env.device, execute_all_batches=True)
+        return TrainPipelineSemiSync(model, optimizer, env.device, execute_all_batches=True, start_batch=semi_sync_start_batch)
     if kind == "base" and env.device.type == "cpu":
         if active:
             assert policy is not None

@@ -3,11 +3,15 @@
 The profiler waits ``wait`` steps, warms up for ``warmup`` and records ``active`` steps (CPU
 activity, plus CUDA on GPU); the Chrome trace (open it in ``chrome://tracing`` or Perfetto) and a
 table of the most expensive ops are logged as artifacts ``profile/trace_rank<r>.json`` and
-``profile/key_averages.txt``. Off by default; ``debug=profile`` turns it on.
+``profile/key_averages.txt``, with ``profile/breakdown.txt``: where a step's time goes (:func:`breakdown`: input copy,
+embedding forward/backward, all-to-all, dense forward/backward, optimizer, metrics, Python; kernel time against step
+time on a GPU). Off by default; ``debug=profile`` turns it on.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +20,9 @@ from typing import Any
 import torch
 
 from recsys_runner.errors import require
+from recsys_runner.train.breakdown import breakdown
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -65,14 +72,23 @@ class StepProfiler:
         self._prof.step()
 
     def finish(self, tracker: Any) -> list[str]:
-        """Stop profiling and log what was recorded; returns the artifact names."""
+        """Stop profiling and log what was recorded (trace, op table, step breakdown); returns the artifact names."""
         self._prof.stop()
-        names = []
+        names, text = [], ""
         for path in self._traces:
-            tracker.log_text(path.read_text(), f"profile/{path.name}")
+            text = path.read_text()
+            tracker.log_text(text, f"profile/{path.name}")
             names.append(f"profile/{path.name}")
         if self._traces:
             table = self._prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
             tracker.log_text(table, "profile/key_averages.txt")
             names.append("profile/key_averages.txt")
+            try:
+                step_table = breakdown(json.loads(text)).table()
+            except (ValueError, KeyError, TypeError) as e:  # a diagnostic must not cost the run its end checkpoint
+                log.warning("profile/breakdown.txt not written: the trace could not be broken down (%s: %s)", type(e).__name__, e)
+            else:
+                tracker.log_text(step_table, "profile/breakdown.txt")
+                names.append("profile/breakdown.txt")
         return names
+
