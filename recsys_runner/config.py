@@ -29,6 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 from recsys_runner.checkpoint.config import CheckpointConfig
 from recsys_runner.configurable import Configurable, typed
 from recsys_runner.data.base import DataConfig
+from recsys_runner.data.collision import resolve_collision_modules
 from recsys_runner.data.synthetic import SyntheticDataConfig
 from recsys_runner.data.synthetic_sequences import SyntheticSequencesConfig
 from recsys_runner.data.tabular_config import CriteoDataConfig, CsvDataConfig, ParquetDataConfig
@@ -241,6 +242,7 @@ def validate(cfg: DictConfig) -> RunConfig:
     assert dataclasses.is_dataclass(composed), f"root config is {type(composed)}; conf/config.yaml must extend run_schema"
     run = RunConfig(**{f.name: getattr(composed, f.name) for f in dataclasses.fields(RunConfig)})
     device_type = resolve_device_type(run.distributed.device)
+    resolve_collision_modules(run.data, device_type)  # managed_collision.module=auto: hash_zch on CUDA, mch on CPU
     ckpt = run.checkpoint
     saves_checkpoints = bool(ckpt.at_end or ckpt.every_steps or ckpt.every_epochs or ckpt.best_metric)
     check_sparse_on_device(run.optim.sparse, device_type, checkpoints=saves_checkpoints)

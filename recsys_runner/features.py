@@ -7,7 +7,7 @@ table sizes are written once, in the data config, and never repeated in the mode
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
 
@@ -38,25 +38,56 @@ def check_embedding_dim(key: str, dim: int) -> None:
         )
 
 
+COLLISION_MODULES = ("auto", "mch", "hash_zch")
+"""TorchRec's managed-collision modules: ``mch`` (``MCHManagedCollisionModule``: a sorted mapping, admission and eviction
+every ``eviction_interval`` steps; CPU and GPU), ``hash_zch`` (``HashZchManagedCollisionModule``: multi-probe hashing in
+an fbgemm kernel that admits and evicts inline; it trains on CUDA only) and ``auto`` (``hash_zch`` on CUDA, ``mch`` on
+CPU: the run's ``distributed.device``)."""
+
 EVICTION_POLICIES = ("lfu", "lru", "distance_lfu")
-"""Eviction policies of a managed-collision table (TorchRec's MCH ``LFU_``, ``LRU_``, ``DistanceLFU_EvictionPolicy``)."""
+"""Eviction policies of an ``mch`` table (TorchRec's MCH ``LFU_``, ``LRU_``, ``DistanceLFU_EvictionPolicy``)."""
+
+HASH_ZCH_EVICTION_POLICIES = ("lru", "ttl")
+"""Eviction policies of a ``hash_zch`` table (TorchRec's ``HashZchEvictionPolicyName.LRU_EVICTION`` and
+``SINGLE_TTL_EVICTION``, with the time to live counted in training steps instead of hours)."""
 
 
 @dataclass(frozen=True, slots=True)
 class ManagedCollision:
-    """How a table maps raw ids to its rows through TorchRec's managed-collision (MCH) module, rather than by hashing.
+    """How a table maps raw ids to its rows through one of TorchRec's managed-collision modules, rather than by hashing.
 
-    The table's ``num_embeddings`` rows are the slots; raw ids in ``[0, input_hash_size)`` are admitted to a slot
-    every ``eviction_interval`` training steps by ``eviction_policy``, evicting the ids it scores lowest (``decay_exponent``
-    weighs how fast an id's last access ages it: ``lru`` and ``distance_lfu``). The last slot of the table (of each
-    row-wise shard) is the fallback: an id holding no slot reads it. Carried by :class:`SparseFeature`, so the models
-    build the module; the data configs declare it (``recsys_runner.data.collision``).
+    The table's ``num_embeddings`` rows are the slots; raw ids lie in ``[0, input_hash_size)``. ``module`` picks the
+    module (:data:`COLLISION_MODULES`; ``auto`` is decided by :meth:`on` for the run's device). ``mch``: every
+    ``eviction_interval`` training steps ``eviction_policy`` (``None``: ``lfu``) admits the ids seen since and evicts
+    the ids it scores lowest (``decay_exponent`` weighs how fast an id's last access ages it: ``lru`` and
+    ``distance_lfu``); the last slot of the table (of each row-wise shard) is the fallback an id without a slot reads.
+    ``hash_zch``: an id takes a free slot among ``max_probe`` probed from its hash at its first lookup; when none is
+    free, a slot whose id went unseen for more than ``ttl_steps`` training steps is taken (``eviction_policy`` ``lru``, the
+    default: the least recently seen in the probe range; ``ttl``: the first such slot probed); otherwise the id shares
+    its hash's slot with another id. Carried by :class:`SparseFeature`, so the models build the module; the data
+    configs declare it (``recsys_runner.data.collision``).
     """
 
     input_hash_size: int
-    eviction_policy: str = "lfu"
+    eviction_policy: str | None = None
     eviction_interval: int = 100
     decay_exponent: float = 1.0
+    module: str = "auto"
+    ttl_steps: int = 100
+    max_probe: int = 128
+
+    def on(self, device_type: str) -> ManagedCollision:
+        """These settings with ``module`` decided for a run on ``device_type`` (``cuda``, ``cpu``; other devices,
+        e.g. ``meta``, decide nothing): ``auto`` becomes ``hash_zch`` on CUDA and ``mch`` elsewhere."""
+        if self.module != "auto" or device_type not in ("cuda", "cpu"):
+            return self
+        return replace(self, module="hash_zch" if device_type == "cuda" else "mch")
+
+    @property
+    def policy(self) -> str:
+        """The eviction policy in effect: ``eviction_policy``, else the module's default (``hash_zch``: ``lru``, ``mch``
+        and an undecided ``auto``: ``lfu``)."""
+        return self.eviction_policy or ("lru" if self.module == "hash_zch" else "lfu")
 
 
 @dataclass(frozen=True, slots=True)

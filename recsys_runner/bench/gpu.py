@@ -40,7 +40,7 @@ class Measurement:
 
 MEASUREMENTS = (
     Measurement("regimes_4096", "recsys_runner.bench.regimes",
-                ("--batch-size", "4096", "--rounds", "3", "--parquet-rows", "2000000", "--startup-runs", "2",
+                ("--batch-size", "4096", "--rounds", "3", "--parquet-rows", "2000000", "--startup-runs", "1",
                  "--json", "{out}/regimes_4096.json"), 200,
                 ("--quick", "--skip", "d", "--json", "{out}/regimes_4096.json")),
     Measurement("step_options_deepfm", "recsys_runner.bench.step_options",
@@ -57,6 +57,10 @@ MEASUREMENTS = (
     Measurement("caching", "recsys_runner.bench.caching",
                 ("--num-embeddings", "1000000", "--json", "{out}/caching.json"), 150,
                 ("--quick", "--json", "{out}/caching.json")),
+    Measurement("collision_hash_zch", "recsys_runner.bench.collision",
+                ("--rounds", "3", "--module", "hash_zch", "--json", "{out}/collision_hash_zch.json"), 120,
+                ("--quick", "--module", "hash_zch", "--json", "{out}/collision_hash_zch.json")),
+    Measurement("collision_check", "recsys_runner.bench.collision", ("--check",), 90, ("--check",)),
     Measurement("regimes_65536", "recsys_runner.bench.regimes",
                 ("--batch-size", "65536", "--steps", "60", "--rounds", "3", "--parquet-rows", "2000000", "--skip", "c",
                  "--skip", "d", "--json", "{out}/regimes_65536.json"), 150,
@@ -146,8 +150,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny settings: checks the list runs, not how fast")
     parser.add_argument("--list", action="store_true", help="print the commands and exit")
     parser.add_argument("--parallel", action="store_true", help="run all at once (a smoke run: timings mean nothing)")
+    parser.add_argument("--passed", type=Path, default=None,
+                        help="a smoke run's summary.json: run only what ran to the end there (a failure costs no slot twice)")
     args = parser.parse_args(argv)
     chosen = MEASUREMENTS if args.only is None else tuple(m for m in MEASUREMENTS if m.name in args.only.split(","))
+    if args.passed is not None:
+        smoke = json.loads(args.passed.read_text())["measurements"]
+        ok = {r["name"] for r in smoke if r.get("rc") == 0}
+        print(f"skipped, failed in {args.passed}: {[m.name for m in chosen if m.name not in ok]}", flush=True)
+        chosen = tuple(m for m in chosen if m.name in ok)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.list:
         for m in chosen:

@@ -1,22 +1,29 @@
-"""Managed-collision tables: raw ids mapped to rows by TorchRec's MCH module, with counters for the run's metrics.
+"""Managed-collision tables: raw ids mapped to rows by TorchRec's MCH or HashZch module, with counters for the run's metrics.
 
 A table whose feature carries :class:`~recsys_runner.features.ManagedCollision` is looked up through TorchRec's
-``ManagedCollisionEmbeddingBagCollection``: a ``ManagedCollisionCollection`` of :class:`CountedMCH` (TorchRec's
-``MCHManagedCollisionModule``) remaps each raw id to a slot, then an ordinary ``EmbeddingBagCollection`` embeds the
-slot. Every ``eviction_interval`` training steps the module admits the ids it saw since the last admission and evicts
-those its policy scores lowest (their rows, and their optimizer state, are reset by the sharded module); an id
-holding no slot reads the table's last slot (of each row-wise shard), the fallback, which TorchRec reserves and never
-evicts. The mapping and the policy's metadata are persistent buffers, so they are part of the model's state dict,
-sharded row-wise with the table, in every checkpoint.
+``ManagedCollisionEmbeddingBagCollection``: a ``ManagedCollisionCollection`` of managed-collision modules remaps each
+raw id to a slot, then an ordinary ``EmbeddingBagCollection`` embeds the slot. Two modules, by ``module``:
+
+* :class:`CountedMCH` (TorchRec's ``MCHManagedCollisionModule``, ``mch``): every ``eviction_interval`` training steps
+  the module admits the ids it saw since the last admission and evicts those its policy scores lowest; an id holding
+  no slot reads the table's last slot (of each row-wise shard), the fallback, which TorchRec reserves and never evicts.
+* :class:`CountedHashZch` (TorchRec's ``HashZchManagedCollisionModule``, ``hash_zch``; trains on CUDA only): an id
+  takes a free slot among ``max_probe`` probed from its hash at its first lookup, or the slot of an id unseen for more
+  than ``ttl_steps`` training steps (counted here in steps, :class:`_StepTtl`); when neither is in reach it reads the
+  slot its hash points at, which another id holds (its "fallback": a hash collision). No slot is reserved.
+
+Either way an evicted id's row and optimizer state are reset by the sharded module, and the mapping with the policy's
+metadata are persistent buffers, so they are part of the model's state dict, sharded row-wise with the table, in
+every checkpoint.
 
 Tables without the option stay in a plain ``EmbeddingBagCollection``: :func:`pooled_collections` splits them,
-:func:`pooled_lookup` joins the two lookups. :func:`collision_counters` reads what :class:`CountedMCH` counted (summable
-over ranks) and :func:`collision_rates` turns the summed counts into the logged ``mc/<table>/…`` metrics.
+:func:`pooled_lookup` joins the two lookups. :func:`collision_counters` reads what the modules counted (summable over
+ranks) and :func:`collision_rates` turns the summed counts into the logged ``mc/<table>/…`` metrics.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -24,6 +31,8 @@ import torch.distributed as dist
 from torch import nn
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.hash_mc_evictions import HashZchEvictionConfig, HashZchEvictionModule, HashZchEvictionPolicyName
+from torchrec.modules.hash_mc_modules import HashZchManagedCollisionModule
 from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
 from torchrec.modules.mc_modules import (
     DistanceLFU_EvictionPolicy,
@@ -35,11 +44,11 @@ from torchrec.modules.mc_modules import (
 )
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
-from recsys_runner.errors import CheckpointError
+from recsys_runner.errors import CheckpointError, ConfigError
 from recsys_runner.features import FeatureSpec, ManagedCollision
 
-__all__ = ["CountedMCH", "collision_counters", "collision_rates", "managed_collision_module", "pooled_collections",
-           "pooled_lookup", "managed_feature_names", "restore_collision_state"]
+__all__ = ["CountedHashZch", "CountedMCH", "HASH_ZCH_TRAINING_DEVICES", "collision_counters", "collision_rates",
+           "managed_collision_module", "pooled_collections", "pooled_lookup", "managed_feature_names", "restore_collision_state"]
 
 _EMPTY = torch.iinfo(torch.int64).max
 """The raw id TorchRec's MCH keeps in a slot no id holds (and in the fallback slot)."""
@@ -119,21 +128,210 @@ class CountedMCH(MCHManagedCollisionModule):
         self.validate_state()
 
 
+HASH_ZCH_TRAINING_DEVICES = ("cuda",)
+"""Devices whose fbgemm kernel lets :class:`CountedHashZch` insert ids (TorchRec's CPU kernel is read-only)."""
+
+_EMPTY_SLOT = -1
+"""The identity HashZch keeps in a slot no id holds, and the slot its kernel reports for a lookup that evicted nothing."""
+
+_HASH_ZCH_POLICIES = {"lru": HashZchEvictionPolicyName.LRU_EVICTION, "ttl": HashZchEvictionPolicyName.SINGLE_TTL_EVICTION}
+
+
+class _StepTtl(HashZchEvictionModule):
+    """HashZch's eviction scores counted in training steps instead of hours of wall time.
+
+    An id looked up at step ``s`` is stamped ``s + ttl_steps``; at step ``t`` the kernel may give a slot to a new id when
+    its stamp is below ``t`` (``SINGLE_TTL_EVICTION``: the first such slot probed; ``LRU_EVICTION``: the lowest stamp,
+    the least recently seen, of the probe range). TorchRec's own scorers stamp ``ttl + int(time.time() / 3600)``: a run of
+    minutes would evict nothing, and a resumed run would evict otherwise than the uninterrupted one. Evaluation lookups
+    get no stamp (TorchRec's CPU kernel refuses one). The TTL travels in ``config.single_ttl``, so that TorchRec's
+    per-shard rebuild passes it on; :class:`CountedHashZch` sets :attr:`step`.
+    """
+
+    def __init__(self, policy_name: HashZchEvictionPolicyName, device: torch.device, config: HashZchEvictionConfig) -> None:
+        super().__init__(policy_name=policy_name, device=device, config=config)
+        self.ttl_steps = int(config.single_ttl or 0)
+        self.step = 0
+        """The training step being looked up (from 1: the kernel evicts only with a positive threshold)."""
+
+    def forward(self, feature: JaggedTensor) -> tuple[torch.Tensor | None, int]:
+        if not self.training:
+            return None, -1
+        stamps = torch.full((feature.values().numel(),), self.step + self.ttl_steps, dtype=torch.int32, device=self._device)
+        return stamps, self.step
+
+
+class CountedHashZch(HashZchManagedCollisionModule):
+    """TorchRec's HashZch module with the counters and checks of :class:`CountedMCH`, evicting by training steps.
+
+    * ``counters()``: slots holding an id; lookups and fallback lookups (an id that reads a slot another id holds: no
+      free or expired slot in its probe range, or never admitted, at evaluation), training and evaluation apart; the
+      slots whose id was evicted. What HashZch does not expose is not counted: how many distinct ids were refused a slot.
+    * ``evict()`` hands the sharded module only the slots that were evicted: TorchRec's returns the kernel's ``-1``
+      ("nothing evicted") as well, which the embedding module then resets at every training step as row ``-1``
+      (fbgemm's reset: the row before the table in its weights buffer; the re-initialization: the table's last row).
+    * the ids are a buffer, not TorchRec's int64 ``nn.Parameter``, which the runner's dense optimizers would take.
+    * the lookup clock (:class:`_StepTtl`) counts training lookups and is saved with the mapping.
+    * on CPU a training lookup raises :class:`~recsys_runner.errors.ConfigError` naming the fix (TorchRec's kernel fails
+      with "Expected readonly to be true"); construction and evaluation lookups work there.
+
+    Sharding rebuilds the module per row-wise shard through ``self.__class__(...)``, with TorchRec's keyword arguments of
+    either TorchRec version (1.6: no ``read_only_suffix``, …), which pass through here unchanged.
+    """
+
+    _fallbacks: torch.Tensor
+    _eval_fallbacks: torch.Tensor
+    _eviction_module: HashZchEvictionModule | None
+    _evicted_indices: list[torch.Tensor]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # TorchRec holds the ids in an int64 nn.Parameter (for its model publishing): the runner's dense optimizers, EMA
+        # and clipping take every parameter DMP leaves them, so here they are the buffer they are (same state-dict key)
+        identities = self._hash_zch_identities.data
+        del self._hash_zch_identities
+        self.register_buffer(self.IDENTITY_BUFFER, identities)
+        for name in ("_fallbacks", "_eval_fallbacks"):
+            self.register_buffer(name, torch.zeros((), dtype=torch.int64, device=self._device), persistent=False)
+        self._lookups = [0, 0]
+        """Lookups in training, in evaluation (their sizes are known without a sync)."""
+        self._evicted = 0
+        """Slots whose id was evicted since the last :meth:`counters` (known on the host once ``evict()`` ran)."""
+        self._step = 0
+        """Training lookups so far: the clock of :class:`_StepTtl`, saved as ``_current_iter_tensor`` (on the CPU and
+        written only when the state dict is taken: no device work per lookup)."""
+        # the name of MCH's clock: TorchRec's sharded collection keeps it one plain tensor, not a row-wise sharded one
+        self.register_buffer("_current_iter_tensor", torch.zeros((1,), dtype=torch.int64))
+        self.register_state_dict_pre_hook(_save_clock)
+        self._install_clock()
+        if self._device.type == "cuda":
+            # TorchRec builds the rank-block tables on CPU and copies them to the device at every lookup: from pageable
+            # memory, a copy that waits for the stream, twice per table and step
+            self.input_mapper.to(self._device)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        # TorchRec's adds the ids to the buffers (a parameter there); here they are one already
+        return nn.Module.named_buffers(self, prefix, recurse, remove_duplicate)
+
+    def _install_clock(self) -> None:
+        if self._eviction_module is not None and self._eviction_policy_name is not None and self._eviction_config is not None:
+            self._eviction_module = _StepTtl(self._eviction_policy_name, self._device, self._eviction_config)
+
+    def reset_training_mode(self) -> None:
+        super().reset_training_mode()
+        self._install_clock()
+
+    @property
+    def _offset(self) -> int:
+        """This shard's first slot in the table."""
+        return self._output_segments[self._start_bucket]
+
+    def remap(self, features: dict[str, JaggedTensor], *args: Any, **kwargs: Any) -> dict[str, JaggedTensor]:
+        # passes on whatever this TorchRec's collection gives (1.8: mutate_miss_lengths, write_weights; 1.6: mutate_miss_lengths)
+        if self.training:
+            if self.device.type not in HASH_ZCH_TRAINING_DEVICES:
+                raise ConfigError(f"managed-collision table {self._name!r} uses module hash_zch, which trains on CUDA only "
+                                  f"(TorchRec's CPU kernel cannot insert ids: 'Expected readonly to be true'), but the model is "
+                                  f"on {self.device.type}. Fix: distributed.device=cuda, or managed_collision.module=mch "
+                                  f"(or auto, which picks mch on CPU)")
+            self._step += 1
+            if isinstance(self._eviction_module, _StepTtl):
+                self._eviction_module.step = self._step
+        out = super().remap(features, *args, **kwargs)
+        identities = self._hash_zch_identities.data.view(-1)
+        hits = self._fallbacks if self.training else self._eval_fallbacks
+        for name, jagged in out.items():
+            raw = features[name].values()
+            slots = jagged.values() - self._offset if self._offset else jagged.values()
+            self._lookups[0 if self.training else 1] += raw.numel()
+            hits.add_(torch.count_nonzero(identities[slots] != raw))
+        return out
+
+    def evict(self) -> torch.Tensor | None:
+        if not self._evicted_indices:
+            return None
+        marked = torch.cat([*self._evicted_indices, torch.full((1,), _EMPTY_SLOT, dtype=torch.int64, device=self.device)])
+        self._evicted_indices = []
+        slots = torch.unique(marked)[1:]  # sorted, and -1 is in it: the slots evicted (one sync, as TorchRec's unique)
+        self._evicted += slots.numel()
+        if not slots.numel():
+            return None
+        return slots + self._offset if self._offset else slots
+
+    def counters(self) -> dict[str, int]:
+        """Slots holding an id now, and the counts since the last call (which resets them)."""
+        counts = {"slots_used": int((self._hash_zch_identities != _EMPTY_SLOT).sum()), "evictions": self._evicted,
+                  "lookups": self._lookups[0], "fallback_lookups": int(self._fallbacks),
+                  "eval_lookups": self._lookups[1], "eval_fallback_lookups": int(self._eval_fallbacks)}
+        for buffer in (self._fallbacks, self._eval_fallbacks):
+            buffer.zero_()
+        self._lookups, self._evicted = [0, 0], 0
+        return counts
+
+    def check_restored(self, table: str) -> None:
+        """After a checkpoint was loaded into the buffers: refuse a mapping laid out for another number of ranks or another
+        id space, and set the lookup clock to the checkpoint's.
+
+        Raises:
+            CheckpointError: the checkpoint's mapping was saved by another number of ranks (HashZch places an id by its
+                rank's block of the id space: the slots it probes differ), or holds ids outside this config's id space.
+        """
+        saved = int(self.get_buffer(self.BUCKET_BUFFER).view(-1)[0])
+        if saved != self._buckets:
+            raise CheckpointError(f"the checkpoint's managed-collision table {table!r} (module hash_zch) was saved by {saved} "
+                                  f"rank(s), and this run has {self._buckets}: HashZch places an id within its rank's block of "
+                                  f"the id space, so the mapping does not carry over to another number of ranks. Fix: resume "
+                                  f"on {saved} rank(s)")
+        identities = self._hash_zch_identities.data.view(-1)
+        ids = identities[identities != _EMPTY_SLOT]
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self._input_hash_size):
+            raise CheckpointError(f"the checkpoint's managed-collision table {table!r} maps raw ids up to {int(ids.max())}, "
+                                  f"outside this config's input_hash_size={self._input_hash_size}: its id space changed. Fix: "
+                                  f"resume with the training run's managed_collision.input_hash_size")
+        block = -(-self._input_hash_size // self._buckets)  # TorchRec's TrainInputMapper: a rank's block of raw ids
+        if ids.numel() and self._buckets > 1 and bool(((ids // block < self._start_bucket) | (ids // block >= self._end_bucket)).any()):
+            raise CheckpointError(f"the checkpoint's managed-collision table {table!r} holds raw ids of other ranks' blocks: its "
+                                  f"input_hash_size changed. Fix: resume with the training run's managed_collision.input_hash_size")
+        self._step = int(self.get_buffer("_current_iter_tensor")[0])
+
+
+def _save_clock(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    """A state-dict pre-hook of :class:`CountedHashZch`: its lookup clock into its buffer."""
+    assert isinstance(module, CountedHashZch)
+    module.get_buffer("_current_iter_tensor").fill_(module._step)
+
+
 def _policy(mc: ManagedCollision) -> MCHEvictionPolicy:
-    if mc.eviction_policy == "lru":
+    if mc.policy == "lru":
         return LRU_EvictionPolicy(decay_exponent=mc.decay_exponent)
-    if mc.eviction_policy == "distance_lfu":
+    if mc.policy == "distance_lfu":
         return DistanceLFU_EvictionPolicy(decay_exponent=mc.decay_exponent)
     return LFU_EvictionPolicy()
 
 
-def managed_collision_module(table: EmbeddingBagConfig, mc: ManagedCollision, device: torch.device) -> CountedMCH:
-    """The MCH module of ``table``: its ``num_embeddings`` rows are the slots, ids come raw in ``[0, input_hash_size)``.
+def managed_collision_module(table: EmbeddingBagConfig, mc: ManagedCollision, device: torch.device) -> CountedMCH | CountedHashZch:
+    """The managed-collision module of ``table``: its ``num_embeddings`` rows are the slots, ids come raw in
+    ``[0, input_hash_size)``. ``mc.module`` picks it; ``auto`` (where config validation did not decide it) follows
+    ``device``: :class:`CountedHashZch` on CUDA, :class:`CountedMCH` on CPU and on ``meta`` (a model built for sharding
+    from settings no config validation saw, e.g. a schema file's column: ``mch`` runs on either device).
 
     Its buckets (the blocks of the raw id space the row-wise shards split) are the process group's ranks: TorchRec's
     planner shards a table only over a multiple of its buckets, and the model is built after the group exists.
+
+    Raises:
+        ConfigError: a ``hash_zch`` table whose slots the ranks cannot split evenly (HashZch's buckets are equal).
     """
     buckets = dist.get_world_size() if dist.is_initialized() else 1
+    mc = mc.on(device.type)
+    if mc.module == "hash_zch":
+        if table.num_embeddings % buckets:
+            raise ConfigError(f"managed-collision table {table.name!r} (module hash_zch) has {table.num_embeddings} slots, which "
+                              f"{buckets} ranks cannot split evenly: HashZch gives each rank's block of the id space an equal "
+                              f"share. Fix: a num_embeddings that is a multiple of {buckets}")
+        ttl = HashZchEvictionConfig(features=list(table.feature_names), single_ttl=mc.ttl_steps)
+        return CountedHashZch(zch_size=table.num_embeddings, device=device, total_num_buckets=buckets, max_probe=mc.max_probe,
+                              input_hash_size=mc.input_hash_size, name=table.name, eviction_policy_name=_HASH_ZCH_POLICIES[mc.policy],
+                              eviction_config=ttl)
     return CountedMCH(zch_size=table.num_embeddings, device=device, eviction_policy=_policy(mc), buckets=buckets,
                       eviction_interval=mc.eviction_interval, input_hash_size=mc.input_hash_size, name=table.name)
 
@@ -179,8 +377,8 @@ def managed_feature_names(features: FeatureSpec) -> frozenset[str]:
     return frozenset(f.name for f in features.sparse if f.table_name in tables)
 
 
-def _tables(model: nn.Module) -> list[tuple[str, CountedMCH]]:
-    return [(m._name or name, m) for name, m in model.named_modules() if isinstance(m, CountedMCH)]
+def _tables(model: nn.Module) -> list[tuple[str, CountedMCH | CountedHashZch]]:
+    return [(m._name or name, m) for name, m in model.named_modules() if isinstance(m, CountedMCH | CountedHashZch)]
 
 
 def collision_counters(model: nn.Module) -> dict[str, float]:
