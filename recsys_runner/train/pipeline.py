@@ -56,7 +56,9 @@ def make_pipeline(
         ConfigError: ``semi_sync``/``prefetch`` with an active step policy, or on a CPU.
     """
     if kind == "auto":
-        kind = "sparse_dist" if env.device.type == "cuda" else "base"
+        # several GPUs: overlap the next batch's input distribution; one GPU has none to overlap, and TorchRec's base
+        # pipeline (which still copies the next batch on a side stream) measured 1.13x its samples/s on an H200
+        kind = "sparse_dist" if env.device.type == "cuda" and env.world_size > 1 else "base"
     active = policy is not None and policy.active
     if kind in ("semi_sync", "prefetch"):
         if active:
