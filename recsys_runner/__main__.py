@@ -27,6 +27,11 @@ quiet_known_noise()  # first, before Hydra composes: the known library warnings,
 register_configs()
 
 
+def stored_texts(files: dict[str, bytes]) -> dict[str, str]:
+    """What every checkpoint stores beside the weights (the data's fitted encoders), also as MLflow artifacts."""
+    return {name: content.decode() for name, content in files.items()}
+
+
 def run(cfg: DictConfig, launch: Launch = Launch()) -> float:
     """Run one job; returns its objective, the final eval metric ``train.objective`` (for sweepers)."""
     spec = validate(cfg)
@@ -35,7 +40,8 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> float:
     start = RunStart(
         run_name=",".join(launch.overrides) or "defaults", params=flatten(spec) | _run_length(loop),
         tags={lineage.CHECKPOINT_DIR_TAG: str(loop.checkpointer.dir.absolute())} if loop.checkpointer.dir is not None else {},
-        texts={"config.yaml": to_yaml(spec), "sharding_plan.txt": str(c.plan)}, continue_run=loop.state.run_id,
+        texts={"config.yaml": to_yaml(spec), "sharding_plan.txt": str(c.plan), **stored_texts(loop.checkpointer.files)},
+        continue_run=loop.state.run_id,
         world_size=c.env.world_size, device=c.env.device if c.env.is_main else None, step=loop.state.step)
     if c.env.is_main and spec.checkpoint.dir is None and spec.checkpoint.resume == "auto" and loop.state.step == 0:
         note_interrupted_runs(launch, loop.checkpointer.storage, loop.checkpointer.dir)  # the default dir is new per launch

@@ -32,6 +32,7 @@ from recsys_runner.checkpoint.config import TrainState
 from recsys_runner.checkpoint.policy import Checkpointer
 from recsys_runner.config import RunConfig, check_eval_keys
 from recsys_runner.data.base import DataModule
+from recsys_runner.data.encoders import ENCODERS_FILE, read_stored
 from recsys_runner.distributed.env import DistEnv, decided_on_rank0
 from recsys_runner.distributed.sharding import Distributed
 from recsys_runner.errors import ConfigError
@@ -125,7 +126,7 @@ def build(run: RunConfig, *, launch: Launch = Launch(), weights: Path | None = N
             checkpointer.lock()
         precision = run.precision.build()
         precision.apply_tf32()
-        data: DataModule = run.data.for_model(run.model.data_needs()).build(device=env.device)
+        data = _data(run, env.device, checkpointer, weights)
         steps_per_epoch = _steps_per_epoch(data, env.world_size, run.train.grad_accum_steps)
         total_steps = _total_steps(run, steps_per_epoch, log_choice=env.is_main)
         check_eval_cadence(run.train, steps_per_epoch)
@@ -167,6 +168,27 @@ def build(run: RunConfig, *, launch: Launch = Launch(), weights: Path | None = N
                 early_stopping=early_stopping, tracker=tracker, total_steps=total_steps, steps_per_epoch=steps_per_epoch, state=state,
                 best=best, summaries=summaries)
     return Components(run=run, env=env, distributed=distributed, plan=plan, loop=loop)
+
+
+def _data(run: RunConfig, device: torch.device, checkpointer: Checkpointer, weights: Path | None) -> DataModule:
+    """The data module, its files encoded by the encoders of the checkpoint this run starts from (``weights``, the one
+    resumed, or ``init_from``'s) when there is one, else by encoders fitted now; those are stored with every checkpoint
+    (:mod:`recsys_runner.data.encoders`).
+
+    A checkpoint written before encoders were stored gets a warning: its encoders are fitted on the data again, and
+    files that changed since its training give its ids other rows."""
+    source = weights if weights is not None else checkpointer.restore_source()
+    stored = read_stored(source) if source is not None else None
+    config = run.data.for_model(run.model.data_needs())
+    if source is not None and stored is None and config.takes_encoders():
+        log.warning("checkpoint %s stores no data encoders (it was written before they were): they are fitted on the data "
+                    "again, as when it was trained. If the files changed since (rows appended, a new day), ids may map to other "
+                    "rows than the ones it trained", source)
+    data: DataModule = config.build(device=device, encoders=stored)
+    document = data.encoders_document()
+    if document is not None:
+        checkpointer.files[ENCODERS_FILE] = document  # the training run also logs it to MLflow (recsys_runner.__main__)
+    return data
 
 
 def _restore(checkpointer: Checkpointer, tracker: Tracker, weights: Path | None) -> TrainState:

@@ -65,6 +65,7 @@ from recsys_runner.checkpoint.object_storage import storage_for
 from recsys_runner.checkpoint.storage import TensorIndex
 from recsys_runner.checkpoint.weights import load_into
 from recsys_runner.config import RunConfig, flatten, register_entry_schema, to_yaml, validate
+from recsys_runner.data.encoders import StoredEncoders, read_stored
 from recsys_runner.data.items import ItemTable
 from recsys_runner.errors import CheckpointError, ConfigError, require
 from recsys_runner.features import FeatureSpec
@@ -141,11 +142,12 @@ def register() -> None:
     ])
 
 
-def build_unsharded(run: RunConfig) -> tuple[nn.Module, FeatureSpec, Batch, ItemTable | None]:
+def build_unsharded(run: RunConfig, encoders: StoredEncoders | None = None) -> tuple[nn.Module, FeatureSpec, Batch, ItemTable | None]:
     """The model the config describes, every table materialized on CPU, in eval mode; its features; an eval batch; the
-    data's item catalogue (``None`` for data without one)."""
+    data's item catalogue (``None`` for data without one). ``encoders``: the checkpoint's, which encode the files
+    (:mod:`recsys_runner.data.encoders`)."""
     cpu = torch.device("cpu")
-    data = run.data.for_model(run.model.data_needs()).build(device=cpu)
+    data = run.data.for_model(run.model.data_needs()).build(device=cpu, encoders=encoders)
     model = run.model.build(features=data.features, dense_device=cpu)
     for module in model.modules():  # tables start on meta (sharding would place them); the weights come from the checkpoint
         if any(t.is_meta for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]):
@@ -314,7 +316,7 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> Path:
     check_target(out, options.overwrite)
     meta = json.loads(stores.read_bytes(str(checkpoint / "meta.json"), CheckpointError))
     torch.manual_seed(spec.seed)
-    model, features, batch, items = build_unsharded(spec)
+    model, features, batch, items = build_unsharded(spec, read_stored(checkpoint))
     ema = use_ema(spec, options.weights)
     manifest = lineage.collect(world_size=1, device=torch.device("cpu"))
     start = RunStart(

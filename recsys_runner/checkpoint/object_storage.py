@@ -12,6 +12,7 @@ resume after it sets the partial one aside. Renaming aside is copy-then-delete. 
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 from collections.abc import Callable, Mapping
@@ -58,7 +59,8 @@ class DcpObjectStorage:
                 raise
             raise stores.store_error(str(path), e, cls=CheckpointError) from None
 
-    def write(self, path: Path, tensors: dict[str, Any], ranked: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
+    def write(self, path: Path, tensors: dict[str, Any], ranked: Mapping[str, Any], meta: Mapping[str, Any],
+              files: Mapping[str, bytes] | None = None) -> None:
         fs, key = self._fs(path)
         if self.rank == 0 and self._call(path, lambda: fs.exists(key)):
             self._call(path, lambda: fs.rm(key, recursive=True))  # a partial write of this step, set aside by nobody
@@ -69,6 +71,9 @@ class DcpObjectStorage:
         torch.save(dict(ranked), buffer)
         self._call(path, lambda: fs.pipe_file(f"{key}/rank{self.rank}.pt", buffer.getvalue()))
         self._barrier()
+        if self.rank == 0:
+            for name, content in (files or {}).items():
+                self._call(path, functools.partial(fs.pipe_file, f"{key}/{name}", content))
         if self.rank == 0:  # last: the checkpoint is complete once this object exists
             self._call(path, lambda: fs.pipe_file(f"{key}/{META_FILE}", json.dumps(dict(meta), indent=1).encode()))
         self._barrier()

@@ -81,6 +81,11 @@ class Checkpointer:
         """Step checkpoints before this step are known good: a finite loss was computed from later weights."""
         self._lock = lock_for(self.dir) if self.dir is not None and rank == 0 else None
         self._parts: TrainingParts | None = None
+        self.files: dict[str, bytes] = {}
+        """Readable files written into every checkpoint beside its tensors (the data's fitted encoders)."""
+        self._chosen: tuple[Path | None, tuple[str, ...], Path | None] | None = None
+        """What :meth:`restore` reads, once chosen (:meth:`restore_source`): the checkpoint resumed from, the damaged
+        ones set aside on the way, the ``init_from`` one."""
         if self.dir is None and (config.every_steps or config.every_epochs or config.best_metric or config.resume == "latest"):
             raise ConfigError(
                 "checkpoint.every_steps/every_epochs/best_metric/resume=latest need a directory: set checkpoint.dir=<path> "
@@ -126,7 +131,7 @@ class Checkpointer:
         if self.overrides is not None:
             meta["overrides"] = self.overrides
         ranked = {"objects": self.parts.object_states(), "rng": resume.rng_state()}
-        self.storage.write(final, self._tensor_state(), ranked, meta)
+        self.storage.write(final, self._tensor_state(), ranked, meta, self.files)
         if self.rank == 0:
             self._prune(best)
         self._barrier()
@@ -216,19 +221,30 @@ class Checkpointer:
         Called at the start of the run, before anything is built or logged; released by :meth:`close`."""
         decided_on_rank0(self._take_lock, self.rank, self.world_size)
 
+    def restore_source(self) -> Path | None:
+        """The checkpoint :meth:`restore` will read — the one resumed from, else ``init_from``'s, else ``None`` — chosen
+        once (on rank 0: damaged ones are set aside on the way), so that what is read from it before the model exists
+        (the data's encoders) and the weights come from the same checkpoint."""
+        if self._chosen is None:
+            path, set_aside = decided_on_rank0(lambda: resume.choose(self.config, self.storage, self.dir), self.rank, self.world_size)
+            init = resume.init_source(self.config, self.storage) if path is None and self.config.init_from is not None else None
+            self._chosen = (path, set_aside, init)
+        return self._chosen[0] or self._chosen[2]
+
     def restore(self) -> TrainState:
         """Resume, fine-tune or start fresh, per ``resume``/``init_from``; returns where to start
         (:mod:`~recsys_runner.checkpoint.resume`)."""
-        path, set_aside = decided_on_rank0(lambda: resume.choose(self.config, self.storage, self.dir), self.rank, self.world_size)
+        self.restore_source()
+        assert self._chosen is not None
+        path, set_aside, init = self._chosen
         if path is not None:
             state = resume.load_run(self.storage, path, self.parts, self.config, strict=True, rank=self.rank, world_size=self.world_size)
             state.set_aside = set_aside
             self.last_saved = str(path)
             self.verified_step = state.step + 1  # the checkpoint resumed from is trusted
             return state
-        if self.config.init_from is not None:
-            source = resume.init_source(self.config, self.storage)
-            resume.load_run(self.storage, source, self.parts, self.config, strict=False, rank=self.rank, world_size=self.world_size)
+        if init is not None:
+            resume.load_run(self.storage, init, self.parts, self.config, strict=False, rank=self.rank, world_size=self.world_size)
         return TrainState()
 
     def load_weights(self, path: Path) -> TrainState:

@@ -55,9 +55,11 @@ def step_of(path: Path) -> int:
 class CheckpointStorage(Protocol):
     """Where checkpoints live. Every method but :meth:`write` runs on the rank that calls it, alone."""
 
-    def write(self, path: Path, tensors: dict[str, Any], ranked: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
-        """Collective (every rank calls it): write ``tensors`` (each rank its shards), this rank's ``ranked`` objects
-        and, last, rank 0's ``meta``, atomically: ``path`` is complete when this returns, or absent after a crash."""
+    def write(self, path: Path, tensors: dict[str, Any], ranked: Mapping[str, Any], meta: Mapping[str, Any],
+              files: Mapping[str, bytes] | None = None) -> None:
+        """Collective (every rank calls it): write ``tensors`` (each rank its shards), this rank's ``ranked`` objects,
+        rank 0's readable ``files`` (name → bytes, e.g. the data's fitted encoders) and, last, rank 0's ``meta``,
+        atomically: ``path`` is complete when this returns, or absent after a crash."""
 
     def exists(self, path: Path) -> bool:
         """Whether anything is at ``path``, whole or not."""
@@ -98,7 +100,8 @@ class DcpFileStorage:
     def __init__(self, rank: int = 0, world_size: int = 1) -> None:
         self.rank, self.world_size = rank, world_size
 
-    def write(self, path: Path, tensors: dict[str, Any], ranked: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
+    def write(self, path: Path, tensors: dict[str, Any], ranked: Mapping[str, Any], meta: Mapping[str, Any],
+              files: Mapping[str, bytes] | None = None) -> None:
         tmp = path.with_name(f".tmp-{path.name}")
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -108,6 +111,8 @@ class DcpFileStorage:
         torch.save(dict(ranked), tmp / f"rank{self.rank}.pt")
         self._barrier()
         if self.rank == 0:
+            for name, content in (files or {}).items():
+                (tmp / name).write_bytes(content)
             (tmp / META_FILE).write_text(json.dumps(dict(meta), indent=1))
             shutil.rmtree(path, ignore_errors=True)
             os.replace(tmp, path)

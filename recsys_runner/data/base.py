@@ -6,7 +6,7 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -14,8 +14,11 @@ from torchrec.datasets.utils import Batch
 
 from recsys_runner.configurable import Configurable
 from recsys_runner.data.items import ItemTable
-from recsys_runner.errors import DataError, require
+from recsys_runner.errors import CheckpointError, DataError, require
 from recsys_runner.features import DataNeeds, FeatureSpec
+
+if TYPE_CHECKING:  # the annotation only: the stored encoders are handed in by the builder
+    from recsys_runner.data.encoders import StoredEncoders
 
 __all__ = ["AUTO", "DataConfig", "DataError", "DataModule", "auto_workers", "data_device_type", "synchronized"]  # DataError lives in errors.py with its siblings; importable from here too
 
@@ -60,6 +63,11 @@ class DataModule(Protocol):
         """Counters since the module was built (e.g. ``data/bad_rows_skipped``), logged with the training
         metrics (summed over ranks); none by default."""
         return {}
+
+    def encoders_document(self) -> bytes | None:
+        """The encoders this data fitted to its files (:mod:`recsys_runner.data.encoders`), stored with every checkpoint;
+        ``None`` for data that fits none (generated data: its ids are its rows)."""
+        return None
 
     def item_table(self) -> ItemTable | None:
         """The item catalogue (:class:`~recsys_runner.data.items.ItemTable`, encoded as this data's rows) that sampled
@@ -114,11 +122,29 @@ class DataConfig(Configurable):
         """Whether this data has histories whose tokens ``batch_tokens`` can count (data with sequences overrides this)."""
         return False
 
-    def build(self, *, device: torch.device | str | None = None) -> DataModule:
+    def build(self, *, device: torch.device | str | None = None, encoders: StoredEncoders | None = None) -> DataModule:
         """The data module this config describes, for a run on ``device`` (``None``: where ``distributed.device=auto``
-        puts it): built from :meth:`resolved`, so that the module sees a number of workers and a pinning decision."""
-        data: DataModule = self.component_class()(self.resolved(device))
-        return data
+        puts it): built from :meth:`resolved`, so that the module sees a number of workers and a pinning decision.
+
+        ``encoders``: the encoders a checkpoint stored (evaluate, predict, resume, ``init_from``, export): the files are
+        encoded by them, not by encoders fitted again (:mod:`recsys_runner.data.encoders`).
+
+        Raises:
+            CheckpointError: ``encoders`` for data that takes none (the checkpoint was trained on files).
+        """
+        if encoders is None:
+            data: DataModule = self.component_class()(self.resolved(device))
+            return data
+        if not self.takes_encoders():
+            raise CheckpointError(f"the checkpoint {encoders.source} was trained on files (it stores their encoders), but this "
+                                  f"run's data is {type(self).__name__}. Fix: the training run's data option (e.g. data=csv "
+                                  f"data.path=<files>)")
+        with_encoders: DataModule = self.component_class()(self.resolved(device), encoders=encoders)
+        return with_encoders
+
+    def takes_encoders(self) -> bool:
+        """Whether this data encodes files by fitted encoders (file data overrides this)."""
+        return False
 
     def resolved(self: D, device: torch.device | str | None = None) -> D:
         """This config with ``num_workers: auto`` and ``pin_memory: null`` decided for a run on ``device`` (``None``:

@@ -39,6 +39,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.data.base import DataModule, synchronized
 from recsys_runner.data.encoder import Encoder, Location, Rows, splitmix64
+from recsys_runner.data.encoders import StoredEncoders, check_columns, column_kinds, to_json
 from recsys_runner.data.histories import check_list_columns, expected_rows, history_costs, token_cuts
 from recsys_runner.data.infer import Inferred, complete_schema
 from recsys_runner.data.item_files import Catalogue
@@ -229,6 +230,12 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         return {"data/bad_rows_skipped": float(self._bad_rows), "data/rows_dropped_uneven_ranks": float(self._dropped_rows),
                 "data/truncated_histories": float(self._truncated_rows)}
 
+    def encoders_document(self) -> bytes:
+        """The schema these files are encoded by (vocabularies included) and the kind of each of their columns, stored
+        with every checkpoint (:mod:`recsys_runner.data.encoders`)."""
+        sample = self.open_files(self.config.path, "data.path").sample(_KIND_SAMPLE_ROWS)
+        return to_json(self.schema, column_kinds(self.schema, sample))
+
     # -- internals -------------------------------------------------------------------------------------
     def _shard_rows(self, split: _Split, world_size: int, train: bool) -> list[int]:
         """Rows of each (rank, worker) shard, rank-major."""
@@ -394,6 +401,22 @@ class TabularData(Catalogue, DataModule, abc.ABC):
 # -- the options ------------------------------------------------------------------------------------
 
 
+_KIND_SAMPLE_ROWS = 1000
+"""Rows read to tell each column's kind (text, number, list) when encoders are stored or checked."""
+
+
+def from_checkpoint(encoders: StoredEncoders, sample: pa.Table, where: str) -> Schema:
+    """The stored encoders' schema, after checking that the files (``sample``: rows of them) do not contradict it.
+
+    Raises:
+        DataError: a column the model was trained on is missing, or holds another kind of values.
+    """
+    check_columns(encoders.kinds, sample, where, encoders.source)
+    log.info("data encoders: loaded from %s (fitted when it was trained; not fitted again on %s)", encoders.source, where)
+    return encoders.schema
+
+
+
 def config_schema(config: Any, sample: Any, where: str, column_names: Any = None) -> tuple[Inferred, dict[str, Any]]:
     """The schema a config (or its ``data.schema`` file) describes, with what it leaves open inferred from
     ``sample()`` (:func:`~recsys_runner.data.infer.complete_schema`), and the text-reader options the schema
@@ -424,11 +447,14 @@ class ParquetData(TabularData):
     files; without that, one inferred from the files (:mod:`recsys_runner.data.infer`, logged).
     """
 
-    def __init__(self, config: ParquetDataConfig) -> None:
+    def __init__(self, config: ParquetDataConfig, encoders: StoredEncoders | None = None) -> None:
         files = resolve_files(config.path, "data.path", PARQUET_SUFFIXES)
         first = ParquetSource([files[0]], [], config.read_rows)._open(files[0]).schema_arrow
-        stored = None if (config.schema or config.sparse or config.dense) else stored_schema(files[0])
-        if stored is not None:
+        stored = None if (config.schema or config.sparse or config.dense or encoders) else stored_schema(files[0])
+        if encoders is not None:
+            schema = from_checkpoint(encoders, ParquetSource(files, [], config.read_rows).sample(_KIND_SAMPLE_ROWS),
+                                     f"data.path={config.path!r}")
+        elif stored is not None:
             schema = stored
         else:
             done, _ = config_schema(config, lambda: ParquetSource(files, [], config.read_rows).sample(config.infer.sample_rows),
@@ -449,7 +475,7 @@ class CsvData(TabularData):
     """``data=csv``: delimited text files (see :class:`CsvDataConfig`); the schema from ``data.schema``, the config's
     columns, or inferred from the files (:mod:`recsys_runner.data.infer`, logged)."""
 
-    def __init__(self, config: CsvDataConfig) -> None:
+    def __init__(self, config: CsvDataConfig, encoders: StoredEncoders | None = None) -> None:
         where = f"data.path={config.path!r}"
         if config.schema is not None and (reader := read_schema_file(config.schema)[1]):
             config = replace(config, **reader)  # the schema file says how its files are read
@@ -457,14 +483,18 @@ class CsvData(TabularData):
             delimiter, header = self._sampler(config).detected()
             log.info("%s: detected delimiter %r, header %s (data.delimiter / data.header null)", where, delimiter, header)
             config = replace(config, delimiter=delimiter, header=header)
-        done, _ = config_schema(config, lambda: self._sampler(config).sample(config.infer.sample_rows), where,
-                                lambda: self._sampler(config).header_names())
         self.csv = config
         """:attr:`config`, typed as this option's (its reader settings; set first: the base class opens the files)."""
-        check_text_lists(done.schema.sequences, done.schema.sparse, f"data.schema={config.schema!r}: sparse" if config.schema else "data.sparse")
-        log_inferred(done, where, {"delimiter": config.delimiter, "header": config.header, "null_values": list(config.null_values),
-                                   **({"column_names": list(config.column_names)} if config.column_names else {})})
-        super().__init__(config, done.schema)
+        if encoders is not None:
+            schema = from_checkpoint(encoders, self._sampler(config).sample(_KIND_SAMPLE_ROWS), where)
+        else:
+            done, _ = config_schema(config, lambda: self._sampler(config).sample(config.infer.sample_rows), where,
+                                    lambda: self._sampler(config).header_names())
+            log_inferred(done, where, {"delimiter": config.delimiter, "header": config.header, "null_values": list(config.null_values),
+                                       **({"column_names": list(config.column_names)} if config.column_names else {})})
+            schema = done.schema
+        check_text_lists(schema.sequences, schema.sparse, f"data.schema={config.schema!r}: sparse" if config.schema else "data.sparse")
+        super().__init__(config, schema)
 
     @staticmethod
     def _sampler(c: CsvDataConfig) -> CsvSource:
@@ -481,9 +511,13 @@ class CriteoData(TabularData):
     """``data=criteo``: raw Criteo TSV files (see :class:`CriteoDataConfig`); with ``data.num_embeddings=null`` each
     table is sized from a sample of the files (logged)."""
 
-    def __init__(self, config: CriteoDataConfig) -> None:
+    def __init__(self, config: CriteoDataConfig, encoders: StoredEncoders | None = None) -> None:
         self.criteo = config
         """:attr:`config`, typed as this option's (its reader settings; set first: the base class opens the files)."""
+        if encoders is not None:  # Criteo's columns are fixed: only the stored sizes and vocabularies matter
+            log.info("data encoders: loaded from %s (fitted when it was trained; not fitted again)", encoders.source)
+            super().__init__(config, encoders.schema)
+            return
         sizes: list[int | None] = [*config.num_embeddings_per_feature] if config.num_embeddings_per_feature else [config.num_embeddings] * CRITEO_NUM_SPARSE
         dense, sparse = criteo_columns(sizes, config.categorical_encoding, config.dense_transform)
         where = f"data.path={config.path!r}"

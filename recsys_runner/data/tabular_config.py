@@ -75,6 +75,10 @@ class TabularDataConfig(DataConfig):
     """Sampled catalogue items appended to every training batch (``num_negatives``, ``distribution``, ``alpha``,
     ``hard_column``, ``hard_ratio``; docs/retrieval.md); needs ``data.items``. ``num_negatives: 0``: in-batch only."""
 
+    def takes_encoders(self) -> bool:
+        """Files are encoded by fitted encoders, which a checkpoint stores (:mod:`recsys_runner.data.encoders`)."""
+        return True
+
     def __post_init__(self) -> None:
         require(bool(self.path), "data.path is required: a file, a directory or a glob, e.g. data.path=/data/train/")
         super().__post_init__()

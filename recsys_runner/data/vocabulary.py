@@ -9,8 +9,8 @@ shares a row with an id unseen in training: a cold-start user reads an OOV row, 
 
 Values are keyed by the stable 64-bit hashes the ``hash`` encoding uses (:func:`~recsys_runner.data.encoder.fnv1a64`
 of the text, :func:`~recsys_runner.data.encoder.splitmix64` of an integer or of a ``hex`` column's parsed value), so
-a vocabulary is a sorted array of keys and a lookup one ``searchsorted``. It is not stored: every run (train,
-evaluate, predict) builds it again from the same sample of ``data.path``, deterministically.
+a vocabulary is a sorted array of keys and a lookup one ``searchsorted``. It is fitted once, when training starts, and
+stored with every checkpoint (:mod:`recsys_runner.data.encoders`); evaluate, predict, resume and export read it back.
 """
 
 from __future__ import annotations

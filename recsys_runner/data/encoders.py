@@ -1,0 +1,147 @@
+"""The data's fitted encoders, stored with the model: how every raw column became the model's input, as one JSON document.
+
+Why: what turns a raw value into a row — an inferred vocabulary above all, but also a table size chosen from a sample,
+the hash/mod/hex settings, a dense column's fill and transform — is a function of the files it was fitted on. Fitted
+again on files that grew (a day of data appended), the same id lands on another row, and a checkpoint scores as if
+untrained without a word. So the encoders are fitted once, when a training run starts, written into every checkpoint
+(``encoders.json``, beside ``meta.json``) and logged to the MLflow run; ``evaluate``, ``predict``, a resume,
+``checkpoint.init_from`` and ``export`` read them from the checkpoint and never fit them again (:func:`recsys_runner.build.
+build`). Files that contradict them — a column gone, text where numbers were — are refused naming the column
+(:func:`check_columns`); a value never seen when the vocabulary was fitted reads an OOV row, as it did in training.
+
+The document: ``format``; the schema (``label``/``labels``/``label_kinds``/``label_threshold``, ``dense``, ``sparse``,
+``sequences``, as ``convert`` stores it); ``vocabularies`` (per ``encoding: vocab`` column its sorted 64-bit keys, their
+rows, ``capacity`` and ``oov_buckets``: :class:`~recsys_runner.data.vocabulary.Vocabulary`); ``column_kinds`` (each
+input column's kind in the files it was fitted on: ``text``, ``number``, ``list``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from recsys_runner import stores
+from recsys_runner.data.schema import DenseColumn, Schema, SparseColumn, sequence_groups, sequences_mapping
+from recsys_runner.data.vocabulary import Vocabulary
+from recsys_runner.errors import CheckpointError, DataError
+
+log = logging.getLogger(__name__)
+
+ENCODERS_FILE = "encoders.json"
+"""The file name of the document in a checkpoint directory and among the MLflow run's artifacts."""
+FORMAT = 1
+
+
+@dataclass(frozen=True)
+class StoredEncoders:
+    """Encoders read back from a checkpoint: the fitted schema (vocabularies included), the column kinds of the files
+    they were fitted on, and the checkpoint (for messages)."""
+
+    schema: Schema
+    kinds: dict[str, str]
+    source: str
+
+
+def read_stored(checkpoint: str | os.PathLike[str]) -> StoredEncoders | None:
+    """The encoders stored in ``checkpoint`` (a directory or a store prefix), or ``None`` for a checkpoint written before
+    encoders were stored (the caller warns: they are then fitted on the data again, as before)."""
+    where = stores.join(os.fspath(checkpoint), ENCODERS_FILE)
+    try:
+        content = stores.read_bytes(where, CheckpointError)
+    except FileNotFoundError:
+        return None
+    schema, kinds = from_json(content, where)
+    return StoredEncoders(schema, kinds, os.fspath(checkpoint))
+
+
+def column_kind(column: pa.ChunkedArray | pa.Array) -> str:
+    """``list``, ``number`` (numbers, or text that parses as numbers in every sampled row: a CSV reads every column as
+    text), ``text``, or ``null`` (no value in the sample: compatible with every kind)."""
+    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
+        return "list"
+    values = arr.drop_null()
+    text = pa.types.is_string(values.type) or pa.types.is_large_string(values.type)
+    if text:
+        values = pc.filter(values, pc.not_equal(values, ""))
+    if len(values) == 0:
+        return "null"
+    if not text:
+        return "number" if pa.types.is_integer(values.type) or pa.types.is_floating(values.type) or pa.types.is_boolean(values.type) else "text"
+    try:
+        values.cast(pa.float64())
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return "text"
+    return "number"
+
+
+def column_kinds(schema: Schema, sample: pa.Table) -> dict[str, str]:
+    """The kind of each of ``schema``'s input columns in a ``sample`` of the files (columns it lacks left out)."""
+    return {name: column_kind(sample.column(name)) for name in schema.columns if name in sample.column_names}
+
+
+def to_json(schema: Schema, kinds: dict[str, str]) -> bytes:
+    """The document of ``schema`` (with its vocabularies) and the files' column ``kinds``."""
+    vocabularies = {name: {"capacity": v.capacity, "oov_buckets": v.oov_buckets, "keys": [int(k) for k in v.keys],
+                           "rows": [int(r) for r in v.rows]} for name, v in schema.vocabularies.items()}
+    document = {"format": FORMAT, "label": schema.label, "labels": schema.labels, "label_kinds": schema.label_kinds,
+                "label_threshold": schema.label_threshold, "dense": [asdict(d) for d in schema.dense],
+                "sparse": [asdict(s) for s in schema.sparse], "sequences": sequences_mapping(schema.sequences),
+                "vocabularies": vocabularies, "column_kinds": kinds}
+    return json.dumps(document, indent=1).encode()
+
+
+def from_json(content: bytes, where: str) -> tuple[Schema, dict[str, str]]:
+    """The schema (vocabularies included) and column kinds a document holds.
+
+    Raises:
+        CheckpointError: the document is not one this version reads, naming ``where``.
+    """
+    try:
+        raw: dict[str, Any] = json.loads(content)
+        if raw.get("format") != FORMAT:
+            raise CheckpointError(f"{where}: encoders of format {raw.get('format')!r}, this version reads format {FORMAT}. Fix: "
+                                  f"evaluate it with the recsys_runner version that trained it")
+        schema = Schema(label=raw["label"], labels=raw["labels"], label_kinds=raw["label_kinds"], label_threshold=raw["label_threshold"],
+                        dense=[DenseColumn(**d) for d in raw["dense"]], sparse=[SparseColumn(**s) for s in raw["sparse"]],
+                        sequences=sequence_groups(raw["sequences"] or None, f"{where}: sequences"))
+        for name, v in raw["vocabularies"].items():
+            schema.vocabularies[name] = Vocabulary(np.asarray(v["keys"], dtype=np.uint64), np.asarray(v["rows"], dtype=np.int64),
+                                                   int(v["capacity"]), int(v["oov_buckets"]))
+        return schema, dict(raw["column_kinds"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{where} is not a readable encoders document ({type(e).__name__}: {e}). Fix: point load= / "
+                              f"checkpoint.resume at a checkpoint this version wrote, or delete the file to rebuild the encoders "
+                              f"from the data (a warning says so)") from None
+
+
+def check_columns(kinds: dict[str, str], sample: pa.Table, where: str, source: str) -> None:
+    """Refuse files that contradict the stored encoders: an input column missing, or of another kind.
+
+    Args:
+        kinds: the column kinds stored with the encoders.
+        sample: a sample of the files read now.
+        where: the files (``data.path=…``), for the message.
+        source: the checkpoint the encoders come from, for the message.
+
+    Raises:
+        DataError: naming the column and what changed.
+    """
+    missing = [name for name in kinds if name not in sample.column_names]
+    if missing:
+        raise DataError(f"{where} has no column {missing[0]!r}{f' (nor {missing[1:]})' if missing[1:] else ''}, which the model "
+                        f"was trained on (its encoders are stored in {source}). Fix: point the data at files with the training "
+                        f"columns, or train a new model on these files")
+    for name, stored in kinds.items():
+        now = column_kind(sample.column(name))
+        if "null" not in (now, stored) and now != stored:
+            raise DataError(f"column {name!r} of {where} holds {now} values, but the model was trained on {stored} values in it "
+                            f"(encoders stored in {source}): the stored encoding would not map them to the trained rows. Fix: "
+                            f"write the column as {stored}, as in the training files")

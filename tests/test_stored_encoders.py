@@ -1,0 +1,134 @@
+"""The data's encoders are fitted once, when training starts, and travel with every checkpoint (issue 29).
+
+The scenario that failed silently: a CSV whose id columns get inferred vocabularies; a day of rows is appended to the
+training file; ``evaluate`` of the same checkpoint on the same eval file must give the same eval/auc (it gave 0.50:
+the vocabulary, rebuilt from the grown file, moved every id to another row), ``predict`` the same scores, and a resume
+on the grown file the same id → row mapping. Files that contradict the stored encoders are refused naming the column;
+a checkpoint written before encoders were stored still loads, with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from recsys_runner import evaluate, predict
+from recsys_runner.__main__ import run as train
+from recsys_runner.build import build
+from recsys_runner.config import validate
+from recsys_runner.data.encoders import ENCODERS_FILE, from_json
+from recsys_runner.errors import DataError
+from tests.test_evaluate import compose_entry
+
+
+def _rows(rng: np.random.Generator, n: int, users: list[str], items: int) -> list[str]:
+    """``label,user,item`` rows: the label follows the user (even users click, 90 %), so only the user's own row learns it."""
+    out = []
+    for _ in range(n):
+        k = int(rng.integers(len(users)))
+        label = int((k % 2 == 0) == (rng.random() < 0.9))
+        out.append(f"{label},{users[k]},{int(rng.integers(items))}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One training run on the original files: its checkpoint, files and overrides."""
+    root = tmp_path_factory.mktemp("encoders")
+    rng = np.random.default_rng(0)
+    users = [f"u{k}" for k in range(60)]
+    original = "\n".join(["label,user,item", *_rows(rng, 6000, users, 40)]) + "\n"
+    (root / "train.csv").write_text(original)
+    (root / "eval.csv").write_text("\n".join(["label,user,item", *_rows(rng, 1500, users, 40)]) + "\n")
+    data = ["data=csv", f"data.path={root}/train.csv", f"data.eval_path={root}/eval.csv", "data.batch_size=128",
+            "data.shuffle=false", "model=deepfm", "optim=adagrad", "optim.sparse.lr=0.1", "distributed.device=cpu", "tracking=none"]
+    train(compose_entry("config", *data, "train.num_steps=40", "train.log_every_steps=20", f"checkpoint.dir={root}/ck"))
+    return {"root": root, "data": data, "checkpoint": root / "ck" / "step_00000040", "rng": rng, "original": original}
+
+
+def _evaluate(trained: dict[str, Any], *extra: str) -> dict[str, float]:
+    return evaluate.run(compose_entry("evaluate", *trained["data"], f"load={trained['checkpoint']}", *extra))
+
+
+def _scores(trained: dict[str, Any], out: Path) -> np.ndarray:
+    predict.run(compose_entry("predict", *trained["data"], f"load={trained['checkpoint']}",
+                              f"predict.input={trained['root']}/eval.csv", f"predict.output={out}"))
+    return np.concatenate([pq.read_table(p).column("score").to_numpy() for p in sorted(out.rglob("*.parquet"))])
+
+
+def test_appended_rows_change_neither_evaluate_nor_predict_nor_resume(trained: dict[str, Any], tmp_path: Path) -> None:
+    root, checkpoint = trained["root"], trained["checkpoint"]
+    stored = json.loads((checkpoint / ENCODERS_FILE).read_text())
+    assert {"user", "item"} <= set(stored["vocabularies"]) and stored["column_kinds"] == {"user": "text", "item": "number", "label": "number"}
+    before = _evaluate(trained)
+    scores = _scores(trained, tmp_path / "before")
+    assert before["eval/auc"] > 0.75, f"the model must have learned the users for the test to mean anything: {before}"
+
+    # A day of data: 4,000 rows of the last 20 users, now each far more frequent than the others. The vocabulary's size
+    # stays, its order (most frequent first) does not: fitted again, nearly every user would read another user's row.
+    with open(root / "train.csv", "a") as f:
+        f.write("\n".join(_rows(trained["rng"], 4000, [f"u{k}" for k in range(40, 60)], 40)) + "\n")
+    after = _evaluate(trained)
+    assert after["eval/auc"] == pytest.approx(before["eval/auc"], abs=1e-6)
+    assert after["eval/logloss"] == pytest.approx(before["eval/logloss"], abs=1e-6)
+    np.testing.assert_allclose(_scores(trained, tmp_path / "after"), scores, atol=1e-6)
+
+    # resume on the grown file: the stored vocabulary, not one fitted on the grown file
+    c = build(validate(compose_entry("config", *trained["data"], "train.num_steps=45", f"checkpoint.dir={root}/ck")))
+    try:
+        schema, _ = from_json((checkpoint / ENCODERS_FILE).read_bytes(), "test")
+        for name in ("user", "item"):
+            np.testing.assert_array_equal(c.loop.data.schema.vocabularies[name].keys, schema.vocabularies[name].keys)
+            np.testing.assert_array_equal(c.loop.data.schema.vocabularies[name].rows, schema.vocabularies[name].rows)
+        assert c.loop.state.step == 40
+    finally:
+        c.close()
+    # fine-tuning on the grown file (checkpoint.init_from) keeps the stored vocabulary too
+    c = build(validate(compose_entry("config", *trained["data"], f"checkpoint.init_from={checkpoint}", f"checkpoint.dir={tmp_path}/ft")))
+    try:
+        np.testing.assert_array_equal(c.loop.data.schema.vocabularies["user"].rows, schema.vocabularies["user"].rows)
+    finally:
+        c.close()
+
+
+def test_the_training_run_logs_its_encoders_to_mlflow(trained: dict[str, Any], mlflow_uri: str, tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    (tmp_path / "train.csv").write_text(trained["original"])
+    data = [o for o in trained["data"] if o != "tracking=none"]
+    train(compose_entry("config", *data, f"data.path={tmp_path}/train.csv", "train.num_steps=2", "checkpoint=none",
+                        f"tracking.uri={mlflow_uri}", "tracking.experiment=stored_encoders"))
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("stored_encoders").experiment_id])
+    logged = json.loads(Path(client.download_artifacts(run.info.run_id, ENCODERS_FILE, str(tmp_path))).read_text())
+    assert logged["column_kinds"] == {"label": "number", "user": "text", "item": "number"}
+    assert len(logged["vocabularies"]["user"]["keys"]) == 60
+
+
+def test_files_that_contradict_the_stored_encoders_are_refused(trained: dict[str, Any], tmp_path: Path) -> None:
+    (tmp_path / "no_user.csv").write_text("label,item\n1,3\n0,4\n")
+    with pytest.raises(DataError, match=r"has no column 'user', which the model was trained on \(its encoders are stored in"):
+        _evaluate(trained, f"data.eval_path={tmp_path}/no_user.csv", f"data.path={tmp_path}/no_user.csv")
+    (tmp_path / "int_users.csv").write_text("label,user,item\n1,3,3\n0,4,4\n")
+    with pytest.raises(DataError, match=r"column 'user' of .* holds number values, but the model was trained on text values"):
+        _evaluate(trained, f"data.eval_path={tmp_path}/int_users.csv", f"data.path={tmp_path}/int_users.csv")
+
+
+def test_a_checkpoint_without_stored_encoders_loads_with_a_warning(trained: dict[str, Any], tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    import shutil
+
+    old = tmp_path / "step_00000040"
+    shutil.copytree(trained["checkpoint"], old)
+    (old / ENCODERS_FILE).unlink()
+    (tmp_path / "train.csv").write_text(trained["original"])  # the files it was trained on (another test grows the shared one)
+    with caplog.at_level(logging.WARNING, logger="recsys_runner.build"):
+        metrics = evaluate.run(compose_entry("evaluate", *trained["data"], f"data.path={tmp_path}/train.csv", f"load={old}"))
+    assert "eval/auc" in metrics
+    assert any("stores no data encoders" in r.getMessage() and "fitted on the data again" in r.getMessage() for r in caplog.records)
