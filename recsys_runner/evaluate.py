@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 
 from recsys_runner.build import build
 from recsys_runner.config import register_entry_schema, validate
+from recsys_runner.data.encoders import oov_line, oov_rates
 from recsys_runner.inference import (
     LOAD_FIELD,
     carry_training_overrides,
@@ -54,6 +55,8 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> dict[str, float]:
         if c.env.is_main:
             shown = " ".join(f"{k}={v:.6g}" for k, v in metrics.items())
             log.info("evaluate %s (step %d): %s", checkpoint, c.loop.state.step, shown)
+            if (line := oov_line(oov_rates(c.loop.data.metrics()))) is not None:  # this rank's share of the eval data
+                log.info("evaluate: %s", line)
         return metrics
 
 

@@ -64,6 +64,7 @@ from recsys_runner import stores
 from recsys_runner.build import Components, build
 from recsys_runner.config import register_entry_schema, validate
 from recsys_runner.data.encoder import Encoder, Location, Rows
+from recsys_runner.data.encoders import oov_counters, oov_line, oov_rates
 from recsys_runner.data.schema import Schema, read_schema_file
 from recsys_runner.data.sources import PARQUET_SUFFIXES, CsvSource, Unit, resolve_files
 from recsys_runner.data.tabular import TabularData
@@ -337,6 +338,16 @@ def _batches(source: Any, units: list[Unit], schema: Schema, features: FeatureSp
     The label columns are not read: they are filled with zeros for the encoder (the scores do not depend on them)."""
     encoder = Encoder(schema, "fail")
     names = features.kjt_keys  # the sparse features, then each history's event times
+    try:
+        yield from _encoded(source, units, schema, encoder, names, batch_size, columns)
+    finally:  # the input's values unseen when the vocabularies were fitted, on this rank's share
+        if (line := oov_line(oov_rates(oov_counters(encoder.oov)))) is not None:
+            log.info("predict: %s", line)
+
+
+def _encoded(source: Any, units: list[Unit], schema: Schema, encoder: Encoder, names: list[str], batch_size: int,
+             columns: list[str]) -> Iterator[tuple[str, Batch, pa.Table, int]]:
+    """:func:`_batches` with its encoder."""
     for path, file_units in groupby(units, key=lambda u: u.path):
         held: list[tuple[Rows, pa.Table, np.ndarray]] = []
         count = 0

@@ -56,9 +56,9 @@ def _evaluate(trained: dict[str, Any], *extra: str) -> dict[str, float]:
     return evaluate.run(compose_entry("evaluate", *trained["data"], f"load={trained['checkpoint']}", *extra))
 
 
-def _scores(trained: dict[str, Any], out: Path) -> np.ndarray:
+def _scores(trained: dict[str, Any], out: Path, input: str | None = None) -> np.ndarray:
     predict.run(compose_entry("predict", *trained["data"], f"load={trained['checkpoint']}",
-                              f"predict.input={trained['root']}/eval.csv", f"predict.output={out}"))
+                              f"predict.input={input or str(trained['root']) + '/eval.csv'}", f"predict.output={out}"))
     return np.concatenate([pq.read_table(p).column("score").to_numpy() for p in sorted(out.rglob("*.parquet"))])
 
 
@@ -109,6 +109,23 @@ def test_the_training_run_logs_its_encoders_to_mlflow(trained: dict[str, Any], m
     logged = json.loads(Path(client.download_artifacts(run.info.run_id, ENCODERS_FILE, str(tmp_path))).read_text())
     assert logged["column_kinds"] == {"label": "number", "user": "text", "item": "number"}
     assert len(logged["vocabularies"]["user"]["keys"]) == 60
+    # every training value has a row of its own (the vocabulary was fitted on these very files)
+    assert run.data.metrics["data/oov_rate/user"] == 0.0 and run.data.metrics["data/oov_rate/item"] == 0.0
+
+
+def test_values_unseen_at_training_read_oov_rows_and_their_share_is_reported(trained: dict[str, Any], tmp_path: Path,
+                                                                            caplog: pytest.LogCaptureFixture) -> None:
+    rng = np.random.default_rng(1)
+    half_new = [f"u{k}" for k in range(10)] + [f"cold{k}" for k in range(10)]  # half the users never seen in training
+    (tmp_path / "eval.csv").write_text("\n".join(["label,user,item", *_rows(rng, 2000, half_new, 40)]) + "\n")
+    with caplog.at_level(logging.INFO, logger="recsys_runner"):
+        _evaluate(trained, f"data.eval_path={tmp_path}/eval.csv")
+        _scores(trained, tmp_path / "scores", f"{tmp_path}/eval.csv")
+    lines = [r.getMessage() for r in caplog.records if "values unseen when the vocabularies were fitted" in r.getMessage()]
+    assert len(lines) == 2 and lines[0].startswith("evaluate: ") and lines[1].startswith("predict: ")
+    for line in lines:
+        share = float(line.split("user ")[1].split("%")[0]) / 100
+        assert 0.4 < share < 0.6 and "item 0.00%" in line, line
 
 
 def test_files_that_contradict_the_stored_encoders_are_refused(trained: dict[str, Any], tmp_path: Path) -> None:

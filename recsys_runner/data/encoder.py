@@ -122,6 +122,8 @@ class Encoder:
         self.skip = on_bad_rows == "skip"
         self.num_bad_rows = 0
         self.histories = HistoryEncoder(schema)
+        self.oov: dict[str, list[int]] = {c.name: [0, 0] for c in schema.sparse if c.encoding == "vocab"}
+        """Per ``encoding: vocab`` column: values that read an OOV row (unseen when the vocabulary was fitted), and values."""
 
     @property
     def num_truncated_rows(self) -> int:
@@ -259,7 +261,12 @@ class Encoder:
             vocabulary = self.schema.vocabularies.get(col.name)
             assert vocabulary is not None, f"data.sparse[{col.name}] (encoding=vocab) has no vocabulary: build its schema with complete_schema"
             keys, wrong = value_keys(flat, col.hex)
-            return vocabulary.lookup(keys), wrong
+            ids = vocabulary.lookup(keys)
+            counted = self.oov[col.name]
+            valid = ids if wrong is None else ids[~wrong]
+            counted[0] += int((valid >= vocabulary.capacity).sum())
+            counted[1] += len(valid)
+            return ids, wrong
         if col.encoding == "hash":
             if is_text:
                 return (fnv1a64(flat) % np.uint64(col.size)).astype(np.int64), None

@@ -145,3 +145,33 @@ def check_columns(kinds: dict[str, str], sample: pa.Table, where: str, source: s
             raise DataError(f"column {name!r} of {where} holds {now} values, but the model was trained on {stored} values in it "
                             f"(encoders stored in {source}): the stored encoding would not map them to the trained rows. Fix: "
                             f"write the column as {stored}, as in the training files")
+
+
+OOV_PREFIX, LOOKUP_PREFIX = "data/oov_values/", "data/vocab_values/"
+"""The counters (summable over ranks) a file data module keeps per ``encoding: vocab`` column: values that read an OOV
+row, and values; :func:`oov_rates` turns each pair into ``data/oov_rate/<column>``."""
+
+
+def oov_counters(counts: dict[str, list[int]]) -> dict[str, float]:
+    """``counts`` (column → [OOV values, values]) as the counters a data module's ``metrics()`` returns."""
+    out: dict[str, float] = {}
+    for name, (oov, total) in counts.items():
+        out[f"{OOV_PREFIX}{name}"], out[f"{LOOKUP_PREFIX}{name}"] = float(oov), float(total)
+    return out
+
+
+def oov_rates(counters: dict[str, float]) -> dict[str, float]:
+    """``counters`` (summed over ranks) with each column's pair of OOV counters replaced by ``data/oov_rate/<column>``:
+    the share of its values since the data was built that no row of the stored vocabulary holds."""
+    out = {k: v for k, v in counters.items() if not k.startswith((OOV_PREFIX, LOOKUP_PREFIX))}
+    for key, total in counters.items():
+        if key.startswith(LOOKUP_PREFIX) and total:
+            name = key.removeprefix(LOOKUP_PREFIX)
+            out[f"data/oov_rate/{name}"] = counters.get(f"{OOV_PREFIX}{name}", 0.0) / total
+    return out
+
+
+def oov_line(rates: dict[str, float]) -> str | None:
+    """One log line of the ``data/oov_rate/<column>`` values, or ``None`` without any."""
+    shown = [f"{k.removeprefix('data/oov_rate/')} {v:.2%}" for k, v in rates.items() if k.startswith("data/oov_rate/")]
+    return f"values unseen when the vocabularies were fitted (read OOV rows): {', '.join(shown)}" if shown else None

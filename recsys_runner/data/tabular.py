@@ -39,7 +39,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.data.base import DataModule, synchronized
 from recsys_runner.data.encoder import Encoder, Location, Rows, splitmix64
-from recsys_runner.data.encoders import StoredEncoders, check_columns, column_kinds, to_json
+from recsys_runner.data.encoders import StoredEncoders, check_columns, column_kinds, oov_counters, to_json
 from recsys_runner.data.histories import check_list_columns, expected_rows, history_costs, token_cuts
 from recsys_runner.data.infer import Inferred, complete_schema
 from recsys_runner.data.item_files import Catalogue
@@ -152,6 +152,8 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         self.batch_size = config.batch_size
         self._bad_rows = 0
         self._truncated_rows = 0
+        self._oov: dict[str, list[int]] = {c.name: [0, 0] for c in schema.sparse if c.encoding == "vocab"}
+        """Per ``encoding: vocab`` column, since construction: values that read an OOV row, and values."""
         self._dropped_rows = 0
         self._passes: dict[tuple[int, int], tuple[int, int]] = {}
         """(epoch, rank) → (rows of the rank's share, bad rows skipped) of the last pass over that epoch's training data."""
@@ -228,7 +230,7 @@ class TabularData(Catalogue, DataModule, abc.ABC):
     def metrics(self) -> dict[str, float]:
         """Counters since construction: bad rows skipped, rows left unread so that ranks end together, histories truncated."""
         return {"data/bad_rows_skipped": float(self._bad_rows), "data/rows_dropped_uneven_ranks": float(self._dropped_rows),
-                "data/truncated_histories": float(self._truncated_rows)}
+                "data/truncated_histories": float(self._truncated_rows)} | oov_counters(self._oov)
 
     def encoders_document(self) -> bytes:
         """The schema these files are encoded by (vocabularies included) and the kind of each of their columns, stored
@@ -278,8 +280,11 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         for item in items:
             if item[0] == "error":
                 raise DataError(item[1])
-            dense, values, lengths, labels, skipped, truncated = item
+            dense, values, lengths, labels, skipped, truncated, oov = item
             self._bad_rows += skipped
+            for name, (unseen, total) in oov.items():
+                self._oov[name][0] += unseen
+                self._oov[name][1] += total
             if truncated and not self._truncated_rows:
                 log.warning("%s: histories longer than max_len were truncated (data.sequences %s); the count of such rows is "
                             "logged as data/truncated_histories", self.config.path,
@@ -298,7 +303,8 @@ class TabularData(Catalogue, DataModule, abc.ABC):
             log.warning("rank %d skipped %d bad rows in %s (data.on_bad_rows=skip)", rank, self._bad_rows - skipped_before, what)
 
     def _stream(self, split: _Split, epoch: int, shard: int, num_shards: int, train: bool) -> Iterator[tuple]:
-        """Encoded batches of one shard, as tensors: (dense, values, lengths, labels, bad rows skipped, histories truncated)."""
+        """Encoded batches of one shard, as tensors: (dense, values, lengths, labels, bad rows skipped, histories truncated,
+        each vocabulary's OOV values and values)."""
         cfg = self.config
         shuffle = train and cfg.shuffle
         order = list(range(len(split.units)))
@@ -313,13 +319,16 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         batch_order = np.random.default_rng([cfg.seed, epoch, shard, 1])  # grouped token batches: the order they go in
         source_bad = getattr(split.source, "num_bad_rows", 0)
         reported = [0, 0]
+        reported_oov = {name: [0, 0] for name in encoder.oov}
 
-        def counts() -> tuple[int, int]:
-            """Bad rows skipped and histories truncated since the last call."""
+        def counts() -> tuple[int, int, dict[str, tuple[int, int]]]:
+            """Bad rows skipped, histories truncated and each vocabulary's (OOV values, values) since the last call."""
             totals = [encoder.num_bad_rows + getattr(split.source, "num_bad_rows", 0) - source_bad, encoder.num_truncated_rows]
             deltas = (totals[0] - reported[0], totals[1] - reported[1])
             reported[:] = totals
-            return deltas
+            oov = {name: (now[0] - reported_oov[name][0], now[1] - reported_oov[name][1]) for name, now in encoder.oov.items()}
+            reported_oov.update({name: list(now) for name, now in encoder.oov.items()})
+            return *deltas, oov
 
         buffer: list[Rows] = []
         held = 0
@@ -349,7 +358,7 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         if held:
             yield from cut(final=True)
         last = counts()
-        if any(last):
+        if last[0] or last[1] or any(total for _, total in last[2].values()):
             yield (None, None, None, None, *last)
 
     def _token_batches(self, block: Rows, budget: int, final: bool, order: np.random.Generator) -> tuple[Rows, list[tuple[int, int]], int]:
@@ -385,7 +394,7 @@ class TabularData(Catalogue, DataModule, abc.ABC):
                 if seen >= stop:
                     break
 
-    def _tensors(self, rows: Rows, skipped: int, truncated: int) -> tuple:
+    def _tensors(self, rows: Rows, skipped: int, truncated: int, oov: dict[str, tuple[int, int]]) -> tuple:
         values = np.concatenate([v for v, _ in rows.sparse]) if rows.sparse else np.zeros(0, np.int64)
         lengths = np.concatenate([ln for _, ln in rows.sparse]) if rows.sparse else np.zeros(0, np.int32)
         return (
@@ -395,6 +404,7 @@ class TabularData(Catalogue, DataModule, abc.ABC):
             torch.from_numpy(np.ascontiguousarray(rows.labels)),
             skipped,
             truncated,
+            oov,
         )
 
 

@@ -27,6 +27,7 @@ import torch
 from recsys_runner.checkpoint.config import TrainState
 from recsys_runner.checkpoint.policy import Checkpointer
 from recsys_runner.data.base import DataModule
+from recsys_runner.data.encoders import oov_rates
 from recsys_runner.distributed.env import DistEnv
 from recsys_runner.errors import DataError
 from recsys_runner.models.collision import collision_counters, collision_rates
@@ -224,15 +225,16 @@ def _evaluate_and_select(loop: Loop, state: TrainState, meter: Throughput, progr
 
 
 def _data_metrics(loop: Loop) -> dict[str, float]:
-    """The data module's counters (e.g. ``data/bad_rows_skipped``) and the model's managed-collision tables' counters
-    (``mc/<table>/…``, since the last log), summed over ranks in one reduction; empty if neither keeps any."""
+    """The data module's counters (e.g. ``data/bad_rows_skipped``, each vocabulary's ``data/oov_rate/<column>``) and the
+    model's managed-collision tables' counters (``mc/<table>/…``, since the last log), summed over ranks in one
+    reduction; empty if neither keeps any."""
     counters = loop.data.metrics() | collision_counters(loop.evaluator.model)
     if not counters or loop.env.world_size == 1:
-        return collision_rates(dict(counters))
+        return oov_rates(collision_rates(dict(counters)))
     keys = sorted(counters)
     totals = torch.tensor([float(counters[k]) for k in keys], dtype=torch.float64, device=loop.env.device)
     torch.distributed.all_reduce(totals)
-    return collision_rates(dict(zip(keys, totals.tolist(), strict=True)))
+    return oov_rates(collision_rates(dict(zip(keys, totals.tolist(), strict=True))))
 
 
 def _log(loop: Loop, metrics: dict[str, float], step: int, progress: Progress) -> None:
