@@ -40,7 +40,7 @@ class Measurement:
 
 MEASUREMENTS = (
     Measurement("regimes_4096", "recsys_runner.bench.regimes",
-                ("--batch-size", "4096", "--rounds", "3", "--parquet-rows", "2000000", "--startup-runs", "1",
+                ("--batch-size", "4096", "--steps", "200", "--rounds", "3", "--parquet-rows", "2000000", "--startup-runs", "1",
                  "--json", "{out}/regimes_4096.json"), 200,
                 ("--quick", "--skip", "d", "--json", "{out}/regimes_4096.json")),
     Measurement("step_options_deepfm", "recsys_runner.bench.step_options",
