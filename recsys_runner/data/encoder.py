@@ -194,17 +194,24 @@ class Encoder:
         arr = _numeric(arr, col.name, where, bad)
         read = np.asarray(arr.fill_null(col.fill).to_numpy(zero_copy_only=False), dtype=np.float64)
         nonfinite = ~np.isfinite(read)
+        scaled = f", and data.dense[{col.name}].normalize=zscore scales finite numbers only" if col.normalize == "zscore" else ""
         bad(col.name, nonfinite, lambda i: f"the value is {_shown(float(read[i]))}, not a finite number (a missing value takes "
-                                           f"data.dense[{col.name}].fill; NaN and infinity are bad rows)")
+                                           f"data.dense[{col.name}].fill; NaN and infinity are bad rows{scaled})")
         values = np.where(nonfinite, col.fill, read) if nonfinite.any() else read
-        if col.transform == "log1p":
-            values = np.log1p(np.maximum(values, 0.0))
+        values = dense_transformed(col, values)
+        if col.normalize == "zscore":
+            assert col.mean is not None and col.std is not None, (f"data.dense[{col.name}] (normalize=zscore) has no mean/std: "
+                                                                  f"build its schema with complete_schema")
+            values = (values - col.mean) / col.std
         return values
 
     # -- sparse -------------------------------------------------------------------------------------
     def _sparse(self, col: SparseColumn, arr: pa.ChunkedArray | pa.Array, where: Location, bad) -> tuple[np.ndarray, np.ndarray]:
         arr = _combined(arr)
         n = len(arr)
+        listed = col.separator is not None or pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)
+        if col.encoding == "bucketize" and not listed:
+            return self._buckets(col, arr, bad)
         if pa.types.is_null(arr.type):
             return np.zeros(0, dtype=np.int64), np.zeros(n, dtype=np.int32)
         if col.separator is not None and (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)):
@@ -237,6 +244,8 @@ class Encoder:
                     how = "hex=false encoding=hash" if col.hex else "encoding=hash"
                     return (f"{shown} does not fit in a signed 64-bit integer: ids must lie in [-2**63, 2**63). Hash such ids "
                             f"into the table with data.sparse[{col.name}].{how} (docs/data.md, 'Sparse column fields')")
+                if col.encoding == "bucketize":
+                    return _not_a_number(shown, col)
                 if col.hex:
                     return f"{shown} is not a hexadecimal string"
                 if col.encoding == "vocab":
@@ -254,9 +263,22 @@ class Encoder:
             ids = np.where(wrong, 0, ids)
         return ids, lengths
 
+    @staticmethod
+    def _buckets(col: SparseColumn, arr: pa.Array, bad) -> tuple[np.ndarray, np.ndarray]:
+        """A single-valued ``encoding: bucketize`` column: one id per row, a missing value reading bucket ``0``."""
+        n = len(arr)
+        valid = np.asarray(arr.is_valid().to_numpy(zero_copy_only=False), dtype=bool) if arr.null_count else np.ones(n, bool)
+        numbers, wrong = np.zeros(n, np.float64), np.zeros(n, bool)
+        numbers[valid], wrong[valid] = parse_numbers(arr.drop_null() if arr.null_count else arr)
+        bad(col.name, wrong, lambda i: _not_a_number(repr(arr[i].as_py()), col))
+        return bucket_ids(col, numbers, wrong), np.ones(n, dtype=np.int32)
+
     def _ids(self, col: SparseColumn, flat: pa.Array) -> tuple[np.ndarray, np.ndarray | None]:
         """Encode a flat array of values to ids; also a mask of values that cannot be encoded."""
         is_text = pa.types.is_string(flat.type) or pa.types.is_large_string(flat.type)
+        if col.encoding == "bucketize":
+            numbers, not_numbers = parse_numbers(flat)
+            return bucket_ids(col, numbers, not_numbers), not_numbers
         if col.encoding == "vocab":
             vocabulary = self.schema.vocabularies.get(col.name)
             assert vocabulary is not None, f"data.sparse[{col.name}] (encoding=vocab) has no vocabulary: build its schema with complete_schema"
@@ -306,6 +328,49 @@ def _raw_text(flat: pa.Array, col: SparseColumn) -> tuple[np.ndarray, None]:
     values = np.asarray(pc.if_else(digits, flat, "0").cast(pa.int64()).to_numpy(zero_copy_only=False), dtype=np.int64)
     hashed = (fnv1a64(flat) % np.uint64(space)).astype(np.int64)
     return np.where(np.asarray(digits.to_numpy(zero_copy_only=False), dtype=bool), np.mod(values, space), hashed), None
+
+
+def dense_transformed(col: DenseColumn, values: np.ndarray) -> np.ndarray:
+    """A dense column's filled float64 values after ``clip`` and ``transform``: what ``normalize`` scales, and what its
+    ``mean`` / ``std`` are fitted on (:func:`recsys_runner.data.infer.complete_schema`)."""
+    if col.clip is not None:
+        values = np.clip(values, col.clip[0], col.clip[1])
+    if col.transform == "log1p":
+        values = np.log1p(np.maximum(values, 0.0))
+    return values
+
+
+def parse_numbers(flat: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """A flat array without nulls (numbers, or text of numbers) as float64, and a mask of values that are not a number
+    (text that does not parse, NaN, another type)."""
+    if pa.types.is_integer(flat.type) or pa.types.is_floating(flat.type) or pa.types.is_boolean(flat.type) or pa.types.is_null(flat.type):
+        numbers = np.asarray(flat.cast(pa.float64()).to_numpy(zero_copy_only=False), dtype=np.float64)
+        return numbers, np.isnan(numbers)
+    if not (pa.types.is_string(flat.type) or pa.types.is_large_string(flat.type)):
+        return np.zeros(len(flat), np.float64), np.ones(len(flat), bool)
+    try:
+        numbers = np.asarray(flat.cast(pa.float64()).to_numpy(zero_copy_only=False), dtype=np.float64)
+        return numbers, np.isnan(numbers)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        numbers, wrong = np.zeros(len(flat), np.float64), np.zeros(len(flat), bool)
+        for i, text in enumerate(flat.to_pylist()):
+            try:
+                numbers[i] = float(text)
+            except ValueError:
+                wrong[i] = True
+        return numbers, wrong | np.isnan(numbers)
+
+
+def bucket_ids(col: SparseColumn, numbers: np.ndarray, wrong: np.ndarray) -> np.ndarray:
+    """``encoding: bucketize``: the id of each number, the count of ``col.boundaries`` ``<=`` it (``0`` where ``wrong``)."""
+    assert col.boundaries is not None, f"data.sparse[{col.name}] (encoding=bucketize) has no boundaries: build its schema with complete_schema"
+    ids = np.searchsorted(np.asarray(col.boundaries, dtype=np.float64), numbers, side="right").astype(np.int64)
+    return np.where(wrong, 0, ids) if wrong.any() else ids
+
+
+def _not_a_number(shown: str, col: SparseColumn) -> str:
+    return (f"{shown} is not a number, which encoding=bucketize reads (data.sparse[{col.name}].boundaries/quantiles). Fix the value, "
+            f"or drop the boundaries to treat the column as ids")
 
 
 # -- Arrow helpers ------------------------------------------------------------------------------------

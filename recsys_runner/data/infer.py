@@ -49,7 +49,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from recsys_runner.data.encoder import value_keys
+from recsys_runner.data.encoder import dense_transformed, parse_numbers, value_keys
 from recsys_runner.data.schema import DenseColumn, Schema, SparseColumn
 from recsys_runner.data.vocabulary import Vocabulary
 from recsys_runner.errors import DataError, require
@@ -238,10 +238,68 @@ def complete_schema(
         t = read()
         dense, sparse, notes = _infer_columns(t, set(label_columns) | set(config.exclude), config, where)
         inferred.append(f"{len(dense)} dense and {len(sparse)} sparse columns from {t.num_rows} sampled rows")
+    dense = [_fit_zscore(c, read, where, inferred, notes) if c.normalize == "zscore" and (c.mean is None or c.std is None) else c
+             for c in dense]
+    sparse = [_fit_boundaries(c, read(), where, inferred) if c.encoding == "bucketize" and c.boundaries is None else c for c in sparse]
     sparse, vocabularies = _size_tables(sparse, read, config, where, inferred)
     schema = Schema(label=label, labels=labels, label_kinds=label_kinds, label_threshold=label_threshold, dense=dense, sparse=sparse,
                     sequences=list(sequences or []), vocabularies=vocabularies)
     return Inferred(schema, inferred, notes)
+
+
+def _sample_numbers(name: str, t: pa.Table, where: str, separator: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Column ``name`` of the sampled table ``t``: its values that are numbers (lists flattened, text split at ``separator``
+    and parsed; values that are no number, NaN or infinite left out), and a mask of the rows where it is missing.
+
+    Raises:
+        DataError: ``t`` has no such column.
+    """
+    if name not in t.column_names:
+        raise DataError(f"{where} has no column {name!r}; its columns are {t.column_names}. Fix: correct the column names in "
+                        f"data.dense / data.sparse")
+    arr = t.column(name).combine_chunks()
+    missing = np.asarray(arr.is_null().to_numpy(zero_copy_only=False), dtype=bool)
+    if _text(arr):
+        missing |= np.asarray(pc.fill_null(pc.equal(arr, ""), False).to_numpy(zero_copy_only=False), dtype=bool)
+    numbers, wrong = parse_numbers(_flat_values(arr, separator))
+    numbers = numbers[~wrong]
+    return numbers[np.isfinite(numbers)], missing
+
+
+def _fit_zscore(col: DenseColumn, read: Callable[[], pa.Table], where: str, inferred: list[str], notes: list[str]) -> DenseColumn:
+    """``col`` with its unset ``mean`` / ``std`` fitted on the sampled values as the encoder sees them (missing ones filled,
+    then clipped and transformed); a ``std`` of 0 (a constant column) is stored as 1, with a note."""
+    t = read()
+    numbers, missing = _sample_numbers(col.name, t, where)
+    values = dense_transformed(col, np.concatenate([numbers, np.full(int(missing.sum()), col.fill)]))
+    if not len(values):
+        raise DataError(f"data.dense[{col.name}].normalize=zscore: no number in the {t.num_rows} sampled rows of {where} to fit its "
+                        f"mean and std on. Fix: set data.dense[{col.name}].mean and .std, or normalize=none")
+    mean = col.mean if col.mean is not None else float(values.mean())
+    std = col.std if col.std is not None else float(values.std())
+    if std == 0:
+        notes.append(f"data.dense[{col.name}]: every sampled value is {values[0]:g} (std 0); zscore divides by std=1 instead")
+        std = 1.0
+    inferred.append(f"{col.name} zscore mean={mean:.6g} std={std:.6g} from {len(values)} sampled values")
+    return replace(col, mean=mean, std=std)
+
+
+def _fit_boundaries(col: SparseColumn, t: pa.Table, where: str, inferred: list[str]) -> SparseColumn:
+    """``col`` (``quantiles`` set) with ``boundaries``: the ``quantiles``-quantiles of its sampled numbers, repeats dropped,
+    and ``num_embeddings`` (``len(boundaries) + 1`` unless set).
+
+    Raises:
+        DataError: the sample holds no number in the column.
+    """
+    assert col.quantiles is not None
+    numbers, _ = _sample_numbers(col.name, t, where, col.separator)
+    if not len(numbers):
+        raise DataError(f"data.sparse[{col.name}].quantiles={col.quantiles}: no number in the {t.num_rows} sampled rows of {where} to "
+                        f"fit boundaries on. Fix: set data.sparse[{col.name}].boundaries, e.g. [0, 10, 100]")
+    boundaries = [float(b) for b in np.unique(np.quantile(numbers, np.arange(1, col.quantiles) / col.quantiles))]
+    inferred.append(f"{col.name} boundaries={[float(f'{b:.6g}') for b in boundaries]} ({col.quantiles} quantiles of "
+                    f"{len(numbers)} sampled values)")
+    return replace(col, boundaries=boundaries)
 
 
 def _size_tables(sparse: list[SparseColumn], read: Callable[[], pa.Table], config: InferConfig, where: str,

@@ -25,7 +25,8 @@ from recsys_runner.errors import ConfigError, require
 from recsys_runner.features import POOLINGS, FeatureSpec, SequenceGroup, SparseFeature, check_embedding_dim
 
 DENSE_TRANSFORMS = ("none", "log1p")
-SPARSE_ENCODINGS = ("id", "mod", "hash", "vocab", "raw")
+DENSE_NORMALIZATIONS = ("none", "zscore")
+SPARSE_ENCODINGS = ("id", "mod", "hash", "vocab", "raw", "bucketize")
 LABEL_KINDS = ("binary", "regression", "multiclass")
 """How a label column is checked: ``binary`` (every value 0 or 1), ``regression`` (any finite float) or ``multiclass``
 (a class index: an integer >= 0; the model's task checks it is below its ``num_classes``)."""
@@ -41,10 +42,40 @@ class DenseColumn:
     """``none``, or ``log1p``: clamp negatives to 0, then ``log(1 + x)`` (the usual Criteo count transform)."""
     fill: float = 0.0
     """Value used where the field is missing (null / empty / the CSV missing-value token)."""
+    clip: list[float] | None = None
+    """``[lo, hi]``: values clamped into this range after ``fill``, before ``transform`` and ``normalize``; ``null``: none."""
+    normalize: str = "none"
+    """``none``, or ``zscore``: ``(x - mean) / std`` after ``fill``, ``clip`` and ``transform``."""
+    mean: float | None = None
+    """``normalize: zscore``: the mean subtracted. ``null``: fitted on a sample of the training files (after ``fill``,
+    ``clip`` and ``transform``) when training starts, then stored with the model (``encoders.json``)."""
+    std: float | None = None
+    """``normalize: zscore``: the standard deviation divided by (``> 0``). ``null``: fitted like ``mean`` (a constant
+    column's ``0`` is stored as ``1``, with a note in the log)."""
 
     def __post_init__(self) -> None:
-        require(self.transform in DENSE_TRANSFORMS, f"data.dense[{self.name}].transform={self.transform!r} must be one of {DENSE_TRANSFORMS}")
-        require(math.isfinite(self.fill), f"data.dense[{self.name}].fill must be a finite number, got {self.fill}")
+        key = f"data.dense[{self.name}]"
+        require(self.transform in DENSE_TRANSFORMS, f"{key}.transform={self.transform!r} must be one of {DENSE_TRANSFORMS}")
+        require(math.isfinite(self.fill), f"{key}.fill must be a finite number, got {self.fill}")
+        if self.clip is not None:
+            bounds = list(self.clip)
+            require(len(bounds) == 2 and all(_finite(b) for b in bounds) and float(bounds[0]) < float(bounds[1]),
+                    f"{key}.clip={bounds} must be [lo, hi]: two finite numbers with lo < hi, e.g. {key}.clip=[0, 1000]")
+            self.clip = [float(bounds[0]), float(bounds[1])]
+        require(self.normalize in DENSE_NORMALIZATIONS, f"{key}.normalize={self.normalize!r} must be one of {DENSE_NORMALIZATIONS}")
+        require(self.normalize == "zscore" or (self.mean is None and self.std is None),
+                f"{key}: mean={self.mean} / std={self.std} apply only with normalize=zscore. Fix: {key}.normalize=zscore, "
+                f"or drop mean and std")
+        require(self.mean is None or _finite(self.mean), f"{key}.mean must be a finite number or null, got {self.mean}")
+        require(self.std is None or (_finite(self.std) and self.std > 0),
+                f"{key}.std must be a positive finite number or null (fitted from the data), got {self.std}")
+        self.mean = None if self.mean is None else float(self.mean)
+        self.std = None if self.std is None else float(self.std)
+
+
+def _finite(value: object) -> bool:
+    """``value`` is a finite int or float (not a bool, not text)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(kw_only=True)
@@ -63,9 +94,10 @@ class SparseColumn:
     modulo ``num_embeddings``; ``hash``: any value (string or integer) hashed into ``num_embeddings`` buckets;
     ``vocab``: each value of the sample of the training files gets a row of its own (the most frequent first, up to
     ``num_embeddings - oov_buckets``), every other value is hashed into the last ``oov_buckets`` rows, so ids unseen
-    in training never share a row with seen ones (the vocabulary is built from the files at start-up, never stored).
+    in training never share a row with seen ones (the vocabulary is fitted when training starts and stored with the model).
     ``raw``: the raw id (an integer in ``[0, managed_collision.input_hash_size)``, text hashed into it), mapped to a row
     by the model's managed-collision module; only with ``managed_collision``, whose encoding it is.
+    ``bucketize``: a number becomes the id of its bucket between ``boundaries`` (set by ``boundaries`` / ``quantiles``).
     ``null``: ``id`` when ``num_embeddings`` is given; when the data sizes it, ``vocab`` if the sample covers the
     column (``data.infer.max_unseen_fraction``), else ``hash`` (``mod`` with ``hex``)."""
     oov_buckets: int | None = None
@@ -86,12 +118,21 @@ class SparseColumn:
     managed_collision: ManagedCollisionConfig | None = None
     """Map raw ids to the table's ``num_embeddings`` slots with TorchRec's managed-collision module (admission and
     eviction) instead of hashing (``recsys_runner/data/collision.py``, docs/data.md); ``encoding`` is then ``raw``."""
+    boundaries: list[float] | None = None
+    """A numeric column bucketized into ids (``encoding: bucketize``, set by this): the id of ``x`` is the number of
+    boundaries ``<= x`` (``searchsorted(boundaries, x, side='right')``), in ``[0, len(boundaries)]``; a missing value
+    reads bucket ``0``. Strictly increasing finite numbers; ``num_embeddings`` defaults to ``len(boundaries) + 1``."""
+    quantiles: int | None = None
+    """``>= 2``: ``boundaries`` fitted as the ``quantiles``-quantiles of the column in a sample of the training files
+    (repeats dropped) when training starts, then stored with the model; ``boundaries`` given: unused."""
 
     def __post_init__(self) -> None:
         key = f"data.sparse[{self.name}]"
         self.managed_collision = collision_config(self.managed_collision, ManagedCollisionConfig, f"{key}.managed_collision")
         if self.managed_collision is not None:
             self._check_managed(key)
+        if self.boundaries is not None or self.quantiles is not None or self.encoding == "bucketize":
+            self._check_buckets(key)
         if self.encoding is None and self.num_embeddings is not None:
             self.encoding = "id"  # unsized: decided when the data sizes it (vocab or hash)
         require(self.num_embeddings is None or self.num_embeddings > 0, f"{key}.num_embeddings must be positive, got {self.num_embeddings}")
@@ -109,6 +150,34 @@ class SparseColumn:
         require(self.separator is None or len(self.separator) > 0, f"{key}.separator must be a non-empty string or null")
         require(not (self.hex and self.encoding == "hash"),
                 f"{key}: hex=true parses values to integers, which encoding=hash does not need; use encoding=mod with hex=true, or hex=false")
+
+    def _check_buckets(self, key: str) -> None:
+        """A bucketized column: ``boundaries`` strictly increasing (or ``quantiles`` to fit them), ``encoding: bucketize``,
+        and ``num_embeddings`` (``len(boundaries) + 1`` unless set) holding every bucket."""
+        require(self.encoding in (None, "bucketize"), f"{key}.encoding={self.encoding!r} does not read boundaries/quantiles, which "
+                f"bucketize a numeric column. Fix: drop {key}.encoding (boundaries set encoding=bucketize), or drop the boundaries/quantiles")
+        require(self.boundaries is not None or self.quantiles is not None, f"{key}.encoding=bucketize needs {key}.boundaries "
+                f"(e.g. [0, 10, 100]) or {key}.quantiles (e.g. 10: fitted from the data)")
+        require(not self.hex, f"{key}: hex=true parses ids, but bucketize reads numbers. Fix: {key}.hex=false")
+        self.encoding = "bucketize"
+        require(self.quantiles is None or (isinstance(self.quantiles, int) and self.quantiles >= 2),
+                f"{key}.quantiles={self.quantiles!r} must be an integer >= 2 (the number of buckets fitted), e.g. {key}.quantiles=10")
+        if self.boundaries is not None:
+            bounds = list(self.boundaries)
+            require(len(bounds) >= 1 and all(_finite(b) for b in bounds), f"{key}.boundaries={bounds} must be a non-empty list of "
+                    f"finite numbers, e.g. [0, 10, 100]")
+            floats = [float(b) for b in bounds]
+            require(all(a < b for a, b in zip(floats, floats[1:], strict=False)),
+                    f"{key}.boundaries={bounds} must be strictly increasing, e.g. [0, 10, 100]")
+            self.boundaries = floats
+            if self.num_embeddings is None:
+                self.num_embeddings = len(floats) + 1
+            require(self.num_embeddings >= len(floats) + 1, f"{key}.num_embeddings={self.num_embeddings} is below the "
+                    f"{len(floats) + 1} buckets of {len(floats)} boundaries. Fix: drop {key}.num_embeddings (it defaults to "
+                    f"len(boundaries) + 1)")
+        elif self.num_embeddings is not None and self.quantiles is not None:
+            require(self.num_embeddings >= self.quantiles, f"{key}.num_embeddings={self.num_embeddings} is below the up to "
+                    f"{self.quantiles} buckets of quantiles={self.quantiles}. Fix: drop {key}.num_embeddings")
 
     def _check_managed(self, key: str) -> None:
         """A managed column is sized by its config (its slots) and encoded ``raw``: the model, not the data, maps ids to rows."""
