@@ -185,7 +185,7 @@ def _data(run: RunConfig, device: torch.device, checkpointer: Checkpointer, weig
                     "again, as when it was trained. If the files changed since (rows appended, a new day), ids may map to other "
                     "rows than the ones it trained", source)
     data: DataModule = config.build(device=device, encoders=stored)
-    document = data.encoders_document()
+    document = data.encoders_document() if weights is None else None  # evaluate/predict save nothing: no second read
     if document is not None:
         checkpointer.files[ENCODERS_FILE] = document  # the training run also logs it to MLflow (recsys_runner.__main__)
     return data

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from dataclasses import asdict
@@ -100,10 +101,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=None, help="steps per round, windows of 10 (default 60; --quick 20)")
     parser.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 3; --quick 1)")
-    parser.add_argument("--json", default="bench_multitask.json", help="where to write the results")
+    parser.add_argument("--json", default="bench_results/bench_multitask.json", help="where to write the results")
     parser.add_argument("--quick", action="store_true", help="batch 512, few steps, one round: checks that it runs, not how fast")
     parser.add_argument("overrides", nargs="*", help="extra config overrides (e.g. distributed.device=cuda)")
     args = parser.parse_args(argv)
+    os.makedirs(os.path.dirname(str(args.json)) or ".", exist_ok=True)
     regimes, info = bench_multitask(args.overrides, args.quick, args.rounds, args.steps)
     result = {"device": "cuda" if torch.cuda.is_available() else "cpu", "threads": torch.get_num_threads(), **info,
               "regimes": {r.name: asdict(r) for r in regimes}}

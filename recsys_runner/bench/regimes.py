@@ -315,13 +315,14 @@ def main(argv: list[str] | None = None, sequence_bench: SequenceBench | None = N
     parser.add_argument("--host-steps", type=int, default=None, help="steps per round for (c) (default 300; --quick 20)")
     parser.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 7; --quick 1)")
     parser.add_argument("--parquet-rows", type=int, default=None, help="rows of the generated Parquet file (default 200000)")
-    parser.add_argument("--json", default="bench.json", help="where to write the results (default ./bench.json)")
+    parser.add_argument("--json", default="bench_results/bench.json", help="where to write the results (default ./bench_results/bench.json, git-ignored)")
     parser.add_argument("--startup-runs", type=int, default=None, help="launches timed for (d) (default 3; --quick 1)")
     parser.add_argument("--quick", action="store_true", help="tiny steps and one round: checks that every regime runs, not how fast")
     parser.add_argument("--skip", action="append", default=[], choices=["ab", "c", "d", "seq"],
                         help="leave out regimes (repeatable); seq: the sequence regimes e-g (bench/sequences.py)")
     parser.add_argument("overrides", nargs="*", help="extra config overrides for every regime (e.g. distributed.device=cuda)")
     args = parser.parse_args(argv)
+    os.makedirs(os.path.dirname(str(args.json)) or ".", exist_ok=True)
     q = args.quick
     batch_size = args.batch_size or (128 if q else 1024)
     steps = args.steps or (20 if q else 100)

@@ -9,7 +9,7 @@
 * ``h_sampler_share`` — the data pipeline alone: the time to make a training batch with the ``K`` sampled rows minus
   without (drawing, the table lookup, appending to the KJT), as a share of a step without negatives. Target ≤ 0.10.
 
-Each variant is built afresh per round (one process group at a time). Writes ``bench_retrieval.json``; docs/retrieval.md
+Each variant is built afresh per round (one process group at a time). Writes ``bench_results/bench_retrieval.json``; docs/retrieval.md
 quotes the measured numbers.
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
 import time
 from dataclasses import asdict
@@ -83,10 +84,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--batch-size", type=int, default=None, help="rows per batch B (default 1024; --quick 256)")
     parser.add_argument("--steps", type=int, default=None, help="steps per round, windows of 10 (default 100; --quick 20)")
     parser.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 5; --quick 1)")
-    parser.add_argument("--json", default="bench_retrieval.json", help="where to write the results")
+    parser.add_argument("--json", default="bench_results/bench_retrieval.json", help="where to write the results")
     parser.add_argument("--quick", action="store_true", help="small steps and one round: checks that it runs, not how fast")
     parser.add_argument("overrides", nargs="*", help="extra config overrides (e.g. distributed.device=cuda)")
     args = parser.parse_args(argv)
+    os.makedirs(os.path.dirname(str(args.json)) or ".", exist_ok=True)
     regimes, info = bench_retrieval(args.overrides, args.quick, args.rounds, args.batch_size, args.steps)
     result = {"device": "cuda" if torch.cuda.is_available() else "cpu", "threads": torch.get_num_threads(), **info,
               "regimes": {r.name: asdict(r) for r in regimes}}

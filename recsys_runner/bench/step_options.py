@@ -25,6 +25,7 @@ import argparse
 import collections
 import itertools
 import json
+import os
 import statistics
 import time
 import traceback
@@ -105,9 +106,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--variants", default="sparse_dist,base,semi_sync,no_train_metrics,compile,cuda_graphs",
                         help=f"comma-separated, the first is the reference; from {list(VARIANTS)}")
     parser.add_argument("--syncs", action="store_true", help="name the host syncs of the reference variant's steps (CUDA)")
-    parser.add_argument("--json", default="step_options.json")
+    parser.add_argument("--json", default="bench_results/step_options.json")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
+    os.makedirs(os.path.dirname(str(args.json)) or ".", exist_ok=True)
     names = args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:

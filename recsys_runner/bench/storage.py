@@ -131,10 +131,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rows", type=int, default=None, help="rows of the Parquet file (default 300,000; --quick 20,000)")
     parser.add_argument("--steps", type=int, default=None, help="steps per round, windows of 10 (default 100; --quick 20)")
     parser.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 5; --quick 1)")
-    parser.add_argument("--json", default="bench_storage.json", help="where to write the results")
+    parser.add_argument("--json", default="bench_results/bench_storage.json", help="where to write the results")
     parser.add_argument("--quick", action="store_true", help="a small file and one round: checks that it runs, not how fast")
     parser.add_argument("overrides", nargs="*", help="extra config overrides (e.g. storage.prefetch_units=4)")
     args = parser.parse_args(argv)
+    os.makedirs(os.path.dirname(str(args.json)) or ".", exist_ok=True)
     regime, info = bench_storage(args.overrides, args.quick, args.rounds, args.rows, args.steps)
     result = {"device": "cuda" if torch.cuda.is_available() else "cpu", "threads": torch.get_num_threads(), **info,
               "regimes": {regime.name: asdict(regime)}}
