@@ -32,7 +32,7 @@ from recsys_runner.checkpoint.config import TrainState
 from recsys_runner.checkpoint.policy import Checkpointer
 from recsys_runner.config import RunConfig, check_eval_keys
 from recsys_runner.data.base import DataModule
-from recsys_runner.data.encoders import ENCODERS_FILE, read_stored
+from recsys_runner.data.encoding.stored import ENCODERS_FILE, read_stored
 from recsys_runner.distributed.env import DistEnv, decided_on_rank0
 from recsys_runner.distributed.sharding import Distributed
 from recsys_runner.errors import ConfigError
@@ -173,7 +173,7 @@ def build(run: RunConfig, *, launch: Launch = Launch(), weights: Path | None = N
 def _data(run: RunConfig, device: torch.device, checkpointer: Checkpointer, weights: Path | None) -> DataModule:
     """The data module, its files encoded by the encoders of the checkpoint this run starts from (``weights``, the one
     resumed, or ``init_from``'s) when there is one, else by encoders fitted now; those are stored with every checkpoint
-    (:mod:`recsys_runner.data.encoders`).
+    (:mod:`recsys_runner.data.encoding.stored`).
 
     A checkpoint written before encoders were stored gets a warning: its encoders are fitted on the data again, and
     files that changed since its training give its ids other rows."""

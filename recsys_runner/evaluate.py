@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 
 from recsys_runner.build import build
 from recsys_runner.config import register_entry_schema, validate
-from recsys_runner.data.encoders import oov_line, oov_rates
+from recsys_runner.data.encoding.stored import oov_line, oov_rates
 from recsys_runner.inference import (
     LOAD_FIELD,
     carry_training_overrides,

@@ -65,7 +65,7 @@ from recsys_runner.checkpoint.object_storage import storage_for
 from recsys_runner.checkpoint.storage import TensorIndex
 from recsys_runner.checkpoint.weights import load_into
 from recsys_runner.config import RunConfig, flatten, register_entry_schema, to_yaml, validate
-from recsys_runner.data.encoders import StoredEncoders, read_stored
+from recsys_runner.data.encoding.stored import StoredEncoders, read_stored
 from recsys_runner.data.items import ItemTable
 from recsys_runner.errors import CheckpointError, ConfigError, require
 from recsys_runner.features import FeatureSpec
@@ -145,7 +145,7 @@ def register() -> None:
 def build_unsharded(run: RunConfig, encoders: StoredEncoders | None = None) -> tuple[nn.Module, FeatureSpec, Batch, ItemTable | None]:
     """The model the config describes, every table materialized on CPU, in eval mode; its features; an eval batch; the
     data's item catalogue (``None`` for data without one). ``encoders``: the checkpoint's, which encode the files
-    (:mod:`recsys_runner.data.encoders`)."""
+    (:mod:`recsys_runner.data.encoding.stored`)."""
     cpu = torch.device("cpu")
     data = run.data.for_model(run.model.data_needs()).build(device=cpu, encoders=encoders)
     model = run.model.build(features=data.features, dense_device=cpu)

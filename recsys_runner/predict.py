@@ -63,8 +63,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recsys_runner import stores
 from recsys_runner.build import Components, build
 from recsys_runner.config import register_entry_schema, validate
-from recsys_runner.data.encoder import Encoder, Location, Rows
-from recsys_runner.data.encoders import oov_counters, oov_line, oov_rates
+from recsys_runner.data.encoding.rows import Encoder, Location, Rows
+from recsys_runner.data.encoding.stored import oov_counters, oov_line, oov_rates
 from recsys_runner.data.schema import Schema, read_schema_file
 from recsys_runner.data.sources import PARQUET_SUFFIXES, CsvSource, Unit, resolve_files
 from recsys_runner.data.tabular import TabularData
@@ -75,7 +75,7 @@ from recsys_runner.data.tabular_config import (
     ParquetDataConfig,
     TabularDataConfig,
 )
-from recsys_runner.errors import ConfigError, UserError, require
+from recsys_runner.errors import ConfigError, DataError, UserError, require
 from recsys_runner.features import FeatureSpec
 from recsys_runner.inference import (
     LOAD_FIELD,
@@ -336,7 +336,7 @@ def _batches(source: Any, units: list[Unit], schema: Schema, features: FeatureSp
     """``(file, batch, pass-through table, first file row)`` over ``units`` in order; a file's last batch may be short.
 
     The label columns are not read: they are filled with zeros for the encoder (the scores do not depend on them)."""
-    encoder = Encoder(schema, "fail")
+    encoder = Encoder(schema, "fail", DataError)
     names = features.kjt_keys  # the sparse features, then each history's event times
     try:
         yield from _encoded(source, units, schema, encoder, names, batch_size, columns)

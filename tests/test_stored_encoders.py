@@ -22,7 +22,7 @@ from recsys_runner import evaluate, predict
 from recsys_runner.__main__ import run as train
 from recsys_runner.build import build
 from recsys_runner.config import validate
-from recsys_runner.data.encoders import ENCODERS_FILE, from_json
+from recsys_runner.data.encoding.stored import ENCODERS_FILE, from_json
 from recsys_runner.errors import DataError
 from tests.test_evaluate import compose_entry
 

@@ -17,9 +17,9 @@ import pytest
 
 from recsys_runner import evaluate
 from recsys_runner.__main__ import run as train
-from recsys_runner.data.encoder import Encoder, Location
-from recsys_runner.data.encoders import ENCODERS_FILE, from_json, to_json
-from recsys_runner.data.infer import InferConfig, complete_schema
+from recsys_runner.data.encoding.fit import InferConfig, complete_schema
+from recsys_runner.data.encoding.rows import Encoder, Location
+from recsys_runner.data.encoding.stored import ENCODERS_FILE, from_json, to_json
 from recsys_runner.data.schema import DenseColumn, Schema, SparseColumn, read_schema_file
 from recsys_runner.errors import ConfigError, DataError
 from tests.test_evaluate import compose_entry
@@ -27,7 +27,7 @@ from tests.test_evaluate import compose_entry
 
 def _encode(schema: Schema, table: pa.Table, on_bad_rows: str = "fail") -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
     """``table`` (a CSV block: text columns) encoded by ``schema``: the dense matrix and the sparse (values, lengths)."""
-    rows = Encoder(schema, on_bad_rows).encode(table, Location("t.csv", "lines 2-", np.arange(table.num_rows), 2))
+    rows = Encoder(schema, on_bad_rows, DataError).encode(table, Location("t.csv", "lines 2-", np.arange(table.num_rows), 2))
     return rows.dense, rows.sparse
 
 

@@ -37,8 +37,8 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from recsys_runner.data.encoder import Encoder, Location, Rows
-from recsys_runner.data.infer import InferConfig, complete_schema
+from recsys_runner.data.encoding.fit import InferConfig, complete_schema
+from recsys_runner.data.encoding.rows import Encoder, Location, Rows
 from recsys_runner.data.interactions import SPLITS, LogSpec, convert_log
 from recsys_runner.data.schema import (
     SCHEMA_METADATA_KEY,
@@ -95,7 +95,7 @@ def rows_to_table(rows: Rows, schema: Schema, multi_hot: list[bool]) -> pa.Table
 
 def inferred_csv_schema(args: argparse.Namespace, files: list[str]) -> tuple[Schema, dict[str, Any]]:
     """``--format csv`` without ``--schema``: the schema inferred from the files' first rows exactly as a training run
-    on ``data=csv`` infers it (:mod:`recsys_runner.data.infer`), and the reader options; printed as a schema file
+    on ``data=csv`` infers it (:mod:`recsys_runner.data.encoding.fit`), and the reader options; printed as a schema file
     to keep, edit and pass back as ``--schema`` (or ``data.schema=`` to train on the text files)."""
     options: dict[str, Any] = {"delimiter": DELIMITER_ESCAPES.get(args.delimiter, args.delimiter), "header": True,
                                "column_names": None, "null_values": [""]}
@@ -132,7 +132,7 @@ def convert(args: argparse.Namespace) -> None:
         infer = InferConfig(sample_rows=args.sample_rows)
         schema = complete_schema(**parts, sample=lambda: sampler.sample(infer.sample_rows), config=infer, where=f"the input {files[0]}").schema
     source = CsvSource(files, schema.columns, block_rows=args.row_group_rows, on_bad_rows=args.on_bad_rows, **options)
-    encoder = Encoder(schema, args.on_bad_rows)
+    encoder = Encoder(schema, args.on_bad_rows, DataError)
     out_schema = converted_schema(schema)
     multi_hot = [s.separator is not None for s in schema.sparse]
     os.makedirs(args.output, exist_ok=True)

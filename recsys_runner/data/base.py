@@ -18,7 +18,7 @@ from recsys_runner.errors import CheckpointError, DataError, require
 from recsys_runner.features import DataNeeds, FeatureSpec
 
 if TYPE_CHECKING:  # the annotation only: the stored encoders are handed in by the builder
-    from recsys_runner.data.encoders import StoredEncoders
+    from recsys_runner.data.encoding.stored import StoredEncoders
 
 __all__ = ["AUTO", "DataConfig", "DataError", "DataModule", "auto_workers", "data_device_type", "synchronized"]  # DataError lives in errors.py with its siblings; importable from here too
 
@@ -65,7 +65,7 @@ class DataModule(Protocol):
         return {}
 
     def encoders_document(self) -> bytes | None:
-        """The encoders this data fitted to its files (:mod:`recsys_runner.data.encoders`), stored with every checkpoint;
+        """The encoders this data fitted to its files (:mod:`recsys_runner.data.encoding.stored`), stored with every checkpoint;
         ``None`` for data that fits none (generated data: its ids are its rows)."""
         return None
 
@@ -127,7 +127,7 @@ class DataConfig(Configurable):
         puts it): built from :meth:`resolved`, so that the module sees a number of workers and a pinning decision.
 
         ``encoders``: the encoders a checkpoint stored (evaluate, predict, resume, ``init_from``, export): the files are
-        encoded by them, not by encoders fitted again (:mod:`recsys_runner.data.encoders`).
+        encoded by them, not by encoders fitted again (:mod:`recsys_runner.data.encoding.stored`).
 
         Raises:
             CheckpointError: ``encoders`` for data that takes none (the checkpoint was trained on files).

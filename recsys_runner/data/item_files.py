@@ -1,7 +1,7 @@
 """The item catalogue of file data (``data.items``), and what the file data modules share to serve it and sampled negatives.
 
 An items file (Parquet, or delimited text) has one row per item: the item id column and the item tower's other columns,
-named as in the training files. Each is encoded by the training data's own :class:`~recsys_runner.data.encoder.Encoder`
+named as in the training files. Each is encoded by the training data's own :class:`~recsys_runner.data.encoding.rows.Encoder`
 for the same-named ``data.sparse`` / ``data.dense`` column, so the table's ids are the ids of the training rows (the same
 vocabulary, hash or modulo). Built once when the data module is built, so that a missing column, a duplicate item or an
 eval row whose item the table lacks stops the run before its first step, naming the file and the column.
@@ -21,7 +21,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from recsys_runner import stores
-from recsys_runner.data.encoder import Encoder, Location
+from recsys_runner.data.encoding.rows import Encoder, Location
 from recsys_runner.data.items import ItemTable
 from recsys_runner.data.negatives import MinedNegatives, NegativeSampler, NegativesConfig
 from recsys_runner.data.schema import Schema
@@ -125,7 +125,7 @@ def read_item_table(config: ItemsConfig, schema: Schema, delimiter: str = ",",
     path, id_name = config.path, config.id
     table = _read(path, [id_name, *config.features, *([config.popularity] if config.popularity else [])], delimiter)
     _check_unique(path, id_name, table.column(id_name))
-    encoder, bad = Encoder(schema), _raise_bad(path, np.arange(table.num_rows))
+    encoder, bad = Encoder(schema, error=DataError), _raise_bad(path, np.arange(table.num_rows))
     sparse_cols, dense_cols = {c.name: c for c in schema.sparse}, {c.name: c for c in schema.dense}
     ids, lengths = encoder._sparse(sparse_cols[id_name], table.column(id_name), Location(path, "items", np.arange(0)), bad)
     bad(id_name, lengths != 1, lambda i: "the item id is missing, or a list (an item has one id)")
@@ -189,7 +189,7 @@ def check_eval_items(items: ItemTable, schema: Schema, split: Any, items_path: s
     """Raise :class:`DataError` at the first eval row (of ``split``: its ``units``, ``source`` and ``select``) whose item id
     is not in ``items``: full-corpus evaluation could never rank its positive."""
     column = next(c for c in schema.sparse if c.name == items.id_feature)
-    encoder = Encoder(schema)
+    encoder = Encoder(schema, error=DataError)
     for unit in split.units:
         line_offset = split.source.line_offset(unit.path) if hasattr(split.source, "line_offset") else None
         for table, file_rows in split.source.read(unit):

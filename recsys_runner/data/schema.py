@@ -5,7 +5,7 @@ each ``binary`` or ``regression`` by ``label_kinds``), ``dense`` columns (each w
 transform) and ``sparse`` columns (integer ids, hashed values or hexadecimal strings; single- or
 multi-hot): :class:`DenseColumn`, :class:`SparseColumn`, together a :class:`Schema`. A schema is kept as a
 YAML schema file (:func:`schema_yaml`, :func:`read_schema_file`) or in a Parquet file's metadata
-(:func:`schema_json`, :func:`stored_schema`); :mod:`recsys_runner.data.encoder` turns rows into model inputs by it.
+(:func:`schema_json`, :func:`stored_schema`); :mod:`recsys_runner.data.encoding.rows` turns rows into model inputs by it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import yaml
 
 from recsys_runner import stores
 from recsys_runner.data.collision import ManagedCollisionConfig, collision_config
-from recsys_runner.data.vocabulary import Vocabulary
+from recsys_runner.data.encoding.vocabulary import Vocabulary
 from recsys_runner.errors import ConfigError, require
 from recsys_runner.features import POOLINGS, FeatureSpec, SequenceGroup, SparseFeature, check_embedding_dim
 
@@ -86,7 +86,7 @@ class SparseColumn:
     """Column name in the file; also the feature's name."""
     num_embeddings: int | None = None
     """Rows of the feature's embedding table: ids must lie in ``[0, num_embeddings)``. ``null``: sized from the
-    data (``recsys_runner/data/infer.py``; the run logs the size it chose): a vocabulary of the values in a sample of
+    data (``recsys_runner/data/encoding/fit.py``; the run logs the size it chose): a vocabulary of the values in a sample of
     the files plus ``oov_buckets`` rows, or, when the sample does not cover the column, its distinct values times
     ``data.infer.bucket_margin``, rounded up."""
     encoding: str | None = None
@@ -253,7 +253,7 @@ class Schema:
     """Histories among ``sparse`` (``data.sequences``, :func:`sequence_groups`): list columns of equal length per row."""
     vocabularies: dict[str, Vocabulary] = field(default_factory=dict, repr=False, compare=False)
     """The vocabulary of each ``encoding: vocab`` column, by column name, built from a sample of the training files
-    (:func:`recsys_runner.data.infer.complete_schema`); runtime state, never written to a schema file."""
+    (:func:`recsys_runner.data.encoding.fit.complete_schema`); runtime state, never written to a schema file."""
 
     def __post_init__(self) -> None:
         check_labels(self.label, self.labels, self.label_kinds)
@@ -261,7 +261,7 @@ class Schema:
                 f"data.label_threshold={self.label_threshold} applies to one data.label (a finite number), not to data.labels")
         unsized = [c.name for c in self.sparse if c.num_embeddings is None]
         require(not unsized, f"data.sparse columns {unsized} have no num_embeddings; they are sized from the data when the data "
-                f"module is built (recsys_runner/data/infer.py)")
+                f"module is built (recsys_runner/data/encoding/fit.py)")
         for group in self.sequences:
             check_group(group, self.sparse, [*self.label_columns, *(c.name for c in self.dense)])
         names = [*self.label_columns, *(c.name for c in self.dense), *(c.name for c in self.sparse), *self.timestamp_columns]

@@ -357,7 +357,7 @@ class CsvSource:
 
     def sample(self, num_rows: int) -> pa.Table:
         """The first ``num_rows`` rows of the files (in order), every column as text (missing values null), to infer
-        a schema from (:mod:`recsys_runner.data.infer`); lines with the wrong number of fields are left out."""
+        a schema from (:mod:`recsys_runner.data.encoding.fit`); lines with the wrong number of fields are left out."""
         tables: list[pa.Table] = []
         wanted = num_rows
         for path in self.files:

@@ -38,10 +38,10 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.data.base import DataModule, synchronized
-from recsys_runner.data.encoder import Encoder, Location, Rows, splitmix64
-from recsys_runner.data.encoders import StoredEncoders, check_columns, column_kinds, oov_counters, to_json
+from recsys_runner.data.encoding.fit import Inferred, complete_schema
+from recsys_runner.data.encoding.rows import Encoder, Location, Rows, splitmix64
+from recsys_runner.data.encoding.stored import StoredEncoders, check_columns, column_kinds, oov_counters, to_json
 from recsys_runner.data.histories import check_list_columns, expected_rows, history_costs, token_cuts
-from recsys_runner.data.infer import Inferred, complete_schema
 from recsys_runner.data.item_files import Catalogue
 from recsys_runner.data.prefetch import read_ahead
 from recsys_runner.data.schema import Schema, read_schema_file, schema_yaml, stored_schema
@@ -234,7 +234,7 @@ class TabularData(Catalogue, DataModule, abc.ABC):
 
     def encoders_document(self) -> bytes:
         """The schema these files are encoded by (vocabularies included) and the kind of each of their columns, stored
-        with every checkpoint (:mod:`recsys_runner.data.encoders`)."""
+        with every checkpoint (:mod:`recsys_runner.data.encoding.stored`)."""
         sample = self.open_files(self.config.path, "data.path").sample(_KIND_SAMPLE_ROWS)
         return to_json(self.schema, column_kinds(self.schema, sample))
 
@@ -311,7 +311,7 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         if shuffle:
             order = np.random.default_rng([cfg.seed, epoch]).permutation(len(order)).tolist()
         ranges = shard_ranges(split.counts, order, shard, num_shards, equal=train and cfg.drop_remainder)
-        encoder = Encoder(self.schema, cfg.on_bad_rows)
+        encoder = Encoder(self.schema, cfg.on_bad_rows, DataError)
         rng = np.random.default_rng([cfg.seed, epoch, shard]) if shuffle and cfg.shuffle_buffer_rows > 0 else None
         hold = max(cfg.shuffle_buffer_rows, self.batch_size) if rng is not None else self.batch_size
         keep_last = not (train and cfg.drop_remainder)
@@ -429,7 +429,7 @@ def from_checkpoint(encoders: StoredEncoders, sample: pa.Table, where: str) -> S
 
 def config_schema(config: Any, sample: Any, where: str, column_names: Any = None) -> tuple[Inferred, dict[str, Any]]:
     """The schema a config (or its ``data.schema`` file) describes, with what it leaves open inferred from
-    ``sample()`` (:func:`~recsys_runner.data.infer.complete_schema`), and the text-reader options the schema
+    ``sample()`` (:func:`~recsys_runner.data.encoding.fit.complete_schema`), and the text-reader options the schema
     file sets (``{}`` without one)."""
     reader: dict[str, Any] = {}
     if config.schema is not None:
@@ -454,7 +454,7 @@ class ParquetData(TabularData):
     """``data=parquet``: Parquet files (see :class:`ParquetDataConfig`).
 
     The schema: ``data.schema`` or the config's columns; without either, the one ``convert`` stored in the
-    files; without that, one inferred from the files (:mod:`recsys_runner.data.infer`, logged).
+    files; without that, one inferred from the files (:mod:`recsys_runner.data.encoding.fit`, logged).
     """
 
     def __init__(self, config: ParquetDataConfig, encoders: StoredEncoders | None = None) -> None:
@@ -483,7 +483,7 @@ class ParquetData(TabularData):
 
 class CsvData(TabularData):
     """``data=csv``: delimited text files (see :class:`CsvDataConfig`); the schema from ``data.schema``, the config's
-    columns, or inferred from the files (:mod:`recsys_runner.data.infer`, logged)."""
+    columns, or inferred from the files (:mod:`recsys_runner.data.encoding.fit`, logged)."""
 
     def __init__(self, config: CsvDataConfig, encoders: StoredEncoders | None = None) -> None:
         where = f"data.path={config.path!r}"

@@ -12,8 +12,8 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from recsys_runner.data.base import DataConfig
-from recsys_runner.data.encoder import BAD_ROW_MODES
-from recsys_runner.data.infer import InferConfig
+from recsys_runner.data.encoding.fit import InferConfig
+from recsys_runner.data.encoding.rows import BAD_ROW_MODES
 from recsys_runner.data.item_files import ItemsConfig
 from recsys_runner.data.negatives import NegativesConfig
 from recsys_runner.data.schema import (
@@ -76,7 +76,7 @@ class TabularDataConfig(DataConfig):
     ``hard_column``, ``hard_ratio``; docs/retrieval.md); needs ``data.items``. ``num_negatives: 0``: in-batch only."""
 
     def takes_encoders(self) -> bool:
-        """Files are encoded by fitted encoders, which a checkpoint stores (:mod:`recsys_runner.data.encoders`)."""
+        """Files are encoded by fitted encoders, which a checkpoint stores (:mod:`recsys_runner.data.encoding.stored`)."""
         return True
 
     def __post_init__(self) -> None:
@@ -254,7 +254,7 @@ class CriteoDataConfig(TabularDataConfig):
 def criteo_columns(num_embeddings: list[int | None], categorical_encoding: str = "mod",
                    dense_transform: str = "log1p") -> tuple[list[DenseColumn], list[SparseColumn]]:
     """The Criteo dense and sparse columns with the usual preprocessing (a ``None`` size: sized from the data, a
-    vocabulary or ``categorical_encoding``, :mod:`recsys_runner.data.infer`)."""
+    vocabulary or ``categorical_encoding``, :mod:`recsys_runner.data.encoding.fit`)."""
     hexed = categorical_encoding == "mod"
     return ([DenseColumn(name=f"int_{i}", transform=dense_transform) for i in range(CRITEO_NUM_DENSE)],
             [SparseColumn(name=f"cat_{i}", num_embeddings=n, encoding=categorical_encoding if n is not None else None, hex=hexed)

@@ -27,7 +27,7 @@ import torch
 from recsys_runner.checkpoint.config import TrainState
 from recsys_runner.checkpoint.policy import Checkpointer
 from recsys_runner.data.base import DataModule
-from recsys_runner.data.encoders import oov_rates
+from recsys_runner.data.encoding.stored import oov_rates
 from recsys_runner.distributed.env import DistEnv
 from recsys_runner.errors import DataError
 from recsys_runner.models.collision import collision_counters, collision_rates

@@ -2,15 +2,15 @@
 other value is hashed into a few out-of-vocabulary (OOV) rows after them.
 
 A column with ``encoding: vocab`` (what an unsized id column becomes when the sample covers it, see
-:mod:`recsys_runner.data.infer`) has ``num_embeddings = capacity + oov_buckets`` rows: rows ``[0, capacity)`` belong to
+:mod:`recsys_runner.data.encoding.fit`) has ``num_embeddings = capacity + oov_buckets`` rows: rows ``[0, capacity)`` belong to
 the values of the sample of the training files (the most frequent first; ties by key), rows
 ``[capacity, num_embeddings)`` are shared by every other value, by a stable hash. So an id seen in training never
 shares a row with an id unseen in training: a cold-start user reads an OOV row, not the row a trained user owns.
 
-Values are keyed by the stable 64-bit hashes the ``hash`` encoding uses (:func:`~recsys_runner.data.encoder.fnv1a64`
-of the text, :func:`~recsys_runner.data.encoder.splitmix64` of an integer or of a ``hex`` column's parsed value), so
+Values are keyed by the stable 64-bit hashes the ``hash`` encoding uses (:func:`~recsys_runner.data.encoding.rows.fnv1a64`
+of the text, :func:`~recsys_runner.data.encoding.rows.splitmix64` of an integer or of a ``hex`` column's parsed value), so
 a vocabulary is a sorted array of keys and a lookup one ``searchsorted``. It is fitted once, when training starts, and
-stored with every checkpoint (:mod:`recsys_runner.data.encoders`); evaluate, predict, resume and export read it back.
+stored with every checkpoint (:mod:`recsys_runner.data.encoding.stored`); evaluate, predict, resume and export read it back.
 """
 
 from __future__ import annotations

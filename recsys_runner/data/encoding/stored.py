@@ -11,7 +11,7 @@ build`). Files that contradict them â€” a column gone, text where numbers were â
 
 The document: ``format``; the schema (``label``/``labels``/``label_kinds``/``label_threshold``, ``dense``, ``sparse``,
 ``sequences``, as ``convert`` stores it); ``vocabularies`` (per ``encoding: vocab`` column its sorted 64-bit keys, their
-rows, ``capacity`` and ``oov_buckets``: :class:`~recsys_runner.data.vocabulary.Vocabulary`); ``column_kinds`` (each
+rows, ``capacity`` and ``oov_buckets``: :class:`~recsys_runner.data.encoding.vocabulary.Vocabulary`); ``column_kinds`` (each
 input column's kind in the files it was fitted on: ``text``, ``number``, ``list``).
 """
 
@@ -28,8 +28,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from recsys_runner import stores
+from recsys_runner.data.encoding.vocabulary import Vocabulary
 from recsys_runner.data.schema import DenseColumn, Schema, SparseColumn, sequence_groups, sequences_mapping
-from recsys_runner.data.vocabulary import Vocabulary
 from recsys_runner.errors import CheckpointError, DataError
 
 log = logging.getLogger(__name__)

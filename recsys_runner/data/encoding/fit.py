@@ -27,7 +27,7 @@ schema stored by ``convert``), the data module reads the first ``data.infer.samp
   - when the sample covers the column (it holds every row of the files, or the values seen once in it make up at
     most ``data.infer.max_unseen_fraction`` of its values: Good–Turing's estimate of the share of later values it
     has not seen) → ``encoding: vocab``: a row per distinct value of the sample plus ``data.infer.oov_buckets`` rows
-    that every other value is hashed into (:class:`~recsys_runner.data.vocabulary.Vocabulary`), so an id unseen in
+    that every other value is hashed into (:class:`~recsys_runner.data.encoding.vocabulary.Vocabulary`), so an id unseen in
     training never shares a row with one seen in training;
   - otherwise (a column with more values than the sample shows) → ``encoding: hash`` (``mod`` for ``hex``): the
     distinct values in the sample times ``data.infer.bucket_margin`` (room for values the sample missed, fewer hash
@@ -49,9 +49,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from recsys_runner.data.encoder import dense_transformed, parse_numbers, value_keys
+from recsys_runner.data.encoding.rows import dense_transformed, parse_numbers, value_keys
+from recsys_runner.data.encoding.vocabulary import Vocabulary
 from recsys_runner.data.schema import DenseColumn, Schema, SparseColumn
-from recsys_runner.data.vocabulary import Vocabulary
 from recsys_runner.errors import DataError, require
 from recsys_runner.features import SequenceGroup
 
@@ -66,7 +66,7 @@ _INTEGER = re.compile(r"^[+-]?\d+$")
 
 @dataclass(kw_only=True)
 class InferConfig:
-    """``data.infer``: how a schema is inferred from the files (see :mod:`recsys_runner.data.infer`)."""
+    """``data.infer``: how a schema is inferred from the files (see :mod:`recsys_runner.data.encoding.fit`)."""
 
     sample_rows: int = 100_000
     """Rows read from the start of the files to infer column types and bucket counts."""
@@ -367,7 +367,7 @@ def _infer_columns(t: pa.Table, skip: set[str], config: InferConfig, where: str)
 
 
 def _keys(col: SparseColumn, t: pa.Table, where: str) -> np.ndarray:
-    """The vocabulary keys (:func:`~recsys_runner.data.encoder.value_keys`) of ``col``'s sampled values, repeats kept.
+    """The vocabulary keys (:func:`~recsys_runner.data.encoding.rows.value_keys`) of ``col``'s sampled values, repeats kept.
 
     Raises:
         DataError: ``t`` has no such column.

@@ -1,23 +1,30 @@
-"""The vectorized encoder from Arrow columns of raw values to model inputs, checking every row.
+"""The vectorized encoder from Arrow columns of raw values to model inputs, checking every row — shared by training
+and serving.
 
-:class:`Encoder` turns one Arrow table of raw columns into :class:`Rows` (NumPy arrays) by a
-:class:`~recsys_runner.data.schema.Schema` and checks every row; a bad row either raises :class:`DataError`
-naming the file, row and column (:class:`Location`), or is skipped and counted (``on_bad_rows: skip``).
-Stable hashes (:func:`fnv1a64`, :func:`splitmix64`) and hex/decimal parsing live here too.
+:class:`Encoder` turns one Arrow table of raw columns into :class:`Rows` (NumPy arrays) by a schema (a
+:class:`~recsys_runner.data.schema.Schema`, or the plain objects the served model builds from ``encoders.json``) and
+checks every row; a bad row either raises the encoder's ``error`` naming the file, row and column (:class:`Location`),
+or is skipped and counted (``on_bad_rows: skip``). Histories are checked, truncated and given their event times by
+:class:`HistoryEncoder`. Stable hashes (:func:`fnv1a64`, :func:`splitmix64`) and hex/decimal parsing live here too.
+
+**Standalone on purpose.** This module imports NumPy and PyArrow only: the MLflow model that ``export`` writes carries a
+copy of it (with :mod:`~recsys_runner.data.encoding.vocabulary` and :mod:`~recsys_runner.data.encoding.served`), so a
+server turns raw rows into exactly the ids training used without recsys_runner, TorchRec or fbgemm installed. The schema
+is read by attribute (duck-typed), never imported; training passes ``error=DataError``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from recsys_runner.data.histories import HistoryEncoder
-from recsys_runner.data.schema import DenseColumn, Schema, SparseColumn
-from recsys_runner.errors import DataError
+Jagged = tuple[np.ndarray, np.ndarray]
+"""One feature of a block of rows: flat values and per-row lengths."""
 
 BAD_ROW_MODES = ("fail", "skip")
 """``data.on_bad_rows``: ``fail`` stops at the first bad row, ``skip`` drops and counts bad rows."""
@@ -110,18 +117,19 @@ class Encoder:
 
     Args:
         schema: the columns and how to encode them.
-        on_bad_rows: ``fail`` raises :class:`DataError` at the first bad row; ``skip`` drops bad
+        on_bad_rows: ``fail`` raises ``error`` at the first bad row; ``skip`` drops bad
             rows and counts them in ``num_bad_rows``.
+        error: the exception a bad row raises (training: :class:`~recsys_runner.errors.DataError`).
 
-    Histories (``schema.sequences``) are checked and truncated by a :class:`~recsys_runner.data.histories.HistoryEncoder`;
+    Histories (``schema.sequences``) are checked and truncated by a :class:`HistoryEncoder`;
     ``num_truncated_rows`` counts the rows whose history was longer than its ``max_len``.
     """
 
-    def __init__(self, schema: Schema, on_bad_rows: str = "fail") -> None:
-        self.schema = schema
+    def __init__(self, schema: Any, on_bad_rows: str = "fail", error: type[Exception] = ValueError) -> None:
+        self.schema, self.error = schema, error
         self.skip = on_bad_rows == "skip"
         self.num_bad_rows = 0
-        self.histories = HistoryEncoder(schema)
+        self.histories = HistoryEncoder(schema, error)
         self.oov: dict[str, list[int]] = {c.name: [0, 0] for c in schema.sparse if c.encoding == "vocab"}
         """Per ``encoding: vocab`` column: values that read an OOV row (unseen when the vocabulary was fitted), and values."""
 
@@ -148,7 +156,7 @@ class Encoder:
         first = min(int(np.flatnonzero(mask)[0]) for _, _, mask, _ in problems)
         if not self.skip:
             column, _, _, what = next(p for p in problems if p[2][first])
-            raise DataError(
+            raise self.error(
                 f"bad row in {where.describe(first)}, column {column!r}: {what(first)}. Fix the data, or set "
                 f"data.on_bad_rows=skip to skip such rows (they are counted and logged)"
             )
@@ -160,14 +168,14 @@ class Encoder:
     def _label(self, table: pa.Table, where: Location, bad) -> np.ndarray:
         schema = self.schema
         columns = [self._label_column(table, column, task, schema.label_kind(task), schema.labels is not None, where, bad,
-                                      schema.label_threshold)
+                                      self.error, schema.label_threshold)
                    for column, task in zip(schema.label_columns, schema.label_tasks, strict=True)]
         return columns[0] if schema.labels is None else np.stack(columns, axis=1)
 
     @staticmethod
-    def _label_column(table: pa.Table, name: str, task: str, kind: str, multi: bool, where: Location, bad,
+    def _label_column(table: pa.Table, name: str, task: str, kind: str, multi: bool, where: Location, bad, error: type[Exception],
                       threshold: float | None = None) -> np.ndarray:
-        arr = _numeric(_column(table, name), name, where, bad)
+        arr = _numeric(_column(table, name), name, where, bad, error)
         null = np.asarray(arr.is_null().to_numpy(zero_copy_only=False), dtype=bool) if arr.null_count else np.zeros(len(arr), bool)
         values = np.asarray(arr.fill_null(0.0).to_numpy(zero_copy_only=False), dtype=np.float64)
         of = f" (task {task!r})" if multi else ""
@@ -190,8 +198,8 @@ class Encoder:
         return np.where(null | wrong, 0, values).astype(np.float32)
 
     # -- dense --------------------------------------------------------------------------------------
-    def _dense(self, col: DenseColumn, arr: pa.ChunkedArray | pa.Array, where: Location, bad) -> np.ndarray:
-        arr = _numeric(arr, col.name, where, bad)
+    def _dense(self, col: Any, arr: pa.ChunkedArray | pa.Array, where: Location, bad) -> np.ndarray:
+        arr = _numeric(arr, col.name, where, bad, self.error)
         read = np.asarray(arr.fill_null(col.fill).to_numpy(zero_copy_only=False), dtype=np.float64)
         nonfinite = ~np.isfinite(read)
         scaled = f", and data.dense[{col.name}].normalize=zscore scales finite numbers only" if col.normalize == "zscore" else ""
@@ -206,7 +214,7 @@ class Encoder:
         return values
 
     # -- sparse -------------------------------------------------------------------------------------
-    def _sparse(self, col: SparseColumn, arr: pa.ChunkedArray | pa.Array, where: Location, bad) -> tuple[np.ndarray, np.ndarray]:
+    def _sparse(self, col: Any, arr: pa.ChunkedArray | pa.Array, where: Location, bad) -> tuple[np.ndarray, np.ndarray]:
         arr = _combined(arr)
         n = len(arr)
         listed = col.separator is not None or pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)
@@ -264,7 +272,7 @@ class Encoder:
         return ids, lengths
 
     @staticmethod
-    def _buckets(col: SparseColumn, arr: pa.Array, bad) -> tuple[np.ndarray, np.ndarray]:
+    def _buckets(col: Any, arr: pa.Array, bad) -> tuple[np.ndarray, np.ndarray]:
         """A single-valued ``encoding: bucketize`` column: one id per row, a missing value reading bucket ``0``."""
         n = len(arr)
         valid = np.asarray(arr.is_valid().to_numpy(zero_copy_only=False), dtype=bool) if arr.null_count else np.ones(n, bool)
@@ -273,7 +281,7 @@ class Encoder:
         bad(col.name, wrong, lambda i: _not_a_number(repr(arr[i].as_py()), col))
         return bucket_ids(col, numbers, wrong), np.ones(n, dtype=np.int32)
 
-    def _ids(self, col: SparseColumn, flat: pa.Array) -> tuple[np.ndarray, np.ndarray | None]:
+    def _ids(self, col: Any, flat: pa.Array) -> tuple[np.ndarray, np.ndarray | None]:
         """Encode a flat array of values to ids; also a mask of values that cannot be encoded."""
         is_text = pa.types.is_string(flat.type) or pa.types.is_large_string(flat.type)
         if col.encoding == "bucketize":
@@ -319,7 +327,7 @@ class Encoder:
         return values, out if wrong is None else (out | wrong)
 
 
-def _raw_text(flat: pa.Array, col: SparseColumn) -> tuple[np.ndarray, None]:
+def _raw_text(flat: pa.Array, col: Any) -> tuple[np.ndarray, None]:
     """``encoding: raw`` text: a non-negative integer written as text is that id, any other value its FNV-1a hash, both modulo the
     raw id space, so the managed-collision module sees every value as one stable id (never a bad row)."""
     assert col.managed_collision is not None, "encoding=raw is a managed-collision column's"
@@ -330,9 +338,9 @@ def _raw_text(flat: pa.Array, col: SparseColumn) -> tuple[np.ndarray, None]:
     return np.where(np.asarray(digits.to_numpy(zero_copy_only=False), dtype=bool), np.mod(values, space), hashed), None
 
 
-def dense_transformed(col: DenseColumn, values: np.ndarray) -> np.ndarray:
+def dense_transformed(col: Any, values: np.ndarray) -> np.ndarray:
     """A dense column's filled float64 values after ``clip`` and ``transform``: what ``normalize`` scales, and what its
-    ``mean`` / ``std`` are fitted on (:func:`recsys_runner.data.infer.complete_schema`)."""
+    ``mean`` / ``std`` are fitted on (:func:`recsys_runner.data.encoding.fit.complete_schema`)."""
     if col.clip is not None:
         values = np.clip(values, col.clip[0], col.clip[1])
     if col.transform == "log1p":
@@ -361,16 +369,144 @@ def parse_numbers(flat: pa.Array) -> tuple[np.ndarray, np.ndarray]:
         return numbers, wrong | np.isnan(numbers)
 
 
-def bucket_ids(col: SparseColumn, numbers: np.ndarray, wrong: np.ndarray) -> np.ndarray:
+def bucket_ids(col: Any, numbers: np.ndarray, wrong: np.ndarray) -> np.ndarray:
     """``encoding: bucketize``: the id of each number, the count of ``col.boundaries`` ``<=`` it (``0`` where ``wrong``)."""
     assert col.boundaries is not None, f"data.sparse[{col.name}] (encoding=bucketize) has no boundaries: build its schema with complete_schema"
     ids = np.searchsorted(np.asarray(col.boundaries, dtype=np.float64), numbers, side="right").astype(np.int64)
     return np.where(wrong, 0, ids) if wrong.any() else ids
 
 
-def _not_a_number(shown: str, col: SparseColumn) -> str:
+def _not_a_number(shown: str, col: Any) -> str:
     return (f"{shown} is not a number, which encoding=bucketize reads (data.sparse[{col.name}].boundaries/quantiles). Fix the value, "
             f"or drop the boundaries to treat the column as ids")
+
+
+# -- histories -----------------------------------------------------------------------------------------
+
+
+def is_list(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t)
+
+
+def is_text(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
+def not_a_list(path: str, name: str, group: Any, typ: pa.DataType, error: type[Exception] = ValueError) -> Exception:
+    what = "event times (int64)" if name == group.timestamps else "ids or strings"
+    return error(f"{path}: column {name!r} is in history data.sequences.{group.name} but has type {typ}, not a list. Fix: write "
+                     f"it as a list column of {what}, oldest event first (an empty list or null for no history), e.g. with "
+                     f"python -m recsys_runner.data sequences; or remove it from data.sequences.{group.name}")
+
+
+def truncate(values: np.ndarray, lengths: np.ndarray, max_len: int, keep: str) -> Jagged:
+    """Each row's list cut to ``max_len`` values: its last (``keep="recent"``) or first (``"oldest"``) ones."""
+    if not len(lengths) or int(lengths.max()) <= max_len:
+        return values, lengths
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    position = np.arange(len(values), dtype=np.int64) - np.repeat(starts, lengths)
+    row_length = np.repeat(lengths, lengths).astype(np.int64)
+    kept = position >= row_length - max_len if keep == "recent" else position < max_len
+    return values[kept], np.minimum(lengths, max_len).astype(lengths.dtype)
+
+
+class HistoryEncoder:
+    """Checks, truncates and completes the histories of encoded rows (see the module docstring).
+
+    ``num_truncated_rows`` counts rows with a history longer than its group's ``max_len``.
+    """
+
+    def __init__(self, schema: Any, error: type[Exception] = ValueError) -> None:
+        self.schema, self.error = schema, error
+        self.index = {c.name: j for j, c in enumerate(schema.sparse)}
+        self.separators = {c.name: c.separator for c in schema.sparse}
+        self.num_truncated_rows = 0
+
+    def apply(self, table: pa.Table, sparse: list[Jagged], where: Any, bad: Callable[..., None]) -> list[Jagged]:
+        """``sparse`` (one entry per ``schema.sparse`` column) with histories truncated, then each group's event times.
+
+        Raises:
+            error: a history column of a typed (Parquet) table is not a list column.
+        """
+        if not self.schema.sequences:
+            return sparse
+        out, times = list(sparse), []
+        truncated = np.zeros(table.num_rows, dtype=bool)
+        for group in self.schema.sequences:
+            for f in group.features:
+                typ = table.column(f).type
+                if not (is_list(typ) or pa.types.is_null(typ) or (is_text(typ) and self.separators[f] is not None)):
+                    raise not_a_list(where.path, f, group, typ, self.error)
+            named = [(f, out[self.index[f]]) for f in group.features]
+            if group.timestamps is not None:
+                named.append((group.timestamps, self._times(group, table.column(group.timestamps), where, bad)))
+            self._check_lengths(group, named, bad)
+            for name, (values, lengths) in named:
+                truncated |= lengths > group.max_len
+                cut = truncate(values, lengths, group.max_len, group.truncate)
+                if name == group.timestamps:
+                    times.append(cut)
+                else:
+                    out[self.index[name]] = cut
+        self.num_truncated_rows += int(truncated.sum())
+        return out + times
+
+    @staticmethod
+    def _check_lengths(group: Any, named: list[tuple[str, Jagged]], bad: Callable[..., None]) -> None:
+        first, (_, lengths) = named[0][0], named[0][1]
+        for name, (_, other) in named[1:]:
+            unequal = other != lengths
+            bad(name, unequal, lambda i, name=name, other=other: (
+                f"its list has {int(other[i])} value(s) but {first!r} has {int(lengths[i])}: the lists of history "
+                f"data.sequences.{group.name} ({', '.join(n for n, _ in named)}) describe the same events, one value per "
+                f"event. Fix the row so that they have equal lengths"))
+
+    def _times(self, group: Any, arr: Any, where: Any, bad: Callable[..., None]) -> Jagged:
+        """The event times of ``group``: an int64 list column (or text split at the group's separator)."""
+        arr = arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
+        name, n = group.timestamps, len(arr)
+        assert name is not None
+        separator = self.separators[group.features[0]]
+        if pa.types.is_null(arr.type):
+            return np.zeros(0, np.int64), np.zeros(n, np.int32)
+        if is_text(arr.type) and separator is not None:
+            arr = pc.split_pattern(arr, separator)
+        if not is_list(arr.type):
+            raise not_a_list(where.path, name, group, arr.type, self.error)
+        lengths = np.asarray(pc.fill_null(pc.list_value_length(arr), 0).to_numpy(zero_copy_only=False), dtype=np.int32)
+        flat = pc.list_flatten(arr)
+        row_of = np.repeat(np.arange(n), lengths)
+        if flat.null_count:  # a missing time inside a list: a bad row (the element is dropped to keep the arrays aligned)
+            missing = ~np.asarray(flat.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+            bad(name, np.bincount(row_of[missing], minlength=n) > 0, lambda i: "an event time inside the list is missing (null). "
+                "Fix: give every event of the history a time")
+            lengths = lengths - np.bincount(row_of[missing], minlength=n).astype(np.int32)
+            row_of, flat = row_of[~missing], flat.drop_null()
+        if is_text(flat.type):
+            values, wrong = _parse_times(flat)
+            bad(name, np.bincount(row_of[wrong], minlength=n) > 0, lambda i: "an event time is not an integer (int64, e.g. seconds). "
+                "Fix: write integer times")
+            return values, lengths
+        if pa.types.is_integer(flat.type) or pa.types.is_timestamp(flat.type):
+            return np.asarray(flat.cast(pa.int64()).to_numpy(zero_copy_only=False), dtype=np.int64), lengths
+        raise self.error(f"{where.path}: column {name!r} (event times of data.sequences.{group.name}) holds {flat.type}; event "
+                        f"times are integers (int64, e.g. seconds). Fix: write them as list<int64>")
+
+
+def _parse_times(flat: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """Decimal integer strings → int64 and a mask of those that are not integers."""
+    try:
+        return np.asarray(flat.cast(pa.int64()).to_numpy(zero_copy_only=False), dtype=np.int64), np.zeros(len(flat), bool)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        values, wrong = np.zeros(len(flat), np.int64), np.zeros(len(flat), bool)
+        for i, text in enumerate(flat.to_pylist()):
+            try:
+                values[i] = int(text)
+            except (ValueError, OverflowError):
+                wrong[i] = True
+        return values, wrong
+
+
 
 
 # -- Arrow helpers ------------------------------------------------------------------------------------
@@ -401,7 +537,7 @@ def _combined(arr: pa.ChunkedArray | pa.Array) -> pa.Array:
     return arr
 
 
-def _numeric(arr: pa.ChunkedArray | pa.Array, name: str, where: Location, bad) -> pa.Array:
+def _numeric(arr: pa.ChunkedArray | pa.Array, name: str, where: Location, bad, error: type[Exception]) -> pa.Array:
     """``arr`` as float64 (nulls kept); text files' fields are parsed, and unparsable ones are bad rows.
 
     A typed (Parquet) column of a non-numeric type is a schema mistake, reported for the whole column.
@@ -423,7 +559,7 @@ def _numeric(arr: pa.ChunkedArray | pa.Array, name: str, where: Location, bad) -
                     wrong[i] = True
             bad(name, wrong, lambda i: f"{texts[i]!r} is not a number")
             return pa.array(parsed, pa.float64()).fill_null(0.0) if wrong.any() else pa.array(parsed, pa.float64())
-    raise DataError(
+    raise error(
         f"{where.path}, {where.part}: column {name!r} has type {arr.type}, but it is used as a number (label or dense). "
         f"Fix: move it to data.sparse (with encoding=hash for strings), or convert it to a numeric type"
     )
