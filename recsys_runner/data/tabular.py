@@ -40,7 +40,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recsys_runner.data.base import DataModule, synchronized
 from recsys_runner.data.encoding.fit import Inferred, complete_schema
 from recsys_runner.data.encoding.rows import Encoder, Location, Rows, splitmix64
-from recsys_runner.data.encoding.stored import StoredEncoders, check_columns, column_kinds, oov_counters, to_json
+from recsys_runner.data.encoding.stored import StoredEncoders, check_columns, column_kinds, column_types, oov_counters, to_json
 from recsys_runner.data.histories import check_list_columns, expected_rows, history_costs, token_cuts
 from recsys_runner.data.item_files import Catalogue
 from recsys_runner.data.prefetch import read_ahead
@@ -236,7 +236,7 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         """The schema these files are encoded by (vocabularies included) and the kind of each of their columns, stored
         with every checkpoint (:mod:`recsys_runner.data.encoding.stored`)."""
         sample = self.open_files(self.config.path, "data.path").sample(_KIND_SAMPLE_ROWS)
-        return to_json(self.schema, column_kinds(self.schema, sample))
+        return to_json(self.schema, column_kinds(self.schema, sample), column_types(self.schema, sample))
 
     # -- internals -------------------------------------------------------------------------------------
     def _shard_rows(self, split: _Split, world_size: int, train: bool) -> list[int]:

@@ -384,6 +384,31 @@ def _not_a_number(shown: str, col: Any) -> str:
 # -- histories -----------------------------------------------------------------------------------------
 
 
+def type_name(t: pa.DataType) -> str:
+    """A column's Arrow type as stored in ``encoders.json``'s ``column_types``: ``string``, ``int64``, ``float64``,
+    ``bool``, ``null`` or ``list<…>`` of one of them (every integer width is ``int64``, every float ``float64``)."""
+    if is_list(t):
+        return f"list<{type_name(t.value_type)}>"
+    if is_text(t):
+        return "string"
+    if pa.types.is_integer(t):
+        return "int64"
+    if pa.types.is_floating(t):
+        return "float64"
+    if pa.types.is_boolean(t):
+        return "bool"
+    if pa.types.is_null(t):
+        return "null"
+    return str(t)
+
+
+def arrow_type(name: str) -> pa.DataType:
+    """The Arrow type of a :func:`type_name`."""
+    if name.startswith("list<") and name.endswith(">"):
+        return pa.list_(arrow_type(name[5:-1]))
+    return {"string": pa.string(), "int64": pa.int64(), "float64": pa.float64(), "bool": pa.bool_(), "null": pa.null()}[name]
+
+
 def is_list(t: pa.DataType) -> bool:
     return pa.types.is_list(t) or pa.types.is_large_list(t)
 

@@ -12,7 +12,10 @@ build`). Files that contradict them — a column gone, text where numbers were �
 The document: ``format``; the schema (``label``/``labels``/``label_kinds``/``label_threshold``, ``dense``, ``sparse``,
 ``sequences``, as ``convert`` stores it); ``vocabularies`` (per ``encoding: vocab`` column its sorted 64-bit keys, their
 rows, ``capacity`` and ``oov_buckets``: :class:`~recsys_runner.data.encoding.vocabulary.Vocabulary`); ``column_kinds`` (each
-input column's kind in the files it was fitted on: ``text``, ``number``, ``list``).
+input column's kind in the files it was fitted on: ``text``, ``number``, ``list``); ``column_types`` (each input
+column's Arrow type as the training reader read it — ``string`` for every CSV column, the Parquet type otherwise — which
+the served model casts a request's columns to, so that ``"123"`` and ``123`` key an id as training did; absent in
+documents written before it, then ``{}``).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -28,6 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from recsys_runner import stores
+from recsys_runner.data.encoding.rows import type_name
 from recsys_runner.data.encoding.vocabulary import Vocabulary
 from recsys_runner.data.schema import DenseColumn, Schema, SparseColumn, sequence_groups, sequences_mapping
 from recsys_runner.errors import CheckpointError, DataError
@@ -47,6 +51,8 @@ class StoredEncoders:
     schema: Schema
     kinds: dict[str, str]
     source: str
+    types: dict[str, str] = field(default_factory=dict)
+    """Each input column's Arrow type name as training read it (:func:`~recsys_runner.data.encoding.rows.type_name`)."""
 
 
 def read_stored(checkpoint: str | os.PathLike[str]) -> StoredEncoders | None:
@@ -58,7 +64,7 @@ def read_stored(checkpoint: str | os.PathLike[str]) -> StoredEncoders | None:
     except FileNotFoundError:
         return None
     schema, kinds = from_json(content, where)
-    return StoredEncoders(schema, kinds, os.fspath(checkpoint))
+    return StoredEncoders(schema, kinds, os.fspath(checkpoint), stored_types(content))
 
 
 def column_kind(column: pa.ChunkedArray | pa.Array) -> str:
@@ -87,14 +93,24 @@ def column_kinds(schema: Schema, sample: pa.Table) -> dict[str, str]:
     return {name: column_kind(sample.column(name)) for name in schema.columns if name in sample.column_names}
 
 
-def to_json(schema: Schema, kinds: dict[str, str]) -> bytes:
-    """The document of ``schema`` (with its vocabularies) and the files' column ``kinds``."""
+def column_types(schema: Schema, sample: pa.Table) -> dict[str, str]:
+    """The Arrow type name of each of ``schema``'s input columns as the training reader read them (``sample``)."""
+    return {name: type_name(sample.schema.field(name).type) for name in schema.columns if name in sample.column_names}
+
+
+def stored_types(content: bytes) -> dict[str, str]:
+    """The ``column_types`` of a document (``{}`` for one written before they were stored)."""
+    return dict(json.loads(content).get("column_types") or {})
+
+
+def to_json(schema: Schema, kinds: dict[str, str], types: dict[str, str] | None = None) -> bytes:
+    """The document of ``schema`` (with its vocabularies), the files' column ``kinds`` and their Arrow ``types``."""
     vocabularies = {name: {"capacity": v.capacity, "oov_buckets": v.oov_buckets, "keys": [int(k) for k in v.keys],
                            "rows": [int(r) for r in v.rows]} for name, v in schema.vocabularies.items()}
     document = {"format": FORMAT, "label": schema.label, "labels": schema.labels, "label_kinds": schema.label_kinds,
                 "label_threshold": schema.label_threshold, "dense": [asdict(d) for d in schema.dense],
                 "sparse": [asdict(s) for s in schema.sparse], "sequences": sequences_mapping(schema.sequences),
-                "vocabularies": vocabularies, "column_kinds": kinds}
+                "vocabularies": vocabularies, "column_kinds": kinds, "column_types": types or {}}
     return json.dumps(document, indent=1).encode()
 
 
