@@ -46,7 +46,7 @@ from recsys_runner.checkpoint.guard import check_finite, finite_state
 from recsys_runner.checkpoint.lock import DirectoryInUse, lock_for
 from recsys_runner.checkpoint.object_storage import storage_for
 from recsys_runner.checkpoint.storage import STEP_DIR, CheckpointStorage, checkpoint_name, step_of
-from recsys_runner.checkpoint.weights import TrainingParts, load_into
+from recsys_runner.checkpoint.weights import CarriedRows, TrainingParts, load_into
 from recsys_runner.distributed.env import decided_on_rank0
 from recsys_runner.errors import CheckpointError, ConfigError
 from recsys_runner.metrics.registry import improved
@@ -83,6 +83,9 @@ class Checkpointer:
         self._parts: TrainingParts | None = None
         self.files: dict[str, bytes] = {}
         """Readable files written into every checkpoint beside its tensors (the data's fitted encoders)."""
+        self.carry: CarriedRows | None = None
+        """For ``init_from`` with the vocabularies fitted anew (``data.vocabulary=refit``): the tables whose trained rows
+        are carried over by id (:class:`~recsys_runner.checkpoint.weights.CarriedRows`), set by the builder."""
         self._chosen: tuple[Path | None, tuple[str, ...], Path | None] | None = None
         """What :meth:`restore` reads, once chosen (:meth:`restore_source`): the checkpoint resumed from, the damaged
         ones set aside on the way, the ``init_from`` one."""
@@ -231,6 +234,12 @@ class Checkpointer:
             self._chosen = (path, set_aside, init)
         return self._chosen[0] or self._chosen[2]
 
+    def resuming(self) -> bool:
+        """Whether :meth:`restore` resumes a run (rather than fine-tuning from ``init_from`` or starting fresh)."""
+        self.restore_source()
+        assert self._chosen is not None
+        return self._chosen[0] is not None
+
     def restore(self) -> TrainState:
         """Resume, fine-tune or start fresh, per ``resume``/``init_from``; returns where to start
         (:mod:`~recsys_runner.checkpoint.resume`)."""
@@ -244,7 +253,8 @@ class Checkpointer:
             self.verified_step = state.step + 1  # the checkpoint resumed from is trusted
             return state
         if init is not None:
-            resume.load_run(self.storage, init, self.parts, self.config, strict=False, rank=self.rank, world_size=self.world_size)
+            resume.load_run(self.storage, init, self.parts, self.config, strict=False, rank=self.rank, world_size=self.world_size,
+                            carry=self.carry)
         return TrainState()
 
     def load_weights(self, path: Path) -> TrainState:

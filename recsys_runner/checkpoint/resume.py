@@ -24,7 +24,7 @@ import torch
 from recsys_runner import stores
 from recsys_runner.checkpoint.config import RESUME_WORDS, CheckpointConfig, TrainState
 from recsys_runner.checkpoint.storage import CheckpointStorage, TensorIndex
-from recsys_runner.checkpoint.weights import TrainingParts, load_into
+from recsys_runner.checkpoint.weights import CarriedRows, TrainingParts, load_into
 from recsys_runner.errors import CheckpointError, UserError
 
 log = logging.getLogger(__name__)
@@ -78,9 +78,10 @@ def init_source(config: CheckpointConfig, storage: CheckpointStorage) -> Path:
 
 
 def load_run(storage: CheckpointStorage, path: Path, parts: TrainingParts, config: CheckpointConfig, *, strict: bool,
-             rank: int, world_size: int) -> TrainState:
+             rank: int, world_size: int, carry: CarriedRows | None = None) -> TrainState:
     """Resume (``strict``: everything, optimizer, per-rank objects and RNG states included) or fine-tune from ``path``
-    (its weights, renamed by ``name_map``; the optimizer's if ``load_optimizer``); returns where training stands.
+    (its weights, renamed by ``name_map``; the optimizer's if ``load_optimizer``; the rows of the tables of ``carry``
+    carried over by id, :class:`~recsys_runner.checkpoint.weights.CarriedRows`); returns where training stands.
 
     Raises:
         CheckpointError: damaged, not this model, or its whole files fail to load (naming the one to choose instead).
@@ -98,7 +99,8 @@ def load_run(storage: CheckpointStorage, path: Path, parts: TrainingParts, confi
         return {k: k if strict else _rename(k, config.name_map) for k in ours}
 
     try:
-        loaded = load_into(storage, path, ours, rule="resume" if strict else "fine_tune", sources=renamed, world_size=world_size)
+        loaded = load_into(storage, path, ours, rule="resume" if strict else "fine_tune", sources=renamed, world_size=world_size,
+                           carry=None if strict else carry)
         ranked = _ranked(storage, path, meta, rank) if strict else None
     except UserError:
         raise
@@ -111,6 +113,9 @@ def load_run(storage: CheckpointStorage, path: Path, parts: TrainingParts, confi
     parts.take(loaded, with_optimizer)
     if ranked is None:
         log.info("initialized from %s (%d tensors)", path, len(loaded))
+        if carry is not None and rank == 0:
+            for table in sorted({t for k in loaded if k.startswith("model/") and (t := carry.table_of(k)) is not None}):
+                log.info("%s", carry.tables[table].line(table))
         return TrainState()
     parts.load_objects(ranked["objects"])
     set_rng_state(ranked["rng"])

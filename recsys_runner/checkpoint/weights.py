@@ -6,8 +6,11 @@ One loader, three rules (:data:`Rule`), each refusing by name what it cannot loa
 * ``exact`` — evaluate, predict, export: the checkpoint holds every tensor asked for with the same shape and no
   ``model/`` tensor beyond them, so weights of another model config are refused by name, not half-loaded;
 * ``resume`` — every tensor asked for (model, optimizer, EMA) is in the checkpoint;
-* ``fine_tune`` — ``init_from``: names are renamed (``name_map``) and the ones the checkpoint lacks keep their
-  fresh values; refused only when nothing of the model is shared.
+* ``fine_tune`` — ``init_from``: names are renamed (``name_map``) and the ones the checkpoint lacks, or holds with
+  another shape (a resized table, a changed width), keep their fresh values (a warning names them); refused only when
+  nothing of the model is shared. With vocabularies fitted anew (``data.vocabulary=refit``, :class:`CarriedRows`) each
+  such table's rows are carried over by id instead: every rank reads the whole trained table and copies the row of
+  each id into the id's new row of its own shards; those tables' optimizer state starts fresh.
 """
 
 from __future__ import annotations
@@ -19,10 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 
 from recsys_runner.checkpoint.storage import CheckpointStorage, TensorIndex
+from recsys_runner.data.encoding.vocabulary import RowCarry
 from recsys_runner.errors import CheckpointError, ConfigError
 from recsys_runner.models.collision import restore_collision_state
 
@@ -85,17 +91,43 @@ class TrainingParts:
                 o.load_state_dict(states[k])
 
 
+@dataclass(frozen=True)
+class CarriedRows:
+    """``init_from`` with the vocabularies fitted anew (``data.vocabulary=refit``): the embedding tables whose trained
+    rows are carried over by id (:func:`~recsys_runner.data.encoding.vocabulary.carry_rows`), by the data's table name.
+
+    A table's tensors are every checkpoint key whose parameter is ``…<table>.weight`` or ``…<prefix>_<table>.weight``
+    (the first-order / wide tables beside it): its weights and EMA weights are carried, its optimizer state starts fresh.
+    """
+
+    tables: Mapping[str, RowCarry]
+    """The tables carried, by the data's table name (``t_user``, or a shared ``table:``)."""
+    all_tables: frozenset[str]
+    """Every table of the data, so that ``t_a``'s tensors are told from those of a table ``t_x_t_a``."""
+
+    def table_of(self, key: str) -> str | None:
+        """The carried table checkpoint key ``key`` (``model/…``, ``ema/…``, ``optim/<param>/<state>``) belongs to, or ``None``."""
+        parts = key.split("/")
+        param = parts[1] if len(parts) > 1 else ""
+        if not param.endswith(".weight") or "." not in param.removesuffix(".weight"):
+            return None
+        name = param.removesuffix(".weight").rsplit(".", 1)[1]
+        owners = [t for t in self.all_tables if name == t or name.endswith(f"_{t}")]
+        owner = max(owners, key=len, default=None)
+        return owner if owner in self.tables else None
+
+
 def load_into(
     storage: CheckpointStorage, path: Path, ours: Mapping[str, Any], *, rule: Rule,
-    sources: Callable[[TensorIndex], Mapping[str, str]] | None = None, world_size: int = 1,
+    sources: Callable[[TensorIndex], Mapping[str, str]] | None = None, world_size: int = 1, carry: CarriedRows | None = None,
 ) -> dict[str, Any]:
     """Load checkpoint ``path``'s tensors into ``ours`` (checkpoint key → this process's tensor; loaded in place,
     each rank its shards) under ``rule`` (the module docstring).
 
     ``sources``, given the checkpoint's tensor index, says which checkpoint key each of ``ours`` is read from
     (default: its own): ``init_from``'s renames, export's EMA weights. Several of ours may read one source on one
-    rank. Returns ours' keys (those loaded) → the loaded values, for the optimizer and tensor holders
-    (:meth:`TrainingParts.take`).
+    rank. ``carry`` (``fine_tune`` only): the tables whose rows are carried over by id (:class:`CarriedRows`). Returns
+    ours' keys (those loaded) → the loaded values, for the optimizer and tensor holders (:meth:`TrainingParts.take`).
 
     Raises:
         CheckpointError: the checkpoint does not hold what ``rule`` needs, naming the differences.
@@ -116,8 +148,11 @@ def load_into(
                                   f"a table's num_embeddings (a managed-collision table's slots) or a width changed. Fix: resume "
                                   f"with the training run's data and model settings (fine-tune with checkpoint.init_from)")
     wanted = dict(sources(index)) if sources is not None else {k: k for k in ours}
+    carried: dict[str, tuple[str, np.ndarray]] = {}
     if rule == "fine_tune":
-        wanted = _shared(path, index, ours, wanted)
+        if carry is not None:
+            wanted, carried = _split_carried(path, index, ours, wanted, carry)
+        wanted = _shared(path, index, ours, wanted, carried)
     to_load: dict[str, Any] = {}
     copies: list[tuple[str, str]] = []  # (ours, source) for a source mapped to several of ours
     for k, src in wanted.items():
@@ -130,7 +165,11 @@ def load_into(
     storage.load_tensors(path, to_load)
     for k, src in copies:
         _local(ours[k]).copy_(_local(to_load[src]))
-    return {k: to_load[src] for k, src in wanted.items()}
+    loaded = {k: to_load[src] for k, src in wanted.items()}
+    if carried:
+        _load_carried(storage, path, index, ours, carried)
+        loaded |= {k: ours[k] for k in carried}
+    return loaded
 
 
 TRAINING_ONLY = "model/weighting."
@@ -152,15 +191,89 @@ def _refuse_mismatch(path: Path, index: TensorIndex, wanted: Mapping[str, Any]) 
                               f"in its MLflow run, its overrides the run's hydra.overrides tag, and .hydra/ beside its checkpoints)")
 
 
-def _shared(path: Path, index: TensorIndex, ours: Mapping[str, Any], wanted: Mapping[str, str]) -> dict[str, str]:
-    """The ``fine_tune`` rule: the renamed tensors the checkpoint has; the others keep their fresh values (a warning)."""
+def _shared(path: Path, index: TensorIndex, ours: Mapping[str, Any], wanted: Mapping[str, str],
+            carried: Mapping[str, Any]) -> dict[str, str]:
+    """The ``fine_tune`` rule: the renamed tensors the checkpoint has with the same shape; the others keep their fresh
+    values (a warning each kind). An optimizer state of a parameter whose state is resized anywhere stays fresh as a whole
+    (Adam's step count without its moments would be off). ``carried``: ours' keys whose rows are carried by id (shared)."""
     skipped = [k for k, src in wanted.items() if src not in index]
-    if len(skipped) == len(wanted) or not any(k.startswith("model/") and k not in skipped for k in wanted):
+    resized = {k: f"{k} ({_shape(ours[k])} here, {index[src]} there)" for k, src in wanted.items()
+               if src in index and index[src] is not None and hasattr(ours[k], "size") and index[src] != _shape(ours[k])}
+    stale = {k.rsplit("/", 1)[0] for k in resized if k.startswith("optim/")}
+    resized |= {k: k for k in wanted if k.startswith("optim/") and k.rsplit("/", 1)[0] in stale and k not in resized}
+    kept = [k for k in wanted if k not in resized and k not in skipped]
+    if not any(k.startswith("model/") for k in [*kept, *carried]):
         raise CheckpointError(f"checkpoint.init_from={path} shares no parameter name with this model; map names with "
                               f"checkpoint.name_map (e.g. this model has {sorted(ours)[:3]}, it has {sorted(index)[:3]})")
     if skipped:
         log.warning("init_from %s: %d tensors not in the checkpoint keep their fresh values, e.g. %s", path, len(skipped), skipped[:5])
-    return {k: src for k, src in wanted.items() if src in index}
+    if resized:
+        log.warning("init_from %s: %d tensors of another shape there keep their fresh values (a table resized, e.g. one sized "
+                    "from the files with data.vocabulary=refit, or a width changed): %s", path, len(resized), "; ".join(list(resized.values())[:5]))
+    return {k: wanted[k] for k in kept}
+
+
+def _split_carried(path: Path, index: TensorIndex, ours: Mapping[str, Any], wanted: Mapping[str, str],
+                   carry: CarriedRows) -> tuple[dict[str, str], dict[str, tuple[str, np.ndarray]]]:
+    """``wanted`` without the tensors of the carried tables, and those tables' weights: ours' key → (checkpoint key, the
+    checkpoint row of each of its rows). Their optimizer state is left out (fresh): the accumulated state of a row
+    belongs to the id that trained it, and Adagrad's sums would slow down every carried row on data it has not seen.
+
+    Raises:
+        CheckpointError: the checkpoint's table has fewer rows than its stored vocabulary gives out.
+    """
+    rest: dict[str, str] = {}
+    carried: dict[str, tuple[str, np.ndarray]] = {}
+    for k, src in wanted.items():
+        table = carry.table_of(k)
+        if table is None:
+            rest[k] = src
+            continue
+        if k.startswith("optim/"):
+            continue
+        rows = carry.tables[table].old_rows
+        theirs, mine = index.get(src), _shape(ours[k])
+        if theirs is None or len(theirs) != 2 or mine[0] != len(rows) or theirs[1] != mine[1]:
+            rest[k] = src  # not there, or another width: the fine_tune rule decides (a warning names it)
+            continue
+        if len(rows) and int(rows.max()) >= theirs[0]:
+            raise CheckpointError(f"checkpoint {path}: {src} has {theirs[0]} rows, but its stored vocabulary of {table} gives "
+                                  f"out row {int(rows.max())}: its encoders.json does not belong to its weights. Fix: "
+                                  f"checkpoint.init_from=<a checkpoint written by one training run>, or data.vocabulary=keep")
+        carried[k] = (src, rows)
+    return rest, carried
+
+
+def _load_carried(storage: CheckpointStorage, path: Path, index: TensorIndex, ours: Mapping[str, Any],
+                  carried: Mapping[str, tuple[str, np.ndarray]]) -> None:
+    """Copy each carried table's trained rows into the new rows of ours' shards (every rank reads the whole table)."""
+    whole: dict[str, Any] = {}
+    for k, (src, _) in carried.items():
+        if src not in whole:
+            theirs = index[src]
+            assert theirs is not None
+            with warnings.catch_warnings():  # a ShardedTensor's dtype warns that ShardedTensor is deprecated
+                warnings.simplefilter("ignore", FutureWarning)
+                whole[src] = torch.empty(theirs, dtype=ours[k].dtype)
+    storage.load_tensors(path, whole)
+    for k, (src, rows) in carried.items():
+        old_rows = torch.from_numpy(rows)
+        for (row, col), shard in _local_shards(ours[k]):
+            picked = old_rows[row:row + shard.shape[0]]
+            has = picked >= 0
+            shard[has] = whole[src][picked[has], col:col + shard.shape[1]].to(shard.device, shard.dtype)
+
+
+def _local_shards(t: Any) -> list[tuple[tuple[int, int], torch.Tensor]]:
+    """This rank's pieces of a 2-d tensor (a ShardedTensor's local shards, or the whole tensor), each with its offset
+    (row, column) in the whole."""
+    if hasattr(t, "local_shards"):
+        return [((int(s.metadata.shard_offsets[0]), int(s.metadata.shard_offsets[1])), s.tensor) for s in t.local_shards()]
+    if isinstance(t, DTensor):
+        raise CheckpointError("data.vocabulary=refit carries rows into ShardedTensor shards (TorchRec's table-, row- and "
+                              "column-wise sharding) and plain tensors (data-parallel), not into this table's DTensor. Fix: "
+                              "data.vocabulary=keep, or shard the table one of those ways (distributed.tables.<table>.sharding_types)")
+    return [((0, 0), t)]
 
 
 def _shape(t: Any) -> list[int]:

@@ -35,6 +35,8 @@ DELIMITER_ESCAPES = {"\\t": "\t", "tab": "\t", "comma": ",", "semicolon": ";", "
 """``data.delimiter`` spellings that stand for a character hard to pass through a shell and Hydra (a tab; a comma,
 which Hydra's override grammar reads as a list separator: ``data.delimiter=comma``, or Hydra's own escapes
 ``'data.delimiter=\\,'`` and ``"data.delimiter=','"``)."""
+VOCABULARY_MODES = ("keep", "refit")
+"""``data.vocabulary``: what a run that starts from a checkpoint encodes its files by (:class:`TabularDataConfig`)."""
 CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE = 13, 26
 CRITEO_COLUMNS = ["label", *(f"int_{i}" for i in range(CRITEO_NUM_DENSE)), *(f"cat_{i}" for i in range(CRITEO_NUM_SPARSE))]
 
@@ -74,6 +76,13 @@ class TabularDataConfig(DataConfig):
     negatives: NegativesConfig = field(default_factory=NegativesConfig)
     """Sampled catalogue items appended to every training batch (``num_negatives``, ``distribution``, ``alpha``,
     ``hard_column``, ``hard_ratio``; docs/retrieval.md); needs ``data.items``. ``num_negatives: 0``: in-batch only."""
+    vocabulary: str = "keep"
+    """What a run that starts from a checkpoint encodes its files by. ``keep``: the encoders stored in the checkpoint
+    (vocabularies, table sizes, boundaries, statistics), so every id keeps the row it trained. ``refit``: with
+    ``checkpoint.init_from``, everything is fitted anew on these files, as a new run would, and each ``encoding: vocab``
+    table's trained rows are carried over by id (an id in both vocabularies keeps its trained row at its new position,
+    a new id starts fresh; docs/lifecycle.md, *Fine-tuning on new data*). Refused with an explicit ``checkpoint.resume``:
+    a resumed run continues its own id → row mapping."""
 
     def takes_encoders(self) -> bool:
         """Files are encoded by fitted encoders, which a checkpoint stores (:mod:`recsys_runner.data.encoding.stored`)."""
@@ -84,6 +93,9 @@ class TabularDataConfig(DataConfig):
         super().__post_init__()
         require(self.shuffle_buffer_rows >= 0, f"data.shuffle_buffer_rows must be >= 0, got {self.shuffle_buffer_rows}")
         require(self.on_bad_rows in BAD_ROW_MODES, f"data.on_bad_rows={self.on_bad_rows!r} must be one of {BAD_ROW_MODES}")
+        require(self.vocabulary in VOCABULARY_MODES,
+                f"data.vocabulary={self.vocabulary!r} must be one of {VOCABULARY_MODES}: keep (the checkpoint's encoders) or "
+                f"refit (fitted anew on these files, trained rows carried over by id; with checkpoint.init_from)")
         require(self.read_rows > 0, f"data.read_rows must be positive, got {self.read_rows}")
         require(
             self.eval_path is None or self.eval_fraction is None,

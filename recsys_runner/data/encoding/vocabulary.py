@@ -11,6 +11,8 @@ Values are keyed by the stable 64-bit hashes the ``hash`` encoding uses (:func:`
 of the text, :func:`~recsys_runner.data.encoding.rows.splitmix64` of an integer or of a ``hex`` column's parsed value), so
 a vocabulary is a sorted array of keys and a lookup one ``searchsorted``. It is fitted once, when training starts, and
 stored with every checkpoint (:mod:`recsys_runner.data.encoding.stored`); evaluate, predict, resume and export read it back.
+Fine-tuning on new files with ``data.vocabulary=refit`` fits it anew, and :func:`carry_rows` says which trained row each
+row of the new table starts from (the same id's).
 """
 
 from __future__ import annotations
@@ -55,3 +57,40 @@ class Vocabulary:
         pos = np.minimum(np.searchsorted(self.keys, keys), len(self.keys) - 1)
         hit = self.keys[pos] == keys
         return np.where(hit, self.rows[pos], oov)
+
+
+@dataclass(frozen=True)
+class RowCarry:
+    """Where the rows of a vocabulary fitted anew (``data.vocabulary=refit``) start from: the trained table's row of the
+    same id, or a fresh row (:func:`carry_rows`)."""
+
+    old_rows: np.ndarray
+    """Per row of the new table (``capacity + oov_buckets`` of them), the trained table's row it starts from (int64);
+    ``-1``: it keeps its fresh (initialized) value."""
+    carried: int
+    """Ids in both vocabularies: their trained rows move to their new positions."""
+    new: int
+    """Ids only in the new vocabulary: their rows start fresh."""
+    dropped: int
+    """Ids only in the old vocabulary: their trained rows are left behind (such an id now reads an OOV row)."""
+    oov_carried: bool
+    """The OOV rows were carried over, bucket by bucket (the number of buckets is unchanged), else they start fresh."""
+
+    def line(self, table: str) -> str:
+        """The log line of ``table``'s carry."""
+        oov = "its OOV rows carried over" if self.oov_carried else "its OOV rows start fresh"
+        return (f"{table}: {self.carried} rows carried over, {self.new} new ids start fresh, {self.dropped} old ids not in the "
+                f"new vocabulary; {oov}")
+
+
+def carry_rows(old: Vocabulary, new: Vocabulary) -> RowCarry:
+    """How the trained rows of ``old``'s table seed ``new``'s: an id in both keeps its trained row (moved to its new
+    position), an id only in ``new`` starts fresh; OOV bucket ``b`` keeps its trained row when both have as many
+    buckets (a value hashes to the same bucket then); the rows of ``new``'s capacity that no id holds start fresh."""
+    old_rows = np.full(new.capacity + new.oov_buckets, -1, dtype=np.int64)
+    _, in_new, in_old = np.intersect1d(new.keys, old.keys, assume_unique=True, return_indices=True)
+    old_rows[new.rows[in_new]] = old.rows[in_old]
+    oov_carried = old.oov_buckets == new.oov_buckets
+    if oov_carried:
+        old_rows[new.capacity:] = np.arange(old.capacity, old.capacity + old.oov_buckets, dtype=np.int64)
+    return RowCarry(old_rows, carried=len(in_new), new=new.size - len(in_new), dropped=old.size - len(in_new), oov_carried=oov_carried)
