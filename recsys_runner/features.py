@@ -97,7 +97,9 @@ class SparseFeature:
     ``embedding_dim=None`` takes the model's ``embedding_dim``; ``table=None`` gives the feature a
     table of its own (``t_<name>``); features naming the same ``table`` share its rows, and must then
     agree on ``num_embeddings``, ``embedding_dim`` and ``pooling``. ``managed_collision``: the feature's raw ids are
-    mapped to rows by a managed-collision module (:class:`ManagedCollision`), not hashed by the data.
+    mapped to rows by a managed-collision module (:class:`ManagedCollision`), not hashed by the data. ``weighted``: each
+    id of a bag comes with a weight (the batch's ``KeyedJaggedTensor`` carries ``weights``) and the bag pools to the
+    weighted sum of its embeddings (:attr:`FeatureSpec.weighted`).
     """
 
     name: str
@@ -106,6 +108,7 @@ class SparseFeature:
     pooling: str = "sum"
     table: str | None = None
     managed_collision: ManagedCollision | None = None
+    weighted: bool = False
 
     @property
     def table_name(self) -> str:
@@ -204,6 +207,18 @@ class FeatureSpec:
     @property
     def sparse_names(self) -> list[str]:
         return [f.name for f in self.sparse]
+
+    @property
+    def weighted(self) -> bool:
+        """Some feature is weighted: then every batch's ``KeyedJaggedTensor`` carries ``weights`` (1.0 for the ids of the
+        unweighted features, which pool exactly as without weights) and the models' pooled embedding collections are
+        built with TorchRec's ``is_weighted=True``, so a weighted feature's bag pools to ``Σ w_i · e[id_i]``."""
+        return any(f.weighted for f in self.sparse)
+
+    @property
+    def weighted_names(self) -> list[str]:
+        """The weighted sparse features, in ``sparse`` order."""
+        return [f.name for f in self.sparse if f.weighted]
 
     @property
     def kjt_keys(self) -> list[str]:

@@ -131,6 +131,10 @@ def convert(args: argparse.Namespace) -> None:
         sampler = CsvSource(files, [], block_rows=args.row_group_rows, on_bad_rows=args.on_bad_rows, **options)
         infer = InferConfig(sample_rows=args.sample_rows)
         schema = complete_schema(**parts, sample=lambda: sampler.sample(infer.sample_rows), config=infer, where=f"the input {files[0]}").schema
+    weighted = [s.name for s in schema.sparse if s.is_weighted]
+    if weighted:  # the converted files hold ids only
+        raise ConfigError(f"--schema lists the weighted columns {weighted}, whose weights convert would drop (it writes ids only). "
+                          f"Fix: train on the text files with data=csv data.schema=<file>, or drop weighted / weights from them")
     source = CsvSource(files, schema.columns, block_rows=args.row_group_rows, on_bad_rows=args.on_bad_rows, **options)
     encoder = Encoder(schema, args.on_bad_rows, DataError)
     out_schema = converted_schema(schema)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any
 
 import pyarrow.parquet as pq
@@ -125,10 +125,30 @@ class SparseColumn:
     quantiles: int | None = None
     """``>= 2``: ``boundaries`` fitted as the ``quantiles``-quantiles of the column in a sample of the training files
     (repeats dropped) when training starts, then stored with the model; ``boundaries`` given: unused."""
+    cross: list[str] | None = None
+    """A crossed feature: the columns listed (two or more, each single-valued; they need not be features themselves)
+    combined per row and hashed into ``num_embeddings`` rows (required; ``encoding: hash``). ``name`` is then the new
+    feature's name, not a column of the files. A row missing any of the values gets an empty bag for the cross."""
+    weighted: bool = False
+    """The values are ``id:weight`` pairs (``"12:0.5|7:2"``, or a Parquet list of such strings): each id's embedding is
+    scaled by its weight when the bag is pooled (a weighted sum; ``pooling: sum``)."""
+    weights: str | None = None
+    """A column of float weights parallel to this one (a Parquet list, or text split at this column's ``separator``):
+    the ``i``-th weight scales the ``i``-th id when the bag is pooled; a row whose lists differ in length is a bad row."""
+    vocab_file: str | None = None
+    """A fixed vocabulary: a text file with one value per line, line ``i`` (from 1) becoming row ``i - 1``; every other value
+    is hashed into ``oov_buckets`` rows after them (``encoding: vocab``, ``num_embeddings`` = lines + ``oov_buckets``).
+    Read once, when training starts, and stored with the model like a fitted vocabulary."""
 
     def __post_init__(self) -> None:
         key = f"data.sparse[{self.name}]"
         self.managed_collision = collision_config(self.managed_collision, ManagedCollisionConfig, f"{key}.managed_collision")
+        if self.cross is not None:
+            self._check_cross(key)
+        if self.vocab_file is not None:
+            self._check_vocab_file(key)
+        if self.weighted or self.weights is not None:
+            self._check_weights(key)
         if self.managed_collision is not None:
             self._check_managed(key)
         if self.boundaries is not None or self.quantiles is not None or self.encoding == "bucketize":
@@ -150,6 +170,71 @@ class SparseColumn:
         require(self.separator is None or len(self.separator) > 0, f"{key}.separator must be a non-empty string or null")
         require(not (self.hex and self.encoding == "hash"),
                 f"{key}: hex=true parses values to integers, which encoding=hash does not need; use encoding=mod with hex=true, or hex=false")
+
+    def _check_cross(self, key: str) -> None:
+        """A cross: two or more distinct column names, hashed (``encoding: hash``) into a given ``num_embeddings``."""
+        raw: Any = self.cross
+        listed = not isinstance(raw, str | bytes | dict) and hasattr(raw, "__iter__")
+        parts = list(raw) if listed else []
+        require(listed and all(isinstance(p, str) and p for p in parts),
+                f"{key}.cross={raw!r} must be a list of column names, e.g. {key}.cross=[user_id, item_category]")
+        require(len(parts) >= 2, f"{key}.cross={parts} crosses fewer than 2 columns. Fix: list two or more columns, e.g. "
+                f"{key}.cross=[user_id, item_category] (a single column is a plain data.sparse entry)")
+        require(len(set(parts)) == len(parts), f"{key}.cross={parts} names a column twice. Fix: list each column once")
+        require(self.name not in parts, f"{key}.cross={parts} includes the entry's own name; a cross's name is the new feature's. "
+                f"Fix: give the entry another name, e.g. name: {'_x_'.join(parts)}")
+        self.cross = parts
+        require(self.encoding in (None, "hash"), f"{key}.encoding={self.encoding!r}: a cross is hashed (encoding=hash). Fix: drop "
+                f"{key}.encoding (cross sets it)")
+        require(self.separator is None, f"{key}: cross combines single values, but separator={self.separator!r} splits a field into "
+                f"several. Fix: drop {key}.separator (the crossed columns must be single-valued)")
+        others = {"hex": self.hex, "managed_collision": self.managed_collision is not None, "boundaries": self.boundaries is not None,
+                  "quantiles": self.quantiles is not None, "vocab_file": self.vocab_file is not None, "weighted": self.weighted,
+                  "weights": self.weights is not None}
+        clash = [k for k, v in others.items() if v]
+        require(not clash, f"{key}: cross hashes the raw values of its columns, which {clash} would change. Fix: drop "
+                f"{', '.join(f'{key}.{k}' for k in clash)}")
+        require(self.num_embeddings is not None, f"{key}.cross needs {key}.num_embeddings: the rows the combinations are hashed "
+                f"into. Fix: set it, e.g. {key}.num_embeddings=100000 (about the number of distinct combinations, or more)")
+        self.encoding = "hash"
+
+    def _check_vocab_file(self, key: str) -> None:
+        """A vocabulary from a file: ``encoding: vocab``, no other mapping of values to rows."""
+        require(isinstance(self.vocab_file, str) and self.vocab_file != "",
+                f"{key}.vocab_file={self.vocab_file!r} must be the path of a text file with one value per line")
+        require(self.encoding in (None, "vocab"), f"{key}.encoding={self.encoding!r}: vocab_file gives each listed value a row "
+                f"(encoding=vocab). Fix: drop {key}.encoding (vocab_file sets it), or drop {key}.vocab_file")
+        clash = [k for k, v in {"managed_collision": self.managed_collision is not None, "boundaries": self.boundaries is not None,
+                                "quantiles": self.quantiles is not None}.items() if v]
+        require(not clash, f"{key}: vocab_file maps values to rows, which {clash} also do. Fix: drop {key}.vocab_file or "
+                f"{', '.join(f'{key}.{k}' for k in clash)}")
+        self.encoding = "vocab"
+
+    def _check_weights(self, key: str) -> None:
+        """A weighted feature: ``weighted`` (``id:weight`` values) or a ``weights`` column, pooled by a weighted sum."""
+        require(not (self.weighted and self.weights is not None), f"{key}: weighted=true reads each id's weight from its "
+                f"'id:weight' value and weights={self.weights!r} from another column; choose one. Fix: drop {key}.weighted or {key}.weights")
+        if self.weights is not None:
+            require(isinstance(self.weights, str) and self.weights not in ("", self.name),
+                    f"{key}.weights={self.weights!r} must name another column: a list of floats parallel to {self.name!r}")
+        require(self.pooling in (None, "sum"), f"{key}.pooling={self.pooling!r}: a weighted bag is pooled as the weighted sum of "
+                f"its embeddings. Fix: {key}.pooling=sum (or leave it out)")
+        require(self.managed_collision is None, f"{key}: weights do not apply to a managed-collision table here. Fix: drop "
+                f"{key}.managed_collision, or the weights")
+        require(self.boundaries is None and self.quantiles is None, f"{key}: boundaries/quantiles bucketize numbers, which "
+                f"carry no weights. Fix: drop {key}.weighted / {key}.weights, or the boundaries/quantiles")
+
+    @property
+    def is_weighted(self) -> bool:
+        """The feature's bags are pooled with per-id weights (``weighted`` or ``weights``)."""
+        return self.weighted or self.weights is not None
+
+    @property
+    def input_columns(self) -> list[str]:
+        """The columns of the files this entry reads: the crossed columns of a cross, else its own (and its ``weights``)."""
+        if self.cross is not None:
+            return list(self.cross)
+        return [self.name, *([self.weights] if self.weights is not None else [])]
 
     def _check_buckets(self, key: str) -> None:
         """A bucketized column: ``boundaries`` strictly increasing (or ``quantiles`` to fit them), ``encoding: bucketize``,
@@ -198,7 +283,8 @@ class SparseColumn:
     def feature(self, default_pooling: str = "sum") -> SparseFeature:
         """The sparse feature; ``default_pooling`` where ``pooling`` is ``null`` (``mean`` on tables histories read)."""
         managed = self.managed_collision.spec() if self.managed_collision is not None else None
-        return SparseFeature(self.name, self.size, self.embedding_dim, self.pooling or default_pooling, self.table, managed)
+        return SparseFeature(self.name, self.size, self.embedding_dim, self.pooling or default_pooling, self.table, managed,
+                             weighted=self.is_weighted)
 
     @property
     def table_name(self) -> str:
@@ -264,12 +350,31 @@ class Schema:
                 f"module is built (recsys_runner/data/encoding/fit.py)")
         for group in self.sequences:
             check_group(group, self.sparse, [*self.label_columns, *(c.name for c in self.dense)])
-        names = [*self.label_columns, *(c.name for c in self.dense), *(c.name for c in self.sparse), *self.timestamp_columns]
+        names = [*self.label_columns, *(c.name for c in self.dense), *(c.name for c in self.sparse), *self.timestamp_columns,
+                 *(c.weights for c in self.sparse if c.weights is not None)]
         dupes = sorted({n for n in names if names.count(n) > 1})
-        require(not dupes, f"columns {dupes} appear more than once among data.label(s), data.dense, data.sparse and the timestamps of "
-                f"data.sequences; each column has one role")
+        require(not dupes, f"columns {dupes} appear more than once among data.label(s), data.dense, data.sparse, the timestamps of "
+                f"data.sequences and the weights columns of data.sparse; each column has one role")
+        self._check_crosses_and_weights()
         require(len(self.sparse) > 0, "data.sparse lists no columns: the models need at least one sparse feature, "
                 "e.g. data.sparse=[{name: item_id, num_embeddings: 100000}]")
+
+    def _check_crosses_and_weights(self) -> None:
+        """Crosses read no label or event-time column; weighted features are pooled bags, never a history's (unpooled) table."""
+        excluded = {*self.label_columns, *self.timestamp_columns}
+        for c in self.sparse:
+            wrong = sorted(excluded & set(c.cross or ()))
+            require(not wrong, f"data.sparse[{c.name}].cross={c.cross} reads {wrong}, a label or event-time column. Fix: cross "
+                    f"input columns only")
+        histories = {f for g in self.sequences for f in g.features}
+        crossed = sorted(c.name for c in self.sparse if c.cross is not None and c.name in histories)
+        require(not crossed, f"data.sparse {crossed} are crosses (one value per row) named as histories in data.sequences. Fix: "
+                f"remove them from data.sequences")
+        unpooled = self.sequence_tables
+        weighted = [c.name for c in self.sparse if c.is_weighted and c.table_name in unpooled]
+        require(not weighted, f"data.sparse {weighted} are weighted but read a table a history reads (data.sequences), whose "
+                f"features are embedded one vector per event, where weights do not apply. Fix: give them a table of their own, "
+                f"or drop weighted / weights")
 
     def _single_label(self) -> str:
         """The one label column (``labels`` unset): :func:`check_labels` made sure ``label`` is then set."""
@@ -296,7 +401,10 @@ class Schema:
 
     @property
     def columns(self) -> list[str]:
-        return [*self.label_columns, *(c.name for c in self.dense), *(c.name for c in self.sparse), *self.timestamp_columns]
+        """The columns read from the files: labels, dense, each sparse entry's :attr:`~SparseColumn.input_columns` (a
+        cross's crossed columns, a weights column), the timestamps; each once, in that order."""
+        sparse = [n for c in self.sparse for n in c.input_columns]
+        return list(dict.fromkeys([*self.label_columns, *(c.name for c in self.dense), *sparse, *self.timestamp_columns]))
 
     @property
     def sequence_tables(self) -> set[str]:
@@ -453,8 +561,13 @@ def schema_yaml(schema: Schema, reader: dict[str, Any] | None = None, notes: lis
 def _non_default(column: DenseColumn | SparseColumn) -> dict[str, Any]:
     """A column's fields that differ from their defaults (``name`` always; a sparse column's size and encoding always)."""
     keep = {"name", "num_embeddings", "encoding"}
-    return {f.name: getattr(column, f.name) for f in fields(column)
-            if f.name in keep or getattr(column, f.name) != f.default}
+    out = {}
+    for f in fields(column):
+        value = getattr(column, f.name)
+        if f.name in keep or value != f.default:
+            # a nested config (managed_collision) as the mapping a schema file holds: YAML cannot write the dataclass
+            out[f.name] = asdict(value) if is_dataclass(value) and not isinstance(value, type) else value
+    return out
 
 
 SCHEMA_METADATA_KEY = b"recsys_runner.schema"

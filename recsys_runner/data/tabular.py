@@ -59,7 +59,7 @@ from recsys_runner.data.tabular_config import (
     mapping_option,
 )
 from recsys_runner.data.tokens import check_budget
-from recsys_runner.errors import ConfigError, DataError
+from recsys_runner.errors import ConfigError, DataError, require
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +181,7 @@ class TabularData(Catalogue, DataModule, abc.ABC):
             for group in schema.sequences:
                 check_budget(config.batch_tokens, group.max_len)
             self.batch_size = expected_rows(train_source.sample(1000), schema, config.batch_tokens)
+        check_catalogue_inputs(config, schema)
         self.open_catalogue(train_source)  # data.items and data.negatives (item_files.py), checked before the first step
 
     def open_files(self, path: str, key: str) -> Any:
@@ -280,7 +281,7 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         for item in items:
             if item[0] == "error":
                 raise DataError(item[1])
-            dense, values, lengths, labels, skipped, truncated, oov = item
+            dense, values, lengths, labels, skipped, truncated, oov, weights = item
             self._bad_rows += skipped
             for name, (unseen, total) in oov.items():
                 self._oov[name][0] += unseen
@@ -296,7 +297,8 @@ class TabularData(Catalogue, DataModule, abc.ABC):
                 continue  # a marker carrying only a skipped-rows count
             if self._pin and self._workers == 0:
                 dense, values, lengths, labels = dense.pin_memory(), values.pin_memory(), lengths.pin_memory(), labels.pin_memory()
-            kjt = KeyedJaggedTensor(keys=names, values=values, lengths=lengths)
+                weights = weights.pin_memory() if weights is not None else None
+            kjt = KeyedJaggedTensor(keys=names, values=values, lengths=lengths, weights=weights)
             yield Batch(dense_features=dense, sparse_features=kjt, labels=labels)
         if self._bad_rows > skipped_before:
             what = f"epoch {epoch}" if train else "eval"
@@ -304,7 +306,7 @@ class TabularData(Catalogue, DataModule, abc.ABC):
 
     def _stream(self, split: _Split, epoch: int, shard: int, num_shards: int, train: bool) -> Iterator[tuple]:
         """Encoded batches of one shard, as tensors: (dense, values, lengths, labels, bad rows skipped, histories truncated,
-        each vocabulary's OOV values and values)."""
+        each vocabulary's OOV values and values, the weights of the values when a feature is weighted)."""
         cfg = self.config
         shuffle = train and cfg.shuffle
         order = list(range(len(split.units)))
@@ -359,7 +361,7 @@ class TabularData(Catalogue, DataModule, abc.ABC):
             yield from cut(final=True)
         last = counts()
         if last[0] or last[1] or any(total for _, total in last[2].values()):
-            yield (None, None, None, None, *last)
+            yield (None, None, None, None, *last, None)
 
     def _token_batches(self, block: Rows, budget: int, final: bool, order: np.random.Generator) -> tuple[Rows, list[tuple[int, int]], int]:
         """``block`` (sorted by history length with ``group_by_length``), its ``batch_tokens`` batches and the rows they use.
@@ -397,6 +399,7 @@ class TabularData(Catalogue, DataModule, abc.ABC):
     def _tensors(self, rows: Rows, skipped: int, truncated: int, oov: dict[str, tuple[int, int]]) -> tuple:
         values = np.concatenate([v for v, _ in rows.sparse]) if rows.sparse else np.zeros(0, np.int64)
         lengths = np.concatenate([ln for _, ln in rows.sparse]) if rows.sparse else np.zeros(0, np.int32)
+        weights = rows.key_weights()  # a weighted feature's weights, 1.0 for every other key's values (FeatureSpec.weighted)
         return (
             torch.from_numpy(np.ascontiguousarray(rows.dense)),
             torch.from_numpy(values.astype(np.int64, copy=False)),
@@ -405,6 +408,7 @@ class TabularData(Catalogue, DataModule, abc.ABC):
             skipped,
             truncated,
             oov,
+            None if weights is None else torch.from_numpy(weights),
         )
 
 
@@ -413,6 +417,24 @@ class TabularData(Catalogue, DataModule, abc.ABC):
 
 _KIND_SAMPLE_ROWS = 1000
 """Rows read to tell each column's kind (text, number, list) when encoders are stored or checked."""
+
+
+def check_catalogue_inputs(config: TabularDataConfig, schema: Schema) -> None:
+    """An item table (``data.items``) reads plain columns: no weighted feature (its catalogue rows and sampled negatives
+    carry no weights), and no cross among the item features (the item file need not hold the crossed columns).
+
+    Raises:
+        ConfigError: naming the features and the fix.
+    """
+    items = config.items
+    if items.path is None:
+        return
+    weighted = [c.name for c in schema.sparse if c.is_weighted]
+    require(not weighted, f"data.sparse {weighted} are weighted, but data.items.path={items.path!r} builds an item table whose rows "
+            f"(and sampled negatives) carry no weights. Fix: drop weighted / weights from those entries, or data.items.path=null")
+    crossed = [c.name for c in schema.sparse if c.cross is not None and c.name in {items.id, *items.features}]
+    require(not crossed, f"data.items lists the crosses {crossed}, whose crossed columns the item file need not hold. Fix: list "
+            f"plain columns in data.items.id / data.items.features")
 
 
 def from_checkpoint(encoders: StoredEncoders, sample: pa.Table, where: str) -> Schema:

@@ -336,15 +336,18 @@ def managed_collision_module(table: EmbeddingBagConfig, mc: ManagedCollision, de
                       eviction_interval=mc.eviction_interval, input_hash_size=mc.input_hash_size, name=table.name)
 
 
-def pooled_collections(tables: list[EmbeddingBagConfig], managed: dict[str, ManagedCollision]
+def pooled_collections(tables: list[EmbeddingBagConfig], managed: dict[str, ManagedCollision], weighted: bool = False
                        ) -> tuple[EmbeddingBagCollection | None, ManagedCollisionEmbeddingBagCollection | None]:
     """The plain tables in an ``EmbeddingBagCollection`` and the managed ones (``managed``, by table name) in a
     ``ManagedCollisionEmbeddingBagCollection``; either is ``None`` without tables. Created on ``meta`` like every
-    table: DistributedModelParallel materializes (and, for the managed ones, rebuilds per shard) what each rank owns."""
+    table: DistributedModelParallel materializes (and, for the managed ones, rebuilds per shard) what each rank owns.
+
+    ``weighted`` (:attr:`FeatureSpec.weighted`): the plain collection pools each bag by the batch's weights
+    (``is_weighted=True``); the features without weights carry 1.0 per id, which pools exactly as without weights."""
     meta = torch.device("meta")
     plain = [t for t in tables if t.name not in managed]
     ours = [t for t in tables if t.name in managed]
-    ebc = EmbeddingBagCollection(tables=plain, device=meta) if plain else None
+    ebc = EmbeddingBagCollection(tables=plain, device=meta, is_weighted=weighted) if plain else None
     if not ours:
         return ebc, None
     modules: dict[str, Any] = {t.name: managed_collision_module(t, managed[t.name], meta) for t in ours}
@@ -353,13 +356,21 @@ def pooled_collections(tables: list[EmbeddingBagConfig], managed: dict[str, Mana
 
 
 def pooled_lookup(ebc: nn.Module | None, mc_ebc: nn.Module | None, sparse: KeyedJaggedTensor, names: Sequence[str],
-                  managed: Collection[str]) -> dict[str, torch.Tensor]:
+                  managed: Collection[str], weighted: Sequence[str] = ()) -> dict[str, torch.Tensor]:
     """Each feature ``names``' pooled embedding ``[B, D_f]`` by name: from the managed collection for the features in
     ``managed``, from the plain one for the others.
 
     Written so that ``torch.fx`` can trace it (TorchRec's ``TrainPipelineSparseDist`` does, to find the lookups it
     pipelines): the collections' outputs are indexed by the known names, never iterated or merged as dicts, which a
-    traced ``KeyedTensor`` cannot be (``tests/test_pipelines.py``)."""
+    traced ``KeyedTensor`` cannot be (``tests/test_pipelines.py``).
+
+    Raises:
+        ConfigError: ``weighted`` (the weighted features, whose collection pools by weights) is not empty but ``sparse``
+            carries no weights: a caller that builds batches without them (predict, export) instead of a stack trace."""
+    if weighted and sparse.weights_or_none() is None:  # a traced (fx) batch's weights are a proxy, never None
+        raise ConfigError(f"the features {list(weighted)} are weighted (data.sparse weighted / weights), but this batch carries no "
+                          f"weights: training and evaluate feed them; predict and export do not yet. Fix: score such a model "
+                          f"with evaluate, or train it without weighted features")
     plain = ebc(sparse) if ebc is not None else None
     mapped = mc_ebc(sparse)[0] if mc_ebc is not None else None  # (pooled KeyedTensor, remapped ids)
     pooled: dict[str, torch.Tensor] = {}

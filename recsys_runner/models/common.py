@@ -134,17 +134,20 @@ class SparseArch(nn.Module):
         reason = embedding_width_rule(model)
         if reason is not None:
             features.require_uniform_dim(embedding_dim, model.__name__, reason)
-        self.ebc, self.mc_ebc = pooled_collections(features.embedding_tables(embedding_dim), features.managed_tables())
-        """The plain tables, and those whose raw ids a managed-collision module maps (``models/collision.py``)."""
+        self.ebc, self.mc_ebc = pooled_collections(features.embedding_tables(embedding_dim), features.managed_tables(),
+                                                   features.weighted)
+        """The plain tables (pooled by the batch's weights when a feature is weighted), and those whose raw ids a
+        managed-collision module maps (``models/collision.py``)."""
         self.feature_names = features.sparse_names
         self.managed_names = managed_feature_names(features)
+        self.weighted_names = features.weighted_names
         self.widths = features.embedding_dims(embedding_dim)
         """``D_f`` of each feature, in ``feature_names`` order."""
         self.output_dim = sum(self.widths)
         """``ΣD_f``: the width of :meth:`forward`'s output."""
 
     def forward(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        pooled = pooled_lookup(self.ebc, self.mc_ebc, sparse, self.feature_names, self.managed_names)
+        pooled = pooled_lookup(self.ebc, self.mc_ebc, sparse, self.feature_names, self.managed_names, self.weighted_names)
         return torch.cat([pooled[name] for name in self.feature_names], dim=1)
 
     def fields(self, embedded: torch.Tensor) -> torch.Tensor:
@@ -205,13 +208,14 @@ class LinearArch(nn.Module):
             for t in features.embedding_tables(LINEAR_ROW_WIDTH)
         ]
         managed = {f"{prefix}{t}": mc for t, mc in features.managed_tables().items()}  # the same raw ids, mapped alike
-        self.ebc, self.mc_ebc = pooled_collections(tables, managed)
+        self.ebc, self.mc_ebc = pooled_collections(tables, managed, features.weighted)
         self.dense = nn.Linear(features.num_dense, 1, device=device) if features.num_dense else None
         self.feature_names = features.sparse_names
         self.managed_names = managed_feature_names(features)
+        self.weighted_names = features.weighted_names
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        pooled = pooled_lookup(self.ebc, self.mc_ebc, sparse, self.feature_names, self.managed_names)
+        pooled = pooled_lookup(self.ebc, self.mc_ebc, sparse, self.feature_names, self.managed_names, self.weighted_names)
         logit = torch.stack([pooled[name] for name in self.feature_names], dim=1).sum(dim=(1, 2))
         return logit if self.dense is None else logit + self.dense(dense).squeeze(1)
 

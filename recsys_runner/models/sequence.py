@@ -127,7 +127,8 @@ class SequenceArch(nn.Module):
                               f"event, which managed collision does not cover here. Fix: drop managed_collision from the "
                               f"history columns and their candidates (keep it on the other sparse columns)")
         bags = features.embedding_tables(embedding_dim, skip_sequence_tables=True)
-        self.ebc, self.mc_ebc = pooled_collections(bags, managed)
+        self.ebc, self.mc_ebc = pooled_collections(bags, managed, features.weighted)
+        self.weighted_names = features.weighted_names
         histories = set(features.sequence_names)
         self.pooled_names = [f.name for f in features.sparse if f.name not in histories]
         """The non-history features, in ``features.sparse`` order: the columns of ``pooled``."""
@@ -144,7 +145,7 @@ class SequenceArch(nn.Module):
 
     def forward(self, sparse: KeyedJaggedTensor) -> SequenceEmbeddings:
         unpooled = self.ec(sparse) if self.ec is not None else {}
-        bags = pooled_lookup(self.ebc, self.mc_ebc, sparse, self.bag_names, self.managed_names)
+        bags = pooled_lookup(self.ebc, self.mc_ebc, sparse, self.bag_names, self.managed_names, self.weighted_names)
         candidates = {name: self._pool(unpooled[name]) for name in self.candidate_names}
         pieces = [candidates[n] if n in candidates else bags[n] for n in self.pooled_names]
         pooled = torch.cat(pieces, dim=1) if pieces else torch.zeros(sparse.stride(), 0, device=sparse.values().device)

@@ -49,10 +49,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from recsys_runner.data.encoding.rows import dense_transformed, parse_numbers, value_keys
+from recsys_runner import stores
+from recsys_runner.data.encoding.rows import dense_transformed, is_list, parse_int, parse_numbers, split_pairs, value_keys
 from recsys_runner.data.encoding.vocabulary import Vocabulary
 from recsys_runner.data.schema import DenseColumn, Schema, SparseColumn
-from recsys_runner.errors import DataError, require
+from recsys_runner.errors import ConfigError, DataError, require
 from recsys_runner.features import SequenceGroup
 
 log = logging.getLogger(__name__)
@@ -216,8 +217,13 @@ def complete_schema(
     sparse column without ``num_embeddings`` (columns sharing a table are sized together: one id space). ``sequences``
     are the schema's histories (``data.sequences``).
 
+    A ``vocab_file`` column's vocabulary is read from its file; the columns a cross combines and a ``weights`` column
+    must be columns of the files (``column_names()``, or the sample's).
+
     Raises:
         DataError: no label can be found, no sparse feature is left, a named column is not in the sample.
+        ConfigError: a cross or ``weights`` names a column the files lack; a ``vocab_file`` cannot be read, is empty, repeats
+            a value or disagrees with ``num_embeddings``.
     """
     table: pa.Table | None = None
 
@@ -234,6 +240,8 @@ def complete_schema(
         inferred.append(f"label {label!r}")
     label_columns = list(labels.values()) if labels is not None else [label] if label is not None else []
     dense, sparse = list(dense), list(sparse)
+    if any(c.cross is not None or c.weights is not None for c in sparse):
+        _check_inputs(sparse, column_names() if column_names is not None else read().column_names, where)
     if not dense and not sparse:
         t = read()
         dense, sparse, notes = _infer_columns(t, set(label_columns) | set(config.exclude), config, where)
@@ -245,6 +253,20 @@ def complete_schema(
     schema = Schema(label=label, labels=labels, label_kinds=label_kinds, label_threshold=label_threshold, dense=dense, sparse=sparse,
                     sequences=list(sequences or []), vocabularies=vocabularies)
     return Inferred(schema, inferred, notes)
+
+
+def _check_inputs(sparse: list[SparseColumn], columns: list[str], where: str) -> None:
+    """Every column a cross combines, and every ``weights`` column, is one of the files' ``columns``.
+
+    Raises:
+        ConfigError: naming the entry, the column, the files' columns and the fix.
+    """
+    for c in sparse:
+        missing = [n for n in c.cross or () if n not in columns]
+        require(not missing, f"data.sparse[{c.name}].cross={c.cross} names {missing}, not column(s) of {where} (its columns: "
+                f"{columns}). Fix: cross columns of the files (they need not be features themselves)")
+        require(c.weights is None or c.weights in columns, f"data.sparse[{c.name}].weights={c.weights!r} is not a column of {where} "
+                f"(its columns: {columns}). Fix: name the list column of {c.name!r}'s weights")
 
 
 def _sample_numbers(name: str, t: pa.Table, where: str, separator: str | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -317,6 +339,9 @@ def _size_tables(sparse: list[SparseColumn], read: Callable[[], pa.Table], confi
     vocabularies: dict[str, Vocabulary] = {}
     for members in tables.values():
         cols = [sparse[i] for i in members]
+        if any(c.vocab_file is not None for c in cols):
+            _file_vocabulary_table(sparse, members, read, config, where, inferred, vocabularies)
+            continue
         joint = next((c for c in cols if c.num_embeddings is not None), None)
         if joint is None:
             joint = _sized(cols, read(), config, where)
@@ -338,6 +363,109 @@ def _size_tables(sparse: list[SparseColumn], read: Callable[[], pa.Table], confi
             vocabulary = Vocabulary.build(keys, first.size - first.oov_buckets, first.oov_buckets)
             vocabularies.update((c.name, vocabulary) for c in in_vocab)
     return sparse, vocabularies
+
+
+def _file_vocabulary_table(sparse: list[SparseColumn], members: list[int], read: Callable[[], pa.Table], config: InferConfig,
+                           where: str, inferred: list[str], vocabularies: dict[str, Vocabulary]) -> None:
+    """The columns ``members`` of ``sparse`` (one table, some with a ``vocab_file``) given the file's vocabulary: each with
+    the file, and each other one left unsized or ``encoding: vocab``, becomes ``encoding: vocab`` with ``num_embeddings`` =
+    lines + ``oov_buckets`` (in place); their vocabulary goes into ``vocabularies``.
+
+    Raises:
+        ConfigError: the table's columns name different files, or the file cannot be used (:func:`read_vocab_file`).
+    """
+    cols = [sparse[i] for i in members]
+    listed = [c for c in cols if c.vocab_file is not None]
+    first = listed[0]
+    other = next((c for c in listed if c.vocab_file != first.vocab_file), None)
+    require(other is None, f"data.sparse[{first.name}] and data.sparse[{other.name if other else ''}] share table {first.table_name!r} "
+            f"(one id space) but name different vocab_file ({first.vocab_file!r} vs {other.vocab_file if other else ''!r}). Fix: "
+            f"give them the same file, or separate tables")
+    oov = first.oov_buckets or config.oov_buckets
+    t = read()
+    readers = [c for c in cols if c.vocab_file is not None or c.num_embeddings is None or c.encoding == "vocab"]
+    kinds = {c.name: _integer_ids(c, t, where) for c in readers}
+    require(len(set(kinds.values())) == 1, f"the columns {list(kinds)} of table {first.table_name!r} share vocab_file="
+            f"{first.vocab_file!r}, but some hold integers and some text in {where} ({kinds}: True is integers), which key values "
+            f"differently. Fix: give them one type in the files")
+    assert first.vocab_file is not None
+    vocabulary = read_vocab_file(first.vocab_file, f"data.sparse[{first.name}]", oov, integers=kinds[first.name], hex_digits=first.hex)
+    size = vocabulary.capacity + oov
+    for c in listed:
+        require(c.num_embeddings in (None, size), f"data.sparse[{c.name}].num_embeddings={c.num_embeddings}, but vocab_file="
+                f"{c.vocab_file!r} has {vocabulary.capacity} values and oov_buckets={oov}: {size} rows. Fix: drop "
+                f"data.sparse[{c.name}].num_embeddings (the file sets it)")
+    for i in members:
+        if sparse[i] in readers:
+            sparse[i] = replace(sparse[i], encoding="vocab", num_embeddings=size, oov_buckets=oov)
+            vocabularies[sparse[i].name] = vocabulary
+    inferred.append(f"{' + '.join(c.name for c in readers)} vocabulary of {vocabulary.capacity} values from vocab_file="
+                    f"{first.vocab_file!r} + {oov} OOV rows (num_embeddings={size})")
+
+
+def _integer_ids(col: SparseColumn, t: pa.Table, where: str) -> bool:
+    """Whether the training reader reads ``col``'s values as integers (a typed Parquet column of them, or a list of them:
+    a vocabulary then keys them as integers) rather than text (every CSV column; a ``hex`` column is parsed from text).
+
+    Raises:
+        DataError: the sample has no such column.
+    """
+    if col.name not in t.column_names:
+        raise DataError(f"{where} has no column {col.name!r} (data.sparse); its columns are {t.column_names}. Fix: correct "
+                        f"the column names in data.sparse")
+    typ = t.schema.field(col.name).type
+    typ = typ.value_type if is_list(typ) else typ
+    return pa.types.is_integer(typ) and not col.hex
+
+
+def read_vocab_file(path: str, key: str, oov_buckets: int, integers: bool, hex_digits: bool = False) -> Vocabulary:
+    """The vocabulary of the file ``path``: one value per line, line ``i`` (from 1) given row ``i - 1``, then ``oov_buckets``
+    rows; each line keyed as the encoder keys the column's values (:func:`~recsys_runner.data.encoding.rows.value_keys`):
+    as an integer when the training files hold ``integers``, else as text (exactly, ``\r`` of a Windows line end
+    dropped); ``hex_digits``: parsed from hexadecimal text. ``key`` names the column's entry in messages.
+
+    Raises:
+        ConfigError: the file cannot be read, is empty, has an empty line, a line that is not an integer (``integers``) or
+            hexadecimal (``hex_digits``), or repeats a value (naming the value and both lines).
+    """
+    where = f"{key}.vocab_file={path!r}"
+    try:
+        text = stores.read_bytes(path, ConfigError).decode("utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: no such file. Fix: point it at a text file with one value per line (a relative path is read "
+                          f"from the directory the command runs in)") from None
+    except OSError as e:
+        raise ConfigError(f"{where} cannot be read ({e.strerror or e}). Fix: point it at a text file with one value per line") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{where} is not UTF-8 text ({e.reason} at byte {e.start}). Fix: write one value per line as UTF-8") from None
+    lines = [line.removesuffix("\r") for line in text.split("\n")]
+    if lines and lines[-1] == "":
+        lines.pop()  # the newline that ends the last line
+    require(len(lines) > 0, f"{where} is empty. Fix: write one value per line (line i becomes row i - 1)")
+    blank = next((i for i, line in enumerate(lines) if line == ""), None)
+    require(blank is None, f"{where}: line {(blank or 0) + 1} is empty, and an empty field is a missing value, never an id. Fix: "
+            f"remove the empty line (one value per line)")
+    texts = pa.array(lines, pa.string())
+    if integers:
+        numbers, wrong = parse_int(texts)
+        require(not wrong.any(), f"{where}: line {int(np.argmax(wrong)) + 1} ({lines[int(np.argmax(wrong))]!r}) is not an integer, "
+                f"but the column holds integers in the training files, which key values by their number. Fix: write the ids as "
+                f"decimal integers, one per line")
+        keys, wrong_keys = value_keys(pa.array(numbers, pa.int64()), False)
+    else:
+        keys, wrong_keys = value_keys(texts, hex_digits)
+    require(wrong_keys is None or not wrong_keys.any(), f"{where}: line {int(np.argmax(wrong_keys)) + 1 if wrong_keys is not None else 0} "
+            f"is not a hexadecimal string (data.sparse hex=true). Fix: write hexadecimal ids, one per line")
+    _, first_index, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    repeat = first_index[inverse] != np.arange(len(keys))
+    if repeat.any():
+        k = int(np.argmax(repeat))
+        j = int(first_index[inverse[k]])
+        same = "" if lines[j] == lines[k] else f" ({lines[j]!r}: the same {'integer' if integers else 'id'})"
+        raise ConfigError(f"{where}: the value {lines[k]!r} on line {k + 1} repeats line {j + 1}{same}; each value gets one row. "
+                          f"Fix: remove the repeated line(s)")
+    order = np.argsort(keys, kind="stable")
+    return Vocabulary(keys[order], np.arange(len(keys), dtype=np.int64)[order], len(keys), oov_buckets)
 
 
 def _infer_columns(t: pa.Table, skip: set[str], config: InferConfig, where: str) -> tuple[list[DenseColumn], list[SparseColumn], list[str]]:
@@ -376,6 +504,9 @@ def _keys(col: SparseColumn, t: pa.Table, where: str) -> np.ndarray:
         raise DataError(f"{where} has no column {col.name!r} (data.sparse); its columns are {t.column_names}. Fix: correct "
                         f"the column names in data.sparse")
     values = _flat_values(t.column(col.name).combine_chunks(), col.separator)
+    if col.weighted and _text(values):  # id:weight pairs: the vocabulary keys the ids
+        ids, _, no_colon, not_number = split_pairs(values)
+        values = pc.filter(ids, pa.array(~(no_colon | not_number)))
     keys, wrong = value_keys(values, col.hex)
     return keys if wrong is None else keys[~wrong]
 

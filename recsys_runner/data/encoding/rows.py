@@ -33,11 +33,14 @@ BAD_ROW_MODES = ("fail", "skip")
 @dataclass
 class Rows:
     """A block of encoded rows: ``labels [n]`` (or ``[n, T]``, several labels), ``dense [n, N]`` and per key of the batch's
-    ``KeyedJaggedTensor`` (each sparse feature, then each history's event times) its (values, lengths)."""
+    ``KeyedJaggedTensor`` (each sparse feature, then each history's event times) its (values, lengths); with a weighted
+    feature, ``weights``: per key the float32 weight of each of its values (``None`` for the keys without weights)."""
 
     labels: np.ndarray
     dense: np.ndarray
     sparse: list[tuple[np.ndarray, np.ndarray]]
+    weights: list[np.ndarray | None] | None = None
+    """``None``: no key is weighted (the batch's ``KeyedJaggedTensor`` carries no weights)."""
     _offsets: list[np.ndarray | None] | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
@@ -47,11 +50,16 @@ class Rows:
     def concat(parts: list[Rows]) -> Rows:
         if len(parts) == 1:
             return parts[0]
+        weights = None
+        if parts[0].weights is not None:
+            weights = [None if w is None else np.concatenate([_weights_of(p, j) for p in parts])
+                       for j, w in enumerate(parts[0].weights)]
         return Rows(
             np.concatenate([p.labels for p in parts]),
             np.concatenate([p.dense for p in parts]),
             [(np.concatenate([p.sparse[j][0] for p in parts]), np.concatenate([p.sparse[j][1] for p in parts]))
              for j in range(len(parts[0].sparse))],
+            weights,
         )
 
     def offsets(self) -> list[np.ndarray | None]:
@@ -65,32 +73,44 @@ class Rows:
         return self._offsets
 
     def slice(self, start: int, stop: int) -> Rows:
-        sparse = []
-        for (values, lengths), offsets in zip(self.sparse, self.offsets(), strict=True):
-            if offsets is None:
-                sparse.append((values[start:stop], lengths[start:stop]))
-            else:
-                sparse.append((values[offsets[start]:offsets[stop]], lengths[start:stop]))
-        return Rows(self.labels[start:stop], self.dense[start:stop], sparse)
+        sparse, weights = [], []
+        for j, ((values, lengths), offsets) in enumerate(zip(self.sparse, self.offsets(), strict=True)):
+            lo, hi = (start, stop) if offsets is None else (int(offsets[start]), int(offsets[stop]))
+            sparse.append((values[lo:hi], lengths[start:stop]))
+            w = self.weights[j] if self.weights is not None else None
+            weights.append(None if w is None else w[lo:hi])
+        return Rows(self.labels[start:stop], self.dense[start:stop], sparse, weights if self.weights is not None else None)
 
     def take(self, index: np.ndarray) -> Rows:
-        sparse = []
-        for (values, lengths), offsets in zip(self.sparse, self.offsets(), strict=True):
-            if offsets is None:
-                sparse.append((values[index], lengths[index]))
-                continue
+        sparse, weights = [], []
+        for j, ((values, lengths), offsets) in enumerate(zip(self.sparse, self.offsets(), strict=True)):
             new_lengths = lengths[index]
-            if int(lengths.max(initial=0)) <= 1:  # single-valued with some missing: gather through a padded column
-                padded = np.zeros(lengths.shape[0], dtype=values.dtype)
-                padded[lengths.astype(bool)] = values
-                sparse.append((padded[index][new_lengths.astype(bool)], new_lengths))
-                continue
-            starts = offsets[:-1][index]
-            total = int(new_lengths.sum())
-            new_starts = np.concatenate([[0], np.cumsum(new_lengths)])[:-1]
-            gather = np.arange(total) + np.repeat(starts - new_starts, new_lengths)
+            if offsets is None:
+                gather = index
+            elif int(lengths.max(initial=0)) <= 1:  # single-valued with some missing: each present row's one value
+                gather = (np.cumsum(lengths) - 1)[index][new_lengths.astype(bool)]
+            else:
+                starts = offsets[:-1][index]
+                new_starts = np.concatenate([[0], np.cumsum(new_lengths)])[:-1]
+                gather = np.arange(int(new_lengths.sum())) + np.repeat(starts - new_starts, new_lengths)
             sparse.append((values[gather], new_lengths))
-        return Rows(self.labels[index], self.dense[index], sparse)
+            w = self.weights[j] if self.weights is not None else None
+            weights.append(None if w is None else w[gather])
+        return Rows(self.labels[index], self.dense[index], sparse, weights if self.weights is not None else None)
+
+    def key_weights(self) -> np.ndarray | None:
+        """The weights of every value, key after key as in the batch's ``KeyedJaggedTensor`` (1.0 for the values of a key
+        without weights), or ``None`` when no key is weighted."""
+        if self.weights is None:
+            return None
+        return np.concatenate([np.ones(len(values), np.float32) if w is None else w.astype(np.float32, copy=False)
+                               for (values, _), w in zip(self.sparse, self.weights, strict=True)] or [np.zeros(0, np.float32)])
+
+
+def _weights_of(rows: Rows, key: int) -> np.ndarray:
+    """The weights of key ``key`` of ``rows`` (ones where that block carries none)."""
+    w = rows.weights[key] if rows.weights is not None else None
+    return np.ones(len(rows.sparse[key][0]), np.float32) if w is None else w
 
 
 @dataclass(frozen=True)
@@ -149,8 +169,10 @@ class Encoder:
         dense = np.empty((n, len(self.schema.dense)), dtype=np.float32)
         for j, col in enumerate(self.schema.dense):
             dense[:, j] = self._dense(col, _column(table, col.name), where, bad)
-        sparse = [self._sparse(col, _column(table, col.name), where, bad) for col in self.schema.sparse]
-        rows = Rows(labels, dense, self.histories.apply(table, sparse, where, bad))
+        bags = [self._bag(col, table, where, bad) for col in self.schema.sparse]
+        sparse = self.histories.apply(table, [(ids, lengths) for ids, lengths, _ in bags], where, bad)
+        weights = [w for _, _, w in bags]
+        rows = Rows(labels, dense, sparse, weights + [None] * (len(sparse) - len(weights)) if any(w is not None for w in weights) else None)
         if not problems:
             return rows
         first = min(int(np.flatnonzero(mask)[0]) for _, _, mask, _ in problems)
@@ -214,14 +236,33 @@ class Encoder:
         return values
 
     # -- sparse -------------------------------------------------------------------------------------
+    def _bag(self, col: Any, table: pa.Table, where: Location, bad) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """A sparse entry of ``table``'s rows: (ids, lengths, and the float32 weight of each id for a weighted entry, else
+        ``None``); a cross reads its crossed columns, a ``weights`` entry its weights column too."""
+        if getattr(col, "cross", None):  # getattr: documents written before these fields were stored lack them
+            return (*self._cross(col, table, where), None)
+        weights = getattr(col, "weights", None)
+        return self._jagged(col, _column(table, col.name), where, bad, None if weights is None else _column(table, weights))
+
     def _sparse(self, col: Any, arr: pa.ChunkedArray | pa.Array, where: Location, bad) -> tuple[np.ndarray, np.ndarray]:
+        """One sparse column's (ids, lengths), its weights (if any) left out."""
+        ids, lengths, _ = self._jagged(col, arr, where, bad)
+        return ids, lengths
+
+    def _jagged(self, col: Any, arr: pa.ChunkedArray | pa.Array, where: Location, bad,
+                weights_arr: pa.ChunkedArray | pa.Array | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         arr = _combined(arr)
         n = len(arr)
+        pairs = bool(getattr(col, "weighted", False))
+        weighted = pairs or weights_arr is not None
         listed = col.separator is not None or pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)
         if col.encoding == "bucketize" and not listed:
-            return self._buckets(col, arr, bad)
+            return (*self._buckets(col, arr, bad), None)
         if pa.types.is_null(arr.type):
-            return np.zeros(0, dtype=np.int64), np.zeros(n, dtype=np.int32)
+            lengths = np.zeros(n, dtype=np.int32)
+            if weights_arr is not None:
+                self._parallel_weights(col, weights_arr, lengths, where, bad)
+            return np.zeros(0, dtype=np.int64), lengths, np.zeros(0, np.float32) if weighted else None
         if col.separator is not None and (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)):
             arr = pc.split_pattern(arr, col.separator)
         if pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
@@ -232,11 +273,15 @@ class Encoder:
             lengths = np.where(np.asarray(arr.is_valid().to_numpy(zero_copy_only=False)), 1, 0).astype(np.int32)
             flat = arr.drop_null() if arr.null_count else arr
             row_of = np.flatnonzero(lengths) if arr.null_count else np.arange(n)
+        weights = None if weights_arr is None else self._parallel_weights(col, weights_arr, lengths, where, bad)
         if flat.null_count:  # a null inside a list: drop the element, keep the row
             valid = np.asarray(flat.is_valid().to_numpy(zero_copy_only=False))
             lengths = lengths - np.bincount(row_of[~valid], minlength=n).astype(np.int32)
             row_of = row_of[valid]
             flat = flat.drop_null()
+            weights = None if weights is None else weights[valid]
+        if pairs:
+            flat, weights = self._pairs(col, flat, row_of, n, where, bad)
         ids, wrong = self._ids(col, flat)
         row_bad = np.zeros(n, dtype=bool)
         if wrong is not None and wrong.any():
@@ -269,7 +314,101 @@ class Encoder:
 
             bad(col.name, row_bad, describe)
             ids = np.where(wrong, 0, ids)
-        return ids, lengths
+        return ids, lengths, weights
+
+    def _pairs(self, col: Any, flat: pa.Array, row_of: np.ndarray, n: int, where: Location, bad) -> tuple[pa.Array, np.ndarray]:
+        """``weighted: true``: the ids and the weights of ``id:weight`` values (no nulls); a value without ``:`` or whose
+        weight is not a finite number makes its row bad.
+
+        Raises:
+            error: the column holds no text (a typed column of numbers or lists of numbers cannot carry pairs).
+        """
+        if not is_text(flat.type):
+            raise self.error(f"{where.path}: column {col.name!r} holds {flat.type} values, but data.sparse[{col.name}].weighted=true reads "
+                             f"'id:weight' text (e.g. \"12:0.5|7:2\"). Fix: write the pairs as text, or the weights as a column of "
+                             f"their own (data.sparse[{col.name}].weights=<column>, weighted=false)")
+        ids, weights, no_colon, not_number = split_pairs(flat)
+        for mask, what in ((no_colon, "is not an 'id:weight' pair (it has no ':')"), (not_number, "has a weight that is not a finite number")):
+            if mask.any():
+                k = int(np.flatnonzero(mask)[0])  # the first such value, in the first row that has one
+                value, first_row = flat[k].as_py(), int(row_of[k])
+                bad(col.name, np.bincount(row_of[mask], minlength=n) > 0,
+                    lambda i, value=value, first_row=first_row, what=what: (
+                        f"{value!r} {what}" if i == first_row else f"a value {what}") +
+                    f"; data.sparse[{col.name}].weighted=true reads values like 12:0.5 (the id, ':', its weight)")
+        return ids, weights
+
+    def _parallel_weights(self, col: Any, arr: pa.ChunkedArray | pa.Array, lengths: np.ndarray, where: Location, bad) -> np.ndarray:
+        """The float32 weight of each value of ``col`` (``lengths`` values per row, nulls inside lists still counted) from its
+        ``weights`` column: a list column, or text split at ``col.separator``. A row whose weights are not as many as its
+        values, or not finite numbers, is bad (its weights read 0).
+
+        Raises:
+            error: the weights column is neither numbers, text nor lists of them.
+        """
+        name, arr, n = col.weights, _combined(arr), len(lengths)
+        if col.separator is not None and is_text(arr.type):
+            arr = pc.split_pattern(arr, col.separator)
+        if pa.types.is_null(arr.type):
+            counts, flat = np.zeros(n, np.int32), pa.array([], pa.float64())
+        elif is_list(arr.type):
+            counts = np.asarray(pc.fill_null(pc.list_value_length(arr), 0).to_numpy(zero_copy_only=False), dtype=np.int32)
+            flat = pc.list_flatten(arr)
+        elif is_text(arr.type) or pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type):
+            counts = np.asarray(arr.is_valid().to_numpy(zero_copy_only=False), dtype=np.int32)
+            flat = arr.drop_null() if arr.null_count else arr
+        else:
+            raise self.error(f"{where.path}: column {name!r} (the weights of data.sparse[{col.name}]) has type {arr.type}; weights are "
+                             f"numbers, one per value of {col.name!r}. Fix: write it as a list of floats (or text split at the "
+                             f"column's separator)")
+        valid = np.asarray(flat.is_valid().to_numpy(zero_copy_only=False), dtype=bool) if flat.null_count else np.ones(len(flat), bool)
+        numbers, wrong = np.zeros(len(flat), np.float64), ~valid
+        numbers[valid], wrong[valid] = parse_numbers(flat.drop_null() if flat.null_count else flat)
+        wrong |= ~np.isfinite(numbers)
+        row_of = np.repeat(np.arange(n), counts)
+        unequal = counts != lengths
+        bad(name, unequal, lambda i: f"it has {int(counts[i])} weight(s) but {col.name!r} has {int(lengths[i])} value(s): its i-th weight "
+                                     f"weighs the i-th value (data.sparse[{col.name}].weights). Fix the row so that both lists have equal lengths")
+        if wrong.any():
+            k = int(np.flatnonzero(wrong)[0])
+            value, first_row = flat[k].as_py(), int(row_of[k])
+            bad(name, np.bincount(row_of[wrong], minlength=n) > 0,
+                lambda i: (f"the weight {value!r}" if i == first_row else "a weight") + " is not a finite number (data.sparse["
+                          f"{col.name}].weights)")
+        numbers = np.where(wrong, 0.0, numbers).astype(np.float32)
+        if not unequal.any():
+            return numbers
+        out = np.zeros(int(lengths.sum()), np.float32)  # rows of unequal lengths are bad: their values weigh 0
+        out[np.repeat(~unequal, lengths)] = numbers[np.repeat(~unequal, counts)]
+        return out
+
+    def _cross(self, col: Any, table: pa.Table, where: Location) -> tuple[np.ndarray, np.ndarray]:
+        """A cross's ids: per row, the keys of its crossed columns' raw values mixed in order (:func:`cross_keys`) and taken
+        modulo ``num_embeddings``; a row missing any value gets an empty bag.
+
+        Raises:
+            error: a crossed column is a list column, or of a type whose values cannot be keyed.
+        """
+        n = table.num_rows
+        keys, present = [], np.ones(n, bool)
+        for name in col.cross:
+            arr = _combined(_column(table, name))
+            valid = np.asarray(arr.is_valid().to_numpy(zero_copy_only=False), dtype=bool) if arr.null_count else np.ones(n, bool)
+            part = np.zeros(n, np.uint64)
+            if is_list(arr.type):
+                raise self.error(f"{where.path}: column {name!r}, crossed by data.sparse[{col.name}], is a list column ({arr.type}); a cross "
+                                 f"combines one value per row. Fix: cross single-valued columns")
+            if not pa.types.is_null(arr.type):
+                values, ok = raw_keys(arr.drop_null() if arr.null_count else arr)
+                if ok is None:
+                    raise self.error(f"{where.path}: column {name!r}, crossed by data.sparse[{col.name}], has type {arr.type}, whose "
+                                     f"values cannot be crossed. Fix: cross text, integer, boolean or float columns")
+                part[valid] = values
+                valid[valid] = ok
+            present &= valid
+            keys.append(part)
+        ids = (cross_keys(keys)[present] % np.uint64(col.size)).astype(np.int64)
+        return ids, present.astype(np.int32)
 
     @staticmethod
     def _buckets(col: Any, arr: pa.Array, bad) -> tuple[np.ndarray, np.ndarray]:
@@ -671,6 +810,43 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return z ^ (z >> np.uint64(31))
+
+
+def split_pairs(flat: pa.Array) -> tuple[pa.Array, np.ndarray, np.ndarray, np.ndarray]:
+    """``id:weight`` texts (no nulls) split at their last ``:``: the ids (text), the weights (float32; 0 where wrong), a mask
+    of the texts without ``:`` and one of the weights that are not finite numbers."""
+    parts = pc.extract_regex(flat, r"^(?P<id>.*):(?P<weight>[^:]*)$")
+    no_colon = ~np.asarray(parts.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+    ids, texts = pc.fill_null(parts.field("id"), ""), pc.fill_null(parts.field("weight"), "")
+    numbers, wrong = parse_numbers(texts)
+    not_number = ~no_colon & (wrong | ~np.isfinite(numbers))
+    return ids, np.where(no_colon | not_number, 0.0, numbers).astype(np.float32), no_colon, not_number
+
+
+def raw_keys(flat: pa.Array) -> tuple[np.ndarray, np.ndarray | None]:
+    """The 64-bit key of each raw value of a flat array without nulls, as a cross combines them: text by :func:`fnv1a64`,
+    integers and booleans by :func:`splitmix64` of their value, floats of their bits (``-0.0`` as ``0.0``); and a mask
+    of the values that are present (``False``: a float NaN, which counts as missing), or ``None`` for a type without keys."""
+    if is_text(flat.type):
+        return fnv1a64(flat), np.ones(len(flat), bool)
+    if pa.types.is_unsigned_integer(flat.type) and flat.type.bit_width == 64:
+        return splitmix64(np.asarray(flat.to_numpy(zero_copy_only=False), dtype=np.uint64)), np.ones(len(flat), bool)
+    if pa.types.is_integer(flat.type) or pa.types.is_boolean(flat.type):
+        values = np.asarray(flat.cast(pa.int64()).to_numpy(zero_copy_only=False), dtype=np.int64)
+        return splitmix64(values.view(np.uint64)), np.ones(len(flat), bool)
+    if pa.types.is_floating(flat.type):
+        numbers = np.asarray(flat.cast(pa.float64()).to_numpy(zero_copy_only=False), dtype=np.float64) + 0.0
+        return splitmix64(numbers.view(np.uint64)), ~np.isnan(numbers)
+    return np.zeros(len(flat), np.uint64), None
+
+
+def cross_keys(parts: list[np.ndarray]) -> np.ndarray:
+    """The key of each row's combination of the 64-bit keys ``parts`` (one array per crossed column, in order): each part
+    mixed into the running key by :func:`splitmix64`, seeded with the number of parts (``(a, b)`` and ``(b, a)`` differ)."""
+    key = np.full(len(parts[0]), len(parts), dtype=np.uint64)
+    for part in parts:
+        key = splitmix64(key ^ part)
+    return key
 
 
 def value_keys(flat: pa.Array, hex_digits: bool) -> tuple[np.ndarray, np.ndarray | None]:

@@ -10,8 +10,10 @@ build`). Files that contradict them — a column gone, text where numbers were �
 (:func:`check_columns`); a value never seen when the vocabulary was fitted reads an OOV row, as it did in training.
 
 The document: ``format``; the schema (``label``/``labels``/``label_kinds``/``label_threshold``, ``dense``, ``sparse``,
-``sequences``, as ``convert`` stores it); ``vocabularies`` (per ``encoding: vocab`` column its sorted 64-bit keys, their
-rows, ``capacity`` and ``oov_buckets``: :class:`~recsys_runner.data.encoding.vocabulary.Vocabulary`); ``column_kinds`` (each
+``sequences``, as ``convert`` stores it; a column's ``cross``, ``weighted``/``weights`` and ``vocab_file`` among its fields);
+``vocabularies`` (per ``encoding: vocab`` column its sorted 64-bit keys, their rows, ``capacity`` and ``oov_buckets``:
+:class:`~recsys_runner.data.encoding.vocabulary.Vocabulary`; fitted, or read from a ``vocab_file``, which is then never
+read again); ``column_kinds`` (each
 input column's kind in the files it was fitted on: ``text``, ``number``, ``list``); ``column_types`` (each input
 column's Arrow type as the training reader read it — ``string`` for every CSV column, the Parquet type otherwise — which
 the served model casts a request's columns to, so that ``"123"`` and ``123`` key an id as training did; absent in
