@@ -65,7 +65,7 @@ from recsys_runner.checkpoint.object_storage import storage_for
 from recsys_runner.checkpoint.storage import TensorIndex
 from recsys_runner.checkpoint.weights import load_into
 from recsys_runner.config import RunConfig, flatten, register_entry_schema, to_yaml, validate
-from recsys_runner.data.encoding.stored import StoredEncoders, read_stored
+from recsys_runner.data.encoding.stored import ENCODERS_FILE, StoredEncoders, read_stored
 from recsys_runner.data.items import ItemTable
 from recsys_runner.errors import CheckpointError, ConfigError, require
 from recsys_runner.features import FeatureSpec
@@ -75,7 +75,8 @@ from recsys_runner.models.collision import restore_collision_state
 from recsys_runner.noise import quiet_known_noise
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.runtime import Launch
-from recsys_runner.serving import ServingModule, TowerServing, TwoTowerModel, export_program
+from recsys_runner.serving import mlflow_model
+from recsys_runner.serving.program import ServingModule, TowerServing, TwoTowerModel, export_program
 from recsys_runner.tasks import SINGLE_TASK, Task
 from recsys_runner.tracking import lineage
 from recsys_runner.tracking.store import resolve_uri
@@ -129,9 +130,17 @@ class ExportConfig:
     overwrite: bool = False
     """Replace the earlier export in a non-empty ``dir`` (as a whole, once the new one is complete); ``false`` refuses
     such a directory."""
+    mlflow_model: bool = True
+    """Also write the MLflow model (``mlflow_model/``: raw rows in, ``predict``'s scores out; docs/export.md) and log it
+    as the export run's model. Needs file data (its encoders are stored with the checkpoint)."""
+    register_as: str | None = None
+    """Register a version of the MLflow model under this name in the MLflow model registry (the UI's Models page)."""
 
     def __post_init__(self) -> None:
         require(self.weights in WEIGHTS, f"export.weights={self.weights!r} must be one of {list(WEIGHTS)}")
+        require(self.register_as is None or (self.mlflow_model and bool(self.register_as.strip())),
+                f"export.register_as={self.register_as!r} registers the MLflow model: it needs export.mlflow_model=true and "
+                f"a non-empty name")
 
 
 def register() -> None:
@@ -142,10 +151,10 @@ def register() -> None:
     ])
 
 
-def build_unsharded(run: RunConfig, encoders: StoredEncoders | None = None) -> tuple[nn.Module, FeatureSpec, Batch, ItemTable | None]:
+def build_unsharded(run: RunConfig, encoders: StoredEncoders | None = None) -> tuple[nn.Module, FeatureSpec, Batch, ItemTable | None, Any]:
     """The model the config describes, every table materialized on CPU, in eval mode; its features; an eval batch; the
-    data's item catalogue (``None`` for data without one). ``encoders``: the checkpoint's, which encode the files
-    (:mod:`recsys_runner.data.encoding.stored`)."""
+    data's item catalogue (``None`` for data without one); the first rows of the files, raw (``None`` for generated
+    data). ``encoders``: the checkpoint's, which encode the files (:mod:`recsys_runner.data.encoding.stored`)."""
     cpu = torch.device("cpu")
     data = run.data.for_model(run.model.data_needs()).build(device=cpu, encoders=encoders)
     model = run.model.build(features=data.features, dense_device=cpu)
@@ -155,7 +164,8 @@ def build_unsharded(run: RunConfig, encoders: StoredEncoders | None = None) -> t
     batch = next(iter(data.eval_batches(0, 1)), None)
     if batch is None:
         batch = next(iter(data.train_batches(0, 0, 1)))
-    return model.eval().requires_grad_(False), data.features, batch.to(cpu), data.item_table()
+    raw = data.raw_rows(mlflow_model.CHECK_ROWS) if encoders is not None else None
+    return model.eval().requires_grad_(False), data.features, batch.to(cpu), data.item_table(), raw
 
 
 def load_weights(model: nn.Module, checkpoint: Path, ema: bool) -> None:
@@ -257,8 +267,9 @@ def export_dir(configured: str | None, launch: Launch) -> Path:
 
 
 def is_export_file(name: str) -> bool:
-    """Whether ``name`` is a file an export writes (what ``export.overwrite=true`` may replace)."""
-    return name in (MODEL_FILE, FEATURE_SPEC_FILE, EXAMPLE_FILE, ITEMS_FILE, lineage.MANIFEST_FILE) or name.endswith(TOWER_FILE.format(""))
+    """Whether ``name`` is a file (or MLflow model directory) an export writes (what ``export.overwrite=true`` may replace)."""
+    return (name in (MODEL_FILE, FEATURE_SPEC_FILE, EXAMPLE_FILE, ITEMS_FILE, lineage.MANIFEST_FILE, mlflow_model.MODEL_DIR)
+            or name.endswith(TOWER_FILE.format("")) or (name.startswith("mlflow_") and name.endswith("_tower")))
 
 
 def check_target(out: Path, overwrite: bool) -> None:
@@ -279,7 +290,7 @@ def check_target(out: Path, overwrite: bool) -> None:
     if not overwrite:
         raise ConfigError(f"export.dir={out} is not empty (it holds {shown}): an earlier export's files would be overwritten or "
                           f"mixed with this one's. Fix: export.overwrite=true to replace them, or a new export.dir")
-    foreign = [n for n in held if not (is_export_file(n) and (remote or (out / n).is_file()))]
+    foreign = [n for n in held if not (is_export_file(n) and (remote or (out / n).is_file() or n.startswith("mlflow_")))]
     if foreign:
         raise ConfigError(f"export.dir={out} holds {foreign[:8]}, which no export writes; export.overwrite=true replaces only an "
                           f"earlier export's files. Fix: a new export.dir, or move those away")
@@ -316,7 +327,9 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> Path:
     check_target(out, options.overwrite)
     meta = json.loads(stores.read_bytes(str(checkpoint / "meta.json"), CheckpointError))
     torch.manual_seed(spec.seed)
-    model, features, batch, items = build_unsharded(spec, read_stored(checkpoint))
+    stored = read_stored(checkpoint)
+    model, features, batch, items, raw = build_unsharded(spec, stored)
+    rows = served_rows(stored, checkpoint, raw) if options.mlflow_model else None
     ema = use_ema(spec, options.weights)
     manifest = lineage.collect(world_size=1, device=torch.device("cpu"))
     start = RunStart(
@@ -330,22 +343,45 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> Path:
         try:
             shutil.rmtree(staged, ignore_errors=True)
             staged.mkdir(parents=True)
-            files = write_export(model, features, batch, checkpoint=checkpoint, meta=meta, ema=ema, out=staged, items=items)
+            files = write_export(model, features, batch, checkpoint=checkpoint, meta=meta, ema=ema, out=staged, items=items, served=rows)
             (staged / lineage.MANIFEST_FILE).write_text(manifest.to_json() + "\n")
             check_target(out, options.overwrite)  # still as checked before the build (nothing else wrote there since)
             replace_dir(staged, out)
             log.info("wrote %s to %s", ", ".join([*files, lineage.MANIFEST_FILE]), out)
-            _log_artifacts(spec, tracker, staged if remote else out, [*files, lineage.MANIFEST_FILE])
+            _log_artifacts(spec, tracker, staged if remote else out, [*files, lineage.MANIFEST_FILE], options.register_as)
         finally:  # an error or a stop anywhere above leaves no partial export behind
             shutil.rmtree(staged.parent if remote else staged, ignore_errors=True)
     return out
 
 
+@dataclass(frozen=True)
+class ServedRows:
+    """What the MLflow model is made of beside the programs: the checkpoint's encoders (parsed, and the document as
+    stored) and the first rows of the training files, raw (its input example, and the rows its scores are checked on)."""
+
+    encoders: StoredEncoders
+    document: bytes
+    raw: Any
+
+
+def served_rows(stored: StoredEncoders | None, checkpoint: Path, raw: Any) -> ServedRows | None:
+    """The MLflow model's inputs (:class:`ServedRows`), or ``None`` (logged: why no MLflow model is written)."""
+    if raw is None:
+        log.info("no MLflow model: the model was trained on generated data, which has no raw columns to encode (model.pt2 "
+                 "takes its ids as they are)")
+        return None
+    if stored is None:
+        log.warning("no MLflow model: checkpoint %s stores no data encoders (it was written before they were), so what turns a "
+                    "raw row into its ids is not known for sure. Fix: fine-tune it for a step with this version, then export", checkpoint)
+        return None
+    return ServedRows(stored, stores.read_bytes(stores.join(str(checkpoint), ENCODERS_FILE), CheckpointError), raw)
+
+
 def write_export(model: nn.Module, features: FeatureSpec, batch: Batch, *, checkpoint: Path, meta: dict[str, Any], ema: bool,
-                 out: Path, items: ItemTable | None = None) -> list[str]:
+                 out: Path, items: ItemTable | None = None, served: ServedRows | None = None) -> list[str]:
     """Load the checkpoint's weights into ``model``, trace it (and a two-tower model's towers), check each program
     against the eager model on ``batch`` and write the files to ``out`` (with ``items``, a two-tower model's item
-    index :data:`ITEMS_FILE` too); returns their names."""
+    index :data:`ITEMS_FILE` too; with ``served``, the MLflow model(s): :func:`write_mlflow_models`); returns their names."""
     load_weights(model, checkpoint, ema)
     keys = list(batch.sparse_features.keys())
     serving = ServingModule(model, keys)
@@ -369,7 +405,39 @@ def write_export(model: nn.Module, features: FeatureSpec, batch: Batch, *, check
     torch.save({"inputs": inputs, "outputs": eager}, out / EXAMPLE_FILE)
     log.info("exported %s (%s weights) from %s", type(model).__name__, described["weights"], checkpoint)
     towers = [t["file"] for t in described.get("towers", {}).values() if isinstance(t, dict) and "file" in t]
-    return [MODEL_FILE, FEATURE_SPEC_FILE, EXAMPLE_FILE, *towers]
+    models = write_mlflow_models(model, serving, keys, features, served, out) if served is not None else []
+    return [MODEL_FILE, FEATURE_SPEC_FILE, EXAMPLE_FILE, *towers, *models]
+
+
+def write_mlflow_models(model: nn.Module, serving: ServingModule, keys: list[str], features: FeatureSpec, served: ServedRows,
+                        out: Path) -> list[str]:
+    """The MLflow model (:mod:`recsys_runner.serving.mlflow_model`) — one per tower for a two-tower model — beside the
+    programs already written to ``out``; returns the directories written (none when the model's task cannot be served
+    row by row: logged)."""
+    tasks = tuple(getattr(model, "tasks", SINGLE_TASK))
+    two_tower = hasattr(model, "tower_features")
+    why = mlflow_model.servable(tasks, two_tower)
+    if why is not None:
+        log.info("no MLflow model for %s: %s", type(model).__name__, why)
+        return []
+    base = {"format": 1, "model": type(model).__name__}
+    if not two_tower:
+        spec = base | {"input_columns": mlflow_model.input_columns(served.encoders), "dense": list(features.dense_names), "keys": keys,
+                       "features": None, "tower": None, "outputs": mlflow_model.outputs(tasks)}
+        mlflow_model.write_model(out / mlflow_model.MODEL_DIR, serving, torch.export.load(str(out / MODEL_FILE)), served.document,
+                                 served.encoders, spec, served.raw)
+        return [mlflow_model.MODEL_DIR]
+    written = []
+    for name, mine in cast(TwoTowerModel, model).tower_features.items():
+        tower = TowerServing(model, name, keys, list(features.dense_names))
+        spec = base | {"input_columns": mlflow_model.input_columns(served.encoders, set(mine)), "dense": tower.dense_columns,
+                       "keys": tower.sparse_keys, "features": list(mine), "tower": name,
+                       "outputs": [{"column": "vector", "task": None, "kind": "vector"}]}
+        directory = mlflow_model.TOWER_DIR.format(name)
+        mlflow_model.write_model(out / directory, tower, torch.export.load(str(out / TOWER_FILE.format(name))), served.document,
+                                 served.encoders, spec, served.raw)
+        written.append(directory)
+    return written
 
 
 def export_towers(model: nn.Module, keys: list[str], features: FeatureSpec, batch: Batch, scores: torch.Tensor,
@@ -436,14 +504,36 @@ def _check_same(eager: Any, exported: Any, model: str) -> None:
                           f"example batch (allowed {EXACT_ATOL} + {EXACT_RTOL} x |output|); it cannot be exported faithfully")
 
 
-def _log_artifacts(spec: RunConfig, tracker: Tracker, out: Path, files: list[str]) -> None:
-    """The exported files as the run's artifacts (``export/``), when it logs to MLflow."""
-    if tracker.run_id is not None and isinstance(spec.tracking, MlflowTrackingConfig):
-        from mlflow.tracking import MlflowClient
+def _log_artifacts(spec: RunConfig, tracker: Tracker, out: Path, files: list[str], register_as: str | None) -> None:
+    """The exported files as the run's artifacts (``export/``), and the MLflow model(s) as the run's logged model(s)
+    (registered under ``register_as`` when set), when it logs to MLflow.
 
-        client = MlflowClient(tracking_uri=resolve_uri(spec.tracking.uri))
-        for name in files:
+    Raises:
+        ConfigError: ``register_as`` is set but no MLflow model was written, or the run does not log to MLflow.
+    """
+    models = [n for n in files if n.startswith("mlflow_")]
+    logged = tracker.run_id is not None and isinstance(spec.tracking, MlflowTrackingConfig)
+    if register_as is not None and not (models and logged):
+        raise ConfigError(f"export.register_as={register_as!r}: " + ("no MLflow model was written (the log says why)" if not models else
+                          "the export does not log to MLflow (tracking)") + ". Fix: drop export.register_as")
+    if not logged:
+        return
+    from mlflow.tracking import MlflowClient
+
+    assert tracker.run_id is not None and isinstance(spec.tracking, MlflowTrackingConfig)
+    uri = resolve_uri(spec.tracking.uri)
+    client = MlflowClient(tracking_uri=uri)
+    for name in files:
+        if name in models:
+            client.log_artifacts(tracker.run_id, str(out / name), f"{ARTIFACT_DIR}/{name}")
+        else:
             client.log_artifact(tracker.run_id, str(out / name), ARTIFACT_DIR)
+    for name in models:
+        logged_name = "model" if name == mlflow_model.MODEL_DIR else name.removeprefix("mlflow_")
+        version = mlflow_model.log_and_register(out / name, uri, tracker.run_id, register_as if len(models) == 1 else
+                                                (f"{register_as}-{logged_name}" if register_as else None), logged_name)
+        if version is not None:
+            log.info("registered the MLflow model %s as version %s of %r", name, version, register_as)
 
 
 register()
