@@ -329,7 +329,7 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> Path:
     torch.manual_seed(spec.seed)
     stored = read_stored(checkpoint)
     model, features, batch, items, raw = build_unsharded(spec, stored)
-    rows = served_rows(stored, checkpoint, raw) if options.mlflow_model else None
+    rows = served_rows(stored, checkpoint, raw, list(getattr(spec.data, "null_values", None) or [])) if options.mlflow_model else None
     ema = use_ema(spec, options.weights)
     manifest = lineage.collect(world_size=1, device=torch.device("cpu"))
     start = RunStart(
@@ -362,9 +362,11 @@ class ServedRows:
     encoders: StoredEncoders
     document: bytes
     raw: Any
+    null_values: list[str]
+    """The text reader's missing-value tokens (``data.null_values`` of CSV data; none for Parquet)."""
 
 
-def served_rows(stored: StoredEncoders | None, checkpoint: Path, raw: Any) -> ServedRows | None:
+def served_rows(stored: StoredEncoders | None, checkpoint: Path, raw: Any, null_values: list[str]) -> ServedRows | None:
     """The MLflow model's inputs (:class:`ServedRows`), or ``None`` (logged: why no MLflow model is written)."""
     if raw is None:
         log.info("no MLflow model: the model was trained on generated data, which has no raw columns to encode (model.pt2 "
@@ -374,7 +376,7 @@ def served_rows(stored: StoredEncoders | None, checkpoint: Path, raw: Any) -> Se
         log.warning("no MLflow model: checkpoint %s stores no data encoders (it was written before they were), so what turns a "
                     "raw row into its ids is not known for sure. Fix: fine-tune it for a step with this version, then export", checkpoint)
         return None
-    return ServedRows(stored, stores.read_bytes(stores.join(str(checkpoint), ENCODERS_FILE), CheckpointError), raw)
+    return ServedRows(stored, stores.read_bytes(stores.join(str(checkpoint), ENCODERS_FILE), CheckpointError), raw, null_values)
 
 
 def write_export(model: nn.Module, features: FeatureSpec, batch: Batch, *, checkpoint: Path, meta: dict[str, Any], ema: bool,
@@ -420,7 +422,7 @@ def write_mlflow_models(model: nn.Module, serving: ServingModule, keys: list[str
     if why is not None:
         log.info("no MLflow model for %s: %s", type(model).__name__, why)
         return []
-    base = {"format": 1, "model": type(model).__name__}
+    base = {"format": 1, "model": type(model).__name__, "null_values": served.null_values}
     if not two_tower:
         spec = base | {"input_columns": mlflow_model.input_columns(served.encoders), "dense": list(features.dense_names), "keys": keys,
                        "features": None, "tower": None, "outputs": mlflow_model.outputs(tasks)}

@@ -195,13 +195,17 @@ def log_and_register(model_dir: Path, tracking_uri: str, run_id: str, register_a
     import mlflow.pyfunc
     from mlflow.models import Model
 
-    mlflow.set_tracking_uri(tracking_uri)
     meta = Model.load(str(model_dir))
     data = model_dir / "data" / "data"
-    with mlflow.start_run(run_id=run_id):
-        info = mlflow.pyfunc.log_model(
-            name=name, loader_module=served.LOADER_MODULE, data_path=str(data),
-            code_paths=[str(model_dir / "code" / n) for n in served.SHIPPED.values()], signature=meta.signature,
-            input_example=meta.load_input_example(str(model_dir)), pip_requirements=requirements(),
-            registered_model_name=register_as)
+    before = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(tracking_uri)  # MLflow's fluent API logs a model; it reads the URI from the process
+    try:
+        with mlflow.start_run(run_id=run_id):
+            info = mlflow.pyfunc.log_model(
+                name=name, loader_module=served.LOADER_MODULE, data_path=str(data),
+                code_paths=[str(model_dir / "code" / n) for n in served.SHIPPED.values()], signature=meta.signature,
+                input_example=meta.load_input_example(str(model_dir)), pip_requirements=requirements(),
+                registered_model_name=register_as)
+    finally:
+        mlflow.set_tracking_uri(before)
     return None if register_as is None else str(info.registered_model_version)

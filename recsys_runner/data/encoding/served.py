@@ -7,7 +7,8 @@ vocabulary lookup (``recsys_vocabulary.py``), and whose ``data/`` holds the ``to
 :func:`_load_pyfunc` on ``data/``; :meth:`ServedModel.predict` then
 
 1. checks that every input column the model was trained on is in the request (extra columns are ignored);
-2. casts each column to the Arrow type training read it as (``encoders.json``'s ``column_types``: every column of a CSV
+2. reads the CSV reader's missing-value tokens (``serving.json``'s ``null_values``, ``""`` by default) in a text column
+   as missing, and casts each column to the Arrow type training read it as (``encoders.json``'s ``column_types``: every column of a CSV
    is text, so an id ``123`` sent as a number is keyed as the text ``"123"``, exactly as in training);
 3. encodes the rows with the stored encoders — vocabularies, hashes, buckets, fills and normalization, histories cut to
    their ``max_len`` — through the very encoder training used, so an id unseen in training reads the OOV row it would
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 if TYPE_CHECKING or __package__:
     from . import rows as _rows
@@ -125,6 +127,7 @@ class ServedModel:
         self.columns: list[str] = list(self.spec["input_columns"])
         self.types = {name: _rows.arrow_type(t) for name, t in (document.get("column_types") or {}).items() if name in self.columns}
         self.dense_columns = {d["name"] for d in document["dense"]}
+        self.null_values = pa.array(list(self.spec.get("null_values") or []), pa.string())
         self.schema = _Schema(document, set(self.spec["features"]) if self.spec.get("tower") else None)
         names = [c.name for c in self.schema.sparse] + [g.timestamps for g in self.schema.sequences if g.timestamps]
         if names != self.spec["keys"] or [c.name for c in self.schema.dense] != self.spec["dense"]:
@@ -159,6 +162,10 @@ class ServedModel:
         """A request column as training read it: ids sent as numbers become the text a CSV held, numbers sent as text are
         parsed, list elements cast likewise; dense columns stay numbers (the encoder reads both)."""
         target = self.types.get(name)
+        if _rows.is_text(arr.type):  # pandas' strings arrive as large_string
+            arr = arr.cast(pa.string())
+            if len(self.null_values):  # the CSV reader's missing-value tokens ("" by default) are nulls
+                arr = pc.if_else(pc.is_in(arr, value_set=self.null_values), pa.scalar(None, pa.string()), arr)
         if target is None or pa.types.is_null(arr.type) or pa.types.is_null(target) or arr.type == target:
             return arr
         if name in self.dense_columns and pa.types.is_string(target):
