@@ -245,3 +245,47 @@ def test_register_as_logs_the_model_to_the_export_run_and_registers_a_version(de
         mlflow.set_tracking_uri(before)
     scores = registered.predict(pd.read_csv(deepfm["root"] / "score.csv", dtype=str))["score"].to_numpy()
     np.testing.assert_allclose(scores, deepfm["reference"]["score"].to_numpy(), atol=ATOL)
+
+
+def test_two_tower_model_serves_each_tower_apart(tmp_path: Path) -> None:
+    """DSSM: a user model and an item model, each reading only its tower's raw columns; their vectors score as the
+    whole exported model does (``scores = user · item / temperature``)."""
+    import mlflow.pyfunc
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+    import torch
+
+    from recsys_runner.data.encoding.rows import Encoder, Location
+    from recsys_runner.data.encoding.stored import read_stored
+    from recsys_runner.errors import DataError
+
+    rng = np.random.default_rng(2)
+    lines = ["click,user,age,item,tags"]
+    for _ in range(1200):
+        u, i = int(rng.integers(30)), int(rng.integers(25))
+        tags = "|".join(f"t{(i + k) % 6}" for k in range(int(rng.integers(1, 3))))
+        lines.append(f"1,u{u},{20 + u % 40},{i},{tags}")
+    (tmp_path / "train.csv").write_text("\n".join(lines) + "\n")
+    (tmp_path / "score.csv").write_text("\n".join([lines[0], *lines[1:40], "1,stranger,33,999,t1|t9"]) + "\n")
+    data = ["data=csv", f"data.path={tmp_path}/train.csv", "data.batch_size=64", "data.label=click",
+            "data.sparse=[{name: user}, {name: item}, {name: tags, separator: '|'}]", "data.dense=[{name: age}]", "model=dssm",
+            "model.user_features=[user,age]", "model.item_features=[item,tags]", "model.logq_correction=false", "distributed.device=cpu",
+            "tracking=none"]
+    trained = _trained(tmp_path, data, steps=6)
+    out = trained["model"].parent
+    assert not (out / mlflow_model.MODEL_DIR).exists()  # in-batch softmax scores rows against rows: served as its towers
+    rows = pd.read_csv(tmp_path / "score.csv", dtype=str)
+    user = mlflow.pyfunc.load_model(str(out / "mlflow_user_tower")).predict(rows[["user", "age"]])
+    item = mlflow.pyfunc.load_model(str(out / "mlflow_item_tower")).predict(rows[["item", "tags"]])
+    temperature = json.loads((out / export.FEATURE_SPEC_FILE).read_text())["towers"]["temperature"]
+    served = np.stack(user["vector"].to_numpy()) @ np.stack(item["vector"].to_numpy()).T / temperature
+
+    stored = read_stored(trained["checkpoint"])
+    assert stored is not None
+    table = pacsv.read_csv(tmp_path / "score.csv", convert_options=pacsv.ConvertOptions(column_types=dict.fromkeys(rows.columns, pa.string())))
+    encoded = Encoder(stored.schema, "fail", DataError).encode(table, Location("score.csv", "rows", np.arange(table.num_rows), 2))
+    program = torch.export.load(str(out / export.MODEL_FILE)).module()
+    with torch.no_grad():
+        whole = program(torch.as_tensor(encoded.dense), torch.as_tensor(np.concatenate([v for v, _ in encoded.sparse]).astype(np.int64)),
+                        torch.as_tensor(np.stack([ln for _, ln in encoded.sparse]).astype(np.int64)))
+    np.testing.assert_allclose(served, whole.numpy(), atol=1e-4)
