@@ -89,7 +89,7 @@ from recsys_runner.noise import quiet_known_noise
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.progress import Progress
 from recsys_runner.runtime import Launch
-from recsys_runner.tasks import Task, output_columns
+from recsys_runner.tasks import Task, score_columns
 from recsys_runner.train.pipeline import detached
 
 quiet_known_noise()  # the known library warnings, each with its reason (noise.py)
@@ -438,20 +438,8 @@ class _PartWriter:
         self._temp: Path | None = None
         self._next = 0
 
-    def score_columns(self) -> list[str]:
-        return ["score" if t.name is None else f"score_{t.name}" for t in self.tasks]
-
     def write(self, path: str, first_row: int, passthrough: pa.Table, logits: torch.Tensor) -> None:
-        outputs = logits.float().reshape(logits.shape[0], -1)
-        scores: dict[str, np.ndarray] = {}
-        for name, task, columns in zip(self.score_columns(), self.tasks, output_columns(self.tasks), strict=True):
-            out = outputs[:, columns]
-            preds = task.metric_inputs(out if task.output_width > 1 else out[:, 0], out[:, 0])[0]
-            if preds.dim() == 2:  # a multi-class task: its most probable class, and that class's probability
-                prob, label = preds.max(dim=1)
-                scores[f"class_{name.removeprefix('score_')}"] = label.cpu().numpy().astype(np.int64)
-                preds = prob
-            scores[name] = preds.cpu().numpy().astype(np.float32)
+        scores = score_columns(self.tasks, logits)
         # built column by column: a table without columns (predict.columns=[]) has no rows to append scores to
         table = pa.Table.from_arrays([*passthrough.columns, *(pa.array(v) for v in scores.values())],
                                      names=[*passthrough.column_names, *scores])

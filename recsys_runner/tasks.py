@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -450,6 +451,25 @@ def _bind(name: str, cls: type[Task], column: str, weight: float, spec: TaskSpec
         if cls is MulticlassTask:
             extra["num_classes"] = spec.num_classes
     return cls(name, column=list(labels).index(column), weight=float(weight), label=column, **extra)
+
+
+def score_columns(tasks: Sequence[Task], logits: Tensor) -> dict[str, np.ndarray]:
+    """``predict``'s score columns of the TrainWrapper's ``logits [B, ΣW]``: ``score`` (``score_<task>`` for named tasks),
+    each task's :meth:`~Task.metric_inputs` (a probability for a binary task, the value for a regression); for a
+    multi-class task its most probable class ``class_<task>`` and that class's probability. The served MLflow model
+    returns the same columns (:mod:`recsys_runner.data.encoding.served`)."""
+    outputs = logits.float().reshape(logits.shape[0], -1)
+    scores: dict[str, np.ndarray] = {}
+    for task, columns in zip(tasks, output_columns(tasks), strict=True):
+        name = "score" if task.name is None else f"score_{task.name}"
+        out = outputs[:, columns]
+        preds = task.metric_inputs(out if task.output_width > 1 else out[:, 0], out[:, 0])[0]
+        if preds.dim() == 2:  # a multi-class task: its most probable class, and that class's probability
+            prob, label = preds.max(dim=1)
+            scores[f"class_{name.removeprefix('score_')}"] = label.cpu().numpy().astype(np.int64)
+            preds = prob
+        scores[name] = preds.cpu().numpy().astype(np.float32)
+    return scores
 
 
 def output_columns(tasks: Sequence[Task]) -> list[slice]:

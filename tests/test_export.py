@@ -31,7 +31,8 @@ from torch import nn
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsys_runner import export, serving
+from recsys_runner import export
+from recsys_runner.serving import program as serving
 from recsys_runner.__main__ import run as train_run
 from recsys_runner.build import build
 from recsys_runner.config import validate

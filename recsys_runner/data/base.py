@@ -6,7 +6,7 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -67,6 +67,11 @@ class DataModule(Protocol):
     def encoders_document(self) -> bytes | None:
         """The encoders this data fitted to its files (:mod:`recsys_runner.data.encoding.stored`), stored with every checkpoint;
         ``None`` for data that fits none (generated data: its ids are its rows)."""
+        return None
+
+    def raw_rows(self, rows: int) -> Any:
+        """The first ``rows`` rows of the files, raw, as the training reader reads them (a ``pyarrow.Table``: text for every
+        CSV column) — the served model's input example; ``None`` for data without raw columns (generated data)."""
         return None
 
     def item_table(self) -> ItemTable | None:

@@ -239,6 +239,9 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         sample = self.open_files(self.config.path, "data.path").sample(_KIND_SAMPLE_ROWS)
         return to_json(self.schema, column_kinds(self.schema, sample), column_types(self.schema, sample))
 
+    def raw_rows(self, rows: int) -> pa.Table:
+        return self.open_files(self.config.path, "data.path").sample(rows)
+
     # -- internals -------------------------------------------------------------------------------------
     def _shard_rows(self, split: _Split, world_size: int, train: bool) -> list[int]:
         """Rows of each (rank, worker) shard, rank-major."""

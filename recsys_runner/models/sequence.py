@@ -62,7 +62,7 @@ def padded(jagged: JaggedTensor, length: int) -> torch.Tensor:
 
     Training and evaluation use fbgemm's ``jagged_to_padded_dense`` (30x faster on CPU than the ATen ops below);
     under ``torch.export`` the same result comes from plain ATen ops, so that the exported program loads with
-    torch alone (``recsys_runner.serving``: no fbgemm op may be in its graph).
+    torch alone (``recsys_runner.serving.program``: no fbgemm op may be in its graph).
     """
     if not torch.compiler.is_exporting():
         return jagged.to_padded_dense(desired_length=length)

@@ -145,6 +145,9 @@ class Encoder:
     ``num_truncated_rows`` counts the rows whose history was longer than its ``max_len``.
     """
 
+    fix = "Fix the data, or set data.on_bad_rows=skip to skip such rows (they are counted and logged)"
+    """What a bad row's message ends with (the served model says how to fix a request instead)."""
+
     def __init__(self, schema: Any, on_bad_rows: str = "fail", error: type[Exception] = ValueError) -> None:
         self.schema, self.error = schema, error
         self.skip = on_bad_rows == "skip"
@@ -179,8 +182,7 @@ class Encoder:
         if not self.skip:
             column, _, _, what = next(p for p in problems if p[2][first])
             raise self.error(
-                f"bad row in {where.describe(first)}, column {column!r}: {what(first)}. Fix the data, or set "
-                f"data.on_bad_rows=skip to skip such rows (they are counted and logged)"
+                f"bad row in {where.describe(first)}, column {column!r}: {what(first)}. {self.fix}"
             )
         keep = ~np.logical_or.reduce([mask for _, _, mask, _ in problems])
         self.num_bad_rows += int(n - keep.sum())

@@ -1,0 +1,310 @@
+"""What ``export`` writes, and how: the model built unsharded on CPU with the checkpoint's weights, traced into
+``torch.export`` programs (the whole model, a two-tower model's towers, its item index), each checked against the eager
+model before it is written, ``feature_spec.json`` describing them, and the MLflow model(s) beside them
+(:mod:`recsys_runner.serving.mlflow_model`). ``python -m recsys_runner.export`` (:mod:`recsys_runner.export`) drives it;
+docs/export.md is the reference."""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+import torch
+from torch import nn
+from torchrec.datasets.utils import Batch
+
+from recsys_runner import stores
+from recsys_runner.checkpoint.object_storage import storage_for
+from recsys_runner.checkpoint.storage import TensorIndex
+from recsys_runner.checkpoint.weights import load_into
+from recsys_runner.config import RunConfig
+from recsys_runner.data.encoding.stored import ENCODERS_FILE, StoredEncoders
+from recsys_runner.data.items import ItemTable
+from recsys_runner.errors import CheckpointError, ConfigError
+from recsys_runner.features import FeatureSpec
+from recsys_runner.models.collision import restore_collision_state
+from recsys_runner.serving import mlflow_model
+from recsys_runner.serving.program import ServingModule, TowerServing, TwoTowerModel, export_program
+from recsys_runner.tasks import SINGLE_TASK, Task
+
+log = logging.getLogger("recsys_runner")
+
+MODEL_FILE = "model.pt2"
+
+FEATURE_SPEC_FILE = "feature_spec.json"
+
+EXAMPLE_FILE = "example.pt"
+
+TOWER_FILE = "{}_tower.pt2"
+"""A two-tower model's towers, each a program of its own (``user_tower.pt2``, ``item_tower.pt2``)."""
+
+ITEMS_FILE = "items.pt"
+"""A two-tower model's item index, when the data has an item catalogue: ``{"ids": [N] int64, "vectors": [N, O] float32}``
+(the item tower over every catalogue item: what a server loads into its nearest-neighbour index)."""
+
+CHECKPOINT_MODEL_PREFIX = "model/model."
+"""DCP keys of the model's weights: ``model/`` (:mod:`recsys_runner.checkpoint`) + the TrainWrapper's ``model.``."""
+
+CHECKPOINT_EMA_PREFIX = "ema/model."
+
+EXACT_ATOL = 1e-6
+"""Largest absolute difference allowed between the exported program and the eager model on the example batch, plus
+:data:`EXACT_RTOL` of the output's size."""
+EXACT_RTOL = 1e-6
+"""The relative part of the allowed difference: a transformer's eager kernels (PyTorch's fused encoder fast path) and
+the traced ATen ops sum in another order, differing by float32 rounding of logits of a few units."""
+
+
+def build_unsharded(run: RunConfig, encoders: StoredEncoders | None = None) -> tuple[nn.Module, FeatureSpec, Batch, ItemTable | None, Any]:
+    """The model the config describes, every table materialized on CPU, in eval mode; its features; an eval batch; the
+    data's item catalogue (``None`` for data without one); the first rows of the files, raw (``None`` for generated
+    data). ``encoders``: the checkpoint's, which encode the files (:mod:`recsys_runner.data.encoding.stored`)."""
+    cpu = torch.device("cpu")
+    data = run.data.for_model(run.model.data_needs()).build(device=cpu, encoders=encoders)
+    model = run.model.build(features=data.features, dense_device=cpu)
+    for module in model.modules():  # tables start on meta (sharding would place them); the weights come from the checkpoint
+        if any(t.is_meta for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]):
+            module.to_empty(device=cpu, recurse=False)
+    batch = next(iter(data.eval_batches(0, 1)), None)
+    if batch is None:
+        batch = next(iter(data.train_batches(0, 0, 1)))
+    raw = data.raw_rows(mlflow_model.CHECK_ROWS) if encoders is not None else None
+    return model.eval().requires_grad_(False), data.features, batch.to(cpu), data.item_table(), raw
+
+
+def load_weights(model: nn.Module, checkpoint: Path, ema: bool) -> None:
+    """Load the checkpoint's ``model/`` weights (or, for the dense ones, its ``ema/`` weights) into ``model`` in place,
+    through the one strict loader (:func:`recsys_runner.checkpoint.weights.load_into`).
+
+    Raises:
+        CheckpointError: the checkpoint does not hold this model's weights (another model or data config), or no EMA.
+    """
+    ours = {CHECKPOINT_MODEL_PREFIX + name: tensor for name, tensor in model.state_dict().items()}
+
+    def sources(index: TensorIndex) -> dict[str, str]:
+        """Each weight's ``ema/`` twin when ``ema`` and the checkpoint has one (dense weights; tables are never averaged)."""
+        if ema and not any(k.startswith(CHECKPOINT_EMA_PREFIX) for k in index):
+            raise CheckpointError(f"{checkpoint} holds no EMA weights (the run had no train.ema.decay). Fix: export.weights=raw")
+        twin = {k: CHECKPOINT_EMA_PREFIX + k.removeprefix(CHECKPOINT_MODEL_PREFIX) for k in ours}
+        return {k: twin[k] if ema and twin[k] in index else k for k in ours}
+
+    with warnings.catch_warnings():  # "torch.distributed is … uninitialized, assuming … a single process": just so
+        warnings.simplefilter("ignore", UserWarning)
+        load_into(storage_for(checkpoint), checkpoint, ours, rule="exact", sources=sources)
+    restore_collision_state(model)  # a mapping saved by several row-wise shards is their sorted blocks end to end
+    leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if leftover:
+        raise CheckpointError(f"{type(model).__name__} has tensors no checkpoint key fills: {leftover[:3]}")
+
+
+def use_ema(run: RunConfig, weights: str) -> bool:
+    """Whether to export the EMA dense weights (:class:`ExportConfig`'s ``weights``)."""
+    return weights == "ema" or (weights == "auto" and run.train.ema.eval_with_ema)
+
+
+def feature_spec(features: FeatureSpec, keys: list[str], tasks: tuple[Task, ...], inputs: tuple[torch.Tensor, ...],
+                 output: Any) -> dict[str, Any]:
+    """What ``feature_spec.json`` says: how to load and call the program, its inputs and outputs."""
+    named = any(t.name is not None for t in tasks)
+    outputs = [{"name": t.name, "kind": t.kind, "shape": list(output[t.name].shape[1:]) if named else list(output.shape[1:]),
+                "meaning": _meaning(t)} for t in tasks]
+    return {
+        "format": "torch.export ExportedProgram (torch.export.save)",
+        "load": f"torch.export.load('{MODEL_FILE}').module()  # needs only torch=={torch.__version__.split('+')[0]} (or a "
+                f"later torch that reads this format); no torchrec, fbgemm_gpu, hydra or recsys_runner",
+        "call": "module(dense, values, lengths)",
+        "needs_torchrec": False,
+        "device": "cpu",
+        "inputs": {
+            "dense": {"dtype": str(inputs[0].dtype).removeprefix("torch."), "shape": ["B", features.num_dense],
+                      "columns": list(features.dense_names)},
+            "values": {"dtype": "int64", "shape": ["V"],
+                       "meaning": "every id of the batch: feature 0's ids of rows 0..B-1, then feature 1's, ... (TorchRec KJT order); "
+                                  "V = lengths.sum()"},
+            "lengths": {"dtype": "int64", "shape": [len(keys), "B"],
+                        "meaning": "lengths[f, b]: how many ids row b has for sparse feature f (0 allowed: an empty bag)"},
+        },
+        "sparse_features": [_sparse_entry(features, k) for k in keys],
+        "sequences": [{"group": g.name, "features": list(g.features), "max_len": g.max_len, "truncate": g.truncate,
+                       "timestamps": g.timestamps, "order": "oldest event first; a row's lengths are equal across the group"}
+                      for g in features.sequences],
+        "batch_size": "dynamic: any B >= 1 (and any V)",
+        "output_type": "dict[task name, Tensor]" if named else "Tensor",
+        "outputs": outputs,
+    }
+
+
+def _sparse_entry(features: FeatureSpec, key: str) -> dict[str, Any]:
+    """One entry of ``feature_spec.json``'s ``sparse_features``: a feature's table size and pooling (and its history
+    group), or a history group's event times, which the program reads but never embeds."""
+    by_name = {f.name: f for f in features.sparse}
+    groups = {f: g.name for g in features.sequences for f in g.features}
+    if key in by_name:
+        f = by_name[key]
+        entry: dict[str, Any] = {"name": key, "num_embeddings": f.num_embeddings, "pooling": f.pooling}
+        if key in groups:
+            entry["history"] = groups[key]
+        return entry
+    group = next((g.name for g in features.sequences if g.timestamps == key), None)
+    return {"name": key, "timestamps_of": group, "meaning": "event times (int64) of the history, one per event, not embedded"}
+
+
+def _meaning(task: Task) -> str:
+    return {"binary": "logit; sigmoid(logit) is the probability",
+            "regression": "the predicted value",
+            "huber": "the predicted value",
+            "multiclass": "logits [B, C] of the C classes; softmax(logits, dim=1) are the class probabilities",
+            "retrieval": "scores[q, c] = <user vector of row q, item vector of row c> / temperature; rank items by it",
+            "next_item": "scores[b, i]: row b's user state (after its history) against item i, for every item id of the "
+                         "table; the top-k are the next-item recommendations"}.get(
+        task.kind, task.kind)
+
+
+@dataclass(frozen=True)
+class ServedRows:
+    """What the MLflow model is made of beside the programs: the checkpoint's encoders (parsed, and the document as
+    stored) and the first rows of the training files, raw (its input example, and the rows its scores are checked on)."""
+
+    encoders: StoredEncoders
+    document: bytes
+    raw: Any
+    null_values: list[str]
+    """The text reader's missing-value tokens (``data.null_values`` of CSV data; none for Parquet)."""
+
+
+def served_rows(stored: StoredEncoders | None, checkpoint: Path, raw: Any, null_values: list[str]) -> ServedRows | None:
+    """The MLflow model's inputs (:class:`ServedRows`), or ``None`` (logged: why no MLflow model is written)."""
+    if raw is None:
+        log.info("no MLflow model: the model was trained on generated data, which has no raw columns to encode (model.pt2 "
+                 "takes its ids as they are)")
+        return None
+    if stored is None:
+        log.warning("no MLflow model: checkpoint %s stores no data encoders (it was written before they were), so what turns a "
+                    "raw row into its ids is not known for sure. Fix: fine-tune it for a step with this version, then export", checkpoint)
+        return None
+    return ServedRows(stored, stores.read_bytes(stores.join(str(checkpoint), ENCODERS_FILE), CheckpointError), raw, null_values)
+
+
+def write_export(model: nn.Module, features: FeatureSpec, batch: Batch, *, checkpoint: Path, meta: dict[str, Any], ema: bool,
+                 out: Path, items: ItemTable | None = None, served: ServedRows | None = None) -> list[str]:
+    """Load the checkpoint's weights into ``model``, trace it (and a two-tower model's towers), check each program
+    against the eager model on ``batch`` and write the files to ``out`` (with ``items``, a two-tower model's item
+    index :data:`ITEMS_FILE` too; with ``served``, the MLflow model(s): :func:`write_mlflow_models`); returns their names."""
+    load_weights(model, checkpoint, ema)
+    keys = list(batch.sparse_features.keys())
+    serving = ServingModule(model, keys)
+    program = export_program(serving, batch)
+    inputs = serving.inputs(batch)
+    with torch.no_grad():
+        eager = serving(*inputs)
+        exported = program.module()(*inputs)
+    _check_same(eager, exported, type(model).__name__)
+    out.mkdir(parents=True, exist_ok=True)  # run() passes a temporary directory, moved into place when complete
+    tasks = tuple(getattr(model, "tasks", SINGLE_TASK))
+    described = feature_spec(features, keys, tasks, inputs, eager) | {
+        "weights": "ema" if ema else "raw", "checkpoint": str(checkpoint.absolute()), "step": meta.get("step"),
+        "source_run_id": meta.get("run_id"), "model": type(model).__name__}
+    if hasattr(model, "tower_features"):  # a two-tower model: each tower on its own as well (checked, then written)
+        described["towers"] = export_towers(model, keys, features, batch, eager, out)
+        if items is not None:
+            described["towers"]["items"] = export_items(model, items, keys, features, out)
+    torch.export.save(program, str(out / MODEL_FILE))
+    (out / FEATURE_SPEC_FILE).write_text(json.dumps(described, indent=2) + "\n")
+    torch.save({"inputs": inputs, "outputs": eager}, out / EXAMPLE_FILE)
+    log.info("exported %s (%s weights) from %s", type(model).__name__, described["weights"], checkpoint)
+    towers = [t["file"] for t in described.get("towers", {}).values() if isinstance(t, dict) and "file" in t]
+    models = write_mlflow_models(model, serving, keys, features, served, out) if served is not None else []
+    return [MODEL_FILE, FEATURE_SPEC_FILE, EXAMPLE_FILE, *towers, *models]
+
+
+def write_mlflow_models(model: nn.Module, serving: ServingModule, keys: list[str], features: FeatureSpec, served: ServedRows,
+                        out: Path) -> list[str]:
+    """The MLflow model (:mod:`recsys_runner.serving.mlflow_model`) — one per tower for a two-tower model — beside the
+    programs already written to ``out``; returns the directories written (none when the model's task cannot be served
+    row by row: logged)."""
+    tasks = tuple(getattr(model, "tasks", SINGLE_TASK))
+    two_tower = hasattr(model, "tower_features")
+    why = mlflow_model.servable(tasks, two_tower)
+    if why is not None:
+        log.info("no MLflow model for %s: %s", type(model).__name__, why)
+        return []
+    base = {"format": 1, "model": type(model).__name__, "null_values": served.null_values}
+    if not two_tower:
+        spec = base | {"input_columns": mlflow_model.input_columns(served.encoders), "dense": list(features.dense_names), "keys": keys,
+                       "features": None, "tower": None, "outputs": mlflow_model.outputs(tasks)}
+        mlflow_model.write_model(out / mlflow_model.MODEL_DIR, serving, torch.export.load(str(out / MODEL_FILE)), served.document,
+                                 served.encoders, spec, served.raw)
+        return [mlflow_model.MODEL_DIR]
+    written = []
+    for name, mine in cast(TwoTowerModel, model).tower_features.items():
+        tower = TowerServing(model, name, keys, list(features.dense_names))
+        spec = base | {"input_columns": mlflow_model.input_columns(served.encoders, set(mine)), "dense": tower.dense_columns,
+                       "keys": tower.sparse_keys, "features": list(mine), "tower": name,
+                       "outputs": [{"column": "vector", "task": None, "kind": "vector"}]}
+        directory = mlflow_model.TOWER_DIR.format(name)
+        mlflow_model.write_model(out / directory, tower, torch.export.load(str(out / TOWER_FILE.format(name))), served.document,
+                                 served.encoders, spec, served.raw)
+        written.append(directory)
+    return written
+
+
+def export_towers(model: nn.Module, keys: list[str], features: FeatureSpec, batch: Batch, scores: torch.Tensor,
+                  out: Path) -> dict[str, Any]:
+    """A two-tower model's towers, each as its own program (``<name>_tower.pt2``): the user tower at request time,
+    the item tower to build the candidate index. Checked before writing: ``user @ item.T / temperature`` of the two
+    programs is the whole model's ``scores`` on the example batch. Returns their part of ``feature_spec.json``."""
+    two_tower = cast(TwoTowerModel, model)
+    towers, vectors, programs = {}, {}, {}
+    for name in two_tower.tower_features:
+        serving = TowerServing(model, name, keys, list(features.dense_names))
+        programs[name] = export_program(serving, batch)
+        with torch.no_grad():
+            vectors[name] = programs[name].module()(*serving.inputs(batch))
+        by_name = {f.name: f for f in features.sparse}
+        towers[name] = {
+            "file": TOWER_FILE.format(name), "call": "module(dense, values, lengths)",
+            "inputs": {"dense": {"dtype": "float32", "shape": ["B", len(serving.dense_columns)], "columns": serving.dense_columns},
+                       "values": {"dtype": "int64", "shape": ["V"], "meaning": "the ids of this tower's sparse features, in KJT order"},
+                       "lengths": {"dtype": "int64", "shape": [len(serving.sparse_keys), "B"]}},
+            "sparse_features": [{"name": k, "num_embeddings": by_name[k].num_embeddings} for k in serving.sparse_keys],
+            "output": {"shape": ["B", int(vectors[name].shape[1])], "meaning": f"the {name} vectors"},
+        }
+    temperature = float(two_tower.temperature)
+    _check_same(scores, vectors["user"] @ vectors["item"].t() / temperature, f"{type(model).__name__} (its towers apart)")
+    for name, program in programs.items():
+        torch.export.save(program, str(out / TOWER_FILE.format(name)))
+    return {"score": "scores[q, c] = user_vectors[q] · item_vectors[c] / temperature: the same as model.pt2's", "temperature": temperature,
+            **towers}
+
+
+def export_items(model: nn.Module, items: ItemTable, keys: list[str], features: FeatureSpec, out: Path) -> dict[str, Any]:
+    """A two-tower model's item vectors of the whole catalogue, with their ids, as :data:`ITEMS_FILE`; returns its part
+    of ``feature_spec.json``. Chunked as the full-corpus evaluation builds its index (``model.corpus_chunk_rows``)."""
+    two_tower = cast(TwoTowerModel, model)
+    chunk = int(getattr(model, "corpus_chunk_rows", 8192))
+    parts = []
+    with torch.no_grad():
+        for start in range(0, len(items), chunk):
+            dense, sparse = items.rows(np.arange(start, min(start + chunk, len(items))), keys, features.dense_names)
+            parts.append(two_tower.tower("item", dense, sparse).float())
+    vectors = torch.cat(parts) if parts else torch.zeros(0, 0)
+    torch.save({"ids": torch.as_tensor(np.asarray(items.ids, dtype=np.int64)), "vectors": vectors}, out / ITEMS_FILE)
+    return {"file": ITEMS_FILE, "load": f"torch.load('{ITEMS_FILE}')", "id_feature": items.id_feature,
+            "ids": {"dtype": "int64", "shape": [len(items)], "meaning": f"each item's {items.id_feature} id, as the data encodes it"},
+            "vectors": {"dtype": "float32", "shape": [len(items), int(vectors.shape[1]) if parts else 0],
+                        "meaning": "item_tower.pt2's vectors of those items, row for row: the candidate index"}}
+
+
+def _check_same(eager: Any, exported: Any, model: str) -> None:
+    """Refuse to write a program whose output differs from the eager model's on the example batch."""
+    pairs = [(eager[k], exported[k]) for k in eager] if isinstance(eager, dict) else [(eager, exported)]
+    worst = max(float(((a - b).abs() - EXACT_RTOL * a.abs()).max()) for a, b in pairs)
+    if worst > EXACT_ATOL:
+        diff = max(float((a - b).abs().max()) for a, b in pairs)
+        raise ConfigError(f"model {model}: the exported program's output differs from the model's by {diff:.3g} on the "
+                          f"example batch (allowed {EXACT_ATOL} + {EXACT_RTOL} x |output|); it cannot be exported faithfully")

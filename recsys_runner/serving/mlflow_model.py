@@ -1,0 +1,211 @@
+"""The MLflow model export writes: raw rows in, predict's scores out, loadable without recsys_runner.
+
+``export`` writes ``<export.dir>/mlflow_model/`` beside ``model.pt2`` — an MLflow model of the pyfunc flavor whose
+``loader_module`` is the standalone :mod:`recsys_runner.data.encoding.served` (copied into the model's ``code/`` with the
+row encoder and the vocabulary lookup it needs) and whose ``data/`` holds the ``torch.export`` program, the checkpoint's
+``encoders.json`` and ``serving.json``. So ``mlflow.pyfunc.load_model(dir).predict(df)`` on raw rows, or
+``mlflow models serve -m dir --env-manager local`` on ``POST /invocations``, returns exactly the columns ``predict``
+writes, with torch, NumPy, pandas, PyArrow and MLflow alone. A two-tower model gets one per tower instead
+(``mlflow_user_tower/``, ``mlflow_item_tower/``), each returning the tower's vectors.
+
+The model is written with an input signature of the raw columns — each typed as training read it: every column of a
+CSV is ``string`` (a request then sends text, as the files held; CSV requests are parsed as text by the server), a
+Parquet column its type — and an input example: the first rows of the training files. Before it is kept, the written
+model is loaded back through MLflow and its scores on the example compared with the eager model's on the same rows
+encoded by the training encoder (:func:`check_served`): an export whose served scores differ is refused.
+
+``export.register_as=<name>`` also logs the model to the export's MLflow run (as its logged model) and registers a
+version of it in the model registry under ``name`` (:func:`log_and_register`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from recsys_runner.data.encoding import rows as rows_module
+from recsys_runner.data.encoding import served, vocabulary
+from recsys_runner.data.encoding.rows import Encoder, Location
+from recsys_runner.data.encoding.stored import StoredEncoders
+from recsys_runner.errors import ConfigError, DataError
+from recsys_runner.serving.program import ServingModule, TowerServing
+from recsys_runner.tasks import SINGLE_TASK, Task, score_columns
+
+log = logging.getLogger(__name__)
+
+MODEL_DIR = "mlflow_model"
+TOWER_DIR = "mlflow_{}_tower"
+EXAMPLE_ROWS = 5
+"""Rows of the training files in the input example (and in the check of the served scores: :data:`CHECK_ROWS`)."""
+CHECK_ROWS = 256
+SCORE_ATOL = 1e-5
+"""Largest difference allowed between the served model's scores and the eager model's on the same raw rows."""
+SCORED_KINDS = ("binary", "regression", "huber", "multiclass")
+"""Task kinds whose rows the served model scores (a retrieval task is served as its towers; next-item as ``model.pt2``)."""
+
+
+def servable(tasks: tuple[Task, ...], two_tower: bool) -> str | None:
+    """Why the model gets no MLflow model (``None``: it gets one, or one per tower)."""
+    if two_tower:
+        return None
+    other = [t.kind for t in tasks if t.kind not in SCORED_KINDS]
+    if other:
+        return (f"its task kind {other[0]!r} scores each row against every item, not one score per row; serve model.pt2 "
+                f"(feature_spec.json) for it")
+    return None
+
+
+def outputs(tasks: tuple[Task, ...]) -> list[dict[str, Any]]:
+    """``serving.json``'s outputs: per task its column (as ``predict`` names it), its name in the program's output dict
+    (``None`` for a single task, whose program returns one tensor: :class:`~recsys_runner.serving.program.ServingModule`)
+    and its kind."""
+    return [{"column": "score" if t.name is None else f"score_{t.name}", "task": t.name if len(tasks) > 1 else None, "kind": t.kind}
+            for t in tasks]
+
+
+def signature(types: dict[str, str], columns: list[str]) -> Any:
+    """The input signature: each raw column typed as training read it (module docstring)."""
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import Array, ColSpec, DataType, Schema
+
+    scalar = {"string": DataType.string, "int64": DataType.long, "float64": DataType.double, "bool": DataType.boolean,
+              "null": DataType.string}
+
+    def spec(name: str) -> ColSpec:
+        t = types.get(name, "string")
+        if t.startswith("list<"):
+            return ColSpec(Array(scalar.get(t[5:-1], DataType.string)), name)
+        return ColSpec(scalar.get(t, DataType.string), name)
+
+    return ModelSignature(inputs=Schema([spec(c) for c in columns]))
+
+
+def input_columns(encoders: StoredEncoders, keep: set[str] | None = None) -> list[str]:
+    """The raw columns a request must have: every input column of the training files, labels left out (``keep``: only
+    these features' columns, for a tower)."""
+    schema = encoders.schema
+    labels = set(schema.label_columns)
+    columns = [c for c in schema.columns if c not in labels]
+    return [c for c in columns if keep is None or c in keep or c in _timestamps(encoders, keep)]
+
+
+def _timestamps(encoders: StoredEncoders, keep: set[str]) -> set[str]:
+    return {g.timestamps for g in encoders.schema.sequences if g.timestamps is not None and set(g.features) <= keep}
+
+
+def write_model(out: Path, module: ServingModule | TowerServing, program: torch.export.ExportedProgram, document: bytes,
+                encoders: StoredEncoders, spec: dict[str, Any], raw: pa.Table) -> None:
+    """Write the MLflow model to ``out`` and check it (:func:`check_served`) on ``raw`` (rows of the training files).
+
+    Raises:
+        ConfigError: the served model's scores differ from the eager model's on those rows.
+    """
+    import mlflow.pyfunc
+
+    with tempfile.TemporaryDirectory(prefix="mlflow-model-") as tmp:
+        stage = Path(tmp)
+        data, code = stage / "data", stage / "code"
+        data.mkdir()
+        code.mkdir()
+        torch.export.save(program, str(data / served.PROGRAM_FILE))
+        (data / served.ENCODERS_FILE).write_bytes(document)
+        (data / served.SPEC_FILE).write_text(json.dumps(spec, indent=1) + "\n")
+        for module_file, name in ((rows_module.__file__, served.SHIPPED["rows"]), (vocabulary.__file__, served.SHIPPED["vocabulary"]),
+                                  (served.__file__, served.SHIPPED["served"])):
+            shutil.copyfile(str(module_file), code / name)
+        columns = spec["input_columns"]
+        example = raw.select(columns).slice(0, EXAMPLE_ROWS).to_pandas()
+        mlflow.pyfunc.save_model(
+            path=str(out), loader_module=served.LOADER_MODULE, data_path=str(data), code_paths=[str(code / n) for n in served.SHIPPED.values()],
+            signature=signature(encoders.types, columns), input_example=example, pip_requirements=requirements())
+    check_served(out, module, encoders, spec, raw)
+
+
+def requirements() -> list[str]:
+    """What the served model needs: torch (the program's format), NumPy, pandas, PyArrow and MLflow — no recsys_runner."""
+    import mlflow
+    import pandas
+
+    return [f"torch=={torch.__version__.split('+')[0]}", f"numpy=={np.__version__}", f"pandas=={pandas.__version__}",
+            f"pyarrow=={pa.__version__}", f"mlflow=={mlflow.__version__}"]
+
+
+def check_served(out: Path, module: ServingModule | TowerServing, encoders: StoredEncoders, spec: dict[str, Any], raw: pa.Table) -> None:
+    """Load the written model through MLflow and compare its output on ``raw``'s rows with the eager model's on the same
+    rows encoded by the training encoder.
+
+    Raises:
+        ConfigError: they differ by more than :data:`SCORE_ATOL`, naming the column.
+    """
+    import mlflow.pyfunc
+
+    rows = raw.slice(0, CHECK_ROWS)  # every column: the training encoder reads them all (a tower's model only its own)
+    got = mlflow.pyfunc.load_model(str(out)).predict(rows.select(spec["input_columns"]).to_pandas())
+    want = expected(module, encoders, rows)
+    for column, values in want.items():
+        served_values = np.stack(got[column].to_numpy()) if spec["outputs"][0]["kind"] == "vector" else got[column].to_numpy()
+        diff = float(np.abs(np.asarray(served_values, np.float64) - np.asarray(values, np.float64)).max(initial=0.0))
+        if diff > SCORE_ATOL:
+            raise ConfigError(f"the MLflow model's {column!r} differs from the eager model's by {diff:.3g} on the training files' "
+                              f"first rows (allowed {SCORE_ATOL}): it would not serve what predict scores. This is a bug; please "
+                              f"report it with the model and data config")
+    log.info("MLflow model %s: its scores on %d raw rows of the training files equal the model's", out.name, rows.num_rows)
+
+
+def expected(module: ServingModule | TowerServing, encoders: StoredEncoders, rows: pa.Table) -> dict[str, np.ndarray]:
+    """The columns ``predict`` writes for ``rows`` (raw): encoded by the training encoder, scored by the eager model."""
+    from torchrec.datasets.utils import Batch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    schema = encoders.schema
+    table = rows.drop_columns([c for c in schema.label_columns if c in rows.column_names])
+    for name in schema.label_columns:  # the scores do not depend on the labels (predict zeroes them likewise)
+        table = table.append_column(name, pa.array(np.zeros(rows.num_rows, np.float32)))
+    encoded = Encoder(schema, "fail", DataError).encode(table, Location("the training files", "rows", np.arange(rows.num_rows), 0))
+    keys = [c.name for c in schema.sparse] + schema.timestamp_columns
+    values = [torch.as_tensor(v.astype(np.int64)) for v, _ in encoded.sparse]
+    lengths = [torch.as_tensor(ln.astype(np.int64)) for _, ln in encoded.sparse]
+    kjt = KeyedJaggedTensor(keys=keys, values=torch.cat(values) if values else torch.zeros(0, dtype=torch.int64),
+                            lengths=torch.cat(lengths) if lengths else torch.zeros(0, dtype=torch.int64))
+    batch = Batch(dense_features=torch.as_tensor(encoded.dense), sparse_features=kjt, labels=torch.as_tensor(encoded.labels))
+    with torch.no_grad():
+        if isinstance(module, TowerServing):
+            return {"vector": module(*module.inputs(batch)).float().numpy()}
+        out = module.model(batch.dense_features, kjt)
+    tasks = cast(tuple[Task, ...], tuple(getattr(module.model, "tasks", SINGLE_TASK)))
+    if isinstance(out, dict):
+        logits = torch.cat([out[t.name].float().reshape(rows.num_rows, -1) for t in tasks], dim=1)
+    else:
+        logits = out.float().reshape(rows.num_rows, -1)
+    return score_columns(tasks, logits)
+
+
+def log_and_register(model_dir: Path, tracking_uri: str, run_id: str, register_as: str | None, name: str = "model") -> str | None:
+    """Log the written model as the export run's model and, with ``register_as``, register a version of it; returns the
+    registered version (``None`` without ``register_as``)."""
+    import mlflow
+    import mlflow.pyfunc
+    from mlflow.models import Model
+
+    meta = Model.load(str(model_dir))
+    data = model_dir / "data" / "data"
+    before = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(tracking_uri)  # MLflow's fluent API logs a model; it reads the URI from the process
+    try:
+        with mlflow.start_run(run_id=run_id):
+            info = mlflow.pyfunc.log_model(
+                name=name, loader_module=served.LOADER_MODULE, data_path=str(data),
+                code_paths=[str(model_dir / "code" / n) for n in served.SHIPPED.values()], signature=meta.signature,
+                input_example=meta.load_input_example(str(model_dir)), pip_requirements=requirements(),
+                registered_model_name=register_as)
+    finally:
+        mlflow.set_tracking_uri(before)
+    return None if register_as is None else str(info.registered_model_version)

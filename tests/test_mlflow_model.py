@@ -1,0 +1,291 @@
+"""The MLflow model ``export`` writes (issue 29): raw rows in, exactly ``predict``'s scores out, without recsys_runner.
+
+Models are trained for a few steps on generated CSV files whose id columns get inferred vocabularies; the rows scored
+hold ids never seen in training (they read OOV rows) and missing numbers (they take the fill). ``predict`` on those
+rows is the reference: the pyfunc model in-process, the pyfunc model in a process where recsys_runner, TorchRec and
+fbgemm_gpu cannot be imported, and a real ``mlflow models serve`` process on loopback must all give its scores.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from recsys_runner import export, predict
+from recsys_runner.__main__ import run as train
+from recsys_runner.data.encoding.served import ServedModel
+from recsys_runner.serving import mlflow_model
+from tests.conftest import free_port
+from tests.test_evaluate import compose_entry
+from tests.test_sequence_files import columns, histories, write_csv
+
+ATOL = 1e-5
+
+
+def _click_rows(rng: np.random.Generator, n: int, users: list[str], two_labels: bool = False) -> list[str]:
+    """``click[,buy],user,item,price,tags`` rows: the label follows the user and the price; some prices are missing."""
+    out = []
+    for _ in range(n):
+        k = int(rng.integers(len(users)))
+        price = "" if rng.random() < 0.1 else f"{rng.random() * 10:.3f}"
+        click = int((k % 2 == 0) == (rng.random() < 0.85))
+        tags = "|".join(f"t{int(t)}" for t in rng.integers(0, 8, int(rng.integers(0, 4))))
+        buy = f"{int(click and rng.random() < 0.5)}," if two_labels else ""
+        out.append(f"{click},{buy}{users[k]},{int(rng.integers(40))},{price},{tags}")
+    return out
+
+
+def _scores(data: list[str], checkpoint: Path, rows: Path, out: Path) -> pd.DataFrame:
+    """What ``predict`` writes for the file ``rows`` (the reference)."""
+    predict.run(compose_entry("predict", *data, f"load={checkpoint}", f"predict.input={rows}", f"predict.output={out}"))
+    return pd.concat([pq.read_table(p).to_pandas() for p in sorted(out.rglob("*.parquet"))], ignore_index=True)
+
+
+def _trained(root: Path, data: list[str], steps: int = 20, *exporting: str) -> dict[str, Any]:
+    train(compose_entry("config", *data, f"train.num_steps={steps}", f"checkpoint.dir={root}/ck"))
+    checkpoint = root / "ck" / f"step_{steps:08d}"
+    out = export.run(compose_entry("export", *data, f"load={checkpoint}", f"export.dir={root}/export", *exporting))
+    return {"root": root, "data": data, "checkpoint": checkpoint, "model": out / mlflow_model.MODEL_DIR}
+
+
+@pytest.fixture(scope="module")
+def deepfm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """DeepFM on a CSV (text users, integer items, a price with gaps, multi-hot tags); rows to score with unseen ids."""
+    root = tmp_path_factory.mktemp("deepfm")
+    rng = np.random.default_rng(0)
+    header = "click,user,item,price,tags"
+    (root / "train.csv").write_text("\n".join([header, *_click_rows(rng, 3000, [f"u{k}" for k in range(50)])]) + "\n")
+    (root / "score.csv").write_text("\n".join([header, *_click_rows(rng, 300, [f"u{k}" for k in range(40, 70)])]) + "\n")
+    data = ["data=csv", f"data.path={root}/train.csv", "data.batch_size=128", "data.sparse=[{name: user}, {name: item}, "
+            "{name: tags, separator: '|'}]", "data.dense=[{name: price, normalize: zscore}]", "data.label=click", "model=deepfm",
+            "distributed.device=cpu", "tracking=none"]
+    uri = f"sqlite:///{root}/mlflow.db"  # the export logs to MLflow and registers the model (the others: tracking=none)
+    trained = _trained(root, data, 20, "tracking=mlflow", f"tracking.uri={uri}", "export.register_as=ctr-deepfm")
+    trained["reference"] = _scores(data, trained["checkpoint"], root / "score.csv", root / "predicted")
+    return trained | {"uri": uri}
+
+
+def test_pyfunc_model_scores_raw_rows_as_predict_does(deepfm: dict[str, Any]) -> None:
+    import mlflow.pyfunc
+
+    model = mlflow.pyfunc.load_model(str(deepfm["model"]))
+    reference = deepfm["reference"]["score"].to_numpy()
+    as_text = pd.read_csv(deepfm["root"] / "score.csv", dtype=str)  # the CSV as training read it: every field text
+    assert as_text["user"].isin([f"u{k}" for k in range(50, 70)]).sum() > 50, "unseen users must be scored too"
+    np.testing.assert_allclose(model.predict(as_text)["score"].to_numpy(), reference, atol=ATOL)
+    listed = as_text.assign(tags=[t.split("|") if isinstance(t, str) else [] for t in as_text["tags"]])  # multi-hot as lists
+    np.testing.assert_allclose(model.predict(listed)["score"].to_numpy(), reference, atol=ATOL)
+    # Past MLflow's signature check (JSON requests are converted to its types; a Python caller may skip it): ids as numbers,
+    # prices as floats with NaN, are cast to what training read — the text of the CSV — and score the same.
+    typed = pd.read_csv(deepfm["root"] / "score.csv")
+    assert typed["item"].dtype == np.int64 and typed["price"].isna().any()
+    np.testing.assert_allclose(ServedModel(str(deepfm["model"] / "data" / "data")).predict(typed)["score"].to_numpy(), reference, atol=ATOL)
+
+    spec = json.loads((deepfm["model"] / "data" / "data" / "serving.json").read_text())
+    assert spec["input_columns"] == ["price", "user", "item", "tags"] and spec["outputs"] == [{"column": "score", "task": None, "kind": "binary"}]
+    signature = mlflow.models.Model.load(str(deepfm["model"])).signature
+    assert [(c.name, c.type.name) for c in signature.inputs.inputs] == [(n, "string") for n in spec["input_columns"]]
+    with pytest.raises(Exception, match=r"Model is missing inputs \['item'\]"):  # MLflow's signature check names it
+        model.predict(as_text.drop(columns=["item"]))
+    with pytest.raises(Exception, match=r"the request has no column 'item'.*Fix: send every one of them"):  # and so does the model
+        ServedModel(str(deepfm["model"] / "data" / "data")).predict(as_text.drop(columns=["item"]))
+    with pytest.raises(Exception, match=r"request row 1, column 'price': 'cheap' is not a number.*Fix the request"):
+        model.predict(as_text.head(3).assign(price=["1.0", "cheap", "2"]))
+
+
+BLOCKER = """
+import importlib.abc, sys
+BLOCKED = ("recsys_runner", "torchrec", "fbgemm_gpu")
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"{name} is blocked: the served model must not need it")
+sys.meta_path.insert(0, Block())
+import mlflow.pyfunc, pandas as pd
+model = mlflow.pyfunc.load_model(sys.argv[1])
+scores = model.predict(pd.read_csv(sys.argv[2], dtype=str))["score"].tolist()
+assert not [m for m in sys.modules if m.split(".")[0] in BLOCKED]
+print("SCORES", __import__("json").dumps(scores))
+"""
+
+
+def test_pyfunc_model_runs_where_recsys_runner_torchrec_and_fbgemm_cannot_be_imported(deepfm: dict[str, Any], tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", BLOCKER, str(deepfm["model"]), str(deepfm["root"] / "score.csv")], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    scores = json.loads(proc.stdout.split("SCORES", 1)[1])
+    np.testing.assert_allclose(scores, deepfm["reference"]["score"].to_numpy(), atol=ATOL)
+
+
+@pytest.fixture(scope="module")
+def din(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """DIN on a CSV whose history cells hold ``|``-separated events; the rows to score hold unseen items."""
+    root = tmp_path_factory.mktemp("din")
+    write_csv(root / "train.csv", histories(0, 600))
+    scored = histories(1, 120)
+    for r, row in enumerate(scored[:40]):  # items (candidates and history events) never seen in training
+        row["item"] = f"new{r}"
+        if row["hist_item"]:
+            row["hist_item"] = [*row["hist_item"][:-1], f"gone{r}"]
+    write_csv(root / "score.csv", scored)
+    (root / "schema.yaml").write_text(yaml.safe_dump(columns("|")))
+    data = ["data=csv", f"data.path={root}/train.csv", f"data.schema={root}/schema.yaml", "data.batch_size=64", "model=din",
+            "distributed.device=cpu", "tracking=none"]
+    trained = _trained(root, data, steps=10)
+    trained["reference"] = _scores(data, trained["checkpoint"], root / "score.csv", root / "predicted")
+    return trained
+
+
+def _post(port: int, body: str, content_type: str = "text/csv") -> tuple[int, str]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=body.encode(), headers={"Content-Type": content_type})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+@pytest.mark.slow
+def test_mlflow_models_serve_answers_raw_csv_rows_with_predicts_scores(din: dict[str, Any], tmp_path: Path) -> None:
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - closed below, after the server is stopped
+    bin_dir = os.path.dirname(sys.executable)  # the server execs uvicorn from the environment's bin/
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    server = subprocess.Popen([sys.executable, "-m", "mlflow", "models", "serve", "-m", str(din["model"]), "--env-manager", "local",
+                               "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                              env=env)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=5):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "mlflow models serve did not answer /ping in 180 s"
+                time.sleep(0.5)
+        body = (din["root"] / "score.csv").read_text()
+        status, answer = _post(port, body)
+        assert status == 200, answer
+        served = pd.DataFrame(json.loads(answer)["predictions"])
+        np.testing.assert_allclose(served["score"].to_numpy(), din["reference"]["score"].to_numpy(), atol=ATOL)
+
+        frame = pd.read_csv(io.StringIO(body), dtype=str, keep_default_na=False)
+        split = {"columns": list(frame.columns), "data": [[int(v) if c in ("user", "category") else v for c, v in zip(frame.columns, row, strict=True)]
+                                                         for row in frame.head(20).itertuples(index=False)]}
+        status, answer = _post(port, json.dumps({"dataframe_split": split}), "application/json")  # ids as JSON numbers
+        assert status == 200, answer
+        served = pd.DataFrame(json.loads(answer)["predictions"])
+        np.testing.assert_allclose(served["score"].to_numpy(), din["reference"]["score"].to_numpy()[:20], atol=ATOL)
+        status, answer = _post(port, frame.drop(columns=["hist_item"]).head(3).to_csv(index=False))
+        assert 400 <= status < 500 and "hist_item" in answer, answer
+        status, answer = _post(port, frame.head(3).assign(category=["1", "two", "3"]).to_csv(index=False))
+        assert 400 <= status < 500 and "column 'category'" in answer and "'two'" in answer, answer
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
+        log.close()
+
+
+def test_multi_task_model_serves_one_column_per_task(tmp_path: Path) -> None:
+    import mlflow.pyfunc
+
+    rng = np.random.default_rng(1)
+    header = "click,buy,user,item,price,tags"
+    users = [f"u{k}" for k in range(30)]
+    (tmp_path / "train.csv").write_text("\n".join([header, *_click_rows(rng, 1500, users, two_labels=True)]) + "\n")
+    (tmp_path / "score.csv").write_text("\n".join([header, *_click_rows(rng, 100, [*users, "newcomer"], two_labels=True)]) + "\n")
+    data = ["data=csv", f"data.path={tmp_path}/train.csv", "data.batch_size=128", "data.labels={ctr: click, cvr: buy}", "data.label=null",
+            "data.sparse=[{name: user}, {name: item}, {name: tags, separator: '|'}]", "data.dense=[{name: price}]", "model=mmoe",
+            "distributed.device=cpu", "tracking=none"]
+    trained = _trained(tmp_path, data, steps=8)
+    reference = _scores(data, trained["checkpoint"], tmp_path / "score.csv", tmp_path / "predicted")
+    served = mlflow.pyfunc.load_model(str(trained["model"])).predict(pd.read_csv(tmp_path / "score.csv", dtype=str))
+    assert list(served.columns) == ["score_ctr", "score_cvr"] == [c for c in reference.columns if c.startswith("score")]
+    for column in served.columns:
+        np.testing.assert_allclose(served[column].to_numpy(), reference[column].to_numpy(), atol=ATOL)
+
+
+def test_register_as_logs_the_model_to_the_export_run_and_registers_a_version(deepfm: dict[str, Any]) -> None:
+    from mlflow.tracking import MlflowClient
+
+    uri = deepfm["uri"]
+    client = MlflowClient(tracking_uri=uri)
+    (version,) = client.search_model_versions("name='ctr-deepfm'")
+    run = client.get_run(version.run_id)
+    assert run.data.tags.get("entry") == "export"
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "export")}
+    assert "export/mlflow_model" in artifacts and "export/model.pt2" in artifacts
+    (logged,) = client.search_logged_models(experiment_ids=[run.info.experiment_id])  # the run's model, as the UI lists it
+    assert logged.source_run_id == run.info.run_id and logged.name == "model"
+    import mlflow
+    import mlflow.pyfunc
+
+    before = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    try:
+        registered = mlflow.pyfunc.load_model(f"models:/ctr-deepfm/{version.version}")
+    finally:
+        mlflow.set_tracking_uri(before)
+    scores = registered.predict(pd.read_csv(deepfm["root"] / "score.csv", dtype=str))["score"].to_numpy()
+    np.testing.assert_allclose(scores, deepfm["reference"]["score"].to_numpy(), atol=ATOL)
+
+
+def test_two_tower_model_serves_each_tower_apart(tmp_path: Path) -> None:
+    """DSSM: a user model and an item model, each reading only its tower's raw columns; their vectors score as the
+    whole exported model does (``scores = user · item / temperature``)."""
+    import mlflow.pyfunc
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+    import torch
+
+    from recsys_runner.data.encoding.rows import Encoder, Location
+    from recsys_runner.data.encoding.stored import read_stored
+    from recsys_runner.errors import DataError
+
+    rng = np.random.default_rng(2)
+    lines = ["click,user,age,item,tags"]
+    for _ in range(1200):
+        u, i = int(rng.integers(30)), int(rng.integers(25))
+        tags = "|".join(f"t{(i + k) % 6}" for k in range(int(rng.integers(1, 3))))
+        lines.append(f"1,u{u},{20 + u % 40},{i},{tags}")
+    (tmp_path / "train.csv").write_text("\n".join(lines) + "\n")
+    (tmp_path / "score.csv").write_text("\n".join([lines[0], *lines[1:40], "1,stranger,33,999,t1|t9"]) + "\n")
+    data = ["data=csv", f"data.path={tmp_path}/train.csv", "data.batch_size=64", "data.label=click",
+            "data.sparse=[{name: user}, {name: item}, {name: tags, separator: '|'}]", "data.dense=[{name: age}]", "model=dssm",
+            "model.user_features=[user,age]", "model.item_features=[item,tags]", "model.logq_correction=false", "distributed.device=cpu",
+            "tracking=none"]
+    trained = _trained(tmp_path, data, steps=6)
+    out = trained["model"].parent
+    assert not (out / mlflow_model.MODEL_DIR).exists()  # in-batch softmax scores rows against rows: served as its towers
+    rows = pd.read_csv(tmp_path / "score.csv", dtype=str)
+    user = mlflow.pyfunc.load_model(str(out / "mlflow_user_tower")).predict(rows[["user", "age"]])
+    item = mlflow.pyfunc.load_model(str(out / "mlflow_item_tower")).predict(rows[["item", "tags"]])
+    temperature = json.loads((out / export.FEATURE_SPEC_FILE).read_text())["towers"]["temperature"]
+    served = np.stack(user["vector"].to_numpy()) @ np.stack(item["vector"].to_numpy()).T / temperature
+
+    stored = read_stored(trained["checkpoint"])
+    assert stored is not None
+    table = pacsv.read_csv(tmp_path / "score.csv", convert_options=pacsv.ConvertOptions(column_types=dict.fromkeys(rows.columns, pa.string())))
+    encoded = Encoder(stored.schema, "fail", DataError).encode(table, Location("score.csv", "rows", np.arange(table.num_rows), 2))
+    program = torch.export.load(str(out / export.MODEL_FILE)).module()
+    with torch.no_grad():
+        whole = program(torch.as_tensor(encoded.dense), torch.as_tensor(np.concatenate([v for v, _ in encoded.sparse]).astype(np.int64)),
+                        torch.as_tensor(np.stack([ln for _, ln in encoded.sparse]).astype(np.int64)))
+    np.testing.assert_allclose(served, whole.numpy(), atol=1e-4)
