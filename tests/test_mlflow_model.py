@@ -289,3 +289,45 @@ def test_two_tower_model_serves_each_tower_apart(tmp_path: Path) -> None:
         whole = program(torch.as_tensor(encoded.dense), torch.as_tensor(np.concatenate([v for v, _ in encoded.sparse]).astype(np.int64)),
                         torch.as_tensor(np.stack([ln for _, ln in encoded.sparse]).astype(np.int64)))
     np.testing.assert_allclose(served, whole.numpy(), atol=1e-4)
+
+
+def test_every_transform_is_served_as_predict_scores_it(tmp_path: Path) -> None:
+    """Clip, log1p and zscore; numbers bucketized by fitted quantiles; a vocabulary from a file; a cross; weighted tags:
+    each fitted (or read) when training starts, stored, and applied alike by predict and the served model — on rows with
+    unseen users, items outside the vocab file, missing numbers."""
+    import mlflow.pyfunc
+
+    rng = np.random.default_rng(3)
+
+    def rows(n: int, users: int) -> list[str]:
+        out = []
+        for _ in range(n):
+            u, i = int(rng.integers(users)), int(rng.integers(30))
+            tags = "|".join(f"t{int(t)}:{rng.random() * 3:.2f}" for t in rng.integers(0, 6, int(rng.integers(0, 4))))
+            price = "" if rng.random() < 0.1 else f"{rng.random() * 80:.2f}"
+            out.append(f"{int((u + i) % 3 == 0)},u{u},{i},{price},{int(rng.integers(18, 70))},{tags}")
+        return out
+
+    header = "click,user,item,price,age,tags"
+    (tmp_path / "train.csv").write_text("\n".join([header, *rows(2000, 40)]) + "\n")
+    (tmp_path / "score.csv").write_text("\n".join([header, *rows(200, 60)]) + "\n")
+    (tmp_path / "items.txt").write_text("\n".join(str(i) for i in range(25)) + "\n")  # items 25-29: OOV rows
+    (tmp_path / "schema.yaml").write_text(yaml.safe_dump({
+        "label": "click",
+        "dense": [{"name": "price", "clip": [0, 60], "transform": "log1p", "normalize": "zscore"}],
+        "sparse": [{"name": "user"}, {"name": "item", "vocab_file": str(tmp_path / "items.txt")}, {"name": "age", "quantiles": 4},
+                   {"name": "user_x_item", "cross": ["user", "item"], "num_embeddings": 500},
+                   {"name": "tags", "separator": "|", "weighted": True}]}))
+    data = ["data=csv", f"data.path={tmp_path}/train.csv", f"data.schema={tmp_path}/schema.yaml", "data.batch_size=128", "model=deepfm",
+            "distributed.device=cpu", "tracking=none"]
+    trained = _trained(tmp_path, data, steps=10)
+    stored = json.loads((trained["checkpoint"] / "encoders.json").read_text())
+    fitted = {c["name"]: c for c in stored["sparse"]}
+    assert len(fitted["age"]["boundaries"]) == 3 and fitted["tags"]["weighted"] and fitted["user_x_item"]["cross"] == ["user", "item"]
+    assert stored["dense"][0]["mean"] is not None and set(stored["vocabularies"]) >= {"user", "item", "tags"}
+    reference = _scores(data, trained["checkpoint"], tmp_path / "score.csv", tmp_path / "predicted")
+    served = mlflow.pyfunc.load_model(str(trained["model"])).predict(pd.read_csv(tmp_path / "score.csv", dtype=str))
+    np.testing.assert_allclose(served["score"].to_numpy(), reference["score"].to_numpy(), atol=ATOL)
+    unit = ServedModel(str(trained["model"] / "data" / "data"))
+    with pytest.raises(Exception, match=r"request row 0, column 'tags': .*weight"):
+        unit.predict(pd.read_csv(tmp_path / "score.csv", dtype=str).head(2).assign(tags=["t1:heavy", "t2:1"]))

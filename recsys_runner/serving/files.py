@@ -117,7 +117,7 @@ def feature_spec(features: FeatureSpec, keys: list[str], tasks: tuple[Task, ...]
         "format": "torch.export ExportedProgram (torch.export.save)",
         "load": f"torch.export.load('{MODEL_FILE}').module()  # needs only torch=={torch.__version__.split('+')[0]} (or a "
                 f"later torch that reads this format); no torchrec, fbgemm_gpu, hydra or recsys_runner",
-        "call": "module(dense, values, lengths)",
+        "call": "module(dense, values, lengths, weights)" if features.weighted else "module(dense, values, lengths)",
         "needs_torchrec": False,
         "device": "cpu",
         "inputs": {
@@ -128,6 +128,9 @@ def feature_spec(features: FeatureSpec, keys: list[str], tasks: tuple[Task, ...]
                                   "V = lengths.sum()"},
             "lengths": {"dtype": "int64", "shape": [len(keys), "B"],
                         "meaning": "lengths[f, b]: how many ids row b has for sparse feature f (0 allowed: an empty bag)"},
+            **({"weights": {"dtype": "float32", "shape": ["V"],
+                            "meaning": f"the weight of each id of values (the weighted features {features.weighted_names} pool "
+                                       f"by them; 1.0 for every id of the others)"}} if features.weighted else {}),
         },
         "sparse_features": [_sparse_entry(features, k) for k in keys],
         "sequences": [{"group": g.name, "features": list(g.features), "max_len": g.max_len, "truncate": g.truncate,
@@ -197,7 +200,7 @@ def write_export(model: nn.Module, features: FeatureSpec, batch: Batch, *, check
     index :data:`ITEMS_FILE` too; with ``served``, the MLflow model(s): :func:`write_mlflow_models`); returns their names."""
     load_weights(model, checkpoint, ema)
     keys = list(batch.sparse_features.keys())
-    serving = ServingModule(model, keys)
+    serving = ServingModule(model, keys, features.weighted)
     program = export_program(serving, batch)
     inputs = serving.inputs(batch)
     with torch.no_grad():
@@ -210,6 +213,9 @@ def write_export(model: nn.Module, features: FeatureSpec, batch: Batch, *, check
         "weights": "ema" if ema else "raw", "checkpoint": str(checkpoint.absolute()), "step": meta.get("step"),
         "source_run_id": meta.get("run_id"), "model": type(model).__name__}
     if hasattr(model, "tower_features"):  # a two-tower model: each tower on its own as well (checked, then written)
+        if features.weighted:
+            raise ConfigError(f"a two-tower model with weighted features ({features.weighted_names}) cannot be exported: its towers "
+                              f"take no weights yet. Fix: train it without weighted features (data.sparse weighted / weights)")
         described["towers"] = export_towers(model, keys, features, batch, eager, out)
         if items is not None:
             described["towers"]["items"] = export_items(model, items, keys, features, out)
@@ -236,7 +242,7 @@ def write_mlflow_models(model: nn.Module, serving: ServingModule, keys: list[str
     base = {"format": 1, "model": type(model).__name__, "null_values": served.null_values}
     if not two_tower:
         spec = base | {"input_columns": mlflow_model.input_columns(served.encoders), "dense": list(features.dense_names), "keys": keys,
-                       "features": None, "tower": None, "outputs": mlflow_model.outputs(tasks)}
+                       "features": None, "tower": None, "outputs": mlflow_model.outputs(tasks), "weighted": features.weighted}
         mlflow_model.write_model(out / mlflow_model.MODEL_DIR, serving, torch.export.load(str(out / MODEL_FILE)), served.document,
                                  served.encoders, spec, served.raw)
         return [mlflow_model.MODEL_DIR]

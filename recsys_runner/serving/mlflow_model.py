@@ -173,8 +173,10 @@ def expected(module: ServingModule | TowerServing, encoders: StoredEncoders, row
     keys = [c.name for c in schema.sparse] + schema.timestamp_columns
     values = [torch.as_tensor(v.astype(np.int64)) for v, _ in encoded.sparse]
     lengths = [torch.as_tensor(ln.astype(np.int64)) for _, ln in encoded.sparse]
+    weights = encoded.key_weights()
     kjt = KeyedJaggedTensor(keys=keys, values=torch.cat(values) if values else torch.zeros(0, dtype=torch.int64),
-                            lengths=torch.cat(lengths) if lengths else torch.zeros(0, dtype=torch.int64))
+                            lengths=torch.cat(lengths) if lengths else torch.zeros(0, dtype=torch.int64),
+                            weights=None if weights is None else torch.as_tensor(weights))
     batch = Batch(dense_features=torch.as_tensor(encoded.dense), sparse_features=kjt, labels=torch.as_tensor(encoded.labels))
     with torch.no_grad():
         if isinstance(module, TowerServing):

@@ -20,25 +20,33 @@ from recsys_runner.train.signals import Interrupted
 class ServingModule(nn.Module):
     """What is exported: ``(dense [B, N], values [V], lengths [F, B]) → the model's output``.
 
-    Builds the KeyedJaggedTensor inside, so the caller passes plain tensors (module docstring).
+    Builds the KeyedJaggedTensor inside, so the caller passes plain tensors (module docstring). A model with weighted
+    features (``weighted``) also takes ``weights [V]`` float32: each id's weight (1.0 for the ids of features without
+    weights, which pool exactly as without).
     """
 
-    def __init__(self, model: nn.Module, keys: list[str]) -> None:
+    def __init__(self, model: nn.Module, keys: list[str], weighted: bool = False) -> None:
         super().__init__()
         self.model = model
         self.keys = keys
+        self.weighted = weighted
         tasks = tuple(getattr(model, "tasks", SINGLE_TASK))
         self.task: Task | None = tasks[0] if len(tasks) == 1 else None
         """The model's one task, which says what a server gets of its output (:meth:`Task.served`); ``None``: all of it."""
 
-    def forward(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> Any:
-        sparse = KeyedJaggedTensor(keys=self.keys, values=values, lengths=lengths.reshape(-1))
+    def forward(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None = None) -> Any:
+        sparse = KeyedJaggedTensor(keys=self.keys, values=values, lengths=lengths.reshape(-1), weights=weights)
         out = self.model(dense, sparse)
         return out if self.task is None else self.task.served(out)
 
-    def inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``batch`` as this module's inputs (:func:`serving_inputs`)."""
-        return serving_inputs(batch)
+    def inputs(self, batch: Batch) -> tuple[torch.Tensor, ...]:
+        """``batch`` as this module's inputs (:func:`serving_inputs`; with ``weights`` when the model is weighted)."""
+        if not self.weighted:
+            return serving_inputs(batch)
+        weights = batch.sparse_features.weights_or_none()
+        if weights is None:
+            raise ConfigError("a model with weighted features is exported with a batch that carries no weights")
+        return (*serving_inputs(batch), weights.float())
 
 
 class TwoTowerModel(Protocol):
@@ -105,7 +113,9 @@ def export_program(serving: ServingModule | TowerServing, batch: Batch) -> torch
     serving.eval()
     inputs = serving.inputs(batch)
     batch_dim, ids = torch.export.Dim("batch"), torch.export.Dim("ids")
-    shapes = {"dense": {0: batch_dim}, "values": {0: ids}, "lengths": {1: batch_dim}}
+    shapes: dict[str, Any] = {"dense": {0: batch_dim}, "values": {0: ids}, "lengths": {1: batch_dim}}
+    if isinstance(serving, ServingModule) and serving.weighted:
+        shapes["weights"] = {0: ids}
     root = logging.getLogger()
     root.addFilter(_quiet_kjt_warning)
     try:

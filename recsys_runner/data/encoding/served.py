@@ -136,8 +136,9 @@ class ServedModel:
         self.program = torch.export.load(os.path.join(directory, PROGRAM_FILE)).module()
         self._torch = torch
 
-    def encode(self, frame: Any) -> tuple[Any, Any, Any]:
-        """The program's inputs ``(dense [B, N] float32, values [V] int64, lengths [F, B] int64)`` of a DataFrame of raw rows.
+    def encode(self, frame: Any) -> tuple[Any, ...]:
+        """The program's inputs ``(dense [B, N] float32, values [V] int64, lengths [F, B] int64)`` of a DataFrame of raw rows
+        (and ``weights [V] float32`` for a model with weighted features).
 
         Raises:
             RequestError (MLflow's ``BAD_REQUEST`` when MLflow is installed): a column is missing or cannot be read.
@@ -155,8 +156,12 @@ class ServedModel:
         rows = encoder.encode(table, _RequestRows("request", "rows", np.arange(n), 0))
         values = np.concatenate([v for v, _ in rows.sparse]) if rows.sparse else np.zeros(0, np.int64)
         lengths = np.stack([ln for _, ln in rows.sparse]) if rows.sparse else np.zeros((0, n), np.int64)
-        return (torch.from_numpy(np.ascontiguousarray(rows.dense, dtype=np.float32)), torch.from_numpy(values.astype(np.int64)),
-                torch.from_numpy(lengths.astype(np.int64)))
+        inputs = (torch.from_numpy(np.ascontiguousarray(rows.dense, dtype=np.float32)), torch.from_numpy(values.astype(np.int64)),
+                  torch.from_numpy(lengths.astype(np.int64)))
+        if not self.spec.get("weighted"):
+            return inputs
+        weights = rows.key_weights()
+        return (*inputs, torch.from_numpy(np.ones(len(values), np.float32) if weights is None else weights))
 
     def _cast(self, name: str, arr: pa.Array) -> pa.Array:
         """A request column as training read it: ids sent as numbers become the text a CSV held, numbers sent as text are
