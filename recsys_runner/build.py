@@ -112,9 +112,11 @@ def build(run: RunConfig, *, launch: Launch = Launch(), weights: Path | None = N
     ``launch``: the command-line launch (:class:`~recsys_runner.runtime.Launch`; the default is a launch from Python),
     which sets the checkpoint directory's default and the overrides each checkpoint records.
 
-    ``weights``: a checkpoint directory whose model (and EMA) weights to load instead of resuming or fine-tuning
-    (``python -m recsys_runner.evaluate`` / ``.predict``): its checkpoints directory is not locked, nothing is restored
-    from ``checkpoint.*`` and a mismatching model config is refused (:meth:`Checkpointer.load_weights`).
+    ``weights``: a checkpoint directory whose model (and EMA) weights to load instead of resuming or fine-tuning: its
+    checkpoints directory is not locked, nothing is restored from ``checkpoint.*`` and a mismatching model config is
+    refused (:meth:`Checkpointer.load_weights`). The whole training graph around a checkpoint's weights, e.g. to check
+    the inference graph against it; evaluate and predict build only what scoring uses
+    (:func:`recsys_runner.inference_build.build_inference`).
     """
     seed_everything(run.seed)
     stores.configure(run.storage)
@@ -122,7 +124,7 @@ def build(run: RunConfig, *, launch: Launch = Launch(), weights: Path | None = N
     env = distributed.setup()
     checkpointer: Checkpointer | None = None
     try:
-        tracker = _tracker(run, launch) if env.is_main else NullTracker()
+        tracker = build_tracker(run, launch) if env.is_main else NullTracker()
         decided_on_rank0(tracker.check, env.rank, env.world_size)
         checkpointer = run.checkpoint.build(rank=env.rank, world_size=env.world_size, device=env.device, nan_guard=run.train.nan_guard,
                                             launch=launch)
@@ -130,12 +132,13 @@ def build(run: RunConfig, *, launch: Launch = Launch(), weights: Path | None = N
             checkpointer.lock()
         precision = run.precision.build()
         precision.apply_tf32()
-        data = _data(run, env.device, checkpointer, weights)
+        data = build_data(run, env.device, weights if weights is not None else checkpointer.restore_source(),
+                          checkpointer if weights is None else None)
         steps_per_epoch = _steps_per_epoch(data, env.world_size, run.train.grad_accum_steps)
         total_steps = _total_steps(run, steps_per_epoch, log_choice=env.is_main)
         check_eval_cadence(run.train, steps_per_epoch)
         check_static_shapes(run.train.compile, data.features)
-        model = _with_catalogue(run.model.build(features=data.features, dense_device=env.device), data)
+        model = with_catalogue(run.model.build(features=data.features, dense_device=env.device), data)
         wrapped = TrainWrapper(model, autocast=precision.autocast(env.device), features=data.features,
                                weighting=_loss_weighting(run, model))
         check_eval_keys(run, wrapped.tasks, data.features.sparse_names, type(model).__name__)  # before the tracker starts a run
@@ -174,23 +177,23 @@ def build(run: RunConfig, *, launch: Launch = Launch(), weights: Path | None = N
     return Components(run=run, env=env, distributed=distributed, plan=plan, loop=loop)
 
 
-def _data(run: RunConfig, device: torch.device, checkpointer: Checkpointer, weights: Path | None) -> DataModule:
-    """The data module, its files encoded by the encoders of the checkpoint this run starts from (``weights``, the one
-    resumed, or ``init_from``'s) when there is one, else by encoders fitted now; those are stored with every checkpoint
-    (:mod:`recsys_runner.data.encoding.stored`). With ``data.vocabulary=refit`` and ``init_from`` they are fitted now
-    too, and the checkpointer is told which tables' trained rows to carry over by id (:func:`_refit`).
+def build_data(run: RunConfig, device: torch.device, source: Path | None, checkpointer: Checkpointer | None = None) -> DataModule:
+    """The data module, its files encoded by the encoders stored in checkpoint ``source`` (the one a training resumes,
+    or ``init_from``'s; the one evaluate/predict load) when there is one, else by encoders fitted now; with
+    ``checkpointer`` (a training) those are written into each checkpoint it saves (:mod:`recsys_runner.data.encoding.stored`).
+    With ``data.vocabulary=refit`` and ``init_from`` they are fitted now too, and the checkpointer is told which tables'
+    trained rows to carry over by id (:func:`_refit`).
 
     A checkpoint written before encoders were stored gets a warning: its encoders are fitted on the data again, and
     files that changed since its training give its ids other rows."""
     config = run.data.for_model(run.model.data_needs())
-    refit = weights is None and isinstance(config, TabularDataConfig) and config.vocabulary == "refit"
+    refit = checkpointer is not None and isinstance(config, TabularDataConfig) and config.vocabulary == "refit"
     if refit and run.checkpoint.resume not in ("auto", "never"):
         raise ConfigError(f"data.vocabulary=refit fits the vocabularies anew for a run that starts from checkpoint.init_from, but "
                           f"checkpoint.resume={run.checkpoint.resume} continues a run, whose trained rows belong to the ids of the "
                           f"vocabulary stored with it (a resume keeps it, by design). Fix: drop data.vocabulary=refit to resume, or "
                           f"fine-tune on the new files: checkpoint.init_from=<that checkpoint> checkpoint.resume=never data.vocabulary=refit")
-    source = weights if weights is not None else checkpointer.restore_source()
-    if weights is None and source is not None and checkpointer.resuming():
+    if checkpointer is not None and source is not None and checkpointer.resuming():
         _keep_refit_record(checkpointer, source)
         if refit:  # e.g. the relaunch of a preempted refit fine-tune, whose resume command repeats its overrides
             log.warning("data.vocabulary=refit has no effect on a resumed run: resuming %s continues with the vocabulary stored "
@@ -201,14 +204,14 @@ def _data(run: RunConfig, device: torch.device, checkpointer: Checkpointer, weig
         log.info("data.vocabulary=refit without checkpoint.init_from: the encoders are fitted on the files, as for any new run")
     stored = read_stored(source) if source is not None else None
     if refit and source is not None:
+        assert checkpointer is not None
         return _refit(config, device, checkpointer, source, stored)
     if source is not None and stored is None and config.takes_encoders():
         log.warning("checkpoint %s stores no data encoders (it was written before they were): they are fitted on the data "
                     "again, as when it was trained. If the files changed since (rows appended, a new day), ids may map to other "
                     "rows than the ones it trained", source)
     data: DataModule = config.build(device=device, encoders=stored)
-    document = data.encoders_document() if weights is None else None  # evaluate/predict save nothing: no second read
-    if document is not None:
+    if checkpointer is not None and (document := data.encoders_document()) is not None:  # evaluate/predict save nothing
         checkpointer.files[ENCODERS_FILE] = document  # the training run also logs it to MLflow (recsys_runner.__main__)
     return data
 
@@ -277,7 +280,7 @@ def _restore(checkpointer: Checkpointer, tracker: Tracker, weights: Path | None)
     return state
 
 
-def _tracker(run: RunConfig, launch: Launch) -> Tracker:
+def build_tracker(run: RunConfig, launch: Launch) -> Tracker:
     """Rank 0's tracker: ``tracking``'s, writing TensorBoard event files too with ``tracking.tensorboard=true``
     (into ``<run dir>/tensorboard``; ``./tensorboard`` from Python)."""
     tracker: Tracker = run.tracking.build()
@@ -332,7 +335,7 @@ def _schedules(run: RunConfig, total_steps: int, steps_per_epoch: int | None) ->
 ModelT = TypeVar("ModelT", bound=torch.nn.Module)
 
 
-def _with_catalogue(model: ModelT, data: DataModule) -> ModelT:
+def with_catalogue(model: ModelT, data: DataModule) -> ModelT:
     """``model``, handed the data's item ids and popularity (``None`` when the data has no catalogue) when it reads them
     (``use_catalogue``: a two-tower model's logQ from the item counts)."""
     use = getattr(model, "use_catalogue", None)

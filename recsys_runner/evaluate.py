@@ -5,8 +5,9 @@ checkpoint directory, a checkpoints root (best, else newest) or the training run
 data to evaluate the checkpoint on other data, e.g. that day's ``data.eval_path=/data/day_31``; the
 configured ``metrics.*`` are computed over all ranks (``torchrun --nproc_per_node=N -m recsys_runner.evaluate …``).
 
-The evaluation is the training loop's own (:class:`recsys_runner.train.evaluation.Evaluator`, built by
-:func:`recsys_runner.build.build`): the same ``train.eval_max_batches`` cap and, with
+The evaluation is the training loop's own (:class:`recsys_runner.train.evaluation.Evaluator`, over the model
+:func:`recsys_runner.inference_build.build_inference` builds: no optimizer, schedule or train pipeline): the same
+``train.eval_max_batches`` cap and, with
 ``train.ema.eval_with_ema``, the checkpoint's EMA weights, so on the same data and world size it reproduces
 the training run's final eval metrics exactly. A checkpoint of another model config is refused, naming the
 tensors that differ. The result is logged as ``eval/*`` at the checkpoint's step in a new MLflow run, a
@@ -20,7 +21,6 @@ import logging
 import hydra
 from omegaconf import DictConfig
 
-from recsys_runner.build import build
 from recsys_runner.config import register_entry_schema, validate
 from recsys_runner.data.encoding.stored import oov_line, oov_rates
 from recsys_runner.inference import (
@@ -30,6 +30,7 @@ from recsys_runner.inference import (
     inference_start,
     with_training_overrides,
 )
+from recsys_runner.inference_build import build_inference
 from recsys_runner.lifecycle import exit_codes, tracked_run
 from recsys_runner.noise import quiet_known_noise
 from recsys_runner.paths import CONFIG_PATH
@@ -46,16 +47,16 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> dict[str, float]:
     """Evaluate the checkpoint ``cfg.load`` on the configured data; returns the eval metrics (every rank)."""
     spec = validate(cfg)
     checkpoint = checkpoint_to_load(cfg, spec)
-    c = build(spec, launch=launch, weights=checkpoint)
-    start = inference_start(c, entry="evaluate", checkpoint=checkpoint, load=str(cfg.load))
-    with tracked_run(c.loop.tracker, start, launch, close=c.close):
-        with Progress(spec.train.eval_max_batches, enabled=c.env.is_main, unit="batch", desc="evaluate") as progress:
-            metrics = c.loop.evaluator.evaluate(progress)
-        c.loop.tracker.log_metrics(metrics, c.loop.state.step)
-        if c.env.is_main:
+    built = build_inference(spec, launch=launch, weights=checkpoint)
+    start = inference_start(built, entry="evaluate", checkpoint=checkpoint, load=str(cfg.load))
+    with tracked_run(built.tracker, start, launch, close=built.close):
+        with Progress(spec.train.eval_max_batches, enabled=built.env.is_main, unit="batch", desc="evaluate") as progress:
+            metrics = built.evaluator.evaluate(progress)
+        built.tracker.log_metrics(metrics, built.state.step)
+        if built.env.is_main:
             shown = " ".join(f"{k}={v:.6g}" for k, v in metrics.items())
-            log.info("evaluate %s (step %d): %s", checkpoint, c.loop.state.step, shown)
-            if (line := oov_line(oov_rates(c.loop.data.metrics()))) is not None:  # this rank's share of the eval data
+            log.info("evaluate %s (step %d): %s", checkpoint, built.state.step, shown)
+            if (line := oov_line(oov_rates(built.data.metrics()))) is not None:  # this rank's share of the eval data
                 log.info("evaluate: %s", line)
         return metrics
 

@@ -3,10 +3,10 @@
 Both take ``load=<checkpoint>`` (and, where needed, the training run's overrides: a checkpoint written by the
 CLI carries them, :func:`with_training_overrides`): a ``step_*`` checkpoint directory, a
 checkpoints root (its best checkpoint if one was kept, else its newest) or the training run's MLflow id
-(whose ``checkpoint_dir`` tag names the root; :func:`recsys_runner.tracking.lineage.resolve_checkpoint`). The run is
-built exactly as training builds it (:func:`recsys_runner.build.build`, so the sharded model, the data and
-the evaluator are the training's own), with the checkpoint's weights loaded strictly instead of resuming:
-no lock is taken on the training's checkpoint directory and no checkpoint is written.
+(whose ``checkpoint_dir`` tag names the root; :func:`recsys_runner.tracking.lineage.resolve_checkpoint`). What they
+score with is built by :func:`recsys_runner.inference_build.build_inference`: the training's sharded model, data and
+evaluator, without its optimizers, schedules or pipeline, and the checkpoint's weights loaded strictly: no lock is
+taken on the training's checkpoint directory and no checkpoint is written.
 
 Each launch is a new MLflow run in ``tracking.experiment`` (the training's, given the same overrides),
 tagged ``entry=evaluate|predict``, ``checkpoint=<dir>``, ``checkpoint_step`` and, when the checkpoint's
@@ -30,9 +30,9 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
 from recsys_runner import stores
-from recsys_runner.build import Components
 from recsys_runner.config import RunConfig, flatten, register_configs, to_yaml
 from recsys_runner.errors import CheckpointError, ConfigError
+from recsys_runner.inference_build import Inference
 from recsys_runner.lifecycle import RunStart, link_tags
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.runtime import Launch
@@ -202,18 +202,17 @@ def with_training_overrides(cfg: DictConfig, launch: Launch) -> DictConfig:
     return compose(config_name=launch.config_name, overrides=[*carried, *own])
 
 
-def inference_start(c: Components, *, entry: str, checkpoint: Path, load: str,
+def inference_start(built: Inference, *, entry: str, checkpoint: Path, load: str,
                     extra_params: dict[str, Any] | None = None) -> RunStart:
     """The MLflow run of an evaluate or predict launch (rank 0; other ranks hold a null tracker): tags linking it to
     the training run and the checkpoint, the resolved config as params and ``config.yaml``
     (:func:`recsys_runner.lifecycle.tracked_run` adds the overrides and the manifest). The checkpoint named is the one
     whose weights were loaded: ``checkpoint``, or the newer one loaded instead when a run writing there rotated it away
     (:meth:`recsys_runner.checkpoint.policy.Checkpointer.load_weights`)."""
-    if c.loop.state.resumed_from:
-        checkpoint = stores.as_path(c.loop.state.resumed_from)
+    if built.state.resumed_from:
+        checkpoint = stores.as_path(built.state.resumed_from)
     return RunStart(
         run_name=f"{entry} {checkpoint.parent.name}/{checkpoint.name}",
-        tags=link_tags(entry, checkpoint, c.loop.state.step, c.loop.state.run_id),
-        params=flatten(c.run) | {LOAD_KEY: load} | (extra_params or {}), texts={"config.yaml": to_yaml(c.run)},
-        world_size=c.env.world_size, device=c.env.device if c.env.is_main else None)
-
+        tags=link_tags(entry, checkpoint, built.state.step, built.state.run_id),
+        params=flatten(built.run) | {LOAD_KEY: load} | (extra_params or {}), texts={"config.yaml": to_yaml(built.run)},
+        world_size=built.env.world_size, device=built.env.device if built.env.is_main else None)

@@ -32,12 +32,12 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner import export
-from recsys_runner.serving import program as serving
 from recsys_runner.__main__ import run as train_run
 from recsys_runner.build import build
 from recsys_runner.config import validate
 from recsys_runner.errors import CheckpointError, ConfigError
 from recsys_runner.paths import CONFIG_PATH
+from recsys_runner.serving import program as serving
 from recsys_runner.train.signals import Interrupted
 from tests.conftest import REPO, TINY
 

@@ -15,7 +15,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from mlflow.tracking import MlflowClient
 
-from recsys_runner import predict
+from recsys_runner import predict, scoring
 from recsys_runner.__main__ import run as train
 from recsys_runner.build import build
 from recsys_runner.config import register_configs, validate
@@ -70,9 +70,9 @@ def test_predict_scores_are_the_models_in_input_order(trained: list[str], tmp_pa
     assert written.column_names == ["request_id", "label", "score"]
     assert written["request_id"].to_pylist() == table["request_id"].to_pylist()
     assert written["label"].to_pylist() == table["label"].to_pylist()
-    assert pq.read_schema(result.parts[0]).metadata[predict.SOURCE_KEY] == str(tmp_path / "score" / "b.parquet").encode()
+    assert pq.read_schema(result.parts[0]).metadata[scoring.SOURCE_KEY] == str(tmp_path / "score" / "b.parquet").encode()
 
-    # The model's own scores of those rows: the same checkpoint built as evaluate builds it, the file as eval data.
+    # The model's own scores of those rows: the same checkpoint in the training's own graph, the file as eval data.
     spec = validate(compose_entry("predict", *trained, load, f"data.eval_path={tmp_path}/score"))
     c = build(spec, weights=tmp_path / "ck" / "step_00000008")
     try:
@@ -157,10 +157,10 @@ def test_predict_default_columns_and_a_stop_mid_write_leaves_no_part(trained_onc
         assert written.column_names == ["score"] and written.num_rows == 300
 
     # Ctrl-C (or the lifecycle's SIGTERM) in the second file's second batch: b's finished part and c's temp part are deleted
-    write = predict._PartWriter.write
+    write = scoring._PartWriter.write
     in_c = []
 
-    def stop_in_second_file(self: predict._PartWriter, path: str, *args: Any) -> None:
+    def stop_in_second_file(self: scoring._PartWriter, path: str, *args: Any) -> None:
         if path.endswith("c.parquet"):
             in_c.append(path)
             if len(in_c) == 2:
@@ -169,7 +169,7 @@ def test_predict_default_columns_and_a_stop_mid_write_leaves_no_part(trained_onc
                 raise KeyboardInterrupt
         write(self, path, *args)
 
-    monkeypatch.setattr(predict._PartWriter, "write", stop_in_second_file)
+    monkeypatch.setattr(scoring._PartWriter, "write", stop_in_second_file)
     with pytest.raises(KeyboardInterrupt):
         predict.run(compose_entry("predict", *entry, f"predict.output={tmp_path}/stopped"))
     assert list((tmp_path / "stopped").iterdir()) == []
@@ -177,14 +177,14 @@ def test_predict_default_columns_and_a_stop_mid_write_leaves_no_part(trained_onc
     # a write failing mid-file (after its first batch is written) leaves no temp part either
     calls = []
 
-    def fail_after_first_batch(self: predict._PartWriter, *args: Any) -> None:
+    def fail_after_first_batch(self: scoring._PartWriter, *args: Any) -> None:
         calls.append(1)
         if len(calls) > 1:
             assert len(list((tmp_path / "failed").glob(".tmp-part-*"))) == 1 and not list((tmp_path / "failed").glob("part-*"))
             raise OSError("disk full")
         write(self, *args)
 
-    monkeypatch.setattr(predict._PartWriter, "write", fail_after_first_batch)
+    monkeypatch.setattr(scoring._PartWriter, "write", fail_after_first_batch)
     with pytest.raises(OSError, match="disk full"):
         predict.run(compose_entry("predict", *entry, f"predict.output={tmp_path}/failed", f"data.batch_size={BATCH // 2}"))
     assert list((tmp_path / "failed").iterdir()) == []
@@ -202,7 +202,7 @@ def test_predict_refuses_an_output_with_earlier_parts_naming_the_incomplete_ones
     (out / ".tmp-part-00002-00000.parquet").write_bytes(truncated)  # a temp part of a process killed with SIGKILL
     cfg = compose_entry("predict", *trained, f"load={root}/ck", f"predict.input={tmp_path}/b.parquet", f"predict.output={out}",
                         "predict.columns=[request_id]")
-    monkeypatch.setattr(predict, "build", _no_build)
+    monkeypatch.setattr(predict, "build_inference", _no_build)
     with pytest.raises(ConfigError, match=r"already holds part files of an earlier run \(complete: part-00000-00000.parquet; "
                                           r"incomplete .*: .tmp-part-00002-00000.parquet, part-00001-00000.parquet\).*"
                                           r"Fix: predict.overwrite=true to delete them first"):
@@ -217,7 +217,7 @@ def test_predict_refuses_an_output_with_earlier_parts_naming_the_incomplete_ones
 
 def test_predict_columns_missing_from_the_input_fail_before_the_model_is_built(tmp_path: Path,
                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(predict, "build", _no_build)
+    monkeypatch.setattr(predict, "build_inference", _no_build)
     _score_file(tmp_path / "b.parquet", 10, seed=1, row_group_size=10)
     with pytest.raises(ConfigError, match=r"predict.columns=\['request_id', 'request'\] names \['request'\] \(not in .*b.parquet.*"
                                           r"its columns are \[.*'request_id'\]. Fix: predict.columns="):
