@@ -290,10 +290,13 @@ def _zero_labels(table: pa.Table, schema: Schema) -> pa.Table:
 
 
 def _to_batch(rows: Rows, names: list[str]) -> Batch:
+    """``rows`` as a batch; its ``KeyedJaggedTensor`` carries the ids' weights when some feature is weighted."""
     values = np.concatenate([v for v, _ in rows.sparse]) if rows.sparse else np.zeros(0, np.int64)
     lengths = np.concatenate([ln for _, ln in rows.sparse]) if rows.sparse else np.zeros(0, np.int32)
+    weights = rows.key_weights()
     kjt = KeyedJaggedTensor(keys=names, values=torch.from_numpy(values.astype(np.int64, copy=False)),
-                            lengths=torch.from_numpy(lengths.astype(np.int32, copy=False)))
+                            lengths=torch.from_numpy(lengths.astype(np.int32, copy=False)),
+                            weights=None if weights is None else torch.from_numpy(weights))
     return Batch(dense_features=torch.from_numpy(np.ascontiguousarray(rows.dense)), sparse_features=kjt,
                  labels=torch.from_numpy(np.ascontiguousarray(rows.labels)).float())
 
@@ -302,7 +305,8 @@ def _placeholder(features: FeatureSpec) -> Batch:
     """A one-row batch (zeros, id 0 in every feature) a rank without rows left scores so that the others can step."""
     labels = torch.zeros(1, len(features.label_names)) if features.multi_label else torch.zeros(1)
     keys = features.kjt_keys
-    kjt = KeyedJaggedTensor(keys=keys, values=torch.zeros(len(keys), dtype=torch.int64), lengths=torch.ones(len(keys), dtype=torch.int32))
+    kjt = KeyedJaggedTensor(keys=keys, values=torch.zeros(len(keys), dtype=torch.int64), lengths=torch.ones(len(keys), dtype=torch.int32),
+                            weights=torch.ones(len(keys)) if features.weighted else None)
     return Batch(dense_features=torch.zeros(1, features.num_dense), sparse_features=kjt, labels=labels)
 
 

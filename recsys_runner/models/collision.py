@@ -366,11 +366,11 @@ def pooled_lookup(ebc: nn.Module | None, mc_ebc: nn.Module | None, sparse: Keyed
 
     Raises:
         ConfigError: ``weighted`` (the weighted features, whose collection pools by weights) is not empty but ``sparse``
-            carries no weights: a caller that builds batches without them (predict, export) instead of a stack trace."""
+            carries no weights: a batch built without them names the problem instead of a stack trace."""
     if weighted and sparse.weights_or_none() is None:  # a traced (fx) batch's weights are a proxy, never None
         raise ConfigError(f"the features {list(weighted)} are weighted (data.sparse weighted / weights), but this batch carries no "
-                          f"weights: training and evaluate feed them; predict and export do not yet. Fix: score such a model "
-                          f"with evaluate, or train it without weighted features")
+                          f"weights: the data must encode them (data.sparse weighted / weights), as training did. Fix: give the "
+                          f"model batches of the data it was trained with")
     plain = ebc(sparse) if ebc is not None else None
     mapped = mc_ebc(sparse)[0] if mc_ebc is not None else None  # (pooled KeyedTensor, remapped ids)
     pooled: dict[str, torch.Tensor] = {}
