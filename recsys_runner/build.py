@@ -36,7 +36,7 @@ from recsys_runner.config import RunConfig, check_eval_keys
 from recsys_runner.data.base import DataConfig, DataModule
 from recsys_runner.data.encoding.stored import ENCODERS_FILE, StoredEncoders, from_json, read_stored
 from recsys_runner.data.encoding.vocabulary import RowCarry, carry_rows
-from recsys_runner.data.tabular_config import TabularDataConfig
+from recsys_runner.data.files.tabular_config import TabularDataConfig
 from recsys_runner.distributed.env import DistEnv, decided_on_rank0
 from recsys_runner.distributed.sharding import Distributed
 from recsys_runner.errors import CheckpointError, ConfigError

@@ -51,7 +51,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from recsys_runner import stores
 from recsys_runner.config import register_entry_schema, validate
-from recsys_runner.data.tabular_config import TabularDataConfig
+from recsys_runner.data.files.tabular_config import TabularDataConfig
 from recsys_runner.errors import ConfigError, require
 from recsys_runner.inference import (
     LOAD_FIELD,

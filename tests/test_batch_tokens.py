@@ -26,8 +26,8 @@ from recsys_runner.__main__ import run
 from recsys_runner.build import build
 from recsys_runner.config import validate
 from recsys_runner.configurable import make
-from recsys_runner.data.synthetic_sequences import POOL_BATCHES, SyntheticSequences, SyntheticSequencesConfig
-from recsys_runner.data.tokens import padded_slices
+from recsys_runner.data.generated.synthetic_sequences import POOL_BATCHES, SyntheticSequences, SyntheticSequencesConfig
+from recsys_runner.data.sequences.tokens import padded_slices
 from recsys_runner.errors import ConfigError
 from recsys_runner.train import throughput
 from recsys_runner.train.loop import train
@@ -99,7 +99,7 @@ def test_each_batch_is_a_pure_function_of_its_index() -> None:
 def test_batches_are_the_same_in_another_process() -> None:
     """Ranks and a resumed run are other processes: a batch must not depend on Python's per-process str hashing."""
     code = ("from recsys_runner.configurable import make\n"
-            "from recsys_runner.data.synthetic_sequences import SyntheticSequencesConfig as C\n"
+            "from recsys_runner.data.generated.synthetic_sequences import SyntheticSequencesConfig as C\n"
             f"d = make(C, batch_tokens={BUDGET}, max_len={MAX_LEN}, length_skew=1.0, num_items=2000, num_users=5000, group_by_length=True)"
             ".build()\nprint([int(d.batch(0, i).labels.sum()) * 100000 + int(d.batch(0, i).labels.shape[0]) for i in range(3)])")
     here = tokens_data(group_by_length=True)

@@ -10,9 +10,9 @@ from omegaconf import OmegaConf
 
 from recsys_runner.config import GROUPS, RunConfig, validate
 from recsys_runner.data.base import DataConfig
-from recsys_runner.data.generate import write_criteo_csv, write_criteo_parquet, write_criteo_tsv
-from recsys_runner.data.synthetic import SyntheticData
-from recsys_runner.data.synthetic_sequences import SyntheticSequences
+from recsys_runner.data.generated.generate import write_criteo_csv, write_criteo_parquet, write_criteo_tsv
+from recsys_runner.data.generated.synthetic import SyntheticData
+from recsys_runner.data.generated.synthetic_sequences import SyntheticSequences
 from recsys_runner.distributed.sharding import Distributed
 from recsys_runner.errors import ConfigError
 from recsys_runner.models.common import ModelConfig

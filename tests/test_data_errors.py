@@ -13,8 +13,8 @@ from recsys_runner.__main__ import run
 from recsys_runner.configurable import make
 from recsys_runner.data.base import DataError
 from recsys_runner.data.encoding.rows import splitmix64
-from recsys_runner.data.tabular import CsvData, ParquetData
-from recsys_runner.data.tabular_config import CsvDataConfig, ParquetDataConfig
+from recsys_runner.data.files.tabular import CsvData, ParquetData
+from recsys_runner.data.files.tabular_config import CsvDataConfig, ParquetDataConfig
 from recsys_runner.errors import ConfigError
 
 SPARSE = [{"name": "item", "num_embeddings": 10}]

@@ -15,8 +15,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from recsys_runner.configurable import make
-from recsys_runner.data.tabular import CsvData
-from recsys_runner.data.tabular_config import CsvDataConfig
+from recsys_runner.data.files.tabular import CsvData
+from recsys_runner.data.files.tabular_config import CsvDataConfig
 from tests.conftest import run_cli
 
 ROWS = 40

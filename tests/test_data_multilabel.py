@@ -15,10 +15,10 @@ from recsys_runner.config import validate
 from recsys_runner.configurable import make
 from recsys_runner.data.__main__ import main as data_main
 from recsys_runner.data.base import DataError
-from recsys_runner.data.generate import write_funnel_parquet
+from recsys_runner.data.files.tabular import CsvData, ParquetData
+from recsys_runner.data.files.tabular_config import CsvDataConfig, ParquetDataConfig
+from recsys_runner.data.generated.generate import write_funnel_parquet
 from recsys_runner.data.schema import stored_schema
-from recsys_runner.data.tabular import CsvData, ParquetData
-from recsys_runner.data.tabular_config import CsvDataConfig, ParquetDataConfig
 from recsys_runner.errors import ConfigError
 
 LABELS = {"ctr": "click", "cvr": "conversion"}

@@ -12,9 +12,9 @@ import pytest
 
 from recsys_runner.configurable import make
 from recsys_runner.data.__main__ import main as data_main
-from recsys_runner.data.generate import write_criteo_parquet
-from recsys_runner.data.tabular import CriteoData, CsvData, ParquetData
-from recsys_runner.data.tabular_config import CriteoDataConfig, CsvDataConfig, ParquetDataConfig
+from recsys_runner.data.files.tabular import CriteoData, CsvData, ParquetData
+from recsys_runner.data.files.tabular_config import CriteoDataConfig, CsvDataConfig, ParquetDataConfig
+from recsys_runner.data.generated.generate import write_criteo_parquet
 from recsys_runner.errors import ConfigError
 from recsys_runner.features import FeatureSpec, SparseFeature
 

@@ -7,7 +7,7 @@ import torch
 from torchmetrics.functional.classification import binary_auroc
 
 from recsys_runner.configurable import make
-from recsys_runner.data.synthetic import SyntheticData, SyntheticDataConfig
+from recsys_runner.data.generated.synthetic import SyntheticData, SyntheticDataConfig
 
 
 def small_data(**kw) -> SyntheticData:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from recsys_runner.__main__ import run
-from recsys_runner.data.generate import write_criteo_parquet, write_criteo_tsv
+from recsys_runner.data.generated.generate import write_criteo_parquet, write_criteo_tsv
 from tests.conftest import REPO, free_port
 
 TRAIN = ["train.log_every_steps=10", "train.eval_every_steps=null", "distributed.device=cpu", "data.batch_size=256"]

@@ -19,14 +19,14 @@ import torch
 from omegaconf import OmegaConf
 from torchrec.datasets.utils import Batch
 
-import recsys_runner.data.synthetic as synthetic
-import recsys_runner.data.tabular as tabular
+import recsys_runner.data.files.tabular as tabular
+import recsys_runner.data.generated.synthetic as synthetic
 from recsys_runner.config import validate
 from recsys_runner.configurable import make
 from recsys_runner.data.base import MAX_AUTO_WORKERS, auto_workers, data_device_type
-from recsys_runner.data.synthetic import SyntheticData, SyntheticDataConfig
-from recsys_runner.data.tabular import CsvData, ParquetData
-from recsys_runner.data.tabular_config import CsvDataConfig, ParquetDataConfig
+from recsys_runner.data.files.tabular import CsvData, ParquetData
+from recsys_runner.data.files.tabular_config import CsvDataConfig, ParquetDataConfig
+from recsys_runner.data.generated.synthetic import SyntheticData, SyntheticDataConfig
 from recsys_runner.errors import ConfigError
 
 SMALL = dict(batch_size=16, num_dense=3, num_sparse=4, num_embeddings=50, num_train_rows=16 * 11, num_eval_rows=16 * 5)

@@ -14,8 +14,8 @@ from omegaconf import DictConfig
 from recsys_runner.build import build
 from recsys_runner.config import validate
 from recsys_runner.configurable import make
-from recsys_runner.data.generate import write_criteo_parquet
-from recsys_runner.data.synthetic import SyntheticData, SyntheticDataConfig
+from recsys_runner.data.generated.generate import write_criteo_parquet
+from recsys_runner.data.generated.synthetic import SyntheticData, SyntheticDataConfig
 from recsys_runner.errors import ConfigError
 from recsys_runner.train.loop import train
 

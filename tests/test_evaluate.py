@@ -128,7 +128,7 @@ def test_cli_evaluate_sets_keys_of_the_trainings_data_option(tmp_path: Path) -> 
     """Trained on a Parquet file, ``evaluate load=<checkpoints> data.eval_path=<another file>`` composes the training's
     ``data=parquet data.path=…`` first (from the checkpoint's saved overrides), so ``data.eval_path`` (a key only file
     data has) is set on it and that file is evaluated; ``+data.eval_path`` works as well."""
-    from recsys_runner.data.generate import write_criteo_parquet
+    from recsys_runner.data.generated.generate import write_criteo_parquet
     from tests.conftest import run_cli
 
     write_criteo_parquet(str(tmp_path / "train.parquet"), 4096, seed=1, num_embeddings=1000, row_group_rows=1024)

@@ -25,8 +25,8 @@ from recsys_runner.checkpoint.storage import DcpFileStorage, list_checkpoints
 from recsys_runner.config import register_configs
 from recsys_runner.configurable import make
 from recsys_runner.data.encoding.rows import _raw_text
+from recsys_runner.data.generated.synthetic import SyntheticDataConfig
 from recsys_runner.data.schema import SparseColumn
-from recsys_runner.data.synthetic import SyntheticDataConfig
 from recsys_runner.distributed.sharding import _managed_types
 from recsys_runner.errors import CheckpointError, ConfigError
 from recsys_runner.features import FeatureSpec, ManagedCollision, SequenceGroup, SparseFeature

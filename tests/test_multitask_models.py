@@ -17,7 +17,7 @@ from recsys_runner import evaluate
 from recsys_runner.__main__ import run
 from recsys_runner.config import validate
 from recsys_runner.configurable import make
-from recsys_runner.data.synthetic import SyntheticData, SyntheticDataConfig
+from recsys_runner.data.generated.synthetic import SyntheticData, SyntheticDataConfig
 from recsys_runner.errors import ConfigError
 from recsys_runner.models.dbmtl import DBMTLConfig, dependency_order, task_dependencies
 from recsys_runner.models.mmoe import MMoEConfig

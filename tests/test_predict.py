@@ -19,7 +19,7 @@ from recsys_runner import predict, scoring
 from recsys_runner.__main__ import run as train
 from recsys_runner.build import build
 from recsys_runner.config import register_configs, validate
-from recsys_runner.data.generate import write_criteo_parquet
+from recsys_runner.data.generated.generate import write_criteo_parquet
 from recsys_runner.errors import ConfigError
 from recsys_runner.paths import CONFIG_PATH
 from tests.conftest import free_port

@@ -1,5 +1,5 @@
 """The experiment presets (``experiment=criteo_tsv|avazu_csv|movielens``) each train one epoch on a generated file in
-their public layout (``recsys_runner/data/generate.py``; never real data)."""
+their public layout (``recsys_runner/data/generated/generate.py``; never real data)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from recsys_runner.__main__ import run
 from recsys_runner.config import RunConfig, validate
-from recsys_runner.data.generate import write_avazu_csv, write_criteo_tsv, write_movielens_ratings
+from recsys_runner.data.generated.generate import write_avazu_csv, write_criteo_tsv, write_movielens_ratings
 from recsys_runner.data.schema import DenseColumn, SparseColumn
 from recsys_runner.paths import CONFIG_PATH
 

@@ -13,9 +13,9 @@ from hydra import compose, initialize_config_dir
 from recsys_runner.__main__ import run
 from recsys_runner.config import register_configs, validate
 from recsys_runner.configurable import make
-from recsys_runner.data.generate import write_criteo_tsv, write_movielens_ratings
-from recsys_runner.data.tabular import CsvData
-from recsys_runner.data.tabular_config import CsvDataConfig
+from recsys_runner.data.generated.generate import write_criteo_tsv, write_movielens_ratings
+from recsys_runner.data.files.tabular import CsvData
+from recsys_runner.data.files.tabular_config import CsvDataConfig
 from recsys_runner.errors import DataError
 from recsys_runner.paths import CONFIG_PATH
 from tests.conftest import run_cli

@@ -111,7 +111,7 @@ def test_a_sweep_over_a_sequence_model(tmp_path: Path) -> None:
 
 def test_history_batches_are_padded_per_batch_not_to_max_len() -> None:
     from recsys_runner.configurable import make
-    from recsys_runner.data.synthetic_sequences import SyntheticSequencesConfig
+    from recsys_runner.data.generated.synthetic_sequences import SyntheticSequencesConfig
     from recsys_runner.models.din import DIN, DINConfig
 
     data = make(SyntheticSequencesConfig, batch_size=16, max_len=200, length_skew=3.0, num_items=500, num_users=100,
@@ -146,7 +146,7 @@ def test_the_worked_example_from_a_log_to_din_sasrec_and_predict(make_cfg, tmp_p
 
     from recsys_runner import predict
     from recsys_runner.data.__main__ import main as data_main
-    from recsys_runner.data.generate import write_movielens_ratings
+    from recsys_runner.data.generated.generate import write_movielens_ratings
 
     write_movielens_ratings(str(tmp_path / "ratings.csv"), 20_000, layout="ratings.csv")
     assert data_main(["sequences", str(tmp_path / "ratings.csv"), str(tmp_path / "rows"), "--user", "userId", "--item", "movieId",

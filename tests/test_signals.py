@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient
 
 from recsys_runner.__main__ import run
 from recsys_runner.checkpoint.storage import DcpFileStorage, list_checkpoints
-from recsys_runner.data.generate import write_criteo_parquet
+from recsys_runner.data.generated.generate import write_criteo_parquet
 from recsys_runner.lifecycle import FINISHED_MARK, interrupted_message, interrupted_runs
 from recsys_runner.runtime import Launch
 from recsys_runner.train.signals import Interrupted, RaiseOnSignal, deferred, stopping

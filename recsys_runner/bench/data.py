@@ -3,7 +3,7 @@
 ``make bench`` (:mod:`recsys_runner.bench.regimes`) trains on the same kind of file in its ``b_parquet`` regime; this
 module looks closer at the reader (rows/s alone, ``data.num_workers``), on a larger file.
 
-Writes a Criteo-shaped Parquet file (:func:`recsys_runner.data.generate.write_criteo_parquet` with ``learnable=False``:
+Writes a Criteo-shaped Parquet file (:func:`recsys_runner.data.generated.generate.write_criteo_parquet` with ``learnable=False``:
 label, 13 float dense, 26 int64 id columns with ~5% nulls, the schema stored as ``convert`` does) to a temporary
 directory, then reports:
 
@@ -27,9 +27,9 @@ import time
 import torch
 
 from recsys_runner.bench.regimes import WINDOW, build_for_bench, on_device, runner_round, with_data
-from recsys_runner.data.generate import write_criteo_parquet
+from recsys_runner.data.files.tabular_config import TabularDataConfig
+from recsys_runner.data.generated.generate import write_criteo_parquet
 from recsys_runner.data.memory import InMemoryData
-from recsys_runner.data.tabular_config import TabularDataConfig
 
 
 def reader_rows_per_s(data, epoch: int) -> float:

@@ -9,7 +9,7 @@ Regimes (docs/performance.md says why each one matters):
   ``min(steps, 100)`` batches of the synthetic stream, which (b) makes on the fly. Target ≥ 0.97.
 * ``b_synthetic`` / ``b_parquet`` — end to end through the real input paths, the same built model: the
   runner's own ``data=synthetic`` module, and ``data=parquet`` reading a generated Criteo-shaped file
-  (:func:`recsys_runner.data.generate.write_criteo_parquet`, ``learnable=False``). Each as samples/s and as a
+  (:func:`recsys_runner.data.generated.generate.write_criteo_parquet`, ``learnable=False``). Each as samples/s and as a
   ratio to (a)'s in-memory runner figure. Target ≥ 0.9.
 * ``c_host_overhead`` — (a)'s method on a tiny model and a small batch, where per-step host work
   (Python, bookkeeping, logging) is most of the step. Target ≥ 0.95.
@@ -52,9 +52,9 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from recsys_runner.build import Components, build, seed_everything
 from recsys_runner.config import RunConfig, register_configs, validate
 from recsys_runner.data.base import DataModule
-from recsys_runner.data.generate import write_criteo_parquet
+from recsys_runner.data.generated.generate import write_criteo_parquet
+from recsys_runner.data.generated.synthetic import SyntheticData
 from recsys_runner.data.memory import InMemoryData
-from recsys_runner.data.synthetic import SyntheticData
 from recsys_runner.models.common import TrainWrapper
 from recsys_runner.optim.optimizers import DenseAdagradConfig, SparseAdagradConfig
 from recsys_runner.paths import CONFIG_PATH

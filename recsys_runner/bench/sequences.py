@@ -57,8 +57,8 @@ from recsys_runner.bench.regimes import (
     on_device,
     with_data,
 )
+from recsys_runner.data.generated.synthetic_sequences import POOL_BATCHES, SyntheticSequences
 from recsys_runner.data.memory import InMemoryData
-from recsys_runner.data.synthetic_sequences import POOL_BATCHES, SyntheticSequences
 from recsys_runner.train.loop import Loop, train
 
 TOKENS_RATIO_TARGET = 1.3

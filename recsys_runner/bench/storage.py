@@ -34,8 +34,8 @@ import torch
 
 from recsys_runner import stores
 from recsys_runner.bench.regimes import COMMON, Regime, build_for_bench, runner_round, with_data
-from recsys_runner.data.generate import write_criteo_parquet
-from recsys_runner.data.tabular_config import TabularDataConfig
+from recsys_runner.data.files.tabular_config import TabularDataConfig
+from recsys_runner.data.generated.generate import write_criteo_parquet
 
 TARGET = 0.90
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1",

@@ -17,7 +17,7 @@ label column, and per column the null count and the number of distinct values. L
     python -m recsys_runner.data inspect out/ [--format parquet|csv|criteo] [--label click --label conversion]
 
 ``sequences`` turns an interaction log (user, item, time, optional label or rating, item side columns) into rows
-whose histories hold each user's earlier events only (:mod:`recsys_runner.data.interactions`), split by time or
+whose histories hold each user's earlier events only (:mod:`recsys_runner.data.sequences.interactions`), split by time or
 leave-last-out, with the schema stored::
 
     python -m recsys_runner.data sequences events.csv out/ --user user --item item --time ts --side category \
@@ -39,7 +39,8 @@ import pyarrow.parquet as pq
 
 from recsys_runner.data.encoding.fit import InferConfig, complete_schema
 from recsys_runner.data.encoding.rows import Encoder, Location, Rows
-from recsys_runner.data.interactions import SPLITS, LogSpec, convert_log
+from recsys_runner.data.files.sources import PARQUET_SUFFIXES, CsvSource, resolve_files
+from recsys_runner.data.files.tabular_config import CRITEO_COLUMNS, CRITEO_NUM_SPARSE, DELIMITER_ESCAPES, criteo_schema
 from recsys_runner.data.schema import (
     SCHEMA_METADATA_KEY,
     DenseColumn,
@@ -50,8 +51,7 @@ from recsys_runner.data.schema import (
     schema_yaml,
     stored_schema,
 )
-from recsys_runner.data.sources import PARQUET_SUFFIXES, CsvSource, resolve_files
-from recsys_runner.data.tabular_config import CRITEO_COLUMNS, CRITEO_NUM_SPARSE, DELIMITER_ESCAPES, criteo_schema
+from recsys_runner.data.sequences.interactions import SPLITS, LogSpec, convert_log
 from recsys_runner.errors import ConfigError, DataError
 from recsys_runner.noise import quiet_known_noise
 from recsys_runner.progress import MODES as PROGRESS_MODES
@@ -238,7 +238,7 @@ def inspect(args: argparse.Namespace) -> None:
 
 
 def sequences(args: argparse.Namespace) -> None:
-    """``sequences``: the log → ``<output>/train.parquet`` and ``<output>/eval.parquet`` (:mod:`recsys_runner.data.interactions`)."""
+    """``sequences``: the log → ``<output>/train.parquet`` and ``<output>/eval.parquet`` (:mod:`recsys_runner.data.sequences.interactions`)."""
     spec = LogSpec(user=args.user, item=args.item, time=args.time, label=args.label, label_threshold=args.label_threshold,
                    sides=list(args.side), max_len=args.max_len, split=args.split, eval_from=args.eval_from)
     delimiter = DELIMITER_ESCAPES.get(args.delimiter, args.delimiter)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 
 from recsys_runner.configurable import Configurable
-from recsys_runner.data.items import ItemTable
+from recsys_runner.data.catalogue.items import ItemTable
 from recsys_runner.errors import CheckpointError, DataError, require
 from recsys_runner.features import DataNeeds, FeatureSpec
 
@@ -75,7 +75,7 @@ class DataModule(Protocol):
         return None
 
     def item_table(self) -> ItemTable | None:
-        """The item catalogue (:class:`~recsys_runner.data.items.ItemTable`, encoded as this data's rows) that sampled
+        """The item catalogue (:class:`~recsys_runner.data.catalogue.items.ItemTable`, encoded as this data's rows) that sampled
         negatives are drawn from and full-corpus evaluation scores against; ``None`` when the data has none (the default:
         a retrieval model then sees only the items of its batches)."""
         return None
@@ -95,7 +95,7 @@ class DataConfig(Configurable):
     """Rows per batch *per rank* (the global batch is ``batch_size × world_size``)."""
     batch_tokens: int | None = None
     """Instead of ``batch_size`` rows, batches of as many rows as fit this many history tokens per rank (a row costs
-    its history length + 1, :mod:`recsys_runner.data.tokens`); only for data with sequences. ``null``: ``batch_size``."""
+    its history length + 1, :mod:`recsys_runner.data.sequences.tokens`); only for data with sequences. ``null``: ``batch_size``."""
     group_by_length: bool = True
     """With ``batch_tokens``: batch rows of similar history length together (within a pool of rows: the shuffle buffer, or
     a pool of generated batches), each batch cut so that rows × (its longest history + 1) fits ``batch_tokens``, then the

@@ -23,8 +23,8 @@ from recsys_runner.checkpoint.object_storage import storage_for
 from recsys_runner.checkpoint.storage import TensorIndex
 from recsys_runner.checkpoint.weights import load_into
 from recsys_runner.config import RunConfig
+from recsys_runner.data.catalogue.items import ItemTable
 from recsys_runner.data.encoding.stored import ENCODERS_FILE, StoredEncoders
-from recsys_runner.data.items import ItemTable
 from recsys_runner.errors import CheckpointError, ConfigError
 from recsys_runner.features import FeatureSpec
 from recsys_runner.models.collision import restore_collision_state

@@ -31,8 +31,8 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.data.base import DataModule
-from recsys_runner.data.items import ItemTable
-from recsys_runner.data.negatives import MinedNegatives
+from recsys_runner.data.catalogue.items import ItemTable
+from recsys_runner.data.catalogue.negatives import MinedNegatives
 from recsys_runner.distributed.env import DistEnv
 from recsys_runner.errors import ConfigError
 from recsys_runner.metrics.corpus import corpus_k, corpus_ranks

@@ -3,7 +3,7 @@
 A step does not always hold ``data.batch_size`` rows: with ``data.batch_tokens`` a batch holds as many rows as fit
 a token budget, and a file's last batch may be short. So the meter counts what was really trained: :meth:`Throughput.counted`
 wraps the epoch's batch iterator and notes each batch's rows (``labels.shape[0]``) and, for data with histories, its
-tokens (the history lengths + one per row, :func:`recsys_runner.data.tokens.row_tokens`) as the pipeline fetches it;
+tokens (the history lengths + one per row, :func:`recsys_runner.data.sequences.tokens.row_tokens`) as the pipeline fetches it;
 :meth:`Throughput.update` takes one step's worth of those notes in fetch order, which is the order pipelines train
 them in (prefetching only moves the fetch earlier). With several ranks the window's rows and tokens are summed over
 ranks at the log point (one small all-reduce), so ``train/samples_per_s`` is the global rate.

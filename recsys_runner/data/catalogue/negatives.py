@@ -3,7 +3,7 @@
 In-batch softmax scores each query against the other rows' items only, so the negatives it sees are as popular as the
 positives and the catalogue's tail is never a negative. ``data.negatives`` appends ``num_negatives`` (``K``) catalogue
 items to every *training* batch, shared by all its queries: the batch's ``KeyedJaggedTensor`` has ``B + K`` rows, the
-last ``K`` with the item features only (looked up in the :class:`~recsys_runner.data.items.ItemTable`, every other key
+last ``K`` with the item features only (looked up in the :class:`~recsys_runner.data.catalogue.items.ItemTable`, every other key
 empty), dense columns 0 except the item's own, labels :data:`LABEL_PAD`. ``FeatureSpec.sampled_items = K`` tells the
 model. Eval batches carry none (full-corpus evaluation scores against every item).
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from recsys_runner.data.items import ItemTable
+from recsys_runner.data.catalogue.items import ItemTable
 from recsys_runner.errors import ConfigError, require
 from recsys_runner.features import FeatureSpec
 

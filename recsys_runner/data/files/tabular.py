@@ -1,4 +1,4 @@
-"""Streaming data modules over files: ``parquet``, ``csv`` and ``criteo`` (their configs: :mod:`recsys_runner.data.tabular_config`).
+"""Streaming data modules over files: ``parquet``, ``csv`` and ``criteo`` (their configs: :mod:`recsys_runner.data.files.tabular_config`).
 
 How an epoch is read (see docs/data.md for the full semantics):
 
@@ -12,7 +12,7 @@ How an epoch is read (see docs/data.md for the full semantics):
    ranks agree step by step (:func:`recsys_runner.data.base.synchronized`) and stop together.
 4. Each shard streams its units, encodes and checks the rows (:class:`Encoder`), passes them through
    a seeded shuffle buffer of ``shuffle_buffer_rows`` and cuts batches of ``batch_size`` (training batches with
-   ``batch_tokens``: as many rows as fit that many history tokens, :mod:`recsys_runner.data.histories`; the batch
+   ``batch_tokens``: as many rows as fit that many history tokens, :mod:`recsys_runner.data.sequences.histories`; the batch
    count is then known only by reading, and the ranks agree step by step).
 
 Eval rows come from ``eval_path``, or are a deterministic hash split of the training files: a row is
@@ -38,15 +38,13 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.data.base import DataModule, synchronized
+from recsys_runner.data.catalogue.item_files import Catalogue
 from recsys_runner.data.encoding.fit import Inferred, complete_schema
 from recsys_runner.data.encoding.rows import Encoder, Location, Rows, splitmix64
 from recsys_runner.data.encoding.stored import StoredEncoders, check_columns, column_kinds, column_types, oov_counters, to_json
-from recsys_runner.data.histories import check_list_columns, expected_rows, history_costs, token_cuts
-from recsys_runner.data.item_files import Catalogue
-from recsys_runner.data.prefetch import read_ahead
-from recsys_runner.data.schema import Schema, read_schema_file, schema_yaml, stored_schema
-from recsys_runner.data.sources import PARQUET_SUFFIXES, CsvSource, ParquetSource, Unit, resolve_files
-from recsys_runner.data.tabular_config import (
+from recsys_runner.data.files.prefetch import read_ahead
+from recsys_runner.data.files.sources import PARQUET_SUFFIXES, CsvSource, ParquetSource, Unit, resolve_files
+from recsys_runner.data.files.tabular_config import (
     CRITEO_COLUMNS,
     CRITEO_NUM_SPARSE,
     DEFAULT_EVAL_FRACTION,
@@ -58,7 +56,9 @@ from recsys_runner.data.tabular_config import (
     criteo_columns,
     mapping_option,
 )
-from recsys_runner.data.tokens import check_budget
+from recsys_runner.data.schema import Schema, read_schema_file, schema_yaml, stored_schema
+from recsys_runner.data.sequences.histories import check_list_columns, expected_rows, history_costs, token_cuts
+from recsys_runner.data.sequences.tokens import check_budget
 from recsys_runner.errors import ConfigError, DataError, require
 
 log = logging.getLogger(__name__)

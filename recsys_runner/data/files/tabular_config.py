@@ -1,6 +1,6 @@
 """The configs of the file-backed data options (``data=parquet``, ``data=csv``, ``data=criteo``) and the Criteo layout.
 
-Each config's ``_target_`` names its reader in :mod:`recsys_runner.data.tabular`; docs/data.md has the full reference.
+Each config's ``_target_`` names its reader in :mod:`recsys_runner.data.files.tabular`; docs/data.md has the full reference.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from recsys_runner.data.base import DataConfig
+from recsys_runner.data.catalogue.item_files import ItemsConfig
+from recsys_runner.data.catalogue.negatives import NegativesConfig
 from recsys_runner.data.encoding.fit import InferConfig
 from recsys_runner.data.encoding.rows import BAD_ROW_MODES
-from recsys_runner.data.item_files import ItemsConfig
-from recsys_runner.data.negatives import NegativesConfig
 from recsys_runner.data.schema import (
     DENSE_TRANSFORMS,
     DenseColumn,
@@ -25,7 +25,7 @@ from recsys_runner.data.schema import (
     check_labels,
     sequence_groups,
 )
-from recsys_runner.data.tokens import check_budget
+from recsys_runner.data.sequences.tokens import check_budget
 from recsys_runner.errors import require
 from recsys_runner.features import SequenceGroup
 
@@ -176,14 +176,14 @@ class SchemaFields(TabularDataConfig):
 class ParquetDataConfig(SchemaFields):
     """Schema of ``conf/data/parquet.yaml``: Parquet files; list columns are multi-hot features."""
 
-    _target_: str = "recsys_runner.data.tabular.ParquetData"
+    _target_: str = "recsys_runner.data.files.tabular.ParquetData"
 
 
 @dataclass(kw_only=True)
 class CsvDataConfig(SchemaFields):
     """Schema of ``conf/data/csv.yaml``: delimited text (CSV, TSV), one record per line, uncompressed."""
 
-    _target_: str = "recsys_runner.data.tabular.CsvData"
+    _target_: str = "recsys_runner.data.files.tabular.CsvData"
     delimiter: str | None = ","
     """Field delimiter: ``","`` for CSV, ``"\\t"`` for TSV; ``null``: detected from the first file's first lines (tab,
     comma, semicolon or pipe; logged). On the command line ``data.delimiter=tab`` or ``data.delimiter='\\t'`` (Hydra
@@ -236,7 +236,7 @@ class CriteoDataConfig(TabularDataConfig):
     the table size; a missing categorical is an empty bag (a zero vector).
     """
 
-    _target_: str = "recsys_runner.data.tabular.CriteoData"
+    _target_: str = "recsys_runner.data.files.tabular.CriteoData"
     num_embeddings: int | None = None
     """Table size of every categorical column; ``null`` (the default): each column sized from a sample of the files
     (logged): a vocabulary of its values plus ``data.infer.oov_buckets`` rows when the sample covers the column, else

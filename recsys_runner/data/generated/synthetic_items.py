@@ -15,7 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from recsys_runner.data.items import ItemTable
+from recsys_runner.data.catalogue.items import ItemTable
 
 __all__ = ["HARD_COLUMN", "generated_item_table", "hard_negative_ids", "item_lookups", "pair_popularity"]
 

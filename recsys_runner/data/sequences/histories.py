@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 
 from recsys_runner.data.encoding.rows import Jagged, is_list, is_text, not_a_list
 from recsys_runner.data.schema import Schema
-from recsys_runner.data.tokens import padded_slices, row_tokens, token_slices
+from recsys_runner.data.sequences.tokens import padded_slices, row_tokens, token_slices
 from recsys_runner.errors import DataError
 
 
@@ -34,7 +34,7 @@ def check_list_columns(schema: Schema, arrow_schema: pa.Schema, path: str) -> No
 
 
 def history_costs(schema: Schema, sparse: list[Jagged]) -> np.ndarray:
-    """Each row's tokens (:func:`~recsys_runner.data.tokens.row_tokens`): the lengths of each group's first feature, summed."""
+    """Each row's tokens (:func:`~recsys_runner.data.sequences.tokens.row_tokens`): the lengths of each group's first feature, summed."""
     index = {c.name: j for j, c in enumerate(schema.sparse)}
     lengths = sum(sparse[index[g.features[0]]][1].astype(np.int64) for g in schema.sequences)
     return row_tokens(np.asarray(lengths))
@@ -42,7 +42,7 @@ def history_costs(schema: Schema, sparse: list[Jagged]) -> np.ndarray:
 
 def token_cuts(costs: np.ndarray, budget: int, final: bool, padded: bool = False) -> tuple[list[tuple[int, int]], int]:
     """Batches of ``budget`` tokens over a block of rows with ``costs``, and how many rows they use; ``padded``: each
-    batch's rows × its largest cost within the budget (:func:`~recsys_runner.data.tokens.padded_slices`, for rows
+    batch's rows × its largest cost within the budget (:func:`~recsys_runner.data.sequences.tokens.padded_slices`, for rows
     sorted by cost).
 
     Until the ``final`` block the last (possibly under-full) slice is held back for the next rows.

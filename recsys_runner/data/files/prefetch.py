@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 
 from recsys_runner import stores
-from recsys_runner.data.sources import Unit
+from recsys_runner.data.files.sources import Unit
 
 
 def read_ahead(source: Any, units: list[Unit], depth: int | None = None) -> Iterator[Iterator[tuple[pa.Table, np.ndarray]]]:

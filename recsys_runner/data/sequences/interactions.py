@@ -28,8 +28,8 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from recsys_runner.data.files.sources import PARQUET_SUFFIXES, resolve_files
 from recsys_runner.data.schema import SCHEMA_METADATA_KEY, Schema, SparseColumn, schema_json
-from recsys_runner.data.sources import PARQUET_SUFFIXES, resolve_files
 from recsys_runner.errors import ConfigError, DataError
 from recsys_runner.features import SequenceGroup
 

@@ -14,8 +14,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from recsys_runner.data.files.tabular_config import CRITEO_COLUMNS, CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE, criteo_schema
 from recsys_runner.data.schema import SCHEMA_METADATA_KEY, Schema, schema_json
-from recsys_runner.data.tabular_config import CRITEO_COLUMNS, CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE, criteo_schema
 from recsys_runner.errors import require
 
 

@@ -18,7 +18,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from recsys_runner import stores
-from recsys_runner.data.layout import delimiter_hint, detect_delimiter, looks_like_header, split_fields
+from recsys_runner.data.files.layout import delimiter_hint, detect_delimiter, looks_like_header, split_fields
 from recsys_runner.errors import DataError, UserError
 
 PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")

@@ -20,8 +20,8 @@ that learns successors beats the popularity ranking. History lengths are long-ta
 As with ``data=synthetic``, every batch is a pure function of ``(seed, split, batch index)``; nothing is written.
 
 With ``data.batch_tokens`` a batch holds as many rows as fit that many history tokens (a row costs its length + 1,
-:mod:`recsys_runner.data.tokens`) instead of ``batch_size`` rows: batch ``i`` draws its rows' lengths from its own
-seeded stream and keeps the first :func:`~recsys_runner.data.tokens.token_slices` cut of them, so it is still a pure
+:mod:`recsys_runner.data.sequences.tokens`) instead of ``batch_size`` rows: batch ``i`` draws its rows' lengths from its own
+seeded stream and keeps the first :func:`~recsys_runner.data.sequences.tokens.token_slices` cut of them, so it is still a pure
 function of ``(seed, split, i)``. An epoch then has a fixed number of batches, ``num_train_rows // rows_per_batch``
 (the *expected* rows of a token batch, :meth:`SyntheticSequencesConfig.rows_per_batch`), dealt to the ranks as
 before: every rank gets the same count, whatever rows each batch turns out to hold.
@@ -30,7 +30,7 @@ before: every rank gets the same count, whatever rows each batch turns out to ho
 batch to its longest row (DIN, BST): then a batch of mixed lengths costs ``rows × longest`` padded slots, far more
 than its tokens, and only length-sorted batches make memory follow the budget. Batches ``i`` of one *pool* of
 :data:`POOL_BATCHES` consecutive indices share the pool's lengths, drawn from the pool's own stream, sorted and cut so
-that each batch's padded size, rows × (longest + 1), fits the budget (:func:`~recsys_runner.data.tokens.padded_slices`);
+that each batch's padded size, rows × (longest + 1), fits the budget (:func:`~recsys_runner.data.sequences.tokens.padded_slices`);
 batch ``i`` takes one of the cuts (the pool's cuts are dealt in a seeded random order, and any cut beyond
 :data:`POOL_BATCHES` is dropped at a random position, so no length is favoured). Its rows' other columns come from
 its own stream, so it is still a pure function of ``(seed, split, i)``.
@@ -46,7 +46,7 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.data.base import DataConfig, DataModule
-from recsys_runner.data.tokens import check_budget, padded_slices, row_tokens, token_slices
+from recsys_runner.data.sequences.tokens import check_budget, padded_slices, row_tokens, token_slices
 from recsys_runner.errors import require
 from recsys_runner.features import TRUNCATIONS, DataNeeds, FeatureSpec, SequenceGroup, SparseFeature
 
@@ -64,7 +64,7 @@ HISTORY = "hist"
 class SyntheticSequencesConfig(DataConfig):
     """Schema of ``conf/data/synthetic_sequences.yaml``."""
 
-    _target_: str = "recsys_runner.data.synthetic_sequences.SyntheticSequences"
+    _target_: str = "recsys_runner.data.generated.synthetic_sequences.SyntheticSequences"
     batch_size: int = 512
     """Rows per batch per rank. Ignored when ``data.batch_tokens`` is set: batches are then cut by history tokens and
     the module's ``batch_size`` (what the sharding planner costs with) is the expected rows of one such batch."""

@@ -39,12 +39,18 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.data.base import DataConfig, DataModule
+from recsys_runner.data.catalogue.items import ItemTable
+from recsys_runner.data.catalogue.negatives import MinedNegatives, NegativeSampler, NegativesConfig
 from recsys_runner.data.collision import SyntheticCollisionConfig, collision_config, spread_ids
-from recsys_runner.data.items import ItemTable
-from recsys_runner.data.negatives import MinedNegatives, NegativeSampler, NegativesConfig
+from recsys_runner.data.generated.synthetic_items import (
+    HARD_COLUMN,
+    generated_item_table,
+    hard_negative_ids,
+    item_lookups,
+    pair_popularity,
+)
+from recsys_runner.data.generated.synthetic_sequences import SyntheticSequencesConfig
 from recsys_runner.data.schema import LABEL_KINDS
-from recsys_runner.data.synthetic_items import HARD_COLUMN, generated_item_table, hard_negative_ids, item_lookups, pair_popularity
-from recsys_runner.data.synthetic_sequences import SyntheticSequencesConfig
 from recsys_runner.errors import require
 from recsys_runner.features import DataNeeds, FeatureSpec, SparseFeature
 
@@ -60,7 +66,7 @@ DEFAULT_NUM_STEPS = 1000
 class SyntheticDataConfig(DataConfig):
     """Schema of ``conf/data/synthetic.yaml``."""
 
-    _target_: str = "recsys_runner.data.synthetic.SyntheticData"
+    _target_: str = "recsys_runner.data.generated.synthetic.SyntheticData"
     num_dense: int = 13
     """Dense (float) columns, ``int_0 …``; Criteo has 13."""
     num_sparse: int = 26
