@@ -38,7 +38,6 @@ from recsys_runner.tracking.tracker import NullTracker, Tracker
 from recsys_runner.train.compile import check_static_shapes, compile_dense
 from recsys_runner.train.ema import DenseEMA
 from recsys_runner.train.evaluation import Evaluator
-from recsys_runner.train.stepping import LeanPipeline
 
 
 @dataclass
@@ -103,7 +102,7 @@ def build_inference(run: RunConfig, *, weights: Path, launch: Launch = Launch())
         sharded = distributed.shard(wrapped, distributed.plan(wrapped, batch_size=data.batch_size))
         compile_dense(model, run.train.compile, wrapper=wrapped)  # the same module objects DMP now holds
         ema = _ema_weights(sharded, run.train.ema.decay) if run.train.ema.eval_with_ema else None
-        evaluator = Evaluator(model=sharded, pipeline=_no_pipeline(sharded), data=data, env=env, tasks=wrapped.tasks,
+        evaluator = Evaluator(model=sharded, pipeline=None, data=data, env=env, tasks=wrapped.tasks,
                               metrics=run.metrics, max_batches=run.train.eval_max_batches, ema=ema)
         checkpointer.attach(model=sharded, optimizer=NO_OPTIMIZER, tensors={"ema": ema} if ema is not None else {}, objects={})
         state = checkpointer.load_weights(weights)
@@ -124,10 +123,3 @@ def _ema_weights(sharded: nn.Module, decay: float | None) -> DenseEMA:
     (the training build's choice, :func:`recsys_runner.build.build`); its shadow weights are the checkpoint's, once loaded."""
     assert decay is not None, "train.ema.eval_with_ema needs train.ema.decay (EmaConfig checks it)"
     return DenseEMA(dict(in_backward_optimizer_filter(sharded.named_parameters())), decay)
-
-
-def _no_pipeline(model: nn.Module) -> LeanPipeline:
-    """The Evaluator's pipeline slot where nothing trains: a pipeline that is never stepped, over no optimizer. The
-    Evaluator reads it only to detach a TorchRec sparse-dist pipeline from the forwards it rewrote
-    (:func:`recsys_runner.train.pipeline.detached`); this one rewrites none, so the model keeps its own forward."""
-    return LeanPipeline(model, NO_OPTIMIZER)

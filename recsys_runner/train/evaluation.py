@@ -33,7 +33,8 @@ class Evaluator:
 
     Attributes:
         model: the sharded model (``TrainWrapper`` inside DistributedModelParallel).
-        pipeline: the train pipeline, whose in-flight batches are kept aside while evaluating.
+        pipeline: the train pipeline, whose in-flight batches are kept aside while evaluating; ``None`` where nothing
+            trains (evaluate, predict: :mod:`recsys_runner.inference_build`).
         data: the data module (its ``eval_batches``).
         env: rank, world size and device.
         tasks: the model's tasks, in output order.
@@ -45,7 +46,7 @@ class Evaluator:
     """
 
     model: nn.Module
-    pipeline: Pipeline
+    pipeline: Pipeline | None
     data: DataModule
     env: DistEnv
     tasks: tuple[Task, ...]

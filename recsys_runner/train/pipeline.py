@@ -85,8 +85,9 @@ def make_pipeline(
 
 
 @contextlib.contextmanager
-def detached(pipeline: Pipeline, model: nn.Module) -> Iterator[nn.Module]:
-    """The pipeline's model with its original forward, for evaluation between training steps.
+def detached(pipeline: Pipeline | None, model: nn.Module) -> Iterator[nn.Module]:
+    """The pipeline's model with its original forward, for evaluation between training steps (``model`` itself without a
+    pipeline: nothing trains).
 
     TrainPipelineSparseDist rewrites the sharded modules' forward to read pre-distributed inputs;
     detaching restores it and keeps in-flight training batches, which resume after ``attach``.
