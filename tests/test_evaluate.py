@@ -98,65 +98,67 @@ def test_evaluate_config_mistakes(make_cfg: Callable[..., DictConfig], tmp_path:
         evaluate.run(compose_entry("evaluate", *overrides, f"load={tmp_path}"))
 
 
-def test_cli_evaluate_takes_the_training_overrides_from_the_checkpoint(tmp_path: Path) -> None:
+CLI_TRAINED = ["data=parquet", "data.path=train.parquet", "data.batch_size=256", "model=dlrm", "model.embedding_dim=8",
+               "train.num_steps=10", "train.log_every_steps=10", "train.eval_every_steps=null", "distributed.device=cpu",
+               "tracking=none", "hydra.run.dir=train"]
+"""One CLI training on a Parquet file, with a model option and a model key, shared by the CLI evaluate tests."""
+
+
+@pytest.fixture(scope="module")
+def cli_trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """``python -m recsys_runner`` run once on ``train.parquet`` (``day2.parquet`` beside it) in a directory of its own:
+    that directory and the final eval/auc the training printed."""
+    from recsys_runner.data.generated.generate import write_criteo_parquet
+    from tests.conftest import run_cli
+
+    root = tmp_path_factory.mktemp("cli_trained")
+    write_criteo_parquet(str(root / "train.parquet"), 4096, seed=1, num_embeddings=1000, row_group_rows=1024)
+    write_criteo_parquet(str(root / "day2.parquet"), 2048, seed=7, num_embeddings=1000, row_group_rows=1024)
+    done = run_cli(*CLI_TRAINED, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return root, re.findall(r"step \d+/\d+ eval/auc=([0-9.]+)", done.stdout + done.stderr)[-1]
+
+
+def _evaluate_cli(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "recsys_runner.evaluate", "load=train/checkpoints", *args],
+                          cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def test_cli_evaluate_takes_the_training_overrides_from_the_checkpoint(cli_trained: tuple[Path, str]) -> None:
     """A checkpoint written by the CLI carries its launch's overrides; ``python -m recsys_runner.evaluate load=<dir>``
     rebuilds that model from them without their being repeated (exactly the training's final eval), and an override
     given to evaluate wins over the training's of the same key (here refused: another width than the checkpoint's)."""
-    from tests.conftest import TINY, run_cli
-
-    trained = [*TINY, "model=dlrm", "model.embedding_dim=8", "tracking=none", "hydra.run.dir=train"]
-    done = run_cli(*trained, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    final = re.findall(r"step \d+/\d+ eval/auc=([0-9.]+)", done.stdout + done.stderr)[-1]
-    meta = json.loads(next((tmp_path / "train" / "checkpoints").glob("step_*/meta.json")).read_text())
+    root, final = cli_trained
+    meta = json.loads(next((root / "train" / "checkpoints").glob("step_*/meta.json")).read_text())
     assert "model=dlrm" in meta["overrides"] and "model.embedding_dim=8" in meta["overrides"]
 
-    def evaluate_cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "recsys_runner.evaluate", "load=train/checkpoints", "tracking=none", *args],
-                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
-
-    out = evaluate_cli("hydra.run.dir=eval")
+    out = _evaluate_cli(root, "tracking=none", "hydra.run.dir=eval")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "using the overrides of the training launch" in out.stdout + out.stderr
     auc = re.search(r"evaluate .*: eval/auc=([0-9.]+)", out.stdout + out.stderr)
     assert auc is not None and float(auc.group(1)) == pytest.approx(float(final), abs=1e-4)
-    wider = evaluate_cli("hydra.run.dir=eval2", "model.embedding_dim=16")
+    wider = _evaluate_cli(root, "tracking=none", "hydra.run.dir=eval2", "model.embedding_dim=16")
     assert wider.returncode != 0 and "does not match this model config" in wider.stderr and "Traceback" not in wider.stderr
 
 
-def test_cli_evaluate_sets_keys_of_the_trainings_data_option(tmp_path: Path) -> None:
+def test_cli_evaluate_sets_keys_of_the_trainings_data_option(cli_trained: tuple[Path, str]) -> None:
     """Trained on a Parquet file, ``evaluate load=<checkpoints> data.eval_path=<another file>`` composes the training's
     ``data=parquet data.path=…`` first (from the checkpoint's saved overrides), so ``data.eval_path`` (a key only file
     data has) is set on it and that file is evaluated; ``+data.eval_path`` works as well."""
-    from recsys_runner.data.generated.generate import write_criteo_parquet
-    from tests.conftest import run_cli
-
-    write_criteo_parquet(str(tmp_path / "train.parquet"), 4096, seed=1, num_embeddings=1000, row_group_rows=1024)
-    write_criteo_parquet(str(tmp_path / "day2.parquet"), 2048, seed=7, num_embeddings=1000, row_group_rows=1024)
-    trained = ["data=parquet", "data.path=train.parquet", "data.batch_size=256", "train.num_steps=10",
-               "train.log_every_steps=10", "train.eval_every_steps=null", "distributed.device=cpu", "tracking=none",
-               "hydra.run.dir=train"]
-    done = run_cli(*trained, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-
-    def evaluate_cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "recsys_runner.evaluate", "load=train/checkpoints", *args],
-                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
-
-    out = evaluate_cli("data.eval_path=day2.parquet", "tracking=none", "hydra.run.dir=eval")
+    root, _ = cli_trained
+    out = _evaluate_cli(root, "data.eval_path=day2.parquet", "tracking=none", "hydra.run.dir=eval_day2")
     assert out.returncode == 0, out.stderr[-3000:]
     logged = out.stdout + out.stderr
     assert "using the overrides of the training launch" in logged and "data=parquet data.path=train.parquet" in logged
     auc = re.search(r"evaluate .*step_00000010 \(step 10\): eval/auc=([0-9.]+)", logged)
     assert auc is not None, logged[-3000:]
     # The same checkpoint on day2.parquet, all overrides spelled out: the same number, so that file was evaluated.
-    (tmp_path / "eval").mkdir(exist_ok=True)
-    ckpt = next((tmp_path / "train" / "checkpoints").glob("step_*"))
-    spelled = [o.replace("=train.parquet", f"={tmp_path}/train.parquet") for o in trained if not o.startswith("hydra.")]
-    metrics = evaluate.run(compose_entry("evaluate", *spelled, f"data.eval_path={tmp_path}/day2.parquet", f"load={ckpt}"))
+    ckpt = next((root / "train" / "checkpoints").glob("step_*"))
+    spelled = [o.replace("=train.parquet", f"={root}/train.parquet") for o in CLI_TRAINED if not o.startswith("hydra.")]
+    metrics = evaluate.run(compose_entry("evaluate", *spelled, f"data.eval_path={root}/day2.parquet", f"load={ckpt}"))
     assert metrics["eval/auc"] == pytest.approx(float(auc.group(1)), abs=1e-5)
     # +data.eval_path (what Hydra suggests when data.eval_path is not in the default data) composes the same.
-    shown = evaluate_cli("+data.eval_path=day2.parquet", "--cfg", "job")
+    shown = _evaluate_cli(root, "+data.eval_path=day2.parquet", "--cfg", "job")
     assert shown.returncode == 0, shown.stderr[-3000:]
     assert "eval_path: day2.parquet" in shown.stdout and "path: train.parquet" in shown.stdout
 

@@ -11,15 +11,19 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_dir
 from mlflow.tracking import MlflowClient
 
 from recsys_runner.__main__ import run
 from recsys_runner.checkpoint.storage import DcpFileStorage, list_checkpoints
+from recsys_runner.config import register_configs
 from recsys_runner.data.generated.generate import write_criteo_parquet
 from recsys_runner.lifecycle import FINISHED_MARK, interrupted_message, interrupted_runs
+from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.runtime import Launch
 from recsys_runner.train.signals import Interrupted, RaiseOnSignal, deferred, stopping
 from tests.conftest import REPO, TINY, hint_of, run_cli
@@ -33,8 +37,9 @@ LONG_EVAL = ["data.num_eval_rows=400000", "train.eval_max_batches=null"]
 
 
 def _signal_when(argv: list[str], marker: str, signum: int, cwd: Path, delay_s: float = 0.5,
-                 timeout_s: float = 120) -> tuple[int, str]:
-    """Run ``argv``, send ``signum`` ``delay_s`` after ``marker`` appears in its output; its exit status and output."""
+                 timeout_s: float = 120, ready: Callable[[], bool] | None = None) -> tuple[int, str]:
+    """Run ``argv``, send ``signum`` ``delay_s`` after ``marker`` appears in its output (and, given ``ready``, once it
+    returns true: polled, so that a loaded machine only waits longer); its exit status and output."""
     proc = subprocess.Popen(argv, cwd=cwd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen: list[str] = []
     try:
@@ -45,6 +50,9 @@ def _signal_when(argv: list[str], marker: str, signum: int, cwd: Path, delay_s: 
             if marker in line or time.monotonic() > deadline:
                 break
         assert proc.poll() is None and marker in seen[-1], "".join(seen)[-3000:]
+        while ready is not None and not ready() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None and (ready is None or ready()), "".join(seen)[-3000:]
         time.sleep(delay_s)
         proc.send_signal(signum)
         rest, _ = proc.communicate(timeout=timeout_s)
@@ -53,6 +61,12 @@ def _signal_when(argv: list[str], marker: str, signum: int, cwd: Path, delay_s: 
             proc.kill()
             proc.wait()
     return proc.returncode, "".join(seen) + rest
+
+
+def _run_open(root: Path) -> Callable[[], bool]:
+    """Whether a run of the MLflow store in ``root`` (sqlite, artifacts in ``root/mlruns``) is open: its
+    ``manifest.json``, the last thing logged as a run opens (lifecycle.py's ``_open``), is there."""
+    return lambda: any((root / "mlruns").glob("*/*/artifacts/manifest.json"))
 
 
 def _status(uri: str, run_id: str) -> str:
@@ -85,16 +99,29 @@ def test_sigterm_during_the_final_eval_checkpoints_and_the_printed_command_resum
 
 
 # -- evaluate: nothing to keep, the run KILLED, the command to redo it ----------------------------------------------
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The checkpoint of a TINY DeepFM trained 4 steps in this process, shared by both signals' evaluate runs."""
+    root = tmp_path_factory.mktemp("four_steps")
+    register_configs()
+    with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
+        run(compose(config_name="config", overrides=[*TINY, "train.num_steps=4", f"checkpoint.dir={root}/ckpt", "tracking=none"]))
+    (checkpoint,) = list_checkpoints(root / "ckpt")
+    return checkpoint
+
+
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_during_evaluate_ends_its_run_killed_with_the_command_to_redo_it(
-    make_cfg, tmp_path: Path, signum: int, code: int
+    four_steps: Path, tmp_path: Path, signum: int, code: int
 ) -> None:
     model = [a for a in TINY if a.startswith("data.")]
-    run(make_cfg("train.num_steps=4", f"checkpoint.dir={tmp_path}/ckpt"))  # in-process: faster
-    (checkpoint,) = list_checkpoints(tmp_path / "ckpt")
+    checkpoint = four_steps
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     args = [*model, *LONG_EVAL, "distributed.device=cpu", f"load={checkpoint}", f"tracking.uri={uri}", "tracking.experiment=ev"]
-    got, out = _signal_when([sys.executable, "-m", "recsys_runner.evaluate", *args], "loaded weights of", signum, tmp_path)
+    # "loaded weights of" is logged while evaluate builds, before its MLflow run is opened (on a loaded machine, seconds
+    # before): a signal there finds no run to end KILLED. It waits for the open run; the eval, ~1500 batches, then lasts.
+    got, out = _signal_when([sys.executable, "-m", "recsys_runner.evaluate", *args], "loaded weights of", signum, tmp_path,
+                            delay_s=0.2, ready=_run_open(tmp_path))
     assert got == code, out[-3000:]
     (line,) = [x for x in out.splitlines() if x.startswith("Interrupted:")]
     (mlrun,) = runs(uri, "ev")
