@@ -29,11 +29,11 @@ from recsys_runner.checkpoint.lock import DirectoryInUse, ObjectStoreLock
 from recsys_runner.checkpoint.object_storage import DcpObjectStorage
 from recsys_runner.config import register_configs
 from recsys_runner.configurable import make
-from recsys_runner.data.generated.generate import write_criteo_csv, write_criteo_parquet, write_criteo_tsv
 from recsys_runner.data.files.prefetch import read_ahead
 from recsys_runner.data.files.sources import Unit
 from recsys_runner.data.files.tabular import CriteoData, CsvData, ParquetData
 from recsys_runner.data.files.tabular_config import CriteoDataConfig, CsvDataConfig, ParquetDataConfig
+from recsys_runner.data.generated.generate import write_criteo_csv, write_criteo_parquet, write_criteo_tsv
 from recsys_runner.errors import CheckpointError, DataError
 from recsys_runner.paths import CONFIG_PATH
 from tests.conftest import REPO
@@ -241,16 +241,20 @@ def _final_eval(output: str) -> str:
 
 @pytest.mark.slow
 def test_train_from_a_bucket_kill_9_resume_to_the_same_eval_then_predict_and_export_to_it(
-    s3: MotoServer, tmp_path: Path
+    s3_env: MotoServer, tmp_path: Path
 ) -> None:
-    local = s3.local  # type: ignore[attr-defined]
+    """The CLI where a process is the point (the run killed with -9, its resume, predict and export carrying the
+    training's overrides from the bucket); the local reference runs in this process (one interpreter fewer to start)."""
+    s3, local = s3_env, s3_env.local  # type: ignore[attr-defined]
     env = {**os.environ, **s3.env, "PYTHONPATH": str(REPO)}
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
 
     def cli(*args: str, module: str = "recsys_runner") -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", module, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
-    straight = cli(*_train_args(tmp_path, f"{local}/train", f"{tmp_path}/ck", "local"))  # the reference: local files, local checkpoints
-    assert straight.returncode == 0, straight.stderr[-3000:]
+    register_configs()
+    with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):  # the reference: local files, local checkpoints
+        run(compose(config_name="config", overrides=_train_args(tmp_path, f"{local}/train", f"{tmp_path}/ck", "local")))
     args = _train_args(tmp_path, "s3://data/train/*.parquet", "s3://data/runs/ck", "bucket")
     live = subprocess.Popen([sys.executable, "-m", "recsys_runner", *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -269,19 +273,30 @@ def test_train_from_a_bucket_kill_9_resume_to_the_same_eval_then_predict_and_exp
     out = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, out[-3000:]
     assert "previous holder" in out and re.search(r"resuming from s3://data/runs/ck/step_0000000[24]", out), out[-3000:]
-    assert _final_eval(out) == _final_eval(straight.stdout + straight.stderr)
+    (reference,), (bucket,) = _mlflow_runs(uri, "local"), _mlflow_runs(uri, "bucket")
+    assert bucket.data.tags.get("resumed") == "true" and bucket.data.metrics["eval/auc"] > 0  # the killed run, continued
+    for key in ("eval/auc", "eval/logloss"):  # the final eval, logged at step 12 by each
+        assert bucket.data.metrics[key] == pytest.approx(reference.data.metrics[key], rel=1e-6), key
+    assert _final_eval(out).startswith(f"eval/auc={bucket.data.metrics['eval/auc']:.4g} ")  # the one the resumed run printed
     assert not s3.fs().exists("data/runs/ck/.lock")
 
     predicted = cli("load=s3://data/runs/ck", "predict.input=s3://data/train/part1.parquet", "predict.output=s3://data/scores",
-                    *args[:3], "distributed.device=cpu", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", module="recsys_runner.predict")
+                    *args[:3], "distributed.device=cpu", f"tracking.uri={uri}", module="recsys_runner.predict")
     assert predicted.returncode == 0, predicted.stderr[-3000:]
     (part,) = s3.fs().glob("data/scores/part-*.parquet")
     with s3.fs().open(part, "rb") as f:
         assert pq.read_table(f).num_rows == 2500
-    exported = cli("load=s3://data/runs/ck", "export.dir=s3://data/export", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
-                   module="recsys_runner.export")
+    exported = cli("load=s3://data/runs/ck", "export.dir=s3://data/export", f"tracking.uri={uri}", module="recsys_runner.export")
     assert exported.returncode == 0, exported.stderr[-3000:]
     assert "data/export/model.pt2" in s3.fs().find("data/export")
+
+
+def _mlflow_runs(uri: str, experiment: str) -> list:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(experiment)
+    return client.search_runs([exp.experiment_id]) if exp else []
 
 
 def test_in_process_resume_from_a_bucket_matches_local(s3_env: MotoServer, tmp_path: Path, mlflow_uri: str) -> None:
