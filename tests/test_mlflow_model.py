@@ -331,3 +331,31 @@ def test_every_transform_is_served_as_predict_scores_it(tmp_path: Path) -> None:
     unit = ServedModel(str(trained["model"] / "data" / "data"))
     with pytest.raises(Exception, match=r"request row 0, column 'tags': .*weight"):
         unit.predict(pd.read_csv(tmp_path / "score.csv", dtype=str).head(2).assign(tags=["t1:heavy", "t2:1"]))
+
+
+def test_parquet_ids_with_gaps_are_served_from_text(tmp_path: Path) -> None:
+    """A Parquet-trained model: integer ids with missing values (pandas would make floats of them), float prices with
+    gaps. The signature is text; the served model casts each column back to the type training read."""
+    import mlflow.pyfunc
+    import pyarrow as pa
+
+    rng = np.random.default_rng(4)
+
+    def table(n: int) -> pa.Table:
+        users = [None if rng.random() < 0.1 else int(u) for u in rng.integers(0, 2**40, n) % 37 + 10**12]
+        price = [None if rng.random() < 0.1 else float(p) for p in rng.random(n) * 9]
+        click = [int((u or 0) % 2) for u in users]
+        return pa.table({"click": pa.array(click, pa.int8()), "user": pa.array(users, pa.int64()), "price": pa.array(price, pa.float64())})
+
+    pq.write_table(table(1500), tmp_path / "train.parquet")
+    pq.write_table(table(100), tmp_path / "score.parquet")
+    data = ["data=parquet", f"data.path={tmp_path}/train.parquet", "data.batch_size=128", "data.label=click", "model=deepfm",
+            "distributed.device=cpu", "tracking=none"]
+    trained = _trained(tmp_path, data, steps=6)
+    reference = _scores(data, trained["checkpoint"], tmp_path / "score.parquet", tmp_path / "predicted")
+    rows = pq.read_table(tmp_path / "score.parquet").select(["user", "price"])
+    assert rows.column("user").null_count > 0
+    served = mlflow.pyfunc.load_model(str(trained["model"])).predict(mlflow_model.as_request(rows))
+    np.testing.assert_allclose(served["score"].to_numpy(), reference["score"].to_numpy(), atol=ATOL)
+    with pytest.raises(Exception, match=r"column 'user' cannot be read as int64"):
+        ServedModel(str(trained["model"] / "data" / "data")).predict(mlflow_model.as_request(rows).assign(user="someone"))

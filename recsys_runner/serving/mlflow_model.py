@@ -8,9 +8,9 @@ row encoder and the vocabulary lookup it needs) and whose ``data/`` holds the ``
 writes, with torch, NumPy, pandas, PyArrow and MLflow alone. A two-tower model gets one per tower instead
 (``mlflow_user_tower/``, ``mlflow_item_tower/``), each returning the tower's vectors.
 
-The model is written with an input signature of the raw columns — each typed as training read it: every column of a
-CSV is ``string`` (a request then sends text, as the files held; CSV requests are parsed as text by the server), a
-Parquet column its type — and an input example: the first rows of the training files. Before it is kept, the written
+The model is written with an input signature of the raw columns — every single-valued column as ``string``, which the
+served model casts to the type training read (:func:`signature` says why), a list column as an array — and an input
+example: the first rows of the training files. Before it is kept, the written
 model is loaded back through MLflow and its scores on the example compared with the eager model's on the same rows
 encoded by the training encoder (:func:`check_served`): an export whose served scores differ is refused.
 
@@ -72,7 +72,12 @@ def outputs(tasks: tuple[Task, ...]) -> list[dict[str, Any]]:
 
 
 def signature(types: dict[str, str], columns: list[str]) -> Any:
-    """The input signature: each raw column typed as training read it (module docstring)."""
+    """The input signature: every single-valued raw column as ``string``, a list column as an array of its elements' type.
+
+    Why text: the served model casts each column to the type training read (``encoders.json``'s ``column_types``) and
+    names the column when a value does not fit; MLflow's own types cannot hold a missing id (pandas turns an int column
+    with a gap into floats, which a ``long`` column refuses) nor parse a CSV request's bad number without losing the
+    column's name. A JSON request's numbers are converted to text by the server; a pandas caller passes ``dtype=str``."""
     from mlflow.models import ModelSignature
     from mlflow.types.schema import Array, ColSpec, DataType, Schema
 
@@ -83,9 +88,16 @@ def signature(types: dict[str, str], columns: list[str]) -> Any:
         t = types.get(name, "string")
         if t.startswith("list<"):
             return ColSpec(Array(scalar.get(t[5:-1], DataType.string)), name)
-        return ColSpec(scalar.get(t, DataType.string), name)
+        return ColSpec(DataType.string, name)
 
     return ModelSignature(inputs=Schema([spec(c) for c in columns]))
+
+
+def as_request(rows: pa.Table) -> Any:
+    """``rows`` (raw, as training read them) as a request's DataFrame: single-valued columns as text (missing values
+    ``None``; an int column's ids written as integers, not as the floats pandas would make of a column with gaps)."""
+    columns = {name: col if rows_module.is_list(col.type) else col.cast(pa.string()) for name, col in zip(rows.column_names, rows.columns, strict=True)}
+    return pa.table(columns).to_pandas()
 
 
 def input_columns(encoders: StoredEncoders, keep: set[str] | None = None) -> list[str]:
@@ -122,7 +134,7 @@ def write_model(out: Path, module: ServingModule | TowerServing, program: torch.
                                   (served.__file__, served.SHIPPED["served"])):
             shutil.copyfile(str(module_file), code / name)
         columns = spec["input_columns"]
-        example = raw.select(columns).slice(0, EXAMPLE_ROWS).to_pandas()
+        example = as_request(raw.select(columns).slice(0, EXAMPLE_ROWS))
         mlflow.pyfunc.save_model(
             path=str(out), loader_module=served.LOADER_MODULE, data_path=str(data), code_paths=[str(code / n) for n in served.SHIPPED.values()],
             signature=signature(encoders.types, columns), input_example=example, pip_requirements=requirements())
@@ -148,7 +160,7 @@ def check_served(out: Path, module: ServingModule | TowerServing, encoders: Stor
     import mlflow.pyfunc
 
     rows = raw.slice(0, CHECK_ROWS)  # every column: the training encoder reads them all (a tower's model only its own)
-    got = mlflow.pyfunc.load_model(str(out)).predict(rows.select(spec["input_columns"]).to_pandas())
+    got = mlflow.pyfunc.load_model(str(out)).predict(as_request(rows.select(spec["input_columns"])))
     want = expected(module, encoders, rows)
     for column, values in want.items():
         served_values = np.stack(got[column].to_numpy()) if spec["outputs"][0]["kind"] == "vector" else got[column].to_numpy()
