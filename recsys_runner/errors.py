@@ -78,3 +78,9 @@ def reported() -> Iterator[None]:
             raise
         print(f"{e.label}: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+class Stopped(Exception):  # noqa: N818 - a stop, not an error
+    """A command stopped on a signal (the lifecycle's :class:`~recsys_runner.train.signals.Interrupted` is one). Code that
+    catches every ``Exception`` to carry on — a tracking store outage, a retried write — lets it through, so a signal that
+    arrives during such a call still stops the command."""

@@ -183,3 +183,25 @@ def test_processes_creating_a_new_sqlite_store_together_all_start(tmp_path: Path
     runs = client.search_runs([experiment.experiment_id])
     assert sorted(r.info.run_name for r in runs) == [f"job{i}" for i in range(num_processes)]
     assert all(r.info.status == "FINISHED" for r in runs)
+
+
+def test_a_signal_while_metrics_are_sent_stops_the_command_and_keeps_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tracker rides out a store outage by catching every error while sending; a signal (the lifecycle's
+    ``Interrupted``, raised from its handler into whatever runs) is not an outage: it goes through, the metrics stay
+    pending for the run's end."""
+    from recsys_runner.train.signals import Interrupted
+
+    tracker = MlflowTracker(make(MlflowTrackingConfig, uri=f"sqlite:///{tmp_path}/mlflow.db", experiment="signals"))
+    tracker.start(run_name="r", tags={}, params={})
+
+    def interrupted(*_: Any, **__: Any) -> None:
+        raise Interrupted(15, None, None)
+
+    monkeypatch.setattr(tracker._client, "log_batch", interrupted)
+    with pytest.raises(Interrupted):
+        tracker.log_metrics({"train/loss": 0.5}, step=1)
+    assert [m.key for m in tracker._pending] == ["train/loss"], "the metrics that were being sent stay pending"
+    monkeypatch.undo()
+    run_id = tracker.run_id
+    tracker.finish("KILLED")  # sends them
+    assert [m.value for m in MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_metric_history(run_id, "train/loss")] == [0.5]

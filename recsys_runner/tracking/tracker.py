@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from recsys_runner.configurable import Configurable
-from recsys_runner.errors import require
+from recsys_runner.errors import Stopped, require
 from recsys_runner.tracking.store import (
     experiment_id,
     is_remote,
@@ -278,6 +278,8 @@ class MlflowTracker:
                     text, artifact_file = self._pending_text[0]
                     self._client.log_text(run_id, text, artifact_file)
                     self._pending_text.pop(0)
+        except Stopped:  # a signal that arrived while sending: the command stops, the data stays pending for close()
+            raise
         except Exception as e:  # noqa: BLE001 - any store failure: keep the data and carry on training
             self._next_try = time.monotonic() + self._backoff_s
             self._backoff_s = min(self._backoff_s * 2, 60.0)

@@ -39,6 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from recsys_runner.errors import Stopped
+
 PREEMPT = signal.SIGUSR2
 """submitit's preemption/time-limit signal (its default ``SUBMITIT_PREEMPT_SIGNAL=USR2``)."""
 HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, PREEMPT)
@@ -48,7 +50,7 @@ Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 """What :func:`signal.signal` installs and returns: a function, ``SIG_DFL`` / ``SIG_IGN``, or ``None`` (not set from Python)."""
 
 
-class Interrupted(Exception):
+class Interrupted(Stopped):
     """A command stopped on a signal: training after a step (or ``train.stop_after_steps``) with the checkpoint it
     wrote, any command elsewhere (``step`` is ``None``: nothing was kept)."""
 
