@@ -54,12 +54,15 @@ test-fast: $(STAMP) ## Run the tests except those marked slow
 	$(PY) -m pytest -q -m "not slow"
 
 BENCH_ARGS ?=
-bench: $(STAMP) ## Runner vs hand loop (synthetic, Parquet, sequences, managed collision), start-up; negatives; object store; corpus eval (docs/performance.md)
+bench: $(STAMP) ## Runner vs hand loop (synthetic, Parquet, sequences, managed collision), start-up; negatives; object store; corpus eval; serving, encoders, Criteo transforms (docs/performance.md)
 	$(PY) -m recsys_runner.bench $(BENCH_ARGS)
 	$(PY) -m recsys_runner.bench.retrieval
 	$(PY) -m recsys_runner.bench.storage
 	$(PY) -m recsys_runner.bench.multitask
 	$(PY) -m recsys_runner.bench --corpus
+	$(PY) -m recsys_runner.bench.serving
+	$(PY) -m recsys_runner.bench.encoding
+	$(PY) -m recsys_runner.bench.transforms
 
 lint: $(STAMP) ## ruff, mypy, and import-linter (what each room may import: docs/architecture.md)
 	$(VENV)/bin/ruff check recsys_runner tests hydra_plugins

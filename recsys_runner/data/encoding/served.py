@@ -148,16 +148,15 @@ class ServedModel:
         if missing:
             raise self.error(f"the request has no column {missing[0]!r}{f' (nor {missing[1:]})' if missing[1:] else ''}; "
                                  f"the model reads the columns {self.columns}. Fix: send every one of them (extra columns are ignored)")
-        table = pa.Table.from_pandas(frame[self.columns], preserve_index=False)
-        table = pa.table({name: self._cast(name, table.column(name).combine_chunks()) for name in self.columns})
-        table = table.append_column(LABEL, pa.array(np.zeros(table.num_rows, np.float32)))
-        n = table.num_rows
+        n = len(frame)
+        columns = {name: self._cast(name, _arrow_column(frame[name])) for name in self.columns}
+        table = pa.table({**columns, LABEL: pa.array(np.zeros(n, np.float32))})
         encoder = _Encoder(self.schema, "fail", self.error)
         rows = encoder.encode(table, _RequestRows("request", "rows", np.arange(n), 0))
         values = np.concatenate([v for v, _ in rows.sparse]) if rows.sparse else np.zeros(0, np.int64)
         lengths = np.stack([ln for _, ln in rows.sparse]) if rows.sparse else np.zeros((0, n), np.int64)
-        inputs = (torch.from_numpy(np.ascontiguousarray(rows.dense, dtype=np.float32)), torch.from_numpy(values.astype(np.int64)),
-                  torch.from_numpy(lengths.astype(np.int64)))
+        inputs = (torch.from_numpy(np.ascontiguousarray(rows.dense, dtype=np.float32)),
+                  torch.from_numpy(values.astype(np.int64, copy=False)), torch.from_numpy(lengths.astype(np.int64, copy=False)))
         if not self.spec.get("weighted"):
             return inputs
         weights = rows.key_weights()
@@ -168,9 +167,12 @@ class ServedModel:
         parsed, list elements cast likewise; dense columns stay numbers (the encoder reads both)."""
         target = self.types.get(name)
         if _rows.is_text(arr.type):  # pandas' strings arrive as large_string
-            arr = arr.cast(pa.string())
+            if arr.type != pa.string():
+                arr = arr.cast(pa.string())
             if len(self.null_values):  # the CSV reader's missing-value tokens ("" by default) are nulls
-                arr = pc.if_else(pc.is_in(arr, value_set=self.null_values), pa.scalar(None, pa.string()), arr)
+                tokens = pc.is_in(arr, value_set=self.null_values)
+                if pc.any(tokens).as_py():
+                    arr = pc.if_else(tokens, pa.scalar(None, pa.string()), arr)
         if target is None or pa.types.is_null(arr.type) or pa.types.is_null(target) or arr.type == target:
             return arr
         if name in self.dense_columns and pa.types.is_string(target):
@@ -192,7 +194,7 @@ class ServedModel:
 
         torch = self._torch
         frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)
-        with torch.no_grad():
+        with torch.inference_mode():  # no autograd bookkeeping at all (no_grad still keeps version counters): less per op
             out = self.program(*self.encode(frame))
         return pd.DataFrame(scores(out, self.spec["outputs"]))
 
@@ -216,6 +218,15 @@ def scores(out: Any, outputs: list[dict[str, Any]]) -> dict[str, np.ndarray]:
         else:
             columns[column] = value.reshape(value.shape[0]).numpy()
     return columns
+
+
+def _arrow_column(series: Any) -> pa.Array:
+    """A request column (a pandas Series) as one Arrow array, converted as ``pa.Table.from_pandas`` converts each column
+    (``pa.array(..., from_pandas=True)``: NaN and None are nulls), without building a table and its pandas metadata first:
+    per request that costs more than the conversion itself for a few rows. A column of a NumPy dtype is handed over as its
+    array (what ``pa.array`` takes from the Series anyway); extension and categorical dtypes as the Series."""
+    arr = pa.array(series.to_numpy() if isinstance(series.dtype, np.dtype) else series, from_pandas=True)
+    return arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
 
 
 def _integral(arr: pa.Array) -> pa.Array:
