@@ -18,6 +18,8 @@ row of the new table starts from (the same id's).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
 
 import numpy as np
 
@@ -54,9 +56,15 @@ class Vocabulary:
         oov = self.capacity + (keys % np.uint64(self.oov_buckets)).astype(np.int64)
         if not len(self.keys):
             return oov
-        pos = np.minimum(np.searchsorted(self.keys, keys), len(self.keys) - 1)
-        hit = self.keys[pos] == keys
-        return np.where(hit, self.rows[pos], oov)
+        pos = self._index.get_indexer(keys)  # a hash lookup: ~3x a searchsorted of unsorted queries (bench.encoding)
+        return np.where(pos >= 0, self.rows[np.maximum(pos, 0)], oov)
+
+    @cached_property
+    def _index(self) -> Any:
+        """``keys`` as a pandas hash index (built on the first lookup; the keys are distinct)."""
+        import pandas as pd
+
+        return pd.Index(self.keys)
 
 
 @dataclass(frozen=True)
