@@ -5,3 +5,15 @@
 the GPU step (its options, where its time goes, tables larger than the GPU), and ``gpu`` runs every GPU measurement.
 May import anything in the package (it drives whole runs); nothing in the package imports it.
 """
+
+import json
+import os
+from typing import Any
+
+
+def write_results(path: str, result: dict[str, Any]) -> None:
+    """Write a bench's ``result`` as JSON to ``path`` (its folder made, e.g. the git-ignored ``bench_results/``) and say where."""
+    os.makedirs(os.path.dirname(str(path)) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"results in {path}")

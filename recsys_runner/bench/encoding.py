@@ -20,7 +20,6 @@ flipped every round), and a variant's ratio is the median of its per-round ratio
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -30,6 +29,7 @@ from typing import Any
 
 import torch
 
+from recsys_runner.bench import write_results
 from recsys_runner.bench.data import reader_rows_per_s
 from recsys_runner.bench.regimes import compose_run
 from recsys_runner.data.files.tabular_config import CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE
@@ -102,7 +102,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     rows = args.rows or (20_000 if args.quick else 300_000)
     rounds = args.rounds or (1 if args.quick else 5)
-    os.makedirs(os.path.dirname(str(args.json)) or ".", exist_ok=True)
     variants_out = bench_encoding(rows, args.num_embeddings, args.batch_size, rounds, args.overrides)
     result = {"device": "cpu", "threads": torch.get_num_threads(), "rows": rows, "num_embeddings": args.num_embeddings,
               "batch_size": args.batch_size, "rounds": rounds, "target": TARGET, "variants": variants_out}
@@ -110,9 +109,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name, v in variants_out.items():
         target = f"  target >= {TARGET} ({'met' if v['met'] else 'NOT met'})" if "target" in v else ""
         print(f"{name:<17} {v['rows_per_s']:>12,.0f} rows/s  {v['ratio']:.3f}x plain (range {v['ratio_min']:.2f}-{v['ratio_max']:.2f}){target}")
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"results in {args.json}")
+    write_results(args.json, result)
     return result
 
 

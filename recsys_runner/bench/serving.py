@@ -31,7 +31,6 @@ import concurrent.futures
 import contextlib
 import http.client
 import io
-import json
 import os
 import re
 import shutil
@@ -50,6 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from recsys_runner.bench import write_results
 from recsys_runner.data.files.tabular_config import CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE
 from recsys_runner.data.generated.generate import write_criteo_csv
 from recsys_runner.distributed.env import auto_num_threads
@@ -392,12 +392,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              ("rows", 50_000, 1_000), ("profile_repeats", 30, 2)):
         if getattr(args, key) is None:
             setattr(args, key, small if quick else full)
-    os.makedirs(os.path.dirname(str(args.json)) or ".", exist_ok=True)
     result = bench_serving(args)
     print_table(result)
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"results in {args.json}")
+    write_results(args.json, result)
     return result
 
 

@@ -20,7 +20,6 @@ and docs/data.md (Criteo) quote the numbers.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -30,6 +29,7 @@ from typing import Any
 
 import torch
 
+from recsys_runner.bench import write_results
 from recsys_runner.bench.regimes import compose_run
 from recsys_runner.build import build
 from recsys_runner.data.files.tabular_config import CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE
@@ -108,7 +108,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     train_rows = args.train_rows or (2_000 if args.quick else 40_000)
     eval_rows = args.eval_rows or (1_000 if args.quick else 20_000)
     seeds = args.seeds or (1 if args.quick else 2)
-    os.makedirs(os.path.dirname(str(args.json)) or ".", exist_ok=True)
     out = bench_transforms(train_rows, eval_rows, args.batch_size, seeds, args.quantiles, args.overrides)
     best = max(out, key=lambda n: out[n]["auc"])
     result = {"device": "cpu", "threads": torch.get_num_threads(), "train_rows": train_rows, "eval_rows": eval_rows,
@@ -119,9 +118,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name, v in out.items():
         print(f"{name:<15} {v['auc']:9.4f} {v['auc_vs_log1p']:+9.4f} {v['logloss']:9.4f} {v['logloss_vs_log1p']:+9.4f}")
     print(f"best eval AUC: {best}")
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"results in {args.json}")
+    write_results(args.json, result)
     return result
 
 
