@@ -2,11 +2,22 @@
 
 The leakage test builds a log whose every item names its own event, so a history can be decoded back to events and
 checked: never the row's own event, never one at or after its time; a naive per-row reference agrees row by row, and
-a deliberately leaky history builder is caught by the same check.
+a deliberately leaky history builder is caught by the same check. Repeated events are dropped (or kept, or refused)
+and never make an eval row a training row; empty logs and used output folders are refused by name; a real SIGTERM
+while the files are written leaves the output folder as it was, with one line and exit 143; an object store works
+as a folder does.
 """
 
 from __future__ import annotations
 
+import contextlib
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -15,11 +26,15 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
+from recsys_runner import stores
 from recsys_runner.__main__ import run
 from recsys_runner.data.__main__ import main as data_main
 from recsys_runner.data.schema import stored_schema
 from recsys_runner.data.sequences.interactions import LogSpec, encode_log, history_bounds, log_to_rows, rows_table
 from recsys_runner.errors import ConfigError, DataError
+from recsys_runner.train import signals
+from tests.conftest import REPO
+from tests.object_store import start_moto
 
 MAX_LEN = 4
 
@@ -67,10 +82,10 @@ def leaks(rows: pa.Table, log: pa.Table) -> list[str]:
     return found
 
 
-def convert(tmp_path: Path, log: pa.Table, *flags: str, name: str = "log.parquet") -> tuple[pa.Table, pa.Table]:
+def convert(tmp_path: Path, log: pa.Table, *flags: str, name: str = "log.parquet", out: str = "out") -> tuple[pa.Table, pa.Table]:
     pq.write_table(log, tmp_path / name)
-    assert data_main(["sequences", str(tmp_path / name), str(tmp_path / "out"), "--side", "category", *flags]) == 0
-    return pq.read_table(tmp_path / "out" / "train.parquet"), pq.read_table(tmp_path / "out" / "eval.parquet")
+    assert data_main(["sequences", str(tmp_path / name), str(tmp_path / out), "--side", "category", *flags]) == 0
+    return pq.read_table(tmp_path / out / "train.parquet"), pq.read_table(tmp_path / out / "eval.parquet")
 
 
 def test_no_history_holds_its_own_event_or_a_later_one(tmp_path: Path) -> None:
@@ -138,7 +153,7 @@ def test_labels_ratings_and_the_stored_schema(tmp_path: Path) -> None:
     assert tables["item_id"] == tables["hist_item_id"] == "item" and tables["category"] == tables["hist_category"] == "category"
     (group,) = schema.sequences
     assert group.features == ("hist_item_id", "hist_category") and group.timestamps == "hist_ts" and group.max_len == 50
-    unlabelled, _ = convert(tmp_path, log, name="plain.parquet")
+    unlabelled, _ = convert(tmp_path, log, name="plain.parquet", out="plain")
     assert set(unlabelled.column("label").to_pylist()) == {1}  # without a label every event is a positive
 
 
@@ -181,3 +196,211 @@ def test_din_trains_on_the_produced_files(make_cfg, tmp_path: Path) -> None:
                    "distributed.device=cpu", "distributed.sharding_types=[table_wise]", "checkpoint=none", "data.batch_size=128",
                    "tracking=none", tiny=False)
     assert 0.0 <= run(cfg) <= 1.0
+
+
+# -- repeated events ----------------------------------------------------------------------------------------------------
+def with_copies(log: pa.Table, seed: int = 0) -> pa.Table:
+    """``log`` with repeated events: every user's last event (latest time, then latest line) twice more, and 60 other events
+    once more, the copies spread through the log (some before the line they repeat)."""
+    last: dict[str, tuple[tuple[int, int], int]] = {}
+    for j, e in enumerate(log.to_pylist()):
+        if e["user"] not in last or (e["timestamp"], j) > last[e["user"]][0]:
+            last[e["user"]] = ((e["timestamp"], j), j)
+    rng = np.random.default_rng(seed)
+    repeated = [j for _, j in last.values()] * 2 + rng.choice(log.num_rows, 60, replace=False).tolist()
+    both = pa.concat_tables([log, log.take(repeated)])
+    return both.take(rng.permutation(both.num_rows))
+
+
+def first_copies(log: pa.Table) -> pa.Table:
+    """Naively, the log without its repeated lines: the first of each set of identical lines, in log order."""
+    seen, keep = set(), []
+    for j, e in enumerate(log.to_pylist()):
+        key = tuple(e.values())
+        if key not in seen:
+            seen.add(key)
+            keep.append(j)
+    return log.take(keep)
+
+
+def row_keys(rows: pa.Table) -> list[tuple]:
+    """Each output row as a whole (candidate, side, label, time and history), to compare rows between the splits."""
+    columns = ["user_id", "item_id", "category", "ts", "label", "hist_item_id", "hist_ts"]
+    return [tuple(tuple(v) if isinstance(v, list) else v for v in r.values()) for r in rows.select(columns).to_pylist()]
+
+
+def test_repeated_events_are_dropped_by_default_counted_and_never_both_eval_and_training(tmp_path: Path,
+                                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    log = with_copies(event_log(seed=6))
+    unique = first_copies(log)
+    copies = log.num_rows - unique.num_rows
+    assert copies > 0
+    train, held = convert(tmp_path, log, "--max-len", str(MAX_LEN))
+    assert f"read {log.num_rows} events from {tmp_path / 'log.parquet'}; {copies} of them exact duplicates of an earlier event " \
+           f"(dropped, --duplicates drop)" in capsys.readouterr().out
+    # exactly the rows of the log without its copies, so histories hold no copy either
+    expected_train, expected_held = convert(tmp_path, unique, "--max-len", str(MAX_LEN), name="unique.parquet", out="unique")
+    assert train.equals(expected_train) and held.equals(expected_held)
+    assert not set(row_keys(held)) & set(row_keys(train))
+    assert leaks(pa.concat_tables([train, held]), log) == []
+
+
+@pytest.mark.parametrize("split", [["--split", "leave-last-out"], ["--split", "time", "--eval-from", "40"]])
+def test_kept_repeats_of_an_eval_event_are_eval_rows_too(tmp_path: Path, capsys: pytest.CaptureFixture[str], split: list[str]) -> None:
+    log = with_copies(event_log(seed=7))
+    copies = log.num_rows - first_copies(log).num_rows
+    train, held = convert(tmp_path, log, "--duplicates", "keep", *split)
+    assert f"{copies} of them exact duplicates of an earlier event (kept, --duplicates keep)" in capsys.readouterr().out
+    assert train.num_rows + held.num_rows == log.num_rows  # every line is a row
+    held_keys = row_keys(held)
+    assert len(held_keys) > len(set(held_keys))  # the eval side holds repeated events: the case that could leak
+    assert not set(held_keys) & set(row_keys(train))  # ... and none of them is also a training row
+    assert leaks(pa.concat_tables([train, held]), log) == []
+    if split[1] == "leave-last-out":  # each user's last line (latest time, then latest line) and every copy of it
+        lines = [tuple(e.values()) for e in log.to_pylist()]
+        last = {line[0]: line for _, line in sorted(((line[2], j), line) for j, line in enumerate(lines))}
+        users = decoded(held.column("user_id"), log, "user")
+        assert {u: users.count(u) for u in users} == {u: lines.count(line) for u, line in last.items()}
+
+
+def test_duplicates_fail_names_the_first_copy_and_the_line_it_repeats(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log = with_copies(event_log(seed=8))
+    pq.write_table(log, tmp_path / "log.parquet")
+    lines = [tuple(e.values()) for e in log.to_pylist()]
+    first_copy = next(j for j, line in enumerate(lines) if line in lines[:j])
+    copies = log.num_rows - first_copies(log).num_rows
+    assert data_main(["sequences", str(tmp_path / "log.parquet"), str(tmp_path / "out"), "--duplicates", "fail"]) == 2
+    err = capsys.readouterr().err
+    assert (f"Data error: {tmp_path / 'log.parquet'}: {copies} event(s) repeat an earlier one exactly (equal in every column read: "
+            f"['user', 'item', 'timestamp']); the first is row {first_copy}, a copy of row {lines.index(lines[first_copy])} ") in err
+    assert "Fix: --duplicates drop" in err and not (tmp_path / "out").exists()
+
+
+# -- empty logs ---------------------------------------------------------------------------------------------------------
+def test_an_empty_log_is_refused_by_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "zero.csv").write_text("")
+    (tmp_path / "header.csv").write_text("user,item,timestamp\n")
+    pq.write_table(event_log().slice(0, 0), tmp_path / "none.parquet")
+    for name, what in (("zero.csv", "0 bytes"), ("header.csv", "a header line only"), ("none.parquet", "a Parquet file of 0 rows")):
+        assert data_main(["sequences", str(tmp_path / name), str(tmp_path / "out")]) == 2
+        assert f"Data error: the log {tmp_path / name} is empty (rows: 0, {what}): there are no events" in capsys.readouterr().err
+    (tmp_path / "days").mkdir()
+    (tmp_path / "days" / "a.csv").write_text("")
+    (tmp_path / "days" / "b.csv").write_text("user,item,timestamp\n")
+    assert data_main(["sequences", str(tmp_path / "days"), str(tmp_path / "out")]) == 2
+    assert (f"the log {tmp_path / 'days' / 'a.csv'} (and 1 more file(s)) is empty (rows: 0, in each file: {tmp_path / 'days' / 'a.csv'}: "
+            f"0 bytes; {tmp_path / 'days' / 'b.csv'}: a header line only)") in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    # an empty file among files with events adds no events, and is no error
+    (tmp_path / "days" / "c.csv").write_text("user,item,timestamp\nu1,1,10\nu1,2,20\n")
+    assert data_main(["sequences", str(tmp_path / "days"), str(tmp_path / "out")]) == 0
+    assert pq.read_table(tmp_path / "out" / "train.parquet").num_rows == 1
+
+
+# -- the output folder --------------------------------------------------------------------------------------------------
+def test_a_used_output_folder_is_refused_unless_overwrite_which_replaces_it_whole(tmp_path: Path,
+                                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    log, out = event_log(seed=9), tmp_path / "out"
+    (out).mkdir()  # an empty folder is not a used one
+    convert(tmp_path, log, "--max-len", "3")
+    before = {name: (out / name).read_bytes() for name in ("train.parquet", "eval.parquet")}
+    argv = ["sequences", str(tmp_path / "log.parquet"), str(out), "--max-len", "2"]
+    assert data_main(argv) == 2
+    assert (f"Config error: the output folder {out} already holds an earlier output (['eval.parquet', 'train.parquet']). "
+            f"Fix: --overwrite to replace it as a whole, or a new output folder") in capsys.readouterr().err
+    assert {name: (out / name).read_bytes() for name in before} == before
+    assert data_main([*argv, "--overwrite"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log.parquet", "out"]  # nothing staged or set aside is left
+    for name in before:  # both files are the new output's
+        schema = stored_schema(str(out / name))
+        assert schema is not None and schema.sequences[0].max_len == 2, name
+    (out / "notes.txt").write_text("mine")
+    assert data_main([*argv, "--overwrite"]) == 2
+    assert (f"the output folder {out} is not empty: it holds ['eval.parquet', 'notes.txt', 'train.parquet'], and ['notes.txt'] are "
+            f"not files sequences writes (train.parquet, eval.parquet), so not even --overwrite replaces them") in capsys.readouterr().err
+    assert (out / "notes.txt").read_text() == "mine"
+    assert data_main(["sequences", str(tmp_path / "log.parquet"), str(out / "notes.txt")]) == 2
+    assert f"the output {out / 'notes.txt'} is a file, not a folder" in capsys.readouterr().err
+
+
+# -- signals ------------------------------------------------------------------------------------------------------------
+def test_sigterm_while_writing_leaves_the_earlier_output_and_says_how_to_redo(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    convert(tmp_path, event_log(seed=10), out="out")  # an earlier output, which --overwrite would replace
+    earlier = {name: (out / name).read_bytes() for name in ("train.parquet", "eval.parquet")}
+    rng = np.random.default_rng(0)
+    n = 150_000  # its train.parquet takes about a second to write, in row groups of 500 rows
+    pq.write_table(pa.table({"user": rng.integers(0, 3000, n), "item": rng.integers(0, 50_000, n), "timestamp": rng.integers(0, 10**6, n)}),
+                   tmp_path / "big.parquet")
+    args = ["sequences", "big.parquet", "out", "--row-group-rows", "500", "--overwrite"]
+    proc = subprocess.Popen([sys.executable, "-m", "recsys_runner.data", *args], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not glob.glob(str(tmp_path / ".out.staging-*" / "train.parquet")) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert proc.poll() is None, f"it ended before it wrote: {proc.communicate()}"
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143, stdout + stderr
+    assert stderr.strip().splitlines()[-1] == (f"Interrupted: stopped by SIGTERM during sequences; nothing was kept (out is as it was "
+                                               f"before); redo it with: python -m recsys_runner.data {' '.join(args)}")
+    assert {name: (out / name).read_bytes() for name in earlier} == earlier and sorted(p.name for p in out.iterdir()) == sorted(earlier)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.parquet", "log.parquet", "out"]  # no staging folder left
+
+
+def test_a_signal_while_the_output_is_moved_into_place_waits_for_it(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    held_back = signals.deferred
+
+    @contextlib.contextmanager
+    def signalled() -> Iterator[object]:
+        with held_back() as late:
+            os.kill(os.getpid(), signal.SIGTERM)  # lands while the finished output is being moved into place
+            yield late
+
+    monkeypatch.setattr(signals, "deferred", signalled)
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the guard takes a signal only from its default action
+    log = event_log(seed=11)
+    try:
+        pq.write_table(log, tmp_path / "log.parquet")
+        assert data_main(["sequences", str(tmp_path / "log.parquet"), str(tmp_path / "out")]) == 143
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert capsys.readouterr().err.strip() == (f"Interrupted: stopped by SIGTERM as sequences ended; the output in {tmp_path / 'out'} "
+                                               f"was complete and is kept, nothing to redo.")
+    assert pq.read_table(tmp_path / "out" / "train.parquet").num_rows + pq.read_table(tmp_path / "out" / "eval.parquet").num_rows == log.num_rows
+
+
+# -- object stores ------------------------------------------------------------------------------------------------------
+def test_a_log_and_an_output_in_an_object_store(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    server = start_moto(tmp_path)
+    try:
+        for key, value in server.env.items():
+            monkeypatch.setenv(key, value)
+        stores.configure(stores.StorageConfig(max_attempts=2, connect_timeout_s=1, request_timeout_s=5))
+        bucket = server.bucket("seq")
+        log = event_log(seed=12)
+        pq.write_table(log, tmp_path / "log.parquet")
+        server.put(tmp_path / "log.parquet", f"{bucket}/logs/log.parquet")
+        monkeypatch.chdir(tmp_path)
+        argv = ["sequences", f"{bucket}/logs/log.parquet", f"{bucket}/rows", "--side", "category"]
+        assert data_main(argv) == 0
+        fs = server.fs()
+        assert sorted(fs.ls("seq/rows")) == ["seq/rows/eval.parquet", "seq/rows/train.parquet"]
+        local_train, local_held = convert(tmp_path, log)
+        with fs.open("seq/rows/train.parquet", "rb") as f:
+            assert pq.read_table(f).equals(local_train)
+        assert data_main(argv) == 2
+        assert f"the output folder {bucket}/rows already holds an earlier output" in capsys.readouterr().err
+        assert data_main([*argv, "--max-len", "2", "--overwrite"]) == 0
+        with server.fs().open("seq/rows/eval.parquet", "rb") as f:  # a new client: the first one cached the earlier object
+            assert max(len(h) for h in pq.read_table(f).column("hist_item_id").to_pylist()) == 2
+        assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("moto")) == ["log.parquet", "out"]  # no local s3:/
+    finally:
+        stores.configure(stores.StorageConfig())
+        server.stop()

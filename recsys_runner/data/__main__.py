@@ -18,16 +18,22 @@ label column, and per column the null count and the number of distinct values. L
 
 ``sequences`` turns an interaction log (user, item, time, optional label or rating, item side columns) into rows
 whose histories hold each user's earlier events only (:mod:`recsys_runner.data.sequences.interactions`), split by time or
-leave-last-out, with the schema stored::
+leave-last-out, with the schema stored; exact duplicate events are dropped and counted (``--duplicates``), and a used
+output folder is refused unless ``--overwrite`` (:mod:`recsys_runner.data.sequences.output`)::
 
     python -m recsys_runner.data sequences events.csv out/ --user user --item item --time ts --side category \
         --max-len 50 --split time --eval-from 1700000000
+
+``sequences`` ends like the project's other commands on SIGTERM, SIGINT or SIGUSR1: the signal stops it where it is
+(:class:`~recsys_runner.train.signals.RaiseOnSignal`), the staged files are deleted, one line says that nothing was kept
+and the command that redoes it, and the exit status is ``128 + signal``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from typing import Any
 
@@ -51,11 +57,13 @@ from recsys_runner.data.schema import (
     schema_yaml,
     stored_schema,
 )
-from recsys_runner.data.sequences.interactions import SPLITS, LogSpec, convert_log
+from recsys_runner.data.sequences.interactions import DUPLICATES, SPLITS, LogSpec, convert_log
+from recsys_runner.data.sequences.output import OUTPUT_FILES
 from recsys_runner.errors import ConfigError, DataError
 from recsys_runner.noise import quiet_known_noise
 from recsys_runner.progress import MODES as PROGRESS_MODES
 from recsys_runner.progress import Progress
+from recsys_runner.train import signals  # the one import up the layers (pyproject.toml, docs/architecture.md)
 
 
 def converted_schema(schema: Schema) -> Schema:
@@ -238,15 +246,34 @@ def inspect(args: argparse.Namespace) -> None:
 
 
 def sequences(args: argparse.Namespace) -> None:
-    """``sequences``: the log → ``<output>/train.parquet`` and ``<output>/eval.parquet`` (:mod:`recsys_runner.data.sequences.interactions`)."""
+    """``sequences``: the log → ``<output>/train.parquet`` and ``<output>/eval.parquet`` (:mod:`recsys_runner.data.sequences.interactions`),
+    under the signal guard every command has (module docstring); a signal that comes while the finished output is moved
+    into place waits for it (``signals.deferred``) and then stops the command saying the output is complete."""
     spec = LogSpec(user=args.user, item=args.item, time=args.time, label=args.label, label_threshold=args.label_threshold,
-                   sides=list(args.side), max_len=args.max_len, split=args.split, eval_from=args.eval_from)
+                   sides=list(args.side), max_len=args.max_len, split=args.split, eval_from=args.eval_from, duplicates=args.duplicates)
     delimiter = DELIMITER_ESCAPES.get(args.delimiter, args.delimiter)
-    train, held = convert_log(args.log, args.output, spec, args.format, delimiter, args.row_group_rows)
     out = args.output.rstrip("/")
-    print(f"wrote {train} training rows to {out}/train.parquet and {held} eval rows to {out}/eval.parquet "
+    with signals.RaiseOnSignal("during sequences") as guard:
+        rows = convert_log(args.log, args.output, spec, args.format, delimiter, args.row_group_rows, overwrite=args.overwrite,
+                           committing=signals.deferred)
+        late = guard.signum
+    copies = rows.num_duplicates
+    said = f"{copies} of them exact duplicates of an earlier event ({'dropped' if spec.duplicates == 'drop' else 'kept'}" if copies else \
+        "no exact duplicates ("
+    print(f"read {rows.num_events} events from {args.log}; {said}, --duplicates {spec.duplicates})")
+    print(f"wrote {rows.train.num_rows} training rows to {out}/train.parquet and {rows.held.num_rows} eval rows to {out}/eval.parquet "
           f"(histories: up to {spec.max_len} earlier events per row)")
     print(f"train with: python -m recsys_runner model=din data=parquet data.path={out}/train.parquet data.eval_path={out}/eval.parquet")
+    if late is not None:  # it came while the output was moved into place, which finished first
+        raise signals.Interrupted(late, None, None, when="as sequences ended", finished=True)
+
+
+def interrupted_message(e: signals.Interrupted, output: str, argv: list[str]) -> str:
+    """What a signal left (the one line of ``lifecycle.interrupted_message``, for a command without an MLflow run)."""
+    if e.finished:
+        return f"Interrupted: {e}; the output in {output} was complete and is kept, nothing to redo."
+    command = shlex.join(["python", "-m", "recsys_runner.data", *argv])
+    return f"Interrupted: {e}; nothing was kept ({output} is as it was before); redo it with: {command}"
 
 
 def _sequences_parser(sub: Any) -> None:
@@ -267,6 +294,12 @@ def _sequences_parser(sub: Any) -> None:
     s.add_argument("--format", choices=["auto", "parquet", "csv"], default="auto", help="auto: Parquet by file name, else text")
     s.add_argument("--delimiter", default=",", help="text logs: the field delimiter (a character, or tab/comma/semicolon/pipe)")
     s.add_argument("--row-group-rows", type=int, default=65_536)
+    s.add_argument("--duplicates", choices=list(DUPLICATES), default="drop",
+                   help="events equal in every column read (user, item, time, label, sides): drop all but the first, keep them "
+                        "(leave-last-out then holds out a user's last event with its copies), or fail naming the first")
+    s.add_argument("--overwrite", action="store_true",
+                   help=f"replace an earlier output in the output folder as a whole (else a folder that holds anything is refused; "
+                        f"one holding other files than {', '.join(OUTPUT_FILES)} is refused even so)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -296,13 +329,17 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--label", action="append", help="a label column (repeat for several); default: the stored schema's, else 'label'")
     i.add_argument("--max-distinct", type=int, default=1_000_000, help="stop counting distinct values above this")
     _sequences_parser(sub)
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     quiet_known_noise()
     try:
         {"convert": convert, "inspect": inspect, "sequences": sequences}[args.command](args)
     except (DataError, ConfigError) as e:
-        print(f"Data error: {e}", file=sys.stderr)
+        print(f"{e.label}: {e}", file=sys.stderr)
         return 2
+    except signals.Interrupted as e:  # only sequences holds the signals (its output is staged); 128 + signal, as every command
+        print(interrupted_message(e, args.output, argv), file=sys.stderr)
+        return e.exit_code
     return 0
 
 

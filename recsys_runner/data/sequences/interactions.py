@@ -14,12 +14,25 @@ in order of first appearance in the log (users, items, each side column), items 
 the files carry the schema in their Parquet metadata (the form ``convert`` writes), so
 ``data=parquet data.path=<out>/train.parquet data.eval_path=<out>/eval.parquet`` needs nothing else.
 
+**Duplicate events.** Two lines of the log are the same event when they hold equal values in every column the
+command reads (``--user``, ``--item``, ``--time``, ``--label`` and each ``--side``; columns it does not read never
+reach a row, so they play no part). ``duplicates="drop"`` (the default) keeps the first copy in log order and drops
+the rest, so the rows are those of the log without its copies; ``"fail"`` refuses the log, naming the first copy and
+the line it repeats; ``"keep"`` keeps them (a later history holds every copy), and leave-last-out then holds out the
+user's last event *with all its copies*, so no eval row is also a training row. An empty log (no rows: a 0-byte
+file, a header line only, a Parquet file of 0 rows) is refused by name.
+
+Where the rows go (the output folder refused when used, files staged and moved into place whole) is
+:mod:`recsys_runner.data.sequences.output`.
+
 Everything is vectorized (one sort by user and time, per-user running offsets, one gather per list column).
 """
 
 from __future__ import annotations
 
-import os
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,12 +41,16 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from recsys_runner import stores
 from recsys_runner.data.files.sources import PARQUET_SUFFIXES, resolve_files
 from recsys_runner.data.schema import SCHEMA_METADATA_KEY, Schema, SparseColumn, schema_json
+from recsys_runner.data.sequences.output import StagedOutput
 from recsys_runner.errors import ConfigError, DataError
 from recsys_runner.features import SequenceGroup
 
 SPLITS = ("time", "leave-last-out")
+DUPLICATES = ("drop", "keep", "fail")
+"""What ``--duplicates`` does with repeated events (module docstring): drop the copies, keep them, or refuse the log."""
 HISTORY_GROUP = "hist"
 
 
@@ -53,8 +70,12 @@ class LogSpec:
     split: str = "leave-last-out"
     eval_from: int | None = None
     """``split="time"``: the first eval time."""
+    duplicates: str = "drop"
+    """Repeated events (equal in every column read): ``drop`` all but the first, ``keep`` them, or ``fail``."""
 
     def __post_init__(self) -> None:
+        if self.duplicates not in DUPLICATES:
+            raise ConfigError(f"--duplicates {self.duplicates!r} must be one of {list(DUPLICATES)}")
         if self.max_len <= 0:
             raise ConfigError(f"--max-len must be positive, got {self.max_len}")
         if self.split not in SPLITS:
@@ -74,32 +95,47 @@ class LogSpec:
 
 
 def read_log(path: str, spec: LogSpec, fmt: str = "auto", delimiter: str = ",") -> tuple[pa.Table, str]:
-    """The log's columns (``spec.columns``) from Parquet or delimited text, and a name for messages.
+    """The log's columns (``spec.columns``) from Parquet or delimited text (local files or object-store URIs), and a name
+    for messages.
 
     Raises:
-        DataError: no such file, a missing column (naming the columns there are).
+        DataError: no such file, a missing column (naming the columns there are), or a log without rows (naming it).
     """
     files = resolve_files(path, "the log", None)
     parquet = fmt == "parquet" or (fmt == "auto" and all(f.endswith(PARQUET_SUFFIXES) for f in files))
-    tables = []
+    where = files[0] + (f" (and {len(files) - 1} more file(s))" if len(files) > 1 else "")
+    tables: list[pa.Table] = []
+    empty: list[tuple[str, str]] = []
     for f in files:
-        names = pq.read_schema(f).names if parquet else _header(f, delimiter)
+        if stores.file_size(f) == 0:  # no header, no footer: nothing to name columns by, and no events
+            empty.append((f, "0 bytes"))
+            continue
+        fs, in_fs = stores.arrow_filesystem(f)
+        names = pq.read_schema(in_fs, filesystem=fs).names if parquet else _header(f, delimiter)
         missing = [c for c in spec.columns if c not in names]
         if missing:
             raise DataError(f"{f} has no column(s) {missing}; its columns are {names}. Fix: name the log's columns with --user, "
                             f"--item, --time, --label and --side")
         if parquet:
-            tables.append(pq.read_table(f, columns=spec.columns))
+            table = pq.read_table(in_fs, columns=spec.columns, filesystem=fs)
         else:
-            tables.append(pacsv.read_csv(f, parse_options=pacsv.ParseOptions(delimiter=delimiter),
-                                         convert_options=pacsv.ConvertOptions(include_columns=spec.columns)))
-    where = files[0] + (f" (and {len(files) - 1} more file(s))" if len(files) > 1 else "")
+            with stores.open_input(f) as stream:
+                table = pacsv.read_csv(stream, parse_options=pacsv.ParseOptions(delimiter=delimiter),
+                                       convert_options=pacsv.ConvertOptions(include_columns=spec.columns))
+        if table.num_rows == 0:
+            empty.append((f, "a Parquet file of 0 rows" if parquet else "a header line only"))
+            continue
+        tables.append(table)
+    if not tables:
+        which = empty[0][1] if len(empty) == 1 else "in each file: " + "; ".join(f"{f}: {what}" for f, what in empty)
+        raise DataError(f"the log {where} is empty (rows: 0, {which}): there are no events to make rows of. Fix: point the command "
+                        f"at the log's events (one per line: user, item, time), or check the export that wrote it")
     return pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0], where
 
 
 def _header(path: str, delimiter: str) -> list[str]:
-    with open(path, encoding="utf-8", errors="replace") as f:
-        return f.readline().rstrip("\r\n").split(delimiter)
+    with stores.open_input(path) as f:
+        return f.readline().decode("utf-8", errors="replace").rstrip("\r\n").split(delimiter)
 
 
 def _no_nulls(arr: pa.ChunkedArray, column: str, where: str) -> pa.Array:
@@ -204,16 +240,45 @@ class Events:
     time: np.ndarray
     label: np.ndarray
     sizes: dict[str, int]
+    same: np.ndarray
+    """Per input row, which event it is (equal in every column read: :func:`identical_events`): copies share a number."""
+    copy: np.ndarray
+    """Whether the row repeats an earlier row of the log (one with the same :attr:`same`)."""
+
+    def take(self, rows: np.ndarray) -> Events:
+        """The events of input rows ``rows`` (a mask or indices), in that order; ids and sizes unchanged."""
+        return Events(self.user[rows], self.item[rows], {k: v[rows] for k, v in self.sides.items()}, self.time[rows], self.label[rows],
+                      self.sizes, self.same[rows], self.copy[rows])
+
+
+def identical_events(codes: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """For columns given as codes (equal code, equal value), per row: the number of its group of identical rows, and
+    whether an earlier row (in input order) is in its group. One sort of all columns, then neighbours compared."""
+    n = len(codes[0])
+    order = np.lexsort((np.arange(n), *reversed(codes)))  # the last key sorts first: input order within a group
+    new = np.zeros(n, bool)  # the row starts a group: the first row, or one that differs from its neighbour in any column
+    new[:1] = True
+    for c in codes:
+        in_order = c[order]
+        new[1:] |= in_order[1:] != in_order[:-1]
+    same, copy = np.empty(n, np.int64), np.empty(n, bool)
+    same[order] = np.cumsum(new) - 1
+    copy[order] = ~new
+    return same, copy
 
 
 def encode_log(table: pa.Table, spec: LogSpec, where: str) -> Events:
-    """Ids, times and labels of the log's events (see :func:`dense_ids`, :func:`event_times`, :func:`event_labels`)."""
+    """Ids, times and labels of the log's events (see :func:`dense_ids`, :func:`event_times`, :func:`event_labels`), and
+    which of them repeat an earlier one: equal values in every column read (:func:`identical_events` over the raw values)."""
     user, num_users = dense_ids(table.column(spec.user), spec.user, where)
     item, num_items = dense_ids(table.column(spec.item), spec.item, where)
     sides, sizes = {}, {"user_id": num_users, "item_id": num_items}
     for side in spec.sides:
         sides[side], sizes[side] = dense_ids(table.column(side), side, where)
-    return Events(user, item, sides, event_times(table.column(spec.time), spec.time, where), event_labels(table, spec, where), sizes)
+    time, label = event_times(table.column(spec.time), spec.time, where), event_labels(table, spec, where)
+    raw = [dense_ids(table.column(c), c, where)[0] for c in (spec.time, *([spec.label] if spec.label else []))]  # as logged
+    same, copy = identical_events([user, item, *sides.values(), *raw])
+    return Events(user, item, sides, time, label, sizes, same, copy)
 
 
 def rows_table(events: Events, h: Histories, rows: np.ndarray) -> pa.Table:
@@ -245,43 +310,88 @@ def rows_schema(events: Events, spec: LogSpec) -> Schema:
 
 
 def split_rows(events: Events, h: Histories, spec: LogSpec) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted positions of the training rows and of the eval rows."""
-    if spec.split == "time":
+    """Sorted positions of the training rows and of the eval rows. Leave-last-out holds out each user's last event with
+    every copy of it (``duplicates="keep"``), so that an eval row is never also a training row."""
+    if spec.split == "time":  # copies share their time: they fall on the same side
         assert spec.eval_from is not None
         held = events.time[h.order] >= spec.eval_from
     else:
-        held = h.last
+        same = events.same[h.order]
+        held = np.isin(same, same[h.last])
     return np.flatnonzero(~held), np.flatnonzero(held)
 
 
-def log_to_rows(table: pa.Table, spec: LogSpec, where: str) -> tuple[pa.Table, pa.Table, Schema]:
+@dataclass(frozen=True)
+class LogRows:
+    """What :func:`log_to_rows` made of a log: the training rows, the eval rows, their schema, and the log's counts."""
+
+    train: pa.Table
+    held: pa.Table
+    """The eval rows."""
+    schema: Schema
+    num_events: int
+    """Lines (rows) of the log."""
+    num_duplicates: int
+    """Of them, copies of an earlier line (dropped with ``duplicates="drop"``, kept with ``"keep"``)."""
+
+
+def log_to_rows(table: pa.Table, spec: LogSpec, where: str) -> LogRows:
     """The training rows, the eval rows and their schema (see the module docstring).
 
     Raises:
-        DataError: a split without rows (naming the split and the fix), or a bad column (see :func:`encode_log`).
+        DataError: duplicate events with ``duplicates="fail"`` (naming the first copy, the line it repeats and the fix), a
+            split without rows (naming the split and the fix), or a bad column (see :func:`encode_log`).
     """
     events = encode_log(table, spec, where)
+    copies = int(events.copy.sum())
+    if copies and spec.duplicates == "fail":
+        raise DataError(duplicates_message(table, events, where))
+    if copies and spec.duplicates == "drop":  # the first copy stays: ids, numbered by first appearance, do not change
+        events = events.take(~events.copy)
     h = history_bounds(events.user, events.time, spec.max_len)
     train, held = split_rows(events, h, spec)
     how = f"--split time --eval-from {spec.eval_from}" if spec.split == "time" else "--split leave-last-out"
     for name, rows in (("training", train), ("eval", held)):
         if not len(rows):
-            raise DataError(f"{where}: {how} leaves no {name} rows ({table.num_rows} events, times {int(events.time.min(initial=0))} "
+            raise DataError(f"{where}: {how} leaves no {name} rows ({len(events.time)} events, times {int(events.time.min(initial=0))} "
                             f"… {int(events.time.max(initial=0))}). Fix: an --eval-from between those times, or the other --split")
-    return rows_table(events, h, train), rows_table(events, h, held), rows_schema(events, spec)
+    return LogRows(rows_table(events, h, train), rows_table(events, h, held), rows_schema(events, spec), table.num_rows, copies)
+
+
+def duplicates_message(table: pa.Table, events: Events, where: str) -> str:
+    """``--duplicates fail``'s refusal: how many lines repeat an earlier one, the first of them and the line it repeats."""
+    row = int(np.flatnonzero(events.copy)[0])
+    first = int(np.flatnonzero(events.same == events.same[row])[0])
+    values = table.slice(row, 1).to_pylist()[0]
+    return (f"{where}: {int(events.copy.sum())} event(s) repeat an earlier one exactly (equal in every column read: "
+            f"{list(table.column_names)}); the first is row {row}, a copy of row {first} (0-based, header not counted): {values}. "
+            f"Fix: --duplicates drop to drop the copies (the default), or --duplicates keep if they are distinct events")
 
 
 def write_rows(table: pa.Table, schema: Schema, path: str, row_group_rows: int = 65_536) -> None:
-    """``table`` as a Parquet file with ``schema`` in its metadata (the form ``convert`` stores)."""
-    pq.write_table(table.replace_schema_metadata({SCHEMA_METADATA_KEY: schema_json(schema)}), path, row_group_size=row_group_rows)
+    """``table`` as a Parquet file with ``schema`` in its metadata (the form ``convert`` stores), one row group at a time
+    (a signal is taken between row groups, not only after the whole file)."""
+    table = table.replace_schema_metadata({SCHEMA_METADATA_KEY: schema_json(schema)})
+    fs, in_fs = stores.arrow_filesystem(path)
+    with pq.ParquetWriter(in_fs, table.schema, filesystem=fs) as writer:
+        for start in range(0, table.num_rows, row_group_rows) or [0]:
+            writer.write_table(table.slice(start, row_group_rows), row_group_size=row_group_rows)
 
 
-def convert_log(path: str, output: str, spec: LogSpec, fmt: str = "auto", delimiter: str = ",",
-                row_group_rows: int = 65_536) -> tuple[int, int]:
-    """``<output>/train.parquet`` and ``<output>/eval.parquet`` from the log at ``path``; their row counts."""
+def convert_log(path: str, output: str, spec: LogSpec, fmt: str = "auto", delimiter: str = ",", row_group_rows: int = 65_536, *,
+                overwrite: bool = False, committing: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext) -> LogRows:
+    """``<output>/train.parquet`` and ``<output>/eval.parquet`` from the log at ``path`` (a folder or an object-store
+    prefix), staged and moved into place whole (:class:`~recsys_runner.data.sequences.output.StagedOutput`); the rows.
+
+    ``overwrite``: replace an earlier output there (else it is refused, before the log is read). ``committing`` is entered
+    around the move into place: the command line holds signals back there (``train.signals.deferred``).
+    """
+    staged = StagedOutput(output, overwrite)
     table, where = read_log(path, spec, fmt, delimiter)
-    train, held, schema = log_to_rows(table, spec, where)
-    os.makedirs(output, exist_ok=True)
-    write_rows(train, schema, os.path.join(output, "train.parquet"), row_group_rows)
-    write_rows(held, schema, os.path.join(output, "eval.parquet"), row_group_rows)
-    return train.num_rows, held.num_rows
+    rows = log_to_rows(table, spec, where)
+    with staged:
+        write_rows(rows.train, rows.schema, staged.file("train.parquet"), row_group_rows)
+        write_rows(rows.held, rows.schema, staged.file("eval.parquet"), row_group_rows)
+        with committing():
+            staged.commit()
+    return rows
