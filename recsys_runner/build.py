@@ -73,6 +73,8 @@ log = logging.getLogger(__name__)
 
 MANY_EPOCHS = 10
 """A run longer than this many epochs of file-backed data gets a warning: it sees every row that often."""
+FEW_EPOCH_STEPS = 50
+"""An epoch of file-backed data shorter than this many optimizer steps gets a warning, with a batch size that fits."""
 
 
 @dataclass
@@ -135,7 +137,7 @@ def build(run: RunConfig, *, launch: Launch = Launch(), weights: Path | None = N
         data = build_data(run, env.device, weights if weights is not None else checkpointer.restore_source(),
                           checkpointer if weights is None else None)
         steps_per_epoch = _steps_per_epoch(data, env.world_size, run.train.grad_accum_steps)
-        total_steps = _total_steps(run, steps_per_epoch, log_choice=env.is_main)
+        total_steps = _total_steps(run, steps_per_epoch, log_choice=env.is_main, world_size=env.world_size)
         check_eval_cadence(run.train, steps_per_epoch)
         check_static_shapes(run.train.compile, data.features)
         model = with_catalogue(run.model.build(features=data.features, dense_device=env.device), data)
@@ -350,14 +352,17 @@ def _steps_per_epoch(data: Any, world_size: int, accumulation: int) -> int | Non
     return per_epoch // accumulation if per_epoch else None
 
 
-def _total_steps(run: RunConfig, steps_per_epoch: int | None, log_choice: bool = False) -> int:
+def _total_steps(run: RunConfig, steps_per_epoch: int | None, log_choice: bool = False, world_size: int = 1) -> int:
     """The run's length in optimizer steps: ``train.num_steps``, ``train.num_epochs`` × steps per epoch, or with
     neither the data's default (:meth:`~recsys_runner.data.base.DataConfig.default_num_steps`: one epoch of a file).
 
     Warns when explicit steps amount to more than :data:`MANY_EPOCHS` passes over file-backed data (a small
-    file trained for "the usual 1000 steps"); ``log_choice`` logs the length the data chose.
+    file trained for "the usual 1000 steps"), and when an epoch of it is under :data:`FEW_EPOCH_STEPS` steps;
+    ``log_choice`` logs the length the data chose.
     """
     train, data_steps = run.train, run.data.default_num_steps()
+    if log_choice and data_steps is None and steps_per_epoch and steps_per_epoch < FEW_EPOCH_STEPS:
+        _warn_short_epoch(run, steps_per_epoch, world_size)
     steps = train.num_steps if train.num_steps is not None else data_steps if train.num_epochs is None else None
     if steps is None:
         epochs = train.num_epochs or 1
@@ -378,6 +383,18 @@ def _total_steps(run: RunConfig, steps_per_epoch: int | None, log_choice: bool =
                     "over it leave train.num_steps unset (the default for file data: one epoch) or set train.num_epochs=1; "
                     "else fewer steps", steps, steps / steps_per_epoch, steps_per_epoch, steps // steps_per_epoch)
     return steps
+
+
+def _warn_short_epoch(run: RunConfig, steps_per_epoch: int, world_size: int) -> None:
+    """Say that an epoch is under :data:`FEW_EPOCH_STEPS` steps, with its rows and a batch size (a power of 2) giving more."""
+    accumulation = run.train.grad_accum_steps
+    rows = steps_per_epoch * run.data.batch_size * accumulation * world_size
+    most = rows // (FEW_EPOCH_STEPS * accumulation * world_size)
+    batch = 1 << max(most.bit_length() - 1, 0)
+    log.warning("an epoch of this data is only %d optimizer steps: %d rows trained an epoch, %d steps x data.batch_size=%d x %d "
+                "rank(s)%s. So few updates leave a model barely trained. Fix: a smaller batch, e.g. data.batch_size=%d (>= %d steps "
+                "an epoch), or more epochs (train.num_epochs)", steps_per_epoch, rows, steps_per_epoch, run.data.batch_size, world_size,
+                f" x train.grad_accum_steps={accumulation}" if accumulation > 1 else "", batch, rows // (batch * accumulation * world_size))
 
 
 def check_eval_cadence(train: TrainConfig, steps_per_epoch: int | None) -> None:

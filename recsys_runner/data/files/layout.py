@@ -48,6 +48,15 @@ def looks_like_header(lines: list[str], delimiter: str) -> bool:
     return any(_is_number(b) for a, b in zip(first, second, strict=False) if not _is_number(a))
 
 
+def looks_like_data(lines: list[str], delimiter: str) -> bool:
+    """Whether the first of ``lines`` is a row like the next one rather than a header naming columns: both split into the
+    same number of fields, and a field holds a number in both (a header names its columns)."""
+    if len(lines) < 2:
+        return False
+    first, second = split_fields(lines[0], delimiter), split_fields(lines[1], delimiter)
+    return len(first) == len(second) > 1 and any(_is_number(a) and _is_number(b) for a, b in zip(first, second, strict=True))
+
+
 def delimiter_hint(text: str, delimiter: str) -> str:
     """A sentence naming the delimiter ``text`` (a line read as one field) seems to use instead of ``delimiter``, or ``""``."""
     for other, name in DELIMITER_NAMES.items():

@@ -1,6 +1,6 @@
 """Read-ahead of object-store units: the next row groups (or blocks of lines) of a shard are read in a background
 thread while the current one is encoded and trained on, so a store's round trips do not stall steps
-(``storage.prefetch_units``, docs/storage.md). Local files are read in turn, as before."""
+(``storage.prefetch_units``, docs/storage.md). Local files, and compressed files (streams), are read in turn."""
 
 from __future__ import annotations
 
@@ -18,23 +18,28 @@ from recsys_runner.data.files.sources import Unit
 def read_ahead(source: Any, units: list[Unit], depth: int | None = None) -> Iterator[Iterator[tuple[pa.Table, np.ndarray]]]:
     """``source.read(unit)`` of each unit in turn; units in an object store are read ``depth`` (``None``:
     ``storage.prefetch_units``) ahead, whole, in a background thread, so the next unit's round trips overlap this one's
-    encoding and the training step."""
+    encoding and the training step. A compressed file (one unit, the whole file) is never read whole: it streams as it
+    is consumed, while the units after it are read ahead."""
     depth = stores.settings().prefetch_units if depth is None else depth
-    if depth <= 0 or not any(stores.is_uri(u.path) for u in units):
+    ahead = [u for u in units if stores.is_uri(u.path) and u.compression is None]
+    if depth <= 0 or not ahead:
         yield from (source.read(u) for u in units)
         return
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="read-ahead")
     pending: list[Future[list[tuple[pa.Table, np.ndarray]]]] = []
-    queued = iter(units)
+    queued = iter(ahead)
 
     def whole(unit: Unit) -> list[tuple[pa.Table, np.ndarray]]:
         return list(source.read(unit))
 
     try:
-        for _ in units:
-            while len(pending) < depth + 1 and (unit := next(queued, None)) is not None:
-                pending.append(pool.submit(whole, unit))
-            yield iter(pending.pop(0).result())
+        for unit in units:
+            while len(pending) < depth + 1 and (next_unit := next(queued, None)) is not None:
+                pending.append(pool.submit(whole, next_unit))
+            if stores.is_uri(unit.path) and unit.compression is None:
+                yield iter(pending.pop(0).result())  # the futures are in the order of the units read ahead
+            else:
+                yield source.read(unit)
     finally:
         for f in pending:
             f.cancel()

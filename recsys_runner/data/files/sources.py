@@ -1,16 +1,21 @@
 """File sources: resolve ``data.path`` into files, cut files into units of known row counts, read them.
 
-A :class:`Unit` is the smallest piece of a file that is read on its own: a Parquet row group, or a
-block of ``block_rows`` lines of a CSV file (found by one newline scan of the file, no parsing).
-Units know their row counts up front, so rows can be split between ranks and workers exactly.
-Reading a unit streams Arrow tables of at most ``read_rows`` rows; nothing reads a whole file."""
+A :class:`Unit` is the smallest piece of a file that is read on its own: a Parquet row group, a
+block of ``block_rows`` lines of a CSV file (found by one newline scan of the file, no parsing), or a whole
+compressed text file (gzip, bz2, zstd: :mod:`~recsys_runner.data.files.compression`), whose lines are counted by
+decompressing it once and which is read as one stream. Units know their row counts up front, so rows can be split
+between ranks and workers exactly. Reading a unit streams Arrow tables of bounded size; nothing reads a whole file."""
 
 from __future__ import annotations
 
 import glob
+import logging
 import os
+import time
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import IO
 
 import numpy as np
 import pyarrow as pa
@@ -18,8 +23,12 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from recsys_runner import stores
-from recsys_runner.data.files.layout import delimiter_hint, detect_delimiter, looks_like_header, split_fields
+from recsys_runner.data.files import compression as compressed
+from recsys_runner.data.files.compression import Compression
+from recsys_runner.data.files.layout import delimiter_hint, detect_delimiter, looks_like_data, looks_like_header, split_fields
 from recsys_runner.errors import DataError, UserError
+
+log = logging.getLogger(__name__)
 
 PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")
 
@@ -30,8 +39,6 @@ DELIMITER_OPTIONS = {"\t": "tab", ",": "comma", ";": "semicolon", "|": "pipe"}
 """How each detectable delimiter is written on the command line (``data.delimiter=comma``)."""
 
 _SNIFF_BYTES = 4096
-
-
 
 def _head(path: str) -> bytes:
     """The first bytes of ``path``, to recognize its format."""
@@ -65,10 +72,12 @@ class Unit:
     num_rows: int
     byte_range: tuple[int, int] = (0, 0)
     """Text files: the block's ``[start, stop)`` byte offsets."""
+    compression: str | None = None
+    """A compressed text file's compression: the unit is the whole file, read as one stream from its start."""
 
     @property
     def part(self) -> str:
-        if self.byte_range != (0, 0):
+        if self.byte_range != (0, 0) or self.compression is not None:
             return f"rows {self.first_row}-{self.first_row + self.num_rows - 1}"
         return f"row group {self.index}"
 
@@ -201,7 +210,8 @@ class ParquetSource:
 
 
 class CsvSource:
-    """Delimited text files (CSV, TSV, Criteo), one unit per block of ``block_rows`` lines.
+    """Delimited text files (CSV, TSV, Criteo), one unit per block of ``block_rows`` lines; a compressed file (gzip,
+    bz2, zstd, told by its first bytes) is one unit, read as a stream.
 
     Splitting assumes one record per line (no newlines inside quoted fields). Every field is read as
     text and converted by the encoder, which reports the exact line of a bad field.
@@ -218,19 +228,37 @@ class CsvSource:
         null_values: list[str],
         block_rows: int,
         on_bad_rows: str,
+        header_key: str = "data.header",
+        follows_training: bool = False,
     ) -> None:
         self.files, self.columns = files, columns
         self.delimiter, self.header, self.column_names = delimiter, header, column_names
         """As configured; ``None``: detected per file (:meth:`layout`)."""
         self.null_values, self.block_rows, self.skip = null_values, block_rows, on_bad_rows == "skip"
+        self.header_key = header_key
+        """The setting ``header`` comes from, for messages: ``data.header``, or ``data.eval_header`` for eval files."""
+        self.follows_training = follows_training
+        """Eval files read with the training files' ``header`` (``data.eval_header=null``): one laid out otherwise (a header
+        line where those have none, or none where they have one) is refused, naming ``data.eval_header``."""
         self.num_bad_rows = 0
         self._names: dict[str, list[str]] = {}
         self._data_start: dict[str, int] = {}
         self._layouts: dict[str, tuple[str, bool]] = {}
+        self._compressions: dict[str, Compression | None] = {}
+
+    def compression(self, path: str) -> Compression | None:
+        """``path``'s compression, told by its first bytes (``None``: plain text)."""
+        if path not in self._compressions:
+            self._compressions[path] = compressed.detect(path, _head(path))
+        return self._compressions[path]
+
+    def _open(self, path: str, start: int = 0) -> AbstractContextManager[IO[bytes]]:
+        """``path``'s text (decompressed) from byte ``start`` of it on."""
+        return compressed.open_text(path, self.compression(path), start)
 
     def _first_lines(self, path: str, n: int = 2) -> list[str]:
         lines = []
-        with stores.open_input(path) as f:
+        with self._open(path) as f:
             for raw in f:
                 if line := raw.decode("utf-8", errors="replace").rstrip("\r\n"):
                     lines.append(line)
@@ -297,9 +325,6 @@ class CsvSource:
     def units(self) -> list[Unit]:
         units = []
         for path in self.files:
-            if path.endswith((".gz", ".bz2", ".zst", ".xz")):
-                raise DataError(f"{path} is compressed; text files are split by byte offsets and must be uncompressed. "
-                                f"Fix: decompress it, or convert it with python -m recsys_runner.data convert")
             units.extend(self._index(path))
         return units
 
@@ -309,22 +334,34 @@ class CsvSource:
             self._index(path)
         return self._names[path]
 
-    def _header(self, path: str) -> tuple[list[str], int]:
-        """``path``'s column names and the byte offset of its first data line, after checking it is delimited text."""
-        size = stores.file_size(path)
+    def _header(self, path: str) -> tuple[list[str], int, bool]:
+        """``path``'s column names, the byte offset of its first data line (in its decompressed text) and whether a line
+        follows the first, after checking it is delimited text."""
         head = _head(path)
         if head.startswith(PARQUET_MAGIC):
             raise DataError(f"{path} looks like a Parquet file (it begins with Parquet's magic bytes {PARQUET_MAGIC.decode()}), "
                             f"but this data option reads delimited text. Fix: use data=parquet data.path={path}")
+        codec = self.compression(path)
+        if codec is not None:
+            with self._open(path) as f:
+                head = f.read(_SNIFF_BYTES)
         if not _is_text(head):
-            raise DataError(f"{path} is not a text file (NUL bytes in its first {len(head)} bytes), but this data option reads "
-                            f"delimited text, one record per line. Fix: point data.path at CSV/TSV files (uncompressed), "
-                            f"or choose the data option of the file's format, e.g. data=parquet")
-        with stores.open_input(path) as f:
+            what = f"its first {len(head)} bytes" + (f", decompressed ({codec.name})" if codec else "")
+            raise DataError(f"{path} is not a text file (NUL bytes in {what}), but this data option reads "
+                            f"delimited text, one record per line. Fix: point data.path at CSV/TSV files (plain, or gzip/bz2/zstd-"
+                            f"compressed), or choose the data option of the file's format, e.g. data=parquet")
+        with self._open(path) as f:
             first_line = f.readline()
-        if size == 0 or (self.header is not False and len(first_line) == size and not first_line.strip(b"\r\n")):
-            raise DataError(f"{path} is an empty file. Fix: remove it from data.path, or write it again")
+            more = bool(f.read(1))
+        if not first_line or (self.header is not False and not more and not first_line.strip(b"\r\n")):
+            raise DataError(f"{path} is an empty file" + (f" (once decompressed, {codec.name})" if codec else "")
+                            + ". Fix: remove it from data.path, or write it again")
         delimiter, header = self.layout(path)
+        if self.follows_training and not header and looks_like_header(lines := self._first_lines(path), delimiter):
+            raise DataError(f"{path} begins with a header line ({lines[0][:100]!r}), but the training files (data.path) have none "
+                            f"({self.header_key}=null reads eval files as data.header=false does), so it would be read as a row of "
+                            f"data: a header mismatch. Fix: data.eval_header=true (the line is skipped; data.column_names names "
+                            f"the columns), or remove the line from the eval file")
         if header:
             names = split_fields(first_line.decode("utf-8", errors="replace").rstrip("\r\n"), delimiter)
             data_start = len(first_line)
@@ -340,11 +377,27 @@ class CsvSource:
         if missing:
             if header and len(names) == 1 and (hint := delimiter_hint(names[0], delimiter)):
                 raise DataError(f"{path} has no column {missing[0]!r}: its header line is one column, {names[0]!r}.{hint}")
+            if header and looks_like_data(lines := self._first_lines(path), delimiter):
+                raise DataError(self._not_a_header(path, missing[0], lines[0]))
             where = "its header" if header else "data.column_names"
             raise DataError(f"{path} has no column {missing[0]!r}; {where} lists {names}. Fix: correct the column names in "
                             f"data.label(s) / data.dense / data.sparse" + ("" if header else " or data.column_names")
                             + self._misread(path, delimiter, header, names))
-        return names, data_start
+        return names, data_start, more
+
+    def _not_a_header(self, path: str, column: str, first: str) -> str:
+        """The message for a file whose first line, read as the header, is data: the cause and the fix."""
+        said = f"{self.header_key}=null (as data.header=true)" if self.follows_training else f"{self.header_key}=true"
+        cause = f"{path} has no column {column!r}: its first line {first[:100]!r} looks like data, not a header naming the columns, " \
+                f"but {said} reads it as the header"
+        if self.follows_training:
+            return (f"{cause}; the training files (data.path) have a header line, this eval file has none: a header mismatch. "
+                    f"Fix: data.eval_header=false (every line of the eval files is data, under the training header's column "
+                    f"names in file order, or data.column_names), or add the header line to the eval file")
+        if self.header_key != "data.header":
+            return f"{cause}. Fix: {self.header_key}=false (every line is data, under the training header's column names or data.column_names)"
+        return (f"{cause}. Fix: data.header=false data.column_names=[...] (the names of all columns, in file order), or "
+                f"data.header=null to detect it")
 
     def header_names(self) -> list[str]:
         """The first file's column names (its header, or ``data.column_names``), without reading its rows; a header
@@ -361,13 +414,12 @@ class CsvSource:
         tables: list[pa.Table] = []
         wanted = num_rows
         for path in self.files:
-            names, data_start = self._header(path)
+            names, data_start, _ = self._header(path)
             delimiter, header = self.layout(path)
             if path == self.files[0] and (why := self._misread(path, delimiter, header, names)):
                 raise DataError(f"{path} does not read as configured.{why}")
             lines: list[bytes] = []
-            with stores.open_input(path) as f:
-                f.seek(data_start)
+            with self._open(path, data_start) as f:
                 for line in f:
                     if line.strip(b"\r\n"):
                         lines.append(line)
@@ -398,11 +450,14 @@ class CsvSource:
         return pa.concat_tables(tables)
 
     def _index(self, path: str) -> list[Unit]:
-        size = stores.file_size(path)
-        names, data_start = self._header(path)
+        names, data_start, more = self._header(path)
         self._names[path], self._data_start[path] = names, data_start
-        if data_start >= size:
+        if data_start and not more:
             raise DataError(f"{path} has a header but no rows. Fix: remove it from data.path")
+        codec = self.compression(path)
+        if codec is not None:
+            return [self._count_stream(path, codec, data_start)]
+        size = stores.file_size(path)
         # One pass over the bytes: the start offset of every block_rows-th line.
         starts, num_lines, pos, last_byte = [data_start], 0, data_start, b"\n"
         chunk_bytes = 1 << 24
@@ -431,14 +486,30 @@ class CsvSource:
             units.append(Unit(path, b, first, n, (start, stop)))
         return units
 
+    def _count_stream(self, path: str, codec: Compression, data_start: int) -> Unit:
+        """A compressed file as one unit: its lines counted by decompressing it once (no parsing)."""
+        started, num_lines, last_byte = time.monotonic(), 0, b"\n"
+        for chunk in compressed.chunks(path, codec, data_start):
+            num_lines += chunk.count(b"\n")
+            last_byte = chunk[-1:]
+        if last_byte != b"\n":
+            num_lines += 1  # a last line without a newline
+        if int(os.environ.get("RANK", "0")) == 0:
+            log.info("%s is %s-compressed: %d rows, counted by decompressing it once (%.1f s); it is read as one stream, "
+                     "from its start", path, codec.name, num_lines, time.monotonic() - started)
+        return Unit(path, 0, 0, num_lines, compression=codec.name)
+
     def line_offset(self, path: str) -> int:
         """Line number of file row ``r`` is ``r + line_offset`` (1-based, header counted)."""
         return 2 if self.layout(path)[1] else 1
 
     def read(self, unit: Unit) -> Iterator[tuple[pa.Table, np.ndarray]]:
-        """The unit as one table of text columns, and the 0-based file row of each of its rows."""
-        names = self.names(unit.path)
-        delimiter = self.layout(unit.path)[0]
+        """The unit as tables of text columns (a block of lines: one table; a compressed file: one per
+        :data:`~recsys_runner.data.files.compression.STREAM_CHUNK_BYTES` of its text), and the 0-based file row of each
+        of their rows."""
+        if unit.compression is not None:
+            yield from self._read_stream(unit)
+            return
         start, stop = unit.byte_range
         try:
             with stores.open_input(unit.path) as f:
@@ -446,6 +517,29 @@ class CsvSource:
                 raw = f.read(stop - start)
         except OSError as e:
             raise _unreadable(unit.path, e) from None
+        yield self._parse(unit.path, raw, unit.first_row, unit.num_rows, unit.part)
+
+    def _read_stream(self, unit: Unit) -> Iterator[tuple[pa.Table, np.ndarray]]:
+        """A compressed file's lines, decompressed chunk by chunk, each chunk cut at its last newline and parsed."""
+        codec = self.compression(unit.path)
+        assert codec is not None and self.names(unit.path)  # indexed: names and data start known
+        first, tail = 0, b""
+        for chunk in compressed.chunks(unit.path, codec, self._data_start[unit.path]):
+            text = tail + chunk
+            cut = text.rfind(b"\n") + 1
+            text, tail = text[:cut], text[cut:]
+            if text:
+                n = text.count(b"\n")
+                yield self._parse(unit.path, text, first, n, f"rows {first}-{first + n - 1}")
+                first += n
+        if tail:
+            yield self._parse(unit.path, tail, first, 1, f"row {first}")
+
+    def _parse(self, path: str, raw: bytes, first_row: int, num_rows: int, part: str) -> tuple[pa.Table, np.ndarray]:
+        """``num_rows`` lines of ``path`` (``raw``, from its file row ``first_row``; ``part`` names them) as a table of text
+        columns, and the 0-based file row of each of its rows."""
+        names = self.names(path)
+        delimiter = self.layout(path)[0]
         invalid: list[tuple[int | None, int, int, str]] = []
 
         def on_invalid(row: pacsv.InvalidRow) -> str:
@@ -466,20 +560,20 @@ class CsvSource:
                 ),
             )
         except pa.ArrowInvalid as e:
-            raise DataError(f"{unit.path}, {unit.part}: cannot be parsed as delimited text ({str(e).splitlines()[0]}). "
+            raise DataError(f"{path}, {part}: cannot be parsed as delimited text ({str(e).splitlines()[0]}). "
                             f"Fix: check data.delimiter={delimiter!r} and the file's format") from None
-        file_rows = np.arange(unit.first_row, unit.first_row + unit.num_rows)
+        file_rows = np.arange(first_row, first_row + num_rows)
         if invalid:
             number, expected, actual, text = invalid[0]
             if not self.skip:
-                line = f"line {unit.first_row + number + self.line_offset(unit.path) - 1}" if number is not None else unit.part
+                line = f"line {first_row + number + self.line_offset(path) - 1}" if number is not None else part
                 hint = delimiter_hint(text, delimiter) if actual == 1 else ""
                 raise DataError(
-                    f"bad row in {unit.path}, {line}: expected {expected} fields separated by {delimiter!r}, found {actual} "
+                    f"bad row in {path}, {line}: expected {expected} fields separated by {delimiter!r}, found {actual} "
                     f"({text[:80]!r})." + (hint or " Fix the line, or set data.on_bad_rows=skip to skip such rows (they are counted and logged)")
                 )
             self.num_bad_rows += len(invalid)
-            dropped = [unit.first_row + num - 1 for num, *_ in invalid if num is not None]
+            dropped = [first_row + num - 1 for num, *_ in invalid if num is not None]
             file_rows = np.setdiff1d(file_rows, dropped)[: table.num_rows]
-        yield table, file_rows
+        return table, file_rows
 

@@ -2,7 +2,8 @@
 
 How an epoch is read (see docs/data.md for the full semantics):
 
-1. Files are cut into units with known row counts (Parquet row groups; blocks of CSV lines).
+1. Files are cut into units with known row counts (Parquet row groups; blocks of CSV lines; a compressed text file
+   whole, read as one stream).
 2. With ``shuffle``, the unit order is permuted from ``(seed, epoch)``.
 3. The rows of that ordered sequence are split into ``world_size × max(num_workers, 1)`` contiguous
    ranges, one per (rank, worker) shard: disjoint, together every row exactly once, and of equal
@@ -42,6 +43,7 @@ from recsys_runner.data.catalogue.item_files import Catalogue
 from recsys_runner.data.encoding.fit import Inferred, complete_schema
 from recsys_runner.data.encoding.rows import Encoder, Location, Rows, splitmix64
 from recsys_runner.data.encoding.stored import StoredEncoders, check_columns, column_kinds, column_types, oov_counters, to_json
+from recsys_runner.data.files.compression import plain_name
 from recsys_runner.data.files.prefetch import read_ahead
 from recsys_runner.data.files.sources import PARQUET_SUFFIXES, CsvSource, ParquetSource, Unit, resolve_files
 from recsys_runner.data.files.tabular_config import (
@@ -65,8 +67,9 @@ log = logging.getLogger(__name__)
 
 
 def eval_mask(path: str, file_rows: np.ndarray, fraction: float) -> np.ndarray:
-    """Rows held out for eval: a hash of (file name, row number) below ``fraction`` (stable everywhere)."""
-    file_id = np.uint64(zlib.crc32(os.path.basename(path).encode()))
+    """Rows held out for eval: a hash of (file name, row number) below ``fraction`` (stable everywhere; the name without
+    a compression's suffix, so that a file holds out the same rows compressed or not)."""
+    file_id = np.uint64(zlib.crc32(plain_name(path).encode()))
     h = splitmix64(file_rows.astype(np.uint64) ^ (file_id << np.uint64(32)))
     return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53)) < fraction
 
@@ -163,7 +166,7 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         train_source = self.open_files(config.path, "data.path")
         train_units = train_source.units()
         if config.eval_path is not None:
-            eval_source = self.open_files(config.eval_path, "data.eval_path")
+            eval_source = self._eval_source(resolve_files(config.eval_path, "data.eval_path", self._suffixes()), train_source)
             eval_units = eval_source.units()
             self._train = _Split(train_source, train_units, [u.num_rows for u in train_units])
             self._eval = _Split(eval_source, eval_units, [u.num_rows for u in eval_units])
@@ -200,6 +203,10 @@ class TabularData(Catalogue, DataModule, abc.ABC):
     @abc.abstractmethod
     def _source(self, files: list[str]) -> Any:
         """The row source over ``files``: ParquetData / CsvData / CriteoData each choose theirs."""
+
+    def _eval_source(self, files: list[str], train: Any) -> Any:
+        """The row source over the ``eval_path`` files (``train``: the training files' source, indexed): read as those."""
+        return self._source(files)
 
     # -- DataModule ------------------------------------------------------------------------------------
     def train_batches(self, epoch: int, rank: int, world_size: int) -> Iterator[Batch]:
@@ -540,6 +547,16 @@ class CsvData(TabularData):
         c = self.csv
         return CsvSource(files, self.schema.columns, delimiter=c.delimiter, header=c.header, column_names=c.column_names,
                          null_values=c.null_values, block_rows=c.block_rows, on_bad_rows=c.on_bad_rows)
+
+    def _eval_source(self, files: list[str], train: CsvSource) -> CsvSource:
+        """The eval files, read with ``data.eval_header`` (``null``: the training files' header, checked against each
+        file's first lines); without a header their columns are ``data.column_names``, else the training header's."""
+        c = self.csv
+        header = c.header if c.eval_header is None else c.eval_header
+        names = c.column_names if c.column_names or header else train.names(train.files[0])
+        return CsvSource(files, self.schema.columns, delimiter=c.delimiter, header=header, column_names=names,
+                         null_values=c.null_values, block_rows=c.block_rows, on_bad_rows=c.on_bad_rows,
+                         header_key="data.eval_header", follows_training=c.eval_header is None)
 
 
 class CriteoData(TabularData):

@@ -181,7 +181,8 @@ class ParquetDataConfig(SchemaFields):
 
 @dataclass(kw_only=True)
 class CsvDataConfig(SchemaFields):
-    """Schema of ``conf/data/csv.yaml``: delimited text (CSV, TSV), one record per line, uncompressed."""
+    """Schema of ``conf/data/csv.yaml``: delimited text (CSV, TSV), one record per line, plain or compressed (gzip, bz2,
+    zstd: each such file read as one stream)."""
 
     _target_: str = "recsys_runner.data.files.tabular.CsvData"
     delimiter: str | None = ","
@@ -196,6 +197,13 @@ class CsvDataConfig(SchemaFields):
     column_names: list[str] | None = None
     """Names of all columns, in file order: for files without a header line, or, with one, names that replace the
     header's (so one config reads ``u.data`` and ``ratings.csv`` alike)."""
+    eval_header: bool | None = None
+    """Whether the first line of each ``eval_path`` file names the columns, for eval files laid out otherwise than the
+    training files (Avazu's ``dev.csv`` has no header where ``train.csv`` has one): ``false`` reads every line as data,
+    its columns named by ``column_names``, else by the training files' header, in file order; ``true`` takes the first
+    line as a header (``column_names``, when set, replaces its names). ``null``: as ``header``; an eval file whose first
+    line says otherwise (data under a header setting, or a header line where the training files have none) is then
+    refused at start-up, naming this option."""
     null_values: list[str] = field(default_factory=lambda: [""])
     """Field texts that mean "missing" (e.g. ``["", "NA", "\\\\N"]``)."""
     block_rows: int = 65_536
@@ -210,6 +218,9 @@ class CsvDataConfig(SchemaFields):
                 f"for CSV, data.delimiter=tab for TSV, data.delimiter=null to detect it")
         require(self.header is not False or bool(self.column_names),
                 "data.header=false needs data.column_names: the names of all columns in file order")
+        require(self.eval_header is None or self.eval_path is not None,
+                f"data.eval_header={str(self.eval_header).lower()} says how data.eval_path's files are laid out, but data.eval_path "
+                f"is null (eval rows are held out of data.path, read as it is). Fix: set data.eval_path, or data.eval_header=null")
         require(self.block_rows > 0, f"data.block_rows must be positive, got {self.block_rows}")
         check_text_lists(self.sequence_groups(), list(self.sparse), "data.sparse")
 
