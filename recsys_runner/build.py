@@ -188,7 +188,7 @@ def build_data(run: RunConfig, device: torch.device, source: Path | None, checkp
 
     A checkpoint written before encoders were stored gets a warning: its encoders are fitted on the data again, and
     files that changed since its training give its ids other rows."""
-    config = run.data.for_model(run.model.data_needs())
+    config = run.served_data
     refit = checkpointer is not None and isinstance(config, TabularDataConfig) and config.vocabulary == "refit"
     if refit and run.checkpoint.resume not in ("auto", "never"):
         raise ConfigError(f"data.vocabulary=refit fits the vocabularies anew for a run that starts from checkpoint.init_from, but "

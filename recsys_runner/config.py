@@ -124,6 +124,14 @@ class RunConfig:
     """Object stores (``s3://`` paths, docs/storage.md): ``storage.endpoint_url`` of an S3-compatible store, region,
     retries, timeouts; never credentials (the store client's environment and config files hold those)."""
 
+    @functools.cached_property
+    def served_data(self) -> DataConfig:
+        """``data`` as the model gets it, ``data.for_model(model.data_needs())``: generated data takes the model's labels
+        and towers' pairs and becomes histories for a model over them; file data is ``data`` itself. Computed once (its
+        log lines and warnings come once), first by :func:`validate`, whose checks of what the model needs from its data
+        see the data it will get; the builders build it."""
+        return self.data.for_model(self.model.data_needs())
+
 
 def _component_slots() -> dict[str, type]:
     """The root fields whose option is a component config (``model``, ``data`` …), with their base class."""
@@ -247,7 +255,8 @@ def validate(cfg: DictConfig) -> RunConfig:
     saves_checkpoints = bool(ckpt.at_end or ckpt.every_steps or ckpt.every_epochs or ckpt.best_metric)
     check_sparse_on_device(run.optim.sparse, device_type, checkpoints=saves_checkpoints)
     check_sharding_types(run.distributed.sharding_types, device_type, run.distributed.tables)
-    check_compile(run.train.compile, device_type, run.data)
+    # the data as the model gets it (for_model: e.g. histories for model=din on the default data), and its checks
+    check_compile(run.train.compile, device_type, run.served_data)
     if ckpt.best_metric is not None:
         ckpt.best_mode = metric_mode(ckpt.best_metric, ckpt.best_mode, "checkpoint.best_mode")
     stopping = run.train.early_stopping

@@ -45,8 +45,8 @@ register_entry_schema("evaluate", [LOAD_FIELD])
 
 def run(cfg: DictConfig, launch: Launch = Launch()) -> dict[str, float]:
     """Evaluate the checkpoint ``cfg.load`` on the configured data; returns the eval metrics (every rank)."""
+    checkpoint = checkpoint_to_load(cfg)  # first: a load= that names no checkpoint is the error to fix first
     spec = validate(cfg)
-    checkpoint = checkpoint_to_load(cfg, spec)
     built = build_inference(spec, launch=launch, weights=checkpoint)
     start = inference_start(built, entry="evaluate", checkpoint=checkpoint, load=str(cfg.load))
     with tracked_run(built.tracker, start, launch, close=built.close):

@@ -124,9 +124,9 @@ def register() -> None:
 
 def run(cfg: DictConfig, launch: Launch = Launch()) -> Path:
     """Export the checkpoint ``cfg.load`` names; returns the directory written (see the module docstring)."""
+    checkpoint = checkpoint_to_load(cfg)  # first: a load= that names no checkpoint is the error to fix first
     options = _options(cfg)
     spec = validate(cfg)
-    checkpoint = checkpoint_to_load(cfg, spec)
     out = export_dir(options.dir, launch)
     check_target(out, options.overwrite)
     meta = json.loads(stores.read_bytes(str(checkpoint / "meta.json"), CheckpointError))

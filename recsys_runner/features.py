@@ -359,5 +359,8 @@ class DataNeeds:
     (``data=synthetic_sequences``'s defaults)."""
     next_item: bool = False
     """A next-item model: every row's candidate should be the item that truly came next (no sampled negatives)."""
+    task_label_columns: tuple[tuple[str, str], ...] = ()
+    """``(task, column)`` for each task the model trains on a label column not named after it
+    (``model.task_specs.<task>.label``): files must have that column; generated data draws the label and only names it so."""
 
 

@@ -28,17 +28,18 @@ from hydra import compose, initialize_config_dir, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from recsys_runner import stores
-from recsys_runner.config import RunConfig, flatten, register_configs, to_yaml
-from recsys_runner.errors import CheckpointError, ConfigError
+from recsys_runner.config import flatten, register_configs, to_yaml, validate
+from recsys_runner.errors import CheckpointError, ConfigError, UserError
 from recsys_runner.inference_build import Inference
 from recsys_runner.lifecycle import RunStart, link_tags
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.runtime import Launch
+from recsys_runner.stores import StorageConfig
 from recsys_runner.tracking import lineage
 from recsys_runner.tracking.store import resolve_uri
-from recsys_runner.tracking.tracker import MlflowTrackingConfig
 
 log = logging.getLogger("recsys_runner")
 T = TypeVar("T")
@@ -49,21 +50,45 @@ LOAD_FIELD: tuple[str, Any, Any] = (LOAD_KEY, str | None, field(default=None))
 """``load`` as a field of an entry's root schema (:func:`recsys_runner.config.entry_schema`)."""
 
 
-def checkpoint_to_load(cfg: DictConfig, run: RunConfig) -> Path:
+_NO_STORE = object()
+"""``tracking.uri`` of a tracking option that has none (``tracking=none``): no MLflow store to look a run id up in."""
+
+
+def checkpoint_to_load(cfg: DictConfig) -> Path:
     """The checkpoint directory ``load=`` names (see the module docstring); an MLflow run id is looked up in the
     store ``tracking.uri`` points at. Each rank resolves it on its own: it only reads files and run tags.
 
+    The first thing evaluate, predict and export do, before the rest of the config is validated or any data is read:
+    a ``load=`` that names no checkpoint is reported first (its training's overrides, which describe the data, could
+    not be carried over either, so what the rest of the config says about the data is moot). Reads only ``load``,
+    ``storage.*`` and ``tracking.uri``. Without ``load`` the config is validated first, so that a misspelt one
+    (``+lod=…``) is named as such, then ``load`` is required.
+
     Raises:
-        ConfigError: ``load`` is not set.
+        ConfigError: ``load`` is not set, ``storage.*`` is invalid, or (without ``load``) any config mistake.
         CheckpointError: nothing loadable there (:func:`recsys_runner.tracking.lineage.resolve_checkpoint`).
     """
     spec = cfg.get(LOAD_KEY)
     if not spec:
+        validate(cfg)
         raise ConfigError("load is required: the checkpoint to use, e.g. load=outputs/<date>/<time>/checkpoints (its best, "
                           "else newest checkpoint), load=<…>/checkpoints/step_00001000, or load=<MLflow run id of the training run>")
-    stores.configure(run.storage)
-    lookup = lineage.run_tags(resolve_uri(run.tracking.uri)) if isinstance(run.tracking, MlflowTrackingConfig) else None
+    stores.configure(_storage(cfg))
+    uri = OmegaConf.select(cfg, "tracking.uri", default=_NO_STORE)  # a tracking option without a uri (none) has no runs
+    lookup = lineage.run_tags(resolve_uri(uri)) if uri is not _NO_STORE else None
     return lineage.resolve_checkpoint(str(spec), lookup_run=lookup)
+
+
+def _storage(cfg: DictConfig) -> StorageConfig:
+    """``cfg.storage`` as a validated :class:`~recsys_runner.stores.StorageConfig` (its ``__post_init__`` run)."""
+    try:
+        storage = OmegaConf.to_object(cfg.storage) if cfg.get("storage") is not None else StorageConfig()
+    except OmegaConfBaseException as e:  # OmegaConf wraps the ConfigError raised in __post_init__
+        if isinstance(e.__cause__, UserError):
+            raise e.__cause__ from None
+        raise ConfigError(f"storage: {str(e).splitlines()[0]}") from None
+    assert isinstance(storage, StorageConfig)
+    return storage
 
 
 NEVER_CARRIED = ("hydra", "checkpoint.resume", "checkpoint.init_from", LOAD_KEY)
@@ -84,17 +109,40 @@ class Carried:
     """The training's overrides put before the command's own."""
     argv: tuple[str, ...]
     """The command line as typed (restored once Hydra has read it, so the manifest records what was typed)."""
+    dropped: tuple[str, ...] = ()
+    """The training's overrides left out: under a group this command chose another option of."""
 
 
 _carried: Carried | None = None
 
 
-def training_overrides(here: Sequence[str]) -> tuple[Path, list[str], list[str]] | None:
+@dataclass(frozen=True)
+class TrainingOverrides:
+    """What :func:`training_overrides` found for a command that loads a checkpoint."""
+
+    checkpoint: Path
+    """The checkpoint whose ``meta.json`` holds the training launch's overrides."""
+    carried: list[str]
+    """The training's overrides that go before the command's own."""
+    own: list[str]
+    """The command's overrides, ``+key=value`` made ``++key=value``."""
+    dropped: list[str]
+    """The training's overrides left out because the command chose another option of their group (``tracking=none``
+    drops ``tracking.uri=…``)."""
+
+
+def training_overrides(here: Sequence[str]) -> TrainingOverrides | None:
     """For a command whose overrides ``here`` include ``load=<checkpoint>``: the checkpoint, the overrides of the
     training launch that wrote it (its ``meta.json``) that ``here`` does not give a value for, and ``here`` with
     ``+key=value`` made ``++key=value`` (an option the training chose may hold the key the command adds: ``+`` would
     fail where the key exists, ``++`` adds or sets it). ``None`` without ``load`` or saved overrides (a checkpoint
-    written outside the CLI), or when ``load`` names no checkpoint (the command then reports it as usual).
+    written outside the CLI), or when ``load`` names no checkpoint (the command then reports it first,
+    :func:`checkpoint_to_load`).
+
+    A choice the command makes wins with what lies under it: where ``here`` sets a key (``tracking=none``) to another
+    value than the training did, the training's overrides under it (``tracking.uri=…``, ``tracking/…=…``) are left
+    out, since they belong to the training's option (and the command's may not have those keys). Where both chose the
+    same option (``data=parquet``), the training's settings of it are carried as usual.
 
     A run id is looked up in the store the command's own ``tracking=``/``tracking.*`` overrides name.
     """
@@ -114,12 +162,17 @@ def training_overrides(here: Sequence[str]) -> tuple[Path, list[str], list[str]]
     except Exception:  # noqa: BLE001 - nothing to carry; the command's own resolution says what is wrong
         return None
     given = {o.key_or_group for o in parsed}
-    carried = [text for text, o in zip(saved, saved_parsed, strict=True)
-               if o.key_or_group not in given and not o.key_or_group.startswith(NEVER_CARRIED)]
+    trained = {o.key_or_group: o.value() for o in saved_parsed}
+    rechosen = [section for o in parsed if o.package is None and (o.key_or_group not in trained or trained[o.key_or_group] != o.value())
+                for section in (f"{o.key_or_group.replace('/', '.')}.", f"{o.key_or_group}/")]
+    kept = [(text, o) for text, o in zip(saved, saved_parsed, strict=True)
+            if o.key_or_group not in given and not o.key_or_group.startswith(NEVER_CARRIED)]
+    carried = [text for text, o in kept if not o.key_or_group.startswith(tuple(rechosen))]
+    dropped = [text for text, o in kept if o.key_or_group.startswith(tuple(rechosen))]
     if not carried:
         return None
     own = [f"+{text}" if o.is_add() and o.package is None and "/" not in o.key_or_group else text for text, o in zip(here, parsed, strict=True)]
-    return checkpoint, carried, own
+    return TrainingOverrides(checkpoint, carried, own, dropped)
 
 
 def _run_lookup(tracking: list[str]) -> Any:
@@ -157,11 +210,10 @@ def carry_into_argv(argv: list[str]) -> Carried | None:
     found = training_overrides(here) if here else None
     if found is None:
         return None
-    checkpoint, carried, own = found
     typed = tuple(argv)
     first = argv.index(here[0], 1)  # the overrides are one run of arguments (Hydra's positional list)
-    argv[first:first + len(here)] = [*carried, *own]
-    return Carried(checkpoint, tuple(carried), typed)
+    argv[first:first + len(here)] = [*found.carried, *found.own]
+    return Carried(found.checkpoint, tuple(found.carried), typed, tuple(found.dropped))
 
 
 def carry_training_overrides() -> None:
@@ -189,17 +241,21 @@ def with_training_overrides(cfg: DictConfig, launch: Launch) -> DictConfig:
     if _carried is not None:
         done, _carried = _carried, None
         sys.argv[:] = list(done.argv)  # the manifest's command: as typed
-        log.info("using the overrides of the training launch that wrote %s: %s (those given here win)", done.checkpoint,
-                 " ".join(done.overrides))
+        _log_carried(done.checkpoint, done.overrides, done.dropped)
         return cfg
     if not launch.from_cli or not cfg.get(LOAD_KEY):
         return cfg
     found = training_overrides(launch.overrides)
     if found is None:
         return cfg
-    checkpoint, carried, own = found
+    _log_carried(found.checkpoint, found.carried, found.dropped)
+    return compose(config_name=launch.config_name, overrides=[*found.carried, *found.own])
+
+
+def _log_carried(checkpoint: Path, carried: Sequence[str], dropped: Sequence[str]) -> None:
     log.info("using the overrides of the training launch that wrote %s: %s (those given here win)", checkpoint, " ".join(carried))
-    return compose(config_name=launch.config_name, overrides=[*carried, *own])
+    if dropped:
+        log.info("left out of them, as this command chose another option of their group: %s", " ".join(dropped))
 
 
 def inference_start(built: Inference, *, entry: str, checkpoint: Path, load: str,

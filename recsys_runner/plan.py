@@ -40,7 +40,7 @@ def dry_run(cfg: DictConfig) -> PlanReport:
     # The data module on meta too: planning reads only its features and batch size, and a module may hold state per
     # embedding row (generated data draws an effect per id: 8 bytes a row, 208 GB for 26 tables of 1e9 rows).
     with torch.device("meta"):
-        data = run.data.for_model(run.model.data_needs()).build(device="cpu")
+        data = run.served_data.build(device="cpu")
     # Dense layers on meta too: the plan only places embedding tables, and nothing may allocate.
     model = TrainWrapper(run.model.build(features=data.features, dense_device=torch.device("meta")))
     apply_sparse_optimizer(model, run.optim.sparse)  # optimizer state counts toward table memory

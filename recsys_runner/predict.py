@@ -98,6 +98,7 @@ register_entry_schema("predict", [LOAD_FIELD, ("predict", PredictConfig, field(d
 
 def run(cfg: DictConfig, launch: Launch = Launch()) -> PredictResult:
     """Score ``predict.input`` with the checkpoint ``cfg.load`` and write the parts (see the module docstring)."""
+    checkpoint = checkpoint_to_load(cfg)  # first: a load= that names no checkpoint is the error to fix first
     spec = validate(cfg)
     stores.configure(spec.storage)
     settings = settings_of(cfg)
@@ -108,7 +109,6 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> PredictResult:
     output = stores.as_path(str(settings.output))
     check_output(output, settings.overwrite)
     check_columns(spec.data, settings.columns, settings.input)
-    checkpoint = checkpoint_to_load(cfg, spec)
     built = build_inference(spec, launch=launch, weights=checkpoint)
     params = {f"predict.{name}": getattr(settings, name) for name in ("input", "output", "columns")}
     start = inference_start(built, entry="predict", checkpoint=checkpoint, load=str(cfg.load), extra_params=params)

@@ -4,6 +4,8 @@ data read from files keeps its columns and is refused when it lacks a model's la
 
 from __future__ import annotations
 
+import logging
+import re
 from dataclasses import fields
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from recsys_runner.config import validate
 from recsys_runner.configurable import make
 from recsys_runner.data.generated.generate import write_criteo_parquet
 from recsys_runner.data.generated.synthetic import SyntheticData, SyntheticDataConfig
+from recsys_runner.data.generated.synthetic_sequences import SyntheticSequencesConfig
 from recsys_runner.errors import ConfigError
 from recsys_runner.train.loop import train
 
@@ -118,3 +121,44 @@ def test_mistakes_say_what_to_fix(make_cfg, overrides: list[str], message: str) 
     cfg = make_cfg(*overrides, "tracking=none")
     with pytest.raises(ConfigError, match=message):
         build(validate(cfg)).close()
+
+
+# --- checks on the data as the model gets it (issue 30) ----------------------------------------------------------------
+
+def test_batch_tokens_is_checked_on_the_data_the_model_gets(make_cfg) -> None:
+    """``model=din data.batch_tokens=4096``: the default data becomes histories for DIN, whose tokens the budget counts, so
+    it is accepted; a model without histories is refused at validation, and so is a budget the histories cannot meet."""
+    run = validate(make_cfg("model=din", "data.batch_tokens=4096", "tracking=none", tiny=False))
+    assert isinstance(run.served_data, SyntheticSequencesConfig) and run.served_data.batch_tokens == 4096
+    with pytest.raises(ConfigError, match=r"data\.batch_tokens=4096 .*no histories for this model.*model=din"):
+        validate(make_cfg("model=deepfm", "data.batch_tokens=4096", "tracking=none", tiny=False))
+    with pytest.raises(ConfigError, match=r"data\.batch_tokens=20 .*max_len=50"):  # the generated histories' own check
+        validate(make_cfg("model=din", "data.batch_tokens=20", "tracking=none", tiny=False))
+
+
+def test_task_labels_generated_data_ignores_are_named_in_one_warning(make_cfg, caplog: pytest.LogCaptureFixture) -> None:
+    """``+model.task_specs.cvr={label: buy}`` picks a column of files; generated data draws every task's label, so the
+    setting has no effect there: one warning names each such label, once per run (validate and build)."""
+    cfg = make_cfg("model=mmoe", "+model.task_specs.cvr={label: buy}", "+model.task_specs.ctr={label: click}", "tracking=none")
+    with caplog.at_level(logging.WARNING, logger="recsys_runner"):
+        build(validate(cfg)).close()
+    said = [r.getMessage() for r in caplog.records if "task_specs" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "model.task_specs.ctr.label=click" in said[0] and "model.task_specs.cvr.label=buy" in said[0]
+    assert "no effect" in said[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="recsys_runner"):
+        validate(make_cfg("model=mmoe", "+model.task_specs.cvr={weight: 2.0}", "tracking=none"))
+    assert not [r for r in caplog.records if "task_specs" in r.getMessage()]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fix"),
+    [(["data.hard_negatives=0"], r"Fix: data\.hard_negatives=8 \(the generated data then lists"),
+     (["data.negatives.hard_column=shown"], r"Fix: data\.negatives\.hard_column=hard_items, the list column data\.hard_negatives=8 generates")],
+)
+def test_a_missing_hard_negative_column_on_generated_data_names_the_generated_fix(make_cfg, overrides: list[str], fix: str) -> None:
+    run = validate(make_cfg("experiment=dssm_hard_negatives", *overrides, "tracking=none"))
+    with pytest.raises(ConfigError, match=r"data\.negatives\.hard_column='\w+' is not a sparse column of the data") as raised:
+        run.served_data.build(device="cpu")
+    assert re.search(fix, str(raised.value)) and "data.sparse" not in str(raised.value)

@@ -219,12 +219,16 @@ def test_predict_columns_missing_from_the_input_fail_before_the_model_is_built(t
                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(predict, "build_inference", _no_build)
     _score_file(tmp_path / "b.parquet", 10, seed=1, row_group_size=10)
+    step = tmp_path / "ck" / "step_00000001"  # a checkpoint as load= sees one (load= is checked first), never loaded here
+    step.mkdir(parents=True)
+    (step / ".metadata").touch()
+    (step / "meta.json").write_text('{"step": 1}')
     with pytest.raises(ConfigError, match=r"predict.columns=\['request_id', 'request'\] names \['request'\] \(not in .*b.parquet.*"
                                           r"its columns are \[.*'request_id'\]. Fix: predict.columns="):
-        predict.run(compose_entry("predict", "data=parquet", f"data.path={tmp_path}/b.parquet", "load=nowhere",
+        predict.run(compose_entry("predict", "data=parquet", f"data.path={tmp_path}/b.parquet", f"load={tmp_path}/ck",
                                   f"predict.output={tmp_path}/out", "predict.columns=[request_id,request]"))
     (tmp_path / "in.csv").write_text("label,price,item\n1,2.0,7\n")
     with pytest.raises(ConfigError, match=r"names \['id'\] .*its columns are \['label', 'price', 'item'\]"):
-        predict.run(compose_entry("predict", "data=csv", f"data.path={tmp_path}/in.csv", "load=nowhere",
+        predict.run(compose_entry("predict", "data=csv", f"data.path={tmp_path}/in.csv", f"load={tmp_path}/ck",
                                   f"predict.output={tmp_path}/out", "predict.columns=[id]"))
     assert not (tmp_path / "out").exists()

@@ -3,15 +3,23 @@ their public layout (``recsys_runner/data/generated/generate.py``; never real da
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
 import pytest
+import torch
+from omegaconf import OmegaConf
 
 from recsys_runner.__main__ import run
-from recsys_runner.config import RunConfig, validate
+from recsys_runner.config import GROUPS, RunConfig, validate
+from recsys_runner.data.files.tabular_config import ParquetDataConfig
 from recsys_runner.data.generated.generate import write_avazu_csv, write_criteo_tsv, write_movielens_ratings
 from recsys_runner.data.schema import DenseColumn, SparseColumn
+from recsys_runner.models.dcn_v2 import DCNv2Config
+from recsys_runner.models.deepfm import DeepFMConfig
+from recsys_runner.models.dlrm import DLRMConfig
+from recsys_runner.models.sasrec import SASRecConfig
 from recsys_runner.paths import CONFIG_PATH
 
 
@@ -65,3 +73,136 @@ def test_every_preset_composes_and_validates(make_cfg, preset: str, tracking: st
     if "tabular" in str(cfg.data._target_):  # a preset for your own files: any path validates
         cfg = make_cfg(f"experiment={preset}", f"tracking={tracking}", "data.path=train.parquet", tiny=False)
     assert isinstance(validate(cfg), RunConfig)
+
+
+# --- presets compose with model= and data= (issue 30) ------------------------------------------------------------------
+# A preset's own file sets no model key and only data keys its documented data options share; what is for one model or
+# one data option lives in conf/experiment/model/<preset>_<model>.yaml or conf/experiment/data/<preset>_<data>.yaml,
+# which conf/config.yaml applies only with that option.
+
+EXPERIMENT = Path(CONFIG_PATH) / "experiment"
+PRESETS = sorted(p.stem for p in EXPERIMENT.glob("*.yaml"))
+FILE_PATHS = {"criteo_tsv": "data.path=train.txt", "avazu_csv": "data.path=train.csv", "movielens": "data.path=u.data"}
+
+PRESET_MODELS = [  # every preset x model that a preset's YAML or docs/ document
+    ("criteo_tsv", "deepfm", 8), ("criteo_tsv", "lr", None), ("criteo_tsv", "fm", 8), ("criteo_tsv", "dlrm", 8),
+    ("avazu_csv", "deepfm", 8), ("avazu_csv", "lr", None), ("avazu_csv", "fm", 8),
+    ("movielens", "deepfm", 8), ("movielens", "lr", None), ("movielens", "fm", 8),  # docs/models.md: fm for MovieLens
+]
+"""``(preset, model, embedding_dim the preset gives it)``; docs/models.md: lr and fm are the baselines on these samples."""
+
+ITEMS = ["data.items.path=items.parquet", "data.items.id=item_id"]
+TAOBAO_LABELS = ["data.path=/data/taobao/", "data.labels={ctr: click, cvr: buy}"]
+PRESET_DATA = {  # the presets' documented data= uses (their YAML comments, docs/sequences.md, docs/retrieval.md, docs/storage.md)
+    "sasrec_movielens-parquet": ["experiment=sasrec_movielens", "data=parquet", "data.path=ml-1m-histories/"],
+    "bst_taobao-parquet": ["experiment=bst_taobao", "data=parquet", "data.path=out/train.parquet", "data.eval_path=out/eval.parquet"],
+    "din_taobao-parquet": ["experiment=din_taobao", "data=parquet", "data.path=out/train.parquet", "data.eval_path=out/eval.parquet"],
+    "mmoe_taobao-parquet": ["experiment=mmoe_taobao", "data=parquet", *TAOBAO_LABELS],
+    "mmoe_taobao-csv": ["experiment=mmoe_taobao", "data=csv", *TAOBAO_LABELS],
+    "ple_taobao-parquet": ["experiment=ple_taobao", "data=parquet", *TAOBAO_LABELS],
+    "dbmtl_taobao-parquet": ["experiment=dbmtl_taobao", "data=parquet", *TAOBAO_LABELS],
+    "dssm_taobao-parquet": ["experiment=dssm_taobao", "data=parquet", "data.path=clicks/", "model.user_features=[user_id,age_level]",
+                            "model.item_features=[adgroup_id,cate_id]"],
+    "dssm_negatives-parquet": ["experiment=dssm_negatives", "data=parquet", "data.path=clicks/", *ITEMS, "data.items.features=[cate_id]",
+                               "model.user_features=[user_id]", "model.item_features=[item_id,cate_id]"],
+    "dssm_uniform_negatives-parquet": ["experiment=dssm_uniform_negatives", "data=parquet", "data.path=clicks/", *ITEMS,
+                                       "data.items.features=[cate_id]", "model.user_features=[user_id]",
+                                       "model.item_features=[item_id,cate_id]"],
+    "dssm_hard_negatives-parquet": ["experiment=dssm_hard_negatives", "data=parquet", "data.path=clicks/", *ITEMS,
+                                    "data.negatives.hard_column=shown_items", "model.user_features=[user_id]",
+                                    "model.item_features=[item_id]"],
+    "deepfm_criteo-criteo": ["experiment=deepfm_criteo", "data=criteo", "data.path=day_0"],
+    "deepfm_criteo-parquet": ["experiment=deepfm_criteo", "data=parquet", "data.path=s3://my-bucket/criteo/train/*.parquet",
+                              "data.eval_path=s3://my-bucket/criteo/eval/", "checkpoint.dir=s3://my-bucket/runs/deepfm-1"],
+}
+
+
+@pytest.mark.parametrize(("preset", "model", "width"), PRESET_MODELS, ids=[f"{p}-{m}" for p, m, _ in PRESET_MODELS])
+def test_a_preset_composes_with_each_model_it_documents(make_cfg, preset: str, model: str, width: int | None) -> None:
+    """``experiment=criteo_tsv model=lr`` (and fm, dlrm; movielens with fm) composes, validates and keeps the preset's other
+    settings; the model gets the preset's settings for it, or its own defaults."""
+    run = validate(make_cfg(f"experiment={preset}", f"model={model}", FILE_PATHS[preset], "tracking=none", tiny=False))
+    assert type(run.model) is GROUPS["model"][model]
+    assert getattr(run.model, "embedding_dim", None) == width
+    assert run.optim.lr == 0.02 and run.data.batch_size == 128 and run.train.num_epochs == 1
+    if isinstance(run.model, DeepFMConfig):
+        assert run.model.deep_layer_sizes == [128, 64]
+    if isinstance(run.model, DLRMConfig):
+        assert run.model.over_arch_layer_sizes == [128, 64]
+
+
+def test_a_model_the_preset_has_no_settings_for_keeps_its_own_defaults(make_cfg) -> None:
+    run = validate(make_cfg("experiment=criteo_tsv", "model=dcn_v2", FILE_PATHS["criteo_tsv"], "tracking=none", tiny=False))
+    assert isinstance(run.model, DCNv2Config) and run.model.embedding_dim == DCNv2Config().embedding_dim
+    assert run.optim.lr == 0.02  # the rest of the preset holds
+
+
+@pytest.mark.parametrize("overrides", list(PRESET_DATA.values()), ids=list(PRESET_DATA))
+def test_a_preset_composes_with_each_data_option_it_documents(make_cfg, overrides: list[str]) -> None:
+    """``experiment=sasrec_movielens data=parquet`` and the other documented uses compose and validate; the keys only the
+    preset's generated data has (``max_len``, ``hard_negatives``) stay with it."""
+    run = validate(make_cfg(*overrides, "tracking=none", tiny=False))
+    assert type(run.data).__name__ == {"parquet": "ParquetDataConfig", "csv": "CsvDataConfig", "criteo": "CriteoDataConfig"}[
+        overrides[1].removeprefix("data=")]
+    assert not hasattr(run.data, "max_len") and not hasattr(run.data, "hard_negatives")
+    if isinstance(run.model, SASRecConfig):
+        assert run.data.batch_size == 128 and run.model.num_blocks == 2
+    if overrides[0] == "experiment=dssm_hard_negatives":
+        assert isinstance(run.data, ParquetDataConfig)
+        assert run.data.negatives.hard_column == "shown_items" and run.data.negatives.num_negatives == 256
+
+
+@pytest.mark.parametrize(("preset", "key", "value"), [("sasrec_movielens", "max_len", 200), ("dssm_hard_negatives", "hard_negatives", 8)])
+def test_a_presets_own_generated_data_keeps_its_settings(make_cfg, preset: str, key: str, value: int) -> None:
+    assert getattr(validate(make_cfg(f"experiment={preset}", "tracking=none", tiny=False)).data, key) == value
+
+
+def _split(stem: str, options: list[str]) -> tuple[str, str]:
+    """``<preset>_<option>`` → ``(preset, option)``; exactly one way, else the file would apply to no or two choices."""
+    found = [(p, stem.removeprefix(f"{p}_")) for p in PRESETS if stem.startswith(f"{p}_") and stem.removeprefix(f"{p}_") in options]
+    assert len(found) == 1, f"conf/experiment/.../{stem}.yaml must be <preset>_<option> for one preset {PRESETS} and option {options}"
+    return found[0]
+
+
+def _option_schema(group: str, option: str) -> type:
+    """The schema ``conf/<group>/<option>.yaml`` extends (``/schema/<group>/<name>@_here_``)."""
+    defaults = OmegaConf.load(Path(CONFIG_PATH) / group / f"{option}.yaml").get("defaults", [])
+    (name,) = [d.split("/")[-1].split("@")[0] for d in defaults if isinstance(d, str) and d.startswith(f"/schema/{group}/")]
+    return GROUPS[group][name]
+
+
+def test_presets_keep_option_specific_keys_in_their_option_files() -> None:
+    """The rule that lets ``model=``/``data=`` change under any preset: no preset file sets a model key (every model key is
+    one model's); each option file names one preset and one option, and holds only keys that option's schema has."""
+    for preset in PRESETS:
+        body = OmegaConf.load(EXPERIMENT / f"{preset}.yaml")
+        assert "model" not in body, f"conf/experiment/{preset}.yaml sets model.*: move it to conf/experiment/model/{preset}_<model>.yaml"
+    models, data = sorted(p.stem for p in (Path(CONFIG_PATH) / "model").glob("*.yaml")), \
+        sorted(p.stem for p in (Path(CONFIG_PATH) / "data").glob("*.yaml"))
+    blocks = {"model": models, "data": data}
+    seen: dict[str, set[str]] = {"model": set(), "data": set()}
+    for group, options in blocks.items():
+        for path in sorted((EXPERIMENT / group).glob("*.yaml")):
+            preset, option = _split(path.stem, options)
+            seen[group].add(preset)
+            fields = {f.name for f in dataclasses.fields(_option_schema(group, option))}
+            extra = set(OmegaConf.load(path)) - fields
+            assert not extra, f"{path.name}: {sorted(extra)} are not keys of {group}={option}"
+    assert seen["model"] == set(PRESETS)  # every preset tunes its own model
+    assert seen["data"] == {"sasrec_movielens", "dssm_hard_negatives"}
+
+
+def test_baselines_build_under_the_criteo_preset(make_cfg, tmp_path: Path) -> None:
+    """``experiment=criteo_tsv`` with lr, fm and dlrm builds data and model on a generated Criteo file."""
+    write_criteo_tsv(str(tmp_path / "train.txt"), 400, cardinality=30)
+    for model in ("lr", "fm", "dlrm"):
+        spec = validate(preset_cfg(make_cfg, "criteo_tsv", tmp_path / "train.txt", f"model={model}", "tracking=none"))
+        data = spec.served_data.build(device="cpu")
+        built = spec.model.build(features=data.features, dense_device=torch.device("cpu"))
+        assert sum(p.numel() for p in built.parameters() if not p.is_meta) > 0
+
+
+def test_movielens_preset_trains_fm(make_cfg, tmp_path: Path) -> None:
+    """docs/models.md's advice for MovieLens, ``experiment=movielens model=fm``, trains one epoch and learns."""
+    write_movielens_ratings(str(tmp_path / "u.data"), 3000)
+    assert run(preset_cfg(make_cfg, "movielens", tmp_path / "u.data", "model=fm", "tracking=none")) > 0.7

@@ -114,10 +114,7 @@ class DataConfig(Configurable):
         require(self.batch_size > 0, f"data.batch_size must be positive, got {self.batch_size}. Fix: data.batch_size=512")
         if self.batch_tokens is not None:
             require(self.batch_tokens > 0, f"data.batch_tokens must be positive or null, got {self.batch_tokens}")
-            require(self.supports_batch_tokens(),
-                    f"data.batch_tokens={self.batch_tokens} sizes batches by history tokens, but this data "
-                    f"({type(self).__name__}) has no histories. Fix: data.batch_tokens=null and data.batch_size=<rows>, or "
-                    f"data with sequences (data=synthetic_sequences, or data.sequences on Parquet/CSV files)")
+            require(self.supports_batch_tokens(), self.no_histories())
         workers = self.num_workers
         require(workers == AUTO or (isinstance(workers, int) and not isinstance(workers, bool) and workers >= 0),
                 f"data.num_workers={workers!r} must be a number >= 0 or auto. Fix: data.num_workers=auto (workers on CUDA, "
@@ -126,6 +123,12 @@ class DataConfig(Configurable):
     def supports_batch_tokens(self) -> bool:
         """Whether this data has histories whose tokens ``batch_tokens`` can count (data with sequences overrides this)."""
         return False
+
+    def no_histories(self, why: str = "") -> str:
+        """The message refusing ``batch_tokens`` for this data, which has no histories (``why``: a clause saying why)."""
+        return (f"data.batch_tokens={self.batch_tokens} sizes batches by history tokens, but this data ({type(self).__name__}) "
+                f"has no histories{why}. Fix: data.batch_tokens=null and data.batch_size=<rows>, or data with sequences "
+                f"(data=synthetic_sequences, or data.sequences on Parquet/CSV files)")
 
     def build(self, *, device: torch.device | str | None = None, encoders: StoredEncoders | None = None) -> DataModule:
         """The data module this config describes, for a run on ``device`` (``None``: where ``distributed.device=auto``

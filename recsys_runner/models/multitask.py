@@ -77,15 +77,17 @@ class MultiTaskConfig(ModelConfig):
         """A label per task (its ``label`` column), of the task's label kind (with a multi-class task's number of
         classes), and each sample-weight column (a positive amount): generated data (``data=synthetic``) draws them."""
         kinds = [TASK_KINDS[k].label_kind for k in (self.task_kinds or [BinaryTask.kind] * len(self.tasks))]
-        by_column, classes = {}, {}
+        by_column, classes, renamed = {}, {}, []
         for name, kind in zip(self.tasks, kinds, strict=True):
             spec = _task_spec(name, self.task_specs[name]) if name in self.task_specs else None
             column = (spec.label if spec else None) or name
+            if column != name:
+                renamed.append((name, column))
             by_column[column] = TASK_KINDS[spec.kind].label_kind if spec and spec.kind else kind
             classes[column] = spec.num_classes if spec and spec.num_classes else 0
         labels = task_labels(self.tasks, self.task_specs)
         return DataNeeds(labels=tuple(labels), label_kinds=tuple(by_column.get(c, "regression") for c in labels),
-                         label_classes=tuple(classes.get(c, 0) for c in labels))
+                         label_classes=tuple(classes.get(c, 0) for c in labels), task_label_columns=tuple(renamed))
 
 
 def _task_spec(name: str, spec: Any) -> TaskSpec:

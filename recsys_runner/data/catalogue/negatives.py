@@ -36,6 +36,10 @@ _SALT = 0x5A3D_1E6A
 """Mixed into every draw's seed, so that negatives are not correlated with the data's other uses of ``seed``."""
 
 
+FILES_HARD_FIX = "declare it in data.sparse as a list column with the item id's encoding (e.g. table: item)"
+"""How files get a ``data.negatives.hard_column`` (:meth:`NegativesConfig.check`); generated data passes its own fix."""
+
+
 @dataclass(kw_only=True)
 class NegativesConfig:
     """``data.negatives``: catalogue items appended to every training batch as shared negatives (needs an item table:
@@ -76,9 +80,9 @@ class NegativesConfig:
     def enabled(self) -> bool:
         return self.num_negatives > 0
 
-    def check(self, table: ItemTable | None, features: FeatureSpec, where: str) -> None:
+    def check(self, table: ItemTable | None, features: FeatureSpec, where: str, hard_fix: str = FILES_HARD_FIX) -> None:
         """Raise :class:`ConfigError` when negatives are asked for but cannot be drawn: no item table (``where`` says how to get
-        one), more negatives than items, or a ``hard_column`` the data does not have."""
+        one), more negatives than items, or a ``hard_column`` the data does not have (``hard_fix``: how this data gets one)."""
         if not self.enabled:
             return
         if table is None:
@@ -90,7 +94,7 @@ class NegativesConfig:
                 f"data.negatives.mined_top_k={self.mined_top_k} must be smaller than the item table ({len(table)} items)")
         require(self.hard_column is None or self.hard_column in features.kjt_keys,
                 f"data.negatives.hard_column={self.hard_column!r} is not a sparse column of the data ({', '.join(features.kjt_keys)}). "
-                f"Fix: declare it in data.sparse as a list column with the item id's encoding (e.g. table: item)")
+                f"Fix: {hard_fix}")
 
 
 class NegativeSampler:

@@ -193,6 +193,11 @@ class SyntheticDataConfig(DataConfig):
         small = {t: c for t, c in classes.items() if not isinstance(c, int) or c < 2}
         require(not small, f"data.label_classes has {small}; each must be an integer >= 2")
 
+    def supports_batch_tokens(self) -> bool:
+        """Decided with the model: :meth:`for_model` generates histories for a model over them (``batch_tokens`` then counts
+        their tokens) and refuses ``batch_tokens`` for any other model."""
+        return True
+
     def for_model(self, needs: DataNeeds) -> DataConfig:
         """A new config that serves a model with ``needs`` (for a model over histories a ``data=synthetic_sequences`` one,
         :meth:`_as_sequences`): the fields left ``null`` follow the model (its
@@ -200,14 +205,21 @@ class SyntheticDataConfig(DataConfig):
         of its towers); ``self`` when nothing changes.
 
         Raises:
-            ConfigError: a two-tower model's tower has no sparse feature to link the pairs through, or
-                the combination fails a check of :meth:`__post_init__`.
+            ConfigError: a two-tower model's tower has no sparse feature to link the pairs through, ``batch_tokens`` for a
+                model without histories, or the combination fails a check of :meth:`__post_init__`.
         """
         if needs.sequences:
             return self._as_sequences(needs)
+        require(self.batch_tokens is None, self.no_histories(" for this model (generated data has histories only for a model "
+                                                             "over them: model=din, bst, sasrec)"))
         changes: dict[str, Any] = {}
         if self.tasks is None and needs.labels:
             changes["tasks"] = list(needs.labels)
+            if needs.task_label_columns:  # a column to read exists only in files
+                log.warning("%s: generated data has no label columns to choose from; it draws each task's label (the click, then the "
+                            "funnel's conversions) and only names it so, so this has no effect here. It picks a label column of files "
+                            "(data=parquet|csv)", ", ".join(f"model.task_specs.{task}.label={column}"
+                                                            for task, column in needs.task_label_columns))
             kinds = {n: k for n, k in zip(needs.labels, needs.label_kinds, strict=False) if k != "binary"}
             if kinds:
                 changes["label_kinds"] = kinds
@@ -269,6 +281,7 @@ class SyntheticData(DataModule):
 
     def __init__(self, config: SyntheticDataConfig) -> None:
         c = self.config = config.resolved()  # built by DataConfig.build, already; constructed directly, decided here
+        require(c.batch_tokens is None, c.no_histories())
         assert isinstance(c.num_workers, int)
         self._workers = c.num_workers
         self._pin = bool(c.pin_memory)
@@ -327,8 +340,13 @@ class SyntheticData(DataModule):
             names = [self.features.sparse_names[j] for j in self._items]
             popularity = pair_popularity(sizes[first], sizes[self._user], self._clusters, c.id_skew)
             table = generated_item_table(names, lookups, popularity, self._as_generated)
+        # generated data has one hard-negative column, which data.hard_negatives turns on
+        column = "" if c.negatives.hard_column == HARD_COLUMN else f" data.negatives.hard_column={HARD_COLUMN}"
+        hard_fix = (f"data.negatives.hard_column={HARD_COLUMN}, the list column data.hard_negatives={c.hard_negatives} generates"
+                    if c.hard_negatives else f"data.hard_negatives=8{column} (the generated data then lists 8 hard negative items per "
+                    f"row in {HARD_COLUMN}), or data.negatives.hard_column=null")
         c.negatives.check(table, self.features, "the generated data has no (user, item) pairs. Fix: data=synthetic_retrieval, or a "
-                                                "two-tower model (model=dssm), or data.user_item_clusters=<K>")
+                                                "two-tower model (model=dssm), or data.user_item_clusters=<K>", hard_fix)
         if table is None or not c.negatives.enabled:
             return table, None
         sampler = NegativeSampler(c.negatives, table, self.features, c.seed)
