@@ -80,6 +80,16 @@ def reported() -> Iterator[None]:
         sys.exit(2)
 
 
+class CheckpointWriteFailed(CheckpointError):
+    """A checkpoint could not be written during training (its store refused or stopped answering). The checkpoints
+    before it are untouched (a checkpoint is listed only once complete); ``last_good`` names the newest, from which
+    the command's exit (:func:`recsys_runner.lifecycle.exit_codes`) prints the command that resumes."""
+
+    def __init__(self, message: str, last_good: str | None) -> None:
+        super().__init__(message)
+        self.last_good = last_good
+
+
 class Stopped(Exception):  # noqa: N818 - a stop, not an error
     """A command stopped on a signal (the lifecycle's :class:`~recsys_runner.train.signals.Interrupted` is one). Code that
     catches every ``Exception`` to carry on — a tracking store outage, a retried write — lets it through, so a signal that

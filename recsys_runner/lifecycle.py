@@ -39,7 +39,7 @@ import torch
 from recsys_runner import stores
 from recsys_runner.checkpoint.guard import NonFiniteLossError
 from recsys_runner.checkpoint.storage import CheckpointStorage
-from recsys_runner.errors import CheckpointError, reported
+from recsys_runner.errors import CheckpointError, CheckpointWriteFailed, reported
 from recsys_runner.runtime import Launch
 from recsys_runner.tracking import lineage
 from recsys_runner.tracking.tracker import Tracker
@@ -150,7 +150,10 @@ def exit_codes(launch: Launch) -> Iterator[None]:
     the last good checkpoint and exits 1."""
     try:
         with signals.RaiseOnSignal(f"during {launch.command_name}"), reported():
-            yield
+            try:
+                yield
+            except CheckpointWriteFailed as e:  # the store failed mid-run: the checkpoints before stay, resume from them
+                raise CheckpointError(f"{e}\n{resume_hint(launch, e.last_good)}") from None
     except Interrupted as e:
         if e.handover is not None:  # preempted inside submitit: its handler resubmits this job and requeues it
             print(f"Interrupted: {e}", file=sys.stderr)

@@ -15,18 +15,22 @@ Every failure becomes a :class:`~recsys_runner.errors.UserError` naming the URI,
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob as local_glob
 import io
 import os
 import re
 import shutil
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PosixPath
 from typing import IO, Any, NoReturn
 
 import fsspec
 import pyarrow.fs as pafs
+from botocore.exceptions import BotoCoreError
 
 from recsys_runner.errors import DataError, UserError, require
 
@@ -47,7 +51,9 @@ class StorageConfig:
     connect_timeout_s: float = 5.0
     """Seconds to wait for a connection to the store."""
     request_timeout_s: float = 30.0
-    """Seconds to wait for a request's answer."""
+    """Seconds to wait for a request's answer. A store that stops answering is given up on after about
+    ``max_attempts × (connect_timeout_s + request_timeout_s)`` plus the backoff between tries (:func:`give_up_after_s`),
+    for every kind of call: data reads, listings, the checkpoint lock, checkpoint writes and reads, outputs."""
     lock_ttl_s: float = 60.0
     """A checkpoint directory's lock in an object store is renewed every third of this; a lock not renewed for this
     long belongs to a dead run and is taken over (on one host a dead holder's lock is taken over at once)."""
@@ -79,6 +85,46 @@ def configure(config: StorageConfig) -> None:
 def settings() -> StorageConfig:
     """The :class:`StorageConfig` in force."""
     return _settings
+
+
+_waiting = 0
+"""How deep the main thread is in calls that wait on a store (:func:`waiting`)."""
+
+
+@contextlib.contextmanager
+def waiting() -> Iterator[None]:
+    """Mark the block as the main thread waiting on a store (a checkpoint write, a unit being read ahead), for the
+    training loop's signal handler: a stop it would otherwise take after the step is taken at once instead, since a
+    stalled store can hold the step for the whole retry bound (:func:`give_up_after_s`), past a scheduler's grace period.
+    Other threads' waits are not marked (signals reach only the main thread)."""
+    global _waiting
+    main = threading.current_thread() is threading.main_thread()
+    if main:
+        _waiting += 1
+    try:
+        yield
+    finally:
+        if main:
+            _waiting -= 1
+
+
+def waiting_now() -> bool:
+    """Whether the main thread is inside :func:`waiting`."""
+    return _waiting > 0
+
+
+STORE_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, BotoCoreError)
+"""What a store call raises when the store refuses or does not answer: pyarrow's and s3fs's ``OSError`` (a missing
+object is ``FileNotFoundError``), and botocore's own errors, which s3fs passes through untranslated (an unreachable
+endpoint is ``EndpointConnectionError``, neither an ``OSError`` nor a ``ValueError``)."""
+
+
+def give_up_after_s() -> float:
+    """About how long one call to a store that stopped answering takes to fail under the settings in force: every
+    attempt waits for its connection and its answer, with exponential backoff (at most 20 s) between attempts."""
+    s = _settings
+    backoff = sum(min(2.0 ** i, 20.0) for i in range(s.max_attempts - 1))
+    return s.max_attempts * (s.connect_timeout_s + s.request_timeout_s) + backoff
 
 
 def is_uri(path: str | os.PathLike[str]) -> bool:
@@ -177,7 +223,17 @@ def _arrow_s3() -> pafs.S3FileSystem:
 
 @functools.cache
 def _fsspec(scheme: str) -> fsspec.AbstractFileSystem:
-    return fsspec.filesystem(scheme, **fsspec_options(scheme))
+    fs = fsspec.filesystem(scheme, **fsspec_options(scheme))
+    return one_retry_policy(fs)
+
+
+def one_retry_policy(fs: fsspec.AbstractFileSystem) -> fsspec.AbstractFileSystem:
+    """``fs`` with retries only in its client (botocore's ``storage.max_attempts``): s3fs retries each call again 5
+    times on a timeout around the client's own attempts, which multiplied a stalled store's wait 5-fold (minutes
+    with no log line). For every s3fs instance the package makes, DCP's checkpoint reader and writer included."""
+    if hasattr(fs, "retries"):
+        fs.retries = 1
+    return fs
 
 
 def fsspec_options(scheme: str = "s3") -> dict[str, Any]:
@@ -228,11 +284,11 @@ def list_files(path: str, key: str, suffixes: tuple[str, ...] | None) -> list[st
                 raise DataError(f"{key}={path!r} is a glob pattern that matches no objects. Fix: check the pattern and the bucket's listing "
                                 f"(aws s3 ls {path.rsplit('/', 1)[0]}/)")
             return [_uri(scheme, p) for p in sorted(found)]
-        if fs.isfile(rest):
+        if _is_object(fs, rest):
             return [path]
         entries = fs.find(rest.rstrip("/") + "/", maxdepth=1, detail=True)
-    except (OSError, ValueError) as e:
-        raise store_error(path, e, key=key) from None
+    except STORE_ERRORS as e:
+        raise store_error(path, e, key=key, doing="listing it") from None
     names = sorted(p for p, info in entries.items() if info.get("type") == "file" and not p.rsplit("/", 1)[-1].startswith((".", "_")))
     files = [_uri(scheme, p) for p in names if suffixes is None or p.endswith(suffixes)]
     if not files:
@@ -243,6 +299,15 @@ def list_files(path: str, key: str, suffixes: tuple[str, ...] | None) -> list[st
     return files
 
 
+def _is_object(fs: fsspec.AbstractFileSystem, rest: str) -> bool:
+    """Whether ``rest`` is one object. Not ``fs.isfile``: it answers ``False`` to any failure, so a store that stopped
+    answering would be waited for once here and once more by the listing after."""
+    try:
+        return bool(fs.info(rest).get("type") == "file")
+    except FileNotFoundError:
+        return False
+
+
 def _check_bucket(uri: str) -> None:
     """Raise the clear error when the bucket of ``uri`` does not exist (a listing of a missing bucket is just empty)."""
     scheme, rest = _split(uri)
@@ -251,8 +316,8 @@ def _check_bucket(uri: str) -> None:
         _fsspec(scheme).ls(bucket, detail=False)  # raises what a listing under it swallows: no bucket, no access
     except FileNotFoundError:
         found = False
-    except (OSError, ValueError) as e:
-        raise store_error(uri, e) from None
+    except STORE_ERRORS as e:
+        raise store_error(uri, e, doing="checking its bucket") from None
     else:
         found = True
     if not found:
@@ -267,8 +332,8 @@ def open_input(path: str, *, buffer_bytes: int = 1 << 20) -> IO[bytes]:
     fs, rest = arrow_filesystem(path)
     try:
         return io.BufferedReader(fs.open_input_file(rest), buffer_size=buffer_bytes)
-    except OSError as e:
-        raise store_error(path, e) from None
+    except STORE_ERRORS as e:
+        raise store_error(path, e, doing="opening it") from None
 
 
 def file_size(path: str) -> int:
@@ -278,8 +343,8 @@ def file_size(path: str) -> int:
     fs, rest = arrow_filesystem(path)
     try:
         info = fs.get_file_info(rest)
-    except OSError as e:
-        raise store_error(path, e) from None
+    except STORE_ERRORS as e:
+        raise store_error(path, e, doing="reading its size") from None
     if info.type != pafs.FileType.File:
         raise DataError(f"{path} does not exist. Fix: check the URI (aws s3 ls {path})")
     return int(info.size)
@@ -294,8 +359,8 @@ def read_bytes(path: str, cls: type[UserError] = DataError) -> bytes:
         data: bytes = fs.cat_file(rest)
     except FileNotFoundError:
         raise
-    except (OSError, ValueError) as e:
-        raise store_error(path, e, cls=cls) from None
+    except STORE_ERRORS as e:
+        raise store_error(path, e, cls=cls, doing="reading it") from None
     return data
 
 
@@ -308,8 +373,8 @@ def write_bytes(path: str, data: bytes, cls: type[UserError] = DataError) -> Non
     fs, rest = fsspec_filesystem(path)
     try:
         fs.pipe_file(rest, data)
-    except (OSError, ValueError) as e:
-        raise store_error(path, e, cls=cls) from None
+    except STORE_ERRORS as e:
+        raise store_error(path, e, cls=cls, doing="writing it") from None
 
 
 def glob(pattern: str, cls: type[UserError] = DataError) -> list[str]:
@@ -319,8 +384,8 @@ def glob(pattern: str, cls: type[UserError] = DataError) -> list[str]:
     scheme, rest = _split(pattern)
     try:
         found = _fsspec(scheme).glob(rest, detail=True)
-    except (OSError, ValueError) as e:
-        raise store_error(pattern, e, cls=cls) from None
+    except STORE_ERRORS as e:
+        raise store_error(pattern, e, cls=cls, doing="listing it") from None
     return sorted(_uri(scheme, p) for p, info in found.items() if info.get("type") == "file")
 
 
@@ -337,8 +402,8 @@ def remove(path: str, cls: type[UserError] = DataError) -> None:
         fs.rm(rest, recursive=True)
     except FileNotFoundError:
         pass
-    except (OSError, ValueError) as e:
-        raise store_error(path, e, cls=cls) from None
+    except STORE_ERRORS as e:
+        raise store_error(path, e, cls=cls, doing="removing it") from None
 
 
 def upload(local: Path, uri: str, cls: type[UserError] = DataError) -> list[str]:
@@ -350,8 +415,8 @@ def upload(local: Path, uri: str, cls: type[UserError] = DataError) -> list[str]
         target = rest if f == local else f"{rest.rstrip('/')}/{f.relative_to(local).as_posix()}"
         try:
             fs.put_file(str(f), target)
-        except (OSError, ValueError) as e:
-            raise store_error(_uri(_split(uri)[0], target), e, cls=cls) from None
+        except STORE_ERRORS as e:
+            raise store_error(_uri(_split(uri)[0], target), e, cls=cls, doing=f"uploading {f}") from None
         written.append(_uri(_split(uri)[0], target))
     return written
 
@@ -369,16 +434,20 @@ _CAUSES = (
 )
 
 
-def store_error(uri: str, e: BaseException, *, key: str | None = None, cls: type[UserError] = DataError) -> UserError:
-    """A :class:`UserError` of ``cls`` naming ``uri`` (and the setting ``key``), why the store refused it and the fix."""
+def store_error(uri: str, e: BaseException, *, key: str | None = None, cls: type[UserError] = DataError,
+                doing: str | None = None) -> UserError:
+    """A :class:`UserError` of ``cls`` naming ``uri`` (and the setting ``key``), what was being done (``doing``, e.g.
+    ``writing the checkpoint``), why the store refused it and the fix."""
     text = f"{type(e).__name__}: {e}"
     where = f"{key}={uri!r}" if key else uri
+    what = f" ({doing})" if doing else ""
     at = f" at {endpoint_url()}" if endpoint_url() else ""
     for marks, cause, fix in _CAUSES:
         if any(m in text for m in marks):
-            tries = f", after {_settings.max_attempts} attempts with backoff (storage.max_attempts)" if "reached" in cause else ""
-            return cls(f"{where}: {cause}{at}{tries} ({text.splitlines()[0][:300]}). Fix: {fix}")
-    return cls(f"{where}: the store{at} refused it ({text.splitlines()[0][:300]}). Fix: check the URI and that the store holds it")
+            tries = (f", after {_settings.max_attempts} attempts with backoff (storage.max_attempts, storage.request_timeout_s="
+                     f"{_settings.request_timeout_s:g})") if "reached" in cause else ""
+            return cls(f"{where}{what}: {cause}{at}{tries} ({text.splitlines()[0][:300]}). Fix: {fix}")
+    return cls(f"{where}{what}: the store{at} refused it ({text.splitlines()[0][:300]}). Fix: check the URI and that the store holds it")
 
 
 def is_store_failure(e: BaseException) -> bool:

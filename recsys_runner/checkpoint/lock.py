@@ -21,10 +21,12 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
 from recsys_runner import stores
+from recsys_runner.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -131,21 +133,41 @@ class ObjectStoreLock:
         return self._stop is not None
 
     def acquire(self) -> None:
-        """Take the lock or raise :class:`DirectoryInUse` naming the holder; idempotent."""
+        """Take the lock or raise :class:`DirectoryInUse` naming the holder; idempotent. The run's first call to the
+        store: a missing bucket or a store that cannot be reached is a :class:`CheckpointError` here, before anything
+        is built, within the bound of ``storage.*``."""
         if self._stop is not None:
             return
+        with self._store_errors("taking the run's lock"):
+            self._acquire()
+        self._stop = threading.Event()
+        threading.Thread(target=self._renew, args=(self._stop,), name="checkpoint-lock", daemon=True).start()
+
+    @contextlib.contextmanager
+    def _store_errors(self, doing: str) -> Iterator[None]:
+        try:
+            yield
+        except DirectoryInUse:
+            raise
+        except stores.STORE_ERRORS as e:
+            if isinstance(e, FileNotFoundError) or "NoSuchBucket" in str(e):
+                bucket = self.directory.split("://", 1)[-1].split("/", 1)[0]
+                raise CheckpointError(f"checkpoint.dir={self.directory!r}: its bucket {bucket!r} does not exist (at "
+                                      f"{stores.endpoint_url() or 'AWS'}; {type(e).__name__}: {e}). Fix: create it, or correct "
+                                      f"checkpoint.dir (and storage.endpoint_url / AWS_ENDPOINT_URL)") from None
+            raise stores.store_error(self.directory, e, key="checkpoint.dir", cls=CheckpointError, doing=doing) from None
+
+    def _acquire(self) -> None:
         if not self._create():
             holder, etag = self._holder()
             if holder is not None and not _abandoned(holder, self.ttl) and not self._expires_unrenewed(holder, etag):
                 raise DirectoryInUse(stores.as_path(self.directory), holder)
             if holder is not None:
                 log.info("%s: the previous holder (host %s, PID %s) is gone; taking over", self.uri, holder.get("host"), holder.get("pid"))
-                with contextlib.suppress(OSError):  # someone else took it over first: the create below fails
+                with contextlib.suppress(*stores.STORE_ERRORS):  # someone else took it over first: the create below fails
                     self.fs.call_s3("delete_object", Bucket=self.key.split("/", 1)[0], Key=self.key.split("/", 1)[1], IfMatch=etag)
             if not self._create():
                 raise DirectoryInUse(stores.as_path(self.directory), self._holder()[0] or {})
-        self._stop = threading.Event()
-        threading.Thread(target=self._renew, args=(self._stop,), name="checkpoint-lock", daemon=True).start()
 
     def _record(self) -> bytes:
         return json.dumps({**holder_record(), "renewed": time.time()}).encode()
@@ -187,17 +209,29 @@ class ObjectStoreLock:
         while not stop.wait(self.ttl / 3):
             try:
                 self.fs.pipe_file(self.key, self._record())
-            except OSError as e:  # the store is away for a moment: the next renewal tries again
+            except stores.STORE_ERRORS as e:  # the store is away for a moment: the next renewal tries again
                 log.warning("%s: the lock could not be renewed (%s)", self.uri, e)
 
     def release(self) -> None:
-        """Stop renewing and delete the lock object; idempotent."""
+        """Stop renewing and delete the lock object; idempotent. Waits for the delete at most one attempt's time
+        (``storage.connect_timeout_s + request_timeout_s``): a run that ends because the store stopped answering must
+        not wait the whole retry bound once more. A lock left behind is taken over by the resume (module docstring)."""
         if self._stop is None:
             return
         self._stop.set()
         self._stop = None
-        with contextlib.suppress(OSError):
-            self.fs.rm_file(self.key)
+        done = threading.Event()
+
+        def delete() -> None:
+            with contextlib.suppress(*stores.STORE_ERRORS):
+                self.fs.rm_file(self.key)
+            done.set()
+
+        threading.Thread(target=delete, name="checkpoint-unlock", daemon=True).start()
+        settings = stores.settings()
+        if not done.wait(settings.connect_timeout_s + settings.request_timeout_s):
+            log.warning("%s: the lock could not be deleted (the store does not answer); the run that resumes here takes it "
+                        "over (on this host at once, elsewhere after storage.lock_ttl_s=%g s)", self.uri, self.ttl)
 
     def __enter__(self) -> ObjectStoreLock:
         self.acquire()

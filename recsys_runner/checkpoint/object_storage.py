@@ -48,43 +48,48 @@ class DcpObjectStorage:
     def _fs(self, path: Path) -> tuple[Any, str]:
         return stores.fsspec_filesystem(str(path))
 
-    def _call(self, path: Path, action: Callable[[], T]) -> T:
-        """``action()``, with a store failure raised as a :class:`CheckpointError` naming ``path``."""
+    def _call(self, path: Path, action: Callable[[], T], doing: str = "reading the checkpoint") -> T:
+        """``action()``, with a store failure raised as a :class:`CheckpointError` naming ``path`` and what was being
+        done. A botocore error (an unreachable endpoint) is always the store's; an ``OSError`` or a ``ValueError`` only
+        when it says so (else it is a bug or a damaged object, raised as it is)."""
         try:
-            return action()
+            with stores.waiting():
+                return action()
         except FileNotFoundError:
             raise
-        except (OSError, ValueError) as e:
-            if not stores.is_store_failure(e) and not isinstance(e, PermissionError):
+        except stores.STORE_ERRORS as e:
+            if isinstance(e, (OSError, ValueError)) and not stores.is_store_failure(e) and not isinstance(e, PermissionError):
                 raise
-            raise stores.store_error(str(path), e, cls=CheckpointError) from None
+            raise stores.store_error(str(path), e, cls=CheckpointError, doing=doing) from None
 
     def write(self, path: Path, tensors: dict[str, Any], ranked: Mapping[str, Any], meta: Mapping[str, Any],
               files: Mapping[str, bytes] | None = None) -> None:
         fs, key = self._fs(path)
-        if self.rank == 0 and self._call(path, lambda: fs.exists(key)):
-            self._call(path, lambda: fs.rm(key, recursive=True))  # a partial write of this step, set aside by nobody
+        writing = "writing the checkpoint"
+        if self.rank == 0 and self._call(path, lambda: _exists(fs, key), writing):
+            self._call(path, lambda: fs.rm(key, recursive=True), writing)  # a partial write of this step, set aside by nobody
         self._barrier()
         writer = FsspecWriter(str(path), sync_files=False, **stores.fsspec_options())
-        self._call(path, lambda: dcp.save(tensors, storage_writer=writer))
+        _one_policy(writer)
+        self._call(path, lambda: dcp.save(tensors, storage_writer=writer), writing)
         buffer = io.BytesIO()
         torch.save(dict(ranked), buffer)
-        self._call(path, lambda: fs.pipe_file(f"{key}/rank{self.rank}.pt", buffer.getvalue()))
+        self._call(path, lambda: fs.pipe_file(f"{key}/rank{self.rank}.pt", buffer.getvalue()), writing)
         self._barrier()
         if self.rank == 0:
             for name, content in (files or {}).items():
-                self._call(path, functools.partial(fs.pipe_file, f"{key}/{name}", content))
+                self._call(path, functools.partial(fs.pipe_file, f"{key}/{name}", content), writing)
         if self.rank == 0:  # last: the checkpoint is complete once this object exists
-            self._call(path, lambda: fs.pipe_file(f"{key}/{META_FILE}", json.dumps(dict(meta), indent=1).encode()))
+            self._call(path, lambda: fs.pipe_file(f"{key}/{META_FILE}", json.dumps(dict(meta), indent=1).encode()), writing)
         self._barrier()
 
     def exists(self, path: Path) -> bool:
         fs, key = self._fs(path)
-        return bool(self._call(path, lambda: fs.exists(key)))
+        return bool(self._call(path, lambda: _exists(fs, key)))
 
     def is_complete(self, path: Path) -> bool:
         fs, key = self._fs(path)
-        return self._call(path, lambda: fs.isfile(f"{key}/{META_FILE}") and fs.isfile(f"{key}/{INDEX_FILE}"))
+        return self._call(path, lambda: _is_file(fs, f"{key}/{META_FILE}") and _is_file(fs, f"{key}/{INDEX_FILE}"))
 
     def _listing(self, root: Path) -> dict[str, dict[str, int]]:
         """``name → {file: size}`` of every prefix directly under ``root``, from one listing."""
@@ -116,7 +121,7 @@ class DcpObjectStorage:
                 return f"{name} is missing"
         try:
             meta = self.read_meta(path)
-            index = FsspecReader(str(path), **stores.fsspec_options()).read_metadata()
+            index = _reader(path).read_metadata()
         except CheckpointError:
             raise
         except Exception as e:  # any parse failure of either object means damage
@@ -138,12 +143,11 @@ class DcpObjectStorage:
         return meta
 
     def tensor_index(self, path: Path) -> TensorIndex:
-        reader = FsspecReader(str(path), **stores.fsspec_options())
-        saved = self._call(path, reader.read_metadata).state_dict_metadata
+        saved = self._call(path, _reader(path).read_metadata).state_dict_metadata
         return {k: list(m.size) if isinstance(m, TensorStorageMetadata) else None for k, m in saved.items()}
 
     def load_tensors(self, path: Path, state: dict[str, Any]) -> None:
-        reader = FsspecReader(str(path), **stores.fsspec_options())
+        reader = _reader(path)
         self._call(path, lambda: dcp.load(state, storage_reader=reader))
 
     def read_ranked(self, path: Path, rank: int) -> dict[str, Any] | None:
@@ -162,17 +166,49 @@ class DcpObjectStorage:
             target, k = path.with_name(f"{why}-{path.name}-{k}"), k + 1
         fs, key = self._fs(path)
         _, target_key = self._fs(target)
-        self._call(path, lambda: fs.copy(key.rstrip("/") + "/", target_key.rstrip("/") + "/", recursive=True))
+        self._call(path, lambda: fs.copy(key.rstrip("/") + "/", target_key.rstrip("/") + "/", recursive=True), "setting the checkpoint aside")
         self.remove(path)
         return target
 
     def remove(self, path: Path) -> None:
         fs, key = self._fs(path)
         try:
-            self._call(path, lambda: fs.rm(key, recursive=True))
+            self._call(path, lambda: fs.rm(key, recursive=True), "removing the checkpoint")
         except FileNotFoundError:
             pass
 
     def _barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()
+
+
+def _reader(path: Path) -> FsspecReader:
+    reader = FsspecReader(str(path), **stores.fsspec_options())
+    _one_policy(reader)
+    return reader
+
+
+def _one_policy(dcp_io: FsspecReader | FsspecWriter) -> None:
+    """DCP's reader and writer make their own s3fs instance: give it the package's one retry policy
+    (:func:`recsys_runner.stores.one_retry_policy`), so a stalled store fails a checkpoint write in the configured bound."""
+    inner = getattr(dcp_io.fs, "fs", None)  # torch's FileSystem wrapper holds the fsspec instance it made
+    if inner is not None:
+        stores.one_retry_policy(inner)
+
+
+def _exists(fs: Any, key: str) -> bool:
+    """Whether ``key`` exists, a store failure raised (``fs.exists`` answers ``False`` to one, and every later call
+    would wait for the stalled store again)."""
+    try:
+        fs.info(key)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _is_file(fs: Any, key: str) -> bool:
+    """Whether ``key`` is one object, a store failure raised (unlike ``fs.isfile``)."""
+    try:
+        return bool(fs.info(key).get("type") == "file")
+    except FileNotFoundError:
+        return False

@@ -48,7 +48,7 @@ from recsys_runner.checkpoint.object_storage import storage_for
 from recsys_runner.checkpoint.storage import STEP_DIR, CheckpointStorage, checkpoint_name, step_of
 from recsys_runner.checkpoint.weights import CarriedRows, TrainingParts, load_into
 from recsys_runner.distributed.env import decided_on_rank0
-from recsys_runner.errors import CheckpointError, ConfigError
+from recsys_runner.errors import CheckpointError, CheckpointWriteFailed, ConfigError
 from recsys_runner.metrics.registry import improved
 from recsys_runner.runtime import Launch
 
@@ -134,7 +134,12 @@ class Checkpointer:
         if self.overrides is not None:
             meta["overrides"] = self.overrides
         ranked = {"objects": self.parts.object_states(), "rng": resume.rng_state()}
-        self.storage.write(final, self._tensor_state(), ranked, meta, self.files)
+        try:
+            self.storage.write(final, self._tensor_state(), ranked, meta, self.files)
+        except CheckpointWriteFailed:
+            raise
+        except CheckpointError as e:
+            raise CheckpointWriteFailed(str(e), self.last_saved) from None
         if self.rank == 0:
             self._prune(best)
         self._barrier()

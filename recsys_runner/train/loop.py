@@ -36,7 +36,7 @@ from recsys_runner.tracking.tracker import Tracker
 from recsys_runner.train.config import TrainConfig
 from recsys_runner.train.evaluation import BestEval, Evaluator
 from recsys_runner.train.profiling import StepProfiler
-from recsys_runner.train.signals import Interrupted, StopSignals
+from recsys_runner.train.signals import Interrupted, StopSignals, StoreWaitInterrupted
 from recsys_runner.train.stepping import Stepper
 from recsys_runner.train.stopping import EarlyStopping
 from recsys_runner.train.summaries import Summaries
@@ -81,8 +81,18 @@ class Loop:
 
 
 def train(loop: Loop) -> dict[str, float]:
-    """Train from ``loop.state`` up to ``loop.total_steps`` steps; return the final eval metrics."""
-    cfg, env, state = loop.config, loop.env, dataclasses.replace(loop.state)
+    """Train from ``loop.state`` up to ``loop.total_steps`` steps; return the final eval metrics. A signal that comes
+    while the loop waits on an object store stops it there (:class:`~recsys_runner.train.signals.StoreWaitInterrupted`),
+    and the run is interrupted with its last complete checkpoint."""
+    state = dataclasses.replace(loop.state)
+    try:
+        return _train(loop, state)
+    except StoreWaitInterrupted as e:
+        raise Interrupted(e.signum, state.step, loop.checkpointer.last_saved, when="while waiting on the object store") from None
+
+
+def _train(loop: Loop, state: TrainState) -> dict[str, float]:
+    cfg, env = loop.config, loop.env
     meter = Throughput(loop.total_steps, features=loop.data.features, micro_batches=cfg.grad_accum_steps,
                        world_size=env.world_size, device=env.device)  # counts the rows each step really trained
     profiler = StepProfiler(cfg.profile, env.device, env.rank) if cfg.profile.enabled else None

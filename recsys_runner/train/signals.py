@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from recsys_runner import stores
 from recsys_runner.errors import Stopped
 
 PREEMPT = signal.SIGUSR2
@@ -80,6 +81,17 @@ class Interrupted(Stopped):
         return 128 + self.signum if self.signum is not None else 0
 
 
+class StoreWaitInterrupted(Stopped):
+    """A stop signal came while the main thread waited on an object store (:func:`recsys_runner.stores.waiting`: a
+    checkpoint write, a unit read ahead): raised there at once rather than after the step, which a stalled store can
+    hold for minutes. The loop turns it into :class:`Interrupted` naming the last complete checkpoint (a checkpoint cut
+    off half-written is never listed: its ``meta.json`` comes last)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"signal {signum} while waiting on the object store")
+        self.signum = signum
+
+
 class StopSignals:
     """Context manager: while active, the handled signals request a stop instead of killing."""
 
@@ -89,6 +101,7 @@ class StopSignals:
         self._check_every = check_every_steps
         self._previous: dict[int, Handler] = {}
         self._world_size, self._device = world_size, device or torch.device("cpu")
+        self._raised = False
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
@@ -119,6 +132,9 @@ class StopSignals:
         self.received.add(signum)
         if self.signum != PREEMPT:  # a preemption wins over the SIGTERM that comes with it
             self.signum = signum
+        if stores.waiting_now() and not self._raised:
+            self._raised = True
+            raise StoreWaitInterrupted(self.signum)
 
     def requested(self, step: int) -> int | None:
         """The signal that asked to stop (agreed by all ranks), or ``None``.

@@ -1,0 +1,175 @@
+"""An object store that stalls (SIGSTOP of a real loopback S3 server), a wrong endpoint and a missing bucket, on every
+path that talks to a store: data listings and reads, the checkpoint lock, checkpoint writes and reads, and a training
+run whose checkpoint store stops answering (its failure, and a SIGTERM while it waits). Each gives up within the bound
+of ``storage.*`` with one error naming the URI, what was being done and the fix (docs/storage.md)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from recsys_runner import stores
+from recsys_runner.checkpoint.lock import ObjectStoreLock
+from recsys_runner.checkpoint.object_storage import DcpObjectStorage
+from recsys_runner.data.generated.generate import write_criteo_parquet
+from recsys_runner.errors import CheckpointError, DataError, UserError
+from tests.conftest import REPO, free_port, hint_of
+from tests.object_store import MotoServer, start_moto
+
+FAST = stores.StorageConfig(max_attempts=2, connect_timeout_s=1, request_timeout_s=1, lock_ttl_s=6)
+"""Small bounds, so a stalled store fails in seconds: 2 attempts of (1 s connect + 1 s answer) with 1 s backoff."""
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
+    """One moto server for the module, with a bucket ``ckpt``; every test leaves it answering (SIGCONT)."""
+    server = start_moto(tmp_path_factory.mktemp("s3"))
+    try:
+        server.bucket("ckpt")
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def store(server: MotoServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[MotoServer]:
+    for key, value in server.env.items():
+        monkeypatch.setenv(key, value)
+    stores.configure(FAST)
+    yield server
+    server.resume()
+    stores.configure(stores.StorageConfig())
+
+
+def _fails_within_bound(call: Callable[[], object], error: type[UserError], pattern: str) -> float:
+    started = time.monotonic()
+    with pytest.raises(error, match=pattern):
+        call()
+    elapsed = time.monotonic() - started
+    assert elapsed <= stores.give_up_after_s() + 4, f"{elapsed:.1f} s > the bound {stores.give_up_after_s():.0f} s"
+    return elapsed
+
+
+def test_a_stalled_store_fails_each_path_within_the_bound_naming_what_was_being_done(store: MotoServer) -> None:
+    storage, root = DcpObjectStorage(), stores.as_path("s3://ckpt/stall")
+    storage.write(root / "step_00000002", {"model/w": torch.arange(4.0)}, {"objects": {}}, {"step": 2, "world_size": 1})
+    stores.write_bytes("s3://ckpt/data/a.txt", b"x\n")
+    store.pause()
+    unreachable = r"cannot be reached at http://127\.0\.0\.1:\d+, after 2 attempts with backoff \(storage\.max_attempts.*Fix: check"
+    _fails_within_bound(lambda: ObjectStoreLock("s3://ckpt/other").acquire(), CheckpointError,
+                        rf"checkpoint\.dir='s3://ckpt/other' \(taking the run's lock\): the store {unreachable}")
+    _fails_within_bound(lambda: storage.write(root / "step_00000004", {"model/w": torch.zeros(4)}, {"objects": {}},
+                                              {"step": 4, "world_size": 1}),
+                        CheckpointError, rf"s3://ckpt/stall/step_00000004 \(writing the checkpoint\): the store {unreachable}")
+    _fails_within_bound(lambda: storage.read_meta(root / "step_00000002"), CheckpointError,
+                        rf"s3://ckpt/stall/step_00000002 \(reading the checkpoint\): the store {unreachable}")
+    _fails_within_bound(lambda: stores.list_files("s3://ckpt/data/", "data.path", None), DataError,
+                        rf"data\.path='s3://ckpt/data/' \(listing it\): the store {unreachable}")
+    _fails_within_bound(lambda: stores.read_bytes("s3://ckpt/data/a.txt"), DataError,
+                        rf"s3://ckpt/data/a\.txt \(reading it\): the store {unreachable}")
+    store.resume()  # the checkpoint written before the stall is whole, and the one cut off is not listed
+    assert storage.checkpoints(root) == [root / "step_00000002"] and storage.damage(root / "step_00000002") is None
+
+
+def test_a_wrong_endpoint_and_a_missing_bucket_raise_the_store_error_not_botocore(store: MotoServer) -> None:
+    stores.configure(stores.StorageConfig(endpoint_url=f"http://127.0.0.1:{free_port()}", max_attempts=1, connect_timeout_s=1))
+    _fails_within_bound(lambda: stores.list_files("s3://ckpt/data/", "data.path", None), DataError,
+                        r"data\.path='s3://ckpt/data/' \(listing it\): the store cannot be reached")  # EndpointConnectionError
+    _fails_within_bound(lambda: ObjectStoreLock("s3://ckpt/x").acquire(), CheckpointError,
+                        r"checkpoint\.dir='s3://ckpt/x' \(taking the run's lock\): the store cannot be reached")
+    stores.configure(FAST)
+    _fails_within_bound(lambda: ObjectStoreLock("s3://no-such-bucket/run").acquire(), CheckpointError,
+                        r"checkpoint\.dir='s3://no-such-bucket/run': its bucket 'no-such-bucket' does not exist.*Fix: create it")
+
+
+def _cli(tmp: Path, server: MotoServer, *args: str, request_timeout_s: int = 1) -> list[str]:
+    """The training command on generated data, with the store's bound at 2 × (1 s + ``request_timeout_s``) + 1 s."""
+    return [sys.executable, "-m", "recsys_runner", "data.batch_size=256", "data.num_embeddings=1000", "data.num_train_rows=32768",
+            "data.num_eval_rows=2048", "train.log_every_steps=1", "train.eval_every_steps=null", "distributed.device=cpu",
+            f"tracking.uri=sqlite:///{tmp}/mlflow.db", f"storage.endpoint_url={server.endpoint}", "storage.max_attempts=2",
+            "storage.connect_timeout_s=1", f"storage.request_timeout_s={request_timeout_s}", *args]
+
+
+def _env(server: MotoServer) -> dict[str, str]:
+    return {**os.environ, **server.env, "PYTHONPATH": str(REPO)}
+
+
+@pytest.mark.slow
+def test_checkpoint_dir_faults_are_one_line_before_the_model_is_built(store: MotoServer, tmp_path: Path) -> None:
+    """A missing bucket, and an endpoint nothing listens on, for checkpoint.dir and data.path: exit 2, one line naming
+    the setting and the fix, no traceback, nothing built (the lock and the data's listing come first)."""
+    dead = f"storage.endpoint_url=http://127.0.0.1:{free_port()}"
+    write_criteo_parquet(str(tmp_path / "a.parquet"), 1000, seed=0, num_embeddings=100)
+    cases = [
+        (["checkpoint.dir=s3://no-such-bucket/run"], r"Checkpoint error: checkpoint\.dir='s3://no-such-bucket/run': its bucket "
+                                                     r"'no-such-bucket' does not exist"),
+        (["checkpoint.dir=s3://ckpt/run", dead], r"Checkpoint error: checkpoint\.dir='s3://ckpt/run' \(taking the run's lock\): the "
+                                                 r"store cannot be reached"),
+        (["data=parquet", "data.path=s3://ckpt/train/", dead], r"Data error: data\.path='s3://ckpt/train/' \(listing it\): the store "
+                                                                r"cannot be reached"),
+    ]
+    for args, expected in cases:
+        done = subprocess.run(_cli(tmp_path, store, *args), cwd=tmp_path, env=_env(store), capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, done.stderr[-3000:]
+        assert re.search(expected, done.stderr) and "Traceback" not in done.stderr, done.stderr[-3000:]
+        assert "sharding plan" not in (done.stdout + done.stderr).lower(), done.stderr[-3000:]
+
+
+def _start_training(tmp: Path, server: MotoServer, directory: str, request_timeout_s: int = 1) -> tuple[subprocess.Popen[str], list[str]]:
+    """A training run checkpointing every 2 steps into ``directory``; returns once its first checkpoint is in."""
+    lines: list[str] = []
+    live = subprocess.Popen(_cli(tmp, server, "train.num_steps=40", "checkpoint.every_steps=2", f"checkpoint.dir={directory}",
+                                 request_timeout_s=request_timeout_s),
+                            cwd=tmp, env=_env(server), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert live.stdout is not None
+    for line in live.stdout:
+        lines.append(line)
+        if "checkpoint saved: s3://" in line:
+            return live, lines
+    raise AssertionError("".join(lines[-50:]))
+
+
+@pytest.mark.slow
+def test_training_whose_checkpoint_store_stalls_fails_or_stops_with_the_resume_command(store: MotoServer, tmp_path: Path) -> None:
+    """The store stops answering after the first checkpoints: the run fails within the bound with one line and the
+    command that resumes from the last complete checkpoint, and that command continues once the store is back. A SIGTERM
+    while a run waits on the stalled store stops it within a second or two (not after the bound), the same way."""
+    live, lines = _start_training(tmp_path, store, "s3://ckpt/stalled")
+    store.pause()
+    started = time.monotonic()
+    out, _ = live.communicate(timeout=120)
+    elapsed, out = time.monotonic() - started, "".join(lines) + out
+    assert live.returncode == 2, out[-3000:]
+    assert elapsed < 5 + 20, f"{elapsed:.1f} s"  # the bound (5 s), the lock's release (2 s) and the exit
+    assert re.search(r"Checkpoint error: s3://ckpt/stalled/step_\d+ \(writing the checkpoint\): the store cannot be reached", out), out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    hint = hint_of(out)
+    assert hint is not None, out[-3000:]
+    store.resume()
+    saved = stores.fsspec_filesystem("s3://ckpt/stalled")[0].find("ckpt/stalled")
+    assert any(p.endswith("meta.json") for p in saved), saved
+
+    live, lines = _start_training(tmp_path, store, "s3://ckpt/stopped", request_timeout_s=6)  # the bound: 2 × 7 s + 1 s
+    store.pause()
+    time.sleep(1.5)  # the next checkpoint write is now waiting on the store
+    sent = time.monotonic()
+    live.send_signal(signal.SIGTERM)
+    out, _ = live.communicate(timeout=60)
+    waited, out = time.monotonic() - sent, "".join(lines) + out
+    store.resume()
+    assert live.returncode == 143, out[-3000:]
+    assert waited < 9, f"the stop took {waited:.1f} s: it waited for the store to give up (15 s)"  # + the lock's release (7 s)
+    assert "while waiting on the object store" in out and hint_of(out) is not None, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    resumed = subprocess.run(hint_of(out) or [], cwd=tmp_path, env=_env(store), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert re.search(r"resuming from s3://ckpt/stopped/step_\d+", resumed.stdout + resumed.stderr), resumed.stderr[-3000:]
