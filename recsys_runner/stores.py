@@ -80,6 +80,7 @@ def configure(config: StorageConfig) -> None:
     _settings = config
     _arrow_s3.cache_clear()  # a new client: the settings, and the credentials in the environment now
     _fsspec.cache_clear()
+    _aio_session.cache_clear()
 
 
 def settings() -> StorageConfig:
@@ -246,9 +247,26 @@ def fsspec_options(scheme: str = "s3") -> dict[str, Any]:
         client["endpoint_url"] = url
     if (where := region()) is not None:
         client["region_name"] = where
-    return {"client_kwargs": client, "skip_instance_cache": True, "use_listings_cache": False,
+    return {"client_kwargs": client, "skip_instance_cache": True, "use_listings_cache": False, "session": _aio_session(),
             "config_kwargs": {"retries": {"max_attempts": s.max_attempts, "mode": "standard"},
                               "connect_timeout": s.connect_timeout_s, "read_timeout": s.request_timeout_s}}
+
+
+@functools.cache
+def _aio_session() -> Any:
+    """The aiobotocore session of every s3fs instance: botocore's, without its ``Expect: 100-continue`` header on
+    uploads. aiohttp waits for the server's ``100 Continue`` with no timeout at all, so a store that stopped answering
+    held a checkpoint write or the lock forever (``storage.request_timeout_s`` never applied); without the header the
+    body goes at once and the answer is waited for within the timeout. Credentials come from the standard chain as before."""
+    from aiobotocore.session import AioSession
+
+    session = AioSession()
+    session.get_component("event_emitter").register_last("before-call.s3", _no_expect_header, unique_id="recsys-runner-no-expect")
+    return session
+
+
+def _no_expect_header(params: dict[str, Any], **_: Any) -> None:
+    params.get("headers", {}).pop("Expect", None)
 
 
 def arrow_filesystem(path: str) -> tuple[pafs.FileSystem, str]:

@@ -20,7 +20,6 @@ import torch
 from recsys_runner import stores
 from recsys_runner.checkpoint.lock import ObjectStoreLock
 from recsys_runner.checkpoint.object_storage import DcpObjectStorage
-from recsys_runner.data.generated.generate import write_criteo_parquet
 from recsys_runner.errors import CheckpointError, DataError, UserError
 from tests.conftest import REPO, free_port, hint_of
 from tests.object_store import MotoServer, start_moto
@@ -93,9 +92,11 @@ def test_a_wrong_endpoint_and_a_missing_bucket_raise_the_store_error_not_botocor
 
 def _cli(tmp: Path, server: MotoServer, *args: str, request_timeout_s: int = 1) -> list[str]:
     """The training command on generated data, with the store's bound at 2 × (1 s + ``request_timeout_s``) + 1 s."""
-    return [sys.executable, "-m", "recsys_runner", "data.batch_size=256", "data.num_embeddings=1000", "data.num_train_rows=32768",
-            "data.num_eval_rows=2048", "train.log_every_steps=1", "train.eval_every_steps=null", "distributed.device=cpu",
-            f"tracking.uri=sqlite:///{tmp}/mlflow.db", f"storage.endpoint_url={server.endpoint}", "storage.max_attempts=2",
+    files = any(a.startswith("data=") for a in args)
+    data = [] if files else ["data.num_embeddings=1000", "data.num_train_rows=32768", "data.num_eval_rows=2048"]
+    endpoint = [] if any(a.startswith("storage.endpoint_url=") for a in args) else [f"storage.endpoint_url={server.endpoint}"]
+    return [sys.executable, "-m", "recsys_runner", "data.batch_size=256", *data, "train.log_every_steps=1", "train.eval_every_steps=null",
+            "distributed.device=cpu", f"tracking.uri=sqlite:///{tmp}/mlflow.db", *endpoint, "storage.max_attempts=2",
             "storage.connect_timeout_s=1", f"storage.request_timeout_s={request_timeout_s}", *args]
 
 
@@ -108,7 +109,6 @@ def test_checkpoint_dir_faults_are_one_line_before_the_model_is_built(store: Mot
     """A missing bucket, and an endpoint nothing listens on, for checkpoint.dir and data.path: exit 2, one line naming
     the setting and the fix, no traceback, nothing built (the lock and the data's listing come first)."""
     dead = f"storage.endpoint_url=http://127.0.0.1:{free_port()}"
-    write_criteo_parquet(str(tmp_path / "a.parquet"), 1000, seed=0, num_embeddings=100)
     cases = [
         (["checkpoint.dir=s3://no-such-bucket/run"], r"Checkpoint error: checkpoint\.dir='s3://no-such-bucket/run': its bucket "
                                                      r"'no-such-bucket' does not exist"),
@@ -150,7 +150,8 @@ def test_training_whose_checkpoint_store_stalls_fails_or_stops_with_the_resume_c
     elapsed, out = time.monotonic() - started, "".join(lines) + out
     assert live.returncode == 2, out[-3000:]
     assert elapsed < 5 + 20, f"{elapsed:.1f} s"  # the bound (5 s), the lock's release (2 s) and the exit
-    assert re.search(r"Checkpoint error: s3://ckpt/stalled/step_\d+ \(writing the checkpoint\): the store cannot be reached", out), out[-3000:]
+    assert re.search(r"Checkpoint error: s3://ckpt/stalled/step_\d+ \((writing the checkpoint|checking whether the checkpoint is complete)\): "
+                     r"the store cannot be reached", out), out[-3000:]
     assert "Traceback" not in out, out[-3000:]
     hint = hint_of(out)
     assert hint is not None, out[-3000:]
@@ -158,7 +159,7 @@ def test_training_whose_checkpoint_store_stalls_fails_or_stops_with_the_resume_c
     saved = stores.fsspec_filesystem("s3://ckpt/stalled")[0].find("ckpt/stalled")
     assert any(p.endswith("meta.json") for p in saved), saved
 
-    live, lines = _start_training(tmp_path, store, "s3://ckpt/stopped", request_timeout_s=6)  # the bound: 2 × 7 s + 1 s
+    live, lines = _start_training(tmp_path, store, "s3://ckpt/stopped", request_timeout_s=20)  # the bound: 2 × 21 s + 1 s
     store.pause()
     time.sleep(1.5)  # the next checkpoint write is now waiting on the store
     sent = time.monotonic()
@@ -167,7 +168,7 @@ def test_training_whose_checkpoint_store_stalls_fails_or_stops_with_the_resume_c
     waited, out = time.monotonic() - sent, "".join(lines) + out
     store.resume()
     assert live.returncode == 143, out[-3000:]
-    assert waited < 9, f"the stop took {waited:.1f} s: it waited for the store to give up (15 s)"  # + the lock's release (7 s)
+    assert waited < 20, f"the stop took {waited:.1f} s: it waited for the store to give up (43 s): {out[-3000:]}"
     assert "while waiting on the object store" in out and hint_of(out) is not None, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
     resumed = subprocess.run(hint_of(out) or [], cwd=tmp_path, env=_env(store), capture_output=True, text=True, timeout=300)

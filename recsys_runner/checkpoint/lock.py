@@ -31,6 +31,8 @@ from recsys_runner.errors import CheckpointError
 log = logging.getLogger(__name__)
 
 LOCK_NAME = ".lock"
+RELEASE_WAIT_S = 3.0
+"""How long :meth:`ObjectStoreLock.release` waits for the store to delete the lock before leaving it to be taken over."""
 
 
 class DirectoryInUse(RuntimeError):
@@ -213,9 +215,10 @@ class ObjectStoreLock:
                 log.warning("%s: the lock could not be renewed (%s)", self.uri, e)
 
     def release(self) -> None:
-        """Stop renewing and delete the lock object; idempotent. Waits for the delete at most one attempt's time
-        (``storage.connect_timeout_s + request_timeout_s``): a run that ends because the store stopped answering must
-        not wait the whole retry bound once more. A lock left behind is taken over by the resume (module docstring)."""
+        """Stop renewing and delete the lock object; idempotent. Waits for the delete at most :data:`RELEASE_WAIT_S`
+        (a store that answers deletes in milliseconds): a run that ends, or is stopped by a signal, because the store
+        stopped answering must not wait the whole retry bound once more. A lock left behind is taken over by the
+        resume (the class docstring)."""
         if self._stop is None:
             return
         self._stop.set()
@@ -228,8 +231,7 @@ class ObjectStoreLock:
             done.set()
 
         threading.Thread(target=delete, name="checkpoint-unlock", daemon=True).start()
-        settings = stores.settings()
-        if not done.wait(settings.connect_timeout_s + settings.request_timeout_s):
+        if not done.wait(RELEASE_WAIT_S):
             log.warning("%s: the lock could not be deleted (the store does not answer); the run that resumes here takes it "
                         "over (on this host at once, elsewhere after storage.lock_ttl_s=%g s)", self.uri, self.ttl)
 

@@ -89,7 +89,8 @@ class DcpObjectStorage:
 
     def is_complete(self, path: Path) -> bool:
         fs, key = self._fs(path)
-        return self._call(path, lambda: _is_file(fs, f"{key}/{META_FILE}") and _is_file(fs, f"{key}/{INDEX_FILE}"))
+        return self._call(path, lambda: _is_file(fs, f"{key}/{META_FILE}") and _is_file(fs, f"{key}/{INDEX_FILE}"),
+                          "checking whether the checkpoint is complete")
 
     def _listing(self, root: Path) -> dict[str, dict[str, int]]:
         """``name → {file: size}`` of every prefix directly under ``root``, from one listing."""

@@ -122,7 +122,16 @@ class Checkpointer:
 
     # -- saving ----------------------------------------------------------------------------------
     def save(self, state: TrainState, metrics: Mapping[str, float] | None = None, best: bool = False) -> str | None:
-        """Write a checkpoint of ``state`` atomically; returns its path (``None`` without a dir)."""
+        """Write a checkpoint of ``state`` atomically; returns its path (``None`` without a dir). A store that fails
+        meanwhile raises :class:`~recsys_runner.errors.CheckpointWriteFailed` naming the last complete checkpoint."""
+        try:
+            return self._save(state, metrics, best)
+        except CheckpointWriteFailed:
+            raise
+        except CheckpointError as e:
+            raise CheckpointWriteFailed(str(e), self.last_saved) from None
+
+    def _save(self, state: TrainState, metrics: Mapping[str, float] | None, best: bool) -> str | None:
         if self.dir is None:
             return None
         final = self.dir / checkpoint_name(state.step, best)
@@ -134,12 +143,7 @@ class Checkpointer:
         if self.overrides is not None:
             meta["overrides"] = self.overrides
         ranked = {"objects": self.parts.object_states(), "rng": resume.rng_state()}
-        try:
-            self.storage.write(final, self._tensor_state(), ranked, meta, self.files)
-        except CheckpointWriteFailed:
-            raise
-        except CheckpointError as e:
-            raise CheckpointWriteFailed(str(e), self.last_saved) from None
+        self.storage.write(final, self._tensor_state(), ranked, meta, self.files)
         if self.rank == 0:
             self._prune(best)
         self._barrier()

@@ -37,7 +37,9 @@ def read_ahead(source: Any, units: list[Unit], depth: int | None = None) -> Iter
             while len(pending) < depth + 1 and (next_unit := next(queued, None)) is not None:
                 pending.append(pool.submit(whole, next_unit))
             if stores.is_uri(unit.path) and unit.compression is None:
-                yield iter(pending.pop(0).result())  # the futures are in the order of the units read ahead
+                with stores.waiting():  # a stop signal is taken here at once: the store may be stalled
+                    ready = pending.pop(0).result()  # the futures are in the order of the units read ahead
+                yield iter(ready)
             else:
                 yield source.read(unit)
     finally:
