@@ -90,7 +90,9 @@ class CheckpointWriteFailed(CheckpointError):
         self.last_good = last_good
 
 
-class Stopped(Exception):  # noqa: N818 - a stop, not an error
-    """A command stopped on a signal (the lifecycle's :class:`~recsys_runner.train.signals.Interrupted` is one). Code that
-    catches every ``Exception`` to carry on — a tracking store outage, a retried write — lets it through, so a signal that
-    arrives during such a call still stops the command."""
+class Stopped(BaseException):  # noqa: N818 - a stop, not an error
+    """A command stopped on a signal (the lifecycle's :class:`~recsys_runner.train.signals.Interrupted` is one). Like
+    ``KeyboardInterrupt`` it is not an ``Exception``: the handler raises it wherever the main thread is, and code that
+    catches every ``Exception`` to carry on — logging's ``emit`` (which prints "--- Logging error ---" and goes on), a
+    library's retry, a tracking-outage handler — would swallow it, and the command would run to its end with the signal
+    lost (a SIGINT during evaluate's logging did exactly that)."""
