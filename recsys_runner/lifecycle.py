@@ -4,8 +4,8 @@ Modelled on lightning-hydra-template's ``task_wrapper``: each entry point wraps 
 :func:`tracked_run` (open or continue the MLflow run with its tags, params, ``config.yaml`` and the reproducibility
 manifest; set ``FINISHED``, ``FAILED`` or ``KILLED`` on every exit; then release what the run holds) inside
 :func:`exit_codes` (a user error prints its one line and exits 2, an interrupted command says what was kept and the
-command that resumes or redoes it and exits ``128 + signal``, a non-finite loss exits 1). Nothing else starts or ends
-an MLflow run.
+command that resumes or redoes it and exits ``128 + signal``, a non-finite loss exits 1, a rank whose peer was lost
+exits 75). Nothing else starts or ends an MLflow run.
 
 **Signals, the same for every command.** :func:`exit_codes` holds SIGTERM, SIGINT and SIGUSR1 for the command's whole
 run (:class:`~recsys_runner.train.signals.RaiseOnSignal`): one raises
@@ -14,6 +14,13 @@ remove their partial files), :func:`tracked_run` ends the MLflow run ``KILLED``,
 and the command that redoes it, e.g. ``python -m recsys_runner.evaluate <overrides>``; exit ``128 + signal`` (143 for
 SIGTERM, 130 for SIGINT). Training's loop takes the signals over (:class:`~recsys_runner.train.signals.StopSignals`):
 the step, or the final eval, ends, the checkpoint is written and the command that resumes from it is printed.
+
+**A lost rank.** When one rank of a multi-rank run dies (``kill -9``, an OOM kill, a lost node), the others fail in
+their next collective. The loop turns that error into :class:`~recsys_runner.distributed.peers.RankLost` with the last
+complete checkpoint; :func:`exit_codes` prints one line (``Rank lost: rank 1 of 2 stopped: a collective on rank 0 …``)
+and the command that resumes, with no traceback, and exits
+:data:`~recsys_runner.distributed.peers.EXIT_RANK_LOST` (75); the MLflow run ends ``FAILED`` (when rank 0, which
+owns it, is the survivor). The SIGTERM torchrun sends the survivors next is only noted: the cause is the lost rank.
 
 **An interrupted run in the default place.** With ``checkpoint.dir`` unset every CLI launch checkpoints into its own new
 ``<Hydra run dir>/checkpoints``, so relaunching the same command starts over. :func:`note_interrupted_runs` looks in the
@@ -28,6 +35,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import signal
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -39,6 +48,7 @@ import torch
 from recsys_runner import stores
 from recsys_runner.checkpoint.guard import NonFiniteLossError
 from recsys_runner.checkpoint.storage import CheckpointStorage
+from recsys_runner.distributed.peers import EXIT_RANK_LOST, RankLost, peer_gone
 from recsys_runner.errors import CheckpointError, CheckpointWriteFailed, reported
 from recsys_runner.runtime import Launch
 from recsys_runner.tracking import lineage
@@ -147,13 +157,24 @@ def exit_codes(launch: Launch) -> Iterator[None]:
     (SIGTERM, SIGINT, SIGUSR1) stops the command where it is (:class:`~recsys_runner.train.signals.RaiseOnSignal`;
     training's loop stops after its step or final eval instead), which prints what was kept and the command that
     resumes or redoes it (or hands a preempted job to submitit) and exits ``128 + signal``; a non-finite loss prints
-    the last good checkpoint and exits 1."""
+    the last good checkpoint and exits 1; a collective that failed because another rank is gone prints which rank, the
+    last checkpoint and the command that resumes (:func:`rank_lost_message`) and exits ``75``."""
     try:
         with signals.RaiseOnSignal(f"during {launch.command_name}"), reported():
             try:
                 yield
             except CheckpointWriteFailed as e:  # the store failed mid-run: the checkpoints before stay, resume from them
                 raise CheckpointError(f"{e}\n{resume_hint(launch, e.last_good)}") from None
+            except RuntimeError as e:  # lost outside the training loop (building, restoring): no checkpoint of this launch
+                if peer_gone(e) is None or int(os.environ.get("WORLD_SIZE", "1") or 1) < 2:
+                    raise
+                signals.stopping()
+                raise RankLost(e) from e
+    except RankLost as e:
+        with contextlib.suppress(ValueError):  # torchrun's SIGTERM to the survivors must not cut this exit short
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print(rank_lost_message(launch, e), file=sys.stderr)
+        sys.exit(EXIT_RANK_LOST)
     except Interrupted as e:
         if e.handover is not None:  # preempted inside submitit: its handler resubmits this job and requeues it
             print(f"Interrupted: {e}", file=sys.stderr)
@@ -167,6 +188,16 @@ def exit_codes(launch: Launch) -> Iterator[None]:
         if e.checkpoint is not None:
             print(resume_hint(launch, e.checkpoint, after_fix=True), file=sys.stderr)
         sys.exit(1)
+
+
+def rank_lost_message(launch: Launch, e: RankLost) -> str:
+    """The survivor's account of a lost rank: which rank, where and the error (one line), then the command that resumes
+    from the last complete checkpoint (:func:`resume_hint`), or, with none written, the command that runs it again."""
+    if e.checkpoint is not None:
+        return f"Rank lost: {e}; the checkpoints written are intact\n{resume_hint(launch, e.checkpoint)}"
+    command = launch.command()
+    again = f"; no checkpoint was written, run it again with:\n  {command}" if command else "; no checkpoint was written"
+    return f"Rank lost: {e}{again}"
 
 
 def interrupted_message(launch: Launch, e: Interrupted) -> str:
@@ -227,7 +258,13 @@ def interrupted_runs(launch: Launch, storage: CheckpointStorage, own: Path | Non
 
 def note_interrupted_runs(launch: Launch, storage: CheckpointStorage, own: Path | None) -> None:
     """Log one line when an earlier launch of this command left checkpoints in its default directory and did not
-    finish (see the module docstring): which, and the command that resumes it. This launch starts over all the same."""
+    finish (see the module docstring): which, and the command that resumes it. This launch starts over all the same.
+    Under ``torchrun --max-restarts``, warn that a restart would start over too (it is this same launch again)."""
+    restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "")
+    if restarts.isdigit() and int(restarts) > 0 and launch.from_cli:
+        log.warning("torchrun --max-restarts=%s relaunches this command as it is, and with checkpoint.dir unset each launch "
+                    "checkpoints into its own new run directory: a restart would start over from step 0 in a new MLflow run. "
+                    "Set checkpoint.dir=<path> so that a restart resumes from the last checkpoint (docs/launch.md)", restarts)
     found = interrupted_runs(launch, storage, own)
     if not found or (command := launch.resume_command(found[-1])) is None:
         return

@@ -5,7 +5,8 @@ the next batch) belong to the TrainPipeline and the step policy (:mod:`recsys_ru
 building and restoring belong to :mod:`recsys_runner.build`; what a checkpoint holds to
 :mod:`recsys_runner.checkpoint`. A step is one optimizer step (``train.grad_accum_steps``
 micro-batches). Training stops at ``loop.total_steps``, on early stopping, on a signal
-(:mod:`recsys_runner.train.signals`) or on a non-finite loss (:mod:`recsys_runner.train.stopping`).
+(:mod:`recsys_runner.train.signals`), on a non-finite loss (:mod:`recsys_runner.train.stopping`) or when another rank
+is lost (:class:`~recsys_runner.distributed.peers.RankLost`, with the last complete checkpoint).
 
 A signal is handled from the first step to the end checkpoint: during the steps (and periodic evals) the current
 step ends, its checkpoint is written and :class:`~recsys_runner.train.signals.Interrupted` is raised; during the
@@ -16,6 +17,7 @@ its collectives early); a signal after the eval lets the end checkpoint be writt
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -29,6 +31,7 @@ from recsys_runner.checkpoint.policy import Checkpointer
 from recsys_runner.data.base import DataModule
 from recsys_runner.data.encoding.stored import oov_rates
 from recsys_runner.distributed.env import DistEnv
+from recsys_runner.distributed.peers import RankLost, peer_gone
 from recsys_runner.errors import DataError
 from recsys_runner.models.collision import collision_counters, collision_rates
 from recsys_runner.progress import Progress
@@ -36,7 +39,7 @@ from recsys_runner.tracking.tracker import Tracker
 from recsys_runner.train.config import TrainConfig
 from recsys_runner.train.evaluation import BestEval, Evaluator
 from recsys_runner.train.profiling import StepProfiler
-from recsys_runner.train.signals import Interrupted, StopSignals, StoreWaitInterrupted
+from recsys_runner.train.signals import Interrupted, StopSignals, StoreWaitInterrupted, stopping
 from recsys_runner.train.stepping import Stepper
 from recsys_runner.train.stopping import EarlyStopping
 from recsys_runner.train.summaries import Summaries
@@ -100,7 +103,8 @@ def _train(loop: Loop, state: TrainState) -> dict[str, float]:
     evaluated: dict[str, float] | None = None
     last_loss: torch.Tensor | None = None  # the NaN guard checks it before a checkpoint written after the steps
     with (StopSignals(env.world_size, env.device, cfg.stop_check_every_steps) as signals,
-          Progress(loop.total_steps, enabled=env.is_main, unit="step", initial=state.step, mode=cfg.progress) as progress):
+          Progress(loop.total_steps, enabled=env.is_main, unit="step", initial=state.step, mode=cfg.progress) as progress,
+          _rank_lost(loop, state)):
         while state.step < loop.total_steps and stop is None:
             batches = meter.counted(_epoch_batches(loop, state))
             while state.step < loop.total_steps and stop is None:
@@ -145,6 +149,20 @@ def _train(loop: Loop, state: TrainState) -> dict[str, float]:
             raise Interrupted(signum, state.step, loop.checkpointer.save_guarded(state, last_loss, final),
                               when="at the end of training")
     return final
+
+
+@contextlib.contextmanager
+def _rank_lost(loop: Loop, state: TrainState) -> Iterator[None]:
+    """A collective that failed because another rank is gone ends the run as :class:`RankLost` with the last complete
+    checkpoint (:mod:`recsys_runner.distributed.peers`). Raised inside the loop's signal handlers, which only note
+    the SIGTERM torchrun sends the survivors next; :func:`stopping` keeps it noted after them."""
+    try:
+        yield
+    except RuntimeError as e:
+        if loop.env.world_size == 1 or peer_gone(e) is None:
+            raise
+        stopping()
+        raise RankLost(e, step=state.step, checkpoint=loop.checkpointer.last_saved) from e
 
 
 class _Abandoned(Exception):
