@@ -46,12 +46,17 @@ install: $(STAMP) ## Create .venv and install the pinned stack (once; again only
 run: $(STAMP) ## Train DeepFM on synthetic data, evaluate, log to ./mlflow.db (RUN_ARGS="model=dlrm ...")
 	$(PY) -m recsys_runner $(RUN_ARGS)
 
+# Two pytest workers (pytest-xdist): most tests wait on a subprocess's imports or a server, so two share 2 cores well.
+# --dist loadgroup keeps each test module on one worker (its module fixtures are built once) and the SLURM modules
+# together (tests/conftest.py). TEST_WORKERS=0 runs them in this process, one after another.
+TEST_WORKERS ?= 2
+TEST_PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 test: $(STAMP) ## Run the whole test suite, slow multi-process and SLURM tests included (installs SLURM when it can)
 	@.ci/install-slurm
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(TEST_PARALLEL)
 
 test-fast: $(STAMP) ## Run the tests except those marked slow
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q $(TEST_PARALLEL) -m "not slow"
 
 BENCH_ARGS ?=
 bench: $(STAMP) ## Runner vs hand loop (synthetic, Parquet, sequences, managed collision), start-up; negatives; object store; corpus eval; serving, encoders, Criteo transforms (docs/performance.md)

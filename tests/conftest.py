@@ -113,6 +113,20 @@ def slurm_skip_summary(skipped: Sequence[Any]) -> str | None:
     return f"SLURM tests skipped ({len(reasons)}): {why}; to run them: {SLURM_HOW_TO_RUN}"
 
 
+SERIAL_GROUPS = {"test_slurm": "slurm", "test_slurm_preempt": "slurm", "test_slurm_summary": "slurm"}
+"""Test modules that must share one xdist worker: the SLURM ones each start daemons of one single-node cluster."""
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``pytest -n N --dist loadgroup`` (``make test``), keep each test module on one worker, so its
+    module-scoped fixtures (a trained checkpoint, a started server) are built once, and the SLURM modules together.
+    Runs before xdist reads the ``xdist_group`` marks; without xdist the marks are inert."""
+    for item in items:
+        module = item.path.stem
+        item.add_marker(pytest.mark.xdist_group(SERIAL_GROUPS.get(module, module)))
+
+
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     """Say in one line, at the end of the run, that the SLURM tests did not run and how to run them (a skip is
     otherwise one ``s`` among hundreds of dots)."""
