@@ -30,7 +30,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recsys_runner import stores
 from recsys_runner.data.encoding.rows import Encoder, Location, Rows
 from recsys_runner.data.encoding.stored import oov_counters, oov_line, oov_rates
-from recsys_runner.data.files.sources import PARQUET_SUFFIXES, CsvSource, Unit, resolve_files
+from recsys_runner.data.files.sources import CsvSource, Unit
 from recsys_runner.data.files.tabular import TabularData
 from recsys_runner.data.files.tabular_config import (
     CRITEO_COLUMNS,
@@ -39,6 +39,7 @@ from recsys_runner.data.files.tabular_config import (
     ParquetDataConfig,
     TabularDataConfig,
 )
+from recsys_runner.data.locate import PARQUET_SUFFIXES, resolve_files
 from recsys_runner.data.schema import Schema, read_schema_file
 from recsys_runner.errors import ConfigError, DataError, UserError, require
 from recsys_runner.features import FeatureSpec

@@ -45,8 +45,9 @@ import pyarrow.parquet as pq
 
 from recsys_runner.data.encoding.fit import InferConfig, complete_schema
 from recsys_runner.data.encoding.rows import Encoder, Location, Rows
-from recsys_runner.data.files.sources import PARQUET_SUFFIXES, CsvSource, resolve_files
+from recsys_runner.data.files.sources import CsvSource
 from recsys_runner.data.files.tabular_config import CRITEO_COLUMNS, CRITEO_NUM_SPARSE, DELIMITER_ESCAPES, criteo_schema
+from recsys_runner.data.locate import PARQUET_SUFFIXES, resolve_files
 from recsys_runner.data.schema import (
     SCHEMA_METADATA_KEY,
     DenseColumn,

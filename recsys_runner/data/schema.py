@@ -13,16 +13,18 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow.parquet as pq
 import yaml
 
 from recsys_runner import stores
 from recsys_runner.data.collision import ManagedCollisionConfig, collision_config
-from recsys_runner.data.encoding.vocabulary import Vocabulary
 from recsys_runner.errors import ConfigError, require
 from recsys_runner.features import POOLINGS, FeatureSpec, SequenceGroup, SparseFeature, check_embedding_dim
+
+if TYPE_CHECKING:  # the schema holds the fitted vocabularies; encoding, which fits them, builds on the schema
+    from recsys_runner.data.encoding.vocabulary import Vocabulary
 
 DENSE_TRANSFORMS = ("none", "log1p")
 DENSE_NORMALIZATIONS = ("none", "zscore")

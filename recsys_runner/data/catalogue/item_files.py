@@ -24,7 +24,7 @@ from recsys_runner import stores
 from recsys_runner.data.catalogue.items import ItemTable
 from recsys_runner.data.catalogue.negatives import MinedNegatives, NegativeSampler, NegativesConfig
 from recsys_runner.data.encoding.rows import Encoder, Location
-from recsys_runner.data.files.sources import PARQUET_SUFFIXES
+from recsys_runner.data.locate import PARQUET_SUFFIXES
 from recsys_runner.data.schema import Schema
 from recsys_runner.errors import DataError, require
 from recsys_runner.features import FeatureSpec

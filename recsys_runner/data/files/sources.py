@@ -1,4 +1,4 @@
-"""File sources: resolve ``data.path`` into files, cut files into units of known row counts, read them.
+"""File sources: cut the files ``data.path`` names (:mod:`recsys_runner.data.locate`) into units of known row counts, read them.
 
 A :class:`Unit` is the smallest piece of a file that is read on its own: a Parquet row group, a
 block of ``block_rows`` lines of a CSV file (found by one newline scan of the file, no parsing), or a whole
@@ -8,7 +8,6 @@ between ranks and workers exactly. Reading a unit streams Arrow tables of bounde
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
 import time
@@ -30,7 +29,6 @@ from recsys_runner.errors import DataError, UserError
 
 log = logging.getLogger(__name__)
 
-PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")
 
 PARQUET_MAGIC = b"PAR1"
 """The 4 bytes every Parquet file begins (and ends) with."""
@@ -80,32 +78,6 @@ class Unit:
         if self.byte_range != (0, 0) or self.compression is not None:
             return f"rows {self.first_row}-{self.first_row + self.num_rows - 1}"
         return f"row group {self.index}"
-
-
-def resolve_files(path: str, key: str, suffixes: tuple[str, ...] | None) -> list[str]:
-    """The files ``path`` names: a file, a directory (its files, sorted) or a glob pattern.
-
-    In a directory, names starting with ``.`` or ``_`` (``_SUCCESS``, ``.crc``) are ignored, and so
-    are names without one of ``suffixes`` (when given). An object-store URI (``s3://bucket/prefix/``, a glob of one)
-    names objects alike (:func:`recsys_runner.stores.list_files`).
-    """
-    if stores.is_uri(path):
-        return stores.list_files(path, key, suffixes)
-    if any(ch in path for ch in "*?["):
-        files = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
-        if not files:
-            raise DataError(f"{key}={path!r} is a glob pattern that matches no files. Fix: check the pattern (quote it so the shell does not expand it)")
-        return files
-    if not os.path.exists(path):
-        raise DataError(f"{key}={path!r} does not exist. Fix: point {key} at a file, a directory or a glob such as '/data/train/*.parquet'")
-    if os.path.isfile(path):
-        return [path]
-    names = sorted(n for n in os.listdir(path) if not n.startswith((".", "_")))
-    files = [os.path.join(path, n) for n in names if os.path.isfile(os.path.join(path, n)) and (suffixes is None or n.endswith(suffixes))]
-    if not files:
-        wanted = f" with a name ending in {', '.join(suffixes)}" if suffixes else ""
-        raise DataError(f"{key}={path!r} is a directory without data files{wanted}. Fix: point {key} at the directory that holds them")
-    return files
 
 
 class ParquetSource:

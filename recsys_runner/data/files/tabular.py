@@ -45,7 +45,7 @@ from recsys_runner.data.encoding.rows import Encoder, Location, Rows, splitmix64
 from recsys_runner.data.encoding.stored import StoredEncoders, check_columns, column_kinds, column_types, oov_counters, to_json
 from recsys_runner.data.files.compression import plain_name
 from recsys_runner.data.files.prefetch import read_ahead
-from recsys_runner.data.files.sources import PARQUET_SUFFIXES, CsvSource, ParquetSource, Unit, resolve_files
+from recsys_runner.data.files.sources import CsvSource, ParquetSource, Unit
 from recsys_runner.data.files.tabular_config import (
     CRITEO_COLUMNS,
     CRITEO_NUM_SPARSE,
@@ -58,6 +58,7 @@ from recsys_runner.data.files.tabular_config import (
     criteo_columns,
     mapping_option,
 )
+from recsys_runner.data.locate import PARQUET_SUFFIXES, resolve_files
 from recsys_runner.data.schema import Schema, read_schema_file, schema_yaml, stored_schema
 from recsys_runner.data.sequences.histories import check_list_columns, expected_rows, history_costs, token_cuts
 from recsys_runner.data.sequences.tokens import check_budget

@@ -1,0 +1,43 @@
+"""Which files a data path names: one file, a directory's data files, a glob, or the objects under an object-store prefix.
+
+The one place a ``data.path``-like setting (``data.path``, ``data.eval_path``, ``data.items.path``, a sequence log,
+predict's input) becomes a list of files, below every room that reads them (``files``, ``catalogue``, ``sequences``,
+scoring), so none of those rooms imports another to find its files. May import ``stores`` and ``errors`` only.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+from recsys_runner import stores
+from recsys_runner.errors import DataError
+
+PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")
+"""The names of Parquet files in a directory or under a prefix (other names there are left out)."""
+
+
+def resolve_files(path: str, key: str, suffixes: tuple[str, ...] | None) -> list[str]:
+    """The files ``path`` names: a file, a directory (its files, sorted) or a glob pattern.
+
+    In a directory, names starting with ``.`` or ``_`` (``_SUCCESS``, ``.crc``) are ignored, and so
+    are names without one of ``suffixes`` (when given). An object-store URI (``s3://bucket/prefix/``, a glob of one)
+    names objects alike (:func:`recsys_runner.stores.list_files`).
+    """
+    if stores.is_uri(path):
+        return stores.list_files(path, key, suffixes)
+    if any(ch in path for ch in "*?["):
+        files = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+        if not files:
+            raise DataError(f"{key}={path!r} is a glob pattern that matches no files. Fix: check the pattern (quote it so the shell does not expand it)")
+        return files
+    if not os.path.exists(path):
+        raise DataError(f"{key}={path!r} does not exist. Fix: point {key} at a file, a directory or a glob such as '/data/train/*.parquet'")
+    if os.path.isfile(path):
+        return [path]
+    names = sorted(n for n in os.listdir(path) if not n.startswith((".", "_")))
+    files = [os.path.join(path, n) for n in names if os.path.isfile(os.path.join(path, n)) and (suffixes is None or n.endswith(suffixes))]
+    if not files:
+        wanted = f" with a name ending in {', '.join(suffixes)}" if suffixes else ""
+        raise DataError(f"{key}={path!r} is a directory without data files{wanted}. Fix: point {key} at the directory that holds them")
+    return files
