@@ -1,6 +1,7 @@
 """Build the run's object graph from the validated config, in one fixed order.
 
-The order is TorchRec's: process group → tracker (rank 0 checks its store) and checkpointer (rank 0
+The order is TorchRec's: process group → tracker (rank 0 checks its store and the local folders it writes:
+TensorBoard's, the artifacts'; every rank the profiler's) and checkpointer (rank 0
 locks its directory), both before anything expensive → data → model with embedding tables on
 ``meta`` → fused sparse optimizer attached → sharding plan → DistributedModelParallel → dense
 optimizers over what is left → lr schedules → step policy → train pipeline → restore (a resumed or
@@ -64,6 +65,7 @@ from recsys_runner.train.ema import DenseEMA
 from recsys_runner.train.evaluation import BestEval, Evaluator
 from recsys_runner.train.loop import Loop
 from recsys_runner.train.pipeline import make_pipeline
+from recsys_runner.train.profiling import check_trace_folder
 from recsys_runner.train.stepping import Stepper, StepPolicy
 from recsys_runner.train.stopping import EarlyStopping
 from recsys_runner.train.summaries import Summaries
@@ -127,7 +129,9 @@ def build(run: RunConfig, *, launch: Launch = Launch(), weights: Path | None = N
     checkpointer: Checkpointer | None = None
     try:
         tracker = build_tracker(run, launch) if env.is_main else NullTracker()
-        decided_on_rank0(tracker.check, env.rank, env.world_size)
+        decided_on_rank0(tracker.check, env.rank, env.world_size)  # the store, and the folders the tracker writes
+        if run.train.profile.enabled:
+            check_trace_folder()
         checkpointer = run.checkpoint.build(rank=env.rank, world_size=env.world_size, device=env.device, nan_guard=run.train.nan_guard,
                                             launch=launch)
         if weights is None:
@@ -287,7 +291,9 @@ def build_tracker(run: RunConfig, launch: Launch) -> Tracker:
     (into ``<run dir>/tensorboard``; ``./tensorboard`` from Python)."""
     tracker: Tracker = run.tracking.build()
     if run.tracking.tensorboard:
-        tracker = TensorBoardTracker(tracker, launch.under_output_dir(LOGDIR_NAME) or Path(LOGDIR_NAME))
+        logdir = launch.under_output_dir(LOGDIR_NAME)
+        elsewhere = "use another run directory (hydra.run.dir=<dir>)" if logdir is not None else "run from another directory"
+        tracker = TensorBoardTracker(tracker, logdir or Path(LOGDIR_NAME), elsewhere)
     return tracker
 
 

@@ -98,8 +98,8 @@ def test_a_run_with_mined_negatives_trains_evaluates_and_refreshes(make_cfg, mon
     from recsys_runner.__main__ import run
 
     refreshes, pools = [], []
-    refresh, pool = MinedNegatives.refresh, MinedNegatives.pool
-    monkeypatch.setattr(MinedNegatives, "refresh", lambda self, *a: (refreshes.append(1), refresh(self, *a))[1])
+    store, pool = MinedNegatives.store, MinedNegatives.pool  # every refresh stores its lists whole, on every rank
+    monkeypatch.setattr(MinedNegatives, "store", lambda self, *a: (refreshes.append(1), store(self, *a))[1])
     monkeypatch.setattr(MinedNegatives, "pool", lambda self, p: (pools.append(r := pool(self, p)), r)[1])
     cfg = make_cfg("experiment=dssm_mined_negatives", "data.negatives.num_negatives=64", "data.num_workers=0",
                    "checkpoint=none", "train.num_steps=20", "train.eval_every_steps=10", "data.num_eval_rows=1024")

@@ -98,3 +98,7 @@ class TrainState:
     """The checkpoint this process resumed from (not saved)."""
     set_aside: tuple[str, ...] = ()
     """Damaged newer checkpoints moved aside before resuming from ``resumed_from`` (not saved)."""
+    metrics: dict[str, float] | None = None
+    """The eval metrics of ``step`` as the resumed checkpoint recorded them (``meta.json``'s ``metrics``, written from what
+    the loop passes with each checkpoint: an eval of that step that completed and was logged), ``None`` when it recorded
+    none: the resumed loop does not evaluate that step again (:mod:`recsys_runner.train.loop`)."""

@@ -121,7 +121,7 @@ def load_run(storage: CheckpointStorage, path: Path, parts: TrainingParts, confi
     set_rng_state(ranked["rng"])
     log.info("resuming from %s at step %d", path, meta["step"])
     return TrainState(step=meta["step"], epoch=meta["epoch"], epoch_step=meta["epoch_step"], run_id=meta.get("run_id"),
-                      best=meta.get("best"), resumed_from=str(path))
+                      best=meta.get("best"), resumed_from=str(path), metrics=meta.get("metrics") or None)
 
 
 def _ranked(storage: CheckpointStorage, path: Path, meta: Mapping[str, Any], rank: int) -> dict[str, Any]:

@@ -18,6 +18,7 @@ Shape legend: ``Q`` queries, ``N`` items, ``O`` vector width, ``K`` the largest 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -29,7 +30,8 @@ from recsys_runner.metrics.retrieval import HitRateAtK, Ranked
 __all__ = ["AnnRecallAtK", "MeanReciprocalRank", "CoverageAtK", "corpus_ranks", "corpus_k"]
 
 
-def corpus_ranks(queries: Tensor, index: Tensor, targets: Tensor, k: int, chunk_rows: int) -> tuple[Tensor, Tensor]:
+def corpus_ranks(queries: Tensor, index: Tensor, targets: Tensor, k: int, chunk_rows: int,
+                 between: Callable[[], None] | None = None) -> tuple[Tensor, Tensor]:
     """Each query's target rank among all items and its top ``k`` item rows, exactly, chunk by chunk.
 
     Args:
@@ -38,6 +40,8 @@ def corpus_ranks(queries: Tensor, index: Tensor, targets: Tensor, k: int, chunk_
         targets: ``[Q]`` each query's true item row in ``index``; ``-1`` when it is not in the catalogue (rank ``inf``).
         k: how many top items to return per query (``<= N``).
         chunk_rows: items scored at once; memory is ``Q × (chunk_rows + k)`` scores.
+        between: called after each chunk's scoring (a caller's check that may raise to abandon the ranking: the
+            training loop's pending-signal check), or ``None``.
 
     Returns:
         ``(ranks [Q] float64, top [Q, k] int64)``. Two passes over the chunks: the first reads each target's score
@@ -57,6 +61,8 @@ def corpus_ranks(queries: Tensor, index: Tensor, targets: Tensor, k: int, chunk_
         best, at = scores.topk(min(k, scores.shape[1]), dim=1)  # the chunk's own top k, then merged with the running top k
         top_scores, pick = torch.cat([top_scores, best], dim=1).topk(min(k, top_scores.shape[1] + best.shape[1]), dim=1)
         top_rows = torch.cat([top_rows, at + start], dim=1).gather(1, pick)
+        if between is not None:
+            between()
     higher = torch.zeros(q, dtype=torch.float64, device=queries.device)
     ties = torch.zeros(q, dtype=torch.float64, device=queries.device)
     column = target_scores.view(-1, 1)
@@ -64,6 +70,8 @@ def corpus_ranks(queries: Tensor, index: Tensor, targets: Tensor, k: int, chunk_
         scores = queries @ index[start:start + chunk_rows].t()
         higher += (scores > column).sum(dim=1)
         ties += (scores == column).sum(dim=1)
+        if between is not None:
+            between()
     ranks = higher + 0.5 * (ties - 1)
     return torch.where(known, ranks, torch.full_like(ranks, math.inf)), top_rows
 

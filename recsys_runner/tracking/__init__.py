@@ -1,4 +1,4 @@
 """Experiment tracking: ``store`` (where the MLflow store is, opened or refused early), ``tracker`` (rank 0's MLflow run,
 its outage buffer and replay), ``lineage`` (the manifest of what ran and the checkpoint a run id names), ``sweep``
-(a multirun's parent run), ``tensorboard`` (every metric also to TensorBoard event files, ``tracking.tensorboard``). May import ``checkpoint`` (to list a run's checkpoints) and ``metrics`` (a metric's direction), never ``train`` or ``build``.
+(a multirun's parent run), ``tensorboard`` (every metric also to TensorBoard event files, ``tracking.tensorboard``), ``folders`` (the local folders a run writes, checked when it is built). May import ``checkpoint`` (to list a run's checkpoints) and ``metrics`` (a metric's direction), never ``train`` or ``build``.
 """

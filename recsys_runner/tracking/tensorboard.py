@@ -13,10 +13,11 @@ step once.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from recsys_runner.tracking.folders import check_folder
 from recsys_runner.tracking.tracker import Histogram, Tracker
 
 LOGDIR_NAME = "tensorboard"
@@ -26,10 +27,12 @@ _FLUSH_SECS = 30  # a live ``tensorboard`` sees new points within this (the writ
 
 
 class TensorBoardTracker:
-    """``inner`` plus TensorBoard event files in ``logdir``; the writer opens at the first event and closes at :meth:`finish`."""
+    """``inner`` plus TensorBoard event files in ``logdir``; the writer opens at the first event and closes at :meth:`finish`.
+    ``elsewhere`` says how to put ``logdir`` somewhere else (``hydra.run.dir=<dir>`` under the command line), for the
+    message of :meth:`check`."""
 
-    def __init__(self, inner: Tracker, logdir: Path) -> None:
-        self.inner, self.logdir = inner, logdir
+    def __init__(self, inner: Tracker, logdir: Path, elsewhere: str = "run from another directory") -> None:
+        self.inner, self.logdir, self.elsewhere = inner, logdir, elsewhere
         self._writer: Any = None
         self._purge_step: int | None = None
 
@@ -46,7 +49,11 @@ class TensorBoardTracker:
         return self.inner.run_id
 
     def check(self) -> None:
+        """The inner tracker's check, then ``logdir``'s: a file in its place or a folder this user cannot write fails
+        now, before the model is built, not at the first metric (:func:`~recsys_runner.tracking.folders.check_folder`)."""
         self.inner.check()
+        check_folder(self.logdir, setting="tracking.tensorboard=true", writes="its event files",
+                     fixes=(self.elsewhere, "tracking.tensorboard=false"))
 
     def start(self, *, run_name: str, tags: Mapping[str, str], params: Mapping[str, Any]) -> None:
         self.inner.start(run_name=run_name, tags=tags, params=params)
@@ -59,6 +66,9 @@ class TensorBoardTracker:
         writer = self._open()
         for key, value in metrics.items():
             writer.add_scalar(key, float(value), global_step=step)
+
+    def logged_at(self, step: int, keys: Sequence[str]) -> dict[str, float] | None:
+        return self.inner.logged_at(step, keys)
 
     def log_text(self, text: str, artifact_file: str) -> None:
         self.inner.log_text(text, artifact_file)

@@ -16,7 +16,9 @@ a sweep files its jobs under their parent), so a store that cannot be used then 
 before any data or model is built (:meth:`MlflowTracker.check`, :func:`open_store`): within seconds,
 with MLflow's minutes of HTTP retries off, and as a :class:`~recsys_runner.errors.TrackingError` naming
 the URI, the cause and the fixes. A sqlite store is probed with a write that is rolled back, because
-a read-only file opens fine and would fail only at the first write. Creating a new sqlite store is
+a read-only file opens fine and would fail only at the first write; a local artifact folder (the run's
+``config.yaml``, manifest, summaries' histograms, profiler traces) with a probe file
+(:mod:`recsys_runner.tracking.folders`). Creating a new sqlite store is
 serialized across processes (:func:`store_lock`): MLflow creates its tables without a lock, and runs
 starting together on a new file would crash one another.
 
@@ -30,13 +32,15 @@ import json
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 from recsys_runner.configurable import Configurable
 from recsys_runner.errors import Stopped, require
+from recsys_runner.tracking.folders import check_folder
 from recsys_runner.tracking.store import (
     experiment_id,
     is_remote,
@@ -54,6 +58,8 @@ _MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
 _PARAMS_PER_CALL = 100  # MLflow's limit on params per log_batch
 
 _METRICS_PER_CALL = 1000  # MLflow's limit on metrics per log_batch
+
+_DATABASES = ("sqlite", "postgresql", "mysql", "mssql")  # MLflow's database stores (scheme, or dialect before "+driver")
 
 PARENT_RUN_ENV = "RECSYS_RUNNER_PARENT_RUN_ID"
 """Set by the sweep callback for its jobs: their runs become children of this run."""
@@ -128,6 +134,12 @@ class Tracker(Protocol):
     def start(self, *, run_name: str, tags: Mapping[str, str], params: Mapping[str, Any]) -> None: ...
     def resume(self, run_id: str) -> None: ...
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
+
+    def logged_at(self, step: int, keys: Sequence[str]) -> dict[str, float] | None:
+        """The values of ``keys`` this run logged at ``step`` (in an earlier launch of a resumed run), when it holds every
+        one; ``None`` when it lacks any, or cannot say (nothing tracked, the store unreachable)."""
+        ...
+
     def log_text(self, text: str, artifact_file: str) -> None: ...
     def log_histograms(self, histograms: Mapping[str, Histogram], step: int) -> None: ...
     def set_tag(self, key: str, value: str) -> None: ...
@@ -155,6 +167,9 @@ class NullTracker:
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         pass
+
+    def logged_at(self, step: int, keys: Sequence[str]) -> dict[str, float] | None:
+        return None
 
     def log_text(self, text: str, artifact_file: str) -> None:
         pass
@@ -189,8 +204,35 @@ class MlflowTracker:
 
     def check(self) -> None:
         """Preflight, run by ``build`` on rank 0 before data and model exist: open the store, or raise
-        :class:`TrackingError` naming the URI, the cause and the fixes (:func:`open_store`)."""
+        :class:`TrackingError` naming the URI, the cause and the fixes (:func:`open_store`); then the run's artifact
+        folder when it is local (:func:`~recsys_runner.tracking.folders.check_folder`), which MLflow writes only at the
+        first artifact and whose failure would otherwise look like an outage."""
         self._client = open_store(self.uri, self._source)
+        found = self._artifact_folder()
+        if found is not None:
+            folder, elsewhere = found
+            check_folder(folder, setting=f"the MLflow store {self.uri} ({self._source})",
+                         writes=f"experiment {self.config.experiment!r}'s run artifacts (config.yaml, the manifest, summaries' "
+                                "histograms, profiler traces)", fixes=(elsewhere, "tracking=none"))
+
+    def _artifact_folder(self) -> tuple[Path, str] | None:
+        """The local folder this run's artifacts go under, and how to go elsewhere: the experiment's artifact location,
+        or, for an experiment to be created, the store's default (``./mlruns`` beside a database store, the store's own
+        folder for a file store); ``None`` when they go to a tracking server or an object store."""
+        if is_remote(self.uri):
+            return None
+        with store_errors(self.uri, self._source):
+            experiment = self._client.get_experiment_by_name(self.config.experiment)
+        if experiment is not None:
+            location = urlsplit(experiment.artifact_location)
+            new = "use another tracking.experiment (a new one keeps its artifacts in ./mlruns of the directory the run starts in)"
+            return (Path(location.path), new) if location.scheme in ("", "file") else None
+        store = urlsplit(self.uri)
+        if store.scheme in ("", "file"):
+            return Path(store.path), "use another tracking.uri"
+        if store.scheme.split("+")[0] in _DATABASES:  # MLflow's default artifact root beside a database store
+            return Path("mlruns").absolute(), "start the run from another directory (a new experiment's artifacts go to its ./mlruns)"
+        return None
 
     def start(self, *, run_name: str, tags: Mapping[str, str], params: Mapping[str, Any]) -> None:
         from mlflow.entities import Param
@@ -235,6 +277,28 @@ class MlflowTracker:
         self._pending.extend(Metric(k, float(v), now, step) for k, v in metrics.items())
         if time.monotonic() >= self._next_try:
             self._flush()
+
+    def logged_at(self, step: int, keys: Sequence[str]) -> dict[str, float] | None:
+        """The last value of each of ``keys`` at ``step`` in this run's metric history (MLflow keeps every value logged,
+        so a value logged twice at a step stays twice); ``None`` when any is missing, or when the store does not answer
+        (the caller then logs the values, at worst again)."""
+        if self.run_id is None or not keys:
+            return None
+        found: dict[str, float] = {}
+        try:
+            with no_http_retries(self._remote):
+                for key in keys:
+                    at_step = [m for m in self._client.get_metric_history(self.run_id, key) if m.step == step]
+                    if not at_step:
+                        return None
+                    found[key] = max(at_step, key=lambda m: m.timestamp).value
+        except Stopped:
+            raise
+        except Exception as e:  # noqa: BLE001 - an outage: say so, and let the caller log again rather than lose the values
+            log.warning("could not read the metric history of MLflow run %s (%s: %s); step %d's eval metrics are logged "
+                        "anew", self.run_id, type(e).__name__, e, step)
+            return None
+        return found
 
     def log_text(self, text: str, artifact_file: str) -> None:
         self._pending_text.append((text, artifact_file))

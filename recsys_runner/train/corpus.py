@@ -12,13 +12,18 @@ catalogue. With a catalogue (``data.item_table()``) and a task whose eval lists 
    (:func:`~recsys_runner.metrics.corpus.corpus_ranks`: memory ``B × (chunk + k)``, never ``B × N``);
 3. sums the metrics' states over ranks, so the values equal one process's over all queries.
 
+Between two chunks (of the index built, of the items a query batch is scored against, of the items mined) and two
+query batches the pass calls ``stop``, the loop's pending-signal check with one rank, which abandons the eval by
+raising: a signal is honoured within one chunk's work, not after the whole pass (with several ranks no ``stop`` is
+given: every rank must finish the collectives).
+
 A query's target is its row's item id (the table's ``id_feature``); one missing from the catalogue counts as a miss.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
@@ -68,11 +73,12 @@ def two_tower_of(model: nn.Module) -> TwoTower | None:
 
 
 def item_index(model: TwoTower, table: ItemTable, keys: list[str], dense_names: tuple[str, ...], chunk_rows: int,
-               env: DistEnv) -> torch.Tensor:
+               env: DistEnv, stop: Callable[[], None] | None = None) -> torch.Tensor:
     """The item tower's vectors of every table row, ``[N, O]`` float32 on ``env.device``, the same on every rank.
 
     Rank ``r`` of ``W`` embeds chunks ``r, r + W, …`` of ``chunk_rows`` rows; every rank runs
     ``ceil(chunks / W)`` forwards (the sharded forward is a collective), then the vectors are all-gathered.
+    ``stop`` is called after each chunk (see the module docstring).
     """
     n, world = len(table), env.world_size
     chunks = [np.arange(s, min(s + chunk_rows, n)) for s in range(0, n, chunk_rows)]
@@ -84,6 +90,8 @@ def item_index(model: TwoTower, table: ItemTable, keys: list[str], dense_names: 
         vectors = model.tower("item", dense.to(env.device), sparse.to(env.device)).float()
         if i < len(chunks):
             mine.append(vectors)
+        if stop is not None:
+            stop()
     if world == 1:
         return torch.cat(mine)
     width = mine[0].shape[1] if mine else int(vectors.shape[1])
@@ -145,12 +153,13 @@ class CorpusEval:
         return cls(table, wanted, spec, towers.corpus_chunk_rows, corpus_k(listed, len(table), key), towers.corpus_index)
 
     def evaluate(self, model: nn.Module, data: DataModule, env: DistEnv, batches: Iterable[Batch],
-                 progress: Progress | None = None) -> dict[str, float]:
-        """Each task's catalogue metrics over ``batches`` (this rank's eval batches), combined over all ranks."""
+                 progress: Progress | None = None, stop: Callable[[], None] | None = None) -> dict[str, float]:
+        """Each task's catalogue metrics over ``batches`` (this rank's eval batches), combined over all ranks; ``stop``
+        is called between chunks and between query batches (see the module docstring)."""
         towers = two_tower_of(model)
         assert towers is not None, "CorpusEval.for_run checked the model's towers"
         features = data.features
-        index = item_index(towers, self.table, features.kjt_keys, features.dense_names, self.chunk_rows, env)
+        index = item_index(towers, self.table, features.kjt_keys, features.dense_names, self.chunk_rows, env, stop)
         rows = _RowOf(self.table, env.device)
         ann = hnsw_index(index) if self.index == "faiss" else None
         metrics = [(task, {name: _metric(name, self.spec, env.device) for name in names}) for task, names in self.tasks]
@@ -158,26 +167,35 @@ class CorpusEval:
             batch = batch.to(env.device, non_blocking=True)
             queries = towers.tower("user", batch.dense_features, batch.sparse_features).float()
             targets = rows(first_ids(batch.sparse_features, self.table.id_feature))
-            ranks, top = corpus_ranks(queries, index, targets, self.k, self.chunk_rows)
+            ranks, top = corpus_ranks(queries, index, targets, self.k, self.chunk_rows, between=stop)
             ranked = Ranked(ranks, top, len(self.table)) if ann is None else searched(ann, queries, targets, top, len(self.table))
             for _, by_name in metrics:
                 for metric in by_name.values():
                     metric.update(ranked)
             if progress is not None:
                 progress.update(1)
+            if stop is not None:
+                stop()
         miner = _miner(data)
         if miner is not None:  # the index refresh: the next training batches draw hard negatives from it
-            mine(miner, index, self.chunk_rows, env)
+            mine(miner, index, self.chunk_rows, env, stop)
         return {eval_key(task, name): float(m.compute()) for task, by_name in metrics for name, m in by_name.items()}
 
 
-def mine(miner: MinedNegatives, index: torch.Tensor, chunk_rows: int, env: DistEnv) -> None:
+def mine(miner: MinedNegatives, index: torch.Tensor, chunk_rows: int, env: DistEnv, stop: Callable[[], None] | None = None) -> None:
     """Refresh ``miner``'s lists from the item index ``[N, O]`` (the same on every rank): rank ``r`` of ``W`` mines the
     items of chunks ``r, r + W, …`` (``chunk_rows`` each), the ranks' lists are all-gathered, every rank stores all of
-    them: each rank's share of the ``N² · O`` work is ``1/W``, and every rank's data pipeline reads the same lists."""
+    them: each rank's share of the ``N² · O`` work is ``1/W``, and every rank's data pipeline reads the same lists.
+    ``stop`` is called after each chunk; the lists are stored only once all are mined, so an abandoned refresh leaves
+    the previous ones whole."""
     n, world = index.shape[0], env.world_size
     if world == 1:
-        miner.refresh(index, chunk_rows)
+        lists = []
+        for start in range(0, n, chunk_rows):
+            lists.append(miner.mine(index, start, min(chunk_rows, n - start), chunk_rows))
+            if stop is not None:
+                stop()
+        miner.store(torch.cat(lists))
         return
     chunks = [(s, min(chunk_rows, n - s)) for s in range(0, n, chunk_rows)]
     rounds = math.ceil(len(chunks) / world)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,9 +60,19 @@ class Evaluator:
         if self.corpus is None:
             self.corpus = CorpusEval.for_run(self.model, self.data, self.tasks, self.metrics)
 
-    def evaluate(self, progress: Progress | None = None) -> dict[str, float]:
+    def keys(self) -> list[str]:
+        """The metric keys :meth:`evaluate` returns (``eval/auc``, ``eval/recall_at_10``, …)."""
+        return eval_metric_keys(self.metrics, self.tasks)
+
+    def evaluate(self, progress: Progress | None = None, *, stop: Callable[[], None] | None = None) -> dict[str, float]:
         """Each task's eval metrics over this rank's eval batches, combined over all ranks; ``progress`` counts the
-        batches (``python -m recsys_runner.evaluate``; during training the train bar shows the results instead)."""
+        batches (``python -m recsys_runner.evaluate``; during training the train bar shows the results instead).
+
+        ``stop`` is called between two pieces of the eval's work (each eval batch; with a catalogue, each chunk of the
+        item index, of the items a query batch is scored against, and of the items mined) and may raise to abandon the
+        eval there: the loop's pending-signal check, given with one rank only (with several, the forwards and gathers
+        are collectives that every rank must finish). The EMA weights are swapped back, the pipeline reattached and the
+        model put back in train mode all the same."""
         metrics = TaskEvalMetrics(self.metrics, self.tasks, self.env.device)
         key = self.metrics.grouping_key
         batches = self.data.eval_batches(self.env.rank, self.env.world_size)
@@ -69,22 +80,26 @@ class Evaluator:
         corpus: dict[str, float] = {}
         with detached(self.pipeline, self.model) as model, weights:
             model.eval()
-            with torch.no_grad():
-                for batch in itertools.islice(batches, self.max_batches):
-                    batch = batch.to(self.env.device, non_blocking=True)
-                    _, (_, logits, labels) = model(batch)
-                    groups = {"groups": grouping_ids(batch.sparse_features, key)} if key else {}
-                    metrics.update(logits, labels, **groups)
-                    if progress is not None:
-                        progress.update(1)
-                if self.corpus is not None:  # a second pass: the user tower's queries against the whole catalogue
-                    corpus = self.corpus.evaluate(model, self.data, self.env, itertools.islice(
-                        self.data.eval_batches(self.env.rank, self.env.world_size), self.max_batches))
-            model.train()
+            try:
+                with torch.no_grad():
+                    for batch in itertools.islice(batches, self.max_batches):
+                        batch = batch.to(self.env.device, non_blocking=True)
+                        _, (_, logits, labels) = model(batch)
+                        groups = {"groups": grouping_ids(batch.sparse_features, key)} if key else {}
+                        metrics.update(logits, labels, **groups)
+                        if progress is not None:
+                            progress.update(1)
+                        if stop is not None:
+                            stop()
+                    if self.corpus is not None:  # a second pass: the user tower's queries against the whole catalogue
+                        corpus = self.corpus.evaluate(model, self.data, self.env, itertools.islice(
+                            self.data.eval_batches(self.env.rank, self.env.world_size), self.max_batches), stop=stop)
+            finally:
+                model.train()
         out = metrics.compute() | corpus
         if self.metrics.selection:
             out[SELECTION_KEY] = selection_score(self.metrics.selection, out)
-        return {k: out[k] for k in eval_metric_keys(self.metrics, self.tasks)}
+        return {k: out[k] for k in self.keys()}
 
 
 @dataclass

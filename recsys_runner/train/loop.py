@@ -8,11 +8,23 @@ micro-batches). Training stops at ``loop.total_steps``, on early stopping, on a 
 (:mod:`recsys_runner.train.signals`), on a non-finite loss (:mod:`recsys_runner.train.stopping`) or when another rank
 is lost (:class:`~recsys_runner.distributed.peers.RankLost`, with the last complete checkpoint).
 
-A signal is handled from the first step to the end checkpoint: during the steps (and periodic evals) the current
-step ends, its checkpoint is written and :class:`~recsys_runner.train.signals.Interrupted` is raised; during the
-final eval, the eval is abandoned between two batches, the checkpoint of the last step is written and the run is
-interrupted there, so a resume runs the final eval again (with several ranks the eval ends first, so that no rank leaves
-its collectives early); a signal after the eval lets the end checkpoint be written, then interrupts.
+A signal is handled from the first step to the end checkpoint: during the steps the current step ends, its checkpoint
+is written and :class:`~recsys_runner.train.signals.Interrupted` is raised. During an eval, periodic or final, with one
+rank, the eval is abandoned between two pieces of its work (an eval batch; with an item catalogue, a chunk of the item
+index, of the items a query batch is ranked against, of the items mined: the evaluator's ``stop`` hook), so the stop
+comes within one chunk's work, not after the whole eval: nothing of the eval is logged, the checkpoint of its step is
+written without eval metrics and the run is interrupted there; a resume evaluates that step first (a periodic eval
+before the next step, so early stopping and the best checkpoint see it; the final eval). Abandoning a periodic eval is
+safe: the eval changes nothing a checkpoint holds until it returns (the EMA weights are swapped back and the pipeline
+reattached in its ``finally`` blocks, mined negatives are stored only whole) and its step is evaluated again. With
+several ranks an eval ends first, so that no rank leaves its collectives early, and the signal stops the run after it
+(after the step's checkpoint, or the end checkpoint); a signal after the eval lets its checkpoint be written, then
+interrupts.
+
+A step's eval metrics are logged once per MLflow run: a resumed run does not evaluate again the step it resumes at when
+an earlier launch completed and logged that eval. Its checkpoint recorded them (``TrainState.metrics``); or, when that
+checkpoint was written before the eval completed (at an abandoned eval, redone by a launch that was then stopped after
+it), the MLflow run holds them at that step (``Tracker.logged_at``). Those metrics are then the step's result.
 """
 
 from __future__ import annotations
@@ -21,7 +33,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +42,7 @@ from recsys_runner.checkpoint.config import TrainState
 from recsys_runner.checkpoint.policy import Checkpointer
 from recsys_runner.data.base import DataModule
 from recsys_runner.data.encoding.stored import oov_rates
-from recsys_runner.distributed.env import DistEnv
+from recsys_runner.distributed.env import DistEnv, decided_on_rank0
 from recsys_runner.distributed.peers import RankLost, peer_gone
 from recsys_runner.errors import DataError
 from recsys_runner.models.collision import collision_counters, collision_rates
@@ -105,6 +117,7 @@ def _train(loop: Loop, state: TrainState) -> dict[str, float]:
     with (StopSignals(env.world_size, env.device, cfg.stop_check_every_steps) as signals,
           Progress(loop.total_steps, enabled=env.is_main, unit="step", initial=state.step, mode=cfg.progress) as progress,
           _rank_lost(loop, state)):
+        evaluated, stop = _resumed_eval(loop, state, signals, meter, progress)
         while state.step < loop.total_steps and stop is None:
             batches = meter.counted(_epoch_batches(loop, state))
             while state.step < loop.total_steps and stop is None:
@@ -126,7 +139,7 @@ def _train(loop: Loop, state: TrainState) -> dict[str, float]:
                     _log(loop, logged | loop.stepper.learning_rates() | loop.stepper.task_losses() | loop.stepper.train_metrics.compute() | _data_metrics(loop)
                          | {"train/epoch": state.epoch}, state.step, progress)
                 if _eval_due(loop, state):
-                    evaluated = _evaluate_and_select(loop, state, meter, progress)
+                    evaluated = _periodic_eval(loop, state, loss, signals, meter, progress)
                     stop = "early_stopping" if loop.early_stopping.update(evaluated) else None
                 loop.checkpointer.after_step(state, loss, evaluated, _epoch_end(loop, state))
                 if (signum := signals.requested(state.step)) is not None or _slice_done(loop, state):
@@ -166,39 +179,85 @@ def _rank_lost(loop: Loop, state: TrainState) -> Iterator[None]:
 
 
 class _Abandoned(Exception):
-    """A signal asked to stop during the final eval (raised between two eval batches)."""
+    """A signal asked to stop during an eval (raised between two pieces of its work)."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
         self.signum = signum
 
 
-class _StopBetweenBatches(Progress):
-    """No bar: after each eval batch, raise :class:`_Abandoned` if a signal asked to stop (a point where the eval's
-    own ``finally`` blocks, EMA weights swapped back and the pipeline reattached, still run)."""
+class _StopBetweenChunks:
+    """The evaluator's ``stop`` hook: between two pieces of an eval's work, raise :class:`_Abandoned` if a signal asked
+    to stop (a point where the eval's own ``finally`` blocks, EMA weights swapped back and the pipeline reattached,
+    still run)."""
 
     def __init__(self, signals: StopSignals) -> None:
-        super().__init__(None, enabled=False)
         self._signals = signals
 
-    def update(self, n: int = 1, **postfix: object) -> None:
+    def __call__(self) -> None:
         if self._signals.signum is not None:
             raise _Abandoned(self._signals.signum)
 
 
+def _stop_hook(loop: Loop, signals: StopSignals) -> Callable[[], None] | None:
+    """The eval's ``stop`` hook with one rank; none with several (every rank must finish the eval's collectives)."""
+    return _StopBetweenChunks(signals) if loop.env.world_size == 1 else None
+
+
+def _periodic_eval(loop: Loop, state: TrainState, loss: torch.Tensor | None, signals: StopSignals, meter: Throughput,
+                   progress: Progress) -> dict[str, float]:
+    """The eval of this step; a signal during it with one rank abandons it, writes the checkpoint of this step without
+    eval metrics and raises :class:`Interrupted`, so a resume evaluates this step again before the next one."""
+    try:
+        return _evaluate_and_select(loop, state, meter, progress, _stop_hook(loop, signals))
+    except _Abandoned as e:
+        raise Interrupted(e.signum, state.step, loop.checkpointer.save_guarded(state, loss, None), when="during the eval") from None
+
+
 def _final_eval(loop: Loop, state: TrainState, loss: torch.Tensor | None, signals: StopSignals, meter: Throughput,
                 progress: Progress) -> dict[str, float]:
-    """The final eval; a signal before it, or during it with one rank (abandoned between two batches), writes the
-    checkpoint of this step and raises :class:`Interrupted`, so a resume evaluates again. With several ranks the eval
+    """The final eval; a signal before it, or during it with one rank (abandoned between two pieces of its work), writes
+    the checkpoint of this step and raises :class:`Interrupted`, so a resume evaluates again. With several ranks the eval
     ends first (one rank must not leave its collectives early) and the signal stops the run after the end checkpoint."""
     signum = signals.agreed()
     if signum is None:
         try:
-            alone = loop.env.world_size == 1
-            return _evaluate_and_select(loop, state, meter, progress, _StopBetweenBatches(signals) if alone else None)
+            return _evaluate_and_select(loop, state, meter, progress, _stop_hook(loop, signals))
         except _Abandoned as e:
             signum = e.signum
     raise Interrupted(signum, state.step, loop.checkpointer.save_guarded(state, loss, None), when="during the final eval")
+
+
+def _resumed_eval(loop: Loop, state: TrainState, signals: StopSignals, meter: Throughput,
+                  progress: Progress) -> tuple[dict[str, float] | None, str | None]:
+    """The eval of the step a resumed run starts at, if one is due there: ``(its metrics, "early_stopping" or None)``.
+
+    An eval an earlier launch completed and logged is not run again (module docstring): recorded by the checkpoint,
+    which was written after it (early stopping and the best already count it), or found in the MLflow run (the
+    checkpoint came before it, so early stopping and the best take it now). A periodic eval abandoned on a signal runs
+    now, before the next step; a final eval that did not complete is left to :func:`_final_eval`."""
+    start, keys = loop.state, loop.evaluator.keys()
+    if start.step == 0 or not (start.step == loop.total_steps or _eval_due(loop, state)):
+        return None, None
+    if start.metrics and set(keys) <= set(start.metrics):
+        _not_again(loop, "its checkpoint recorded it")
+        return {k: start.metrics[k] for k in keys}, "early_stopping" if loop.early_stopping.stopped() else None
+    logged = decided_on_rank0(lambda: loop.tracker.logged_at(start.step, keys), loop.env.rank, loop.env.world_size)
+    if logged is not None:
+        _not_again(loop, "the MLflow run holds its metrics at this step")
+        loop.best.update(logged, start.step)
+        loop.checkpointer.maybe_save_best(state, logged)
+    elif start.step < loop.total_steps:
+        logged = _periodic_eval(loop, state, None, signals, meter, progress)
+    else:
+        return None, None
+    return logged, "early_stopping" if loop.early_stopping.update(logged) else None
+
+
+def _not_again(loop: Loop, why: str) -> None:
+    """One line: the eval of the resumed step is not run again, and why."""
+    if loop.env.is_main:
+        log.info("step %d: its eval was completed and logged by an earlier launch (%s); not evaluated again", loop.state.step, why)
 
 
 def _epoch_batches(loop: Loop, state: TrainState) -> Iterator:
@@ -240,11 +299,11 @@ def _eval_due(loop: Loop, state: TrainState) -> bool:
 
 
 def _evaluate_and_select(loop: Loop, state: TrainState, meter: Throughput, progress: Progress,
-                         batches: Progress | None = None) -> dict[str, float]:
-    """Evaluate, log (with ``best/<metric>`` when the watched metric improved), and keep the best checkpoint;
-    ``batches`` is told of each eval batch."""
+                         stop: Callable[[], None] | None = None) -> dict[str, float]:
+    """Evaluate, log (with ``best/<metric>`` when the watched metric improved), and keep the best checkpoint; ``stop``
+    is called between two pieces of the eval's work (:meth:`Evaluator.evaluate`)."""
     with meter.paused():
-        metrics = loop.evaluator.evaluate(batches)
+        metrics = loop.evaluator.evaluate(stop=stop)
         _log(loop, metrics, state.step, progress)
         if best := loop.best.update(metrics, state.step):
             loop.tracker.log_metrics(best, state.step)

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from recsys_runner.errors import require
+from recsys_runner.errors import TrackingError, require
+from recsys_runner.tracking.folders import check_folder
 from recsys_runner.train.breakdown import breakdown
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,19 @@ class ProfileConfig:
     def __post_init__(self) -> None:
         require(self.wait >= 0 and self.warmup >= 0, "train.profile.wait and train.profile.warmup must be >= 0")
         require(self.active > 0, f"train.profile.active must be positive, got {self.active}")
+
+
+def check_trace_folder() -> None:
+    """With ``train.profile.enabled``: the temporary folder each rank writes its trace into before logging it
+    (``tempfile``'s: ``$TMPDIR``, else ``/tmp``, …) can be written, checked when the run is built (before the model);
+    else :class:`~recsys_runner.errors.TrackingError` names it and the fix."""
+    fixes = ("set TMPDIR to a writable folder", "train.profile.enabled=false")
+    try:
+        folder = Path(tempfile.gettempdir())
+    except FileNotFoundError as e:  # tempfile found no writable candidate at all
+        raise TrackingError(f"train.profile.enabled=true writes its traces into a temporary folder, and none can be written "
+                            f"({e}). Fix: {fixes[0]}, or {fixes[1]}") from None
+    check_folder(folder, setting="train.profile.enabled=true", writes="its traces (before logging them as artifacts)", fixes=fixes)
 
 
 class StepProfiler:

@@ -58,6 +58,10 @@ class EarlyStopping:
             self.bad_evals += 1
         return self.bad_evals >= c.patience
 
+    def stopped(self) -> bool:
+        """Whether the evaluations recorded so far say to stop (a run resumed at the step where it stopped early)."""
+        return self.config.patience is not None and self.bad_evals >= self.config.patience
+
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best, "bad_evals": self.bad_evals}
 

@@ -1,0 +1,202 @@
+"""A stop signal during an eval is honoured within one chunk of its work, and a step's eval is logged once per MLflow run.
+
+Real ``python -m recsys_runner`` processes and real SIGTERMs: the full-corpus eval of a two-tower model and a periodic
+eval are abandoned between chunks, well before the eval would end, and the resume evaluates that step once; an eval that
+completed and was logged before the stop is not evaluated (nor logged) again by the resume, whether the checkpoint of its
+step recorded it or, written before it, did not (then the MLflow run's history says so). Each MLflow history is read with
+``MlflowClient.get_metric_history``: exactly one value per step.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from recsys_runner.checkpoint.storage import list_checkpoints
+from tests.conftest import REPO, TINY, hint_of
+from tests.test_run_safety import runs
+
+ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+ENV.pop("HYDRA_FULL_ERROR", None)
+
+CORPUS = ["model=dssm", "data=synthetic_retrieval", "data.num_sparse=2", "data.batch_size=512", "data.num_embeddings=100000",
+          "data.num_train_rows=8192", "data.num_eval_rows=4096", "model.eval_metrics=[recall@10]", "train.num_steps=2",
+          "train.log_every_steps=1", "train.eval_every_steps=null", "train.eval_max_batches=null", "distributed.device=cpu"]
+"""A DSSM whose final eval ranks 4096 queries against a catalogue of 100k items (13 chunks of 8192): seconds of work."""
+
+_STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]")
+
+_INJECT = '''"""tests/test_eval_stops.py: this process sends itself SIGTERM right after its tracker logged $SIGTERM_AFTER
+(``<metric>@<step>``), once: the signal then comes between two lines of the loop, where no outside sender can aim."""
+import os
+import signal
+
+_after = os.environ.get("SIGTERM_AFTER")
+if _after:
+    from recsys_runner.tracking import tracker as _tracker
+
+    _key, _step = _after.rsplit("@", 1)
+    _log = _tracker.MlflowTracker.log_metrics
+    _sent = []
+
+    def _log_then_stop(self, metrics, step):
+        _log(self, metrics, step)
+        if _key in metrics and step == int(_step) and not _sent:
+            _sent.append(step)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    _tracker.MlflowTracker.log_metrics = _log_then_stop
+'''
+
+
+def _at(line: str) -> float:
+    """The wall-clock time of a log line (Hydra's ``[2026-01-01 12:00:00,123]`` prefix)."""
+    found = _STAMP.match(line)
+    assert found, line
+    return datetime.strptime(found.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def _signal_after(argv: list[str], marker: str, delay_s: float, cwd: Path, timeout_s: float = 240) -> tuple[int, str, float]:
+    """Run ``argv``, send SIGTERM ``delay_s`` after ``marker`` appears in its output; its exit status, output and the
+    wall-clock time the signal was sent."""
+    proc = subprocess.Popen(argv, cwd=cwd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            seen.append(line)
+            if marker in line:
+                break
+        assert proc.poll() is None and marker in seen[-1], "".join(seen)[-3000:]
+        time.sleep(delay_s)
+        sent = time.time()
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, "".join(seen) + rest, sent
+
+
+def _history(uri: str, run_id: str, key: str) -> list[int]:
+    """The steps of every value of ``key`` the MLflow run holds (one per logging: MLflow keeps them all)."""
+    return sorted(m.step for m in MlflowClient(tracking_uri=uri).get_metric_history(run_id, key))
+
+
+def _resume(command: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(command, cwd=cwd, env={**ENV, **env}, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_full_corpus_eval_stops_within_a_chunk_and_the_resume_logs_it_once(tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    args = [*CORPUS, f"tracking.uri={uri}", "tracking.experiment=corpus_stop", f"hydra.run.dir={tmp_path}/run"]
+    # 1 s after the last step: the final eval is ranking queries against the catalogue
+    code, out, sent = _signal_after([sys.executable, "-m", "recsys_runner", *args], "step 2/2 train/loss", 1.0, tmp_path)
+    assert code == 143, out[-3000:]
+    assert "Interrupted: stopped by SIGTERM during the final eval after step 2; checkpoint " in out, out[-3000:]
+    (saved,) = [line for line in out.splitlines() if "checkpoint saved:" in line]
+    stopped_s = _at(saved) - sent  # from the signal to the checkpoint of the abandoned eval's step
+    (killed,) = runs(uri, "corpus_stop")
+    assert killed.info.status == "KILLED" and "eval/recall_at_10" not in killed.data.metrics  # nothing of it logged
+
+    command = hint_of(out)
+    assert command is not None, out[-3000:]
+    again = _resume(command, tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    lines = (again.stdout + again.stderr).splitlines()
+    at = next(i for i, line in enumerate(lines) if "step 2/2 eval/recall_at_10=" in line)
+    before = next(line for line in reversed(lines[:at]) if _STAMP.match(line))
+    eval_s = _at(lines[at]) - _at(before)  # the whole eval, which the resume runs to the end
+    assert eval_s > 2.0, lines[at - 3: at + 1]  # long enough for the bound below to mean something
+    print(f"stopped {stopped_s:.2f} s after the signal; the whole eval takes {eval_s:.2f} s")
+    assert stopped_s < eval_s / 4, (stopped_s, eval_s)  # within a chunk's work, not after the eval
+    (finished,) = runs(uri, "corpus_stop")
+    assert finished.info.run_id == killed.info.run_id and finished.info.status == "FINISHED"
+    assert _history(uri, finished.info.run_id, "eval/recall_at_10") == [2]
+
+
+PERIODIC = {
+    "deepfm": ([*[a for a in TINY if not a.startswith("train.")], "data.num_eval_rows=200000"], "eval/auc"),
+    "sasrec": (["model=sasrec", "data=synthetic_sequences", "data.batch_size=128", "data.num_items=20000", "data.max_len=20",
+                "data.num_train_rows=8192", "data.num_eval_rows=32768", "model.embedding_dim=32", "distributed.device=cpu"],
+               "eval/hr_at_10"),
+}
+"""Evals of seconds: a DeepFM's 780 batches of AUC, a SASRec's 256 batches each scored against all 20k items (hr@k)."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", sorted(PERIODIC))
+def test_sigterm_during_a_periodic_eval_abandons_it_and_the_resume_evaluates_that_step_first(tmp_path: Path, model: str) -> None:
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    data, key = PERIODIC[model]
+    args = [*data, "train.eval_max_batches=null", "train.num_steps=4", "train.log_every_steps=1", "train.eval_every_steps=2",
+            f"tracking.uri={uri}", "tracking.experiment=periodic_stop", f"hydra.run.dir={tmp_path}/run"]
+    code, out, _ = _signal_after([sys.executable, "-m", "recsys_runner", *args], "step 2/4 train/loss", 0.3, tmp_path)
+    assert code == 143, out[-3000:]
+    assert "Interrupted: stopped by SIGTERM during the eval after step 2; checkpoint " in out, out[-3000:]
+    assert f"step 2/4 {key}" not in out and "step 3/4" not in out  # abandoned, and no step after it
+    command = hint_of(out)
+    assert command is not None, out[-3000:]
+    ckpt_dir = Path(next(a for a in command if a.startswith("checkpoint.dir=")).split("=", 1)[1])
+    assert [p.name for p in list_checkpoints(ckpt_dir)] == ["step_00000002"]
+
+    again = _resume(command, tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    lines = [line for line in (again.stdout + again.stderr).splitlines() if re.search(r"step \d/4 ", line)]
+    assert f"step 2/4 {key}" in lines[0] and "step 3/4 train/loss" in lines[1], lines  # step 2's eval, before step 3
+    (run,) = runs(uri, "periodic_stop")
+    assert run.info.status == "FINISHED"
+    assert _history(uri, run.info.run_id, key) == [2, 4]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpoint_first", [False, True], ids=["checkpoint-after-eval", "checkpoint-before-eval"])
+def test_an_eval_logged_before_the_stop_is_not_evaluated_or_logged_again_by_the_resume(tmp_path: Path,
+                                                                                        checkpoint_first: bool) -> None:
+    """The duplicate a user saw: the final eval completed and was logged, the signal stopped the run at its end (a signal
+    that comes as the end checkpoint is written, or during an eval with several ranks), and the resume evaluated the
+    same step again: two values of ``eval/auc`` at it. ``checkpoint-before-eval``: the checkpoint of that step was
+    written by an earlier stop before the eval (it cannot record it), so the MLflow run's history is what says it."""
+    sitecustomize = tmp_path / "inject" / "sitecustomize.py"
+    sitecustomize.parent.mkdir()
+    sitecustomize.write_text(_INJECT)
+    inject = {"PYTHONPATH": f"{sitecustomize.parent}{os.pathsep}{REPO}"}
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    args = [*[a for a in TINY if not a.startswith("train.")], "train.num_steps=4", "train.log_every_steps=2",
+            "train.eval_every_steps=null", f"tracking.uri={uri}", "tracking.experiment=once", f"hydra.run.dir={tmp_path}/run"]
+    launch = [sys.executable, "-m", "recsys_runner", *args]
+    if checkpoint_first:  # stopped after the last step's log line, before the final eval: step 4's checkpoint, no metrics
+        first = _resume(launch, tmp_path, **inject, SIGTERM_AFTER="train/loss@4")
+        assert first.returncode == 143 and "stopped by SIGTERM after step 4" in first.stderr, first.stderr[-3000:]
+        command = hint_of(first.stderr)
+        assert command is not None
+        launch = command
+    stopped = _resume(launch, tmp_path, **inject, SIGTERM_AFTER="eval/auc@4")  # right after the eval is logged
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    assert "Interrupted: stopped by SIGTERM at the end of training after step 4; checkpoint " in stopped.stderr, stopped.stderr[-3000:]
+    (run,) = runs(uri, "once")
+    assert run.info.status == "KILLED" and _history(uri, run.info.run_id, "eval/auc") == [4]
+
+    command = hint_of(stopped.stderr)
+    assert command is not None
+    again = _resume(command, tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    out = again.stdout + again.stderr
+    why = "the MLflow run holds its metrics at this step" if checkpoint_first else "its checkpoint recorded it"
+    assert f"step 4: its eval was completed and logged by an earlier launch ({why}); not evaluated again" in out, out[-3000:]
+    assert "step 4/4 eval/auc" not in out, out[-3000:]  # not evaluated again
+    (finished,) = runs(uri, "once")
+    assert finished.info.run_id == run.info.run_id and finished.info.status == "FINISHED"
+    assert _history(uri, run.info.run_id, "eval/auc") == [4]  # once
+    assert finished.data.metrics["eval/auc"] == run.data.metrics["eval/auc"]
