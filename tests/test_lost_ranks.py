@@ -237,6 +237,37 @@ def test_kill_9_of_one_rank_ends_the_survivor_with_one_line_and_its_command_resu
     assert list_checkpoints(ckpt_dir)[-1].name == "step_00000040"
 
 
+RESTARTED_GROUP = """
+import os, signal, time
+import torch, torch.distributed as dist
+from recsys_runner.distributed.config import DistributedConfig
+from recsys_runner.distributed.sharding import Distributed
+attempt, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
+if attempt == 1 and rank == 0:
+    time.sleep(3)  # rank 1 of the restart looks for rank 0's address before this rank 0 has published it
+Distributed(DistributedConfig(device="cpu", timeout_s=20, num_threads=1)).setup()
+dist.all_reduce(torch.ones(1))
+if attempt == 0:
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.5)
+    dist.all_reduce(torch.ones(1))
+print(f"attempt {attempt} rank {rank}: group formed", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_restarted_group_forms_on_the_store_of_its_own_attempt(tmp_path: Path) -> None:
+    """torchrun's store outlives a restart: without a prefix per attempt (launch.elastic_store) rank 1 of the restart
+    reads rank 0's gloo address of the attempt before and fails ('Gloo connectFullMesh failed ... Connection refused')."""
+    script = tmp_path / "group.py"
+    script.write_text(RESTARTED_GROUP)
+    out = subprocess.run(_torchrun("--max-restarts=1", str(script)), cwd=tmp_path, env=ENV, capture_output=True, text=True,
+                         timeout=240)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert "attempt 1 rank 0: group formed" in out.stdout and "attempt 1 rank 1: group formed" in out.stdout, out.stdout
+
+
 @pytest.mark.slow
 def test_torchrun_max_restarts_resumes_the_same_run_after_kill_9_of_rank_0(tmp_path: Path) -> None:
     """docs/launch.md's recommendation: with ``--max-restarts`` and a checkpoint.dir, torchrun restarts the group, which

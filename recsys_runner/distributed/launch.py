@@ -13,12 +13,18 @@ clash with other jobs on the node.
 (its class lives in ``hydra_plugins/recsys_runner_detached``: Hydra loads launchers only from the
 ``hydra_plugins`` namespace); the jobs log to MLflow as children of the sweep's parent run, and
 ``python -m recsys_runner.compare collect --parent <id> --wait`` gathers them later.
+
+Under torchrun the process group's store is torchrun's own, under a prefix of the restart (:func:`elastic_store`), so
+that the group a ``--max-restarts`` restart forms does not read the addresses of the attempt before.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
+
+import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
@@ -47,3 +53,21 @@ def map_submitit_env() -> dict[str, str]:
     log.info("submitit job %s task %d/%d → torch.distributed via %s:%s", job.job_id, dist_env.rank, dist_env.world_size,
              dist_env.master_addr, dist_env.master_port)
     return {k: os.environ[k] for k in _TORCH_VARS}
+
+
+def elastic_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun, ``env://``'s store under the prefix ``attempt_<TORCHELASTIC_RESTART_COUNT>``; ``None`` elsewhere
+    (``init_process_group`` then reads ``env://`` itself).
+
+    torchrun's store lives in its agent and outlives the workers it restarts (``--max-restarts``), and torch 2.13's
+    ``env://`` puts no attempt in its keys: the restarted ranks read each other's gloo addresses of the attempt before
+    and fail with ``Gloo connectFullMesh failed ... Connection refused`` (3 restarts in 4, measured on 2 CPU ranks; 0 in
+    4 with the prefix). The restart count is each node's agent's own: it agrees across nodes when the whole group
+    restarts together, the case ``--max-restarts`` handles.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        return None
+    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    return dist.PrefixStore(f"attempt_{attempt}", store)

@@ -54,7 +54,7 @@ from torchrec.modules.mc_modules import ManagedCollisionCollection
 
 from recsys_runner.distributed.config import DistributedConfig, PlannerConfig, TableShardingConfig, resolve_device_type
 from recsys_runner.distributed.env import DistEnv, auto_num_threads
-from recsys_runner.distributed.launch import map_submitit_env
+from recsys_runner.distributed.launch import elastic_store, map_submitit_env
 from recsys_runner.errors import ConfigError, require
 
 log = logging.getLogger(__name__)
@@ -236,8 +236,9 @@ class Distributed:
             if world_size == 1 and "MASTER_ADDR" not in os.environ:
                 # A private in-process store: no port to pick, nothing to clash with other runs.
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-            else:
-                dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+            else:  # under torchrun, a store of this restart (launch.elastic_store)
+                dist.init_process_group(backend, store=elastic_store(rank, world_size, timeout), rank=rank, world_size=world_size,
+                                        timeout=timeout)
             self._owns_group = True
         self.env = DistEnv(rank, world_size, local_rank, local_world_size, device, backend)
         threads, why = (self.config.num_threads, "distributed.num_threads") if isinstance(self.config.num_threads, int) \
