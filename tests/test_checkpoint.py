@@ -109,3 +109,35 @@ def test_fine_tune_with_name_map_and_without_optimizer_state(make_cfg, tmp_path:
     assert torch.equal(mapped[dense_key], plain[dense_key])
     with pytest.raises(CheckpointError, match="shares no parameter name"):
         built("+checkpoint.name_map.model=other")
+
+
+def _default_dir_on_rank(rank: int, port: int, out: str) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    from recsys_runner.checkpoint.config import CheckpointConfig
+    from recsys_runner.checkpoint.policy import Checkpointer
+    from recsys_runner.runtime import Launch
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:  # each rank's own Hydra run directory, as two ranks started a second apart name theirs
+        launch = Launch(overrides=("train.num_steps=4",), output_dir=Path(out) / f"run-of-rank{rank}", config_name="config")
+        checkpointer = Checkpointer(CheckpointConfig(), rank=rank, world_size=2, launch=launch)
+        Path(out, f"rank{rank}.json").write_text(json.dumps(str(checkpointer.dir)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_with_run_directories_of_their_own_checkpoint_into_rank_0s(tmp_path: Path) -> None:
+    """Under torchrun each rank's Hydra run directory is named from its own clock: the default checkpoint.dir must be
+    one directory for all ranks, or one checkpoint is split in two and a resume finds it damaged."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from tests.conftest import free_port
+
+    mp.spawn(_default_dir_on_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    dirs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert dirs == [str(tmp_path / "run-of-rank0" / "checkpoints")] * 2

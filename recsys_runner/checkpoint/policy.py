@@ -67,8 +67,12 @@ class Checkpointer:
     ) -> None:
         self.config = config
         resolved = config.dir or launch.under_output_dir("checkpoints")
+        if config.dir is None and resolved is not None and world_size > 1:
+            # each rank names its Hydra run directory from its own clock: ranks started a second apart would write one
+            # checkpoint into two directories, which a resume then finds damaged. Rank 0's is every rank's.
+            resolved = decided_on_rank0(lambda: resolved, rank, world_size)
         self.dir = stores.as_path(resolved) if resolved else None
-        """``checkpoint.dir``, or its CLI default (``None``: nothing is saved)."""
+        """``checkpoint.dir``, or its CLI default: rank 0's run directory's ``checkpoints`` (``None``: nothing is saved)."""
         self.rank, self.world_size = rank, world_size
         self.device, self.nan_guard = device or torch.device("cpu"), nan_guard
         self.storage: CheckpointStorage = storage or storage_for(self.dir, rank, world_size)
