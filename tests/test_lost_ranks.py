@@ -205,9 +205,8 @@ def _only_run(uri: str, experiment: str):  # noqa: ANN202 - mlflow's Run
 @pytest.mark.slow
 def test_kill_9_of_one_rank_ends_the_survivor_with_one_line_and_its_command_resumes(tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    # The default checkpoint dir (<Hydra run dir>/checkpoints), as a plain launch has it. The run dir is given: Hydra's
-    # default (outputs/<date>/<time>) is read from each rank's own clock, and ranks that start a second apart would
-    # write one checkpoint into two directories.
+    # The default checkpoint dir (<Hydra run dir>/checkpoints, rank 0's for every rank), as a plain launch has it; the
+    # run dir is given so that the test knows where it is.
     args = [*SHORT, f"tracking.uri={uri}", "tracking.experiment=lost", f"hydra.run.dir={tmp_path}/run"]
     proc = _kill_after_first_checkpoint(_torchrun("--log-dir=logs", "--redirects=3", "-m", "recsys_runner", *args),
                                         "run/checkpoints", rank=1, cwd=tmp_path)
