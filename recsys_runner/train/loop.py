@@ -19,7 +19,9 @@ safe: the eval changes nothing a checkpoint holds until it returns (the EMA weig
 reattached in its ``finally`` blocks, mined negatives are stored only whole) and its step is evaluated again. With
 several ranks an eval ends first, so that no rank leaves its collectives early, and the signal stops the run after it
 (after the step's checkpoint, or the end checkpoint); a signal after the eval lets its checkpoint be written, then
-interrupts.
+interrupts. A signal while the loop waits on an object store (a checkpoint write, a unit read ahead) is taken there at
+once, since a stalled store can hold a step for its whole retry bound: the run is interrupted with its last complete
+checkpoint (:func:`_store_wait`).
 
 A step's eval metrics are logged once per MLflow run: a resumed run does not evaluate again the step it resumes at when
 an earlier launch completed and logged that eval. Its checkpoint recorded them (``TrainState.metrics``); or, when that
@@ -96,18 +98,8 @@ class Loop:
 
 
 def train(loop: Loop) -> dict[str, float]:
-    """Train from ``loop.state`` up to ``loop.total_steps`` steps; return the final eval metrics. A signal that comes
-    while the loop waits on an object store stops it there (:class:`~recsys_runner.train.signals.StoreWaitInterrupted`),
-    and the run is interrupted with its last complete checkpoint."""
-    state = dataclasses.replace(loop.state)
-    try:
-        return _train(loop, state)
-    except StoreWaitInterrupted as e:
-        raise Interrupted(e.signum, state.step, loop.checkpointer.last_saved, when="while waiting on the object store") from None
-
-
-def _train(loop: Loop, state: TrainState) -> dict[str, float]:
-    cfg, env = loop.config, loop.env
+    """Train from ``loop.state`` up to ``loop.total_steps`` steps; return the final eval metrics."""
+    cfg, env, state = loop.config, loop.env, dataclasses.replace(loop.state)
     meter = Throughput(loop.total_steps, features=loop.data.features, micro_batches=cfg.grad_accum_steps,
                        world_size=env.world_size, device=env.device)  # counts the rows each step really trained
     profiler = StepProfiler(cfg.profile, env.device, env.rank) if cfg.profile.enabled else None
@@ -116,7 +108,7 @@ def _train(loop: Loop, state: TrainState) -> dict[str, float]:
     last_loss: torch.Tensor | None = None  # the NaN guard checks it before a checkpoint written after the steps
     with (StopSignals(env.world_size, env.device, cfg.stop_check_every_steps) as signals,
           Progress(loop.total_steps, enabled=env.is_main, unit="step", initial=state.step, mode=cfg.progress) as progress,
-          _rank_lost(loop, state)):
+          _rank_lost(loop, state), _store_wait(loop, state)):
         evaluated, stop = _resumed_eval(loop, state, signals, meter, progress)
         while state.step < loop.total_steps and stop is None:
             batches = meter.counted(_epoch_batches(loop, state))
@@ -162,6 +154,17 @@ def _train(loop: Loop, state: TrainState) -> dict[str, float]:
             raise Interrupted(signum, state.step, loop.checkpointer.save_guarded(state, last_loss, final),
                               when="at the end of training")
     return final
+
+
+@contextlib.contextmanager
+def _store_wait(loop: Loop, state: TrainState) -> Iterator[None]:
+    """A signal that came while the loop waited on an object store stopped it there, not after the step
+    (:class:`~recsys_runner.train.signals.StoreWaitInterrupted`): the run is interrupted with its last complete
+    checkpoint (inside :class:`StopSignals`, so a preemption still hands over to submitit)."""
+    try:
+        yield
+    except StoreWaitInterrupted as e:
+        raise Interrupted(e.signum, state.step, loop.checkpointer.last_saved, when="while waiting on the object store") from None
 
 
 @contextlib.contextmanager
