@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from recsys_runner import stores
-from recsys_runner.config import flatten, register_configs, to_yaml, validate
+from recsys_runner.config import check_known_keys, flatten, register_configs, to_yaml, validate
 from recsys_runner.errors import CheckpointError, ConfigError, UserError
 from recsys_runner.inference_build import Inference
 from recsys_runner.lifecycle import RunStart, link_tags
@@ -60,14 +60,15 @@ def checkpoint_to_load(cfg: DictConfig) -> Path:
 
     The first thing evaluate, predict and export do, before the rest of the config is validated or any data is read:
     a ``load=`` that names no checkpoint is reported first (its training's overrides, which describe the data, could
-    not be carried over either, so what the rest of the config says about the data is moot). Reads only ``load``,
-    ``storage.*`` and ``tracking.uri``. Without ``load`` the config is validated first, so that a misspelt one
-    (``+lod=…``) is named as such, then ``load`` is required.
+    not be carried over either, so what the rest of the config says about the data is moot). Before it only keys the
+    schema does not know are named (a misspelt ``+lod=…``, ``+export.dri=…``): that check reads nothing. Reads only
+    ``load``, ``storage.*`` and ``tracking.uri``. Without ``load`` the config is validated first, then ``load`` is required.
 
     Raises:
         ConfigError: ``load`` is not set, ``storage.*`` is invalid, or (without ``load``) any config mistake.
         CheckpointError: nothing loadable there (:func:`recsys_runner.tracking.lineage.resolve_checkpoint`).
     """
+    check_known_keys(cfg)  # a typo (+export.dri=…, +lod=…) is named first: it reads nothing, and may be why load looks wrong
     spec = cfg.get(LOAD_KEY)
     if not spec:
         validate(cfg)

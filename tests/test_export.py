@@ -227,9 +227,10 @@ def test_export_needs_load_and_rejects_unknown_keys(export_cfg, tmp_path: Path) 
     assert type(kept.model).__name__ == "DLRMConfig" and type(kept.data).__name__ == "SyntheticDataConfig"
     assert kept.train.num_steps == 30 and kept.data.num_embeddings == 1000 and kept.tracking.experiment.startswith("test_export")
     with pytest.raises(ConfigError, match="export.weights='best' must be one of"):
-        export.run(export_cfg(f"load={tmp_path}", "export.weights=best"))
-    with pytest.raises(CheckpointError, match="holds no complete checkpoint"):
-        export.run(export_cfg(f"load={tmp_path}", f"export.dir={tmp_path}"))
+        export._options(export_cfg(f"load={tmp_path}", "export.weights=best"))
+    for other in (f"export.dir={tmp_path}", "export.weights=best"):  # load= is checked first: nothing else is, or read, before
+        with pytest.raises(CheckpointError, match="holds no complete checkpoint"):
+            export.run(export_cfg(f"load={tmp_path}", other))
 
 
 class BranchesOnIds(nn.Module):
