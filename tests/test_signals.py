@@ -36,11 +36,19 @@ LONG_EVAL = ["data.num_eval_rows=400000", "train.eval_max_batches=null"]
 """~1500 eval batches: a final eval (or an evaluate) that lasts seconds, long enough to be hit by a signal."""
 
 
+def _sigint_as_at_a_terminal() -> None:
+    """In the child: SIGINT with its default action, as a command typed at a terminal has it. A suite started in the
+    background by a shell (``make test &``, a CI runner) ignores SIGINT, its children inherit that, and Python keeps an
+    ignored SIGINT ignored, rightly (``nohup``, ``&``): the SIGINT tests would then test nothing but that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _signal_when(argv: list[str], marker: str, signum: int, cwd: Path, delay_s: float = 0.5,
                  timeout_s: float = 120, ready: Callable[[], bool] | None = None) -> tuple[int, str]:
     """Run ``argv``, send ``signum`` ``delay_s`` after ``marker`` appears in its output (and, given ``ready``, once it
     returns true: polled, so that a loaded machine only waits longer); its exit status and output."""
-    proc = subprocess.Popen(argv, cwd=cwd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(argv, cwd=cwd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=_sigint_as_at_a_terminal)
     seen: list[str] = []
     try:
         assert proc.stdout is not None
