@@ -9,12 +9,14 @@ server stops answering but keeps its objects, which a restart would lose) and ``
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +57,21 @@ class MotoServer:
         files = [local] if local.is_file() else sorted(p for p in local.iterdir() if p.is_file())
         for f in files:
             fs.put_file(str(f), rest if local.is_file() else f"{rest}/{f.name}")
+
+    @contextlib.contextmanager
+    def as_client(self, monkeypatch: Any, settings: Any) -> Iterator[MotoServer]:
+        """This process set up as a user would (the server's endpoint and credentials in the environment, ``settings``
+        as ``storage.*``); afterwards the server answers again and the default settings are back."""
+        from recsys_runner import stores
+
+        for key, value in self.env.items():
+            monkeypatch.setenv(key, value)
+        stores.configure(settings)
+        try:
+            yield self
+        finally:
+            self.resume()
+            stores.configure(stores.StorageConfig())
 
     def pause(self) -> None:
         self.proc.send_signal(signal.SIGSTOP)

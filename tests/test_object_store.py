@@ -64,11 +64,8 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
 @pytest.fixture
 def s3_env(s3: MotoServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[MotoServer]:
     """This process set up as a user would: the server's endpoint and credentials in the environment."""
-    for key, value in s3.env.items():
-        monkeypatch.setenv(key, value)
-    stores.configure(stores.StorageConfig(max_attempts=2, connect_timeout_s=1, request_timeout_s=2))
-    yield s3
-    stores.configure(stores.StorageConfig())
+    with s3.as_client(monkeypatch, stores.StorageConfig(max_attempts=2, connect_timeout_s=1, request_timeout_s=2)):
+        yield s3
 
 
 def _ids(batches: Iterator) -> list[tuple[int, ...]]:

@@ -41,12 +41,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
 
 @pytest.fixture
 def store(server: MotoServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[MotoServer]:
-    for key, value in server.env.items():
-        monkeypatch.setenv(key, value)
-    stores.configure(FAST)
-    yield server
-    server.resume()
-    stores.configure(stores.StorageConfig())
+    with server.as_client(monkeypatch, FAST):
+        yield server
 
 
 def _fails_within_bound(call: Callable[[], object], error: type[UserError], pattern: str) -> float:
