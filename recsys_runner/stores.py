@@ -302,7 +302,7 @@ def list_files(path: str, key: str, suffixes: tuple[str, ...] | None) -> list[st
                 raise DataError(f"{key}={path!r} is a glob pattern that matches no objects. Fix: check the pattern and the bucket's listing "
                                 f"(aws s3 ls {path.rsplit('/', 1)[0]}/)")
             return [_uri(scheme, p) for p in sorted(found)]
-        if _is_object(fs, rest):
+        if is_object(fs, rest):
             return [path]
         entries = fs.find(rest.rstrip("/") + "/", maxdepth=1, detail=True)
     except STORE_ERRORS as e:
@@ -317,7 +317,7 @@ def list_files(path: str, key: str, suffixes: tuple[str, ...] | None) -> list[st
     return files
 
 
-def _is_object(fs: fsspec.AbstractFileSystem, rest: str) -> bool:
+def is_object(fs: fsspec.AbstractFileSystem, rest: str) -> bool:
     """Whether ``rest`` is one object. Not ``fs.isfile``: it answers ``False`` to any failure, so a store that stopped
     answering would be waited for once here and once more by the listing after."""
     try:

@@ -89,7 +89,7 @@ class DcpObjectStorage:
 
     def is_complete(self, path: Path) -> bool:
         fs, key = self._fs(path)
-        return self._call(path, lambda: _is_file(fs, f"{key}/{META_FILE}") and _is_file(fs, f"{key}/{INDEX_FILE}"),
+        return self._call(path, lambda: stores.is_object(fs, f"{key}/{META_FILE}") and stores.is_object(fs, f"{key}/{INDEX_FILE}"),
                           "checking whether the checkpoint is complete")
 
     def _listing(self, root: Path) -> dict[str, dict[str, int]]:
@@ -205,11 +205,3 @@ def _exists(fs: Any, key: str) -> bool:
     except FileNotFoundError:
         return False
     return True
-
-
-def _is_file(fs: Any, key: str) -> bool:
-    """Whether ``key`` is one object, a store failure raised (unlike ``fs.isfile``)."""
-    try:
-        return bool(fs.info(key).get("type") == "file")
-    except FileNotFoundError:
-        return False
