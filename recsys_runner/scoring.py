@@ -40,7 +40,8 @@ from recsys_runner.data.files.tabular_config import (
     TabularDataConfig,
 )
 from recsys_runner.data.locate import PARQUET_SUFFIXES, resolve_files
-from recsys_runner.data.schema import Schema, read_schema_file
+from recsys_runner.data.schema import Schema
+from recsys_runner.data.schema_files import read_schema_file
 from recsys_runner.errors import ConfigError, DataError, UserError, require
 from recsys_runner.features import FeatureSpec
 from recsys_runner.inference_build import Inference

@@ -19,7 +19,7 @@ from recsys_runner.data.__main__ import main as data_main
 from recsys_runner.data.encoding.fit import bucket_count
 from recsys_runner.data.files.tabular import CsvData, ParquetData
 from recsys_runner.data.files.tabular_config import CsvDataConfig, ParquetDataConfig
-from recsys_runner.data.schema import schema_json
+from recsys_runner.data.schema_files import schema_json
 from recsys_runner.errors import ConfigError, DataError
 
 ROWS = 600

@@ -18,7 +18,7 @@ from recsys_runner.data.base import DataError
 from recsys_runner.data.files.tabular import CsvData, ParquetData
 from recsys_runner.data.files.tabular_config import CsvDataConfig, ParquetDataConfig
 from recsys_runner.data.generated.generate import write_funnel_parquet
-from recsys_runner.data.schema import stored_schema
+from recsys_runner.data.schema_files import stored_schema
 from recsys_runner.errors import ConfigError
 
 LABELS = {"ctr": "click", "cvr": "conversion"}

@@ -20,7 +20,8 @@ from recsys_runner.__main__ import run as train
 from recsys_runner.data.encoding.fit import InferConfig, complete_schema
 from recsys_runner.data.encoding.rows import Encoder, Location
 from recsys_runner.data.encoding.stored import ENCODERS_FILE, from_json, to_json
-from recsys_runner.data.schema import DenseColumn, Schema, SparseColumn, read_schema_file
+from recsys_runner.data.schema import DenseColumn, Schema, SparseColumn
+from recsys_runner.data.schema_files import read_schema_file
 from recsys_runner.errors import ConfigError, DataError
 from tests.test_evaluate import compose_entry
 

@@ -30,7 +30,8 @@ from recsys_runner.data.encoding.fit import InferConfig, complete_schema
 from recsys_runner.data.encoding.rows import Encoder, Location, Rows, cross_keys, fnv1a64, splitmix64
 from recsys_runner.data.encoding.stored import ENCODERS_FILE, from_json, to_json
 from recsys_runner.data.encoding.vocabulary import Vocabulary
-from recsys_runner.data.schema import Schema, SparseColumn, read_schema_file
+from recsys_runner.data.schema import Schema, SparseColumn
+from recsys_runner.data.schema_files import read_schema_file
 from recsys_runner.errors import ConfigError, DataError
 from recsys_runner.models.common import SparseArch
 from recsys_runner.models.deepfm import DeepFM

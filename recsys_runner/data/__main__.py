@@ -48,16 +48,8 @@ from recsys_runner.data.encoding.rows import Encoder, Location, Rows
 from recsys_runner.data.files.sources import CsvSource
 from recsys_runner.data.files.tabular_config import CRITEO_COLUMNS, CRITEO_NUM_SPARSE, DELIMITER_ESCAPES, criteo_schema
 from recsys_runner.data.locate import PARQUET_SUFFIXES, resolve_files
-from recsys_runner.data.schema import (
-    SCHEMA_METADATA_KEY,
-    DenseColumn,
-    Schema,
-    SparseColumn,
-    read_schema_file,
-    schema_json,
-    schema_yaml,
-    stored_schema,
-)
+from recsys_runner.data.schema import DenseColumn, Schema, SparseColumn
+from recsys_runner.data.schema_files import SCHEMA_METADATA_KEY, read_schema_file, schema_json, schema_yaml, stored_schema
 from recsys_runner.data.sequences.interactions import DUPLICATES, SPLITS, LogSpec, convert_log
 from recsys_runner.data.sequences.output import OUTPUT_FILES
 from recsys_runner.errors import ConfigError, DataError

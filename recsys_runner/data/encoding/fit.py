@@ -33,7 +33,7 @@ schema stored by ``convert``), the data module reads the first ``data.infer.samp
     distinct values in the sample times ``data.infer.bucket_margin`` (room for values the sample missed, fewer hash
     collisions), rounded up to 1, 2 or 5 × 10^k (at least 4).
 
-The result is logged as a schema file (:func:`~recsys_runner.data.schema.schema_yaml`): save it, edit it and
+The result is logged as a schema file (:func:`~recsys_runner.data.schema_files.schema_yaml`): save it, edit it and
 pass ``data.schema=<file>`` to train with exactly that schema (``convert --schema`` reads the same form).
 """
 

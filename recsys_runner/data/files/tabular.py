@@ -59,7 +59,8 @@ from recsys_runner.data.files.tabular_config import (
     mapping_option,
 )
 from recsys_runner.data.locate import PARQUET_SUFFIXES, resolve_files
-from recsys_runner.data.schema import Schema, read_schema_file, schema_yaml, stored_schema
+from recsys_runner.data.schema import Schema
+from recsys_runner.data.schema_files import read_schema_file, schema_yaml, stored_schema
 from recsys_runner.data.sequences.histories import check_list_columns, expected_rows, history_costs, token_cuts
 from recsys_runner.data.sequences.tokens import check_budget
 from recsys_runner.errors import ConfigError, DataError, require

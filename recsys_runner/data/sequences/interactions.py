@@ -43,7 +43,8 @@ import pyarrow.parquet as pq
 
 from recsys_runner import stores
 from recsys_runner.data.locate import PARQUET_SUFFIXES, resolve_files
-from recsys_runner.data.schema import SCHEMA_METADATA_KEY, Schema, SparseColumn, schema_json
+from recsys_runner.data.schema import Schema, SparseColumn
+from recsys_runner.data.schema_files import SCHEMA_METADATA_KEY, schema_json
 from recsys_runner.data.sequences.output import StagedOutput
 from recsys_runner.errors import ConfigError, DataError
 from recsys_runner.features import SequenceGroup
