@@ -1,37 +1,20 @@
-"""A feature schema inferred from a sample of the files, for a first try without a hand-written column list.
+"""A schema completed from a sample of the files: what the data config leaves open, decided when training starts.
 
 When ``data=csv`` / ``data=parquet`` get no ``data.dense`` / ``data.sparse`` (and no ``data.schema`` file, nor a
-schema stored by ``convert``), the data module reads the first ``data.infer.sample_rows`` rows and decides:
+schema stored by ``convert``), the data module reads the first ``data.infer.sample_rows`` rows and infers the label and
+each column's role (:mod:`recsys_runner.data.encoding.roles`). With or without a column list, it then fits what the
+columns leave open: a ``zscore`` column's mean and std, a ``quantiles`` column's boundaries, a ``vocab_file``'s
+vocabulary, and each sparse feature's **rows** (``num_embeddings``; also for ``data.sparse`` entries without one and
+``data=criteo data.num_embeddings=null``):
 
-* the **label**: ``data.label`` / ``data.labels`` when set, else the first column named (any case) one of
-  :data:`LABEL_NAMES` (``label``, ``click``, ``target`` …); otherwise a :class:`DataError` lists the columns and
-  the fix (``data.label=<column>``);
-* per other column (``data.infer.exclude`` left out):
-
-  - a Parquet list column, or text whose values contain a ``data.infer.separators`` character (``|``) → a
-    multi-hot sparse feature (``separator`` set for text);
-  - text that is not a number in every sampled row (Criteo's hex, Avazu's ``site_id``), or an integer beyond
-    64 bits → a sparse feature, ``encoding: hash``;
-  - integers → a sparse feature (ids, codes, small counts: Avazu's ``C14``, MovieLens' ``item``), unless more
-    than ``data.infer.dense_min_distinct_fraction`` of the sampled rows have distinct values (a measurement,
-    a timestamp) → dense;
-  - other numbers (floats, booleans) → dense;
-  - ``log1p`` for a dense column whose sampled values are all ``>= 0``, else none;
-  - a text column (or one of integers beyond 64 bits) whose every sampled value differs (at least
-    :data:`ROW_ID_MIN_ROWS` rows) is a row id (Avazu's ``id``) and is left out, as is a column that is empty
-    in the sample;
-
-* each sparse feature's **rows** (``num_embeddings``; also for ``data.sparse`` entries without one and
-  ``data=criteo data.num_embeddings=null``):
-
-  - when the sample covers the column (it holds every row of the files, or the values seen once in it make up at
-    most ``data.infer.max_unseen_fraction`` of its values: Good–Turing's estimate of the share of later values it
-    has not seen) → ``encoding: vocab``: a row per distinct value of the sample plus ``data.infer.oov_buckets`` rows
-    that every other value is hashed into (:class:`~recsys_runner.data.encoding.vocabulary.Vocabulary`), so an id unseen in
-    training never shares a row with one seen in training;
-  - otherwise (a column with more values than the sample shows) → ``encoding: hash`` (``mod`` for ``hex``): the
-    distinct values in the sample times ``data.infer.bucket_margin`` (room for values the sample missed, fewer hash
-    collisions), rounded up to 1, 2 or 5 × 10^k (at least 4).
+* when the sample covers the column (it holds every row of the files, or the values seen once in it make up at
+  most ``data.infer.max_unseen_fraction`` of its values: Good–Turing's estimate of the share of later values it
+  has not seen) → ``encoding: vocab``: a row per distinct value of the sample plus ``data.infer.oov_buckets`` rows
+  that every other value is hashed into (:class:`~recsys_runner.data.encoding.vocabulary.Vocabulary`), so an id unseen in
+  training never shares a row with one seen in training;
+* otherwise (a column with more values than the sample shows) → ``encoding: hash`` (``mod`` for ``hex``): the
+  distinct values in the sample times ``data.infer.bucket_margin`` (room for values the sample missed, fewer hash
+  collisions), rounded up to 1, 2 or 5 × 10^k (at least 4).
 
 The result is logged as a schema file (:func:`~recsys_runner.data.schema_files.schema_yaml`): save it, edit it and
 pass ``data.schema=<file>`` to train with exactly that schema (``convert --schema`` reads the same form).
@@ -41,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -50,6 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from recsys_runner import stores
+from recsys_runner.data.encoding.roles import detect_label, infer_columns
 from recsys_runner.data.encoding.rows import dense_transformed, is_list, parse_int, parse_numbers, split_pairs, value_keys
 from recsys_runner.data.encoding.vocabulary import Vocabulary
 from recsys_runner.data.schema import DenseColumn, Schema, SparseColumn
@@ -57,12 +40,6 @@ from recsys_runner.errors import ConfigError, DataError, require
 from recsys_runner.features import SequenceGroup
 
 log = logging.getLogger(__name__)
-
-LABEL_NAMES = ("label", "click", "clicked", "is_click", "target", "y")
-"""Column names (compared case-insensitively, in this order) taken for the label when ``data.label`` is not set."""
-ROW_ID_MIN_ROWS = 100
-"""A text column with a different value in every one of at least this many sampled rows is a row id."""
-_INTEGER = re.compile(r"^[+-]?\d+$")
 
 
 @dataclass(kw_only=True)
@@ -122,71 +99,6 @@ def _flat_values(arr: pa.Array, separator: str | None) -> pa.Array:
     return pc.filter(arr, pc.not_equal(arr, "")) if _text(arr) else arr
 
 
-def _kind(arr: pa.Array) -> tuple[str, pa.Array]:
-    """``integer``, ``float``, ``text`` or ``other`` for a sampled column with nulls dropped, and the values
-    (text parsed to numbers when every value is one)."""
-    if _text(arr):
-        try:
-            return "integer", arr.cast(pa.int64())
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-            pass
-        if all(_INTEGER.match(t) for t in arr.to_pylist()):
-            return "text", arr  # an integer beyond 64 bits: hashed as text
-        try:
-            return "float", arr.cast(pa.float64())
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-            return "text", arr
-    if pa.types.is_integer(arr.type):
-        return "integer", arr
-    if pa.types.is_floating(arr.type) or pa.types.is_boolean(arr.type):
-        return "float", arr.cast(pa.float64())
-    return "other", arr  # binary, dictionary, decimal, temporal: the encoder reads none of them as is
-
-
-def infer_column(name: str, arr: pa.Array, config: InferConfig) -> tuple[DenseColumn | SparseColumn | None, str | None]:
-    """One sampled column's role: a dense or (not yet sized) sparse column, or ``None`` with the reason it is left out."""
-    arr = arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
-    present = arr.drop_null()
-    if _text(present):
-        present = pc.filter(present, pc.not_equal(present, ""))
-    rows = len(present)
-    if rows == 0:
-        return None, f"{name!r}: empty in the sample"
-    if pa.types.is_list(present.type) or pa.types.is_large_list(present.type):
-        item = present.type.value_type
-        if not (pa.types.is_integer(item) or pa.types.is_string(item) or pa.types.is_large_string(item)):
-            return None, f"{name!r}: a list of {item}, not of ids or strings"
-        return SparseColumn(name=name), None  # sized (vocab or hash) by complete_schema
-    if _text(present):
-        separator = next((s for s in config.separators if pc.any(pc.match_substring(present, s)).as_py()), None)
-        if separator is not None:
-            return SparseColumn(name=name, separator=separator), None
-    kind, values = _kind(present)
-    if kind == "other":
-        return None, f"{name!r}: type {arr.type} is neither a number, text nor a list (list it in data.dense / data.sparse after converting it)"
-    distinct = len(pc.unique(values))
-    if kind == "text" and distinct == rows and rows >= ROW_ID_MIN_ROWS:
-        return None, f"{name!r}: a different value in every sampled row (a row id?); add it to data.sparse to use it"
-    if kind == "text" or (kind == "integer" and distinct <= config.dense_min_distinct_fraction * rows):
-        return SparseColumn(name=name), None
-    numbers = np.asarray(values.cast(pa.float64()).to_numpy(zero_copy_only=False))
-    transform = "log1p" if bool((numbers[np.isfinite(numbers)] >= 0).all()) else "none"
-    return DenseColumn(name=name, transform=transform), None
-
-
-def detect_label(columns: list[str], where: str) -> str:
-    """The label column among ``columns``: the first named one of :data:`LABEL_NAMES` (any case)."""
-    lowered = {c.lower(): c for c in reversed(columns)}
-    for name in LABEL_NAMES:
-        if name in lowered:
-            return lowered[name]
-    raise DataError(
-        f"no label column in {where}: none of its columns {columns} is named {' / '.join(LABEL_NAMES)}. Fix: name it, "
-        f"e.g. data.label={columns[0]} (a 0/1 column; a rating or score with data.label_threshold=<value>), or "
-        f"data.labels='{{ctr: click, cvr: conversion}}' for several"
-    )
-
-
 @dataclass
 class Inferred:
     """A schema completed from a sample: the schema, what was inferred (for the log), and why columns were left out."""
@@ -244,7 +156,7 @@ def complete_schema(
         _check_inputs(sparse, column_names() if column_names is not None else read().column_names, where)
     if not dense and not sparse:
         t = read()
-        dense, sparse, notes = _infer_columns(t, set(label_columns) | set(config.exclude), config, where)
+        dense, sparse, notes = infer_columns(t, set(label_columns) | set(config.exclude), config, where)
         inferred.append(f"{len(dense)} dense and {len(sparse)} sparse columns from {t.num_rows} sampled rows")
     dense = [_fit_zscore(c, read, where, inferred, notes) if c.normalize == "zscore" and (c.mean is None or c.std is None) else c
              for c in dense]
@@ -466,32 +378,6 @@ def read_vocab_file(path: str, key: str, oov_buckets: int, integers: bool, hex_d
                           f"Fix: remove the repeated line(s)")
     order = np.argsort(keys, kind="stable")
     return Vocabulary(keys[order], np.arange(len(keys), dtype=np.int64)[order], len(keys), oov_buckets)
-
-
-def _infer_columns(t: pa.Table, skip: set[str], config: InferConfig, where: str) -> tuple[list[DenseColumn], list[SparseColumn], list[str]]:
-    """The dense and sparse columns of the sampled table ``t`` (``skip`` left out), and notes on the columns left out.
-
-    Raises:
-        DataError: no sparse column is left.
-    """
-    dense: list[DenseColumn] = []
-    sparse: list[SparseColumn] = []
-    notes: list[str] = []
-    for name in t.column_names:
-        if name in skip:
-            continue
-        column, note = infer_column(name, t.column(name), config)
-        if isinstance(column, DenseColumn):
-            dense.append(column)
-        elif isinstance(column, SparseColumn):
-            sparse.append(column)
-        if note is not None:
-            notes.append(f"left out {note}")
-    if not sparse:
-        raise DataError(f"inferred no sparse (categorical) column in {where}: the models need at least one. Columns: dense "
-                        f"{[d.name for d in dense]}; {'; '.join(notes) or 'nothing left out'}. Fix: list the columns, e.g. "
-                        f"'data.sparse=[{{name: {(dense[0].name if dense else 'item_id')}}}]' (sized from the data)")
-    return dense, sparse, notes
 
 
 def _keys(col: SparseColumn, t: pa.Table, where: str) -> np.ndarray:
