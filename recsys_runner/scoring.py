@@ -31,7 +31,7 @@ from recsys_runner import stores
 from recsys_runner.data.encoding.rows import Encoder, Location, Rows
 from recsys_runner.data.encoding.stored import oov_counters, oov_line, oov_rates
 from recsys_runner.data.files.sources import CsvSource, Unit
-from recsys_runner.data.files.tabular import TabularData
+from recsys_runner.data.files.streaming import TabularData
 from recsys_runner.data.files.tabular_config import (
     CRITEO_COLUMNS,
     CriteoDataConfig,

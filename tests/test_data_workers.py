@@ -19,7 +19,7 @@ import torch
 from omegaconf import OmegaConf
 from torchrec.datasets.utils import Batch
 
-import recsys_runner.data.files.tabular as tabular
+import recsys_runner.data.files.streaming as streaming
 import recsys_runner.data.generated.synthetic as synthetic
 from recsys_runner.config import validate
 from recsys_runner.configurable import make
@@ -177,7 +177,7 @@ def test_auto_file_reader_on_cuda(fake_cuda: None, monkeypatch: pytest.MonkeyPat
     data = config.build()
     assert isinstance(data, ParquetData) and (data.config.num_workers, data.config.pin_memory) == (MAX_AUTO_WORKERS, True)
     loader = Recorder()
-    monkeypatch.setattr(tabular, "DataLoader", loader)
+    monkeypatch.setattr(streaming, "DataLoader", loader)
     assert rids(data.train_batches(0, 0, 1))
     assert [(c["num_workers"], c["pin_memory"]) for c in loader.calls] == [(MAX_AUTO_WORKERS, True)]
     on_cpu = config.build(device="cpu")

@@ -1,0 +1,434 @@
+"""How an epoch of files becomes batches: :class:`TabularData`, the base of the file data options (:mod:`recsys_runner.data.files.tabular`).
+
+How an epoch is read (see docs/data.md for the full semantics):
+
+1. Files are cut into units with known row counts (Parquet row groups; blocks of CSV lines; a compressed text file
+   whole, read as one stream).
+2. With ``shuffle``, the unit order is permuted from ``(seed, epoch)``.
+3. The rows of that ordered sequence are split into ``world_size × max(num_workers, 1)`` contiguous
+   ranges, one per (rank, worker) shard: disjoint, together every row exactly once, and of equal
+   length (the last ``total mod shards`` rows are left out when ``drop_remainder``), so every rank
+   gets the same number of batches without talking to the others. Where that cannot be known in
+   advance (``on_bad_rows: skip``, or ``drop_remainder: false`` with ranks one batch apart), the
+   ranks agree step by step (:func:`recsys_runner.data.base.synchronized`) and stop together.
+4. Each shard streams its units, encodes and checks the rows (:class:`Encoder`), passes them through
+   a seeded shuffle buffer of ``shuffle_buffer_rows`` and cuts batches of ``batch_size`` (training batches with
+   ``batch_tokens``: as many rows as fit that many history tokens, :mod:`recsys_runner.data.sequences.histories`; the batch
+   count is then known only by reading, and the ranks agree step by step).
+
+Eval rows come from ``eval_path``, or are a deterministic hash split of the training files: a row is
+held out when a hash of (file name, row number) falls below ``eval_fraction``.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import math
+import os
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recsys_runner.data.base import DataModule, synchronized
+from recsys_runner.data.catalogue.item_files import Catalogue
+from recsys_runner.data.encoding.rows import Encoder, Location, Rows, splitmix64
+from recsys_runner.data.encoding.stored import column_kinds, column_types, oov_counters, to_json
+from recsys_runner.data.files.compression import plain_name
+from recsys_runner.data.files.prefetch import read_ahead
+from recsys_runner.data.files.sources import CsvSource, Unit
+from recsys_runner.data.files.tabular_config import DEFAULT_EVAL_FRACTION, TabularDataConfig
+from recsys_runner.data.locate import resolve_files
+from recsys_runner.data.schema import Schema
+from recsys_runner.data.sequences.histories import expected_rows, history_costs, token_cuts
+from recsys_runner.data.sequences.tokens import check_budget
+from recsys_runner.errors import ConfigError, DataError, require
+
+log = logging.getLogger(__name__)
+
+
+def eval_mask(path: str, file_rows: np.ndarray, fraction: float) -> np.ndarray:
+    """Rows held out for eval: a hash of (file name, row number) below ``fraction`` (stable everywhere; the name without
+    a compression's suffix, so that a file holds out the same rows compressed or not)."""
+    file_id = np.uint64(zlib.crc32(plain_name(path).encode()))
+    h = splitmix64(file_rows.astype(np.uint64) ^ (file_id << np.uint64(32)))
+    return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53)) < fraction
+
+
+@dataclass
+class _Split:
+    """The units of one split and how many of each unit's rows belong to it."""
+
+    source: Any
+    units: list[Unit]
+    counts: list[int]
+    holdout: tuple[float, bool] | None = None
+    """``(fraction, want_eval)`` for a hash split of shared files; ``None``: every row."""
+
+    def select(self, unit: Unit, file_rows: np.ndarray) -> np.ndarray | None:
+        if self.holdout is None:
+            return None
+        fraction, want_eval = self.holdout
+        mask = eval_mask(unit.path, file_rows, fraction)
+        return np.flatnonzero(mask if want_eval else ~mask)
+
+
+def shard_ranges(counts: list[int], order: list[int], shard: int, num_shards: int, equal: bool) -> list[tuple[int, int, int]]:
+    """``(unit, start, stop)`` row ranges of ``shard``: a contiguous share of the rows in ``order``.
+
+    ``equal``: every shard gets ``total // num_shards`` rows (the rest is left out); otherwise shards
+    differ by at most one row and together cover every row.
+    """
+    total = sum(counts[u] for u in order)
+    if equal:
+        per = total // num_shards
+        lo, hi = shard * per, (shard + 1) * per
+    else:
+        lo, hi = shard * total // num_shards, (shard + 1) * total // num_shards
+    out, offset = [], 0
+    for u in order:
+        n = counts[u]
+        a, b = max(lo - offset, 0), min(hi - offset, n)
+        if a < b:
+            out.append((u, a, b))
+        offset += n
+        if offset >= hi:
+            break
+    return out
+
+
+class _ShardStream(IterableDataset):
+    """One rank's share of a split for one epoch; with DataLoader workers, each worker a sub-share."""
+
+    def __init__(self, data: TabularData, split: _Split, epoch: int, rank: int, world_size: int, train: bool) -> None:
+        super().__init__()
+        self.data, self.split, self.epoch, self.rank, self.world_size, self.train = data, split, epoch, rank, world_size, train
+
+    def __iter__(self) -> Iterator[tuple]:
+        info = get_worker_info()
+        workers = info.num_workers if info is not None else 1
+        shard = self.rank * workers + (info.id if info is not None else 0)
+        try:
+            stream = self.data._stream(self.split, self.epoch, shard, self.world_size * workers, self.train)
+            yield from self.data.with_negatives(stream, self.epoch, shard, self.train)
+        except DataError as e:
+            if info is None:
+                raise
+            # Across a worker process boundary DataLoader would wrap the message in a traceback.
+            yield ("error", str(e))
+
+
+class TabularData(Catalogue, DataModule, abc.ABC):
+    """Batches from files; see the module docstring. Subclasses choose the source and the schema.
+
+    Example::
+
+        data = make(ParquetDataConfig, path="/data/train", sparse=[{"name": "item", "num_embeddings": 1000}]).build()
+        batch = next(iter(data.train_batches(epoch=0, rank=0, world_size=1)))
+    """
+
+    def __init__(self, config: TabularDataConfig, schema: Schema) -> None:
+        config = config.resolved()  # built by DataConfig.build, already; constructed directly, decided here
+        assert isinstance(config.num_workers, int)
+        self.config = config
+        self.schema = schema
+        self.features = schema.features()
+        self.batch_size = config.batch_size
+        self._bad_rows = 0
+        self._truncated_rows = 0
+        self._oov: dict[str, list[int]] = {c.name: [0, 0] for c in schema.sparse if c.encoding == "vocab"}
+        """Per ``encoding: vocab`` column, since construction: values that read an OOV row, and values."""
+        self._dropped_rows = 0
+        self._passes: dict[tuple[int, int], tuple[int, int]] = {}
+        """(epoch, rank) → (rows of the rank's share, bad rows skipped) of the last pass over that epoch's training data."""
+        self._workers = config.num_workers
+        """DataLoader workers per rank; each (rank, worker) reads its own shard, so the batch order depends on it."""
+        self._pin = bool(config.pin_memory)
+        train_source = self.open_files(config.path, "data.path")
+        train_units = train_source.units()
+        if config.eval_path is not None:
+            eval_source = self._eval_source(resolve_files(config.eval_path, "data.eval_path", self._suffixes()), train_source)
+            eval_units = eval_source.units()
+            self._train = _Split(train_source, train_units, [u.num_rows for u in train_units])
+            self._eval = _Split(eval_source, eval_units, [u.num_rows for u in eval_units])
+        else:
+            fraction = config.eval_fraction or DEFAULT_EVAL_FRACTION
+            held = [int(eval_mask(u.path, np.arange(u.first_row, u.first_row + u.num_rows), fraction).sum()) for u in train_units]
+            self._train = _Split(train_source, train_units, [u.num_rows - h for u, h in zip(train_units, held, strict=True)], (fraction, False))
+            self._eval = _Split(train_source, train_units, held, (fraction, True))
+        if sum(self._eval.counts) == 0:
+            raise DataError(f"the eval split of {config.eval_path or config.path} has no rows. Fix: a larger data.eval_fraction, or data.eval_path")
+        if config.batch_tokens is not None:
+            if not schema.sequences:
+                raise ConfigError(f"data.batch_tokens={config.batch_tokens} sizes batches by history tokens, but the schema of "
+                                  f"data.path={config.path!r} has no histories. Fix: data.batch_tokens=null, or data.sequences")
+            for group in schema.sequences:
+                check_budget(config.batch_tokens, group.max_len)
+            self.batch_size = expected_rows(train_source.sample(1000), schema, config.batch_tokens)
+        check_catalogue_inputs(config, schema)
+        self.open_catalogue(train_source)  # data.items and data.negatives (item_files.py), checked before the first step
+
+    def open_files(self, path: str, key: str) -> Any:
+        """A row source over the files at ``path`` with this data option's own reader and format settings (the
+        training data's, or another input such as ``predict.input``); ``key`` names the setting in errors.
+
+        Raises:
+            DataError: ``path`` matches no file of this format.
+        """
+        return self._source(resolve_files(path, key, self._suffixes()))
+
+    # -- subclass hooks ------------------------------------------------------------------------------
+    def _suffixes(self) -> tuple[str, ...] | None:
+        return None
+
+    @abc.abstractmethod
+    def _source(self, files: list[str]) -> Any:
+        """The row source over ``files``: ParquetData / CsvData / CriteoData each choose theirs."""
+
+    def _eval_source(self, files: list[str], train: Any) -> Any:
+        """The row source over the ``eval_path`` files (``train``: the training files' source, indexed): read as those."""
+        return self._source(files)
+
+    # -- DataModule ------------------------------------------------------------------------------------
+    def train_batches(self, epoch: int, rank: int, world_size: int) -> Iterator[Batch]:
+        return self._batches(self._train, epoch, rank, world_size, train=True)
+
+    def eval_batches(self, rank: int, world_size: int) -> Iterator[Batch]:
+        return self._batches(self._eval, 0, rank, world_size, train=False)
+
+    def num_train_batches(self, world_size: int) -> int | None:
+        if self.config.on_bad_rows == "skip" or self.config.batch_tokens is not None:
+            return None  # skipped rows, and rows per token batch, are only known after reading
+        return min(self._rank_batch_counts(self._train, world_size, train=True))
+
+    def explain_empty_epoch(self, epoch: int, rank: int) -> str:
+        """Why ``epoch`` gave ``rank`` no full training step: its rows read and skipped, and what to do.
+
+        For the runner's :class:`DataError` when a pass over ``train_batches(epoch, rank, …)`` ended before one step.
+        """
+        read, skipped = self._passes.get((epoch, rank), (0, 0))
+        where = f"data.path={self.config.path!r}"
+        if skipped:
+            return (f"its share of {where} was {read} training rows, and {skipped} of them were bad rows skipped "
+                    f"(data.on_bad_rows=skip), leaving {read - skipped}. Fix: correct or remove the bad rows (with "
+                    f"data.on_bad_rows=fail the run stops at the first one and names its file, line and column), or add "
+                    f"data, or lower data.batch_size")
+        return (f"its share of {where} was {read} training rows (each rank and data.num_workers worker reads its own share; "
+                f"eval rows are held out). Fix: more data, or a smaller data.batch_size / train.grad_accum_steps")
+
+    def metrics(self) -> dict[str, float]:
+        """Counters since construction: bad rows skipped, rows left unread so that ranks end together, histories truncated."""
+        return {"data/bad_rows_skipped": float(self._bad_rows), "data/rows_dropped_uneven_ranks": float(self._dropped_rows),
+                "data/truncated_histories": float(self._truncated_rows)} | oov_counters(self._oov)
+
+    def encoders_document(self) -> bytes:
+        """The schema these files are encoded by (vocabularies included) and the kind of each of their columns, stored
+        with every checkpoint (:mod:`recsys_runner.data.encoding.stored`)."""
+        sample = self.open_files(self.config.path, "data.path").sample(KIND_SAMPLE_ROWS)
+        return to_json(self.schema, column_kinds(self.schema, sample), column_types(self.schema, sample))
+
+    def raw_rows(self, rows: int) -> pa.Table:
+        return self.open_files(self.config.path, "data.path").sample(rows)
+
+    # -- internals -------------------------------------------------------------------------------------
+    def _shard_rows(self, split: _Split, world_size: int, train: bool) -> list[int]:
+        """Rows of each (rank, worker) shard, rank-major."""
+        shards = world_size * max(self._workers, 1)
+        drop = train and self.config.drop_remainder
+        order = list(range(len(split.units)))  # shard sizes do not depend on the order
+        return [sum(b - a for _, a, b in shard_ranges(split.counts, order, s, shards, drop)) for s in range(shards)]
+
+    def _rank_batch_counts(self, split: _Split, world_size: int, train: bool) -> list[int]:
+        workers = max(self._workers, 1)
+        drop = train and self.config.drop_remainder
+        per_shard = self._shard_rows(split, world_size, train)
+        per_batch = [n // self.batch_size if drop else math.ceil(n / self.batch_size) for n in per_shard]
+        return [sum(per_batch[r * workers : (r + 1) * workers]) for r in range(world_size)]
+
+    def _batches(self, split: _Split, epoch: int, rank: int, world_size: int, train: bool) -> Iterator[Batch]:
+        stream = _ShardStream(self, split, epoch, rank, world_size, train)
+        if self._workers > 0:
+            items: Any = DataLoader(stream, batch_size=None, num_workers=self._workers, pin_memory=self._pin,
+                                    multiprocessing_context="fork" if os.name == "posix" else None)
+        else:
+            items = stream
+        workers = max(self._workers, 1)
+        rows = sum(self._shard_rows(split, world_size, train)[rank * workers : (rank + 1) * workers])
+        batches = self._to_batches(items, epoch, rank, train, rows)
+        uneven = (self.config.on_bad_rows == "skip" or (train and self.config.batch_tokens is not None)
+                  or len(set(self._rank_batch_counts(split, world_size, train))) > 1)
+        if world_size > 1 and uneven:
+            return synchronized(batches, on_dropped=self._count_dropped)
+        return batches
+
+    def _count_dropped(self, batch: Batch) -> None:
+        self._dropped_rows += int(batch.labels.shape[0])
+
+    def _to_batches(self, items: Any, epoch: int, rank: int, train: bool, rows: int) -> Iterator[Batch]:
+        names = self.features.kjt_keys
+        skipped_before = self._bad_rows
+        if train:
+            self._passes[epoch, rank] = (rows, 0)
+        for item in items:
+            if item[0] == "error":
+                raise DataError(item[1])
+            dense, values, lengths, labels, skipped, truncated, oov, weights = item
+            self._bad_rows += skipped
+            for name, (unseen, total) in oov.items():
+                self._oov[name][0] += unseen
+                self._oov[name][1] += total
+            if truncated and not self._truncated_rows:
+                log.warning("%s: histories longer than max_len were truncated (data.sequences %s); the count of such rows is "
+                            "logged as data/truncated_histories", self.config.path,
+                            ", ".join(f"{g.name}: max_len={g.max_len}, truncate={g.truncate}" for g in self.schema.sequences))
+            self._truncated_rows += truncated
+            if train and skipped:
+                self._passes[epoch, rank] = (rows, self._bad_rows - skipped_before)
+            if labels is None:
+                continue  # a marker carrying only a skipped-rows count
+            if self._pin and self._workers == 0:
+                dense, values, lengths, labels = dense.pin_memory(), values.pin_memory(), lengths.pin_memory(), labels.pin_memory()
+                weights = weights.pin_memory() if weights is not None else None
+            kjt = KeyedJaggedTensor(keys=names, values=values, lengths=lengths, weights=weights)
+            yield Batch(dense_features=dense, sparse_features=kjt, labels=labels)
+        if self._bad_rows > skipped_before:
+            what = f"epoch {epoch}" if train else "eval"
+            log.warning("rank %d skipped %d bad rows in %s (data.on_bad_rows=skip)", rank, self._bad_rows - skipped_before, what)
+
+    def _stream(self, split: _Split, epoch: int, shard: int, num_shards: int, train: bool) -> Iterator[tuple]:
+        """Encoded batches of one shard, as tensors: (dense, values, lengths, labels, bad rows skipped, histories truncated,
+        each vocabulary's OOV values and values, the weights of the values when a feature is weighted)."""
+        cfg = self.config
+        shuffle = train and cfg.shuffle
+        order = list(range(len(split.units)))
+        if shuffle:
+            order = np.random.default_rng([cfg.seed, epoch]).permutation(len(order)).tolist()
+        ranges = shard_ranges(split.counts, order, shard, num_shards, equal=train and cfg.drop_remainder)
+        encoder = Encoder(self.schema, cfg.on_bad_rows, DataError)
+        rng = np.random.default_rng([cfg.seed, epoch, shard]) if shuffle and cfg.shuffle_buffer_rows > 0 else None
+        hold = max(cfg.shuffle_buffer_rows, self.batch_size) if rng is not None else self.batch_size
+        keep_last = not (train and cfg.drop_remainder)
+        budget = cfg.batch_tokens if train else None
+        batch_order = np.random.default_rng([cfg.seed, epoch, shard, 1])  # grouped token batches: the order they go in
+        source_bad = getattr(split.source, "num_bad_rows", 0)
+        reported = [0, 0]
+        reported_oov = {name: [0, 0] for name in encoder.oov}
+
+        def counts() -> tuple[int, int, dict[str, tuple[int, int]]]:
+            """Bad rows skipped, histories truncated and each vocabulary's (OOV values, values) since the last call."""
+            totals = [encoder.num_bad_rows + getattr(split.source, "num_bad_rows", 0) - source_bad, encoder.num_truncated_rows]
+            deltas = (totals[0] - reported[0], totals[1] - reported[1])
+            reported[:] = totals
+            oov = {name: (now[0] - reported_oov[name][0], now[1] - reported_oov[name][1]) for name, now in encoder.oov.items()}
+            reported_oov.update({name: list(now) for name, now in encoder.oov.items()})
+            return *deltas, oov
+
+        buffer: list[Rows] = []
+        held = 0
+
+        def cut(final: bool) -> Iterator[tuple]:
+            """Batches of the buffered rows (shuffled if configured); the rows left over stay in ``buffer``."""
+            nonlocal buffer, held
+            block = Rows.concat(buffer)
+            if rng is not None:
+                block = block.take(rng.permutation(len(block)))
+            if budget is not None:
+                block, slices, used = self._token_batches(block, budget, final=final and keep_last, order=batch_order)
+            else:
+                used = len(block) // self.batch_size * self.batch_size
+                slices = [(i, i + self.batch_size) for i in range(0, used, self.batch_size)]
+                if final and keep_last and used < len(block):
+                    slices, used = [*slices, (used, len(block))], len(block)
+            for a, b in slices:
+                yield self._tensors(block.slice(a, b), *counts())
+            buffer, held = [block.slice(used, len(block))], len(block) - used
+
+        for rows in self._read_ranges(split, ranges, encoder):
+            buffer.append(rows)
+            held += len(rows)
+            if held >= hold:
+                yield from cut(final=False)
+        if held:
+            yield from cut(final=True)
+        last = counts()
+        if last[0] or last[1] or any(total for _, total in last[2].values()):
+            yield (None, None, None, None, *last, None)
+
+    def _token_batches(self, block: Rows, budget: int, final: bool, order: np.random.Generator) -> tuple[Rows, list[tuple[int, int]], int]:
+        """``block`` (sorted by history length with ``group_by_length``), its ``batch_tokens`` batches and the rows they use.
+
+        Grouped, the batches are cut by padded size (rows × longest) and yielded in a seeded random order, so that a run
+        does not see the short rows of a block first; the longest rows left over wait for the next block."""
+        costs = history_costs(self.schema, block.sparse)
+        if not self.config.group_by_length:
+            return block, *token_cuts(costs, budget, final=final)
+        by_length = np.argsort(costs, kind="stable")
+        block, costs = block.take(by_length), costs[by_length]
+        slices, used = token_cuts(costs, budget, final=final, padded=True)
+        return block, [slices[i] for i in order.permutation(len(slices))], used
+
+    def _read_ranges(self, split: _Split, ranges: list[tuple[int, int, int]], encoder: Encoder) -> Iterator[Rows]:
+        ahead = read_ahead(split.source, [split.units[u] for u, _, _ in ranges])
+        for (u, start, stop), tables in zip(ranges, ahead, strict=True):
+            unit = split.units[u]
+            seen = 0
+            line_offset = split.source.line_offset(unit.path) if isinstance(split.source, CsvSource) else None
+            for table, file_rows in tables:
+                chosen = split.select(unit, file_rows)
+                k = table.num_rows if chosen is None else len(chosen)
+                lo, hi = max(start - seen, 0), min(stop - seen, k)
+                seen += k
+                if lo < hi:
+                    if chosen is None:
+                        part, rows_of = table.slice(lo, hi - lo), file_rows[lo:hi]
+                    else:
+                        part, rows_of = table.take(pa.array(chosen[lo:hi])), file_rows[chosen[lo:hi]]
+                    yield encoder.encode(part, Location(unit.path, unit.part, rows_of, line_offset))
+                if seen >= stop:
+                    break
+
+    def _tensors(self, rows: Rows, skipped: int, truncated: int, oov: dict[str, tuple[int, int]]) -> tuple:
+        values = np.concatenate([v for v, _ in rows.sparse]) if rows.sparse else np.zeros(0, np.int64)
+        lengths = np.concatenate([ln for _, ln in rows.sparse]) if rows.sparse else np.zeros(0, np.int32)
+        weights = rows.key_weights()  # a weighted feature's weights, 1.0 for every other key's values (FeatureSpec.weighted)
+        return (
+            torch.from_numpy(np.ascontiguousarray(rows.dense)),
+            torch.from_numpy(values.astype(np.int64, copy=False)),
+            torch.from_numpy(lengths.astype(np.int32, copy=False)),
+            torch.from_numpy(np.ascontiguousarray(rows.labels)),
+            skipped,
+            truncated,
+            oov,
+            None if weights is None else torch.from_numpy(weights),
+        )
+
+
+KIND_SAMPLE_ROWS = 1000
+"""Rows read to tell each column's kind (text, number, list) when encoders are stored or checked."""
+
+
+def check_catalogue_inputs(config: TabularDataConfig, schema: Schema) -> None:
+    """An item table (``data.items``) reads plain columns: no weighted feature (its catalogue rows and sampled negatives
+    carry no weights), and no cross among the item features (the item file need not hold the crossed columns).
+
+    Raises:
+        ConfigError: naming the features and the fix.
+    """
+    items = config.items
+    if items.path is None:
+        return
+    weighted = [c.name for c in schema.sparse if c.is_weighted]
+    require(not weighted, f"data.sparse {weighted} are weighted, but data.items.path={items.path!r} builds an item table whose rows "
+            f"(and sampled negatives) carry no weights. Fix: drop weighted / weights from those entries, or data.items.path=null")
+    crossed = [c.name for c in schema.sparse if c.cross is not None and c.name in {items.id, *items.features}]
+    require(not crossed, f"data.items lists the crosses {crossed}, whose crossed columns the item file need not hold. Fix: list "
+            f"plain columns in data.items.id / data.items.features")
+
