@@ -22,7 +22,8 @@ from omegaconf import DictConfig
 
 from recsys_runner.config import register_configs, validate
 from recsys_runner.distributed.config import resolve_device_type
-from recsys_runner.distributed.sharding import Distributed, PlanReport
+from recsys_runner.distributed.plan_report import PlanReport
+from recsys_runner.distributed.sharding import Distributed
 from recsys_runner.errors import reported
 from recsys_runner.models.common import TrainWrapper
 from recsys_runner.noise import quiet_known_noise

@@ -113,10 +113,11 @@ def test_one_rank_plan_gives_explicitly_asked_sharding_types(make_cfg) -> None:
 
 def test_many_ranks_are_not_restricted() -> None:
     from recsys_runner.distributed.config import DistributedConfig
+    from recsys_runner.distributed.planner import table_constraints
 
-    distributed = DistributedConfig().build()
-    assert distributed._constraints(["t_a", "t_b"], world_size=2) is None
-    one = distributed._constraints(["t_a", "t_b"], world_size=1)
+    config = DistributedConfig()
+    assert table_constraints(config, ["t_a", "t_b"], world_size=2) is None
+    one = table_constraints(config, ["t_a", "t_b"], world_size=1)
     assert one is not None and one["t_a"].sharding_types == ["table_wise", "data_parallel"]
 
 
@@ -152,7 +153,7 @@ def test_plan_logs_a_one_line_summary_and_the_full_plan_at_debug(make_cfg, caplo
 
 
 def test_plan_summary_counts_types_and_kernels_over_ranks(make_cfg) -> None:
-    from recsys_runner.distributed.sharding import plan_summary
+    from recsys_runner.distributed.plan_report import plan_summary
 
     cfg = make_cfg("+distributed.tables={t_cat_0: {sharding_types: [data_parallel]}}", "distributed.sharding_types=[table_wise]",
                    "distributed.plan_world_size=4", "tracking=none")

@@ -27,7 +27,7 @@ from recsys_runner.configurable import make
 from recsys_runner.data.encoding.rows import _raw_text
 from recsys_runner.data.generated.synthetic import SyntheticDataConfig
 from recsys_runner.data.schema import SparseColumn
-from recsys_runner.distributed.sharding import _managed_types
+from recsys_runner.distributed.planner import _managed_types
 from recsys_runner.errors import CheckpointError, ConfigError
 from recsys_runner.features import FeatureSpec, ManagedCollision, SequenceGroup, SparseFeature
 from recsys_runner.models.collision import CountedMCH, collision_counters, collision_rates, managed_collision_module

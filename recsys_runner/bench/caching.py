@@ -54,7 +54,7 @@ from recsys_runner.bench.regimes import (
 from recsys_runner.build import Components
 from recsys_runner.data.memory import InMemoryData
 from recsys_runner.distributed.config import resolve_device_type
-from recsys_runner.distributed.sharding import PlanReport
+from recsys_runner.distributed.plan_report import PlanReport
 from recsys_runner.models.common import TrainWrapper
 from recsys_runner.optim.optimizers import apply_sparse_optimizer
 

@@ -30,7 +30,7 @@ _SHARDING_TYPES = sorted(t.value for t in ShardingType)
 _KERNELS = sorted(k.value for k in EmbeddingComputeKernel)
 
 PROPOSERS = ("default", "dynamic_programming", "greedy", "grid_search", "uniform")
-"""``distributed.planner.proposer``'s choices (:func:`recsys_runner.distributed.sharding.proposers` builds them)."""
+"""``distributed.planner.proposer``'s choices (:func:`recsys_runner.distributed.planner.proposers` builds them)."""
 
 
 def _check_choices(key: str, sharding_types: list[str] | None, compute_kernels: list[str] | None,
