@@ -1,8 +1,8 @@
 """Deterministic, Criteo-shaped synthetic click data whose labels truly depend on the features.
 
 A hidden "world" (per-id effects for each categorical feature, weights for the dense features and
-one dense×sparse interaction) is drawn once from ``seed``; each row's click probability is the
-sigmoid of its score, and its label is a Bernoulli draw. A model that learns the world reaches an
+one dense×sparse interaction: :mod:`recsys_runner.data.generated.synthetic_world`) is drawn once from ``seed``; each
+row's click probability is the sigmoid of its score, and its label is a Bernoulli draw. A model that learns the world reaches an
 AUC far above 0.5 (about 0.8 with the defaults); one that learns nothing stays at 0.5.
 
 With ``tasks=[ctr, cvr, …]`` a batch carries one label per task (``labels [B, T]``), a conversion
@@ -33,7 +33,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -50,6 +49,7 @@ from recsys_runner.data.generated.synthetic_items import (
     pair_popularity,
 )
 from recsys_runner.data.generated.synthetic_sequences import SyntheticSequencesConfig
+from recsys_runner.data.generated.synthetic_world import TaskLabels, World
 from recsys_runner.data.schema import LABEL_KINDS
 from recsys_runner.errors import require
 from recsys_runner.features import DataNeeds, FeatureSpec, SparseFeature
@@ -312,15 +312,15 @@ class SyntheticData(DataModule):
         self._sizes = torch.tensor(sizes, dtype=torch.float64)
         self._id_skew = c.id_skew
         self._seed = c.seed
-        self._world = _World.draw(c.seed, c.num_dense, sizes, c.label_noise)
-        # Later tasks' worlds: their own seeds, a higher base rate (conversion given a click).
-        self._task_worlds = [
-            _World.draw(c.seed * 1000 + t, c.num_dense, sizes, c.label_noise, bias=c.conversion_bias) for t in range(1, len(c.tasks or []))
-        ]
-        self._conflict = c.conversion_conflict
-        self._amount = c.conversion_amount
-        self._kinds = [(c.label_kinds or {}).get(t, "binary") for t in c.tasks or []]
-        self._classes = [(c.label_classes or {}).get(t, 0) for t in c.tasks or []]
+        self._world = World.draw(c.seed, c.num_dense, sizes, c.label_noise)
+        self._task_labels = TaskLabels(
+            worlds=[World.draw(c.seed * 1000 + t, c.num_dense, sizes, c.label_noise, bias=c.conversion_bias)
+                    for t in range(1, len(c.tasks or []))],
+            kinds=[(c.label_kinds or {}).get(t, "binary") for t in c.tasks or []],
+            classes=[(c.label_classes or {}).get(t, 0) for t in c.tasks or []],
+            conflict=c.conversion_conflict,
+            amount=c.conversion_amount,
+        )
         self._clusters = c.user_item_clusters
         if c.user_item_clusters is not None:
             names = self.features.sparse_names
@@ -422,7 +422,7 @@ class SyntheticData(DataModule):
         score = self._world.score(dense, ids)
         labels = torch.bernoulli(torch.sigmoid(score), generator=g)
         if self.features.multi_label:
-            labels = torch.stack(self._task_labels(labels, score, dense, ids, g), dim=1)
+            labels = torch.stack(self._task_labels.labels(labels, score, dense, ids, g), dim=1)
         if self._hard:  # drawn last, so the other columns are the same with and without the list
             first = self._items[0]
             hard = hard_negative_ids(ids[:, first], ids[:, self._user], self._hard, int(self._sizes[first]), self._clusters or 1,
@@ -434,34 +434,6 @@ class SyntheticData(DataModule):
             tensors = (dense, torch.cat([tensors[1], hard.reshape(-1)]),
                        torch.cat([tensors[2], torch.full((n,), self._hard, dtype=torch.int32)]), labels)
         return self._sampler.extend(tensors, (index,)) if self._sampler is not None and split == _TRAIN else tensors
-
-    def _task_labels(self, click: torch.Tensor, score: torch.Tensor, dense: torch.Tensor, ids: torch.Tensor,
-                     g: torch.Generator) -> list[torch.Tensor]:
-        """Each task's label ``[B]``: the click, then the funnel's conversions; a ``regression`` task's is ``softplus(score_t)``,
-        or with ``conversion_amount`` an amount on the converting rows."""
-        first = {"binary": click, "multiclass": _class_index(score, self._classes[0] if self._classes else 0, g)}
-        columns = [first.get(self._kinds[0], F.softplus(score))]
-        for world, kind, classes in zip(self._task_worlds, self._kinds[1:], self._classes[1:], strict=True):
-            task_score = world.score(dense, ids) - self._conflict * score if self._conflict else world.score(dense, ids)
-            if kind == "multiclass":
-                columns.append(_class_index(task_score, classes, g))
-                continue
-            if kind != "binary" and self._amount is None:
-                columns.append(F.softplus(task_score))
-                continue
-            converted = click * torch.bernoulli(torch.sigmoid(task_score), generator=g)
-            columns.append(converted if self._amount is None or kind == "binary" else converted * self._amount * (1 + F.softplus(task_score)))
-        return columns
-
-
-def _class_index(score: torch.Tensor, classes: int, g: torch.Generator) -> torch.Tensor:
-    """A multiclass label ``[B]`` (float class indices ``0..classes-1``): the ``classes`` quantiles of
-    ``sigmoid(score + logistic noise)``, so a row's class rises with its score; zeros (no draw) when the task is not multiclass."""
-    if classes < 2:
-        return score.new_zeros(score.shape)
-    u = torch.rand(score.shape, generator=g, dtype=score.dtype).clamp(1e-6, 1 - 1e-6)
-    noisy = torch.sigmoid(score + torch.log(u / (1 - u)))
-    return (noisy * classes).floor().clamp(max=classes - 1)
 
 
 class _Stream(IterableDataset):
@@ -475,39 +447,3 @@ class _Stream(IterableDataset):
         info = get_worker_info()
         mine = self.indices if info is None else self.indices[info.id :: info.num_workers]
         return (self.data._tensors(self.split, i) for i in mine)
-
-
-@dataclass(frozen=True)
-class _World:
-    """The hidden ground truth that labels are drawn from."""
-
-    id_effects: list[torch.Tensor]
-    dense_weights: torch.Tensor
-    bias: float
-    scale: float
-    flat_effects: torch.Tensor = field(init=False)
-    """``id_effects`` end to end, so that a batch's effects are one gather (a quarter of a batch's cost was 26 of them)."""
-    offsets: torch.Tensor = field(init=False)
-    """Where each column's effects start in ``flat_effects``, ``[F]``."""
-
-    def __post_init__(self) -> None:
-        sizes = torch.tensor([0] + [len(e) for e in self.id_effects[:-1]], dtype=torch.long)
-        object.__setattr__(self, "flat_effects", torch.cat(self.id_effects) if self.id_effects else torch.zeros(0))
-        object.__setattr__(self, "offsets", sizes.cumsum(0))
-
-    @staticmethod
-    def draw(seed: int, num_dense: int, sizes: list[int], scale: float, bias: float = -1.1) -> _World:
-        g = torch.Generator().manual_seed(seed)
-        # Each categorical column carries a little signal; together they carry about as much as
-        # the dense columns, so both halves of a model have something to learn.
-        per_feature = 1.2 / max(len(sizes), 1) ** 0.5
-        effects = [torch.randn(n, generator=g) * per_feature for n in sizes]
-        dense_w = torch.randn(num_dense, generator=g) * (1.0 / max(num_dense, 1) ** 0.5)
-        return _World(effects, dense_w, bias=bias, scale=scale)
-
-    def score(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        sparse = self.flat_effects[ids + self.offsets].sum(1)
-        linear = dense @ self.dense_weights if dense.shape[1] else torch.zeros(dense.shape[0])
-        # A dense×sparse interaction that a purely additive model cannot capture.
-        cross = dense[:, 0] * self.id_effects[0][ids[:, 0]] if dense.shape[1] else 0.0
-        return self.scale * (self.bias + linear + sparse + cross)
