@@ -45,9 +45,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,7 +71,8 @@ from recsys_runner.serving.files import (  # noqa: F401 - EXAMPLE_FILE, FEATURE_
     use_ema,
     write_export,
 )
-from recsys_runner.serving.target import check_target, export_dir, replace_dir
+from recsys_runner.serving.target import check_target, export_dir
+from recsys_runner.staging import StagedFolder
 from recsys_runner.tracking import lineage
 from recsys_runner.tracking.store import resolve_uri
 from recsys_runner.tracking.tracker import MlflowTrackingConfig, Tracker
@@ -142,19 +140,14 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> Path:
         texts={"config.yaml": to_yaml(spec)}, manifest=manifest)
     tracker = spec.tracking.build()
     with tracked_run(tracker, start, launch):
-        remote = stores.is_uri(out)  # staged on the local disk, then uploaded
-        staged = (Path(tempfile.mkdtemp(prefix="export-")) if remote else out.parent) / f".{out.name}.tmp-{os.getpid()}"
-        try:
-            shutil.rmtree(staged, ignore_errors=True)
-            staged.mkdir(parents=True)
-            files = write_export(model, features, batch, checkpoint=checkpoint, meta=meta, ema=ema, out=staged, items=items, served=rows)
-            (staged / lineage.MANIFEST_FILE).write_text(manifest.to_json() + "\n")
+        with StagedFolder(out) as staged:  # an error or a stop anywhere in here leaves no partial export behind
+            files = write_export(model, features, batch, checkpoint=checkpoint, meta=meta, ema=ema, out=staged.path, items=items,
+                                 served=rows)
+            (staged.path / lineage.MANIFEST_FILE).write_text(manifest.to_json() + "\n")
             check_target(out, options.overwrite)  # still as checked before the build (nothing else wrote there since)
-            replace_dir(staged, out)
+            staged.commit()
             log.info("wrote %s to %s", ", ".join([*files, lineage.MANIFEST_FILE]), out)
-            _log_artifacts(spec, tracker, staged if remote else out, [*files, lineage.MANIFEST_FILE], options.register_as)
-        finally:  # an error or a stop anywhere above leaves no partial export behind
-            shutil.rmtree(staged.parent if remote else staged, ignore_errors=True)
+            _log_artifacts(spec, tracker, staged.local, [*files, lineage.MANIFEST_FILE], options.register_as)
     return out
 
 

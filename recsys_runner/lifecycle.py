@@ -230,7 +230,7 @@ def mark_finished(directory: Path | None) -> None:
     if directory is None:
         return
     text = b"training finished; nothing to resume here\n"
-    if stores.is_uri(directory):  # an object store has no directories: the mark is an object under the prefix
+    if stores.is_remote(directory):  # an object store has no directories: the mark is an object under the prefix
         stores.write_bytes(str(directory / FINISHED_MARK), text, CheckpointError)
     elif directory.is_dir():
         (directory / FINISHED_MARK).write_bytes(text)

@@ -89,7 +89,7 @@ class Launch:
         if not self.from_cli:
             return None
         keep = [o for o in self.overrides if not re.match(r"^[+~]*checkpoint\.(dir|resume)=", o)]
-        where = str(checkpoint_dir) if stores.is_uri(checkpoint_dir) else Path(checkpoint_dir).absolute()
+        where = stores.as_path(checkpoint_dir).absolute()
         return self._command(TRAIN_MODULE, [*keep, f"checkpoint.dir={where}"])
 
     def command(self) -> str | None:

@@ -10,7 +10,14 @@ Credentials are never configured here: both clients read the standard chain of t
 an instance role). What is configured (``storage.*``, :class:`StorageConfig`) is where the store is
 (``endpoint_url`` for an S3-compatible store, else ``AWS_ENDPOINT_URL``), its region and how hard to retry.
 Every failure becomes a :class:`~recsys_runner.errors.UserError` naming the URI, the cause and the fix
-(:func:`store_error`). May import ``errors`` only.
+(:func:`store_error`).
+
+A setting's text is resolved once, where the setting is read: :func:`as_path` makes it a local :class:`~pathlib.Path`
+or a :class:`UriPath`, and the rooms below take that and never parse the text again. Where the local disk and a store
+truly differ (no rename, no directories, no file lock in a store) they ask its type (:func:`is_remote`): an output
+folder replaced whole (``staging.py``), the checkpoint lock and storage, predict's part files. Everything else goes
+through this module's calls, which work on both (:func:`read_bytes`, :func:`arrow_filesystem`, :func:`failure`…). Data
+files, listed from ``data.path`` by ``data/locate.py``, stay text for pyarrow. May import ``errors`` only.
 """
 
 from __future__ import annotations
@@ -186,6 +193,12 @@ def as_path(path: str | os.PathLike[str]) -> Path:
     return UriPath(os.fspath(path)) if is_uri(path) else Path(path).expanduser()
 
 
+def is_remote(path: Path) -> bool:
+    """Whether a resolved path (:func:`as_path`, done once where a setting is read) is in an object store: its type says
+    so, no string is parsed again."""
+    return isinstance(path, UriPath)
+
+
 def join(base: str, *names: str) -> str:
     """``base/name/…`` for a URI or a local path."""
     return "/".join([base.rstrip("/"), *names]) if is_uri(base) else os.path.join(base, *names)
@@ -315,6 +328,18 @@ def list_files(path: str, key: str, suffixes: tuple[str, ...] | None) -> list[st
         raise DataError(f"{key}={path!r} is an empty prefix: no objects{wanted} under it. Fix: point {key} at the prefix that holds "
                         f"the data (aws s3 ls {path.rstrip('/')}/ lists it), or upload the files there")
     return files
+
+
+def find(uri: str, cls: type[UserError] = DataError) -> list[str]:
+    """Every object under the prefix ``uri``, at any depth, sorted, as URIs (none under a prefix that holds nothing)."""
+    scheme, rest = _split(uri)
+    try:
+        found = _fsspec(scheme).find(rest.rstrip("/") + "/")
+    except FileNotFoundError:
+        return []
+    except STORE_ERRORS as e:
+        raise store_error(uri, e, cls=cls, doing="listing it") from None
+    return sorted(_uri(scheme, p) for p in found)
 
 
 def is_object(fs: fsspec.AbstractFileSystem, rest: str) -> bool:
@@ -466,6 +491,12 @@ def store_error(uri: str, e: BaseException, *, key: str | None = None, cls: type
                      f"{_settings.request_timeout_s:g})") if "reached" in cause else ""
             return cls(f"{where}{what}: {cause}{at}{tries} ({text.splitlines()[0][:300]}). Fix: {fix}")
     return cls(f"{where}{what}: the store{at} refused it ({text.splitlines()[0][:300]}). Fix: check the URI and that the store holds it")
+
+
+def failure(path: str, e: BaseException, *, key: str | None = None) -> UserError | None:
+    """The store's error (:func:`store_error`) when ``path`` is in an object store and ``e`` is the store refusing or not
+    answering; ``None`` when ``e`` is about the file itself (truncated, corrupt), which the reader names in its own words."""
+    return store_error(path, e, key=key) if is_uri(path) and is_store_failure(e) else None
 
 
 def is_store_failure(e: BaseException) -> bool:

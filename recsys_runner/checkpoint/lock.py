@@ -259,4 +259,4 @@ def _abandoned(holder: dict[str, Any], ttl: float) -> bool:
 
 def lock_for(directory: Path) -> DirectoryLock | ObjectStoreLock:
     """The one-writer lock of a checkpoint directory: a file lock on disk, a conditional create in an object store."""
-    return ObjectStoreLock(directory) if stores.is_uri(directory) else DirectoryLock(directory)
+    return ObjectStoreLock(directory) if stores.is_remote(directory) else DirectoryLock(directory)

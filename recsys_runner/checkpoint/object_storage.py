@@ -34,7 +34,7 @@ T = TypeVar("T")
 
 def storage_for(path: Path | None, rank: int = 0, world_size: int = 1) -> CheckpointStorage:
     """The storage of checkpoints at ``path``: :class:`DcpObjectStorage` for a URI, else DCP on the file system."""
-    if path is not None and stores.is_uri(path):
+    if path is not None and stores.is_remote(path):
         return DcpObjectStorage(rank, world_size)
     return DcpFileStorage(rank, world_size)
 

@@ -1,11 +1,10 @@
 """Where ``export`` writes: ``export.dir`` (default ``<Hydra run dir>/export``), refused when it holds anything but an
-earlier export, and replaced as a whole — the new export is staged in a temporary sibling and moved into place only when
-complete, so the directory holds one whole export or none (docs/export.md, "The output is all or nothing")."""
+earlier export, and replaced as a whole — the new export is staged (:class:`recsys_runner.staging.StagedFolder`) and moved
+into place only when complete, so the directory holds one whole export or none (docs/export.md, "The output is all or
+nothing")."""
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 from recsys_runner import stores
@@ -13,6 +12,7 @@ from recsys_runner.errors import ConfigError
 from recsys_runner.runtime import Launch
 from recsys_runner.serving import mlflow_model
 from recsys_runner.serving.files import EXAMPLE_FILE, FEATURE_SPEC_FILE, ITEMS_FILE, MODEL_FILE, TOWER_FILE
+from recsys_runner.staging import held_names, is_local_file
 from recsys_runner.tracking import lineage
 
 
@@ -39,40 +39,14 @@ def check_target(out: Path, overwrite: bool) -> None:
     Raises:
         ConfigError: naming the directory, what it holds and the fix.
     """
-    remote = stores.is_uri(out)  # a prefix in an object store: what is under it
-    if not remote and out.exists() and not out.is_dir():
-        raise ConfigError(f"export.dir={out} is a file, not a directory. Fix: export.dir=<a new or empty directory>")
-    held = sorted(p.rsplit("/", 1)[-1] for p in stores.glob(f"{out}/*", ConfigError)) if remote else \
-        sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    held = held_names(out, f"export.dir={out}")
     if not held:
         return
     shown = held[:8] + ([f"… {len(held) - 8} more"] if len(held) > 8 else [])
     if not overwrite:
         raise ConfigError(f"export.dir={out} is not empty (it holds {shown}): an earlier export's files would be overwritten or "
                           f"mixed with this one's. Fix: export.overwrite=true to replace them, or a new export.dir")
-    foreign = [n for n in held if not (is_export_file(n) and (remote or (out / n).is_file() or n.startswith("mlflow_")))]
+    foreign = [n for n in held if not (is_export_file(n) and (is_local_file(out, n) or n.startswith("mlflow_")))]
     if foreign:
         raise ConfigError(f"export.dir={out} holds {foreign[:8]}, which no export writes; export.overwrite=true replaces only an "
                           f"earlier export's files. Fix: a new export.dir, or move those away")
-
-
-def replace_dir(staged: Path, out: Path) -> None:
-    """Move the complete export ``staged`` to ``out``, replacing an earlier export there as a whole: the earlier one is
-    first renamed aside, so ``out`` never holds the files of two exports. In an object store (no rename) the earlier
-    export's objects are deleted and the new ones uploaded, each whole."""
-    if stores.is_uri(out):
-        stores.remove(str(out), ConfigError)
-        stores.upload(staged, str(out), ConfigError)
-        return
-    out.parent.mkdir(parents=True, exist_ok=True)
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    shutil.rmtree(old, ignore_errors=True)  # left by an earlier process of this id that was killed here
-    if out.exists():
-        os.replace(out, old)
-    try:
-        os.replace(staged, out)
-    except BaseException:
-        if old.exists() and not out.exists():
-            os.replace(old, out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)

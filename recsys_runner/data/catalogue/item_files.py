@@ -76,8 +76,8 @@ def _read(path: str, columns: list[str], delimiter: str) -> pa.Table:
             with stores.open_input(path) as f:
                 names = f.readline().decode("utf-8").rstrip("\r\n").split(delimiter)
     except (OSError, pa.ArrowException) as e:
-        if stores.is_uri(path) and stores.is_store_failure(e):
-            raise stores.store_error(path, e, key="data.items.path") from None
+        if (refused := stores.failure(path, e, key="data.items.path")) is not None:
+            raise refused from None
         raise DataError(f"data.items.path={path!r} cannot be read ({str(e).splitlines()[0]}). Fix: point data.items.path at the "
                         f"items file (Parquet, or text with a header line)") from None
     missing = [c for c in columns if c not in names]

@@ -82,8 +82,8 @@ def plain_name(path: str) -> str:
 def read_error(path: str, compression: Compression, e: BaseException) -> UserError:
     """Why ``path`` cannot be decompressed, as a :class:`DataError` naming it, its compression and the check; a store that
     does not answer, as the store's error."""
-    if stores.is_uri(path) and stores.is_store_failure(e):
-        return stores.store_error(path, e)
+    if (refused := stores.failure(path, e)) is not None:
+        return refused
     return DataError(f"{path} cannot be decompressed as {compression.name} ({str(e).splitlines()[0]}): the file is truncated or "
                      f"corrupt. Fix: check it ({compression.check} {path}), download or compress it again, or remove it from data.path")
 
@@ -98,11 +98,8 @@ def open_text(path: str, compression: Compression | None, start: int = 0) -> Ite
             yield plain
         return
     try:
-        if stores.is_uri(path):
-            fs, rest = stores.arrow_filesystem(path)
-            stream = fs.open_input_stream(rest, compression=compression.name)
-        else:
-            stream = pa.input_stream(path, compression=compression.name)
+        fs, rest = stores.arrow_filesystem(path)
+        stream = fs.open_input_stream(rest, compression=compression.name)
         with io.BufferedReader(stream, buffer_size=1 << 20) as f:
             _skip(f, start)
             yield f

@@ -120,8 +120,8 @@ class ParquetSource:
             else:
                 f = pq.ParquetFile(path)
         except (pa.ArrowException, OSError) as e:
-            if remote and stores.is_store_failure(e):
-                raise stores.store_error(path, e) from None
+            if (refused := stores.failure(path, e)) is not None:
+                raise refused from None
             head = _head(path)
             if not head.startswith(PARQUET_MAGIC) and _is_text(head):
                 first = head.split(b"\n", 1)[0].decode("utf-8", errors="replace").rstrip("\r")
@@ -173,8 +173,8 @@ class ParquetSource:
                 yield pa.Table.from_batches([rb]), np.arange(first, first + rb.num_rows)
                 first += rb.num_rows
         except (pa.ArrowException, OSError) as e:
-            if stores.is_uri(unit.path) and stores.is_store_failure(e):
-                raise stores.store_error(f"{unit.path} (row group {unit.index})", e) from None
+            if (refused := stores.failure(f"{unit.path} (row group {unit.index})", e)) is not None:
+                raise refused from None
             raise DataError(
                 f"{unit.path}, row group {unit.index}: cannot be read ({str(e).splitlines()[0]}); the file is corrupt. "
                 f"Fix: write it again, or remove it from data.path"
