@@ -6,7 +6,8 @@ exported with its MLflow model (``export.dir/mlflow_model``, :mod:`recsys_runner
 ``python -m recsys_runner`` and ``python -m recsys_runner.export``, run as a user runs them. Then:
 
 * ``http`` — a real ``mlflow models serve --env-manager local`` process on loopback (``--workers``, default MLflow's:
-  one per CPU; ``--server-threads``, default torch's: every core); one client
+  one uvicorn worker; ``--server-threads``, default the model's own: one intra-op thread inside a server,
+  :func:`recsys_runner.data.encoding.served.serving_threads`); one client
   sends CSV bodies over a kept-alive connection, one request at a time: p50 and p99 of the request's wall time for a
   1-row and a 1,000-row body (``--requests`` each, after ``--warmup``). Targets on 2 cores: 1 row p50 <= 20 ms,
   1,000 rows p50 <= 150 ms (:data:`TARGETS_MS`).
@@ -108,8 +109,8 @@ def mlflow_server(model: Path, log_dir: Path, workers: int | None = None, thread
                   timeout_s: float = 300) -> Iterator[int]:
     """``mlflow models serve -m model --env-manager local`` on 127.0.0.1 at a free port until the block ends (its process
     group stopped by its PID); yields the port once ``/ping`` answers. ``workers``: its uvicorn workers
-    (``MLFLOW_MODELS_WORKERS``; ``None``: MLflow's default, one per CPU); ``threads``: each worker's torch intra-op
-    threads (``OMP_NUM_THREADS``; ``None``: torch's default, every core)."""
+    (``MLFLOW_MODELS_WORKERS``; ``None``: MLflow's default, one); ``threads``: each worker's torch intra-op threads
+    (``OMP_NUM_THREADS``; ``None``: the model's choice, one inside a server)."""
     port = _free_port()
     bin_dir = os.path.dirname(sys.executable)  # the server execs uvicorn from the environment's bin/
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
@@ -348,8 +349,8 @@ def bench_serving(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(root, ignore_errors=True)
     return {"device": "cpu", "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "train_rows": args.train_rows,
             "steps": args.steps, "batch_size": args.batch_size, "requests": args.requests, "warmup": args.warmup,
-            "server_workers": args.workers or int(os.environ.get("MLFLOW_MODELS_WORKERS") or os.cpu_count() or 1),
-            "server_threads": args.server_threads or os.environ.get("OMP_NUM_THREADS") or "torch default",
+            "server_workers": args.workers or int(os.environ.get("MLFLOW_MODELS_WORKERS") or 1),  # `mlflow models serve`'s default: 1
+            "server_threads": args.server_threads or os.environ.get("OMP_NUM_THREADS") or "the model's (1 in a server)",
             "http": http_figures, "profile": parts, "throughput": speed}
 
 
@@ -381,9 +382,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--warmup", type=int, default=None, help="untimed requests per body first (default 5; --quick 1)")
     parser.add_argument("--rows", type=int, default=None, help="rows scored for the throughput (default 50,000; --quick 1,000)")
     parser.add_argument("--profile-repeats", type=int, default=None, help="in-process repeats per part (default 30; --quick 2)")
-    parser.add_argument("--workers", type=int, default=None, help="the server's uvicorn workers (default: MLflow's, one per CPU)")
+    parser.add_argument("--workers", type=int, default=None, help="the server's uvicorn workers (default: MLflow's, one)")
     parser.add_argument("--server-threads", type=int, default=None,
-                        help="each server worker's torch threads (OMP_NUM_THREADS; default torch's: every core)")
+                        help="each server worker's torch threads (OMP_NUM_THREADS; default: the model's, one in a server)")
     parser.add_argument("--json", default="bench_results/serving.json", help="where to write the results")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that it runs, not how fast")
     args = parser.parse_args(argv)

@@ -25,6 +25,7 @@ error naming the column, which ``mlflow models serve`` answers with HTTP 400.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 import os
@@ -48,6 +49,11 @@ PROGRAM_FILE = "model.pt2"
 SHIPPED = {"rows": "recsys_rows.py", "vocabulary": "recsys_vocabulary.py", "served": "recsys_served.py"}
 """This room's modules the MLflow model carries in ``code/``, by the names they are imported under there."""
 LOADER_MODULE = "recsys_served"
+SERVER_MODEL_PATH_VARIABLE = "__pyfunc_model_path__"
+"""Set in the environment of ``mlflow models serve``'s processes (``mlflow.pyfunc.scoring_server._SERVER_MODEL_PATH``):
+the model is being served (:func:`serving_threads`)."""
+STACKED_ROWS = 4096
+"""Requests of up to this many rows are converted to Arrow in one piece (:meth:`ServedModel._text_columns`)."""
 LABEL = "__served_label__"
 """The zero label column the encoder is given (it encodes labels too; a request has none)."""
 
@@ -132,9 +138,15 @@ class ServedModel:
         names = [c.name for c in self.schema.sparse] + [g.timestamps for g in self.schema.sequences if g.timestamps]
         if names != self.spec["keys"] or [c.name for c in self.schema.dense] != self.spec["dense"]:
             raise ValueError(f"{directory}: {SPEC_FILE} and {ENCODERS_FILE} describe other features ({names} vs {self.spec['keys']})")
+        self._all_text = all(pa.types.is_string(self.types.get(name, pa.string())) for name in self.columns)
+        """Every input column is read as text (:meth:`_text_columns`)."""
+        self._keyed = _keyed_columns(self.schema, self.spec) if self._all_text else {}
+        """Per ``hex``: the vocabulary columns keyed together in a small request (:meth:`_keyed_rows`)."""
         self.error = _error_class()
-        self.program = torch.export.load(os.path.join(directory, PROGRAM_FILE)).module()
+        self.program = runnable(torch.export.load(os.path.join(directory, PROGRAM_FILE)))
         self._torch = torch
+        self.threads = serving_threads(torch)
+        """Torch's intra-op threads once loaded (one inside ``mlflow models serve``: :func:`serving_threads`)."""
 
     def encode(self, frame: Any) -> tuple[Any, ...]:
         """The program's inputs ``(dense [B, N] float32, values [V] int64, lengths [F, B] int64)`` of a DataFrame of raw rows
@@ -149,10 +161,14 @@ class ServedModel:
             raise self.error(f"the request has no column {missing[0]!r}{f' (nor {missing[1:]})' if missing[1:] else ''}; "
                                  f"the model reads the columns {self.columns}. Fix: send every one of them (extra columns are ignored)")
         n = len(frame)
-        columns = {name: self._cast(name, _arrow_column(frame[name])) for name in self.columns}
+        columns = self._text_columns(frame) if n <= STACKED_ROWS else None
+        stacked = columns is not None
+        if columns is None:
+            columns = {name: self._cast(name, _arrow_column(frame[name])) for name in self.columns}
         table = pa.table({**columns, LABEL: pa.array(np.zeros(n, np.float32))})
-        encoder = _Encoder(self.schema, "fail", self.error)
-        rows = encoder.encode(table, _RequestRows("request", "rows", np.arange(n), 0))
+        rows = self._keyed_rows(table, columns) if self._keyed and stacked else None
+        if rows is None:
+            rows = _Encoder(self.schema, "fail", self.error).encode(table, _RequestRows("request", "rows", np.arange(n), 0))
         values = np.concatenate([v for v, _ in rows.sparse]) if rows.sparse else np.zeros(0, np.int64)
         lengths = np.stack([ln for _, ln in rows.sparse]) if rows.sparse else np.zeros((0, n), np.int64)
         inputs = (torch.from_numpy(np.ascontiguousarray(rows.dense, dtype=np.float32)),
@@ -161,6 +177,61 @@ class ServedModel:
             return inputs
         weights = rows.key_weights()
         return (*inputs, torch.from_numpy(np.ones(len(values), np.float32) if weights is None else weights))
+
+    def _text_columns(self, frame: Any) -> dict[str, pa.Array] | None:
+        """The request's columns as :meth:`_cast` makes them, converted to Arrow all at once: when every input column
+        holds Python objects (what MLflow's CSV parser and the signature's ``string`` columns give), all of them are text
+        or missing, and the model reads every one as text (a CSV-trained model). ``None`` otherwise (each column then goes
+        its own way). Per column, a small request's conversion costs more than its values: one conversion and one
+        null-token pass over every value instead of one per column (~3 ms less for a 39-column row)."""
+        if not self._all_text:
+            return None
+        block = frame[self.columns] if list(frame.columns) != self.columns else frame
+        if any(dtype.kind != "O" for dtype in block.dtypes):  # NumPy objects, or pandas strings
+            return None
+        n = len(block)
+        try:
+            values = pa.array(block.to_numpy(dtype=object).ravel(order="F"), from_pandas=True)  # column after column
+        except (pa.ArrowInvalid, pa.ArrowTypeError):  # text beside numbers: each column converted and cast alone
+            return None
+        if pa.types.is_null(values.type):
+            values = values.cast(pa.string())
+        elif not pa.types.is_string(values.type):  # a number or a list somewhere: each column converted and cast alone
+            return None
+        if len(self.null_values) and values.null_count < len(values):
+            tokens = pc.is_in(values, value_set=self.null_values)
+            if pc.any(tokens).as_py():
+                values = pc.if_else(tokens, pa.scalar(None, pa.string()), values)
+        return {name: values.slice(j * n, n) for j, name in enumerate(self.columns)}
+
+    def _keyed_rows(self, table: pa.Table, columns: dict[str, pa.Array]) -> Any:
+        """The encoded rows of a small text request, its single-valued vocabulary columns (:attr:`_keyed`) keyed
+        together: their present values in one array, keyed in one pass (``value_keys``, as the row encoder keys each such
+        column), each column then looked up in its vocabulary; the other columns by the row encoder. The same rows as the
+        row encoder's alone, for a fraction of its per-column cost at a few rows. ``None`` when a value cannot be keyed
+        (the row encoder then names it)."""
+        n = table.num_rows
+        sparse: list[Any] = [None] * len(self.schema.sparse)
+        for hex_digits, (positions, names, vocabularies) in self._keyed.items():
+            values = pa.concat_arrays([columns[name] for name in names])  # column after column
+            valid = np.asarray(values.is_valid().to_numpy(zero_copy_only=False), dtype=bool).reshape(len(names), n)
+            keys, wrong = _rows.value_keys(values.drop_null() if values.null_count else values, hex_digits)
+            if wrong is not None and wrong.any():
+                return None
+            counts = valid.sum(axis=1)
+            ids = np.split(vocabularies.lookup(keys, counts), np.cumsum(counts)[:-1])
+            for j, column_ids, present in zip(positions, ids, valid, strict=True):
+                sparse[j] = (column_ids, present.astype(np.int32))
+        rest = self._unkeyed_encoder().encode(table, _RequestRows("request", "rows", np.arange(n), 0))
+        others = iter(rest.sparse)
+        return _rows.Rows(rest.labels, rest.dense, [next(others) if bag is None else bag for bag in sparse])
+
+    def _unkeyed_encoder(self) -> Any:
+        """The row encoder of every column but the keyed ones (:meth:`_keyed_rows`)."""
+        keyed = {name for _, names, _ in self._keyed.values() for name in names}
+        schema = copy.copy(self.schema)
+        schema.sparse = [c for c in self.schema.sparse if c.name not in keyed]
+        return _Encoder(schema, "fail", self.error)
 
     def _cast(self, name: str, arr: pa.Array) -> pa.Array:
         """A request column as training read it: ids sent as numbers become the text a CSV held, numbers sent as text are
@@ -197,6 +268,90 @@ class ServedModel:
         with torch.inference_mode():  # no autograd bookkeeping at all (no_grad still keeps version counters): less per op
             out = self.program(*self.encode(frame))
         return pd.DataFrame(scores(out, self.spec["outputs"]))
+
+
+def _keyed_columns(schema: _Schema, spec: dict[str, Any]) -> dict[bool, tuple[list[int], list[str], _Vocabularies]]:
+    """The sparse columns :meth:`ServedModel._keyed_rows` keys together: one value per row (no separator, weights nor
+    cross) looked up in a vocabulary, in a model without histories or weighted features. Per ``hex``: their positions
+    among the sparse columns, their names and their vocabularies."""
+    if schema.sequences or spec.get("weighted"):
+        return {}
+    groups: dict[bool, list[tuple[int, Any]]] = {}
+    for j, col in enumerate(schema.sparse):
+        vocabulary = schema.vocabularies.get(col.name)
+        if (col.encoding == "vocab" and vocabulary is not None and vocabulary.oov_buckets > 0 and col.separator is None
+                and not getattr(col, "weighted", False) and getattr(col, "weights", None) is None and not getattr(col, "cross", None)):
+            groups.setdefault(bool(col.hex), []).append((j, col))
+    return {hex_digits: ([j for j, _ in group], [col.name for _, col in group],
+                         _Vocabularies([schema.vocabularies[col.name] for _, col in group]))
+            for hex_digits, group in groups.items()}
+
+
+class _Vocabularies:
+    """Several columns' vocabularies looked up at once: :meth:`Vocabulary.lookup`'s rows (a key's own row, else
+    ``capacity + key mod oov_buckets``) for keys of every column together, one ``searchsorted`` of each column's few keys
+    in its sorted keys and the rest in one pass. A small request's keys are a handful per column, where a lookup's own
+    set-up costs far more than its keys."""
+
+    def __init__(self, vocabularies: list[Any]) -> None:
+        self.keys = [v.keys for v in vocabularies]
+        sizes = np.array([len(k) for k in self.keys], np.int64)
+        self.sizes, self.starts = sizes, np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        self.all_keys = np.concatenate(self.keys) if sizes.sum() else np.zeros(1, np.uint64)
+        self.all_rows = np.concatenate([v.rows for v in vocabularies]) if sizes.sum() else np.zeros(1, np.int64)
+        self.capacity = np.array([v.capacity for v in vocabularies], np.int64)
+        self.oov_buckets = np.array([v.oov_buckets for v in vocabularies], np.uint64)
+
+    def lookup(self, keys: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """The row of each of ``keys`` (uint64): the first ``counts[0]`` are the first column's, and so on."""
+        parts = np.split(keys, np.cumsum(counts)[:-1])
+        pos = np.concatenate([np.searchsorted(k, q) for k, q in zip(self.keys, parts, strict=True)]).astype(np.int64)
+        column = np.repeat(np.arange(len(self.keys)), counts)
+        at = np.minimum(self.starts[column] + pos, len(self.all_keys) - 1)
+        hit = (pos < self.sizes[column]) & (self.all_keys[at] == keys)
+        oov = self.capacity[column] + (keys % self.oov_buckets[column]).astype(np.int64)
+        return np.where(hit, self.all_rows[at], oov)
+
+
+RUNTIME_CHECKS = ("_assert_scalar", "_assert_tensor_metadata")
+"""ATen ops of a ``torch.export`` program that only check what its inputs are (sizes that agree, dtypes, devices):
+:func:`runnable` leaves them out."""
+
+
+def runnable(program: Any) -> Any:
+    """``program`` (a ``torch.export.ExportedProgram``) as the module a request runs: ``program.module()`` without the
+    graph's runtime checks (:data:`RUNTIME_CHECKS`) and the arithmetic on sizes that only they read.
+
+    Those checks, with what only they read, are over half of the graph's nodes and a quarter of its time at a few rows
+    (~1.3 ms of 5 at one row). They guard against inputs the row encoder never builds (ids as many as the lengths' sum,
+    the dtypes traced); the scores are the same (``check_served`` compares them when the model is written).
+    """
+    import torch
+
+    module = program.module()
+    checks = {getattr(torch.ops.aten, name).default for name in RUNTIME_CHECKS if hasattr(torch.ops.aten, name)}
+    graph = module.graph
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in checks:
+            graph.erase_node(node)
+    graph.eliminate_dead_code()
+    module.recompile()
+    return module
+
+
+def serving_threads(torch: Any) -> int:
+    """Inside ``mlflow models serve``, one torch intra-op thread per server process (unless ``OMP_NUM_THREADS`` says
+    otherwise); the intra-op threads it leaves, returned.
+
+    A server runs each request in a thread of its own, and as many processes as ``--workers``: that is where its
+    parallelism comes from. Torch's default, an intra-op thread per core in every process, only fights those threads and
+    the client's for the cores: a 1-row request gains nothing from a parallel region, and OpenMP's helper threads keep
+    spinning after one; on 2 cores one thread was faster for 1,000-row requests too (docs/performance.md, 'Serving').
+    Loaded anywhere else (``mlflow.pyfunc.load_model`` in a script, a batch job), the process's setting is left alone.
+    """
+    if os.environ.get(SERVER_MODEL_PATH_VARIABLE) and not os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(1)
+    return int(torch.get_num_threads())
 
 
 def scores(out: Any, outputs: list[dict[str, Any]]) -> dict[str, np.ndarray]:

@@ -1,0 +1,157 @@
+"""The served model's shortcuts for small requests (issue 29's serving latency) give exactly what the general path gives.
+
+A request of up to ``STACKED_ROWS`` text rows is converted to Arrow in one piece and its single-valued vocabulary columns
+are keyed and looked up together (``ServedModel._text_columns``, ``_keyed_rows``, ``_Vocabularies``); the program runs
+without its runtime checks (``runnable``); inside ``mlflow models serve`` torch keeps one intra-op thread
+(``serving_threads``). Each is compared here with the way it replaces: the row encoder column by column, each
+``Vocabulary.lookup``, ``ExportedProgram.module()``, the process's setting.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from recsys_runner.data.encoding import served
+from recsys_runner.data.encoding.served import ServedModel
+from recsys_runner.data.encoding.vocabulary import Vocabulary
+from tests.test_mlflow_model import _trained
+
+
+def test_vocabularies_looked_up_together_read_each_vocabularys_rows() -> None:
+    rng = np.random.default_rng(0)
+    vocabularies = [Vocabulary.build(rng.integers(0, 50, 400).astype(np.uint64), capacity, buckets)
+                    for capacity, buckets in ((30, 4), (5, 1), (60, 16))]
+    vocabularies.append(Vocabulary(np.zeros(0, np.uint64), np.zeros(0, np.int64), 0, 3))  # nothing in it: every key is OOV
+    together = served._Vocabularies(vocabularies)
+    for counts in ([3, 0, 7, 2], [0, 0, 0, 0], [1, 1, 1, 1], [40, 25, 80, 9]):
+        parts = [np.concatenate([rng.integers(0, 70, c).astype(np.uint64), rng.integers(0, 2**64 - 1, c, dtype=np.uint64)])[:c]
+                 for c in counts]
+        want = np.concatenate([v.lookup(p) for v, p in zip(vocabularies, parts, strict=True)])
+        got = together.lookup(np.concatenate(parts).astype(np.uint64), np.asarray(counts))
+        assert got.dtype == want.dtype and np.array_equal(got, want), counts
+
+
+def test_program_without_runtime_checks_gives_the_same_outputs() -> None:
+    class Bags(torch.nn.Module):
+        """A KeyedJaggedTensor's pattern: the ids' count read from the lengths (``item``), checked, then bags pooled."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = torch.nn.EmbeddingBag(20, 4, mode="sum")
+
+        def forward(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            total = lengths.sum().item()
+            torch._check_is_size(total)
+            torch._check(total <= values.shape[0])
+            return self.table(values.narrow(0, 0, total), lengths.cumsum(0) - lengths).sum(dim=1)
+
+    values, lengths = torch.tensor([1, 2, 3, 4, 5]), torch.tensor([2, 0, 3])
+    shapes = {"values": {0: torch.export.Dim("ids")}, "lengths": {0: torch.export.Dim("batch")}}
+    program = torch.export.export(Bags().eval(), (values, lengths), dynamic_shapes=shapes, strict=False)
+    checked, module = program.module(), served.runnable(program)
+
+    def called(m: torch.nn.Module) -> list[str]:
+        return [str(n.target) for n in m.graph.nodes if n.op == "call_function"]
+
+    assert "aten._assert_scalar.default" in called(checked) and not [t for t in called(module) if "_assert" in t]
+    assert {"aten.item.default", "aten.narrow.default", "aten.embedding_bag.padding_idx"} <= set(called(module))
+    for v, ln in ((torch.tensor([7]), torch.tensor([1])), (torch.tensor([3, 9, 9, 0]), torch.tensor([0, 4, 0, 0, 0])), (values, lengths)):
+        assert torch.equal(module(v, ln), checked(v, ln))
+
+
+def test_serving_threads_one_inside_mlflow_models_serve_else_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv(served.SERVER_MODEL_PATH_VARIABLE, raising=False)
+        torch.set_num_threads(2)
+        assert served.serving_threads(torch) == 2
+        monkeypatch.setenv(served.SERVER_MODEL_PATH_VARIABLE, "/models/m")
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        assert served.serving_threads(torch) == 2  # the operator's choice is kept
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        assert served.serving_threads(torch) == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def hex_model(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A model over hex ids (vocabularies keyed by their parsed value), text ids, integer ids read as text, multi-hot tags
+    and a price with gaps; and rows to score (unseen ids among them)."""
+    root = tmp_path_factory.mktemp("hex")
+    rng = np.random.default_rng(1)
+
+    def rows(n: int, ids: int) -> list[str]:
+        out = []
+        for _ in range(n):
+            k = int(rng.integers(ids))
+            price = "" if rng.random() < 0.1 else f"{rng.random() * 10:.3f}"
+            tags = "|".join(f"t{int(t)}" for t in rng.integers(0, 8, int(rng.integers(0, 3))))
+            ad = "" if rng.random() < 0.05 else f"{(k * 2654435761) % 2**32:08x}"
+            out.append(f"{int(k % 2 == 0)},{ad},u{k % 30},{int(rng.integers(40))},{price},{tags}")
+        return out
+
+    header = "click,ad,user,item,price,tags"
+    (root / "train.csv").write_text("\n".join([header, *rows(2000, 60)]) + "\n")
+    (root / "score.csv").write_text("\n".join([header, *rows(300, 90)]) + "\n")
+    data = ["data=csv", f"data.path={root}/train.csv", "data.batch_size=128", "data.sparse=[{name: ad, hex: true}, {name: user}, "
+            "{name: item}, {name: tags, separator: '|'}]", "data.dense=[{name: price, transform: log1p}]", "data.label=click",
+            "model=deepfm", "distributed.device=cpu", "tracking=none"]
+    return _trained(root, data, 10)
+
+
+def _general(model: ServedModel, frame: pd.DataFrame) -> Any:
+    """``model.encode(frame)`` the general way: each column converted alone, every column by the row encoder."""
+    all_text, keyed = model._all_text, model._keyed
+    model._all_text, model._keyed = False, {}
+    try:
+        return model.encode(frame)
+    except Exception as e:  # noqa: BLE001 - the message is what is compared
+        return str(e)
+    finally:
+        model._all_text, model._keyed = all_text, keyed
+
+
+def test_small_requests_encode_as_the_row_encoder_does(hex_model: dict[str, Any]) -> None:
+    model = ServedModel(str(hex_model["model"] / "data" / "data"))
+    assert [n for _, names, _ in model._keyed.values() for n in names] == ["ad", "user", "item"]  # tags: a multi-hot column
+    score = hex_model["root"] / "score.csv"
+    text = pd.read_csv(score, dtype=object).drop(columns=["click"])
+    frames = {f"{n} rows {dtype}": pd.read_csv(score, dtype=dtype).drop(columns=["click"]).head(n)
+              for n in (1, 7, 300) for dtype in (object, str, "string")}
+    frames["columns reordered, one extra"] = text.head(9).assign(extra="x")[["extra", *text.columns[::-1]]]
+    frames["empty text and None"] = text.head(6).assign(ad=["", None, "0000abcd", "", "ffffffff", None], user=[None] * 6)
+    frames["every id missing"] = text.head(4).assign(ad=[None] * 4, item=[""] * 4)
+    frames["numbers beside text"] = text.head(5).assign(item=[3, 4, 5, 6, 7])
+    frames["upper-case and short hex"] = text.head(3).assign(ad=["ABCDEF12", "1", "00000000"])
+    frames["not hex"] = text.head(3).assign(ad=["12ab34cd", "xyz", "0"])
+    frames["not a number"] = text.head(3).assign(price=["1.0", "cheap", "2"])
+    for name, frame in frames.items():
+        want = _general(model, frame)
+        try:
+            got: Any = model.encode(frame)
+        except Exception as e:  # noqa: BLE001 - the message is what is compared
+            got = str(e)
+        if isinstance(want, str) or isinstance(got, str):
+            assert got == want, name
+            continue
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), name
+
+
+def test_hex_model_serves_predicts_scores(hex_model: dict[str, Any], tmp_path: Path) -> None:
+    import mlflow.pyfunc
+
+    from tests.test_mlflow_model import ATOL, _scores
+
+    reference = _scores(hex_model["data"], hex_model["checkpoint"], hex_model["root"] / "score.csv", tmp_path / "predicted")
+    text = pd.read_csv(hex_model["root"] / "score.csv", dtype=str).drop(columns=["click"])
+    model = mlflow.pyfunc.load_model(str(hex_model["model"]))
+    np.testing.assert_allclose(model.predict(text)["score"].to_numpy(), reference["score"].to_numpy(), atol=ATOL)
+    one = np.concatenate([model.predict(text.iloc[[i]])["score"].to_numpy() for i in range(0, 300, 37)])
+    np.testing.assert_allclose(one, reference["score"].to_numpy()[::37], atol=ATOL)
