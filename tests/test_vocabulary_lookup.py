@@ -118,3 +118,14 @@ def test_bucket_ids_count_boundaries_as_a_binary_search_does() -> None:
         expected = np.where(wrong, 0, np.searchsorted(boundaries, numbers, side="right"))
         got = bucket_ids(col, numbers, wrong)
         assert got.dtype == np.int64 and (got == expected).all()
+
+
+@pytest.mark.parametrize("column", [pa.nulls(5, pa.int64()), pa.array([], pa.int64()), pa.array([None, 3, None, 2**40], pa.int64())])
+def test_an_int64_vocabulary_column_of_nulls_or_no_rows(column: pa.Array) -> None:
+    vocabulary = Vocabulary.build(keyed(np.arange(100)), 50, 4)
+    table = pa.table({"label": pa.array(np.zeros(len(column))), "id": column})
+    rows = Encoder(_Schema(vocabulary)).encode(table, Location("t", "", np.arange(len(column))))
+    ids, lengths = rows.sparse[0]
+    present = column.drop_null()
+    assert ids.tolist() == vocabulary.lookup(value_keys(present, False)[0]).tolist()
+    assert lengths.tolist() == [int(v is not None) for v in column.to_pylist()]
