@@ -1,7 +1,8 @@
 """The served model's shortcuts for small requests (issue 29's serving latency) give exactly what the general path gives.
 
-A request of up to ``STACKED_ROWS`` text rows is converted to Arrow in one piece and its single-valued vocabulary columns
-are keyed and looked up together (``ServedModel._text_columns``, ``_keyed_rows``, ``_Vocabularies``); the program runs
+A request of up to ``STACKED_ROWS`` text rows is converted to Arrow in one piece, its single-valued vocabulary columns
+are keyed and looked up together and its dense columns parsed together (``ServedModel._text_columns``, ``_small_rows``,
+``_Vocabularies``); the program runs
 without its runtime checks (``runnable``); inside ``mlflow models serve`` torch keeps one intra-op thread
 (``serving_threads``). Each is compared here with the way it replaces: the row encoder column by column, each
 ``Vocabulary.lookup``, ``ExportedProgram.module()``, the process's setting.
@@ -108,14 +109,14 @@ def hex_model(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def _general(model: ServedModel, frame: pd.DataFrame) -> Any:
     """``model.encode(frame)`` the general way: each column converted alone, every column by the row encoder."""
-    all_text, keyed = model._all_text, model._keyed
-    model._all_text, model._keyed = False, {}
+    all_text, small = model._all_text, model._small
+    model._all_text, model._small = False, False
     try:
         return model.encode(frame)
     except Exception as e:  # noqa: BLE001 - the message is what is compared
         return str(e)
     finally:
-        model._all_text, model._keyed = all_text, keyed
+        model._all_text, model._small = all_text, small
 
 
 def test_small_requests_encode_as_the_row_encoder_does(hex_model: dict[str, Any]) -> None:
@@ -132,6 +133,8 @@ def test_small_requests_encode_as_the_row_encoder_does(hex_model: dict[str, Any]
     frames["upper-case and short hex"] = text.head(3).assign(ad=["ABCDEF12", "1", "00000000"])
     frames["not hex"] = text.head(3).assign(ad=["12ab34cd", "xyz", "0"])
     frames["not a number"] = text.head(3).assign(price=["1.0", "cheap", "2"])
+    frames["not finite"] = text.head(3).assign(price=["1.0", "nan", "2"])
+    frames["price missing or empty"] = text.head(4).assign(price=[None, "", "0", "-3"])
     for name, frame in frames.items():
         want = _general(model, frame)
         try:

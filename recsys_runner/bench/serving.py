@@ -335,7 +335,9 @@ def bench_serving(args: argparse.Namespace) -> dict[str, Any]:
         start = time.perf_counter()
         with mlflow_server(model_dir, root, args.workers, args.server_threads) as port:
             print(f"mlflow models serve answered /ping after {time.perf_counter() - start:.1f} s", flush=True)
+            load = [os.getloadavg()[0]]
             http_figures = measure_http(port, bodies, args.requests, args.warmup)
+            load.append(os.getloadavg()[0])
         for name, figures in http_figures.items():
             figures["target_p50_ms"] = TARGETS_MS[name]
             figures["met"] = figures["p50_ms"] <= TARGETS_MS[name]
@@ -351,11 +353,12 @@ def bench_serving(args: argparse.Namespace) -> dict[str, Any]:
             "steps": args.steps, "batch_size": args.batch_size, "requests": args.requests, "warmup": args.warmup,
             "server_workers": args.workers or int(os.environ.get("MLFLOW_MODELS_WORKERS") or 1),  # `mlflow models serve`'s default: 1
             "server_threads": args.server_threads or os.environ.get("OMP_NUM_THREADS") or "the model's (1 in a server)",
-            "http": http_figures, "profile": parts, "throughput": speed}
+            "load_average": load, "http": http_figures, "profile": parts, "throughput": speed}
 
 
 def print_table(result: dict[str, Any]) -> None:
-    print(f"\nDeepFM, 13 dense + 26 categorical CSV columns; threads={result['threads']}, cpus={result['cpus']}")
+    print(f"\nDeepFM, 13 dense + 26 categorical CSV columns; threads={result['threads']}, cpus={result['cpus']}; 1-minute load "
+          f"average {result['load_average'][0]:.2f} before the requests, {result['load_average'][1]:.2f} after")
     print(f"{'body':<10} {'p50 ms':>8} {'p99 ms':>8} {'target p50':>11}  met")
     for name, f in result["http"].items():
         print(f"{name:<10} {f['p50_ms']:8.1f} {f['p99_ms']:8.1f} {f['target_p50_ms']:9.0f} ms  {'yes' if f['met'] else 'NO'}")

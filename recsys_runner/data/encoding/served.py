@@ -140,9 +140,14 @@ class ServedModel:
             raise ValueError(f"{directory}: {SPEC_FILE} and {ENCODERS_FILE} describe other features ({names} vs {self.spec['keys']})")
         self._all_text = all(pa.types.is_string(self.types.get(name, pa.string())) for name in self.columns)
         """Every input column is read as text (:meth:`_text_columns`)."""
-        self._keyed = _keyed_columns(self.schema, self.spec) if self._all_text else {}
-        """Per ``hex``: the vocabulary columns keyed together in a small request (:meth:`_keyed_rows`)."""
         self.error = _error_class()
+        self._small = self._all_text and not self.schema.sequences and not self.spec.get("weighted")
+        """Small text requests take :meth:`_small_rows` (not a model with histories or weighted features)."""
+        self._keyed = _keyed_columns(self.schema) if self._small else {}
+        """Per ``hex``: the vocabulary columns keyed together in a small request (:meth:`_small_rows`)."""
+        keyed = {name for _, names, _ in self._keyed.values() for name in names}
+        self._other_columns = _Encoder(_only_sparse(self.schema, [c for c in self.schema.sparse if c.name not in keyed]), "fail", self.error)
+        """The row encoder of a small request's other sparse columns (:meth:`_small_rows`)."""
         self.program = runnable(torch.export.load(os.path.join(directory, PROGRAM_FILE)))
         self._torch = torch
         self.threads = serving_threads(torch)
@@ -166,7 +171,7 @@ class ServedModel:
         if columns is None:
             columns = {name: self._cast(name, _arrow_column(frame[name])) for name in self.columns}
         table = pa.table({**columns, LABEL: pa.array(np.zeros(n, np.float32))})
-        rows = self._keyed_rows(table, columns) if self._keyed and stacked else None
+        rows = self._small_rows(table, columns) if self._small and stacked else None
         if rows is None:
             rows = _Encoder(self.schema, "fail", self.error).encode(table, _RequestRows("request", "rows", np.arange(n), 0))
         values = np.concatenate([v for v, _ in rows.sparse]) if rows.sparse else np.zeros(0, np.int64)
@@ -204,13 +209,16 @@ class ServedModel:
                 values = pc.if_else(tokens, pa.scalar(None, pa.string()), values)
         return {name: values.slice(j * n, n) for j, name in enumerate(self.columns)}
 
-    def _keyed_rows(self, table: pa.Table, columns: dict[str, pa.Array]) -> Any:
-        """The encoded rows of a small text request, its single-valued vocabulary columns (:attr:`_keyed`) keyed
-        together: their present values in one array, keyed in one pass (``value_keys``, as the row encoder keys each such
-        column), each column then looked up in its vocabulary; the other columns by the row encoder. The same rows as the
-        row encoder's alone, for a fraction of its per-column cost at a few rows. ``None`` when a value cannot be keyed
-        (the row encoder then names it)."""
+    def _small_rows(self, table: pa.Table, columns: dict[str, pa.Array]) -> Any:
+        """The encoded rows of a small text request (:meth:`_text_columns`), the same as the row encoder's, for a fraction
+        of its per-column cost at a few rows: the single-valued vocabulary columns (:attr:`_keyed`) keyed together (their
+        present values in one array, keyed in one pass by ``value_keys`` as the row encoder keys each such column, each
+        column then looked up in its vocabulary), the dense columns read together (:meth:`_dense_rows`), any other column
+        by the row encoder. ``None`` when a value cannot be read (the row encoder then names it)."""
         n = table.num_rows
+        dense = self._dense_rows(columns, n)
+        if dense is None:
+            return None
         sparse: list[Any] = [None] * len(self.schema.sparse)
         for hex_digits, (positions, names, vocabularies) in self._keyed.items():
             values = pa.concat_arrays([columns[name] for name in names])  # column after column
@@ -222,16 +230,31 @@ class ServedModel:
             ids = np.split(vocabularies.lookup(keys, counts), np.cumsum(counts)[:-1])
             for j, column_ids, present in zip(positions, ids, valid, strict=True):
                 sparse[j] = (column_ids, present.astype(np.int32))
-        rest = self._unkeyed_encoder().encode(table, _RequestRows("request", "rows", np.arange(n), 0))
-        others = iter(rest.sparse)
-        return _rows.Rows(rest.labels, rest.dense, [next(others) if bag is None else bag for bag in sparse])
+        if any(bag is None for bag in sparse):
+            others = iter(self._other_columns.encode(table, _RequestRows("request", "rows", np.arange(n), 0)).sparse)
+            sparse = [next(others) if bag is None else bag for bag in sparse]
+        return _rows.Rows(np.zeros(n, np.float32), dense, sparse)
 
-    def _unkeyed_encoder(self) -> Any:
-        """The row encoder of every column but the keyed ones (:meth:`_keyed_rows`)."""
-        keyed = {name for _, names, _ in self._keyed.values() for name in names}
-        schema = copy.copy(self.schema)
-        schema.sparse = [c for c in self.schema.sparse if c.name not in keyed]
-        return _Encoder(schema, "fail", self.error)
+    def _dense_rows(self, columns: dict[str, pa.Array], n: int) -> np.ndarray | None:
+        """The dense columns of a small text request as the row encoder reads them (parsed as float64, a missing value
+        filled, then ``clip``, ``transform`` and ``normalize``), all parsed in one cast; ``None`` when a value is not a
+        finite number (a bad row, which the row encoder names)."""
+        dense = np.empty((n, len(self.schema.dense)), dtype=np.float32)
+        if not self.schema.dense:
+            return dense
+        try:
+            numbers = pa.concat_arrays([columns[col.name] for col in self.schema.dense]).cast(pa.float64())
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            return None
+        read = np.asarray(numbers.to_numpy(zero_copy_only=False), dtype=np.float64).reshape(len(self.schema.dense), n)
+        valid = np.asarray(numbers.is_valid().to_numpy(zero_copy_only=False), dtype=bool).reshape(read.shape) if numbers.null_count else None
+        for j, col in enumerate(self.schema.dense):
+            values = read[j] if valid is None else np.where(valid[j], read[j], col.fill)
+            if not np.isfinite(values).all():
+                return None
+            values = _rows.dense_transformed(col, values)
+            dense[:, j] = (values - col.mean) / col.std if col.normalize == "zscore" else values
+        return dense
 
     def _cast(self, name: str, arr: pa.Array) -> pa.Array:
         """A request column as training read it: ids sent as numbers become the text a CSV held, numbers sent as text are
@@ -270,12 +293,10 @@ class ServedModel:
         return pd.DataFrame(scores(out, self.spec["outputs"]))
 
 
-def _keyed_columns(schema: _Schema, spec: dict[str, Any]) -> dict[bool, tuple[list[int], list[str], _Vocabularies]]:
-    """The sparse columns :meth:`ServedModel._keyed_rows` keys together: one value per row (no separator, weights nor
-    cross) looked up in a vocabulary, in a model without histories or weighted features. Per ``hex``: their positions
-    among the sparse columns, their names and their vocabularies."""
-    if schema.sequences or spec.get("weighted"):
-        return {}
+def _keyed_columns(schema: _Schema) -> dict[bool, tuple[list[int], list[str], _Vocabularies]]:
+    """The sparse columns :meth:`ServedModel._small_rows` keys together: one value per row (no separator, weights nor
+    cross) looked up in a vocabulary. Per ``hex``: their positions among the sparse columns, their names and their
+    vocabularies."""
     groups: dict[bool, list[tuple[int, Any]]] = {}
     for j, col in enumerate(schema.sparse):
         vocabulary = schema.vocabularies.get(col.name)
@@ -285,6 +306,13 @@ def _keyed_columns(schema: _Schema, spec: dict[str, Any]) -> dict[bool, tuple[li
     return {hex_digits: ([j for j, _ in group], [col.name for _, col in group],
                          _Vocabularies([schema.vocabularies[col.name] for _, col in group]))
             for hex_digits, group in groups.items()}
+
+
+def _only_sparse(schema: _Schema, sparse: list[Any]) -> _Schema:
+    """``schema`` with only ``sparse`` as its columns (no dense ones)."""
+    view = copy.copy(schema)
+    view.sparse, view.dense = sparse, []
+    return view
 
 
 class _Vocabularies:
