@@ -5,11 +5,13 @@ are keyed and looked up together and its dense columns parsed together (``Served
 ``_Vocabularies``); the program runs
 without its runtime checks (``runnable``); inside ``mlflow models serve`` torch keeps one intra-op thread
 (``serving_threads``). Each is compared here with the way it replaces: the row encoder column by column, each
-``Vocabulary.lookup``, ``ExportedProgram.module()``, the process's setting.
+``Vocabulary.lookup``, ``ExportedProgram.module()``, the process's setting. A program compiled by AOTInductor is run instead when there is one
+that loads (``load_program``), and one that cannot be compiled or loaded leaves the program to run.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ import torch
 from recsys_runner.data.encoding import served
 from recsys_runner.data.encoding.served import ServedModel
 from recsys_runner.data.encoding.vocabulary import Vocabulary
+from recsys_runner.serving.program import compile_program
 from tests.test_mlflow_model import _trained
 
 
@@ -158,3 +161,51 @@ def test_hex_model_serves_predicts_scores(hex_model: dict[str, Any], tmp_path: P
     np.testing.assert_allclose(model.predict(text)["score"].to_numpy(), reference["score"].to_numpy(), atol=ATOL)
     one = np.concatenate([model.predict(text.iloc[[i]])["score"].to_numpy() for i in range(0, 300, 37)])
     np.testing.assert_allclose(one, reference["score"].to_numpy()[::37], atol=ATOL)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="AOTInductor needs a C++ compiler")
+def test_compiled_program_is_preferred_and_a_broken_one_falls_back(tmp_path: Path) -> None:
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bags, self.head = torch.nn.EmbeddingBag(30, 4, mode="sum"), torch.nn.Linear(6, 1)
+
+        def forward(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            offsets = lengths.reshape(-1).cumsum(0) - lengths.reshape(-1)
+            return self.head(torch.cat([dense, self.bags(values, offsets)], dim=1))
+
+    dense, values, lengths = torch.rand(3, 2), torch.tensor([1, 5, 7, 29]), torch.tensor([[2, 1, 1]])
+    shapes = {"dense": {0: torch.export.Dim("batch")}, "values": {0: torch.export.Dim("ids")}, "lengths": {1: torch.export.Dim("batch")}}
+    program = torch.export.export(Net().eval(), (dense, values, lengths), dynamic_shapes=shapes, strict=False)
+    torch.export.save(program, str(tmp_path / served.PROGRAM_FILE))
+    assert not (tmp_path / served.COMPILED_FILE).exists()
+    eager = served.load_program(str(tmp_path))
+    assert isinstance(eager, torch.fx.GraphModule)
+
+    assert compile_program(program, str(tmp_path / served.COMPILED_FILE))
+    compiled = served.load_program(str(tmp_path))
+    assert not isinstance(compiled, torch.fx.GraphModule)
+    for d, v, ln in ((dense, values, lengths), (torch.rand(1, 2), torch.tensor([3]), torch.tensor([[1]])),
+                     (torch.rand(5, 2), torch.tensor([0, 1, 2]), torch.tensor([[0, 3, 0, 0, 0]]))):
+        with torch.inference_mode():
+            torch.testing.assert_close(compiled(d, v, ln), eager(d, v, ln), rtol=1e-5, atol=1e-5)
+
+    (tmp_path / served.COMPILED_FILE).write_bytes(b"not a package")  # another torch's, a truncated copy: the program runs
+    with pytest.warns(UserWarning, match=r"model_aoti.pt2 does not load here .* running model.pt2 instead"):
+        fallback = served.load_program(str(tmp_path))
+    assert isinstance(fallback, torch.fx.GraphModule)
+
+
+def test_a_program_that_cannot_be_compiled_is_served_as_it_is(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    import torch._inductor
+
+    def no_compiler(*args: Any, **kwargs: Any) -> str:
+        raise RuntimeError("no C++ compiler found\nmore")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiler)
+    program = torch.export.export(torch.nn.Linear(2, 1), (torch.rand(3, 2),))
+    assert not compile_program(program, str(tmp_path / served.COMPILED_FILE))
+    assert "could not be compiled with AOTInductor (RuntimeError: no C++ compiler found)" in caplog.text
+    assert not (tmp_path / served.COMPILED_FILE).exists()

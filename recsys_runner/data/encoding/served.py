@@ -2,8 +2,8 @@
 
 ``export`` writes an MLflow model (:mod:`recsys_runner.serving.mlflow_model`) whose ``code/`` holds a copy of this module
 (``recsys_served.py``), of the row encoder (``recsys_rows.py``: :mod:`~recsys_runner.data.encoding.rows`) and of the
-vocabulary lookup (``recsys_vocabulary.py``), and whose ``data/`` holds the ``torch.export`` program, the checkpoint's
-``encoders.json`` and ``serving.json`` (what the program takes and what its outputs mean). MLflow calls
+vocabulary lookup (``recsys_vocabulary.py``), and whose ``data/`` holds the ``torch.export`` program (and, when ``export`` compiled it, its AOTInductor package), the
+checkpoint's ``encoders.json`` and ``serving.json`` (what the program takes and what its outputs mean). MLflow calls
 :func:`_load_pyfunc` on ``data/``; :meth:`ServedModel.predict` then
 
 1. checks that every input column the model was trained on is in the request (extra columns are ignored);
@@ -29,6 +29,7 @@ import copy
 import importlib
 import json
 import os
+import warnings
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +47,8 @@ else:  # inside the MLflow model: the copies in its code/ directory, never an in
 SPEC_FILE = "serving.json"
 ENCODERS_FILE = "encoders.json"
 PROGRAM_FILE = "model.pt2"
+COMPILED_FILE = "model_aoti.pt2"
+"""The program compiled ahead of time by AOTInductor, when ``export`` was asked for it (:func:`load_program`)."""
 SHIPPED = {"rows": "recsys_rows.py", "vocabulary": "recsys_vocabulary.py", "served": "recsys_served.py"}
 """This room's modules the MLflow model carries in ``code/``, by the names they are imported under there."""
 LOADER_MODULE = "recsys_served"
@@ -148,7 +151,7 @@ class ServedModel:
         keyed = {name for _, names, _ in self._keyed.values() for name in names}
         self._other_columns = _Encoder(_only_sparse(self.schema, [c for c in self.schema.sparse if c.name not in keyed]), "fail", self.error)
         """The row encoder of a small request's other sparse columns (:meth:`_small_rows`)."""
-        self.program = runnable(torch.export.load(os.path.join(directory, PROGRAM_FILE)))
+        self.program = load_program(directory)
         self._torch = torch
         self.threads = serving_threads(torch)
         """Torch's intra-op threads once loaded (one inside ``mlflow models serve``: :func:`serving_threads`)."""
@@ -339,6 +342,24 @@ class _Vocabularies:
         hit = (pos < self.sizes[column]) & (self.all_keys[at] == keys)
         oov = self.capacity[column] + (keys % self.oov_buckets[column]).astype(np.int64)
         return np.where(hit, self.all_rows[at], oov)
+
+
+def load_program(directory: str) -> Any:
+    """The program a request runs: the AOTInductor package (:data:`COMPILED_FILE`) when there is one and it loads here —
+    compiled C++ kernels, ~0.8 instead of ~4 ms at one row — else the ``torch.export`` program (:func:`runnable`). A
+    package that does not load (another torch, another CPU) is named in a warning and the program runs instead."""
+    import torch
+
+    compiled = os.path.join(directory, COMPILED_FILE)
+    if os.path.exists(compiled):
+        try:
+            from torch._inductor import aoti_load_package
+
+            return aoti_load_package(compiled)
+        except Exception as e:  # noqa: BLE001 - whatever keeps it from loading, the program is there to run instead
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            warnings.warn(f"{compiled} does not load here ({type(e).__name__}: {why}); running {PROGRAM_FILE} instead", stacklevel=2)
+    return runnable(torch.export.load(os.path.join(directory, PROGRAM_FILE)))
 
 
 RUNTIME_CHECKS = ("_assert_scalar", "_assert_tensor_metadata")
