@@ -203,6 +203,6 @@ def test_two_ranks_with_the_item_table_sharded_column_wise(tmp_path: Path) -> No
     assert any("column_wise" in line for line in item_shards), plan
     assert any("rank:0" in line for line in item_shards) and any("rank:1" in line for line in item_shards), plan
     final = {k: v for k, v in logged.data.metrics.items() if k.startswith("eval/")}
-    assert set(final) == {"eval/hr_at_10", "eval/ndcg_at_10", "eval/hr_at_50"} and final["eval/hr_at_10"] > 0.3, final
+    assert set(final) == {"eval/hr_at_10", "eval/ndcg_at_10", "eval/hr_at_50", "eval/mrr"} and final["eval/hr_at_10"] > 0.3, final
     alone = evaluate.run(compose_entry("evaluate", *overrides, f"load={tmp_path}/ck", "tracking=none"))
     assert alone == pytest.approx(final, abs=1e-6), "one process over all eval rows, the table on one rank"

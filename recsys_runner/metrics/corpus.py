@@ -31,7 +31,7 @@ __all__ = ["AnnRecallAtK", "MeanReciprocalRank", "CoverageAtK", "corpus_ranks", 
 
 
 def corpus_ranks(queries: Tensor, index: Tensor, targets: Tensor, k: int, chunk_rows: int,
-                 between: Callable[[], None] | None = None) -> tuple[Tensor, Tensor]:
+                 between: Callable[[], None] | None = None, seen: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Each query's target rank among all items and its top ``k`` item rows, exactly, chunk by chunk.
 
     Args:
@@ -42,6 +42,8 @@ def corpus_ranks(queries: Tensor, index: Tensor, targets: Tensor, k: int, chunk_
         chunk_rows: items scored at once; memory is ``Q × (chunk_rows + k)`` scores.
         between: called after each chunk's scoring (a caller's check that may raise to abandon the ranking: the
             training loop's pending-signal check), or ``None``.
+        seen: ``[Q, L]`` item rows each query's user has seen (``-1``: padding), which score ``-inf`` unless the row is
+            the query's target (``metrics.exclude_seen``); ``None``: nothing excluded.
 
     Returns:
         ``(ranks [Q] float64, top [Q, k] int64)``. Two passes over the chunks: the first reads each target's score
@@ -55,7 +57,7 @@ def corpus_ranks(queries: Tensor, index: Tensor, targets: Tensor, k: int, chunk_
     top_rows = torch.zeros((q, 0), dtype=torch.long, device=queries.device)
     rows = torch.arange(q, device=queries.device)
     for start in range(0, n, chunk_rows):
-        scores = queries @ index[start:start + chunk_rows].t()
+        scores = _unseen(queries @ index[start:start + chunk_rows].t(), seen, targets, start)
         inside = known & (targets >= start) & (targets < start + scores.shape[1])
         target_scores[inside] = scores[rows[inside], targets[inside] - start]
         best, at = scores.topk(min(k, scores.shape[1]), dim=1)  # the chunk's own top k, then merged with the running top k
@@ -67,13 +69,24 @@ def corpus_ranks(queries: Tensor, index: Tensor, targets: Tensor, k: int, chunk_
     ties = torch.zeros(q, dtype=torch.float64, device=queries.device)
     column = target_scores.view(-1, 1)
     for start in range(0, n, chunk_rows):
-        scores = queries @ index[start:start + chunk_rows].t()
+        scores = _unseen(queries @ index[start:start + chunk_rows].t(), seen, targets, start)
         higher += (scores > column).sum(dim=1)
         ties += (scores == column).sum(dim=1)
         if between is not None:
             between()
     ranks = higher + 0.5 * (ties - 1)
     return torch.where(known, ranks, torch.full_like(ranks, math.inf)), top_rows
+
+
+def _unseen(scores: Tensor, seen: Tensor | None, targets: Tensor, start: int) -> Tensor:
+    """``scores [Q, C]`` of items ``start … start + C - 1`` with each query's ``seen`` rows among them at ``-inf``, except
+    its target: the same entries in both passes of :func:`corpus_ranks`, so the target's rank counts unseen items only."""
+    if seen is None:
+        return scores
+    inside = (seen >= start) & (seen < start + scores.shape[1]) & (seen != targets.view(-1, 1))
+    q, j = inside.nonzero(as_tuple=True)
+    scores[q, seen[q, j] - start] = float("-inf")
+    return scores
 
 
 def corpus_k(names: list[str], num_items: int, key: str) -> int:

@@ -228,6 +228,12 @@ class MetricsConfig:
     """``gauc`` weights each group by its rows (``impressions``) or equally (``uniform``)."""
     xauc_max_pairs: int = 1 << 22
     """``xauc`` is exact up to this many pairs, then computed on this many seeded random pairs."""
+    exclude_seen: bool = False
+    """Full-table ranking metrics (``hr@<k>``, ``ndcg@<k>``, ``recall@<k>``, ``mrr``, ``coverage@<k>``) rank each row's
+    true item among the items its user has not interacted with: the row's earlier items score ``-inf``, except the
+    true item (the protocol of the HSTU paper and generative-recommenders' tables). Earlier items: a next-item model's
+    history as the row holds it (``data.sequences.<group>.max_len`` events at most); a two-tower model's user-side
+    features that read the item table, and ``data.items.seen``. ``false``: nothing is excluded."""
     selection: dict[str, float] = field(default_factory=dict)
     """Weights of eval metrics whose sum is logged as ``eval/selection``, to choose the best checkpoint, stop early or
     rank a sweep by several tasks at once, e.g. ``{eval/ctr/auc: 0.5, eval/cvr/auc: 0.5}`` with

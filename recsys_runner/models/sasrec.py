@@ -38,6 +38,7 @@ from recsys_runner.errors import ConfigError, require
 from recsys_runner.features import DataNeeds, FeatureSpec, SequenceGroup, check_embedding_dim
 from recsys_runner.models.common import ModelConfig
 from recsys_runner.models.hstu import HSTUBlock
+from recsys_runner.models.ranking_eval import sampled_negatives, seen_ids, without_seen
 from recsys_runner.models.sequence import History, SequenceArch, padded, recency_positions
 from recsys_runner.tasks import NextItemTask
 
@@ -80,9 +81,14 @@ class SASRecConfig(ModelConfig):
     time_buckets: int = 128
     """``block: hstu``: log-scale time-gap buckets of the relative bias when the history has event times (``0``: no
     time bias)."""
-    eval_metrics: list[str] = field(default_factory=lambda: ["hr@10", "ndcg@10", "hr@50"])
-    """Full-table ranking metrics of the true next item, logged as ``eval/hr_at_10`` …; only ``hr@<k>`` and
-    ``ndcg@<k>`` apply."""
+    eval_metrics: list[str] = field(default_factory=lambda: ["hr@10", "ndcg@10", "hr@50", "mrr"])
+    """Ranking metrics of the true next item, logged as ``eval/hr_at_10`` …: ``hr@<k>``, ``ndcg@<k>``, ``mrr``,
+    ``coverage@<k>`` (not with ``eval_negatives``). Over the whole item table, less each row's seen items with
+    ``metrics.exclude_seen``, or against ``eval_negatives`` sampled items (docs/metrics.md, "Protocols")."""
+    eval_negatives: int = 0
+    """``0``: rank the true item against the whole item table. ``N > 0``: against ``N`` items drawn uniformly, without
+    replacement, from the item table less the row's seen items (history and target), with a fixed seed: the same
+    negatives for every model and run on the same eval rows (the SASRec paper's protocol with ``N = 100``)."""
 
     def __post_init__(self) -> None:
         check_embedding_dim("model.embedding_dim", self.embedding_dim)
@@ -94,6 +100,11 @@ class SASRecConfig(ModelConfig):
         require(0 <= self.dropout < 1, f"model.dropout must lie in [0, 1), got {self.dropout}")
         require(self.temperature > 0, f"model.temperature must be positive, got {self.temperature}")
         require(self.time_buckets >= 0, f"model.time_buckets must be >= 0, got {self.time_buckets}")
+        require(self.eval_negatives >= 0, f"model.eval_negatives must be >= 0 (0: the whole item table), got {self.eval_negatives}")
+        require(not (self.eval_negatives and any(m.startswith("coverage@") for m in self.eval_metrics)),
+                f"model.eval_metrics={list(self.eval_metrics)}: coverage@<k> counts items of the whole table in the top k, "
+                f"which a ranking against model.eval_negatives={self.eval_negatives} sampled items has not. Fix: remove "
+                f"coverage@<k>, or model.eval_negatives=0")
 
     def data_needs(self) -> DataNeeds:
         """Histories whose rows' candidates are the true next items: generated data has no sampled negatives."""
@@ -162,6 +173,11 @@ class SASRec(nn.Module):
         self.dim, self.num_items = dim, next(f.num_embeddings for f in features.sparse if f.name == self.item_feature)
         self.temperature, self.normalize, self.logq = config.temperature, config.normalize, config.logq_correction
         self.tasks = (NextItemTask(eval_metrics=tuple(config.eval_metrics) if config.eval_metrics else None),)
+        self.eval_negatives = config.eval_negatives
+        _check_eval_negatives(config.eval_negatives, self.num_items, self.group, self.item_feature)
+        self.exclude_seen = False
+        """Whether eval scores put each row's history items at ``-inf`` (except its target): ``metrics.exclude_seen``,
+        set by the evaluation that reads them (:func:`recsys_runner.train.corpus.use_ranking_protocol`)."""
         event_dim = self.arch.group_dims[self.group.name]
         self.project = nn.Linear(event_dim, dim, device=dense_device) if event_dim != dim else nn.Identity()
         self.start = nn.Parameter(torch.empty(dim, device=dense_device).normal_(0, 0.02))
@@ -240,9 +256,25 @@ class SASRec(nn.Module):
         return logits, positives
 
     def full_scores(self, states: torch.Tensor, lengths: torch.Tensor, sparse: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(scores [B, N], true item ids [B])``: the state after each row's whole history against every item."""
+        """``(scores [B, N], true item ids [B])``: the state after each row's whole history against every item; with
+        :attr:`exclude_seen` the row's history items score ``-inf`` except its true item. With ``eval_negatives`` ``n``
+        instead ``(scores [B, 1 + n], zeros [B])``: column 0 the true item, then ``n`` sampled unseen items
+        (:func:`~recsys_runner.models.ranking_eval.sampled_negatives`). An exported program scores the whole table."""
         user = states[torch.arange(states.shape[0], device=states.device), lengths]
-        return self.score(user, self.item_table(sparse)), self._candidate_ids(sparse)
+        targets, table = self._candidate_ids(sparse), self.item_table(sparse)
+        if torch.compiler.is_exporting() or not (self.exclude_seen or self.eval_negatives):
+            return self.score(user, table), targets
+        jagged = sparse[self.item_feature]
+        history = jagged.to_padded_dense(desired_length=max(int(jagged.lengths().max()) if lengths.numel() else 0, 1),
+                                         padding_value=-1)
+        seen = seen_ids(history, jagged.lengths(), targets)
+        if self.eval_negatives:
+            items = torch.cat([targets.long().view(-1, 1), sampled_negatives(seen, targets, self.num_items, self.eval_negatives)], dim=1)
+            vectors, states_ = table[items].to(user.dtype), user.unsqueeze(1)
+            if self.normalize:
+                vectors, states_ = F.normalize(vectors, dim=2), F.normalize(states_, dim=2)
+            return (states_ * vectors).sum(dim=2) / self.temperature, torch.zeros_like(targets)
+        return without_seen(self.score(user, table), seen, targets), targets
 
     def item_table(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
         """Every item's embedding ``[N, D]``, looked up (ids ``0 … N-1`` as the candidate feature of a batch with
@@ -262,6 +294,17 @@ class SASRec(nn.Module):
     def _candidate_ids(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
         """Each row's candidate item id ``[B]`` (its first id; the candidate has one per row)."""
         return padded(sparse.to_dict()[self.candidate], 1)[:, 0]
+
+
+def _check_eval_negatives(n: int, num_items: int, group: SequenceGroup, item_feature: str) -> None:
+    """Raise :class:`ConfigError` unless every eval row has ``n`` unseen items: ``num_items`` less its history (at most
+    ``max_len``) and its target."""
+    free = num_items - group.max_len - 1
+    if n > free:
+        raise ConfigError(f"model.eval_negatives={n} sampled negatives per eval row, but a row may have seen {group.max_len + 1} of "
+                          f"the {num_items} items ({item_feature}: data.sequences.{group.name}.max_len={group.max_len} history items "
+                          f"and its target), leaving {max(free, 0)} to sample from. Fix: model.eval_negatives<={max(free, 0)} "
+                          f"(e.g. 100, the SASRec paper's), or 0 to rank against the whole item table")
 
 
 def _item_and_candidate(features: FeatureSpec, group: SequenceGroup, item_feature: str | None) -> tuple[str, str]:

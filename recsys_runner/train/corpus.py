@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 import numpy as np
@@ -48,7 +48,7 @@ from recsys_runner.models.dssm import first_ids
 from recsys_runner.progress import Progress
 from recsys_runner.tasks import Task
 
-__all__ = ["CorpusEval", "TwoTower", "item_index", "mine", "two_tower_of"]
+__all__ = ["CorpusEval", "TwoTower", "item_index", "mine", "seen_features", "two_tower_of", "use_ranking_protocol"]
 
 
 class TwoTower(Protocol):
@@ -70,6 +70,59 @@ def two_tower_of(model: nn.Module) -> TwoTower | None:
         if inner is None:
             return None
     return None
+
+
+def _inner_with(model: nn.Module, attribute: str) -> Any:
+    """The module inside ``model`` (DistributedModelParallel, DDP, the TrainWrapper) that has ``attribute``, or ``None``."""
+    inner: Any = model
+    for _ in range(4):
+        if hasattr(inner, attribute):
+            return inner
+        inner = getattr(inner, "module", None) or getattr(inner, "model", None)
+        if inner is None:
+            return None
+    return None
+
+
+def use_ranking_protocol(model: nn.Module, spec: MetricsConfig, two_tower: bool) -> None:
+    """Tell a next-item model (one with an ``exclude_seen`` switch: :class:`~recsys_runner.models.sasrec.SASRec`) whether
+    its eval scores exclude each row's history (``metrics.exclude_seen``); ``two_tower``: the corpus pass excludes them
+    itself (:func:`seen_features`).
+
+    Raises:
+        ConfigError: ``metrics.exclude_seen`` on a model that is neither (no history to exclude).
+    """
+    inner = _inner_with(model, "exclude_seen")
+    if inner is not None:
+        inner.exclude_seen = spec.exclude_seen
+        return
+    if spec.exclude_seen and not two_tower:
+        raise ConfigError("metrics.exclude_seen=true ranks each row's true item among the items its user has not interacted with, "
+                          "but this model's eval has no full-table ranking over histories: it applies to next-item models "
+                          "(model=sasrec) and to a two-tower model's full-corpus metrics (model=dssm with an item catalogue and "
+                          "recall@<k>/ndcg@<k>/mrr in model.eval_metrics). Fix: metrics.exclude_seen=false, or one of those")
+
+
+def seen_features(model: TwoTower, data: DataModule, table: ItemTable) -> list[str]:
+    """The sparse features of a query row that hold the items its user has seen, for ``metrics.exclude_seen``: the user
+    tower's features reading the item id's table (a history of item ids) and ``data.items.seen``.
+
+    Raises:
+        ConfigError: neither exists (the message names both fixes).
+    """
+    sparse = {f.name: f for f in data.features.sparse}
+    item_table = sparse[table.id_feature].table_name if table.id_feature in sparse else None
+    user = getattr(model, "tower_features", {}).get("user", [])
+    found = [n for n in user if n in sparse and n != table.id_feature and sparse[n].table_name == item_table]
+    if table.seen_feature is not None and table.seen_feature not in found:
+        found.append(table.seen_feature)
+    if not found:
+        raise ConfigError(f"metrics.exclude_seen=true excludes each query's earlier items from the full-corpus metrics, but the "
+                          f"model reads no history of items (no model.user_features entry shares the table of "
+                          f"{table.id_feature!r}) and the data names no seen column. Fix: data.items.seen=<a list column of "
+                          f"each row's earlier item ids, sharing {table.id_feature!r}'s table>, or a history feature in "
+                          f"model.user_features, or metrics.exclude_seen=false")
+    return found
 
 
 def item_index(model: TwoTower, table: ItemTable, keys: list[str], dense_names: tuple[str, ...], chunk_rows: int,
@@ -114,6 +167,8 @@ class CorpusEval:
         chunk_rows: items scored, and embedded, at once (``model.corpus_chunk_rows``).
         k: the largest ``k`` asked for (each query's top ``k`` is kept for ``coverage@k``).
         index: ``exact``, or ``faiss``: the metrics of an HNSW search's top ``k`` (``model.index``).
+        seen: the query rows' sparse features whose item ids score ``-inf`` except the target (``metrics.exclude_seen``:
+            :func:`seen_features`); empty: nothing excluded.
     """
 
     table: ItemTable
@@ -122,6 +177,7 @@ class CorpusEval:
     chunk_rows: int
     k: int
     index: str = "exact"
+    seen: list[str] = field(default_factory=list)
 
     @classmethod
     def for_run(cls, model: nn.Module, data: DataModule, tasks: tuple[Task, ...], spec: MetricsConfig) -> CorpusEval | None:
@@ -132,6 +188,7 @@ class CorpusEval:
                 a ``k`` exceeds the catalogue's size.
         """
         wanted = [(t, names) for t in tasks if (names := catalogue_metric_names(spec, t))]
+        use_ranking_protocol(model, spec, two_tower=bool(wanted))
         if not wanted:
             if _miner(data) is not None:
                 raise ConfigError("data.negatives.mined_ratio mines hard negatives from the item index each full-corpus "
@@ -150,7 +207,11 @@ class CorpusEval:
         if towers is None:
             raise ConfigError(f"{key} lists {listed}, full-corpus metrics of a two-tower model; this model has no towers. "
                               f"Fix: model=dssm, or remove them")
-        return cls(table, wanted, spec, towers.corpus_chunk_rows, corpus_k(listed, len(table), key), towers.corpus_index)
+        seen = seen_features(towers, data, table) if spec.exclude_seen else []
+        if seen and towers.corpus_index == "faiss":
+            raise ConfigError("metrics.exclude_seen=true masks each query's seen items in the exact ranking; model.index=faiss "
+                              "ranks an HNSW search's top k, which it does not mask. Fix: model.index=exact, or metrics.exclude_seen=false")
+        return cls(table, wanted, spec, towers.corpus_chunk_rows, corpus_k(listed, len(table), key), towers.corpus_index, seen)
 
     def evaluate(self, model: nn.Module, data: DataModule, env: DistEnv, batches: Iterable[Batch],
                  progress: Progress | None = None, stop: Callable[[], None] | None = None) -> dict[str, float]:
@@ -167,7 +228,8 @@ class CorpusEval:
             batch = batch.to(env.device, non_blocking=True)
             queries = towers.tower("user", batch.dense_features, batch.sparse_features).float()
             targets = rows(first_ids(batch.sparse_features, self.table.id_feature))
-            ranks, top = corpus_ranks(queries, index, targets, self.k, self.chunk_rows, between=stop)
+            seen = _seen_rows(batch.sparse_features, self.seen, rows) if self.seen else None
+            ranks, top = corpus_ranks(queries, index, targets, self.k, self.chunk_rows, between=stop, seen=seen)
             ranked = Ranked(ranks, top, len(self.table)) if ann is None else searched(ann, queries, targets, top, len(self.table))
             for _, by_name in metrics:
                 for metric in by_name.values():
@@ -217,6 +279,18 @@ def _miner(data: DataModule) -> MinedNegatives | None:
 def _metric(name: str, spec: MetricsConfig, device: torch.device) -> Metric:
     """Metric ``name`` built from ``spec`` on ``device``."""
     return metric_entry(name).factory(spec).to(device)
+
+
+def _seen_rows(sparse: KeyedJaggedTensor, names: list[str], rows: _RowOf) -> torch.Tensor:
+    """``[Q, L]`` each query's seen items as catalogue rows (features ``names`` concatenated, ``-1`` padding and for an
+    id not in the catalogue)."""
+    parts = []
+    for name in names:
+        jagged = sparse[name]
+        width = max(int(jagged.lengths().max()) if jagged.lengths().numel() else 0, 1)
+        parts.append(jagged.to_padded_dense(desired_length=width, padding_value=-1).long())
+    ids = torch.cat(parts, dim=1)
+    return torch.where(ids >= 0, rows(ids.clamp_min(0)), torch.full_like(ids, -1))
 
 
 class _RowOf:

@@ -50,6 +50,10 @@ class ItemsConfig:
     training files (``count_rows`` rows), uniform when that finds none of the items."""
     count_rows: int = 1_000_000
     """Training rows read to count item popularity when ``popularity`` is null."""
+    seen: str | None = None
+    """A list column of the training data (a multi-hot ``data.sparse`` column sharing the item id's table) holding each
+    row's earlier item ids: with ``metrics.exclude_seen`` the full-corpus metrics rank a query's item among the items
+    not in it (besides the user tower's item-history features). ``null``: none."""
 
     def __post_init__(self) -> None:
         require(self.path is None or bool(self.id),
@@ -61,6 +65,13 @@ class ItemsConfig:
         sparse, dense = [c.name for c in schema.sparse], [c.name for c in schema.dense]
         require(self.id in sparse, f"data.items.id={self.id!r} is not a data.sparse column of the training data ({', '.join(sparse)}). "
                 f"Fix: data.items.id=<the item id column>")
+        require(self.seen is None or self.seen in sparse, f"data.items.seen={self.seen!r} is not a data.sparse column of the "
+                f"training data ({', '.join(sparse)}). Fix: data.items.seen=<a list column of each row's earlier item ids>, or null")
+        tables = {c.name: (c.table or f"t_{c.name}") for c in schema.sparse}
+        require(self.seen is None or tables.get(self.seen) == tables.get(self.id or ""),
+                f"data.items.seen={self.seen!r} reads table {tables.get(self.seen or '')!r}, but the item id {self.id!r} reads "
+                f"{tables.get(self.id or '')!r}: its ids must be item ids. Fix: give both the same table (data.sparse entries "
+                f"with table: item)")
         unknown = [f for f in self.features if f not in sparse and f not in dense]
         require(not unknown, f"data.items.features has {unknown}, which are not data.sparse / data.dense columns of the training data "
                 f"({', '.join([*sparse, *dense])}). Fix: list the item columns by their training names")
@@ -134,7 +145,7 @@ def read_item_table(config: ItemsConfig, schema: Schema, delimiter: str = ",",
     dense_names = tuple(n for n in config.features if n in dense_cols)
     dense = np.stack([encoder._dense(dense_cols[n], table.column(n), Location(path, "items", np.arange(0)), bad)
                       for n in dense_names], axis=1) if dense_names else np.zeros((table.num_rows, 0))
-    items = ItemTable(id_name, ids, features, dense_names, dense.astype(np.float32), np.ones(table.num_rows))
+    items = ItemTable(id_name, ids, features, dense_names, dense.astype(np.float32), np.ones(table.num_rows), config.seen)
     items = _first_of_each_id(items, path)
     if config.popularity is not None:
         popularity = _popularity_column(table.column(config.popularity), path, config.popularity, ids)
@@ -182,7 +193,7 @@ def _counted(items: ItemTable, encoder: Encoder, column: Any, train_sample: Call
 
 
 def _with_popularity(items: ItemTable, popularity: np.ndarray) -> ItemTable:
-    return ItemTable(items.id_feature, items.ids, items.features, items.dense_names, items.dense, popularity)
+    return ItemTable(items.id_feature, items.ids, items.features, items.dense_names, items.dense, popularity, items.seen_feature)
 
 
 def check_eval_items(items: ItemTable, schema: Schema, split: Any, items_path: str) -> None:

@@ -21,7 +21,8 @@ __all__ = ["ItemTable"]
 class ItemTable:
     """``N`` items: ``ids [N]`` (the item id feature's encoded ids, distinct), per item sparse feature
     ``(values, lengths [N])`` row-aligned with ``ids``, ``dense [N, n]`` item dense columns (``dense_names``), and
-    ``popularity [N]`` (float64 weights >= 0: how often each item occurs in the training data, or 1 for none known).
+    ``popularity [N]`` (float64 weights >= 0: how often each item occurs in the training data, or 1 for none known),
+    and ``seen_feature``: the data's list column of each row's earlier item ids (``data.items.seen``), or ``None``.
     """
 
     id_feature: str
@@ -30,6 +31,7 @@ class ItemTable:
     dense_names: tuple[str, ...]
     dense: np.ndarray
     popularity: np.ndarray
+    seen_feature: str | None = None
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])
@@ -54,7 +56,8 @@ class ItemTable:
         """The table of items ``index`` only, in that order (e.g. one row per distinct id)."""
         index = np.asarray(index, dtype=np.int64)
         features = {name: _gather(values, lengths, index) for name, (values, lengths) in self.features.items()}
-        return ItemTable(self.id_feature, self.ids[index], features, self.dense_names, self.dense[index], self.popularity[index])
+        return ItemTable(self.id_feature, self.ids[index], features, self.dense_names, self.dense[index], self.popularity[index],
+                         self.seen_feature)
 
     def rows(self, index: np.ndarray, keys: list[str], dense_names: tuple[str, ...]) -> tuple[torch.Tensor, KeyedJaggedTensor]:
         """Items ``index`` as batch rows ``(dense [k, len(dense_names)], KJT with ``keys``)``: each item feature's ids, the

@@ -1,0 +1,171 @@
+"""metrics.exclude_seen: a row's earlier items score -inf except its true item, for next-item models (the row's history)
+and two-tower full-corpus metrics (seen catalogue rows); the metrics equal a brute-force numpy ranking of the model's
+own scores with that mask, on 1 rank and on 2 ranks with the item table sharded column-wise."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from recsys_runner.configurable import make
+from recsys_runner.data.generated.synthetic_sequences import SyntheticSequencesConfig
+from recsys_runner.errors import ConfigError
+from recsys_runner.metrics.corpus import corpus_ranks
+from recsys_runner.metrics.registry import MetricsConfig, build_eval_metrics
+from recsys_runner.models.common import TrainWrapper
+from recsys_runner.models.sasrec import SASRec, SASRecConfig
+from recsys_runner.train.corpus import use_ranking_protocol
+from tests.conftest import torchrun
+from tests.test_next_item import SMALL
+
+NAMES = ["hr@1", "hr@10", "ndcg@10", "mrr"]
+
+
+def brute_force(scores: np.ndarray, targets: np.ndarray, seen: list[np.ndarray]) -> dict[str, float]:
+    """``NAMES`` in numpy: each row's seen items (not its target) dropped, then the target ranked among the rest (items
+    strictly higher, plus half the other ties)."""
+    ranks = []
+    for row, t, s in zip(scores, targets, seen, strict=True):
+        keep = np.ones(row.shape[0], bool)
+        keep[s] = False
+        keep[t] = True
+        rest = row[keep]
+        ranks.append(float((rest > row[t]).sum() + 0.5 * ((rest == row[t]).sum() - 1)))
+    r = np.array(ranks)
+    return {"hr@1": float((r < 1).mean()), "hr@10": float((r < 10).mean()),
+            "ndcg@10": float(np.where(r < 10, 1 / np.log2(r + 2), 0).mean()), "mrr": float((1 / (r + 1)).mean())}
+
+
+def _model_and_data() -> tuple[TrainWrapper, SASRec, object]:
+    data = make(SyntheticSequencesConfig, batch_size=32, num_items=80, num_categories=4, num_users=40, max_len=12,
+                num_train_rows=64, num_eval_rows=96).for_model(SASRecConfig().data_needs()).build()
+    torch.manual_seed(0)
+    model = SASRec(make(SASRecConfig, embedding_dim=8), features=data.features)
+    model.arch.to_empty(device=torch.device("cpu"))
+    for p in model.arch.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    wrapper = TrainWrapper(model, features=data.features)
+    wrapper.eval()
+    return wrapper, model, data
+
+
+def test_next_item_exclude_seen_equals_a_brute_force_ranking_on_one_rank() -> None:
+    wrapper, model, data = _model_and_data()
+    spec = MetricsConfig(eval=NAMES, train=[], exclude_seen=True)
+    masked = build_eval_metrics(spec, torch.device("cpu"))
+    full = build_eval_metrics(spec, torch.device("cpu"))
+    all_scores, all_targets, all_seen = [], [], []
+    repeats = 0
+    with torch.no_grad():
+        for batch in data.eval_batches(0, 1):  # type: ignore[attr-defined]
+            use_ranking_protocol(wrapper, MetricsConfig(exclude_seen=False), two_tower=False)
+            _, (_, scores, targets) = wrapper(batch)
+            full.update(scores, targets)
+            use_ranking_protocol(wrapper, spec, two_tower=False)
+            _, (_, masked_scores, masked_targets) = wrapper(batch)
+            assert torch.equal(masked_targets, targets)
+            masked.update(masked_scores, targets)
+            history = batch.sparse_features["hist_item_id"]
+            for row, ids in enumerate(torch.split(history.values(), history.lengths().tolist())):
+                unseen = torch.ones(scores.shape[1], dtype=torch.bool)
+                unseen[ids] = False
+                unseen[targets[row]] = True
+                assert torch.equal(masked_scores[row][unseen], scores[row][unseen])
+                assert bool(torch.isneginf(masked_scores[row][~unseen]).all())
+                repeats += int((ids == targets[row]).any())
+                all_seen.append(ids.numpy())
+            all_scores.append(scores.numpy())
+            all_targets.append(targets.numpy())
+    assert model.exclude_seen
+    expected = brute_force(np.concatenate(all_scores), np.concatenate(all_targets), all_seen)
+    got = {k: float(v) for k, v in masked.compute().items()}
+    assert got == pytest.approx(expected, rel=1e-12)
+    unmasked = {k: float(v) for k, v in full.compute().items()}
+    assert got["mrr"] > unmasked["mrr"], "excluding seen items can only raise the true item"
+    print(f"rows with a repeated target: {repeats}")
+
+
+def test_exclude_seen_without_histories_names_the_fix() -> None:
+    with pytest.raises(ConfigError, match=r"metrics.exclude_seen=true .*Fix: metrics.exclude_seen=false, or one of those"):
+        use_ranking_protocol(torch.nn.Linear(2, 2), MetricsConfig(exclude_seen=True), two_tower=False)
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 7, 1000])
+def test_corpus_ranks_exclude_seen_rows_like_numpy(chunk_rows: int) -> None:
+    g = torch.Generator().manual_seed(5)
+    queries, index = torch.randint(-2, 3, (30, 4), generator=g).float(), torch.randint(-2, 3, (57, 4), generator=g).float()
+    targets = torch.randint(0, 57, (30,), generator=g)
+    seen = torch.randint(-1, 57, (30, 9), generator=g)  # -1: padding; some rows hold their own target (a repeat)
+    seen[0, 0] = targets[0]
+    ranks, top = corpus_ranks(queries, index, targets, 5, chunk_rows, seen=seen)
+    full = (queries @ index.t()).numpy()
+    expected = brute_force(full, targets.numpy(), [s[s >= 0].numpy() for s in seen])
+    r = ranks.numpy()
+    got = {"hr@1": float((r < 1).mean()), "hr@10": float((r < 10).mean()),
+           "ndcg@10": float(np.where(r < 10, 1 / np.log2(r + 2), 0).mean()), "mrr": float((1 / (r + 1)).mean())}
+    assert got == pytest.approx(expected, rel=1e-12)
+    for q in range(30):  # the top rows are never a seen item other than the target
+        excluded = set(seen[q][seen[q] >= 0].tolist()) - {int(targets[q])}
+        assert not excluded & set(top[q].tolist())
+
+
+def _eval_rows(tmp_path: Path, overrides: list[str], checkpoint: Path) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+    """The checkpoint's unmasked full-table scores of every eval row on one process, its targets and histories."""
+    from recsys_runner.config import validate
+    from recsys_runner.inference_build import build_inference
+    from tests.test_evaluate import compose_entry
+
+    spec = validate(compose_entry("evaluate", *overrides, "tracking=none", f"load={checkpoint}"))
+    built = build_inference(spec, weights=checkpoint)
+    scores, targets, seen = [], [], []
+    try:
+        built.model.eval()
+        with torch.no_grad():
+            for batch in built.data.eval_batches(0, 1):
+                _, (_, s, t) = built.model(batch)
+                history = batch.sparse_features["hist_item_id"]
+                seen += [ids.numpy() for ids in torch.split(history.values(), history.lengths().tolist())]
+                scores.append(s.numpy())
+                targets.append(t.numpy())
+    finally:
+        built.close()
+    return np.concatenate(scores), np.concatenate(targets), seen
+
+
+@pytest.mark.slow
+def test_two_ranks_exclude_seen_equals_a_brute_force_ranking(tmp_path: Path) -> None:
+    """torchrun, 2 ranks, the item table split column-wise (each rank holds half of every item vector), exclude_seen on:
+    the logged eval metrics equal numpy's ranking of the checkpoint's unmasked scores (one process) with the mask."""
+    from recsys_runner.checkpoint.storage import list_checkpoints
+
+    uri = f"sqlite:///{tmp_path}/seen.db"
+    overrides = [*(o for o in SMALL if o != "checkpoint=none"), "train.num_steps=30", "distributed.sharding_types=[column_wise]",
+                 "model.embedding_dim=256", f"model.eval_metrics=[{','.join(NAMES)}]"]
+    out = torchrun(*overrides, "metrics.exclude_seen=true", f"checkpoint.dir={tmp_path}/ck", f"tracking.uri={uri}",
+                   "tracking.experiment=seen2", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-4000:]
+    client = MlflowClient(tracking_uri=uri)
+    (logged,) = client.search_runs([client.get_experiment_by_name("seen2").experiment_id])
+    assert logged.data.tags["world_size"] == "2"
+    two = {k: v for k, v in logged.data.metrics.items() if k.startswith("eval/")}
+    (checkpoint,) = list_checkpoints(tmp_path / "ck")
+    scores, targets, seen = _eval_rows(tmp_path, overrides, checkpoint)
+    expected = brute_force(scores, targets, seen)
+    assert two == pytest.approx({f"eval/{k.replace('@', '_at_')}": v for k, v in expected.items()}, abs=1e-6)
+    full = brute_force(scores, targets, [np.zeros(0, np.int64)] * len(seen))
+    assert not math.isclose(full["mrr"], expected["mrr"]), "the mask changed the ranking"
+
+
+def test_two_tower_exclude_seen_without_a_history_or_seen_column_names_the_fix(make_cfg) -> None:
+    from recsys_runner.build import build
+    from recsys_runner.config import validate
+    from tests.test_corpus_eval import CORPUS
+
+    cfg = make_cfg(*CORPUS, "metrics.exclude_seen=true", "tracking=none", "checkpoint=none")
+    with pytest.raises(ConfigError, match=r"model reads no history of items .*Fix: data.items.seen=<a list column"):
+        build(validate(cfg)).close()
