@@ -22,7 +22,6 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
@@ -55,18 +54,19 @@ def event_log(num_users: int = 40, seed: int = 0) -> pa.Table:
 
 
 def decoded(rows: pa.Table, log: pa.Table, column: str) -> list:
-    """Raw log values of an id column (ids number the log's values in order of first appearance)."""
-    dictionary = pc.dictionary_encode(log.column(column).combine_chunks()).dictionary.to_pylist()
+    """Raw log values of an id column (ids number the log's distinct values in sorted order)."""
+    dictionary = sorted(set(log.column(column).to_pylist()))
     return [[dictionary[i] for i in v] if isinstance(v, list) else dictionary[v] for v in rows.to_pylist()]
 
 
 def reference_histories(log: pa.Table, max_len: int) -> dict[int, list[int]]:
-    """Naively, per event (by its item): the same user's items strictly earlier in time, in (time, input) order, last max_len."""
+    """Naively, per event (by its item): the same user's items strictly earlier in time, in (time, item) order (ties by
+    id, whatever the log's order), last max_len."""
     events = log.to_pylist()
     out = {}
     for e in events:
-        before = [(f["timestamp"], j, f["item"]) for j, f in enumerate(events) if f["user"] == e["user"] and f["timestamp"] < e["timestamp"]]
-        out[e["item"]] = [item for _, _, item in sorted(before)][-max_len:] if max_len else []
+        before = [(f["timestamp"], f["item"]) for f in events if f["user"] == e["user"] and f["timestamp"] < e["timestamp"]]
+        out[e["item"]] = [item for _, item in sorted(before)][-max_len:] if max_len else []
     return out
 
 
@@ -132,12 +132,62 @@ def test_leave_last_out_split(tmp_path: Path) -> None:
     users = decoded(held.column("user_id"), log, "user")
     assert sorted(users) == sorted(set(log.column("user").to_pylist()))  # one eval row per user
     last = {}
-    for j, e in enumerate(log.to_pylist()):  # each user's last event: latest time, then latest in the input
-        key = (e["timestamp"], j)
+    for e in log.to_pylist():  # each user's last event: latest time, then the largest item id (ties by id, not log order)
+        key = (e["timestamp"], e["item"])
         if e["user"] not in last or key > last[e["user"]][0]:
             last[e["user"]] = (key, e["item"])
     assert sorted(decoded(held.column("item_id"), log, "item")) == sorted(item for _, item in last.values())
     assert train.num_rows == log.num_rows - len(last)
+
+
+def parts(tmp_path: Path, log: pa.Table, out: str, *flags: str, names: tuple[str, ...] = ("train", "valid", "test")) -> list[pa.Table]:
+    pq.write_table(log, tmp_path / f"{out}.parquet")
+    assert data_main(["sequences", str(tmp_path / f"{out}.parquet"), str(tmp_path / out), "--side", "category", *flags]) == 0
+    return [pq.read_table(tmp_path / out / f"{name}.parquet") for name in names]
+
+
+def sorted_events(log: pa.Table) -> dict[str, list[int]]:
+    """Each user's items (events) in (time, item) order: the order the command sorts a user's events in."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    for e in log.to_pylist():
+        out.setdefault(e["user"], []).append((e["timestamp"], e["item"]))
+    return {u: [i for _, i in sorted(v)] for u, v in out.items()}
+
+
+@pytest.mark.parametrize("rows", ["per-event", "per-user"])
+@pytest.mark.parametrize("split", [["--split", "leave-two-out"], ["--split", "time", "--valid-from", "30", "--eval-from", "50"]])
+def test_train_valid_and_test_rows_leak_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str], split: list[str], rows: str) -> None:
+    log = event_log(num_users=60, seed=13)
+    train, valid, test = parts(tmp_path, log, "out", "--max-len", str(MAX_LEN), "--rows", rows, *split)
+    order = sorted_events(log)
+    time_of = dict(zip(log.column("item").to_pylist(), log.column("timestamp").to_pylist(), strict=True))
+
+    def events(table: pa.Table) -> tuple[set[int], set[int]]:
+        """The events a part's rows hold as candidates, and in their histories."""
+        return set(decoded(table.column("item_id"), log, "item")), {h for hist in decoded(table.column("hist_item_id"), log, "item") for h in hist}
+
+    (train_own, train_hist), (valid_own, valid_hist), (test_own, _) = events(train), events(valid), events(test)
+    assert not (valid_own | test_own) & (train_own | train_hist)  # no valid/test event in a train row, as candidate or history
+    assert not test_own & (valid_own | valid_hist)  # no test event in a valid row
+    for table in (train, valid, test):
+        if rows == "per-event":
+            assert leaks(table, log) == []  # strictly earlier in time
+        for item, hist in zip(decoded(table.column("item_id"), log, "item"), decoded(table.column("hist_item_id"), log, "item"), strict=True):
+            seq = order[f"u{item // 1000}"]
+            before = seq[: seq.index(item)]
+            if rows == "per-event":
+                before = [h for h in before if time_of[h] < time_of[item]]
+            assert hist == before[-MAX_LEN:], item  # valid/test histories hold all the user's earlier events (the last max_len)
+    if split[1] == "leave-two-out":
+        short = sum(len(seq) < 3 for seq in order.values())
+        assert short and f"{short} user(s) have fewer than 3 events: --split leave-two-out gives them no valid or test row" in capsys.readouterr().out
+        assert sorted(valid_own) == sorted(seq[-2] for seq in order.values() if len(seq) >= 3)
+        assert sorted(test_own) == sorted(seq[-1] for seq in order.values() if len(seq) >= 3)
+    else:
+        assert all(30 <= time_of[i] < 50 for i in valid_own) and all(time_of[i] >= 50 for i in test_own)
+        assert all(time_of[i] < 30 for i in train_own)
+    if rows == "per-user":  # one row per user and part, its last event there
+        assert len(train_own) == train.num_rows == len({u for u in decoded(train.column("user_id"), log, "user")})
 
 
 def test_labels_ratings_and_the_stored_schema(tmp_path: Path) -> None:
@@ -181,6 +231,10 @@ def test_mistakes_name_the_flag_or_column(tmp_path: Path, capsys: pytest.Capture
         log_to_rows(log, LogSpec(time="user", user="category"), "log")
     with pytest.raises(ConfigError, match="--max-len must be positive"):
         LogSpec(max_len=0)
+    with pytest.raises(ConfigError, match="--eval-from / --valid-from apply to --split time, not --split leave-two-out"):
+        LogSpec(split="leave-two-out", valid_from=3)
+    with pytest.raises(ConfigError, match="--valid-from 50 must come before --eval-from 40"):
+        LogSpec(split="time", valid_from=50, eval_from=40)
 
 
 def test_din_trains_on_the_produced_files(make_cfg, tmp_path: Path) -> None:
@@ -256,9 +310,9 @@ def test_kept_repeats_of_an_eval_event_are_eval_rows_too(tmp_path: Path, capsys:
     assert len(held_keys) > len(set(held_keys))  # the eval side holds repeated events: the case that could leak
     assert not set(held_keys) & set(row_keys(train))  # ... and none of them is also a training row
     assert leaks(pa.concat_tables([train, held]), log) == []
-    if split[1] == "leave-last-out":  # each user's last line (latest time, then latest line) and every copy of it
+    if split[1] == "leave-last-out":  # each user's last line (latest time, then largest item) and every copy of it
         lines = [tuple(e.values()) for e in log.to_pylist()]
-        last = {line[0]: line for _, line in sorted(((line[2], j), line) for j, line in enumerate(lines))}
+        last = {line[0]: line for _, line in sorted(((line[2], line[1]), line) for line in lines)}
         users = decoded(held.column("user_id"), log, "user")
         assert {u: users.count(u) for u in users} == {u: lines.count(line) for u, line in last.items()}
 
@@ -306,7 +360,8 @@ def test_a_used_output_folder_is_refused_unless_overwrite_which_replaces_it_whol
     before = {name: (out / name).read_bytes() for name in ("train.parquet", "eval.parquet")}
     argv = ["sequences", str(tmp_path / "log.parquet"), str(out), "--max-len", "2"]
     assert data_main(argv) == 2
-    assert (f"Config error: the output folder {out} already holds an earlier output (['eval.parquet', 'train.parquet']). "
+    assert (f"Config error: the output folder {out} already holds an earlier output (['eval.parquet', 'train.parquet', 'vocab', "
+            f"'vocab.json']). "
             f"Fix: --overwrite to replace it as a whole, or a new output folder") in capsys.readouterr().err
     assert {name: (out / name).read_bytes() for name in before} == before
     assert data_main([*argv, "--overwrite"]) == 0
@@ -316,8 +371,9 @@ def test_a_used_output_folder_is_refused_unless_overwrite_which_replaces_it_whol
         assert schema is not None and schema.sequences[0].max_len == 2, name
     (out / "notes.txt").write_text("mine")
     assert data_main([*argv, "--overwrite"]) == 2
-    assert (f"the output folder {out} is not empty: it holds ['eval.parquet', 'notes.txt', 'train.parquet'], and ['notes.txt'] are "
-            f"not files sequences writes (train.parquet, eval.parquet), so not even --overwrite replaces them") in capsys.readouterr().err
+    assert (f"the output folder {out} is not empty: it holds ['eval.parquet', 'notes.txt', 'train.parquet', 'vocab', 'vocab.json'], and "
+            f"['notes.txt'] are not files sequences writes (train.parquet, eval.parquet, valid.parquet, test.parquet, vocab.json, vocab/), "
+            f"so not even --overwrite replaces them") in capsys.readouterr().err
     assert (out / "notes.txt").read_text() == "mine"
     assert data_main(["sequences", str(tmp_path / "log.parquet"), str(out / "notes.txt")]) == 2
     assert f"the output {out / 'notes.txt'} is a file, not a folder" in capsys.readouterr().err
@@ -327,7 +383,7 @@ def test_a_used_output_folder_is_refused_unless_overwrite_which_replaces_it_whol
 def test_sigterm_while_writing_leaves_the_earlier_output_and_says_how_to_redo(tmp_path: Path) -> None:
     out = tmp_path / "out"
     convert(tmp_path, event_log(seed=10), out="out")  # an earlier output, which --overwrite would replace
-    earlier = {name: (out / name).read_bytes() for name in ("train.parquet", "eval.parquet")}
+    earlier = {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()}  # the rows and the mapping
     rng = np.random.default_rng(0)
     n = 150_000  # its train.parquet takes about a second to write, in row groups of 500 rows
     pq.write_table(pa.table({"user": rng.integers(0, 3000, n), "item": rng.integers(0, 50_000, n), "timestamp": rng.integers(0, 10**6, n)}),
@@ -349,7 +405,7 @@ def test_sigterm_while_writing_leaves_the_earlier_output_and_says_how_to_redo(tm
     assert proc.returncode == 143, stdout + stderr
     assert stderr.strip().splitlines()[-1] == (f"Interrupted: stopped by SIGTERM during sequences; nothing was kept (out is as it was "
                                                f"before); redo it with: python -m recsys_runner.data {' '.join(args)}")
-    assert {name: (out / name).read_bytes() for name in earlier} == earlier and sorted(p.name for p in out.iterdir()) == sorted(earlier)
+    assert {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()} == earlier
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.parquet", "log.parquet", "out"]  # no staging folder left
 
 
@@ -391,7 +447,8 @@ def test_a_log_and_an_output_in_an_object_store(tmp_path: Path, capsys: pytest.C
         argv = ["sequences", f"{bucket}/logs/log.parquet", f"{bucket}/rows", "--side", "category"]
         assert data_main(argv) == 0
         fs = server.fs()
-        assert sorted(fs.ls("seq/rows")) == ["seq/rows/eval.parquet", "seq/rows/train.parquet"]
+        assert sorted(fs.ls("seq/rows")) == ["seq/rows/eval.parquet", "seq/rows/train.parquet", "seq/rows/vocab", "seq/rows/vocab.json"]
+        assert sorted(fs.ls("seq/rows/vocab")) == ["seq/rows/vocab/category.txt", "seq/rows/vocab/item.txt", "seq/rows/vocab/user_id.txt"]
         local_train, local_held = convert(tmp_path, log)
         with fs.open("seq/rows/train.parquet", "rb") as f:
             assert pq.read_table(f).equals(local_train)

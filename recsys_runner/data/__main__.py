@@ -17,9 +17,10 @@ label column, and per column the null count and the number of distinct values. L
     python -m recsys_runner.data inspect out/ [--format parquet|csv|criteo] [--label click --label conversion]
 
 ``sequences`` turns an interaction log (user, item, time, optional label or rating, item side columns) into rows
-whose histories hold each user's earlier events only (:mod:`recsys_runner.data.sequences.interactions`), split by time or
-leave-last-out, with the schema stored; exact duplicate events are dropped and counted (``--duplicates``), and a used
-output folder is refused unless ``--overwrite`` (:mod:`recsys_runner.data.sequences.output`)::
+whose histories hold each user's earlier events only (:mod:`recsys_runner.data.sequences.interactions`), one per event or
+one per user (``--rows``), split by time, leave-last-out or leave-two-out, with the schema stored and the id mapping
+written beside them (``--vocab``: an earlier one); exact duplicate events are dropped and counted (``--duplicates``), and
+a used output folder is refused unless ``--overwrite`` (:mod:`recsys_runner.data.sequences.output`)::
 
     python -m recsys_runner.data sequences events.csv out/ --user user --item item --time ts --side category \
         --max-len 50 --split time --eval-from 1700000000
@@ -50,8 +51,9 @@ from recsys_runner.data.files.tabular_config import CRITEO_COLUMNS, CRITEO_NUM_S
 from recsys_runner.data.locate import PARQUET_SUFFIXES, resolve_files
 from recsys_runner.data.schema import DenseColumn, Schema, SparseColumn
 from recsys_runner.data.schema_files import SCHEMA_METADATA_KEY, read_schema_file, schema_json, schema_yaml, stored_schema
-from recsys_runner.data.sequences.interactions import DUPLICATES, SPLITS, LogSpec, convert_log
+from recsys_runner.data.sequences.interactions import DUPLICATES, ROWS, SPLITS, LogSpec, convert_log
 from recsys_runner.data.sequences.output import OUTPUT_FILES
+from recsys_runner.data.sequences.splits import LEAVE_TWO_OUT_MIN_EVENTS, part_names
 from recsys_runner.errors import ConfigError, DataError
 from recsys_runner.noise import quiet_known_noise
 from recsys_runner.progress import MODES as PROGRESS_MODES
@@ -239,11 +241,15 @@ def inspect(args: argparse.Namespace) -> None:
 
 
 def sequences(args: argparse.Namespace) -> None:
-    """``sequences``: the log → ``<output>/train.parquet`` and ``<output>/eval.parquet`` (:mod:`recsys_runner.data.sequences.interactions`),
+    """``sequences``: the log → ``<output>/<part>.parquet`` for each part of the split and the id mapping (:mod:`recsys_runner.data.sequences.interactions`),
     under the signal guard every command has (module docstring); a signal that comes while the finished output is moved
     into place waits for it (``signals.deferred``) and then stops the command saying the output is complete."""
     spec = LogSpec(user=args.user, item=args.item, time=args.time, label=args.label, label_threshold=args.label_threshold,
-                   sides=list(args.side), max_len=args.max_len, split=args.split, eval_from=args.eval_from, duplicates=args.duplicates)
+                   sides=list(args.side), max_len=args.max_len, split=args.split, eval_from=args.eval_from, valid_from=args.valid_from,
+                   rows=args.rows, duplicates=args.duplicates, vocab=args.vocab, oov_buckets=args.oov_buckets or 1)
+    if args.vocab is not None and args.oov_buckets is not None:
+        raise ConfigError(f"--oov-buckets {args.oov_buckets} with --vocab: the tables keep the earlier output's sizes (its ids and its "
+                          f"OOV rows), so a model trained on it reads the new rows. Fix: drop --oov-buckets")
     delimiter = DELIMITER_ESCAPES.get(args.delimiter, args.delimiter)
     out = args.output.rstrip("/")
     with signals.RaiseOnSignal("during sequences") as guard:
@@ -254,9 +260,18 @@ def sequences(args: argparse.Namespace) -> None:
     said = f"{copies} of them exact duplicates of an earlier event ({'dropped' if spec.duplicates == 'drop' else 'kept'}" if copies else \
         "no exact duplicates ("
     print(f"read {rows.num_events} events from {args.log}; {said}, --duplicates {spec.duplicates})")
-    print(f"wrote {rows.train.num_rows} training rows to {out}/train.parquet and {rows.held.num_rows} eval rows to {out}/eval.parquet "
-          f"(histories: up to {spec.max_len} earlier events per row)")
-    print(f"train with: python -m recsys_runner model=din data=parquet data.path={out}/train.parquet data.eval_path={out}/eval.parquet")
+    if rows.num_short_users:
+        print(f"{rows.num_short_users} user(s) have fewer than {LEAVE_TWO_OUT_MIN_EVENTS} events: --split leave-two-out gives them no valid "
+              f"or test row (all their events are training rows)")
+    for table, count in rows.unseen.items():
+        print(f"--vocab {args.vocab}: {count} {table} id(s) of this log are not in its mapping (each reads an OOV row)")
+    names = part_names(spec.split, spec.valid_from)
+    written = ", ".join(f"{rows.parts[n].num_rows} {'training' if n == 'train' else n} rows to {out}/{n}.parquet" for n in names)
+    per = "one per user: its whole sequence, up to" if spec.rows == "per-user" else "histories: up to"
+    print(f"wrote {written} ({spec.rows} rows, {per} {spec.max_len} earlier events per row) and the id mapping to {out}/vocab.json")
+    model = "sasrec" if spec.rows == "per-user" else "din"
+    held = "valid" if "valid" in names else "eval"
+    print(f"train with: python -m recsys_runner model={model} data=parquet data.path={out}/train.parquet data.eval_path={out}/{held}.parquet")
     if late is not None:  # it came while the output was moved into place, which finished first
         raise signals.Interrupted(late, None, None, when="as sequences ended", finished=True)
 
@@ -270,9 +285,10 @@ def interrupted_message(e: signals.Interrupted, output: str, argv: list[str]) ->
 
 
 def _sequences_parser(sub: Any) -> None:
-    s = sub.add_parser("sequences", help="an interaction log -> rows with user histories (train.parquet, eval.parquet)")
+    s = sub.add_parser("sequences", help="an interaction log -> rows with user histories (train.parquet, eval.parquet or valid/test) "
+                                         "and the id mapping (vocab.json, vocab/)")
     s.add_argument("log", help="the log: a Parquet or CSV/TSV file (or a directory or glob of them)")
-    s.add_argument("output", help="output directory (train.parquet, eval.parquet)")
+    s.add_argument("output", help="output directory (train.parquet, eval.parquet or valid.parquet and test.parquet, vocab.json, vocab/)")
     s.add_argument("--user", default="user", help="the user column")
     s.add_argument("--item", default="item", help="the item column")
     s.add_argument("--time", default="timestamp", help="the event time column (integers, e.g. Unix seconds, or timestamps)")
@@ -281,9 +297,17 @@ def _sequences_parser(sub: Any) -> None:
     s.add_argument("--side", action="append", default=[], help="an item side column such as category (repeatable): "
                                                                "a candidate feature and its history hist_<side>")
     s.add_argument("--max-len", type=int, default=50, help="the longest history kept (the most recent events)")
+    s.add_argument("--rows", choices=list(ROWS), default="per-event",
+                   help="per-event: a row per event (every model); per-user: a row per user holding its whole sequence, its last "
+                        "event the candidate (next-item models: sasrec, hstu)")
     s.add_argument("--split", choices=list(SPLITS), default="leave-last-out",
-                   help="time: events at or after --eval-from are eval rows; leave-last-out: each user's last event is")
-    s.add_argument("--eval-from", type=int, help="--split time: the first eval time, in the time column's units")
+                   help="time: events at or after --eval-from are eval rows (with --valid-from: valid, then test); leave-last-out: "
+                        "each user's last event is; leave-two-out: the last is test, the one before valid")
+    s.add_argument("--eval-from", type=int, help="--split time: the first eval (test) time, in the time column's units")
+    s.add_argument("--valid-from", type=int, help="--split time: the first valid time (before --eval-from): train, valid, test files")
+    s.add_argument("--vocab", help="an earlier output folder: encode this log with its id mapping (unseen ids read OOV rows, counted)")
+    s.add_argument("--oov-buckets", type=int, help="rows after each table's ids for ids a later --vocab run has not seen (default 1; "
+                                                   "with --vocab the earlier output's)")
     s.add_argument("--format", choices=["auto", "parquet", "csv"], default="auto", help="auto: Parquet by file name, else text")
     s.add_argument("--delimiter", default=",", help="text logs: the field delimiter (a character, or tab/comma/semicolon/pipe)")
     s.add_argument("--row-group-rows", type=int, default=65_536)
@@ -292,7 +316,7 @@ def _sequences_parser(sub: Any) -> None:
                         "(leave-last-out then holds out a user's last event with its copies), or fail naming the first")
     s.add_argument("--overwrite", action="store_true",
                    help=f"replace an earlier output in the output folder as a whole (else a folder that holds anything is refused; "
-                        f"one holding other files than {', '.join(OUTPUT_FILES)} is refused even so)")
+                        f"one holding other files than {', '.join(OUTPUT_FILES)} and vocab/ is refused even so)")
 
 
 def main(argv: list[str] | None = None) -> int:

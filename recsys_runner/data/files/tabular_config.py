@@ -25,9 +25,10 @@ from recsys_runner.data.schema import (
     check_labels,
     sequence_groups,
 )
+from recsys_runner.data.sequences.splits import check_rows_for_model
 from recsys_runner.data.sequences.tokens import check_budget
 from recsys_runner.errors import require
-from recsys_runner.features import SequenceGroup
+from recsys_runner.features import DataNeeds, SequenceGroup
 
 DEFAULT_EVAL_FRACTION = 0.1
 """``data.eval_fraction`` when it and ``data.eval_path`` are both null."""
@@ -177,6 +178,12 @@ class ParquetDataConfig(SchemaFields):
     """Schema of ``conf/data/parquet.yaml``: Parquet files; list columns are multi-hot features."""
 
     _target_: str = "recsys_runner.data.files.tabular.ParquetData"
+
+    def for_model(self, needs: DataNeeds) -> ParquetDataConfig:
+        """The files as they are, refused for a model that scores one candidate per row when ``sequences --rows per-user``
+        wrote them (:func:`~recsys_runner.data.sequences.splits.check_rows_for_model`): checked before anything is built."""
+        check_rows_for_model({"data.path": self.path, "data.eval_path": self.eval_path}, needs.next_item)
+        return self
 
 
 @dataclass(kw_only=True)

@@ -15,8 +15,11 @@ from recsys_runner import stores
 from recsys_runner.errors import ConfigError
 from recsys_runner.staging import StagedFolder, held_names, is_local_file
 
-OUTPUT_FILES = ("train.parquet", "eval.parquet")
-"""What ``sequences`` writes into its output folder: all of it, and what ``--overwrite`` may replace."""
+OUTPUT_FILES = ("train.parquet", "eval.parquet", "valid.parquet", "test.parquet", "vocab.json")
+"""The files ``sequences`` may write into its output folder (``train``/``eval`` or ``train``/``valid``/``test``, and
+the mapping's index): what ``--overwrite`` may replace, with :data:`OUTPUT_FOLDERS`."""
+OUTPUT_FOLDERS = ("vocab",)
+"""The folders it writes (the mapping's vocab files)."""
 
 
 def check_output(output: Path, overwrite: bool) -> list[str]:
@@ -29,11 +32,12 @@ def check_output(output: Path, overwrite: bool) -> list[str]:
     held = held_names(output, f"the output {output}")
     if not held:
         return []
-    foreign = [n for n in held if n not in OUTPUT_FILES or not is_local_file(output, n)]
+    foreign = [n for n in held if not (n in OUTPUT_FILES and is_local_file(output, n))
+               and not (n in OUTPUT_FOLDERS and (stores.is_remote(output) or (output / n).is_dir()))]
     shown = held[:8] + ([f"… {len(held) - 8} more"] if len(held) > 8 else [])
     if foreign:
         raise ConfigError(f"the output folder {output} is not empty: it holds {shown}, and {foreign[:8]} are not files sequences writes "
-                          f"({', '.join(OUTPUT_FILES)}), so not even --overwrite replaces them. Fix: a new output folder, or move those away")
+                          f"({', '.join((*OUTPUT_FILES, *(f + '/' for f in OUTPUT_FOLDERS)))}), so not even --overwrite replaces them. Fix: a new output folder, or move those away")
     if not overwrite:
         raise ConfigError(f"the output folder {output} already holds an earlier output ({shown}). Fix: --overwrite to replace it as a "
                           f"whole, or a new output folder")

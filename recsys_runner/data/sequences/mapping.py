@@ -1,0 +1,221 @@
+"""The id mapping of ``python -m recsys_runner.data sequences``: raw ids numbered by sorted value, written as vocab files, read back.
+
+Each table's ids number its distinct raw values in sorted order (integers by number, text by its UTF-8 bytes), so a
+shuffled copy of a log gets the same ids. The command writes them beside the rows as the vocab files that
+``data.sparse[...].vocab_file`` reads (:func:`~recsys_runner.data.encoding.fit.read_vocab_file`): ``vocab/<table>.txt``,
+one raw value per line, line ``i`` (from 0) holding the value of id ``i``; tables ``user_id``, ``item`` (``item_id`` and
+``hist_item_id``) and one per side column (``category``: ``category`` and ``hist_category``). ``vocab.json`` says which
+file belongs to which table and columns, how many values each holds and how many OOV rows follow them
+(:data:`VOCAB_FILE`). Every table has ``capacity + oov_buckets`` rows; no row of the first output reads the OOV rows.
+
+``--vocab <earlier output>`` (:class:`EarlierVocab`) encodes a new log with an earlier output's mapping, through the
+same :class:`~recsys_runner.data.encoding.vocabulary.Vocabulary` a stored encoder uses: a known raw value keeps its
+id, an unseen one reads row ``capacity + key mod oov_buckets`` (``key``: the encoder's 64-bit key of the value), so the
+tables keep the earlier output's sizes and a model trained on it reads the new rows.
+
+:func:`load_mapping` and :func:`raw_ids` map ids back to raw values (predict's top-k). May import ``stores``,
+``errors`` and ``data.encoding``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from recsys_runner import stores
+from recsys_runner.data.encoding.fit import read_vocab_file
+from recsys_runner.data.encoding.rows import value_keys
+from recsys_runner.data.encoding.vocabulary import Vocabulary
+from recsys_runner.errors import ConfigError, DataError
+
+VOCAB_FILE = "vocab.json"
+"""``{"format": 1, "oov_buckets": n, "tables": {table: {"file": "vocab/<table>.txt", "columns": [...], "size": capacity,
+"integers": bool, "log_column": <the log's column>}}}``: the mapping's index, beside the rows."""
+VOCAB_DIR = "vocab"
+VOCAB_METADATA_KEY = b"recsys_runner.vocab"
+"""Parquet key-value metadata of the rows: the folder holding :data:`VOCAB_FILE`, relative to the file's folder (``.``)."""
+FORMAT = 1
+OOV_ID = None
+"""What :func:`raw_ids` gives for an id without a raw value (an OOV row)."""
+
+
+def sorted_codes(arr: pa.Array) -> tuple[np.ndarray, pa.Array]:
+    """Each value's rank among the column's distinct values (sorted: integers by number, text by bytes), and those
+    distinct values in that order. ``arr`` has no nulls."""
+    values = pc.unique(arr)
+    values = values.take(pc.sort_indices(values))
+    return np.asarray(pc.index_in(arr, value_set=values).to_numpy(zero_copy_only=False), dtype=np.int64), values
+
+
+def is_integers(arr: pa.Array) -> bool:
+    """Whether a column's raw values are integers (keyed by number, written in decimal), else text."""
+    return pa.types.is_integer(arr.type)
+
+
+def check_writable(values: pa.Array, table: str, where: str) -> None:
+    """Every value of a table fits one line of its vocab file.
+
+    Raises:
+        DataError: a text id that is empty or holds a line break (naming it and the fix).
+    """
+    if is_integers(values):
+        return
+    texts = values.cast(pa.string())
+    bad = pc.or_(pc.equal(pc.utf8_length(texts), 0), pc.match_substring_regex(texts, r"[\r\n]"))
+    if pc.any(bad).as_py():
+        value = texts.filter(bad)[0].as_py()
+        raise DataError(f"{where}: the {table} id {value!r} cannot be written to its vocab file (one id per line: no empty id, no line "
+                        f"break in one). Fix: clean the log's {table} column")
+
+
+def vocab_text(values: pa.Array) -> bytes:
+    """A vocab file: one raw value per line (integers in decimal)."""
+    return ("\n".join(str(v) for v in values.to_pylist()) + "\n").encode("utf-8")
+
+
+@dataclass(frozen=True)
+class Table:
+    """One id space of the output: its log column, its output columns and its raw values in id order."""
+
+    name: str
+    log_column: str
+    columns: tuple[str, ...]
+    values: pa.Array
+    """Raw values; line ``i`` of the vocab file, id ``i``."""
+
+
+def write_vocab(folder: Path, tables: list[Table], oov_buckets: int) -> None:
+    """``folder/vocab/<table>.txt`` and ``folder/vocab.json`` (module docstring)."""
+    (folder / VOCAB_DIR).mkdir(parents=True, exist_ok=True)
+    index = {}
+    for t in tables:
+        (folder / VOCAB_DIR / f"{t.name}.txt").write_bytes(vocab_text(t.values))
+        index[t.name] = {"file": f"{VOCAB_DIR}/{t.name}.txt", "columns": list(t.columns), "size": len(t.values),
+                         "integers": is_integers(t.values), "log_column": t.log_column}
+    (folder / VOCAB_FILE).write_text(json.dumps({"format": FORMAT, "oov_buckets": oov_buckets, "tables": index}, indent=1) + "\n")
+
+
+def _index(folder: str, what: str) -> dict:
+    """The checked :data:`VOCAB_FILE` of an earlier output ``folder``.
+
+    Raises:
+        ConfigError: no such file, not JSON, or not the form this command writes (naming the folder, ``what`` names the
+            flag, and the fix).
+    """
+    path = stores.join(folder, VOCAB_FILE)
+    fix = "Fix: point it at an earlier output folder of python -m recsys_runner.data sequences (it holds vocab.json and vocab/)"
+    try:
+        index = json.loads(stores.read_bytes(path, ConfigError).decode("utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{what}={folder} is not an earlier output of sequences: it has no {VOCAB_FILE}. {fix}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{what}={folder}: {VOCAB_FILE} is not JSON ({e}). {fix}") from None
+    tables = index.get("tables") if isinstance(index, dict) else None
+    oov = index.get("oov_buckets") if isinstance(index, dict) else None
+    good = (isinstance(index, dict) and index.get("format") == FORMAT and isinstance(oov, int) and oov >= 1 and isinstance(tables, dict)
+            and all(isinstance(t, dict) and isinstance(t.get("file"), str) and isinstance(t.get("size"), int)
+                    and isinstance(t.get("columns"), list) and isinstance(t.get("integers"), bool) for t in tables.values()))
+    if not good:
+        raise ConfigError(f"{what}={folder}: {VOCAB_FILE} is not in the form sequences writes (format {FORMAT}: oov_buckets and per "
+                          f"table its file, columns, size and integers). {fix}")
+    return index
+
+
+@dataclass(frozen=True)
+class EarlierVocab:
+    """An earlier output's mapping (``--vocab``), each table's :class:`Vocabulary` as a stored encoder holds it."""
+
+    folder: str
+    oov_buckets: int
+    tables: dict[str, dict]
+
+    @staticmethod
+    def load(folder: str) -> EarlierVocab:
+        """The mapping of the earlier output ``folder``.
+
+        Raises:
+            ConfigError: ``folder`` is not an earlier output (no or a malformed :data:`VOCAB_FILE`).
+        """
+        index = _index(folder, "--vocab")
+        return EarlierVocab(folder, index["oov_buckets"], index["tables"])
+
+    def size(self, table: str) -> int:
+        """Rows of ``table``'s embedding table: the earlier capacity and the OOV rows."""
+        return int(self.tables[table]["size"]) + self.oov_buckets
+
+    def copy_to(self, folder: Path) -> None:
+        """The earlier mapping (its :data:`VOCAB_FILE` and vocab files) into ``folder``: the one this output's ids follow."""
+        (folder / VOCAB_DIR).mkdir(parents=True, exist_ok=True)
+        for entry in self.tables.values():
+            (folder / entry["file"]).write_bytes(stores.read_bytes(stores.join(self.folder, entry["file"]), ConfigError))
+        (folder / VOCAB_FILE).write_bytes(stores.read_bytes(stores.join(self.folder, VOCAB_FILE), ConfigError))
+
+    def encode(self, table: str, arr: pa.Array, where: str) -> tuple[np.ndarray, int]:
+        """The ids of a column's raw values in the earlier mapping of ``table``, and how many distinct values it has
+        not seen (each read an OOV row, as the vocab encoder reads it).
+
+        Raises:
+            ConfigError: the earlier output has no such table, or keyed it otherwise (integers vs text).
+            DataError: a text value that is no valid id (see :func:`value_keys`).
+        """
+        entry = self.tables.get(table)
+        if entry is None:
+            raise ConfigError(f"--vocab {self.folder} has no table {table!r} (it has {sorted(self.tables)}): the new log has a column "
+                              f"the earlier output did not. Fix: the same --side columns as the earlier run")
+        integers = is_integers(arr)
+        if integers != entry["integers"]:
+            kinds = ("integers", "text")
+            raise ConfigError(f"{where}: the {table} ids are {kinds[not integers]}, but --vocab {self.folder} holds {kinds[not entry['integers']]} "
+                              f"for them, which key values differently. Fix: give the column the earlier log's type")
+        vocabulary: Vocabulary = read_vocab_file(stores.join(self.folder, entry["file"]), f"--vocab {self.folder} [{table}]",
+                                                 self.oov_buckets, integers=integers)
+        keys, wrong = value_keys(arr, False)
+        assert wrong is None, "integers or text: every value keys"
+        ids = vocabulary.lookup(keys)
+        unseen = ids >= vocabulary.capacity
+        return ids, int(len(np.unique(keys[unseen]))) if unseen.any() else 0
+
+
+def load_mapping(folder: str) -> dict[str, np.ndarray]:
+    """Per table (``user_id``, ``item``, each side), its raw values in id order: ``mapping[table][i]`` is id ``i``'s raw
+    value (int64 for integer ids, else object strings). ``folder``: an output folder of ``sequences``.
+
+    Raises:
+        ConfigError: ``folder`` holds no such output.
+    """
+    index = _index(folder, "the mapping folder")
+    out = {}
+    for table, entry in index["tables"].items():
+        lines = stores.read_bytes(stores.join(folder, entry["file"]), ConfigError).decode("utf-8").split("\n")
+        if lines and lines[-1] == "":
+            lines.pop()
+        out[table] = np.array([int(v) for v in lines], np.int64) if entry["integers"] else np.array(lines, object)
+    return out
+
+
+def mapping_folder(rows_file: str) -> str | None:
+    """The output folder whose mapping encodes the Parquet file ``rows_file`` (its :data:`VOCAB_METADATA_KEY`), or
+    ``None`` for rows written without one."""
+    fs, in_fs = stores.arrow_filesystem(rows_file)
+    meta = pq.read_schema(in_fs, filesystem=fs).metadata or {}
+    if VOCAB_METADATA_KEY not in meta:
+        return None
+    relative = meta[VOCAB_METADATA_KEY].decode()
+    parent = rows_file.rstrip("/").rsplit("/", 1)[0] if "/" in rows_file else "."
+    return parent if relative in (".", "") else stores.join(parent, relative)
+
+
+def raw_ids(mapping: dict[str, np.ndarray], table: str, ids: np.ndarray) -> list:
+    """The raw values of ``ids`` of ``table`` (from :func:`load_mapping`); ``None`` (:data:`OOV_ID`) for an OOV row, whose
+    raw value is not known."""
+    values = mapping[table]
+    ids = np.asarray(ids, np.int64)
+    inside = (ids >= 0) & (ids < len(values))
+    out = values[np.where(inside, ids, 0)].tolist() if len(values) else [OOV_ID] * len(ids)
+    return [v if ok else OOV_ID for v, ok in zip(out, inside.tolist(), strict=True)]
