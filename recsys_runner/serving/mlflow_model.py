@@ -31,6 +31,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from recsys_runner.data.encoding import keys as keys_module
 from recsys_runner.data.encoding import rows as rows_module
 from recsys_runner.data.encoding import served, vocabulary
 from recsys_runner.data.encoding.rows import Encoder, Location
@@ -134,8 +135,8 @@ def write_model(out: Path, module: ServingModule | TowerServing, program: torch.
             compile_program(program, str(data / served.COMPILED_FILE))
         (data / served.ENCODERS_FILE).write_bytes(document)
         (data / served.SPEC_FILE).write_text(json.dumps(spec, indent=1) + "\n")
-        for module_file, name in ((rows_module.__file__, served.SHIPPED["rows"]), (vocabulary.__file__, served.SHIPPED["vocabulary"]),
-                                  (served.__file__, served.SHIPPED["served"])):
+        for module_file, name in ((keys_module.__file__, served.SHIPPED["keys"]), (rows_module.__file__, served.SHIPPED["rows"]),
+                                  (vocabulary.__file__, served.SHIPPED["vocabulary"]), (served.__file__, served.SHIPPED["served"])):
             shutil.copyfile(str(module_file), code / name)
         columns = spec["input_columns"]
         example = as_request(raw.select(columns).slice(0, EXAMPLE_ROWS))

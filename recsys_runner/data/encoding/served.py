@@ -49,7 +49,7 @@ ENCODERS_FILE = "encoders.json"
 PROGRAM_FILE = "model.pt2"
 COMPILED_FILE = "model_aoti.pt2"
 """The program compiled ahead of time by AOTInductor, when ``export`` was asked for it (:func:`load_program`)."""
-SHIPPED = {"rows": "recsys_rows.py", "vocabulary": "recsys_vocabulary.py", "served": "recsys_served.py"}
+SHIPPED = {"keys": "recsys_keys.py", "rows": "recsys_rows.py", "vocabulary": "recsys_vocabulary.py", "served": "recsys_served.py"}
 """This room's modules the MLflow model carries in ``code/``, by the names they are imported under there."""
 LOADER_MODULE = "recsys_served"
 SERVER_MODEL_PATH_VARIABLE = "__pyfunc_model_path__"

@@ -7,8 +7,8 @@ the values of the sample of the training files (the most frequent first; ties by
 ``[capacity, num_embeddings)`` are shared by every other value, by a stable hash. So an id seen in training never
 shares a row with an id unseen in training: a cold-start user reads an OOV row, not the row a trained user owns.
 
-Values are keyed by the stable 64-bit hashes the ``hash`` encoding uses (:func:`~recsys_runner.data.encoding.rows.fnv1a64`
-of the text, :func:`~recsys_runner.data.encoding.rows.splitmix64` of an integer or of a ``hex`` column's parsed value), so
+Values are keyed by the stable 64-bit hashes the ``hash`` encoding uses (:func:`~recsys_runner.data.encoding.keys.fnv1a64`
+of the text, :func:`~recsys_runner.data.encoding.keys.splitmix64` of an integer or of a ``hex`` column's parsed value), so
 a vocabulary is a sorted array of keys and a lookup one hash probe; integers whose range is modest are read from a
 direct table of that range instead, one gather per value (:meth:`Vocabulary.lookup_ints`). It is fitted once, when training starts, and
 stored with every checkpoint (:mod:`recsys_runner.data.encoding.stored`); evaluate, predict, resume and export read it back.
@@ -26,8 +26,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING or __package__:
+    from . import keys as _keys
     from . import rows as _rows
-else:  # inside the MLflow model: the copy of rows.py beside this one in its code/ directory
+else:  # inside the MLflow model: the copies of keys.py and rows.py beside this one in its code/ directory
+    _keys = importlib.import_module("recsys_keys")
     _rows = importlib.import_module("recsys_rows")
 
 DIRECT_SLACK, DIRECT_MIN, DIRECT_MAX = 4, 1 << 16, 1 << 25
@@ -73,14 +75,14 @@ class Vocabulary:
 
     def lookup_ints(self, values: np.ndarray, present: np.ndarray | None = None) -> np.ndarray:
         """The row of each integer (int64) of ``values[present]`` (all when ``present`` is ``None``), keyed by its
-        :func:`~recsys_runner.data.encoding.rows.splitmix64`: exactly ``lookup(splitmix64(values[present]))``, but when the
+        :func:`~recsys_runner.data.encoding.keys.splitmix64`: exactly ``lookup(splitmix64(values[present]))``, but when the
         vocabulary's integers span a modest range one gather from a table of every integer of that range (its own row or
         its OOV row) instead of a mix, a hash and a probe per value. ``values`` outside ``present`` may hold anything
         (the slots of a column's nulls)."""
         direct = self._direct
         if direct is None or not len(values):
             kept = values if present is None else values[present]
-            return self.lookup(_rows.splitmix64(kept.view(np.uint64)))
+            return self.lookup(_keys.splitmix64(kept.view(np.uint64)))
         first, table = direct
         if int(values.min()) >= first and int(values.max()) < first + len(table):
             gathered = table.take(values - first if first else values)
@@ -92,7 +94,7 @@ class Vocabulary:
         offsets = kept.view(np.uint64) - np.uint64(first % 2**64)
         outside = offsets >= np.uint64(len(table))
         rows = table.take(np.where(outside, np.uint64(0), offsets).view(np.int64)).astype(np.int64)
-        rows[outside] = self._oov_rows(_rows.splitmix64(kept[outside].view(np.uint64)))
+        rows[outside] = self._oov_rows(_keys.splitmix64(kept[outside].view(np.uint64)))
         return rows
 
     def _oov_rows(self, keys: np.ndarray) -> np.ndarray:
@@ -106,14 +108,14 @@ class Vocabulary:
         too wide a range (:data:`DIRECT_SLACK`) or the vocabulary is empty. Built on the first :meth:`lookup_ints`."""
         if not len(self.keys):
             return None
-        held = _rows.unsplitmix64(self.keys).view(np.int64)
+        held = _keys.unsplitmix64(self.keys).view(np.int64)
         first, last = int(held.min()), int(held.max())
         limit = min(DIRECT_SLACK * len(held) + DIRECT_MIN, DIRECT_MAX)
         if last - first + 1 > limit:
             return None
         if 0 < first and last + 1 <= limit:
             first = 0
-        table = self._oov_rows(_rows.splitmix64(np.arange(first, last + 1, dtype=np.int64).view(np.uint64)))
+        table = self._oov_rows(_keys.splitmix64(np.arange(first, last + 1, dtype=np.int64).view(np.uint64)))
         table[held - first] = self.rows
         return first, table.astype(_narrowest(self.capacity + self.oov_buckets))
 
