@@ -228,6 +228,8 @@ def test_export_needs_load_and_rejects_unknown_keys(export_cfg, tmp_path: Path) 
     assert kept.train.num_steps == 30 and kept.data.num_embeddings == 1000 and kept.tracking.experiment.startswith("test_export")
     with pytest.raises(ConfigError, match="export.weights='best' must be one of"):
         export._options(export_cfg(f"load={tmp_path}", "export.weights=best"))
+    with pytest.raises(ConfigError, match="export.compile=true compiles the MLflow model's program: it needs export.mlflow_model=true"):
+        export._options(export_cfg(f"load={tmp_path}", "export.compile=true", "export.mlflow_model=false"))
     for other in (f"export.dir={tmp_path}", "export.weights=best"):  # load= is checked first: nothing else is, or read, before
         with pytest.raises(CheckpointError, match="holds no complete checkpoint"):
             export.run(export_cfg(f"load={tmp_path}", other))

@@ -28,6 +28,7 @@ import yaml
 
 from recsys_runner import export, predict
 from recsys_runner.__main__ import run as train
+from recsys_runner.data.encoding import served as served_module
 from recsys_runner.data.encoding.served import ServedModel
 from recsys_runner.serving import mlflow_model
 from tests.conftest import free_port
@@ -203,8 +204,19 @@ def test_mlflow_models_serve_answers_raw_csv_rows_with_predicts_scores(din: dict
         log.close()
 
 
-def test_multi_task_model_serves_one_column_per_task(tmp_path: Path) -> None:
+def test_multi_task_model_serves_one_column_per_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Also ``export.compile=true`` reaching the MLflow model's writer: the compiler is replaced by one that cannot compile
+    (what a machine without a C++ compiler gives; the real compile is tests/test_served_fast_paths.py's), so the model is
+    served as torch.export's program and scores as predict does."""
     import mlflow.pyfunc
+
+    asked: list[str] = []
+
+    def cannot_compile(program: object, path: str) -> bool:
+        asked.append(path)
+        return False
+
+    monkeypatch.setattr(mlflow_model, "compile_program", cannot_compile)
 
     rng = np.random.default_rng(1)
     header = "click,buy,user,item,price,tags"
@@ -214,7 +226,8 @@ def test_multi_task_model_serves_one_column_per_task(tmp_path: Path) -> None:
     data = ["data=csv", f"data.path={tmp_path}/train.csv", "data.batch_size=128", "data.labels={ctr: click, cvr: buy}", "data.label=null",
             "data.sparse=[{name: user}, {name: item}, {name: tags, separator: '|'}]", "data.dense=[{name: price}]", "model=mmoe",
             "distributed.device=cpu", "tracking=none"]
-    trained = _trained(tmp_path, data, steps=8)
+    trained = _trained(tmp_path, data, 8, "export.compile=true")
+    assert [Path(p).name for p in asked] == [served_module.COMPILED_FILE]
     reference = _scores(data, trained["checkpoint"], tmp_path / "score.csv", tmp_path / "predicted")
     served = mlflow.pyfunc.load_model(str(trained["model"])).predict(pd.read_csv(tmp_path / "score.csv", dtype=str))
     assert list(served.columns) == ["score_ctr", "score_cvr"] == [c for c in reference.columns if c.startswith("score")]

@@ -194,10 +194,11 @@ def served_rows(stored: StoredEncoders | None, checkpoint: Path, raw: Any, null_
 
 
 def write_export(model: nn.Module, features: FeatureSpec, batch: Batch, *, checkpoint: Path, meta: dict[str, Any], ema: bool,
-                 out: Path, items: ItemTable | None = None, served: ServedRows | None = None) -> list[str]:
+                 out: Path, items: ItemTable | None = None, served: ServedRows | None = None, compiled: bool = False) -> list[str]:
     """Load the checkpoint's weights into ``model``, trace it (and a two-tower model's towers), check each program
     against the eager model on ``batch`` and write the files to ``out`` (with ``items``, a two-tower model's item
-    index :data:`ITEMS_FILE` too; with ``served``, the MLflow model(s): :func:`write_mlflow_models`); returns their names."""
+    index :data:`ITEMS_FILE` too; with ``served``, the MLflow model(s): :func:`write_mlflow_models`, their programs compiled
+    by AOTInductor with ``compiled``); returns their names."""
     load_weights(model, checkpoint, ema)
     keys = list(batch.sparse_features.keys())
     serving = ServingModule(model, keys, features.weighted)
@@ -224,12 +225,12 @@ def write_export(model: nn.Module, features: FeatureSpec, batch: Batch, *, check
     torch.save({"inputs": inputs, "outputs": eager}, out / EXAMPLE_FILE)
     log.info("exported %s (%s weights) from %s", type(model).__name__, described["weights"], checkpoint)
     towers = [t["file"] for t in described.get("towers", {}).values() if isinstance(t, dict) and "file" in t]
-    models = write_mlflow_models(model, serving, keys, features, served, out) if served is not None else []
+    models = write_mlflow_models(model, serving, keys, features, served, out, compiled) if served is not None else []
     return [MODEL_FILE, FEATURE_SPEC_FILE, EXAMPLE_FILE, *towers, *models]
 
 
 def write_mlflow_models(model: nn.Module, serving: ServingModule, keys: list[str], features: FeatureSpec, served: ServedRows,
-                        out: Path) -> list[str]:
+                        out: Path, compiled: bool = False) -> list[str]:
     """The MLflow model (:mod:`recsys_runner.serving.mlflow_model`) — one per tower for a two-tower model — beside the
     programs already written to ``out``; returns the directories written (none when the model's task cannot be served
     row by row: logged)."""
@@ -244,7 +245,7 @@ def write_mlflow_models(model: nn.Module, serving: ServingModule, keys: list[str
         spec = base | {"input_columns": mlflow_model.input_columns(served.encoders), "dense": list(features.dense_names), "keys": keys,
                        "features": None, "tower": None, "outputs": mlflow_model.outputs(tasks), "weighted": features.weighted}
         mlflow_model.write_model(out / mlflow_model.MODEL_DIR, serving, torch.export.load(str(out / MODEL_FILE)), served.document,
-                                 served.encoders, spec, served.raw)
+                                 served.encoders, spec, served.raw, compiled=compiled)
         return [mlflow_model.MODEL_DIR]
     written = []
     for name, mine in cast(TwoTowerModel, model).tower_features.items():
@@ -254,7 +255,7 @@ def write_mlflow_models(model: nn.Module, serving: ServingModule, keys: list[str
                        "outputs": [{"column": "vector", "task": None, "kind": "vector"}]}
         directory = mlflow_model.TOWER_DIR.format(name)
         mlflow_model.write_model(out / directory, tower, torch.export.load(str(out / TOWER_FILE.format(name))), served.document,
-                                 served.encoders, spec, served.raw)
+                                 served.encoders, spec, served.raw, compiled=compiled)
         written.append(directory)
     return written
 
