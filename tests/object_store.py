@@ -113,3 +113,16 @@ def start_moto(tmp: Path, extra_env: dict[str, str] | None = None, timeout: floa
             time.sleep(0.1)
     server.stop()
     raise RuntimeError(f"moto_server did not answer on {endpoint} within {timeout:.0f} s: {log.read_text()[-2000:]}")
+
+
+@contextlib.contextmanager
+def moto_with_buckets(tmp: Path, *buckets: str) -> Iterator[MotoServer]:
+    """A moto server (:func:`start_moto`) holding the empty ``buckets`` until the block ends, then stopped by its PID:
+    the module fixture of a test file that shares one server."""
+    server = start_moto(tmp)
+    try:
+        for name in buckets:
+            server.bucket(name)
+        yield server
+    finally:
+        server.stop()

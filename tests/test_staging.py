@@ -11,7 +11,7 @@ import pytest
 from recsys_runner import stores
 from recsys_runner.errors import ConfigError
 from recsys_runner.staging import StagedFolder, held_names, is_local_file
-from tests.object_store import MotoServer, start_moto
+from tests.object_store import MotoServer, moto_with_buckets
 
 
 def _write(folder: Path, files: dict[str, str]) -> None:
@@ -50,12 +50,8 @@ def test_a_local_file_is_refused_by_name(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
-    server = start_moto(tmp_path_factory.mktemp("s3"))
-    try:
-        server.bucket("out")
+    with moto_with_buckets(tmp_path_factory.mktemp("s3"), "out") as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture

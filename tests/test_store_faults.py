@@ -22,7 +22,7 @@ from recsys_runner.checkpoint.lock import ObjectStoreLock
 from recsys_runner.checkpoint.object_storage import DcpObjectStorage
 from recsys_runner.errors import CheckpointError, DataError, UserError
 from tests.conftest import REPO, free_port, hint_of
-from tests.object_store import MotoServer, start_moto
+from tests.object_store import MotoServer, moto_with_buckets
 
 FAST = stores.StorageConfig(max_attempts=2, connect_timeout_s=1, request_timeout_s=1, lock_ttl_s=6)
 """Small bounds, so a stalled store fails in seconds: 2 attempts of (1 s connect + 1 s answer) with 1 s backoff."""
@@ -31,12 +31,8 @@ FAST = stores.StorageConfig(max_attempts=2, connect_timeout_s=1, request_timeout
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
     """One moto server for the module, with a bucket ``ckpt``; every test leaves it answering (SIGCONT)."""
-    server = start_moto(tmp_path_factory.mktemp("s3"))
-    try:
-        server.bucket("ckpt")
+    with moto_with_buckets(tmp_path_factory.mktemp("s3"), "ckpt") as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture
