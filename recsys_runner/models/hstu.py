@@ -8,8 +8,11 @@ One layer, as in the paper (eqs. 1-3) and meta-recsys/generative-recommenders' r
     Y = X + f2(Dropout(LayerNorm(A V) ⊙ U))
 
 ``rab`` is a learned relative bias: one weight per distance ``i - j`` between the query and key positions, plus
-(when the data has event times) one weight per log-scale bucket of the time gap ``|t_i - t_j|`` in seconds,
-``floor(ln(gap) / 0.301)`` (the reference code's bucketization), clamped to ``time_buckets``. ``n`` is the longest
+(when the data has event times) one weight per log-scale bucket of the time gap ``|q_i - k_j|`` in seconds,
+``floor(ln(gap) / 0.301)`` (the reference code's bucketization), clamped to ``time_buckets``. As in the reference
+(``RelativeBucketedTimeAndPositionBasedBias``: "ts(next-item) - ts(current-item)"), a key's time ``k_j`` is its own
+event's time and a query's time ``q_i`` is the time of the event position ``i`` predicts (the next one; for the last
+position, the candidate's), so the bias says how long before the predicted event each earlier event happened. ``n`` is the longest
 block the model takes (the history's ``max_len`` + 1), a constant, so a row's attention does not depend on how
 long the other rows of its batch are. There is no feed-forward sublayer: the gate ``U`` takes its place.
 
@@ -22,17 +25,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["HSTUBlock", "RelativeBias", "TIME_BUCKET_WIDTH"]
+__all__ = ["HSTUBlock", "RelativeBias", "TIME_BUCKET_WIDTH", "time_buckets"]
 
 TIME_BUCKET_WIDTH = 0.301
 """Width of one time-gap bucket in ``ln(seconds)``: bucket ``floor(ln(gap) / 0.301)`` (the reference code's)."""
 
 
 class RelativeBias(nn.Module):
-    """HSTU's ``rab``: ``(length L, timestamps [B, L] | None) → bias [B or 1, L, L]``.
+    """HSTU's ``rab``: ``(length L, times (query [B, L], key [B, L]) | None) → bias [B or 1, L, L]``.
 
-    ``bias[b, i, j] = w_pos[min(i - j, max_len - 1)] + w_time[bucket(|t_i - t_j|)]`` for ``j <= i`` (keys after the
-    query are masked by the block anyway, and get distance 0's weight).
+    ``bias[b, i, j] = w_pos[min(i - j, max_len - 1)] + w_time[bucket(|q[b, i] - k[b, j]|)]`` for ``j <= i`` (keys after
+    the query are masked by the block anyway, and get distance 0's weight); without times (or ``time_buckets=0``) the
+    position term alone.
 
     Args:
         max_len: the longest block (distances ``0 … max_len - 1``).
@@ -45,21 +49,29 @@ class RelativeBias(nn.Module):
         self.position = nn.Parameter(torch.empty(max_len, device=device).normal_(0, 0.02))
         self.time = nn.Parameter(torch.empty(time_buckets + 1, device=device).normal_(0, 0.02)) if time_buckets else None
 
-    def forward(self, length: int, timestamps: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, length: int, times: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         index = torch.arange(length, device=self.position.device)
         distance = (index.unsqueeze(1) - index.unsqueeze(0)).clamp(0, self.max_len - 1)
         bias = self.position[distance].unsqueeze(0)
-        if self.time is None or timestamps is None:
+        if self.time is None or times is None:
             return bias
-        gap = (timestamps.unsqueeze(2) - timestamps.unsqueeze(1)).abs().clamp_min(1).double()
-        bucket = (torch.log(gap) / TIME_BUCKET_WIDTH).long().clamp(0, self.time.shape[0] - 1)
-        return bias + self.time[bucket]
+        query, key = times
+        return bias + self.time[time_buckets(query.unsqueeze(2) - key.unsqueeze(1), self.time.shape[0] - 1)]
+
+
+def time_buckets(gaps: torch.Tensor, last: int) -> torch.Tensor:
+    """``floor(ln(max(|gap|, 1)) / 0.301)`` clamped to ``[0, last]``: the reference code's bucket of a gap in seconds
+    (gaps under 3 s share bucket 0; 0.301 ≈ log-spaced by 1.35x)."""
+    return (torch.log(gaps.abs().clamp_min(1).double()) / TIME_BUCKET_WIDTH).long().clamp(0, last)
 
 
 class HSTUBlock(nn.Module):
-    """One HSTU layer: ``(x [B, L, D], mask [B, L], timestamps [B, L] | None) → [B, L, D]``; see the module docstring.
+    """One HSTU layer: ``(x [B, L, D], mask [B, L], times (query [B, L], key [B, L]) | None) → [B, L, D]``; see the
+    module docstring.
 
     ``mask`` is True on real positions (left-aligned); position ``i`` attends to the real positions ``j <= i``.
+    ``times``: each position's query time (the time of the event it predicts) and key time (its own event's), int64
+    seconds; ``None``: the relative position bias alone.
 
     Args:
         dim: ``D``, divisible by ``num_heads``.
@@ -80,12 +92,12 @@ class HSTUBlock(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.bias = RelativeBias(max_len, time_buckets, device=device)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, timestamps: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, times: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         b, length, dim = x.shape
         u, v, q, k = F.silu(self.uvqk(self.norm_in(x))).split(dim, dim=2)
         heads = (b, length, self.num_heads, dim // self.num_heads)
         q, k, v = (t.reshape(heads).transpose(1, 2) for t in (q, k, v))  # [B, H, L, D/H]
-        logits = q @ k.transpose(2, 3) + self.bias(length, timestamps).unsqueeze(1).to(q.dtype)
+        logits = q @ k.transpose(2, 3) + self.bias(length, times).unsqueeze(1).to(q.dtype)
         causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
         allowed = (causal.unsqueeze(0) & mask.unsqueeze(1)).unsqueeze(1)  # [B, 1, L, L]: real keys at or before the query
         attention = F.silu(logits) / self.max_len * allowed.to(logits.dtype)

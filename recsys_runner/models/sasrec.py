@@ -42,7 +42,7 @@ from recsys_runner.models.ranking_eval import sampled_negatives, seen_ids, witho
 from recsys_runner.models.sequence import History, SequenceArch, padded, recency_positions
 from recsys_runner.tasks import NextItemTask
 
-__all__ = ["BLOCKS", "SASRec", "SASRecBlock", "SASRecConfig"]
+__all__ = ["BLOCKS", "SASRec", "SASRecBlock", "SASRecConfig", "query_and_key_times"]
 
 torch.fx.wrap("padded")  # a leaf of TorchRec's pipeline trace here too (models/sequence.py says why)
 
@@ -112,11 +112,11 @@ class SASRecConfig(ModelConfig):
 
 
 class SASRecBlock(nn.Module):
-    """One pre-norm SASRec block: ``(x [B, L, D], mask [B, L], timestamps) → [B, L, D]``.
+    """One pre-norm SASRec block: ``(x [B, L, D], mask [B, L], times) → [B, L, D]``.
 
     ``x + Dropout(CausalSelfAttention(LN(x)))``, then ``+ Dropout(FFN(LN(·)))`` with a ReLU feed-forward of width
     ``D``; position ``i`` attends to positions ``j <= i`` (padding lies after every real position, so causality keeps
-    it out of the real positions' states). ``timestamps`` is ignored (SASRec has no time bias).
+    it out of the real positions' states). ``times`` is ignored (SASRec has no time bias).
     """
 
     def __init__(self, dim: int, num_heads: int, dropout: float, device: torch.device | None = None) -> None:
@@ -129,7 +129,7 @@ class SASRecBlock(nn.Module):
         self.ffn = nn.Sequential(nn.Linear(dim, dim, device=device), nn.ReLU(), nn.Dropout(dropout), nn.Linear(dim, dim, device=device))
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, timestamps: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, times: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         b, length, dim = x.shape
         q, k, v = (t.reshape(b, length, self.num_heads, dim // self.num_heads).transpose(1, 2)
                    for t in self.qkv(self.norm_attention(x)).split(dim, dim=2))
@@ -204,14 +204,21 @@ class SASRec(nn.Module):
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor]:
         embedded = self.arch(sparse)
         history = embedded.histories[self.group.name]
+        # The batch carries the history's event times but not the candidate's (FeatureSpec has no key for a row's
+        # ``ts``), so the last position's query time is its newest event's (query_and_key_times says the rest).
         states = self.encode(history)
         if self.training:
             return self.sampled_logits(states, history, embedded.candidates[self.candidate], sparse)
         return self.full_scores(states, history.lengths, sparse)
 
-    def encode(self, history: History) -> torch.Tensor:
+    def encode(self, history: History, next_times: torch.Tensor | None = None) -> torch.Tensor:
         """The user state at every position, ``[B, L + 1, D]``: position 0 is the start token, position ``t`` has
-        seen events ``1 … t``; positions past ``lengths`` are padding."""
+        seen events ``1 … t``; positions past ``lengths`` are padding.
+
+        With event times (``history.timestamps``) the blocks get each position's query and key times
+        (:func:`query_and_key_times`); ``next_times [B]`` is the time of each row's candidate (the last position's
+        query time), ``None``: the newest event's time stands in for it. Without event times: positions only.
+        """
         b, length, _ = history.values.shape
         events = self.project(history.values)
         x = torch.cat([self.start.to(events.dtype).expand(b, 1, self.dim), events], dim=1) * math.sqrt(self.dim)
@@ -219,11 +226,9 @@ class SASRec(nn.Module):
         x = x + self.positions(recency_positions(lengths, length + 1).clamp_max(self.group.max_len))
         mask = torch.arange(length + 1, device=x.device).unsqueeze(0) < lengths.unsqueeze(1)
         x = self.dropout(x) * mask.unsqueeze(2).to(x.dtype)
-        timestamps = None
-        if history.timestamps is not None:  # the start token takes the first event's time
-            timestamps = torch.cat([history.timestamps[:, :1], history.timestamps], dim=1)
+        times = None if history.timestamps is None else query_and_key_times(history.timestamps, history.lengths, next_times)
         for block in self.blocks:
-            x = block(x, mask, timestamps)
+            x = block(x, mask, times)
         return self.norm(x)
 
     def score(self, states: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
@@ -294,6 +299,25 @@ class SASRec(nn.Module):
     def _candidate_ids(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
         """Each row's candidate item id ``[B]`` (its first id; the candidate has one per row)."""
         return padded(sparse.to_dict()[self.candidate], 1)[:, 0]
+
+
+def query_and_key_times(timestamps: torch.Tensor, lengths: torch.Tensor,
+                        next_times: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each position's ``(query [B, L + 1], key [B, L + 1])`` time for HSTU's time bias, from the history's event
+    times ``timestamps [B, L]`` (0 on padding) and ``lengths [B]``.
+
+    As generative-recommenders' ``RelativeBucketedTimeAndPositionBasedBias`` ("ts(next-item) - ts(current-item)", its
+    data appending the target's time to the history's): a key's time is its own event's, a query's the time of the
+    event it predicts. Position ``t`` (after events ``1 … t``) predicts event ``t + 1``, so its query time is event
+    ``t + 1``'s; the last position (``t = lengths``) predicts the candidate, whose time is ``next_times`` when given,
+    else the newest event's (0 for an empty history). The start token (position 0) has no event: its key time is
+    position 0's query time (gap 0).
+    """
+    rows = torch.arange(timestamps.shape[0], device=timestamps.device)
+    newest = timestamps[rows, (lengths - 1).clamp_min(0)] * (lengths > 0).to(timestamps.dtype)
+    last = newest if next_times is None else next_times.to(timestamps.dtype)
+    query = F.pad(timestamps, (0, 1)).scatter(1, lengths.long().view(-1, 1), last.view(-1, 1))
+    return query, torch.cat([query[:, :1], timestamps], dim=1)
 
 
 def _check_eval_negatives(n: int, num_items: int, group: SequenceGroup, item_feature: str) -> None:
