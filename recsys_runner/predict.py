@@ -65,7 +65,8 @@ from recsys_runner.lifecycle import exit_codes, tracked_run
 from recsys_runner.noise import quiet_known_noise
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.runtime import Launch
-from recsys_runner.scoring import PredictResult, check_columns, check_output, check_tasks, score_files
+from recsys_runner.scoring import PredictResult, check_columns, check_output, ranking_scorer, score_files
+from recsys_runner.scoring_topk import ranks_items
 
 quiet_known_noise()  # the known library warnings, each with its reason (noise.py)
 log = logging.getLogger("recsys_runner")
@@ -86,8 +87,15 @@ class PredictConfig:
     overwrite: bool = False
     """Delete the part files (complete or not) an earlier run left in ``output`` before scoring; ``false`` refuses
     such a directory, so that the parts of two runs never mix."""
+    top_k: int = 10
+    """A next-item or two-tower model: how many items each row's ``top_items``/``top_scores`` hold (at most the
+    catalogue's items; a pointwise model ignores it)."""
+    exclude_seen: bool = True
+    """A next-item or two-tower model: never recommend an item the row's history holds (two-tower: its history features
+    and ``data.items.seen``); ``false``: rank every item. A pointwise model ignores it."""
 
     def __post_init__(self) -> None:
+        require(self.top_k > 0, f"predict.top_k must be positive, got {self.top_k}")
         require(self.log_every_batches > 0, f"predict.log_every_batches must be positive, got {self.log_every_batches}")
         require(len(set(self.columns)) == len(self.columns), f"predict.columns={self.columns} names a column twice")
 
@@ -110,12 +118,13 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> PredictResult:
     check_output(output, settings.overwrite)
     check_columns(spec.data, settings.columns, settings.input)
     built = build_inference(spec, launch=launch, weights=checkpoint)
-    params = {f"predict.{name}": getattr(settings, name) for name in ("input", "output", "columns")}
+    params = {f"predict.{name}": getattr(settings, name) for name in ("input", "output", "columns", "top_k", "exclude_seen")}
     start = inference_start(built, entry="predict", checkpoint=checkpoint, load=str(cfg.load), extra_params=params)
     with tracked_run(built.tracker, start, launch, close=built.close):
-        check_tasks(built.tasks)
+        scorer = ranking_scorer(built, settings.input, k=settings.top_k, exclude_seen=settings.exclude_seen) \
+            if ranks_items(built.tasks) else None
         result = score_files(built, input_path=settings.input, columns=settings.columns, output=output,
-                             log_every_batches=settings.log_every_batches)
+                             log_every_batches=settings.log_every_batches, scorer=scorer)
         built.tracker.set_tag("predict.output", str(output.absolute()))
         built.tracker.log_metrics({"predict/rows": result.rows, "predict/rows_per_s": result.rows_per_s,
                                "predict/seconds": result.seconds}, built.state.step)

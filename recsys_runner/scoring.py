@@ -4,7 +4,9 @@ What the entry's docstring promises is done here: the output directory checked f
 (:func:`check_output`) and the pass-through columns against the input's (:func:`check_columns`), both before
 anything is built; then, over a built :class:`~recsys_runner.inference_build.Inference`, each rank's contiguous share
 of the input's units (:func:`rank_units`) read in Arrow tables, encoded by the data's own encoders, scored in batches
-in step with the other ranks, and written as atomic Parquet parts, one per input file (:func:`score_files`).
+in step with the other ranks, and written as atomic Parquet parts, one per input file (:func:`score_files`). What a
+batch's rows get is a scorer's: a score per task (:func:`pointwise_scorer`), or a top-k of items for a model that ranks
+them (:func:`recsys_runner.scoring_topk.top_k_scorer`).
 """
 
 from __future__ import annotations
@@ -42,11 +44,12 @@ from recsys_runner.data.files.tabular_config import (
 from recsys_runner.data.locate import PARQUET_SUFFIXES, resolve_files
 from recsys_runner.data.schema import Schema
 from recsys_runner.data.schema_files import read_schema_file
-from recsys_runner.errors import ConfigError, DataError, UserError, require
+from recsys_runner.errors import ConfigError, DataError, UserError
 from recsys_runner.features import FeatureSpec
 from recsys_runner.inference_build import Inference
 from recsys_runner.progress import Progress
-from recsys_runner.tasks import Task, score_columns
+from recsys_runner.scoring_topk import Scorer, top_k_scorer
+from recsys_runner.tasks import score_columns
 
 log = logging.getLogger(__name__)
 
@@ -156,20 +159,34 @@ def _file_columns(data: TabularDataConfig, path: str, key: str) -> Iterator[tupl
                                   null_values=c.null_values, block_rows=c.block_rows, on_bad_rows=c.on_bad_rows).header_names()
 
 
-def check_tasks(tasks: tuple[Task, ...]) -> None:
-    """Refuse a model with a task that scores a row against candidates rather than alone (retrieval, next item)."""
-    for task in tasks:
-        require(bool({"pointwise", "multiclass"} & set(task.metric_inputs_kinds)),
-                f"predict writes one score per row, but task {task.name!r} ({task.kind}) scores each row against candidates "
-                f"(retrieval: the batch's items; next_item: every item of the table); export the model instead "
-                f"(python -m recsys_runner.export: the towers, or the next-item scores) and rank its scores")
+def pointwise_scorer(inference: Inference) -> Scorer:
+    """Each row's score per task (:func:`~recsys_runner.tasks.score_columns`: ``score``, or ``score_<task>``/``class_<task>``)."""
+    def score(batch: Batch) -> dict[str, pa.Array]:
+        _, (_, logits, _) = inference.model(batch)
+        return {name: pa.array(values) for name, values in score_columns(inference.tasks, logits).items()}
+    return score
+
+
+def top_k_files(data: TabularDataConfig, input_path: str | None) -> list[str]:
+    """The Parquet files predict reads (whose metadata may name an id mapping); none for other formats."""
+    if not isinstance(data, ParquetDataConfig):
+        return []
+    return resolve_files(*scored_files(data.path, input_path), PARQUET_SUFFIXES)
+
+
+def ranking_scorer(inference: Inference, input_path: str | None, *, k: int, exclude_seen: bool) -> Scorer:
+    """:func:`~recsys_runner.scoring_topk.top_k_scorer` over ``inference``'s model and the files predicted."""
+    config = inference.data.config if isinstance(inference.data, TabularData) else None
+    files = top_k_files(config, input_path) if isinstance(config, TabularDataConfig) else []
+    return top_k_scorer(inference.model, inference.tasks, inference.data, inference.env, files, k=k, exclude_seen=exclude_seen)
 
 
 def score_files(inference: Inference, *, input_path: str | None, columns: list[str], output: Path,
-                log_every_batches: int) -> PredictResult:
+                log_every_batches: int, scorer: Scorer | None = None) -> PredictResult:
     """Score this rank's share of ``input_path`` (``None``: ``data.path``) with ``inference``'s model (its EMA weights
-    when it has them) and write its parts to ``output``, each row's scores after its ``columns``; returns the totals
-    over all ranks. Progress is logged every ``log_every_batches`` batches where no bar is drawn."""
+    when it has them) and write its parts to ``output``, each row's output columns (``scorer``'s, else
+    :func:`pointwise_scorer`'s) after its ``columns``; returns the totals over all ranks. Progress is logged every
+    ``log_every_batches`` batches where no bar is drawn."""
     data, env, model = inference.data, inference.env, inference.model
     assert isinstance(data, TabularData)
     # the data option's own reader (format settings), over the input's columns
@@ -179,7 +196,7 @@ def score_files(inference: Inference, *, input_path: str | None, columns: list[s
     units = rank_units(source.units(), env.rank, env.world_size)
     if not stores.is_remote(output):  # in an object store a part is an object: no directory to make
         output.mkdir(parents=True, exist_ok=True)
-    writer = _PartWriter(output, env.rank, columns, inference.tasks)
+    writer = _PartWriter(output, env.rank)
     batches = _batches(source, units, data.schema, data.features, data.batch_size, columns)
     idle = _placeholder(data.features)
     rows, start = 0, time.monotonic()
@@ -188,14 +205,15 @@ def score_files(inference: Inference, *, input_path: str | None, columns: list[s
     try:
         with weights, torch.no_grad(), progress:
             model.eval()
+            score = scorer if scorer is not None else pointwise_scorer(inference)
             for n, item in enumerate(_in_step(batches, env.world_size, env.device if env.backend == "nccl" else torch.device("cpu"))):
                 batch = item[1] if item is not None else idle
-                _, (_, logits, _) = model(batch.to(env.device, non_blocking=True))
+                scored = score(batch.to(env.device, non_blocking=True))
                 if item is not None:
                     path, _, passthrough, first_row = item
-                    writer.write(path, first_row, passthrough, logits)
-                    rows += int(logits.shape[0])
-                    progress.update(int(logits.shape[0]))
+                    writer.write(path, first_row, passthrough, scored)
+                    rows += passthrough.num_rows
+                    progress.update(passthrough.num_rows)
                 if env.is_main and not progress.active and (n + 1) % log_every_batches == 0:
                     _progress(rows, env.world_size, time.monotonic() - start)
             model.train()
@@ -328,12 +346,12 @@ def _in_step(items: Iterator[Any], world_size: int, device: torch.device) -> Ite
 
 
 class _PartWriter:
-    """Writes ``part-<rank>-<n>.parquet``, one per input file, each batch's pass-through columns and scores; each part
-    under its temp name (``.tmp-part-…``) until it is complete (:meth:`close`), every file of it deleted by
+    """Writes ``part-<rank>-<n>.parquet``, one per input file, each batch's pass-through columns and scored columns;
+    each part under its temp name (``.tmp-part-…``) until it is complete (:meth:`close`), every file of it deleted by
     :meth:`discard`."""
 
-    def __init__(self, output: Path, rank: int, columns: list[str], tasks: tuple[Task, ...]) -> None:
-        self.output, self.rank, self.columns, self.tasks = output, rank, columns, tasks
+    def __init__(self, output: Path, rank: int) -> None:
+        self.output, self.rank = output, rank
         self.parts: list[Path] = []
         """The complete parts, in the order written."""
         self._writer: pq.ParquetWriter | None = None
@@ -341,11 +359,9 @@ class _PartWriter:
         self._temp: Path | None = None
         self._next = 0
 
-    def write(self, path: str, first_row: int, passthrough: pa.Table, logits: torch.Tensor) -> None:
-        scores = score_columns(self.tasks, logits)
+    def write(self, path: str, first_row: int, passthrough: pa.Table, scored: dict[str, pa.Array]) -> None:
         # built column by column: a table without columns (predict.columns=[]) has no rows to append scores to
-        table = pa.Table.from_arrays([*passthrough.columns, *(pa.array(v) for v in scores.values())],
-                                     names=[*passthrough.column_names, *scores])
+        table = pa.Table.from_arrays([*passthrough.columns, *scored.values()], names=[*passthrough.column_names, *scored])
         if path != self._path:
             self.close()
             temp = "" if stores.is_remote(self.output) else TEMP_PREFIX  # an upload is seen only once complete: no temp name

@@ -1,0 +1,125 @@
+"""``predict`` for ranking models: a next-item model's top-k per row equals a brute-force numpy top-k of the checkpoint's
+own scores (with and without the row's history excluded), named by the raw ids of the ``data sequences`` mapping; two
+ranks write disjoint parts covering the input; a top_k above the catalogue is refused before a row is scored."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from recsys_runner import predict
+from recsys_runner.__main__ import run as train
+from recsys_runner.build import build
+from recsys_runner.config import register_configs, validate
+from recsys_runner.data.sequences.mapping import load_mapping
+from recsys_runner.errors import ConfigError
+from recsys_runner.paths import CONFIG_PATH
+from recsys_runner.scoring_topk import TOP_ITEMS, TOP_SCORES
+from tests.conftest import torchrun
+from tests.test_evaluate import compose_entry
+from tests.test_sequence_rows import distinct_times_log, run_sequences
+
+K = 5
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+    """A generated log → ``data sequences`` rows (with their id mapping) → SASRec trained a few steps; returns the
+    folder and the training's overrides."""
+    root = tmp_path_factory.mktemp("predict_topk")
+    rows = run_sequences(root, distinct_times_log(num_users=40, seed=3), "rows", "--max-len", "8")
+    overrides = ["model=sasrec", "model.embedding_dim=8", "data=parquet", f"data.path={rows}/train.parquet",
+                 f"data.eval_path={rows}/eval.parquet", "data.batch_size=16", "train.num_steps=6", "train.eval_every_steps=null",
+                 "distributed.device=cpu", f"tracking.uri=sqlite:///{root}/mlflow.db", "tracking.experiment=predict_topk",
+                 f"checkpoint.dir={root}/ck"]
+    register_configs()
+    with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
+        train(compose(config_name="config", overrides=overrides))
+    return root, overrides
+
+
+def _checkpoint_scores(root: Path, overrides: list[str], path: Path) -> np.ndarray:
+    """The checkpoint's full-table scores ``[rows, N]`` of the rows of ``path``, from the training's own graph."""
+    spec = validate(compose_entry("predict", *overrides, f"load={root}/ck", f"data.eval_path={path}"))
+    (step,) = sorted((root / "ck").glob("step_*"))[-1:]
+    c = build(spec, weights=step)
+    try:
+        model = c.loop.evaluator.model
+        model.eval()
+        with torch.no_grad():
+            return torch.cat([model(b)[1][1] for b in c.loop.data.eval_batches(0, 1)]).float().numpy()
+    finally:
+        c.close()
+
+
+def _brute_force(scores: np.ndarray, histories: list[list[int]], known: int, exclude_seen: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's top ``K`` ids and scores by numpy: ids past the mapping (OOV rows) never, history ids not when
+    ``exclude_seen``."""
+    masked = scores.copy()
+    masked[:, known:] = -np.inf
+    if exclude_seen:
+        for row, history in enumerate(histories):
+            masked[row, history] = -np.inf
+    top = np.argsort(-masked, axis=1, kind="stable")[:, :K]
+    return top, np.take_along_axis(masked, top, axis=1)
+
+
+@pytest.mark.parametrize("exclude_seen", [True, False])
+def test_top_k_equals_a_brute_force_top_k_of_the_checkpoints_scores_in_raw_ids(trained: tuple[Path, list[str]], tmp_path: Path,
+                                                                                 exclude_seen: bool) -> None:
+    root, overrides = trained
+    rows = root / "rows" / "eval.parquet"
+    result = predict.run(compose_entry("predict", *overrides, f"load={root}/ck", f"predict.input={rows}",
+                                       f"predict.output={tmp_path}/out", f"predict.top_k={K}", f"predict.exclude_seen={exclude_seen}",
+                                       "predict.columns=[user_id,item_id]"))
+    written = pq.read_table(result.parts)
+    assert written.column_names == ["user_id", "item_id", TOP_ITEMS, TOP_SCORES]
+    table = pq.read_table(rows)
+    assert result.rows == table.num_rows and written["user_id"].to_pylist() == table["user_id"].to_pylist()
+
+    mapping = load_mapping(str(root / "rows"))
+    histories = table["hist_item_id"].to_pylist()
+    top, top_scores = _brute_force(_checkpoint_scores(root, overrides, rows), histories, len(mapping["item"]), exclude_seen)
+    got_items = written[TOP_ITEMS].to_pylist()
+    got_scores = np.array(written[TOP_SCORES].to_pylist())
+    np.testing.assert_allclose(got_scores, top_scores, rtol=1e-4, atol=1e-4)
+    # the raw ids of the log (items 7i + 3), through the mapping: the brute force's ids named the same way
+    assert got_items == [mapping["item"][row].tolist() for row in top]
+    raw_items = set(distinct_times_log(num_users=40, seed=3)["item"].to_pylist())
+    assert all(item in raw_items for items in got_items for item in items)
+    if exclude_seen:
+        raw_histories = [set(mapping["item"][h].tolist()) for h in histories]
+        assert not any(set(items) & seen for items, seen in zip(got_items, raw_histories, strict=True))
+        assert any(histories)  # the mask had something to exclude
+
+
+def test_two_ranks_write_disjoint_top_k_parts_covering_the_input(trained: tuple[Path, list[str]], tmp_path: Path) -> None:
+    root, overrides = trained
+    table = pq.read_table(root / "rows" / "train.parquet")
+    rows = root / "rows" / "train_in_row_groups.parquet"  # beside the mapping its metadata names (".")
+    pq.write_table(table, rows, row_group_size=40)  # units for two ranks
+    out = torchrun(*overrides, f"load={root}/ck", f"predict.input={rows}", f"predict.output={tmp_path}/out", f"predict.top_k={K}",
+                   "predict.columns=[user_id,ts]", "distributed.sharding_types=[column_wise]", cwd=tmp_path, module="recsys_runner.predict")
+    assert out.returncode == 0, out.stderr[-4000:]
+    parts = sorted((tmp_path / "out").glob("part-*.parquet"))
+    assert {p.name[:10] for p in parts} == {"part-00000", "part-00001"}
+    written = pq.read_table(parts)
+    # the parts in name order are the input rows in input order, each once
+    assert list(zip(written["user_id"].to_pylist(), written["ts"].to_pylist(), strict=True)) == \
+        list(zip(table["user_id"].to_pylist(), table["ts"].to_pylist(), strict=True))
+    assert all(len(items) == K for items in written[TOP_ITEMS].to_pylist())
+    assert "top_items are the raw item ids of the mapping" in out.stderr + out.stdout
+
+
+def test_a_top_k_above_the_catalogue_is_refused_before_a_row_is_scored(trained: tuple[Path, list[str]], tmp_path: Path) -> None:
+    root, overrides = trained
+    size = len(load_mapping(str(root / "rows"))["item"])
+    with pytest.raises(ConfigError, match=rf"predict.top_k={size + 1}, but the item table \(item\) holds {size} items.*Fix: predict.top_k<={size}"):
+        predict.run(compose_entry("predict", *overrides, f"load={root}/ck", f"predict.input={root}/rows/eval.parquet",
+                                  f"predict.output={tmp_path}/out", f"predict.top_k={size + 1}"))
+    assert not list((tmp_path / "out").glob("*part-*"))
