@@ -9,6 +9,11 @@ written to ``predict.output`` as Parquet: one column per task (``score`` for a s
 task; a multi-class task writes ``class_<task>``, its most probable class (int64), and ``score_<task>``, that class's
 probability) after the pass-through columns ``predict.columns`` (e.g. ``[request_id]``), copied unchanged.
 
+**Ranking models.** A next-item or two-tower model (``model=sasrec``, ``model.block=hstu``, ``model=dssm``) writes
+instead each row's best ``predict.top_k`` items: ``top_items`` (raw ids through the ``data sequences`` id mapping the
+input names, else the table's ids) and ``top_scores``, the row's history items left out with ``predict.exclude_seen``
+(default true); exact chunked retrieval, or FAISS with ``model.index=faiss`` (:mod:`recsys_runner.scoring_topk`).
+
 **Streaming.** Files are read in their units, Parquet row groups or blocks of ``data.block_rows`` lines, in
 Arrow tables of at most ``data.read_rows`` rows, scored in batches of ``data.batch_size`` rows; memory is
 bounded by a unit's table, not by the input. A bad row stops the run naming its file and row (rows cannot be
