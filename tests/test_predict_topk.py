@@ -1,12 +1,14 @@
 """``predict`` for ranking models: a next-item model's top-k per row equals a brute-force numpy top-k of the checkpoint's
 own scores (with and without the row's history excluded), named by the raw ids of the ``data sequences`` mapping; two
-ranks write disjoint parts covering the input; a top_k above the catalogue is refused before a row is scored."""
+ranks write disjoint parts covering the input; a top_k above the catalogue is refused before a row is scored; a two-tower
+model's top-k over its catalogue equals a brute force without each row's seen items, exact and through FAISS."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -123,3 +125,72 @@ def test_a_top_k_above_the_catalogue_is_refused_before_a_row_is_scored(trained: 
         predict.run(compose_entry("predict", *overrides, f"load={root}/ck", f"predict.input={root}/rows/eval.parquet",
                                   f"predict.output={tmp_path}/out", f"predict.top_k={size + 1}"))
     assert not list((tmp_path / "out").glob("*part-*"))
+
+
+def _retrieval_files(root: Path) -> list[str]:
+    """Two-tower rows (a user, the item it took, the items it had before: ``seen``) and their catalogue; the training
+    overrides that read them."""
+    rng = np.random.default_rng(0)
+    n, items = 400, 30
+    item = rng.integers(0, items, n)
+    table = pa.table({"label": np.ones(n, np.int64), "user_id": rng.integers(0, 20, n), "item_id": [f"i{i}" for i in item],
+                      "cate": item % 4, "seen": [[f"i{j}" for j in rng.choice(items, 3, replace=False)] for _ in range(n)]})
+    pq.write_table(table, root / "rows.parquet", row_group_size=100)
+    pq.write_table(pa.table({"item_id": [f"i{i}" for i in range(items)], "cate": [i % 4 for i in range(items)],
+                             "seen": [[] for _ in range(items)]}, schema=pa.schema([("item_id", pa.string()), ("cate", pa.int64()),
+                                                                                    ("seen", pa.list_(pa.string()))])),
+                   root / "items.parquet")
+    sparse = ("[{name: user_id, num_embeddings: 20, encoding: mod}, {name: item_id, num_embeddings: 97, encoding: hash, table: item}, "
+              "{name: cate, num_embeddings: 4}, {name: seen, num_embeddings: 97, encoding: hash, table: item}]")
+    return ["model=dssm", "model.user_features=[user_id]", "model.item_features=[item_id,cate]", "model.tower_layer_sizes=[8]",
+            "model.corpus_chunk_rows=7", "data=parquet", f"data.path={root}/rows.parquet", f"data.eval_path={root}/rows.parquet", "data.label=label", f"data.sparse={sparse}",
+            f"data.items.path={root}/items.parquet", "data.items.id=item_id", "data.items.features=[cate]", "data.items.seen=seen",
+            "data.batch_size=32", "train.num_steps=4", "train.eval_every_steps=null", "distributed.device=cpu", "tracking=none",
+            f"checkpoint.dir={root}/ck"]
+
+
+def test_two_tower_top_k_equals_a_brute_force_over_the_catalogue_without_the_seen_items(tmp_path: Path) -> None:
+    from recsys_runner.inference_build import build_inference
+    from recsys_runner.train.corpus import two_tower_of
+
+    overrides = _retrieval_files(tmp_path)
+    register_configs()
+    with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
+        train(compose(config_name="config", overrides=overrides))
+    (step,) = sorted((tmp_path / "ck").glob("step_*"))[-1:]
+    result = predict.run(compose_entry("predict", *overrides, f"load={step}", f"predict.output={tmp_path}/out",
+                                       f"predict.top_k={K}", "predict.columns=[user_id]"))
+    written = pq.read_table(result.parts)
+    assert result.rows == 400 and written.column_names == ["user_id", TOP_ITEMS, TOP_SCORES]
+
+    built = build_inference(validate(compose_entry("predict", *overrides, f"load={step}")), weights=step)
+    try:
+        towers, table = two_tower_of(built.model), built.data.item_table()
+        assert towers is not None and table is not None
+        built.model.eval()
+        with torch.no_grad():
+            dense, sparse = table.rows(np.arange(len(table)), built.data.features.kjt_keys, built.data.features.dense_names)
+            items = towers.tower("item", dense, sparse).numpy()
+            queries, seen = [], []
+            for batch in built.data.eval_batches(0, 1):
+                queries.append(towers.tower("user", batch.dense_features, batch.sparse_features).numpy())
+                jagged = batch.sparse_features["seen"]
+                seen += [ids.numpy() for ids in torch.split(jagged.values(), jagged.lengths().tolist())]
+    finally:
+        built.close()
+    scores = np.concatenate(queries) @ items.T / 0.05
+    unmasked = np.argsort(-scores, axis=1, kind="stable")[:, :K]
+    rows, found = table.index_of(np.concatenate(seen))
+    assert found.all()
+    starts = np.cumsum([0, *[len(s) for s in seen]])
+    for r in range(scores.shape[0]):
+        scores[r, rows[starts[r]:starts[r + 1]]] = -np.inf
+    top = np.argsort(-scores, axis=1, kind="stable")[:, :K]
+    assert written[TOP_ITEMS].to_pylist() == [table.ids[t].tolist() for t in top]
+    np.testing.assert_allclose(np.array(written[TOP_SCORES].to_pylist()), np.take_along_axis(scores, top, axis=1), rtol=1e-4, atol=1e-4)
+    assert (unmasked != top).any(), "the seen items changed some row's top-k"
+
+    # model.index=faiss: the HNSW graph over 30 items finds the same lists
+    searched = predict.run(compose_entry("predict", *overrides, f"load={step}", f"predict.output={tmp_path}/faiss",
+                                         f"predict.top_k={K}", "model.index=faiss"))
+    assert pq.read_table(searched.parts)[TOP_ITEMS].to_pylist() == written[TOP_ITEMS].to_pylist()
