@@ -95,6 +95,8 @@ ITEMS = ["data.items.path=items.parquet", "data.items.id=item_id"]
 TAOBAO_LABELS = ["data.path=/data/taobao/", "data.labels={ctr: click, cvr: buy}"]
 PRESET_DATA = {  # the presets' documented data= uses (their YAML comments, docs/sequences.md, docs/retrieval.md, docs/storage.md)
     "sasrec_movielens-parquet": ["experiment=sasrec_movielens", "data=parquet", "data.path=ml-1m-histories/"],
+    "hstu_movielens-parquet": ["experiment=hstu_movielens", "data=parquet", "data.path=ml_users/train.parquet",
+                               "data.eval_path=ml_users/valid.parquet"],
     "bst_taobao-parquet": ["experiment=bst_taobao", "data=parquet", "data.path=out/train.parquet", "data.eval_path=out/eval.parquet"],
     "din_taobao-parquet": ["experiment=din_taobao", "data=parquet", "data.path=out/train.parquet", "data.eval_path=out/eval.parquet"],
     "mmoe_taobao-parquet": ["experiment=mmoe_taobao", "data=parquet", *TAOBAO_LABELS],
@@ -189,7 +191,7 @@ def test_presets_keep_option_specific_keys_in_their_option_files() -> None:
             extra = set(OmegaConf.load(path)) - fields
             assert not extra, f"{path.name}: {sorted(extra)} are not keys of {group}={option}"
     assert seen["model"] == set(PRESETS)  # every preset tunes its own model
-    assert seen["data"] == {"sasrec_movielens", "dssm_hard_negatives"}
+    assert seen["data"] == {"sasrec_movielens", "hstu_movielens", "dssm_hard_negatives"}
 
 
 def test_baselines_build_under_the_criteo_preset(make_cfg, tmp_path: Path) -> None:
