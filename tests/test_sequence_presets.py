@@ -44,4 +44,4 @@ def test_a_sequence_preset_trains_on_the_commands_output(make_cfg, ml_users: Pat
 
 def test_the_hstu_preset_composes_on_its_generated_data(make_cfg) -> None:
     spec = validate(make_cfg("experiment=hstu_movielens", "tracking=none", tiny=False))
-    assert isinstance(spec.model, SASRecConfig) and spec.model.block == "hstu" and getattr(spec.data, "max_len") == 200
+    assert isinstance(spec.model, SASRecConfig) and spec.model.block == "hstu" and spec.data.max_len == 200
