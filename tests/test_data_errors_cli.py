@@ -2,7 +2,10 @@
 no traceback, and the message naming the file, line and column and the fix. A data error during training
 ends the MLflow run FAILED.
 
-Each test runs ``python -m recsys_runner`` on a tiny generated file (40 rows, batches of 4, 2 steps).
+Each test runs on a tiny generated file (40 rows, batches of 4, 2 steps). Two run ``python -m recsys_runner`` to see
+what the command prints (an error raised mid-training and one raised while the run is built); the others call what it
+calls (``recsys_runner.__main__.run``) in-process: the CLI prints any :class:`~recsys_runner.errors.UserError` as
+``<label>: <message>`` with exit 2 and no traceback, so each asserts that kind of error and its message.
 """
 
 from __future__ import annotations
@@ -14,9 +17,11 @@ import pyarrow.parquet as pq
 import pytest
 from mlflow.tracking import MlflowClient
 
+from recsys_runner.__main__ import run
 from recsys_runner.configurable import make
 from recsys_runner.data.files.tabular import CsvData
 from recsys_runner.data.files.tabular_config import CsvDataConfig
+from recsys_runner.errors import UserError
 from tests.conftest import run_cli
 
 ROWS = 40
@@ -42,6 +47,14 @@ def cli(tmp_path: Path, *overrides: str, data: str = "csv", tracking: list[str] 
     return out.stderr
 
 
+def error(make_cfg, *overrides: str, data: str = "csv", tracked: bool = False) -> str:
+    """Run in-process what the CLI runs; assert it failed with a :class:`UserError` and return the line the CLI prints
+    for it. ``tracked``: in this test's MLflow experiment (``make_cfg``'s), else ``tracking=none``."""
+    with pytest.raises(UserError) as raised:
+        run(make_cfg(f"data={data}", *BASE, *overrides, *([] if tracked else ["tracking=none"]), tiny=False))
+    return f"{raised.value.label}: {raised.value}"
+
+
 def only_run_status(uri: str, experiment: str) -> str:
     client = MlflowClient(tracking_uri=uri)
     (run,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
@@ -64,59 +77,59 @@ def test_id_beyond_int64_names_line_column_and_hashing(tmp_path: Path, mlflow_ur
         (["data.sparse=[{name: item, num_embeddings: 10, embedding_dim: 6}]"], "data.sparse[item].embedding_dim=6"),
     ],
 )
-def test_embedding_dim_not_a_multiple_of_4(tmp_path: Path, overrides: list[str], key: str) -> None:
-    err = cli(tmp_path, f"data.path={write_csv(tmp_path / 'a.csv')}", ITEM, *overrides)
+def test_embedding_dim_not_a_multiple_of_4(make_cfg, tmp_path: Path, overrides: list[str], key: str) -> None:
+    err = error(make_cfg, f"data.path={write_csv(tmp_path / 'a.csv')}", ITEM, *overrides)
     assert f"Config error: {key} is not a multiple of 4: fbgemm's fused embedding kernels" in err
     assert "Fix: use a multiple of 4, e.g." in err and "AssertionError" not in err
 
 
-def test_epoch_without_a_full_step_after_skipping_says_how_many_rows(tmp_path: Path, mlflow_uri: str) -> None:
+def test_epoch_without_a_full_step_after_skipping_says_how_many_rows(make_cfg, tmp_path: Path, mlflow_uri: str) -> None:
     path = tmp_path / "labels.csv"
     path.write_text("label,item\n" + "".join(f"2,{i % 10}\n" for i in range(ROWS)))  # every label bad
-    err = cli(tmp_path, f"data.path={path}", f"data.eval_path={write_csv(tmp_path / 'eval.csv')}", ITEM, "data.on_bad_rows=skip",
-              tracking=[f"tracking.uri={mlflow_uri}", "tracking.experiment=cli_no_step"])
+    err = error(make_cfg, f"data.path={path}", f"data.eval_path={write_csv(tmp_path / 'eval.csv')}", ITEM, "data.on_bad_rows=skip",
+                tracked=True)
     assert ("Data error: epoch 0 gave rank 0 no full training step of 4 rows (data.batch_size=4 x train.grad_accum_steps=1): "
             f"its share of data.path='{path}' was {ROWS} training rows, and {ROWS} of them were bad rows skipped") in err
     assert "with data.on_bad_rows=fail the run stops at the first one" in err
-    assert only_run_status(mlflow_uri, "cli_no_step") == "FAILED"
+    assert only_run_status(mlflow_uri, make_cfg().tracking.experiment) == "FAILED"
 
 
-def test_epoch_smaller_than_a_batch(tmp_path: Path) -> None:
+def test_epoch_smaller_than_a_batch(make_cfg, tmp_path: Path) -> None:
     path = write_csv(tmp_path / "small.csv")
-    err = cli(tmp_path, f"data.path={path}", f"data.eval_path={path}", ITEM, "data.batch_size=64")
+    err = error(make_cfg, f"data.path={path}", f"data.eval_path={path}", ITEM, "data.batch_size=64")
     assert f"no full training step of 64 rows (data.batch_size=64 x train.grad_accum_steps=1): its share of data.path='{path}' was {ROWS} " in err
     assert "Fix: more data, or a smaller data.batch_size" in err
 
 
-def test_nan_field_is_reported_as_nan(tmp_path: Path) -> None:
+def test_nan_field_is_reported_as_nan(make_cfg, tmp_path: Path) -> None:
     path = write_csv(tmp_path / "nan.csv", bad_line=6, bad_text="1,3,nan")
-    err = cli(tmp_path, f"data.path={path}", f"data.eval_path={path}", ITEM, "data.dense=[{name: price}]")
+    err = error(make_cfg, f"data.path={path}", f"data.eval_path={path}", ITEM, "data.dense=[{name: price}]")
     assert f"Data error: bad row in {path}, line 6, column 'price': the value is nan, not a finite number" in err
 
 
-def test_nan_label_is_reported_as_nan_not_missing(tmp_path: Path) -> None:
+def test_nan_label_is_reported_as_nan_not_missing(make_cfg, tmp_path: Path) -> None:
     path = write_csv(tmp_path / "nanlabel.csv", bad_line=4, bad_text="nan,3,1.0")
-    err = cli(tmp_path, f"data.path={path}", f"data.eval_path={path}", ITEM)
+    err = error(make_cfg, f"data.path={path}", f"data.eval_path={path}", ITEM)
     assert f"Data error: bad row in {path}, line 4, column 'label': the label is nan, but the task is binary" in err
 
 
-def test_parquet_file_given_to_data_csv(tmp_path: Path) -> None:
+def test_parquet_file_given_to_data_csv(make_cfg, tmp_path: Path) -> None:
     path = tmp_path / "t.parquet"
     pq.write_table(pa.table({"label": [0, 1] * 20, "item": list(range(10)) * 4}), path)
-    err = cli(tmp_path, f"data.path={path}", ITEM)
+    err = error(make_cfg, f"data.path={path}", ITEM)
     assert f"Data error: {path} looks like a Parquet file (it begins with Parquet's magic bytes PAR1)" in err
     assert f"Fix: use data=parquet data.path={path}" in err
 
 
-def test_csv_file_given_to_data_parquet(tmp_path: Path) -> None:
+def test_csv_file_given_to_data_parquet(make_cfg, tmp_path: Path) -> None:
     path = write_csv(tmp_path / "t.csv")
-    err = cli(tmp_path, f"data.path={path}", ITEM, data="parquet")
+    err = error(make_cfg, f"data.path={path}", ITEM, data="parquet")
     assert f"Data error: {path} is not a Parquet file" in err and "first line 'label,item,price'" in err and "Fix: use data=csv" in err
 
 
-def test_tsv_read_with_comma_delimiter_says_set_tab(tmp_path: Path) -> None:
+def test_tsv_read_with_comma_delimiter_says_set_tab(make_cfg, tmp_path: Path) -> None:
     path = write_csv(tmp_path / "t.tsv", delimiter="\t")
-    err = cli(tmp_path, f"data.path={path}", ITEM)
+    err = error(make_cfg, f"data.path={path}", ITEM)
     assert f"Data error: {path} has no column 'label': its header line is one column, 'label\\titem\\tprice'" in err
     assert "the file looks tab-separated, but data.delimiter=','. Fix: set data.delimiter='\\t'" in err
 
