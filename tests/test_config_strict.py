@@ -12,6 +12,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
+from recsys_runner.__main__ import run
 from recsys_runner.build import build
 from recsys_runner.config import validate
 from recsys_runner.errors import ConfigError
@@ -51,21 +52,41 @@ def _assert_config_error(out: subprocess.CompletedProcess[str], *fragments: str)
 # ----- 3. unknown keys are errors, even with + ---------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("override", "fragments"),
-    [
-        ("+foo=1", ["unknown key foo.", "Fix: remove it", "the top-level keys are model, data, optim"]),
-        ("+train.num_step=5", ["unknown key train.num_step (did you mean train.num_steps?)", "Fix: set train.num_steps instead"]),
-        ("+model.embeding_dim=8", ["unknown key model.embeding_dim (did you mean model.embedding_dim?)",
-                                   "the keys of model are embedding_dim, dense_arch_layer_sizes, deep_layer_sizes"]),
-    ],
-    ids=["top-level", "train", "nested-group"],
-)
-def test_cli_rejects_unknown_keys_added_with_plus(tmp_path: Path, override: str, fragments: list[str]) -> None:
+UNKNOWN_KEYS = {
+    "top-level": ("+foo=1", ["unknown key foo.", "Fix: remove it", "the top-level keys are model, data, optim"]),
+    "train": ("+train.num_step=5", ["unknown key train.num_step (did you mean train.num_steps?)", "Fix: set train.num_steps instead"]),
+    "nested-group": ("+model.embeding_dim=8", ["unknown key model.embeding_dim (did you mean model.embedding_dim?)",
+                                               "the keys of model are embedding_dim, dense_arch_layer_sizes, deep_layer_sizes"]),
+}
+
+
+def test_cli_rejects_unknown_keys_added_with_plus(tmp_path: Path) -> None:
+    """One case through the CLI (exit 2, the one-line error, no step, no MLflow run); every case in-process below."""
+    override, fragments = UNKNOWN_KEYS["train"]
     out = _cli(tmp_path, override)
     _assert_config_error(out, *fragments)
     assert not STEP_LINE.search(out.stdout + out.stderr)
     assert _runs(tmp_path) == []
+
+
+@pytest.mark.parametrize("case", list(UNKNOWN_KEYS))
+def test_unknown_keys_added_with_plus_are_refused_before_a_run_starts(make_cfg, mlflow_uri: str, case: str) -> None:
+    override, fragments = UNKNOWN_KEYS[case]
+    _assert_refused_before_a_run(make_cfg(override), mlflow_uri, fragments)
+
+
+def _assert_refused_before_a_run(cfg: Any, mlflow_uri: str, fragments: list[str]) -> None:
+    """What the CLI runs (``recsys_runner.__main__.run``: ``validate`` then ``build``) refuses ``cfg`` with a one-line
+    :class:`ConfigError` holding ``fragments`` before the tracker starts a run, so before the first step."""
+    with pytest.raises(ConfigError) as raised:
+        run(cfg)
+    message = f"{raised.value.label}: {raised.value}"
+    assert message.startswith("Config error: ") and "\n" not in message, message
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} missing from:\n{message}"
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    experiment = client.get_experiment_by_name(cfg.tracking.experiment)
+    assert experiment is None or client.search_runs([experiment.experiment_id]) == [], "an MLflow run was created before the check"
 
 
 @pytest.mark.parametrize(
@@ -110,34 +131,45 @@ def test_free_form_map_entries_are_still_accepted(make_cfg) -> None:
 # ----- 4. every check before the first step -------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("overrides", "fragments"),
-    [
-        (["train.objective=eval/nonexistent"],
-         ["train.objective='eval/nonexistent' is not an eval metric this run logs", "valid: eval/auc, eval/logloss"]),
-        (["checkpoint.best_metric=eval/acu", "checkpoint.dir=ckpt"],
-         ["checkpoint.best_metric='eval/acu' is not an eval metric this run logs (closest: eval/auc)",
-          "valid: eval/auc, eval/logloss", "Fix: checkpoint.best_metric=eval/auc"]),
-        (["train.early_stopping.patience=2", "train.eval_every_steps=10", "train.early_stopping.metric=eval/loglos"],
-         ["train.early_stopping.metric='eval/loglos' is not an eval metric this run logs (closest: eval/logloss)",
-          "Fix: train.early_stopping.metric=eval/logloss"]),
-        # Early stopping off (no patience): a metric set for it is still checked, with how to turn it on.
-        (["train.early_stopping.metric=eval/loglos"],
-         ["train.early_stopping.metric='eval/loglos' is not an eval metric this run logs (closest: eval/logloss)",
-          "Fix: train.early_stopping.metric=eval/logloss; early stopping is off until train.early_stopping.patience is set"]),
-        (["metrics.eval=[auc,gauc]", "metrics.grouping_key=cat_00"],
-         ["metrics.grouping_key='cat_00' is not a sparse feature of the data (closest: cat_0)", "valid: cat_0, cat_1,"]),
-        (["model=mmoe", "data=synthetic_multitask", "train.objective=eval/auc"],
-         ["train.objective='eval/auc' is not an eval metric this run logs", "valid: eval/ctr/auc, eval/ctr/logloss, "
-          "eval/cvr/auc, eval/cvr/logloss"]),
-    ],
-    ids=["objective", "best-metric", "early-stopping-metric", "early-stopping-off-metric", "grouping-key", "multitask-objective"],
-)
-def test_cli_checks_metric_and_feature_keys_before_training(tmp_path: Path, overrides: list[str], fragments: list[str]) -> None:
+KEY_CHECKS = {
+    "objective": (["train.objective=eval/nonexistent"],
+                  ["train.objective='eval/nonexistent' is not an eval metric this run logs", "valid: eval/auc, eval/logloss"]),
+    "best-metric": (["checkpoint.best_metric=eval/acu", "checkpoint.dir=ckpt"],
+                    ["checkpoint.best_metric='eval/acu' is not an eval metric this run logs (closest: eval/auc)",
+                     "valid: eval/auc, eval/logloss", "Fix: checkpoint.best_metric=eval/auc"]),
+    "early-stopping-metric": (["train.early_stopping.patience=2", "train.eval_every_steps=10", "train.early_stopping.metric=eval/loglos"],
+                              ["train.early_stopping.metric='eval/loglos' is not an eval metric this run logs (closest: eval/logloss)",
+                               "Fix: train.early_stopping.metric=eval/logloss"]),
+    # Early stopping off (no patience): a metric set for it is still checked, with how to turn it on.
+    "early-stopping-off-metric": (["train.early_stopping.metric=eval/loglos"],
+                                  ["train.early_stopping.metric='eval/loglos' is not an eval metric this run logs (closest: eval/logloss)",
+                                   "Fix: train.early_stopping.metric=eval/logloss; early stopping is off until train.early_stopping.patience is set"]),
+    "grouping-key": (["metrics.eval=[auc,gauc]", "metrics.grouping_key=cat_00"],
+                     ["metrics.grouping_key='cat_00' is not a sparse feature of the data (closest: cat_0)", "valid: cat_0, cat_1,"]),
+    "multitask-objective": (["model=mmoe", "data=synthetic_multitask", "train.objective=eval/auc"],
+                            ["train.objective='eval/auc' is not an eval metric this run logs", "valid: eval/ctr/auc, eval/ctr/logloss, "
+                             "eval/cvr/auc, eval/cvr/logloss"]),
+}
+"""Keys naming an eval metric or a feature that the run would not log or read, with what the error must say."""
+
+
+def test_cli_checks_metric_and_feature_keys_before_training(tmp_path: Path) -> None:
+    """One case through the CLI (the other cases run in-process below, through the same ``validate`` + ``build``): exit 2,
+    the one-line error, no training step and no MLflow run."""
+    overrides, fragments = KEY_CHECKS["best-metric"]
     out = _cli(tmp_path, *overrides)
     _assert_config_error(out, *fragments)
     assert not STEP_LINE.search(out.stdout + out.stderr), "training started before the check"
     assert _runs(tmp_path) == [], "an MLflow run was created before the check"
+
+
+@pytest.mark.parametrize("case", list(KEY_CHECKS))
+def test_metric_and_feature_keys_are_checked_before_a_run_starts(make_cfg, mlflow_uri: str, tmp_path: Path, case: str) -> None:
+    """What the CLI runs (``recsys_runner.__main__.run``: ``validate`` then ``build``) refuses each case with its message
+    before the tracker starts a run, so before the first step."""
+    overrides, fragments = KEY_CHECKS[case]
+    overrides = [f"checkpoint.dir={tmp_path}/ckpt" if o == "checkpoint.dir=ckpt" else o for o in overrides]
+    _assert_refused_before_a_run(make_cfg(*overrides), mlflow_uri, fragments)
 
 
 def test_early_stopping_metric_is_checked_when_set_even_with_early_stopping_off(make_cfg) -> None:
@@ -156,14 +188,17 @@ def test_early_stopping_metric_is_checked_when_set_even_with_early_stopping_off(
     check_eval_keys(validate(make_cfg("train.objective=eval/mse", "tracking=none")), (RegressionTask(),), names)  # default: unchecked
 
 
-def test_cli_accepts_a_task_metric_of_a_multitask_model(tmp_path: Path) -> None:
-    out = _cli(tmp_path, "model=mmoe", "data=synthetic_multitask", "train.num_steps=10", "train.objective=eval/ctr/auc",
-               "train.eval_every_steps=5", "train.early_stopping.patience=3", "train.early_stopping.metric=eval/cvr/logloss",
-               "train.early_stopping.mode=min", "checkpoint.best_metric=eval/ctr/auc", "checkpoint.dir=ckpt")
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert STEP_LINE.search(out.stdout)
-    (run,) = _runs(tmp_path)
-    assert run.info.status == "FINISHED" and "eval/ctr/auc" in run.data.metrics
+def test_a_task_metric_of_a_multitask_model_is_accepted(make_cfg, mlflow_uri: str, tmp_path: Path) -> None:
+    """The keys of the check above, naming a task's metric, pass it and the run trains, evaluates and finishes (in-process:
+    ``recsys_runner.__main__.run``, what the CLI calls)."""
+    cfg = make_cfg("model=mmoe", "data=synthetic_multitask", "train.num_steps=10", "train.objective=eval/ctr/auc",
+                   "train.eval_every_steps=5", "train.early_stopping.patience=3", "train.early_stopping.metric=eval/cvr/logloss",
+                   "train.early_stopping.mode=min", "checkpoint.best_metric=eval/ctr/auc", f"checkpoint.dir={tmp_path}/ckpt")
+    objective = run(cfg)
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    (mlrun,) = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])
+    assert mlrun.info.status == "FINISHED" and objective == pytest.approx(mlrun.data.metrics["eval/ctr/auc"])
+    assert "train/loss" in mlrun.data.metrics and "best/eval/ctr/auc" in mlrun.data.metrics
 
 
 @pytest.mark.parametrize(
