@@ -8,8 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from hydra.errors import HydraException
 from mlflow.tracking import MlflowClient
 
+from recsys_runner.__main__ import run
+from recsys_runner.errors import ConfigError
 from tests.conftest import REPO, TINY, free_port, run_cli
 
 
@@ -55,7 +58,12 @@ BAD_CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("case", list(BAD_CONFIGS), ids=list(BAD_CONFIGS))
+CLI_CASES = ("unknown-option", "steps-and-epochs")
+"""One mistake Hydra reports (exit 1) and one our validation reports (exit 2), through the command itself; every case
+runs in-process below, through what the command calls."""
+
+
+@pytest.mark.parametrize("case", CLI_CASES)
 def test_bad_config_fails_early_with_a_clear_message(tmp_path: Path, case: str) -> None:
     overrides, code, expected = BAD_CONFIGS[case]
     out = run_cli(*overrides, "tracking=none", cwd=tmp_path, timeout=120)
@@ -67,6 +75,24 @@ def test_bad_config_fails_early_with_a_clear_message(tmp_path: Path, case: str) 
     # Nothing started: no training step logged, no MLflow store created.
     assert "step " not in out.stdout
     assert not (tmp_path / "mlflow.db").exists()
+
+
+@pytest.mark.parametrize("case", list(BAD_CONFIGS), ids=list(BAD_CONFIGS))
+def test_bad_config_is_refused_before_anything_starts(make_cfg, case: str) -> None:
+    """What the command does in-process: Hydra's composition refuses the exit-1 cases (the command prints the error and
+    its cause); ``recsys_runner.__main__.run`` (validate, then build) refuses the exit-2 cases with a :class:`ConfigError`,
+    which the command prints as one line and exits 2 (the CLI cases above), before any step or MLflow run."""
+    overrides, code, expected = BAD_CONFIGS[case]
+    if code == 1:
+        with pytest.raises(HydraException) as raised:
+            make_cfg(*overrides, "tracking=none", tiny=False)
+        text = f"{raised.value}\n{raised.value.__cause__}"
+    else:
+        with pytest.raises(ConfigError) as raised:
+            run(make_cfg(*overrides, "tracking=none", tiny=False))
+        text = str(raised.value)
+    for fragment in expected:
+        assert fragment in text, f"{fragment!r} missing from:\n{text}"
 
 
 def test_full_error_shows_traceback(tmp_path: Path) -> None:
