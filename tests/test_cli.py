@@ -112,12 +112,17 @@ def test_default_store_is_mlflow_db_in_launch_dir(tmp_path: Path) -> None:
     assert run.info.status == "FINISHED" and "eval/auc" in run.data.metrics
 
 
-def test_env_var_overrides_default_store(tmp_path: Path) -> None:
+def test_env_var_overrides_default_store(make_cfg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process (the store is resolved from the environment when the run is built; the launch directory's part is the
+    CLI test above): ``$MLFLOW_TRACKING_URI`` wins over ``mlflow.db`` in the current directory."""
     db = tmp_path / "elsewhere.db"
-    out = run_cli(*TINY, "train.num_steps=5", "tracking.experiment=env_uri", cwd=tmp_path,
-                  env={"MLFLOW_TRACKING_URI": f"sqlite:///{db}"})
-    assert out.returncode == 0, out.stderr[-3000:]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")
+    monkeypatch.chdir(tmp_path)
+    run(make_cfg("train.num_steps=5", "tracking.uri=null", "tracking.experiment=env_uri"))
     assert db.exists() and not (tmp_path / "mlflow.db").exists()
+    client = MlflowClient(tracking_uri=f"sqlite:///{db}")
+    (mlrun,) = client.search_runs([client.get_experiment_by_name("env_uri").experiment_id])
+    assert mlrun.info.status == "FINISHED"
 
 
 def test_multirun_gives_one_finished_run_per_job(tmp_path: Path) -> None:
