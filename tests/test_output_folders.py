@@ -49,18 +49,30 @@ def _refused(result: subprocess.CompletedProcess[str], out: str) -> str:
     return line
 
 
-@pytest.mark.slow
-def test_a_file_in_the_tensorboard_folders_place_stops_the_run_before_the_model_is_built(tmp_path: Path) -> None:
+def test_a_file_in_the_tensorboard_folders_place_stops_the_run_before_the_model_is_built(
+        make_cfg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process, with the launch the CLI would hand down (its run directory): the command's side (exit 2, one line, no
+    traceback, nothing built) is the CLI test below, which meets the same check."""
+    import recsys_runner.build
+    from recsys_runner.__main__ import run
+    from recsys_runner.runtime import Launch
+
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "tensorboard").write_text("not a folder")
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    result, out = _cli(tmp_path, *RUN, f"hydra.run.dir={run_dir}", f"tracking.uri={uri}", "tracking.experiment=tb_file")
-    line = _refused(result, out)
+
+    def no_data(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the data was built before the folder was checked")
+
+    monkeypatch.setattr(recsys_runner.build, "build_data", no_data)
+    cfg = make_cfg(*RUN, tiny=False)
+    with pytest.raises(TrackingError) as raised:
+        run(cfg, Launch(output_dir=run_dir))
+    line = f"{raised.value.label}: {raised.value}"
     assert line == (f"Tracking error: tracking.tensorboard=true writes its event files into {run_dir}/tensorboard, which cannot "
                     f"be written: a file is in its place. Fix: move or remove {run_dir}/tensorboard, use another run directory "
                     "(hydra.run.dir=<dir>), or tracking.tensorboard=false"), line
-    assert runs(uri, "tb_file") == []  # refused before its MLflow run was opened
+    assert runs(cfg.tracking.uri, cfg.tracking.experiment) == []  # refused before its MLflow run was opened
 
 
 @pytest.mark.slow
