@@ -257,9 +257,9 @@ def sequences(args: argparse.Namespace) -> None:
                            committing=signals.deferred)
         late = guard.signum
     copies = rows.num_duplicates
-    said = f"{copies} of them exact duplicates of an earlier event ({'dropped' if spec.duplicates == 'drop' else 'kept'}" if copies else \
-        "no exact duplicates ("
-    print(f"read {rows.num_events} events from {args.log}; {said}, --duplicates {spec.duplicates})")
+    said = f"{copies} of them exact duplicates of an earlier event ({'dropped' if spec.duplicates == 'drop' else 'kept'}, " if copies \
+        else "no exact duplicates ("
+    print(f"read {rows.num_events} events from {args.log}; {said}--duplicates {spec.duplicates})")
     if rows.num_short_users:
         print(f"{rows.num_short_users} user(s) have fewer than {LEAVE_TWO_OUT_MIN_EVENTS} events: --split leave-two-out gives them no valid "
               f"or test row (all their events are training rows)")
