@@ -53,7 +53,16 @@ from recsys_runner.features import SequenceGroup
 from recsys_runner.metrics.corpus import corpus_ranks
 from recsys_runner.models.sequence import History, SequenceEmbeddings
 from recsys_runner.tasks import Task
-from recsys_runner.train.corpus import TwoTower, _RowOf, _seen_rows, hnsw_index, item_index, seen_features, two_tower_of
+from recsys_runner.train.corpus import (
+    TwoTower,
+    _RowOf,
+    _seen_rows,
+    hnsw_index,
+    inner_with,
+    item_index,
+    seen_features,
+    two_tower_of,
+)
 
 __all__ = ["CHUNK_ROWS", "RANKING_KINDS", "TOP_ITEMS", "TOP_SCORES", "ItemNames", "NextItemModel", "ranks_items",
            "top_k_scorer"]
@@ -194,14 +203,7 @@ def _two_tower_seen(towers: TwoTower, data: DataModule, table: ItemTable) -> lis
 
 def _next_item_model(model: nn.Module) -> NextItemModel | None:
     """The next-item model inside ``model`` (DistributedModelParallel, the TrainWrapper), or ``None``."""
-    inner: Any = model
-    for _ in range(4):
-        if hasattr(inner, "item_table") and hasattr(inner, "encode"):
-            return cast(NextItemModel, inner)
-        inner = getattr(inner, "module", None) or getattr(inner, "model", None)
-        if inner is None:
-            return None
-    return None
+    return cast("NextItemModel | None", inner_with(model, "item_table", "encode"))
 
 
 class _NextItemTopK:

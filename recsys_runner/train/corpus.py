@@ -48,7 +48,7 @@ from recsys_runner.models.dssm import first_ids
 from recsys_runner.progress import Progress
 from recsys_runner.tasks import Task
 
-__all__ = ["CorpusEval", "TwoTower", "item_index", "mine", "seen_features", "two_tower_of", "use_ranking_protocol"]
+__all__ = ["CorpusEval", "TwoTower", "item_index", "mine", "inner_with", "seen_features", "two_tower_of", "use_ranking_protocol"]
 
 
 class TwoTower(Protocol):
@@ -62,21 +62,15 @@ class TwoTower(Protocol):
 
 def two_tower_of(model: nn.Module) -> TwoTower | None:
     """The two-tower model inside ``model`` (DistributedModelParallel, DDP, the TrainWrapper), or ``None``."""
-    inner: Any = model
-    for _ in range(4):
-        if hasattr(inner, "tower") and hasattr(inner, "corpus_chunk_rows"):
-            return cast(TwoTower, inner)
-        inner = getattr(inner, "module", None) or getattr(inner, "model", None)
-        if inner is None:
-            return None
-    return None
+    return cast("TwoTower | None", inner_with(model, "tower", "corpus_chunk_rows"))
 
 
-def _inner_with(model: nn.Module, attribute: str) -> Any:
-    """The module inside ``model`` (DistributedModelParallel, DDP, the TrainWrapper) that has ``attribute``, or ``None``."""
+def inner_with(model: nn.Module, *attributes: str) -> Any:
+    """The module inside ``model`` (DistributedModelParallel, DDP, the TrainWrapper) that has every one of
+    ``attributes``, or ``None``."""
     inner: Any = model
     for _ in range(4):
-        if hasattr(inner, attribute):
+        if all(hasattr(inner, a) for a in attributes):
             return inner
         inner = getattr(inner, "module", None) or getattr(inner, "model", None)
         if inner is None:
@@ -92,7 +86,7 @@ def use_ranking_protocol(model: nn.Module, spec: MetricsConfig, two_tower: bool)
     Raises:
         ConfigError: ``metrics.exclude_seen`` on a model that is neither (no history to exclude).
     """
-    inner = _inner_with(model, "exclude_seen")
+    inner = inner_with(model, "exclude_seen")
     if inner is not None:
         inner.exclude_seen = spec.exclude_seen
         return
