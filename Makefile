@@ -53,7 +53,7 @@ TEST_WORKERS ?= 2
 TEST_PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 test: $(STAMP) ## Run the whole test suite, slow multi-process and SLURM tests included (installs SLURM when it can)
 	@.ci/install-slurm
-	$(PY) -m pytest -q $(TEST_PARALLEL)
+	$(PY) -m pytest -q $(TEST_PARALLEL) --durations=30
 
 test-fast: $(STAMP) ## Run the tests except those marked slow
 	$(PY) -m pytest -q $(TEST_PARALLEL) -m "not slow"

@@ -297,7 +297,9 @@ def _take(held: list[tuple[Rows, pa.Table, np.ndarray]], n: int) -> tuple[Rows, 
         else:
             held[0] = (block.slice(k, len(block)), table.slice(k), file_rows[k:])
         need -= k
-    return Rows.concat(rows), pa.concat_tables(tables), first
+    # a table without columns (predict.columns=[]) keeps its row count when sliced but loses it when concatenated
+    passthrough = pa.concat_tables(tables) if tables[0].num_columns else pa.table({"_": pa.nulls(n)}).select([])
+    return Rows.concat(rows), passthrough, first
 
 
 def _zero_labels(table: pa.Table, schema: Schema) -> pa.Table:

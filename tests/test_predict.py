@@ -155,6 +155,7 @@ def test_predict_default_columns_and_a_stop_mid_write_leaves_no_part(trained_onc
     for part in result.parts:
         written = pq.read_table(part)
         assert written.column_names == ["score"] and written.num_rows == 300
+    assert result.rows == 600, "the rows counted without pass-through columns"
 
     # Ctrl-C (or the lifecycle's SIGTERM) in the second file's second batch: b's finished part and c's temp part are deleted
     write = scoring._PartWriter.write

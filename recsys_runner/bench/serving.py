@@ -333,7 +333,8 @@ def throughput(model_dir: Path, data: list[str], checkpoint: Path, scored: Path,
     found = PREDICT_LINE.search(output)
     if found is None:
         raise RuntimeError(f"python -m recsys_runner.predict printed no 'wrote N rows … rows/s' line:\n{output[-3000:]}")
-    assert int(found["rows"]) == rows, (found["rows"], rows)
+    if int(found["rows"]) != rows:
+        raise RuntimeError(f"python -m recsys_runner.predict wrote {found['rows']} rows of {scored}'s {rows}:\n{output[-3000:]}")
     return {"rows": rows, "pyfunc_rows_per_s": rows / seconds["default"], "pyfunc_threads": seconds["default_threads"],
             "pyfunc_with_csv_parse_rows_per_s": rows / (seconds["default"] + parse_s),
             "pyfunc_auto_threads_rows_per_s": rows / seconds["auto"], "auto_threads": seconds["auto_threads"],
