@@ -78,13 +78,18 @@ def test_top_k_equals_a_brute_force_top_k_of_the_checkpoints_scores_in_raw_ids(t
     rows = root / "rows" / "eval.parquet"
     result = predict.run(compose_entry("predict", *overrides, f"load={root}/ck", f"predict.input={rows}",
                                        f"predict.output={tmp_path}/out", f"predict.top_k={K}", f"predict.exclude_seen={exclude_seen}",
-                                       "predict.columns=[user_id,item_id]"))
+                                       "predict.columns=[user_id,item_id,hist_item_id]"))
     written = pq.read_table(result.parts)
-    assert written.column_names == ["user_id", "item_id", TOP_ITEMS, TOP_SCORES]
+    assert written.column_names == ["user_id", "item_id", "hist_item_id", TOP_ITEMS, TOP_SCORES]
     table = pq.read_table(rows)
-    assert result.rows == table.num_rows and written["user_id"].to_pylist() == table["user_id"].to_pylist()
-
     mapping = load_mapping(str(root / "rows"))
+    # the pass-through id columns as the log's raw values too (text users "user-007", items 7i + 3), row for row
+    assert result.rows == table.num_rows
+    assert written["user_id"].to_pylist() == mapping["user_id"][table["user_id"].to_numpy()].tolist()
+    assert written["item_id"].to_pylist() == mapping["item"][table["item_id"].to_numpy()].tolist()
+    assert all(u.startswith("user-") for u in written["user_id"].to_pylist())
+    assert written["hist_item_id"].to_pylist() == [mapping["item"][h].tolist() for h in table["hist_item_id"].to_pylist()]
+
     histories = table["hist_item_id"].to_pylist()
     top, top_scores = _brute_force(_checkpoint_scores(root, overrides, rows), histories, len(mapping["item"]), exclude_seen)
     got_items = written[TOP_ITEMS].to_pylist()
@@ -194,3 +199,13 @@ def test_two_tower_top_k_equals_a_brute_force_over_the_catalogue_without_the_see
     searched = predict.run(compose_entry("predict", *overrides, f"load={step}", f"predict.output={tmp_path}/faiss",
                                          f"predict.top_k={K}", "model.index=faiss"))
     assert pq.read_table(searched.parts)[TOP_ITEMS].to_pylist() == written[TOP_ITEMS].to_pylist()
+
+
+def test_pass_through_ids_past_the_mapping_or_null_are_written_as_null() -> None:
+    from recsys_runner.scoring import _raw_column
+
+    values = np.array(["a", "b", "c"], object)
+    ids = pa.chunked_array([pa.array([2, 0, 3, None], pa.int64())])
+    assert _raw_column(ids, values).to_pylist() == ["c", "a", None, None]
+    lists = pa.chunked_array([pa.array([[1, 5], None, []], pa.list_(pa.int64()))])
+    assert _raw_column(lists, values).to_pylist() == [["b", None], None, []]

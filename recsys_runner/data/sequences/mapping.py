@@ -199,6 +199,13 @@ def load_mapping(folder: str) -> dict[str, np.ndarray]:
     return out
 
 
+def column_tables(folder: str) -> dict[str, str]:
+    """Each output column of ``folder``'s rows that holds a table's ids (``vocab.json``'s ``columns``) → that table:
+    what lets a command that passes a column through (predict's ``predict.columns``) write its raw values instead."""
+    index = _index(folder, "the mapping folder")
+    return {column: table for table, entry in index["tables"].items() for column in entry["columns"]}
+
+
 def mapping_folder(rows_file: str) -> str | None:
     """The output folder whose mapping encodes the Parquet file ``rows_file`` (its :data:`VOCAB_METADATA_KEY`), or
     ``None`` for rows written without one."""
@@ -214,7 +221,12 @@ def mapping_folder(rows_file: str) -> str | None:
 def raw_ids(mapping: dict[str, np.ndarray], table: str, ids: np.ndarray) -> list:
     """The raw values of ``ids`` of ``table`` (from :func:`load_mapping`); ``None`` (:data:`OOV_ID`) for an OOV row, whose
     raw value is not known."""
-    values = mapping[table]
+    return raw_values(mapping[table], ids)
+
+
+def raw_values(values: np.ndarray, ids: np.ndarray) -> list:
+    """``values[ids]`` (a table's raw values in id order, one table of :func:`load_mapping`) as a list; ``None``
+    (:data:`OOV_ID`) for an id outside them (an OOV row, or a negative id), whose raw value is not known."""
     ids = np.asarray(ids, np.int64)
     inside = (ids >= 0) & (ids < len(values))
     out = values[np.where(inside, ids, 0)].tolist() if len(values) else [OOV_ID] * len(ids)
