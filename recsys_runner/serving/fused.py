@@ -1,0 +1,147 @@
+"""A model's embedding-bag collections fused for serving: one ``embedding_bag`` over a concatenated table per group of
+tables of one width, pooling and dtype, where TorchRec's eager ``EmbeddingBagCollection`` runs one per feature.
+
+Why: an exported ``EmbeddingBagCollection`` is, for each feature, a split of the ids by the lengths' sums (an
+``.item()`` each), a ``narrow`` of the ids and of the offsets, an ``embedding_bag`` and a cast. DeepFM on the Criteo
+shape (26 features, each read by a deep and a first-order table) spends ~330 of its served program's 424 nodes there,
+and a 1-row request pays for every node (the program's ops run one by one). With each feature's ids shifted by its
+table's first row in a concatenated table, a group is one lookup, as fbgemm's table-batched embedding is on the
+training side; fbgemm's own inference kernels are not used because the served model loads with torch alone
+(docs/export.md). Sums and means pool the same ids in the same order as the per-table kernel, so the scores are the
+same (``tests/test_fused_serving.py`` compares every pointwise model's).
+
+Only what serving needs: no gradients, no variable batch per feature (``inverse_indices``), the tables' weights
+copied at :func:`for_serving` time (the training model is left as it was).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchrec.modules.embedding_configs import pooling_type_to_str
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
+__all__ = ["FusedEmbeddingBags", "for_serving"]
+
+
+class _Group(nn.Module):
+    """The tables of one ``(width, pooling, dtype)``: ``weight`` their rows one table after another, ``base[k]`` the first
+    row of the table key ``k`` reads (0 for a key none of them reads, whose ids are looked up as row 0 and dropped)."""
+
+    base: torch.Tensor
+    used: torch.Tensor
+    key_index: torch.Tensor
+    weight: torch.Tensor
+
+    def __init__(self, weights: list[torch.Tensor], key_table: dict[int, int], num_keys: int, mode: str) -> None:
+        super().__init__()
+        starts = torch.tensor([0, *[w.shape[0] for w in weights]]).cumsum(0)
+        self.mode = mode
+        self.all_keys = sorted(key_table) == list(range(num_keys))
+        """Every key of the batch is read by one of these tables: no id needs masking."""
+        self.keys = sorted(key_table)
+        """The keys read, in the batch's order: the order of this group's output slots."""
+        self.register_buffer("weight", torch.cat([w.detach() for w in weights]), persistent=True)
+        base = torch.zeros(num_keys, dtype=torch.long)
+        used = torch.zeros(num_keys, dtype=torch.bool)
+        for key, table in key_table.items():
+            base[key], used[key] = starts[table], True
+        self.register_buffer("base", base, persistent=False)
+        self.register_buffer("used", used, persistent=False)
+        self.register_buffer("key_index", torch.tensor(self.keys, dtype=torch.long), persistent=False)
+
+    def forward(self, values: torch.Tensor, lengths: torch.Tensor, key_of_value: torch.Tensor,
+                weights: torch.Tensor | None) -> torch.Tensor:
+        """``(values [V], lengths [K, B], key_of_value [V], weights [V] | None) → pooled [B, slots · width]``."""
+        ids = values + self.base[key_of_value]
+        if not self.all_keys:
+            ids = torch.where(self.used[key_of_value], ids, torch.zeros_like(ids))
+        offsets = F.pad(lengths.reshape(-1).cumsum(0), (1, 0))
+        pooled = F.embedding_bag(ids, self.weight, offsets, mode=self.mode, per_sample_weights=weights, include_last_offset=True)
+        num_keys, rows = lengths.shape
+        pooled = pooled.view(num_keys, rows, -1)
+        if not self.all_keys:
+            pooled = pooled.index_select(0, self.key_index)
+        return pooled.transpose(0, 1).reshape(rows, -1).float()
+
+
+class FusedEmbeddingBags(nn.Module):
+    """An ``EmbeddingBagCollection`` as a few lookups: ``KeyedJaggedTensor`` of the batch's ``keys`` → the same
+    ``KeyedTensor`` (keys, widths and values in the collection's order).
+
+    Args:
+        ebc: the collection (its weights are copied).
+        keys: the keys of the ``KeyedJaggedTensor`` it is called with, in order (the served batch's).
+
+    Raises:
+        ValueError: a feature the collection reads is not among ``keys``, or one group's tables read one feature twice
+            (:func:`for_serving` then keeps the collection as it is).
+    """
+
+    column_order: torch.Tensor
+
+    def __init__(self, ebc: EmbeddingBagCollection, keys: list[str]) -> None:
+        super().__init__()
+        index = {k: i for i, k in enumerate(keys)}
+        groups: dict[tuple[int, str, torch.dtype], list[tuple[str, int]]] = defaultdict(list)  # (feature, table number)
+        tables = list(ebc.embedding_bags.values())
+        for number, (config, bag) in enumerate(zip(ebc._embedding_bag_configs, tables, strict=True)):
+            for feature in config.feature_names:
+                if feature not in index:
+                    raise ValueError(f"feature {feature!r} is not among the batch's keys {keys}")
+                groups[(config.embedding_dim, pooling_type_to_str(config.pooling), bag.weight.dtype)].append((feature, number))
+        self.weighted = ebc.is_weighted()
+        self.groups = nn.ModuleList()
+        columns: list[tuple[int, int]] = []  # per output column of the fused result: (slot in ebc order, column in slot)
+        slot_of = {(f, n): s for s, (f, n) in enumerate((f, n) for n, c in enumerate(ebc._embedding_bag_configs) for f in c.feature_names)}
+        for (width, mode, _), members in groups.items():
+            key_table = {index[f]: n for f, n in members}
+            if len(key_table) != len(members):
+                raise ValueError(f"tables of one group read a feature twice: {members}")
+            numbers = sorted({n for _, n in members})
+            local = {n: i for i, n in enumerate(numbers)}
+            self.groups.append(_Group([tables[n].weight for n in numbers], {k: local[n] for k, n in key_table.items()}, len(keys), mode))
+            by_key = sorted(members, key=lambda m: index[m[0]])
+            columns += [(slot_of[m], c) for m in by_key for c in range(width)]
+        widths = list(ebc._lengths_per_embedding)
+        slot_start = [sum(widths[:s]) for s in range(len(widths))]
+        order = [slot_start[s] + c for s, c in columns]  # the fused column each ebc-order column comes from
+        inverse = sorted(range(len(order)), key=lambda i: order[i])
+        self.identity = inverse == list(range(len(order)))
+        self.register_buffer("column_order", torch.tensor(inverse, dtype=torch.long), persistent=False)
+        self.embedding_names = list(ebc._embedding_names)
+        self.widths = widths
+        self.num_keys = len(keys)
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        values = features.values()
+        lengths = features.lengths().view(self.num_keys, -1)
+        key_of_value = torch.repeat_interleave(torch.arange(self.num_keys, device=values.device), lengths.sum(dim=1),
+                                               output_size=values.shape[0])
+        weights = features.weights() if self.weighted else None
+        pooled = torch.cat([g(values, lengths, key_of_value, weights) for g in self.groups], dim=1)
+        if not self.identity:
+            pooled = pooled.index_select(1, self.column_order)
+        return KeyedTensor(keys=self.embedding_names, values=pooled, length_per_key=self.widths)
+
+
+def for_serving(model: nn.Module, keys: list[str]) -> nn.Module:
+    """A copy of ``model`` whose ``EmbeddingBagCollection`` modules are :class:`FusedEmbeddingBags` (module docstring);
+    a collection that cannot be fused (a feature outside ``keys``, a feature read twice in one group) stays as it is.
+    ``model`` itself is not changed: the export checks the served program against it."""
+    served = copy.deepcopy(model)
+    for name, module in list(served.named_modules()):
+        if type(module) is not EmbeddingBagCollection:
+            continue
+        try:
+            fused = FusedEmbeddingBags(module, keys)
+        except ValueError:
+            continue
+        parent, _, attribute = name.rpartition(".")
+        setattr(served.get_submodule(parent) if parent else served, attribute, fused)
+    return served
