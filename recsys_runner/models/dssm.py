@@ -80,6 +80,12 @@ class DSSMConfig(ModelConfig):
     """Full-corpus evaluation's index: ``exact`` (chunked matmul) or ``faiss`` (an HNSW graph, as a server would search:
     the ranking metrics are those of its top ``k``, and ``ann_recall@<k>`` says how much of the exact top ``k`` it
     returns; needs ``pip install faiss-cpu``)."""
+    eval_negatives: int = 0
+    """``0``: the full-corpus metrics rank each eval query's item against the whole catalogue. ``N > 0``: against ``N``
+    catalogue items drawn uniformly, without replacement, from those the query has not seen (its user-tower history
+    features that read the item table, ``data.items.seen``, and its own item), with a fixed seed: the same negatives for
+    every model and run on the same data and catalogue (the sampled protocol of docs/metrics.md, "Protocols"; SASRec's
+    paper has ``N = 100``). ``inbatch_recall@<k>`` is unaffected; not with ``coverage@<k>`` or ``index: faiss``."""
 
     def __post_init__(self) -> None:
         check_embedding_dim("model.embedding_dim", self.embedding_dim)
@@ -97,6 +103,27 @@ class DSSMConfig(ModelConfig):
                 "model.index=faiss needs the faiss package, which is not installed. Fix: pip install faiss-cpu, or model.index=exact")
         require(self.corpus_chunk_rows > 0, f"model.corpus_chunk_rows must be positive, got {self.corpus_chunk_rows}. Fix: "
                 f"model.corpus_chunk_rows=8192")
+        self._check_eval_negatives()
+
+    def _check_eval_negatives(self) -> None:
+        """``eval_negatives`` against the metrics and index it changes (the catalogue's size is checked once the data exists:
+        :meth:`recsys_runner.train.corpus.CorpusEval.for_run`)."""
+        n = self.eval_negatives
+        require(n >= 0, f"model.eval_negatives must be >= 0 (0: rank against the whole catalogue), got {n}. Fix: model.eval_negatives=0, "
+                f"or e.g. 100")
+        if not n:
+            return
+        require(not any(m.startswith("coverage@") for m in self.eval_metrics),
+                f"model.eval_metrics={list(self.eval_metrics)}: coverage@<k> counts catalogue items in the top k of the whole "
+                f"catalogue, which a ranking against model.eval_negatives={n} sampled items has not. Fix: remove coverage@<k>, "
+                f"or model.eval_negatives=0")
+        require(not self.eval_metrics or any(not m.startswith("inbatch_") for m in self.eval_metrics),
+                f"model.eval_negatives={n} ranks each query's item against {n} sampled catalogue items in the full-corpus "
+                f"metrics, but model.eval_metrics={list(self.eval_metrics)} lists only in-batch ones, which it does not change. "
+                f"Fix: add recall@<k>, ndcg@<k> or mrr (e.g. model.eval_metrics=[recall@10,ndcg@10,mrr]), or model.eval_negatives=0")
+        require(self.index == "exact", f"model.eval_negatives={n} ranks each query's item against {n} sampled items; model.index="
+                f"{self.index} ranks an approximate search's top k of the whole catalogue instead. Fix: model.index=exact, or "
+                f"model.eval_negatives=0")
 
     def data_needs(self) -> DataNeeds:
         """(user, item) pairs over the two towers' features: generated data (``data=synthetic``) links them."""
@@ -180,6 +207,8 @@ class DSSM(nn.Module):
         self.sampled_items = int(getattr(features, "sampled_items", 0))
         """``K``: the last rows of a training batch that are sampled catalogue items (candidates, not queries)."""
         self.corpus_chunk_rows, self.corpus_index = config.corpus_chunk_rows, config.index
+        self.eval_negatives = config.eval_negatives
+        """Sampled negatives per query of the full-corpus metrics (``0``: the whole catalogue)."""
         self.item_id = next((n for n in features.sparse_names if n in config.item_features), None)
         """The item tower's id feature (its first sparse feature): what the frequency estimator counts."""
         self.logq = _estimator(config, features, self.item_id, dense_device)

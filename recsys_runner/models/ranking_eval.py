@@ -9,7 +9,8 @@ item ranked against sampled negatives.
   protocol (uniform; a popularity-sampled set is another protocol). The draw is a counter-based hash of the row's
   content (its true item and its history, in order) and a fixed seed, not of a random generator's state: the same row
   gets the same negatives in every run, in every batch and on any number of ranks, so every model is compared on the
-  same candidates.
+  same candidates. A two-tower query (``train/corpus.py``) draws catalogue rows the same way, its content being its
+  target and the *set* of items it has seen (:func:`distinct_seen`).
 
 Shape legend: ``B`` rows, ``N`` items, ``L`` longest seen list of the batch, ``n`` sampled negatives.
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["EVAL_NEGATIVES_SEED", "sampled_negatives", "seen_ids", "without_seen"]
+__all__ = ["EVAL_NEGATIVES_SEED", "distinct_seen", "sampled_negatives", "seen_ids", "without_seen"]
 
 EVAL_NEGATIVES_SEED = 20180820
 """The seed of :func:`sampled_negatives` (fixed, so that every model and every run draws the same negatives)."""
@@ -53,6 +54,22 @@ def seen_ids(history: torch.Tensor, lengths: torch.Tensor, targets: torch.Tensor
     the row's target (``targets [B]``): a list :func:`without_seen` and :func:`sampled_negatives` read directly."""
     real = torch.arange(history.shape[1], device=history.device).unsqueeze(0) < lengths.unsqueeze(1)
     return torch.where(real, history.long(), targets.long().unsqueeze(1))
+
+
+def distinct_seen(seen: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``[B, L]`` each row's distinct ``seen [B, L]`` ids (``-1``: padding) other than its target ``targets [B]``,
+    ascending, then padded with the target: the layout :func:`sampled_negatives` reads, holding the row's seen *set*. A
+    two-tower query's seen items come from several features (its history features and ``data.items.seen``), so its draw
+    must not depend on which feature lists an item, in what order or how often; ``(distinct_seen(...) != targets[:, None])
+    .sum(1)`` counts them."""
+    target = targets.long().view(-1, 1)
+    drop = (seen < 0) | (seen == target)
+    last = torch.iinfo(torch.long).max
+    ordered = torch.where(drop, last, seen.long()).sort(dim=1).values
+    repeat = torch.zeros_like(drop)
+    repeat[:, 1:] = ordered[:, 1:] == ordered[:, :-1]
+    ordered = torch.where(repeat, last, ordered).sort(dim=1).values
+    return torch.where(ordered == last, target, ordered)
 
 
 def without_seen(scores: torch.Tensor, seen: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,10 @@ raising: a signal is honoured within one chunk's work, not after the whole pass 
 given: every rank must finish the collectives).
 
 A query's target is its row's item id (the table's ``id_feature``); one missing from the catalogue counts as a miss.
+
+With ``model.eval_negatives`` ``n`` step 2 ranks each query's target against ``n`` catalogue rows drawn for it instead
+(:func:`sampled_ranks`: uniform over the rows it has not seen, a hash of its target and seen set, so the same on any
+number of ranks and in any batch); the index is built and gathered all the same.
 """
 
 from __future__ import annotations
@@ -42,13 +46,15 @@ from recsys_runner.distributed.env import DistEnv
 from recsys_runner.errors import ConfigError
 from recsys_runner.metrics.corpus import corpus_k, corpus_ranks
 from recsys_runner.metrics.registry import MetricsConfig, metric_entry
-from recsys_runner.metrics.retrieval import Ranked
+from recsys_runner.metrics.retrieval import Ranked, target_ranks
 from recsys_runner.metrics.tasks import catalogue_metric_names, eval_key
 from recsys_runner.models.dssm import first_ids
+from recsys_runner.models.ranking_eval import distinct_seen, sampled_negatives
 from recsys_runner.progress import Progress
 from recsys_runner.tasks import Task
 
-__all__ = ["CorpusEval", "TwoTower", "item_index", "mine", "inner_with", "seen_features", "two_tower_of", "use_ranking_protocol"]
+__all__ = ["CorpusEval", "RowOf", "TwoTower", "check_eval_negatives", "item_index", "mine", "inner_with", "sampled_ranks",
+           "seen_features", "seen_rows", "two_tower_of", "use_ranking_protocol"]
 
 
 class TwoTower(Protocol):
@@ -56,6 +62,7 @@ class TwoTower(Protocol):
 
     corpus_chunk_rows: int
     corpus_index: str
+    eval_negatives: int
 
     def tower(self, name: str, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor: ...
 
@@ -97,12 +104,14 @@ def use_ranking_protocol(model: nn.Module, spec: MetricsConfig, two_tower: bool)
                           "recall@<k>/ndcg@<k>/mrr in model.eval_metrics). Fix: metrics.exclude_seen=false, or one of those")
 
 
-def seen_features(model: TwoTower, data: DataModule, table: ItemTable) -> list[str]:
-    """The sparse features of a query row that hold the items its user has seen, for ``metrics.exclude_seen``: the user
-    tower's features reading the item id's table (a history of item ids) and ``data.items.seen``.
+def seen_features(model: TwoTower, data: DataModule, table: ItemTable, required: bool = True) -> list[str]:
+    """The sparse features of a query row that hold the items its user has seen, for ``metrics.exclude_seen`` and
+    ``model.eval_negatives``: the user tower's features reading the item id's table (a history of item ids) and
+    ``data.items.seen``.
 
     Raises:
-        ConfigError: neither exists (the message names both fixes).
+        ConfigError: neither exists and ``required`` (``metrics.exclude_seen``; the message names both fixes). Without
+            ``required`` (sampled negatives alone) the answer is then ``[]``: only the query's own item is left out.
     """
     sparse = {f.name: f for f in data.features.sparse}
     item_table = sparse[table.id_feature].table_name if table.id_feature in sparse else None
@@ -110,7 +119,7 @@ def seen_features(model: TwoTower, data: DataModule, table: ItemTable) -> list[s
     found = [n for n in user if n in sparse and n != table.id_feature and sparse[n].table_name == item_table]
     if table.seen_feature is not None and table.seen_feature not in found:
         found.append(table.seen_feature)
-    if not found:
+    if not found and required:
         raise ConfigError(f"metrics.exclude_seen=true excludes each query's earlier items from the full-corpus metrics, but the "
                           f"model reads no history of items (no model.user_features entry shares the table of "
                           f"{table.id_feature!r}) and the data names no seen column. Fix: data.items.seen=<a list column of "
@@ -162,7 +171,9 @@ class CorpusEval:
         k: the largest ``k`` asked for (each query's top ``k`` is kept for ``coverage@k``).
         index: ``exact``, or ``faiss``: the metrics of an HNSW search's top ``k`` (``model.index``).
         seen: the query rows' sparse features whose item ids score ``-inf`` except the target (``metrics.exclude_seen``:
-            :func:`seen_features`); empty: nothing excluded.
+            :func:`seen_features`), or are never drawn as negatives (``negatives``); empty: nothing excluded.
+        negatives: ``model.eval_negatives``: each query's target ranked against this many sampled unseen catalogue rows
+            (:func:`sampled_ranks`); ``0``: against the whole catalogue.
     """
 
     table: ItemTable
@@ -172,6 +183,7 @@ class CorpusEval:
     k: int
     index: str = "exact"
     seen: list[str] = field(default_factory=list)
+    negatives: int = 0
 
     @classmethod
     def for_run(cls, model: nn.Module, data: DataModule, tasks: tuple[Task, ...], spec: MetricsConfig) -> CorpusEval | None:
@@ -179,7 +191,8 @@ class CorpusEval:
 
         Raises:
             ConfigError: a catalogue metric is listed but the data has no item catalogue or the model no towers, or
-                a ``k`` exceeds the catalogue's size.
+                a ``k`` exceeds the catalogue's size; ``model.eval_negatives`` without a catalogue metric, with
+                ``coverage@<k>``, or more than a query has unseen items (:func:`check_eval_negatives`).
         """
         wanted = [(t, names) for t in tasks if (names := catalogue_metric_names(spec, t))]
         use_ranking_protocol(model, spec, two_tower=bool(wanted))
@@ -188,6 +201,10 @@ class CorpusEval:
                 raise ConfigError("data.negatives.mined_ratio mines hard negatives from the item index each full-corpus "
                                   "evaluation builds, but no eval metric ranks against the catalogue, so none is built. Fix: "
                                   "add one, e.g. model.eval_metrics=[recall@50], or data.negatives.mined_ratio=0")
+            if (towers := two_tower_of(model)) is not None and towers.eval_negatives:
+                raise ConfigError(f"model.eval_negatives={towers.eval_negatives} ranks each query's item against sampled catalogue "
+                                  f"items in the full-corpus metrics, but no eval metric ranks against the catalogue. Fix: "
+                                  f"model.eval_metrics=[recall@10,ndcg@10,mrr] (with an item catalogue), or model.eval_negatives=0")
             return None
         listed = [n for _, names in wanted for n in names]
         table_of = getattr(data, "item_table", None)
@@ -205,7 +222,18 @@ class CorpusEval:
         if seen and towers.corpus_index == "faiss":
             raise ConfigError("metrics.exclude_seen=true masks each query's seen items in the exact ranking; model.index=faiss "
                               "ranks an HNSW search's top k, which it does not mask. Fix: model.index=exact, or metrics.exclude_seen=false")
-        return cls(table, wanted, spec, towers.corpus_chunk_rows, corpus_k(listed, len(table), key), towers.corpus_index, seen)
+        negatives = towers.eval_negatives
+        if negatives:
+            if covered := [n for n in listed if n.startswith("coverage@")]:
+                raise ConfigError(f"{key} lists {covered}, which counts catalogue items in the top k of the whole catalogue; "
+                                  f"model.eval_negatives={negatives} ranks each query's item against {negatives} sampled items "
+                                  f"instead. Fix: remove {covered[0]}, or model.eval_negatives=0")
+            seen = seen or seen_features(towers, data, table, required=False)
+            most_of = getattr(data, "eval_seen_most", None)  # file data measure their eval rows when built
+            most = most_of(seen) if most_of is not None and seen else None
+            check_eval_negatives(negatives, len(table), most or 0, seen)
+        return cls(table, wanted, spec, towers.corpus_chunk_rows, corpus_k(listed, len(table), key), towers.corpus_index, seen,
+                   negatives)
 
     def evaluate(self, model: nn.Module, data: DataModule, env: DistEnv, batches: Iterable[Batch],
                  progress: Progress | None = None, stop: Callable[[], None] | None = None) -> dict[str, float]:
@@ -215,16 +243,19 @@ class CorpusEval:
         assert towers is not None, "CorpusEval.for_run checked the model's towers"
         features = data.features
         index = item_index(towers, self.table, features.kjt_keys, features.dense_names, self.chunk_rows, env, stop)
-        rows = _RowOf(self.table, env.device)
+        rows = RowOf(self.table, env.device)
         ann = hnsw_index(index) if self.index == "faiss" else None
         metrics = [(task, {name: _metric(name, self.spec, env.device) for name in names}) for task, names in self.tasks]
         for batch in batches:
             batch = batch.to(env.device, non_blocking=True)
             queries = towers.tower("user", batch.dense_features, batch.sparse_features).float()
             targets = rows(first_ids(batch.sparse_features, self.table.id_feature))
-            seen = _seen_rows(batch.sparse_features, self.seen, rows) if self.seen else None
-            ranks, top = corpus_ranks(queries, index, targets, self.k, self.chunk_rows, between=stop, seen=seen)
-            ranked = Ranked(ranks, top, len(self.table)) if ann is None else searched(ann, queries, targets, top, len(self.table))
+            seen = seen_rows(batch.sparse_features, self.seen, rows) if self.seen else None
+            if self.negatives:
+                ranked = sampled_ranks(queries, index, targets, seen, self.negatives, self.k, self.chunk_rows, self.seen, stop)
+            else:
+                ranks, top = corpus_ranks(queries, index, targets, self.k, self.chunk_rows, between=stop, seen=seen)
+                ranked = Ranked(ranks, top, len(self.table)) if ann is None else searched(ann, queries, targets, top, len(self.table))
             for _, by_name in metrics:
                 for metric in by_name.values():
                     metric.update(ranked)
@@ -275,9 +306,61 @@ def _metric(name: str, spec: MetricsConfig, device: torch.device) -> Metric:
     return metric_entry(name).factory(spec).to(device)
 
 
-def _seen_rows(sparse: KeyedJaggedTensor, names: list[str], rows: _RowOf) -> torch.Tensor:
+def check_eval_negatives(n: int, num_items: int, most_seen: int, seen: list[str]) -> None:
+    """Raise :class:`ConfigError` unless a query that has seen ``most_seen`` catalogue items besides its own (in features
+    ``seen``) leaves ``n`` to draw from: ``num_items - 1 - most_seen``. When the run is built, ``most_seen`` is what the
+    data measured of its eval rows (file data with ``data.items``), else 0; each eval batch is checked exactly again
+    before its draw (:func:`sampled_ranks`)."""
+    free = max(num_items - 1 - most_seen, 0)
+    if n <= free:
+        return
+    had = f" and an eval query has seen {most_seen} of them besides its own item ({', '.join(seen)})" if most_seen else ""
+    raise ConfigError(f"model.eval_negatives={n} ranks each eval query's item against {n} catalogue items it has not seen, but "
+                      f"the catalogue has {num_items} items{had}, leaving {free} to draw from. Fix: model.eval_negatives<={free}, "
+                      f"or model.eval_negatives=0 to rank against the whole catalogue")
+
+
+def sampled_ranks(queries: torch.Tensor, index: torch.Tensor, targets: torch.Tensor, seen: torch.Tensor | None, n: int, k: int,
+                  chunk_rows: int, seen_names: list[str], between: Callable[[], None] | None = None) -> Ranked:
+    """Each query's target ranked against ``n`` sampled catalogue rows (``model.eval_negatives``) as :class:`Ranked`.
+
+    The rows are :func:`~recsys_runner.models.ranking_eval.sampled_negatives` of the query's target row ``targets [Q]``
+    and its seen set (``seen [Q, L]`` catalogue rows, ``-1`` padding, from features ``seen_names``, through
+    :func:`~recsys_runner.models.ranking_eval.distinct_seen`; ``None``: nothing seen): uniform over the ``N`` rows of
+    ``index [N, O]`` less those, without replacement, a function of the query's content and a fixed seed only. Scores
+    ``<query, item>`` of the target and its negatives come from one product per query, so ties count exactly; the rank
+    counts as :func:`~recsys_runner.metrics.retrieval.target_ranks` does (``inf`` for a target not in the catalogue).
+    Queries go ``max(1, chunk_rows // (1 + n))`` at a time (one index chunk's worth of gathered vectors); ``between`` is
+    called after each block. ``top`` holds each query's best ``min(k, 1 + n)`` candidate rows.
+
+    Raises:
+        ConfigError: some query has fewer than ``n`` unseen items (:func:`check_eval_negatives`).
+    """
+    num_items, target = index.shape[0], targets.long().view(-1, 1)
+    unseen = distinct_seen(seen if seen is not None else target, targets)
+    counts = (unseen != target).sum(dim=1)
+    check_eval_negatives(n, num_items, int(counts.max()) if counts.numel() else 0, seen_names)
+    items = torch.cat([target.clamp_min(0), sampled_negatives(unseen, targets, num_items, n)], dim=1)
+    block = max(1, chunk_rows // (1 + n))
+    scores = []
+    for start in range(0, queries.shape[0], block):
+        end = start + block
+        scores.append(torch.bmm(index[items[start:end]], queries[start:end].unsqueeze(2)).squeeze(2))
+        if between is not None:
+            between()
+    score = torch.cat(scores) if scores else torch.zeros((0, 1 + n), dtype=queries.dtype, device=queries.device)
+    ranks = target_ranks(score, torch.zeros_like(targets))
+    ranks = torch.where(targets >= 0, ranks, torch.full_like(ranks, math.inf))
+    top = items.gather(1, score.topk(min(k, 1 + n), dim=1).indices)
+    return Ranked(ranks, top, num_items)
+
+
+def seen_rows(sparse: KeyedJaggedTensor, names: list[str], rows: RowOf) -> torch.Tensor:
     """``[Q, L]`` each query's seen items as catalogue rows (features ``names`` concatenated, ``-1`` padding and for an
-    id not in the catalogue)."""
+    id not in the catalogue).
+
+    Public because the corpus eval (exclude-seen masks, sampled negatives) and ``predict``'s two-tower top-k
+    (``scoring_topk.py``) must read a query's seen items identically: one function, not two copies that drift."""
     parts = []
     for name in names:
         jagged = sparse[name]
@@ -287,8 +370,11 @@ def _seen_rows(sparse: KeyedJaggedTensor, names: list[str], rows: _RowOf) -> tor
     return torch.where(ids >= 0, rows(ids.clamp_min(0)), torch.full_like(ids, -1))
 
 
-class _RowOf:
-    """Maps item ids to their table rows (``-1`` for an id not in the catalogue), on ``device``."""
+class RowOf:
+    """Maps item ids to their table rows (``-1`` for an id not in the catalogue), on ``device``.
+
+    Public for the same reason as :func:`seen_rows`: the corpus eval and ``predict``'s two-tower top-k map a batch's item
+    ids to catalogue rows with this one class."""
 
     def __init__(self, table: ItemTable, device: torch.device) -> None:
         ids = torch.as_tensor(np.asarray(table.ids, dtype=np.int64), device=device)
@@ -300,6 +386,11 @@ class _RowOf:
         at = torch.searchsorted(self.sorted_ids, ids.long()).clamp_max(self.sorted_ids.numel() - 1)
         return torch.where(self.sorted_ids[at] == ids, self.order[at], torch.full_like(at, -1))
 
+
+_RowOf = RowOf
+"""Old name of :class:`RowOf`, kept until ``scoring_topk.py`` imports the public one; then delete."""
+_seen_rows = seen_rows
+"""Old name of :func:`seen_rows`, kept until ``scoring_topk.py`` imports the public one; then delete."""
 
 
 def hnsw_index(vectors: torch.Tensor) -> Any:

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 from recsys_runner import stores
 from recsys_runner.data.catalogue.items import ItemTable
 from recsys_runner.data.catalogue.negatives import MinedNegatives, NegativeSampler, NegativesConfig
-from recsys_runner.data.encoding.rows import Encoder, Location
+from recsys_runner.data.encoding.rows import Encoder, Location, truncate
 from recsys_runner.data.locate import PARQUET_SUFFIXES
 from recsys_runner.data.schema import Schema
 from recsys_runner.errors import DataError, require
@@ -196,26 +196,64 @@ def _with_popularity(items: ItemTable, popularity: np.ndarray) -> ItemTable:
     return ItemTable(items.id_feature, items.ids, items.features, items.dense_names, items.dense, popularity, items.seen_feature)
 
 
-def check_eval_items(items: ItemTable, schema: Schema, split: Any, items_path: str) -> None:
-    """Raise :class:`DataError` at the first eval row (of ``split``: its ``units``, ``source`` and ``select``) whose item id
-    is not in ``items``: full-corpus evaluation could never rank its positive."""
-    column = next(c for c in schema.sparse if c.name == items.id_feature)
-    encoder = Encoder(schema, error=DataError)
+def _eval_tables(split: Any) -> Iterator[tuple[pa.Table, np.ndarray, Any, int | None]]:
+    """``(table, file rows, unit, line offset)`` of each piece of ``split``'s rows (its ``units``, ``source`` and
+    ``select``), every column read."""
     for unit in split.units:
         line_offset = split.source.line_offset(unit.path) if hasattr(split.source, "line_offset") else None
         for table, file_rows in split.source.read(unit):
             chosen = split.select(unit, file_rows)
             if chosen is not None:
                 table, file_rows = table.take(pa.array(chosen)), file_rows[chosen]
-            ids, lengths = encoder._sparse(column, table.column(column.name), Location(unit.path, unit.part, file_rows), lambda *_: None)
-            _, found = items.index_of(ids)
-            if not found.all():
-                k = int(np.flatnonzero(~found)[0])
-                row = int(np.repeat(np.arange(len(lengths)), lengths)[k])
-                where = Location(unit.path, unit.part, file_rows, line_offset).describe(row)
-                raise DataError(f"eval row {where}: its item {table.column(column.name)[row].as_py()!r} (column {column.name!r}) is "
-                                f"not in the item table {items_path} (data.items.path), so full-corpus evaluation cannot rank it. "
-                                f"Fix: add the item to {items_path}, or remove such rows from the eval data")
+            yield table, file_rows, unit, line_offset
+
+
+def check_eval_items(items: ItemTable, schema: Schema, split: Any, items_path: str) -> None:
+    """Raise :class:`DataError` at the first eval row (of ``split``: its ``units``, ``source`` and ``select``) whose item id
+    is not in ``items``: full-corpus evaluation could never rank its positive."""
+    column = next(c for c in schema.sparse if c.name == items.id_feature)
+    encoder = Encoder(schema, error=DataError)
+    for table, file_rows, unit, line_offset in _eval_tables(split):
+        ids, lengths = encoder._sparse(column, table.column(column.name), Location(unit.path, unit.part, file_rows), lambda *_: None)
+        _, found = items.index_of(ids)
+        if not found.all():
+            k = int(np.flatnonzero(~found)[0])
+            row = int(np.repeat(np.arange(len(lengths)), lengths)[k])
+            where = Location(unit.path, unit.part, file_rows, line_offset).describe(row)
+            raise DataError(f"eval row {where}: its item {table.column(column.name)[row].as_py()!r} (column {column.name!r}) is "
+                            f"not in the item table {items_path} (data.items.path), so full-corpus evaluation cannot rank it. "
+                            f"Fix: add the item to {items_path}, or remove such rows from the eval data")
+
+
+def most_seen(items: ItemTable, schema: Schema, split: Any, columns: list[str]) -> int | None:
+    """The largest number of distinct catalogue items other than its own item that one eval row of ``split`` lists in the
+    sparse ``columns`` together (histories truncated to their ``max_len`` as batches are): how many items sampled
+    eval negatives (``model.eval_negatives``) must leave out of some query's draw. ``None`` when a column is not a
+    ``data.sparse`` column of ``schema``."""
+    sparse = {c.name: c for c in schema.sparse}
+    if any(c not in sparse for c in columns):
+        return None
+    groups = {f: g for g in schema.sequences for f in g.features}
+    encoder = Encoder(schema, error=DataError)
+    n, most = len(items), 0
+    for table, file_rows, unit, _ in _eval_tables(split):
+        where = Location(unit.path, unit.part, file_rows)
+        ids, lengths = encoder._sparse(sparse[items.id_feature], table.column(items.id_feature), where, lambda *_: None)
+        rows, found = items.index_of(ids)
+        own = np.full(table.num_rows, -1, np.int64)
+        own[np.repeat(np.arange(table.num_rows), lengths)[found]] = rows[found]
+        pairs = []
+        for name in columns:
+            values, counts = encoder._sparse(sparse[name], table.column(name), where, lambda *_: None)
+            if name in groups:
+                values, counts = truncate(values, counts, groups[name].max_len, groups[name].truncate)
+            at, known = items.index_of(values)
+            row = np.repeat(np.arange(table.num_rows), counts)
+            keep = known & (at != own[row])
+            pairs.append(row[keep] * n + at[keep])
+        distinct = np.unique(np.concatenate(pairs)) if pairs else np.zeros(0, np.int64)
+        most = max(most, int(np.bincount(distinct // max(n, 1), minlength=1).max()))
+    return most
 
 
 class Catalogue:
@@ -249,6 +287,13 @@ class Catalogue:
     def negative_miner(self) -> MinedNegatives | None:
         """The lists hard negatives are mined into at each full-corpus eval (``data.negatives.mined_ratio``), or ``None``."""
         return self._negative_sampler.mined if self._negative_sampler is not None else None
+
+    def eval_seen_most(self, columns: list[str]) -> int | None:
+        """:func:`most_seen` of the eval rows over ``columns`` (one pass over the eval data, asked for when a run is built
+        with ``model.eval_negatives``), or ``None`` without an item table or for a column that is not a plain column."""
+        if self._item_catalogue is None:
+            return None
+        return most_seen(self._item_catalogue, self.schema, self._eval, columns)
 
     def with_negatives(self, stream: Iterator[tuple], epoch: int, shard: int, train: bool) -> Iterator[tuple]:
         """``stream``'s batch tuples with the sampled rows appended to each training batch, seeded by (epoch, shard, batch
