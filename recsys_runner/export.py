@@ -7,7 +7,10 @@ batch of inputs with the outputs the exporting process computed, for a server's 
 ``manifest.json`` (:mod:`recsys_runner.tracking.lineage`); all four are logged to a new MLflow run tagged
 ``entry=export`` whose parent is the training run. A two-tower model (DSSM) also gets each tower as a program of
 its own, ``user_tower.pt2`` and ``item_tower.pt2`` (:class:`TowerServing`): user vectors at request time, item
-vectors once for the candidate index; ``feature_spec.json``'s ``towers`` says what each takes.
+vectors once for the candidate index; ``feature_spec.json``'s ``towers`` says what each takes. Models trained on files also get
+an MLflow model (``mlflow_model/``: raw rows in, ``predict``'s scores out, :mod:`recsys_runner.serving.mlflow_model`); for a
+next-item model trained on ``data sequences`` output it answers a history of raw item ids with ``predict``'s top-k
+(:mod:`recsys_runner.serving.topk`, ``export.top_k``).
 
 **Why torch.export, not TorchScript.** Under torch 2.13 / TorchRec 1.8 ``torch.export.export(...,
 strict=False)`` traces an unsharded :class:`~torchrec.modules.embedding_modules.EmbeddingBagCollection`
@@ -61,7 +64,7 @@ from recsys_runner.lifecycle import RunStart, exit_codes, link_tags, tracked_run
 from recsys_runner.noise import quiet_known_noise
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.runtime import Launch
-from recsys_runner.serving import mlflow_model
+from recsys_runner.serving import mlflow_model, topk
 from recsys_runner.serving.files import (  # noqa: F401 - EXAMPLE_FILE, FEATURE_SPEC_FILE, MODEL_FILE: the names tests and docs use
     EXAMPLE_FILE,
     FEATURE_SPEC_FILE,
@@ -100,8 +103,9 @@ class ExportConfig:
     """Replace the earlier export in a non-empty ``dir`` (as a whole, once the new one is complete); ``false`` refuses
     such a directory."""
     mlflow_model: bool = True
-    """Also write the MLflow model (``mlflow_model/``: raw rows in, ``predict``'s scores out; docs/export.md) and log it
-    as the export run's model. Needs file data (its encoders are stored with the checkpoint)."""
+    """Also write the MLflow model (``mlflow_model/``: raw rows in, ``predict``'s scores out; for a next-item model a history
+    of raw item ids in, ``predict``'s top-k out; docs/export.md) and log it as the export run's model. Needs file data (its
+    encoders are stored with the checkpoint; a next-item model's rows written by ``data sequences``, with their id mapping)."""
     compile: bool = False
     """Also compile the MLflow model's program ahead of time with AOTInductor (``data/model_aoti.pt2``), which the
     served model then runs instead of interpreting ``torch.export``'s graph: a 1-row request's program ~4 → ~1 ms on
@@ -110,8 +114,12 @@ class ExportConfig:
     compiled for (``x86_64`` here): export on the serving machine's kind."""
     register_as: str | None = None
     """Register a version of the MLflow model under this name in the MLflow model registry (the UI's Models page)."""
+    top_k: int = 10
+    """A next-item model's MLflow model answers each history with its best ``top_k`` items when a request does not say
+    (its ``k`` parameter); ``predict.top_k``'s default. At most the items the model may recommend."""
 
     def __post_init__(self) -> None:
+        require(self.top_k > 0, f"export.top_k must be positive, got {self.top_k}")
         require(self.weights in WEIGHTS, f"export.weights={self.weights!r} must be one of {list(WEIGHTS)}")
         require(not self.compile or self.mlflow_model, "export.compile=true compiles the MLflow model's program: it needs "
                 "export.mlflow_model=true")
@@ -138,8 +146,10 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> Path:
     meta = json.loads(stores.read_bytes(str(checkpoint / "meta.json"), CheckpointError))
     torch.manual_seed(spec.seed)
     stored = read_stored(checkpoint)
-    model, features, batch, items, raw = build_unsharded(spec, stored)
-    rows = served_rows(stored, checkpoint, raw, list(getattr(spec.data, "null_values", None) or [])) if options.mlflow_model else None
+    built = build_unsharded(spec, stored)
+    model = built.model
+    rows = served_rows(stored, checkpoint, built.raw, list(getattr(spec.data, "null_values", None) or [])) if options.mlflow_model else None
+    top_k = topk.plan_top_k(model, built.features, built.data, options.top_k) if rows is not None else None  # export.top_k checked here
     ema = use_ema(spec, options.weights)
     manifest = lineage.collect(world_size=1, device=torch.device("cpu"))
     start = RunStart(
@@ -149,8 +159,8 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> Path:
     tracker = spec.tracking.build()
     with tracked_run(tracker, start, launch):
         with StagedFolder(out) as staged:  # an error or a stop anywhere in here leaves no partial export behind
-            files = write_export(model, features, batch, checkpoint=checkpoint, meta=meta, ema=ema, out=staged.path, items=items,
-                                 served=rows, compiled=options.compile)
+            files = write_export(built, checkpoint=checkpoint, meta=meta, ema=ema, out=staged.path, served=rows, compiled=options.compile,
+                                 top_k=top_k)
             (staged.path / lineage.MANIFEST_FILE).write_text(manifest.to_json() + "\n")
             check_target(out, options.overwrite)  # still as checked before the build (nothing else wrote there since)
             staged.commit()

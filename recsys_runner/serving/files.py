@@ -23,13 +23,22 @@ from recsys_runner.checkpoint.object_storage import storage_for
 from recsys_runner.checkpoint.storage import TensorIndex
 from recsys_runner.checkpoint.weights import load_into
 from recsys_runner.config import RunConfig
+from recsys_runner.data.base import DataModule
 from recsys_runner.data.catalogue.items import ItemTable
 from recsys_runner.data.encoding.stored import ENCODERS_FILE, StoredEncoders
 from recsys_runner.errors import CheckpointError, ConfigError
 from recsys_runner.features import FeatureSpec
 from recsys_runner.models.collision import restore_collision_state
-from recsys_runner.serving import mlflow_model
-from recsys_runner.serving.program import ServingModule, TowerServing, TwoTowerModel, export_program
+from recsys_runner.serving import mlflow_model, topk
+from recsys_runner.serving.program import (  # noqa: F401 - EXACT_ATOL, EXACT_RTOL: the tolerances the docs and tests name
+    EXACT_ATOL,
+    EXACT_RTOL,
+    ServingModule,
+    TowerServing,
+    TwoTowerModel,
+    check_same,
+    export_program,
+)
 from recsys_runner.tasks import SINGLE_TASK, Task
 
 log = logging.getLogger("recsys_runner")
@@ -52,18 +61,27 @@ CHECKPOINT_MODEL_PREFIX = "model/model."
 
 CHECKPOINT_EMA_PREFIX = "ema/model."
 
-EXACT_ATOL = 1e-6
-"""Largest absolute difference allowed between the exported program and the eager model on the example batch, plus
-:data:`EXACT_RTOL` of the output's size."""
-EXACT_RTOL = 1e-6
-"""The relative part of the allowed difference: a transformer's eager kernels (PyTorch's fused encoder fast path) and
-the traced ATen ops sum in another order, differing by float32 rounding of logits of a few units."""
 
 
-def build_unsharded(run: RunConfig, encoders: StoredEncoders | None = None) -> tuple[nn.Module, FeatureSpec, Batch, ItemTable | None, Any]:
-    """The model the config describes, every table materialized on CPU, in eval mode; its features; an eval batch; the
-    data's item catalogue (``None`` for data without one); the first rows of the files, raw (``None`` for generated
-    data). ``encoders``: the checkpoint's, which encode the files (:mod:`recsys_runner.data.encoding.stored`)."""
+@dataclass(frozen=True)
+class Unsharded:
+    """What export works on (:func:`build_unsharded`)."""
+
+    model: nn.Module
+    """The model, every table materialized on CPU, in eval mode (its weights not yet loaded)."""
+    features: FeatureSpec
+    batch: Batch
+    """An eval batch (else a training batch): the programs are traced and checked on it."""
+    data: DataModule
+    items: ItemTable | None
+    """The data's item catalogue; ``None`` for data without one."""
+    raw: Any
+    """The first rows of the files, raw (a ``pyarrow.Table``); ``None`` for generated data."""
+
+
+def build_unsharded(run: RunConfig, encoders: StoredEncoders | None = None) -> Unsharded:
+    """The model the config describes on CPU, its data and what export needs of it (:class:`Unsharded`). ``encoders``: the
+    checkpoint's, which encode the files (:mod:`recsys_runner.data.encoding.stored`)."""
     cpu = torch.device("cpu")
     data = run.data.for_model(run.model.data_needs()).build(device=cpu, encoders=encoders)
     model = run.model.build(features=data.features, dense_device=cpu)
@@ -74,7 +92,7 @@ def build_unsharded(run: RunConfig, encoders: StoredEncoders | None = None) -> t
     if batch is None:
         batch = next(iter(data.train_batches(0, 0, 1)))
     raw = data.raw_rows(mlflow_model.CHECK_ROWS) if encoders is not None else None
-    return model.eval().requires_grad_(False), data.features, batch.to(cpu), data.item_table(), raw
+    return Unsharded(model.eval().requires_grad_(False), data.features, batch.to(cpu), data, data.item_table(), raw)
 
 
 def load_weights(model: nn.Module, checkpoint: Path, ema: bool) -> None:
@@ -193,12 +211,13 @@ def served_rows(stored: StoredEncoders | None, checkpoint: Path, raw: Any, null_
     return ServedRows(stored, stores.read_bytes(stores.join(str(checkpoint), ENCODERS_FILE), CheckpointError), raw, null_values)
 
 
-def write_export(model: nn.Module, features: FeatureSpec, batch: Batch, *, checkpoint: Path, meta: dict[str, Any], ema: bool,
-                 out: Path, items: ItemTable | None = None, served: ServedRows | None = None, compiled: bool = False) -> list[str]:
-    """Load the checkpoint's weights into ``model``, trace it (and a two-tower model's towers), check each program
-    against the eager model on ``batch`` and write the files to ``out`` (with ``items``, a two-tower model's item
-    index :data:`ITEMS_FILE` too; with ``served``, the MLflow model(s): :func:`write_mlflow_models`, their programs compiled
-    by AOTInductor with ``compiled``); returns their names."""
+def write_export(built: Unsharded, *, checkpoint: Path, meta: dict[str, Any], ema: bool, out: Path, served: ServedRows | None = None,
+                 compiled: bool = False, top_k: topk.TopKPlan | None = None) -> list[str]:
+    """Load the checkpoint's weights into ``built.model``, trace it (and a two-tower model's towers), check each program
+    against the eager model on ``built.batch`` and write the files to ``out`` (with ``built.items``, a two-tower model's
+    item index :data:`ITEMS_FILE` too; with ``served``, the MLflow model(s): :func:`write_mlflow_models`, their programs
+    compiled by AOTInductor with ``compiled``; a next-item model's is the top-k model ``top_k`` plans); returns their names."""
+    model, features, batch, items = built.model, built.features, built.batch, built.items
     load_weights(model, checkpoint, ema)
     keys = list(batch.sparse_features.keys())
     serving = ServingModule(model, keys, features.weighted)
@@ -207,7 +226,7 @@ def write_export(model: nn.Module, features: FeatureSpec, batch: Batch, *, check
     with torch.no_grad():
         eager = serving(*inputs)
         exported = program.module()(*inputs)
-    _check_same(eager, exported, type(model).__name__)
+    check_same(eager, exported, type(model).__name__)
     out.mkdir(parents=True, exist_ok=True)  # run() passes a temporary directory, moved into place when complete
     tasks = tuple(getattr(model, "tasks", SINGLE_TASK))
     described = feature_spec(features, keys, tasks, inputs, eager) | {
@@ -225,16 +244,20 @@ def write_export(model: nn.Module, features: FeatureSpec, batch: Batch, *, check
     torch.save({"inputs": inputs, "outputs": eager}, out / EXAMPLE_FILE)
     log.info("exported %s (%s weights) from %s", type(model).__name__, described["weights"], checkpoint)
     towers = [t["file"] for t in described.get("towers", {}).values() if isinstance(t, dict) and "file" in t]
-    models = write_mlflow_models(model, serving, keys, features, served, out, compiled) if served is not None else []
+    models = write_mlflow_models(built, serving, keys, served, out, compiled, top_k) if served is not None else []
     return [MODEL_FILE, FEATURE_SPEC_FILE, EXAMPLE_FILE, *towers, *models]
 
 
-def write_mlflow_models(model: nn.Module, serving: ServingModule, keys: list[str], features: FeatureSpec, served: ServedRows,
-                        out: Path, compiled: bool = False) -> list[str]:
-    """The MLflow model (:mod:`recsys_runner.serving.mlflow_model`) — one per tower for a two-tower model — beside the
-    programs already written to ``out``; returns the directories written (none when the model's task cannot be served
-    row by row: logged)."""
+def write_mlflow_models(built: Unsharded, serving: ServingModule, keys: list[str], served: ServedRows, out: Path, compiled: bool = False,
+                        top_k: topk.TopKPlan | None = None) -> list[str]:
+    """The MLflow model (:mod:`recsys_runner.serving.mlflow_model`) — one per tower for a two-tower model; for a next-item
+    model the top-k model of :mod:`recsys_runner.serving.topk` — beside the programs already written to ``out``; returns
+    the directories written (none when the model cannot be served so: logged)."""
+    model, features = built.model, built.features
     tasks = tuple(getattr(model, "tasks", SINGLE_TASK))
+    if topk.next_item_model(model, tasks) is not None:  # without a plan: its rows name no id mapping (plan_top_k said so)
+        return [] if top_k is None else topk.write_top_k_model(top_k, model, keys, built.batch, built.data, served.encoders, served.raw,
+                                                                out, compiled)
     two_tower = hasattr(model, "tower_features")
     why = mlflow_model.servable(tasks, two_tower)
     if why is not None:
@@ -282,7 +305,7 @@ def export_towers(model: nn.Module, keys: list[str], features: FeatureSpec, batc
             "output": {"shape": ["B", int(vectors[name].shape[1])], "meaning": f"the {name} vectors"},
         }
     temperature = float(two_tower.temperature)
-    _check_same(scores, vectors["user"] @ vectors["item"].t() / temperature, f"{type(model).__name__} (its towers apart)")
+    check_same(scores, vectors["user"] @ vectors["item"].t() / temperature, f"{type(model).__name__} (its towers apart)")
     for name, program in programs.items():
         torch.export.save(program, str(out / TOWER_FILE.format(name)))
     return {"score": "scores[q, c] = user_vectors[q] · item_vectors[c] / temperature: the same as model.pt2's", "temperature": temperature,
@@ -305,13 +328,3 @@ def export_items(model: nn.Module, items: ItemTable, keys: list[str], features: 
             "ids": {"dtype": "int64", "shape": [len(items)], "meaning": f"each item's {items.id_feature} id, as the data encodes it"},
             "vectors": {"dtype": "float32", "shape": [len(items), int(vectors.shape[1]) if parts else 0],
                         "meaning": "item_tower.pt2's vectors of those items, row for row: the candidate index"}}
-
-
-def _check_same(eager: Any, exported: Any, model: str) -> None:
-    """Refuse to write a program whose output differs from the eager model's on the example batch."""
-    pairs = [(eager[k], exported[k]) for k in eager] if isinstance(eager, dict) else [(eager, exported)]
-    worst = max(float(((a - b).abs() - EXACT_RTOL * a.abs()).max()) for a, b in pairs)
-    if worst > EXACT_ATOL:
-        diff = max(float((a - b).abs().max()) for a, b in pairs)
-        raise ConfigError(f"model {model}: the exported program's output differs from the model's by {diff:.3g} on the "
-                          f"example batch (allowed {EXACT_ATOL} + {EXACT_RTOL} x |output|); it cannot be exported faithfully")

@@ -30,6 +30,7 @@ from typing import Any, cast
 import numpy as np
 import pyarrow as pa
 import torch
+from torchrec.datasets.utils import Batch
 
 from recsys_runner.data.encoding import keys as keys_module
 from recsys_runner.data.encoding import rows as rows_module
@@ -179,12 +180,27 @@ def check_served(out: Path, module: ServingModule | TowerServing, encoders: Stor
 
 def expected(module: ServingModule | TowerServing, encoders: StoredEncoders, rows: pa.Table) -> dict[str, np.ndarray]:
     """The columns ``predict`` writes for ``rows`` (raw): encoded by the training encoder, scored by the eager model."""
-    from torchrec.datasets.utils import Batch
+    batch = encoded_batch(encoders, rows)
+    with torch.no_grad():
+        if isinstance(module, TowerServing):
+            return {"vector": module(*module.inputs(batch)).float().numpy()}
+        out = module.model(batch.dense_features, batch.sparse_features)
+    tasks = cast(tuple[Task, ...], tuple(getattr(module.model, "tasks", SINGLE_TASK)))
+    if isinstance(out, dict):
+        logits = torch.cat([out[t.name].float().reshape(rows.num_rows, -1) for t in tasks], dim=1)
+    else:
+        logits = out.float().reshape(rows.num_rows, -1)
+    return score_columns(tasks, logits)
+
+
+def encoded_batch(encoders: StoredEncoders, rows: pa.Table) -> Batch:
+    """``rows`` (raw, as the training files hold them) as the batch training would read: encoded by the training encoder,
+    labels zeroed (a score does not depend on them; predict zeroes them likewise)."""
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     schema = encoders.schema
     table = rows.drop_columns([c for c in schema.label_columns if c in rows.column_names])
-    for name in schema.label_columns:  # the scores do not depend on the labels (predict zeroes them likewise)
+    for name in schema.label_columns:
         table = table.append_column(name, pa.array(np.zeros(rows.num_rows, np.float32)))
     encoded = Encoder(schema, "fail", DataError).encode(table, Location("the training files", "rows", np.arange(rows.num_rows), 0))
     keys = [c.name for c in schema.sparse] + schema.timestamp_columns
@@ -194,17 +210,7 @@ def expected(module: ServingModule | TowerServing, encoders: StoredEncoders, row
     kjt = KeyedJaggedTensor(keys=keys, values=torch.cat(values) if values else torch.zeros(0, dtype=torch.int64),
                             lengths=torch.cat(lengths) if lengths else torch.zeros(0, dtype=torch.int64),
                             weights=None if weights is None else torch.as_tensor(weights))
-    batch = Batch(dense_features=torch.as_tensor(encoded.dense), sparse_features=kjt, labels=torch.as_tensor(encoded.labels))
-    with torch.no_grad():
-        if isinstance(module, TowerServing):
-            return {"vector": module(*module.inputs(batch)).float().numpy()}
-        out = module.model(batch.dense_features, kjt)
-    tasks = cast(tuple[Task, ...], tuple(getattr(module.model, "tasks", SINGLE_TASK)))
-    if isinstance(out, dict):
-        logits = torch.cat([out[t.name].float().reshape(rows.num_rows, -1) for t in tasks], dim=1)
-    else:
-        logits = out.float().reshape(rows.num_rows, -1)
-    return score_columns(tasks, logits)
+    return Batch(dense_features=torch.as_tensor(encoded.dense), sparse_features=kjt, labels=torch.as_tensor(encoded.labels))
 
 
 def log_and_register(model_dir: Path, tracking_uri: str, run_id: str, register_as: str | None, name: str = "model") -> str | None:
@@ -216,13 +222,14 @@ def log_and_register(model_dir: Path, tracking_uri: str, run_id: str, register_a
 
     meta = Model.load(str(model_dir))
     data = model_dir / "data" / "data"
+    loader = meta.flavors["python_function"]["loader_module"]  # the pointwise model's, or the top-k model's (serving/topk.py)
     before = mlflow.get_tracking_uri()
     mlflow.set_tracking_uri(tracking_uri)  # MLflow's fluent API logs a model; it reads the URI from the process
     try:
         with mlflow.start_run(run_id=run_id):
             info = mlflow.pyfunc.log_model(
-                name=name, loader_module=served.LOADER_MODULE, data_path=str(data),
-                code_paths=[str(model_dir / "code" / n) for n in served.SHIPPED.values()], signature=meta.signature,
+                name=name, loader_module=loader, data_path=str(data),
+                code_paths=sorted(str(p) for p in (model_dir / "code").iterdir() if p.suffix == ".py"), signature=meta.signature,
                 input_example=meta.load_input_example(str(model_dir)), pip_requirements=requirements(),
                 registered_model_name=register_as)
     finally:

@@ -1,6 +1,7 @@
 """The model as a server calls it: plain tensors in (no TorchRec), traced by ``torch.export`` into a program that loads
-with torch alone. :class:`ServingModule` wraps a whole model, :class:`TowerServing` one tower of a two-tower model;
-:func:`export_program` traces either (``python -m recsys_runner.export`` writes them; docs/export.md)."""
+with torch alone. :class:`ServingModule` wraps a whole model, :class:`TowerServing` one tower of a two-tower model,
+:class:`HistoryServing` a next-item model's query (the state after a history); :func:`export_program` traces any of them
+(``python -m recsys_runner.export`` writes them; docs/export.md)."""
 
 from __future__ import annotations
 
@@ -8,15 +9,24 @@ import logging
 from typing import Any, Protocol, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.errors import ConfigError
+from recsys_runner.scoring_topk import NextItemModel
 from recsys_runner.tasks import SINGLE_TASK, Task
 from recsys_runner.train.signals import Interrupted
 
 log = logging.getLogger(__name__)
+
+EXACT_ATOL = 1e-6
+"""Largest absolute difference allowed between the exported program and the eager model on the example batch, plus
+:data:`EXACT_RTOL` of the output's size."""
+EXACT_RTOL = 1e-6
+"""The relative part of the allowed difference: a transformer's eager kernels (PyTorch's fused encoder fast path) and
+the traced ATen ops sum in another order, differing by float32 rounding of logits of a few units."""
 
 
 class ServingModule(nn.Module):
@@ -97,6 +107,60 @@ class TowerServing(nn.Module):
         return dense[:, self.dense_index], mine, lengths[self.sparse_index]
 
 
+class HistoryServing(nn.Module):
+    """A next-item model's query: ``(values [G, V] int64, lengths [B] int64, times [V] int64) → queries [B, O]``.
+
+    ``values[g]`` holds every event's id of the history group's feature ``g`` (``group_features`` order), row after row,
+    oldest event first; ``lengths[b]`` is row ``b``'s number of events (every feature of the group has one id per event);
+    ``times`` their event times (only when the group has them: :attr:`timed`). The query is the model's state after the
+    whole history, L2-normalized when the model scores cosines, divided by its temperature: ``queries @ items.T`` are the
+    model's scores of every item (what ``predict``'s top-k ranks: :mod:`recsys_runner.scoring_topk`). The model's forward
+    reads a batch of every feature; the others are filled in as empty bags inside, as :class:`TowerServing` does.
+    """
+
+    group_index: torch.Tensor
+    times_index: torch.Tensor
+
+    def __init__(self, model: nn.Module, keys: list[str]) -> None:
+        super().__init__()
+        group = cast(NextItemModel, model).group
+        self.model, self.keys = model, keys
+        self.group_features = [k for k in keys if k in group.features]
+        times = [keys.index(group.timestamps)] if group.timestamps is not None and group.timestamps in keys else []
+        self.timed = bool(times)
+        if times and times[0] < max(keys.index(k) for k in self.group_features):
+            raise ConfigError(f"the history group {group.name!r}'s times {group.timestamps!r} come before its features in the batch's "
+                              f"keys {keys}: this is a bug; please report it")
+        self.register_buffer("group_index", torch.tensor([keys.index(k) for k in self.group_features], dtype=torch.long), persistent=False)
+        self.register_buffer("times_index", torch.tensor(times, dtype=torch.long), persistent=False)
+
+    def forward(self, values: torch.Tensor, lengths: torch.Tensor, times: torch.Tensor | None = None) -> torch.Tensor:
+        model = cast(NextItemModel, self.model)
+        rows = lengths.shape[0]
+        features = self.group_index.shape[0]
+        all_lengths = lengths.new_zeros(len(self.keys), rows).index_copy(0, self.group_index, lengths.expand(features, rows))
+        flat = values.reshape(-1)
+        if self.timed:
+            assert times is not None, "a history with event times is served with them"
+            all_lengths = all_lengths.index_copy(0, self.times_index, lengths.view(1, rows))
+            flat = torch.cat([flat, times])
+        sparse = KeyedJaggedTensor(keys=self.keys, values=flat, lengths=all_lengths.reshape(-1))
+        history = model.arch(sparse).histories[model.group.name]
+        user = model.encode(history)[torch.arange(rows, device=lengths.device), history.lengths].float()
+        return (F.normalize(user, dim=1) if model.normalize else user) / model.temperature
+
+    def inputs(self, batch: Batch) -> tuple[torch.Tensor, ...]:
+        """``batch`` as this module's inputs: its history group's ids, lengths (and times)."""
+        sparse = batch.sparse_features
+        jagged = sparse.to_dict()
+        lengths = jagged[self.group_features[0]].lengths().to(torch.int64)
+        values = torch.stack([jagged[k].values().to(torch.int64) for k in self.group_features])
+        if not self.timed:
+            return values, lengths
+        group = cast(NextItemModel, self.model).group
+        return values, lengths, jagged[group.timestamps].values().to(torch.int64)
+
+
 def serving_inputs(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A batch as :class:`ServingModule`'s inputs: ``(dense float32, values int64, lengths [F, B] int64)``."""
     kjt = batch.sparse_features
@@ -104,7 +168,7 @@ def serving_inputs(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return batch.dense_features.float(), kjt.values().to(torch.int64), lengths
 
 
-def export_program(serving: ServingModule | TowerServing, batch: Batch) -> torch.export.ExportedProgram:
+def export_program(serving: ServingModule | TowerServing | HistoryServing, batch: Batch) -> torch.export.ExportedProgram:
     """``serving`` (its model unsharded, on CPU, in eval mode) as a torch.export program with a dynamic batch size and
     id count, traced on ``batch`` as its inputs.
 
@@ -116,6 +180,8 @@ def export_program(serving: ServingModule | TowerServing, batch: Batch) -> torch
     inputs = serving.inputs(batch)
     batch_dim, ids = torch.export.Dim("batch"), torch.export.Dim("ids")
     shapes: dict[str, Any] = {"dense": {0: batch_dim}, "values": {0: ids}, "lengths": {1: batch_dim}}
+    if isinstance(serving, HistoryServing):
+        shapes = {"values": {1: ids}, "lengths": {0: batch_dim}} | ({"times": {0: ids}} if serving.timed else {})
     if isinstance(serving, ServingModule) and serving.weighted:
         shapes["weights"] = {0: ids}
     root = logging.getLogger()
@@ -135,6 +201,16 @@ def export_program(serving: ServingModule | TowerServing, batch: Batch) -> torch
     finally:
         root.removeFilter(_quiet_kjt_warning)
     return program
+
+
+def check_same(eager: Any, exported: Any, model: str) -> None:
+    """Refuse to write a program whose output differs from the eager model's on the example batch."""
+    pairs = [(eager[k], exported[k]) for k in eager] if isinstance(eager, dict) else [(eager, exported)]
+    worst = max(float(((a - b).abs() - EXACT_RTOL * a.abs()).max()) for a, b in pairs)
+    if worst > EXACT_ATOL:
+        diff = max(float((a - b).abs().max()) for a, b in pairs)
+        raise ConfigError(f"model {model}: the exported program's output differs from the model's by {diff:.3g} on the "
+                          f"example batch (allowed {EXACT_ATOL} + {EXACT_RTOL} x |output|); it cannot be exported faithfully")
 
 
 def compile_program(program: torch.export.ExportedProgram, path: str) -> bool:

@@ -1,0 +1,274 @@
+"""The top-k MLflow model ``export`` writes for a next-item model (issue 31, point 4): a user's history of raw item ids in,
+``predict``'s top-k out.
+
+A generated log → ``data sequences`` rows (with their id mapping) → HSTU (whose time bias reads the history's times)
+trained a few steps → ``export``. ``predict`` on the same rows is the reference: the served model, given each row's
+history as the log's raw ids, answers the same items (raw ids, best first) with the same scores, with and without the
+seen items; an unknown raw id reads the OOV row a ``--vocab`` encoding gives it (and is counted); a bad ``k`` or request
+is a clear error; and a real ``mlflow models serve`` process in which recsys_runner, TorchRec and fbgemm_gpu cannot be
+imported answers a JSON request over loopback HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from recsys_runner import export, predict
+from recsys_runner.__main__ import run as train
+from recsys_runner.data.encoding.keys import value_keys
+from recsys_runner.data.sequences.mapping import load_mapping
+from recsys_runner.errors import ConfigError
+from recsys_runner.scoring_topk import TOP_ITEMS, TOP_SCORES
+from recsys_runner.serving import mlflow_model, served_topk
+from recsys_runner.serving.served_topk import TopKModel
+from tests.conftest import free_port
+from tests.test_evaluate import compose_entry
+from tests.test_sequence_rows import distinct_times_log, run_sequences
+
+K = 5
+UNKNOWN = 10**9 + 7
+"""A raw item id the log never holds."""
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """HSTU trained on ``data sequences`` rows of a generated log, exported (logged to MLflow as the export run's model)."""
+    root = tmp_path_factory.mktemp("served_topk")
+    rows = run_sequences(root, distinct_times_log(num_users=40, seed=3), "rows", "--max-len", "8")
+    data = ["model=sasrec", "model.block=hstu", "model.num_blocks=1", "model.embedding_dim=8", "data=parquet",
+            f"data.path={rows}/train.parquet", f"data.eval_path={rows}/eval.parquet", "data.batch_size=16", "distributed.device=cpu",
+            "tracking=none"]
+    train(compose_entry("config", *data, "train.num_steps=6", "train.eval_every_steps=null", f"checkpoint.dir={root}/ck"))
+    checkpoint = root / "ck" / "step_00000006"
+    uri = f"sqlite:///{root}/mlflow.db"
+    out = export.run(compose_entry("export", *data, f"load={checkpoint}", f"export.dir={root}/export", f"export.top_k={K}",
+                                   "tracking=mlflow", f"tracking.uri={uri}"))
+    return {"root": root, "rows": rows, "data": data, "checkpoint": checkpoint, "model": out / mlflow_model.MODEL_DIR, "uri": uri,
+            "mapping": load_mapping(str(rows))}
+
+
+def _predicted(exported: dict[str, Any], rows: Path, out: Path, exclude_seen: bool) -> pa.Table:
+    result = predict.run(compose_entry("predict", *exported["data"], f"load={exported['checkpoint']}", f"predict.input={rows}",
+                                       f"predict.output={out}", f"predict.top_k={K}", f"predict.exclude_seen={exclude_seen}"))
+    return pq.read_table(result.parts)
+
+
+def _request(table: pa.Table, mapping: dict[str, np.ndarray]) -> pd.DataFrame:
+    """Rows of ``data sequences`` output as a request: each history as the log's raw item ids, with its times."""
+    return pd.DataFrame({"hist_item_id": [mapping["item"][np.asarray(h, np.int64)].tolist() for h in table["hist_item_id"].to_pylist()],
+                         "hist_ts": table["hist_ts"].to_pylist()})
+
+
+def _with_unknown_ids(exported: dict[str, Any]) -> tuple[Path, list[int]]:
+    """``eval.parquet`` with the newest event of every third row replaced by the item table's OOV row — what
+    ``data sequences --vocab`` writes for a raw id its mapping lacks (``size + key mod oov_buckets``) — beside the mapping
+    its metadata names; and the rows changed."""
+    rows = exported["rows"]
+    table = pq.read_table(rows / "eval.parquet")
+    vocab = json.loads((rows / "vocab.json").read_text())
+    size, buckets = vocab["tables"]["item"]["size"], vocab["oov_buckets"]
+    keys, _ = value_keys(pa.array([UNKNOWN], pa.int64()), False)
+    oov = size + int(keys[0] % np.uint64(buckets))
+    histories = table["hist_item_id"].to_pylist()
+    changed = [r for r in range(0, len(histories), 3) if histories[r]]
+    for r in changed:
+        histories[r] = [*histories[r][:-1], oov]
+    column = pa.array(histories, table.schema.field("hist_item_id").type)
+    pq.write_table(table.set_column(table.schema.get_field_index("hist_item_id"), "hist_item_id", column), rows / "eval_unknown.parquet")
+    return rows / "eval_unknown.parquet", changed
+
+
+def test_served_top_k_equals_predicts_in_raw_ids_with_and_without_seen_items(exported: dict[str, Any], tmp_path: Path) -> None:
+    import mlflow.pyfunc
+
+    model = mlflow.pyfunc.load_model(str(exported["model"]))
+    rows, mapping = exported["rows"], exported["mapping"]
+    table = pq.read_table(rows / "eval.parquet")
+    request = _request(table, mapping)
+    raw_items = set(distinct_times_log(num_users=40, seed=3)["item"].to_pylist())
+    assert set(request["hist_item_id"].explode().dropna()) <= raw_items  # the request holds the log's own ids
+    for exclude_seen in (True, False):
+        reference = _predicted(exported, rows / "eval.parquet", tmp_path / f"predicted_{exclude_seen}", exclude_seen)
+        served = model.predict(request, params={"exclude_seen": exclude_seen})
+        assert list(served.columns) == [TOP_ITEMS, TOP_SCORES, served_topk.UNKNOWN_IDS]
+        assert served[TOP_ITEMS].tolist() == reference[TOP_ITEMS].to_pylist()
+        np.testing.assert_allclose(np.array(served[TOP_SCORES].tolist()), np.array(reference[TOP_SCORES].to_pylist()), rtol=1e-5, atol=1e-5)
+        assert all(item in raw_items for items in served[TOP_ITEMS] for item in items) and (served[served_topk.UNKNOWN_IDS] == 0).all()
+        seen_in_top = [set(items) & set(history) for items, history in zip(served[TOP_ITEMS], request["hist_item_id"], strict=True)]
+        assert not any(seen_in_top) if exclude_seen else any(seen_in_top)  # the mask had something to exclude
+    # k from the request; without params the export's export.top_k; a history longer than max_len is cut as training cut it
+    assert [len(items) for items in model.predict(request.head(3), params={"k": 2})[TOP_ITEMS]] == [2, 2, 2]
+    assert [len(items) for items in model.predict(request.head(3))[TOP_ITEMS]] == [K, K, K]
+    head = request.head(10)
+    longer = head.assign(hist_item_id=[[3, 10, *h] for h in head["hist_item_id"]], hist_ts=[[0, 1, *t] for t in head["hist_ts"]])
+    full = [len(h) >= 8 for h in head["hist_item_id"]]  # max_len 8: the two events put before these are cut off again
+    assert any(full)
+    same = model.predict(longer)[TOP_ITEMS].tolist()
+    assert [a for a, f in zip(same, full, strict=True) if f] == [b for b, f in zip(model.predict(head)[TOP_ITEMS], full, strict=True) if f]
+
+
+def test_an_unknown_raw_id_reads_the_oov_row_and_is_counted(exported: dict[str, Any], tmp_path: Path) -> None:
+    import mlflow.pyfunc
+
+    path, changed = _with_unknown_ids(exported)
+    reference = _predicted(exported, path, tmp_path / "predicted", True)
+    request = _request(pq.read_table(exported["rows"] / "eval.parquet"), exported["mapping"])
+    request["hist_item_id"] = [[*h[:-1], UNKNOWN] if r in changed else h for r, h in enumerate(request["hist_item_id"])]
+    served = mlflow.pyfunc.load_model(str(exported["model"])).predict(request)
+    assert served[served_topk.UNKNOWN_IDS].tolist() == [int(r in changed) for r in range(len(request))]
+    assert served[TOP_ITEMS].tolist() == reference[TOP_ITEMS].to_pylist()
+    np.testing.assert_allclose(np.array(served[TOP_SCORES].tolist()), np.array(reference[TOP_SCORES].to_pylist()), rtol=1e-5, atol=1e-5)
+    # past MLflow's signature (arrays of longs here), ids sent as text for this integer table are read as the integers training keyed
+    as_text = request.head(5).assign(hist_item_id=[[str(i) for i in h] for h in request["hist_item_id"].head(5)])
+    unit = TopKModel(str(exported["model"] / "data" / "data"))
+    assert unit.predict(as_text)[TOP_ITEMS].tolist() == served[TOP_ITEMS].head(5).tolist()
+
+
+def test_top_k_leaves_out_every_seen_row_beside_padding_and_across_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(served_topk, "CHUNK_ROWS", 3)
+    index = torch.eye(7)
+    queries = torch.tensor([[7.0, 6, 5, 4, 3, 2, 1], [7.0, 6, 5, 4, 3, 2, 1]])
+    seen = torch.tensor([[0, 4, -1, -1], [3, 0, 1, 2]])  # item 0, the best, seen by a row with padding; row 1 saw 4 of 7
+    rows, scores, keep = served_topk.top_k(queries, index, 4, seen)
+    assert rows[0][keep[0]].tolist() == [1, 2, 3, 5] and scores[0][keep[0]].tolist() == [6, 5, 4, 2]
+    assert rows[1][keep[1]].tolist() == [4, 5, 6]  # fewer than k unseen: a shorter list
+
+
+def test_bad_requests_and_a_bad_k_are_named(exported: dict[str, Any]) -> None:
+    import mlflow.pyfunc
+
+    model = mlflow.pyfunc.load_model(str(exported["model"]))
+    unit = TopKModel(str(exported["model"] / "data" / "data"))
+    size = len(exported["mapping"]["item"])
+    request = _request(pq.read_table(exported["rows"] / "eval.parquet").slice(0, 3), exported["mapping"])
+    for k in (0, -1, size + 1):
+        with pytest.raises(Exception, match=rf"k={k}: the number of items to return must be a whole number from 1 to {size}"):
+            model.predict(request, params={"k": k})
+    with pytest.raises(Exception, match=r"k='many': .* from 1 to"):
+        unit.predict(request, params={"k": "many"})
+    assert len(model.predict(request, params={"k": size, "exclude_seen": False})[TOP_ITEMS][0]) == size
+    with pytest.raises(Exception, match=r"unknown parameter\(s\) \['top'\]"):
+        unit.predict(request, params={"top": 3})
+    with pytest.raises(Exception, match=r"Model is missing inputs \['hist_ts'\]"):  # HSTU reads times: MLflow's signature says so
+        model.predict(request.drop(columns=["hist_ts"]))
+    with pytest.raises(Exception, match=r"the request has no column 'hist_ts'.*Fix: send every one of them"):
+        unit.predict(request.drop(columns=["hist_ts"]))
+    with pytest.raises(Exception, match=r"request row 1: column 'hist_ts' holds \d+ values for \d+ events"):
+        unit.predict(request.assign(hist_ts=[request["hist_ts"][0], [*request["hist_ts"][1], 5], request["hist_ts"][2]]))
+    with pytest.raises(Exception, match=r"request row 0, column 'hist_item_id': 42 is not a list"):
+        unit.predict(request.assign(hist_item_id=[42, [], []]))
+    with pytest.raises(Exception, match=r"column 'hist_item_id' cannot be read as int64 .*the model's ids in it are integers"):
+        unit.predict(request.assign(hist_item_id=[["abc"], [], []]))
+    # an empty history (a new user) and a missing cell are answered too
+    assert [len(items) for items in unit.predict(request.assign(hist_item_id=[[], None, []], hist_ts=[[], None, []]))[TOP_ITEMS]] == [K] * 3
+    # export.top_k above the items that may be recommended: refused before anything is written
+    with pytest.raises(ConfigError, match=rf"export.top_k={size + 1}, but the item table \(item\) holds {size} items.*export.top_k<={size}"):
+        export.run(compose_entry("export", *exported["data"], f"load={exported['checkpoint']}", f"export.dir={exported['root']}/too_many",
+                                 f"export.top_k={size + 1}"))
+    assert not (exported["root"] / "too_many").exists()
+
+
+def test_the_export_run_logs_the_top_k_model_as_its_model(exported: dict[str, Any]) -> None:
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=exported["uri"])
+    (logged,) = client.search_logged_models(experiment_ids=[e.experiment_id for e in client.search_experiments()])
+    assert logged.name == "model" and client.get_run(logged.source_run_id).data.tags.get("entry") == "export"
+    before = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(exported["uri"])
+    try:
+        model = mlflow.pyfunc.load_model(f"models:/{logged.model_id}")
+    finally:
+        mlflow.set_tracking_uri(before)
+    request = _request(pq.read_table(exported["rows"] / "eval.parquet").slice(0, 4), exported["mapping"])
+    local = mlflow.pyfunc.load_model(str(exported["model"])).predict(request)
+    assert model.predict(request)[TOP_ITEMS].tolist() == local[TOP_ITEMS].tolist()
+
+
+BLOCKER = """
+import importlib.abc, os, sys
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "blocked_in.txt"), "a") as f:
+    f.write(f"{os.getpid()}\\n")
+BLOCKED = ("recsys_runner", "torchrec", "fbgemm_gpu")
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"{name} is blocked: the served model must not need it")
+sys.meta_path.insert(0, Block())
+"""
+
+
+def _post(port: int, body: dict[str, Any]) -> tuple[int, Any]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read().decode())
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+@pytest.mark.slow
+def test_mlflow_models_serve_answers_a_json_top_k_request_without_recsys_runner(exported: dict[str, Any], tmp_path: Path) -> None:
+    """Every Python process of the server (the CLI and its workers) starts with an import system that refuses
+    recsys_runner, TorchRec and fbgemm_gpu (a ``sitecustomize`` on ``PYTHONPATH``)."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(BLOCKER)
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - closed below, after the server is stopped
+    bin_dir = os.path.dirname(sys.executable)  # the server execs uvicorn from the environment's bin/
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "PYTHONPATH": str(tmp_path / "site")}
+    server = subprocess.Popen([sys.executable, "-m", "mlflow", "models", "serve", "-m", str(exported["model"]), "--env-manager", "local",
+                               "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                              env=env, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=5):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "mlflow models serve did not answer /ping in 180 s"
+                time.sleep(0.5)
+        request = _request(pq.read_table(exported["rows"] / "eval.parquet").slice(0, 6), exported["mapping"])
+        local = mlflow_local(exported, request, k=3)
+        status, answer = _post(port, {"dataframe_records": request.to_dict(orient="records"), "params": {"k": 3}})
+        assert status == 200, answer
+        served = pd.DataFrame(answer["predictions"])
+        assert served[TOP_ITEMS].tolist() == local[TOP_ITEMS].tolist()
+        np.testing.assert_allclose(np.array(served[TOP_SCORES].tolist()), np.array(local[TOP_SCORES].tolist()), rtol=1e-6, atol=1e-6)
+        status, answer = _post(port, {"dataframe_records": request.to_dict(orient="records"), "params": {"k": 0}})
+        assert 400 <= status < 500 and "k=0" in str(answer), answer
+        status, answer = _post(port, {"dataframe_records": [{"hist_item_id": [UNKNOWN], "hist_ts": [5]}]})
+        assert status == 200 and answer["predictions"][0][served_topk.UNKNOWN_IDS] == 1, answer
+        assert "is blocked" not in (tmp_path / "serve.log").read_text()
+        assert len((tmp_path / "site" / "blocked_in.txt").read_text().split()) >= 2  # the CLI and the worker that loaded the model
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
+        log.close()
+
+
+def mlflow_local(exported: dict[str, Any], request: pd.DataFrame, k: int) -> pd.DataFrame:
+    import mlflow.pyfunc
+
+    return mlflow.pyfunc.load_model(str(exported["model"])).predict(request, params={"k": k})
