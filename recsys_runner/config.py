@@ -59,6 +59,7 @@ from recsys_runner.models.mmoe import MMoEConfig
 from recsys_runner.models.ple import PLEConfig
 from recsys_runner.models.sasrec import SASRecConfig
 from recsys_runner.models.wide_deep import WideDeepConfig
+from recsys_runner.models.xdeepfm import XDeepFMConfig
 from recsys_runner.optim.config import OptimConfig
 from recsys_runner.optim.optimizers import (
     DenseAdagradConfig,
@@ -165,7 +166,8 @@ def _composition_schema() -> type:
 GROUPS: dict[str, dict[str, type]] = {
     "model": {"deepfm": DeepFMConfig, "dlrm": DLRMConfig, "dcn_v2": DCNv2Config, "wide_deep": WideDeepConfig,
               "mmoe": MMoEConfig, "dssm": DSSMConfig, "lr": LRConfig, "fm": FMConfig,
-              "din": DINConfig, "bst": BSTConfig, "sasrec": SASRecConfig, "ple": PLEConfig, "dbmtl": DBMTLConfig},
+              "din": DINConfig, "bst": BSTConfig, "sasrec": SASRecConfig, "ple": PLEConfig, "dbmtl": DBMTLConfig,
+              "xdeepfm": XDeepFMConfig},
     "data": {"synthetic": SyntheticDataConfig, "parquet": ParquetDataConfig, "csv": CsvDataConfig, "criteo": CriteoDataConfig,
              "synthetic_sequences": SyntheticSequencesConfig},
     "optim": {"optim": OptimConfig},

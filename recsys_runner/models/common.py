@@ -23,8 +23,8 @@ from recsys_runner.features import DataNeeds, FeatureSpec
 from recsys_runner.models.collision import managed_feature_names, pooled_collections, pooled_lookup
 from recsys_runner.tasks import SINGLE_TASK, Task
 
-__all__ = ["LINEAR_ROW_WIDTH", "MLP", "DenseArch", "DenseFields", "FMInteraction", "LinearArch", "ModelConfig", "SparseArch",
-           "TaskWeighting", "TrainWrapper", "check_layer_sizes", "embedding_width_rule", "projection_sizes", "shared_representation"]
+__all__ = ["LINEAR_ROW_WIDTH", "MLP", "DenseArch", "DenseFields", "FMInteraction", "FieldArch", "LinearArch", "ModelConfig",
+           "SparseArch", "TaskWeighting", "TrainWrapper", "check_layer_sizes", "embedding_width_rule", "projection_sizes", "shared_representation"]
 
 LINEAR_ROW_WIDTH = 4
 """Floats per id in a :class:`LinearArch` table: fbgemm's fused kernels store rows in multiples of 4, so an
@@ -75,10 +75,13 @@ def embedding_width_rule(model: type[nn.Module]) -> str | None:
     return rule if isinstance(rule, str) else None
 
 
-def check_layer_sizes(name: str, sizes: list[int]) -> None:
-    """Validate an MLP's layer sizes from config (non-empty, all positive)."""
-    require(len(sizes) > 0, f"model.{name} must list at least one layer size, e.g. model.{name}=[64,16]")
-    require(all(s > 0 for s in sizes), f"model.{name}={sizes} has a non-positive layer size")
+def check_layer_sizes(name: str, sizes: list[int], *, allow_empty: bool = False) -> None:
+    """Validate an MLP's layer sizes from config: all positive, and non-empty unless ``allow_empty`` (a part the
+    model can do without, e.g. AutoInt's optional DNN, whose key documents what ``[]`` means)."""
+    require(allow_empty or len(sizes) > 0, f"model.{name} must list at least one layer size, e.g. model.{name}=[64,16]")
+    positive = [s if s > 0 else 1 for s in sizes]
+    require(all(s > 0 for s in sizes), f"model.{name}={sizes} has a non-positive layer size. Fix: every size at least 1, "
+                                       f"e.g. model.{name}=[{','.join(str(s) for s in positive)}]")
 
 
 def projection_sizes(name: str, sizes: list[int | None], embedding_dim: int, model: str, why: str) -> list[int]:
@@ -241,6 +244,33 @@ class DenseFields(nn.Module):
 
     def forward(self, dense: torch.Tensor) -> torch.Tensor:
         return dense.unsqueeze(2) * self.weight
+
+
+class FieldArch(nn.Module):
+    """Every input feature as one field of width ``D``: ``(dense [B, N], sparse KJT) → [B, N + F, D]``.
+
+    The ``N`` dense features come first, each its value times a learned vector (:class:`DenseFields`, as a
+    factorization machine and AutoInt embed a real value), then the ``F`` sparse features' pooled embeddings
+    (:class:`SparseArch`). What the field-interaction models (xDeepFM's CIN, AutoInt's attention, MaskNet's masks)
+    read; they need one width for every table, which ``model``'s ``same_embedding_width`` states.
+
+    Args:
+        features: the data's feature schema.
+        embedding_dim: ``D``.
+        model: the model class that owns this arch (its ``same_embedding_width`` goes to :class:`SparseArch`).
+        device: device of the dense fields' vectors (the tables start on ``meta``).
+    """
+
+    def __init__(self, features: FeatureSpec, embedding_dim: int, model: type[nn.Module], device: torch.device | None = None) -> None:
+        super().__init__()
+        self.sparse_arch = SparseArch(features, embedding_dim, model)
+        self.dense_fields = DenseFields(features.num_dense, embedding_dim, device=device) if features.num_dense else None
+        self.num_fields = features.num_dense + len(self.sparse_arch.feature_names)
+        """``m = N + F``: the fields of :meth:`forward`'s output."""
+
+    def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        fields = self.sparse_arch.fields(self.sparse_arch(sparse))
+        return fields if self.dense_fields is None else torch.cat([self.dense_fields(dense), fields], dim=1)
 
 
 class TaskWeighting(nn.Module):
