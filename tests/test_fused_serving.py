@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -66,14 +65,20 @@ def test_every_model_scores_the_same_with_its_bags_fused(make_cfg, name: str) ->
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
-def test_deepfms_program_looks_up_once_per_group(make_cfg) -> None:
+def test_deepfms_program_looks_up_once_per_group_and_scores_as_the_eager_model(make_cfg) -> None:
     batch = next(iter(small_data("deepfm").eval_batches(0, 1)))
     model = build(make_cfg, "deepfm").eval()
     keys = list(batch.sparse_features.keys())
+    serving = ServingModule(model, keys)
 
-    def lookups(module: nn.Module) -> int:
-        program = export_program(ServingModule(module, keys), batch)
+    def lookups(program: torch.export.ExportedProgram) -> int:
         return sum(1 for n in program.graph.nodes if n.op == "call_function" and "embedding_bag" in str(n.target))
 
-    assert lookups(model) == 2 * len(keys)  # the deep and the first-order table of each feature
-    assert lookups(for_serving(model, keys)) == 2  # one per width: 8 (deep) and 1 (first order)
+    with torch.no_grad():
+        unfused = torch.export.export(serving, serving.inputs(batch), strict=False)
+    program = export_program(serving, batch)  # what export writes
+    assert lookups(unfused) == 2 * len(keys)  # the deep and the first-order table of each feature
+    assert lookups(program) == 2  # one per width: 8 (deep) and 1 (first order)
+    assert not any(isinstance(m, FusedEmbeddingBags) for m in serving.modules()), "export_program changed the module it was given"
+    with torch.no_grad():
+        torch.testing.assert_close(program.module()(*serving.inputs(batch)), serving(*serving.inputs(batch)), rtol=1e-6, atol=1e-6)

@@ -16,6 +16,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.errors import ConfigError
 from recsys_runner.scoring_topk import NextItemModel
+from recsys_runner.serving.fused import for_serving
 from recsys_runner.tasks import SINGLE_TASK, Task
 from recsys_runner.train.signals import Interrupted
 
@@ -170,7 +171,8 @@ def serving_inputs(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 def export_program(serving: ServingModule | TowerServing | HistoryServing, batch: Batch) -> torch.export.ExportedProgram:
     """``serving`` (its model unsharded, on CPU, in eval mode) as a torch.export program with a dynamic batch size and
-    id count, traced on ``batch`` as its inputs.
+    id count, traced on ``batch`` as its inputs; a :class:`ServingModule`'s or :class:`TowerServing`'s embedding-bag
+    collections fused (:func:`~recsys_runner.serving.fused.for_serving`: the same scores, a few lookups).
 
     Raises:
         ConfigError: torch.export cannot trace the model, naming the model and the first line of why.
@@ -186,9 +188,12 @@ def export_program(serving: ServingModule | TowerServing | HistoryServing, batch
         shapes["weights"] = {0: ids}
     root = logging.getLogger()
     root.addFilter(_quiet_kjt_warning)
+    # a row-scoring module is traced with its embedding bags fused (one lookup per group of tables, serving/fused.py); the
+    # callers compare the program with ``serving`` itself, unfused
+    traced = serving if isinstance(serving, HistoryServing) else for_serving(serving, serving.keys)
     try:
         with torch.no_grad():
-            program = torch.export.export(serving, inputs, dynamic_shapes=shapes, strict=False)
+            program = torch.export.export(traced, inputs, dynamic_shapes=shapes, strict=False)
     except Exception as e:  # noqa: BLE001 - torch.export raises many kinds; all mean "cannot be exported"
         if _stopped(e):  # a signal while tracing (the lifecycle raises it here): a stop, not a model that cannot be exported
             raise
