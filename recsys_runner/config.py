@@ -45,6 +45,7 @@ from recsys_runner.metrics.registry import (
     metric_name,
 )
 from recsys_runner.metrics.tasks import check_task_metrics, eval_metric_keys
+from recsys_runner.models.autoint import AutoIntConfig
 from recsys_runner.models.bst import BSTConfig
 from recsys_runner.models.common import ModelConfig
 from recsys_runner.models.dbmtl import DBMTLConfig
@@ -167,7 +168,7 @@ GROUPS: dict[str, dict[str, type]] = {
     "model": {"deepfm": DeepFMConfig, "dlrm": DLRMConfig, "dcn_v2": DCNv2Config, "wide_deep": WideDeepConfig,
               "mmoe": MMoEConfig, "dssm": DSSMConfig, "lr": LRConfig, "fm": FMConfig,
               "din": DINConfig, "bst": BSTConfig, "sasrec": SASRecConfig, "ple": PLEConfig, "dbmtl": DBMTLConfig,
-              "xdeepfm": XDeepFMConfig},
+              "xdeepfm": XDeepFMConfig, "autoint": AutoIntConfig},
     "data": {"synthetic": SyntheticDataConfig, "parquet": ParquetDataConfig, "csv": CsvDataConfig, "criteo": CriteoDataConfig,
              "synthetic_sequences": SyntheticSequencesConfig},
     "optim": {"optim": OptimConfig},

@@ -25,6 +25,7 @@ from recsys_runner.config import validate
 from recsys_runner.configurable import make
 from recsys_runner.errors import ConfigError
 from recsys_runner.features import FeatureSpec, SparseFeature
+from recsys_runner.models.autoint import AutoInt, AutoIntConfig, InteractingLayer
 from recsys_runner.models.common import ModelConfig
 from recsys_runner.models.fm import FMConfig
 from recsys_runner.models.xdeepfm import CIN, CINLayer, XDeepFMConfig
@@ -36,6 +37,7 @@ from tests.test_models import CPU, materialize
 
 TINY_SIZES = {
     "xdeepfm": ["model.embedding_dim=8", "model.cin_layer_sizes=[8,8]", "model.deep_layer_sizes=[16]"],
+    "autoint": ["model.embedding_dim=8", "model.num_layers=2", "model.attention_dim=8", "model.deep_layer_sizes=[16]"],
 }
 """Overrides that make each model small enough for a test of a few seconds."""
 
@@ -66,6 +68,24 @@ def test_cin_layer_is_the_papers_formula() -> None:
     assert split.output_dim == 7 and torch.allclose(split(fields), expected, atol=1e-5)
 
 
+def test_interacting_layer_is_the_papers_formula() -> None:
+    """AutoInt eqs. 5–8, head by head: ``α = softmax_k(⟨W_Q e_m, W_K e_k⟩)``, ``ẽ_m = Σ_k α_{m,k} W_V e_k``, the heads
+    concatenated, ``ReLU(ẽ_m + W_Res e_m)``."""
+    torch.manual_seed(0)
+    e = torch.randn(2, 4, 6)  # [B, m, D]
+    layer = InteractingLayer(in_dim=6, attention_dim=3, num_heads=2)
+    heads = []
+    for h in range(2):
+        w_q, w_k, w_v = (w.weight[3 * h:3 * h + 3] for w in (layer.query, layer.key, layer.value))
+        psi = torch.einsum("bmd,bkd->bmk", e @ w_q.T, e @ w_k.T)
+        alpha = psi.exp() / psi.exp().sum(dim=2, keepdim=True)
+        heads.append(alpha @ (e @ w_v.T))
+    assert layer.res is not None
+    assert torch.allclose(layer(e), torch.relu(torch.cat(heads, dim=2) + e @ layer.res.weight.T), atol=1e-6)
+    plain = InteractingLayer(in_dim=6, attention_dim=3, num_heads=2, residual=False)
+    assert plain.res is None and (plain(e) >= 0).all()
+
+
 # --- config errors: the key and the fix, before anything is built ---------------------------------------------------
 
 
@@ -78,6 +98,9 @@ def test_cin_layer_is_the_papers_formula() -> None:
         (["model=xdeepfm", "model.cin_layer_sizes=[101,50]"], r"odd sizes \[101\] before its last layer.*Fix: even sizes, e.g. "
                                                               r"model.cin_layer_sizes=\[102,50\], or model.cin_split_half=false"),
         (["model=xdeepfm", "model.embedding_dim=10"], r"model.embedding_dim=10 is not a multiple of 4.*model.embedding_dim=12"),
+        (["model=autoint", "model.num_heads=0"], r"model.num_heads must be at least 1, got 0. Fix: .* model.num_heads=2"),
+        (["model=autoint", "model.attention_dim=-4"], r"model.attention_dim must be at least 1, got -4. Fix: .* model.attention_dim=32"),
+        (["model=autoint", "model.deep_layer_sizes=[400,0]"], r"model.deep_layer_sizes=\[400, 0\] has a non-positive layer size"),
     ],
 )
 def test_bad_sizes_name_the_key_and_the_fix(make_cfg, overrides: list[str], message: str) -> None:
@@ -87,6 +110,13 @@ def test_bad_sizes_name_the_key_and_the_fix(make_cfg, overrides: list[str], mess
 
 def test_odd_cin_sizes_are_fine_without_split_half(make_cfg) -> None:
     assert validate(make_cfg("model=xdeepfm", "model.cin_layer_sizes=[101,51]", "model.cin_split_half=false", "tracking=none"))
+
+
+def test_autoint_without_a_dnn_is_plain_autoint(make_cfg) -> None:
+    config = validate(make_cfg("model=autoint", "model.deep_layer_sizes=[]", "tracking=none")).model
+    assert isinstance(config, AutoIntConfig)
+    model = config.build(features=FeatureSpec(dense_names=("x",), sparse=(SparseFeature("a", 10),)), dense_device=CPU)
+    assert isinstance(model, AutoInt) and model.deep is None
 
 
 # --- learning: a third-order interaction --------------------------------------------------------------------------------
