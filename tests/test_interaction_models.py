@@ -28,16 +28,18 @@ from recsys_runner.features import FeatureSpec, SparseFeature
 from recsys_runner.models.autoint import AutoInt, AutoIntConfig, InteractingLayer
 from recsys_runner.models.common import ModelConfig
 from recsys_runner.models.fm import FMConfig
+from recsys_runner.models.masknet import FieldNorm, MaskBlock, MaskNet
 from recsys_runner.models.xdeepfm import CIN, CINLayer, XDeepFMConfig
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.serving import program as serving
 from tests.conftest import TINY
 from tests.test_export import train_and_score
-from tests.test_models import CPU, materialize
+from tests.test_models import CPU, build, materialize, small_data
 
 TINY_SIZES = {
     "xdeepfm": ["model.embedding_dim=8", "model.cin_layer_sizes=[8,8]", "model.deep_layer_sizes=[16]"],
     "autoint": ["model.embedding_dim=8", "model.num_layers=2", "model.attention_dim=8", "model.deep_layer_sizes=[16]"],
+    "masknet": ["model.embedding_dim=8", "model.block_sizes=[16,16]", "model.reduction_ratio=1", "model.deep_layer_sizes=[16]"],
 }
 """Overrides that make each model small enough for a test of a few seconds."""
 
@@ -86,6 +88,40 @@ def test_interacting_layer_is_the_papers_formula() -> None:
     assert plain.res is None and (plain(e) >= 0).all()
 
 
+def test_mask_block_is_the_papers_formula(make_cfg) -> None:
+    """MaskNet's instance-guided mask and MaskBlock: ``V_mask = W_d2 ReLU(W_d1 V_emb + β_d1) + β_d2``, ``ReLU(LN(W_i (V_mask ⊙ V_in)))``; the
+    fields normalized one by one (``LN_EMB``); serial blocks chained, parallel ones side by side, every mask reading
+    ``V_emb``."""
+    torch.manual_seed(0)
+    v_emb, x = torch.randn(3, 12), torch.randn(3, 8)
+    block = MaskBlock(emb_dim=12, in_dim=8, out_dim=5, reduction_ratio=2.0)
+    w1, w2 = block.mask[0], block.mask[2]
+    assert w1.out_features == 16 and block.hidden.bias is None
+    v_mask = (v_emb @ w1.weight.T + w1.bias).relu() @ w2.weight.T + w2.bias
+    hidden = (v_mask * x) @ block.hidden.weight.T
+    expected = torch.relu(nn.functional.layer_norm(hidden, (5,)) * block.norm.weight + block.norm.bias)
+    assert torch.allclose(block(v_emb, x), expected, atol=1e-6)
+
+    fields = torch.randn(3, 4, 6)
+    norm = FieldNorm(4, 6)
+    nn.init.normal_(norm.weight)
+    each = [(f - f.mean(-1, keepdim=True)) / (f.var(-1, unbiased=False, keepdim=True) + 1e-5).sqrt() for f in fields.unbind(1)]
+    assert torch.allclose(norm(fields), torch.stack(each, dim=1) * norm.weight + norm.bias, atol=1e-5)
+
+    batch = next(iter(small_data().train_batches(0, 0, 1)))
+    for structure in ("serial", "parallel"):
+        model = build(make_cfg, "masknet", f"model.structure={structure}", *TINY_SIZES["masknet"])
+        assert isinstance(model, MaskNet)
+        with torch.no_grad():
+            fields = model.fields(batch.dense_features, batch.sparse_features)
+            v, x = fields.flatten(1), model.field_norm(fields).flatten(1)
+            first, second = model.blocks
+            top = first(v, x) if structure == "parallel" else second(v, first(v, x))
+            if structure == "parallel":
+                top = torch.cat([top, second(v, x)], dim=1)
+            assert torch.allclose(model(batch.dense_features, batch.sparse_features), model.head(model.deep(top)).squeeze(1))
+
+
 # --- config errors: the key and the fix, before anything is built ---------------------------------------------------
 
 
@@ -101,6 +137,9 @@ def test_interacting_layer_is_the_papers_formula() -> None:
         (["model=autoint", "model.num_heads=0"], r"model.num_heads must be at least 1, got 0. Fix: .* model.num_heads=2"),
         (["model=autoint", "model.attention_dim=-4"], r"model.attention_dim must be at least 1, got -4. Fix: .* model.attention_dim=32"),
         (["model=autoint", "model.deep_layer_sizes=[400,0]"], r"model.deep_layer_sizes=\[400, 0\] has a non-positive layer size"),
+        (["model=masknet", "model.structure=stacked"], r"model.structure='stacked' is not a MaskNet structure. Fix: model.structure=parallel"),
+        (["model=masknet", "model.block_sizes=[]"], r"model.block_sizes must list at least one layer size, e.g."),
+        (["model=masknet", "model.reduction_ratio=0"], r"model.reduction_ratio must be positive, got 0.0. Fix: e.g. model.reduction_ratio=3"),
     ],
 )
 def test_bad_sizes_name_the_key_and_the_fix(make_cfg, overrides: list[str], message: str) -> None:

@@ -4,11 +4,11 @@ Shape legend: ``B`` batch size, ``N`` dense features, ``F`` sparse features, ``m
 dim, ``H`` heads, ``d'`` attention width per head.
 
 Every input is a field of width ``D`` (:class:`~recsys_runner.models.common.FieldArch`: a dense feature's field is
-its value times a learned vector, the paper's eq. 2), ``[B, m, D]``. A stack of interacting layers lets each field
+its value times a learned vector, as the paper embeds numbers), ``[B, m, D]``. A stack of interacting layers lets each field
 attend to every other: per head ``h``, ``α_{m,k} = softmax_k(⟨W_Q e_m, W_K e_k⟩)`` and ``ẽ_m = Σ_k α_{m,k} W_V e_k``
 (eqs. 5–6), the heads concatenated (eq. 7), then ``ReLU(ẽ_m + W_Res e_m)`` (eq. 8, the residual); stacked layers
-combine fields of higher orders. The last layer's fields, flattened ``[B, m·H·d']``, give the logit through one linear unit
-(eq. 9). AutoInt+ (the paper's §5.3) adds a deep MLP over the flattened embeddings, whose logit is added.
+combine fields of higher orders. The last layer's fields, flattened ``[B, m·H·d']``, give the logit through one linear unit.
+AutoInt+ adds a deep MLP over the flattened embeddings, whose logit is added.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Shape legend: ``B`` batch size, ``N`` dense features, ``F`` sparse features, ``m
 dim, ``H_k`` feature maps of CIN layer ``k``.
 
 Every input is a field of width ``D`` (:class:`~recsys_runner.models.common.FieldArch`: a dense feature's field is
-its value times a learned vector), ``X⁰ [B, m, D]``. As in the paper (eq. 9), the logit sums three parts:
+its value times a learned vector), ``X⁰ [B, m, D]``. As in the paper's output unit, the logit sums three parts:
 
 * linear: one weight per sparse id and per dense feature, plus the bias
   (:class:`~recsys_runner.models.common.LinearArch`, as in ``fm``);
@@ -33,9 +33,9 @@ from recsys_runner.models.common import MLP, FieldArch, LinearArch, ModelConfig,
 
 @dataclass(kw_only=True)
 class XDeepFMConfig(ModelConfig):
-    """Schema of ``conf/model/xdeepfm.yaml``. Defaults: the paper's Criteo setting (§4.1.3: 200 feature maps per CIN
-    layer, 400 units per DNN layer; 3 CIN layers, beyond which §4.3 finds quality falls), embeddings 12 wide (the paper's
-    10, rounded up to fbgemm's multiple of 4)."""
+    """Schema of ``conf/model/xdeepfm.yaml``. Defaults: the paper's Criteo setting (its implementation details: 200
+    feature maps per CIN layer on Criteo, 400 units per DNN layer, fields 10 wide, here 12, fbgemm's multiple of 4; 3 CIN
+    layers, beyond which its study of depth finds quality falls; 2 DNN layers)."""
 
     _target_: str = "recsys_runner.models.xdeepfm.XDeepFM"
     embedding_dim: int = 12
