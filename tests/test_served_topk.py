@@ -5,20 +5,14 @@ A generated log → ``data sequences`` rows (with their id mapping) → HSTU (wh
 trained a few steps → ``export``. ``predict`` on the same rows is the reference: the served model, given each row's
 history as the log's raw ids, answers the same items (raw ids, best first) with the same scores, with and without the
 seen items; an unknown raw id reads the OOV row a ``--vocab`` encoding gives it (and is counted); a bad ``k`` or request
-is a clear error; and a real ``mlflow models serve`` process in which recsys_runner, TorchRec and fbgemm_gpu cannot be
-imported answers a JSON request over loopback HTTP.
+is a clear error; and the model loads and answers where recsys_runner, TorchRec and fbgemm_gpu cannot be imported.
 """
 
 from __future__ import annotations
 
+import importlib.abc
 import json
-import os
-import signal
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +30,6 @@ from recsys_runner.errors import ConfigError
 from recsys_runner.scoring_topk import TOP_ITEMS, TOP_SCORES
 from recsys_runner.serving import mlflow_model, served_topk
 from recsys_runner.serving.served_topk import TopKModel
-from tests.conftest import free_port
 from tests.test_evaluate import compose_entry
 from tests.test_sequence_rows import distinct_times_log, run_sequences
 
@@ -60,6 +53,15 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                                    "tracking=mlflow", f"tracking.uri={uri}"))
     return {"root": root, "rows": rows, "data": data, "checkpoint": checkpoint, "model": out / mlflow_model.MODEL_DIR, "uri": uri,
             "mapping": load_mapping(str(rows))}
+
+
+@pytest.fixture(scope="module")
+def loaded(exported: dict[str, Any]) -> tuple[Any, TopKModel]:
+    """The exported model loaded once for the module (a load reads the program: seconds): through MLflow, and as the
+    loader's own class (which takes requests past MLflow's signature check)."""
+    import mlflow.pyfunc
+
+    return mlflow.pyfunc.load_model(str(exported["model"])), TopKModel(str(exported["model"] / "data" / "data"))
 
 
 def _predicted(exported: dict[str, Any], rows: Path, out: Path, exclude_seen: bool) -> pa.Table:
@@ -93,23 +95,25 @@ def _with_unknown_ids(exported: dict[str, Any]) -> tuple[Path, list[int]]:
     return rows / "eval_unknown.parquet", changed
 
 
-def test_served_top_k_equals_predicts_in_raw_ids_with_and_without_seen_items(exported: dict[str, Any], tmp_path: Path) -> None:
-    import mlflow.pyfunc
-
-    model = mlflow.pyfunc.load_model(str(exported["model"]))
+def test_served_top_k_equals_predicts_in_raw_ids_and_reads_an_unknown_id_as_the_oov_row(exported: dict[str, Any], loaded: tuple[Any, TopKModel],
+                                                                                       tmp_path: Path) -> None:
+    model, unit = loaded
     rows, mapping = exported["rows"], exported["mapping"]
-    table = pq.read_table(rows / "eval.parquet")
-    request = _request(table, mapping)
+    request = _request(pq.read_table(rows / "eval.parquet"), mapping)
     raw_items = set(distinct_times_log(num_users=40, seed=3)["item"].to_pylist())
     assert set(request["hist_item_id"].explode().dropna()) <= raw_items  # the request holds the log's own ids
-    for exclude_seen in (True, False):
-        reference = _predicted(exported, rows / "eval.parquet", tmp_path / f"predicted_{exclude_seen}", exclude_seen)
-        served = model.predict(request, params={"exclude_seen": exclude_seen})
+    # the rows with an unknown raw id: predict reads them from rows holding the OOV row data sequences --vocab gives that id
+    with_unknown, changed = _with_unknown_ids(exported)
+    unknown = request.assign(hist_item_id=[[*h[:-1], UNKNOWN] if r in changed else h for r, h in enumerate(request["hist_item_id"])])
+    for exclude_seen, asked, path in ((True, unknown, with_unknown), (False, request, rows / "eval.parquet")):
+        reference = _predicted(exported, path, tmp_path / f"predicted_{exclude_seen}", exclude_seen)
+        served = model.predict(asked, params={"exclude_seen": exclude_seen})
         assert list(served.columns) == [TOP_ITEMS, TOP_SCORES, served_topk.UNKNOWN_IDS]
         assert served[TOP_ITEMS].tolist() == reference[TOP_ITEMS].to_pylist()
         np.testing.assert_allclose(np.array(served[TOP_SCORES].tolist()), np.array(reference[TOP_SCORES].to_pylist()), rtol=1e-5, atol=1e-5)
-        assert all(item in raw_items for items in served[TOP_ITEMS] for item in items) and (served[served_topk.UNKNOWN_IDS] == 0).all()
-        seen_in_top = [set(items) & set(history) for items, history in zip(served[TOP_ITEMS], request["hist_item_id"], strict=True)]
+        assert all(item in raw_items for items in served[TOP_ITEMS] for item in items)
+        assert served[served_topk.UNKNOWN_IDS].tolist() == [int(exclude_seen and r in changed) for r in range(len(request))]
+        seen_in_top = [set(items) & set(history) for items, history in zip(served[TOP_ITEMS], asked["hist_item_id"], strict=True)]
         assert not any(seen_in_top) if exclude_seen else any(seen_in_top)  # the mask had something to exclude
     # k from the request; without params the export's export.top_k; a history longer than max_len is cut as training cut it
     assert [len(items) for items in model.predict(request.head(3), params={"k": 2})[TOP_ITEMS]] == [2, 2, 2]
@@ -120,23 +124,9 @@ def test_served_top_k_equals_predicts_in_raw_ids_with_and_without_seen_items(exp
     assert any(full)
     same = model.predict(longer)[TOP_ITEMS].tolist()
     assert [a for a, f in zip(same, full, strict=True) if f] == [b for b, f in zip(model.predict(head)[TOP_ITEMS], full, strict=True) if f]
-
-
-def test_an_unknown_raw_id_reads_the_oov_row_and_is_counted(exported: dict[str, Any], tmp_path: Path) -> None:
-    import mlflow.pyfunc
-
-    path, changed = _with_unknown_ids(exported)
-    reference = _predicted(exported, path, tmp_path / "predicted", True)
-    request = _request(pq.read_table(exported["rows"] / "eval.parquet"), exported["mapping"])
-    request["hist_item_id"] = [[*h[:-1], UNKNOWN] if r in changed else h for r, h in enumerate(request["hist_item_id"])]
-    served = mlflow.pyfunc.load_model(str(exported["model"])).predict(request)
-    assert served[served_topk.UNKNOWN_IDS].tolist() == [int(r in changed) for r in range(len(request))]
-    assert served[TOP_ITEMS].tolist() == reference[TOP_ITEMS].to_pylist()
-    np.testing.assert_allclose(np.array(served[TOP_SCORES].tolist()), np.array(reference[TOP_SCORES].to_pylist()), rtol=1e-5, atol=1e-5)
     # past MLflow's signature (arrays of longs here), ids sent as text for this integer table are read as the integers training keyed
-    as_text = request.head(5).assign(hist_item_id=[[str(i) for i in h] for h in request["hist_item_id"].head(5)])
-    unit = TopKModel(str(exported["model"] / "data" / "data"))
-    assert unit.predict(as_text)[TOP_ITEMS].tolist() == served[TOP_ITEMS].head(5).tolist()
+    as_text = head.assign(hist_item_id=[[str(i) for i in h] for h in head["hist_item_id"]])
+    assert unit.predict(as_text)[TOP_ITEMS].tolist() == model.predict(head)[TOP_ITEMS].tolist()
 
 
 def test_top_k_leaves_out_every_seen_row_beside_padding_and_across_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -151,11 +141,8 @@ def test_top_k_leaves_out_every_seen_row_beside_padding_and_across_chunks(monkey
     assert rows[1][keep[1]].tolist() == [4, 5, 6]  # fewer than k unseen: a shorter list
 
 
-def test_bad_requests_and_a_bad_k_are_named(exported: dict[str, Any]) -> None:
-    import mlflow.pyfunc
-
-    model = mlflow.pyfunc.load_model(str(exported["model"]))
-    unit = TopKModel(str(exported["model"] / "data" / "data"))
+def test_bad_requests_and_a_bad_k_are_named(exported: dict[str, Any], loaded: tuple[Any, TopKModel]) -> None:
+    model, unit = loaded
     size = len(exported["mapping"]["item"])
     request = _request(pq.read_table(exported["rows"] / "eval.parquet").slice(0, 3), exported["mapping"])
     for k in (0, -1, size + 1):
@@ -185,7 +172,7 @@ def test_bad_requests_and_a_bad_k_are_named(exported: dict[str, Any]) -> None:
     assert not (exported["root"] / "too_many").exists()
 
 
-def test_the_export_run_logs_the_top_k_model_as_its_model(exported: dict[str, Any]) -> None:
+def test_the_export_run_logs_the_top_k_model_as_its_model(exported: dict[str, Any], loaded: tuple[Any, TopKModel]) -> None:
     import mlflow
     from mlflow.tracking import MlflowClient
 
@@ -199,76 +186,45 @@ def test_the_export_run_logs_the_top_k_model_as_its_model(exported: dict[str, An
     finally:
         mlflow.set_tracking_uri(before)
     request = _request(pq.read_table(exported["rows"] / "eval.parquet").slice(0, 4), exported["mapping"])
-    local = mlflow.pyfunc.load_model(str(exported["model"])).predict(request)
-    assert model.predict(request)[TOP_ITEMS].tolist() == local[TOP_ITEMS].tolist()
+    assert model.predict(request)[TOP_ITEMS].tolist() == loaded[0].predict(request)[TOP_ITEMS].tolist()
 
 
-BLOCKER = """
-import importlib.abc, os, sys
-with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "blocked_in.txt"), "a") as f:
-    f.write(f"{os.getpid()}\\n")
 BLOCKED = ("recsys_runner", "torchrec", "fbgemm_gpu")
-class Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
+SHIPPED = ("recsys_topk", "recsys_served", "recsys_rows", "recsys_vocabulary", "recsys_keys")
+
+
+class _Refuse(importlib.abc.MetaPathFinder):
+    """An import system that refuses :data:`BLOCKED`."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
         if name.split(".")[0] in BLOCKED:
             raise ImportError(f"{name} is blocked: the served model must not need it")
-sys.meta_path.insert(0, Block())
-"""
+        return None
 
 
-def _post(port: int, body: dict[str, Any]) -> tuple[int, Any]:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read().decode())
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
-@pytest.mark.slow
-def test_mlflow_models_serve_answers_a_json_top_k_request_without_recsys_runner(exported: dict[str, Any], tmp_path: Path) -> None:
-    """Every Python process of the server (the CLI and its workers) starts with an import system that refuses
-    recsys_runner, TorchRec and fbgemm_gpu (a ``sitecustomize`` on ``PYTHONPATH``)."""
-    (tmp_path / "site").mkdir()
-    (tmp_path / "site" / "sitecustomize.py").write_text(BLOCKER)
-    port = free_port()
-    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - closed below, after the server is stopped
-    bin_dir = os.path.dirname(sys.executable)  # the server execs uvicorn from the environment's bin/
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "PYTHONPATH": str(tmp_path / "site")}
-    server = subprocess.Popen([sys.executable, "-m", "mlflow", "models", "serve", "-m", str(exported["model"]), "--env-manager", "local",
-                               "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                              env=env, cwd=tmp_path)
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=5):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, "mlflow models serve did not answer /ping in 180 s"
-                time.sleep(0.5)
-        request = _request(pq.read_table(exported["rows"] / "eval.parquet").slice(0, 6), exported["mapping"])
-        local = mlflow_local(exported, request, k=3)
-        status, answer = _post(port, {"dataframe_records": request.to_dict(orient="records"), "params": {"k": 3}})
-        assert status == 200, answer
-        served = pd.DataFrame(answer["predictions"])
-        assert served[TOP_ITEMS].tolist() == local[TOP_ITEMS].tolist()
-        np.testing.assert_allclose(np.array(served[TOP_SCORES].tolist()), np.array(local[TOP_SCORES].tolist()), rtol=1e-6, atol=1e-6)
-        status, answer = _post(port, {"dataframe_records": request.to_dict(orient="records"), "params": {"k": 0}})
-        assert 400 <= status < 500 and "k=0" in str(answer), answer
-        status, answer = _post(port, {"dataframe_records": [{"hist_item_id": [UNKNOWN], "hist_ts": [5]}]})
-        assert status == 200 and answer["predictions"][0][served_topk.UNKNOWN_IDS] == 1, answer
-        assert "is blocked" not in (tmp_path / "serve.log").read_text()
-        assert len((tmp_path / "site" / "blocked_in.txt").read_text().split()) >= 2  # the CLI and the worker that loaded the model
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=30)
-        log.close()
-
-
-def mlflow_local(exported: dict[str, Any], request: pd.DataFrame, k: int) -> pd.DataFrame:
+def test_the_served_model_loads_and_answers_where_recsys_runner_torchrec_and_fbgemm_cannot_be_imported(exported: dict[str, Any],
+                                                                                                       loaded: tuple[Any, TopKModel]) -> None:
+    """In this process, for the load and a request: recsys_runner, TorchRec and fbgemm_gpu taken out of ``sys.modules`` and
+    refused by the import system (a subprocess would cost a Python start; test_mlflow_model.py runs one for the pointwise
+    model), the model's code/ modules imported afresh from its directory."""
     import mlflow.pyfunc
 
-    return mlflow.pyfunc.load_model(str(exported["model"])).predict(request, params={"k": k})
+    request = _request(pq.read_table(exported["rows"] / "eval.parquet").slice(0, 6), exported["mapping"])
+    want = loaded[0].predict(request, params={"k": 3})
+    hidden = {n: m for n, m in sys.modules.items() if n.split(".")[0] in BLOCKED or n in SHIPPED}
+    refuse = _Refuse()
+    for name in hidden:
+        del sys.modules[name]
+    sys.meta_path.insert(0, refuse)
+    try:
+        got = mlflow.pyfunc.load_model(str(exported["model"])).predict(request, params={"k": 3})
+        imported = [n for n in sys.modules if n.split(".")[0] in BLOCKED]
+        loaded_from = Path(sys.modules["recsys_topk"].__file__ or "").parent
+    finally:
+        sys.meta_path.remove(refuse)
+        for name in [n for n in sys.modules if n.split(".")[0] in BLOCKED or n in SHIPPED]:
+            del sys.modules[name]
+        sys.modules.update(hidden)
+    assert not imported and loaded_from == exported["model"] / "code"
+    assert got[TOP_ITEMS].tolist() == want[TOP_ITEMS].tolist()
+    np.testing.assert_allclose(np.array(got[TOP_SCORES].tolist()), np.array(want[TOP_SCORES].tolist()), rtol=1e-6, atol=1e-6)
