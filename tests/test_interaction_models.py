@@ -27,6 +27,7 @@ from recsys_runner.errors import ConfigError
 from recsys_runner.features import FeatureSpec, SparseFeature
 from recsys_runner.models.autoint import AutoInt, AutoIntConfig, InteractingLayer
 from recsys_runner.models.common import ModelConfig
+from recsys_runner.models.dcn import DCN, DCNConfig
 from recsys_runner.models.fm import FMConfig
 from recsys_runner.models.masknet import FieldNorm, MaskBlock, MaskNet
 from recsys_runner.models.xdeepfm import CIN, CINLayer, XDeepFMConfig
@@ -40,6 +41,7 @@ TINY_SIZES = {
     "xdeepfm": ["model.embedding_dim=8", "model.cin_layer_sizes=[8,8]", "model.deep_layer_sizes=[16]"],
     "autoint": ["model.embedding_dim=8", "model.num_layers=2", "model.attention_dim=8", "model.deep_layer_sizes=[16]"],
     "masknet": ["model.embedding_dim=8", "model.block_sizes=[16,16]", "model.reduction_ratio=1", "model.deep_layer_sizes=[16]"],
+    "dcn": ["model.embedding_dim=8", "model.num_cross_layers=2", "model.deep_layer_sizes=[16]"],
 }
 """Overrides that make each model small enough for a test of a few seconds."""
 
@@ -122,6 +124,30 @@ def test_mask_block_is_the_papers_formula(make_cfg) -> None:
             assert torch.allclose(model(batch.dense_features, batch.sparse_features), model.head(model.deep(top)).squeeze(1))
 
 
+def test_dcn_cross_layer_is_the_papers_formula(make_cfg) -> None:
+    """DCN's cross layer ``x_{l+1} = x0 x_lᵀ w_l + b_l + x_l``, twice, beside the deep network, combined by one unit."""
+    model = build(make_cfg, "dcn", *TINY_SIZES["dcn"])
+    assert isinstance(model, DCN) and model.deep is not None
+    batch = next(iter(small_data().train_batches(0, 0, 1)))
+    with torch.no_grad():
+        x0 = torch.cat([batch.dense_features, model.sparse_arch(batch.sparse_features)], dim=1)
+        x = x0
+        for w, b in zip(model.cross.kernels, model.cross.bias, strict=True):  # w, b: [W, 1]
+            x = x0 * (x @ w) + b.squeeze(1) + x
+        assert torch.allclose(model.cross(x0), x, atol=1e-5)
+        logits = model.head(torch.cat([x, model.deep(x0)], dim=1)).squeeze(1)
+        assert torch.allclose(model(batch.dense_features, batch.sparse_features), logits, atol=1e-5)
+
+
+def test_dcn_takes_mixed_embedding_widths() -> None:
+    """The paper sizes each feature's embedding on its own; the cross network's width follows the sum."""
+    features = FeatureSpec(dense_names=("x",), sparse=(SparseFeature("a", 10, embedding_dim=8), SparseFeature("b", 10, embedding_dim=16)))
+    model = materialize(make(DCNConfig, embedding_dim=4, num_cross_layers=2, deep_layer_sizes=[8]).build(features=features, dense_device=CPU))
+    assert isinstance(model, DCN) and model.head.in_features == (1 + 8 + 16) + 8
+    kjt = KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor([1, 2, 3, 4]), lengths=torch.ones(4, dtype=torch.long))
+    assert model(torch.randn(2, 1), kjt).shape == (2,)
+
+
 # --- config errors: the key and the fix, before anything is built ---------------------------------------------------
 
 
@@ -140,6 +166,8 @@ def test_mask_block_is_the_papers_formula(make_cfg) -> None:
         (["model=masknet", "model.structure=stacked"], r"model.structure='stacked' is not a MaskNet structure. Fix: model.structure=parallel"),
         (["model=masknet", "model.block_sizes=[]"], r"model.block_sizes must list at least one layer size, e.g."),
         (["model=masknet", "model.reduction_ratio=0"], r"model.reduction_ratio must be positive, got 0.0. Fix: e.g. model.reduction_ratio=3"),
+        (["model=dcn", "model.num_cross_layers=0"], r"model.num_cross_layers must be at least 1, got 0. Fix: e.g. model.num_cross_layers=6"),
+        (["model=dcn", "model.deep_layer_sizes=[1024,-1]"], r"model.deep_layer_sizes=\[1024, -1\] has a non-positive layer size"),
     ],
 )
 def test_bad_sizes_name_the_key_and_the_fix(make_cfg, overrides: list[str], message: str) -> None:
