@@ -14,14 +14,16 @@ lookups stay collectives every rank takes part in).
   item index, the item tower over the data's catalogue (``data.items``), built once in chunks as the corpus eval
   builds it (:func:`~recsys_runner.train.corpus.item_index`); scores ``<u, v> / temperature``.
 
-Retrieval is exact and chunked (:func:`~recsys_runner.metrics.corpus.corpus_ranks`, the corpus eval's: memory
-``B × (chunk + k)`` scores, never ``B × N``), or, for a two-tower model with ``model.index=faiss``, the corpus
-eval's HNSW graph (:func:`~recsys_runner.train.corpus.hnsw_index`), searched for ``k`` plus the row's seen items.
+Retrieval is exact and chunked, one sweep over the items (:func:`~recsys_runner.metrics.corpus.corpus_top_k`, the
+corpus eval's first pass: memory ``B × (chunk + k)`` scores, never ``B × N``; the same top rows), or, for a two-tower
+model with ``model.index=faiss``, the corpus eval's HNSW graph (:func:`~recsys_runner.train.corpus.hnsw_index`),
+searched for ``k`` plus the row's seen items. Each batch goes through :class:`TopK`'s three steps: query vectors, the
+retrieval, the Arrow columns.
 
 **Seen items** (``predict.exclude_seen``, default true): the items the row's history holds are never recommended,
-masked as the exclude-seen eval masks them (``corpus_ranks``' ``seen``; for a two-tower model the history features
-and ``data.items.seen`` that :func:`~recsys_runner.train.corpus.seen_features` names). A row that has seen all but
-fewer than ``k`` items gets a shorter list.
+masked as the exclude-seen eval masks them (``corpus_top_k``'s ``seen``: one indexed write per chunk; for a two-tower
+model the history features and ``data.items.seen`` that :func:`~recsys_runner.train.corpus.seen_features` names). A
+row that has seen all but fewer than ``k`` items gets a shorter list.
 
 **Ids.** Rows written by ``python -m recsys_runner.data sequences`` name their id mapping
 (:func:`~recsys_runner.data.sequences.mapping.mapping_folder`): the top items are then the raw ids of the log, and
@@ -50,21 +52,21 @@ from recsys_runner.data.sequences.mapping import load_mapping, mapping_folder
 from recsys_runner.distributed.env import DistEnv
 from recsys_runner.errors import ConfigError
 from recsys_runner.features import SequenceGroup
-from recsys_runner.metrics.corpus import corpus_ranks
+from recsys_runner.metrics.corpus import corpus_top_k
 from recsys_runner.models.sequence import History, SequenceEmbeddings
 from recsys_runner.tasks import Task
 from recsys_runner.train.corpus import (
+    RowOf,
     TwoTower,
-    _RowOf,
-    _seen_rows,
     hnsw_index,
     inner_with,
     item_index,
     seen_features,
+    seen_rows,
     two_tower_of,
 )
 
-__all__ = ["CHUNK_ROWS", "RANKING_KINDS", "TOP_ITEMS", "TOP_SCORES", "ItemNames", "NextItemModel", "ranks_items",
+__all__ = ["CHUNK_ROWS", "RANKING_KINDS", "TOP_ITEMS", "TOP_SCORES", "ItemNames", "NextItemModel", "TopK", "ranks_items",
            "top_k_scorer"]
 
 log = logging.getLogger(__name__)
@@ -152,7 +154,7 @@ def item_names(files: list[str], table: str, num_rows: int, say: bool = True) ->
 
 
 def top_k_scorer(model: nn.Module, tasks: tuple[Task, ...], data: DataModule, env: DistEnv, files: list[str], *, k: int,
-                 exclude_seen: bool) -> Scorer:
+                 exclude_seen: bool) -> TopK:
     """The batch → ``top_items``/``top_scores`` callable of ``model`` (a next-item or two-tower model), its catalogue
     checked against ``k`` (``predict.top_k``) before any row is scored; ``files``: the Parquet files predicted (their
     id mapping), empty for other formats.
@@ -206,32 +208,65 @@ def _next_item_model(model: nn.Module) -> NextItemModel | None:
     return cast("NextItemModel | None", inner_with(model, "item_table", "encode"))
 
 
-class _NextItemTopK:
+class TopK:
+    """A ranking model's scorer (what :func:`top_k_scorer` returns): a batch → its ``top_items``/``top_scores`` in three
+    steps, apart so that they can be timed apart (``python -m recsys_runner.bench.topk``): :meth:`queries` (the model's
+    query vectors and each row's seen items), :meth:`retrieve` (the scores against ``index`` and their top ``k``),
+    :meth:`answer` (the Arrow columns)."""
+
+    k: int
+    chunk_rows: int
+    """Items scored at once by the exact retrieval."""
+    index: torch.Tensor | None
+    """The item vectors ``[N, O]`` the queries are scored against; read at the first batch."""
+    ids: np.ndarray
+    """``ids[row]``: the table id of index row ``row``."""
+    names: ItemNames
+
+    def __call__(self, batch: Batch) -> dict[str, pa.Array]:
+        queries, seen = self.queries(batch)
+        return self.answer(*self.retrieve(queries, seen))
+
+    def queries(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(queries [B, O] float32, seen [B, L] index rows with -1 padding, or None)`` of ``batch``; reads ``index``
+        first when it is not read yet."""
+        raise NotImplementedError
+
+    def retrieve(self, queries: torch.Tensor, seen: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The exact top ``k`` of :func:`exact_top_k`: ``(rows, scores, keep)``."""
+        assert self.index is not None, "queries() reads the index first"
+        return exact_top_k(queries, self.index, self.k, self.chunk_rows, seen)
+
+    def answer(self, rows: torch.Tensor, scores: torch.Tensor, keep: torch.Tensor) -> dict[str, pa.Array]:
+        """The output columns (:func:`columns`)."""
+        return columns(rows, scores, keep, self.ids, self.names)
+
+
+class _NextItemTopK(TopK):
     """A next-item model's top ``k`` per row (module docstring); the item table read at the first batch (a collective
     of the sharded table), kept for the run."""
 
     def __init__(self, model: NextItemModel, names: ItemNames, k: int, exclude_seen: bool) -> None:
         self.model, self.names, self.k, self.exclude_seen = model, names, k, exclude_seen
-        self._index: torch.Tensor | None = None
+        self.chunk_rows, self.ids = CHUNK_ROWS, np.arange(names.size)
+        self.index = None
 
-    def __call__(self, batch: Batch) -> dict[str, pa.Array]:
+    def queries(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         m, sparse = self.model, batch.sparse_features
         history = m.arch(sparse).histories[m.group.name]
         user = m.encode(history)[torch.arange(history.lengths.shape[0], device=history.lengths.device), history.lengths].float()
-        if self._index is None:
+        if self.index is None:
             table = m.item_table(sparse)[: self.names.size].float()
-            self._index = F.normalize(table, dim=1) if m.normalize else table
+            self.index = F.normalize(table, dim=1) if m.normalize else table
         queries = (F.normalize(user, dim=1) if m.normalize else user) / m.temperature
-        seen = None
-        if self.exclude_seen:
-            jagged = sparse[m.item_feature]
-            width = max(int(jagged.lengths().max()) if jagged.lengths().numel() else 0, 1)
-            seen = jagged.to_padded_dense(desired_length=width, padding_value=-1).long()
-        rows, scores, keep = exact_top_k(queries, self._index, self.k, CHUNK_ROWS, seen)
-        return columns(rows, scores, keep, np.arange(self.names.size), self.names)
+        if not self.exclude_seen:
+            return queries, None
+        jagged = sparse[m.item_feature]
+        width = max(int(jagged.lengths().max()) if jagged.lengths().numel() else 0, 1)
+        return queries, jagged.to_padded_dense(desired_length=width, padding_value=-1).long()
 
 
-class _TwoTowerTopK:
+class _TwoTowerTopK(TopK):
     """A two-tower model's top ``k`` per row (module docstring); the item index built at the first batch (every rank
     embeds its share of the catalogue, then all hold all of it), kept for the run."""
 
@@ -239,36 +274,39 @@ class _TwoTowerTopK:
                  seen: list[str], temperature: float) -> None:
         self.towers, self.table, self.data, self.env, self.names = towers, table, data, env, names
         self.k, self.seen, self.temperature = k, seen, temperature
+        self.chunk_rows = towers.corpus_chunk_rows
         self.ids = np.asarray(table.ids, dtype=np.int64)
-        self._index: torch.Tensor | None = None
+        self.index = None
         self._graph: Any = None
-        self._rows = _RowOf(table, env.device)
+        self._rows = RowOf(table, env.device)
 
-    def __call__(self, batch: Batch) -> dict[str, pa.Array]:
-        if self._index is None:
+    def queries(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.index is None:
             features = self.data.features
-            self._index = item_index(self.towers, self.table, features.kjt_keys, features.dense_names,
-                                     self.towers.corpus_chunk_rows, self.env)
-            self._graph = hnsw_index(self._index) if self.towers.corpus_index == "faiss" else None
+            self.index = item_index(self.towers, self.table, features.kjt_keys, features.dense_names, self.chunk_rows, self.env)
+            self._graph = hnsw_index(self.index) if self.towers.corpus_index == "faiss" else None
         queries = self.towers.tower("user", batch.dense_features, batch.sparse_features).float() / self.temperature
-        seen = _seen_rows(batch.sparse_features, self.seen, self._rows) if self.seen else None
+        return queries, seen_rows(batch.sparse_features, self.seen, self._rows) if self.seen else None
+
+    def retrieve(self, queries: torch.Tensor, seen: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self._graph is not None:
-            rows, scores, keep = searched_top_k(self._graph, queries, self.k, seen)
-        else:
-            rows, scores, keep = exact_top_k(queries, self._index, self.k, self.towers.corpus_chunk_rows, seen)
-        return columns(rows, scores, keep, self.ids, self.names)
+            return searched_top_k(self._graph, queries, self.k, seen)
+        return super().retrieve(queries, seen)
 
 
 def exact_top_k(queries: torch.Tensor, index: torch.Tensor, k: int, chunk_rows: int,
                 seen: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``queries [B, O]``' top ``k`` rows of ``index [N, O]`` by ``queries @ index.T``, exactly, in chunks of
-    ``chunk_rows`` (:func:`~recsys_runner.metrics.corpus.corpus_ranks`), each row's ``seen [B, L]`` rows (``-1``
+    """``queries [B, O]``' top ``k`` rows of ``index [N, O]`` by ``queries @ index.T``, exactly, in one sweep over chunks
+    of ``chunk_rows`` (:func:`~recsys_runner.metrics.corpus.corpus_top_k`), each row's ``seen [B, L]`` rows (``-1``
     padding) masked: ``(rows [B, k], scores [B, k], keep [B, k])``, ``keep`` false where a row had fewer than ``k``
-    unseen items and the place holds a seen one."""
-    no_target = torch.full((queries.shape[0],), -1, dtype=torch.long, device=queries.device)
-    _, rows = corpus_ranks(queries, index, no_target, k, chunk_rows, seen=seen)
+    unseen items and the place holds a seen one (the sweep scored it ``-inf``).
+
+    The scores written are ``<query, item>`` recomputed for the ``k`` rows found (``B × k × O``, next to nothing beside
+    the sweep's ``B × N × O``), as predict has always written them; the sweep's own matmul scores may differ from them
+    in the last bit."""
+    swept, rows = corpus_top_k(queries, index, k, chunk_rows, seen=seen)
     scores = (queries.unsqueeze(1) * index[rows]).sum(dim=2)
-    keep = torch.ones_like(rows, dtype=torch.bool) if seen is None else ~(rows.unsqueeze(2) == seen.unsqueeze(1)).any(dim=2)
+    keep = torch.ones_like(rows, dtype=torch.bool) if seen is None else ~torch.isneginf(swept)
     return rows, scores, keep
 
 

@@ -3,7 +3,8 @@
 In-batch recall (``inbatch_recall@k``) ranks the positive among the batch's few hundred candidates, which flatters a
 model that only separates popular items; serving retrieves from the whole catalogue, so these metrics rank against
 all ``N`` items. The scores ``Q × N`` are never held at once: :func:`corpus_ranks` walks the index in chunks of
-``chunk_rows`` items, so memory is ``Q × (chunk_rows + k)`` whatever ``N``.
+``chunk_rows`` items, so memory is ``Q × (chunk_rows + k)`` whatever ``N``; :func:`corpus_top_k` is its one-sweep
+form for a top ``k`` without targets (``predict``'s), returning the rows with their scores.
 
 The metrics are the full-table ranking metrics (``recall@k`` = ``hr@k`` with one relevant item, ``ndcg@k``, ``mrr``,
 ``coverage@k``): a next-item model feeds them ``update(scores [B, N], targets [B])``, a two-tower corpus pass feeds
@@ -27,7 +28,28 @@ from recsys_runner.errors import ConfigError
 from recsys_runner.metrics.base import GatherMetric, SumMetric
 from recsys_runner.metrics.retrieval import HitRateAtK, Ranked
 
-__all__ = ["AnnRecallAtK", "MeanReciprocalRank", "CoverageAtK", "corpus_ranks", "corpus_k"]
+__all__ = ["AnnRecallAtK", "MeanReciprocalRank", "CoverageAtK", "corpus_ranks", "corpus_k", "corpus_top_k"]
+
+
+def corpus_top_k(queries: Tensor, index: Tensor, k: int, chunk_rows: int, seen: Tensor | None = None,
+                 between: Callable[[], None] | None = None) -> tuple[Tensor, Tensor]:
+    """Each query's top ``k`` items and their scores, exactly, in one sweep over the chunks: what ``predict`` writes.
+
+    Args:
+        queries: ``[Q, O]`` query vectors.
+        index: ``[N, O]`` item vectors (the score of item ``i`` is ``queries @ index[i]``).
+        k: how many top items to return per query (``<= N``).
+        chunk_rows: items scored at once; memory is ``Q × (chunk_rows + k)`` scores.
+        seen: ``[Q, L]`` item rows each query's user has seen (``-1``: padding), which score ``-inf``; ``None``: nothing
+            excluded.
+        between: called after each chunk (a caller's check that may raise), or ``None``.
+
+    Returns:
+        ``(scores [Q, k], rows [Q, k] int64)``, best first: the scores are the chunk matmul's own (a seen row that had
+        to fill a short list scores ``-inf``), the rows those :func:`corpus_ranks` returns as its top.
+    """
+    no_target = torch.full((queries.shape[0],), -1, dtype=torch.long, device=queries.device)
+    return _sweep(queries, index, k, chunk_rows, _SeenMask(seen, no_target, index.shape[0], chunk_rows), between)
 
 
 def corpus_ranks(queries: Tensor, index: Tensor, targets: Tensor, k: int, chunk_rows: int,
@@ -46,30 +68,30 @@ def corpus_ranks(queries: Tensor, index: Tensor, targets: Tensor, k: int, chunk_
             the query's target (``metrics.exclude_seen``); ``None``: nothing excluded.
 
     Returns:
-        ``(ranks [Q] float64, top [Q, k] int64)``. Two passes over the chunks: the first reads each target's score
-        from the very matmul that scores it among the others, so the comparison in the second is exact (a separately
-        computed dot product may differ in the last bit and miscount ties).
+        ``(ranks [Q] float64, top [Q, k] int64)``. Two passes over the chunks: the first (:func:`corpus_top_k`'s sweep)
+        reads each target's score from the very matmul that scores it among the others, so the comparison in the
+        second is exact (a separately computed dot product may differ in the last bit and miscount ties); the second is
+        skipped when no query has a target in the catalogue (every rank is then ``inf``).
     """
     q, n = queries.shape[0], index.shape[0]
     known = targets >= 0
     target_scores = torch.full((q,), float("nan"), dtype=queries.dtype, device=queries.device)
-    top_scores = torch.full((q, 0), float("-inf"), dtype=queries.dtype, device=queries.device)
-    top_rows = torch.zeros((q, 0), dtype=torch.long, device=queries.device)
     rows = torch.arange(q, device=queries.device)
-    for start in range(0, n, chunk_rows):
-        scores = _unseen(queries @ index[start:start + chunk_rows].t(), seen, targets, start)
+
+    def read_targets(start: int, scores: Tensor) -> None:
         inside = known & (targets >= start) & (targets < start + scores.shape[1])
         target_scores[inside] = scores[rows[inside], targets[inside] - start]
-        best, at = scores.topk(min(k, scores.shape[1]), dim=1)  # the chunk's own top k, then merged with the running top k
-        top_scores, pick = torch.cat([top_scores, best], dim=1).topk(min(k, top_scores.shape[1] + best.shape[1]), dim=1)
-        top_rows = torch.cat([top_rows, at + start], dim=1).gather(1, pick)
-        if between is not None:
-            between()
+
+    mask = _SeenMask(seen, targets, n, chunk_rows)
+    _, top_rows = _sweep(queries, index, k, chunk_rows, mask, between, read_targets)
+    if not bool(known.any()):
+        return torch.full((q,), math.inf, dtype=torch.float64, device=queries.device), top_rows
     higher = torch.zeros(q, dtype=torch.float64, device=queries.device)
     ties = torch.zeros(q, dtype=torch.float64, device=queries.device)
     column = target_scores.view(-1, 1)
+    scored = _ChunkScores(queries, index, chunk_rows)
     for start in range(0, n, chunk_rows):
-        scores = _unseen(queries @ index[start:start + chunk_rows].t(), seen, targets, start)
+        scores = mask.apply(scored(start), start)
         higher += (scores > column).sum(dim=1)
         ties += (scores == column).sum(dim=1)
         if between is not None:
@@ -78,15 +100,71 @@ def corpus_ranks(queries: Tensor, index: Tensor, targets: Tensor, k: int, chunk_
     return torch.where(known, ranks, torch.full_like(ranks, math.inf)), top_rows
 
 
-def _unseen(scores: Tensor, seen: Tensor | None, targets: Tensor, start: int) -> Tensor:
-    """``scores [Q, C]`` of items ``start … start + C - 1`` with each query's ``seen`` rows among them at ``-inf``, except
-    its target: the same entries in both passes of :func:`corpus_ranks`, so the target's rank counts unseen items only."""
-    if seen is None:
+def _sweep(queries: Tensor, index: Tensor, k: int, chunk_rows: int, mask: _SeenMask, between: Callable[[], None] | None,
+           each: Callable[[int, Tensor], None] | None = None) -> tuple[Tensor, Tensor]:
+    """The one chunked pass of :func:`corpus_top_k` and :func:`corpus_ranks`: each chunk's scores (``mask`` applied,
+    handed to ``each(start, scores)``), their top ``k`` merged into the running top ``k`` → ``(scores, rows)``."""
+    q, n = queries.shape[0], index.shape[0]
+    top_scores = torch.full((q, 0), float("-inf"), dtype=queries.dtype, device=queries.device)
+    top_rows = torch.zeros((q, 0), dtype=torch.long, device=queries.device)
+    scored = _ChunkScores(queries, index, chunk_rows)
+    for start in range(0, n, chunk_rows):
+        scores = mask.apply(scored(start), start)
+        if each is not None:
+            each(start, scores)
+        best, at = scores.topk(min(k, scores.shape[1]), dim=1)  # the chunk's own top k, then merged with the running top k
+        top_scores, pick = torch.cat([top_scores, best], dim=1).topk(min(k, top_scores.shape[1] + best.shape[1]), dim=1)
+        top_rows = torch.cat([top_rows, at + start], dim=1).gather(1, pick)
+        if between is not None:
+            between()
+    return top_scores, top_rows
+
+
+class _ChunkScores:
+    """``queries @ index[start : start + chunk_rows].T``, each full chunk written into one buffer held for the pass: a
+    fresh ``Q × chunk_rows`` result per chunk (32 MiB at 1024 × 8192) is a new mapping of the allocator's, paid in page
+    faults on every chunk (a third of the matmul's time on a 2-core CPU); the values are the very same matmul's."""
+
+    def __init__(self, queries: Tensor, index: Tensor, chunk_rows: int) -> None:
+        self.queries, self.index, self.chunk_rows = queries, index, chunk_rows
+        self.buffer: Tensor | None = None
+
+    def __call__(self, start: int) -> Tensor:
+        chunk = self.index[start:start + self.chunk_rows]
+        if chunk.shape[0] < self.chunk_rows or (torch.is_grad_enabled() and (self.queries.requires_grad or chunk.requires_grad)):
+            return self.queries @ chunk.t()  # the last, short chunk; or a graph being recorded (out= records none)
+        if self.buffer is None:
+            self.buffer = torch.empty((self.queries.shape[0], self.chunk_rows), dtype=torch.result_type(self.queries, chunk),
+                                      device=self.queries.device)
+        return torch.mm(self.queries, chunk.t(), out=self.buffer)
+
+
+class _SeenMask:
+    """Each query's ``seen [Q, L]`` rows (``-1`` padding) other than its target, as ``(query, row)`` pairs sorted by row
+    once, so that a chunk's share is a slice (found by binary search) set to ``-inf`` in one indexed write; the same
+    entries in every pass, so a target's rank counts unseen items only."""
+
+    def __init__(self, seen: Tensor | None, targets: Tensor, num_items: int, chunk_rows: int) -> None:
+        self.queries: Tensor | None = None
+        if seen is None:
+            return
+        wanted = (seen >= 0) & (seen < num_items) & (seen != targets.view(-1, 1))
+        queries, columns = wanted.nonzero(as_tuple=True)
+        rows, order = seen[queries, columns].sort(stable=True)
+        self.queries, self.rows = queries[order], rows
+        starts = torch.arange(0, num_items + chunk_rows, chunk_rows, device=seen.device)
+        self.bounds = torch.searchsorted(rows, starts).tolist()
+        self.chunk_rows = chunk_rows
+
+    def apply(self, scores: Tensor, start: int) -> Tensor:
+        """``scores [Q, C]`` of items ``start … start + C - 1`` with the seen ones among them at ``-inf`` (in place)."""
+        if self.queries is None:
+            return scores
+        chunk = start // self.chunk_rows
+        lo, hi = self.bounds[chunk], self.bounds[chunk + 1]
+        if hi > lo:
+            scores[self.queries[lo:hi], self.rows[lo:hi] - start] = float("-inf")
         return scores
-    inside = (seen >= start) & (seen < start + scores.shape[1]) & (seen != targets.view(-1, 1))
-    q, j = inside.nonzero(as_tuple=True)
-    scores[q, seen[q, j] - start] = float("-inf")
-    return scores
 
 
 def corpus_k(names: list[str], num_items: int, key: str) -> int:
