@@ -69,6 +69,7 @@ bench: $(STAMP) ## Runner vs hand loop (synthetic, Parquet, sequences, managed c
 	$(PY) -m recsys_runner.bench.encoding
 	$(PY) -m recsys_runner.bench.transforms
 	$(PY) -m recsys_runner.bench.sequences_rows
+	$(PY) -m recsys_runner.bench.topk
 
 lint: $(STAMP) ## ruff, mypy, and import-linter (what each room may import: docs/architecture.md)
 	$(VENV)/bin/ruff check recsys_runner tests hydra_plugins
