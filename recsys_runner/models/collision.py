@@ -367,10 +367,7 @@ def pooled_lookup(ebc: nn.Module | None, mc_ebc: nn.Module | None, sparse: Keyed
     Raises:
         ConfigError: ``weighted`` (the weighted features, whose collection pools by weights) is not empty but ``sparse``
             carries no weights: a batch built without them names the problem instead of a stack trace."""
-    if weighted and sparse.weights_or_none() is None:  # a traced (fx) batch's weights are a proxy, never None
-        raise ConfigError(f"the features {list(weighted)} are weighted (data.sparse weighted / weights), but this batch carries no "
-                          f"weights: the data must encode them (data.sparse weighted / weights), as training did. Fix: give the "
-                          f"model batches of the data it was trained with")
+    _check_weights(weighted, sparse)
     plain = ebc(sparse) if ebc is not None else None
     mapped = mc_ebc(sparse)[0] if mc_ebc is not None else None  # (pooled KeyedTensor, remapped ids)
     pooled: dict[str, torch.Tensor] = {}
@@ -379,6 +376,29 @@ def pooled_lookup(ebc: nn.Module | None, mc_ebc: nn.Module | None, sparse: Keyed
         assert source is not None, f"feature {name!r} is in neither embedding collection"
         pooled[name] = source[name]
     return pooled
+
+
+def concatenated_lookup(ebc: nn.Module | None, mc_ebc: nn.Module | None, sparse: KeyedJaggedTensor, names: Sequence[str],
+                        managed: Collection[str], weighted: Sequence[str] = ()) -> torch.Tensor:
+    """The features ``names``' pooled embeddings side by side, ``[B, ΣD_f]`` (:func:`pooled_lookup`'s, concatenated).
+
+    A plain collection whose output holds exactly ``names`` in this order (it says so by an ``embedding_names`` list:
+    the served program's fused bags, :mod:`recsys_runner.serving.fused`) gives its values as they are: the same tensor,
+    without a slice per feature and a concatenation, which a 1-row request pays for op by op. TorchRec's collections,
+    sharded or not, name no ``embedding_names`` and take the per-feature path, as the pipeline's tracing needs."""
+    if mc_ebc is None and ebc is not None and getattr(ebc, "embedding_names", None) == list(names):
+        _check_weights(weighted, sparse)
+        return ebc(sparse).values()
+    pooled = pooled_lookup(ebc, mc_ebc, sparse, names, managed, weighted)
+    return torch.cat([pooled[name] for name in names], dim=1)
+
+
+def _check_weights(weighted: Sequence[str], sparse: KeyedJaggedTensor) -> None:
+    """Raise :class:`ConfigError` when ``weighted`` features are read from a batch without weights."""
+    if weighted and sparse.weights_or_none() is None:  # a traced (fx) batch's weights are a proxy, never None
+        raise ConfigError(f"the features {list(weighted)} are weighted (data.sparse weighted / weights), but this batch carries no "
+                          f"weights: the data must encode them (data.sparse weighted / weights), as training did. Fix: give the "
+                          f"model batches of the data it was trained with")
 
 
 def managed_feature_names(features: FeatureSpec) -> frozenset[str]:

@@ -20,7 +20,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recsys_runner.configurable import Configurable
 from recsys_runner.errors import ConfigError, require
 from recsys_runner.features import DataNeeds, FeatureSpec
-from recsys_runner.models.collision import managed_feature_names, pooled_collections, pooled_lookup
+from recsys_runner.models.collision import concatenated_lookup, managed_feature_names, pooled_collections
 from recsys_runner.tasks import SINGLE_TASK, Task
 
 __all__ = ["LINEAR_ROW_WIDTH", "MLP", "DenseArch", "DenseFields", "FMInteraction", "FieldArch", "LinearArch", "ModelConfig",
@@ -150,8 +150,7 @@ class SparseArch(nn.Module):
         """``ΣD_f``: the width of :meth:`forward`'s output."""
 
     def forward(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        pooled = pooled_lookup(self.ebc, self.mc_ebc, sparse, self.feature_names, self.managed_names, self.weighted_names)
-        return torch.cat([pooled[name] for name in self.feature_names], dim=1)
+        return concatenated_lookup(self.ebc, self.mc_ebc, sparse, self.feature_names, self.managed_names, self.weighted_names)
 
     def fields(self, embedded: torch.Tensor) -> torch.Tensor:
         """:meth:`forward`'s ``[B, F·D]`` as ``[B, F, D]``; only for a model that needs one width."""
@@ -218,8 +217,9 @@ class LinearArch(nn.Module):
         self.weighted_names = features.weighted_names
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        pooled = pooled_lookup(self.ebc, self.mc_ebc, sparse, self.feature_names, self.managed_names, self.weighted_names)
-        logit = torch.stack([pooled[name] for name in self.feature_names], dim=1).sum(dim=(1, 2))
+        # [B, F·4] viewed as [B, F, 4]: the layout torch.stack of the features' [B, 4] gives, so the sum is unchanged
+        pooled = concatenated_lookup(self.ebc, self.mc_ebc, sparse, self.feature_names, self.managed_names, self.weighted_names)
+        logit = pooled.unflatten(1, (len(self.feature_names), LINEAR_ROW_WIDTH)).sum(dim=(1, 2))
         return logit if self.dense is None else logit + self.dense(dense).squeeze(1)
 
 

@@ -115,6 +115,8 @@ class FusedEmbeddingBags(nn.Module):
         self.identity = inverse == list(range(len(order)))
         self.register_buffer("column_order", torch.tensor(inverse, dtype=torch.long), persistent=False)
         self.embedding_names = list(ebc._embedding_names)
+        """The output's keys, in order: what lets a model take the values whole, without a slice per feature
+        (:func:`~recsys_runner.models.collision.concatenated_lookup`)."""
         self.widths = widths
         self.num_keys = len(keys)
 
