@@ -387,12 +387,6 @@ class RowOf:
         return torch.where(self.sorted_ids[at] == ids, self.order[at], torch.full_like(at, -1))
 
 
-_RowOf = RowOf
-"""Old name of :class:`RowOf`, kept until ``scoring_topk.py`` imports the public one; then delete."""
-_seen_rows = seen_rows
-"""Old name of :func:`seen_rows`, kept until ``scoring_topk.py`` imports the public one; then delete."""
-
-
 def hnsw_index(vectors: torch.Tensor) -> Any:
     """A FAISS HNSW graph (inner product, 32 links a node) over the item vectors ``[N, O]``, searched with ``efSearch``
     set per query to ``max(64, 2k)``: how a server would search them."""
