@@ -62,6 +62,7 @@ from recsys_runner.models.mmoe import MMoEConfig
 from recsys_runner.models.ple import PLEConfig
 from recsys_runner.models.sasrec import SASRecConfig
 from recsys_runner.models.wide_deep import WideDeepConfig
+from recsys_runner.models.wukong import WukongConfig
 from recsys_runner.models.xdeepfm import XDeepFMConfig
 from recsys_runner.optim.config import OptimConfig
 from recsys_runner.optim.optimizers import (
@@ -171,7 +172,7 @@ GROUPS: dict[str, dict[str, type]] = {
               "mmoe": MMoEConfig, "dssm": DSSMConfig, "lr": LRConfig, "fm": FMConfig,
               "din": DINConfig, "bst": BSTConfig, "sasrec": SASRecConfig, "ple": PLEConfig, "dbmtl": DBMTLConfig,
               "xdeepfm": XDeepFMConfig, "autoint": AutoIntConfig, "masknet": MaskNetConfig,
-              "dcn": DCNConfig},
+              "dcn": DCNConfig, "wukong": WukongConfig},
     "data": {"synthetic": SyntheticDataConfig, "parquet": ParquetDataConfig, "csv": CsvDataConfig, "criteo": CriteoDataConfig,
              "synthetic_sequences": SyntheticSequencesConfig},
     "optim": {"optim": OptimConfig},

@@ -30,6 +30,7 @@ from recsys_runner.models.common import ModelConfig
 from recsys_runner.models.dcn import DCN, DCNConfig
 from recsys_runner.models.fm import FMConfig
 from recsys_runner.models.masknet import FieldNorm, MaskBlock, MaskNet
+from recsys_runner.models.wukong import FactorizationMachineBlock, Wukong, WukongLayer
 from recsys_runner.models.xdeepfm import CIN, CINLayer, XDeepFMConfig
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.serving import program as serving
@@ -42,6 +43,8 @@ TINY_SIZES = {
     "autoint": ["model.embedding_dim=8", "model.num_layers=2", "model.attention_dim=8", "model.deep_layer_sizes=[16]"],
     "masknet": ["model.embedding_dim=8", "model.block_sizes=[16,16]", "model.reduction_ratio=1", "model.deep_layer_sizes=[16]"],
     "dcn": ["model.embedding_dim=8", "model.num_cross_layers=2", "model.deep_layer_sizes=[16]"],
+    "wukong": ["model.embedding_dim=8", "model.dense_arch_layer_sizes=[null]", "model.num_layers=2", "model.num_fmb_fields=3",
+               "model.num_lcb_fields=2", "model.fmb_rank=4", "model.fmb_layer_sizes=[16]", "model.deep_layer_sizes=[16]"],
 }
 """Overrides that make each model small enough for a test of a few seconds."""
 
@@ -148,6 +151,33 @@ def test_dcn_takes_mixed_embedding_widths() -> None:
     assert model(torch.randn(2, 1), kjt).shape == (2,)
 
 
+def test_wukong_layer_is_the_papers_formula(make_cfg) -> None:
+    """Wukong: ``FMB(X) = reshape(MLP(LN(flatten(X Xᵀ Y))))``, ``LCB(X) = W_L X`` and
+    ``X_{i+1} = LN(concat(FMB(X_i), LCB(X_i)) + X_i)``, the residual mapped to the new field count when it changes."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 4)  # [B, n, D]
+    fmb = FactorizationMachineBlock(num_fields=5, out_fields=3, embedding_dim=4, rank=2, layer_sizes=[6])
+    fm = torch.einsum("bnd,bjd,jk->bnk", x, x, fmb.projection)  # the FM's X Xᵀ Y, [B, n, k]
+    expected = fmb.mlp(nn.functional.layer_norm(fm.flatten(1), (10,), fmb.norm.weight, fmb.norm.bias)).view(2, 3, 4)
+    assert torch.allclose(fmb(x), expected, atol=1e-5)
+
+    layer = WukongLayer(num_fields=5, embedding_dim=4, fmb_fields=3, lcb_fields=2, rank=2, fmb_layer_sizes=[6])
+    assert layer.lcb is not None and isinstance(layer.residual, nn.Identity)  # 3 + 2 fields out: the residual is X itself
+    made = torch.cat([layer.fmb(x), torch.einsum("ln,bnd->bld", layer.lcb.weight, x)], dim=1)
+    assert torch.allclose(layer(x), nn.functional.layer_norm(made + x, (4,), layer.norm.weight, layer.norm.bias), atol=1e-5)
+    wider = WukongLayer(num_fields=5, embedding_dim=4, fmb_fields=3, lcb_fields=3, rank=2, fmb_layer_sizes=[])
+    assert wider(x).shape == (2, 6, 4) and not isinstance(wider.residual, nn.Identity)
+
+    model = build(make_cfg, "wukong", *TINY_SIZES["wukong"])
+    assert isinstance(model, Wukong) and [m.out_fields for m in model.layers] == [5, 5]
+    batch = next(iter(small_data().train_batches(0, 0, 1)))
+    with torch.no_grad():
+        x0 = torch.cat([model.dense_arch(batch.dense_features).unsqueeze(1),
+                        model.sparse_arch.fields(model.sparse_arch(batch.sparse_features))], dim=1)  # the dense field first
+        assert x0.shape == (8, 5, 8)
+        assert torch.allclose(model(batch.dense_features, batch.sparse_features), model.deep(model.layers(x0).flatten(1)).squeeze(1))
+
+
 # --- config errors: the key and the fix, before anything is built ---------------------------------------------------
 
 
@@ -168,6 +198,10 @@ def test_dcn_takes_mixed_embedding_widths() -> None:
         (["model=masknet", "model.reduction_ratio=0"], r"model.reduction_ratio must be positive, got 0.0. Fix: e.g. model.reduction_ratio=3"),
         (["model=dcn", "model.num_cross_layers=0"], r"model.num_cross_layers must be at least 1, got 0. Fix: e.g. model.num_cross_layers=6"),
         (["model=dcn", "model.deep_layer_sizes=[1024,-1]"], r"model.deep_layer_sizes=\[1024, -1\] has a non-positive layer size"),
+        (["model=wukong", "model.fmb_rank=0"], r"model.fmb_rank must be at least 1, got 0. Fix: e.g. model.fmb_rank=24"),
+        (["model=wukong", "model.num_lcb_fields=-1"], r"model.num_lcb_fields must be at least 0, got -1. Fix: e.g. model.num_lcb_fields=16"),
+        (["model=wukong", "model.dense_arch_layer_sizes=[512,64]"], r"model.dense_arch_layer_sizes ends in 64 but model.embedding_dim=16: "
+                                                                    r"Wukong's .* Fix: end model.dense_arch_layer_sizes in null"),
     ],
 )
 def test_bad_sizes_name_the_key_and_the_fix(make_cfg, overrides: list[str], message: str) -> None:
