@@ -7,13 +7,18 @@ under pytest's temporary directories.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import os
 import re
+import runpy
 import shlex
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +74,51 @@ def run_cli(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: i
     return subprocess.run(
         [sys.executable, "-m", "recsys_runner", *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
     )
+
+
+def run_in_process(argv: Sequence[str], cwd: Path, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``argv`` = ``[python, "-m", module, *args]`` (e.g. a printed resume command) run in this process as ``python -m``
+    runs it: the module as ``__main__`` (runpy), ``sys.argv`` the command's, in ``cwd``, with ``env`` added; its exit
+    status, stdout and stderr, as :func:`subprocess.run` gives them. For a launch whose process is not the point (what
+    it does with its arguments is): it costs its work, not ~10 s of imports. Not for what only a fresh process shows
+    (signals from outside, import-time warnings, which Python prints once per process)."""
+    assert list(argv[1:2]) == ["-m"], argv
+    out, err = io.StringIO(), io.StringIO()
+    changed = {*(env or {}), "HYDRA_FULL_ERROR"}
+    saved_env, saved_cwd, saved_argv = {k: os.environ.get(k) for k in changed}, os.getcwd(), sys.argv[:]
+    root = logging.getLogger()
+    saved_handlers, saved_level = root.handlers[:], root.level
+    code = 0
+    try:
+        if env is None or "HYDRA_FULL_ERROR" not in env:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        os.environ.update(env or {})
+        os.chdir(cwd)
+        sys.argv = [argv[2], *argv[3:]]  # runpy puts the module's file first, as -m does
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+            # the module was imported before (by a test, or an earlier run): runpy runs its code afresh all the same
+            warnings.filterwarnings("ignore", r".* found in sys\.modules after import of package", RuntimeWarning)
+            try:
+                runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+            except SystemExit as e:
+                if isinstance(e.code, str):
+                    print(e.code, file=sys.stderr)
+                code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    finally:
+        os.chdir(saved_cwd)
+        sys.argv = saved_argv
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        for handler in root.handlers[:]:  # Hydra's job logging (console, the run dir's log file): closed, the suite's back
+            if handler not in saved_handlers:
+                root.removeHandler(handler)
+                handler.close()
+        root.handlers[:] = saved_handlers
+        root.setLevel(saved_level)
+    return subprocess.CompletedProcess(list(argv), code, out.getvalue(), err.getvalue())
 
 
 def hint_of(stderr: str) -> list[str] | None:

@@ -1,14 +1,19 @@
-"""Multiruns as MLflow parent + children: a grid, an Optuna search, and the submitit_local launcher."""
+"""Multiruns as MLflow parent + children: a grid, an Optuna search, and the submitit_local launcher. The Optuna search
+and the launcher run as commands; the grid ones run in this process as ``python -m`` would run them
+(:func:`tests.conftest.run_in_process`: the same multirun, its jobs and callbacks, without ~10 s of imports)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
 
 from recsys_runner.tracking.sweep import SWEEP_PARENT_TAG, _override_pairs
-from tests.conftest import REPO, TINY, run_cli
+from tests.conftest import REPO, TINY, run_cli, run_in_process
+
+TRAIN = [sys.executable, "-m", "recsys_runner"]
 
 
 def _parent_and_children(uri: str, experiment: str) -> tuple[object, list]:
@@ -44,8 +49,8 @@ def test_optuna_sweep_logs_parent_with_best_trial(tmp_path: Path) -> None:
 
 def test_grid_multirun_is_one_parent_with_children(tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path}/grid.db"
-    out = run_cli("-m", "optim.lr=0.01,0.1", *TINY, "train.num_steps=10", f"tracking.uri={uri}", "tracking.experiment=grid",
-                  cwd=tmp_path, timeout=600)
+    out = run_in_process([*TRAIN, "-m", "optim.lr=0.01,0.1", *TINY, "train.num_steps=10", f"tracking.uri={uri}",
+                          "tracking.experiment=grid"], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     parent, children = _parent_and_children(uri, "grid")
     assert len(children) == 2 and parent.info.status == "FINISHED"
@@ -113,8 +118,8 @@ def test_sweep_objective_follows_train_objective_and_direction(tmp_path: Path) -
     assert higher_is_better("eval/auc") and higher_is_better("eval/ctr/auc") and higher_is_better("eval/recall_at_10")
     assert not higher_is_better("eval/logloss") and not higher_is_better("eval/cvr/logloss") and not higher_is_better("eval/mse")
     uri = f"sqlite:///{tmp_path}/obj.db"
-    out = run_cli("-m", "optim.lr=0.001,0.1", *TINY, "train.num_steps=10", "train.objective=eval/logloss",
-                  f"tracking.uri={uri}", "tracking.experiment=obj", cwd=tmp_path, timeout=600)
+    out = run_in_process([*TRAIN, "-m", "optim.lr=0.001,0.1", *TINY, "train.num_steps=10", "train.objective=eval/logloss",
+                          f"tracking.uri={uri}", "tracking.experiment=obj"], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     parent, children = _parent_and_children(uri, "obj")
     best = min(children, key=lambda r: r.data.metrics["eval/logloss"])
