@@ -109,19 +109,24 @@ def cli_trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """``python -m recsys_runner`` run once on ``train.parquet`` (``day2.parquet`` beside it) in a directory of its own:
     that directory and the final eval/auc the training printed."""
     from recsys_runner.data.generated.generate import write_criteo_parquet
-    from tests.conftest import run_cli
+    from tests.conftest import run_in_process
 
     root = tmp_path_factory.mktemp("cli_trained")
     write_criteo_parquet(str(root / "train.parquet"), 4096, seed=1, num_embeddings=1000, row_group_rows=1024)
     write_criteo_parquet(str(root / "day2.parquet"), 2048, seed=7, num_embeddings=1000, row_group_rows=1024)
-    done = run_cli(*CLI_TRAINED, cwd=root)
+    done = run_in_process([sys.executable, "-m", "recsys_runner", *CLI_TRAINED], root)  # as python -m runs it, imports aside
     assert done.returncode == 0, done.stderr[-3000:]
     return root, re.findall(r"step \d+/\d+ eval/auc=([0-9.]+)", done.stdout + done.stderr)[-1]
 
 
-def _evaluate_cli(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "recsys_runner.evaluate", "load=train/checkpoints", *args],
-                          cwd=cwd, capture_output=True, text=True, timeout=300)
+def _evaluate_cli(cwd: Path, *args: str, process: bool = False) -> subprocess.CompletedProcess[str]:
+    """``python -m recsys_runner.evaluate load=train/checkpoints *args`` in ``cwd``: as a process, or in this one as
+    ``python -m`` runs it (:func:`tests.conftest.run_in_process`: the module as ``__main__``, so the training's overrides
+    are carried as on the command line), without ~10 s of imports."""
+    from tests.conftest import run_in_process
+
+    argv = [sys.executable, "-m", "recsys_runner.evaluate", "load=train/checkpoints", *args]
+    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=300) if process else run_in_process(argv, cwd)
 
 
 def test_cli_evaluate_takes_the_training_overrides_from_the_checkpoint(cli_trained: tuple[Path, str]) -> None:
@@ -132,7 +137,7 @@ def test_cli_evaluate_takes_the_training_overrides_from_the_checkpoint(cli_train
     meta = json.loads(next((root / "train" / "checkpoints").glob("step_*/meta.json")).read_text())
     assert "model=dlrm" in meta["overrides"] and "model.embedding_dim=8" in meta["overrides"]
 
-    out = _evaluate_cli(root, "tracking=none", "hydra.run.dir=eval")
+    out = _evaluate_cli(root, "tracking=none", "hydra.run.dir=eval", process=True)  # the entry point's real launch
     assert out.returncode == 0, out.stderr[-3000:]
     assert "using the overrides of the training launch" in out.stdout + out.stderr
     auc = re.search(r"evaluate .*: eval/auc=([0-9.]+)", out.stdout + out.stderr)
