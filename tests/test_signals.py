@@ -1,7 +1,9 @@
 """Every command ends the same way on a signal: SIGTERM/SIGINT end the unit under way (or abandon it), training
 checkpoints, the MLflow run ends KILLED, one message says what was kept and the exact command that resumes or redoes
 it, and the exit status is 128 + signal (143, 130). Real processes and real signals, as a user or a scheduler sends
-them; and a relaunch of the same command that notices an interrupted run in the default checkpoint place.
+them; and a relaunch of the same command that notices an interrupted run in the default checkpoint place. A launch
+that no outside signal reaches (a resume, the relaunches) runs in this process as ``python -m`` would run it
+(:func:`tests.conftest.run_in_process`; the printed command run as typed in a shell: test_run_safety).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from recsys_runner.lifecycle import FINISHED_MARK, interrupted_message, interrup
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.runtime import Launch
 from recsys_runner.train.signals import Interrupted, RaiseOnSignal, deferred, stopping
-from tests.conftest import REPO, TINY, hint_of, run_cli
+from tests.conftest import REPO, TINY, hint_of, run_in_process
 from tests.test_predict import trained_once  # noqa: F401 - a fixture: a DeepFM trained on Parquet once
 from tests.test_run_safety import SMALL, runs
 
@@ -97,7 +99,7 @@ def test_sigterm_during_the_final_eval_checkpoints_and_the_printed_command_resum
     (killed,) = runs(uri, "final_eval")
     assert killed.info.status == "KILLED" and "eval/auc" not in killed.data.metrics  # the eval was abandoned
 
-    again = subprocess.run(command, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    again = run_in_process(command, tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "step_00000006 at step 6" in again.stdout + again.stderr  # resumed there: no step trained twice
     (finished,) = runs(uri, "final_eval")  # the same MLflow run, continued
@@ -144,11 +146,11 @@ def test_signal_during_evaluate_ends_its_run_killed_with_the_command_to_redo_it(
 def test_a_relaunch_names_the_interrupted_run_of_the_same_command_and_how_to_resume_it(tmp_path: Path) -> None:
     args = [*SMALL, "train.num_steps=6", "train.stop_after_steps=3", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
             "tracking.experiment=notice"]
-    first = run_cli(*args, cwd=tmp_path)
+    first = run_in_process([sys.executable, "-m", "recsys_runner", *args], tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     first_dir = Path(next(a for a in hint_of(first.stderr) or [] if a.startswith("checkpoint.dir=")).split("=", 1)[1])
 
-    second = run_cli(*args, cwd=tmp_path)
+    second = run_in_process([sys.executable, "-m", "recsys_runner", *args], tmp_path)
     assert second.returncode == 0, second.stderr[-3000:]
     out = second.stdout + second.stderr
     (notice,) = [x for x in out.splitlines() if "an interrupted run of this command left checkpoints" in x]
@@ -158,7 +160,7 @@ def test_a_relaunch_names_the_interrupted_run_of_the_same_command_and_how_to_res
     assert notice.endswith("run: python -m recsys_runner " + " ".join(resume[3:])), notice  # the first run's own hint
     assert "resuming from" not in out  # noticed, not resumed silently
 
-    finished = subprocess.run(resume, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    finished = run_in_process(resume, tmp_path)
     assert finished.returncode == 0 and hint_of(finished.stderr) is None, finished.stderr[-3000:]  # 3 → 6: the end
     assert (first_dir / FINISHED_MARK).exists()
     launch = Launch(overrides=tuple(reversed(args)), runs_root=tmp_path / "outputs", config_name="config")  # any order
