@@ -21,7 +21,7 @@ from torchmetrics.functional.classification import binary_auroc
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner import export
-from recsys_runner.config import validate
+from recsys_runner.config import GROUPS, validate
 from recsys_runner.configurable import make
 from recsys_runner.errors import ConfigError
 from recsys_runner.features import FeatureSpec, SparseFeature
@@ -181,42 +181,44 @@ def test_wukong_layer_is_the_papers_formula(make_cfg) -> None:
 # --- config errors: the key and the fix, before anything is built ---------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("overrides", "message"),
-    [
-        (["model=xdeepfm", "model.cin_layer_sizes=[]"], r"model.cin_layer_sizes must list at least one layer size, e.g."),
-        (["model=xdeepfm", "model.cin_layer_sizes=[100,0]"], r"model.cin_layer_sizes=\[100, 0\] has a non-positive layer size. "
-                                                             r"Fix: .* model.cin_layer_sizes=\[100,1\]"),
-        (["model=xdeepfm", "model.cin_layer_sizes=[101,50]"], r"odd sizes \[101\] before its last layer.*Fix: even sizes, e.g. "
-                                                              r"model.cin_layer_sizes=\[102,50\], or model.cin_split_half=false"),
-        (["model=xdeepfm", "model.embedding_dim=10"], r"model.embedding_dim=10 is not a multiple of 4.*model.embedding_dim=12"),
-        (["model=autoint", "model.num_heads=0"], r"model.num_heads must be at least 1, got 0. Fix: .* model.num_heads=2"),
-        (["model=autoint", "model.attention_dim=-4"], r"model.attention_dim must be at least 1, got -4. Fix: .* model.attention_dim=32"),
-        (["model=autoint", "model.deep_layer_sizes=[400,0]"], r"model.deep_layer_sizes=\[400, 0\] has a non-positive layer size"),
-        (["model=masknet", "model.structure=stacked"], r"model.structure='stacked' is not a MaskNet structure. Fix: model.structure=parallel"),
-        (["model=masknet", "model.block_sizes=[]"], r"model.block_sizes must list at least one layer size, e.g."),
-        (["model=masknet", "model.reduction_ratio=0"], r"model.reduction_ratio must be positive, got 0.0. Fix: e.g. model.reduction_ratio=3"),
-        (["model=dcn", "model.num_cross_layers=0"], r"model.num_cross_layers must be at least 1, got 0. Fix: e.g. model.num_cross_layers=6"),
-        (["model=dcn", "model.deep_layer_sizes=[1024,-1]"], r"model.deep_layer_sizes=\[1024, -1\] has a non-positive layer size"),
-        (["model=wukong", "model.fmb_rank=0"], r"model.fmb_rank must be at least 1, got 0. Fix: e.g. model.fmb_rank=24"),
-        (["model=wukong", "model.num_lcb_fields=-1"], r"model.num_lcb_fields must be at least 0, got -1. Fix: e.g. model.num_lcb_fields=16"),
-        (["model=wukong", "model.dense_arch_layer_sizes=[512,64]"], r"model.dense_arch_layer_sizes ends in 64 but model.embedding_dim=16: "
-                                                                    r"Wukong's .* Fix: end model.dense_arch_layer_sizes in null"),
-    ],
-)
-def test_bad_sizes_name_the_key_and_the_fix(make_cfg, overrides: list[str], message: str) -> None:
+BAD_SIZES = [
+    ("xdeepfm", {"cin_layer_sizes": []}, r"model.cin_layer_sizes must list at least one layer size, e.g."),
+    ("xdeepfm", {"cin_layer_sizes": [100, 0]}, r"model.cin_layer_sizes=\[100, 0\] has a non-positive layer size. "
+                                               r"Fix: .* model.cin_layer_sizes=\[100,1\]"),
+    ("xdeepfm", {"embedding_dim": 10}, r"model.embedding_dim=10 is not a multiple of 4.*model.embedding_dim=12"),
+    ("autoint", {"num_heads": 0}, r"model.num_heads must be at least 1, got 0. Fix: .* model.num_heads=2"),
+    ("autoint", {"attention_dim": -4}, r"model.attention_dim must be at least 1, got -4. Fix: .* model.attention_dim=32"),
+    ("autoint", {"deep_layer_sizes": [400, 0]}, r"model.deep_layer_sizes=\[400, 0\] has a non-positive layer size"),
+    ("masknet", {"structure": "stacked"}, r"model.structure='stacked' is not a MaskNet structure. Fix: model.structure=parallel"),
+    ("masknet", {"block_sizes": []}, r"model.block_sizes must list at least one layer size, e.g."),
+    ("masknet", {"reduction_ratio": 0}, r"model.reduction_ratio must be positive, got 0.0. Fix: e.g. model.reduction_ratio=3"),
+    ("dcn", {"num_cross_layers": 0}, r"model.num_cross_layers must be at least 1, got 0. Fix: e.g. model.num_cross_layers=6"),
+    ("dcn", {"deep_layer_sizes": [1024, -1]}, r"model.deep_layer_sizes=\[1024, -1\] has a non-positive layer size"),
+    ("wukong", {"fmb_rank": 0}, r"model.fmb_rank must be at least 1, got 0. Fix: e.g. model.fmb_rank=24"),
+    ("wukong", {"num_lcb_fields": -1}, r"model.num_lcb_fields must be at least 0, got -1. Fix: e.g. model.num_lcb_fields=16"),
+    ("wukong", {"dense_arch_layer_sizes": [512, 64]}, r"model.dense_arch_layer_sizes ends in 64 but model.embedding_dim=16: "
+                                                      r"Wukong's .* Fix: end model.dense_arch_layer_sizes in null"),
+]
+"""``(model, values, message)``: each model's config refuses ``values``, naming the key and the fix."""
+
+
+@pytest.mark.parametrize(("name", "values", "message"), BAD_SIZES, ids=[f"{n}-{next(iter(v))}" for n, v, _ in BAD_SIZES])
+def test_bad_sizes_name_the_key_and_the_fix(name: str, values: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        validate(make_cfg(*overrides, "tracking=none"))
+        make(GROUPS["model"][name], **values)
 
 
-def test_odd_cin_sizes_are_fine_without_split_half(make_cfg) -> None:
-    assert validate(make_cfg("model=xdeepfm", "model.cin_layer_sizes=[101,51]", "model.cin_split_half=false", "tracking=none"))
+def test_a_bad_size_on_the_command_line_stops_validate(make_cfg) -> None:
+    """The same checks run in ``validate``, before a process group, data or model exists (one case: the path is shared)."""
+    with pytest.raises(ConfigError, match=r"odd sizes \[101\] before its last layer.*Fix: even sizes, e.g. "
+                                          r"model.cin_layer_sizes=\[102,50\], or model.cin_split_half=false"):
+        validate(make_cfg("model=xdeepfm", "model.cin_layer_sizes=[101,50]", "tracking=none"))
+    assert make(XDeepFMConfig, cin_layer_sizes=[101, 51], cin_split_half=False).cin_layer_sizes == [101, 51]
 
 
-def test_autoint_without_a_dnn_is_plain_autoint(make_cfg) -> None:
-    config = validate(make_cfg("model=autoint", "model.deep_layer_sizes=[]", "tracking=none")).model
-    assert isinstance(config, AutoIntConfig)
-    model = config.build(features=FeatureSpec(dense_names=("x",), sparse=(SparseFeature("a", 10),)), dense_device=CPU)
+def test_autoint_without_a_dnn_is_plain_autoint() -> None:
+    model = make(AutoIntConfig, deep_layer_sizes=[]).build(features=FeatureSpec(dense_names=("x",), sparse=(SparseFeature("a", 10),)),
+                                                           dense_device=CPU)
     assert isinstance(model, AutoInt) and model.deep is None
 
 
