@@ -1,10 +1,14 @@
 """A stop signal during an eval is honoured within one chunk of its work, and a step's eval is logged once per MLflow run.
 
-Real ``python -m recsys_runner`` processes and real SIGTERMs: the full-corpus eval of a two-tower model and a periodic
+Real SIGTERMs: the full-corpus eval of a two-tower model and a periodic
 eval are abandoned between chunks, well before the eval would end, and the resume evaluates that step once; an eval that
 completed and was logged before the stop is not evaluated (nor logged) again by the resume, whether the checkpoint of its
 step recorded it or, written before it, did not (then the MLflow run's history says so). Each MLflow history is read with
-``MlflowClient.get_metric_history``: exactly one value per step.
+``MlflowClient.get_metric_history``: exactly one value per step. A launch stopped by a SIGTERM from outside is a
+process; a launch that signals itself right after its tracker logged a metric, and each printed resume command, run in
+this process as ``python -m`` would run them (:func:`tests.conftest.run_in_process`): what they do with their arguments
+and the signal is the point here, and that the command works as typed in a shell is test_run_safety's
+``..._executed_verbatim_...``.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
 
@@ -22,7 +27,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from recsys_runner.checkpoint.storage import list_checkpoints
-from tests.conftest import REPO, TINY, hint_of
+from recsys_runner.tracking.tracker import MlflowTracker
+from tests.conftest import REPO, TINY, hint_of, run_in_process
 from tests.test_run_safety import runs
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -35,27 +41,6 @@ CORPUS = ["model=dssm", "data=synthetic_retrieval", "data.num_sparse=2", "data.b
 
 _STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]")
 
-_INJECT = '''"""tests/test_eval_stops.py: this process sends itself SIGTERM right after its tracker logged $SIGTERM_AFTER
-(``<metric>@<step>``), once: the signal then comes between two lines of the loop, where no outside sender can aim."""
-import os
-import signal
-
-_after = os.environ.get("SIGTERM_AFTER")
-if _after:
-    from recsys_runner.tracking import tracker as _tracker
-
-    _key, _step = _after.rsplit("@", 1)
-    _log = _tracker.MlflowTracker.log_metrics
-    _sent = []
-
-    def _log_then_stop(self, metrics, step):
-        _log(self, metrics, step)
-        if _key in metrics and step == int(_step) and not _sent:
-            _sent.append(step)
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    _tracker.MlflowTracker.log_metrics = _log_then_stop
-'''
 
 
 def _at(line: str) -> float:
@@ -93,8 +78,29 @@ def _history(uri: str, run_id: str, key: str) -> list[int]:
     return sorted(m.step for m in MlflowClient(tracking_uri=uri).get_metric_history(run_id, key))
 
 
-def _resume(command: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(command, cwd=cwd, env={**ENV, **env}, capture_output=True, text=True, timeout=300)
+def _stopped_after(command: list[str], cwd: Path, monkeypatch: pytest.MonkeyPatch, after: str) -> subprocess.CompletedProcess[str]:
+    """``command`` run in this process (:func:`tests.conftest.run_in_process`), which sends itself SIGTERM right after
+    its tracker logged ``after`` (``<metric>@<step>``), once: the signal then comes between two lines of the loop, where
+    no outside sender can aim (it is handled as one from outside: by the command's own handler, in the main thread)."""
+    key, step = after.rsplit("@", 1)
+    log, sent = MlflowTracker.log_metrics, []
+
+    def log_then_stop(self: MlflowTracker, metrics: Mapping[str, float], at: int) -> None:
+        log(self, metrics, at)
+        if key in metrics and at == int(step) and not sent:
+            sent.append(at)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(MlflowTracker, "log_metrics", log_then_stop)
+        done = run_in_process(command, cwd)
+    assert sent, f"{after} was never logged: {done.stderr[-3000:]}"
+    return done
+
+
+def _resume(command: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """A printed resume command, run in this process (no ~10 s of imports): exit status and output as a process's."""
+    return run_in_process(command, cwd)
 
 
 @pytest.mark.slow
@@ -162,27 +168,23 @@ def test_sigterm_during_a_periodic_eval_abandons_it_and_the_resume_evaluates_tha
 
 @pytest.mark.slow
 @pytest.mark.parametrize("checkpoint_first", [False, True], ids=["checkpoint-after-eval", "checkpoint-before-eval"])
-def test_an_eval_logged_before_the_stop_is_not_evaluated_or_logged_again_by_the_resume(tmp_path: Path,
+def test_an_eval_logged_before_the_stop_is_not_evaluated_or_logged_again_by_the_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                                         checkpoint_first: bool) -> None:
     """The duplicate a user saw: the final eval completed and was logged, the signal stopped the run at its end (a signal
     that comes as the end checkpoint is written, or during an eval with several ranks), and the resume evaluated the
     same step again: two values of ``eval/auc`` at it. ``checkpoint-before-eval``: the checkpoint of that step was
     written by an earlier stop before the eval (it cannot record it), so the MLflow run's history is what says it."""
-    sitecustomize = tmp_path / "inject" / "sitecustomize.py"
-    sitecustomize.parent.mkdir()
-    sitecustomize.write_text(_INJECT)
-    inject = {"PYTHONPATH": f"{sitecustomize.parent}{os.pathsep}{REPO}"}
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     args = [*[a for a in TINY if not a.startswith("train.")], "train.num_steps=4", "train.log_every_steps=2",
             "train.eval_every_steps=null", f"tracking.uri={uri}", "tracking.experiment=once", f"hydra.run.dir={tmp_path}/run"]
     launch = [sys.executable, "-m", "recsys_runner", *args]
     if checkpoint_first:  # stopped after the last step's log line, before the final eval: step 4's checkpoint, no metrics
-        first = _resume(launch, tmp_path, **inject, SIGTERM_AFTER="train/loss@4")
+        first = _stopped_after(launch, tmp_path, monkeypatch, "train/loss@4")
         assert first.returncode == 143 and "stopped by SIGTERM after step 4" in first.stderr, first.stderr[-3000:]
         command = hint_of(first.stderr)
         assert command is not None
         launch = command
-    stopped = _resume(launch, tmp_path, **inject, SIGTERM_AFTER="eval/auc@4")  # right after the eval is logged
+    stopped = _stopped_after(launch, tmp_path, monkeypatch, "eval/auc@4")  # right after the eval is logged
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     assert "Interrupted: stopped by SIGTERM at the end of training after step 4; checkpoint " in stopped.stderr, stopped.stderr[-3000:]
     (run,) = runs(uri, "once")
