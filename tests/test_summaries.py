@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -19,13 +20,14 @@ from recsys_runner.distributed.env import DistEnv
 from recsys_runner.errors import ConfigError
 from recsys_runner.tracking.tracker import NullTracker
 from recsys_runner.train.summaries import _local_row_norms, histogram
-from tests.conftest import TINY, run_cli
+from tests.conftest import TINY, run_in_process
 
 
 def test_summaries_reach_mlflow_and_a_tensorboard_event_file(tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    done = run_cli(*TINY, "train.num_steps=20", "train.summary_every_steps=5", "train.summary_histograms=true",
-                   "tracking.tensorboard=true", f"tracking.uri={uri}", "tracking.experiment=summaries", "checkpoint=none", cwd=tmp_path)
+    done = run_in_process([sys.executable, "-m", "recsys_runner", *TINY, "train.num_steps=20", "train.summary_every_steps=5",  # as -m runs it
+                           "train.summary_histograms=true", "tracking.tensorboard=true", f"tracking.uri={uri}",
+                           "tracking.experiment=summaries", "checkpoint=none"], tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     client = MlflowClient(tracking_uri=uri)
     (run,) = client.search_runs([client.get_experiment_by_name("summaries").experiment_id])
