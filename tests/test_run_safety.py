@@ -1,7 +1,10 @@
 """Never lose or mix up a run: true resume hints, one writer per checkpoint dir, damaged checkpoints.
 
 The CLI tests run exactly what a user would: the default config (checkpoints in a new Hydra run dir
-per launch), the printed resume command executed verbatim, a second launch racing a live one.
+per launch), the printed resume command executed verbatim, a second launch racing a live one. A launch whose process
+is not the point (the one that prints the hint, a refused second writer, a resume after a kill -9, a fixed relaunch) runs
+in this process as ``python -m`` would run it (:func:`tests.conftest.run_in_process`): the same exit status and output,
+without ~10 s of imports each; the hint itself is executed verbatim, as a process, in the first test.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ from recsys_runner.checkpoint.lock import DirectoryInUse, DirectoryLock
 from recsys_runner.checkpoint.storage import damage, list_checkpoints
 from recsys_runner.errors import CheckpointError
 from recsys_runner.train.signals import Interrupted
-from tests.conftest import REPO, TINY, hint_of, run_cli
+from tests.conftest import REPO, TINY, hint_of, run_in_process
+
+TRAIN = [sys.executable, "-m", "recsys_runner"]
 
 SMALL = [a for a in TINY if not a.startswith("train.")] + ["train.log_every_steps=1", "train.eval_every_steps=null",
                                                           "train.eval_max_batches=2"]
@@ -43,8 +48,8 @@ def steps_logged(uri: str, run_id: str, key: str = "train/loss") -> list[int]:
 # -- 1. the resume hint is true --------------------------------------------------------------------------------------
 def test_stop_hint_executed_verbatim_continues_the_same_mlflow_run(tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    first = run_cli(*SMALL, "train.num_steps=8", "train.stop_after_steps=5", f"tracking.uri={uri}", "tracking.experiment=hint",
-                    cwd=tmp_path)
+    first = run_in_process([*TRAIN, *SMALL, "train.num_steps=8", "train.stop_after_steps=5", f"tracking.uri={uri}",
+                            "tracking.experiment=hint"], tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "Interrupted: stopped by train.stop_after_steps after step 5" in first.stderr
     command = hint_of(first.stderr)
@@ -73,7 +78,7 @@ def test_nan_guard_hint_resumes_from_a_truly_good_checkpoint(make_cfg, tmp_path:
     # The lr jumps to 1e29 for the 5th update: the 5th loss is still finite, the weights after it are not good.
     blowup = ["optim=sgd", "scheduler=manual_step", "scheduler.boundaries=[4]", "scheduler.rates=[1.0,1e30]"]
     common = [*SMALL, "train.num_steps=10", "checkpoint.every_steps=1", f"tracking.uri={uri}", "tracking.experiment=nan_hint"]
-    failed = run_cli(*common, *blowup, cwd=tmp_path)
+    failed = run_in_process([*TRAIN, *common, *blowup], tmp_path)
     assert failed.returncode == 1, failed.stderr[-3000:]
     assert "Training failed: train loss is nan at step 6" in failed.stderr
     assert "the last good checkpoint is" in failed.stderr and "step_00000004)" in failed.stderr
@@ -84,8 +89,7 @@ def test_nan_guard_hint_resumes_from_a_truly_good_checkpoint(make_cfg, tmp_path:
     assert (ckpt_dir / "diverged-step_00000005").is_dir()  # kept for inspection, never resumed from
 
     fixed = [a if a != "scheduler.rates=[1.0,1e30]" else "scheduler.rates=[1.0,1.0]" for a in command]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    again = subprocess.run(fixed, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    again = run_in_process(fixed, tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "step_00000004 at step 4" in again.stdout + again.stderr
     (mlrun,) = runs(uri, "nan_hint")
@@ -148,7 +152,7 @@ def test_second_live_writer_is_refused_and_a_killed_ones_lock_does_not_block_res
         assert live.poll() is None
         for tid in os.listdir(f"/proc/{live.pid}/task"):  # still live and writing, but no longer on the cores the second needs
             os.setpriority(os.PRIO_PROCESS, int(tid), 19)  # (not SIGSTOP: stopped inside a commit, it would lock MLflow's sqlite)
-        second = run_cli(*args, cwd=tmp_path)
+        second = run_in_process([*TRAIN, *args], tmp_path)
         assert second.returncode == 2, second.stderr[-3000:]
         assert f"Checkpoint error: checkpoint.dir: {ckpt} is in use by another live run: host {socket.gethostname()}, pid {live.pid}" \
             in second.stderr
@@ -158,7 +162,7 @@ def test_second_live_writer_is_refused_and_a_killed_ones_lock_does_not_block_res
     finally:
         live.send_signal(signal.SIGKILL)  # dies holding the lock: no cleanup at all
         live.wait(timeout=60)
-    resumed = run_cli(*args, "train.stop_after_steps=3", cwd=tmp_path)
+    resumed = run_in_process([*TRAIN, *args, "train.stop_after_steps=3"], tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout + resumed.stderr and "previous holder" in resumed.stdout + resumed.stderr
     (again,) = runs(uri, "lock")
