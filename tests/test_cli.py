@@ -1,4 +1,7 @@
-"""The command line as a user meets it: help, --cfg job, bad configs, a multirun, torchrun."""
+"""The command line as a user meets it: help, --cfg job, bad configs, a multirun, torchrun. The commands whose process
+is not the point (help, --cfg job, the multiruns) run in this process as ``python -m`` runs them
+(:func:`tests.conftest.run_in_process`: the same exit status and output, without ~10 s of imports each); bad configs,
+the full-error traceback, the default store and torchrun launch real processes."""
 
 from __future__ import annotations
 
@@ -13,11 +16,13 @@ from mlflow.tracking import MlflowClient
 
 from recsys_runner.__main__ import run
 from recsys_runner.errors import ConfigError
-from tests.conftest import REPO, TINY, free_port, run_cli
+from tests.conftest import REPO, TINY, free_port, run_cli, run_in_process
+
+TRAIN = [sys.executable, "-m", "recsys_runner"]
 
 
 def test_help_lists_groups_and_options(tmp_path: Path) -> None:
-    out = run_cli("--help", cwd=tmp_path)
+    out = run_in_process([*TRAIN, "--help"], tmp_path)
     assert out.returncode == 0, out.stderr
     conf = REPO / "conf"
     groups = ["model", "optim", "optim/sparse", "optim/dense", "scheduler", "data", "distributed", "precision", "tracking",
@@ -31,7 +36,7 @@ def test_help_lists_groups_and_options(tmp_path: Path) -> None:
 
 
 def test_cfg_job_prints_resolved_config(tmp_path: Path) -> None:
-    out = run_cli("model=dlrm", "optim.lr=0.3", "--cfg", "job", "--resolve", cwd=tmp_path)
+    out = run_in_process([*TRAIN, "model=dlrm", "optim.lr=0.3", "--cfg", "job", "--resolve"], tmp_path)
     assert out.returncode == 0, out.stderr
     assert "_target_: recsys_runner.models.dlrm.DLRM" in out.stdout
     assert "lr: 0.3" in out.stdout and "${" not in out.stdout
@@ -127,8 +132,8 @@ def test_env_var_overrides_default_store(make_cfg, tmp_path: Path, monkeypatch: 
 
 def test_multirun_gives_one_finished_run_per_job(tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path}/sweep.db"
-    out = run_cli("-m", "optim.lr=0.01,0.1", *TINY, "train.num_steps=20", f"tracking.uri={uri}", "tracking.experiment=sweep",
-                  cwd=tmp_path, timeout=600)
+    out = run_in_process([*TRAIN, "-m", "optim.lr=0.01,0.1", *TINY, "train.num_steps=20", f"tracking.uri={uri}",
+                          "tracking.experiment=sweep"], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     client = MlflowClient(tracking_uri=uri)
     runs = client.search_runs([client.get_experiment_by_name("sweep").experiment_id], "tags.mlflow.parentRunId != ''")
@@ -164,8 +169,8 @@ def test_torchrun_two_ranks_gloo(tmp_path: Path) -> None:
 
 def test_sweep_config_from_sweeps_dir(tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path}/grid.db"
-    out = run_cli("-m", "--config-dir", str(REPO / "sweeps"), "--config-name", "lr_grid", *TINY, "train.num_steps=10", "optim.lr=0.05",
-                  f"tracking.uri={uri}", cwd=tmp_path, timeout=600)
+    out = run_in_process([*TRAIN, "-m", "--config-dir", str(REPO / "sweeps"), "--config-name", "lr_grid", *TINY,
+                          "train.num_steps=10", "optim.lr=0.05", f"tracking.uri={uri}"], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     client = MlflowClient(tracking_uri=uri)
     runs = client.search_runs([client.get_experiment_by_name("lr_grid").experiment_id], "tags.mlflow.parentRunId != ''")
