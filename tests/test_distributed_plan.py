@@ -11,7 +11,7 @@ import pytest
 from recsys_runner.config import validate
 from recsys_runner.errors import ConfigError
 from recsys_runner.plan import dry_run
-from tests.conftest import TINY
+from tests.conftest import TINY, run_in_process
 
 
 def test_dry_run_plans_for_another_world_size(make_cfg) -> None:
@@ -74,9 +74,11 @@ def test_planner_knobs_reach_the_topology(make_cfg) -> None:
     assert planner._batch_size == 4096
 
 
-def _plan_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "recsys_runner.plan", *TINY, "tracking=none", f"hydra.run.dir={cwd}/out", *args],
-                          cwd=cwd, capture_output=True, text=True, timeout=300)
+def _plan_cli(*args: str, cwd: Path, process: bool = True) -> subprocess.CompletedProcess[str]:
+    """``python -m recsys_runner.plan``: a process, or (``process=False``) in this one as ``python -m`` runs it
+    (:func:`tests.conftest.run_in_process`), without ~10 s of imports."""
+    argv = [sys.executable, "-m", "recsys_runner.plan", *TINY, "tracking=none", f"hydra.run.dir={cwd}/out", *args]
+    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=300) if process else run_in_process(argv, cwd)
 
 
 def test_plan_cli_fits_and_does_not_fit(tmp_path: Path) -> None:
@@ -85,7 +87,8 @@ def test_plan_cli_fits_and_does_not_fit(tmp_path: Path) -> None:
     assert fits.returncode == 0, fits.stderr[-2000:]
     assert "sharding plan for world_size=2" in fits.stdout and "fits: yes" in fits.stdout
     assert not list(tmp_path.glob("**/mlflow.db")), "a dry run logs nothing"
-    too_big = _plan_cli("distributed.plan_world_size=2", "distributed.ddr_cap_gb=0.01", "data.num_embeddings=200000", cwd=tmp_path)
+    too_big = _plan_cli("distributed.plan_world_size=2", "distributed.ddr_cap_gb=0.01", "data.num_embeddings=200000", cwd=tmp_path,
+                       process=False)
     assert too_big.returncode == 1, too_big.stderr[-2000:]
     assert "DOES NOT FIT" in too_big.stdout and "insufficient storage" in too_big.stdout
 
