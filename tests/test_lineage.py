@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from mlflow.tracking import MlflowClient
 
 from recsys_runner.errors import CheckpointError
 from recsys_runner.tracking import lineage
-from tests.conftest import TINY, run_cli
+from tests.conftest import TINY, run_in_process
 
 MANIFEST_TAGS = {"manifest.command", "manifest.git_commit", "manifest.git_dirty", "manifest.device", "manifest.device_count",
                  "manifest.world_size", "manifest.hostname", "manifest.num_threads", "manifest.version.python", "manifest.version.torch",
@@ -21,8 +22,9 @@ MANIFEST_TAGS = {"manifest.command", "manifest.git_commit", "manifest.git_dirty"
 
 def test_a_training_run_carries_the_manifest_and_its_checkpoint_dir(tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    out = run_cli(*TINY, "train.num_steps=4", f"tracking.uri={uri}", "tracking.experiment=lineage",
-                  f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    # as python -m runs it (the module as __main__, sys.argv the command's: the manifest's command), without the imports
+    out = run_in_process([sys.executable, "-m", "recsys_runner", *TINY, "train.num_steps=4", f"tracking.uri={uri}",
+                          "tracking.experiment=lineage", f"hydra.run.dir={tmp_path}/run"], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     client = MlflowClient(tracking_uri=uri)
     (run,) = client.search_runs([client.get_experiment_by_name("lineage").experiment_id])
