@@ -62,10 +62,11 @@ def test_unreachable_server_stops_the_cli_within_seconds(tmp_path: Path) -> None
 
 
 def test_multirun_with_unreachable_server_stops_before_launching_jobs(tmp_path: Path) -> None:
-    from tests.conftest import TINY, run_cli
+    """The multirun command runs in this process as ``python -m`` runs it (the single run above is the process)."""
+    from tests.conftest import TINY, run_in_process
 
     uri = f"http://127.0.0.1:{_free_port()}"
-    result = run_cli("-m", "optim.lr=0.01,0.1", *TINY, f"tracking.uri={uri}", cwd=tmp_path, timeout=240)
+    result = run_in_process([sys.executable, "-m", "recsys_runner", "-m", "optim.lr=0.01,0.1", *TINY, f"tracking.uri={uri}"], tmp_path)
     _assert_tracking_error(result, f"tracking server {uri} (tracking.uri) is not reachable", "tracking=none")
     assert "Launching" not in result.stdout + result.stderr
 
