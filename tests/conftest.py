@@ -84,8 +84,7 @@ def run_in_process(argv: Sequence[str], cwd: Path, env: Mapping[str, str] | None
     (signals from outside, import-time warnings, which Python prints once per process)."""
     assert list(argv[1:2]) == ["-m"], argv
     out, err = io.StringIO(), io.StringIO()
-    changed = {*(env or {}), "HYDRA_FULL_ERROR"}
-    saved_env, saved_cwd, saved_argv = {k: os.environ.get(k) for k in changed}, os.getcwd(), sys.argv[:]
+    saved_env, saved_cwd, saved_argv = dict(os.environ), os.getcwd(), sys.argv[:]
     root = logging.getLogger()
     saved_handlers, saved_level = root.handlers[:], root.level
     code = 0
@@ -107,10 +106,10 @@ def run_in_process(argv: Sequence[str], cwd: Path, env: Mapping[str, str] | None
     finally:
         os.chdir(saved_cwd)
         sys.argv = saved_argv
+        for key in set(os.environ) - set(saved_env):  # what the command (or env) set, as its process's exit would drop it
+            del os.environ[key]
         for key, value in saved_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
+            if os.environ.get(key) != value:
                 os.environ[key] = value
         for handler in root.handlers[:]:  # Hydra's job logging (console, the run dir's log file): closed, the suite's back
             if handler not in saved_handlers:
