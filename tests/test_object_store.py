@@ -36,7 +36,7 @@ from recsys_runner.data.files.tabular_config import CriteoDataConfig, CsvDataCon
 from recsys_runner.data.generated.generate import write_criteo_csv, write_criteo_parquet, write_criteo_tsv
 from recsys_runner.errors import CheckpointError, DataError
 from recsys_runner.paths import CONFIG_PATH
-from tests.conftest import REPO
+from tests.conftest import REPO, run_in_process
 from tests.object_store import MotoServer, start_moto
 
 
@@ -240,14 +240,16 @@ def _final_eval(output: str) -> str:
 def test_train_from_a_bucket_kill_9_resume_to_the_same_eval_then_predict_and_export_to_it(
     s3_env: MotoServer, tmp_path: Path
 ) -> None:
-    """The CLI where a process is the point (the run killed with -9, its resume, predict and export carrying the
-    training's overrides from the bucket); the local reference runs in this process (one interpreter fewer to start)."""
+    """The CLI where a process is the point: the run killed with -9. Its resume, and predict and export carrying the
+    training's overrides from the bucket, run their commands in this process as ``python -m`` would
+    (:func:`tests.conftest.run_in_process`: the module as ``__main__``, so the overrides are carried as on the command
+    line), as does the local reference (interpreters fewer to start)."""
     s3, local = s3_env, s3_env.local  # type: ignore[attr-defined]
     env = {**os.environ, **s3.env, "PYTHONPATH": str(REPO)}
     uri = f"sqlite:///{tmp_path}/mlflow.db"
 
     def cli(*args: str, module: str = "recsys_runner") -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", module, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        return run_in_process([sys.executable, "-m", module, *args], tmp_path, env=s3.env)
 
     register_configs()
     with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):  # the reference: local files, local checkpoints
