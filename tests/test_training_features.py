@@ -25,7 +25,7 @@ from recsys_runner.checkpoint.storage import is_complete, list_checkpoints
 from recsys_runner.config import validate
 from recsys_runner.train.ema import DenseEMA
 from recsys_runner.train.stepping import LeanPipeline, PolicyPipelineBase, PolicyPipelineSparseDist
-from tests.conftest import REPO, TINY, hint_of
+from tests.conftest import REPO, TINY, hint_of, run_in_process
 
 
 def the_run(uri: str, experiment: str):
@@ -227,7 +227,7 @@ def test_sigterm_checkpoints_and_the_printed_command_resumes_into_the_same_run(t
     (mlrun,) = client.search_runs([client.get_experiment_by_name("sigterm").experiment_id])
     assert mlrun.info.status == "KILLED"
 
-    again = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    again = run_in_process(command, tmp_path)  # as python -m runs it, without its imports (run as typed: test_run_safety)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resuming from {ckpt}" in again.stderr + again.stdout
     (mlrun,) = client.search_runs([client.get_experiment_by_name("sigterm").experiment_id])
