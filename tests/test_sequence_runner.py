@@ -8,6 +8,7 @@ per-batch padding) are shared by all of them (``recsys_runner/models/sequence.py
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from recsys_runner.__main__ import run
 from recsys_runner.checkpoint.storage import list_checkpoints
 from recsys_runner.errors import ConfigError
 from recsys_runner.train.signals import Interrupted
-from tests.conftest import TINY, run_cli, torchrun
+from tests.conftest import TINY, run_in_process, torchrun
 from tests.test_checkpoint import history
 from tests.test_evaluate import compose_entry
 from tests.test_export import check_export, export_cfg  # noqa: F401 - a fixture
@@ -98,9 +99,9 @@ def test_two_ranks_shard_history_tables_and_one_rank_evaluates_the_same(tmp_path
 @pytest.mark.slow
 def test_a_sweep_over_a_sequence_model(tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path}/sweep.db"
-    out = run_cli("-m", *TINY, *SEQ, "train.num_steps=4", "model.attention_layer_sizes=[16],[32]",
-                  f"tracking.uri={uri}", "tracking.experiment=seq_sweep", "checkpoint=none", f"hydra.sweep.dir={tmp_path}/multi",
-                  cwd=tmp_path)
+    out = run_in_process([sys.executable, "-m", "recsys_runner", "-m", *TINY, *SEQ, "train.num_steps=4",  # as python -m runs it
+                          "model.attention_layer_sizes=[16],[32]", f"tracking.uri={uri}", "tracking.experiment=seq_sweep",
+                          "checkpoint=none", f"hydra.sweep.dir={tmp_path}/multi"], tmp_path)
     assert out.returncode == 0, out.stderr[-4000:]
     client = MlflowClient(tracking_uri=uri)
     runs = client.search_runs([client.get_experiment_by_name("seq_sweep").experiment_id])
