@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from recsys_runner.errors import ConfigError
 from recsys_runner.models.dbmtl import DBMTLConfig, dependency_order, task_dependencies
 from recsys_runner.models.mmoe import MMoEConfig
 from recsys_runner.models.ple import PLEConfig
-from tests.conftest import TINY, run_cli, torchrun
+from tests.conftest import TINY, run_in_process, torchrun
 from tests.test_evaluate import compose_entry
 from tests.test_export import check_export, export_cfg  # noqa: F401 - a fixture
 from tests.test_models import CPU, materialize, small_data
@@ -186,9 +187,10 @@ def final_metrics(uri: str, experiment: str) -> dict[str, float]:
 @pytest.mark.parametrize("model", ["ple", "dbmtl"])
 def test_trains_on_the_default_data_from_the_cli_and_evaluates_its_checkpoint(mlflow_uri: str, tmp_path: Path, model: str) -> None:
     """``python -m recsys_runner model=<model>`` with nothing else but the tiny sizes: the default data draws a label per
-    task; both tasks learn, and evaluating the checkpoint reproduces the final eval."""
+    task; both tasks learn, and evaluating the checkpoint reproduces the final eval. The command runs in this process as
+    ``python -m`` runs it (:func:`tests.conftest.run_in_process`), without ~10 s of imports."""
     args = [*TINY, f"model={model}", f"tracking.uri={mlflow_uri}", f"tracking.experiment=cli_{model}", f"checkpoint.dir={tmp_path}/ck"]
-    out = run_cli(*args, f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    out = run_in_process([sys.executable, "-m", "recsys_runner", *args, f"hydra.run.dir={tmp_path}/run"], tmp_path)
     assert out.returncode == 0, out.stderr[-4000:]
     final = final_metrics(mlflow_uri, f"cli_{model}")
     assert final["eval/ctr/auc"] > 0.6 and final["eval/cvr/auc"] > 0.6, final
