@@ -7,7 +7,6 @@ impossible settings are refused with the key and the fix.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,7 +33,7 @@ from recsys_runner.models.collision import CountedMCH, collision_counters, colli
 from recsys_runner.models.sequence import SequenceArch
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.train.signals import Interrupted
-from tests.conftest import REPO, TINY, torchrun
+from tests.conftest import TINY, run_in_process, torchrun
 from tests.test_checkpoint_reshard import _saved
 
 STEPS, SLICE, SLOTS = 12, 4, 100
@@ -99,9 +98,8 @@ def test_resume_gives_the_same_losses_and_eval(straight: tuple[Path, float], tmp
     assert auc == pytest.approx(straight[1], rel=1e-6)
     # python -m recsys_runner.evaluate on the resumed run's last checkpoint: the restored mapping gives the same metrics
     final = list_checkpoints(tmp_path / "sliced")[-1]
-    evaluated = subprocess.run([sys.executable, "-m", "recsys_runner.evaluate", *[a for a in args if not a.startswith("tracking.")],
-                                "tracking=none", f"load={final}", f"hydra.run.dir={tmp_path}/evaluate"], cwd=tmp_path,
-                               capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    evaluated = run_in_process([sys.executable, "-m", "recsys_runner.evaluate", *[a for a in args if not a.startswith("tracking.")],
+                                "tracking=none", f"load={final}", f"hydra.run.dir={tmp_path}/evaluate"], tmp_path)  # as -m runs it
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     (line,) = [x for x in (evaluated.stdout + evaluated.stderr).splitlines() if "] - evaluate " in x and "eval/auc=" in x]
     assert float(line.split("eval/auc=")[1].split()[0]) == pytest.approx(auc, abs=1e-6)
