@@ -12,16 +12,18 @@ not depend on them), then, in batches of ``--batch-size`` rows:
 
 * ``cli``: ``python -m recsys_runner.predict … predict.top_k=<k> predict.exclude_seen=true|false`` over every user, run
   as a user runs it: rows/s and seconds from its last line (reading, encoding, scoring, writing Parquet; the build not
-  counted) and the process's wall time; the written parts are checked: one row per input row, each list ``k`` long,
+  counted), the process's wall time and the 1-minute load average before and after (``load_1min``: on a shared
+  machine, what else ran); the written parts are checked: one row per input row, each list ``k`` long,
   and how many top items are in the row's history (``seen_in_top``: 0 with exclude-seen on).
 * ``breakdown``: where the time goes, in this process on the first ``--profile-rows`` users (the same code:
   :func:`~recsys_runner.scoring.score_files` with :func:`~recsys_runner.scoring.ranking_scorer`'s
   :class:`~recsys_runner.scoring_topk.TopK`, its steps timed apart): ``index_s`` (reading the item table, or the item
   tower over the catalogue: once per run), ``queries_s`` (the model over the histories: SASRec's blocks or the user
-  tower, and the seen items), ``scoring_s`` (the chunked ``queries @ items.T`` alone, timed again on the same queries),
-  ``topk_s`` (the rest of the retrieval: seen masking, each chunk's top k and the merge, the written scores),
-  ``columns_s`` (Arrow lists and raw ids), ``rest_s`` (reading, encoding and writing Parquet: the whole minus the
-  scorer), of which ``write_s`` (the output table written again with pyarrow).
+  tower, and the seen items), ``scoring_s`` (the chunked ``queries @ items.T`` alone, timed again on the same queries
+  as the sweep computes it), ``topk_s`` (the rest of the retrieval: seen masking, each chunk's top k and the merge, the
+  written scores), ``columns_s`` (Arrow lists and raw ids), ``rest_s`` (reading, encoding and writing Parquet: the
+  whole minus the scorer), and ``write_s`` (the output table written again with pyarrow: about the writing's part of
+  ``rest_s``).
 
 ``--quick`` runs a tiny log; ``--in-process`` does ``cli``'s predict in this process (the command's scoring without its
 process start and MLflow run; what a test affords). The bench is an entry: it runs the other commands as processes and
@@ -201,8 +203,13 @@ class _Timed:
         self.seconds["columns_s"] += t3 - t2
         assert s.index is not None
         t4 = clock()
-        for start in range(0, s.index.shape[0], s.chunk_rows):
-            queries @ s.index[start:start + s.chunk_rows].t()
+        buffer = torch.empty((queries.shape[0], s.chunk_rows), dtype=queries.dtype)
+        for start in range(0, s.index.shape[0], s.chunk_rows):  # as the sweep scores: full chunks into one buffer
+            chunk = s.index[start:start + s.chunk_rows]
+            if chunk.shape[0] == s.chunk_rows:
+                torch.mm(queries, chunk.t(), out=buffer)
+            else:
+                queries @ chunk.t()
         self.seconds["scoring_s"] += clock() - t4
         self.extra_s += clock() - t4
         return answer
@@ -258,8 +265,10 @@ def measure(a: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         for exclude_seen in (True, False):
             name = "exclude_seen_on" if exclude_seen else "exclude_seen_off"
             out = workdir / f"out_{model}_{name}"
+            load_before = os.getloadavg()[0]  # other work on the machine: what the figure shares the cores with
             cli = predict_in_process(overrides, checkpoint, users_file, out, a.k, exclude_seen) if a.in_process else \
                 predict_cli(overrides, checkpoint, users_file, out, a.k, exclude_seen, workdir)
+            cli["load_1min"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
             cli["seen_in_top"], cli["rows_written"], cli["list_lengths"] = seen_in_top(out, users_file, mapping)
             whole = f"process {cli['process_s']} s" if cli["process_s"] is not None else "in this process"
             print(f"{model} {name}: {cli['rows']} rows in {cli['seconds']} s, {cli['rows_per_s']} rows/s ({whole}); "
