@@ -14,9 +14,12 @@ import os
 import re
 import runpy
 import shlex
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -76,14 +79,28 @@ def run_cli(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: i
     )
 
 
-def run_in_process(argv: Sequence[str], cwd: Path, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+class _Watched(io.StringIO):
+    """A captured stdout that calls ``on_text`` with every piece written to it (log lines arrive whole)."""
+
+    def __init__(self, on_text: Callable[[str], None]) -> None:
+        super().__init__()
+        self.on_text = on_text
+
+    def write(self, text: str) -> int:
+        written = super().write(text)
+        self.on_text(text)
+        return written
+
+
+def run_in_process(argv: Sequence[str], cwd: Path, env: Mapping[str, str] | None = None,
+                   on_stdout: Callable[[str], None] | None = None) -> subprocess.CompletedProcess[str]:
     """``argv`` = ``[python, "-m", module, *args]`` (e.g. a printed resume command) run in this process as ``python -m``
     runs it: the module as ``__main__`` (runpy), ``sys.argv`` the command's, in ``cwd``, with ``env`` added; its exit
     status, stdout and stderr, as :func:`subprocess.run` gives them. For a launch whose process is not the point (what
     it does with its arguments is): it costs its work, not ~10 s of imports. Not for what only a fresh process shows
     (signals from outside, import-time warnings, which Python prints once per process)."""
     assert list(argv[1:2]) == ["-m"], argv
-    out, err = io.StringIO(), io.StringIO()
+    out, err = (io.StringIO() if on_stdout is None else _Watched(on_stdout)), io.StringIO()
     saved_env, saved_cwd, saved_argv = dict(os.environ), os.getcwd(), sys.argv[:]
     root = logging.getLogger()
     saved_handlers, saved_level = root.handlers[:], root.level
@@ -118,6 +135,41 @@ def run_in_process(argv: Sequence[str], cwd: Path, env: Mapping[str, str] | None
         root.handlers[:] = saved_handlers
         root.setLevel(saved_level)
     return subprocess.CompletedProcess(list(argv), code, out.getvalue(), err.getvalue())
+
+
+def signal_in_process(argv: Sequence[str], cwd: Path, marker: str, signum: int, delay_s: float,
+                      ready: Callable[[], bool] | None = None) -> tuple[int, str, float]:
+    """:func:`run_in_process` that gets ``signum`` ``delay_s`` after ``marker`` appears in its stdout (and, given
+    ``ready``, once that returns true): a real signal to this process, sent by another thread, handled by the command's
+    own handler in the main thread as in a process of its own. Its exit status, stdout + stderr and when it was sent.
+    A signal that comes while no command's handler is installed is caught here and fails the test (not the suite)."""
+    sent: list[float] = []
+
+    def send() -> None:
+        deadline = time.monotonic() + 120
+        while ready is not None and not ready() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(delay_s)
+        sent.append(time.time())
+        os.kill(os.getpid(), signum)
+
+    def watch(text: str) -> None:
+        if marker in text and not started:
+            started.append(threading.Thread(target=send, daemon=True))
+            started[0].start()
+
+    started: list[threading.Thread] = []
+    stray: list[int] = []
+    previous = signal.signal(signum, lambda got, frame: stray.append(got))
+    try:
+        done = run_in_process(argv, cwd, on_stdout=watch)
+        if started:
+            started[0].join(timeout=180)
+    finally:
+        signal.signal(signum, previous)
+    assert started and sent, f"{marker!r} never came, or no signal was sent: {(done.stdout + done.stderr)[-3000:]}"
+    assert not stray, f"the signal came while the command had no handler (too late or too early): {done.stderr[-3000:]}"
+    return done.returncode, done.stdout + done.stderr, sent[0]
 
 
 def hint_of(stderr: str) -> list[str] | None:
