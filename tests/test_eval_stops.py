@@ -4,11 +4,11 @@ Real SIGTERMs: the full-corpus eval of a two-tower model and a periodic
 eval are abandoned between chunks, well before the eval would end, and the resume evaluates that step once; an eval that
 completed and was logged before the stop is not evaluated (nor logged) again by the resume, whether the checkpoint of its
 step recorded it or, written before it, did not (then the MLflow run's history says so). Each MLflow history is read with
-``MlflowClient.get_metric_history``: exactly one value per step. A launch stopped by a SIGTERM from outside is a
-process; a launch that signals itself right after its tracker logged a metric, and each printed resume command, run in
-this process as ``python -m`` would run them (:func:`tests.conftest.run_in_process`): what they do with their arguments
-and the signal is the point here, and that the command works as typed in a shell is test_run_safety's
-``..._executed_verbatim_...``.
+``MlflowClient.get_metric_history``: exactly one value per step. Every command runs in this process as ``python -m``
+would run it (:func:`tests.conftest.run_in_process`; a SIGTERM from another thread at a given log line:
+:func:`tests.conftest.signal_in_process`, or from the tracker itself right after it logged a metric): what the command
+does with its arguments and the signal is the point here, not the interpreter; that the printed command works as typed
+in a shell is test_run_safety's ``..._executed_verbatim_...``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
@@ -28,11 +27,8 @@ from mlflow.tracking import MlflowClient
 
 from recsys_runner.checkpoint.storage import list_checkpoints
 from recsys_runner.tracking.tracker import MlflowTracker
-from tests.conftest import REPO, TINY, hint_of, run_in_process
+from tests.conftest import TINY, hint_of, run_in_process, signal_in_process
 from tests.test_run_safety import runs
-
-ENV = {**os.environ, "PYTHONPATH": str(REPO)}
-ENV.pop("HYDRA_FULL_ERROR", None)
 
 CORPUS = ["model=dssm", "data=synthetic_retrieval", "data.num_sparse=2", "data.batch_size=512", "data.num_embeddings=100000",
           "data.num_train_rows=8192", "data.num_eval_rows=4096", "model.eval_metrics=[recall@10]", "train.num_steps=2",
@@ -50,27 +46,11 @@ def _at(line: str) -> float:
     return datetime.strptime(found.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
-def _signal_after(argv: list[str], marker: str, delay_s: float, cwd: Path, timeout_s: float = 240) -> tuple[int, str, float]:
-    """Run ``argv``, send SIGTERM ``delay_s`` after ``marker`` appears in its output; its exit status, output and the
-    wall-clock time the signal was sent."""
-    proc = subprocess.Popen(argv, cwd=cwd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen: list[str] = []
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            seen.append(line)
-            if marker in line:
-                break
-        assert proc.poll() is None and marker in seen[-1], "".join(seen)[-3000:]
-        time.sleep(delay_s)
-        sent = time.time()
-        proc.send_signal(signal.SIGTERM)
-        rest, _ = proc.communicate(timeout=timeout_s)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    return proc.returncode, "".join(seen) + rest, sent
+def _signal_after(argv: list[str], marker: str, delay_s: float, cwd: Path) -> tuple[int, str, float]:
+    """Run ``argv``, send it SIGTERM ``delay_s`` after ``marker`` appears in its output; its exit status, output and the
+    wall-clock time the signal was sent. In this process (:func:`tests.conftest.signal_in_process`): a real SIGTERM,
+    sent by another thread, handled by the command's own handler as in a process of its own."""
+    return signal_in_process(argv, cwd, marker, signal.SIGTERM, delay_s)
 
 
 def _history(uri: str, run_id: str, key: str) -> list[int]:
