@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import math
-import os
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +22,7 @@ from recsys_runner.checkpoint.storage import is_complete, list_checkpoints
 from recsys_runner.config import validate
 from recsys_runner.train.ema import DenseEMA
 from recsys_runner.train.stepping import LeanPipeline, PolicyPipelineBase, PolicyPipelineSparseDist
-from tests.conftest import REPO, TINY, hint_of, run_in_process
+from tests.conftest import TINY, hint_of, run_in_process, signal_in_process
 
 
 def the_run(uri: str, experiment: str):
@@ -207,17 +204,9 @@ def test_sigterm_checkpoints_and_the_printed_command_resumes_into_the_same_run(t
     num_steps = 60  # the signal comes at step 5: ~55 steps (each logged to MLflow) for it to land before the end
     args = [*[a for a in TINY if not a.startswith("train.")], f"train.num_steps={num_steps}", "train.log_every_steps=1",
             "train.eval_every_steps=null", "train.eval_max_batches=2", f"tracking.uri={uri}", "tracking.experiment=sigterm"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "recsys_runner", *args], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 240
-    for line in proc.stdout:
-        if f"step 5/{num_steps}" in line or time.monotonic() > deadline:
-            break
-    proc.send_signal(signal.SIGTERM)
-    out = proc.stdout.read()
-    assert proc.wait(timeout=120) == 128 + signal.SIGTERM, out
+    # in this process as python -m runs it, a real SIGTERM sent by another thread at the step 5 line (signal_in_process)
+    code, out, _ = signal_in_process([sys.executable, "-m", "recsys_runner", *args], tmp_path, f"step 5/{num_steps}", signal.SIGTERM, 0.0)
+    assert code == 128 + signal.SIGTERM, out
     command = hint_of(out)  # the default checkpoint dir is this launch's Hydra run dir: the hint names it
     assert command is not None, out[-2000:]
     ckpt_dir = Path(next(a for a in command if a.startswith("checkpoint.dir=")).split("=", 1)[1])
