@@ -1,9 +1,10 @@
 """Every command ends the same way on a signal: SIGTERM/SIGINT end the unit under way (or abandon it), training
 checkpoints, the MLflow run ends KILLED, one message says what was kept and the exact command that resumes or redoes
-it, and the exit status is 128 + signal (143, 130). Real processes and real signals, as a user or a scheduler sends
-them; and a relaunch of the same command that notices an interrupted run in the default checkpoint place. A launch
-that no outside signal reaches (a resume, the relaunches) runs in this process as ``python -m`` would run it
-(:func:`tests.conftest.run_in_process`; the printed command run as typed in a shell: test_run_safety).
+it, and the exit status is 128 + signal (143, 130). Real signals, as a user or a scheduler sends them; and a relaunch of the same command that notices an interrupted run in the default checkpoint place. The
+commands run in this process as ``python -m`` would run them (:func:`tests.conftest.run_in_process`), a SIGTERM sent by
+another thread (:func:`tests.conftest.signal_in_process`: a real signal, handled by the command's own handler as in a
+process of its own); the SIGINT case is a process of its own, SIGINT's default action reset in it as at a terminal.
+The printed command run as typed in a shell: test_run_safety.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from recsys_runner.lifecycle import FINISHED_MARK, interrupted_message, interrup
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.runtime import Launch
 from recsys_runner.train.signals import Interrupted, RaiseOnSignal, deferred, stopping
-from tests.conftest import REPO, TINY, hint_of, run_in_process
+from tests.conftest import REPO, TINY, hint_of, run_in_process, signal_in_process
 from tests.test_predict import trained_once  # noqa: F401 - a fixture: a DeepFM trained on Parquet once
 from tests.test_run_safety import SMALL, runs
 
@@ -88,7 +89,7 @@ def _status(uri: str, run_id: str) -> str:
 def test_sigterm_during_the_final_eval_checkpoints_and_the_printed_command_resumes(tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     args = [*SMALL, *LONG_EVAL, "train.num_steps=6", f"tracking.uri={uri}", "tracking.experiment=final_eval"]
-    code, out = _signal_when([sys.executable, "-m", "recsys_runner", *args], "step 6/6 train/loss", signal.SIGTERM, tmp_path)
+    code, out, _ = signal_in_process([sys.executable, "-m", "recsys_runner", *args], tmp_path, "step 6/6 train/loss", signal.SIGTERM, 0.5)
     assert code == 143, out[-3000:]
     assert "Interrupted: stopped by SIGTERM during the final eval after step 6; checkpoint " in out, out[-3000:]
     command = hint_of(out)
@@ -130,8 +131,11 @@ def test_signal_during_evaluate_ends_its_run_killed_with_the_command_to_redo_it(
     args = [*model, *LONG_EVAL, "distributed.device=cpu", f"load={checkpoint}", f"tracking.uri={uri}", "tracking.experiment=ev"]
     # "loaded weights of" is logged while evaluate builds, before its MLflow run is opened (on a loaded machine, seconds
     # before): a signal there finds no run to end KILLED. It waits for the open run; the eval, ~1500 batches, then lasts.
-    got, out = _signal_when([sys.executable, "-m", "recsys_runner.evaluate", *args], "loaded weights of", signum, tmp_path,
-                            delay_s=0.2, ready=_run_open(tmp_path))
+    argv = [sys.executable, "-m", "recsys_runner.evaluate", *args]
+    if signum == signal.SIGINT:  # a process: SIGINT's default action reset in it, as at a terminal (_sigint_as_at_a_terminal)
+        got, out = _signal_when(argv, "loaded weights of", signum, tmp_path, delay_s=0.2, ready=_run_open(tmp_path))
+    else:  # in this process, the same real signal from another thread (tests.conftest.signal_in_process)
+        got, out, _ = signal_in_process(argv, tmp_path, "loaded weights of", signum, 0.2, ready=_run_open(tmp_path))
     assert got == code, out[-3000:]
     (line,) = [x for x in out.splitlines() if x.startswith("Interrupted:")]
     (mlrun,) = runs(uri, "ev")
@@ -225,7 +229,7 @@ def test_sigterm_during_predict_leaves_no_part_and_ends_its_run_killed(
     out_dir = tmp_path / "out"
     argv = [sys.executable, "-m", "recsys_runner.predict", *trained, f"load={root}/ck", f"predict.input={tmp_path}/score",
             f"predict.output={out_dir}"]
-    code, out = _signal_when(argv, "loaded weights of", signal.SIGTERM, tmp_path, delay_s=1.0)
+    code, out, _ = signal_in_process(argv, tmp_path, "loaded weights of", signal.SIGTERM, 1.0)
     assert code == 143, out[-3000:]
     (line,) = [x for x in out.splitlines() if x.startswith("Interrupted:")]
     assert line.startswith("Interrupted: stopped by SIGTERM during predict; ") and "python -m recsys_runner.predict " in line, line
