@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,15 +21,19 @@ from recsys_runner.metrics.tasks import eval_metric_keys
 from recsys_runner.optim.config import PartConfig
 from recsys_runner.optim.optimizers import DenseSGDConfig
 from recsys_runner.optim.schedulers import ManualStepConfig
-from tests.conftest import TINY, run_cli
+from tests.conftest import TINY, run_cli, run_in_process
 
 STEP_LINE = re.compile(r"\bstep \d+/\d+")
 """A training log line (``step 10/30 train/loss=…``)."""
 
 
-def _cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    return run_cli(*TINY, f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "tracking.experiment=strict",
-                   "distributed.device=cpu", *overrides, cwd=tmp_path, timeout=300)
+def _cli(tmp_path: Path, *overrides: str, process: bool = True) -> subprocess.CompletedProcess[str]:
+    """The training command: a process, or (``process=False``) in this one as ``python -m`` runs it
+    (:func:`tests.conftest.run_in_process`: the same exit status and output, without ~10 s of imports)."""
+    args = [*TINY, f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "tracking.experiment=strict", "distributed.device=cpu", *overrides]
+    if process:
+        return run_cli(*args, cwd=tmp_path, timeout=300)
+    return run_in_process([sys.executable, "-m", "recsys_runner", *args], tmp_path)
 
 
 def _runs(tmp_path: Path) -> list[Any]:
@@ -155,9 +160,10 @@ KEY_CHECKS = {
 
 def test_cli_checks_metric_and_feature_keys_before_training(tmp_path: Path) -> None:
     """One case through the CLI (the other cases run in-process below, through the same ``validate`` + ``build``): exit 2,
-    the one-line error, no training step and no MLflow run."""
+    the one-line error, no training step and no MLflow run. In this process as ``python -m`` runs it (the command's own
+    process: test_cli_rejects_unknown_keys_added_with_plus above, the same exit-2 path)."""
     overrides, fragments = KEY_CHECKS["best-metric"]
-    out = _cli(tmp_path, *overrides)
+    out = _cli(tmp_path, *overrides, process=False)
     _assert_config_error(out, *fragments)
     assert not STEP_LINE.search(out.stdout + out.stderr), "training started before the check"
     assert _runs(tmp_path) == [], "an MLflow run was created before the check"
