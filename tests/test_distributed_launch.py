@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
 
 from recsys_runner.distributed.launch import map_submitit_env
-from tests.conftest import TINY, run_in_process
+from tests.conftest import TINY, run_cli
 
 SLURM_TASK = {
     "SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "77", "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4",
@@ -68,13 +67,12 @@ def test_map_submitit_env_leaves_torchrun_and_single_tasks_alone(monkeypatch: py
 @pytest.mark.slow
 def test_submitit_local_two_tasks_shard_with_two_sharding_types(tmp_path: Path) -> None:
     """One submitit job of 2 tasks: each task maps its environment to a rank, they form a gloo group,
-    and the plan mixes data-parallel (one table) with column-wise (the rest). The submitting command runs in this
-    process as ``python -m`` runs it (tests.conftest.run_in_process); the tasks are submitit's own processes."""
+    and the plan mixes data-parallel (one table) with column-wise (the rest)."""
     uri = f"sqlite:///{tmp_path}/two.db"
-    out = run_in_process([sys.executable, "-m", "recsys_runner", "-m", "hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2",
-                          "hydra.launcher.timeout_min=5", *TINY, "train.num_steps=20", "distributed.sharding_types=[column_wise]",
-                          "+distributed.tables={t_cat_0: {sharding_types: [data_parallel]}}",
-                          f"tracking.uri={uri}", "tracking.experiment=two_tasks"], tmp_path)
+    out = run_cli("-m", "hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2", "hydra.launcher.timeout_min=5",
+                  *TINY, "train.num_steps=20", "distributed.sharding_types=[column_wise]",
+                  "+distributed.tables={t_cat_0: {sharding_types: [data_parallel]}}",
+                  f"tracking.uri={uri}", "tracking.experiment=two_tasks", cwd=tmp_path, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     client = MlflowClient(tracking_uri=uri)
     runs = client.search_runs([client.get_experiment_by_name("two_tasks").experiment_id], "tags.world_size = '2'")
