@@ -134,6 +134,9 @@ def run_in_process(argv: Sequence[str], cwd: Path, env: Mapping[str, str] | None
                 handler.close()
         root.handlers[:] = saved_handlers
         root.setLevel(saved_level)
+        inference = sys.modules.get("recsys_runner.inference")
+        if inference is not None:  # overrides carried for a command that never used them (--cfg job, a composition
+            inference._carried = None  # error) die with its process; here the next command must not find them
     return subprocess.CompletedProcess(list(argv), code, out.getvalue(), err.getvalue())
 
 
