@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
 from recsys_runner.config import register_configs
@@ -92,6 +93,27 @@ class _Watched(io.StringIO):
         return written
 
 
+def _logger_states() -> dict[str, tuple[int, bool, bool, list[logging.Handler]]]:
+    """Every existing named logger's level, ``disabled``, ``propagate`` and handlers: what to put back."""
+    return {name: (logger.level, logger.disabled, logger.propagate, logger.handlers[:])
+            for name, logger in logging.Logger.manager.loggerDict.items() if isinstance(logger, logging.Logger)}
+
+
+def _store_tree(repo: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the ConfigStore's tree of groups (its dicts copied, its stored nodes shared): what to put back."""
+    return {k: _store_tree(v) if isinstance(v, dict) else v for k, v in repo.items()}
+
+
+def _put_back(repo: dict[str, Any], saved: dict[str, Any]) -> None:
+    """Every node ``saved`` held back in ``repo``, where the run stored another under its name; what the run stored
+    under new names (Hydra's own configs, stored on first use) stays."""
+    for key, value in saved.items():
+        if isinstance(value, dict):
+            _put_back(repo.setdefault(key, {}), value)
+        else:
+            repo[key] = value
+
+
 def run_in_process(argv: Sequence[str], cwd: Path, env: Mapping[str, str] | None = None,
                    on_stdout: Callable[[str], None] | None = None) -> subprocess.CompletedProcess[str]:
     """``argv`` = ``[python, "-m", module, *args]`` (e.g. a printed resume command) run in this process as ``python -m``
@@ -104,6 +126,11 @@ def run_in_process(argv: Sequence[str], cwd: Path, env: Mapping[str, str] | None
     saved_env, saved_cwd, saved_argv = dict(os.environ), os.getcwd(), sys.argv[:]
     root = logging.getLogger()
     saved_handlers, saved_level = root.handlers[:], root.level
+    saved_loggers = _logger_states()  # Hydra's job logging sets levels (and may disable loggers) for the process
+    # runpy runs the entry module's code afresh: its schema classes are defined again and stored in Hydra's ConfigStore
+    # over the imported module's (e.g. predict_schema's PredictConfig), so a later test's isinstance checks would fail
+    store = ConfigStore.instance()
+    saved_repo = _store_tree(store.repo)
     code = 0
     try:
         if env is None or "HYDRA_FULL_ERROR" not in env:
@@ -121,6 +148,7 @@ def run_in_process(argv: Sequence[str], cwd: Path, env: Mapping[str, str] | None
                     print(e.code, file=sys.stderr)
                 code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
     finally:
+        _put_back(store.repo, saved_repo)
         os.chdir(saved_cwd)
         sys.argv = saved_argv
         for key in set(os.environ) - set(saved_env):  # what the command (or env) set, as its process's exit would drop it
@@ -134,6 +162,11 @@ def run_in_process(argv: Sequence[str], cwd: Path, env: Mapping[str, str] | None
                 handler.close()
         root.handlers[:] = saved_handlers
         root.setLevel(saved_level)
+        for name, (level, disabled, propagate, handlers) in saved_loggers.items():
+            logger = logging.getLogger(name)
+            logger.setLevel(level)
+            logger.disabled, logger.propagate = disabled, propagate
+            logger.handlers[:] = handlers
         inference = sys.modules.get("recsys_runner.inference")
         if inference is not None:  # overrides carried for a command that never used them (--cfg job, a composition
             inference._carried = None  # error) die with its process; here the next command must not find them
