@@ -34,6 +34,7 @@ table's ids, said in one log line.
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
@@ -208,7 +209,7 @@ def _next_item_model(model: nn.Module) -> NextItemModel | None:
     return cast("NextItemModel | None", inner_with(model, "item_table", "encode"))
 
 
-class TopK:
+class TopK(ABC):
     """A ranking model's scorer (what :func:`top_k_scorer` returns): a batch → its ``top_items``/``top_scores`` in three
     steps, apart so that they can be timed apart (``python -m recsys_runner.bench.topk``): :meth:`queries` (the model's
     query vectors and each row's seen items), :meth:`retrieve` (the scores against ``index`` and their top ``k``),
@@ -227,10 +228,10 @@ class TopK:
         queries, seen = self.queries(batch)
         return self.answer(*self.retrieve(queries, seen))
 
+    @abstractmethod
     def queries(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(queries [B, O] float32, seen [B, L] index rows with -1 padding, or None)`` of ``batch``; reads ``index``
         first when it is not read yet."""
-        raise NotImplementedError
 
     def retrieve(self, queries: torch.Tensor, seen: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The exact top ``k`` of :func:`exact_top_k`: ``(rows, scores, keep)``."""
