@@ -203,7 +203,7 @@ def test_two_tower_top_k_equals_a_brute_force_over_the_catalogue_without_the_see
 
 
 def test_pass_through_ids_past_the_mapping_or_null_are_written_as_null() -> None:
-    from recsys_runner.scoring import _raw_column
+    from recsys_runner.data.sequences.mapping import _raw_column
 
     values = np.array(["a", "b", "c"], object)
     ids = pa.chunked_array([pa.array([2, 0, 3, None], pa.int64())])

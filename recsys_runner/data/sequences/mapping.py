@@ -20,6 +20,7 @@ tables keep the earlier output's sizes and a model trained on it reads the new r
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +33,10 @@ from recsys_runner import stores
 from recsys_runner.data.encoding.fit import read_vocab_file
 from recsys_runner.data.encoding.rows import value_keys
 from recsys_runner.data.encoding.vocabulary import Vocabulary
+from recsys_runner.data.locate import PARQUET_SUFFIXES
 from recsys_runner.errors import ConfigError, DataError
+
+log = logging.getLogger(__name__)
 
 VOCAB_FILE = "vocab.json"
 """``{"format": 1, "oov_buckets": n, "tables": {table: {"file": "vocab/<table>.txt", "columns": [...], "size": capacity,
@@ -231,3 +235,52 @@ def raw_values(values: np.ndarray, ids: np.ndarray) -> list:
     inside = (ids >= 0) & (ids < len(values))
     out = values[np.where(inside, ids, 0)].tolist() if len(values) else [OOV_ID] * len(ids)
     return [v if ok else OOV_ID for v, ok in zip(out, inside.tolist(), strict=True)]
+
+
+OOV_ID_VALUE = -1
+"""What a null id reads as: outside every mapping, so written as null."""
+
+
+class RawIdColumns:
+    """Pass-through columns (``predict.columns``) that hold ids of a ``data sequences`` id mapping, written as the log's
+    raw values: the ``user_id`` of per-user rows is the log's user, as the ``top_items`` are its items. Each input file
+    names its own mapping (:func:`~recsys_runner.data.sequences.mapping.mapping_folder`); an OOV id (a value unseen
+    by the mapping) is written as null. Files without a mapping (CSV, other Parquet) pass their columns as they are."""
+
+    def __init__(self, columns: list[str], *, say: bool) -> None:
+        self.columns, self.say = columns, say
+        self._by_file: dict[str, dict[str, np.ndarray]] = {}
+        self._said: set[str] = set()  # the mapping folders logged
+
+    def of(self, path: str, table: pa.Table) -> pa.Table:
+        """``table`` (a batch's pass-through columns from ``path``) with its id columns as raw values."""
+        values = self._by_file.get(path)
+        if values is None:
+            values = self._by_file[path] = self._load(path)
+        for name, raw in values.items():
+            table = table.set_column(table.schema.get_field_index(name), name, _raw_column(table[name], raw))
+        return table
+
+    def _load(self, path: str) -> dict[str, np.ndarray]:
+        folder = mapping_folder(path) if self.columns and path.endswith(PARQUET_SUFFIXES) else None
+        if folder is None:
+            return {}
+        tables = column_tables(folder)
+        named = {c: tables[c] for c in self.columns if c in tables}
+        if not named:
+            return {}
+        mapping = load_mapping(folder)
+        if self.say and folder not in self._said:
+            log.info("predict: %s written as the raw ids of the mapping in %s (an id unseen by it as null)",
+                     ", ".join(f"{c} ({t})" for c, t in named.items()), folder)
+            self._said.add(folder)
+        return {c: mapping[t] for c, t in named.items()}
+
+
+def _raw_column(column: pa.ChunkedArray, values: np.ndarray) -> pa.Array:
+    """``column``'s ids (integers, or lists of them: a history) as the raw values of ``values`` (a mapping's table)."""
+    array = column.combine_chunks()
+    if pa.types.is_list(array.type) or pa.types.is_large_list(array.type):
+        flat = array.flatten().fill_null(OOV_ID_VALUE).to_numpy(zero_copy_only=False)
+        return type(array).from_arrays(array.offsets, pa.array(raw_values(values, flat)), mask=array.is_null())
+    return pa.array(raw_values(values, array.fill_null(OOV_ID_VALUE).to_numpy(zero_copy_only=False)))
