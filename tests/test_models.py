@@ -44,7 +44,7 @@ UNREAD_PARAMETERS = {"sasrec": ("arch.ebc.",)}
 """Parameters a model builds but never reads: SASRec's state depends on the history alone, so the pooled tables of the
 other features (``user_id``) get no gradient."""
 
-SEQUENCE_MODELS = {"din", "bst", "sasrec"}
+SEQUENCE_MODELS = {"din", "bst", "sasrec", "hstu_rank"}
 """Models that attend over a user's history (``data_needs().sequences``): they are built on generated histories."""
 
 

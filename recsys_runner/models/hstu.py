@@ -25,10 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["HSTUBlock", "RelativeBias", "TIME_BUCKET_WIDTH", "time_buckets"]
+from recsys_runner.models.jagged import TIME_BUCKET_WIDTH, Tiles, pointwise_attention, relative_bias, time_buckets
 
-TIME_BUCKET_WIDTH = 0.301
-"""Width of one time-gap bucket in ``ln(seconds)``: bucket ``floor(ln(gap) / 0.301)`` (the reference code's)."""
+torch.fx.wrap("pointwise_attention")  # a leaf of TorchRec's pipeline trace here too (models/jagged.py says why)
+
+__all__ = ["HSTUBlock", "RelativeBias", "TIME_BUCKET_WIDTH", "time_buckets"]
 
 
 class RelativeBias(nn.Module):
@@ -36,7 +37,7 @@ class RelativeBias(nn.Module):
 
     ``bias[b, i, j] = w_pos[min(i - j, max_len - 1)] + w_time[bucket(|q[b, i] - k[b, j]|)]`` for ``j <= i`` (keys after
     the query are masked by the block anyway, and get distance 0's weight); without times (or ``time_buckets=0``) the
-    position term alone.
+    position term alone. :meth:`terms` is the formula for any pairs (the jagged tiles' too).
 
     Args:
         max_len: the longest block (distances ``0 … max_len - 1``).
@@ -51,18 +52,17 @@ class RelativeBias(nn.Module):
 
     def forward(self, length: int, times: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         index = torch.arange(length, device=self.position.device)
-        distance = (index.unsqueeze(1) - index.unsqueeze(0)).clamp(0, self.max_len - 1)
-        bias = self.position[distance].unsqueeze(0)
+        distance = (index.unsqueeze(1) - index.unsqueeze(0)).clamp_min(0)
         if self.time is None or times is None:
-            return bias
+            return self.terms(distance, None).unsqueeze(0)
         query, key = times
-        return bias + self.time[time_buckets(query.unsqueeze(2) - key.unsqueeze(1), self.time.shape[0] - 1)]
+        return self.terms(distance.unsqueeze(0), query.unsqueeze(2) - key.unsqueeze(1))
 
-
-def time_buckets(gaps: torch.Tensor, last: int) -> torch.Tensor:
-    """``floor(ln(max(|gap|, 1)) / 0.301)`` clamped to ``[0, last]``: the reference code's bucket of a gap in seconds
-    (gaps under 3 s share bucket 0; 0.301 ≈ log-spaced by 1.35x)."""
-    return (torch.log(gaps.abs().clamp_min(1).double()) / TIME_BUCKET_WIDTH).long().clamp(0, last)
+    def terms(self, distance: torch.Tensor, gaps: torch.Tensor | None) -> torch.Tensor:
+        """The bias of query-key pairs ``distance [..., L, L]`` apart (query position − key position, ``≥ 0``) with time
+        gaps ``gaps`` (same shape, query time − key time; ``None``: no time term): :func:`~recsys_runner.models.jagged.relative_bias`,
+        the jagged tiles' formula too."""
+        return relative_bias(self.position, self.time, distance, gaps)
 
 
 class HSTUBlock(nn.Module):
@@ -92,15 +92,29 @@ class HSTUBlock(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.bias = RelativeBias(max_len, time_buckets, device=device)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, times: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, times: tuple[torch.Tensor, torch.Tensor] | None = None,
+                candidates: torch.Tensor | None = None) -> torch.Tensor:
         b, length, dim = x.shape
         u, v, q, k = F.silu(self.uvqk(self.norm_in(x))).split(dim, dim=2)
         heads = (b, length, self.num_heads, dim // self.num_heads)
         q, k, v = (t.reshape(heads).transpose(1, 2) for t in (q, k, v))  # [B, H, L, D/H]
         logits = q @ k.transpose(2, 3) + self.bias(length, times).unsqueeze(1).to(q.dtype)
         causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
-        allowed = (causal.unsqueeze(0) & mask.unsqueeze(1)).unsqueeze(1)  # [B, 1, L, L]: real keys at or before the query
-        attention = F.silu(logits) / self.max_len * allowed.to(logits.dtype)
+        allowed = causal.unsqueeze(0) & mask.unsqueeze(1)  # [B, L, L]: real keys at or before the query
+        if candidates is not None:  # a candidate key is seen by itself alone
+            allowed = allowed & (~candidates.unsqueeze(1) | torch.eye(length, dtype=torch.bool, device=x.device))
+        attention = F.silu(logits) / self.max_len * allowed.unsqueeze(1).to(logits.dtype)
         mixed = (attention @ v).transpose(1, 2).reshape(b, length, dim)
         return x + self.out(self.dropout(self.norm_attention(mixed) * u))
 
+    def forward_jagged(self, x: torch.Tensor, tiles: Tiles, times: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       candidates: torch.Tensor | None = None) -> torch.Tensor:
+        """The same layer on jagged rows: ``x [T, D]`` (every row's tokens, flat), tiled by ``tiles``; ``times``: each
+        token's query and key time (``[T]`` each); ``candidates [T]``: tokens that only the history and themselves may
+        see. Equal to :meth:`forward` on the padded block at the real positions (tests/test_hstu_rank.py)."""
+        dim = x.shape[1]
+        u, v, q, k = F.silu(self.uvqk(self.norm_in(x))).split(dim, dim=1)
+        heads = (x.shape[0], self.num_heads, dim // self.num_heads)
+        mixed = pointwise_attention(q.reshape(heads), k.reshape(heads), v.reshape(heads), tiles, self.bias.position,
+                                    self.bias.time, 1.0 / self.max_len, times, candidates)
+        return x + self.out(self.dropout(self.norm_attention(mixed.reshape(x.shape)) * u))

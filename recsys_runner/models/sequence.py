@@ -8,13 +8,15 @@ A feature that shares its table with a history (the candidate ``item_id`` beside
 in the same unpooled table, so the candidate and the events it is compared with use the same rows.
 
 A model that needs a dense block (attention) gets :class:`History`: the events padded to the longest row *of
-this batch*, never to ``max_len``, with a mask. Shape legend: ``B`` batch, ``L`` longest history in the batch,
-``D`` embedding width, ``P`` width of the pooled features.
+this batch*, never to ``max_len``, with a mask. A model whose attention runs on jagged rows
+(:mod:`recsys_runner.models.jagged`) asks for ``jagged=True`` and gets :class:`JaggedHistory`, the events flat with
+their row lengths, nothing padded. Shape legend: ``B`` batch, ``L`` longest history in the batch, ``T`` events of the
+batch, ``D`` embedding width, ``P`` width of the pooled features.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch
@@ -27,7 +29,7 @@ from recsys_runner.features import FeatureSpec, SequenceGroup
 from recsys_runner.models.collision import managed_feature_names, pooled_collections, pooled_lookup
 from recsys_runner.models.common import embedding_width_rule
 
-__all__ = ["History", "SequenceArch", "SequenceEmbeddings", "check_candidates", "longest", "padded", "recency_positions"]
+__all__ = ["History", "JaggedHistory", "SequenceArch", "SequenceEmbeddings", "check_candidates", "longest", "padded", "recency_positions"]
 
 
 @dataclass
@@ -44,6 +46,16 @@ class History:
 
 
 @dataclass
+class JaggedHistory:
+    """One sequence group of a batch, unpadded: ``values [T, D_g]`` (every row's events, oldest first, row after row),
+    ``lengths [B]``, and ``timestamps [T]`` (int64) when the data has event times."""
+
+    values: torch.Tensor
+    lengths: torch.Tensor
+    timestamps: torch.Tensor | None = None
+
+
+@dataclass
 class SequenceEmbeddings:
     """What :class:`SequenceArch` returns: the pooled features ``[B, P]`` (every non-history feature, in
     ``features.sparse`` order), each history group as a :class:`History`, and each candidate's own vector
@@ -52,6 +64,8 @@ class SequenceEmbeddings:
     pooled: torch.Tensor
     histories: dict[str, History]
     candidates: dict[str, torch.Tensor]
+    jagged: dict[str, JaggedHistory] = field(default_factory=dict)
+    """Each history group unpadded, instead of ``histories``, for an arch built with ``jagged=True``."""
 
 
 # Leaves of a torch.fx trace (TorchRec's TrainPipelineSparseDist traces the model to find its lookups): their row
@@ -103,14 +117,18 @@ class SequenceArch(nn.Module):
         embedding_dim: the width of every table whose features set none.
         model: the model class that owns this arch (its ``same_embedding_width`` and name).
         required: raise unless the data has a sequence group.
+        jagged: give the histories unpadded (:attr:`SequenceEmbeddings.jagged`) instead of padded; exporting
+            (``torch.export``) still pads them, for the program's plain ATen ops.
 
     Raises:
         ConfigError: no sequence group while ``required``; the model needs one width and a feature sets another; a
             history's table asks for managed collision (only pooled tables take it).
     """
 
-    def __init__(self, features: FeatureSpec, embedding_dim: int, model: type[nn.Module], required: bool = True) -> None:
+    def __init__(self, features: FeatureSpec, embedding_dim: int, model: type[nn.Module], required: bool = True,
+                 jagged: bool = False) -> None:
         super().__init__()
+        self.jagged = jagged
         if required:
             features.group(model=model.__name__)
         reason = embedding_width_rule(model)
@@ -149,6 +167,9 @@ class SequenceArch(nn.Module):
         candidates = {name: self._pool(unpooled[name]) for name in self.candidate_names}
         pieces = [candidates[n] if n in candidates else bags[n] for n in self.pooled_names]
         pooled = torch.cat(pieces, dim=1) if pieces else torch.zeros(sparse.stride(), 0, device=sparse.values().device)
+        if self.jagged and not torch.compiler.is_exporting():
+            jagged = {g.name: self._jagged(g, unpooled, sparse) for g in self.groups}
+            return SequenceEmbeddings(pooled=pooled, histories={}, candidates=candidates, jagged=jagged)
         histories = {g.name: self._history(g, unpooled, sparse) for g in self.groups}
         return SequenceEmbeddings(pooled=pooled, histories=histories, candidates=candidates)
 
@@ -168,6 +189,14 @@ class SequenceArch(nn.Module):
         if group.timestamps is not None:
             timestamps = padded(sparse.to_dict()[group.timestamps], length)
         return History(values=values, mask=mask, lengths=lengths.long(), timestamps=timestamps)
+
+
+    @staticmethod
+    def _jagged(group: SequenceGroup, unpooled: dict[str, JaggedTensor], sparse: KeyedJaggedTensor) -> JaggedHistory:
+        """Group ``group``'s events flat: its features' embeddings side by side (they share the rows' lengths)."""
+        values = torch.cat([unpooled[f].values() for f in group.features], dim=1)
+        timestamps = sparse.to_dict()[group.timestamps].values().long() if group.timestamps is not None else None
+        return JaggedHistory(values=values, lengths=unpooled[group.features[0]].lengths().long(), timestamps=timestamps)
 
 
 def check_candidates(features: FeatureSpec, group: SequenceGroup, model: str) -> list[str]:

@@ -1,0 +1,140 @@
+"""Attention over jagged rows (every row's tokens flat, with offsets): its cost follows ``Σ n_r²``, not ``B × L²``.
+
+A batch of long-tailed histories padded to its longest row spends most of an attention's work on padding: 128 rows
+with Zipf lengths up to 200 hold ~2,700 tokens, but padded they are 128 × 201 positions, and the ``[B, L, L]`` scores
+hold 5 million entries for ~60 thousand real ones. Here each row is cut into tiles of ``block`` tokens, and a query
+tile meets only the key tiles of its own row (at or before it when causal): the tiling of the jagged HSTU kernels
+(generative-recommenders' Triton kernels, fbgemm's CUDA ones), written in PyTorch ops that run on the CPU. A row pads to
+a multiple of ``block`` only, never to the batch's longest row, and the tiles' scores are the only ``[·, C, C]`` tensor.
+
+:func:`tile` plans the tiling of one batch's lengths (:class:`Tiles`); :func:`to_tiles` / :func:`from_tiles` move
+per-token tensors into and out of it; :func:`pointwise_attention` is HSTU's attention (SiLU, no softmax, the
+relative bias :func:`relative_bias`) on it.
+
+Shape legend: ``T`` tokens (``Σ n_r``), ``B`` rows, ``C`` the tile size, ``NB`` tiles, ``P`` (query tile, key tile)
+pairs, ``H`` heads, ``d`` a head's width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["TIME_BUCKET_WIDTH", "Tiles", "from_tiles", "pointwise_attention", "relative_bias", "row_starts", "tile",
+           "time_buckets", "to_tiles"]
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """How one batch's rows are cut into tiles of ``block`` tokens.
+
+    ``slots [T]``: each token's slot in the tiled layout ``[NB · C]`` (row ``r``'s tiles follow row ``r - 1``'s);
+    ``positions [NB, C]``: each slot's position within its row, ``-1`` past the row's end; ``pair_query [P]`` and
+    ``pair_key [P]``: the tiles that meet (a query tile and each key tile of its row it attends to).
+    """
+
+    slots: torch.Tensor
+    positions: torch.Tensor
+    pair_query: torch.Tensor
+    pair_key: torch.Tensor
+    block: int
+    causal: bool
+
+
+def row_starts(lengths: torch.Tensor) -> torch.Tensor:
+    """``[B]``: where each row's first token sits among the flat tokens (the offsets without the last)."""
+    return torch.cumsum(lengths, 0) - lengths
+
+
+@torch.fx.wrap
+def tile(lengths: torch.Tensor, block: int, causal: bool = True) -> Tiles:
+    """The tiling of rows of ``lengths [B]`` (tokens flat, row after row) into tiles of ``block`` tokens.
+
+    ``causal``: a query tile meets its row's key tiles up to itself; otherwise every tile of its row. A leaf of
+    TorchRec's pipeline trace (``torch.fx.wrap``): the tile counts are data, which a symbolic trace cannot follow.
+    """
+    lengths = lengths.long()
+    device = lengths.device
+    tiles = torch.div(lengths + block - 1, block, rounding_mode="floor")  # [B]
+    first = row_starts(tiles)
+    num_tiles = int(tiles.sum())
+    rows = torch.arange(lengths.shape[0], device=device)
+    tile_row = torch.repeat_interleave(rows, tiles, output_size=num_tiles)
+    tile_index = torch.arange(num_tiles, device=device) - first[tile_row]  # each tile's place in its row
+    positions = tile_index.unsqueeze(1) * block + torch.arange(block, device=device).unsqueeze(0)
+    positions = torch.where(positions < lengths[tile_row].unsqueeze(1), positions, -1)
+    num_tokens = int(lengths.sum())
+    token_row = torch.repeat_interleave(rows, lengths, output_size=num_tokens)
+    slots = first[token_row] * block + torch.arange(num_tokens, device=device) - row_starts(lengths)[token_row]
+    keys = tile_index + 1 if causal else tiles[tile_row]  # key tiles per query tile
+    num_pairs = int(keys.sum())
+    pair_query = torch.repeat_interleave(torch.arange(num_tiles, device=device), keys, output_size=num_pairs)
+    pair_key = first[tile_row[pair_query]] + torch.arange(num_pairs, device=device) - row_starts(keys)[pair_query]
+    return Tiles(slots=slots, positions=positions, pair_query=pair_query, pair_key=pair_key, block=block, causal=causal)
+
+
+def to_tiles(x: torch.Tensor, tiles: Tiles) -> torch.Tensor:
+    """``x [T, ...]`` laid out as ``[NB, C, ...]`` (zeros in the slots past a row's end)."""
+    num_tiles, block = tiles.positions.shape
+    out = x.new_zeros((num_tiles * block, *x.shape[1:]))
+    return out.index_copy(0, tiles.slots, x).view(num_tiles, block, *x.shape[1:])
+
+
+def from_tiles(x: torch.Tensor, tiles: Tiles) -> torch.Tensor:
+    """``x [NB, C, ...]`` back to its tokens ``[T, ...]``."""
+    return x.reshape(-1, *x.shape[2:])[tiles.slots]
+
+
+TIME_BUCKET_WIDTH = 0.301
+"""Width of one time-gap bucket in ``ln(seconds)``: bucket ``floor(ln(gap) / 0.301)`` (the reference code's)."""
+
+
+def time_buckets(gaps: torch.Tensor, last: int) -> torch.Tensor:
+    """``floor(ln(max(|gap|, 1)) / 0.301)`` clamped to ``[0, last]``: the reference code's bucket of a gap in seconds
+    (gaps under 3 s share bucket 0; 0.301 ≈ log-spaced by 1.35x)."""
+    return (torch.log(gaps.abs().clamp_min(1).double()) / TIME_BUCKET_WIDTH).long().clamp(0, last)
+
+
+def relative_bias(position: torch.Tensor, time: torch.Tensor | None, distance: torch.Tensor,
+                  gaps: torch.Tensor | None) -> torch.Tensor:
+    """HSTU's ``rab`` of query-key pairs ``distance`` apart (query position − key position, ``≥ 0``) with time gaps
+    ``gaps`` (query time − key time; ``None``: no time term): ``position[min(distance, len - 1)] + time[bucket(gap)]``,
+    from the learned weights ``position [max_len]`` and ``time [buckets + 1]`` (``None``: no time term)."""
+    bias = position[distance.clamp_max(position.shape[0] - 1)]
+    if time is None or gaps is None:
+        return bias
+    return bias + time[time_buckets(gaps, time.shape[0] - 1)]
+
+
+@torch.fx.wrap
+def pointwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: Tiles, position: torch.Tensor,
+                        time: torch.Tensor | None, scale: float, times: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        candidates: torch.Tensor | None = None) -> torch.Tensor:
+    """HSTU's attention on jagged rows: ``q, k, v [T, H, d] → [T, H, d]``.
+
+    Token ``i`` of a row mixes ``Σ_j SiLU(q_i · k_j + bias(i - j, gap_ij)) · scale · v_j`` over the tokens ``j`` of
+    its row that the tiling lets it meet (``j ≤ i``), where a *candidate* token (``candidates [T]`` True)
+    is seen by itself alone: each candidate sees the history and not the other candidates. ``times``: each token's
+    query and key time (``[T]`` each; the gap is ``query_i − key_j``), ``None``: no time term. The bias is
+    :func:`relative_bias` of ``position`` and ``time``. ``tiles`` must be causal (``tile(..., causal=True)``). A leaf
+    of TorchRec's pipeline trace, like :func:`tile`: its tiles' shapes are data.
+    """
+    pq, pk = tiles.pair_query, tiles.pair_key
+    heads = (0, 2, 1, 3)  # [NB, C, H, d] → [NB, H, C, d]
+    qt, kt, vt = (to_tiles(t, tiles).permute(heads) for t in (q, k, v))
+    query_at, key_at = tiles.positions[pq], tiles.positions[pk]  # [P, C]
+    distance = query_at.unsqueeze(2) - key_at.unsqueeze(1)  # [P, C, C]
+    allowed = (distance >= 0) & (key_at >= 0).unsqueeze(1) & (query_at >= 0).unsqueeze(2)
+    if candidates is not None:
+        seen = ~to_tiles(candidates, tiles)[pk]  # [P, C]: keys every query may see
+        allowed = allowed & (seen.unsqueeze(1) | (distance == 0))
+    gaps = None
+    if times is not None:
+        query_t, key_t = to_tiles(times[0], tiles)[pq], to_tiles(times[1], tiles)[pk]
+        gaps = query_t.unsqueeze(2) - key_t.unsqueeze(1)
+    logits = qt[pq] @ kt[pk].transpose(2, 3) + relative_bias(position, time, distance.clamp_min(0), gaps).unsqueeze(1).to(q.dtype)  # [P, H, C, C]
+    weights = F.silu(logits) * scale * allowed.unsqueeze(1).to(logits.dtype)
+    mixed = torch.zeros_like(qt).index_add(0, pq, weights @ vt[pk])  # [NB, H, C, d]
+    return from_tiles(mixed.permute(heads), tiles)
