@@ -55,6 +55,7 @@ from recsys_runner.models.deepfm import DeepFMConfig
 from recsys_runner.models.din import DINConfig
 from recsys_runner.models.dlrm import DLRMConfig
 from recsys_runner.models.dssm import DSSMConfig
+from recsys_runner.models.esmm import ESMMConfig
 from recsys_runner.models.fm import FMConfig
 from recsys_runner.models.lr import LRConfig
 from recsys_runner.models.masknet import MaskNetConfig
@@ -172,7 +173,7 @@ GROUPS: dict[str, dict[str, type]] = {
               "mmoe": MMoEConfig, "dssm": DSSMConfig, "lr": LRConfig, "fm": FMConfig,
               "din": DINConfig, "bst": BSTConfig, "sasrec": SASRecConfig, "ple": PLEConfig, "dbmtl": DBMTLConfig,
               "xdeepfm": XDeepFMConfig, "autoint": AutoIntConfig, "masknet": MaskNetConfig,
-              "dcn": DCNConfig, "wukong": WukongConfig},
+              "dcn": DCNConfig, "wukong": WukongConfig, "esmm": ESMMConfig},
     "data": {"synthetic": SyntheticDataConfig, "parquet": ParquetDataConfig, "csv": CsvDataConfig, "criteo": CriteoDataConfig,
              "synthetic_sequences": SyntheticSequencesConfig},
     "optim": {"optim": OptimConfig},
