@@ -235,12 +235,14 @@ def click_csv(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def test_logged_data_with_a_buy_without_a_click_stops_at_step_one(click_csv: dict[str, Any], tmp_path: Path) -> None:
+    """One row in 50 buys without a click: step 1's batch holds some, so no step completes."""
     data = [*click_csv["data"], f"data.path={click_csv['root']}/broken.csv", "train.num_steps=4", "checkpoint=none"]
     c = build(validate(compose_entry("config", *data)))
     try:
-        with pytest.raises(DataError, match=r"ESMM: [1-9]\d* of this batch's 128 rows have the conversion label 'cvr' positive where "
-                                            r"the click 'ctr' is 0"):
+        with pytest.raises(DataError, match=r"ESMM: [1-9]\d* of this batch's 128 rows have the conversion label 'cvr' positive "
+                                            r"where the click 'ctr' is 0"):
             train(c.loop)
+        assert c.loop.state.step == 0
     finally:
         c.close()
 
