@@ -298,7 +298,7 @@ def test_two_ranks_evaluate_like_one(default_run: dict[str, Any], mlflow_uri: st
     clicked rows for the masked ``cvr``); the logged metrics equal one process's."""
     args = [*TINY, "model=esmm", "data.num_eval_rows=2048", f"load={default_run['load']}"]
     one = evaluate.run(compose_entry("evaluate", *args, "tracking=none"))
-    out = torchrun(*args, f"tracking.uri={mlflow_uri}", "tracking.experiment=esmm_eval_2", f"hydra.run.dir={tmp_path}/run",
+    out = torchrun(*args, "tracking=mlflow", f"tracking.uri={mlflow_uri}", "tracking.experiment=esmm_eval_2", f"hydra.run.dir={tmp_path}/run",
                    cwd=tmp_path, module="recsys_runner.evaluate")
     assert out.returncode == 0, out.stderr[-4000:]
     client = MlflowClient(tracking_uri=mlflow_uri)
