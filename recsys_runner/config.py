@@ -55,6 +55,7 @@ from recsys_runner.models.deepfm import DeepFMConfig
 from recsys_runner.models.din import DINConfig
 from recsys_runner.models.dlrm import DLRMConfig
 from recsys_runner.models.dssm import DSSMConfig
+from recsys_runner.models.esmm import ESMMConfig
 from recsys_runner.models.fm import FMConfig
 from recsys_runner.models.hstu_rank import HSTURankConfig
 from recsys_runner.models.lr import LRConfig
@@ -173,7 +174,7 @@ GROUPS: dict[str, dict[str, type]] = {
               "mmoe": MMoEConfig, "dssm": DSSMConfig, "lr": LRConfig, "fm": FMConfig,
               "din": DINConfig, "bst": BSTConfig, "sasrec": SASRecConfig, "ple": PLEConfig, "dbmtl": DBMTLConfig,
               "xdeepfm": XDeepFMConfig, "autoint": AutoIntConfig, "masknet": MaskNetConfig,
-              "dcn": DCNConfig, "wukong": WukongConfig, "hstu_rank": HSTURankConfig},
+              "dcn": DCNConfig, "wukong": WukongConfig, "hstu_rank": HSTURankConfig, "esmm": ESMMConfig},
     "data": {"synthetic": SyntheticDataConfig, "parquet": ParquetDataConfig, "csv": CsvDataConfig, "criteo": CriteoDataConfig,
              "synthetic_sequences": SyntheticSequencesConfig},
     "optim": {"optim": OptimConfig},

@@ -33,10 +33,10 @@ MODELS = sorted(p.stem for p in (Path(CONFIG_PATH) / "model").glob("*.yaml"))
 CPU = torch.device("cpu")
 
 
-MULTI_TASK_MODELS = {"mmoe", "ple", "dbmtl"}
-"""Models with a ``[B]`` output per task (``ctr``, ``cvr``): they are built on data with a label per task."""
+MULTI_TASK_MODELS = {"mmoe", "ple", "dbmtl", "esmm"}
+"""Models with a ``[B]`` output per task (``ctr``, ``cvr``; ESMM adds ``ctcvr``): they are built on data with a label per task."""
 
-OUTPUT_SHAPES = {**{m: (8, 2) for m in MULTI_TASK_MODELS}, "dssm": (8, 8)}
+OUTPUT_SHAPES = {**{m: (8, 2) for m in MULTI_TASK_MODELS}, "esmm": (8, 3), "dssm": (8, 8)}
 """Outputs other than logits ``[B]``: the multi-task models' two tasks (stacked), DSSM's query×candidate scores (SASRec's: see
 :func:`check_sasrec_output`)."""
 

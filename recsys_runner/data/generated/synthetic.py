@@ -108,6 +108,16 @@ class SyntheticDataConfig(DataConfig):
     """A later ``regression`` task's label as a purchase amount: ``conversion_amount·(1 + softplus(score_t))`` on rows that
     convert (the funnel: a click, then ``Bernoulli(sigmoid(score_t))``), 0 elsewhere — a large-variance amount whose MSE
     dwarfs the click's log loss; its ``auc`` ranks the converting rows. ``null``: ``softplus(score_t)`` on every row."""
+    selection_bias: float = 0.0
+    """How strongly the click selects on conversion: the click's score gains ``selection_bias`` times the first later
+    task's own score, so rows that would convert are clicked more and clicked rows are a biased sample of the impressions
+    (a CVR model fitted on them alone ranks the unclicked ones badly; ESMM's setting, ``data=synthetic_esmm``). 0: the
+    click ignores the conversion world."""
+    conversion_truth: str | None = None
+    """Name of one more label column, written on every row: whether the row would convert if clicked (the first later
+    task's conversion draw before the click gates it), so a CVR model can be evaluated on all impressions (ESMM's
+    ``cvr_all`` task, docs/multitask.md). Ground truth no logged data has: no task trains on it unless told to.
+    ``null``: no such column."""
     user_item_clusters: int | None = None
     """``K``: draw each item feature's id in the user feature's cluster (``id mod K``), so (user, item) pairs
     are learnable for retrieval. ``null``: 16 for a two-tower model (``model=dssm``), else independent columns."""
@@ -143,6 +153,14 @@ class SyntheticDataConfig(DataConfig):
         wrong = sorted({k for k in kinds.values() if k not in LABEL_KINDS})
         require(not wrong, f"data.label_kinds has kind(s) {wrong}; each must be one of {list(LABEL_KINDS)}")
         self._check_classes(kinds)
+        if self.selection_bias or self.conversion_truth is not None:
+            what = "data.selection_bias" if self.selection_bias else f"data.conversion_truth={self.conversion_truth!r}"
+            require(self.tasks is None or (len(self.tasks) >= 2 and kinds.get(self.tasks[1], "binary") == "binary"),
+                    f"{what} reads the funnel's first conversion, but data.tasks={self.tasks} has no binary task after the click. "
+                    f"Fix: data.tasks=[ctr,cvr] (or null: the model's tasks), or data.selection_bias=0 data.conversion_truth=null")
+            require(self.conversion_truth not in (self.tasks or []),
+                    f"data.conversion_truth={self.conversion_truth!r} is also a task of data.tasks={self.tasks}; it is a column of "
+                    f"its own. Fix: another name, e.g. data.conversion_truth=cvr_if_clicked")
         if self.user_item_clusters is not None:
             require(self.user_item_clusters > 0, f"data.user_item_clusters must be positive or null, got {self.user_item_clusters}")
             require(self.num_sparse >= 2, "data.user_item_clusters needs data.num_sparse >= 2 (cat_0 is the user, cat_1 the item)")
@@ -304,8 +322,11 @@ class SyntheticData(DataModule):
         self.features = FeatureSpec(
             dense_names=tuple(f"int_{i}" for i in range(c.num_dense)),
             sparse=sparse,
-            label=tuple(c.tasks) if c.tasks is not None else "label",
+            label=(*c.tasks, *([c.conversion_truth] if c.conversion_truth is not None else [])) if c.tasks is not None else "label",
         )
+        require(not (c.selection_bias or c.conversion_truth is not None) or len(c.tasks or []) >= 2,
+                f"data.selection_bias / data.conversion_truth read the funnel's first conversion, but the data has labels "
+                f"{list(c.tasks or ['label'])}. Fix: data.tasks=[ctr,cvr], or a multi-task model (model=esmm)")
         self.batch_size = c.batch_size
         self._num_train_batches = c.num_train_rows // c.batch_size
         self._num_eval_batches = c.num_eval_rows // c.batch_size
@@ -320,7 +341,9 @@ class SyntheticData(DataModule):
             classes=[(c.label_classes or {}).get(t, 0) for t in c.tasks or []],
             conflict=c.conversion_conflict,
             amount=c.conversion_amount,
+            truth=c.conversion_truth is not None,
         )
+        self._selection_bias = c.selection_bias
         self._clusters = c.user_item_clusters
         if c.user_item_clusters is not None:
             names = self.features.sparse_names
@@ -420,6 +443,8 @@ class SyntheticData(DataModule):
                 ids[:, j] = lookup[ids[:, first]]  # the item's own value: one catalogue row per item id
         dense = torch.randn(n, self.features.num_dense, generator=g)
         score = self._world.score(dense, ids)
+        if self._selection_bias:  # the click selects on what makes the row convert (the first conversion's own score)
+            score = score + self._selection_bias * self._task_labels.worlds[0].score(dense, ids)
         labels = torch.bernoulli(torch.sigmoid(score), generator=g)
         if self.features.multi_label:
             labels = torch.stack(self._task_labels.labels(labels, score, dense, ids, g), dim=1)

@@ -67,13 +67,18 @@ class TaskLabels:
     """``conversion_conflict``: how strongly each later task's score falls with the click's."""
     amount: float | None
     """``conversion_amount``: a later ``regression`` task's label as a purchase amount on the converting rows."""
+    truth: bool = False
+    """``conversion_truth``: one more column after the tasks', the first later task's conversion draw on every row (would
+    it convert if clicked), the ground truth of CVR over all impressions."""
 
     def labels(self, click: torch.Tensor, score: torch.Tensor, dense: torch.Tensor, ids: torch.Tensor,
                g: torch.Generator) -> list[torch.Tensor]:
         """Each task's label ``[B]``: the click, then the funnel's conversions; a ``regression`` task's is ``softplus(score_t)``,
-        or with ``conversion_amount`` an amount on the converting rows."""
+        or with ``conversion_amount`` an amount on the converting rows; with :attr:`truth`, then the first conversion's draw
+        before the click gates it."""
         first = {"binary": click, "multiclass": class_index(score, self.classes[0] if self.classes else 0, g)}
         columns = [first.get(self.kinds[0], F.softplus(score))]
+        draws: list[torch.Tensor] = []
         for world, kind, classes in zip(self.worlds, self.kinds[1:], self.classes[1:], strict=True):
             task_score = world.score(dense, ids) - self.conflict * score if self.conflict else world.score(dense, ids)
             if kind == "multiclass":
@@ -82,9 +87,10 @@ class TaskLabels:
             if kind != "binary" and self.amount is None:
                 columns.append(F.softplus(task_score))
                 continue
-            converted = click * torch.bernoulli(torch.sigmoid(task_score), generator=g)
+            draws.append(torch.bernoulli(torch.sigmoid(task_score), generator=g))
+            converted = click * draws[-1]
             columns.append(converted if self.amount is None or kind == "binary" else converted * self.amount * (1 + F.softplus(task_score)))
-        return columns
+        return [*columns, draws[0]] if self.truth else columns
 
 
 def class_index(score: torch.Tensor, classes: int, g: torch.Generator) -> torch.Tensor:
