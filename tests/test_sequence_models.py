@@ -94,6 +94,30 @@ def test_din_attention_ignores_padding_and_is_not_normalized() -> None:
                                   query.unsqueeze(1) * h.values], dim=2)).squeeze(2) * h.mask
     assert torch.allclose(interest, (weights.unsqueeze(2) * h.values).sum(1), atol=1e-6)
     assert not torch.allclose(weights[:2].sum(1), torch.ones(2)), "weights happen to sum to 1"
+    jagged = unit.forward_jagged(query, h.values[h.mask], h.lengths)  # the same on the events as they are
+    torch.testing.assert_close(jagged, interest, atol=1e-6, rtol=1e-5)
+
+
+def test_din_scores_the_same_on_the_jagged_and_the_padded_path() -> None:
+    """Same weights, ``attention: jagged`` (the default) against ``padded``: equal logits and gradients, empty histories
+    included."""
+    data = small_sequences(empty_fraction=0.3)
+    batch = next(iter(data.train_batches(0, 0, 1)))
+    models = []
+    for attention in ("jagged", "padded"):
+        torch.manual_seed(0)
+        models.append(materialize(make(DINConfig, embedding_dim=8, attention_layer_sizes=[8], deep_layer_sizes=[8],
+                                       attention=attention).build(features=data.features, dense_device=torch.device("cpu"))))
+    models[1].load_state_dict(models[0].state_dict())
+    outputs = [m(batch.dense_features, batch.sparse_features) for m in models]
+    torch.testing.assert_close(outputs[0], outputs[1], atol=1e-6, rtol=1e-5)
+    for out in outputs:
+        out.sum().backward()
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
+        if a.grad is not None:
+            torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-4, msg=name)
+    with pytest.raises(ConfigError, match="model.attention='dense' must be one of"):
+        make(DINConfig, attention="dense")
 
 
 # --- BST's parts ---

@@ -8,8 +8,12 @@ The user's history is attended to by the candidate: for each event ``k`` of the 
 gets weight 0. The weighted sum of the events (the user's interest *in this candidate*) is concatenated with
 every pooled feature and the dense columns, and an MLP gives the logit.
 
-Shape legend: ``B`` batch, ``L`` longest history in the batch, ``D_g`` an event's width (its features'
-embeddings concatenated), ``P`` the pooled features' width, ``N`` dense columns.
+The attention runs on the jagged events by default (``attention: jagged``): the MLP reads each real event once and the
+weighted sum is a per-row segment sum, so nothing is padded to the batch's longest history; ``attention: padded`` pads
+(the reference; an exported program always pads, with plain ATen ops).
+
+Shape legend: ``B`` batch, ``L`` longest history in the batch, ``T`` events of the batch, ``D_g`` an event's width (its
+features' embeddings concatenated), ``P`` the pooled features' width, ``N`` dense columns.
 """
 
 from __future__ import annotations
@@ -21,11 +25,15 @@ import torch
 from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from recsys_runner.errors import require
 from recsys_runner.features import DataNeeds, FeatureSpec, check_embedding_dim
 from recsys_runner.models.common import MLP, ModelConfig, check_layer_sizes
 from recsys_runner.models.sequence import SequenceArch, check_candidates
 
-__all__ = ["DIN", "DINConfig", "TargetAttention"]
+__all__ = ["ATTENTIONS", "DIN", "DINConfig", "TargetAttention"]
+
+ATTENTIONS = ("jagged", "padded")
+"""``model.attention``: DIN's attention on the batch's events as they are, or padded to the longest history."""
 
 
 @dataclass(kw_only=True)
@@ -43,9 +51,13 @@ class DINConfig(ModelConfig):
     """Hidden layers of the head over ``[interest, pooled features, dense]`` (a final 1-unit layer gives the logit)."""
     use_history: bool = True
     """``false``: the same model with the history ignored (the interest vector is 0), to measure what it adds."""
+    attention: str = "jagged"
+    """``jagged``: the attention on the batch's events as they are (a segment sum per row); ``padded``: on the events
+    padded to the batch's longest history (the reference; the same numbers up to float rounding)."""
 
     def __post_init__(self) -> None:
         check_embedding_dim("model.embedding_dim", self.embedding_dim)
+        require(self.attention in ATTENTIONS, f"model.attention={self.attention!r} must be one of {list(ATTENTIONS)}")
         check_layer_sizes("attention_layer_sizes", self.attention_layer_sizes)
         check_layer_sizes("deep_layer_sizes", self.deep_layer_sizes)
 
@@ -70,6 +82,13 @@ class TargetAttention(nn.Module):
         weights = weights * mask.to(weights.dtype)
         return torch.bmm(weights.unsqueeze(1), keys).squeeze(1)
 
+    def forward_jagged(self, query: torch.Tensor, events: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """The same on jagged rows: ``(query [B, D], events [T, D] (row after row), lengths [B]) → interest [B, D]``."""
+        rows = torch.repeat_interleave(torch.arange(lengths.shape[0], device=lengths.device), lengths, output_size=events.shape[0])
+        q = query[rows]
+        weights = self.mlp(torch.cat([q, events, q - events, q * events], dim=1))  # [T, 1]
+        return torch.zeros_like(query).index_add(0, rows, weights * events)
+
 
 class DIN(nn.Module):
     """DIN: ``(dense [B, N], sparse KJT with a history) → logits [B]``; see the module docstring.
@@ -89,7 +108,7 @@ class DIN(nn.Module):
 
     def __init__(self, config: DINConfig, *, features: FeatureSpec, dense_device: torch.device | None = None) -> None:
         super().__init__()
-        self.arch = SequenceArch(features, config.embedding_dim, type(self))
+        self.arch = SequenceArch(features, config.embedding_dim, type(self), jagged=config.attention == "jagged")
         self.group = features.group(config.sequence_group, model="DIN")
         self.candidates = check_candidates(features, self.group, "DIN")
         dim = self.arch.group_dims[self.group.name]
@@ -101,9 +120,13 @@ class DIN(nn.Module):
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         embedded = self.arch(sparse)
-        history = embedded.histories[self.group.name]
         query = torch.cat([embedded.candidates[name] for name in self.candidates], dim=1)
-        interest = self.attention(query, history.values, history.mask)
+        if embedded.jagged:
+            events = embedded.jagged[self.group.name]
+            interest = self.attention.forward_jagged(query, events.values.to(query.dtype), events.lengths)
+        else:
+            history = embedded.histories[self.group.name]
+            interest = self.attention(query, history.values, history.mask)
         if not self.use_history:  # multiplied, not skipped: every parameter stays in the graph (DDP expects it)
             interest = interest * 0.0
         return self.head(torch.cat([interest, embedded.pooled, dense], dim=1)).squeeze(1)

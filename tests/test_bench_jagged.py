@@ -1,0 +1,27 @@
+"""``recsys_runner.bench.jagged --quick``: both models, both paths, speed and memory land in the JSON and the table (no
+timing assertions: the numbers are the machine's; docs/performance.md holds the measured ones)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from recsys_runner.bench.jagged import ATTENTIONS, MODELS, main
+
+
+@pytest.mark.slow
+def test_quick_jagged_bench_writes_both_models_and_both_paths(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "jagged.json"
+    main(["--quick", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert sorted(result["models"]) == sorted(MODELS)
+    for model, figures in result["models"].items():
+        assert all(figures["speed"]["tokens_per_s"][a] > 0 for a in ATTENTIONS), model
+        assert figures["speed"]["ratio"] > 0 and figures["speed"]["target"] == 1.5
+        for attention in ATTENTIONS:
+            budgets = figures["memory"][attention]
+            assert len(budgets) == 2 and all(m["tokens"] > 0 and m["padded"] >= m["tokens"] for m in budgets.values()), budgets
+    stdout = capsys.readouterr().out
+    assert "hstu_rank: tokens/s jagged" in stdout and "din: tokens/s jagged" in stdout
