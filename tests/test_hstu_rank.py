@@ -1,4 +1,4 @@
-"""``hstu_rank`` (issue 32) and the jagged attention it runs on: the tiles cover every row; the jagged HSTU layer equals
+"""``hstu_rank`` (issue 32) and the jagged attention it runs on (as do ``sasrec``'s HSTU blocks): the tiles cover every row; the jagged HSTU layer equals
 the padded one (values and gradients, with time biases and candidates); each candidate sees the history and not the other
 candidates; the model scores the same on either path, a row alone as in a batch; multi-task heads; clear config errors;
 and a learning test on long histories whose label only their order shows, where DIN stays at chance.
@@ -30,6 +30,7 @@ from recsys_runner.models.din import DINConfig
 from recsys_runner.models.hstu import HSTUBlock
 from recsys_runner.models.hstu_rank import HSTURankConfig
 from recsys_runner.models.jagged import tile
+from recsys_runner.models.sasrec import SASRecConfig
 from recsys_runner.serving import program as serving
 from tests.test_export import train_and_score
 from tests.test_interaction_models import export_cfg, one_thread  # noqa: F401  (export_cfg: a fixture)
@@ -144,6 +145,21 @@ def test_the_model_scores_the_same_on_the_jagged_and_the_padded_path() -> None:
     for (name, a), b in zip(jagged.named_parameters(), padded.parameters(), strict=True):
         if a.grad is not None:
             torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_sasrec_with_hstu_blocks_scores_the_same_on_jagged_and_padded_rows() -> None:
+    """``model=sasrec model.block=hstu``: the blocks on the jagged positions (``attention_block: 4``) against the padded
+    rows (``0``): the same training logits and targets, the same eval scores, with event times and empty histories."""
+    data = small_sequences(negatives=0.0, empty_fraction=0.3, max_len=9)
+    batch = next(iter(data.train_batches(0, 0, 1)))
+    models = [build_model(make(SASRecConfig, embedding_dim=8, block="hstu", dropout=0.0, attention_block=size), data.features)
+              for size in (4, 0)]
+    models[1].load_state_dict(models[0].state_dict())
+    for mode in ("train", "eval"):
+        (logits, targets), (expected, expected_targets) = (m.train(mode == "train")(batch.dense_features, batch.sparse_features)
+                                                            for m in models)
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)  # cosine / temperature 0.05: 20x the states' error
+        assert torch.equal(targets, expected_targets)
 
 
 @pytest.mark.parametrize("attention", ["jagged", "padded"])

@@ -48,10 +48,10 @@ class Settings:
 
     max_len: int = 512
     length_skew: float = 1.2
-    batch_tokens: int = 8192
+    batch_tokens: int = 4096
     steps: int = 20
     """Runner steps a round (windows of 10, the first dropped)."""
-    rounds: int = 3
+    rounds: int = 2
     distinct: int = 8
     """Distinct batches made per variant (cycled)."""
     memory_steps: int = 8

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,7 @@ from recsys_runner.errors import ConfigError, require
 from recsys_runner.features import DataNeeds, FeatureSpec, SequenceGroup, check_embedding_dim
 from recsys_runner.models.common import ModelConfig
 from recsys_runner.models.hstu import HSTUBlock
+from recsys_runner.models.jagged import tile
 from recsys_runner.models.ranking_eval import sampled_negatives, seen_ids, without_seen
 from recsys_runner.models.sequence import History, SequenceArch, padded, recency_positions
 from recsys_runner.tasks import NextItemTask
@@ -45,6 +46,7 @@ from recsys_runner.tasks import NextItemTask
 __all__ = ["BLOCKS", "SASRec", "SASRecBlock", "SASRecConfig", "query_and_key_times"]
 
 torch.fx.wrap("padded")  # a leaf of TorchRec's pipeline trace here too (models/sequence.py says why)
+torch.fx.wrap("tile")  # and the jagged tiling (models/jagged.py says why)
 
 BLOCKS = ("sasrec", "hstu")
 """``model.block`` options: SASRec's softmax self-attention + feed-forward, or HSTU's pointwise gated attention."""
@@ -81,6 +83,11 @@ class SASRecConfig(ModelConfig):
     time_buckets: int = 128
     """``block: hstu``: log-scale time-gap buckets of the relative bias when the history has event times (``0``: no
     time bias)."""
+    attention_block: int = 32
+    """``block: hstu``: its attention runs on the jagged rows, cut into tiles of this many positions
+    (:mod:`recsys_runner.models.jagged`: the work follows the batch's positions, not its rows × its longest row, which
+    per-user rows of long-tailed lengths need); ``0``: on the rows padded to the batch's longest (the reference). The
+    ``sasrec`` block's softmax attention always runs padded."""
     eval_metrics: list[str] = field(default_factory=lambda: ["hr@10", "ndcg@10", "hr@50", "mrr"])
     """Ranking metrics of the true next item, logged as ``eval/hr_at_10`` …: ``hr@<k>``, ``ndcg@<k>``, ``mrr``,
     ``coverage@<k>`` (not with ``eval_negatives``). Over the whole item table, less each row's seen items with
@@ -100,6 +107,7 @@ class SASRecConfig(ModelConfig):
         require(0 <= self.dropout < 1, f"model.dropout must lie in [0, 1), got {self.dropout}")
         require(self.temperature > 0, f"model.temperature must be positive, got {self.temperature}")
         require(self.time_buckets >= 0, f"model.time_buckets must be >= 0, got {self.time_buckets}")
+        require(self.attention_block >= 0, f"model.attention_block must be >= 0 (0: padded), got {self.attention_block}")
         require(self.eval_negatives >= 0, f"model.eval_negatives must be >= 0 (0: the whole item table), got {self.eval_negatives}")
         require(not (self.eval_negatives and any(m.startswith("coverage@") for m in self.eval_metrics)),
                 f"model.eval_metrics={list(self.eval_metrics)}: coverage@<k> counts items of the whole table in the top k, "
@@ -185,6 +193,8 @@ class SASRec(nn.Module):
         nn.init.normal_(self.positions.weight, 0, 0.02)
         self.dropout = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(self._block(config, dim, dense_device) for _ in range(config.num_blocks))
+        self.tile_size = config.attention_block if config.block == "hstu" else 0
+        """The HSTU blocks' jagged tile (``model.attention_block``); 0: the blocks run on the padded rows."""
         self.norm = nn.LayerNorm(dim, device=dense_device)
         self._table: torch.Tensor | None = None
 
@@ -227,6 +237,12 @@ class SASRec(nn.Module):
         mask = torch.arange(length + 1, device=x.device).unsqueeze(0) < lengths.unsqueeze(1)
         x = self.dropout(x) * mask.unsqueeze(2).to(x.dtype)
         times = None if history.timestamps is None else query_and_key_times(history.timestamps, history.lengths, next_times)
+        if self.tile_size and not torch.compiler.is_exporting():  # HSTU on the real positions only (an export pads)
+            tiles = tile(lengths, self.tile_size)
+            flat, flat_times = x[mask], None if times is None else (times[0][mask], times[1][mask])
+            for block in self.blocks:
+                flat = cast(HSTUBlock, block).forward_jagged(flat, tiles, flat_times)
+            return self.norm(torch.zeros_like(x).masked_scatter(mask.unsqueeze(2), flat))
         for block in self.blocks:
             x = block(x, mask, times)
         return self.norm(x)
