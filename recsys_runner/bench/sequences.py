@@ -12,8 +12,9 @@ regime matters and what was measured.
 * ``f_tokens_vs_rows`` — the runner on token batches against the same runner on fixed ``data.batch_size=B // (max_len
   + 1)`` batches: the row count whose *longest* rows fit the same ``B`` tokens, what one sets without a token budget.
   Token batches both in drawn order (``data.batch_tokens=B``) and grouped by length (``data.group_by_length=true``, at
-  ``B`` and ``B/2``): DIN pads each batch to its longest row, so only grouped batches keep the padded block near the
-  tokens. tokens/s (``train/tokens_per_s``) ratio to the fixed rows, target ≥ 1.3; peak memory growth, target lower.
+  ``B`` and ``B/2``): DIN here pads each batch to its longest row (``model.attention=padded``, what these figures were
+  measured with; its default since then runs on the jagged events, ``bench/jagged.py``), so only grouped batches keep the
+  padded block near the tokens. tokens/s (``train/tokens_per_s``) ratio to the fixed rows, target ≥ 1.3; peak memory growth, target lower.
 * ``g_memory_linear`` — peak memory growth of grouped token batches at ``B/4``, ``B/2`` and ``B``: linear in tokens
   means equal MB per 1k tokens between the points (a constant part, what every step allocates whatever its size,
   makes the growth itself less than double when the tokens double).
@@ -96,7 +97,8 @@ class Settings:
         return self.batch_tokens // (self.max_len + 1)
 
     def data(self) -> list[str]:
-        return ["model=din", "data=synthetic_sequences", f"data.max_len={self.max_len}", f"data.length_skew={self.length_skew}"]
+        return ["model=din", "model.attention=padded", "data=synthetic_sequences", f"data.max_len={self.max_len}",
+                f"data.length_skew={self.length_skew}"]
 
 
 def runner_rates(loop: Loop, steps: int) -> tuple[float, float]:
