@@ -58,8 +58,8 @@ from recsys_runner.models.dssm import DSSMConfig
 from recsys_runner.models.fm import FMConfig
 from recsys_runner.models.lr import LRConfig
 from recsys_runner.models.masknet import MaskNetConfig
-from recsys_runner.models.mmoe import MMoEConfig
 from recsys_runner.models.mind import MINDConfig
+from recsys_runner.models.mmoe import MMoEConfig
 from recsys_runner.models.ple import PLEConfig
 from recsys_runner.models.sasrec import SASRecConfig
 from recsys_runner.models.wide_deep import WideDeepConfig
