@@ -30,6 +30,7 @@ from recsys_runner.build import build
 from recsys_runner.checkpoint.storage import list_checkpoints
 from recsys_runner.config import register_configs, validate
 from recsys_runner.configurable import make
+from recsys_runner.data.generated.synthetic_sequences import SyntheticSequencesConfig
 from recsys_runner.errors import ConfigError
 from recsys_runner.features import FeatureSpec, SequenceGroup, SparseFeature
 from recsys_runner.metrics.corpus import corpus_ranks
@@ -224,6 +225,15 @@ def test_a_history_that_is_missing_or_reads_another_table_names_the_fix() -> Non
                            sequences=(SequenceGroup("hist", ("hist_item_id",), 5, "recent"),))
     with pytest.raises(ConfigError, match=r"'hist_item_id' \(table 't_hist_item_id'\) shares no table with the item id 'item_id'"):
         MIND(make(MINDConfig, user_features=["hist_item_id"], item_features=["item_id"]), features=unshared)
+
+
+def test_the_default_data_serves_mind(make_cfg) -> None:
+    """``python -m recsys_runner model=mind`` with nothing else: generated histories whose every row is a (user, item) pair
+    (no negative rows), with the item catalogue the full-corpus metrics rank against."""
+    run_config = validate(make_cfg("model=mind", "tracking=none", tiny=False))
+    assert isinstance(run_config.data, SyntheticSequencesConfig) and run_config.data.negatives == 0.0
+    catalogue = run_config.data.build().item_table()
+    assert catalogue is not None and len(catalogue) == run_config.data.num_items and catalogue.id_feature == "item_id"
 
 
 # --- learning: users of several interests --------------------------------------------------------------------------------
