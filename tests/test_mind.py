@@ -231,9 +231,10 @@ def test_the_default_data_serves_mind(make_cfg) -> None:
     """``python -m recsys_runner model=mind`` with nothing else: generated histories whose every row is a (user, item) pair
     (no negative rows), with the item catalogue the full-corpus metrics rank against."""
     run_config = validate(make_cfg("model=mind", "tracking=none", tiny=False))
-    assert isinstance(run_config.data, SyntheticSequencesConfig) and run_config.data.negatives == 0.0
-    catalogue = run_config.data.build().item_table()
-    assert catalogue is not None and len(catalogue) == run_config.data.num_items and catalogue.id_feature == "item_id"
+    served = run_config.served_data
+    assert isinstance(served, SyntheticSequencesConfig) and served.negatives == 0.0
+    catalogue = served.build().item_table()
+    assert catalogue is not None and len(catalogue) == served.num_items and catalogue.id_feature == "item_id"
 
 
 # --- learning: users of several interests --------------------------------------------------------------------------------
