@@ -218,6 +218,9 @@ def test_a_history_that_is_missing_or_reads_another_table_names_the_fix() -> Non
     with pytest.raises(ConfigError, match=r"history feature 'hist_category' \(table 'category'\) shares no table with the item id "
                                           r"'item_id' \(table 'item'\).*Fix: give both the same table"):
         MIND(make(MINDConfig, user_features=["hist_category", "hist_item_id"]), features=data.features)
+    with pytest.raises(ConfigError, match=r"model.item_features lists history features \['hist_category'\].*Fix: move them to "
+                                          r"model.user_features, e.g. model.item_features=\[item_id\]"):
+        MIND(make(MINDConfig, user_features=["hist_item_id"], item_features=["item_id", "hist_category"]), features=data.features)
     flat = FeatureSpec(dense_names=(), sparse=(SparseFeature("user_id", 10), SparseFeature("item_id", 10)))
     with pytest.raises(ConfigError, match=r"the data has no history \(no data.sequences group\). Fix: data=synthetic_sequences"):
         MIND(make(MINDConfig, user_features=["user_id"], item_features=["item_id"]), features=flat)

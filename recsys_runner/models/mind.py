@@ -262,7 +262,8 @@ def _history(config: MINDConfig, features: FeatureSpec) -> tuple[SequenceGroup, 
     """The sequence group and the history features of ``model.user_features`` that MIND routes.
 
     Raises:
-        ConfigError: none listed, two groups' features listed, or the first not reading the item id's table.
+        ConfigError: none listed, history features among the item features, two groups' features listed, or the first
+            not reading the item id's table.
     """
     groups = {f: g for g in features.sequences for f in g.features}
     history = [n for n in config.user_features if n in groups]
@@ -275,6 +276,11 @@ def _history(config: MINDConfig, features: FeatureSpec) -> tuple[SequenceGroup, 
                           "MIND routes the user's behaviour history into interests, but the data has no history (no "
                           "data.sequences group). Fix: data=synthetic_sequences, or declare the history columns in "
                           "data.sequences (docs/sequences.md)")
+    in_items = [n for n in config.item_features if n in groups]
+    if in_items:
+        raise ConfigError(f"model.item_features lists history features {in_items}; an item is its own features (its id, category, "
+                          f"…), the history is the user's. Fix: move them to model.user_features, e.g. model.item_features="
+                          f"[{','.join(n for n in config.item_features if n not in groups) or 'item_id'}]")
     both = sorted({groups[n].name for n in history})
     if len(both) > 1:
         raise ConfigError(f"model.user_features lists history features of the groups {both}; MIND routes one history. Fix: "
