@@ -43,6 +43,7 @@ from recsys_runner.train.corpus import sampled_ranks
 from recsys_runner.train.loop import train
 from tests.conftest import torchrun
 from tests.test_evaluate import compose_entry
+from tests.test_export import run_fresh
 from tests.test_interaction_models import one_thread
 from tests.test_models import CPU, materialize, small_sequences
 
@@ -320,8 +321,9 @@ def test_resumed_training_matches_uninterrupted(straight: Path, mlflow_uri: str,
 
 
 def test_export_writes_a_user_tower_of_k_vectors_that_scores_like_the_model(straight: Path, tmp_path: Path) -> None:
-    """``user_tower.pt2`` returns ``[B, K, O]``; its best interest against ``item_tower.pt2``'s vectors equals the trained
-    (sharded, restored) model's eval scores on a batch the export never saw; ``items.pt`` holds the catalogue's vectors."""
+    """``user_tower.pt2`` returns ``[B, K, O]``; its best interest against ``item_tower.pt2``'s vectors (both run in a new
+    interpreter that imports only torch) equals the trained (sharded, restored) model's eval scores on a batch the export
+    never saw; ``items.pt`` holds the catalogue's vectors."""
     c = build(validate(_compose("config", *MIND_TINY, "tracking=none", f"checkpoint.dir={straight}", "checkpoint.resume=latest")))
     try:
         *_, batch = itertools.islice(c.loop.data.eval_batches(0, 1), 2)
@@ -332,8 +334,8 @@ def test_export_writes_a_user_tower_of_k_vectors_that_scores_like_the_model(stra
     out = export.run(_compose("export", *MIND_TINY, "tracking=none", f"load={straight}", f"export.dir={tmp_path / 'export'}",
                               "export.mlflow_model=false"))
     keys = list(batch.sparse_features.keys())
-    vectors = {name: torch.export.load(str(out / f"{name}_tower.pt2")).module()(*_tower_inputs(batch, keys, name))
-               for name in ("user", "item")}
+    user, item = run_fresh(out, tmp_path, [(f"{name}_tower.pt2", _tower_inputs(batch, keys, name)) for name in ("user", "item")])
+    vectors = {"user": user, "item": item}
     assert vectors["user"].shape == (64, 3, 8) and vectors["item"].shape == (64, 8)
     torch.testing.assert_close(tower_scores(vectors["user"], vectors["item"]) / 0.05, expected, atol=1e-4, rtol=1e-5)
     assert torch.load(out / "items.pt")["vectors"].shape == (300, 8)
