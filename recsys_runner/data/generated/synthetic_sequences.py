@@ -97,7 +97,7 @@ class SyntheticSequencesConfig(DataConfig):
     """Probability that an event is the previous event's successor rather than a fresh pick."""
     negatives: float | None = None
     """Fraction of rows whose candidate is a random popular item instead of the true next item. ``null``: 0.5, or
-    0 for a next-item model (every row's candidate is then the item that came next)."""
+    0 for a next-item or two-tower model (every row's candidate is then the item that came next: a positive pair)."""
     timestamps: bool = True
     """Carry each event's time (``hist_ts``, seconds, ascending) for time-aware models."""
     truncate: str = "recent"
