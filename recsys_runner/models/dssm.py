@@ -10,7 +10,9 @@ are its negatives, plus the batch's last ``K`` rows when the data samples catalo
 each candidate's training logit loses ``log p_c``, its streaming-estimated probability of being a
 candidate (:class:`~recsys_runner.models.frequency.FrequencyEstimator`), whatever put it there. Eval
 computes ``inbatch_recall@k`` over the in-batch candidates (uncorrected scores, as served) and, when
-the data has an item catalogue, the full-corpus metrics (``train/corpus.py``) with :meth:`DSSM.tower`.
+the data has an item catalogue, the full-corpus metrics (``train/corpus.py``) with :meth:`DSSM.tower`. What does not
+depend on the towers (the task, temperature, sampled rows, logQ, the corpus evaluation's settings) is
+:class:`InBatchRetrieval`, which MIND's multi-interest towers (``models/mind.py``) share.
 
 Shape legend: ``B`` batch, ``K`` sampled rows of a training batch, ``Q = B - K`` queries, ``D``
 embedding dim, ``O`` tower output width, ``N`` catalogue items.
@@ -164,7 +166,7 @@ class InBatchRetrieval(nn.Module):
     """What every two-tower retrieval model shares, whatever its towers: its one
     :class:`~recsys_runner.tasks.InBatchSoftmaxTask`, the temperature, the ``K`` sampled item rows at the end of a training
     batch, the logQ correction of the candidates' training logits, and the attributes the full-corpus evaluation and the
-    export read (``corpus_chunk_rows``, ``corpus_index``, ``eval_negatives``; a subclass adds ``tower_features`` and
+    export read (``corpus_chunk_rows``, ``corpus_index``, ``eval_negatives``, ``tower_features``; a subclass adds
     ``tower``). :class:`DSSM` and :class:`~recsys_runner.models.mind.MIND` build their towers on it.
 
     Args:
