@@ -354,6 +354,55 @@ def _tower_inputs(batch: Batch, keys: list[str], name: str) -> tuple[torch.Tenso
 
 
 @pytest.mark.slow
+def test_mlflow_towers_serve_raw_histories_with_k_vectors(tmp_path: Path) -> None:
+    """Trained on a CSV whose history is a ``|``-separated list column: ``mlflow_user_tower/`` turns raw history cells into
+    ``[K, O]`` per row, ``mlflow_item_tower/`` raw items into vectors, and their best-interest scores are ``model.pt2``'s
+    (the export itself has checked each MLflow model against the eager model)."""
+    import mlflow.pyfunc
+    import numpy as np
+    import pandas as pd
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+
+    from recsys_runner.data.encoding.rows import Encoder, Location
+    from recsys_runner.data.encoding.stored import read_stored
+    from recsys_runner.errors import DataError
+    from tests.test_mlflow_model import _trained
+
+    rng = np.random.default_rng(0)
+    lines = ["click,item,cat,hist_item,hist_cat"]
+    for _ in range(1200):
+        events, item = [int(rng.integers(40)) for _ in range(int(rng.integers(0, 5)))], int(rng.integers(40))
+        lines.append(f"1,{item},c{item % 5},{'|'.join(map(str, events))},{'|'.join(f'c{e % 5}' for e in events)}")
+    (tmp_path / "train.csv").write_text("\n".join(lines) + "\n")
+    data = ["data=csv", f"data.path={tmp_path}/train.csv", "data.batch_size=64", "data.label=click",
+            "data.sparse=[{name: item, table: item}, {name: cat, table: cat}, {name: hist_item, table: item, separator: '|'}, "
+            "{name: hist_cat, table: cat, separator: '|'}]", "data.sequences={hist: {features: [hist_item, hist_cat], max_len: 5}}",
+            "model=mind", "model.user_features=[hist_item,hist_cat]", "model.item_features=[item,cat]", "model.embedding_dim=8",
+            "model.tower_layer_sizes=[16,8]", "model.num_interests=3", "model.eval_metrics=[inbatch_recall@10]",
+            "distributed.device=cpu", "tracking=none"]
+    out = _trained(tmp_path, data, 4)["model"].parent
+    rows = pd.read_csv(tmp_path / "train.csv", dtype=str, keep_default_na=False).head(20)
+    user = np.stack(mlflow.pyfunc.load_model(str(out / "mlflow_user_tower")).predict(rows[["hist_item", "hist_cat"]])["vector"].to_numpy())
+    item = np.stack(mlflow.pyfunc.load_model(str(out / "mlflow_item_tower")).predict(rows[["item", "cat"]])["vector"].to_numpy())
+    assert user.shape == (20, 3, 8) and item.shape == (20, 8)
+    spec = json.loads((out / export.FEATURE_SPEC_FILE).read_text())
+    served = tower_scores(torch.from_numpy(user), torch.from_numpy(item)) / spec["towers"]["temperature"]
+
+    stored = read_stored(tmp_path / "ck" / "step_00000004")
+    assert stored is not None
+    options = pacsv.ConvertOptions(column_types=dict.fromkeys(rows.columns, pa.string()), strings_can_be_null=True)  # "": missing, as training read it
+    table = pacsv.read_csv(tmp_path / "train.csv", convert_options=options)
+    table = table.slice(0, 20)
+    encoded = Encoder(stored.schema, "fail", DataError).encode(table, Location("train.csv", "rows", np.arange(20), 2))
+    program = torch.export.load(str(out / export.MODEL_FILE)).module()
+    with torch.no_grad():
+        whole = program(torch.as_tensor(encoded.dense), torch.as_tensor(np.concatenate([v for v, _ in encoded.sparse]).astype(np.int64)),
+                        torch.as_tensor(np.stack([ln for _, ln in encoded.sparse]).astype(np.int64)))
+    np.testing.assert_allclose(served.numpy(), whole.numpy(), atol=1e-4)
+
+
+@pytest.mark.slow
 def test_two_ranks_full_corpus_eval_equals_one_rank(tmp_path: Path) -> None:
     """torchrun, 2 gloo ranks, tables split column-wise: the item index built in 3 chunks over 2 ranks (one padding
     forward), each rank's queries' K interests ranked against it; the checkpoint evaluated on 1 rank gives the same
