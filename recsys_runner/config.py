@@ -60,6 +60,7 @@ from recsys_runner.models.fm import FMConfig
 from recsys_runner.models.hstu_rank import HSTURankConfig
 from recsys_runner.models.lr import LRConfig
 from recsys_runner.models.masknet import MaskNetConfig
+from recsys_runner.models.mind import MINDConfig
 from recsys_runner.models.mmoe import MMoEConfig
 from recsys_runner.models.ple import PLEConfig
 from recsys_runner.models.sasrec import SASRecConfig
@@ -174,7 +175,7 @@ GROUPS: dict[str, dict[str, type]] = {
               "mmoe": MMoEConfig, "dssm": DSSMConfig, "lr": LRConfig, "fm": FMConfig,
               "din": DINConfig, "bst": BSTConfig, "sasrec": SASRecConfig, "ple": PLEConfig, "dbmtl": DBMTLConfig,
               "xdeepfm": XDeepFMConfig, "autoint": AutoIntConfig, "masknet": MaskNetConfig,
-              "dcn": DCNConfig, "wukong": WukongConfig, "hstu_rank": HSTURankConfig, "esmm": ESMMConfig},
+              "dcn": DCNConfig, "wukong": WukongConfig, "hstu_rank": HSTURankConfig, "esmm": ESMMConfig, "mind": MINDConfig},
     "data": {"synthetic": SyntheticDataConfig, "parquet": ParquetDataConfig, "csv": CsvDataConfig, "criteo": CriteoDataConfig,
              "synthetic_sequences": SyntheticSequencesConfig},
     "optim": {"optim": OptimConfig},

@@ -306,7 +306,8 @@ def exact_top_k(queries: torch.Tensor, index: torch.Tensor, k: int, chunk_rows: 
     the sweep's ``B × N × O``), as predict has always written them; the sweep's own matmul scores may differ from them
     in the last bit."""
     swept, rows = corpus_top_k(queries, index, k, chunk_rows, seen=seen)
-    scores = (queries.unsqueeze(1) * index[rows]).sum(dim=2)
+    found = index[rows]  # [B, k, O]; a multi-interest query [B, I, O] (MIND) scores each by its best interest
+    scores = (found @ queries.transpose(1, 2)).amax(dim=2) if queries.dim() == 3 else (queries.unsqueeze(1) * found).sum(dim=2)
     keep = torch.ones_like(rows, dtype=torch.bool) if seen is None else ~torch.isneginf(swept)
     return rows, scores, keep
 

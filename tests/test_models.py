@@ -36,7 +36,7 @@ CPU = torch.device("cpu")
 MULTI_TASK_MODELS = {"mmoe", "ple", "dbmtl", "esmm"}
 """Models with a ``[B]`` output per task (``ctr``, ``cvr``; ESMM adds ``ctcvr``): they are built on data with a label per task."""
 
-OUTPUT_SHAPES = {**{m: (8, 2) for m in MULTI_TASK_MODELS}, "esmm": (8, 3), "dssm": (8, 8)}
+OUTPUT_SHAPES = {**{m: (8, 2) for m in MULTI_TASK_MODELS}, "esmm": (8, 3), "dssm": (8, 8), "mind": (8, 8)}
 """Outputs other than logits ``[B]``: the multi-task models' two tasks (stacked), DSSM's query×candidate scores (SASRec's: see
 :func:`check_sasrec_output`)."""
 
@@ -44,7 +44,7 @@ UNREAD_PARAMETERS = {"sasrec": ("arch.ebc.",)}
 """Parameters a model builds but never reads: SASRec's state depends on the history alone, so the pooled tables of the
 other features (``user_id``) get no gradient."""
 
-SEQUENCE_MODELS = {"din", "bst", "sasrec", "hstu_rank"}
+SEQUENCE_MODELS = {"din", "bst", "sasrec", "hstu_rank", "mind"}
 """Models that attend over a user's history (``data_needs().sequences``): they are built on generated histories."""
 
 

@@ -13,7 +13,8 @@ them ``update(Ranked(ranks [Q], top [Q, K], N))`` from :func:`corpus_ranks` (tie
 the catalogue has rank ``inf``, a miss). Sums and the covered item rows are combined over ranks before ``compute``,
 so the value over several ranks is one process's over all queries.
 
-Shape legend: ``Q`` queries, ``N`` items, ``O`` vector width, ``K`` the largest ``k`` asked for.
+Shape legend: ``Q`` queries, ``N`` items, ``O`` vector width, ``K`` the largest ``k`` asked for. A query may be ``I`` vectors
+``[Q, I, O]`` (a multi-interest user, ``model=mind``): an item's score is then the best of its ``I`` products.
 """
 
 from __future__ import annotations
@@ -123,7 +124,10 @@ def _sweep(queries: Tensor, index: Tensor, k: int, chunk_rows: int, mask: _SeenM
 class _ChunkScores:
     """``queries @ index[start : start + chunk_rows].T``, each full chunk written into one buffer held for the pass: a
     fresh ``Q × chunk_rows`` result per chunk (32 MiB at 1024 × 8192) is a new mapping of the allocator's, paid in page
-    faults on every chunk (a third of the matmul's time on a 2-core CPU); the values are the very same matmul's."""
+    faults on every chunk (a third of the matmul's time on a 2-core CPU); the values are the very same matmul's.
+
+    Multi-interest queries ``[Q, I, O]`` (MIND: ``I`` vectors per user) score an item by their best vector, ``max_i``
+    of the ``I`` products: what serving with ``I`` vectors returns."""
 
     def __init__(self, queries: Tensor, index: Tensor, chunk_rows: int) -> None:
         self.queries, self.index, self.chunk_rows = queries, index, chunk_rows
@@ -131,6 +135,8 @@ class _ChunkScores:
 
     def __call__(self, start: int) -> Tensor:
         chunk = self.index[start:start + self.chunk_rows]
+        if self.queries.dim() == 3:
+            return (self.queries @ chunk.t().unsqueeze(0)).amax(dim=1)
         if chunk.shape[0] < self.chunk_rows or (torch.is_grad_enabled() and (self.queries.requires_grad or chunk.requires_grad)):
             return self.queries @ chunk.t()  # the last, short chunk; or a graph being recorded (out= records none)
         if self.buffer is None:

@@ -10,7 +10,9 @@ are its negatives, plus the batch's last ``K`` rows when the data samples catalo
 each candidate's training logit loses ``log p_c``, its streaming-estimated probability of being a
 candidate (:class:`~recsys_runner.models.frequency.FrequencyEstimator`), whatever put it there. Eval
 computes ``inbatch_recall@k`` over the in-batch candidates (uncorrected scores, as served) and, when
-the data has an item catalogue, the full-corpus metrics (``train/corpus.py``) with :meth:`DSSM.tower`.
+the data has an item catalogue, the full-corpus metrics (``train/corpus.py``) with :meth:`DSSM.tower`. What does not
+depend on the towers (the task, temperature, sampled rows, logQ, the corpus evaluation's settings) is
+:class:`InBatchRetrieval`, which MIND's multi-interest towers (``models/mind.py``) share.
 
 Shape legend: ``B`` batch, ``K`` sampled rows of a training batch, ``Q = B - K`` queries, ``D``
 embedding dim, ``O`` tower output width, ``N`` catalogue items.
@@ -160,33 +162,18 @@ class Tower(nn.Module):
         return F.normalize(v, dim=1) if self.normalize else v
 
 
-class DSSM(nn.Module):
-    """Two towers; ``(dense [B, n], sparse KJT) → scores [Q, B]``, ``scores[q, c] = <user_q, item_c> / τ`` (in
-    training ``- log p_c`` with ``logq_correction``; ``Q = B`` in eval mode, ``B - K`` in training with ``K`` sampled
-    item rows).
-
-    Row ``q``'s positive is candidate ``q`` (the diagonal); its ``tasks`` is one
-    :class:`~recsys_runner.tasks.InBatchSoftmaxTask`, so the TrainWrapper applies the in-batch softmax loss
-    and eval computes ``inbatch_recall@k`` (and the corpus metrics, through :meth:`tower`).
+class InBatchRetrieval(nn.Module):
+    """What every two-tower retrieval model shares, whatever its towers: its one
+    :class:`~recsys_runner.tasks.InBatchSoftmaxTask`, the temperature, the ``K`` sampled item rows at the end of a training
+    batch, the logQ correction of the candidates' training logits, and the attributes the full-corpus evaluation and the
+    export read (``corpus_chunk_rows``, ``corpus_index``, ``eval_negatives``, ``tower_features``; a subclass adds
+    ``tower``). :class:`DSSM` and :class:`~recsys_runner.models.mind.MIND` build their towers on it.
 
     Args:
-        config: its hyperparameters (:class:`DSSMConfig`: ``embedding_dim`` ``D``, the towers' feature names
-            ``user_features`` / ``item_features`` (sparse or dense), ``tower_layer_sizes`` ending in ``O``,
-            ``temperature``, ``normalize``, ``eval_metrics``).
-        features: the data's feature schema; the groups are checked against it.
-        dense_device: device of the dense parameters (embeddings start on ``meta``).
-
-    Example::
-
-        data = make(SyntheticDataConfig, batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50).build()
-        model = DSSM(DSSMConfig(embedding_dim=8, user_features=["cat_0", "int_0"], item_features=["cat_1"],
-                                tower_layer_sizes=[16, 8]), features=data.features)
-        model.user_item(batch.dense_features, batch.sparse_features)   # ([8, 8], [8, 8])
-        model(batch.dense_features, batch.sparse_features)             # [8, 8]
+        config: the retrieval keys of :class:`DSSMConfig` (temperature, metrics, logQ, corpus evaluation).
+        features: the data's schema (``sampled_items``, the item id feature's size).
+        dense_device: device of the frequency estimator's buffers.
     """
-
-    same_embedding_width: ClassVar[str | None] = None
-    """None: each tower concatenates its features' embeddings, so each feature may have its own width."""
 
     def __init__(self, config: DSSMConfig, *, features: FeatureSpec, dense_device: torch.device | None = None) -> None:
         super().__init__()
@@ -194,14 +181,6 @@ class DSSM(nn.Module):
         check_group(features, "model.item_features", list(config.item_features))
         self.tasks = (InBatchSoftmaxTask(eval_metrics=tuple(config.eval_metrics) if config.eval_metrics else None),)
         self.temperature = config.temperature
-        self.sparse_arch = SparseArch(features, config.embedding_dim, type(self))
-
-        def tower(names: list[str]) -> Tower:
-            sparse = self.sparse_arch.columns([n for n in names if n in features.sparse_names])
-            dense = [features.dense_names.index(n) for n in names if n in features.dense_names]
-            return Tower(sparse, dense, list(config.tower_layer_sizes), config.normalize, device=dense_device)
-
-        self.user_tower, self.item_tower = tower(list(config.user_features)), tower(list(config.item_features))
         self.tower_features = {"user": list(config.user_features), "item": list(config.item_features)}
         """Each tower's features (data columns, sparse or dense), by tower name: what :meth:`tower` reads."""
         self.sampled_items = int(getattr(features, "sampled_items", 0))
@@ -232,6 +211,56 @@ class DSSM(nn.Module):
                               f"model.logq_source=stream (it counts every candidate), or data.negatives.num_negatives=0")
         self.logq.load(ids, popularity)
 
+    def num_queries(self, rows: int) -> int:
+        """The rows of a batch of ``rows`` that are queries: all in eval, all but the ``K`` sampled item rows in training."""
+        return rows - (self.sampled_items if self.training else 0)
+
+    def corrected(self, scores: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        """Training scores ``[Q, B]`` less each candidate's ``log p_c`` (``logq_correction``); eval scores as they are."""
+        if self.training and self.logq is not None and self.item_id is not None:
+            return scores - self.logq(first_ids(sparse, self.item_id)).to(scores.dtype)
+        return scores
+
+
+class DSSM(InBatchRetrieval):
+    """Two towers; ``(dense [B, n], sparse KJT) → scores [Q, B]``, ``scores[q, c] = <user_q, item_c> / τ`` (in
+    training ``- log p_c`` with ``logq_correction``; ``Q = B`` in eval mode, ``B - K`` in training with ``K`` sampled
+    item rows).
+
+    Row ``q``'s positive is candidate ``q`` (the diagonal); its ``tasks`` is one
+    :class:`~recsys_runner.tasks.InBatchSoftmaxTask`, so the TrainWrapper applies the in-batch softmax loss
+    and eval computes ``inbatch_recall@k`` (and the corpus metrics, through :meth:`tower`).
+
+    Args:
+        config: its hyperparameters (:class:`DSSMConfig`: ``embedding_dim`` ``D``, the towers' feature names
+            ``user_features`` / ``item_features`` (sparse or dense), ``tower_layer_sizes`` ending in ``O``,
+            ``temperature``, ``normalize``, ``eval_metrics``).
+        features: the data's feature schema; the groups are checked against it.
+        dense_device: device of the dense parameters (embeddings start on ``meta``).
+
+    Example::
+
+        data = make(SyntheticDataConfig, batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50).build()
+        model = DSSM(DSSMConfig(embedding_dim=8, user_features=["cat_0", "int_0"], item_features=["cat_1"],
+                                tower_layer_sizes=[16, 8]), features=data.features)
+        model.user_item(batch.dense_features, batch.sparse_features)   # ([8, 8], [8, 8])
+        model(batch.dense_features, batch.sparse_features)             # [8, 8]
+    """
+
+    same_embedding_width: ClassVar[str | None] = None
+    """None: each tower concatenates its features' embeddings, so each feature may have its own width."""
+
+    def __init__(self, config: DSSMConfig, *, features: FeatureSpec, dense_device: torch.device | None = None) -> None:
+        super().__init__(config, features=features, dense_device=dense_device)
+        self.sparse_arch = SparseArch(features, config.embedding_dim, type(self))
+
+        def tower(names: list[str]) -> Tower:
+            sparse = self.sparse_arch.columns([n for n in names if n in features.sparse_names])
+            dense = [features.dense_names.index(n) for n in names if n in features.dense_names]
+            return Tower(sparse, dense, list(config.tower_layer_sizes), config.normalize, device=dense_device)
+
+        self.user_tower, self.item_tower = tower(list(config.user_features)), tower(list(config.item_features))
+
     def tower(self, name: str, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         """Tower ``name``'s (``user`` or ``item``) vectors ``[B, O]``; it reads only its own features of the batch.
 
@@ -246,14 +275,11 @@ class DSSM(nn.Module):
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         embedded = self.sparse_arch(sparse)
-        queries = embedded.shape[0] - (self.sampled_items if self.training else 0)
+        queries = self.num_queries(embedded.shape[0])
         # the user tower over the queries only: the sampled rows have no user side
         user = self.user_tower(embedded[:queries], dense[:queries])
         item = self.item_tower(embedded, dense)
-        scores = user @ item.t() / self.temperature
-        if self.training and self.logq is not None and self.item_id is not None:
-            scores = scores - self.logq(first_ids(sparse, self.item_id)).to(scores.dtype)
-        return scores
+        return self.corrected(user @ item.t() / self.temperature, sparse)
 
 
 def _estimator(config: DSSMConfig, features: FeatureSpec, item_id: str | None,
@@ -284,3 +310,12 @@ def first_ids(sparse: KeyedJaggedTensor, key: str) -> torch.Tensor:
 
 
 torch.fx.wrap("first_ids")  # a call in traced graphs (TorchRec's sparse-dist pipeline traces forward): it branches on sizes
+
+
+def tower_scores(user: torch.Tensor, item: torch.Tensor) -> torch.Tensor:
+    """Every (query, candidate) pair's ``<user, item>``: ``user [Q, O]``, ``item [C, O]`` → ``[Q, C]``. A multi-interest user
+    ``[Q, K, O]`` (:class:`~recsys_runner.models.mind.MIND`) scores a candidate by its best interest, ``max_k <user_k, item>``:
+    how serving retrieves with K vectors (each searches the index, the results merged by score)."""
+    if user.dim() == 3:
+        return (user @ item.t().unsqueeze(0)).amax(dim=1)
+    return user @ item.t()

@@ -29,6 +29,7 @@ from recsys_runner.data.encoding.stored import ENCODERS_FILE, StoredEncoders
 from recsys_runner.errors import CheckpointError, ConfigError
 from recsys_runner.features import FeatureSpec
 from recsys_runner.models.collision import restore_collision_state
+from recsys_runner.models.dssm import tower_scores
 from recsys_runner.serving import mlflow_model, topk
 from recsys_runner.serving.program import (  # noqa: F401 - EXACT_ATOL, EXACT_RTOL: the tolerances the docs and tests name
     EXACT_ATOL,
@@ -302,14 +303,17 @@ def export_towers(model: nn.Module, keys: list[str], features: FeatureSpec, batc
                        "values": {"dtype": "int64", "shape": ["V"], "meaning": "the ids of this tower's sparse features, in KJT order"},
                        "lengths": {"dtype": "int64", "shape": [len(serving.sparse_keys), "B"]}},
             "sparse_features": [{"name": k, "num_embeddings": by_name[k].num_embeddings} for k in serving.sparse_keys],
-            "output": {"shape": ["B", int(vectors[name].shape[1])], "meaning": f"the {name} vectors"},
+            "output": {"shape": ["B", *(int(d) for d in vectors[name].shape[1:])],
+                       "meaning": f"the {name} vectors" + (" (K interests per user, [B, K, O])" if vectors[name].dim() == 3 else "")},
         }
     temperature = float(two_tower.temperature)
-    check_same(scores, vectors["user"] @ vectors["item"].t() / temperature, f"{type(model).__name__} (its towers apart)")
+    check_same(scores, tower_scores(vectors["user"], vectors["item"]) / temperature, f"{type(model).__name__} (its towers apart)")
     for name, program in programs.items():
         torch.export.save(program, str(out / TOWER_FILE.format(name)))
-    return {"score": "scores[q, c] = user_vectors[q] · item_vectors[c] / temperature: the same as model.pt2's", "temperature": temperature,
-            **towers}
+    score = ("scores[q, c] = max over k of user_vectors[q, k] · item_vectors[c] / temperature (each user has K interest vectors; "
+             "an item scores by the best): the same as model.pt2's" if vectors["user"].dim() == 3 else
+             "scores[q, c] = user_vectors[q] · item_vectors[c] / temperature: the same as model.pt2's")
+    return {"score": score, "temperature": temperature, **towers}
 
 
 def export_items(model: nn.Module, items: ItemTable, keys: list[str], features: FeatureSpec, out: Path) -> dict[str, Any]:

@@ -345,7 +345,9 @@ def sampled_ranks(queries: torch.Tensor, index: torch.Tensor, targets: torch.Ten
     scores = []
     for start in range(0, queries.shape[0], block):
         end = start + block
-        scores.append(torch.bmm(index[items[start:end]], queries[start:end].unsqueeze(2)).squeeze(2))
+        mine = queries[start:end]  # [q, O], or a multi-interest user's [q, I, O]: an item scores by its best interest
+        products = torch.bmm(index[items[start:end]], mine.unsqueeze(2) if mine.dim() == 2 else mine.transpose(1, 2))
+        scores.append(products.amax(dim=2))
         if between is not None:
             between()
     score = torch.cat(scores) if scores else torch.zeros((0, 1 + n), dtype=queries.dtype, device=queries.device)

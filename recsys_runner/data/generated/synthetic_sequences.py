@@ -2,7 +2,7 @@
 
 A hidden world is drawn once from ``seed``: ``num_items`` items, each in one of ``num_categories`` categories,
 with Zipf popularity; every item has a *successor* in its own category (what people tend to watch next); every
-user prefers two categories. A row is one user's history (``hist_item_id``, ``hist_category`` and, with
+user prefers ``interests`` categories (2). A row is one user's history (``hist_item_id``, ``hist_category`` and, with
 ``timestamps``, ``hist_ts``), then a candidate item (``item_id``, ``category``) and a click label:
 
 * each event follows the previous one's successor with probability ``follow``, else it is a fresh pick (a
@@ -46,6 +46,8 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.data.base import DataConfig, DataModule
+from recsys_runner.data.catalogue.items import ItemTable
+from recsys_runner.data.generated.synthetic_items import generated_item_table
 from recsys_runner.data.sequences.tokens import check_budget, padded_slices, row_tokens, token_slices
 from recsys_runner.errors import require
 from recsys_runner.features import TRUNCATIONS, DataNeeds, FeatureSpec, SequenceGroup, SparseFeature
@@ -80,6 +82,9 @@ class SyntheticSequencesConfig(DataConfig):
     num_users: int = 50_000
     num_items: int = 20_000
     num_categories: int = 100
+    interests: int = 2
+    """Categories each user prefers (fresh picks come from one of them with 0.8): users of several interests, whose
+    history spans them, for a multi-interest retrieval model (``model=mind``) against a single vector."""
     num_dense: int = 2
     """Dense columns ``int_0 …`` (a little signal each)."""
     max_len: int = 50
@@ -92,7 +97,7 @@ class SyntheticSequencesConfig(DataConfig):
     """Probability that an event is the previous event's successor rather than a fresh pick."""
     negatives: float | None = None
     """Fraction of rows whose candidate is a random popular item instead of the true next item. ``null``: 0.5, or
-    0 for a next-item model (every row's candidate is then the item that came next)."""
+    0 for a next-item or two-tower model (every row's candidate is then the item that came next: a positive pair)."""
     timestamps: bool = True
     """Carry each event's time (``hist_ts``, seconds, ascending) for time-aware models."""
     truncate: str = "recent"
@@ -101,7 +106,7 @@ class SyntheticSequencesConfig(DataConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for key in ("num_users", "num_items", "num_categories", "max_len"):
+        for key in ("num_users", "num_items", "num_categories", "max_len", "interests"):
             require(getattr(self, key) > 0, f"data.{key} must be positive, got {getattr(self, key)}")
         require(self.num_items >= self.num_categories, f"data.num_items={self.num_items} must be at least data.num_categories="
                 f"{self.num_categories} (every category holds items)")
@@ -141,10 +146,11 @@ class SyntheticSequencesConfig(DataConfig):
         return DEFAULT_NUM_STEPS
 
     def for_model(self, needs: DataNeeds) -> SyntheticSequencesConfig:
-        """``negatives: null`` decided for the model: none for a next-item model (every candidate is the true next item)."""
+        """``negatives: null`` decided for the model: none for a next-item or two-tower model (every candidate is the true
+        next item: a two-tower model's rows are the (user, item) pairs it learns to retrieve)."""
         if self.negatives is not None:
             return self
-        return replace(self, negatives=0.0 if needs.next_item else 0.5)
+        return replace(self, negatives=0.0 if needs.next_item or needs.item_features else 0.5)
 
 
 class SyntheticSequences(DataModule):
@@ -173,6 +179,7 @@ class SyntheticSequences(DataModule):
                               timestamps="hist_ts" if c.timestamps else None)
         self.features = FeatureSpec(tuple(f"int_{i}" for i in range(c.num_dense)), sparse, "label", sequences=(group,))
         self._drawn: _World | None = None
+        self._catalogue: ItemTable | None = None
 
     @property
     def _world(self) -> _World:
@@ -180,6 +187,14 @@ class SyntheticSequences(DataModule):
         if self._drawn is None:
             self._drawn = _World.draw(self.config)
         return self._drawn
+
+    def item_table(self) -> ItemTable:
+        """The item catalogue (every item id with its category; popularity: the world's Zipf weights, what a pick "of any
+        category" draws by), which a two-tower model's full-corpus evaluation ranks against (docs/retrieval.md)."""
+        if self._catalogue is None:
+            world = self._world
+            self._catalogue = generated_item_table(["item_id", "category"], [world.category.numpy()], world.popularity.numpy())
+        return self._catalogue
 
     def num_train_batches(self, world_size: int) -> int:
         return self.config.num_train_rows // self.batch_size // world_size
@@ -284,7 +299,7 @@ class _World:
     appeal: torch.Tensor
     """``[num_items]``: each item's own effect on the click."""
     preferred: torch.Tensor
-    """``[num_users, 2]``: each user's categories."""
+    """``[num_users, interests]``: each user's categories."""
     length_probs: torch.Tensor
     """``[max_len + 1]``: the distribution of history lengths."""
     dense_weights: torch.Tensor
@@ -308,13 +323,13 @@ class _World:
         return _World(category=category, successor=successor, by_category=torch.cat(by_category), category_size=sizes,
                       category_start=sizes.cumsum(0) - sizes, popularity=popularity,
                       appeal=torch.randn(c.num_items, generator=g) * 0.5,
-                      preferred=torch.randint(c.num_categories, (c.num_users, 2), generator=g), length_probs=probs,
+                      preferred=torch.randint(c.num_categories, (c.num_users, c.interests), generator=g), length_probs=probs,
                       dense_weights=torch.randn(c.num_dense, generator=g) * 0.3, config=c)
 
     def _fresh(self, users: torch.Tensor, g: torch.Generator) -> torch.Tensor:
         """A fresh pick per user: with 0.8 a popular item of one of the user's categories, else a popular item of any."""
         n = users.shape[0]
-        pick = self.preferred[users, torch.randint(2, (n,), generator=g)]
+        pick = self.preferred[users, torch.randint(self.config.interests, (n,), generator=g)]
         # A popular item of category `pick`: rank ~ Zipf within the category, by inverse CDF of u**3.
         sizes = self.category_size[pick]
         rank = (sizes.double() * torch.rand(n, generator=g, dtype=torch.float64).pow(3)).long().clamp_max(sizes - 1)
