@@ -59,7 +59,7 @@ test-fast: $(STAMP) ## Run the tests except those marked slow
 	$(PY) -m pytest -q $(TEST_PARALLEL) -m "not slow"
 
 BENCH_ARGS ?=
-bench: $(STAMP) ## Runner vs hand loop (synthetic, Parquet, sequences, managed collision), start-up; negatives; object store; corpus eval; serving, encoders, Criteo transforms; jagged attention (docs/performance.md)
+bench: $(STAMP) ## Runner vs hand loop (synthetic, Parquet, sequences, managed collision), start-up; negatives; object store; corpus eval; serving, encoders, Criteo transforms; jagged attention; every model's samples/s (docs/performance.md)
 	$(PY) -m recsys_runner.bench $(BENCH_ARGS)
 	$(PY) -m recsys_runner.bench.retrieval
 	$(PY) -m recsys_runner.bench.storage
@@ -71,6 +71,7 @@ bench: $(STAMP) ## Runner vs hand loop (synthetic, Parquet, sequences, managed c
 	$(PY) -m recsys_runner.bench.sequences_rows
 	$(PY) -m recsys_runner.bench.topk
 	$(PY) -m recsys_runner.bench.jagged
+	$(PY) -m recsys_runner.bench.zoo
 
 lint: $(STAMP) ## ruff, mypy, and import-linter (what each room may import: docs/architecture.md)
 	$(VENV)/bin/ruff check recsys_runner tests hydra_plugins

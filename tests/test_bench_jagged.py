@@ -1,5 +1,6 @@
-"""``recsys_runner.bench.jagged --quick``: both models, both paths, speed and memory land in the JSON and the table (no
-timing assertions: the numbers are the machine's; docs/performance.md holds the measured ones)."""
+"""``recsys_runner.bench.jagged --quick`` (both models, both paths, speed and memory) and ``recsys_runner.bench.zoo --quick``
+land in their JSON and tables (no timing assertions: the numbers are the machine's; docs/performance.md holds the measured
+ones)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from recsys_runner.bench import zoo
 from recsys_runner.bench.jagged import ATTENTIONS, MODELS, main
 
 
@@ -25,3 +27,14 @@ def test_quick_jagged_bench_writes_both_models_and_both_paths(tmp_path: Path, ca
             assert len(budgets) == 2 and all(m["tokens"] > 0 and m["padded"] >= m["tokens"] for m in budgets.values()), budgets
     stdout = capsys.readouterr().out
     assert "hstu_rank: tokens/s jagged" in stdout and "din: tokens/s jagged" in stdout
+
+
+@pytest.mark.slow
+def test_quick_zoo_bench_times_each_model_next_to_its_shapes_reference(tmp_path: Path) -> None:
+    """``recsys_runner.bench.zoo --quick --models lr``: DeepFM and LR on the Criteo shape, DIN on histories."""
+    out = tmp_path / "zoo.json"
+    zoo.main(["--quick", "--models", "lr", "--json", str(out)])
+    shapes = json.loads(out.read_text())["shapes"]
+    assert sorted(shapes["criteo"]["models"]) == ["deepfm", "lr"] and sorted(shapes["histories"]["models"]) == ["din"]
+    assert shapes["criteo"]["models"]["deepfm"]["ratio_to_reference"] == 1.0
+    assert all(m["samples_per_s"] > 0 for s in shapes.values() for m in s["models"].values())
