@@ -25,6 +25,7 @@ from recsys_runner.config import validate
 from recsys_runner.configurable import make
 from recsys_runner.errors import ConfigError
 from recsys_runner.features import FeatureSpec, SequenceGroup, SparseFeature
+from recsys_runner.models import hstu_rank
 from recsys_runner.models.common import ModelConfig
 from recsys_runner.models.din import DINConfig
 from recsys_runner.models.hstu import HSTUBlock
@@ -248,12 +249,16 @@ def order_batch(g: torch.Generator, rows: int) -> tuple[KeyedJaggedTensor, torch
     return kjt, labels
 
 
+LEARNING_RATE = 0.005
+"""Adam's rate in :func:`order_auc`."""
+
+
 def order_auc(config: ModelConfig, seed: int, steps: int = 250, rows: int = 48) -> float:
     """Eval AUC of ``config``'s model after ``steps`` Adam steps on :func:`order_batch` rows (a plain loop: the
     architecture is what is tested), on 1,024 new rows."""
     with one_thread():
         model = build_model(config, order_features(), seed)
-        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
         g = torch.Generator().manual_seed(seed)
         for _ in range(steps):
             ids, labels = order_batch(g, rows)
@@ -270,11 +275,12 @@ def order_auc(config: ModelConfig, seed: int, steps: int = 250, rows: int = 48) 
 @pytest.mark.parametrize("seed", [1, 2])
 def test_hstu_rank_reads_the_order_of_long_histories_that_din_cannot(seed: int) -> None:
     """DIN stays at chance (it pools the history as a set, and both categories hold half of it); hstu_rank, with
-    positions, learns which category came last (AUC 0.7-0.85 after 250 steps here; the label's noise caps it at 0.95)."""
+    positions, learns which category came last (AUC 0.92-0.95 after 250-300 steps here, where the label's noise caps it at
+    0.95; the learning comes in a sudden transition, which at 150 steps one seed had not reached yet)."""
     din = order_auc(make(DINConfig, embedding_dim=16, attention_layer_sizes=[32], deep_layer_sizes=[32]), seed)
     hstu = order_auc(tiny(num_layers=2, embedding_dim=16, num_heads=1, deep_layer_sizes=[32], attention_block=32), seed)
     assert din < 0.56, din
-    assert hstu > din + 0.12, (hstu, din)
+    assert hstu > din + 0.25, (hstu, din)
 
 
 # --- export: the program pads, the trained model tiled ---------------------------------------------------------------
@@ -295,3 +301,51 @@ def test_the_exported_program_scores_like_the_trained_model(make_cfg, export_cfg
     assert got.shape == expected.shape == (64,)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
+
+
+def test_rows_that_share_a_history_are_scored_in_one_sequence_each_as_alone() -> None:
+    """Impressions grouped by user (consecutive rows with the same history, each its own candidate) become one sequence:
+    the history once, then every candidate. Each row scores as on the padded path, one row one sequence."""
+    data = small_sequences(max_len=9, empty_fraction=0.0)
+    batch = next(iter(data.train_batches(0, 0, 1)))
+    by_key = batch.sparse_features.to_dict()
+    order = torch.tensor([0, 0, 0, 1, 2, 2, 3, 0])  # rows 0-2 and 4-5 share a history; the last row repeats row 0's apart
+    grouped = {k: jt_row_cat(jt, order) for k, jt in by_key.items()}
+    candidates = torch.arange(8) % 5  # a different candidate on every row
+    grouped["item_id"] = JaggedTensor(values=candidates, lengths=torch.ones(8, dtype=torch.long))
+    kjt = KeyedJaggedTensor.from_jt_dict(grouped)
+    plan_lengths = hstu_rank.candidate_sequences(grouped["hist_item_id"].lengths(),
+                                                 torch.stack([grouped["hist_item_id"].values(), grouped["hist_category"].values(),
+                                                              grouped["hist_ts"].values()], dim=1)).lengths
+    history = grouped["hist_item_id"].lengths()
+    assert plan_lengths.tolist() == [int(history[0]) + 3, int(history[3]) + 1, int(history[4]) + 2, int(history[6]) + 1,
+                                     int(history[7]) + 1]
+    jagged = build_model(tiny(attention="jagged"), data.features).eval()
+    padded = build_model(tiny(attention="padded"), data.features).eval()
+    padded.load_state_dict(jagged.state_dict())
+    dense = batch.dense_features[order]
+    torch.testing.assert_close(jagged(dense, kjt), padded(dense, kjt), atol=1e-5, rtol=1e-5)
+
+
+def jt_row_cat(jt: JaggedTensor, rows: torch.Tensor) -> JaggedTensor:
+    """Rows ``rows`` of a JaggedTensor, in that order (repeats allowed)."""
+    picked = [jt_row(jt, int(r)) for r in rows]
+    return JaggedTensor(values=torch.cat([p.values() for p in picked]), lengths=torch.cat([p.lengths() for p in picked]))
+
+
+def test_generated_impressions_grouped_by_user_share_one_sequence() -> None:
+    """``data.candidates_per_user=3``: rows come in threes with one user's history; the model reads each history once
+    (3 sequences for 8 rows) and scores every row as the padded path does."""
+    data = small_sequences(candidates_per_user=3, empty_fraction=0.0)
+    batch = next(iter(data.train_batches(0, 0, 1)))
+    history = batch.sparse_features.to_dict()["hist_item_id"]
+    ids = torch.stack([history.values(), batch.sparse_features.to_dict()["hist_category"].values(),
+                       batch.sparse_features.to_dict()["hist_ts"].values()], dim=1)
+    assert len(hstu_rank.candidate_sequences(history.lengths(), ids).lengths) == 3
+    jagged = build_model(tiny(attention="jagged"), data.features).eval()
+    padded = build_model(tiny(attention="padded"), data.features).eval()
+    padded.load_state_dict(jagged.state_dict())
+    torch.testing.assert_close(jagged(batch.dense_features, batch.sparse_features), padded(batch.dense_features, batch.sparse_features),
+                               atol=1e-5, rtol=1e-5)
+    with pytest.raises(ConfigError, match="data.candidates_per_user=2 groups rows by user, which token batches"):
+        small_sequences(candidates_per_user=2, batch_tokens=64)

@@ -108,13 +108,14 @@ class HSTUBlock(nn.Module):
         return x + self.out(self.dropout(self.norm_attention(mixed) * u))
 
     def forward_jagged(self, x: torch.Tensor, tiles: Tiles, times: tuple[torch.Tensor, torch.Tensor] | None = None,
-                       candidates: torch.Tensor | None = None) -> torch.Tensor:
+                       candidates: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
         """The same layer on jagged rows: ``x [T, D]`` (every row's tokens, flat), tiled by ``tiles``; ``times``: each
         token's query and key time (``[T]`` each); ``candidates [T]``: tokens that only the history and themselves may
-        see. Equal to :meth:`forward` on the padded block at the real positions (tests/test_hstu_rank.py)."""
+        see; ``positions [T]``: the relative bias's positions, when not the tokens' places in their row. Equal to
+        :meth:`forward` on the padded block at the real positions (tests/test_hstu_rank.py)."""
         dim = x.shape[1]
         u, v, q, k = F.silu(self.uvqk(self.norm_in(x))).split(dim, dim=1)
         heads = (x.shape[0], self.num_heads, dim // self.num_heads)
         mixed = pointwise_attention(q.reshape(heads), k.reshape(heads), v.reshape(heads), tiles, self.bias.position,
-                                    self.bias.time, 1.0 / self.max_len, times, candidates)
+                                    self.bias.time, 1.0 / self.max_len, times, candidates, positions)
         return x + self.out(self.dropout(self.norm_attention(mixed.reshape(x.shape)) * u))

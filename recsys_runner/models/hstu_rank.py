@@ -50,6 +50,57 @@ __all__ = ["ATTENTIONS", "HSTURank", "HSTURankConfig"]
 
 torch.fx.wrap("tile")  # a leaf of TorchRec's pipeline trace here too (models/jagged.py says why)
 
+
+@dataclass(frozen=True)
+class SequencePlan:
+    """Where a batch's tokens go in its flat sequences (:func:`candidate_sequences`): ``keep [T]`` the events kept (a
+    group's first row's), ``at_event [T_kept]`` and ``recency [T_kept]`` their places and recencies (1 for the newest),
+    ``at_candidate [B]`` each row's candidate's place, ``lengths [G]`` the sequences' lengths, ``last [N]`` each token's
+    sequence's last place, ``positions [N]`` each token's position for the relative bias (an event its index, every
+    candidate the history's length: where it would stand alone)."""
+
+    keep: torch.Tensor
+    at_event: torch.Tensor
+    recency: torch.Tensor
+    at_candidate: torch.Tensor
+    lengths: torch.Tensor
+    last: torch.Tensor
+    positions: torch.Tensor
+
+
+@torch.fx.wrap
+def candidate_sequences(lengths: torch.Tensor, ids: torch.Tensor) -> SequencePlan:
+    """One sequence per run of consecutive rows with the same history (``lengths [B]``, events' ``ids [T, F]``, times
+    included): that history once, then every row's candidate, in row order. Impressions of one user grouped together
+    (several candidates per user) are then scored in one pass; rows of different histories give one sequence each. The
+    candidates see the history and not each other, so a row's score is the same either way. A leaf of TorchRec's
+    pipeline trace: the group counts are data."""
+    lengths = lengths.long()
+    rows = torch.arange(lengths.shape[0], device=lengths.device)
+    num_events = ids.shape[0]
+    starts = row_starts(lengths)
+    event_row = torch.repeat_interleave(rows, lengths, output_size=num_events)
+    event_pos = torch.arange(num_events, device=lengths.device) - starts[event_row]
+    previous = (starts[(event_row - 1).clamp_min(0)] + event_pos).clamp(0, max(num_events - 1, 0))
+    differs = (ids != ids[previous]).any(dim=1) if num_events else torch.zeros(0, dtype=torch.bool, device=lengths.device)
+    row_differs = torch.zeros_like(rows).index_add(0, event_row, differs.long()) > 0
+    same = F.pad((lengths[1:] == lengths[:-1]) & ~row_differs[1:], (1, 0))  # row 0 starts a sequence
+    new = ~same
+    group = torch.cumsum(new.long(), 0) - 1  # [B]
+    leader = rows[new]  # [G]: each sequence's first row
+    history = lengths[leader]
+    sizes = history + torch.bincount(group, minlength=leader.shape[0])
+    seq_start = row_starts(sizes)
+    keep = new[event_row]
+    at_event = seq_start[group[event_row[keep]]] + event_pos[keep]
+    at_candidate = seq_start[group] + history[group] + rows - leader[group]
+    num_tokens = int(sizes.sum())
+    last = torch.repeat_interleave(seq_start + sizes - 1, sizes, output_size=num_tokens)
+    positions = torch.zeros(num_tokens, dtype=torch.long, device=lengths.device).index_copy(0, at_event, event_pos[keep])
+    return SequencePlan(keep=keep, at_event=at_event, recency=lengths[event_row[keep]] - event_pos[keep],
+                        at_candidate=at_candidate, lengths=sizes, last=last,
+                        positions=positions.index_copy(0, at_candidate, lengths))
+
 ATTENTIONS = ("jagged", "padded")
 """``model.attention``: the HSTU layers on the jagged rows, or on the rows padded to the batch's longest."""
 
@@ -167,30 +218,29 @@ class HSTURank(nn.Module):
         return self.dropout(x * math.sqrt(self.dim) + self.positions(recency.clamp_max(self.max_len)))
 
     def _jagged(self, history: JaggedHistory, candidate: torch.Tensor) -> torch.Tensor:
-        """The candidate's output ``[B, D]``, its row's history and itself flat (``T + B`` tokens), the layers tiled."""
-        lengths = history.lengths
-        rows = torch.arange(lengths.shape[0], device=lengths.device)
-        num_events = history.values.shape[0]
-        event_row = torch.repeat_interleave(rows, lengths, output_size=num_events)
-        event_pos = torch.arange(num_events, device=lengths.device) - row_starts(lengths)[event_row]
-        starts = row_starts(lengths + 1)
-        at_event, at_candidate = starts[event_row] + event_pos, starts + lengths  # where each token goes
-        events = self.project(history.values)
-        x = events.new_zeros(num_events + rows.shape[0], self.dim).index_copy(0, at_event, events).index_copy(0, at_candidate, candidate)
-        recency = torch.zeros(x.shape[0], dtype=torch.long, device=x.device).index_copy(0, at_event, lengths[event_row] - event_pos)
-        is_candidate = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device).index_fill(0, at_candidate, True)
+        """The candidate's output ``[B, D]``, the layers tiled over one flat sequence per user: consecutive rows that share
+        a history (:func:`candidate_sequences`) read it once, each with its candidate after it."""
+        ids = history.ids if history.timestamps is None else torch.cat([history.ids, history.timestamps.unsqueeze(1)], dim=1)
+        plan = candidate_sequences(history.lengths, ids)
+        events = self.project(history.values[plan.keep])
+        num_tokens = events.shape[0] + candidate.shape[0]
+        x = events.new_zeros(num_tokens, self.dim).index_copy(0, plan.at_event, events).index_copy(0, plan.at_candidate, candidate)
+        recency = torch.zeros(num_tokens, dtype=torch.long, device=x.device).index_copy(0, plan.at_event, plan.recency)
+        is_candidate = torch.zeros(num_tokens, dtype=torch.bool, device=x.device).index_fill(0, plan.at_candidate, True)
         times = None
         if history.timestamps is not None and self.timed:
+            lengths = history.lengths
             # The newest event's time per row (0 for an empty history): index s + l of the times shifted by one.
             newest = F.pad(history.timestamps, (1, 0))[row_starts(lengths) + lengths] * (lengths > 0).long()
-            key = torch.zeros_like(recency).index_copy(0, at_event, history.timestamps).index_copy(0, at_candidate, newest)
-            following = torch.minimum(torch.arange(1, x.shape[0] + 1, device=x.device), at_candidate.repeat_interleave(lengths + 1))
+            key = torch.zeros_like(recency).index_copy(0, plan.at_event, history.timestamps[plan.keep])
+            key = key.index_copy(0, plan.at_candidate, newest)
+            following = torch.minimum(torch.arange(1, num_tokens + 1, device=x.device), plan.last)
             times = (key[following], key)
-        tiles = tile(lengths + 1, self.block)
+        tiles = tile(plan.lengths, self.block)
         x = self._tokens(x, recency)
         for layer in self.layers:
-            x = cast(HSTUBlock, layer).forward_jagged(x, tiles, times, is_candidate)
-        return self.norm(x)[at_candidate]
+            x = cast(HSTUBlock, layer).forward_jagged(x, tiles, times, is_candidate, plan.positions)
+        return self.norm(x)[plan.at_candidate]
 
     def _padded(self, history: History, candidate: torch.Tensor) -> torch.Tensor:
         """The candidate's output ``[B, D]``, the history and the candidate padded to ``[B, L + 1, D]``."""

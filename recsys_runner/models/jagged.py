@@ -111,14 +111,16 @@ def relative_bias(position: torch.Tensor, time: torch.Tensor | None, distance: t
 @torch.fx.wrap
 def pointwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: Tiles, position: torch.Tensor,
                         time: torch.Tensor | None, scale: float, times: tuple[torch.Tensor, torch.Tensor] | None = None,
-                        candidates: torch.Tensor | None = None) -> torch.Tensor:
+                        candidates: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
     """HSTU's attention on jagged rows: ``q, k, v [T, H, d] → [T, H, d]``.
 
     Token ``i`` of a row mixes ``Σ_j SiLU(q_i · k_j + bias(i - j, gap_ij)) · scale · v_j`` over the tokens ``j`` of
     its row that the tiling lets it meet (``j ≤ i``), where a *candidate* token (``candidates [T]`` True)
     is seen by itself alone: each candidate sees the history and not the other candidates. ``times``: each token's
     query and key time (``[T]`` each; the gap is ``query_i − key_j``), ``None``: no time term. The bias is
-    :func:`relative_bias` of ``position`` and ``time``. ``tiles`` must be causal (``tile(..., causal=True)``). A leaf
+    :func:`relative_bias` of ``position`` and ``time``, its distance ``i - j`` between the tokens' places in their row, or
+    between their ``positions [T]`` when given (several candidates after one history all stand where the first does, so
+    each sees the history at the distances it would alone). ``tiles`` must be causal (``tile(..., causal=True)``). A leaf
     of TorchRec's pipeline trace, like :func:`tile`: its tiles' shapes are data.
     """
     pq, pk = tiles.pair_query, tiles.pair_key
@@ -130,6 +132,9 @@ def pointwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles
     if candidates is not None:
         seen = ~to_tiles(candidates, tiles)[pk]  # [P, C]: keys every query may see
         allowed = allowed & (seen.unsqueeze(1) | (distance == 0))
+    if positions is not None:
+        placed = to_tiles(positions, tiles)
+        distance = placed[pq].unsqueeze(2) - placed[pk].unsqueeze(1)
     gaps = None
     if times is not None:
         query_t, key_t = to_tiles(times[0], tiles)[pq], to_tiles(times[1], tiles)[pk]

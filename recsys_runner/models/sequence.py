@@ -48,9 +48,11 @@ class History:
 @dataclass
 class JaggedHistory:
     """One sequence group of a batch, unpadded: ``values [T, D_g]`` (every row's events, oldest first, row after row),
-    ``lengths [B]``, and ``timestamps [T]`` (int64) when the data has event times."""
+    ``ids [T, F_g]`` (the events' ids, a column per feature of the group), ``lengths [B]``, and ``timestamps [T]``
+    (int64) when the data has event times."""
 
     values: torch.Tensor
+    ids: torch.Tensor
     lengths: torch.Tensor
     timestamps: torch.Tensor | None = None
 
@@ -195,8 +197,10 @@ class SequenceArch(nn.Module):
     def _jagged(group: SequenceGroup, unpooled: dict[str, JaggedTensor], sparse: KeyedJaggedTensor) -> JaggedHistory:
         """Group ``group``'s events flat: its features' embeddings side by side (they share the rows' lengths)."""
         values = torch.cat([unpooled[f].values() for f in group.features], dim=1)
-        timestamps = sparse.to_dict()[group.timestamps].values().long() if group.timestamps is not None else None
-        return JaggedHistory(values=values, lengths=unpooled[group.features[0]].lengths().long(), timestamps=timestamps)
+        by_key = sparse.to_dict()
+        ids = torch.stack([by_key[f].values().long() for f in group.features], dim=1)
+        timestamps = by_key[group.timestamps].values().long() if group.timestamps is not None else None
+        return JaggedHistory(values=values, ids=ids, lengths=unpooled[group.features[0]].lengths().long(), timestamps=timestamps)
 
 
 def check_candidates(features: FeatureSpec, group: SequenceGroup, model: str) -> list[str]:

@@ -87,6 +87,10 @@ class SyntheticSequencesConfig(DataConfig):
     history spans them, for a multi-interest retrieval model (``model=mind``) against a single vector."""
     num_dense: int = 2
     """Dense columns ``int_0 …`` (a little signal each)."""
+    candidates_per_user: int = 1
+    """Rows in a row with the same user and history, each its own candidate and label: a user's impressions grouped, as a
+    ranking log holds them (``model=hstu_rank`` scores such rows in one sequence, the history once). ``1``: every row
+    its own user. Not with ``batch_tokens``."""
     max_len: int = 50
     """The longest history a row has; lengths follow a Zipf law over ``1 … max_len``."""
     length_skew: float = 1.2
@@ -116,6 +120,10 @@ class SyntheticSequencesConfig(DataConfig):
             require(0 <= getattr(self, key) <= 1, f"data.{key} must lie in [0, 1], got {getattr(self, key)}")
         require(self.negatives is None or 0 <= self.negatives < 1, f"data.negatives must lie in [0, 1) or be null, got {self.negatives}")
         require(self.truncate in TRUNCATIONS, f"data.truncate={self.truncate!r} must be one of {list(TRUNCATIONS)}")
+        require(self.candidates_per_user >= 1, f"data.candidates_per_user must be >= 1, got {self.candidates_per_user}")
+        require(self.candidates_per_user == 1 or self.batch_tokens is None,
+                f"data.candidates_per_user={self.candidates_per_user} groups rows by user, which token batches "
+                f"(data.batch_tokens={self.batch_tokens}) cut by their lengths. Fix: data.batch_tokens=null, or data.candidates_per_user=1")
         if self.batch_tokens is not None:
             check_budget(self.batch_tokens, self.max_len)
         rows = self.rows_per_batch()
@@ -354,11 +362,14 @@ class _World:
         for t in range(longest + 1):
             events[:, t] = current
             current = self._step(current, users, g)
+        gaps = torch.empty(n, longest + 1).exponential_(generator=g).mul_(3600).long() + 1
+        if c.candidates_per_user > 1:  # each group of rows takes its first row's user, history and times
+            first = torch.div(torch.arange(n), c.candidates_per_user, rounding_mode="floor") * c.candidates_per_user
+            users, lengths, events, gaps = users[first], lengths[first], events[first], gaps[first]
         # Row b's history is events[b, :L_b]; its next item events[b, L_b] (each step follows the one before).
         next_item = events[torch.arange(n), lengths]
         mask = torch.arange(longest + 1).unsqueeze(0) < lengths.unsqueeze(1)
         hist_items = events[mask]
-        gaps = torch.empty(n, longest + 1).exponential_(generator=g).mul_(3600).long() + 1
         hist_ts = (1_700_000_000 + gaps.cumsum(1))[mask]
         negative = torch.rand(n, generator=g) < negatives
         item = torch.where(negative, torch.multinomial(self.popularity, n, replacement=True, generator=g) if n else next_item, next_item)
