@@ -118,7 +118,7 @@ def test_history_batches_are_padded_per_batch_not_to_max_len() -> None:
     data = make(SyntheticSequencesConfig, batch_size=16, max_len=200, length_skew=3.0, num_items=500, num_users=100,
                 num_categories=10).build(device="cpu")
     batch = data.batch(0, 0)
-    model = DIN(DINConfig(embedding_dim=8, attention_layer_sizes=[8], deep_layer_sizes=[8]), features=data.features)
+    model = DIN(DINConfig(embedding_dim=8, attention_layer_sizes=[8], deep_layer_sizes=[8], attention="padded"), features=data.features)
     for module in (model.arch.ec, model.arch.ebc):
         assert module is not None
         module.to_empty(device="cpu")

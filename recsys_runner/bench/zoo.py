@@ -53,10 +53,10 @@ def bench_zoo(models: list[str] | None, quick: bool, steps: int, rounds: int, ex
         if quick:
             chosen = chosen[:2]
             data = [*data, "data.batch_size=256"] + (["data.num_embeddings=1000"] if shape == "criteo" else [])
-        figures = {name: bench_model(name, data, steps, rounds, extra) for name in chosen}
-        reference = figures[names[0]]["samples_per_s"]
-        for name, f in figures.items():
-            f["ratio_to_reference"] = f["samples_per_s"] / reference
+        figures: dict[str, dict[str, float]] = {}
+        for name in chosen:  # the reference first: each line is printed as its model finishes
+            f = figures[name] = bench_model(name, data, steps, rounds, extra)
+            f["ratio_to_reference"] = f["samples_per_s"] / figures[names[0]]["samples_per_s"]
             print(f"{shape:9s} {name:10s} {f['samples_per_s']:>10,.0f} samples/s  {f['ratio_to_reference']:5.2f}x {names[0]}"
                   f"  (rounds {f['min']:,.0f}-{f['max']:,.0f})", flush=True)
         out[shape] = {"reference": names[0], "data": data, "models": figures}

@@ -17,12 +17,15 @@ pairs, ``H`` heads, ``d`` a head's width.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-__all__ = ["TIME_BUCKET_WIDTH", "Tiles", "from_tiles", "pointwise_attention", "relative_bias", "row_starts", "tile",
+__all__ = ["TIME_BUCKET_WIDTH", "Tiles", "padded_reference", "from_tiles", "pointwise_attention", "relative_bias", "row_starts", "tile",
            "time_buckets", "to_tiles"]
 
 
@@ -143,3 +146,23 @@ def pointwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles
     weights = F.silu(logits) * scale * allowed.unsqueeze(1).to(logits.dtype)
     mixed = torch.zeros_like(qt).index_add(0, pq, weights @ vt[pk])  # [NB, H, C, d]
     return from_tiles(mixed.permute(heads), tiles)
+
+
+JAGGED_SWITCHES = {"jagged": False, "tile_size": 0}
+"""The attributes that put a module on its jagged path (``SequenceArch.jagged``, ``SASRec.tile_size``) and their padded
+values."""
+
+
+@contextmanager
+def padded_reference(model: nn.Module) -> Iterator[None]:
+    """``model`` with every jagged path on its padded one for the block: what an exported program runs (it always pads),
+    so that the eager output an export is checked against is the same computation, not the same sums in another order
+    (the two differ by float rounding, a few 1e-6 on a cosine score over a temperature)."""
+    saved = [(m, name, getattr(m, name)) for m in model.modules() for name in JAGGED_SWITCHES if hasattr(m, name)]
+    try:
+        for m, name, _ in saved:
+            setattr(m, name, JAGGED_SWITCHES[name])
+        yield
+    finally:
+        for m, name, value in saved:
+            setattr(m, name, value)

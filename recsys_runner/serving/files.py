@@ -30,6 +30,7 @@ from recsys_runner.errors import CheckpointError, ConfigError
 from recsys_runner.features import FeatureSpec
 from recsys_runner.models.collision import restore_collision_state
 from recsys_runner.models.dssm import tower_scores
+from recsys_runner.models.jagged import padded_reference
 from recsys_runner.serving import mlflow_model, topk
 from recsys_runner.serving.program import (  # noqa: F401 - EXACT_ATOL, EXACT_RTOL: the tolerances the docs and tests name
     EXACT_ATOL,
@@ -224,7 +225,7 @@ def write_export(built: Unsharded, *, checkpoint: Path, meta: dict[str, Any], em
     serving = ServingModule(model, keys, features.weighted)
     program = export_program(serving, batch)
     inputs = serving.inputs(batch)
-    with torch.no_grad():
+    with torch.no_grad(), padded_reference(model):
         eager = serving(*inputs)
         exported = program.module()(*inputs)
     check_same(eager, exported, type(model).__name__)

@@ -45,6 +45,7 @@ from recsys_runner.data.sequences.mapping import EarlierVocab, load_mapping, map
 from recsys_runner.distributed.env import DistEnv
 from recsys_runner.errors import ConfigError
 from recsys_runner.features import FeatureSpec
+from recsys_runner.models.jagged import padded_reference
 from recsys_runner.scoring_topk import TOP_ITEMS, TOP_SCORES, NextItemModel, item_names, top_k_scorer
 from recsys_runner.serving import mlflow_model, served_topk
 from recsys_runner.serving.program import HistoryServing, check_same, compile_program, export_program
@@ -145,7 +146,8 @@ def write_top_k_model(plan: TopKPlan, model: nn.Module, keys: list[str], batch: 
     program = export_program(query, batch)
     inputs = query.inputs(batch)
     with torch.no_grad():
-        eager = query(*inputs)
+        with padded_reference(model):
+            eager = query(*inputs)
         check_same(eager, program.module()(*inputs), f"{type(model).__name__} (its query)")
         index = inner.item_table(batch.sparse_features)[: plan.size].float()
         index = F.normalize(index, dim=1) if inner.normalize else index
