@@ -20,19 +20,14 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import statistics
-import subprocess
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from recsys_runner.bench.regimes import COMMON, _Recorder, alternate, build_for_bench
-from recsys_runner.bench.sequences import MEMORY_ENV, _status, in_memory, made_batches, runner_rates
-from recsys_runner.train.loop import train
+from recsys_runner.bench.sequences import in_memory, made_batches, memory_child, peak_growth, runner_rates
 
 MODELS = {"hstu_rank": ["model=hstu_rank", "model.embedding_dim=32", "model.num_layers=2", "model.dropout=0.0"],
           "din": ["model=din"]}
@@ -101,34 +96,17 @@ def measure_here(model: str, attention: str, tokens: int, s: Settings) -> dict[s
         lengths = [b.sparse_features["hist_item_id"].lengths() for b in batches]
         stats = {"tokens": statistics.mean(float(x.sum()) for x in lengths),
                  "padded": statistics.mean(x.numel() * max(int(x.max()), 1) for x in lengths)}
-        loop = replace(in_memory(c.loop, batches), tracker=_Recorder(), total_steps=s.memory_steps)
-        cuda = c.env.device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
-        else:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # reset VmHWM to the current RSS
-            before = _status("VmRSS") * 1024
-        train(loop)
-        peak = torch.cuda.max_memory_allocated() if cuda else _status("VmHWM") * 1024
+        growth = peak_growth(replace(in_memory(c.loop, batches), tracker=_Recorder(), total_steps=s.memory_steps), c.env.device)
     finally:
         c.close()
-    return {"growth_mb": (peak - before) / 2**20, **stats}
+    return {"growth_mb": growth, **stats}
 
 
 def memory_growth(model: str, attention: str, tokens: int, s: Settings, fresh: bool) -> dict[str, float]:
     """:func:`measure_here` in a fresh process (``fresh``), else in this one."""
     if not fresh:
         return measure_here(model, attention, tokens, s)
-    cmd = [sys.executable, "-m", "recsys_runner.bench.jagged", "--memory", model, attention, str(tokens)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **MEMORY_ENV}, check=False)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    result: dict[str, float] = json.loads(lines[-1])
-    return result
+    return memory_child([sys.executable, "-m", "recsys_runner.bench.jagged", "--memory", model, attention, str(tokens)])
 
 
 def bench(s: Settings, fresh: bool) -> dict[str, Any]:

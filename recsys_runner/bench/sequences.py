@@ -169,6 +169,11 @@ def memory_growth(variant: str, overrides: Sequence[str], s: Settings) -> dict[s
     """Peak memory growth (MB) while the runner trains ``s.memory_steps`` batches of ``variant``, in a fresh process."""
     cmd = [sys.executable, "-m", "recsys_runner.bench.sequences", "--memory", variant, "--max-len", str(s.max_len),
            "--length-skew", str(s.length_skew), "--steps", str(s.memory_steps), *overrides]
+    return memory_child(cmd)
+
+
+def memory_child(cmd: list[str]) -> dict[str, float]:
+    """Run a memory child ``cmd`` (with :data:`MEMORY_ENV`); the JSON object it printed last."""
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **MEMORY_ENV}, check=False)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -204,21 +209,27 @@ def measure_here(variant: str, overrides: list[str], steps: int, s: Settings) ->
         stats = {"tokens": statistics.mean(float(x.sum()) + x.numel() for x in lengths),
                  "padded": statistics.mean(x.numel() * max(int(x.max()), 1) for x in lengths),
                  "rows": statistics.mean(x.numel() for x in lengths)}
-        loop = replace(in_memory(c.loop, batches), tracker=_Recorder(), total_steps=steps)
-        cuda = c.env.device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
-        else:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # reset VmHWM to the current RSS
-            before = _status("VmRSS") * 1024
-        train(loop)
-        peak = torch.cuda.max_memory_allocated() if cuda else _status("VmHWM") * 1024
+        growth = peak_growth(replace(in_memory(c.loop, batches), tracker=_Recorder(), total_steps=steps), c.env.device)
     finally:
         c.close()
-    return {"growth_mb": (peak - before) / 2**20, **stats}
+    return {"growth_mb": growth, **stats}
+
+
+def peak_growth(loop: Loop, device: torch.device) -> float:
+    """Peak memory growth (MB) while ``loop`` trains: the kernel's peak-RSS mark reset first, or on CUDA
+    ``max_memory_allocated`` over the same steps (module docstring)."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    else:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS
+        before = _status("VmRSS") * 1024
+    train(loop)
+    peak = torch.cuda.max_memory_allocated() if cuda else _status("VmHWM") * 1024
+    return (peak - before) / 2**20
 
 
 def table(din: Regime, speed: dict[str, Any], memory: dict[str, dict[str, float]], s: Settings) -> str:
