@@ -66,6 +66,7 @@ bench: $(STAMP) ## Runner vs hand loop (synthetic, Parquet, sequences, managed c
 	$(PY) -m recsys_runner.bench.multitask
 	$(PY) -m recsys_runner.bench --corpus
 	$(PY) -m recsys_runner.bench.serving
+	$(PY) -m recsys_runner.bench.serving --compiled
 	$(PY) -m recsys_runner.bench.encoding
 	$(PY) -m recsys_runner.bench.transforms
 	$(PY) -m recsys_runner.bench.sequences_rows
