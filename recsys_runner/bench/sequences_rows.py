@@ -15,7 +15,8 @@ valid rows as eval) and the bench reports, per kind of rows:
 * ``valid_hr_at_10``: hr@10 (exclude-seen) on ``valid.parquet`` after that training.
 
 The ratio ``per_event.s_per_epoch / per_user.s_per_epoch`` is the speed-up (target ≥ 20x). Results go to
-``bench_results/sequences_rows.json``; ``--quick`` runs a small log for tests.
+``bench_results/sequences_rows.json``; ``--quick`` runs a small log for tests. Trailing overrides go to both trainings
+(``model.block=hstu``: SASRec with HSTU blocks, which attend on the jagged rows instead of the batch's padded block).
 """
 
 from __future__ import annotations
@@ -62,12 +63,13 @@ def tokens_per_epoch(path: Path) -> tuple[int, int]:
     return len(lengths), int(lengths.sum()) + len(lengths)
 
 
-def _train(rows: Path, batch_size: int, length: str) -> tuple[float, float]:
-    """Train sasrec on ``rows`` (``length``: ``train.num_epochs=…`` or ``train.num_steps=…``): ``(seconds, valid hr@10)``."""
+def _train(rows: Path, batch_size: int, length: str, extra: list[str]) -> tuple[float, float]:
+    """Train sasrec on ``rows`` (``length``: ``train.num_epochs=…`` or ``train.num_steps=…``; ``extra``: more overrides,
+    e.g. ``model.block=hstu``): ``(seconds, valid hr@10)``."""
     overrides = ["model=sasrec", "data=parquet", f"data.path={rows / 'train.parquet'}", f"data.eval_path={rows / 'valid.parquet'}",
                  f"data.batch_size={batch_size}", "data.num_workers=0", "metrics.exclude_seen=true", "model.eval_metrics=[hr@10]",
                  "train.log_every_steps=1000", "checkpoint=none", "tracking=none",
-                 "distributed.device=cpu", length]
+                 "distributed.device=cpu", length, *extra]
     start = time.perf_counter()
     c = build(compose_run(overrides))
     try:
@@ -77,12 +79,13 @@ def _train(rows: Path, batch_size: int, length: str) -> tuple[float, float]:
     return time.perf_counter() - start, final["eval/hr_at_10"]
 
 
-def measure(num_users: int, max_len: int, epochs: int, event_steps: int, batch_size: int, workdir: Path) -> dict[str, Any]:
+def measure(num_users: int, max_len: int, epochs: int, event_steps: int, batch_size: int, workdir: Path,
+            extra: list[str] | None = None) -> dict[str, Any]:
     """Write the log's rows both ways and train on each; see the module docstring for what is reported."""
     log = workdir / "log.parquet"
     pq.write_table(interaction_log(num_users, max_len), log)
     result: dict[str, Any] = {"users": num_users, "max_len": max_len, "events": pq.read_metadata(log).num_rows,
-                              "batch_size": batch_size}
+                              "batch_size": batch_size, "overrides": list(extra or [])}
     for kind in ("per-user", "per-event"):
         out = workdir / kind
         assert data_main(["sequences", str(log), str(out), "--user", "user", "--item", "item", "--time", "timestamp",
@@ -91,12 +94,12 @@ def measure(num_users: int, max_len: int, epochs: int, event_steps: int, batch_s
         steps_per_epoch = -(-rows // batch_size)
         if kind == "per-user" or event_steps == 0:
             n = epochs if kind == "per-user" else 1
-            seconds, hr = _train(out, batch_size, f"train.num_epochs={n}")
+            seconds, hr = _train(out, batch_size, f"train.num_epochs={n}", extra or [])
             per_epoch, estimated = seconds / n, False
         else:  # k and 2k steps: their difference is k steps without the build and the final eval
             k = max(1, min(event_steps, steps_per_epoch // 2))
-            short, _ = _train(out, batch_size, f"train.num_steps={k}")
-            seconds, hr = _train(out, batch_size, f"train.num_steps={2 * k}")
+            short, _ = _train(out, batch_size, f"train.num_steps={k}", extra or [])
+            seconds, hr = _train(out, batch_size, f"train.num_steps={2 * k}", extra or [])
             per_epoch, estimated = max(seconds - short, 1e-9) / k * steps_per_epoch, True
         result[kind.replace("-", "_")] = {"rows": rows, "tokens_per_epoch": tokens, "steps_per_epoch": steps_per_epoch,
                                           "s_per_epoch": round(per_epoch, 2), "estimated": estimated,
@@ -118,11 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--quick", action="store_true", help="a small log, one epoch, a few per-event steps (tests)")
     p.add_argument("--out", default="bench_results/sequences_rows.json")
+    p.add_argument("overrides", nargs="*", help="more overrides for both trainings (e.g. model.block=hstu: jagged HSTU blocks)")
     a = p.parse_args(argv)
     if a.quick:
         a.users, a.max_len, a.epochs, a.event_steps, a.batch_size = 200, 50, 1, 5, 32
     with tempfile.TemporaryDirectory(prefix="bench-sequences-rows-") as tmp:
-        result = measure(a.users, a.max_len, a.epochs, a.event_steps, a.batch_size, Path(tmp))
+        result = measure(a.users, a.max_len, a.epochs, a.event_steps, a.batch_size, Path(tmp), a.overrides)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
