@@ -1,4 +1,4 @@
-"""Against a real SLURM cluster (tests/slurm_cluster.py): one job, an array sweep, submit-and-exit + collect.
+"""Against a real SLURM cluster (tests/slurm_cluster.py): an array sweep, submit-and-exit + collect, one two-task job.
 
 Every job logs to MLflow as a child of the multirun's parent run, from inside ``sbatch``/``srun``.
 """
@@ -28,19 +28,6 @@ def _sweep(uri: str, experiment: str) -> tuple[object, list]:
     children = [r for r in runs if r is not parent]
     assert all(r.data.tags.get("mlflow.parentRunId") == parent.info.run_id for r in children)
     return parent, children
-
-
-def test_single_slurm_job(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
-    uri = f"sqlite:///{tmp_path}/one.db"
-    out = run_cli("-m", *SLURM, *TINY, "train.num_steps=10", f"tracking.uri={uri}", "tracking.experiment=slurm_one",
-                  cwd=tmp_path, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:] + slurm_cluster.logs()
-    parent, (child,) = _sweep(uri, "slurm_one")
-    assert child.info.status == "FINISHED" and parent.info.status == "FINISHED"
-    # It really ran under SLURM: submitit's folder holds the sbatch script and the job's log.
-    (script,) = (tmp_path / "multirun").glob("*/*/.submitit/*/*_submission.sh")
-    assert "#SBATCH" in script.read_text()
-    assert any("eval/auc" in p.read_text() for p in (tmp_path / "multirun").glob("*/*/.submitit/*/*_log.*"))
 
 
 def test_array_sweep_lands_in_mlflow_as_parent_and_children(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
@@ -80,13 +67,17 @@ def test_submit_and_exit_then_collect(slurm_cluster: SlurmCluster, tmp_path: Pat
 
 
 def test_two_task_slurm_job_is_one_two_rank_run(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
-    """``tasks_per_node=2``: srun starts 2 tasks, each maps SLURM's environment to a torch rank, one MLflow run."""
+    """One job (a one-point sweep: the parent and its one child FINISHED) with ``tasks_per_node=2``: srun starts 2
+    tasks, each maps SLURM's environment to a torch rank, one MLflow run. (A one-task job is the array sweep's.)"""
     uri = f"sqlite:///{tmp_path}/ranks.db"
     out = run_cli("-m", *SLURM, "hydra.launcher.tasks_per_node=2", *TINY, "train.num_steps=10",
                   "distributed.sharding_types=[column_wise]", f"tracking.uri={uri}", "tracking.experiment=slurm_ranks",
                   cwd=tmp_path, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:] + slurm_cluster.logs()
     parent, (child,) = _sweep(uri, "slurm_ranks")
-    assert child.info.status == "FINISHED" and child.data.tags["world_size"] == "2"
+    assert child.info.status == "FINISHED" and parent.info.status == "FINISHED" and child.data.tags["world_size"] == "2"
     logs = "".join(p.read_text() for p in (tmp_path / "multirun").glob("*/*/.submitit/*/*_log.*"))
     assert "task 1/2" in logs and "task 0/2" in logs, "each task announced its torch.distributed rank"
+    # It really ran under SLURM: submitit's folder holds the sbatch script, and the job's log the eval it ran.
+    (script,) = (tmp_path / "multirun").glob("*/*/.submitit/*/*_submission.sh")
+    assert "#SBATCH" in script.read_text() and "eval/auc" in logs

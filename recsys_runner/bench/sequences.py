@@ -165,30 +165,37 @@ def bench_speed(overrides: list[str], s: Settings) -> tuple[Regime, dict[str, An
     return din, speed
 
 
-def memory_growth(variant: str, overrides: Sequence[str], s: Settings) -> dict[str, float]:
-    """Peak memory growth (MB) while the runner trains ``s.memory_steps`` batches of ``variant``, in a fresh process."""
-    cmd = [sys.executable, "-m", "recsys_runner.bench.sequences", "--memory", variant, "--max-len", str(s.max_len),
-           "--length-skew", str(s.length_skew), "--steps", str(s.memory_steps), *overrides]
-    return memory_child(cmd)
+def memory_growth(batchings: Sequence[str], overrides: Sequence[str], s: Settings) -> dict[str, dict[str, float]]:
+    """Peak memory growth (MB) while the runner trains ``s.memory_steps`` batches of each of ``batchings``, in turn, in
+    one fresh process; keyed by batching."""
+    cmd = [sys.executable, "-m", "recsys_runner.bench.sequences", *(a for b in batchings for a in ("--memory", b)),
+           "--max-len", str(s.max_len), "--length-skew", str(s.length_skew), "--steps", str(s.memory_steps), *overrides]
+    measured: dict[str, dict[str, float]] = memory_child(cmd)
+    return measured
 
 
-def memory_child(cmd: list[str]) -> dict[str, float]:
+def memory_child(cmd: list[str]) -> Any:
     """Run a memory child ``cmd`` (with :data:`MEMORY_ENV`); the JSON object it printed last."""
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **MEMORY_ENV}, check=False)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    result: dict[str, float] = json.loads(lines[-1])
-    return result
+    return json.loads(lines[-1])
 
 
-def bench_memory(overrides: list[str], s: Settings) -> dict[str, dict[str, float]]:
-    """(f)'s memory half and (g): peak growth of each batching of :func:`variants`, one fresh process each."""
+def bench_memory(overrides: list[str], s: Settings, quick: bool = False) -> dict[str, dict[str, float]]:
+    """(f)'s memory half and (g): peak growth of each batching of :func:`variants`, one fresh process each (with
+    ``quick``, one process for all of them in turn: the plumbing is checked, not the figures, and four interpreter starts
+    are saved)."""
+    named = variants(s)
+    groups = [list(named)] if quick else [[name] for name in named]
     out = {}
-    for name, variant in variants(s).items():
-        out[name] = memory_growth(variant, overrides, s)
-        print(f"memory {name} ({variant}): peak growth {out[name]['growth_mb']:.1f} MB; a step {out[name]['rows']:.0f} rows, "
-              f"{out[name]['tokens']:.0f} tokens, {out[name]['padded']:.0f} padded history slots", flush=True)
+    for names in groups:
+        measured = memory_growth([named[n] for n in names], overrides, s)
+        for name in names:
+            out[name] = measured[named[name]]
+            print(f"memory {name} ({named[name]}): peak growth {out[name]['growth_mb']:.1f} MB; a step {out[name]['rows']:.0f} "
+                  f"rows, {out[name]['tokens']:.0f} tokens, {out[name]['padded']:.0f} padded history slots", flush=True)
     return out
 
 
@@ -265,7 +272,7 @@ def bench_sequences(overrides: list[str], quick: bool, rounds: int | None = None
     for name, n in (("steps", s.steps), ("fixed_steps", s.fixed_steps)):
         assert n >= 2 * WINDOW, f"{name} must cover a warm-up window and one more"
     din, speed = bench_speed(overrides, s)
-    memory = bench_memory(overrides, s)
+    memory = bench_memory(overrides, s, quick)
     result = {"settings": s.__dict__ | {"fixed_rows": s.fixed_rows}, "variants": variants(s), "speed": speed, "memory": memory,
               "targets": {"tokens_ratio": TOKENS_RATIO_TARGET, "e_din_in_memory": din.target}}
     return din, result, table(din, speed, memory, s)
@@ -274,14 +281,15 @@ def bench_sequences(overrides: list[str], quick: bool, rounds: int | None = None
 def main(argv: list[str] | None = None) -> None:
     """The ``--memory`` child process (one JSON line on stdout)."""
     parser = argparse.ArgumentParser(description="one memory measurement of the sequence regimes (run by the bench)")
-    parser.add_argument("--memory", required=True, help="the variant: data.batch_tokens=N or data.batch_size=N")
+    parser.add_argument("--memory", required=True, action="append",
+                        help="a variant: data.batch_tokens=N or data.batch_size=N (repeatable: measured in turn)")
     parser.add_argument("--max-len", type=int, required=True)
     parser.add_argument("--length-skew", type=float, required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     s = Settings(max_len=args.max_len, length_skew=args.length_skew)
-    print(json.dumps(measure_here(args.memory, args.overrides, args.steps, s)), flush=True)
+    print(json.dumps({variant: measure_here(variant, args.overrides, args.steps, s) for variant in args.memory}), flush=True)
 
 
 if __name__ == "__main__":
