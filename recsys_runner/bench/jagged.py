@@ -1,5 +1,5 @@
-"""Jagged against padded attention (issue 32): ``hstu_rank`` and DIN trained by the runner on long-tailed histories, each
-with ``model.attention=jagged`` and ``model.attention=padded``.
+"""Jagged against padded attention (issue 32): ``hstu_rank``, DIN and BST trained by the runner on long-tailed histories,
+each with ``model.attention=jagged`` and ``model.attention=padded``.
 
 Histories follow a Zipf law capped at 512 events (``data=synthetic_sequences data.max_len=512 data.length_skew=1.2``),
 cut into token batches (``data.batch_tokens``, drawn order): a batch holds a few long rows among many short ones, so the
@@ -30,8 +30,9 @@ from recsys_runner.bench.regimes import COMMON, _Recorder, alternate, build_for_
 from recsys_runner.bench.sequences import in_memory, made_batches, memory_child, peak_growth, runner_rates
 
 MODELS = {"hstu_rank": ["model=hstu_rank", "model.embedding_dim=32", "model.num_layers=2", "model.dropout=0.0"],
-          "din": ["model=din"]}
-"""The models compared, at their sizes here (hstu_rank: the default's width and layers, no dropout)."""
+          "din": ["model=din"], "bst": ["model=bst"]}
+"""The models compared, at their sizes here (hstu_rank: the default's width and layers, no dropout; DIN and BST their
+defaults)."""
 ATTENTIONS = ("jagged", "padded")
 SPEED_TARGET = 1.5
 """``tokens/s`` of the jagged path over the padded one."""

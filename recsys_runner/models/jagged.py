@@ -9,7 +9,8 @@ a multiple of ``block`` only, never to the batch's longest row, and the tiles' s
 
 :func:`tile` plans the tiling of one batch's lengths (:class:`Tiles`); :func:`to_tiles` / :func:`from_tiles` move
 per-token tensors into and out of it; :func:`pointwise_attention` is HSTU's attention (SiLU, no softmax, the
-relative bias :func:`relative_bias`) on it.
+relative bias :func:`relative_bias`) on it, :func:`softmax_attention` a transformer's (BST's), its softmax spanning all of a
+row's key tiles.
 
 Shape legend: ``T`` tokens (``Σ n_r``), ``B`` rows, ``C`` the tile size, ``NB`` tiles, ``P`` (query tile, key tile)
 pairs, ``H`` heads, ``d`` a head's width.
@@ -25,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["TIME_BUCKET_WIDTH", "Tiles", "padded_reference", "from_tiles", "pointwise_attention", "relative_bias", "row_starts", "tile",
-           "time_buckets", "to_tiles"]
+__all__ = ["TIME_BUCKET_WIDTH", "Tiles", "padded_reference", "from_tiles", "pointwise_attention", "relative_bias", "row_starts",
+           "softmax_attention", "tile", "time_buckets", "to_tiles"]
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,40 @@ def pointwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles
     logits = qt[pq] @ kt[pk].transpose(2, 3) + relative_bias(position, time, distance.clamp_min(0), gaps).unsqueeze(1).to(q.dtype)  # [P, H, C, C]
     weights = F.silu(logits) * scale * allowed.unsqueeze(1).to(logits.dtype)
     mixed = torch.zeros_like(qt).index_add(0, pq, weights @ vt[pk])  # [NB, H, C, d]
+    return from_tiles(mixed.permute(heads), tiles)
+
+
+@torch.fx.wrap
+def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: Tiles, scale: float, dropout: float = 0.0,
+                      training: bool = False) -> torch.Tensor:
+    """A transformer's softmax attention on jagged rows: ``q, k, v [T, H, d] → [T, H, d]``.
+
+    Token ``i`` of a row mixes ``Σ_j softmax_j(scale · q_i · k_j) · v_j`` over the tokens ``j`` of its row that the tiling
+    lets it meet: all of them (``tile(..., causal=False)``), or ``j ≤ i`` (causal tiles). The softmax spans every key tile
+    of the row, exactly: each (query tile, key tile) pair's scores are shifted by the query's largest score over all its
+    pairs (a ``scatter_reduce`` max; the shift cancels, so it is taken without gradient), exponentiated, and the
+    exponentials' sums and their products with the values are summed per query tile (``index_add``) before one division.
+    ``dropout`` (while ``training``) drops normalized weights, as ``nn.MultiheadAttention`` does. A leaf of TorchRec's
+    pipeline trace, like :func:`tile`: its tiles' shapes are data.
+    """
+    pq, pk = tiles.pair_query, tiles.pair_key
+    heads = (0, 2, 1, 3)  # [NB, C, H, d] → [NB, H, C, d]
+    qt, kt, vt = (to_tiles(t, tiles).permute(heads) for t in (q, k, v))
+    query_at, key_at = tiles.positions[pq], tiles.positions[pk]  # [P, C]
+    allowed = (key_at >= 0).unsqueeze(1)  # [P, 1, C]: real keys only
+    if tiles.causal:
+        allowed = allowed & (query_at.unsqueeze(2) >= key_at.unsqueeze(1))  # [P, C, C]
+    logits = (qt[pq] @ kt[pk].transpose(2, 3) * scale).masked_fill(~allowed.unsqueeze(1), float("-inf"))  # [P, H, C, C]
+    pair_top = logits.detach().amax(dim=3)  # [P, H, C]
+    top = torch.full(qt.shape[:3], float("-inf"), dtype=logits.dtype, device=logits.device)
+    top = top.scatter_reduce(0, pq.view(-1, 1, 1).expand_as(pair_top), pair_top, reduce="amax")  # [NB, H, C]
+    top = torch.where(torch.isfinite(top), top, 0.0)  # a padding slot of a causal tile meets no key
+    weights = torch.exp(logits - top[pq].unsqueeze(3))  # 0 where not allowed
+    total = torch.zeros_like(top).index_add(0, pq, weights.sum(dim=3))  # [NB, H, C]: the softmax's denominators
+    if training and dropout > 0:
+        weights = F.dropout(weights, dropout)
+    mixed = torch.zeros_like(qt).index_add(0, pq, weights @ vt[pk])  # [NB, H, C, d]
+    mixed = mixed / total.clamp_min(torch.finfo(total.dtype).tiny).unsqueeze(3)
     return from_tiles(mixed.permute(heads), tiles)
 
 
