@@ -70,6 +70,7 @@ bench: $(STAMP) ## Runner vs hand loop (synthetic, Parquet, sequences, managed c
 	$(PY) -m recsys_runner.bench.encoding
 	$(PY) -m recsys_runner.bench.transforms
 	$(PY) -m recsys_runner.bench.sequences_rows
+	$(PY) -m recsys_runner.bench.sequences_rows --out bench_results/sequences_rows_hstu.json model.block=hstu
 	$(PY) -m recsys_runner.bench.topk
 	$(PY) -m recsys_runner.bench.jagged
 	$(PY) -m recsys_runner.bench.zoo
