@@ -22,6 +22,7 @@ import functools
 import json
 import statistics
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -110,9 +111,9 @@ def memory_growth(model: str, attention: str, tokens: int, s: Settings, fresh: b
     return memory_child([sys.executable, "-m", "recsys_runner.bench.jagged", "--memory", model, attention, str(tokens)])
 
 
-def bench(s: Settings, fresh: bool) -> dict[str, Any]:
+def bench(s: Settings, fresh: bool, models: Sequence[str] = tuple(MODELS)) -> dict[str, Any]:
     out: dict[str, Any] = {"settings": s.__dict__, "models": {}}
-    for model in MODELS:
+    for model in models:
         speed = bench_speed(model, s)
         memory = {a: {str(t): memory_growth(model, a, t, s, fresh) for t in (s.batch_tokens // 2, s.batch_tokens)} for a in ATTENTIONS}
         out["models"][model] = {"speed": speed, "memory": memory}
@@ -135,14 +136,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, memory in this process: checks that it runs")
     parser.add_argument("--json", default="bench_results/jagged.json", help="where to write the results")
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {','.join(MODELS)} (default: all)")
     parser.add_argument("--memory", nargs=3, metavar=("MODEL", "ATTENTION", "TOKENS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    models = [m for m in args.models.split(",") if m]
+    unknown = sorted(set(models) - set(MODELS))
+    if unknown:
+        parser.error(f"--models {','.join(unknown)}: not benched here. Fix: pick from {','.join(MODELS)}")
     s = Settings.quick() if args.quick else Settings()
     if args.memory:
         model, attention, tokens = args.memory
         print(json.dumps(measure_here(model, attention, int(tokens), s)), flush=True)
         return None
-    result = bench(s, fresh=not args.quick)
+    result = bench(s, fresh=not args.quick, models=models)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2))
     return result
