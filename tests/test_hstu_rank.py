@@ -4,23 +4,25 @@ candidates; the model scores the same on either path, a row alone as in a batch;
 and a learning test on long histories whose label only their order shows, where DIN stays at chance.
 
 The suites over every ``conf/model`` option (test_models, test_model_structure, test_pipelines, test_default_data_models)
-also run it; the export test below checks that the program (the padded path, plain ATen ops) scores like the trained
-(jagged) model.
+also run it; the export test below checks that the served MLflow model (its program the padded path, ATen ops only)
+scores raw rows with histories as ``predict`` does from the trained (jagged) model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
 from pathlib import Path
 
+import mlflow.pyfunc
+import numpy as np
+import pandas as pd
 import pytest
 import torch
-from omegaconf import DictConfig
+import yaml
 from torch import nn
 from torchmetrics.functional.classification import binary_auroc
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
-from recsys_runner import export
 from recsys_runner.config import validate
 from recsys_runner.configurable import make
 from recsys_runner.errors import ConfigError
@@ -32,10 +34,10 @@ from recsys_runner.models.hstu import HSTUBlock
 from recsys_runner.models.hstu_rank import HSTURankConfig
 from recsys_runner.models.jagged import tile
 from recsys_runner.models.sasrec import SASRecConfig
-from recsys_runner.serving import program as serving
-from tests.test_export import train_and_score
-from tests.test_interaction_models import export_cfg, one_thread  # noqa: F401  (export_cfg: a fixture)
+from tests.test_interaction_models import one_thread
+from tests.test_mlflow_model import ATOL, _scores, _trained
 from tests.test_models import CPU, materialize, small_sequences
+from tests.test_sequence_files import columns, histories, write_csv
 
 # --- the tiling -----------------------------------------------------------------------------------------------------
 
@@ -283,26 +285,6 @@ def test_hstu_rank_reads_the_order_of_long_histories_that_din_cannot(seed: int) 
     assert hstu > din + 0.25, (hstu, din)
 
 
-# --- export: the program pads, the trained model tiled ---------------------------------------------------------------
-
-EXPORT = ["model=hstu_rank", "model.embedding_dim=8", "model.num_layers=1", "model.deep_layer_sizes=[16]", "train.num_steps=2",
-          "train.log_every_steps=2", "tracking=none"]
-"""Two steps on the generated histories ``data=synthetic`` turns into for a model with a history (64-row batches)."""
-
-
-def test_the_exported_program_scores_like_the_trained_model(make_cfg, export_cfg: Callable[..., DictConfig], tmp_path: Path) -> None:  # noqa: F811
-    """Two training steps on the jagged path, ``export.run`` in this process, and ``model.pt2`` (the padded path, plain
-    ATen ops) on an eval batch the export never saw: equal to the trained model's logits."""
-    batch, expected = train_and_score(make_cfg, tmp_path / "ck", *EXPORT)
-    out = export.run(export_cfg(*EXPORT, f"load={tmp_path / 'ck'}", f"export.dir={tmp_path / 'export'}", "export.mlflow_model=false"))
-    program = torch.export.load(str(out / export.MODEL_FILE)).module()
-    with torch.no_grad():
-        got = program(*serving.serving_inputs(batch))
-    assert got.shape == expected.shape == (64,)
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-
-
-
 def test_rows_that_share_a_history_are_scored_in_one_sequence_each_as_alone() -> None:
     """Impressions grouped by user (consecutive rows with the same history, each its own candidate) become one sequence:
     the history once, then every candidate. Each row scores as on the padded path, one row one sequence."""
@@ -349,3 +331,37 @@ def test_generated_impressions_grouped_by_user_share_one_sequence() -> None:
                                atol=1e-5, rtol=1e-5)
     with pytest.raises(ConfigError, match="data.candidates_per_user=2 groups rows by user, which token batches"):
         small_sequences(candidates_per_user=2, batch_tokens=64)
+
+
+# --- export: the served MLflow model (its program pads, the trained model tiled) -------------------------------------
+
+
+def test_the_served_mlflow_model_scores_raw_history_rows_as_predict_does(tmp_path: Path) -> None:
+    """hstu_rank trained (on the jagged path) on a CSV whose history cells hold ``|``-separated events and their times,
+    exported; ``mlflow.pyfunc.load_model(dir).predict`` on the CSV's raw rows read as text (items never seen in training
+    among the candidates and the histories, empty histories) gives the scores ``predict`` writes from the checkpoint.
+    The served program is ``model.pt2`` (the padded path, ATen ops only), so this is also the program against the
+    trained model on rows the export never saw."""
+    write_csv(tmp_path / "train.csv", histories(0, 600))
+    scored = histories(1, 120)
+    for r, row in enumerate(scored[:40]):
+        row["item"] = f"new{r}"
+        if row["hist_item"]:
+            row["hist_item"] = [*row["hist_item"][:-1], f"gone{r}"]
+    write_csv(tmp_path / "score.csv", scored)
+    (tmp_path / "schema.yaml").write_text(yaml.safe_dump(columns("|", max_len=8)))  # every event kept (histories() has <= 6)
+    data = ["data=csv", f"data.path={tmp_path}/train.csv", f"data.schema={tmp_path}/schema.yaml", "data.batch_size=64", "model=hstu_rank",
+            "model.embedding_dim=8", "model.num_layers=1", "model.deep_layer_sizes=[16]", "distributed.device=cpu", "tracking=none"]
+    with one_thread():
+        trained = _trained(tmp_path, data, 10)
+        reference = _scores(data, trained["checkpoint"], tmp_path / "score.csv", tmp_path / "predicted")["score"].to_numpy()
+    served_dir = trained["model"] / "data" / "data"
+    assert {"hist_item", "hist_category", "hist_ts"} <= set(json.loads((served_dir / "serving.json").read_text())["input_columns"])
+    # what the served model runs: torch.export's program of plain ATen ops (no fbgemm or TorchRec op to load), beside the
+    # standalone loader test_mlflow_model runs where recsys_runner, TorchRec and fbgemm_gpu cannot be imported
+    program = torch.export.load(str(served_dir / "model.pt2"))
+    namespaces = {n.target.namespace for n in program.graph.nodes if isinstance(n.target, torch._ops.OpOverload)}
+    assert namespaces == {"aten"}, namespaces
+    served = mlflow.pyfunc.load_model(str(trained["model"])).predict(pd.read_csv(tmp_path / "score.csv", dtype=str))["score"].to_numpy()
+    assert len(served) == len(scored) and reference.std() > 1e-4
+    np.testing.assert_allclose(served, reference, atol=ATOL)
