@@ -246,7 +246,7 @@ def test_weightings_train_on_two_ranks(make_cfg, tmp_path: Path) -> None:
         assert "eval/ctr/auc=" in out.stdout + out.stderr
         ranks = [torch.load(tmp_path / kind / f"weighting_rank{r}.pt") for r in range(2)]
         assert len(ranks[0]["steps"]) == len(ranks[1]["steps"]) == 6
-        for key in ranks[0]["steps"][0]:
+        for key in set(ranks[0]["steps"][0]) - {"losses"}:  # each rank's own losses differ; what they train with may not
             for step, (a, b) in enumerate(zip(ranks[0]["steps"], ranks[1]["steps"], strict=True), start=1):
                 assert torch.equal(a[key], b[key]), f"{kind} {key} at step {step}: rank 0 {a[key]}, rank 1 {b[key]}"
             assert torch.equal(ranks[0][key], ranks[1][key]), f"{kind} {key} after training: {ranks[0][key]}, {ranks[1][key]}"
