@@ -15,6 +15,9 @@ from recsys_runner.models.dssm import DSSM, DSSMConfig
 from recsys_runner.models.frequency import TableFrequency
 from tests.test_corpus_eval import _trained_recall
 
+LOGQ_SOURCES_TOLERANCE = {"all": 0.03, "head": 0.06}
+"""How far the item table's recall@50 may lie from the streaming estimate's, overall and on the popular head."""
+
 
 def test_table_frequency_is_the_chance_of_an_in_batch_candidate() -> None:
     table = TableFrequency(8)
@@ -50,10 +53,15 @@ def test_a_run_takes_p_from_the_item_table(make_cfg, monkeypatch: pytest.MonkeyP
 
 
 def test_logq_from_the_item_table_matches_the_streaming_estimate() -> None:
-    """The catalogue's counts give the correction from the first step: recall@50 as the streaming estimate's (measured
-    0.318 / 0.334 against 0.31 / 0.33 over seeds 0 / 1; uncorrected 0.15 / 0.13)."""
-    plain, table = _trained_recall(False, 0), _trained_recall(True, 0, source="item_table")
-    assert table["all"] > plain["all"] + 0.1 and table["head"] > plain["head"] + 0.3, (plain, table)
+    """The catalogue's counts give the correction from the first step: recall@50 as the streaming estimate's, within
+    LOGQ_SOURCES_TOLERANCE overall and on the popular head, where the correction moves recall most. Measured over seeds
+    0 / 1: overall 0.319 / 0.335 (item table) against 0.304 / 0.330 (stream), uncorrected 0.14 / 0.13; head 0.646 /
+    0.672 against 0.608 / 0.635 (the table's counts are exact from step 1, the stream's estimate warms up), uncorrected
+    0.22 / 0.18. A source that corrected nothing would miss by 0.15 overall and 0.4 on the head."""
+    plain, stream, table = _trained_recall(False, 0), _trained_recall(True, 0), _trained_recall(True, 0, source="item_table")
+    assert stream["all"] > plain["all"] + 0.1 and stream["head"] > plain["head"] + 0.3, (plain, stream)
+    for part, tolerance in LOGQ_SOURCES_TOLERANCE.items():
+        assert table[part] == pytest.approx(stream[part], abs=tolerance), (part, stream, table)
 
 
 @pytest.mark.parametrize("seed", [0, 1])

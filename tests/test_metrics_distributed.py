@@ -2,6 +2,9 @@
 
 The ranks hold uneven shares (rank 1 has more rows, in more batches), and every group of the
 grouped AUC has rows on both ranks, so averaging per-rank values would give a different answer.
+The same launch checks the training summaries' embedding row norms of a table split over the two ranks
+(``train/summaries.py``; ``tests/test_summaries.py`` has the 1-rank case): by rows, or by columns, whose squares the
+ranks all-reduce.
 """
 
 from __future__ import annotations
@@ -67,11 +70,36 @@ def compute_all(shards: list[dict[str, list[torch.Tensor]]]) -> dict[str, float]
     return values | train.compute()
 
 
+SPLITS = {"rows": [(0, 3, 0, 4), (3, 3, 0, 4)], "columns": [(0, 6, 0, 2), (0, 6, 2, 2)]}
+"""A 6x4 table split over the 2 ranks: each rank's shard ``(first row, rows, first column, columns)``."""
+
+
+def table() -> torch.Tensor:
+    return torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+
+
+def row_norms(rank: int) -> dict[str, list[float]]:
+    """What the summaries' ``_local_row_norms`` gives on ``rank`` for a table whose other shard is on the other rank."""
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
+
+    from recsys_runner.distributed.env import DistEnv
+    from recsys_runner.train.summaries import _local_row_norms
+
+    whole, env = table(), DistEnv(rank, WORLD, rank, WORLD, torch.device("cpu"), "gloo")
+    out = {}
+    for split, shards in SPLITS.items():
+        r, nr, c, nc = shards[rank]
+        mine = Shard(whole[r:r + nr, c:c + nc].clone(), ShardMetadata([r, c], [nr, nc], f"rank:{rank}/cpu"))
+        out[split] = _local_row_norms(ShardedTensor._init_from_local_shards([mine], [6, 4]), env).tolist()
+    return out
+
+
 def _worker(rank: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         values = compute_all([rank_data(rank)])
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(values))
+        Path(out_dir, f"norms{rank}.json").write_text(json.dumps(row_norms(rank)))
     finally:
         dist.destroy_process_group()
 
@@ -91,3 +119,9 @@ def test_two_ranks_equal_one_process_over_the_union(tmp_path: Path) -> None:
     alone = [compute_all([rank_data(r)]) for r in range(WORLD)]
     for key in ("eval/auc", "eval/gauc", "eval/xauc", "eval/logloss", "train/auc"):
         assert (alone[0][key] + alone[1][key]) / 2 != pytest.approx(reference[key], rel=1e-6), key
+    # row norms of the split table: each rank its own rows; a row split by columns counted once, on rank 0, whole
+    norms = [json.loads((tmp_path / f"norms{r}.json").read_text()) for r in range(WORLD)]
+    whole = table().norm(dim=1)
+    assert sorted(norms[0]["rows"] + norms[1]["rows"]) == pytest.approx(sorted(whole.tolist()), rel=1e-12)
+    assert len(norms[0]["rows"]) == len(norms[1]["rows"]) == 3
+    assert norms[0]["columns"] == pytest.approx(whole.tolist(), rel=1e-12) and norms[1]["columns"] == []

@@ -7,7 +7,6 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig
-from torch import nn
 from torchrec.datasets.utils import Batch
 
 from recsys_runner.build import build
@@ -16,8 +15,9 @@ from recsys_runner.configurable import make
 from recsys_runner.data.generated.synthetic import SyntheticData, SyntheticDataConfig
 from recsys_runner.errors import ConfigError
 from recsys_runner.models.common import TrainWrapper
-from recsys_runner.tasks import BinaryTask, RegressionTask, Task
+from recsys_runner.tasks import BinaryTask, RegressionTask
 from recsys_runner.train.loop import train
+from tests.conftest import FixedHeads
 
 
 def train_logged(cfg: DictConfig) -> dict[str, float]:
@@ -65,22 +65,11 @@ def test_dssm_recall_far_above_random_candidates(make_cfg, mlflow_uri: str) -> N
     assert not any(k.startswith("train/auc") for k in logged)
 
 
-class _TwoHeads(nn.Module):
-    """Fixed logits for two tasks, to check the wrapper's loss against closed forms."""
-
-    def __init__(self, tasks: tuple[Task, ...], out: dict[str, torch.Tensor]) -> None:
-        super().__init__()
-        self.tasks, self.out = tasks, out
-
-    def forward(self, dense: torch.Tensor, sparse: object) -> dict[str, torch.Tensor]:
-        return self.out
-
-
 def test_train_wrapper_weights_bce_and_mse_per_task() -> None:
     ctr, reg = torch.tensor([0.0, 2.0]), torch.tensor([1.5, -1.0])
     labels = torch.tensor([[9.0, 1.0, 0.5], [9.0, 0.0, -1.0]])  # column 0 belongs to no task
     tasks = (BinaryTask("ctr", column=1, weight=2.0), RegressionTask("watch", column=2, weight=0.5))
-    wrapper = TrainWrapper(_TwoHeads(tasks, {"ctr": ctr, "watch": reg}))
+    wrapper = TrainWrapper(FixedHeads(tasks, {"ctr": ctr, "watch": reg}))
     loss, (_, logits, targets) = wrapper(Batch(dense_features=torch.zeros(2, 1), sparse_features=None, labels=labels))  # type: ignore[arg-type]
     bce = (torch.log1p(torch.exp(-torch.tensor(0.0))) + torch.log1p(torch.exp(torch.tensor(2.0)))) / 2
     mse = ((1.5 - 0.5) ** 2 + 0.0) / 2
@@ -121,7 +110,7 @@ def test_bad_task_configs_say_what_to_fix(make_cfg, overrides: list[str], messag
         build(validate(cfg)).close()
 
 
-def test_cli_entry_returns_the_task_objective(make_cfg) -> None:
+def test_cli_entry_returns_the_task_objective(make_cfg, mlflow_uri: str) -> None:
     from recsys_runner.__main__ import objective, run
 
     assert objective({"eval/ctr/auc": 0.7, "eval/cvr/auc": 0.6}, None) == 0.7
@@ -130,4 +119,6 @@ def test_cli_entry_returns_the_task_objective(make_cfg) -> None:
         objective({"eval/ctr/auc": 0.7}, "eval/auc")
     cfg = make_cfg("model=mmoe", "data=synthetic_multitask", "train.objective=eval/cvr/auc")
     value = run(cfg)
-    assert 0.0 < value < 1.0
+    _, _, logged = logged_metrics(mlflow_uri, cfg.tracking.experiment)
+    assert logged["eval/cvr/auc"] != pytest.approx(logged["eval/ctr/auc"], abs=1e-3), logged  # the check tells them apart
+    assert value == pytest.approx(logged["eval/cvr/auc"], rel=1e-9), (value, logged)

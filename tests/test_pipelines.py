@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
 
 from recsys_runner.build import build
 from recsys_runner.config import validate
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.train.loop import train
+from recsys_runner.train.summaries import top_sharded_modules
 
 MODELS = sorted(p.stem for p in (Path(CONFIG_PATH) / "model").glob("*.yaml"))
 
@@ -22,11 +26,30 @@ PIPELINED = ["distributed.pipeline=sparse_dist", "tracking=none", "checkpoint=no
 
 
 def _train(make_cfg, *overrides: str) -> dict[str, float]:
+    """Train a few steps under the pipeline; checks that it really pipelined: its first rewrite of the model gave every
+    top-level sharded module (each embedding lookup) the pipeline's forward, as TorchRec does for the lookups its
+    ``torch.fx`` trace finds. A lookup the trace misses keeps its own forward and trains unpipelined."""
     c = build(validate(make_cfg(*overrides, *PIPELINED)))
     try:
-        return train(c.loop)
+        pipeline = c.loop.stepper.pipeline
+        assert isinstance(pipeline, TrainPipelineSparseDist), type(pipeline)
+        rewrites: list[tuple[list[str], list[str]]] = []
+        rewrite = pipeline._pipeline_model
+
+        def recorded(*args: Any, **kwargs: Any) -> None:
+            rewrite(*args, **kwargs)
+            lookups = top_sharded_modules(pipeline._model)
+            rewrites.append(([type(m).__name__ for m in lookups if isinstance(m.forward, PipelinedForward)],
+                             [type(m).__name__ for m in lookups]))
+
+        pipeline._pipeline_model = recorded  # type: ignore[method-assign]
+        final = train(c.loop)
     finally:
         c.close()
+    assert rewrites, "the pipeline never rewrote the model"
+    pipelined, lookups = rewrites[0]
+    assert lookups and pipelined == lookups, f"pipelined {pipelined} of the lookups {lookups}"
+    return final
 
 
 @pytest.mark.parametrize("model", MODELS)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.__main__ import run
@@ -24,7 +25,6 @@ from recsys_runner.features import FeatureSpec, SequenceGroup, SparseFeature
 from recsys_runner.models.bst import BST, BehaviorTransformer, BSTConfig, TimeGapBuckets
 from recsys_runner.models.din import DIN, DINConfig, TargetAttention
 from recsys_runner.models.sequence import History, SequenceArch
-from recsys_runner.models.wide_deep import WideDeepConfig
 from tests.test_models import materialize, small_data, small_sequences
 
 SEQ = ["data=synthetic_sequences", "data.batch_size=256", "data.num_train_rows=65536", "data.num_eval_rows=4096",
@@ -257,17 +257,33 @@ def test_bad_bst_configs_say_what_to_fix(make_cfg, overrides: list[str], message
 # --- models without a history read the same data ---
 
 
+def check_mean_pooled(model: nn.Module) -> int:
+    """Every EmbeddingBagCollection of ``model`` that reads a history pools it as the mean of its events' rows (an empty
+    history: zeros), on :func:`hand_batch` histories of 3, 1 and 0 events; how many (collection, history) pairs. The rows
+    are redrawn first: a zero-initialized table (FM's first-order weights, LR's) pools alike whatever the pooling."""
+    kjt = hand_batch([3, 1, 0])
+    checked = 0
+    for ebc in (m for m in model.modules() if isinstance(m, EmbeddingBagCollection)):
+        with torch.no_grad():
+            for bag in ebc.embedding_bags.values():
+                bag.weight.normal_(generator=torch.Generator().manual_seed(0))
+        pooled = ebc(kjt).to_dict()
+        for config in ebc.embedding_bag_configs():
+            for feature in set(config.feature_names) & {"hist_item_id", "hist_category"}:
+                rows, ids = ebc.embedding_bags[config.name].weight, kjt[feature].values()
+                expected = torch.stack([rows[ids[:3]].mean(0), rows[ids[3:4]].mean(0), torch.zeros(rows.shape[1])])
+                assert torch.allclose(pooled[feature], expected, atol=1e-6), f"{config.name} pools {feature} otherwise"
+                checked += 1
+    return checked
+
+
 @pytest.mark.parametrize("model", ["deepfm", "dcn_v2", "wide_deep", "dlrm", "lr", "fm"])
 def test_models_without_attention_mean_pool_the_histories(make_cfg, model: str) -> None:
-    """Their EmbeddingBagCollection pools each history like any multi-hot feature (``pooling: mean``)."""
+    """Their EmbeddingBagCollections pool each history like any multi-hot feature (``pooling: mean``): each collection
+    that reads the histories (the embeddings, and the per-id weights of the wide / first-order / linear part) is checked
+    on hand-made histories; a short run on generated ones trains."""
+    config = validate(make_cfg(f"model={model}", "tracking=none")).model
+    built = materialize(config.build(features=small_sequences().features, dense_device=torch.device("cpu")))
+    assert check_mean_pooled(built) >= 2, "no collection reads both histories"
     assert math.isfinite(auc(make_cfg, f"model={model}", "train.num_steps=5", "data.num_train_rows=8192"))
 
-
-def test_a_non_sequence_model_pools_the_history_it_is_given() -> None:
-    data = small_sequences()
-    model: nn.Module = materialize(make(WideDeepConfig, embedding_dim=8, deep_layer_sizes=[8]).build(features=data.features))
-    kjt = hand_batch([3, 1, 0])
-    pooled = model.sparse_arch.ebc(kjt).to_dict()
-    table = model.sparse_arch.ebc.embedding_bags["item"].weight
-    assert torch.allclose(pooled["hist_item_id"][0], table[kjt["hist_item_id"].values()[:3]].mean(0), atol=1e-6)
-    assert torch.equal(pooled["hist_item_id"][2], torch.zeros(8)), "an empty history pools to zeros"

@@ -106,7 +106,9 @@ def one_rank() -> Iterator[DistEnv]:
 
 @pytest.mark.parametrize("split", ["rows", "columns"])
 def test_row_norms_of_a_sharded_table_are_those_of_the_whole_table(one_rank: DistEnv, split: str) -> None:
-    """Row-wise shards are taken as they are; column-wise shards of a row are put back together before its norm."""
+    """Row-wise shards are taken as they are; column-wise shards of a row are put back together before its norm. One
+    rank holds both shards here; split over 2 gloo ranks (each rank its own rows; column shards' squares all-reduced, the
+    row counted on rank 0) in ``tests/test_metrics_distributed.py``'s launch."""
     table = torch.randn(6, 4, dtype=torch.float64)
     halves = [(0, 3, 0, 4), (3, 3, 0, 4)] if split == "rows" else [(0, 6, 0, 2), (0, 6, 2, 2)]
     shards = [Shard(table[r:r + nr, c:c + nc].clone(), ShardMetadata([r, c], [nr, nc], "rank:0/cpu")) for r, nr, c, nc in halves]
