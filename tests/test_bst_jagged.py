@@ -19,7 +19,7 @@ from recsys_runner.configurable import make
 from recsys_runner.errors import ConfigError
 from recsys_runner.models.bst import BST, BSTConfig
 from recsys_runner.models.jagged import padded_reference, softmax_attention, tile
-from tests.test_hstu_rank import build_model, jt_row
+from tests.test_hstu_rank import assert_paths_agree, build_model, jt_row
 from tests.test_models import small_sequences
 
 
@@ -55,17 +55,8 @@ def test_bst_scores_the_same_on_the_jagged_and_the_padded_path(values: dict[str,
     data = small_sequences(empty_fraction=0.3, max_len=9)
     batch = next(iter(data.train_batches(0, 0, 1)))
     assert (batch.sparse_features["hist_item_id"].lengths() == 0).any()
-    jagged = build_model(tiny(attention="jagged", **values), data.features)
-    padded = build_model(tiny(attention="padded", **values), data.features)
-    padded.load_state_dict(jagged.state_dict())
-    outputs = [m(batch.dense_features, batch.sparse_features) for m in (jagged, padded)]
-    torch.testing.assert_close(outputs[0], outputs[1], atol=1e-5, rtol=1e-5)
-    for out in outputs:
-        out.sum().backward()
-    for (name, a), b in zip(jagged.named_parameters(), padded.parameters(), strict=True):
-        assert (a.grad is None) == (b.grad is None), name
-        if a.grad is not None:
-            torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert_paths_agree(build_model(tiny(attention="jagged", **values), data.features),
+                       build_model(tiny(attention="padded", **values), data.features), batch)
 
 
 def test_a_row_scores_the_same_alone_as_in_its_batch_and_padded_reference_pads_bst() -> None:
