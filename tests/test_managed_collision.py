@@ -12,7 +12,6 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -147,6 +146,38 @@ def test_unknown_ids_read_the_fallback_slot_and_are_counted() -> None:
     assert counts["mc/t_u/slots_used"] == 3
 
 
+def test_a_mapping_saved_by_two_shards_keeps_their_fallbacks_on_one() -> None:
+    """A 2-rank mapping loaded into 1 module (10 slots: shard 0 held slots 0-4 and raw ids below 500, shard 1 slots 5-9
+    and the ids above): an id without a slot reads its saved shard's fallback (4 or 9), as it did on 2 ranks, until an
+    admission gives slot 4 an id; then the lower block reads the module's own fallback, 9."""
+    table = SparseFeature("u", 10, managed_collision=ManagedCollision(input_hash_size=1000, eviction_interval=1))
+    features = FeatureSpec(dense_names=(), sparse=(table,))
+    (config,) = features.embedding_tables(8)
+    module = managed_collision_module(config, features.managed_tables()["t_u"], torch.device("cpu"))
+    assert isinstance(module, CountedMCH)
+    empty = torch.iinfo(torch.int64).max
+    with torch.no_grad():  # the two shards' sorted blocks, re-sorted as a checkpoint load leaves them
+        module._output_segments_tensor[:3] = torch.tensor([0, 5, 10])
+        module._mch_sorted_raw_ids.copy_(torch.tensor([5, 7, 900, *[empty] * 7]))
+        module._mch_remapped_ids_mapping.copy_(torch.tensor([0, 1, 5, 2, 3, 4, 6, 7, 8, 9]))
+    module.check_restored("t_u")
+    module.eval()
+
+    def lookup(*ids: int) -> list[int]:
+        return module({"t_u": JaggedTensor(values=torch.tensor(ids), lengths=torch.tensor([len(ids)]))})["t_u"].values().tolist()
+
+    assert lookup(5, 7, 900, 123, 499, 500, 999) == [0, 1, 5, 4, 4, 9, 9]
+    counts = collision_counters(torch.nn.ModuleDict({"m": module}))
+    assert counts["mc/t_u/eval_fallback_lookups"] == 4  # every id without a slot, whichever fallback it reads
+    module.train()
+    for _ in range(3):  # six new ids of the lower block fill the six free slots, the old fallback 4 among them
+        module({"t_u": JaggedTensor(values=torch.tensor([11, 12, 13, 14, 15, 16] * 4), lengths=torch.tensor([24]))})
+    held = module._mch_remapped_ids_mapping[module._mch_sorted_raw_ids != empty]
+    assert 4 in held.tolist()
+    module.eval()
+    assert lookup(123, 900, 999) == [9, 5, 9]
+
+
 def test_raw_encoding_of_text_and_integers() -> None:
     col = SparseColumn(name="u", num_embeddings=10, managed_collision={"input_hash_size": 1000})
     assert col.encoding == "raw"
@@ -196,10 +227,10 @@ def _torchrun(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[st
 def test_two_rank_mapping_resumes_on_one_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A 2-rank checkpoint (row-wise shards of the mapping) restored on 1 rank: the same (id, slot) pairs, re-sorted;
     the resumed run logs every step; and ``evaluate`` of the checkpoint on 1 rank gives the 2-rank run's eval log loss
-    and AUC at the slice (each rank evaluated 4 batches: the first 8 of the eval split, which 1 rank reads), once an id
-    without a slot reads its 2-rank shard's fallback row. With the one fallback of 1 rank the eval differs (measured
-    AUC 0.55668 against 0.55736): each row-wise shard trained its own. The 1-rank losses after the resume have no 2-rank
-    counterpart (other batches per step) short of a second 2-rank launch."""
+    and AUC at the slice (each rank evaluated 4 batches: the first 8 of the eval split, which 1 rank reads): an id without
+    a slot reads its 2-rank shard's fallback row there too (``CountedMCH``; with the one fallback of 1 rank the eval
+    differed, AUC 0.55668 against 0.55736). The 1-rank losses after the resume have no 2-rank counterpart (other batches
+    per step) short of a second 2-rank launch."""
     args = [*(a for a in _overrides(tmp_path, "mc_2to1") if not a.startswith("train.eval_every_steps")), f"train.eval_every_steps={SLICE}"]
     out = _torchrun(tmp_path, *args, f"train.stop_after_steps={SLICE}")
     assert out.returncode == 0, out.stderr[-4000:]
@@ -228,18 +259,6 @@ def test_two_rank_mapping_resumes_on_one_rank(tmp_path: Path, monkeypatch: pytes
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
     (run,) = client.search_runs([client.get_experiment_by_name("mc_2to1").experiment_id])
     two = {k: {m.step: m.value for m in client.get_metric_history(run.info.run_id, k)}[SLICE] for k in ("eval/auc", "eval/logloss")}
-    real_remap = CountedMCH.remap
-
-    def shard_fallbacks(module: CountedMCH, features: dict[str, JaggedTensor], *rest: Any, **named: Any) -> dict[str, JaggedTensor]:
-        """1 rank's lookup with 2 ranks' fallbacks: a raw id of the lower half of the id space (shard 0's, of 2) that holds
-        no slot reads shard 0's fallback, the slot before the upper shard's first, as it did there."""
-        out = real_remap(module, features, *rest, **named)
-        fallback = module._output_global_offset + module._zch_size - 1
-        return {name: JaggedTensor(values=torch.where((jagged.values() == fallback) & (features[name].values() < module._input_hash_size // 2),
-                                                      module._zch_size // 2 - 1, jagged.values()), lengths=jagged.lengths())
-                for name, jagged in out.items()}
-
-    monkeypatch.setattr(CountedMCH, "remap", shard_fallbacks)
     one = evaluate.run(compose_entry("evaluate", *[a for a in args if not a.startswith(("tracking.", "train.eval_max_batches"))],
                                      "tracking=none", f"load={ckpt}", "train.eval_max_batches=8"))
     assert {k: one[k] for k in two} == pytest.approx(two, rel=1e-6), (one, two)
