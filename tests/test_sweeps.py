@@ -153,7 +153,7 @@ def test_swept_ranges_come_from_the_sweeper_and_the_command_line() -> None:
 
 
 def test_child_name_and_params(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Named by the values tried: each key's last component, the full key where two would clash; Optuna's long floats
+    """Named by the values tried: each key's last component, more of it where two would clash; Optuna's long floats
     short in the name, exact in the params; nothing outside a sweep."""
     overrides = ["optim.sparse.lr=0.0334721651", "optim.dense.lr=0.001", "model=dlrm", "+model.dropout=0.1",
                  "tracking.uri=sqlite\\:///a.db"]
@@ -162,7 +162,8 @@ def test_child_name_and_params(monkeypatch: pytest.MonkeyPatch) -> None:
     assert job_swept_values(overrides) == {}, "a parent run is what makes a sweep"
     monkeypatch.setenv(PARENT_RUN_ENV, "abc")
     values = job_swept_values(overrides)
-    assert child_name(values) == "optim.sparse.lr=0.03347 optim.dense.lr=0.001 model=dlrm dropout=0.1"
+    assert child_name(values) == "sparse.lr=0.03347 dense.lr=0.001 model=dlrm dropout=0.1"
+    assert child_name({"lr": "1", "optim.lr": "2", "model": "m"}) == "lr=1 optim.lr=2 model=m"
     assert child_params(values) == {"swept.optim.sparse.lr": "0.0334721651", "swept.optim.dense.lr": "0.001",
                                     "swept.model": "dlrm", "swept.model.dropout": "0.1"}
     assert child_name({}) is None

@@ -29,7 +29,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,14 +185,21 @@ def job_swept_values(overrides: Sequence[str]) -> dict[str, str]:
 
 
 def child_name(values: Mapping[str, str]) -> str | None:
-    """A sweep job's run name: the values it tried, ``lr=0.05 model=dlrm`` (each key's last component, the full key
-    where two would read the same; long numbers to 4 significant digits); ``None`` outside a sweep."""
+    """A sweep job's run name: the values it tried, ``lr=0.05 model=dlrm`` (each key's last component, more of it
+    where two would read the same: ``sparse.lr=… dense.lr=…``; long numbers to 4 significant digits); ``None``
+    outside a sweep."""
     if not values:
         return None
-    short = {key: key.rsplit(".", 1)[-1] for key in values}
-    clashing = {name for name in short.values() if list(short.values()).count(name) > 1}
-    labels = {key: key if name in clashing else name for key, name in short.items()}
-    return _clip(" ".join(f"{labels[key]}={_short_value(value)}" for key, value in values.items()), _MAX_NAME_CHARS)
+    return _clip(" ".join(f"{_label(key, values)}={_short_value(value)}" for key, value in values.items()), _MAX_NAME_CHARS)
+
+
+def _label(key: str, keys: Iterable[str]) -> str:
+    """The shortest tail of ``key``'s dotted parts that no other key ends with the same way (the full key at most)."""
+    parts, others = key.split("."), [k.split(".") for k in keys if k != key]
+    for n in range(1, len(parts) + 1):
+        if all(other[-n:] != parts[-n:] for other in others):
+            return ".".join(parts[-n:])
+    return key
 
 
 def child_params(values: Mapping[str, str]) -> dict[str, str]:
