@@ -19,7 +19,7 @@ from recsys_runner.lifecycle import RunStart, exit_codes, mark_finished, note_in
 from recsys_runner.noise import quiet_known_noise
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.runtime import TRAIN_MODULE, Launch
-from recsys_runner.tracking import lineage
+from recsys_runner.tracking import lineage, sweep
 from recsys_runner.train.loop import Loop, train
 
 log = logging.getLogger("recsys_runner")
@@ -37,8 +37,10 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> float:
     spec = validate(cfg)
     c = build(spec, launch=launch)
     loop = c.loop
+    swept = sweep.job_swept_values(launch.overrides)  # {} unless a job of a sweep: then its name and swept.* params
     start = RunStart(
-        run_name=",".join(launch.overrides) or "defaults", params=flatten(spec) | _run_length(loop),
+        run_name=sweep.child_name(swept) or ",".join(launch.overrides) or "defaults",
+        params=flatten(spec) | _run_length(loop) | sweep.child_params(swept),
         tags={lineage.CHECKPOINT_DIR_TAG: str(loop.checkpointer.dir.absolute())} if loop.checkpointer.dir is not None else {},
         texts={"config.yaml": to_yaml(spec), "sharding_plan.txt": str(c.plan), **stored_texts(loop.checkpointer.files)},
         continue_run=loop.state.run_id,

@@ -16,6 +16,11 @@ metrics) and writes ``curves.png`` (each metric over steps, a line per run) and
 ``hydra/launcher=submitit_slurm_detached``): it waits until every job has ended, writes the best
 trial to the parent run, ends it, then prints and plots like the default command.
 
+After the table it prints (on stderr, so that stdout stays the table) how to look at the same runs in the MLflow UI:
+for a local store the command that serves it (``mlflow ui --backend-store-uri <uri> --port 5000``) and the page to
+open, for a tracking server its page: the sweep's parent run, else the experiment. ``--ui-url`` prints only the page of
+the store's most recently active experiment (``make ui`` does, before it starts the server).
+
 compare only reads: a store that does not exist (``--uri sqlite:///no/such/dir/x.db``, or a bare ``compare`` in a
 folder without ``mlflow.db``) is not created; it says so in one line naming the URI and how to point at the right
 one, and exits with status 2.
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -39,6 +45,8 @@ from recsys_runner.tracking.sweep import EXPECTED_JOBS_TAG, SWEEP_PARENT_TAG, fi
 from recsys_runner.tracking.tracker import MlflowTrackingConfig
 
 DEFAULT_METRICS = ("eval/auc", "eval/logloss", "train/loss")
+UI_PORT = 5000
+"""The port ``mlflow ui`` serves on (its default, and ``make ui``'s)."""
 _HIDDEN_PARAMS = ("tracking.", "hydra.")
 
 
@@ -246,6 +254,47 @@ def plot_vs_params(runs: Sequence[Any], metric: str, path: Path) -> Path | None:
     return path
 
 
+def _ui_url(tracking_uri: str, experiment_id: str, run_id: str | None = None) -> str | None:
+    """The MLflow UI's page of an experiment (or of one of its runs) on the server ``tracking_uri`` names; ``None`` for a
+    local store, which no server serves. ``?workflowType=machine_learning``: MLflow 3's UI chooses the experiment page's
+    view from this URL parameter (default ``genai``, an empty traces overview), not from the experiment's kind tag."""
+    if not tracking_uri.startswith(("http://", "https://")):
+        return None
+    page = f"/#/experiments/{experiment_id}" + (f"/runs/{run_id}" if run_id else "")
+    return f"{tracking_uri.rstrip('/')}{page}?workflowType=machine_learning"
+
+
+def ui_lines(tracking_uri: str, experiment_id: str, run_id: str | None = None, port: int = UI_PORT) -> list[str]:
+    """How to see an experiment (or a sweep's parent ``run_id``) in the MLflow UI: a server's page, or for a local store
+    the command that serves it and the page that command serves."""
+    served = _ui_url(tracking_uri, experiment_id, run_id)
+    if served is not None:
+        return [f"MLflow UI: {served}"]
+    command = f"mlflow ui --backend-store-uri {shlex.quote(tracking_uri)} --port {port}"
+    return [f"MLflow UI: {command}", f"  then open {_ui_url(f'http://127.0.0.1:{port}', experiment_id, run_id)}"]
+
+
+def last_experiment_url(client: Any, tracking_uri: str, port: int = UI_PORT) -> str | None:
+    """The UI's page of the experiment whose run started last; ``None`` when the store holds no run. For a local store,
+    the page that ``mlflow ui --port <port>`` serves."""
+    ids = [e.experiment_id for e in client.search_experiments()]
+    latest = client.search_runs(ids, max_results=1, order_by=["attributes.start_time DESC"]) if ids else []
+    if not latest:
+        return None
+    experiment = latest[0].info.experiment_id
+    return _ui_url(tracking_uri, experiment) or _ui_url(f"http://127.0.0.1:{port}", experiment)
+
+
+def print_ui_url(uri: str, port: int = UI_PORT) -> int:
+    """``--ui-url``: the last experiment's page, or a line saying there is none yet (status 0 either way: ``make ui``
+    starts the server next, on a store that may not exist yet)."""
+    from mlflow.tracking import MlflowClient
+
+    url = None if missing_store(uri) is not None else last_experiment_url(MlflowClient(tracking_uri=uri), uri, port)
+    print(url or f"no run in {uri} yet: the UI lists runs once they log there")
+    return 0
+
+
 def collect(client: Any, parent: str, *, wait: bool, timeout_s: float, poll_s: float = 5.0) -> bool:
     """Summarize a sweep's parent once all its jobs ended; False when ``wait`` is off or time ran out first."""
     deadline = time.monotonic() + timeout_s
@@ -275,6 +324,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plots", action="store_true", help="print the table only")
     p.add_argument("--manifest", action="store_true", help="add where each run came from: entry, git commit, dirty, "
                    "torch/torchrec versions, device, world size")
+    p.add_argument("--port", type=int, default=UI_PORT, help=f"the port in the printed `mlflow ui` command and page (default {UI_PORT})")
+    p.add_argument("--ui-url", action="store_true", help="print only the MLflow UI page of the store's most recently "
+                   "active experiment (what `make ui` prints before it starts the server)")
     return p
 
 
@@ -291,6 +343,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.add_argument("--timeout", type=float, default=24 * 3600, help="give up waiting after this many seconds")
     args = parser.parse_args(args_in)
     uri = resolve_uri(args.uri)
+    if args.ui_url:
+        return print_ui_url(uri, args.port)
     missing = missing_store(uri)
     if missing is not None:  # opening it would create it (a sqlite file and its folder): compare only reads
         source = "--uri" if args.uri else "$MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI") else "the default, ./mlflow.db"
@@ -324,6 +378,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         written = [plot_curves(client, runs, metrics, out / "curves.png"),
                    plot_vs_params(runs, metrics[0], out / f"{metrics[0].replace('/', '_')}_vs_params.png")]
         print("plots: " + ", ".join(str(p) for p in written if p is not None))
+    shown_experiment = client.get_run(parent_id).info.experiment_id if parent_id else runs[0].info.experiment_id
+    print("\n".join(ui_lines(uri, shown_experiment, parent_id, args.port)), file=sys.stderr)
     return 0
 
 

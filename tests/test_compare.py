@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,7 @@ from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
 from recsys_runner import compare
-from recsys_runner.tracking.sweep import EXPECTED_JOBS_TAG, SWEEP_PARENT_TAG
+from recsys_runner.tracking.sweep import EXPECTED_JOBS_TAG, SWEEP_PARENT_TAG, SWEPT_KEYS_TAG
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -27,12 +28,14 @@ def _child(client: MlflowClient, exp: str, parent: str, lr: float, model: str, a
 
 
 @pytest.fixture
-def sweep(tmp_path: Path) -> tuple[str, str, dict[str, str]]:
+def sweep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, str, dict[str, str]]:
+    """A sweep as a runner before ``swept.*`` params logged it (its children's values only in their overrides)."""
+    monkeypatch.chdir(tmp_path)  # the experiment's artifacts (collect's summary table) go to ./mlruns
     uri = f"sqlite:///{tmp_path}/cmp.db"
     client = MlflowClient(tracking_uri=uri)
     exp = client.create_experiment("cmp")
     parent = client.create_run(exp, run_name="sweep", tags={SWEEP_PARENT_TAG: "eval/auc", "sweep.overrides": "train.num_steps=30",
-                                                            EXPECTED_JOBS_TAG: "3"}).info.run_id
+                                                            EXPECTED_JOBS_TAG: "3", SWEPT_KEYS_TAG: "optim.lr,model"}).info.run_id
     ids = {"a": _child(client, exp, parent, 0.01, "deepfm", 0.61), "b": _child(client, exp, parent, 0.1, "deepfm", 0.68),
            "c": _child(client, exp, parent, 0.1, "dlrm", 0.65)}
     return uri, parent, ids
@@ -92,7 +95,14 @@ def test_collect_summarizes_a_finished_sweep(sweep: tuple[str, str, dict[str, st
     p = MlflowClient(tracking_uri=uri).get_run(parent)
     assert p.info.status == "FINISHED" and p.data.tags["best.run_id"] == ids["b"]
     assert p.data.params == {"best.optim.lr": "0.1", "best.model": "deepfm"}
-    assert "best eval/auc=0.6800" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "best eval/auc=0.6800" in out
+    summary = json.loads(Path(MlflowClient(tracking_uri=uri).download_artifacts(parent, "sweep_summary.json")).read_text())
+    assert [(r["run_id"], r["swept.optim.lr"], r["swept.model"], r["eval/auc"]) for r in summary["runs"]] == [
+        (ids["b"], "0.1", "deepfm", 0.68), (ids["c"], "0.1", "dlrm", 0.65), (ids["a"], "0.01", "deepfm", 0.61)]
+    assert summary["runs"][0]["eval/logloss"] is None, "a metric the children did not log"
+    experiment = p.info.experiment_id
+    assert f"then open http://127.0.0.1:5000/#/experiments/{experiment}/runs/{parent}?workflowType=machine_learning" in err
 
 
 def test_collect_without_wait_reports_missing_jobs(sweep: tuple[str, str, dict[str, str]], capsys: pytest.CaptureFixture[str]) -> None:
@@ -163,3 +173,34 @@ def test_a_missing_store_is_not_created(how: str, tmp_path: Path, monkeypatch: p
     (tmp_path / "empty.db").touch()
     assert compare.main(["--uri", f"sqlite:///{tmp_path}/empty.db", "--no-plots"]) == 2
     assert "holds no MLflow tables" in capsys.readouterr().err
+
+
+def test_ui_lines_for_a_server_and_a_local_store() -> None:
+    """Every page printed carries ``?workflowType=machine_learning``: MLflow 3's UI otherwise opens an empty GenAI view."""
+    assert compare.ui_lines("https://mlflow.example.org/", "3", "abc") == [
+        "MLflow UI: https://mlflow.example.org/#/experiments/3/runs/abc?workflowType=machine_learning"]
+    assert compare.ui_lines("sqlite:////data/my runs/mlflow.db", "3", port=5001) == [
+        "MLflow UI: mlflow ui --backend-store-uri 'sqlite:////data/my runs/mlflow.db' --port 5001",
+        "  then open http://127.0.0.1:5001/#/experiments/3?workflowType=machine_learning"]
+
+
+def test_ui_url_names_the_experiment_that_ran_last(sweep: tuple[str, str, dict[str, str]], tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """``make ui``'s line: the experiment whose run started last, not the one created last; on a store with no run
+    yet (or none at all: nothing is created) a line saying so, status 0 so that the server still starts."""
+    uri, parent, _ = sweep
+    client = MlflowClient(tracking_uri=uri)
+    older = client.create_experiment("created_later_run_earlier")
+    client.create_run(older, start_time=1_000)
+    assert compare.main(["--ui-url", "--uri", uri]) == 0
+    cmp = client.get_run(parent).info.experiment_id
+    assert capsys.readouterr().out == f"http://127.0.0.1:5000/#/experiments/{cmp}?workflowType=machine_learning\n"
+    assert compare.last_experiment_url(client, "http://tracking:5000", port=1) == (
+        f"http://tracking:5000/#/experiments/{cmp}?workflowType=machine_learning")
+    empty = f"sqlite:///{tmp_path}/empty.db"
+    MlflowClient(tracking_uri=empty).create_experiment("nothing_ran")
+    missing = f"sqlite:///{tmp_path}/missing/x.db"
+    for store in (empty, missing):
+        assert compare.main(["--ui-url", "--uri", store]) == 0
+        assert capsys.readouterr().out == f"no run in {store} yet: the UI lists runs once they log there\n"
+    assert not (tmp_path / "missing").exists()

@@ -4,13 +4,27 @@ and the launcher run as commands; the grid ones run in this process as ``python 
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
+from omegaconf import OmegaConf
 
-from recsys_runner.tracking.sweep import SWEEP_PARENT_TAG, _override_pairs
+from recsys_runner import compare
+from recsys_runner.tracking.sweep import (
+    PARENT_RUN_ENV,
+    SWEEP_PARENT_TAG,
+    SWEPT_KEYS_ENV,
+    _override_pairs,
+    child_name,
+    child_params,
+    job_swept_values,
+    sweep_name,
+    swept_ranges,
+)
 from tests.conftest import REPO, TINY, run_cli, run_in_process
 
 TRAIN = [sys.executable, "-m", "recsys_runner"]
@@ -42,19 +56,74 @@ def test_optuna_sweep_logs_parent_with_best_trial(tmp_path: Path) -> None:
     swept = {k: v for k, v in parent.data.params.items() if k.startswith("best.")}
     assert set(swept) == {"best.optim.sparse.lr", "best.optim.dense.lr", "best.model"}, swept
     assert float(swept["best.optim.sparse.lr"]) == pytest.approx(float(best.data.params["optim.sparse.lr"]))
+    # What the sweep tried, on the parent and on every child alike (the UI's parallel-coordinates chart).
+    assert parent.data.tags["sweep.params"] == "optim.sparse.lr,optim.dense.lr,model"
+    assert parent.data.params["sweep.range.optim.sparse.lr"] == "tag(log, interval(0.005, 0.5))"
+    assert parent.info.run_name.startswith("sweep optim.sparse.lr=interval(0.005,0.5) optim.dense.lr=interval(")
+    keys = {"swept.optim.sparse.lr", "swept.optim.dense.lr", "swept.model"}
+    assert all({k for k in r.data.params if k.startswith("swept.")} == keys for r in children)
+    assert all(r.info.run_name.startswith("sparse.lr=") and f"model={r.data.params['swept.model']}" in r.info.run_name
+               for r in children), [r.info.run_name for r in children]
     # Optuna saw the same objective: its best value is the best child's AUC.
     (results,) = (tmp_path / "multirun").glob("*/*/optimization_results.yaml")
     assert f"{best.data.metrics['eval/auc']:.6f}"[:6] in results.read_text()
 
 
-def test_grid_multirun_is_one_parent_with_children(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """One real 3-point grid (``optim.lr=0.01,0.05,0.1``) into a sqlite store, shared by the tests that read it."""
+    tmp_path = tmp_path_factory.mktemp("grid")
     uri = f"sqlite:///{tmp_path}/grid.db"
-    out = run_in_process([*TRAIN, "-m", "optim.lr=0.01,0.1", *TINY, "train.num_steps=10", f"tracking.uri={uri}",
+    out = run_in_process([*TRAIN, "-m", "optim.lr=0.01,0.05,0.1", *TINY, "train.num_steps=10", f"tracking.uri={uri}",
                           "tracking.experiment=grid"], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
+    return uri, tmp_path
+
+
+def test_grid_multirun_is_one_parent_with_children(grid: tuple[str, Path]) -> None:
+    uri, _ = grid
     parent, children = _parent_and_children(uri, "grid")
-    assert len(children) == 2 and parent.info.status == "FINISHED"
-    assert parent.data.params["best.optim.lr"] in {"0.01", "0.1"}
+    assert len(children) == 3 and parent.info.status == "FINISHED"
+    assert parent.data.params["best.optim.lr"] in {"0.01", "0.05", "0.1"}
+    assert PARENT_RUN_ENV not in os.environ and SWEPT_KEYS_ENV not in os.environ, "the sweep's environment is put back"
+
+
+def test_grid_parent_and_children_say_what_was_swept(grid: tuple[str, Path]) -> None:
+    """What the UI's runs table and parallel-coordinates chart read: the parent's name, range and swept keys, each
+    child named by its value with the same ``swept.*`` params, and the summary table of every child."""
+    uri, _ = grid
+    parent, children = _parent_and_children(uri, "grid")
+    assert parent.info.run_name == "sweep optim.lr=0.01,0.05,0.1"
+    assert parent.data.params["sweep.range.optim.lr"] == "0.01,0.05,0.1"
+    assert parent.data.tags["sweep.params"] == "optim.lr"
+    assert sorted(r.info.run_name for r in children) == ["lr=0.01", "lr=0.05", "lr=0.1"]
+    assert {frozenset(k for k in r.data.params if k.startswith("swept.")) for r in children} == {frozenset({"swept.optim.lr"})}
+    assert sorted(r.data.params["swept.optim.lr"] for r in children) == ["0.01", "0.05", "0.1"]
+    client = MlflowClient(tracking_uri=uri)
+    summary = json.loads(Path(client.download_artifacts(parent.info.run_id, "sweep_summary.json")).read_text())
+    rows = summary["runs"]
+    assert summary["objective"] == "eval/auc" and len(rows) == 3
+    assert rows[0]["run_id"] == parent.data.tags["best.run_id"], "best first"
+    assert {r["run_name"]: r["swept.optim.lr"] for r in rows} == {r.info.run_name: r.data.params["swept.optim.lr"] for r in children}
+    assert all(r["status"] == "FINISHED" and isinstance(r["eval/auc"], float) and r["train/loss"] is not None for r in rows)
+    csv_text = Path(client.download_artifacts(parent.info.run_id, "sweep_summary.csv")).read_text()
+    assert csv_text.splitlines()[0].startswith("run_id,run_name,status,swept.optim.lr,eval/auc,")
+    assert len(csv_text.splitlines()) == 4
+
+
+def test_compare_prints_how_to_open_the_sweep_in_the_ui(grid: tuple[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    uri, _ = grid
+    parent, _ = _parent_and_children(uri, "grid")
+    experiment = parent.info.experiment_id
+    assert compare.main(["--uri", uri, "--no-plots"]) == 0
+    out, err = capsys.readouterr()
+    assert len(out.splitlines()) == 2 + 3 and "MLflow UI" not in out, "stdout stays the table"
+    assert f"MLflow UI: mlflow ui --backend-store-uri {uri} --port 5000" in err.splitlines()
+    page = f"http://127.0.0.1:5000/#/experiments/{experiment}/runs/{parent.info.run_id}?workflowType=machine_learning"
+    assert f"  then open {page}" in err.splitlines()
+    # make ui: the page of the experiment that ran last, on the port it serves
+    assert compare.main(["--ui-url", "--uri", uri, "--port", "5001"]) == 0
+    assert capsys.readouterr().out.strip() == f"http://127.0.0.1:5001/#/experiments/{experiment}?workflowType=machine_learning"
 
 
 def test_single_run_has_no_parent(make_cfg, mlflow_uri: str) -> None:
@@ -64,6 +133,40 @@ def test_single_run_has_no_parent(make_cfg, mlflow_uri: str) -> None:
     client = MlflowClient(tracking_uri=mlflow_uri)
     (r,) = client.search_runs([client.get_experiment_by_name("test_single_run_has_no_parent").experiment_id])
     assert "mlflow.parentRunId" not in r.data.tags
+
+
+def test_swept_ranges_come_from_the_sweeper_and_the_command_line() -> None:
+    """Sweeps in ``hydra.sweeper.params`` (a sweep file's) and in the command line's overrides; fixed values are not
+    swept; the command line's sweep of a key replaces the file's."""
+    config = OmegaConf.create({"hydra": {
+        "sweeper": {"params": {"optim.sparse.lr": "tag(log, interval(0.005, 0.5))", "model": "choice(deepfm, dlrm)",
+                               "seed": "0", "optim.lr": "0.1,0.2"}},
+        "overrides": {"task": ["optim.lr=0.01,0.05", "data.batch_size=64", "+x.y=range(1,4)", "tracking.uri=sqlite\\:///a.db"]}}})
+    ranges = swept_ranges(config)
+    assert ranges == {"optim.sparse.lr": "tag(log, interval(0.005, 0.5))", "model": "choice(deepfm, dlrm)",
+                      "optim.lr": "0.01,0.05", "x.y": "range(1,4)"}
+    name = sweep_name(ranges) or ""
+    assert name.startswith("sweep optim.sparse.lr=interval(0.005,0.5) model=deepfm,dlrm optim.lr=0.01,0.05 ")
+    assert len(name) == 80 and name.endswith("…"), "clipped"
+    assert sweep_name({"optim.lr": "0.01,0.1", "model": "deepfm,dlrm"}) == "sweep optim.lr=0.01,0.1 model=deepfm,dlrm"
+    assert sweep_name({}) is None and swept_ranges(OmegaConf.create({"hydra": {"overrides": {"task": ["a=1"]}}})) == {}
+
+
+def test_child_name_and_params(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Named by the values tried: each key's last component, more of it where two would clash; Optuna's long floats
+    short in the name, exact in the params; nothing outside a sweep."""
+    overrides = ["optim.sparse.lr=0.0334721651", "optim.dense.lr=0.001", "model=dlrm", "+model.dropout=0.1",
+                 "tracking.uri=sqlite\\:///a.db"]
+    assert job_swept_values(overrides) == {}
+    monkeypatch.setenv(SWEPT_KEYS_ENV, "optim.sparse.lr,optim.dense.lr,model,model.dropout")
+    assert job_swept_values(overrides) == {}, "a parent run is what makes a sweep"
+    monkeypatch.setenv(PARENT_RUN_ENV, "abc")
+    values = job_swept_values(overrides)
+    assert child_name(values) == "sparse.lr=0.03347 dense.lr=0.001 model=dlrm dropout=0.1"
+    assert child_name({"lr": "1", "optim.lr": "2", "model": "m"}) == "lr=1 optim.lr=2 model=m"
+    assert child_params(values) == {"swept.optim.sparse.lr": "0.0334721651", "swept.optim.dense.lr": "0.001",
+                                    "swept.model": "dlrm", "swept.model.dropout": "0.1"}
+    assert child_name({}) is None
 
 
 def test_override_pairs() -> None:

@@ -7,18 +7,29 @@ with ``mlflow.parentRunId``. The environment is the one channel that reaches eve
 in-process (basic launcher), ``submitit_local`` subprocesses and SLURM jobs (``sbatch`` exports the
 submitting environment) — and a requeued SLURM job gets it again.
 
+The parent also says what the sweep tries, so the MLflow UI can compare its children without a click: its name
+(``sweep optim.lr=0.01,0.05,0.1``), a param ``sweep.range.<key>`` per swept key (the values or range as given) and
+the tag ``sweep.params`` listing them. The swept keys reach every job in :data:`SWEPT_KEYS_ENV`, by the same channel
+as the parent's id; a job names its run by the values it tried (``lr=0.05``) and logs them as params ``swept.<key>``
+(:func:`job_swept_values`, :func:`child_name`, :func:`child_params`), the same keys in every child: what the UI's
+parallel-coordinates and contour charts plot.
+
 ``on_multirun_end`` (after the launcher returns) writes the summary of the best finished child to
-the parent and ends it. When jobs are still queued — ``hydra/launcher=submitit_slurm_detached``
+the parent, a table of every child (``sweep_summary.json`` and ``sweep_summary.csv``) and ends it. When jobs are still queued — ``hydra/launcher=submitit_slurm_detached``
 returns right after submitting — the parent stays RUNNING and ``python -m recsys_runner.compare
 collect --parent <id>`` summarizes it later.
 """
 
 from __future__ import annotations
 
+import csv
+import io
+import json
 import logging
 import os
 import sys
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +48,15 @@ SWEEP_PARENT_TAG = "sweep.objective"
 """Present on a sweep's parent run only (its value is the objective's metric name)."""
 EXPECTED_JOBS_TAG = "sweep.num_jobs"
 """Set on the parent by launchers that return before their jobs finish (the collector waits for this many)."""
+SWEPT_KEYS_ENV = "RECSYS_RUNNER_SWEPT_KEYS"
+"""The swept keys, comma-separated (``optim.lr,model``), exported to every job of a sweep with the parent's id."""
+SWEPT_KEYS_TAG = "sweep.params"
+"""The parent's tag listing the swept keys, comma-separated, in the order the sweep gave them."""
+RANGE_PARAM, SWEPT_PARAM = "sweep.range.", "swept."
+"""Param prefixes: the parent's range of each swept key, a child's value of it."""
+SUMMARY_METRICS = ("eval/auc", "eval/logloss", "train/loss")
+"""The metrics of each child the summary table holds, after the objective (those a child logged)."""
+_MAX_NAME_CHARS = 80
 
 
 @dataclass(frozen=True)
@@ -57,7 +77,7 @@ class MlflowSweepCallback(Callback):
     def __init__(self) -> None:
         self._client: Any = None
         self._parent: str | None = None
-        self._previous_env: str | None = None
+        self._previous_env: dict[str, str | None] = {}
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         tracking = config.get("tracking")
@@ -67,32 +87,45 @@ class MlflowSweepCallback(Callback):
         sweep_dir = str(OmegaConf.select(config, "hydra.sweep.dir"))
         overrides = " ".join(OmegaConf.select(config, "hydra.overrides.task") or [])
         sweeper = str(OmegaConf.select(config, "hydra.sweeper._target_") or "").rsplit(".", 1)[-1]
+        ranges = swept_ranges(config)
         try:  # the same start-of-run check as every job's (MlflowTracker.check), before any job is launched
             self._client = open_store(uri, source)
             with store_errors(uri, source):
                 run = self._client.create_run(
                     experiment_id(self._client, str(tracking.experiment)),
-                    run_name=f"sweep {os.path.basename(sweep_dir.rstrip('/'))}" if sweep_dir else "sweep",
+                    run_name=sweep_name(ranges) or (f"sweep {os.path.basename(sweep_dir.rstrip('/'))}" if sweep_dir else "sweep"),
                     tags={"sweep.dir": os.path.abspath(sweep_dir), "sweep.overrides": overrides, "sweep.sweeper": sweeper,
-                          SWEEP_PARENT_TAG: OmegaConf.select(config, "train.objective") or DEFAULT_OBJECTIVE, "sweep.tracking_uri": uri},
+                          SWEEP_PARENT_TAG: OmegaConf.select(config, "train.objective") or DEFAULT_OBJECTIVE, "sweep.tracking_uri": uri,
+                          SWEPT_KEYS_TAG: ",".join(ranges)},
                 )
+                _log_ranges(self._client, run.info.run_id, ranges)
         except UserError as e:
             if os.environ.get("HYDRA_FULL_ERROR") == "1":
                 raise
             print(f"{e.label}: {e}", file=sys.stderr)  # as the CLI does; Hydra would print a traceback
             sys.exit(2)
         self._parent = run.info.run_id
-        self._previous_env = os.environ.get(PARENT_RUN_ENV)
-        os.environ[PARENT_RUN_ENV] = self._parent
+        self._set_env({PARENT_RUN_ENV: self._parent, SWEPT_KEYS_ENV: ",".join(ranges)})
         log.info("MLflow parent run %s (experiment %s) groups this multirun", self._parent, tracking.experiment)
+
+    def _set_env(self, values: Mapping[str, str]) -> None:
+        """Export ``values`` to the jobs, remembering what was there to put back at the end."""
+        for key, value in values.items():
+            self._previous_env[key] = os.environ.get(key)
+            os.environ[key] = value
+
+    def _restore_env(self) -> None:
+        for key, value in self._previous_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        self._previous_env = {}
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if self._parent is None:
             return
-        if self._previous_env is None:
-            os.environ.pop(PARENT_RUN_ENV, None)
-        else:
-            os.environ[PARENT_RUN_ENV] = self._previous_env
+        self._restore_env()
         collect = f"python -m recsys_runner.compare collect --parent {self._parent}"
         try:
             summary = summarize(self._client, self._parent)
@@ -107,6 +140,74 @@ class MlflowSweepCallback(Callback):
         self._parent = None
 
 
+def swept_ranges(config: DictConfig) -> dict[str, str]:
+    """The keys a multirun sweeps → their values or range as given (``{"optim.lr": "0.01,0.05,0.1"}``).
+
+    Both places a sweep is declared: the sweeper's ``hydra.sweeper.params`` (what ``sweeps/*.yaml`` set, for the
+    basic and the Optuna sweeper alike), then the command line's overrides (``hydra.overrides.task``), a later one
+    winning as in the sweepers. Only sweep overrides count (``a,b``, ``choice``, ``range``, ``interval``, ``glob``):
+    a plain ``key=value`` there is the same in every job.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    params = OmegaConf.select(config, "hydra.sweeper.params")
+    given = [str(k) + f"={v}" for k, v in params.items() if v is not None] if isinstance(params, DictConfig) else []
+    given += [str(o) for o in OmegaConf.select(config, "hydra.overrides.task") or []]
+    parser, ranges = OverridesParser.create(), dict[str, str]()
+    for text in given:
+        try:
+            override = parser.parse_override(text)
+        except HydraException:  # the sweeper has parsed them already; one we cannot read is no sweep we can name
+            continue
+        if override.is_sweep_override():
+            ranges.pop(override.key_or_group, None)  # re-inserted last: a command-line sweep follows the file's
+            ranges[override.key_or_group] = text.partition("=")[2]
+    return ranges
+
+
+def sweep_name(ranges: Mapping[str, str]) -> str | None:
+    """The parent run's name: what it tries, ``sweep optim.lr=0.01,0.05,0.1 model=deepfm,dlrm`` (each range compact,
+    ``interval(0.005,0.5)`` without its tags, the whole clipped to 80 characters); ``None`` when nothing is swept."""
+    if not ranges:
+        return None
+    return _clip("sweep " + " ".join(f"{key}={_clip(_compact(value), 40)}" for key, value in ranges.items()), _MAX_NAME_CHARS)
+
+
+def job_swept_values(overrides: Sequence[str]) -> dict[str, str]:
+    """In a sweep's job: the value it tries of each swept key (:data:`SWEPT_KEYS_ENV`), read from the job's overrides
+    (``hydra.overrides.task``: ``optim.lr=0.05``); ``{}`` outside a sweep."""
+    keys = [k for k in os.environ.get(SWEPT_KEYS_ENV, "").split(",") if k]
+    if not keys or not os.environ.get(PARENT_RUN_ENV):
+        return {}
+    values = dict(_override_values(overrides))
+    return {key: values[key] for key in keys if key in values}
+
+
+def child_name(values: Mapping[str, str]) -> str | None:
+    """A sweep job's run name: the values it tried, ``lr=0.05 model=dlrm`` (each key's last component, more of it
+    where two would read the same: ``sparse.lr=… dense.lr=…``; long numbers to 4 significant digits); ``None``
+    outside a sweep."""
+    if not values:
+        return None
+    return _clip(" ".join(f"{_label(key, values)}={_short_value(value)}" for key, value in values.items()), _MAX_NAME_CHARS)
+
+
+def _label(key: str, keys: Iterable[str]) -> str:
+    """The shortest tail of ``key``'s dotted parts that no other key ends with the same way (the full key at most)."""
+    parts, others = key.split("."), [k.split(".") for k in keys if k != key]
+    for n in range(1, len(parts) + 1):
+        if all(other[-n:] != parts[-n:] for other in others):
+            return ".".join(parts[-n:])
+    return key
+
+
+def child_params(values: Mapping[str, str]) -> dict[str, str]:
+    """A sweep job's params ``swept.<key>``: the same keys in every child, so the UI's parallel-coordinates and
+    contour charts can plot them (the flattened config spells a choice like ``model`` as ``model._target_``)."""
+    return {f"{SWEPT_PARAM}{key}": value for key, value in values.items()}
+
+
 def sweep_objective(client: Any, parent_run_id: str) -> str:
     """The objective metric recorded on a sweep's parent run (``train.objective`` at launch)."""
     return client.get_run(parent_run_id).data.tags.get(SWEEP_PARENT_TAG) or DEFAULT_OBJECTIVE
@@ -116,10 +217,7 @@ def summarize(client: Any, parent_run_id: str, objective: str | None = None) -> 
     """Count the parent's children and find the finished child with the best ``objective``
     (the parent's recorded objective by default), in the metric's direction (:func:`higher_is_better`)."""
     objective = objective or sweep_objective(client, parent_run_id)
-    parent = client.get_run(parent_run_id)
-    children = client.search_runs(
-        [parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'", max_results=10000
-    )
+    children = _children(client, client.get_run(parent_run_id))
     finished = [r for r in children if r.info.status == "FINISHED" and objective in r.data.metrics]
     sign = 1.0 if higher_is_better(objective) else -1.0
     best = max(finished, key=lambda r: sign * r.data.metrics[objective], default=None)
@@ -156,6 +254,7 @@ def finish_parent(client: Any, parent_run_id: str, summary: SweepSummary, object
     new = [p for p in params if p.key not in existing]
     if new:
         client.log_batch(parent_run_id, params=new)
+    _write_summary(client, parent_run_id, objective)
     client.set_tag(parent_run_id, "sweep.num_finished", str(summary.num_finished))
     client.set_tag(parent_run_id, "sweep.num_children", str(summary.num_children))
     status = "FINISHED" if summary.num_finished else "FAILED"
@@ -163,6 +262,95 @@ def finish_parent(client: Any, parent_run_id: str, summary: SweepSummary, object
     if summary.best_run_id is not None:
         log.info("sweep parent %s: best %s=%.4f from run %s (%s)", parent_run_id, objective, summary.best_value,
                  summary.best_run_id, summary.best_overrides)
+
+
+def summary_rows(client: Any, parent_run_id: str, objective: str) -> list[dict[str, Any]]:
+    """One row per child of the sweep, best ``objective`` first (children without it last): run id, name, status,
+    its ``swept.<key>`` values (from its overrides for a child logged before those params existed), the objective
+    and :data:`SUMMARY_METRICS` (``None`` where a child has no value)."""
+    parent = client.get_run(parent_run_id)
+    keys = [k for k in parent.data.tags.get(SWEPT_KEYS_TAG, "").split(",") if k]
+    metrics = list(dict.fromkeys([objective, *SUMMARY_METRICS]))
+    sign = -1.0 if higher_is_better(objective) else 1.0
+    children = sorted(_children(client, parent),
+                      key=lambda r: (objective not in r.data.metrics, sign * r.data.metrics.get(objective, 0.0)))
+    rows = []
+    for child in children:
+        tried = dict(_override_values((child.data.tags.get("hydra.overrides") or "").split()))
+        rows.append({"run_id": child.info.run_id, "run_name": child.info.run_name, "status": child.info.status,
+                     **{f"{SWEPT_PARAM}{k}": child.data.params.get(f"{SWEPT_PARAM}{k}", tried.get(k)) for k in keys},
+                     **{m: child.data.metrics.get(m) for m in metrics}})
+    return rows
+
+
+def _write_summary(client: Any, parent_run_id: str, objective: str) -> None:
+    """The table of every child as the parent's artifacts ``sweep_summary.json`` (for scripts) and ``sweep_summary.csv``
+    (for a spreadsheet or the UI's artifact view). An artifact store that fails only warns: the parent still ends."""
+    try:
+        rows = summary_rows(client, parent_run_id, objective)
+        document = {"objective": objective, "runs": rows}
+        client.log_text(parent_run_id, json.dumps(document, indent=2), "sweep_summary.json")
+        client.log_text(parent_run_id, _csv(rows), "sweep_summary.csv")
+    except Exception as e:  # noqa: BLE001 - the summary is a convenience; the children's runs hold everything
+        log.warning("could not write the summary table of sweep %s: %s", parent_run_id, e)
+
+
+def _csv(rows: Sequence[Mapping[str, Any]]) -> str:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(rows[0]) if rows else ["run_id"], lineterminator="\n")
+    writer.writeheader()
+    writer.writerows({k: "" if v is None else v for k, v in row.items()} for row in rows)
+    return out.getvalue()
+
+
+def _children(client: Any, parent: Any) -> list[Any]:
+    return list(client.search_runs([parent.info.experiment_id], max_results=10000,
+                                   filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'"))
+
+
+def _log_ranges(client: Any, run_id: str, ranges: Mapping[str, str]) -> None:
+    from mlflow.entities import Param
+
+    if ranges:  # 6000 characters: MLflow's limit for a param's value
+        client.log_batch(run_id, params=[Param(f"{RANGE_PARAM}{k}", v[:6000]) for k, v in ranges.items()])
+
+
+def _override_values(overrides: Sequence[str]) -> list[tuple[str, str]]:
+    """``["+x.y=2", "model@m=dlrm", "tracking.uri=sqlite\\:///a.db"]`` → ``[("x.y", "2"), ("model", "dlrm"),
+    ("tracking.uri", "sqlite:///a.db")]``: one job's overrides as Hydra wrote them, spaces inside values kept."""
+    pairs = []
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if sep:
+            pairs.append((key.lstrip("+~").split("@")[0], _unescape(value)))
+    return pairs
+
+
+def _compact(value: str) -> str:
+    """A sweep's values for a name: ``0.01,0.05``, ``deepfm,dlrm`` for ``choice(deepfm, dlrm)``, ``interval(0.005,0.5)``
+    for ``tag(log, interval(0.005, 0.5))``; other sweeps as given, without spaces."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep
+
+    sweep = OverridesParser.create().parse_override(f"k={value}").value()
+    if isinstance(sweep, ChoiceSweep):
+        return ",".join(str(v) for v in sweep.list)
+    if isinstance(sweep, IntervalSweep):
+        return f"interval({sweep.start},{sweep.end})"
+    return value.replace(" ", "")
+
+
+def _short_value(value: str) -> str:
+    """``0.05`` as given; ``0.0334721651`` (an Optuna trial's) as ``0.03347``; a long text clipped."""
+    try:
+        number = float(value)
+    except ValueError:
+        return _clip(value, 24)
+    return value if len(value) <= 8 else f"{number:.4g}"
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _unescape(override: str) -> str:
