@@ -181,3 +181,20 @@ def test_a_store_that_refuses_datasets_only_warns() -> None:
 def test_dataset_digest_max_mb_is_validated() -> None:
     with pytest.raises(ConfigError, match="tracking.dataset_digest_max_mb must be >= 0"):
         MlflowTrackingConfig(dataset_digest_max_mb=-1)
+
+
+def test_data_over_the_digest_limit_gets_a_digest_of_its_listing_without_being_read(tmp_path: Path,
+                                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from recsys_runner.data.base import SplitFiles
+
+    files = [tmp_path / "a.csv", tmp_path / "b.csv"]
+    for f in files:
+        f.write_text("click,user\n1,u1\n")
+    split = SplitFiles(str(tmp_path), tuple(str(f) for f in files), 2)
+    monkeypatch.setattr(datasets, "_chunks", lambda path: pytest.fail(f"{path} was read"))
+    record = datasets._files_record("csv/train", split, "training", [], max_digest_mb=0)
+    assert record.profile == {"digest_of": datasets.LISTING, "files": 2, "bytes": 32, "num_rows": 2}
+    assert datasets._files_record("csv/train", split, "training", [], max_digest_mb=0).digest == record.digest
+    with files[1].open("a") as f:
+        f.write("0,u2\n")
+    assert datasets._files_record("csv/train", split, "training", [], max_digest_mb=0).digest != record.digest

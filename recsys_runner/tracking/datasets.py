@@ -114,8 +114,9 @@ def read_stored(checkpoint: str | os.PathLike[str]) -> list[DataRecord] | None:
 
 
 def note_changes(trained: Sequence[DataRecord] | None, now: Sequence[DataRecord], checkpoint: object) -> list[str]:
-    """Warn, once per dataset, where data of the same name as the checkpoint's training data has another digest now
-    (files appended to or rewritten since the training; another eval file is only noted); returns the names changed."""
+    """Warn, once per dataset, where data of the same name and source as the checkpoint's training data has another
+    digest now (files appended to or rewritten since the training); data from another source (that day's eval file) is
+    only noted. Returns the names whose digest differs."""
     if not trained:
         return []
     before = {r.name: r for r in trained}
@@ -125,10 +126,14 @@ def note_changes(trained: Sequence[DataRecord] | None, now: Sequence[DataRecord]
         if old is None or old.digest == record.digest:
             continue
         changed.append(record.name)
-        what = "the same files, changed since" if old.source == record.source else f"{record.source}, where it trained on {old.source}"
-        log.warning("data %s (%s) has digest %s, but checkpoint %s was trained on digest %s: %s. The encoders stored with "
-                    "the checkpoint were fitted on that data (ids new since read OOV rows), and these metrics are not "
-                    "comparable with the training's", record.name, record.context, record.digest, checkpoint, old.digest, what)
+        if old.source != record.source:  # other data on purpose (that day's eval file): worth a line, not a warning
+            log.info("data %s (%s) is %s (digest %s); checkpoint %s was trained with %s (digest %s)", record.name, record.context,
+                     record.source, record.digest, checkpoint, old.source, old.digest)
+            continue
+        log.warning("data %s (%s) has digest %s, but checkpoint %s was trained on digest %s: the same files, changed since. "
+                    "The encoders stored with the checkpoint were fitted on that data (ids new since read OOV rows), and these "
+                    "metrics are not comparable with the training's", record.name, record.context, record.digest, checkpoint,
+                    old.digest)
     return changed
 
 
