@@ -14,12 +14,14 @@ from omegaconf import DictConfig
 
 from recsys_runner.build import Components, build
 from recsys_runner.config import flatten, register_configs, to_yaml, validate
+from recsys_runner.data.encoding.stored import ENCODERS_FILE
 from recsys_runner.errors import ConfigError
 from recsys_runner.lifecycle import RunStart, exit_codes, mark_finished, note_interrupted_runs, tracked_run
 from recsys_runner.noise import quiet_known_noise
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.runtime import TRAIN_MODULE, Launch
-from recsys_runner.tracking import lineage, sweep
+from recsys_runner.tracking import datasets, lineage, sweep
+from recsys_runner.tracking.datasets import DataRecord
 from recsys_runner.train.loop import Loop, train
 
 log = logging.getLogger("recsys_runner")
@@ -38,13 +40,14 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> float:
     c = build(spec, launch=launch)
     loop = c.loop
     swept = sweep.job_swept_values(launch.overrides)  # {} unless a job of a sweep: then its name and swept.* params
+    data_inputs = _data_inputs(c)
     start = RunStart(
         run_name=sweep.child_name(swept) or ",".join(launch.overrides) or "defaults",
         params=flatten(spec) | _run_length(loop) | sweep.child_params(swept),
         tags={lineage.CHECKPOINT_DIR_TAG: str(loop.checkpointer.dir.absolute())} if loop.checkpointer.dir is not None else {},
         texts={"config.yaml": to_yaml(spec), "sharding_plan.txt": str(c.plan), **stored_texts(loop.checkpointer.files)},
         continue_run=loop.state.run_id,
-        world_size=c.env.world_size, device=c.env.device if c.env.is_main else None, step=loop.state.step)
+        world_size=c.env.world_size, device=c.env.device if c.env.is_main else None, step=loop.state.step, datasets=data_inputs)
     if c.env.is_main and spec.checkpoint.dir is None and spec.checkpoint.resume == "auto" and loop.state.step == 0:
         note_interrupted_runs(launch, loop.checkpointer.storage, loop.checkpointer.dir)  # the default dir is new per launch
     with tracked_run(loop.tracker, start, launch, close=c.close):
@@ -54,6 +57,18 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> float:
         if c.env.is_main:
             mark_finished(loop.checkpointer.dir)
         return objective(final, spec.train.objective)
+
+
+def _data_inputs(c: Components) -> list[DataRecord]:
+    """Rank 0's record of the data this run trains and evaluates on (digests read the files once, so on one rank), also
+    written into every checkpoint beside the encoders fitted on it (``data_inputs.json``): a later evaluate compares."""
+    if not c.env.is_main:
+        return []
+    files = c.loop.checkpointer.files
+    records = datasets.describe(c.run.served_data, c.loop.data, max_digest_mb=c.run.tracking.dataset_digest_max_mb,
+                                encoders=files.get(ENCODERS_FILE))
+    files[datasets.DATA_INPUTS_FILE] = datasets.to_json(records)
+    return records
 
 
 def _run_length(loop: Loop) -> dict[str, int]:

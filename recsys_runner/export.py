@@ -165,7 +165,8 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> Path:
             check_target(out, options.overwrite)  # still as checked before the build (nothing else wrote there since)
             staged.commit()
             log.info("wrote %s to %s", ", ".join([*files, lineage.MANIFEST_FILE]), out)
-            _log_artifacts(spec, tracker, staged.local, [*files, lineage.MANIFEST_FILE], options.register_as)
+            trained_by = (str(meta["run_id"]), int(meta.get("step") or 0)) if meta.get("run_id") else None
+            _log_artifacts(spec, tracker, staged.local, [*files, lineage.MANIFEST_FILE], options.register_as, trained_by)
     return out
 
 
@@ -176,9 +177,11 @@ def _options(cfg: DictConfig) -> ExportConfig:
     return options
 
 
-def _log_artifacts(spec: RunConfig, tracker: Tracker, out: Path, files: list[str], register_as: str | None) -> None:
+def _log_artifacts(spec: RunConfig, tracker: Tracker, out: Path, files: list[str], register_as: str | None,
+                   trained_by: tuple[str, int] | None = None) -> None:
     """The exported files as the run's artifacts (``export/``), and the MLflow model(s) as the run's logged model(s)
-    (registered under ``register_as`` when set), when it logs to MLflow.
+    (registered under ``register_as`` when set), when it logs to MLflow; each model is also an output of the training
+    run ``trained_by`` (its id and the checkpoint's step, from the checkpoint's ``meta.json``), so the UI shows it there.
 
     Raises:
         ConfigError: ``register_as`` is set but no MLflow model was written, or the run does not log to MLflow.
@@ -203,7 +206,8 @@ def _log_artifacts(spec: RunConfig, tracker: Tracker, out: Path, files: list[str
     for name in models:
         logged_name = "model" if name == mlflow_model.MODEL_DIR else name.removeprefix("mlflow_")
         version = mlflow_model.log_and_register(out / name, uri, tracker.run_id, register_as if len(models) == 1 else
-                                                (f"{register_as}-{logged_name}" if register_as else None), logged_name)
+                                                (f"{register_as}-{logged_name}" if register_as else None), logged_name,
+                                                trained_by)
         if version is not None:
             log.info("registered the MLflow model %s as version %s of %r", name, version, register_as)
 

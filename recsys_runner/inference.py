@@ -32,13 +32,15 @@ from omegaconf.errors import OmegaConfBaseException
 
 from recsys_runner import stores
 from recsys_runner.config import check_known_keys, flatten, register_configs, to_yaml, validate
+from recsys_runner.data.encoding.stored import ENCODERS_FILE
 from recsys_runner.errors import CheckpointError, ConfigError, UserError
 from recsys_runner.inference_build import Inference
 from recsys_runner.lifecycle import RunStart, link_tags
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.runtime import Launch
 from recsys_runner.stores import StorageConfig
-from recsys_runner.tracking import lineage
+from recsys_runner.tracking import datasets, lineage
+from recsys_runner.tracking.datasets import DataRecord
 from recsys_runner.tracking.store import resolve_uri
 
 log = logging.getLogger("recsys_runner")
@@ -268,8 +270,22 @@ def inference_start(built: Inference, *, entry: str, checkpoint: Path, load: str
     (:meth:`recsys_runner.checkpoint.policy.Checkpointer.load_weights`)."""
     if built.state.resumed_from:
         checkpoint = stores.as_path(built.state.resumed_from)
+    records = data_inputs(built, checkpoint) if built.env.is_main else []
     return RunStart(
         run_name=f"{entry} {checkpoint.parent.name}/{checkpoint.name}",
         tags=link_tags(entry, checkpoint, built.state.step, built.state.run_id),
         params=flatten(built.run) | {LOAD_KEY: load} | (extra_params or {}), texts={"config.yaml": to_yaml(built.run)},
-        world_size=built.env.world_size, device=built.env.device if built.env.is_main else None)
+        world_size=built.env.world_size, device=built.env.device if built.env.is_main else None, datasets=records)
+
+
+def data_inputs(built: Inference, checkpoint: Path) -> list[DataRecord]:
+    """The data an evaluate or predict launch reads (:mod:`recsys_runner.tracking.datasets`), its columns typed by the
+    encoders the checkpoint stores; a warning where it differs from the data the checkpoint was trained on."""
+    try:
+        encoders: bytes | None = stores.read_bytes(stores.join(str(checkpoint), ENCODERS_FILE), CheckpointError)
+    except FileNotFoundError:
+        encoders = None
+    records = datasets.describe(built.run.served_data, built.data, max_digest_mb=built.run.tracking.dataset_digest_max_mb,
+                                encoders=encoders)
+    datasets.note_changes(datasets.read_stored(checkpoint), records, checkpoint)
+    return records

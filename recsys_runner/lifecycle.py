@@ -50,8 +50,9 @@ from recsys_runner.checkpoint.guard import NonFiniteLossError
 from recsys_runner.checkpoint.storage import CheckpointStorage
 from recsys_runner.distributed.peers import EXIT_RANK_LOST, RankLost, peer_gone
 from recsys_runner.errors import CheckpointError, CheckpointWriteFailed, reported
-from recsys_runner.runtime import Launch
+from recsys_runner.runtime import TRAIN_MODULE, Launch
 from recsys_runner.tracking import lineage
+from recsys_runner.tracking.datasets import DataRecord
 from recsys_runner.tracking.tracker import Tracker
 from recsys_runner.train import signals
 from recsys_runner.train.signals import Interrupted
@@ -82,6 +83,9 @@ class RunStart:
     """The step a continued run resumes at (names its ``manifest_resume_step<n>.json``)."""
     manifest: lineage.Manifest | None = None
     """The manifest, when the command collected it already (export writes it beside its files); else collected here."""
+    datasets: list[DataRecord] = field(default_factory=list)
+    """The data the command reads, logged as the run's dataset inputs (:mod:`recsys_runner.tracking.datasets`), by a new
+    run and a continued one alike (MLflow keeps a dataset once)."""
 
 
 def link_tags(entry: str, checkpoint: Path, step: int | None, source_run: str | None) -> dict[str, str]:
@@ -130,11 +134,14 @@ def _open(tracker: Tracker, start: RunStart, launch: Launch) -> None:
     if start.continue_run and _continued(tracker, start.continue_run):
         if manifest is not None:  # the run's manifest.json stays the first launch's; each resume adds its own
             tracker.log_text(manifest.to_json(), f"manifest_resume_step{start.step}.json")
+        tracker.log_inputs(start.datasets)
         return
     tags = start.tags | {OVERRIDES_TAG: " ".join(launch.overrides), "world_size": str(start.world_size)}
     if manifest is not None:
-        tags |= manifest.tags()
+        entry = start.tags.get(ENTRY_TAG)  # evaluate, predict, export: their module, however they were called
+        tags |= manifest.tags(source_name=f"{TRAIN_MODULE}.{entry}" if entry else launch.module)
     tracker.start(run_name=start.run_name, tags=tags, params=start.params)
+    tracker.log_inputs(start.datasets)
     for artifact_file, text in start.texts.items():
         tracker.log_text(text, artifact_file)
     if manifest is not None:

@@ -20,7 +20,7 @@ from recsys_runner.features import DataNeeds, FeatureSpec
 if TYPE_CHECKING:  # the annotation only: the stored encoders are handed in by the builder
     from recsys_runner.data.encoding.stored import StoredEncoders
 
-__all__ = ["AUTO", "DataConfig", "DataError", "DataModule", "auto_workers", "data_device_type", "synchronized"]  # DataError lives in errors.py with its siblings; importable from here too
+__all__ = ["AUTO", "DataConfig", "DataError", "DataModule", "SplitFiles", "auto_workers", "data_device_type", "synchronized"]  # DataError lives in errors.py with its siblings; importable from here too
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -30,6 +30,20 @@ AUTO = "auto"
 """``data.num_workers: auto``: DataLoader workers when the run's device is CUDA, none on CPU (:func:`auto_workers`)."""
 MAX_AUTO_WORKERS = 4
 """The most DataLoader workers per rank that ``num_workers: auto`` starts."""
+
+
+@dataclass(frozen=True)
+class SplitFiles:
+    """The files one split of the data reads, for the run's record of its inputs (:mod:`recsys_runner.tracking.datasets`)."""
+
+    path: str
+    """The setting that named them (``data.path``, ``data.eval_path``), as given: a file, a directory, a glob or a URI."""
+    files: tuple[str, ...]
+    """Every file read, in read order."""
+    num_rows: int | None
+    """The split's rows, when known before reading (a hash split's share of shared files included)."""
+    holdout: float | None = None
+    """For a split held out of the training files by a hash of (file name, row number): the eval fraction."""
 
 
 class DataModule(Protocol):
@@ -68,6 +82,11 @@ class DataModule(Protocol):
         """The encoders this data fitted to its files (:mod:`recsys_runner.data.encoding.stored`), stored with every checkpoint;
         ``None`` for data that fits none (generated data: its ids are its rows)."""
         return None
+
+    def split_files(self) -> dict[str, SplitFiles]:
+        """Per split (``train``, ``eval``), the files it reads and its rows; ``{}`` for data that reads no files
+        (generated data: its record is its generator's config)."""
+        return {}
 
     def raw_rows(self, rows: int) -> Any:
         """The first ``rows`` rows of the files, raw, as the training reader reads them (a ``pyarrow.Table``: text for every

@@ -213,9 +213,11 @@ def encoded_batch(encoders: StoredEncoders, rows: pa.Table) -> Batch:
     return Batch(dense_features=torch.as_tensor(encoded.dense), sparse_features=kjt, labels=torch.as_tensor(encoded.labels))
 
 
-def log_and_register(model_dir: Path, tracking_uri: str, run_id: str, register_as: str | None, name: str = "model") -> str | None:
-    """Log the written model as the export run's model and, with ``register_as``, register a version of it; returns the
-    registered version (``None`` without ``register_as``)."""
+def log_and_register(model_dir: Path, tracking_uri: str, run_id: str, register_as: str | None, name: str = "model",
+                     trained_by: tuple[str, int] | None = None) -> str | None:
+    """Log the written model as the export run's model (an MLflow 3 logged model) and, with ``register_as``, register a
+    version of it; returns the registered version (``None`` without ``register_as``). ``trained_by``: the training run
+    and the checkpoint's step, whose run then lists the model as its output (:func:`link_to_training`)."""
     import mlflow
     import mlflow.pyfunc
     from mlflow.models import Model
@@ -234,4 +236,19 @@ def log_and_register(model_dir: Path, tracking_uri: str, run_id: str, register_a
                 registered_model_name=register_as)
     finally:
         mlflow.set_tracking_uri(before)
+    if trained_by is not None and info.model_id:
+        link_to_training(tracking_uri, info.model_id, *trained_by)
     return None if register_as is None else str(info.registered_model_version)
+
+
+def link_to_training(tracking_uri: str, model_id: str, run_id: str, step: int) -> None:
+    """Make logged model ``model_id`` an output of the training run ``run_id`` at ``step``, so the UI's Models column
+    shows it on the run that trained it, not only on the export run. A store without that run (the training logged
+    elsewhere, or was deleted) or an outage only warns: the export is complete without the link."""
+    from mlflow.entities import LoggedModelOutput
+    from mlflow.tracking import MlflowClient
+
+    try:
+        MlflowClient(tracking_uri=tracking_uri).log_outputs(run_id, [LoggedModelOutput(model_id, step)])
+    except Exception as e:  # noqa: BLE001 - the model is logged and registered; only the training run's link is missing
+        log.warning("could not link the MLflow model %s to its training run %s: %s: %s", model_id, run_id, type(e).__name__, e)

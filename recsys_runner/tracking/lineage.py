@@ -3,7 +3,8 @@
 Every entry point (training, evaluate, predict, export) records a **manifest**: the code version
 (git commit of the source tree recsys_runner runs from, whether it was dirty, the diff when it was),
 library versions, hardware, world size, host and the exact command line. It goes to the MLflow run
-as ``manifest.*`` tags (plus MLflow's own ``mlflow.source.git.commit``, which the UI shows) and as
+as ``manifest.*`` tags (plus MLflow's standard ``mlflow.source.*`` tags: the command's module, the git commit, branch
+and ``origin`` URL, which the UI shows as the run's source) and as
 one ``manifest.json`` artifact, because runs are created through ``MlflowClient`` and so get none
 of MLflow's automatic source tags. Months later, ``python -m recsys_runner.compare`` can list the
 columns beside the metrics.
@@ -25,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import torch
 
@@ -64,9 +66,15 @@ class Manifest:
     CPU reductions may round differently with another count)."""
     git_diff: str = field(default="", repr=False)
     """The uncommitted changes (``git diff HEAD``); logged as an artifact, not as a tag."""
+    git_branch: str | None = None
+    """The branch checked out in that tree; ``None`` on a detached head or outside git."""
+    git_repo_url: str | None = None
+    """The tree's ``origin`` remote, without any credentials in it; ``None`` when it has none."""
 
-    def tags(self) -> dict[str, str]:
-        """The ``manifest.*`` tags (and MLflow's git tag, which its UI shows as the source version)."""
+    def tags(self, source_name: str = "recsys_runner") -> dict[str, str]:
+        """The ``manifest.*`` tags, and MLflow's standard source tags, which its UI shows in the runs table's Source
+        column (``mlflow.source.name``: the command's module, ``source_name``; ``LOCAL``) and on a run's page (the commit,
+        linked to the repository when ``mlflow.source.git.repoURL`` names one it knows, and the branch)."""
         out = {
             "manifest.command": self.command[:5000],
             "manifest.git_commit": self.git_commit or "unknown",
@@ -78,8 +86,10 @@ class Manifest:
             "manifest.hostname": self.hostname,
         }
         out.update({f"manifest.version.{name}": version for name, version in self.versions.items()})
-        if self.git_commit:
-            out["mlflow.source.git.commit"] = self.git_commit
+        out |= {"mlflow.source.name": source_name, "mlflow.source.type": "LOCAL"}
+        known = {"mlflow.source.git.commit": self.git_commit, "mlflow.source.git.branch": self.git_branch,
+                 "mlflow.source.git.repoURL": self.git_repo_url}
+        out |= {key: value for key, value in known.items() if value}
         return out
 
     def to_json(self) -> str:
@@ -90,11 +100,14 @@ class Manifest:
 
 def collect(*, world_size: int, device: torch.device, argv: list[str] | None = None) -> Manifest:
     """The manifest of this process (rank 0's view; every rank runs the same code by construction)."""
-    commit, dirty, diff = _git_state(Path(__file__).resolve().parent.parent)
+    source = Path(__file__).resolve().parent.parent
+    commit, dirty, diff = _git_state(source)
+    branch, repo_url = _git_origin(source) if commit else (None, None)
     name, count = _device(device)
     return Manifest(command=command_line(argv), git_commit=commit, git_dirty=dirty, versions=_versions(),
                     device_type=device.type, device_name=name, device_count=count, world_size=world_size,
-                    hostname=socket.gethostname(), num_threads=torch.get_num_threads(), git_diff=diff)
+                    hostname=socket.gethostname(), num_threads=torch.get_num_threads(), git_diff=diff, git_branch=branch,
+                    git_repo_url=repo_url)
 
 
 def record(tracker: Any, manifest: Manifest) -> None:
@@ -129,6 +142,26 @@ def _git_state(source: Path) -> tuple[str | None, bool | None, str]:
     except (OSError, subprocess.SubprocessError):
         return None, None, ""
     return commit, bool(status.strip()), diff
+
+
+def _git_origin(source: Path) -> tuple[str | None, str | None]:
+    """(branch, ``origin``'s URL) of the git tree holding ``source``: ``None`` for a detached head, for no ``origin``.
+    A URL's user and password (a token in ``https://user:token@host/…``) are dropped: tags are readable by anyone with
+    the store."""
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", str(source), *args], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return (done.stdout.strip() or None) if done.returncode == 0 else None
+
+    branch = git("rev-parse", "--abbrev-ref", "HEAD")
+    url = git("remote", "get-url", "origin")
+    if url is not None and "://" in url:
+        parts = urlsplit(url)
+        url = urlunsplit(parts._replace(netloc=parts.hostname + (f":{parts.port}" if parts.port else ""))) if parts.hostname else url
+    return (None if branch == "HEAD" else branch), url
 
 
 def _versions() -> dict[str, str]:

@@ -179,18 +179,51 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[:300]}" if text else type(error).__name__
 
 
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+"""The experiment tag MLflow 3 reads for the kind of an experiment (its UI's default view in builds that honour it)."""
+EXPERIMENT_KIND = "custom_model_development"
+"""The kind the runner gives its experiments: model training, not GenAI traces."""
+UI_VIEW = "workflowType=machine_learning"
+"""The URL parameter that opens MLflow 3.x's OSS UI on an experiment's training runs: it ignores
+:data:`EXPERIMENT_KIND_TAG` and would show a GenAI overview of traces by default."""
+
+
 def experiment_id(client: Any, name: str) -> str:
-    """The id of experiment ``name``, created when missing (tolerating a concurrent creator)."""
+    """The id of experiment ``name``, created when missing (tolerating a concurrent creator), with the experiment kind
+    :data:`EXPERIMENT_KIND` unless it has a kind already (a user's choice stands)."""
     found = client.get_experiment_by_name(name)
     if found:
+        _set_kind(client, found)
         return found.experiment_id
     try:
-        return client.create_experiment(name)
+        return client.create_experiment(name, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
     except Exception:
         found = client.get_experiment_by_name(name)
         if found is None:
             raise
+        _set_kind(client, found)
         return found.experiment_id
+
+
+def _set_kind(client: Any, experiment: Any) -> None:
+    """Give an experiment made elsewhere (by hand, by an older runner) the runner's kind when it has none; a store that
+    refuses only warns: the kind is a view, the run goes on without it."""
+    if EXPERIMENT_KIND_TAG in (experiment.tags or {}):
+        return
+    try:
+        client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+    except Exception as e:  # noqa: BLE001 - a missing view hint must not stop a run
+        log.warning("could not tag MLflow experiment %s %s=%s: %s", experiment.name, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND, e)
+
+
+def ui_url(tracking_uri: str, experiment_id: str, run_id: str | None = None) -> str | None:
+    """The MLflow UI's page of an experiment (or of one of its runs) on the tracking server ``tracking_uri``, opened on
+    its training runs (:data:`UI_VIEW`); ``None`` for a store this process opens itself (sqlite, a folder), which has
+    no UI until ``mlflow ui`` serves it."""
+    if not is_remote(tracking_uri):
+        return None
+    page = f"experiments/{experiment_id}" + (f"/runs/{run_id}" if run_id else "")
+    return f"{tracking_uri.rstrip('/')}/#/{page}?{UI_VIEW}"
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from recsys_runner.tracking.datasets import DataRecord
 from recsys_runner.tracking.folders import check_folder
 from recsys_runner.tracking.tracker import Histogram, Tracker
 
@@ -79,6 +80,9 @@ class TensorBoardTracker:
         for tag, h in histograms.items():
             writer.add_histogram_raw(tag, min=h.min, max=h.max, num=h.num, sum=h.sum, sum_squares=h.sum_squares,
                                      bucket_limits=h.bucket_limits, bucket_counts=h.bucket_counts, global_step=step)
+
+    def log_inputs(self, datasets: Sequence[DataRecord]) -> None:
+        self.inner.log_inputs(datasets)
 
     def set_tag(self, key: str, value: str) -> None:
         self.inner.set_tag(key, value)

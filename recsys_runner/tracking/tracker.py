@@ -35,7 +35,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 from recsys_runner.configurable import Configurable
@@ -48,8 +48,12 @@ from recsys_runner.tracking.store import (
     open_store,
     resolve_uri,
     store_errors,
+    ui_url,
     uri_source,
 )
+
+if TYPE_CHECKING:  # the annotation only: a tracker logs the records it is handed
+    from recsys_runner.tracking.datasets import DataRecord
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +92,16 @@ class TrackingConfig(Configurable):
     tensorboard: bool = False
     """Also write every logged metric (and ``train.summary_histograms``' histograms) to TensorBoard event files under
     ``<run dir>/tensorboard`` (``./tensorboard`` from Python), rank 0 only: ``tensorboard --logdir <run dir>`` shows them."""
+    dataset_digest_max_mb: float = 256.0
+    """The run's data inputs (docs/experiments.md, *What each run records*) get a digest of the files' contents when
+    they total at most this many MB; larger data gets a digest of its file names, sizes and modification times
+    instead, so that no run reads its data twice just to name it. 0: never read the files for a digest. Kept in
+    each checkpoint too (``data_inputs.json``), so this applies with ``tracking=none`` as well."""
+
+    def __post_init__(self) -> None:
+        require(self.dataset_digest_max_mb >= 0,
+                f"tracking.dataset_digest_max_mb must be >= 0, got {self.dataset_digest_max_mb}. Fix: e.g. "
+                f"tracking.dataset_digest_max_mb=256, or 0 to digest only file names, sizes and modification times")
 
     def build(self) -> Tracker:
         """The tracker this config describes; it opens nothing until :meth:`Tracker.check` or ``start``."""
@@ -109,6 +123,7 @@ class MlflowTrackingConfig(TrackingConfig):
     before writing them to ``mlflow_unsent_<run id>.json`` (see ``python -m recsys_runner.tracking replay``)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         require(bool(self.experiment), "tracking.experiment must not be empty")
         require(self.flush_timeout_s >= 0, f"tracking.flush_timeout_s must be >= 0, got {self.flush_timeout_s}")
 
@@ -142,6 +157,12 @@ class Tracker(Protocol):
 
     def log_text(self, text: str, artifact_file: str) -> None: ...
     def log_histograms(self, histograms: Mapping[str, Histogram], step: int) -> None: ...
+
+    def log_inputs(self, datasets: Sequence[DataRecord]) -> None:
+        """Record the data the run read as the run's dataset inputs (:mod:`recsys_runner.tracking.datasets`); an outage
+        only warns."""
+        ...
+
     def set_tag(self, key: str, value: str) -> None: ...
     def finish(self, status: str) -> None: ...
 
@@ -175,6 +196,9 @@ class NullTracker:
         pass
 
     def log_histograms(self, histograms: Mapping[str, Histogram], step: int) -> None:
+        pass
+
+    def log_inputs(self, datasets: Sequence[DataRecord]) -> None:
         pass
 
     def set_tag(self, key: str, value: str) -> None:
@@ -247,6 +271,8 @@ class MlflowTracker:
             experiment = experiment_id(self._client, self.config.experiment)
             run = self._client.create_run(experiment, run_name=self.config.run_name or run_name, tags=all_tags)
             self.run_id = run.info.run_id
+            if (url := ui_url(self.uri, experiment, self.run_id)) is not None:
+                log.info("MLflow run %s: %s", self.run_id, url)
             items = [Param(k, str(v)[:_MAX_PARAM_CHARS]) for k, v in params.items()]
             for i in range(0, len(items), _PARAMS_PER_CALL):
                 self._client.log_batch(self.run_id, params=items[i : i + _PARAMS_PER_CALL])
@@ -261,6 +287,21 @@ class MlflowTracker:
             self._client.update_run(run_id, status="RUNNING")
             self._client.set_tag(run_id, "resumed", "true")
         self.run_id = run_id
+
+    def log_inputs(self, datasets: Sequence[DataRecord]) -> None:
+        """The run's dataset inputs, in one call; a store outage (or a store too old for datasets) only warns: the
+        record is in the checkpoints' ``data_inputs.json`` all the same. Logged again by a resumed run, which MLflow
+        keeps once (a dataset is its name and digest)."""
+        if not datasets:
+            return
+        try:
+            with no_http_retries(self._remote):
+                self._client.log_inputs(self._run(), datasets=[d.as_mlflow() for d in datasets])
+        except Stopped:
+            raise
+        except Exception as e:  # noqa: BLE001 - a lost dataset record must not fail the run
+            log.warning("could not log the datasets %s to MLflow run %s: %s: %s", ", ".join(d.name for d in datasets), self.run_id,
+                        type(e).__name__, e)
 
     def set_tag(self, key: str, value: str) -> None:
         """Tag the run now (e.g. ``preempted``); a store outage only warns."""

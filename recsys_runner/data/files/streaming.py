@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsys_runner.data.base import DataModule, synchronized
+from recsys_runner.data.base import DataModule, SplitFiles, synchronized
 from recsys_runner.data.catalogue.item_files import Catalogue
 from recsys_runner.data.encoding.rows import Encoder, Location, Rows, splitmix64
 from recsys_runner.data.encoding.stored import column_kinds, column_types, oov_counters, to_json
@@ -234,6 +234,15 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         with every checkpoint (:mod:`recsys_runner.data.encoding.stored`)."""
         sample = self.open_files(self.config.path, "data.path").sample(KIND_SAMPLE_ROWS)
         return to_json(self.schema, column_kinds(self.schema, sample), column_types(self.schema, sample))
+
+    def split_files(self) -> dict[str, SplitFiles]:
+        """The training and eval files with each split's rows (a hash split's eval rows are a share of the training files)."""
+        config = self.config
+        train = SplitFiles(config.path, tuple(self._train.source.files), sum(self._train.counts))
+        if config.eval_path is not None:
+            return {"train": train, "eval": SplitFiles(config.eval_path, tuple(self._eval.source.files), sum(self._eval.counts))}
+        return {"train": train, "eval": SplitFiles(config.path, train.files, sum(self._eval.counts),
+                                                   holdout=config.eval_fraction or DEFAULT_EVAL_FRACTION)}
 
     def raw_rows(self, rows: int) -> pa.Table:
         return self.open_files(self.config.path, "data.path").sample(rows)
