@@ -40,7 +40,7 @@ from typing import Any
 
 from recsys_runner.errors import ConfigError
 from recsys_runner.metrics.registry import higher_is_better
-from recsys_runner.tracking.store import missing_store, resolve_uri
+from recsys_runner.tracking.store import missing_store, resolve_uri, ui_url
 from recsys_runner.tracking.sweep import EXPECTED_JOBS_TAG, SWEEP_PARENT_TAG, finish_parent, summarize, sweep_objective
 from recsys_runner.tracking.tracker import MlflowTrackingConfig
 
@@ -254,24 +254,14 @@ def plot_vs_params(runs: Sequence[Any], metric: str, path: Path) -> Path | None:
     return path
 
 
-def _ui_url(tracking_uri: str, experiment_id: str, run_id: str | None = None) -> str | None:
-    """The MLflow UI's page of an experiment (or of one of its runs) on the server ``tracking_uri`` names; ``None`` for a
-    local store, which no server serves. ``?workflowType=machine_learning``: MLflow 3's UI chooses the experiment page's
-    view from this URL parameter (default ``genai``, an empty traces overview), not from the experiment's kind tag."""
-    if not tracking_uri.startswith(("http://", "https://")):
-        return None
-    page = f"/#/experiments/{experiment_id}" + (f"/runs/{run_id}" if run_id else "")
-    return f"{tracking_uri.rstrip('/')}{page}?workflowType=machine_learning"
-
-
 def ui_lines(tracking_uri: str, experiment_id: str, run_id: str | None = None, port: int = UI_PORT) -> list[str]:
     """How to see an experiment (or a sweep's parent ``run_id``) in the MLflow UI: a server's page, or for a local store
     the command that serves it and the page that command serves."""
-    served = _ui_url(tracking_uri, experiment_id, run_id)
+    served = ui_url(tracking_uri, experiment_id, run_id)
     if served is not None:
         return [f"MLflow UI: {served}"]
     command = f"mlflow ui --backend-store-uri {shlex.quote(tracking_uri)} --port {port}"
-    return [f"MLflow UI: {command}", f"  then open {_ui_url(f'http://127.0.0.1:{port}', experiment_id, run_id)}"]
+    return [f"MLflow UI: {command}", f"  then open {ui_url(f'http://127.0.0.1:{port}', experiment_id, run_id)}"]
 
 
 def last_experiment_url(client: Any, tracking_uri: str, port: int = UI_PORT) -> str | None:
@@ -282,7 +272,7 @@ def last_experiment_url(client: Any, tracking_uri: str, port: int = UI_PORT) -> 
     if not latest:
         return None
     experiment = latest[0].info.experiment_id
-    return _ui_url(tracking_uri, experiment) or _ui_url(f"http://127.0.0.1:{port}", experiment)
+    return ui_url(tracking_uri, experiment) or ui_url(f"http://127.0.0.1:{port}", experiment)
 
 
 def print_ui_url(uri: str, port: int = UI_PORT) -> int:
