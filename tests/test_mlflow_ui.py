@@ -176,16 +176,29 @@ class Browser:
             raise AssertionError(f"waited {timeout:.0f} s for {what}; the page shows:\n{self.text()[:3000]}") from e
 
     def wait_text(self, *texts: str, timeout: float = WAIT_S) -> None:
-        self.wait_for(f"{texts} on the page", lambda: all(t in self.text() for t in texts), timeout)
+        """Wait until the page shows every one of ``texts``; fails naming those it never showed."""
+        missing: list[str] = list(texts)
+
+        def shown() -> bool:
+            page = self.text()
+            missing[:] = [t for t in texts if t not in page]
+            return not missing
+
+        try:
+            self.wait_for(f"{texts} on the page", shown, timeout)
+        except AssertionError as e:
+            raise AssertionError(f"never shown: {missing}; {e}") from None
 
     def text(self) -> str:
         return str(self.driver.execute_script("return document.body ? document.body.innerText : ''"))
 
     def click(self, xpath: str, what: str) -> None:
+        """A real click (MLflow's tabs and selects answer pointer events, not a scripted ``click()``) on the first
+        element ``xpath`` finds, once it shows."""
         from selenium.webdriver.common.by import By
 
         self.wait_for(what, lambda: self.driver.find_element(By.XPATH, xpath).is_displayed())
-        self.driver.execute_script("arguments[0].click()", self.driver.find_element(By.XPATH, xpath))
+        self.driver.find_element(By.XPATH, xpath).click()
 
     def close_assistant(self) -> None:
         """MLflow 3.17's assistant panel opens itself on a first visit and takes a third of the page: close it."""
@@ -232,6 +245,21 @@ class Browser:
             if "checkbox-checked" not in (checkbox.get_attribute("class") or ""):
                 checkbox.click()
         self.driver.find_element(By.TAG_NAME, "body").send_keys(Keys.ESCAPE)
+
+    def add_parallel_coordinates(self, params: list[str], metrics: list[str]) -> None:
+        """Charts view: Add chart → Parallel coordinates, pick ``params`` and ``metrics``, add it."""
+        from selenium.webdriver.common.keys import Keys
+
+        self.click("(//button[normalize-space()='Add chart'])[1]", "the Add chart button")
+        self.click("//*[@role='menuitem'][normalize-space()='Parallel coordinates']", "Parallel coordinates in Add chart")
+        for field, names in (("Params", params), ("Metrics", metrics)):
+            for name in names:
+                self.click(f"//div[@role='dialog']//h4[normalize-space()='{field}']/following-sibling::div[1]",
+                           f"the {field} select of the chart dialog")
+                self.driver.switch_to.active_element.send_keys(name)  # the select filters its options as one types
+                self.click(f"//div[contains(@class,'select-item-option')][@title='{name}']", f"{name!r} among the {field}")
+                self.driver.switch_to.active_element.send_keys(Keys.ESCAPE)
+        self.click("//button[@data-testid='experiment-view-compare-runs-chart-modal-confirm']", "the dialog's Add chart")
 
     def screenshot(self, name: str) -> None:
         for folder in self.shots:
@@ -290,7 +318,11 @@ def test_runs_table_lists_the_sweeps_children_with_params_auc_and_dataset(logged
 
 
 def test_sweep_chart_view_plots_each_child(logged: Logged, browser: Browser) -> None:
-    """The charts tab draws the children side by side (the sweep stays expanded from the table)."""
+    """The charts view draws the children, and a parallel-coordinates chart of the swept value against eval/auc has one
+    line per child (the sweep expanded as in the table)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
     browser.open(_ui_url(logged))
     browser.wait_text(logged.parent.info.run_name)
     children = {r.info.run_id: r for r in logged.children}
@@ -299,7 +331,16 @@ def test_sweep_chart_view_plots_each_child(logged: Logged, browser: Browser) -> 
     browser.wait_for("the children in the runs table", lambda: set(children) <= set(browser.rows()))
     browser.click("//label[.//input[@name='runs-view-mode' and @value='CHART']]", "the chart view toggle")
     browser.wait_text("eval/auc", *(r.info.run_name for r in logged.children))
+    # the UI's parallel-coordinates chart needs the same swept.* key in every child: one axis per swept key
+    browser.add_parallel_coordinates(["swept.optim.lr"], ["eval/auc"])
+    card = "//div[@data-testid='experiment-view-compare-runs-card'][.//h4[@title='Parallel Coordinates']]"
+    browser.click(f"{card}//button[@data-component-id='fullscreen_button_chartcard']", "the chart's full-screen button")
+    browser.wait_for("the parallel-coordinates chart, full screen, with an axis per swept key and metric",
+                     lambda: browser.driver.execute_script(
+                         "return [...document.querySelectorAll('[role=dialog]')].some(d => ['Parallel Coordinates',"
+                         " 'swept.optim.lr', 'eval/auc'].every(t => d.innerText.includes(t)))"))
     browser.screenshot("ui_sweep_chart.png")
+    browser.driver.find_element(By.TAG_NAME, "body").send_keys(Keys.ESCAPE)
 
 
 def test_run_page_shows_dataset_digest_source_commit_params_and_charts(logged: Logged, browser: Browser) -> None:
@@ -311,9 +352,11 @@ def test_run_page_shows_dataset_digest_source_commit_params_and_charts(logged: L
     browser.wait_text(dataset_input.dataset.digest, commit[:7], "swept.optim.lr", "optim.lr", "eval/auc")
     browser.screenshot("ui_run_page.png")
     browser.click("//*[@role='tab' or self::button or self::a][normalize-space()='Model metrics']", "the Model metrics tab")
-    browser.wait_for("metric charts on the run page",
-                     lambda: browser.driver.execute_script("return document.querySelectorAll('.js-plotly-plot, canvas, svg.main-svg').length"))
-    browser.wait_text("eval/auc", "train/loss")
+    browser.wait_for("metric charts on the run page", lambda: browser.driver.execute_script(
+        "return document.querySelectorAll('.js-plotly-plot').length"))
+    # one section of charts per metric prefix (those below the fold are drawn when scrolled to)
+    browser.wait_for("the run's train and eval chart sections", lambda: {"train", "eval"} <= set(browser.text().splitlines()))
+    browser.wait_text("eval/auc")
 
 
 def test_evaluate_run_is_nested_under_its_training_run(logged: Logged, browser: Browser) -> None:
