@@ -1,5 +1,5 @@
-"""The MLflow UI as a person sees it: a real ``mlflow server`` on loopback, a 3-point sweep and an evaluate logged into
-it by the runner, and Debian's ``chromium`` (headless, driven by Selenium) on the URL the runner prints.
+"""The MLflow UI as a person sees it: a real ``mlflow server`` on loopback, a 3-point sweep, an evaluate and an export
+logged into it by the runner, and Debian's ``chromium`` (headless, driven by Selenium) on the URL the runner prints.
 
 One server, one sweep, one browser for the module; each test is one thing a user looks for (issue 33). Screenshots go
 to the module's tmp dir and, when ``RECSYS_UI_SCREENSHOTS=<dir>`` is set, there too (``docs/images`` is made so).
@@ -21,10 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import TINY, free_port, run_in_process
+from tests.conftest import free_port, run_in_process
+from tests.test_mlflow_model import _click_rows
 
 pytestmark = pytest.mark.slow
 
@@ -41,6 +43,7 @@ RUN_NAME_COL = "attributes.`Run Name`"
 DATASET_COL = "attributes.`Dataset`"
 SWEPT_COL = "params.`swept.optim.lr`"
 AUC_COL = "metrics.`eval/auc`"
+MODELS_COL = "attributes.`Models`"
 
 
 def _browser_binaries() -> tuple[str, str]:
@@ -111,6 +114,8 @@ class Logged:
     children: list[Any]
     trained: Any  # the child the evaluate run loaded (the sweep's best)
     evaluated: Any
+    model_id: str  # the logged model of its export, whose source is ``trained``
+    exported: Any  # the export run, also nested under ``trained``
     sweep_output: str
 
 
@@ -120,8 +125,12 @@ def logged(mlflow_server: str, tmp_path_factory: pytest.TempPathFactory) -> Logg
     into the server, each run in this process as ``python -m`` runs it (the same commands without ~10 s of imports)."""
     cwd = tmp_path_factory.mktemp("runs")
     tracking = [f"tracking.uri={mlflow_server}", f"tracking.experiment={EXPERIMENT}"]
-    sweep = run_in_process([sys.executable, "-m", "recsys_runner", "-m", f"optim.lr={','.join(LRS)}", *TINY,
-                            "train.num_steps=10", "train.log_every_steps=5", *tracking], cwd)
+    header = "click,user,item,price,tags"  # a file, not generated data: an export of it writes the MLflow model
+    (cwd / "clicks.csv").write_text("\n".join([header, *_click_rows(np.random.default_rng(0), 1500, [f"u{k}" for k in range(40)])]) + "\n")
+    data = ["data=csv", f"data.path={cwd}/clicks.csv", "data.batch_size=64", "data.label=click", "data.dense=[{name: price}]",
+            "data.sparse=[{name: user}, {name: item}, {name: tags, separator: '|'}]", "distributed.device=cpu"]
+    sweep = run_in_process([sys.executable, "-m", "recsys_runner", "-m", f"optim.lr={','.join(LRS)}", *data,
+                            "train.num_steps=10", "train.log_every_steps=5", "train.eval_max_batches=4", *tracking], cwd)
     assert sweep.returncode == 0, sweep.stderr[-3000:]
     client = MlflowClient(tracking_uri=mlflow_server)
     experiment_id = client.get_experiment_by_name(EXPERIMENT).experiment_id
@@ -133,7 +142,14 @@ def logged(mlflow_server: str, tmp_path_factory: pytest.TempPathFactory) -> Logg
     evaluate = run_in_process([sys.executable, "-m", "recsys_runner.evaluate", f"load={trained.info.run_id}", *tracking], cwd)
     assert evaluate.returncode == 0, evaluate.stderr[-3000:]
     (evaluated,) = client.search_runs([experiment_id], "tags.entry = 'evaluate'")
-    return Logged(mlflow_server, experiment_id, parent, children, trained, evaluated, sweep.stdout + sweep.stderr)
+    exported = run_in_process([sys.executable, "-m", "recsys_runner.export", f"load={trained.info.run_id}", f"export.dir={cwd}/export",
+                               "export.mlflow_model=true", *tracking], cwd)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    outputs = client.get_run(trained.info.run_id).outputs
+    (model,) = outputs.model_outputs if outputs is not None else []
+    (export_run,) = client.search_runs([experiment_id], "tags.entry = 'export'")
+    return Logged(mlflow_server, experiment_id, parent, children, trained, evaluated, model.model_id, export_run,
+                  sweep.stdout + sweep.stderr)
 
 
 class Browser:
@@ -314,6 +330,9 @@ def test_runs_table_lists_the_sweeps_children_with_params_auc_and_dataset(logged
         assert row[RUN_NAME_COL].endswith(f"lr={run.data.params['swept.optim.lr']}"), row
         assert float(row[AUC_COL]) == pytest.approx(run.data.metrics["eval/auc"], abs=1e-3), row
         assert row[DATASET_COL] not in ("", "-"), f"no dataset shown for {row[RUN_NAME_COL]}: {row}"
+    models = {run_id: rows[run_id].get(MODELS_COL, "") for run_id in children}
+    assert models.pop(logged.trained.info.run_id) not in ("", "-"), f"the exported model is not in the Models column: {rows}"
+    assert set(models.values()) <= {"", "-"}, f"a model shown for a run that exported none: {rows}"
     browser.screenshot("ui_runs_table.png")
 
 
@@ -350,6 +369,8 @@ def test_run_page_shows_dataset_digest_source_commit_params_and_charts(logged: L
     (dataset_input, *_) = [d for d in run.inputs.dataset_inputs]
     commit = run.data.tags["mlflow.source.git.commit"]
     browser.wait_text(dataset_input.dataset.digest, commit[:7], "swept.optim.lr", "optim.lr", "eval/auc")
+    model = MlflowClient(tracking_uri=logged.uri).get_logged_model(logged.model_id)
+    browser.wait_text("Logged models", model.name)  # the export's model, an output of this training run
     browser.screenshot("ui_run_page.png")
     browser.click("//*[@role='tab' or self::button or self::a][normalize-space()='Model metrics']", "the Model metrics tab")
     browser.wait_for("metric charts on the run page", lambda: browser.driver.execute_script(
@@ -360,8 +381,8 @@ def test_run_page_shows_dataset_digest_source_commit_params_and_charts(logged: L
 
 
 def test_evaluate_run_is_nested_under_its_training_run(logged: Logged, browser: Browser) -> None:
-    """The evaluate run is a child of the training run whose checkpoint it loaded: in the runs table (under that run,
-    itself under the sweep) and on both runs' pages."""
+    """The evaluate run is a child of the training run whose checkpoint it loaded: in the runs table (under that run, itself
+    under the sweep, beside the export run) and on both runs' pages."""
     trained, evaluated = logged.trained, logged.evaluated
     assert evaluated.data.tags.get("mlflow.parentRunId") == trained.info.run_id, evaluated.data.tags
     browser.open(_ui_url(logged))
@@ -373,7 +394,8 @@ def test_evaluate_run_is_nested_under_its_training_run(logged: Logged, browser: 
         browser.expand(trained.info.run_id)
     browser.wait_for("the evaluate run under the training run", lambda: evaluated.info.run_id in browser.rows())
     rows = browser.rows()
-    assert rows[evaluated.info.run_id]["_index"] == rows[trained.info.run_id]["_index"] + 1, rows
+    below = {rows[run_id]["_index"] for run_id in (evaluated.info.run_id, logged.exported.info.run_id)}
+    assert below == {rows[trained.info.run_id]["_index"] + 1, rows[trained.info.run_id]["_index"] + 2}, rows  # its two children
     browser.open(_ui_url(logged, trained.info.run_id))
     browser.wait_text("Child runs", evaluated.info.run_name)
     browser.open(_ui_url(logged, evaluated.info.run_id))

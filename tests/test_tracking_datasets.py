@@ -143,9 +143,10 @@ def test_the_exported_model_is_an_output_of_the_training_run(trained: dict[str, 
     (training,) = _by_entry(runs, None)
     (exported,) = _by_entry(runs, "export")
     (model,) = client.search_logged_models(experiment_ids=[trained["experiment"].experiment_id])
-    assert model.source_run_id == exported.info.run_id
+    assert model.source_run_id == training.info.run_id  # what the UI's Models column lists a run's models by
     outputs = client.get_run(training.info.run_id).outputs.model_outputs
     assert [(o.model_id, o.step) for o in outputs] == [(model.model_id, STEPS)]
+    assert [o.model_id for o in client.get_run(exported.info.run_id).outputs.model_outputs] == [model.model_id]
 
 
 def test_generated_data_names_its_generator_and_seed(tmp_path: Path) -> None:

@@ -225,6 +225,7 @@ def log_and_register(model_dir: Path, tracking_uri: str, run_id: str, register_a
     meta = Model.load(str(model_dir))
     data = model_dir / "data" / "data"
     loader = meta.flavors["python_function"]["loader_module"]  # the pointwise model's, or the top-k model's (serving/topk.py)
+    model_id = None if trained_by is None else trained_model(tracking_uri, name, trained_by[0])
     before = mlflow.get_tracking_uri()
     mlflow.set_tracking_uri(tracking_uri)  # MLflow's fluent API logs a model; it reads the URI from the process
     try:
@@ -233,12 +234,32 @@ def log_and_register(model_dir: Path, tracking_uri: str, run_id: str, register_a
                 name=name, loader_module=loader, data_path=str(data),
                 code_paths=sorted(str(p) for p in (model_dir / "code").iterdir() if p.suffix == ".py"), signature=meta.signature,
                 input_example=meta.load_input_example(str(model_dir)), pip_requirements=requirements(),
-                registered_model_name=register_as)
+                registered_model_name=register_as, model_id=model_id)
     finally:
         mlflow.set_tracking_uri(before)
-    if trained_by is not None and info.model_id:
+    if trained_by is not None and model_id is not None:  # the training run is in this store: list the model as its output too
         link_to_training(tracking_uri, info.model_id, *trained_by)
     return None if register_as is None else str(info.registered_model_version)
+
+
+def trained_model(tracking_uri: str, name: str, run_id: str) -> str | None:
+    """A new logged model whose source is the training run ``run_id`` (in that run's experiment, with its params), for the
+    export to log its files into; ``None`` (after a warning) when the store lacks the run, and the export run is its source.
+
+    Why the training run: the UI's Models column lists a run's logged models by their source run (MLflow 3.17's runs
+    table searches the experiment's logged models and groups them by ``source_run_id``), and the weights are that run's
+    work; the export run still lists the model as its output."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    try:
+        run = client.get_run(run_id)
+        return str(client.create_logged_model(run.info.experiment_id, name=name, source_run_id=run_id, model_type="recsys_runner",
+                                              params={k: str(v) for k, v in run.data.params.items()}).model_id)
+    except Exception as e:  # noqa: BLE001 - the model is still logged, with the export run as its source
+        log.warning("the MLflow model is logged with the export run as its source: the training run %s could not be read (%s: %s)",
+                    run_id, type(e).__name__, e)
+        return None
 
 
 def link_to_training(tracking_uri: str, model_id: str, run_id: str, step: int) -> None:
