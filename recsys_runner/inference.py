@@ -32,6 +32,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from recsys_runner import stores
 from recsys_runner.config import check_known_keys, flatten, register_configs, to_yaml, validate
+from recsys_runner.data.base import SplitFiles
 from recsys_runner.data.encoding.stored import ENCODERS_FILE
 from recsys_runner.errors import CheckpointError, ConfigError, UserError
 from recsys_runner.inference_build import Inference
@@ -262,15 +263,16 @@ def _log_carried(checkpoint: Path, carried: Sequence[str], dropped: Sequence[str
 
 
 def inference_start(built: Inference, *, entry: str, checkpoint: Path, load: str,
-                    extra_params: dict[str, Any] | None = None) -> RunStart:
+                    extra_params: dict[str, Any] | None = None, scored: SplitFiles | None = None) -> RunStart:
     """The MLflow run of an evaluate or predict launch (rank 0; other ranks hold a null tracker): tags linking it to
     the training run and the checkpoint, the resolved config as params and ``config.yaml``
     (:func:`recsys_runner.lifecycle.tracked_run` adds the overrides and the manifest). The checkpoint named is the one
     whose weights were loaded: ``checkpoint``, or the newer one loaded instead when a run writing there rotated it away
-    (:meth:`recsys_runner.checkpoint.policy.Checkpointer.load_weights`)."""
+    (:meth:`recsys_runner.checkpoint.policy.Checkpointer.load_weights`). ``scored``: the files a predict scores, a
+    dataset input of its own (context ``prediction``)."""
     if built.state.resumed_from:
         checkpoint = stores.as_path(built.state.resumed_from)
-    records = data_inputs(built, checkpoint) if built.env.is_main else []
+    records = data_inputs(built, checkpoint, scored) if built.env.is_main else []
     return RunStart(
         run_name=f"{entry} {checkpoint.parent.name}/{checkpoint.name}",
         tags=link_tags(entry, checkpoint, built.state.step, built.state.run_id),
@@ -278,14 +280,15 @@ def inference_start(built: Inference, *, entry: str, checkpoint: Path, load: str
         world_size=built.env.world_size, device=built.env.device if built.env.is_main else None, datasets=records)
 
 
-def data_inputs(built: Inference, checkpoint: Path) -> list[DataRecord]:
+def data_inputs(built: Inference, checkpoint: Path, scored: SplitFiles | None = None) -> list[DataRecord]:
     """The data an evaluate or predict launch reads (:mod:`recsys_runner.tracking.datasets`), its columns typed by the
-    encoders the checkpoint stores; a warning where it differs from the data the checkpoint was trained on."""
+    encoders the checkpoint stores, and predict's ``scored`` files; a warning where the training and eval data differ
+    from the data the checkpoint was trained on."""
     try:
         encoders: bytes | None = stores.read_bytes(stores.join(str(checkpoint), ENCODERS_FILE), CheckpointError)
     except FileNotFoundError:
         encoders = None
     records = datasets.describe(built.run.served_data, built.data, max_digest_mb=built.run.tracking.dataset_digest_max_mb,
-                                encoders=encoders)
+                                encoders=encoders, scored=scored)
     datasets.note_changes(datasets.read_stored(checkpoint), records, checkpoint)
     return records

@@ -56,6 +56,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from recsys_runner import stores
 from recsys_runner.config import register_entry_schema, validate
+from recsys_runner.data.base import SplitFiles
+from recsys_runner.data.files.streaming import TabularData
 from recsys_runner.data.files.tabular_config import TabularDataConfig
 from recsys_runner.errors import ConfigError, require
 from recsys_runner.inference import (
@@ -65,12 +67,12 @@ from recsys_runner.inference import (
     inference_start,
     with_training_overrides,
 )
-from recsys_runner.inference_build import build_inference
+from recsys_runner.inference_build import Inference, build_inference
 from recsys_runner.lifecycle import exit_codes, tracked_run
 from recsys_runner.noise import quiet_known_noise
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.runtime import Launch
-from recsys_runner.scoring import PredictResult, check_columns, check_output, ranking_scorer, score_files
+from recsys_runner.scoring import PredictResult, check_columns, check_output, ranking_scorer, score_files, scored_files
 from recsys_runner.scoring_topk import ranks_items
 
 quiet_known_noise()  # the known library warnings, each with its reason (noise.py)
@@ -124,7 +126,8 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> PredictResult:
     check_columns(spec.data, settings.columns, settings.input)
     built = build_inference(spec, launch=launch, weights=checkpoint)
     params = {f"predict.{name}": getattr(settings, name) for name in ("input", "output", "columns", "top_k", "exclude_seen")}
-    start = inference_start(built, entry="predict", checkpoint=checkpoint, load=str(cfg.load), extra_params=params)
+    start = inference_start(built, entry="predict", checkpoint=checkpoint, load=str(cfg.load), extra_params=params,
+                            scored=_scored(built, spec.data.path, settings.input))
     with tracked_run(built.tracker, start, launch, close=built.close):
         scorer = ranking_scorer(built, settings.input, k=settings.top_k, exclude_seen=settings.exclude_seen) \
             if ranks_items(built.tasks) else None
@@ -136,6 +139,16 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> PredictResult:
         if built.env.is_main:
             log.info("predict: wrote %d rows to %s in %.1f s (%.0f rows/s)", result.rows, output, result.seconds, result.rows_per_s)
         return result
+
+
+def _scored(built: Inference, data_path: str, input_path: str | None) -> SplitFiles | None:
+    """The files this predict scores, as a dataset input of its run (rank 0, which logs it; the rows are counted as they
+    are scored, in ``predict/rows``)."""
+    if not built.env.is_main:
+        return None
+    assert isinstance(built.data, TabularData)  # predict refuses other data before building
+    path, key = scored_files(data_path, input_path)
+    return SplitFiles(path, tuple(built.data.open_files(path, key).files), num_rows=None)
 
 
 def settings_of(cfg: DictConfig) -> PredictConfig:

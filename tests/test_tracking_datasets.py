@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 
-from recsys_runner import evaluate, export
+from recsys_runner import evaluate, export, predict
 from recsys_runner.__main__ import run as train
 from recsys_runner.errors import ConfigError
 from recsys_runner.tracking import datasets
@@ -65,6 +65,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     checkpoint = root / "ck" / f"step_{STEPS:08d}"
     evaluate.run(compose_entry("evaluate", *data, f"load={checkpoint}"))
     export.run(compose_entry("export", *data, f"load={checkpoint}", f"export.dir={root}/export", "export.mlflow_model=true"))
+    (root / "score.csv").write_text("\n".join([header, *_click_rows(rng, 50, ["u1", "u3"])]) + "\n")
+    predict.run(compose_entry("predict", *data, f"load={checkpoint}", f"predict.input={root}/score.csv", f"predict.output={root}/scores"))
     with path.open("a") as f:
         f.write("\n".join(_click_rows(rng, 100, ["u1", "u2"])) + "\n")
     with Warnings() as warned:
@@ -147,6 +149,19 @@ def test_the_exported_model_is_an_output_of_the_training_run(trained: dict[str, 
     outputs = client.get_run(training.info.run_id).outputs.model_outputs
     assert [(o.model_id, o.step) for o in outputs] == [(model.model_id, STEPS)]
     assert [o.model_id for o in client.get_run(exported.info.run_id).outputs.model_outputs] == [model.model_id]
+
+
+def test_predict_logs_the_files_it_scores_beside_the_training_data(trained: dict[str, Any]) -> None:
+    client, runs = trained["client"], trained["runs"]
+    (training,) = _by_entry(runs, None)
+    (predicted,) = _by_entry(runs, "predict")
+    inputs = _inputs(client, predicted)
+    assert {name: context for name, (_, context) in inputs.items()} == {"csv/train": "training", "csv/eval": "evaluation",
+                                                                        "csv/predict": "prediction"}
+    scored, _ = inputs["csv/predict"]
+    assert json.loads(scored.source)["uri"] == str(trained["root"] / "score.csv")
+    assert scored.digest != inputs["csv/train"][0].digest
+    assert inputs["csv/train"][0].digest == _inputs(client, training)["csv/train"][0].digest  # before the file grew
 
 
 def test_generated_data_names_its_generator_and_seed(tmp_path: Path) -> None:

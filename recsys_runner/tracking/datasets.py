@@ -46,6 +46,8 @@ DIGEST_LENGTH = 8
 """Characters of a digest: as long as MLflow's own datasets' (``mlflow.data.digest_utils``), which the UI shows."""
 CONTEXTS = {"train": "training", "eval": "evaluation"}
 """Split → the ``mlflow.data.context`` tag the UI shows beside the dataset."""
+SCORED = ("predict", "prediction")
+"""The name suffix and context of the files a predict scores (``predict.input``, else ``data.path``)."""
 CONTENTS, LISTING, GENERATOR = "contents", "file names, sizes and modification times", "generator config"
 """What a digest was computed from (the profile's ``digest_of``)."""
 _BATCHING = {f.name for f in dataclasses.fields(DataConfig)}
@@ -83,17 +85,22 @@ class DataRecord:
         return DatasetInput(dataset, tags=[InputTag(MLFLOW_DATASET_CONTEXT, self.context)])
 
 
-def describe(config: DataConfig, data: DataModule, *, max_digest_mb: float, encoders: bytes | None = None) -> list[DataRecord]:
+def describe(config: DataConfig, data: DataModule, *, max_digest_mb: float, encoders: bytes | None = None,
+             scored: SplitFiles | None = None) -> list[DataRecord]:
     """The training and eval data of a run whose data config is ``config`` (the one the model is served:
-    ``run.served_data``) and data module ``data``; ``encoders`` (the ``encoders.json`` document) gives file columns
-    their types as the training reader read them. Reads the files for their digest when they total at most
-    ``max_digest_mb`` (see the module docstring)."""
+    ``run.served_data``) and data module ``data``, and a predict's ``scored`` files (:data:`SCORED`); ``encoders`` (the
+    ``encoders.json`` document) gives file columns their types as the training reader read them. Reads the files for
+    their digest when they total at most ``max_digest_mb`` (see the module docstring)."""
     kind = _kind(config)
     splits = data.split_files()
+    columns = _file_columns(encoders, data.features)
     if splits:
-        columns = _file_columns(encoders, data.features)
-        return [_files_record(f"{kind}/{split}", files, CONTEXTS[split], columns, max_digest_mb) for split, files in splits.items()]
-    return [_generated_record(config, kind, split, data.features) for split in CONTEXTS]
+        records = [_files_record(f"{kind}/{split}", files, CONTEXTS[split], columns, max_digest_mb) for split, files in splits.items()]
+    else:
+        records = [_generated_record(config, kind, split, data.features) for split in CONTEXTS]
+    if scored is not None:
+        records.append(_files_record(f"{kind}/{SCORED[0]}", scored, SCORED[1], columns, max_digest_mb))
+    return records
 
 
 def to_json(records: Sequence[DataRecord]) -> bytes:
