@@ -266,6 +266,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(pytest.mark.xdist_group(SERIAL_GROUPS.get(module, module)))
 
 
+LOADGROUP_BROKEN_FROM = (9, 2)
+"""The pytest whose ``Node.nodeid`` stopped reading ``item._nodeid``, where pytest-xdist (3.8) writes a test's group."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Refuse ``--dist loadgroup`` (``make test``) on a pytest where its groups silently do not take: each module's tests
+    would spread over the workers (module fixtures built on both, the suite slower) and the SLURM modules would run side
+    by side on one cluster. The fix is the pin in pyproject's dev extras, which ``make test`` installs."""
+    version = tuple(int(p) for p in pytest.__version__.split(".")[:2] if p.isdigit())
+    if config.getoption("dist", "no") == "loadgroup" and version >= LOADGROUP_BROKEN_FROM:
+        raise pytest.UsageError(f"pytest {pytest.__version__} ignores pytest-xdist's --dist loadgroup groups (its Node.nodeid no "
+                                f"longer reads the @<group> suffix xdist writes). Fix: pip install 'pytest<9.2', the dev extras' "
+                                f"pin (`make test` installs it)")
+
+
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     """Say in one line, at the end of the run, that the SLURM tests did not run and how to run them (a skip is
     otherwise one ``s`` among hundreds of dots)."""
