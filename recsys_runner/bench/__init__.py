@@ -10,6 +10,10 @@ import json
 import os
 from typing import Any
 
+from recsys_runner.noise import quiet_known_noise
+
+quiet_known_noise()  # the known library warnings, filtered as every entry point filters them (noise.py): a bench prints its table
+
 
 def write_results(path: str, result: dict[str, Any]) -> None:
     """Write a bench's ``result`` as JSON to ``path`` (its folder made, e.g. the git-ignored ``bench_results/``) and say where."""
