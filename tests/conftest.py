@@ -298,3 +298,23 @@ class FixedHeads(torch.nn.Module):
 
     def forward(self, dense: torch.Tensor, sparse: object) -> dict[str, torch.Tensor]:
         return self.out
+
+
+class LogWarnings(logging.Handler):
+    """Collects the warnings logged under ``logger`` (``recsys_runner`` and its children by default) while in its
+    ``with`` block; works with ``-p no:logging``, unlike caplog."""
+
+    def __init__(self, logger: str = "recsys_runner") -> None:
+        super().__init__(logging.WARNING)
+        self.logger = logger
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def __enter__(self) -> LogWarnings:
+        logging.getLogger(self.logger).addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger(self.logger).removeHandler(self)

@@ -11,11 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +21,9 @@ import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import free_port, run_in_process
+from tests.conftest import run_in_process
 from tests.test_mlflow_model import _click_rows
+from tests.test_tracking import MlflowServer
 
 pytestmark = pytest.mark.slow
 
@@ -69,39 +66,13 @@ def browser_binaries() -> tuple[str, str]:
 @pytest.fixture(scope="module")
 def mlflow_server(browser_binaries: tuple[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """``mlflow server`` on 127.0.0.1 at a free port (sqlite store, artifacts in tmp), stopped by its process group's id
-    (its own uvicorn and job-runner children included) at the end; its URI."""
-    root = tmp_path_factory.mktemp("mlflow_server")
-    port = free_port()
-    uri = f"http://127.0.0.1:{port}"
-    log = root / "server.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-             "--backend-store-uri", f"sqlite:///{root}/mlflow.db", "--artifacts-destination", str(root / "artifacts")],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=root)
+    at the end (:class:`tests.test_tracking.MlflowServer`); its URI."""
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow_server"))
+    server.start(timeout_s=120)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"mlflow server exited ({proc.returncode}): {log.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"{uri}/health", timeout=2) as answer:
-                    if answer.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"mlflow server did not answer on {uri} within 120 s: {log.read_text()[-3000:]}")
-            time.sleep(0.5)
-        yield uri
+        yield server.uri
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        server.stop()
 
 
 @dataclass

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -19,25 +18,7 @@ from mlflow.tracking import MlflowClient
 from recsys_runner import tracking
 from recsys_runner.configurable import make
 from recsys_runner.tracking.tracker import MlflowTracker, MlflowTrackingConfig, replay
-from tests.conftest import free_port
-
-
-class Records(logging.Handler):
-    """Collects the tracker's warnings (works with ``-p no:logging``, unlike caplog)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-    def __enter__(self) -> Records:
-        logging.getLogger(tracking.__name__).addHandler(self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        logging.getLogger(tracking.__name__).removeHandler(self)
+from tests.conftest import LogWarnings, free_port
 
 
 class FlakyClient:
@@ -76,7 +57,7 @@ def test_outage_buffers_and_resends_in_order() -> None:
     t = _tracker(client)
     t.log_metrics({"train/loss": 1.0}, step=10)
     client.down = True
-    with Records() as records:
+    with LogWarnings(tracking.__name__) as records:
         t.log_metrics({"train/loss": 0.9}, step=20)
         t.log_text("plan", "sharding_plan.txt")
         t.log_metrics({"train/loss": 0.8}, step=30)  # inside the back-off window: not even tried
@@ -175,7 +156,7 @@ def test_server_goes_away_mid_run(make_cfg, mlflow_server: MlflowServer, tmp_pat
     monkeypatch.setattr(MlflowTracker, "log_metrics", log_then_kill)
     cfg = make_cfg("train.num_steps=50", f"tracking.uri={mlflow_server.uri}", "tracking.experiment=outage",
                    "tracking.flush_timeout_s=1")
-    with Records() as records:
+    with LogWarnings(tracking.__name__) as records:
         auc = run(cfg)
     assert auc > 0.5
     assert any("unreachable" in m and "training continues" in m for m in records.messages), records.messages

@@ -8,7 +8,6 @@ checkpoint on the same file, an export of it, then an evaluate after rows were a
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -22,30 +21,12 @@ from recsys_runner.errors import ConfigError
 from recsys_runner.tracking import datasets
 from recsys_runner.tracking.store import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, experiment_id, ui_url
 from recsys_runner.tracking.tracker import MlflowTracker, MlflowTrackingConfig
-from tests.conftest import TINY
+from tests.conftest import TINY, LogWarnings
 from tests.test_evaluate import compose_entry
 from tests.test_mlflow_model import _click_rows
 
 STEPS = 3
 EXPERIMENT = "datasets"
-
-
-class Warnings(logging.Handler):
-    """Collects warnings of ``recsys_runner`` loggers (works with ``-p no:logging``, unlike caplog)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-    def __enter__(self) -> Warnings:
-        logging.getLogger("recsys_runner").addHandler(self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        logging.getLogger("recsys_runner").removeHandler(self)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +50,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     predict.run(compose_entry("predict", *data, f"load={checkpoint}", f"predict.input={root}/score.csv", f"predict.output={root}/scores"))
     with path.open("a") as f:
         f.write("\n".join(_click_rows(rng, 100, ["u1", "u2"])) + "\n")
-    with Warnings() as warned:
+    with LogWarnings() as warned:
         evaluate.run(compose_entry("evaluate", *data, f"load={checkpoint}"))
     client = MlflowClient(tracking_uri=uri)
     experiment = client.get_experiment_by_name(EXPERIMENT)
@@ -189,7 +170,7 @@ def test_a_store_that_refuses_datasets_only_warns() -> None:
     tracker._client, tracker.run_id = Refusing(), "run0"
     record = datasets.DataRecord(name="csv/train", digest="0" * 8, source_type="local", source="/d", context="training",
                                  profile={}, columns=[])
-    with Warnings() as warned:
+    with LogWarnings() as warned:
         tracker.log_inputs([record])
     assert any("could not log the datasets csv/train" in m and "server gone" in m for m in warned.messages)
 
