@@ -73,6 +73,7 @@ bench: $(STAMP) ## Runner vs hand loop (synthetic, Parquet, sequences, managed c
 	$(PY) -m recsys_runner.bench.sequences_rows --out bench_results/sequences_rows_hstu.json model.block=hstu
 	$(PY) -m recsys_runner.bench.topk
 	$(PY) -m recsys_runner.bench.jagged
+	$(PY) -m recsys_runner.bench.hstu_kernels
 	$(PY) -m recsys_runner.bench.zoo
 
 lint: $(STAMP) ## ruff, mypy, and import-linter (what each room may import: docs/architecture.md)

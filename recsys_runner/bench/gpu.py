@@ -43,6 +43,8 @@ MEASUREMENTS = (
                 ("--batch-size", "4096", "--steps", "200", "--rounds", "3", "--parquet-rows", "2000000", "--startup-runs", "1",
                  "--json", "{out}/regimes_4096.json"), 200,
                 ("--quick", "--skip", "d", "--json", "{out}/regimes_4096.json")),
+    Measurement("hstu_kernels", "recsys_runner.bench.hstu_kernels", ("--json", "{out}/hstu_kernels.json"), 90,
+                ("--quick", "--json", "{out}/hstu_kernels.json")),
     Measurement("step_options_deepfm", "recsys_runner.bench.step_options",
                 ("--batch-size", "16384", "--rounds", "3", "--steps", "100", "--exact-steps", "200", "--syncs",
                  "--json", "{out}/step_options_deepfm.json"), 200,

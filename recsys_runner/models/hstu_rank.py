@@ -43,6 +43,7 @@ from recsys_runner.features import DataNeeds, FeatureSpec, check_embedding_dim
 from recsys_runner.models.common import check_layer_sizes
 from recsys_runner.models.hstu import HSTUBlock
 from recsys_runner.models.jagged import row_starts, tile
+from recsys_runner.models.jagged_kernels import check_kernel
 from recsys_runner.models.multitask import MultiTaskConfig, Tower
 from recsys_runner.models.sequence import History, JaggedHistory, SequenceArch, check_candidates, recency_positions
 
@@ -130,6 +131,9 @@ class HSTURankConfig(MultiTaskConfig):
     rows padded to the batch's longest (the reference)."""
     attention_block: int = 32
     """The jagged path's tile: a row pads to a multiple of it; ``[·, block, block]`` scores per pair of tiles."""
+    attention_kernel: str = "tiles"
+    """What the jagged attention runs on: ``tiles`` (PyTorch ops, :mod:`recsys_runner.models.jagged`) or ``fbgemm``
+    (fbgemm's jagged products: Triton kernels on CUDA, per-row loops on the CPU; :mod:`recsys_runner.models.jagged_kernels`)."""
     deep_layer_sizes: list[int] = field(default_factory=lambda: [64])
     """Hidden layers of each task's head over ``[candidate output, pooled features, dense]``."""
 
@@ -146,6 +150,7 @@ class HSTURankConfig(MultiTaskConfig):
         require(0 <= self.dropout < 1, f"model.dropout must lie in [0, 1), got {self.dropout}")
         require(self.time_buckets >= 0, f"model.time_buckets must be >= 0, got {self.time_buckets}")
         require(self.attention in ATTENTIONS, f"model.attention={self.attention!r} must be one of {list(ATTENTIONS)}")
+        check_kernel(self.attention_kernel, self.attention == "jagged", "model.attention=padded")
         check_layer_sizes("deep_layer_sizes", self.deep_layer_sizes)
 
     def data_needs(self) -> DataNeeds:
@@ -188,7 +193,8 @@ class HSTURank(nn.Module):
         buckets = config.time_buckets if self.group.timestamps is not None else 0
         self.timed = buckets > 0
         """Whether the layers' bias has a time term (the history has event times and ``time_buckets > 0``)."""
-        self.layers: nn.ModuleList = nn.ModuleList(HSTUBlock(dim, config.num_heads, self.max_len, config.dropout, buckets, device=dense_device)
+        self.layers: nn.ModuleList = nn.ModuleList(HSTUBlock(dim, config.num_heads, self.max_len, config.dropout, buckets, device=dense_device,
+                                                                         kernel=config.attention_kernel)
                                     for _ in range(config.num_layers))
         self.norm = nn.LayerNorm(dim, device=dense_device)
         width = dim + self.arch.pooled_dim + features.num_dense

@@ -36,7 +36,8 @@ class Tiles:
 
     ``slots [T]``: each token's slot in the tiled layout ``[NB · C]`` (row ``r``'s tiles follow row ``r - 1``'s);
     ``positions [NB, C]``: each slot's position within its row, ``-1`` past the row's end; ``pair_query [P]`` and
-    ``pair_key [P]``: the tiles that meet (a query tile and each key tile of its row it attends to).
+    ``pair_key [P]``: the tiles that meet (a query tile and each key tile of its row it attends to); ``lengths [B]``: the
+    rows' token counts it was planned from (what a kernel that takes offsets, not tiles, reads).
     """
 
     slots: torch.Tensor
@@ -45,6 +46,7 @@ class Tiles:
     pair_key: torch.Tensor
     block: int
     causal: bool
+    lengths: torch.Tensor
 
 
 def row_starts(lengths: torch.Tensor) -> torch.Tensor:
@@ -76,7 +78,8 @@ def tile(lengths: torch.Tensor, block: int, causal: bool = True) -> Tiles:
     num_pairs = int(keys.sum())
     pair_query = torch.repeat_interleave(torch.arange(num_tiles, device=device), keys, output_size=num_pairs)
     pair_key = first[tile_row[pair_query]] + torch.arange(num_pairs, device=device) - row_starts(keys)[pair_query]
-    return Tiles(slots=slots, positions=positions, pair_query=pair_query, pair_key=pair_key, block=block, causal=causal)
+    return Tiles(slots=slots, positions=positions, pair_query=pair_query, pair_key=pair_key, block=block, causal=causal,
+                 lengths=lengths)
 
 
 def to_tiles(x: torch.Tensor, tiles: Tiles) -> torch.Tensor:

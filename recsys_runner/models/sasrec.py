@@ -39,6 +39,7 @@ from recsys_runner.features import DataNeeds, FeatureSpec, SequenceGroup, check_
 from recsys_runner.models.common import ModelConfig
 from recsys_runner.models.hstu import HSTUBlock
 from recsys_runner.models.jagged import tile
+from recsys_runner.models.jagged_kernels import check_kernel
 from recsys_runner.models.ranking_eval import sampled_negatives, seen_ids, without_seen
 from recsys_runner.models.sequence import History, SequenceArch, padded, recency_positions
 from recsys_runner.tasks import NextItemTask
@@ -88,6 +89,9 @@ class SASRecConfig(ModelConfig):
     (:mod:`recsys_runner.models.jagged`: the work follows the batch's positions, not its rows × its longest row, which
     per-user rows of long-tailed lengths need); ``0``: on the rows padded to the batch's longest (the reference). The
     ``sasrec`` block's softmax attention always runs padded."""
+    attention_kernel: str = "tiles"
+    """``block: hstu``: what its jagged attention runs on: ``tiles`` (PyTorch ops) or ``fbgemm`` (fbgemm's jagged
+    products: Triton kernels on CUDA; :mod:`recsys_runner.models.jagged_kernels`)."""
     eval_metrics: list[str] = field(default_factory=lambda: ["hr@10", "ndcg@10", "hr@50", "mrr"])
     """Ranking metrics of the true next item, logged as ``eval/hr_at_10`` …: ``hr@<k>``, ``ndcg@<k>``, ``mrr``,
     ``coverage@<k>`` (not with ``eval_negatives``). Over the whole item table, less each row's seen items with
@@ -108,6 +112,8 @@ class SASRecConfig(ModelConfig):
         require(self.temperature > 0, f"model.temperature must be positive, got {self.temperature}")
         require(self.time_buckets >= 0, f"model.time_buckets must be >= 0, got {self.time_buckets}")
         require(self.attention_block >= 0, f"model.attention_block must be >= 0 (0: padded), got {self.attention_block}")
+        check_kernel(self.attention_kernel, self.block == "hstu" and self.attention_block > 0,
+                     f"model.block={self.block}" if self.block != "hstu" else "model.attention_block=0")
         require(self.eval_negatives >= 0, f"model.eval_negatives must be >= 0 (0: the whole item table), got {self.eval_negatives}")
         require(not (self.eval_negatives and any(m.startswith("coverage@") for m in self.eval_metrics)),
                 f"model.eval_metrics={list(self.eval_metrics)}: coverage@<k> counts items of the whole table in the top k, "
@@ -203,7 +209,8 @@ class SASRec(nn.Module):
         (with the time bias when the history has event times)."""
         if config.block == "hstu":
             buckets = config.time_buckets if self.group.timestamps is not None else 0
-            return HSTUBlock(dim, config.num_heads, self.group.max_len + 1, config.dropout, buckets, device=device)
+            return HSTUBlock(dim, config.num_heads, self.group.max_len + 1, config.dropout, buckets, device=device,
+                             kernel=config.attention_kernel)
         return SASRecBlock(dim, config.num_heads, config.dropout, device=device)
 
     def train(self, mode: bool = True) -> SASRec:

@@ -1,0 +1,135 @@
+"""HSTU's attention on fbgemm's jagged kernels (``model.attention_kernel=fbgemm``, issue 32): the same numbers as the
+PyTorch tiles (values and gradients; time biases, candidates, shared positions, empty rows), in one launch or in chunks
+of rows, inside ``hstu_rank`` and ``sasrec``'s HSTU blocks, traced by the sparse-dist pipeline, and refused where no
+jagged attention runs. On a machine with CUDA the layer test also runs fbgemm's Triton kernels against the tiles."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from recsys_runner.bench import hstu_kernels
+from recsys_runner.config import validate
+from recsys_runner.configurable import make
+from recsys_runner.errors import ConfigError
+from recsys_runner.models.hstu import HSTUBlock
+from recsys_runner.models.jagged import tile
+from recsys_runner.models.jagged_kernels import fbgemm_pointwise_attention
+from recsys_runner.models.sasrec import SASRecConfig
+from tests.test_hstu_rank import assert_paths_agree, build_model, tiny
+from tests.test_models import small_sequences
+from tests.test_pipelines import _train
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here"))]
+LENGTHS = [5, 0, 1, 17, 8, 33]
+
+
+def jagged_inputs(lengths: list[int], dim: int, device: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """One batch's flat tokens ``x [T, D]``, query and key times, candidate flags and shared positions."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = sum(lengths)
+    times = [torch.randint(1, 10**5, (tokens,), generator=g).cumsum(0) for _ in range(2)]
+    values = {"x": torch.randn(tokens, dim, generator=g), "query_times": times[0], "key_times": times[1],
+              "candidates": torch.rand(tokens, generator=g) < 0.3, "positions": torch.randint(0, 12, (tokens,), generator=g)}
+    return {k: v.to(device) for k, v in values.items()}
+
+
+def run_layer(layer: HSTUBlock, inputs: dict[str, torch.Tensor], lengths: list[int], options: set[str]) -> tuple[torch.Tensor, ...]:
+    """The layer's output on the jagged tokens and the gradients of ``Σ out²`` in its input and parameters."""
+    x = inputs["x"].clone().requires_grad_()
+    out = layer.forward_jagged(x, tile(torch.tensor(lengths, device=x.device), 4),
+                               (inputs["query_times"], inputs["key_times"]) if "times" in options else None,
+                               inputs["candidates"] if "candidates" in options else None,
+                               inputs["positions"] if "positions" in options else None)
+    (out ** 2).sum().backward()
+    grads = tuple(p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in layer.parameters())
+    layer.zero_grad()
+    return (out.detach(), x.grad, *grads)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("options", [set(), {"times"}, {"times", "candidates"}, {"times", "candidates", "positions"}],
+                         ids=["positions-only", "times", "candidates", "shared-positions"])
+def test_the_fbgemm_kernels_give_the_tiles_numbers(device: str, options: set[str]) -> None:
+    torch.manual_seed(0)
+    tiles_layer = HSTUBlock(8, num_heads=2, max_len=40, dropout=0.0, time_buckets=16 if "times" in options else 0).to(device)
+    fbgemm_layer = HSTUBlock(8, num_heads=2, max_len=40, dropout=0.0, time_buckets=16 if "times" in options else 0,
+                             kernel="fbgemm").to(device)
+    fbgemm_layer.load_state_dict(tiles_layer.state_dict())
+    inputs = jagged_inputs(LENGTHS, 8, device)
+    expected, got = (run_layer(layer, inputs, LENGTHS, options) for layer in (tiles_layer, fbgemm_layer))
+    torch.testing.assert_close(got[0], expected[0], atol=1e-5, rtol=1e-5)
+    for name, a, b in zip(["input", *(n for n, _ in tiles_layer.named_parameters())], got[1:], expected[1:], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_rows_in_chunks_of_launches_give_the_one_launch_numbers() -> None:
+    """More rows than one CUDA launch takes (``H × B`` over ``max_rows``) go in chunks, with the same values and gradients."""
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.tensor(LENGTHS)
+    q, k, v = (torch.randn(int(lengths.sum()), 2, 4, generator=g, requires_grad=True) for _ in range(3))
+    position = torch.randn(40, generator=g)
+    outputs = []
+    for max_rows in (1_000, 5, 1):
+        out = fbgemm_pointwise_attention(q, k, v, lengths, position, None, 0.1, max_rows=max_rows)
+        outputs.append((out, *torch.autograd.grad((out ** 2).sum(), (q, k, v))))
+    for chunked in outputs[1:]:
+        for a, b in zip(chunked, outputs[0], strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_a_batch_of_empty_rows_gives_an_empty_output() -> None:
+    q = torch.zeros(0, 2, 4, requires_grad=True)
+    out = fbgemm_pointwise_attention(q, q, q, torch.zeros(3, dtype=torch.long), torch.randn(8), None, 0.1)
+    assert out.shape == (0, 2, 4)
+
+
+def test_hstu_rank_scores_the_same_on_either_kernel() -> None:
+    """Same weights, ``attention_kernel: fbgemm`` against ``tiles``: equal logits and gradients, on generated histories
+    with event times and empty histories."""
+    data = small_sequences(empty_fraction=0.3, max_len=9)
+    batch = next(iter(data.train_batches(0, 0, 1)))
+    assert_paths_agree(build_model(tiny(attention_kernel="fbgemm"), data.features), build_model(tiny(), data.features), batch)
+
+
+def test_sasrec_hstu_blocks_score_the_same_on_either_kernel() -> None:
+    data = small_sequences(negatives=0.0, empty_fraction=0.3, max_len=9)
+    batch = next(iter(data.train_batches(0, 0, 1)))
+    models = [build_model(make(SASRecConfig, embedding_dim=8, block="hstu", dropout=0.0, attention_block=4, attention_kernel=kernel),
+                          data.features) for kernel in ("fbgemm", "tiles")]
+    models[1].load_state_dict(models[0].state_dict())
+    for mode in ("train", "eval"):
+        (logits, targets), (expected, expected_targets) = (m.train(mode == "train")(batch.dense_features, batch.sparse_features)
+                                                            for m in models)
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+        assert torch.equal(targets, expected_targets)
+
+
+def test_hstu_rank_on_fbgemm_kernels_trains_under_the_sparse_dist_pipeline(make_cfg) -> None:
+    final = _train(make_cfg, "model=hstu_rank", "model.attention_kernel=fbgemm")
+    assert final and all(math.isfinite(v) for v in final.values()), final
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["model=hstu_rank", "model.attention_kernel=triton"], "model.attention_kernel='triton' must be one of ['tiles', 'fbgemm']"),
+    (["model=hstu_rank", "model.attention=padded", "model.attention_kernel=fbgemm"], "model.attention=padded puts the layers on padded rows"),
+    (["model=sasrec", "model.attention_kernel=fbgemm"], "model.block=sasrec puts the layers on padded rows"),
+    (["model=sasrec", "model.block=hstu", "model.attention_block=0", "model.attention_kernel=fbgemm"], "model.attention_block=0 puts"),
+])
+def test_a_kernel_where_no_jagged_attention_runs_stops_validate(make_cfg, overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        validate(make_cfg(*overrides))
+
+
+def test_the_kernel_bench_times_each_kernel_and_compares_it_with_the_tiles(tmp_path) -> None:
+    """``recsys_runner.bench.hstu_kernels --quick`` (no timing assertions: the figures are the machine's)."""
+    out = tmp_path / "hstu_kernels.json"
+    hstu_kernels.main(["--quick", "--json", str(out), "distributed.device=cpu"])
+    result = json.loads(out.read_text())
+    assert list(result["kernels"]) == ["tiles", "fbgemm", "padded"] and result["tokens"] >= 256
+    assert all(k["tokens_per_s"] > 0 for k in result["kernels"].values())
+    for kernel in ("fbgemm", "padded"):
+        assert result["kernels"][kernel]["max_abs_diff_out"] < 1e-5 and result["kernels"][kernel]["max_abs_diff_grad"] < 1e-4
