@@ -127,9 +127,9 @@ def test_a_kernel_where_no_jagged_attention_runs_stops_validate(make_cfg, overri
 def test_the_kernel_bench_times_each_kernel_and_compares_it_with_the_tiles(tmp_path) -> None:
     """``recsys_runner.bench.hstu_kernels --quick`` (no timing assertions: the figures are the machine's)."""
     out = tmp_path / "hstu_kernels.json"
-    hstu_kernels.main(["--quick", "--json", str(out), "distributed.device=cpu"])
+    assert hstu_kernels.main(["--quick", "--json", str(out), "distributed.device=cpu"]) == 0
     result = json.loads(out.read_text())
     assert list(result["kernels"]) == ["tiles", "fbgemm", "padded"] and result["tokens"] >= 256
     assert all(k["tokens_per_s"] > 0 for k in result["kernels"].values())
     for kernel in ("fbgemm", "padded"):
-        assert result["kernels"][kernel]["max_abs_diff_out"] < 1e-5 and result["kernels"][kernel]["max_abs_diff_grad"] < 1e-4
+        assert result["kernels"][kernel]["matches_tiles"], result["kernels"][kernel]

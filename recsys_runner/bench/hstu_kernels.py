@@ -4,6 +4,8 @@ longest row), on the same Zipf-length rows (cap 512, as ``bench/jagged.py``).
 
 Two figures per kernel: tokens/s (median of ``repeats`` timed passes after a warm-up) and the largest difference of its
 output and input gradient from the tiles' (the "same numbers" of the two jagged kernels, on the device that ran it).
+A kernel whose output or gradient is not within :data:`RTOL` / :data:`ATOL` of the tiles' fails the run (exit status 1), so that
+``bench.gpu``'s summary shows it: on a GPU this is the check of fbgemm's Triton kernels against the PyTorch path.
 
 ``python -m recsys_runner.bench.hstu_kernels [--quick] [--json F] [distributed.device=cuda]``; on a GPU it is one
 entry of ``bench.gpu``'s list. On the CPU fbgemm's path is its reference loop (a Python loop over the rows), so its
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -28,6 +31,8 @@ from recsys_runner.models.hstu import HSTUBlock
 from recsys_runner.models.jagged import tile
 
 KERNELS = ("tiles", "fbgemm", "padded")
+RTOL, ATOL = 1e-4, 1e-5
+"""How close to the tiles' output and input gradient another kernel must come (fp32, TF32 off: float rounding only)."""
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,7 @@ def bench(s: Settings, device: torch.device) -> dict[str, Any]:
         else:
             figures["max_abs_diff_out"] = float((result[0] - reference[0]).abs().max())
             figures["max_abs_diff_grad"] = float((result[1] - reference[1]).abs().max())
+            figures["matches_tiles"] = all(torch.allclose(a, b, rtol=RTOL, atol=ATOL) for a, b in zip(result, reference, strict=True))
         out["kernels"][kernel] = figures
         layer.zero_grad()
     layer.kernel = "tiles"
@@ -120,12 +126,13 @@ def table(result: dict[str, Any]) -> str:
     lines = [f"HSTU layer fwd+bwd on {result['device']}: {result['rows']} rows, {result['tokens']:,} tokens "
              f"({result['padded_slots']:,} padded slots)"]
     for kernel, f in result["kernels"].items():
-        diff = f" | vs tiles: out {f['max_abs_diff_out']:.1e}, grad {f['max_abs_diff_grad']:.1e}" if "max_abs_diff_out" in f else ""
+        diff = (f" | vs tiles: out {f['max_abs_diff_out']:.1e}, grad {f['max_abs_diff_grad']:.1e}"
+                f"{'' if f['matches_tiles'] else ' NOT within tolerance'}") if "max_abs_diff_out" in f else ""
         lines.append(f"  {kernel:7s} {f['tokens_per_s']:>12,.0f} tokens/s  {f['ms']:9.2f} ms{diff}")
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that it runs, not how fast")
     parser.add_argument("--json", type=Path, default=Path("bench_results/hstu_kernels.json"), help="where to write the results")
@@ -143,8 +150,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(table(result), flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
-    return result
+    return 0 if all(f.get("matches_tiles", True) for f in result["kernels"].values()) else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
