@@ -22,6 +22,7 @@ Shape legend: ``T`` tokens (``Σ n_r``), ``B`` rows, ``S`` score entries (``Σ n
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -80,36 +81,18 @@ def _squares(lengths: torch.Tensor) -> _Squares:
     return _Squares(query=start + i, key=start + j, i=i, j=j)
 
 
-def _launches(lengths: torch.Tensor, max_rows: int) -> list[tuple[torch.Tensor, int, int, int, int]]:
-    """One kernel launch per ``max_rows`` rows: ``(lengths [b], first token, last token, first entry, last entry)``."""
+def _per_launch(lengths: torch.Tensor, max_rows: int,
+                call: Callable[[tuple[torch.Tensor, ...], slice, slice], torch.Tensor]) -> torch.Tensor:
+    """``call`` once per launch of at most ``max_rows`` rows, its outputs concatenated. It gets the launch's row lengths
+    and offsets and its score squares' sizes and offsets, then the slices of the flat tokens and of the flat scores that
+    are the launch's."""
     token_at, entry_at = _offsets(lengths).tolist(), _offsets(lengths * lengths).tolist()
-    return [(lengths[first:last], token_at[first], token_at[last], entry_at[first], entry_at[last])
-            for first, last in ((f, min(f + max_rows, lengths.shape[0])) for f in range(0, lengths.shape[0], max_rows))]
-
-
-def _args(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A launch's row lengths and offsets, and its score squares' sizes and offsets."""
-    sizes = lengths * lengths
-    return lengths, _offsets(lengths), sizes, _offsets(sizes)
-
-
-def _scores(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, longest: int, max_rows: int) -> torch.Tensor:
-    """Each row's ``Q Kᵀ`` (``q, k [T, d]``), flat: ``[Σ n²]``."""
-    tf32 = bool(q.is_cuda and torch.backends.cuda.matmul.allow_tf32)
     out = []
-    for n, t0, t1, _, _ in _launches(lengths, max_rows):
-        n, at, n2, at2 = _args(n)
-        out.append(torch.ops.fbgemm.sll_jagged_jagged_bmm_jagged_out(q[t0:t1], k[t0:t1], n, at, n, at, n2, at2, longest, tf32))
-    return torch.cat(out)
-
-
-def _mix(weights: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, longest: int, max_rows: int) -> torch.Tensor:
-    """Each row's ``weights [n, n] @ V [n, d]``: ``[T, d]``."""
-    tf32 = bool(v.is_cuda and torch.backends.cuda.matmul.allow_tf32)
-    out = []
-    for n, t0, t1, e0, e1 in _launches(lengths, max_rows):
-        n, at, n2, at2 = _args(n)
-        out.append(torch.ops.fbgemm.sll_array_jagged_bmm_jagged_out(weights[e0:e1], v[t0:t1], n2, at2, n, at, n, at, longest, tf32))
+    for first in range(0, lengths.shape[0], max_rows):
+        last = min(first + max_rows, lengths.shape[0])
+        n = lengths[first:last]
+        out.append(call((n, _offsets(n), n * n, _offsets(n * n)), slice(token_at[first], token_at[last]),
+                        slice(entry_at[first], entry_at[last])))
     return torch.cat(out)
 
 
@@ -139,7 +122,20 @@ def fbgemm_pointwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     bias = relative_bias(position, time, distance.clamp_min(0), gaps).to(q.dtype)  # [S]
     qh, kh, vh = (t.permute(1, 0, 2).reshape(heads * tokens, width) for t in (q, k, v))  # head 0's rows, head 1's, ...
     rows, longest = lengths.repeat(heads), int(lengths.max())
-    scores = _scores(qh, kh, rows, longest, max_rows).view(heads, -1)  # [H, S]
-    weights = F.silu(scores + bias) * scale * allowed.to(q.dtype)
-    mixed = _mix(weights.reshape(-1), vh, rows, longest, max_rows)  # [H · T, d]
+    tf32 = bool(q.is_cuda and torch.backends.cuda.matmul.allow_tf32)
+    ops = torch.ops.fbgemm
+
+    def scores_of(launch: tuple[torch.Tensor, ...], own: slice, _: slice) -> torch.Tensor:  # each row's Q Kᵀ, flat
+        n, starts, squares, square_starts = launch
+        return ops.sll_jagged_jagged_bmm_jagged_out(qh[own], kh[own], n, starts, n, starts, squares, square_starts, longest, tf32)
+
+    scores = _per_launch(rows, max_rows, scores_of).view(heads, -1)  # [H, S]
+    weights = (F.silu(scores + bias) * scale * allowed.to(q.dtype)).reshape(-1)
+
+    def mixed_of(launch: tuple[torch.Tensor, ...], own: slice, entries: slice) -> torch.Tensor:  # each row's weights @ V
+        n, starts, squares, square_starts = launch
+        return ops.sll_array_jagged_bmm_jagged_out(weights[entries], vh[own], squares, square_starts, n, starts, n, starts,
+                                                   longest, tf32)
+
+    mixed = _per_launch(rows, max_rows, mixed_of)  # [H · T, d]
     return mixed.view(heads, tokens, width).permute(1, 0, 2)
