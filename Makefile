@@ -51,8 +51,8 @@ run: $(STAMP) ## Train DeepFM on synthetic data, evaluate, log to ./mlflow.db (R
 # together (tests/conftest.py). TEST_WORKERS=0 runs them in this process, one after another.
 TEST_WORKERS ?= 2
 TEST_PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
-test: $(STAMP) ## Run the whole test suite, slow multi-process, SLURM and browser tests included (installs SLURM and chromium when it can)
-	@.ci/install-slurm && .ci/install-chromium
+test: $(STAMP) ## Run the whole test suite, slow multi-process, SLURM and browser tests included (installs SLURM, chromium and Triton when it can)
+	@.ci/install-slurm && .ci/install-chromium && .ci/install-triton
 	$(PY) -m pytest -q $(TEST_PARALLEL) --durations=30
 
 test-fast: $(STAMP) ## Run the tests except those marked slow

@@ -1,12 +1,17 @@
 """HSTU's attention on fbgemm's jagged kernels (``model.attention_kernel=fbgemm``, issue 32): the same numbers as the
 PyTorch tiles (values and gradients; time biases, candidates, shared positions, empty rows), in one launch or in chunks
 of rows, inside ``hstu_rank`` and ``sasrec``'s HSTU blocks, traced by the sparse-dist pipeline, and refused where no
-jagged attention runs. On a machine with CUDA the layer test also runs fbgemm's Triton kernels against the tiles."""
+jagged attention runs. fbgemm's Triton kernels (what runs on CUDA) are checked against the tiles in Triton's interpreter
+on the CPU (tests/triton_interpreted.py), and on a machine with CUDA the layer test runs them compiled."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -133,3 +138,24 @@ def test_the_kernel_bench_times_each_kernel_and_compares_it_with_the_tiles(tmp_p
     assert all(k["tokens_per_s"] > 0 for k in result["kernels"].values())
     for kernel in ("fbgemm", "padded"):
         assert result["kernels"][kernel]["matches_tiles"], result["kernels"][kernel]
+
+
+TRITON_DIR = Path(__file__).resolve().parents[1] / ".venv-triton"
+
+
+def test_fbgemms_triton_kernels_in_tritons_interpreter_give_the_tiles_numbers() -> None:
+    """The Triton kernels ``attention_kernel=fbgemm`` runs on CUDA, interpreted on the CPU: one HSTU layer's output and
+    gradients against the tiles' for each input it takes, and over several launches (tests/triton_interpreted.py)."""
+    if not (TRITON_DIR / ".installed").exists():
+        reason = "TRITON TEST SKIPPED — no .venv-triton; `.ci/install-triton` (run by `make test`) installs Triton there"
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(reason.replace("SKIPPED", "CANNOT RUN under CI"), pytrace=False)
+        pytest.skip(reason)
+    root = TRITON_DIR.parent
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(TRITON_DIR), str(root), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "tests.triton_interpreted"], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert sorted(results) == ["candidates", "launches", "positions-only", "shared-positions", "times"]
+    assert all(r["within"] for r in results.values()), results

@@ -4,7 +4,8 @@ loops on the CPU.
 The default kernel (:func:`recsys_runner.models.jagged.pointwise_attention`, ``attention_kernel: tiles``) is written in
 PyTorch ops. fbgemm-gpu's default wheel ships jagged matrix products that never pad (``fbgemm_gpu.sll``): on CUDA they are
 Triton kernels, on the CPU per-row loops with the same autograd. The HSTU target of fbgemm (its ``hstu`` attention) is
-a separate build that the TorchRec wheels do not bring, so this path is built from the two products the default wheel
+a separate build that the TorchRec wheels do not bring (fbgemm-gpu 1.6.0's CUDA wheel, the GPU stack here, has no
+``hstu`` files, and the same ``sll`` code as 1.8.0), so this path is built from the two products the default wheel
 has, both with gradients:
 
 - ``sll_jagged_jagged_bmm_jagged_out``: each row's ``Q Kᵀ``, its ``n × n`` scores stored flat row after row
@@ -15,7 +16,8 @@ has, both with gradients:
 The heads ride as extra rows (head-major: head 0's rows, then head 1's), so a layer is two kernel launches whatever
 ``H``. The CUDA kernels put the rows on one grid axis, which CUDA caps at 65,535 blocks: more rows than that (``H × B``)
 go in chunks. Their scores cover a row's whole ``n × n`` square, where the tiled path skips the tiles above the
-diagonal. ``tests/test_hstu_kernels.py`` checks both kernels give the same values and gradients.
+diagonal. ``tests/test_hstu_kernels.py`` checks both kernels give the same values and gradients, and runs fbgemm's
+Triton kernels themselves against the tiles in Triton's interpreter on the CPU (``tests/triton_interpreted.py``).
 
 Shape legend: ``T`` tokens (``Σ n_r``), ``B`` rows, ``S`` score entries (``Σ n_r²``), ``H`` heads, ``d`` a head's width.
 """
@@ -31,7 +33,7 @@ import torch.nn.functional as F
 from recsys_runner.errors import require
 from recsys_runner.models.jagged import relative_bias
 
-__all__ = ["KERNELS", "MAX_GRID_ROWS", "check_kernel", "fbgemm_pointwise_attention", "load_fbgemm_jagged"]
+__all__ = ["KERNELS", "MAX_GRID_ROWS", "check_kernel", "fbgemm_pointwise_attention", "load_fbgemm_jagged", "products"]
 
 KERNELS = ("tiles", "fbgemm")
 """``model.attention_kernel`` options: the PyTorch tiles (:mod:`recsys_runner.models.jagged`) or fbgemm's jagged products."""
@@ -52,6 +54,17 @@ def load_fbgemm_jagged() -> None:
     """Register fbgemm's jagged products (``torch.ops.fbgemm.sll_*``; importing ``fbgemm_gpu`` alone does not), with their
     Triton kernels when CUDA is visible."""
     import fbgemm_gpu.sll  # noqa: F401  (registers the ops)
+
+
+Product = Callable[..., torch.Tensor]
+
+
+def products() -> tuple[Product, Product]:
+    """fbgemm's two jagged products, ``(Q Kᵀ per row → flat squares, flat squares @ V per row)``: the registered ops, which
+    dispatch on the tensors' device (Triton on CUDA, loops on the CPU). tests/triton_interpreted.py puts fbgemm's Triton
+    functions here instead, to run them on the CPU in Triton's interpreter."""
+    load_fbgemm_jagged()
+    return torch.ops.fbgemm.sll_jagged_jagged_bmm_jagged_out, torch.ops.fbgemm.sll_array_jagged_bmm_jagged_out
 
 
 def _offsets(lengths: torch.Tensor) -> torch.Tensor:
@@ -111,7 +124,7 @@ def fbgemm_pointwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     tokens, heads, width = q.shape
     if tokens == 0:
         return torch.zeros_like(q)
-    load_fbgemm_jagged()
+    scores_product, mixing_product = products()
     lengths = lengths.long()
     at = _squares(lengths)
     allowed = at.j <= at.i
@@ -123,19 +136,17 @@ def fbgemm_pointwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     qh, kh, vh = (t.permute(1, 0, 2).reshape(heads * tokens, width) for t in (q, k, v))  # head 0's rows, head 1's, ...
     rows, longest = lengths.repeat(heads), int(lengths.max())
     tf32 = bool(q.is_cuda and torch.backends.cuda.matmul.allow_tf32)
-    ops = torch.ops.fbgemm
 
     def scores_of(launch: tuple[torch.Tensor, ...], own: slice, _: slice) -> torch.Tensor:  # each row's Q Kᵀ, flat
         n, starts, squares, square_starts = launch
-        return ops.sll_jagged_jagged_bmm_jagged_out(qh[own], kh[own], n, starts, n, starts, squares, square_starts, longest, tf32)
+        return scores_product(qh[own], kh[own], n, starts, n, starts, squares, square_starts, longest, tf32)
 
     scores = _per_launch(rows, max_rows, scores_of).view(heads, -1)  # [H, S]
     weights = (F.silu(scores + bias) * scale * allowed.to(q.dtype)).reshape(-1)
 
     def mixed_of(launch: tuple[torch.Tensor, ...], own: slice, entries: slice) -> torch.Tensor:  # each row's weights @ V
         n, starts, squares, square_starts = launch
-        return ops.sll_array_jagged_bmm_jagged_out(weights[entries], vh[own], squares, square_starts, n, starts, n, starts,
-                                                   longest, tf32)
+        return mixing_product(weights[entries], vh[own], squares, square_starts, n, starts, n, starts, longest, tf32)
 
     mixed = _per_launch(rows, max_rows, mixed_of)  # [H · T, d]
     return mixed.view(heads, tokens, width).permute(1, 0, 2)
