@@ -7,5 +7,5 @@ config first plus two runtime arguments the runner supplies: ``features`` (the d
 dense_device=…)`` calls it. Its embedding tables are created on the ``meta`` device; TorchRec's
 DistributedModelParallel materializes them sharded. ``forward(dense, sparse)`` returns logits ``[B]``.
 
-May import ``tasks``, ``features``, ``configurable`` and ``errors``; never ``metrics``, ``data``, ``train`` or ``build``.
+May import ``task_specs``, ``tasks``, ``features``, ``configurable`` and ``errors``; never ``metrics``, ``data``, ``train`` or ``build``.
 """

@@ -35,7 +35,8 @@ from recsys_runner.errors import ConfigError, DataError, require
 from recsys_runner.features import DataNeeds, FeatureSpec, check_embedding_dim
 from recsys_runner.models.common import ModelConfig, SparseArch, check_layer_sizes
 from recsys_runner.models.multitask import Tower
-from recsys_runner.tasks import BinaryTask, Task, TaskSpec, resolve_tasks
+from recsys_runner.task_specs import TaskSpec, resolve_tasks
+from recsys_runner.tasks import BinaryTask, Task
 
 __all__ = ["ESMMConfig", "ESMM", "ConversionTask", "product_logit", "WITHOUT_CLICK"]
 

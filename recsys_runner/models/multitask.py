@@ -19,16 +19,8 @@ from torch import nn
 from recsys_runner.errors import require
 from recsys_runner.features import DataNeeds, FeatureSpec
 from recsys_runner.models.common import MLP, ModelConfig
-from recsys_runner.tasks import (
-    LABEL_TASK_KINDS,
-    TASK_KINDS,
-    BinaryTask,
-    Task,
-    TaskSpec,
-    check_task_specs,
-    resolve_tasks,
-    task_labels,
-)
+from recsys_runner.task_specs import TaskSpec, check_task_specs, resolve_tasks, task_labels
+from recsys_runner.tasks import LABEL_TASK_KINDS, TASK_KINDS, BinaryTask, Task
 
 __all__ = ["MultiTaskConfig", "Experts", "Gate", "Tower"]
 
@@ -69,7 +61,7 @@ class MultiTaskConfig(ModelConfig):
         check_task_specs(self.tasks, self.task_specs, self.task_kinds, self.loss_weights)
 
     def resolve_tasks(self, features: FeatureSpec) -> tuple[Task, ...]:
-        """The model's tasks bound to the data's columns (:func:`recsys_runner.tasks.resolve_tasks` of these fields):
+        """The model's tasks bound to the data's columns (:func:`recsys_runner.task_specs.resolve_tasks` of these fields):
         what a multi-task model sets as its ``tasks`` attribute, ``self.tasks = config.resolve_tasks(features)``."""
         return resolve_tasks(features, list(self.tasks), self.loss_weights, self.task_kinds, self.task_specs)
 
