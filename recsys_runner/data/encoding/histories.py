@@ -24,10 +24,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 if TYPE_CHECKING or __package__:
-    from .keys import is_text
+    from .keys import is_text, parse_int
     from .values import is_list
 else:  # inside the MLflow model: the copies of keys.py and values.py beside this one in its code/ directory
-    from recsys_keys import is_text
+    from recsys_keys import is_text, parse_int
     from recsys_values import is_list
 
 Jagged = tuple[np.ndarray, np.ndarray]
@@ -125,7 +125,7 @@ class HistoryEncoder:
             lengths = lengths - np.bincount(row_of[missing], minlength=n).astype(np.int32)
             row_of, flat = row_of[~missing], flat.drop_null()
         if is_text(flat.type):
-            values, wrong = _parse_times(flat)
+            values, wrong = parse_int(flat)
             bad(name, np.bincount(row_of[wrong], minlength=n) > 0, lambda i: "an event time is not an integer (int64, e.g. seconds). "
                 "Fix: write integer times")
             return values, lengths
@@ -133,17 +133,3 @@ class HistoryEncoder:
             return np.asarray(flat.cast(pa.int64()).to_numpy(zero_copy_only=False), dtype=np.int64), lengths
         raise self.error(f"{where.path}: column {name!r} (event times of data.sequences.{group.name}) holds {flat.type}; event "
                         f"times are integers (int64, e.g. seconds). Fix: write them as list<int64>")
-
-
-def _parse_times(flat: pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    """Decimal integer strings → int64 and a mask of those that are not integers."""
-    try:
-        return np.asarray(flat.cast(pa.int64()).to_numpy(zero_copy_only=False), dtype=np.int64), np.zeros(len(flat), bool)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-        values, wrong = np.zeros(len(flat), np.int64), np.zeros(len(flat), bool)
-        for i, text in enumerate(flat.to_pylist()):
-            try:
-                values[i] = int(text)
-            except (ValueError, OverflowError):
-                wrong[i] = True
-        return values, wrong
