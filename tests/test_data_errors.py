@@ -12,7 +12,7 @@ import pytest
 from recsys_runner.__main__ import run
 from recsys_runner.configurable import make
 from recsys_runner.data.base import DataError
-from recsys_runner.data.encoding.rows import splitmix64
+from recsys_runner.data.encoding.keys import splitmix64
 from recsys_runner.data.files.tabular import CsvData, ParquetData
 from recsys_runner.data.files.tabular_config import CsvDataConfig, ParquetDataConfig
 from recsys_runner.errors import ConfigError

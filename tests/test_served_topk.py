@@ -24,6 +24,7 @@ import pytest
 
 from recsys_runner import export, predict
 from recsys_runner.__main__ import run as train
+from recsys_runner.data.encoding import served as served_module
 from recsys_runner.data.encoding.keys import value_keys
 from recsys_runner.data.sequences.mapping import load_mapping
 from recsys_runner.errors import ConfigError
@@ -190,7 +191,8 @@ def test_the_export_run_logs_the_top_k_model_as_its_model(exported: dict[str, An
 
 
 BLOCKED = ("recsys_runner", "torchrec", "fbgemm_gpu")
-SHIPPED = ("recsys_topk", "recsys_served", "recsys_rows", "recsys_vocabulary", "recsys_keys")
+SHIPPED = (served_topk.LOADER_MODULE, *(Path(name).stem for name in served_module.SHIPPED.values()))
+"""The modules of the model's code/ directory, by the names they are imported under there."""
 
 
 class _Refuse(importlib.abc.MetaPathFinder):

@@ -11,7 +11,8 @@ import pyarrow as pa
 import pytest
 
 from recsys_runner.data.encoding.keys import splitmix64, unsplitmix64, value_keys
-from recsys_runner.data.encoding.rows import Encoder, Location, bucket_ids
+from recsys_runner.data.encoding.rows import Encoder, Location
+from recsys_runner.data.encoding.values import bucket_ids
 from recsys_runner.data.encoding.vocabulary import DIRECT_MAX, Vocabulary
 
 EXTREMES = np.array([-(2**63), 2**63 - 1, -1, 0, 1, 2**62, -(2**62)], np.int64)

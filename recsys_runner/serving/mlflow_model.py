@@ -32,9 +32,11 @@ import pyarrow as pa
 import torch
 from torchrec.datasets.utils import Batch
 
+from recsys_runner.data.encoding import histories as histories_module
 from recsys_runner.data.encoding import keys as keys_module
 from recsys_runner.data.encoding import rows as rows_module
 from recsys_runner.data.encoding import served, vocabulary
+from recsys_runner.data.encoding import values as values_module
 from recsys_runner.data.encoding.rows import Encoder, Location
 from recsys_runner.data.encoding.stored import StoredEncoders
 from recsys_runner.errors import ConfigError, DataError
@@ -98,7 +100,7 @@ def signature(types: dict[str, str], columns: list[str]) -> Any:
 def as_request(rows: pa.Table) -> Any:
     """``rows`` (raw, as training read them) as a request's DataFrame: single-valued columns as text (missing values
     ``None``; an int column's ids written as integers, not as the floats pandas would make of a column with gaps)."""
-    columns = {name: col if rows_module.is_list(col.type) else col.cast(pa.string()) for name, col in zip(rows.column_names, rows.columns, strict=True)}
+    columns = {name: col if values_module.is_list(col.type) else col.cast(pa.string()) for name, col in zip(rows.column_names, rows.columns, strict=True)}
     return pa.table(columns).to_pandas()
 
 
@@ -136,15 +138,20 @@ def write_model(out: Path, module: ServingModule | TowerServing, program: torch.
             compile_program(program, str(data / served.COMPILED_FILE))
         (data / served.ENCODERS_FILE).write_bytes(document)
         (data / served.SPEC_FILE).write_text(json.dumps(spec, indent=1) + "\n")
-        for module_file, name in ((keys_module.__file__, served.SHIPPED["keys"]), (rows_module.__file__, served.SHIPPED["rows"]),
-                                  (vocabulary.__file__, served.SHIPPED["vocabulary"]), (served.__file__, served.SHIPPED["served"])):
-            shutil.copyfile(str(module_file), code / name)
+        copy_shipped(code)
         columns = spec["input_columns"]
         example = as_request(raw.select(columns).slice(0, EXAMPLE_ROWS))
         mlflow.pyfunc.save_model(
             path=str(out), loader_module=served.LOADER_MODULE, data_path=str(data), code_paths=[str(code / n) for n in served.SHIPPED.values()],
             signature=signature(encoders.types, columns), input_example=example, pip_requirements=requirements())
     check_served(out, module, encoders, spec, raw)
+
+
+def copy_shipped(code: Path) -> None:
+    """Copy the modules the MLflow model carries into ``code``, each under the name it is imported by there
+    (:data:`~recsys_runner.data.encoding.served.SHIPPED`)."""
+    for module in (keys_module, values_module, histories_module, rows_module, vocabulary, served):
+        shutil.copyfile(str(module.__file__), code / served.SHIPPED[module.__name__.rsplit(".", 1)[-1]])
 
 
 def requirements() -> list[str]:

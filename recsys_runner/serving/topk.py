@@ -34,9 +34,7 @@ from torchrec.datasets.utils import Batch
 
 from recsys_runner import stores
 from recsys_runner.data.base import DataModule
-from recsys_runner.data.encoding import keys as keys_module
-from recsys_runner.data.encoding import rows as rows_module
-from recsys_runner.data.encoding import served, vocabulary
+from recsys_runner.data.encoding import served
 from recsys_runner.data.encoding.stored import StoredEncoders
 from recsys_runner.data.files.streaming import TabularData
 from recsys_runner.data.files.tabular_config import ParquetDataConfig
@@ -175,10 +173,8 @@ def write_top_k_model(plan: TopKPlan, model: nn.Module, keys: list[str], batch: 
             text = stores.read_bytes(stores.join(plan.folder, c["file"]), ConfigError)
             (directory / served_topk.VOCAB_DIR / f"{c['table']}.txt").write_bytes(text)
         (directory / served_topk.SPEC_FILE).write_text(json.dumps(spec, indent=1) + "\n")
-        for module_file, shipped in ((keys_module.__file__, served.SHIPPED["keys"]), (rows_module.__file__, served.SHIPPED["rows"]),
-                                     (vocabulary.__file__, served.SHIPPED["vocabulary"]), (served.__file__, served.SHIPPED["served"]),
-                                     (served_topk.__file__, served_topk.SHIPPED_AS)):
-            shutil.copyfile(str(module_file), code / shipped)
+        mlflow_model.copy_shipped(code)
+        shutil.copyfile(str(served_topk.__file__), code / served_topk.SHIPPED_AS)
         example, _ = raw_histories(raw.slice(0, mlflow_model.EXAMPLE_ROWS), columns, plan.mapping, request_columns)
         import mlflow.pyfunc
 

@@ -23,7 +23,8 @@ import pyarrow.parquet as pq
 from recsys_runner import stores
 from recsys_runner.data.catalogue.items import ItemTable
 from recsys_runner.data.catalogue.negatives import MinedNegatives, NegativeSampler, NegativesConfig
-from recsys_runner.data.encoding.rows import Encoder, Location, truncate
+from recsys_runner.data.encoding.histories import truncate
+from recsys_runner.data.encoding.rows import Encoder, Location
 from recsys_runner.data.locate import PARQUET_SUFFIXES
 from recsys_runner.data.schema import Schema
 from recsys_runner.errors import DataError, require

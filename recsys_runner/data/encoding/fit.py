@@ -32,8 +32,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from recsys_runner import stores
+from recsys_runner.data.encoding.keys import parse_int, value_keys
 from recsys_runner.data.encoding.roles import detect_label, infer_columns
-from recsys_runner.data.encoding.rows import dense_transformed, is_list, parse_int, parse_numbers, split_pairs, value_keys
+from recsys_runner.data.encoding.values import dense_transformed, is_list, parse_numbers, split_pairs
 from recsys_runner.data.encoding.vocabulary import Vocabulary
 from recsys_runner.data.schema import DenseColumn, Schema, SparseColumn
 from recsys_runner.errors import ConfigError, DataError, require
@@ -332,7 +333,7 @@ def _integer_ids(col: SparseColumn, t: pa.Table, where: str) -> bool:
 
 def read_vocab_file(path: str, key: str, oov_buckets: int, integers: bool, hex_digits: bool = False) -> Vocabulary:
     """The vocabulary of the file ``path``: one value per line, line ``i`` (from 1) given row ``i - 1``, then ``oov_buckets``
-    rows; each line keyed as the encoder keys the column's values (:func:`~recsys_runner.data.encoding.rows.value_keys`):
+    rows; each line keyed as the encoder keys the column's values (:func:`~recsys_runner.data.encoding.keys.value_keys`):
     as an integer when the training files hold ``integers``, else as text (exactly, ``\r`` of a Windows line end
     dropped); ``hex_digits``: parsed from hexadecimal text. ``key`` names the column's entry in messages.
 
@@ -381,7 +382,7 @@ def read_vocab_file(path: str, key: str, oov_buckets: int, integers: bool, hex_d
 
 
 def _keys(col: SparseColumn, t: pa.Table, where: str) -> np.ndarray:
-    """The vocabulary keys (:func:`~recsys_runner.data.encoding.rows.value_keys`) of ``col``'s sampled values, repeats kept.
+    """The vocabulary keys (:func:`~recsys_runner.data.encoding.keys.value_keys`) of ``col``'s sampled values, repeats kept.
 
     Raises:
         DataError: ``t`` has no such column.

@@ -34,7 +34,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from recsys_runner.data.encoding.rows import is_text
+from recsys_runner.data.encoding.keys import is_text
 from recsys_runner.data.schema import DenseColumn, SparseColumn
 from recsys_runner.errors import DataError
 

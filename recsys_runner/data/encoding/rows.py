@@ -5,12 +5,14 @@ and serving.
 :class:`~recsys_runner.data.schema.Schema`, or the plain objects the served model builds from ``encoders.json``) and
 checks every row; a bad row either raises the encoder's ``error`` naming the file, row and column (:class:`Location`),
 or is skipped and counted (``on_bad_rows: skip``). Histories are checked, truncated and given their event times by
-:class:`HistoryEncoder`. The stable keys of values (hashes, crosses) and the hex/decimal parsing of ids are
-:mod:`~recsys_runner.data.encoding.keys`'s.
+:class:`~recsys_runner.data.encoding.histories.HistoryEncoder`. The stable keys of values (hashes, crosses) and the
+hex/decimal parsing of ids are :mod:`~recsys_runner.data.encoding.keys`'s; numbers, bucket ids, vocabulary rows and
+``id:weight`` pairs read from one flat array of values are :mod:`~recsys_runner.data.encoding.values`'.
 
-**Standalone on purpose.** This module imports NumPy, PyArrow and :mod:`~recsys_runner.data.encoding.keys` only: the
-MLflow model that ``export`` writes carries a copy of it (with ``keys``, :mod:`~recsys_runner.data.encoding.vocabulary`
-and :mod:`~recsys_runner.data.encoding.served`), so a
+**Standalone on purpose.** This module imports NumPy, PyArrow, :mod:`~recsys_runner.data.encoding.keys`,
+:mod:`~recsys_runner.data.encoding.values` and :mod:`~recsys_runner.data.encoding.histories` only: the MLflow model that
+``export`` writes carries a copy of it (with those three, :mod:`~recsys_runner.data.encoding.vocabulary` and
+:mod:`~recsys_runner.data.encoding.served`: :data:`~recsys_runner.data.encoding.served.SHIPPED`), so a
 server turns raw rows into exactly the ids training used without recsys_runner, TorchRec or fbgemm installed. The schema
 is read by attribute (duck-typed), never imported; training passes ``error=DataError``.
 """
@@ -26,12 +28,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 if TYPE_CHECKING or __package__:
-    from .keys import cross_keys, fnv1a64, is_text, parse_hex, parse_int, raw_keys, splitmix64, value_keys
-else:  # inside the MLflow model: the copy of keys.py beside this one in its code/ directory
-    from recsys_keys import cross_keys, fnv1a64, is_text, parse_hex, parse_int, raw_keys, splitmix64, value_keys
-
-Jagged = tuple[np.ndarray, np.ndarray]
-"""One feature of a block of rows: flat values and per-row lengths."""
+    from .histories import HistoryEncoder
+    from .keys import cross_keys, fnv1a64, is_text, parse_hex, parse_int, raw_keys, splitmix64
+    from .values import bucket_ids, dense_transformed, is_list, parse_numbers, split_pairs, vocab_rows
+else:  # inside the MLflow model: the copies of histories.py, keys.py and values.py beside this one in its code/ directory
+    from recsys_histories import HistoryEncoder
+    from recsys_keys import cross_keys, fnv1a64, is_text, parse_hex, parse_int, raw_keys, splitmix64
+    from recsys_values import bucket_ids, dense_transformed, is_list, parse_numbers, split_pairs, vocab_rows
 
 BAD_ROW_MODES = ("fail", "skip")
 """``data.on_bad_rows``: ``fail`` stops at the first bad row, ``skip`` drops and counts bad rows."""
@@ -148,7 +151,7 @@ class Encoder:
             rows and counts them in ``num_bad_rows``.
         error: the exception a bad row raises (training: :class:`~recsys_runner.errors.DataError`).
 
-    Histories (``schema.sequences``) are checked and truncated by a :class:`HistoryEncoder`;
+    Histories (``schema.sequences``) are checked and truncated by a :class:`~recsys_runner.data.encoding.histories.HistoryEncoder`;
     ``num_truncated_rows`` counts the rows whose history was longer than its ``max_len``.
     """
 
@@ -505,217 +508,9 @@ def _raw_text(flat: pa.Array, col: Any) -> tuple[np.ndarray, None]:
     return np.where(np.asarray(digits.to_numpy(zero_copy_only=False), dtype=bool), np.mod(values, space), hashed), None
 
 
-def dense_transformed(col: Any, values: np.ndarray) -> np.ndarray:
-    """A dense column's filled float64 values after ``clip`` and ``transform``: what ``normalize`` scales, and what its
-    ``mean`` / ``std`` are fitted on (:func:`recsys_runner.data.encoding.fit.complete_schema`)."""
-    if col.clip is not None:
-        values = np.clip(values, col.clip[0], col.clip[1])
-    if col.transform == "log1p":
-        values = np.log1p(np.maximum(values, 0.0))
-    return values
-
-
-def parse_numbers(flat: pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    """A flat array without nulls (numbers, or text of numbers) as float64, and a mask of values that are not a number
-    (text that does not parse, NaN, another type)."""
-    if pa.types.is_integer(flat.type) or pa.types.is_floating(flat.type) or pa.types.is_boolean(flat.type) or pa.types.is_null(flat.type):
-        numbers = np.asarray(flat.cast(pa.float64()).to_numpy(zero_copy_only=False), dtype=np.float64)
-        return numbers, np.isnan(numbers)
-    if not (pa.types.is_string(flat.type) or pa.types.is_large_string(flat.type)):
-        return np.zeros(len(flat), np.float64), np.ones(len(flat), bool)
-    try:
-        numbers = np.asarray(flat.cast(pa.float64()).to_numpy(zero_copy_only=False), dtype=np.float64)
-        return numbers, np.isnan(numbers)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-        numbers, wrong = np.zeros(len(flat), np.float64), np.zeros(len(flat), bool)
-        for i, text in enumerate(flat.to_pylist()):
-            try:
-                numbers[i] = float(text)
-            except ValueError:
-                wrong[i] = True
-        return numbers, wrong | np.isnan(numbers)
-
-
-FEW_BOUNDARIES = 32
-"""Up to this many boundaries a bucket id is counted by one comparison per boundary, ~7x faster than a binary search
-(``np.searchsorted`` mispredicts a branch at each of its steps; bench.encoding, 10 quantiles)."""
-
-
-def bucket_ids(col: Any, numbers: np.ndarray, wrong: np.ndarray) -> np.ndarray:
-    """``encoding: bucketize``: the id of each number, the count of ``col.boundaries`` ``<=`` it (``0`` where ``wrong``)."""
-    assert col.boundaries is not None, f"data.sparse[{col.name}] (encoding=bucketize) has no boundaries: build its schema with complete_schema"
-    boundaries = np.asarray(col.boundaries, dtype=np.float64)
-    if len(boundaries) <= FEW_BOUNDARIES and bool(np.all(boundaries[1:] >= boundaries[:-1])):  # sorted, no NaN
-        counts = np.zeros(len(numbers), np.uint8)
-        for boundary in boundaries:
-            counts += numbers >= boundary  # a NaN number counts none, where a search puts it last: it is ``wrong`` anyway
-        ids = widened(counts)
-    else:
-        ids = np.searchsorted(boundaries, numbers, side="right").astype(np.int64)
-    return np.where(wrong, 0, ids) if wrong.any() else ids
-
-
-def widened(ids: np.ndarray) -> np.ndarray:
-    """``ids`` (of a narrower integer type) as int64, in Arrow's memory pool, whose pages are reused from batch to batch:
-    a fresh NumPy array of a batch's ids lies above glibc's mmap threshold and is page-faulted in each time, which took
-    longer than the gather or the comparisons that made the ids (bench.encoding)."""
-    out = np.frombuffer(pa.allocate_buffer(len(ids) * 8), dtype=np.int64) if len(ids) else np.zeros(0, np.int64)
-    np.copyto(out, ids)
-    return out
-
-
 def _not_a_number(shown: str, col: Any) -> str:
     return (f"{shown} is not a number, which encoding=bucketize reads (data.sparse[{col.name}].boundaries/quantiles). Fix the value, "
             f"or drop the boundaries to treat the column as ids")
-
-
-# -- histories -----------------------------------------------------------------------------------------
-
-
-def type_name(t: pa.DataType) -> str:
-    """A column's Arrow type as stored in ``encoders.json``'s ``column_types``: ``string``, ``int64``, ``float64``,
-    ``bool``, ``null`` or ``list<…>`` of one of them (every integer width is ``int64``, every float ``float64``)."""
-    if is_list(t):
-        return f"list<{type_name(t.value_type)}>"
-    if is_text(t):
-        return "string"
-    if pa.types.is_integer(t):
-        return "int64"
-    if pa.types.is_floating(t):
-        return "float64"
-    if pa.types.is_boolean(t):
-        return "bool"
-    if pa.types.is_null(t):
-        return "null"
-    return str(t)
-
-
-def arrow_type(name: str) -> pa.DataType:
-    """The Arrow type of a :func:`type_name`."""
-    if name.startswith("list<") and name.endswith(">"):
-        return pa.list_(arrow_type(name[5:-1]))
-    return {"string": pa.string(), "int64": pa.int64(), "float64": pa.float64(), "bool": pa.bool_(), "null": pa.null()}[name]
-
-
-def is_list(t: pa.DataType) -> bool:
-    return pa.types.is_list(t) or pa.types.is_large_list(t)
-
-
-def not_a_list(path: str, name: str, group: Any, typ: pa.DataType, error: type[Exception] = ValueError) -> Exception:
-    what = "event times (int64)" if name == group.timestamps else "ids or strings"
-    return error(f"{path}: column {name!r} is in history data.sequences.{group.name} but has type {typ}, not a list. Fix: write "
-                     f"it as a list column of {what}, oldest event first (an empty list or null for no history), e.g. with "
-                     f"python -m recsys_runner.data sequences; or remove it from data.sequences.{group.name}")
-
-
-def truncate(values: np.ndarray, lengths: np.ndarray, max_len: int, keep: str) -> Jagged:
-    """Each row's list cut to ``max_len`` values: its last (``keep="recent"``) or first (``"oldest"``) ones."""
-    if not len(lengths) or int(lengths.max()) <= max_len:
-        return values, lengths
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    position = np.arange(len(values), dtype=np.int64) - np.repeat(starts, lengths)
-    row_length = np.repeat(lengths, lengths).astype(np.int64)
-    kept = position >= row_length - max_len if keep == "recent" else position < max_len
-    return values[kept], np.minimum(lengths, max_len).astype(lengths.dtype)
-
-
-class HistoryEncoder:
-    """Checks, truncates and completes the histories of encoded rows (see the module docstring).
-
-    ``num_truncated_rows`` counts rows with a history longer than its group's ``max_len``.
-    """
-
-    def __init__(self, schema: Any, error: type[Exception] = ValueError) -> None:
-        self.schema, self.error = schema, error
-        self.index = {c.name: j for j, c in enumerate(schema.sparse)}
-        self.separators = {c.name: c.separator for c in schema.sparse}
-        self.num_truncated_rows = 0
-
-    def apply(self, table: pa.Table, sparse: list[Jagged], where: Any, bad: Callable[..., None]) -> list[Jagged]:
-        """``sparse`` (one entry per ``schema.sparse`` column) with histories truncated, then each group's event times.
-
-        Raises:
-            error: a history column of a typed (Parquet) table is not a list column.
-        """
-        if not self.schema.sequences:
-            return sparse
-        out, times = list(sparse), []
-        truncated = np.zeros(table.num_rows, dtype=bool)
-        for group in self.schema.sequences:
-            for f in group.features:
-                typ = table.column(f).type
-                if not (is_list(typ) or pa.types.is_null(typ) or (is_text(typ) and self.separators[f] is not None)):
-                    raise not_a_list(where.path, f, group, typ, self.error)
-            named = [(f, out[self.index[f]]) for f in group.features]
-            if group.timestamps is not None:
-                named.append((group.timestamps, self._times(group, table.column(group.timestamps), where, bad)))
-            self._check_lengths(group, named, bad)
-            for name, (values, lengths) in named:
-                truncated |= lengths > group.max_len
-                cut = truncate(values, lengths, group.max_len, group.truncate)
-                if name == group.timestamps:
-                    times.append(cut)
-                else:
-                    out[self.index[name]] = cut
-        self.num_truncated_rows += int(truncated.sum())
-        return out + times
-
-    @staticmethod
-    def _check_lengths(group: Any, named: list[tuple[str, Jagged]], bad: Callable[..., None]) -> None:
-        first, (_, lengths) = named[0][0], named[0][1]
-        for name, (_, other) in named[1:]:
-            unequal = other != lengths
-            bad(name, unequal, lambda i, name=name, other=other: (
-                f"its list has {int(other[i])} value(s) but {first!r} has {int(lengths[i])}: the lists of history "
-                f"data.sequences.{group.name} ({', '.join(n for n, _ in named)}) describe the same events, one value per "
-                f"event. Fix the row so that they have equal lengths"))
-
-    def _times(self, group: Any, arr: Any, where: Any, bad: Callable[..., None]) -> Jagged:
-        """The event times of ``group``: an int64 list column (or text split at the group's separator)."""
-        arr = arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
-        name, n = group.timestamps, len(arr)
-        assert name is not None
-        separator = self.separators[group.features[0]]
-        if pa.types.is_null(arr.type):
-            return np.zeros(0, np.int64), np.zeros(n, np.int32)
-        if is_text(arr.type) and separator is not None:
-            arr = pc.split_pattern(arr, separator)
-        if not is_list(arr.type):
-            raise not_a_list(where.path, name, group, arr.type, self.error)
-        lengths = np.asarray(pc.fill_null(pc.list_value_length(arr), 0).to_numpy(zero_copy_only=False), dtype=np.int32)
-        flat = pc.list_flatten(arr)
-        row_of = np.repeat(np.arange(n), lengths)
-        if flat.null_count:  # a missing time inside a list: a bad row (the element is dropped to keep the arrays aligned)
-            missing = ~np.asarray(flat.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
-            bad(name, np.bincount(row_of[missing], minlength=n) > 0, lambda i: "an event time inside the list is missing (null). "
-                "Fix: give every event of the history a time")
-            lengths = lengths - np.bincount(row_of[missing], minlength=n).astype(np.int32)
-            row_of, flat = row_of[~missing], flat.drop_null()
-        if is_text(flat.type):
-            values, wrong = _parse_times(flat)
-            bad(name, np.bincount(row_of[wrong], minlength=n) > 0, lambda i: "an event time is not an integer (int64, e.g. seconds). "
-                "Fix: write integer times")
-            return values, lengths
-        if pa.types.is_integer(flat.type) or pa.types.is_timestamp(flat.type):
-            return np.asarray(flat.cast(pa.int64()).to_numpy(zero_copy_only=False), dtype=np.int64), lengths
-        raise self.error(f"{where.path}: column {name!r} (event times of data.sequences.{group.name}) holds {flat.type}; event "
-                        f"times are integers (int64, e.g. seconds). Fix: write them as list<int64>")
-
-
-def _parse_times(flat: pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    """Decimal integer strings → int64 and a mask of those that are not integers."""
-    try:
-        return np.asarray(flat.cast(pa.int64()).to_numpy(zero_copy_only=False), dtype=np.int64), np.zeros(len(flat), bool)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-        values, wrong = np.zeros(len(flat), np.int64), np.zeros(len(flat), bool)
-        for i, text in enumerate(flat.to_pylist()):
-            try:
-                values[i] = int(text)
-            except (ValueError, OverflowError):
-                wrong[i] = True
-        return values, wrong
-
-
 
 
 # -- Arrow helpers ------------------------------------------------------------------------------------
@@ -772,27 +567,3 @@ def _numeric(arr: pa.ChunkedArray | pa.Array, name: str, where: Location, bad, e
         f"{where.path}, {where.part}: column {name!r} has type {arr.type}, but it is used as a number (label or dense). "
         f"Fix: move it to data.sparse (with encoding=hash for strings), or convert it to a numeric type"
     )
-
-
-def split_pairs(flat: pa.Array) -> tuple[pa.Array, np.ndarray, np.ndarray, np.ndarray]:
-    """``id:weight`` texts (no nulls) split at their last ``:``: the ids (text), the weights (float32; 0 where wrong), a mask
-    of the texts without ``:`` and one of the weights that are not finite numbers."""
-    parts = pc.extract_regex(flat, r"^(?P<id>.*):(?P<weight>[^:]*)$")
-    no_colon = ~np.asarray(parts.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
-    ids, texts = pc.fill_null(parts.field("id"), ""), pc.fill_null(parts.field("weight"), "")
-    numbers, wrong = parse_numbers(texts)
-    not_number = ~no_colon & (wrong | ~np.isfinite(numbers))
-    return ids, np.where(no_colon | not_number, 0.0, numbers).astype(np.float32), no_colon, not_number
-
-
-def vocab_rows(vocabulary: Any, flat: pa.Array, hex_digits: bool) -> tuple[np.ndarray, np.ndarray | None]:
-    """The row of each value of a flat array without nulls in ``vocabulary``, and a mask of values that cannot be keyed:
-    ``vocabulary.lookup(value_keys(flat, hex_digits))``, but integers (and a ``hex`` column's parsed text) go by
-    ``lookup_ints``, which reads their rows straight from a table without mixing them into keys."""
-    if hex_digits and is_text(flat.type):
-        values, not_hex = parse_hex(flat)
-        return vocabulary.lookup_ints(values), not_hex
-    if not hex_digits and pa.types.is_integer(flat.type):
-        return vocabulary.lookup_ints(np.asarray(flat.to_numpy(zero_copy_only=False), dtype=np.int64)), None
-    keys, wrong = value_keys(flat, hex_digits)
-    return vocabulary.lookup(keys), wrong

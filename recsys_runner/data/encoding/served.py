@@ -1,8 +1,9 @@
 """The served model: raw rows in (a pandas DataFrame), the scores ``predict`` writes out — MLflow's pyfunc loader.
 
 ``export`` writes an MLflow model (:mod:`recsys_runner.serving.mlflow_model`) whose ``code/`` holds a copy of this module
-(``recsys_served.py``), of the row encoder (``recsys_rows.py``: :mod:`~recsys_runner.data.encoding.rows`) and of the
-vocabulary lookup (``recsys_vocabulary.py``), and whose ``data/`` holds the ``torch.export`` program (and, when ``export`` compiled it, its AOTInductor package), the
+(``recsys_served.py``), of the row encoder (``recsys_rows.py``: :mod:`~recsys_runner.data.encoding.rows`, with its
+histories ``recsys_histories.py``, values ``recsys_values.py`` and keys ``recsys_keys.py``) and of the vocabulary lookup
+(``recsys_vocabulary.py``): :data:`SHIPPED`, and whose ``data/`` holds the ``torch.export`` program (and, when ``export`` compiled it, its AOTInductor package), the
 checkpoint's ``encoders.json`` and ``serving.json`` (what the program takes and what its outputs mean). MLflow calls
 :func:`_load_pyfunc` on ``data/``; :meth:`ServedModel.predict` then
 
@@ -38,10 +39,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 if TYPE_CHECKING or __package__:
+    from . import keys as _keys
     from . import rows as _rows
+    from . import values as _values
     from .vocabulary import Vocabulary
 else:  # inside the MLflow model: the copies in its code/ directory, never an installed recsys_runner
+    _keys = importlib.import_module("recsys_keys")
     _rows = importlib.import_module("recsys_rows")
+    _values = importlib.import_module("recsys_values")
     Vocabulary = importlib.import_module("recsys_vocabulary").Vocabulary
 
 SPEC_FILE = "serving.json"
@@ -49,7 +54,8 @@ ENCODERS_FILE = "encoders.json"
 PROGRAM_FILE = "model.pt2"
 COMPILED_FILE = "model_aoti.pt2"
 """The program compiled ahead of time by AOTInductor, when ``export`` was asked for it (:func:`load_program`)."""
-SHIPPED = {"keys": "recsys_keys.py", "rows": "recsys_rows.py", "vocabulary": "recsys_vocabulary.py", "served": "recsys_served.py"}
+SHIPPED = {"keys": "recsys_keys.py", "values": "recsys_values.py", "histories": "recsys_histories.py", "rows": "recsys_rows.py",
+           "vocabulary": "recsys_vocabulary.py", "served": "recsys_served.py"}
 """This room's modules the MLflow model carries in ``code/``, by the names they are imported under there."""
 LOADER_MODULE = "recsys_served"
 SERVER_MODEL_PATH_VARIABLE = "__pyfunc_model_path__"
@@ -134,7 +140,7 @@ class ServedModel:
         with open(os.path.join(directory, ENCODERS_FILE)) as f:
             document = json.load(f)
         self.columns: list[str] = list(self.spec["input_columns"])
-        self.types = {name: _rows.arrow_type(t) for name, t in (document.get("column_types") or {}).items() if name in self.columns}
+        self.types = {name: _values.arrow_type(t) for name, t in (document.get("column_types") or {}).items() if name in self.columns}
         self.dense_columns = {d["name"] for d in document["dense"]}
         self.null_values = pa.array(list(self.spec.get("null_values") or []), pa.string())
         self.schema = _Schema(document, set(self.spec["features"]) if self.spec.get("tower") else None)
@@ -226,7 +232,7 @@ class ServedModel:
         for hex_digits, (positions, names, vocabularies) in self._keyed.items():
             values = pa.concat_arrays([columns[name] for name in names])  # column after column
             valid = np.asarray(values.is_valid().to_numpy(zero_copy_only=False), dtype=bool).reshape(len(names), n)
-            keys, wrong = _rows.value_keys(values.drop_null() if values.null_count else values, hex_digits)
+            keys, wrong = _keys.value_keys(values.drop_null() if values.null_count else values, hex_digits)
             if wrong is not None and wrong.any():
                 return None
             counts = valid.sum(axis=1)
@@ -255,7 +261,7 @@ class ServedModel:
             values = read[j] if valid is None else np.where(valid[j], read[j], col.fill)
             if not np.isfinite(values).all():
                 return None
-            values = _rows.dense_transformed(col, values)
+            values = _values.dense_transformed(col, values)
             dense[:, j] = (values - col.mean) / col.std if col.normalize == "zscore" else values
         return dense
 
@@ -263,7 +269,7 @@ class ServedModel:
         """A request column as training read it: ids sent as numbers become the text a CSV held, numbers sent as text are
         parsed, list elements cast likewise; dense columns stay numbers (the encoder reads both)."""
         target = self.types.get(name)
-        if _rows.is_text(arr.type):  # pandas' strings arrive as large_string
+        if _keys.is_text(arr.type):  # pandas' strings arrive as large_string
             if arr.type != pa.string():
                 arr = arr.cast(pa.string())
             if len(self.null_values):  # the CSV reader's missing-value tokens ("" by default) are nulls
@@ -274,9 +280,9 @@ class ServedModel:
             return arr
         if name in self.dense_columns and pa.types.is_string(target):
             return arr if pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type) else arr.cast(pa.string())
-        if pa.types.is_string(target) and _rows.is_list(arr.type):  # a multi-hot text column sent as a list
+        if pa.types.is_string(target) and _values.is_list(arr.type):  # a multi-hot text column sent as a list
             target = pa.list_(pa.string())
-        if _rows.is_list(target) and not _rows.is_list(arr.type):
+        if _values.is_list(target) and not _values.is_list(arr.type):
             raise self.error(f"column {name!r} holds {arr.type} values, but the model reads a list per row in it ({target}). "
                                  f"Fix: send a list (e.g. [3, 7, 9]) for each row")
         try:

@@ -33,7 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from recsys_runner import stores
-from recsys_runner.data.encoding.rows import type_name
+from recsys_runner.data.encoding.values import type_name
 from recsys_runner.data.encoding.vocabulary import Vocabulary
 from recsys_runner.data.schema import DenseColumn, Schema, SparseColumn, sequence_groups, sequences_mapping
 from recsys_runner.errors import CheckpointError, DataError
@@ -54,7 +54,7 @@ class StoredEncoders:
     kinds: dict[str, str]
     source: str
     types: dict[str, str] = field(default_factory=dict)
-    """Each input column's Arrow type name as training read it (:func:`~recsys_runner.data.encoding.rows.type_name`)."""
+    """Each input column's Arrow type name as training read it (:func:`~recsys_runner.data.encoding.values.type_name`)."""
 
 
 def read_stored(checkpoint: str | os.PathLike[str]) -> StoredEncoders | None:

@@ -27,10 +27,10 @@ import numpy as np
 
 if TYPE_CHECKING or __package__:
     from . import keys as _keys
-    from . import rows as _rows
-else:  # inside the MLflow model: the copies of keys.py and rows.py beside this one in its code/ directory
+    from . import values as _values
+else:  # inside the MLflow model: the copies of keys.py and values.py beside this one in its code/ directory
     _keys = importlib.import_module("recsys_keys")
-    _rows = importlib.import_module("recsys_rows")
+    _values = importlib.import_module("recsys_values")
 
 DIRECT_SLACK, DIRECT_MIN, DIRECT_MAX = 4, 1 << 16, 1 << 25
 """A vocabulary of integers reads them from a direct table (:meth:`Vocabulary.lookup_ints`) when the integers it holds
@@ -88,7 +88,7 @@ class Vocabulary:
             gathered = table.take(values - first if first else values)
             if present is not None:
                 gathered = gathered[present]
-            return _rows.widened(gathered)
+            return _values.widened(gathered)
         # Some values lie outside the table: no key of the vocabulary is theirs (uint64 arithmetic: wraps, never overflows).
         kept = values if present is None else values[present]
         offsets = kept.view(np.uint64) - np.uint64(first % 2**64)

@@ -40,7 +40,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.data.base import DataModule, SplitFiles, synchronized
 from recsys_runner.data.catalogue.item_files import Catalogue
-from recsys_runner.data.encoding.rows import Encoder, Location, Rows, splitmix64
+from recsys_runner.data.encoding.keys import splitmix64
+from recsys_runner.data.encoding.rows import Encoder, Location, Rows
 from recsys_runner.data.encoding.stored import column_kinds, column_types, oov_counters, to_json
 from recsys_runner.data.files.compression import plain_name
 from recsys_runner.data.files.prefetch import read_ahead

@@ -2,7 +2,7 @@
 
 A ``data.sequences`` group names list columns (Parquet ``list<…>``; in CSV/TSV one field with the column's ``separator``
 between events, oldest first) that describe the same events, so they have equal lengths in every row, and optionally
-a timestamps column (int64 event times, same lengths). :class:`~recsys_runner.data.encoding.rows.HistoryEncoder`
+a timestamps column (int64 event times, same lengths). :class:`~recsys_runner.data.encoding.histories.HistoryEncoder`
 runs after the :class:`~recsys_runner.data.encoding.rows.Encoder` has encoded every sparse column: it flags rows whose lists in one group
 differ in length (bad rows), keeps the most recent ``max_len`` events of longer histories (or the oldest, ``truncate:
 oldest``) and counts such rows, and appends the event times in :attr:`~recsys_runner.features.FeatureSpec.kjt_keys`
@@ -15,7 +15,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from recsys_runner.data.encoding.rows import Jagged, is_list, is_text, not_a_list
+from recsys_runner.data.encoding.histories import Jagged, not_a_list
+from recsys_runner.data.encoding.keys import is_text
+from recsys_runner.data.encoding.values import is_list
 from recsys_runner.data.schema import Schema
 from recsys_runner.data.sequences.tokens import padded_slices, row_tokens, token_slices
 from recsys_runner.errors import DataError

@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 
 from recsys_runner import stores
 from recsys_runner.data.encoding.fit import read_vocab_file
-from recsys_runner.data.encoding.rows import value_keys
+from recsys_runner.data.encoding.keys import value_keys
 from recsys_runner.data.encoding.vocabulary import Vocabulary
 from recsys_runner.data.locate import PARQUET_SUFFIXES
 from recsys_runner.errors import ConfigError, DataError
