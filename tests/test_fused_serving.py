@@ -80,7 +80,7 @@ def test_deepfms_program_looks_up_once_per_group_and_scores_as_the_eager_model(m
     assert lookups(unfused) == 2 * len(keys)  # the deep and the first-order table of each feature
     assert lookups(program) == 2  # one per width: 8 (deep) and 1 (first order)
     narrows = sum(1 for n in program.graph.nodes if n.op == "call_function" and "narrow" in str(n.target))
-    assert narrows == 0, "the model slices the fused values per feature (models/collision.concatenated_lookup takes them whole)"
+    assert narrows == 0, "the model slices the fused values per feature (models/lookup.concatenated_lookup takes them whole)"
     assert not any(isinstance(m, FusedEmbeddingBags) for m in serving.modules()), "export_program changed the module it was given"
     with torch.no_grad():
         torch.testing.assert_close(program.module()(*serving.inputs(batch)), serving(*serving.inputs(batch)), rtol=1e-6, atol=1e-6)

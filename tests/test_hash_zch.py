@@ -32,8 +32,8 @@ from recsys_runner.models.collision import (
     CountedMCH,
     collision_counters,
     managed_collision_module,
-    pooled_collections,
 )
+from recsys_runner.models.lookup import pooled_collections
 
 EMULATED = "_zero_collision_hash" in HashZchManagedCollisionModule.__dict__
 """TorchRec 1.8 calls its kernel through this method, which the emulation replaces (1.6 calls the op directly)."""

@@ -16,7 +16,8 @@ import pyarrow.parquet as pq
 import yaml
 
 from recsys_runner import stores
-from recsys_runner.data.schema import DenseColumn, Schema, SparseColumn, sequence_groups, sequences_mapping
+from recsys_runner.data.schema import DenseColumn, Schema, SparseColumn
+from recsys_runner.data.schema_sequences import sequence_groups, sequences_mapping
 from recsys_runner.errors import ConfigError, require
 
 SCHEMA_KEYS = ("label", "labels", "label_kinds", "label_threshold", "dense", "sparse", "sequences")

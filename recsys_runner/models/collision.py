@@ -16,39 +16,37 @@ Either way an evicted id's row and optimizer state are reset by the sharded modu
 metadata are persistent buffers, so they are part of the model's state dict, sharded row-wise with the table, in
 every checkpoint.
 
-Tables without the option stay in a plain ``EmbeddingBagCollection``: :func:`pooled_collections` splits them,
-:func:`pooled_lookup` joins the two lookups. :func:`collision_counters` reads what the modules counted (summable over
-ranks) and :func:`collision_rates` turns the summed counts into the logged ``mc/<table>/…`` metrics.
+Tables without the option stay in a plain ``EmbeddingBagCollection``:
+:func:`~recsys_runner.models.lookup.pooled_collections` splits them, :func:`~recsys_runner.models.lookup.pooled_lookup`
+joins the two lookups. :func:`collision_counters` reads what the modules counted (summable over ranks) and
+:func:`collision_rates` turns the summed counts into the logged ``mc/<table>/…`` metrics.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.modules.hash_mc_evictions import HashZchEvictionConfig, HashZchEvictionModule, HashZchEvictionPolicyName
 from torchrec.modules.hash_mc_modules import HashZchManagedCollisionModule
-from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
 from torchrec.modules.mc_modules import (
     DistanceLFU_EvictionPolicy,
     LFU_EvictionPolicy,
     LRU_EvictionPolicy,
-    ManagedCollisionCollection,
     MCHEvictionPolicy,
     MCHManagedCollisionModule,
 )
-from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
+from torchrec.sparse.jagged_tensor import JaggedTensor
 
 from recsys_runner.errors import CheckpointError, ConfigError
-from recsys_runner.features import FeatureSpec, ManagedCollision
+from recsys_runner.features import ManagedCollision
 
 __all__ = ["CountedHashZch", "CountedMCH", "HASH_ZCH_TRAINING_DEVICES", "collision_counters", "collision_rates",
-           "managed_collision_module", "pooled_collections", "pooled_lookup", "managed_feature_names", "restore_collision_state"]
+           "managed_collision_module", "restore_collision_state"]
 
 _EMPTY = torch.iinfo(torch.int64).max
 """The raw id TorchRec's MCH keeps in a slot no id holds (and in the fallback slot)."""
@@ -373,78 +371,6 @@ def managed_collision_module(table: EmbeddingBagConfig, mc: ManagedCollision, de
                               eviction_config=ttl)
     return CountedMCH(zch_size=table.num_embeddings, device=device, eviction_policy=_policy(mc), buckets=buckets,
                       eviction_interval=mc.eviction_interval, input_hash_size=mc.input_hash_size, name=table.name)
-
-
-def pooled_collections(tables: list[EmbeddingBagConfig], managed: dict[str, ManagedCollision], weighted: bool = False
-                       ) -> tuple[EmbeddingBagCollection | None, ManagedCollisionEmbeddingBagCollection | None]:
-    """The plain tables in an ``EmbeddingBagCollection`` and the managed ones (``managed``, by table name) in a
-    ``ManagedCollisionEmbeddingBagCollection``; either is ``None`` without tables. Created on ``meta`` like every
-    table: DistributedModelParallel materializes (and, for the managed ones, rebuilds per shard) what each rank owns.
-
-    ``weighted`` (:attr:`FeatureSpec.weighted`): the plain collection pools each bag by the batch's weights
-    (``is_weighted=True``); the features without weights carry 1.0 per id, which pools exactly as without weights."""
-    meta = torch.device("meta")
-    plain = [t for t in tables if t.name not in managed]
-    ours = [t for t in tables if t.name in managed]
-    ebc = EmbeddingBagCollection(tables=plain, device=meta, is_weighted=weighted) if plain else None
-    if not ours:
-        return ebc, None
-    modules: dict[str, Any] = {t.name: managed_collision_module(t, managed[t.name], meta) for t in ours}
-    collection = ManagedCollisionCollection(modules, ours)
-    return ebc, ManagedCollisionEmbeddingBagCollection(EmbeddingBagCollection(tables=ours, device=meta), collection)
-
-
-def pooled_lookup(ebc: nn.Module | None, mc_ebc: nn.Module | None, sparse: KeyedJaggedTensor, names: Sequence[str],
-                  managed: Collection[str], weighted: Sequence[str] = ()) -> dict[str, torch.Tensor]:
-    """Each feature ``names``' pooled embedding ``[B, D_f]`` by name: from the managed collection for the features in
-    ``managed``, from the plain one for the others.
-
-    Written so that ``torch.fx`` can trace it (TorchRec's ``TrainPipelineSparseDist`` does, to find the lookups it
-    pipelines): the collections' outputs are indexed by the known names, never iterated or merged as dicts, which a
-    traced ``KeyedTensor`` cannot be (``tests/test_pipelines.py``).
-
-    Raises:
-        ConfigError: ``weighted`` (the weighted features, whose collection pools by weights) is not empty but ``sparse``
-            carries no weights: a batch built without them names the problem instead of a stack trace."""
-    _check_weights(weighted, sparse)
-    plain = ebc(sparse) if ebc is not None else None
-    mapped = mc_ebc(sparse)[0] if mc_ebc is not None else None  # (pooled KeyedTensor, remapped ids)
-    pooled: dict[str, torch.Tensor] = {}
-    for name in names:
-        source = mapped if name in managed else plain
-        assert source is not None, f"feature {name!r} is in neither embedding collection"
-        pooled[name] = source[name]
-    return pooled
-
-
-def concatenated_lookup(ebc: nn.Module | None, mc_ebc: nn.Module | None, sparse: KeyedJaggedTensor, names: Sequence[str],
-                        managed: Collection[str], weighted: Sequence[str] = ()) -> torch.Tensor:
-    """The features ``names``' pooled embeddings side by side, ``[B, ΣD_f]`` (:func:`pooled_lookup`'s, concatenated).
-
-    A plain collection whose output holds exactly ``names`` in this order (it says so by an ``embedding_names`` list:
-    the served program's fused bags, :mod:`recsys_runner.serving.fused`) gives its values as they are: the same tensor,
-    without a slice per feature and a concatenation, which a 1-row request pays for op by op. TorchRec's collections,
-    sharded or not, name no ``embedding_names`` and take the per-feature path, as the pipeline's tracing needs."""
-    if mc_ebc is None and ebc is not None and getattr(ebc, "embedding_names", None) == list(names):
-        _check_weights(weighted, sparse)
-        return ebc(sparse).values()
-    pooled = pooled_lookup(ebc, mc_ebc, sparse, names, managed, weighted)
-    return torch.cat([pooled[name] for name in names], dim=1)
-
-
-def _check_weights(weighted: Sequence[str], sparse: KeyedJaggedTensor) -> None:
-    """Raise :class:`ConfigError` when ``weighted`` features are read from a batch without weights."""
-    if weighted and sparse.weights_or_none() is None:  # a traced (fx) batch's weights are a proxy, never None
-        raise ConfigError(f"the features {list(weighted)} are weighted (data.sparse weighted / weights), but this batch carries no "
-                          f"weights: the data must encode them (data.sparse weighted / weights), as training did. Fix: give the "
-                          f"model batches of the data it was trained with")
-
-
-def managed_feature_names(features: FeatureSpec) -> frozenset[str]:
-    """The sparse features whose table maps its raw ids through a managed-collision module (:func:`pooled_lookup`'s
-    ``managed``)."""
-    tables = features.managed_tables()
-    return frozenset(f.name for f in features.sparse if f.table_name in tables)
 
 
 def _tables(model: nn.Module) -> list[tuple[str, CountedMCH | CountedHashZch]]:

@@ -20,7 +20,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recsys_runner.configurable import Configurable
 from recsys_runner.errors import ConfigError, require
 from recsys_runner.features import DataNeeds, FeatureSpec
-from recsys_runner.models.collision import concatenated_lookup, managed_feature_names, pooled_collections
+from recsys_runner.models.lookup import concatenated_lookup, managed_feature_names, pooled_collections
 from recsys_runner.tasks import SINGLE_TASK, Task
 
 __all__ = ["LINEAR_ROW_WIDTH", "MLP", "DenseArch", "DenseFields", "FMInteraction", "FieldArch", "LinearArch", "ModelConfig",

@@ -26,8 +26,8 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from recsys_runner.errors import ConfigError
 from recsys_runner.features import FeatureSpec, SequenceGroup
-from recsys_runner.models.collision import managed_feature_names, pooled_collections, pooled_lookup
 from recsys_runner.models.common import embedding_width_rule
+from recsys_runner.models.lookup import managed_feature_names, pooled_collections, pooled_lookup
 
 __all__ = ["History", "JaggedHistory", "SequenceArch", "SequenceEmbeddings", "check_candidates", "longest", "padded", "recency_positions"]
 

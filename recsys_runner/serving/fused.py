@@ -116,7 +116,7 @@ class FusedEmbeddingBags(nn.Module):
         self.register_buffer("column_order", torch.tensor(inverse, dtype=torch.long), persistent=False)
         self.embedding_names = list(ebc._embedding_names)
         """The output's keys, in order: what lets a model take the values whole, without a slice per feature
-        (:func:`~recsys_runner.models.collision.concatenated_lookup`)."""
+        (:func:`~recsys_runner.models.lookup.concatenated_lookup`)."""
         self.widths = widths
         self.num_keys = len(keys)
 

@@ -35,7 +35,8 @@ import pyarrow.compute as pc
 from recsys_runner import stores
 from recsys_runner.data.encoding.values import type_name
 from recsys_runner.data.encoding.vocabulary import Vocabulary
-from recsys_runner.data.schema import DenseColumn, Schema, SparseColumn, sequence_groups, sequences_mapping
+from recsys_runner.data.schema import DenseColumn, Schema, SparseColumn
+from recsys_runner.data.schema_sequences import sequence_groups, sequences_mapping
 from recsys_runner.errors import CheckpointError, DataError
 
 log = logging.getLogger(__name__)

@@ -21,10 +21,9 @@ from recsys_runner.data.schema import (
     DenseColumn,
     Schema,
     SparseColumn,
-    check_group,
     check_labels,
-    sequence_groups,
 )
+from recsys_runner.data.schema_sequences import check_group, sequence_groups
 from recsys_runner.data.sequences.splits import check_rows_for_model
 from recsys_runner.data.sequences.tokens import check_budget
 from recsys_runner.errors import require
