@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from recsys_runner.build import build
 from recsys_runner.checkpoint.storage import DcpFileStorage, list_checkpoints
+from recsys_runner.config import validate
 from recsys_runner.distributed.peers import EXIT_RANK_LOST, RankLost, cause_of, peer_gone
 from recsys_runner.lifecycle import exit_codes, note_interrupted_runs, rank_lost_message
 from recsys_runner.runtime import Launch
@@ -137,6 +139,38 @@ def test_exit_codes_prints_the_line_without_a_traceback_and_exits_75(torchrun_en
     torchrun_env.setenv("WORLD_SIZE", "1")
     with pytest.raises(RuntimeError, match="Connection reset"), exit_codes(launch):  # one rank: no peer, not ours to name
         raise RuntimeError(GLOO_RESET)
+
+
+class PeerDiesAfterWrite:
+    """A checkpoint storage whose write finishes on this rank (``whole``: meta.json on disk) or not, and then fails as a
+    closing barrier fails when the other rank died: the race the kill -9 test meets when the kill lands just after the
+    checkpoint it waited for."""
+
+    def __init__(self, inner: DcpFileStorage, whole: bool) -> None:
+        self.inner, self.whole = inner, whole
+
+    def write(self, path: Path, *args: object) -> None:
+        if self.whole:
+            self.inner.write(path, *args)
+        raise RuntimeError(GLOO_RESET)
+
+    def is_complete(self, path: Path) -> bool:
+        return self.inner.is_complete(path)
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["written", "not-written"])
+def test_a_peer_lost_in_the_closing_barrier_leaves_the_written_checkpoint_to_resume(make_cfg, tmp_path: Path, whole: bool) -> None:
+    c = build(validate(make_cfg("tracking=none", f"checkpoint.dir={tmp_path}", "train.num_steps=2")))
+    try:
+        checkpointer = c.loop.checkpointer
+        checkpointer.storage = PeerDiesAfterWrite(DcpFileStorage(), whole)
+        with pytest.raises(RuntimeError, match="Connection reset by peer"):
+            checkpointer.save(c.loop.state)
+    finally:
+        c.close()
+    written = list_checkpoints(tmp_path)
+    assert len(written) == (1 if whole else 0)
+    assert checkpointer.last_saved == (str(written[0]) if whole else None)  # what the survivor's resume command names
 
 
 def test_a_default_checkpoint_dir_under_max_restarts_is_warned_about(torchrun_env: pytest.MonkeyPatch,

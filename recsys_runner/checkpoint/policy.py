@@ -48,6 +48,7 @@ from recsys_runner.checkpoint.object_storage import storage_for
 from recsys_runner.checkpoint.storage import STEP_DIR, CheckpointStorage, checkpoint_name, step_of
 from recsys_runner.checkpoint.weights import CarriedRows, TrainingParts, load_into
 from recsys_runner.distributed.env import decided_on_rank0
+from recsys_runner.distributed.peers import peer_gone
 from recsys_runner.errors import CheckpointError, CheckpointWriteFailed, ConfigError
 from recsys_runner.metrics.registry import improved
 from recsys_runner.runtime import Launch
@@ -147,10 +148,17 @@ class Checkpointer:
         if self.overrides is not None:
             meta["overrides"] = self.overrides
         ranked = {"objects": self.parts.object_states(), "rng": resume.rng_state()}
-        self.storage.write(final, self._tensor_state(), ranked, meta, self.files)
-        if self.rank == 0:
-            self._prune(best)
-        self._barrier()
+        try:
+            self.storage.write(final, self._tensor_state(), ranked, meta, self.files)
+            if self.rank == 0:
+                self._prune(best)
+            self._barrier()
+        except RuntimeError as e:
+            # a peer that dies after rank 0 wrote meta.json (the write's last file) fails only the closing barriers:
+            # the checkpoint is whole, and the survivor's resume command must name it, not say that none was written
+            if not best and peer_gone(e) is not None and self.storage.is_complete(final):
+                self.last_saved = str(final)
+            raise
         if not best:
             self.last_saved = str(final)
         if self.rank == 0:  # one line per checkpoint, not one per rank
