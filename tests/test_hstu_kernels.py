@@ -20,10 +20,12 @@ from recsys_runner.bench import hstu_kernels
 from recsys_runner.config import validate
 from recsys_runner.configurable import make
 from recsys_runner.errors import ConfigError
+from recsys_runner.models import jagged_kernels
 from recsys_runner.models.hstu import HSTUBlock
 from recsys_runner.models.jagged import tile
 from recsys_runner.models.jagged_kernels import fbgemm_pointwise_attention
 from recsys_runner.models.sasrec import SASRecConfig
+from tests.conftest import LogWarnings
 from tests.test_hstu_rank import assert_paths_agree, build_model, tiny
 from tests.test_models import small_sequences
 from tests.test_pipelines import _train
@@ -90,6 +92,15 @@ def test_a_batch_of_empty_rows_gives_an_empty_output() -> None:
     q = torch.zeros(0, 2, 4, requires_grad=True)
     out = fbgemm_pointwise_attention(q, q, q, torch.zeros(3, dtype=torch.long), torch.randn(8), None, 0.1)
     assert out.shape == (0, 2, 4)
+
+
+def test_fbgemm_on_the_cpu_says_once_that_it_runs_reference_loops() -> None:
+    jagged_kernels._note_cpu_loops.cache_clear()
+    q = torch.randn(6, 2, 4)
+    with LogWarnings() as logged:
+        for _ in range(2):
+            fbgemm_pointwise_attention(q, q, q, torch.tensor([2, 4]), torch.randn(8), None, 0.1)
+    assert len(logged.messages) == 1 and "Fix: model.attention_kernel=tiles" in logged.messages[0], logged.messages
 
 
 def test_hstu_rank_scores_the_same_on_either_kernel() -> None:

@@ -24,6 +24,8 @@ Shape legend: ``T`` tokens (``Σ n_r``), ``B`` rows, ``S`` score entries (``Σ n
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,6 +36,8 @@ from recsys_runner.errors import require
 from recsys_runner.models.jagged import relative_bias
 
 __all__ = ["KERNELS", "MAX_GRID_ROWS", "check_kernel", "fbgemm_pointwise_attention", "load_fbgemm_jagged", "products"]
+
+log = logging.getLogger(__name__)
 
 KERNELS = ("tiles", "fbgemm")
 """``model.attention_kernel`` options: the PyTorch tiles (:mod:`recsys_runner.models.jagged`) or fbgemm's jagged products."""
@@ -65,6 +69,12 @@ def products() -> tuple[Product, Product]:
     functions here instead, to run them on the CPU in Triton's interpreter."""
     load_fbgemm_jagged()
     return torch.ops.fbgemm.sll_jagged_jagged_bmm_jagged_out, torch.ops.fbgemm.sll_array_jagged_bmm_jagged_out
+
+
+@functools.cache
+def _note_cpu_loops() -> None:
+    log.warning("model.attention_kernel=fbgemm on the CPU runs fbgemm's reference loops over the rows (about 3x slower than "
+                "the tiles on a 2-core CPU, docs/performance.md): it is the CUDA choice. Fix: model.attention_kernel=tiles")
 
 
 def _offsets(lengths: torch.Tensor) -> torch.Tensor:
@@ -125,6 +135,8 @@ def fbgemm_pointwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if tokens == 0:
         return torch.zeros_like(q)
     scores_product, mixing_product = products()
+    if not q.is_cuda:
+        _note_cpu_loops()
     lengths = lengths.long()
     at = _squares(lengths)
     allowed = at.j <= at.i
