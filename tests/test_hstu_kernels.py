@@ -96,11 +96,57 @@ def test_a_batch_of_empty_rows_gives_an_empty_output() -> None:
 
 def test_fbgemm_on_the_cpu_says_once_that_it_runs_reference_loops() -> None:
     jagged_kernels._note_cpu_loops.cache_clear()
-    q = torch.randn(6, 2, 4)
+    q, lengths = torch.randn(6, 2, 4), torch.tensor([2, 4])
     with LogWarnings() as logged:
         for _ in range(2):
-            fbgemm_pointwise_attention(q, q, q, torch.tensor([2, 4]), torch.randn(8), None, 0.1)
+            jagged_kernels.attention("fbgemm", q, q, q, tile(lengths, 4), torch.randn(8), None, 0.1)
     assert len(logged.messages) == 1 and "Fix: model.attention_kernel=tiles" in logged.messages[0], logged.messages
+
+
+def test_auto_runs_the_tiles_on_the_cpu() -> None:
+    """``auto`` (the default) on the CPU is the tiles' computation itself, not fbgemm's loops: the same output bit for bit."""
+    torch.manual_seed(0)
+    layers = [HSTUBlock(8, num_heads=2, max_len=40, dropout=0.0, time_buckets=16, kernel=kernel) for kernel in ("auto", "tiles")]
+    layers[1].load_state_dict(layers[0].state_dict())
+    inputs = jagged_inputs(LENGTHS, 8, "cpu")
+    auto, tiles = (run_layer(layer, inputs, LENGTHS, {"times", "candidates"}) for layer in layers)
+    assert all(torch.equal(a, b) for a, b in zip(auto, tiles, strict=True))
+    assert HSTUBlock(8, 2, 40, 0.0, 0).kernel == "auto" and tiny().attention_kernel == "auto"
+
+
+def test_the_probe_passes_fbgemms_kernels_that_match_the_tiles() -> None:
+    """:func:`fbgemm_unusable` on the CPU (fbgemm's loops there): they run forward and backward and match, so ``None``."""
+    jagged_kernels.fbgemm_unusable.cache_clear()
+    assert jagged_kernels.fbgemm_unusable(torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("fault", ["fails", "differs"])
+def test_auto_falls_back_to_the_tiles_with_one_line_when_fbgemm_fails_its_probe(monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
+    """As on a GPU whose Triton cannot compile fbgemm's kernels (or whose kernels compute something else): ``auto`` says so
+    once and runs the tiles; the run goes on."""
+    real = jagged_kernels.products()
+
+    def broken() -> tuple[jagged_kernels.Product, jagged_kernels.Product]:
+        if fault == "fails":
+            raise RuntimeError("PassManager::run failed")  # what a Triton that does not fit the GPU raises
+        return real[0], lambda *args: real[1](*args) * 1.01
+
+    monkeypatch.setattr(jagged_kernels, "products", broken)
+    monkeypatch.setattr(jagged_kernels, "auto_picks_fbgemm", lambda device: True)
+    jagged_kernels.fbgemm_unusable.cache_clear()
+    jagged_kernels._note_fallback.cache_clear()
+    torch.manual_seed(0)
+    layers = [HSTUBlock(8, num_heads=2, max_len=40, dropout=0.0, time_buckets=16, kernel=kernel) for kernel in ("auto", "tiles")]
+    layers[1].load_state_dict(layers[0].state_dict())
+    inputs = jagged_inputs(LENGTHS, 8, "cpu")
+    with LogWarnings() as logged:
+        auto = [run_layer(layers[0], inputs, LENGTHS, {"times"}) for _ in range(2)]
+    tiles = run_layer(layers[1], inputs, LENGTHS, {"times"})
+    assert all(torch.equal(a, b) for run in auto for a, b in zip(run, tiles, strict=True))
+    (line,) = logged.messages
+    assert "runs on the PyTorch tiles instead" in line
+    assert ("PassManager::run failed" if fault == "fails" else "differ from the tiles' by up to") in line, line
+    jagged_kernels.fbgemm_unusable.cache_clear()
 
 
 def test_hstu_rank_scores_the_same_on_either_kernel() -> None:
@@ -130,7 +176,7 @@ def test_hstu_rank_on_fbgemm_kernels_trains_under_the_sparse_dist_pipeline(make_
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["model=hstu_rank", "model.attention_kernel=triton"], "model.attention_kernel='triton' must be one of ['tiles', 'fbgemm']"),
+    (["model=hstu_rank", "model.attention_kernel=triton"], "model.attention_kernel='triton' must be one of ['auto', 'tiles', 'fbgemm']"),
     (["model=hstu_rank", "model.attention=padded", "model.attention_kernel=fbgemm"], "model.attention=padded puts the layers on padded rows"),
     (["model=sasrec", "model.attention_kernel=fbgemm"], "model.block=sasrec puts the layers on padded rows"),
     (["model=sasrec", "model.block=hstu", "model.attention_block=0", "model.attention_kernel=fbgemm"], "model.attention_block=0 puts"),

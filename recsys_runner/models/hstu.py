@@ -25,11 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from recsys_runner.models.jagged import TIME_BUCKET_WIDTH, Tiles, pointwise_attention, relative_bias, time_buckets
-from recsys_runner.models.jagged_kernels import KERNELS, fbgemm_pointwise_attention
+from recsys_runner.models.jagged import TIME_BUCKET_WIDTH, Tiles, relative_bias, time_buckets
+from recsys_runner.models.jagged_kernels import KERNELS, attention
 
-torch.fx.wrap("pointwise_attention")  # a leaf of TorchRec's pipeline trace here too (models/jagged.py says why)
-torch.fx.wrap("fbgemm_pointwise_attention")
+torch.fx.wrap("attention")  # a leaf of TorchRec's pipeline trace here too (models/jagged_kernels.py says why)
 
 __all__ = ["HSTUBlock", "RelativeBias", "TIME_BUCKET_WIDTH", "time_buckets"]
 
@@ -81,12 +80,12 @@ class HSTUBlock(nn.Module):
         max_len: the longest block, the attention's constant normalizer ``n`` and the relative bias's range.
         dropout: dropout before the output projection.
         time_buckets: time-gap buckets of the relative bias (``0``: none).
-        kernel: what :meth:`forward_jagged` runs on: ``tiles`` (PyTorch ops) or ``fbgemm`` (fbgemm's jagged products,
-            Triton on CUDA; :mod:`recsys_runner.models.jagged_kernels`).
+        kernel: what :meth:`forward_jagged` runs on: ``tiles`` (PyTorch ops), ``fbgemm`` (fbgemm's jagged products,
+            Triton on CUDA) or ``auto`` (fbgemm's on CUDA, the tiles elsewhere; :mod:`recsys_runner.models.jagged_kernels`).
     """
 
     def __init__(self, dim: int, num_heads: int, max_len: int, dropout: float, time_buckets: int,
-                 device: torch.device | None = None, kernel: str = "tiles") -> None:
+                 device: torch.device | None = None, kernel: str = "auto") -> None:
         super().__init__()
         if kernel not in KERNELS:
             raise ValueError(f"kernel={kernel!r} must be one of {list(KERNELS)}")
@@ -122,11 +121,6 @@ class HSTUBlock(nn.Module):
         dim = x.shape[1]
         u, v, q, k = F.silu(self.uvqk(self.norm_in(x))).split(dim, dim=1)
         heads = (x.shape[0], self.num_heads, dim // self.num_heads)
-        q, k, v = q.reshape(heads), k.reshape(heads), v.reshape(heads)
-        if self.kernel == "fbgemm":
-            mixed = fbgemm_pointwise_attention(q, k, v, tiles.lengths, self.bias.position, self.bias.time, 1.0 / self.max_len,
-                                               times, candidates, positions)
-        else:
-            mixed = pointwise_attention(q, k, v, tiles, self.bias.position, self.bias.time, 1.0 / self.max_len, times,
-                                        candidates, positions)
+        mixed = attention(self.kernel, q.reshape(heads), k.reshape(heads), v.reshape(heads), tiles, self.bias.position,
+                          self.bias.time, 1.0 / self.max_len, times, candidates, positions)
         return x + self.out(self.dropout(self.norm_attention(mixed.reshape(x.shape)) * u))

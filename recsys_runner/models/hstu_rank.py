@@ -131,9 +131,10 @@ class HSTURankConfig(MultiTaskConfig):
     rows padded to the batch's longest (the reference)."""
     attention_block: int = 32
     """The jagged path's tile: a row pads to a multiple of it; ``[·, block, block]`` scores per pair of tiles."""
-    attention_kernel: str = "tiles"
-    """What the jagged attention runs on: ``tiles`` (PyTorch ops, :mod:`recsys_runner.models.jagged`) or ``fbgemm``
-    (fbgemm's jagged products: Triton kernels on CUDA, per-row loops on the CPU; :mod:`recsys_runner.models.jagged_kernels`)."""
+    attention_kernel: str = "auto"
+    """What the jagged attention runs on: ``auto`` (fbgemm's on CUDA once a probe there matched the tiles, else the tiles),
+    ``tiles`` (PyTorch ops, :mod:`recsys_runner.models.jagged`) or ``fbgemm`` (fbgemm's jagged products: Triton kernels on
+    CUDA, per-row loops on the CPU; :mod:`recsys_runner.models.jagged_kernels`)."""
     deep_layer_sizes: list[int] = field(default_factory=lambda: [64])
     """Hidden layers of each task's head over ``[candidate output, pooled features, dense]``."""
 

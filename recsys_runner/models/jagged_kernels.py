@@ -1,7 +1,7 @@
-"""HSTU's jagged attention on fbgemm's jagged kernels (``model.attention_kernel: fbgemm``): Triton on CUDA, reference
-loops on the CPU.
+"""HSTU's jagged attention on fbgemm's jagged kernels (``model.attention_kernel``): Triton on CUDA, reference loops on
+the CPU, and the choice between them and the PyTorch tiles.
 
-The default kernel (:func:`recsys_runner.models.jagged.pointwise_attention`, ``attention_kernel: tiles``) is written in
+The tiles (:func:`recsys_runner.models.jagged.pointwise_attention`, ``attention_kernel: tiles``) are written in
 PyTorch ops. fbgemm-gpu's default wheel ships jagged matrix products that never pad (``fbgemm_gpu.sll``): on CUDA they are
 Triton kernels, on the CPU per-row loops with the same autograd. The HSTU target of fbgemm (its ``hstu`` attention) is
 a separate build that the TorchRec wheels do not bring (fbgemm-gpu 1.6.0's CUDA wheel, the GPU stack here, has no
@@ -16,8 +16,13 @@ has, both with gradients:
 The heads ride as extra rows (head-major: head 0's rows, then head 1's), so a layer is two kernel launches whatever
 ``H``. The CUDA kernels put the rows on one grid axis, which CUDA caps at 65,535 blocks: more rows than that (``H × B``)
 go in chunks. Their scores cover a row's whole ``n × n`` square, where the tiled path skips the tiles above the
-diagonal. ``tests/test_hstu_kernels.py`` checks both kernels give the same values and gradients, and runs fbgemm's
-Triton kernels themselves against the tiles in Triton's interpreter on the CPU (``tests/triton_interpreted.py``).
+diagonal.
+
+``attention_kernel: auto`` (the default) runs fbgemm's kernels on CUDA and the tiles elsewhere (on the CPU fbgemm's are
+loops, ~3x slower). On CUDA a probe (:func:`fbgemm_unusable`) first runs both kernels forward and backward on a small
+batch: a Triton that fails to compile there, or numbers that differ, cost one log line and the run goes on the tiles.
+``tests/test_hstu_kernels.py`` checks both kernels give the same values and gradients, and runs fbgemm's Triton kernels
+themselves against the tiles in Triton's interpreter on the CPU (``tests/triton_interpreted.py``).
 
 Shape legend: ``T`` tokens (``Σ n_r``), ``B`` rows, ``S`` score entries (``Σ n_r²``), ``H`` heads, ``d`` a head's width.
 """
@@ -33,14 +38,16 @@ import torch
 import torch.nn.functional as F
 
 from recsys_runner.errors import require
-from recsys_runner.models.jagged import relative_bias
+from recsys_runner.models.jagged import Tiles, pointwise_attention, relative_bias, tile
 
-__all__ = ["KERNELS", "MAX_GRID_ROWS", "check_kernel", "fbgemm_pointwise_attention", "load_fbgemm_jagged", "products"]
+__all__ = ["KERNELS", "MAX_GRID_ROWS", "attention", "check_kernel", "fbgemm_pointwise_attention", "fbgemm_unusable",
+           "load_fbgemm_jagged", "products"]
 
 log = logging.getLogger(__name__)
 
-KERNELS = ("tiles", "fbgemm")
-"""``model.attention_kernel`` options: the PyTorch tiles (:mod:`recsys_runner.models.jagged`) or fbgemm's jagged products."""
+KERNELS = ("auto", "tiles", "fbgemm")
+"""``model.attention_kernel`` options: ``auto`` (fbgemm's kernels on CUDA once they pass a probe there, the tiles
+elsewhere), the PyTorch tiles (:mod:`recsys_runner.models.jagged`), or fbgemm's jagged products."""
 
 MAX_GRID_ROWS = 65_535
 """The most rows one CUDA kernel launch takes: fbgemm's Triton kernels put the rows on a grid axis CUDA caps there."""
@@ -50,7 +57,7 @@ def check_kernel(kernel: str, jagged: bool, padded_hint: str) -> None:
     """``model.attention_kernel`` is one of :data:`KERNELS`, and ``fbgemm`` only where the layers run jagged (the
     padded path has no kernel to choose); ``padded_hint`` names the setting that made them padded."""
     require(kernel in KERNELS, f"model.attention_kernel={kernel!r} must be one of {list(KERNELS)}")
-    require(kernel == "tiles" or jagged, f"model.attention_kernel=fbgemm runs the jagged attention, but {padded_hint} puts "
+    require(kernel != "fbgemm" or jagged, f"model.attention_kernel=fbgemm runs the jagged attention, but {padded_hint} puts "
             f"the layers on padded rows. Fix: drop model.attention_kernel, or run the jagged path")
 
 
@@ -135,8 +142,6 @@ def fbgemm_pointwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if tokens == 0:
         return torch.zeros_like(q)
     scores_product, mixing_product = products()
-    if not q.is_cuda:
-        _note_cpu_loops()
     lengths = lengths.long()
     at = _squares(lengths)
     allowed = at.j <= at.i
@@ -162,3 +167,63 @@ def fbgemm_pointwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
     mixed = _per_launch(rows, max_rows, mixed_of)  # [H · T, d]
     return mixed.view(heads, tokens, width).permute(1, 0, 2)
+
+
+def auto_picks_fbgemm(device: torch.device) -> bool:
+    """Whether ``attention_kernel: auto`` tries fbgemm's kernels on ``device``: on CUDA, where they are Triton kernels (on
+    the CPU they are reference loops, slower than the tiles)."""
+    return device.type == "cuda"
+
+
+@functools.cache
+def fbgemm_unusable(device: torch.device) -> str | None:
+    """Why fbgemm's kernels cannot serve ``auto`` on ``device`` (``None``: they can), found once per device by a probe:
+    one small batch of rows (an empty one, one past a Triton block) forward and backward on both kernels, in fp32 with
+    autocast off, compared within rtol 1e-4 / atol 1e-5. It compiles the Triton kernels where they would first compile
+    anyway, and a failure or a mismatch there (a Triton that does not match the GPU, a kernel bug) costs one log line
+    and the tiles, not the run. Out-of-memory is not caught: it is the run's, not the kernel's."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([3, 0, 37], device=device)
+    q, k, v = (torch.randn(40, 2, 8, generator=g).to(device).requires_grad_() for _ in range(3))
+    position = torch.randn(64, generator=g).to(device)
+    try:
+        with torch.enable_grad(), torch.autocast(device.type, enabled=False):
+            tiled = pointwise_attention(q, k, v, tile(lengths, 16), position, None, 0.1)
+            fused = fbgemm_pointwise_attention(q, k, v, lengths, position, None, 0.1)
+            got = [fused.detach(), *torch.autograd.grad((fused ** 2).sum(), (q, k, v))]
+            expected = [tiled.detach(), *torch.autograd.grad((tiled ** 2).sum(), (q, k, v))]
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:  # any failure of the optional kernel: the tiles take over (the docstring says why)
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+    worst = max(float((a - b).abs().max()) for a, b in zip(got, expected, strict=True))
+    if not all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(got, expected, strict=True)):
+        return f"its numbers differ from the tiles' by up to {worst:.1e}"
+    return None
+
+
+@functools.cache
+def _note_fallback(device: torch.device, why: str) -> None:
+    log.warning("model.attention_kernel=auto: fbgemm's jagged kernels cannot run on %s (%s); the HSTU attention runs on the "
+                "PyTorch tiles instead. Set model.attention_kernel=tiles to skip this probe", device, why)
+
+
+@torch.fx.wrap
+def attention(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: Tiles, position: torch.Tensor,
+              time: torch.Tensor | None, scale: float, times: tuple[torch.Tensor, torch.Tensor] | None = None,
+              candidates: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """HSTU's attention on jagged rows, ``q, k, v [T, H, d] → [T, H, d]``, on the kernel ``kernel`` names
+    (:data:`KERNELS`): :func:`fbgemm_pointwise_attention` or :func:`~recsys_runner.models.jagged.pointwise_attention`,
+    the same function. ``auto`` takes fbgemm's where :func:`auto_picks_fbgemm` and :func:`fbgemm_unusable` allow. A leaf
+    of TorchRec's pipeline trace: the choice reads the tensors' device."""
+    use_fbgemm = kernel == "fbgemm"
+    if kernel == "auto" and auto_picks_fbgemm(q.device):
+        why = fbgemm_unusable(q.device)
+        if why is not None:
+            _note_fallback(q.device, why)
+        use_fbgemm = why is None
+    if use_fbgemm and not q.is_cuda:
+        _note_cpu_loops()  # asked for by name: auto never picks the loops
+    if use_fbgemm:
+        return fbgemm_pointwise_attention(q, k, v, tiles.lengths, position, time, scale, times, candidates, positions)
+    return pointwise_attention(q, k, v, tiles, position, time, scale, times, candidates, positions)

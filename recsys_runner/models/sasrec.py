@@ -89,9 +89,10 @@ class SASRecConfig(ModelConfig):
     (:mod:`recsys_runner.models.jagged`: the work follows the batch's positions, not its rows × its longest row, which
     per-user rows of long-tailed lengths need); ``0``: on the rows padded to the batch's longest (the reference). The
     ``sasrec`` block's softmax attention always runs padded."""
-    attention_kernel: str = "tiles"
-    """``block: hstu``: what its jagged attention runs on: ``tiles`` (PyTorch ops) or ``fbgemm`` (fbgemm's jagged
-    products: Triton kernels on CUDA; :mod:`recsys_runner.models.jagged_kernels`)."""
+    attention_kernel: str = "auto"
+    """``block: hstu``: what its jagged attention runs on: ``auto`` (fbgemm's on CUDA once a probe there matched the
+    tiles, else the tiles), ``tiles`` (PyTorch ops) or ``fbgemm`` (fbgemm's jagged products: Triton kernels on CUDA;
+    :mod:`recsys_runner.models.jagged_kernels`)."""
     eval_metrics: list[str] = field(default_factory=lambda: ["hr@10", "ndcg@10", "hr@50", "mrr"])
     """Ranking metrics of the true next item, logged as ``eval/hr_at_10`` …: ``hr@<k>``, ``ndcg@<k>``, ``mrr``,
     ``coverage@<k>`` (not with ``eval_negatives``). Over the whole item table, less each row's seen items with
