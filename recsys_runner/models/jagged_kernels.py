@@ -179,15 +179,16 @@ def auto_picks_fbgemm(device: torch.device) -> bool:
 def fbgemm_unusable(device: torch.device) -> str | None:
     """Why fbgemm's kernels cannot serve ``auto`` on ``device`` (``None``: they can), found once per device by a probe:
     one small batch of rows (an empty one, one past a Triton block) forward and backward on both kernels, in fp32 with
-    autocast off and autograd on (whatever mode the first forward runs in), compared within rtol 1e-4 / atol 1e-5. It compiles the Triton kernels where they would first compile
-    anyway, and a failure or a mismatch there (a Triton that does not match the GPU, a kernel bug) costs one log line
-    and the tiles, not the run. Out-of-memory is not caught: it is the run's, not the kernel's."""
-    g = torch.Generator().manual_seed(0)
-    lengths = torch.tensor([3, 0, 37], device=device)
-    q, k, v = (torch.randn(40, 2, 8, generator=g).to(device).requires_grad_() for _ in range(3))
-    position = torch.randn(64, generator=g).to(device)
+    autocast off and autograd on (whatever mode the first forward runs in), compared within rtol 1e-4 / atol 1e-5. It
+    compiles the Triton kernels where they would first compile anyway, and a failure or a mismatch there (a Triton that
+    does not match the GPU, a kernel bug) costs one log line and the tiles, not the run. Out-of-memory is not caught: it
+    is the run's, not the kernel's."""
     try:
         with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False):
+            g = torch.Generator().manual_seed(0)
+            lengths = torch.tensor([3, 0, 37], device=device)
+            q, k, v = (torch.randn(40, 2, 8, generator=g).to(device).requires_grad_() for _ in range(3))
+            position = torch.randn(64, generator=g).to(device)
             tiled = pointwise_attention(q, k, v, tile(lengths, 16), position, None, 0.1)
             fused = fbgemm_pointwise_attention(q, k, v, lengths, position, None, 0.1)
             got = [fused.detach(), *torch.autograd.grad((fused ** 2).sum(), (q, k, v))]
