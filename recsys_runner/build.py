@@ -29,7 +29,7 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import ShardingPlan
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from recsys_runner import stores
+from recsys_runner import stores, uris
 from recsys_runner.checkpoint.config import TrainState
 from recsys_runner.checkpoint.policy import Checkpointer
 from recsys_runner.checkpoint.weights import CarriedRows
@@ -230,7 +230,7 @@ MLflow run): the checkpoint it started from and, per table, the rows carried ove
 def _keep_refit_record(checkpointer: Checkpointer, resumed: Path) -> None:
     """A resumed ``data.vocabulary=refit`` fine-tune keeps writing its :data:`REFIT_FILE` into its checkpoints."""
     try:
-        checkpointer.files[REFIT_FILE] = stores.read_bytes(stores.join(str(resumed), REFIT_FILE), CheckpointError)
+        checkpointer.files[REFIT_FILE] = stores.read_bytes(uris.join(str(resumed), REFIT_FILE), CheckpointError)
     except FileNotFoundError:
         pass  # not a refit fine-tune
 

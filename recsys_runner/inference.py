@@ -30,7 +30,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from recsys_runner import stores
+from recsys_runner import stores, uris
 from recsys_runner.config import check_known_keys, flatten, register_configs, to_yaml, validate
 from recsys_runner.data.base import SplitFiles
 from recsys_runner.data.encoding.stored import ENCODERS_FILE
@@ -271,7 +271,7 @@ def inference_start(built: Inference, *, entry: str, checkpoint: Path, load: str
     (:meth:`recsys_runner.checkpoint.policy.Checkpointer.load_weights`). ``scored``: the files a predict scores, a
     dataset input of its own (context ``prediction``)."""
     if built.state.resumed_from:
-        checkpoint = stores.as_path(built.state.resumed_from)
+        checkpoint = uris.as_path(built.state.resumed_from)
     records = data_inputs(built, checkpoint, scored) if built.env.is_main else []
     return RunStart(
         run_name=f"{entry} {checkpoint.parent.name}/{checkpoint.name}",
@@ -285,7 +285,7 @@ def data_inputs(built: Inference, checkpoint: Path, scored: SplitFiles | None = 
     encoders the checkpoint stores, and predict's ``scored`` files; a warning where the training and eval data differ
     from the data the checkpoint was trained on."""
     try:
-        encoders: bytes | None = stores.read_bytes(stores.join(str(checkpoint), ENCODERS_FILE), CheckpointError)
+        encoders: bytes | None = stores.read_bytes(uris.join(str(checkpoint), ENCODERS_FILE), CheckpointError)
     except FileNotFoundError:
         encoders = None
     records = datasets.describe(built.run.served_data, built.data, max_digest_mb=built.run.tracking.dataset_digest_max_mb,

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from recsys_runner import stores
+from recsys_runner import stores, uris
 from recsys_runner.checkpoint.guard import NonFiniteLossError
 from recsys_runner.checkpoint.storage import CheckpointStorage
 from recsys_runner.distributed.peers import EXIT_RANK_LOST, RankLost, peer_gone
@@ -225,11 +225,11 @@ def resume_hint(launch: Launch, checkpoint: str | None, after_fix: bool = False)
     ``after_fix``: the command is to be changed first (a NaN loss would only recur)."""
     if checkpoint is None:
         return "Nothing to resume from: no checkpoint was written (set checkpoint.dir or checkpoint.every_steps)."
-    command = launch.resume_command(stores.as_path(checkpoint).parent)
+    command = launch.resume_command(uris.as_path(checkpoint).parent)
     if command is None:
-        return f"Resume from {checkpoint} with checkpoint.dir={stores.as_path(checkpoint).parent.absolute()} (same MLflow run)."
+        return f"Resume from {checkpoint} with checkpoint.dir={uris.as_path(checkpoint).parent.absolute()} (same MLflow run)."
     how = "this command with your change made" if after_fix else "this command"
-    return f"Resume this run from {stores.as_path(checkpoint).name}, into the same MLflow run, with {how}:\n  {command}"
+    return f"Resume this run from {uris.as_path(checkpoint).name}, into the same MLflow run, with {how}:\n  {command}"
 
 
 def mark_finished(directory: Path | None) -> None:
@@ -237,7 +237,7 @@ def mark_finished(directory: Path | None) -> None:
     if directory is None:
         return
     text = b"training finished; nothing to resume here\n"
-    if stores.is_remote(directory):  # an object store has no directories: the mark is an object under the prefix
+    if uris.is_remote(directory):  # an object store has no directories: the mark is an object under the prefix
         stores.write_bytes(str(directory / FINISHED_MARK), text, CheckpointError)
     elif directory.is_dir():
         (directory / FINISHED_MARK).write_bytes(text)

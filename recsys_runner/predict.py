@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from recsys_runner import stores
+from recsys_runner import stores, uris
 from recsys_runner.config import register_entry_schema, validate
 from recsys_runner.data.base import SplitFiles
 from recsys_runner.data.files.streaming import TabularData
@@ -121,7 +121,7 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> PredictResult:
         raise ConfigError(f"predict scores files, but data is {type(spec.data).__name__}. Fix: data=parquet|csv|criteo with "
                           f"the training's data settings, and predict.input=<files to score>")
     require(bool(settings.output), "predict.output is required: the directory for the Parquet part files, e.g. predict.output=scores/")
-    output = stores.as_path(str(settings.output))
+    output = uris.as_path(str(settings.output))
     check_output(output, settings.overwrite)
     check_columns(spec.data, settings.columns, settings.input)
     built = build_inference(spec, launch=launch, weights=checkpoint)

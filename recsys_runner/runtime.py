@@ -7,7 +7,7 @@ once and passes the :class:`Launch` on: the checkpoint directory's default, the 
 the command that resumes a run and the MLflow tags are all derived from it. ``Launch()`` (the default) is a launch from
 Python: no run directory, no overrides, no resume command.
 
-May import nothing of the package.
+May import ``uris`` only.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from recsys_runner import stores
+from recsys_runner import uris
 
 TRAIN_MODULE = "recsys_runner"
 ENTRY_CONFIGS = {TRAIN_MODULE: "config", "recsys_runner.evaluate": "evaluate", "recsys_runner.predict": "predict",
@@ -89,7 +89,7 @@ class Launch:
         if not self.from_cli:
             return None
         keep = [o for o in self.overrides if not re.match(r"^[+~]*checkpoint\.(dir|resume)=", o)]
-        where = stores.as_path(checkpoint_dir).absolute()
+        where = uris.as_path(checkpoint_dir).absolute()
         return self._command(TRAIN_MODULE, [*keep, f"checkpoint.dir={where}"])
 
     def command(self) -> str | None:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsys_runner import stores
+from recsys_runner import stores, uris
 from recsys_runner.data.encoding.rows import Encoder, Location, Rows
 from recsys_runner.data.encoding.stored import oov_counters, oov_line, oov_rates
 from recsys_runner.data.files.sources import CsvSource, Unit
@@ -79,8 +79,8 @@ def earlier_parts(output: Path) -> tuple[list[Path], list[Path]]:
     """The part files an earlier run left in ``output``: ``(complete, incomplete)``, each sorted by name; incomplete
     are temp parts (a write that never finished) and ``part-*.parquet`` files whose Parquet footer cannot be read. In an
     object store a part is only seen once complete (an upload is whole or absent): every part there is complete."""
-    if stores.is_remote(output):
-        return [stores.as_path(p) for p in stores.glob(str(output / PART_GLOB), ConfigError)], []
+    if uris.is_remote(output):
+        return [uris.as_path(p) for p in stores.glob(str(output / PART_GLOB), ConfigError)], []
     if not output.is_dir():
         return [], []
     complete, incomplete = [], []
@@ -98,7 +98,7 @@ def earlier_parts(output: Path) -> tuple[list[Path], list[Path]]:
 def check_output(output: Path, overwrite: bool) -> None:
     """Refuse an ``output`` holding part files of an earlier run, saying which are complete and which incomplete; with
     ``overwrite`` delete them instead (every rank may do so: nothing is written before all ranks have built)."""
-    if not stores.is_remote(output) and output.exists() and not output.is_dir():
+    if not uris.is_remote(output) and output.exists() and not output.is_dir():
         raise ConfigError(f"predict.output={output} is a file, not a directory. Fix: predict.output=<directory for the part files>")
     complete, incomplete = earlier_parts(output)
     if not complete and not incomplete:
@@ -195,7 +195,7 @@ def score_files(inference: Inference, *, input_path: str | None, columns: list[s
     features = [c for c in data.schema.columns if c not in data.schema.label_columns]  # dense, sparse, histories' times
     source.columns = list(dict.fromkeys([*features, *columns]))
     units = rank_units(source.units(), env.rank, env.world_size)
-    if not stores.is_remote(output):  # in an object store a part is an object: no directory to make
+    if not uris.is_remote(output):  # in an object store a part is an object: no directory to make
         output.mkdir(parents=True, exist_ok=True)
     writer = _PartWriter(output, env.rank)
     raw = RawIdColumns(columns, say=env.is_main)
@@ -368,10 +368,10 @@ class _PartWriter:
         table = pa.Table.from_arrays([*passthrough.columns, *scored.values()], names=[*passthrough.column_names, *scored])
         if path != self._path:
             self.close()
-            temp = "" if stores.is_remote(self.output) else TEMP_PREFIX  # an upload is seen only once complete: no temp name
+            temp = "" if uris.is_remote(self.output) else TEMP_PREFIX  # an upload is seen only once complete: no temp name
             self._temp = self.output / f"{temp}part-{self.rank:05d}-{self._next:05d}.parquet"
             self._next += 1
-            meta = {SOURCE_KEY: str(stores.as_path(path).absolute()).encode(), FIRST_ROW_KEY: str(first_row).encode()}
+            meta = {SOURCE_KEY: str(uris.as_path(path).absolute()).encode(), FIRST_ROW_KEY: str(first_row).encode()}
             fs, where = stores.arrow_filesystem(str(self._temp))
             self._writer = pq.ParquetWriter(where, table.schema.with_metadata(meta), filesystem=fs)
             self._path = path

@@ -11,9 +11,9 @@ and moved into place when complete:
   upload replacing its object whole (a store shows an object only once its upload completes); objects of the earlier
   output that the new one does not have are deleted after.
 
-Both rooms get the output's place already resolved (:func:`recsys_runner.stores.as_path`: a local path or a
-:class:`~recsys_runner.stores.UriPath`) and never ask which it is: that is decided here. May import ``stores`` and
-``errors``.
+Both rooms get the output's place already resolved (:func:`recsys_runner.uris.as_path`: a local path or a
+:class:`~recsys_runner.uris.UriPath`) and never ask which it is: that is decided here. May import ``stores``,
+``uris`` and ``errors``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from types import TracebackType
 
-from recsys_runner import stores
+from recsys_runner import stores, uris
 from recsys_runner.errors import ConfigError, UserError
 
 
@@ -35,7 +35,7 @@ def held_names(folder: Path, what: str, cls: type[UserError] = ConfigError) -> l
     Raises:
         cls: ``folder`` is a local file (``what`` names the setting, e.g. ``export.dir=…``).
     """
-    if stores.is_remote(folder):
+    if uris.is_remote(folder):
         return sorted({p.removeprefix(str(folder).rstrip("/") + "/").split("/", 1)[0] for p in stores.find(str(folder), cls)})
     if folder.exists() and not folder.is_dir():
         raise cls(f"{what} is a file, not a folder. Fix: name a new (or empty) folder")
@@ -44,7 +44,7 @@ def held_names(folder: Path, what: str, cls: type[UserError] = ConfigError) -> l
 
 def is_local_file(folder: Path, name: str) -> bool:
     """Whether ``folder/name`` is a plain file; every object of a store is one."""
-    return stores.is_remote(folder) or (folder / name).is_file()
+    return uris.is_remote(folder) or (folder / name).is_file()
 
 
 class StagedFolder:
@@ -55,7 +55,7 @@ class StagedFolder:
     def __init__(self, out: Path, cls: type[UserError] = ConfigError) -> None:
         self.out, self.cls = out, cls
         self.committed = False
-        self._remote = stores.is_remote(out)
+        self._remote = uris.is_remote(out)
         self._staging: Path | None = None
 
     @property

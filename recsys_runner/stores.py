@@ -12,12 +12,13 @@ an instance role). What is configured (``storage.*``, :class:`StorageConfig`) is
 Every failure becomes a :class:`~recsys_runner.errors.UserError` naming the URI, the cause and the fix
 (:func:`store_error`).
 
-A setting's text is resolved once, where the setting is read: :func:`as_path` makes it a local :class:`~pathlib.Path`
-or a :class:`UriPath`, and the rooms below take that and never parse the text again. Where the local disk and a store
-truly differ (no rename, no directories, no file lock in a store) they ask its type (:func:`is_remote`): an output
-folder replaced whole (``staging.py``), the checkpoint lock and storage, predict's part files. Everything else goes
-through this module's calls, which work on both (:func:`read_bytes`, :func:`arrow_filesystem`, :func:`failure`…). Data
-files, listed from ``data.path`` by ``data/locate.py``, stay text for pyarrow. May import ``errors`` only.
+A setting's text is resolved once, where the setting is read (:func:`~recsys_runner.uris.as_path`: a local
+:class:`~pathlib.Path` or a :class:`~recsys_runner.uris.UriPath`, :mod:`recsys_runner.uris`), and the rooms below take
+that and never parse the text again. Where the local disk and a store truly differ (no rename, no directories, no file
+lock in a store) they ask its type (:func:`~recsys_runner.uris.is_remote`): an output folder replaced whole
+(``staging.py``), the checkpoint lock and storage, predict's part files. Everything else goes through this module's
+calls, which work on both (:func:`read_bytes`, :func:`arrow_filesystem`, :func:`failure`…). Data files, listed from
+``data.path`` by ``data/locate.py``, stay text for pyarrow. May import ``uris`` and ``errors`` only.
 """
 
 from __future__ import annotations
@@ -27,21 +28,19 @@ import functools
 import glob as local_glob
 import io
 import os
-import re
 import shutil
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path, PosixPath
-from typing import IO, Any, NoReturn
+from pathlib import Path
+from typing import IO, Any
 
 import fsspec
 import pyarrow.fs as pafs
 from botocore.exceptions import BotoCoreError
 
+from recsys_runner import uris
 from recsys_runner.errors import DataError, UserError, require
-
-_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
 @dataclass(kw_only=True)
@@ -135,82 +134,6 @@ def give_up_after_s() -> float:
     return s.max_attempts * (s.connect_timeout_s + s.request_timeout_s) + backoff
 
 
-def is_uri(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` names an object in a store (``scheme://…``; ``file://`` is the local disk)."""
-    m = _SCHEME.match(os.fspath(path))
-    return m is not None and m.group(1).lower() != "file"
-
-
-class UriPath(PosixPath):
-    """A URI as a :class:`~pathlib.Path`, so the checkpoint policy can join and split names of a store's
-    checkpoints as it does of local ones (``root / name``, ``.name``, ``.parent``, ``.with_name``). It is an address
-    only: reads and writes go through a storage (``checkpoint/storage.py``) or this module; Path's file methods
-    (``exists``, ``open``, ``mkdir``, ``glob``…: :data:`_LOCAL_FILE_METHODS`) raise :class:`TypeError` on it rather
-    than silently use a local file named like the URI."""
-
-    def __str__(self) -> str:
-        return re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*):/(?!/)", r"\1://", super().__str__())
-
-    def __fspath__(self) -> str:
-        return str(self)
-
-    def __repr__(self) -> str:
-        return f"UriPath({str(self)!r})"
-
-    def absolute(self) -> UriPath:
-        return self  # a URI is absolute already
-
-    def resolve(self, strict: bool = False) -> UriPath:
-        return self
-
-    def expanduser(self) -> UriPath:
-        return self
-
-
-_LOCAL_FILE_METHODS = ("exists", "is_dir", "is_file", "is_symlink", "stat", "lstat", "open", "read_text", "read_bytes", "write_text",
-                       "write_bytes", "mkdir", "rmdir", "touch", "unlink", "rename", "replace", "glob", "rglob", "iterdir", "samefile",
-                       "chmod", "owner", "group", "readlink", "symlink_to", "hardlink_to")
-"""Path's methods that touch the local disk: on a :class:`UriPath` they would read or write a local file named like
-the URI (``s3:/bucket/…``), so each raises :class:`TypeError` instead (:func:`_refuse_local`)."""
-
-
-def _refuse_local(name: str) -> Any:
-    def refuse(self: UriPath, *args: Any, **kwargs: Any) -> NoReturn:
-        raise TypeError(f"UriPath.{name}() on {self}: a UriPath is an address in an object store, and Path.{name} would use the local "
-                        f"disk. Fix (in the code): go through the store: recsys_runner.stores (read_bytes, write_bytes, glob, "
-                        f"list_files, remove, upload) or the checkpoint storage (checkpoint.object_storage.storage_for(path))")
-
-    refuse.__name__ = refuse.__qualname__ = name
-    return refuse
-
-
-for _name in _LOCAL_FILE_METHODS:
-    setattr(UriPath, _name, _refuse_local(_name))
-
-
-def as_path(path: str | os.PathLike[str]) -> Path:
-    """``path`` as a :class:`Path`: a :class:`UriPath` for a URI, else the local path with ``~`` expanded."""
-    return UriPath(os.fspath(path)) if is_uri(path) else Path(path).expanduser()
-
-
-def is_remote(path: Path) -> bool:
-    """Whether a resolved path (:func:`as_path`, done once where a setting is read) is in an object store: its type says
-    so, no string is parsed again."""
-    return isinstance(path, UriPath)
-
-
-def join(base: str, *names: str) -> str:
-    """``base/name/…`` for a URI or a local path."""
-    return "/".join([base.rstrip("/"), *names]) if is_uri(base) else os.path.join(base, *names)
-
-
-def _split(uri: str) -> tuple[str, str]:
-    """``(scheme, path after the scheme)``; the path of ``s3://bucket/key`` is ``bucket/key``."""
-    m = _SCHEME.match(uri)
-    assert m is not None, uri
-    return m.group(1).lower(), uri[m.end():]
-
-
 def endpoint_url() -> str | None:
     """The S3 endpoint in force: ``storage.endpoint_url``, ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL`` or none (AWS)."""
     return _settings.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
@@ -284,9 +207,9 @@ def _no_expect_header(params: dict[str, Any], **_: Any) -> None:
 
 def arrow_filesystem(path: str) -> tuple[pafs.FileSystem, str]:
     """The pyarrow file system that holds ``path`` and the path in it (the local disk for a local path)."""
-    if not is_uri(path):
+    if not uris.is_uri(path):
         return pafs.LocalFileSystem(), path
-    scheme, rest = _split(path)
+    scheme, rest = uris.split(path)
     if scheme in ("s3", "s3a"):
         return _arrow_s3(), rest
     return pafs.PyFileSystem(pafs.FSSpecHandler(_fsspec(scheme))), rest
@@ -294,7 +217,7 @@ def arrow_filesystem(path: str) -> tuple[pafs.FileSystem, str]:
 
 def fsspec_filesystem(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
     """The fsspec file system of a URI and the path in it."""
-    scheme, rest = _split(uri)
+    scheme, rest = uris.split(uri)
     return _fsspec(scheme), rest
 
 
@@ -305,7 +228,7 @@ def _uri(scheme: str, rest: str) -> str:
 def list_files(path: str, key: str, suffixes: tuple[str, ...] | None) -> list[str]:
     """The objects a URI names, as URIs: one object, the objects under a prefix (sorted; names starting with ``.`` or
     ``_`` and, with ``suffixes``, other names left out) or a glob (``s3://b/day_*/*.parquet``)."""
-    scheme, rest = _split(path)
+    scheme, rest = uris.split(path)
     fs = _fsspec(scheme)
     try:
         if any(ch in rest for ch in "*?["):
@@ -332,7 +255,7 @@ def list_files(path: str, key: str, suffixes: tuple[str, ...] | None) -> list[st
 
 def find(uri: str, cls: type[UserError] = DataError) -> list[str]:
     """Every object under the prefix ``uri``, at any depth, sorted, as URIs (none under a prefix that holds nothing)."""
-    scheme, rest = _split(uri)
+    scheme, rest = uris.split(uri)
     try:
         found = _fsspec(scheme).find(rest.rstrip("/") + "/")
     except FileNotFoundError:
@@ -353,7 +276,7 @@ def is_object(fs: fsspec.AbstractFileSystem, rest: str) -> bool:
 
 def _check_bucket(uri: str) -> None:
     """Raise the clear error when the bucket of ``uri`` does not exist (a listing of a missing bucket is just empty)."""
-    scheme, rest = _split(uri)
+    scheme, rest = uris.split(uri)
     bucket = rest.split("/", 1)[0]
     try:
         _fsspec(scheme).ls(bucket, detail=False)  # raises what a listing under it swallows: no bucket, no access
@@ -370,7 +293,7 @@ def _check_bucket(uri: str) -> None:
 
 def open_input(path: str, *, buffer_bytes: int = 1 << 20) -> IO[bytes]:
     """``path`` opened for reading bytes (seekable, line-iterable): the local file, or a buffered object-store reader."""
-    if not is_uri(path):
+    if not uris.is_uri(path):
         return open(path, "rb")  # noqa: SIM115 - the caller closes it
     fs, rest = arrow_filesystem(path)
     try:
@@ -381,7 +304,7 @@ def open_input(path: str, *, buffer_bytes: int = 1 << 20) -> IO[bytes]:
 
 def file_size(path: str) -> int:
     """The size of ``path`` in bytes."""
-    if not is_uri(path):
+    if not uris.is_uri(path):
         return os.path.getsize(path)
     fs, rest = arrow_filesystem(path)
     try:
@@ -395,7 +318,7 @@ def file_size(path: str) -> int:
 
 def read_bytes(path: str, cls: type[UserError] = DataError) -> bytes:
     """The whole object (or local file) at ``path``."""
-    if not is_uri(path):
+    if not uris.is_uri(path):
         return Path(path).read_bytes()
     fs, rest = fsspec_filesystem(path)
     try:
@@ -409,7 +332,7 @@ def read_bytes(path: str, cls: type[UserError] = DataError) -> bytes:
 
 def write_bytes(path: str, data: bytes, cls: type[UserError] = DataError) -> None:
     """Write ``data`` to ``path`` (an object is replaced whole, never seen half-written)."""
-    if not is_uri(path):
+    if not uris.is_uri(path):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_bytes(data)
         return
@@ -422,9 +345,9 @@ def write_bytes(path: str, data: bytes, cls: type[UserError] = DataError) -> Non
 
 def glob(pattern: str, cls: type[UserError] = DataError) -> list[str]:
     """The objects (or local files) matching ``pattern``, sorted, as URIs (or paths)."""
-    if not is_uri(pattern):
+    if not uris.is_uri(pattern):
         return sorted(p for p in local_glob.glob(pattern) if os.path.isfile(p))
-    scheme, rest = _split(pattern)
+    scheme, rest = uris.split(pattern)
     try:
         found = _fsspec(scheme).glob(rest, detail=True)
     except STORE_ERRORS as e:
@@ -434,7 +357,7 @@ def glob(pattern: str, cls: type[UserError] = DataError) -> list[str]:
 
 def remove(path: str, cls: type[UserError] = DataError) -> None:
     """Delete the file or object at ``path`` (everything under it for a directory or a prefix); nothing there is fine."""
-    if not is_uri(path):
+    if not uris.is_uri(path):
         if os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)
         else:
@@ -459,8 +382,8 @@ def upload(local: Path, uri: str, cls: type[UserError] = DataError) -> list[str]
         try:
             fs.put_file(str(f), target)
         except STORE_ERRORS as e:
-            raise store_error(_uri(_split(uri)[0], target), e, cls=cls, doing=f"uploading {f}") from None
-        written.append(_uri(_split(uri)[0], target))
+            raise store_error(_uri(uris.split(uri)[0], target), e, cls=cls, doing=f"uploading {f}") from None
+        written.append(_uri(uris.split(uri)[0], target))
     return written
 
 
@@ -496,7 +419,7 @@ def store_error(uri: str, e: BaseException, *, key: str | None = None, cls: type
 def failure(path: str, e: BaseException, *, key: str | None = None) -> UserError | None:
     """The store's error (:func:`store_error`) when ``path`` is in an object store and ``e`` is the store refusing or not
     answering; ``None`` when ``e`` is about the file itself (truncated, corrupt), which the reader names in its own words."""
-    return store_error(path, e, key=key) if is_uri(path) and is_store_failure(e) else None
+    return store_error(path, e, key=key) if uris.is_uri(path) and is_store_failure(e) else None
 
 
 def is_store_failure(e: BaseException) -> bool:

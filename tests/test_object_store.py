@@ -23,7 +23,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from recsys_runner import stores
+from recsys_runner import stores, uris
 from recsys_runner.__main__ import run
 from recsys_runner.checkpoint.lock import DirectoryInUse, ObjectStoreLock
 from recsys_runner.checkpoint.object_storage import DcpObjectStorage
@@ -209,7 +209,7 @@ def test_a_failed_checkpoint_write_leaves_the_previous_one_usable(s3_env: MotoSe
     try:
         server.bucket("ckpt")
         stores.configure(stores.StorageConfig(endpoint_url=server.endpoint, max_attempts=1, connect_timeout_s=1, request_timeout_s=1))
-        storage, root = DcpObjectStorage(), stores.as_path("s3://ckpt/run")
+        storage, root = DcpObjectStorage(), uris.as_path("s3://ckpt/run")
         good = {"model/w": torch.arange(6.0)}
         storage.write(root / "step_00000002", good, {"objects": {}}, {"step": 2, "world_size": 1})
         server.pause()
@@ -314,9 +314,9 @@ def test_in_process_resume_from_a_bucket_matches_local(s3_env: MotoServer, tmp_p
 
     with pytest.raises(Interrupted):
         final("s3://data/inproc/ck", "inproc_bucket", "train.stop_after_steps=6")
-    assert [p.name for p in DcpObjectStorage().checkpoints(stores.as_path("s3://data/inproc/ck"))][-1] == "step_00000006"
+    assert [p.name for p in DcpObjectStorage().checkpoints(uris.as_path("s3://data/inproc/ck"))][-1] == "step_00000006"
     assert final("s3://data/inproc/ck", "inproc_bucket") == pytest.approx(final(f"{tmp_path}/ck", "inproc_local"), rel=1e-6)
-    storage, root = DcpObjectStorage(), stores.as_path("s3://data/inproc/ck")
+    storage, root = DcpObjectStorage(), uris.as_path("s3://data/inproc/ck")
     assert [p.name for p in storage.checkpoints(root)] == ["step_00000010", "step_00000012"]  # keep_last=2 in the bucket
     assert len(storage.checkpoints(root, best=True)) == 1  # and the best one apart
     assert s3_env.fs().cat_file("data/inproc/ck/.finished").startswith(b"training finished")  # the mark, in the bucket
@@ -327,7 +327,7 @@ def test_uri_path_refuses_local_file_methods_and_hints_keep_the_uri() -> None:
     from recsys_runner.lifecycle import resume_hint
     from recsys_runner.runtime import Launch
 
-    path = stores.as_path("s3://bucket/runs/ck")
+    path = uris.as_path("s3://bucket/runs/ck")
     for call in (path.exists, path.is_dir, path.iterdir, path.stat, path.read_bytes, lambda: path.mkdir(parents=True),
                  lambda: path.glob("*"), lambda: (path / "meta.json").read_text(), lambda: (path / "x").write_text("x"),
                  lambda: (path / ".lock").unlink(missing_ok=True), lambda: (path / "x").open("rb")):

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import recsys_runner.__main__ as entry
-from recsys_runner import evaluate, stores
+from recsys_runner import evaluate, stores, uris
 from recsys_runner.checkpoint.lock import ObjectStoreLock
 from recsys_runner.checkpoint.object_storage import DcpObjectStorage
 from recsys_runner.paths import CONFIG_PATH
@@ -74,7 +74,7 @@ def test_two_rank_bucket_checkpoints_evaluate_on_one_rank_to_the_same_eval(bucke
 
     code, out = _two_ranks(tmp_path, *args)
     assert code == 0, out[-4000:]
-    storage, root = DcpObjectStorage(), stores.as_path(CKPT)
+    storage, root = DcpObjectStorage(), uris.as_path(CKPT)
     assert [p.name for p in storage.checkpoints(root)] == ["step_00000006", "step_00000012"]
     final = root / "step_00000012"
     assert storage.read_meta(final)["world_size"] == 2 and storage.damage(final) is None  # .metadata, data, rank0.pt, rank1.pt

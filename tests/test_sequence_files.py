@@ -19,7 +19,8 @@ from recsys_runner.configurable import make
 from recsys_runner.data.files.tabular import CsvData, ParquetData
 from recsys_runner.data.files.tabular_config import CsvDataConfig, ParquetDataConfig
 from recsys_runner.data.schema_files import read_schema_file, schema_yaml
-from recsys_runner.data.sequences.interactions import LogSpec, convert_log
+from recsys_runner.data.sequences.events import LogSpec
+from recsys_runner.data.sequences.interactions import convert_log
 from recsys_runner.errors import ConfigError, DataError
 from tests.conftest import REPO, free_port
 

@@ -29,7 +29,8 @@ from recsys_runner import stores
 from recsys_runner.__main__ import run
 from recsys_runner.data.__main__ import main as data_main
 from recsys_runner.data.schema_files import stored_schema
-from recsys_runner.data.sequences.interactions import LogSpec, encode_log, history_bounds, log_to_rows, rows_table
+from recsys_runner.data.sequences.events import LogSpec, encode_log
+from recsys_runner.data.sequences.interactions import history_bounds, log_to_rows, rows_table
 from recsys_runner.errors import ConfigError, DataError
 from recsys_runner.train import signals
 from tests.conftest import REPO

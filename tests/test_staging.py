@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from recsys_runner import stores
+from recsys_runner import stores, uris
 from recsys_runner.errors import ConfigError
 from recsys_runner.staging import StagedFolder, held_names, is_local_file
 from tests.object_store import MotoServer, moto_with_buckets
@@ -61,8 +61,8 @@ def store(server: MotoServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[MotoS
 
 
 def test_store_output_is_uploaded_whole_and_the_earlier_objects_are_gone(store: MotoServer, tmp_path: Path) -> None:
-    out = stores.as_path("s3://out/export")
-    assert stores.is_remote(out) and held_names(out, "export.dir") == []
+    out = uris.as_path("s3://out/export")
+    assert uris.is_remote(out) and held_names(out, "export.dir") == []
     earlier = tmp_path / "earlier"
     _write(earlier, {"old.txt": "old", "model.pt2": "old"})
     store.put(earlier, str(out))

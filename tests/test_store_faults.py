@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from recsys_runner import stores
+from recsys_runner import stores, uris
 from recsys_runner.checkpoint.lock import ObjectStoreLock
 from recsys_runner.checkpoint.object_storage import DcpObjectStorage
 from recsys_runner.errors import CheckpointError, DataError, UserError
@@ -51,7 +51,7 @@ def _fails_within_bound(call: Callable[[], object], error: type[UserError], patt
 
 
 def test_a_stalled_store_fails_each_path_within_the_bound_naming_what_was_being_done(store: MotoServer) -> None:
-    storage, root = DcpObjectStorage(), stores.as_path("s3://ckpt/stall")
+    storage, root = DcpObjectStorage(), uris.as_path("s3://ckpt/stall")
     storage.write(root / "step_00000002", {"model/w": torch.arange(4.0)}, {"objects": {}}, {"step": 2, "world_size": 1})
     stores.write_bytes("s3://ckpt/data/a.txt", b"x\n")
     store.pause()

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from recsys_runner import stores
+from recsys_runner import stores, uris
 from recsys_runner.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -163,13 +163,13 @@ class ObjectStoreLock:
         if not self._create():
             holder, etag = self._holder()
             if holder is not None and not _abandoned(holder, self.ttl) and not self._expires_unrenewed(holder, etag):
-                raise DirectoryInUse(stores.as_path(self.directory), holder)
+                raise DirectoryInUse(uris.as_path(self.directory), holder)
             if holder is not None:
                 log.info("%s: the previous holder (host %s, PID %s) is gone; taking over", self.uri, holder.get("host"), holder.get("pid"))
                 with contextlib.suppress(*stores.STORE_ERRORS):  # someone else took it over first: the create below fails
                     self.fs.call_s3("delete_object", Bucket=self.key.split("/", 1)[0], Key=self.key.split("/", 1)[1], IfMatch=etag)
             if not self._create():
-                raise DirectoryInUse(stores.as_path(self.directory), self._holder()[0] or {})
+                raise DirectoryInUse(uris.as_path(self.directory), self._holder()[0] or {})
 
     def _record(self) -> bytes:
         return json.dumps({**holder_record(), "renewed": time.time()}).encode()
@@ -259,4 +259,4 @@ def _abandoned(holder: dict[str, Any], ttl: float) -> bool:
 
 def lock_for(directory: Path) -> DirectoryLock | ObjectStoreLock:
     """The one-writer lock of a checkpoint directory: a file lock on disk, a conditional create in an object store."""
-    return ObjectStoreLock(directory) if stores.is_remote(directory) else DirectoryLock(directory)
+    return ObjectStoreLock(directory) if uris.is_remote(directory) else DirectoryLock(directory)

@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from recsys_runner import stores
+from recsys_runner import stores, uris
 from recsys_runner.checkpoint.storage import INDEX_FILE, META_FILE, STEP_DIR, CheckpointStorage, DcpFileStorage, TensorIndex
 from recsys_runner.errors import CheckpointError
 
@@ -34,7 +34,7 @@ T = TypeVar("T")
 
 def storage_for(path: Path | None, rank: int = 0, world_size: int = 1) -> CheckpointStorage:
     """The storage of checkpoints at ``path``: :class:`DcpObjectStorage` for a URI, else DCP on the file system."""
-    if path is not None and stores.is_remote(path):
+    if path is not None and uris.is_remote(path):
         return DcpObjectStorage(rank, world_size)
     return DcpFileStorage(rank, world_size)
 

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torchrec.optim.keyed import CombinedOptimizer
 
-from recsys_runner import stores
+from recsys_runner import uris
 from recsys_runner.checkpoint import resume
 from recsys_runner.checkpoint.config import CheckpointConfig, TrainState
 from recsys_runner.checkpoint.guard import check_finite, finite_state
@@ -72,7 +72,7 @@ class Checkpointer:
             # each rank names its Hydra run directory from its own clock: ranks started a second apart would write one
             # checkpoint into two directories, which a resume then finds damaged. Rank 0's is every rank's.
             resolved = decided_on_rank0(lambda: resolved, rank, world_size)
-        self.dir = stores.as_path(resolved) if resolved else None
+        self.dir = uris.as_path(resolved) if resolved else None
         """``checkpoint.dir``, or its CLI default: rank 0's run directory's ``checkpoints`` (``None``: nothing is saved)."""
         self.rank, self.world_size = rank, world_size
         self.device, self.nan_guard = device or torch.device("cpu"), nan_guard

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from recsys_runner import stores
+from recsys_runner import uris
 from recsys_runner.checkpoint.config import RESUME_WORDS, CheckpointConfig, TrainState
 from recsys_runner.checkpoint.storage import CheckpointStorage, TensorIndex
 from recsys_runner.checkpoint.weights import CarriedRows, TrainingParts, load_into
@@ -35,7 +35,7 @@ def choose(config: CheckpointConfig, storage: CheckpointStorage, root: Path | No
     if config.resume == "never":
         return None, ()
     if config.resume not in RESUME_WORDS:
-        path = stores.as_path(config.resume)
+        path = uris.as_path(config.resume)
         if not storage.exists(path):
             raise CheckpointError(f"checkpoint.resume={config.resume}: no such checkpoint directory")
         reason = storage.damage(path)
@@ -67,7 +67,7 @@ def choose(config: CheckpointConfig, storage: CheckpointStorage, root: Path | No
 def init_source(config: CheckpointConfig, storage: CheckpointStorage) -> Path:
     """``init_from``'s checkpoint: the one named, or the newest under the directory named."""
     assert config.init_from is not None
-    source = stores.as_path(config.init_from)
+    source = uris.as_path(config.init_from)
     if storage.is_complete(source):
         return source
     found = storage.checkpoints(source)

@@ -51,9 +51,10 @@ from recsys_runner.data.files.tabular_config import CRITEO_COLUMNS, CRITEO_NUM_S
 from recsys_runner.data.locate import PARQUET_SUFFIXES, resolve_files
 from recsys_runner.data.schema import DenseColumn, Schema, SparseColumn
 from recsys_runner.data.schema_files import SCHEMA_METADATA_KEY, read_schema_file, schema_json, schema_yaml, stored_schema
-from recsys_runner.data.sequences.interactions import DUPLICATES, ROWS, SPLITS, LogSpec, convert_log
+from recsys_runner.data.sequences.events import DUPLICATES, LogSpec
+from recsys_runner.data.sequences.interactions import convert_log
 from recsys_runner.data.sequences.output import OUTPUT_FILES
-from recsys_runner.data.sequences.splits import LEAVE_TWO_OUT_MIN_EVENTS, part_names
+from recsys_runner.data.sequences.splits import LEAVE_TWO_OUT_MIN_EVENTS, ROWS, SPLITS, part_names
 from recsys_runner.errors import ConfigError, DataError
 from recsys_runner.noise import quiet_known_noise
 from recsys_runner.progress import MODES as PROGRESS_MODES

@@ -2,7 +2,7 @@
 
 The one place a ``data.path``-like setting (``data.path``, ``data.eval_path``, ``data.items.path``, a sequence log,
 predict's input) becomes a list of files, below every room that reads them (``files``, ``catalogue``, ``sequences``,
-scoring), so none of those rooms imports another to find its files. May import ``stores`` and ``errors`` only.
+scoring), so none of those rooms imports another to find its files. May import ``stores``, ``uris`` and ``errors`` only.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import glob
 import os
 
-from recsys_runner import stores
+from recsys_runner import stores, uris
 from recsys_runner.errors import DataError
 
 PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")
@@ -24,7 +24,7 @@ def resolve_files(path: str, key: str, suffixes: tuple[str, ...] | None) -> list
     are names without one of ``suffixes`` (when given). An object-store URI (``s3://bucket/prefix/``, a glob of one)
     names objects alike (:func:`recsys_runner.stores.list_files`).
     """
-    if stores.is_uri(path):
+    if uris.is_uri(path):
         return stores.list_files(path, key, suffixes)
     if any(ch in path for ch in "*?["):
         files = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))

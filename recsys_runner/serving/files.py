@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torchrec.datasets.utils import Batch
 
-from recsys_runner import stores
+from recsys_runner import stores, uris
 from recsys_runner.checkpoint.object_storage import storage_for
 from recsys_runner.checkpoint.storage import TensorIndex
 from recsys_runner.checkpoint.weights import load_into
@@ -210,7 +210,7 @@ def served_rows(stored: StoredEncoders | None, checkpoint: Path, raw: Any, null_
         log.warning("no MLflow model: checkpoint %s stores no data encoders (it was written before they were), so what turns a "
                     "raw row into its ids is not known for sure. Fix: fine-tune it for a step with this version, then export", checkpoint)
         return None
-    return ServedRows(stored, stores.read_bytes(stores.join(str(checkpoint), ENCODERS_FILE), CheckpointError), raw, null_values)
+    return ServedRows(stored, stores.read_bytes(uris.join(str(checkpoint), ENCODERS_FILE), CheckpointError), raw, null_values)
 
 
 def write_export(built: Unsharded, *, checkpoint: Path, meta: dict[str, Any], ema: bool, out: Path, served: ServedRows | None = None,

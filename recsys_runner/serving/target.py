@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from recsys_runner import stores
+from recsys_runner import uris
 from recsys_runner.errors import ConfigError
 from recsys_runner.runtime import Launch
 from recsys_runner.serving import mlflow_model
@@ -19,7 +19,7 @@ from recsys_runner.tracking import lineage
 def export_dir(configured: str | None, launch: Launch) -> Path:
     """``export.dir``, else ``<Hydra run dir>/export``."""
     if configured is not None:
-        return stores.as_path(configured)
+        return uris.as_path(configured)
     default = launch.under_output_dir("export")
     if default is None:
         raise ConfigError("export.dir is not set and this is not a Hydra run. Fix: export.dir=<directory>")

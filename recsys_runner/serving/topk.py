@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchrec.datasets.utils import Batch
 
-from recsys_runner import stores
+from recsys_runner import stores, uris
 from recsys_runner.data.base import DataModule
 from recsys_runner.data.encoding import served
 from recsys_runner.data.encoding.stored import StoredEncoders
@@ -170,7 +170,7 @@ def write_top_k_model(plan: TopKPlan, model: nn.Module, keys: list[str], batch: 
             compile_program(program, str(directory / served.COMPILED_FILE))
         np.save(directory / served_topk.VECTORS_FILE, index.numpy().astype(np.float32))
         for c in columns:
-            text = stores.read_bytes(stores.join(plan.folder, c["file"]), ConfigError)
+            text = stores.read_bytes(uris.join(plan.folder, c["file"]), ConfigError)
             (directory / served_topk.VOCAB_DIR / f"{c['table']}.txt").write_bytes(text)
         (directory / served_topk.SPEC_FILE).write_text(json.dumps(spec, indent=1) + "\n")
         mlflow_model.copy_shipped(code)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from recsys_runner import stores
+from recsys_runner import stores, uris
 from recsys_runner.data.base import DataConfig, DataModule, SplitFiles
 from recsys_runner.data.encoding.stored import from_json, stored_types
 from recsys_runner.errors import CheckpointError
@@ -112,7 +112,7 @@ def read_stored(checkpoint: str | os.PathLike[str]) -> list[DataRecord] | None:
     """The training's records a checkpoint stores; ``None`` for one written before they were, or unreadable (this is
     only compared, never relied on)."""
     try:
-        raw = json.loads(stores.read_bytes(stores.join(os.fspath(checkpoint), DATA_INPUTS_FILE), CheckpointError))
+        raw = json.loads(stores.read_bytes(uris.join(os.fspath(checkpoint), DATA_INPUTS_FILE), CheckpointError))
         return [DataRecord(**r) for r in raw]
     except (FileNotFoundError, CheckpointError, ValueError, TypeError) as e:
         if not isinstance(e, FileNotFoundError):
@@ -171,7 +171,7 @@ def _files_record(name: str, split: SplitFiles, context: str, columns: list[dict
         profile["holdout"] = split.holdout
     if split.num_rows is not None:
         profile["num_rows"] = split.num_rows
-    scheme = urlsplit(split.path).scheme if stores.is_uri(split.path) else ""
+    scheme = urlsplit(split.path).scheme if uris.is_uri(split.path) else ""
     return DataRecord(name=name, digest=digest.hexdigest()[:DIGEST_LENGTH], source_type=scheme or "local",
                       source=split.path if scheme else os.path.abspath(split.path),
                       context=context, profile=profile, columns=columns)
@@ -193,7 +193,7 @@ def _generated_record(config: DataConfig, kind: str, split: str, features: Featu
 
 def _stat(path: str) -> tuple[int, float]:
     """(size, modification time) of a local file or an object (its ``LastModified``; 0 when the store gives none)."""
-    if not stores.is_uri(path):
+    if not uris.is_uri(path):
         st = os.stat(path)
         return st.st_size, st.st_mtime
     fs, rest = stores.fsspec_filesystem(path)

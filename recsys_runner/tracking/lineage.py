@@ -30,7 +30,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import torch
 
-from recsys_runner import stores
+from recsys_runner import uris
 from recsys_runner.checkpoint.object_storage import storage_for
 from recsys_runner.errors import CheckpointError
 
@@ -202,13 +202,13 @@ def resolve_checkpoint(spec: str, *, lookup_run: Any = None) -> Path:
     checkpoint if one was kept, else its newest), or an MLflow run id whose ``checkpoint_dir`` tag gives
     the root (``lookup_run(run_id) -> tags``, e.g. :func:`run_tags`). Raises :class:`CheckpointError` naming
     what was looked for and where."""
-    path = stores.as_path(spec)
+    path = uris.as_path(spec)
     if not _exists(path) and lookup_run is not None and "/" not in spec:
         tags: Mapping[str, str] = lookup_run(spec)
         if CHECKPOINT_DIR_TAG not in tags:
             raise CheckpointError(f"MLflow run {spec} has no {CHECKPOINT_DIR_TAG!r} tag (it saved no checkpoints, or was "
                                   f"made by an older recsys_runner); pass the checkpoint directory instead: load=<path>")
-        path = stores.as_path(tags[CHECKPOINT_DIR_TAG])
+        path = uris.as_path(tags[CHECKPOINT_DIR_TAG])
         if not _exists(path):
             raise CheckpointError(f"MLflow run {spec} wrote its checkpoints to {path}, which does not exist on this machine; "
                                   f"copy them here and pass load=<path>")

@@ -32,7 +32,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from recsys_runner import stores
+from recsys_runner import stores, uris
 from recsys_runner.data.encoding.values import type_name
 from recsys_runner.data.encoding.vocabulary import Vocabulary
 from recsys_runner.data.schema import DenseColumn, Schema, SparseColumn
@@ -61,7 +61,7 @@ class StoredEncoders:
 def read_stored(checkpoint: str | os.PathLike[str]) -> StoredEncoders | None:
     """The encoders stored in ``checkpoint`` (a directory or a store prefix), or ``None`` for a checkpoint written before
     encoders were stored (the caller warns: they are then fitted on the data again, as before)."""
-    where = stores.join(os.fspath(checkpoint), ENCODERS_FILE)
+    where = uris.join(os.fspath(checkpoint), ENCODERS_FILE)
     try:
         content = stores.read_bytes(where, CheckpointError)
     except FileNotFoundError:

@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from recsys_runner import stores
+from recsys_runner import stores, uris
 from recsys_runner.data.files import compression as compressed
 from recsys_runner.data.files.compression import Compression
 from recsys_runner.data.files.layout import delimiter_hint, detect_delimiter, looks_like_data, looks_like_header, split_fields
@@ -48,7 +48,7 @@ def _head(path: str) -> bytes:
 
 
 def _unreadable(path: str, e: OSError) -> UserError:
-    if stores.is_uri(path):
+    if uris.is_uri(path):
         return stores.store_error(path, e)
     return DataError(f"{path} cannot be read ({e.strerror or e}). Fix: check that it exists and that you may read it, or remove it from data.path")
 
@@ -103,7 +103,7 @@ class ParquetSource:
         return units
 
     def _open(self, path: str) -> pq.ParquetFile:
-        remote = stores.is_uri(path)
+        remote = uris.is_uri(path)
         if remote and path in self._footers:
             fs, rest = stores.arrow_filesystem(path)
             try:

@@ -14,7 +14,7 @@ id, an unseen one reads row ``capacity + key mod oov_buckets`` (``key``: the enc
 tables keep the earlier output's sizes and a model trained on it reads the new rows.
 
 :func:`load_mapping` and :func:`raw_ids` map ids back to raw values (predict's top-k). May import ``stores``,
-``errors`` and ``data.encoding``.
+``uris``, ``errors`` and ``data.encoding``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from recsys_runner import stores
+from recsys_runner import stores, uris
 from recsys_runner.data.encoding.fit import read_vocab_file
 from recsys_runner.data.encoding.keys import value_keys
 from recsys_runner.data.encoding.vocabulary import Vocabulary
@@ -112,7 +112,7 @@ def _index(folder: str, what: str) -> dict:
         ConfigError: no such file, not JSON, or not the form this command writes (naming the folder, ``what`` names the
             flag, and the fix).
     """
-    path = stores.join(folder, VOCAB_FILE)
+    path = uris.join(folder, VOCAB_FILE)
     fix = "Fix: point it at an earlier output folder of python -m recsys_runner.data sequences (it holds vocab.json and vocab/)"
     try:
         index = json.loads(stores.read_bytes(path, ConfigError).decode("utf-8"))
@@ -157,8 +157,8 @@ class EarlierVocab:
         """The earlier mapping (its :data:`VOCAB_FILE` and vocab files) into ``folder``: the one this output's ids follow."""
         (folder / VOCAB_DIR).mkdir(parents=True, exist_ok=True)
         for entry in self.tables.values():
-            (folder / entry["file"]).write_bytes(stores.read_bytes(stores.join(self.folder, entry["file"]), ConfigError))
-        (folder / VOCAB_FILE).write_bytes(stores.read_bytes(stores.join(self.folder, VOCAB_FILE), ConfigError))
+            (folder / entry["file"]).write_bytes(stores.read_bytes(uris.join(self.folder, entry["file"]), ConfigError))
+        (folder / VOCAB_FILE).write_bytes(stores.read_bytes(uris.join(self.folder, VOCAB_FILE), ConfigError))
 
     def encode(self, table: str, arr: pa.Array, where: str) -> tuple[np.ndarray, int]:
         """The ids of a column's raw values in the earlier mapping of ``table``, and how many distinct values it has
@@ -177,7 +177,7 @@ class EarlierVocab:
             kinds = ("integers", "text")
             raise ConfigError(f"{where}: the {table} ids are {kinds[not integers]}, but --vocab {self.folder} holds {kinds[not entry['integers']]} "
                               f"for them, which key values differently. Fix: give the column the earlier log's type")
-        vocabulary: Vocabulary = read_vocab_file(stores.join(self.folder, entry["file"]), f"--vocab {self.folder} [{table}]",
+        vocabulary: Vocabulary = read_vocab_file(uris.join(self.folder, entry["file"]), f"--vocab {self.folder} [{table}]",
                                                  self.oov_buckets, integers=integers)
         keys, wrong = value_keys(arr, False)
         assert wrong is None, "integers or text: every value keys"
@@ -196,7 +196,7 @@ def load_mapping(folder: str) -> dict[str, np.ndarray]:
     index = _index(folder, "the mapping folder")
     out = {}
     for table, entry in index["tables"].items():
-        lines = stores.read_bytes(stores.join(folder, entry["file"]), ConfigError).decode("utf-8").split("\n")
+        lines = stores.read_bytes(uris.join(folder, entry["file"]), ConfigError).decode("utf-8").split("\n")
         if lines and lines[-1] == "":
             lines.pop()
         out[table] = np.array([int(v) for v in lines], np.int64) if entry["integers"] else np.array(lines, object)
@@ -219,7 +219,7 @@ def mapping_folder(rows_file: str) -> str | None:
         return None
     relative = meta[VOCAB_METADATA_KEY].decode()
     parent = rows_file.rstrip("/").rsplit("/", 1)[0] if "/" in rows_file else "."
-    return parent if relative in (".", "") else stores.join(parent, relative)
+    return parent if relative in (".", "") else uris.join(parent, relative)
 
 
 def raw_ids(mapping: dict[str, np.ndarray], table: str, ids: np.ndarray) -> list:

@@ -4,14 +4,14 @@
 as a hidden sibling and renamed into place; in an object store the files are uploaded when all are complete), so the
 folder holds the whole new output or what it held before, never a file half written or the files of two runs. Leaving
 the ``with`` block of :class:`StagedOutput` on an error or a signal deletes the staging folder. May import ``stores``,
-``staging`` and ``errors``.
+``uris``, ``staging`` and ``errors``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from recsys_runner import stores
+from recsys_runner import uris
 from recsys_runner.errors import ConfigError
 from recsys_runner.staging import StagedFolder, held_names, is_local_file
 
@@ -33,7 +33,7 @@ def check_output(output: Path, overwrite: bool) -> list[str]:
     if not held:
         return []
     foreign = [n for n in held if not (n in OUTPUT_FILES and is_local_file(output, n))
-               and not (n in OUTPUT_FOLDERS and (stores.is_remote(output) or (output / n).is_dir()))]
+               and not (n in OUTPUT_FOLDERS and (uris.is_remote(output) or (output / n).is_dir()))]
     shown = held[:8] + ([f"… {len(held) - 8} more"] if len(held) > 8 else [])
     if foreign:
         raise ConfigError(f"the output folder {output} is not empty: it holds {shown}, and {foreign[:8]} are not files sequences writes "
@@ -50,7 +50,7 @@ class StagedOutput(StagedFolder):
     :meth:`commit` leaves ``output`` as it was. The output is checked (:func:`check_output`) when this is made."""
 
     def __init__(self, output: str, overwrite: bool) -> None:
-        out = stores.as_path(output)
+        out = uris.as_path(output)
         self.earlier = check_output(out, overwrite)
         """The files of an earlier output that :meth:`commit` replaces."""
         super().__init__(out)

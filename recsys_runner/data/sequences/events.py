@@ -1,0 +1,283 @@
+"""An interaction log read and encoded: the columns it names, each event's ids, time and label, and its repeated lines.
+
+:func:`read_log` reads the columns the command names (:class:`LogSpec`: ``--user``, ``--item``, ``--time``,
+``--label``, ``--side``) from Parquet or delimited text, local or in an object store, and refuses a log without rows
+by name. :func:`encode` numbers each table's distinct raw values in sorted order (or encodes them with an earlier
+output's mapping, ``--vocab``), reads the times as integers and the labels as 0/1, and marks each line that repeats
+an earlier one exactly (:func:`identical_events`): :class:`Events`, one entry per line of the log.
+
+A room of its own below :mod:`recsys_runner.data.sequences.interactions`: reading and encoding a log builds no history
+and writes nothing, and the rows with histories are made from :class:`Events` alone, so ``interactions`` imports this
+module, never the reverse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+
+from recsys_runner import stores
+from recsys_runner.data.locate import PARQUET_SUFFIXES, resolve_files
+from recsys_runner.data.sequences.mapping import EarlierVocab, Table, check_writable, sorted_codes
+from recsys_runner.data.sequences.splits import ROWS, SPLITS
+from recsys_runner.errors import ConfigError, DataError
+
+__all__ = ["DUPLICATES", "LogSpec"]
+DUPLICATES = ("drop", "keep", "fail")
+"""What ``--duplicates`` does with repeated events (:mod:`~recsys_runner.data.sequences.interactions`): drop the
+copies, keep them, or refuse the log."""
+
+
+@dataclass(kw_only=True)
+class LogSpec:
+    """What the log's columns are and how rows are made of it (the command's flags)."""
+
+    user: str = "user"
+    item: str = "item"
+    time: str = "timestamp"
+    label: str | None = None
+    """A 0/1 label column, or a rating with ``label_threshold``; ``None``: every event is a positive (label 1)."""
+    label_threshold: float | None = None
+    sides: list[str] = field(default_factory=list)
+    """Item side columns (``category``): each becomes a candidate feature and a history ``hist_<side>``."""
+    max_len: int = 50
+    split: str = "leave-last-out"
+    eval_from: int | None = None
+    """``split="time"``: the first eval (with ``valid_from``: test) time."""
+    valid_from: int | None = None
+    """``split="time"``: the first valid time (before ``eval_from``); ``None``: no valid rows."""
+    rows: str = "per-event"
+    """``per-event``: a row per event; ``per-user``: a row per user and part (:mod:`~recsys_runner.data.sequences.splits`)."""
+    duplicates: str = "drop"
+    """Repeated events (equal in every column read): ``drop`` all but the first, ``keep`` them, or ``fail``."""
+    vocab: str | None = None
+    """An earlier output folder whose id mapping encodes this log (``--vocab``); ``None``: a new mapping."""
+    oov_buckets: int = 1
+    """Rows after each table's ids shared by raw ids a ``--vocab`` run has not seen (a new mapping reserves them too,
+    so both outputs' tables have one size); with ``vocab`` the earlier output's number."""
+
+    def __post_init__(self) -> None:
+        if self.duplicates not in DUPLICATES:
+            raise ConfigError(f"--duplicates {self.duplicates!r} must be one of {list(DUPLICATES)}")
+        if self.max_len <= 0:
+            raise ConfigError(f"--max-len must be positive, got {self.max_len}")
+        if self.split not in SPLITS:
+            raise ConfigError(f"--split {self.split!r} must be one of {list(SPLITS)}")
+        if self.rows not in ROWS:
+            raise ConfigError(f"--rows {self.rows!r} must be one of {list(ROWS)}")
+        if self.oov_buckets < 1:
+            raise ConfigError(f"--oov-buckets must be at least 1 (the rows unseen ids of a later --vocab run read), got {self.oov_buckets}")
+        if self.split != "time" and (self.eval_from is not None or self.valid_from is not None):
+            raise ConfigError(f"--eval-from / --valid-from apply to --split time, not --split {self.split}. Fix: drop them, or --split time")
+        if self.valid_from is not None and self.eval_from is not None and self.valid_from >= self.eval_from:
+            raise ConfigError(f"--valid-from {self.valid_from} must come before --eval-from {self.eval_from}: valid rows are the events in "
+                              f"[valid-from, eval-from), test rows those from eval-from on")
+        taken = {"user_id", "item_id", "item", "label", "ts"}
+        clash = [s for s in self.sides if s in taken or f"hist_{s}" in taken]
+        if clash:
+            raise ConfigError(f"--side {clash[0]} names an output column or table of its own ({sorted(taken)}). Fix: rename the log's column")
+        if self.split == "time" and self.eval_from is None:
+            raise ConfigError("--split time needs --eval-from <time>: events at or after it are eval rows. Fix: e.g. "
+                              "--eval-from 1700000000 (in the units of the time column), or --split leave-last-out")
+        if self.label_threshold is not None and self.label is None:
+            raise ConfigError("--label-threshold needs --label <rating column>")
+        names = [self.user, self.item, self.time, *([self.label] if self.label else []), *self.sides]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"the columns {names} (--user, --item, --time, --label, --side) repeat; each has one role")
+
+    @property
+    def columns(self) -> list[str]:
+        return [self.user, self.item, self.time, *([self.label] if self.label else []), *self.sides]
+
+
+def read_log(path: str, spec: LogSpec, fmt: str = "auto", delimiter: str = ",") -> tuple[pa.Table, str]:
+    """The log's columns (``spec.columns``) from Parquet or delimited text (local files or object-store URIs), and a name
+    for messages.
+
+    Raises:
+        DataError: no such file, a missing column (naming the columns there are), or a log without rows (naming it).
+    """
+    files = resolve_files(path, "the log", None)
+    parquet = fmt == "parquet" or (fmt == "auto" and all(f.endswith(PARQUET_SUFFIXES) for f in files))
+    where = files[0] + (f" (and {len(files) - 1} more file(s))" if len(files) > 1 else "")
+    tables: list[pa.Table] = []
+    empty: list[tuple[str, str]] = []
+    for f in files:
+        if stores.file_size(f) == 0:  # no header, no footer: nothing to name columns by, and no events
+            empty.append((f, "0 bytes"))
+            continue
+        fs, in_fs = stores.arrow_filesystem(f)
+        names = pq.read_schema(in_fs, filesystem=fs).names if parquet else _header(f, delimiter)
+        missing = [c for c in spec.columns if c not in names]
+        if missing:
+            raise DataError(f"{f} has no column(s) {missing}; its columns are {names}. Fix: name the log's columns with --user, "
+                            f"--item, --time, --label and --side")
+        if parquet:
+            table = pq.read_table(in_fs, columns=spec.columns, filesystem=fs)
+        else:
+            with stores.open_input(f) as stream:
+                table = pacsv.read_csv(stream, parse_options=pacsv.ParseOptions(delimiter=delimiter),
+                                       convert_options=pacsv.ConvertOptions(include_columns=spec.columns))
+        if table.num_rows == 0:
+            empty.append((f, "a Parquet file of 0 rows" if parquet else "a header line only"))
+            continue
+        tables.append(table)
+    if not tables:
+        which = empty[0][1] if len(empty) == 1 else "in each file: " + "; ".join(f"{f}: {what}" for f, what in empty)
+        raise DataError(f"the log {where} is empty (rows: 0, {which}): there are no events to make rows of. Fix: point the command "
+                        f"at the log's events (one per line: user, item, time), or check the export that wrote it")
+    return pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0], where
+
+
+def _header(path: str, delimiter: str) -> list[str]:
+    with stores.open_input(path) as f:
+        return f.readline().decode("utf-8", errors="replace").rstrip("\r\n").split(delimiter)
+
+
+def _no_nulls(arr: pa.ChunkedArray, column: str, where: str) -> pa.Array:
+    arr = arr.combine_chunks()
+    if arr.null_count:
+        row = int(np.flatnonzero(np.asarray(arr.is_null().to_numpy(zero_copy_only=False)))[0])
+        raise DataError(f"{where}, row {row} (0-based, header not counted): column {column!r} is missing. Fix: every event needs a "
+                        f"user, an item and a time; drop such lines")
+    return arr
+
+
+def event_times(arr: pa.ChunkedArray, column: str, where: str) -> np.ndarray:
+    """The time column as int64 (integers as they are, timestamps in seconds).
+
+    Raises:
+        DataError: a null, or a column of another type (naming it and the fix).
+    """
+    arr = _no_nulls(arr, column, where)
+    if pa.types.is_timestamp(arr.type) or pa.types.is_date(arr.type):
+        arr = arr.cast(pa.timestamp("s")).cast(pa.int64())
+    if not pa.types.is_integer(arr.type):
+        raise DataError(f"{where}: the time column {column!r} has type {arr.type}; event times are integers (e.g. Unix seconds) "
+                        f"or timestamps. Fix: --time <an integer time column>, or convert it first")
+    return np.asarray(arr.to_numpy(zero_copy_only=False), dtype=np.int64)
+
+
+def event_labels(table: pa.Table, spec: LogSpec, where: str) -> np.ndarray:
+    """Each event's label (int8): the label column (0/1), a rating ``>= label_threshold``, or 1 without a label column."""
+    if spec.label is None:
+        return np.ones(table.num_rows, np.int8)
+    arr = _no_nulls(table.column(spec.label), spec.label, where)
+    if not (pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type) or pa.types.is_boolean(arr.type)):
+        raise DataError(f"{where}: the label column {spec.label!r} has type {arr.type}, not a number. Fix: --label <a 0/1 or rating column>")
+    values = np.asarray(arr.cast(pa.float64()).to_numpy(zero_copy_only=False))
+    if spec.label_threshold is not None:
+        return (values >= spec.label_threshold).astype(np.int8)
+    wrong = np.flatnonzero((values != 0) & (values != 1))
+    if len(wrong):
+        raise DataError(f"{where}, row {int(wrong[0])}: the label {spec.label!r} is {values[wrong[0]]:g}, not 0 or 1. Fix: a rating "
+                        f"needs --label-threshold <value> (ratings >= it are positives)")
+    return values.astype(np.int8)
+
+
+def dense_ids(arr: pa.ChunkedArray, column: str, where: str) -> tuple[np.ndarray, pa.Array]:
+    """Ids ``0 … n-1`` of a column's values numbered in sorted order (:func:`~recsys_runner.data.sequences.mapping.sorted_codes`),
+    and the ``n`` distinct values in id order."""
+    return sorted_codes(_no_nulls(arr, column, where))
+
+
+@dataclass
+class Events:
+    """The log encoded: per input row its user, item and side codes (raw values numbered in sorted order: which user,
+    which item), time and label; the ids the rows hold (the codes, or an earlier mapping's ids with ``--vocab``); and
+    each id space's size."""
+
+    user: np.ndarray
+    item: np.ndarray
+    sides: dict[str, np.ndarray]
+    time: np.ndarray
+    label: np.ndarray
+    sizes: dict[str, int]
+    """Rows of each table (``user_id``, ``item_id``, each side): its ids and the OOV rows."""
+    same: np.ndarray
+    """Per input row, which event it is (equal in every column read: :func:`identical_events`): copies share a number."""
+    copy: np.ndarray
+    """Whether the row repeats an earlier row of the log (one with the same :attr:`same`)."""
+    ids: dict[str, np.ndarray]
+    """Per output column (``user_id``, ``item_id``, each side), the id each input row holds."""
+    ties: tuple[np.ndarray, ...]
+    """What orders a user's events at one time: the codes of item, sides and raw label
+    (:func:`~recsys_runner.data.sequences.interactions.history_bounds`)."""
+
+    def take(self, rows: np.ndarray) -> Events:
+        """The events of input rows ``rows`` (a mask or indices), in that order; ids and sizes unchanged."""
+        return Events(self.user[rows], self.item[rows], {k: v[rows] for k, v in self.sides.items()}, self.time[rows], self.label[rows],
+                      self.sizes, self.same[rows], self.copy[rows], {k: v[rows] for k, v in self.ids.items()},
+                      tuple(t[rows] for t in self.ties))
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """:func:`encode_log`'s result: the events, the mapping to write (new ids: each table's raw values in id order) and,
+    with ``--vocab``, per table the distinct raw ids the earlier mapping has not seen."""
+
+    events: Events
+    tables: list[Table]
+    unseen: dict[str, int]
+
+
+def identical_events(codes: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """For columns given as codes (equal code, equal value), per row: the number of its group of identical rows, and
+    whether an earlier row (in input order) is in its group. One sort of all columns, then neighbours compared."""
+    n = len(codes[0])
+    order = np.lexsort((np.arange(n), *reversed(codes)))  # the last key sorts first: input order within a group
+    new = np.zeros(n, bool)  # the row starts a group: the first row, or one that differs from its neighbour in any column
+    new[:1] = True
+    for c in codes:
+        in_order = c[order]
+        new[1:] |= in_order[1:] != in_order[:-1]
+    same, copy = np.empty(n, np.int64), np.empty(n, bool)
+    same[order] = np.cumsum(new) - 1
+    copy[order] = ~new
+    return same, copy
+
+
+def encode_log(table: pa.Table, spec: LogSpec, where: str) -> Events:
+    """Ids, times and labels of the log's events (see :func:`dense_ids`, :func:`event_times`, :func:`event_labels`), and
+    which of them repeat an earlier one: equal values in every column read (:func:`identical_events` over the raw values)."""
+    return encode(table, spec, where).events
+
+
+def encode(table: pa.Table, spec: LogSpec, where: str, earlier: EarlierVocab | None = None) -> Encoded:
+    """:func:`encode_log`, with the mapping: new ids (sorted raw values), or ``earlier``'s ids (``--vocab``)."""
+    # table name, output column, log column
+    spaces = [("user_id", "user_id", spec.user), ("item", "item_id", spec.item), *((s, s, s) for s in spec.sides)]
+    codes, ids, sizes, tables, unseen = {}, {}, {}, [], {}
+    for name, column, log_column in spaces:
+        arr = _no_nulls(table.column(log_column), log_column, where)
+        codes[column], values = sorted_codes(arr)
+        check_writable(values, name, where)
+        if earlier is None:
+            ids[column], sizes[column] = codes[column], len(values) + spec.oov_buckets
+        else:
+            ids[column], unseen[name] = earlier.encode(name, arr, where)
+            sizes[column] = earlier.size(name)
+        columns = (column, f"hist_{column}") if name != "user_id" else (column,)
+        tables.append(Table(name, log_column, ("item_id", "hist_item_id") if name == "item" else columns, values))
+    time, label = event_times(table.column(spec.time), spec.time, where), event_labels(table, spec, where)
+    raw = [dense_ids(table.column(c), c, where)[0] for c in (spec.time, *([spec.label] if spec.label else []))]  # as logged
+    sides = {s: codes[s] for s in spec.sides}
+    same, copy = identical_events([codes["user_id"], codes["item_id"], *sides.values(), *raw])
+    ties = (codes["item_id"], *sides.values(), *raw[1:])
+    events = Events(codes["user_id"], codes["item_id"], sides, time, label, sizes, same, copy, ids, ties)
+    return Encoded(events, tables, unseen)
+
+
+def duplicates_message(table: pa.Table, events: Events, where: str) -> str:
+    """``--duplicates fail``'s refusal: how many lines repeat an earlier one, the first of them and the line it repeats."""
+    row = int(np.flatnonzero(events.copy)[0])
+    first = int(np.flatnonzero(events.same == events.same[row])[0])
+    values = table.slice(row, 1).to_pylist()[0]
+    return (f"{where}: {int(events.copy.sum())} event(s) repeat an earlier one exactly (equal in every column read: "
+            f"{list(table.column_names)}); the first is row {row}, a copy of row {first} (0-based, header not counted): {values}. "
+            f"Fix: --duplicates drop to drop the copies (the default), or --duplicates keep if they are distinct events")
+
