@@ -2,7 +2,8 @@
 PyTorch tiles (values and gradients; time biases, candidates, shared positions, empty rows), in one launch or in chunks
 of rows, inside ``hstu_rank`` and ``sasrec``'s HSTU blocks, traced by the sparse-dist pipeline, and refused where no
 jagged attention runs. fbgemm's Triton kernels (what runs on CUDA) are checked against the tiles in Triton's interpreter
-on the CPU (tests/triton_interpreted.py), and on a machine with CUDA the layer test runs them compiled."""
+on the CPU (tests/triton_interpreted.py); on a GPU, ``bench.hstu_kernels`` (in ``bench.gpu``'s list) and the probe of
+``attention_kernel=auto`` compare them compiled."""
 
 from __future__ import annotations
 
@@ -30,24 +31,23 @@ from tests.test_hstu_rank import assert_paths_agree, build_model, tiny
 from tests.test_models import small_sequences
 from tests.test_pipelines import _train
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here"))]
 LENGTHS = [5, 0, 1, 17, 8, 33]
 
 
-def jagged_inputs(lengths: list[int], dim: int, device: str, seed: int = 0) -> dict[str, torch.Tensor]:
+def jagged_inputs(lengths: list[int], dim: int, seed: int = 0) -> dict[str, torch.Tensor]:
     """One batch's flat tokens ``x [T, D]``, query and key times, candidate flags and shared positions."""
     g = torch.Generator().manual_seed(seed)
     tokens = sum(lengths)
     times = [torch.randint(1, 10**5, (tokens,), generator=g).cumsum(0) for _ in range(2)]
     values = {"x": torch.randn(tokens, dim, generator=g), "query_times": times[0], "key_times": times[1],
               "candidates": torch.rand(tokens, generator=g) < 0.3, "positions": torch.randint(0, 12, (tokens,), generator=g)}
-    return {k: v.to(device) for k, v in values.items()}
+    return values
 
 
 def run_layer(layer: HSTUBlock, inputs: dict[str, torch.Tensor], lengths: list[int], options: set[str]) -> tuple[torch.Tensor, ...]:
     """The layer's output on the jagged tokens and the gradients of ``Σ out²`` in its input and parameters."""
     x = inputs["x"].clone().requires_grad_()
-    out = layer.forward_jagged(x, tile(torch.tensor(lengths, device=x.device), 4),
+    out = layer.forward_jagged(x, tile(torch.tensor(lengths), 4),
                                (inputs["query_times"], inputs["key_times"]) if "times" in options else None,
                                inputs["candidates"] if "candidates" in options else None,
                                inputs["positions"] if "positions" in options else None)
@@ -57,16 +57,14 @@ def run_layer(layer: HSTUBlock, inputs: dict[str, torch.Tensor], lengths: list[i
     return (out.detach(), x.grad, *grads)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("options", [set(), {"times"}, {"times", "candidates"}, {"times", "candidates", "positions"}],
                          ids=["positions-only", "times", "candidates", "shared-positions"])
-def test_the_fbgemm_kernels_give_the_tiles_numbers(device: str, options: set[str]) -> None:
+def test_the_fbgemm_kernels_give_the_tiles_numbers(options: set[str]) -> None:
     torch.manual_seed(0)
-    tiles_layer = HSTUBlock(8, num_heads=2, max_len=40, dropout=0.0, time_buckets=16 if "times" in options else 0).to(device)
-    fbgemm_layer = HSTUBlock(8, num_heads=2, max_len=40, dropout=0.0, time_buckets=16 if "times" in options else 0,
-                             kernel="fbgemm").to(device)
+    tiles_layer, fbgemm_layer = (HSTUBlock(8, num_heads=2, max_len=40, dropout=0.0, time_buckets=16 if "times" in options else 0,
+                                           kernel=kernel) for kernel in ("tiles", "fbgemm"))
     fbgemm_layer.load_state_dict(tiles_layer.state_dict())
-    inputs = jagged_inputs(LENGTHS, 8, device)
+    inputs = jagged_inputs(LENGTHS, 8)
     expected, got = (run_layer(layer, inputs, LENGTHS, options) for layer in (tiles_layer, fbgemm_layer))
     torch.testing.assert_close(got[0], expected[0], atol=1e-5, rtol=1e-5)
     for name, a, b in zip(["input", *(n for n, _ in tiles_layer.named_parameters())], got[1:], expected[1:], strict=True):
@@ -108,7 +106,7 @@ def test_auto_runs_the_tiles_on_the_cpu() -> None:
     torch.manual_seed(0)
     layers = [HSTUBlock(8, num_heads=2, max_len=40, dropout=0.0, time_buckets=16, kernel=kernel) for kernel in ("auto", "tiles")]
     layers[1].load_state_dict(layers[0].state_dict())
-    inputs = jagged_inputs(LENGTHS, 8, "cpu")
+    inputs = jagged_inputs(LENGTHS, 8)
     auto, tiles = (run_layer(layer, inputs, LENGTHS, {"times", "candidates"}) for layer in layers)
     assert all(torch.equal(a, b) for a, b in zip(auto, tiles, strict=True))
     assert HSTUBlock(8, 2, 40, 0.0, 0).kernel == "auto" and tiny().attention_kernel == "auto"
@@ -140,7 +138,7 @@ def test_auto_falls_back_to_the_tiles_with_one_line_when_fbgemm_fails_its_probe(
     torch.manual_seed(0)
     layers = [HSTUBlock(8, num_heads=2, max_len=40, dropout=0.0, time_buckets=16, kernel=kernel) for kernel in ("auto", "tiles")]
     layers[1].load_state_dict(layers[0].state_dict())
-    inputs = jagged_inputs(LENGTHS, 8, "cpu")
+    inputs = jagged_inputs(LENGTHS, 8)
     with LogWarnings() as logged:
         auto = [run_layer(layers[0], inputs, LENGTHS, {"times"}) for _ in range(2)]
     tiles = run_layer(layers[1], inputs, LENGTHS, {"times"})
