@@ -101,6 +101,19 @@ def test_fbgemm_on_the_cpu_says_once_that_it_runs_reference_loops() -> None:
     assert len(logged.messages) == 1 and "Fix: model.attention_kernel=tiles" in logged.messages[0], logged.messages
 
 
+def test_the_fbgemm_kernel_never_plans_the_tiles_and_the_tiles_plan_once() -> None:
+    """fbgemm's kernel reads the rows' lengths alone, so the tiling (host syncs and index work per batch) is not built for
+    it; on the tiles, every layer of a batch shares one plan."""
+    q, lengths = torch.randn(6, 2, 4), torch.tensor([2, 4])
+    tiles = tile(lengths, 4)
+    jagged_kernels.attention("fbgemm", q, q, q, tiles, torch.randn(8), None, 0.1)
+    assert "_plan" not in tiles.__dict__
+    jagged_kernels.attention("tiles", q, q, q, tiles, torch.randn(8), None, 0.1)
+    plan = tiles.__dict__["_plan"]
+    jagged_kernels.attention("tiles", q, q, q, tiles, torch.randn(8), None, 0.1)
+    assert tiles.__dict__["_plan"] is plan
+
+
 def test_auto_runs_the_tiles_on_the_cpu() -> None:
     """``auto`` (the default) on the CPU is the tiles' computation itself, not fbgemm's loops: the same output bit for bit."""
     torch.manual_seed(0)

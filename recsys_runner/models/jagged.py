@@ -18,9 +18,11 @@ pairs, ``H`` heads, ``d`` a head's width.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -30,23 +32,47 @@ __all__ = ["TIME_BUCKET_WIDTH", "Tiles", "padded_reference", "from_tiles", "poin
            "softmax_attention", "tile", "time_buckets", "to_tiles"]
 
 
-@dataclass(frozen=True)
-class Tiles:
-    """How one batch's rows are cut into tiles of ``block`` tokens.
-
-    ``slots [T]``: each token's slot in the tiled layout ``[NB · C]`` (row ``r``'s tiles follow row ``r - 1``'s);
-    ``positions [NB, C]``: each slot's position within its row, ``-1`` past the row's end; ``pair_query [P]`` and
-    ``pair_key [P]``: the tiles that meet (a query tile and each key tile of its row it attends to); ``lengths [B]``: the
-    rows' token counts it was planned from (what a kernel that takes offsets, not tiles, reads).
-    """
-
+class _Plan(NamedTuple):
     slots: torch.Tensor
     positions: torch.Tensor
     pair_query: torch.Tensor
     pair_key: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """How one batch's rows of ``lengths [B]`` are cut into tiles of ``block`` tokens, planned on first use: a kernel
+    that reads the lengths alone (fbgemm's, :mod:`recsys_runner.models.jagged_kernels`) never pays for the plan, and
+    the layers of one batch share it.
+
+    ``slots [T]``: each token's slot in the tiled layout ``[NB · C]`` (row ``r``'s tiles follow row ``r - 1``'s);
+    ``positions [NB, C]``: each slot's position within its row, ``-1`` past the row's end; ``pair_query [P]`` and
+    ``pair_key [P]``: the tiles that meet (a query tile and each key tile of its row it attends to).
+    """
+
+    lengths: torch.Tensor
     block: int
     causal: bool
-    lengths: torch.Tensor
+
+    @functools.cached_property
+    def _plan(self) -> _Plan:
+        return _plan(self.lengths, self.block, self.causal)
+
+    @property
+    def slots(self) -> torch.Tensor:
+        return self._plan.slots
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self._plan.positions
+
+    @property
+    def pair_query(self) -> torch.Tensor:
+        return self._plan.pair_query
+
+    @property
+    def pair_key(self) -> torch.Tensor:
+        return self._plan.pair_key
 
 
 def row_starts(lengths: torch.Tensor) -> torch.Tensor:
@@ -61,7 +87,10 @@ def tile(lengths: torch.Tensor, block: int, causal: bool = True) -> Tiles:
     ``causal``: a query tile meets its row's key tiles up to itself; otherwise every tile of its row. A leaf of
     TorchRec's pipeline trace (``torch.fx.wrap``): the tile counts are data, which a symbolic trace cannot follow.
     """
-    lengths = lengths.long()
+    return Tiles(lengths=lengths.long(), block=block, causal=causal)
+
+
+def _plan(lengths: torch.Tensor, block: int, causal: bool) -> _Plan:
     device = lengths.device
     tiles = torch.div(lengths + block - 1, block, rounding_mode="floor")  # [B]
     first = row_starts(tiles)
@@ -78,8 +107,7 @@ def tile(lengths: torch.Tensor, block: int, causal: bool = True) -> Tiles:
     num_pairs = int(keys.sum())
     pair_query = torch.repeat_interleave(torch.arange(num_tiles, device=device), keys, output_size=num_pairs)
     pair_key = first[tile_row[pair_query]] + torch.arange(num_pairs, device=device) - row_starts(keys)[pair_query]
-    return Tiles(slots=slots, positions=positions, pair_query=pair_query, pair_key=pair_key, block=block, causal=causal,
-                 lengths=lengths)
+    return _Plan(slots=slots, positions=positions, pair_query=pair_query, pair_key=pair_key)
 
 
 def to_tiles(x: torch.Tensor, tiles: Tiles) -> torch.Tensor:
