@@ -223,8 +223,8 @@ def attention(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ti
         if why is not None:
             _note_fallback(q.device, why)
         use_fbgemm = why is None
-    if use_fbgemm and not q.is_cuda:
-        _note_cpu_loops()  # asked for by name: auto never picks the loops
     if use_fbgemm:
+        if not q.is_cuda:
+            _note_cpu_loops()  # asked for by name: auto never picks the loops
         return fbgemm_pointwise_attention(q, k, v, tiles.lengths, position, time, scale, times, candidates, positions)
     return pointwise_attention(q, k, v, tiles, position, time, scale, times, candidates, positions)
