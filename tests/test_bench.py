@@ -42,9 +42,16 @@ def test_sequence_batchings_share_one_token_budget() -> None:
     assert quick.batch_tokens // 4 >= quick.max_len + 1, "every quick budget must hold one longest row"
 
 
-def test_too_few_steps_is_refused() -> None:
-    with pytest.raises(SystemExit):
-        main(["--steps", "10"])
+@pytest.mark.parametrize("flag", ["--steps", "--host-steps"])
+def test_too_few_steps_is_refused(flag: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse's usage error (exit 2) naming the flag and why, before anything is written (not even the JSON's folder)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        main([flag, "10"])
+    assert exited.value.code == 2
+    assert f"error: {flag} must be >= 20: the first window of 10 steps is warm-up" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.slow

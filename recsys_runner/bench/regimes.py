@@ -322,7 +322,6 @@ def main(argv: list[str] | None = None, sequence_bench: SequenceBench | None = N
                         help="leave out regimes (repeatable); seq: the sequence regimes e-g (bench/sequences.py)")
     parser.add_argument("overrides", nargs="*", help="extra config overrides for every regime (e.g. distributed.device=cuda)")
     args = parser.parse_args(argv)
-    os.makedirs(os.path.dirname(str(args.json)) or ".", exist_ok=True)
     q = args.quick
     batch_size = args.batch_size or (128 if q else 1024)
     steps = args.steps or (20 if q else 100)
@@ -332,6 +331,7 @@ def main(argv: list[str] | None = None, sequence_bench: SequenceBench | None = N
     for name, n in (("--steps", steps), ("--host-steps", host_steps)):
         if n < 2 * WINDOW:
             parser.error(f"{name} must be >= {2 * WINDOW}: the first window of {WINDOW} steps is warm-up")
+    os.makedirs(os.path.dirname(str(args.json)) or ".", exist_ok=True)  # only once the arguments are accepted
 
     started = time.perf_counter()
     regimes: list[Regime] = []
