@@ -53,16 +53,23 @@ def test_resumed_training_matches_uninterrupted(make_cfg, mlflow_uri: str, tmp_p
     assert mlrun.info.status == "FINISHED" and mlrun.data.tags.get("resumed") == "true"
 
 
-def test_keep_last_and_best_are_kept_apart(make_cfg, tmp_path: Path) -> None:
+def test_keep_last_and_best_are_kept_apart(make_cfg, mlflow_uri: str, tmp_path: Path) -> None:
+    """The last two step checkpoints, and apart from them the one of the lowest logged eval/logloss (of 4 evals)."""
     cfg = make_cfg("train.num_steps=12", "train.eval_every_steps=3", "train.eval_max_batches=4", "checkpoint.every_steps=2",
                    "checkpoint.keep_last=2", "checkpoint.best_metric=eval/logloss", "checkpoint.best_mode=min",
-                   f"checkpoint.dir={tmp_path}", "tracking=none")
+                   f"checkpoint.dir={tmp_path}")
     run(cfg)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000010", "step_00000012"]
     (best,) = list_checkpoints(tmp_path, best=True)
     import json
 
+    logloss = history(mlflow_uri, cfg.tracking.experiment, "eval/logloss")
+    assert sorted(logloss) == [3, 6, 9, 12]
+    lowest = min(logloss, key=logloss.__getitem__)
+    assert len(set(logloss.values())) == 4 and lowest != 12, logloss  # else the newest eval would pass for the best
+    assert best.name == f"best-step_{lowest:08d}"
     meta = json.loads((best / "meta.json").read_text())
+    assert meta["step"] == lowest and meta["best"] == pytest.approx(logloss[lowest])
     assert meta["metrics"]["eval/logloss"] == pytest.approx(meta["best"])
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
 
