@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import run_in_process
+from tests.conftest import run_in_process, skip_unless_ci
 from tests.test_mlflow_model import _click_rows
 from tests.test_tracking import MlflowServer
 
@@ -51,9 +51,7 @@ def _browser_binaries() -> tuple[str, str]:
     if missing:
         reason = (f"BROWSER TEST SKIPPED — {' and '.join(missing)} not found; `.ci/install-chromium` (run by `make test`) "
                   "installs Debian's chromium and chromium-driver as root with apt-get")
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(reason.replace("SKIPPED", "CANNOT RUN under CI"), pytrace=False)
-        pytest.skip(reason)
+        skip_unless_ci(reason)
     assert chromium and driver
     return chromium, driver
 

@@ -21,6 +21,7 @@ from mlflow.tracking import MlflowClient
 from recsys_runner.configurable import make
 from recsys_runner.errors import TrackingError
 from recsys_runner.tracking.tracker import MlflowTracker, MlflowTrackingConfig
+from tests.conftest import skip_unless_ci
 
 # tests.conftest (TINY, run_cli) imports torch and torchrec; it is imported inside the CLI tests only, so
 # that the race test's worker processes, which import this module, start in seconds.
@@ -113,7 +114,8 @@ def _without_root_powers() -> list[str]:
     if os.geteuid() != 0:
         return []
     if shutil.which("setpriv") is None:
-        pytest.skip("running as root, and setpriv (util-linux) is missing to drop CAP_DAC_OVERRIDE")
+        skip_unless_ci("READ-ONLY STORE TEST SKIPPED — running as root, and setpriv (util-linux) is missing to drop "
+                       "CAP_DAC_OVERRIDE")
     return ["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner", "--"]
 
 
