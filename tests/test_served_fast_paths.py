@@ -138,6 +138,7 @@ def test_small_requests_encode_as_the_row_encoder_does(hex_model: dict[str, Any]
     frames["not a number"] = text.head(3).assign(price=["1.0", "cheap", "2"])
     frames["not finite"] = text.head(3).assign(price=["1.0", "nan", "2"])
     frames["price missing or empty"] = text.head(4).assign(price=[None, "", "0", "-3"])
+    refused = {}
     for name, frame in frames.items():
         want = _general(model, frame)
         try:
@@ -146,8 +147,16 @@ def test_small_requests_encode_as_the_row_encoder_does(hex_model: dict[str, Any]
             got = str(e)
         if isinstance(want, str) or isinstance(got, str):
             assert got == want, name
+            refused[name] = got
             continue
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), name
+    # both paths refuse exactly the bad rows, each with the request's row, column and value (not a crash both share)
+    expected = {"not hex": "row 1, column 'ad': 'xyz' is not a hexadecimal string",
+                "not a number": "row 1, column 'price': 'cheap' is not a number",
+                "not finite": "row 1, column 'price': the value is nan, not a finite number"}
+    assert sorted(refused) == sorted(expected), refused
+    for name, fragment in expected.items():
+        assert refused[name].startswith(f"bad row in request {fragment}") and refused[name].endswith("Fix the request"), refused
 
 
 def test_hex_model_serves_predicts_scores(hex_model: dict[str, Any], tmp_path: Path) -> None:
