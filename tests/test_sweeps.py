@@ -84,7 +84,12 @@ def test_grid_multirun_is_one_parent_with_children(grid: tuple[str, Path]) -> No
     uri, _ = grid
     parent, children = _parent_and_children(uri, "grid")
     assert len(children) == 3 and parent.info.status == "FINISHED"
-    assert parent.data.params["best.optim.lr"] in {"0.01", "0.05", "0.1"}
+    aucs = sorted(r.data.metrics["eval/auc"] for r in children)
+    assert aucs[-1] > aucs[-2], aucs  # one best child, so the check below names it
+    best = max(children, key=lambda r: r.data.metrics["eval/auc"])  # eval/auc: higher is better
+    assert parent.data.tags["best.run_id"] == best.info.run_id
+    assert parent.data.params["best.optim.lr"] == best.data.params["swept.optim.lr"]
+    assert parent.data.metrics["best/eval/auc"] == pytest.approx(best.data.metrics["eval/auc"])
     assert PARENT_RUN_ENV not in os.environ and SWEPT_KEYS_ENV not in os.environ, "the sweep's environment is put back"
 
 
