@@ -162,10 +162,17 @@ def test_ple_and_dbmtl_heads_output_the_classes(make_cfg, model: str) -> None:
     c = build(validate(make_cfg(*overrides, *SMALL, "tracking=none", "checkpoint=none")))
     try:
         final = train(c.loop)
+        batch = next(iter(c.loop.data.eval_batches(0, 1)))  # the one eval batch (train.eval_max_batches=1)
+        model = c.loop.evaluator.model.eval()
+        with torch.no_grad():
+            _, (_, logits, labels) = model(batch)
     finally:
         c.close()
     assert {"eval/category/accuracy", "eval/category/logloss", "eval/category/auc"} <= set(final)
-    assert all(v == v for v in final.values()), final
+    assert logits.shape == (64, 1 + 3) and torch.isfinite(logits).all()  # the ctr logit, then the 3 classes' logits
+    classes = labels[:, 1].long()
+    assert final["eval/category/accuracy"] == pytest.approx(float((logits[:, 1:].argmax(1) == classes).double().mean()))
+    assert final["eval/category/logloss"] == pytest.approx(float(F.cross_entropy(logits[:, 1:].double(), classes)), rel=1e-5)
 
 
 # -- files: an int label column through data.labels, predict, bad values -----------------------------------------------------
