@@ -239,18 +239,22 @@ def test_mistakes_name_the_flag_or_column(tmp_path: Path, capsys: pytest.Capture
 
 
 def test_din_trains_on_the_produced_files(make_cfg, tmp_path: Path) -> None:
+    """The files carry the log's signal to the model: a click follows the item's category (8 of 20 are liked), so DIN
+    must rank the held-out events well above chance after 20 steps."""
     rng = np.random.default_rng(0)
     n = 6000
     users, items = rng.integers(0, 200, n), rng.integers(0, 300, n)
+    liked = items % 20 < 8
     log = pa.table({"user": users, "item": items, "timestamp": rng.integers(0, 10_000, n), "category": items % 20,
-                    "click": (rng.random(n) < 0.4).astype(np.int8)})
+                    "click": (rng.random(n) < np.where(liked, 0.7, 0.15)).astype(np.int8)})
     convert(tmp_path, log, "--label", "click", "--max-len", "10", "--split", "time", "--eval-from", "9000")
     out = tmp_path / "out"
     cfg = make_cfg("model=din", "data=parquet", f"data.path={out}/train.parquet", f"data.eval_path={out}/eval.parquet",
                    "data.num_workers=0", "train.num_steps=20", "train.log_every_steps=10", "train.eval_every_steps=null",
                    "distributed.device=cpu", "distributed.sharding_types=[table_wise]", "checkpoint=none", "data.batch_size=128",
                    "tracking=none", tiny=False)
-    assert 0.0 <= run(cfg) <= 1.0
+    auc = run(cfg)
+    assert auc > 0.65, f"eval/auc {auc:.3f}: the model did not learn from the produced files"
 
 
 # -- repeated events ----------------------------------------------------------------------------------------------------
