@@ -202,11 +202,18 @@ def test_sampled_frequencies_follow_popularity_to_the_alpha(distribution: str, a
 
 
 def test_dssm_trains_with_sampled_negatives(make_cfg) -> None:
+    from mlflow.tracking import MlflowClient
+
     from recsys_runner.__main__ import run
 
     cfg = make_cfg("experiment=dssm_negatives", "data.negatives.num_negatives=64", "checkpoint=none",
                    "train.num_steps=20")
-    assert math.isfinite(run(cfg))
+    run(cfg)
+    client = MlflowClient(tracking_uri=cfg.tracking.uri)
+    (mlrun,) = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])
+    recall = mlrun.data.metrics["eval/recall_at_10"]  # the positive among the whole catalogue: every id of the item column
+    random = 10 / cfg.data.num_embeddings
+    assert recall > 5 * random, f"recall@10 {recall:.3f} over the catalogue; random is {random:.3f}"
 
 
 def test_negatives_bench_runs(tmp_path: Path) -> None:
