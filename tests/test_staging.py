@@ -26,7 +26,7 @@ def test_local_output_is_replaced_whole_and_an_error_leaves_the_earlier_one(tmp_
     assert held_names(out, "export.dir") == ["keep", "old.txt"]
     assert is_local_file(out, "old.txt") and not is_local_file(out, "keep")
 
-    with pytest.raises(RuntimeError), StagedFolder(out) as staged:
+    with pytest.raises(RuntimeError, match="^stopped before the commit$"), StagedFolder(out) as staged:
         _write(staged.path, {"new.txt": "new"})
         raise RuntimeError("stopped before the commit")
     assert held_names(out, "export.dir") == ["keep", "old.txt"]  # as it was
@@ -69,7 +69,7 @@ def test_store_output_is_uploaded_whole_and_the_earlier_objects_are_gone(store: 
     assert held_names(out, "export.dir") == ["model.pt2", "old.txt"]
     assert is_local_file(out, "anything")  # every object of a store is a file
 
-    with pytest.raises(RuntimeError), StagedFolder(out) as staged:
+    with pytest.raises(RuntimeError, match="^stopped before the commit$"), StagedFolder(out) as staged:
         _write(staged.path, {"model.pt2": "new"})
         local = staged.path
         raise RuntimeError("stopped before the commit")
