@@ -128,6 +128,17 @@ def test_out_of_range_id(tmp_path: Path) -> None:
         read_all(parquet_data(path))
 
 
+@pytest.mark.parametrize("encoding", ["id", "mod", "hash"])
+def test_float_id_column_is_one_type_error_not_every_row_out_of_range(tmp_path: Path, encoding: str) -> None:
+    # pandas writes an id column with one missing value as float64: 1.0 is in range, yet it was reported as
+    # "id 1.0 is outside [0, 10)" on every row (and skipped as a bad row with on_bad_rows=skip)
+    path = parquet(tmp_path, label=[0, 1, 0], item=[1.0, 2.0, None])
+    sparse = [{"name": "item", "num_embeddings": 10, "encoding": encoding}]
+    with pytest.raises(DataError, match=r"p\.parquet, row group 0: column 'item' holds double values, but data\.sparse\[item\] "
+                                        rf"\(encoding={encoding}\) reads ids: integers or text\. Fix: write the column as int64"):
+        read_all(parquet_data(path, sparse=sparse, on_bad_rows="skip"))
+
+
 def test_wrong_field_count_in_csv(tmp_path: Path) -> None:
     (tmp_path / "a.csv").write_text("label,item\n1,2\n0,1,7\n1,3\n")
     with pytest.raises(DataError, match=r"bad row in .*a\.csv, line 3: expected 2 fields separated by ',', found 3"):
