@@ -45,7 +45,7 @@ from recsys_runner.data.encoding.rows import Encoder, Location, Rows
 from recsys_runner.data.encoding.stored import column_kinds, column_types, oov_counters, to_json
 from recsys_runner.data.files.compression import plain_name
 from recsys_runner.data.files.prefetch import read_ahead
-from recsys_runner.data.files.sources import CsvSource, Unit
+from recsys_runner.data.files.sources import CsvSource, ParquetSource, Unit
 from recsys_runner.data.files.tabular_config import DEFAULT_EVAL_FRACTION, TabularDataConfig
 from recsys_runner.data.locate import resolve_files
 from recsys_runner.data.schema import Schema
@@ -158,6 +158,8 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         if config.eval_path is not None:
             eval_source = self._eval_source(resolve_files(config.eval_path, "data.eval_path", self._suffixes()), train_source)
             eval_units = eval_source.units()
+            if isinstance(eval_source, ParquetSource) and isinstance(train_source, ParquetSource):
+                eval_source.check_types(train_source)
             self._train = _Split(train_source, train_units, [u.num_rows for u in train_units])
             self._eval = _Split(eval_source, eval_units, [u.num_rows for u in eval_units])
         else:
