@@ -61,13 +61,17 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> float:
 
 def _data_inputs(c: Components) -> list[DataRecord]:
     """Rank 0's record of the data this run trains and evaluates on (digests read the files once, so on one rank), also
-    written into every checkpoint beside the encoders fitted on it (``data_inputs.json``): a later evaluate compares."""
+    written into every checkpoint beside the encoders fitted on it (``data_inputs.json``): a later evaluate compares, and
+    so does a resume, against the checkpoint it resumes (a warning where the files changed since)."""
     if not c.env.is_main:
         return []
     files = c.loop.checkpointer.files
     records = datasets.describe(c.run.served_data, c.loop.data, max_digest_mb=c.run.tracking.dataset_digest_max_mb,
                                 encoders=files.get(ENCODERS_FILE))
     files[datasets.DATA_INPUTS_FILE] = datasets.to_json(records)
+    if (resumed := c.loop.state.resumed_from) is not None:  # the files it started on, as the checkpoint recorded them
+        trained = [r for r in records if r.context == datasets.CONTEXTS["train"]]
+        datasets.note_changes(datasets.read_stored(resumed), trained, resumed, consequence=datasets.RESUMED_ON_CHANGED)
     return records
 
 

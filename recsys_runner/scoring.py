@@ -191,9 +191,12 @@ def score_files(inference: Inference, *, input_path: str | None, columns: list[s
     data, env, model = inference.data, inference.env, inference.model
     assert isinstance(data, TabularData)
     # the data option's own reader (format settings), over the input's columns
-    source = data.open_files(*scored_files(data.config.path, input_path))
+    files, key = scored_files(data.config.path, input_path)
+    source = data.open_files(files, key)
     features = [c for c in data.schema.columns if c not in data.schema.label_columns]  # dense, sparse, histories' times
     source.columns = list(dict.fromkeys([*features, *columns]))
+    if input_path:
+        data.check_trained(source, f"{key}={files!r}", optional=data.schema.label_columns)
     units = rank_units(source.units(), env.rank, env.world_size)
     if not uris.is_remote(output):  # in an object store a part is an object: no directory to make
         output.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -22,7 +23,10 @@ from recsys_runner import evaluate, predict
 from recsys_runner.__main__ import run as train
 from recsys_runner.build import build
 from recsys_runner.config import validate
-from recsys_runner.data.encoding.stored import ENCODERS_FILE, from_json
+from recsys_runner.configurable import make
+from recsys_runner.data.encoding.stored import ENCODERS_FILE, StoredEncoders, from_json, stored_types
+from recsys_runner.data.files.tabular import CsvData, ParquetData
+from recsys_runner.data.files.tabular_config import CsvDataConfig, ParquetDataConfig
 from recsys_runner.errors import DataError
 from tests.test_evaluate import compose_entry
 
@@ -149,3 +153,35 @@ def test_a_checkpoint_without_stored_encoders_loads_with_a_warning(trained: dict
         metrics = evaluate.run(compose_entry("evaluate", *trained["data"], f"data.path={tmp_path}/train.csv", f"load={old}"))
     assert "eval/auc" in metrics
     assert any("stores no data encoders" in r.getMessage() and "fitted on the data again" in r.getMessage() for r in caplog.records)
+
+
+def test_ids_of_another_type_than_in_training_are_refused_not_read_as_oov(tmp_path: Path) -> None:
+    """A model trained on Parquet int64 ids, scored on the same ids written as text (or a CSV: every column text): each
+    id keyed another vocabulary row, and predict wrote an untrained model's scores with only an INFO line saying
+    'user 100.00%' OOV. Refused for data.path, data.eval_path and predict.input, naming the column and both types."""
+    ints = tmp_path / "ints.parquet"
+    pq.write_table(pa.table({"label": [0, 1] * 20, "user": list(range(40)), "item": [3] * 40}), ints)
+    texts = tmp_path / "texts.parquet"
+    pq.write_table(pa.table({"label": [0, 1] * 20, "user": [str(u) for u in range(40)], "item": [3] * 40}), texts)
+    (tmp_path / "texts.csv").write_text("label,user,item\n" + "".join(f"{k % 2},{k},3\n" for k in range(40)))
+    sparse = [{"name": "user"}, {"name": "item", "num_embeddings": 8}]  # user: an inferred vocabulary; item: ids
+    fitted = ParquetData(make(ParquetDataConfig, path=str(ints), batch_size=4, sparse=sparse))
+    document = fitted.encoders_document()
+    schema, kinds = from_json(document, "ck")
+    stored = StoredEncoders(schema, kinds, "ck", stored_types(document))
+    refused = r"column 'user' of {where} holds string values, but the model was trained on int64 values in it .*Fix: give " \
+              r"the column the training files' type, int64"
+    with pytest.raises(DataError, match=refused.format(where=r"data.path='.*texts\.parquet'")):
+        ParquetData(make(ParquetDataConfig, path=str(texts), batch_size=4, sparse=sparse), encoders=stored)
+    with pytest.raises(DataError, match=refused.format(where=r"data.path='.*texts\.csv'")):
+        CsvData(make(CsvDataConfig, path=str(tmp_path / "texts.csv"), batch_size=4, sparse=sparse), encoders=stored)
+    data = ParquetData(make(ParquetDataConfig, path=str(ints), batch_size=4, sparse=sparse), encoders=stored)
+    without_labels = tmp_path / "to_score.parquet"
+    pq.write_table(pq.read_table(texts).drop_columns(["label"]), without_labels)
+    scored = data.open_files(str(without_labels), "predict.input")
+    scored.columns = ["user", "item"]  # as predict reads them: the features, no label
+    with pytest.raises(DataError, match=refused.format(where=r"predict.input='.*to_score\.parquet'")):
+        data.check_trained(scored, f"predict.input={str(without_labels)!r}", optional=["label"])
+    # 'item' (encoding=id) reads "3" and 3 alike: no error for ids of the training's type in its column
+    pq.write_table(pq.read_table(ints).drop_columns(["label"]).set_column(1, "item", pa.array(["3"] * 40)), without_labels)
+    data.check_trained(scored, "predict.input", optional=["label"])

@@ -195,3 +195,27 @@ def test_data_over_the_digest_limit_gets_a_digest_of_its_listing_without_being_r
     with files[1].open("a") as f:
         f.write("0,u2\n")
     assert datasets._files_record("csv/train", split, "training", [], max_digest_mb=0).digest != record.digest
+
+
+def test_a_resume_on_files_changed_since_warns_that_its_epoch_position_no_longer_fits(tmp_path: Path) -> None:
+    """A resume after a file of the folder was removed (or rows appended) went on without a word: it skips the batches of
+    the epoch the checkpoint had trained, counted in the old files, so it trained rows twice or never."""
+    folder = tmp_path / "days"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for day in ("day_0", "day_1"):
+        (folder / f"{day}.csv").write_text("click,user,item\n" + "".join(f"{int(rng.random() < 0.5)},u{rng.integers(20)},"
+                                                                       f"{rng.integers(30)}\n" for _ in range(400)))
+    run = ["data=csv", f"data.path={folder}", "data.batch_size=32", "distributed.device=cpu", "tracking=none",
+           "train.eval_every_steps=null", f"checkpoint.dir={tmp_path}/ck"]
+    train(compose_entry("config", *run, "train.num_steps=3"))
+    with LogWarnings() as unchanged:
+        train(compose_entry("config", *run, "train.num_steps=4"))
+    assert not [m for m in unchanged.messages if "changed since" in m]
+    (folder / "day_1.csv").unlink()
+    with LogWarnings() as changed:
+        train(compose_entry("config", *run, "train.num_steps=5"))
+    (warned,) = [m for m in changed.messages if "changed since" in m]
+    assert warned.startswith(f"data csv/train (training) has digest {datasets.read_stored(tmp_path / 'ck' / 'step_00000005')[0].digest}, "
+                             f"but checkpoint {tmp_path}/ck/step_00000004 was trained on digest")
+    assert "The resumed run trains on them as they are now" in warned and "checkpoint.resume=never" in warned

@@ -15,7 +15,8 @@ batched), which fixes every row. A held-out eval split adds its fraction.
 **Tied to the stored encoders.** The training's records go into every checkpoint as ``data_inputs.json``, beside
 ``encoders.json`` (:mod:`recsys_runner.data.encoding.stored`): the encoders were fitted on exactly that data. An
 evaluate or predict on the checkpoint logs a warning when its data of the same name has another digest
-(:func:`note_changes`): new rows read the encoders' OOV rows, and metrics are then not comparable with the training's.
+(:func:`note_changes`): new rows read the encoders' OOV rows, and metrics are then not comparable with the training's;
+so does a resume, whose place in the epoch no longer fits the files.
 
 Logging them never fails a run: a store outage only warns (:meth:`~recsys_runner.tracking.tracker.MlflowTracker.log_inputs`).
 """
@@ -120,10 +121,21 @@ def read_stored(checkpoint: str | os.PathLike[str]) -> list[DataRecord] | None:
         return None
 
 
-def note_changes(trained: Sequence[DataRecord] | None, now: Sequence[DataRecord], checkpoint: object) -> list[str]:
+SCORED_ON_CHANGED = ("The encoders stored with the checkpoint were fitted on that data (ids new since read OOV rows), and "
+                     "these metrics are not comparable with the training's")
+"""What changed files mean for an evaluate or predict of a checkpoint (:func:`note_changes`)."""
+RESUMED_ON_CHANGED = ("The resumed run trains on them as they are now: its place in the epoch counts batches of the files as "
+                      "they were, so rows may be trained twice or never, and ids new since read the stored encoders' OOV rows. "
+                      "Fix: resume on the files the run started with; to train on these, start a new run "
+                      "(checkpoint.resume=never) or fine-tune the checkpoint (checkpoint.init_from=<it>)")
+"""What changed files mean for a resume (:func:`note_changes`): the epoch position it restores no longer fits them."""
+
+
+def note_changes(trained: Sequence[DataRecord] | None, now: Sequence[DataRecord], checkpoint: object,
+                 consequence: str = SCORED_ON_CHANGED) -> list[str]:
     """Warn, once per dataset, where data of the same name and source as the checkpoint's training data has another
-    digest now (files appended to or rewritten since the training); data from another source (that day's eval file) is
-    only noted. Returns the names whose digest differs."""
+    digest now (files added, removed, appended to or rewritten since the training), saying ``consequence``; data from
+    another source (that day's eval file) is only noted. Returns the names whose digest differs."""
     if not trained:
         return []
     before = {r.name: r for r in trained}
@@ -137,10 +149,8 @@ def note_changes(trained: Sequence[DataRecord] | None, now: Sequence[DataRecord]
             log.info("data %s (%s) is %s (digest %s); checkpoint %s was trained with %s (digest %s)", record.name, record.context,
                      record.source, record.digest, checkpoint, old.source, old.digest)
             continue
-        log.warning("data %s (%s) has digest %s, but checkpoint %s was trained on digest %s: the same files, changed since. "
-                    "The encoders stored with the checkpoint were fitted on that data (ids new since read OOV rows), and these "
-                    "metrics are not comparable with the training's", record.name, record.context, record.digest, checkpoint,
-                    old.digest)
+        log.warning("data %s (%s) has digest %s, but checkpoint %s was trained on digest %s: the same files, changed since. %s",
+                    record.name, record.context, record.digest, checkpoint, old.digest, consequence)
     return changed
 
 

@@ -296,6 +296,8 @@ class Encoder:
             weights = None if weights is None else weights[valid]
         if pairs:
             flat, weights = self._pairs(col, flat, row_of, n, where, bad)
+        if pa.types.is_floating(flat.type) and col.encoding != "bucketize":
+            raise self.error(_float_ids(col, flat.type, where))
         ids, wrong = self._ids(col, flat)
         row_bad = np.zeros(n, dtype=bool)
         if wrong is not None and wrong.any():
@@ -506,6 +508,15 @@ def _raw_text(flat: pa.Array, col: Any) -> tuple[np.ndarray, None]:
     values = np.asarray(pc.if_else(digits, flat, "0").cast(pa.int64()).to_numpy(zero_copy_only=False), dtype=np.int64)
     hashed = (fnv1a64(flat) % np.uint64(space)).astype(np.int64)
     return np.where(np.asarray(digits.to_numpy(zero_copy_only=False), dtype=bool), np.mod(values, space), hashed), None
+
+
+def _float_ids(col: Any, dtype: pa.DataType, where: Location) -> str:
+    """Why a typed column of floats cannot be a sparse column's ids, and the ways out. Said once for the column: every
+    row would otherwise be a bad row reported as an id out of range (``82.0`` is not an id of any table)."""
+    return (f"{where.path}, {where.part}: column {col.name!r} holds {dtype} values, but data.sparse[{col.name}] "
+            f"(encoding={col.encoding}) reads ids: integers or text. Fix: write the column as int64 (pandas turns an id column "
+            f"with a missing value into float64; its nullable 'Int64' dtype keeps integers), move it to data.dense if it is a "
+            f"number, or bucketize it (data.sparse[{col.name}].boundaries or quantiles)")
 
 
 def _not_a_number(shown: str, col: Any) -> str:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -164,6 +165,39 @@ def check_columns(kinds: dict[str, str], sample: pa.Table, where: str, source: s
             raise DataError(f"column {name!r} of {where} holds {now} values, but the model was trained on {stored} values in it "
                             f"(encoders stored in {source}): the stored encoding would not map them to the trained rows. Fix: "
                             f"write the column as {stored}, as in the training files")
+
+
+def check_inputs(encoders: StoredEncoders, sample: pa.Table, where: str, optional: Collection[str] = ()) -> None:
+    """Refuse files the stored encoders would read otherwise than the training files: :func:`check_columns`, and a column
+    whose ids are keyed by their type (``encoding: vocab`` or ``hash``, a cross's columns) holding text where training
+    read integers, or the reverse. ``"7"`` and ``7`` are two values there, so every id would read another row than in
+    training (an OOV row of a vocabulary) without an error: scores of an untrained model.
+
+    Args:
+        encoders: the checkpoint's encoders (with the Arrow ``types`` of the columns as training read them; a document
+            written before they were stored has none, and only the kinds are checked).
+        sample: a sample of the files read now.
+        where: the files (``data.path=…``, ``predict.input=…``), for the message.
+        optional: columns the files may lack (the labels, in files to score).
+
+    Raises:
+        DataError: naming the column, both types and the fix.
+    """
+    check_columns({k: v for k, v in encoders.kinds.items() if k not in optional}, sample, where, encoders.source)
+    keyed = {name: col for col in encoders.schema.sparse if not col.hex
+             for name in (col.cross or ([col.name] if col.encoding in ("vocab", "hash") else []))}
+    for name, col in keyed.items():
+        stored = encoders.types.get(name)
+        if stored is None or name not in sample.column_names:
+            continue
+        now = type_name(sample.schema.field(name).type)
+        if "null" in (now, stored) or ("string" in now) == ("string" in stored):
+            continue
+        how = f"data.sparse[{col.name}]" + (" crosses it" if col.cross else f" (encoding={col.encoding}) keys")
+        raise DataError(f"column {name!r} of {where} holds {now} values, but the model was trained on {stored} values in it "
+                        f"(encoders stored in {encoders.source}): {how} text and integers apart (\"7\" and 7 are two values), so "
+                        f"every id would read another row than in training. Fix: give the column the training files' type, "
+                        f"{stored} (every column of a CSV file is text: score a model trained on Parquet with Parquet files)")
 
 
 OOV_PREFIX, LOOKUP_PREFIX = "data/oov_values/", "data/vocab_values/"

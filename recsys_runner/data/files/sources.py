@@ -22,6 +22,8 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from recsys_runner import stores, uris
+from recsys_runner.data.encoding.keys import is_text
+from recsys_runner.data.encoding.values import is_list
 from recsys_runner.data.files import compression as compressed
 from recsys_runner.data.files.compression import Compression
 from recsys_runner.data.files.layout import delimiter_hint, detect_delimiter, looks_like_data, looks_like_header, split_fields
@@ -80,6 +82,40 @@ class Unit:
         return f"row group {self.index}"
 
 
+def _family(t: pa.DataType) -> str | None:
+    """What a column's Arrow type is for reading it: ``number`` (any integer or float width: files of one column may
+    differ in it), ``text``, ``list<…>`` of one of these, another type's name (``bool``); ``None`` for a column of nulls
+    only (it fits any type)."""
+    if is_list(t):
+        inner = _family(t.value_type)
+        return "list" if inner is None else f"list<{inner}>"
+    if pa.types.is_null(t):
+        return None
+    if pa.types.is_integer(t) or pa.types.is_floating(t):
+        return "number"
+    return "text" if is_text(t) else str(t)
+
+
+def type_clash(columns: list[str], first: tuple[str, pa.Schema], other: tuple[str, pa.Schema]) -> DataError | None:
+    """The error for the first of ``columns`` whose type differs in kind (:func:`_family`) between two Parquet files read
+    together, each given as ``(path, Arrow schema)``; ``None`` when they agree.
+
+    Why: an id column written as integers in one file and as text in another would key different rows of a vocabulary
+    or a hash (``7`` and ``"7"`` are two values), so one file's ids would silently read rows trained by nothing."""
+    for name in columns:
+        if name not in first[1].names or name not in other[1].names:
+            continue
+        a, b = (_family(s.field(name).type) for _, s in (first, other))
+        if a is None or b is None or a == b or (a.startswith("list") and b.startswith("list") and "list" in (a, b)):
+            continue
+        ta, tb = first[1].field(name).type, other[1].field(name).type
+        return DataError(f"column {name!r} holds {ta} values in {first[0]} but {tb} values in {other[0]}: files read together "
+                         f"(data.path, data.eval_path) must agree on each column's type, or their values would not be encoded "
+                         f"alike (text ids and integer ids key different rows). Fix: write {name!r} of {other[0]} as {ta}, as in "
+                         f"{first[0]}")
+    return None
+
+
 class ParquetSource:
     """Parquet files, one unit per row group."""
 
@@ -89,9 +125,19 @@ class ParquetSource:
         """Object-store files' footers, read once (a footer costs a round trip to the store)."""
 
     def units(self) -> list[Unit]:
+        """Every file's row groups, after checking that the files agree on the type of each column read (:func:`type_clash`).
+
+        Raises:
+            DataError: a file is empty, unreadable, lacks a column, or holds a column as another kind of values.
+        """
         units = []
+        reference: tuple[str, pa.Schema] | None = None
         for path in self.files:
-            meta = self._open(path).metadata
+            f = self._open(path)
+            meta = f.metadata
+            reference = reference or (path, f.schema_arrow)
+            if (clash := type_clash(self.columns, reference, (path, f.schema_arrow))) is not None:
+                raise clash
             if meta.num_rows == 0:
                 raise DataError(f"{path} is an empty Parquet file (0 rows). Fix: remove it from data.path, or write the data again")
             first = 0
@@ -101,6 +147,18 @@ class ParquetSource:
                     units.append(Unit(path, g, first, n))
                 first += n
         return units
+
+    def check_types(self, reference: ParquetSource) -> None:
+        """Refuse these files (``data.eval_path``'s, say) where a column read holds another kind of values than in
+        ``reference``'s (``data.path``'s): the first file of each speaks for its source, whose own files agree
+        (:meth:`units`).
+
+        Raises:
+            DataError: naming the column, both files and the fix (:func:`type_clash`).
+        """
+        mine, theirs = (source._open(source.files[0]).schema_arrow for source in (self, reference))
+        if (clash := type_clash(self.columns, (reference.files[0], theirs), (self.files[0], mine))) is not None:
+            raise clash
 
     def _open(self, path: str) -> pq.ParquetFile:
         remote = uris.is_uri(path)
@@ -147,22 +205,26 @@ class ParquetSource:
         """The first ``num_rows`` rows of the files (in order), every column, to infer a schema from."""
         tables: list[pa.Table] = []
         wanted = num_rows
+        first: tuple[str, pa.Schema] | None = None
         for path in self.files:
             f = self._open(path)
+            first = first or (path, f.schema_arrow)
+            if f.schema_arrow.names == first[1].names and (clash := type_clash(first[1].names, first, (path, f.schema_arrow))):
+                raise clash
             try:
                 for rb in f.iter_batches(batch_size=min(wanted, self.read_rows), use_threads=False):
                     if tables and rb.schema.names != tables[0].column_names:
-                        return pa.concat_tables(tables)
+                        return _concat(tables)
                     tables.append(pa.Table.from_batches([rb]))
                     wanted -= rb.num_rows
                     if wanted <= 0:
-                        return pa.concat_tables(tables)
+                        return _concat(tables)
             except (pa.ArrowException, OSError) as e:
                 raise DataError(f"{path}: its first rows cannot be read to infer a schema ({str(e).splitlines()[0]}); the file is "
                                 f"corrupt. Fix: write it again, or remove it from data.path") from None
         if not tables:
             raise DataError(f"{self.files[0]} has no rows to infer a schema from. Fix: point data.path at files with rows")
-        return pa.concat_tables(tables)
+        return _concat(tables)
 
     def read(self, unit: Unit) -> Iterator[tuple[pa.Table, np.ndarray]]:
         """The row group as tables of at most ``read_rows`` rows, and the 0-based file row of each row."""
@@ -179,6 +241,12 @@ class ParquetSource:
                 f"{unit.path}, row group {unit.index}: cannot be read ({str(e).splitlines()[0]}); the file is corrupt. "
                 f"Fix: write it again, or remove it from data.path"
             ) from None
+
+
+def _concat(tables: list[pa.Table]) -> pa.Table:
+    """Tables of files with the same columns as one (a column's integer or float widths may differ between files, as
+    :func:`type_clash` allows: widened to one)."""
+    return pa.concat_tables(tables, promote_options="permissive")
 
 
 class CsvSource:

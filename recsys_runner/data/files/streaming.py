@@ -27,7 +27,7 @@ import logging
 import math
 import os
 import zlib
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,10 +42,10 @@ from recsys_runner.data.base import DataModule, SplitFiles, synchronized
 from recsys_runner.data.catalogue.item_files import Catalogue
 from recsys_runner.data.encoding.keys import splitmix64
 from recsys_runner.data.encoding.rows import Encoder, Location, Rows
-from recsys_runner.data.encoding.stored import column_kinds, column_types, oov_counters, to_json
+from recsys_runner.data.encoding.stored import StoredEncoders, check_inputs, column_kinds, column_types, oov_counters, to_json
 from recsys_runner.data.files.compression import plain_name
 from recsys_runner.data.files.prefetch import read_ahead
-from recsys_runner.data.files.sources import CsvSource, Unit
+from recsys_runner.data.files.sources import CsvSource, ParquetSource, Unit
 from recsys_runner.data.files.tabular_config import DEFAULT_EVAL_FRACTION, TabularDataConfig
 from recsys_runner.data.locate import resolve_files
 from recsys_runner.data.schema import Schema
@@ -136,11 +136,13 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         batch = next(iter(data.train_batches(epoch=0, rank=0, world_size=1)))
     """
 
-    def __init__(self, config: TabularDataConfig, schema: Schema) -> None:
+    def __init__(self, config: TabularDataConfig, schema: Schema, encoders: StoredEncoders | None = None) -> None:
         config = config.resolved()  # built by DataConfig.build, already; constructed directly, decided here
         assert isinstance(config.num_workers, int)
         self.config = config
         self.schema = schema
+        self.trained = encoders
+        """The checkpoint's encoders this data was built with (evaluate, predict, a resume), else ``None`` (fitted now)."""
         self.features = schema.features()
         self.batch_size = config.batch_size
         self._bad_rows = 0
@@ -158,6 +160,9 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         if config.eval_path is not None:
             eval_source = self._eval_source(resolve_files(config.eval_path, "data.eval_path", self._suffixes()), train_source)
             eval_units = eval_source.units()
+            if isinstance(eval_source, ParquetSource) and isinstance(train_source, ParquetSource):
+                eval_source.check_types(train_source)
+            self.check_trained(eval_source, f"data.eval_path={config.eval_path!r}")
             self._train = _Split(train_source, train_units, [u.num_rows for u in train_units])
             self._eval = _Split(eval_source, eval_units, [u.num_rows for u in eval_units])
         else:
@@ -185,6 +190,18 @@ class TabularData(Catalogue, DataModule, abc.ABC):
             DataError: ``path`` matches no file of this format.
         """
         return self._source(resolve_files(path, key, self._suffixes()))
+
+    def check_trained(self, source: Any, where: str, optional: Collection[str] = ()) -> None:
+        """Refuse files other than ``data.path`` (``data.eval_path``, ``predict.input``: ``where``) that the checkpoint's
+        stored encoders would read otherwise than the training files (:func:`~recsys_runner.data.encoding.stored.check_inputs`;
+        ``data.path`` is checked when the schema is read from them); ``optional``: columns they may lack (labels, in files to
+        score). Nothing to check for encoders fitted now.
+
+        Raises:
+            DataError: a column the model was trained on is missing, or holds another kind or type of values.
+        """
+        if self.trained is not None:
+            check_inputs(self.trained, source.sample(KIND_SAMPLE_ROWS), where, optional)
 
     # -- subclass hooks ------------------------------------------------------------------------------
     def _suffixes(self) -> tuple[str, ...] | None:

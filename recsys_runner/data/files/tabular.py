@@ -16,7 +16,7 @@ from typing import Any
 import pyarrow as pa
 
 from recsys_runner.data.encoding.fit import Inferred, complete_schema
-from recsys_runner.data.encoding.stored import StoredEncoders, check_columns
+from recsys_runner.data.encoding.stored import StoredEncoders, check_inputs
 from recsys_runner.data.files.sources import CsvSource, ParquetSource
 from recsys_runner.data.files.streaming import KIND_SAMPLE_ROWS, TabularData
 from recsys_runner.data.files.tabular_config import (
@@ -41,9 +41,9 @@ def from_checkpoint(encoders: StoredEncoders, sample: pa.Table, where: str) -> S
     """The stored encoders' schema, after checking that the files (``sample``: rows of them) do not contradict it.
 
     Raises:
-        DataError: a column the model was trained on is missing, or holds another kind of values.
+        DataError: a column the model was trained on is missing, or holds another kind of values (:func:`check_inputs`).
     """
-    check_columns(encoders.kinds, sample, where, encoders.source)
+    check_inputs(encoders, sample, where)
     log.info("data encoders: loaded from %s (fitted when it was trained; not fitted again on %s)", encoders.source, where)
     return encoders.schema
 
@@ -93,7 +93,7 @@ class ParquetData(TabularData):
             log_inferred(done, f"data.path={config.path!r}")
             schema = done.schema
         check_list_columns(schema, first, files[0])
-        super().__init__(config, schema)
+        super().__init__(config, schema, encoders)
 
     def _suffixes(self) -> tuple[str, ...] | None:
         return PARQUET_SUFFIXES
@@ -125,7 +125,7 @@ class CsvData(TabularData):
                                        **({"column_names": list(config.column_names)} if config.column_names else {})})
             schema = done.schema
         check_text_lists(schema.sequences, schema.sparse, f"data.schema={config.schema!r}: sparse" if config.schema else "data.sparse")
-        super().__init__(config, schema)
+        super().__init__(config, schema, encoders)
 
     @staticmethod
     def _sampler(c: CsvDataConfig) -> CsvSource:
@@ -157,7 +157,7 @@ class CriteoData(TabularData):
         """:attr:`config`, typed as this option's (its reader settings; set first: the base class opens the files)."""
         if encoders is not None:  # Criteo's columns are fixed: only the stored sizes and vocabularies matter
             log.info("data encoders: loaded from %s (fitted when it was trained; not fitted again)", encoders.source)
-            super().__init__(config, encoders.schema)
+            super().__init__(config, encoders.schema, encoders)
             return
         sizes: list[int | None] = [*config.num_embeddings_per_feature] if config.num_embeddings_per_feature else [config.num_embeddings] * CRITEO_NUM_SPARSE
         dense, sparse = criteo_columns(sizes, config.categorical_encoding, config.dense_transform)
