@@ -267,6 +267,9 @@ def _refit(config: DataConfig, device: torch.device, checkpointer: Checkpointer,
                                               dropped=then.size if then else 0, oov_carried=False)
             log.warning("data.vocabulary=refit: %s has a vocabulary %s only (encoding=%s now), so its rows start fresh", col.table_name,
                         "now" if now else f"in {source}", col.encoding)
+    if not tables:  # e.g. Parquet written by convert: its ids are encoded already, so there is no id -> row to refit
+        log.warning("data.vocabulary=refit has nothing to carry over: no table has a vocabulary (encoding=vocab) in these files "
+                    "or in %s, so every trained row loads at its position, as with data.vocabulary=keep", source)
     checkpointer.carry = CarriedRows(tables, frozenset(c.table_name for c in new.sparse))
     checkpointer.files[ENCODERS_FILE] = document
     checkpointer.files[REFIT_FILE] = json.dumps({"init_from": str(source), "tables": {

@@ -166,6 +166,26 @@ def test_refit_is_refused_when_resuming_and_must_be_keep_or_refit(trained: dict[
         validate(compose_entry("config", *new, "data.vocabulary=again"))
 
 
+def test_refit_without_any_vocabulary_says_it_has_nothing_to_carry(trained: dict[str, Any], tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    # Hashed columns on both sides (as Parquet written by convert: its ids are encoded already): refit would otherwise
+    # do nothing without a word (docs/lifecycle.md's fine-tune on generated Parquet days is such a run).
+    hashed = ["data.sparse=[{name: user, num_embeddings: 100, encoding: hash}, {name: item, num_embeddings: 60, encoding: hash}]",
+              *trained["data"]]
+    train(compose_entry("config", *hashed, f"data.path={trained['root']}/old.csv", "train.num_steps=1",
+                        f"checkpoint.dir={tmp_path}/hashed"))
+    (checkpoint,) = list_checkpoints(tmp_path / "hashed")
+    with caplog.at_level(logging.WARNING, logger="recsys_runner"):
+        c = build(validate(compose_entry("config", *hashed, f"data.path={trained['root']}/new.csv", "data.vocabulary=refit",
+                                         f"checkpoint.init_from={checkpoint}", f"checkpoint.dir={tmp_path}/fine_tune")))
+    try:
+        assert c.loop.checkpointer.carry is not None and not c.loop.checkpointer.carry.tables
+    finally:
+        c.close()
+    assert any(r.getMessage().startswith("data.vocabulary=refit has nothing to carry over: no table has a vocabulary") and
+               str(checkpoint) in r.getMessage() for r in caplog.records)
+
+
 @pytest.fixture
 def one_rank() -> Iterator[None]:
     if not dist.is_initialized():

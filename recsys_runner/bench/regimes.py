@@ -21,7 +21,8 @@ is warm-up and dropped). Paths alternate within a round and the order flips ever
 hits all alike; a ratio is the median of the per-round ratios. Prints one table and writes it as JSON.
 
 Usage: ``python -m recsys_runner.bench [--quick] [--json bench.json] [--rounds 7] [overrides…]`` (which also runs the
-sequence regimes e-g of :mod:`recsys_runner.bench.sequences`; ``python -m recsys_runner.bench.regimes`` runs a-d only).
+sequence regimes e-g of :mod:`recsys_runner.bench.sequences`; ``python -m recsys_runner.bench.regimes`` runs a-d only;
+``python -m recsys_runner.bench --corpus [--help]`` runs the full-corpus evaluation regime alone, :mod:`recsys_runner.bench.corpus`).
 """
 
 from __future__ import annotations
