@@ -12,12 +12,14 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from hydra import compose, initialize_config_dir
 from mlflow.tracking import MlflowClient
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import recsys_runner.__main__ as entry
@@ -38,12 +40,12 @@ def _overrides(tmp_path: Path, experiment: str) -> list[str]:
             f"tracking.experiment={experiment}", f"checkpoint.dir={tmp_path}/ckpt", "checkpoint.keep_last=null"]
 
 
-def _torchrun(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+def _torchrun(tmp_path: Path, *overrides: str, module: str = "recsys_runner") -> subprocess.CompletedProcess[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}",
-           "-m", "recsys_runner", "distributed.sharding_types=[column_wise]", "distributed.timeout_s=120",
+           "-m", module, "distributed.sharding_types=[column_wise]", "distributed.timeout_s=120",
            f"hydra.run.dir={tmp_path}/run2", *overrides]
     return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=400, env={**os.environ, "PYTHONPATH": str(REPO)})
 
@@ -98,17 +100,67 @@ def test_two_rank_checkpoint_resumes_on_one_rank(tmp_path: Path, monkeypatch: py
     assert steps == list(range(1, STEPS + 1)), steps
 
 
+Pieces = list[tuple[list[int], torch.Tensor]]
+"""One rank's pieces of a tensor, each with its offsets in the whole one."""
+
+
+def _local_pieces(value: Any) -> tuple[bool, Pieces]:
+    """Whether a loaded tensor is sharded, and this rank's pieces of it: a ShardedTensor's local shards (none when the
+    rank holds none of it), or the whole tensor at offset 0 (a dense one, replicated on every rank)."""
+    if isinstance(value, ShardedTensor):
+        return True, [(list(s.metadata.shard_offsets), s.tensor.detach().clone()) for s in value.local_shards()]
+    assert isinstance(value, torch.Tensor), type(value)
+    return False, [([0] * value.dim(), value.detach().clone())]
+
+
+def _dump_loaded_then_train(loop: Any) -> dict[str, float]:
+    """``entry.train`` of a ``python -m tests.test_checkpoint_reshard`` rank: saves what build() restored on this rank
+    (before any step) to ``loaded_rank<r>.pt`` in the working directory, then trains."""
+    loaded = {k: _local_pieces(v) for k, v in loop.checkpointer._tensor_state().items()}
+    torch.save({"step": loop.state.step, "tensors": loaded}, Path.cwd() / f"loaded_rank{torch.distributed.get_rank()}.pt")
+    return _real_train(loop)
+
+
 def test_one_rank_checkpoint_resumes_on_two_ranks(tmp_path: Path) -> None:
+    """What the two ranks restored (each dumped it before its first step) is the one rank's saved tensors: every key on
+    some rank (a table's optimizer state only where the table is), the sharded ones covered exactly once by the ranks'
+    shards and the dense ones whole on both, every element equal. (At these sizes a column-wise table is one shard as
+    wide as the table, so the two ranks split the tables between them, not within one.)"""
     args = _overrides(tmp_path, "reshard_1to2")
     with pytest.raises(Interrupted):
         _run_in_process(*args, f"train.stop_after_steps={SLICE}")
     (ckpt,) = list_checkpoints(tmp_path / "ckpt")
-    out = _torchrun(tmp_path, *args)
+    saved = _saved(ckpt)
+    out = _torchrun(tmp_path, *args, module="tests.test_checkpoint_reshard")
     assert out.returncode == 0, out.stderr[-4000:]
     assert f"resuming from {ckpt} at step {SLICE}" in out.stderr + out.stdout
+    ranks = [torch.load(tmp_path / f"loaded_rank{r}.pt", weights_only=False) for r in (0, 1)]
+    assert [r["step"] for r in ranks] == [SLICE, SLICE]
+    assert set(ranks[0]["tensors"]) | set(ranks[1]["tensors"]) == set(saved)
+    tables = [k for k in saved if k.startswith("model/") and "embedding_bags" in k]
+    held = [{k for k in tables if ranks[r]["tensors"][k][1]} for r in (0, 1)]
+    assert held[0] and held[1] and held[0] | held[1] == set(tables), "the two ranks should hold the tables between them"
+    for k, whole in saved.items():
+        mine = [rank["tensors"][k] for rank in ranks if k in rank["tensors"]]
+        sharded = mine[0][0]
+        assert sharded or len(mine) == 2, f"{k}: a dense tensor must be restored on both ranks"
+        covered = torch.zeros(whole.shape, dtype=torch.int32)
+        for _, pieces in mine:
+            for offsets, piece in pieces:
+                where = tuple(slice(o, o + n) for o, n in zip(offsets, piece.shape, strict=True))
+                assert torch.equal(piece, whole[where]), f"{k} at {offsets} differs after resharding 1 → 2 ranks"
+                covered[where] += 1
+        assert (covered == (1 if sharded else 2)).all(), f"{k}: the ranks' pieces do not cover it as they should"
     run, steps = _one_run(tmp_path, "reshard_1to2")
     assert run.info.status == "FINISHED" and run.data.tags["resumed"] == "true" and run.data.tags["world_size"] == "1"
     assert steps == list(range(1, STEPS + 1)), steps
     # The 2-rank run's final checkpoint holds column-wise shards again, readable as whole tables.
     final = _saved(list_checkpoints(tmp_path / "ckpt")[-1])
     assert all(torch.isfinite(v).all() for v in final.values())
+
+
+_real_train = entry.train
+
+if __name__ == "__main__":  # a rank of test_one_rank_checkpoint_resumes_on_two_ranks' torchrun
+    entry.train = _dump_loaded_then_train
+    entry.main()

@@ -85,12 +85,25 @@ def test_the_cvr_tower_learns_only_through_the_product() -> None:
     batch = next(iter(data.train_batches(0, 0, 1)))
     loss, _ = wrapper(batch)
     loss.backward()
-    got = [p.grad.clone() for p in model.cvr_tower.parameters()]
+    whole = {tower: [p.grad.clone() for p in getattr(model, tower).parameters()] for tower in ("ctr_tower", "cvr_tower")}
     model.zero_grad()
     out = model(batch.dense_features, batch.sparse_features)
-    nn.functional.binary_cross_entropy_with_logits(out["ctcvr"], batch.labels[:, 1]).backward()
-    for g, p in zip(got, model.cvr_tower.parameters(), strict=True):
-        torch.testing.assert_close(g, p.grad)
+    ctr_loss = nn.functional.binary_cross_entropy_with_logits(out["ctr"], batch.labels[:, 0])
+    ctcvr_loss = nn.functional.binary_cross_entropy_with_logits(out["ctcvr"], batch.labels[:, 1])
+
+    def grads(loss: torch.Tensor, tower: str) -> list[torch.Tensor | None]:
+        return list(torch.autograd.grad(loss, list(getattr(model, tower).parameters()), retain_graph=True, allow_unused=True))
+
+    assert all(g is None for g in grads(ctr_loss, "cvr_tower")), "the CTR loss must not reach the CVR tower"
+    for got, expected in zip(whole["cvr_tower"], grads(ctcvr_loss, "cvr_tower"), strict=True):
+        torch.testing.assert_close(got, expected)
+    from_ctr, from_ctcvr = grads(ctr_loss, "ctr_tower"), grads(ctcvr_loss, "ctr_tower")
+    assert all(g is not None for g in from_ctcvr), "the CTCVR loss must reach the CTR tower through the product"
+    # a real share of the CTR tower's gradient, not a vanishing one
+    ctcvr_norm, ctr_norm = (torch.cat([g.flatten() for g in gs]).norm() for gs in (from_ctcvr, from_ctr))
+    assert ctcvr_norm > 0.01 * ctr_norm, (ctcvr_norm, ctr_norm)
+    for got, a, b in zip(whole["ctr_tower"], from_ctr, from_ctcvr, strict=True):
+        torch.testing.assert_close(got, a + b)
 
 
 def reference_logit(a: float, b: float) -> float:

@@ -173,14 +173,21 @@ def test_evaluate_skips_a_checkpoint_rotated_away_after_it_was_chosen(make_cfg: 
                                                                      caplog: pytest.LogCaptureFixture) -> None:
     """``load=<checkpoints root>`` while a run writes there: keep-last removes the checkpoint evaluate picked (here, made
     deterministic, right after it was picked, once a newer one exists); evaluate loads the newest complete one instead,
-    with a warning naming both, and its run names the one loaded."""
+    with a warning naming both, and its run names the one loaded and reports that one's eval: the training's at step 20
+    (not step 10's)."""
     import shutil
 
     from recsys_runner.tracking import lineage
 
-    extra = ("train.num_steps=20", "checkpoint.every_steps=10", "checkpoint.keep_last=null", f"checkpoint.dir={tmp_path}/ck")
+    extra = ("train.num_steps=20", "train.eval_every_steps=10", "checkpoint.every_steps=10", "checkpoint.keep_last=null",
+             f"checkpoint.dir={tmp_path}/ck")
     overrides = _training_overrides(make_cfg, *extra)
     train(make_cfg(*extra))
+    client = MlflowClient(tracking_uri=make_cfg().tracking.uri)
+    experiment = client.get_experiment_by_name(make_cfg().tracking.experiment)
+    (trained,) = client.search_runs([experiment.experiment_id])
+    logged_eval = {step: {k: next(m.value for m in client.get_metric_history(trained.info.run_id, k) if m.step == step)
+                          for k in ("eval/auc", "eval/logloss")} for step in (10, 20)}
     root = tmp_path / "ck"
     assert sorted(p.name for p in root.glob("step_*")) == ["step_00000010", "step_00000020"]
     newest = root / "step_00000020"
@@ -196,10 +203,9 @@ def test_evaluate_skips_a_checkpoint_rotated_away_after_it_was_chosen(make_cfg: 
 
     monkeypatch.setattr(lineage, "resolve_checkpoint", pick_then_rotate)
     metrics = evaluate.run(compose_entry("evaluate", *overrides, f"load={root}"))
-    assert set(metrics) == {"eval/auc", "eval/logloss"}
+    assert metrics == pytest.approx(logged_eval[20], abs=1e-6), logged_eval
+    assert metrics["eval/logloss"] != pytest.approx(logged_eval[10]["eval/logloss"], abs=1e-4)  # the two steps differ
     assert f"checkpoint {root / 'step_00000010'} is gone" in caplog.text and f"loading {newest}" in caplog.text
-    client = MlflowClient(tracking_uri=make_cfg().tracking.uri)
-    experiment = client.get_experiment_by_name(make_cfg().tracking.experiment)
     (logged,) = client.search_runs([experiment.experiment_id], "tags.entry = 'evaluate'")
     assert logged.data.tags["checkpoint"] == str(newest) and logged.data.tags["checkpoint_step"] == "20"
 

@@ -9,6 +9,7 @@ Without chromium and chromedriver the module skips and says that ``.ci/install-c
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -305,9 +306,32 @@ def test_runs_table_lists_the_sweeps_children_with_params_auc_and_dataset(logged
     browser.screenshot("ui_runs_table.png")
 
 
+PLOTTED_JS = """
+const dialog = [...document.querySelectorAll('[role=dialog]')].find(d => d.innerText.includes('Parallel Coordinates'));
+const plot = dialog && dialog.querySelector('.parcoords');
+const canvas = dialog && dialog.querySelector('canvas.foreground');
+if (!plot || !canvas || !canvas.width) return null;
+let fiber = plot[Object.keys(plot).find(k => k.startsWith('__reactFiber'))];
+while (fiber && !Array.isArray((fiber.memoizedProps || {}).data)) fiber = fiber.return;
+const {width, height} = canvas;
+const alpha = canvas.getContext('2d').getImageData(0, 0, width, height).data;
+const drawn = (x, y) => alpha[(y * width + x) * 4 + 3] > 0;
+const columns = [...Array(width).keys()].filter(x => [...Array(height).keys()].some(y => drawn(x, y)));
+if (!columns.length) return null;
+const x = Math.round(columns[0] + 0.1 * (columns[columns.length - 1] - columns[0]));
+let lines = 0;
+for (let y = 0; y < height; y++) if (drawn(x, y) && (y === 0 || !drawn(x, y - 1))) lines++;
+return {rows: fiber ? fiber.memoizedProps.data : null, lines: lines};
+"""
+"""In the full-screen parallel-coordinates chart: the rows its plot component draws (``{uuid, <param>, <metric>}`` each, the
+``data`` prop MLflow's ParallelCoordinatesPlot is given, read from React) and how many lines its canvas shows (separate
+strokes crossing a column a tenth of the way from the first axis to the last); ``None`` until it has drawn."""
+
+
 def test_sweep_chart_view_plots_each_child(logged: Logged, browser: Browser) -> None:
     """The charts view draws the children, and a parallel-coordinates chart of the swept value against eval/auc has one
-    line per child (the sweep expanded as in the table)."""
+    line per child (the sweep expanded as in the table): each child's run, its swept value and its eval/auc among the
+    chart's rows, and as many lines drawn on its canvas as there are children."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
 
@@ -327,6 +351,24 @@ def test_sweep_chart_view_plots_each_child(logged: Logged, browser: Browser) -> 
                      lambda: browser.driver.execute_script(
                          "return [...document.querySelectorAll('[role=dialog]')].some(d => ['Parallel Coordinates',"
                          " 'swept.optim.lr', 'eval/auc'].every(t => d.innerText.includes(t)))"))
+    children = {r.info.run_id: r for r in logged.children}
+    seen: list[Any] = [None]
+
+    def drawn_all() -> bool:  # the canvas may draw after the dialog shows: poll a while, then check what was last seen
+        seen[0] = browser.driver.execute_script(PLOTTED_JS)
+        return bool(seen[0]) and seen[0]["lines"] >= len(children) and len(seen[0]["rows"] or []) >= len(children)
+
+    with contextlib.suppress(AssertionError):
+        browser.wait_for("every child's line", drawn_all, timeout=10)
+    plotted = seen[0]
+    assert plotted, "the parallel-coordinates chart drew nothing"
+    rows = {row["uuid"]: (row.get("swept.optim.lr"), row.get("eval/auc")) for row in plotted["rows"] or []}
+    assert set(rows) == set(children), f"the chart's runs are not the sweep's children: {plotted}"
+    assert sorted(lr for lr, _ in rows.values()) == sorted(LRS), plotted
+    for run_id, (lr, auc) in rows.items():
+        logged_run = children[run_id].data
+        assert lr == logged_run.params.get("swept.optim.lr") and auc == pytest.approx(logged_run.metrics.get("eval/auc")), plotted
+    assert plotted["lines"] == len(children), f"{plotted['lines']} lines drawn for {len(children)} children"
     browser.screenshot("ui_sweep_chart.png")
     browser.driver.find_element(By.TAG_NAME, "body").send_keys(Keys.ESCAPE)
 
