@@ -32,10 +32,13 @@ from tests.conftest import REPO, TINY
 pytestmark = pytest.mark.slow
 
 STEPS, SLICE = 12, 5
+WIDE = ["data.num_sparse=4", "model.embedding_dim=256"]
+"""Tables twice as wide as TorchRec's narrowest column shard (128), so column-wise sharding on 2 ranks splits every
+table's columns between them: resharding then cuts and joins the tables themselves, not only moves whole ones."""
 
 
 def _overrides(tmp_path: Path, experiment: str) -> list[str]:
-    return [*[a for a in TINY if not a.startswith("train.")], f"train.num_steps={STEPS}", "train.log_every_steps=1",
+    return [*[a for a in TINY if not a.startswith("train.")], *WIDE, f"train.num_steps={STEPS}", "train.log_every_steps=1",
             "train.eval_every_steps=null", "train.eval_max_batches=2", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
             f"tracking.experiment={experiment}", f"checkpoint.dir={tmp_path}/ckpt", "checkpoint.keep_last=null"]
 
@@ -65,6 +68,11 @@ def _saved(path: Path) -> dict[str, torch.Tensor]:
     return full
 
 
+def _wide_tables(saved: dict[str, torch.Tensor]) -> list[str]:
+    """The embedding tables of :data:`WIDE`'s width (DeepFM's first-order tables are one column: never split)."""
+    return [k for k, v in saved.items() if k.startswith("model/") and "embedding_bags" in k and v.shape[-1] == 256]
+
+
 def _one_run(tmp_path: Path, experiment: str) -> tuple[object, list[int]]:
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
     (run,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
@@ -77,7 +85,9 @@ def test_two_rank_checkpoint_resumes_on_one_rank(tmp_path: Path, monkeypatch: py
     assert out.returncode == 0, out.stderr[-4000:]
     (ckpt,) = list_checkpoints(tmp_path / "ckpt")
     saved = _saved(ckpt)
-    assert any(k.startswith("model/") and "embedding_bags" in k for k in saved)
+    meta = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    wide = _wide_tables(saved)
+    assert wide and all(len(meta[k].chunks) == 2 for k in wide), "each wide table should be saved as 2 column shards"
 
     loaded: dict[str, torch.Tensor] = {}
     real_train = entry.train
@@ -124,8 +134,8 @@ def _dump_loaded_then_train(loop: Any) -> dict[str, float]:
 def test_one_rank_checkpoint_resumes_on_two_ranks(tmp_path: Path) -> None:
     """What the two ranks restored (each dumped it before its first step) is the one rank's saved tensors: every key on
     some rank (a table's optimizer state only where the table is), the sharded ones covered exactly once by the ranks'
-    shards and the dense ones whole on both, every element equal. (At these sizes a column-wise table is one shard as
-    wide as the table, so the two ranks split the tables between them, not within one.)"""
+    shards and the dense ones whole on both, every element equal, and every wide table's columns split between the ranks
+    (:data:`WIDE`)."""
     args = _overrides(tmp_path, "reshard_1to2")
     with pytest.raises(Interrupted):
         _run_in_process(*args, f"train.stop_after_steps={SLICE}")
@@ -139,7 +149,8 @@ def test_one_rank_checkpoint_resumes_on_two_ranks(tmp_path: Path) -> None:
     assert set(ranks[0]["tensors"]) | set(ranks[1]["tensors"]) == set(saved)
     tables = [k for k in saved if k.startswith("model/") and "embedding_bags" in k]
     held = [{k for k in tables if ranks[r]["tensors"][k][1]} for r in (0, 1)]
-    assert held[0] and held[1] and held[0] | held[1] == set(tables), "the two ranks should hold the tables between them"
+    assert held[0] | held[1] == set(tables), "the two ranks should hold the tables between them"
+    assert set(_wide_tables(saved)) <= held[0] & held[1], "column-wise on 2 ranks: each should hold a part of every wide table"
     for k, whole in saved.items():
         mine = [rank["tensors"][k] for rank in ranks if k in rank["tensors"]]
         sharded = mine[0][0]
