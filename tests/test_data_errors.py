@@ -234,3 +234,33 @@ def test_csv_file_removed_after_start_up(tmp_path: Path) -> None:
     (tmp_path / "a.csv").unlink()
     with pytest.raises(DataError, match=r"a\.csv cannot be read \(No such file or directory\)\. Fix: check that it exists"):
         read_all(data)
+
+
+def test_unclosed_quote_in_csv_is_the_bad_row_not_the_lines_after_it(tmp_path: Path) -> None:
+    # a stray quote ran the reader on into the next lines: an inferred schema was fitted on the lines before it only
+    # ("inferred no sparse column"), the read said "found 2 fields", and on_bad_rows=skip lost every later line as one bad row
+    lines = ["label,item,price", "1,2,0.5", '0,"7,0.5', *(f"{i % 2},{i % 5 + 10},0.{i}" for i in range(10, 30))]
+    (tmp_path / "a.csv").write_text("\n".join(lines) + "\n")
+    (tmp_path / "fixed.csv").write_text("\n".join(lines[:2] + lines[3:]) + "\n")
+    path = str(tmp_path / "a.csv")
+    said = r"bad row in .*a\.csv, line 3: a field opens a quote \(\"\) that the line does not close \('0,\"7,0\.5'\).*Fix the line"
+    with pytest.raises(DataError, match=said):
+        CsvData(make(CsvDataConfig, path=path))  # the sample for the inferred schema
+    with pytest.raises(DataError, match=said):
+        read_all(CsvData(make(CsvDataConfig, path=path, eval_path=path, batch_size=1, sparse=SPARSE, dense=[{"name": "price"}])))
+    skipped = CsvData(make(CsvDataConfig, path=path, eval_path=path, batch_size=1, shuffle=False, on_bad_rows="skip"))
+    assert skipped.schema == CsvData(make(CsvDataConfig, path=str(tmp_path / "fixed.csv"))).schema  # every line but the bad one
+    items = [v for b in skipped.train_batches(0, 0, 1) for v in b.sparse_features.values().tolist()]
+    assert len(items) == 21 and skipped.metrics()["data/bad_rows_skipped"] == 1
+
+
+def test_csv_not_in_utf8_names_the_line_and_the_encoding(tmp_path: Path) -> None:
+    (tmp_path / "a.csv").write_bytes(b"label,item,price\n1,2,0.5\n0,3,0.1\n1,caf\xe9,0.2\n0,4,0.3\n")
+    path = str(tmp_path / "a.csv")
+    said = (r"a\.csv, line 4: not UTF-8 text \(byte b'\\xe9' at position 6 of the line: .*\); delimited text is read as UTF-8.*"
+            r"Fix: convert the file to UTF-8, e\.g\. iconv -f latin1 -t utf-8 ")
+    with pytest.raises(DataError, match=said):
+        CsvData(make(CsvDataConfig, path=path))  # the sample for the inferred schema
+    with pytest.raises(DataError, match=said):
+        read_all(CsvData(make(CsvDataConfig, path=path, eval_path=path, batch_size=1,
+                              sparse=[{"name": "item", "num_embeddings": 10, "encoding": "hash"}])))
