@@ -497,34 +497,23 @@ class CsvSource:
             first_line = self.line_offset(path)
             with self._open(path, data_start) as f:
                 for k, line in enumerate(f):
-                    if not line.strip(b"\r\n"):
-                        continue
-                    if open_quote_lines(line, delimiter):  # would swallow the lines after it: the sample would end there
-                        if not self.skip:
-                            raise DataError(f"bad row in {path}, line {first_line + k}: {open_quote_fix(line)}. "
-                                            f"Or set data.on_bad_rows=skip to skip such rows (they are counted and logged)")
-                        continue
-                    lines.append(line)
-                    numbers.append(first_line + k)
+                    if line.strip(b"\r\n"):
+                        lines.append(line if line.endswith(b"\n") else line + b"\n")
+                        numbers.append(first_line + k)
                     if len(lines) >= wanted:
                         break
             if not lines:
                 continue
-            raw = b"".join(lines if lines[-1].endswith(b"\n") else [*lines[:-1], lines[-1] + b"\n"])
-            try:
-                table = pacsv.read_csv(
-                    pa.BufferReader(raw),
-                    read_options=pacsv.ReadOptions(column_names=names, use_threads=False, block_size=len(raw) + 1),
-                    parse_options=pacsv.ParseOptions(delimiter=delimiter, invalid_row_handler=lambda row: "skip"),
-                    convert_options=pacsv.ConvertOptions(column_types=dict.fromkeys(names, pa.string()), null_values=list(self.null_values),
-                                                         strings_can_be_null=True, quoted_strings_can_be_null=True),
-                )
-            except pa.ArrowInvalid as e:
-                if (wrong := not_utf8(raw)) is not None:
-                    index, at = wrong
-                    raise DataError(not_utf8_message(path, numbers[index], lines[index], at)) from None
-                raise DataError(f"{path}: its first lines cannot be parsed as delimited text ({str(e).splitlines()[0]}). "
-                                f"Fix: check data.delimiter={delimiter!r} and the file's format") from None
+            table, invalid = self._sample_table(path, lines, numbers, names, delimiter)
+            swallowed = table.num_rows + len(invalid) < len(lines) or any('"' in text for text in invalid)
+            if swallowed and (quoted := open_quote_lines(b"".join(lines), delimiter)):
+                # a line opening a quote swallowed the lines after it, which would end the sample there
+                if not self.skip:
+                    raise DataError(f"bad row in {path}, line {numbers[quoted[0]]}: {open_quote_fix(lines[quoted[0]])}. "
+                                    f"Or set data.on_bad_rows=skip to skip such rows (they are counted and logged)")
+                kept = sorted(set(range(len(lines))) - set(quoted))
+                lines, numbers = [lines[i] for i in kept], [numbers[i] for i in kept]
+                table, _ = self._sample_table(path, lines, numbers, names, delimiter)
             if tables and table.column_names != tables[0].column_names:
                 break  # a file with other columns: infer from those seen so far
             tables.append(table)
@@ -534,6 +523,32 @@ class CsvSource:
         if not tables:
             raise DataError(f"{self.files[0]} has no data lines to infer a schema from. Fix: point data.path at files with rows")
         return pa.concat_tables(tables)
+
+    def _sample_table(self, path: str, lines: list[bytes], numbers: list[int], names: list[str], delimiter: str) -> tuple[pa.Table, list[str]]:
+        """``lines`` of ``path`` (each ending in a newline; ``numbers``: their line numbers) as a table of text columns, and
+        the text of each row left out for the wrong number of fields."""
+        raw = b"".join(lines)
+        invalid: list[str] = []
+
+        def on_invalid(row: pacsv.InvalidRow) -> str:
+            invalid.append(row.text)
+            return "skip"
+
+        try:
+            table = pacsv.read_csv(
+                pa.BufferReader(raw),
+                read_options=pacsv.ReadOptions(column_names=names, use_threads=False, block_size=len(raw) + 1),
+                parse_options=pacsv.ParseOptions(delimiter=delimiter, invalid_row_handler=on_invalid),
+                convert_options=pacsv.ConvertOptions(column_types=dict.fromkeys(names, pa.string()), null_values=list(self.null_values),
+                                                     strings_can_be_null=True, quoted_strings_can_be_null=True),
+            )
+        except pa.ArrowInvalid as e:
+            if (wrong := not_utf8(raw)) is not None:
+                index, at = wrong
+                raise DataError(not_utf8_message(path, numbers[index], lines[index], at)) from None
+            raise DataError(f"{path}: its first lines cannot be parsed as delimited text ({str(e).splitlines()[0]}). "
+                            f"Fix: check data.delimiter={delimiter!r} and the file's format") from None
+        return table, invalid
 
     def _index(self, path: str) -> list[Unit]:
         names, data_start, more = self._header(path)
