@@ -13,8 +13,10 @@ from recsys_runner.__main__ import run
 from recsys_runner.configurable import make
 from recsys_runner.data.base import DataError
 from recsys_runner.data.encoding.keys import splitmix64
+from recsys_runner.data.encoding.rows import Encoder, Location
 from recsys_runner.data.files.tabular import CsvData, ParquetData
 from recsys_runner.data.files.tabular_config import CsvDataConfig, ParquetDataConfig
+from recsys_runner.data.schema import Schema, SparseColumn
 from recsys_runner.errors import ConfigError
 
 SPARSE = [{"name": "item", "num_embeddings": 10}]
@@ -63,11 +65,26 @@ def test_missing_column_in_csv_header(tmp_path: Path) -> None:
         CsvData(make(CsvDataConfig, path=str(tmp_path / "a.csv"), sparse=SPARSE, dense=[{"name": "price"}]))
 
 
-def test_wrong_type_string_as_dense(tmp_path: Path) -> None:
+def test_wrong_type_string_as_dense_is_refused_at_start_up(tmp_path: Path) -> None:
+    # was refused at the first read, after the model had been built; the file's footer tells it when the data is built
     path = parquet(tmp_path, label=[0, 1], item=[1, 2], price=["cheap", "dear"])
-    data = parquet_data(path, dense=[{"name": "price"}])
-    with pytest.raises(DataError, match=r"p\.parquet, row group 0: column 'price' has type string, but it is used as a number.*Fix: move it to data.sparse"):
-        read_all(data)
+    with pytest.raises(DataError, match=r"p\.parquet: column 'price' holds string values, but data\.dense reads numbers\. "
+                                        r"Fix: move it to data\.sparse"):
+        parquet_data(path, dense=[{"name": "price"}])
+
+
+def test_text_label_is_refused_at_start_up_with_a_labels_fix(tmp_path: Path) -> None:
+    # the fix offered was the dense column's, "move it to data.sparse": wrong for a label
+    path = parquet(tmp_path, label=["yes", "no"] * 50, item=[1, 2, 3, 4, 5] * 20)
+    said = (r"p\.parquet: column 'label' holds string values, but it is a label, and a label is a number: 0 or 1 for a binary "
+            r"task, .*Fix: write it as numbers, e\.g\. in pandas df\['label'\] = \(df\['label'\] == '<positive value>'\)")
+    with pytest.raises(DataError, match=said):
+        parquet_data(path)
+    with pytest.raises(DataError, match=said):
+        ParquetData(make(ParquetDataConfig, path=path))  # the label found by its name, the features inferred
+    encoder = Encoder(Schema(label="label", sparse=[SparseColumn(name="item", num_embeddings=10)]))  # a served model's rows
+    with pytest.raises(ValueError, match=r"p\.parquet, row group 0: column 'label' holds string values, but it is a label"):
+        encoder.encode(pq.read_table(path), Location(path, "row group 0", np.arange(100)))
 
 
 def test_wrong_type_csv_field_names_the_line(tmp_path: Path) -> None:
@@ -159,12 +176,16 @@ def test_out_of_range_id(tmp_path: Path) -> None:
 @pytest.mark.parametrize("encoding", ["id", "mod", "hash"])
 def test_float_id_column_is_one_type_error_not_every_row_out_of_range(tmp_path: Path, encoding: str) -> None:
     # pandas writes an id column with one missing value as float64: 1.0 is in range, yet it was reported as
-    # "id 1.0 is outside [0, 10)" on every row (and skipped as a bad row with on_bad_rows=skip)
+    # "id 1.0 is outside [0, 10)" on every row (and skipped as a bad row with on_bad_rows=skip); refused when the data is
+    # built (the file's footer says it), as the encoder refuses it at a read
     path = parquet(tmp_path, label=[0, 1, 0], item=[1.0, 2.0, None])
     sparse = [{"name": "item", "num_embeddings": 10, "encoding": encoding}]
-    with pytest.raises(DataError, match=r"p\.parquet, row group 0: column 'item' holds double values, but data\.sparse\[item\] "
-                                        rf"\(encoding={encoding}\) reads ids: integers or text\. Fix: write the column as int64"):
-        read_all(parquet_data(path, sparse=sparse, on_bad_rows="skip"))
+    said = rf"column 'item' holds double values, but data\.sparse\[item\] \(encoding={encoding}\) reads ids: integers or text\. Fix: write the column as int64"
+    with pytest.raises(DataError, match=r"p\.parquet: " + said):
+        parquet_data(path, sparse=sparse, on_bad_rows="skip")
+    encoder = Encoder(Schema(label="label", sparse=[SparseColumn(**sparse[0])]))
+    with pytest.raises(ValueError, match=r"p\.parquet, row group 0: " + said):
+        encoder.encode(pq.read_table(path), Location(path, "row group 0", np.arange(3)))
 
 
 def test_wrong_field_count_in_csv(tmp_path: Path) -> None:
@@ -234,3 +255,33 @@ def test_csv_file_removed_after_start_up(tmp_path: Path) -> None:
     (tmp_path / "a.csv").unlink()
     with pytest.raises(DataError, match=r"a\.csv cannot be read \(No such file or directory\)\. Fix: check that it exists"):
         read_all(data)
+
+
+def test_unclosed_quote_in_csv_is_the_bad_row_not_the_lines_after_it(tmp_path: Path) -> None:
+    # a stray quote ran the reader on into the next lines: an inferred schema was fitted on the lines before it only
+    # ("inferred no sparse column"), the read said "found 2 fields", and on_bad_rows=skip lost every later line as one bad row
+    lines = ["label,item,price", "1,2,0.5", '0,"7,0.5', *(f"{i % 2},{i % 5 + 10},0.{i}" for i in range(10, 30))]
+    (tmp_path / "a.csv").write_text("\n".join(lines) + "\n")
+    (tmp_path / "fixed.csv").write_text("\n".join(lines[:2] + lines[3:]) + "\n")
+    path = str(tmp_path / "a.csv")
+    said = r"bad row in .*a\.csv, line 3: a field opens a quote \(\"\) that the line does not close \('0,\"7,0\.5'\).*Fix the line"
+    with pytest.raises(DataError, match=said):
+        CsvData(make(CsvDataConfig, path=path))  # the sample for the inferred schema
+    with pytest.raises(DataError, match=said):
+        read_all(CsvData(make(CsvDataConfig, path=path, eval_path=path, batch_size=1, sparse=SPARSE, dense=[{"name": "price"}])))
+    skipped = CsvData(make(CsvDataConfig, path=path, eval_path=path, batch_size=1, shuffle=False, on_bad_rows="skip"))
+    assert skipped.schema == CsvData(make(CsvDataConfig, path=str(tmp_path / "fixed.csv"))).schema  # every line but the bad one
+    items = [v for b in skipped.train_batches(0, 0, 1) for v in b.sparse_features.values().tolist()]
+    assert len(items) == 21 and skipped.metrics()["data/bad_rows_skipped"] == 1
+
+
+def test_csv_not_in_utf8_names_the_line_and_the_encoding(tmp_path: Path) -> None:
+    (tmp_path / "a.csv").write_bytes(b"label,item,price\n1,2,0.5\n0,3,0.1\n1,caf\xe9,0.2\n0,4,0.3\n")
+    path = str(tmp_path / "a.csv")
+    said = (r"a\.csv, line 4: not UTF-8 text \(byte b'\\xe9' at position 6 of the line: .*\); delimited text is read as UTF-8.*"
+            r"Fix: convert the file to UTF-8, e\.g\. iconv -f latin1 -t utf-8 ")
+    with pytest.raises(DataError, match=said):
+        CsvData(make(CsvDataConfig, path=path))  # the sample for the inferred schema
+    with pytest.raises(DataError, match=said):
+        read_all(CsvData(make(CsvDataConfig, path=path, eval_path=path, batch_size=1,
+                              sparse=[{"name": "item", "num_embeddings": 10, "encoding": "hash"}])))

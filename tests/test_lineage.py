@@ -84,3 +84,37 @@ def test_resolve_checkpoint_explains_what_is_missing(tmp_path: Path) -> None:
     # evaluate, predict and export take load=; no hint names the checkpoint= of another command
     source = Path(lineage.__file__).read_text()
     assert "checkpoint=<" not in source and "point checkpoint=" not in source
+
+
+def fake_checkpoint(path: Path, *, meta: bool = True) -> Path:
+    """A step folder as the locator sees it: complete with ``meta.json`` and DCP's ``.metadata``."""
+    path.mkdir(parents=True)
+    (path / ".metadata").write_bytes(b"")
+    if meta:
+        (path / "meta.json").write_text("{}")
+    return path
+
+
+def test_a_damaged_step_folder_is_named_with_the_checkpoint_to_load_instead(tmp_path: Path) -> None:
+    # was: "<step folder> holds no complete checkpoint ...; point load= at one", the step folder not called damaged
+    root = tmp_path / "checkpoints"
+    earlier = fake_checkpoint(root / "step_00000002")
+    damaged = fake_checkpoint(root / "step_00000003", meta=False)
+    with pytest.raises(CheckpointError, match=rf"{damaged} is an incomplete checkpoint \(meta\.json is missing\): damaged, or copied "
+                                              rf"part-way .*Fix: load={earlier} \(the newest complete checkpoint beside it, step 2\)"):
+        lineage.resolve_checkpoint(str(damaged))
+    assert lineage.resolve_checkpoint(str(root)) == earlier  # the root: the newest complete one, as before
+    alone = fake_checkpoint(tmp_path / "copied" / "step_00000007", meta=False)
+    with pytest.raises(CheckpointError, match=r"copied holds no complete checkpoint: its step folders \(step_00000007\) are incomplete "
+                                              r"\(step_00000007: meta\.json is missing\)"):
+        lineage.resolve_checkpoint(str(alone.parent))
+
+
+def test_a_run_directory_given_to_load_names_its_checkpoints_folder(tmp_path: Path) -> None:
+    # was: "<run dir> holds no complete checkpoint", though <run dir>/checkpoints held them
+    run = tmp_path / "outputs" / "day0"
+    fake_checkpoint(run / "checkpoints" / "step_00000010")
+    (run / ".hydra").mkdir()
+    with pytest.raises(CheckpointError, match=rf"{run} holds no checkpoint, but its checkpoints/ folder does: it is a training run's "
+                                              rf"directory, .*Fix: load={run}/checkpoints \(its newest checkpoint, step_00000010\)"):
+        lineage.resolve_checkpoint(str(run))

@@ -45,7 +45,7 @@ from recsys_runner.checkpoint.config import CheckpointConfig, TrainState
 from recsys_runner.checkpoint.guard import check_finite, finite_state
 from recsys_runner.checkpoint.lock import DirectoryInUse, lock_for
 from recsys_runner.checkpoint.object_storage import storage_for
-from recsys_runner.checkpoint.storage import STEP_DIR, CheckpointStorage, checkpoint_name, step_of
+from recsys_runner.checkpoint.storage import RUN_DIR_FOLDER, STEP_DIR, CheckpointStorage, checkpoint_name, step_of
 from recsys_runner.checkpoint.weights import CarriedRows, TrainingParts, load_into
 from recsys_runner.distributed.env import decided_on_rank0
 from recsys_runner.distributed.peers import peer_gone
@@ -67,7 +67,7 @@ class Checkpointer:
         nan_guard: bool = True, launch: Launch = Launch(), storage: CheckpointStorage | None = None,
     ) -> None:
         self.config = config
-        resolved = config.dir or launch.under_output_dir("checkpoints")
+        resolved = config.dir or launch.under_output_dir(RUN_DIR_FOLDER)
         if config.dir is None and resolved is not None and world_size > 1:
             # each rank names its Hydra run directory from its own clock: ranks started a second apart would write one
             # checkpoint into two directories, which a resume then finds damaged. Rank 0's is every rank's.

@@ -32,6 +32,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 STEP_DIR = re.compile(r"^(best-)?step_(\d+)$")
+RUN_DIR_FOLDER = "checkpoints"
+"""The folder of a training run's directory (Hydra's) its checkpoints go to when ``checkpoint.dir`` is null."""
 META_FILE = "meta.json"
 INDEX_FILE = ".metadata"
 """DCP's index of the tensors: which file and where in it each one's bytes are."""

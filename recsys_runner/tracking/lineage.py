@@ -32,6 +32,7 @@ import torch
 
 from recsys_runner import uris
 from recsys_runner.checkpoint.object_storage import storage_for
+from recsys_runner.checkpoint.storage import RUN_DIR_FOLDER, STEP_DIR, CheckpointStorage, step_of
 from recsys_runner.errors import CheckpointError
 
 CHECKPOINT_DIR_TAG = "checkpoint_dir"
@@ -201,7 +202,7 @@ def resolve_checkpoint(spec: str, *, lookup_run: Any = None) -> Path:
     """The checkpoint directory ``spec`` names: a ``step_*`` directory, a checkpoints root (its best
     checkpoint if one was kept, else its newest), or an MLflow run id whose ``checkpoint_dir`` tag gives
     the root (``lookup_run(run_id) -> tags``, e.g. :func:`run_tags`). Raises :class:`CheckpointError` naming
-    what was looked for and where."""
+    what was looked for and where, and the ``load=`` that works where one is at hand (:func:`_nothing_to_load`)."""
     path = uris.as_path(spec)
     if not _exists(path) and lookup_run is not None and "/" not in spec:
         tags: Mapping[str, str] = lookup_run(spec)
@@ -220,9 +221,34 @@ def resolve_checkpoint(spec: str, *, lookup_run: Any = None) -> Path:
         return path
     found = storage.checkpoints(path, best=True) or storage.checkpoints(path)
     if not found:
-        raise CheckpointError(f"{path} holds no complete checkpoint (a step_* or best-step_* directory with meta.json and "
-                              f".metadata); point load= at one")
+        raise CheckpointError(_nothing_to_load(storage, path))
     return found[-1]
+
+
+def _nothing_to_load(storage: CheckpointStorage, path: Path) -> str:
+    """Why ``path`` (``load=``'s) holds no complete checkpoint, and the ``load=`` to use instead: for a step folder that
+    lacks a file, the newest complete checkpoint beside it; for a training run's directory, its checkpoints folder."""
+    if STEP_DIR.match(path.name):
+        beside = sorted((p for p in [*storage.checkpoints(path.parent), *storage.checkpoints(path.parent, best=True)] if p != path),
+                        key=step_of)
+        fix = (f"load={beside[-1]} (the newest complete checkpoint beside it, step {step_of(beside[-1])})" if beside
+               else "load= a copy of this checkpoint kept elsewhere (no complete one is beside it)")
+        return (f"{path} is an incomplete checkpoint ({storage.damage(path) or 'meta.json or .metadata is missing'}): damaged, "
+                f"or copied part-way (a run writes meta.json last, once the rest is whole). Fix: {fix}, or copy it "
+                f"again whole")
+    inside = path / RUN_DIR_FOLDER
+    best = storage.checkpoints(inside, best=True)
+    if found := best or storage.checkpoints(inside):
+        return (f"{path} holds no checkpoint, but its {RUN_DIR_FOLDER}/ folder does: it is a training run's directory, whose "
+                f"checkpoints are in <run dir>/{RUN_DIR_FOLDER}. Fix: load={inside} (its {'best' if best else 'newest'} "
+                f"checkpoint, {found[-1].name})")
+    if partial := sorted([*storage.checkpoints(path, complete=False), *storage.checkpoints(path, best=True, complete=False)], key=step_of):
+        names = ", ".join(p.name for p in partial)
+        return (f"{path} holds no complete checkpoint: its step folders ({names}) are incomplete ({partial[-1].name}: "
+                f"{storage.damage(partial[-1])}), damaged or copied part-way. Fix: copy them again whole, or point load= at a "
+                f"checkpoint kept elsewhere")
+    return (f"{path} holds no complete checkpoint (a step_* or best-step_* directory with meta.json and .metadata); point "
+            f"load= at one")
 
 
 def _exists(path: Path) -> bool:

@@ -209,7 +209,7 @@ class Encoder:
     @staticmethod
     def _label_column(table: pa.Table, name: str, task: str, kind: str, multi: bool, where: Location, bad, error: type[Exception],
                       threshold: float | None = None) -> np.ndarray:
-        arr = _numeric(_column(table, name), name, where, bad, error)
+        arr = _numeric(_column(table, name), name, where, bad, error, label=True)
         null = np.asarray(arr.is_null().to_numpy(zero_copy_only=False), dtype=bool) if arr.null_count else np.zeros(len(arr), bool)
         values = np.asarray(arr.fill_null(0.0).to_numpy(zero_copy_only=False), dtype=np.float64)
         of = f" (task {task!r})" if multi else ""
@@ -233,7 +233,7 @@ class Encoder:
 
     # -- dense --------------------------------------------------------------------------------------
     def _dense(self, col: Any, arr: pa.ChunkedArray | pa.Array, where: Location, bad) -> np.ndarray:
-        arr = _numeric(arr, col.name, where, bad, self.error)
+        arr = _numeric(arr, col.name, where, bad, self.error, label=False)
         read = np.asarray(arr.fill_null(col.fill).to_numpy(zero_copy_only=False), dtype=np.float64)
         nonfinite = ~np.isfinite(read)
         scaled = f", and data.dense[{col.name}].normalize=zscore scales finite numbers only" if col.normalize == "zscore" else ""
@@ -297,7 +297,7 @@ class Encoder:
         if pairs:
             flat, weights = self._pairs(col, flat, row_of, n, where, bad)
         if pa.types.is_floating(flat.type) and col.encoding != "bucketize":
-            raise self.error(_float_ids(col, flat.type, where))
+            raise self.error(f"{where.path}, {where.part}: {float_ids(col, flat.type)}")
         ids, wrong = self._ids(col, flat)
         row_bad = np.zeros(n, dtype=bool)
         if wrong is not None and wrong.any():
@@ -510,10 +510,10 @@ def _raw_text(flat: pa.Array, col: Any) -> tuple[np.ndarray, None]:
     return np.where(np.asarray(digits.to_numpy(zero_copy_only=False), dtype=bool), np.mod(values, space), hashed), None
 
 
-def _float_ids(col: Any, dtype: pa.DataType, where: Location) -> str:
+def float_ids(col: Any, dtype: pa.DataType) -> str:
     """Why a typed column of floats cannot be a sparse column's ids, and the ways out. Said once for the column: every
     row would otherwise be a bad row reported as an id out of range (``82.0`` is not an id of any table)."""
-    return (f"{where.path}, {where.part}: column {col.name!r} holds {dtype} values, but data.sparse[{col.name}] "
+    return (f"column {col.name!r} holds {dtype} values, but data.sparse[{col.name}] "
             f"(encoding={col.encoding}) reads ids: integers or text. Fix: write the column as int64 (pandas turns an id column "
             f"with a missing value into float64; its nullable 'Int64' dtype keeps integers), move it to data.dense if it is a "
             f"number, or bucketize it (data.sparse[{col.name}].boundaries or quantiles)")
@@ -552,13 +552,32 @@ def _combined(arr: pa.ChunkedArray | pa.Array) -> pa.Array:
     return arr
 
 
-def _numeric(arr: pa.ChunkedArray | pa.Array, name: str, where: Location, bad, error: type[Exception]) -> pa.Array:
+def is_number_type(t: pa.DataType) -> bool:
+    """Whether a typed (Parquet) column of ``t`` reads as numbers, as a label or a dense feature must: integers, floats,
+    booleans, or nulls only."""
+    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t) or pa.types.is_null(t)
+
+
+def not_numbers(name: str, dtype: pa.DataType, label: bool) -> str:
+    """Why a typed column of ``dtype`` (not :func:`is_number_type`) cannot be read as a label (``label``) or a dense
+    feature, and the fix, which differs: a text feature is a sparse one, but a label must be written as numbers."""
+    if label:
+        return (f"column {name!r} holds {dtype} values, but it is a label, and a label is a number: 0 or 1 for a binary task, "
+                f"a class index (0, 1, 2, ...) for a multiclass one, any number for regression (data.label_kinds). Fix: write "
+                f"it as numbers, e.g. in pandas df[{name!r}] = (df[{name!r}] == '<positive value>').astype('int8') (classes: "
+                f"df[{name!r}].astype('category').cat.codes), or point data.label / data.labels at the numeric label column")
+    return (f"column {name!r} holds {dtype} values, but data.dense reads numbers. Fix: move it to data.sparse (text values are "
+            f"hashed or given a vocabulary), or write it as a numeric type")
+
+
+def _numeric(arr: pa.ChunkedArray | pa.Array, name: str, where: Location, bad, error: type[Exception], label: bool) -> pa.Array:
     """``arr`` as float64 (nulls kept); text files' fields are parsed, and unparsable ones are bad rows.
 
-    A typed (Parquet) column of a non-numeric type is a schema mistake, reported for the whole column.
+    A typed (Parquet) column of a non-numeric type is a schema mistake, reported for the whole column (``label``: the
+    column is a label, whose fix differs from a dense feature's, :func:`not_numbers`).
     """
     arr = _combined(arr)
-    if pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type) or pa.types.is_boolean(arr.type) or pa.types.is_null(arr.type):
+    if is_number_type(arr.type):
         return arr.cast(pa.float64())
     if (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)) and where.line_offset is not None:
         try:
@@ -574,7 +593,4 @@ def _numeric(arr: pa.ChunkedArray | pa.Array, name: str, where: Location, bad, e
                     wrong[i] = True
             bad(name, wrong, lambda i: f"{texts[i]!r} is not a number")
             return pa.array(parsed, pa.float64()).fill_null(0.0) if wrong.any() else pa.array(parsed, pa.float64())
-    raise error(
-        f"{where.path}, {where.part}: column {name!r} has type {arr.type}, but it is used as a number (label or dense). "
-        f"Fix: move it to data.sparse (with encoding=hash for strings), or convert it to a numeric type"
-    )
+    raise error(f"{where.path}, {where.part}: {not_numbers(name, arr.type, label)}")

@@ -64,3 +64,46 @@ def delimiter_hint(text: str, delimiter: str) -> str:
             return (f" The line contains {name}: the file looks {name[:-1]}-separated, but data.delimiter={delimiter!r}. "
                     f"Fix: set data.delimiter={other!r}")
     return ""
+
+
+QUOTE = b'"'
+"""The quote character of delimited text as the reader parses it (Arrow's default): a field that begins with it runs to
+the next one, a doubled ``""`` inside standing for one."""
+
+
+def _opens_quote(line: bytes, delimiter: bytes) -> bool:
+    """Whether a field of ``line`` (no line ending) begins with a quote that the line does not close."""
+    start = 0
+    while start < len(line):  # ``start``: the first byte of a field
+        if line[start:start + 1] == QUOTE:
+            i = start + 1
+            while (j := line.find(QUOTE, i)) >= 0 and line[j + 1:j + 2] == QUOTE:
+                i = j + 2  # a doubled quote inside the field
+            if j < 0:
+                return True
+            start = j + 1
+        nxt = line.find(delimiter, start)
+        if nxt < 0:
+            return False
+        start = nxt + 1
+    return False
+
+
+def open_quote_lines(raw: bytes, delimiter: str) -> list[int]:
+    """The 0-based numbers of the lines of ``raw`` with a field that opens a quote the line does not close.
+
+    Why: the reader (one record per line) would read on into the next lines for the closing quote, so the lines after
+    such a one vanish into one bad row, or end a sample early; found, the line itself is the bad row.
+    """
+    if QUOTE not in raw:
+        return []
+    d = delimiter.encode()
+    return [i for i, line in enumerate(raw.split(b"\n")) if QUOTE in line and _opens_quote(line.rstrip(b"\r"), d)]
+
+
+def open_quote_fix(line: bytes) -> str:
+    """What an error about an unclosed quote says of the line, and the fix."""
+    shown = line.rstrip(b"\r\n").decode("utf-8", errors="replace")[:100]
+    return (f"a field opens a quote ({QUOTE.decode()}) that the line does not close ({shown!r}); one record is one line, so the "
+            f"reader would run on into the next lines for the closing quote. Fix the line: close the quote, or remove it (a quote "
+            f"inside a quoted field is written twice, \"\"; one inside an unquoted field needs nothing)")

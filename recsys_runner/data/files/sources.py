@@ -26,7 +26,15 @@ from recsys_runner.data.encoding.keys import is_text
 from recsys_runner.data.encoding.values import is_list
 from recsys_runner.data.files import compression as compressed
 from recsys_runner.data.files.compression import Compression
-from recsys_runner.data.files.layout import delimiter_hint, detect_delimiter, looks_like_data, looks_like_header, split_fields
+from recsys_runner.data.files.layout import (
+    delimiter_hint,
+    detect_delimiter,
+    looks_like_data,
+    looks_like_header,
+    open_quote_fix,
+    open_quote_lines,
+    split_fields,
+)
 from recsys_runner.errors import DataError, UserError
 
 log = logging.getLogger(__name__)
@@ -58,6 +66,27 @@ def _unreadable(path: str, e: OSError) -> UserError:
 def _is_text(head: bytes) -> bool:
     """Whether a file's first bytes look like text (no NUL byte: binary formats have plenty)."""
     return b"\x00" not in head
+
+
+def not_utf8(raw: bytes) -> tuple[int, int] | None:
+    """Where ``raw`` (lines of a text file) first fails to be UTF-8: the 0-based line and the byte's position in that line;
+    ``None`` when it is all UTF-8."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        start = raw.rfind(b"\n", 0, e.start) + 1
+        return raw.count(b"\n", 0, e.start), e.start - start
+    return None
+
+
+def not_utf8_message(path: str, line_number: int, line: bytes, at: int) -> str:
+    """The error for line ``line_number`` of ``path`` (its bytes ``line``), not UTF-8 from its byte ``at`` on: the reader
+    reads delimited text as UTF-8, so a file written in another encoding (Latin-1, Windows-1252) is converted first."""
+    shown = line.rstrip(b"\r\n").decode("utf-8", errors="replace")[:100]
+    return (f"{path}, line {line_number}: not UTF-8 text (byte {line[at:at + 1]!r} at position {at + 1} of the line: {shown!r}); "
+            f"delimited text is read as UTF-8, and this file was written in another encoding (a byte like this is usual in "
+            f"Latin-1 or Windows-1252). Fix: convert the file to UTF-8, e.g. iconv -f latin1 -t utf-8 {path} > <new file> (or "
+            f"-f cp1252), and point data.path at it")
 
 
 @dataclass(frozen=True)
@@ -450,7 +479,12 @@ class CsvSource:
 
     def sample(self, num_rows: int) -> pa.Table:
         """The first ``num_rows`` rows of the files (in order), every column as text (missing values null), to infer
-        a schema from (:mod:`recsys_runner.data.encoding.fit`); lines with the wrong number of fields are left out."""
+        a schema from (:mod:`recsys_runner.data.encoding.fit`); lines with the wrong number of fields are left out.
+
+        Raises:
+            DataError: a line opens a quote it does not close (with ``data.on_bad_rows=skip``: left out), which would
+                end the sample there; a line that is not UTF-8 text.
+        """
         tables: list[pa.Table] = []
         wanted = num_rows
         for path in self.files:
@@ -459,26 +493,27 @@ class CsvSource:
             if path == self.files[0] and (why := self._misread(path, delimiter, header, names)):
                 raise DataError(f"{path} does not read as configured.{why}")
             lines: list[bytes] = []
+            numbers: list[int] = []  # each kept line's number in the file (blank lines are left out)
+            first_line = self.line_offset(path)
             with self._open(path, data_start) as f:
-                for line in f:
+                for k, line in enumerate(f):
                     if line.strip(b"\r\n"):
-                        lines.append(line)
+                        lines.append(line if line.endswith(b"\n") else line + b"\n")
+                        numbers.append(first_line + k)
                     if len(lines) >= wanted:
                         break
             if not lines:
                 continue
-            raw = b"".join(lines if lines[-1].endswith(b"\n") else [*lines[:-1], lines[-1] + b"\n"])
-            try:
-                table = pacsv.read_csv(
-                    pa.BufferReader(raw),
-                    read_options=pacsv.ReadOptions(column_names=names, use_threads=False, block_size=len(raw) + 1),
-                    parse_options=pacsv.ParseOptions(delimiter=delimiter, invalid_row_handler=lambda row: "skip"),
-                    convert_options=pacsv.ConvertOptions(column_types=dict.fromkeys(names, pa.string()), null_values=list(self.null_values),
-                                                         strings_can_be_null=True, quoted_strings_can_be_null=True),
-                )
-            except pa.ArrowInvalid as e:
-                raise DataError(f"{path}: its first lines cannot be parsed as delimited text ({str(e).splitlines()[0]}). "
-                                f"Fix: check data.delimiter={delimiter!r} and the file's format") from None
+            table, invalid = self._sample_table(path, lines, numbers, names, delimiter)
+            swallowed = table.num_rows + len(invalid) < len(lines) or any('"' in text for text in invalid)
+            if swallowed and (quoted := open_quote_lines(b"".join(lines), delimiter)):
+                # a line opening a quote swallowed the lines after it, which would end the sample there
+                if not self.skip:
+                    raise DataError(f"bad row in {path}, line {numbers[quoted[0]]}: {open_quote_fix(lines[quoted[0]])}. "
+                                    f"Or set data.on_bad_rows=skip to skip such rows (they are counted and logged)")
+                kept = sorted(set(range(len(lines))) - set(quoted))
+                lines, numbers = [lines[i] for i in kept], [numbers[i] for i in kept]
+                table, _ = self._sample_table(path, lines, numbers, names, delimiter)
             if tables and table.column_names != tables[0].column_names:
                 break  # a file with other columns: infer from those seen so far
             tables.append(table)
@@ -488,6 +523,32 @@ class CsvSource:
         if not tables:
             raise DataError(f"{self.files[0]} has no data lines to infer a schema from. Fix: point data.path at files with rows")
         return pa.concat_tables(tables)
+
+    def _sample_table(self, path: str, lines: list[bytes], numbers: list[int], names: list[str], delimiter: str) -> tuple[pa.Table, list[str]]:
+        """``lines`` of ``path`` (each ending in a newline; ``numbers``: their line numbers) as a table of text columns, and
+        the text of each row left out for the wrong number of fields."""
+        raw = b"".join(lines)
+        invalid: list[str] = []
+
+        def on_invalid(row: pacsv.InvalidRow) -> str:
+            invalid.append(row.text)
+            return "skip"
+
+        try:
+            table = pacsv.read_csv(
+                pa.BufferReader(raw),
+                read_options=pacsv.ReadOptions(column_names=names, use_threads=False, block_size=len(raw) + 1),
+                parse_options=pacsv.ParseOptions(delimiter=delimiter, invalid_row_handler=on_invalid),
+                convert_options=pacsv.ConvertOptions(column_types=dict.fromkeys(names, pa.string()), null_values=list(self.null_values),
+                                                     strings_can_be_null=True, quoted_strings_can_be_null=True),
+            )
+        except pa.ArrowInvalid as e:
+            if (wrong := not_utf8(raw)) is not None:
+                index, at = wrong
+                raise DataError(not_utf8_message(path, numbers[index], lines[index], at)) from None
+            raise DataError(f"{path}: its first lines cannot be parsed as delimited text ({str(e).splitlines()[0]}). "
+                            f"Fix: check data.delimiter={delimiter!r} and the file's format") from None
+        return table, invalid
 
     def _index(self, path: str) -> list[Unit]:
         names, data_start, more = self._header(path)
@@ -578,6 +639,37 @@ class CsvSource:
     def _parse(self, path: str, raw: bytes, first_row: int, num_rows: int, part: str) -> tuple[pa.Table, np.ndarray]:
         """``num_rows`` lines of ``path`` (``raw``, from its file row ``first_row``; ``part`` names them) as a table of text
         columns, and the 0-based file row of each of its rows."""
+        delimiter = self.layout(path)[0]
+        table, invalid = self._read_text(path, raw, part, first_row)
+        swallowed = table.num_rows + len(invalid) < num_rows or any('"' in text for *_, text in invalid)
+        if swallowed and (quoted := open_quote_lines(raw, delimiter)):
+            # a line opening a quote swallowed the lines after it: it alone is the bad row, the others are read
+            lines = raw.split(b"\n")
+            if not self.skip:
+                raise DataError(f"bad row in {path}, line {first_row + quoted[0] + self.line_offset(path)}: "
+                                f"{open_quote_fix(lines[quoted[0]])}. Or set data.on_bad_rows=skip to skip such rows (they are "
+                                f"counted and logged)")
+            for i in quoted:
+                lines[i] = b""  # an empty line: a bad row of its own, counted below
+            table, invalid = self._read_text(path, b"\n".join(lines), part, first_row)
+        file_rows = np.arange(first_row, first_row + num_rows)
+        if invalid:
+            number, expected, actual, text = invalid[0]
+            if not self.skip:
+                line = f"line {first_row + number + self.line_offset(path) - 1}" if number is not None else part
+                hint = delimiter_hint(text, delimiter) if actual == 1 else ""
+                raise DataError(
+                    f"bad row in {path}, {line}: expected {expected} fields separated by {delimiter!r}, found {actual} "
+                    f"({text[:80]!r})." + (hint or " Fix the line, or set data.on_bad_rows=skip to skip such rows (they are counted and logged)")
+                )
+            self.num_bad_rows += len(invalid)
+            dropped = [first_row + num - 1 for num, *_ in invalid if num is not None]
+            file_rows = np.setdiff1d(file_rows, dropped)[: table.num_rows]
+        return table, file_rows
+
+    def _read_text(self, path: str, raw: bytes, part: str, first_row: int) -> tuple[pa.Table, list[tuple[int | None, int, int, str]]]:
+        """Lines of ``path`` (``raw``, from its file row ``first_row``; ``part`` names them) as a table of text columns, and
+        the lines with the wrong number of fields: (1-based number in ``raw``, fields expected, found, text)."""
         names = self.names(path)
         delimiter = self.layout(path)[0]
         invalid: list[tuple[int | None, int, int, str]] = []
@@ -600,20 +692,10 @@ class CsvSource:
                 ),
             )
         except pa.ArrowInvalid as e:
+            if (wrong := not_utf8(raw)) is not None:
+                index, at = wrong
+                raise DataError(not_utf8_message(path, first_row + index + self.line_offset(path), raw.split(b"\n")[index], at)) from None
             raise DataError(f"{path}, {part}: cannot be parsed as delimited text ({str(e).splitlines()[0]}). "
                             f"Fix: check data.delimiter={delimiter!r} and the file's format") from None
-        file_rows = np.arange(first_row, first_row + num_rows)
-        if invalid:
-            number, expected, actual, text = invalid[0]
-            if not self.skip:
-                line = f"line {first_row + number + self.line_offset(path) - 1}" if number is not None else part
-                hint = delimiter_hint(text, delimiter) if actual == 1 else ""
-                raise DataError(
-                    f"bad row in {path}, {line}: expected {expected} fields separated by {delimiter!r}, found {actual} "
-                    f"({text[:80]!r})." + (hint or " Fix the line, or set data.on_bad_rows=skip to skip such rows (they are counted and logged)")
-                )
-            self.num_bad_rows += len(invalid)
-            dropped = [first_row + num - 1 for num, *_ in invalid if num is not None]
-            file_rows = np.setdiff1d(file_rows, dropped)[: table.num_rows]
-        return table, file_rows
+        return table, invalid
 

@@ -16,7 +16,9 @@ from typing import Any
 import pyarrow as pa
 
 from recsys_runner.data.encoding.fit import Inferred, complete_schema
+from recsys_runner.data.encoding.rows import float_ids, is_number_type, not_numbers
 from recsys_runner.data.encoding.stored import StoredEncoders, check_inputs
+from recsys_runner.data.encoding.values import is_list
 from recsys_runner.data.files.sources import CsvSource, ParquetSource
 from recsys_runner.data.files.streaming import KIND_SAMPLE_ROWS, TabularData
 from recsys_runner.data.files.tabular_config import (
@@ -33,6 +35,7 @@ from recsys_runner.data.locate import PARQUET_SUFFIXES, resolve_files
 from recsys_runner.data.schema import Schema
 from recsys_runner.data.schema_files import read_schema_file, schema_yaml, stored_schema
 from recsys_runner.data.sequences.histories import check_list_columns
+from recsys_runner.errors import DataError
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,28 @@ def from_checkpoint(encoders: StoredEncoders, sample: pa.Table, where: str) -> S
     check_inputs(encoders, sample, where)
     log.info("data encoders: loaded from %s (fitted when it was trained; not fitted again on %s)", encoders.source, where)
     return encoders.schema
+
+
+def check_column_types(schema: Schema, arrow: pa.Schema, path: str) -> None:
+    """The columns of ``schema`` have types it can read in the Parquet file ``path`` (``arrow``: its footer's schema):
+    each label and dense column numbers (:func:`~recsys_runner.data.encoding.rows.is_number_type`), no sparse column
+    read as ids floats. Checked when the data is built, before the model: the encoder refuses the same columns, but only
+    at the first read, after the model has been built and sharded. The other files of ``data.path`` and ``data.eval_path``
+    hold each column as the same kind of values (:func:`~recsys_runner.data.files.sources.type_clash`).
+
+    Raises:
+        DataError: naming the file, the column, its type and the fix, which differs for a label
+            (:func:`~recsys_runner.data.encoding.rows.not_numbers`, :func:`~recsys_runner.data.encoding.rows.float_ids`).
+    """
+    for name, label in [*((c, True) for c in schema.label_columns), *((c.name, False) for c in schema.dense)]:
+        if name in arrow.names and not is_number_type(t := arrow.field(name).type):
+            raise DataError(f"{path}: {not_numbers(name, t, label)}")
+    for col in schema.sparse:
+        if col.name not in arrow.names or col.encoding == "bucketize" or col.weighted or col.cross is not None:
+            continue
+        t = arrow.field(col.name).type
+        if pa.types.is_floating(flat := t.value_type if is_list(t) else t):
+            raise DataError(f"{path}: {float_ids(col, flat)}")
 
 
 def config_schema(config: Any, sample: Any, where: str, column_names: Any = None) -> tuple[Inferred, dict[str, Any]]:
@@ -93,6 +118,7 @@ class ParquetData(TabularData):
             log_inferred(done, f"data.path={config.path!r}")
             schema = done.schema
         check_list_columns(schema, first, files[0])
+        check_column_types(schema, first, files[0])
         super().__init__(config, schema, encoders)
 
     def _suffixes(self) -> tuple[str, ...] | None:
