@@ -349,6 +349,23 @@ def test_every_transform_is_served_as_predict_scores_it(tmp_path: Path) -> None:
         unit.predict(pd.read_csv(tmp_path / "score.csv", dtype=str).head(2).assign(tags=["t1:heavy", "t2:1"]))
 
 
+def test_a_request_of_no_rows_gets_every_output_column_of_its_dtype() -> None:
+    """What a served model answers a request of no rows (its program's batch is at least one row): the columns, in their
+    order and dtypes, that one row gets — for each output kind (a multi-class task's class and probability, a tower's
+    vectors)."""
+    import torch
+
+    outputs = [{"column": "score_ctr", "task": "ctr", "kind": "binary"}, {"column": "score_genre", "task": "genre", "kind": "multiclass"},
+               {"column": "score_time", "task": "time", "kind": "regression"}]
+    one = pd.DataFrame(served_module.scores({"ctr": torch.zeros(1), "genre": torch.zeros(1, 4), "time": torch.zeros(1)}, outputs))
+    none = pd.DataFrame(served_module.empty_scores(outputs))
+    assert len(none) == 0 and list(none.columns) == list(one.columns) == ["score_ctr", "class_genre", "score_genre", "score_time"]
+    assert list(none.dtypes) == list(one.dtypes)
+    vector = [{"column": "vector", "task": None, "kind": "vector"}]
+    one, none = (pd.DataFrame(f(*a)) for f, a in ((served_module.scores, (torch.zeros(1, 3), vector)), (served_module.empty_scores, (vector,))))
+    assert list(none.columns) == list(one.columns) == ["vector"] and list(none.dtypes) == list(one.dtypes)
+
+
 def test_parquet_ids_with_gaps_are_served_from_text(tmp_path: Path) -> None:
     """A Parquet-trained model: integer ids with missing values (pandas would make floats of them), float prices with
     gaps, a list column with missing and empty cells. The signature is text (the list an optional array: MLflow refuses a
