@@ -413,3 +413,8 @@ def test_parquet_ids_with_gaps_are_served_from_text(tmp_path: Path) -> None:
     assert list(empty.columns) == ["score"] and len(empty) == 0 and empty["score"].dtype == np.float32
     with pytest.raises(Exception, match=r"column 'tags' cannot be read .*Fix: send one kind of value in it"):
         unit.predict(request.head(2).assign(tags=[["t1"], "t2"]))
+    # ids as floats (what pandas makes of a JSON request's integers beside a null) beyond 2**53 may have lost digits already
+    np.testing.assert_allclose(unit.predict(request.head(2).assign(user=[1000000000012.0, np.nan]))["score"].to_numpy(),
+                               unit.predict(request.head(2).assign(user=["1000000000012", None]))["score"].to_numpy(), atol=ATOL)
+    with pytest.raises(Exception, match=r"column 'user' holds the id 9007199254740994 as a floating-point number.*Fix: send the ids as text"):
+        unit.predict(request.head(2).assign(user=[float(2**53 + 2), np.nan]))

@@ -317,11 +317,26 @@ class ServedModel:
         if _values.is_list(target) and not _values.is_list(arr.type):
             raise self.error(f"column {name!r} holds {arr.type} values, but the model reads a list per row in it ({target}). "
                                  f"Fix: send a list (e.g. [3, 7, 9]) for each row")
+        if pa.types.is_floating(arr.type) and not pa.types.is_floating(target):  # ids sent as numbers, made floats
+            self._exact_ids(name, arr)
+            arr = _integral(arr)
         try:
-            return _integral(arr).cast(target)
+            return arr.cast(target)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
             raise self.error(f"column {name!r} cannot be read as {target} ({str(e).splitlines()[0]}): the model was trained "
                                  f"on {target} values in it. Fix: send {target} values") from None
+
+    def _exact_ids(self, name: str, arr: pa.Array) -> None:
+        """Raises RequestError (MLflow's ``BAD_REQUEST``) when ids of column ``name`` arrive as floats beyond
+        :data:`EXACT_FLOAT` — where a float no longer holds every integer, so the id may already have lost its last digits
+        (pandas parses a JSON request's integer column with a ``null`` in it as floats): keyed, it would silently read
+        another id's row."""
+        beyond = pc.greater(pc.abs(arr), EXACT_FLOAT)
+        if pc.any(beyond).as_py():
+            value = arr.filter(beyond)[0].as_py()
+            raise self.error(f"column {name!r} holds the id {value:.0f} as a floating-point number, which holds integers exactly only up "
+                             f"to 2**53: its last digits may be lost already (a JSON request's integers in a column that also holds a "
+                             f"null are parsed as floats). Fix: send the ids as text (JSON strings), as the signature says")
 
     def predict(self, model_input: Any, params: dict[str, Any] | None = None) -> Any:
         """``predict``'s score columns for each row of ``model_input`` (a pandas DataFrame of raw rows)."""
@@ -495,6 +510,8 @@ def _arrow_column(series: Any) -> pa.Array:
     return arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
 
 
+EXACT_FLOAT = 2**53
+"""Integers above this are not all held by a float64 (:meth:`ServedModel._exact_ids`)."""
 WHOLE_TEXT = r"^[+-]?[0-9]+\.0*$"
 """A whole number written with a decimal point (``"772.0"``): :func:`_whole_texts`."""
 
