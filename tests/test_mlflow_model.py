@@ -194,6 +194,8 @@ def test_mlflow_models_serve_answers_raw_csv_rows_with_predicts_scores(din: dict
         assert status == 200, answer
         served = pd.DataFrame(json.loads(answer)["predictions"])
         np.testing.assert_allclose(served["score"].to_numpy(), din["reference"]["score"].to_numpy()[:20], atol=ATOL)
+        status, answer = _post(port, json.dumps({"dataframe_split": {"columns": split["columns"], "data": []}}), "application/json")
+        assert (status, json.loads(answer)) == (200, {"predictions": []}), answer  # no rows: no scores, not a traceback
         status, answer = _post(port, frame.drop(columns=["hist_item"]).head(3).to_csv(index=False))
         assert 400 <= status < 500 and "hist_item" in answer, answer
         status, answer = _post(port, frame.head(3).assign(category=["1", "two", "3"]).to_csv(index=False))
@@ -290,6 +292,7 @@ def test_two_tower_model_serves_each_tower_apart(tmp_path: Path) -> None:
     rows = pd.read_csv(tmp_path / "score.csv", dtype=str)
     user = mlflow.pyfunc.load_model(str(out / "mlflow_user_tower")).predict(rows[["user", "age"]])
     item = mlflow.pyfunc.load_model(str(out / "mlflow_item_tower")).predict(rows[["item", "tags"]])
+    assert list(mlflow.pyfunc.load_model(str(out / "mlflow_user_tower")).predict(rows[["user", "age"]].head(0)).columns) == ["vector"]
     temperature = json.loads((out / export.FEATURE_SPEC_FILE).read_text())["towers"]["temperature"]
     served = np.stack(user["vector"].to_numpy()) @ np.stack(item["vector"].to_numpy()).T / temperature
 
@@ -346,9 +349,28 @@ def test_every_transform_is_served_as_predict_scores_it(tmp_path: Path) -> None:
         unit.predict(pd.read_csv(tmp_path / "score.csv", dtype=str).head(2).assign(tags=["t1:heavy", "t2:1"]))
 
 
+def test_a_request_of_no_rows_gets_every_output_column_of_its_dtype() -> None:
+    """What a served model answers a request of no rows (its program's batch is at least one row): the columns, in their
+    order and dtypes, that one row gets — for each output kind (a multi-class task's class and probability, a tower's
+    vectors)."""
+    import torch
+
+    outputs = [{"column": "score_ctr", "task": "ctr", "kind": "binary"}, {"column": "score_genre", "task": "genre", "kind": "multiclass"},
+               {"column": "score_time", "task": "time", "kind": "regression"}]
+    one = pd.DataFrame(served_module.scores({"ctr": torch.zeros(1), "genre": torch.zeros(1, 4), "time": torch.zeros(1)}, outputs))
+    none = pd.DataFrame(served_module.empty_scores(outputs))
+    assert len(none) == 0 and list(none.columns) == list(one.columns) == ["score_ctr", "class_genre", "score_genre", "score_time"]
+    assert list(none.dtypes) == list(one.dtypes)
+    vector = [{"column": "vector", "task": None, "kind": "vector"}]
+    one, none = (pd.DataFrame(f(*a)) for f, a in ((served_module.scores, (torch.zeros(1, 3), vector)), (served_module.empty_scores, (vector,))))
+    assert list(none.columns) == list(one.columns) == ["vector"] and list(none.dtypes) == list(one.dtypes)
+
+
 def test_parquet_ids_with_gaps_are_served_from_text(tmp_path: Path) -> None:
     """A Parquet-trained model: integer ids with missing values (pandas would make floats of them), float prices with
-    gaps. The signature is text; the served model casts each column back to the type training read."""
+    gaps, a list column with missing and empty cells. The signature is text (the list an optional array: MLflow refuses a
+    missing cell in a required one); the served model casts each column back to the type training read, and reads what a
+    request holds for a missing number as missing."""
     import mlflow.pyfunc
     import pyarrow as pa
 
@@ -357,8 +379,10 @@ def test_parquet_ids_with_gaps_are_served_from_text(tmp_path: Path) -> None:
     def table(n: int) -> pa.Table:
         users = [None if rng.random() < 0.1 else int(u) for u in rng.integers(0, 2**40, n) % 37 + 10**12]
         price = [None if rng.random() < 0.1 else float(p) for p in rng.random(n) * 9]
+        tags = [None if r % 9 == 0 else [f"t{int(t)}" for t in rng.integers(0, 6, int(rng.integers(0, 3)))] for r in range(n)]
         click = [int((u or 0) % 2) for u in users]
-        return pa.table({"click": pa.array(click, pa.int8()), "user": pa.array(users, pa.int64()), "price": pa.array(price, pa.float64())})
+        return pa.table({"click": pa.array(click, pa.int8()), "user": pa.array(users, pa.int64()), "price": pa.array(price, pa.float64()),
+                         "tags": pa.array(tags, pa.list_(pa.string()))})
 
     pq.write_table(table(1500), tmp_path / "train.parquet")
     pq.write_table(table(100), tmp_path / "score.parquet")
@@ -366,9 +390,31 @@ def test_parquet_ids_with_gaps_are_served_from_text(tmp_path: Path) -> None:
             "distributed.device=cpu", "tracking=none"]
     trained = _trained(tmp_path, data, steps=6)
     reference = _scores(data, trained["checkpoint"], tmp_path / "score.parquet", tmp_path / "predicted")
-    rows = pq.read_table(tmp_path / "score.parquet").select(["user", "price"])
-    assert rows.column("user").null_count > 0
-    served = mlflow.pyfunc.load_model(str(trained["model"])).predict(mlflow_model.as_request(rows))
+    rows = pq.read_table(tmp_path / "score.parquet").select(["user", "price", "tags"])
+    assert rows.column("user").null_count > 0 and rows.column("tags").null_count > 0
+    model = mlflow.pyfunc.load_model(str(trained["model"]))
+    request = mlflow_model.as_request(rows)
+    served = model.predict(request)
     np.testing.assert_allclose(served["score"].to_numpy(), reference["score"].to_numpy(), atol=ATOL)
+    unit = ServedModel(str(trained["model"] / "data" / "data"))
     with pytest.raises(Exception, match=r"column 'user' cannot be read as int64"):
-        ServedModel(str(trained["model"] / "data" / "data")).predict(mlflow_model.as_request(rows).assign(user="someone"))
+        unit.predict(request.assign(user="someone"))
+    # What other senders hold for a missing number: "" (a CSV body), "None" and "nan" (MLflow's `inputs` form makes them of a
+    # JSON null and NaN, pandas' astype(str) of a NaN), and an integer column with gaps as pandas writes it ("1000000000012.0"),
+    # and list cells as MLflow's `inputs` form hands them over (NumPy arrays, an empty one float64 beside text ones)
+    for absent in ("", "None", "nan"):
+        texts = request.assign(user=[absent if pd.isna(u) else f"{u}.0" for u in request["user"]],
+                               price=[absent if pd.isna(p) else p for p in request["price"]],
+                               tags=[np.array(t, dtype=object) if t is not None and len(t) else np.array([]) for t in request["tags"]])
+        np.testing.assert_allclose(model.predict(texts)["score"].to_numpy(), reference["score"].to_numpy(), atol=ATOL)
+    as_str = pq.read_table(tmp_path / "score.parquet").to_pandas().astype({"user": str, "price": str})  # "nan", "1000000000012.0"
+    np.testing.assert_allclose(model.predict(as_str)["score"].to_numpy(), reference["score"].to_numpy(), atol=ATOL)
+    empty = model.predict(request.head(0))  # no rows: no scores (the program's batch is at least one row)
+    assert list(empty.columns) == ["score"] and len(empty) == 0 and empty["score"].dtype == np.float32
+    with pytest.raises(Exception, match=r"column 'tags' cannot be read .*Fix: send one kind of value in it"):
+        unit.predict(request.head(2).assign(tags=[["t1"], "t2"]))
+    # ids as floats (what pandas makes of a JSON request's integers beside a null) beyond 2**53 may have lost digits already
+    np.testing.assert_allclose(unit.predict(request.head(2).assign(user=[1000000000012.0, np.nan]))["score"].to_numpy(),
+                               unit.predict(request.head(2).assign(user=["1000000000012", None]))["score"].to_numpy(), atol=ATOL)
+    with pytest.raises(Exception, match=r"column 'user' holds the id 9007199254740994 as a floating-point number.*Fix: send the ids as text"):
+        unit.predict(request.head(2).assign(user=[float(2**53 + 2), np.nan]))

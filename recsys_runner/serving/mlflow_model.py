@@ -81,7 +81,11 @@ def signature(types: dict[str, str], columns: list[str]) -> Any:
     Why text: the served model casts each column to the type training read (``encoders.json``'s ``column_types``) and
     names the column when a value does not fit; MLflow's own types cannot hold a missing id (pandas turns an int column
     with a gap into floats, which a ``long`` column refuses) nor parse a CSV request's bad number without losing the
-    column's name. A JSON request's numbers are converted to text by the server; a pandas caller passes ``dtype=str``."""
+    column's name. A JSON request's numbers are converted to text by the server; a pandas caller passes ``dtype=str``.
+
+    A list column is not ``required``: MLflow refuses a missing cell (``None``) in a required array column ("Expected data
+    to be list or numpy array, got NoneType", naming no column), where training reads a missing list as an empty one. A
+    request without the column is still refused, naming it, by the served model (``ServedModel.encode``)."""
     from mlflow.models import ModelSignature
     from mlflow.types.schema import Array, ColSpec, DataType, Schema
 
@@ -91,7 +95,7 @@ def signature(types: dict[str, str], columns: list[str]) -> Any:
     def spec(name: str) -> ColSpec:
         t = types.get(name, "string")
         if t.startswith("list<"):
-            return ColSpec(Array(scalar.get(t[5:-1], DataType.string)), name)
+            return ColSpec(Array(scalar.get(t[5:-1], DataType.string)), name, required=False)
         return ColSpec(DataType.string, name)
 
     return ModelSignature(inputs=Schema([spec(c) for c in columns]))

@@ -106,6 +106,9 @@ class TopKModel:
         torch = self._torch
         k, exclude_seen = self.parameters(params)
         frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)
+        if len(frame) == 0:  # the program's batch is at least one row: no rows, no lists (still only with every column)
+            self.check_columns(frame)
+            return pd.DataFrame({TOP_ITEMS: [], TOP_SCORES: [], UNKNOWN_IDS: np.zeros(0, np.int64)})
         inputs, seen, unknown = self.encode(frame)
         with torch.inference_mode():
             queries = self.program(*inputs).float()
@@ -143,6 +146,14 @@ class TopKModel:
             raise self.error(f"exclude_seen={exclude!r} must be true or false")
         return int(k), bool(exclude)
 
+    def check_columns(self, frame: Any) -> None:
+        """Raises RequestError (MLflow's ``BAD_REQUEST``) naming the request columns ``frame`` lacks."""
+        missing = [c for c in self.request_columns if c not in frame.columns]
+        if missing:
+            raise self.error(f"the request has no column {missing[0]!r}{f' (nor {missing[1:]})' if missing[1:] else ''}; the model reads "
+                             f"the columns {self.request_columns}: each row's history, oldest event first. Fix: send every one of them "
+                             f"(extra columns are ignored)")
+
     def encode(self, frame: Any) -> tuple[tuple[Any, ...], Any, list[int]]:
         """The program's inputs for the rows of ``frame``, each row's history items (item ids, ``-1`` padding: what is
         left out with ``exclude_seen``) and its number of unknown raw ids.
@@ -152,11 +163,7 @@ class TopKModel:
                 row's columns hold different numbers of events.
         """
         torch = self._torch
-        missing = [c for c in self.request_columns if c not in frame.columns]
-        if missing:
-            raise self.error(f"the request has no column {missing[0]!r}{f' (nor {missing[1:]})' if missing[1:] else ''}; the model reads "
-                             f"the columns {self.request_columns}: each row's history, oldest event first. Fix: send every one of them "
-                             f"(extra columns are ignored)")
+        self.check_columns(frame)
         n = len(frame)
         lengths: np.ndarray | None = None
         ids = []

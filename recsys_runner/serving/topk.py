@@ -225,12 +225,14 @@ def raw_histories(rows: pa.Table, columns: list[dict[str, Any]], mapping: dict[s
 
 def signature(columns: list[dict[str, Any]], request_columns: list[str], k: int) -> Any:
     """The input signature: each history column an array of its table's raw id type, the times an array of longs; the
-    parameters ``k`` (default ``k``) and ``exclude_seen`` (default true)."""
+    parameters ``k`` (default ``k``) and ``exclude_seen`` (default true). The arrays are not ``required``: MLflow refuses a
+    missing cell (``None``) in a required one, where the model reads it as a user without history; a request without a
+    column is refused by the model, naming it (``TopKModel.check_columns``)."""
     from mlflow.models import ModelSignature
     from mlflow.types.schema import Array, ColSpec, DataType, ParamSchema, ParamSpec, Schema
 
     types = {c["column"]: DataType.long if c["integers"] else DataType.string for c in columns}
-    inputs = Schema([ColSpec(Array(types.get(name, DataType.long)), name) for name in request_columns])
+    inputs = Schema([ColSpec(Array(types.get(name, DataType.long)), name, required=False) for name in request_columns])
     params = ParamSchema([ParamSpec("k", DataType.long, k), ParamSpec("exclude_seen", DataType.boolean, True)])
     return ModelSignature(inputs=inputs, params=params)
 

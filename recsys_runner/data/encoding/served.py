@@ -7,10 +7,12 @@ histories ``recsys_histories.py``, values ``recsys_values.py`` and keys ``recsys
 checkpoint's ``encoders.json`` and ``serving.json`` (what the program takes and what its outputs mean). MLflow calls
 :func:`_load_pyfunc` on ``data/``; :meth:`ServedModel.predict` then
 
-1. checks that every input column the model was trained on is in the request (extra columns are ignored);
+1. checks that every input column the model was trained on is in the request (extra columns are ignored); a request
+   of no rows is answered with no rows (the program's batch is at least one row);
 2. reads the CSV reader's missing-value tokens (``serving.json``'s ``null_values``, ``""`` by default) in a text column
    as missing, and casts each column to the Arrow type training read it as (``encoders.json``'s ``column_types``: every column of a CSV
-   is text, so an id ``123`` sent as a number is keyed as the text ``"123"``, exactly as in training);
+   is text, so an id ``123`` sent as a number is keyed as the text ``"123"``, exactly as in training; in a column
+   training read as numbers, :data:`ABSENT_TEXTS` are missing too and an integer written ``"772.0"`` is 772);
 3. encodes the rows with the stored encoders — vocabularies, hashes, buckets, fills and normalization, histories cut to
    their ``max_len`` — through the very encoder training used, so an id unseen in training reads the OOV row it would
    have read there;
@@ -65,6 +67,12 @@ STACKED_ROWS = 4096
 """Requests of up to this many rows are converted to Arrow in one piece (:meth:`ServedModel._text_columns`)."""
 LABEL = "__served_label__"
 """The zero label column the encoder is given (it encodes labels too; a request has none)."""
+ABSENT_TEXTS = ("", "None", "nan")
+"""Texts read as a missing value in a column training read as numbers (a Parquet model's ids, prices): no id reads as
+them, and they are what a request holds for one — ``""`` in a CSV body or JSON text, ``"None"`` and ``"nan"`` what
+MLflow's ``inputs`` form makes of a JSON ``null`` and ``NaN`` in a ``string`` column of the signature (and pandas'
+``astype(str)`` of a missing number): as a NaN of a typed request column, which pandas holds for a missing value, they
+take the column's fill (:meth:`ServedModel._cast`)."""
 
 
 class RequestError(ValueError):
@@ -143,6 +151,8 @@ class ServedModel:
         self.types = {name: _values.arrow_type(t) for name, t in (document.get("column_types") or {}).items() if name in self.columns}
         self.dense_columns = {d["name"] for d in document["dense"]}
         self.null_values = pa.array(list(self.spec.get("null_values") or []), pa.string())
+        self.absent_texts = pa.array(sorted({*self.null_values.to_pylist(), *ABSENT_TEXTS}), pa.string())
+        """The texts read as missing in a column training read as numbers (:data:`ABSENT_TEXTS`, with the null tokens)."""
         self.schema = _Schema(document, set(self.spec["features"]) if self.spec.get("tower") else None)
         names = [c.name for c in self.schema.sparse] + [g.timestamps for g in self.schema.sequences if g.timestamps]
         if names != self.spec["keys"] or [c.name for c in self.schema.dense] != self.spec["dense"]:
@@ -170,15 +180,12 @@ class ServedModel:
             RequestError (MLflow's ``BAD_REQUEST`` when MLflow is installed): a column is missing or cannot be read.
         """
         torch = self._torch
-        missing = [c for c in self.columns if c not in frame.columns]
-        if missing:
-            raise self.error(f"the request has no column {missing[0]!r}{f' (nor {missing[1:]})' if missing[1:] else ''}; "
-                                 f"the model reads the columns {self.columns}. Fix: send every one of them (extra columns are ignored)")
+        self.check_columns(frame)
         n = len(frame)
         columns = self._text_columns(frame) if n <= STACKED_ROWS else None
         stacked = columns is not None
         if columns is None:
-            columns = {name: self._cast(name, _arrow_column(frame[name])) for name in self.columns}
+            columns = {name: self._cast(name, self._arrow_column(name, frame[name])) for name in self.columns}
         table = pa.table({**columns, LABEL: pa.array(np.zeros(n, np.float32))})
         rows = self._small_rows(table, columns) if self._small and stacked else None
         if rows is None:
@@ -191,6 +198,27 @@ class ServedModel:
             return inputs
         weights = rows.key_weights()
         return (*inputs, torch.from_numpy(np.ones(len(values), np.float32) if weights is None else weights))
+
+    def check_columns(self, frame: Any) -> None:
+        """Raises RequestError (MLflow's ``BAD_REQUEST``) naming the input columns ``frame`` lacks."""
+        missing = [c for c in self.columns if c not in frame.columns]
+        if missing:
+            raise self.error(f"the request has no column {missing[0]!r}{f' (nor {missing[1:]})' if missing[1:] else ''}; "
+                                 f"the model reads the columns {self.columns}. Fix: send every one of them (extra columns are ignored)")
+
+    def _arrow_column(self, name: str, series: Any) -> pa.Array:
+        """Request column ``name`` as one Arrow array (:func:`_arrow_column`).
+
+        Raises:
+            RequestError (MLflow's ``BAD_REQUEST``): its values are of kinds no one Arrow type holds (text beside
+                numbers, a list beside a single value), named with the column.
+        """
+        try:
+            return _arrow_column(series)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
+            raise self.error(f"column {name!r} cannot be read ({str(e).splitlines()[0]}): its rows hold values of different kinds "
+                             f"(text beside numbers, or a list beside a single value). Fix: send one kind of value in it, as the "
+                             f"signature says ({'a list per row' if _values.is_list(self.types.get(name, pa.string())) else 'one value per row'})") from None
 
     def _text_columns(self, frame: Any) -> dict[str, pa.Array] | None:
         """The request's columns as :meth:`_cast` makes them, converted to Arrow all at once: when every input column
@@ -272,10 +300,14 @@ class ServedModel:
         if _keys.is_text(arr.type):  # pandas' strings arrive as large_string
             if arr.type != pa.string():
                 arr = arr.cast(pa.string())
-            if len(self.null_values):  # the CSV reader's missing-value tokens ("" by default) are nulls
-                tokens = pc.is_in(arr, value_set=self.null_values)
+            numbers = target is not None and (pa.types.is_integer(target) or pa.types.is_floating(target) or pa.types.is_boolean(target))
+            absent = self.absent_texts if numbers else self.null_values
+            if len(absent):  # the CSV reader's missing-value tokens ("" by default) are nulls; in a number column, ABSENT_TEXTS too
+                tokens = pc.is_in(arr, value_set=absent)
                 if pc.any(tokens).as_py():
                     arr = pc.if_else(tokens, pa.scalar(None, pa.string()), arr)
+            if target is not None and pa.types.is_integer(target):
+                arr = _whole_texts(arr)
         if target is None or pa.types.is_null(arr.type) or pa.types.is_null(target) or arr.type == target:
             return arr
         if name in self.dense_columns and pa.types.is_string(target):
@@ -285,11 +317,26 @@ class ServedModel:
         if _values.is_list(target) and not _values.is_list(arr.type):
             raise self.error(f"column {name!r} holds {arr.type} values, but the model reads a list per row in it ({target}). "
                                  f"Fix: send a list (e.g. [3, 7, 9]) for each row")
+        if pa.types.is_floating(arr.type) and not pa.types.is_floating(target):  # ids sent as numbers, made floats
+            self._exact_ids(name, arr)
+            arr = _integral(arr)
         try:
-            return _integral(arr).cast(target)
+            return arr.cast(target)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
             raise self.error(f"column {name!r} cannot be read as {target} ({str(e).splitlines()[0]}): the model was trained "
                                  f"on {target} values in it. Fix: send {target} values") from None
+
+    def _exact_ids(self, name: str, arr: pa.Array) -> None:
+        """Raises RequestError (MLflow's ``BAD_REQUEST``) when ids of column ``name`` arrive as floats beyond
+        :data:`EXACT_FLOAT` — where a float no longer holds every integer, so the id may already have lost its last digits
+        (pandas parses a JSON request's integer column with a ``null`` in it as floats): keyed, it would silently read
+        another id's row."""
+        beyond = pc.greater(pc.abs(arr), EXACT_FLOAT)
+        if pc.any(beyond).as_py():
+            value = arr.filter(beyond)[0].as_py()
+            raise self.error(f"column {name!r} holds the id {value:.0f} as a floating-point number, which holds integers exactly only up "
+                             f"to 2**53: its last digits may be lost already (a JSON request's integers in a column that also holds a "
+                             f"null are parsed as floats). Fix: send the ids as text (JSON strings), as the signature says")
 
     def predict(self, model_input: Any, params: dict[str, Any] | None = None) -> Any:
         """``predict``'s score columns for each row of ``model_input`` (a pandas DataFrame of raw rows)."""
@@ -297,6 +344,9 @@ class ServedModel:
 
         torch = self._torch
         frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)
+        if len(frame) == 0:  # the program's batch is at least one row: no rows, no scores (still only with every column)
+            self.check_columns(frame)
+            return pd.DataFrame(empty_scores(self.spec["outputs"]))
         with torch.inference_mode():  # no autograd bookkeeping at all (no_grad still keeps version counters): less per op
             out = self.program(*self.encode(frame))
         return pd.DataFrame(scores(out, self.spec["outputs"]))
@@ -430,13 +480,50 @@ def scores(out: Any, outputs: list[dict[str, Any]]) -> dict[str, np.ndarray]:
     return columns
 
 
+def empty_scores(outputs: list[dict[str, Any]]) -> dict[str, np.ndarray]:
+    """:func:`scores`' columns, with their dtypes, for a request of no rows."""
+    columns: dict[str, Any] = {}
+    for spec in outputs:
+        column, kind = spec["column"], spec["kind"]
+        if kind == "vector":
+            columns[column] = np.empty(0, object)
+            continue
+        if kind == "multiclass":
+            columns[f"class_{column.removeprefix('score_')}"] = np.zeros(0, np.int64)
+        columns[column] = np.zeros(0, np.float32)
+    return columns
+
+
 def _arrow_column(series: Any) -> pa.Array:
     """A request column (a pandas Series) as one Arrow array, converted as ``pa.Table.from_pandas`` converts each column
     (``pa.array(..., from_pandas=True)``: NaN and None are nulls), without building a table and its pandas metadata first:
     per request that costs more than the conversion itself for a few rows. A column of a NumPy dtype is handed over as its
     array (what ``pa.array`` takes from the Series anyway); extension and categorical dtypes as the Series."""
-    arr = pa.array(series.to_numpy() if isinstance(series.dtype, np.dtype) else series, from_pandas=True)
+    try:
+        arr = pa.array(series.to_numpy() if isinstance(series.dtype, np.dtype) else series, from_pandas=True)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+        if series.dtype != object:
+            raise
+        # MLflow's `inputs` form hands each list cell over as a NumPy array, an empty one as float64 beside text arrays,
+        # which Arrow does not convert together: as Python lists they are one list type
+        arr = pa.array([cell.tolist() if isinstance(cell, np.ndarray) else cell for cell in series], from_pandas=True)
     return arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
+
+
+EXACT_FLOAT = 2**53
+"""Integers above this are not all held by a float64 (:meth:`ServedModel._exact_ids`)."""
+WHOLE_TEXT = r"^[+-]?[0-9]+\.0*$"
+"""A whole number written with a decimal point (``"772.0"``): :func:`_whole_texts`."""
+
+
+def _whole_texts(arr: pa.Array) -> pa.Array:
+    """Text ids of an integer column with the decimal point pandas writes for an integer column with gaps (``"772.0"``,
+    in ``to_csv`` and ``astype(str)``) as the integer's text (``"772"``), exactly — a JSON ``772.0`` is read as 772 too
+    (:func:`_integral`); any other text is left for the cast to name."""
+    whole = pc.match_substring_regex(arr, WHOLE_TEXT)
+    if not pc.any(whole).as_py():
+        return arr
+    return pc.if_else(whole, pc.replace_substring_regex(arr, r"\.0*$", ""), arr)
 
 
 def _integral(arr: pa.Array) -> pa.Array:
