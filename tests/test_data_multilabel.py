@@ -68,7 +68,8 @@ def test_csv_two_labels_exact_batches_and_regression_label(tmp_path: Path) -> No
     assert b0.sparse_features["item"].values().tolist() == [3, 1]
     # the same float column as a binary label is a bad row naming it and the fix
     with pytest.raises(DataError, match=r"logs\.csv, line 2, column 'watch': the label \(task 'watch'\) is 12\.5, but the task is "
-                       r"binary \(BCE\) and needs 0 or 1; a float label: data\.label_kinds\.watch=regression"):
+                       r"binary \(BCE\) and needs 0 or 1; a float label: data\.label_kinds\.watch=regression, a class index: "
+                       r"data\.label_kinds\.watch=multiclass \(.*model\.task_specs\.watch\.kind"):
         list(reader(str(path), CsvData, labels={"ctr": "click", "watch": "watch"}, dense=[]).train_batches(0, 0, 1))
 
 

@@ -226,7 +226,9 @@ class Encoder:
             bad(name, wrong, lambda i: f"the label{of} is {_shown(float(values[i]))}, but a multiclass label is a class index (an integer >= 0)")
         else:
             wrong = ~null & (values != 0) & (values != 1)
-            hint = (f"; a float label: data.label_kinds.{task}=regression" if multi
+            hint = (f"; a float label: data.label_kinds.{task}=regression, a class index: data.label_kinds.{task}=multiclass "
+                    f"(the data reads each label by data.label_kinds, the model trains it by model.task_specs.{task}.kind: "
+                    f"set both)" if multi
                     else "; a rating or score: data.label_threshold=<value> makes values >= it positive")
             bad(name, wrong, lambda i: f"the label{of} is {_shown(float(values[i]))}, but the task is binary (BCE) and needs 0 or 1{hint}")
         return np.where(null | wrong, 0, values).astype(np.float32)
