@@ -322,7 +322,10 @@ class Checkpointer:
         found = self.storage.checkpoints(path.parent, best=bool(kind.group(1))) if kind else []
         newer = found[-1] if found else None
         if newer is None or step_of(newer) <= step_of(path) or self.storage.damage(newer) is not None:
-            raise CheckpointError(f"checkpoint {path} is damaged ({reason}). Fix: point load= at another checkpoint")
+            older = next((p for p in reversed(found) if step_of(p) < step_of(path) and self.storage.damage(p) is None), None)
+            instead = f" (load={older}, the newest whole one before it, has older weights)" if older is not None else ""
+            raise CheckpointError(f"checkpoint {path} is damaged ({reason}). Fix: point load= at another checkpoint{instead}, "
+                                  f"or copy this one again whole")
         log.warning("checkpoint %s is gone (%s): the run writing %s rotated it away (checkpoint.keep_last) after saving "
                     "newer ones; loading %s, the newest complete one there, instead", path, reason, path.parent, newer)
         return newer
