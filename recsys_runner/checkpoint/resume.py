@@ -64,6 +64,7 @@ RESUME_CHANGES: tuple[tuple[str, Treatment, str], ...] = (
     ("data.shuffle", "refuse", _EPOCH_POSITION),
     ("data.drop_remainder", "refuse", _EPOCH_POSITION),
     ("data.group_by_length", "refuse", _EPOCH_POSITION),
+    ("experiment", "refuse", "another preset: its model, data and optimizer settings are another experiment's"),
     ("model", "refuse", "another model: its weights are not the checkpoint's"),
     ("optim", "refuse", "another optimizer: the optimizer state saved is another's"),
     ("optim/sparse", "refuse", "another sparse optimizer: the optimizer state saved is another's"),
