@@ -96,10 +96,13 @@ def objective(final: dict[str, float], key: str | None) -> float:
 
 
 def _note_resume(c: Components, launch: Launch) -> None:
-    """Tag a fallback past damaged checkpoints; log where checkpoints go and how to resume after a crash."""
+    """Tag a fallback past damaged checkpoints and the settings changed on resuming; log where checkpoints go and how to
+    resume after a crash."""
     state, tracker = c.loop.state, c.loop.tracker
     if state.set_aside:
         tracker.set_tag("checkpoint_fallback", f"resumed from {state.resumed_from}; damaged, moved aside: {', '.join(state.set_aside)}")
+    if state.resume_changes:  # the continued run's params stay the first launch's: the tag says what changed since
+        tracker.set_tag("resume_changes", f"at step {state.step}: {'; '.join(state.resume_changes)}")
     directory = c.loop.checkpointer.dir
     if directory is not None and c.env.is_main and (command := launch.resume_command(directory)):
         log.info("checkpoints: %s (if this run dies, resume it with: %s)", directory, command)

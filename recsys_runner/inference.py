@@ -160,7 +160,7 @@ def training_overrides(here: Sequence[str]) -> TrainingOverrides | None:
         return None
     try:
         tracking = [text for text, o in zip(here, parsed, strict=True) if o.key_or_group.startswith("tracking")]
-        checkpoint = lineage.resolve_checkpoint(spec, lookup_run=_run_lookup(tracking))
+        checkpoint = lineage.locate_checkpoint(spec, lookup_run=_run_lookup(tracking)).path  # the command warns of a fallback
         saved = json.loads(stores.read_bytes(str(checkpoint / "meta.json"), CheckpointError)).get("overrides") or []
         saved_parsed = parser.parse_overrides(saved)
     except Exception:  # noqa: BLE001 - nothing to carry; the command's own resolution says what is wrong

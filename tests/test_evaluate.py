@@ -212,5 +212,5 @@ def test_evaluate_skips_a_checkpoint_rotated_away_after_it_was_chosen(make_cfg: 
     # Damaged with nothing newer to take its place: refused as before.
     (newest / "rank0.pt").unlink()
     monkeypatch.setattr(lineage, "resolve_checkpoint", resolve)
-    with pytest.raises(CheckpointError, match=r"step_00000020 is damaged \(rank0.pt is missing\). Fix: point load= at another"):
+    with pytest.raises(CheckpointError, match=r"step_00000020 is damaged \(rank0.pt is missing\). Fix: point load= at another checkpoint, or copy this one again whole"):
         evaluate.run(compose_entry("evaluate", *overrides, f"load={newest}"))

@@ -118,3 +118,37 @@ def test_a_run_directory_given_to_load_names_its_checkpoints_folder(tmp_path: Pa
     with pytest.raises(CheckpointError, match=rf"{run} holds no checkpoint, but its checkpoints/ folder does: it is a training run's "
                                               rf"directory, .*Fix: load={run}/checkpoints \(its newest checkpoint, step_00000010\)"):
         lineage.resolve_checkpoint(str(run))
+
+
+def test_load_of_a_root_whose_newest_is_incomplete_says_once_which_it_skipped_and_which_it_loads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # was: the locator silently took the older complete checkpoint, whose weights score differently
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    out = run_in_process([sys.executable, "-m", "recsys_runner", *TINY, "train.num_steps=4", "checkpoint.every_steps=2",
+                          f"tracking.uri={uri}", f"hydra.run.dir={tmp_path}/run"], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    root = tmp_path / "run" / "checkpoints"
+    (root / "step_00000004" / "meta.json").unlink()  # copied part-way
+    # evaluate resolves load= twice (the training's overrides, then the checkpoint): the warning comes once. Counted at
+    # the logger: before Hydra configures logging, pytest's handler (not stderr) takes a record
+    warned: list[str] = []
+    monkeypatch.setattr(lineage.log, "warning", lambda fmt, *args: warned.append(fmt % args))
+    out = run_in_process([sys.executable, "-m", "recsys_runner.evaluate", f"load={root}", f"tracking.uri={uri}",
+                          f"hydra.run.dir={tmp_path}/eval"], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    warning = (f"load={root}: skipped step_00000004 (meta.json is missing), incomplete or damaged (copied part-way, a deleted "
+               f"file, or still being written); loading step_00000002, the newest complete one there, instead")
+    assert len(warned) == 1 and warned[0].startswith(warning), warned
+    assert lineage.locate_checkpoint(str(root)) == lineage.Located(root / "step_00000002", ((root / "step_00000004", "meta.json is missing"),))
+
+
+def test_a_multirun_directory_given_to_load_lists_its_jobs_checkpoints_folders(tmp_path: Path) -> None:
+    # was: "<multirun dir> holds no complete checkpoint", though each <job>/checkpoints held them
+    sweep = tmp_path / "multirun" / "day0"
+    for job in ("0", "1"):
+        fake_checkpoint(sweep / job / "checkpoints" / "step_00000010")
+    (sweep / "multirun.yaml").write_text("")
+    with pytest.raises(CheckpointError, match=rf"{sweep} holds no checkpoint: it is a multirun's directory, whose jobs each keep "
+                                              rf"theirs in <job>/checkpoints. Fix: load= one job's, e.g.\n  load={sweep}/0/checkpoints"
+                                              rf"\n  load={sweep}/1/checkpoints$"):
+        lineage.resolve_checkpoint(str(sweep))

@@ -23,6 +23,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from recsys_runner.__main__ import run
+from recsys_runner.checkpoint import resume
 from recsys_runner.checkpoint.lock import DirectoryInUse, DirectoryLock
 from recsys_runner.checkpoint.storage import damage, list_checkpoints
 from recsys_runner.errors import CheckpointError
@@ -111,6 +112,52 @@ def test_resume_takes_the_new_lr_not_the_saved_one(make_cfg, mlflow_uri: str, tm
     (mlrun,) = runs(mlflow_uri, cfg.tracking.experiment)
     lrs = {m.step: m.value for m in MlflowClient(tracking_uri=mlflow_uri).get_metric_history(mlrun.info.run_id, "lr/dense")}
     assert lrs[3] == pytest.approx(0.05) and lrs[4] == pytest.approx(0.01) and lrs[6] == pytest.approx(0.01)
+
+
+def test_resume_with_changed_settings_refuses_another_experiment_and_warns_and_tags_the_rest(tmp_path: Path) -> None:
+    # was: data.batch_size, seed … changed on resume were taken silently (another experiment in the same MLflow run, whose
+    # params still showed the first launch's values), and so were optim.lr and train.num_steps
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    first = run_in_process([*TRAIN, *SMALL, "train.num_steps=5", "train.stop_after_steps=3", f"tracking.uri={uri}",
+                            "tracking.experiment=changed"], tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    command = hint_of(first.stderr)
+    assert command is not None, first.stderr[-2000:]
+    ckpt_dir = Path(next(a for a in command if a.startswith("checkpoint.dir=")).split("=", 1)[1])
+
+    refused = run_in_process([*command, "data.batch_size=64", "seed=3"], tmp_path)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert (f"Checkpoint error: resuming {ckpt_dir}/step_00000003 with changed settings that would make it another experiment: "
+            "data.batch_size: 256 -> 64 (the position in the epoch") in refused.stderr
+    assert "seed: (default) -> 3 (the resumed run restores the RNG states" in refused.stderr
+    assert f"Fix: resume with the run's own settings (its overrides are in {ckpt_dir}/step_00000003/meta.json)" in refused.stderr
+    assert [p.name for p in list_checkpoints(ckpt_dir)] == ["step_00000003"]  # nothing resumed
+
+    changed = [a.replace("train.num_steps=5", "train.num_steps=6") for a in command]
+    warned = run_in_process([*changed, "optim.lr=0.01", "train.log_every_steps=2"], tmp_path)
+    assert warned.returncode == 0, warned.stderr[-3000:]
+    said = warned.stdout + warned.stderr
+    line = "optim.lr: (default) -> 0.01; train.num_steps: 5 -> 6"  # train.log_every_steps: how it is watched, silent
+    assert said.count(f"resuming {ckpt_dir}/step_00000003 with changed settings: {line}. Each takes effect") == 1, said[-3000:]
+    (mlrun,) = runs(uri, "changed")
+    assert mlrun.data.tags["resume_changes"] == f"at step 3: {line}" and mlrun.data.params["optim.lr"] != "0.01"
+
+
+def test_resume_changes_table_treats_each_key_once() -> None:
+    assert resume.treatment("checkpoint.every_steps")[0] == "silent" and resume.treatment("distributed.sharding.plan")[0] == "silent"
+    assert resume.treatment("data.path")[0] == "refuse" and resume.treatment("data")[0] == "refuse"
+    assert resume.treatment("optim/sparse")[0] == "refuse" and resume.treatment("model")[0] == "refuse"
+    assert resume.treatment("experiment")[0] == "refuse"
+    assert resume.treatment("data.eval_path")[0] == "warn" and resume.treatment("optim.lr")[0] == "warn"
+    assert resume.treatment("scheduler")[0] == "warn" and resume.treatment("model.dropout")[0] == "warn"
+    path = Path("/ck/step_00000004")
+    with pytest.raises(CheckpointError, match=r"data.path: a.parquet -> b.parquet \(other training files: "):
+        resume.check_changes(["data=parquet", "data.path=a.parquet"], ["data=parquet", "data.path=b.parquet"], path)
+    unchanged = ["data=parquet", "+train.stop_after_steps=3", "checkpoint.every_steps=2"]
+    assert resume.check_changes(unchanged, ["data=parquet", "checkpoint.every_steps=5"], path) == ()
+    assert resume.check_changes(None, ["seed=3"], path) == ()  # a checkpoint written outside the CLI saved no overrides
+    keys = [key for key, _, _ in resume.RESUME_CHANGES]
+    assert len(keys) == len(set(keys))
 
 
 def test_a_slice_ending_on_the_last_step_finishes_the_run(make_cfg, mlflow_uri: str, tmp_path: Path) -> None:

@@ -91,6 +91,8 @@ class Checkpointer:
         self.carry: CarriedRows | None = None
         """For ``init_from`` with the vocabularies fitted anew (``data.vocabulary=refit``): the tables whose trained rows
         are carried over by id (:class:`~recsys_runner.checkpoint.weights.CarriedRows`), set by the builder."""
+        self.resume_changes: tuple[str, ...] = ()
+        """The settings changed since the launch that wrote the checkpoint resumed (``key: before -> now``), warned."""
         self._chosen: tuple[Path | None, tuple[str, ...], Path | None] | None = None
         """What :meth:`restore` reads, once chosen (:meth:`restore_source`): the checkpoint resumed from, the damaged
         ones set aside on the way, the ``init_from`` one."""
@@ -142,7 +144,7 @@ class Checkpointer:
         final = self.dir / checkpoint_name(state.step, best)
         if self.storage.is_complete(final):
             return str(final)
-        meta = {k: v for k, v in asdict(state).items() if k != "resumed_from"}
+        meta = {k: v for k, v in asdict(state).items() if k not in ("resumed_from", "resume_changes")}
         meta["metrics"] = dict(metrics or {})
         meta["world_size"] = self.world_size
         if self.overrides is not None:
@@ -250,10 +252,21 @@ class Checkpointer:
         once (on rank 0: damaged ones are set aside on the way), so that what is read from it before the model exists
         (the data's encoders) and the weights come from the same checkpoint."""
         if self._chosen is None:
-            path, set_aside = decided_on_rank0(lambda: resume.choose(self.config, self.storage, self.dir), self.rank, self.world_size)
+            path, set_aside, changes = decided_on_rank0(self._choose, self.rank, self.world_size)
             init = resume.init_source(self.config, self.storage) if path is None and self.config.init_from is not None else None
             self._chosen = (path, set_aside, init)
+            self.resume_changes = changes
         return self._chosen[0] or self._chosen[2]
+
+    def _choose(self) -> tuple[Path | None, tuple[str, ...], tuple[str, ...]]:
+        """(rank 0) The checkpoint to resume, the damaged ones set aside, and the changed settings resumed with
+        (:func:`~recsys_runner.checkpoint.resume.check_changes`: refused before anything is built; warned about once loaded)."""
+        path, set_aside = resume.choose(self.config, self.storage, self.dir)
+        if path is None:
+            return None, set_aside, ()
+        saved = self.storage.read_meta(path).get("overrides")
+        changes = resume.check_changes(saved, self.overrides, path)
+        return path, set_aside, tuple(c.line() for c in changes)
 
     def resuming(self) -> bool:
         """Whether :meth:`restore` resumes a run (rather than fine-tuning from ``init_from`` or starting fresh)."""
@@ -270,6 +283,9 @@ class Checkpointer:
         if path is not None:
             state = resume.load_run(self.storage, path, self.parts, self.config, strict=True, rank=self.rank, world_size=self.world_size)
             state.set_aside = set_aside
+            state.resume_changes = self.resume_changes
+            if self.rank == 0:
+                resume.note_changes(path, self.resume_changes)
             self.last_saved = str(path)
             self.verified_step = state.step + 1  # the checkpoint resumed from is trusted
             return state
@@ -322,7 +338,10 @@ class Checkpointer:
         found = self.storage.checkpoints(path.parent, best=bool(kind.group(1))) if kind else []
         newer = found[-1] if found else None
         if newer is None or step_of(newer) <= step_of(path) or self.storage.damage(newer) is not None:
-            raise CheckpointError(f"checkpoint {path} is damaged ({reason}). Fix: point load= at another checkpoint")
+            older = next((p for p in reversed(found) if step_of(p) < step_of(path) and self.storage.damage(p) is None), None)
+            instead = f" (load={older}, the newest whole one before it, has older weights)" if older is not None else ""
+            raise CheckpointError(f"checkpoint {path} is damaged ({reason}). Fix: point load= at another checkpoint{instead}, "
+                                  f"or copy this one again whole")
         log.warning("checkpoint %s is gone (%s): the run writing %s rotated it away (checkpoint.keep_last) after saving "
                     "newer ones; loading %s, the newest complete one there, instead", path, reason, path.parent, newer)
         return newer

@@ -8,15 +8,22 @@ with a warning naming it and the reason, and the newest whole one is used; a che
 to load is never guessed past: the error names it and the ``checkpoint.resume=<path>`` that picks another.
 ``init_from=<path>`` instead starts a new run from another run's weights (fine-tuning), renaming parameters with
 ``name_map`` and optionally skipping the optimizer state.
+
+A resumed run continues the experiment its checkpoint belongs to, into the same MLflow run, whose params stay the first
+launch's. The launch's overrides are compared with those the checkpoint saved (:func:`check_changes`), each changed key
+treated as :data:`RESUME_CHANGES` says: refused (the run would no longer be the experiment it continues), warned and
+tagged on the MLflow run (it takes effect from the resumed step), or allowed silently (it changes how the run is
+watched or placed, not what it learns).
 """
 
 from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -28,6 +35,114 @@ from recsys_runner.checkpoint.weights import CarriedRows, TrainingParts, load_in
 from recsys_runner.errors import CheckpointError, UserError
 
 log = logging.getLogger(__name__)
+
+Treatment = Literal["refuse", "warn", "silent"]
+
+_EPOCH_POSITION = ("the position in the epoch it restores counts batches of the data as it was: the resumed run would see "
+                   "other batches than the run it continues")
+RESUME_CHANGES: tuple[tuple[str, Treatment, str], ...] = (
+    ("checkpoint", "silent", "where and when checkpoints are written"),
+    ("tracking", "silent", "where the run is recorded"),
+    ("storage", "silent", "how object stores are reached"),
+    ("distributed", "silent", "ranks and sharding plan: a checkpoint reshards on load"),
+    ("train.stop_after_steps", "silent", "a time slice"),
+    ("train.stop_check_every_steps", "silent", "how often ranks agree to stop"),
+    ("train.log_every_steps", "silent", "log cadence"),
+    ("train.progress", "silent", "the progress display"),
+    ("train.profile", "silent", "the profiler"),
+    ("train.summary_every_steps", "silent", "summary cadence"),
+    ("train.summary_histograms", "silent", "summaries"),
+    ("data.num_workers", "silent", "loader processes"),
+    ("data.pin_memory", "silent", "host memory"),
+    ("seed", "refuse", "the resumed run restores the RNG states the checkpoint saved: a new seed would be logged nowhere "
+                       "and change nothing"),
+    ("data", "refuse", "another data option: " + _EPOCH_POSITION),
+    ("data.path", "refuse", "other training files: " + _EPOCH_POSITION),
+    ("data.batch_size", "refuse", _EPOCH_POSITION),
+    ("data.batch_tokens", "refuse", _EPOCH_POSITION),
+    ("data.seed", "refuse", "another shuffle order: " + _EPOCH_POSITION),
+    ("data.shuffle", "refuse", _EPOCH_POSITION),
+    ("data.drop_remainder", "refuse", _EPOCH_POSITION),
+    ("data.group_by_length", "refuse", _EPOCH_POSITION),
+    ("experiment", "refuse", "another preset: its model, data and optimizer settings are another experiment's"),
+    ("model", "refuse", "another model: its weights are not the checkpoint's"),
+    ("optim", "refuse", "another optimizer: the optimizer state saved is another's"),
+    ("optim/sparse", "refuse", "another sparse optimizer: the optimizer state saved is another's"),
+    ("optim/dense", "refuse", "another dense optimizer: the optimizer state saved is another's"),
+)
+"""How a resume treats an override whose value differs from the launch that wrote the checkpoint: the first entry whose
+key is the override's key, or a section above it (``data`` for ``data=parquet`` only; ``checkpoint`` for
+``checkpoint.every_steps``), decides; a key no entry names (``optim.lr``, ``train.num_steps``, ``scheduler``,
+``model.dropout`` …) is warned about (:data:`WARNED_BY_DEFAULT`). Shapes that cannot load (``model.embedding_dim``) are
+refused by the loader, naming the tensors."""
+SECTIONS = ("checkpoint", "tracking", "storage", "distributed")
+"""The entries of :data:`RESUME_CHANGES` that cover every key under them; the others name one key (or a group's choice)."""
+WARNED_BY_DEFAULT = ("takes effect from the resumed step; the MLflow run's params keep the first launch's value (the run is "
+                     "tagged resume_changes)")
+
+
+@dataclass(frozen=True)
+class Change:
+    """One override whose value differs between the checkpoint's launch and this one."""
+
+    key: str
+    saved: str | None
+    """Its value at the launch that wrote the checkpoint, ``None`` when that launch left it at its default."""
+    now: str | None
+    treatment: Treatment
+    why: str
+
+    def line(self) -> str:
+        return f"{self.key}: {_shown(self.saved)} -> {_shown(self.now)}"
+
+
+def _shown(value: str | None) -> str:
+    return "(default)" if value is None else value
+
+
+def _by_key(overrides: Sequence[str]) -> dict[str, str | None]:
+    """``key -> value`` of Hydra overrides (``+``/``++`` dropped; ``~key`` deletes: ``None``)."""
+    out: dict[str, str | None] = {}
+    for text in overrides:
+        key, _, value = text.lstrip("+").partition("=")
+        out[key.lstrip("~")] = None if key.startswith("~") else value
+    return out
+
+
+def treatment(key: str) -> tuple[Treatment, str]:
+    """How :data:`RESUME_CHANGES` treats a change of ``key``."""
+    for entry, how, why in RESUME_CHANGES:
+        if key == entry or (entry in SECTIONS and key.startswith((f"{entry}.", f"{entry}/"))):
+            return how, why
+    return "warn", WARNED_BY_DEFAULT
+
+
+def check_changes(saved: Sequence[str] | None, now: Sequence[str] | None, path: Path) -> tuple[Change, ...]:
+    """The changes to warn about (:func:`note_changes`) of resuming ``path`` (whose launch's overrides were ``saved``) with
+    the overrides ``now``; ``()`` when either is unknown (a run outside the CLI) or nothing warned about changed.
+
+    Raises:
+        CheckpointError: a change :data:`RESUME_CHANGES` refuses, each named with why and the two ways on.
+    """
+    if saved is None or now is None:
+        return ()
+    before, after = _by_key(saved), _by_key(now)
+    changes = [Change(key, before.get(key), after.get(key), *treatment(key))
+               for key in sorted(before.keys() | after.keys()) if before.get(key) != after.get(key)]
+    refused = [c for c in changes if c.treatment == "refuse"]
+    if refused:
+        named = "; ".join(f"{c.line()} ({c.why})" for c in refused)
+        raise CheckpointError(f"resuming {path} with changed settings that would make it another experiment: {named}. Fix: "
+                              f"resume with the run's own settings (its overrides are in {path}/meta.json), or start a new "
+                              f"run from these weights in its own checkpoint.dir (drop the override for a new one) with checkpoint.init_from={path}")
+    return tuple(c for c in changes if c.treatment == "warn")
+
+
+def note_changes(path: Path, changes: Sequence[str]) -> None:
+    """The one warning naming the settings :func:`check_changes` let through, once the checkpoint loaded (a change the
+    loader refuses, a table's width, is not warned about first)."""
+    if changes:
+        log.warning("resuming %s with changed settings: %s. Each %s", path, "; ".join(changes), WARNED_BY_DEFAULT)
 
 
 def choose(config: CheckpointConfig, storage: CheckpointStorage, root: Path | None) -> tuple[Path | None, tuple[str, ...]]:

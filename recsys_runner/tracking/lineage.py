@@ -16,6 +16,7 @@ an MLflow run id wherever they take a checkpoint (:func:`resolve_checkpoint`).
 from __future__ import annotations
 
 import json
+import logging
 import platform
 import shlex
 import socket
@@ -34,6 +35,8 @@ from recsys_runner import uris
 from recsys_runner.checkpoint.object_storage import storage_for
 from recsys_runner.checkpoint.storage import RUN_DIR_FOLDER, STEP_DIR, CheckpointStorage, step_of
 from recsys_runner.errors import CheckpointError
+
+log = logging.getLogger(__name__)
 
 CHECKPOINT_DIR_TAG = "checkpoint_dir"
 """Tag on a training run: the absolute directory its checkpoints were written to."""
@@ -198,11 +201,42 @@ def _cpu_model() -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class Located:
+    """What :func:`locate_checkpoint` found: the checkpoint to load, and the newer ones passed over on the way."""
+
+    path: Path
+    skipped: tuple[tuple[Path, str], ...] = ()
+    """(checkpoint, why) of each newer one of the kind looked for (best, else step) that cannot be loaded (incomplete,
+    damaged), newest first: ``load=<root>`` then uses an older one, which scores differently, so it is said."""
+
+    def fallback_note(self) -> str | None:
+        """The warning that says an older checkpoint is used than the root's newest, or ``None``."""
+        if not self.skipped:
+            return None
+        passed = "; ".join(f"{p.name} ({why})" for p, why in self.skipped)
+        return (f"load={self.path.parent}: skipped {passed}, incomplete or damaged (copied part-way, a deleted file, or still "
+                f"being written); loading {self.path.name}, the newest complete one there, instead. Its weights are older: "
+                f"what it scores is not the newest checkpoint's. Fix: copy the skipped one again whole, or load= the one "
+                f"you mean")
+
+
 def resolve_checkpoint(spec: str, *, lookup_run: Any = None) -> Path:
-    """The checkpoint directory ``spec`` names: a ``step_*`` directory, a checkpoints root (its best
-    checkpoint if one was kept, else its newest), or an MLflow run id whose ``checkpoint_dir`` tag gives
-    the root (``lookup_run(run_id) -> tags``, e.g. :func:`run_tags`). Raises :class:`CheckpointError` naming
-    what was looked for and where, and the ``load=`` that works where one is at hand (:func:`_nothing_to_load`)."""
+    """:func:`locate_checkpoint`'s checkpoint, with a warning naming the newer ones skipped on the way. Called once per
+    command (:func:`recsys_runner.inference.checkpoint_to_load`); a second look-up of the same ``spec`` uses
+    :func:`locate_checkpoint`, which says nothing, so the warning comes once."""
+    found = locate_checkpoint(spec, lookup_run=lookup_run)
+    if (note := found.fallback_note()) is not None:
+        log.warning("%s", note)
+    return found.path
+
+
+def locate_checkpoint(spec: str, *, lookup_run: Any = None) -> Located:
+    """The checkpoint directory ``spec`` names: a ``step_*`` directory, a checkpoints root (its newest complete best
+    checkpoint if one was kept, else its newest complete one; those newer and incomplete are :attr:`Located.skipped`), or an
+    MLflow run id whose ``checkpoint_dir`` tag gives the root (``lookup_run(run_id) -> tags``, e.g. :func:`run_tags`).
+    Raises :class:`CheckpointError` naming what was looked for and where, and the ``load=`` that works where one is at
+    hand (:func:`_nothing_to_load`)."""
     path = uris.as_path(spec)
     if not _exists(path) and lookup_run is not None and "/" not in spec:
         tags: Mapping[str, str] = lookup_run(spec)
@@ -218,11 +252,14 @@ def resolve_checkpoint(spec: str, *, lookup_run: Any = None) -> Path:
                               f"directory, a checkpoints root, or the training run's id")
     storage = storage_for(path)
     if storage.is_complete(path):
-        return path
-    found = storage.checkpoints(path, best=True) or storage.checkpoints(path)
-    if not found:
-        raise CheckpointError(_nothing_to_load(storage, path))
-    return found[-1]
+        return Located(path)
+    skipped: list[tuple[Path, str]] = []
+    for kind in (storage.checkpoints(path, best=True, complete=False), storage.checkpoints(path, complete=False)):
+        for candidate in reversed(kind):
+            if storage.is_complete(candidate):  # a file missing inside it is found, and refused, by the loader
+                return Located(candidate, tuple(skipped))
+            skipped.append((candidate, storage.damage(candidate) or "incomplete"))
+    raise CheckpointError(_nothing_to_load(storage, path))
 
 
 def _nothing_to_load(storage: CheckpointStorage, path: Path) -> str:
@@ -247,8 +284,29 @@ def _nothing_to_load(storage: CheckpointStorage, path: Path) -> str:
         return (f"{path} holds no complete checkpoint: its step folders ({names}) are incomplete ({partial[-1].name}: "
                 f"{storage.damage(partial[-1])}), damaged or copied part-way. Fix: copy them again whole, or point load= at a "
                 f"checkpoint kept elsewhere")
+    if jobs := _jobs_checkpoints(storage, path):
+        listed = "\n  ".join(f"load={folder}" for folder in jobs)
+        return (f"{path} holds no checkpoint: it is a multirun's directory, whose jobs each keep theirs in <job>/"
+                f"{RUN_DIR_FOLDER}. Fix: load= one job's, e.g.\n  {listed}")
     return (f"{path} holds no complete checkpoint (a step_* or best-step_* directory with meta.json and .metadata); point "
             f"load= at one")
+
+
+_MAX_LISTED_JOBS = 20
+"""How many jobs' checkpoints folders :func:`_jobs_checkpoints` lists (a sweep may have hundreds)."""
+
+
+def _jobs_checkpoints(storage: CheckpointStorage, path: Path) -> list[Path]:
+    """The ``<job>/checkpoints`` folders holding a checkpoint under ``path``, a multirun's directory (Hydra numbers its jobs'
+    folders ``0``, ``1``, … with the default ``hydra.sweep.subdir``); at most :data:`_MAX_LISTED_JOBS`."""
+    found: list[Path] = []
+    job = 0
+    while len(found) < _MAX_LISTED_JOBS and storage.exists(path / str(job)):
+        folder = path / str(job) / RUN_DIR_FOLDER
+        if storage.checkpoints(folder) or storage.checkpoints(folder, best=True):
+            found.append(folder)
+        job += 1
+    return found
 
 
 def _exists(path: Path) -> bool:
