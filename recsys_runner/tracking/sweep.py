@@ -15,13 +15,21 @@ as the parent's id; a job names its run by the values it tried (``lr=0.05``) and
 parallel-coordinates and contour charts plot.
 
 ``on_multirun_end`` (after the launcher returns) writes the summary of the best finished child to
-the parent, a table of every child (``sweep_summary.json`` and ``sweep_summary.csv``) and ends it. When jobs are still queued — ``hydra/launcher=submitit_slurm_detached``
+the parent, a table of every child (``sweep_summary.json`` and ``sweep_summary.csv``) and ends it. A multirun that
+stops before that — a job's error ends the process (``Config error: …``, exit 2), a crash in a job makes the sweeper
+raise once its batch has run — never reaches ``on_multirun_end``; the parent would stay RUNNING for ever. So when the
+jobs ran in this process (Hydra's basic launcher), the process's exit ends the parent ``FAILED`` (``KILLED`` for a
+child stopped on a signal) with the same summary, the jobs that failed named in the tag ``sweep.failed_jobs``
+(``#1 optim.lr=-1``), and says so on stderr (:meth:`MlflowSweepCallback._end_stopped_sweep`).
+
+When jobs are still queued — ``hydra/launcher=submitit_slurm_detached``
 returns right after submitting — the parent stays RUNNING and ``python -m recsys_runner.compare
 collect --parent <id>`` summarizes it later.
 """
 
 from __future__ import annotations
 
+import atexit
 import csv
 import io
 import json
@@ -56,6 +64,8 @@ RANGE_PARAM, SWEPT_PARAM = "sweep.range.", "swept."
 """Param prefixes: the parent's range of each swept key, a child's value of it."""
 SUMMARY_METRICS = ("eval/auc", "eval/logloss", "train/loss")
 """The metrics of each child the summary table holds, after the objective (those a child logged)."""
+FAILED_JOBS_TAG = "sweep.failed_jobs"
+"""On a parent whose multirun stopped early: the jobs that failed (``#1 optim.lr=-1``), ``; ``-separated."""
 _MAX_NAME_CHARS = 80
 
 
@@ -78,6 +88,10 @@ class MlflowSweepCallback(Callback):
         self._client: Any = None
         self._parent: str | None = None
         self._previous_env: dict[str, str | None] = {}
+        self._in_process = False  # the jobs run in this process (basic launcher): their failures end it
+        self._running_job: str | None = None  # "#<num> <overrides>" between on_job_start and on_job_end
+        self._failed_jobs: list[str] = []
+        self._swept_keys: list[str] = []
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         tracking = config.get("tracking")
@@ -104,9 +118,53 @@ class MlflowSweepCallback(Callback):
                 raise
             print(f"{e.label}: {e}", file=sys.stderr)  # as the CLI does; Hydra would print a traceback
             sys.exit(2)
-        self._parent = run.info.run_id
+        self._parent, self._swept_keys = run.info.run_id, list(ranges)
+        self._in_process = str(OmegaConf.select(config, "hydra.launcher._target_") or "").endswith(".BasicLauncher")
+        atexit.register(self._end_stopped_sweep)
         self._set_env({PARENT_RUN_ENV: self._parent, SWEPT_KEYS_ENV: ",".join(ranges)})
         log.info("MLflow parent run %s (experiment %s) groups this multirun", self._parent, tracking.experiment)
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if self._parent is not None and self._in_process:
+            overrides = [str(o) for o in OmegaConf.select(config, "hydra.overrides.task") or []]
+            values = dict(_override_values(overrides))  # the job's swept values name it; all its overrides if none
+            named = [f"{k}={values[k]}" for k in self._swept_keys if k in values] or [_unescape(o) for o in overrides]
+            self._running_job = f"#{OmegaConf.select(config, 'hydra.job.num')} {' '.join(named)}"
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        from hydra.core.utils import JobStatus
+
+        if self._running_job is not None and job_return.status == JobStatus.FAILED:
+            self._failed_jobs.append(self._running_job)
+        self._running_job = None
+
+    def _end_stopped_sweep(self) -> None:
+        """At the process's exit, a parent ``on_multirun_end`` did not end (module docstring): when its jobs ran in
+        this process none is left running, so end it with the summary of its children and the failed jobs named."""
+        if self._parent is None:
+            return
+        parent, self._parent = self._parent, None
+        self._restore_env()
+        collect = f"python -m recsys_runner.compare collect --parent {parent}"
+        if not self._in_process:  # jobs elsewhere (SLURM, subprocesses) may still be running: leave it to collect
+            print(f"Sweep stopped early: MLflow parent run {parent} stays RUNNING; summarize it once its jobs "
+                  f"have ended with: {collect}", file=sys.stderr)
+            return
+        failed = [*self._failed_jobs, *([self._running_job] if self._running_job else [])]
+        try:
+            summary = summarize(self._client, parent)
+            children = _children(self._client, self._client.get_run(parent))
+            status = "KILLED" if any(r.info.status == "KILLED" for r in children) else "FAILED"
+            self._client.set_tag(parent, FAILED_JOBS_TAG, _clip("; ".join(failed) or "none (the sweep itself failed)", 5000))
+            finish_parent(self._client, parent, summary, status=status)
+        except Exception as e:  # noqa: BLE001 - at exit: say what is left, do not mask the error that ended the sweep
+            print(f"Sweep stopped early; could not end its MLflow parent run {parent} ({e}); do it with: {collect}",
+                  file=sys.stderr)
+            return
+        jobs = (f"failed job(s): {'; '.join(failed)}" if failed
+                else "before any job ran" if not summary.num_children else "no job failed: the sweep itself stopped")
+        print(f"Sweep stopped early ({jobs}); {summary.num_finished} of {summary.num_children} child runs finished; "
+              f"MLflow parent run {parent} ended {status}.", file=sys.stderr)
 
     def _set_env(self, values: Mapping[str, str]) -> None:
         """Export ``values`` to the jobs, remembering what was there to put back at the end."""
@@ -138,6 +196,7 @@ class MlflowSweepCallback(Callback):
         except Exception as e:  # noqa: BLE001 - the jobs' results are safe in their own runs; only the summary waits
             log.warning("could not summarize sweep parent run %s (%s); do it later with: %s", self._parent, e, collect)
         self._parent = None
+        atexit.unregister(self._end_stopped_sweep)
 
 
 def swept_ranges(config: DictConfig) -> dict[str, str]:
@@ -231,8 +290,10 @@ def summarize(client: Any, parent_run_id: str, objective: str | None = None) -> 
     )
 
 
-def finish_parent(client: Any, parent_run_id: str, summary: SweepSummary, objective: str | None = None) -> None:
-    """Write the best child's overrides (as ``best.<key>`` params), metric and id to the parent, and end it."""
+def finish_parent(client: Any, parent_run_id: str, summary: SweepSummary, objective: str | None = None,
+                  status: str | None = None) -> None:
+    """Write the best child's overrides (as ``best.<key>`` params), metric and id to the parent, and end it: ``status``,
+    by default ``FINISHED`` when a child finished, else ``FAILED``."""
     from mlflow.entities import Metric, Param
 
     objective = objective or sweep_objective(client, parent_run_id)
@@ -257,8 +318,7 @@ def finish_parent(client: Any, parent_run_id: str, summary: SweepSummary, object
     _write_summary(client, parent_run_id, objective)
     client.set_tag(parent_run_id, "sweep.num_finished", str(summary.num_finished))
     client.set_tag(parent_run_id, "sweep.num_children", str(summary.num_children))
-    status = "FINISHED" if summary.num_finished else "FAILED"
-    client.set_terminated(parent_run_id, status=status)
+    client.set_terminated(parent_run_id, status=status or ("FINISHED" if summary.num_finished else "FAILED"))
     if summary.best_run_id is not None:
         log.info("sweep parent %s: best %s=%.4f from run %s (%s)", parent_run_id, objective, summary.best_value,
                  summary.best_run_id, summary.best_overrides)
