@@ -1,4 +1,6 @@
-"""``hydra/launcher=submitit_slurm_detached``: submit a sweep to SLURM and return (submit-and-exit).
+"""The project's Hydra launchers: ``hydra/launcher=submitit_slurm_detached`` submits a sweep to SLURM and returns
+(submit-and-exit); ``hydra/launcher=basic_keep_going`` (the default) runs a sweep's jobs here, one after the other,
+going on past a failed one.
 
 A Hydra plugin module (Hydra instantiates launchers only from the ``hydra_plugins`` namespace);
 the recsys_runner side of launching lives in :mod:`recsys_runner.distributed.launch`.
@@ -8,11 +10,13 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 from unittest.mock import patch
 
+from hydra._internal.core_plugins.basic_launcher import BasicLauncher
 from hydra.core.utils import JobReturn, JobStatus
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
 
@@ -52,6 +56,49 @@ class DetachedSlurmLauncher(SlurmLauncher):
         log.info("submitted SLURM jobs %s; collect with: python -m recsys_runner.compare collect --parent %s --wait",
                  " ".join(job_ids), parent)
         return returns
+
+
+FAILED_JOB_EXITS = (1, 2)
+"""The exit statuses of a job that failed on its own (1: training failed, e.g. a non-finite loss; 2: a user error), after
+which the other jobs of a sweep still run. Any other (a signal's 128 + n) stops the sweep at once."""
+
+
+class KeepGoingLauncher(BasicLauncher):
+    """Hydra's basic launcher (the jobs in this process, one after the other) that goes on past a failed job.
+
+    A recsys_runner job ends its process on a failure — one line and exit 2 for a user error, exit 1 for a non-finite
+    loss (``recsys_runner.lifecycle.exit_codes``) — and ``SystemExit`` passes through Hydra's ``run_job``: the basic
+    launcher would stop the sweep at the first bad grid point, the points after it never run. Here each job runs in
+    its own call of the basic launcher's ``launch``; one that exits :data:`FAILED_JOB_EXITS` is noted and the next
+    one runs; once the batch is done the process exits with the first failed job's status, so the sweep fails as a
+    whole (the MLflow parent run ends FAILED, naming the failed jobs: ``recsys_runner.tracking.sweep``)."""
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        returns: list[JobReturn] = []
+        failed: list[tuple[int, int]] = []  # (job number, exit status)
+        log.info("Launching %d jobs locally (a failed one does not stop the others)", len(job_overrides))
+        basic_log, one_line = logging.getLogger(BasicLauncher.__module__), _DropLaunchingOne()
+        basic_log.addFilter(one_line)  # its "Launching 1 jobs locally" before every job says nothing
+        try:
+            for offset, overrides in enumerate(job_overrides):
+                try:
+                    returns.extend(super().launch([overrides], initial_job_idx + offset))
+                except SystemExit as e:
+                    if e.code not in FAILED_JOB_EXITS:
+                        raise
+                    failed.append((initial_job_idx + offset, int(e.code)))
+        finally:
+            basic_log.removeFilter(one_line)
+        if failed:
+            numbers = ", ".join(f"#{num} (exit {code})" for num, code in failed)
+            log.error("%d of %d jobs failed: %s", len(failed), len(job_overrides), numbers)
+            sys.exit(failed[0][1])
+        return returns
+
+
+class _DropLaunchingOne(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "Launching 1 jobs locally"
 
 
 class _Queued:

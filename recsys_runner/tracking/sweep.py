@@ -119,13 +119,15 @@ class MlflowSweepCallback(Callback):
             print(f"{e.label}: {e}", file=sys.stderr)  # as the CLI does; Hydra would print a traceback
             sys.exit(2)
         self._parent, self._swept_keys = run.info.run_id, list(ranges)
-        self._in_process = str(OmegaConf.select(config, "hydra.launcher._target_") or "").endswith(".BasicLauncher")
+        self._in_process = str(OmegaConf.select(config, "hydra.launcher._target_") or "").endswith((".BasicLauncher", ".KeepGoingLauncher"))
         atexit.register(self._end_stopped_sweep)
         self._set_env({PARENT_RUN_ENV: self._parent, SWEPT_KEYS_ENV: ",".join(ranges)})
         log.info("MLflow parent run %s (experiment %s) groups this multirun", self._parent, tracking.experiment)
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         if self._parent is not None and self._in_process:
+            if self._running_job is not None:  # the job before never reached on_job_end: it exited (KeepGoingLauncher)
+                self._failed_jobs.append(self._running_job)
             overrides = [str(o) for o in OmegaConf.select(config, "hydra.overrides.task") or []]
             values = dict(_override_values(overrides))  # the job's swept values name it; all its overrides if none
             named = [f"{k}={values[k]}" for k in self._swept_keys if k in values] or [_unescape(o) for o in overrides]
@@ -158,12 +160,12 @@ class MlflowSweepCallback(Callback):
             self._client.set_tag(parent, FAILED_JOBS_TAG, _clip("; ".join(failed) or "none (the sweep itself failed)", 5000))
             finish_parent(self._client, parent, summary, status=status)
         except Exception as e:  # noqa: BLE001 - at exit: say what is left, do not mask the error that ended the sweep
-            print(f"Sweep stopped early; could not end its MLflow parent run {parent} ({e}); do it with: {collect}",
+            print(f"Sweep failed; could not end its MLflow parent run {parent} ({e}); do it with: {collect}",
                   file=sys.stderr)
             return
         jobs = (f"failed job(s): {'; '.join(failed)}" if failed
                 else "before any job ran" if not summary.num_children else "no job failed: the sweep itself stopped")
-        print(f"Sweep stopped early ({jobs}); {summary.num_finished} of {summary.num_children} child runs finished; "
+        print(f"Sweep failed ({jobs}); {summary.num_finished} of {summary.num_children} child runs finished; "
               f"MLflow parent run {parent} ended {status}.", file=sys.stderr)
 
     def _set_env(self, values: Mapping[str, str]) -> None:
