@@ -200,6 +200,19 @@ def test_a_failed_job_does_not_stop_the_sweep_and_the_parent_ends_failed_naming_
     assert [r["run_name"] for r in summary["runs"]] == ["lr=0.1"]
 
 
+def test_optuna_direction_against_the_objective_is_refused_before_any_run(tmp_path: Path) -> None:
+    """The Optuna sweeper's default direction is minimize: with the default objective eval/auc it would search for the
+    worst trials. Refused with one line before the parent run or any job exists."""
+    uri = f"sqlite:///{tmp_path}/direction.db"
+    out = run_in_process([*TRAIN, "-m", "hydra/sweeper=optuna", "optim.lr=interval(0.01,0.1)", *TINY,
+                          f"tracking.uri={uri}", "tracking.experiment=direction"], tmp_path)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.strip() == (
+        "Config error: hydra.sweeper.direction=minimize but the objective eval/auc (train.objective) is better higher: "
+        "the search would chase its worst trials. Fix: hydra.sweeper.direction=maximize, or choose another train.objective")
+    assert MlflowClient(tracking_uri=uri).get_experiment_by_name("direction") is None
+
+
 @pytest.mark.slow
 def test_submitit_local_jobs_are_children(tmp_path: Path) -> None:
     """Jobs in submitit subprocesses find the parent run (env var survives pickling and the subprocess)."""

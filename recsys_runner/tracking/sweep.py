@@ -39,12 +39,13 @@ import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from recsys_runner.errors import UserError
+from recsys_runner.errors import ConfigError, UserError, reported
 from recsys_runner.metrics.registry import DEFAULT_OBJECTIVE, higher_is_better
 from recsys_runner.tracking.store import experiment_id, open_store, resolve_uri, store_errors, uri_source
 from recsys_runner.tracking.tracker import PARENT_RUN_ENV
@@ -94,6 +95,8 @@ class MlflowSweepCallback(Callback):
         self._swept_keys: list[str] = []
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        with reported():  # before any job: a sweeper that would chase the objective the wrong way
+            check_direction(config)
         tracking = config.get("tracking")
         if tracking is None or not str(tracking.get("_target_", "")).endswith("MlflowTracker"):
             return
@@ -199,6 +202,27 @@ class MlflowSweepCallback(Callback):
             log.warning("could not summarize sweep parent run %s (%s); do it later with: %s", self._parent, e, collect)
         self._parent = None
         atexit.unregister(self._end_stopped_sweep)
+
+
+def check_direction(config: DictConfig) -> None:
+    """Refuse a sweeper's ``hydra.sweeper.direction`` (Optuna's) that goes against the objective's own direction
+    (:func:`higher_is_better`): minimizing ``eval/auc`` — the Optuna sweeper's default direction is ``minimize`` —
+    would search for the worst trials and report one as the best. A multi-objective direction (a list) is left as is.
+
+    Raises:
+        ConfigError: naming the objective, its direction and the override that fixes it.
+    """
+    given = OmegaConf.select(config, "hydra.sweeper.direction")  # a string, or the Optuna sweeper's default enum
+    direction = str(getattr(given, "name", given)).lower() if isinstance(given, (str, Enum)) else None
+    if direction not in ("maximize", "minimize"):
+        return
+    objective = str(OmegaConf.select(config, "train.objective") or DEFAULT_OBJECTIVE)
+    wanted = "maximize" if higher_is_better(objective) else "minimize"
+    if direction != wanted:
+        better = "higher" if wanted == "maximize" else "lower"
+        raise ConfigError(f"hydra.sweeper.direction={direction} but the objective {objective} (train.objective) is "
+                          f"better {better}: the search would chase its worst trials. Fix: hydra.sweeper.direction={wanted}, "
+                          f"or choose another train.objective")
 
 
 def swept_ranges(config: DictConfig) -> dict[str, str]:
