@@ -82,6 +82,16 @@ class SweepSummary:
     best_overrides: str | None
 
 
+_ENDED_JOBS: list[list[tuple[int, list[str]]]] = []
+"""Filled by :func:`jobs_ended`: a launcher whose jobs run elsewhere says that all of them have ended."""
+
+
+def jobs_ended(failed: Sequence[tuple[int, list[str]]]) -> None:
+    """Called by a launcher whose jobs run elsewhere (``WaitingSlurmLauncher``) once every job has ended: a multirun
+    that then stops may end its parent, naming ``failed`` (job number, its overrides) like an in-process sweep's."""
+    _ENDED_JOBS.append(list(failed))
+
+
 class MlflowSweepCallback(Callback):
     """Creates the sweep's MLflow parent run and summarizes it at the end (``tracking=mlflow`` only)."""
 
@@ -132,9 +142,13 @@ class MlflowSweepCallback(Callback):
             if self._running_job is not None:  # the job before never reached on_job_end: it exited (KeepGoingLauncher)
                 self._failed_jobs.append(self._running_job)
             overrides = [str(o) for o in OmegaConf.select(config, "hydra.overrides.task") or []]
-            values = dict(_override_values(overrides))  # the job's swept values name it; all its overrides if none
-            named = [f"{k}={values[k]}" for k in self._swept_keys if k in values] or [_unescape(o) for o in overrides]
-            self._running_job = f"#{OmegaConf.select(config, 'hydra.job.num')} {' '.join(named)}"
+            self._running_job = self._job_label(OmegaConf.select(config, "hydra.job.num"), overrides)
+
+    def _job_label(self, num: object, overrides: Sequence[str]) -> str:
+        """``#1 optim.lr=-1``: a job's number and swept values (all its overrides when nothing is swept)."""
+        values = dict(_override_values(overrides))
+        named = [f"{k}={values[k]}" for k in self._swept_keys if k in values] or [_unescape(o) for o in overrides]
+        return f"#{num} {' '.join(named)}"
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         from hydra.core.utils import JobStatus
@@ -151,6 +165,9 @@ class MlflowSweepCallback(Callback):
         parent, self._parent = self._parent, None
         self._restore_env()
         collect = f"python -m recsys_runner.compare collect --parent {parent}"
+        if _ENDED_JOBS:  # the launcher saw every job end (SLURM, waiting): its failed ones are named
+            self._failed_jobs += [self._job_label(num, overrides) for num, overrides in _ENDED_JOBS.pop()]
+            self._in_process = True
         if not self._in_process:  # jobs elsewhere (SLURM, subprocesses) may still be running: leave it to collect
             print(f"Sweep stopped early: MLflow parent run {parent} stays RUNNING; summarize it once its jobs "
                   f"have ended with: {collect}", file=sys.stderr)
