@@ -31,18 +31,23 @@ def _sweep(uri: str, experiment: str) -> tuple[object, list]:
 
 
 def test_array_sweep_lands_in_mlflow_as_parent_and_children(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """A 3-job array, one of them with an invalid value: the others run and are compared; the failed one is named in a
+    line (not submitit's traceback), and the parent ends FAILED naming it once every job has ended."""
     uri = f"sqlite:///{tmp_path}/array.db"
-    out = run_cli("-m", *SLURM, "optim.lr=0.01,0.1", *TINY, "train.num_steps=10", f"tracking.uri={uri}",
+    out = run_cli("-m", *SLURM, "optim.lr=0.01,-1,0.1", *TINY, "train.num_steps=10", f"tracking.uri={uri}",
                   "tracking.experiment=slurm_array", cwd=tmp_path, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:] + slurm_cluster.logs()
+    assert out.returncode == 1, out.stderr[-3000:] + slurm_cluster.logs()
+    assert "Job #1 failed: Config error: optim.sparse.lr must be positive, got -1.0" in out.stderr, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and "Sweep failed (failed job(s): #1 optim.lr=-1); 2 of 2 " in out.stderr
     parent, children = _sweep(uri, "slurm_array")
     assert len(children) == 2 and all(r.info.status == "FINISHED" for r in children)
     assert sorted(float(r.data.params["optim.lr"]) for r in children) == [0.01, 0.1]
     best = max(children, key=lambda r: r.data.metrics["eval/auc"])
-    assert parent.info.status == "FINISHED" and parent.data.tags["best.run_id"] == best.info.run_id
-    # One array job: "<id>_0" and "<id>_1".
+    assert parent.info.status == "FAILED" and parent.data.tags["best.run_id"] == best.info.run_id
+    assert parent.data.tags["sweep.failed_jobs"] == "#1 optim.lr=-1"
+    # One array job: "<id>_0", "<id>_1" and "<id>_2".
     ids = {p.name for p in (tmp_path / "multirun").glob("*/*/.submitit/*_*") if p.is_dir()}
-    assert len(ids) == 2 and len({i.split("_")[0] for i in ids}) == 1, ids
+    assert len(ids) == 3 and len({i.split("_")[0] for i in ids}) == 1, ids
 
 
 def test_submit_and_exit_then_collect(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:

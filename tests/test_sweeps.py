@@ -178,6 +178,41 @@ def test_override_pairs() -> None:
     assert _override_pairs("optim.lr=0.1 +x.y=2 model=dlrm bare") == [("optim.lr", "0.1"), ("x.y", "2"), ("model", "dlrm")]
 
 
+def test_a_failed_job_does_not_stop_the_sweep_and_the_parent_ends_failed_naming_it(tmp_path: Path) -> None:
+    """A job's config error (its exit 2) neither stops the jobs after it (KeepGoingLauncher) nor leaves the parent RUNNING
+    (the multirun ends without ``on_multirun_end``). A fresh process, since the parent is ended at the process's exit."""
+    uri = f"sqlite:///{tmp_path}/failed.db"
+    out = run_cli("-m", "optim.lr=-1,0.1", *TINY, "train.num_steps=5", "train.log_every_steps=5",
+                  f"tracking.uri={uri}", "tracking.experiment=failed", cwd=tmp_path)
+    assert out.returncode == 2, out.stderr[-3000:]
+    lines = out.stderr.strip().splitlines()
+    assert lines[-2].startswith("Config error: optim.sparse.lr must be positive, got -1.0"), out.stderr[-3000:]
+    assert lines[-1].startswith("Sweep failed (failed job(s): #0 optim.lr=-1); 1 of 1 child runs finished; "
+                                "MLflow parent run "), lines[-1]
+    parent, (child,) = _parent_and_children(uri, "failed")
+    assert child.info.status == "FINISHED" and child.info.run_name == "lr=0.1"
+    assert parent.info.status == "FAILED" and lines[-1].endswith(f"{parent.info.run_id} ended FAILED.")
+    assert parent.data.tags["sweep.failed_jobs"] == "#0 optim.lr=-1"
+    assert "1 of 2 jobs failed: #0 (exit 2)" in out.stdout
+    assert parent.data.tags["best.run_id"] == child.info.run_id and parent.data.tags["sweep.num_finished"] == "1"
+    table = MlflowClient(tracking_uri=uri).download_artifacts(parent.info.run_id, "sweep_summary.json", str(tmp_path))
+    summary = json.loads(Path(table).read_text())
+    assert [r["run_name"] for r in summary["runs"]] == ["lr=0.1"]
+
+
+def test_optuna_direction_against_the_objective_is_refused_before_any_run(tmp_path: Path) -> None:
+    """The Optuna sweeper's default direction is minimize: with the default objective eval/auc it would search for the
+    worst trials. Refused with one line before the parent run or any job exists."""
+    uri = f"sqlite:///{tmp_path}/direction.db"
+    out = run_in_process([*TRAIN, "-m", "hydra/sweeper=optuna", "optim.lr=interval(0.01,0.1)", *TINY,
+                          f"tracking.uri={uri}", "tracking.experiment=direction"], tmp_path)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.strip() == (
+        "Config error: hydra.sweeper.direction=minimize but the objective eval/auc (train.objective) is better higher: "
+        "the search would chase its worst trials. Fix: hydra.sweeper.direction=maximize, or choose another train.objective")
+    assert MlflowClient(tracking_uri=uri).get_experiment_by_name("direction") is None
+
+
 @pytest.mark.slow
 def test_submitit_local_jobs_are_children(tmp_path: Path) -> None:
     """Jobs in submitit subprocesses find the parent run (env var survives pickling and the subprocess)."""

@@ -1,4 +1,7 @@
-"""``hydra/launcher=submitit_slurm_detached``: submit a sweep to SLURM and return (submit-and-exit).
+"""The project's Hydra launchers: ``hydra/launcher=submitit_slurm_detached`` submits a sweep to SLURM and returns
+(submit-and-exit); ``hydra/launcher=submitit_slurm`` waits for every job of the array, a failed one included;
+``hydra/launcher=basic_keep_going`` (the default) runs a sweep's jobs here, one after the other,
+going on past a failed one.
 
 A Hydra plugin module (Hydra instantiates launchers only from the ``hydra_plugins`` namespace);
 the recsys_runner side of launching lives in :mod:`recsys_runner.distributed.launch`.
@@ -8,11 +11,13 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 from unittest.mock import patch
 
+from hydra._internal.core_plugins.basic_launcher import BasicLauncher
 from hydra.core.utils import JobReturn, JobStatus
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
 
@@ -52,6 +57,108 @@ class DetachedSlurmLauncher(SlurmLauncher):
         log.info("submitted SLURM jobs %s; collect with: python -m recsys_runner.compare collect --parent %s --wait",
                  " ".join(job_ids), parent)
         return returns
+
+
+FAILED_JOB_EXITS = (1, 2)
+"""The exit statuses of a job that failed on its own (1: training failed, e.g. a non-finite loss; 2: a user error), after
+which the other jobs of a sweep still run. Any other (a signal's 128 + n) stops the sweep at once."""
+
+
+class KeepGoingLauncher(BasicLauncher):
+    """Hydra's basic launcher (the jobs in this process, one after the other) that goes on past a failed job.
+
+    A recsys_runner job ends its process on a failure — one line and exit 2 for a user error, exit 1 for a non-finite
+    loss (``recsys_runner.lifecycle.exit_codes``) — and ``SystemExit`` passes through Hydra's ``run_job``: the basic
+    launcher would stop the sweep at the first bad grid point, the points after it never run. Here each job runs in
+    its own call of the basic launcher's ``launch``; one that exits :data:`FAILED_JOB_EXITS` is noted and the next
+    one runs; once the batch is done the process exits with the first failed job's status, so the sweep fails as a
+    whole (the MLflow parent run ends FAILED, naming the failed jobs: ``recsys_runner.tracking.sweep``)."""
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        returns: list[JobReturn] = []
+        failed: list[tuple[int, int]] = []  # (job number, exit status)
+        log.info("Launching %d jobs locally (a failed one does not stop the others)", len(job_overrides))
+        basic_log, one_line = logging.getLogger(BasicLauncher.__module__), _DropLaunchingOne()
+        basic_log.addFilter(one_line)  # its "Launching 1 jobs locally" before every job says nothing
+        try:
+            for offset, overrides in enumerate(job_overrides):
+                try:
+                    returns.extend(super().launch([overrides], initial_job_idx + offset))
+                except SystemExit as e:
+                    if e.code not in FAILED_JOB_EXITS:
+                        raise
+                    failed.append((initial_job_idx + offset, int(e.code)))
+        finally:
+            basic_log.removeFilter(one_line)
+        if failed:
+            numbers = ", ".join(f"#{num} (exit {code})" for num, code in failed)
+            log.error("%d of %d jobs failed: %s", len(failed), len(job_overrides), numbers)
+            sys.exit(failed[0][1])
+        return returns
+
+
+class WaitingSlurmLauncher(SlurmLauncher):
+    """The plugin's ``submitit_slurm`` that waits for every job of the array and reports a failed one in a line.
+
+    The plugin's ``launch`` ends with ``[j.results()[0] for j in jobs]``: the first failed job raises submitit's
+    ``UncompletedJobError`` while the jobs after it still run, and Hydra prints its 30-line traceback, the job's own
+    one-line error (``Config error: …``) buried inside, and the sweep's MLflow parent is left RUNNING. Here each
+    job's failure becomes a ``FAILED`` result (:func:`_failures_are_results`); once every job has ended, each failed
+    one is named with the last line of its error stream, the parent is ended FAILED naming them
+    (``recsys_runner.tracking.sweep.jobs_ended``), and the command exits 1."""
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        from recsys_runner.tracking.sweep import jobs_ended
+
+        with _failures_are_results():
+            returns = super().launch(job_overrides, initial_job_idx)
+        failed = [(initial_job_idx + i, overrides, r) for i, (overrides, r) in enumerate(zip(job_overrides, returns, strict=True))
+                  if r.status == JobStatus.FAILED]
+        jobs_ended([(num, list(overrides)) for num, overrides, _ in failed])
+        if failed:
+            for num, _, r in failed:
+                print(f"Job #{num} failed: {_last_error_line(str(r._return_value))}", file=sys.stderr)
+            log.error("%d of %d jobs failed: %s", len(failed), len(job_overrides), ", ".join(f"#{num}" for num, _, _ in failed))
+            sys.exit(1)
+        return returns
+
+
+def _last_error_line(error: str) -> str:
+    """The job's own last word in submitit's error text (its stderr follows ``Error stream produced:``): the last
+    line that is not srun's own, else submitit's first line."""
+    lines = [line.strip() for line in error.split("Error stream produced:")[-1].splitlines()]
+    own = [line for line in lines if line and not line.startswith(("srun:", "---")) and "Error stream" not in line]
+    return own[-1] if own and "Error stream produced:" in error else error.strip().splitlines()[0]
+
+
+@contextmanager
+def _failures_are_results() -> Iterator[None]:
+    """While the plugin's ``launch`` runs, a job that failed answers ``results()`` with a ``FAILED`` result (its error
+    as the value) instead of raising, so the plugin waits for every job (as :func:`_results_are_job_ids` does)."""
+    import submitit
+    from submitit.core.utils import FailedJobError, UncompletedJobError
+
+    class Failed:
+        def __init__(self, job: Any) -> None:
+            self.job = job
+
+        def results(self) -> list[JobReturn]:
+            try:
+                return list(self.job.results())
+            except (FailedJobError, UncompletedJobError) as e:
+                return [JobReturn(status=JobStatus.FAILED, _return_value=e)]
+
+    class WaitForAllExecutor(submitit.AutoExecutor):
+        def map_array(self, fn: Callable[..., Any], *iterable: Iterable[Any]) -> list[Any]:
+            return [Failed(j) for j in super().map_array(fn, *iterable)]
+
+    with patch.object(submitit, "AutoExecutor", WaitForAllExecutor):
+        yield
+
+
+class _DropLaunchingOne(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "Launching 1 jobs locally"
 
 
 class _Queued:

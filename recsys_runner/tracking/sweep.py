@@ -15,13 +15,21 @@ as the parent's id; a job names its run by the values it tried (``lr=0.05``) and
 parallel-coordinates and contour charts plot.
 
 ``on_multirun_end`` (after the launcher returns) writes the summary of the best finished child to
-the parent, a table of every child (``sweep_summary.json`` and ``sweep_summary.csv``) and ends it. When jobs are still queued — ``hydra/launcher=submitit_slurm_detached``
+the parent, a table of every child (``sweep_summary.json`` and ``sweep_summary.csv``) and ends it. A multirun that
+stops before that — a job's error ends the process (``Config error: …``, exit 2), a crash in a job makes the sweeper
+raise once its batch has run — never reaches ``on_multirun_end``; the parent would stay RUNNING for ever. So when the
+jobs ran in this process (Hydra's basic launcher), the process's exit ends the parent ``FAILED`` (``KILLED`` for a
+child stopped on a signal) with the same summary, the jobs that failed named in the tag ``sweep.failed_jobs``
+(``#1 optim.lr=-1``), and says so on stderr (:meth:`MlflowSweepCallback._end_stopped_sweep`).
+
+When jobs are still queued — ``hydra/launcher=submitit_slurm_detached``
 returns right after submitting — the parent stays RUNNING and ``python -m recsys_runner.compare
 collect --parent <id>`` summarizes it later.
 """
 
 from __future__ import annotations
 
+import atexit
 import csv
 import io
 import json
@@ -31,12 +39,13 @@ import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from recsys_runner.errors import UserError
+from recsys_runner.errors import ConfigError, UserError, reported
 from recsys_runner.metrics.registry import DEFAULT_OBJECTIVE, higher_is_better
 from recsys_runner.tracking.store import experiment_id, open_store, resolve_uri, store_errors, uri_source
 from recsys_runner.tracking.tracker import PARENT_RUN_ENV
@@ -56,6 +65,8 @@ RANGE_PARAM, SWEPT_PARAM = "sweep.range.", "swept."
 """Param prefixes: the parent's range of each swept key, a child's value of it."""
 SUMMARY_METRICS = ("eval/auc", "eval/logloss", "train/loss")
 """The metrics of each child the summary table holds, after the objective (those a child logged)."""
+FAILED_JOBS_TAG = "sweep.failed_jobs"
+"""On a parent whose multirun stopped early: the jobs that failed (``#1 optim.lr=-1``), ``; ``-separated."""
 _MAX_NAME_CHARS = 80
 
 
@@ -71,6 +82,16 @@ class SweepSummary:
     best_overrides: str | None
 
 
+_ENDED_JOBS: list[list[tuple[int, list[str]]]] = []
+"""Filled by :func:`jobs_ended`: a launcher whose jobs run elsewhere says that all of them have ended."""
+
+
+def jobs_ended(failed: Sequence[tuple[int, list[str]]]) -> None:
+    """Called by a launcher whose jobs run elsewhere (``WaitingSlurmLauncher``) once every job has ended: a multirun
+    that then stops may end its parent, naming ``failed`` (job number, its overrides) like an in-process sweep's."""
+    _ENDED_JOBS.append(list(failed))
+
+
 class MlflowSweepCallback(Callback):
     """Creates the sweep's MLflow parent run and summarizes it at the end (``tracking=mlflow`` only)."""
 
@@ -78,8 +99,14 @@ class MlflowSweepCallback(Callback):
         self._client: Any = None
         self._parent: str | None = None
         self._previous_env: dict[str, str | None] = {}
+        self._in_process = False  # the jobs run in this process (basic launcher): their failures end it
+        self._running_job: str | None = None  # "#<num> <overrides>" between on_job_start and on_job_end
+        self._failed_jobs: list[str] = []
+        self._swept_keys: list[str] = []
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        with reported():  # before any job: a sweeper that would chase the objective the wrong way
+            check_direction(config)
         tracking = config.get("tracking")
         if tracking is None or not str(tracking.get("_target_", "")).endswith("MlflowTracker"):
             return
@@ -104,9 +131,62 @@ class MlflowSweepCallback(Callback):
                 raise
             print(f"{e.label}: {e}", file=sys.stderr)  # as the CLI does; Hydra would print a traceback
             sys.exit(2)
-        self._parent = run.info.run_id
+        self._parent, self._swept_keys = run.info.run_id, list(ranges)
+        self._in_process = str(OmegaConf.select(config, "hydra.launcher._target_") or "").endswith((".BasicLauncher", ".KeepGoingLauncher"))
+        atexit.register(self._end_stopped_sweep)
         self._set_env({PARENT_RUN_ENV: self._parent, SWEPT_KEYS_ENV: ",".join(ranges)})
         log.info("MLflow parent run %s (experiment %s) groups this multirun", self._parent, tracking.experiment)
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if self._parent is not None and self._in_process:
+            if self._running_job is not None:  # the job before never reached on_job_end: it exited (KeepGoingLauncher)
+                self._failed_jobs.append(self._running_job)
+            overrides = [str(o) for o in OmegaConf.select(config, "hydra.overrides.task") or []]
+            self._running_job = self._job_label(OmegaConf.select(config, "hydra.job.num"), overrides)
+
+    def _job_label(self, num: object, overrides: Sequence[str]) -> str:
+        """``#1 optim.lr=-1``: a job's number and swept values (all its overrides when nothing is swept)."""
+        values = dict(_override_values(overrides))
+        named = [f"{k}={values[k]}" for k in self._swept_keys if k in values] or [_unescape(o) for o in overrides]
+        return f"#{num} {' '.join(named)}"
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        from hydra.core.utils import JobStatus
+
+        if self._running_job is not None and job_return.status == JobStatus.FAILED:
+            self._failed_jobs.append(self._running_job)
+        self._running_job = None
+
+    def _end_stopped_sweep(self) -> None:
+        """At the process's exit, a parent ``on_multirun_end`` did not end (module docstring): when its jobs ran in
+        this process none is left running, so end it with the summary of its children and the failed jobs named."""
+        if self._parent is None:
+            return
+        parent, self._parent = self._parent, None
+        self._restore_env()
+        collect = f"python -m recsys_runner.compare collect --parent {parent}"
+        if _ENDED_JOBS:  # the launcher saw every job end (SLURM, waiting): its failed ones are named
+            self._failed_jobs += [self._job_label(num, overrides) for num, overrides in _ENDED_JOBS.pop()]
+            self._in_process = True
+        if not self._in_process:  # jobs elsewhere (SLURM, subprocesses) may still be running: leave it to collect
+            print(f"Sweep stopped early: MLflow parent run {parent} stays RUNNING; summarize it once its jobs "
+                  f"have ended with: {collect}", file=sys.stderr)
+            return
+        failed = [*self._failed_jobs, *([self._running_job] if self._running_job else [])]
+        try:
+            summary = summarize(self._client, parent)
+            children = _children(self._client, self._client.get_run(parent))
+            status = "KILLED" if any(r.info.status == "KILLED" for r in children) else "FAILED"
+            self._client.set_tag(parent, FAILED_JOBS_TAG, _clip("; ".join(failed) or "none (the sweep itself failed)", 5000))
+            finish_parent(self._client, parent, summary, status=status)
+        except Exception as e:  # noqa: BLE001 - at exit: say what is left, do not mask the error that ended the sweep
+            print(f"Sweep failed; could not end its MLflow parent run {parent} ({e}); do it with: {collect}",
+                  file=sys.stderr)
+            return
+        jobs = (f"failed job(s): {'; '.join(failed)}" if failed
+                else "before any job ran" if not summary.num_children else "no job failed: the sweep itself stopped")
+        print(f"Sweep failed ({jobs}); {summary.num_finished} of {summary.num_children} child runs finished; "
+              f"MLflow parent run {parent} ended {status}.", file=sys.stderr)
 
     def _set_env(self, values: Mapping[str, str]) -> None:
         """Export ``values`` to the jobs, remembering what was there to put back at the end."""
@@ -138,6 +218,28 @@ class MlflowSweepCallback(Callback):
         except Exception as e:  # noqa: BLE001 - the jobs' results are safe in their own runs; only the summary waits
             log.warning("could not summarize sweep parent run %s (%s); do it later with: %s", self._parent, e, collect)
         self._parent = None
+        atexit.unregister(self._end_stopped_sweep)
+
+
+def check_direction(config: DictConfig) -> None:
+    """Refuse a sweeper's ``hydra.sweeper.direction`` (Optuna's) that goes against the objective's own direction
+    (:func:`higher_is_better`): minimizing ``eval/auc`` — the Optuna sweeper's default direction is ``minimize`` —
+    would search for the worst trials and report one as the best. A multi-objective direction (a list) is left as is.
+
+    Raises:
+        ConfigError: naming the objective, its direction and the override that fixes it.
+    """
+    given = OmegaConf.select(config, "hydra.sweeper.direction")  # a string, or the Optuna sweeper's default enum
+    direction = str(getattr(given, "name", given)).lower() if isinstance(given, (str, Enum)) else None
+    if direction not in ("maximize", "minimize"):
+        return
+    objective = str(OmegaConf.select(config, "train.objective") or DEFAULT_OBJECTIVE)
+    wanted = "maximize" if higher_is_better(objective) else "minimize"
+    if direction != wanted:
+        better = "higher" if wanted == "maximize" else "lower"
+        raise ConfigError(f"hydra.sweeper.direction={direction} but the objective {objective} (train.objective) is "
+                          f"better {better}: the search would chase its worst trials. Fix: hydra.sweeper.direction={wanted}, "
+                          f"or choose another train.objective")
 
 
 def swept_ranges(config: DictConfig) -> dict[str, str]:
@@ -231,8 +333,10 @@ def summarize(client: Any, parent_run_id: str, objective: str | None = None) -> 
     )
 
 
-def finish_parent(client: Any, parent_run_id: str, summary: SweepSummary, objective: str | None = None) -> None:
-    """Write the best child's overrides (as ``best.<key>`` params), metric and id to the parent, and end it."""
+def finish_parent(client: Any, parent_run_id: str, summary: SweepSummary, objective: str | None = None,
+                  status: str | None = None) -> None:
+    """Write the best child's overrides (as ``best.<key>`` params), metric and id to the parent, and end it: ``status``,
+    by default ``FINISHED`` when a child finished, else ``FAILED``."""
     from mlflow.entities import Metric, Param
 
     objective = objective or sweep_objective(client, parent_run_id)
@@ -257,8 +361,7 @@ def finish_parent(client: Any, parent_run_id: str, summary: SweepSummary, object
     _write_summary(client, parent_run_id, objective)
     client.set_tag(parent_run_id, "sweep.num_finished", str(summary.num_finished))
     client.set_tag(parent_run_id, "sweep.num_children", str(summary.num_children))
-    status = "FINISHED" if summary.num_finished else "FAILED"
-    client.set_terminated(parent_run_id, status=status)
+    client.set_terminated(parent_run_id, status=status or ("FINISHED" if summary.num_finished else "FAILED"))
     if summary.best_run_id is not None:
         log.info("sweep parent %s: best %s=%.4f from run %s (%s)", parent_run_id, objective, summary.best_value,
                  summary.best_run_id, summary.best_overrides)
