@@ -205,6 +205,19 @@ def _no_expect_header(params: dict[str, Any], **_: Any) -> None:
     params.get("headers", {}).pop("Expect", None)
 
 
+def _forget_clients() -> None:
+    """In a forked child (a DataLoader worker reading a bucket): drop the parent's store clients, so that the child
+    builds its own on first use. A client holds connection pools, locks and the SDK's threads; the threads do not
+    survive a fork, and a lock one of them held at that moment stays held in the child, so a worker that reused the
+    parent's client could hang or crash (a worker segfault was seen once in the suite)."""
+    _arrow_s3.cache_clear()
+    _fsspec.cache_clear()
+    _aio_session.cache_clear()
+
+
+os.register_at_fork(after_in_child=_forget_clients)
+
+
 def arrow_filesystem(path: str) -> tuple[pafs.FileSystem, str]:
     """The pyarrow file system that holds ``path`` and the path in it (the local disk for a local path)."""
     if not uris.is_uri(path):

@@ -89,6 +89,24 @@ def test_bucket_data_reads_the_same_batches_as_local_files_per_rank_and_worker(s
     assert _ids(csv_remote.train_batches(0, 0, 1)) == _ids(csv_disk.train_batches(0, 0, 1))
 
 
+def test_a_forked_worker_builds_its_own_store_client_and_reads_the_bucket(s3_env: MotoServer) -> None:
+    """A DataLoader worker is a fork of the training process: it must not reuse the parent's client (its SDK threads
+    did not come along; a lock one held stays held), so the fork drops the cached clients and the child reads through
+    a new one."""
+    path = "s3://data/train/part0.parquet"
+    parent, _ = stores.arrow_filesystem(path)
+    size = stores.file_size(path)
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit status only
+        fresh = stores._arrow_s3.cache_info().currsize == 0
+        child, _ = stores.arrow_filesystem(path)
+        ok = fresh and child is not parent and stores.file_size(path) == size and len(stores.open_input(path).read()) == size
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the forked child reused the parent's client or could not read"
+    assert stores.arrow_filesystem(path)[0] is parent  # the parent keeps its own
+
+
 def test_criteo_tsv_from_a_bucket_reads_the_same_batches_and_tables_as_the_local_files(s3_env: MotoServer, tmp_path: Path) -> None:
     """``data=criteo`` (raw TSV, no header) from a prefix: the tables sized from a sample read through the store, and
     per rank the same blocks of lines, batches and hash-split eval rows as the same files on disk."""
