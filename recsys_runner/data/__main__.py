@@ -46,7 +46,7 @@ import pyarrow.parquet as pq
 
 from recsys_runner.data.encoding.fit import InferConfig, complete_schema
 from recsys_runner.data.encoding.rows import Encoder, Location, Rows
-from recsys_runner.data.files.sources import CsvSource
+from recsys_runner.data.files.csv_source import CsvSource
 from recsys_runner.data.files.tabular_config import CRITEO_COLUMNS, CRITEO_NUM_SPARSE, DELIMITER_ESCAPES, criteo_schema
 from recsys_runner.data.locate import PARQUET_SUFFIXES, resolve_files
 from recsys_runner.data.schema import DenseColumn, Schema, SparseColumn

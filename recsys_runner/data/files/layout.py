@@ -107,3 +107,23 @@ def open_quote_fix(line: bytes) -> str:
     return (f"a field opens a quote ({QUOTE.decode()}) that the line does not close ({shown!r}); one record is one line, so the "
             f"reader would run on into the next lines for the closing quote. Fix the line: close the quote, or remove it (a quote "
             f"inside a quoted field is written twice, \"\"; one inside an unquoted field needs nothing)")
+
+def not_utf8(raw: bytes) -> tuple[int, int] | None:
+    """Where ``raw`` (lines of a text file) first fails to be UTF-8: the 0-based line and the byte's position in that line;
+    ``None`` when it is all UTF-8."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        start = raw.rfind(b"\n", 0, e.start) + 1
+        return raw.count(b"\n", 0, e.start), e.start - start
+    return None
+
+
+def not_utf8_message(path: str, line_number: int, line: bytes, at: int) -> str:
+    """The error for line ``line_number`` of ``path`` (its bytes ``line``), not UTF-8 from its byte ``at`` on: the reader
+    reads delimited text as UTF-8, so a file written in another encoding (Latin-1, Windows-1252) is converted first."""
+    shown = line.rstrip(b"\r\n").decode("utf-8", errors="replace")[:100]
+    return (f"{path}, line {line_number}: not UTF-8 text (byte {line[at:at + 1]!r} at position {at + 1} of the line: {shown!r}); "
+            f"delimited text is read as UTF-8, and this file was written in another encoding (a byte like this is usual in "
+            f"Latin-1 or Windows-1252). Fix: convert the file to UTF-8, e.g. iconv -f latin1 -t utf-8 {path} > <new file> (or "
+            f"-f cp1252), and point data.path at it")

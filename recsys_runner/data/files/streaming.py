@@ -44,8 +44,9 @@ from recsys_runner.data.encoding.keys import splitmix64
 from recsys_runner.data.encoding.rows import Encoder, Location, Rows
 from recsys_runner.data.encoding.stored import StoredEncoders, check_inputs, column_kinds, column_types, oov_counters, to_json
 from recsys_runner.data.files.compression import plain_name
+from recsys_runner.data.files.csv_source import CsvSource
 from recsys_runner.data.files.prefetch import read_ahead
-from recsys_runner.data.files.sources import CsvSource, ParquetSource, Unit
+from recsys_runner.data.files.sources import ParquetSource, Unit
 from recsys_runner.data.files.tabular_config import DEFAULT_EVAL_FRACTION, TabularDataConfig
 from recsys_runner.data.locate import resolve_files
 from recsys_runner.data.schema import Schema

@@ -19,7 +19,8 @@ from recsys_runner.data.encoding.fit import Inferred, complete_schema
 from recsys_runner.data.encoding.rows import float_ids, is_number_type, not_numbers
 from recsys_runner.data.encoding.stored import StoredEncoders, check_inputs
 from recsys_runner.data.encoding.values import is_list
-from recsys_runner.data.files.sources import CsvSource, ParquetSource
+from recsys_runner.data.files.csv_source import CsvSource
+from recsys_runner.data.files.sources import ParquetSource
 from recsys_runner.data.files.streaming import KIND_SAMPLE_ROWS, TabularData
 from recsys_runner.data.files.tabular_config import (
     CRITEO_COLUMNS,
