@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from recsys_runner.errors import ConfigError
-from recsys_runner.metrics.registry import higher_is_better
+from recsys_runner.metrics.registry import best_first_key, higher_is_better
 from recsys_runner.tracking.store import missing_store, resolve_uri, ui_url
 from recsys_runner.tracking.sweep import EXPECTED_JOBS_TAG, SWEEP_PARENT_TAG, finish_parent, summarize, sweep_objective
 from recsys_runner.tracking.tracker import MlflowTrackingConfig
@@ -166,10 +166,10 @@ def best_first(runs: Sequence[Any], metric: str) -> list[Any]:
     MSE: :func:`~recsys_runner.metrics.registry.higher_is_better`), runs without it last; in their given order when
     the metric has no direction (``train/samples_per_s``, ``eval/calibration``)."""
     try:
-        sign = -1.0 if higher_is_better(metric) else 1.0
+        higher = higher_is_better(metric)
     except ConfigError:
         return list(runs)
-    return sorted(runs, key=lambda r: (metric not in r.data.metrics, sign * r.data.metrics.get(metric, 0.0)))
+    return sorted(runs, key=lambda r: best_first_key(r.data.metrics.get(metric), higher))
 
 
 def _param_name(key: str) -> str:

@@ -204,3 +204,30 @@ def test_ui_url_names_the_experiment_that_ran_last(sweep: tuple[str, str, dict[s
         assert compare.main(["--ui-url", "--uri", store]) == 0
         assert capsys.readouterr().out == f"no run in {store} yet: the UI lists runs once they log there\n"
     assert not (tmp_path / "missing").exists()
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_a_nan_trial_is_never_the_best_and_lists_last(sweep: tuple[str, str, dict[str, str]], capsys: pytest.CaptureFixture[str],
+                                                      first: bool) -> None:
+    """A finished trial whose objective is NaN (a diverged run with train.nan_guard=false) is neither the sweep's best
+    nor first in its tables, wherever it falls among the children: every comparison with NaN is false, so a ``max`` or
+    ``sorted`` keyed on the bare value kept it where it started."""
+    uri, parent, ids = sweep
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_run(parent).info.experiment_id
+    if first:  # before the others in every listing order
+        for rid in ids.values():
+            client.delete_run(rid)
+        nan_id = _child(client, exp, parent, 1.0, "dlrm", float("nan"))
+        ids = {k: _child(client, exp, parent, lr, m, auc) for k, lr, m, auc in (("a", 0.01, "deepfm", 0.61),
+                                                                                   ("b", 0.1, "deepfm", 0.68), ("c", 0.1, "dlrm", 0.65))}
+    else:
+        nan_id = _child(client, exp, parent, 1.0, "dlrm", float("nan"))
+    assert compare.main(["collect", "--uri", uri, "--parent", parent, "--no-plots"]) == 0
+    assert client.get_run(parent).data.tags["best.run_id"] == ids["b"]
+    summary = json.loads(Path(client.download_artifacts(parent, "sweep_summary.json")).read_text())
+    assert [r["run_id"] for r in summary["runs"]] == [ids["b"], ids["c"], ids["a"], nan_id]
+    capsys.readouterr()
+    assert compare.main(["--uri", uri, "--parent", parent, "--no-plots"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [r[-3] for r in rows] == ["0.6800", "0.6500", "0.6100", "nan"]

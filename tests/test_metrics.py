@@ -26,6 +26,7 @@ from recsys_runner.metrics.functional import binary_auc, grouped_auc, xauc
 from recsys_runner.metrics.registry import (
     METRICS,
     MetricsConfig,
+    best_first_key,
     build_eval_metrics,
     build_train_metrics,
     default_objective,
@@ -314,12 +315,36 @@ def test_improved_follows_the_direction_and_min_delta() -> None:
     assert not improved(0.695, 0.7, False, min_delta=0.01) and improved(0.68, 0.7, False, min_delta=0.01)
 
 
+def test_improved_never_takes_nan_for_the_best_and_any_value_beats_a_nan_best() -> None:
+    """A NaN evaluation (one class, a diverged model) must not become the best: nothing compares above NaN, so the best
+    checkpoint, ``best/<metric>`` and early stopping would stay stuck on it."""
+    nan = math.nan
+    assert not improved(nan, None, True) and not improved(nan, 0.7, True) and not improved(nan, 0.3, False)
+    assert improved(0.6, nan, True) and improved(0.9, nan, False, min_delta=0.1)
+
+
+def test_best_first_key_puts_nan_and_missing_values_last_in_either_direction() -> None:
+    values = [0.6, math.nan, 0.8, None, 0.7]
+    assert [v for v in sorted(values, key=lambda v: best_first_key(v, True)) if v is not None and not math.isnan(v)] == [0.8, 0.7, 0.6]
+    assert sorted(values, key=lambda v: best_first_key(v, False))[:3] == [0.6, 0.7, 0.8]
+    assert min([math.nan, 0.2, 0.9], key=lambda v: best_first_key(v, True)) == 0.9  # a NaN first does not stick as max()'s would
+
+
 def test_default_objective_is_eval_auc_when_logged_else_the_first() -> None:
     assert default_objective(["eval/logloss", "eval/auc"]) == "eval/auc"
     assert default_objective(["eval/ctr/auc", "eval/cvr/auc"]) == "eval/ctr/auc"
     assert default_objective({"eval/mse": 1.0}) == "eval/mse"
     with pytest.raises(ConfigError, match="no eval metric"):
         default_objective([])
+
+
+def test_default_objective_passes_over_a_metric_without_a_direction() -> None:
+    """``metrics.eval=[calibration,logloss]`` with no objective set watches log loss: calibration (best at 1) cannot
+    rank evaluations, and taking it failed the run when its watched eval was built."""
+    assert default_objective(["eval/calibration", "eval/logloss"]) == "eval/logloss"
+    assert default_objective(["eval/ctr/calibration", "eval/cvr/mse"]) == "eval/cvr/mse"
+    with pytest.raises(ConfigError, match=r"none of which is better higher or lower.*metrics.eval=\[calibration,logloss\]"):
+        default_objective(["eval/calibration"])
 
 
 def test_grouping_ids_from_a_sparse_feature() -> None:

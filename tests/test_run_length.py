@@ -5,6 +5,7 @@ of a file, a step count for synthetic data), ``train.num_epochs`` alone, the man
 from __future__ import annotations
 
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -163,6 +164,15 @@ def test_best_eval_keeps_the_peak_not_the_last() -> None:
     resumed = BestEval(metric="eval/auc", mode="max")
     resumed.load_state_dict(best.state_dict())
     assert (resumed.value, resumed.step) == (0.71, 20)
+
+
+def test_best_eval_passes_over_nan_evaluations() -> None:
+    """An evaluation whose watched metric is NaN is never the best, and the finite ones after it still count."""
+    best = BestEval(metric="eval/auc", mode="max")
+    assert best.update({"eval/auc": math.nan}, 10) == {}
+    assert best.summary({"eval/auc": math.nan}) == "no finite eval/auc logged; last nan"
+    assert best.update({"eval/auc": 0.6}, 20) == {"best/eval/auc": 0.6, "best/step": 20.0}
+    assert best.update({"eval/auc": math.nan}, 30) == {} and (best.value, best.step) == (0.6, 20)
 
 
 def test_run_logs_best_eval_beside_the_last(make_cfg, mlflow_uri: str, caplog: pytest.LogCaptureFixture) -> None:

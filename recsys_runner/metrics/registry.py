@@ -13,6 +13,7 @@ sweep ranks by when no setting names one) is declared here once: :data:`DEFAULT_
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -146,14 +147,17 @@ def selection_score(weights: dict[str, float], values: dict[str, float]) -> floa
 
 DEFAULT_OBJECTIVE = "eval/auc"
 """The eval metric a run reports (``train.objective``), watches for its best value and a sweep ranks by when
-no setting names one and the run logs it; :func:`default_objective` otherwise takes the first eval metric."""
+no setting names one and the run logs it; :func:`default_objective` otherwise takes the first eval metric with a
+direction."""
 
 
 def default_objective(eval_keys: Iterable[str]) -> str:
-    """:data:`DEFAULT_OBJECTIVE` when among ``eval_keys`` (as logged), else the first of them.
+    """:data:`DEFAULT_OBJECTIVE` when among ``eval_keys`` (as logged), else the first of them with a direction: a metric
+    best at a target value (``calibration``) cannot rank evaluations, so ``metrics.eval=[calibration,logloss]`` watches
+    ``eval/logloss``.
 
     Raises:
-        ConfigError: ``eval_keys`` is empty.
+        ConfigError: ``eval_keys`` is empty, or none of them has a direction.
     """
     keys = list(eval_keys)
     if DEFAULT_OBJECTIVE in keys:
@@ -161,7 +165,14 @@ def default_objective(eval_keys: Iterable[str]) -> str:
     if not keys:
         raise ConfigError("no eval metric is logged, so the run has no objective. Fix: list at least one in metrics.eval, "
                           "e.g. metrics.eval=[auc]")
-    return keys[0]
+    for key in keys:
+        try:
+            higher_is_better(key)
+        except ConfigError:
+            continue
+        return key
+    raise ConfigError(f"the run logs only {keys}, none of which is better higher or lower, so it has no objective to "
+                      f"watch or return. Fix: add one that is, e.g. metrics.eval=[{','.join(map(metric_name, keys))},logloss]")
 
 
 def higher_is_better(key: str) -> bool:
@@ -192,10 +203,25 @@ def higher_is_better(key: str) -> bool:
 
 def improved(value: float, best: float | None, higher_is_better: bool, min_delta: float = 0.0) -> bool:
     """Whether ``value`` beats ``best`` (``None``: nothing to beat yet) by more than ``min_delta``, in the
-    direction ``higher_is_better`` (e.g. :func:`higher_is_better` of the watched key)."""
-    if best is None:
+    direction ``higher_is_better`` (e.g. :func:`higher_is_better` of the watched key).
+
+    A NaN ``value`` (an AUC over one class, a diverged model's log loss) beats nothing, and any other value beats a NaN
+    ``best``: were NaN ever the best, no later evaluation could compare above it (every comparison with NaN is false),
+    so the best checkpoint and early stopping would stay stuck on it."""
+    if math.isnan(value):
+        return False
+    if best is None or math.isnan(best):
         return True
     return value > best + min_delta if higher_is_better else value < best - min_delta
+
+
+def best_first_key(value: float | None, higher_is_better: bool) -> tuple[bool, float]:
+    """A sort key that orders values best first in the direction ``higher_is_better``, with a missing (``None``) or
+    NaN value last: ``sorted(runs, key=lambda r: best_first_key(r.value, True))``. A bare ``±value`` key would let a
+    NaN (a diverged trial's) stop the sort or a ``max`` wherever it falls, since every comparison with NaN is false."""
+    if value is None or math.isnan(value):
+        return True, 0.0
+    return False, -value if higher_is_better else value
 
 
 # --------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ import csv
 import io
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -46,7 +47,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from recsys_runner.errors import ConfigError, UserError, reported
-from recsys_runner.metrics.registry import DEFAULT_OBJECTIVE, higher_is_better
+from recsys_runner.metrics.registry import DEFAULT_OBJECTIVE, best_first_key, higher_is_better
 from recsys_runner.tracking.store import experiment_id, open_store, resolve_uri, store_errors, uri_source
 from recsys_runner.tracking.tracker import PARENT_RUN_ENV
 
@@ -321,8 +322,9 @@ def summarize(client: Any, parent_run_id: str, objective: str | None = None) -> 
     objective = objective or sweep_objective(client, parent_run_id)
     children = _children(client, client.get_run(parent_run_id))
     finished = [r for r in children if r.info.status == "FINISHED" and objective in r.data.metrics]
-    sign = 1.0 if higher_is_better(objective) else -1.0
-    best = max(finished, key=lambda r: sign * r.data.metrics[objective], default=None)
+    higher = higher_is_better(objective)
+    ranked = [r for r in finished if not math.isnan(r.data.metrics[objective])]  # a NaN trial (diverged) is best at nothing
+    best = min(ranked, key=lambda r: best_first_key(r.data.metrics[objective], higher), default=None)
     return SweepSummary(
         num_children=len(children),
         num_finished=len(finished),
@@ -374,9 +376,8 @@ def summary_rows(client: Any, parent_run_id: str, objective: str) -> list[dict[s
     parent = client.get_run(parent_run_id)
     keys = [k for k in parent.data.tags.get(SWEPT_KEYS_TAG, "").split(",") if k]
     metrics = list(dict.fromkeys([objective, *SUMMARY_METRICS]))
-    sign = -1.0 if higher_is_better(objective) else 1.0
-    children = sorted(_children(client, parent),
-                      key=lambda r: (objective not in r.data.metrics, sign * r.data.metrics.get(objective, 0.0)))
+    higher = higher_is_better(objective)
+    children = sorted(_children(client, parent), key=lambda r: best_first_key(r.data.metrics.get(objective), higher))
     rows = []
     for child in children:
         tried = dict(_override_values((child.data.tags.get("hydra.overrides") or "").split()))

@@ -135,9 +135,9 @@ class BestEval:
 
     def summary(self, last: dict[str, float]) -> str:
         """``best eval/auc=0.7102 at step 400; last 0.7013``: the closing log line of a run."""
-        if self.value is None:
-            return f"no evaluation logged {self.metric}"
         final = last.get(self.metric)
+        if self.value is None:  # none yet, or only NaNs (which are never the best: metrics.registry.improved)
+            return f"no evaluation logged {self.metric}" if final is None else f"no finite {self.metric} logged; last {final:.4g}"
         return f"best {self.metric}={self.value:.4g} at step {self.step}; last {final:.4g}" if final is not None else \
             f"best {self.metric}={self.value:.4g} at step {self.step}"
 
