@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torchmetrics.classification import BinaryAUROC
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -33,11 +34,13 @@ from recsys_runner.metrics.registry import (
     eval_metrics,
     higher_is_better,
     improved,
+    metric_entry,
     register_metric,
 )
 from recsys_runner.metrics.regression import MeanAbsoluteError, MeanSquaredError
 from recsys_runner.metrics.retrieval import RecallAtK
-from recsys_runner.metrics.tasks import grouping_ids
+from recsys_runner.metrics.tasks import TaskTrainMetrics, grouping_ids
+from recsys_runner.tasks import BinaryTask
 
 CPU = torch.device("cpu")
 
@@ -202,6 +205,71 @@ def test_decaying_metric_matches_the_closed_form() -> None:
     w1, w2, w3 = 2.0, 2.0, 6.0
     expected = rate * (rate * w1 + (1 - rate) * w2) + (1 - rate) * w3
     assert float(m.compute()) == pytest.approx(expected)  # the open 7th update is not in it yet
+
+
+@pytest.mark.parametrize("metric", [LogLoss(), Accuracy(), NormalizedEntropy(), MeanAbsoluteError(), MeanSquaredError(), AUC()],
+                         ids=lambda m: type(m).__name__)
+def test_a_metric_over_no_rows_is_nan_not_a_perfect_score(metric) -> None:
+    """A mean over no rows is undefined (a masked task's eval without one masked row): NaN, as AUC over one class, not
+    the 0 that reads as a perfect log loss or error."""
+    assert math.isnan(fed(metric, (torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.float64))))
+
+
+def test_ranking_means_over_no_rows_are_nan() -> None:
+    assert math.isnan(fed(RecallAtK(5), (torch.zeros(0, 4), torch.zeros(0, dtype=torch.long))))
+    for name in ("hr@5", "ndcg@5", "mrr", "ann_recall@5"):
+        metric = metric_entry(name).factory(MetricsConfig(eval=[name], train=[]))
+        metric.update(torch.zeros(0, 7), torch.zeros(0, dtype=torch.long))
+        assert math.isnan(float(metric.compute())), name
+
+
+def _decayed(windows: list[float], rate: float) -> float:
+    """The documented rule by hand: the first defined window as is, then ``rate·value + (1−rate)·window``; an
+    undefined (NaN) window leaves the value."""
+    value = math.nan
+    for w in windows:
+        if math.isnan(w):
+            continue
+        value = w if math.isnan(value) else rate * value + (1 - rate) * w
+    return value
+
+
+def test_a_window_without_rows_or_with_one_class_leaves_the_decayed_value() -> None:
+    """A window over which the metric is undefined (no rows: a masked task's window without a clicked row; one class
+    for ne) neither pulls the value toward 0 nor turns it NaN for the rest of the run."""
+    rate = 0.5
+    empty = (torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.float64))
+    batches = [empty, (t(0.9, 0.2), t(1, 0)), empty, (t(0.6, 0.3), t(1, 1)), (t(0.7, 0.4), t(0, 1))]
+    for cls in (LogLoss, NormalizedEntropy, Accuracy):
+        m = DecayingMetric(cls(), decay_rate=rate, decay_step=1)
+        for b in batches:
+            m.update(*b)
+        windows = [fed(cls(), b) for b in batches]
+        assert math.isnan(windows[0]) and math.isnan(windows[2])
+        assert float(m.compute()) == pytest.approx(_decayed(windows, rate)), cls.__name__
+    assert math.isnan(fed(NormalizedEntropy(), batches[3]))  # one class: ne's window 4 is undefined too
+
+
+def test_masked_train_metrics_pass_over_windows_without_a_masked_row() -> None:
+    """Through the runner's path (TaskTrainMetrics, a masked cvr task): windows whose batches have no clicked row are
+    passed over, and the value equals the decay rule over the defined windows."""
+    g = torch.Generator().manual_seed(4)
+    tasks = (BinaryTask("ctr", column=0), BinaryTask("cvr", column=1, mask_column=0))
+    spec = MetricsConfig(train=["logloss"], decay_rate=0.8, decay_step=2)
+    train_metrics = TaskTrainMetrics(spec, tasks, CPU, flush_every=3)
+    windows: list[float] = []
+    for window in range(6):
+        rows = []
+        for _ in range(2):
+            logits = torch.randn(8, 2, generator=g)
+            click = torch.zeros(8) if window in (0, 3) else torch.randint(0, 2, (8,), generator=g).float()
+            labels = torch.stack([click, click * torch.randint(0, 2, (8,), generator=g).float()], dim=1)
+            train_metrics.update(logits, labels)
+            keep = click > 0
+            rows.append((torch.sigmoid(logits[keep, 1]).double(), labels[keep, 1].double()))
+        p, y = torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
+        windows.append(float(F.binary_cross_entropy(p, y)) if len(p) else math.nan)
+    assert train_metrics.compute()["train/cvr/logloss"] == pytest.approx(_decayed(windows, 0.8))
 
 
 def test_decay_auc_matches_weighted_pairwise_auc() -> None:

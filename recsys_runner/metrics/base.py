@@ -44,6 +44,14 @@ class SumMetric(RecMetric):
         for name in names:
             self.add_state(name, default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
 
+    @staticmethod
+    def mean(total: Tensor, count: Tensor) -> Tensor:
+        """``total / count``, NaN over no rows: a mean of nothing is undefined, as AUC over one class is. A 0 there would
+        read as a perfect log loss or error (a masked task's eval without one masked row) and, in a decaying train
+        metric, pull the smoothed value toward it (:class:`~recsys_runner.metrics.decay.DecayingMetric` passes over a
+        NaN window)."""
+        return torch.where(count > 0, total / count.clamp_min(1), torch.nan)
+
 
 class GatherMetric(RecMetric):
     """Base of ranking metrics: keeps every row; ``compute`` runs on all ranks' rows gathered."""

@@ -38,7 +38,7 @@ class LogLoss(SumMetric):
         self.count += labels.numel()
 
     def compute(self) -> Tensor:
-        return self.total / self.count.clamp_min(1)
+        return self.mean(self.total, self.count)
 
 
 class Accuracy(SumMetric):
@@ -64,7 +64,7 @@ class Accuracy(SumMetric):
         self.count += labels.numel()
 
     def compute(self) -> Tensor:
-        return self.correct / self.count.clamp_min(1)
+        return self.mean(self.correct, self.count)
 
 
 class NormalizedEntropy(SumMetric):

@@ -254,4 +254,4 @@ class AnnRecallAtK(SumMetric):
         self.count += rows
 
     def compute(self) -> Tensor:
-        return self.total / self.count.clamp_min(1)
+        return self.mean(self.total, self.count)

@@ -76,7 +76,10 @@ class DecayingMetric(nn.Module):
 
     * a :class:`DecayAUC` folds the window into its decayed history, and the value is its AUC;
     * any other metric is computed over the window (over all ranks) and reset, and the value becomes
-      ``rate · value + (1 − rate) · window_value`` (the first window's value is taken as is).
+      ``rate · value + (1 − rate) · window_value`` (the first window's value is taken as is). A window over which
+      the metric is undefined (NaN: no rows, as a masked task's window may have, or one class for ``ne``) leaves
+      the value as it was, rather than turning it NaN for the rest of the run; the windows around it decay as if
+      it were not there.
 
     Before the first window closes, ``compute`` returns the metric over the updates so far. Closing a
     window and ``compute`` synchronize ranks, so every rank must call them at the same steps — the
@@ -132,7 +135,9 @@ class DecayingMetric(nn.Module):
             return
         window = self.metric.compute().to(self.value)
         self.metric.reset()
-        first = self.num_updates == self.decay_step
+        if torch.isnan(window):  # undefined over this window (no rows, one class for ne): the value stays as it was
+            return
+        first = bool(torch.isnan(self.value))  # no defined window before this one
         self.value = window if first else self.decay_rate * self.value + (1 - self.decay_rate) * window
 
     def compute(self) -> Tensor:

@@ -31,7 +31,7 @@ class _MeanRowError(SumMetric):
         self.count += labels.numel()
 
     def compute(self) -> Tensor:
-        return self.total / self.count.clamp_min(1)
+        return self.mean(self.total, self.count)
 
 
 class MeanAbsoluteError(_MeanRowError):

@@ -41,7 +41,7 @@ class RecallAtK(SumMetric):
         self.count += scores.shape[0]
 
     def compute(self) -> Tensor:
-        return self.hits / self.count.clamp_min(1)
+        return self.mean(self.hits, self.count)
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ class HitRateAtK(SumMetric):
         self.count += ranks.shape[0]
 
     def compute(self) -> Tensor:
-        return self.total / self.count.clamp_min(1)
+        return self.mean(self.total, self.count)
 
 
 class NDCGAtK(HitRateAtK):
