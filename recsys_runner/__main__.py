@@ -110,7 +110,7 @@ def _note_resume(c: Components, launch: Launch) -> None:
 
 @hydra.main(config_path=CONFIG_PATH, config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float:
-    launch = Launch.from_hydra(TRAIN_MODULE)  # Hydra's runtime, read here once and handed down
+    launch = Launch.from_hydra(TRAIN_MODULE, cfg)  # Hydra's runtime, read here once and handed down
     with exit_codes(launch):  # a signal: KILLED, what was kept and how to go on, exit 128 + signal (lifecycle.py)
         return run(cfg, launch)
 

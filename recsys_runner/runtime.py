@@ -5,19 +5,26 @@ made every component behave differently under the CLI than in a test or a notebo
 entry point (``python -m recsys_runner``, ``.evaluate``, ``.predict``, ``.export``) calls :meth:`Launch.from_hydra`
 once and passes the :class:`Launch` on: the checkpoint directory's default, the overrides saved with each checkpoint,
 the command that resumes a run and the MLflow tags are all derived from it. ``Launch()`` (the default) is a launch from
-Python: no run directory, no overrides, no resume command.
+Python: no run directory, no overrides, no resume command. A training launch also carries what Hydra composed, flattened
+(:attr:`Launch.settings`): a resume compares it with the one its checkpoint saved.
 
 May import ``uris`` only.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
 import sys
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from recsys_runner import uris
 
@@ -44,6 +51,12 @@ class Launch:
     runs_root: Path | None = None
     """Where a single launch's run directories are (``outputs`` for the default ``outputs/<date>/<time>``: two levels
     above :attr:`output_dir`); ``None`` for a multirun job and outside the CLI."""
+    settings: Mapping[str, Any] | None = field(default=None, compare=False)
+    """What the launch trained with, as Hydra composed it (:func:`composed_settings`): every config key's value and every
+    group's choice (``model: deepfm``, ``optim/sparse: adagrad``), wherever it came from — an override, a YAML file, a
+    dataclass default. ``None`` outside the CLI and for the commands other than training."""
+    cwd: str | None = None
+    """The directory the command was launched in, against which relative paths among :attr:`settings` are read."""
 
     @property
     def from_cli(self) -> bool:
@@ -56,9 +69,10 @@ class Launch:
         return "training" if self.module == TRAIN_MODULE else self.module.rsplit(".", 1)[-1]
 
     @classmethod
-    def from_hydra(cls, module: str | None = None) -> Launch:
+    def from_hydra(cls, module: str | None = None, config: DictConfig | None = None) -> Launch:
         """The launch Hydra is running now; ``Launch()`` outside ``@hydra.main`` (tests, notebooks). ``module``: the
-        command's module, by default the one ``python -m`` ran (else the one whose config Hydra composed)."""
+        command's module, by default the one ``python -m`` ran (else the one whose config Hydra composed); ``config``:
+        the config Hydra composed, for :attr:`settings` (training passes it: a resume compares it)."""
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
 
@@ -70,9 +84,11 @@ class Launch:
         config_name = str(hc.job.config_name) if hc.job.config_name is not None else None
         output_dir = Path(hc.runtime.output_dir)
         runs_root = output_dir.parent.parent if hc.mode == RunMode.RUN else None
+        choices = {str(group): choice for group, choice in hc.runtime.choices.items() if not str(group).startswith("hydra/")}
         return cls(overrides=tuple(hc.overrides.task), output_dir=output_dir, config_name=config_name, config_dir=config_dir,
                    module=module or _launched_module(config_name),
-                   runs_root=runs_root if runs_root is not None and len(runs_root.absolute().parts) > 2 else None)
+                   runs_root=runs_root if runs_root is not None and len(runs_root.absolute().parts) > 2 else None,
+                   settings=composed_settings(config, choices) if config is not None else None, cwd=str(hc.runtime.cwd))
 
     def under_output_dir(self, name: str) -> Path | None:
         """``<run dir>/<name>`` (``checkpoints``, ``export``) under the CLI; ``None`` from Python."""
@@ -123,3 +139,33 @@ def _launched_module(config_name: str | None) -> str:
     if name in ENTRY_CONFIGS:
         return name
     return next((module for module, config in ENTRY_CONFIGS.items() if config == config_name), TRAIN_MODULE)
+
+
+_REFERENCE = re.compile(r"\$\{[^${}:]*\}")
+"""An interpolation that names another key (``${..lr}``, ``${optim.lr}``), as opposed to a resolver (``${oc.env:X}``)."""
+
+
+def composed_settings(config: DictConfig, choices: Mapping[str, str | None]) -> dict[str, Any]:
+    """``{"optim.lr": 0.05, "model.deep_layer_sizes": [256, 128, 64], "optim/sparse": "adagrad", …}``: the composed
+    ``config`` flattened to its leaves (a list is one value; ``hydra.*`` is left out) plus the groups' ``choices``, as
+    the plain values ``meta.json`` holds (so a saved one and this launch's compare alike). A key that only refers to
+    another (``optim.sparse.lr: ${..lr}``) keeps the reference, so a change is named once, by the key it was made to; a
+    resolver's value (``${oc.env:…}``) is resolved."""
+    written = OmegaConf.to_container(config, resolve=False, enum_to_str=True)
+    try:
+        values = OmegaConf.to_container(config, resolve=True, enum_to_str=True)
+    except OmegaConfBaseException:  # an interpolation that fails: validation names it, inside the command's error handling
+        values = written
+    out: dict[str, Any] = dict(choices)
+
+    def walk(raw: Any, value: Any, prefix: str) -> None:
+        if isinstance(raw, dict) and isinstance(value, dict):
+            for key in raw:
+                if prefix or key != "hydra":
+                    walk(raw[key], value[key], f"{prefix}.{key}" if prefix else str(key))
+        else:
+            out[prefix] = raw if isinstance(raw, str) and _REFERENCE.fullmatch(raw) else value
+
+    walk(written, values, "")
+    plain: dict[str, Any] = json.loads(json.dumps(out, default=str))
+    return plain

@@ -129,18 +129,67 @@ def test_resume_with_changed_settings_refuses_another_experiment_and_warns_and_t
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert (f"Checkpoint error: resuming {ckpt_dir}/step_00000003 with changed settings that would make it another experiment: "
             "data.batch_size: 256 -> 64 (the position in the epoch") in refused.stderr
-    assert "seed: (default) -> 3 (the resumed run restores the RNG states" in refused.stderr
-    assert f"Fix: resume with the run's own settings (its overrides are in {ckpt_dir}/step_00000003/meta.json)" in refused.stderr
+    assert "seed: 0 -> 3 (the resumed run restores the RNG states" in refused.stderr
+    assert ("Fix: resume with the run's own settings (put back data.batch_size=256 seed=0 on the command line, or undo the edit "
+            f"of the config file that changed it; the first launch's overrides and composed config are in {ckpt_dir}/step_00000003/"
+            "meta.json)") in refused.stderr
     assert [p.name for p in list_checkpoints(ckpt_dir)] == ["step_00000003"]  # nothing resumed
 
     changed = [a.replace("train.num_steps=5", "train.num_steps=6") for a in command]
     warned = run_in_process([*changed, "optim.lr=0.01", "train.log_every_steps=2"], tmp_path)
     assert warned.returncode == 0, warned.stderr[-3000:]
     said = warned.stdout + warned.stderr
-    line = "optim.lr: (default) -> 0.01; train.num_steps: 5 -> 6"  # train.log_every_steps: how it is watched, silent
+    line = "optim.lr: 0.05 -> 0.01; train.num_steps: 5 -> 6"  # train.log_every_steps: how it is watched, silent
     assert said.count(f"resuming {ckpt_dir}/step_00000003 with changed settings: {line}. Each takes effect") == 1, said[-3000:]
     (mlrun,) = runs(uri, "changed")
     assert mlrun.data.tags["resume_changes"] == f"at step 3: {line}" and mlrun.data.params["optim.lr"] != "0.01"
+
+
+def test_resume_compares_what_was_composed_so_a_yaml_edit_counts_and_a_respelling_does_not(tmp_path: Path) -> None:
+    # was: only the command lines were compared, as text: a preset edited between a launch and its resume trained another
+    # experiment into the same MLflow run without a word, while optim.lr=1e-1 for optim.lr=0.1 was warned about
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    preset = tmp_path / "my_conf" / "experiment" / "mine.yaml"
+    preset.parent.mkdir(parents=True)
+    written = "# @package _global_\ndata:\n  seed: 1\ntrain:\n  clip_grad:\n    max: 1.0\n"
+    preset.write_text(written)
+    first = run_in_process([*TRAIN, "--config-dir", str(preset.parent.parent), "experiment=mine", *SMALL, "train.num_steps=8",
+                            "train.stop_after_steps=2", "optim.lr=0.1", "seed=1", f"tracking.uri={uri}", "tracking.experiment=composed"],
+                           tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    command = hint_of(first.stderr)
+    assert command is not None, first.stderr[-2000:]
+    ckpt_dir = Path(next(a for a in command if a.startswith("checkpoint.dir=")).split("=", 1)[1])
+    saved = json.loads((ckpt_dir / "step_00000002" / "meta.json").read_text())
+    assert saved["config"]["data.seed"] == 1 and saved["config"]["experiment"] == "mine" and saved["cwd"] == str(tmp_path)
+    respelled = [{"optim.lr=0.1": "optim.lr=1e-1", "seed=1": "++seed=1"}.get(a, a) for a in command]
+
+    def resumed(argv: list[str], step: int) -> str:
+        out = run_in_process(argv, tmp_path)
+        assert out.returncode == 0, out.stderr[-3000:]
+        said = out.stdout + out.stderr
+        assert f"step_{step:08d} at step {step}" in said, said[-3000:]
+        return said
+
+    assert "with changed settings" not in resumed(command, 2)  # the plain resume
+    assert "with changed settings" not in resumed(respelled, 4)
+    meta = ckpt_dir / "step_00000006" / "meta.json"  # as a checkpoint written before the composed config was saved
+    meta.write_text(json.dumps({k: v for k, v in json.loads(meta.read_text()).items() if k not in ("config", "cwd")}))
+    assert "with changed settings" not in resumed(respelled, 6)  # compared by its overrides, by value: silent
+    preset.write_text(written.replace("seed: 1", "seed: 2"))
+    refused = run_in_process(command, tmp_path)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert (f"Checkpoint error: resuming {ckpt_dir}/step_00000008 with changed settings that would make it another experiment: "
+            "data.seed: 1 -> 2 (another shuffle order: the position in the epoch") in refused.stderr
+    assert "Fix: resume with the run's own settings (put back data.seed=1 on the command line, or undo the edit" in refused.stderr
+
+    preset.write_text(written.replace("max: 1.0", "max: 2.0"))
+    longer = [a.replace("train.num_steps=8", "train.num_steps=10") for a in command]
+    said = resumed(longer, 8)
+    line = "train.clip_grad.max: 1.0 -> 2.0; train.num_steps: 8 -> 10"
+    assert said.count(f"resuming {ckpt_dir}/step_00000008 with changed settings: {line}. Each takes effect") == 1, said[-3000:]
+    (mlrun,) = runs(uri, "composed")
+    assert mlrun.data.tags["resume_changes"] == f"at step 8: {line}"
 
 
 def test_resume_changes_table_treats_each_key_once() -> None:
@@ -151,11 +200,36 @@ def test_resume_changes_table_treats_each_key_once() -> None:
     assert resume.treatment("data.eval_path")[0] == "warn" and resume.treatment("optim.lr")[0] == "warn"
     assert resume.treatment("scheduler")[0] == "warn" and resume.treatment("model.dropout")[0] == "warn"
     path = Path("/ck/step_00000004")
-    with pytest.raises(CheckpointError, match=r"data.path: a.parquet -> b.parquet \(other training files: "):
-        resume.check_changes(["data=parquet", "data.path=a.parquet"], ["data=parquet", "data.path=b.parquet"], path)
+
+    def changes(saved: list[str] | None, now: list[str] | None) -> tuple[resume.Change, ...]:  # checkpoints saving overrides only
+        return resume.check_changes(resume.Launched(saved), resume.Launched(now), path)
+
+    with pytest.raises(CheckpointError, match=r"data.path: a.parquet -> b.parquet \(other training files: .*its overrides are in "):
+        changes(["data=parquet", "data.path=a.parquet"], ["data=parquet", "data.path=b.parquet"])
     unchanged = ["data=parquet", "+train.stop_after_steps=3", "checkpoint.every_steps=2"]
-    assert resume.check_changes(unchanged, ["data=parquet", "checkpoint.every_steps=5"], path) == ()
-    assert resume.check_changes(None, ["seed=3"], path) == ()  # a checkpoint written outside the CLI saved no overrides
+    assert changes(unchanged, ["data=parquet", "checkpoint.every_steps=5"]) == ()
+    assert changes(None, ["seed=3"]) == ()  # a checkpoint written outside the CLI saved no overrides
+    # values, not spellings: was a false alarm (refused or warned) for each of these
+    here = os.getcwd()
+    assert changes(["optim.lr=0.1", "data.path=./d", "+seed=1", "+data.labels={a:1,b:2}", "data.eval_path=x/../e"],
+                   ["optim.lr=1e-1", f"data.path={here}/d", "seed=1", "+data.labels={b:2, a:1}", "data.eval_path=e"]) == ()
+    (lr,) = changes(["optim.lr=0.1", "model.deep_layer_sizes=[8,4]"], ["optim.lr=0.2", "model.deep_layer_sizes=[8, 4]"])
+    assert lr.line() == "optim.lr: 0.1 -> 0.2"
+    (order,) = changes(["model.deep_layer_sizes=[8,4]"], ["model.deep_layer_sizes=[4,8]"])  # a list's order is its meaning
+    assert order.line() == "model.deep_layer_sizes: [8,4] -> [4,8]"
+
+    def composed(before: dict, after: dict, cwd_before: str = "/a", cwd_after: str = "/a") -> tuple[resume.Change, ...]:
+        return resume.check_changes(resume.Launched([], before, cwd_before), resume.Launched([], after, cwd_after), path)
+
+    # a relative path is read from the directory its launch started in: one file, two spellings; two files, one spelling
+    assert composed({"data.path": "d/x.parquet"}, {"data.path": "/a/d/x.parquet"}, "/a", "/b") == ()
+    with pytest.raises(CheckpointError, match=r"data.path: x -> /b/x \(other training files.*put back data.path=x on the"):
+        composed({"data.path": "x"}, {"data.path": "/b/x"}, "/a", "/b")
+    # another option of a group is one change: its keys come with it
+    (added, scheduler) = composed({"scheduler": "constant", "scheduler._target_": "C"},
+                                  {"scheduler": "cosine", "scheduler._target_": "Co", "scheduler.min_lr": 0.0, "model.dropout": 0.1})
+    assert scheduler.line() == "scheduler: constant -> cosine" and added.line() == "model.dropout: (unset) -> 0.1"
+    assert added.put_back == "~model.dropout"
     keys = [key for key, _, _ in resume.RESUME_CHANGES]
     assert len(keys) == len(set(keys))
 

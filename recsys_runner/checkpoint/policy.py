@@ -82,6 +82,9 @@ class Checkpointer:
         self.overrides = list(launch.overrides) if launch.from_cli else None
         """The launch's command-line overrides, saved in each ``meta.json``: evaluate, predict and export rebuild the
         training's config from them (:func:`recsys_runner.inference.with_training_overrides`). ``None`` outside a CLI."""
+        self.launched = resume.Launched(self.overrides, launch.settings if launch.from_cli else None, launch.cwd)
+        """What this launch trains with, saved in each ``meta.json`` (``overrides``, ``config``, ``cwd``) for a resume to
+        compare with (:func:`~recsys_runner.checkpoint.resume.check_changes`)."""
         self.verified_step = 0
         """Step checkpoints before this step are known good: a finite loss was computed from later weights."""
         self._lock = lock_for(self.dir) if self.dir is not None and rank == 0 else None
@@ -149,6 +152,8 @@ class Checkpointer:
         meta["world_size"] = self.world_size
         if self.overrides is not None:
             meta["overrides"] = self.overrides
+        if self.launched.config is not None:
+            meta["config"], meta["cwd"] = self.launched.config, self.launched.cwd
         ranked = {"objects": self.parts.object_states(), "rng": resume.rng_state()}
         try:
             self.storage.write(final, self._tensor_state(), ranked, meta, self.files)
@@ -264,8 +269,7 @@ class Checkpointer:
         path, set_aside = resume.choose(self.config, self.storage, self.dir)
         if path is None:
             return None, set_aside, ()
-        saved = self.storage.read_meta(path).get("overrides")
-        changes = resume.check_changes(saved, self.overrides, path)
+        changes = resume.check_changes(resume.Launched.saved(self.storage.read_meta(path)), self.launched, path)
         return path, set_aside, tuple(c.line() for c in changes)
 
     def resuming(self) -> bool:

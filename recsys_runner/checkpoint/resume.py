@@ -10,15 +10,18 @@ to load is never guessed past: the error names it and the ``checkpoint.resume=<p
 ``name_map`` and optionally skipping the optimizer state.
 
 A resumed run continues the experiment its checkpoint belongs to, into the same MLflow run, whose params stay the first
-launch's. The launch's overrides are compared with those the checkpoint saved (:func:`check_changes`), each changed key
-treated as :data:`RESUME_CHANGES` says: refused (the run would no longer be the experiment it continues), warned and
+launch's. What the launch composed is compared with what the checkpoint's launch composed, saved in its ``meta.json``
+(:func:`check_changes`: values, wherever they were set: an override, a YAML file, a default; a checkpoint that saved only
+its overrides is compared by those), each changed key treated as :data:`RESUME_CHANGES` says: refused (the run would no longer be the experiment it continues), warned and
 tagged on the MLflow run (it takes effect from the resumed step), or allowed silently (it changes how the run is
 watched or placed, not what it learns).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -27,6 +30,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from recsys_runner import uris
 from recsys_runner.checkpoint.config import RESUME_WORDS, CheckpointConfig, TrainState
@@ -70,8 +74,8 @@ RESUME_CHANGES: tuple[tuple[str, Treatment, str], ...] = (
     ("optim/sparse", "refuse", "another sparse optimizer: the optimizer state saved is another's"),
     ("optim/dense", "refuse", "another dense optimizer: the optimizer state saved is another's"),
 )
-"""How a resume treats an override whose value differs from the launch that wrote the checkpoint: the first entry whose
-key is the override's key, or a section above it (``data`` for ``data=parquet`` only; ``checkpoint`` for
+"""How a resume treats a setting whose value differs from the launch that wrote the checkpoint: the first entry whose
+key is the setting's key (a group's for its option: ``model``, ``optim/sparse``), or a section above it (``data`` for ``data=parquet`` only; ``checkpoint`` for
 ``checkpoint.every_steps``), decides; a key no entry names (``optim.lr``, ``train.num_steps``, ``scheduler``,
 ``model.dropout`` …) is warned about (:data:`WARNED_BY_DEFAULT`). Shapes that cannot load (``model.embedding_dim``) are
 refused by the loader, naming the tensors."""
@@ -82,31 +86,77 @@ WARNED_BY_DEFAULT = ("takes effect from the resumed step; the MLflow run's param
 
 
 @dataclass(frozen=True)
+class Launched:
+    """What one launch trained with, as a resume compares it: the launch that wrote a checkpoint (:meth:`saved`, its
+    ``meta.json``) or this one (the checkpointer's)."""
+
+    overrides: Sequence[str] | None = None
+    """Its command-line overrides; ``None`` outside the CLI."""
+    config: Mapping[str, Any] | None = None
+    """What Hydra composed, flattened (:func:`recsys_runner.runtime.composed_settings`): every key's value and group's
+    choice; ``None`` outside the CLI and in a checkpoint written before it was saved."""
+    cwd: str | None = None
+    """The directory it was launched in: relative paths among its values are read from there."""
+
+    @classmethod
+    def saved(cls, meta: Mapping[str, Any]) -> Launched:
+        """The launch that wrote the checkpoint whose ``meta.json`` is ``meta``."""
+        return cls(meta.get("overrides"), meta.get("config"), meta.get("cwd"))
+
+
+@dataclass(frozen=True)
 class Change:
-    """One override whose value differs between the checkpoint's launch and this one."""
+    """One setting whose value differs between the checkpoint's launch and this one."""
 
     key: str
-    saved: str | None
-    """Its value at the launch that wrote the checkpoint, ``None`` when that launch left it at its default."""
-    now: str | None
+    saved: str
+    """Its value at the launch that wrote the checkpoint, as an override would write it (``(default)`` when that
+    launch's overrides left it at its default, ``(unset)`` when its config had no such key)."""
+    now: str
     treatment: Treatment
     why: str
+    put_back: str
+    """The override that restores the saved value (``data.seed=1``, ``~key`` for a key the checkpoint's launch lacked)."""
 
     def line(self) -> str:
-        return f"{self.key}: {_shown(self.saved)} -> {_shown(self.now)}"
+        return f"{self.key}: {self.saved} -> {self.now}"
 
 
-def _shown(value: str | None) -> str:
-    return "(default)" if value is None else value
+_ABSENT = object()
+"""A key the launch did not have (no override for it; no such key in its config)."""
 
 
-def _by_key(overrides: Sequence[str]) -> dict[str, str | None]:
-    """``key -> value`` of Hydra overrides (``+``/``++`` dropped; ``~key`` deletes: ``None``)."""
-    out: dict[str, str | None] = {}
-    for text in overrides:
-        key, _, value = text.lstrip("+").partition("=")
-        out[key.lstrip("~")] = None if key.startswith("~") else value
-    return out
+def _text(value: Any) -> str:
+    """``value`` as an override writes it: ``null``, ``true``, ``0.05``, ``[256,128,64]``, ``{a:1}`` quoted as JSON."""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, separators=(",", ":"))
+
+
+def _by_key(overrides: Sequence[str]) -> dict[str, Any]:
+    """``key -> value`` of Hydra overrides, the values parsed as Hydra parses them (``0.1`` and ``1e-1`` the same float,
+    ``{a:1,b:2}`` the same mapping in any order, ``+``/``++`` dropped); a ``~key`` deletion is left out (the default)."""
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except Exception:  # noqa: BLE001 - Hydra accepted these at launch; one that no longer parses compares as text
+        return {k.lstrip("+"): v for k, _, v in (o.partition("=") for o in overrides) if not k.startswith("~")}
+    return {o.key_or_group + (f"@{o.package}" if o.package else ""): o.get_value_element_as_str() if o.is_sweep_override() else o.value()
+            for o in parsed if not o.is_delete()}
+
+
+def _same(before: Any, after: Any, cwd_before: str | None, cwd_after: str | None) -> bool:
+    """Whether two values are the same setting: equal values, or two spellings of one local path (``./d`` and
+    ``$PWD/d``), each read from the directory its launch started in."""
+    if before == after:
+        return True
+    if not (isinstance(before, str) and isinstance(after, str)) or uris.is_uri(before) or uris.is_uri(after):
+        return False
+    here = os.getcwd()
+
+    def where(text: str, cwd: str | None) -> str:
+        return os.path.normpath(os.path.join(cwd or cwd_after or here, os.path.expanduser(text)))
+
+    return where(before, cwd_before) == where(after, cwd_after)
 
 
 def treatment(key: str) -> tuple[Treatment, str]:
@@ -117,24 +167,45 @@ def treatment(key: str) -> tuple[Treatment, str]:
     return "warn", WARNED_BY_DEFAULT
 
 
-def check_changes(saved: Sequence[str] | None, now: Sequence[str] | None, path: Path) -> tuple[Change, ...]:
-    """The changes to warn about (:func:`note_changes`) of resuming ``path`` (whose launch's overrides were ``saved``) with
-    the overrides ``now``; ``()`` when either is unknown (a run outside the CLI) or nothing warned about changed.
+def check_changes(saved: Launched, now: Launched, path: Path) -> tuple[Change, ...]:
+    """The changes to warn about (:func:`note_changes`) of resuming ``path``, whose launch was ``saved``, with the launch
+    ``now``; ``()`` when nothing warned about changed, or when the two cannot be compared (a run outside the CLI).
+
+    The composed configs are compared where both launches saved one, so a setting changed in a YAML file (or a
+    default changed in the code) counts as one changed on the command line; keys under a group whose option changed
+    come with the option and are not listed apart. A checkpoint written before configs were saved is compared by its
+    overrides. Either way values are compared, not spellings.
 
     Raises:
         CheckpointError: a change :data:`RESUME_CHANGES` refuses, each named with why and the two ways on.
     """
-    if saved is None or now is None:
+    if saved.config is not None and now.config is not None:
+        before, after, absent = dict(saved.config), dict(now.config), "(unset)"
+    elif saved.overrides is not None and now.overrides is not None:
+        before, after, absent = _by_key(saved.overrides), _by_key(now.overrides), "(default)"
+    else:
         return ()
-    before, after = _by_key(saved), _by_key(now)
-    changes = [Change(key, before.get(key), after.get(key), *treatment(key))
-               for key in sorted(before.keys() | after.keys()) if before.get(key) != after.get(key)]
+    differ = [key for key in sorted(before.keys() | after.keys())
+              if not _same(before.get(key, _ABSENT), after.get(key, _ABSENT), saved.cwd, now.cwd)]
+    rechosen = tuple(f"{key.replace('/', '.')}." for key in differ if saved.config is not None and "." not in key)
+
+    def shown(values: Mapping[str, Any], key: str) -> str:
+        return _text(values[key]) if key in values else absent
+
+    changes = [Change(key, shown(before, key), shown(after, key), *treatment(key),
+                      put_back=f"{key}={_text(before[key])}" if key in before else f"~{key}")
+               for key in differ if not key.startswith(rechosen)]
     refused = [c for c in changes if c.treatment == "refuse"]
     if refused:
         named = "; ".join(f"{c.line()} ({c.why})" for c in refused)
+        if saved.config is not None:
+            own = (f"put back {' '.join(c.put_back for c in refused)} on the command line, or undo the edit of the config file "
+                   f"that changed it; the first launch's overrides and composed config are in {path}/meta.json")
+        else:
+            own = f"its overrides are in {path}/meta.json"
         raise CheckpointError(f"resuming {path} with changed settings that would make it another experiment: {named}. Fix: "
-                              f"resume with the run's own settings (its overrides are in {path}/meta.json), or start a new "
-                              f"run from these weights in its own checkpoint.dir (drop the override for a new one) with checkpoint.init_from={path}")
+                              f"resume with the run's own settings ({own}), or start a new run from these weights in its own "
+                              f"checkpoint.dir (drop the override for a new one) with checkpoint.init_from={path}")
     return tuple(c for c in changes if c.treatment == "warn")
 
 
