@@ -217,6 +217,8 @@ def build_data(run: RunConfig, device: torch.device, source: Path | None, checkp
                     "again, as when it was trained. If the files changed since (rows appended, a new day), ids may map to other "
                     "rows than the ones it trained", source)
     data: DataModule = config.build(device=device, encoders=stored)
+    if checkpointer is not None:
+        checkpointer.data_shards = data.shards_per_rank()
     if checkpointer is not None and (document := data.encoders_document()) is not None:  # evaluate/predict save nothing
         checkpointer.files[ENCODERS_FILE] = document  # the training run also logs it to MLflow (recsys_runner.__main__)
     return data
