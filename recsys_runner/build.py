@@ -77,6 +77,9 @@ MANY_EPOCHS = 10
 """A run longer than this many epochs of file-backed data gets a warning: it sees every row that often."""
 FEW_EPOCH_STEPS = 50
 """An epoch of file-backed data shorter than this many optimizer steps gets a warning, with a batch size that fits."""
+MOST_ROWS_LEFT_OUT = 0.05
+"""An epoch of file-backed data that ``data.drop_remainder`` leaves more than this share of the training rows out of gets a
+warning, with the shards that cause it and the fix."""
 
 
 @dataclass
@@ -142,6 +145,8 @@ def build(run: RunConfig, *, launch: Launch = Launch(), weights: Path | None = N
                           checkpointer if weights is None else None)
         steps_per_epoch = _steps_per_epoch(data, env.world_size, run.train.grad_accum_steps)
         total_steps = _total_steps(run, steps_per_epoch, log_choice=env.is_main, world_size=env.world_size)
+        if env.is_main:
+            _warn_rows_left_out(run, data, env.world_size)
         check_eval_cadence(run.train, steps_per_epoch)
         check_static_shapes(run.train.compile, data.features)
         model = with_catalogue(run.model.build(features=data.features, dense_device=env.device), data)
@@ -217,6 +222,8 @@ def build_data(run: RunConfig, device: torch.device, source: Path | None, checkp
                     "again, as when it was trained. If the files changed since (rows appended, a new day), ids may map to other "
                     "rows than the ones it trained", source)
     data: DataModule = config.build(device=device, encoders=stored)
+    if checkpointer is not None:
+        checkpointer.data_shards = data.shards_per_rank()
     if checkpointer is not None and (document := data.encoders_document()) is not None:  # evaluate/predict save nothing
         checkpointer.files[ENCODERS_FILE] = document  # the training run also logs it to MLflow (recsys_runner.__main__)
     return data
@@ -404,6 +411,28 @@ def _warn_short_epoch(run: RunConfig, steps_per_epoch: int, world_size: int) -> 
                 "rank(s)%s. So few updates leave a model barely trained. Fix: a smaller batch, e.g. data.batch_size=%d (>= %d steps "
                 "an epoch), or more epochs (train.num_epochs)", steps_per_epoch, rows, steps_per_epoch, run.data.batch_size, world_size,
                 f" x train.grad_accum_steps={accumulation}" if accumulation > 1 else "", batch, rows // (batch * accumulation * world_size))
+
+
+def _warn_rows_left_out(run: RunConfig, data: DataModule, world_size: int) -> None:
+    """Say when ``data.drop_remainder`` leaves more than :data:`MOST_ROWS_LEFT_OUT` of the training rows out of every epoch.
+
+    Why: each (rank, DataLoader worker) shard drops its last partial batch, so the rows an epoch trains shrink with the
+    shards: a small file on 8 GPUs with ``num_workers: auto`` (4 each) leaves up to 32 batches out, and a run of one epoch
+    (file data's default) never trains them, though nothing in its config changed but the machine."""
+    config, per_rank = run.served_data, data.num_train_batches(world_size)
+    train = data.split_files().get("train")
+    if not isinstance(config, TabularDataConfig) or not config.drop_remainder or not per_rank or train is None or not train.num_rows:
+        return
+    trained = per_rank * data.batch_size * world_size
+    left = train.num_rows - trained
+    if left <= MOST_ROWS_LEFT_OUT * train.num_rows:
+        return
+    shards = world_size * data.shards_per_rank()
+    log.warning("an epoch of this data trains %d of its %d training rows: data.drop_remainder=true leaves out %d (%.0f%%), the last "
+                "partial batch of each of its %d shards (%d rank(s) x %d per rank, one per DataLoader worker of data.num_workers; a different set each epoch when "
+                "shuffling). Fix: data.drop_remainder=false (every row, ranks then agree step by step), fewer data.num_workers, or a "
+                "smaller data.batch_size", trained, train.num_rows, left, 100 * left / train.num_rows, shards, world_size,
+                data.shards_per_rank())
 
 
 def check_eval_cadence(train: TrainConfig, steps_per_epoch: int | None) -> None:

@@ -19,9 +19,10 @@ from mlflow.tracking import MlflowClient
 
 from recsys_runner.__main__ import run
 from recsys_runner.configurable import make
+from recsys_runner.data.__main__ import main as data_main
 from recsys_runner.data.files.tabular import CsvData
 from recsys_runner.data.files.tabular_config import CsvDataConfig
-from recsys_runner.errors import UserError
+from recsys_runner.errors import ConfigError, UserError
 from tests.conftest import run_cli
 
 ROWS = 40
@@ -140,6 +141,33 @@ def test_the_suggested_tab_delimiter_works(tmp_path: Path) -> None:
     path = write_csv(tmp_path / "t.tsv", delimiter="\t")
     data = CsvData(make(CsvDataConfig, path=str(path), eval_path=str(path), batch_size=4, shuffle=False, delimiter="\\t", sparse=[{"name": "item", "num_embeddings": 10}]))
     assert next(iter(data.train_batches(0, 0, 1))).sparse_features.values().tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("command", ["convert", "inspect", "sequences"])
+def test_a_delimiter_of_several_characters_is_a_config_error_with_the_way_to_read_movielens(
+        command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """MovieLens ml-1m separates fields by '::': the data commands handed it to Arrow's parser, which ended them with a
+    traceback (``ValueError: only single character unicode strings …``); now each says what to do, as data.delimiter does."""
+    path = tmp_path / "ratings.dat"
+    path.write_text("user::item::rating::timestamp\n1::1193::5::978300760\n2::661::3::978302109\n")
+    args = {"convert": [str(path), str(tmp_path / "out"), "--format", "csv"], "inspect": [str(path), "--format", "csv"],
+            "sequences": [str(path), str(tmp_path / "out")]}[command]
+    assert data_main([command, *args, "--delimiter", "::"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Config error: --delimiter must be one character, got '::'. Fix: --delimiter comma") and "Traceback" not in err
+    assert "MovieLens ml-1m's '::', is one character once rewritten: sed 's/::/\\t/g' ratings.dat > ratings.tsv" in err
+    assert "iconv -f latin1 -t utf-8" in err
+    with pytest.raises(ConfigError, match=r"data.delimiter must be one character, got '::'.*data.delimiter=null to detect it.*"
+                                          r"MovieLens ml-1m's '::'"):
+        CsvDataConfig(path="x", delimiter="::")
+
+
+def test_inspect_takes_the_delimiters_names(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``inspect --delimiter tab`` (or pipe, semicolon …) as ``convert`` and ``data.delimiter`` take them: it handed the name to
+    Arrow's parser, which refused it with a traceback."""
+    path = write_csv(tmp_path / "t.tsv", delimiter="\t")
+    assert data_main(["inspect", str(path), "--format", "csv", "--delimiter", "tab"]) == 0
+    assert "40 rows" in capsys.readouterr().out
 
 
 def test_file_level_error_at_startup_is_a_data_error_with_exit_2(tmp_path: Path) -> None:

@@ -21,6 +21,8 @@ from torchrec.datasets.utils import Batch
 
 import recsys_runner.data.files.streaming as streaming
 import recsys_runner.data.generated.synthetic as synthetic
+from recsys_runner.__main__ import run
+from recsys_runner.build import build
 from recsys_runner.config import validate
 from recsys_runner.configurable import make
 from recsys_runner.data.base import MAX_AUTO_WORKERS, auto_workers, data_device_type
@@ -28,6 +30,9 @@ from recsys_runner.data.files.tabular import CsvData, ParquetData
 from recsys_runner.data.files.tabular_config import CsvDataConfig, ParquetDataConfig
 from recsys_runner.data.generated.synthetic import SyntheticData, SyntheticDataConfig
 from recsys_runner.errors import ConfigError
+from recsys_runner.train.signals import Interrupted
+from tests.conftest import LogWarnings
+from tests.test_checkpoint import history
 
 SMALL = dict(batch_size=16, num_dense=3, num_sparse=4, num_embeddings=50, num_train_rows=16 * 11, num_eval_rows=16 * 5)
 
@@ -198,3 +203,75 @@ def test_num_workers_from_the_command_line(make_cfg: Any) -> None:
     assert OmegaConf.select(cfg, "data.num_workers") == "auto" and OmegaConf.select(cfg, "data.pin_memory") is True
     with pytest.raises(ConfigError, match="data.num_workers"):
         validate(make_cfg("data=synthetic", "data.num_workers=lots"))
+
+
+# -- a resume in the middle of an epoch ------------------------------------------------------------
+
+
+def _click_csv(path: Path, rows: int = 1200) -> Path:
+    rng = np.random.default_rng(0)
+    users, items = rng.integers(0, 40, rows), rng.integers(0, 60, rows)
+    clicks = ((users + items) % 3 == 0).astype(int)
+    path.write_text("click,user,item\n" + "".join(f"{c},{u},{i}\n" for c, u, i in zip(clicks, users, items, strict=True)))
+    return path
+
+
+def _resumable(csv: Path, *extra: str) -> list[str]:
+    return ["data=csv", f"data.path={csv}", "data.batch_size=16", "data.label=click", "data.sparse=[{name: user}, {name: item}]",
+            "model=deepfm", "optim/dense=adam", "distributed.device=cpu", "train.num_steps=8", "train.log_every_steps=1",
+            "train.eval_every_steps=null", *extra]
+
+
+def test_a_resume_mid_epoch_with_workers_trains_the_uninterrupted_runs_batches(make_cfg: Any, mlflow_uri: str, tmp_path: Path) -> None:
+    """Each of 2 workers reads its own shard: the resumed run skips the batches its checkpoint trained in that same order,
+    so its losses are the uninterrupted run's, step for step (an epoch is ~33 steps: steps 6..8 are mid-epoch)."""
+    csv = _click_csv(tmp_path / "clicks.csv")
+    run(make_cfg(*_resumable(csv, "data.num_workers=2", f"checkpoint.dir={tmp_path}/a", "tracking.experiment=workers_straight"), tiny=False))
+    sliced = make_cfg(*_resumable(csv, "data.num_workers=2", f"checkpoint.dir={tmp_path}/b", "tracking.experiment=workers_sliced",
+                                  "train.stop_after_steps=5"), tiny=False)
+    with pytest.raises(Interrupted):
+        run(sliced)
+    with LogWarnings() as warned:
+        run(sliced)
+    assert not [m for m in warned.messages if "data.num_workers" in m]
+    expected, resumed = history(mlflow_uri, "workers_straight"), history(mlflow_uri, "workers_sliced")
+    assert sorted(resumed) == list(range(1, 9))
+    assert resumed == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+def test_a_resume_mid_epoch_with_another_worker_count_says_its_epoch_is_cut_otherwise(make_cfg: Any, tmp_path: Path) -> None:
+    """File data's epoch order depends on the (rank, worker) shards; a resume on other shards (a changed data.num_workers,
+    or num_workers=auto decided on another device) went on without a word, training some rows of that epoch twice and
+    others never. Resumed at an epoch's end, nothing is said: the next epoch starts whole."""
+    csv = _click_csv(tmp_path / "clicks.csv")
+    common = ("tracking=none", f"checkpoint.dir={tmp_path}/ck")
+    with pytest.raises(Interrupted):
+        run(make_cfg(*_resumable(csv, "data.num_workers=2", "train.stop_after_steps=4", *common), tiny=False))
+    with LogWarnings() as warned:
+        run(make_cfg(*_resumable(csv, "data.num_workers=0", "train.num_steps=6", *common), tiny=False))
+    (said,) = [m for m in warned.messages if "data.num_workers" in m]
+    assert "in the middle of epoch 0 (step 4 of it)" in said and "1 rank(s) x 2 shard(s) per rank" in said and "1 rank(s) x 1" in said
+    assert "Fix: resume with data.num_workers=2" in said
+    with LogWarnings() as again:  # resumed with the shards its checkpoint (step 6) was written with: nothing to say
+        run(make_cfg(*_resumable(csv, "data.num_workers=0", "train.num_steps=8", *common), tiny=False))
+    assert not [m for m in again.messages if "data.num_workers" in m]
+
+
+def test_an_epoch_that_drop_remainder_cuts_much_of_is_said_with_its_shards(make_cfg: Any, tmp_path: Path) -> None:
+    """Each (rank, worker) shard drops its last partial batch: 4 workers leave ~15% of 900 rows out of every epoch (a run of
+    one epoch, file data's default, never trains them), where the same run in process leaves 4 rows out. It went unsaid."""
+    csv = _click_csv(tmp_path / "clicks.csv", rows=1000)
+
+    def said(*extra: str) -> list[str]:
+        cfg = make_cfg(*_resumable(csv, "data.batch_size=64", "data.eval_fraction=0.1", "tracking=none", "checkpoint=none", *extra), tiny=False)
+        with LogWarnings() as warned:
+            build(validate(cfg)).close()
+        return [m for m in warned.messages if "drop_remainder" in m]
+
+    (warned,) = said("data.num_workers=4")
+    rows = int(warned.split(" of its ")[1].split(" ")[0])
+    assert 880 < rows < 920 and f"an epoch of this data trains {4 * (rows // 4 // 64) * 64} of its {rows} training rows" in warned
+    assert "the last partial batch of each of its 4 shards (1 rank(s) x 4 per rank" in warned
+    assert "Fix: data.drop_remainder=false" in warned and "fewer data.num_workers" in warned
+    assert not said("data.num_workers=0")
+    assert not said("data.num_workers=4", "data.drop_remainder=false")

@@ -96,6 +96,9 @@ class Checkpointer:
         are carried over by id (:class:`~recsys_runner.checkpoint.weights.CarriedRows`), set by the builder."""
         self.resume_changes: tuple[str, ...] = ()
         """The settings changed since the launch that wrote the checkpoint resumed (``key: before -> now``), warned."""
+        self.data_shards: int | None = None
+        """The data's shards per rank (:meth:`~recsys_runner.data.base.DataModule.shards_per_rank`), set by the builder: saved
+        in ``meta.json`` beside the world size, compared by a resume in the middle of an epoch."""
         self._chosen: tuple[Path | None, tuple[str, ...], Path | None] | None = None
         """What :meth:`restore` reads, once chosen (:meth:`restore_source`): the checkpoint resumed from, the damaged
         ones set aside on the way, the ``init_from`` one."""
@@ -150,6 +153,8 @@ class Checkpointer:
         meta = {k: v for k, v in asdict(state).items() if k not in ("resumed_from", "resume_changes")}
         meta["metrics"] = dict(metrics or {})
         meta["world_size"] = self.world_size
+        if self.data_shards is not None:
+            meta[resume.DATA_SHARDS_KEY] = self.data_shards
         if self.overrides is not None:
             meta["overrides"] = self.overrides
         if self.launched.config is not None:
@@ -290,6 +295,11 @@ class Checkpointer:
             state.resume_changes = self.resume_changes
             if self.rank == 0:
                 resume.note_changes(path, self.resume_changes)
+            cut = resume.epoch_cut_change(self.storage.read_meta(path), state, self.world_size, self.data_shards)
+            if cut is not None:
+                if self.rank == 0:
+                    log.warning("resuming %s %s", path, cut[1])
+                state.resume_changes = (*state.resume_changes, cut[0])
             self.last_saved = str(path)
             self.verified_step = state.step + 1  # the checkpoint resumed from is trusted
             return state

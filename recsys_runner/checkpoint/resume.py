@@ -216,6 +216,39 @@ def note_changes(path: Path, changes: Sequence[str]) -> None:
         log.warning("resuming %s with changed settings: %s. Each %s", path, "; ".join(changes), WARNED_BY_DEFAULT)
 
 
+DATA_SHARDS_KEY = "data_shards_per_rank"
+"""``meta.json``'s record of the data's shards per rank (:meth:`~recsys_runner.data.base.DataModule.shards_per_rank`),
+beside ``world_size``: together they say how the rows of an epoch were cut when the checkpoint was written."""
+
+
+def epoch_cut_change(meta: Mapping[str, Any], state: TrainState, world_size: int, shards: int | None) -> tuple[str, str] | None:
+    """``(change line, warning)`` when a resume in the middle of an epoch (``state.epoch_step > 0``) reads that epoch cut
+    into other shards (``world_size`` × ``shards`` per rank) than the run that wrote ``meta`` did; ``None`` when they
+    agree, at an epoch's end, or when either side does not say (a checkpoint written before the shards were saved).
+
+    Why: the position it restores is a count of the epoch's batches, and which rows those are follows the shards (file
+    data: each rank and each of its DataLoader workers reads its own share; ``data.num_workers=auto`` decides by the
+    device, so a resume on another machine may change it without an override). Skipping that many batches of an epoch
+    ordered otherwise trains some of its rows twice and others never; a supported move (to fewer ranks, off a GPU) is
+    warned about, not refused."""
+    saved_ranks, saved_shards = int(meta.get("world_size", 1)), meta.get(DATA_SHARDS_KEY)
+    if not state.epoch_step or shards is None or saved_shards is None or (saved_ranks, saved_shards) == (world_size, shards):
+        return None
+    line = f"data shards: {saved_ranks} rank(s) x {saved_shards} -> {world_size} rank(s) x {shards} (mid-epoch)"
+    fixes = []
+    if saved_shards != shards:
+        fixes.append(f"data.num_workers={saved_shards if saved_shards > 1 else 0}")
+    if saved_ranks != world_size:
+        fixes.append(f"{saved_ranks} rank(s)")
+    warning = (f"in the middle of epoch {state.epoch} (step {state.epoch_step} of it), whose rows it now cuts into other shards than the "
+               f"run it continues: {saved_ranks} rank(s) x {saved_shards} shard(s) per rank then, {world_size} rank(s) x {shards} now "
+               f"(file data: each rank and each of its data.num_workers DataLoader workers reads its own share; data.num_workers=auto "
+               f"decides by the device). The order of the epoch's batches follows the shards, so the batches skipped to reach the "
+               f"step are not the ones the checkpoint trained: rows of this epoch are trained twice or never (the epochs after it "
+               f"are whole). Fix: resume with {' on '.join(fixes)}, as the run was written")
+    return line, warning
+
+
 def choose(config: CheckpointConfig, storage: CheckpointStorage, root: Path | None) -> tuple[Path | None, tuple[str, ...]]:
     """The checkpoint to resume from and the damaged newer ones moved aside on the way (run on rank 0)."""
     if config.resume == "never":

@@ -47,7 +47,7 @@ import pyarrow.parquet as pq
 from recsys_runner.data.encoding.fit import InferConfig, complete_schema
 from recsys_runner.data.encoding.rows import Encoder, Location, Rows
 from recsys_runner.data.files.csv_source import CsvSource
-from recsys_runner.data.files.tabular_config import CRITEO_COLUMNS, CRITEO_NUM_SPARSE, DELIMITER_ESCAPES, criteo_schema
+from recsys_runner.data.files.tabular_config import CRITEO_COLUMNS, CRITEO_NUM_SPARSE, criteo_schema, text_delimiter
 from recsys_runner.data.locate import PARQUET_SUFFIXES, resolve_files
 from recsys_runner.data.schema import DenseColumn, Schema, SparseColumn
 from recsys_runner.data.schema_files import SCHEMA_METADATA_KEY, read_schema_file, schema_json, schema_yaml, stored_schema
@@ -101,7 +101,7 @@ def inferred_csv_schema(args: argparse.Namespace, files: list[str]) -> tuple[Sch
     """``--format csv`` without ``--schema``: the schema inferred from the files' first rows exactly as a training run
     on ``data=csv`` infers it (:mod:`recsys_runner.data.encoding.fit`), and the reader options; printed as a schema file
     to keep, edit and pass back as ``--schema`` (or ``data.schema=`` to train on the text files)."""
-    options: dict[str, Any] = {"delimiter": DELIMITER_ESCAPES.get(args.delimiter, args.delimiter), "header": True,
+    options: dict[str, Any] = {"delimiter": text_delimiter(args.delimiter, "--delimiter ", "--delimiter ,"), "header": True,
                                "column_names": None, "null_values": [""]}
     sampler = CsvSource(files, [], block_rows=args.row_group_rows, on_bad_rows=args.on_bad_rows, **options)
     infer = InferConfig(sample_rows=args.sample_rows, exclude=list(args.exclude))
@@ -181,13 +181,14 @@ def _tables(args: argparse.Namespace) -> tuple[list[str], Any]:
         return files, parquet_tables()
     files = resolve_files(args.path, "path", None)
     criteo = args.format == "criteo"
+    delimiter = "\t" if criteo else text_delimiter(args.delimiter, "--delimiter ", "--delimiter ,")
 
     def text_tables() -> Any:
         for path in files:
             reader = pacsv.open_csv(
                 path,
                 read_options=pacsv.ReadOptions(column_names=CRITEO_COLUMNS if criteo else None, autogenerate_column_names=False),
-                parse_options=pacsv.ParseOptions(delimiter="\t" if criteo else args.delimiter),
+                parse_options=pacsv.ParseOptions(delimiter=delimiter),
                 convert_options=pacsv.ConvertOptions(strings_can_be_null=True),
             )
             yield from (pa.Table.from_batches([b]) for b in reader)
@@ -251,7 +252,7 @@ def sequences(args: argparse.Namespace) -> None:
     if args.vocab is not None and args.oov_buckets is not None:
         raise ConfigError(f"--oov-buckets {args.oov_buckets} with --vocab: the tables keep the earlier output's sizes (its ids and its "
                           f"OOV rows), so a model trained on it reads the new rows. Fix: drop --oov-buckets")
-    delimiter = DELIMITER_ESCAPES.get(args.delimiter, args.delimiter)
+    delimiter = text_delimiter(args.delimiter, "--delimiter ", "--delimiter ,")
     out = args.output.rstrip("/")
     with signals.RaiseOnSignal("during sequences") as guard:
         rows = convert_log(args.log, args.output, spec, args.format, delimiter, args.row_group_rows, overwrite=args.overwrite,

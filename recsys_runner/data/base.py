@@ -99,6 +99,13 @@ class DataModule(Protocol):
         a retrieval model then sees only the items of its batches)."""
         return None
 
+    def shards_per_rank(self) -> int:
+        """How many shards a rank's epoch is cut into, each read on its own, whose number the order of the rank's batches
+        depends on (file data: one per DataLoader worker); 1 (the default) where that order does not depend on the
+        workers. A checkpoint records it with the world size, so that a resume in the middle of an epoch whose rows are cut
+        otherwise is said (:func:`recsys_runner.checkpoint.resume.epoch_cut_change`)."""
+        return 1
+
     def explain_empty_epoch(self, epoch: int, rank: int) -> str:
         """Why the last pass over ``train_batches(epoch, rank, …)`` ended before one full training step (rows
         read, rows skipped) and what to do, for the :class:`DataError` the runner raises then."""

@@ -228,6 +228,10 @@ class TabularData(Catalogue, DataModule, abc.ABC):
             return None  # skipped rows, and rows per token batch, are only known after reading
         return min(self._rank_batch_counts(self._train, world_size, train=True))
 
+    def shards_per_rank(self) -> int:
+        """One shard per DataLoader worker (:func:`shard_ranges`): another ``data.num_workers`` orders an epoch otherwise."""
+        return max(self._workers, 1)
+
     def explain_empty_epoch(self, epoch: int, rank: int) -> str:
         """Why ``epoch`` gave ``rank`` no full training step: its rows read and skipped, and what to do.
 

@@ -218,10 +218,7 @@ class CsvDataConfig(SchemaFields):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.delimiter is not None:
-            self.delimiter = DELIMITER_ESCAPES.get(self.delimiter, self.delimiter)
-        require(self.delimiter is None or len(self.delimiter) == 1,
-                f"data.delimiter must be one character, got {self.delimiter!r}. Fix: data.delimiter=comma (or 'data.delimiter=\\,') "
-                f"for CSV, data.delimiter=tab for TSV, data.delimiter=null to detect it")
+            self.delimiter = text_delimiter(self.delimiter, "data.delimiter=", "'data.delimiter=\\,'", " data.delimiter=null to detect it,")
         require(self.header is not False or bool(self.column_names),
                 "data.header=false needs data.column_names: the names of all columns in file order")
         require(self.eval_header is None or self.eval_path is not None,
@@ -229,6 +226,27 @@ class CsvDataConfig(SchemaFields):
                 f"is null (eval rows are held out of data.path, read as it is). Fix: set data.eval_path, or data.eval_header=null")
         require(self.block_rows > 0, f"data.block_rows must be positive, got {self.block_rows}")
         check_text_lists(self.sequence_groups(), list(self.sparse), "data.sparse")
+
+
+MULTI_CHARACTER_FIX = ("A separator of several characters, such as MovieLens ml-1m's '::', is one character once rewritten: "
+                       "sed 's/::/\\t/g' ratings.dat > ratings.tsv, then a tab (its movies.dat and users.dat are Latin-1 text: "
+                       "iconv -f latin1 -t utf-8 movies.dat | sed 's/::/\\t/g' > movies.tsv)")
+"""How to read a file whose fields are separated by several characters: the readers (Arrow's CSV parser) take one."""
+
+
+def text_delimiter(value: str, flag: str, comma: str, detect: str = "") -> str:
+    """The delimiter ``value`` names (a character, or a name in :data:`DELIMITER_ESCAPES`), for the setting ``flag``
+    (``data.delimiter=`` or ``--delimiter ``; ``comma``: how a comma is written there; ``detect``: the detecting choice, if any).
+
+    Raises:
+        ConfigError: ``value`` is not one character, naming the spellings that are and the path for a separator of
+            several characters (:data:`MULTI_CHARACTER_FIX`), instead of the parser's own error from deep inside.
+    """
+    delimiter = DELIMITER_ESCAPES.get(value, value)
+    require(len(delimiter) == 1,
+            f"{flag.strip().rstrip('=')} must be one character, got {value!r}. Fix: {flag}comma (or {comma}) for CSV, {flag}tab for TSV,"
+            f"{detect} or the character. " + (MULTI_CHARACTER_FIX if len(delimiter) > 1 else ""))
+    return delimiter
 
 
 def check_text_lists(groups: list[SequenceGroup], sparse: list[SparseColumn], key: str) -> None:
