@@ -114,6 +114,14 @@ def test_every_model_declares_its_config(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", MODELS)
+def test_every_model_documents_its_shapes_and_an_example(name: str) -> None:
+    """STYLE.md rule 5: the model class's docstring gives its input and output shapes and a runnable example."""
+    doc = locate_class(GROUPS["model"][name]()._target_).__doc__ or ""
+    assert "[B" in doc and "→" in doc, f"{name}: no shape legend (e.g. ``(dense [B, N], sparse KJT) → logits [B]``) in the class docstring"
+    assert "Example::" in doc, f"{name}: no Example:: block in the class docstring"
+
+
+@pytest.mark.parametrize("name", MODELS)
 def test_forward_shape_and_seeded_stability(make_cfg, name: str) -> None:
     batch = next(iter(small_data(name).train_batches(0, 0, 1)))
     first, second, other = (build(make_cfg, name, seed=s) for s in (0, 0, 1))
