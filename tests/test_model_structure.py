@@ -21,8 +21,10 @@ from tests.test_models import CPU, MODELS, materialize, small_data
 
 @pytest.mark.parametrize("name", [m for m in MODELS if m != "lr"])  # logistic regression has no embeddings
 def test_embedding_dim_alone_changes_the_width(make_cfg, name: str) -> None:
+    """Also every model's 3 steps in bf16: the NaN guard (``train.nan_guard``) stops the run if the loss is not finite at
+    step 3."""
     cfg = make_cfg(f"model={name}", "model.embedding_dim=8", "train.num_steps=3", "train.log_every_steps=3", "tracking=none",
-                   "data.num_train_rows=4096", "data.num_eval_rows=1024")
+                   "data.num_train_rows=4096", "data.num_eval_rows=1024", "precision=bf16")
     spec = validate(cfg)
     assert spec.model.embedding_dim == 8
     if name in ("deepfm", "dlrm"):

@@ -114,6 +114,14 @@ def test_every_model_declares_its_config(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", MODELS)
+def test_every_model_documents_its_shapes_and_an_example(name: str) -> None:
+    """STYLE.md rule 5: the model class's docstring gives its input and output shapes and a runnable example."""
+    doc = locate_class(GROUPS["model"][name]()._target_).__doc__ or ""
+    assert "[B" in doc and "→" in doc, f"{name}: no shape legend (e.g. ``(dense [B, N], sparse KJT) → logits [B]``) in the class docstring"
+    assert "Example::" in doc, f"{name}: no Example:: block in the class docstring"
+
+
+@pytest.mark.parametrize("name", MODELS)
 def test_forward_shape_and_seeded_stability(make_cfg, name: str) -> None:
     batch = next(iter(small_data(name).train_batches(0, 0, 1)))
     first, second, other = (build(make_cfg, name, seed=s) for s in (0, 0, 1))
@@ -138,7 +146,8 @@ def test_forward_shape_and_seeded_stability(make_cfg, name: str) -> None:
     assert all(p.grad is not None for n, p in first.named_parameters() if not n.startswith(unread)), "some parameter gets no gradient"
 
 
-@pytest.mark.parametrize("overrides", [["model.structure=parallel", "model.low_rank=16"], ["model.low_rank=null"], ["model.num_cross_layers=1", "model.low_rank=4"]])
+@pytest.mark.parametrize("overrides", [["model.structure=parallel", "model.low_rank=16"], ["model.low_rank=null"], ["model.num_cross_layers=1", "model.low_rank=4"],
+                                       ["model.structure=parallel", "model.low_rank=4", "model.num_experts=3"]])
 def test_dcn_v2_variants_build_and_run(make_cfg, overrides: list[str]) -> None:
     model = build(make_cfg, "dcn_v2", "model.embedding_dim=8", *overrides)
     batch = next(iter(small_data().train_batches(0, 0, 1)))
@@ -158,6 +167,22 @@ def test_cross_layer_is_the_papers_formula() -> None:
     assert torch.allclose(net(x0), net.layers[1](x0, net.layers[0](x0, x0)))
 
 
+def test_dcn_mix_layer_is_the_papers_formula() -> None:
+    """``model.num_experts=K``: ``x1 = Σ_i softmax_i(G_i x0) · x0 ⊙ (U_i ReLU(C_i ReLU(V_i x0)) + b) + x0`` (DCN-V2's eqs. 4–5)."""
+    data = small_data()
+    torch.manual_seed(0)
+    model = DCNv2(make(DCNv2Config, embedding_dim=8, num_cross_layers=1, low_rank=4, num_experts=3, deep_layer_sizes=[16]),
+                  features=data.features, dense_device=CPU)
+    cross, width = model.cross, 3 + 4 * 8
+    x0 = torch.randn(5, width)
+    u, v, c, b = cross.U_kernels[0], cross.V_kernels[0], cross.C_kernels[0], cross.bias[0].squeeze(1)
+    assert u.shape == (3, width, 4) and v.shape == (3, 4, width) and c.shape == (3, 4, 4)
+    gates = torch.softmax(torch.cat([g(x0) for g in cross.gates], dim=1), dim=1)  # [5, K]
+    experts = [x0 * (torch.relu(torch.relu(x0 @ v[i].T) @ c[i].T) @ u[i].T + b) for i in range(3)]
+    expected = sum(gates[:, i : i + 1] * experts[i] for i in range(3)) + x0
+    torch.testing.assert_close(cross(x0), expected)
+
+
 def test_wide_arch_is_linear_in_the_ids() -> None:
     data = small_data()
     wide = materialize(WideArch(data.features, device=CPU))
@@ -175,6 +200,9 @@ def test_wide_arch_is_linear_in_the_ids() -> None:
         (["model=dcn_v2", "model.structure=diagonal"], r"model.structure='diagonal' is not a DCNv2 structure. Fix: model.structure=stacked"),
         (["model=dcn_v2", "model.num_cross_layers=0"], "model.num_cross_layers must be at least 1"),
         (["model=dcn_v2", "model.low_rank=0"], "model.low_rank must be positive or null"),
+        (["model=dcn_v2", "model.num_experts=4", "model.low_rank=null"],
+         r"model.num_experts=4 mixes low-rank experts \(DCN-Mix\), but model.low_rank=null .* Fix: a rank, e.g. model.low_rank=64"),
+        (["model=dcn_v2", "model.num_experts=-1"], r"model.num_experts must be 0 \(the plain cross layer\) or more, got -1"),
         (["model=dcn_v2", "model.deep_layer_sizes=[]"], "model.deep_layer_sizes must list at least one layer size"),
         (["model=wide_deep", "model.deep_layer_sizes=[64,0]"], r"model.deep_layer_sizes=\[64, 0\] has a non-positive layer size"),
         (["model=wide_deep", "model.embedding_dim=0"], "model.embedding_dim must be positive"),

@@ -15,6 +15,12 @@ concatenated with every pooled feature and the dense columns, and an MLP gives t
 
 The candidate token is always present, so an empty history is a sequence of one token.
 
+Where this differs from the paper, on purpose: the time gap is measured to the newest event, not to the time of the
+request (``t(v_t) - t(v_i)``; the rows carry no request time); the encoder layers are PyTorch's
+(``nn.TransformerEncoderLayer``: a ReLU feed-forward network) and the head's MLP uses ReLU, where the paper uses
+LeakyReLU; and the outputs are mean-pooled (or the candidate's taken), not concatenated, so that histories of any
+length give one width.
+
 The attention runs on the jagged rows by default (``attention: jagged``): each row's ``1 + n_r`` tokens are cut into tiles
 of ``attention_block`` and a query tile meets only its own row's tiles (:func:`~recsys_runner.models.jagged.softmax_attention`,
 the softmax spanning the whole row), so the work follows the batch's tokens, not its rows times its longest row.

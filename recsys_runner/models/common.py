@@ -193,6 +193,10 @@ class LinearArch(nn.Module):
     (fbgemm's row granularity), put the linear weight under the embedding row's row-wise Adagrad state,
     let column-wise sharding split it off, and have every forward slice it out of the FM and deep inputs.
 
+    One consequence to know when tuning: each of an id's 4 floats gets the whole gradient of the logit, so an optimizer
+    step moves the id's weight by 4 times what it moves one float (Adagrad's first step: ``4 · lr`` per id, on every id
+    of the row), where a 1-float weight would move once.
+
     Args:
         features: the data's feature schema (tables and pooling follow its tables).
         prefix: the tables' name prefix (``wide_``, ``first_order_``), distinct from the embedding tables'.

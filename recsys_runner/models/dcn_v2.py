@@ -6,7 +6,13 @@ growing degree,
 
     x_{l+1} = x0 ⊙ (W_l x_l + b_l) + x_l,
 
-with ``W_l`` full (``W × W``) or low-rank (``U_l V_lᵀ``, rank ``r``, the paper's cheaper variant).
+with ``W_l`` full (``W × W``) or low-rank (``U_l V_lᵀ``, rank ``r``, the paper's cheaper variant). With
+``num_experts`` ``K ≥ 1`` each layer is instead the paper's mixture of low-rank experts (DCN-Mix, its eqs. 4–5),
+
+    x_{l+1} = Σ_i G_i(x_l) · x0 ⊙ (U_{l,i} g(C_{l,i} g(V_{l,i}ᵀ x_l)) + b_l) + x_l,
+
+``G`` a softmax gate over the experts and ``g`` a ReLU in the ``r``-dim space (TorchRec's
+:class:`~torchrec.modules.crossnet.LowRankMixtureCrossNet`; ``K = 1``: one expert, no gate, still with ``C`` and ``g``).
 A deep network (an MLP) learns implicit interactions. The two combine in one of the paper's two
 structures:
 
@@ -21,6 +27,7 @@ from typing import ClassVar
 
 import torch
 from torch import nn
+from torchrec.modules.crossnet import LowRankMixtureCrossNet
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.errors import require
@@ -44,6 +51,9 @@ class DCNv2Config(ModelConfig):
     low_rank: int | None = 64
     """Rank ``r`` of each cross layer's ``W = U Vᵀ``; ``null`` for full-rank ``W × W`` matrices.
     Must be below the cross input width ``W = N + F·D`` (a rank that high saves nothing)."""
+    num_experts: int = 0
+    """``K``: low-rank experts per cross layer, mixed by a softmax gate with a ReLU inside each expert (DCN-Mix, the
+    paper's eqs. 4–5; needs ``low_rank``); ``0``: the plain cross layer ``x0 ⊙ (W x + b) + x``."""
     structure: str = "stacked"
     """``stacked`` (cross, then deep) or ``parallel`` (cross and deep side by side)."""
     deep_layer_sizes: list[int] = field(default_factory=lambda: [256, 128])
@@ -59,6 +69,11 @@ class DCNv2Config(ModelConfig):
             self.low_rank is None or self.low_rank > 0,
             f"model.low_rank must be positive or null (full rank), got {self.low_rank}",
         )
+        require(self.num_experts >= 0, f"model.num_experts must be 0 (the plain cross layer) or more, got {self.num_experts}. "
+                                       f"Fix: model.num_experts=0, or e.g. 4 (DCN-Mix)")
+        require(self.num_experts == 0 or self.low_rank is not None,
+                f"model.num_experts={self.num_experts} mixes low-rank experts (DCN-Mix), but model.low_rank=null asks for full-rank "
+                f"matrices. Fix: a rank, e.g. model.low_rank=64, or model.num_experts=0")
         require(
             self.structure in STRUCTURES,
             f"model.structure={self.structure!r} is not a DCNv2 structure. Fix: model.structure=stacked or model.structure=parallel",
@@ -105,8 +120,8 @@ class DCNv2(nn.Module):
 
     Args:
         config: its hyperparameters (:class:`DCNv2Config`: ``embedding_dim`` ``D``, ``num_cross_layers`` ``L``,
-            ``low_rank`` ``r`` of each cross matrix or ``None`` for full rank, ``structure`` ``"stacked"`` or
-            ``"parallel"``, the deep network's hidden sizes).
+            ``low_rank`` ``r`` of each cross matrix or ``None`` for full rank, ``num_experts`` ``K`` (DCN-Mix; 0: none),
+            ``structure`` ``"stacked"`` or ``"parallel"``, the deep network's hidden sizes).
         features: the data's feature schema (from the runner).
         dense_device: device of the dense parameters (embeddings start on ``meta``).
 
@@ -117,6 +132,8 @@ class DCNv2(nn.Module):
 
         model = DCNv2(DCNv2Config(embedding_dim=8, num_cross_layers=2, low_rank=16, structure="stacked",
                                   deep_layer_sizes=[32]), features=data.features)
+        mix = DCNv2(DCNv2Config(embedding_dim=8, num_cross_layers=2, low_rank=8, num_experts=4, deep_layer_sizes=[32]),
+                    features=data.features)   # DCN-Mix: 4 low-rank experts per cross layer
     """
 
     same_embedding_width: ClassVar[str | None] = None
@@ -137,7 +154,12 @@ class DCNv2(nn.Module):
             f"Fix: model.low_rank=null (full rank) or a rank below {width}, e.g. {max(1, width // 4)}",
         )
         self.structure = config.structure
-        self.cross = CrossNetwork(width, config.num_cross_layers, low_rank, device=dense_device)
+        self.cross: nn.Module
+        if config.num_experts:  # DCN-Mix
+            assert low_rank is not None, "DCNv2Config refuses num_experts without low_rank"
+            self.cross = LowRankMixtureCrossNet(width, config.num_cross_layers, config.num_experts, low_rank).to(dense_device)
+        else:
+            self.cross = CrossNetwork(width, config.num_cross_layers, low_rank, device=dense_device)
         self.deep = MLP(width, list(config.deep_layer_sizes), device=dense_device)
         head_width = config.deep_layer_sizes[-1] + (width if config.structure == "parallel" else 0)
         self.head = nn.Linear(head_width, 1, device=dense_device)

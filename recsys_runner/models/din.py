@@ -8,6 +8,10 @@ The user's history is attended to by the candidate: for each event ``k`` of the 
 gets weight 0. The weighted sum of the events (the user's interest *in this candidate*) is concatenated with
 every pooled feature and the dense columns, and an MLP gives the logit.
 
+Where this differs from the paper, on purpose: the activation unit reads ``[q, k, q - k, q * k]`` (the authors' released
+code) rather than the paper's figure's ``[q, k, outer product]``, and every MLP uses ReLU rather than PReLU/Dice; the
+paper's mini-batch aware regularization is not used (the optimizers' weight decay, if any, applies instead).
+
 The attention runs on the jagged events by default (``attention: jagged``): the MLP reads each real event once and the
 weighted sum is a per-row segment sum, so nothing is padded to the batch's longest history; ``attention: padded`` pads
 (the reference; an exported program always pads, with plain ATen ops).
@@ -70,6 +74,16 @@ class TargetAttention(nn.Module):
     """DIN's activation unit: ``(query [B, D], keys [B, L, D], mask [B, L]) → interest [B, D]``.
 
     ``w_l = MLP([q, k_l, q - k_l, q * k_l])``, ``interest = Σ_l w_l · k_l`` over the real events (no softmax).
+
+    Args:
+        dim: ``D``, the width of the query and of every event.
+        layer_sizes: the MLP's hidden layers (then one unit: the weight).
+        device: device of the MLP.
+
+    Example::
+
+        attention = TargetAttention(dim=8, layer_sizes=[16])
+        interest = attention(query, keys, mask)   # [4, 8], [4, 5, 8], [4, 5] → [4, 8]
     """
 
     def __init__(self, dim: int, layer_sizes: list[int], device: torch.device | None = None) -> None:
@@ -101,6 +115,12 @@ class DIN(nn.Module):
 
     Raises:
         ConfigError: the data has no sequence group, or a history feature has no candidate.
+
+    Example::
+
+        data = make(SyntheticSequencesConfig, batch_size=8, max_len=6).build()
+        model = DIN(make(DINConfig, embedding_dim=8, attention_layer_sizes=[16], deep_layer_sizes=[16]), features=data.features)
+        model(batch.dense_features, batch.sparse_features)   # [8]
     """
 
     same_embedding_width: ClassVar[str | None] = None

@@ -1,6 +1,10 @@
 """DSSM (Huang et al., 2013, "Learning Deep Structured Semantic Models for Web Search using
 Clickthrough Data", https://dl.acm.org/doi/10.1145/2505515.2505665): a two-tower retrieval model.
 
+The paper's two towers over letter-trigram word hashing, with tanh layers, cosine scores and a softmax over four
+sampled negatives, in today's form: embedding-table features, ReLU MLP towers, cosine (or dot) scores over a
+temperature, and the in-batch softmax with logQ correction of Yi et al. 2019 (YouTube's two-tower) below.
+
 The features are split into a user (query) group and an item (candidate) group, from config. Each
 tower embeds its group, runs an MLP and outputs an (optionally L2-normalized) vector; the score of a
 (user, item) pair is their dot product divided by a temperature. Training uses the in-batch softmax

@@ -82,6 +82,11 @@ class HSTUBlock(nn.Module):
         time_buckets: time-gap buckets of the relative bias (``0``: none).
         kernel: what :meth:`forward_jagged` runs on: ``tiles`` (PyTorch ops), ``fbgemm`` (fbgemm's jagged products,
             Triton on CUDA) or ``auto`` (fbgemm's on CUDA, the tiles elsewhere; :mod:`recsys_runner.models.jagged_kernels`).
+
+    Example::
+
+        block = HSTUBlock(dim=16, num_heads=2, max_len=11, dropout=0.0, time_buckets=0)
+        y = block(x, mask)   # [4, 10, 16], [4, 10] → [4, 10, 16]
     """
 
     def __init__(self, dim: int, num_heads: int, max_len: int, dropout: float, time_buckets: int,

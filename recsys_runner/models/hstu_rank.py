@@ -18,6 +18,12 @@ batch's tokens, not its rows times its longest row. ``attention: padded`` runs t
 Event times (``data.sequences.<group>.timestamps``): an event's key time is its own, its query time the next event's;
 the candidate's, the newest event's (the rows carry no time of their own for the candidate).
 
+Where this differs from the paper's DLRM-HSTU: the paper interleaves item and action tokens (``Φ_0, a_0, Φ_1, a_1, …``)
+and reads the output at each candidate item; here an event is one token, so an action (a click, a rating, a watch
+time bucket) enters as another feature of the group, embedded and projected with the event's item, and the
+candidate is one token after the history. Several candidates of one user are scored in one pass
+(:func:`candidate_sequences`), each seeing the history and itself, not the others.
+
 Shape legend: ``B`` batch, ``L`` longest history in the batch, ``T`` events of the batch, ``D`` model width,
 ``D_g`` an event's width (its features' embeddings concatenated), ``P`` the pooled features' width, ``N`` dense columns.
 
@@ -171,6 +177,12 @@ class HSTURank(nn.Module):
 
     Raises:
         ConfigError: no sequence group, a history feature without a candidate, heads that do not divide the width.
+
+    Example::
+
+        data = make(SyntheticSequencesConfig, batch_size=8, max_len=6).build()
+        model = HSTURank(make(HSTURankConfig, embedding_dim=8, num_heads=2, deep_layer_sizes=[16]), features=data.features)
+        model(batch.dense_features, batch.sparse_features)   # [8]; with model.tasks=[ctr,cvr]: {"ctr": [8], "cvr": [8]}
     """
 
     same_embedding_width: ClassVar[str | None] = None

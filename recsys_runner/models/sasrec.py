@@ -11,7 +11,11 @@ of both L2-normalized when ``normalize``, divided by ``temperature``.
 
 * Training (:meth:`SASRec.sampled_logits`): a sampled softmax over the batch's items. Every real position's positive
   is its next item; its negatives are the other positions' positives (each distinct item once), with the logQ
-  correction ``- ln(count / P)`` of the in-batch frequency when ``logq_correction``.
+  correction ``- ln(count / P)`` of the in-batch frequency when ``logq_correction``. This departs from the paper on
+  purpose: SASRec was trained with a binary cross-entropy of each positive against one uniformly sampled negative
+  and raw dot products; this trains as HSTU's next-item experiments do, a softmax over many negatives, on cosines
+  with a temperature (``normalize``; ``false`` for raw dot products). The start token and the recency (rather than
+  absolute) positions are this implementation's too.
 * Evaluation (:meth:`SASRec.full_scores`): the state after the whole history against every item of the table,
   ``[B, N]``, for ``hr@<k>``/``ndcg@<k>``. The table is read through the model's own (sharded) EmbeddingCollection,
   once per evaluation (kept while the model is in eval mode): every rank looks up ids ``0 … N-1`` at its first eval
@@ -169,6 +173,13 @@ class SASRec(nn.Module):
     Raises:
         ConfigError: no sequence group, no such ``model.item_feature`` in it, no candidate for it, or heads that do
             not divide the item table's width.
+
+    Example::
+
+        data = make(SyntheticSequencesConfig, batch_size=8, max_len=6, negatives=0.0).build()   # candidates: the next items
+        model = SASRec(make(SASRecConfig, embedding_dim=8, num_blocks=1, block="hstu", num_heads=2), features=data.features)
+        logits, positives = model(batch.dense_features, batch.sparse_features)        # training: [P, U], [P]
+        scores, items = model.eval()(batch.dense_features, batch.sparse_features)   # eval: [8, N], [8]
     """
 
     same_embedding_width: ClassVar[str | None] = None

@@ -8,6 +8,10 @@ Two heads trained jointly, their logits summed:
 * deep: an MLP over the concatenated dense features and sparse embeddings (``D`` wide, or each
   feature's own width). It
   generalizes to id combinations never seen together.
+
+Where this differs from the paper: both heads are trained by the run's optimizers (``optim.sparse`` for the wide
+tables, as for the embeddings), where the paper trains the wide part with FTRL and L1 regularization; the wide weights
+start from TorchRec's small random init, not 0.
 """
 
 from __future__ import annotations
