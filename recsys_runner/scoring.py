@@ -30,6 +30,7 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner import stores, uris
+from recsys_runner.data.base import in_step, placeholder
 from recsys_runner.data.encoding.rows import Encoder, Location, Rows
 from recsys_runner.data.encoding.stored import oov_counters, oov_line, oov_rates
 from recsys_runner.data.files.csv_source import CsvSource
@@ -204,7 +205,7 @@ def score_files(inference: Inference, *, input_path: str | None, columns: list[s
     writer = _PartWriter(output, env.rank)
     raw = RawIdColumns(columns, say=env.is_main)
     batches = _batches(source, units, data.schema, data.features, data.batch_size, columns)
-    idle = _placeholder(data.features)
+    idle = placeholder(data.features)
     rows, start = 0, time.monotonic()
     weights = inference.ema.swapped_in() if inference.ema is not None else contextlib.nullcontext()
     progress = Progress(sum(u.num_rows for u in units), enabled=env.is_main, unit="row", desc="predict", unit_scale=True)
@@ -212,7 +213,7 @@ def score_files(inference: Inference, *, input_path: str | None, columns: list[s
         with weights, torch.no_grad(), progress:
             model.eval()
             score = scorer if scorer is not None else pointwise_scorer(inference)
-            for n, item in enumerate(_in_step(batches, env.world_size, env.device if env.backend == "nccl" else torch.device("cpu"))):
+            for n, item in enumerate(in_step(batches)):
                 batch = item[1] if item is not None else idle
                 scored = score(batch.to(env.device, non_blocking=True))
                 if item is not None:
@@ -327,30 +328,6 @@ def _to_batch(rows: Rows, names: list[str]) -> Batch:
                             weights=None if weights is None else torch.from_numpy(weights))
     return Batch(dense_features=torch.from_numpy(np.ascontiguousarray(rows.dense)), sparse_features=kjt,
                  labels=torch.from_numpy(np.ascontiguousarray(rows.labels)).float())
-
-
-def _placeholder(features: FeatureSpec) -> Batch:
-    """A one-row batch (zeros, id 0 in every feature) a rank without rows left scores so that the others can step."""
-    labels = torch.zeros(1, len(features.label_names)) if features.multi_label else torch.zeros(1)
-    keys = features.kjt_keys
-    kjt = KeyedJaggedTensor(keys=keys, values=torch.zeros(len(keys), dtype=torch.int64), lengths=torch.ones(len(keys), dtype=torch.int32),
-                            weights=torch.ones(len(keys)) if features.weighted else None)
-    return Batch(dense_features=torch.zeros(1, features.num_dense), sparse_features=kjt, labels=labels)
-
-
-def _in_step(items: Iterator[Any], world_size: int, device: torch.device) -> Iterator[Any]:
-    """``items``, then ``None`` while another rank still has items: every rank takes the same number of steps."""
-    it = iter(items)
-    while True:
-        item = next(it, None)
-        if world_size > 1:
-            flag = torch.tensor([0 if item is None else 1], dtype=torch.int32, device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if int(flag.item()) == 0:
-                return
-        elif item is None:
-            return
-        yield item
 
 
 class _PartWriter:

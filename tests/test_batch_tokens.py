@@ -118,16 +118,18 @@ def fingerprint(batch: Batch) -> str:
 
 
 def test_ranks_get_equal_batch_counts_of_distinct_batches() -> None:
-    """Every batch of an epoch on two ranks, train and eval: the same count on each rank (a rank with one batch fewer
-    would hang the other in its collective), and no batch trained or evaluated twice (on both ranks, or twice on one)."""
+    """Every batch of an epoch on two ranks: the same count of training batches on each rank (a rank with one batch
+    fewer would hang the other in its collective), and no batch trained or evaluated twice (on both ranks, or twice on
+    one). Eval: one rank's batches, each once over the two (7 and 6: the evaluator steps the rank with fewer in step)."""
     data = tokens_data(group_by_length=False)
     per_rank = [[fingerprint(b) for b in data.train_batches(0, rank, 2)] for rank in (0, 1)]
     assert len(per_rank[0]) == len(per_rank[1]) == data.num_train_batches(2) > 0
     assert data.num_train_batches(2) == SMALL["num_train_rows"] // data.batch_size // 2
     assert len(set(per_rank[0]) | set(per_rank[1])) == 2 * data.num_train_batches(2), "a batch is dealt twice"
     evals = [[fingerprint(b) for b in data.eval_batches(rank, 2)] for rank in (0, 1)]
-    assert len(evals[0]) == len(evals[1]) > 0
-    assert len(set(evals[0]) | set(evals[1])) == 2 * len(evals[0]), "an eval batch is dealt twice"
+    alone = [fingerprint(b) for b in data.eval_batches(0, 1)]
+    assert len(evals[0]) - len(evals[1]) in (0, 1) and len(evals[1]) > 0
+    assert sorted(evals[0] + evals[1]) == sorted(alone) and len(set(alone)) == len(alone), "an eval batch dealt twice or left out"
 
 
 def test_without_batch_tokens_the_batches_are_unchanged() -> None:

@@ -23,11 +23,12 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import recsys_runner.__main__ as entry
+from recsys_runner.checkpoint.resume import moved_position
 from recsys_runner.checkpoint.storage import list_checkpoints
 from recsys_runner.config import register_configs
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.train.signals import Interrupted
-from tests.conftest import REPO, TINY
+from tests.conftest import REPO, TINY, LogWarnings
 
 pytestmark = pytest.mark.slow
 
@@ -101,7 +102,16 @@ def test_two_rank_checkpoint_resumes_on_one_rank(tmp_path: Path, monkeypatch: py
         return real_train(loop)
 
     monkeypatch.setattr(entry, "train", check_then_train)
-    _run_in_process(*args)
+    with LogWarnings() as warned:
+        _run_in_process(*args)
+    # mid-epoch on another number of ranks: what happens to the rest of that epoch's rows is said, not left silent
+    assert [w for w in warned.messages if "resumes on 1" in w] == [
+        f"checkpoint {ckpt} was written by 2 rank(s) at step {SLICE} of epoch 0 and resumes on 1: each rank skips the first "
+        f"{SLICE} steps' batches of its new share of epoch 0, which are not the rows the 2 rank(s) trained, so until epoch 0 "
+        f"ends some of its rows are trained twice and others not at all; later epochs are whole. To continue the epoch "
+        f"exactly, resume on 2 rank(s)"]
+    assert moved_position(ckpt, {"world_size": 2, "epoch": 0, "epoch_step": SLICE}, 2) is None  # the same ranks
+    assert moved_position(ckpt, {"world_size": 2, "epoch": 1, "epoch_step": 0}, 1) is None  # at an epoch's start
     assert set(loaded) == set(saved), set(loaded) ^ set(saved)
     for k, v in saved.items():
         assert torch.equal(loaded[k], v), f"{k} differs after resharding 2 → 1 ranks"
@@ -144,6 +154,7 @@ def test_one_rank_checkpoint_resumes_on_two_ranks(tmp_path: Path) -> None:
     out = _torchrun(tmp_path, *args, module="tests.test_checkpoint_reshard")
     assert out.returncode == 0, out.stderr[-4000:]
     assert f"resuming from {ckpt} at step {SLICE}" in out.stderr + out.stdout
+    assert f"was written by 1 rank(s) at step {SLICE} of epoch 0 and resumes on 2" in out.stderr + out.stdout
     ranks = [torch.load(tmp_path / f"loaded_rank{r}.pt", weights_only=False) for r in (0, 1)]
     assert [r["step"] for r in ranks] == [SLICE, SLICE]
     assert set(ranks[0]["tensors"]) | set(ranks[1]["tensors"]) == set(saved)

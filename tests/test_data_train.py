@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -70,3 +71,20 @@ def test_uneven_ranks_end_together(tmp_path: Path, files: Path) -> None:
     logs = out.stderr + out.stdout
     assert "step 50/50" in logs and "eval/auc=" in logs
     assert "skipped" in logs and "bad rows" in logs
+
+
+@pytest.mark.slow
+def test_a_bad_row_on_one_rank_stops_both_with_its_error(tmp_path: Path, files: Path) -> None:
+    """A bad label in rank 1's share only (the file's second half), with data.on_bad_rows=fail: rank 1 stops with the
+    data error naming the file, line and column and the user-error exit status (2), which torchrun reports as the root
+    cause; rank 0, in a collective with it, does not wait for it (it reports the lost peer, or torchrun stops it
+    first): the launch fails, not hangs (the helper's subprocess timeout)."""
+    lines = (files / "day_0.tsv").read_text().splitlines(keepends=True)
+    lines[11_000] = "7" + lines[11_000][1:]
+    (tmp_path / "bad.tsv").write_text("".join(lines))
+    out = torchrun(tmp_path, "data=criteo", f"data.path={tmp_path}/bad.tsv", "data.num_embeddings=1000", "train.num_steps=30")
+    logs = out.stderr + out.stdout
+    assert out.returncode != 0
+    assert f"Data error: bad row in {tmp_path}/bad.tsv, line 11001, column 'label': the label is 7" in logs, logs[-4000:]
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s*\n\s*exitcode\s*: 2 ", logs), logs[-4000:]
+    assert "step 30/30" not in logs

@@ -214,3 +214,30 @@ def test_evaluate_skips_a_checkpoint_rotated_away_after_it_was_chosen(make_cfg: 
     monkeypatch.setattr(lineage, "resolve_checkpoint", resolve)
     with pytest.raises(CheckpointError, match=r"step_00000020 is damaged \(rank0.pt is missing\). Fix: point load= at another checkpoint, or copy this one again whole"):
         evaluate.run(compose_entry("evaluate", *overrides, f"load={newest}"))
+
+
+@pytest.mark.slow
+def test_two_ranks_evaluate_every_eval_row_once(cli_trained: tuple[Path, str]) -> None:
+    """``torchrun --nproc_per_node=2 -m recsys_runner.evaluate`` gives one process's metrics on the same eval file. 513
+    rows over 2 ranks of batch 256 are shares of 256 and 257 rows: one batch on rank 0, two on rank 1, whose second
+    holds one row. Rank 0 steps with a stand-in batch, counted nowhere, while rank 1 scores it: no row is dropped to
+    keep the ranks in step (a sharded forward is a collective), none is counted twice."""
+    from recsys_runner.data.generated.generate import write_criteo_parquet
+    from tests.conftest import torchrun
+
+    root, _ = cli_trained
+    write_criteo_parquet(str(root / "odd.parquet"), 2 * 256 + 1, seed=11, num_embeddings=1000)
+    one = _evaluate_cli(root, "data.eval_path=odd.parquet", "tracking=none", "hydra.run.dir=eval_odd1")
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = torchrun("load=train/checkpoints", "data.eval_path=odd.parquet", "tracking=none", "hydra.run.dir=eval_odd2",
+                   "distributed.sharding_types=[table_wise]", "distributed.timeout_s=120", cwd=root, module="recsys_runner.evaluate")
+    assert two.returncode == 0, two.stderr[-4000:]
+
+    def shown(logged: str) -> dict[str, float]:
+        line = re.search(r"evaluate .*\(step 10\): (.*)", logged)
+        assert line is not None, logged[-3000:]
+        return {k: float(v) for k, v in re.findall(r"(eval/\w+)=([0-9.e+-]+)", line.group(1))}
+
+    single, double = shown(one.stdout + one.stderr), shown(two.stdout + two.stderr)
+    assert set(single) == {"eval/auc", "eval/logloss"}
+    assert double == pytest.approx(single, rel=1e-5)

@@ -10,13 +10,18 @@ ranks all-reduce.
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from recsys_runner.features import FeatureSpec, SparseFeature
 from recsys_runner.metrics.registry import MetricsConfig, build_eval_metrics, build_train_metrics
 from tests.conftest import free_port
 
@@ -125,3 +130,72 @@ def test_two_ranks_equal_one_process_over_the_union(tmp_path: Path) -> None:
     assert sorted(norms[0]["rows"] + norms[1]["rows"]) == pytest.approx(sorted(whole.tolist()), rel=1e-12)
     assert len(norms[0]["rows"]) == len(norms[1]["rows"]) == 3
     assert norms[0]["columns"] == pytest.approx(whole.tolist(), rel=1e-12) and norms[1]["columns"] == []
+
+
+EVAL_SIZES = {0: [40, 40, 7], 1: []}
+"""Each rank's eval batches for the evaluator test: rank 1 has none at all (a tiny eval split on 2 ranks)."""
+
+
+class _EvalData:
+    """Rank ``r``'s eval batches of :data:`EVAL_SIZES` (a dense column, a ``user`` id per row, 0/1 labels); no training."""
+
+    features = FeatureSpec(("x",), (SparseFeature("user", 6),))
+    batch_size = 40
+
+    def eval_batches(self, rank: int, world_size: int) -> list[Batch]:
+        g = torch.Generator().manual_seed(rank)
+        out = []
+        for n in EVAL_SIZES[rank] if world_size > 1 else [s for r in sorted(EVAL_SIZES) for s in EVAL_SIZES[r]]:
+            users = torch.randint(0, 6, (n,), generator=g)
+            kjt = KeyedJaggedTensor(keys=["user"], values=users, lengths=torch.ones(n, dtype=torch.int32))
+            out.append(Batch(dense_features=torch.randn(n, 1, generator=g), sparse_features=kjt,
+                             labels=(torch.rand(n, generator=g) < 0.4).float()))
+        return out
+
+
+class _Collective(torch.nn.Module):
+    """Logits ``2x``; each forward all-reduces, as a sharded model's embedding lookups do, and is counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.forwards = 0
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        if dist.is_initialized():
+            dist.all_reduce(torch.ones(1))
+        self.forwards += 1
+        logits = 2 * batch.dense_features[:, 0]
+        return logits.sum(), (logits.sum(), logits, batch.labels)
+
+
+def _evaluate(rank: int, world: int) -> tuple[dict[str, float], int]:
+    from recsys_runner.distributed.env import DistEnv
+    from recsys_runner.tasks import BinaryTask
+    from recsys_runner.train.evaluation import Evaluator
+
+    model, env = _Collective(), DistEnv(rank, world, rank, world, torch.device("cpu"), "gloo")
+    spec = MetricsConfig(eval=["auc", "gauc", "logloss", "accuracy"], grouping_key="user")
+    evaluator = Evaluator(model, None, cast(Any, _EvalData()), env, (BinaryTask(),), spec)
+    return evaluator.evaluate(), model.forwards
+
+
+def _eval_worker(rank: int, port: int, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
+    try:
+        values, forwards = _evaluate(rank, WORLD)
+        Path(out_dir, f"eval{rank}.json").write_text(json.dumps({"values": values, "forwards": forwards}))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_evaluator_counts_every_row_once_when_one_rank_has_no_batches(tmp_path: Path) -> None:
+    """Rank 0 holds 3 eval batches, rank 1 none: rank 1 forwards a stand-in 3 times (each forward is a collective, so
+    the ranks must take as many) whose rows count nowhere, and joins the gathers with no rows of its own; every rank's
+    metrics are one process's over rank 0's rows."""
+    mp.spawn(_eval_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    alone, _ = _evaluate(0, 1)
+    for rank in range(WORLD):
+        got = json.loads((tmp_path / f"eval{rank}.json").read_text())
+        assert got["forwards"] == 3, rank
+        assert got["values"] == pytest.approx(alone, rel=1e-12), rank

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import torch
 import torch.distributed as dist
 from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.configurable import Configurable
 from recsys_runner.data.catalogue.items import ItemTable
@@ -20,7 +21,8 @@ from recsys_runner.features import DataNeeds, FeatureSpec
 if TYPE_CHECKING:  # the annotation only: the stored encoders are handed in by the builder
     from recsys_runner.data.encoding.stored import StoredEncoders
 
-__all__ = ["AUTO", "DataConfig", "DataError", "DataModule", "SplitFiles", "auto_workers", "data_device_type", "synchronized"]  # DataError lives in errors.py with its siblings; importable from here too
+__all__ = ["AUTO", "DataConfig", "DataError", "DataModule", "SplitFiles", "auto_workers", "data_device_type", "in_step", "placeholder",
+           "synchronized"]  # DataError lives in errors.py with its siblings; importable from here too
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -49,9 +51,11 @@ class SplitFiles:
 class DataModule(Protocol):
     """Yields a rank's share of the training and evaluation data as TorchRec batches.
 
-    Every rank must receive the same number of batches: a sharded forward pass is a collective,
+    Every rank must receive the same number of *training* batches: a sharded forward pass is a collective,
     so a rank that runs out early would leave the others waiting forever. A data module either
-    guarantees equal counts or wraps its iterators in :func:`synchronized`.
+    guarantees equal counts or wraps its training iterators in :func:`synchronized`. Eval batches are
+    each rank's share of every eval row, whatever their counts: the evaluator keeps the ranks in step
+    (:func:`in_step`), so that no eval row is left out to even them.
 
     A data module subclasses this protocol explicitly, so that it inherits the defaults of
     :meth:`metrics` (no counters) and :meth:`explain_empty_epoch` (a generic hint) unless it has
@@ -66,7 +70,8 @@ class DataModule(Protocol):
         ...
 
     def eval_batches(self, rank: int, world_size: int) -> Iterable[Batch]:
-        """This rank's evaluation batches; identical on every call."""
+        """This rank's evaluation batches, identical on every call: over all ranks, every eval row exactly once (ranks
+        may hold different numbers of batches)."""
         ...
 
     def num_train_batches(self, world_size: int) -> int | None:
@@ -228,7 +233,8 @@ def synchronized(batches: Iterable[T], on_dropped: Callable[[T], None] | None = 
     Before each batch the ranks all-reduce (MIN) a "have one" flag over the default process group;
     when one rank is out, every rank stops. A rank that still had batches drains them into
     ``on_dropped`` (for counting: nothing is dropped silently). Costs one tiny collective per
-    batch, so data modules use it only where equal counts are not guaranteed.
+    batch, so data modules use it only where equal counts are not guaranteed. For training batches; what must see
+    every row (evaluation, predict) steps in :func:`in_step` instead.
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         yield from batches
@@ -247,3 +253,36 @@ def synchronized(batches: Iterable[T], on_dropped: Callable[[T], None] | None = 
         on_dropped(item)
         for rest in it:
             on_dropped(rest)
+
+
+def in_step(items: Iterable[T]) -> Iterator[T | None]:
+    """``items``, then ``None`` while another rank still has some: every rank takes the same number of steps, none
+    leaves any of its items out.
+
+    Where each step is a sharded forward (a collective), a rank out of items steps with a stand-in (its last batch, or
+    :func:`placeholder`) whose outputs count nowhere, until the last rank is done: the evaluator and predict, which must
+    see every row (training, where a rank's extra batch may wait for the next epoch, stops at the first rank's end:
+    :func:`synchronized`). Before each item the ranks all-reduce (MAX) a "have one" flag over the default process group.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        yield from items
+        return
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    it = iter(items)
+    while True:
+        item = next(it, None)
+        flag = torch.tensor([0 if item is None else 1], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if int(flag.item()) == 0:
+            return
+        yield item
+
+
+def placeholder(features: FeatureSpec) -> Batch:
+    """A one-row batch (zeros, id 0 in every feature) that a rank with no rows of its own steps with while the others
+    score theirs (:func:`in_step`)."""
+    labels = torch.zeros(1, len(features.label_names)) if features.multi_label else torch.zeros(1)
+    keys = features.kjt_keys
+    kjt = KeyedJaggedTensor(keys=keys, values=torch.zeros(len(keys), dtype=torch.int64), lengths=torch.ones(len(keys), dtype=torch.int32),
+                            weights=torch.ones(len(keys)) if features.weighted else None)
+    return Batch(dense_features=torch.zeros(1, features.num_dense), sparse_features=kjt, labels=labels)

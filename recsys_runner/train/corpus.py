@@ -9,7 +9,9 @@ catalogue. With a catalogue (``data.item_table()``) and a task whose eval lists 
    (its embedding lookups are all-to-alls), so every rank runs the same number of forwards: a rank out of chunks
    embeds one row of chunk 0 and drops it. The ranks' vectors are then all-gathered: every rank holds ``[N, O]``;
 2. scores each of its eval queries (the user tower on its eval batches) against all of it, chunk by chunk, exactly
-   (:func:`~recsys_runner.metrics.corpus.corpus_ranks`: memory ``B × (chunk + k)``, never ``B × N``);
+   (:func:`~recsys_runner.metrics.corpus.corpus_ranks`: memory ``B × (chunk + k)``, never ``B × N``); a rank done with
+   its batches runs the user tower on a stand-in, counted nowhere, while another scores its last ones
+   (:func:`~recsys_runner.data.base.in_step`), so every eval query counts once on any number of ranks;
 3. sums the metrics' states over ranks, so the values equal one process's over all queries.
 
 Between two chunks (of the index built, of the items a query batch is scored against, of the items mined) and two
@@ -39,7 +41,7 @@ from torchmetrics import Metric
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsys_runner.data.base import DataModule
+from recsys_runner.data.base import DataModule, in_step, placeholder
 from recsys_runner.data.catalogue.items import ItemTable
 from recsys_runner.data.catalogue.negatives import MinedNegatives
 from recsys_runner.distributed.env import DistEnv
@@ -246,9 +248,18 @@ class CorpusEval:
         rows = RowOf(self.table, env.device)
         ann = hnsw_index(index) if self.index == "faiss" else None
         metrics = [(task, {name: _metric(name, self.spec, env.device) for name in names}) for task, names in self.tasks]
-        for batch in batches:
-            batch = batch.to(env.device, non_blocking=True)
-            queries = towers.tower("user", batch.dense_features, batch.sparse_features).float()
+        last: Batch | None = None
+        for own in in_step(batches):
+            batch = own.to(env.device, non_blocking=True) if own is not None else \
+                last if last is not None else placeholder(features).to(env.device)
+            last = batch
+            queries = towers.tower("user", batch.dense_features, batch.sparse_features).float()  # a collective: every rank
+            if own is None:  # a stand-in while another rank scores its last queries: none of its rows count
+                for _, by_name in metrics:
+                    for metric in by_name.values():
+                        metric.update(Ranked(queries.new_zeros(0, dtype=torch.float64), queries.new_zeros(0, self.k, dtype=torch.long),
+                                             len(self.table)))
+                continue
             targets = rows(first_ids(batch.sparse_features, self.table.id_feature))
             seen = seen_rows(batch.sparse_features, self.seen, rows) if self.seen else None
             if self.negatives:

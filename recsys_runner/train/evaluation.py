@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torchrec.datasets.utils import Batch
 
-from recsys_runner.data.base import DataModule
+from recsys_runner.data.base import DataModule, in_step, placeholder
 from recsys_runner.distributed.env import DistEnv
 from recsys_runner.metrics.registry import SELECTION_KEY, MetricsConfig, improved, selection_score
 from recsys_runner.metrics.tasks import TaskEvalMetrics, eval_metric_keys, grouping_ids
@@ -68,6 +69,10 @@ class Evaluator:
         """Each task's eval metrics over this rank's eval batches, combined over all ranks; ``progress`` counts the
         batches (``python -m recsys_runner.evaluate``; during training the train bar shows the results instead).
 
+        Every eval row counts once, on any number of ranks: ranks whose shares hold different numbers of batches
+        step together (:func:`~recsys_runner.data.base.in_step`), one that is done forwarding a stand-in batch
+        whose outputs count nowhere, so the values equal one process's over the same eval data.
+
         ``stop`` is called between two pieces of the eval's work (each eval batch; with a catalogue, each chunk of the
         item index, of the items a query batch is scored against, and of the items mined) and may raise to abandon the
         eval there: the loop's pending-signal check, given with one rank only (with several, the forwards and gathers
@@ -82,12 +87,18 @@ class Evaluator:
             model.eval()
             try:
                 with torch.no_grad():
-                    for batch in itertools.islice(batches, self.max_batches):
-                        batch = batch.to(self.env.device, non_blocking=True)
+                    last: Batch | None = None
+                    for mine in in_step(itertools.islice(batches, self.max_batches)):
+                        # a rank out of batches steps with a stand-in while another scores its last ones: its rows count
+                        # nowhere (an update with none of them keeps this rank's metric states in the gathers)
+                        batch = mine.to(self.env.device, non_blocking=True) if mine is not None else \
+                            last if last is not None else placeholder(self.data.features).to(self.env.device)
+                        last = batch
                         _, (_, logits, labels) = model(batch)
-                        groups = {"groups": grouping_ids(batch.sparse_features, key)} if key else {}
-                        metrics.update(logits, labels, **groups)
-                        if progress is not None:
+                        rows = slice(None) if mine is not None else slice(0)
+                        groups = {"groups": grouping_ids(batch.sparse_features, key)[rows]} if key else {}
+                        metrics.update(logits[rows], labels[rows], **groups)
+                        if progress is not None and mine is not None:
                             progress.update(1)
                         if stop is not None:
                             stop()

@@ -10,7 +10,9 @@ How an epoch is read (see docs/data.md for the full semantics):
    length (the last ``total mod shards`` rows are left out when ``drop_remainder``), so every rank
    gets the same number of batches without talking to the others. Where that cannot be known in
    advance (``on_bad_rows: skip``, or ``drop_remainder: false`` with ranks one batch apart), the
-   ranks agree step by step (:func:`recsys_runner.data.base.synchronized`) and stop together.
+   ranks agree step by step (:func:`recsys_runner.data.base.synchronized`) and stop together. Eval shards keep every
+   row, whatever their batch counts: the evaluator steps a rank that is done with a stand-in batch
+   (:func:`recsys_runner.data.base.in_step`).
 4. Each shard streams its units, encodes and checks the rows (:class:`Encoder`), passes them through
    a seeded shuffle buffer of ``shuffle_buffer_rows`` and cuts batches of ``batch_size`` (training batches with
    ``batch_tokens``: as many rows as fit that many history tokens, :mod:`recsys_runner.data.sequences.histories`; the batch
@@ -295,7 +297,9 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         workers = max(self._workers, 1)
         rows = sum(self._shard_rows(split, world_size, train)[rank * workers : (rank + 1) * workers])
         batches = self._to_batches(items, epoch, rank, train, rows)
-        uneven = (self.config.on_bad_rows == "skip" or (train and self.config.batch_tokens is not None)
+        if not train:  # every eval row once: the evaluator keeps ranks with fewer batches in step (data.base.in_step)
+            return batches
+        uneven = (self.config.on_bad_rows == "skip" or self.config.batch_tokens is not None
                   or len(set(self._rank_batch_counts(split, world_size, train))) > 1)
         if world_size > 1 and uneven:
             return synchronized(batches, on_dropped=self._count_dropped)

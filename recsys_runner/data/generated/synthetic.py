@@ -78,7 +78,8 @@ class SyntheticDataConfig(DataConfig):
     num_train_rows: int = 1_048_576
     """Rows in one training epoch (all ranks together)."""
     num_eval_rows: int = 65_536
-    """Rows in the evaluation split (all ranks together)."""
+    """Rows in the evaluation split (all ranks together), generated in whole batches of ``batch_size``: the same
+    ``num_eval_rows // batch_size`` batches on any number of ranks."""
     id_skew: float = 3.0
     """Popularity skew of ids: ``id = floor(n · u**id_skew)``; 1.0 is uniform, larger is heavier-headed."""
     seed: int = 0
@@ -402,8 +403,9 @@ class SyntheticData(DataModule):
         return self._batches(_TRAIN, [int(i) for i in mine])
 
     def eval_batches(self, rank: int, world_size: int) -> Iterator[Batch]:
-        per_rank = self._num_eval_batches // world_size
-        return self._batches(_EVAL, list(range(rank, per_rank * world_size, world_size)))
+        # Every eval batch on some rank, whatever the world size (the evaluator keeps a rank with one fewer in step), so
+        # that the eval metrics do not depend on the number of ranks.
+        return self._batches(_EVAL, list(range(rank, self._num_eval_batches, world_size)))
 
     def _batches(self, split: int, indices: list[int]) -> Iterator[Batch]:
         """Batches ``indices`` of ``split``, in that order: generated here, or with workers by DataLoader worker processes."""

@@ -78,7 +78,8 @@ class SyntheticSequencesConfig(DataConfig):
     num_train_rows: int = 524_288
     """Rows in one training epoch (all ranks together)."""
     num_eval_rows: int = 32_768
-    """Rows in the evaluation split (all ranks together)."""
+    """Rows in the evaluation split (all ranks together), generated in whole batches: the same batches on any number of
+    ranks."""
     num_users: int = 50_000
     num_items: int = 20_000
     num_categories: int = 100
@@ -214,8 +215,8 @@ class SyntheticSequences(DataModule):
         return (self.batch(_TRAIN, int(i)) for i in mine)
 
     def eval_batches(self, rank: int, world_size: int) -> Iterator[Batch]:
-        per_rank = self.config.num_eval_rows // self.batch_size // world_size
-        return (self.batch(_EVAL, i) for i in range(rank, per_rank * world_size, world_size))
+        # every eval batch on some rank (the evaluator keeps a rank with one fewer in step): the same metrics on any world size
+        return (self.batch(_EVAL, i) for i in range(rank, self.config.num_eval_rows // self.batch_size, world_size))
 
     def batch(self, split: int, index: int) -> Batch:
         """Batch ``index`` of ``split`` (0 train, 1 eval): a pure function of the seed."""
