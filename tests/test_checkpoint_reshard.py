@@ -23,7 +23,8 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import recsys_runner.__main__ as entry
-from recsys_runner.checkpoint.resume import moved_position
+from recsys_runner.checkpoint.config import TrainState
+from recsys_runner.checkpoint.resume import epoch_cut_change
 from recsys_runner.checkpoint.storage import list_checkpoints
 from recsys_runner.config import register_configs
 from recsys_runner.paths import CONFIG_PATH
@@ -105,13 +106,17 @@ def test_two_rank_checkpoint_resumes_on_one_rank(tmp_path: Path, monkeypatch: py
     with LogWarnings() as warned:
         _run_in_process(*args)
     # mid-epoch on another number of ranks: what happens to the rest of that epoch's rows is said, not left silent
-    assert [w for w in warned.messages if "resumes on 1" in w] == [
-        f"checkpoint {ckpt} was written by 2 rank(s) at step {SLICE} of epoch 0 and resumes on 1: each rank skips the first "
-        f"{SLICE} steps' batches of its new share of epoch 0, which are not the rows the 2 rank(s) trained, so until epoch 0 "
-        f"ends some of its rows are trained twice and others not at all; later epochs are whole. To continue the epoch "
-        f"exactly, resume on 2 rank(s)"]
-    assert moved_position(ckpt, {"world_size": 2, "epoch": 0, "epoch_step": SLICE}, 2) is None  # the same ranks
-    assert moved_position(ckpt, {"world_size": 2, "epoch": 1, "epoch_step": 0}, 1) is None  # at an epoch's start
+    assert [w for w in warned.messages if "other shards" in w] == [
+        f"resuming {ckpt} in the middle of epoch 0 (step {SLICE} of it), whose rows it now cuts into other shards than the "
+        f"run it continues: 2 rank(s) x 1 shard(s) per rank then, 1 rank(s) x 1 now (file data: each rank and each of its "
+        f"data.num_workers DataLoader workers reads its own share; data.num_workers=auto decides by the device). The order "
+        f"of the epoch's batches follows the shards, so the batches skipped to reach the step are not the ones the "
+        f"checkpoint trained: rows of this epoch are trained twice or never (the epochs after it are whole). Fix: resume "
+        f"with 2 rank(s), as the run was written"]
+    mid, start = TrainState(step=SLICE, epoch_step=SLICE), TrainState(step=SLICE, epoch=1)
+    assert epoch_cut_change({"world_size": 2, "data_shards_per_rank": 1}, mid, 2, 1) is None  # the same ranks
+    assert epoch_cut_change({"world_size": 2, "data_shards_per_rank": 1}, start, 1, 1) is None  # at an epoch's start
+    assert epoch_cut_change({"world_size": 2}, mid, 1, 1) is not None  # an older checkpoint: compared by its ranks
     assert set(loaded) == set(saved), set(loaded) ^ set(saved)
     for k, v in saved.items():
         assert torch.equal(loaded[k], v), f"{k} differs after resharding 2 → 1 ranks"
@@ -154,7 +159,7 @@ def test_one_rank_checkpoint_resumes_on_two_ranks(tmp_path: Path) -> None:
     out = _torchrun(tmp_path, *args, module="tests.test_checkpoint_reshard")
     assert out.returncode == 0, out.stderr[-4000:]
     assert f"resuming from {ckpt} at step {SLICE}" in out.stderr + out.stdout
-    assert f"was written by 1 rank(s) at step {SLICE} of epoch 0 and resumes on 2" in out.stderr + out.stdout
+    assert "1 rank(s) x 1 shard(s) per rank then, 2 rank(s) x 1 now" in out.stderr + out.stdout
     ranks = [torch.load(tmp_path / f"loaded_rank{r}.pt", weights_only=False) for r in (0, 1)]
     assert [r["step"] for r in ranks] == [SLICE, SLICE]
     assert set(ranks[0]["tensors"]) | set(ranks[1]["tensors"]) == set(saved)

@@ -224,15 +224,19 @@ beside ``world_size``: together they say how the rows of an epoch were cut when 
 def epoch_cut_change(meta: Mapping[str, Any], state: TrainState, world_size: int, shards: int | None) -> tuple[str, str] | None:
     """``(change line, warning)`` when a resume in the middle of an epoch (``state.epoch_step > 0``) reads that epoch cut
     into other shards (``world_size`` × ``shards`` per rank) than the run that wrote ``meta`` did; ``None`` when they
-    agree, at an epoch's end, or when either side does not say (a checkpoint written before the shards were saved).
+    agree, at an epoch's end, or when this run does not say (a checkpoint written before the shards were saved is
+    compared by its ranks alone).
 
     Why: the position it restores is a count of the epoch's batches, and which rows those are follows the shards (file
     data: each rank and each of its DataLoader workers reads its own share; ``data.num_workers=auto`` decides by the
     device, so a resume on another machine may change it without an override). Skipping that many batches of an epoch
     ordered otherwise trains some of its rows twice and others never; a supported move (to fewer ranks, off a GPU) is
     warned about, not refused."""
-    saved_ranks, saved_shards = int(meta.get("world_size", 1)), meta.get(DATA_SHARDS_KEY)
-    if not state.epoch_step or shards is None or saved_shards is None or (saved_ranks, saved_shards) == (world_size, shards):
+    if not state.epoch_step or shards is None:
+        return None
+    # a checkpoint written before the shards were saved: its ranks are all that can be compared
+    saved_ranks, saved_shards = int(meta.get("world_size", 1)), int(meta.get(DATA_SHARDS_KEY, shards))
+    if (saved_ranks, saved_shards) == (world_size, shards):
         return None
     line = f"data shards: {saved_ranks} rank(s) x {saved_shards} -> {world_size} rank(s) x {shards} (mid-epoch)"
     fixes = []
@@ -339,28 +343,8 @@ def load_run(storage: CheckpointStorage, path: Path, parts: TrainingParts, confi
     parts.load_objects(ranked["objects"])
     set_rng_state(ranked["rng"])
     log.info("resuming from %s at step %d", path, meta["step"])
-    if rank == 0 and (moved := moved_position(path, meta, world_size)) is not None:
-        log.warning("%s", moved)
     return TrainState(step=meta["step"], epoch=meta["epoch"], epoch_step=meta["epoch_step"], run_id=meta.get("run_id"),
                       best=meta.get("best"), resumed_from=str(path), metrics=meta.get("metrics") or None)
-
-
-def moved_position(path: Path, meta: Mapping[str, Any], world_size: int) -> str | None:
-    """What a resume on ``world_size`` ranks does to the epoch that ``meta`` (a checkpoint's, written by another number
-    of ranks) stopped in the middle of, or ``None`` (the same ranks, or at an epoch's start).
-
-    The position restored is the batches each rank had trained in that epoch, and each rank skips as many of its
-    share; but the shares are cut anew for the new number of ranks (the rows of an epoch are split into one contiguous
-    range per rank and worker), so they are not the rows the saving ranks had read: some of that epoch's rows are
-    trained twice and others not at all, which no setting can undo. Only the rest of that epoch is affected."""
-    saved, epoch_step = int(meta.get("world_size", 1)), int(meta.get("epoch_step", 0))
-    if saved == world_size or not epoch_step:
-        return None
-    epoch = meta.get("epoch", 0)
-    return (f"checkpoint {path} was written by {saved} rank(s) at step {epoch_step} of epoch {epoch} and resumes on {world_size}: "
-            f"each rank skips the first {epoch_step} steps' batches of its new share of epoch {epoch}, which are not the rows "
-            f"the {saved} rank(s) trained, so until epoch {epoch} ends some of its rows are trained twice and others not at "
-            f"all; later epochs are whole. To continue the epoch exactly, resume on {saved} rank(s)")
 
 
 def _ranked(storage: CheckpointStorage, path: Path, meta: Mapping[str, Any], rank: int) -> dict[str, Any]:
