@@ -1,5 +1,6 @@
 """The project's Hydra launchers: ``hydra/launcher=submitit_slurm_detached`` submits a sweep to SLURM and returns
-(submit-and-exit); ``hydra/launcher=submitit_slurm`` waits for every job of the array, a failed one included;
+(submit-and-exit); ``hydra/launcher=submitit_slurm`` waits for every job of the array, a failed one included, and so
+does ``hydra/launcher=submitit_local`` (the same jobs as local subprocesses);
 ``hydra/launcher=basic_keep_going`` (the default) runs a sweep's jobs here, one after the other,
 going on past a failed one.
 
@@ -19,9 +20,12 @@ from unittest.mock import patch
 
 from hydra._internal.core_plugins.basic_launcher import BasicLauncher
 from hydra.core.utils import JobReturn, JobStatus
-from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
+from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher, LocalLauncher, SlurmLauncher
+
+from recsys_runner.paths import register_resolvers
 
 log = logging.getLogger(__name__)
+register_resolvers()  # conf/config.yaml's ${new_dir:…}: Hydra imports this module in every process it composes in
 
 
 class DetachedSlurmLauncher(SlurmLauncher):
@@ -97,8 +101,9 @@ class KeepGoingLauncher(BasicLauncher):
         return returns
 
 
-class WaitingSlurmLauncher(SlurmLauncher):
-    """The plugin's ``submitit_slurm`` that waits for every job of the array and reports a failed one in a line.
+class WaitingSubmititLauncher(BaseSubmititLauncher):
+    """The plugin's submitit launcher that waits for every job and reports a failed one in a line; the executor is the
+    subclass's (:class:`WaitingSlurmLauncher`, :class:`WaitingLocalLauncher`).
 
     The plugin's ``launch`` ends with ``[j.results()[0] for j in jobs]``: the first failed job raises submitit's
     ``UncompletedJobError`` while the jobs after it still run, and Hydra prints its 30-line traceback, the job's own
@@ -121,6 +126,16 @@ class WaitingSlurmLauncher(SlurmLauncher):
             log.error("%d of %d jobs failed: %s", len(failed), len(job_overrides), ", ".join(f"#{num}" for num, _, _ in failed))
             sys.exit(1)
         return returns
+
+
+class WaitingSlurmLauncher(WaitingSubmititLauncher, SlurmLauncher):
+    """``hydra/launcher=submitit_slurm``: the plugin's SLURM launcher, waiting for every job of the array
+    (:class:`WaitingSubmititLauncher`)."""
+
+
+class WaitingLocalLauncher(WaitingSubmititLauncher, LocalLauncher):
+    """``hydra/launcher=submitit_local``: the plugin's local-subprocess launcher, waiting for every job
+    (:class:`WaitingSubmititLauncher`), as ``submitit_slurm`` and ``basic_keep_going`` do."""
 
 
 def _last_error_line(error: str) -> str:

@@ -250,22 +250,31 @@ def swept_ranges(config: DictConfig) -> dict[str, str]:
     winning as in the sweepers. Only sweep overrides count (``a,b``, ``choice``, ``range``, ``interval``, ``glob``):
     a plain ``key=value`` there is the same in every job.
     """
+    ranges = dict[str, str]()
+    for text, override in sweep_overrides(config):
+        ranges.pop(override.key_or_group, None)  # re-inserted last: a command-line sweep follows the file's
+        ranges[override.key_or_group] = text.partition("=")[2]
+    return ranges
+
+
+def sweep_overrides(config: DictConfig) -> list[tuple[str, Any]]:
+    """A multirun's sweep overrides, each as given (``optim.lr=0.01,0.05``) and as Hydra parsed it (its ``Override``):
+    the sweeper's ``hydra.sweeper.params``, then the command line's ``hydra.overrides.task`` (see :func:`swept_ranges`)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
     params = OmegaConf.select(config, "hydra.sweeper.params")
     given = [str(k) + f"={v}" for k, v in params.items() if v is not None] if isinstance(params, DictConfig) else []
     given += [str(o) for o in OmegaConf.select(config, "hydra.overrides.task") or []]
-    parser, ranges = OverridesParser.create(), dict[str, str]()
+    parser, swept = OverridesParser.create(), []
     for text in given:
         try:
             override = parser.parse_override(text)
         except HydraException:  # the sweeper has parsed them already; one we cannot read is no sweep we can name
             continue
         if override.is_sweep_override():
-            ranges.pop(override.key_or_group, None)  # re-inserted last: a command-line sweep follows the file's
-            ranges[override.key_or_group] = text.partition("=")[2]
-    return ranges
+            swept.append((text, override))
+    return swept
 
 
 def sweep_name(ranges: Mapping[str, str]) -> str | None:
