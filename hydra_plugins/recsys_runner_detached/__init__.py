@@ -32,15 +32,15 @@ class DetachedSlurmLauncher(SlurmLauncher):
     """``submitit_slurm`` that returns once the array is queued (submit-and-exit).
 
     Everything but the wait is the plugin's own ``launch``: executor, parameters, sweep dir, job
-    array. Records the number of jobs and their SLURM ids on the sweep's MLflow parent run, so that
-    ``python -m recsys_runner.compare collect`` knows how many children to wait for. Sweepers that
+    array. Records the number of jobs, their SLURM ids and submitit's folder on the sweep's MLflow parent run, so that
+    ``python -m recsys_runner.compare collect`` knows how many children to wait for, and which job ended without one. Sweepers that
     need results to continue (Optuna) cannot use it.
     """
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         from recsys_runner.errors import ConfigError
         from recsys_runner.tracking.store import resolve_uri
-        from recsys_runner.tracking.sweep import EXPECTED_JOBS_TAG
+        from recsys_runner.tracking.sweep import EXPECTED_JOBS_TAG, SLURM_JOB_IDS_TAG, SUBMITIT_FOLDER_TAG
         from recsys_runner.tracking.tracker import PARENT_RUN_ENV
 
         assert self.config is not None
@@ -57,7 +57,8 @@ class DetachedSlurmLauncher(SlurmLauncher):
 
             client = MlflowClient(tracking_uri=resolve_uri(self.config.tracking.get("uri")))
             client.set_tag(parent, EXPECTED_JOBS_TAG, str(len(job_ids)))
-            client.set_tag(parent, "sweep.slurm_job_ids", " ".join(job_ids))
+            client.set_tag(parent, SLURM_JOB_IDS_TAG, " ".join(job_ids))
+            client.set_tag(parent, SUBMITIT_FOLDER_TAG, os.path.abspath(str(self.params["submitit_folder"])))
         log.info("submitted SLURM jobs %s; collect with: python -m recsys_runner.compare collect --parent %s --wait",
                  " ".join(job_ids), parent)
         return returns
@@ -141,9 +142,10 @@ class WaitingLocalLauncher(WaitingSubmititLauncher, LocalLauncher):
 def _last_error_line(error: str) -> str:
     """The job's own last word in submitit's error text (its stderr follows ``Error stream produced:``): the last
     line that is not srun's own, else submitit's first line."""
-    lines = [line.strip() for line in error.split("Error stream produced:")[-1].splitlines()]
-    own = [line for line in lines if line and not line.startswith(("srun:", "---")) and "Error stream" not in line]
-    return own[-1] if own and "Error stream produced:" in error else error.strip().splitlines()[0]
+    from recsys_runner.tracking.sweep import last_own_line
+
+    own = last_own_line(error.split("Error stream produced:")[-1]) if "Error stream produced:" in error else None
+    return own or error.strip().splitlines()[0]
 
 
 @contextmanager
