@@ -14,7 +14,9 @@ metrics) and writes ``curves.png`` (each metric over steps, a line per run) and
 
 ``collect`` finishes a sweep whose launcher returned before its jobs did (e.g.
 ``hydra/launcher=submitit_slurm_detached``): it waits until every job has ended, writes the best
-trial to the parent run, ends it, then prints and plots like the default command.
+trial to the parent run, ends it, then prints and plots like the default command. A job that SLURM says failed is
+named in a line at once, one that died before it created its MLflow run included; the parent then ends ``FAILED`` and
+the command exits 1.
 
 After the table it prints (on stderr, so that stdout stays the table) how to look at the same runs in the MLflow UI:
 for a local store the command that serves it (``mlflow ui --backend-store-uri <uri> --port 5000``) and the page to
@@ -41,7 +43,15 @@ from typing import Any
 from recsys_runner.errors import ConfigError
 from recsys_runner.metrics.registry import best_first_key, higher_is_better
 from recsys_runner.tracking.store import missing_store, resolve_uri, ui_url
-from recsys_runner.tracking.sweep import EXPECTED_JOBS_TAG, SWEEP_PARENT_TAG, finish_parent, summarize, sweep_objective
+from recsys_runner.tracking.sweep import (
+    EXPECTED_JOBS_TAG,
+    FAILED_JOBS_TAG,
+    SWEEP_PARENT_TAG,
+    finish_parent,
+    slurm_jobs_ended,
+    summarize,
+    sweep_objective,
+)
 from recsys_runner.tracking.tracker import MlflowTrackingConfig
 
 DEFAULT_METRICS = ("eval/auc", "eval/logloss", "train/loss")
@@ -285,18 +295,39 @@ def print_ui_url(uri: str, port: int = UI_PORT) -> int:
     return 0
 
 
-def collect(client: Any, parent: str, *, wait: bool, timeout_s: float, poll_s: float = 5.0) -> bool:
-    """Summarize a sweep's parent once all its jobs ended; False when ``wait`` is off or time ran out first."""
-    deadline = time.monotonic() + timeout_s
+def collect(client: Any, parent: str, *, wait: bool, timeout_s: float, poll_s: float = 5.0) -> list[str] | None:
+    """Summarize a sweep's parent once all its jobs ended: the jobs that failed (``[]`` when none did); ``None`` when
+    ``wait`` is off or time ran out first.
+
+    The jobs have ended when every expected child run has (:data:`EXPECTED_JOBS_TAG`), or, for a SLURM sweep, when SLURM
+    says every job has (:func:`~recsys_runner.tracking.sweep.slurm_jobs_ended`): a job that died before it created its
+    MLflow run (a config error, an OOM kill) never adds a child, and waiting for it would last until ``--timeout``.
+    Each failed job is named in a line on stderr as soon as SLURM reports it (``Job #1 (SLURM 42_1, FAILED) failed:
+    Config error: …``); the parent then ends ``FAILED`` with them in its tag ``sweep.failed_jobs``, as a waiting
+    launcher's would."""
+    deadline, told = time.monotonic() + timeout_s, set[int]()
     while True:
         summary = summarize(client, parent)
-        expected = int(client.get_run(parent).data.tags.get(EXPECTED_JOBS_TAG, summary.num_children))
-        if summary.num_children >= expected and summary.num_terminal == summary.num_children:
-            finish_parent(client, parent, summary)
-            return True
+        tags = client.get_run(parent).data.tags
+        expected = int(tags.get(EXPECTED_JOBS_TAG, summary.num_children))
+        ended = slurm_jobs_ended(tags)
+        for job in ended or []:
+            if job.failed and job.num not in told:
+                told.add(job.num)
+                print(f"Job {job.label()} failed: {job.error}", file=sys.stderr)
+        runs_ended = summary.num_children >= expected and summary.num_terminal == summary.num_children
+        if runs_ended or (ended is not None and len(ended) == expected):
+            failed = [job.label() for job in ended or [] if job.failed]
+            if failed:
+                client.set_tag(parent, FAILED_JOBS_TAG, "; ".join(failed)[:5000])
+            finish_parent(client, parent, summary, status="FAILED" if failed else None)
+            if failed:
+                print(f"Sweep failed (failed job(s): {'; '.join(failed)}); {summary.num_finished} of {summary.num_children} "
+                      f"child runs finished; MLflow parent run {parent} ended FAILED.", file=sys.stderr)
+            return failed
         if not wait or time.monotonic() > deadline:
             print(f"sweep {parent}: {summary.num_terminal} of {expected} jobs ended; run collect again later", file=sys.stderr)
-            return False
+            return None
         time.sleep(poll_s)
 
 
@@ -343,10 +374,12 @@ def main(argv: Sequence[str] | None = None) -> int:
               "or run compare in the directory holding mlflow.db", file=sys.stderr)
         return 2
     client = MlflowClient(tracking_uri=uri)
+    failed: list[str] | None = None
     if is_collect:
         if not args.parent:
             parser.error("collect needs --parent <run id>")
-        if not collect(client, args.parent, wait=args.wait, timeout_s=args.timeout):
+        failed = collect(client, args.parent, wait=args.wait, timeout_s=args.timeout)
+        if failed is None:
             return 1
         parent = client.get_run(args.parent)
         objective = sweep_objective(client, args.parent)
@@ -370,7 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("plots: " + ", ".join(str(p) for p in written if p is not None))
     shown_experiment = client.get_run(parent_id).info.experiment_id if parent_id else runs[0].info.experiment_id
     print("\n".join(ui_lines(uri, shown_experiment, parent_id, args.port)), file=sys.stderr)
-    return 0
+    return 1 if is_collect and failed else 0
 
 
 if __name__ == "__main__":

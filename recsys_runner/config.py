@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+from hydra.experimental.callback import Callback
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -34,7 +35,7 @@ from recsys_runner.data.files.tabular_config import CriteoDataConfig, CsvDataCon
 from recsys_runner.data.generated.synthetic import SyntheticDataConfig
 from recsys_runner.data.generated.synthetic_sequences import SyntheticSequencesConfig
 from recsys_runner.distributed.config import DistributedConfig, check_sharding_types, resolve_device_type
-from recsys_runner.errors import ConfigError, UserError, require
+from recsys_runner.errors import ConfigError, UserError, reported, require
 from recsys_runner.metrics.registry import (
     AT_K_NAME,
     DEFAULT_OBJECTIVE,
@@ -91,8 +92,10 @@ from recsys_runner.optim.schedulers import (
     ManualStepConfig,
     SchedulerConfig,
 )
+from recsys_runner.paths import register_resolvers
 from recsys_runner.stores import StorageConfig
 from recsys_runner.tasks import Task
+from recsys_runner.tracking.sweep import sweep_overrides
 from recsys_runner.tracking.tracker import MlflowTrackingConfig, NoTrackingConfig, TrackingConfig
 from recsys_runner.train.compile import check_compile
 from recsys_runner.train.config import TrainConfig
@@ -206,7 +209,9 @@ GROUPS: dict[str, dict[str, type]] = {
 
 
 def register_configs() -> None:
-    """Store the root schema and every group schema in Hydra's ConfigStore (idempotent)."""
+    """Store the root schema and every group schema in Hydra's ConfigStore, and register the resolvers ``conf/`` uses
+    (idempotent)."""
+    register_resolvers()
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=_composition_schema())
     for group, options in GROUPS.items():
@@ -313,8 +318,16 @@ def check_known_keys(cfg: DictConfig) -> None:
     if not unknown:
         return
     key, siblings = unknown[0]
+    others = f" Also unknown: {', '.join(k for k, _ in unknown[1:])}." if len(unknown) > 1 else ""
+    raise unknown_key(key, siblings, [k for k, s in keys if s is None], given_as=(
+        "a leading + adds keys only to free-form maps such as checkpoint.name_map", others))
+
+
+def unknown_key(key: str, siblings: list[str], known: list[str], given_as: tuple[str, str]) -> ConfigError:
+    """The :class:`ConfigError` for ``key``, which the config does not have: the closest of its ``siblings`` (the keys
+    of its section), else a ``known`` key with a similar last part (the right name in the wrong section), and the
+    section's keys. ``given_as``: what to say about how it was given, inside the fix and after the message."""
     parent, _, name = key.rpartition(".")
-    known = [k for k, s in keys if s is None]
     close = difflib.get_close_matches(name, siblings, n=1)
     suggestion: str | None
     if close:
@@ -326,11 +339,52 @@ def check_known_keys(cfg: DictConfig) -> None:
     fix = f"set {suggestion} instead" if suggestion else "remove it"
     valid = ", ".join(s for s in siblings if not s.startswith("_"))
     where = f"the keys of {parent} are" if parent else "the top-level keys are"
-    others = f" Also unknown: {', '.join(k for k, _ in unknown[1:])}." if len(unknown) > 1 else ""
-    raise ConfigError(
-        f"unknown key {key}{hint}. Fix: {fix} (a leading + adds keys only to free-form maps such as "
-        f"checkpoint.name_map); {where} {valid} (python -m recsys_runner --help lists every key).{others}"
-    )
+    note, after = given_as
+    return ConfigError(f"unknown key {key}{hint}. Fix: {fix} ({note}); {where} {valid} "
+                       f"(python -m recsys_runner --help lists every key).{after}")
+
+
+def check_swept_keys(config: DictConfig) -> None:
+    """Refuse a multirun that sweeps a key its config does not have (``-m optim.lrr=0.1,0.2``), as a single run's
+    :func:`check_known_keys` would, before the sweep's MLflow parent run or any job exists: Hydra reports it only when
+    it composes the first job, after the parent was created, and the sweep ends an empty ``FAILED`` parent.
+
+    ``config`` is the multirun's own (Hydra composes it without the sweep overrides). The sweeps checked are the command
+    line's and the sweeper's ``hydra.sweeper.params``: a key changed (``optim.lrr=…``) must exist; a key added
+    (``+optim.lrr=…``) must go into a free-form map. Config groups (``model=deepfm,dlrm``), ``hydra.*`` and keys under a
+    swept group (``model.dropout`` beside ``model=…``: each job's option decides) are left to the jobs.
+
+    Raises:
+        ConfigError: naming the key, the closest one and its section's keys.
+    """
+    from hydra.core.override_parser.types import OverrideType
+
+    overrides = sweep_overrides(config)
+    groups = set(OmegaConf.select(config, "hydra.runtime.choices") or {})
+    swept_groups = {o.key_or_group for _, o in overrides if o.key_or_group in groups or "/" in o.key_or_group}
+    for text, override in overrides:
+        key = override.key_or_group
+        if (override.type not in (OverrideType.CHANGE, OverrideType.ADD) or override.package is not None or "/" in key
+                or key in groups or key.split(".")[0] == "hydra" or any(key.startswith(f"{group}.") for group in swept_groups)):
+            continue
+        parent_key, _, name = key.rpartition(".")
+        parent = OmegaConf.select(config, parent_key) if parent_key else config
+        if not isinstance(parent, DictConfig) or name in parent.keys():
+            continue
+        if override.type == OverrideType.ADD and not dataclasses.is_dataclass(OmegaConf.get_type(parent)):
+            continue  # +key into a free-form map (checkpoint.name_map): any name goes
+        known = [k for k, s in _schema_keys(config, "") if s is None]
+        raise unknown_key(key, [str(k) for k in parent.keys()], known, given_as=(
+            f"in the sweep {text}", " Nothing was started."))
+
+
+class SweptKeysCheck(Callback):
+    """``hydra.callbacks.swept_keys`` (``conf/config.yaml``, before ``mlflow_sweep``): :func:`check_swept_keys` when a
+    multirun starts, its one line and exit 2 (as every command's config error) before the parent run exists."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        with reported():
+            check_swept_keys(config)
 
 
 def _schema_keys(node: Any, path: str) -> Iterator[tuple[str, list[str] | None]]:

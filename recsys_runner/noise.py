@@ -86,11 +86,12 @@ WARNINGS: tuple[WarningNoise, ...] = (
             "one it plans to save or load; the tensors are TorchRec's, nothing a user can change (a pair per resume or load).",
     ),
     WarningNoise(
-        message=r"\s*'hydra/launcher/submitit_slurm' is validated against ConfigStore schema",
+        message=r"\s*'hydra/launcher/submitit_(slurm|local)' is validated against ConfigStore schema",
         category=UserWarning,
-        # Hydra warns with a fixed stacklevel, so the frame it blames depends on how deep the launch path is.
-        module=r"(recsys_runner|hydra|sys$)",
-        why="conf/hydra/launcher/submitit_slurm.yaml deliberately extends the plugin's same-named schema "
+        # Hydra warns with a fixed stacklevel, so the frame it blames depends on how deep the launch path is (python -m
+        # blames recsys_runner/__main__.py, module __main__, or a multirun's runpy frame).
+        module=r"(recsys_runner|hydra|sys$|__main__$|runpy$)",
+        why="conf/hydra/launcher/submitit_slurm.yaml and submitit_local.yaml deliberately extend the plugin's same-named schemas "
             "(max_num_timeout); Hydra 1.3 still supports that but warns on every launch.",
     ),
 )

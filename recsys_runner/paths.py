@@ -1,4 +1,4 @@
-"""Where ``conf/`` is found.
+"""Where ``conf/`` is found, and the resolver that gives each sweep a folder of its own.
 
 In a checkout (editable install or ``python -m`` from the repo root) the top-level ``conf/``
 directory beside the package is used, so edits to YAML take effect immediately. A wheel ships the
@@ -9,6 +9,42 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 _CHECKOUT_CONF = Path(__file__).resolve().parent.parent / "conf"
 
 CONFIG_PATH: str = str(_CHECKOUT_CONF) if (_CHECKOUT_CONF / "config.yaml").is_file() else "pkg://recsys_runner.conf"
+
+NEW_DIR_RESOLVER = "new_dir"
+"""``${new_dir:<path>}`` in ``conf/config.yaml``'s ``hydra.sweep.dir``: :func:`new_dir`."""
+_MAX_SUFFIX = 1000
+
+
+def new_dir(path: str) -> str:
+    """``path``, made now, or ``<path>_2``, ``<path>_3`` … when another launch made it first: a folder no other launch
+    writes into.
+
+    Hydra's default sweep folder, ``multirun/<date>/<time>``, is to the second: two sweeps started in the same second
+    would share it, and the second one's job ``<n>`` would find the first one's checkpoints in
+    ``<sweep dir>/<n>/checkpoints`` and resume them (``checkpoint.resume=auto``), a result changed without a word.
+    Making the folder claims it atomically (``mkdir`` fails for the second, on one machine or a shared file system).
+    Resolved once per launch: the value is cached in the config, as Hydra's ``now`` is, and carried to every job of
+    the sweep, a requeued SLURM job included (it resumes its own checkpoints, in the same folder).
+    """
+    base = Path(path)
+    base.parent.mkdir(parents=True, exist_ok=True)
+    for n in range(1, _MAX_SUFFIX):
+        candidate = base if n == 1 else base.with_name(f"{base.name}_{n}")
+        try:
+            candidate.mkdir()
+        except FileExistsError:
+            continue
+        return str(candidate)
+    raise FileExistsError(f"{base} and {_MAX_SUFFIX - 2} numbered folders beside it exist already; clean up {base.parent} "
+                          f"or set hydra.sweep.dir=<a new folder>")
+
+
+def register_resolvers() -> None:
+    """Register :func:`new_dir` with OmegaConf (idempotent): by every entry point (:func:`recsys_runner.config.register_configs`)
+    and by the project's Hydra plugin module, which Hydra imports in every process it composes in (a submitit job's too)."""
+    OmegaConf.register_new_resolver(NEW_DIR_RESOLVER, new_dir, use_cache=True, replace=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -10,7 +12,13 @@ from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
 from recsys_runner import compare
-from recsys_runner.tracking.sweep import EXPECTED_JOBS_TAG, SWEEP_PARENT_TAG, SWEPT_KEYS_TAG
+from recsys_runner.tracking.sweep import (
+    EXPECTED_JOBS_TAG,
+    SLURM_JOB_IDS_TAG,
+    SUBMITIT_FOLDER_TAG,
+    SWEEP_PARENT_TAG,
+    SWEPT_KEYS_TAG,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -111,6 +119,72 @@ def test_collect_without_wait_reports_missing_jobs(sweep: tuple[str, str, dict[s
     client.set_tag(parent, EXPECTED_JOBS_TAG, "4")  # one job still queued: no child run yet
     assert compare.main(["collect", "--uri", uri, "--parent", parent, "--no-plots"]) == 1
     assert "3 of 4 jobs ended" in capsys.readouterr().err
+    assert client.get_run(parent).info.status == "RUNNING"
+
+
+SACCT = """#!/bin/sh
+# sacct as submitit calls it (sacct -o JobID,State,NodeList --parsable2 -j ID): the states of this test's jobs
+printf 'JobID|State|NodeList\\n'
+cat "$(dirname "$0")/states"
+"""
+
+
+@pytest.fixture
+def slurm_states(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A ``sacct`` first on ``PATH`` answering from ``<bin>/states`` (``<id>|<state>|<node>`` lines): SLURM's account of a
+    detached sweep's jobs, as submitit reads it, without a cluster (tests/test_slurm.py runs the real one)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sacct").write_text(SACCT)
+    (bin_dir / "sacct").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    return bin_dir / "states"
+
+
+def test_collect_names_a_job_that_died_before_its_run_at_once(tmp_path: Path, slurm_states: Path,
+                                                              capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A detached sweep's job that failed before it created its MLflow run (a config error) never adds a child: collect
+    --wait waited for it until its timeout. SLURM's account of the jobs says it ended: it is named in a line at once, with
+    its own error, and the parent ends FAILED naming it (exit 1), the table of the other jobs still printed."""
+    monkeypatch.chdir(tmp_path)  # the parent's summary table goes to ./mlruns
+    uri = f"sqlite:///{tmp_path}/died.db"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("died")
+    folder = tmp_path / "multirun" / ".submitit"
+    parent = client.create_run(exp, run_name="sweep", tags={SWEEP_PARENT_TAG: "eval/auc", EXPECTED_JOBS_TAG: "2",
+                                                            SLURM_JOB_IDS_TAG: "9100_0 9100_1",
+                                                            SUBMITIT_FOLDER_TAG: f"{folder}/%j"}).info.run_id
+    ok = _child(client, exp, parent, 0.1, "deepfm", 0.68)
+    (folder / "9100_1").mkdir(parents=True)
+    (folder / "9100_1" / "9100_1_0_log.err").write_text(
+        "Config error: optim.sparse.lr must be positive, got -1.0. Fix: e.g. optim.lr=0.01\n"
+        "srun: error: localhost: task 0: Exited with exit code 2\n")
+    slurm_states.write_text("9100_0|COMPLETED|localhost\n9100_1|FAILED|localhost\n")
+    started = time.monotonic()
+    assert compare.main(["collect", "--uri", uri, "--parent", parent, "--wait", "--timeout", "30", "--no-plots"]) == 1
+    assert time.monotonic() - started < 20, "noticed at once, not at the timeout"
+    out, err = capsys.readouterr()
+    assert ("Job #1 (SLURM 9100_1, FAILED) failed: Config error: optim.sparse.lr must be positive, got -1.0. "
+            "Fix: e.g. optim.lr=0.01") in err.splitlines(), err
+    assert f"Sweep failed (failed job(s): #1 (SLURM 9100_1, FAILED)); 1 of 1 child runs finished; MLflow parent run {parent} ended FAILED." in err
+    p = client.get_run(parent)
+    assert p.info.status == "FAILED" and p.data.tags["sweep.failed_jobs"] == "#1 (SLURM 9100_1, FAILED)"
+    assert p.data.tags["best.run_id"] == ok and "0.6800" in out, "the job that ran is still compared"
+
+
+def test_collect_waits_while_slurm_says_a_job_still_runs(tmp_path: Path, slurm_states: Path,
+                                                         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path}/running.db"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("running")
+    parent = client.create_run(exp, run_name="sweep", tags={SWEEP_PARENT_TAG: "eval/auc", EXPECTED_JOBS_TAG: "2",
+                                                            SLURM_JOB_IDS_TAG: "9200_0 9200_1"}).info.run_id
+    _child(client, exp, parent, 0.1, "deepfm", 0.68)
+    slurm_states.write_text("9200_0|COMPLETED|localhost\n9200_1|PENDING|\n")
+    assert compare.main(["collect", "--uri", uri, "--parent", parent, "--no-plots"]) == 1
+    err = capsys.readouterr().err
+    assert "1 of 2 jobs ended; run collect again later" in err and "failed" not in err
     assert client.get_run(parent).info.status == "RUNNING"
 
 

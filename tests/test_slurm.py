@@ -71,6 +71,33 @@ def test_submit_and_exit_then_collect(slurm_cluster: SlurmCluster, tmp_path: Pat
     assert all(r.info.status == "FINISHED" for r in children)
 
 
+def test_collect_names_a_detached_job_that_died_before_its_mlflow_run(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """A detached sweep whose job #0 fails its config check (exit 2, before any MLflow run): ``collect --wait`` waited
+    for its child until ``--timeout``. SLURM's account says the job ended FAILED: it is named with its own error line,
+    the parent ends FAILED naming it, long before the timeout."""
+    import time
+
+    uri = f"sqlite:///{tmp_path}/died.db"
+    detached = ["hydra/launcher=submitit_slurm_detached", *SLURM[1:]]
+    out = run_cli("-m", *detached, "optim.lr=-1,0.1", *TINY, "train.num_steps=5", f"tracking.uri={uri}",
+                  "tracking.experiment=slurm_died", cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    client = MlflowClient(tracking_uri=uri)
+    (parent,) = client.search_runs([client.get_experiment_by_name("slurm_died").experiment_id], f"tags.`{SWEEP_PARENT_TAG}` != ''")
+    started = time.monotonic()
+    collected = subprocess.run([sys.executable, "-m", "recsys_runner.compare", "collect", "--uri", uri, "--parent",
+                                parent.info.run_id, "--wait", "--timeout", "400", "--no-plots"],
+                               cwd=tmp_path, capture_output=True, text=True, timeout=500)
+    assert collected.returncode == 1, collected.stderr[-3000:] + slurm_cluster.squeue("--states=all") + slurm_cluster.logs()
+    assert time.monotonic() - started < 300, "noticed when the jobs ended, not at the timeout"
+    first_id = parent.data.tags["sweep.slurm_job_ids"].split()[0]
+    assert (f"Job #0 (SLURM {first_id}, FAILED) failed: Config error: optim.sparse.lr must be positive, got -1.0. "
+            "Fix: e.g. optim.lr=0.01") in collected.stderr.splitlines(), collected.stderr[-3000:]
+    parent, (child,) = _sweep(uri, "slurm_died")
+    assert parent.info.status == "FAILED" and parent.data.tags["sweep.failed_jobs"] == f"#0 (SLURM {first_id}, FAILED)"
+    assert child.info.status == "FINISHED" and parent.data.tags["best.run_id"] == child.info.run_id
+
+
 def test_two_task_slurm_job_is_one_two_rank_run(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     """One job (a one-point sweep: the parent and its one child FINISHED) with ``tasks_per_node=2``: srun starts 2
     tasks, each maps SLURM's environment to a torch rank, one MLflow run. (A one-task job is the array sweep's.)"""

@@ -1,4 +1,5 @@
-"""Multiruns as MLflow parent + children: a grid, an Optuna search, and the submitit_local launcher. The Optuna search
+"""Multiruns as MLflow parent + children: a grid, an Optuna search, and the submitit_local launcher; a sweep's own
+folder and its swept keys checked before it starts. The Optuna search
 and the launcher run as commands; the grid ones run in this process as ``python -m`` would run them
 (:func:`tests.conftest.run_in_process`: the same multirun, its jobs and callbacks, without ~10 s of imports)."""
 
@@ -213,6 +214,68 @@ def test_optuna_direction_against_the_objective_is_refused_before_any_run(tmp_pa
     assert MlflowClient(tracking_uri=uri).get_experiment_by_name("direction") is None
 
 
+def test_two_sweeps_started_in_the_same_second_get_folders_of_their_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hydra's default sweep folder is to the second: a second sweep started in the same second got the first one's, and
+    its job 0 resumed the first sweep's finished job 0 from its checkpoint (another lr, the same result, not a word).
+    Each sweep's folder is its own (``${new_dir:…}``): ``<time>`` and ``<time>_2``, each job trained from step 0."""
+    import datetime as dt
+
+    import hydra.core.utils
+
+    class SameSecond(dt.datetime):
+        @classmethod
+        def now(cls, tz: dt.tzinfo | None = None) -> SameSecond:
+            return cls(2030, 1, 2, 3, 4, 5)
+
+    monkeypatch.setattr(hydra.core.utils, "datetime", SameSecond)  # what Hydra's ${now:…} reads
+    uri = f"sqlite:///{tmp_path}/same.db"
+    for lr in ("0.01", "0.1"):
+        out = run_in_process([*TRAIN, "-m", f"optim.lr={lr}", *TINY, "train.num_steps=5", f"tracking.uri={uri}",
+                              f"tracking.experiment=same_{lr}"], tmp_path)
+        assert out.returncode == 0, out.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "multirun" / "2030-01-02").iterdir()) == ["03-04-05", "03-04-05_2"]
+    (first, _), (second, (child,)) = (_parent_and_children(uri, f"same_{lr}") for lr in ("0.01", "0.1"))
+    assert first.data.tags["sweep.dir"].endswith("/03-04-05") and second.data.tags["sweep.dir"].endswith("/03-04-05_2")
+    assert child.data.params["optim.lr"] == "0.1" and "resumed" not in child.data.tags, child.data.tags
+    assert child.data.tags["checkpoint_dir"] == f"{tmp_path}/multirun/2030-01-02/03-04-05_2/0/checkpoints"
+
+
+def test_new_dir_claims_the_next_free_folder(tmp_path: Path) -> None:
+    from recsys_runner.paths import new_dir
+
+    base = tmp_path / "multirun" / "12-00-00"
+    assert new_dir(str(base)) == str(base) and base.is_dir()
+    assert new_dir(str(base)) == f"{base}_2" and new_dir(str(base)) == f"{base}_3"
+
+
+def test_a_typo_in_a_swept_key_is_a_config_error_before_the_parent_run(tmp_path: Path) -> None:
+    """``-m optim.lrr=0.1,0.2`` was Hydra's error when it composed the first job, after the sweep's parent run was
+    created: an empty FAILED parent. Now one line naming the key and the closest one, before anything is created."""
+    uri = f"sqlite:///{tmp_path}/typo.db"
+    for swept, key, fix in (("optim.lrr=0.1,0.2", "optim.lrr", "optim.lr"), ("+train.num_step=3,4", "train.num_step", "train.num_steps")):
+        out = run_in_process([*TRAIN, "-m", swept, *TINY, f"tracking.uri={uri}", "tracking.experiment=typo"], tmp_path)
+        assert out.returncode == 2, out.stderr[-3000:]
+        (line,) = out.stderr.strip().splitlines()
+        assert line.startswith(f"Config error: unknown key {key} (did you mean {fix}?). Fix: set {fix} instead (in the sweep "
+                               f"{swept}); the keys of {key.split('.')[0]} are "), line
+        assert line.endswith("Nothing was started."), line
+    assert MlflowClient(tracking_uri=uri).get_experiment_by_name("typo") is None
+    assert not (tmp_path / "multirun").exists()
+
+
+def test_swept_keys_that_exist_or_go_into_free_form_maps_pass(make_cfg) -> None:
+    """What :func:`check_swept_keys` leaves alone: existing keys, a key added to a free-form map, config groups and the
+    keys under a swept group (each job's option decides), Hydra's own keys."""
+    from recsys_runner.config import check_swept_keys
+
+    config = make_cfg()
+    OmegaConf.set_struct(config, False)
+    config.hydra = {"runtime": {"choices": {"model": "deepfm", "optim": "adagrad"}}, "overrides": {"task": [
+        "optim.lr=0.1,0.2", "+checkpoint.name_map.a=b,c", "model=deepfm,dlrm", "model.anything=1,2", "hydra.launcher.x=1,2",
+        "train.num_stepz=5"]}}  # not swept: Hydra composed the multirun's config with it, or refused it first
+    check_swept_keys(config)
+
+
 @pytest.mark.slow
 def test_submitit_local_jobs_are_children(tmp_path: Path) -> None:
     """Jobs in submitit subprocesses find the parent run (env var survives pickling and the subprocess)."""
@@ -224,6 +287,25 @@ def test_submitit_local_jobs_are_children(tmp_path: Path) -> None:
     assert len(children) == 2 and all(r.info.status == "FINISHED" for r in children)
     assert parent.info.status == "FINISHED" and "best/eval/auc" in parent.data.metrics
     assert list((tmp_path / "multirun").glob("*/*/.submitit/*/*_result.pkl"))
+
+
+@pytest.mark.slow
+def test_submitit_local_waits_for_every_job_and_names_a_failed_one(tmp_path: Path) -> None:
+    """``submitit_local`` stopped at the first failed job with submitit's traceback, the parent left RUNNING. Now it waits
+    for every job, names the failed one in a line (its own error), and ends the parent FAILED naming it (exit 1), as
+    ``submitit_slurm`` does."""
+    uri = f"sqlite:///{tmp_path}/local_failed.db"
+    out = run_cli("-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5", "optim.lr=-1,0.1", *TINY,
+                  "train.num_steps=5", f"tracking.uri={uri}", "tracking.experiment=local_failed", cwd=tmp_path, timeout=600)
+    assert out.returncode == 1, out.stderr[-3000:]
+    lines = out.stderr.strip().splitlines()
+    assert lines[-2] == "Job #0 failed: Config error: optim.sparse.lr must be positive, got -1.0. Fix: e.g. optim.lr=0.01", lines[-3:]
+    assert lines[-1].startswith("Sweep failed (failed job(s): #0 optim.lr=-1); 1 of 1 child runs finished"), lines[-1]
+    assert "Traceback" not in out.stderr and "validated against ConfigStore schema" not in out.stderr
+    parent, (child,) = _parent_and_children(uri, "local_failed")
+    assert child.info.status == "FINISHED" and child.info.run_name == "lr=0.1"
+    assert parent.info.status == "FAILED" and parent.data.tags["sweep.failed_jobs"] == "#0 optim.lr=-1"
+    assert parent.data.tags["best.run_id"] == child.info.run_id
 
 
 def test_detached_slurm_launcher_is_a_discoverable_hydra_plugin() -> None:

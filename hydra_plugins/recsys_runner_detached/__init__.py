@@ -1,5 +1,6 @@
 """The project's Hydra launchers: ``hydra/launcher=submitit_slurm_detached`` submits a sweep to SLURM and returns
-(submit-and-exit); ``hydra/launcher=submitit_slurm`` waits for every job of the array, a failed one included;
+(submit-and-exit); ``hydra/launcher=submitit_slurm`` waits for every job of the array, a failed one included, and so
+does ``hydra/launcher=submitit_local`` (the same jobs as local subprocesses);
 ``hydra/launcher=basic_keep_going`` (the default) runs a sweep's jobs here, one after the other,
 going on past a failed one.
 
@@ -19,24 +20,27 @@ from unittest.mock import patch
 
 from hydra._internal.core_plugins.basic_launcher import BasicLauncher
 from hydra.core.utils import JobReturn, JobStatus
-from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
+from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher, LocalLauncher, SlurmLauncher
+
+from recsys_runner.paths import register_resolvers
 
 log = logging.getLogger(__name__)
+register_resolvers()  # conf/config.yaml's ${new_dir:…}: Hydra imports this module in every process it composes in
 
 
 class DetachedSlurmLauncher(SlurmLauncher):
     """``submitit_slurm`` that returns once the array is queued (submit-and-exit).
 
     Everything but the wait is the plugin's own ``launch``: executor, parameters, sweep dir, job
-    array. Records the number of jobs and their SLURM ids on the sweep's MLflow parent run, so that
-    ``python -m recsys_runner.compare collect`` knows how many children to wait for. Sweepers that
+    array. Records the number of jobs, their SLURM ids and submitit's folder on the sweep's MLflow parent run, so that
+    ``python -m recsys_runner.compare collect`` knows how many children to wait for, and which job ended without one. Sweepers that
     need results to continue (Optuna) cannot use it.
     """
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         from recsys_runner.errors import ConfigError
         from recsys_runner.tracking.store import resolve_uri
-        from recsys_runner.tracking.sweep import EXPECTED_JOBS_TAG
+        from recsys_runner.tracking.sweep import EXPECTED_JOBS_TAG, SLURM_JOB_IDS_TAG, SUBMITIT_FOLDER_TAG
         from recsys_runner.tracking.tracker import PARENT_RUN_ENV
 
         assert self.config is not None
@@ -53,7 +57,8 @@ class DetachedSlurmLauncher(SlurmLauncher):
 
             client = MlflowClient(tracking_uri=resolve_uri(self.config.tracking.get("uri")))
             client.set_tag(parent, EXPECTED_JOBS_TAG, str(len(job_ids)))
-            client.set_tag(parent, "sweep.slurm_job_ids", " ".join(job_ids))
+            client.set_tag(parent, SLURM_JOB_IDS_TAG, " ".join(job_ids))
+            client.set_tag(parent, SUBMITIT_FOLDER_TAG, os.path.abspath(str(self.params["submitit_folder"])))
         log.info("submitted SLURM jobs %s; collect with: python -m recsys_runner.compare collect --parent %s --wait",
                  " ".join(job_ids), parent)
         return returns
@@ -97,8 +102,9 @@ class KeepGoingLauncher(BasicLauncher):
         return returns
 
 
-class WaitingSlurmLauncher(SlurmLauncher):
-    """The plugin's ``submitit_slurm`` that waits for every job of the array and reports a failed one in a line.
+class WaitingSubmititLauncher(BaseSubmititLauncher):
+    """The plugin's submitit launcher that waits for every job and reports a failed one in a line; the executor is the
+    subclass's (:class:`WaitingSlurmLauncher`, :class:`WaitingLocalLauncher`).
 
     The plugin's ``launch`` ends with ``[j.results()[0] for j in jobs]``: the first failed job raises submitit's
     ``UncompletedJobError`` while the jobs after it still run, and Hydra prints its 30-line traceback, the job's own
@@ -123,12 +129,23 @@ class WaitingSlurmLauncher(SlurmLauncher):
         return returns
 
 
+class WaitingSlurmLauncher(WaitingSubmititLauncher, SlurmLauncher):
+    """``hydra/launcher=submitit_slurm``: the plugin's SLURM launcher, waiting for every job of the array
+    (:class:`WaitingSubmititLauncher`)."""
+
+
+class WaitingLocalLauncher(WaitingSubmititLauncher, LocalLauncher):
+    """``hydra/launcher=submitit_local``: the plugin's local-subprocess launcher, waiting for every job
+    (:class:`WaitingSubmititLauncher`), as ``submitit_slurm`` and ``basic_keep_going`` do."""
+
+
 def _last_error_line(error: str) -> str:
     """The job's own last word in submitit's error text (its stderr follows ``Error stream produced:``): the last
     line that is not srun's own, else submitit's first line."""
-    lines = [line.strip() for line in error.split("Error stream produced:")[-1].splitlines()]
-    own = [line for line in lines if line and not line.startswith(("srun:", "---")) and "Error stream" not in line]
-    return own[-1] if own and "Error stream produced:" in error else error.strip().splitlines()[0]
+    from recsys_runner.tracking.sweep import last_own_line
+
+    own = last_own_line(error.split("Error stream produced:")[-1]) if "Error stream produced:" in error else None
+    return own or error.strip().splitlines()[0]
 
 
 @contextmanager

@@ -68,6 +68,14 @@ SUMMARY_METRICS = ("eval/auc", "eval/logloss", "train/loss")
 """The metrics of each child the summary table holds, after the objective (those a child logged)."""
 FAILED_JOBS_TAG = "sweep.failed_jobs"
 """On a parent whose multirun stopped early: the jobs that failed (``#1 optim.lr=-1``), ``; ``-separated."""
+SLURM_JOB_IDS_TAG = "sweep.slurm_job_ids"
+"""Set with :data:`EXPECTED_JOBS_TAG` by the detached SLURM launcher: the jobs' SLURM ids in job order (``42_0 42_1``)."""
+SUBMITIT_FOLDER_TAG = "sweep.submitit_folder"
+"""Set with :data:`SLURM_JOB_IDS_TAG`: where submitit keeps each job's logs (absolute, ``%j`` for the job's id)."""
+_SLURM_OK = "COMPLETED"
+_SLURM_NOT_ENDED = ("READY", "PENDING", "RUNNING", "UNKNOWN", "REQUEUED", "COMPLETING", "PREEMPTED", "REQUEUE_HOLD",
+                    "REQUEUE_FED", "RESIZING", "SUSPENDED", "CONFIGURING", "STOPPED", "SIGNALING", "STAGE_OUT")
+"""SLURM states of a job that may still run (or run again: a requeued, preempted one); submitit's list and the rest."""
 _MAX_NAME_CHARS = 80
 
 
@@ -222,6 +230,58 @@ class MlflowSweepCallback(Callback):
         atexit.unregister(self._end_stopped_sweep)
 
 
+@dataclass(frozen=True)
+class EndedJob:
+    """A job of a detached sweep that SLURM says has ended: its number in the sweep, its SLURM id and state, and for
+    a failed one the last line of its own error output."""
+
+    num: int
+    slurm_id: str
+    state: str
+    error: str | None
+
+    @property
+    def failed(self) -> bool:
+        return self.state != _SLURM_OK
+
+    def label(self) -> str:
+        """``#1 (SLURM 42_1, FAILED)``, how a failed job is named on the parent and in ``collect``'s line."""
+        return f"#{self.num} (SLURM {self.slurm_id}, {self.state})"
+
+
+def slurm_jobs_ended(tags: Mapping[str, str]) -> list[EndedJob] | None:
+    """The jobs of a detached sweep (:data:`SLURM_JOB_IDS_TAG` on its parent) that have ended, by SLURM's account (submitit
+    asks ``sacct``); ``None`` when the parent names no SLURM job (another launcher) or SLURM cannot say (``sacct``
+    missing: every state ``UNKNOWN``). A job that died before it created its MLflow run (a config error, an import
+    error, an OOM kill) shows only here: the parent's child runs never count it."""
+    ids = tags.get(SLURM_JOB_IDS_TAG, "").split()
+    if not ids:
+        return None
+    from submitit.slurm.slurm import SlurmJob
+
+    folder = tags.get(SUBMITIT_FOLDER_TAG) or os.path.join(tags.get("sweep.dir", "."), ".submitit", "%j")
+    jobs: list[SlurmJob[Any]] = [SlurmJob(folder=folder, job_id=job_id, tasks=(0,)) for job_id in ids]
+    SlurmJob.watcher.update()  # one sacct call for the array, then each job's state from it
+    states = [SlurmJob.watcher.get_state(job_id, mode="cache").split()[0].upper() for job_id in ids]  # "CANCELLED by 0"
+    if all(state == "UNKNOWN" for state in states):
+        return None
+    ended = []
+    for num, (job, state) in enumerate(zip(jobs, states, strict=True)):
+        if state in _SLURM_NOT_ENDED:
+            continue
+        error = None if state == _SLURM_OK else (last_own_line(job.stderr() or "") or f"no error output ({job.paths.stderr})")
+        ended.append(EndedJob(num, job.job_id, state, error))
+    return ended
+
+
+def last_own_line(stderr: str) -> str | None:
+    """A job's own last word in its error output: the last line that is not ``srun``'s (``srun: error: …``) or a
+    separator; ``None`` when there is none."""
+    own = [line.strip() for line in stderr.splitlines()]
+    own = [line for line in own if line and not line.startswith(("srun:", "---")) and "Error stream" not in line]
+    return own[-1] if own else None
+
+
 def check_direction(config: DictConfig) -> None:
     """Refuse a sweeper's ``hydra.sweeper.direction`` (Optuna's) that goes against the objective's own direction
     (:func:`higher_is_better`): minimizing ``eval/auc`` — the Optuna sweeper's default direction is ``minimize`` —
@@ -251,22 +311,31 @@ def swept_ranges(config: DictConfig) -> dict[str, str]:
     winning as in the sweepers. Only sweep overrides count (``a,b``, ``choice``, ``range``, ``interval``, ``glob``):
     a plain ``key=value`` there is the same in every job.
     """
+    ranges = dict[str, str]()
+    for text, override in sweep_overrides(config):
+        ranges.pop(override.key_or_group, None)  # re-inserted last: a command-line sweep follows the file's
+        ranges[override.key_or_group] = text.partition("=")[2]
+    return ranges
+
+
+def sweep_overrides(config: DictConfig) -> list[tuple[str, Any]]:
+    """A multirun's sweep overrides, each as given (``optim.lr=0.01,0.05``) and as Hydra parsed it (its ``Override``):
+    the sweeper's ``hydra.sweeper.params``, then the command line's ``hydra.overrides.task`` (see :func:`swept_ranges`)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
     params = OmegaConf.select(config, "hydra.sweeper.params")
     given = [str(k) + f"={v}" for k, v in params.items() if v is not None] if isinstance(params, DictConfig) else []
     given += [str(o) for o in OmegaConf.select(config, "hydra.overrides.task") or []]
-    parser, ranges = OverridesParser.create(), dict[str, str]()
+    parser, swept = OverridesParser.create(), []
     for text in given:
         try:
             override = parser.parse_override(text)
         except HydraException:  # the sweeper has parsed them already; one we cannot read is no sweep we can name
             continue
         if override.is_sweep_override():
-            ranges.pop(override.key_or_group, None)  # re-inserted last: a command-line sweep follows the file's
-            ranges[override.key_or_group] = text.partition("=")[2]
-    return ranges
+            swept.append((text, override))
+    return swept
 
 
 def sweep_name(ranges: Mapping[str, str]) -> str | None:
