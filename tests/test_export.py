@@ -38,6 +38,7 @@ from recsys_runner.config import validate
 from recsys_runner.errors import CheckpointError, ConfigError
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.serving import program as serving
+from recsys_runner.train.corpus import inner_with
 from recsys_runner.train.signals import Interrupted
 from tests.conftest import REPO, TINY
 
@@ -84,6 +85,8 @@ def train_and_score(make_cfg: Callable[..., DictConfig], checkpoints: Path, *ove
         *_, batch = itertools.islice(c.loop.data.eval_batches(0, 1), 2)
         evaluator = c.loop.evaluator
         model = evaluator.model.eval()
+        if (retrieval := inner_with(model, "in_batch_ranking")) is not None:
+            retrieval.in_batch_ranking = False  # the served scores, every pair's (the evaluation leaves accidental hits out)
         with torch.no_grad(), evaluator.ema.swapped_in() if evaluator.ema is not None else contextlib.nullcontext():
             _, (_, logits, _) = model(batch)
         return batch, logits

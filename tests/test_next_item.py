@@ -24,7 +24,7 @@ from recsys_runner.data.generated.synthetic import SyntheticDataConfig
 from recsys_runner.data.generated.synthetic_sequences import SyntheticSequencesConfig
 from recsys_runner.errors import ConfigError
 from recsys_runner.metrics.registry import MetricsConfig, build_eval_metrics, higher_is_better, metric_entry
-from recsys_runner.metrics.retrieval import target_ranks
+from recsys_runner.metrics.retrieval import RecallAtK, target_ranks
 from recsys_runner.metrics.tasks import eval_metric_keys
 from recsys_runner.models.common import TrainWrapper
 from recsys_runner.models.sasrec import SASRec, SASRecConfig
@@ -59,6 +59,30 @@ def test_ranks_count_strictly_higher_items_and_half_the_ties() -> None:
     assert out["ndcg@10"] == out["ndcg@3"]
     assert higher_is_better("eval/hr_at_10") and higher_is_better("eval/ndcg_at_10")
     assert eval_metric_keys(MetricsConfig(), (NextItemTask(),)) == ["eval/hr_at_10", "eval/ndcg_at_10", "eval/hr_at_50"]
+
+
+def test_a_nan_score_of_the_target_is_a_miss_never_a_hit() -> None:
+    """A NaN compares false with everything: counted as it was, a row whose target scored NaN (a diverged model, an
+    overflow under reduced precision) had no item above it and -1 ties, rank -0.5: a hit at every k, ndcg 1.71 and mrr 2.
+    It is a miss (rank inf), in the full-table ranking, the chunked corpus ranking and the sampled one alike."""
+    from recsys_runner.metrics.corpus import corpus_ranks
+
+    nan = float("nan")
+    scores = torch.tensor([[nan, 0.5, 0.7, 0.1], [nan, nan, nan, nan], [0.2, nan, 0.8, 0.1]])
+    targets = torch.tensor([0, 2, 2])
+    assert target_ranks(scores, targets).tolist() == [math.inf, math.inf, 0.0]  # NaN items elsewhere rank nothing
+    metrics = build_eval_metrics(MetricsConfig(eval=["hr@1", "ndcg@10", "mrr"], train=[]), torch.device("cpu"))
+    metrics.update(scores, targets)
+    out = {k: float(v) for k, v in metrics.compute().items()}
+    assert out == pytest.approx({"hr@1": 1 / 3, "ndcg@10": 1 / 3, "mrr": 1 / 3})
+    queries = torch.tensor([[nan, 1.0], [1.0, 0.0]])
+    index = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.5, 0.5]])
+    for chunk_rows in (1, 2, 3):
+        ranks, _ = corpus_ranks(queries, index, torch.tensor([1, 0]), 2, chunk_rows)
+        assert ranks.tolist() == [math.inf, 0.0]
+    in_batch = RecallAtK(1)
+    in_batch.update(scores[:, :3], torch.tensor([0, 1, 2]))
+    assert float(in_batch.compute()) == pytest.approx(1 / 3)
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

@@ -223,3 +223,89 @@ def test_negatives_bench_runs(tmp_path: Path) -> None:
                    "data.num_embeddings=1000", "model.tower_layer_sizes=[16,8]"])
     assert sorted(result["regimes"]) == ["h_negatives_step", "h_sampler_share"]
     assert result["regimes"]["h_negatives_step"]["runner_samples_per_s"] > 0 and (tmp_path / "b.json").exists()
+
+
+# --- accidental hits: a candidate that is the query's own item again is not a negative ---
+
+
+def _dssm_on(data, **values: object):
+    from recsys_runner.models.dssm import DSSM, DSSMConfig
+    from tests.test_models import materialize
+
+    torch.manual_seed(0)
+    config = make(DSSMConfig, **{"embedding_dim": 8, "user_features": ["cat_0"], "item_features": ["cat_1", "cat_2"],
+                                 "tower_layer_sizes": [16, 8], **values})
+    return materialize(DSSM(config, features=data.features, dense_device=torch.device("cpu")))
+
+
+def _without_hits(scores: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """numpy: ``scores [Q, C]`` with every ``c != q`` whose item is query ``q``'s own at ``-inf``."""
+    out = scores.copy()
+    for q in range(scores.shape[0]):
+        for c in range(scores.shape[1]):
+            if c != q and ids[c] == ids[q]:
+                out[q, c] = -np.inf
+    return out
+
+
+@pytest.mark.parametrize(("logq", "remove"), [(False, True), (True, True), (True, False), (False, False)])
+def test_dssm_training_logits_leave_out_every_other_copy_of_the_querys_own_item(logq: bool, remove: bool) -> None:
+    """Generated batches repeat popular items (and sampled rows draw a batch's positives). With
+    ``model.remove_accidental_hits=true`` the training logits equal the plain scores (less logQ) with every other copy
+    of the query's own item at -inf, its own candidate kept; with ``false`` (the default) they are the plain scores."""
+    from recsys_runner.models.dssm import first_ids
+
+    data = _synthetic(num_negatives=16)
+    model = _dssm_on(data, logq_correction=logq, remove_accidental_hits=remove)
+    model.train()
+    batch = next(iter(data.train_batches(0, 0, 1)))
+    dense, sparse = batch.dense_features, batch.sparse_features
+    ids = first_ids(sparse, "cat_1").numpy()
+    queries = 32
+    repeated = sum(int((ids[:queries] == ids[q]).sum()) > 1 for q in range(queries))
+    drawn = sum(bool(np.isin(ids[q], ids[queries:])) for q in range(queries))
+    assert repeated > 0 and drawn > 0, "the batch repeats positives and its sampled rows draw some"
+    with torch.no_grad():
+        got = model(dense, sparse).numpy()
+        user, item = model.tower("user", dense, sparse), model.tower("item", dense, sparse)
+    plain = (user[:queries] @ item.t() / model.temperature).numpy()
+    shift = np.zeros(len(ids))
+    if logq:  # the estimator has counted this batch: log p_c of each candidate, as the model subtracts it
+        shift = -model.logq.gap.index_select(0, torch.as_tensor(ids) % model.logq.gap.shape[0]).clamp_min(1.0).log().numpy()
+    want = (_without_hits(plain, ids) if remove else plain) - shift
+    np.testing.assert_allclose(np.where(np.isfinite(want), 0, 1), np.where(np.isfinite(got), 0, 1))
+    np.testing.assert_allclose(got[np.isfinite(got)], want[np.isfinite(want)], rtol=1e-5, atol=1e-5)
+    assert np.isfinite(np.diag(got)).all(), "each query's own candidate stays"
+
+
+def test_dssm_inbatch_recall_does_not_count_a_copy_of_the_positive_against_it() -> None:
+    """In eval, a batch's rows that share an item score it identically; ``inbatch_recall@k`` counts every candidate scoring
+    at least as high as the positive, so each copy cost its rows a place (a row whose item appears 4 times could never
+    reach recall@1). The evaluation's scores leave the copies out, so the recall is the numpy recall over the other
+    items; an exported model's scores (no evaluation) stay every pair's."""
+    from recsys_runner.metrics.registry import MetricsConfig
+    from recsys_runner.metrics.retrieval import RecallAtK
+    from recsys_runner.models.dssm import first_ids
+    from recsys_runner.train.corpus import use_ranking_protocol
+
+    data = _synthetic(num_negatives=0)
+    model = _dssm_on(data)
+    model.eval()
+    use_ranking_protocol(model, MetricsConfig(eval=[], train=[]), two_tower=False)  # what the evaluation does
+    batch = next(iter(data.eval_batches(0, 1)))
+    ids = first_ids(batch.sparse_features, "cat_1").numpy()
+    assert len(set(ids.tolist())) < len(ids), "the eval batch repeats items"
+    with torch.no_grad():
+        scores = model(batch.dense_features, batch.sparse_features)
+        user = model.tower("user", batch.dense_features, batch.sparse_features)
+        item = model.tower("item", batch.dense_features, batch.sparse_features)
+    plain = (user @ item.t() / model.temperature).numpy()
+    for k in range(1, len(ids) + 1):  # every k: each row's rank, not only whether it is on top
+        metric = RecallAtK(k)
+        metric.update(scores, torch.arange(len(ids)))
+        kept = _without_hits(plain, ids)
+        ranks = np.array([(np.delete(kept[q], q) >= kept[q, q]).sum() for q in range(len(ids))])
+        assert float(metric.compute()) == pytest.approx(float((ranks < k).mean()))
+    model.in_batch_ranking = False
+    with torch.no_grad():
+        np.testing.assert_allclose(model(batch.dense_features, batch.sparse_features).numpy(), plain, rtol=1e-5, atol=1e-5)

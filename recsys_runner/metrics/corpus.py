@@ -10,7 +10,7 @@ The metrics are the full-table ranking metrics (``recall@k`` = ``hr@k`` with one
 ``coverage@k``): a next-item model feeds them ``update(scores [B, N], targets [B])``, a two-tower corpus pass feeds
 them ``update(Ranked(ranks [Q], top [Q, K], N))`` from :func:`corpus_ranks` (ties as in
 :func:`~recsys_runner.metrics.retrieval.target_ranks`: strictly higher items plus half the tied ones; a target not in
-the catalogue has rank ``inf``, a miss). Sums and the covered item rows are combined over ranks before ``compute``,
+the catalogue, or whose score is NaN, has rank ``inf``, a miss). Sums and the covered item rows are combined over ranks before ``compute``,
 so the value over several ranks is one process's over all queries.
 
 Shape legend: ``Q`` queries, ``N`` items, ``O`` vector width, ``K`` the largest ``k`` asked for. A query may be ``I`` vectors
@@ -27,7 +27,7 @@ from torch import Tensor
 
 from recsys_runner.errors import ConfigError
 from recsys_runner.metrics.base import GatherMetric, SumMetric
-from recsys_runner.metrics.retrieval import HitRateAtK, Ranked
+from recsys_runner.metrics.retrieval import HitRateAtK, Ranked, unranked_if_nan
 
 __all__ = ["AnnRecallAtK", "MeanReciprocalRank", "CoverageAtK", "corpus_ranks", "corpus_k", "corpus_top_k"]
 
@@ -97,7 +97,7 @@ def corpus_ranks(queries: Tensor, index: Tensor, targets: Tensor, k: int, chunk_
         ties += (scores == column).sum(dim=1)
         if between is not None:
             between()
-    ranks = higher + 0.5 * (ties - 1)
+    ranks = unranked_if_nan(higher + 0.5 * (ties - 1), target_scores)  # a NaN target score is a miss, not rank -0.5
     return torch.where(known, ranks, torch.full_like(ranks, math.inf)), top_rows
 
 

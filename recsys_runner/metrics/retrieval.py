@@ -21,7 +21,7 @@ class RecallAtK(SumMetric):
     ``update(scores [Q, C], positives [Q])``: ``positives[q]`` is the index of query ``q``'s positive
     among its ``C`` candidates (e.g. the diagonal of an in-batch score matrix). The positive's rank
     is the number of *other* candidates scoring at least as high — ties count against it, so a
-    constant scorer gets no credit.
+    constant scorer gets no credit; a positive scored NaN is a miss.
     """
 
     higher_is_better = True
@@ -36,8 +36,8 @@ class RecallAtK(SumMetric):
     def update(self, scores: Tensor, positives: Tensor) -> None:
         scores = scores.detach()
         positive_scores = scores.gather(1, positives.long().view(-1, 1))
-        rank = (scores >= positive_scores).sum(dim=1) - 1
-        self.hits += (rank < self.k).sum()
+        rank = (scores >= positive_scores).sum(dim=1) - 1  # a NaN positive compares false with all: rank -1, yet a miss
+        self.hits += ((rank < self.k) & ~torch.isnan(positive_scores.view(-1))).sum()
         self.count += scores.shape[0]
 
     def compute(self) -> Tensor:
@@ -76,13 +76,19 @@ def target_ranks(scores: Tensor, targets: Tensor) -> Tensor:
     ``scores [B, N]`` (a row's score of every item of the table), ``targets [B]`` (the index of the row's true item).
     The rank is the number of items scoring strictly higher than the target, plus half of the *other* items scoring
     exactly the same (ties count half, so a constant scorer gets the expected rank ``(N-1)/2`` of a random one):
-    0 for a target strictly on top.
+    0 for a target strictly on top. A target scored NaN is a miss (``inf``): a NaN compares false with every score, so
+    counted as the others it would rank -0.5, a hit at every ``k``.
     """
     scores = scores.detach()
     target_scores = scores.gather(1, targets.long().view(-1, 1))
     higher = (scores > target_scores).sum(dim=1).double()
     ties = (scores == target_scores).sum(dim=1).double() - 1
-    return higher + 0.5 * ties
+    return unranked_if_nan(higher + 0.5 * ties, target_scores.view(-1))
+
+
+def unranked_if_nan(ranks: Tensor, target_scores: Tensor) -> Tensor:
+    """``ranks [B]`` with ``inf`` (a miss) where the target's score ``target_scores [B]`` is NaN."""
+    return torch.where(torch.isnan(target_scores), torch.full_like(ranks, float("inf")), ranks)
 
 
 class HitRateAtK(SumMetric):

@@ -10,7 +10,8 @@ tower embeds its group, runs an MLP and outputs an (optionally L2-normalized) ve
 (user, item) pair is their dot product divided by a temperature. Training uses the in-batch softmax
 (Yi et al. 2019): every row is a positive (user, item) pair, and the other rows' items in the batch
 are its negatives, plus the batch's last ``K`` rows when the data samples catalogue items into it
-(``features.sampled_items``: item features only, candidates but no queries). With ``logq_correction``
+(``features.sampled_items``: item features only, candidates but no queries); with ``remove_accidental_hits`` less the
+rows of the query's own item (:func:`without_accidental_hits`). With ``logq_correction``
 each candidate's training logit loses ``log p_c``, its streaming-estimated probability of being a
 candidate (:class:`~recsys_runner.models.frequency.FrequencyEstimator`), whatever put it there. Eval
 computes ``inbatch_recall@k`` over the in-batch candidates (uncorrected scores, as served) and, when
@@ -71,6 +72,12 @@ class DSSMConfig(ModelConfig):
     """Subtract ``log p_c`` (each candidate's streaming-estimated probability of being a step's candidate) from its
     training logit (Yi et al. 2019), so that popular items are not over-penalized as in-batch negatives; reads the
     first sparse feature of ``item_features`` as the item id."""
+    remove_accidental_hits: bool = False
+    """``true``: leave out of a query's training softmax every other candidate row of its own item (another row of the
+    batch with that item, or a sampled negative that drew it), as TensorFlow's ``sampled_softmax_loss`` does
+    (:func:`without_accidental_hits`). ``false``: they stay, as the sampled softmax the logQ correction derives from
+    has them (its candidates estimate the softmax's sum over all items, the positive's own term included).
+    ``inbatch_recall@k`` leaves them out either way (docs/retrieval.md, "Accidental hits")."""
     logq_source: str = "stream"
     """Where ``p_c`` comes from: ``stream`` (estimated from the candidates of the steps so far, every candidate row
     counted: in-batch and ``data.negatives`` alike) or ``item_table`` (the catalogue's popularity, ``data.item_table()``:
@@ -193,7 +200,13 @@ class InBatchRetrieval(nn.Module):
         self.eval_negatives = config.eval_negatives
         """Sampled negatives per query of the full-corpus metrics (``0``: the whole catalogue)."""
         self.item_id = next((n for n in features.sparse_names if n in config.item_features), None)
-        """The item tower's id feature (its first sparse feature): what the frequency estimator counts."""
+        """The item tower's id feature (its first sparse feature): what the frequency estimator counts and what tells a
+        query's accidental hits."""
+        self.remove_accidental_hits = config.remove_accidental_hits
+        self.in_batch_ranking = False
+        """Whether eval scores leave each query's accidental hits out, for ``inbatch_recall@k``: set by the evaluation that
+        reads them (:func:`recsys_runner.train.corpus.use_ranking_protocol`); an exported or served model scores every
+        pair."""
         self.logq = _estimator(config, features, self.item_id, dense_device)
 
     def use_catalogue(self, ids: torch.Tensor | None, popularity: torch.Tensor | None) -> None:
@@ -220,10 +233,18 @@ class InBatchRetrieval(nn.Module):
         return rows - (self.sampled_items if self.training else 0)
 
     def corrected(self, scores: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        """Training scores ``[Q, B]`` less each candidate's ``log p_c`` (``logq_correction``); eval scores as they are."""
-        if self.training and self.logq is not None and self.item_id is not None:
-            return scores - self.logq(first_ids(sparse, self.item_id)).to(scores.dtype)
-        return scores
+        """The in-batch scores ``[Q, B]`` the softmax (training) and ``inbatch_recall@k`` (eval) read: each query's
+        accidental hits at ``-inf`` (:func:`without_accidental_hits`; in training with ``remove_accidental_hits``, in eval
+        with :attr:`in_batch_ranking`), and in training each candidate's ``log p_c`` subtracted (``logq_correction``).
+        Without an item id feature there is nothing to tell items apart by."""
+        hits = self.remove_accidental_hits if self.training else self.in_batch_ranking
+        logq = self.training and self.logq is not None
+        if self.item_id is None or not (hits or logq):
+            return scores
+        ids = first_ids(sparse, self.item_id)
+        if hits:
+            scores = without_accidental_hits(scores, ids)
+        return scores - self.logq(ids).to(scores.dtype) if logq and self.logq is not None else scores
 
 
 class DSSM(InBatchRetrieval):
@@ -314,6 +335,24 @@ def first_ids(sparse: KeyedJaggedTensor, key: str) -> torch.Tensor:
 
 
 torch.fx.wrap("first_ids")  # a call in traced graphs (TorchRec's sparse-dist pipeline traces forward): it branches on sizes
+
+
+def without_accidental_hits(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``scores [Q, C]`` with each query's accidental hits at ``-inf``: the candidates ``c != q`` whose item id ``ids[c]``
+    (``ids [C]``, ``-1``: none) is query ``q``'s own ``ids[q]`` — another row of the batch with the same item, or a
+    sampled row that drew it. Such a candidate ties with the positive: ``inbatch_recall@k``, which counts the
+    candidates scoring at least as high as the positive, must not count it (eval scores always go through here), and
+    the training softmax leaves it out with ``remove_accidental_hits`` (TensorFlow's ``remove_accidental_hits``).
+    Popular items repeat in most batches (generated Zipf pairs, batches of 512: 60 % of the rows share their item with
+    another row, ~2.8 copies each). SASRec's sampled softmax takes each distinct item of the batch once instead."""
+    q = scores.shape[0]
+    own = ids[:q].view(-1, 1)
+    same = (ids.view(1, -1) == own) & (own >= 0)
+    same &= torch.arange(q, device=ids.device).view(-1, 1) != torch.arange(ids.shape[0], device=ids.device).view(1, -1)
+    return scores.masked_fill(same, float("-inf"))
+
+
+torch.fx.wrap("without_accidental_hits")  # as first_ids: its sizes come from the batch
 
 
 def tower_scores(user: torch.Tensor, item: torch.Tensor) -> torch.Tensor:

@@ -251,7 +251,8 @@ class MIND(InBatchRetrieval):
         queries = self.num_queries(items.shape[0])
         interests, active = interests[:queries], active[:queries]  # the sampled rows have no user side
         if not self.training:
-            return tower_scores(torch.where(active.unsqueeze(2), interests, interests[:, :1]), items) / self.temperature
+            return self.corrected(tower_scores(torch.where(active.unsqueeze(2), interests, interests[:, :1]), items) / self.temperature,
+                                  sparse)
         user = self.attention(interests, items[:queries], active)
         if self.normalize:  # a mix of unit vectors is shorter: scored as a cosine, as each interest is in eval
             user = F.normalize(user, dim=1)

@@ -90,11 +90,15 @@ def inner_with(model: nn.Module, *attributes: str) -> Any:
 def use_ranking_protocol(model: nn.Module, spec: MetricsConfig, two_tower: bool) -> None:
     """Tell a next-item model (one with an ``exclude_seen`` switch: :class:`~recsys_runner.models.sasrec.SASRec`) whether
     its eval scores exclude each row's history (``metrics.exclude_seen``); ``two_tower``: the corpus pass excludes them
-    itself (:func:`seen_features`).
+    itself (:func:`seen_features`). An in-batch retrieval model (:class:`~recsys_runner.models.dssm.InBatchRetrieval`)
+    is told to leave each query's accidental hits out of its eval scores, which ``inbatch_recall@k`` ranks.
 
     Raises:
         ConfigError: ``metrics.exclude_seen`` on a model that is neither (no history to exclude).
     """
+    retrieval = inner_with(model, "in_batch_ranking")
+    if retrieval is not None:
+        retrieval.in_batch_ranking = True
     inner = inner_with(model, "exclude_seen")
     if inner is not None:
         inner.exclude_seen = spec.exclude_seen
