@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torchrec.datasets.utils import Batch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.modules.mlp import MLP
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -24,7 +25,7 @@ from recsys_runner.models.lookup import concatenated_lookup, managed_feature_nam
 from recsys_runner.tasks import SINGLE_TASK, Task
 
 __all__ = ["LINEAR_ROW_WIDTH", "MLP", "DenseArch", "DenseFields", "FMInteraction", "FieldArch", "LinearArch", "ModelConfig",
-           "SparseArch", "TaskWeighting", "TrainWrapper", "check_layer_sizes", "embedding_width_rule", "projection_sizes", "shared_representation"]
+           "SparseArch", "TaskWeighting", "TrainWrapper", "check_layer_sizes", "embedding_width_rule", "materialize", "projection_sizes", "shared_representation"]
 
 LINEAR_ROW_WIDTH = 4
 """Floats per id in a :class:`LinearArch` table: fbgemm's fused kernels store rows in multiples of 4, so an
@@ -61,6 +62,34 @@ class ModelConfig(Configurable):
         """
         model: nn.Module = self.component_class()(self, features=features, dense_device=dense_device)
         return model
+
+
+def materialize(model: nn.Module, device: torch.device | str = "cpu") -> nn.Module:
+    """``model`` (in place) with its ``meta`` embedding tables allocated on ``device`` and initialized by each table's
+    ``init_fn``: what DistributedModelParallel does for the shards a rank owns, for a model used in one process
+    without it (the docstrings' examples, tests, a notebook). The runner never calls this; it shards.
+
+    Raises:
+        ValueError: a tensor that is no embedding table is still on ``meta``: a managed-collision module's mapping,
+            which DistributedModelParallel rebuilds per shard (build such a model with ``build()``, sharded).
+    """
+    for module in model.modules():
+        if isinstance(module, EmbeddingBagCollection):
+            module.to_empty(device=device)
+            for table in module.embedding_bag_configs():
+                assert table.init_fn is not None  # TorchRec's config sets one when none is given
+                table.init_fn(module.embedding_bags[table.name].weight)
+        elif isinstance(module, EmbeddingCollection):
+            module.to_empty(device=device)
+            for config in module.embedding_configs():
+                assert config.init_fn is not None
+                config.init_fn(module.embeddings[config.name].weight)
+    left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"{type(model).__name__} still has tensors on meta that materialize() cannot initialize: {left[:3]} "
+                         f"(managed-collision modules are rebuilt per shard by DistributedModelParallel). Fix: drop "
+                         f"managed_collision from the features, or build the model sharded")
+    return model
 
 
 def embedding_width_rule(model: type[nn.Module]) -> str | None:

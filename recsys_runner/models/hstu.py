@@ -85,8 +85,12 @@ class HSTUBlock(nn.Module):
 
     Example::
 
-        block = HSTUBlock(dim=16, num_heads=2, max_len=11, dropout=0.0, time_buckets=0)
-        y = block(x, mask)   # [4, 10, 16], [4, 10] → [4, 10, 16]
+        >>> import torch
+        >>> from recsys_runner.models.hstu import HSTUBlock
+        >>> block = HSTUBlock(dim=16, num_heads=2, max_len=11, dropout=0.0, time_buckets=0)
+        >>> mask = torch.arange(10) < torch.tensor([[10], [4], [1], [7]])   # [B, L]: each row's real positions, left-aligned
+        >>> block(torch.randn(4, 10, 16), mask).shape   # x [B, L, D] → [B, L, D]
+        torch.Size([4, 10, 16])
     """
 
     def __init__(self, dim: int, num_heads: int, max_len: int, dropout: float, time_buckets: int,

@@ -183,10 +183,18 @@ class MIND(InBatchRetrieval):
 
     Example::
 
-        data = make(SyntheticSequencesConfig, batch_size=8, max_len=6).build()
-        model = MIND(make(MINDConfig, embedding_dim=8, tower_layer_sizes=[16, 8], num_interests=3), features=data.features)
-        model.tower("user", batch.dense_features, batch.sparse_features)   # [8, 3, 8]
-        model(batch.dense_features, batch.sparse_features)                 # [8, 8]
+        >>> from recsys_runner.configurable import make
+        >>> from recsys_runner.data.generated.synthetic_sequences import SyntheticSequencesConfig
+        >>> from recsys_runner.models.common import materialize
+        >>> from recsys_runner.models.mind import MIND, MINDConfig
+        >>> data = make(SyntheticSequencesConfig, batch_size=8, max_len=6).build()
+        >>> batch = next(iter(data.train_batches(epoch=0, rank=0, world_size=1)))
+        >>> model = materialize(MIND(make(MINDConfig, embedding_dim=8, tower_layer_sizes=[16, 8], num_interests=3),
+        ...                            features=data.features))
+        >>> model.tower("user", batch.dense_features, batch.sparse_features).shape   # 3 interests per user
+        torch.Size([8, 3, 8])
+        >>> model(batch.dense_features, batch.sparse_features).shape   # every user against every item of the batch
+        torch.Size([8, 8])
     """
 
     same_embedding_width: ClassVar[str | None] = None

@@ -88,8 +88,11 @@ class FactorizationMachineBlock(nn.Module):
 
     Example::
 
-        fmb = FactorizationMachineBlock(num_fields=27, out_fields=16, embedding_dim=16, rank=8, layer_sizes=[64])
-        out = fmb(x)   # [B, 27, 16] → [B, 16, 16]
+        >>> import torch
+        >>> from recsys_runner.models.wukong import FactorizationMachineBlock
+        >>> fmb = FactorizationMachineBlock(num_fields=27, out_fields=16, embedding_dim=16, rank=8, layer_sizes=[64])
+        >>> fmb(torch.randn(4, 27, 16)).shape   # X [B, n, D] → [B, n_F, D]
+        torch.Size([4, 16, 16])
     """
 
     def __init__(self, num_fields: int, out_fields: int, embedding_dim: int, rank: int, layer_sizes: list[int],
@@ -160,9 +163,17 @@ class Wukong(nn.Module):
 
     Example::
 
-        model = Wukong(WukongConfig(embedding_dim=8, dense_arch_layer_sizes=[None], num_layers=2, num_fmb_fields=4,
-                                    num_lcb_fields=4, fmb_rank=4, fmb_layer_sizes=[32], deep_layer_sizes=[32]),
-                       features=data.features)
+        >>> from recsys_runner.configurable import make
+        >>> from recsys_runner.data.generated.synthetic import SyntheticDataConfig
+        >>> from recsys_runner.models.common import materialize
+        >>> from recsys_runner.models.wukong import Wukong, WukongConfig
+        >>> data = make(SyntheticDataConfig, batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50).build()
+        >>> batch = next(iter(data.train_batches(epoch=0, rank=0, world_size=1)))
+        >>> config = WukongConfig(embedding_dim=8, dense_arch_layer_sizes=[None], num_layers=2, num_fmb_fields=4,
+        ...                       num_lcb_fields=4, fmb_rank=4, fmb_layer_sizes=[32], deep_layer_sizes=[32])
+        >>> model = materialize(Wukong(config, features=data.features))
+        >>> model(batch.dense_features, batch.sparse_features).shape
+        torch.Size([8])
     """
 
     same_embedding_width: ClassVar[str | None] = (
