@@ -88,6 +88,15 @@ class CrossLayer(nn.Module):
         width: ``W``.
         low_rank: ``r`` to factor ``W = U Vᵀ`` (``U, V`` are ``W × r``); ``None`` for a full matrix.
         device: device of the parameters.
+
+    Example::
+
+        >>> import torch
+        >>> from recsys_runner.models.dcn_v2 import CrossLayer
+        >>> layer = CrossLayer(width=6, low_rank=2)
+        >>> x0 = torch.randn(4, 6)
+        >>> layer(x0, x0).shape   # the first layer: x is x0
+        torch.Size([4, 6])
     """
 
     def __init__(self, width: int, low_rank: int | None = None, device: torch.device | None = None) -> None:
@@ -102,7 +111,15 @@ class CrossLayer(nn.Module):
 
 
 class CrossNetwork(nn.Module):
-    """``L`` stacked cross layers: ``x0 [B, W] → [B, W]`` (crosses up to degree ``L + 1``)."""
+    """``L`` stacked cross layers: ``x0 [B, W] → [B, W]`` (crosses up to degree ``L + 1``).
+
+    Example::
+
+        >>> import torch
+        >>> from recsys_runner.models.dcn_v2 import CrossNetwork
+        >>> CrossNetwork(width=6, num_layers=3)(torch.randn(4, 6)).shape   # x0 [B, W] → [B, W]
+        torch.Size([4, 6])
+    """
 
     def __init__(self, width: int, num_layers: int, low_rank: int | None = None, device: torch.device | None = None) -> None:
         super().__init__()

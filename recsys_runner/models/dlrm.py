@@ -47,6 +47,14 @@ class DotInteraction(nn.Module):
 
     Concatenates the dense vector with the strictly-upper-triangular pairwise dot products of all
     ``F+1`` vectors.
+
+    Example::
+
+        >>> import torch
+        >>> from recsys_runner.models.dlrm import DotInteraction
+        >>> interaction = DotInteraction(num_sparse=3)
+        >>> interaction(torch.randn(4, 8), torch.randn(4, 3, 8)).shape   # [B, 8 + 4·3/2]: the dense vector, 6 dot products
+        torch.Size([4, 14])
     """
 
     rows: torch.Tensor

@@ -64,7 +64,15 @@ class MaskNetConfig(ModelConfig):
 
 class FieldNorm(nn.Module):
     """``LN_EMB``: each field layer-normalized over its own ``D`` values, with a gain and bias per field:
-    ``[B, m, D] → [B, m, D]``."""
+    ``[B, m, D] → [B, m, D]``.
+
+    Example::
+
+        >>> import torch
+        >>> from recsys_runner.models.masknet import FieldNorm
+        >>> FieldNorm(num_fields=5, embedding_dim=8)(torch.randn(4, 5, 8)).shape
+        torch.Size([4, 5, 8])
+    """
 
     def __init__(self, num_fields: int, embedding_dim: int, device: torch.device | None = None) -> None:
         super().__init__()

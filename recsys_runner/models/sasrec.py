@@ -136,6 +136,15 @@ class SASRecBlock(nn.Module):
     ``x + Dropout(CausalSelfAttention(LN(x)))``, then ``+ Dropout(FFN(LN(·)))`` with a ReLU feed-forward of width
     ``D``; position ``i`` attends to positions ``j <= i`` (padding lies after every real position, so causality keeps
     it out of the real positions' states). ``times`` is ignored (SASRec has no time bias).
+
+    Example::
+
+        >>> import torch
+        >>> from recsys_runner.models.sasrec import SASRecBlock
+        >>> block = SASRecBlock(dim=16, num_heads=2, dropout=0.0)
+        >>> mask = torch.arange(10) < torch.tensor([[10], [4], [1], [7]])   # [B, L]: each row's real positions, left-aligned
+        >>> block(torch.randn(4, 10, 16), mask).shape
+        torch.Size([4, 10, 16])
     """
 
     def __init__(self, dim: int, num_heads: int, dropout: float, device: torch.device | None = None) -> None:

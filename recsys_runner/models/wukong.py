@@ -114,7 +114,15 @@ class FactorizationMachineBlock(nn.Module):
 
 class FieldMix(nn.Module):
     """A linear map of the field axis, ``X [B, n, D] → W X [B, n_out, D]`` with ``W [n_out, n]`` and no bias: the LCB, and
-    the residual's projection when a layer changes the number of fields."""
+    the residual's projection when a layer changes the number of fields.
+
+    Example::
+
+        >>> import torch
+        >>> from recsys_runner.models.wukong import FieldMix
+        >>> FieldMix(num_fields=27, out_fields=16)(torch.randn(4, 27, 8)).shape   # X [B, n, D] → [B, n_out, D]
+        torch.Size([4, 16, 8])
+    """
 
     def __init__(self, num_fields: int, out_fields: int, device: torch.device | None = None) -> None:
         super().__init__()
@@ -136,6 +144,14 @@ class WukongLayer(nn.Module):
         rank: the FMB's ``k``.
         fmb_layer_sizes: the FMB MLP's hidden layers.
         device: device of the weights.
+
+    Example::
+
+        >>> import torch
+        >>> from recsys_runner.models.wukong import WukongLayer
+        >>> layer = WukongLayer(num_fields=27, embedding_dim=16, fmb_fields=16, lcb_fields=8, rank=8, fmb_layer_sizes=[64])
+        >>> layer(torch.randn(4, 27, 16)).shape   # [B, n_F + n_L, D]
+        torch.Size([4, 24, 16])
     """
 
     def __init__(self, num_fields: int, embedding_dim: int, fmb_fields: int, lcb_fields: int, rank: int,

@@ -110,6 +110,14 @@ class CIN(nn.Module):
         layer_sizes: ``H_k`` of each layer (even before the last with ``split_half``).
         split_half: split each layer's maps between the output and the next layer.
         device: device of the weights.
+
+    Example::
+
+        >>> import torch
+        >>> from recsys_runner.models.xdeepfm import CIN
+        >>> cin = CIN(num_fields=4, layer_sizes=[16, 16])
+        >>> cin(torch.randn(2, 4, 8)).shape, cin.output_dim   # half the first layer's 16 maps, then all of the last's
+        (torch.Size([2, 24]), 24)
     """
 
     def __init__(self, num_fields: int, layer_sizes: list[int], split_half: bool = True, device: torch.device | None = None) -> None:
