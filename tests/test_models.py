@@ -111,7 +111,8 @@ def test_every_model_declares_its_config(name: str) -> None:
 
 @pytest.mark.parametrize("name", MODELS)
 def test_every_model_documents_its_shapes_and_an_example(name: str) -> None:
-    """STYLE.md rule 5: the model class's docstring gives its input and output shapes and a runnable example."""
+    """STYLE.md rule 5: the model class's docstring gives its input and output shapes and a runnable example (which
+    tests/test_docstring_examples.py runs)."""
     doc = locate_class(GROUPS["model"][name]()._target_).__doc__ or ""
     assert "[B" in doc and "→" in doc, f"{name}: no shape legend (e.g. ``(dense [B, N], sparse KJT) → logits [B]``) in the class docstring"
     assert "Example::" in doc, f"{name}: no Example:: block in the class docstring"

@@ -189,7 +189,7 @@ class SASRec(nn.Module):
         >>> from recsys_runner.data.generated.synthetic_sequences import SyntheticSequencesConfig
         >>> from recsys_runner.models.common import materialize
         >>> from recsys_runner.models.sasrec import SASRec, SASRecConfig
-        >>> data = make(SyntheticSequencesConfig, batch_size=8, max_len=6, negatives=0.0).build()   # candidates: the next items
+        >>> data = make(SyntheticSequencesConfig, batch_size=8, max_len=6, num_items=100, negatives=0.0).build()   # candidates: the next items
         >>> batch = next(iter(data.train_batches(epoch=0, rank=0, world_size=1)))
         >>> model = materialize(SASRec(make(SASRecConfig, embedding_dim=8, num_blocks=1, block="hstu", num_heads=2),
         ...                              features=data.features))
@@ -197,9 +197,9 @@ class SASRec(nn.Module):
         >>> positions = int(batch.sparse_features["hist_item_id"].lengths().sum()) + 8   # each event's successor, then the candidate
         >>> logits.shape[0] == positives.shape[0] == positions
         True
-        >>> scores, items = model.eval()(batch.dense_features, batch.sparse_features)   # eval: every item's score [B, N], the true item [B]
-        >>> scores.shape, items.shape
-        (torch.Size([8, ...]), torch.Size([8]))
+        >>> scores, items = model.eval()(batch.dense_features, batch.sparse_features)   # eval: every item's score, the true item
+        >>> scores.shape, items.shape   # [B, N] over the N = 100 items, [B]
+        (torch.Size([8, 100]), torch.Size([8]))
     """
 
     same_embedding_width: ClassVar[str | None] = None
