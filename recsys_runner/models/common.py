@@ -159,6 +159,19 @@ class SparseArch(nn.Module):
 
     Raises:
         ConfigError: the model needs one width and a feature sets another, naming the model and why.
+
+    Example::
+
+        >>> from recsys_runner.configurable import make
+        >>> from recsys_runner.data.generated.synthetic import SyntheticDataConfig
+        >>> from recsys_runner.models.common import SparseArch, materialize
+        >>> from recsys_runner.models.deepfm import DeepFM
+        >>> data = make(SyntheticDataConfig, batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50).build()
+        >>> batch = next(iter(data.train_batches(epoch=0, rank=0, world_size=1)))
+        >>> arch = materialize(SparseArch(data.features, embedding_dim=8, model=DeepFM))   # DeepFM: one width for every table
+        >>> embedded = arch(batch.sparse_features)
+        >>> embedded.shape, arch.fields(embedded).shape   # [B, F·D], [B, F, D]
+        (torch.Size([8, 32]), torch.Size([8, 4, 8]))
     """
 
     def __init__(self, features: FeatureSpec, embedding_dim: int, model: type[nn.Module]) -> None:
@@ -193,7 +206,15 @@ class SparseArch(nn.Module):
 
 
 class DenseArch(nn.Module):
-    """MLP over the dense features: ``[B, N] → [B, layer_sizes[-1]]``."""
+    """MLP over the dense features: ``[B, N] → [B, layer_sizes[-1]]``.
+
+    Example::
+
+        >>> import torch
+        >>> from recsys_runner.models.common import DenseArch
+        >>> DenseArch(in_features=3, layer_sizes=[16, 8])(torch.randn(4, 3)).shape
+        torch.Size([4, 8])
+    """
 
     def __init__(self, in_features: int, layer_sizes: list[int], device: torch.device | None = None) -> None:
         super().__init__()
@@ -232,6 +253,17 @@ class LinearArch(nn.Module):
         device: device of the dense linear layer.
         zero_init: start every id's weight at 0 (FM's first-order weights, as libFM does: the term adds only
             what it learns, instead of 4·F random floats of noise per row of the logit at step 0).
+
+    Example::
+
+        >>> from recsys_runner.configurable import make
+        >>> from recsys_runner.data.generated.synthetic import SyntheticDataConfig
+        >>> from recsys_runner.models.common import LinearArch, materialize
+        >>> data = make(SyntheticDataConfig, batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50).build()
+        >>> batch = next(iter(data.train_batches(epoch=0, rank=0, world_size=1)))
+        >>> arch = materialize(LinearArch(data.features, prefix="linear_"))
+        >>> arch(batch.dense_features, batch.sparse_features).shape
+        torch.Size([8])
     """
 
     def __init__(self, features: FeatureSpec, prefix: str, device: torch.device | None = None, zero_init: bool = False) -> None:
@@ -308,6 +340,18 @@ class FieldArch(nn.Module):
         embedding_dim: ``D``.
         model: the model class that owns this arch (its ``same_embedding_width`` goes to :class:`SparseArch`).
         device: device of the dense fields' vectors (the tables start on ``meta``).
+
+    Example::
+
+        >>> from recsys_runner.configurable import make
+        >>> from recsys_runner.data.generated.synthetic import SyntheticDataConfig
+        >>> from recsys_runner.models.autoint import AutoInt
+        >>> from recsys_runner.models.common import FieldArch, materialize
+        >>> data = make(SyntheticDataConfig, batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50).build()
+        >>> batch = next(iter(data.train_batches(epoch=0, rank=0, world_size=1)))
+        >>> arch = materialize(FieldArch(data.features, embedding_dim=8, model=AutoInt))
+        >>> arch(batch.dense_features, batch.sparse_features).shape   # [B, N + F, D]: 3 dense fields, then 4 sparse ones
+        torch.Size([8, 7, 8])
     """
 
     def __init__(self, features: FeatureSpec, embedding_dim: int, model: type[nn.Module], device: torch.device | None = None) -> None:

@@ -43,6 +43,12 @@ class RelativeBias(nn.Module):
     Args:
         max_len: the longest block (distances ``0 … max_len - 1``).
         time_buckets: number of time-gap buckets; ``0``: no time bias (data without event times).
+
+    Example::
+
+        >>> from recsys_runner.models.hstu import RelativeBias
+        >>> RelativeBias(max_len=11, time_buckets=0)(10, None).shape   # positions alone: one bias for every row
+        torch.Size([1, 10, 10])
     """
 
     def __init__(self, max_len: int, time_buckets: int, device: torch.device | None = None) -> None:

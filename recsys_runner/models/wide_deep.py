@@ -55,7 +55,15 @@ class WideArch(LinearArch):
 
 
 class DeepArch(nn.Module):
-    """The deep head: ``dense [B, N], embeddings [B, ΣD_f] → [B]`` via an MLP and a 1-unit layer."""
+    """The deep head: ``dense [B, N], embeddings [B, ΣD_f] → [B]`` via an MLP and a 1-unit layer.
+
+    Example::
+
+        >>> import torch
+        >>> from recsys_runner.models.wide_deep import DeepArch
+        >>> DeepArch(in_features=3 + 32, layer_sizes=[16])(torch.randn(4, 3), torch.randn(4, 32)).shape   # dense, embeddings → [B]
+        torch.Size([4])
+    """
 
     def __init__(self, in_features: int, layer_sizes: list[int], device: torch.device | None = None) -> None:
         super().__init__()
