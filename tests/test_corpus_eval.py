@@ -23,14 +23,13 @@ from recsys_runner.errors import ConfigError
 from recsys_runner.metrics.corpus import corpus_ranks
 from recsys_runner.metrics.registry import MetricsConfig, metric_entry
 from recsys_runner.metrics.retrieval import Ranked, target_ranks
-from recsys_runner.models.common import TrainWrapper
+from recsys_runner.models.common import TrainWrapper, materialize
 from recsys_runner.models.dssm import DSSM, DSSMConfig, first_ids
 from recsys_runner.models.frequency import FrequencyEstimator
 from recsys_runner.train.corpus import CorpusEval
 from tests.conftest import TINY, torchrun
 from tests.test_evaluate import compose_entry
 from tests.test_export import check_export, export_cfg  # noqa: F401 - a fixture
-from tests.test_models import materialize
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = ["model=dssm", "data=synthetic_retrieval", "model.corpus_chunk_rows=400",

@@ -32,7 +32,7 @@ from recsys_runner.config import validate
 from recsys_runner.configurable import make
 from recsys_runner.data.generated.synthetic import SyntheticData, SyntheticDataConfig
 from recsys_runner.errors import ConfigError, DataError
-from recsys_runner.models.common import TrainWrapper
+from recsys_runner.models.common import TrainWrapper, materialize
 from recsys_runner.models.esmm import ESMM, ESMMConfig, product_logit
 from recsys_runner.tasks import BinaryTask
 from recsys_runner.train.loop import train
@@ -41,7 +41,7 @@ from tests.conftest import TINY, run_in_process, torchrun
 from tests.test_evaluate import compose_entry
 from tests.test_interaction_models import one_thread
 from tests.test_mlflow_model import ATOL, _click_rows, _scores, _trained
-from tests.test_models import CPU, materialize
+from tests.test_models import CPU
 
 
 def small(**values: Any) -> SyntheticData:

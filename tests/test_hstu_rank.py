@@ -29,7 +29,7 @@ from recsys_runner.configurable import make
 from recsys_runner.errors import ConfigError
 from recsys_runner.features import FeatureSpec, SequenceGroup, SparseFeature
 from recsys_runner.models import hstu_rank
-from recsys_runner.models.common import ModelConfig
+from recsys_runner.models.common import ModelConfig, materialize
 from recsys_runner.models.din import DINConfig
 from recsys_runner.models.hstu import HSTUBlock
 from recsys_runner.models.hstu_rank import HSTURankConfig
@@ -37,7 +37,7 @@ from recsys_runner.models.jagged import tile
 from recsys_runner.models.sasrec import SASRecConfig
 from tests.test_interaction_models import one_thread
 from tests.test_mlflow_model import ATOL, _scores, _trained
-from tests.test_models import CPU, materialize, small_sequences
+from tests.test_models import CPU, small_sequences
 from tests.test_sequence_files import columns, histories, write_csv
 
 # --- the tiling -----------------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from recsys_runner.configurable import make
 from recsys_runner.errors import ConfigError
 from recsys_runner.features import FeatureSpec, SparseFeature
 from recsys_runner.models.autoint import AutoInt, AutoIntConfig, InteractingLayer
-from recsys_runner.models.common import ModelConfig
+from recsys_runner.models.common import ModelConfig, materialize
 from recsys_runner.models.dcn import DCN, DCNConfig
 from recsys_runner.models.fm import FMConfig
 from recsys_runner.models.masknet import FieldNorm, MaskBlock, MaskNet
@@ -36,7 +36,7 @@ from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.serving import program as serving
 from tests.conftest import TINY
 from tests.test_export import train_and_score
-from tests.test_models import CPU, build, materialize, small_data
+from tests.test_models import CPU, build, small_data
 
 TINY_SIZES = {
     "xdeepfm": ["model.embedding_dim=8", "model.cin_layer_sizes=[8,8]", "model.deep_layer_sizes=[16]"],

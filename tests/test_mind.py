@@ -34,6 +34,7 @@ from recsys_runner.data.generated.synthetic_sequences import SyntheticSequencesC
 from recsys_runner.errors import ConfigError
 from recsys_runner.features import FeatureSpec, SequenceGroup, SparseFeature
 from recsys_runner.metrics.corpus import corpus_ranks
+from recsys_runner.models.common import materialize
 from recsys_runner.models.dssm import tower_scores
 from recsys_runner.models.mind import MIND, InterestCapsules, LabelAwareAttention, MINDConfig, interest_counts, squash
 from recsys_runner.paths import CONFIG_PATH
@@ -45,7 +46,7 @@ from tests.conftest import torchrun
 from tests.test_evaluate import compose_entry
 from tests.test_export import run_fresh
 from tests.test_interaction_models import one_thread
-from tests.test_models import CPU, materialize, small_sequences
+from tests.test_models import CPU, small_sequences
 
 MIND_TINY = ["model=mind", "model.embedding_dim=8", "model.tower_layer_sizes=[16,8]", "model.num_interests=3",
              "model.corpus_chunk_rows=128", "model.eval_metrics=[inbatch_recall@10,recall@10,recall@50,ndcg@10,mrr]",

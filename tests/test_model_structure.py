@@ -13,10 +13,11 @@ from recsys_runner.build import build
 from recsys_runner.config import validate
 from recsys_runner.configurable import make
 from recsys_runner.errors import ConfigError
+from recsys_runner.models.common import materialize
 from recsys_runner.models.deepfm import DeepFM, DeepFMConfig
 from recsys_runner.train.loop import train
 from tests.test_checkpoint import local
-from tests.test_models import CPU, MODELS, materialize, small_data
+from tests.test_models import CPU, MODELS, small_data
 
 
 @pytest.mark.parametrize("name", [m for m in MODELS if m != "lr"])  # logistic regression has no embeddings

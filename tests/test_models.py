@@ -2,7 +2,8 @@
 
 Models are built as the runner builds them — the composed ``model`` config, validated into its
 ``ModelConfig``, whose ``build`` is given ``features`` and ``dense_device`` — but without DistributedModelParallel, so the embedding
-tables (created on ``meta``) are materialized here on CPU and initialized with each table's ``init_fn``.
+tables (created on ``meta``) are materialized on CPU by :func:`~recsys_runner.models.common.materialize` (which the other
+model tests import from here).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import pytest
 import torch
 from torch import nn
 from torchrec.datasets.utils import Batch
-from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from recsys_runner.__main__ import run
 from recsys_runner.config import GROUPS, validate
@@ -24,8 +24,10 @@ from recsys_runner.data.base import DataModule
 from recsys_runner.data.generated.synthetic import SyntheticData, SyntheticDataConfig
 from recsys_runner.data.generated.synthetic_sequences import SyntheticSequences, SyntheticSequencesConfig
 from recsys_runner.errors import ConfigError
-from recsys_runner.models.common import ModelConfig
+from recsys_runner.features import FeatureSpec, ManagedCollision, SparseFeature
+from recsys_runner.models.common import ModelConfig, materialize
 from recsys_runner.models.dcn_v2 import CrossLayer, CrossNetwork, DCNv2, DCNv2Config
+from recsys_runner.models.lr import LogisticRegression, LRConfig
 from recsys_runner.models.wide_deep import WideArch
 from recsys_runner.paths import CONFIG_PATH
 
@@ -82,28 +84,22 @@ def check_sasrec_output(out: tuple[torch.Tensor, torch.Tensor], batch: Batch) ->
     assert int(positives.max()) == logits.shape[1] - 1
 
 
-def materialize(model: nn.Module) -> nn.Module:
-    """Allocate the ``meta`` embedding tables on CPU and initialize them (DMP does this when sharding): pooled tables
-    (EmbeddingBagCollection) and the unpooled tables of sequence models (EmbeddingCollection)."""
-    for module in model.modules():
-        if isinstance(module, EmbeddingBagCollection):
-            module.to_empty(device=CPU)
-            for table in module.embedding_bag_configs():
-                assert table.init_fn is not None
-                table.init_fn(module.embedding_bags[table.name].weight)
-        elif isinstance(module, EmbeddingCollection):
-            module.to_empty(device=CPU)
-            for config in module.embedding_configs():
-                assert config.init_fn is not None
-                config.init_fn(module.embeddings[config.name].weight)
-    return model
-
-
 def build(make_cfg, name: str, *overrides: str, seed: int = 0) -> nn.Module:
     cfg = make_cfg(f"model={name}", "tracking=none", *overrides)
     model_config = validate(cfg).model
     torch.manual_seed(seed)
     return materialize(model_config.build(features=small_data(name).features, dense_device=CPU))
+
+
+def test_materialize_names_what_only_sharding_builds() -> None:
+    """A managed-collision module's mapping starts on ``meta`` too and only DistributedModelParallel rebuilds it:
+    :func:`materialize` says so and how to avoid it, rather than leaving a model that fails at its first lookup."""
+    managed = SparseFeature("u", 10, managed_collision=ManagedCollision(input_hash_size=1000, eviction_interval=1))
+    features = FeatureSpec(dense_names=("d",), sparse=(managed, SparseFeature("v", 10)))
+    with pytest.raises(ValueError, match=r"LogisticRegression still has tensors on meta.*linear_t_u\._.*Fix: drop managed_collision"):
+        materialize(LogisticRegression(make(LRConfig), features=features))
+    plain = materialize(LogisticRegression(make(LRConfig), features=FeatureSpec(dense_names=("d",), sparse=(SparseFeature("v", 10),))))
+    assert not any(t.is_meta for t in plain.parameters())
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -115,7 +111,8 @@ def test_every_model_declares_its_config(name: str) -> None:
 
 @pytest.mark.parametrize("name", MODELS)
 def test_every_model_documents_its_shapes_and_an_example(name: str) -> None:
-    """STYLE.md rule 5: the model class's docstring gives its input and output shapes and a runnable example."""
+    """STYLE.md rule 5: the model class's docstring gives its input and output shapes and a runnable example (which
+    tests/test_docstring_examples.py runs)."""
     doc = locate_class(GROUPS["model"][name]()._target_).__doc__ or ""
     assert "[B" in doc and "→" in doc, f"{name}: no shape legend (e.g. ``(dense [B, N], sparse KJT) → logits [B]``) in the class docstring"
     assert "Example::" in doc, f"{name}: no Example:: block in the class docstring"

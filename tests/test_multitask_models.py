@@ -20,13 +20,14 @@ from recsys_runner.config import validate
 from recsys_runner.configurable import make
 from recsys_runner.data.generated.synthetic import SyntheticData, SyntheticDataConfig
 from recsys_runner.errors import ConfigError
+from recsys_runner.models.common import materialize
 from recsys_runner.models.dbmtl import DBMTLConfig, dependency_order, task_dependencies
 from recsys_runner.models.mmoe import MMoEConfig
 from recsys_runner.models.ple import PLEConfig
 from tests.conftest import TINY, run_in_process, torchrun
 from tests.test_evaluate import compose_entry
 from tests.test_export import check_export, export_cfg  # noqa: F401 - a fixture
-from tests.test_models import CPU, materialize, small_data
+from tests.test_models import CPU, small_data
 
 DATA = small_data("ple")
 """Eight-row batches with a ``ctr`` and a ``cvr`` label, 3 dense and 4 sparse features (tables of 50 rows)."""

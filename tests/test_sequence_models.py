@@ -23,9 +23,10 @@ from recsys_runner.configurable import make
 from recsys_runner.errors import ConfigError
 from recsys_runner.features import FeatureSpec, SequenceGroup, SparseFeature
 from recsys_runner.models.bst import BST, BehaviorTransformer, BSTConfig, TimeGapBuckets
+from recsys_runner.models.common import materialize
 from recsys_runner.models.din import DIN, DINConfig, TargetAttention
 from recsys_runner.models.sequence import History, SequenceArch
-from tests.test_models import materialize, small_data, small_sequences
+from tests.test_models import small_data, small_sequences
 
 SEQ = ["data=synthetic_sequences", "data.batch_size=256", "data.num_train_rows=65536", "data.num_eval_rows=4096",
        "data.num_users=2000", "data.num_items=500", "data.num_categories=50", "data.max_len=20",

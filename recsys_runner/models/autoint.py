@@ -67,8 +67,11 @@ class InteractingLayer(nn.Module):
 
     Example::
 
-        layer = InteractingLayer(in_dim=16, attention_dim=32, num_heads=2)
-        out = layer(fields)   # [B, m, 16] → [B, m, 64]
+        >>> import torch
+        >>> from recsys_runner.models.autoint import InteractingLayer
+        >>> layer = InteractingLayer(in_dim=16, attention_dim=32, num_heads=2)
+        >>> layer(torch.randn(4, 5, 16)).shape   # fields [B, m, 16] → [B, m, 2 × 32]
+        torch.Size([4, 5, 64])
     """
 
     def __init__(self, in_dim: int, attention_dim: int, num_heads: int, residual: bool = True,
@@ -102,8 +105,16 @@ class AutoInt(nn.Module):
 
     Example::
 
-        model = AutoInt(AutoIntConfig(embedding_dim=8, num_layers=2, num_heads=2, attention_dim=8, deep_layer_sizes=[]),
-                        features=data.features)
+        >>> from recsys_runner.configurable import make
+        >>> from recsys_runner.data.generated.synthetic import SyntheticDataConfig
+        >>> from recsys_runner.models.common import materialize
+        >>> from recsys_runner.models.autoint import AutoInt, AutoIntConfig
+        >>> data = make(SyntheticDataConfig, batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50).build()
+        >>> batch = next(iter(data.train_batches(epoch=0, rank=0, world_size=1)))
+        >>> config = AutoIntConfig(embedding_dim=8, num_layers=2, num_heads=2, attention_dim=8, deep_layer_sizes=[])
+        >>> model = materialize(AutoInt(config, features=data.features))
+        >>> model(batch.dense_features, batch.sparse_features).shape
+        torch.Size([8])
     """
 
     same_embedding_width: ClassVar[str | None] = "its attention takes dot products between every pair of fields"

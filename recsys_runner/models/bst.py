@@ -135,8 +135,11 @@ class TimeGapBuckets(nn.Module):
 
     Example::
 
-        buckets = TimeGapBuckets(32)(torch.tensor([[0, 3, 7]]), torch.tensor([3]), torch.ones(1, 3, dtype=torch.bool))
-        # gaps [7, 4, 0] seconds → tensor([[3, 2, 0]])
+        >>> import torch
+        >>> from recsys_runner.models.bst import TimeGapBuckets
+        >>> timestamps, lengths, mask = torch.tensor([[0, 3, 7]]), torch.tensor([3]), torch.ones(1, 3, dtype=torch.bool)
+        >>> TimeGapBuckets(32)(timestamps, lengths, mask)   # gaps [7, 4, 0] seconds → floor(log2(1 + gap))
+        tensor([[3, 2, 0]])
     """
 
     def __init__(self, num_buckets: int) -> None:
@@ -174,9 +177,16 @@ class BehaviorTransformer(nn.Module):
 
     Example::
 
-        encoder = BehaviorTransformer(dim=32, num_positions=51, num_blocks=1, num_heads=4, feedforward_dim=128,
-                                      dropout=0.0, readout="mean")
-        out = encoder(candidate, history, positions, use_history=True)   # [B, 32]
+        >>> import torch
+        >>> from recsys_runner.models.bst import BehaviorTransformer
+        >>> from recsys_runner.models.sequence import History
+        >>> encoder = BehaviorTransformer(dim=32, num_positions=51, num_blocks=1, num_heads=4, feedforward_dim=128,
+        ...                               dropout=0.0, readout="mean")
+        >>> lengths = torch.tensor([5, 2, 0, 3])
+        >>> history = History(values=torch.randn(4, 5, 32), mask=torch.arange(5) < lengths.unsqueeze(1), lengths=lengths)
+        >>> positions = torch.arange(5).expand(4, 5)   # [B, L]: each event's positional index
+        >>> encoder(torch.randn(4, 32), history, positions, use_history=True).shape   # candidate [B, 32] → [B, 32]
+        torch.Size([4, 32])
     """
 
     def __init__(self, dim: int, num_positions: int, num_blocks: int, num_heads: int, feedforward_dim: int, dropout: float,
@@ -251,8 +261,15 @@ class BST(nn.Module):
 
     Example::
 
-        model = make(BSTConfig, num_heads=2).build(features=SyntheticSequences(make(SyntheticSequencesConfig)).features)
-        logits = model(batch.dense_features, batch.sparse_features)   # [B]
+        >>> from recsys_runner.configurable import make
+        >>> from recsys_runner.data.generated.synthetic_sequences import SyntheticSequencesConfig
+        >>> from recsys_runner.models.common import materialize
+        >>> from recsys_runner.models.bst import BSTConfig
+        >>> data = make(SyntheticSequencesConfig, batch_size=8, max_len=6).build()
+        >>> batch = next(iter(data.train_batches(epoch=0, rank=0, world_size=1)))
+        >>> model = materialize(make(BSTConfig, embedding_dim=8, num_heads=2).build(features=data.features))
+        >>> model(batch.dense_features, batch.sparse_features).shape
+        torch.Size([8])
     """
 
     same_embedding_width: ClassVar[str | None] = None

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torchrec.datasets.utils import Batch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.modules.mlp import MLP
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -24,7 +25,7 @@ from recsys_runner.models.lookup import concatenated_lookup, managed_feature_nam
 from recsys_runner.tasks import SINGLE_TASK, Task
 
 __all__ = ["LINEAR_ROW_WIDTH", "MLP", "DenseArch", "DenseFields", "FMInteraction", "FieldArch", "LinearArch", "ModelConfig",
-           "SparseArch", "TaskWeighting", "TrainWrapper", "check_layer_sizes", "embedding_width_rule", "projection_sizes", "shared_representation"]
+           "SparseArch", "TaskWeighting", "TrainWrapper", "check_layer_sizes", "embedding_width_rule", "materialize", "projection_sizes", "shared_representation"]
 
 LINEAR_ROW_WIDTH = 4
 """Floats per id in a :class:`LinearArch` table: fbgemm's fused kernels store rows in multiples of 4, so an
@@ -61,6 +62,34 @@ class ModelConfig(Configurable):
         """
         model: nn.Module = self.component_class()(self, features=features, dense_device=dense_device)
         return model
+
+
+def materialize(model: nn.Module, device: torch.device | str = "cpu") -> nn.Module:
+    """``model`` (in place) with its ``meta`` embedding tables allocated on ``device`` and initialized by each table's
+    ``init_fn``: what DistributedModelParallel does for the shards a rank owns, for a model used in one process
+    without it (the docstrings' examples, tests, a notebook). The runner never calls this; it shards.
+
+    Raises:
+        ValueError: a tensor that is no embedding table is still on ``meta``: a managed-collision module's mapping,
+            which DistributedModelParallel rebuilds per shard (build such a model with ``build()``, sharded).
+    """
+    for module in model.modules():
+        if isinstance(module, EmbeddingBagCollection):
+            module.to_empty(device=device)
+            for table in module.embedding_bag_configs():
+                assert table.init_fn is not None  # TorchRec's config sets one when none is given
+                table.init_fn(module.embedding_bags[table.name].weight)
+        elif isinstance(module, EmbeddingCollection):
+            module.to_empty(device=device)
+            for config in module.embedding_configs():
+                assert config.init_fn is not None
+                config.init_fn(module.embeddings[config.name].weight)
+    left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"{type(model).__name__} still has tensors on meta that materialize() cannot initialize: {left[:3]} "
+                         f"(managed-collision modules are rebuilt per shard by DistributedModelParallel). Fix: drop "
+                         f"managed_collision from the features, or build the model sharded")
+    return model
 
 
 def embedding_width_rule(model: type[nn.Module]) -> str | None:
@@ -130,6 +159,19 @@ class SparseArch(nn.Module):
 
     Raises:
         ConfigError: the model needs one width and a feature sets another, naming the model and why.
+
+    Example::
+
+        >>> from recsys_runner.configurable import make
+        >>> from recsys_runner.data.generated.synthetic import SyntheticDataConfig
+        >>> from recsys_runner.models.common import SparseArch, materialize
+        >>> from recsys_runner.models.deepfm import DeepFM
+        >>> data = make(SyntheticDataConfig, batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50).build()
+        >>> batch = next(iter(data.train_batches(epoch=0, rank=0, world_size=1)))
+        >>> arch = materialize(SparseArch(data.features, embedding_dim=8, model=DeepFM))   # DeepFM: one width for every table
+        >>> embedded = arch(batch.sparse_features)
+        >>> embedded.shape, arch.fields(embedded).shape   # [B, F·D], [B, F, D]
+        (torch.Size([8, 32]), torch.Size([8, 4, 8]))
     """
 
     def __init__(self, features: FeatureSpec, embedding_dim: int, model: type[nn.Module]) -> None:
@@ -164,7 +206,15 @@ class SparseArch(nn.Module):
 
 
 class DenseArch(nn.Module):
-    """MLP over the dense features: ``[B, N] → [B, layer_sizes[-1]]``."""
+    """MLP over the dense features: ``[B, N] → [B, layer_sizes[-1]]``.
+
+    Example::
+
+        >>> import torch
+        >>> from recsys_runner.models.common import DenseArch
+        >>> DenseArch(in_features=3, layer_sizes=[16, 8])(torch.randn(4, 3)).shape
+        torch.Size([4, 8])
+    """
 
     def __init__(self, in_features: int, layer_sizes: list[int], device: torch.device | None = None) -> None:
         super().__init__()
@@ -203,6 +253,17 @@ class LinearArch(nn.Module):
         device: device of the dense linear layer.
         zero_init: start every id's weight at 0 (FM's first-order weights, as libFM does: the term adds only
             what it learns, instead of 4·F random floats of noise per row of the logit at step 0).
+
+    Example::
+
+        >>> from recsys_runner.configurable import make
+        >>> from recsys_runner.data.generated.synthetic import SyntheticDataConfig
+        >>> from recsys_runner.models.common import LinearArch, materialize
+        >>> data = make(SyntheticDataConfig, batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50).build()
+        >>> batch = next(iter(data.train_batches(epoch=0, rank=0, world_size=1)))
+        >>> arch = materialize(LinearArch(data.features, prefix="linear_"))
+        >>> arch(batch.dense_features, batch.sparse_features).shape
+        torch.Size([8])
     """
 
     def __init__(self, features: FeatureSpec, prefix: str, device: torch.device | None = None, zero_init: bool = False) -> None:
@@ -229,7 +290,15 @@ class LinearArch(nn.Module):
 
 class FMInteraction(nn.Module):
     """Second-order factorization-machine term: ``[B, F, D] → [B]``, ``½ Σ_d ((Σ_f v)² − Σ_f v²)``: the sum of the
-    dot products of every pair of fields, in ``O(F·D)``."""
+    dot products of every pair of fields, in ``O(F·D)``.
+
+    Example::
+
+        >>> import torch
+        >>> from recsys_runner.models.common import FMInteraction
+        >>> FMInteraction()(torch.ones(2, 3, 4))   # 3 fields of four ones: 3 pairs, each dot product 4
+        tensor([12., 12.])
+    """
 
     def forward(self, fields: torch.Tensor) -> torch.Tensor:
         square_of_sum = fields.sum(dim=1).pow(2)
@@ -239,7 +308,15 @@ class FMInteraction(nn.Module):
 
 class DenseFields(nn.Module):
     """Each dense feature as a field of width ``D``: ``dense [B, N] → [B, N, D]``, ``x_j · v_j`` with a learned
-    vector ``v_j`` per feature (how a factorization machine embeds a real-valued input)."""
+    vector ``v_j`` per feature (how a factorization machine embeds a real-valued input).
+
+    Example::
+
+        >>> import torch
+        >>> from recsys_runner.models.common import DenseFields
+        >>> DenseFields(num_dense=3, embedding_dim=8)(torch.randn(4, 3)).shape
+        torch.Size([4, 3, 8])
+    """
 
     def __init__(self, num_dense: int, embedding_dim: int, device: torch.device | None = None) -> None:
         super().__init__()
@@ -263,6 +340,18 @@ class FieldArch(nn.Module):
         embedding_dim: ``D``.
         model: the model class that owns this arch (its ``same_embedding_width`` goes to :class:`SparseArch`).
         device: device of the dense fields' vectors (the tables start on ``meta``).
+
+    Example::
+
+        >>> from recsys_runner.configurable import make
+        >>> from recsys_runner.data.generated.synthetic import SyntheticDataConfig
+        >>> from recsys_runner.models.autoint import AutoInt
+        >>> from recsys_runner.models.common import FieldArch, materialize
+        >>> data = make(SyntheticDataConfig, batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50).build()
+        >>> batch = next(iter(data.train_batches(epoch=0, rank=0, world_size=1)))
+        >>> arch = materialize(FieldArch(data.features, embedding_dim=8, model=AutoInt))
+        >>> arch(batch.dense_features, batch.sparse_features).shape   # [B, N + F, D]: 3 dense fields, then 4 sparse ones
+        torch.Size([8, 7, 8])
     """
 
     def __init__(self, features: FeatureSpec, embedding_dim: int, model: type[nn.Module], device: torch.device | None = None) -> None:

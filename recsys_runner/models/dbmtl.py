@@ -139,10 +139,16 @@ class DBMTL(nn.Module):
 
     Example::
 
-        data = make(SyntheticDataConfig, batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50, tasks=["ctr", "cvr"]).build()
-        model = DBMTL(DBMTLConfig(embedding_dim=8, tasks=["ctr", "cvr"], bottom_layer_sizes=[16], tower_layer_sizes=[8],
-                                  relations={"cvr": ["ctr"]}, relation_layer_sizes=[8]), features=data.features)
-        model(batch.dense_features, batch.sparse_features)   # {"ctr": [8], "cvr": [8]}; cvr's tower reads ctr's too
+        >>> from recsys_runner.configurable import make
+        >>> from recsys_runner.data.generated.synthetic import SyntheticDataConfig
+        >>> from recsys_runner.models.common import materialize
+        >>> from recsys_runner.models.dbmtl import DBMTL, DBMTLConfig
+        >>> data = make(SyntheticDataConfig, batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50, tasks=["ctr", "cvr"]).build()
+        >>> batch = next(iter(data.train_batches(epoch=0, rank=0, world_size=1)))
+        >>> model = materialize(DBMTL(DBMTLConfig(embedding_dim=8, tasks=["ctr", "cvr"], bottom_layer_sizes=[16], tower_layer_sizes=[8],
+        ...                                       relations={"cvr": ["ctr"]}, relation_layer_sizes=[8]), features=data.features))
+        >>> {task: logits.shape for task, logits in model(batch.dense_features, batch.sparse_features).items()}   # cvr's tower reads ctr's too
+        {'ctr': torch.Size([8]), 'cvr': torch.Size([8])}
     """
 
     shared_module: ClassVar[str] = "bottom"

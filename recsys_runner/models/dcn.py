@@ -64,7 +64,16 @@ class DCN(nn.Module):
 
     Example::
 
-        model = DCN(DCNConfig(embedding_dim=8, num_cross_layers=2, deep_layer_sizes=[32]), features=data.features)
+        >>> from recsys_runner.configurable import make
+        >>> from recsys_runner.data.generated.synthetic import SyntheticDataConfig
+        >>> from recsys_runner.models.common import materialize
+        >>> from recsys_runner.models.dcn import DCN, DCNConfig
+        >>> data = make(SyntheticDataConfig, batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50).build()
+        >>> batch = next(iter(data.train_batches(epoch=0, rank=0, world_size=1)))
+        >>> config = DCNConfig(embedding_dim=8, num_cross_layers=2, deep_layer_sizes=[32])
+        >>> model = materialize(DCN(config, features=data.features))
+        >>> model(batch.dense_features, batch.sparse_features).shape
+        torch.Size([8])
     """
 
     same_embedding_width: ClassVar[str | None] = None

@@ -88,6 +88,15 @@ class CrossLayer(nn.Module):
         width: ``W``.
         low_rank: ``r`` to factor ``W = U Vᵀ`` (``U, V`` are ``W × r``); ``None`` for a full matrix.
         device: device of the parameters.
+
+    Example::
+
+        >>> import torch
+        >>> from recsys_runner.models.dcn_v2 import CrossLayer
+        >>> layer = CrossLayer(width=6, low_rank=2)
+        >>> x0 = torch.randn(4, 6)
+        >>> layer(x0, x0).shape   # the first layer: x is x0
+        torch.Size([4, 6])
     """
 
     def __init__(self, width: int, low_rank: int | None = None, device: torch.device | None = None) -> None:
@@ -102,7 +111,15 @@ class CrossLayer(nn.Module):
 
 
 class CrossNetwork(nn.Module):
-    """``L`` stacked cross layers: ``x0 [B, W] → [B, W]`` (crosses up to degree ``L + 1``)."""
+    """``L`` stacked cross layers: ``x0 [B, W] → [B, W]`` (crosses up to degree ``L + 1``).
+
+    Example::
+
+        >>> import torch
+        >>> from recsys_runner.models.dcn_v2 import CrossNetwork
+        >>> CrossNetwork(width=6, num_layers=3)(torch.randn(4, 6)).shape   # x0 [B, W] → [B, W]
+        torch.Size([4, 6])
+    """
 
     def __init__(self, width: int, num_layers: int, low_rank: int | None = None, device: torch.device | None = None) -> None:
         super().__init__()
@@ -130,10 +147,20 @@ class DCNv2(nn.Module):
 
     Example::
 
-        model = DCNv2(DCNv2Config(embedding_dim=8, num_cross_layers=2, low_rank=16, structure="stacked",
-                                  deep_layer_sizes=[32]), features=data.features)
-        mix = DCNv2(DCNv2Config(embedding_dim=8, num_cross_layers=2, low_rank=8, num_experts=4, deep_layer_sizes=[32]),
-                    features=data.features)   # DCN-Mix: 4 low-rank experts per cross layer
+        >>> from recsys_runner.configurable import make
+        >>> from recsys_runner.data.generated.synthetic import SyntheticDataConfig
+        >>> from recsys_runner.models.common import materialize
+        >>> from recsys_runner.models.dcn_v2 import DCNv2, DCNv2Config
+        >>> data = make(SyntheticDataConfig, batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50).build()
+        >>> batch = next(iter(data.train_batches(epoch=0, rank=0, world_size=1)))
+        >>> model = materialize(DCNv2(DCNv2Config(embedding_dim=8, num_cross_layers=2, low_rank=16, structure="stacked",
+        ...                                       deep_layer_sizes=[32]), features=data.features))
+        >>> model(batch.dense_features, batch.sparse_features).shape
+        torch.Size([8])
+        >>> mix = materialize(DCNv2(DCNv2Config(embedding_dim=8, num_cross_layers=2, low_rank=8, num_experts=4, deep_layer_sizes=[32]),
+        ...                         features=data.features))   # DCN-Mix: 4 low-rank experts per cross layer
+        >>> mix(batch.dense_features, batch.sparse_features).shape
+        torch.Size([8])
     """
 
     same_embedding_width: ClassVar[str | None] = None

@@ -73,8 +73,16 @@ class DeepFM(nn.Module):
 
     Example::
 
-        model = DeepFM(DeepFMConfig(embedding_dim=8, dense_arch_layer_sizes=[None], deep_layer_sizes=[32]),
-                       features=data.features)
+        >>> from recsys_runner.configurable import make
+        >>> from recsys_runner.data.generated.synthetic import SyntheticDataConfig
+        >>> from recsys_runner.models.common import materialize
+        >>> from recsys_runner.models.deepfm import DeepFM, DeepFMConfig
+        >>> data = make(SyntheticDataConfig, batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50).build()
+        >>> batch = next(iter(data.train_batches(epoch=0, rank=0, world_size=1)))
+        >>> config = DeepFMConfig(embedding_dim=8, dense_arch_layer_sizes=[None], deep_layer_sizes=[32])
+        >>> model = materialize(DeepFM(config, features=data.features))
+        >>> model(batch.dense_features, batch.sparse_features).shape
+        torch.Size([8])
     """
 
     same_embedding_width: ClassVar[str | None] = (

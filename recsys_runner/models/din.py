@@ -82,8 +82,12 @@ class TargetAttention(nn.Module):
 
     Example::
 
-        attention = TargetAttention(dim=8, layer_sizes=[16])
-        interest = attention(query, keys, mask)   # [4, 8], [4, 5, 8], [4, 5] → [4, 8]
+        >>> import torch
+        >>> from recsys_runner.models.din import TargetAttention
+        >>> attention = TargetAttention(dim=8, layer_sizes=[16])
+        >>> mask = torch.arange(5) < torch.tensor([[5], [2], [0], [3]])   # [B, L]: each row's real events, left-aligned
+        >>> attention(torch.randn(4, 8), torch.randn(4, 5, 8), mask).shape   # query [B, D], keys [B, L, D] → interest [B, D]
+        torch.Size([4, 8])
     """
 
     def __init__(self, dim: int, layer_sizes: list[int], device: torch.device | None = None) -> None:
@@ -118,9 +122,16 @@ class DIN(nn.Module):
 
     Example::
 
-        data = make(SyntheticSequencesConfig, batch_size=8, max_len=6).build()
-        model = DIN(make(DINConfig, embedding_dim=8, attention_layer_sizes=[16], deep_layer_sizes=[16]), features=data.features)
-        model(batch.dense_features, batch.sparse_features)   # [8]
+        >>> from recsys_runner.configurable import make
+        >>> from recsys_runner.data.generated.synthetic_sequences import SyntheticSequencesConfig
+        >>> from recsys_runner.models.common import materialize
+        >>> from recsys_runner.models.din import DIN, DINConfig
+        >>> data = make(SyntheticSequencesConfig, batch_size=8, max_len=6).build()
+        >>> batch = next(iter(data.train_batches(epoch=0, rank=0, world_size=1)))
+        >>> model = materialize(DIN(make(DINConfig, embedding_dim=8, attention_layer_sizes=[16], deep_layer_sizes=[16]),
+        ...                           features=data.features))
+        >>> model(batch.dense_features, batch.sparse_features).shape
+        torch.Size([8])
     """
 
     same_embedding_width: ClassVar[str | None] = None

@@ -47,6 +47,14 @@ class DotInteraction(nn.Module):
 
     Concatenates the dense vector with the strictly-upper-triangular pairwise dot products of all
     ``F+1`` vectors.
+
+    Example::
+
+        >>> import torch
+        >>> from recsys_runner.models.dlrm import DotInteraction
+        >>> interaction = DotInteraction(num_sparse=3)
+        >>> interaction(torch.randn(4, 8), torch.randn(4, 3, 8)).shape   # [B, 8 + 4·3/2]: the dense vector, 6 dot products
+        torch.Size([4, 14])
     """
 
     rows: torch.Tensor
@@ -79,8 +87,16 @@ class DLRM(nn.Module):
 
     Example::
 
-        model = DLRM(DLRMConfig(embedding_dim=8, dense_arch_layer_sizes=[None], over_arch_layer_sizes=[32]),
-                     features=data.features)
+        >>> from recsys_runner.configurable import make
+        >>> from recsys_runner.data.generated.synthetic import SyntheticDataConfig
+        >>> from recsys_runner.models.common import materialize
+        >>> from recsys_runner.models.dlrm import DLRM, DLRMConfig
+        >>> data = make(SyntheticDataConfig, batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50).build()
+        >>> batch = next(iter(data.train_batches(epoch=0, rank=0, world_size=1)))
+        >>> config = DLRMConfig(embedding_dim=8, dense_arch_layer_sizes=[None], over_arch_layer_sizes=[32])
+        >>> model = materialize(DLRM(config, features=data.features))
+        >>> model(batch.dense_features, batch.sparse_features).shape
+        torch.Size([8])
     """
 
     same_embedding_width: ClassVar[str | None] = (

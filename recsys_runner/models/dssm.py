@@ -265,11 +265,18 @@ class DSSM(InBatchRetrieval):
 
     Example::
 
-        data = make(SyntheticDataConfig, batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50).build()
-        model = DSSM(DSSMConfig(embedding_dim=8, user_features=["cat_0", "int_0"], item_features=["cat_1"],
-                                tower_layer_sizes=[16, 8]), features=data.features)
-        model.user_item(batch.dense_features, batch.sparse_features)   # ([8, 8], [8, 8])
-        model(batch.dense_features, batch.sparse_features)             # [8, 8]
+        >>> from recsys_runner.configurable import make
+        >>> from recsys_runner.data.generated.synthetic import SyntheticDataConfig
+        >>> from recsys_runner.models.common import materialize
+        >>> from recsys_runner.models.dssm import DSSM, DSSMConfig
+        >>> data = make(SyntheticDataConfig, batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50).build()
+        >>> batch = next(iter(data.train_batches(epoch=0, rank=0, world_size=1)))
+        >>> model = materialize(DSSM(DSSMConfig(embedding_dim=8, user_features=["cat_0", "int_0"], item_features=["cat_1"],
+        ...                                     tower_layer_sizes=[16, 8]), features=data.features))
+        >>> [v.shape for v in model.user_item(batch.dense_features, batch.sparse_features)]   # each tower's vectors
+        [torch.Size([8, 8]), torch.Size([8, 8])]
+        >>> model(batch.dense_features, batch.sparse_features).shape   # every user against every item of the batch
+        torch.Size([8, 8])
     """
 
     same_embedding_width: ClassVar[str | None] = None

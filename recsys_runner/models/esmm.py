@@ -193,9 +193,15 @@ class ESMM(nn.Module):
 
     Example::
 
-        data = make(SyntheticDataConfig, batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50, tasks=["ctr", "cvr"]).build()
-        model = ESMM(ESMMConfig(embedding_dim=8, tower_layer_sizes=[16]), features=data.features)
-        model(batch.dense_features, batch.sparse_features)   # {"ctr": [8], "cvr": [8], "ctcvr": [8]}
+        >>> from recsys_runner.configurable import make
+        >>> from recsys_runner.data.generated.synthetic import SyntheticDataConfig
+        >>> from recsys_runner.models.common import materialize
+        >>> from recsys_runner.models.esmm import ESMM, ESMMConfig
+        >>> data = make(SyntheticDataConfig, batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50, tasks=["ctr", "cvr"]).build()
+        >>> batch = next(iter(data.train_batches(epoch=0, rank=0, world_size=1)))
+        >>> model = materialize(ESMM(ESMMConfig(embedding_dim=8, tower_layer_sizes=[16]), features=data.features))
+        >>> {task: logits.shape for task, logits in model(batch.dense_features, batch.sparse_features).items()}
+        {'ctr': torch.Size([8]), 'cvr': torch.Size([8]), 'ctcvr': torch.Size([8])}
     """
 
     same_embedding_width: ClassVar[str | None] = None

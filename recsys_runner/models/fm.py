@@ -44,7 +44,16 @@ class FactorizationMachine(nn.Module):
 
     Example::
 
-        model = FactorizationMachine(FMConfig(embedding_dim=8), features=data.features)
+        >>> from recsys_runner.configurable import make
+        >>> from recsys_runner.data.generated.synthetic import SyntheticDataConfig
+        >>> from recsys_runner.models.common import materialize
+        >>> from recsys_runner.models.fm import FactorizationMachine, FMConfig
+        >>> data = make(SyntheticDataConfig, batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50).build()
+        >>> batch = next(iter(data.train_batches(epoch=0, rank=0, world_size=1)))
+        >>> config = FMConfig(embedding_dim=8)
+        >>> model = materialize(FactorizationMachine(config, features=data.features))
+        >>> model(batch.dense_features, batch.sparse_features).shape
+        torch.Size([8])
     """
 
     same_embedding_width: ClassVar[str | None] = "its pairwise term takes dot products between every pair of fields"

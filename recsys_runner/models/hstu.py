@@ -43,6 +43,12 @@ class RelativeBias(nn.Module):
     Args:
         max_len: the longest block (distances ``0 … max_len - 1``).
         time_buckets: number of time-gap buckets; ``0``: no time bias (data without event times).
+
+    Example::
+
+        >>> from recsys_runner.models.hstu import RelativeBias
+        >>> RelativeBias(max_len=11, time_buckets=0)(10, None).shape   # positions alone: one bias for every row
+        torch.Size([1, 10, 10])
     """
 
     def __init__(self, max_len: int, time_buckets: int, device: torch.device | None = None) -> None:
@@ -85,8 +91,12 @@ class HSTUBlock(nn.Module):
 
     Example::
 
-        block = HSTUBlock(dim=16, num_heads=2, max_len=11, dropout=0.0, time_buckets=0)
-        y = block(x, mask)   # [4, 10, 16], [4, 10] → [4, 10, 16]
+        >>> import torch
+        >>> from recsys_runner.models.hstu import HSTUBlock
+        >>> block = HSTUBlock(dim=16, num_heads=2, max_len=11, dropout=0.0, time_buckets=0)
+        >>> mask = torch.arange(10) < torch.tensor([[10], [4], [1], [7]])   # [B, L]: each row's real positions, left-aligned
+        >>> block(torch.randn(4, 10, 16), mask).shape   # x [B, L, D] → [B, L, D]
+        torch.Size([4, 10, 16])
     """
 
     def __init__(self, dim: int, num_heads: int, max_len: int, dropout: float, time_buckets: int,

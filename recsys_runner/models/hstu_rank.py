@@ -180,9 +180,16 @@ class HSTURank(nn.Module):
 
     Example::
 
-        data = make(SyntheticSequencesConfig, batch_size=8, max_len=6).build()
-        model = HSTURank(make(HSTURankConfig, embedding_dim=8, num_heads=2, deep_layer_sizes=[16]), features=data.features)
-        model(batch.dense_features, batch.sparse_features)   # [8]; with model.tasks=[ctr,cvr]: {"ctr": [8], "cvr": [8]}
+        >>> from recsys_runner.configurable import make
+        >>> from recsys_runner.data.generated.synthetic_sequences import SyntheticSequencesConfig
+        >>> from recsys_runner.models.common import materialize
+        >>> from recsys_runner.models.hstu_rank import HSTURank, HSTURankConfig
+        >>> data = make(SyntheticSequencesConfig, batch_size=8, max_len=6).build()
+        >>> batch = next(iter(data.train_batches(epoch=0, rank=0, world_size=1)))
+        >>> model = materialize(HSTURank(make(HSTURankConfig, embedding_dim=8, num_heads=2, deep_layer_sizes=[16]),
+        ...                                features=data.features))
+        >>> model(batch.dense_features, batch.sparse_features).shape   # with tasks=["ctr", "cvr"]: {"ctr": [8], "cvr": [8]}
+        torch.Size([8])
     """
 
     same_embedding_width: ClassVar[str | None] = None

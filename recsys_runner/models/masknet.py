@@ -64,7 +64,15 @@ class MaskNetConfig(ModelConfig):
 
 class FieldNorm(nn.Module):
     """``LN_EMB``: each field layer-normalized over its own ``D`` values, with a gain and bias per field:
-    ``[B, m, D] → [B, m, D]``."""
+    ``[B, m, D] → [B, m, D]``.
+
+    Example::
+
+        >>> import torch
+        >>> from recsys_runner.models.masknet import FieldNorm
+        >>> FieldNorm(num_fields=5, embedding_dim=8)(torch.randn(4, 5, 8)).shape
+        torch.Size([4, 5, 8])
+    """
 
     def __init__(self, num_fields: int, embedding_dim: int, device: torch.device | None = None) -> None:
         super().__init__()
@@ -89,8 +97,11 @@ class MaskBlock(nn.Module):
 
     Example::
 
-        block = MaskBlock(emb_dim=64, in_dim=64, out_dim=32, reduction_ratio=2.0)
-        out = block(v_emb, normalized_fields)   # [B, 64], [B, 64] → [B, 32]
+        >>> import torch
+        >>> from recsys_runner.models.masknet import MaskBlock
+        >>> block = MaskBlock(emb_dim=64, in_dim=64, out_dim=32, reduction_ratio=2.0)
+        >>> block(torch.randn(4, 64), torch.randn(4, 64)).shape   # v_emb [B, 64], the normalized fields [B, 64] → [B, 32]
+        torch.Size([4, 32])
     """
 
     def __init__(self, emb_dim: int, in_dim: int, out_dim: int, reduction_ratio: float, device: torch.device | None = None) -> None:
@@ -116,8 +127,17 @@ class MaskNet(nn.Module):
 
     Example::
 
-        model = MaskNet(MaskNetConfig(embedding_dim=8, structure="serial", block_sizes=[32, 16], reduction_ratio=1.0,
-                                      deep_layer_sizes=[]), features=data.features)
+        >>> from recsys_runner.configurable import make
+        >>> from recsys_runner.data.generated.synthetic import SyntheticDataConfig
+        >>> from recsys_runner.models.common import materialize
+        >>> from recsys_runner.models.masknet import MaskNet, MaskNetConfig
+        >>> data = make(SyntheticDataConfig, batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50).build()
+        >>> batch = next(iter(data.train_batches(epoch=0, rank=0, world_size=1)))
+        >>> config = MaskNetConfig(embedding_dim=8, structure="serial", block_sizes=[32, 16], reduction_ratio=1.0,
+        ...                        deep_layer_sizes=[])
+        >>> model = materialize(MaskNet(config, features=data.features))
+        >>> model(batch.dense_features, batch.sparse_features).shape
+        torch.Size([8])
     """
 
     same_embedding_width: ClassVar[str | None] = (

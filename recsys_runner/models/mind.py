@@ -111,6 +111,16 @@ class InterestCapsules(nn.Module):
     ``b_ij += <u_j, ê_i>``. ``b`` starts from ``routing_logits [max_len, K]``: random ``N(0, σ²)``, a buffer (saved with the
     weights, never trained), row ``i`` for the history's ``i``-th event (oldest first), so padding changes nothing.
     A row without events has zero capsules.
+
+    Example::
+
+        >>> import torch
+        >>> from recsys_runner.models.mind import InterestCapsules
+        >>> routing = InterestCapsules(dim=8, num_interests=3, routing_iters=3, max_len=6)
+        >>> mask = torch.arange(6) < torch.tensor([[6], [2], [0], [4]])   # [B, L]: each row's real events, left-aligned
+        >>> capsules = routing(torch.randn(4, 6, 8), mask, torch.ones(4, 3, dtype=torch.bool))   # every interest active
+        >>> capsules.shape, bool((capsules[2] == 0).all())   # the row without events: zero capsules
+        (torch.Size([4, 3, 8]), True)
     """
 
     routing_logits: torch.Tensor
@@ -152,6 +162,14 @@ class LabelAwareAttention(nn.Module):
     target (hard attention). A real power is undefined for a negative dot product, and for cosines (``|s| < 1``) its
     ``p → ∞`` limit is the mean again, not the maximum; ``softmax_k(p · s_k)``, i.e. weights ``∝ (exp s_k)^p``, keeps the
     paper's three regimes for any score: the mean at 0, a softmax at 1, the argmax as ``p → ∞``.
+
+    Example::
+
+        >>> import torch
+        >>> from recsys_runner.models.mind import LabelAwareAttention
+        >>> attention = LabelAwareAttention(pow_p=1.0)
+        >>> attention(torch.randn(4, 3, 8), torch.randn(4, 8), torch.ones(4, 3, dtype=torch.bool)).shape   # interests, target
+        torch.Size([4, 8])
     """
 
     def __init__(self, pow_p: float) -> None:
@@ -183,10 +201,18 @@ class MIND(InBatchRetrieval):
 
     Example::
 
-        data = make(SyntheticSequencesConfig, batch_size=8, max_len=6).build()
-        model = MIND(make(MINDConfig, embedding_dim=8, tower_layer_sizes=[16, 8], num_interests=3), features=data.features)
-        model.tower("user", batch.dense_features, batch.sparse_features)   # [8, 3, 8]
-        model(batch.dense_features, batch.sparse_features)                 # [8, 8]
+        >>> from recsys_runner.configurable import make
+        >>> from recsys_runner.data.generated.synthetic_sequences import SyntheticSequencesConfig
+        >>> from recsys_runner.models.common import materialize
+        >>> from recsys_runner.models.mind import MIND, MINDConfig
+        >>> data = make(SyntheticSequencesConfig, batch_size=8, max_len=6).build()
+        >>> batch = next(iter(data.train_batches(epoch=0, rank=0, world_size=1)))
+        >>> model = materialize(MIND(make(MINDConfig, embedding_dim=8, tower_layer_sizes=[16, 8], num_interests=3),
+        ...                            features=data.features))
+        >>> model.tower("user", batch.dense_features, batch.sparse_features).shape   # 3 interests per user
+        torch.Size([8, 3, 8])
+        >>> model(batch.dense_features, batch.sparse_features).shape   # every user against every item of the batch
+        torch.Size([8, 8])
     """
 
     same_embedding_width: ClassVar[str | None] = None

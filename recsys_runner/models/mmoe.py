@@ -63,10 +63,16 @@ class MMoE(nn.Module):
 
     Example::
 
-        data = make(SyntheticDataConfig, batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50, tasks=["ctr", "cvr"]).build()
-        model = MMoE(MMoEConfig(embedding_dim=8, tasks=["ctr", "cvr"], num_experts=2, expert_layer_sizes=[16],
-                                tower_layer_sizes=[8]), features=data.features)
-        model(batch.dense_features, batch.sparse_features)   # {"ctr": [8], "cvr": [8]}
+        >>> from recsys_runner.configurable import make
+        >>> from recsys_runner.data.generated.synthetic import SyntheticDataConfig
+        >>> from recsys_runner.models.common import materialize
+        >>> from recsys_runner.models.mmoe import MMoE, MMoEConfig
+        >>> data = make(SyntheticDataConfig, batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50, tasks=["ctr", "cvr"]).build()
+        >>> batch = next(iter(data.train_batches(epoch=0, rank=0, world_size=1)))
+        >>> model = materialize(MMoE(MMoEConfig(embedding_dim=8, tasks=["ctr", "cvr"], num_experts=2, expert_layer_sizes=[16],
+        ...                                     tower_layer_sizes=[8]), features=data.features))
+        >>> {task: logits.shape for task, logits in model(batch.dense_features, batch.sparse_features).items()}
+        {'ctr': torch.Size([8]), 'cvr': torch.Size([8])}
     """
 
     shared_module: ClassVar[str] = "experts"

@@ -95,7 +95,15 @@ def _task_spec(name: str, spec: Any) -> TaskSpec:
 
 
 class Experts(nn.Module):
-    """``E`` independent MLPs over the same input: ``[B, I] → [B, E, H]``."""
+    """``E`` independent MLPs over the same input: ``[B, I] → [B, E, H]``.
+
+    Example::
+
+        >>> import torch
+        >>> from recsys_runner.models.multitask import Experts
+        >>> Experts(in_features=5, num_experts=3, layer_sizes=[16, 8])(torch.randn(4, 5)).shape
+        torch.Size([4, 3, 8])
+    """
 
     def __init__(self, in_features: int, num_experts: int, layer_sizes: list[int], device: torch.device | None = None) -> None:
         super().__init__()
@@ -106,7 +114,16 @@ class Experts(nn.Module):
 
 
 class Gate(nn.Module):
-    """One task's mixture of the experts: softmax weights from the input, ``([B, I], [B, E, H]) → [B, H]``."""
+    """One task's mixture of the experts: softmax weights from the input, ``([B, I], [B, E, H]) → [B, H]``.
+
+    Example::
+
+        >>> import torch
+        >>> from recsys_runner.models.multitask import Gate
+        >>> gate = Gate(in_features=5, num_experts=3)
+        >>> gate(torch.randn(4, 5), torch.randn(4, 3, 8)).shape   # the input, 3 experts' outputs → their mixture
+        torch.Size([4, 8])
+    """
 
     def __init__(self, in_features: int, num_experts: int, device: torch.device | None = None) -> None:
         super().__init__()
@@ -119,7 +136,17 @@ class Gate(nn.Module):
 
 class Tower(nn.Module):
     """One task's head: an MLP ending in one logit, ``[B, H] → [B]``, or in ``out_width > 1`` (a multi-class task's
-    ``Task.output_width``) logits, ``[B, H] → [B, out_width]``."""
+    ``Task.output_width``) logits, ``[B, H] → [B, out_width]``.
+
+    Example::
+
+        >>> import torch
+        >>> from recsys_runner.models.multitask import Tower
+        >>> Tower(in_features=8, layer_sizes=[16])(torch.randn(4, 8)).shape
+        torch.Size([4])
+        >>> Tower(in_features=8, layer_sizes=[16], out_width=5)(torch.randn(4, 8)).shape   # a 5-class task
+        torch.Size([4, 5])
+    """
 
     def __init__(self, in_features: int, layer_sizes: list[int], device: torch.device | None = None, out_width: int = 1) -> None:
         super().__init__()

@@ -85,8 +85,12 @@ class ExtractionLevel(nn.Module):
 
     Example::
 
-        level = ExtractionLevel(PLEConfig(num_shared_experts=2, num_task_experts=1, expert_layer_sizes=[8]), 5, 2, final=False)
-        tasks, shared = level([torch.randn(4, 5)] * 2, torch.randn(4, 5))   # 2 × [4, 8], [4, 8]
+        >>> import torch
+        >>> from recsys_runner.models.ple import ExtractionLevel, PLEConfig
+        >>> level = ExtractionLevel(PLEConfig(num_shared_experts=2, num_task_experts=1, expert_layer_sizes=[8]), 5, 2, final=False)
+        >>> tasks, shared = level([torch.randn(4, 5)] * 2, torch.randn(4, 5))   # 2 tasks' inputs [B, 5], the shared one
+        >>> [t.shape for t in tasks], shared.shape
+        ([torch.Size([4, 8]), torch.Size([4, 8])], torch.Size([4, 8]))
     """
 
     def __init__(self, config: PLEConfig, in_features: int, num_tasks: int, *, final: bool,
@@ -130,10 +134,17 @@ class PLE(nn.Module):
 
     Example::
 
-        data = make(SyntheticDataConfig, batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50, tasks=["ctr", "cvr"]).build()
-        model = PLE(PLEConfig(embedding_dim=8, tasks=["ctr", "cvr"], num_levels=2, num_shared_experts=2, num_task_experts=1,
-                              expert_layer_sizes=[16], tower_layer_sizes=[8]), features=data.features)
-        model(batch.dense_features, batch.sparse_features)   # {"ctr": [8], "cvr": [8]}
+        >>> from recsys_runner.configurable import make
+        >>> from recsys_runner.data.generated.synthetic import SyntheticDataConfig
+        >>> from recsys_runner.models.common import materialize
+        >>> from recsys_runner.models.ple import PLE, PLEConfig
+        >>> data = make(SyntheticDataConfig, batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50, tasks=["ctr", "cvr"]).build()
+        >>> batch = next(iter(data.train_batches(epoch=0, rank=0, world_size=1)))
+        >>> model = materialize(PLE(PLEConfig(embedding_dim=8, tasks=["ctr", "cvr"], num_levels=2, num_shared_experts=2,
+        ...                                   num_task_experts=1, expert_layer_sizes=[16], tower_layer_sizes=[8]),
+        ...                         features=data.features))
+        >>> {task: logits.shape for task, logits in model(batch.dense_features, batch.sparse_features).items()}
+        {'ctr': torch.Size([8]), 'cvr': torch.Size([8])}
     """
 
     shared_module: ClassVar[str] = "last_level.shared_experts"

@@ -136,6 +136,15 @@ class SASRecBlock(nn.Module):
     ``x + Dropout(CausalSelfAttention(LN(x)))``, then ``+ Dropout(FFN(LN(·)))`` with a ReLU feed-forward of width
     ``D``; position ``i`` attends to positions ``j <= i`` (padding lies after every real position, so causality keeps
     it out of the real positions' states). ``times`` is ignored (SASRec has no time bias).
+
+    Example::
+
+        >>> import torch
+        >>> from recsys_runner.models.sasrec import SASRecBlock
+        >>> block = SASRecBlock(dim=16, num_heads=2, dropout=0.0)
+        >>> mask = torch.arange(10) < torch.tensor([[10], [4], [1], [7]])   # [B, L]: each row's real positions, left-aligned
+        >>> block(torch.randn(4, 10, 16), mask).shape
+        torch.Size([4, 10, 16])
     """
 
     def __init__(self, dim: int, num_heads: int, dropout: float, device: torch.device | None = None) -> None:
@@ -176,10 +185,21 @@ class SASRec(nn.Module):
 
     Example::
 
-        data = make(SyntheticSequencesConfig, batch_size=8, max_len=6, negatives=0.0).build()   # candidates: the next items
-        model = SASRec(make(SASRecConfig, embedding_dim=8, num_blocks=1, block="hstu", num_heads=2), features=data.features)
-        logits, positives = model(batch.dense_features, batch.sparse_features)        # training: [P, U], [P]
-        scores, items = model.eval()(batch.dense_features, batch.sparse_features)   # eval: [8, N], [8]
+        >>> from recsys_runner.configurable import make
+        >>> from recsys_runner.data.generated.synthetic_sequences import SyntheticSequencesConfig
+        >>> from recsys_runner.models.common import materialize
+        >>> from recsys_runner.models.sasrec import SASRec, SASRecConfig
+        >>> data = make(SyntheticSequencesConfig, batch_size=8, max_len=6, num_items=100, negatives=0.0).build()   # candidates: the next items
+        >>> batch = next(iter(data.train_batches(epoch=0, rank=0, world_size=1)))
+        >>> model = materialize(SASRec(make(SASRecConfig, embedding_dim=8, num_blocks=1, block="hstu", num_heads=2),
+        ...                              features=data.features))
+        >>> logits, positives = model(batch.dense_features, batch.sparse_features)   # training: [P, U], [P]
+        >>> positions = int(batch.sparse_features["hist_item_id"].lengths().sum()) + 8   # each event's successor, then the candidate
+        >>> logits.shape[0] == positives.shape[0] == positions
+        True
+        >>> scores, items = model.eval()(batch.dense_features, batch.sparse_features)   # eval: every item's score, the true item
+        >>> scores.shape, items.shape   # [B, N] over the N = 100 items, [B]
+        (torch.Size([8, 100]), torch.Size([8]))
     """
 
     same_embedding_width: ClassVar[str | None] = None

@@ -125,6 +125,21 @@ class SequenceArch(nn.Module):
     Raises:
         ConfigError: no sequence group while ``required``; the model needs one width and a feature sets another; a
             history's table asks for managed collision (only pooled tables take it).
+
+    Example::
+
+        >>> from recsys_runner.configurable import make
+        >>> from recsys_runner.data.generated.synthetic_sequences import SyntheticSequencesConfig
+        >>> from recsys_runner.models.common import materialize
+        >>> from recsys_runner.models.din import DIN
+        >>> from recsys_runner.models.sequence import SequenceArch
+        >>> data = make(SyntheticSequencesConfig, batch_size=8, max_len=6).build()
+        >>> batch = next(iter(data.train_batches(epoch=0, rank=0, world_size=1)))
+        >>> embedded = materialize(SequenceArch(data.features, embedding_dim=8, model=DIN))(batch.sparse_features)
+        >>> embedded.pooled.shape   # [B, P]: user_id, item_id and category pooled, 8 wide each
+        torch.Size([8, 24])
+        >>> {group: history.values.shape for group, history in embedded.histories.items()}   # [B, L, D_g]: 2 features per event
+        {'hist': torch.Size([8, 6, 16])}
     """
 
     def __init__(self, features: FeatureSpec, embedding_dim: int, model: type[nn.Module], required: bool = True,

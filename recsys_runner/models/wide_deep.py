@@ -55,7 +55,15 @@ class WideArch(LinearArch):
 
 
 class DeepArch(nn.Module):
-    """The deep head: ``dense [B, N], embeddings [B, ΣD_f] → [B]`` via an MLP and a 1-unit layer."""
+    """The deep head: ``dense [B, N], embeddings [B, ΣD_f] → [B]`` via an MLP and a 1-unit layer.
+
+    Example::
+
+        >>> import torch
+        >>> from recsys_runner.models.wide_deep import DeepArch
+        >>> DeepArch(in_features=3 + 32, layer_sizes=[16])(torch.randn(4, 3), torch.randn(4, 32)).shape   # dense, embeddings → [B]
+        torch.Size([4])
+    """
 
     def __init__(self, in_features: int, layer_sizes: list[int], device: torch.device | None = None) -> None:
         super().__init__()
@@ -76,7 +84,16 @@ class WideDeep(nn.Module):
 
     Example::
 
-        model = WideDeep(WideDeepConfig(embedding_dim=8, deep_layer_sizes=[32]), features=data.features)
+        >>> from recsys_runner.configurable import make
+        >>> from recsys_runner.data.generated.synthetic import SyntheticDataConfig
+        >>> from recsys_runner.models.common import materialize
+        >>> from recsys_runner.models.wide_deep import WideDeep, WideDeepConfig
+        >>> data = make(SyntheticDataConfig, batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50).build()
+        >>> batch = next(iter(data.train_batches(epoch=0, rank=0, world_size=1)))
+        >>> config = WideDeepConfig(embedding_dim=8, deep_layer_sizes=[32])
+        >>> model = materialize(WideDeep(config, features=data.features))
+        >>> model(batch.dense_features, batch.sparse_features).shape
+        torch.Size([8])
     """
 
     same_embedding_width: ClassVar[str | None] = None

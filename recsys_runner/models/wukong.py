@@ -88,8 +88,11 @@ class FactorizationMachineBlock(nn.Module):
 
     Example::
 
-        fmb = FactorizationMachineBlock(num_fields=27, out_fields=16, embedding_dim=16, rank=8, layer_sizes=[64])
-        out = fmb(x)   # [B, 27, 16] → [B, 16, 16]
+        >>> import torch
+        >>> from recsys_runner.models.wukong import FactorizationMachineBlock
+        >>> fmb = FactorizationMachineBlock(num_fields=27, out_fields=16, embedding_dim=16, rank=8, layer_sizes=[64])
+        >>> fmb(torch.randn(4, 27, 16)).shape   # X [B, n, D] → [B, n_F, D]
+        torch.Size([4, 16, 16])
     """
 
     def __init__(self, num_fields: int, out_fields: int, embedding_dim: int, rank: int, layer_sizes: list[int],
@@ -111,7 +114,15 @@ class FactorizationMachineBlock(nn.Module):
 
 class FieldMix(nn.Module):
     """A linear map of the field axis, ``X [B, n, D] → W X [B, n_out, D]`` with ``W [n_out, n]`` and no bias: the LCB, and
-    the residual's projection when a layer changes the number of fields."""
+    the residual's projection when a layer changes the number of fields.
+
+    Example::
+
+        >>> import torch
+        >>> from recsys_runner.models.wukong import FieldMix
+        >>> FieldMix(num_fields=27, out_fields=16)(torch.randn(4, 27, 8)).shape   # X [B, n, D] → [B, n_out, D]
+        torch.Size([4, 16, 8])
+    """
 
     def __init__(self, num_fields: int, out_fields: int, device: torch.device | None = None) -> None:
         super().__init__()
@@ -133,6 +144,14 @@ class WukongLayer(nn.Module):
         rank: the FMB's ``k``.
         fmb_layer_sizes: the FMB MLP's hidden layers.
         device: device of the weights.
+
+    Example::
+
+        >>> import torch
+        >>> from recsys_runner.models.wukong import WukongLayer
+        >>> layer = WukongLayer(num_fields=27, embedding_dim=16, fmb_fields=16, lcb_fields=8, rank=8, fmb_layer_sizes=[64])
+        >>> layer(torch.randn(4, 27, 16)).shape   # [B, n_F + n_L, D]
+        torch.Size([4, 24, 16])
     """
 
     def __init__(self, num_fields: int, embedding_dim: int, fmb_fields: int, lcb_fields: int, rank: int,
@@ -160,9 +179,17 @@ class Wukong(nn.Module):
 
     Example::
 
-        model = Wukong(WukongConfig(embedding_dim=8, dense_arch_layer_sizes=[None], num_layers=2, num_fmb_fields=4,
-                                    num_lcb_fields=4, fmb_rank=4, fmb_layer_sizes=[32], deep_layer_sizes=[32]),
-                       features=data.features)
+        >>> from recsys_runner.configurable import make
+        >>> from recsys_runner.data.generated.synthetic import SyntheticDataConfig
+        >>> from recsys_runner.models.common import materialize
+        >>> from recsys_runner.models.wukong import Wukong, WukongConfig
+        >>> data = make(SyntheticDataConfig, batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50).build()
+        >>> batch = next(iter(data.train_batches(epoch=0, rank=0, world_size=1)))
+        >>> config = WukongConfig(embedding_dim=8, dense_arch_layer_sizes=[None], num_layers=2, num_fmb_fields=4,
+        ...                       num_lcb_fields=4, fmb_rank=4, fmb_layer_sizes=[32], deep_layer_sizes=[32])
+        >>> model = materialize(Wukong(config, features=data.features))
+        >>> model(batch.dense_features, batch.sparse_features).shape
+        torch.Size([8])
     """
 
     same_embedding_width: ClassVar[str | None] = (

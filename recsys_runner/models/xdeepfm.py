@@ -78,8 +78,12 @@ class CINLayer(nn.Module):
 
     Example::
 
-        layer = CINLayer(num_fields=4, in_maps=4, out_maps=3)
-        out = layer(x0, x0)   # x0 [B, D, 4] → [B, D, 3]
+        >>> import torch
+        >>> from recsys_runner.models.xdeepfm import CINLayer
+        >>> layer = CINLayer(num_fields=4, in_maps=4, out_maps=3)
+        >>> x0 = torch.randn(2, 8, 4)   # [B, D, m]
+        >>> layer(x0, x0).shape   # the first layer: x is x0 → [B, D, H_out]
+        torch.Size([2, 8, 3])
     """
 
     def __init__(self, num_fields: int, in_maps: int, out_maps: int, device: torch.device | None = None) -> None:
@@ -106,6 +110,14 @@ class CIN(nn.Module):
         layer_sizes: ``H_k`` of each layer (even before the last with ``split_half``).
         split_half: split each layer's maps between the output and the next layer.
         device: device of the weights.
+
+    Example::
+
+        >>> import torch
+        >>> from recsys_runner.models.xdeepfm import CIN
+        >>> cin = CIN(num_fields=4, layer_sizes=[16, 16])
+        >>> cin(torch.randn(2, 4, 8)).shape, cin.output_dim   # half the first layer's 16 maps, then all of the last's
+        (torch.Size([2, 24]), 24)
     """
 
     def __init__(self, num_fields: int, layer_sizes: list[int], split_half: bool = True, device: torch.device | None = None) -> None:
@@ -142,8 +154,16 @@ class XDeepFM(nn.Module):
 
     Example::
 
-        model = XDeepFM(XDeepFMConfig(embedding_dim=8, cin_layer_sizes=[16, 16], deep_layer_sizes=[32]),
-                        features=data.features)
+        >>> from recsys_runner.configurable import make
+        >>> from recsys_runner.data.generated.synthetic import SyntheticDataConfig
+        >>> from recsys_runner.models.common import materialize
+        >>> from recsys_runner.models.xdeepfm import XDeepFM, XDeepFMConfig
+        >>> data = make(SyntheticDataConfig, batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50).build()
+        >>> batch = next(iter(data.train_batches(epoch=0, rank=0, world_size=1)))
+        >>> config = XDeepFMConfig(embedding_dim=8, cin_layer_sizes=[16, 16], deep_layer_sizes=[32])
+        >>> model = materialize(XDeepFM(config, features=data.features))
+        >>> model(batch.dense_features, batch.sparse_features).shape
+        torch.Size([8])
     """
 
     same_embedding_width: ClassVar[str | None] = (
