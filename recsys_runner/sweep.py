@@ -4,11 +4,11 @@ With ``train.objective`` set that is the key. Unset, each job takes its default 
 (:func:`~recsys_runner.metrics.registry.default_objective` of the eval keys its model logs): ``eval/auc`` for a CTR
 model, but ``eval/<task>/mse`` for a regression task and ``eval/hr_at_10`` or ``eval/inbatch_recall_at_1`` for a
 next-item or two-tower model. The sweep's parent (:class:`SweepCallback`, ``hydra.callbacks.mlflow_sweep``) resolves
-that same default before any job runs: it composes the first job's config (each swept key at its first value), builds
-its data module and model on ``meta`` (:func:`~recsys_runner.build.planned_eval_keys`) and takes their default
-objective, so that Optuna's direction is checked against the metric the jobs return and the best trial is looked up
-under the key they log. A sweep whose jobs log different default objectives (one that sweeps ``model`` across kinds)
-names its ``train.objective``.
+that same default before any job runs: it composes the first job's config (each swept config group at its first
+option), builds its data module and model on ``meta`` (:func:`~recsys_runner.build.planned_eval_keys`) and takes their
+default objective, so that Optuna's direction is checked against the metric the jobs return and the best trial is
+looked up under the key they log. A sweep whose jobs log different default objectives (one that sweeps ``model``
+across kinds) names its ``train.objective``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from recsys_runner.metrics.registry import default_objective
 from recsys_runner.tracking.sweep import MlflowSweepCallback
 
 _LISTED = (ValueType.CHOICE_SWEEP, ValueType.SIMPLE_CHOICE_SWEEP, ValueType.RANGE_SWEEP)
-"""Sweeps whose values can be listed (``a,b``, ``choice(a,b)``, ``range(1,4)``): the first job takes the first."""
+"""Sweeps whose values can be listed (``a,b``, ``choice(a,b)``, ``range(1,4)``)."""
 
 
 def sweep_objective(config: DictConfig) -> str:
@@ -54,19 +54,21 @@ def first_job_config(config: DictConfig) -> DictConfig:
 
 
 def first_job_overrides(config: DictConfig) -> list[str]:
-    """The first job's overrides: the sweeper's ``hydra.sweeper.params`` and the command line's
-    (``hydra.overrides.task``; a later one of a key winning, as in the sweepers), each listed sweep at its first value.
-    A sweep that cannot be listed (Optuna's ``interval``, a ``glob``) keeps the config's own value: a number in a range
-    changes no metric's name."""
+    """The overrides that decide the first job's eval keys: the sweeper's ``hydra.sweeper.params`` and the command
+    line's (``hydra.overrides.task``; a later one of a key winning, as in the sweepers), a listed sweep of a config group
+    (``model=deepfm,dssm``, ``choice(...)``) at its first value. Any other sweep (``optim.lr=0.01,0.1``, Optuna's
+    ``interval``) keeps the config's own value: a hyperparameter changes no metric's name, and a job whose value is
+    refused (``optim.lr=-1``) fails alone, as a sweep's jobs do, rather than the sweep."""
     params = OmegaConf.select(config, "hydra.sweeper.params")
     given = [str(k) + f"={v}" for k, v in params.items() if v is not None] if isinstance(params, DictConfig) else []
     given += [str(o) for o in OmegaConf.select(config, "hydra.overrides.task") or []]
+    groups = {str(g) for g in OmegaConf.select(config, "hydra.runtime.choices") or {}}
     chosen: dict[str, str] = {}
     for override in OverridesParser.create().parse_overrides(given):
         key = override.get_key_element()
         if not override.is_sweep_override():
             chosen[key] = str(override.input_line)
-        elif override.value_type in _LISTED:
+        elif override.key_or_group in groups and override.value_type in _LISTED:
             try:
                 chosen[key] = f"{key}={next(iter(override.sweep_string_iterator()))}"
             except (HydraException, StopIteration):

@@ -303,23 +303,27 @@ def test_optuna_direction_is_checked_against_a_regression_models_default_objecti
     assert MlflowClient(tracking_uri=uri).get_experiment_by_name("regression_direction") is None
 
 
-def test_the_first_job_takes_each_listed_sweep_at_its_first_value() -> None:
-    """What the parent composes to resolve the jobs' default objective: a range keeps the config's value."""
-    config = OmegaConf.create({"hydra": {"sweeper": {"params": {"model": "choice(sasrec, dssm)", "optim.lr": "interval(0.01, 0.1)"}},
-                                         "overrides": {"task": ["model=mmoe,dlrm", "data.batch_size=64", "train.num_steps=range(2,5)"]}}})
-    assert first_job_overrides(config) == ["model=mmoe", "data.batch_size=64", "train.num_steps=2"]
+def test_the_first_job_takes_each_swept_config_group_at_its_first_option() -> None:
+    """What the parent composes to resolve the jobs' default objective: a swept hyperparameter keeps the config's value
+    (a job refusing its value fails alone), a swept group (which may change the eval keys) its first option."""
+    config = OmegaConf.create({"hydra": {"runtime": {"choices": {"model": "deepfm", "optim": "adam"}},
+                                         "sweeper": {"params": {"model": "choice(sasrec, dssm)", "optim.lr": "interval(0.01, 0.1)"}},
+                                         "overrides": {"task": ["optim=adagrad,adam", "data.batch_size=64", "optim.lr=-1,0.1",
+                                                                "train.num_steps=range(2,5)"]}}})
+    assert first_job_overrides(config) == ["model=sasrec", "optim=adagrad", "data.batch_size=64"]
 
 
-@pytest.mark.parametrize(("model", "objective", "best"), [
-    (REGRESSION, "eval/watch/mse", min),
-    (["model=dssm"], "eval/inbatch_recall_at_1", max),  # dssm's eval_metrics: inbatch_recall@1, @10, @50
+@pytest.mark.parametrize(("sweep", "objective", "best"), [
+    (["optim.lr=0.01,0.1", *REGRESSION], "eval/watch/mse", min),
+    (["model=mmoe,ple"], "eval/ctr/auc", max),  # a swept group: its first option's tasks (ctr, cvr), not the base model's
+    (["optim.lr=0.01,0.1", "model=dssm"], "eval/inbatch_recall_at_1", max),  # dssm's eval_metrics: inbatch_recall@1, @10, @50
 ])
-def test_sweep_without_objective_ranks_by_the_jobs_default(tmp_path: Path, model: list[str], objective: str, best: Any) -> None:
-    """A regression or a retrieval model's sweep without train.objective: the parent records the objective its jobs
-    report and finds their best trial under it (eval/auc, which they never log, found none)."""
+def test_sweep_without_objective_ranks_by_the_jobs_default(tmp_path: Path, sweep: list[str], objective: str, best: Any) -> None:
+    """A regression, a multi-task or a retrieval model's sweep without train.objective: the parent records the objective
+    its jobs report and finds their best trial under it (eval/auc, which they never log, found none)."""
     uri = f"sqlite:///{tmp_path}/default.db"
-    out = run_in_process([*TRAIN, "-m", "optim.lr=0.01,0.1", *model, *TINY, "train.num_steps=4", "data.num_eval_rows=1024",
-                          f"tracking.uri={uri}", "tracking.experiment=default_objective"], tmp_path)
+    out = run_in_process([*TRAIN, "-m", *sweep, *TINY, "train.num_steps=4", "data.num_eval_rows=1024", f"tracking.uri={uri}",
+                          "tracking.experiment=default_objective"], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     parent, children = _parent_and_children(uri, "default_objective")
     assert len(children) == 2 and all(objective in r.data.metrics for r in children)
