@@ -457,3 +457,21 @@ def watched_eval(run: RunConfig, eval_keys: list[str]) -> BestEval:
     if mode is None:
         mode = "max" if higher_is_better(metric) else "min"
     return BestEval(metric=metric, mode=mode)
+
+
+def meta_model(run: RunConfig) -> tuple[DataModule, TrainWrapper]:
+    """The run's data module and its model in a :class:`TrainWrapper`, every tensor on ``meta``: what a plan (``python -m
+    recsys_runner.plan``) and a sweep's objective (:func:`planned_eval_keys`) read of them (features, batch size,
+    tables, tasks) without allocating an embedding row or reading a training row."""
+    # The data module on meta too: a module may hold state per embedding row (generated data draws an effect per id:
+    # 8 bytes a row, 208 GB for 26 tables of 1e9 rows).
+    with torch.device("meta"):
+        data = run.served_data.build(device="cpu")
+    return data, TrainWrapper(run.model.build(features=data.features, dense_device=torch.device("meta")))
+
+
+def planned_eval_keys(run: RunConfig) -> list[str]:
+    """The eval keys the run will log (:func:`~recsys_runner.metrics.tasks.eval_metric_keys` of its model's tasks), known
+    before it is built: a sweep's parent reads its jobs' default objective from them (:mod:`recsys_runner.sweep`)."""
+    _, model = meta_model(run)
+    return eval_metric_keys(run.metrics, model.tasks)

@@ -425,7 +425,8 @@ def check_eval_keys(run: RunConfig, tasks: tuple[Task, ...], sparse_names: list[
     Raises:
         ConfigError: naming the key, the valid values and the closest one.
     """
-    check_task_metrics(run.metrics, tasks, model)
+    data = run.served_data
+    check_task_metrics(run.metrics, tasks, model, eval_rows=data.batch_size if data.batch_tokens is None else None)
     keys = eval_metric_keys(run.metrics, tasks)
     require(bool(keys), "no eval metric is configured, so the job has no result (train.objective). Fix: list at least one "
             "in metrics.eval (or in the model's own eval_metrics where it has them), e.g. metrics.eval=[auc]")

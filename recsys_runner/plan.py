@@ -17,15 +17,14 @@ from __future__ import annotations
 import sys
 
 import hydra
-import torch
 from omegaconf import DictConfig
 
+from recsys_runner.build import meta_model
 from recsys_runner.config import register_configs, validate
 from recsys_runner.distributed.config import resolve_device_type
 from recsys_runner.distributed.plan_report import PlanReport
 from recsys_runner.distributed.sharding import Distributed
 from recsys_runner.errors import reported
-from recsys_runner.models.common import TrainWrapper
 from recsys_runner.noise import quiet_known_noise
 from recsys_runner.optim.optimizers import apply_sparse_optimizer
 from recsys_runner.paths import CONFIG_PATH
@@ -38,12 +37,7 @@ def dry_run(cfg: DictConfig) -> PlanReport:
     """Validate ``cfg`` and plan its model for the configured world, allocating nothing."""
     run = validate(cfg)
     distributed: Distributed = run.distributed.build()
-    # The data module on meta too: planning reads only its features and batch size, and a module may hold state per
-    # embedding row (generated data draws an effect per id: 8 bytes a row, 208 GB for 26 tables of 1e9 rows).
-    with torch.device("meta"):
-        data = run.served_data.build(device="cpu")
-    # Dense layers on meta too: the plan only places embedding tables, and nothing may allocate.
-    model = TrainWrapper(run.model.build(features=data.features, dense_device=torch.device("meta")))
+    data, model = meta_model(run)  # planning reads only the data's features and batch size, and places embedding tables
     apply_sparse_optimizer(model, run.optim.sparse)  # optimizer state counts toward table memory
     return distributed.dry_plan(model, batch_size=data.batch_size, device_type=resolve_device_type(run.distributed.device))
 

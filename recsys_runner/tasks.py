@@ -254,8 +254,16 @@ class NextItemTask(Task):
       in-batch positives, the model's sampled-softmax logits, any logQ correction applied), ``targets [P]`` the index
       of each position's positive among them; the loss is softmax cross-entropy;
     * evaluation: ``scores [B, N]`` of each row's user state against every item of the table, ``targets [B]`` the
-      row's true next item id; the metrics (``hr@<k>``, ``ndcg@<k>``) rank it among all ``N`` items.
+      row's true next item id; the metrics (``hr@<k>``, ``ndcg@<k>``) rank it among all ``N`` items (with
+      :attr:`eval_negatives` ``n``, among the true item and ``n`` sampled ones).
     """
+
+    num_items: int | None = None
+    """``N``, the item table's size (set by the model), against which each eval row ranks its true item: the ``k`` of
+    every ``@k`` metric must stay below it (:func:`~recsys_runner.metrics.tasks.check_task_metrics`); ``None``: unknown."""
+    eval_negatives: int = 0
+    """``n > 0``: each eval row ranks its true item against ``n`` sampled items instead, ``n + 1`` candidates
+    (``model.eval_negatives``)."""
 
     kind: ClassVar[str] = "next_item"
     reads_labels: ClassVar[bool] = False

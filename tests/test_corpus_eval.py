@@ -83,7 +83,8 @@ def test_corpus_metrics_equal_a_brute_force_numpy_computation(chunk_rows: int) -
 
 def test_k_beyond_the_catalogue_or_no_catalogue_is_a_config_error(make_cfg) -> None:
     cfg = make_cfg(*CORPUS, "model.eval_metrics=[recall@10,recall@5000]", "tracking=none", "checkpoint=none")
-    with pytest.raises(ConfigError, match=r"model.eval_metrics lists \['recall@5000'\], but the item catalogue has only 1000 items"):
+    with pytest.raises(ConfigError, match=r"model.eval_metrics lists \['recall@5000'\], but each eval row ranks its true item among only 1000 "
+                                          r"candidates \(the item catalogue's items\)"):
         build(validate(cfg)).close()
 
     class NoCatalogue:

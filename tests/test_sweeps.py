@@ -9,17 +9,21 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
 from recsys_runner import compare
+from recsys_runner.errors import ConfigError
+from recsys_runner.sweep import first_job_overrides
 from recsys_runner.tracking.sweep import (
     PARENT_RUN_ENV,
     SWEEP_PARENT_TAG,
     SWEPT_KEYS_ENV,
     _override_pairs,
+    check_direction,
     child_name,
     child_params,
     job_swept_values,
@@ -209,8 +213,9 @@ def test_optuna_direction_against_the_objective_is_refused_before_any_run(tmp_pa
                           f"tracking.uri={uri}", "tracking.experiment=direction"], tmp_path)
     assert out.returncode == 2, out.stderr[-3000:]
     assert out.stderr.strip() == (
-        "Config error: hydra.sweeper.direction=minimize but the objective eval/auc (train.objective) is better higher: "
-        "the search would chase its worst trials. Fix: hydra.sweeper.direction=maximize, or choose another train.objective")
+        "Config error: hydra.sweeper.direction=minimize but the objective eval/auc (the jobs' default; train.objective is "
+        "unset) is better higher: the search would chase its worst trials. Fix: hydra.sweeper.direction=maximize, or choose "
+        "another train.objective")
     assert MlflowClient(tracking_uri=uri).get_experiment_by_name("direction") is None
 
 
@@ -351,3 +356,60 @@ def test_sweep_objective_follows_train_objective_and_direction(tmp_path: Path) -
     assert parent.data.tags["sweep.objective"] == "eval/logloss"
     assert parent.data.tags["best.run_id"] == best.info.run_id
     assert parent.data.metrics["best/eval/logloss"] == pytest.approx(best.data.metrics["eval/logloss"])
+
+
+REGRESSION = ["model=mmoe", "model.tasks=[watch]", "model.task_kinds=[regression]"]
+"""A model whose one task is a regression: it logs eval/watch/mse and eval/watch/mae, no eval/auc."""
+
+
+def test_check_direction_follows_the_objective_the_jobs_report() -> None:
+    """The direction is checked against the objective given (a regression model's default, eval/<task>/mse), not against
+    eval/auc, which such jobs never log."""
+    maximize = OmegaConf.create({"hydra": {"sweeper": {"direction": "maximize"}}, "train": {"objective": None}})
+    with pytest.raises(ConfigError, match=r"hydra.sweeper.direction=maximize but the objective eval/watch/mse \(the jobs' "
+                                          r"default; train.objective is unset\) is better lower.*Fix: hydra.sweeper.direction=minimize"):
+        check_direction(maximize, "eval/watch/mse")
+    check_direction(maximize, "eval/hr_at_10")
+    check_direction(OmegaConf.create({"hydra": {"sweeper": {"direction": "minimize"}}}), "eval/watch/mse")
+
+
+def test_optuna_direction_is_checked_against_a_regression_models_default_objective(tmp_path: Path) -> None:
+    """Without train.objective, a regression model's jobs report eval/watch/mse: maximizing it is refused before any job,
+    and Optuna's default (minimize) is what it wants."""
+    uri = f"sqlite:///{tmp_path}/direction.db"
+    out = run_in_process([*TRAIN, "-m", "hydra/sweeper=optuna", "hydra.sweeper.direction=maximize", "optim.lr=interval(0.01,0.1)",
+                          *REGRESSION, *TINY, f"tracking.uri={uri}", "tracking.experiment=regression_direction"], tmp_path)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.strip().startswith("Config error: hydra.sweeper.direction=maximize but the objective eval/watch/mse (the "
+                                         "jobs' default; train.objective is unset) is better lower"), out.stderr[-3000:]
+    assert MlflowClient(tracking_uri=uri).get_experiment_by_name("regression_direction") is None
+
+
+def test_the_first_job_takes_each_swept_config_group_at_its_first_option() -> None:
+    """What the parent composes to resolve the jobs' default objective: a swept hyperparameter keeps the config's value
+    (a job refusing its value fails alone), a swept group (which may change the eval keys) its first option."""
+    config = OmegaConf.create({"hydra": {"runtime": {"choices": {"model": "deepfm", "optim": "adam"}},
+                                         "sweeper": {"params": {"model": "choice(sasrec, dssm)", "optim.lr": "interval(0.01, 0.1)"}},
+                                         "overrides": {"task": ["optim=adagrad,adam", "data.batch_size=64", "optim.lr=-1,0.1",
+                                                                "train.num_steps=range(2,5)"]}}})
+    assert first_job_overrides(config) == ["model=sasrec", "optim=adagrad", "data.batch_size=64"]
+
+
+@pytest.mark.parametrize(("sweep", "objective", "best"), [
+    (["optim.lr=0.01,0.1", *REGRESSION], "eval/watch/mse", min),
+    (["model=mmoe,ple"], "eval/ctr/auc", max),  # a swept group: its first option's tasks (ctr, cvr), not the base model's
+    (["optim.lr=0.01,0.1", "model=dssm"], "eval/inbatch_recall_at_1", max),  # dssm's eval_metrics: inbatch_recall@1, @10, @50
+])
+def test_sweep_without_objective_ranks_by_the_jobs_default(tmp_path: Path, sweep: list[str], objective: str, best: Any) -> None:
+    """A regression, a multi-task or a retrieval model's sweep without train.objective: the parent records the objective
+    its jobs report and finds their best trial under it (eval/auc, which they never log, found none)."""
+    uri = f"sqlite:///{tmp_path}/default.db"
+    out = run_in_process([*TRAIN, "-m", *sweep, *TINY, "train.num_steps=4", "data.num_eval_rows=1024", f"tracking.uri={uri}",
+                          "tracking.experiment=default_objective"], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    parent, children = _parent_and_children(uri, "default_objective")
+    assert len(children) == 2 and all(objective in r.data.metrics for r in children)
+    assert parent.data.tags["sweep.objective"] == objective
+    winner = best(children, key=lambda r: r.data.metrics[objective])
+    assert parent.data.tags["best.run_id"] == winner.info.run_id
+    assert parent.data.metrics[f"best/{objective}"] == pytest.approx(winner.data.metrics[objective])

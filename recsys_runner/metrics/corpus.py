@@ -29,7 +29,7 @@ from recsys_runner.errors import ConfigError
 from recsys_runner.metrics.base import GatherMetric, SumMetric
 from recsys_runner.metrics.retrieval import HitRateAtK, Ranked, unranked_if_nan
 
-__all__ = ["AnnRecallAtK", "MeanReciprocalRank", "CoverageAtK", "corpus_ranks", "corpus_k", "corpus_top_k"]
+__all__ = ["AnnRecallAtK", "MeanReciprocalRank", "CoverageAtK", "check_k_below", "corpus_ranks", "corpus_k", "corpus_top_k"]
 
 
 def corpus_top_k(queries: Tensor, index: Tensor, k: int, chunk_rows: int, seen: Tensor | None = None,
@@ -173,19 +173,43 @@ class _SeenMask:
         return scores
 
 
-def corpus_k(names: list[str], num_items: int, key: str) -> int:
+def check_k_below(names: list[str], candidates: int, key: str, among: str, more: str) -> None:
+    """Refuse an ``@k`` metric of ``names`` (as config key ``key`` lists them) whose ``k`` is at least ``candidates``,
+    the number of items each eval row ranks its true item among: its top ``k`` then holds every candidate, so
+    ``hr@k``, ``recall@k`` and ``coverage@k`` are 1 whatever the model and ``ndcg@k`` cuts nothing: a perfect score
+    that measures nothing, which a comparison with a published ``@k`` would take at face value.
+
+    The one check of every path that ranks, each before training: a two-tower model's catalogue (:func:`corpus_k`), a
+    next-item model's item table, sampled negatives (``model.eval_negatives + 1`` candidates), in-batch candidates
+    (the eval batch's rows) (:func:`recsys_runner.metrics.tasks.check_task_metrics`).
+
+    Args:
+        among: what the candidates are, for the message (``"the item catalogue's items"``).
+        more: the other fix, ranking among more candidates; ``{k}`` in it stands for the largest ``k`` refused
+            (``"model.eval_negatives={k}"``).
+
+    Raises:
+        ConfigError: naming the metrics, the first one's ``k``, the candidate count and both fixes.
+    """
+    too_big = [(name, k) for name in names if "@" in name and (k := int(name.rsplit("@", 1)[1])) >= candidates]
+    if too_big:
+        name, k = too_big[0]
+        largest = max(k for _, k in too_big)
+        example = f"{name.split('@')[0]}@{min(10, max(candidates - 1, 1))}"
+        raise ConfigError(f"{key} lists {[n for n, _ in too_big]}, but each eval row ranks its true item among only {candidates} "
+                          f"candidates ({among}): a top k of k={k} >= {candidates} holds every one of them, so {name} is a "
+                          f"perfect score whatever the model. Fix: k < {candidates}, e.g. {example}, or {more.format(k=largest)}")
+
+
+def corpus_k(names: list[str], candidates: int, key: str, among: str, more: str) -> int:
     """The largest ``k`` of the ``@k`` corpus metrics ``names`` (1 for none): how many top items :func:`corpus_ranks`
     keeps.
 
     Raises:
-        ConfigError: some ``k`` exceeds the catalogue's ``num_items``, naming the config key ``key``.
+        ConfigError: some ``k`` is not below the ``candidates`` each query ranks among (:func:`check_k_below`).
     """
-    ks = [int(name.rsplit("@", 1)[1]) for name in names if "@" in name]
-    too_big = [name for name, k in zip([n for n in names if "@" in n], ks, strict=True) if k > num_items]
-    if too_big:
-        raise ConfigError(f"{key} lists {too_big}, but the item catalogue has only {num_items} items; k counts items of "
-                         f"the catalogue. Fix: k <= {num_items}, e.g. {too_big[0].split('@')[0]}@{min(10, num_items)}")
-    return max(ks, default=1)
+    check_k_below(names, candidates, key, among, more)
+    return max((int(name.rsplit("@", 1)[1]) for name in names if "@" in name), default=1)
 
 
 class MeanReciprocalRank(HitRateAtK):

@@ -16,6 +16,7 @@ from torch import Tensor
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.errors import ConfigError
+from recsys_runner.metrics.corpus import check_k_below
 from recsys_runner.metrics.registry import (
     METRICS,
     NAME_PATTERNS,
@@ -26,7 +27,7 @@ from recsys_runner.metrics.registry import (
     metric_entry,
     metric_key,
 )
-from recsys_runner.tasks import Task, mask_task_index, output_columns
+from recsys_runner.tasks import NextItemTask, Task, mask_task_index, output_columns
 
 log = logging.getLogger(__name__)
 
@@ -90,12 +91,16 @@ def _task_outputs(view: _TaskView, logits: Tensor, labels: Tensor) -> tuple[Tens
     return preds, targets
 
 
-def check_task_metrics(spec: MetricsConfig, tasks: tuple[Task, ...], model: str = "the model") -> None:
+def check_task_metrics(spec: MetricsConfig, tasks: tuple[Task, ...], model: str = "the model", eval_rows: int | None = None) -> None:
     """Raise :class:`ConfigError` unless each task's eval metrics apply to what it produces.
 
     A task's ``metric_inputs_kinds`` say which registered metrics read its outputs: per-row predictions
     (pointwise and grouped metrics) or query×candidate scores (``recall@<k>``). ``model`` names the
-    model in the message.
+    model in the message. The ``k`` of a ranking metric must be below the candidates a row ranks among
+    (:func:`~recsys_runner.metrics.corpus.check_k_below`): a next-item task's item table (or its sampled negatives and
+    true item), and for ``inbatch_recall@<k>`` the ``eval_rows`` of an eval batch (``data.batch_size``; ``None``:
+    batches of varying rows, not checked). A two-tower model's catalogue metrics are checked against the catalogue
+    once the data has it (:meth:`recsys_runner.train.corpus.CorpusEval.for_run`).
     """
     for task in tasks:
         key = "model.eval_metrics" if task.eval_metrics is not None else "metrics.eval"
@@ -109,6 +114,22 @@ def check_task_metrics(spec: MetricsConfig, tasks: tuple[Task, ...], model: str 
                 f"{key} lists {name!r}; {model}'s eval is {task.metric_inputs_kinds[0]}, so only {', '.join(valid)} "
                 f"appl{'ies' if len(valid) == 1 else 'y'}, e.g. [{','.join(example)}]"
             )
+        _check_candidates(task, task.eval_metric_names(spec.eval), key, eval_rows)
+
+
+def _check_candidates(task: Task, names: list[str], key: str, eval_rows: int | None) -> None:
+    """:func:`~recsys_runner.metrics.corpus.check_k_below` for the ``@k`` metrics of ``names`` that rank among a number
+    of candidates known before the data is read (:func:`check_task_metrics`)."""
+    if isinstance(task, NextItemTask) and task.num_items is not None:
+        if task.eval_negatives:
+            check_k_below(names, task.eval_negatives + 1, key, f"model.eval_negatives={task.eval_negatives} sampled items and "
+                          f"the true one", "model.eval_negatives={k}")
+        else:
+            check_k_below(names, task.num_items, key, "the item table's items", "a larger item table")
+    in_batch = [n for n in names if metric_entry(n, key).inputs == "retrieval"]
+    if eval_rows is not None and in_batch:
+        check_k_below(in_batch, eval_rows, key, "in-batch: the rows of an eval batch, data.batch_size; a last, shorter batch "
+                      "has fewer", "data.batch_size>{k}")
 
 
 def eval_key(task: Task, name: str) -> str:

@@ -218,7 +218,8 @@ class SASRec(nn.Module):
         """Where the item feature's embedding starts among an event's ``D_g`` columns."""
         self.dim, self.num_items = dim, next(f.num_embeddings for f in features.sparse if f.name == self.item_feature)
         self.temperature, self.normalize, self.logq = config.temperature, config.normalize, config.logq_correction
-        self.tasks = (NextItemTask(eval_metrics=tuple(config.eval_metrics) if config.eval_metrics else None),)
+        self.tasks = (NextItemTask(eval_metrics=tuple(config.eval_metrics) if config.eval_metrics else None, num_items=self.num_items,
+                                   eval_negatives=config.eval_negatives),)
         self.eval_negatives = config.eval_negatives
         _check_eval_negatives(config.eval_negatives, self.num_items, self.group, self.item_feature)
         self.exclude_seen = False

@@ -38,7 +38,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -101,10 +101,22 @@ def jobs_ended(failed: Sequence[tuple[int, list[str]]]) -> None:
     _ENDED_JOBS.append(list(failed))
 
 
-class MlflowSweepCallback(Callback):
-    """Creates the sweep's MLflow parent run and summarizes it at the end (``tracking=mlflow`` only)."""
+def configured_objective(config: DictConfig) -> str:
+    """``train.objective``, else :data:`DEFAULT_OBJECTIVE`: the objective as the config states it, without resolving the
+    default its jobs will take (:func:`recsys_runner.sweep.sweep_objective` does)."""
+    return str(OmegaConf.select(config, "train.objective") or DEFAULT_OBJECTIVE)
 
-    def __init__(self) -> None:
+
+class MlflowSweepCallback(Callback):
+    """Creates the sweep's MLflow parent run and summarizes it at the end (``tracking=mlflow`` only).
+
+    ``objective_of(config)``: the eval key the sweep's jobs report and its parent ranks them by (the parent's tag
+    :data:`SWEEP_PARENT_TAG`, :func:`check_direction`'s objective); :class:`recsys_runner.sweep.SweepCallback` gives the
+    one that resolves the jobs' default objective from their config.
+    """
+
+    def __init__(self, objective_of: Callable[[DictConfig], str] = configured_objective) -> None:
+        self._objective_of = objective_of
         self._client: Any = None
         self._parent: str | None = None
         self._previous_env: dict[str, str | None] = {}
@@ -114,8 +126,9 @@ class MlflowSweepCallback(Callback):
         self._swept_keys: list[str] = []
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        with reported():  # before any job: a sweeper that would chase the objective the wrong way
-            check_direction(config)
+        with reported():  # before any job: the objective its jobs report, and a sweeper that would chase it the wrong way
+            objective = self._objective_of(config)
+            check_direction(config, objective)
         tracking = config.get("tracking")
         if tracking is None or not str(tracking.get("_target_", "")).endswith("MlflowTracker"):
             return
@@ -131,7 +144,7 @@ class MlflowSweepCallback(Callback):
                     experiment_id(self._client, str(tracking.experiment)),
                     run_name=sweep_name(ranges) or (f"sweep {os.path.basename(sweep_dir.rstrip('/'))}" if sweep_dir else "sweep"),
                     tags={"sweep.dir": os.path.abspath(sweep_dir), "sweep.overrides": overrides, "sweep.sweeper": sweeper,
-                          SWEEP_PARENT_TAG: OmegaConf.select(config, "train.objective") or DEFAULT_OBJECTIVE, "sweep.tracking_uri": uri,
+                          SWEEP_PARENT_TAG: objective, "sweep.tracking_uri": uri,
                           SWEPT_KEYS_TAG: ",".join(ranges)},
                 )
                 _log_ranges(self._client, run.info.run_id, ranges)
@@ -282,10 +295,11 @@ def last_own_line(stderr: str) -> str | None:
     return own[-1] if own else None
 
 
-def check_direction(config: DictConfig) -> None:
-    """Refuse a sweeper's ``hydra.sweeper.direction`` (Optuna's) that goes against the objective's own direction
-    (:func:`higher_is_better`): minimizing ``eval/auc`` — the Optuna sweeper's default direction is ``minimize`` —
-    would search for the worst trials and report one as the best. A multi-objective direction (a list) is left as is.
+def check_direction(config: DictConfig, objective: str) -> None:
+    """Refuse a sweeper's ``hydra.sweeper.direction`` (Optuna's) that goes against the direction of ``objective``, the
+    eval key the jobs report (:func:`higher_is_better`): minimizing ``eval/auc`` — the Optuna sweeper's default direction
+    is ``minimize`` — would search for the worst trials and report one as the best, and so would maximizing a
+    regression model's ``eval/mse``. A multi-objective direction (a list) is left as is.
 
     Raises:
         ConfigError: naming the objective, its direction and the override that fixes it.
@@ -294,11 +308,11 @@ def check_direction(config: DictConfig) -> None:
     direction = str(getattr(given, "name", given)).lower() if isinstance(given, (str, Enum)) else None
     if direction not in ("maximize", "minimize"):
         return
-    objective = str(OmegaConf.select(config, "train.objective") or DEFAULT_OBJECTIVE)
     wanted = "maximize" if higher_is_better(objective) else "minimize"
     if direction != wanted:
         better = "higher" if wanted == "maximize" else "lower"
-        raise ConfigError(f"hydra.sweeper.direction={direction} but the objective {objective} (train.objective) is "
+        source = "train.objective" if OmegaConf.select(config, "train.objective") else "the jobs' default; train.objective is unset"
+        raise ConfigError(f"hydra.sweeper.direction={direction} but the objective {objective} ({source}) is "
                           f"better {better}: the search would chase its worst trials. Fix: hydra.sweeper.direction={wanted}, "
                           f"or choose another train.objective")
 

@@ -197,8 +197,9 @@ class CorpusEval:
 
         Raises:
             ConfigError: a catalogue metric is listed but the data has no item catalogue or the model no towers, or
-                a ``k`` exceeds the catalogue's size; ``model.eval_negatives`` without a catalogue metric, with
-                ``coverage@<k>``, or more than a query has unseen items (:func:`check_eval_negatives`).
+                a ``k`` is not below the items each query ranks among (:func:`~recsys_runner.metrics.corpus.corpus_k`);
+                ``model.eval_negatives`` without a catalogue metric, with ``coverage@<k>``, or more than a query has
+                unseen items (:func:`check_eval_negatives`).
         """
         wanted = [(t, names) for t in tasks if (names := catalogue_metric_names(spec, t))]
         use_ranking_protocol(model, spec, two_tower=bool(wanted))
@@ -238,8 +239,10 @@ class CorpusEval:
             most_of = getattr(data, "eval_seen_most", None)  # file data measure their eval rows when built
             most = most_of(seen) if most_of is not None and seen else None
             check_eval_negatives(negatives, len(table), most or 0, seen)
-        return cls(table, wanted, spec, towers.corpus_chunk_rows, corpus_k(listed, len(table), key), towers.corpus_index, seen,
-                   negatives)
+        among, more = ((f"model.eval_negatives={negatives} sampled catalogue items and its own", "model.eval_negatives={k}")
+                       if negatives else ("the item catalogue's items", "a larger catalogue (data.items)"))
+        k = corpus_k(listed, negatives + 1 if negatives else len(table), key, among, more)
+        return cls(table, wanted, spec, towers.corpus_chunk_rows, k, towers.corpus_index, seen, negatives)
 
     def evaluate(self, model: nn.Module, data: DataModule, env: DistEnv, batches: Iterable[Batch],
                  progress: Progress | None = None, stop: Callable[[], None] | None = None) -> dict[str, float]:
