@@ -47,6 +47,7 @@ import pyarrow.parquet as pq
 from recsys_runner.data.encoding.fit import InferConfig, complete_schema
 from recsys_runner.data.encoding.rows import Encoder, Location, Rows
 from recsys_runner.data.files.csv_source import CsvSource
+from recsys_runner.data.files.sources import skip_empty
 from recsys_runner.data.files.tabular_config import CRITEO_COLUMNS, CRITEO_NUM_SPARSE, criteo_schema, text_delimiter
 from recsys_runner.data.locate import PARQUET_SUFFIXES, resolve_files
 from recsys_runner.data.schema import DenseColumn, Schema, SparseColumn
@@ -140,6 +141,7 @@ def convert(args: argparse.Namespace) -> None:
         raise ConfigError(f"--schema lists the weighted columns {weighted}, whose weights convert would drop (it writes ids only). "
                           f"Fix: train on the text files with data=csv data.schema=<file>, or drop weighted / weights from them")
     source = CsvSource(files, schema.columns, block_rows=args.row_group_rows, on_bad_rows=args.on_bad_rows, **options)
+    files = skip_empty(files, [f for f in files if not source.has_rows(f)], "has a header line but no rows")  # as training does
     encoder = Encoder(schema, args.on_bad_rows, DataError)
     out_schema = converted_schema(schema)
     multi_hot = [s.separator is not None for s in schema.sparse]
