@@ -57,10 +57,18 @@ from recsys_runner.errors import ConfigError, DataError, require
 log = logging.getLogger(__name__)
 
 
+def split_key(path: str) -> str:
+    """What the hash eval split keys a file's rows by, with their row numbers: its name without a compression's suffix, so
+    that a file holds out the same rows compressed or not. Not its folder (moving the files keeps the split); its format
+    suffix stays (``a.csv`` and its conversion ``a.parquet`` hold out different rows), as it always has, so that no
+    existing run's split moves: the runs record these keys instead, and an evaluate or resume on files keyed otherwise
+    warns (:func:`~recsys_runner.tracking.datasets.note_split_changes`)."""
+    return plain_name(path)
+
+
 def eval_mask(path: str, file_rows: np.ndarray, fraction: float) -> np.ndarray:
-    """Rows held out for eval: a hash of (file name, row number) below ``fraction`` (stable everywhere; the name without
-    a compression's suffix, so that a file holds out the same rows compressed or not)."""
-    file_id = np.uint64(zlib.crc32(plain_name(path).encode()))
+    """Rows held out for eval: a hash of (:func:`split_key`, row number) below ``fraction`` (stable everywhere)."""
+    file_id = np.uint64(zlib.crc32(split_key(path).encode()))
     h = splitmix64(file_rows.astype(np.uint64) ^ (file_id << np.uint64(32)))
     return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53)) < fraction
 
@@ -269,7 +277,8 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         if config.eval_path is not None:
             return {"train": train, "eval": SplitFiles(config.eval_path, tuple(self._eval.source.files), sum(self._eval.counts))}
         return {"train": train, "eval": SplitFiles(config.path, train.files, sum(self._eval.counts),
-                                                   holdout=config.eval_fraction or DEFAULT_EVAL_FRACTION)}
+                                                   holdout=config.eval_fraction or DEFAULT_EVAL_FRACTION,
+                                                   split_keys=tuple(split_key(f) for f in train.files))}
 
     def raw_rows(self, rows: int) -> pa.Table:
         return self.open_files(self.config.path, "data.path").sample(rows)
