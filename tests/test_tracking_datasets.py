@@ -222,7 +222,8 @@ def test_a_resume_on_files_changed_since_warns_that_its_epoch_position_no_longer
     assert "The resumed run trains on them as they are now" in warned and "checkpoint.resume=never" in warned
 
 
-def test_an_evaluate_or_resume_on_converted_files_warns_that_the_hash_eval_split_moved(tmp_path: Path) -> None:
+def test_an_evaluate_or_resume_on_converted_files_warns_that_the_hash_eval_split_moved(tmp_path: Path,
+                                                                                      capsys: pytest.CaptureFixture[str]) -> None:
     """The hash eval split keys rows by file name: ``a.csv`` converted to ``a.parquet`` holds out other rows, so evaluating
     (or resuming) the CSV-trained checkpoint on the conversion would score rows it trained on; the split's keys recorded
     with the checkpoint make that a warning. The same files, or files of their own (data.eval_path), say nothing."""
@@ -240,6 +241,7 @@ def test_an_evaluate_or_resume_on_converted_files_warns_that_the_hash_eval_split
     assert stored is not None and [r.profile.get("split_keys") for r in stored if r.context == "evaluation"] == [["a.csv"]]
     assert data_main(["convert", "--format", "csv", "--schema", str(tmp_path / "schema.yaml"), f"{tmp_path}/text",
                       f"{tmp_path}/converted", "--progress", "log"]) == 0
+    assert "these files hold out other rows than their sources did" in capsys.readouterr().out
     converted = ["data=parquet", f"data.path={tmp_path}/converted"]
 
     moved = "the eval split holds out other rows than checkpoint"

@@ -170,6 +170,8 @@ def convert(args: argparse.Namespace) -> None:
     skipped = encoder.num_bad_rows + source.num_bad_rows
     print(f"converted {total} rows from {len(files)} file(s) into {args.output}" + (f"; skipped {skipped} bad rows" if skipped else ""))
     print(f"train with: python -m recsys_runner data=parquet data.path={args.output}")
+    print("note: a hash eval split (data.eval_fraction) keys rows by file name, so these files hold out other rows than their "
+          "sources did: evaluate a checkpoint trained on the sources on the sources (docs/data.md, 'Eval split')")
 
 
 def _tables(args: argparse.Namespace) -> tuple[list[str], Any]:
