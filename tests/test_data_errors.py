@@ -205,6 +205,18 @@ def test_empty_part_files_are_skipped_and_counted(tmp_path: Path, caplog: pytest
                                         r"there are no rows to read"):
         parquet_data(str(train), eval_path=str(held))
 
+    # pandas writes an empty partition's text and list columns as nulls only: the first file with rows gives the types
+    pandas = tmp_path / "pandas"
+    pandas.mkdir()
+    pq.write_table(pa.table({"label": pa.array([], pa.int64()), "hist": pa.array([], pa.null()), "item": pa.array([], pa.null())}),
+                   pandas / "part-00000.parquet")
+    pq.write_table(pa.table({"label": [0, 1, 0, 1], "hist": pa.array([[1], [2, 3], [], [4]], pa.list_(pa.int64())),
+                             "item": ["a", "b", "a", "c"]}), pandas / "part-00001.parquet")
+    histories = parquet_data(str(pandas), eval_path=str(pandas), sequences={"h": {"features": ["hist"], "max_len": 2}},
+                             sparse=[{"name": "hist", "num_embeddings": 10, "encoding": "hash", "table": "items"},
+                                     {"name": "item", "num_embeddings": 10, "encoding": "hash", "table": "items"}])
+    assert read_all(histories) == 8
+
     text = tmp_path / "csv"
     text.mkdir()
     (text / "a.csv").write_text("label,item\n0,1\n1,2\n0,3\n1,4\n")
