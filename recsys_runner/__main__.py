@@ -70,8 +70,10 @@ def _data_inputs(c: Components) -> list[DataRecord]:
                                 encoders=files.get(ENCODERS_FILE))
     files[datasets.DATA_INPUTS_FILE] = datasets.to_json(records)
     if (resumed := c.loop.state.resumed_from) is not None:  # the files it started on, as the checkpoint recorded them
+        stored = datasets.read_stored(resumed)
         trained = [r for r in records if r.context == datasets.CONTEXTS["train"]]
-        datasets.note_changes(datasets.read_stored(resumed), trained, resumed, consequence=datasets.RESUMED_ON_CHANGED)
+        datasets.note_changes(stored, trained, resumed, consequence=datasets.RESUMED_ON_CHANGED)
+        datasets.note_split_changes(stored, records, resumed, consequence=datasets.RESUMED_ON_RESPLIT)
     return records
 
 

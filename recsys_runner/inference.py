@@ -290,5 +290,8 @@ def data_inputs(built: Inference, checkpoint: Path, scored: SplitFiles | None = 
         encoders = None
     records = datasets.describe(built.run.served_data, built.data, max_digest_mb=built.run.tracking.dataset_digest_max_mb,
                                 encoders=encoders, scored=scored)
-    datasets.note_changes(datasets.read_stored(checkpoint), records, checkpoint)
+    trained = datasets.read_stored(checkpoint)
+    datasets.note_changes(trained, records, checkpoint)
+    if scored is None:  # an evaluate: its eval rows are the split's (a predict scores its own files)
+        datasets.note_split_changes(trained, records, checkpoint)
     return records

@@ -148,7 +148,8 @@ def _scored(built: Inference, data_path: str, input_path: str | None) -> SplitFi
         return None
     assert isinstance(built.data, TabularData)  # predict refuses other data before building
     path, key = scored_files(data_path, input_path)
-    return SplitFiles(path, tuple(built.data.open_files(path, key).files), num_rows=None)
+    source = built.data.open_files(path, key)
+    return SplitFiles(path, tuple(f for f in source.files if source.has_rows(f)), num_rows=None)  # empty parts are skipped
 
 
 def settings_of(cfg: DictConfig) -> PredictConfig:

@@ -11,6 +11,7 @@ import pytest
 
 from recsys_runner.__main__ import run
 from recsys_runner.configurable import make
+from recsys_runner.data.__main__ import main as data_main
 from recsys_runner.data.base import DataError
 from recsys_runner.data.encoding.keys import splitmix64
 from recsys_runner.data.encoding.rows import Encoder, Location
@@ -156,14 +157,84 @@ def test_empty_files(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"empty\.parquet is an empty file \(0 bytes\)"):
         parquet_data(str(tmp_path / "empty.parquet"))
     pq.write_table(pa.table({"label": pa.array([], pa.int64()), "item": pa.array([], pa.int64())}), tmp_path / "norows.parquet")
-    with pytest.raises(DataError, match=r"norows\.parquet is an empty Parquet file \(0 rows\)"):
+    with pytest.raises(DataError, match=r"norows\.parquet is an empty Parquet file \(0 rows\): there are no rows to read"):
         parquet_data(str(tmp_path / "norows.parquet"))
     (tmp_path / "e.csv").write_text("")
     with pytest.raises(DataError, match=r"e\.csv is an empty file"):
         CsvData(make(CsvDataConfig, path=str(tmp_path / "e.csv"), sparse=SPARSE))
     (tmp_path / "h.csv").write_text("label,item\n")
-    with pytest.raises(DataError, match=r"h\.csv has a header but no rows"):
+    with pytest.raises(DataError, match=r"h\.csv has a header line but no rows: there are no rows to read"):
         CsvData(make(CsvDataConfig, path=str(tmp_path / "h.csv"), sparse=SPARSE))
+
+
+def _no_rows(path: Path, item: pa.DataType | None = None) -> None:
+    pq.write_table(pa.table({"label": pa.array([], pa.int64()), "item": pa.array([], item or pa.int64())}), path)
+
+
+def test_empty_part_files_are_skipped_and_counted(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Partitioned writers (Spark, Hive, pandas) leave part files of no rows: skipped with one line, not fatal; files all
+    empty stay an error, and an empty file's schema is still checked."""
+    train, held = tmp_path / "train", tmp_path / "eval"
+    train.mkdir()
+    held.mkdir()
+    parquet(train, "part-00000.parquet", label=[0, 1, 0, 1], item=[1, 2, 3, 4])
+    _no_rows(train / "part-00001.parquet")
+    parquet(train, "part-00002.parquet", label=[1, 0], item=[5, 6])
+    parquet(held, "part-00000.parquet", label=[0, 1, 1], item=[1, 2, 3])
+    _no_rows(held / "part-00001.parquet")
+    with caplog.at_level("INFO"):
+        data = parquet_data(str(train), eval_path=str(held))
+    assert read_all(data) == 6 + 3
+    skipped = [r.getMessage() for r in caplog.records if "are skipped" in r.getMessage()]
+    assert len(skipped) == 2 and "1 of 3 files in" in skipped[0] and "part-00001.parquet" in skipped[0], skipped
+    # the run's record of its inputs lists the files read (an empty part added or removed later is no other data)
+    splits = data.split_files()
+    assert [Path(f).name for f in splits["train"].files] == ["part-00000.parquet", "part-00002.parquet"]
+    assert [Path(f).name for f in splits["eval"].files] == ["part-00000.parquet"]
+    # a hash split of the same folder: the empty part holds out nothing and keys no other file's rows otherwise
+    assert read_all(parquet_data(str(train), eval_path=None, eval_fraction=0.5)) == 6
+
+    _no_rows(train / "part-00003.parquet", pa.string())  # empty, but of another type than the others: named
+    with pytest.raises(DataError, match=r"column 'item' holds int64 values in .*part-00000\.parquet but string values in .*part-00003"):
+        parquet_data(str(train), eval_path=str(held))
+    (train / "part-00003.parquet").unlink()
+
+    for f in ("part-00000.parquet", "part-00002.parquet"):
+        _no_rows(train / f)
+    with pytest.raises(DataError, match=r"part-00000\.parquet is an empty Parquet file \(0 rows\), as do all 3 files read with it: "
+                                        r"there are no rows to read"):
+        parquet_data(str(train), eval_path=str(held))
+
+    # pandas writes an empty partition's text and list columns as nulls only: the first file with rows gives the types
+    pandas = tmp_path / "pandas"
+    pandas.mkdir()
+    pq.write_table(pa.table({"label": pa.array([], pa.int64()), "hist": pa.array([], pa.null()), "item": pa.array([], pa.null())}),
+                   pandas / "part-00000.parquet")
+    pq.write_table(pa.table({"label": [0, 1, 0, 1], "hist": pa.array([[1], [2, 3], [], [4]], pa.list_(pa.int64())),
+                             "item": ["a", "b", "a", "c"]}), pandas / "part-00001.parquet")
+    histories = parquet_data(str(pandas), eval_path=str(pandas), sequences={"h": {"features": ["hist"], "max_len": 2}},
+                             sparse=[{"name": "hist", "num_embeddings": 10, "encoding": "hash", "table": "items"},
+                                     {"name": "item", "num_embeddings": 10, "encoding": "hash", "table": "items"}])
+    assert read_all(histories) == 8
+
+    text = tmp_path / "csv"
+    text.mkdir()
+    (text / "a.csv").write_text("label,item\n0,1\n1,2\n0,3\n1,4\n")
+    (text / "b.csv").write_text("label,item\n")
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        csv = CsvData(make(CsvDataConfig, path=str(text), eval_path=str(text), batch_size=2, shuffle=False, sparse=SPARSE))
+    assert read_all(csv) == 8
+    assert any("1 of 2 files in" in r.getMessage() and "(b.csv)" in r.getMessage() for r in caplog.records)
+    assert [Path(f).name for f in csv.split_files()["train"].files] == ["a.csv"]
+    # convert, as training: the empty part makes no Parquet file
+    (tmp_path / "schema.yaml").write_text("label: label\nsparse:\n- {name: item, num_embeddings: 10}\n")
+    assert data_main(["convert", "--format", "csv", "--schema", str(tmp_path / "schema.yaml"), str(text), str(tmp_path / "converted"),
+                      "--progress", "log"]) == 0
+    assert sorted(p.name for p in (tmp_path / "converted").iterdir()) == ["a.parquet"]
+    (text / "a.csv").write_text("label,item\n")
+    with pytest.raises(DataError, match=r"a\.csv has a header line but no rows, as do all 2 files read with it"):
+        CsvData(make(CsvDataConfig, path=str(text), sparse=SPARSE))
 
 
 def test_out_of_range_id(tmp_path: Path) -> None:

@@ -86,6 +86,56 @@ def test_parquet_list_string_and_id_columns(tmp_path: Path) -> None:
     assert tables["t_tags"].pooling.value == "MEAN" and tables["t_item"].num_embeddings == 10
 
 
+def test_a_multi_hot_cap_keeps_each_lists_first_values_counts_the_rows_and_warns_once(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``max_values``: a list of 950 ids is not pooled whole; its first values are kept (their weights with them), the rows
+    cut counted in ``data/truncated_lists`` and warned of once with the longest list, and the cap travels with the model."""
+    long = list(range(950))
+    table = pa.table({
+        "clicked": pa.array([1, 0, 1, 0], pa.int8()),
+        "tags": pa.array([long, [4, 5], [6, 7, 8, 9, 1], None], pa.list_(pa.int64())),
+        "tag_w": pa.array([[float(i) for i in long], [0.5, 0.25], [1.0, 2.0, 3.0, 4.0, 5.0], None], pa.list_(pa.float32())),
+        "item": pa.array([1, 2, 3, 4], pa.int64()),
+    })
+    pq.write_table(table, tmp_path / "part-0.parquet")
+    sparse = [{"name": "tags", "num_embeddings": 1000, "weights": "tag_w", "max_values": 3}, {"name": "item", "num_embeddings": 10}]
+    data = ParquetData(make(ParquetDataConfig, path=str(tmp_path), eval_path=str(tmp_path), label="clicked", batch_size=2,
+                            shuffle=False, sparse=sparse))
+    with caplog.at_level("WARNING"):
+        batches = list(data.train_batches(0, 0, 1))
+    tags = [b.sparse_features["tags"] for b in batches]
+    assert [n for jt in tags for n in jt.lengths().tolist()] == [3, 2, 3, 0]
+    assert [v for jt in tags for v in jt.values().tolist()] == [0, 1, 2, 4, 5, 6, 7, 8]
+    assert [w for jt in tags for w in jt.weights().tolist()] == [0.0, 1.0, 2.0, 0.5, 0.25, 1.0, 2.0, 3.0]
+    assert data.metrics()["data/truncated_lists"] == 2
+    warned = [r.getMessage() for r in caplog.records if "max_values" in r.getMessage()]
+    assert len(warned) == 1 and "data.sparse[tags] longer than max_values=3" in warned[0] and "longest so far: 950" in warned[0]
+    assert '"max_values": 3' in data.encoders_document().decode()
+    uncapped = ParquetData(make(ParquetDataConfig, path=str(tmp_path), eval_path=str(tmp_path), label="clicked", batch_size=4,
+                                shuffle=False, sparse=[{**sparse[0], "max_values": None}, sparse[1]]))
+    (batch,) = list(uncapped.train_batches(0, 0, 1))
+    assert batch.sparse_features["tags"].lengths().tolist() == [950, 2, 5, 0] and "data/truncated_lists" not in uncapped.metrics()
+
+
+@pytest.mark.parametrize(("entry", "message"), [
+    ({"name": "tags", "num_embeddings": 10, "max_values": 0}, r"data.sparse\[tags\].max_values=0 must be a positive integer"),
+    ({"name": "x", "num_embeddings": 10, "cross": ["a", "b"], "max_values": 2}, r"a cross has one value per row"),
+])
+def test_a_multi_hot_cap_that_cannot_apply_is_a_config_error(tmp_path: Path, entry: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        make(ParquetDataConfig, path=str(tmp_path), sparse=[entry])
+
+
+def test_a_history_takes_its_groups_max_len_not_max_values(tmp_path: Path) -> None:
+    table = pa.table({"clicked": pa.array([1, 0], pa.int8()), "hist": pa.array([[1, 2, 3], [4]], pa.list_(pa.int64())),
+                      "item": pa.array([1, 2], pa.int64())})
+    pq.write_table(table, tmp_path / "a.parquet")
+    with pytest.raises(ConfigError, match=r"data.sparse \['hist'\] set max_values but are histories in data.sequences"):
+        ParquetData(make(ParquetDataConfig, path=str(tmp_path), label="clicked", sequences={"h": {"features": ["hist"], "max_len": 2}},
+                         sparse=[{"name": "hist", "num_embeddings": 10, "max_values": 2, "table": "items"},
+                                 {"name": "item", "num_embeddings": 10, "table": "items"}]))
+
+
 def test_csv_multi_hot_missing_token_and_header(tmp_path: Path) -> None:
     (tmp_path / "a.csv").write_text("y,age,genres,user\n1,30,a|b|c,u1\n0,NA,,u2\n1,-4,b,NA\n0,5,c|c,u1\n")
     data = CsvData(make(CsvDataConfig, path=str(tmp_path / "a.csv"), eval_path=str(tmp_path / "a.csv"), label="y", batch_size=4, shuffle=False,

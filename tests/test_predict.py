@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -189,6 +190,23 @@ def test_predict_default_columns_and_a_stop_mid_write_leaves_no_part(trained_onc
     with pytest.raises(OSError, match="disk full"):
         predict.run(compose_entry("predict", *entry, f"predict.output={tmp_path}/failed", f"data.batch_size={BATCH // 2}"))
     assert list((tmp_path / "failed").iterdir()) == []
+
+
+def test_predict_skips_an_empty_part_file_of_its_input(trained_once: tuple[Path, list[str]], tmp_path: Path) -> None:
+    """A partitioned writer's part of 0 rows among the files to score is skipped (logged), not fatal, and not recorded as
+    a file the predict read."""
+    root, trained = trained_once
+    (tmp_path / "score").mkdir()
+    table = _score_file(tmp_path / "score" / "part-00000.parquet", 300, seed=1, row_group_size=300)
+    pq.write_table(table.slice(0, 0), tmp_path / "score" / "part-00001.parquet")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    result = predict.run(compose_entry("predict", *trained, f"tracking.uri={uri}", f"load={root}/ck", f"predict.input={tmp_path}/score",
+                                       f"predict.output={tmp_path}/out"))
+    assert result.rows == 300 and [p.name for p in result.parts] == ["part-00000-00000.parquet"]
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("predict").experiment_id], "tags.entry = 'predict'")
+    scored = {d.dataset.name: d.dataset for d in client.get_run(run.info.run_id).inputs.dataset_inputs}["parquet/predict"]
+    assert json.loads(scored.profile)["files"] == 1
 
 
 def test_predict_refuses_an_output_with_earlier_parts_naming_the_incomplete_ones(

@@ -17,6 +17,7 @@ from mlflow.tracking import MlflowClient
 
 from recsys_runner import evaluate, export, predict
 from recsys_runner.__main__ import run as train
+from recsys_runner.data.__main__ import main as data_main
 from recsys_runner.errors import ConfigError
 from recsys_runner.tracking import datasets
 from recsys_runner.tracking.store import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, experiment_id, ui_url
@@ -219,3 +220,42 @@ def test_a_resume_on_files_changed_since_warns_that_its_epoch_position_no_longer
     assert warned.startswith(f"data csv/train (training) has digest {datasets.read_stored(tmp_path / 'ck' / 'step_00000005')[0].digest}, "
                              f"but checkpoint {tmp_path}/ck/step_00000004 was trained on digest")
     assert "The resumed run trains on them as they are now" in warned and "checkpoint.resume=never" in warned
+
+
+def test_an_evaluate_or_resume_on_converted_files_warns_that_the_hash_eval_split_moved(tmp_path: Path,
+                                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """The hash eval split keys rows by file name: ``a.csv`` converted to ``a.parquet`` holds out other rows, so evaluating
+    (or resuming) the CSV-trained checkpoint on the conversion would score rows it trained on; the split's keys recorded
+    with the checkpoint make that a warning. The same files, or files of their own (data.eval_path), say nothing."""
+    rng = np.random.default_rng(0)
+    (tmp_path / "text").mkdir()
+    rows = [f"{int(u > 24)},{u},{i}" for u, i in zip(rng.integers(0, 50, 600), rng.integers(0, 50, 600), strict=True)]
+    (tmp_path / "text" / "a.csv").write_text("\n".join(["click,user,item", *rows]) + "\n")
+    (tmp_path / "schema.yaml").write_text("label: click\nsparse:\n- {name: user, num_embeddings: 50}\n- {name: item, num_embeddings: 50}\n")
+    base = ["model=deepfm", "distributed.device=cpu", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "data.batch_size=32",
+            "train.eval_max_batches=1", "train.log_every_steps=2"]
+    text = ["data=csv", f"data.path={tmp_path}/text", f"data.schema={tmp_path}/schema.yaml"]
+    train(compose_entry("config", *base, *text, "train.num_steps=2", f"checkpoint.dir={tmp_path}/ck"))
+    checkpoint = tmp_path / "ck" / "step_00000002"
+    stored = datasets.read_stored(checkpoint)
+    assert stored is not None and [r.profile.get("split_keys") for r in stored if r.context == "evaluation"] == [["a.csv"]]
+    assert data_main(["convert", "--format", "csv", "--schema", str(tmp_path / "schema.yaml"), f"{tmp_path}/text",
+                      f"{tmp_path}/converted", "--progress", "log"]) == 0
+    assert "these files hold out other rows than their sources did" in capsys.readouterr().out
+    converted = ["data=parquet", f"data.path={tmp_path}/converted"]
+
+    moved = "the eval split holds out other rows than checkpoint"
+    with LogWarnings() as warned:
+        evaluate.run(compose_entry("evaluate", *base, *text, f"load={checkpoint}"))
+    assert not [m for m in warned.messages if moved in m], warned.messages
+    with LogWarnings() as warned:
+        evaluate.run(compose_entry("evaluate", *base, *converted, f"load={checkpoint}"))
+    (said,) = [m for m in warned.messages if moved in m]
+    assert "a.parquet (trained as a.csv)" in said and "rows the checkpoint trained on" in said and "data.eval_path" in said
+    with LogWarnings() as warned:  # eval rows of their own: no split to move
+        evaluate.run(compose_entry("evaluate", *base, *converted, f"data.eval_path={tmp_path}/converted", f"load={checkpoint}"))
+    assert not [m for m in warned.messages if moved in m], warned.messages
+    with LogWarnings() as warned:
+        train(compose_entry("config", *base, *converted, "train.num_steps=4", f"checkpoint.dir={tmp_path}/ck"))
+    (said,) = [m for m in warned.messages if moved in m]
+    assert "trains on rows its earlier steps held out" in said

@@ -47,6 +47,7 @@ import pyarrow.parquet as pq
 from recsys_runner.data.encoding.fit import InferConfig, complete_schema
 from recsys_runner.data.encoding.rows import Encoder, Location, Rows
 from recsys_runner.data.files.csv_source import CsvSource
+from recsys_runner.data.files.sources import skip_empty
 from recsys_runner.data.files.tabular_config import CRITEO_COLUMNS, CRITEO_NUM_SPARSE, criteo_schema, text_delimiter
 from recsys_runner.data.locate import PARQUET_SUFFIXES, resolve_files
 from recsys_runner.data.schema import DenseColumn, Schema, SparseColumn
@@ -140,6 +141,7 @@ def convert(args: argparse.Namespace) -> None:
         raise ConfigError(f"--schema lists the weighted columns {weighted}, whose weights convert would drop (it writes ids only). "
                           f"Fix: train on the text files with data=csv data.schema=<file>, or drop weighted / weights from them")
     source = CsvSource(files, schema.columns, block_rows=args.row_group_rows, on_bad_rows=args.on_bad_rows, **options)
+    files = skip_empty(files, [f for f in files if not source.has_rows(f)], "has a header line but no rows")  # as training does
     encoder = Encoder(schema, args.on_bad_rows, DataError)
     out_schema = converted_schema(schema)
     multi_hot = [s.separator is not None for s in schema.sparse]
@@ -168,6 +170,8 @@ def convert(args: argparse.Namespace) -> None:
     skipped = encoder.num_bad_rows + source.num_bad_rows
     print(f"converted {total} rows from {len(files)} file(s) into {args.output}" + (f"; skipped {skipped} bad rows" if skipped else ""))
     print(f"train with: python -m recsys_runner data=parquet data.path={args.output}")
+    print("note: a hash eval split (data.eval_fraction) keys rows by file name, so these files hold out other rows than their "
+          "sources did: evaluate a checkpoint trained on the sources on the sources (docs/data.md, 'Eval split')")
 
 
 def _tables(args: argparse.Namespace) -> tuple[list[str], Any]:

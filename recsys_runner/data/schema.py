@@ -138,6 +138,11 @@ class SparseColumn:
     """A fixed vocabulary: a text file with one value per line, line ``i`` (from 1) becoming row ``i - 1``; every other value
     is hashed into ``oov_buckets`` rows after them (``encoding: vocab``, ``num_embeddings`` = lines + ``oov_buckets``).
     Read once, when training starts, and stored with the model like a fitted vocabulary."""
+    max_values: int | None = None
+    """A multi-hot bag's cap: a row's values after its first ``max_values`` are dropped (their weights with them), such rows
+    counted (``data/truncated_lists``) and warned of once, with the longest list seen. ``null``: every value is pooled, as
+    long as the list is. A history (``data.sequences``) is cut by its group's ``max_len`` instead. Stored with the model,
+    so evaluate, predict and the served model cut alike."""
 
     def __post_init__(self) -> None:
         key = f"data.sparse[{self.name}]"
@@ -155,6 +160,10 @@ class SparseColumn:
         if self.encoding is None and self.num_embeddings is not None:
             self.encoding = "id"  # unsized: decided when the data sizes it (vocab or hash)
         require(self.num_embeddings is None or self.num_embeddings > 0, f"{key}.num_embeddings must be positive, got {self.num_embeddings}")
+        require(self.max_values is None or (isinstance(self.max_values, int) and self.max_values > 0),
+                f"{key}.max_values={self.max_values!r} must be a positive integer (the values kept of a row's list), or null for no cap")
+        require(self.max_values is None or self.cross is None, f"{key}.max_values={self.max_values} caps a list, but a cross has "
+                f"one value per row. Fix: drop {key}.max_values")
         require(self.encoding is None or self.encoding in SPARSE_ENCODINGS,
                 f"{key}.encoding={self.encoding!r} must be one of {SPARSE_ENCODINGS}")
         require(self.encoding != "raw" or self.managed_collision is not None, f"{key}.encoding=raw passes raw ids, which only a "
@@ -370,6 +379,9 @@ class Schema:
         crossed = sorted(c.name for c in self.sparse if c.cross is not None and c.name in histories)
         require(not crossed, f"data.sparse {crossed} are crosses (one value per row) named as histories in data.sequences. Fix: "
                 f"remove them from data.sequences")
+        capped = sorted(c.name for c in self.sparse if c.max_values is not None and c.name in histories)
+        require(not capped, f"data.sparse {capped} set max_values but are histories in data.sequences, whose group's max_len cuts "
+                f"them (and every list of the group alike). Fix: drop max_values from them; set data.sequences.<group>.max_len")
         unpooled = self.sequence_tables
         weighted = [c.name for c in self.sparse if c.is_weighted and c.table_name in unpooled]
         require(not weighted, f"data.sparse {weighted} are weighted but read a table a history reads (data.sequences), whose "

@@ -154,6 +154,45 @@ def note_changes(trained: Sequence[DataRecord] | None, now: Sequence[DataRecord]
     return changed
 
 
+SCORED_ON_RESPLIT = ("Its eval rows now include rows the checkpoint trained on (and leave out rows it never saw), so its "
+                     "metrics overstate the model")
+"""What a hash eval split keyed otherwise means for an evaluate (:func:`note_split_changes`)."""
+RESUMED_ON_RESPLIT = ("The resumed run trains on rows its earlier steps held out for eval, and evaluates on rows it trained on")
+"""What a hash eval split keyed otherwise means for a resume (:func:`note_split_changes`)."""
+
+
+def note_split_changes(trained: Sequence[DataRecord] | None, now: Sequence[DataRecord], checkpoint: object,
+                       consequence: str = SCORED_ON_RESPLIT) -> list[tuple[str, str]]:
+    """Warn where the hash eval split (``data.eval_fraction``) keys rows by other file names than the checkpoint's training
+    did for files of the same stem (``a.parquet`` now, ``a.csv`` then: ``convert``'s output, or a file renamed to another
+    format), saying ``consequence``. Returns those ``(name now, name then)`` pairs.
+
+    Why: the split hashes (file name, row number), so the same rows under another name are held out otherwise, and the
+    dataset names differ (``parquet/eval``, ``csv/eval``), so :func:`note_changes` does not compare them. Keying by the stem
+    instead would have moved every existing run's split; recording the keys (``split_keys`` of the eval record) moves none.
+    """
+    def keys(records: Sequence[DataRecord] | None) -> set[str]:
+        return {k for r in records or () if r.context == CONTEXTS["eval"] for k in r.profile.get("split_keys", ())}
+
+    then, current = keys(trained), keys(now)
+    stems: dict[str, str] = {}
+    for key in sorted(then):
+        stems.setdefault(_stem(key), key)
+    moved = sorted((key, stems[_stem(key)]) for key in current - then if _stem(key) in stems)
+    if moved:
+        shown = ", ".join(f"{a} (trained as {b})" for a, b in moved[:3]) + (f" and {len(moved) - 3} more" if len(moved) > 3 else "")
+        log.warning("the eval split holds out other rows than checkpoint %s's training did: data.eval_fraction holds out rows by "
+                    "a hash of (file name, row number), and the files are named otherwise now: %s. %s. Fix: evaluate on the "
+                    "files it was trained on, or hold out eval rows in files of their own (data.eval_path) before training; "
+                    "docs/data.md, 'Eval split'", checkpoint, shown, consequence)
+    return moved
+
+
+def _stem(key: str) -> str:
+    """A split key without its format suffix: ``a.csv`` and ``a.parquet`` are both ``a``."""
+    return key.rsplit(".", 1)[0] if "." in key.lstrip(".") else key
+
+
 def _kind(config: DataConfig) -> str:
     """The data option's name, from its config class: ``CsvDataConfig`` → ``csv``, ``SyntheticSequencesConfig`` →
     ``synthetic_sequences``."""
@@ -179,6 +218,8 @@ def _files_record(name: str, split: SplitFiles, context: str, columns: list[dict
     if split.holdout is not None:
         digest.update(f"holdout={split.holdout}".encode())
         profile["holdout"] = split.holdout
+    if split.split_keys:  # not in the digest: the file names already are
+        profile["split_keys"] = list(split.split_keys)
     if split.num_rows is not None:
         profile["num_rows"] = split.num_rows
     scheme = urlsplit(split.path).scheme if uris.is_uri(split.path) else ""

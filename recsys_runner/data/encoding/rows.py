@@ -28,11 +28,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 if TYPE_CHECKING or __package__:
-    from .histories import HistoryEncoder
+    from .histories import HistoryEncoder, truncate
     from .keys import cross_keys, fnv1a64, is_text, parse_hex, parse_int, raw_keys, splitmix64
     from .values import bucket_ids, dense_transformed, is_list, parse_numbers, split_pairs, vocab_rows
 else:  # inside the MLflow model: the copies of histories.py, keys.py and values.py beside this one in its code/ directory
-    from recsys_histories import HistoryEncoder
+    from recsys_histories import HistoryEncoder, truncate
     from recsys_keys import cross_keys, fnv1a64, is_text, parse_hex, parse_int, raw_keys, splitmix64
     from recsys_values import bucket_ids, dense_transformed, is_list, parse_numbers, split_pairs, vocab_rows
 
@@ -165,6 +165,8 @@ class Encoder:
         self.histories = HistoryEncoder(schema, error)
         self.oov: dict[str, list[int]] = {c.name: [0, 0] for c in schema.sparse if c.encoding == "vocab"}
         """Per ``encoding: vocab`` column: values that read an OOV row (unseen when the vocabulary was fitted), and values."""
+        self.capped: dict[str, list[int]] = {c.name: [0, 0] for c in schema.sparse if getattr(c, "max_values", None) is not None}
+        """Per column with ``max_values``: rows whose list was cut to it, and the longest list seen."""
 
     @property
     def num_truncated_rows(self) -> int:
@@ -256,7 +258,19 @@ class Encoder:
         if getattr(col, "cross", None):  # getattr: documents written before these fields were stored lack them
             return (*self._cross(col, table, where), None)
         weights = getattr(col, "weights", None)
-        return self._jagged(col, _column(table, col.name), where, bad, None if weights is None else _column(table, weights))
+        bag = self._jagged(col, _column(table, col.name), where, bad, None if weights is None else _column(table, weights))
+        cap = getattr(col, "max_values", None)
+        return bag if cap is None else self._capped(col.name, cap, *bag)
+
+    def _capped(self, name: str, cap: int, ids: np.ndarray, lengths: np.ndarray,
+                weights: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """A bag cut to its first ``cap`` values per row (``max_values``), its weights alike; counted in :attr:`capped`."""
+        counts = self.capped[name]
+        if len(lengths):
+            counts[0] += int((lengths > cap).sum())
+            counts[1] = max(counts[1], int(lengths.max()))
+        cut, cut_lengths = truncate(ids, lengths, cap, "oldest")
+        return cut, cut_lengths, None if weights is None else truncate(weights, lengths, cap, "oldest")[0]
 
     def _sparse(self, col: Any, arr: pa.ChunkedArray | pa.Array, where: Location, bad) -> tuple[np.ndarray, np.ndarray]:
         """One sparse column's (ids, lengths), its weights (if any) left out."""

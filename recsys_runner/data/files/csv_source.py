@@ -31,7 +31,7 @@ from recsys_runner.data.files.layout import (
     open_quote_lines,
     split_fields,
 )
-from recsys_runner.data.files.sources import PARQUET_MAGIC, SNIFF_BYTES, Unit, looks_like_text, read_head, unreadable
+from recsys_runner.data.files.sources import PARQUET_MAGIC, SNIFF_BYTES, Unit, looks_like_text, read_head, skip_empty, unreadable
 from recsys_runner.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -156,10 +156,25 @@ class CsvSource:
         return ""
 
     def units(self) -> list[Unit]:
-        units = []
+        """Every file's blocks of lines; files with a header line and no rows are skipped (:func:`skip_empty`): :attr:`files`
+        is then the files with rows.
+
+        Raises:
+            DataError: every file is a header alone; a file is empty, unreadable or laid out otherwise than configured.
+        """
+        units, empty = [], []
         for path in self.files:
-            units.extend(self._index(path))
+            found = self._index(path)
+            units.extend(found)
+            if not found:
+                empty.append(path)
+        self.files = skip_empty(self.files, empty, "has a header line but no rows")
         return units
+
+    def has_rows(self, path: str) -> bool:
+        """Whether ``path`` holds a line after its header, from its first lines: the files :meth:`units` reads."""
+        _, data_start, more = self._header(path)
+        return not data_start or more
 
     def names(self, path: str) -> list[str]:
         """The column names of ``path`` (its header line, or ``data.column_names``)."""
@@ -318,7 +333,7 @@ class CsvSource:
         names, data_start, more = self._header(path)
         self._names[path], self._data_start[path] = names, data_start
         if data_start and not more:
-            raise DataError(f"{path} has a header but no rows. Fix: remove it from data.path")
+            return []  # a header alone: a partitioned writer's empty part, skipped by units()
         codec = self.compression(path)
         if codec is not None:
             return [self._count_stream(path, codec, data_start)]

@@ -11,6 +11,8 @@ source; the delimited-text source is :mod:`~recsys_runner.data.files.csv_source`
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -22,6 +24,8 @@ from recsys_runner import stores, uris
 from recsys_runner.data.encoding.keys import is_text
 from recsys_runner.data.encoding.values import is_list
 from recsys_runner.errors import DataError, UserError
+
+log = logging.getLogger(__name__)
 
 PARQUET_MAGIC = b"PAR1"
 """The 4 bytes every Parquet file begins (and ends) with."""
@@ -45,6 +49,31 @@ def unreadable(path: str, e: OSError) -> UserError:
     if uris.is_uri(path):
         return stores.store_error(path, e)
     return DataError(f"{path} cannot be read ({e.strerror or e}). Fix: check that it exists and that you may read it, or remove it from data.path")
+
+
+def skip_empty(files: list[str], empty: list[str], what: str) -> list[str]:
+    """``files`` less the ``empty`` ones, said in one log line (rank 0); every file empty is an error (``what``: how the
+    first looks).
+
+    Why: Spark, Hive and pandas' partitioned writers leave a part file per partition, also one with no rows (a header
+    line; a Parquet footer of 0 rows). Such a file holds nothing to train on, so refusing it would only make the user delete
+    it by hand; skipping it silently would hide a folder that lost its data, hence the count, and the error when nothing
+    is left.
+
+    Raises:
+        DataError: every file is empty, naming the first.
+    """
+    if not empty:
+        return files
+    if len(empty) == len(files):
+        every = f"{files[0]} {what}" + (f", as do all {len(files)} files read with it" if len(files) > 1 else "")
+        raise DataError(f"{every}: there are no rows to read. Fix: point the setting at files with rows, or write the data again")
+    if int(os.environ.get("RANK", "0")) == 0:
+        shown = ", ".join(os.path.basename(f) for f in empty[:3]) + (", …" if len(empty) > 3 else "")
+        log.info("%d of %d files in %s have no rows and are skipped (%s): empty part files, as partitioned writers leave them",
+                 len(empty), len(files), os.path.dirname(empty[0]) or ".", shown)
+    skipped = set(empty)
+    return [f for f in files if f not in skipped]
 
 
 def looks_like_text(head: bytes) -> bool:
@@ -119,10 +148,12 @@ class ParquetSource:
     def units(self) -> list[Unit]:
         """Every file's row groups, after checking that the files agree on the type of each column read (:func:`type_clash`).
 
+        Files of 0 rows are skipped (:func:`skip_empty`): :attr:`files` is then the files with rows.
+
         Raises:
-            DataError: a file is empty, unreadable, lacks a column, or holds a column as another kind of values.
+            DataError: every file is empty; a file is unreadable, lacks a column, or holds a column as another kind of values.
         """
-        units = []
+        units, empty = [], []
         reference: tuple[str, pa.Schema] | None = None
         for path in self.files:
             f = self._open(path)
@@ -131,14 +162,20 @@ class ParquetSource:
             if (clash := type_clash(self.columns, reference, (path, f.schema_arrow))) is not None:
                 raise clash
             if meta.num_rows == 0:
-                raise DataError(f"{path} is an empty Parquet file (0 rows). Fix: remove it from data.path, or write the data again")
+                empty.append(path)  # its schema checked all the same: an empty file of other types is a writer to fix
+                continue
             first = 0
             for g in range(meta.num_row_groups):
                 n = meta.row_group(g).num_rows
                 if n:
                     units.append(Unit(path, g, first, n))
                 first += n
+        self.files = skip_empty(self.files, empty, "is an empty Parquet file (0 rows)")
         return units
+
+    def has_rows(self, path: str) -> bool:
+        """Whether ``path`` holds a row (its footer's count), without reading it: the files :meth:`units` reads."""
+        return bool(self._open(path).metadata.num_rows)
 
     def check_types(self, reference: ParquetSource) -> None:
         """Refuse these files (``data.eval_path``'s, say) where a column read holds another kind of values than in

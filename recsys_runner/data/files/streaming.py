@@ -59,10 +59,18 @@ from recsys_runner.errors import ConfigError, DataError, require
 log = logging.getLogger(__name__)
 
 
+def split_key(path: str) -> str:
+    """What the hash eval split keys a file's rows by, with their row numbers: its name without a compression's suffix, so
+    that a file holds out the same rows compressed or not. Not its folder (moving the files keeps the split); its format
+    suffix stays (``a.csv`` and its conversion ``a.parquet`` hold out different rows), as it always has, so that no
+    existing run's split moves: the runs record these keys instead, and an evaluate or resume on files keyed otherwise
+    warns (:func:`~recsys_runner.tracking.datasets.note_split_changes`)."""
+    return plain_name(path)
+
+
 def eval_mask(path: str, file_rows: np.ndarray, fraction: float) -> np.ndarray:
-    """Rows held out for eval: a hash of (file name, row number) below ``fraction`` (stable everywhere; the name without
-    a compression's suffix, so that a file holds out the same rows compressed or not)."""
-    file_id = np.uint64(zlib.crc32(plain_name(path).encode()))
+    """Rows held out for eval: a hash of (:func:`split_key`, row number) below ``fraction`` (stable everywhere)."""
+    file_id = np.uint64(zlib.crc32(split_key(path).encode()))
     h = splitmix64(file_rows.astype(np.uint64) ^ (file_id << np.uint64(32)))
     return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53)) < fraction
 
@@ -150,6 +158,8 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         self.batch_size = config.batch_size
         self._bad_rows = 0
         self._truncated_rows = 0
+        self._capped: dict[str, list[int]] = {c.name: [0, 0] for c in schema.sparse if c.max_values is not None}
+        """Per column with ``max_values``, since construction: rows whose list was cut, and the longest list seen."""
         self._oov: dict[str, list[int]] = {c.name: [0, 0] for c in schema.sparse if c.encoding == "vocab"}
         """Per ``encoding: vocab`` column, since construction: values that read an OOV row, and values."""
         self._dropped_rows = 0
@@ -250,9 +260,11 @@ class TabularData(Catalogue, DataModule, abc.ABC):
                 f"eval rows are held out). Fix: more data, or a smaller data.batch_size / train.grad_accum_steps")
 
     def metrics(self) -> dict[str, float]:
-        """Counters since construction: bad rows skipped, rows left unread so that ranks end together, histories truncated."""
+        """Counters since construction: bad rows skipped, rows left unread so that ranks end together, histories truncated,
+        multi-hot lists cut to their ``max_values``."""
         return {"data/bad_rows_skipped": float(self._bad_rows), "data/rows_dropped_uneven_ranks": float(self._dropped_rows),
-                "data/truncated_histories": float(self._truncated_rows)} | oov_counters(self._oov)
+                "data/truncated_histories": float(self._truncated_rows),
+                **({"data/truncated_lists": float(sum(n for n, _ in self._capped.values()))} if self._capped else {})} | oov_counters(self._oov)
 
     def encoders_document(self) -> bytes:
         """The schema these files are encoded by (vocabularies included) and the kind of each of their columns, stored
@@ -267,7 +279,8 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         if config.eval_path is not None:
             return {"train": train, "eval": SplitFiles(config.eval_path, tuple(self._eval.source.files), sum(self._eval.counts))}
         return {"train": train, "eval": SplitFiles(config.path, train.files, sum(self._eval.counts),
-                                                   holdout=config.eval_fraction or DEFAULT_EVAL_FRACTION)}
+                                                   holdout=config.eval_fraction or DEFAULT_EVAL_FRACTION,
+                                                   split_keys=tuple(split_key(f) for f in train.files))}
 
     def raw_rows(self, rows: int) -> pa.Table:
         return self.open_files(self.config.path, "data.path").sample(rows)
@@ -305,6 +318,18 @@ class TabularData(Catalogue, DataModule, abc.ABC):
             return synchronized(batches, on_dropped=self._count_dropped)
         return batches
 
+    def _count_capped(self, capped: dict[str, tuple[int, int]]) -> None:
+        """Add a batch's lists cut to ``max_values``; warn once per column, at its first cut, with the longest list so far."""
+        for name, (cut, longest) in capped.items():
+            counts = self._capped[name]
+            if cut and not counts[0]:
+                cap = next(c.max_values for c in self.schema.sparse if c.name == name)
+                log.warning("%s: lists of data.sparse[%s] longer than max_values=%d were cut to their first %d values (the longest "
+                            "so far: %d); the count of such rows is logged as data/truncated_lists", self.config.path, name, cap,
+                            cap, longest)
+            counts[0] += cut
+            counts[1] = max(counts[1], longest)
+
     def _count_dropped(self, batch: Batch) -> None:
         self._dropped_rows += int(batch.labels.shape[0])
 
@@ -316,7 +341,8 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         for item in items:
             if item[0] == "error":
                 raise DataError(item[1])
-            dense, values, lengths, labels, skipped, truncated, oov, weights = item
+            dense, values, lengths, labels, skipped, truncated, oov, capped, weights = item
+            self._count_capped(capped)
             self._bad_rows += skipped
             for name, (unseen, total) in oov.items():
                 self._oov[name][0] += unseen
@@ -341,7 +367,8 @@ class TabularData(Catalogue, DataModule, abc.ABC):
 
     def _stream(self, split: _Split, epoch: int, shard: int, num_shards: int, train: bool) -> Iterator[tuple]:
         """Encoded batches of one shard, as tensors: (dense, values, lengths, labels, bad rows skipped, histories truncated,
-        each vocabulary's OOV values and values, the weights of the values when a feature is weighted)."""
+        each vocabulary's OOV values and values, each ``max_values`` column's rows cut and longest list, the weights of the
+        values when a feature is weighted)."""
         cfg = self.config
         shuffle = train and cfg.shuffle
         order = list(range(len(split.units)))
@@ -357,15 +384,19 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         source_bad = getattr(split.source, "num_bad_rows", 0)
         reported = [0, 0]
         reported_oov = {name: [0, 0] for name in encoder.oov}
+        reported_cuts = dict.fromkeys(encoder.capped, 0)
 
-        def counts() -> tuple[int, int, dict[str, tuple[int, int]]]:
-            """Bad rows skipped, histories truncated and each vocabulary's (OOV values, values) since the last call."""
+        def counts() -> tuple[int, int, dict[str, tuple[int, int]], dict[str, tuple[int, int]]]:
+            """Bad rows skipped, histories truncated, each vocabulary's (OOV values, values) and each capped list's (rows cut,
+            longest list so far) since the last call."""
             totals = [encoder.num_bad_rows + getattr(split.source, "num_bad_rows", 0) - source_bad, encoder.num_truncated_rows]
             deltas = (totals[0] - reported[0], totals[1] - reported[1])
             reported[:] = totals
             oov = {name: (now[0] - reported_oov[name][0], now[1] - reported_oov[name][1]) for name, now in encoder.oov.items()}
             reported_oov.update({name: list(now) for name, now in encoder.oov.items()})
-            return *deltas, oov
+            cuts = {name: (cut - reported_cuts[name], longest) for name, (cut, longest) in encoder.capped.items()}
+            reported_cuts.update({name: cut for name, (cut, _) in encoder.capped.items()})
+            return *deltas, oov, cuts
 
         buffer: list[Rows] = []
         held = 0
@@ -395,7 +426,7 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         if held:
             yield from cut(final=True)
         last = counts()
-        if last[0] or last[1] or any(total for _, total in last[2].values()):
+        if last[0] or last[1] or any(total for _, total in last[2].values()) or any(cut for cut, _ in last[3].values()):
             yield (None, None, None, None, *last, None)
 
     def _token_batches(self, block: Rows, budget: int, final: bool, order: np.random.Generator) -> tuple[Rows, list[tuple[int, int]], int]:
@@ -431,7 +462,8 @@ class TabularData(Catalogue, DataModule, abc.ABC):
                 if seen >= stop:
                     break
 
-    def _tensors(self, rows: Rows, skipped: int, truncated: int, oov: dict[str, tuple[int, int]]) -> tuple:
+    def _tensors(self, rows: Rows, skipped: int, truncated: int, oov: dict[str, tuple[int, int]],
+                 capped: dict[str, tuple[int, int]]) -> tuple:
         values = np.concatenate([v for v, _ in rows.sparse]) if rows.sparse else np.zeros(0, np.int64)
         lengths = np.concatenate([ln for _, ln in rows.sparse]) if rows.sparse else np.zeros(0, np.int32)
         weights = rows.key_weights()  # a weighted feature's weights, 1.0 for every other key's values (FeatureSpec.weighted)
@@ -443,6 +475,7 @@ class TabularData(Catalogue, DataModule, abc.ABC):
             skipped,
             truncated,
             oov,
+            capped,
             None if weights is None else torch.from_numpy(weights),
         )
 

@@ -106,8 +106,12 @@ class ParquetData(TabularData):
 
     def __init__(self, config: ParquetDataConfig, encoders: StoredEncoders | None = None) -> None:
         files = resolve_files(config.path, "data.path", PARQUET_SUFFIXES)
-        first = ParquetSource([files[0]], [], config.read_rows)._open(files[0]).schema_arrow
-        stored = None if (config.schema or config.sparse or config.dense or encoders) else stored_schema(files[0])
+        probe = ParquetSource(files, [], config.read_rows)
+        # the first file with rows speaks for the columns' types: an empty part (skipped when read) may hold a column of
+        # text or lists as nulls only, as pandas writes an empty partition
+        head = next((f for f in files if probe.has_rows(f)), files[0])
+        first = probe._open(head).schema_arrow
+        stored = None if (config.schema or config.sparse or config.dense or encoders) else stored_schema(head)
         if encoders is not None:
             schema = from_checkpoint(encoders, ParquetSource(files, [], config.read_rows).sample(KIND_SAMPLE_ROWS),
                                      f"data.path={config.path!r}")
@@ -118,8 +122,8 @@ class ParquetData(TabularData):
                                     f"data.path={config.path!r}", lambda: first.names)
             log_inferred(done, f"data.path={config.path!r}")
             schema = done.schema
-        check_list_columns(schema, first, files[0])
-        check_column_types(schema, first, files[0])
+        check_list_columns(schema, first, head)
+        check_column_types(schema, first, head)
         super().__init__(config, schema, encoders)
 
     def _suffixes(self) -> tuple[str, ...] | None:
