@@ -52,6 +52,7 @@ from recsys_runner.optim.optimizers import (
     OptimizerGroup,
     apply_sparse_optimizer,
     dense_optimizers,
+    sparse_accumulation_warning,
 )
 from recsys_runner.optim.schedulers import Schedule, ScheduledLR, SchedulePosition, SchedulerConfig
 from recsys_runner.optim.schedulers import lr_scheduler as make_lr_scheduler
@@ -158,6 +159,8 @@ def build(run: RunConfig, *, launch: Launch = Launch(), weights: Path | None = N
         sharded = distributed.shard(wrapped, plan)
         compile_dense(model, run.train.compile, wrapper=wrapped)  # the same module objects DMP now holds
         optimizer, lr_scheduler, policy = _optimizers(run, sharded, precision.grad_scaler(env.device), total_steps, steps_per_epoch)
+        if env.is_main and (caveat := sparse_accumulation_warning(run.optim.sparse, run.train.grad_accum_steps, run.data.batch_size)):
+            log.warning("%s", caveat)
         ema = policy.ema
         pipeline = make_pipeline(run.distributed.pipeline, env, sharded, policy.dense, policy, annotate=run.train.profile.enabled,
                                  semi_sync_start_batch=run.distributed.semi_sync_start_batch)  # the fused lr is pushed by the Stepper

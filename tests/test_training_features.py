@@ -22,7 +22,7 @@ from recsys_runner.checkpoint.storage import is_complete, list_checkpoints
 from recsys_runner.config import validate
 from recsys_runner.train.ema import DenseEMA
 from recsys_runner.train.stepping import LeanPipeline, PolicyPipelineBase, PolicyPipelineSparseDist
-from tests.conftest import TINY, hint_of, run_in_process, signal_in_process
+from tests.conftest import TINY, LogWarnings, hint_of, run_in_process, signal_in_process
 
 
 def the_run(uri: str, experiment: str):
@@ -251,3 +251,37 @@ def test_the_sparse_lr_reaches_the_kernels_as_when_pushed_every_step(make_cfg) -
         assert torch.equal(a, b)
     constant_lr = _embedding_rows_after(make_cfg, "scheduler=constant")
     assert not all(torch.equal(a, b) for a, b in zip(pushed_on_change, constant_lr, strict=True))  # the schedule mattered
+
+
+def _tables_after_micro_batches(make_cfg, *overrides: str, micro_batches: int = 4) -> list[torch.Tensor]:
+    """The embedding tables after ``micro_batches`` batches of 64 rows through the pipeline (dense lr vanishing)."""
+    c = build(validate(make_cfg(*overrides, "optim.dense.lr=1e-30", "optim.sparse.lr=0.1", "data.batch_size=64",
+                                "scheduler=constant", "tracking=none")))
+    try:
+        batches = iter([c.loop.data.batch(0, i) for i in range(micro_batches)])  # type: ignore[attr-defined]
+        c.loop.stepper.reset()
+        for _ in range(micro_batches):
+            c.loop.stepper.pipeline.progress(batches)
+        tables = [t for name, t in c.loop.evaluator.model.state_dict().items() if "embedding_bags" in name]
+        return [(t.local_shards()[0].tensor if hasattr(t, "local_shards") else t).detach().clone() for t in tables]
+    finally:
+        c.close()
+
+
+def test_accumulation_leaves_adaptive_sparse_updates_as_without_it(make_cfg) -> None:
+    # The fused kernels update the rows at every micro-batch. Row-wise Adagrad normalizes the gradient, so the loss's
+    # 1/N cancels: 4 micro-batches with train.grad_accum_steps=4 move the tables as 4 plain steps do (the docs once said
+    # "1/N-sized updates"), and the run must say so. SGD's updates do shrink by 1/N (and it gets no warning).
+    start = _tables_after_micro_batches(make_cfg, micro_batches=0)
+    with LogWarnings() as warned:
+        accumulated = _tables_after_micro_batches(make_cfg, "optim/sparse=rowwise_adagrad", "train.grad_accum_steps=4")
+    assert any("the fused RowWiseAdagrad still updates the embedding tables at every micro-batch" in m for m in warned.messages)
+    plain = _tables_after_micro_batches(make_cfg, "optim/sparse=rowwise_adagrad")
+    for a, p, s in zip(accumulated, plain, start, strict=True):
+        assert torch.allclose(a, p, atol=1e-2 * float((p - s).abs().max())), "Adagrad's accumulated step differs from plain steps"
+    with LogWarnings() as warned:
+        sgd_accumulated = _tables_after_micro_batches(make_cfg, "optim/sparse=sgd", "train.grad_accum_steps=4")
+    assert not any("grad_accum_steps" in m for m in warned.messages), warned.messages
+    sgd_plain = _tables_after_micro_batches(make_cfg, "optim/sparse=sgd")
+    moved = [float(sum((t - s).norm() for t, s in zip(tables, start, strict=True))) for tables in (sgd_accumulated, sgd_plain)]
+    assert moved[0] == pytest.approx(moved[1] / 4, rel=0.1), moved

@@ -293,6 +293,27 @@ def check_sparse_on_device(sparse: SparseOptimizerConfig, device_type: str, chec
         )
 
 
+def sparse_accumulation_warning(sparse: SparseOptimizerConfig, accumulation_steps: int, batch_size: int) -> str | None:
+    """What ``train.grad_accum_steps`` does *not* do to the embedding tables, for every fused optimizer but SGD; ``None``
+    when there is nothing to say (no accumulation, or SGD).
+
+    Why: fbgemm updates the rows inside every micro-batch's backward. The loss is divided by the accumulation steps, so
+    SGD's per-micro-batch updates add up to the large-batch one. Every other fused optimizer normalizes the gradient
+    (Adagrad's and Adam's ``g / sqrt(sum g²)``, LAMB's and LARS's trust ratio): dividing it by ``N`` leaves the update
+    as it was, so the tables take ``N`` full-size steps on ``batch_size`` rows per optimizer step — the same as without
+    accumulation — while the dense part trains on the ``N``-times larger batch. A user expecting the large-batch
+    update for both parts (TorchEasyRec's ``gradient_accumulation_steps`` reads that way) is told so at build time.
+    """
+    if accumulation_steps == 1 or sparse._target_ == "torchrec.optim.SGD":
+        return None
+    name = sparse._target_.rsplit(".", 1)[-1]
+    return (f"train.grad_accum_steps={accumulation_steps} accumulates the dense gradients only: the fused {name} still updates "
+            f"the embedding tables at every micro-batch, and its update does not shrink with the loss's 1/{accumulation_steps} "
+            f"(it normalizes the gradient), so the tables take {accumulation_steps} full-size steps on data.batch_size="
+            f"{batch_size} rows per optimizer step, exactly as without accumulation. For large-batch embedding updates raise "
+            f"data.batch_size instead, or use optim/sparse=sgd, whose micro-batch updates add up to the large-batch one")
+
+
 @dataclass(frozen=True)
 class OptimizerGroup:
     """Which of the run's optimizers: the fused ``sparse`` one, the ``dense`` one, or part-wise ``part`` ``name``."""

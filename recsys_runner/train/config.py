@@ -36,8 +36,9 @@ class TrainConfig:
     eval_max_batches: int | None = None
     """Cap on eval batches per rank (``null`` = the whole eval split)."""
     grad_accum_steps: int = 1
-    """Micro-batches per optimizer step; dense gradients are averaged over them (see docs/training.md
-    for how this interacts with the fused embedding optimizers, which update every micro-batch)."""
+    """Micro-batches per optimizer step; dense gradients are averaged over them. The fused embedding optimizers still
+    update every micro-batch, and all but SGD at full size: for them the tables train as without accumulation
+    (docs/training.md; a warning at build time)."""
     clip_grad: ClipConfig = field(default_factory=ClipConfig)
     """Clipping of the dense gradients (``train.clip_grad.max=1.0``)."""
     ema: EmaConfig = field(default_factory=EmaConfig)

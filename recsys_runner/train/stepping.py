@@ -14,9 +14,11 @@ pipeline the whole optimizer, so the default path costs nothing.
 Gradient accumulation over ``N`` micro-batches: the loss is divided by ``N``, dense gradients
 are summed, and the dense optimizer steps once per ``N`` micro-batches — exactly one step on the
 ``N``-times larger batch. **Fused embedding optimizers update rows inside backward**, so the
-embedding tables still take one (``1/N``-sized) update per micro-batch: for SGD that sums to the
-large-batch update except that later micro-batches see already-updated rows; for Adagrad-type
-optimizers the accumulator also advances per micro-batch. Likewise clipping (``train.clip_grad``)
+embedding tables still take one update per micro-batch: for SGD it is ``1/N``-sized and they sum to
+the large-batch update except that later micro-batches see already-updated rows; every other fused
+optimizer normalizes the gradient (Adagrad, Adam: ``g / sqrt(sum g²)``; LAMB, LARS: a trust ratio),
+so the ``1/N`` cancels and each micro-batch is a full-size step, exactly as without accumulation
+(the builder warns: :func:`~recsys_runner.optim.optimizers.sparse_accumulation_warning`). Likewise clipping (``train.clip_grad``)
 applies to the dense gradients only; the embedding kernels clip per element with
 ``optim.sparse.gradient_clipping``/``max_gradient``.
 
