@@ -182,7 +182,7 @@ def build(run: RunConfig, *, launch: Launch = Launch(), weights: Path | None = N
             checkpointer.close()
         distributed.close()
         raise
-    summaries = Summaries(run.train.summary_every_steps, histograms=run.train.summary_histograms, model=sharded, optimizer=optimizer,
+    summaries = Summaries(run.train.summary_every_steps, histograms=run.train.summary_histograms, model=sharded, learning_rates=stepper.learning_rates,
                           dense=policy.dense, env=env, tracker=tracker, log_every_steps=run.train.log_every_steps,
                           total_steps=total_steps, next_step=state.step + 1)
     loop = Loop(config=run.train, env=env, data=data, stepper=stepper, evaluator=evaluator, checkpointer=checkpointer,

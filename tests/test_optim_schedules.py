@@ -76,9 +76,22 @@ def test_sparse_dense_and_part_have_their_own_lrs_and_schedules(make_cfg, mlflow
     assert math.isfinite(run(cfg))
     lrs = lr_history(mlflow_uri, cfg.tracking.experiment)
     assert set(lrs) == {"lr/sparse", "lr/dense", "lr/part.over"}
-    assert lrs["lr/sparse"][30] == pytest.approx(0.2 * 0.5 ** 3)  # its own exponential decay
+    assert lrs["lr/sparse"][30] == pytest.approx(0.2 * 0.5 ** (29 / 10))  # its own exponential decay; step 30 trains at t=29
     assert lrs["lr/dense"][30] == pytest.approx(0.05)  # the default (constant) schedule
     assert lrs["lr/part.over"][10] == pytest.approx(0.01) and lrs["lr/part.over"][20] == pytest.approx(0.001)
+
+
+def test_the_logged_lr_is_the_lr_the_step_trained_with(make_cfg, mlflow_uri: str) -> None:
+    # was: the loop logged the groups' lr after the scheduler stepped, i.e. the *next* step's: with a warmup from 0 the
+    # log said step 1 trained at lr/4 while it trained at 0. Step s trains at base * schedule(s - 1); the summaries'
+    # lrs (on steps that are not log steps) must agree with it too.
+    cfg = make_cfg("optim=sgd", "optim.lr=0.4", "scheduler=constant", "scheduler.warmup_steps=4", "scheduler.warmup_start=0",
+                   "train.num_steps=6", "train.log_every_steps=2", "train.summary_every_steps=1")
+    assert math.isfinite(run(cfg))
+    lrs = lr_history(mlflow_uri, cfg.tracking.experiment)
+    expected = {1: 0.0, 2: 0.1, 3: 0.2, 4: 0.3, 5: 0.4, 6: 0.4}
+    for key in ("lr/sparse", "lr/dense"):
+        assert lrs[key] == pytest.approx(expected), key
 
 
 def test_part_patterns_route_parameters_first_match_wins() -> None:

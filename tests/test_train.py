@@ -77,8 +77,8 @@ def test_mlflow_run_contents(make_cfg, mlflow_uri: str) -> None:
     assert all(v > 0 for v in history("train/samples_per_s").values())
     lr_sparse, lr_dense = history("lr/sparse"), history("lr/dense")
     assert set(lr_sparse) == {10, 20, 30}
-    # warmup over 10 steps, then 0.5 ** ((step - 10) / 10): at step 30 → 0.07 * 0.25.
-    assert lr_sparse[30] == pytest.approx(0.07 * 0.5 ** (20 / 10)) and lr_dense[30] == pytest.approx(lr_sparse[30])
+    # warmup over 10 steps, then 0.5 ** ((t - 10) / 10); step 30 trains at t = 29 → 0.07 * 0.5 ** 1.9.
+    assert lr_sparse[30] == pytest.approx(0.07 * 0.5 ** (19 / 10)) and lr_dense[30] == pytest.approx(lr_sparse[30])
     assert set(history("eval/auc")) == {20, 30} and set(history("eval/logloss")) == {20, 30}
 
     artifacts = {a.path for a in client.list_artifacts(run_id)}

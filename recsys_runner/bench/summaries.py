@@ -39,7 +39,7 @@ TARGET = 0.03
 def timed_round(loop: Loop, c: Components, steps: int, every: int | None, histograms: bool = False) -> float:
     """Seconds of one :func:`train` call of ``steps`` steps with summaries every ``every`` steps (``None``: off)."""
     recorder = _Recorder()
-    summaries = Summaries(every, histograms=histograms, model=loop.evaluator.model, optimizer=loop.stepper.optimizer,
+    summaries = Summaries(every, histograms=histograms, model=loop.evaluator.model, learning_rates=loop.stepper.learning_rates,
                           dense=loop.stepper.policy.dense, env=c.env, tracker=recorder, log_every_steps=loop.config.log_every_steps,
                           total_steps=steps)
     try:

@@ -266,6 +266,15 @@ class ScheduledLR(torch.optim.lr_scheduler.LambdaLR):
         super().step(epoch)
         self.moved = True
 
+    def applied_lrs(self) -> list[float]:
+        """Each param group's lr *during* the optimizer step that the last :meth:`step` call closed: what that step
+        trained with and what the loop logs at it. ``get_last_lr()`` (and the groups' ``lr``) is already the next
+        step's, which differs under warmup and decay. Before any step: the first step's."""
+        step = self.last_epoch - 1
+        if step < 0:
+            return [float(lr) for lr in self.get_last_lr()]
+        return [float(base * schedule(step)) for base, schedule in zip(self.base_lrs, self.lr_lambdas, strict=True)]
+
     def state_dict(self) -> dict[str, Any]:
         """``LambdaLR``'s state dict: :attr:`moved` is a per-step flag, not state."""
         return {k: v for k, v in super().state_dict().items() if k != "moved"}

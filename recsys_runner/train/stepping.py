@@ -342,18 +342,21 @@ class Stepper:
         return self.weighting.logged() if self.weighting is not None else {}
 
     def learning_rates(self) -> dict[str, float]:
-        """The current lr of each optimizer group, as logged (:func:`learning_rates`)."""
-        return learning_rates(self.optimizer)
+        """The lr of each optimizer group during the step just taken, as logged (:func:`learning_rates`,
+        :meth:`~recsys_runner.optim.schedulers.ScheduledLR.applied_lrs`)."""
+        return learning_rates(self.optimizer, self.lr_scheduler.applied_lrs())
 
 
-def learning_rates(optimizer: GroupedOptimizer) -> dict[str, float]:
-    """Current lr of each optimizer group (``lr/sparse``, ``lr/dense``, ``lr/part.<name>``); when the parameter groups
-    of one optimizer differ in lr, each of them (``lr/<group>/<i>``)."""
-    lrs: dict[str, float] = {}
+def learning_rates(optimizer: GroupedOptimizer, lrs: list[float] | None = None) -> dict[str, float]:
+    """The lr of each optimizer group (``lr/sparse``, ``lr/dense``, ``lr/part.<name>``); when the parameter groups
+    of one optimizer differ in lr, each of them (``lr/<group>/<i>``). ``lrs``: one per param group of ``optimizer``, in
+    its order (the step's applied lrs); ``None``: the groups' current ``lr``."""
+    flat = iter(lrs if lrs is not None else [float(g["lr"]) for g in optimizer.param_groups])
+    out: dict[str, float] = {}
     for group, opt in optimizer.groups:
-        values = [float(g["lr"]) for g in opt.param_groups]
+        values = [float(next(flat)) for _ in opt.param_groups]
         if len(set(values)) == 1:
-            lrs[f"lr/{group.key}"] = values[0]
+            out[f"lr/{group.key}"] = values[0]
         else:
-            lrs |= {f"lr/{group.key}/{i}": v for i, v in enumerate(values)}
-    return lrs
+            out |= {f"lr/{group.key}/{i}": v for i, v in enumerate(values)}
+    return out

@@ -16,7 +16,7 @@ event files with ``tracking.tensorboard=true``):
 * ``embedding/<table>/row_norm_mean|max|min``: L2 norms of each table's rows, over the whole table, combined across
   ranks (a row split by column-wise sharding is put back together before its norm is taken).
 * ``lr/<group>``: the learning rate of every optimizer's parameter groups (``lr/<group>/<i>`` when an optimizer's
-  groups differ), as the loop logs them every ``train.log_every_steps`` (:func:`~recsys_runner.train.stepping.learning_rates`);
+  groups differ), as the loop logs them every ``train.log_every_steps`` (:meth:`~recsys_runner.train.stepping.Stepper.learning_rates`: the lrs the step trained with);
   added on the summary steps that are not log steps.
 * with ``train.summary_histograms=true``: histograms of every dense parameter and its gradient (``hist/param/<name>``,
   ``hist/grad/<name>``), logged to MLflow as one JSON artifact per summary step (``summaries/histograms_step_<N>.json``)
@@ -28,7 +28,7 @@ summaries are on).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -41,9 +41,7 @@ from torchrec.optim.keyed import KeyedOptimizer
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedTensor
 
 from recsys_runner.distributed.env import DistEnv
-from recsys_runner.optim.optimizers import GroupedOptimizer
 from recsys_runner.tracking.tracker import Histogram, Tracker
-from recsys_runner.train.stepping import learning_rates
 
 HISTOGRAM_BINS = 30
 """Buckets of each histogram (equal widths between the tensor's min and max)."""
@@ -67,7 +65,8 @@ class Summaries:
         every: summary cadence in steps (``train.summary_every_steps``); ``None`` turns everything off.
         histograms: also log parameter and gradient histograms (``train.summary_histograms``).
         model: the sharded model (DistributedModelParallel); its top-level sharded modules get the gradient hook.
-        optimizer: every optimizer of the run (lrs).
+        learning_rates: the lrs of every optimizer of the run during the step just taken (:meth:`Stepper.learning_rates
+            <recsys_runner.train.stepping.Stepper.learning_rates>`).
         dense: the dense optimizers (their parameters' gradients and histograms; names prefixed by the optimizer's key).
         env: rank, world size, device (the reductions across ranks).
         tracker: where rank 0 logs (a :class:`~recsys_runner.tracking.tracker.NullTracker` elsewhere).
@@ -75,10 +74,10 @@ class Summaries:
         next_step: the step the next call of the pipeline trains (a resumed run's step + 1).
     """
 
-    def __init__(self, every: int | None, *, histograms: bool, model: nn.Module, optimizer: GroupedOptimizer,
+    def __init__(self, every: int | None, *, histograms: bool, model: nn.Module, learning_rates: Callable[[], dict[str, float]],
                  dense: KeyedOptimizer, env: DistEnv, tracker: Tracker, log_every_steps: int, total_steps: int,
                  next_step: int = 1) -> None:
-        self.every, self.histograms, self.model, self.optimizer = every, histograms, model, optimizer
+        self.every, self.histograms, self.model, self.learning_rates = every, histograms, model, learning_rates
         self.log_every_steps, self.total_steps = log_every_steps, total_steps
         self.dense, self.env, self.tracker = dense, env, tracker
         self._sparse_sq: torch.Tensor | None = None  # sum of squared embedding-output gradients, while armed
@@ -142,7 +141,7 @@ class Summaries:
             metrics |= {f"embedding/{name}/row_norm_mean": totals[2 * i] / max(totals[2 * i + 1], 1.0),
                         f"embedding/{name}/row_norm_max": bounds[2 * i], f"embedding/{name}/row_norm_min": -bounds[2 * i + 1]}
         if step % self.log_every_steps and step != self.total_steps:  # else the loop's log line has them at this step
-            metrics |= learning_rates(self.optimizer)
+            metrics |= self.learning_rates()
         self.tracker.log_metrics(metrics, step)
         if self.histograms and self.env.is_main:
             self.tracker.log_histograms(self._histograms(), step)
