@@ -285,3 +285,23 @@ def test_accumulation_leaves_adaptive_sparse_updates_as_without_it(make_cfg) -> 
     sgd_plain = _tables_after_micro_batches(make_cfg, "optim/sparse=sgd")
     moved = [float(sum((t - s).norm() for t, s in zip(tables, start, strict=True))) for tables in (sgd_accumulated, sgd_plain)]
     assert moved[0] == pytest.approx(moved[1] / 4, rel=0.1), moved
+
+
+def test_an_accumulated_steps_loss_is_its_whole_batchs(make_cfg) -> None:
+    # was: Stepper.step returned the last micro-batch's loss, so train/loss (and the NaN guard before a checkpoint) saw
+    # 1/N of the rows: a NaN in an earlier micro-batch, which poisons the shared dense step, went unnoticed. The step's
+    # loss is now the mean over its micro-batches: the loss of the concatenated batch (lrs vanishing, nothing moves).
+    common = ["optim=sgd", "optim.lr=1e-30", "tracking=none", "scheduler=constant"]
+    small = build(validate(make_cfg(*common, "data.batch_size=64", "train.grad_accum_steps=4")))
+    large = build(validate(make_cfg(*common, "data.batch_size=256")))
+    try:
+        micro = [small.loop.data.batch(0, i) for i in range(4)]  # type: ignore[attr-defined]
+        small.loop.stepper.reset()
+        large.loop.stepper.reset()
+        accumulated = small.loop.stepper.step(iter(micro))
+        whole = large.loop.stepper.step(iter([_concat(micro)]))
+        assert accumulated is not None and whole is not None
+        assert float(accumulated) == pytest.approx(float(whole), rel=1e-5)
+    finally:
+        small.close()
+        large.close()

@@ -316,18 +316,24 @@ class Stepper:
         self._push_sparse_lr(force=True)
 
     def step(self, batches: Iterator[Batch]) -> torch.Tensor | None:
-        """One optimizer step; its last micro-batch's loss, or ``None`` when the data ended before the step did."""
-        loss = None
+        """One optimizer step; its loss, or ``None`` when the data ended before the step did.
+
+        With accumulation the loss is the mean over the step's micro-batches (the loss of the step's whole batch, which
+        the dense step follows), not the last micro-batch's: the logged ``train/loss`` covers every row trained, and a
+        non-finite loss in any micro-batch, which poisons the shared dense step, reaches the NaN guard before the
+        step's checkpoint."""
+        loss: torch.Tensor | None = None
         for _ in range(self.accumulation_steps):
             try:
-                loss, logits, labels = self.pipeline.progress(batches)
+                micro, logits, labels = self.pipeline.progress(batches)
             except StopIteration:
                 return None
+            loss = micro if loss is None else loss + micro  # on the device: no sync
             self.train_metrics.update(logits, labels)
         self.lr_scheduler.step()
         if self.lr_scheduler.moved:
             self._push_sparse_lr()
-        return loss
+        return loss / self.accumulation_steps if loss is not None and self.accumulation_steps > 1 else loss
 
     def _push_sparse_lr(self, force: bool = False) -> None:
         """Hand the fused optimizer's current lr to the kernels (its ``step()`` does only that) if it changed."""
