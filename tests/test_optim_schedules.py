@@ -205,12 +205,19 @@ def test_fused_kwargs_reach_fbgemm_as_its_enum(make_cfg) -> None:
         (["+optim.sparse.bogus=1"], "unknown key optim.sparse.bogus. Fix: remove it"),
         (["scheduler=exponential_decay", "scheduler.decay_rate=-0.5"], "decay_rate must lie in"),
         (["optim.dense.weight_decay=-1"], "weight_decay must be >= 0"),
-        (["optim.sparse.weight_decay=0.1"], "weight_decay_mode=none"),
+        (["optim/sparse=rowwise_adagrad", "optim.sparse.weight_decay=0.1"], "weight_decay_mode=none"),
+        # fbgemm's exact Adagrad kernel takes no weight decay; Adam's applies it decoupled whatever the mode says
+        (["optim.sparse.weight_decay=0.1", "optim.sparse.weight_decay_mode=l2"], "Adagrad kernel has no weight decay"),
+        (["optim/sparse=adam", "optim.sparse.weight_decay=0.1", "optim.sparse.weight_decay_mode=l2"],
+         "Adam kernel ignores the mode and applies weight decay as decouple only"),
+        (["optim/sparse=lars_sgd", "optim.sparse.weight_decay=0.1", "optim.sparse.weight_decay_mode=decouple"],
+         "weight_decay_mode=l2"),
         (["scheduler=manual_step", "scheduler.boundaries=[5,3]", "scheduler.rates=[1,0.5,0.1]"], "strictly increasing"),
         (["train.clip_grad.max=-1"], "clip_grad.max must be positive"),
         (["+optim.parts.x={pattern: '(', optimizer: {_target_: torch.optim.SGD}}"], "not a valid regular expression"),
     ],
-    ids=["unknown-key", "negative-decay", "negative-weight-decay", "decay-without-mode", "boundaries", "clip", "bad-regex"],
+    ids=["unknown-key", "negative-decay", "negative-weight-decay", "decay-without-mode", "adagrad-has-no-decay", "adam-decays-decoupled",
+         "lars-decays-l2", "boundaries", "clip", "bad-regex"],
 )
 def test_bad_settings_are_clear(make_cfg, overrides: list[str], message: str) -> None:
     cfg = make_cfg(*overrides)

@@ -38,7 +38,7 @@ import dataclasses
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from omegaconf import II
@@ -99,20 +99,35 @@ class _FusedConfig(SparseOptimizerConfig):
     weight_decay: float = 0.0
     weight_decay_mode: str = "none"
     """How ``weight_decay`` is applied by fbgemm: ``none``, ``l2`` (added to the gradient) or
-    ``decouple`` (AdamW-style, applied to the weights)."""
+    ``decouple`` (AdamW-style, applied to the weights). Only the modes the optimizer's kernel has are accepted
+    (:attr:`decay_modes`)."""
     gradient_clipping: bool = False
     """Clip each embedding gradient element to ``[-max_gradient, max_gradient]`` inside the kernel."""
     max_gradient: float = 1.0
     """Clipping threshold when ``gradient_clipping`` is on."""
 
+    decay_modes: ClassVar[tuple[str, ...]] = ("l2", "decouple")
+    """The weight decay modes fbgemm's kernel for this optimizer really applies. Only row-wise Adagrad's kernel reads
+    ``weight_decay_mode``; the others apply ``weight_decay`` one fixed way whatever the mode says (Adam and LAMB
+    decoupled, LARS added to the gradient), and exact Adagrad's kernel takes no weight decay at all (fbgemm's
+    ``lookup_<optimizer>`` invokers pass it only ``eps``). A mode the kernel does not apply would be silently wrong."""
+
     def __post_init__(self) -> None:
         _check_common("optim.sparse", self.lr, self.weight_decay)
         require(self.weight_decay_mode in _WEIGHT_DECAY_MODES,
                 f"optim.sparse.weight_decay_mode={self.weight_decay_mode!r} must be one of {_WEIGHT_DECAY_MODES}")
+        name, modes = self._target_.rsplit(".", 1)[-1], self.decay_modes or ("none",)
+        require(self.weight_decay == 0 or bool(self.decay_modes),
+                f"optim.sparse.weight_decay={self.weight_decay}: fbgemm's {name} kernel has no weight decay (it would do "
+                f"nothing). Fix: optim/sparse=rowwise_adagrad with optim.sparse.weight_decay_mode=l2 (or decouple), or "
+                f"optim.sparse.weight_decay=0")
+        require(self.weight_decay == 0 or self.weight_decay_mode in ("none", *self.decay_modes),
+                f"optim.sparse.weight_decay_mode={self.weight_decay_mode}: fbgemm's {name} kernel ignores the mode and applies "
+                f"weight decay as {'/'.join(modes)} only. Fix: optim.sparse.weight_decay_mode={modes[0]}")
         require(self.max_gradient > 0, f"optim.sparse.max_gradient must be positive, got {self.max_gradient}")
         require(self.weight_decay == 0 or self.weight_decay_mode != "none",
-                f"optim.sparse.weight_decay={self.weight_decay} has no effect with weight_decay_mode=none; "
-                "set optim.sparse.weight_decay_mode=l2 (or decouple)")
+                f"optim.sparse.weight_decay={self.weight_decay} with weight_decay_mode=none does not say how it is applied "
+                f"(fbgemm's {name} kernel: {' or '.join(modes)}). Fix: optim.sparse.weight_decay_mode={modes[0]}")
 
     def kwargs(self) -> dict[str, Any]:
         """As the base, with ``weight_decay_mode`` as fbgemm's ``WeightDecayMode`` enum."""
@@ -131,6 +146,7 @@ class SparseAdagradConfig(_FusedConfig):
     """Adagrad with one accumulator per embedding element (fbgemm ``EXACT_ADAGRAD``)."""
 
     _target_: str = "torchrec.optim.Adagrad"
+    decay_modes: ClassVar[tuple[str, ...]] = ()
     eps: float = 1e-8
 
     def __post_init__(self) -> None:
@@ -144,6 +160,7 @@ class SparseRowWiseAdagradConfig(SparseAdagradConfig):
     choice for large tables (fbgemm ``EXACT_ROWWISE_ADAGRAD``)."""
 
     _target_: str = "torchrec.optim.RowWiseAdagrad"
+    decay_modes: ClassVar[tuple[str, ...]] = ("l2", "decouple")
 
 
 @dataclass(kw_only=True)
@@ -151,6 +168,7 @@ class SparseAdamConfig(_FusedConfig):
     """Adam on embedding rows (fbgemm ``ADAM``, GPU only); keeps two moments per element."""
 
     _target_: str = "torchrec.optim.Adam"
+    decay_modes: ClassVar[tuple[str, ...]] = ("decouple",)
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
@@ -187,6 +205,7 @@ class SparseLarsSGDConfig(_FusedConfig):
     """LARS SGD: SGD with a layer-wise trust ratio (fbgemm ``LARS_SGD``, GPU only)."""
 
     _target_: str = "torchrec.optim.LarsSGD"
+    decay_modes: ClassVar[tuple[str, ...]] = ("l2",)
     eta: float = 0.001
     """LARS trust coefficient."""
     momentum: float = 0.9
