@@ -206,6 +206,9 @@ def test_fused_kwargs_reach_fbgemm_as_its_enum(make_cfg) -> None:
         (["scheduler=exponential_decay", "scheduler.decay_rate=-0.5"], "decay_rate must lie in"),
         (["optim.dense.weight_decay=-1"], "weight_decay must be >= 0"),
         (["optim/sparse=rowwise_adagrad", "optim.sparse.weight_decay=0.1"], "weight_decay_mode=none"),
+        # the mode is right, but fbgemm's CPU kernel applies no weight decay at all (test_cpu_kernels_ignore_sparse_weight_decay)
+        (["optim/sparse=rowwise_adagrad", "optim.sparse.weight_decay=0.1", "optim.sparse.weight_decay_mode=l2"],
+         "fbgemm's CPU kernels (RowWiseAdagrad included) apply no weight decay"),
         # fbgemm's exact Adagrad kernel takes no weight decay; Adam's applies it decoupled whatever the mode says
         (["optim.sparse.weight_decay=0.1", "optim.sparse.weight_decay_mode=l2"], "Adagrad kernel has no weight decay"),
         (["optim/sparse=adam", "optim.sparse.weight_decay=0.1", "optim.sparse.weight_decay_mode=l2"],
@@ -216,7 +219,7 @@ def test_fused_kwargs_reach_fbgemm_as_its_enum(make_cfg) -> None:
         (["train.clip_grad.max=-1"], "clip_grad.max must be positive"),
         (["+optim.parts.x={pattern: '(', optimizer: {_target_: torch.optim.SGD}}"], "not a valid regular expression"),
     ],
-    ids=["unknown-key", "negative-decay", "negative-weight-decay", "decay-without-mode", "adagrad-has-no-decay", "adam-decays-decoupled",
+    ids=["unknown-key", "negative-decay", "negative-weight-decay", "decay-without-mode", "no-decay-on-cpu", "adagrad-has-no-decay", "adam-decays-decoupled",
          "lars-decays-l2", "boundaries", "clip", "bad-regex"],
 )
 def test_bad_settings_are_clear(make_cfg, overrides: list[str], message: str) -> None:
@@ -259,3 +262,30 @@ class TestSchedules:
     def test_warmup_longer_than_training_is_an_error(self) -> None:
         with pytest.raises(ConfigError, match="scheduler.warmup_steps=200 exceeds the run's 100 training steps"):
             make(ConstantConfig, warmup_steps=200).build(total_steps=100)
+
+
+@pytest.mark.parametrize("optimizer", ["EXACT_ADAGRAD", "EXACT_ROWWISE_ADAGRAD"])
+def test_cpu_kernels_ignore_sparse_weight_decay(optimizer: str) -> None:
+    # Why a sparse weight decay is refused on CPU: fbgemm's CPU kernels take the argument and do nothing with it, in
+    # either mode. Two steps from rows of unequal magnitude, so that Adagrad's scale invariance cannot hide an L2 term.
+    # If this starts failing, fbgemm has learnt weight decay on CPU and check_sparse_on_device may allow it.
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen
+
+    from recsys_runner.optim.compat import WeightDecayMode
+
+    def row_after_two_steps(weight_decay: float, mode: WeightDecayMode) -> torch.Tensor:
+        tbe = SplitTableBatchedEmbeddingBagsCodegen([(4, 4, EmbeddingLocation.HOST, ComputeDevice.CPU)],
+                                                    optimizer=EmbOptimType[optimizer], learning_rate=0.1,
+                                                    weight_decay=weight_decay, weight_decay_mode=mode)
+        with torch.no_grad():
+            tbe.weights_host.copy_(torch.tensor([1.0, 10.0, 1.0, 10.0]).repeat(4))
+        for _ in range(2):
+            tbe(torch.tensor([1]), torch.tensor([0, 1])).sum().backward()
+        return tbe.weights_host.detach().view(4, 4)[1].clone()
+
+    plain = row_after_two_steps(0.0, WeightDecayMode.NONE)
+    assert not torch.equal(plain, torch.tensor([1.0, 10.0, 1.0, 10.0]))  # the rows did train
+    for mode in (WeightDecayMode.L2, WeightDecayMode.DECOUPLE):
+        assert torch.equal(row_after_two_steps(0.5, mode), plain), mode

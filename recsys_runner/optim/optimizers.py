@@ -293,7 +293,8 @@ NOT_CHECKPOINTABLE_SPARSE = {"LarsSGD": "lars_sgd"}
 
 
 def check_sparse_on_device(sparse: SparseOptimizerConfig, device_type: str, checkpoints: bool = False) -> None:
-    """Fail early, with the alternatives, when fbgemm has no kernel for this optimizer here, or when
+    """Fail early, with the alternatives, when fbgemm has no kernel for this optimizer here, when its kernel here would
+    ignore a setting (weight decay on CPU: measured, ``test_cpu_kernels_ignore_sparse_weight_decay``), or when
     the run would save ``checkpoints`` (any: at the end, periodic or best) of an optimizer whose state
     TorchRec cannot export."""
     name = sparse._target_.rsplit(".", 1)[-1]
@@ -302,6 +303,13 @@ def check_sparse_on_device(sparse: SparseOptimizerConfig, device_type: str, chec
             f"optim.sparse is {name}, which fbgemm implements only on GPU; on CPU the fused embedding optimizers "
             f"are {sorted(CPU_FUSED_SPARSE.values())}. Fix: optim/sparse=rowwise_adagrad (keeping your dense "
             f"optimizer, e.g. optim/dense=adam), or run on a CUDA device."
+        )
+    weight_decay = getattr(sparse, "weight_decay", 0.0)
+    if device_type == "cpu" and weight_decay > 0:
+        raise ConfigError(
+            f"optim.sparse.weight_decay={weight_decay}: fbgemm's CPU kernels ({name} included) apply no weight decay, in "
+            f"any weight_decay_mode, so it would silently do nothing on CPU. Fix: optim.sparse.weight_decay=0 on CPU, "
+            f"or run on a CUDA device"
         )
     if checkpoints and name in NOT_CHECKPOINTABLE_SPARSE:
         choice = NOT_CHECKPOINTABLE_SPARSE[name]
