@@ -28,7 +28,7 @@ from torch import Tensor
 from recsys_runner.errors import ConfigError
 from recsys_runner.metrics.base import GatherMetric, SumMetric
 from recsys_runner.metrics.retrieval import HitRateAtK, Ranked, unranked_if_nan
-from recsys_runner.metrics.top_k import chunk_top_k, merge_top_k
+from recsys_runner.metrics.top_k import chunk_top_k, in_order, merge_top_k
 
 __all__ = ["AnnRecallAtK", "MeanReciprocalRank", "CoverageAtK", "corpus_ranks", "corpus_k", "corpus_top_k"]
 
@@ -119,7 +119,7 @@ def _sweep(queries: Tensor, index: Tensor, k: int, chunk_rows: int, mask: _SeenM
         top_scores, top_rows = merge_top_k(top_scores, top_rows, best, at + start, k)
         if between is not None:
             between()
-    return top_scores, top_rows
+    return in_order(top_scores, top_rows)
 
 
 class _ChunkScores:

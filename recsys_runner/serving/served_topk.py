@@ -267,6 +267,7 @@ def top_k(queries: Any, index: Any, k: int, seen: Any | None) -> tuple[Any, Any,
             scores = scores.masked_fill(mask[:, :width], float("-inf"))
         chunk_scores, at = _top_k.chunk_top_k(scores, k)
         best_scores, best_rows = _top_k.merge_top_k(best_scores, best_rows, chunk_scores, at + start, k)
+    best_scores, best_rows = _top_k.in_order(best_scores, best_rows)
     keep = torch.isfinite(best_scores)
     scores = (queries.unsqueeze(1) * index[best_rows]).sum(dim=2)
     return best_rows, scores, keep
