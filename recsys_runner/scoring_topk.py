@@ -28,7 +28,8 @@ row that has seen all but fewer than ``k`` items gets a shorter list.
 **Ids.** Rows written by ``python -m recsys_runner.data sequences`` name their id mapping
 (:func:`~recsys_runner.data.sequences.mapping.mapping_folder`): the top items are then the raw ids of the log, and
 the table's OOV rows (ids past the mapping's values) are never recommended. Input without a mapping gets the
-table's ids, said in one log line.
+table's ids, said in one log line. Which ids may be recommended is
+:func:`~recsys_runner.data.sequences.mapping.candidate_items`, the set a next-item model's eval ranks too.
 """
 
 from __future__ import annotations

@@ -71,3 +71,17 @@ def test_eval_ranks_only_the_candidate_items_so_an_oov_row_that_outscores_every_
         assert scores.shape[1] == (6 if protocol == ["model.eval_negatives=5"] else items)
     finally:
         c.close()
+
+
+def test_an_oov_target_is_a_miss_and_an_oov_history_id_masks_nothing() -> None:
+    """Rows encoded with an earlier mapping (``data sequences --vocab``) may hold OOV ids in their history and as their
+    target: the candidates' scores ``[B, C]`` have no column for them."""
+    from recsys_runner.metrics.retrieval import target_ranks
+    from recsys_runner.models.ranking_eval import without_seen
+
+    scores = torch.tensor([[3.0, 2.0, 1.0], [3.0, 2.0, 1.0]])
+    targets = torch.tensor([2, 4])  # row 1's target is OOV row 4 of a table with 3 candidates
+    seen = torch.tensor([[0, 5], [1, 4]])  # OOV ids 5 and 4 beside candidates 0 and 1
+    masked = without_seen(scores, seen, targets)
+    assert masked.tolist() == [[float("-inf"), 2.0, 1.0], [3.0, float("-inf"), 1.0]]
+    assert target_ranks(masked, targets).tolist() == [1.0, float("inf")]

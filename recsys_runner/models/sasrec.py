@@ -16,8 +16,9 @@ of both L2-normalized when ``normalize``, divided by ``temperature``.
   and raw dot products; this trains as HSTU's next-item experiments do, a softmax over many negatives, on cosines
   with a temperature (``normalize``; ``false`` for raw dot products). The start token and the recency (rather than
   absolute) positions are this implementation's too.
-* Evaluation (:meth:`SASRec.full_scores`): the state after the whole history against every item of the table,
-  ``[B, N]``, for ``hr@<k>``/``ndcg@<k>``. The table is read through the model's own (sharded) EmbeddingCollection,
+* Evaluation (:meth:`SASRec.full_scores`): the state after the whole history against every candidate item of the
+  table (the ``C`` items predict may recommend, never the OOV rows: :meth:`SASRec.use_candidates`), ``[B, C]``, for
+  ``hr@<k>``/``ndcg@<k>``. The table is read through the model's own (sharded) EmbeddingCollection,
   once per evaluation (kept while the model is in eval mode): every rank looks up ids ``0 … N-1`` at its first eval
   batch, so the collective is the same on every rank. An eval batch holds ``B × N`` scores (and the table ``N × D``):
   for tables of millions of items, lower ``data.batch_size`` for eval or cap it with ``train.eval_max_batches``.
