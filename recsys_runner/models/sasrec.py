@@ -20,12 +20,13 @@ of both L2-normalized when ``normalize``, divided by ``temperature``.
   table (the ``C`` items predict may recommend, never the OOV rows: :meth:`SASRec.use_candidates`), ``[B, C]``, for
   ``hr@<k>``/``ndcg@<k>``. The table is read through the model's own (sharded) EmbeddingCollection,
   once per evaluation (kept while the model is in eval mode): every rank looks up ids ``0 … N-1`` at its first eval
-  batch, so the collective is the same on every rank. An eval batch holds ``B × N`` scores (and the table ``N × D``):
+  batch, so the collective is the same on every rank. An eval batch holds ``B × C`` scores (and the table ``N × D``):
   for tables of millions of items, lower ``data.batch_size`` for eval or cap it with ``train.eval_max_batches``.
 
 Shape legend: ``B`` batch, ``L`` longest history in the batch (``L + 1`` positions with the start token), ``D`` the
 item table's width (the model's width), ``D_g`` an event's width (its features' embeddings concatenated), ``H``
-heads, ``P`` real positions of the batch, ``U`` distinct positives among them, ``N`` items in the table.
+heads, ``P`` real positions of the batch, ``U`` distinct positives among them, ``N`` items in the table, ``C`` of them
+candidates (those that may be recommended).
 """
 
 from __future__ import annotations
