@@ -28,7 +28,8 @@ row that has seen all but fewer than ``k`` items gets a shorter list.
 **Ids.** Rows written by ``python -m recsys_runner.data sequences`` name their id mapping
 (:func:`~recsys_runner.data.sequences.mapping.mapping_folder`): the top items are then the raw ids of the log, and
 the table's OOV rows (ids past the mapping's values) are never recommended. Input without a mapping gets the
-table's ids, said in one log line.
+table's ids, said in one log line. Which ids may be recommended is
+:func:`~recsys_runner.data.sequences.mapping.candidate_items`, the set a next-item model's eval ranks too.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.data.base import DataModule
 from recsys_runner.data.catalogue.items import ItemTable
-from recsys_runner.data.sequences.mapping import load_mapping, mapping_folder
+from recsys_runner.data.sequences.mapping import candidate_items, load_mapping
 from recsys_runner.distributed.env import DistEnv
 from recsys_runner.errors import ConfigError
 from recsys_runner.features import SequenceGroup
@@ -124,34 +125,24 @@ class ItemNames:
 
 
 def item_names(files: list[str], table: str, num_rows: int, say: bool = True) -> ItemNames:
-    """The names of ``table``'s ids (``num_rows`` rows) for the Parquet ``files`` predicted: the mapping they name
-    (:func:`~recsys_runner.data.sequences.mapping.mapping_folder`), else the ids themselves (logged when ``say``).
+    """The names of ``table``'s ids (``num_rows`` rows) for the Parquet ``files`` predicted, and which may be recommended:
+    :func:`~recsys_runner.data.sequences.mapping.candidate_items` (the mapping the files name, else the ids themselves;
+    logged when ``say``).
 
     Raises:
         ConfigError: the files name different mappings, or the mapping has no such table or more values than rows.
     """
-    folders = {mapping_folder(f) for f in files}
-    if len(folders) > 1:
-        raise ConfigError(f"predict's input files name {len(folders)} id mappings ({sorted(str(f) for f in folders)}): their ids "
-                          f"mean different items. Fix: predict.input=<files written by one run of data sequences, or with its --vocab>")
-    folder = next(iter(folders), None)
-    if folder is None:
+    candidates = candidate_items(files, table, num_rows)
+    if candidates.folder is None:
         if say:
             log.info("predict: the input names no id mapping (not written by python -m recsys_runner.data sequences): top_items "
                      "are the %s table's ids", table)
         return ItemNames(None, num_rows)
-    mapping = load_mapping(folder)
-    if table not in mapping:
-        raise ConfigError(f"the id mapping in {folder} has no table {table!r} (it has {sorted(mapping)}), the table the model "
-                          f"recommends from. Fix: predict.input=<rows written by data sequences for this model's data>")
-    values = mapping[table]
-    if len(values) > num_rows:
-        raise ConfigError(f"the id mapping in {folder} holds {len(values)} {table} ids, but the model's table has {num_rows} rows: "
-                          f"the input was encoded for another model. Fix: predict.input=<rows encoded with the training's mapping>")
+    values = load_mapping(candidates.folder)[table][: candidates.count]
     if say:
-        log.info("predict: top_items are the raw %s ids of the mapping in %s (its %d OOV rows never recommended)", table, folder,
-                 num_rows - len(values))
-    return ItemNames(values, len(values))
+        log.info("predict: top_items are the raw %s ids of the mapping in %s (its %d OOV rows never recommended)", table,
+                 candidates.folder, num_rows - candidates.count)
+    return ItemNames(values, candidates.count)
 
 
 def top_k_scorer(model: nn.Module, tasks: tuple[Task, ...], data: DataModule, env: DistEnv, files: list[str], *, k: int,

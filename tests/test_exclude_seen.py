@@ -73,10 +73,10 @@ def test_next_item_exclude_seen_equals_a_brute_force_ranking_on_one_rank() -> No
     repeats = 0
     with torch.no_grad():
         for batch in data.eval_batches(0, 1):  # type: ignore[attr-defined]
-            use_ranking_protocol(wrapper, MetricsConfig(exclude_seen=False), two_tower=False)
+            use_ranking_protocol(wrapper, data, MetricsConfig(exclude_seen=False), two_tower=False)
             _, (_, scores, targets) = wrapper(batch)
             full.update(scores, targets)
-            use_ranking_protocol(wrapper, spec, two_tower=False)
+            use_ranking_protocol(wrapper, data, spec, two_tower=False)
             _, (_, masked_scores, masked_targets) = wrapper(batch)
             assert torch.equal(masked_targets, targets)
             masked.update(masked_scores, targets)
@@ -102,7 +102,7 @@ def test_next_item_exclude_seen_equals_a_brute_force_ranking_on_one_rank() -> No
 
 def test_exclude_seen_without_histories_names_the_fix() -> None:
     with pytest.raises(ConfigError, match=r"metrics.exclude_seen=true .*Fix: metrics.exclude_seen=false, or one of those"):
-        use_ranking_protocol(torch.nn.Linear(2, 2), MetricsConfig(exclude_seen=True), two_tower=False)
+        use_ranking_protocol(torch.nn.Linear(2, 2), _model_and_data()[2], MetricsConfig(exclude_seen=True), two_tower=False)
 
 
 @pytest.mark.parametrize("chunk_rows", [1, 7, 1000])

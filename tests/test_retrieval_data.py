@@ -291,7 +291,7 @@ def test_dssm_inbatch_recall_does_not_count_a_copy_of_the_positive_against_it() 
     data = _synthetic(num_negatives=0)
     model = _dssm_on(data)
     model.eval()
-    use_ranking_protocol(model, MetricsConfig(eval=[], train=[]), two_tower=False)  # what the evaluation does
+    use_ranking_protocol(model, data, MetricsConfig(eval=[], train=[]), two_tower=False)  # what the evaluation does
     batch = next(iter(data.eval_batches(0, 1)))
     ids = first_ids(batch.sparse_features, "cat_1").numpy()
     assert len(set(ids.tolist())) < len(ids), "the eval batch repeats items"

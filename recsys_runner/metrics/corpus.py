@@ -28,6 +28,7 @@ from torch import Tensor
 from recsys_runner.errors import ConfigError
 from recsys_runner.metrics.base import GatherMetric, SumMetric
 from recsys_runner.metrics.retrieval import HitRateAtK, Ranked, unranked_if_nan
+from recsys_runner.metrics.top_k import chunk_top_k, in_order, merge_top_k
 
 __all__ = ["AnnRecallAtK", "MeanReciprocalRank", "CoverageAtK", "check_k_below", "corpus_ranks", "corpus_k", "corpus_top_k"]
 
@@ -46,7 +47,8 @@ def corpus_top_k(queries: Tensor, index: Tensor, k: int, chunk_rows: int, seen: 
         between: called after each chunk (a caller's check that may raise), or ``None``.
 
     Returns:
-        ``(scores [Q, k], rows [Q, k] int64)``, best first: the scores are the chunk matmul's own (a seen row that had
+        ``(scores [Q, k], rows [Q, k] int64)``, best first, exactly tied items by their row, lowest first, whatever
+        ``chunk_rows`` (:mod:`~recsys_runner.metrics.top_k`): the scores are the chunk matmul's own (a seen row that had
         to fill a short list scores ``-inf``), the rows those :func:`corpus_ranks` returns as its top.
     """
     no_target = torch.full((queries.shape[0],), -1, dtype=torch.long, device=queries.device)
@@ -113,12 +115,11 @@ def _sweep(queries: Tensor, index: Tensor, k: int, chunk_rows: int, mask: _SeenM
         scores = mask.apply(scored(start), start)
         if each is not None:
             each(start, scores)
-        best, at = scores.topk(min(k, scores.shape[1]), dim=1)  # the chunk's own top k, then merged with the running top k
-        top_scores, pick = torch.cat([top_scores, best], dim=1).topk(min(k, top_scores.shape[1] + best.shape[1]), dim=1)
-        top_rows = torch.cat([top_rows, at + start], dim=1).gather(1, pick)
+        best, at = chunk_top_k(scores, k)  # the chunk's own top k, then merged with the running top k; ties: lowest row
+        top_scores, top_rows = merge_top_k(top_scores, top_rows, best, at + start, k)
         if between is not None:
             between()
-    return top_scores, top_rows
+    return in_order(top_scores, top_rows)
 
 
 class _ChunkScores:

@@ -77,13 +77,17 @@ def target_ranks(scores: Tensor, targets: Tensor) -> Tensor:
     The rank is the number of items scoring strictly higher than the target, plus half of the *other* items scoring
     exactly the same (ties count half, so a constant scorer gets the expected rank ``(N-1)/2`` of a random one):
     0 for a target strictly on top. A target scored NaN is a miss (``inf``): a NaN compares false with every score, so
-    counted as the others it would rank -0.5, a hit at every ``k``.
+    counted as the others it would rank -0.5, a hit at every ``k``. A target outside ``0 … N-1`` is no candidate (a
+    next-item model scores only the items it may recommend, never the table's OOV rows: docs/metrics.md) and a miss too.
     """
     scores = scores.detach()
-    target_scores = scores.gather(1, targets.long().view(-1, 1))
+    targets = targets.long()
+    candidate = (targets >= 0) & (targets < scores.shape[1])
+    target_scores = scores.gather(1, torch.where(candidate, targets, 0).view(-1, 1))
     higher = (scores > target_scores).sum(dim=1).double()
     ties = (scores == target_scores).sum(dim=1).double() - 1
-    return unranked_if_nan(higher + 0.5 * ties, target_scores.view(-1))
+    ranks = unranked_if_nan(higher + 0.5 * ties, target_scores.view(-1))
+    return torch.where(candidate, ranks, torch.full_like(ranks, float("inf")))
 
 
 def unranked_if_nan(ranks: Tensor, target_scores: Tensor) -> Tensor:

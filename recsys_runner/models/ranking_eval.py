@@ -18,6 +18,7 @@ Shape legend: ``B`` rows, ``N`` items, ``L`` longest seen list of the batch, ``n
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 __all__ = ["EVAL_NEGATIVES_SEED", "distinct_seen", "sampled_negatives", "seen_ids", "without_seen"]
 
@@ -74,10 +75,17 @@ def distinct_seen(seen: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def without_seen(scores: torch.Tensor, seen: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """``scores [B, N]`` with each row's ``seen [B, L]`` item ids at ``-inf``, except its target ``targets [B]`` (kept
-    as scored, also when it is among the seen items: a repeat). ``seen`` may repeat ids and hold the target."""
-    kept = scores.gather(1, targets.long().view(-1, 1))
-    masked = scores.scatter(1, seen.long(), float("-inf"))
-    return masked.scatter(1, targets.long().view(-1, 1), kept)
+    as scored, also when it is among the seen items: a repeat). ``seen`` may repeat ids and hold the target; an id
+    past ``N - 1`` (an OOV row, which is no candidate: ``scores`` has no column for it) masks nothing, and a target
+    past it keeps nothing (it is a miss)."""
+    n = scores.shape[1]
+    target = targets.long().view(-1, 1)
+    # an id with no column is replaced by the row's target, or by a spare last column when the target has none either
+    spare = torch.where(target < n, target, n)
+    masked = F.pad(scores, (0, 1))  # the one copy: masked in place
+    kept = masked.gather(1, spare)
+    masked.scatter_(1, torch.where(seen.long() < n, seen.long(), spare), float("-inf"))
+    return masked.scatter_(1, spare, kept)[:, :n]
 
 
 def _row_keys(seen: torch.Tensor, targets: torch.Tensor, seed: int) -> torch.Tensor:

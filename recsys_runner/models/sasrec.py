@@ -16,15 +16,17 @@ of both L2-normalized when ``normalize``, divided by ``temperature``.
   and raw dot products; this trains as HSTU's next-item experiments do, a softmax over many negatives, on cosines
   with a temperature (``normalize``; ``false`` for raw dot products). The start token and the recency (rather than
   absolute) positions are this implementation's too.
-* Evaluation (:meth:`SASRec.full_scores`): the state after the whole history against every item of the table,
-  ``[B, N]``, for ``hr@<k>``/``ndcg@<k>``. The table is read through the model's own (sharded) EmbeddingCollection,
+* Evaluation (:meth:`SASRec.full_scores`): the state after the whole history against every candidate item of the
+  table (the ``C`` items predict may recommend, never the OOV rows: :meth:`SASRec.use_candidates`), ``[B, C]``, for
+  ``hr@<k>``/``ndcg@<k>``. The table is read through the model's own (sharded) EmbeddingCollection,
   once per evaluation (kept while the model is in eval mode): every rank looks up ids ``0 … N-1`` at its first eval
-  batch, so the collective is the same on every rank. An eval batch holds ``B × N`` scores (and the table ``N × D``):
+  batch, so the collective is the same on every rank. An eval batch holds ``B × C`` scores (and the table ``N × D``):
   for tables of millions of items, lower ``data.batch_size`` for eval or cap it with ``train.eval_max_batches``.
 
 Shape legend: ``B`` batch, ``L`` longest history in the batch (``L + 1`` positions with the start token), ``D`` the
 item table's width (the model's width), ``D_g`` an event's width (its features' embeddings concatenated), ``H``
-heads, ``P`` real positions of the batch, ``U`` distinct positives among them, ``N`` items in the table.
+heads, ``P`` real positions of the batch, ``U`` distinct positives among them, ``N`` items in the table, ``C`` of them
+candidates (those that may be recommended).
 """
 
 from __future__ import annotations
@@ -222,6 +224,9 @@ class SASRec(nn.Module):
                                    eval_negatives=config.eval_negatives),)
         self.eval_negatives = config.eval_negatives
         _check_eval_negatives(config.eval_negatives, self.num_items, self.group, self.item_feature)
+        self.candidates = self.num_items
+        """The items eval ranks: ids ``0 … candidates-1``, those that may be recommended (:meth:`use_candidates`); the
+        whole table until the evaluation says."""
         self.exclude_seen = False
         """Whether eval scores put each row's history items at ``-inf`` (except its target): ``metrics.exclude_seen``,
         set by the evaluation that reads them (:func:`recsys_runner.train.corpus.use_ranking_protocol`)."""
@@ -317,25 +322,44 @@ class SASRec(nn.Module):
         return logits, positives
 
     def full_scores(self, states: torch.Tensor, lengths: torch.Tensor, sparse: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(scores [B, N], true item ids [B])``: the state after each row's whole history against every item; with
-        :attr:`exclude_seen` the row's history items score ``-inf`` except its true item. With ``eval_negatives`` ``n``
-        instead ``(scores [B, 1 + n], zeros [B])``: column 0 the true item, then ``n`` sampled unseen items
-        (:func:`~recsys_runner.models.ranking_eval.sampled_negatives`). An exported program scores the whole table."""
+        """``(scores [B, C], true item ids [B])``: the state after each row's whole history against every candidate item
+        (ids ``0 … C-1``, :attr:`candidates`; a true item past them is no candidate, a miss); with :attr:`exclude_seen`
+        the row's history items score ``-inf`` except its true item. With ``eval_negatives`` ``n`` instead ``(scores
+        [B, 1 + n], zeros [B])``: column 0 the true item, then ``n`` sampled unseen candidates
+        (:func:`~recsys_runner.models.ranking_eval.sampled_negatives`; ``-1`` instead of 0 for a true item that is no
+        candidate). An exported program scores the whole table."""
         user = states[torch.arange(states.shape[0], device=states.device), lengths]
         targets, table = self._candidate_ids(sparse), self.item_table(sparse)
-        if torch.compiler.is_exporting() or not (self.exclude_seen or self.eval_negatives):
+        if torch.compiler.is_exporting():
             return self.score(user, table), targets
+        if not (self.exclude_seen or self.eval_negatives):
+            return self.score(user, table[: self.candidates]), targets
         jagged = sparse[self.item_feature]
         history = jagged.to_padded_dense(desired_length=max(int(jagged.lengths().max()) if lengths.numel() else 0, 1),
                                          padding_value=-1)
         seen = seen_ids(history, jagged.lengths(), targets)
         if self.eval_negatives:
-            items = torch.cat([targets.long().view(-1, 1), sampled_negatives(seen, targets, self.num_items, self.eval_negatives)], dim=1)
+            negatives = sampled_negatives(seen, targets, self.candidates, self.eval_negatives)
+            items = torch.cat([targets.long().view(-1, 1), negatives], dim=1)
             vectors, states_ = table[items].to(user.dtype), user.unsqueeze(1)
             if self.normalize:
                 vectors, states_ = F.normalize(vectors, dim=2), F.normalize(states_, dim=2)
-            return (states_ * vectors).sum(dim=2) / self.temperature, torch.zeros_like(targets)
-        return without_seen(self.score(user, table), seen, targets), targets
+            at = torch.where(targets < self.candidates, 0, -1)
+            return (states_ * vectors).sum(dim=2) / self.temperature, at
+        return without_seen(self.score(user, table[: self.candidates]), seen, targets), targets
+
+    def use_candidates(self, count: int) -> None:
+        """Rank eval rows against ids ``0 … count-1`` only: the items that may be recommended
+        (:func:`~recsys_runner.data.sequences.mapping.candidate_items`, set by the evaluation:
+        :func:`recsys_runner.train.corpus.use_ranking_protocol`).
+
+        Raises:
+            ConfigError: ``model.eval_negatives`` above the candidates a row leaves unseen.
+        """
+        assert 0 < count <= self.num_items, f"{count} candidate items of a table of {self.num_items}"
+        if self.eval_negatives:
+            _check_eval_negatives(self.eval_negatives, count, self.group, self.item_feature)
+        self.candidates = count
 
     def item_table(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
         """Every item's embedding ``[N, D]``, looked up (ids ``0 … N-1`` as the candidate feature of a batch with

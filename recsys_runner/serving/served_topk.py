@@ -47,10 +47,12 @@ if TYPE_CHECKING or __package__:
     from recsys_runner.data.encoding import keys as _keys
     from recsys_runner.data.encoding import served as _served
     from recsys_runner.data.encoding.vocabulary import Vocabulary
+    from recsys_runner.metrics import top_k as _top_k
 else:  # inside the MLflow model: the copies in its code/ directory, never an installed recsys_runner
     _keys = importlib.import_module("recsys_keys")
     _served = importlib.import_module("recsys_served")
     Vocabulary = importlib.import_module("recsys_vocabulary").Vocabulary
+    _top_k = importlib.import_module("recsys_top_k")
 
 SPEC_FILE = "serving.json"
 VECTORS_FILE = "items.npy"
@@ -58,6 +60,8 @@ VOCAB_DIR = "vocab"
 LOADER_MODULE = "recsys_topk"
 SHIPPED_AS = "recsys_topk.py"
 """This module's name in the MLflow model's ``code/``."""
+TOP_K_SHIPPED_AS = "recsys_top_k.py"
+"""The name in ``code/`` of :mod:`recsys_runner.metrics.top_k` (the tie-break predict's top-k uses too)."""
 TOP_ITEMS, TOP_SCORES, UNKNOWN_IDS = "top_items", "top_scores", "unknown_ids"
 CHUNK_ROWS = 8192
 """Items scored at once (memory: request rows × (chunk + k) scores)."""
@@ -244,7 +248,8 @@ class TopKModel:
 def top_k(queries: Any, index: Any, k: int, seen: Any | None) -> tuple[Any, Any, Any]:
     """``queries [B, O]``' top ``k`` rows of ``index [N, O]`` by ``queries @ index.T``, exactly, in chunks of
     :data:`CHUNK_ROWS`, each row's ``seen [B, L]`` rows (``-1`` padding) left out: ``(rows [B, k], scores [B, k],
-    keep [B, k])``, ``keep`` false where a row had fewer than ``k`` unseen items. Scores as ``predict`` computes them
+    keep [B, k])``, ``keep`` false where a row had fewer than ``k`` unseen items; exactly tied items by their row, lowest
+    first, whatever the chunk (:mod:`recsys_runner.metrics.top_k`, as ``predict``). Scores as ``predict`` computes them
     (``(query * item).sum()`` of the chosen rows)."""
     import torch
 
@@ -260,9 +265,9 @@ def top_k(queries: Any, index: Any, k: int, seen: Any | None) -> tuple[Any, Any,
             # a seen row outside this chunk (or padding) marks a spare last column, never an item's
             mask = torch.zeros((b, width + 1), dtype=torch.bool).scatter_(1, torch.where(inside, local, width), True)
             scores = scores.masked_fill(mask[:, :width], float("-inf"))
-        chunk_scores, at = scores.topk(min(k, scores.shape[1]), dim=1)
-        best_scores, pick = torch.cat([best_scores, chunk_scores], dim=1).topk(min(k, best_scores.shape[1] + chunk_scores.shape[1]), dim=1)
-        best_rows = torch.cat([best_rows, at + start], dim=1).gather(1, pick)
+        chunk_scores, at = _top_k.chunk_top_k(scores, k)
+        best_scores, best_rows = _top_k.merge_top_k(best_scores, best_rows, chunk_scores, at + start, k)
+    best_scores, best_rows = _top_k.in_order(best_scores, best_rows)
     keep = torch.isfinite(best_scores)
     scores = (queries.unsqueeze(1) * index[best_rows]).sum(dim=2)
     return best_rows, scores, keep

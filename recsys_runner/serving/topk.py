@@ -43,6 +43,7 @@ from recsys_runner.data.sequences.mapping import EarlierVocab, load_mapping, map
 from recsys_runner.distributed.env import DistEnv
 from recsys_runner.errors import ConfigError
 from recsys_runner.features import FeatureSpec
+from recsys_runner.metrics import top_k as top_k_module
 from recsys_runner.models.jagged import padded_reference
 from recsys_runner.scoring_topk import TOP_ITEMS, TOP_SCORES, NextItemModel, item_names, top_k_scorer
 from recsys_runner.serving import mlflow_model, served_topk
@@ -175,6 +176,7 @@ def write_top_k_model(plan: TopKPlan, model: nn.Module, keys: list[str], batch: 
         (directory / served_topk.SPEC_FILE).write_text(json.dumps(spec, indent=1) + "\n")
         mlflow_model.copy_shipped(code)
         shutil.copyfile(str(served_topk.__file__), code / served_topk.SHIPPED_AS)
+        shutil.copyfile(str(top_k_module.__file__), code / served_topk.TOP_K_SHIPPED_AS)
         example, _ = raw_histories(raw.slice(0, mlflow_model.EXAMPLE_ROWS), columns, plan.mapping, request_columns)
         import mlflow.pyfunc
 

@@ -44,6 +44,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recsys_runner.data.base import DataModule, in_step, placeholder
 from recsys_runner.data.catalogue.items import ItemTable
 from recsys_runner.data.catalogue.negatives import MinedNegatives
+from recsys_runner.data.sequences.mapping import candidate_items
 from recsys_runner.distributed.env import DistEnv
 from recsys_runner.errors import ConfigError
 from recsys_runner.metrics.corpus import corpus_k, corpus_ranks
@@ -87,14 +88,17 @@ def inner_with(model: nn.Module, *attributes: str) -> Any:
     return None
 
 
-def use_ranking_protocol(model: nn.Module, spec: MetricsConfig, two_tower: bool) -> None:
+def use_ranking_protocol(model: nn.Module, data: DataModule, spec: MetricsConfig, two_tower: bool) -> None:
     """Tell a next-item model (one with an ``exclude_seen`` switch: :class:`~recsys_runner.models.sasrec.SASRec`) whether
-    its eval scores exclude each row's history (``metrics.exclude_seen``); ``two_tower``: the corpus pass excludes them
-    itself (:func:`seen_features`). An in-batch retrieval model (:class:`~recsys_runner.models.dssm.InBatchRetrieval`)
-    is told to leave each query's accidental hits out of its eval scores, which ``inbatch_recall@k`` ranks.
+    its eval scores exclude each row's history (``metrics.exclude_seen``), and which items it ranks: the candidate
+    items of the eval rows (:func:`~recsys_runner.data.sequences.mapping.candidate_items`, what predict and the served
+    model recommend from: never the table's OOV rows); ``two_tower``: the corpus pass excludes them itself
+    (:func:`seen_features`). An in-batch retrieval model (:class:`~recsys_runner.models.dssm.InBatchRetrieval`) is told
+    to leave each query's accidental hits out of its eval scores, which ``inbatch_recall@k`` ranks.
 
     Raises:
-        ConfigError: ``metrics.exclude_seen`` on a model that is neither (no history to exclude).
+        ConfigError: ``metrics.exclude_seen`` on a model that is neither (no history to exclude); the eval files'
+            id mapping does not fit the model's item table, or leaves fewer candidates than ``model.eval_negatives``.
     """
     retrieval = inner_with(model, "in_batch_ranking")
     if retrieval is not None:
@@ -102,6 +106,10 @@ def use_ranking_protocol(model: nn.Module, spec: MetricsConfig, two_tower: bool)
     inner = inner_with(model, "exclude_seen")
     if inner is not None:
         inner.exclude_seen = spec.exclude_seen
+        if hasattr(inner, "use_candidates"):
+            table = {f.name: f for f in data.features.sparse}[inner.item_feature].table_name
+            split = data.split_files().get("eval")
+            inner.use_candidates(candidate_items(split.files if split is not None else (), table, inner.num_items).count)
         return
     if spec.exclude_seen and not two_tower:
         raise ConfigError("metrics.exclude_seen=true ranks each row's true item among the items its user has not interacted with, "
@@ -202,7 +210,7 @@ class CorpusEval:
                 unseen items (:func:`check_eval_negatives`).
         """
         wanted = [(t, names) for t in tasks if (names := catalogue_metric_names(spec, t))]
-        use_ranking_protocol(model, spec, two_tower=bool(wanted))
+        use_ranking_protocol(model, data, spec, two_tower=bool(wanted))
         if not wanted:
             if _miner(data) is not None:
                 raise ConfigError("data.negatives.mined_ratio mines hard negatives from the item index each full-corpus "

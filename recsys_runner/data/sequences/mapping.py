@@ -222,6 +222,44 @@ def mapping_folder(rows_file: str) -> str | None:
     return parent if relative in (".", "") else uris.join(parent, relative)
 
 
+@dataclass(frozen=True)
+class CandidateItems:
+    """The items a model's ranking may return, and so the ones its ranking eval ranks: ids ``0 … count-1`` of a table
+    (:func:`candidate_items`)."""
+
+    folder: str | None
+    """The id mapping (a ``sequences`` output folder) the files name, or ``None``."""
+    count: int
+    """The mapping's values of the table (never its OOV rows), else the whole table."""
+
+
+def candidate_items(files: list[str] | tuple[str, ...], table: str, num_rows: int) -> CandidateItems:
+    """The candidate items of ``table`` (``num_rows`` rows) for rows read from the Parquet ``files``: the one definition
+    that ``predict``'s top-k, the served top-k model and the next-item eval share, so that the eval measures the
+    candidates production serves. Ids past the mapping's values are its OOV rows (ids of no item: an unknown raw id, a
+    hash bucket), which are never recommended, so they are no candidates; files without a mapping give the whole table.
+
+    Raises:
+        ConfigError: the files name different mappings, or the mapping has no such table or more values than rows.
+    """
+    folders = {mapping_folder(f) for f in files}
+    if len(folders) > 1:
+        raise ConfigError(f"the input files name {len(folders)} id mappings ({sorted(str(f) for f in folders)}): their ids "
+                          f"mean different items. Fix: files written by one run of data sequences, or with its --vocab")
+    folder = next(iter(folders), None)
+    if folder is None:
+        return CandidateItems(None, num_rows)
+    tables = _index(folder, "the mapping folder")["tables"]
+    if table not in tables:
+        raise ConfigError(f"the id mapping in {folder} has no table {table!r} (it has {sorted(tables)}), the table the model "
+                          f"ranks items from. Fix: rows written by data sequences for this model's data")
+    count = int(tables[table]["size"])
+    if count > num_rows:
+        raise ConfigError(f"the id mapping in {folder} holds {count} {table} ids, but the model's table has {num_rows} rows: "
+                          f"the rows were encoded for another model. Fix: rows encoded with the training's mapping")
+    return CandidateItems(folder, count)
+
+
 def raw_ids(mapping: dict[str, np.ndarray], table: str, ids: np.ndarray) -> list:
     """The raw values of ``ids`` of ``table`` (from :func:`load_mapping`); ``None`` (:data:`OOV_ID`) for an OOV row, whose
     raw value is not known."""
