@@ -13,7 +13,7 @@ from recsys_runner.__main__ import run
 from recsys_runner.build import build
 from recsys_runner.checkpoint.storage import list_checkpoints
 from recsys_runner.config import validate
-from recsys_runner.errors import CheckpointError
+from recsys_runner.errors import CheckpointError, CheckpointWriteFailed
 from recsys_runner.train.signals import Interrupted
 
 # Adam on the dense part (lazy state), row-wise Adagrad on embeddings, a schedule that depends on
@@ -148,3 +148,37 @@ def test_ranks_with_run_directories_of_their_own_checkpoint_into_rank_0s(tmp_pat
     mp.spawn(_default_dir_on_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     dirs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert dirs == [str(tmp_path / "run-of-rank0" / "checkpoints")] * 2
+
+
+def test_a_full_disk_stops_with_the_fix_keeps_the_previous_checkpoint_whole_and_fails_the_run(
+    make_cfg, mlflow_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk fills while DCP writes step 4's tensors: the error names the checkpoint and the fix (not DCP's
+    ``CheckpointException``, a ``BaseException`` with a traceback), the partial write is removed (it holds the space),
+    step 2 stays whole, and the MLflow run ends FAILED."""
+    import errno
+
+    import torch.distributed.checkpoint.filesystem as dcp_files
+
+    from recsys_runner.checkpoint.storage import damage
+
+    write_item = dcp_files._write_item
+
+    def full_disk(transforms, stream, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if "step_00000004" in str(getattr(stream, "name", "")):
+            raise OSError(errno.ENOSPC, "No space left on device", str(stream.name))
+        return write_item(transforms, stream, *args, **kwargs)
+
+    monkeypatch.setattr(dcp_files, "_write_item", full_disk)
+    cfg = make_cfg("train.num_steps=6", "checkpoint.every_steps=2", f"checkpoint.dir={tmp_path}")
+    with pytest.raises(CheckpointError) as failed:
+        run(cfg)
+    message = str(failed.value)
+    assert f"{tmp_path}/step_00000004 could not be written: No space left on device" in message, message
+    assert f"free space on the disk holding {tmp_path}" in message and "checkpoint.dir=" in message, message
+    assert isinstance(failed.value, CheckpointWriteFailed) and failed.value.last_good == str(tmp_path / "step_00000002")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != ".lock") == ["step_00000002"]
+    assert damage(tmp_path / "step_00000002") is None
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    (mlrun,) = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])
+    assert mlrun.info.status == "FAILED"

@@ -10,7 +10,9 @@ A checkpoint is a directory ``<checkpoint.dir>/step_<step>`` (or ``best-step_<st
 
 **Atomic**: everything is written into ``.tmp-<name>`` and renamed to ``<name>`` only when complete; a directory
 without ``meta.json`` and ``.metadata`` is never listed as a checkpoint, so a crash mid-write leaves the previous
-checkpoints as they were. A checkpoint damaged afterwards (a file missing, or shorter than the index says) is found
+checkpoints as they were. A write the file system refuses (a full disk, a read-only mount) removes its partial
+directory (it holds the space) and raises :class:`~recsys_runner.errors.CheckpointError` naming the checkpoint and the
+fix (:func:`write_failure`). A checkpoint damaged afterwards (a file missing, or shorter than the index says) is found
 without loading it (:func:`damage`) and can be renamed aside (``damaged-step_<n>``) for inspection.
 
 Checkpoints are addressed by path (``<root>/<name>``); the policy only joins and splits names, never touches files.
@@ -18,6 +20,8 @@ Checkpoints are addressed by path (``<root>/<name>``); the policy only joins and
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import os
 import re
@@ -29,7 +33,10 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from recsys_runner.errors import CheckpointError
 
 STEP_DIR = re.compile(r"^(best-)?step_(\d+)$")
 RUN_DIR_FOLDER = "checkpoints"
@@ -105,19 +112,28 @@ class DcpFileStorage:
     def write(self, path: Path, tensors: dict[str, Any], ranked: Mapping[str, Any], meta: Mapping[str, Any],
               files: Mapping[str, bytes] | None = None) -> None:
         tmp = path.with_name(f".tmp-{path.name}")
-        if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        self._barrier()
-        dcp.save(tensors, checkpoint_id=str(tmp))
-        torch.save(dict(ranked), tmp / f"rank{self.rank}.pt")
-        self._barrier()
-        if self.rank == 0:
-            for name, content in (files or {}).items():
-                (tmp / name).write_bytes(content)
-            (tmp / META_FILE).write_text(json.dumps(dict(meta), indent=1))
-            shutil.rmtree(path, ignore_errors=True)
-            os.replace(tmp, path)
+        try:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            self._barrier()
+            dcp.save(tensors, checkpoint_id=str(tmp))
+            buffer = io.BytesIO()  # torch.save to a file reports a full disk as a RuntimeError of its zip writer
+            torch.save(dict(ranked), buffer)
+            (tmp / f"rank{self.rank}.pt").write_bytes(buffer.getvalue())
+            self._barrier()
+            if self.rank == 0:
+                for name, content in (files or {}).items():
+                    (tmp / name).write_bytes(content)
+                (tmp / META_FILE).write_text(json.dumps(dict(meta), indent=1))
+                shutil.rmtree(path, ignore_errors=True)
+                os.replace(tmp, path)
+        except (OSError, CheckpointException) as e:
+            cause = _os_error(e)
+            if cause is None:
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # a full disk's partial write would keep the space it took
+            raise CheckpointError(write_failure(path, cause)) from None
         self._barrier()
 
     def exists(self, path: Path) -> bool:
@@ -214,3 +230,31 @@ def damage(path: Path) -> str | None:
         if not (path / f"rank{r}.pt").is_file():
             return f"rank{r}.pt is missing"
     return None
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The file system's error behind ``e``: ``e`` itself, or the one a rank's DCP write failed with (DCP wraps it in a
+    ``CheckpointException``, a ``BaseException`` that no ``except Exception`` handler sees)."""
+    if isinstance(e, OSError):
+        return e
+    if isinstance(e, CheckpointException):
+        return next((exc for exc, _ in e.failures.values() if isinstance(exc, OSError)), None)
+    return None
+
+
+_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def write_failure(path: Path, cause: OSError) -> str:
+    """What a checkpoint write the file system refused tells the user: the checkpoint, the system's reason, that the
+    checkpoints before it are whole (the partial write is removed, never listed), and the fix for that reason."""
+    reason = os.strerror(cause.errno) if cause.errno else str(cause)
+    if cause.errno in _SPACE:
+        fix = (f"free space on the disk holding {path.parent} (or lower checkpoint.keep_last so fewer checkpoints are kept), "
+               f"or set checkpoint.dir=<a directory with room>")
+    elif cause.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        fix = f"make {path.parent} writable for this user, or set checkpoint.dir=<a writable directory>"
+    else:
+        fix = f"check the disk holding {path.parent}, or set checkpoint.dir=<another directory>"
+    return (f"checkpoint {path} could not be written: {reason} ({cause.filename or path}); the partial write was removed and "
+            f"the checkpoints before it in {path.parent} are whole. Fix: {fix}")
