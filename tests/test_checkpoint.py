@@ -15,6 +15,7 @@ from recsys_runner.checkpoint.storage import list_checkpoints
 from recsys_runner.config import validate
 from recsys_runner.errors import CheckpointError, CheckpointWriteFailed
 from recsys_runner.train.signals import Interrupted
+from tests.conftest import LogWarnings
 
 # Adam on the dense part (lazy state), row-wise Adagrad on embeddings, a schedule that depends on
 # the step: everything a resume must restore shows up in the per-step losses.
@@ -182,3 +183,20 @@ def test_a_full_disk_stops_with_the_fix_keeps_the_previous_checkpoint_whole_and_
     client = MlflowClient(tracking_uri=mlflow_uri)
     (mlrun,) = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])
     assert mlrun.info.status == "FAILED"
+
+
+def test_resuming_an_older_checkpoint_writes_its_own_newer_ones_over_the_abandoned_ones(make_cfg, tmp_path: Path) -> None:
+    """``checkpoint.resume=<dir>/step_2`` in a directory that also holds step 4 and 6 of the run it continues: those belong
+    to the abandoned continuation. They are moved aside (named in a warning), so that neither this run's save at step 4
+    (which found "step_4 complete" and kept the old weights) nor a later ``resume=auto`` takes them for this run's."""
+    cfg = make_cfg("train.num_steps=6", "checkpoint.every_steps=2", f"checkpoint.dir={tmp_path}")
+    run(cfg)
+    old = {step: (tmp_path / f"step_{step:08d}" / "__0_0.distcp").read_bytes() for step in (4, 6)}
+    again = make_cfg("train.num_steps=4", "checkpoint.every_steps=2", f"checkpoint.dir={tmp_path}", "optim.lr=0.2",
+                     f"checkpoint.resume={tmp_path}/step_00000002")
+    with LogWarnings("recsys_runner") as warned:
+        run(again)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002", "step_00000004"]
+    assert (tmp_path / "step_00000004" / "__0_0.distcp").read_bytes() != old[4]  # this run's step 4, not the abandoned one
+    assert (tmp_path / "abandoned-step_00000006" / "__0_0.distcp").read_bytes() == old[6]
+    assert any("abandoned-step_00000006" in w and "step_00000002" in w for w in warned.messages), warned.messages
