@@ -216,6 +216,9 @@ def damage(path: Path) -> str | None:
         index = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # any parse failure of either file means damage
         return f"meta.json or .metadata cannot be read ({type(e).__name__}: {str(e)[:200]})"
+    odd = meta_fault(meta, path)
+    if odd is not None:
+        return odd
     sizes: dict[str, int] = {}
     for info in (index.storage_data or {}).values():
         rel = info.relative_path
@@ -226,9 +229,32 @@ def damage(path: Path) -> str | None:
             return f"{rel} is missing"
         if info.offset + info.length > sizes[rel]:
             return f"{rel} is truncated ({sizes[rel]} bytes; the index needs {info.offset + info.length})"
-    for r in range(int(meta.get("world_size", 1))):
+    for r in range(meta.get("world_size", 1)):
         if not (path / f"rank{r}.pt").is_file():
             return f"rank{r}.pt is missing"
+    return None
+
+
+POSITION_KEYS = ("step", "epoch", "epoch_step")
+"""``meta.json``'s keys saying where training stands, written by every version: a resume reads all three."""
+
+
+def meta_fault(meta: Any, path: Path) -> str | None:
+    """What is wrong with a parsed ``meta.json`` (edited by hand, or not one this program wrote), or ``None``: the
+    position keys are whole numbers (the step the one a ``step_<n>`` name says), ``world_size`` one above 0. Checked
+    with the files, so a resume falls back from such a checkpoint as from a damaged one, instead of failing part-way."""
+    if not isinstance(meta, dict):
+        return f"meta.json holds a {type(meta).__name__}, not an object"
+    for key in POSITION_KEYS:
+        value = meta.get(key)
+        if type(value) is not int or value < 0:
+            return f"meta.json's {key} is {'missing' if key not in meta else repr(value)}, not a whole number (edited by hand?)"
+    world_size = meta.get("world_size", 1)
+    if type(world_size) is not int or world_size < 1:
+        return f"meta.json's world_size is {world_size!r}, not a number of ranks (edited by hand?)"
+    named = STEP_DIR.match(path.name)
+    if named is not None and int(named.group(2)) != meta["step"]:
+        return f"meta.json's step is {meta['step']}, but the directory's name says {int(named.group(2))} (edited or renamed by hand?)"
     return None
 
 
