@@ -200,3 +200,30 @@ def test_resuming_an_older_checkpoint_writes_its_own_newer_ones_over_the_abandon
     assert (tmp_path / "step_00000004" / "__0_0.distcp").read_bytes() != old[4]  # this run's step 4, not the abandoned one
     assert (tmp_path / "abandoned-step_00000006" / "__0_0.distcp").read_bytes() == old[6]
     assert any("abandoned-step_00000006" in w and "step_00000002" in w for w in warned.messages), warned.messages
+
+
+def test_a_kill_while_rotation_deletes_the_oldest_leaves_nothing_half_deleted_behind(
+    make_cfg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The process dies (here a ``SystemExit`` at that point) while ``keep_last`` deletes step 2, after its meta.json
+    went: the resume continues from step 4, and no half-deleted step 2 stays behind, neither listed (a checkpoint
+    without meta.json no rotation deletes again) nor taking the disk."""
+    import recsys_runner.checkpoint.storage as storage_module
+
+    rmtree = shutil.rmtree
+
+    def killed_midway(path: str | Path, ignore_errors: bool = False) -> None:
+        path = Path(path)
+        if path.name.endswith("step_00000002") and (path / "meta.json").exists():
+            (path / "meta.json").unlink()
+            raise SystemExit("killed while deleting")
+        rmtree(path, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(storage_module.shutil, "rmtree", killed_midway)
+    args = ("checkpoint.every_steps=2", "checkpoint.keep_last=1", f"checkpoint.dir={tmp_path}", "tracking=none")
+    with pytest.raises(SystemExit, match="killed while deleting"):
+        run(make_cfg("train.num_steps=6", *args))
+    monkeypatch.setattr(storage_module.shutil, "rmtree", rmtree)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000004"]
+    run(make_cfg("train.num_steps=8", *args))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".finished", ".lock", "step_00000008"]

@@ -8,7 +8,8 @@ A checkpoint is a directory ``<checkpoint.dir>/step_<step>`` (or ``best-step_<st
 * ``rank<r>.pt`` per rank: small picklable state (lr schedules, loss scaler, early stopping, RNG states);
 * ``meta.json``, written last by rank 0: where training stands (:class:`~recsys_runner.checkpoint.config.TrainState`).
 
-**Atomic**: everything is written into ``.tmp-<name>`` and renamed to ``<name>`` only when complete; a directory
+**Atomic**: everything is written into ``.tmp-<name>`` and renamed to ``<name>`` only when complete (a rotated one is
+renamed to ``.trash-<name>`` before it is deleted; each write sweeps what killed writes and deletes left); a directory
 without ``meta.json`` and ``.metadata`` is never listed as a checkpoint, so a crash mid-write leaves the previous
 checkpoints as they were. A write the file system refuses (a full disk, a read-only mount) removes its partial
 directory (it holds the space) and raises :class:`~recsys_runner.errors.CheckpointError` naming the checkpoint and the
@@ -44,6 +45,9 @@ RUN_DIR_FOLDER = "checkpoints"
 META_FILE = "meta.json"
 INDEX_FILE = ".metadata"
 """DCP's index of the tensors: which file and where in it each one's bytes are."""
+
+TMP_PREFIX, TRASH_PREFIX = ".tmp-", ".trash-"
+"""A checkpoint being written (renamed to its name once whole), and one being deleted (renamed before): never listed."""
 
 TensorIndex = dict[str, list[int] | None]
 """A checkpoint's tensors: DCP key → global shape (``None`` for a non-tensor entry)."""
@@ -111,10 +115,10 @@ class DcpFileStorage:
 
     def write(self, path: Path, tensors: dict[str, Any], ranked: Mapping[str, Any], meta: Mapping[str, Any],
               files: Mapping[str, bytes] | None = None) -> None:
-        tmp = path.with_name(f".tmp-{path.name}")
+        tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
         try:
             if self.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
+                _sweep(path.parent)
                 tmp.mkdir(parents=True)
             self._barrier()
             dcp.save(tensors, checkpoint_id=str(tmp))
@@ -175,7 +179,16 @@ class DcpFileStorage:
         return target
 
     def remove(self, path: Path) -> None:
-        shutil.rmtree(path, ignore_errors=True)
+        # out of the listing first, in one rename: a kill part-way through deleting leaves no half-deleted checkpoint
+        # (one that still looks complete, or one without meta.json that no rotation would ever delete); the next
+        # write sweeps what is left of it
+        trash = path.with_name(f"{TRASH_PREFIX}{path.name}")
+        shutil.rmtree(trash, ignore_errors=True)
+        try:
+            os.replace(path, trash)
+        except FileNotFoundError:
+            return
+        shutil.rmtree(trash, ignore_errors=True)
 
     def _barrier(self) -> None:
         if self.world_size > 1:
@@ -256,6 +269,15 @@ def meta_fault(meta: Any, path: Path) -> str | None:
     if named is not None and int(named.group(2)) != meta["step"]:
         return f"meta.json's step is {meta['step']}, but the directory's name says {int(named.group(2))} (edited or renamed by hand?)"
     return None
+
+
+def _sweep(root: Path) -> None:
+    """Delete what killed writes and rotations left in ``root`` (``.tmp-*``, ``.trash-*``): run by the one writer (it
+    holds the directory's lock) before each write, so that a full disk is not filled further by dead partial copies."""
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name.startswith((TMP_PREFIX, TRASH_PREFIX)) and p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
 
 
 def _os_error(e: BaseException) -> OSError | None:
