@@ -42,7 +42,7 @@ from torchrec.optim.keyed import CombinedOptimizer
 
 from recsys_runner import uris
 from recsys_runner.checkpoint import resume
-from recsys_runner.checkpoint.config import CheckpointConfig, TrainState
+from recsys_runner.checkpoint.config import RESUME_WORDS, CheckpointConfig, TrainState
 from recsys_runner.checkpoint.guard import check_finite, finite_state
 from recsys_runner.checkpoint.lock import DirectoryInUse, lock_for
 from recsys_runner.checkpoint.object_storage import storage_for
@@ -301,7 +301,8 @@ class Checkpointer:
                 if self.rank == 0:
                     log.warning("resuming %s %s", path, cut[1])
                 state.resume_changes = (*state.resume_changes, cut[0])
-            decided_on_rank0(functools.partial(self._abandon_after, path, state.step), self.rank, self.world_size)
+            if self.config.resume not in RESUME_WORDS:  # auto/latest took the newest whole one: only the best can be later
+                decided_on_rank0(functools.partial(self._abandon_after, path, state.step), self.rank, self.world_size)
             self.last_saved = str(path)
             self.verified_step = state.step + 1  # the checkpoint resumed from is trusted
             return state
@@ -311,9 +312,10 @@ class Checkpointer:
         return TrainState()
 
     def _abandon_after(self, resumed: Path, step: int) -> None:
-        """(rank 0, once the resumed checkpoint loaded) Move aside (``abandoned-<name>``) the checkpoints of ``dir`` after
-        ``step``, with a warning: resuming an older checkpoint (``checkpoint.resume=<path>``) abandons the run that wrote
-        them. Kept, they would pass for this run's: a save at a step whose checkpoint exists keeps the one there, a newer
+        """(rank 0, once the checkpoint ``checkpoint.resume=<path>`` names loaded) Move aside (``abandoned-<name>``) the
+        checkpoints of ``dir`` after ``step``, with a warning: resuming an older checkpoint abandons the run that wrote
+        them (``resume=auto`` takes the newest whole one, so only a best one written after it, by the same run, is later:
+        kept, as a preempted run that resumes over and over would pile up full copies of it aside). Kept, they would pass for this run's: a save at a step whose checkpoint exists keeps the one there, a newer
         best outranks this run's best in the rotation, and ``resume=auto`` would continue the abandoned run."""
         assert self.dir is not None
         later = [p for best in (False, True) for p in self.storage.checkpoints(self.dir, best=best, complete=False)
