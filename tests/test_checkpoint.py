@@ -13,8 +13,9 @@ from recsys_runner.__main__ import run
 from recsys_runner.build import build
 from recsys_runner.checkpoint.storage import list_checkpoints
 from recsys_runner.config import validate
-from recsys_runner.errors import CheckpointError
+from recsys_runner.errors import CheckpointError, CheckpointWriteFailed
 from recsys_runner.train.signals import Interrupted
+from tests.conftest import LogWarnings
 
 # Adam on the dense part (lazy state), row-wise Adagrad on embeddings, a schedule that depends on
 # the step: everything a resume must restore shows up in the per-step losses.
@@ -148,3 +149,81 @@ def test_ranks_with_run_directories_of_their_own_checkpoint_into_rank_0s(tmp_pat
     mp.spawn(_default_dir_on_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     dirs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert dirs == [str(tmp_path / "run-of-rank0" / "checkpoints")] * 2
+
+
+def test_a_full_disk_stops_with_the_fix_keeps_the_previous_checkpoint_whole_and_fails_the_run(
+    make_cfg, mlflow_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk fills while DCP writes step 4's tensors: the error names the checkpoint and the fix (not DCP's
+    ``CheckpointException``, a ``BaseException`` with a traceback), the partial write is removed (it holds the space),
+    step 2 stays whole, and the MLflow run ends FAILED."""
+    import errno
+
+    import torch.distributed.checkpoint.filesystem as dcp_files
+
+    from recsys_runner.checkpoint.storage import damage
+
+    write_item = dcp_files._write_item
+
+    def full_disk(transforms, stream, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if "step_00000004" in str(getattr(stream, "name", "")):
+            raise OSError(errno.ENOSPC, "No space left on device", str(stream.name))
+        return write_item(transforms, stream, *args, **kwargs)
+
+    monkeypatch.setattr(dcp_files, "_write_item", full_disk)
+    cfg = make_cfg("train.num_steps=6", "checkpoint.every_steps=2", f"checkpoint.dir={tmp_path}")
+    with pytest.raises(CheckpointError) as failed:
+        run(cfg)
+    message = str(failed.value)
+    assert f"{tmp_path}/step_00000004 could not be written: No space left on device" in message, message
+    assert f"free space on the disk holding {tmp_path}" in message and "checkpoint.dir=" in message, message
+    assert isinstance(failed.value, CheckpointWriteFailed) and failed.value.last_good == str(tmp_path / "step_00000002")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != ".lock") == ["step_00000002"]
+    assert damage(tmp_path / "step_00000002") is None
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    (mlrun,) = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])
+    assert mlrun.info.status == "FAILED"
+
+
+def test_resuming_an_older_checkpoint_writes_its_own_newer_ones_over_the_abandoned_ones(make_cfg, tmp_path: Path) -> None:
+    """``checkpoint.resume=<dir>/step_2`` in a directory that also holds step 4 and 6 of the run it continues: those belong
+    to the abandoned continuation. They are moved aside (named in a warning), so that neither this run's save at step 4
+    (which found "step_4 complete" and kept the old weights) nor a later ``resume=auto`` takes them for this run's."""
+    cfg = make_cfg("train.num_steps=6", "checkpoint.every_steps=2", f"checkpoint.dir={tmp_path}")
+    run(cfg)
+    old = {step: (tmp_path / f"step_{step:08d}" / "__0_0.distcp").read_bytes() for step in (4, 6)}
+    again = make_cfg("train.num_steps=4", "checkpoint.every_steps=2", f"checkpoint.dir={tmp_path}", "optim.lr=0.2",
+                     f"checkpoint.resume={tmp_path}/step_00000002")
+    with LogWarnings("recsys_runner") as warned:
+        run(again)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002", "step_00000004"]
+    assert (tmp_path / "step_00000004" / "__0_0.distcp").read_bytes() != old[4]  # this run's step 4, not the abandoned one
+    assert (tmp_path / "abandoned-step_00000006" / "__0_0.distcp").read_bytes() == old[6]
+    assert any("abandoned-step_00000006" in w and "step_00000002" in w for w in warned.messages), warned.messages
+
+
+def test_a_kill_while_rotation_deletes_the_oldest_leaves_nothing_half_deleted_behind(
+    make_cfg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The process dies (here a ``SystemExit`` at that point) while ``keep_last`` deletes step 2, after its meta.json
+    went: the resume continues from step 4, and no half-deleted step 2 stays behind, neither listed (a checkpoint
+    without meta.json no rotation deletes again) nor taking the disk."""
+    import recsys_runner.checkpoint.storage as storage_module
+
+    rmtree = shutil.rmtree
+
+    def killed_midway(path: str | Path, ignore_errors: bool = False) -> None:
+        path = Path(path)
+        if path.name.endswith("step_00000002") and (path / "meta.json").exists():
+            (path / "meta.json").unlink()
+            raise SystemExit("killed while deleting")
+        rmtree(path, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(storage_module.shutil, "rmtree", killed_midway)
+    args = ("checkpoint.every_steps=2", "checkpoint.keep_last=1", f"checkpoint.dir={tmp_path}", "tracking=none")
+    with pytest.raises(SystemExit, match="killed while deleting"):
+        run(make_cfg("train.num_steps=6", *args))
+    monkeypatch.setattr(storage_module.shutil, "rmtree", rmtree)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000004"]
+    run(make_cfg("train.num_steps=8", *args))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".finished", ".lock", "step_00000008"]

@@ -255,6 +255,23 @@ def test_directory_lock_names_its_holder_and_frees_on_release(tmp_path: Path) ->
     second.release()
 
 
+def test_a_checkpoint_dir_on_a_file_system_without_locks_is_refused_at_start_with_the_fix(
+    make_cfg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NFS mounted ``nolock`` (or a FUSE mount) answers ``flock`` with ENOLCK: a clear error naming the directory and
+    the fix before anything is built, not an ``OSError`` traceback."""
+    import errno
+    import fcntl
+
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.raises(CheckpointError, match=rf"checkpoint.dir={tmp_path}/ck: its file system refuses file locks "
+                                              r"\(No locks available\).*Fix: set checkpoint.dir=<a directory on a local disk"):
+        run(make_cfg(f"checkpoint.dir={tmp_path}/ck", "tracking=none"))
+
+
 @pytest.mark.slow
 def test_second_live_writer_is_refused_and_a_killed_ones_lock_does_not_block_resume(tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path}/mlflow.db"
@@ -298,7 +315,7 @@ def _three_checkpoints(make_cfg, tmp_path: Path, experiment: str = "damaged") ->
     return found
 
 
-@pytest.mark.parametrize("harm", ["truncate_data", "delete_data", "delete_metadata"])
+@pytest.mark.parametrize("harm", ["truncate_data", "delete_data", "delete_metadata", "edit_meta"])
 def test_damaged_newest_checkpoint_falls_back_to_the_previous_one_with_a_warning(
     make_cfg, mlflow_uri: str, tmp_path: Path, caplog: pytest.LogCaptureFixture, harm: str
 ) -> None:
@@ -308,8 +325,12 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one_with_a_warning
         data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
     elif harm == "delete_data":
         data.unlink()
-    else:
+    elif harm == "delete_metadata":
         (newest / ".metadata").unlink()
+    else:  # by hand: a resume would fail part-way, reading where training stands
+        meta = json.loads((newest / "meta.json").read_text())
+        del meta["epoch"]
+        (newest / "meta.json").write_text(json.dumps(meta))
     assert damage(newest) is not None
     cfg = make_cfg("train.num_steps=8", "checkpoint.every_steps=2", f"checkpoint.dir={tmp_path}", f"tracking.experiment=damaged_{harm}")
     with caplog.at_level(logging.WARNING, logger="recsys_runner.checkpoint"):

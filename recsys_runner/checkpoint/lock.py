@@ -45,6 +45,9 @@ class DirectoryInUse(RuntimeError):
         command = f" ({holder['command']})" if holder.get("command") else ""
         super().__init__(f"{directory} is in use by another live run: {who}{since}{command}")
 
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
+"""What ``flock`` raises on a file system without locks (NFS mounted ``nolock``, some FUSE and Lustre mounts)."""
+
 
 class DirectoryLock:
     """An exclusive, non-blocking lock on ``directory`` (created when missing); see the module docstring."""
@@ -72,6 +75,12 @@ class DirectoryLock:
             f.close()
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise DirectoryInUse(self.directory, holder) from None
+            if e.errno in _NO_LOCKS:
+                raise CheckpointError(
+                    f"checkpoint.dir={self.directory}: its file system refuses file locks ({os.strerror(e.errno)}), as an NFS "
+                    f"mount with nolock or a FUSE or Lustre mount without flock does. A run holds {LOCK_NAME} there so that "
+                    f"two runs never write one directory. Fix: set checkpoint.dir=<a directory on a local disk, or on a "
+                    f"shared file system mounted with locks (NFS with lockd, Lustre with -o flock)>") from None
             raise
         f.seek(0)
         previous = _parse(f.read())

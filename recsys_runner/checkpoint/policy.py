@@ -8,7 +8,8 @@ storage in an object store: :mod:`~recsys_runner.checkpoint.object_storage`).
 ``every_epochs`` epochs, at the end (``at_end``) and on an interruption.
 
 **What is kept**: the newest ``keep_last`` step checkpoints; the best one by ``best_metric`` lives apart
-(``best-step_<n>``).
+(``best-step_<n>``). Resuming an older checkpoint moves the later ones aside (``abandoned-step_<n>``): they
+continued it otherwise, and must not pass for this run's.
 
 **Guarded** (``train.nan_guard``, :mod:`~recsys_runner.checkpoint.guard`): a non-finite loss or weights are never
 saved; on such a stop the checkpoints no finite loss came after are set aside (``diverged-step_<n>``), so the last
@@ -41,7 +42,7 @@ from torchrec.optim.keyed import CombinedOptimizer
 
 from recsys_runner import uris
 from recsys_runner.checkpoint import resume
-from recsys_runner.checkpoint.config import CheckpointConfig, TrainState
+from recsys_runner.checkpoint.config import RESUME_WORDS, CheckpointConfig, TrainState
 from recsys_runner.checkpoint.guard import check_finite, finite_state
 from recsys_runner.checkpoint.lock import DirectoryInUse, lock_for
 from recsys_runner.checkpoint.object_storage import storage_for
@@ -300,6 +301,8 @@ class Checkpointer:
                 if self.rank == 0:
                     log.warning("resuming %s %s", path, cut[1])
                 state.resume_changes = (*state.resume_changes, cut[0])
+            if self.config.resume not in RESUME_WORDS:  # auto/latest took the newest whole one: only the best can be later
+                decided_on_rank0(functools.partial(self._abandon_after, path, state.step), self.rank, self.world_size)
             self.last_saved = str(path)
             self.verified_step = state.step + 1  # the checkpoint resumed from is trusted
             return state
@@ -307,6 +310,20 @@ class Checkpointer:
             resume.load_run(self.storage, init, self.parts, self.config, strict=False, rank=self.rank, world_size=self.world_size,
                             carry=self.carry)
         return TrainState()
+
+    def _abandon_after(self, resumed: Path, step: int) -> None:
+        """(rank 0, once the checkpoint ``checkpoint.resume=<path>`` names loaded) Move aside (``abandoned-<name>``) the
+        checkpoints of ``dir`` after ``step``, with a warning: resuming an older checkpoint abandons the run that wrote
+        them (``resume=auto`` takes the newest whole one, so only a best one written after it, by the same run, is later:
+        kept, as a preempted run that resumes over and over would pile up full copies of it aside). Kept, they would pass for this run's: a save at a step whose checkpoint exists keeps the one there, a newer
+        best outranks this run's best in the rotation, and ``resume=auto`` would continue the abandoned run."""
+        assert self.dir is not None
+        later = [p for best in (False, True) for p in self.storage.checkpoints(self.dir, best=best, complete=False)
+                 if step_of(p) > step and p != resumed]
+        if later:
+            moved = [str(self.storage.set_aside(p, "abandoned")) for p in later]
+            log.warning("resuming %s (step %d) abandons the later checkpoints of %s, which continued it otherwise: moved aside "
+                        "to %s (delete them when not needed)", resumed, step, self.dir, ", ".join(moved))
 
     def load_weights(self, path: Path) -> TrainState:
         """Load the model's and the EMA's weights of checkpoint ``path`` (evaluate, predict): nothing else is read,

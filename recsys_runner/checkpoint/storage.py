@@ -8,9 +8,12 @@ A checkpoint is a directory ``<checkpoint.dir>/step_<step>`` (or ``best-step_<st
 * ``rank<r>.pt`` per rank: small picklable state (lr schedules, loss scaler, early stopping, RNG states);
 * ``meta.json``, written last by rank 0: where training stands (:class:`~recsys_runner.checkpoint.config.TrainState`).
 
-**Atomic**: everything is written into ``.tmp-<name>`` and renamed to ``<name>`` only when complete; a directory
+**Atomic**: everything is written into ``.tmp-<name>`` and renamed to ``<name>`` only when complete (a rotated one is
+renamed to ``.trash-<name>`` before it is deleted; each write sweeps what killed writes and deletes left); a directory
 without ``meta.json`` and ``.metadata`` is never listed as a checkpoint, so a crash mid-write leaves the previous
-checkpoints as they were. A checkpoint damaged afterwards (a file missing, or shorter than the index says) is found
+checkpoints as they were. A write the file system refuses (a full disk, a read-only mount) removes its partial
+directory (it holds the space) and raises :class:`~recsys_runner.errors.CheckpointError` naming the checkpoint and the
+fix (:func:`write_failure`). A checkpoint damaged afterwards (a file missing, or shorter than the index says) is found
 without loading it (:func:`damage`) and can be renamed aside (``damaged-step_<n>``) for inspection.
 
 Checkpoints are addressed by path (``<root>/<name>``); the policy only joins and splits names, never touches files.
@@ -18,6 +21,8 @@ Checkpoints are addressed by path (``<root>/<name>``); the policy only joins and
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import os
 import re
@@ -29,7 +34,10 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from recsys_runner.errors import CheckpointError
 
 STEP_DIR = re.compile(r"^(best-)?step_(\d+)$")
 RUN_DIR_FOLDER = "checkpoints"
@@ -37,6 +45,9 @@ RUN_DIR_FOLDER = "checkpoints"
 META_FILE = "meta.json"
 INDEX_FILE = ".metadata"
 """DCP's index of the tensors: which file and where in it each one's bytes are."""
+
+TMP_PREFIX, TRASH_PREFIX = ".tmp-", ".trash-"
+"""A checkpoint being written (renamed to its name once whole), and one being deleted (renamed before): never listed."""
 
 TensorIndex = dict[str, list[int] | None]
 """A checkpoint's tensors: DCP key → global shape (``None`` for a non-tensor entry)."""
@@ -104,20 +115,29 @@ class DcpFileStorage:
 
     def write(self, path: Path, tensors: dict[str, Any], ranked: Mapping[str, Any], meta: Mapping[str, Any],
               files: Mapping[str, bytes] | None = None) -> None:
-        tmp = path.with_name(f".tmp-{path.name}")
-        if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        self._barrier()
-        dcp.save(tensors, checkpoint_id=str(tmp))
-        torch.save(dict(ranked), tmp / f"rank{self.rank}.pt")
-        self._barrier()
-        if self.rank == 0:
-            for name, content in (files or {}).items():
-                (tmp / name).write_bytes(content)
-            (tmp / META_FILE).write_text(json.dumps(dict(meta), indent=1))
-            shutil.rmtree(path, ignore_errors=True)
-            os.replace(tmp, path)
+        tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
+        try:
+            if self.rank == 0:
+                _sweep(path.parent)
+                tmp.mkdir(parents=True)
+            self._barrier()
+            dcp.save(tensors, checkpoint_id=str(tmp))
+            buffer = io.BytesIO()  # torch.save to a file reports a full disk as a RuntimeError of its zip writer
+            torch.save(dict(ranked), buffer)
+            (tmp / f"rank{self.rank}.pt").write_bytes(buffer.getvalue())
+            self._barrier()
+            if self.rank == 0:
+                for name, content in (files or {}).items():
+                    (tmp / name).write_bytes(content)
+                (tmp / META_FILE).write_text(json.dumps(dict(meta), indent=1))
+                shutil.rmtree(path, ignore_errors=True)
+                os.replace(tmp, path)
+        except (OSError, CheckpointException) as e:
+            cause = _os_error(e)
+            if cause is None:
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # a full disk's partial write would keep the space it took
+            raise CheckpointError(write_failure(path, cause)) from None
         self._barrier()
 
     def exists(self, path: Path) -> bool:
@@ -159,7 +179,16 @@ class DcpFileStorage:
         return target
 
     def remove(self, path: Path) -> None:
-        shutil.rmtree(path, ignore_errors=True)
+        # out of the listing first, in one rename: a kill part-way through deleting leaves no half-deleted checkpoint
+        # (one that still looks complete, or one without meta.json that no rotation would ever delete); the next
+        # write sweeps what is left of it
+        trash = path.with_name(f"{TRASH_PREFIX}{path.name}")
+        shutil.rmtree(trash, ignore_errors=True)
+        try:
+            os.replace(path, trash)
+        except FileNotFoundError:
+            return
+        shutil.rmtree(trash, ignore_errors=True)
 
     def _barrier(self) -> None:
         if self.world_size > 1:
@@ -200,6 +229,9 @@ def damage(path: Path) -> str | None:
         index = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # any parse failure of either file means damage
         return f"meta.json or .metadata cannot be read ({type(e).__name__}: {str(e)[:200]})"
+    odd = meta_fault(meta, path)
+    if odd is not None:
+        return odd
     sizes: dict[str, int] = {}
     for info in (index.storage_data or {}).values():
         rel = info.relative_path
@@ -210,7 +242,67 @@ def damage(path: Path) -> str | None:
             return f"{rel} is missing"
         if info.offset + info.length > sizes[rel]:
             return f"{rel} is truncated ({sizes[rel]} bytes; the index needs {info.offset + info.length})"
-    for r in range(int(meta.get("world_size", 1))):
+    for r in range(meta.get("world_size", 1)):
         if not (path / f"rank{r}.pt").is_file():
             return f"rank{r}.pt is missing"
     return None
+
+
+POSITION_KEYS = ("step", "epoch", "epoch_step")
+"""``meta.json``'s keys saying where training stands, written by every version: a resume reads all three."""
+
+
+def meta_fault(meta: Any, path: Path) -> str | None:
+    """What is wrong with a parsed ``meta.json`` (edited by hand, or not one this program wrote), or ``None``: the
+    position keys are whole numbers (the step the one a ``step_<n>`` name says), ``world_size`` one above 0. Checked
+    with the files, so a resume falls back from such a checkpoint as from a damaged one, instead of failing part-way."""
+    if not isinstance(meta, dict):
+        return f"meta.json holds a {type(meta).__name__}, not an object"
+    for key in POSITION_KEYS:
+        value = meta.get(key)
+        if type(value) is not int or value < 0:
+            return f"meta.json's {key} is {'missing' if key not in meta else repr(value)}, not a whole number (edited by hand?)"
+    world_size = meta.get("world_size", 1)
+    if type(world_size) is not int or world_size < 1:
+        return f"meta.json's world_size is {world_size!r}, not a number of ranks (edited by hand?)"
+    named = STEP_DIR.match(path.name)
+    if named is not None and int(named.group(2)) != meta["step"]:
+        return f"meta.json's step is {meta['step']}, but the directory's name says {int(named.group(2))} (edited or renamed by hand?)"
+    return None
+
+
+def _sweep(root: Path) -> None:
+    """Delete what killed writes and rotations left in ``root`` (``.tmp-*``, ``.trash-*``): run by the one writer (it
+    holds the directory's lock) before each write, so that a full disk is not filled further by dead partial copies."""
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name.startswith((TMP_PREFIX, TRASH_PREFIX)) and p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The file system's error behind ``e``: ``e`` itself, or the one a rank's DCP write failed with (DCP wraps it in a
+    ``CheckpointException``, a ``BaseException`` that no ``except Exception`` handler sees)."""
+    if isinstance(e, OSError):
+        return e
+    if isinstance(e, CheckpointException):
+        return next((exc for exc, _ in e.failures.values() if isinstance(exc, OSError)), None)
+    return None
+
+
+_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def write_failure(path: Path, cause: OSError) -> str:
+    """What a checkpoint write the file system refused tells the user: the checkpoint, the system's reason, that the
+    checkpoints before it are whole (the partial write is removed, never listed), and the fix for that reason."""
+    reason = os.strerror(cause.errno) if cause.errno else str(cause)
+    if cause.errno in _SPACE:
+        fix = (f"free space on the disk holding {path.parent} (or lower checkpoint.keep_last so fewer checkpoints are kept), "
+               f"or set checkpoint.dir=<a directory with room>")
+    elif cause.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        fix = f"make {path.parent} writable for this user, or set checkpoint.dir=<a writable directory>"
+    else:
+        fix = f"check the disk holding {path.parent}, or set checkpoint.dir=<another directory>"
+    return (f"checkpoint {path} could not be written: {reason} ({cause.filename or path}); the partial write was removed and "
+            f"the checkpoints before it in {path.parent} are whole. Fix: {fix}")
