@@ -247,3 +247,16 @@ def test_converted_parquet_reader_matches_generator(tmp_path: Path) -> None:
     n = sum(b.labels.shape[0] for b in data.train_batches(0, 0, 1)) + sum(b.labels.shape[0] for b in data.eval_batches(0, 1))
     assert 880 <= n <= 1000 and data.num_train_batches(1) * 100 <= n
     assert all(int(b.sparse_features.values().max()) < 321 for b in data.train_batches(0, 0, 1))
+
+
+def test_inspect_reports_list_lengths_and_suggests_max_values_for_a_long_tail(tmp_path: Path, capsys) -> None:
+    """Choosing a multi-hot column's max_values needs its list lengths: inspect gives the longest and the 99th percentile,
+    and names the cap where a few rows are far longer than the rest."""
+    tags = [[i % 7] * (1 + i % 3) for i in range(299)] + [list(range(500))]  # lengths 1-3, and one of 500
+    pq.write_table(pa.table({"label": [i % 2 for i in range(300)], "tags": tags, "cats": [[1, 2]] * 300}), tmp_path / "lists.parquet")
+    assert data_main(["inspect", str(tmp_path / "lists.parquet")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    (tags_line,) = [line for line in out if line.startswith("list 'tags'")]
+    assert tags_line.startswith("list 'tags': lengths max 500, p99 3 (over 300 rows); a long tail: "
+                                "data.sparse[tags].max_values=3 keeps 99% of rows whole and cuts 1"), tags_line
+    assert "list 'cats': lengths max 2, p99 2 (over 300 rows)" in out  # no tail: no cap suggested
