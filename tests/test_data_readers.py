@@ -260,3 +260,22 @@ def test_inspect_reports_list_lengths_and_suggests_max_values_for_a_long_tail(tm
     assert tags_line.startswith("list 'tags': lengths max 500, p99 3 (over 300 rows); a long tail: "
                                 "data.sparse[tags].max_values=3 keeps 99% of rows whole and cuts 1"), tags_line
     assert "list 'cats': lengths max 2, p99 2 (over 300 rows)" in out  # no tail: no cap suggested
+
+
+def test_predict_says_the_lists_it_cuts_to_max_values(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Predict cuts a list to its column's max_values as training does (the cap travels with the model); training counts
+    such rows in data/truncated_lists, predict says them in one line rather than silently."""
+    from recsys_runner import scoring
+    from recsys_runner.data.files.sources import ParquetSource
+
+    tags = [list(range(40)), [1, 2], [3, 4, 5, 6], [7]]
+    pq.write_table(pa.table({"label": [1, 0, 1, 0], "tags": tags, "item": [1, 2, 3, 4]}), tmp_path / "score.parquet")
+    data = ParquetData(make(ParquetDataConfig, path=str(tmp_path), eval_path=str(tmp_path), batch_size=2, shuffle=False,
+                            sparse=[{"name": "tags", "num_embeddings": 100, "max_values": 3}, {"name": "item", "num_embeddings": 10}]))
+    source = ParquetSource([str(tmp_path / "score.parquet")], data.schema.columns, 1000)
+    with caplog.at_level("INFO"):
+        batches = list(scoring._batches(source, source.units(), data.schema, data.features, 2, []))
+    assert [n for _, b, _, _ in batches for n in b.sparse_features["tags"].lengths().tolist()] == [3, 2, 3, 1]
+    said = [r.getMessage() for r in caplog.records if "max_values" in r.getMessage()]
+    assert said == ["predict: lists longer than max_values were cut to their first values: data.sparse[tags] in 2 rows "
+                    "(max_values=3, the longest list 40)"], said
