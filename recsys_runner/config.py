@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from hydra.experimental.callback import Callback
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -35,7 +34,7 @@ from recsys_runner.data.files.tabular_config import CriteoDataConfig, CsvDataCon
 from recsys_runner.data.generated.synthetic import SyntheticDataConfig
 from recsys_runner.data.generated.synthetic_sequences import SyntheticSequencesConfig
 from recsys_runner.distributed.config import DistributedConfig, check_sharding_types, resolve_device_type
-from recsys_runner.errors import ConfigError, UserError, reported, require
+from recsys_runner.errors import ConfigError, UserError, require
 from recsys_runner.metrics.registry import (
     AT_K_NAME,
     DEFAULT_OBJECTIVE,
@@ -352,39 +351,49 @@ def check_swept_keys(config: DictConfig) -> None:
     ``config`` is the multirun's own (Hydra composes it without the sweep overrides). The sweeps checked are the command
     line's and the sweeper's ``hydra.sweeper.params``: a key changed (``optim.lrr=…``) must exist; a key added
     (``+optim.lrr=…``) must go into a free-form map. Config groups (``model=deepfm,dlrm``), ``hydra.*`` and keys under a
-    swept group (``model.dropout`` beside ``model=…``: each job's option decides) are left to the jobs.
+    swept group (``model.dropout`` beside ``model=…``: each option has its own keys, which
+    :func:`recsys_runner.sweep.check_group_option_keys` checks in each option's config) are not checked here.
+
+    Raises:
+        ConfigError: naming the key, the closest one and its section's keys.
+    """
+    overrides = sweep_overrides(config)
+    groups = {str(g) for g in OmegaConf.select(config, "hydra.runtime.choices") or {}}
+    swept_groups = {o.key_or_group for _, o in overrides if o.key_or_group in groups or "/" in o.key_or_group}
+    for text, override in overrides:
+        if is_key_override(override, groups) and not any(override.key_or_group.startswith(f"{g}.") for g in swept_groups):
+            check_override_key(config, override, f"in the sweep {text}")
+
+
+def is_key_override(override: Any, groups: set[str]) -> bool:
+    """Whether the Hydra ``Override`` changes or adds a config key (``optim.lr=…``, ``+train.x=…``) rather than choosing a
+    config group's option (one of ``groups``, or ``hydra/sweeper=…``), deleting a key, or setting ``hydra.*``."""
+    from hydra.core.override_parser.types import OverrideType
+
+    key = override.key_or_group
+    return (override.type in (OverrideType.CHANGE, OverrideType.ADD) and override.package is None and "/" not in key
+            and key not in groups and key.split(".")[0] != "hydra")
+
+
+def check_override_key(config: DictConfig, override: Any, where: str) -> None:
+    """Refuse the Hydra ``Override`` of a key ``config`` lacks, with :func:`unknown_key`'s one line (``where``: how it
+    was given, e.g. ``in the sweep optim.lrr=0.1,0.2``): a key changed must exist; a key added (``+key=…``) must go into
+    a free-form map.
 
     Raises:
         ConfigError: naming the key, the closest one and its section's keys.
     """
     from hydra.core.override_parser.types import OverrideType
 
-    overrides = sweep_overrides(config)
-    groups = set(OmegaConf.select(config, "hydra.runtime.choices") or {})
-    swept_groups = {o.key_or_group for _, o in overrides if o.key_or_group in groups or "/" in o.key_or_group}
-    for text, override in overrides:
-        key = override.key_or_group
-        if (override.type not in (OverrideType.CHANGE, OverrideType.ADD) or override.package is not None or "/" in key
-                or key in groups or key.split(".")[0] == "hydra" or any(key.startswith(f"{group}.") for group in swept_groups)):
-            continue
-        parent_key, _, name = key.rpartition(".")
-        parent = OmegaConf.select(config, parent_key) if parent_key else config
-        if not isinstance(parent, DictConfig) or name in parent.keys():
-            continue
-        if override.type == OverrideType.ADD and not dataclasses.is_dataclass(OmegaConf.get_type(parent)):
-            continue  # +key into a free-form map (checkpoint.name_map): any name goes
-        known = [k for k, s in _schema_keys(config, "") if s is None]
-        raise unknown_key(key, [str(k) for k in parent.keys()], known, given_as=(
-            f"in the sweep {text}", " Nothing was started."))
-
-
-class SweptKeysCheck(Callback):
-    """``hydra.callbacks.swept_keys`` (``conf/config.yaml``, before ``mlflow_sweep``): :func:`check_swept_keys` when a
-    multirun starts, its one line and exit 2 (as every command's config error) before the parent run exists."""
-
-    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        with reported():
-            check_swept_keys(config)
+    key = override.key_or_group
+    parent_key, _, name = key.rpartition(".")
+    parent = OmegaConf.select(config, parent_key) if parent_key else config
+    if not isinstance(parent, DictConfig) or name in parent.keys():
+        return
+    if override.type == OverrideType.ADD and not dataclasses.is_dataclass(OmegaConf.get_type(parent)):
+        return  # +key into a free-form map (checkpoint.name_map): any name goes
+    known = [k for k, s in _schema_keys(config, "") if s is None]
+    raise unknown_key(key, [str(k) for k in parent.keys()], known, given_as=(where, " Nothing was started."))
 
 
 def _schema_keys(node: Any, path: str) -> Iterator[tuple[str, list[str] | None]]:

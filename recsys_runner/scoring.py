@@ -267,6 +267,8 @@ def _batches(source: Any, units: list[Unit], schema: Schema, features: FeatureSp
     finally:  # the input's values unseen when the vocabularies were fitted, on this rank's share
         if (line := oov_line(oov_rates(oov_counters(encoder.oov)))) is not None:
             log.info("predict: %s", line)
+        if (line := encoder.capped_line()) is not None:  # cut as in training, where data/truncated_lists counts them
+            log.info("predict: %s", line)
 
 
 def _encoded(source: Any, units: list[Unit], schema: Schema, encoder: Encoder, names: list[str], batch_size: int,

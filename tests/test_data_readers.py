@@ -247,3 +247,35 @@ def test_converted_parquet_reader_matches_generator(tmp_path: Path) -> None:
     n = sum(b.labels.shape[0] for b in data.train_batches(0, 0, 1)) + sum(b.labels.shape[0] for b in data.eval_batches(0, 1))
     assert 880 <= n <= 1000 and data.num_train_batches(1) * 100 <= n
     assert all(int(b.sparse_features.values().max()) < 321 for b in data.train_batches(0, 0, 1))
+
+
+def test_inspect_reports_list_lengths_and_suggests_max_values_for_a_long_tail(tmp_path: Path, capsys) -> None:
+    """Choosing a multi-hot column's max_values needs its list lengths: inspect gives the longest and the 99th percentile,
+    and names the cap where a few rows are far longer than the rest."""
+    tags = [[i % 7] * (1 + i % 3) for i in range(299)] + [list(range(500))]  # lengths 1-3, and one of 500
+    pq.write_table(pa.table({"label": [i % 2 for i in range(300)], "tags": tags, "cats": [[1, 2]] * 300}), tmp_path / "lists.parquet")
+    assert data_main(["inspect", str(tmp_path / "lists.parquet")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    (tags_line,) = [line for line in out if line.startswith("list 'tags'")]
+    assert tags_line.startswith("list 'tags': lengths max 500, p99 3 (over 300 rows); a long tail: "
+                                "data.sparse[tags].max_values=3 keeps 99% of rows whole and cuts 1"), tags_line
+    assert "list 'cats': lengths max 2, p99 2 (over 300 rows)" in out  # no tail: no cap suggested
+
+
+def test_predict_says_the_lists_it_cuts_to_max_values(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Predict cuts a list to its column's max_values as training does (the cap travels with the model); training counts
+    such rows in data/truncated_lists, predict says them in one line rather than silently."""
+    from recsys_runner import scoring
+    from recsys_runner.data.files.sources import ParquetSource
+
+    tags = [list(range(40)), [1, 2], [3, 4, 5, 6], [7]]
+    pq.write_table(pa.table({"label": [1, 0, 1, 0], "tags": tags, "item": [1, 2, 3, 4]}), tmp_path / "score.parquet")
+    data = ParquetData(make(ParquetDataConfig, path=str(tmp_path), eval_path=str(tmp_path), batch_size=2, shuffle=False,
+                            sparse=[{"name": "tags", "num_embeddings": 100, "max_values": 3}, {"name": "item", "num_embeddings": 10}]))
+    source = ParquetSource([str(tmp_path / "score.parquet")], data.schema.columns, 1000)
+    with caplog.at_level("INFO"):
+        batches = list(scoring._batches(source, source.units(), data.schema, data.features, 2, []))
+    assert [n for _, b, _, _ in batches for n in b.sparse_features["tags"].lengths().tolist()] == [3, 2, 3, 1]
+    said = [r.getMessage() for r in caplog.records if "max_values" in r.getMessage()]
+    assert said == ["predict: lists longer than max_values were cut to their first values: data.sparse[tags] in 2 rows "
+                    "(max_values=3, the longest list 40)"], said

@@ -309,3 +309,23 @@ def test_dssm_inbatch_recall_does_not_count_a_copy_of_the_positive_against_it() 
     model.in_batch_ranking = False
     with torch.no_grad():
         np.testing.assert_allclose(model(batch.dense_features, batch.sparse_features).numpy(), plain, rtol=1e-5, atol=1e-5)
+
+
+def test_item_features_are_cut_to_max_values_as_the_training_rows_and_said(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A multi-hot item feature with ``max_values``: the catalogue's lists are cut as the training rows' are (the item tower
+    sees an item as in training), and the rows cut are said in one line, not silently."""
+    rows = _rows(200, 4).drop_columns(["hard"])
+    tags = [[int(i) % 8] * (1 + int(i) % 4) for i in range(200)]
+    pq.write_table(rows.append_column("tags", pa.array(tags, pa.list_(pa.int64()))), tmp_path / "train.parquet")
+    items = _items()
+    pq.write_table(items.append_column("tags", pa.array([[i % 8] * (1 + i % 4) for i in range(ITEMS)], pa.list_(pa.int64()))),
+                   tmp_path / "items.parquet")
+    sparse = [*SPARSE[:3], {"name": "tags", "num_embeddings": 8, "max_values": 2}]
+    with caplog.at_level("INFO"):
+        data = make(ParquetDataConfig, path=str(tmp_path / "train.parquet"), label="label", sparse=sparse, batch_size=32,
+                    num_workers=0, items={"path": str(tmp_path / "items.parquet"), "id": "item_id", "features": ["tags"]}).build()
+        table = data.item_table()
+    assert table is not None
+    assert table.features["tags"][1].tolist() == [min(1 + i % 4, 2) for i in range(ITEMS)]
+    said = [r.getMessage() for r in caplog.records if "max_values" in r.getMessage()]
+    assert len(said) == 1 and "data.sparse[tags] in 20 rows (max_values=2, the longest list 4)" in said[0], said

@@ -268,6 +268,25 @@ def test_a_typo_in_a_swept_key_is_a_config_error_before_the_parent_run(tmp_path:
     assert not (tmp_path / "multirun").exists()
 
 
+@pytest.mark.parametrize(("sweep", "key", "fix", "option"), [
+    (["model=deepfm,dlrm", "model.embedding_dimm=8,16"], "model.embedding_dimm", "model.embedding_dim", "model=deepfm"),
+    (["model=deepfm,dlrm", "model.deep_layer_sizes=[8]"], "model.deep_layer_sizes", "model.dense_arch_layer_sizes", "model=dlrm"),
+])
+def test_a_key_an_option_of_a_swept_group_lacks_is_a_config_error_before_the_parent_run(
+        tmp_path: Path, sweep: list[str], key: str, fix: str, option: str) -> None:
+    """A key under a swept group (a typo, or a key only some options have) was Hydra's error when it composed that
+    option's first job, after the parent run existed (an empty FAILED parent). Each option's config is checked first."""
+    uri = f"sqlite:///{tmp_path}/group_typo.db"
+    out = run_in_process([*TRAIN, "-m", *sweep, *TINY, f"tracking.uri={uri}", "tracking.experiment=group_typo"], tmp_path)
+    assert out.returncode == 2, out.stderr[-3000:]
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith(f"Config error: unknown key {key} (did you mean {fix}?). Fix: set {fix} instead (in {sweep[1]}, "
+                           f"for the sweep's jobs with {option}); the keys of model are "), line
+    assert line.endswith("Nothing was started."), line
+    assert MlflowClient(tracking_uri=uri).get_experiment_by_name("group_typo") is None
+    assert not (tmp_path / "multirun").exists()
+
+
 def test_swept_keys_that_exist_or_go_into_free_form_maps_pass(make_cfg) -> None:
     """What :func:`check_swept_keys` leaves alone: existing keys, a key added to a free-form map, config groups and the
     keys under a swept group (each job's option decides), Hydra's own keys."""
@@ -413,3 +432,16 @@ def test_sweep_without_objective_ranks_by_the_jobs_default(tmp_path: Path, sweep
     winner = best(children, key=lambda r: r.data.metrics[objective])
     assert parent.data.tags["best.run_id"] == winner.info.run_id
     assert parent.data.metrics[f"best/{objective}"] == pytest.approx(winner.data.metrics[objective])
+
+
+def test_a_sweep_whose_jobs_default_to_different_objectives_must_name_train_objective(tmp_path: Path) -> None:
+    """model=deepfm,dssm without train.objective: deepfm's jobs would report eval/auc, dssm's eval/inbatch_recall_at_1,
+    and the parent ranked both by the first. Refused before any run, naming each job's default."""
+    uri = f"sqlite:///{tmp_path}/mixed.db"
+    out = run_in_process([*TRAIN, "-m", "model=deepfm,dssm", *TINY, f"tracking.uri={uri}", "tracking.experiment=mixed"], tmp_path)
+    assert out.returncode == 2, out.stderr[-3000:]
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("Config error: the sweep's jobs would report different objectives (train.objective is unset, so "
+                           "each takes its model's default: model=deepfm -> eval/auc; model=dssm -> eval/inbatch_recall_at_1)"), line
+    assert "Fix: set train.objective" in line, line
+    assert MlflowClient(tracking_uri=uri).get_experiment_by_name("mixed") is None

@@ -11,7 +11,8 @@ schema (the label column or the task → label column mapping included) stored i
     python -m recsys_runner.data convert --format csv ratings.csv out/ --label rating --label-threshold 4   # schema inferred
 
 ``inspect`` prints a file's (or directory's) columns and types, row count, the rate (mean) of each
-label column, and per column the null count and the number of distinct values. Label columns: the
+label column, per column the null count and the number of distinct values, and per list (multi-hot) column the longest
+list and the 99th percentile of the lengths, to choose ``max_values`` by. Label columns: the
 ``--label`` options, else those of the schema stored by ``convert``, else ``label``::
 
     python -m recsys_runner.data inspect out/ [--format parquet|csv|criteo] [--label click --label conversion]
@@ -220,6 +221,7 @@ def inspect(args: argparse.Namespace) -> None:
     nulls: dict[str, int] = {}
     distinct: dict[str, set] = {}
     types: dict[str, pa.DataType] = {}
+    lengths: dict[str, list[np.ndarray]] = {}
     for table in tables:
         rows += table.num_rows
         for name in table.column_names:
@@ -230,6 +232,8 @@ def inspect(args: argparse.Namespace) -> None:
             if len(seen) <= args.max_distinct:
                 flat = pc.list_flatten(col) if pa.types.is_list(col.type) else col
                 seen.update(pc.unique(flat.combine_chunks() if isinstance(flat, pa.ChunkedArray) else flat).to_pylist())
+            if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
+                lengths.setdefault(name, []).append(pc.fill_null(pc.list_value_length(col), 0).to_numpy())
         for name in label_columns:
             if name in table.column_names:
                 label = table.column(name).cast(pa.float64())
@@ -244,6 +248,26 @@ def inspect(args: argparse.Namespace) -> None:
         seen = distinct[name]
         count = f">{args.max_distinct}" if len(seen) > args.max_distinct else str(len(seen - {None}))
         print(f"{name:<24} {str(typ):<20} {nulls[name]:>10} {count:>10}")
+    for name, parts in lengths.items():
+        print(list_lengths_line(name, np.concatenate(parts)))
+
+
+LONG_TAIL = 4
+"""A list column whose longest list is this many times its 99th percentile (or more) has a long tail worth capping."""
+
+
+def list_lengths_line(name: str, lengths: np.ndarray) -> str:
+    """``inspect``'s line for the list column ``name`` of row lengths ``lengths``: the longest list and the 99th percentile,
+    and, where the longest is far above it, the ``max_values`` cap (:class:`~recsys_runner.data.schema.SparseColumn`)
+    that keeps 99% of rows whole: the few long rows otherwise set the cost of every batch they fall in."""
+    longest = int(lengths.max()) if len(lengths) else 0
+    p99 = int(np.ceil(np.percentile(lengths, 99))) if len(lengths) else 0
+    line = f"list {name!r}: lengths max {longest}, p99 {p99} (over {len(lengths)} rows)"
+    if longest > LONG_TAIL * max(p99, 1):
+        cut = int((lengths > p99).sum())
+        line += (f"; a long tail: data.sparse[{name}].max_values={p99} keeps 99% of rows whole and cuts {cut} "
+                 f"(counted as data/truncated_lists)")
+    return line
 
 
 def sequences(args: argparse.Namespace) -> None:

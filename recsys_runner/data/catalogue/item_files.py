@@ -141,8 +141,10 @@ def read_item_table(config: ItemsConfig, schema: Schema, delimiter: str = ",",
     sparse_cols, dense_cols = {c.name: c for c in schema.sparse}, {c.name: c for c in schema.dense}
     ids, lengths = encoder._sparse(sparse_cols[id_name], table.column(id_name), Location(path, "items", np.arange(0)), bad)
     bad(id_name, lengths != 1, lambda i: "the item id is missing, or a list (an item has one id)")
-    features = {n: encoder._sparse(sparse_cols[n], table.column(n), Location(path, "items", np.arange(0)), bad)
+    features = {n: _capped(encoder, sparse_cols[n], encoder._sparse(sparse_cols[n], table.column(n), Location(path, "items", np.arange(0)), bad))
                 for n in [id_name, *config.features] if n in sparse_cols}
+    if (line := encoder.capped_line()) is not None:
+        log.info("%s (data.items.path): %s", path, line)
     dense_names = tuple(n for n in config.features if n in dense_cols)
     dense = np.stack([encoder._dense(dense_cols[n], table.column(n), Location(path, "items", np.arange(0)), bad)
                       for n in dense_names], axis=1) if dense_names else np.zeros((table.num_rows, 0))
@@ -152,6 +154,16 @@ def read_item_table(config: ItemsConfig, schema: Schema, delimiter: str = ",",
         popularity = _popularity_column(table.column(config.popularity), path, config.popularity, ids)
         return _with_popularity(items, popularity)
     return _with_popularity(items, _counted(items, encoder, sparse_cols[id_name], train_sample, config.count_rows))
+
+
+def _capped(encoder: Encoder, col: Any, bag: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """An item feature's (ids, lengths) cut to its column's ``max_values`` as the training rows' are (so the item tower
+    sees the catalogue's items as it saw them in training), counted in ``encoder.capped``."""
+    cap = getattr(col, "max_values", None)
+    if cap is None:
+        return bag
+    ids, lengths, _ = encoder._capped(col.name, cap, *bag, None)
+    return ids, lengths
 
 
 def _first_of_each_id(items: ItemTable, path: str) -> ItemTable:

@@ -168,6 +168,15 @@ class Encoder:
         self.capped: dict[str, list[int]] = {c.name: [0, 0] for c in schema.sparse if getattr(c, "max_values", None) is not None}
         """Per column with ``max_values``: rows whose list was cut to it, and the longest list seen."""
 
+    def capped_line(self) -> str | None:
+        """One log line of the rows whose lists were cut to their column's ``max_values`` (:attr:`capped`), or ``None``
+        when none was: for the readers that log no ``data/truncated_lists`` (predict, the item catalogue), so that a cut
+        is never silent."""
+        caps = {c.name: getattr(c, "max_values", None) for c in self.schema.sparse}
+        shown = [f"data.sparse[{name}] in {cut} rows (max_values={caps[name]}, the longest list {longest})"
+                 for name, (cut, longest) in self.capped.items() if cut]
+        return f"lists longer than max_values were cut to their first values: {', '.join(shown)}" if shown else None
+
     @property
     def num_truncated_rows(self) -> int:
         return self.histories.num_truncated_rows

@@ -155,9 +155,9 @@ class CsvSource:
                     f"replaces its names), or data.header=null to detect it")
         return ""
 
-    def units(self) -> list[Unit]:
-        """Every file's blocks of lines; files with a header line and no rows are skipped (:func:`skip_empty`): :attr:`files`
-        is then the files with rows.
+    def units(self, say_skipped: bool = True) -> list[Unit]:
+        """Every file's blocks of lines; files with a header line and no rows are skipped (:func:`skip_empty`, saying so
+        unless ``say_skipped`` is false): :attr:`files` is then the files with rows.
 
         Raises:
             DataError: every file is a header alone; a file is empty, unreadable or laid out otherwise than configured.
@@ -168,7 +168,7 @@ class CsvSource:
             units.extend(found)
             if not found:
                 empty.append(path)
-        self.files = skip_empty(self.files, empty, "has a header line but no rows")
+        self.files = skip_empty(self.files, empty, "has a header line but no rows", say_skipped)
         return units
 
     def has_rows(self, path: str) -> bool:

@@ -51,9 +51,9 @@ def unreadable(path: str, e: OSError) -> UserError:
     return DataError(f"{path} cannot be read ({e.strerror or e}). Fix: check that it exists and that you may read it, or remove it from data.path")
 
 
-def skip_empty(files: list[str], empty: list[str], what: str) -> list[str]:
-    """``files`` less the ``empty`` ones, said in one log line (rank 0); every file empty is an error (``what``: how the
-    first looks).
+def skip_empty(files: list[str], empty: list[str], what: str, say: bool = True) -> list[str]:
+    """``files`` less the ``empty`` ones, said in one log line (rank 0; not when ``say`` is false: files already said, as
+    ``data.eval_path`` naming ``data.path``'s folder); every file empty is an error (``what``: how the first looks).
 
     Why: Spark, Hive and pandas' partitioned writers leave a part file per partition, also one with no rows (a header
     line; a Parquet footer of 0 rows). Such a file holds nothing to train on, so refusing it would only make the user delete
@@ -68,7 +68,7 @@ def skip_empty(files: list[str], empty: list[str], what: str) -> list[str]:
     if len(empty) == len(files):
         every = f"{files[0]} {what}" + (f", as do all {len(files)} files read with it" if len(files) > 1 else "")
         raise DataError(f"{every}: there are no rows to read. Fix: point the setting at files with rows, or write the data again")
-    if int(os.environ.get("RANK", "0")) == 0:
+    if say and int(os.environ.get("RANK", "0")) == 0:
         shown = ", ".join(os.path.basename(f) for f in empty[:3]) + (", …" if len(empty) > 3 else "")
         log.info("%d of %d files in %s have no rows and are skipped (%s): empty part files, as partitioned writers leave them",
                  len(empty), len(files), os.path.dirname(empty[0]) or ".", shown)
@@ -145,10 +145,11 @@ class ParquetSource:
         self._footers: dict[str, pq.FileMetaData] = {}
         """Object-store files' footers, read once (a footer costs a round trip to the store)."""
 
-    def units(self) -> list[Unit]:
+    def units(self, say_skipped: bool = True) -> list[Unit]:
         """Every file's row groups, after checking that the files agree on the type of each column read (:func:`type_clash`).
 
-        Files of 0 rows are skipped (:func:`skip_empty`): :attr:`files` is then the files with rows.
+        Files of 0 rows are skipped (:func:`skip_empty`, saying so unless ``say_skipped`` is false): :attr:`files` is then
+        the files with rows.
 
         Raises:
             DataError: every file is empty; a file is unreadable, lacks a column, or holds a column as another kind of values.
@@ -170,7 +171,7 @@ class ParquetSource:
                 if n:
                     units.append(Unit(path, g, first, n))
                 first += n
-        self.files = skip_empty(self.files, empty, "is an empty Parquet file (0 rows)")
+        self.files = skip_empty(self.files, empty, "is an empty Parquet file (0 rows)", say_skipped)
         return units
 
     def has_rows(self, path: str) -> bool:

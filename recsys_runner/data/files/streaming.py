@@ -169,10 +169,12 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         """DataLoader workers per rank; each (rank, worker) reads its own shard, so the batch order depends on it."""
         self._pin = bool(config.pin_memory)
         train_source = self.open_files(config.path, "data.path")
+        train_files = list(train_source.files)  # before units() drops the empty ones
         train_units = train_source.units()
         if config.eval_path is not None:
-            eval_source = self._eval_source(resolve_files(config.eval_path, "data.eval_path", self._suffixes()), train_source)
-            eval_units = eval_source.units()
+            eval_files = resolve_files(config.eval_path, "data.eval_path", self._suffixes())
+            eval_source = self._eval_source(eval_files, train_source)
+            eval_units = eval_source.units(say_skipped=eval_files != train_files)  # the same folder's skip is said once
             if isinstance(eval_source, ParquetSource) and isinstance(train_source, ParquetSource):
                 eval_source.check_types(train_source)
             self.check_trained(eval_source, f"data.eval_path={config.eval_path!r}")
