@@ -113,8 +113,15 @@ def test_default_store_is_mlflow_db_in_launch_dir(tmp_path: Path) -> None:
     db = tmp_path / "mlflow.db"
     assert db.exists()
     client = MlflowClient(tracking_uri=f"sqlite:///{db}")
-    (run,) = client.search_runs([client.get_experiment_by_name("recsys_runner").experiment_id])
+    experiment = client.get_experiment_by_name("recsys_runner").experiment_id
+    (run,) = client.search_runs([experiment])
     assert run.info.status == "FINISHED" and "eval/auc" in run.data.metrics
+    # It ends by saying which run it was and how to see it: a local store has no UI until `mlflow ui` serves it.
+    end = [line.split("] - ", 1)[-1] for line in out.stdout.splitlines()[-3:]]
+    assert end == [f"MLflow run {run.info.run_id} FINISHED (experiment 'recsys_runner', store sqlite:///{db})",
+                   f"MLflow UI: mlflow ui --backend-store-uri sqlite:///{db} --port 5000",
+                   f"  then open http://127.0.0.1:5000/#/experiments/{experiment}/runs/{run.info.run_id}"
+                   "?workflowType=machine_learning"], out.stdout[-2000:]
 
 
 def test_env_var_overrides_default_store(make_cfg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
