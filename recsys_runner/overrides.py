@@ -1,0 +1,188 @@
+"""A command line's overrides checked before ``@hydra.main`` composes them, so a typo is one line naming the fix.
+
+Hydra reports its own composition errors in its own words, which leave a newcomer stuck: ``optim.lrr=0.1`` gets
+"Key 'lrr' not in 'OptimConfig' … To append to your config use +optim.lrr=0.1" (advice the runner then refuses:
+:func:`~recsys_runner.config.check_known_keys`), ``model=deepfmm`` the list of all 21 models, and
+``python -m recsys_runner evaluate`` "missing EQUAL at '<EOF>'". :func:`check_command_line` composes the overrides as
+Hydra will, and for those three mistakes — a key the config does not have, an option a group does not have, a word
+that is not an override (most often a command typed as an argument) — raises a :class:`~recsys_runner.errors.ConfigError`
+with the closest valid name, printed as one line with exit status 2 (:func:`~recsys_runner.errors.reported`).
+Anything else it leaves to Hydra, which composes again and reports it as before: this check may only add clarity.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import sys
+from collections.abc import Sequence
+
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+from recsys_runner.config import register_configs
+from recsys_runner.errors import ConfigError, reported
+from recsys_runner.paths import CONFIG_PATH
+
+COMMANDS = {
+    "evaluate": "metrics of a checkpoint on eval data",
+    "predict": "scores of a checkpoint written as Parquet",
+    "export": "a checkpoint as a served artifact",
+    "plan": "the sharding plan and memory per rank, without data",
+    "compare": "a table and plots of runs",
+    "data": "convert, inspect, sequences",
+    "tracking": "replay metrics a run could not send",
+    "bench": "the benchmarks",
+}
+"""The commands besides training, each ``python -m recsys_runner.<name>``: what a word on the command line that is not
+an override most often is."""
+TRAINING_WORDS = ("train", "training", "fit", "train_eval")
+"""Words for training (TorchEasyRec's ``tzrec.train_eval`` among them): training is ``python -m recsys_runner`` itself."""
+_SKIPPED_FLAGS = ("help", "hydra_help", "info", "shell_completion", "version", "config_path", "config_dir", "experimental_rerun")
+"""Hydra's options after which the check stays out of the way: they print, or compose from another search path."""
+
+
+def check_command_line(config_name: str, argv: Sequence[str] | None = None) -> None:
+    """The module docstring: raise (through :func:`reported`: one line, exit 2) for a mistake of those three kinds in
+    ``argv`` (``sys.argv`` by default), composed with ``config_name`` as the command's ``@hydra.main`` will."""
+    from hydra._internal.utils import get_args_parser
+
+    argv = list(sys.argv if argv is None else argv)
+    try:
+        args, _ = get_args_parser().parse_known_args(argv[1:])
+    except (Exception, SystemExit):  # noqa: BLE001 - Hydra's own parse reports bad arguments
+        return
+    if any(getattr(args, flag, None) for flag in _SKIPPED_FLAGS):
+        return
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    with reported():
+        explain(args.config_name or config_name, list(args.overrides or []), multirun=bool(args.multirun),
+                module=spec.name.removesuffix(".__main__") if spec is not None else "recsys_runner")
+
+
+def explain(config_name: str, overrides: list[str], *, multirun: bool = False, module: str = "recsys_runner") -> None:
+    """Raise :class:`ConfigError` for a word that is not an override, an unknown option of a group or an unknown key in
+    ``overrides`` (composed on ``config_name``); nothing for anything else."""
+    parser = OverridesParser.create()
+    parsed: list[Override] = []
+    for text in overrides:
+        try:
+            parsed += parser.parse_overrides([text])
+        except OverrideParseException:
+            if "=" not in text:
+                raise ConfigError(not_an_override(text, module)) from None
+            return  # a malformed value: Hydra's message shows where
+    chosen = [o for o in parsed if not o.is_hydra_override()]
+    first = [_first_of_sweep(o) for o in chosen] if multirun else [o.input_line for o in chosen]
+    single = [line for line in first if line is not None]
+    if len(single) < len(chosen):
+        return
+    if not single:
+        return  # nothing to check: no second composition
+    register_configs()
+    initialized = GlobalHydra.instance().is_initialized()  # by a caller that composes from conf/ itself (a test)
+    with contextlib.nullcontext() if initialized else initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
+        try:
+            compose(config_name=config_name, overrides=single)
+        except MissingConfigException as e:
+            message = _unknown_option(e, chosen)
+            if message is not None:
+                raise ConfigError(message) from None
+        except ConfigCompositionException as e:
+            if isinstance(e.__cause__, ConfigKeyError | ConfigAttributeError) and str(e).startswith("Could not override"):
+                message = _unknown_key(config_name, chosen, single)
+                if message is not None:
+                    raise ConfigError(message) from None
+
+
+def not_an_override(word: str, module: str) -> str:
+    """The message for ``word``, an argument without ``=``: the command it resembles, or what an override looks like."""
+    entry = module.rpartition(".")[2] if module != "recsys_runner" else None
+    here = f"python -m {module}"
+    if word in TRAINING_WORDS and entry is None:
+        return (f"{word!r} is not an override: training is this command itself, {here} [overrides] "
+                "(key=value or group=option, e.g. model=dlrm train.num_steps=100)")
+    close = difflib.get_close_matches(word, list(COMMANDS), n=1, cutoff=0.6)
+    if close and close[0] != entry:
+        name = close[0]
+        same = "" if word == name else f" (did you mean {name}?)"
+        return (f"{word!r} is not an override{same}: {name} is a command of its own, python -m recsys_runner.{name} "
+                f"[overrides] ({COMMANDS[name]}); overrides are key=value or group=option")
+    return (f"{word!r} is not an override: {here} takes key=value or group=option, e.g. data.batch_size=1024 "
+            f"(the commands: python -m recsys_runner.<{'|'.join(COMMANDS)}>; --help lists groups and keys)")
+
+
+def _first_of_sweep(override: Override) -> str | None:
+    """A multirun's override as one job sees it (a sweep cut to its first value); ``None`` when it has no list of values
+    (an interval for a search): the check then leaves the command line to Hydra."""
+    if not override.is_sweep_override():
+        return override.input_line
+    try:
+        first = next(override.sweep_string_iterator())
+    except Exception:  # noqa: BLE001 - an interval sweep has no values to list
+        return None
+    prefix = "++" if override.is_force_add() else "+" if override.is_add() else "~" if override.is_delete() else ""
+    return f"{prefix}{override.get_key_element()}={first}"
+
+
+def _unknown_option(e: MissingConfigException, chosen: list[Override]) -> str | None:
+    """``group=option`` where the group has no such option: the closest one and the list."""
+    missing, options = e.missing_cfg_file or "", list(e.options or [])
+    group, _, option = missing.rpartition("/")
+    given = next((o for o in chosen if o.key_or_group == group and str(o.value()) == option), None)
+    if not group or given is None or not options:
+        return None
+    close = difflib.get_close_matches(option, options, n=1, cutoff=0.5)
+    hint = f" (did you mean {group}={close[0]}?)" if close else ""
+    fix = f"{group}={close[0]}" if close else f"one of them, e.g. {group}={options[0]}"
+    return (f"{given.input_line}: {group} has no option {option!r}{hint}; its options are {', '.join(options)}. "
+            f"Fix: {fix} (python -m recsys_runner --help lists every group)")
+
+
+def _unknown_key(config_name: str, chosen: list[Override], single: list[str]) -> str | None:
+    """``a.b=value`` where the composed config has no such key: compose without the key overrides (the options the
+    command line chose stay, so the keys are theirs) and name the first key that is not there, with the closest one.
+    ``single``: ``chosen`` as one job composes them."""
+    is_value = [not o.is_add() and not o.is_force_add() and not o.is_delete() and "." in o.key_or_group and o.package is None
+                for o in chosen]
+    try:
+        base = compose(config_name=config_name, overrides=[line for line, value in zip(single, is_value, strict=True) if not value])
+    except Exception:  # noqa: BLE001 - the options themselves do not compose: Hydra reports that
+        return None
+    for override, value in zip(chosen, is_value, strict=True):
+        message = _missing_path(base, override.key_or_group, override.input_line or override.key_or_group) if value else None
+        if message is not None:
+            return message
+    return None
+
+
+def _missing_path(cfg: DictConfig, key: str, given: str) -> str | None:
+    """The message for ``key`` when some part of it is not in ``cfg``: which part, the closest key there, the others."""
+    node: object = cfg
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        if not isinstance(node, DictConfig):
+            return None  # a list, a value or a null section on the way: Hydra's message stands
+        if part not in node.keys():
+            return _no_such_key(parts, i, [str(k) for k in node.keys() if not str(k).startswith("_")], given)
+        node = OmegaConf.select(node, part, throw_on_missing=False)
+    return None
+
+
+def _no_such_key(parts: list[str], i: int, siblings: list[str], given: str) -> str:
+    """``parts[i]`` is not among ``siblings``, the keys at ``parts[:i]``: the closest of them as the fix."""
+    parent = ".".join(parts[:i])
+    where = f"{parent} has" if parent else "the config has"
+    every = "python -m recsys_runner --help lists every key with its default"
+    close = difflib.get_close_matches(parts[i], siblings, n=1, cutoff=0.6)
+    if not close:
+        return (f"{given}: {where} no key {parts[i]!r}; its keys are {', '.join(siblings)} ({every}; a leading + adds "
+                "keys only to free-form maps such as checkpoint.name_map)")
+    right = ".".join([*parts[:i], close[0], *parts[i + 1:]])
+    value = given.split("=", 1)[1] if "=" in given else ""
+    return f"{given}: {where} no key {parts[i]!r} (did you mean {right}?). Fix: {right}={value} ({every})"
