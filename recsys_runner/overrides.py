@@ -43,6 +43,9 @@ COMMANDS = {
 an override most often is."""
 TRAINING_WORDS = ("train", "training", "fit", "train_eval")
 """Words for training (TorchEasyRec's ``tzrec.train_eval`` among them): training is ``python -m recsys_runner`` itself."""
+OTHER_COMMANDS_KEYS = {"load": "evaluate|predict|export", "predict": "predict", "export": "export"}
+"""Top-level keys that only one command's config has (``load`` is evaluate's, predict's and export's): given to another
+command, the message names the command rather than a look-alike key."""
 _SKIPPED_FLAGS = ("help", "hydra_help", "info", "shell_completion", "version", "config_path", "config_dir", "experimental_rerun")
 """Hydra's options after which the check stays out of the way: they print, or compose from another search path."""
 
@@ -90,12 +93,13 @@ def explain(config_name: str, overrides: list[str], *, multirun: bool = False, m
         try:
             compose(config_name=config_name, overrides=single)
         except MissingConfigException as e:
-            message = _unknown_option(e, chosen)
+            message = _unknown_option(e, chosen, module)
             if message is not None:
                 raise ConfigError(message) from None
         except ConfigCompositionException as e:
-            if isinstance(e.__cause__, ConfigKeyError | ConfigAttributeError) and str(e).startswith("Could not override"):
-                message = _unknown_key(config_name, chosen, single)
+            cause = e.__cause__
+            if isinstance(cause, ConfigKeyError | ConfigAttributeError) and str(e).startswith("Could not override"):
+                message = _unknown_key(config_name, chosen, single, str(cause.full_key), module)
                 if message is not None:
                     raise ConfigError(message) from None
 
@@ -130,7 +134,7 @@ def _first_of_sweep(override: Override) -> str | None:
     return f"{prefix}{override.get_key_element()}={first}"
 
 
-def _unknown_option(e: MissingConfigException, chosen: list[Override]) -> str | None:
+def _unknown_option(e: MissingConfigException, chosen: list[Override], module: str) -> str | None:
     """``group=option`` where the group has no such option: the closest one and the list."""
     missing, options = e.missing_cfg_file or "", list(e.options or [])
     group, _, option = missing.rpartition("/")
@@ -141,44 +145,45 @@ def _unknown_option(e: MissingConfigException, chosen: list[Override]) -> str | 
     hint = f" (did you mean {group}={close[0]}?)" if close else ""
     fix = f"{group}={close[0]}" if close else f"one of them, e.g. {group}={options[0]}"
     return (f"{given.input_line}: {group} has no option {option!r}{hint}; its options are {', '.join(options)}. "
-            f"Fix: {fix} (python -m recsys_runner --help lists every group)")
+            f"Fix: {fix} (python -m {module} --help lists every group)")
 
 
-def _unknown_key(config_name: str, chosen: list[Override], single: list[str]) -> str | None:
-    """``a.b=value`` where the composed config has no such key: compose without the key overrides (the options the
-    command line chose stay, so the keys are theirs) and name the first key that is not there, with the closest one.
-    ``single``: ``chosen`` as one job composes them."""
-    is_value = [not o.is_add() and not o.is_force_add() and not o.is_delete() and "." in o.key_or_group and o.package is None
-                for o in chosen]
-    try:
-        base = compose(config_name=config_name, overrides=[line for line, value in zip(single, is_value, strict=True) if not value])
-    except Exception:  # noqa: BLE001 - the options themselves do not compose: Hydra reports that
+def _unknown_key(config_name: str, chosen: list[Override], single: list[str], key: str, module: str) -> str | None:
+    """``key=value`` (``key`` as Hydra names it, e.g. ``optim.lrr``) where the composed config has no such key: compose
+    without that override (the options the command line chose stay, so the keys are theirs) and name the first part of
+    it that is not there, with the closest key. ``single``: ``chosen`` as one job composes them."""
+    failed = [i for i, o in enumerate(chosen) if (o.key_or_group == key or o.key_or_group.startswith(f"{key}."))
+              and not o.is_add() and not o.is_force_add()]
+    if not failed:
         return None
-    for override, value in zip(chosen, is_value, strict=True):
-        message = _missing_path(base, override.key_or_group, override.input_line or override.key_or_group) if value else None
-        if message is not None:
-            return message
-    return None
-
-
-def _missing_path(cfg: DictConfig, key: str, given: str) -> str | None:
-    """The message for ``key`` when some part of it is not in ``cfg``: which part, the closest key there, the others."""
-    node: object = cfg
+    override = chosen[failed[0]]
+    key = override.key_or_group  # Hydra names the first part missing (predict of predict.output): the whole key
+    try:
+        base = compose(config_name=config_name, overrides=[line for i, line in enumerate(single) if i not in failed])
+    except Exception:  # noqa: BLE001 - the rest does not compose either: Hydra reports that
+        return None
+    node: object = base
     parts = key.split(".")
     for i, part in enumerate(parts):
         if not isinstance(node, DictConfig):
             return None  # a list, a value or a null section on the way: Hydra's message stands
         if part not in node.keys():
-            return _no_such_key(parts, i, [str(k) for k in node.keys() if not str(k).startswith("_")], given)
+            siblings = [str(k) for k in node.keys() if not str(k).startswith("_")]
+            return _no_such_key(parts, i, siblings, override.input_line or key, module)
         node = OmegaConf.select(node, part, throw_on_missing=False)
     return None
 
 
-def _no_such_key(parts: list[str], i: int, siblings: list[str], given: str) -> str:
-    """``parts[i]`` is not among ``siblings``, the keys at ``parts[:i]``: the closest of them as the fix."""
+def _no_such_key(parts: list[str], i: int, siblings: list[str], given: str, module: str) -> str:
+    """``parts[i]`` is not among ``siblings``, the keys at ``parts[:i]``: the command whose key it is, or the closest of
+    them as the fix."""
     parent = ".".join(parts[:i])
     where = f"{parent} has" if parent else "the config has"
-    every = "python -m recsys_runner --help lists every key with its default"
+    every = f"python -m {module} --help lists every key with its default"
+    other = OTHER_COMMANDS_KEYS.get(parts[0]) if i == 0 else None
+    if other is not None and module.rpartition(".")[2] not in other.split("|"):
+        return (f"{given}: {parts[0]} is a setting of python -m recsys_runner.{other}, not of python -m {module}. Fix: run "
+                f"it with that command, or drop it ({every})")
     close = difflib.get_close_matches(parts[i], siblings, n=1, cutoff=0.6)
     if not close:
         return (f"{given}: {where} no key {parts[i]!r}; its keys are {', '.join(siblings)} ({every}; a leading + adds "

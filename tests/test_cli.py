@@ -121,6 +121,9 @@ TYPOS = {
                                        "own, python -m recsys_runner.evaluate [overrides]"),
     "training": (["train"], "'train' is not an override: training is this command itself, python -m recsys_runner [overrides]"),
     "word": (["deepfm"], "'deepfm' is not an override: python -m recsys_runner takes key=value or group=option"),
+    "top-level": (["seedd=3"], "seedd=3: the config has no key 'seedd' (did you mean seed?). Fix: seed=3 ("),
+    "another-commands-key": (["load=outputs/x"], "load=outputs/x: load is a setting of python -m "
+                                                 "recsys_runner.evaluate|predict|export, not of python -m recsys_runner."),
 }
 
 
@@ -156,7 +159,10 @@ def test_every_command_checks_its_command_line(tmp_path: Path) -> None:
     out = run_in_process([sys.executable, "-m", "recsys_runner.evaluate", "load=nowhere", "data.batchsize=8"], tmp_path)
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip() == ("Config error: data.batchsize=8: data has no key 'batchsize' (did you mean data.batch_size?). "
-                                  "Fix: data.batch_size=8 (python -m recsys_runner --help lists every key with its default)")
+                                  "Fix: data.batch_size=8 (python -m recsys_runner.evaluate --help lists every key with its default)")
+    other = run_in_process([sys.executable, "-m", "recsys_runner.evaluate", "load=nowhere", "predict.output=x"], tmp_path)
+    assert other.returncode == 2 and "predict is a setting of python -m recsys_runner.predict, not of python -m " \
+        "recsys_runner.evaluate" in other.stderr, other.stderr
     word = run_in_process([*TRAIN, "evaluate", "load=nowhere"], tmp_path)
     assert word.returncode == 2 and "python -m recsys_runner.evaluate [overrides]" in word.stderr, word.stderr
     assert "Traceback" not in word.stderr + out.stderr
