@@ -36,6 +36,21 @@ def test_help_lists_groups_and_options(tmp_path: Path) -> None:
     assert {"deepfm", "dlrm"} <= {p.stem for p in (conf / "model").glob("*.yaml")}
 
 
+@pytest.mark.parametrize(("command", "usage"), [("evaluate", "  python -m recsys_runner.evaluate load="),
+                                               ("predict", "  python -m recsys_runner.predict load="),
+                                               ("export", "  python -m recsys_runner.export load=")])
+def test_each_command_helps_with_its_own_usage(tmp_path: Path, command: str, usage: str) -> None:
+    """``python -m recsys_runner.evaluate --help`` printed training's usage ("Train a TorchRec recommender…"), nothing of
+    ``load=``; each command now heads its help with its own, above the same groups and keys (its own keys among them)."""
+    out = run_in_process([sys.executable, "-m", f"recsys_runner.{command}", "--help"], tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"== recsys_runner.{command} ==\n"), out.stdout[:300]
+    assert "Train a TorchRec recommender" not in out.stdout and "load=<step_* checkpoint" in out.stdout
+    assert usage in out.stdout and "== Configuration groups ==" in out.stdout
+    assert f"\n{command}:\n" in out.stdout or command == "evaluate"  # its own section in the keys (evaluate has only load)
+    assert "\nload: null\n" in out.stdout
+
+
 def test_cfg_job_prints_resolved_config(tmp_path: Path) -> None:
     out = run_in_process([*TRAIN, "model=dlrm", "optim.lr=0.3", "--cfg", "job", "--resolve"], tmp_path)
     assert out.returncode == 0, out.stderr
