@@ -275,7 +275,7 @@ def test_a_second_sigint_while_a_checkpoint_is_written_ends_killed_naming_the_la
     assert out.returncode == 130, text[-3000:]
     assert "Traceback" not in text and "CheckpointException" not in text, text[-3000:]
     (line,) = [x for x in out.stderr.splitlines() if x.startswith("Interrupted:")]
-    assert line.startswith("Interrupted: stopped by SIGINT a second time, at once after step 4; checkpoint "), line
+    assert line.startswith("Interrupted: stopped by SIGINT a second time after step 4; checkpoint "), line
     assert line.endswith("step_00000002"), line
     (killed,) = runs(uri, "twice")
     assert killed.info.status == "KILLED"

@@ -178,7 +178,7 @@ def _stopped_again(loop: Loop, state: TrainState) -> Iterator[None]:
         yield
     except KeyboardInterrupt:
         kept = loop.checkpointer.last_saved or state.resumed_from
-        raise Interrupted(signal.SIGINT, state.step, kept, when="a second time, at once") from None
+        raise Interrupted(signal.SIGINT, state.step, kept, when="a second time") from None
 
 
 @contextlib.contextmanager
