@@ -22,8 +22,8 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
 from recsys_runner.config import register_configs
 from recsys_runner.errors import ConfigError, reported
@@ -98,10 +98,13 @@ def explain(config_name: str, overrides: list[str], *, multirun: bool = False, m
                 raise ConfigError(message) from None
         except ConfigCompositionException as e:
             cause = e.__cause__
+            message = None
             if isinstance(cause, ConfigKeyError | ConfigAttributeError) and str(e).startswith("Could not override"):
                 message = _unknown_key(config_name, chosen, single, str(cause.full_key), module)
-                if message is not None:
-                    raise ConfigError(message) from None
+            elif isinstance(cause, ValidationError) and str(e).startswith("Error merging override"):
+                message = _wrong_type(config_name, chosen, single, cause)
+            if message is not None:
+                raise ConfigError(message) from None
 
 
 def not_an_override(word: str, module: str) -> str:
@@ -172,6 +175,35 @@ def _unknown_key(config_name: str, chosen: list[Override], single: list[str], ke
             return _no_such_key(parts, i, siblings, override.input_line or key, module)
         node = OmegaConf.select(node, part, throw_on_missing=False)
     return None
+
+
+def _wrong_type(config_name: str, chosen: list[Override], single: list[str], cause: ValidationError) -> str | None:
+    """``key=value`` whose value the key's type cannot take (``data.batch_size=abc``; a list key given one value without
+    brackets): OmegaConf's reason and a value that fits, the default the config has without this override."""
+    key = str(cause.full_key)
+    failed = [i for i, o in enumerate(chosen) if o.key_or_group == key]
+    if not key or len(failed) != 1:
+        return None
+    given = chosen[failed[0]].input_line or key
+    value = given.split("=", 1)[1]
+    reason = str(cause).splitlines()[0].rstrip(".")
+    try:
+        default = OmegaConf.select(compose(config_name=config_name, overrides=[x for i, x in enumerate(single) if i not in failed]),
+                                   key, throw_on_missing=False)
+    except Exception:  # noqa: BLE001 - the rest does not compose either: Hydra reports that
+        return None
+    if isinstance(default, ListConfig) or "is not a ListConfig" in reason:
+        return f"{given}: {key} is a list ({reason}). Fix: {key}=[{value}] (a list in brackets, e.g. {key}=[a,b])"
+    example = f", e.g. its default {key}={_yaml(default)}" if default is not None else ""
+    return f"{given}: {reason}. Fix: give {key} a value of its type{example}"
+
+
+def _yaml(value: object) -> str:
+    """``value`` as an override writes it (``true``, ``0.05``, ``[64,null]``)."""
+    if isinstance(value, ListConfig | DictConfig):
+        value = OmegaConf.to_container(value)
+    text = OmegaConf.to_yaml({"v": value}, sort_keys=False).strip()[3:]
+    return text if "\n" not in text else str(value)
 
 
 def _no_such_key(parts: list[str], i: int, siblings: list[str], given: str, module: str) -> str:

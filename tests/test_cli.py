@@ -136,6 +136,11 @@ TYPOS = {
                                        "own, python -m recsys_runner.evaluate [overrides]"),
     "training": (["train"], "'train' is not an override: training is this command itself, python -m recsys_runner [overrides]"),
     "word": (["deepfm"], "'deepfm' is not an override: python -m recsys_runner takes key=value or group=option"),
+    "wrong-type": (["data.batch_size=abc"], "data.batch_size=abc: Value 'abc' of type 'str' could not be converted to Integer. "
+                                            "Fix: give data.batch_size a value of its type, e.g. its default data.batch_size=512"),
+    "list-without-brackets": (["model=dlrm", "metrics.eval=auc"], "metrics.eval=auc: metrics.eval is a list (Invalid value "
+                                                                  "assigned: str is not a ListConfig, list or tuple). Fix: "
+                                                                  "metrics.eval=[auc]"),
     "top-level": (["seedd=3"], "seedd=3: the config has no key 'seedd' (did you mean seed?). Fix: seed=3 ("),
     "another-commands-key": (["load=outputs/x"], "load=outputs/x: load is a setting of python -m "
                                                  "recsys_runner.evaluate|predict|export, not of python -m recsys_runner."),
@@ -156,7 +161,7 @@ def test_a_typo_is_one_line_naming_the_closest_valid_name(case: str) -> None:
 
 @pytest.mark.parametrize("overrides", [["model=dlrm", "optim.lr=0.1", "+scheduler@optim.sparse_scheduler=cosine"],
                                        ["+train.num_step=5"],  # refused by validate(), which names the fix itself
-                                       ["data.batch_size=abc"],  # Hydra's message names the key and the type
+                                       ["metrics.eval=auc,logloss"],  # Hydra's message: brackets, quotes or --multirun
                                        ["model=dlrm", "hydra.run.dir=/tmp/x", "hydra/launcher=basic"]])
 def test_what_composes_or_hydra_reports_well_is_left_alone(overrides: list[str]) -> None:
     explain("config", overrides)
