@@ -4,9 +4,10 @@ Hydra reports its own composition errors in its own words, which leave a newcome
 "Key 'lrr' not in 'OptimConfig' … To append to your config use +optim.lrr=0.1" (advice the runner then refuses:
 :func:`~recsys_runner.config.check_known_keys`), ``model=deepfmm`` the list of all 21 models, and
 ``python -m recsys_runner evaluate`` "missing EQUAL at '<EOF>'". :func:`check_command_line` composes the overrides as
-Hydra will, and for those three mistakes — a key the config does not have, an option a group does not have, a word
-that is not an override (most often a command typed as an argument) — raises a :class:`~recsys_runner.errors.ConfigError`
-with the closest valid name, printed as one line with exit status 2 (:func:`~recsys_runner.errors.reported`).
+Hydra will, and for these mistakes — a key the config does not have (or another command's), an option a group does not
+have, a value the key's type cannot take (a list key given one value without brackets), a word that is not an override
+(most often a command typed as an argument) — raises a :class:`~recsys_runner.errors.ConfigError` with the closest
+valid name or value, printed as one line with exit status 2 (:func:`~recsys_runner.errors.reported`).
 Anything else it leaves to Hydra, which composes again and reports it as before: this check may only add clarity.
 """
 
@@ -51,7 +52,7 @@ _SKIPPED_FLAGS = ("help", "hydra_help", "info", "shell_completion", "version", "
 
 
 def check_command_line(config_name: str, argv: Sequence[str] | None = None) -> None:
-    """The module docstring: raise (through :func:`reported`: one line, exit 2) for a mistake of those three kinds in
+    """The module docstring: raise (through :func:`reported`: one line, exit 2) for a mistake of those kinds in
     ``argv`` (``sys.argv`` by default), composed with ``config_name`` as the command's ``@hydra.main`` will."""
     from hydra._internal.utils import get_args_parser
 
