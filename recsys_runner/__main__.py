@@ -18,6 +18,7 @@ from recsys_runner.data.encoding.stored import ENCODERS_FILE
 from recsys_runner.errors import ConfigError
 from recsys_runner.lifecycle import RunStart, exit_codes, mark_finished, note_interrupted_runs, tracked_run
 from recsys_runner.noise import quiet_known_noise
+from recsys_runner.overrides import check_command_line
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.runtime import TRAIN_MODULE, Launch
 from recsys_runner.tracking import datasets, lineage, sweep
@@ -118,4 +119,5 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
+    check_command_line("config")  # a typo: one line with the closest valid name (overrides.py)
     main()

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -42,7 +41,7 @@ from typing import Any
 
 from recsys_runner.errors import ConfigError
 from recsys_runner.metrics.registry import best_first_key, higher_is_better
-from recsys_runner.tracking.store import missing_store, resolve_uri, ui_url
+from recsys_runner.tracking.store import UI_PORT, missing_store, resolve_uri, ui_lines, ui_url
 from recsys_runner.tracking.sweep import (
     EXPECTED_JOBS_TAG,
     FAILED_JOBS_TAG,
@@ -55,8 +54,6 @@ from recsys_runner.tracking.sweep import (
 from recsys_runner.tracking.tracker import MlflowTrackingConfig
 
 DEFAULT_METRICS = ("eval/auc", "eval/logloss", "train/loss")
-UI_PORT = 5000
-"""The port ``mlflow ui`` serves on (its default, and ``make ui``'s)."""
 _HIDDEN_PARAMS = ("tracking.", "hydra.")
 
 
@@ -262,16 +259,6 @@ def plot_vs_params(runs: Sequence[Any], metric: str, path: Path) -> Path | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def ui_lines(tracking_uri: str, experiment_id: str, run_id: str | None = None, port: int = UI_PORT) -> list[str]:
-    """How to see an experiment (or a sweep's parent ``run_id``) in the MLflow UI: a server's page, or for a local store
-    the command that serves it and the page that command serves."""
-    served = ui_url(tracking_uri, experiment_id, run_id)
-    if served is not None:
-        return [f"MLflow UI: {served}"]
-    command = f"mlflow ui --backend-store-uri {shlex.quote(tracking_uri)} --port {port}"
-    return [f"MLflow UI: {command}", f"  then open {ui_url(f'http://127.0.0.1:{port}', experiment_id, run_id)}"]
 
 
 def last_experiment_url(client: Any, tracking_uri: str, port: int = UI_PORT) -> str | None:

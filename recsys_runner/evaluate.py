@@ -33,6 +33,7 @@ from recsys_runner.inference import (
 from recsys_runner.inference_build import build_inference
 from recsys_runner.lifecycle import exit_codes, tracked_run
 from recsys_runner.noise import quiet_known_noise
+from recsys_runner.overrides import check_command_line
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.progress import Progress
 from recsys_runner.runtime import Launch
@@ -70,4 +71,5 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     carry_training_overrides()  # before @hydra.main composes: the training's overrides, then this command's
+    check_command_line("evaluate")  # a typo: one line with the closest valid name (overrides.py)
     main()

@@ -62,6 +62,7 @@ from recsys_runner.errors import CheckpointError, ConfigError, require
 from recsys_runner.inference import LOAD_FIELD, carry_training_overrides, checkpoint_to_load, with_training_overrides
 from recsys_runner.lifecycle import RunStart, exit_codes, link_tags, tracked_run
 from recsys_runner.noise import quiet_known_noise
+from recsys_runner.overrides import check_command_line
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.runtime import Launch
 from recsys_runner.serving import mlflow_model, topk
@@ -225,4 +226,5 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     carry_training_overrides()  # before @hydra.main composes: the training's overrides, then this command's
+    check_command_line("export")  # a typo: one line with the closest valid name (overrides.py)
     main()

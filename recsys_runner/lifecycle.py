@@ -190,6 +190,15 @@ def exit_codes(launch: Launch) -> Iterator[None]:
         else:
             print(interrupted_message(launch, e), file=sys.stderr)
         sys.exit(e.exit_code)
+    except KeyboardInterrupt as e:  # a second Ctrl-C as the command ended on its first (inside the training loop it is
+        first = e.__context__         # an Interrupted naming the last checkpoint: train/loop.py's _stopped_again)
+        if isinstance(first, Interrupted):
+            print(interrupted_message(launch, first), file=sys.stderr)
+        else:
+            command = launch.command()
+            print(f"Interrupted: stopped by SIGINT at once{f'; redo it with: {command}' if command else ''}",
+                  file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
     except NonFiniteLossError as e:
         print(f"Training failed: {e}", file=sys.stderr)
         if e.checkpoint is not None:

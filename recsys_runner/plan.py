@@ -27,6 +27,7 @@ from recsys_runner.distributed.sharding import Distributed
 from recsys_runner.errors import reported
 from recsys_runner.noise import quiet_known_noise
 from recsys_runner.optim.optimizers import apply_sparse_optimizer
+from recsys_runner.overrides import check_command_line
 from recsys_runner.paths import CONFIG_PATH
 
 quiet_known_noise()
@@ -52,4 +53,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_command_line("config")  # a typo: one line with the closest valid name (overrides.py)
     main()

@@ -70,6 +70,7 @@ from recsys_runner.inference import (
 from recsys_runner.inference_build import Inference, build_inference
 from recsys_runner.lifecycle import exit_codes, tracked_run
 from recsys_runner.noise import quiet_known_noise
+from recsys_runner.overrides import check_command_line
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.runtime import Launch
 from recsys_runner.scoring import PredictResult, check_columns, check_output, ranking_scorer, score_files, scored_files
@@ -174,4 +175,5 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     carry_training_overrides()  # before @hydra.main composes: the training's overrides, then this command's
+    check_command_line("predict")  # a typo: one line with the closest valid name (overrides.py)
     main()

@@ -16,6 +16,7 @@ from mlflow.tracking import MlflowClient
 
 from recsys_runner.__main__ import run
 from recsys_runner.errors import ConfigError
+from recsys_runner.overrides import explain
 from tests.conftest import REPO, TINY, free_port, run_cli, run_in_process
 
 TRAIN = [sys.executable, "-m", "recsys_runner"]
@@ -33,6 +34,21 @@ def test_help_lists_groups_and_options(tmp_path: Path) -> None:
         line = f"{group}: {', '.join(options)}"
         assert line in out.stdout, f"--help lacks {line!r}"
     assert {"deepfm", "dlrm"} <= {p.stem for p in (conf / "model").glob("*.yaml")}
+
+
+@pytest.mark.parametrize(("command", "usage"), [("evaluate", "  python -m recsys_runner.evaluate load="),
+                                               ("predict", "  python -m recsys_runner.predict load="),
+                                               ("export", "  python -m recsys_runner.export load=")])
+def test_each_command_helps_with_its_own_usage(tmp_path: Path, command: str, usage: str) -> None:
+    """``python -m recsys_runner.evaluate --help`` printed training's usage ("Train a TorchRec recommender…"), nothing of
+    ``load=``; each command now heads its help with its own, above the same groups and keys (its own keys among them)."""
+    out = run_in_process([sys.executable, "-m", f"recsys_runner.{command}", "--help"], tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"== recsys_runner.{command} ==\n"), out.stdout[:300]
+    assert "Train a TorchRec recommender" not in out.stdout and "load=<step_* checkpoint" in out.stdout
+    assert usage in out.stdout and "== Configuration groups ==" in out.stdout
+    assert f"\n{command}:\n" in out.stdout or command == "evaluate"  # its own section in the keys (evaluate has only load)
+    assert "\nload: null\n" in out.stdout
 
 
 def test_cfg_job_prints_resolved_config(tmp_path: Path) -> None:
@@ -63,14 +79,19 @@ BAD_CONFIGS = {
 }
 
 
-CLI_CASES = ("unknown-option", "steps-and-epochs")
-"""One mistake Hydra reports (exit 1) and one our validation reports (exit 2), through the command itself; every case
-runs in-process below, through what the command calls."""
+CLI_CASES = {
+    "unknown-option": (["model=deepfn"], 2, ["Config error: model=deepfn: model has no option 'deepfn' (did you mean "
+                                             "model=deepfm?); its options are autoint, ", "Fix: model=deepfm"]),
+    "steps-and-epochs": BAD_CONFIGS["steps-and-epochs"],
+}
+"""One mistake composing the command line (checked before Hydra composes: recsys_runner/overrides.py) and one our
+validation reports, through the command itself; every case of BAD_CONFIGS runs in-process below, through what the
+command calls, and the typos in TYPOS."""
 
 
-@pytest.mark.parametrize("case", CLI_CASES)
+@pytest.mark.parametrize("case", list(CLI_CASES))
 def test_bad_config_fails_early_with_a_clear_message(tmp_path: Path, case: str) -> None:
-    overrides, code, expected = BAD_CONFIGS[case]
+    overrides, code, expected = CLI_CASES[case]
     out = run_cli(*overrides, "tracking=none", cwd=tmp_path, timeout=120)
     text = out.stdout + out.stderr
     assert out.returncode == code, text
@@ -100,6 +121,73 @@ def test_bad_config_is_refused_before_anything_starts(make_cfg, case: str) -> No
         assert fragment in text, f"{fragment!r} missing from:\n{text}"
 
 
+TYPOS = {
+    "key": (["optim.lrr=0.1"], "optim.lrr=0.1: optim has no key 'lrr' (did you mean optim.lr?). Fix: optim.lr=0.1 ("),
+    "key-of-the-chosen-option": (["model=dlrm", "data=parquet", "data.path=x", "model.over_arch_layer_size=[8]"],
+                                 "model.over_arch_layer_size=[8]: model has no key 'over_arch_layer_size' (did you mean "
+                                 "model.over_arch_layer_sizes?). Fix: model.over_arch_layer_sizes=[8] ("),
+    "section": (["modell.embedding_dim=8"], "the config has no key 'modell' (did you mean model.embedding_dim?)"),
+    "nested": (["optim.sparse.lrr=0.1"], "optim.sparse has no key 'lrr' (did you mean optim.sparse.lr?)"),
+    "no-close-key": (["train.zzz=1"], "train has no key 'zzz'; its keys are num_steps, num_epochs, "),
+    "option": (["data=parquett"], "data=parquett: data has no option 'parquett' (did you mean data=parquet?); its options are "
+                                  "criteo, csv, parquet, "),
+    "option-of-a-subgroup": (["optim/sparse=adagradd"], "optim/sparse has no option 'adagradd' (did you mean optim/sparse=adagrad?)"),
+    "command": (["evalute", "load=x"], "'evalute' is not an override (did you mean evaluate?): evaluate is a command of its "
+                                       "own, python -m recsys_runner.evaluate [overrides]"),
+    "training": (["train"], "'train' is not an override: training is this command itself, python -m recsys_runner [overrides]"),
+    "word": (["deepfm"], "'deepfm' is not an override: python -m recsys_runner takes key=value or group=option"),
+    "wrong-type": (["data.batch_size=abc"], "data.batch_size=abc: Value 'abc' of type 'str' could not be converted to Integer. "
+                                            "Fix: give data.batch_size a value of its type, e.g. its default data.batch_size=512"),
+    "list-without-brackets": (["model=dlrm", "metrics.eval=auc"], "metrics.eval=auc: metrics.eval is a list (Invalid value "
+                                                                  "assigned: str is not a ListConfig, list or tuple). Fix: "
+                                                                  "metrics.eval=[auc]"),
+    "top-level": (["seedd=3"], "seedd=3: the config has no key 'seedd' (did you mean seed?). Fix: seed=3 ("),
+    "another-commands-key": (["load=outputs/x"], "load=outputs/x: load is a setting of python -m "
+                                                 "recsys_runner.evaluate|predict|export, not of python -m recsys_runner."),
+}
+
+
+@pytest.mark.parametrize("case", list(TYPOS))
+def test_a_typo_is_one_line_naming_the_closest_valid_name(case: str) -> None:
+    """What the command line checks before Hydra composes (recsys_runner/overrides.py): Hydra's own words for these sent
+    a newcomer astray (``optim.lrr=0.1``: "To append to your config use +optim.lrr=0.1", which is then refused;
+    ``python -m recsys_runner evaluate``: "missing EQUAL at '<EOF>'")."""
+    overrides, expected = TYPOS[case]
+    with pytest.raises(ConfigError) as raised:
+        explain("config", overrides)
+    assert expected in str(raised.value), str(raised.value)
+    assert "To append" not in str(raised.value)
+
+
+@pytest.mark.parametrize("overrides", [["model=dlrm", "optim.lr=0.1", "+scheduler@optim.sparse_scheduler=cosine"],
+                                       ["+train.num_step=5"],  # refused by validate(), which names the fix itself
+                                       ["metrics.eval=auc,logloss"],  # Hydra's message: brackets, quotes or --multirun
+                                       ["model=dlrm", "hydra.run.dir=/tmp/x", "hydra/launcher=basic"]])
+def test_what_composes_or_hydra_reports_well_is_left_alone(overrides: list[str]) -> None:
+    explain("config", overrides)
+
+
+def test_a_sweep_is_checked_by_its_first_value(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"optim.lrr=0.1,0.2: optim has no key 'lrr' \(did you mean optim.lr\?\)"):
+        explain("config", ["optim.lrr=0.1,0.2", "model=dlrm,deepfm"], multirun=True)
+    explain("config", ["optim.lr=0.1,0.2", "model=dlrm,deepfm"], multirun=True)
+    explain("config", ["optim.lr=interval(0.01,0.1)"], multirun=True)  # a search's interval: left to Hydra
+
+
+def test_every_command_checks_its_command_line(tmp_path: Path) -> None:
+    """evaluate composes its own config (with the training's overrides carried in front): a typo there is one line too."""
+    out = run_in_process([sys.executable, "-m", "recsys_runner.evaluate", "load=nowhere", "data.batchsize=8"], tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip() == ("Config error: data.batchsize=8: data has no key 'batchsize' (did you mean data.batch_size?). "
+                                  "Fix: data.batch_size=8 (python -m recsys_runner.evaluate --help lists every key with its default)")
+    other = run_in_process([sys.executable, "-m", "recsys_runner.evaluate", "load=nowhere", "predict.output=x"], tmp_path)
+    assert other.returncode == 2 and "predict is a setting of python -m recsys_runner.predict, not of python -m " \
+        "recsys_runner.evaluate" in other.stderr, other.stderr
+    word = run_in_process([*TRAIN, "evaluate", "load=nowhere"], tmp_path)
+    assert word.returncode == 2 and "python -m recsys_runner.evaluate [overrides]" in word.stderr, word.stderr
+    assert "Traceback" not in word.stderr + out.stderr
+
+
 def test_full_error_shows_traceback(tmp_path: Path) -> None:
     out = run_cli("data.batch_size=0", "tracking=none", cwd=tmp_path, env={"HYDRA_FULL_ERROR": "1"}, timeout=120)
     assert out.returncode != 0 and "Traceback" in out.stderr and "ConfigError" in out.stderr
@@ -113,8 +201,15 @@ def test_default_store_is_mlflow_db_in_launch_dir(tmp_path: Path) -> None:
     db = tmp_path / "mlflow.db"
     assert db.exists()
     client = MlflowClient(tracking_uri=f"sqlite:///{db}")
-    (run,) = client.search_runs([client.get_experiment_by_name("recsys_runner").experiment_id])
+    experiment = client.get_experiment_by_name("recsys_runner").experiment_id
+    (run,) = client.search_runs([experiment])
     assert run.info.status == "FINISHED" and "eval/auc" in run.data.metrics
+    # It ends by saying which run it was and how to see it: a local store has no UI until `mlflow ui` serves it.
+    end = [line.split("] - ", 1)[-1] for line in out.stdout.splitlines()[-3:]]
+    assert end == [f"MLflow run {run.info.run_id} FINISHED (experiment 'recsys_runner', store sqlite:///{db})",
+                   f"MLflow UI: mlflow ui --backend-store-uri sqlite:///{db} --port 5000",
+                   f"  then open http://127.0.0.1:5000/#/experiments/{experiment}/runs/{run.info.run_id}"
+                   "?workflowType=machine_learning"], out.stdout[-2000:]
 
 
 def test_env_var_overrides_default_store(make_cfg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

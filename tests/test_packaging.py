@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -49,3 +50,17 @@ def test_make_install_is_quiet_and_prints_its_log_only_on_failure(tmp_path: Path
     assert log in out.stderr, out.stderr
     assert f"Installing into {venv} failed (output above, also in {venv}/install.log)" in out.stderr.splitlines(), out.stderr
     assert not (venv / ".installed").exists()
+
+
+def test_make_help_lists_every_target_the_docs_name_in_plain_words() -> None:
+    """``make help`` prints each target's ``##`` text as written in the Makefile, so a make variable in it is shown
+    unexpanded (``http://127.0.0.1:$(PORT)`` it was); and every ``make <target>`` README.md and docs/ tell a user to
+    run is one of the listed targets."""
+    out = subprocess.run(["make", "--no-print-directory", "help"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "$(" not in out.stdout, out.stdout
+    targets = {m.group(1) for m in re.finditer(r"^  make (\S+)", out.stdout, re.MULTILINE)}
+    assert {"help", "install", "run", "test", "test-fast", "bench", "lint", "ui", "clean"} <= targets, targets
+    documented = {m.group(1) for doc in [REPO / "README.md", *(REPO / "docs").glob("*.md")]
+                  for m in re.finditer(r"`make ([a-z][a-z-]*)\b", doc.read_text())}
+    assert documented and documented <= targets, documented - targets

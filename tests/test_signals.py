@@ -237,3 +237,56 @@ def test_sigterm_during_predict_leaves_no_part_and_ends_its_run_killed(
     uri = next(a.split("=", 1)[1] for a in trained if a.startswith("tracking.uri="))
     predicted = [r for r in runs(uri, "predict") if r.data.tags.get("entry") == "predict"]
     assert [r.info.status for r in predicted] == ["KILLED"]
+
+
+# -- a second Ctrl-C while a checkpoint is written ------------------------------------------------------------------
+def test_a_second_sigint_while_a_checkpoint_is_written_ends_killed_naming_the_last_complete_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C twice, the second while DCP writes the step-4 checkpoint: DCP catches the ``KeyboardInterrupt`` on its
+    rank and raises a ``CheckpointException`` instead (a ``BaseException``), which used to reach the user as a
+    traceback, exit 1 and the MLflow run FAILED. Now: one message naming the last complete checkpoint (step 2) and the
+    command that resumes from it, exit 130, the run KILLED, the half-written step 4 never listed, and the resume works."""
+    from torch.distributed.checkpoint import filesystem
+
+    write_item, write = filesystem._write_item, DcpFileStorage.write
+    armed: list[bool] = []
+
+    def arm_at_step_4(self: DcpFileStorage, path: Path, *args: object, **kwargs: object) -> None:
+        if path.name == "step_00000004" and not armed:
+            armed.append(True)
+        write(self, path, *args, **kwargs)
+
+    def twice_at_the_second_checkpoint(*args: object, **kwargs: object) -> object:
+        if armed == [True]:  # the first item DCP writes of the step-4 checkpoint
+            armed.append(False)
+            os.kill(os.getpid(), signal.SIGINT)  # the first Ctrl-C: noted, the loop would stop after this step...
+            time.sleep(0.2)
+            os.kill(os.getpid(), signal.SIGINT)  # ...the second: at once, inside DCP's write
+            time.sleep(5)  # the handler raises before this ends
+        return write_item(*args, **kwargs)
+
+    monkeypatch.setattr(DcpFileStorage, "write", arm_at_step_4)
+    monkeypatch.setattr(filesystem, "_write_item", twice_at_the_second_checkpoint)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    args = [*SMALL, "train.num_steps=8", "checkpoint.every_steps=2", f"tracking.uri={uri}", "tracking.experiment=twice"]
+    out = run_in_process([sys.executable, "-m", "recsys_runner", *args], tmp_path)
+    text = out.stdout + out.stderr
+    assert out.returncode == 130, text[-3000:]
+    assert "Traceback" not in text and "CheckpointException" not in text, text[-3000:]
+    (line,) = [x for x in out.stderr.splitlines() if x.startswith("Interrupted:")]
+    assert line.startswith("Interrupted: stopped by SIGINT a second time after step 4; checkpoint "), line
+    assert line.endswith("step_00000002"), line
+    (killed,) = runs(uri, "twice")
+    assert killed.info.status == "KILLED"
+    command = hint_of(out.stderr)
+    assert command is not None, out.stderr[-3000:]
+    ckpt_dir = Path(next(a for a in command if a.startswith("checkpoint.dir=")).split("=", 1)[1])
+    assert [p.name for p in list_checkpoints(ckpt_dir)] == ["step_00000002"]  # step 4, cut off, is not listed
+
+    monkeypatch.setattr(filesystem, "_write_item", write_item)
+    monkeypatch.setattr(DcpFileStorage, "write", write)
+    again = run_in_process(command, tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    (finished,) = runs(uri, "twice")
+    assert finished.info.run_id == killed.info.run_id and finished.info.status == "FINISHED"

@@ -26,7 +26,15 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from recsys_runner import stores, uris
-from recsys_runner.checkpoint.storage import INDEX_FILE, META_FILE, STEP_DIR, CheckpointStorage, DcpFileStorage, TensorIndex
+from recsys_runner.checkpoint.storage import (
+    INDEX_FILE,
+    META_FILE,
+    STEP_DIR,
+    CheckpointStorage,
+    DcpFileStorage,
+    TensorIndex,
+    stops_unwrapped,
+)
 from recsys_runner.errors import CheckpointError
 
 T = TypeVar("T")
@@ -53,7 +61,7 @@ class DcpObjectStorage:
         done. A botocore error (an unreachable endpoint) is always the store's; an ``OSError`` or a ``ValueError`` only
         when it says so (else it is a bug or a damaged object, raised as it is)."""
         try:
-            with stores.waiting():
+            with stores.waiting(), stops_unwrapped(self.rank):  # a stop inside DCP's save or load comes out as itself
                 return action()
         except FileNotFoundError:
             raise

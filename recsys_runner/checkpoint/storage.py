@@ -21,13 +21,14 @@ Checkpoints are addressed by path (``<root>/<name>``); the policy only joins and
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import json
 import os
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -37,7 +38,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from recsys_runner.errors import CheckpointError
+from recsys_runner.errors import CheckpointError, Stopped
 
 STEP_DIR = re.compile(r"^(best-)?step_(\d+)$")
 RUN_DIR_FOLDER = "checkpoints"
@@ -51,6 +52,23 @@ TMP_PREFIX, TRASH_PREFIX = ".tmp-", ".trash-"
 
 TensorIndex = dict[str, list[int] | None]
 """A checkpoint's tensors: DCP key → global shape (``None`` for a non-tensor entry)."""
+
+
+@contextlib.contextmanager
+def stops_unwrapped(rank: int) -> Iterator[None]:
+    """Let a stop raised inside a DCP save or load come out as itself. DCP catches ``BaseException`` on every rank and
+    raises its own :class:`CheckpointException` (a ``BaseException`` as well) in its place, so a second Ctrl-C while
+    the checkpoint of a stop is written (``KeyboardInterrupt``), or a signal raised where the main thread waits
+    (:class:`~recsys_runner.errors.Stopped`), would reach the command as a checkpoint failure: a traceback, the MLflow
+    run ``FAILED`` instead of ``KILLED``, and no line saying how to resume. Other failures are raised as DCP raised
+    them."""
+    try:
+        yield
+    except CheckpointException as e:
+        own = e.failures.get(rank)
+        if own is not None and isinstance(own[0], KeyboardInterrupt | Stopped):
+            raise own[0] from None
+        raise
 
 
 def checkpoint_name(step: int, best: bool = False) -> str:
@@ -121,7 +139,8 @@ class DcpFileStorage:
                 _sweep(path.parent)
                 tmp.mkdir(parents=True)
             self._barrier()
-            dcp.save(tensors, checkpoint_id=str(tmp))
+            with stops_unwrapped(self.rank):
+                dcp.save(tensors, checkpoint_id=str(tmp))
             buffer = io.BytesIO()  # torch.save to a file reports a full disk as a RuntimeError of its zip writer
             torch.save(dict(ranked), buffer)
             (tmp / f"rank{self.rank}.pt").write_bytes(buffer.getvalue())
@@ -161,7 +180,8 @@ class DcpFileStorage:
         return {k: list(m.size) if isinstance(m, TensorStorageMetadata) else None for k, m in saved.items()}
 
     def load_tensors(self, path: Path, state: dict[str, Any]) -> None:
-        dcp.load(state, checkpoint_id=str(path))
+        with stops_unwrapped(self.rank):
+            dcp.load(state, checkpoint_id=str(path))
 
     def read_ranked(self, path: Path, rank: int) -> dict[str, Any] | None:
         file = path / f"rank{rank}.pt"

@@ -9,6 +9,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import shlex
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
@@ -214,6 +215,20 @@ def _set_kind(client: Any, experiment: Any) -> None:
         client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
     except Exception as e:  # noqa: BLE001 - a missing view hint must not stop a run
         log.warning("could not tag MLflow experiment %s %s=%s: %s", experiment.name, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND, e)
+
+
+UI_PORT = 5000
+"""The port of the ``mlflow ui`` command the runner prints for a local store (MLflow's own default)."""
+
+
+def ui_lines(tracking_uri: str, experiment_id: str, run_id: str | None = None, port: int = UI_PORT) -> list[str]:
+    """How to see an experiment (or one of its runs) in the MLflow UI: a server's page, or for a local store the command
+    that serves it and the page that command serves."""
+    served = ui_url(tracking_uri, experiment_id, run_id)
+    if served is not None:
+        return [f"MLflow UI: {served}"]
+    command = f"mlflow ui --backend-store-uri {shlex.quote(tracking_uri)} --port {port}"
+    return [f"MLflow UI: {command}", f"  then open {ui_url(f'http://127.0.0.1:{port}', experiment_id, run_id)}"]
 
 
 def ui_url(tracking_uri: str, experiment_id: str, run_id: str | None = None) -> str | None:

@@ -48,6 +48,7 @@ from recsys_runner.tracking.store import (
     open_store,
     resolve_uri,
     store_errors,
+    ui_lines,
     ui_url,
     uri_source,
 )
@@ -217,6 +218,7 @@ class MlflowTracker:
         self.uri = resolve_uri(config.uri)
         """The store logged to: ``tracking.uri``, ``$MLFLOW_TRACKING_URI`` or the default (:func:`resolve_uri`)."""
         self.run_id: str | None = None
+        self._experiment_id: str | None = None
         self._source = uri_source(config.uri)
         self._client: Any = None
         self._remote = is_remote(self.uri)
@@ -270,7 +272,7 @@ class MlflowTracker:
         with store_errors(self.uri, self._source):
             experiment = experiment_id(self._client, self.config.experiment)
             run = self._client.create_run(experiment, run_name=self.config.run_name or run_name, tags=all_tags)
-            self.run_id = run.info.run_id
+            self.run_id, self._experiment_id = run.info.run_id, experiment
             if (url := ui_url(self.uri, experiment, self.run_id)) is not None:
                 log.info("MLflow run %s: %s", self.run_id, url)
             items = [Param(k, str(v)[:_MAX_PARAM_CHARS]) for k, v in params.items()]
@@ -283,7 +285,7 @@ class MlflowTracker:
         if self._client is None:
             self.check()
         with no_http_retries(self._remote):  # the store answered check(); a failure here means it lacks the run
-            self._client.get_run(run_id)  # fails clearly if the store does not have it
+            self._experiment_id = self._client.get_run(run_id).info.experiment_id  # fails clearly if the store lacks it
             self._client.update_run(run_id, status="RUNNING")
             self._client.set_tag(run_id, "resumed", "true")
         self.run_id = run_id
@@ -369,7 +371,18 @@ class MlflowTracker:
                 self._client.set_terminated(self.run_id, status=status)
             except Exception as e:  # noqa: BLE001 - the run's data is safe; only its end status is lost
                 log.warning("could not mark MLflow run %s %s: %s", self.run_id, status, e)
+            else:
+                self._say_where(status)
         self.run_id = None
+
+    def _say_where(self, status: str) -> None:
+        """The run's last lines: which MLflow run it was, in which store, and how to see it (a server's page; for a local
+        store, which has no UI until one serves it, the ``mlflow ui`` command and the page it serves)."""
+        if self._experiment_id is None or self.run_id is None:
+            return
+        log.info("MLflow run %s %s (experiment %r, store %s)", self.run_id, status, self.config.experiment, self.uri)
+        for line in ui_lines(self.uri, self._experiment_id, self.run_id):
+            log.info("%s", line)
 
     def _flush(self) -> bool:
         """Send everything pending; True when nothing is left. Never raises for a store outage."""

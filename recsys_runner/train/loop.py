@@ -35,6 +35,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import signal
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -108,7 +109,7 @@ def train(loop: Loop) -> dict[str, float]:
     last_loss: torch.Tensor | None = None  # the NaN guard checks it before a checkpoint written after the steps
     with (StopSignals(env.world_size, env.device, cfg.stop_check_every_steps) as signals,
           Progress(loop.total_steps, enabled=env.is_main, unit="step", initial=state.step, mode=cfg.progress) as progress,
-          _rank_lost(loop, state), _store_wait(loop, state)):
+          _rank_lost(loop, state), _store_wait(loop, state), _stopped_again(loop, state)):
         evaluated, stop = _resumed_eval(loop, state, signals, meter, progress)
         while state.step < loop.total_steps and stop is None:
             batches = meter.counted(_epoch_batches(loop, state))
@@ -165,6 +166,19 @@ def _store_wait(loop: Loop, state: TrainState) -> Iterator[None]:
         yield
     except StoreWaitInterrupted as e:
         raise Interrupted(e.signum, state.step, loop.checkpointer.last_saved, when="while waiting on the object store") from None
+
+
+@contextlib.contextmanager
+def _stopped_again(loop: Loop, state: TrainState) -> Iterator[None]:
+    """A second Ctrl-C while the loop stops (writing the checkpoint of the first, or during the final eval) raises
+    ``KeyboardInterrupt`` where the main thread is (:class:`StopSignals`): the run ends at once as an
+    :class:`Interrupted` naming the last complete checkpoint, so it is still ``KILLED`` with the command that resumes.
+    A checkpoint cut off half-written is never listed, so resuming never meets it."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        kept = loop.checkpointer.last_saved or state.resumed_from
+        raise Interrupted(signal.SIGINT, state.step, kept, when="a second time") from None
 
 
 @contextlib.contextmanager

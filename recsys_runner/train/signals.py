@@ -72,7 +72,7 @@ class Interrupted(Stopped):
         if step is None:
             super().__init__(f"stopped by {cause}{during}")
         else:
-            where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint (no checkpoint.dir)"
+            where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint"
             super().__init__(f"stopped by {cause}{during} after step {step}; {where}")
 
     @property

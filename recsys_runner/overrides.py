@@ -1,0 +1,226 @@
+"""A command line's overrides checked before ``@hydra.main`` composes them, so a typo is one line naming the fix.
+
+Hydra reports its own composition errors in its own words, which leave a newcomer stuck: ``optim.lrr=0.1`` gets
+"Key 'lrr' not in 'OptimConfig' … To append to your config use +optim.lrr=0.1" (advice the runner then refuses:
+:func:`~recsys_runner.config.check_known_keys`), ``model=deepfmm`` the list of all 21 models, and
+``python -m recsys_runner evaluate`` "missing EQUAL at '<EOF>'". :func:`check_command_line` composes the overrides as
+Hydra will, and for these mistakes — a key the config does not have (or another command's), an option a group does not
+have, a value the key's type cannot take (a list key given one value without brackets), a word that is not an override
+(most often a command typed as an argument) — raises a :class:`~recsys_runner.errors.ConfigError` with the closest
+valid name or value, printed as one line with exit status 2 (:func:`~recsys_runner.errors.reported`).
+Anything else it leaves to Hydra, which composes again and reports it as before: this check may only add clarity.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import sys
+from collections.abc import Sequence
+
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+from recsys_runner.config import register_configs
+from recsys_runner.errors import ConfigError, reported
+from recsys_runner.paths import CONFIG_PATH
+
+COMMANDS = {
+    "evaluate": "metrics of a checkpoint on eval data",
+    "predict": "scores of a checkpoint written as Parquet",
+    "export": "a checkpoint as a served artifact",
+    "plan": "the sharding plan and memory per rank, without data",
+    "compare": "a table and plots of runs",
+    "data": "convert, inspect, sequences",
+    "tracking": "replay metrics a run could not send",
+    "bench": "the benchmarks",
+}
+"""The commands besides training, each ``python -m recsys_runner.<name>``: what a word on the command line that is not
+an override most often is."""
+TRAINING_WORDS = ("train", "training", "fit", "train_eval")
+"""Words for training (TorchEasyRec's ``tzrec.train_eval`` among them): training is ``python -m recsys_runner`` itself."""
+OTHER_COMMANDS_KEYS = {"load": "evaluate|predict|export", "predict": "predict", "export": "export"}
+"""Top-level keys that only one command's config has (``load`` is evaluate's, predict's and export's): given to another
+command, the message names the command rather than a look-alike key."""
+_SKIPPED_FLAGS = ("help", "hydra_help", "info", "shell_completion", "version", "config_path", "config_dir", "experimental_rerun")
+"""Hydra's options after which the check stays out of the way: they print, or compose from another search path."""
+
+
+def check_command_line(config_name: str, argv: Sequence[str] | None = None) -> None:
+    """The module docstring: raise (through :func:`reported`: one line, exit 2) for a mistake of those kinds in
+    ``argv`` (``sys.argv`` by default), composed with ``config_name`` as the command's ``@hydra.main`` will."""
+    from hydra._internal.utils import get_args_parser
+
+    argv = list(sys.argv if argv is None else argv)
+    try:
+        args, _ = get_args_parser().parse_known_args(argv[1:])
+    except (Exception, SystemExit):  # noqa: BLE001 - Hydra's own parse reports bad arguments
+        return
+    if any(getattr(args, flag, None) for flag in _SKIPPED_FLAGS):
+        return
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    with reported():
+        explain(args.config_name or config_name, list(args.overrides or []), multirun=bool(args.multirun),
+                module=spec.name.removesuffix(".__main__") if spec is not None else "recsys_runner")
+
+
+def explain(config_name: str, overrides: list[str], *, multirun: bool = False, module: str = "recsys_runner") -> None:
+    """Raise :class:`ConfigError` for a word that is not an override, an unknown option of a group or an unknown key in
+    ``overrides`` (composed on ``config_name``); nothing for anything else."""
+    parser = OverridesParser.create()
+    parsed: list[Override] = []
+    for text in overrides:
+        try:
+            parsed += parser.parse_overrides([text])
+        except OverrideParseException:
+            if "=" not in text:
+                raise ConfigError(not_an_override(text, module)) from None
+            return  # a malformed value: Hydra's message shows where
+    chosen = [o for o in parsed if not o.is_hydra_override()]
+    first = [_first_of_sweep(o) for o in chosen] if multirun else [o.input_line for o in chosen]
+    single = [line for line in first if line is not None]
+    if len(single) < len(chosen):
+        return
+    if not single:
+        return  # nothing to check: no second composition
+    register_configs()
+    initialized = GlobalHydra.instance().is_initialized()  # by a caller that composes from conf/ itself (a test)
+    with contextlib.nullcontext() if initialized else initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
+        try:
+            compose(config_name=config_name, overrides=single)
+        except MissingConfigException as e:
+            message = _unknown_option(e, chosen, module)
+            if message is not None:
+                raise ConfigError(message) from None
+        except ConfigCompositionException as e:
+            cause = e.__cause__
+            message = None
+            if isinstance(cause, ConfigKeyError | ConfigAttributeError) and str(e).startswith("Could not override"):
+                message = _unknown_key(config_name, chosen, single, str(cause.full_key), module)
+            elif isinstance(cause, ValidationError) and str(e).startswith("Error merging override"):
+                message = _wrong_type(config_name, chosen, single, cause)
+            if message is not None:
+                raise ConfigError(message) from None
+
+
+def not_an_override(word: str, module: str) -> str:
+    """The message for ``word``, an argument without ``=``: the command it resembles, or what an override looks like."""
+    entry = module.rpartition(".")[2] if module != "recsys_runner" else None
+    here = f"python -m {module}"
+    if word in TRAINING_WORDS and entry is None:
+        return (f"{word!r} is not an override: training is this command itself, {here} [overrides] "
+                "(key=value or group=option, e.g. model=dlrm train.num_steps=100)")
+    close = difflib.get_close_matches(word, list(COMMANDS), n=1, cutoff=0.6)
+    if close and close[0] != entry:
+        name = close[0]
+        same = "" if word == name else f" (did you mean {name}?)"
+        return (f"{word!r} is not an override{same}: {name} is a command of its own, python -m recsys_runner.{name} "
+                f"[overrides] ({COMMANDS[name]}); overrides are key=value or group=option")
+    return (f"{word!r} is not an override: {here} takes key=value or group=option, e.g. data.batch_size=1024 "
+            f"(the commands: python -m recsys_runner.<{'|'.join(COMMANDS)}>; --help lists groups and keys)")
+
+
+def _first_of_sweep(override: Override) -> str | None:
+    """A multirun's override as one job sees it (a sweep cut to its first value); ``None`` when it has no list of values
+    (an interval for a search): the check then leaves the command line to Hydra."""
+    if not override.is_sweep_override():
+        return override.input_line
+    try:
+        first = next(override.sweep_string_iterator())
+    except Exception:  # noqa: BLE001 - an interval sweep has no values to list
+        return None
+    prefix = "++" if override.is_force_add() else "+" if override.is_add() else "~" if override.is_delete() else ""
+    return f"{prefix}{override.get_key_element()}={first}"
+
+
+def _unknown_option(e: MissingConfigException, chosen: list[Override], module: str) -> str | None:
+    """``group=option`` where the group has no such option: the closest one and the list."""
+    missing, options = e.missing_cfg_file or "", list(e.options or [])
+    group, _, option = missing.rpartition("/")
+    given = next((o for o in chosen if o.key_or_group == group and str(o.value()) == option), None)
+    if not group or given is None or not options:
+        return None
+    close = difflib.get_close_matches(option, options, n=1, cutoff=0.5)
+    hint = f" (did you mean {group}={close[0]}?)" if close else ""
+    fix = f"{group}={close[0]}" if close else f"one of them, e.g. {group}={options[0]}"
+    return (f"{given.input_line}: {group} has no option {option!r}{hint}; its options are {', '.join(options)}. "
+            f"Fix: {fix} (python -m {module} --help lists every group)")
+
+
+def _unknown_key(config_name: str, chosen: list[Override], single: list[str], key: str, module: str) -> str | None:
+    """``key=value`` (``key`` as Hydra names it, e.g. ``optim.lrr``) where the composed config has no such key: compose
+    without that override (the options the command line chose stay, so the keys are theirs) and name the first part of
+    it that is not there, with the closest key. ``single``: ``chosen`` as one job composes them."""
+    failed = [i for i, o in enumerate(chosen) if (o.key_or_group == key or o.key_or_group.startswith(f"{key}."))
+              and not o.is_add() and not o.is_force_add()]
+    if not failed:
+        return None
+    override = chosen[failed[0]]
+    key = override.key_or_group  # Hydra names the first part missing (predict of predict.output): the whole key
+    try:
+        base = compose(config_name=config_name, overrides=[line for i, line in enumerate(single) if i not in failed])
+    except Exception:  # noqa: BLE001 - the rest does not compose either: Hydra reports that
+        return None
+    node: object = base
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        if not isinstance(node, DictConfig):
+            return None  # a list, a value or a null section on the way: Hydra's message stands
+        if part not in node.keys():
+            siblings = [str(k) for k in node.keys() if not str(k).startswith("_")]
+            return _no_such_key(parts, i, siblings, override.input_line or key, module)
+        node = OmegaConf.select(node, part, throw_on_missing=False)
+    return None
+
+
+def _wrong_type(config_name: str, chosen: list[Override], single: list[str], cause: ValidationError) -> str | None:
+    """``key=value`` whose value the key's type cannot take (``data.batch_size=abc``; a list key given one value without
+    brackets): OmegaConf's reason and a value that fits, the default the config has without this override."""
+    key = str(cause.full_key)
+    failed = [i for i, o in enumerate(chosen) if o.key_or_group == key]
+    if not key or len(failed) != 1:
+        return None
+    given = chosen[failed[0]].input_line or key
+    value = given.split("=", 1)[1]
+    reason = str(cause).splitlines()[0].rstrip(".")
+    try:
+        default = OmegaConf.select(compose(config_name=config_name, overrides=[x for i, x in enumerate(single) if i not in failed]),
+                                   key, throw_on_missing=False)
+    except Exception:  # noqa: BLE001 - the rest does not compose either: Hydra reports that
+        return None
+    if isinstance(default, ListConfig) or "is not a ListConfig" in reason:
+        return f"{given}: {key} is a list ({reason}). Fix: {key}=[{value}] (a list in brackets, e.g. {key}=[a,b])"
+    example = f", e.g. its default {key}={_yaml(default)}" if default is not None else ""
+    return f"{given}: {reason}. Fix: give {key} a value of its type{example}"
+
+
+def _yaml(value: object) -> str:
+    """``value`` as an override writes it (``true``, ``0.05``, ``[64,null]``)."""
+    if isinstance(value, ListConfig | DictConfig):
+        value = OmegaConf.to_container(value)
+    text = OmegaConf.to_yaml({"v": value}, sort_keys=False).strip()[3:]
+    return text if "\n" not in text else str(value)
+
+
+def _no_such_key(parts: list[str], i: int, siblings: list[str], given: str, module: str) -> str:
+    """``parts[i]`` is not among ``siblings``, the keys at ``parts[:i]``: the command whose key it is, or the closest of
+    them as the fix."""
+    parent = ".".join(parts[:i])
+    where = f"{parent} has" if parent else "the config has"
+    every = f"python -m {module} --help lists every key with its default"
+    other = OTHER_COMMANDS_KEYS.get(parts[0]) if i == 0 else None
+    if other is not None and module.rpartition(".")[2] not in other.split("|"):
+        return (f"{given}: {parts[0]} is a setting of python -m recsys_runner.{other}, not of python -m {module}. Fix: run "
+                f"it with that command, or drop it ({every})")
+    close = difflib.get_close_matches(parts[i], siblings, n=1, cutoff=0.6)
+    if not close:
+        return (f"{given}: {where} no key {parts[i]!r}; its keys are {', '.join(siblings)} ({every}; a leading + adds "
+                "keys only to free-form maps such as checkpoint.name_map)")
+    right = ".".join([*parts[:i], close[0], *parts[i + 1:]])
+    value = given.split("=", 1)[1] if "=" in given else ""
+    return f"{given}: {where} no key {parts[i]!r} (did you mean {right}?). Fix: {right}={value} ({every})"
