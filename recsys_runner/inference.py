@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from hydra import compose, initialize_config_dir, initialize_config_module
+from hydra import compose
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
@@ -37,7 +37,7 @@ from recsys_runner.data.encoding.stored import ENCODERS_FILE
 from recsys_runner.errors import CheckpointError, ConfigError, UserError
 from recsys_runner.inference_build import Inference
 from recsys_runner.lifecycle import RunStart, link_tags
-from recsys_runner.paths import CONFIG_PATH
+from recsys_runner.paths import initialize_conf
 from recsys_runner.runtime import Launch
 from recsys_runner.stores import StorageConfig
 from recsys_runner.tracking import datasets, lineage
@@ -187,9 +187,7 @@ def _run_lookup(tracking: list[str]) -> Any:
     if GlobalHydra.instance().is_initialized():  # inside @hydra.main
         cfg = compose(config_name="config", overrides=tracking)
     else:
-        context = initialize_config_module("recsys_runner.conf", version_base="1.3") if CONFIG_PATH.startswith("pkg://") \
-            else initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3")
-        with context:
+        with initialize_conf():
             cfg = compose(config_name="config", overrides=tracking)
     if OmegaConf.select(cfg, "tracking.uri", default="<none>") == "<none>":
         return None

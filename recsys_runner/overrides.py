@@ -18,7 +18,7 @@ import difflib
 import sys
 from collections.abc import Sequence
 
-from hydra import compose, initialize_config_dir
+from hydra import compose
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
@@ -28,7 +28,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationErr
 
 from recsys_runner.config import register_configs
 from recsys_runner.errors import ConfigError, reported
-from recsys_runner.paths import CONFIG_PATH
+from recsys_runner.paths import initialize_conf
 
 COMMANDS = {
     "evaluate": "metrics of a checkpoint on eval data",
@@ -90,7 +90,7 @@ def explain(config_name: str, overrides: list[str], *, multirun: bool = False, m
         return  # nothing to check: no second composition
     register_configs()
     initialized = GlobalHydra.instance().is_initialized()  # by a caller that composes from conf/ itself (a test)
-    with contextlib.nullcontext() if initialized else initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
+    with contextlib.nullcontext() if initialized else initialize_conf():
         try:
             compose(config_name=config_name, overrides=single)
         except MissingConfigException as e:

@@ -7,13 +7,24 @@ same files as the package ``recsys_runner.conf`` (see ``pyproject.toml``), found
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any
 
+from hydra import initialize_config_dir, initialize_config_module
 from omegaconf import OmegaConf
 
 _CHECKOUT_CONF = Path(__file__).resolve().parent.parent / "conf"
 
 CONFIG_PATH: str = str(_CHECKOUT_CONF) if (_CHECKOUT_CONF / "config.yaml").is_file() else "pkg://recsys_runner.conf"
+
+
+def initialize_conf() -> AbstractContextManager[Any]:
+    """Hydra's ``initialize`` for composing from :data:`CONFIG_PATH` outside ``@hydra.main``: the checkout's folder, or
+    the installed package's (``pkg://``, which ``initialize_config_dir`` refuses as not absolute)."""
+    if CONFIG_PATH.startswith("pkg://"):
+        return initialize_config_module(CONFIG_PATH.removeprefix("pkg://"), version_base="1.3")
+    return initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3")
 
 NEW_DIR_RESOLVER = "new_dir"
 """``${new_dir:<path>}`` in ``conf/config.yaml``'s ``hydra.sweep.dir``: :func:`new_dir`."""

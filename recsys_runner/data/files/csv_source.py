@@ -173,7 +173,7 @@ class CsvSource:
 
     def has_rows(self, path: str) -> bool:
         """Whether ``path`` holds a line after its header, from its first lines: the files :meth:`units` reads."""
-        _, data_start, more = self._header(path)
+        _, data_start, more = self._header(path, check_columns=False)
         return not data_start or more
 
     def names(self, path: str) -> list[str]:
@@ -182,9 +182,10 @@ class CsvSource:
             self._index(path)
         return self._names[path]
 
-    def _header(self, path: str) -> tuple[list[str], int, bool]:
+    def _header(self, path: str, *, check_columns: bool = True) -> tuple[list[str], int, bool]:
         """``path``'s column names, the byte offset of its first data line (in its decompressed text) and whether a line
-        follows the first, after checking it is delimited text."""
+        follows the first, after checking it is delimited text (and, with ``check_columns``, that it holds the config's
+        columns: not for :meth:`has_rows`, which also sees predict inputs without a label)."""
         head = read_head(path)
         if head.startswith(PARQUET_MAGIC):
             raise DataError(f"{path} looks like a Parquet file (it begins with Parquet's magic bytes {PARQUET_MAGIC.decode()}), "
@@ -221,7 +222,7 @@ class CsvSource:
         else:
             assert self.column_names is not None
             names, data_start = list(self.column_names), 0
-        missing = [c for c in self.columns if c not in names]
+        missing = [c for c in self.columns if c not in names] if check_columns else []
         if missing:
             if header and len(names) == 1 and (hint := delimiter_hint(names[0], delimiter)):
                 raise DataError(f"{path} has no column {missing[0]!r}: its header line is one column, {names[0]!r}.{hint}")
