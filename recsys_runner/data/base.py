@@ -242,13 +242,10 @@ def synchronized(batches: Iterable[T], on_dropped: Callable[[T], None] | None = 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         yield from batches
         return
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     it = iter(batches)
     while True:
         item = next(it, None)
-        flag = torch.tensor([0 if item is None else 1], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        if int(flag.item()) == 0:
+        if not _ranks_agree(item is not None, dist.ReduceOp.MIN):
             break
         assert item is not None
         yield item
@@ -270,15 +267,21 @@ def in_step(items: Iterable[T]) -> Iterator[T | None]:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         yield from items
         return
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     it = iter(items)
     while True:
         item = next(it, None)
-        flag = torch.tensor([0 if item is None else 1], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if int(flag.item()) == 0:
+        if not _ranks_agree(item is not None, dist.ReduceOp.MAX):
             return
         yield item
+
+
+def _ranks_agree(have: bool, op: dist.ReduceOp.RedOpType) -> bool:
+    """Every rank's ``have`` reduced by ``op`` (MIN: all have one; MAX: any has one), in one tiny all-reduce over the
+    default process group (on the GPU under NCCL, which reduces no CPU tensor)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    flag = torch.tensor([int(have)], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=op)
+    return bool(flag.item())
 
 
 def placeholder(features: FeatureSpec) -> Batch:
