@@ -76,8 +76,8 @@ def test_uneven_ranks_end_together(tmp_path: Path, files: Path) -> None:
 @pytest.mark.slow
 def test_a_bad_row_on_one_rank_stops_both_with_its_error(tmp_path: Path, files: Path) -> None:
     """A bad label in rank 1's share only (the file's second half), with data.on_bad_rows=fail: rank 1 stops with the
-    data error naming the file, line and column and the user-error exit status (2), which torchrun reports as the root
-    cause; rank 0, in a collective with it, does not wait for it (it reports the lost peer, or torchrun stops it
+    data error naming the file, line and column and the user-error exit status (2) (or torchrun's signal, if rank 0's
+    report of the lost peer reached torchrun first); rank 0, in a collective with it, does not wait for it (it reports the lost peer, or torchrun stops it
     first): the launch fails, not hangs (the helper's subprocess timeout)."""
     lines = (files / "day_0.tsv").read_text().splitlines(keepends=True)
     lines[11_000] = "7" + lines[11_000][1:]
@@ -86,5 +86,7 @@ def test_a_bad_row_on_one_rank_stops_both_with_its_error(tmp_path: Path, files: 
     logs = out.stderr + out.stdout
     assert out.returncode != 0
     assert f"Data error: bad row in {tmp_path}/bad.tsv, line 11001, column 'label': the label is 7" in logs, logs[-4000:]
-    assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s*\n\s*exitcode\s*: 2 ", logs), logs[-4000:]
+    # rank 1 exits with the user-error status (2), unless rank 0 saw the lost peer first and torchrun stopped rank 1
+    # with a signal while it was closing down (a race the launch cannot order): either way rank 1 is a listed failure
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s*\n\s*exitcode\s*: (2|-\d+) ", logs), logs[-4000:]
     assert "step 30/30" not in logs
