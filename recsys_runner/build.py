@@ -68,7 +68,7 @@ from recsys_runner.train.evaluation import BestEval, Evaluator
 from recsys_runner.train.loop import Loop
 from recsys_runner.train.pipeline import make_pipeline
 from recsys_runner.train.profiling import check_trace_folder
-from recsys_runner.train.stepping import Stepper, StepPolicy
+from recsys_runner.train.stepping import Stepper, StepPolicy, dense_ddp
 from recsys_runner.train.stopping import EarlyStopping
 from recsys_runner.train.summaries import Summaries
 from recsys_runner.train.weighting import WeightingPosition
@@ -330,7 +330,7 @@ def _optimizers(run: RunConfig, sharded: DistributedModelParallel, scaler: torch
     lr_scheduler = make_lr_scheduler(optimizer, *_schedules(run, total_steps, steps_per_epoch))
     ema = DenseEMA(dense_params, run.train.ema.decay) if run.train.ema.decay is not None else None
     policy = StepPolicy(sparse=fused, dense=GroupedOptimizer(dense), accumulation_steps=run.train.grad_accum_steps,
-                        scaler=scaler, clip=run.train.clip_grad, ema=ema)
+                        scaler=scaler, clip=run.train.clip_grad, ema=ema, ddp=dense_ddp(sharded))
     return optimizer, lr_scheduler, policy
 
 
