@@ -8,7 +8,8 @@ Its keyword arguments are passed to fbgemm as-is (``lr`` becomes ``learning_rate
 Adam takes ``beta1``/``beta2`` here, not ``betas``.
 
 Dense: an ordinary ``torch.optim`` class, built by its config (:meth:`DenseOptimizerConfig.build`)
-with the parameters that are left once sharding is done.
+with the parameters that are left once sharding is done, by name: ``no_decay_1d``/``no_decay_patterns`` put the
+parameters they exclude from weight decay in a param group of their own (:meth:`DenseOptimizerConfig.param_groups`).
 
 Both kinds of config name a class that is not ours (a ``torchrec.optim`` or ``torch.optim`` class), so
 unlike other :class:`~recsys_runner.configurable.Configurable` configs they do not pass themselves to
