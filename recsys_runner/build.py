@@ -51,6 +51,7 @@ from recsys_runner.optim.optimizers import (
     GroupedOptimizer,
     OptimizerGroup,
     apply_sparse_optimizer,
+    decay_summary,
     dense_optimizers,
     sparse_accumulation_warning,
 )
@@ -67,7 +68,7 @@ from recsys_runner.train.evaluation import BestEval, Evaluator
 from recsys_runner.train.loop import Loop
 from recsys_runner.train.pipeline import make_pipeline
 from recsys_runner.train.profiling import check_trace_folder
-from recsys_runner.train.stepping import Stepper, StepPolicy
+from recsys_runner.train.stepping import Stepper, StepPolicy, dense_ddp
 from recsys_runner.train.stopping import EarlyStopping
 from recsys_runner.train.summaries import Summaries
 from recsys_runner.train.weighting import WeightingPosition
@@ -159,6 +160,8 @@ def build(run: RunConfig, *, launch: Launch = Launch(), weights: Path | None = N
         sharded = distributed.shard(wrapped, plan)
         compile_dense(model, run.train.compile, wrapper=wrapped)  # the same module objects DMP now holds
         optimizer, lr_scheduler, policy = _optimizers(run, sharded, precision.grad_scaler(env.device), total_steps, steps_per_epoch)
+        if env.is_main:
+            _say_weight_decay(run.optim, policy.dense)
         if env.is_main and (caveat := sparse_accumulation_warning(run.optim.sparse, run.train.grad_accum_steps, run.data.batch_size)):
             log.warning("%s", caveat)
         ema = policy.ema
@@ -327,8 +330,17 @@ def _optimizers(run: RunConfig, sharded: DistributedModelParallel, scaler: torch
     lr_scheduler = make_lr_scheduler(optimizer, *_schedules(run, total_steps, steps_per_epoch))
     ema = DenseEMA(dense_params, run.train.ema.decay) if run.train.ema.decay is not None else None
     policy = StepPolicy(sparse=fused, dense=GroupedOptimizer(dense), accumulation_steps=run.train.grad_accum_steps,
-                        scaler=scaler, clip=run.train.clip_grad, ema=ema)
+                        scaler=scaler, clip=run.train.clip_grad, ema=ema, ddp=dense_ddp(sharded))
     return optimizer, lr_scheduler, policy
+
+
+def _say_weight_decay(optim: OptimConfig, dense: GroupedOptimizer) -> None:
+    """Log once how many dense tensors each optimizer decays and how many it excludes, and warn of exclusions that do
+    nothing."""
+    if summary := decay_summary(dense.groups):
+        log.info("%s", summary)
+    for caveat in optim.decay_caveats():
+        log.warning("%s", caveat)
 
 
 def _schedules(run: RunConfig, total_steps: int, steps_per_epoch: int | None) -> tuple[dict[OptimizerGroup, Schedule], Schedule]:

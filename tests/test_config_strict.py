@@ -231,7 +231,7 @@ def test_a_part_may_use_any_torch_optim_class(make_cfg) -> None:
                             "optim.lr=0.03", "tracking=none"))
     optimizer = run.optim.part_configs()["deep"].optimizer
     assert type(optimizer).__name__ == "RMSpropConfig" and optimizer.lr == 0.03 and optimizer.alpha == 0.9  # type: ignore[attr-defined]
-    built = optimizer.build([torch.nn.Parameter(torch.zeros(2))])
+    built = optimizer.build({"w": torch.nn.Parameter(torch.zeros(2))})
     assert isinstance(built, torch.optim.RMSprop) and built.param_groups[0]["alpha"] == 0.9
     with pytest.raises(ConfigError, match=r"optim\.parts\.deep\.optimizer: RMSpropConfig: Key 'alpah' not in 'RMSpropConfig'"):
         validate(make_cfg("+optim.parts.deep={pattern: 'deep[.]', optimizer: {_target_: torch.optim.RMSprop, alpah: 0.9}}", "tracking=none"))

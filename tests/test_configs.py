@@ -101,7 +101,7 @@ def test_option_composes_validates_and_instantiates(make_cfg, tmp_path: Path, gr
         assert isinstance(optim.sparse, SparseOptimizerConfig) and isinstance(optim.dense, DenseOptimizerConfig)
         assert issubclass(optim.sparse.optimizer_class(), torch.optim.Optimizer)
         assert optim.sparse.kwargs()["lr"] == cfg.optim.sparse.lr
-        opt = optim.dense.build([torch.nn.Parameter(torch.zeros(3))])
+        opt = optim.dense.build({"w": torch.nn.Parameter(torch.zeros(3))})
         assert isinstance(opt, torch.optim.Optimizer) and opt.param_groups[0]["lr"] == cfg.optim.dense.lr
         return
     if group == "scheduler":

@@ -96,7 +96,7 @@ def test_the_logged_lr_is_the_lr_the_step_trained_with(make_cfg, mlflow_uri: str
 
 def test_part_patterns_route_parameters_first_match_wins() -> None:
     params = {n: torch.nn.Parameter(torch.zeros(1)) for n in ["deep.w", "over_arch.w", "over_arch.b", "fm.w"]}
-    sgd = lambda ps, **kw: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
+    sgd = lambda ps: torch.optim.SGD(ps.values(), lr=0.1)  # noqa: E731
     groups = dict(dense_optimizers(params, sgd, {"over": ("over_arch", sgd), "deep": (r"^deep\.", sgd)}))
     assert set(groups[OptimizerGroup.part("over")].params) == {"over_arch.w", "over_arch.b"}
     assert set(groups[OptimizerGroup.part("deep")].params) == {"deep.w"}
@@ -111,7 +111,7 @@ def test_optimizer_groups_keep_the_key_strings_of_checkpoints_and_lr_metrics() -
     ``lr/<key>`` names depend on these exact strings."""
     assert (SPARSE.key, DENSE.key, OptimizerGroup.part("over").key) == ("sparse", "dense", "part.over")
     params = {n: torch.nn.Parameter(torch.ones(1)) for n in ["over_arch.w", "fm.w"]}
-    adagrad = lambda ps, **kw: torch.optim.Adagrad(ps, lr=0.1)  # noqa: E731
+    adagrad = lambda ps: torch.optim.Adagrad(ps.values(), lr=0.1)  # noqa: E731
     optimizer = GroupedOptimizer(dense_optimizers(params, adagrad, {"over": ("over_arch", adagrad)}))
     assert [group for group, _ in optimizer.groups] == [OptimizerGroup.part("over"), DENSE]
     assert [key for key, _ in optimizer.optimizers] == ["part.over", "dense"]
@@ -134,7 +134,7 @@ def test_scheduled_lr_steps_exactly_as_torchs_lambda_lr_and_says_when_it_moved(c
     torch's own (with its optimizer-order check) and counts as moved."""
     def grouped() -> GroupedOptimizer:
         params = {n: torch.nn.Parameter(torch.ones(1)) for n in ["over_arch.w", "fm.w"]}
-        sgd = lambda ps, **kw: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
+        sgd = lambda ps: torch.optim.SGD(ps.values(), lr=0.1)  # noqa: E731
         return GroupedOptimizer(dense_optimizers(params, sgd, {"over": ("over_arch", sgd)}))
 
     schedule = config.build(total_steps=40)

@@ -7,6 +7,7 @@ Imports both optimizers and schedulers: it is where the two meet, so neither nee
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import re
 from collections.abc import Mapping
@@ -72,6 +73,13 @@ class OptimConfig:
         require(self.lr > 0, f"optim.lr must be positive, got {self.lr}. Fix: e.g. optim.lr=0.01")
         self.parts = {name: _part_config(name, part, self.lr) for name, part in self.parts.items()}
 
+    def decay_caveats(self) -> list[str]:
+        """What the dense optimizers' weight decay exclusions do not do (:meth:`DenseOptimizerConfig.decay_caveat`), for
+        the builder to say once."""
+        caveats = [self.dense.decay_caveat("optim.dense"),
+                   *(part.optimizer.decay_caveat(f"optim.parts.{name}.optimizer") for name, part in self.part_configs().items())]
+        return [c for c in caveats if c is not None]
+
     def part_configs(self) -> dict[str, PartConfig]:
         """:attr:`parts`, typed (every entry is a :class:`PartConfig` once ``__post_init__`` ran)."""
         assert all(isinstance(p, PartConfig) for p in self.parts.values())
@@ -116,7 +124,10 @@ def signature_config(cls: type[torch.optim.Optimizer]) -> type[DenseOptimizerCon
         if name == "params" or name in declared or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             continue
         default = p.default if p.default is not p.empty else MISSING
-        spec.append((name, Any, field(default=list(default) if isinstance(default, tuple) else default)))
+        if isinstance(default, tuple):  # a list in the config (OmegaConf has no tuples); a dataclass needs a factory for one
+            spec.append((name, Any, field(default_factory=functools.partial(list, default))))
+        else:
+            spec.append((name, Any, field(default=default)))
     schema = dataclasses.make_dataclass(f"{cls.__name__}Config", spec, bases=(DenseOptimizerConfig,), kw_only=True)
     _SIGNATURE_CONFIGS[target] = schema
     return schema

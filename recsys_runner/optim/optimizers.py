@@ -8,7 +8,8 @@ Its keyword arguments are passed to fbgemm as-is (``lr`` becomes ``learning_rate
 Adam takes ``beta1``/``beta2`` here, not ``betas``.
 
 Dense: an ordinary ``torch.optim`` class, built by its config (:meth:`DenseOptimizerConfig.build`)
-with the parameters that are left once sharding is done.
+with the parameters that are left once sharding is done, by name: ``no_decay_1d``/``no_decay_patterns`` put the
+parameters they exclude from weight decay in a param group of their own (:meth:`DenseOptimizerConfig.param_groups`).
 
 Both kinds of config name a class that is not ours (a ``torchrec.optim`` or ``torch.optim`` class), so
 unlike other :class:`~recsys_runner.configurable.Configurable` configs they do not pass themselves to
@@ -35,6 +36,7 @@ optimizer composes and instantiates anywhere but is rejected on CPU by
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,7 +45,6 @@ from typing import Any, ClassVar, Literal
 import torch
 from omegaconf import II
 from torch import nn
-from torch.optim.optimizer import ParamsT
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
@@ -221,22 +222,116 @@ class DenseOptimizerConfig(Configurable):
     """Base of every dense optimizer's config (``optim.dense``, ``conf/optim/dense/*.yaml``, a part's ``optimizer``).
 
     ``_target_`` is a ``torch.optim`` class; :meth:`build` calls it with the parameters and every
-    other field as a keyword argument, so a subclass declares exactly that class's arguments.
+    other field as a keyword argument, so a subclass declares exactly that class's arguments — but the
+    weight decay exclusions (:data:`DECAY_EXCLUSIONS`), which :meth:`build` turns into param groups.
     """
 
     lr: float = II("..lr")
     """The dense learning rate; ``optim.lr`` unless set."""
     weight_decay: float = 0.0
+    """Weight decay (``torch.optim``'s: added to the gradient; decoupled for AdamW) of every parameter of this optimizer
+    but those ``no_decay_1d``/``no_decay_patterns`` exclude."""
+    no_decay_1d: bool = False
+    """No weight decay for parameters with ``ndim <= 1``: biases, the scales and shifts of LayerNorm/BatchNorm, and any
+    other vector weight (DCN v1's cross kernels are vectors too) — timm's ``filter_bias_and_bn``, the usual choice for
+    transformers. Off by default so that an existing config trains as it did (docs/training.md, "Weight decay")."""
+    no_decay_patterns: list[str] = field(default_factory=list)
+    """Regular expressions searched (``re.search``) in each parameter's name; a match gets no weight decay, e.g.
+    ``[bias, norm]`` (Hugging Face's ``no_decay`` list). A pattern that matches no parameter is an error."""
 
     def __post_init__(self) -> None:
         _check_common("optim.dense", self.lr, self.weight_decay)
+        for pattern in self.no_decay_patterns:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ConfigError(f"optim.dense.no_decay_patterns has {pattern!r}, not a valid regular expression: {e}") from None
+        if not _takes_weight_decay(self.component_class()):
+            name = self._target_.rsplit(".", 1)[-1]
+            require(self.weight_decay == 0, f"optim.dense.weight_decay={self.weight_decay}: {self._target_} takes no weight_decay "
+                    f"argument, so it cannot decay. Fix: optim.dense.weight_decay=0, or an optimizer with weight decay "
+                    f"(torch.optim.AdamW, SGD, Adam …) instead of {name}")
+            require(not self.excludes_from_decay, f"optim.dense.no_decay_1d/no_decay_patterns exclude parameters from the weight "
+                    f"decay of {self._target_}, which has none. Fix: drop them (optim.dense.no_decay_1d=false, "
+                    f"optim.dense.no_decay_patterns=[])")
 
-    def build(self, params: ParamsT) -> torch.optim.Optimizer:
-        """``<_target_>(params, **fields)``: the optimizer of ``params``."""
+    @property
+    def excludes_from_decay(self) -> bool:
+        """Whether ``no_decay_1d`` or ``no_decay_patterns`` exclude anything."""
+        return self.no_decay_1d or bool(self.no_decay_patterns)
+
+    def decays(self, name: str, param: torch.Tensor) -> bool:
+        """Whether ``weight_decay`` applies to the parameter ``name``: not when ``no_decay_1d`` and it is a vector or a
+        scalar, nor when one of ``no_decay_patterns`` is found in its name."""
+        if self.no_decay_1d and param.ndim <= 1:
+            return False
+        return not any(re.search(pattern, name) for pattern in self.no_decay_patterns)
+
+    def param_groups(self, params: Mapping[str, nn.Parameter]) -> list[dict[str, Any]]:
+        """``params`` (by name) as the optimizer's param groups: one group, or with weight decay on and exclusions
+        set, the decayed parameters and then the excluded ones with ``weight_decay=0`` (empty groups left out).
+
+        Groups, not one flag per parameter, because ``torch.optim`` reads ``weight_decay`` per group. Checkpoints hold
+        the state per parameter name, not the groups, so a resume rebuilds them from its config.
+
+        Raises:
+            ConfigError: a ``no_decay_patterns`` entry that matches none of ``params``.
+        """
+        for pattern in self.no_decay_patterns:
+            if not any(re.search(pattern, name) for name in params):
+                raise ConfigError(f"optim.dense.no_decay_patterns has {pattern!r}, which matches none of this optimizer's "
+                                  f"{len(params)} parameters, e.g. {sorted(params)[:6]}. Fix: a pattern found in one of those "
+                                  f"names, or drop it")
+        if self.weight_decay == 0 or not self.excludes_from_decay:
+            return [{"params": list(params.values())}]
+        decayed = [p for name, p in params.items() if self.decays(name, p)]
+        excluded = [p for name, p in params.items() if not self.decays(name, p)]
+        return [group for group in ({"params": decayed}, {"params": excluded, "weight_decay": 0.0}) if group["params"]]
+
+    def build(self, params: Mapping[str, nn.Parameter]) -> torch.optim.Optimizer:
+        """``<_target_>(param groups, **fields)``: the optimizer of ``params`` (by name), its param groups
+        :meth:`param_groups`'s."""
         cls = self.component_class()
         if not issubclass(cls, torch.optim.Optimizer):
             raise ConfigError(f"optim.dense._target_={self._target_} is not a torch.optim.Optimizer class; e.g. torch.optim.Adam")
-        return cls(params, **_kwargs(self))
+        kwargs = {k: v for k, v in _kwargs(self).items() if k not in DECAY_EXCLUSIONS}
+        if not _takes_weight_decay(cls):  # validated: it is 0 (torch.optim.Rprop, LBFGS, SparseAdam take no argument for it)
+            del kwargs["weight_decay"]
+        return cls(self.param_groups(params), **kwargs)
+
+    def decay_caveat(self, where: str) -> str | None:
+        """What to tell a user whose exclusions do nothing (``weight_decay=0``), else ``None``. Said, not refused: a sweep
+        over ``weight_decay`` that includes 0 keeps one set of exclusions for all its runs."""
+        if self.weight_decay > 0 or not self.excludes_from_decay:
+            return None
+        return (f"{where}.no_decay_1d/no_decay_patterns do nothing: {where}.weight_decay=0, so no parameter is decayed. "
+                f"Set {where}.weight_decay (e.g. 0.01) for them to matter")
+
+DECAY_EXCLUSIONS = ("no_decay_1d", "no_decay_patterns")
+"""The fields of :class:`DenseOptimizerConfig` that choose its param groups instead of being the optimizer's arguments."""
+
+
+def _takes_weight_decay(cls: type) -> bool:
+    """Whether ``cls``'s constructor has a ``weight_decay`` argument (every ``torch.optim`` class but Rprop, LBFGS and SparseAdam)."""
+    try:
+        return "weight_decay" in inspect.signature(cls).parameters
+    except (TypeError, ValueError):  # no signature to read: let the class itself say what it takes
+        return True
+
+
+def decay_summary(groups: Sequence[tuple[OptimizerGroup, KeyedOptimizer]]) -> str | None:
+    """One line saying, for each dense optimizer that decays, how many tensors (and values) it decays and how many it
+    leaves undecayed (what ``no_decay_1d``/``no_decay_patterns`` excluded), read from the optimizers' real param groups;
+    ``None`` when none decays."""
+    said = []
+    for group, optimizer in groups:
+        decayed = [p for g in optimizer.param_groups if g.get("weight_decay", 0) > 0 for p in g["params"]]
+        excluded = [p for g in optimizer.param_groups if not g.get("weight_decay", 0) > 0 for p in g["params"]]
+        if decayed:
+            rate = max(g.get("weight_decay", 0) for g in optimizer.param_groups)
+            said.append(f"{group.key} decays {len(decayed)} tensors ({sum(p.numel() for p in decayed):,} values) by {rate:g}, "
+                        f"excludes {len(excluded)} ({sum(p.numel() for p in excluded):,} values)")
+    return "weight decay: " + "; ".join(said) if said else None
 
 
 @dataclass(kw_only=True)
@@ -391,12 +486,13 @@ def apply_sparse_optimizer(model: nn.Module, sparse: SparseOptimizerConfig) -> N
 
 def dense_optimizers(
     params: Mapping[str, nn.Parameter],
-    dense: Callable[..., torch.optim.Optimizer],
-    parts: Mapping[str, tuple[str, Callable[..., torch.optim.Optimizer]]],
+    dense: Callable[[Mapping[str, nn.Parameter]], torch.optim.Optimizer],
+    parts: Mapping[str, tuple[str, Callable[[Mapping[str, nn.Parameter]], torch.optim.Optimizer]]],
 ) -> list[tuple[OptimizerGroup, KeyedOptimizer]]:
     """Split dense ``params`` by the parts' regexes: ``[(OptimizerGroup.part(<name>), opt), …, (DENSE, opt)]``.
 
-    ``parts`` maps a part name to ``(pattern, optimizer factory)`` (a :meth:`DenseOptimizerConfig.build`); the first matching part takes a
+    ``parts`` maps a part name to ``(pattern, optimizer factory)``; a factory (a :meth:`DenseOptimizerConfig.build`) is
+    given its parameters by name, which its weight decay exclusions read. The first matching part takes a
     parameter. A part that matches nothing is a config mistake and raises :class:`ConfigError`.
     """
     remaining = dict(params)
@@ -410,7 +506,13 @@ def dense_optimizers(
             )
         for k in taken:
             del remaining[k]
-        out.append((OptimizerGroup.part(name), KeyedOptimizerWrapper(taken, lambda ps, f=factory: f(ps))))
+        out.append((OptimizerGroup.part(name), _keyed(taken, factory)))
     if remaining:
-        out.append((DENSE, KeyedOptimizerWrapper(remaining, lambda ps: dense(ps))))
+        out.append((DENSE, _keyed(remaining, dense)))
     return out
+
+
+def _keyed(params: dict[str, nn.Parameter], factory: Callable[[Mapping[str, nn.Parameter]], torch.optim.Optimizer]) -> KeyedOptimizer:
+    """TorchRec's keyed wrapper of ``factory``'s optimizer over ``params``; the factory gets them by name (the wrapper
+    would hand it their values only)."""
+    return KeyedOptimizerWrapper(params, lambda _values: factory(params))

@@ -22,6 +22,17 @@ so the ``1/N`` cancels and each micro-batch is a full-size step, exactly as with
 applies to the dense gradients only; the embedding kernels clip per element with
 ``optim.sparse.gradient_clipping``/``max_gradient``.
 
+With several ranks DistributedModelParallel wraps the dense part in DDP, whose backward all-reduces the dense
+gradients. Under accumulation only a step's last micro-batch needs that: the others run in DDP's ``no_sync``
+(:meth:`StepPolicy.micro_batch`, entered by the :class:`Stepper` around each micro-batch's forward and backward), so
+their gradients sum locally and the last backward all-reduces the sum — one all-reduce per optimizer step instead of
+``N``, the same gradients — from the run's second optimizer step on: TorchRec builds that DDP with ``static_graph=True``,
+and a static-graph DDP whose first backward runs in ``no_sync`` fails an internal assert (pytorch/pytorch#143580; the
+fix, pytorch/pytorch#187732, also found it then stops all-reducing), so the first step all-reduces every micro-batch, as
+before, and lets DDP record its graph. Only DMP's own DDP (:func:`dense_ddp`): the embedding tables' communication is not DDP's,
+and TorchRec's DDP around ``data_parallel`` tables runs their fused update after its all-reduce, so it must keep
+all-reducing every micro-batch for the tables to update every micro-batch as above.
+
 fp16 loss scaling: the scaled gradient flowing back into the embedding tables is divided by the
 current scale on the way, and zeroed if it overflowed, so the fused optimizer sees true gradients;
 the dense step is skipped on overflow by the GradScaler. The policy finds the embedding lookups by
@@ -32,6 +43,7 @@ model part holds it) gets the unscaling, added through the output awaitable's pu
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, TypeAlias
@@ -39,6 +51,7 @@ from typing import Any, TypeAlias
 import torch
 from torch import nn
 from torch.autograd.profiler import record_function
+from torch.nn.parallel import DistributedDataParallel
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.train_pipeline import TrainPipeline, TrainPipelineBase, TrainPipelineSparseDist
 from torchrec.distributed.types import Awaitable, ShardedModule
@@ -85,6 +98,15 @@ class _UnscaleGrad(torch.autograd.Function):
         return torch.where(finite, unscaled, torch.zeros_like(unscaled)), None
 
 
+def dense_ddp(model: nn.Module) -> DistributedDataParallel | None:
+    """The DDP that DistributedModelParallel wrapped the dense part of ``model`` in (several ranks), or ``None`` (one rank).
+
+    DMP holds it as its direct child; deeper DDPs are TorchRec's own around ``data_parallel`` embedding lookups, whose
+    all-reduce drives those tables' fused update and must not be skipped (the module docstring).
+    """
+    return next((child for child in model.children() if isinstance(child, DistributedDataParallel)), None)
+
+
 class StepPolicy:
     """Backward and dense step of one micro-batch; see the module docstring.
 
@@ -95,16 +117,21 @@ class StepPolicy:
         scaler: fp16 loss scaler, or ``None``.
         clip: dense gradient clipping (off when ``clip.max`` is ``None``).
         ema: moving average of the dense weights, updated after every dense step.
+        ddp: the DDP of the dense part (:func:`dense_ddp`), whose gradient all-reduce :meth:`micro_batch` skips in all
+            but a step's last micro-batch; ``None`` with one rank.
     """
 
     def __init__(
         self, *, sparse: KeyedOptimizer, dense: CombinedOptimizer, accumulation_steps: int = 1,
         scaler: torch.amp.GradScaler | None = None, clip: ClipConfig | None = None, ema: DenseEMA | None = None,
+        ddp: DistributedDataParallel | None = None,
     ) -> None:
         self.sparse, self.dense = sparse, dense
-        self.accumulation_steps, self.scaler, self.ema = accumulation_steps, scaler, ema
+        self.accumulation_steps, self.scaler, self.ema, self.ddp = accumulation_steps, scaler, ema, ddp
         self.clip = clip if clip is not None and clip.max is not None else None
         self._micro = 0
+        self._stepped = False
+        """Whether a dense step was taken in this process: a static-graph DDP's first iteration must all-reduce."""
 
     @property
     def active(self) -> bool:
@@ -143,6 +170,15 @@ class StepPolicy:
         raise TypeError(f"fp16 loss scaling unscales embedding outputs of type KeyedTensor or Tensor, got "
                         f"{type(result).__name__}; use precision.grad_scaler.enabled=false or precision=bf16")
 
+    def micro_batch(self) -> contextlib.AbstractContextManager[None]:
+        """What the next micro-batch's forward and backward run in: DDP's ``no_sync`` unless it is its step's last (or
+        there is no DDP, or no dense step was taken yet in this process: the module docstring), so the dense gradients are
+        all-reduced once per optimizer step. DDP decides in its forward whether the backward will all-reduce, so the
+        forward must be inside too (the :class:`Stepper` wraps the pipeline's whole ``progress``)."""
+        if self.ddp is not None and self._stepped and self._micro < self.accumulation_steps - 1:
+            return self.ddp.no_sync()
+        return contextlib.nullcontext()
+
     # -- what the pipeline's _backward calls ------------------------------------------------------
     def backward(self, losses: torch.Tensor) -> None:
         """Backward of one micro-batch's loss; after a step's last micro-batch, the dense step."""
@@ -177,6 +213,7 @@ class StepPolicy:
             self.dense.step()
         if self.ema is not None:
             self.ema.update()
+        self._stepped = True
 
     def reset(self) -> None:
         """Drop a partial accumulation (at an epoch boundary)."""
@@ -325,7 +362,8 @@ class Stepper:
         loss: torch.Tensor | None = None
         for _ in range(self.accumulation_steps):
             try:
-                micro, logits, labels = self.pipeline.progress(batches)
+                with self.policy.micro_batch():  # no dense all-reduce but in the step's last micro-batch
+                    micro, logits, labels = self.pipeline.progress(batches)
             except StopIteration:
                 return None
             loss = micro if loss is None else loss + micro  # on the device: no sync
