@@ -1,7 +1,7 @@
 """A two-tower model's full-corpus eval and ``predict``'s top-k rank the same catalogue items: those that may be
 recommended (``train.corpus.catalogue_candidates``), never the item table's OOV rows past the ``data sequences`` id
 mapping, which an items file listing every table row holds. On the same rows, the eval's recall@k equals the recall
-computed from predict's top-k output by brute force."""
+computed from predict's top-k output by brute force; export's item index holds the same items."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
-from recsys_runner import evaluate, predict
+from recsys_runner import evaluate, export, predict
 from recsys_runner.__main__ import run as train
 from recsys_runner.config import register_configs
 from recsys_runner.data.sequences.mapping import load_mapping
@@ -68,3 +69,11 @@ def test_eval_recall_equals_a_brute_force_recall_of_predicts_top_k_on_the_same_r
     said = [r.getMessage() for r in caplog.records if "not rankable" in r.getMessage()]  # evaluate's, predict's: one line
     assert len(said) == 1 and f"{OOV_ROWS} of {items + OOV_ROWS} catalogue items" in said[0], said
     assert f"past the {items} item ids of the id mapping in {root / 'rows'}" in said[0]
+
+
+def test_export_serves_the_same_items_as_eval_and_predict(trained: tuple[Path, list[str], int], tmp_path: Path) -> None:
+    """``items.pt``, the index a server loads, holds the ranked items only: no OOV row past the mapping."""
+    root, overrides, items = trained
+    out = export.run(compose_entry("export", *overrides, f"load={root}/ck", f"export.dir={tmp_path}/export"))
+    saved = torch.load(out / "items.pt")
+    assert saved["ids"].tolist() == list(range(items)) and saved["vectors"].shape[0] == items
