@@ -1,7 +1,7 @@
 """``data.items.path`` naming a folder of part files, as Spark writes a table: the same catalogue and the same full-corpus
 eval as the single file; empty parts skipped, said once; an empty folder, a folder of empty parts, a part lacking a
 column, parts of two formats or of two types of a column are errors naming the file and the fix; a part added to the
-folder since a checkpoint was trained is a warning when it is evaluated."""
+folder since a checkpoint was trained is a warning when it is evaluated; parts under an object-store prefix read alike."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 from hydra import compose, initialize_config_dir
 
-from recsys_runner import evaluate
+from recsys_runner import evaluate, stores
 from recsys_runner.__main__ import run as train
 from recsys_runner.config import register_configs
 from recsys_runner.configurable import make
@@ -22,6 +22,7 @@ from recsys_runner.data.catalogue.items import ItemTable
 from recsys_runner.data.files.tabular_config import CsvDataConfig
 from recsys_runner.errors import DataError
 from recsys_runner.paths import CONFIG_PATH
+from tests.object_store import moto_with_buckets
 from tests.test_evaluate import compose_entry
 from tests.test_exclude_seen import NUM_ITEMS, two_tower_files
 from tests.test_retrieval_data import SPARSE, _items, _parquet, _rows
@@ -147,3 +148,17 @@ def test_the_folder_gives_the_single_files_eval_and_a_part_added_since_training_
     said = [r.getMessage() for r in caplog.records if "changed since" in r.getMessage()]
     assert len(said) == 1 and "items (catalogue)" in said[0] and "full-corpus metrics over another catalogue" in said[0], said
     assert grown != from_folder, "4 more items to rank against"
+
+
+def test_parts_under_an_object_store_prefix_are_the_catalogue_of_the_local_folder(tmp_path: Path,
+                                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    pq.write_table(_rows(600, 1), tmp_path / "train.parquet", row_group_size=200)
+    pq.write_table(_rows(200, 2), tmp_path / "eval.parquet")
+    parts = write_parts(_items(), tmp_path / "items", [13, 13, 30])
+    with moto_with_buckets(tmp_path, "cat") as server, server.as_client(monkeypatch, stores.StorageConfig(max_attempts=2)):
+        server.put(parts, "s3://cat/items")
+        remote = _parquet(tmp_path, {"path": "s3://cat/items/"})
+        same_table(remote.item_table(), _parquet(tmp_path, {"path": str(parts)}).item_table())
+        assert remote.split_files()["items"].files == ("s3://cat/items/part-00000-c000.snappy.parquet",
+                                                       "s3://cat/items/part-00002-c000.snappy.parquet",
+                                                       "s3://cat/items/part-00003-c000.snappy.parquet")
