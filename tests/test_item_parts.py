@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
 from hydra import compose, initialize_config_dir
@@ -71,6 +72,10 @@ def test_a_folder_of_csv_parts_is_the_catalogue_of_the_single_file(tmp_path: Pat
     _rows(300, 3).drop_columns(["hard"]).to_pandas().to_csv(tmp_path / "train.csv", index=False)
     _items().to_pandas().to_csv(tmp_path / "items.csv", index=False)
     parts = write_parts(_items(), tmp_path / "items", [10, 25, 25], fmt="csv")  # part 2: a header line alone
+    last = parts / "part-00003-c000.csv"
+    pd_part = pacsv.read_csv(last).to_pandas()
+    pd_part.to_csv(parts / "part-00003-c000.csv.gz", index=False, compression="gzip")  # Spark's codec=gzip
+    last.unlink()
 
     def data(path: Path) -> ItemTable | None:
         return make(CsvDataConfig, path=str(tmp_path / "train.csv"), label="label", sparse=SPARSE[:3], dense=[{"name": "price"}],
@@ -109,6 +114,16 @@ def test_folder_mistakes_are_errors_naming_the_file_and_the_fix(tmp_path: Path) 
     (zero / "part-00001-c000.snappy.parquet").write_bytes(b"")
     with pytest.raises(DataError, match=r"part-00001-c000\.snappy\.parquet \(a part of .*\) is an empty file \(0 bytes\)"):
         _parquet(tmp_path, {"path": str(zero)})
+    bad_line = write_parts(_items(), tmp_path / "bad_line", [20], fmt="csv")
+    with open(bad_line / "part-00001-c000.csv", "a") as f:
+        f.write("i99,1,2.0,3.0,surplus\n")
+    with pytest.raises(DataError, match=r"part-00001-c000\.csv \(a part of .*\) cannot be read \(CSV parse error: Expected 4 columns, "
+                                        r"got 5.*Fix: correct or write the file again"):
+        _parquet(tmp_path, {"path": str(bad_line), "features": ["cate"], "popularity": None})
+    misnamed = tmp_path / "items.csv"
+    pq.write_table(_items(), misnamed)
+    with pytest.raises(DataError, match=r"items\.csv \(data\.items\.path\) is a Parquet file .*Fix: rename it"):
+        _parquet(tmp_path, {"path": str(misnamed)})
     dupes = write_parts(_items([*range(ITEMS_), 7]), tmp_path / "dupes", [20])
     with pytest.raises(DataError, match=r"part-00000.*, .*part-00001.* \(data\.items\.path\) has item 'i7' of column 'item_id' 2 times"):
         _parquet(tmp_path, {"path": str(dupes)})

@@ -18,7 +18,8 @@ import pyarrow.parquet as pq
 
 from recsys_runner import stores
 from recsys_runner.data.catalogue.item_files import ItemParts
-from recsys_runner.data.files.sources import skip_empty, type_clash
+from recsys_runner.data.files import compression as compressed
+from recsys_runner.data.files.sources import PARQUET_MAGIC, read_head, skip_empty, type_clash
 from recsys_runner.data.locate import PARQUET_SUFFIXES, resolve_files
 from recsys_runner.errors import DataError
 
@@ -58,29 +59,41 @@ def read_item_parts(path: str, columns: list[str], delimiter: str) -> ItemParts:
 
 
 def _read(path: str, columns: list[str], delimiter: str, setting: str) -> pa.Table:
-    """``columns`` of one items file (text columns as strings); ``setting``: ``data.items.path`` as given (a file or the
-    folder of this part)."""
+    """``columns`` of one items file (text columns as strings; a gzip, bz2 or zstd text file decompressed as the training
+    reader does); ``setting``: ``data.items.path`` as given (a file, or the folder of this part)."""
     what = f"{path} (data.items.path)" if path == setting else f"{path} (a part of data.items.path={setting!r})"
+    parquet = path.endswith(PARQUET_SUFFIXES)
     try:
         if stores.file_size(path) == 0:
             raise DataError(f"{what} is an empty file (0 bytes). Fix: remove it, or write it again")
         fs, where = stores.arrow_filesystem(path)
-        if path.endswith(PARQUET_SUFFIXES):
+        if parquet:
             names = pq.read_schema(where, filesystem=fs).names
         else:
-            with stores.open_input(path) as f:
+            head = read_head(path)
+            if head.startswith(PARQUET_MAGIC):
+                raise DataError(f"{what} is a Parquet file (it begins with {PARQUET_MAGIC.decode()}), but its name does not end in "
+                                f"{', '.join(PARQUET_SUFFIXES)}, so it would be read as delimited text. Fix: rename it, e.g. "
+                                f"{path}.parquet")
+            codec = compressed.detect(path, head)
+            with compressed.open_text(path, codec) as f:
                 names = f.readline().decode("utf-8").rstrip("\r\n").split(delimiter)
+        missing = [c for c in columns if c not in names]
+        if missing:
+            raise DataError(f"{what} has no column {missing[0]!r}, which data.items names; its columns are {names}. "
+                            f"Fix: add the column to the file, or correct data.items.id / features / popularity")
+        if parquet:
+            return pq.read_table(where, columns=columns, filesystem=fs)
+        with compressed.open_text(path, codec) as f:
+            return pacsv.read_csv(f, parse_options=pacsv.ParseOptions(delimiter=delimiter),
+                                  convert_options=pacsv.ConvertOptions(include_columns=columns,
+                                                                       column_types=dict.fromkeys(columns, pa.string())))
+    except UnicodeDecodeError:
+        raise DataError(f"{what}: its header line is not UTF-8 text. Fix: write the file as UTF-8 (Parquet, or delimited text "
+                        f"with a header line)") from None
     except (OSError, pa.ArrowException) as e:
         if (refused := stores.failure(path, e, key=KEY)) is not None:
             raise refused from None
-        raise DataError(f"{what} cannot be read ({str(e).splitlines()[0]}). Fix: point {KEY} at the items file or folder "
-                        f"(Parquet, or text with a header line)") from None
-    missing = [c for c in columns if c not in names]
-    if missing:
-        raise DataError(f"{what} has no column {missing[0]!r}, which data.items names; its columns are {names}. "
-                        f"Fix: add the column to the file, or correct data.items.id / features / popularity")
-    if path.endswith(PARQUET_SUFFIXES):
-        return pq.read_table(where, columns=columns, filesystem=fs)
-    with stores.open_input(path) as f:
-        return pacsv.read_csv(f, parse_options=pacsv.ParseOptions(delimiter=delimiter),
-                              convert_options=pacsv.ConvertOptions(include_columns=columns, column_types=dict.fromkeys(columns, pa.string())))
+        raise DataError(f"{what} cannot be read ({str(e).splitlines()[0]}). Fix: correct or write the file again, or point {KEY} "
+                        f"at the items file or folder (Parquet, or delimited text with a header line and data.delimiter's "
+                        f"{delimiter!r} between fields)") from None
