@@ -27,7 +27,7 @@ from recsys_runner.data.schema import Schema
 from recsys_runner.errors import DataError, require
 from recsys_runner.features import FeatureSpec
 
-__all__ = ["Catalogue", "ItemParts", "ItemsConfig", "read_item_table"]
+__all__ = ["Catalogue", "ItemParts", "ItemsConfig", "item_columns", "read_item_table"]
 
 log = logging.getLogger(__name__)
 
