@@ -72,7 +72,7 @@ def _data_inputs(c: Components) -> list[DataRecord]:
     files[datasets.DATA_INPUTS_FILE] = datasets.to_json(records)
     if (resumed := c.loop.state.resumed_from) is not None:  # the files it started on, as the checkpoint recorded them
         stored = datasets.read_stored(resumed)
-        trained = [r for r in records if r.context == datasets.CONTEXTS["train"]]
+        trained = [r for r in records if r.context in (datasets.CONTEXTS["train"], datasets.CONTEXTS["items"])]
         datasets.note_changes(stored, trained, resumed, consequence=datasets.RESUMED_ON_CHANGED)
         datasets.note_split_changes(stored, records, resumed, consequence=datasets.RESUMED_ON_RESPLIT)
     return records

@@ -12,7 +12,9 @@ lookups stay collectives every rank takes part in).
   history", so on held-out rows the candidate is what they are judged against.
 * **two-tower** (:class:`~recsys_runner.train.corpus.TwoTower`, ``model=dssm``): the user tower's vector against the
   item index, the item tower over the data's catalogue (``data.items``), built once in chunks as the corpus eval
-  builds it (:func:`~recsys_runner.train.corpus.item_index`); scores ``<u, v> / temperature``.
+  builds it (:func:`~recsys_runner.train.corpus.item_index`); scores ``<u, v> / temperature``. The items ranked are
+  :func:`~recsys_runner.train.corpus.catalogue_candidates`' (those past the id mapping left out, said in one log line),
+  the corpus eval's own, so that its recall@k describes these lists.
 
 Retrieval is exact and chunked, one sweep over the items (:func:`~recsys_runner.metrics.corpus.corpus_top_k`, the
 corpus eval's first pass: memory ``B × (chunk + k)`` scores, never ``B × N``; the same top rows), or, for a two-tower
@@ -60,6 +62,7 @@ from recsys_runner.tasks import Task
 from recsys_runner.train.corpus import (
     RowOf,
     TwoTower,
+    catalogue_candidates,
     hnsw_index,
     inner_with,
     item_index,
@@ -163,8 +166,7 @@ def top_k_scorer(model: nn.Module, tasks: tuple[Task, ...], data: DataModule, en
             raise ConfigError("predict ranks a two-tower model's catalogue, but the data has none. Fix: data.items=<the catalogue "
                               "file> (the items the model may recommend)")
         names = item_names(files, sparse[table.id_feature].table_name, sparse[table.id_feature].num_embeddings, env.is_main)
-        known = np.flatnonzero(np.asarray(table.ids) < names.size)
-        table = table.take(known) if len(known) < len(table) else table
+        table = catalogue_candidates(table, data, files, env.is_main).table  # the items the corpus eval ranks too
         _check_k(k, len(table), "the item catalogue (data.items)")
         seen = _two_tower_seen(towers, data, table) if exclude_seen else []
         return _TwoTowerTopK(towers, table, data, env, names, k, seen, float(getattr(towers, "temperature", 1.0)))

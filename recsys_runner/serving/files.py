@@ -42,6 +42,7 @@ from recsys_runner.serving.program import (  # noqa: F401 - EXACT_ATOL, EXACT_RT
     export_program,
 )
 from recsys_runner.tasks import SINGLE_TASK, Task
+from recsys_runner.train.corpus import catalogue_candidates, eval_mapped_files
 
 log = logging.getLogger("recsys_runner")
 
@@ -56,7 +57,8 @@ TOWER_FILE = "{}_tower.pt2"
 
 ITEMS_FILE = "items.pt"
 """A two-tower model's item index, when the data has an item catalogue: ``{"ids": [N] int64, "vectors": [N, O] float32}``
-(the item tower over every catalogue item: what a server loads into its nearest-neighbour index)."""
+(the item tower over every catalogue item that may be recommended, :func:`~recsys_runner.train.corpus.catalogue_candidates`,
+the ones the eval ranks: what a server loads into its nearest-neighbour index)."""
 
 CHECKPOINT_MODEL_PREFIX = "model/model."
 """DCP keys of the model's weights: ``model/`` (:mod:`recsys_runner.checkpoint`) + the TrainWrapper's ``model.``."""
@@ -94,7 +96,9 @@ def build_unsharded(run: RunConfig, encoders: StoredEncoders | None = None) -> U
     if batch is None:
         batch = next(iter(data.train_batches(0, 0, 1)))
     raw = data.raw_rows(mlflow_model.CHECK_ROWS) if encoders is not None else None
-    return Unsharded(model.eval().requires_grad_(False), data.features, batch.to(cpu), data, data.item_table(), raw)
+    table = data.item_table()  # the items the eval ranks and predict recommends, none past the id mapping: the server's too
+    items = None if table is None else catalogue_candidates(table, data, eval_mapped_files(data)).table
+    return Unsharded(model.eval().requires_grad_(False), data.features, batch.to(cpu), data, items, raw)
 
 
 def load_weights(model: nn.Module, checkpoint: Path, ema: bool) -> None:

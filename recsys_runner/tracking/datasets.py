@@ -45,8 +45,9 @@ DATA_INPUTS_FILE = "data_inputs.json"
 """The training data's records in each checkpoint, beside ``encoders.json``."""
 DIGEST_LENGTH = 8
 """Characters of a digest: as long as MLflow's own datasets' (``mlflow.data.digest_utils``), which the UI shows."""
-CONTEXTS = {"train": "training", "eval": "evaluation"}
-"""Split → the ``mlflow.data.context`` tag the UI shows beside the dataset."""
+CONTEXTS = {"train": "training", "eval": "evaluation", "items": "catalogue"}
+"""Split → the ``mlflow.data.context`` tag the UI shows beside the dataset (``items``: a two-tower model's item catalogue,
+``data.items.path``)."""
 SCORED = ("predict", "prediction")
 """The name suffix and context of the files a predict scores (``predict.input``, else ``data.path``)."""
 CONTENTS, LISTING, GENERATOR = "contents", "file names, sizes and modification times", "generator config"
@@ -96,12 +97,22 @@ def describe(config: DataConfig, data: DataModule, *, max_digest_mb: float, enco
     splits = data.split_files()
     columns = _file_columns(encoders, data.features)
     if splits:
-        records = [_files_record(f"{kind}/{split}", files, CONTEXTS[split], columns, max_digest_mb) for split, files in splits.items()]
+        records = [_files_record(f"{kind}/{split}", files, CONTEXTS[split], _split_columns(split, columns, data), max_digest_mb)
+                   for split, files in splits.items()]
     else:
-        records = [_generated_record(config, kind, split, data.features) for split in CONTEXTS]
+        records = [_generated_record(config, kind, split, data.features) for split in ("train", "eval")]
     if scored is not None:
         records.append(_files_record(f"{kind}/{SCORED[0]}", scored, SCORED[1], columns, max_digest_mb))
     return records
+
+
+def _split_columns(split: str, columns: list[dict[str, Any]], data: DataModule) -> list[dict[str, Any]]:
+    """The columns of a split's files: the catalogue's (``items``) are the item table's id, features and dense columns."""
+    table = data.item_table() if split == "items" else None
+    if table is None:
+        return columns
+    names = {table.id_feature, *table.features, *table.dense_names}
+    return [c for c in columns if c["name"] in names]
 
 
 def to_json(records: Sequence[DataRecord]) -> bytes:
@@ -124,6 +135,12 @@ def read_stored(checkpoint: str | os.PathLike[str]) -> list[DataRecord] | None:
 SCORED_ON_CHANGED = ("The encoders stored with the checkpoint were fitted on that data (ids new since read OOV rows), and "
                      "these metrics are not comparable with the training's")
 """What changed files mean for an evaluate or predict of a checkpoint (:func:`note_changes`)."""
+ITEMS_ON_CHANGED = ("The catalogue is ranked (and sampled negatives drawn from it) as it is now: items added since were never "
+                    "trained as such (new ids read the stored encoders' OOV rows), and full-corpus metrics over another catalogue "
+                    "are not comparable with the training's. Fix: use the catalogue the checkpoint was trained with, or train "
+                    "on this one")
+"""What a changed catalogue (``data.items.path``: a part added to its folder, one rewritten) means, whatever the command
+(:func:`note_changes`)."""
 RESUMED_ON_CHANGED = ("The resumed run trains on them as they are now: its place in the epoch counts batches of the files as "
                       "they were, so rows may be trained twice or never, and ids new since read the stored encoders' OOV rows. "
                       "Fix: resume on the files the run started with; to train on these, start a new run "
@@ -134,8 +151,9 @@ RESUMED_ON_CHANGED = ("The resumed run trains on them as they are now: its place
 def note_changes(trained: Sequence[DataRecord] | None, now: Sequence[DataRecord], checkpoint: object,
                  consequence: str = SCORED_ON_CHANGED) -> list[str]:
     """Warn, once per dataset, where data of the same name and source as the checkpoint's training data has another
-    digest now (files added, removed, appended to or rewritten since the training), saying ``consequence``; data from
-    another source (that day's eval file) is only noted. Returns the names whose digest differs."""
+    digest now (files added, removed, appended to or rewritten since the training), saying ``consequence`` (for the
+    item catalogue, :data:`ITEMS_ON_CHANGED`); data from another source (that day's eval file) is only noted. Returns the
+    names whose digest differs."""
     if not trained:
         return []
     before = {r.name: r for r in trained}
@@ -150,7 +168,8 @@ def note_changes(trained: Sequence[DataRecord] | None, now: Sequence[DataRecord]
                      record.source, record.digest, checkpoint, old.source, old.digest)
             continue
         log.warning("data %s (%s) has digest %s, but checkpoint %s was trained on digest %s: the same files, changed since. %s",
-                    record.name, record.context, record.digest, checkpoint, old.digest, consequence)
+                    record.name, record.context, record.digest, checkpoint, old.digest,
+                    ITEMS_ON_CHANGED if record.context == CONTEXTS["items"] else consequence)
     return changed
 
 

@@ -21,6 +21,12 @@ given: every rank must finish the collectives).
 
 A query's target is its row's item id (the table's ``id_feature``); one missing from the catalogue counts as a miss.
 
+**Which items are ranked.** Those ``predict`` may recommend, no others (:func:`catalogue_candidates`, which predict's
+top-k calls too): rows encoded by ``python -m recsys_runner.data sequences`` name an id mapping, and a catalogue item
+whose id lies past the mapping's values (one of the table's OOV rows) has no raw id to be named by, so neither predict
+nor this eval ranks it, and an eval row whose item is one of them is a miss. The index is built over the whole catalogue
+all the same (mined negatives are lists of catalogue rows); the queries are scored against the candidates' rows of it.
+
 With ``model.eval_negatives`` ``n`` step 2 ranks each query's target against ``n`` catalogue rows drawn for it instead
 (:func:`sampled_ranks`: uniform over the rows it has not seen, a hash of its target and seen set, so the same on any
 number of ranks and in any batch); the index is built and gathered all the same.
@@ -28,6 +34,7 @@ number of ranks and in any batch); the index is built and gathered all the same.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -44,7 +51,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recsys_runner.data.base import DataModule, in_step, placeholder
 from recsys_runner.data.catalogue.items import ItemTable
 from recsys_runner.data.catalogue.negatives import MinedNegatives
-from recsys_runner.data.sequences.mapping import candidate_items
+from recsys_runner.data.files.tabular_config import ParquetDataConfig
+from recsys_runner.data.sequences.mapping import CandidateItems, candidate_items
 from recsys_runner.distributed.env import DistEnv
 from recsys_runner.errors import ConfigError
 from recsys_runner.metrics.corpus import corpus_k, corpus_ranks
@@ -56,8 +64,10 @@ from recsys_runner.models.ranking_eval import distinct_seen, sampled_negatives
 from recsys_runner.progress import Progress
 from recsys_runner.tasks import Task
 
-__all__ = ["CorpusEval", "RowOf", "TwoTower", "check_eval_negatives", "item_index", "mine", "inner_with", "sampled_ranks",
-           "seen_features", "seen_rows", "two_tower_of", "use_ranking_protocol"]
+__all__ = ["Candidates", "CorpusEval", "RowOf", "TwoTower", "catalogue_candidates", "check_eval_negatives", "eval_mapped_files",
+           "item_index", "mine", "inner_with", "sampled_ranks", "seen_features", "seen_rows", "two_tower_of", "use_ranking_protocol"]
+
+log = logging.getLogger(__name__)
 
 
 class TwoTower(Protocol):
@@ -108,8 +118,7 @@ def use_ranking_protocol(model: nn.Module, data: DataModule, spec: MetricsConfig
         inner.exclude_seen = spec.exclude_seen
         if hasattr(inner, "use_candidates"):
             table = {f.name: f for f in data.features.sparse}[inner.item_feature].table_name
-            split = data.split_files().get("eval")
-            inner.use_candidates(candidate_items(split.files if split is not None else (), table, inner.num_items).count)
+            inner.use_candidates(candidate_items(eval_mapped_files(data), table, inner.num_items).count)
         return
     if spec.exclude_seen and not two_tower:
         raise ConfigError("metrics.exclude_seen=true ranks each row's true item among the items its user has not interacted with, "
@@ -140,6 +149,70 @@ def seen_features(model: TwoTower, data: DataModule, table: ItemTable, required:
                           f"each row's earlier item ids, sharing {table.id_feature!r}'s table>, or a history feature in "
                           f"model.user_features, or metrics.exclude_seen=false")
     return found
+
+
+def eval_mapped_files(data: DataModule) -> list[str]:
+    """The eval split's Parquet files, whose metadata may name an id mapping (``data sequences`` rows): what
+    :func:`~recsys_runner.data.sequences.mapping.candidate_items` reads for the eval, as predict reads its input's
+    (``scoring.top_k_files``). None for other formats (no mapping to name) and for generated data."""
+    split = data.split_files().get("eval")
+    if split is None or not isinstance(getattr(data, "config", None), ParquetDataConfig):
+        return []
+    return list(split.files)
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """The catalogue items a two-tower model ranks (:func:`catalogue_candidates`)."""
+
+    table: ItemTable
+    """The rankable items, in catalogue order."""
+    rows: np.ndarray | None
+    """Their rows in the whole catalogue; ``None``: every item is rankable."""
+    mapping: CandidateItems
+    """The id mapping the rows name (its item count), or the whole id table without one."""
+
+
+def catalogue_candidates(table: ItemTable, data: DataModule, files: list[str], say: bool = True) -> Candidates:
+    """The items of the catalogue ``table`` that a two-tower model ranks for rows read from the Parquet ``files``: the
+    ids :func:`~recsys_runner.data.sequences.mapping.candidate_items` allows (the id mapping's values; the whole id
+    table for files without a mapping). The one definition both the full-corpus eval (:class:`CorpusEval`) and
+    ``predict``'s top-k (``scoring_topk.py``) rank, so that the eval's recall@k describes the list predict serves.
+
+    Why items are left out: an id past the mapping's values is one of the table's OOV rows (an unknown raw id's, a
+    hash bucket), which has no raw id for predict to write and stands for no one item. How many are left out, and why,
+    is one log line (when ``say``), once per process: predict builds the eval's candidates and its own, alike.
+
+    Raises:
+        ConfigError: the files name different mappings, or the mapping does not fit the item id's table
+            (:func:`~recsys_runner.data.sequences.mapping.candidate_items`).
+    """
+    column = {f.name: f for f in data.features.sparse}[table.id_feature]
+    mapping = candidate_items(files, column.table_name, column.num_embeddings)
+    rankable = np.asarray(table.ids, dtype=np.int64) < mapping.count
+    if rankable.all():
+        return Candidates(table, None, mapping)
+    rows = np.flatnonzero(rankable)
+    where = getattr(getattr(getattr(data, "config", None), "items", None), "path", None)
+    if say and (said := (where, len(table), len(rows), mapping.folder)) not in _SAID:
+        _SAID.add(said)
+        log.warning("%d of %d catalogue items%s are not rankable, neither by the full-corpus eval nor by predict: their %s ids "
+                    "(%s) are past the %d item ids of the id mapping in %s, its OOV rows, which stand for no one raw item (an "
+                    "eval row whose item is one of them counts as a miss). Fix: leave them out of the items file, or encode "
+                    "the catalogue with that mapping", len(table) - len(rows), len(table),
+                    f" ({where}, data.items.path)" if where else "", table.id_feature,
+                    _some(np.asarray(table.ids)[~rankable]), mapping.count, mapping.folder)
+    return Candidates(table.take(rows), rows, mapping)
+
+
+_SAID: set[tuple[str | None, int, int, str | None]] = set()
+"""The (items file, catalogue size, candidates, mapping folder) whose unrankable items were logged in this process."""
+
+
+def _some(ids: np.ndarray, shown: int = 5) -> str:
+    """The first ``shown`` of ``ids``, and how many more."""
+    text = ", ".join(str(int(i)) for i in ids[:shown])
+    return text + (f", … {len(ids) - shown} more" if len(ids) > shown else "")
 
 
 def item_index(model: TwoTower, table: ItemTable, keys: list[str], dense_names: tuple[str, ...], chunk_rows: int,
@@ -178,7 +251,8 @@ class CorpusEval:
     """The catalogue metrics of each task, computed over ``table`` (see the module's docstring).
 
     Attributes:
-        table: the item catalogue.
+        table: the item catalogue (the item index is built over all of it).
+        candidates: the catalogue items the queries are ranked among (:func:`catalogue_candidates`).
         tasks: the model's tasks with their catalogue metric names (``[(task, [recall@10, mrr, …])]``).
         spec: the metrics config (what builds each metric).
         chunk_rows: items scored, and embedded, at once (``model.corpus_chunk_rows``).
@@ -191,6 +265,7 @@ class CorpusEval:
     """
 
     table: ItemTable
+    candidates: Candidates
     tasks: list[tuple[Task, list[str]]]
     spec: MetricsConfig
     chunk_rows: int
@@ -200,8 +275,10 @@ class CorpusEval:
     negatives: int = 0
 
     @classmethod
-    def for_run(cls, model: nn.Module, data: DataModule, tasks: tuple[Task, ...], spec: MetricsConfig) -> CorpusEval | None:
-        """The corpus pass of a run, or ``None`` when no task lists a catalogue metric.
+    def for_run(cls, model: nn.Module, data: DataModule, tasks: tuple[Task, ...], spec: MetricsConfig,
+                say: bool = True) -> CorpusEval | None:
+        """The corpus pass of a run, or ``None`` when no task lists a catalogue metric; ``say``: log the catalogue items
+        it cannot rank (:func:`catalogue_candidates`; rank 0).
 
         Raises:
             ConfigError: a catalogue metric is listed but the data has no item catalogue or the model no towers, or
@@ -233,6 +310,8 @@ class CorpusEval:
         if towers is None:
             raise ConfigError(f"{key} lists {listed}, full-corpus metrics of a two-tower model; this model has no towers. "
                               f"Fix: model=dssm, or remove them")
+        candidates = catalogue_candidates(table, data, eval_mapped_files(data), say)
+        num_items = len(candidates.table)
         seen = seen_features(towers, data, table) if spec.exclude_seen else []
         if seen and towers.corpus_index == "faiss":
             raise ConfigError("metrics.exclude_seen=true masks each query's seen items in the exact ranking; model.index=faiss "
@@ -246,11 +325,11 @@ class CorpusEval:
             seen = seen or seen_features(towers, data, table, required=False)
             most_of = getattr(data, "eval_seen_most", None)  # file data measure their eval rows when built
             most = most_of(seen) if most_of is not None and seen else None
-            check_eval_negatives(negatives, len(table), most or 0, seen)
+            check_eval_negatives(negatives, num_items, most or 0, seen)
         among, more = ((f"model.eval_negatives={negatives} sampled catalogue items and its own", "model.eval_negatives={k}")
                        if negatives else ("the item catalogue's items", "a larger catalogue (data.items)"))
-        k = corpus_k(listed, negatives + 1 if negatives else len(table), key, among, more)
-        return cls(table, wanted, spec, towers.corpus_chunk_rows, k, towers.corpus_index, seen, negatives)
+        k = corpus_k(listed, negatives + 1 if negatives else num_items, key, among, more)
+        return cls(table, candidates, wanted, spec, towers.corpus_chunk_rows, k, towers.corpus_index, seen, negatives)
 
     def evaluate(self, model: nn.Module, data: DataModule, env: DistEnv, batches: Iterable[Batch],
                  progress: Progress | None = None, stop: Callable[[], None] | None = None) -> dict[str, float]:
@@ -259,8 +338,11 @@ class CorpusEval:
         towers = two_tower_of(model)
         assert towers is not None, "CorpusEval.for_run checked the model's towers"
         features = data.features
-        index = item_index(towers, self.table, features.kjt_keys, features.dense_names, self.chunk_rows, env, stop)
-        rows = RowOf(self.table, env.device)
+        whole = item_index(towers, self.table, features.kjt_keys, features.dense_names, self.chunk_rows, env, stop)
+        picked = self.candidates.rows
+        index = whole if picked is None else whole[torch.as_tensor(picked, device=whole.device)]
+        num_items = len(self.candidates.table)
+        rows = RowOf(self.candidates.table, env.device)
         ann = hnsw_index(index) if self.index == "faiss" else None
         metrics = [(task, {name: _metric(name, self.spec, env.device) for name in names}) for task, names in self.tasks]
         last: Batch | None = None
@@ -273,7 +355,7 @@ class CorpusEval:
                 for _, by_name in metrics:
                     for metric in by_name.values():
                         metric.update(Ranked(queries.new_zeros(0, dtype=torch.float64), queries.new_zeros(0, self.k, dtype=torch.long),
-                                             len(self.table)))
+                                             num_items))
                 continue
             targets = rows(first_ids(batch.sparse_features, self.table.id_feature))
             seen = seen_rows(batch.sparse_features, self.seen, rows) if self.seen else None
@@ -281,7 +363,7 @@ class CorpusEval:
                 ranked = sampled_ranks(queries, index, targets, seen, self.negatives, self.k, self.chunk_rows, self.seen, stop)
             else:
                 ranks, top = corpus_ranks(queries, index, targets, self.k, self.chunk_rows, between=stop, seen=seen)
-                ranked = Ranked(ranks, top, len(self.table)) if ann is None else searched(ann, queries, targets, top, len(self.table))
+                ranked = Ranked(ranks, top, num_items) if ann is None else searched(ann, queries, targets, top, num_items)
             for _, by_name in metrics:
                 for metric in by_name.values():
                     metric.update(ranked)
@@ -290,8 +372,8 @@ class CorpusEval:
             if stop is not None:
                 stop()
         miner = _miner(data)
-        if miner is not None:  # the index refresh: the next training batches draw hard negatives from it
-            mine(miner, index, self.chunk_rows, env, stop)
+        if miner is not None:  # the index refresh: the next training batches draw hard negatives from it (catalogue rows)
+            mine(miner, whole, self.chunk_rows, env, stop)
         return {eval_key(task, name): float(m.compute()) for task, by_name in metrics for name, m in by_name.items()}
 
 

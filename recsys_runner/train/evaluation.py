@@ -59,7 +59,7 @@ class Evaluator:
 
     def __post_init__(self) -> None:
         if self.corpus is None:
-            self.corpus = CorpusEval.for_run(self.model, self.data, self.tasks, self.metrics)
+            self.corpus = CorpusEval.for_run(self.model, self.data, self.tasks, self.metrics, say=self.env.is_main)
 
     def keys(self) -> list[str]:
         """The metric keys :meth:`evaluate` returns (``eval/auc``, ``eval/recall_at_10``, …)."""

@@ -1,6 +1,7 @@
 """The item catalogue of file data (``data.items``), and what the file data modules share to serve it and sampled negatives.
 
-An items file (Parquet, or delimited text) has one row per item: the item id column and the item tower's other columns,
+An items file (Parquet, or delimited text), or a folder of part files (:class:`ItemParts`, read by
+:mod:`recsys_runner.data.files.item_parts`), has one row per item: the item id column and the item tower's other columns,
 named as in the training files. Each is encoded by the training data's own :class:`~recsys_runner.data.encoding.rows.Encoder`
 for the same-named ``data.sparse`` / ``data.dense`` column, so the table's ids are the ids of the training rows (the same
 vocabulary, hash or modulo). Built once when the data module is built, so that a missing column, a duplicate item or an
@@ -17,20 +18,16 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.csv as pacsv
-import pyarrow.parquet as pq
 
-from recsys_runner import stores
 from recsys_runner.data.catalogue.items import ItemTable
 from recsys_runner.data.catalogue.negatives import MinedNegatives, NegativeSampler, NegativesConfig
 from recsys_runner.data.encoding.histories import truncate
 from recsys_runner.data.encoding.rows import Encoder, Location
-from recsys_runner.data.locate import PARQUET_SUFFIXES
 from recsys_runner.data.schema import Schema
 from recsys_runner.errors import DataError, require
 from recsys_runner.features import FeatureSpec
 
-__all__ = ["Catalogue", "ItemsConfig", "read_item_table"]
+__all__ = ["Catalogue", "ItemParts", "ItemsConfig", "item_columns", "read_item_table"]
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +37,9 @@ class ItemsConfig:
     """``data.items``: the item catalogue file of a two-tower model (docs/retrieval.md, *The item catalogue*)."""
 
     path: str | None = None
-    """One file, ``.parquet`` or delimited text (the training data's ``data.delimiter``, else ``,``, with a header line):
-    one row per item. ``null``: no item table."""
+    """One file, ``.parquet`` or delimited text (the training data's ``data.delimiter``, else ``,``, with a header line),
+    or a folder, glob or object-store prefix of part files of one of those formats (as Spark writes a table; parts
+    without rows are skipped): one row per item. ``null``: no item table."""
     id: str | None = None
     """The item id column: a ``data.sparse`` column of the training data (the id of each table row, distinct)."""
     features: list[str] = field(default_factory=list)
@@ -78,80 +76,94 @@ class ItemsConfig:
                 f"({', '.join([*sparse, *dense])}). Fix: list the item columns by their training names")
 
 
-def _read(path: str, columns: list[str], delimiter: str) -> pa.Table:
-    """``columns`` of the items file (text columns as strings, as the text reader gives them to the encoder)."""
-    try:
-        fs, where = stores.arrow_filesystem(path)
-        if path.endswith(PARQUET_SUFFIXES):
-            names = pq.read_schema(where, filesystem=fs).names
-        else:
-            with stores.open_input(path) as f:
-                names = f.readline().decode("utf-8").rstrip("\r\n").split(delimiter)
-    except (OSError, pa.ArrowException) as e:
-        if (refused := stores.failure(path, e, key="data.items.path")) is not None:
-            raise refused from None
-        raise DataError(f"data.items.path={path!r} cannot be read ({str(e).splitlines()[0]}). Fix: point data.items.path at the "
-                        f"items file (Parquet, or text with a header line)") from None
-    missing = [c for c in columns if c not in names]
-    if missing:
-        raise DataError(f"{path} (data.items.path) has no column {missing[0]!r}, which data.items names; its columns are {names}. "
-                        f"Fix: add the column to the file, or correct data.items.id / features / popularity")
-    if path.endswith(PARQUET_SUFFIXES):
-        return pq.read_table(where, columns=columns, filesystem=fs)
-    with stores.open_input(path) as f:
-        return pacsv.read_csv(f, parse_options=pacsv.ParseOptions(delimiter=delimiter),
-                              convert_options=pacsv.ConvertOptions(include_columns=columns, column_types=dict.fromkeys(columns, pa.string())))
+@dataclass(frozen=True)
+class ItemParts:
+    """The rows of ``data.items.path`` as read (:func:`~recsys_runner.data.files.item_parts.read_item_parts`): one file,
+    or each part file with rows of the folder it names, in file order."""
+
+    path: str
+    """``data.items.path`` as given: a file, a folder, a glob or a URI."""
+    files: tuple[str, ...]
+    """The files read (parts without rows left out)."""
+    starts: np.ndarray
+    """``starts[p]``: the row of :attr:`table` that is the first row of ``files[p]``."""
+    table: pa.Table
+    """Every file's rows, the configured columns only."""
+    text: bool
+    """Delimited text (a row's line number is its row + 2: 1-based, after the header), else Parquet."""
+
+    def where(self, row: int) -> str:
+        """The file of :attr:`table`'s row ``row`` and its line (text) or row (Parquet) in it, for an error."""
+        part = int(np.searchsorted(self.starts, row, side="right")) - 1
+        return Location(self.files[part], "items", np.array([row - int(self.starts[part])]), 2 if self.text else None).describe(0)
+
+    def files_of(self, rows: np.ndarray) -> str:
+        """The files holding :attr:`table`'s ``rows``, for an error."""
+        parts = np.unique(np.searchsorted(self.starts, rows, side="right") - 1)
+        return ", ".join(self.files[int(p)] for p in parts)
 
 
-def _raise_bad(path: str, rows: np.ndarray) -> Callable[..., None]:
-    """The encoder's ``bad`` callback for an items file: the first bad value stops the run, naming file, row and column."""
-    where = Location(path, "items", rows, 2 if not path.endswith(PARQUET_SUFFIXES) else None)
-
+def _raise_bad(parts: ItemParts) -> Callable[..., None]:
+    """The encoder's ``bad`` callback for the items: the first bad value stops the run, naming file, row and column."""
     def bad(column: str, mask: np.ndarray, what: Callable[[int], str]) -> None:
         if mask.any():
             i = int(np.flatnonzero(mask)[0])
-            raise DataError(f"bad item in {where.describe(i)}, column {column!r}: {what(i)}. Fix the items file (data.items.path)")
+            raise DataError(f"bad item in {parts.where(i)}, column {column!r}: {what(i)}. Fix the items file (data.items.path)")
     return bad
 
 
-def _check_unique(path: str, column: str, arr: pa.ChunkedArray) -> None:
+def _check_unique(parts: ItemParts, column: str) -> None:
+    arr = parts.table.column(column)
     counts = pc.value_counts(arr)
     repeated = pc.filter(counts, pc.greater(counts.field("counts"), 1))
     if len(repeated):
         first = repeated[0].as_py()
-        raise DataError(f"{path} (data.items.path) has item {first['values']!r} of column {column!r} {first['counts']} times "
-                        f"({len(repeated)} ids repeat): the catalogue has each item once. Fix: deduplicate the file by {column!r}")
+        rows = np.flatnonzero(np.asarray(pc.equal(arr, first["values"]).to_numpy(zero_copy_only=False), dtype=bool))
+        raise DataError(f"{parts.files_of(rows)} (data.items.path) has item {first['values']!r} of column {column!r} {first['counts']} "
+                        f"times ({len(repeated)} ids repeat): the catalogue has each item once. Fix: deduplicate the "
+                        f"{'file' if len(parts.files) == 1 else 'parts'} by {column!r}")
 
 
-def read_item_table(config: ItemsConfig, schema: Schema, delimiter: str = ",",
-                    train_sample: Callable[[int], pa.Table] | None = None) -> ItemTable:
-    """The :class:`ItemTable` of ``config.path``, encoded with ``schema``'s columns; popularity from its column, else counted
-    in ``train_sample(config.count_rows)`` (training rows), else uniform.
+def item_columns(config: ItemsConfig, schema: Schema) -> list[str]:
+    """The columns of the items file(s) that ``config`` reads (the id, the features, the popularity column), checked
+    first against the training data's ``schema`` (a config mistake is said before any items file is opened).
 
     Raises:
-        ConfigError: the id or a feature is not a column of the training data.
-        DataError: the file lacks a configured column, an item id repeats or is missing, a value does not encode.
+        ConfigError: the id or a feature is not a column of the training data (:meth:`ItemsConfig.check`).
+    """
+    assert config.id is not None
+    config.check(schema)
+    return [config.id, *config.features, *([config.popularity] if config.popularity else [])]
+
+
+def read_item_table(config: ItemsConfig, schema: Schema, parts: ItemParts,
+                    train_sample: Callable[[int], pa.Table] | None = None) -> ItemTable:
+    """The :class:`ItemTable` of ``parts`` (the rows of ``config.path``, its :func:`item_columns`), encoded with
+    ``schema``'s columns; popularity from its column, else counted in ``train_sample(config.count_rows)`` (training rows),
+    else uniform.
+
+    Raises:
+        DataError: an item id repeats or is missing, a value does not encode (naming the file and its row).
     """
     assert config.path is not None and config.id is not None
-    config.check(schema)
-    path, id_name = config.path, config.id
-    table = _read(path, [id_name, *config.features, *([config.popularity] if config.popularity else [])], delimiter)
-    _check_unique(path, id_name, table.column(id_name))
-    encoder, bad = Encoder(schema, error=DataError), _raise_bad(path, np.arange(table.num_rows))
+    path, id_name, table = config.path, config.id, parts.table
+    _check_unique(parts, id_name)
+    encoder, bad = Encoder(schema, error=DataError), _raise_bad(parts)
+    whole = Location(path, "items", np.arange(0), 2 if parts.text else None)  # text: numbers are parsed (dense, popularity)
     sparse_cols, dense_cols = {c.name: c for c in schema.sparse}, {c.name: c for c in schema.dense}
-    ids, lengths = encoder._sparse(sparse_cols[id_name], table.column(id_name), Location(path, "items", np.arange(0)), bad)
+    ids, lengths = encoder._sparse(sparse_cols[id_name], table.column(id_name), whole, bad)
     bad(id_name, lengths != 1, lambda i: "the item id is missing, or a list (an item has one id)")
-    features = {n: _capped(encoder, sparse_cols[n], encoder._sparse(sparse_cols[n], table.column(n), Location(path, "items", np.arange(0)), bad))
+    features = {n: _capped(encoder, sparse_cols[n], encoder._sparse(sparse_cols[n], table.column(n), whole, bad))
                 for n in [id_name, *config.features] if n in sparse_cols}
     if (line := encoder.capped_line()) is not None:
         log.info("%s (data.items.path): %s", path, line)
     dense_names = tuple(n for n in config.features if n in dense_cols)
-    dense = np.stack([encoder._dense(dense_cols[n], table.column(n), Location(path, "items", np.arange(0)), bad)
+    dense = np.stack([encoder._dense(dense_cols[n], table.column(n), whole, bad)
                       for n in dense_names], axis=1) if dense_names else np.zeros((table.num_rows, 0))
     items = ItemTable(id_name, ids, features, dense_names, dense.astype(np.float32), np.ones(table.num_rows), config.seen)
     items = _first_of_each_id(items, path)
     if config.popularity is not None:
-        popularity = _popularity_column(table.column(config.popularity), path, config.popularity, ids)
+        popularity = _popularity_column(table.column(config.popularity), parts, config.popularity, ids)
         return _with_popularity(items, popularity)
     return _with_popularity(items, _counted(items, encoder, sparse_cols[id_name], train_sample, config.count_rows))
 
@@ -178,12 +190,12 @@ def _first_of_each_id(items: ItemTable, path: str) -> ItemTable:
     return items.take(np.sort(first))
 
 
-def _popularity_column(arr: pa.ChunkedArray, path: str, column: str, ids: np.ndarray) -> np.ndarray:
+def _popularity_column(arr: pa.ChunkedArray, parts: ItemParts, column: str, ids: np.ndarray) -> np.ndarray:
     values = np.asarray(pc.cast(arr, pa.float64(), safe=False).fill_null(0).to_numpy(zero_copy_only=False), dtype=np.float64)
     wrong = ~np.isfinite(values) | (values < 0)
     if wrong.any():
         i = int(np.flatnonzero(wrong)[0])
-        raise DataError(f"{path} (data.items.path), item row {i}, column {column!r} (data.items.popularity): {values[i]} is not a "
+        raise DataError(f"{parts.where(i)} (data.items.path), column {column!r} (data.items.popularity): {values[i]} is not a "
                         f"count >= 0. Fix the file, or data.items.popularity=null to count the training data")
     _, first = np.unique(ids, return_index=True)  # the rows _first_of_each_id keeps, in order
     return values[np.sort(first)]
@@ -280,13 +292,14 @@ class Catalogue:
     _item_catalogue: ItemTable | None = None
     _negative_sampler: NegativeSampler | None = None
 
-    def open_catalogue(self, train_source: Any) -> None:
-        """Build the item table and the negative sampler (the module's schema, splits and features exist by now)."""
+    def open_catalogue(self, train_source: Any, parts: ItemParts | None) -> None:
+        """Build the item table of ``parts`` (``data.items.path`` read; ``None`` without one) and the negative sampler
+        (the module's schema, splits and features exist by now)."""
         items: ItemsConfig = self.config.items
         negatives: NegativesConfig = self.config.negatives
         if items.path is not None:
-            delimiter = getattr(self.config, "delimiter", None) or ","
-            self._item_catalogue = read_item_table(items, self.schema, delimiter, train_source.sample)
+            assert parts is not None, "data.items.path is read by the file data module"
+            self._item_catalogue = read_item_table(items, self.schema, parts, train_source.sample)
             check_eval_items(self._item_catalogue, self.schema, self._eval, items.path)
         negatives.check(self._item_catalogue, self.features, "the data has no item table. Fix: data.items.path=<items file> and "
                                                     "data.items.id=<item id column> (docs/retrieval.md)")
@@ -296,7 +309,6 @@ class Catalogue:
 
     def item_table(self) -> ItemTable | None:
         return self._item_catalogue
-
     def negative_miner(self) -> MinedNegatives | None:
         """The lists hard negatives are mined into at each full-corpus eval (``data.negatives.mined_ratio``), or ``None``."""
         return self._negative_sampler.mined if self._negative_sampler is not None else None

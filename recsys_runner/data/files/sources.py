@@ -117,9 +117,10 @@ def _family(t: pa.DataType) -> str | None:
     return "text" if is_text(t) else str(t)
 
 
-def type_clash(columns: list[str], first: tuple[str, pa.Schema], other: tuple[str, pa.Schema]) -> DataError | None:
+def type_clash(columns: list[str], first: tuple[str, pa.Schema], other: tuple[str, pa.Schema],
+               settings: str = "data.path, data.eval_path") -> DataError | None:
     """The error for the first of ``columns`` whose type differs in kind (:func:`_family`) between two Parquet files read
-    together, each given as ``(path, Arrow schema)``; ``None`` when they agree.
+    together, each given as ``(path, Arrow schema)`` (``settings``: which settings named them); ``None`` when they agree.
 
     Why: an id column written as integers in one file and as text in another would key different rows of a vocabulary
     or a hash (``7`` and ``"7"`` are two values), so one file's ids would silently read rows trained by nothing."""
@@ -131,7 +132,7 @@ def type_clash(columns: list[str], first: tuple[str, pa.Schema], other: tuple[st
             continue
         ta, tb = first[1].field(name).type, other[1].field(name).type
         return DataError(f"column {name!r} holds {ta} values in {first[0]} but {tb} values in {other[0]}: files read together "
-                         f"(data.path, data.eval_path) must agree on each column's type, or their values would not be encoded "
+                         f"({settings}) must agree on each column's type, or their values would not be encoded "
                          f"alike (text ids and integer ids key different rows). Fix: write {name!r} of {other[0]} as {ta}, as in "
                          f"{first[0]}")
     return None

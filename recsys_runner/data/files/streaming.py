@@ -41,12 +41,13 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.data.base import DataModule, SplitFiles, synchronized
-from recsys_runner.data.catalogue.item_files import Catalogue
+from recsys_runner.data.catalogue.item_files import Catalogue, item_columns
 from recsys_runner.data.encoding.keys import splitmix64
 from recsys_runner.data.encoding.rows import Encoder, Location, Rows
 from recsys_runner.data.encoding.stored import StoredEncoders, check_inputs, column_kinds, column_types, oov_counters, to_json
 from recsys_runner.data.files.compression import plain_name
 from recsys_runner.data.files.csv_source import CsvSource
+from recsys_runner.data.files.item_parts import read_item_parts
 from recsys_runner.data.files.prefetch import read_ahead
 from recsys_runner.data.files.sources import ParquetSource, Unit
 from recsys_runner.data.files.tabular_config import DEFAULT_EVAL_FRACTION, TabularDataConfig
@@ -195,7 +196,11 @@ class TabularData(Catalogue, DataModule, abc.ABC):
                 check_budget(config.batch_tokens, group.max_len)
             self.batch_size = expected_rows(train_source.sample(1000), schema, config.batch_tokens)
         check_catalogue_inputs(config, schema)
-        self.open_catalogue(train_source)  # data.items and data.negatives (item_files.py), checked before the first step
+        parts = None if config.items.path is None else \
+            read_item_parts(config.items.path, item_columns(config.items, schema), getattr(config, "delimiter", None) or ",")
+        self._item_files = None if parts is None else SplitFiles(parts.path, parts.files, parts.table.num_rows)
+        """The catalogue's files (``data.items.path``), for the run's dataset inputs (:meth:`split_files`)."""
+        self.open_catalogue(train_source, parts)  # data.items and data.negatives (item_files.py), checked before the first step
 
     def open_files(self, path: str, key: str) -> Any:
         """A row source over the files at ``path`` with this data option's own reader and format settings (the
@@ -275,14 +280,17 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         return to_json(self.schema, column_kinds(self.schema, sample), column_types(self.schema, sample))
 
     def split_files(self) -> dict[str, SplitFiles]:
-        """The training and eval files with each split's rows (a hash split's eval rows are a share of the training files)."""
+        """The training and eval files with each split's rows (a hash split's eval rows are a share of the training files),
+        and the item catalogue's files (``items``, with ``data.items.path``): its digest too tells a checkpoint's
+        catalogue from a changed one."""
         config = self.config
         train = SplitFiles(config.path, tuple(self._train.source.files), sum(self._train.counts))
+        items = {} if self._item_files is None else {"items": self._item_files}
         if config.eval_path is not None:
-            return {"train": train, "eval": SplitFiles(config.eval_path, tuple(self._eval.source.files), sum(self._eval.counts))}
+            return {"train": train, "eval": SplitFiles(config.eval_path, tuple(self._eval.source.files), sum(self._eval.counts)), **items}
         return {"train": train, "eval": SplitFiles(config.path, train.files, sum(self._eval.counts),
                                                    holdout=config.eval_fraction or DEFAULT_EVAL_FRACTION,
-                                                   split_keys=tuple(split_key(f) for f in train.files))}
+                                                   split_keys=tuple(split_key(f) for f in train.files)), **items}
 
     def raw_rows(self, rows: int) -> pa.Table:
         return self.open_files(self.config.path, "data.path").sample(rows)

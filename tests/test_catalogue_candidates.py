@@ -1,0 +1,79 @@
+"""A two-tower model's full-corpus eval and ``predict``'s top-k rank the same catalogue items: those that may be
+recommended (``train.corpus.catalogue_candidates``), never the item table's OOV rows past the ``data sequences`` id
+mapping, which an items file listing every table row holds. On the same rows, the eval's recall@k equals the recall
+computed from predict's top-k output by brute force; export's item index holds the same items."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from recsys_runner import evaluate, export, predict
+from recsys_runner.__main__ import run as train
+from recsys_runner.config import register_configs
+from recsys_runner.data.sequences.mapping import load_mapping
+from recsys_runner.paths import CONFIG_PATH
+from recsys_runner.scoring_topk import TOP_ITEMS
+from recsys_runner.train import corpus
+from tests.test_evaluate import compose_entry
+from tests.test_sequence_rows import distinct_times_log, run_sequences
+
+OOV_ROWS, K = 16, 60
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str], int]:
+    """``data sequences`` rows whose item table has 16 OOV rows after the mapping's items, a catalogue of every table row
+    (the OOV rows included: a catalogue dumped from the embedding table), dssm trained a few steps; the folder, the
+    overrides and the mapping's item count."""
+    root = tmp_path_factory.mktemp("catalogue_candidates")
+    rows = run_sequences(root, distinct_times_log(num_users=40, seed=7), "rows", "--max-len", "6", "--oov-buckets", str(OOV_ROWS))
+    items = len(load_mapping(str(rows))["item"])
+    pq.write_table(pa.table({"item_id": np.arange(items + OOV_ROWS, dtype=np.int64)}), root / "items.parquet")
+    overrides = ["model=dssm", "model.user_features=[user_id]", "model.item_features=[item_id]", "model.tower_layer_sizes=[8]",
+                 f"model.eval_metrics=[recall@{K}]", "model.corpus_chunk_rows=16", "data=parquet", f"data.path={rows}/train.parquet",
+                 f"data.eval_path={rows}/eval.parquet", f"data.items.path={root}/items.parquet", "data.items.id=item_id",
+                 "data.batch_size=16", "train.num_steps=6", "train.eval_every_steps=null", "distributed.device=cpu", "tracking=none",
+                 f"checkpoint.dir={root}/ck"]
+    register_configs()
+    with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
+        train(compose(config_name="config", overrides=overrides))
+    return root, overrides, items
+
+
+def test_eval_recall_equals_a_brute_force_recall_of_predicts_top_k_on_the_same_rows(
+        trained: tuple[Path, list[str], int], tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    root, overrides, items = trained
+    monkeypatch.setattr(corpus, "_SAID", set())  # the training said it already: the line comes once per process
+    (step,) = sorted((root / "ck").glob("step_*"))[-1:]
+    with caplog.at_level(logging.INFO):
+        metrics = evaluate.run(compose_entry("evaluate", *overrides, f"load={step}"))
+    result = predict.run(compose_entry("predict", *overrides, f"load={step}", f"predict.input={root}/rows/eval.parquet",
+                                       f"predict.output={tmp_path}/out", f"predict.top_k={K}", "predict.exclude_seen=false",
+                                       "predict.columns=[item_id]"))
+    written = pq.read_table(result.parts)
+    assert result.rows == pq.read_metadata(root / "rows" / "eval.parquet").num_rows
+    raw_items = set(load_mapping(str(root / "rows"))["item"].tolist())
+    assert all(set(top) <= raw_items for top in written[TOP_ITEMS].to_pylist()), "no OOV row recommended"
+    hits = [item in top for item, top in zip(written["item_id"].to_pylist(), written[TOP_ITEMS].to_pylist(), strict=True)]
+    assert 0 < np.mean(hits) < 1
+    assert metrics[f"eval/recall_at_{K}"] == pytest.approx(np.mean(hits), rel=1e-12)
+    said = [r.getMessage() for r in caplog.records if "not rankable" in r.getMessage()]  # evaluate's, predict's: one line
+    assert len(said) == 1 and f"{OOV_ROWS} of {items + OOV_ROWS} catalogue items" in said[0], said
+    assert f"past the {items} item ids of the id mapping in {root / 'rows'}" in said[0]
+
+
+def test_export_serves_the_same_items_as_eval_and_predict(trained: tuple[Path, list[str], int], tmp_path: Path) -> None:
+    """``items.pt``, the index a server loads, holds the ranked items only: no OOV row past the mapping."""
+    root, overrides, items = trained
+    out = export.run(compose_entry("export", *overrides, f"load={root}/ck", f"export.dir={tmp_path}/export"))
+    saved = torch.load(out / "items.pt")
+    assert saved["ids"].tolist() == list(range(items)) and saved["vectors"].shape[0] == items
