@@ -12,13 +12,8 @@ from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
 from recsys_runner import compare
-from recsys_runner.tracking.sweep import (
-    EXPECTED_JOBS_TAG,
-    SLURM_JOB_IDS_TAG,
-    SUBMITIT_FOLDER_TAG,
-    SWEEP_PARENT_TAG,
-    SWEPT_KEYS_TAG,
-)
+from recsys_runner.tracking.sweep import EXPECTED_JOBS_TAG, SWEEP_PARENT_TAG, SWEPT_KEYS_TAG
+from recsys_runner.tracking.sweep_jobs import SLURM_JOB_IDS_TAG, SUBMITIT_FOLDER_TAG
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

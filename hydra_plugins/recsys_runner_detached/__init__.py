@@ -40,7 +40,8 @@ class DetachedSlurmLauncher(SlurmLauncher):
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         from recsys_runner.errors import ConfigError
         from recsys_runner.tracking.store import resolve_uri
-        from recsys_runner.tracking.sweep import EXPECTED_JOBS_TAG, SLURM_JOB_IDS_TAG, SUBMITIT_FOLDER_TAG
+        from recsys_runner.tracking.sweep import EXPECTED_JOBS_TAG
+        from recsys_runner.tracking.sweep_jobs import SLURM_JOB_IDS_TAG, SUBMITIT_FOLDER_TAG
         from recsys_runner.tracking.tracker import PARENT_RUN_ENV
 
         assert self.config is not None
@@ -142,7 +143,7 @@ class WaitingLocalLauncher(WaitingSubmititLauncher, LocalLauncher):
 def _last_error_line(error: str) -> str:
     """The job's own last word in submitit's error text (its stderr follows ``Error stream produced:``): the last
     line that is not srun's own, else submitit's first line."""
-    from recsys_runner.tracking.sweep import last_own_line
+    from recsys_runner.tracking.sweep_jobs import last_own_line
 
     own = last_own_line(error.split("Error stream produced:")[-1]) if "Error stream produced:" in error else None
     return own or error.strip().splitlines()[0]
