@@ -66,6 +66,9 @@ RANGE_PARAM, SWEPT_PARAM = "sweep.range.", "swept."
 """Param prefixes: the parent's range of each swept key, a child's value of it."""
 SUMMARY_METRICS = ("eval/auc", "eval/logloss", "train/loss")
 """The metrics of each child the summary table holds, after the objective (those a child logged)."""
+JOB_NUM_TAG = "sweep.job_num"
+"""On a sweep job's run: the job's number in the sweep (``hydra.job.num``), by which the side that sees the job die finds
+the run it left RUNNING (:func:`recsys_runner.tracking.sweep_jobs.end_dead_runs`)."""
 FAILED_JOBS_TAG = "sweep.failed_jobs"
 """On a parent whose multirun stopped early: the jobs that failed (``#1 optim.lr=-1``), ``; ``-separated."""
 _MAX_NAME_CHARS = 80
@@ -332,6 +335,11 @@ def child_params(values: Mapping[str, str]) -> dict[str, str]:
     """A sweep job's params ``swept.<key>``: the same keys in every child, so the UI's parallel-coordinates and
     contour charts can plot them (the flattened config spells a choice like ``model`` as ``model._target_``)."""
     return {f"{SWEPT_PARAM}{key}": value for key, value in values.items()}
+
+
+def child_tags(job_num: int | None) -> dict[str, str]:
+    """A sweep job's run tags: its number in the sweep (:data:`JOB_NUM_TAG`); ``{}`` outside a multirun."""
+    return {JOB_NUM_TAG: str(job_num)} if job_num is not None else {}
 
 
 def sweep_objective(client: Any, parent_run_id: str) -> str:
