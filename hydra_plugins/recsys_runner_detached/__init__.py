@@ -114,14 +114,18 @@ class WaitingSubmititLauncher(BaseSubmititLauncher):
     the job ended (:func:`recsys_runner.tracking.sweep_jobs.end_dead_runs`)."""
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        from submitit.core.utils import UncompletedJobError
+
         from recsys_runner.tracking.sweep import jobs_ended
 
         with _failures_are_results() as jobs:
             returns = super().launch(job_overrides, initial_job_idx)
         failed = [(initial_job_idx + i, overrides, r) for i, (overrides, r) in enumerate(zip(job_overrides, returns, strict=True))
                   if r.status == JobStatus.FAILED]
-        if failed:
-            self._end_dead_runs({num: _end_state(jobs[num - initial_job_idx]) for num, _, _ in failed})
+        # A job that raised left its error as its result, its run ended by the job itself; one that left none died.
+        dead = {num: _end_state(jobs[num - initial_job_idx]) for num, _, r in failed if isinstance(r._return_value, UncompletedJobError)}
+        if dead:
+            self._end_dead_runs(dead)
         jobs_ended([(num, list(overrides)) for num, overrides, _ in failed])
         if failed:
             for num, _, r in failed:
