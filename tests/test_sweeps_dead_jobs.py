@@ -53,14 +53,16 @@ def _job_runs(tmp_path: Path, experiment: str) -> dict[str, object]:
 
 
 def _task_pids(tmp_path: Path) -> list[int]:
-    """The sweep's submitit task processes (``python -m submitit.core._submit <sweep>/.submitit/...``), local or SLURM."""
+    """The sweep's submitit task processes (``python -u -m submitit.core._submit <sweep>/.submitit/...``), local or SLURM
+    (not ``srun``, whose command line holds the task's)."""
     pids = []
     for entry in Path("/proc").iterdir():
         try:
             cmd = (entry / "cmdline").read_bytes().split(b"\0") if entry.name.isdigit() else []
         except OSError:
             continue
-        if b"submitit.core._submit" in cmd and any(str(tmp_path).encode() in c for c in cmd):
+        is_python = Path(cmd[0].decode(errors="replace")).name.startswith("python") if cmd else False
+        if is_python and b"submitit.core._submit" in cmd and any(str(tmp_path).encode() in c for c in cmd):
             pids.append(int(entry.name))
     return pids
 
