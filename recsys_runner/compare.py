@@ -47,10 +47,10 @@ from recsys_runner.tracking.sweep import (
     FAILED_JOBS_TAG,
     SWEEP_PARENT_TAG,
     finish_parent,
-    slurm_jobs_ended,
     summarize,
     sweep_objective,
 )
+from recsys_runner.tracking.sweep_jobs import end_dead_runs, slurm_jobs_ended
 from recsys_runner.tracking.tracker import MlflowTrackingConfig
 
 DEFAULT_METRICS = ("eval/auc", "eval/logloss", "train/loss")
@@ -287,17 +287,19 @@ def collect(client: Any, parent: str, *, wait: bool, timeout_s: float, poll_s: f
     ``wait`` is off or time ran out first.
 
     The jobs have ended when every expected child run has (:data:`EXPECTED_JOBS_TAG`), or, for a SLURM sweep, when SLURM
-    says every job has (:func:`~recsys_runner.tracking.sweep.slurm_jobs_ended`): a job that died before it created its
+    says every job has (:func:`~recsys_runner.tracking.sweep_jobs.slurm_jobs_ended`): a job that died before it created its
     MLflow run (a config error, an OOM kill) never adds a child, and waiting for it would last until ``--timeout``.
     Each failed job is named in a line on stderr as soon as SLURM reports it (``Job #1 (SLURM 42_1, FAILED) failed:
     Config error: …``); the parent then ends ``FAILED`` with them in its tag ``sweep.failed_jobs``, as a waiting
-    launcher's would."""
+    launcher's would. A failed job killed after its MLflow run started (``scancel``, a time limit, an OOM kill) left that
+    run RUNNING: it is ended as soon as SLURM reports the job (:func:`~recsys_runner.tracking.sweep_jobs.end_dead_runs`)."""
     deadline, told = time.monotonic() + timeout_s, set[int]()
     while True:
-        summary = summarize(client, parent)
         tags = client.get_run(parent).data.tags
-        expected = int(tags.get(EXPECTED_JOBS_TAG, summary.num_children))
         ended = slurm_jobs_ended(tags)
+        end_dead_runs(client, parent, {job.num: job.state for job in ended or [] if job.failed})
+        summary = summarize(client, parent)
+        expected = int(tags.get(EXPECTED_JOBS_TAG, summary.num_children))
         for job in ended or []:
             if job.failed and job.num not in told:
                 told.add(job.num)

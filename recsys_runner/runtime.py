@@ -57,6 +57,9 @@ class Launch:
     dataclass default. ``None`` outside the CLI and for the commands other than training."""
     cwd: str | None = None
     """The directory the command was launched in, against which relative paths among :attr:`settings` are read."""
+    job_num: int | None = None
+    """A multirun job's number in its sweep (``hydra.job.num``), by which the launcher that sees the job die finds its
+    MLflow run (:mod:`recsys_runner.tracking.sweep_jobs`); ``None`` for a single launch and outside the CLI."""
 
     @property
     def from_cli(self) -> bool:
@@ -88,7 +91,8 @@ class Launch:
         return cls(overrides=tuple(hc.overrides.task), output_dir=output_dir, config_name=config_name, config_dir=config_dir,
                    module=module or _launched_module(config_name),
                    runs_root=runs_root if runs_root is not None and len(runs_root.absolute().parts) > 2 else None,
-                   settings=composed_settings(config, choices) if config is not None else None, cwd=str(hc.runtime.cwd))
+                   settings=composed_settings(config, choices) if config is not None else None, cwd=str(hc.runtime.cwd),
+                   job_num=int(hc.job.num) if hc.mode == RunMode.MULTIRUN else None)
 
     def under_output_dir(self, name: str) -> Path | None:
         """``<run dir>/<name>`` (``checkpoints``, ``export``) under the CLI; ``None`` from Python."""

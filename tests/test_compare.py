@@ -12,13 +12,8 @@ from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
 from recsys_runner import compare
-from recsys_runner.tracking.sweep import (
-    EXPECTED_JOBS_TAG,
-    SLURM_JOB_IDS_TAG,
-    SUBMITIT_FOLDER_TAG,
-    SWEEP_PARENT_TAG,
-    SWEPT_KEYS_TAG,
-)
+from recsys_runner.tracking.sweep import EXPECTED_JOBS_TAG, JOB_NUM_TAG, SWEEP_PARENT_TAG, SWEPT_KEYS_TAG
+from recsys_runner.tracking.sweep_jobs import JOB_END_TAG, SLURM_JOB_IDS_TAG, SUBMITIT_FOLDER_TAG
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -186,6 +181,45 @@ def test_collect_waits_while_slurm_says_a_job_still_runs(tmp_path: Path, slurm_s
     err = capsys.readouterr().err
     assert "1 of 2 jobs ended; run collect again later" in err and "failed" not in err
     assert client.get_run(parent).info.status == "RUNNING"
+
+
+def test_collect_ends_the_runs_of_jobs_slurm_killed_and_leaves_running_ones_alone(
+        tmp_path: Path, slurm_states: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Jobs killed after their MLflow run started (a time limit, an OOM kill) left their runs RUNNING for ever, without
+    an end time. collect ends each one when SLURM reports its job ended — KILLED, FAILED for a job SLURM says failed —
+    tagged with SLURM's state; the run of a job SLURM says still runs, or was requeued, is not touched."""
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path}/killed.db"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("killed")
+    parent = client.create_run(exp, run_name="sweep", tags={SWEEP_PARENT_TAG: "eval/auc", EXPECTED_JOBS_TAG: "4",
+                                                            SLURM_JOB_IDS_TAG: "9300_0 9300_1 9300_2 9300_3"}).info.run_id
+    runs = [client.create_run(exp, run_name=f"lr=0.{num + 1}", tags={"mlflow.parentRunId": parent, JOB_NUM_TAG: str(num)})
+            for num in range(4)]
+    for run in runs:
+        client.log_metric(run.info.run_id, "train/loss", 0.5, step=10)
+    slurm_states.write_text("9300_0|TIMEOUT|localhost\n9300_1|RUNNING|localhost\n9300_2|OUT_OF_MEMORY|localhost\n"
+                            "9300_3|REQUEUED|\n")
+    assert compare.main(["collect", "--uri", uri, "--parent", parent, "--no-plots"]) == 1
+    err = capsys.readouterr().err
+    ended = [client.get_run(r.info.run_id) for r in runs]
+    assert [(r.info.status, r.data.tags.get(JOB_END_TAG)) for r in ended] == [
+        ("KILLED", "TIMEOUT"), ("RUNNING", None), ("KILLED", "OUT_OF_MEMORY"), ("RUNNING", None)]
+    first_end = ended[0].info.end_time
+    assert first_end is not None and ended[1].info.end_time is None
+    assert f"Job #0 (TIMEOUT) died before it could end its MLflow run {runs[0].info.run_id} (lr=0.1): ended it KILLED" in err
+    assert "2 of 4 jobs ended; run collect again later" in err and client.get_run(parent).info.status == "RUNNING"
+
+    slurm_states.write_text("9300_0|TIMEOUT|localhost\n9300_1|FAILED|localhost\n9300_2|OUT_OF_MEMORY|localhost\n"
+                            "9300_3|CANCELLED by 0|localhost\n")
+    assert compare.main(["collect", "--uri", uri, "--parent", parent, "--no-plots"]) == 1
+    ended = [client.get_run(r.info.run_id) for r in runs]
+    assert [(r.info.status, r.data.tags.get(JOB_END_TAG)) for r in ended] == [
+        ("KILLED", "TIMEOUT"), ("FAILED", "FAILED"), ("KILLED", "OUT_OF_MEMORY"), ("KILLED", "CANCELLED")]
+    assert ended[0].info.end_time == first_end, "a run already ended is left as it is"
+    p = client.get_run(parent)
+    assert p.info.status == "FAILED" and p.data.tags["sweep.failed_jobs"] == (
+        "#0 (SLURM 9300_0, TIMEOUT); #1 (SLURM 9300_1, FAILED); #2 (SLURM 9300_2, OUT_OF_MEMORY); #3 (SLURM 9300_3, CANCELLED)")
 
 
 def test_no_arguments_show_the_most_recent_sweep(sweep: tuple[str, str, dict[str, str]], capsys: pytest.CaptureFixture[str],

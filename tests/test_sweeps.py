@@ -19,6 +19,7 @@ from recsys_runner import compare
 from recsys_runner.errors import ConfigError
 from recsys_runner.sweep import first_job_overrides
 from recsys_runner.tracking.sweep import (
+    JOB_NUM_TAG,
     PARENT_RUN_ENV,
     SWEEP_PARENT_TAG,
     SWEPT_KEYS_ENV,
@@ -89,6 +90,8 @@ def test_grid_multirun_is_one_parent_with_children(grid: tuple[str, Path]) -> No
     uri, _ = grid
     parent, children = _parent_and_children(uri, "grid")
     assert len(children) == 3 and parent.info.status == "FINISHED"
+    # Each run names its job (what a launcher that sees a job die finds its run by: tracking/sweep_jobs.py).
+    assert {r.data.tags[JOB_NUM_TAG]: r.data.params["optim.lr"] for r in children} == {"0": "0.01", "1": "0.05", "2": "0.1"}
     aucs = sorted(r.data.metrics["eval/auc"] for r in children)
     assert aucs[-1] > aucs[-2], aucs  # one best child, so the check below names it
     best = max(children, key=lambda r: r.data.metrics["eval/auc"])  # eval/auc: higher is better

@@ -39,8 +39,8 @@ class DetachedSlurmLauncher(SlurmLauncher):
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         from recsys_runner.errors import ConfigError
-        from recsys_runner.tracking.store import resolve_uri
-        from recsys_runner.tracking.sweep import EXPECTED_JOBS_TAG, SLURM_JOB_IDS_TAG, SUBMITIT_FOLDER_TAG
+        from recsys_runner.tracking.sweep import EXPECTED_JOBS_TAG
+        from recsys_runner.tracking.sweep_jobs import SLURM_JOB_IDS_TAG, SUBMITIT_FOLDER_TAG
         from recsys_runner.tracking.tracker import PARENT_RUN_ENV
 
         assert self.config is not None
@@ -53,9 +53,7 @@ class DetachedSlurmLauncher(SlurmLauncher):
         job_ids = [str(r.return_value) for r in returns]
         parent = os.environ.get(PARENT_RUN_ENV)
         if parent:
-            from mlflow.tracking import MlflowClient
-
-            client = MlflowClient(tracking_uri=resolve_uri(self.config.tracking.get("uri")))
+            client = _client(self.config)
             client.set_tag(parent, EXPECTED_JOBS_TAG, str(len(job_ids)))
             client.set_tag(parent, SLURM_JOB_IDS_TAG, " ".join(job_ids))
             client.set_tag(parent, SUBMITIT_FOLDER_TAG, os.path.abspath(str(self.params["submitit_folder"])))
@@ -111,15 +109,23 @@ class WaitingSubmititLauncher(BaseSubmititLauncher):
     one-line error (``Config error: …``) buried inside, and the sweep's MLflow parent is left RUNNING. Here each
     job's failure becomes a ``FAILED`` result (:func:`_failures_are_results`); once every job has ended, each failed
     one is named with the last line of its error stream, the parent is ended FAILED naming them
-    (``recsys_runner.tracking.sweep.jobs_ended``), and the command exits 1."""
+    (``recsys_runner.tracking.sweep.jobs_ended``), and the command exits 1. A failed job killed after its MLflow run
+    started (``scancel``, a time limit, an OOM kill, SIGKILL) left that run RUNNING: it is ended first, tagged with how
+    the job ended (:func:`recsys_runner.tracking.sweep_jobs.end_dead_runs`)."""
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        from submitit.core.utils import UncompletedJobError
+
         from recsys_runner.tracking.sweep import jobs_ended
 
-        with _failures_are_results():
+        with _failures_are_results() as jobs:
             returns = super().launch(job_overrides, initial_job_idx)
         failed = [(initial_job_idx + i, overrides, r) for i, (overrides, r) in enumerate(zip(job_overrides, returns, strict=True))
                   if r.status == JobStatus.FAILED]
+        # A job that raised left its error as its result, its run ended by the job itself; one that left none died.
+        dead = {num: _end_state(jobs[num - initial_job_idx]) for num, _, r in failed if isinstance(r._return_value, UncompletedJobError)}
+        if dead:
+            self._end_dead_runs(dead)
         jobs_ended([(num, list(overrides)) for num, overrides, _ in failed])
         if failed:
             for num, _, r in failed:
@@ -127,6 +133,20 @@ class WaitingSubmititLauncher(BaseSubmititLauncher):
             log.error("%d of %d jobs failed: %s", len(failed), len(job_overrides), ", ".join(f"#{num}" for num, _, _ in failed))
             sys.exit(1)
         return returns
+
+    def _end_dead_runs(self, dead: dict[int, str]) -> None:
+        """The MLflow runs the ``dead`` jobs (number → how each ended) left RUNNING, ended; a store that fails only
+        says so: the sweep's outcome is reported all the same."""
+        from recsys_runner.tracking.sweep_jobs import end_dead_runs
+        from recsys_runner.tracking.tracker import PARENT_RUN_ENV
+
+        parent = os.environ.get(PARENT_RUN_ENV)
+        if parent is None or self.config is None:  # no MLflow parent: tracking is off
+            return
+        try:
+            end_dead_runs(_client(self.config), parent, dead)
+        except Exception as e:  # noqa: BLE001 - the jobs have ended; only their runs' status is left to fix
+            print(f"Could not end the MLflow runs of the jobs that died ({e}); their runs may show RUNNING", file=sys.stderr)
 
 
 class WaitingSlurmLauncher(WaitingSubmititLauncher, SlurmLauncher):
@@ -142,16 +162,36 @@ class WaitingLocalLauncher(WaitingSubmititLauncher, LocalLauncher):
 def _last_error_line(error: str) -> str:
     """The job's own last word in submitit's error text (its stderr follows ``Error stream produced:``): the last
     line that is not srun's own, else submitit's first line."""
-    from recsys_runner.tracking.sweep import last_own_line
+    from recsys_runner.tracking.sweep_jobs import last_own_line
 
     own = last_own_line(error.split("Error stream produced:")[-1]) if "Error stream produced:" in error else None
     return own or error.strip().splitlines()[0]
 
 
+def _client(config: Any) -> Any:
+    """The MLflow client of the sweep's store (``tracking.uri``, as its jobs resolve it)."""
+    from mlflow.tracking import MlflowClient
+
+    from recsys_runner.tracking.store import resolve_uri
+
+    return MlflowClient(tracking_uri=resolve_uri(config.tracking.get("uri")))
+
+
+def _end_state(job: Any) -> str:
+    """How a submitit job that left no result ended: SLURM's state (``TIMEOUT``, ``OUT_OF_MEMORY``, ``CANCELLED``, …);
+    for a local job, whose process submitit only saw end, ``DIED``."""
+    from submitit.local.local import LocalJob
+
+    from recsys_runner.tracking.sweep_jobs import DIED, slurm_state
+
+    return DIED if isinstance(job, LocalJob) else slurm_state(job.state)
+
+
 @contextmanager
-def _failures_are_results() -> Iterator[None]:
+def _failures_are_results() -> Iterator[list[Any]]:
     """While the plugin's ``launch`` runs, a job that failed answers ``results()`` with a ``FAILED`` result (its error
-    as the value) instead of raising, so the plugin waits for every job (as :func:`_results_are_job_ids` does)."""
+    as the value) instead of raising, so the plugin waits for every job (as :func:`_results_are_job_ids` does). Yields
+    the submitted submitit jobs, in job order, once ``launch`` has submitted them."""
     import submitit
     from submitit.core.utils import FailedJobError, UncompletedJobError
 
@@ -165,12 +205,16 @@ def _failures_are_results() -> Iterator[None]:
             except (FailedJobError, UncompletedJobError) as e:
                 return [JobReturn(status=JobStatus.FAILED, _return_value=e)]
 
+    submitted: list[Any] = []
+
     class WaitForAllExecutor(submitit.AutoExecutor):
         def map_array(self, fn: Callable[..., Any], *iterable: Iterable[Any]) -> list[Any]:
-            return [Failed(j) for j in super().map_array(fn, *iterable)]
+            jobs = super().map_array(fn, *iterable)
+            submitted.extend(jobs)
+            return [Failed(j) for j in jobs]
 
     with patch.object(submitit, "AutoExecutor", WaitForAllExecutor):
-        yield
+        yield submitted
 
 
 class _DropLaunchingOne(logging.Filter):

@@ -24,7 +24,7 @@ child stopped on a signal) with the same summary, the jobs that failed named in 
 
 When jobs are still queued — ``hydra/launcher=submitit_slurm_detached``
 returns right after submitting — the parent stays RUNNING and ``python -m recsys_runner.compare
-collect --parent <id>`` summarizes it later.
+collect --parent <id>`` summarizes it later, asking SLURM which jobs have ended (:mod:`recsys_runner.tracking.sweep_jobs`).
 """
 
 from __future__ import annotations
@@ -66,16 +66,11 @@ RANGE_PARAM, SWEPT_PARAM = "sweep.range.", "swept."
 """Param prefixes: the parent's range of each swept key, a child's value of it."""
 SUMMARY_METRICS = ("eval/auc", "eval/logloss", "train/loss")
 """The metrics of each child the summary table holds, after the objective (those a child logged)."""
+JOB_NUM_TAG = "sweep.job_num"
+"""On a sweep job's run: the job's number in the sweep (``hydra.job.num``), by which the side that sees the job die finds
+the run it left RUNNING (:func:`recsys_runner.tracking.sweep_jobs.end_dead_runs`)."""
 FAILED_JOBS_TAG = "sweep.failed_jobs"
 """On a parent whose multirun stopped early: the jobs that failed (``#1 optim.lr=-1``), ``; ``-separated."""
-SLURM_JOB_IDS_TAG = "sweep.slurm_job_ids"
-"""Set with :data:`EXPECTED_JOBS_TAG` by the detached SLURM launcher: the jobs' SLURM ids in job order (``42_0 42_1``)."""
-SUBMITIT_FOLDER_TAG = "sweep.submitit_folder"
-"""Set with :data:`SLURM_JOB_IDS_TAG`: where submitit keeps each job's logs (absolute, ``%j`` for the job's id)."""
-_SLURM_OK = "COMPLETED"
-_SLURM_NOT_ENDED = ("READY", "PENDING", "RUNNING", "UNKNOWN", "REQUEUED", "COMPLETING", "PREEMPTED", "REQUEUE_HOLD",
-                    "REQUEUE_FED", "RESIZING", "SUSPENDED", "CONFIGURING", "STOPPED", "SIGNALING", "STAGE_OUT")
-"""SLURM states of a job that may still run (or run again: a requeued, preempted one); submitit's list and the rest."""
 _MAX_NAME_CHARS = 80
 
 
@@ -243,58 +238,6 @@ class MlflowSweepCallback(Callback):
         atexit.unregister(self._end_stopped_sweep)
 
 
-@dataclass(frozen=True)
-class EndedJob:
-    """A job of a detached sweep that SLURM says has ended: its number in the sweep, its SLURM id and state, and for
-    a failed one the last line of its own error output."""
-
-    num: int
-    slurm_id: str
-    state: str
-    error: str | None
-
-    @property
-    def failed(self) -> bool:
-        return self.state != _SLURM_OK
-
-    def label(self) -> str:
-        """``#1 (SLURM 42_1, FAILED)``, how a failed job is named on the parent and in ``collect``'s line."""
-        return f"#{self.num} (SLURM {self.slurm_id}, {self.state})"
-
-
-def slurm_jobs_ended(tags: Mapping[str, str]) -> list[EndedJob] | None:
-    """The jobs of a detached sweep (:data:`SLURM_JOB_IDS_TAG` on its parent) that have ended, by SLURM's account (submitit
-    asks ``sacct``); ``None`` when the parent names no SLURM job (another launcher) or SLURM cannot say (``sacct``
-    missing: every state ``UNKNOWN``). A job that died before it created its MLflow run (a config error, an import
-    error, an OOM kill) shows only here: the parent's child runs never count it."""
-    ids = tags.get(SLURM_JOB_IDS_TAG, "").split()
-    if not ids:
-        return None
-    from submitit.slurm.slurm import SlurmJob
-
-    folder = tags.get(SUBMITIT_FOLDER_TAG) or os.path.join(tags.get("sweep.dir", "."), ".submitit", "%j")
-    jobs: list[SlurmJob[Any]] = [SlurmJob(folder=folder, job_id=job_id, tasks=(0,)) for job_id in ids]
-    SlurmJob.watcher.update()  # one sacct call for the array, then each job's state from it
-    states = [SlurmJob.watcher.get_state(job_id, mode="cache").split()[0].upper() for job_id in ids]  # "CANCELLED by 0"
-    if all(state == "UNKNOWN" for state in states):
-        return None
-    ended = []
-    for num, (job, state) in enumerate(zip(jobs, states, strict=True)):
-        if state in _SLURM_NOT_ENDED:
-            continue
-        error = None if state == _SLURM_OK else (last_own_line(job.stderr() or "") or f"no error output ({job.paths.stderr})")
-        ended.append(EndedJob(num, job.job_id, state, error))
-    return ended
-
-
-def last_own_line(stderr: str) -> str | None:
-    """A job's own last word in its error output: the last line that is not ``srun``'s (``srun: error: …``) or a
-    separator; ``None`` when there is none."""
-    own = [line.strip() for line in stderr.splitlines()]
-    own = [line for line in own if line and not line.startswith(("srun:", "---")) and "Error stream" not in line]
-    return own[-1] if own else None
-
-
 def check_direction(config: DictConfig, objective: str) -> None:
     """Refuse a sweeper's ``hydra.sweeper.direction`` (Optuna's) that goes against the direction of ``objective``, the
     eval key the jobs report (:func:`higher_is_better`): minimizing ``eval/auc`` — the Optuna sweeper's default direction
@@ -392,6 +335,11 @@ def child_params(values: Mapping[str, str]) -> dict[str, str]:
     """A sweep job's params ``swept.<key>``: the same keys in every child, so the UI's parallel-coordinates and
     contour charts can plot them (the flattened config spells a choice like ``model`` as ``model._target_``)."""
     return {f"{SWEPT_PARAM}{key}": value for key, value in values.items()}
+
+
+def child_tags(job_num: int | None) -> dict[str, str]:
+    """A sweep job's run tags: its number in the sweep (:data:`JOB_NUM_TAG`); ``{}`` outside a multirun."""
+    return {JOB_NUM_TAG: str(job_num)} if job_num is not None else {}
 
 
 def sweep_objective(client: Any, parent_run_id: str) -> str:
