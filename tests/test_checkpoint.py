@@ -151,22 +151,28 @@ def test_ranks_with_run_directories_of_their_own_checkpoint_into_rank_0s(tmp_pat
     assert dirs == [str(tmp_path / "run-of-rank0" / "checkpoints")] * 2
 
 
+@pytest.mark.parametrize("failing", [4, 2], ids=["after_a_checkpoint", "at_the_first_checkpoint"])
 def test_a_full_disk_stops_with_the_fix_keeps_the_previous_checkpoint_whole_and_fails_the_run(
-    make_cfg, mlflow_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    make_cfg, mlflow_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], failing: int
 ) -> None:
-    """The disk fills while DCP writes step 4's tensors: the error names the checkpoint and the fix (not DCP's
+    """The disk fills while DCP writes a checkpoint's tensors: the error names the checkpoint and the fix (not DCP's
     ``CheckpointException``, a ``BaseException`` with a traceback), the partial write is removed (it holds the space),
-    step 2 stays whole, and the MLflow run ends FAILED."""
+    and the MLflow run ends FAILED. After a checkpoint (step 2 whole) the command's exit says how to resume from it; at
+    the run's very first checkpoint there is nothing to resume from, and neither the error nor the exit pretends there
+    is (no "checkpoints before it are whole", no keep_last that would free nothing, no "set checkpoint.dir")."""
     import errno
 
     import torch.distributed.checkpoint.filesystem as dcp_files
 
     from recsys_runner.checkpoint.storage import damage
+    from recsys_runner.lifecycle import exit_codes
+    from recsys_runner.runtime import Launch
 
     write_item = dcp_files._write_item
+    name = f"step_{failing:08d}"
 
     def full_disk(transforms, stream, *args, **kwargs):  # type: ignore[no-untyped-def]
-        if "step_00000004" in str(getattr(stream, "name", "")):
+        if name in str(getattr(stream, "name", "")):
             raise OSError(errno.ENOSPC, "No space left on device", str(stream.name))
         return write_item(transforms, stream, *args, **kwargs)
 
@@ -175,14 +181,32 @@ def test_a_full_disk_stops_with_the_fix_keeps_the_previous_checkpoint_whole_and_
     with pytest.raises(CheckpointError) as failed:
         run(cfg)
     message = str(failed.value)
-    assert f"{tmp_path}/step_00000004 could not be written: No space left on device" in message, message
+    assert f"{tmp_path}/{name} could not be written: No space left on device" in message, message
     assert f"free space on the disk holding {tmp_path}" in message and "checkpoint.dir=" in message, message
-    assert isinstance(failed.value, CheckpointWriteFailed) and failed.value.last_good == str(tmp_path / "step_00000002")
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name != ".lock") == ["step_00000002"]
-    assert damage(tmp_path / "step_00000002") is None
+    assert isinstance(failed.value, CheckpointWriteFailed)
+    if failing == 4:
+        assert failed.value.last_good == str(tmp_path / "step_00000002")
+        assert f"the checkpoints before it in {tmp_path} are whole (the newest: step_00000002)" in message, message
+        assert "checkpoint.keep_last" in message, message
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name != ".lock") == ["step_00000002"]
+        assert damage(tmp_path / "step_00000002") is None
+    else:
+        assert failed.value.last_good is None
+        assert f"no checkpoint was written in {tmp_path} before it, so there is none to resume from yet" in message, message
+        assert "before it in" not in message and "keep_last" not in message, message
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name != ".lock") == []
     client = MlflowClient(tracking_uri=mlflow_uri)
     (mlrun,) = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])
     assert mlrun.info.status == "FAILED"
+    launch = Launch(overrides=("train.num_steps=6",), output_dir=tmp_path / "run", config_name="config")
+    with pytest.raises(SystemExit), exit_codes(launch):  # what the command prints after the error
+        raise failed.value
+    hint = capsys.readouterr().err.strip().splitlines()[1:]
+    if failing == 4:
+        assert hint[0].startswith("Resume this run from step_00000002"), hint
+    else:
+        assert hint[0] == "Nothing to resume from: the run had written no checkpoint before this one. Once the cause is fixed, start it again, with:"
+        assert "checkpoint.dir" not in "\n".join(hint) and "train.num_steps=6" in hint[1], hint
 
 
 def test_resuming_an_older_checkpoint_writes_its_own_newer_ones_over_the_abandoned_ones(make_cfg, tmp_path: Path) -> None:
