@@ -122,7 +122,14 @@ class CheckpointStorage(Protocol):
         """Rename the checkpoint to ``<why>-<name>[-k]``: kept for inspection, never listed, resumed from or pruned."""
 
     def remove(self, path: Path) -> None:
-        """Delete the checkpoint."""
+        """Delete the checkpoint, first out of the listing: cut off part-way (a kill, a store failure), it leaves no
+        checkpoint lookalike, only what :meth:`unfinished` finds."""
+
+    def unfinished(self, root: Path) -> list[Path]:
+        """What writes and removals cut off part-way left under ``root`` under a checkpoint's name (step or best), oldest
+        first: never a checkpoint, skipped by a resume (with a warning) and deleted by the next write. Empty on a file
+        system, whose writes and removals work under other names (``.tmp-``/``.trash-``) that the next write sweeps; a
+        step directory there lacking a file was damaged afterwards (:meth:`damage`), and is kept aside for inspection."""
 
 
 class DcpFileStorage:
@@ -209,6 +216,9 @@ class DcpFileStorage:
         except FileNotFoundError:
             return
         shutil.rmtree(trash, ignore_errors=True)
+
+    def unfinished(self, root: Path) -> list[Path]:
+        return []
 
     def _barrier(self) -> None:
         if self.world_size > 1:
