@@ -251,3 +251,17 @@ def test_a_kill_while_rotation_deletes_the_oldest_leaves_nothing_half_deleted_be
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000004"]
     run(make_cfg("train.num_steps=8", *args))
     assert sorted(p.name for p in tmp_path.iterdir()) == [".finished", ".lock", "step_00000008"]
+
+
+def test_an_epoch_end_checkpoint_records_the_next_epochs_start(make_cfg, tmp_path: Path) -> None:
+    """``checkpoint.every_epochs=1``: a checkpoint after each epoch's last step, whose position is the next epoch's start
+    (epoch 1, step 0 of it), not "step 8 of epoch 0": that count is the whole epoch only on the ranks that wrote it
+    (``tests/test_checkpoint_reshard.py`` resumes it on other ranks)."""
+    import json
+
+    cfg = make_cfg("data.num_train_rows=2048", "train.num_steps=null", "train.num_epochs=2", "checkpoint.every_epochs=1",
+                   "checkpoint.keep_last=null", f"checkpoint.dir={tmp_path}", "checkpoint.at_end=false", "tracking=none")
+    run(cfg)
+    found = {p.name: json.loads((p / "meta.json").read_text()) for p in list_checkpoints(tmp_path)}
+    assert {name: (meta["step"], meta["epoch"], meta["epoch_step"]) for name, meta in found.items()} == {
+        "step_00000008": (8, 1, 0), "step_00000016": (16, 2, 0)}
