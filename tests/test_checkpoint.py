@@ -265,3 +265,32 @@ def test_an_epoch_end_checkpoint_records_the_next_epochs_start(make_cfg, tmp_pat
     found = {p.name: json.loads((p / "meta.json").read_text()) for p in list_checkpoints(tmp_path)}
     assert {name: (meta["step"], meta["epoch"], meta["epoch_step"]) for name, meta in found.items()} == {
         "step_00000008": (8, 1, 0), "step_00000016": (16, 2, 0)}
+
+
+def test_an_epoch_end_checkpoint_resumes_with_other_data_workers_at_the_next_epochs_start(
+    make_cfg, mlflow_uri: str, tmp_path: Path
+) -> None:
+    """File data cut into 2 worker shards (each drops its last partial batch), stopped right after epoch 0's last step,
+    resumed in process (1 shard, another epoch length): no "other shards" warning, no step of epoch 0 again, and epoch 1
+    trained whole from its start (as many steps as 1 shard's epoch has), then epoch 2."""
+    from tests.test_data_workers import _click_csv, _resumable
+
+    csv = _click_csv(tmp_path / "clicks.csv", rows=630)  # 2 shards drop 1 batch more than 1 does
+
+    def cfg(workers: int, *extra: str):  # type: ignore[no-untyped-def]
+        return make_cfg(*_resumable(csv, f"data.num_workers={workers}", f"checkpoint.dir={tmp_path}/ck", *extra), tiny=False)
+
+    per_epoch = {}
+    for workers in (2, 0):
+        built = build(validate(cfg(workers, "tracking=none", "checkpoint=none")))
+        per_epoch[workers] = built.loop.steps_per_epoch
+        built.close()
+    assert per_epoch[2] != per_epoch[0], per_epoch  # the epoch is cut otherwise: its step count says so
+    steps = per_epoch[2] + per_epoch[0] + 1
+    with pytest.raises(Interrupted):
+        run(cfg(2, f"train.num_steps={steps}", f"train.stop_after_steps={per_epoch[2]}"))
+    with LogWarnings() as warned:
+        run(cfg(0, f"train.num_steps={steps}"))
+    epochs = history(mlflow_uri, cfg(0).tracking.experiment, "train/epoch")
+    assert [int(epochs[s]) for s in range(per_epoch[2] + 1, steps + 1)] == [1] * per_epoch[0] + [2]
+    assert not [m for m in warned.messages if "other shards" in m], warned.messages
