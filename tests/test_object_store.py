@@ -417,12 +417,13 @@ def test_a_kill_while_rotation_deletes_in_a_bucket_leaves_no_checkpoint_lookalik
 def test_a_removal_cut_off_in_a_bucket_is_skipped_by_resume_with_a_warning_not_set_aside(
     s3_env: MotoServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A newest checkpoint whose removal was cut off (moving it aside copies it, then deletes it): resume=auto warns
-    that it skips what is left of it, resumes from the one before, and copies nothing aside (it is no checkpoint, and
-    was a whole one elsewhere); the next write deletes it."""
+    """A newest checkpoint whose removal was cut off (moving it aside copies it, then deletes it): evaluate's
+    ``load=<dir>`` passes over what is left of it, resume=auto warns that it skips it, resumes from the one before, and
+    copies nothing aside (it is no checkpoint, and was a whole one elsewhere); the next write deletes it."""
     from recsys_runner.checkpoint import resume
     from recsys_runner.checkpoint.config import CheckpointConfig
     from recsys_runner.configurable import make
+    from recsys_runner.tracking import lineage
     from tests.conftest import LogWarnings
 
     storage, root = DcpObjectStorage(), uris.as_path("s3://data/cutoff/ck")
@@ -434,6 +435,7 @@ def test_a_removal_cut_off_in_a_bucket_is_skipped_by_resume_with_a_warning_not_s
         with pytest.raises(SystemExit):
             storage.remove(root / "step_00000004")
     assert storage.checkpoints(root) == [root / "step_00000002"]
+    assert lineage.locate_checkpoint(str(root)).path == root / "step_00000002"  # evaluate's load=<dir> passes over it too
     with LogWarnings("recsys_runner") as warned:
         chosen, set_aside = resume.choose(make(CheckpointConfig, dir=str(root)), storage, root)
     assert (chosen, set_aside) == (root / "step_00000002", ())
