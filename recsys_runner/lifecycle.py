@@ -171,7 +171,8 @@ def exit_codes(launch: Launch) -> Iterator[None]:
             try:
                 yield
             except CheckpointWriteFailed as e:  # the store failed mid-run: the checkpoints before stay, resume from them
-                raise CheckpointError(f"{e}\n{resume_hint(launch, e.last_good)}") from None
+                hint = resume_hint(launch, e.last_good) if e.last_good is not None else start_again_hint(launch)
+                raise CheckpointError(f"{e}\n{hint}") from None
             except RuntimeError as e:  # lost outside the training loop (building, restoring): no checkpoint of this launch
                 if peer_gone(e) is None or int(os.environ.get("WORLD_SIZE", "1") or 1) < 2:
                     raise
@@ -239,6 +240,14 @@ def resume_hint(launch: Launch, checkpoint: str | None, after_fix: bool = False)
         return f"Resume from {checkpoint} with checkpoint.dir={uris.as_path(checkpoint).parent.absolute()} (same MLflow run)."
     how = "this command with your change made" if after_fix else "this command"
     return f"Resume this run from {uris.as_path(checkpoint).name}, into the same MLflow run, with {how}:\n  {command}"
+
+
+def start_again_hint(launch: Launch) -> str:
+    """The line after a checkpoint write that failed before the run had written any: checkpoints were asked for (the
+    write was one), so :func:`resume_hint`'s "set checkpoint.dir" does not apply; the run starts over once fixed."""
+    command = launch.command()
+    again = f", with:\n  {command}" if command else ""
+    return f"Nothing to resume from: the run had written no checkpoint before this one. Once the cause is fixed, start it again{again}"
 
 
 def mark_finished(directory: Path | None) -> None:

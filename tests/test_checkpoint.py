@@ -151,22 +151,28 @@ def test_ranks_with_run_directories_of_their_own_checkpoint_into_rank_0s(tmp_pat
     assert dirs == [str(tmp_path / "run-of-rank0" / "checkpoints")] * 2
 
 
+@pytest.mark.parametrize("failing", [4, 2], ids=["after_a_checkpoint", "at_the_first_checkpoint"])
 def test_a_full_disk_stops_with_the_fix_keeps_the_previous_checkpoint_whole_and_fails_the_run(
-    make_cfg, mlflow_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    make_cfg, mlflow_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], failing: int
 ) -> None:
-    """The disk fills while DCP writes step 4's tensors: the error names the checkpoint and the fix (not DCP's
+    """The disk fills while DCP writes a checkpoint's tensors: the error names the checkpoint and the fix (not DCP's
     ``CheckpointException``, a ``BaseException`` with a traceback), the partial write is removed (it holds the space),
-    step 2 stays whole, and the MLflow run ends FAILED."""
+    and the MLflow run ends FAILED. After a checkpoint (step 2 whole) the command's exit says how to resume from it; at
+    the run's very first checkpoint there is nothing to resume from, and neither the error nor the exit pretends there
+    is (no "checkpoints before it are whole", no keep_last that would free nothing, no "set checkpoint.dir")."""
     import errno
 
     import torch.distributed.checkpoint.filesystem as dcp_files
 
     from recsys_runner.checkpoint.storage import damage
+    from recsys_runner.lifecycle import exit_codes
+    from recsys_runner.runtime import Launch
 
     write_item = dcp_files._write_item
+    name = f"step_{failing:08d}"
 
     def full_disk(transforms, stream, *args, **kwargs):  # type: ignore[no-untyped-def]
-        if "step_00000004" in str(getattr(stream, "name", "")):
+        if name in str(getattr(stream, "name", "")):
             raise OSError(errno.ENOSPC, "No space left on device", str(stream.name))
         return write_item(transforms, stream, *args, **kwargs)
 
@@ -175,14 +181,32 @@ def test_a_full_disk_stops_with_the_fix_keeps_the_previous_checkpoint_whole_and_
     with pytest.raises(CheckpointError) as failed:
         run(cfg)
     message = str(failed.value)
-    assert f"{tmp_path}/step_00000004 could not be written: No space left on device" in message, message
+    assert f"{tmp_path}/{name} could not be written: No space left on device" in message, message
     assert f"free space on the disk holding {tmp_path}" in message and "checkpoint.dir=" in message, message
-    assert isinstance(failed.value, CheckpointWriteFailed) and failed.value.last_good == str(tmp_path / "step_00000002")
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name != ".lock") == ["step_00000002"]
-    assert damage(tmp_path / "step_00000002") is None
+    assert isinstance(failed.value, CheckpointWriteFailed)
+    if failing == 4:
+        assert failed.value.last_good == str(tmp_path / "step_00000002")
+        assert f"the checkpoints before it in {tmp_path} are whole (the newest: step_00000002)" in message, message
+        assert "checkpoint.keep_last" in message, message
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name != ".lock") == ["step_00000002"]
+        assert damage(tmp_path / "step_00000002") is None
+    else:
+        assert failed.value.last_good is None
+        assert f"no checkpoint was written in {tmp_path} before it, so there is none to resume from yet" in message, message
+        assert "before it in" not in message and "keep_last" not in message, message
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name != ".lock") == []
     client = MlflowClient(tracking_uri=mlflow_uri)
     (mlrun,) = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])
     assert mlrun.info.status == "FAILED"
+    launch = Launch(overrides=("train.num_steps=6",), output_dir=tmp_path / "run", config_name="config")
+    with pytest.raises(SystemExit), exit_codes(launch):  # what the command prints after the error
+        raise failed.value
+    hint = capsys.readouterr().err.strip().splitlines()[1:]
+    if failing == 4:
+        assert hint[0].startswith("Resume this run from step_00000002"), hint
+    else:
+        assert hint[0] == "Nothing to resume from: the run had written no checkpoint before this one. Once the cause is fixed, start it again, with:"
+        assert "checkpoint.dir" not in "\n".join(hint) and "train.num_steps=6" in hint[1], hint
 
 
 def test_resuming_an_older_checkpoint_writes_its_own_newer_ones_over_the_abandoned_ones(make_cfg, tmp_path: Path) -> None:
@@ -227,3 +251,46 @@ def test_a_kill_while_rotation_deletes_the_oldest_leaves_nothing_half_deleted_be
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000004"]
     run(make_cfg("train.num_steps=8", *args))
     assert sorted(p.name for p in tmp_path.iterdir()) == [".finished", ".lock", "step_00000008"]
+
+
+def test_an_epoch_end_checkpoint_records_the_next_epochs_start(make_cfg, tmp_path: Path) -> None:
+    """``checkpoint.every_epochs=1``: a checkpoint after each epoch's last step, whose position is the next epoch's start
+    (epoch 1, step 0 of it), not "step 8 of epoch 0": that count is the whole epoch only on the ranks that wrote it
+    (``tests/test_checkpoint_reshard.py`` resumes it on other ranks)."""
+    import json
+
+    cfg = make_cfg("data.num_train_rows=2048", "train.num_steps=null", "train.num_epochs=2", "checkpoint.every_epochs=1",
+                   "checkpoint.keep_last=null", f"checkpoint.dir={tmp_path}", "checkpoint.at_end=false", "tracking=none")
+    run(cfg)
+    found = {p.name: json.loads((p / "meta.json").read_text()) for p in list_checkpoints(tmp_path)}
+    assert {name: (meta["step"], meta["epoch"], meta["epoch_step"]) for name, meta in found.items()} == {
+        "step_00000008": (8, 1, 0), "step_00000016": (16, 2, 0)}
+
+
+def test_an_epoch_end_checkpoint_resumes_with_other_data_workers_at_the_next_epochs_start(
+    make_cfg, mlflow_uri: str, tmp_path: Path
+) -> None:
+    """File data cut into 2 worker shards (each drops its last partial batch), stopped right after epoch 0's last step,
+    resumed in process (1 shard, another epoch length): no "other shards" warning, no step of epoch 0 again, and epoch 1
+    trained whole from its start (as many steps as 1 shard's epoch has), then epoch 2."""
+    from tests.test_data_workers import _click_csv, _resumable
+
+    csv = _click_csv(tmp_path / "clicks.csv", rows=630)  # 2 shards drop 1 batch more than 1 does
+
+    def cfg(workers: int, *extra: str):  # type: ignore[no-untyped-def]
+        return make_cfg(*_resumable(csv, f"data.num_workers={workers}", f"checkpoint.dir={tmp_path}/ck", *extra), tiny=False)
+
+    per_epoch = {}
+    for workers in (2, 0):
+        built = build(validate(cfg(workers, "tracking=none", "checkpoint=none")))
+        per_epoch[workers] = built.loop.steps_per_epoch
+        built.close()
+    assert per_epoch[2] != per_epoch[0], per_epoch  # the epoch is cut otherwise: its step count says so
+    steps = per_epoch[2] + per_epoch[0] + 1
+    with pytest.raises(Interrupted):
+        run(cfg(2, f"train.num_steps={steps}", f"train.stop_after_steps={per_epoch[2]}"))
+    with LogWarnings() as warned:
+        run(cfg(0, f"train.num_steps={steps}"))
+    epochs = history(mlflow_uri, cfg(0).tracking.experiment, "train/epoch")
+    assert [int(epochs[s]) for s in range(per_epoch[2] + 1, steps + 1)] == [1] * per_epoch[0] + [2]
+    assert not [m for m in warned.messages if "other shards" in m], warned.messages

@@ -45,12 +45,12 @@ def _overrides(tmp_path: Path, experiment: str) -> list[str]:
             f"tracking.experiment={experiment}", f"checkpoint.dir={tmp_path}/ckpt", "checkpoint.keep_last=null"]
 
 
-def _torchrun(tmp_path: Path, *overrides: str, module: str = "recsys_runner") -> subprocess.CompletedProcess[str]:
+def _torchrun(tmp_path: Path, *overrides: str, module: str = "recsys_runner", column_wise: bool = True) -> subprocess.CompletedProcess[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}",
-           "-m", module, "distributed.sharding_types=[column_wise]", "distributed.timeout_s=120",
+           "-m", module, *(["distributed.sharding_types=[column_wise]"] if column_wise else []), "distributed.timeout_s=120",
            f"hydra.run.dir={tmp_path}/run2", *overrides]
     return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=400, env={**os.environ, "PYTHONPATH": str(REPO)})
 
@@ -191,3 +191,48 @@ _real_train = entry.train
 if __name__ == "__main__":  # a rank of test_one_rank_checkpoint_resumes_on_two_ranks' torchrun
     entry.train = _dump_loaded_then_train
     entry.main()
+
+
+EPOCH_ROWS, BATCH = 4096, 256
+"""An epoch of 16 batches: 16 steps on 1 rank, 8 on each of 2."""
+
+
+@pytest.mark.parametrize("ranks", [(1, 2), (2, 1)], ids=["1to2", "2to1"])
+def test_a_checkpoint_at_an_epochs_end_resumes_on_other_ranks_at_the_next_epochs_start(tmp_path: Path, ranks: tuple[int, int]) -> None:
+    """A run stopped right after the last step of epoch 0 (``train.stop_after_steps`` = its steps per epoch) resumes on
+    another number of ranks at the start of epoch 1: no "other shards" warning (the position is no epoch's middle), no
+    batch of epoch 0 trained again (on 1 rank, 2 ranks' 8 steps are half of epoch 0's 16), none of epoch 1 skipped (on
+    2 ranks, 1 rank's 16 steps are more than epoch 0's 8): every step after the resume is one of epoch 1, which is
+    whole (the new ranks' steps per epoch), and then epoch 2 begins."""
+    saved_on, resumed_on = ranks
+    per_epoch = {r: EPOCH_ROWS // BATCH // r for r in (1, 2)}
+    stop, steps = per_epoch[saved_on], per_epoch[saved_on] + per_epoch[resumed_on] + 1
+    args = [*[a for a in TINY if not a.startswith(("train.", "data.num_train_rows", "data.batch_size"))],
+            f"data.num_train_rows={EPOCH_ROWS}", f"data.batch_size={BATCH}", f"train.num_steps={steps}", "train.log_every_steps=1",
+            "train.eval_every_steps=null", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "tracking.experiment=epoch_end",
+            f"checkpoint.dir={tmp_path}/ckpt"]
+
+    def launch(on: int, *extra: str) -> str:
+        if on == 2:
+            out = _torchrun(tmp_path, *args, *extra, column_wise=False)
+            assert out.returncode == 0, out.stderr[-4000:]
+            return out.stdout + out.stderr
+        with LogWarnings() as warned:
+            try:
+                _run_in_process(*args, *extra)
+            except Interrupted:
+                pass
+        return "\n".join(warned.messages)
+
+    launch(saved_on, f"train.stop_after_steps={stop}")
+    (ckpt,) = list_checkpoints(tmp_path / "ckpt")
+    assert ckpt.name == f"step_{stop:08d}"
+    said = launch(resumed_on)
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("epoch_end").experiment_id])
+    epochs = {m.step: int(m.value) for m in client.get_metric_history(run.info.run_id, "train/epoch")}
+    assert sorted(epochs) == list(range(1, steps + 1))
+    assert [epochs[s] for s in range(1, stop + 1)] == [0] * stop  # the saving run: epoch 0
+    resumed = [epochs[s] for s in range(stop + 1, steps + 1)]
+    assert resumed == [1] * per_epoch[resumed_on] + [2], resumed  # epoch 1 whole from its start, then epoch 2
+    assert "other shards" not in said, said[-3000:]

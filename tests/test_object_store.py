@@ -341,6 +341,111 @@ def test_in_process_resume_from_a_bucket_matches_local(s3_env: MotoServer, tmp_p
     assert not (tmp_path / "s3:").exists() and not Path("s3:").exists()  # nothing went to a local path named like the URI
 
 
+class _KilledMidDelete:
+    """The store's file system, with the deletion of ``name`` cut off part-way, by a kill (``SystemExit``) or a store
+    that stops answering (``failure``): the store has removed every object of it but ``meta.json`` and ``.metadata`` (a
+    bulk delete promises no order: here the worst one, the data first), nothing else of it. ``rm_file`` and every other
+    call go to the store as they are."""
+
+    def __init__(self, fs: object, name: str, failure: BaseException) -> None:
+        self._fs, self._name, self._failure = fs, name, failure
+
+    def __getattr__(self, attr: str) -> object:
+        return getattr(self._fs, attr)
+
+    def rm(self, path: str, recursive: bool = False, **kwargs: object) -> object:
+        if recursive and path.rstrip("/").endswith(self._name):
+            for key in self._fs.find(path):  # type: ignore[attr-defined]
+                if not key.endswith(("/meta.json", "/.metadata")):
+                    self._fs.rm_file(key)  # type: ignore[attr-defined]
+            raise self._failure
+        return self._fs.rm(path, recursive=recursive, **kwargs)  # type: ignore[attr-defined]
+
+
+def _kill_while_deleting(monkeypatch: pytest.MonkeyPatch, name: str, failure: BaseException | None = None) -> None:
+    real, failure = stores.fsspec_filesystem, failure or SystemExit("killed while deleting")
+    monkeypatch.setattr(stores, "fsspec_filesystem",
+                        lambda uri: (lambda fs, key: (_KilledMidDelete(fs, name, failure), key))(*real(uri)))
+
+
+def _prefixes(s3: MotoServer, root: str) -> set[str]:
+    """The names directly under ``root`` (``bucket/prefix``) in the bucket, whatever they hold."""
+    return {key[len(root) + 1:].split("/", 1)[0] for key in s3.fs().find(root)}
+
+
+@pytest.mark.parametrize("cut", ["kill", "store_failure"])
+def test_a_kill_while_rotation_deletes_in_a_bucket_leaves_no_checkpoint_lookalike_and_the_next_write_sweeps_it(
+    s3_env: MotoServer, tmp_path: Path, mlflow_uri: str, monkeypatch: pytest.MonkeyPatch, cut: str
+) -> None:
+    """``keep_last=1`` in a bucket: the process dies (or the store stops answering) while rotation deletes step 2, after
+    step 4 is written, the store having removed its data but not its ``.metadata``. What is left of step 2 is never
+    listed as a checkpoint (rotation deletes ``meta.json`` first); a store failure ends the run naming step 4, the whole
+    one, to resume from; the same command resumes from step 4, and its first checkpoint write deletes the leftover: at
+    the end the bucket holds only the last checkpoint."""
+    from botocore.exceptions import EndpointConnectionError
+
+    from recsys_runner.errors import CheckpointWriteFailed
+
+    register_configs()
+    local = s3_env.local  # type: ignore[attr-defined]
+    storage, root = DcpObjectStorage(), uris.as_path(f"s3://data/rotkill_{cut}/ck")
+
+    def train(steps: int) -> None:
+        overrides = [a for a in _train_args(tmp_path, f"{local}/train", str(root), f"rotkill_{cut}") if not a.startswith("train.num_steps")]
+        overrides += [f"train.num_steps={steps}", "checkpoint.keep_last=1", f"tracking.uri={mlflow_uri}",
+                      f"storage.endpoint_url={s3_env.endpoint}"]
+        with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
+            run(compose(config_name="config", overrides=overrides))
+
+    with monkeypatch.context() as patched:
+        if cut == "kill":
+            _kill_while_deleting(patched, "step_00000002")
+            with pytest.raises(SystemExit, match="killed while deleting"):
+                train(6)
+        else:
+            _kill_while_deleting(patched, "step_00000002", EndpointConnectionError(endpoint_url=s3_env.endpoint))
+            with pytest.raises(CheckpointWriteFailed, match=r"step_00000002 \(removing the checkpoint\): the store cannot be reached") as failed:
+                train(6)
+            assert failed.value.last_good == str(root / "step_00000004")
+    assert "step_00000002" in _prefixes(s3_env, f"data/rotkill_{cut}/ck")  # part of it is left ...
+    assert storage.checkpoints(root) == [root / "step_00000004"]  # ... and is no checkpoint: meta.json went first
+    train(8)
+    assert _prefixes(s3_env, f"data/rotkill_{cut}/ck") == {".finished", "step_00000008"}  # the leftover swept, step 4 and 6 rotated
+    assert storage.damage(root / "step_00000008") is None
+
+
+def test_a_removal_cut_off_in_a_bucket_is_skipped_by_resume_with_a_warning_not_set_aside(
+    s3_env: MotoServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A newest checkpoint whose removal was cut off (moving it aside copies it, then deletes it): evaluate's
+    ``load=<dir>`` passes over what is left of it, resume=auto warns that it skips it, resumes from the one before, and
+    copies nothing aside (it is no checkpoint, and was a whole one elsewhere); the next write deletes it."""
+    from recsys_runner.checkpoint import resume
+    from recsys_runner.checkpoint.config import CheckpointConfig
+    from recsys_runner.configurable import make
+    from recsys_runner.tracking import lineage
+    from tests.conftest import LogWarnings
+
+    storage, root = DcpObjectStorage(), uris.as_path("s3://data/cutoff/ck")
+    for step in (2, 4):
+        storage.write(root / f"step_{step:08d}", {"model/w": torch.full((4,), float(step))}, {"objects": {}},
+                      {"step": step, "epoch": 0, "epoch_step": step, "world_size": 1})
+    with monkeypatch.context() as patched:
+        _kill_while_deleting(patched, "step_00000004")
+        with pytest.raises(SystemExit):
+            storage.remove(root / "step_00000004")
+    assert storage.checkpoints(root) == [root / "step_00000002"]
+    assert lineage.locate_checkpoint(str(root)).path == root / "step_00000002"  # evaluate's load=<dir> passes over it too
+    with LogWarnings("recsys_runner") as warned:
+        chosen, set_aside = resume.choose(make(CheckpointConfig, dir=str(root)), storage, root)
+    assert (chosen, set_aside) == (root / "step_00000002", ())
+    assert any("step_00000004" in w and "cut off" in w for w in warned.messages), warned.messages
+    assert _prefixes(s3_env, "data/cutoff/ck") == {"step_00000002", "step_00000004"}  # nothing copied aside
+    storage.write(root / "step_00000006", {"model/w": torch.zeros(4)}, {"objects": {}},
+                  {"step": 6, "epoch": 0, "epoch_step": 6, "world_size": 1})
+    assert _prefixes(s3_env, "data/cutoff/ck") == {"step_00000002", "step_00000006"}
+
+
 def test_uri_path_refuses_local_file_methods_and_hints_keep_the_uri() -> None:
     from recsys_runner.lifecycle import resume_hint
     from recsys_runner.runtime import Launch

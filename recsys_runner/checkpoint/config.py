@@ -89,7 +89,9 @@ class TrainState:
     epoch: int = 0
     """The current epoch."""
     epoch_step: int = 0
-    """Optimizer steps done within the current epoch (the data position)."""
+    """Optimizer steps done within the current epoch (the data position). After an epoch's last step the position is the
+    next epoch's start (``epoch + 1``, 0), so a checkpoint there resumes at it on any number of ranks
+    (:func:`recsys_runner.train.loop._epoch_end`)."""
     run_id: str | None = None
     """The MLflow run this training logs to (so a resumed run continues it)."""
     best: float | None = None

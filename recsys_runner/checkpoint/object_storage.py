@@ -4,9 +4,11 @@
 
 The layout is the file system's (``<dir>/step_<n>/`` with DCP's ``.metadata`` and data files, ``rank<r>.pt``,
 ``meta.json``). An object store has no rename, so **atomic** means: ``meta.json`` is written last, by rank 0, after
-every rank's objects are in (``PutObject`` makes each object whole or absent); a prefix without ``meta.json`` is never
-listed as a checkpoint, so a write that fails or is killed leaves the previous checkpoints as they were, and the
-resume after it sets the partial one aside. Renaming aside is copy-then-delete. Every store failure is a
+every rank's objects are in (``PutObject`` makes each object whole or absent), and deleted first when a checkpoint is
+removed (rotation; renaming aside is copy-then-delete); a prefix without ``meta.json`` is never listed as a checkpoint.
+So a write or a removal that fails or is killed part-way leaves the other checkpoints as they were and a prefix that is
+recognizably unfinished (:meth:`DcpObjectStorage.unfinished`): a resume skips it with a warning, and the next write
+deletes it, as the next write on disk sweeps ``.tmp-``/``.trash-``. Every store failure is a
 :class:`~recsys_runner.errors.CheckpointError` naming the URI (:func:`recsys_runner.stores.store_error`).
 """
 
@@ -74,8 +76,11 @@ class DcpObjectStorage:
               files: Mapping[str, bytes] | None = None) -> None:
         fs, key = self._fs(path)
         writing = "writing the checkpoint"
-        if self.rank == 0 and self._call(path, lambda: _exists(fs, key), writing):
-            self._call(path, lambda: fs.rm(key, recursive=True), writing)  # a partial write of this step, set aside by nobody
+        if self.rank == 0:
+            if self._call(path, lambda: _exists(fs, key), writing):
+                self._call(path, lambda: fs.rm(key, recursive=True), writing)  # a partial write of this step, set aside by nobody
+            for left in self.unfinished(path.parent):  # what cut-off writes and removals left: the one writer's to delete
+                self.remove(left)
         self._barrier()
         writer = FsspecWriter(str(path), sync_files=False, **stores.fsspec_options())
         _one_policy(writer)
@@ -180,11 +185,20 @@ class DcpObjectStorage:
         return target
 
     def remove(self, path: Path) -> None:
+        # meta.json first, alone: a removal cut off after it (a kill, a store failure, a key s3fs's bulk delete failed
+        # silently) leaves a prefix that is recognizably no checkpoint (unfinished), never one that still looks complete
         fs, key = self._fs(path)
+        removing = "removing the checkpoint"
         try:
-            self._call(path, lambda: fs.rm(key, recursive=True), "removing the checkpoint")
+            self._call(path, lambda: fs.rm_file(f"{key}/{META_FILE}"), removing)
+            self._call(path, lambda: fs.rm(key, recursive=True), removing)
         except FileNotFoundError:
             pass
+
+    def unfinished(self, root: Path) -> list[Path]:
+        found = [(int(m.group(2)), bool(m.group(1)), root / name) for name, files in self._listing(root).items()
+                 if (m := STEP_DIR.match(name)) and META_FILE not in files]
+        return [p for *_, p in sorted(found)]
 
     def _barrier(self) -> None:
         if self.world_size > 1:

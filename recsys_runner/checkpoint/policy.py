@@ -163,6 +163,8 @@ class Checkpointer:
         ranked = {"objects": self.parts.object_states(), "rng": resume.rng_state()}
         try:
             self.storage.write(final, self._tensor_state(), ranked, meta, self.files)
+            if not best:  # whole from here: a rotation that fails next must name it as the one to resume from
+                self.last_saved = str(final)
             if self.rank == 0:
                 self._prune(best)
             self._barrier()
@@ -172,8 +174,6 @@ class Checkpointer:
             if not best and peer_gone(e) is not None and self.storage.is_complete(final):
                 self.last_saved = str(final)
             raise
-        if not best:
-            self.last_saved = str(final)
         if self.rank == 0:  # one line per checkpoint, not one per rank
             log.info("checkpoint saved: %s", final)
         return str(final)

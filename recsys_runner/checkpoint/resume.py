@@ -4,7 +4,8 @@
 ``resume=auto`` continues from the newest checkpoint in ``checkpoint.dir`` if there is one (``latest`` requires one;
 a path picks one); the data position is the step count, so a resumed run sees exactly the batches it would have seen.
 A damaged newest checkpoint (a file missing or shorter than DCP's index says) is moved aside to ``damaged-step_<n>``
-with a warning naming it and the reason, and the newest whole one is used; a checkpoint whose files are whole but fail
+with a warning naming it and the reason, and the newest whole one is used (what a write or removal cut off part-way
+left in an object store is no checkpoint: skipped with a warning, deleted by the next write, never moved aside); a checkpoint whose files are whole but fail
 to load is never guessed past: the error names it and the ``checkpoint.resume=<path>`` that picks another.
 ``init_from=<path>`` instead starts a new run from another run's weights (fine-tuning), renaming parameters with
 ``name_map`` and optionally skipping the optimizer state.
@@ -268,7 +269,13 @@ def choose(config: CheckpointConfig, storage: CheckpointStorage, root: Path | No
             raise CheckpointError(f"checkpoint.resume={config.resume}: this checkpoint is damaged ({reason}). Fix: {hint}")
         return path, ()
     set_aside: list[str] = []
+    unfinished = storage.unfinished(root) if root is not None else []
+    if unfinished:
+        log.warning("skipping %s: left by a checkpoint write or removal cut off part-way (no meta.json), so not a checkpoint; "
+                    "the next checkpoint write deletes it", ", ".join(str(p) for p in unfinished))
     for path in reversed(storage.checkpoints(root, complete=False) if root is not None else []):
+        if path in unfinished:
+            continue
         reason = storage.damage(path)
         if reason is None:
             if set_aside:

@@ -122,7 +122,14 @@ class CheckpointStorage(Protocol):
         """Rename the checkpoint to ``<why>-<name>[-k]``: kept for inspection, never listed, resumed from or pruned."""
 
     def remove(self, path: Path) -> None:
-        """Delete the checkpoint."""
+        """Delete the checkpoint, first out of the listing: cut off part-way (a kill, a store failure), it leaves no
+        checkpoint lookalike, only what :meth:`unfinished` finds."""
+
+    def unfinished(self, root: Path) -> list[Path]:
+        """What writes and removals cut off part-way left under ``root`` under a checkpoint's name (step or best), oldest
+        first: never a checkpoint, skipped by a resume (with a warning) and deleted by the next write. Empty on a file
+        system, whose writes and removals work under other names (``.tmp-``/``.trash-``) that the next write sweeps; a
+        step directory there lacking a file was damaged afterwards (:meth:`damage`), and is kept aside for inspection."""
 
 
 class DcpFileStorage:
@@ -156,7 +163,7 @@ class DcpFileStorage:
             if cause is None:
                 raise
             shutil.rmtree(tmp, ignore_errors=True)  # a full disk's partial write would keep the space it took
-            raise CheckpointError(write_failure(path, cause)) from None
+            raise CheckpointError(write_failure(path, cause, _newest_whole(path.parent))) from None
         self._barrier()
 
     def exists(self, path: Path) -> bool:
@@ -209,6 +216,9 @@ class DcpFileStorage:
         except FileNotFoundError:
             return
         shutil.rmtree(trash, ignore_errors=True)
+
+    def unfinished(self, root: Path) -> list[Path]:
+        return []
 
     def _barrier(self) -> None:
         if self.world_size > 1:
@@ -313,16 +323,28 @@ def _os_error(e: BaseException) -> OSError | None:
 _SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
-def write_failure(path: Path, cause: OSError) -> str:
+def _newest_whole(root: Path) -> Path | None:
+    """The newest complete checkpoint in ``root``, step or best, or ``None`` when it holds none."""
+    found = [*list_checkpoints(root), *list_checkpoints(root, best=True)]
+    return max(found, key=step_of) if found else None
+
+
+def write_failure(path: Path, cause: OSError, newest: Path | None) -> str:
     """What a checkpoint write the file system refused tells the user: the checkpoint, the system's reason, that the
-    checkpoints before it are whole (the partial write is removed, never listed), and the fix for that reason."""
+    partial write is removed (never listed), what is left to resume from (``newest``, the newest whole checkpoint
+    beside it; ``None`` when this was the first in its directory: then nothing is, and fewer kept checkpoints would
+    free nothing), and the fix for that reason."""
     reason = os.strerror(cause.errno) if cause.errno else str(cause)
+    if newest is not None:
+        kept = f"the checkpoints before it in {path.parent} are whole (the newest: {newest.name})"
+    else:
+        kept = f"no checkpoint was written in {path.parent} before it, so there is none to resume from yet"
     if cause.errno in _SPACE:
-        fix = (f"free space on the disk holding {path.parent} (or lower checkpoint.keep_last so fewer checkpoints are kept), "
-               f"or set checkpoint.dir=<a directory with room>")
+        fewer = " (or lower checkpoint.keep_last so fewer checkpoints are kept)" if newest is not None else ""
+        fix = f"free space on the disk holding {path.parent}{fewer}, or set checkpoint.dir=<a directory with room>"
     elif cause.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         fix = f"make {path.parent} writable for this user, or set checkpoint.dir=<a writable directory>"
     else:
         fix = f"check the disk holding {path.parent}, or set checkpoint.dir=<another directory>"
     return (f"checkpoint {path} could not be written: {reason} ({cause.filename or path}); the partial write was removed and "
-            f"the checkpoints before it in {path.parent} are whole. Fix: {fix}")
+            f"{kept}. Fix: {fix}")

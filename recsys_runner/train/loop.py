@@ -118,6 +118,7 @@ def train(loop: Loop) -> dict[str, float]:
                 if loss is None:  # the data ran out: the epoch is over
                     if state.epoch_step == 0:
                         raise _no_step_error(loop, state)
+                    state.epoch, state.epoch_step = state.epoch + 1, 0
                     break
                 state.step, state.epoch_step, evaluated = state.step + 1, state.epoch_step + 1, None
                 meter.update(loss)
@@ -131,17 +132,16 @@ def train(loop: Loop) -> dict[str, float]:
                     loop.checkpointer.loss_logged(state.step, logged["train/loss"])
                     _log(loop, logged | loop.stepper.learning_rates() | loop.stepper.task_losses() | loop.stepper.train_metrics.compute() | _data_metrics(loop)
                          | {"train/epoch": state.epoch}, state.step, progress)
+                if loop.steps_per_epoch and state.epoch_step >= loop.steps_per_epoch:
+                    state.epoch, state.epoch_step = state.epoch + 1, 0  # before any checkpoint of this step: see _epoch_end
                 if _eval_due(loop, state):
                     evaluated = _periodic_eval(loop, state, loss, signals, meter, progress)
                     stop = "early_stopping" if loop.early_stopping.update(evaluated) else None
                 loop.checkpointer.after_step(state, loss, evaluated, _epoch_end(loop, state))
                 if (signum := signals.requested(state.step)) is not None or _slice_done(loop, state):
                     raise Interrupted(signum, state.step, loop.checkpointer.on_interrupt(state, loss, evaluated))
-                if _epoch_end(loop, state) is not None:
+                if state.epoch_step == 0:  # the epoch ended with this step
                     break
-            else:
-                continue  # stopped mid-epoch: the position stays in this epoch
-            state.epoch, state.epoch_step = state.epoch + 1, 0
         final = evaluated if evaluated is not None else _final_eval(loop, state, last_loss, signals, meter, progress)
         if stop is not None:
             log.info("early stopping at step %d: %s did not improve for %d evaluations", state.step,
@@ -303,8 +303,18 @@ def _slice_done(loop: Loop, state: TrainState) -> bool:
 
 
 def _epoch_end(loop: Loop, state: TrainState) -> int | None:
-    """The epoch that just ended with this step, if one did (epoch length known up front)."""
-    return state.epoch if loop.steps_per_epoch and state.epoch_step >= loop.steps_per_epoch else None
+    """The epoch that just ended with this step, if one did (epoch length known up front).
+
+    At an epoch's end the position is the next epoch's start (``epoch + 1``, ``epoch_step`` 0), set right after the step,
+    before its eval and checkpoint: a checkpoint then says "start epoch ``e + 1``", which holds on any number of ranks and
+    DataLoader workers. ``epoch_step`` = the steps of epoch ``e`` would not: that count of batches is the whole epoch
+    only for the shards that wrote it, so a resume cutting the epoch otherwise (2 ranks to 1) would train its rows again
+    and warn of a mid-epoch change. A checkpoint written before positions rolled at the end still reads as its epoch's end."""
+    if not loop.steps_per_epoch or state.step == 0:
+        return None
+    if state.epoch_step == 0:
+        return state.epoch - 1
+    return state.epoch if state.epoch_step >= loop.steps_per_epoch else None
 
 
 def _eval_due(loop: Loop, state: TrainState) -> bool:
