@@ -12,7 +12,7 @@ hex/decimal parsing of ids are :mod:`~recsys_runner.data.encoding.keys`'s; numbe
 **Standalone on purpose.** This module imports NumPy, PyArrow, :mod:`~recsys_runner.data.encoding.keys`,
 :mod:`~recsys_runner.data.encoding.values` and :mod:`~recsys_runner.data.encoding.histories` only: the MLflow model that
 ``export`` writes carries a copy of it (with those three, :mod:`~recsys_runner.data.encoding.vocabulary` and
-:mod:`~recsys_runner.data.encoding.served`: :data:`~recsys_runner.data.encoding.served.SHIPPED`), so a
+the ``served`` modules: :data:`~recsys_runner.data.encoding.served.SHIPPED`), so a
 server turns raw rows into exactly the ids training used without recsys_runner, TorchRec or fbgemm installed. The schema
 is read by attribute (duck-typed), never imported; training passes ``error=DataError``.
 """
