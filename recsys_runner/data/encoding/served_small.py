@@ -6,7 +6,7 @@ A small text request's single-valued vocabulary columns are keyed in one pass an
 encoder, and a value that cannot be read sends the whole request there, so its error message is the row encoder's.
 ``tests/test_served_fast_paths.py`` compares each with the way it replaces, value for value.
 
-**Standalone on purpose**, like :mod:`.served`: NumPy, PyArrow, :mod:`.keys`, :mod:`.values`, :mod:`.rows` and
+**Standalone on purpose**, like :mod:`.served`: NumPy, PyArrow, :mod:`.keys`, :mod:`.values`, :mod:`.encoded_rows` and
 :mod:`.served_request` only; the MLflow models ``export`` writes carry a copy of it (:data:`.served.SHIPPED`).
 """
 
@@ -21,12 +21,12 @@ import pyarrow as pa
 
 if TYPE_CHECKING or __package__:
     from . import keys as _keys
-    from . import rows as _rows
     from . import values as _values
+    from .encoded_rows import Rows
     from .served_request import RequestEncoder, RequestRows
 else:  # inside the MLflow model: the copies in its code/ directory, never an installed recsys_runner
     _keys = importlib.import_module("recsys_keys")
-    _rows = importlib.import_module("recsys_rows")
+    Rows = importlib.import_module("recsys_encoded_rows").Rows
     _values = importlib.import_module("recsys_values")
     RequestEncoder = importlib.import_module("recsys_served_request").RequestEncoder
     RequestRows = importlib.import_module("recsys_served_request").RequestRows
@@ -68,7 +68,7 @@ class SmallRequests:
         if any(bag is None for bag in sparse):
             others = iter(self.other_columns.encode(table, RequestRows("request", "rows", np.arange(n), 0)).sparse)
             sparse = [next(others) if bag is None else bag for bag in sparse]
-        return _rows.Rows(np.zeros(n, np.float32), dense, sparse)
+        return Rows(np.zeros(n, np.float32), dense, sparse)
 
     def _dense_rows(self, columns: dict[str, pa.Array], n: int) -> np.ndarray | None:
         """The dense columns of a small text request as the row encoder reads them (parsed as float64, a missing value

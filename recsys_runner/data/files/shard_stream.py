@@ -19,7 +19,8 @@ import pyarrow as pa
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from recsys_runner.data.encoding.rows import Encoder, Location, Rows
+from recsys_runner.data.encoding.encoded_rows import Rows
+from recsys_runner.data.encoding.rows import Encoder, Location
 from recsys_runner.data.files.csv_source import CsvSource
 from recsys_runner.data.files.prefetch import read_ahead
 from recsys_runner.data.files.splits import Split, shard_ranges
