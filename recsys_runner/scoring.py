@@ -31,7 +31,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner import stores, uris
 from recsys_runner.data.base import in_step, placeholder
-from recsys_runner.data.encoding.rows import Encoder, Location, Rows
+from recsys_runner.data.encoding.encoded_rows import Rows
+from recsys_runner.data.encoding.rows import Encoder, Location
 from recsys_runner.data.encoding.stored import oov_counters, oov_line, oov_rates
 from recsys_runner.data.files.csv_source import CsvSource
 from recsys_runner.data.files.sources import Unit

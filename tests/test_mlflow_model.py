@@ -29,6 +29,7 @@ import yaml
 from recsys_runner import export, predict
 from recsys_runner.__main__ import run as train
 from recsys_runner.data.encoding import served as served_module
+from recsys_runner.data.encoding import served_program
 from recsys_runner.data.encoding.served import ServedModel
 from recsys_runner.serving import mlflow_model
 from tests.conftest import free_port
@@ -229,7 +230,7 @@ def test_multi_task_model_serves_one_column_per_task(tmp_path: Path, monkeypatch
             "data.sparse=[{name: user}, {name: item}, {name: tags, separator: '|'}]", "data.dense=[{name: price}]", "model=mmoe",
             "distributed.device=cpu", "tracking=none"]
     trained = _trained(tmp_path, data, 8, "export.compile=true")
-    assert [Path(p).name for p in asked] == [served_module.COMPILED_FILE]
+    assert [Path(p).name for p in asked] == [served_program.COMPILED_FILE]
     reference = _scores(data, trained["checkpoint"], tmp_path / "score.csv", tmp_path / "predicted")
     served = mlflow.pyfunc.load_model(str(trained["model"])).predict(pd.read_csv(tmp_path / "score.csv", dtype=str))
     assert list(served.columns) == ["score_ctr", "score_cvr"] == [c for c in reference.columns if c.startswith("score")]

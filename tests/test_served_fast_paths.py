@@ -1,8 +1,8 @@
 """The served model's shortcuts for small requests (issue 29's serving latency) give exactly what the general path gives.
 
 A request of up to ``STACKED_ROWS`` text rows is converted to Arrow in one piece, its single-valued vocabulary columns
-are keyed and looked up together and its dense columns parsed together (``ServedModel._text_columns``, ``_small_rows``,
-``_Vocabularies``); the program runs
+are keyed and looked up together and its dense columns parsed together (``RequestColumns.text_columns``, ``SmallRequests.rows``,
+``Vocabularies``); the program runs
 without its runtime checks (``runnable``); inside ``mlflow models serve`` torch keeps one intra-op thread
 (``serving_threads``). Each is compared here with the way it replaces: the row encoder column by column, each
 ``Vocabulary.lookup``, ``ExportedProgram.module()``, the process's setting. A program compiled by AOTInductor is run instead when there is one
@@ -20,7 +20,7 @@ import pandas as pd
 import pytest
 import torch
 
-from recsys_runner.data.encoding import served
+from recsys_runner.data.encoding import served_program, served_small
 from recsys_runner.data.encoding.served import ServedModel
 from recsys_runner.data.encoding.vocabulary import Vocabulary
 from recsys_runner.serving.program import compile_program
@@ -32,7 +32,7 @@ def test_vocabularies_looked_up_together_read_each_vocabularys_rows() -> None:
     vocabularies = [Vocabulary.build(rng.integers(0, 50, 400).astype(np.uint64), capacity, buckets)
                     for capacity, buckets in ((30, 4), (5, 1), (60, 16))]
     vocabularies.append(Vocabulary(np.zeros(0, np.uint64), np.zeros(0, np.int64), 0, 3))  # nothing in it: every key is OOV
-    together = served._Vocabularies(vocabularies)
+    together = served_small.Vocabularies(vocabularies)
     for counts in ([3, 0, 7, 2], [0, 0, 0, 0], [1, 1, 1, 1], [40, 25, 80, 9]):
         parts = [np.concatenate([rng.integers(0, 70, c).astype(np.uint64), rng.integers(0, 2**64 - 1, c, dtype=np.uint64)])[:c]
                  for c in counts]
@@ -58,7 +58,7 @@ def test_program_without_runtime_checks_gives_the_same_outputs() -> None:
     values, lengths = torch.tensor([1, 2, 3, 4, 5]), torch.tensor([2, 0, 3])
     shapes = {"values": {0: torch.export.Dim("ids")}, "lengths": {0: torch.export.Dim("batch")}}
     program = torch.export.export(Bags().eval(), (values, lengths), dynamic_shapes=shapes, strict=False)
-    checked, module = program.module(), served.runnable(program)
+    checked, module = program.module(), served_program.runnable(program)
 
     def called(m: torch.nn.Module) -> list[str]:
         return [str(n.target) for n in m.graph.nodes if n.op == "call_function"]
@@ -72,14 +72,14 @@ def test_program_without_runtime_checks_gives_the_same_outputs() -> None:
 def test_serving_threads_one_inside_mlflow_models_serve_else_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     before = torch.get_num_threads()
     try:
-        monkeypatch.delenv(served.SERVER_MODEL_PATH_VARIABLE, raising=False)
+        monkeypatch.delenv(served_program.SERVER_MODEL_PATH_VARIABLE, raising=False)
         torch.set_num_threads(2)
-        assert served.serving_threads(torch) == 2
-        monkeypatch.setenv(served.SERVER_MODEL_PATH_VARIABLE, "/models/m")
+        assert served_program.serving_threads(torch) == 2
+        monkeypatch.setenv(served_program.SERVER_MODEL_PATH_VARIABLE, "/models/m")
         monkeypatch.setenv("OMP_NUM_THREADS", "2")
-        assert served.serving_threads(torch) == 2  # the operator's choice is kept
+        assert served_program.serving_threads(torch) == 2  # the operator's choice is kept
         monkeypatch.delenv("OMP_NUM_THREADS")
-        assert served.serving_threads(torch) == 1
+        assert served_program.serving_threads(torch) == 1
     finally:
         torch.set_num_threads(before)
 
@@ -112,19 +112,20 @@ def hex_model(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def _general(model: ServedModel, frame: pd.DataFrame) -> Any:
     """``model.encode(frame)`` the general way: each column converted alone, every column by the row encoder."""
-    all_text, small = model._all_text, model._small
-    model._all_text, model._small = False, False
+    all_text, small = model.request.all_text, model.small
+    model.request.all_text, model.small = False, None
     try:
         return model.encode(frame)
     except Exception as e:  # noqa: BLE001 - the message is what is compared
         return str(e)
     finally:
-        model._all_text, model._small = all_text, small
+        model.request.all_text, model.small = all_text, small
 
 
 def test_small_requests_encode_as_the_row_encoder_does(hex_model: dict[str, Any]) -> None:
     model = ServedModel(str(hex_model["model"] / "data" / "data"))
-    assert [n for _, names, _ in model._keyed.values() for n in names] == ["ad", "user", "item"]  # tags: a multi-hot column
+    assert model.small is not None
+    assert [n for _, names, _ in model.small.keyed.values() for n in names] == ["ad", "user", "item"]  # tags: a multi-hot column
     score = hex_model["root"] / "score.csv"
     text = pd.read_csv(score, dtype=object).drop(columns=["click"])
     frames = {f"{n} rows {dtype}": pd.read_csv(score, dtype=dtype).drop(columns=["click"]).head(n)
@@ -187,22 +188,22 @@ def test_compiled_program_is_preferred_and_a_broken_one_falls_back(tmp_path: Pat
     dense, values, lengths = torch.rand(3, 2), torch.tensor([1, 5, 7, 29]), torch.tensor([[2, 1, 1]])
     shapes = {"dense": {0: torch.export.Dim("batch")}, "values": {0: torch.export.Dim("ids")}, "lengths": {1: torch.export.Dim("batch")}}
     program = torch.export.export(Net().eval(), (dense, values, lengths), dynamic_shapes=shapes, strict=False)
-    torch.export.save(program, str(tmp_path / served.PROGRAM_FILE))
-    assert not (tmp_path / served.COMPILED_FILE).exists()
-    eager = served.load_program(str(tmp_path))
+    torch.export.save(program, str(tmp_path / served_program.PROGRAM_FILE))
+    assert not (tmp_path / served_program.COMPILED_FILE).exists()
+    eager = served_program.load_program(str(tmp_path))
     assert isinstance(eager, torch.fx.GraphModule)
 
-    assert compile_program(program, str(tmp_path / served.COMPILED_FILE))
-    compiled = served.load_program(str(tmp_path))
+    assert compile_program(program, str(tmp_path / served_program.COMPILED_FILE))
+    compiled = served_program.load_program(str(tmp_path))
     assert not isinstance(compiled, torch.fx.GraphModule)
     for d, v, ln in ((dense, values, lengths), (torch.rand(1, 2), torch.tensor([3]), torch.tensor([[1]])),
                      (torch.rand(5, 2), torch.tensor([0, 1, 2]), torch.tensor([[0, 3, 0, 0, 0]]))):
         with torch.inference_mode():
             torch.testing.assert_close(compiled(d, v, ln), eager(d, v, ln), rtol=1e-5, atol=1e-5)
 
-    (tmp_path / served.COMPILED_FILE).write_bytes(b"not a package")  # another torch's, a truncated copy: the program runs
+    (tmp_path / served_program.COMPILED_FILE).write_bytes(b"not a package")  # another torch's, a truncated copy: the program runs
     with pytest.warns(UserWarning, match=r"model_aoti.pt2 does not load here .* running model.pt2 instead"):
-        fallback = served.load_program(str(tmp_path))
+        fallback = served_program.load_program(str(tmp_path))
     assert isinstance(fallback, torch.fx.GraphModule)
 
 
@@ -215,6 +216,6 @@ def test_a_program_that_cannot_be_compiled_is_served_as_it_is(tmp_path: Path, mo
 
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiler)
     program = torch.export.export(torch.nn.Linear(2, 1), (torch.rand(3, 2),))
-    assert not compile_program(program, str(tmp_path / served.COMPILED_FILE))
+    assert not compile_program(program, str(tmp_path / served_program.COMPILED_FILE))
     assert "could not be compiled with AOTInductor (RuntimeError: no C++ compiler found)" in caplog.text
-    assert not (tmp_path / served.COMPILED_FILE).exists()
+    assert not (tmp_path / served_program.COMPILED_FILE).exists()

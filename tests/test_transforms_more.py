@@ -26,9 +26,10 @@ from recsys_runner import evaluate
 from recsys_runner.__main__ import run as train
 from recsys_runner.build import build
 from recsys_runner.config import validate
+from recsys_runner.data.encoding.encoded_rows import Rows
 from recsys_runner.data.encoding.fit import InferConfig, complete_schema
 from recsys_runner.data.encoding.keys import cross_keys, fnv1a64, splitmix64
-from recsys_runner.data.encoding.rows import Encoder, Location, Rows
+from recsys_runner.data.encoding.rows import Encoder, Location
 from recsys_runner.data.encoding.stored import ENCODERS_FILE, from_json, to_json
 from recsys_runner.data.encoding.vocabulary import Vocabulary
 from recsys_runner.data.schema import Schema, SparseColumn

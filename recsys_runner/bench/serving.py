@@ -7,7 +7,7 @@ exported with its MLflow model (``export.dir/mlflow_model``, :mod:`recsys_runner
 
 * ``http`` — a real ``mlflow models serve --env-manager local`` process on loopback (``--workers``, default MLflow's:
   one uvicorn worker; ``--server-threads``, default the model's own: one intra-op thread inside a server,
-  :func:`recsys_runner.data.encoding.served.serving_threads`); one client
+  :func:`recsys_runner.data.encoding.served_program.serving_threads`); one client
   sends CSV bodies over a kept-alive connection, one request at a time: p50 and p99 of the request's wall time for a
   1-row and a 1,000-row body (``--requests`` each, after ``--warmup``). Targets on 2 cores: 1 row p50 <= 20 ms,
   1,000 rows p50 <= 150 ms (:data:`TARGETS_MS`).
@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 from recsys_runner.bench import write_results
-from recsys_runner.data.encoding.served import COMPILED_FILE
+from recsys_runner.data.encoding.served_program import COMPILED_FILE
 from recsys_runner.data.files.tabular_config import CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE
 from recsys_runner.data.generated.generate import write_criteo_csv
 from recsys_runner.distributed.env import auto_num_threads

@@ -45,8 +45,9 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from recsys_runner.data.encoding.encoded_rows import Rows
 from recsys_runner.data.encoding.fit import InferConfig, complete_schema
-from recsys_runner.data.encoding.rows import Encoder, Location, Rows
+from recsys_runner.data.encoding.rows import Encoder, Location
 from recsys_runner.data.files.csv_source import CsvSource
 from recsys_runner.data.files.sources import skip_empty
 from recsys_runner.data.files.tabular_config import CRITEO_COLUMNS, CRITEO_NUM_SPARSE, criteo_schema, text_delimiter

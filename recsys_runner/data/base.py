@@ -47,7 +47,7 @@ class SplitFiles:
     holdout: float | None = None
     """For a split held out of the training files by a hash of (file name, row number): the eval fraction."""
     split_keys: tuple[str, ...] = ()
-    """For such a split: the name each file's rows were keyed by (:func:`~recsys_runner.data.files.streaming.split_key`),
+    """For such a split: the name each file's rows were keyed by (:func:`~recsys_runner.data.files.splits.split_key`),
     in the order of ``files``: what decides which rows it holds out, beside ``holdout``."""
 
 

@@ -20,6 +20,7 @@ version of it in the model registry under ``name`` (:func:`log_and_register`).
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import shutil
@@ -32,13 +33,10 @@ import pyarrow as pa
 import torch
 from torchrec.datasets.utils import Batch
 
-from recsys_runner.data.encoding import histories as histories_module
-from recsys_runner.data.encoding import keys as keys_module
-from recsys_runner.data.encoding import rows as rows_module
-from recsys_runner.data.encoding import served, vocabulary
-from recsys_runner.data.encoding import values as values_module
+from recsys_runner.data.encoding import served, served_program
 from recsys_runner.data.encoding.rows import Encoder, Location
 from recsys_runner.data.encoding.stored import StoredEncoders
+from recsys_runner.data.encoding.values import is_list
 from recsys_runner.errors import ConfigError, DataError
 from recsys_runner.serving.program import ServingModule, TowerServing, compile_program
 from recsys_runner.tasks import SINGLE_TASK, Task, score_columns
@@ -104,7 +102,7 @@ def signature(types: dict[str, str], columns: list[str]) -> Any:
 def as_request(rows: pa.Table) -> Any:
     """``rows`` (raw, as training read them) as a request's DataFrame: single-valued columns as text (missing values
     ``None``; an int column's ids written as integers, not as the floats pandas would make of a column with gaps)."""
-    columns = {name: col if values_module.is_list(col.type) else col.cast(pa.string()) for name, col in zip(rows.column_names, rows.columns, strict=True)}
+    columns = {name: col if is_list(col.type) else col.cast(pa.string()) for name, col in zip(rows.column_names, rows.columns, strict=True)}
     return pa.table(columns).to_pandas()
 
 
@@ -137,9 +135,9 @@ def write_model(out: Path, module: ServingModule | TowerServing, program: torch.
         data, code = stage / "data", stage / "code"
         data.mkdir()
         code.mkdir()
-        torch.export.save(program, str(data / served.PROGRAM_FILE))
+        torch.export.save(program, str(data / served_program.PROGRAM_FILE))
         if compiled:
-            compile_program(program, str(data / served.COMPILED_FILE))
+            compile_program(program, str(data / served_program.COMPILED_FILE))
         (data / served.ENCODERS_FILE).write_bytes(document)
         (data / served.SPEC_FILE).write_text(json.dumps(spec, indent=1) + "\n")
         copy_shipped(code)
@@ -154,8 +152,8 @@ def write_model(out: Path, module: ServingModule | TowerServing, program: torch.
 def copy_shipped(code: Path) -> None:
     """Copy the modules the MLflow model carries into ``code``, each under the name it is imported by there
     (:data:`~recsys_runner.data.encoding.served.SHIPPED`)."""
-    for module in (keys_module, values_module, histories_module, rows_module, vocabulary, served):
-        shutil.copyfile(str(module.__file__), code / served.SHIPPED[module.__name__.rsplit(".", 1)[-1]])
+    for name, shipped_as in served.SHIPPED.items():
+        shutil.copyfile(str(importlib.import_module(f"{served.__package__}.{name}").__file__), code / shipped_as)
 
 
 def requirements() -> list[str]:

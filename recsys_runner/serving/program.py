@@ -220,7 +220,7 @@ def check_same(eager: Any, exported: Any, model: str) -> None:
 
 def compile_program(program: torch.export.ExportedProgram, path: str) -> bool:
     """Compile ``program`` ahead of time with AOTInductor into the package ``path``, which
-    :func:`~recsys_runner.data.encoding.served.load_program` loads with torch alone: C++ kernels instead of ~1,000 ATen
+    :func:`~recsys_runner.data.encoding.served_program.load_program` loads with torch alone: C++ kernels instead of ~1,000 ATen
     calls run by Python (DeepFM at one row: 0.8 instead of ~5 ms; docs/performance.md, 'Serving'). It needs a C++
     compiler and takes minutes of CPU; whether it is worth it is the caller's choice. Whether it was written (``False``:
     it could not be compiled, with a warning naming why; the program alone is served then).

@@ -45,12 +45,14 @@ import pyarrow as pa
 
 if TYPE_CHECKING or __package__:
     from recsys_runner.data.encoding import keys as _keys
-    from recsys_runner.data.encoding import served as _served
+    from recsys_runner.data.encoding import served_program as _program
+    from recsys_runner.data.encoding import served_request as _request
     from recsys_runner.data.encoding.vocabulary import Vocabulary
     from recsys_runner.metrics import top_k as _top_k
 else:  # inside the MLflow model: the copies in its code/ directory, never an installed recsys_runner
     _keys = importlib.import_module("recsys_keys")
-    _served = importlib.import_module("recsys_served")
+    _program = importlib.import_module("recsys_served_program")
+    _request = importlib.import_module("recsys_served_request")
     Vocabulary = importlib.import_module("recsys_vocabulary").Vocabulary
     _top_k = importlib.import_module("recsys_top_k")
 
@@ -93,10 +95,10 @@ class TopKModel:
         self.index = torch.from_numpy(np.load(os.path.join(directory, VECTORS_FILE)))
         self.num_items = int(self.index.shape[0])
         self.default_k, self.default_exclude_seen = int(self.spec["k"]), bool(self.spec["exclude_seen"])
-        self.program = _served.load_program(directory)  # model.pt2, or its AOTInductor package when export compiled it
-        self.error = _served._error_class()
+        self.program = _program.load_program(directory)  # model.pt2, or its AOTInductor package when export compiled it
+        self.error = _program.error_class()
         self._torch = torch
-        self.threads = _served.serving_threads(torch)
+        self.threads = _program.serving_threads(torch)
 
     @property
     def request_columns(self) -> list[str]:
@@ -225,13 +227,13 @@ class TopKModel:
         if pa.types.is_null(flat.type):
             flat = flat.cast(pa.string() if text else pa.int64())
         if text and not _keys.is_text(flat.type):
-            flat = _served._integral(flat)
+            flat = _request.integral(flat)
             if not pa.types.is_integer(flat.type):
                 raise self.error(f"column {name!r} holds {flat.type} values, but the model's ids in it are text. Fix: send the ids as text")
             return flat.cast(pa.string()), counts
         if not text:
             try:
-                flat = _served._integral(flat).cast(pa.int64())
+                flat = _request.integral(flat).cast(pa.int64())
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
                 raise self.error(f"column {name!r} cannot be read as int64 ({str(e).splitlines()[0]}): the model's "
                                  f"{'times' if name == self.times else 'ids'} in it are integers. Fix: send integers") from None

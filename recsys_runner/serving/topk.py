@@ -34,7 +34,7 @@ from torchrec.datasets.utils import Batch
 
 from recsys_runner import stores, uris
 from recsys_runner.data.base import DataModule
-from recsys_runner.data.encoding import served
+from recsys_runner.data.encoding import served_program
 from recsys_runner.data.encoding.stored import StoredEncoders
 from recsys_runner.data.files.streaming import TabularData
 from recsys_runner.data.files.tabular_config import ParquetDataConfig
@@ -166,9 +166,9 @@ def write_top_k_model(plan: TopKPlan, model: nn.Module, keys: list[str], batch: 
         directory, code = stage / "data", stage / "code"
         (directory / served_topk.VOCAB_DIR).mkdir(parents=True)
         code.mkdir()
-        torch.export.save(program, str(directory / served.PROGRAM_FILE))
+        torch.export.save(program, str(directory / served_program.PROGRAM_FILE))
         if compiled:
-            compile_program(program, str(directory / served.COMPILED_FILE))
+            compile_program(program, str(directory / served_program.COMPILED_FILE))
         np.save(directory / served_topk.VECTORS_FILE, index.numpy().astype(np.float32))
         for c in columns:
             text = stores.read_bytes(uris.join(plan.folder, c["file"]), ConfigError)

@@ -1,18 +1,21 @@
 """The vectorized encoder from Arrow columns of raw values to model inputs, checking every row — shared by training
 and serving.
 
-:class:`Encoder` turns one Arrow table of raw columns into :class:`Rows` (NumPy arrays) by a schema (a
+:class:`Encoder` turns one Arrow table of raw columns into :class:`~recsys_runner.data.encoding.encoded_rows.Rows` (NumPy
+arrays) by a schema (a
 :class:`~recsys_runner.data.schema.Schema`, or the plain objects the served model builds from ``encoders.json``) and
 checks every row; a bad row either raises the encoder's ``error`` naming the file, row and column (:class:`Location`),
-or is skipped and counted (``on_bad_rows: skip``). Histories are checked, truncated and given their event times by
-:class:`~recsys_runner.data.encoding.histories.HistoryEncoder`. The stable keys of values (hashes, crosses) and the
+or is skipped and counted (``on_bad_rows: skip``). This module encodes the sparse columns' ids; labels and dense
+features are read as numbers by :mod:`~recsys_runner.data.encoding.number_columns`, and histories are checked, truncated
+and given their event times by :class:`~recsys_runner.data.encoding.histories.HistoryEncoder`. The stable keys of values (hashes, crosses) and the
 hex/decimal parsing of ids are :mod:`~recsys_runner.data.encoding.keys`'s; numbers, bucket ids, vocabulary rows and
 ``id:weight`` pairs read from one flat array of values are :mod:`~recsys_runner.data.encoding.values`'.
 
 **Standalone on purpose.** This module imports NumPy, PyArrow, :mod:`~recsys_runner.data.encoding.keys`,
-:mod:`~recsys_runner.data.encoding.values` and :mod:`~recsys_runner.data.encoding.histories` only: the MLflow model that
-``export`` writes carries a copy of it (with those three, :mod:`~recsys_runner.data.encoding.vocabulary` and
-:mod:`~recsys_runner.data.encoding.served`: :data:`~recsys_runner.data.encoding.served.SHIPPED`), so a
+:mod:`~recsys_runner.data.encoding.values`, :mod:`~recsys_runner.data.encoding.histories`,
+:mod:`~recsys_runner.data.encoding.number_columns` and :mod:`~recsys_runner.data.encoding.encoded_rows` only: the MLflow
+model that ``export`` writes carries a copy of it (with those five, :mod:`~recsys_runner.data.encoding.vocabulary` and
+the ``served`` modules: :data:`~recsys_runner.data.encoding.served.SHIPPED`), so a
 server turns raw rows into exactly the ids training used without recsys_runner, TorchRec or fbgemm installed. The schema
 is read by attribute (duck-typed), never imported; training passes ``error=DataError``.
 """
@@ -20,7 +23,7 @@ is read by attribute (duck-typed), never imported; training passes ``error=DataE
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -28,99 +31,20 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 if TYPE_CHECKING or __package__:
+    from .encoded_rows import Rows
     from .histories import HistoryEncoder, truncate
     from .keys import cross_keys, fnv1a64, is_text, parse_hex, parse_int, raw_keys, splitmix64
-    from .values import bucket_ids, dense_transformed, is_list, parse_numbers, split_pairs, vocab_rows
-else:  # inside the MLflow model: the copies of histories.py, keys.py and values.py beside this one in its code/ directory
+    from .number_columns import dense_values, label_values
+    from .values import bucket_ids, combined, is_list, parse_numbers, split_pairs, vocab_rows
+else:  # inside the MLflow model: the copies of the modules it imports beside this one in its code/ directory
+    from recsys_encoded_rows import Rows
     from recsys_histories import HistoryEncoder, truncate
     from recsys_keys import cross_keys, fnv1a64, is_text, parse_hex, parse_int, raw_keys, splitmix64
-    from recsys_values import bucket_ids, dense_transformed, is_list, parse_numbers, split_pairs, vocab_rows
+    from recsys_number_columns import dense_values, label_values
+    from recsys_values import bucket_ids, combined, is_list, parse_numbers, split_pairs, vocab_rows
 
 BAD_ROW_MODES = ("fail", "skip")
 """``data.on_bad_rows``: ``fail`` stops at the first bad row, ``skip`` drops and counts bad rows."""
-
-
-@dataclass
-class Rows:
-    """A block of encoded rows: ``labels [n]`` (or ``[n, T]``, several labels), ``dense [n, N]`` and per key of the batch's
-    ``KeyedJaggedTensor`` (each sparse feature, then each history's event times) its (values, lengths); with a weighted
-    feature, ``weights``: per key the float32 weight of each of its values (``None`` for the keys without weights)."""
-
-    labels: np.ndarray
-    dense: np.ndarray
-    sparse: list[tuple[np.ndarray, np.ndarray]]
-    weights: list[np.ndarray | None] | None = None
-    """``None``: no key is weighted (the batch's ``KeyedJaggedTensor`` carries no weights)."""
-    _offsets: list[np.ndarray | None] | None = field(default=None, repr=False)
-
-    def __len__(self) -> int:
-        return int(self.labels.shape[0])
-
-    @staticmethod
-    def concat(parts: list[Rows]) -> Rows:
-        if len(parts) == 1:
-            return parts[0]
-        weights = None
-        if parts[0].weights is not None:
-            weights = [None if w is None else np.concatenate([_weights_of(p, j) for p in parts])
-                       for j, w in enumerate(parts[0].weights)]
-        return Rows(
-            np.concatenate([p.labels for p in parts]),
-            np.concatenate([p.dense for p in parts]),
-            [(np.concatenate([p.sparse[j][0] for p in parts]), np.concatenate([p.sparse[j][1] for p in parts]))
-             for j in range(len(parts[0].sparse))],
-            weights,
-        )
-
-    def offsets(self) -> list[np.ndarray | None]:
-        """Per feature: start offsets ``[n+1]`` of each row's values; ``None`` when every row has one value."""
-        if self._offsets is None:
-            self._offsets = [
-                None if values.shape[0] == lengths.shape[0] and bool((lengths == 1).all())
-                else np.concatenate([[0], np.cumsum(lengths)])
-                for values, lengths in self.sparse
-            ]
-        return self._offsets
-
-    def slice(self, start: int, stop: int) -> Rows:
-        sparse, weights = [], []
-        for j, ((values, lengths), offsets) in enumerate(zip(self.sparse, self.offsets(), strict=True)):
-            lo, hi = (start, stop) if offsets is None else (int(offsets[start]), int(offsets[stop]))
-            sparse.append((values[lo:hi], lengths[start:stop]))
-            w = self.weights[j] if self.weights is not None else None
-            weights.append(None if w is None else w[lo:hi])
-        return Rows(self.labels[start:stop], self.dense[start:stop], sparse, weights if self.weights is not None else None)
-
-    def take(self, index: np.ndarray) -> Rows:
-        sparse, weights = [], []
-        for j, ((values, lengths), offsets) in enumerate(zip(self.sparse, self.offsets(), strict=True)):
-            new_lengths = lengths[index]
-            if offsets is None:
-                gather = index
-            elif int(lengths.max(initial=0)) <= 1:  # single-valued with some missing: each present row's one value
-                gather = (np.cumsum(lengths) - 1)[index][new_lengths.astype(bool)]
-            else:
-                starts = offsets[:-1][index]
-                new_starts = np.concatenate([[0], np.cumsum(new_lengths)])[:-1]
-                gather = np.arange(int(new_lengths.sum())) + np.repeat(starts - new_starts, new_lengths)
-            sparse.append((values[gather], new_lengths))
-            w = self.weights[j] if self.weights is not None else None
-            weights.append(None if w is None else w[gather])
-        return Rows(self.labels[index], self.dense[index], sparse, weights if self.weights is not None else None)
-
-    def key_weights(self) -> np.ndarray | None:
-        """The weights of every value, key after key as in the batch's ``KeyedJaggedTensor`` (1.0 for the values of a key
-        without weights), or ``None`` when no key is weighted."""
-        if self.weights is None:
-            return None
-        return np.concatenate([np.ones(len(values), np.float32) if w is None else w.astype(np.float32, copy=False)
-                               for (values, _), w in zip(self.sparse, self.weights, strict=True)] or [np.zeros(0, np.float32)])
-
-
-def _weights_of(rows: Rows, key: int) -> np.ndarray:
-    """The weights of key ``key`` of ``rows`` (ones where that block carries none)."""
-    w = rows.weights[key] if rows.weights is not None else None
-    return np.ones(len(rows.sparse[key][0]), np.float32) if w is None else w
 
 
 @dataclass(frozen=True)
@@ -143,7 +67,7 @@ class Location:
 
 
 class Encoder:
-    """Turns Arrow tables of raw columns into :class:`Rows`, checking every row.
+    """Turns Arrow tables of raw columns into :class:`~recsys_runner.data.encoding.encoded_rows.Rows`, checking every row.
 
     Args:
         schema: the columns and how to encode them.
@@ -212,53 +136,15 @@ class Encoder:
     # -- label --------------------------------------------------------------------------------------
     def _label(self, table: pa.Table, where: Location, bad) -> np.ndarray:
         schema = self.schema
-        columns = [self._label_column(table, column, task, schema.label_kind(task), schema.labels is not None, where, bad,
-                                      self.error, schema.label_threshold)
+        columns = [label_values(table, column, task, schema.label_kind(task), schema.labels is not None, where, bad, self.error,
+                                schema.label_threshold)
                    for column, task in zip(schema.label_columns, schema.label_tasks, strict=True)]
         return columns[0] if schema.labels is None else np.stack(columns, axis=1)
 
-    @staticmethod
-    def _label_column(table: pa.Table, name: str, task: str, kind: str, multi: bool, where: Location, bad, error: type[Exception],
-                      threshold: float | None = None) -> np.ndarray:
-        arr = _numeric(_column(table, name), name, where, bad, error, label=True)
-        null = np.asarray(arr.is_null().to_numpy(zero_copy_only=False), dtype=bool) if arr.null_count else np.zeros(len(arr), bool)
-        values = np.asarray(arr.fill_null(0.0).to_numpy(zero_copy_only=False), dtype=np.float64)
-        of = f" (task {task!r})" if multi else ""
-        bad(name, null, lambda i: f"the label{of} is missing (null or empty)")
-        if threshold is not None:
-            wrong = ~null & ~np.isfinite(values)
-            bad(name, wrong, lambda i: f"the label is {_shown(float(values[i]))}, not a finite number to compare with data.label_threshold")
-            return np.where(null | wrong, 0, values >= threshold).astype(np.float32)
-        if kind == "regression":
-            wrong = ~null & ~np.isfinite(values)
-            bad(name, wrong, lambda i: f"the label{of} is {_shown(float(values[i]))}, but a regression label must be finite")
-        elif kind == "multiclass":
-            wrong = ~null & ~(np.isfinite(values) & (values >= 0) & (values == np.round(values)))
-            bad(name, wrong, lambda i: f"the label{of} is {_shown(float(values[i]))}, but a multiclass label is a class index (an integer >= 0)")
-        else:
-            wrong = ~null & (values != 0) & (values != 1)
-            hint = (f"; a float label: data.label_kinds.{task}=regression, a class index: data.label_kinds.{task}=multiclass "
-                    f"(the data reads each label by data.label_kinds, the model trains it by model.task_specs.{task}.kind: "
-                    f"set both)" if multi
-                    else "; a rating or score: data.label_threshold=<value> makes values >= it positive")
-            bad(name, wrong, lambda i: f"the label{of} is {_shown(float(values[i]))}, but the task is binary (BCE) and needs 0 or 1{hint}")
-        return np.where(null | wrong, 0, values).astype(np.float32)
-
     # -- dense --------------------------------------------------------------------------------------
     def _dense(self, col: Any, arr: pa.ChunkedArray | pa.Array, where: Location, bad) -> np.ndarray:
-        arr = _numeric(arr, col.name, where, bad, self.error, label=False)
-        read = np.asarray(arr.fill_null(col.fill).to_numpy(zero_copy_only=False), dtype=np.float64)
-        nonfinite = ~np.isfinite(read)
-        scaled = f", and data.dense[{col.name}].normalize=zscore scales finite numbers only" if col.normalize == "zscore" else ""
-        bad(col.name, nonfinite, lambda i: f"the value is {_shown(float(read[i]))}, not a finite number (a missing value takes "
-                                           f"data.dense[{col.name}].fill; NaN and infinity are bad rows{scaled})")
-        values = np.where(nonfinite, col.fill, read) if nonfinite.any() else read
-        values = dense_transformed(col, values)
-        if col.normalize == "zscore":
-            assert col.mean is not None and col.std is not None, (f"data.dense[{col.name}] (normalize=zscore) has no mean/std: "
-                                                                  f"build its schema with complete_schema")
-            values = (values - col.mean) / col.std
-        return values
+        """Dense column ``col`` as the model reads it (:func:`~recsys_runner.data.encoding.number_columns.dense_values`)."""
+        return dense_values(col, arr, where, bad, self.error)
 
     # -- sparse -------------------------------------------------------------------------------------
     def _bag(self, col: Any, table: pa.Table, where: Location, bad) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -288,7 +174,7 @@ class Encoder:
 
     def _jagged(self, col: Any, arr: pa.ChunkedArray | pa.Array, where: Location, bad,
                 weights_arr: pa.ChunkedArray | pa.Array | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        arr = _combined(arr)
+        arr = combined(arr)
         n = len(arr)
         pairs = bool(getattr(col, "weighted", False))
         weighted = pairs or weights_arr is not None
@@ -387,7 +273,7 @@ class Encoder:
         Raises:
             error: the weights column is neither numbers, text nor lists of them.
         """
-        name, arr, n = col.weights, _combined(arr), len(lengths)
+        name, arr, n = col.weights, combined(arr), len(lengths)
         if col.separator is not None and is_text(arr.type):
             arr = pc.split_pattern(arr, col.separator)
         if pa.types.is_null(arr.type):
@@ -433,7 +319,7 @@ class Encoder:
         n = table.num_rows
         keys, present = [], np.ones(n, bool)
         for name in col.cross:
-            arr = _combined(_column(table, name))
+            arr = combined(_column(table, name))
             valid = np.asarray(arr.is_valid().to_numpy(zero_copy_only=False), dtype=bool) if arr.null_count else np.ones(n, bool)
             part = np.zeros(n, np.uint64)
             if is_list(arr.type):
@@ -549,14 +435,6 @@ def _not_a_number(shown: str, col: Any) -> str:
             f"or drop the boundaries to treat the column as ids")
 
 
-# -- Arrow helpers ------------------------------------------------------------------------------------
-
-
-def _shown(value: float) -> str:
-    """A float for a message: ``nan``, ``inf``, ``-inf``, or the number (``2``, ``0.5``)."""
-    return f"{value:g}"
-
-
 def _beyond_int64(value: object, hex_digits: bool) -> bool:
     """Whether ``value`` (a raw sparse value from a file) is an integer outside int64's range."""
     if isinstance(value, str):
@@ -570,52 +448,3 @@ def _beyond_int64(value: object, hex_digits: bool) -> bool:
 def _column(table: pa.Table, name: str) -> pa.ChunkedArray:
     return table.column(name)
 
-
-def _combined(arr: pa.ChunkedArray | pa.Array) -> pa.Array:
-    if isinstance(arr, pa.ChunkedArray):
-        return arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)
-    return arr
-
-
-def is_number_type(t: pa.DataType) -> bool:
-    """Whether a typed (Parquet) column of ``t`` reads as numbers, as a label or a dense feature must: integers, floats,
-    booleans, or nulls only."""
-    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t) or pa.types.is_null(t)
-
-
-def not_numbers(name: str, dtype: pa.DataType, label: bool) -> str:
-    """Why a typed column of ``dtype`` (not :func:`is_number_type`) cannot be read as a label (``label``) or a dense
-    feature, and the fix, which differs: a text feature is a sparse one, but a label must be written as numbers."""
-    if label:
-        return (f"column {name!r} holds {dtype} values, but it is a label, and a label is a number: 0 or 1 for a binary task, "
-                f"a class index (0, 1, 2, ...) for a multiclass one, any number for regression (data.label_kinds). Fix: write "
-                f"it as numbers, e.g. in pandas df[{name!r}] = (df[{name!r}] == '<positive value>').astype('int8') (classes: "
-                f"df[{name!r}].astype('category').cat.codes), or point data.label / data.labels at the numeric label column")
-    return (f"column {name!r} holds {dtype} values, but data.dense reads numbers. Fix: move it to data.sparse (text values are "
-            f"hashed or given a vocabulary), or write it as a numeric type")
-
-
-def _numeric(arr: pa.ChunkedArray | pa.Array, name: str, where: Location, bad, error: type[Exception], label: bool) -> pa.Array:
-    """``arr`` as float64 (nulls kept); text files' fields are parsed, and unparsable ones are bad rows.
-
-    A typed (Parquet) column of a non-numeric type is a schema mistake, reported for the whole column (``label``: the
-    column is a label, whose fix differs from a dense feature's, :func:`not_numbers`).
-    """
-    arr = _combined(arr)
-    if is_number_type(arr.type):
-        return arr.cast(pa.float64())
-    if (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)) and where.line_offset is not None:
-        try:
-            return arr.cast(pa.float64())
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-            texts = arr.to_pylist()
-            parsed, wrong = [], np.zeros(len(texts), dtype=bool)
-            for i, t in enumerate(texts):
-                try:
-                    parsed.append(None if t is None else float(t))
-                except ValueError:
-                    parsed.append(None)
-                    wrong[i] = True
-            bad(name, wrong, lambda i: f"{texts[i]!r} is not a number")
-            return pa.array(parsed, pa.float64()).fill_null(0.0) if wrong.any() else pa.array(parsed, pa.float64())
-    raise error(f"{where.path}, {where.part}: {not_numbers(name, arr.type, label)}")

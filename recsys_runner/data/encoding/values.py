@@ -28,6 +28,13 @@ else:  # inside the MLflow model: the copy of keys.py beside this one in its cod
     from recsys_keys import is_text, parse_hex, value_keys
 
 
+
+def combined(arr: pa.ChunkedArray | pa.Array) -> pa.Array:
+    """A column's chunks as one array: the rules here, and the encoder's checks, read one flat array of values."""
+    if isinstance(arr, pa.ChunkedArray):
+        return arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)
+    return arr
+
 def type_name(t: pa.DataType) -> str:
     """A column's Arrow type as stored in ``encoders.json``'s ``column_types``: ``string``, ``int64``, ``float64``,
     ``bool``, ``null`` or ``list<…>`` of one of them (every integer width is ``int64``, every float ``float64``)."""

@@ -12,11 +12,12 @@ How an epoch is read (see docs/data.md for the full semantics):
    advance (``on_bad_rows: skip``, or ``drop_remainder: false`` with ranks one batch apart), the
    ranks agree step by step (:func:`recsys_runner.data.base.synchronized`) and stop together. Eval shards keep every
    row, whatever their batch counts: the evaluator steps a rank that is done with a stand-in batch
-   (:func:`recsys_runner.data.base.in_step`).
-4. Each shard streams its units, encodes and checks the rows (:class:`Encoder`), passes them through
+   (:func:`recsys_runner.data.base.in_step`). The split and the shards are :mod:`recsys_runner.data.files.splits`'.
+4. Each shard streams its units, encodes and checks the rows (:class:`~recsys_runner.data.encoding.rows.Encoder`), passes them through
    a seeded shuffle buffer of ``shuffle_buffer_rows`` and cuts batches of ``batch_size`` (training batches with
    ``batch_tokens``: as many rows as fit that many history tokens, :mod:`recsys_runner.data.sequences.histories`; the batch
-   count is then known only by reading, and the ranks agree step by step).
+   count is then known only by reading, and the ranks agree step by step): in its DataLoader worker, by
+   :mod:`recsys_runner.data.files.shard_stream`; this module turns what the workers send into batches and counts.
 
 Eval rows come from ``eval_path``, or are a deterministic hash split of the training files: a row is
 held out when a hash of (file name, row number) falls below ``eval_fraction``.
@@ -28,115 +29,30 @@ import abc
 import logging
 import math
 import os
-import zlib
 from collections.abc import Collection, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.data.base import DataModule, SplitFiles, synchronized
 from recsys_runner.data.catalogue.item_files import Catalogue, item_columns
-from recsys_runner.data.encoding.keys import splitmix64
-from recsys_runner.data.encoding.rows import Encoder, Location, Rows
 from recsys_runner.data.encoding.stored import StoredEncoders, check_inputs, column_kinds, column_types, oov_counters, to_json
-from recsys_runner.data.files.compression import plain_name
-from recsys_runner.data.files.csv_source import CsvSource
 from recsys_runner.data.files.item_parts import read_item_parts
-from recsys_runner.data.files.prefetch import read_ahead
-from recsys_runner.data.files.sources import ParquetSource, Unit
+from recsys_runner.data.files.shard_stream import ShardReader, ShardStream
+from recsys_runner.data.files.sources import ParquetSource
+from recsys_runner.data.files.splits import Split, eval_mask, shard_ranges, split_key
 from recsys_runner.data.files.tabular_config import DEFAULT_EVAL_FRACTION, TabularDataConfig
 from recsys_runner.data.locate import resolve_files
 from recsys_runner.data.schema import Schema
-from recsys_runner.data.sequences.histories import expected_rows, history_costs, token_cuts
+from recsys_runner.data.sequences.histories import expected_rows
 from recsys_runner.data.sequences.tokens import check_budget
 from recsys_runner.errors import ConfigError, DataError, require
 
 log = logging.getLogger(__name__)
-
-
-def split_key(path: str) -> str:
-    """What the hash eval split keys a file's rows by, with their row numbers: its name without a compression's suffix, so
-    that a file holds out the same rows compressed or not. Not its folder (moving the files keeps the split); its format
-    suffix stays (``a.csv`` and its conversion ``a.parquet`` hold out different rows), as it always has, so that no
-    existing run's split moves: the runs record these keys instead, and an evaluate or resume on files keyed otherwise
-    warns (:func:`~recsys_runner.tracking.datasets.note_split_changes`)."""
-    return plain_name(path)
-
-
-def eval_mask(path: str, file_rows: np.ndarray, fraction: float) -> np.ndarray:
-    """Rows held out for eval: a hash of (:func:`split_key`, row number) below ``fraction`` (stable everywhere)."""
-    file_id = np.uint64(zlib.crc32(split_key(path).encode()))
-    h = splitmix64(file_rows.astype(np.uint64) ^ (file_id << np.uint64(32)))
-    return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53)) < fraction
-
-
-@dataclass
-class _Split:
-    """The units of one split and how many of each unit's rows belong to it."""
-
-    source: Any
-    units: list[Unit]
-    counts: list[int]
-    holdout: tuple[float, bool] | None = None
-    """``(fraction, want_eval)`` for a hash split of shared files; ``None``: every row."""
-
-    def select(self, unit: Unit, file_rows: np.ndarray) -> np.ndarray | None:
-        if self.holdout is None:
-            return None
-        fraction, want_eval = self.holdout
-        mask = eval_mask(unit.path, file_rows, fraction)
-        return np.flatnonzero(mask if want_eval else ~mask)
-
-
-def shard_ranges(counts: list[int], order: list[int], shard: int, num_shards: int, equal: bool) -> list[tuple[int, int, int]]:
-    """``(unit, start, stop)`` row ranges of ``shard``: a contiguous share of the rows in ``order``.
-
-    ``equal``: every shard gets ``total // num_shards`` rows (the rest is left out); otherwise shards
-    differ by at most one row and together cover every row.
-    """
-    total = sum(counts[u] for u in order)
-    if equal:
-        per = total // num_shards
-        lo, hi = shard * per, (shard + 1) * per
-    else:
-        lo, hi = shard * total // num_shards, (shard + 1) * total // num_shards
-    out, offset = [], 0
-    for u in order:
-        n = counts[u]
-        a, b = max(lo - offset, 0), min(hi - offset, n)
-        if a < b:
-            out.append((u, a, b))
-        offset += n
-        if offset >= hi:
-            break
-    return out
-
-
-class _ShardStream(IterableDataset):
-    """One rank's share of a split for one epoch; with DataLoader workers, each worker a sub-share."""
-
-    def __init__(self, data: TabularData, split: _Split, epoch: int, rank: int, world_size: int, train: bool) -> None:
-        super().__init__()
-        self.data, self.split, self.epoch, self.rank, self.world_size, self.train = data, split, epoch, rank, world_size, train
-
-    def __iter__(self) -> Iterator[tuple]:
-        info = get_worker_info()
-        workers = info.num_workers if info is not None else 1
-        shard = self.rank * workers + (info.id if info is not None else 0)
-        try:
-            stream = self.data._stream(self.split, self.epoch, shard, self.world_size * workers, self.train)
-            yield from self.data.with_negatives(stream, self.epoch, shard, self.train)
-        except DataError as e:
-            if info is None:
-                raise
-            # Across a worker process boundary DataLoader would wrap the message in a traceback.
-            yield ("error", str(e))
 
 
 class TabularData(Catalogue, DataModule, abc.ABC):
@@ -179,13 +95,13 @@ class TabularData(Catalogue, DataModule, abc.ABC):
             if isinstance(eval_source, ParquetSource) and isinstance(train_source, ParquetSource):
                 eval_source.check_types(train_source)
             self.check_trained(eval_source, f"data.eval_path={config.eval_path!r}")
-            self._train = _Split(train_source, train_units, [u.num_rows for u in train_units])
-            self._eval = _Split(eval_source, eval_units, [u.num_rows for u in eval_units])
+            self._train = Split(train_source, train_units, [u.num_rows for u in train_units])
+            self._eval = Split(eval_source, eval_units, [u.num_rows for u in eval_units])
         else:
             fraction = config.eval_fraction or DEFAULT_EVAL_FRACTION
             held = [int(eval_mask(u.path, np.arange(u.first_row, u.first_row + u.num_rows), fraction).sum()) for u in train_units]
-            self._train = _Split(train_source, train_units, [u.num_rows - h for u, h in zip(train_units, held, strict=True)], (fraction, False))
-            self._eval = _Split(train_source, train_units, held, (fraction, True))
+            self._train = Split(train_source, train_units, [u.num_rows - h for u, h in zip(train_units, held, strict=True)], (fraction, False))
+            self._eval = Split(train_source, train_units, held, (fraction, True))
         if sum(self._eval.counts) == 0:
             raise DataError(f"the eval split of {config.eval_path or config.path} has no rows. Fix: a larger data.eval_fraction, or data.eval_path")
         if config.batch_tokens is not None:
@@ -296,22 +212,22 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         return self.open_files(self.config.path, "data.path").sample(rows)
 
     # -- internals -------------------------------------------------------------------------------------
-    def _shard_rows(self, split: _Split, world_size: int, train: bool) -> list[int]:
+    def _shard_rows(self, split: Split, world_size: int, train: bool) -> list[int]:
         """Rows of each (rank, worker) shard, rank-major."""
         shards = world_size * max(self._workers, 1)
         drop = train and self.config.drop_remainder
         order = list(range(len(split.units)))  # shard sizes do not depend on the order
         return [sum(b - a for _, a, b in shard_ranges(split.counts, order, s, shards, drop)) for s in range(shards)]
 
-    def _rank_batch_counts(self, split: _Split, world_size: int, train: bool) -> list[int]:
+    def _rank_batch_counts(self, split: Split, world_size: int, train: bool) -> list[int]:
         workers = max(self._workers, 1)
         drop = train and self.config.drop_remainder
         per_shard = self._shard_rows(split, world_size, train)
         per_batch = [n // self.batch_size if drop else math.ceil(n / self.batch_size) for n in per_shard]
         return [sum(per_batch[r * workers : (r + 1) * workers]) for r in range(world_size)]
 
-    def _batches(self, split: _Split, epoch: int, rank: int, world_size: int, train: bool) -> Iterator[Batch]:
-        stream = _ShardStream(self, split, epoch, rank, world_size, train)
+    def _batches(self, split: Split, epoch: int, rank: int, world_size: int, train: bool) -> Iterator[Batch]:
+        stream = ShardStream(ShardReader(self.config, self.schema, self.batch_size), self.with_negatives, split, epoch, rank, world_size, train)
         if self._workers > 0:
             items: Any = DataLoader(stream, batch_size=None, num_workers=self._workers, pin_memory=self._pin,
                                     multiprocessing_context="fork" if os.name == "posix" else None)
@@ -374,120 +290,6 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         if self._bad_rows > skipped_before:
             what = f"epoch {epoch}" if train else "eval"
             log.warning("rank %d skipped %d bad rows in %s (data.on_bad_rows=skip)", rank, self._bad_rows - skipped_before, what)
-
-    def _stream(self, split: _Split, epoch: int, shard: int, num_shards: int, train: bool) -> Iterator[tuple]:
-        """Encoded batches of one shard, as tensors: (dense, values, lengths, labels, bad rows skipped, histories truncated,
-        each vocabulary's OOV values and values, each ``max_values`` column's rows cut and longest list, the weights of the
-        values when a feature is weighted)."""
-        cfg = self.config
-        shuffle = train and cfg.shuffle
-        order = list(range(len(split.units)))
-        if shuffle:
-            order = np.random.default_rng([cfg.seed, epoch]).permutation(len(order)).tolist()
-        ranges = shard_ranges(split.counts, order, shard, num_shards, equal=train and cfg.drop_remainder)
-        encoder = Encoder(self.schema, cfg.on_bad_rows, DataError)
-        rng = np.random.default_rng([cfg.seed, epoch, shard]) if shuffle and cfg.shuffle_buffer_rows > 0 else None
-        hold = max(cfg.shuffle_buffer_rows, self.batch_size) if rng is not None else self.batch_size
-        keep_last = not (train and cfg.drop_remainder)
-        budget = cfg.batch_tokens if train else None
-        batch_order = np.random.default_rng([cfg.seed, epoch, shard, 1])  # grouped token batches: the order they go in
-        source_bad = getattr(split.source, "num_bad_rows", 0)
-        reported = [0, 0]
-        reported_oov = {name: [0, 0] for name in encoder.oov}
-        reported_cuts = dict.fromkeys(encoder.capped, 0)
-
-        def counts() -> tuple[int, int, dict[str, tuple[int, int]], dict[str, tuple[int, int]]]:
-            """Bad rows skipped, histories truncated, each vocabulary's (OOV values, values) and each capped list's (rows cut,
-            longest list so far) since the last call."""
-            totals = [encoder.num_bad_rows + getattr(split.source, "num_bad_rows", 0) - source_bad, encoder.num_truncated_rows]
-            deltas = (totals[0] - reported[0], totals[1] - reported[1])
-            reported[:] = totals
-            oov = {name: (now[0] - reported_oov[name][0], now[1] - reported_oov[name][1]) for name, now in encoder.oov.items()}
-            reported_oov.update({name: list(now) for name, now in encoder.oov.items()})
-            cuts = {name: (cut - reported_cuts[name], longest) for name, (cut, longest) in encoder.capped.items()}
-            reported_cuts.update({name: cut for name, (cut, _) in encoder.capped.items()})
-            return *deltas, oov, cuts
-
-        buffer: list[Rows] = []
-        held = 0
-
-        def cut(final: bool) -> Iterator[tuple]:
-            """Batches of the buffered rows (shuffled if configured); the rows left over stay in ``buffer``."""
-            nonlocal buffer, held
-            block = Rows.concat(buffer)
-            if rng is not None:
-                block = block.take(rng.permutation(len(block)))
-            if budget is not None:
-                block, slices, used = self._token_batches(block, budget, final=final and keep_last, order=batch_order)
-            else:
-                used = len(block) // self.batch_size * self.batch_size
-                slices = [(i, i + self.batch_size) for i in range(0, used, self.batch_size)]
-                if final and keep_last and used < len(block):
-                    slices, used = [*slices, (used, len(block))], len(block)
-            for a, b in slices:
-                yield self._tensors(block.slice(a, b), *counts())
-            buffer, held = [block.slice(used, len(block))], len(block) - used
-
-        for rows in self._read_ranges(split, ranges, encoder):
-            buffer.append(rows)
-            held += len(rows)
-            if held >= hold:
-                yield from cut(final=False)
-        if held:
-            yield from cut(final=True)
-        last = counts()
-        if last[0] or last[1] or any(total for _, total in last[2].values()) or any(cut for cut, _ in last[3].values()):
-            yield (None, None, None, None, *last, None)
-
-    def _token_batches(self, block: Rows, budget: int, final: bool, order: np.random.Generator) -> tuple[Rows, list[tuple[int, int]], int]:
-        """``block`` (sorted by history length with ``group_by_length``), its ``batch_tokens`` batches and the rows they use.
-
-        Grouped, the batches are cut by padded size (rows × longest) and yielded in a seeded random order, so that a run
-        does not see the short rows of a block first; the longest rows left over wait for the next block."""
-        costs = history_costs(self.schema, block.sparse)
-        if not self.config.group_by_length:
-            return block, *token_cuts(costs, budget, final=final)
-        by_length = np.argsort(costs, kind="stable")
-        block, costs = block.take(by_length), costs[by_length]
-        slices, used = token_cuts(costs, budget, final=final, padded=True)
-        return block, [slices[i] for i in order.permutation(len(slices))], used
-
-    def _read_ranges(self, split: _Split, ranges: list[tuple[int, int, int]], encoder: Encoder) -> Iterator[Rows]:
-        ahead = read_ahead(split.source, [split.units[u] for u, _, _ in ranges])
-        for (u, start, stop), tables in zip(ranges, ahead, strict=True):
-            unit = split.units[u]
-            seen = 0
-            line_offset = split.source.line_offset(unit.path) if isinstance(split.source, CsvSource) else None
-            for table, file_rows in tables:
-                chosen = split.select(unit, file_rows)
-                k = table.num_rows if chosen is None else len(chosen)
-                lo, hi = max(start - seen, 0), min(stop - seen, k)
-                seen += k
-                if lo < hi:
-                    if chosen is None:
-                        part, rows_of = table.slice(lo, hi - lo), file_rows[lo:hi]
-                    else:
-                        part, rows_of = table.take(pa.array(chosen[lo:hi])), file_rows[chosen[lo:hi]]
-                    yield encoder.encode(part, Location(unit.path, unit.part, rows_of, line_offset))
-                if seen >= stop:
-                    break
-
-    def _tensors(self, rows: Rows, skipped: int, truncated: int, oov: dict[str, tuple[int, int]],
-                 capped: dict[str, tuple[int, int]]) -> tuple:
-        values = np.concatenate([v for v, _ in rows.sparse]) if rows.sparse else np.zeros(0, np.int64)
-        lengths = np.concatenate([ln for _, ln in rows.sparse]) if rows.sparse else np.zeros(0, np.int32)
-        weights = rows.key_weights()  # a weighted feature's weights, 1.0 for every other key's values (FeatureSpec.weighted)
-        return (
-            torch.from_numpy(np.ascontiguousarray(rows.dense)),
-            torch.from_numpy(values.astype(np.int64, copy=False)),
-            torch.from_numpy(lengths.astype(np.int32, copy=False)),
-            torch.from_numpy(np.ascontiguousarray(rows.labels)),
-            skipped,
-            truncated,
-            oov,
-            capped,
-            None if weights is None else torch.from_numpy(weights),
-        )
 
 
 KIND_SAMPLE_ROWS = 1000

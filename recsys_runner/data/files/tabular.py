@@ -16,7 +16,8 @@ from typing import Any
 import pyarrow as pa
 
 from recsys_runner.data.encoding.fit import Inferred, complete_schema
-from recsys_runner.data.encoding.rows import float_ids, is_number_type, not_numbers
+from recsys_runner.data.encoding.number_columns import is_number_type, not_numbers
+from recsys_runner.data.encoding.rows import float_ids
 from recsys_runner.data.encoding.stored import StoredEncoders, check_inputs
 from recsys_runner.data.encoding.values import is_list
 from recsys_runner.data.files.csv_source import CsvSource
@@ -54,14 +55,14 @@ def from_checkpoint(encoders: StoredEncoders, sample: pa.Table, where: str) -> S
 
 def check_column_types(schema: Schema, arrow: pa.Schema, path: str) -> None:
     """The columns of ``schema`` have types it can read in the Parquet file ``path`` (``arrow``: its footer's schema):
-    each label and dense column numbers (:func:`~recsys_runner.data.encoding.rows.is_number_type`), no sparse column
+    each label and dense column numbers (:func:`~recsys_runner.data.encoding.number_columns.is_number_type`), no sparse column
     read as ids floats. Checked when the data is built, before the model: the encoder refuses the same columns, but only
     at the first read, after the model has been built and sharded. The other files of ``data.path`` and ``data.eval_path``
     hold each column as the same kind of values (:func:`~recsys_runner.data.files.sources.type_clash`).
 
     Raises:
         DataError: naming the file, the column, its type and the fix, which differs for a label
-            (:func:`~recsys_runner.data.encoding.rows.not_numbers`, :func:`~recsys_runner.data.encoding.rows.float_ids`).
+            (:func:`~recsys_runner.data.encoding.number_columns.not_numbers`, :func:`~recsys_runner.data.encoding.rows.float_ids`).
     """
     for name, label in [*((c, True) for c in schema.label_columns), *((c.name, False) for c in schema.dense)]:
         if name in arrow.names and not is_number_type(t := arrow.field(name).type):

@@ -1,0 +1,124 @@
+"""Label and dense columns read as numbers by the row encoder (:class:`~recsys_runner.data.encoding.rows.Encoder`): each
+label checked against its task's kind (0/1, a class index, a finite number, or compared with ``data.label_threshold``),
+each dense value filled, clipped, transformed and normalized; a value that is not a number makes its row bad. A typed
+(Parquet) column of a type that is not numbers is a schema mistake, named for the whole column (:func:`is_number_type`,
+:func:`not_numbers`, which the file data options also check when they start).
+
+Apart from :mod:`~recsys_runner.data.encoding.rows`, which keeps the sparse columns' ids, because numbers and ids share
+nothing but the bad-row bookkeeping the encoder hands in (``bad``, ``error``).
+
+**Standalone on purpose**, like :mod:`~recsys_runner.data.encoding.rows`: NumPy, PyArrow and
+:mod:`~recsys_runner.data.encoding.values` only, and copied into the MLflow model's ``code/``
+(:data:`~recsys_runner.data.encoding.served.SHIPPED`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+
+if TYPE_CHECKING or __package__:
+    from .values import combined, dense_transformed
+else:  # inside the MLflow model: the copy of values.py beside this one in its code/ directory
+    from recsys_values import combined, dense_transformed
+
+if TYPE_CHECKING:
+    from .rows import Location
+
+
+def label_values(table: pa.Table, name: str, task: str, kind: str, multi: bool, where: Location, bad, error: type[Exception],
+                 threshold: float | None = None) -> np.ndarray:
+    """Label column ``name`` (of task ``task``, of kind ``kind``; ``multi``: one of several labels) as float32, each label
+    checked against its kind; ``threshold`` (``data.label_threshold``): values at or above it are 1, the others 0."""
+    arr = _numeric(table.column(name), name, where, bad, error, label=True)
+    null = np.asarray(arr.is_null().to_numpy(zero_copy_only=False), dtype=bool) if arr.null_count else np.zeros(len(arr), bool)
+    values = np.asarray(arr.fill_null(0.0).to_numpy(zero_copy_only=False), dtype=np.float64)
+    of = f" (task {task!r})" if multi else ""
+    bad(name, null, lambda i: f"the label{of} is missing (null or empty)")
+    if threshold is not None:
+        wrong = ~null & ~np.isfinite(values)
+        bad(name, wrong, lambda i: f"the label is {_shown(float(values[i]))}, not a finite number to compare with data.label_threshold")
+        return np.where(null | wrong, 0, values >= threshold).astype(np.float32)
+    if kind == "regression":
+        wrong = ~null & ~np.isfinite(values)
+        bad(name, wrong, lambda i: f"the label{of} is {_shown(float(values[i]))}, but a regression label must be finite")
+    elif kind == "multiclass":
+        wrong = ~null & ~(np.isfinite(values) & (values >= 0) & (values == np.round(values)))
+        bad(name, wrong, lambda i: f"the label{of} is {_shown(float(values[i]))}, but a multiclass label is a class index (an integer >= 0)")
+    else:
+        wrong = ~null & (values != 0) & (values != 1)
+        hint = (f"; a float label: data.label_kinds.{task}=regression, a class index: data.label_kinds.{task}=multiclass "
+                f"(the data reads each label by data.label_kinds, the model trains it by model.task_specs.{task}.kind: "
+                f"set both)" if multi
+                else "; a rating or score: data.label_threshold=<value> makes values >= it positive")
+        bad(name, wrong, lambda i: f"the label{of} is {_shown(float(values[i]))}, but the task is binary (BCE) and needs 0 or 1{hint}")
+    return np.where(null | wrong, 0, values).astype(np.float32)
+
+
+def dense_values(col: Any, arr: pa.ChunkedArray | pa.Array, where: Location, bad, error: type[Exception]) -> np.ndarray:
+    """Dense column ``col`` as float64: a missing value its ``fill``, then ``clip``, ``transform`` and ``normalize``; a value
+    that is not a finite number makes its row bad."""
+    arr = _numeric(arr, col.name, where, bad, error, label=False)
+    read = np.asarray(arr.fill_null(col.fill).to_numpy(zero_copy_only=False), dtype=np.float64)
+    nonfinite = ~np.isfinite(read)
+    scaled = f", and data.dense[{col.name}].normalize=zscore scales finite numbers only" if col.normalize == "zscore" else ""
+    bad(col.name, nonfinite, lambda i: f"the value is {_shown(float(read[i]))}, not a finite number (a missing value takes "
+                                       f"data.dense[{col.name}].fill; NaN and infinity are bad rows{scaled})")
+    values = np.where(nonfinite, col.fill, read) if nonfinite.any() else read
+    values = dense_transformed(col, values)
+    if col.normalize == "zscore":
+        assert col.mean is not None and col.std is not None, (f"data.dense[{col.name}] (normalize=zscore) has no mean/std: "
+                                                              f"build its schema with complete_schema")
+        values = (values - col.mean) / col.std
+    return values
+
+
+def _shown(value: float) -> str:
+    """A float for a message: ``nan``, ``inf``, ``-inf``, or the number (``2``, ``0.5``)."""
+    return f"{value:g}"
+
+
+def is_number_type(t: pa.DataType) -> bool:
+    """Whether a typed (Parquet) column of ``t`` reads as numbers, as a label or a dense feature must: integers, floats,
+    booleans, or nulls only."""
+    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t) or pa.types.is_null(t)
+
+
+def not_numbers(name: str, dtype: pa.DataType, label: bool) -> str:
+    """Why a typed column of ``dtype`` (not :func:`is_number_type`) cannot be read as a label (``label``) or a dense
+    feature, and the fix, which differs: a text feature is a sparse one, but a label must be written as numbers."""
+    if label:
+        return (f"column {name!r} holds {dtype} values, but it is a label, and a label is a number: 0 or 1 for a binary task, "
+                f"a class index (0, 1, 2, ...) for a multiclass one, any number for regression (data.label_kinds). Fix: write "
+                f"it as numbers, e.g. in pandas df[{name!r}] = (df[{name!r}] == '<positive value>').astype('int8') (classes: "
+                f"df[{name!r}].astype('category').cat.codes), or point data.label / data.labels at the numeric label column")
+    return (f"column {name!r} holds {dtype} values, but data.dense reads numbers. Fix: move it to data.sparse (text values are "
+            f"hashed or given a vocabulary), or write it as a numeric type")
+
+
+def _numeric(arr: pa.ChunkedArray | pa.Array, name: str, where: Location, bad, error: type[Exception], label: bool) -> pa.Array:
+    """``arr`` as float64 (nulls kept); text files' fields are parsed, and unparsable ones are bad rows.
+
+    A typed (Parquet) column of a non-numeric type is a schema mistake, reported for the whole column (``label``: the
+    column is a label, whose fix differs from a dense feature's, :func:`not_numbers`).
+    """
+    arr = combined(arr)
+    if is_number_type(arr.type):
+        return arr.cast(pa.float64())
+    if (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)) and where.line_offset is not None:
+        try:
+            return arr.cast(pa.float64())
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            texts = arr.to_pylist()
+            parsed, wrong = [], np.zeros(len(texts), dtype=bool)
+            for i, t in enumerate(texts):
+                try:
+                    parsed.append(None if t is None else float(t))
+                except ValueError:
+                    parsed.append(None)
+                    wrong[i] = True
+            bad(name, wrong, lambda i: f"{texts[i]!r} is not a number")
+            return pa.array(parsed, pa.float64()).fill_null(0.0) if wrong.any() else pa.array(parsed, pa.float64())
+    raise error(f"{where.path}, {where.part}: {not_numbers(name, arr.type, label)}")

@@ -1,0 +1,101 @@
+"""The program a served model runs, and the server around it: what the pointwise model (:mod:`.served`) and the top-k
+model (:mod:`recsys_runner.serving.served_topk`) load and run alike.
+
+The ``torch.export`` program (or its AOTInductor package) loaded and made runnable without its runtime checks
+(:func:`load_program`, :func:`runnable`), torch's intra-op threads inside ``mlflow models serve``
+(:func:`serving_threads`), and the error a request the model cannot read raises (:func:`error_class`).
+
+**Standalone on purpose**, like :mod:`.served`: torch (imported when called), and MLflow when it is there, only; the MLflow
+models ``export`` writes carry a copy of it (:data:`.served.SHIPPED`).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+PROGRAM_FILE = "model.pt2"
+COMPILED_FILE = "model_aoti.pt2"
+"""The program compiled ahead of time by AOTInductor, when ``export`` was asked for it (:func:`load_program`)."""
+SERVER_MODEL_PATH_VARIABLE = "__pyfunc_model_path__"
+"""Set in the environment of ``mlflow models serve``'s processes (``mlflow.pyfunc.scoring_server._SERVER_MODEL_PATH``):
+the model is being served (:func:`serving_threads`)."""
+
+
+class RequestError(ValueError):
+    """A request the model cannot score; raised as MLflow's ``BAD_REQUEST`` (HTTP 400) when MLflow is there."""
+
+
+def error_class() -> type[Exception]:
+    """MLflow's ``BAD_REQUEST`` exception (HTTP 400 from ``mlflow models serve``), or :class:`RequestError` without MLflow."""
+    try:
+        from mlflow.exceptions import MlflowException
+        from mlflow.protos.databricks_pb2 import BAD_REQUEST
+    except ImportError:  # used without MLflow (a plain Python server): a ValueError
+        return RequestError
+
+    class BadRequest(MlflowException):
+        def __init__(self, message: str) -> None:
+            super().__init__(message, error_code=BAD_REQUEST)
+
+    return BadRequest
+
+
+def load_program(directory: str) -> Any:
+    """The program a request runs: the AOTInductor package (:data:`COMPILED_FILE`) when there is one and it loads here —
+    compiled C++ kernels, ~0.8 instead of ~4 ms at one row — else the ``torch.export`` program (:func:`runnable`). A
+    package that does not load (another torch, another CPU) is named in a warning and the program runs instead."""
+    import torch
+
+    compiled = os.path.join(directory, COMPILED_FILE)
+    if os.path.exists(compiled):
+        try:
+            from torch._inductor import aoti_load_package
+
+            return aoti_load_package(compiled)
+        except Exception as e:  # noqa: BLE001 - whatever keeps it from loading, the program is there to run instead
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            warnings.warn(f"{compiled} does not load here ({type(e).__name__}: {why}); running {PROGRAM_FILE} instead", stacklevel=2)
+    return runnable(torch.export.load(os.path.join(directory, PROGRAM_FILE)))
+
+
+RUNTIME_CHECKS = ("_assert_scalar", "_assert_tensor_metadata")
+"""ATen ops of a ``torch.export`` program that only check what its inputs are (sizes that agree, dtypes, devices):
+:func:`runnable` leaves them out."""
+
+
+def runnable(program: Any) -> Any:
+    """``program`` (a ``torch.export.ExportedProgram``) as the module a request runs: ``program.module()`` without the
+    graph's runtime checks (:data:`RUNTIME_CHECKS`) and the arithmetic on sizes that only they read.
+
+    Those checks, with what only they read, are over half of the graph's nodes and a quarter of its time at a few rows
+    (~1.3 ms of 5 at one row). They guard against inputs the row encoder never builds (ids as many as the lengths' sum,
+    the dtypes traced); the scores are the same (``check_served`` compares them when the model is written).
+    """
+    import torch
+
+    module = program.module()
+    checks = {getattr(torch.ops.aten, name).default for name in RUNTIME_CHECKS if hasattr(torch.ops.aten, name)}
+    graph = module.graph
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in checks:
+            graph.erase_node(node)
+    graph.eliminate_dead_code()
+    module.recompile()
+    return module
+
+
+def serving_threads(torch: Any) -> int:
+    """Inside ``mlflow models serve``, one torch intra-op thread per server process (unless ``OMP_NUM_THREADS`` says
+    otherwise); the intra-op threads it leaves, returned.
+
+    A server runs each request in a thread of its own, and as many processes as ``--workers``: that is where its
+    parallelism comes from. Torch's default, an intra-op thread per core in every process, only fights those threads and
+    the client's for the cores: a 1-row request gains nothing from a parallel region, and OpenMP's helper threads keep
+    spinning after one; on 2 cores one thread was faster for 1,000-row requests too (docs/performance.md, 'Serving').
+    Loaded anywhere else (``mlflow.pyfunc.load_model`` in a script, a batch job), the process's setting is left alone.
+    """
+    if os.environ.get(SERVER_MODEL_PATH_VARIABLE) and not os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(1)
+    return int(torch.get_num_threads())

@@ -1,0 +1,216 @@
+"""A request's columns as training read them, for the served model (:mod:`.served`): each column converted to Arrow and
+cast to the type training read it as (``encoders.json``'s ``column_types``), the CSV reader's missing-value tokens read
+as missing — steps 1 and 2 of :meth:`.served.ServedModel.predict` — and the row encoder as a request sees it (its bad rows
+named as request rows, with the fix for a request: :class:`RequestRows`, :class:`RequestEncoder`).
+
+Apart from the served model because what a pandas DataFrame of a request holds (MLflow's parsers, JSON numbers made
+floats, pandas' ``"772.0"``) is a concern of its own, which the top-k model shares (:func:`integral`).
+
+**Standalone on purpose**, like :mod:`.served`: NumPy, PyArrow, :mod:`.keys`, :mod:`.values` and :mod:`.rows` only; the
+MLflow models ``export`` writes carry a copy of it (:data:`.served.SHIPPED`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+if TYPE_CHECKING or __package__:
+    from . import keys as _keys
+    from . import rows as _rows
+    from . import values as _values
+else:  # inside the MLflow model: the copies in its code/ directory, never an installed recsys_runner
+    _keys = importlib.import_module("recsys_keys")
+    _rows = importlib.import_module("recsys_rows")
+    _values = importlib.import_module("recsys_values")
+
+STACKED_ROWS = 4096
+"""Requests of up to this many rows are converted to Arrow in one piece (:meth:`RequestColumns.text_columns`)."""
+ABSENT_TEXTS = ("", "None", "nan")
+"""Texts read as a missing value in a column training read as numbers (a Parquet model's ids, prices): no id reads as
+them, and they are what a request holds for one — ``""`` in a CSV body or JSON text, ``"None"`` and ``"nan"`` what
+MLflow's ``inputs`` form makes of a JSON ``null`` and ``NaN`` in a ``string`` column of the signature (and pandas'
+``astype(str)`` of a missing number): as a NaN of a typed request column, which pandas holds for a missing value, they
+take the column's fill (:meth:`RequestColumns.cast`)."""
+EXACT_FLOAT = 2**53
+"""Integers above this are not all held by a float64 (:meth:`RequestColumns._exact_ids`)."""
+WHOLE_TEXT = r"^[+-]?[0-9]+\.0*$"
+"""A whole number written with a decimal point (``"772.0"``): :func:`_whole_texts`."""
+
+
+class RequestRows(_rows.Location):
+    """Rows of a request, for the encoder's messages: ``request row <i>`` (0-based)."""
+
+    def describe(self, i: int) -> str:
+        return f"request row {int(self.file_rows[i])}"
+
+
+class RequestEncoder(_rows.Encoder):
+    """The row encoder training used, whose bad rows end with the fix for a request."""
+
+    fix = "Fix the request"
+
+
+class RequestColumns:
+    """The input columns a model reads, and how a request's columns become them (module docstring).
+
+    Args:
+        columns: the request columns the model reads (``serving.json``'s ``input_columns``).
+        types: each column's Arrow type as training read it (``encoders.json``'s ``column_types``).
+        dense_columns: the columns read as dense features.
+        null_values: the CSV reader's missing-value tokens (``serving.json``'s ``null_values``).
+        error: what a request that cannot be read raises (MLflow's ``BAD_REQUEST``: :func:`.served_program.error_class`).
+    """
+
+    def __init__(self, columns: list[str], types: dict[str, pa.DataType], dense_columns: set[str], null_values: list[str],
+                 error: type[Exception]) -> None:
+        self.columns, self.types, self.dense_columns, self.error = columns, types, dense_columns, error
+        self.null_values = pa.array(list(null_values), pa.string())
+        self.absent_texts = pa.array(sorted({*self.null_values.to_pylist(), *ABSENT_TEXTS}), pa.string())
+        """The texts read as missing in a column training read as numbers (:data:`ABSENT_TEXTS`, with the null tokens)."""
+        self.all_text = all(pa.types.is_string(self.types.get(name, pa.string())) for name in self.columns)
+        """Every input column is read as text (:meth:`text_columns`)."""
+
+    def read(self, frame: Any) -> tuple[dict[str, pa.Array], bool]:
+        """The request's columns as training read them, and whether they were converted in one piece (:meth:`text_columns`;
+        a small request then may take :class:`.served_small.SmallRequests`).
+
+        Raises:
+            RequestError (MLflow's ``BAD_REQUEST`` when MLflow is installed): a column is missing or cannot be read.
+        """
+        self.check(frame)
+        columns = self.text_columns(frame) if len(frame) <= STACKED_ROWS else None
+        if columns is not None:
+            return columns, True
+        return {name: self.cast(name, self.arrow_column(name, frame[name])) for name in self.columns}, False
+
+    def check(self, frame: Any) -> None:
+        """Raises RequestError (MLflow's ``BAD_REQUEST``) naming the input columns ``frame`` lacks."""
+        missing = [c for c in self.columns if c not in frame.columns]
+        if missing:
+            raise self.error(f"the request has no column {missing[0]!r}{f' (nor {missing[1:]})' if missing[1:] else ''}; "
+                                 f"the model reads the columns {self.columns}. Fix: send every one of them (extra columns are ignored)")
+
+    def arrow_column(self, name: str, series: Any) -> pa.Array:
+        """Request column ``name`` as one Arrow array (:func:`_arrow_column`).
+
+        Raises:
+            RequestError (MLflow's ``BAD_REQUEST``): its values are of kinds no one Arrow type holds (text beside
+                numbers, a list beside a single value), named with the column.
+        """
+        try:
+            return _arrow_column(series)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
+            raise self.error(f"column {name!r} cannot be read ({str(e).splitlines()[0]}): its rows hold values of different kinds "
+                             f"(text beside numbers, or a list beside a single value). Fix: send one kind of value in it, as the "
+                             f"signature says ({'a list per row' if _values.is_list(self.types.get(name, pa.string())) else 'one value per row'})") from None
+
+    def text_columns(self, frame: Any) -> dict[str, pa.Array] | None:
+        """The request's columns as :meth:`cast` makes them, converted to Arrow all at once: when every input column
+        holds Python objects (what MLflow's CSV parser and the signature's ``string`` columns give), all of them are text
+        or missing, and the model reads every one as text (a CSV-trained model). ``None`` otherwise (each column then goes
+        its own way). Per column, a small request's conversion costs more than its values: one conversion and one
+        null-token pass over every value instead of one per column (~3 ms less for a 39-column row)."""
+        if not self.all_text:
+            return None
+        block = frame[self.columns] if list(frame.columns) != self.columns else frame
+        if any(dtype.kind != "O" for dtype in block.dtypes):  # NumPy objects, or pandas strings
+            return None
+        n = len(block)
+        try:
+            values = pa.array(block.to_numpy(dtype=object).ravel(order="F"), from_pandas=True)  # column after column
+        except (pa.ArrowInvalid, pa.ArrowTypeError):  # text beside numbers: each column converted and cast alone
+            return None
+        if pa.types.is_null(values.type):
+            values = values.cast(pa.string())
+        elif not pa.types.is_string(values.type):  # a number or a list somewhere: each column converted and cast alone
+            return None
+        if len(self.null_values) and values.null_count < len(values):
+            tokens = pc.is_in(values, value_set=self.null_values)
+            if pc.any(tokens).as_py():
+                values = pc.if_else(tokens, pa.scalar(None, pa.string()), values)
+        return {name: values.slice(j * n, n) for j, name in enumerate(self.columns)}
+
+    def cast(self, name: str, arr: pa.Array) -> pa.Array:
+        """A request column as training read it: ids sent as numbers become the text a CSV held, numbers sent as text are
+        parsed, list elements cast likewise; dense columns stay numbers (the encoder reads both)."""
+        target = self.types.get(name)
+        if _keys.is_text(arr.type):  # pandas' strings arrive as large_string
+            if arr.type != pa.string():
+                arr = arr.cast(pa.string())
+            numbers = target is not None and (pa.types.is_integer(target) or pa.types.is_floating(target) or pa.types.is_boolean(target))
+            absent = self.absent_texts if numbers else self.null_values
+            if len(absent):  # the CSV reader's missing-value tokens ("" by default) are nulls; in a number column, ABSENT_TEXTS too
+                tokens = pc.is_in(arr, value_set=absent)
+                if pc.any(tokens).as_py():
+                    arr = pc.if_else(tokens, pa.scalar(None, pa.string()), arr)
+            if target is not None and pa.types.is_integer(target):
+                arr = _whole_texts(arr)
+        if target is None or pa.types.is_null(arr.type) or pa.types.is_null(target) or arr.type == target:
+            return arr
+        if name in self.dense_columns and pa.types.is_string(target):
+            return arr if pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type) else arr.cast(pa.string())
+        if pa.types.is_string(target) and _values.is_list(arr.type):  # a multi-hot text column sent as a list
+            target = pa.list_(pa.string())
+        if _values.is_list(target) and not _values.is_list(arr.type):
+            raise self.error(f"column {name!r} holds {arr.type} values, but the model reads a list per row in it ({target}). "
+                                 f"Fix: send a list (e.g. [3, 7, 9]) for each row")
+        if pa.types.is_floating(arr.type) and not pa.types.is_floating(target):  # ids sent as numbers, made floats
+            self._exact_ids(name, arr)
+            arr = integral(arr)
+        try:
+            return arr.cast(target)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+            raise self.error(f"column {name!r} cannot be read as {target} ({str(e).splitlines()[0]}): the model was trained "
+                                 f"on {target} values in it. Fix: send {target} values") from None
+
+    def _exact_ids(self, name: str, arr: pa.Array) -> None:
+        """Raises RequestError (MLflow's ``BAD_REQUEST``) when ids of column ``name`` arrive as floats beyond
+        :data:`EXACT_FLOAT` — where a float no longer holds every integer, so the id may already have lost its last digits
+        (pandas parses a JSON request's integer column with a ``null`` in it as floats): keyed, it would silently read
+        another id's row."""
+        beyond = pc.greater(pc.abs(arr), EXACT_FLOAT)
+        if pc.any(beyond).as_py():
+            value = arr.filter(beyond)[0].as_py()
+            raise self.error(f"column {name!r} holds the id {value:.0f} as a floating-point number, which holds integers exactly only up "
+                             f"to 2**53: its last digits may be lost already (a JSON request's integers in a column that also holds a "
+                             f"null are parsed as floats). Fix: send the ids as text (JSON strings), as the signature says")
+
+
+def _arrow_column(series: Any) -> pa.Array:
+    """A request column (a pandas Series) as one Arrow array, converted as ``pa.Table.from_pandas`` converts each column
+    (``pa.array(..., from_pandas=True)``: NaN and None are nulls), without building a table and its pandas metadata first:
+    per request that costs more than the conversion itself for a few rows. A column of a NumPy dtype is handed over as its
+    array (what ``pa.array`` takes from the Series anyway); extension and categorical dtypes as the Series."""
+    try:
+        arr = pa.array(series.to_numpy() if isinstance(series.dtype, np.dtype) else series, from_pandas=True)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+        if series.dtype != object:
+            raise
+        # MLflow's `inputs` form hands each list cell over as a NumPy array, an empty one as float64 beside text arrays,
+        # which Arrow does not convert together: as Python lists they are one list type
+        arr = pa.array([cell.tolist() if isinstance(cell, np.ndarray) else cell for cell in series], from_pandas=True)
+    return arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
+
+
+def _whole_texts(arr: pa.Array) -> pa.Array:
+    """Text ids of an integer column with the decimal point pandas writes for an integer column with gaps (``"772.0"``,
+    in ``to_csv`` and ``astype(str)``) as the integer's text (``"772"``), exactly — a JSON ``772.0`` is read as 772 too
+    (:func:`integral`); any other text is left for the cast to name."""
+    whole = pc.match_substring_regex(arr, WHOLE_TEXT)
+    if not pc.any(whole).as_py():
+        return arr
+    return pc.if_else(whole, pc.replace_substring_regex(arr, r"\.0*$", ""), arr)
+
+
+def integral(arr: pa.Array) -> pa.Array:
+    """Floats that are all whole numbers as int64 (pandas turns an id column with a missing value into floats)."""
+    if pa.types.is_floating(arr.type):
+        values = arr.drop_null().to_numpy(zero_copy_only=False)
+        if np.all(np.isfinite(values)) and np.all(values == np.round(values)):
+            return arr.cast(pa.int64())
+    return arr

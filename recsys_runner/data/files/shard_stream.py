@@ -1,0 +1,181 @@
+"""One (rank, worker) shard of an epoch read into batches — what runs in a DataLoader worker: the shard's units read
+ahead, their rows encoded and checked (:class:`~recsys_runner.data.encoding.rows.Encoder`), passed through a seeded
+shuffle buffer and cut into batches of ``batch_size`` rows (or of ``batch_tokens`` history tokens), each handed on as
+tensors with the counts since the batch before (bad rows skipped, histories truncated, OOV values, lists cut).
+
+Apart from the data module (:class:`~recsys_runner.data.files.streaming.TabularData`), which decides the splits and
+turns these tuples into batches in the training process and keeps the counters: a worker process gets only this
+reader, the split and its shard, and sends plain tuples back (a :class:`DataError` as an ``("error", message)`` item,
+which the data module raises again).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from recsys_runner.data.encoding.encoded_rows import Rows
+from recsys_runner.data.encoding.rows import Encoder, Location
+from recsys_runner.data.files.csv_source import CsvSource
+from recsys_runner.data.files.prefetch import read_ahead
+from recsys_runner.data.files.splits import Split, shard_ranges
+from recsys_runner.data.files.tabular_config import TabularDataConfig
+from recsys_runner.data.schema import Schema
+from recsys_runner.data.sequences.histories import history_costs, token_cuts
+from recsys_runner.errors import DataError
+
+WithNegatives = Callable[[Iterator[tuple], int, int, bool], Iterator[tuple]]
+"""``(stream, epoch, shard, train) → stream``: a shard's batches with their sampled negatives
+(:meth:`~recsys_runner.data.catalogue.item_files.Catalogue.with_negatives`)."""
+
+
+@dataclass(frozen=True)
+class ShardReader:
+    """Reads one shard of a split into batches as tensors (module docstring), by the data config, the schema and the
+    rows of a batch."""
+
+    config: TabularDataConfig
+    schema: Schema
+    batch_size: int
+
+    def batches(self, split: Split, epoch: int, shard: int, num_shards: int, train: bool) -> Iterator[tuple]:
+        """Encoded batches of one shard, as tensors: (dense, values, lengths, labels, bad rows skipped, histories truncated,
+        each vocabulary's OOV values and values, each ``max_values`` column's rows cut and longest list, the weights of the
+        values when a feature is weighted)."""
+        cfg = self.config
+        shuffle = train and cfg.shuffle
+        order = list(range(len(split.units)))
+        if shuffle:
+            order = np.random.default_rng([cfg.seed, epoch]).permutation(len(order)).tolist()
+        ranges = shard_ranges(split.counts, order, shard, num_shards, equal=train and cfg.drop_remainder)
+        encoder = Encoder(self.schema, cfg.on_bad_rows, DataError)
+        rng = np.random.default_rng([cfg.seed, epoch, shard]) if shuffle and cfg.shuffle_buffer_rows > 0 else None
+        hold = max(cfg.shuffle_buffer_rows, self.batch_size) if rng is not None else self.batch_size
+        keep_last = not (train and cfg.drop_remainder)
+        budget = cfg.batch_tokens if train else None
+        batch_order = np.random.default_rng([cfg.seed, epoch, shard, 1])  # grouped token batches: the order they go in
+        source_bad = getattr(split.source, "num_bad_rows", 0)
+        reported = [0, 0]
+        reported_oov = {name: [0, 0] for name in encoder.oov}
+        reported_cuts = dict.fromkeys(encoder.capped, 0)
+
+        def counts() -> tuple[int, int, dict[str, tuple[int, int]], dict[str, tuple[int, int]]]:
+            """Bad rows skipped, histories truncated, each vocabulary's (OOV values, values) and each capped list's (rows cut,
+            longest list so far) since the last call."""
+            totals = [encoder.num_bad_rows + getattr(split.source, "num_bad_rows", 0) - source_bad, encoder.num_truncated_rows]
+            deltas = (totals[0] - reported[0], totals[1] - reported[1])
+            reported[:] = totals
+            oov = {name: (now[0] - reported_oov[name][0], now[1] - reported_oov[name][1]) for name, now in encoder.oov.items()}
+            reported_oov.update({name: list(now) for name, now in encoder.oov.items()})
+            cuts = {name: (cut - reported_cuts[name], longest) for name, (cut, longest) in encoder.capped.items()}
+            reported_cuts.update({name: cut for name, (cut, _) in encoder.capped.items()})
+            return *deltas, oov, cuts
+
+        buffer: list[Rows] = []
+        held = 0
+
+        def cut(final: bool) -> Iterator[tuple]:
+            """Batches of the buffered rows (shuffled if configured); the rows left over stay in ``buffer``."""
+            nonlocal buffer, held
+            block = Rows.concat(buffer)
+            if rng is not None:
+                block = block.take(rng.permutation(len(block)))
+            if budget is not None:
+                block, slices, used = self._token_batches(block, budget, final=final and keep_last, order=batch_order)
+            else:
+                used = len(block) // self.batch_size * self.batch_size
+                slices = [(i, i + self.batch_size) for i in range(0, used, self.batch_size)]
+                if final and keep_last and used < len(block):
+                    slices, used = [*slices, (used, len(block))], len(block)
+            for a, b in slices:
+                yield self._tensors(block.slice(a, b), *counts())
+            buffer, held = [block.slice(used, len(block))], len(block) - used
+
+        for rows in self._read_ranges(split, ranges, encoder):
+            buffer.append(rows)
+            held += len(rows)
+            if held >= hold:
+                yield from cut(final=False)
+        if held:
+            yield from cut(final=True)
+        last = counts()
+        if last[0] or last[1] or any(total for _, total in last[2].values()) or any(cut for cut, _ in last[3].values()):
+            yield (None, None, None, None, *last, None)
+
+    def _token_batches(self, block: Rows, budget: int, final: bool, order: np.random.Generator) -> tuple[Rows, list[tuple[int, int]], int]:
+        """``block`` (sorted by history length with ``group_by_length``), its ``batch_tokens`` batches and the rows they use.
+
+        Grouped, the batches are cut by padded size (rows × longest) and yielded in a seeded random order, so that a run
+        does not see the short rows of a block first; the longest rows left over wait for the next block."""
+        costs = history_costs(self.schema, block.sparse)
+        if not self.config.group_by_length:
+            return block, *token_cuts(costs, budget, final=final)
+        by_length = np.argsort(costs, kind="stable")
+        block, costs = block.take(by_length), costs[by_length]
+        slices, used = token_cuts(costs, budget, final=final, padded=True)
+        return block, [slices[i] for i in order.permutation(len(slices))], used
+
+    def _read_ranges(self, split: Split, ranges: list[tuple[int, int, int]], encoder: Encoder) -> Iterator[Rows]:
+        ahead = read_ahead(split.source, [split.units[u] for u, _, _ in ranges])
+        for (u, start, stop), tables in zip(ranges, ahead, strict=True):
+            unit = split.units[u]
+            seen = 0
+            line_offset = split.source.line_offset(unit.path) if isinstance(split.source, CsvSource) else None
+            for table, file_rows in tables:
+                chosen = split.select(unit, file_rows)
+                k = table.num_rows if chosen is None else len(chosen)
+                lo, hi = max(start - seen, 0), min(stop - seen, k)
+                seen += k
+                if lo < hi:
+                    if chosen is None:
+                        part, rows_of = table.slice(lo, hi - lo), file_rows[lo:hi]
+                    else:
+                        part, rows_of = table.take(pa.array(chosen[lo:hi])), file_rows[chosen[lo:hi]]
+                    yield encoder.encode(part, Location(unit.path, unit.part, rows_of, line_offset))
+                if seen >= stop:
+                    break
+
+    def _tensors(self, rows: Rows, skipped: int, truncated: int, oov: dict[str, tuple[int, int]],
+                 capped: dict[str, tuple[int, int]]) -> tuple:
+        values = np.concatenate([v for v, _ in rows.sparse]) if rows.sparse else np.zeros(0, np.int64)
+        lengths = np.concatenate([ln for _, ln in rows.sparse]) if rows.sparse else np.zeros(0, np.int32)
+        weights = rows.key_weights()  # a weighted feature's weights, 1.0 for every other key's values (FeatureSpec.weighted)
+        return (
+            torch.from_numpy(np.ascontiguousarray(rows.dense)),
+            torch.from_numpy(values.astype(np.int64, copy=False)),
+            torch.from_numpy(lengths.astype(np.int32, copy=False)),
+            torch.from_numpy(np.ascontiguousarray(rows.labels)),
+            skipped,
+            truncated,
+            oov,
+            capped,
+            None if weights is None else torch.from_numpy(weights),
+        )
+
+
+class ShardStream(IterableDataset):
+    """One rank's share of a split for one epoch; with DataLoader workers, each worker a sub-share."""
+
+    def __init__(self, reader: ShardReader, with_negatives: WithNegatives, split: Split, epoch: int, rank: int, world_size: int,
+                 train: bool) -> None:
+        super().__init__()
+        self.reader, self.with_negatives = reader, with_negatives
+        self.split, self.epoch, self.rank, self.world_size, self.train = split, epoch, rank, world_size, train
+
+    def __iter__(self) -> Iterator[tuple]:
+        info = get_worker_info()
+        workers = info.num_workers if info is not None else 1
+        shard = self.rank * workers + (info.id if info is not None else 0)
+        try:
+            stream = self.reader.batches(self.split, self.epoch, shard, self.world_size * workers, self.train)
+            yield from self.with_negatives(stream, self.epoch, shard, self.train)
+        except DataError as e:
+            if info is None:
+                raise
+            # Across a worker process boundary DataLoader would wrap the message in a traceback.
+            yield ("error", str(e))
