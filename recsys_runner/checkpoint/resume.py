@@ -73,11 +73,14 @@ RESUME_CHANGES: tuple[tuple[str, Treatment, str], ...] = (
     ("optim", "refuse", "another optimizer: the optimizer state saved is another's"),
     ("optim/sparse", "refuse", "another sparse optimizer: the optimizer state saved is another's"),
     ("optim/dense", "refuse", "another dense optimizer: the optimizer state saved is another's"),
+    ("precision.embedding_data_type", "warn", "the checkpoint's embedding tables are converted as they load: to fp16 every "
+                                              "weight is rounded to 11 significant bits, to fp32 they widen exactly; their "
+                                              "optimizer state is float32 either way and loads as it was"),
 )
 """How a resume treats a setting whose value differs from the launch that wrote the checkpoint: the first entry whose
 key is the setting's key (a group's for its option: ``model``, ``optim/sparse``), or a section above it (``data`` for ``data=parquet`` only; ``checkpoint`` for
 ``checkpoint.every_steps``), decides; a key no entry names (``optim.lr``, ``train.num_steps``, ``scheduler``,
-``model.dropout`` …) is warned about (:data:`WARNED_BY_DEFAULT`). Shapes that cannot load (``model.embedding_dim``) are
+``model.dropout`` …) is warned about (:data:`WARNED_BY_DEFAULT`); a ``warn`` entry's own reason is added to the warning. Shapes that cannot load (``model.embedding_dim``) are
 refused by the loader, naming the tensors."""
 SECTIONS = ("checkpoint", "tracking", "storage", "distributed")
 """The entries of :data:`RESUME_CHANGES` that cover every key under them; the others name one key (or a group's choice)."""
@@ -119,7 +122,9 @@ class Change:
     """The override that restores the saved value (``data.seed=1``, ``~key`` for a key the checkpoint's launch lacked)."""
 
     def line(self) -> str:
-        return f"{self.key}: {self.saved} -> {self.now}"
+        """``key: saved -> now``, with the reason when :data:`RESUME_CHANGES` gives this key one of its own."""
+        line = f"{self.key}: {self.saved} -> {self.now}"
+        return line if self.why == WARNED_BY_DEFAULT else f"{line} ({self.why})"
 
 
 _ABSENT = object()
@@ -197,7 +202,7 @@ def check_changes(saved: Launched, now: Launched, path: Path) -> tuple[Change, .
                for key in differ if not key.startswith(rechosen)]
     refused = [c for c in changes if c.treatment == "refuse"]
     if refused:
-        named = "; ".join(f"{c.line()} ({c.why})" for c in refused)
+        named = "; ".join(c.line() for c in refused)
         if saved.config is not None:
             own = (f"put back {' '.join(c.put_back for c in refused)} on the command line, or undo the edit of the config file "
                    f"that changed it; the first launch's overrides and composed config are in {path}/meta.json")

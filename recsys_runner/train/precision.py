@@ -23,11 +23,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torchrec.types import DataType
 
 from recsys_runner.configurable import Configurable
 from recsys_runner.errors import require
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+EMBEDDING_DATA_TYPES = {"fp32": DataType.FP32, "fp16": DataType.FP16}
+"""``precision.embedding_data_type``'s choices: TorchRec's ``DataType`` of every embedding table."""
 
 
 @dataclass(kw_only=True)
@@ -61,6 +65,10 @@ class PrecisionConfig(Configurable):
     """Dense compute dtype: ``fp32``, ``bf16`` or ``fp16``."""
     grad_scaler: GradScalerConfig = field(default_factory=GradScalerConfig)
     """Dynamic loss scaling; on by default for fp16 only."""
+    embedding_data_type: str = "fp32"
+    """How the embedding tables store their weights: ``fp32`` or ``fp16`` (half the table memory; TorchEasyRec's
+    feature ``data_type``, TorchRec's ``EmbeddingBagConfig.data_type``, fbgemm's ``weights_precision``). Independent of
+    ``dtype``: the tables' pooled output and their optimizer state stay float32 (docs/performance.md)."""
     allow_tf32_matmul: bool = False
     """``torch.backends.cuda.matmul.allow_tf32`` (CUDA only; torch's default is off)."""
     allow_tf32_cudnn: bool = True
@@ -69,6 +77,19 @@ class PrecisionConfig(Configurable):
     def __post_init__(self) -> None:
         require(self.dtype in _DTYPES, f"precision.dtype={self.dtype!r} is not one of {sorted(_DTYPES)}; "
                 "choose precision=fp32, precision=bf16 or precision=fp16")
+        require(self.embedding_data_type != "bf16",
+                "precision.embedding_data_type=bf16 is not offered: fbgemm-gpu-cpu 1.8's CPU kernels have no bfloat16 table "
+                "(the first lookup fails: split_embedding_cpu_forward not implemented for BFloat16), and it is untested on "
+                "CUDA here. Fix: precision.embedding_data_type=fp16 (half the table "
+                "memory, as bf16), with precision=bf16 for the dense arches if you want bf16 compute")
+        require(self.embedding_data_type in EMBEDDING_DATA_TYPES,
+                f"precision.embedding_data_type={self.embedding_data_type!r} is not one of {list(EMBEDDING_DATA_TYPES)}. "
+                f"Fix: precision.embedding_data_type=fp16 (half the table memory) or fp32 (the default)")
+
+    @property
+    def table_data_type(self) -> DataType:
+        """TorchRec's ``DataType`` of every embedding table (``embedding_data_type``)."""
+        return EMBEDDING_DATA_TYPES[self.embedding_data_type]
 
     def build(self) -> Precision:
         """The :class:`Precision` this config describes."""
