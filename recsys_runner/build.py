@@ -162,6 +162,8 @@ def build(run: RunConfig, *, launch: Launch = Launch(), weights: Path | None = N
         optimizer, lr_scheduler, policy = _optimizers(run, sharded, precision.grad_scaler(env.device), total_steps, steps_per_epoch)
         if env.is_main and (caveat := sparse_accumulation_warning(run.optim.sparse, run.train.grad_accum_steps, run.data.batch_size)):
             log.warning("%s", caveat)
+        if env.is_main and (rounding := precision.table_rounding_warning(env.device)):
+            log.warning("%s", rounding)
         ema = policy.ema
         pipeline = make_pipeline(run.distributed.pipeline, env, sharded, policy.dense, policy, annotate=run.train.profile.enabled,
                                  semi_sync_start_batch=run.distributed.semi_sync_start_batch)  # the fused lr is pushed by the Stepper
