@@ -21,6 +21,7 @@ from torchrec.distributed.types import EmbeddingModuleShardingPlan
 
 from recsys_runner import evaluate
 from recsys_runner.__main__ import run
+from recsys_runner.bench.table_dtype import bench_table_dtype
 from recsys_runner.build import build
 from recsys_runner.config import validate
 from recsys_runner.distributed.config import DistributedConfig
@@ -208,3 +209,11 @@ def test_predict_and_the_exported_mlflow_model_score_an_fp16_checkpoint_alike(tm
     np.testing.assert_allclose(served.to_numpy(), reference, atol=ATOL)
     program = torch.export.load(str(trained["model"].parent / MODEL_FILE))
     assert {t.dtype for t in program.state_dict.values() if t.is_floating_point()} == {torch.float32}
+
+
+def test_the_bench_measures_half_the_table_bytes_and_the_same_float32_state() -> None:
+    result = bench_table_dtype(["data.num_embeddings=1000", "distributed.device=cpu"], steps=20, rounds=1)
+    wide, half = result["types"]["fp32"], result["types"]["fp16"]
+    assert half["weights"] * 2 == wide["weights"] == 26 * 1000 * (16 + 4) * 4  # 26 tables of 16 floats and 26 of 4, float32
+    assert half["state"] == wide["state"] == wide["weights"]  # exact Adagrad: one float32 per weight, whatever the table holds
+    assert "52 tables in fp16" in half["plan"] and half["samples_per_s"] > 0 and wide["samples_per_s"] > 0
