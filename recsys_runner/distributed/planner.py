@@ -12,17 +12,25 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 from torchrec import optim as trec_optim
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import get_default_sharders
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.planner.constants import DEFAULT_PERF_ESTIMATOR
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.proposers import DynamicProgrammingProposer, GreedyProposer, GridSearchProposer, UniformProposer
+from torchrec.distributed.planner.shard_estimators import (
+    EmbeddingPerfEstimatorFactory,
+    EmbeddingStorageEstimator,
+    _get_optimizer_multipler,
+)
 from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
 from torchrec.distributed.planner.types import (
     HardwareConfig,
@@ -30,6 +38,7 @@ from torchrec.distributed.planner.types import (
     Proposer,
     ShardingOption,
     Stats,
+    Storage,
     TopologyFactory,
     TrainerConfig,
 )
@@ -97,15 +106,55 @@ def build_planner(config: DistributedConfig, model: nn.Module, batch_size: int, 
         # Hardware bandwidths are read only in this mode; unset ones fall back to TorchRec's defaults.
         kernel_config=KernelConfig(compute_device=device_type, use_hardware_based_bandwidth=intra is not None or cross is not None),
     )
+    constraints = model_constraints(c, model, world_size, device_type)
     planner = EmbeddingShardingPlanner(
         topology=topology,
         batch_size=c.planner_batch_size or batch_size,
-        constraints=model_constraints(c, model, world_size, device_type),
+        enumerator=enumerator(topology, c.planner_batch_size or batch_size, constraints),
+        constraints=constraints,
         storage_reservation=FixedPercentageStorageReservation(percentage=c.storage_reserve_percent),
         proposer=proposers(c.planner, device_type),
         stats=stats,
     )
     return planner, topology
+
+
+class _StateInFloat32(EmbeddingStorageEstimator):
+    """TorchRec's storage estimate, with the optimizer state of a table stored in less than fp32 counted in float32.
+
+    TorchRec counts a table's state at the table's element size (its optimizer's state per weight × the table's bytes);
+    fbgemm's fused kernel keeps the state in float32 whatever the weights (measured on CPU, fbgemm-gpu-cpu 1.8: Adagrad's
+    ``momentum1`` of an fp16 table is float32), so exact Adagrad's state of an fp16 table is twice the table's bytes, where
+    TorchRec would count it once and under-budget the table by a third. Only the ``fused`` kernel's shards are corrected
+    (the state where the table is: HBM on CUDA, host memory on CPU); the caching kernels' placement is fbgemm's own."""
+
+    def estimate(self, sharding_options: list[ShardingOption], sharder_data_map: Any) -> None:
+        super().estimate(sharding_options, sharder_data_map)
+        on_device = self._topology.compute_device == "cuda"
+        for option in sharding_options:
+            size = option.tensor.element_size()
+            if size >= FLOAT32_BYTES or option.compute_kernel != EmbeddingComputeKernel.FUSED.value:
+                continue
+            per_weight = _get_optimizer_multipler(getattr(option.tensor, "_optimizer_classes", [None])[0], option.tensor.shape)
+            for shard in option.shards:
+                missing = math.ceil(math.prod(shard.size) * per_weight * (FLOAT32_BYTES - size))
+                if shard.storage is None or not missing:
+                    continue
+                s = shard.storage
+                shard.storage = Storage(hbm=s.hbm + missing, ddr=s.ddr, ssd=s.ssd) if on_device else \
+                    Storage(hbm=s.hbm, ddr=s.ddr + missing, ssd=s.ssd)
+
+
+FLOAT32_BYTES = 4
+
+
+def enumerator(topology: Topology, batch_size: int, constraints: dict[str, ParameterConstraints] | None) -> EmbeddingEnumerator:
+    """TorchRec's enumerator with its default estimators, the storage one counting fp16 tables' state in float32
+    (:class:`_StateInFloat32`): what the runner's planner and :func:`caches_overflow_hbm` both rate options with."""
+    return EmbeddingEnumerator(topology, batch_size, constraints, estimator=[
+        EmbeddingPerfEstimatorFactory.create(DEFAULT_PERF_ESTIMATOR, topology=topology, constraints=constraints),
+        _StateInFloat32(topology=topology, constraints=constraints),
+    ])
 
 
 def model_constraints(config: DistributedConfig, model: nn.Module, world_size: int,
@@ -124,7 +173,7 @@ def caches_overflow_hbm(config: DistributedConfig, model: nn.Module, batch_size:
         return None
     c = config
     constraints = model_constraints(c, model, topology.world_size, topology.compute_device)
-    options = EmbeddingEnumerator(topology, c.planner_batch_size or batch_size, constraints).enumerate(model, runner_sharders())
+    options = enumerator(topology, c.planner_batch_size or batch_size, constraints).enumerate(model, runner_sharders())
     least: dict[str, ShardingOption] = {}
     for option in options:
         if option.fqn not in least or option.total_storage.hbm < least[option.fqn].total_storage.hbm:
