@@ -23,6 +23,7 @@ from recsys_runner import evaluate
 from recsys_runner.__main__ import run
 from recsys_runner.bench.table_dtype import bench_table_dtype
 from recsys_runner.build import build
+from recsys_runner.checkpoint import resume
 from recsys_runner.config import validate
 from recsys_runner.distributed.config import DistributedConfig
 from recsys_runner.distributed.planner import table_constraints
@@ -221,3 +222,13 @@ def test_the_bench_measures_half_the_table_bytes_and_the_same_float32_state() ->
     assert half["weights"] * 2 == wide["weights"] == 26 * 1000 * (16 + 4) * 4  # 26 tables of 16 floats and 26 of 4, float32
     assert half["state"] == wide["state"] == wide["weights"]  # exact Adagrad: one float32 per weight, whatever the table holds
     assert "52 tables in fp16" in half["plan"] and half["samples_per_s"] > 0 and wide["samples_per_s"] > 0
+
+
+def test_a_checkpoint_from_before_the_setting_resumes_as_fp32_without_a_warning() -> None:
+    path = Path("/ck/step_00000004")
+    older = resume.Launched([], {"model": "deepfm", "optim.lr": 0.05}, "/a")  # its composed config has no such key
+    assert resume.check_changes(older, resume.Launched([], {"model": "deepfm", "optim.lr": 0.05,
+                                                            "precision.embedding_data_type": "fp32"}, "/a"), path) == ()
+    (change,) = resume.check_changes(older, resume.Launched([], {"model": "deepfm", "optim.lr": 0.05,
+                                                                 "precision.embedding_data_type": "fp16"}, "/a"), path)
+    assert change.line().startswith("precision.embedding_data_type: fp32 -> fp16 (the checkpoint's embedding tables are converted")

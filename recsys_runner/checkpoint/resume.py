@@ -82,6 +82,9 @@ key is the setting's key (a group's for its option: ``model``, ``optim/sparse``)
 ``checkpoint.every_steps``), decides; a key no entry names (``optim.lr``, ``train.num_steps``, ``scheduler``,
 ``model.dropout`` …) is warned about (:data:`WARNED_BY_DEFAULT`); a ``warn`` entry's own reason is added to the warning. Shapes that cannot load (``model.embedding_dim``) are
 refused by the loader, naming the tensors."""
+ADDED_KEYS: dict[str, Any] = {"precision.embedding_data_type": "fp32"}
+"""Keys added after checkpoints began saving their composed config, each with the value every run before it trained with:
+such a checkpoint's missing key is compared as that value, so resuming it after an upgrade warns about no change."""
 SECTIONS = ("checkpoint", "tracking", "storage", "distributed")
 """The entries of :data:`RESUME_CHANGES` that cover every key under them; the others name one key (or a group's choice)."""
 WARNED_BY_DEFAULT = ("takes effect from the resumed step; the MLflow run's params keep the first launch's value (the run is "
@@ -185,7 +188,7 @@ def check_changes(saved: Launched, now: Launched, path: Path) -> tuple[Change, .
         CheckpointError: a change :data:`RESUME_CHANGES` refuses, each named with why and the two ways on.
     """
     if saved.config is not None and now.config is not None:
-        before, after, absent = dict(saved.config), dict(now.config), "(unset)"
+        before, after, absent = ADDED_KEYS | dict(saved.config), ADDED_KEYS | dict(now.config), "(unset)"
     elif saved.overrides is not None and now.overrides is not None:
         before, after, absent = _by_key(saved.overrides), _by_key(now.overrides), "(default)"
     else:
