@@ -41,9 +41,10 @@ from recsys_runner.data.files.tabular_config import TabularDataConfig
 from recsys_runner.distributed.env import DistEnv, decided_on_rank0
 from recsys_runner.distributed.sharding import Distributed
 from recsys_runner.errors import CheckpointError, ConfigError
+from recsys_runner.features import FeatureSpec
 from recsys_runner.metrics.registry import default_objective, higher_is_better
 from recsys_runner.metrics.tasks import TaskTrainMetrics, eval_metric_keys
-from recsys_runner.models.common import TaskWeighting, TrainWrapper
+from recsys_runner.models.common import TaskWeighting, TrainWrapper, store_tables
 from recsys_runner.optim.config import OptimConfig
 from recsys_runner.optim.optimizers import (
     DENSE,
@@ -151,7 +152,7 @@ def build(run: RunConfig, *, launch: Launch = Launch(), weights: Path | None = N
             _warn_rows_left_out(run, data, env.world_size)
         check_eval_cadence(run.train, steps_per_epoch)
         check_static_shapes(run.train.compile, data.features)
-        model = with_catalogue(run.model.build(features=data.features, dense_device=env.device), data)
+        model = with_catalogue(build_model(run, data.features, env.device), data)
         wrapped = TrainWrapper(model, autocast=precision.autocast(env.device), features=data.features,
                                weighting=_loss_weighting(run, model))
         check_eval_keys(run, wrapped.tasks, data.features.sparse_names, type(model).__name__)  # before the tracker starts a run
@@ -164,6 +165,8 @@ def build(run: RunConfig, *, launch: Launch = Launch(), weights: Path | None = N
             _say_weight_decay(run.optim, policy.dense)
         if env.is_main and (caveat := sparse_accumulation_warning(run.optim.sparse, run.train.grad_accum_steps, run.data.batch_size)):
             log.warning("%s", caveat)
+        if env.is_main and (rounding := precision.table_rounding_warning(env.device)):
+            log.warning("%s", rounding)
         ema = policy.ema
         pipeline = make_pipeline(run.distributed.pipeline, env, sharded, policy.dense, policy, annotate=run.train.profile.enabled,
                                  semi_sync_start_batch=run.distributed.semi_sync_start_batch)  # the fused lr is pushed by the Stepper
@@ -368,6 +371,13 @@ def _schedules(run: RunConfig, total_steps: int, steps_per_epoch: int | None) ->
 ModelT = TypeVar("ModelT", bound=torch.nn.Module)
 
 
+def build_model(run: RunConfig, features: FeatureSpec, device: torch.device) -> torch.nn.Module:
+    """The model ``model.*`` describes (its dense parameters on ``device``, its tables on ``meta``), the tables stored in
+    ``precision.embedding_data_type`` (:func:`~recsys_runner.models.common.store_tables`): what training, evaluate,
+    predict, export and a plan all build, so that each sees the tables the checkpoint holds."""
+    return store_tables(run.model.build(features=features, dense_device=device), run.precision.table_data_type)
+
+
 def with_catalogue(model: ModelT, data: DataModule) -> ModelT:
     """``model``, handed the data's item ids and popularity (``None`` when the data has no catalogue) when it reads them
     (``use_catalogue``: a two-tower model's logQ from the item counts)."""
@@ -482,7 +492,7 @@ def meta_model(run: RunConfig) -> tuple[DataModule, TrainWrapper]:
     # 8 bytes a row, 208 GB for 26 tables of 1e9 rows).
     with torch.device("meta"):
         data = run.served_data.build(device="cpu")
-    return data, TrainWrapper(run.model.build(features=data.features, dense_device=torch.device("meta")))
+    return data, TrainWrapper(build_model(run, data.features, torch.device("meta")))
 
 
 def planned_eval_keys(run: RunConfig) -> list[str]:

@@ -25,7 +25,7 @@ from torchrec.optim.keyed import CombinedOptimizer
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from recsys_runner import stores
-from recsys_runner.build import build_data, build_tracker, seed_everything, with_catalogue
+from recsys_runner.build import build_data, build_model, build_tracker, seed_everything, with_catalogue
 from recsys_runner.checkpoint.config import TrainState
 from recsys_runner.config import RunConfig, check_eval_keys
 from recsys_runner.data.base import DataModule
@@ -96,7 +96,7 @@ def build_inference(run: RunConfig, *, weights: Path, launch: Launch = Launch())
         precision.apply_tf32()
         data = build_data(run, env.device, weights)
         check_static_shapes(run.train.compile, data.features)
-        model = with_catalogue(run.model.build(features=data.features, dense_device=env.device), data)
+        model = with_catalogue(build_model(run, data.features, env.device), data)
         wrapped = TrainWrapper(model, autocast=precision.autocast(env.device), features=data.features)
         check_eval_keys(run, wrapped.tasks, data.features.sparse_names, type(model).__name__)  # before the tracker starts a run
         sharded = distributed.shard(wrapped, distributed.plan(wrapped, batch_size=data.batch_size))

@@ -51,7 +51,7 @@ from recsys_runner.bench.regimes import (
     runner_round,
     with_data,
 )
-from recsys_runner.build import Components
+from recsys_runner.build import Components, build_model
 from recsys_runner.data.memory import InMemoryData
 from recsys_runner.distributed.config import resolve_device_type
 from recsys_runner.distributed.plan_report import PlanReport
@@ -79,7 +79,7 @@ def plan_on_meta(overrides: Sequence[str]) -> PlanReport:
     run = compose_run(overrides)
     with torch.device("meta"):  # generated data holds state per id; nothing of it is needed to plan
         data = run.data.for_model(run.model.data_needs()).build(device="cpu")
-    model = TrainWrapper(run.model.build(features=data.features, dense_device=torch.device("meta")))
+    model = TrainWrapper(build_model(run, data.features, torch.device("meta")))
     apply_sparse_optimizer(model, run.optim.sparse)  # optimizer state counts toward table memory
     return run.distributed.build().dry_plan(model, batch_size=data.batch_size, device_type="cuda")
 

@@ -50,7 +50,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from recsys_runner.build import Components, build, seed_everything
+from recsys_runner.build import Components, build, build_model, seed_everything
 from recsys_runner.config import RunConfig, register_configs, validate
 from recsys_runner.data.base import DataModule
 from recsys_runner.data.generated.generate import write_criteo_parquet
@@ -111,7 +111,7 @@ def hand_written_model(c: Components) -> tuple[DistributedModelParallel, torch.o
     seed_everything(c.run.seed)
     sparse, dense_config = c.run.optim.sparse, c.run.optim.dense
     assert isinstance(sparse, SparseAdagradConfig) and isinstance(dense_config, DenseAdagradConfig), "the hand loop is written for optim=adagrad"
-    model = TrainWrapper(c.run.model.build(features=c.loop.data.features, dense_device=c.env.device))
+    model = TrainWrapper(build_model(c.run, c.loop.data.features, c.env.device))
     # DeepFM has two EBCs (embeddings, first order); a sequence model has an EC for its history tables (and maybe an EBC)
     for tables in (m for m in model.modules() if isinstance(m, EmbeddingBagCollection | EmbeddingCollection)):
         apply_optimizer_in_backward(torch.optim.Adagrad, tables.parameters(), {"lr": sparse.lr, "eps": sparse.eps})

@@ -74,12 +74,18 @@ RESUME_CHANGES: tuple[tuple[str, Treatment, str], ...] = (
     ("optim", "refuse", "another optimizer: the optimizer state saved is another's"),
     ("optim/sparse", "refuse", "another sparse optimizer: the optimizer state saved is another's"),
     ("optim/dense", "refuse", "another dense optimizer: the optimizer state saved is another's"),
+    ("precision.embedding_data_type", "warn", "the checkpoint's embedding tables are converted as they load: to fp16 every "
+                                              "weight is rounded to 11 significant bits, to fp32 they widen exactly; their "
+                                              "optimizer state is float32 either way and loads as it was"),
 )
 """How a resume treats a setting whose value differs from the launch that wrote the checkpoint: the first entry whose
 key is the setting's key (a group's for its option: ``model``, ``optim/sparse``), or a section above it (``data`` for ``data=parquet`` only; ``checkpoint`` for
 ``checkpoint.every_steps``), decides; a key no entry names (``optim.lr``, ``train.num_steps``, ``scheduler``,
-``model.dropout`` …) is warned about (:data:`WARNED_BY_DEFAULT`). Shapes that cannot load (``model.embedding_dim``) are
+``model.dropout`` …) is warned about (:data:`WARNED_BY_DEFAULT`); a ``warn`` entry's own reason is added to the warning. Shapes that cannot load (``model.embedding_dim``) are
 refused by the loader, naming the tensors."""
+ADDED_KEYS: dict[str, Any] = {"precision.embedding_data_type": "fp32"}
+"""Keys added after checkpoints began saving their composed config, each with the value every run before it trained with:
+such a checkpoint's missing key is compared as that value, so resuming it after an upgrade warns about no change."""
 SECTIONS = ("checkpoint", "tracking", "storage", "distributed")
 """The entries of :data:`RESUME_CHANGES` that cover every key under them; the others name one key (or a group's choice)."""
 WARNED_BY_DEFAULT = ("takes effect from the resumed step; the MLflow run's params keep the first launch's value (the run is "
@@ -120,7 +126,9 @@ class Change:
     """The override that restores the saved value (``data.seed=1``, ``~key`` for a key the checkpoint's launch lacked)."""
 
     def line(self) -> str:
-        return f"{self.key}: {self.saved} -> {self.now}"
+        """``key: saved -> now``, with the reason when :data:`RESUME_CHANGES` gives this key one of its own."""
+        line = f"{self.key}: {self.saved} -> {self.now}"
+        return line if self.why == WARNED_BY_DEFAULT else f"{line} ({self.why})"
 
 
 _ABSENT = object()
@@ -181,7 +189,7 @@ def check_changes(saved: Launched, now: Launched, path: Path) -> tuple[Change, .
         CheckpointError: a change :data:`RESUME_CHANGES` refuses, each named with why and the two ways on.
     """
     if saved.config is not None and now.config is not None:
-        before, after, absent = dict(saved.config), dict(now.config), "(unset)"
+        before, after, absent = ADDED_KEYS | dict(saved.config), ADDED_KEYS | dict(now.config), "(unset)"
     elif saved.overrides is not None and now.overrides is not None:
         before, after, absent = _by_key(saved.overrides), _by_key(now.overrides), "(default)"
     else:
@@ -198,7 +206,7 @@ def check_changes(saved: Launched, now: Launched, path: Path) -> tuple[Change, .
                for key in differ if not key.startswith(rechosen)]
     refused = [c for c in changes if c.treatment == "refuse"]
     if refused:
-        named = "; ".join(f"{c.line()} ({c.why})" for c in refused)
+        named = "; ".join(c.line() for c in refused)
         if saved.config is not None:
             own = (f"put back {' '.join(c.put_back for c in refused)} on the command line, or undo the edit of the config file "
                    f"that changed it; the first launch's overrides and composed config are in {path}/meta.json")

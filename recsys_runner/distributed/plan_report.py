@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.planner.constants import UVM_CACHING_RATIO
 from torchrec.distributed.planner.types import ShardingOption, Stats
@@ -103,7 +104,8 @@ def plan_summary(plan: ShardingPlan, world_size: int, usage: list[tuple[int, int
     """One line: how many tables, on how many ranks, per sharding type and compute kernel, and (from the
     planner's estimates, when ``usage`` has them) the most memory one rank holds, e.g.
     ``sharding plan: 26 tables on 1 rank: 26 table_wise (fused kernel); est. 12.3 MB/rank (HBM 12.3 MB, DDR 0.0 MB)``;
-    with several ranks ``est. max ... (HBM ..., DDR ...), min ...``, the fullest and the emptiest rank.
+    with several ranks ``est. max ... (HBM ..., DDR ...), min ...``, the fullest and the emptiest rank. Tables whose
+    weights are not float32 (``precision.embedding_data_type``) are counted by dtype, e.g. ``; 52 tables in fp16``.
 
     With the planner's chosen ``options``, tables with a UVM caching kernel also say their cache ratio and the cache's
     size against the whole tables' (weights, all ranks), e.g. ``26 table_wise (fused_uvm_caching kernel, cache 20% of
@@ -118,7 +120,7 @@ def plan_summary(plan: ShardingPlan, world_size: int, usage: list[tuple[int, int
     kinds = ", ".join(f"{n} {sharding} ({kernel} kernel{caches.get((sharding, kernel), '')})"
                       for (sharding, kernel), n in sorted(counts.items(), key=lambda kv: -kv[1]))
     line = (f"sharding plan: {sum(counts.values())} tables on {world_size} rank{'s' if world_size != 1 else ''}: "
-            f"{kinds or 'nothing to shard'}")
+            f"{kinds or 'nothing to shard'}{_weight_types(options)}")
     if usage and any(hbm or ddr for hbm, ddr in usage):
         hbm, ddr = max(usage, key=lambda u: u[0] + u[1])
         most = "" if world_size == 1 else "max "
@@ -126,6 +128,17 @@ def plan_summary(plan: ShardingPlan, world_size: int, usage: list[tuple[int, int
         if world_size > 1:  # how even the split is
             line += f", min {mb(min(h + d for h, d in usage))}"
     return line
+
+
+def _weight_types(options: Sequence[ShardingOption]) -> str:
+    """``; 52 tables in fp16`` for the chosen ``options`` whose weights are not float32 (one count per dtype); ``""``
+    when every table is float32 or no options are given."""
+    half = Counter(_DTYPE_NAMES.get(o.tensor.dtype, str(o.tensor.dtype)) for o in options if o.tensor.dtype != torch.float32)
+    return "".join(f"; {n} table{'s' if n != 1 else ''} in {name}" for name, n in sorted(half.items()))
+
+
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+"""How a table's dtype is named in the plan's line: as ``precision.embedding_data_type`` names it."""
 
 
 def cache_ratio(option: ShardingOption) -> float:

@@ -12,15 +12,25 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
+from typing import Any
 
+import torch
 from torch import nn
+from torchrec import optim as trec_optim
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import get_default_sharders
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.planner.constants import DEFAULT_PERF_ESTIMATOR
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.proposers import DynamicProgrammingProposer, GreedyProposer, GridSearchProposer, UniformProposer
+from torchrec.distributed.planner.shard_estimators import (
+    EmbeddingPerfEstimatorFactory,
+    EmbeddingStorageEstimator,
+    _get_optimizer_multipler,
+)
 from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
 from torchrec.distributed.planner.types import (
     HardwareConfig,
@@ -28,10 +38,12 @@ from torchrec.distributed.planner.types import (
     Proposer,
     ShardingOption,
     Stats,
+    Storage,
     TopologyFactory,
     TrainerConfig,
 )
 from torchrec.distributed.types import CacheParams, ModuleSharder, ShardingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.modules.mc_modules import ManagedCollisionCollection
 
 from recsys_runner.distributed.config import DistributedConfig, PlannerConfig, TableShardingConfig
@@ -94,10 +106,12 @@ def build_planner(config: DistributedConfig, model: nn.Module, batch_size: int, 
         # Hardware bandwidths are read only in this mode; unset ones fall back to TorchRec's defaults.
         kernel_config=KernelConfig(compute_device=device_type, use_hardware_based_bandwidth=intra is not None or cross is not None),
     )
+    constraints = model_constraints(c, model, world_size, device_type)
     planner = EmbeddingShardingPlanner(
         topology=topology,
         batch_size=c.planner_batch_size or batch_size,
-        constraints=model_constraints(c, model, world_size, device_type),
+        enumerator=enumerator(topology, c.planner_batch_size or batch_size, constraints),
+        constraints=constraints,
         storage_reservation=FixedPercentageStorageReservation(percentage=c.storage_reserve_percent),
         proposer=proposers(c.planner, device_type),
         stats=stats,
@@ -105,11 +119,50 @@ def build_planner(config: DistributedConfig, model: nn.Module, batch_size: int, 
     return planner, topology
 
 
+class _StateInFloat32(EmbeddingStorageEstimator):
+    """TorchRec's storage estimate, with the optimizer state of a table stored in less than fp32 counted in float32.
+
+    TorchRec counts a table's state at the table's element size (its optimizer's state per weight × the table's bytes);
+    fbgemm's fused kernel keeps the state in float32 whatever the weights (measured on CPU, fbgemm-gpu-cpu 1.8: Adagrad's
+    ``momentum1`` of an fp16 table is float32), so exact Adagrad's state of an fp16 table is twice the table's bytes, where
+    TorchRec would count it once and under-budget the table by a third. Only the ``fused`` kernel's shards are corrected
+    (the state where the table is: HBM on CUDA, host memory on CPU); the caching kernels' placement is fbgemm's own."""
+
+    def estimate(self, sharding_options: list[ShardingOption], sharder_data_map: Any) -> None:
+        super().estimate(sharding_options, sharder_data_map)
+        on_device = self._topology.compute_device == "cuda"
+        for option in sharding_options:
+            size = option.tensor.element_size()
+            if size >= FLOAT32_BYTES or option.compute_kernel != EmbeddingComputeKernel.FUSED.value:
+                continue
+            per_weight = _get_optimizer_multipler(getattr(option.tensor, "_optimizer_classes", [None])[0], option.tensor.shape)
+            for shard in option.shards:
+                missing = math.ceil(math.prod(shard.size) * per_weight * (FLOAT32_BYTES - size))
+                if shard.storage is None or not missing:
+                    continue
+                s = shard.storage
+                shard.storage = Storage(hbm=s.hbm + missing, ddr=s.ddr, ssd=s.ssd) if on_device else \
+                    Storage(hbm=s.hbm, ddr=s.ddr + missing, ssd=s.ssd)
+
+
+FLOAT32_BYTES = 4
+
+
+def enumerator(topology: Topology, batch_size: int, constraints: dict[str, ParameterConstraints] | None) -> EmbeddingEnumerator:
+    """TorchRec's enumerator with its default estimators, the storage one counting fp16 tables' state in float32
+    (:class:`_StateInFloat32`): what the runner's planner and :func:`caches_overflow_hbm` both rate options with."""
+    return EmbeddingEnumerator(topology, batch_size, constraints, estimator=[
+        EmbeddingPerfEstimatorFactory.create(DEFAULT_PERF_ESTIMATOR, topology=topology, constraints=constraints),
+        _StateInFloat32(topology=topology, constraints=constraints),
+    ])
+
+
 def model_constraints(config: DistributedConfig, model: nn.Module, world_size: int,
                       device_type: str) -> dict[str, ParameterConstraints] | None:
-    """:func:`table_constraints` for the tables of ``model``: its pooled and unpooled tables, and which of them are managed."""
+    """:func:`table_constraints` for the tables of ``model``: its pooled and unpooled tables, which of them are managed,
+    and which are half-precision tables an optimizer with state trains (:func:`_half_trained_tables`)."""
     return table_constraints(config, _table_names(model), world_size, set(_table_names(model, unpooled=True)), device_type,
-                             managed=_managed_table_names(model))
+                             managed=_managed_table_names(model), half=_half_trained_tables(model))
 
 
 def caches_overflow_hbm(config: DistributedConfig, model: nn.Module, batch_size: int, topology: Topology) -> str | None:
@@ -120,7 +173,7 @@ def caches_overflow_hbm(config: DistributedConfig, model: nn.Module, batch_size:
         return None
     c = config
     constraints = model_constraints(c, model, topology.world_size, topology.compute_device)
-    options = EmbeddingEnumerator(topology, c.planner_batch_size or batch_size, constraints).enumerate(model, runner_sharders())
+    options = enumerator(topology, c.planner_batch_size or batch_size, constraints).enumerate(model, runner_sharders())
     least: dict[str, ShardingOption] = {}
     for option in options:
         if option.fqn not in least or option.total_storage.hbm < least[option.fqn].total_storage.hbm:
@@ -149,10 +202,12 @@ def caches_overflow_hbm(config: DistributedConfig, model: nn.Module, batch_size:
 
 
 def table_constraints(config: DistributedConfig, tables: list[str], world_size: int, unpooled: set[str] | None = None,
-                      device_type: str = "cpu", managed: set[str] | None = None) -> dict[str, ParameterConstraints] | None:
+                      device_type: str = "cpu", managed: set[str] | None = None,
+                      half: set[str] | None = None) -> dict[str, ParameterConstraints] | None:
     """Per-table planner constraints: the table's own choices, else the global ones, else (sharding
     types on one rank) :data:`ONE_RANK_SHARDING_TYPES`; ``unpooled`` tables (an EmbeddingCollection's: histories)
-    never get ``data_parallel`` (:func:`_unpooled_types`); ``managed`` (managed-collision) tables are row-wise, the
+    and ``half`` ones (fp16 weights with optimizer state, :func:`_half_trained_tables`) never get ``data_parallel``
+    (:func:`_without_data_parallel`); ``managed`` (managed-collision) tables are row-wise, the
     one way TorchRec shards their mapping (:func:`_managed_types`). On CUDA each table's UVM cache settings
     (:func:`_cache_params`) go with it, for the planner to budget and fbgemm to build if the table is cached."""
     c = config
@@ -161,14 +216,16 @@ def table_constraints(config: DistributedConfig, tables: list[str], world_size: 
         known = sorted(tables, key=lambda t: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", t)])
         raise ConfigError(f"distributed.tables names {unknown}, which the model does not have; its tables: {', '.join(known)}")
     sharding_types = c.sharding_types or (ONE_RANK_SHARDING_TYPES if world_size == 1 else None)
-    if not (sharding_types or c.compute_kernels or c.tables or unpooled or c.cache_load_factor or c.pipeline == "prefetch"):
+    if not (sharding_types or c.compute_kernels or c.tables or unpooled or half or c.cache_load_factor or c.pipeline == "prefetch"):
         return None
     constraints = {}
     for table in tables:
         own = c.tables.get(table, TableShardingConfig())
         types = list(own.sharding_types or sharding_types or [])  # a copy: never the shared default
         if table in (unpooled or set()):
-            types = _unpooled_types(table, types, device_type, chosen=own.sharding_types or c.sharding_types)
+            types = _without_data_parallel(table, types, device_type, own.sharding_types or c.sharding_types, unpooled=True)
+        if table in (half or set()):
+            types = _without_data_parallel(table, types, device_type, own.sharding_types or c.sharding_types, unpooled=False)
         if table in (managed or set()):
             types = _managed_types(table, chosen=own.sharding_types or c.sharding_types)
         constraints[table] = ParameterConstraints(sharding_types=types or None,
@@ -227,20 +284,53 @@ def _managed_types(table: str, chosen: list[str] | None) -> list[str]:
     return [ShardingType.ROW_WISE.value]
 
 
-def _unpooled_types(table: str, types: list[str], device_type: str, chosen: list[str] | None) -> list[str]:
-    """The sharding types an unpooled (EmbeddingCollection) table may take: ``types`` (all the sharder offers when
-    empty) without ``data_parallel``, which in this TorchRec returns one row per bag instead of one per id for an
-    EmbeddingCollection (measured on CPU: the forward fails in ``split_with_sizes``).
+_HALF_DATA_PARALLEL = ("is stored in fp16 (precision.embedding_data_type) and trained by an optimizer with state, which "
+                       "cannot be sharded data_parallel: data_parallel trains a replicated table with torch's own optimizer "
+                       "in the table's dtype, where its eps (1e-8) rounds to 0 and every row without a gradient in a step "
+                       "becomes NaN (measured on CPU with adagrad and rowwise_adagrad; sgd keeps no state)")
+"""Why an fp16 table trained by an optimizer with state is never ``data_parallel``."""
+
+_UNPOOLED_DATA_PARALLEL = "is read unpooled (a history's table, in an EmbeddingCollection), which cannot be sharded data_parallel"
+"""Why an unpooled table is never ``data_parallel``: in this TorchRec an EmbeddingCollection sharded so returns one row per
+bag instead of one per id (measured on CPU: the forward fails in ``split_with_sizes``)."""
+
+
+def _without_data_parallel(table: str, types: list[str], device_type: str, chosen: list[str] | None, unpooled: bool) -> list[str]:
+    """The sharding types a table that cannot be ``data_parallel`` may take: ``types`` (all its sharder offers on
+    ``device_type`` when empty) without ``data_parallel``. Two kinds of table: an ``unpooled`` one (an
+    EmbeddingCollection's, :data:`_UNPOOLED_DATA_PARALLEL`) and an fp16 one trained by an optimizer with state
+    (:data:`_HALF_DATA_PARALLEL`).
 
     Raises:
         ConfigError: the configured types (``chosen``) leave none for the table.
     """
-    offered = types or EmbeddingCollectionSharder().sharding_types(device_type)
+    sharder = EmbeddingCollectionSharder() if unpooled else EmbeddingBagCollectionSharder()
+    offered = types or sharder.sharding_types(device_type)
     usable = [t for t in offered if t != ShardingType.DATA_PARALLEL.value]
     if not usable:
+        why = _UNPOOLED_DATA_PARALLEL if unpooled else _HALF_DATA_PARALLEL
+        fix = "" if unpooled else ", or precision.embedding_data_type=fp32, or optim/sparse=sgd"
         raise ConfigError(
-            f"table {table!r} is read unpooled (a history's table, in an EmbeddingCollection), which cannot be sharded "
-            f"data_parallel, and the sharding types {chosen} leave nothing else. Fix: +distributed.tables.{table}.sharding_types="
-            f"[table_wise] (or row_wise / column_wise)"
+            f"table {table!r} {why}, and the sharding types {chosen} leave nothing else. "
+            f"Fix: +distributed.tables.{table}.sharding_types=[table_wise] (or row_wise / column_wise){fix}"
         )
     return usable
+
+
+def _half_trained_tables(model: nn.Module) -> set[str]:
+    """The tables of ``model`` stored in less than fp32 (``precision.embedding_data_type``) whose in-backward optimizer
+    (:func:`~recsys_runner.optim.optimizers.apply_sparse_optimizer`) keeps state: all but SGD. None before an optimizer is
+    attached (evaluate, predict: no step, any sharding scores alike)."""
+    half: set[str] = set()
+    for module in model.modules():
+        if isinstance(module, EmbeddingBagCollection):
+            tables = [(c.name, module.embedding_bags[c.name].weight) for c in module.embedding_bag_configs()]
+        elif isinstance(module, EmbeddingCollection):
+            tables = [(c.name, module.embeddings[c.name].weight) for c in module.embedding_configs()]
+        else:
+            continue
+        for name, weight in tables:
+            optimizer = getattr(weight, "_optimizer_classes", [None])[0]
+            if weight.dtype != torch.float32 and optimizer not in (None, torch.optim.SGD, trec_optim.SGD):
+                half.add(name)
+    return half

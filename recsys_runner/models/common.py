@@ -13,10 +13,11 @@ from typing import Any, cast
 import torch
 from torch import nn
 from torchrec.datasets.utils import Batch
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, data_type_to_dtype
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.modules.mlp import MLP
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.types import DataType
 
 from recsys_runner.configurable import Configurable
 from recsys_runner.errors import ConfigError, require
@@ -25,7 +26,8 @@ from recsys_runner.models.lookup import concatenated_lookup, managed_feature_nam
 from recsys_runner.tasks import SINGLE_TASK, Task
 
 __all__ = ["LINEAR_ROW_WIDTH", "MLP", "DenseArch", "DenseFields", "FMInteraction", "FieldArch", "LinearArch", "ModelConfig",
-           "SparseArch", "TaskWeighting", "TrainWrapper", "check_layer_sizes", "embedding_width_rule", "materialize", "projection_sizes", "shared_representation"]
+           "SparseArch", "TaskWeighting", "TrainWrapper", "check_layer_sizes", "embedding_width_rule", "materialize", "projection_sizes", "shared_representation",
+           "store_tables"]
 
 LINEAR_ROW_WIDTH = 4
 """Floats per id in a :class:`LinearArch` table: fbgemm's fused kernels store rows in multiples of 4, so an
@@ -89,6 +91,33 @@ def materialize(model: nn.Module, device: torch.device | str = "cpu") -> nn.Modu
         raise ValueError(f"{type(model).__name__} still has tensors on meta that materialize() cannot initialize: {left[:3]} "
                          f"(managed-collision modules are rebuilt per shard by DistributedModelParallel). Fix: drop "
                          f"managed_collision from the features, or build the model sharded")
+    return model
+
+
+def store_tables(model: nn.Module, data_type: DataType) -> nn.Module:
+    """``model`` (in place) with every embedding table stored in ``data_type`` (``precision.embedding_data_type``).
+
+    Each table config of its ``EmbeddingBagCollection``s and ``EmbeddingCollection``s gets ``data_type``, which
+    TorchRec's sharders hand to fbgemm as the kernel's ``weights_precision``, and each table's weight (on ``meta`` until
+    DistributedModelParallel materializes it) takes the matching dtype, which the planner's memory estimate reads
+    (``tensor.element_size()``) and an unsharded model (export) loads into. Done once, after the model is built, so that
+    no model (nor a user's own) passes the setting to its tables; TorchRec's collections would otherwise make every
+    table float32, and float16 for any other ``data_type`` (bfloat16 included).
+    """
+    dtype = data_type_to_dtype(data_type)
+    for module in model.modules():
+        if isinstance(module, EmbeddingBagCollection):
+            tables: list[tuple[Any, nn.EmbeddingBag | nn.Embedding]] = [
+                (c, cast(nn.EmbeddingBag, module.embedding_bags[c.name])) for c in module.embedding_bag_configs()]
+        elif isinstance(module, EmbeddingCollection):
+            tables = [(c, cast(nn.Embedding, module.embeddings[c.name])) for c in module.embedding_configs()]
+        else:
+            continue
+        for config, table in tables:
+            config.data_type = data_type
+            weight = table.weight
+            if weight.dtype != dtype:
+                table.weight = nn.Parameter(weight.detach().to(dtype), requires_grad=weight.requires_grad)
     return model
 
 

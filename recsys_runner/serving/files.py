@@ -88,6 +88,9 @@ def build_unsharded(run: RunConfig, encoders: StoredEncoders | None = None) -> U
     checkpoint's, which encode the files (:mod:`recsys_runner.data.encoding.stored`)."""
     cpu = torch.device("cpu")
     data = run.data.for_model(run.model.data_needs()).build(device=cpu, encoders=encoders)
+    # Tables in float32 whatever precision.embedding_data_type trained them in (an fp16 checkpoint's rows widen exactly):
+    # fbgemm's kernels pool fp16 rows in float32 and return float32, where an fp16 nn.EmbeddingBag rounds each pooled sum
+    # to fp16, so only float32 tables serve the scores training and evaluate computed.
     model = run.model.build(features=data.features, dense_device=cpu)
     for module in model.modules():  # tables start on meta (sharding would place them); the weights come from the checkpoint
         if any(t.is_meta for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]):

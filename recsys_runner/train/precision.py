@@ -23,11 +23,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torchrec.types import DataType
 
 from recsys_runner.configurable import Configurable
 from recsys_runner.errors import require
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+EMBEDDING_DATA_TYPES = {"fp32": DataType.FP32, "fp16": DataType.FP16}
+"""``precision.embedding_data_type``'s choices: TorchRec's ``DataType`` of every embedding table."""
 
 
 @dataclass(kw_only=True)
@@ -61,6 +65,10 @@ class PrecisionConfig(Configurable):
     """Dense compute dtype: ``fp32``, ``bf16`` or ``fp16``."""
     grad_scaler: GradScalerConfig = field(default_factory=GradScalerConfig)
     """Dynamic loss scaling; on by default for fp16 only."""
+    embedding_data_type: str = "fp32"
+    """How the embedding tables store their weights: ``fp32`` or ``fp16`` (half the table memory; TorchEasyRec's
+    feature ``data_type``, TorchRec's ``EmbeddingBagConfig.data_type``, fbgemm's ``weights_precision``). Independent of
+    ``dtype``: the tables' pooled output and their optimizer state stay float32 (docs/performance.md)."""
     allow_tf32_matmul: bool = False
     """``torch.backends.cuda.matmul.allow_tf32`` (CUDA only; torch's default is off)."""
     allow_tf32_cudnn: bool = True
@@ -69,6 +77,19 @@ class PrecisionConfig(Configurable):
     def __post_init__(self) -> None:
         require(self.dtype in _DTYPES, f"precision.dtype={self.dtype!r} is not one of {sorted(_DTYPES)}; "
                 "choose precision=fp32, precision=bf16 or precision=fp16")
+        require(self.embedding_data_type != "bf16",
+                "precision.embedding_data_type=bf16 is not offered: fbgemm-gpu-cpu 1.8's CPU kernels have no bfloat16 table "
+                "(the first lookup fails: split_embedding_cpu_forward not implemented for BFloat16), and it is untested on "
+                "CUDA here. Fix: precision.embedding_data_type=fp16 (half the table "
+                "memory, as bf16), with precision=bf16 for the dense arches if you want bf16 compute")
+        require(self.embedding_data_type in EMBEDDING_DATA_TYPES,
+                f"precision.embedding_data_type={self.embedding_data_type!r} is not one of {list(EMBEDDING_DATA_TYPES)}. "
+                f"Fix: precision.embedding_data_type=fp16 (half the table memory) or fp32 (the default)")
+
+    @property
+    def table_data_type(self) -> DataType:
+        """TorchRec's ``DataType`` of every embedding table (``embedding_data_type``)."""
+        return EMBEDDING_DATA_TYPES[self.embedding_data_type]
 
     def build(self) -> Precision:
         """The :class:`Precision` this config describes."""
@@ -91,6 +112,19 @@ class Precision:
         """The autocast to run the dense forward under, or ``None`` for float32."""
         fast = _DTYPES[self.config.dtype]
         return None if fast is None else torch.autocast(device_type=device.type, dtype=fast)
+
+    def table_rounding_warning(self, device: torch.device) -> str | None:
+        """What fp16 tables lose when trained on a CPU, for the run's log; ``None`` elsewhere (float32 tables, CUDA).
+
+        Why: fbgemm's CPU kernels (fbgemm-gpu-cpu 1.8) round each updated weight to the nearest fp16, with or without
+        ``stochastic_rounding`` (measured: 1000 SGD steps of 1e-4 on a weight of 1.0 leave it at 1.0 in fp16, 0.9 in
+        fp32), where its CUDA kernels round stochastically, so that small updates add up on average."""
+        if self.config.embedding_data_type == "fp32" or device.type != "cpu":
+            return None
+        return ("precision.embedding_data_type=fp16 on CPU: fbgemm's CPU kernels round every embedding update to the nearest "
+                "fp16 (no stochastic rounding, which its CUDA kernels use), so an update smaller than half an fp16 step of its "
+                "weight (about |w|/2048) is lost: a small optim.sparse.lr, or Adagrad's shrinking steps late in a run, may stop "
+                "training the tables. Compare eval metrics with precision.embedding_data_type=fp32 before relying on it")
 
     def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler | None:
         """A ``GradScaler`` when loss scaling is on (fp16 by default), else ``None``."""
