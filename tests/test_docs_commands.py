@@ -7,19 +7,28 @@ first value (one job of the sweep); commands with a ``<placeholder>`` or another
 commands do when run is the business of the tests of each feature; this catches a doc that drifted from the config:
 a renamed key, an override the shell splits (an unquoted ``{a: b}``), a value Hydra cannot parse (a newline inside
 quotes).
+
+The ``| key | default | … |`` tables are checked against the config the same way: each key is one of the node it
+documents, a default stated as a value (``16``, ``[64, null]``, ``null``; not one described in words) is the dataclass's,
+and a model's table in models.md lists every key of its config.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import re
 import shlex
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, OmegaConf
 
 from recsys_runner.config import register_configs, validate
+from recsys_runner.data.collision import SyntheticCollisionConfig
+from recsys_runner.export import register as register_export_schema
 from recsys_runner.paths import CONFIG_PATH
 from tests.conftest import REPO
 
@@ -106,3 +115,137 @@ def test_a_documented_command_composes(hydra_initialized: None, where: str, argu
     # an elided command may lack a required key (data.path); --cfg job prints the config without validating it
     if not any(mark in arguments for mark in ELIDED) and "--cfg" not in words:
         validate(cfg)
+
+
+# --------------------------------------------------------------------------------------------
+# `| key | default | … |` tables: every key exists, and a default the doc states as a value is the config's.
+# --------------------------------------------------------------------------------------------
+
+
+def _managed_collision() -> DictConfig:
+    """A generated table's ``data.managed_collision`` (a mapping in the data config, typed ``Any``): its dataclass's defaults."""
+    return OmegaConf.structured(SyntheticCollisionConfig)
+
+
+# the config node each table documents, by (file, heading): the overrides and config that compose it and its path
+# (empty: the root), or a function making it. A `model` heading of models.md (`` `name` — ``) is that model's.
+TABLE_SECTIONS: dict[tuple[str, str], tuple[str, list[str], str] | Callable[[], DictConfig]] = {
+    ("metrics.md", "Configuration"): ("config", [], "metrics"),
+    ("data.md", "Feeding a GPU: workers and pinned memory"): ("config", [], "data"),
+    ("data.md", "Managed-collision embeddings"): _managed_collision,
+    ("export.md", "Config keys"): ("export", [], ""),
+    ("storage.md", "What to configure: `storage.*`"): ("config", [], "storage"),
+}
+# tables that list every key of their node (besides models.md's), so a key the config has and the table lacks is a finding
+COMPLETE_TABLES = {("metrics.md", "Configuration"), ("data.md", "Managed-collision embeddings")}
+MODEL_HEADING = re.compile(r"`(\w+)` — ")
+POWER = re.compile(r"(\d+)\*\*(\d+)(-1)?")  # `2**63-1`
+DESCRIBED = object()
+"""A default cell that describes the value in words (`the task's name`, `as dssm`) rather than stating it."""
+
+Row = tuple[int, list[str], str]
+
+
+def _default_tables() -> list[tuple[str, str, list[Row]]]:
+    """``(file, heading, rows)`` for each table of the docs whose header starts ``| key | default |``; a row is its line,
+    the backticked keys of its first cell and its default cell."""
+    found = []
+    for path in DOCS:
+        lines, heading = path.read_text().split("\n"), ""
+        for i, line in enumerate(lines):
+            if line.startswith("#"):
+                heading = line.lstrip("#").strip()
+            if re.match(r"\|\s*key\s*\|\s*default\s*\|", line):
+                rows = []
+                for j in range(i + 2, len(lines)):
+                    if not lines[j].startswith("|"):
+                        break
+                    cells = [c.strip() for c in lines[j].strip().strip("|").split("|")]
+                    rows.append((j + 1, re.findall(r"`([^`]+)`", cells[0]), cells[1]))
+                found.append((path.name, heading, rows))
+    return found
+
+
+TABLES = _default_tables()
+# multitask.md's table is of a TaskSpec, whose defaults are the model's lists: every one is described, not stated
+CHECKED_TABLES = [t for t in TABLES if t[0] != "multitask.md"]
+
+
+def _node(name: str, heading: str) -> DictConfig:
+    if name == "models.md" and (m := MODEL_HEADING.match(heading)):
+        section: tuple[str, list[str], str] | Callable[[], DictConfig] = ("config", [f"model={m.group(1)}"], "model")
+    else:
+        section = TABLE_SECTIONS[(name, heading)]
+    if callable(section):
+        return section()
+    config_name, overrides, path = section
+    if config_name == "export":
+        register_export_schema()
+    cfg = compose(config_name=config_name, overrides=overrides)
+    node = OmegaConf.select(cfg, path) if path else cfg
+    assert isinstance(node, DictConfig)
+    return node
+
+
+def _value(cell: str) -> object:
+    """The default a cell states: `16`, `[64, null]`, `auto`, `2**63-1`, the first value of `` `null`: the environment's ``;
+    :data:`DESCRIBED` for words."""
+    text = cell.strip()
+    if m := re.fullmatch(r"`([^`]*)`(\s*[:(].*)?", text):  # `null`: what null means
+        text = m.group(1)
+    text = text.replace("`", "")
+    if m := POWER.fullmatch(text):
+        return int(m.group(1)) ** int(m.group(2)) - (1 if m.group(3) else 0)
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return DESCRIBED
+    return DESCRIBED if isinstance(value, str) and (value == "required" or re.search(r"[\s<]", value)) else value
+
+
+def _values(names: list[str], cell: str) -> list[object]:
+    """One stated default per key of a row: `100`, `128` for two keys, `[ctr, cvr], null, null` for three."""
+    if len(names) == 1:
+        return [_value(cell)]
+    try:
+        parts = yaml.safe_load(f"[{cell.replace('`', '')}]")
+    except yaml.YAMLError:
+        parts = None
+    if not isinstance(parts, list) or len(parts) != len(names):
+        return [DESCRIBED] * len(names)  # one description for them all (`as dssm`)
+    return [DESCRIBED if isinstance(v, str) and re.search(r"[\s<]", v) else v for v in parts]
+
+
+def test_every_default_table_is_checked() -> None:
+    unchecked = [f"{name}: {heading!r}" for name, heading, _ in CHECKED_TABLES
+                 if (name, heading) not in TABLE_SECTIONS and not (name == "models.md" and MODEL_HEADING.match(heading))]
+    assert not unchecked, f"a new `| key | default |` table: add its config node to TABLE_SECTIONS: {unchecked}"
+    assert sum(name == "models.md" for name, _, _ in CHECKED_TABLES) >= 18, "did models.md's headings change?"
+
+
+@pytest.mark.parametrize(("name", "heading", "rows"), CHECKED_TABLES, ids=[f"{n}:{h.split(' — ')[0]}" for n, h, _ in CHECKED_TABLES])
+def test_a_documented_default_is_the_configs(hydra_initialized: None, name: str, heading: str, rows: list[Row]) -> None:
+    """Each key of a ``| key | default |`` table is a key of the config node it documents, a default stated as a value
+    (not in words) is the dataclass's, and models.md's tables (and :data:`COMPLETE_TABLES`) leave out no key."""
+    node = _node(name, heading)
+    keys = [str(k) for k in node if not str(k).startswith("_")]
+    wrong = []
+    for line, names, cell in rows:
+        for written, stated in zip(names, _values(names, cell), strict=True):
+            # a key as the doc writes it: `embedding_dim`, `logq_*`, or with its node's name (`storage.endpoint_url`)
+            key = next((k for k in (written, written.partition(".")[2]) if k and OmegaConf.select(node, k, default=DESCRIBED) is not DESCRIBED), written)
+            if "*" in key and not any(fnmatch.fnmatchcase(k, key) for k in keys):
+                wrong.append(f"{name}:{line}: `{written}` matches no key here (the keys: {', '.join(keys)})")
+            elif "*" not in key and OmegaConf.select(node, key, default=DESCRIBED) is DESCRIBED:
+                wrong.append(f"{name}:{line}: `{written}` is no key here (the keys: {', '.join(keys)})")
+            elif "*" not in key and stated is not DESCRIBED:
+                actual = OmegaConf.select(node, key)
+                actual = OmegaConf.to_container(actual) if OmegaConf.is_config(actual) else actual
+                if stated != actual:
+                    wrong.append(f"{name}:{line}: `{written}` defaults to {actual!r}, the doc says {cell}")
+    if name == "models.md" or (name, heading) in COMPLETE_TABLES:
+        documented = [key.split(".")[-1] for _, names, _ in rows for key in names]
+        missing = [k for k in keys if not any(fnmatch.fnmatchcase(k, d) for d in documented)]
+        if missing:
+            wrong.append(f"{name}, {heading!r}: keys missing from the table: {missing}")
+    assert not wrong, "\n".join(wrong)
