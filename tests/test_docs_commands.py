@@ -16,6 +16,7 @@ and a model's table in models.md lists every key of its config.
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import re
 import shlex
 from collections.abc import Callable, Iterator
@@ -29,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from recsys_runner.config import register_configs, validate
 from recsys_runner.data.collision import SyntheticCollisionConfig
 from recsys_runner.export import register as register_export_schema
+from recsys_runner.metrics.registry import METRICS, NAME_PATTERNS
 from recsys_runner.paths import CONFIG_PATH
 from tests.conftest import REPO
 
@@ -249,3 +251,32 @@ def test_a_documented_default_is_the_configs(hydra_initialized: None, name: str,
         if missing:
             wrong.append(f"{name}, {heading!r}: keys missing from the table: {missing}")
     assert not wrong, "\n".join(wrong)
+
+
+# --------------------------------------------------------------------------------------------
+# docs/metrics.md's tables against the registry and the package.
+# --------------------------------------------------------------------------------------------
+
+
+def _first_column(heading: str | None, header: str) -> list[str]:
+    """The backticked names of the first column of docs/metrics.md's table whose header starts ``header``, under the
+    ``## heading`` section (``None``: above the first)."""
+    text = (REPO / "docs" / "metrics.md").read_text()
+    section = (text if heading is None else text.split(f"\n## {heading}\n", 1)[1]).split("\n## ", 1)[0]
+    lines = section.split("\n")
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    rows = [line for line in itertools.takewhile(lambda line: line.startswith("|"), lines[start + 2:])]
+    return [name for row in rows for name in re.findall(r"`([^`]+)`", row.split(" | ")[0])]
+
+
+def test_the_eval_metric_tables_name_every_registered_metric_and_no_other() -> None:
+    documented = _first_column("Eval metrics", "| name | definition |")
+    assert sorted(documented) == sorted([*METRICS, *NAME_PATTERNS]), "docs/metrics.md's eval metric table against the registry"
+    multiclass = _first_column("Eval metrics", "| name | multi-class definition |")
+    assert sorted(multiclass) == sorted(n for n, e in METRICS.items() if "multiclass" in e.also)
+
+
+def test_the_module_table_lists_every_metrics_module() -> None:
+    documented = {name.removeprefix("metrics/") for name in _first_column(None, "| module |")}
+    modules = {p.name for p in (REPO / "recsys_runner" / "metrics").glob("*.py")} - {"__init__.py"}
+    assert documented == modules, f"docs/metrics.md's module table lacks {sorted(modules - documented)}, lists gone {sorted(documented - modules)}"

@@ -111,8 +111,8 @@ def metric_entry(name: str, key: str = "metrics") -> MetricEntry:
         cls, inputs, doc = AT_K[base]
         return MetricEntry(cls, lambda s: cls(k), inputs, doc.format(k=k))
     if name not in METRICS:
-        raise ConfigError(f"{key}: unknown metric {name!r}. Valid names: {', '.join(sorted(METRICS))}, recall@<k> (e.g. recall@10), "
-                          f"inbatch_recall@<k>, hr@<k>, ndcg@<k>, coverage@<k>")
+        raise ConfigError(f"{key}: unknown metric {name!r}. Valid names: {', '.join(sorted(METRICS))}, {', '.join(NAME_PATTERNS)} "
+                          f"(<k> a count, e.g. recall@10)")
     return METRICS[name]
 
 
@@ -275,8 +275,9 @@ class MetricsConfig:
         kinds = {"pointwise" if e.inputs == "grouped" else e.inputs for e in map(metric_entry, self.eval)}
         require(
             len(kinds) <= 1 or kinds == {"retrieval", "ranking"},
-            f"metrics.eval={list(self.eval)} mixes recall@<k>/inbatch_recall@<k> (retrieval scores), hr@<k>/ndcg@<k> "
-            f"(full-table scores) and pointwise metrics (per-row predictions); a task produces one of them. Fix: keep only one kind",
+            f"metrics.eval={list(self.eval)} mixes pointwise metrics (per-row predictions) with ranking metrics: "
+            f"inbatch_recall@<k> (in-batch retrieval scores), recall@<k>, hr@<k>, ndcg@<k>, mrr, coverage@<k> (full-table scores); "
+            f"a task produces one of them. Fix: keep only one kind",
         )
         untrainable = [n for n in self.train if n not in TRAIN_METRICS]
         require(
