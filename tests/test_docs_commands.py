@@ -34,6 +34,8 @@ from recsys_runner.metrics.registry import METRICS, NAME_PATTERNS
 from recsys_runner.paths import CONFIG_PATH
 from tests.conftest import REPO
 
+CONFIG_DIR = Path(CONFIG_PATH)
+
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 ELIDED = ("…", "...")
 # docs/lifecycle.md sets DATA once and uses $DATA in the commands after it
@@ -280,3 +282,36 @@ def test_the_module_table_lists_every_metrics_module() -> None:
     documented = {name.removeprefix("metrics/") for name in _first_column(None, "| module |")}
     modules = {p.name for p in (REPO / "recsys_runner" / "metrics").glob("*.py")} - {"__init__.py"}
     assert documented == modules, f"docs/metrics.md's module table lacks {sorted(modules - documented)}, lists gone {sorted(documented - modules)}"
+
+
+def test_the_readme_names_every_option_of_each_group() -> None:
+    """README.md's table of config groups: each group's row names every ``conf/<group>/`` option, and each plain name in
+    its options column is an option of the group (or of a sub-group: ``optim/sparse``'s ``lamb``)."""
+    wrong, checked = [], 0
+    for row in (REPO / "README.md").read_text().split("\n"):
+        cells = row.strip("|").split(" | ")
+        if not (row.startswith("| `") and (m := re.fullmatch(r"`(\w+)`", cells[0].strip()))):
+            continue
+        group = CONFIG_DIR / m.group(1)
+        if not group.is_dir():
+            continue  # a row of keys (`metrics (keys)`, `train (keys)`)
+        checked += 1
+        named = set(re.findall(r"`(\w+)`", cells[1]))
+        options = {p.stem for p in group.glob("*.yaml")}
+        everywhere = {p.stem for p in group.rglob("*.yaml")}
+        if missing := sorted(options - named):
+            wrong.append(f"{m.group(1)}: the row leaves out {missing}")
+        if strangers := sorted(named - everywhere):
+            wrong.append(f"{m.group(1)}: the row names {strangers}, which are no options of conf/{m.group(1)}/")
+    assert checked >= 9, "did README.md's table of groups change its layout?"
+    assert not wrong, "README.md's table of groups against conf/:\n" + "\n".join(wrong)
+
+
+def test_the_readme_names_only_keys_that_exist(hydra_initialized: None) -> None:
+    """README.md's ``| `train` (keys) |`` rows: each key named in the second column is a key of that section."""
+    cfg = compose(config_name="config")
+    rows = [row.strip("|").split(" | ") for row in (REPO / "README.md").read_text().split("\n") if re.match(r"\| `\w+` \(keys\) \|", row)]
+    assert len(rows) >= 2, "did README.md's table of groups change its layout?"
+    wrong = [f"{section}.{key}" for section, keys, *_ in ((re.findall(r"`(\w+)`", r[0])[0], r[1]) for r in rows)
+             for key in re.findall(r"`(\w+)`", keys) if key not in cfg[section]]
+    assert not wrong, f"README.md names keys the config does not have: {wrong}"
