@@ -15,6 +15,7 @@ and a model's table in models.md lists every key of its config.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import itertools
 import re
@@ -29,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from recsys_runner.config import register_configs, validate
 from recsys_runner.data.collision import SyntheticCollisionConfig
+from recsys_runner.data.schema import SparseColumn
 from recsys_runner.export import register as register_export_schema
 from recsys_runner.metrics.registry import METRICS, NAME_PATTERNS
 from recsys_runner.paths import CONFIG_PATH
@@ -315,3 +317,22 @@ def test_the_readme_names_only_keys_that_exist(hydra_initialized: None) -> None:
     wrong = [f"{section}.{key}" for section, keys, *_ in ((re.findall(r"`(\w+)`", r[0])[0], r[1]) for r in rows)
              for key in re.findall(r"`(\w+)`", keys) if key not in cfg[section]]
     assert not wrong, f"README.md names keys the config does not have: {wrong}"
+
+
+def test_the_schema_reference_names_the_file_options_keys_and_every_column_field(hydra_initialized: None) -> None:
+    """docs/data.md's schema reference: each key of its table is one of ``data=parquet`` and ``data=csv``, every key of
+    the file options is in the table or the list of reading keys below it, and the ``sparse`` and ``infer`` rows name
+    exactly the fields of a sparse column and of ``data.infer``."""
+    section = (REPO / "docs" / "data.md").read_text().split("\n## Schema reference\n", 1)[1].split("\n#", 1)[0]
+    rows = {re.findall(r"`(\w+)`", r)[0]: r.split(" | ", 1)[1] for r in section.split("\n") if r.startswith("| `")}
+    assert len(rows) >= 9, "did the schema reference change its layout?"
+    named = set(re.findall(r"`(\w+)`", section))
+    for option in ("parquet", "csv", "criteo"):
+        data = compose(config_name="config", overrides=[f"data={option}"]).data
+        assert not (missing := [k for k in data if k not in named and not k.startswith("_")]), \
+            f"data={option}'s keys {missing} are in neither the schema reference nor its list of reading keys"
+        if option != "criteo":
+            assert not (strangers := [k for k in rows if k not in data]), f"data={option} has no keys {strangers}"
+            assert sorted(re.findall(r"`(\w+)`", rows["infer"].split("(")[0])) == sorted(data.infer)
+    assert sorted(re.findall(r"\b\w+\b", rows["sparse"].split("{")[1].split("}")[0]) + re.findall(r"`(\w+)`", rows["sparse"].split("transforms")[1])) \
+        == sorted(f.name for f in dataclasses.fields(SparseColumn))
