@@ -10,7 +10,10 @@ quotes).
 
 The ``| key | default | … |`` tables are checked against the config the same way: each key is one of the node it
 documents, a default stated as a value (``16``, ``[64, null]``, ``null``; not one described in words) is the dataclass's,
-and a model's table in models.md lists every key of its config.
+and a model's table in models.md lists every key of its config. So are the other lists a config or registry is the
+truth of: every ``key=value`` in the prose names a key that exists; README.md's table of groups names every option of
+``conf/`` and only those; docs/metrics.md's tables name every registered metric and every module of the package; the
+schema reference of docs/data.md names every key of the file options.
 """
 
 from __future__ import annotations
@@ -22,11 +25,12 @@ import re
 import shlex
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from recsys_runner.config import register_configs, validate
 from recsys_runner.data.collision import SyntheticCollisionConfig
@@ -336,3 +340,60 @@ def test_the_schema_reference_names_the_file_options_keys_and_every_column_field
             assert sorted(re.findall(r"`(\w+)`", rows["infer"].split("(")[0])) == sorted(data.infer)
     assert sorted(re.findall(r"\b\w+\b", rows["sparse"].split("{")[1].split("}")[0]) + re.findall(r"`(\w+)`", rows["sparse"].split("transforms")[1])) \
         == sorted(f.name for f in dataclasses.fields(SparseColumn))
+
+
+# --------------------------------------------------------------------------------------------
+# Inline overrides in the prose (`model.logq_correction=false`): each names a key that exists.
+# --------------------------------------------------------------------------------------------
+
+INLINE_OVERRIDE = re.compile(r"`\+{0,2}([a-z_]+(?:\.[^\s=`]+)+)=[^`]*`")
+# keys the docs misspell on purpose, to show the error a typo gets
+MISSPELT = {"data.batch_sise", "model.hiden", "model.hidden", "model.embedding_dimm", "train.num_step", "export.dri"}
+ROOTS = {"model", "data", "optim", "scheduler", "distributed", "precision", "checkpoint", "tracking", "train", "metrics",
+         "storage", "export", "predict", "load", "seed"}
+
+
+def _inline_overrides() -> list[tuple[str, str]]:
+    """``(file:line, key)`` of each ``key=value`` in backticks outside the code blocks, for keys of the runner's config."""
+    found = []
+    for path in DOCS:
+        block = False
+        for i, line in enumerate(path.read_text().split("\n"), 1):
+            if line.startswith("```"):
+                block = not block
+            elif not block:
+                found += [(f"{path.name}:{i}", m.group(1)) for m in INLINE_OVERRIDE.finditer(line)
+                          if m.group(1).split(".")[0] in ROOTS and m.group(1) not in MISSPELT]
+    return found
+
+
+def _has_key(cfg: DictConfig, key: str) -> bool:
+    """Whether ``key`` (``data.sparse[item].max_values``, ``model.task_specs.cvr.kind``) leads through ``cfg``: a name
+    under a mapping of the user's (a dict, or a ``null`` option that takes one) or an entry of a list is accepted."""
+    node: Any = cfg
+    for part in re.split(r"\.(?![^\[]*\])", key):
+        name = re.sub(r"\[.*\]$", "", part)
+        if node is None or isinstance(node, ListConfig):
+            return True
+        if not isinstance(node, DictConfig):
+            return False
+        if name not in node:
+            return OmegaConf.get_type(node) in (dict, None)
+        node = node[name]
+    return True
+
+
+def test_every_inline_override_names_a_key(hydra_initialized: None) -> None:
+    """Each ``group.key=value`` the prose shows is a key of the config under some option of the groups (a model's key
+    under that model), or of an entry command's config (``export.*``, ``predict.*``)."""
+    import recsys_runner.evaluate
+    import recsys_runner.predict  # noqa: F401  (each stores its entry schema)
+
+    register_export_schema()
+    configs = [compose(config_name=name) for name in ("config", "export", "predict", "evaluate")]
+    for group in ("model", "data", "optim", "optim/sparse", "optim/dense", "scheduler", "precision", "checkpoint", "tracking", "debug"):
+        configs += [compose(config_name="config", overrides=[f"{group}={p.stem}"]) for p in sorted((CONFIG_DIR / group).glob("*.yaml"))]
+    overrides = _inline_overrides()
+    assert len(overrides) > 200, "the extraction found too few overrides: did the docs' layout change?"
+    wrong = [f"{where}: {key}" for where, key in overrides if not any(_has_key(cfg, key) for cfg in configs)]
+    assert not wrong, "keys no config has:\n" + "\n".join(wrong)
