@@ -328,6 +328,9 @@ def test_an_unknown_metric_is_refused_listing_every_valid_name() -> None:
         MetricsConfig(eval=["recal@10"])
     for name in [*METRICS, *NAME_PATTERNS]:
         assert name in str(raised.value)
+    assert "unknown metric 'recal@10' (did you mean recall@10?)" in str(raised.value)
+    with pytest.raises(ConfigError, match=r"unknown metric 'loglos' \(did you mean logloss\?\)"):
+        MetricsConfig(eval=["loglos"])
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ sweep ranks by when no setting names one) is declared here once: :data:`DEFAULT_
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from collections.abc import Callable, Iterable
@@ -111,9 +112,16 @@ def metric_entry(name: str, key: str = "metrics") -> MetricEntry:
         cls, inputs, doc = AT_K[base]
         return MetricEntry(cls, lambda s: cls(k), inputs, doc.format(k=k))
     if name not in METRICS:
-        raise ConfigError(f"{key}: unknown metric {name!r}. Valid names: {', '.join(sorted(METRICS))}, {', '.join(NAME_PATTERNS)} "
-                          f"(<k> a count, e.g. recall@10)")
+        raise ConfigError(f"{key}: unknown metric {name!r}{_closest(name)}. Valid names: {', '.join(sorted(METRICS))}, "
+                          f"{', '.join(NAME_PATTERNS)} (<k> a count, e.g. recall@10)")
     return METRICS[name]
+
+
+def _closest(name: str) -> str:
+    """`` (did you mean recall@10?)`` for a misspelt metric name (``recal@10``, ``loglos``), keeping its ``@k``; else ``""``."""
+    base, at, k = name.partition("@")
+    close = difflib.get_close_matches(base, list(AT_K) if at else list(METRICS), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}{at}{k}?)" if close else ""
 
 
 def metric_key(name: str) -> str:
