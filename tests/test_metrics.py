@@ -331,12 +331,14 @@ def test_an_unknown_metric_is_refused_listing_every_valid_name() -> None:
     assert "unknown metric 'recal@10' (did you mean recall@10?)" in str(raised.value)
     with pytest.raises(ConfigError, match=r"unknown metric 'loglos' \(did you mean logloss\?\)"):
         MetricsConfig(eval=["loglos"])
+    with pytest.raises(ConfigError, match=r"unknown metric 'ndcg' \(did you mean ndcg@10\? it needs its k\)"):
+        MetricsConfig(eval=["ndcg"])
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"eval": ["auc", "ndcg"]}, r"unknown metric 'ndcg'. Valid names: accuracy, auc, calibration, gauc"),
+        ({"eval": ["auc", "ndcg"]}, r"unknown metric 'ndcg' .*Valid names: accuracy, auc, calibration, gauc"),
         ({"eval": ["auc", "auc"]}, r"metrics.eval lists \['auc'\] more than once"),
         ({"eval": ["gauc"]}, "metrics.grouping_key is not set"),
         ({"eval": ["auc", "recall@10"]}, "mixes pointwise metrics"),

@@ -118,8 +118,11 @@ def metric_entry(name: str, key: str = "metrics") -> MetricEntry:
 
 
 def _closest(name: str) -> str:
-    """`` (did you mean recall@10?)`` for a misspelt metric name (``recal@10``, ``loglos``), keeping its ``@k``; else ``""``."""
+    """`` (did you mean recall@10?)`` for a misspelt metric name (``recal@10``, ``loglos``), keeping its ``@k``, or one
+    without its ``@k`` (``hr``); else ``""``."""
     base, at, k = name.partition("@")
+    if not at and base in AT_K:
+        return f" (did you mean {base}@10? it needs its k)"
     close = difflib.get_close_matches(base, list(AT_K) if at else list(METRICS), n=1, cutoff=0.6)
     return f" (did you mean {close[0]}{at}{k}?)" if close else ""
 
