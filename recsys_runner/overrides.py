@@ -14,6 +14,7 @@ Anything else it leaves to Hydra, which composes again and reports it as before:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import sys
 from collections.abc import Sequence
@@ -26,7 +27,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException, Ove
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
-from recsys_runner.config import register_configs
+from recsys_runner.config import GROUPS, register_configs
 from recsys_runner.errors import ConfigError, reported
 from recsys_runner.paths import initialize_conf
 
@@ -207,6 +208,11 @@ def _yaml(value: object) -> str:
     return text if "\n" not in text else str(value)
 
 
+def _options_with_key(group: str, key: str) -> list[str]:
+    """The options of config group ``group`` whose schema has ``key`` (``model``, ``structure`` → ``dcn_v2``, ``masknet``)."""
+    return [option for option, schema in GROUPS.get(group, {}).items() if key in {f.name for f in dataclasses.fields(schema)}]
+
+
 def _no_such_key(parts: list[str], i: int, siblings: list[str], given: str, module: str) -> str:
     """``parts[i]`` is not among ``siblings``, the keys at ``parts[:i]``: the command whose key it is, or the closest of
     them as the fix."""
@@ -217,6 +223,10 @@ def _no_such_key(parts: list[str], i: int, siblings: list[str], given: str, modu
     if other is not None and module.rpartition(".")[2] not in other.split("|"):
         return (f"{given}: {parts[0]} is a setting of python -m recsys_runner.{other}, not of python -m {module}. Fix: run "
                 f"it with that command, or drop it ({every})")
+    owners = _options_with_key(parts[0], parts[1]) if i == 1 else []
+    if owners:  # before the closest name: data.sparse is no misspelt data.num_sparse but a key of the file options
+        return (f"{given}: {parts[1]} is a key of {parts[0]}={', '.join(owners)}, not of the {parts[0]} chosen (its keys: "
+                f"{', '.join(siblings)}). Fix: choose one of those, e.g. {parts[0]}={owners[0]} {given}, or drop it ({every})")
     close = difflib.get_close_matches(parts[i], siblings, n=1, cutoff=0.6)
     if not close:
         return (f"{given}: {where} no key {parts[i]!r}; its keys are {', '.join(siblings)} ({every}; a leading + adds "

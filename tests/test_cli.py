@@ -141,6 +141,12 @@ TYPOS = {
     "list-without-brackets": (["model=dlrm", "metrics.eval=auc"], "metrics.eval=auc: metrics.eval is a list (Invalid value "
                                                                   "assigned: str is not a ListConfig, list or tuple). Fix: "
                                                                   "metrics.eval=[auc]"),
+    "another-options-key": (["model.structure=parallel"], "model.structure=parallel: structure is a key of model=dcn_v2, "
+                                                          "masknet, not of the model chosen (its keys: embedding_dim, "
+                                                          "dense_arch_layer_sizes, deep_layer_sizes). Fix: choose one of those, "
+                                                          "e.g. model=dcn_v2 model.structure=parallel, or drop it ("),
+    "a-file-options-key": (["data.sparse=[{name: tag}]"], "data.sparse=[{name: tag}]: sparse is a key of data=parquet, csv, not "
+                                                          "of the data chosen"),
     "top-level": (["seedd=3"], "seedd=3: the config has no key 'seedd' (did you mean seed?). Fix: seed=3 ("),
     "another-commands-key": (["load=outputs/x"], "load=outputs/x: load is a setting of python -m "
                                                  "recsys_runner.evaluate|predict|export, not of python -m recsys_runner."),

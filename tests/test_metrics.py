@@ -26,6 +26,7 @@ from recsys_runner.metrics.decay import DecayAUC, DecayingMetric
 from recsys_runner.metrics.functional import binary_auc, grouped_auc, xauc
 from recsys_runner.metrics.registry import (
     METRICS,
+    NAME_PATTERNS,
     MetricsConfig,
     best_first_key,
     build_eval_metrics,
@@ -321,13 +322,26 @@ def test_collection_routes_groups_only_to_gauc() -> None:
     assert out["gauc"] == pytest.approx(0.4) and out["auc"] == pytest.approx(binary_auc(preds, labels).item())
 
 
+def test_an_unknown_metric_is_refused_listing_every_valid_name() -> None:
+    """The message names every registered metric and every ``<name>@<k>`` pattern (``ann_recall@<k>`` was left out)."""
+    with pytest.raises(ConfigError) as raised:
+        MetricsConfig(eval=["recal@10"])
+    for name in [*METRICS, *NAME_PATTERNS]:
+        assert name in str(raised.value)
+    assert "unknown metric 'recal@10' (did you mean recall@10?)" in str(raised.value)
+    with pytest.raises(ConfigError, match=r"unknown metric 'loglos' \(did you mean logloss\?\)"):
+        MetricsConfig(eval=["loglos"])
+    with pytest.raises(ConfigError, match=r"unknown metric 'ndcg' \(did you mean ndcg@10\? it needs its k\)"):
+        MetricsConfig(eval=["ndcg"])
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"eval": ["auc", "ndcg"]}, r"unknown metric 'ndcg'. Valid names: accuracy, auc, calibration, gauc"),
+        ({"eval": ["auc", "ndcg"]}, r"unknown metric 'ndcg' .*Valid names: accuracy, auc, calibration, gauc"),
         ({"eval": ["auc", "auc"]}, r"metrics.eval lists \['auc'\] more than once"),
         ({"eval": ["gauc"]}, "metrics.grouping_key is not set"),
-        ({"eval": ["auc", "recall@10"]}, "mixes recall@<k>"),
+        ({"eval": ["auc", "recall@10"]}, "mixes pointwise metrics"),
         ({"eval": ["recall@0"]}, "needs k >= 1"),
         ({"train": ["gauc"], "grouping_key": "u"}, "cannot be computed at train time"),
         ({"decay_rate": 1.0}, r"metrics.decay_rate must be in \[0, 1\)"),

@@ -86,7 +86,7 @@ def test_a_nan_score_of_the_target_is_a_miss_never_a_hit() -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"eval": ["hr@10", "auc"]}, "mixes recall@<k>"),
+    ({"eval": ["hr@10", "auc"]}, "mixes pointwise metrics"),
     ({"eval": ["ndcg@0"]}, r"needs k >= 1, e.g. ndcg@10"),
     ({"eval": ["hr"]}, r"unknown metric 'hr'.*hr@<k>, ndcg@<k>"),
 ])

@@ -172,6 +172,8 @@ def test_vocab_encodes_a_new_log_with_the_earlier_ids(tmp_path: Path, capsys: py
     (tmp_path / "plain").mkdir()
     assert data_main(["sequences", str(tmp_path / "second.parquet"), str(tmp_path / "x"), "--vocab", str(tmp_path / "plain")]) == 2
     assert f"--vocab={tmp_path / 'plain'} is not an earlier output of sequences: it has no vocab.json" in capsys.readouterr().err
+    assert data_main(["sequences", str(tmp_path / "second.parquet"), str(tmp_path / "x"), "--vocab", str(tmp_path / "second.parquet")]) == 2
+    assert f"--vocab={tmp_path / 'second.parquet'} is a file, not an earlier output folder of sequences" in capsys.readouterr().err
     (tmp_path / "plain" / "vocab.json").write_text('{"format": 7}')
     assert data_main(["sequences", str(tmp_path / "second.parquet"), str(tmp_path / "x"), "--vocab", str(tmp_path / "plain")]) == 2
     assert "vocab.json is not in the form sequences writes" in capsys.readouterr().err

@@ -13,6 +13,7 @@ sweep ranks by when no setting names one) is declared here once: :data:`DEFAULT_
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from collections.abc import Callable, Iterable
@@ -111,9 +112,19 @@ def metric_entry(name: str, key: str = "metrics") -> MetricEntry:
         cls, inputs, doc = AT_K[base]
         return MetricEntry(cls, lambda s: cls(k), inputs, doc.format(k=k))
     if name not in METRICS:
-        raise ConfigError(f"{key}: unknown metric {name!r}. Valid names: {', '.join(sorted(METRICS))}, recall@<k> (e.g. recall@10), "
-                          f"inbatch_recall@<k>, hr@<k>, ndcg@<k>, coverage@<k>")
+        raise ConfigError(f"{key}: unknown metric {name!r}{_closest(name)}. Valid names: {', '.join(sorted(METRICS))}, "
+                          f"{', '.join(NAME_PATTERNS)} (<k> a count, e.g. recall@10)")
     return METRICS[name]
+
+
+def _closest(name: str) -> str:
+    """`` (did you mean recall@10?)`` for a misspelt metric name (``recal@10``, ``loglos``), keeping its ``@k``, or one
+    without its ``@k`` (``hr``); else ``""``."""
+    base, at, k = name.partition("@")
+    if not at and base in AT_K:
+        return f" (did you mean {base}@10? it needs its k)"
+    close = difflib.get_close_matches(base, list(AT_K) if at else list(METRICS), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}{at}{k}?)" if close else ""
 
 
 def metric_key(name: str) -> str:
@@ -275,8 +286,9 @@ class MetricsConfig:
         kinds = {"pointwise" if e.inputs == "grouped" else e.inputs for e in map(metric_entry, self.eval)}
         require(
             len(kinds) <= 1 or kinds == {"retrieval", "ranking"},
-            f"metrics.eval={list(self.eval)} mixes recall@<k>/inbatch_recall@<k> (retrieval scores), hr@<k>/ndcg@<k> "
-            f"(full-table scores) and pointwise metrics (per-row predictions); a task produces one of them. Fix: keep only one kind",
+            f"metrics.eval={list(self.eval)} mixes pointwise metrics (per-row predictions) with ranking metrics: "
+            f"inbatch_recall@<k> (in-batch retrieval scores), recall@<k>, hr@<k>, ndcg@<k>, mrr, coverage@<k> (full-table scores); "
+            f"a task produces one of them. Fix: keep only one kind",
         )
         untrainable = [n for n in self.train if n not in TRAIN_METRICS]
         require(

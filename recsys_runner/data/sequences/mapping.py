@@ -118,6 +118,8 @@ def _index(folder: str, what: str) -> dict:
         index = json.loads(stores.read_bytes(path, ConfigError).decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"{what}={folder} is not an earlier output of sequences: it has no {VOCAB_FILE}. {fix}") from None
+    except NotADirectoryError:  # a local file named where the folder belongs (the log, or one of the output's rows files)
+        raise ConfigError(f"{what}={folder} is a file, not an earlier output folder of sequences. {fix}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"{what}={folder}: {VOCAB_FILE} is not JSON ({e}). {fix}") from None
     tables = index.get("tables") if isinstance(index, dict) else None
