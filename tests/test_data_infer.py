@@ -71,6 +71,24 @@ def test_infer_schema_from_csv(tmp_path: Path, caplog: pytest.LogCaptureFixture)
     assert int(batch.sparse_features["tags"].lengths().max()) > 1  # multi-hot bags
 
 
+def test_integer_columns_named_as_ids_are_never_dense(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A sample of a table with many users holds mostly distinct user ids: by the distinct-values rule alone an integer
+    ``user_id`` / ``movieId`` became a dense ``log1p`` column; a name that says identifier keeps it sparse, and an
+    integer ``id`` with a different value in every row is a row id, left out like a text one. Distinct integers
+    without such a name (``seconds``) stay dense."""
+    rng = np.random.default_rng(1)
+    rows = 400
+    cols = {"label": rng.integers(0, 2, rows), "id": np.arange(rows), "user_id": rng.integers(0, 1000, rows),
+            "movieId": rng.integers(0, 2000, rows), "seconds": rng.integers(0, 10**9, rows), "paid": rng.integers(0, 10**6, rows)}
+    (tmp_path / "r.csv").write_text(",".join(cols) + "\n" + "".join(
+        ",".join(str(int(cols[c][i])) for c in cols) + "\n" for i in range(rows)))
+    with caplog.at_level(logging.INFO, logger="recsys_runner"):
+        schema = csv_data(tmp_path / "r.csv").schema
+    assert [s.name for s in schema.sparse] == ["user_id", "movieId"]
+    assert [d.name for d in schema.dense] == ["seconds", "paid"]  # no id-like name: a measurement, as before
+    assert "left out 'id': a different value in every sampled row" in caplog.text
+
+
 def test_bucket_counts_round_up_to_1_2_5() -> None:
     assert [bucket_count(n, 2.0) for n in (1, 3, 40, 943, 1682, 30_000)] == [5, 10, 100, 2000, 5000, 100_000]
     assert bucket_count(943, 1.0) == 1000

@@ -14,11 +14,13 @@ schema stored by ``convert``), the first ``data.infer.sample_rows`` rows decide:
     64 bits → a sparse feature, ``encoding: hash``;
   - integers → a sparse feature (ids, codes, small counts: Avazu's ``C14``, MovieLens' ``item``), unless more
     than ``data.infer.dense_min_distinct_fraction`` of the sampled rows have distinct values (a measurement,
-    a timestamp) → dense;
+    a timestamp) → dense; but never dense when the column's name says it is an identifier (:func:`id_named`:
+    ``id``, ``user_id``, ``movieId``, ``itemID``): a sample of a table with many users holds mostly distinct
+    user ids, and a number line through ids (``log1p`` of a user id) is no feature;
   - other numbers (floats, booleans) → dense;
   - ``log1p`` for a dense column whose sampled values are all ``>= 0``, else none;
-  - a text column (or one of integers beyond 64 bits) whose every sampled value differs (at least
-    :data:`ROW_ID_MIN_ROWS` rows) is a row id (Avazu's ``id``) and is left out, as is a column that is empty
+  - a text column (or one of integers beyond 64 bits, or an id-named integer column) whose every sampled value
+    differs (at least :data:`ROW_ID_MIN_ROWS` rows) is a row id (Avazu's ``id``) and is left out, as is a column that is empty
     in the sample.
 
 A sparse column found here is not sized yet: :func:`~recsys_runner.data.encoding.fit.complete_schema`, which asks for
@@ -46,6 +48,14 @@ LABEL_NAMES = ("label", "click", "clicked", "is_click", "target", "y")
 ROW_ID_MIN_ROWS = 100
 """A text column with a different value in every one of at least this many sampled rows is a row id."""
 _INTEGER = re.compile(r"^[+-]?\d+$")
+_ID_WORD = re.compile(r"(?:^|[_\-. ])id$", re.IGNORECASE)
+_ID_CAMEL = re.compile(r"[a-z0-9](?:Id|ID)$")
+
+
+def id_named(name: str) -> bool:
+    """Whether a column's name says it holds identifiers: ``id``, or ending in ``_id`` / ``-id`` / ``.id`` (any case),
+    or camel case ``…Id`` / ``…ID`` (``userId``, ``itemID``); not ``paid`` or ``valid``."""
+    return bool(_ID_WORD.search(name) or _ID_CAMEL.search(name))
 
 
 def _kind(arr: pa.Array) -> tuple[str, pa.Array]:
@@ -91,9 +101,10 @@ def infer_column(name: str, arr: pa.Array, config: InferConfig) -> tuple[DenseCo
     if kind == "other":
         return None, f"{name!r}: type {arr.type} is neither a number, text nor a list (list it in data.dense / data.sparse after converting it)"
     distinct = len(pc.unique(values))
-    if kind == "text" and distinct == rows and rows >= ROW_ID_MIN_ROWS:
+    identifiers = kind == "text" or (kind == "integer" and id_named(name))
+    if identifiers and distinct == rows and rows >= ROW_ID_MIN_ROWS:
         return None, f"{name!r}: a different value in every sampled row (a row id?); add it to data.sparse to use it"
-    if kind == "text" or (kind == "integer" and distinct <= config.dense_min_distinct_fraction * rows):
+    if identifiers or (kind == "integer" and distinct <= config.dense_min_distinct_fraction * rows):
         return SparseColumn(name=name), None
     numbers = np.asarray(values.cast(pa.float64()).to_numpy(zero_copy_only=False))
     transform = "log1p" if bool((numbers[np.isfinite(numbers)] >= 0).all()) else "none"
