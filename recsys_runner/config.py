@@ -31,7 +31,7 @@ from recsys_runner.configurable import Configurable, typed
 from recsys_runner.data.base import DataConfig
 from recsys_runner.data.collision import resolve_collision_modules
 from recsys_runner.data.files.tabular_config import CriteoDataConfig, CsvDataConfig, ParquetDataConfig
-from recsys_runner.data.generated.synthetic import SyntheticDataConfig
+from recsys_runner.data.generated.synthetic_config import SyntheticDataConfig
 from recsys_runner.data.generated.synthetic_sequences import SyntheticSequencesConfig
 from recsys_runner.distributed.config import DistributedConfig, check_sharding_types, resolve_device_type
 from recsys_runner.errors import ConfigError, UserError, require

@@ -18,7 +18,8 @@ from recsys_runner.build import build
 from recsys_runner.checkpoint.storage import list_checkpoints
 from recsys_runner.config import validate
 from recsys_runner.configurable import make
-from recsys_runner.data.generated.synthetic import SyntheticData, SyntheticDataConfig
+from recsys_runner.data.generated.synthetic import SyntheticData
+from recsys_runner.data.generated.synthetic_config import SyntheticDataConfig
 from recsys_runner.errors import ConfigError
 from recsys_runner.metrics.corpus import corpus_ranks
 from recsys_runner.metrics.registry import MetricsConfig, metric_entry

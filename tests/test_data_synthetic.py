@@ -7,7 +7,8 @@ import torch
 from torchmetrics.functional.classification import binary_auroc
 
 from recsys_runner.configurable import make
-from recsys_runner.data.generated.synthetic import SyntheticData, SyntheticDataConfig
+from recsys_runner.data.generated.synthetic import SyntheticData
+from recsys_runner.data.generated.synthetic_config import SyntheticDataConfig
 
 
 def small_data(**kw) -> SyntheticData:

@@ -28,7 +28,8 @@ from recsys_runner.configurable import make
 from recsys_runner.data.base import MAX_AUTO_WORKERS, auto_workers, data_device_type
 from recsys_runner.data.files.tabular import CsvData, ParquetData
 from recsys_runner.data.files.tabular_config import CsvDataConfig, ParquetDataConfig
-from recsys_runner.data.generated.synthetic import SyntheticData, SyntheticDataConfig
+from recsys_runner.data.generated.synthetic import SyntheticData
+from recsys_runner.data.generated.synthetic_config import SyntheticDataConfig
 from recsys_runner.errors import ConfigError
 from recsys_runner.train.signals import Interrupted
 from tests.conftest import LogWarnings

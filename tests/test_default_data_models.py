@@ -17,7 +17,8 @@ from recsys_runner.build import build
 from recsys_runner.config import validate
 from recsys_runner.configurable import make
 from recsys_runner.data.generated.generate import write_criteo_parquet
-from recsys_runner.data.generated.synthetic import SyntheticData, SyntheticDataConfig
+from recsys_runner.data.generated.synthetic import SyntheticData
+from recsys_runner.data.generated.synthetic_config import SyntheticDataConfig
 from recsys_runner.data.generated.synthetic_sequences import SyntheticSequencesConfig
 from recsys_runner.errors import ConfigError
 from recsys_runner.train.loop import train

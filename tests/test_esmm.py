@@ -30,7 +30,8 @@ from recsys_runner.__main__ import run
 from recsys_runner.build import build
 from recsys_runner.config import validate
 from recsys_runner.configurable import make
-from recsys_runner.data.generated.synthetic import SyntheticData, SyntheticDataConfig
+from recsys_runner.data.generated.synthetic import SyntheticData
+from recsys_runner.data.generated.synthetic_config import SyntheticDataConfig
 from recsys_runner.errors import ConfigError, DataError
 from recsys_runner.models.common import TrainWrapper, materialize
 from recsys_runner.models.esmm import ESMM, ESMMConfig, product_logit

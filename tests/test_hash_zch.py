@@ -23,7 +23,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor
 import recsys_runner.models.collision as collision
 from recsys_runner.configurable import make
 from recsys_runner.data.collision import ManagedCollisionConfig, resolve_collision_modules
-from recsys_runner.data.generated.synthetic import SyntheticDataConfig
+from recsys_runner.data.generated.synthetic_config import SyntheticDataConfig
 from recsys_runner.data.schema import SparseColumn
 from recsys_runner.errors import CheckpointError, ConfigError
 from recsys_runner.features import FeatureSpec, ManagedCollision, SparseFeature

@@ -28,7 +28,7 @@ from recsys_runner.checkpoint.storage import DcpFileStorage, list_checkpoints
 from recsys_runner.config import register_configs, validate
 from recsys_runner.configurable import make
 from recsys_runner.data.encoding.rows import _raw_text
-from recsys_runner.data.generated.synthetic import SyntheticDataConfig
+from recsys_runner.data.generated.synthetic_config import SyntheticDataConfig
 from recsys_runner.data.schema import SparseColumn
 from recsys_runner.distributed.planner import _managed_types
 from recsys_runner.errors import CheckpointError, ConfigError

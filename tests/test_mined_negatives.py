@@ -13,7 +13,7 @@ import torch
 from recsys_runner.configurable import make
 from recsys_runner.data.catalogue.items import ItemTable
 from recsys_runner.data.catalogue.negatives import MinedNegatives, NegativeSampler, NegativesConfig
-from recsys_runner.data.generated.synthetic import SyntheticDataConfig
+from recsys_runner.data.generated.synthetic_config import SyntheticDataConfig
 from recsys_runner.errors import ConfigError
 from recsys_runner.features import FeatureSpec, SparseFeature
 

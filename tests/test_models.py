@@ -21,7 +21,8 @@ from recsys_runner.__main__ import run
 from recsys_runner.config import GROUPS, validate
 from recsys_runner.configurable import config_class, locate_class, make
 from recsys_runner.data.base import DataModule
-from recsys_runner.data.generated.synthetic import SyntheticData, SyntheticDataConfig
+from recsys_runner.data.generated.synthetic import SyntheticData
+from recsys_runner.data.generated.synthetic_config import SyntheticDataConfig
 from recsys_runner.data.generated.synthetic_sequences import SyntheticSequences, SyntheticSequencesConfig
 from recsys_runner.errors import ConfigError
 from recsys_runner.features import FeatureSpec, ManagedCollision, SparseFeature

@@ -12,7 +12,8 @@ from torchrec.datasets.utils import Batch
 from recsys_runner.build import build
 from recsys_runner.config import validate
 from recsys_runner.configurable import make
-from recsys_runner.data.generated.synthetic import SyntheticData, SyntheticDataConfig
+from recsys_runner.data.generated.synthetic import SyntheticData
+from recsys_runner.data.generated.synthetic_config import SyntheticDataConfig
 from recsys_runner.errors import ConfigError
 from recsys_runner.models.common import TrainWrapper
 from recsys_runner.tasks import BinaryTask, RegressionTask

@@ -18,7 +18,8 @@ from recsys_runner import evaluate
 from recsys_runner.__main__ import run
 from recsys_runner.config import validate
 from recsys_runner.configurable import make
-from recsys_runner.data.generated.synthetic import SyntheticData, SyntheticDataConfig
+from recsys_runner.data.generated.synthetic import SyntheticData
+from recsys_runner.data.generated.synthetic_config import SyntheticDataConfig
 from recsys_runner.errors import ConfigError
 from recsys_runner.models.common import materialize
 from recsys_runner.models.dbmtl import DBMTLConfig, dependency_order, task_dependencies

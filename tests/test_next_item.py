@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 from recsys_runner.__main__ import run
 from recsys_runner.config import validate
 from recsys_runner.configurable import make
-from recsys_runner.data.generated.synthetic import SyntheticDataConfig
+from recsys_runner.data.generated.synthetic_config import SyntheticDataConfig
 from recsys_runner.data.generated.synthetic_sequences import SyntheticSequencesConfig
 from recsys_runner.errors import ConfigError
 from recsys_runner.metrics.registry import MetricsConfig, build_eval_metrics, higher_is_better, metric_entry

@@ -16,7 +16,7 @@ from recsys_runner.configurable import make
 from recsys_runner.data.catalogue.items import ItemTable
 from recsys_runner.data.catalogue.negatives import LABEL_PAD, NegativeSampler, NegativesConfig
 from recsys_runner.data.files.tabular_config import CsvDataConfig, ParquetDataConfig
-from recsys_runner.data.generated.synthetic import SyntheticDataConfig
+from recsys_runner.data.generated.synthetic_config import SyntheticDataConfig
 from recsys_runner.errors import ConfigError, DataError
 from recsys_runner.features import FeatureSpec, SparseFeature
 

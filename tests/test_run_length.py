@@ -21,7 +21,7 @@ from recsys_runner.__main__ import run
 from recsys_runner.build import MANY_EPOCHS, build
 from recsys_runner.config import validate
 from recsys_runner.data.generated.generate import write_criteo_parquet
-from recsys_runner.data.generated.synthetic import DEFAULT_NUM_STEPS
+from recsys_runner.data.generated.synthetic_config import DEFAULT_NUM_STEPS
 from recsys_runner.distributed.env import auto_num_threads, idle_cpus, usable_cores
 from recsys_runner.errors import ConfigError
 from recsys_runner.train.evaluation import BestEval

@@ -192,7 +192,7 @@ class SparseArch(nn.Module):
     Example::
 
         >>> from recsys_runner.configurable import make
-        >>> from recsys_runner.data.generated.synthetic import SyntheticDataConfig
+        >>> from recsys_runner.data.generated.synthetic_config import SyntheticDataConfig
         >>> from recsys_runner.models.common import SparseArch, materialize
         >>> from recsys_runner.models.deepfm import DeepFM
         >>> data = make(SyntheticDataConfig, batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50).build()
@@ -286,7 +286,7 @@ class LinearArch(nn.Module):
     Example::
 
         >>> from recsys_runner.configurable import make
-        >>> from recsys_runner.data.generated.synthetic import SyntheticDataConfig
+        >>> from recsys_runner.data.generated.synthetic_config import SyntheticDataConfig
         >>> from recsys_runner.models.common import LinearArch, materialize
         >>> data = make(SyntheticDataConfig, batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50).build()
         >>> batch = next(iter(data.train_batches(epoch=0, rank=0, world_size=1)))
@@ -373,7 +373,7 @@ class FieldArch(nn.Module):
     Example::
 
         >>> from recsys_runner.configurable import make
-        >>> from recsys_runner.data.generated.synthetic import SyntheticDataConfig
+        >>> from recsys_runner.data.generated.synthetic_config import SyntheticDataConfig
         >>> from recsys_runner.models.autoint import AutoInt
         >>> from recsys_runner.models.common import FieldArch, materialize
         >>> data = make(SyntheticDataConfig, batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50).build()

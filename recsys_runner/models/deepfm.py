@@ -74,7 +74,7 @@ class DeepFM(nn.Module):
     Example::
 
         >>> from recsys_runner.configurable import make
-        >>> from recsys_runner.data.generated.synthetic import SyntheticDataConfig
+        >>> from recsys_runner.data.generated.synthetic_config import SyntheticDataConfig
         >>> from recsys_runner.models.common import materialize
         >>> from recsys_runner.models.deepfm import DeepFM, DeepFMConfig
         >>> data = make(SyntheticDataConfig, batch_size=8, num_dense=3, num_sparse=4, num_embeddings=50).build()

@@ -1,0 +1,204 @@
+"""How each delimited text file is laid out, read from its first lines and checked against the config: its compression,
+delimiter and header (as configured, or detected where ``data.delimiter`` / ``data.header`` is null), its column names and
+the byte where its rows begin. A file laid out otherwise than configured (the wrong delimiter, a header line where none is
+expected or none where one is, an eval file unlike the training files, a Parquet or binary file, an empty one) is a
+:class:`~recsys_runner.errors.DataError` naming what its first lines look like and the settings that read them. The
+source that reads the rows is :mod:`~recsys_runner.data.files.csv_source`; what one file's first lines say on their own
+(a delimiter detected, a header recognized) is :mod:`~recsys_runner.data.files.layout`."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import IO
+
+from recsys_runner.data.files import compression as compressed
+from recsys_runner.data.files.compression import Compression
+from recsys_runner.data.files.layout import (
+    delimiter_hint,
+    detect_delimiter,
+    looks_like_data,
+    looks_like_header,
+    split_fields,
+)
+from recsys_runner.data.files.sources import PARQUET_MAGIC, SNIFF_BYTES, looks_like_text, read_head
+from recsys_runner.errors import DataError
+
+DELIMITER_OPTIONS = {"\t": "tab", ",": "comma", ";": "semicolon", "|": "pipe"}
+"""How each detectable delimiter is written on the command line (``data.delimiter=comma``)."""
+
+
+class CsvHeaders:
+    """The layout of each file of a delimited-text source (:class:`~recsys_runner.data.files.csv_source.CsvSource`): the
+    reader settings it was given, and per file what was read or detected from its first lines, read once.
+    """
+
+    def __init__(
+        self,
+        *,
+        delimiter: str | None,
+        header: bool | None,
+        column_names: list[str] | None,
+        header_key: str = "data.header",
+        follows_training: bool = False,
+    ) -> None:
+        self.delimiter, self.header, self.column_names = delimiter, header, column_names
+        """As configured; ``None``: detected per file (:meth:`layout`)."""
+        self.header_key = header_key
+        """The setting ``header`` comes from, for messages: ``data.header``, or ``data.eval_header`` for eval files."""
+        self.follows_training = follows_training
+        """Eval files read with the training files' ``header`` (``data.eval_header=null``): one laid out otherwise (a header
+        line where those have none, or none where they have one) is refused, naming ``data.eval_header``."""
+        self._layouts: dict[str, tuple[str, bool]] = {}
+        self._compressions: dict[str, Compression | None] = {}
+
+    def compression(self, path: str) -> Compression | None:
+        """``path``'s compression, told by its first bytes (``None``: plain text)."""
+        if path not in self._compressions:
+            self._compressions[path] = compressed.detect(path, read_head(path))
+        return self._compressions[path]
+
+    def open_text(self, path: str, start: int = 0) -> AbstractContextManager[IO[bytes]]:
+        """``path``'s text (decompressed) from byte ``start`` of it on."""
+        return compressed.open_text(path, self.compression(path), start)
+
+    def first_lines(self, path: str, n: int = 2) -> list[str]:
+        """``path``'s first ``n`` non-empty lines as text (bytes that are not UTF-8 replaced), to detect or check its layout."""
+        lines = []
+        with self.open_text(path) as f:
+            for raw in f:
+                if line := raw.decode("utf-8", errors="replace").rstrip("\r\n"):
+                    lines.append(line)
+                if len(lines) >= n:
+                    break
+        return lines
+
+    def layout(self, path: str) -> tuple[str, bool]:
+        """``path``'s delimiter and whether its first line is a header: as configured, or detected from its first lines
+        where ``data.delimiter`` / ``data.header`` is null.
+
+        Raises:
+            DataError: nothing to detect from, or a header-less file without ``data.column_names``.
+        """
+        if path in self._layouts:
+            return self._layouts[path]
+        delimiter, header = self.delimiter, self.header
+        lines = self.first_lines(path) if delimiter is None or header is None else []
+        if delimiter is None:
+            delimiter = detect_delimiter(lines) if lines else None
+            if delimiter is None:
+                shown = repr(lines[0][:120]) if lines else "nothing"
+                raise DataError(f"{path}: cannot detect its delimiter (data.delimiter=null): its first line is {shown}, split alike "
+                                f"by none of tab, comma, semicolon, pipe. Fix: set data.delimiter (tab, comma, semicolon, pipe, or the character)")
+        if header is None:
+            header = bool(lines) and looks_like_header(lines, delimiter)
+            if not header and not self.column_names:
+                raise DataError(f"{path}: its first line {lines[0][:120]!r} looks like data, not a header naming the columns "
+                                f"(data.header=null detects it). Fix: data.column_names=[...] (all columns, in file order), or data.header=true")
+        self._layouts[path] = (delimiter, header)
+        return delimiter, header
+
+    def misread(self, path: str, delimiter: str, header: bool, names: list[str]) -> str:
+        """Why ``path`` may be misread with ``delimiter``/``header`` (``names`` the columns it gets): what its first lines
+        look like instead, and the settings that read them; ``""`` when they fit."""
+        lines = self.first_lines(path)
+        if not lines:
+            return ""
+        data = lines[1:] if header else lines
+        found = detect_delimiter(lines)
+        seen = (f"Its first line is {lines[0][:100]!r}" + (f", detected: delimiter {DELIMITER_OPTIONS.get(found, found)!r}" if found else "")
+                + (f", a header line ({', '.join(split_fields(lines[0], found)[:6])})" if found and looks_like_header(lines, found) else "")
+                if found else f"Its first line is {lines[0][:100]!r}")
+        fields = len(split_fields(data[0], delimiter)) if data else len(names)
+        if fields != len(names) and (fields == 1 or (found is not None and found != delimiter)):
+            fix = []
+            if found and found != delimiter:
+                fix.append(f"data.delimiter={DELIMITER_OPTIONS.get(found, found)}")
+            if found and looks_like_header(lines, found) and not header:
+                fix.append("data.header=true")
+            return (f" The lines split into {fields} field(s) by data.delimiter={delimiter!r}, but "
+                    f"{'the header' if header else 'data.column_names'} names {len(names)} columns {names}: the wrong delimiter"
+                    f"{' or header' if not header else ''}? {seen}. Fix: {' '.join(fix) or 'set data.delimiter and data.header to match the file'} "
+                    f"(or data.delimiter=null data.header=null to detect both)")
+        if not header and found == delimiter and looks_like_header(lines, delimiter):
+            return (f" {seen}: it names columns, but data.header=false reads it as data. Fix: data.header=true (data.column_names then "
+                    f"replaces its names), or data.header=null to detect it")
+        return ""
+
+    def inspect(self, path: str, columns: list[str] | None) -> tuple[list[str], int, bool]:
+        """``path``'s column names, the byte offset of its first data line (in its decompressed text) and whether a line
+        follows the first, after checking it is delimited text (and, unless ``columns`` is ``None``, that it holds those
+        columns: not for a source's ``has_rows``, which also sees predict inputs without a label)."""
+        head = read_head(path)
+        if head.startswith(PARQUET_MAGIC):
+            raise DataError(f"{path} looks like a Parquet file (it begins with Parquet's magic bytes {PARQUET_MAGIC.decode()}), "
+                            f"but this data option reads delimited text. Fix: use data=parquet data.path={path}")
+        codec = self.compression(path)
+        if codec is not None:
+            with self.open_text(path) as f:
+                head = f.read(SNIFF_BYTES)
+        if not looks_like_text(head):
+            what = f"its first {len(head)} bytes" + (f", decompressed ({codec.name})" if codec else "")
+            raise DataError(f"{path} is not a text file (NUL bytes in {what}), but this data option reads "
+                            f"delimited text, one record per line. Fix: point data.path at CSV/TSV files (plain, or gzip/bz2/zstd-"
+                            f"compressed), or choose the data option of the file's format, e.g. data=parquet")
+        with self.open_text(path) as f:
+            first_line = f.readline()
+            more = bool(f.read(1))
+        if not first_line or (self.header is not False and not more and not first_line.strip(b"\r\n")):
+            raise DataError(f"{path} is an empty file" + (f" (once decompressed, {codec.name})" if codec else "")
+                            + ". Fix: remove it from data.path, or write it again")
+        delimiter, header = self.layout(path)
+        if self.follows_training and not header and looks_like_header(lines := self.first_lines(path), delimiter):
+            raise DataError(f"{path} begins with a header line ({lines[0][:100]!r}), but the training files (data.path) have none "
+                            f"({self.header_key}=null reads eval files as data.header=false does), so it would be read as a row of "
+                            f"data: a header mismatch. Fix: data.eval_header=true (the line is skipped; data.column_names names "
+                            f"the columns), or remove the line from the eval file")
+        if header:
+            names = split_fields(first_line.decode("utf-8", errors="replace").rstrip("\r\n"), delimiter)
+            data_start = len(first_line)
+            if self.column_names:  # names of the config's replace the header's
+                if len(self.column_names) != len(names):
+                    raise DataError(f"{path}'s header names {len(names)} columns {names}, but data.column_names lists {len(self.column_names)} "
+                                    f"{list(self.column_names)}. Fix: list one name per column of the file, or data.column_names=null")
+                names = list(self.column_names)
+        else:
+            assert self.column_names is not None
+            names, data_start = list(self.column_names), 0
+        missing = [c for c in columns if c not in names] if columns is not None else []
+        if missing:
+            if header and len(names) == 1 and (hint := delimiter_hint(names[0], delimiter)):
+                raise DataError(f"{path} has no column {missing[0]!r}: its header line is one column, {names[0]!r}.{hint}")
+            if header and looks_like_data(lines := self.first_lines(path), delimiter):
+                raise DataError(self._not_a_header(path, missing[0], lines[0]))
+            where = "its header" if header else "data.column_names"
+            raise DataError(f"{path} has no column {missing[0]!r}; {where} lists {names}. Fix: correct the column names in "
+                            f"data.label(s) / data.dense / data.sparse" + ("" if header else " or data.column_names")
+                            + self.misread(path, delimiter, header, names))
+        return names, data_start, more
+
+    def _not_a_header(self, path: str, column: str, first: str) -> str:
+        """The message for a file whose first line, read as the header, is data: the cause and the fix."""
+        said = f"{self.header_key}=null (as data.header=true)" if self.follows_training else f"{self.header_key}=true"
+        cause = f"{path} has no column {column!r}: its first line {first[:100]!r} looks like data, not a header naming the columns, " \
+                f"but {said} reads it as the header"
+        if self.follows_training:
+            return (f"{cause}; the training files (data.path) have a header line, this eval file has none: a header mismatch. "
+                    f"Fix: data.eval_header=false (every line of the eval files is data, under the training header's column "
+                    f"names in file order, or data.column_names), or add the header line to the eval file")
+        if self.header_key != "data.header":
+            return f"{cause}. Fix: {self.header_key}=false (every line is data, under the training header's column names or data.column_names)"
+        return (f"{cause}. Fix: data.header=false data.column_names=[...] (the names of all columns, in file order), or "
+                f"data.header=null to detect it")
+
+    def header_names(self, path: str, columns: list[str]) -> list[str]:
+        """``path``'s column names (its header, or ``data.column_names``), checked to hold ``columns``, without reading its
+        rows; a header that is one column split by another delimiter than ``data.delimiter`` is the wrong delimiter, said so."""
+        names = self.inspect(path, columns)[0]
+        delimiter, header = self.layout(path)
+        if header and len(names) == 1 and (hint := delimiter_hint(names[0], delimiter)):
+            raise DataError(f"{path} has no column 'label': its header line is one column, {names[0]!r}.{hint}")
+        return names
+
+    def line_offset(self, path: str) -> int:
+        """Line number of file row ``r`` is ``r + line_offset`` (1-based, header counted)."""
+        return 2 if self.layout(path)[1] else 1
