@@ -13,7 +13,7 @@ lookups stay collectives every rank takes part in).
 * **two-tower** (:class:`~recsys_runner.train.corpus.TwoTower`, ``model=dssm``): the user tower's vector against the
   item index, the item tower over the data's catalogue (``data.items``), built once in chunks as the corpus eval
   builds it (:func:`~recsys_runner.train.corpus.item_index`); scores ``<u, v> / temperature``. The items ranked are
-  :func:`~recsys_runner.train.corpus.catalogue_candidates`' (those past the id mapping left out, said in one log line),
+  :func:`~recsys_runner.train.candidates.catalogue_candidates`' (those past the id mapping left out, said in one log line),
   the corpus eval's own, so that its recall@k describes these lists.
 
 Retrieval is exact and chunked, one sweep over the items (:func:`~recsys_runner.metrics.corpus.corpus_top_k`, the
@@ -59,10 +59,10 @@ from recsys_runner.features import SequenceGroup
 from recsys_runner.metrics.corpus import corpus_top_k
 from recsys_runner.models.sequence import History, SequenceEmbeddings
 from recsys_runner.tasks import Task
+from recsys_runner.train.candidates import catalogue_candidates
 from recsys_runner.train.corpus import (
     RowOf,
     TwoTower,
-    catalogue_candidates,
     hnsw_index,
     inner_with,
     item_index,

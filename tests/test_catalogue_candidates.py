@@ -1,5 +1,5 @@
 """A two-tower model's full-corpus eval and ``predict``'s top-k rank the same catalogue items: those that may be
-recommended (``train.corpus.catalogue_candidates``), never the item table's OOV rows past the ``data sequences`` id
+recommended (``train.candidates.catalogue_candidates``), never the item table's OOV rows past the ``data sequences`` id
 mapping, which an items file listing every table row holds. On the same rows, the eval's recall@k equals the recall
 computed from predict's top-k output by brute force; export's item index holds the same items."""
 
@@ -21,7 +21,7 @@ from recsys_runner.config import register_configs
 from recsys_runner.data.sequences.mapping import load_mapping
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.scoring_topk import TOP_ITEMS
-from recsys_runner.train import corpus
+from recsys_runner.train import candidates
 from tests.test_evaluate import compose_entry
 from tests.test_sequence_rows import distinct_times_log, run_sequences
 
@@ -52,7 +52,7 @@ def test_eval_recall_equals_a_brute_force_recall_of_predicts_top_k_on_the_same_r
         trained: tuple[Path, list[str], int], tmp_path: Path, caplog: pytest.LogCaptureFixture,
         monkeypatch: pytest.MonkeyPatch) -> None:
     root, overrides, items = trained
-    monkeypatch.setattr(corpus, "_SAID", set())  # the training said it already: the line comes once per process
+    monkeypatch.setattr(candidates, "_SAID", set())  # the training said it already: the line comes once per process
     (step,) = sorted((root / "ck").glob("step_*"))[-1:]
     with caplog.at_level(logging.INFO):
         metrics = evaluate.run(compose_entry("evaluate", *overrides, f"load={step}"))

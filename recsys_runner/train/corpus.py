@@ -21,7 +21,7 @@ given: every rank must finish the collectives).
 
 A query's target is its row's item id (the table's ``id_feature``); one missing from the catalogue counts as a miss.
 
-**Which items are ranked.** Those ``predict`` may recommend, no others (:func:`catalogue_candidates`, which predict's
+**Which items are ranked.** Those ``predict`` may recommend, no others (:func:`~recsys_runner.train.candidates.catalogue_candidates`, which predict's
 top-k calls too): rows encoded by ``python -m recsys_runner.data sequences`` name an id mapping, and a catalogue item
 whose id lies past the mapping's values (one of the table's OOV rows) has no raw id to be named by, so neither predict
 nor this eval ranks it, and an eval row whose item is one of them is a miss. The index is built over the whole catalogue
@@ -51,8 +51,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recsys_runner.data.base import DataModule, in_step, placeholder
 from recsys_runner.data.catalogue.items import ItemTable
 from recsys_runner.data.catalogue.negatives import MinedNegatives
-from recsys_runner.data.files.tabular_config import ParquetDataConfig
-from recsys_runner.data.sequences.mapping import CandidateItems, candidate_items
+from recsys_runner.data.sequences.mapping import candidate_items
 from recsys_runner.distributed.env import DistEnv
 from recsys_runner.errors import ConfigError
 from recsys_runner.metrics.corpus import corpus_k, corpus_ranks
@@ -63,8 +62,9 @@ from recsys_runner.models.dssm import first_ids
 from recsys_runner.models.ranking_eval import distinct_seen, sampled_negatives
 from recsys_runner.progress import Progress
 from recsys_runner.tasks import Task
+from recsys_runner.train.candidates import Candidates, catalogue_candidates, eval_mapped_files
 
-__all__ = ["Candidates", "CorpusEval", "RowOf", "TwoTower", "catalogue_candidates", "check_eval_negatives", "eval_mapped_files",
+__all__ = ["CorpusEval", "RowOf", "TwoTower", "check_eval_negatives",
            "item_index", "mine", "inner_with", "sampled_ranks", "seen_features", "seen_rows", "two_tower_of", "use_ranking_protocol"]
 
 log = logging.getLogger(__name__)
@@ -151,70 +151,6 @@ def seen_features(model: TwoTower, data: DataModule, table: ItemTable, required:
     return found
 
 
-def eval_mapped_files(data: DataModule) -> list[str]:
-    """The eval split's Parquet files, whose metadata may name an id mapping (``data sequences`` rows): what
-    :func:`~recsys_runner.data.sequences.mapping.candidate_items` reads for the eval, as predict reads its input's
-    (``scoring.top_k_files``). None for other formats (no mapping to name) and for generated data."""
-    split = data.split_files().get("eval")
-    if split is None or not isinstance(getattr(data, "config", None), ParquetDataConfig):
-        return []
-    return list(split.files)
-
-
-@dataclass(frozen=True)
-class Candidates:
-    """The catalogue items a two-tower model ranks (:func:`catalogue_candidates`)."""
-
-    table: ItemTable
-    """The rankable items, in catalogue order."""
-    rows: np.ndarray | None
-    """Their rows in the whole catalogue; ``None``: every item is rankable."""
-    mapping: CandidateItems
-    """The id mapping the rows name (its item count), or the whole id table without one."""
-
-
-def catalogue_candidates(table: ItemTable, data: DataModule, files: list[str], say: bool = True) -> Candidates:
-    """The items of the catalogue ``table`` that a two-tower model ranks for rows read from the Parquet ``files``: the
-    ids :func:`~recsys_runner.data.sequences.mapping.candidate_items` allows (the id mapping's values; the whole id
-    table for files without a mapping). The one definition both the full-corpus eval (:class:`CorpusEval`) and
-    ``predict``'s top-k (``scoring_topk.py``) rank, so that the eval's recall@k describes the list predict serves.
-
-    Why items are left out: an id past the mapping's values is one of the table's OOV rows (an unknown raw id's, a
-    hash bucket), which has no raw id for predict to write and stands for no one item. How many are left out, and why,
-    is one log line (when ``say``), once per process: predict builds the eval's candidates and its own, alike.
-
-    Raises:
-        ConfigError: the files name different mappings, or the mapping does not fit the item id's table
-            (:func:`~recsys_runner.data.sequences.mapping.candidate_items`).
-    """
-    column = {f.name: f for f in data.features.sparse}[table.id_feature]
-    mapping = candidate_items(files, column.table_name, column.num_embeddings)
-    rankable = np.asarray(table.ids, dtype=np.int64) < mapping.count
-    if rankable.all():
-        return Candidates(table, None, mapping)
-    rows = np.flatnonzero(rankable)
-    where = getattr(getattr(getattr(data, "config", None), "items", None), "path", None)
-    if say and (said := (where, len(table), len(rows), mapping.folder)) not in _SAID:
-        _SAID.add(said)
-        log.warning("%d of %d catalogue items%s are not rankable, neither by the full-corpus eval nor by predict: their %s ids "
-                    "(%s) are past the %d item ids of the id mapping in %s, its OOV rows, which stand for no one raw item (an "
-                    "eval row whose item is one of them counts as a miss). Fix: leave them out of the items file, or encode "
-                    "the catalogue with that mapping", len(table) - len(rows), len(table),
-                    f" ({where}, data.items.path)" if where else "", table.id_feature,
-                    _some(np.asarray(table.ids)[~rankable]), mapping.count, mapping.folder)
-    return Candidates(table.take(rows), rows, mapping)
-
-
-_SAID: set[tuple[str | None, int, int, str | None]] = set()
-"""The (items file, catalogue size, candidates, mapping folder) whose unrankable items were logged in this process."""
-
-
-def _some(ids: np.ndarray, shown: int = 5) -> str:
-    """The first ``shown`` of ``ids``, and how many more."""
-    text = ", ".join(str(int(i)) for i in ids[:shown])
-    return text + (f", … {len(ids) - shown} more" if len(ids) > shown else "")
-
-
 def item_index(model: TwoTower, table: ItemTable, keys: list[str], dense_names: tuple[str, ...], chunk_rows: int,
                env: DistEnv, stop: Callable[[], None] | None = None) -> torch.Tensor:
     """The item tower's vectors of every table row, ``[N, O]`` float32 on ``env.device``, the same on every rank.
@@ -252,7 +188,7 @@ class CorpusEval:
 
     Attributes:
         table: the item catalogue (the item index is built over all of it).
-        candidates: the catalogue items the queries are ranked among (:func:`catalogue_candidates`).
+        candidates: the catalogue items the queries are ranked among (:func:`~recsys_runner.train.candidates.catalogue_candidates`).
         tasks: the model's tasks with their catalogue metric names (``[(task, [recall@10, mrr, …])]``).
         spec: the metrics config (what builds each metric).
         chunk_rows: items scored, and embedded, at once (``model.corpus_chunk_rows``).
@@ -278,7 +214,7 @@ class CorpusEval:
     def for_run(cls, model: nn.Module, data: DataModule, tasks: tuple[Task, ...], spec: MetricsConfig,
                 say: bool = True) -> CorpusEval | None:
         """The corpus pass of a run, or ``None`` when no task lists a catalogue metric; ``say``: log the catalogue items
-        it cannot rank (:func:`catalogue_candidates`; rank 0).
+        it cannot rank (:func:`~recsys_runner.train.candidates.catalogue_candidates`; rank 0).
 
         Raises:
             ConfigError: a catalogue metric is listed but the data has no item catalogue or the model no towers, or
