@@ -37,9 +37,19 @@ class ItemsConfig:
     """``data.items``: the item catalogue file of a two-tower model (docs/retrieval.md, *The item catalogue*)."""
 
     path: str | None = None
-    """One file, ``.parquet`` or delimited text (the training data's ``data.delimiter``, else ``,``, with a header line),
-    or a folder, glob or object-store prefix of part files of one of those formats (as Spark writes a table; parts
-    without rows are skipped): one row per item. ``null``: no item table."""
+    """One file, ``.parquet`` or delimited text (read as the training files are: ``data.delimiter``, ``data.null_values``,
+    ``data.on_bad_rows``; beside Parquet training files ``,``, empty fields null; a header line as ``header`` says), or a
+    folder, glob or object-store prefix of part files of one of those formats (as Spark writes a table; parts without rows
+    are skipped): one row per item. ``null``: no item table."""
+    header: bool | None = None
+    """Whether the first line of each delimited-text items file names its columns. ``null``: as the training files'
+    (``data.header``, as read; ``true`` beside Parquet training files), and an items file whose first line says otherwise
+    (a header line where those have none, data where they have one) is refused at start-up, naming this key. ``false``:
+    every line is an item, its columns named by ``column_names``. Parquet items files are not affected."""
+    column_names: list[str] | None = None
+    """Names of all the columns of a delimited-text items file, in file order: for one without a header line, or, with
+    one, names that replace the header's. ``null``: the header line's names; without a header line, ``data.column_names``
+    (the catalogue laid out as the training files)."""
     id: str | None = None
     """The item id column: a ``data.sparse`` column of the training data (the id of each table row, distinct)."""
     features: list[str] = field(default_factory=list)
@@ -58,6 +68,9 @@ class ItemsConfig:
         require(self.path is None or bool(self.id),
                 f"data.items.path={self.path!r} needs data.items.id: the item id column, a data.sparse column, e.g. data.items.id=item_id")
         require(self.count_rows > 0, f"data.items.count_rows must be positive, got {self.count_rows}")
+        require(self.column_names is None or len(set(self.column_names)) == len(self.column_names),
+                f"data.items.column_names={self.column_names} names a column twice. Fix: one distinct name per column of the "
+                f"items file, in file order")
 
     def check(self, schema: Schema) -> None:
         """Raise :class:`ConfigError` unless the id is a sparse column and every feature a sparse or dense column of ``schema``."""
@@ -89,13 +102,20 @@ class ItemParts:
     """``starts[p]``: the row of :attr:`table` that is the first row of ``files[p]``."""
     table: pa.Table
     """Every file's rows, the configured columns only."""
-    text: bool
-    """Delimited text (a row's line number is its row + 2: 1-based, after the header), else Parquet."""
+    file_rows: np.ndarray
+    """``file_rows[i]``: the 0-based row in its file of :attr:`table`'s row ``i``."""
+    line_offset: int | None
+    """Delimited text: a row's line number is its file row + this (2 after a header line, else 1); ``None``: Parquet."""
+
+    @property
+    def text(self) -> bool:
+        """Delimited text (every column read as text), else Parquet."""
+        return self.line_offset is not None
 
     def where(self, row: int) -> str:
         """The file of :attr:`table`'s row ``row`` and its line (text) or row (Parquet) in it, for an error."""
         part = int(np.searchsorted(self.starts, row, side="right")) - 1
-        return Location(self.files[part], "items", np.array([row - int(self.starts[part])]), 2 if self.text else None).describe(0)
+        return Location(self.files[part], "items", self.file_rows[row:row + 1], self.line_offset).describe(0)
 
     def files_of(self, rows: np.ndarray) -> str:
         """The files holding :attr:`table`'s ``rows``, for an error."""
@@ -149,7 +169,7 @@ def read_item_table(config: ItemsConfig, schema: Schema, parts: ItemParts,
     path, id_name, table = config.path, config.id, parts.table
     _check_unique(parts, id_name)
     encoder, bad = Encoder(schema, error=DataError), _raise_bad(parts)
-    whole = Location(path, "items", np.arange(0), 2 if parts.text else None)  # text: numbers are parsed (dense, popularity)
+    whole = Location(path, "items", np.arange(0), parts.line_offset)  # text: numbers are parsed (dense, popularity)
     sparse_cols, dense_cols = {c.name: c for c in schema.sparse}, {c.name: c for c in schema.dense}
     ids, lengths = encoder._sparse(sparse_cols[id_name], table.column(id_name), whole, bad)
     bad(id_name, lengths != 1, lambda i: "the item id is missing, or a list (an item has one id)")
