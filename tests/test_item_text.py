@@ -143,3 +143,12 @@ def test_parquet_training_files_read_a_text_catalogue_with_empty_fields_as_nulls
                                                                      "popularity": "count"}, batch_size=32, num_workers=0).build().item_table()
 
     same_table(table(tmp_path / "items.csv"), table(tmp_path / "items.parquet"))
+
+
+def test_the_training_files_null_marker_is_a_missing_item_feature(tmp_path: Path) -> None:
+    """``data.null_values=['', NA]``: an items file's ``NA`` is a missing value, as in the training rows (not an id of its own)."""
+    (tmp_path / "plain").mkdir()
+    baseline = _table(_train_files(tmp_path / "plain", header=True), {"path": str(_csv(tmp_path / "items.csv", _item_rows()))})
+    marked = _table(_train_files(tmp_path, header=True, null="NA"), {"path": str(_csv(tmp_path / "items_na.csv", _item_rows("NA")))},
+                    null_values=["", "NA"])
+    same_table(marked, baseline)
