@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from recsys_runner import evaluate
+from recsys_runner.checkpoint.resume import Launched, check_changes
 from recsys_runner.configurable import make
 from recsys_runner.data.catalogue.items import ItemTable
 from recsys_runner.data.files.tabular_config import CsvDataConfig, ParquetDataConfig
@@ -152,3 +153,12 @@ def test_the_training_files_null_marker_is_a_missing_item_feature(tmp_path: Path
     marked = _table(_train_files(tmp_path, header=True, null="NA"), {"path": str(_csv(tmp_path / "items_na.csv", _item_rows("NA")))},
                     null_values=["", "NA"])
     same_table(marked, baseline)
+
+
+def test_resuming_a_checkpoint_saved_before_the_catalogue_layout_keys_warns_of_no_change(tmp_path: Path) -> None:
+    """A checkpoint whose composed config predates ``data.items.header`` / ``column_names`` lacks them: their ``null``
+    default is no change of setting to warn about (``resume.ADDED_KEYS``); another value is."""
+    old = {"data.items.path": "items.csv", "data.seed": 0}
+    now = {**old, "data.items.header": None, "data.items.column_names": None}
+    assert check_changes(Launched([], old), Launched([], now), tmp_path) == ()
+    assert check_changes(Launched([], old), Launched([], {**now, "data.items.header": False}), tmp_path) != ()
