@@ -5,6 +5,7 @@ the plain headered file, and a catalogue laid out otherwise than configured is a
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -162,3 +163,19 @@ def test_resuming_a_checkpoint_saved_before_the_catalogue_layout_keys_warns_of_n
     now = {**old, "data.items.header": None, "data.items.column_names": None}
     assert check_changes(Launched([], old), Launched([], now), tmp_path) == ()
     assert check_changes(Launched([], old), Launched([], {**now, "data.items.header": False}), tmp_path) != ()
+
+
+def test_a_bad_items_line_follows_data_on_bad_rows(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``fail``: the line is named; ``skip``: its item is left out of the catalogue, said in one warning."""
+    train = _train_files(tmp_path, header=True)
+    items = _csv(tmp_path / "items.csv", _item_rows())
+    lines = items.read_text().splitlines()
+    lines[3] += ",surplus"  # item i2
+    items.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match=r"bad row in .*items\.csv, line 4: expected 4 fields separated by ',', found 5"):
+        _table(train, {"path": str(items)})
+    with caplog.at_level(logging.WARNING):
+        table = _table(train, {"path": str(items)}, on_bad_rows="skip")
+    assert table is not None and len(table) == ITEMS - 1
+    said = [r.getMessage() for r in caplog.records if "bad lines skipped" in r.getMessage()]
+    assert len(said) == 1 and said[0].endswith("1 bad lines skipped (data.on_bad_rows=skip): their items are not in the catalogue")
