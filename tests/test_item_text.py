@@ -179,3 +179,13 @@ def test_a_bad_items_line_follows_data_on_bad_rows(tmp_path: Path, caplog: pytes
     assert table is not None and len(table) == ITEMS - 1
     said = [r.getMessage() for r in caplog.records if "bad lines skipped" in r.getMessage()]
     assert len(said) == 1 and said[0].endswith("1 bad lines skipped (data.on_bad_rows=skip): their items are not in the catalogue")
+
+
+def test_the_text_layout_keys_beside_a_parquet_catalogue_are_said_to_have_no_effect(tmp_path: Path,
+                                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    pq.write_table(_item_rows().set_column(1, "cate", pa.array([i % 8 for i in range(ITEMS)], pa.int64())), tmp_path / "items.parquet")
+    with caplog.at_level(logging.WARNING):
+        _table(_train_files(tmp_path, header=True), {"path": str(tmp_path / "items.parquet"), "header": False,
+                                                     "column_names": ["item_id", "cate", "price", "count"]})
+    assert any("is Parquet: data.items.header and data.items.column_names lay out delimited text and have no effect" in r.getMessage()
+               for r in caplog.records)

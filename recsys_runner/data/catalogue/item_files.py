@@ -108,11 +108,6 @@ class ItemParts:
     line_offset: int | None
     """Delimited text: a row's line number is its file row + this (2 after a header line, else 1); ``None``: Parquet."""
 
-    @property
-    def text(self) -> bool:
-        """Delimited text (every column read as text), else Parquet."""
-        return self.line_offset is not None
-
     def where(self, row: int) -> str:
         """The file of :attr:`table`'s row ``row`` and its line (text) or row (Parquet) in it, for an error."""
         part = int(np.searchsorted(self.starts, row, side="right")) - 1

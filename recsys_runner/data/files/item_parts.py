@@ -57,6 +57,8 @@ class ItemsText:
     """``header`` is the training files' (``data.items.header=null``): a file laid out otherwise is refused, naming the key."""
     names_said: str
     """What names the columns of a file without a header line, for messages."""
+    own_layout: bool
+    """``data.items.header`` or ``data.items.column_names`` is set: said to have no effect on Parquet items files."""
 
 
 def items_text(config: TabularDataConfig) -> ItemsText:
@@ -79,7 +81,8 @@ def items_text(config: TabularDataConfig) -> ItemsText:
             if trained else "data.items.column_names=[...] (to set: the names of all its columns, in file order)")
     return ItemsText(delimiter=(csv.delimiter if csv is not None else None) or ",", header=header, column_names=names,
                      null_values=list(csv.null_values) if csv is not None else [""], on_bad_rows=config.on_bad_rows,
-                     follows_training=csv is not None and items.header is None, names_said=said)
+                     follows_training=csv is not None and items.header is None, names_said=said,
+                     own_layout=items.header is not None or items.column_names is not None)
 
 
 def read_item_parts(path: str, columns: list[str], text: ItemsText) -> ItemParts:
@@ -104,6 +107,9 @@ def read_item_parts(path: str, columns: list[str], text: ItemsText) -> ItemParts
                         f"as one table, of one format. Fix: point {KEY} at a folder of one format, or remove {other}")
     if not parquet:
         return _read_text(path, files, columns, text)
+    if text.own_layout:
+        log.warning("%s=%r is Parquet: data.items.header and data.items.column_names lay out delimited text and have no effect. "
+                    "Fix: drop them", KEY, path)
     tables = [_read_parquet(f, columns, path) for f in files]
     empty = [f for f, t in zip(files, tables, strict=True) if t.num_rows == 0]
     kept = skip_empty(files, empty, "has no items (no rows)")
