@@ -114,6 +114,8 @@ def test_a_catalogue_whose_header_differs_from_the_training_files_is_an_error_na
                _table(with_header, {"path": str(headered)}))
     with pytest.raises(ConfigError, match=r"data\.items\.header=false reads every line .*Fix: data\.items\.column_names=\[\.\.\.\]"):
         _table(with_header, {"path": str(bare), "header": False})
+    with pytest.raises(ConfigError, match=r"data\.items\.column_names=\['item_id', 'cate', 'item_id'\] names a column twice"):
+        _table(with_header, {"path": str(bare), "header": False, "column_names": ["item_id", "cate", "item_id"]})
 
 
 def test_evaluate_with_a_header_less_text_catalogue_equals_the_parquet_one(tmp_path: Path) -> None:
