@@ -117,8 +117,8 @@ def test_folder_mistakes_are_errors_naming_the_file_and_the_fix(tmp_path: Path) 
     bad_line = write_parts(_items(), tmp_path / "bad_line", [20], fmt="csv")
     with open(bad_line / "part-00001-c000.csv", "a") as f:
         f.write("i99,1,2.0,3.0,surplus\n")
-    with pytest.raises(DataError, match=r"part-00001-c000\.csv \(a part of .*\) cannot be read \(CSV parse error: Expected 4 columns, "
-                                        r"got 5.*Fix: correct or write the file again"):
+    with pytest.raises(DataError, match=r"bad row in .*part-00001-c000\.csv, line 22: expected 4 fields separated by ',', found 5 "
+                                        r"\('i99,1,2.0,3.0,surplus'\)\. Fix the line, or set data\.on_bad_rows=skip"):
         _parquet(tmp_path, {"path": str(bad_line), "features": ["cate"], "popularity": None})
     misnamed = tmp_path / "items.csv"
     pq.write_table(_items(), misnamed)

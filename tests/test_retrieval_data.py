@@ -19,6 +19,7 @@ from recsys_runner.data.files.tabular_config import CsvDataConfig, ParquetDataCo
 from recsys_runner.data.generated.synthetic_config import SyntheticDataConfig
 from recsys_runner.errors import ConfigError, DataError
 from recsys_runner.features import FeatureSpec, SparseFeature
+from recsys_runner.train.candidates import catalogue_candidates, check_eval_items
 
 ITEMS = 40
 SPARSE = [{"name": "user_id", "num_embeddings": 64, "encoding": "mod"},
@@ -97,8 +98,11 @@ def test_item_file_errors_name_the_file_and_column(files: Path) -> None:
     with pytest.raises(DataError, match=r"items\.parquet.*no column 'brand'"):
         _parquet_with_brand(files)
     pq.write_table(_items(list(range(ITEMS - 1))), files / "short.parquet")
+    short = _parquet(files, {"path": str(files / "short.parquet")})  # the eval rows are checked when a full-corpus eval is built
+    table = short.item_table()
+    assert table is not None
     with pytest.raises(DataError, match=r"eval row .*eval\.parquet.*'i39'.*column 'item_id'.*short\.parquet"):
-        _parquet(files, {"path": str(files / "short.parquet")})
+        check_eval_items(catalogue_candidates(table, short, []), short)
     with pytest.raises(ConfigError, match=r"data\.items\.features has \['brand'\]"):
         _parquet(files, {"features": ["brand"]})
 

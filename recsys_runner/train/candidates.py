@@ -20,7 +20,7 @@ from recsys_runner.data.sequences.mapping import CandidateItems, candidate_items
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Candidates", "catalogue_candidates", "eval_mapped_files"]
+__all__ = ["Candidates", "catalogue_candidates", "check_eval_items", "eval_mapped_files"]
 
 
 def eval_mapped_files(data: DataModule) -> list[str]:
@@ -75,6 +75,27 @@ def catalogue_candidates(table: ItemTable, data: DataModule, files: list[str], s
                     f" ({where}, data.items.path)" if where else "", table.id_feature,
                     _some(np.asarray(table.ids)[~rankable]), mapping.count, mapping.folder)
     return Candidates(table.take(rows), rows, mapping)
+
+
+def check_eval_items(candidates: Candidates, data: DataModule, say: bool = True) -> None:
+    """The eval rows' items checked against ``candidates``, the items the full-corpus eval ranks (file data with
+    ``data.items``: its ``eval_items_past``, one pass over the eval rows; generated data make their rows from their
+    catalogue): an item the catalogue lacks stops the run, and the eval rows whose item is one of the id mapping's OOV rows
+    (no catalogue item can be one) are counted in one warning (when ``say``), since each counts as a miss.
+
+    Raises:
+        DataError: an eval row's item has a rankable id, and the catalogue lacks it.
+    """
+    past_of = getattr(data, "eval_items_past", None)
+    if past_of is None:
+        return
+    past = int(past_of(candidates.table, candidates.mapping.count))
+    if past and say:
+        log.warning("%d eval rows' items (%s) are past the %d item ids of the id mapping in %s: its OOV rows, items unknown when "
+                    "the rows were written, which no catalogue item can be. The full-corpus metrics count each of these rows as a "
+                    "miss (the share of them bounds recall@k from above). Fix: nothing, if cold items are meant to count; else "
+                    "encode the eval rows with a mapping that knows their items", past, candidates.table.id_feature,
+                    candidates.mapping.count, candidates.mapping.folder)
 
 
 _SAID: set[tuple[str | None, int, int, str | None]] = set()

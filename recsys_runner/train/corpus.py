@@ -62,7 +62,7 @@ from recsys_runner.models.dssm import first_ids
 from recsys_runner.models.ranking_eval import distinct_seen, sampled_negatives
 from recsys_runner.progress import Progress
 from recsys_runner.tasks import Task
-from recsys_runner.train.candidates import Candidates, catalogue_candidates, eval_mapped_files
+from recsys_runner.train.candidates import Candidates, catalogue_candidates, check_eval_items, eval_mapped_files
 
 __all__ = ["CorpusEval", "RowOf", "TwoTower", "check_eval_negatives",
            "item_index", "mine", "inner_with", "sampled_ranks", "seen_features", "seen_rows", "two_tower_of", "use_ranking_protocol"]
@@ -221,6 +221,8 @@ class CorpusEval:
                 a ``k`` is not below the items each query ranks among (:func:`~recsys_runner.metrics.corpus.corpus_k`);
                 ``model.eval_negatives`` without a catalogue metric, with ``coverage@<k>``, or more than a query has
                 unseen items (:func:`check_eval_negatives`).
+            DataError: an eval row's item could be ranked but the catalogue lacks it
+                (:func:`~recsys_runner.train.candidates.check_eval_items`).
         """
         wanted = [(t, names) for t in tasks if (names := catalogue_metric_names(spec, t))]
         use_ranking_protocol(model, data, spec, two_tower=bool(wanted))
@@ -247,6 +249,7 @@ class CorpusEval:
             raise ConfigError(f"{key} lists {listed}, full-corpus metrics of a two-tower model; this model has no towers. "
                               f"Fix: model=dssm, or remove them")
         candidates = catalogue_candidates(table, data, eval_mapped_files(data), say)
+        check_eval_items(candidates, data, say)
         num_items = len(candidates.table)
         seen = seen_features(towers, data, table) if spec.exclude_seen else []
         if seen and towers.corpus_index == "faiss":
@@ -260,7 +263,7 @@ class CorpusEval:
                                   f"instead. Fix: remove {covered[0]}, or model.eval_negatives=0")
             seen = seen or seen_features(towers, data, table, required=False)
             most_of = getattr(data, "eval_seen_most", None)  # file data measure their eval rows when built
-            most = most_of(seen) if most_of is not None and seen else None
+            most = most_of(seen, candidates.table) if most_of is not None and seen else None  # the items ranked, not the whole table
             check_eval_negatives(negatives, num_items, most or 0, seen)
         among, more = ((f"model.eval_negatives={negatives} sampled catalogue items and its own", "model.eval_negatives={k}")
                        if negatives else ("the item catalogue's items", "a larger catalogue (data.items)"))

@@ -4,8 +4,9 @@ An items file (Parquet, or delimited text), or a folder of part files (:class:`I
 :mod:`recsys_runner.data.files.item_parts`), has one row per item: the item id column and the item tower's other columns,
 named as in the training files. Each is encoded by the training data's own :class:`~recsys_runner.data.encoding.rows.Encoder`
 for the same-named ``data.sparse`` / ``data.dense`` column, so the table's ids are the ids of the training rows (the same
-vocabulary, hash or modulo). Built once when the data module is built, so that a missing column, a duplicate item or an
-eval row whose item the table lacks stops the run before its first step, naming the file and the column.
+vocabulary, hash or modulo). Built once when the data module is built, so that a missing column or a duplicate item stops
+the run before its first step, naming the file and the column; an eval row whose item the table lacks stops it when a run
+with full-corpus metrics is built (:meth:`Catalogue.eval_items_past`, checked against the items that eval ranks).
 """
 
 from __future__ import annotations
@@ -37,9 +38,19 @@ class ItemsConfig:
     """``data.items``: the item catalogue file of a two-tower model (docs/retrieval.md, *The item catalogue*)."""
 
     path: str | None = None
-    """One file, ``.parquet`` or delimited text (the training data's ``data.delimiter``, else ``,``, with a header line),
-    or a folder, glob or object-store prefix of part files of one of those formats (as Spark writes a table; parts
-    without rows are skipped): one row per item. ``null``: no item table."""
+    """One file, ``.parquet`` or delimited text (read as the training files are: ``data.delimiter``, ``data.null_values``,
+    ``data.on_bad_rows``; beside Parquet training files ``,``, empty fields null; a header line as ``header`` says), or a
+    folder, glob or object-store prefix of part files of one of those formats (as Spark writes a table; parts without rows
+    are skipped): one row per item. ``null``: no item table."""
+    header: bool | None = None
+    """Whether the first line of each delimited-text items file names its columns. ``null``: as the training files'
+    (``data.header``, as read; ``true`` beside Parquet training files), and an items file whose first line says otherwise
+    (a header line where those have none, data where they have one) is refused at start-up, naming this key. ``false``:
+    every line is an item, its columns named by ``column_names``. Parquet items files are not affected."""
+    column_names: list[str] | None = None
+    """Names of all the columns of a delimited-text items file, in file order: for one without a header line, or, with
+    one, names that replace the header's. ``null``: the header line's names; without a header line, ``data.column_names``
+    (the catalogue laid out as the training files)."""
     id: str | None = None
     """The item id column: a ``data.sparse`` column of the training data (the id of each table row, distinct)."""
     features: list[str] = field(default_factory=list)
@@ -58,6 +69,9 @@ class ItemsConfig:
         require(self.path is None or bool(self.id),
                 f"data.items.path={self.path!r} needs data.items.id: the item id column, a data.sparse column, e.g. data.items.id=item_id")
         require(self.count_rows > 0, f"data.items.count_rows must be positive, got {self.count_rows}")
+        require(self.column_names is None or len(set(self.column_names)) == len(self.column_names),
+                f"data.items.column_names={self.column_names} names a column twice. Fix: one distinct name per column of the "
+                f"items file, in file order")
 
     def check(self, schema: Schema) -> None:
         """Raise :class:`ConfigError` unless the id is a sparse column and every feature a sparse or dense column of ``schema``."""
@@ -89,13 +103,15 @@ class ItemParts:
     """``starts[p]``: the row of :attr:`table` that is the first row of ``files[p]``."""
     table: pa.Table
     """Every file's rows, the configured columns only."""
-    text: bool
-    """Delimited text (a row's line number is its row + 2: 1-based, after the header), else Parquet."""
+    file_rows: np.ndarray
+    """``file_rows[i]``: the 0-based row in its file of :attr:`table`'s row ``i``."""
+    line_offset: int | None
+    """Delimited text: a row's line number is its file row + this (2 after a header line, else 1); ``None``: Parquet."""
 
     def where(self, row: int) -> str:
         """The file of :attr:`table`'s row ``row`` and its line (text) or row (Parquet) in it, for an error."""
         part = int(np.searchsorted(self.starts, row, side="right")) - 1
-        return Location(self.files[part], "items", np.array([row - int(self.starts[part])]), 2 if self.text else None).describe(0)
+        return Location(self.files[part], "items", self.file_rows[row:row + 1], self.line_offset).describe(0)
 
     def files_of(self, rows: np.ndarray) -> str:
         """The files holding :attr:`table`'s ``rows``, for an error."""
@@ -149,7 +165,7 @@ def read_item_table(config: ItemsConfig, schema: Schema, parts: ItemParts,
     path, id_name, table = config.path, config.id, parts.table
     _check_unique(parts, id_name)
     encoder, bad = Encoder(schema, error=DataError), _raise_bad(parts)
-    whole = Location(path, "items", np.arange(0), 2 if parts.text else None)  # text: numbers are parsed (dense, popularity)
+    whole = Location(path, "items", np.arange(0), parts.line_offset)  # text: numbers are parsed (dense, popularity)
     sparse_cols, dense_cols = {c.name: c for c in schema.sparse}, {c.name: c for c in schema.dense}
     ids, lengths = encoder._sparse(sparse_cols[id_name], table.column(id_name), whole, bad)
     bad(id_name, lengths != 1, lambda i: "the item id is missing, or a list (an item has one id)")
@@ -233,21 +249,28 @@ def _eval_tables(split: Any) -> Iterator[tuple[pa.Table, np.ndarray, Any, int | 
             yield table, file_rows, unit, line_offset
 
 
-def check_eval_items(items: ItemTable, schema: Schema, split: Any, items_path: str) -> None:
+def check_eval_items(items: ItemTable, schema: Schema, split: Any, items_path: str, num_ids: int) -> int:
     """Raise :class:`DataError` at the first eval row (of ``split``: its ``units``, ``source`` and ``select``) whose item id
-    is not in ``items``: full-corpus evaluation could never rank its positive."""
+    is below ``num_ids`` and not in ``items`` (the catalogue's rankable items): full-corpus evaluation could never rank its
+    positive, and the catalogue could (a catalogue lacking an item is a wrong file). Returns how many eval rows' item ids
+    are ``num_ids`` or more: rows of an id mapping's OOV rows (``data sequences``; an item unknown when it was written),
+    which no catalogue item can be, so they count as misses rather than stop the run."""
     column = next(c for c in schema.sparse if c.name == items.id_feature)
     encoder = Encoder(schema, error=DataError)
+    past = 0
     for table, file_rows, unit, line_offset in _eval_tables(split):
         ids, lengths = encoder._sparse(column, table.column(column.name), Location(unit.path, unit.part, file_rows), lambda *_: None)
         _, found = items.index_of(ids)
-        if not found.all():
-            k = int(np.flatnonzero(~found)[0])
+        unnamed = np.asarray(ids, dtype=np.int64) >= num_ids
+        past += int(unnamed.sum())
+        if not (found | unnamed).all():
+            k = int(np.flatnonzero(~(found | unnamed))[0])
             row = int(np.repeat(np.arange(len(lengths)), lengths)[k])
             where = Location(unit.path, unit.part, file_rows, line_offset).describe(row)
             raise DataError(f"eval row {where}: its item {table.column(column.name)[row].as_py()!r} (column {column.name!r}) is "
                             f"not in the item table {items_path} (data.items.path), so full-corpus evaluation cannot rank it. "
                             f"Fix: add the item to {items_path}, or remove such rows from the eval data")
+    return past
 
 
 def most_seen(items: ItemTable, schema: Schema, split: Any, columns: list[str]) -> int | None:
@@ -300,7 +323,6 @@ class Catalogue:
         if items.path is not None:
             assert parts is not None, "data.items.path is read by the file data module"
             self._item_catalogue = read_item_table(items, self.schema, parts, train_source.sample)
-            check_eval_items(self._item_catalogue, self.schema, self._eval, items.path)
         negatives.check(self._item_catalogue, self.features, "the data has no item table. Fix: data.items.path=<items file> and "
                                                     "data.items.id=<item id column> (docs/retrieval.md)")
         if negatives.enabled and self._item_catalogue is not None:
@@ -313,12 +335,21 @@ class Catalogue:
         """The lists hard negatives are mined into at each full-corpus eval (``data.negatives.mined_ratio``), or ``None``."""
         return self._negative_sampler.mined if self._negative_sampler is not None else None
 
-    def eval_seen_most(self, columns: list[str]) -> int | None:
-        """:func:`most_seen` of the eval rows over ``columns`` (one pass over the eval data, asked for when a run is built
-        with ``model.eval_negatives``), or ``None`` without an item table or for a column that is not a plain column."""
-        if self._item_catalogue is None:
-            return None
-        return most_seen(self._item_catalogue, self.schema, self._eval, columns)
+    def eval_items_past(self, candidates: ItemTable, num_ids: int) -> int:
+        """:func:`check_eval_items` of the eval rows against ``candidates``, the catalogue items the full-corpus eval ranks
+        (ids below ``num_ids``): one pass over the eval data, asked for when a run with full-corpus metrics is built.
+
+        Raises:
+            DataError: an eval row's item could be ranked but the catalogue lacks it.
+        """
+        assert self.config.items.path is not None, "candidates come from the item table"
+        return check_eval_items(candidates, self.schema, self._eval, self.config.items.path, num_ids)
+
+    def eval_seen_most(self, columns: list[str], candidates: ItemTable) -> int | None:
+        """:func:`most_seen` of the eval rows over ``columns`` among ``candidates``, the catalogue items the full-corpus eval
+        ranks (one pass over the eval data, asked for when a run is built with ``model.eval_negatives``), or ``None`` for a
+        column that is not a plain column."""
+        return most_seen(candidates, self.schema, self._eval, columns)
 
     def with_negatives(self, stream: Iterator[tuple], epoch: int, shard: int, train: bool) -> Iterator[tuple]:
         """``stream``'s batch tuples with the sampled rows appended to each training batch, seeded by (epoch, shard, batch

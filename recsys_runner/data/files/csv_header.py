@@ -40,14 +40,23 @@ class CsvHeaders:
         column_names: list[str] | None,
         header_key: str = "data.header",
         follows_training: bool = False,
+        names_key: str = "data.column_names",
+        names_said: str = "the training header's column names in file order, or data.column_names",
+        path_key: str = "data.path",
+        what: str = "eval file",
     ) -> None:
         self.delimiter, self.header, self.column_names = delimiter, header, column_names
         """As configured; ``None``: detected per file (:meth:`layout`)."""
         self.header_key = header_key
-        """The setting ``header`` comes from, for messages: ``data.header``, or ``data.eval_header`` for eval files."""
+        """The setting ``header`` comes from, for messages: ``data.header``, ``data.eval_header`` for eval files, or
+        ``data.items.header`` for the item catalogue's."""
         self.follows_training = follows_training
-        """Eval files read with the training files' ``header`` (``data.eval_header=null``): one laid out otherwise (a header
-        line where those have none, or none where they have one) is refused, naming ``data.eval_header``."""
+        """Files read with the training files' ``header`` (``data.eval_header=null``, ``data.items.header=null``): one laid out
+        otherwise (a header line where those have none, or none where they have one) is refused, naming ``header_key``."""
+        self.names_key, self.names_said, self.path_key, self.what = names_key, names_said, path_key, what
+        """For messages: the setting ``column_names`` comes from, what names the columns of a file without a header line,
+        the setting naming the files, and what one file is (``eval file``, ``catalogue file``) when it follows the training
+        files."""
         self._layouts: dict[str, tuple[str, bool]] = {}
         self._compressions: dict[str, Compression | None] = {}
 
@@ -139,27 +148,27 @@ class CsvHeaders:
         if not looks_like_text(head):
             what = f"its first {len(head)} bytes" + (f", decompressed ({codec.name})" if codec else "")
             raise DataError(f"{path} is not a text file (NUL bytes in {what}), but this data option reads "
-                            f"delimited text, one record per line. Fix: point data.path at CSV/TSV files (plain, or gzip/bz2/zstd-"
+                            f"delimited text, one record per line. Fix: point {self.path_key} at CSV/TSV files (plain, or gzip/bz2/zstd-"
                             f"compressed), or choose the data option of the file's format, e.g. data=parquet")
         with self.open_text(path) as f:
             first_line = f.readline()
             more = bool(f.read(1))
         if not first_line or (self.header is not False and not more and not first_line.strip(b"\r\n")):
             raise DataError(f"{path} is an empty file" + (f" (once decompressed, {codec.name})" if codec else "")
-                            + ". Fix: remove it from data.path, or write it again")
+                            + f". Fix: remove it from {self.path_key}, or write it again")
         delimiter, header = self.layout(path)
         if self.follows_training and not header and looks_like_header(lines := self.first_lines(path), delimiter):
             raise DataError(f"{path} begins with a header line ({lines[0][:100]!r}), but the training files (data.path) have none "
-                            f"({self.header_key}=null reads eval files as data.header=false does), so it would be read as a row of "
-                            f"data: a header mismatch. Fix: data.eval_header=true (the line is skipped; data.column_names names "
-                            f"the columns), or remove the line from the eval file")
+                            f"({self.header_key}=null reads {self.what}s as data.header=false does), so it would be read as a row of "
+                            f"data: a header mismatch. Fix: {self.header_key}=true (the line is read as the header: it names the columns, "
+                            f"or {self.names_key} replaces its names), or remove the line from the {self.what}")
         if header:
             names = split_fields(first_line.decode("utf-8", errors="replace").rstrip("\r\n"), delimiter)
             data_start = len(first_line)
             if self.column_names:  # names of the config's replace the header's
                 if len(self.column_names) != len(names):
-                    raise DataError(f"{path}'s header names {len(names)} columns {names}, but data.column_names lists {len(self.column_names)} "
-                                    f"{list(self.column_names)}. Fix: list one name per column of the file, or data.column_names=null")
+                    raise DataError(f"{path}'s header names {len(names)} columns {names}, but {self.names_key} lists {len(self.column_names)} "
+                                    f"{list(self.column_names)}. Fix: list one name per column of the file, or {self.names_key}=null")
                 names = list(self.column_names)
         else:
             assert self.column_names is not None
@@ -169,24 +178,24 @@ class CsvHeaders:
             if header and len(names) == 1 and (hint := delimiter_hint(names[0], delimiter)):
                 raise DataError(f"{path} has no column {missing[0]!r}: its header line is one column, {names[0]!r}.{hint}")
             if header and looks_like_data(lines := self.first_lines(path), delimiter):
-                raise DataError(self._not_a_header(path, missing[0], lines[0]))
+                raise DataError(self.not_a_header(path, missing[0], lines[0]))
             where = "its header" if header else "data.column_names"
             raise DataError(f"{path} has no column {missing[0]!r}; {where} lists {names}. Fix: correct the column names in "
                             f"data.label(s) / data.dense / data.sparse" + ("" if header else " or data.column_names")
                             + self.misread(path, delimiter, header, names))
         return names, data_start, more
 
-    def _not_a_header(self, path: str, column: str, first: str) -> str:
+    def not_a_header(self, path: str, column: str, first: str) -> str:
         """The message for a file whose first line, read as the header, is data: the cause and the fix."""
         said = f"{self.header_key}=null (as data.header=true)" if self.follows_training else f"{self.header_key}=true"
         cause = f"{path} has no column {column!r}: its first line {first[:100]!r} looks like data, not a header naming the columns, " \
                 f"but {said} reads it as the header"
         if self.follows_training:
-            return (f"{cause}; the training files (data.path) have a header line, this eval file has none: a header mismatch. "
-                    f"Fix: data.eval_header=false (every line of the eval files is data, under the training header's column "
-                    f"names in file order, or data.column_names), or add the header line to the eval file")
+            return (f"{cause}; the training files (data.path) have a header line, this {self.what} has none: a header mismatch. "
+                    f"Fix: {self.header_key}=false (every line of the {self.what}s is data, under {self.names_said}), or add "
+                    f"the header line to the {self.what}")
         if self.header_key != "data.header":
-            return f"{cause}. Fix: {self.header_key}=false (every line is data, under the training header's column names or data.column_names)"
+            return f"{cause}. Fix: {self.header_key}=false (every line is data, under {self.names_said})"
         return (f"{cause}. Fix: data.header=false data.column_names=[...] (the names of all columns, in file order), or "
                 f"data.header=null to detect it")
 

@@ -41,7 +41,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recsys_runner.data.base import DataModule, SplitFiles, synchronized
 from recsys_runner.data.catalogue.item_files import Catalogue, item_columns
 from recsys_runner.data.encoding.stored import StoredEncoders, check_inputs, column_kinds, column_types, oov_counters, to_json
-from recsys_runner.data.files.item_parts import read_item_parts
+from recsys_runner.data.files.item_parts import items_text, read_item_parts
 from recsys_runner.data.files.shard_stream import ShardReader, ShardStream
 from recsys_runner.data.files.sources import ParquetSource
 from recsys_runner.data.files.splits import Split, eval_mask, shard_ranges, split_key
@@ -113,7 +113,7 @@ class TabularData(Catalogue, DataModule, abc.ABC):
             self.batch_size = expected_rows(train_source.sample(1000), schema, config.batch_tokens)
         check_catalogue_inputs(config, schema)
         parts = None if config.items.path is None else \
-            read_item_parts(config.items.path, item_columns(config.items, schema), getattr(config, "delimiter", None) or ",")
+            read_item_parts(config.items.path, item_columns(config.items, schema), items_text(config))
         self._item_files = None if parts is None else SplitFiles(parts.path, parts.files, parts.table.num_rows)
         """The catalogue's files (``data.items.path``), for the run's dataset inputs (:meth:`split_files`)."""
         self.open_catalogue(train_source, parts)  # data.items and data.negatives (item_files.py), checked before the first step

@@ -107,6 +107,9 @@ class TabularDataConfig(DataConfig):
         require(not self.negatives.enabled or self.items.path is not None,
                 f"data.negatives.num_negatives={self.negatives.num_negatives} samples catalogue items, but data.items.path is null. "
                 f"Fix: data.items.path=<items file> data.items.id=<item id column>, or data.negatives.num_negatives=0")
+        require(self.items.header is not False or bool(self.items.column_names or getattr(self, "column_names", None)),
+                "data.items.header=false reads every line of the items file as an item, but nothing names its columns. Fix: "
+                "data.items.column_names=[...] (the names of all its columns, in file order)")
 
 
 @dataclass(kw_only=True)
