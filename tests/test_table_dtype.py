@@ -302,3 +302,33 @@ def test_the_plan_and_the_data_parallel_refusal_hold_per_table(make_cfg) -> None
     with pytest.raises(ConfigError, match=r"table 't_cat_0' is stored in fp16 .* cannot be sharded data_parallel"):
         build(validate(make_cfg(MIXED, "distributed.sharding_types=[data_parallel]", "tracking=none", "checkpoint=none")))
 
+
+# -- converting stored tables, loudly ---------------------------------------------------------------------------------
+def _conversions(messages: list[str]) -> list[str]:
+    return [m for m in messages if "converted as they load" in m]
+
+
+def test_evaluate_and_init_from_that_convert_the_stored_tables_say_which_and_how(make_cfg, tmp_path: Path) -> None:
+    extra = ("train.num_steps=4", "train.eval_max_batches=2", f"checkpoint.dir={tmp_path}/ck")
+    overrides = _training_overrides(make_cfg, *extra)
+    run(make_cfg(*extra))
+    ckpt = tmp_path / "ck" / "step_00000004"
+    assert saved_table_dtypes(ckpt) == {torch.float32}
+    with LogWarnings() as warned:
+        evaluate.run(compose_entry("evaluate", *overrides, f"load={ckpt}"))
+    assert _conversions(warned.messages) == [], warned.messages  # loaded as stored: nothing to say
+    with LogWarnings() as warned:
+        evaluate.run(compose_entry("evaluate", *overrides, f"load={ckpt}", MIXED))
+    (said,) = _conversions(warned.messages)
+    assert said.startswith(f"loading {ckpt}: its embedding tables are stored in other types than this run's "
+                           f"precision.embedding_data_type / embedding_data_type_by_feature, and are converted as they load: "
+                           f"fp32 -> fp16: "), said
+    assert "(4 tables) (to fp16 every weight is rounded to 11 significant bits" in said
+    assert "scores may differ slightly from the stored run's" in said and "t_cat_1," not in said
+    assert {"t_cat_0", "t_cat_3", "first_order_t_cat_0", "first_order_t_cat_3"} <= set(said.replace(",", " ").split())
+    with LogWarnings() as warned:
+        run(make_cfg("train.num_steps=2", FP16, f"checkpoint.init_from={ckpt}", f"checkpoint.dir={tmp_path}/ft", "tracking=none"))
+    (said,) = _conversions(warned.messages)
+    assert said.startswith(f"init_from {ckpt}: its embedding tables are stored in other types") and "fp32 -> fp16: " in said
+    assert "(52 tables)" in said, said
+    assert saved_table_dtypes(tmp_path / "ft" / "step_00000002") == {torch.float16}
