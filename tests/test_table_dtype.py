@@ -139,9 +139,10 @@ def test_fp16_tables_under_an_optimizer_with_state_are_never_data_parallel(make_
     constraints = table_constraints(DistributedConfig(), ["t_a", "t_b"], world_size=1, half={"t_a"})
     assert constraints is not None
     assert constraints["t_a"].sharding_types == ["table_wise"] and constraints["t_b"].sharding_types == ["table_wise", "data_parallel"]
-    with pytest.raises(ConfigError, match=r"table 't_cat_0' is stored in fp16 \(precision.embedding_data_type\) and trained by an "
-                                          r"optimizer with state, which cannot be sharded data_parallel.*Fix: .*"
-                                          r"precision.embedding_data_type=fp32, or optim/sparse=sgd"):
+    with pytest.raises(ConfigError, match=r"table 't_cat_0' is stored in fp16 \(precision.embedding_data_type, or "
+                                          r"embedding_data_type_by_feature for its features\) and trained by an optimizer with "
+                                          r"state, which cannot be sharded data_parallel.*Fix: .*or fp32 for its features "
+                                          r"\(precision.embedding_data_type / embedding_data_type_by_feature\), or optim/sparse=sgd"):
         build(validate(make_cfg(FP16, "distributed.sharding_types=[data_parallel]", "tracking=none", "checkpoint=none")))
     # SGD keeps no state: its data_parallel fp16 tables train
     c = build(validate(make_cfg(FP16, "optim=sgd", "distributed.sharding_types=[data_parallel]", "train.num_steps=3",
@@ -332,3 +333,14 @@ def test_evaluate_and_init_from_that_convert_the_stored_tables_say_which_and_how
     assert said.startswith(f"init_from {ckpt}: its embedding tables are stored in other types") and "fp32 -> fp16: " in said
     assert "(52 tables)" in said, said
     assert saved_table_dtypes(tmp_path / "ft" / "step_00000002") == {torch.float16}
+
+
+def test_a_resume_that_changes_a_feature_s_table_type_warns_as_one_that_changes_every_table() -> None:
+    path, before = Path("/ck/step_00000004"), {"model": "deepfm", "precision.embedding_data_type": "fp32"}
+    saved = resume.Launched([], before, "/a")
+    assert resume.check_changes(saved, resume.Launched([], dict(before), "/a"), path) == ()  # an empty mapping: no key either side
+    (change,) = resume.check_changes(saved, resume.Launched([], before | {"precision.embedding_data_type_by_feature.cat_0": "fp16"},
+                                                            "/a"), path)
+    assert change.line() == ("precision.embedding_data_type_by_feature.cat_0: (unset) -> fp16 (the checkpoint's embedding tables "
+                             "are converted as they load: to fp16 every weight is rounded to 11 significant bits, to fp32 they "
+                             "widen exactly; their optimizer state is float32 either way and loads as it was)")
