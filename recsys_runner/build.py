@@ -372,9 +372,10 @@ ModelT = TypeVar("ModelT", bound=torch.nn.Module)
 
 
 def build_model(run: RunConfig, features: FeatureSpec, device: torch.device) -> torch.nn.Module:
-    """The model ``model.*`` describes (its dense parameters on ``device``, its tables on ``meta``), the tables stored in
-    ``precision.embedding_data_type`` (:func:`~recsys_runner.models.common.store_tables`): what training, evaluate,
-    predict, export and a plan all build, so that each sees the tables the checkpoint holds."""
+    """The model ``model.*`` describes (its dense parameters on ``device``, its tables on ``meta``), each table stored in
+    its ``precision.embedding_data_type`` / ``embedding_data_type_by_feature`` type (:func:`~recsys_runner.models.common.store_tables`):
+    what training, evaluate, predict, export and a plan all build, so that each sees the tables the checkpoint holds."""
+    run.precision.check_features(features.sparse_names)
     return store_tables(run.model.build(features=features, dense_device=device), run.precision.table_data_type)
 
 

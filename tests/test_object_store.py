@@ -446,6 +446,36 @@ def test_a_removal_cut_off_in_a_bucket_is_skipped_by_resume_with_a_warning_not_s
     assert _prefixes(s3_env, "data/cutoff/ck") == {"step_00000002", "step_00000006"}
 
 
+def test_resuming_an_older_step_in_a_bucket_deletes_an_unfinished_leftover_and_moves_finished_ones_aside(
+    s3_env: MotoServer, tmp_path: Path, mlflow_uri: str
+) -> None:
+    """``checkpoint.resume=<bucket>/step_2`` where step 4 is a whole later checkpoint and step 6 what a removal cut off
+    left (no ``meta.json``): step 4 is moved aside as ``abandoned-step_4`` (it continued the run otherwise), step 6 is
+    no checkpoint and is deleted with a warning, never copied aside."""
+    from tests.conftest import LogWarnings
+
+    register_configs()
+    local = s3_env.local  # type: ignore[attr-defined]
+    root = "data/abandon/ck"
+
+    def train(steps: int, *extra: str) -> None:
+        overrides = [a for a in _train_args(tmp_path, f"{local}/train", f"s3://{root}", "abandon") if not a.startswith("train.num_steps")]
+        overrides += [f"train.num_steps={steps}", f"tracking.uri={mlflow_uri}", f"storage.endpoint_url={s3_env.endpoint}", *extra]
+        with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
+            run(compose(config_name="config", overrides=overrides))
+
+    train(6)
+    s3_env.fs().rm_file(f"{root}/step_00000006/meta.json")  # a removal cut off after its first delete
+    kept = s3_env.fs().cat_file(f"{root}/step_00000004/.metadata")
+    with LogWarnings() as warned:
+        train(4, f"checkpoint.resume=s3://{root}/step_00000002")
+    assert _prefixes(s3_env, root) == {".finished", "step_00000002", "step_00000004", "abandoned-step_00000004"}
+    assert s3_env.fs().cat_file(f"{root}/abandoned-step_00000004/.metadata") == kept
+    assert any(f"deleted s3://{root}/step_00000006, left by a checkpoint write or removal cut off part-way" in w
+               for w in warned.messages), warned.messages
+    assert any("abandoned-step_00000004" in w for w in warned.messages), warned.messages
+
+
 def test_uri_path_refuses_local_file_methods_and_hints_keep_the_uri() -> None:
     from recsys_runner.lifecycle import resume_hint
     from recsys_runner.runtime import Launch

@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from mlflow.tracking import MlflowClient
 from torch import nn
 from torchrec.distributed.types import EmbeddingModuleShardingPlan
+from torchrec.types import DataType
 
 from recsys_runner import evaluate
 from recsys_runner.__main__ import run
@@ -38,6 +39,8 @@ from tests.test_evaluate import _training_overrides, compose_entry
 from tests.test_mlflow_model import ATOL, _click_rows, _scores, _trained
 
 FP16 = "precision.embedding_data_type=fp16"
+MIXED = "+precision.embedding_data_type_by_feature={cat_0: fp16, cat_3: fp16}"
+"""Two of DeepFM's 26 features in fp16: their embedding and first-order tables (4 of 52), the others float32."""
 
 
 def table_weights(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -136,9 +139,10 @@ def test_fp16_tables_under_an_optimizer_with_state_are_never_data_parallel(make_
     constraints = table_constraints(DistributedConfig(), ["t_a", "t_b"], world_size=1, half={"t_a"})
     assert constraints is not None
     assert constraints["t_a"].sharding_types == ["table_wise"] and constraints["t_b"].sharding_types == ["table_wise", "data_parallel"]
-    with pytest.raises(ConfigError, match=r"table 't_cat_0' is stored in fp16 \(precision.embedding_data_type\) and trained by an "
-                                          r"optimizer with state, which cannot be sharded data_parallel.*Fix: .*"
-                                          r"precision.embedding_data_type=fp32, or optim/sparse=sgd"):
+    with pytest.raises(ConfigError, match=r"table 't_cat_0' is stored in fp16 \(precision.embedding_data_type, or "
+                                          r"embedding_data_type_by_feature for its features\) and trained by an optimizer with "
+                                          r"state, which cannot be sharded data_parallel.*Fix: .*or fp32 for its features "
+                                          r"\(precision.embedding_data_type / embedding_data_type_by_feature\), or optim/sparse=sgd"):
         build(validate(make_cfg(FP16, "distributed.sharding_types=[data_parallel]", "tracking=none", "checkpoint=none")))
     # SGD keeps no state: its data_parallel fp16 tables train
     c = build(validate(make_cfg(FP16, "optim=sgd", "distributed.sharding_types=[data_parallel]", "train.num_steps=3",
@@ -151,15 +155,17 @@ def test_fp16_tables_under_an_optimizer_with_state_are_never_data_parallel(make_
         c.close()
 
 
-def test_fp16_tables_resume_exactly(make_cfg, mlflow_uri: str, tmp_path: Path) -> None:
-    straight = make_cfg(*RESUMABLE, FP16, f"checkpoint.dir={tmp_path}/a", "tracking.experiment=fp16_straight")
+@pytest.mark.parametrize(("tables", "saved"), [(FP16, {torch.float16}), (MIXED, {torch.float16, torch.float32})], ids=["fp16", "mixed"])
+def test_fp16_tables_resume_exactly(make_cfg, mlflow_uri: str, tmp_path: Path, tables: str, saved: set[torch.dtype]) -> None:
+    name = tables.rsplit(".", 1)[-1].split("=")[0]
+    straight = make_cfg(*RESUMABLE, tables, f"checkpoint.dir={tmp_path}/a", f"tracking.experiment={name}_straight")
     run(straight)
-    sliced = make_cfg(*RESUMABLE, FP16, f"checkpoint.dir={tmp_path}/b", "tracking.experiment=fp16_sliced", "train.stop_after_steps=6")
+    sliced = make_cfg(*RESUMABLE, tables, f"checkpoint.dir={tmp_path}/b", f"tracking.experiment={name}_sliced", "train.stop_after_steps=6")
     with pytest.raises(Interrupted, match="after step 6"):
         run(sliced)
-    assert saved_table_dtypes(tmp_path / "b" / "step_00000006") == {torch.float16}
+    assert saved_table_dtypes(tmp_path / "b" / "step_00000006") == saved
     run(sliced)
-    expected, resumed = history(mlflow_uri, "fp16_straight"), history(mlflow_uri, "fp16_sliced")
+    expected, resumed = history(mlflow_uri, f"{name}_straight"), history(mlflow_uri, f"{name}_sliced")
     assert sorted(resumed) == list(range(1, 13))
     assert resumed == pytest.approx(expected, rel=1e-5, abs=1e-6)
 
@@ -194,7 +200,11 @@ def test_evaluate_scores_an_fp16_checkpoint_as_training_did(make_cfg, tmp_path: 
     assert evaluate.run(compose_entry("evaluate", *overrides, f"load={tmp_path}/ck")) == final  # exactly
 
 
-def test_predict_and_the_exported_mlflow_model_score_an_fp16_checkpoint_alike(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("tables", "saved"), [(FP16, {torch.float16}),
+                                               ("+precision.embedding_data_type_by_feature={tags: fp16}", {torch.float16, torch.float32})],
+                         ids=["fp16", "mixed"])
+def test_predict_and_the_exported_mlflow_model_score_an_fp16_checkpoint_alike(tmp_path: Path, tables: str,
+                                                                             saved: set[torch.dtype]) -> None:
     # multi-hot tags: an fp16 nn.EmbeddingBag would round each pooled sum to fp16, where fbgemm's kernel (predict's) pools
     # in float32; export widens the tables to float32 (exact), so the served scores are predict's
     import mlflow.pyfunc
@@ -206,10 +216,12 @@ def test_predict_and_the_exported_mlflow_model_score_an_fp16_checkpoint_alike(tm
     (tmp_path / "score.csv").write_text("\n".join([header, *_click_rows(rng, 300, [f"u{k}" for k in range(40, 70)])]) + "\n")
     data = ["data=csv", f"data.path={tmp_path}/train.csv", "data.batch_size=128", "data.sparse=[{name: user}, {name: item}, "
             "{name: tags, separator: '|', pooling: mean}]", "data.dense=[{name: price, normalize: zscore}]", "data.label=click",
-            "model=deepfm", "distributed.device=cpu", "tracking=none", FP16]
-    trained: dict[str, Any] = _trained(tmp_path, data, 20)
-    assert saved_table_dtypes(trained["checkpoint"]) == {torch.float16}
-    reference = _scores(data, trained["checkpoint"], tmp_path / "score.csv", tmp_path / "predicted")["score"].to_numpy()
+            "model=deepfm", "distributed.device=cpu", "tracking=none", tables]
+    with LogWarnings() as warned:
+        trained: dict[str, Any] = _trained(tmp_path, data, 20)
+        assert saved_table_dtypes(trained["checkpoint"]) == saved
+        reference = _scores(data, trained["checkpoint"], tmp_path / "score.csv", tmp_path / "predicted")["score"].to_numpy()
+    assert not any("converted as they load" in m for m in warned.messages), warned.messages  # export widens by design
     served = mlflow.pyfunc.load_model(str(trained["model"])).predict(pd.read_csv(tmp_path / "score.csv", dtype=str))["score"]
     np.testing.assert_allclose(served.to_numpy(), reference, atol=ATOL)
     program = torch.export.load(str(trained["model"].parent / MODEL_FILE))
@@ -232,3 +244,103 @@ def test_a_checkpoint_from_before_the_setting_resumes_as_fp32_without_a_warning(
     (change,) = resume.check_changes(older, resume.Launched([], {"model": "deepfm", "optim.lr": 0.05,
                                                                  "precision.embedding_data_type": "fp16"}, "/a"), path)
     assert change.line().startswith("precision.embedding_data_type: fp32 -> fp16 (the checkpoint's embedding tables are converted")
+
+
+# -- per feature: precision.embedding_data_type_by_feature -----------------------------------------------------------
+def test_each_table_takes_the_type_of_the_features_reading_it_and_trains(make_cfg) -> None:
+    with LogWarnings() as warned:
+        c = build(validate(make_cfg(MIXED, "train.num_steps=3", "tracking=none", "checkpoint=none")))
+    assert any(m.startswith("fp16 tables of precision.embedding_data_type_by_feature on CPU: fbgemm's CPU kernels round")
+               for m in warned.messages), warned.messages
+    try:
+        before = table_weights(c.loop.evaluator.model)
+        half = {k.rsplit(".", 2)[-2] for k, t in before.items() if t.dtype == torch.float16}
+        assert half == {"t_cat_0", "t_cat_3", "first_order_t_cat_0", "first_order_t_cat_3"}, half
+        assert {t.dtype for t in before.values()} == {torch.float16, torch.float32}
+        assert "52 table_wise (fused kernel); 4 tables in fp16; est." in c.distributed.summary
+        train(c.loop)
+        after = table_weights(c.loop.evaluator.model)
+        assert all(after[k].dtype == before[k].dtype and torch.isfinite(after[k]).all() for k in after)
+        assert all(not torch.equal(before[k], after[k]) for k in after), "every table was looked up and updated"
+    finally:
+        c.close()
+
+
+def test_a_feature_named_in_the_mapping_overrides_the_global_type_both_ways(make_cfg) -> None:
+    c = build(validate(make_cfg(FP16, "+precision.embedding_data_type_by_feature={cat_5: fp32}", "train.num_steps=1",
+                                "tracking=none", "checkpoint=none")))
+    try:
+        wide = {k.rsplit(".", 2)[-2] for k, t in table_weights(c.loop.evaluator.model).items() if t.dtype == torch.float32}
+        assert wide == {"t_cat_5", "first_order_t_cat_5"}, wide
+    finally:
+        c.close()
+
+
+def test_an_unknown_feature_a_bf16_one_and_a_shared_table_of_two_types_are_refused_with_the_fix(make_cfg) -> None:
+    with pytest.raises(ConfigError, match=r"precision.embedding_data_type_by_feature names 'cat0' \(closest: cat_0\), which the "
+                                          r"data has no sparse feature of; its sparse features: cat_0, cat_1, .*Fix: name one"):
+        dry_run(make_cfg("+precision.embedding_data_type_by_feature={cat0: fp16}"))
+    with pytest.raises(ConfigError, match=r"precision.embedding_data_type_by_feature.cat_1=bf16 is not offered: .*Fix: "
+                                          r"precision.embedding_data_type_by_feature.cat_1=fp16"):
+        validate(make_cfg("+precision.embedding_data_type_by_feature={cat_1: bf16}"))
+    with pytest.raises(ConfigError, match=r"embedding_data_type_by_feature.cat_1='half' is not one of \['fp32', 'fp16'\]"):
+        validate(make_cfg("+precision.embedding_data_type_by_feature={cat_1: half}"))
+    precision = validate(make_cfg("+precision.embedding_data_type_by_feature={item_id: fp16, hist_item_id: fp32}")).precision
+    assert precision.table_data_type("t_user", ["user_id"]) == DataType.FP32
+    assert precision.table_data_type("item", ["item_id", "candidate"]) == DataType.FP16  # an unnamed reader takes the named one's
+    with pytest.raises(ConfigError, match=r"gives table 'item' more than one type: item_id: fp16, hist_item_id: fp32; the "
+                                          r"features \['item_id', 'hist_item_id'\] share its rows. Fix: give them one type"):
+        precision.table_data_type("item", ["item_id", "hist_item_id"])
+
+
+def test_the_plan_and_the_data_parallel_refusal_hold_per_table(make_cfg) -> None:
+    # 13 of 26 features in fp16 under exact Adagrad: half the tables at 3/4 of their fp32 bytes (the state stays float32)
+    sizes = ("data.num_embeddings=100000", "optim=adagrad")
+    some = "+precision.embedding_data_type_by_feature={" + ", ".join(f"cat_{i}: fp16" for i in range(13)) + "}"
+    wide, mixed = dry_run(make_cfg(*sizes)), dry_run(make_cfg(*sizes, some))
+    assert mixed.ranks[0].ddr / wide.ranks[0].ddr == pytest.approx(0.875, abs=0.01)
+    assert "; 26 tables in fp16; est." in str(mixed)
+    with pytest.raises(ConfigError, match=r"table 't_cat_0' is stored in fp16 .* cannot be sharded data_parallel"):
+        build(validate(make_cfg(MIXED, "distributed.sharding_types=[data_parallel]", "tracking=none", "checkpoint=none")))
+
+
+# -- converting stored tables, loudly ---------------------------------------------------------------------------------
+def _conversions(messages: list[str]) -> list[str]:
+    return [m for m in messages if "converted as they load" in m]
+
+
+def test_evaluate_and_init_from_that_convert_the_stored_tables_say_which_and_how(make_cfg, tmp_path: Path) -> None:
+    extra = ("train.num_steps=4", "train.eval_max_batches=2", f"checkpoint.dir={tmp_path}/ck")
+    overrides = _training_overrides(make_cfg, *extra)
+    run(make_cfg(*extra))
+    ckpt = tmp_path / "ck" / "step_00000004"
+    assert saved_table_dtypes(ckpt) == {torch.float32}
+    with LogWarnings() as warned:
+        evaluate.run(compose_entry("evaluate", *overrides, f"load={ckpt}"))
+    assert _conversions(warned.messages) == [], warned.messages  # loaded as stored: nothing to say
+    with LogWarnings() as warned:
+        evaluate.run(compose_entry("evaluate", *overrides, f"load={ckpt}", MIXED))
+    (said,) = _conversions(warned.messages)
+    assert said.startswith(f"loading {ckpt}: its embedding tables are stored in other types than this run's "
+                           f"precision.embedding_data_type / embedding_data_type_by_feature, and are converted as they load: "
+                           f"fp32 -> fp16: "), said
+    assert "(4 tables) (to fp16 every weight is rounded to 11 significant bits" in said
+    assert "scores may differ slightly from the stored run's" in said and "t_cat_1," not in said
+    assert {"t_cat_0", "t_cat_3", "first_order_t_cat_0", "first_order_t_cat_3"} <= set(said.replace(",", " ").split())
+    with LogWarnings() as warned:
+        run(make_cfg("train.num_steps=2", FP16, f"checkpoint.init_from={ckpt}", f"checkpoint.dir={tmp_path}/ft", "tracking=none"))
+    (said,) = _conversions(warned.messages)
+    assert said.startswith(f"init_from {ckpt}: its embedding tables are stored in other types") and "fp32 -> fp16: " in said
+    assert "(52 tables)" in said, said
+    assert saved_table_dtypes(tmp_path / "ft" / "step_00000002") == {torch.float16}
+
+
+def test_a_resume_that_changes_a_feature_s_table_type_warns_as_one_that_changes_every_table() -> None:
+    path, before = Path("/ck/step_00000004"), {"model": "deepfm", "precision.embedding_data_type": "fp32"}
+    saved = resume.Launched([], before, "/a")
+    assert resume.check_changes(saved, resume.Launched([], dict(before), "/a"), path) == ()  # an empty mapping: no key either side
+    (change,) = resume.check_changes(saved, resume.Launched([], before | {"precision.embedding_data_type_by_feature.cat_0": "fp16"},
+                                                            "/a"), path)
+    assert change.line() == ("precision.embedding_data_type_by_feature.cat_0: (unset) -> fp16 (the checkpoint's embedding tables "
+                             "are converted as they load: to fp16 every weight is rounded to 11 significant bits, to fp32 they "
+                             "widen exactly; their optimizer state is float32 either way and loads as it was)")

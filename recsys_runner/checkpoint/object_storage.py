@@ -35,6 +35,7 @@ from recsys_runner.checkpoint.storage import (
     CheckpointStorage,
     DcpFileStorage,
     TensorIndex,
+    saved_dtypes,
     stops_unwrapped,
 )
 from recsys_runner.errors import CheckpointError
@@ -159,6 +160,9 @@ class DcpObjectStorage:
     def tensor_index(self, path: Path) -> TensorIndex:
         saved = self._call(path, _reader(path).read_metadata).state_dict_metadata
         return {k: list(m.size) if isinstance(m, TensorStorageMetadata) else None for k, m in saved.items()}
+
+    def tensor_dtypes(self, path: Path) -> dict[str, torch.dtype]:
+        return saved_dtypes(self._call(path, _reader(path).read_metadata))
 
     def load_tensors(self, path: Path, state: dict[str, Any]) -> None:
         reader = _reader(path)

@@ -316,10 +316,19 @@ class Checkpointer:
         checkpoints of ``dir`` after ``step``, with a warning: resuming an older checkpoint abandons the run that wrote
         them (``resume=auto`` takes the newest whole one, so only a best one written after it, by the same run, is later:
         kept, as a preempted run that resumes over and over would pile up full copies of it aside). Kept, they would pass for this run's: a save at a step whose checkpoint exists keeps the one there, a newer
-        best outranks this run's best in the rotation, and ``resume=auto`` would continue the abandoned run."""
+        best outranks this run's best in the rotation, and ``resume=auto`` would continue the abandoned run. What a cut-off
+        write or removal left in an object store under a later name (no ``meta.json``: ``storage.unfinished``) is no
+        checkpoint, so it is deleted with a log line, not copied aside."""
         assert self.dir is not None
         later = [p for best in (False, True) for p in self.storage.checkpoints(self.dir, best=best, complete=False)
                  if step_of(p) > step and p != resumed]
+        unfinished = [p for p in self.storage.unfinished(self.dir) if p in later]
+        for p in unfinished:
+            self.storage.remove(p)
+        if unfinished:
+            log.warning("resuming %s (step %d): deleted %s, left by a checkpoint write or removal cut off part-way (no meta.json), "
+                        "so not a checkpoint", resumed, step, ", ".join(str(p) for p in unfinished))
+        later = [p for p in later if p not in unfinished]
         if later:
             moved = [str(self.storage.set_aside(p, "abandoned")) for p in later]
             log.warning("resuming %s (step %d) abandons the later checkpoints of %s, which continued it otherwise: moved aside "

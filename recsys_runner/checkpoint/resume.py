@@ -36,7 +36,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from recsys_runner import uris
 from recsys_runner.checkpoint.config import RESUME_WORDS, CheckpointConfig, TrainState
 from recsys_runner.checkpoint.storage import CheckpointStorage, TensorIndex
-from recsys_runner.checkpoint.weights import CarriedRows, TrainingParts, load_into
+from recsys_runner.checkpoint.weights import TABLE_CONVERSION, CarriedRows, TrainingParts, load_into
 from recsys_runner.errors import CheckpointError, UserError
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,8 @@ Treatment = Literal["refuse", "warn", "silent"]
 
 _EPOCH_POSITION = ("the position in the epoch it restores counts batches of the data as it was: the resumed run would see "
                    "other batches than the run it continues")
+_CONVERTED = (f"the checkpoint's embedding tables are converted as they load: {TABLE_CONVERSION}; their optimizer state is "
+              "float32 either way and loads as it was")
 RESUME_CHANGES: tuple[tuple[str, Treatment, str], ...] = (
     ("checkpoint", "silent", "where and when checkpoints are written"),
     ("tracking", "silent", "where the run is recorded"),
@@ -74,9 +76,8 @@ RESUME_CHANGES: tuple[tuple[str, Treatment, str], ...] = (
     ("optim", "refuse", "another optimizer: the optimizer state saved is another's"),
     ("optim/sparse", "refuse", "another sparse optimizer: the optimizer state saved is another's"),
     ("optim/dense", "refuse", "another dense optimizer: the optimizer state saved is another's"),
-    ("precision.embedding_data_type", "warn", "the checkpoint's embedding tables are converted as they load: to fp16 every "
-                                              "weight is rounded to 11 significant bits, to fp32 they widen exactly; their "
-                                              "optimizer state is float32 either way and loads as it was"),
+    ("precision.embedding_data_type", "warn", _CONVERTED),
+    ("precision.embedding_data_type_by_feature", "warn", _CONVERTED),
 )
 """How a resume treats a setting whose value differs from the launch that wrote the checkpoint: the first entry whose
 key is the setting's key (a group's for its option: ``model``, ``optim/sparse``), or a section above it (``data`` for ``data=parquet`` only; ``checkpoint`` for
@@ -86,7 +87,7 @@ refused by the loader, naming the tensors."""
 ADDED_KEYS: dict[str, Any] = {"precision.embedding_data_type": "fp32", "data.items.header": None, "data.items.column_names": None}
 """Keys added after checkpoints began saving their composed config, each with the value every run before it trained with:
 such a checkpoint's missing key is compared as that value, so resuming it after an upgrade warns about no change."""
-SECTIONS = ("checkpoint", "tracking", "storage", "distributed")
+SECTIONS = ("checkpoint", "tracking", "storage", "distributed", "precision.embedding_data_type_by_feature")
 """The entries of :data:`RESUME_CHANGES` that cover every key under them; the others name one key (or a group's choice)."""
 WARNED_BY_DEFAULT = ("takes effect from the resumed step; the MLflow run's params keep the first launch's value (the run is "
                      "tagged resume_changes)")

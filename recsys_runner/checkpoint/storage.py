@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from recsys_runner.errors import CheckpointError, Stopped
 
@@ -110,6 +110,9 @@ class CheckpointStorage(Protocol):
 
     def tensor_index(self, path: Path) -> TensorIndex:
         """The checkpoint's tensors, by key, with their shapes."""
+
+    def tensor_dtypes(self, path: Path) -> dict[str, torch.dtype]:
+        """The checkpoint's tensors, by key, with the dtype each was saved in."""
 
     def load_tensors(self, path: Path, state: dict[str, Any]) -> None:
         """Load the checkpoint's tensors named by ``state``'s keys into its values (in place; each rank its shards,
@@ -186,6 +189,9 @@ class DcpFileStorage:
         saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         return {k: list(m.size) if isinstance(m, TensorStorageMetadata) else None for k, m in saved.items()}
 
+    def tensor_dtypes(self, path: Path) -> dict[str, torch.dtype]:
+        return saved_dtypes(dcp.FileSystemReader(str(path)).read_metadata())
+
     def load_tensors(self, path: Path, state: dict[str, Any]) -> None:
         with stops_unwrapped(self.rank):
             dcp.load(state, checkpoint_id=str(path))
@@ -223,6 +229,11 @@ class DcpFileStorage:
     def _barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()
+
+
+def saved_dtypes(metadata: Metadata) -> dict[str, torch.dtype]:
+    """Each tensor's dtype as DCP's index (``.metadata``) recorded it, by key."""
+    return {k: m.properties.dtype for k, m in metadata.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
 
 
 def list_checkpoints(root: str | Path, best: bool = False, *, complete: bool = True) -> list[Path]:

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 
@@ -120,6 +121,7 @@ class CarriedRows:
 def load_into(
     storage: CheckpointStorage, path: Path, ours: Mapping[str, Any], *, rule: Rule,
     sources: Callable[[TensorIndex], Mapping[str, str]] | None = None, world_size: int = 1, carry: CarriedRows | None = None,
+    announce_conversion: bool = True,
 ) -> dict[str, Any]:
     """Load checkpoint ``path``'s tensors into ``ours`` (checkpoint key → this process's tensor; loaded in place,
     each rank its shards) under ``rule`` (the module docstring).
@@ -128,6 +130,11 @@ def load_into(
     (default: its own): ``init_from``'s renames, export's EMA weights. Several of ours may read one source on one
     rank. ``carry`` (``fine_tune`` only): the tables whose rows are carried over by id (:class:`CarriedRows`). Returns
     ours' keys (those loaded) → the loaded values, for the optimizer and tensor holders (:meth:`TrainingParts.take`).
+
+    A ``model/`` tensor stored in another dtype than ours (embedding tables of another ``precision.embedding_data_type``
+    or ``embedding_data_type_by_feature``) is converted as it loads, with a warning naming the tables and the types
+    (:func:`note_conversions`), unless ``announce_conversion`` is off: for export, whose float32 tables are its design,
+    and a resume, whose changed settings are warned about by name already (:func:`~recsys_runner.checkpoint.resume.check_changes`).
 
     Raises:
         CheckpointError: the checkpoint does not hold what ``rule`` needs, naming the differences.
@@ -153,6 +160,9 @@ def load_into(
         if carry is not None:
             wanted, carried = _split_carried(path, index, ours, wanted, carry)
         wanted = _shared(path, index, ours, wanted, carried)
+    if announce_conversion and rule != "resume":
+        note_conversions(path, storage.tensor_dtypes(path), ours,
+                         {**wanted, **{k: src for k, (src, _) in carried.items()}}, "init_from" if rule == "fine_tune" else "loading")
     to_load: dict[str, Any] = {}
     copies: list[tuple[str, str]] = []  # (ours, source) for a source mapped to several of ours
     for k, src in wanted.items():
@@ -170,6 +180,56 @@ def load_into(
         _load_carried(storage, path, index, ours, carried)
         loaded |= {k: ours[k] for k in carried}
     return loaded
+
+
+TABLE_CONVERSION = "to fp16 every weight is rounded to 11 significant bits, to fp32 they widen exactly"
+"""What converting a stored table's weights does, said by every warning of one (a resume's, :func:`note_conversions`)."""
+
+
+def note_conversions(path: Path, saved: Mapping[str, torch.dtype], ours: Mapping[str, Any], wanted: Mapping[str, str],
+                     doing: str) -> None:
+    """Warn (on rank 0) naming each ``model/`` tensor of ``ours`` that loads from a checkpoint key of ``wanted`` saved in
+    another dtype (``saved``): its weights are converted as they load, so this run does not score with the stored run's
+    weights exactly. Why loudly: evaluate or predict with another ``precision.embedding_data_type`` would otherwise
+    report metrics of rounded tables as the stored run's, and ``init_from`` start from other weights than it names."""
+    changed: dict[tuple[str, str], list[str]] = {}
+    for k, src in wanted.items():
+        before, after = saved.get(src), _dtype(ours[k])
+        if k.startswith("model/") and before is not None and after is not None and before != after:
+            changed.setdefault((_type_name(before), _type_name(after)), []).append(_table_name(k))
+    if not changed or (dist.is_initialized() and dist.get_rank() != 0):
+        return
+    lines = "; ".join(f"{a} -> {b}: {', '.join(names[:6])}{', …' if len(names) > 6 else ''} ({len(names)} tables)"
+                      for (a, b), names in sorted(changed.items()))
+    log.warning("%s %s: its embedding tables are stored in other types than this run's precision.embedding_data_type / "
+                "embedding_data_type_by_feature, and are converted as they load: %s (%s), so scores may differ slightly "
+                "from the stored run's. Fix: to load them as stored, give the types the run that wrote it trained with",
+                doing, path, lines, TABLE_CONVERSION)
+
+
+_TYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def _type_name(dtype: torch.dtype) -> str:
+    """``dtype`` as ``precision.embedding_data_type`` names it (``fp16``), or torch's name for another."""
+    return _TYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def _table_name(key: str) -> str:
+    """The table a ``model/…<table>.weight`` key holds (``t_cat_0``), or the key for another tensor."""
+    param = key.split("/", 1)[-1]
+    if param.endswith(".weight") and (".embedding_bags." in param or ".embeddings." in param):
+        return param.removesuffix(".weight").rsplit(".", 1)[-1]
+    return param
+
+
+def _dtype(t: Any) -> torch.dtype | None:
+    """The dtype of a tensor or ShardedTensor (whose properties warn that ShardedTensor is deprecated); ``None`` for
+    another value."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        dtype = getattr(t, "dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else None
 
 
 TRAINING_ONLY = "model/weighting."

@@ -284,10 +284,11 @@ def _managed_types(table: str, chosen: list[str] | None) -> list[str]:
     return [ShardingType.ROW_WISE.value]
 
 
-_HALF_DATA_PARALLEL = ("is stored in fp16 (precision.embedding_data_type) and trained by an optimizer with state, which "
-                       "cannot be sharded data_parallel: data_parallel trains a replicated table with torch's own optimizer "
-                       "in the table's dtype, where its eps (1e-8) rounds to 0 and every row without a gradient in a step "
-                       "becomes NaN (measured on CPU with adagrad and rowwise_adagrad; sgd keeps no state)")
+_HALF_DATA_PARALLEL = ("is stored in fp16 (precision.embedding_data_type, or embedding_data_type_by_feature for its "
+                       "features) and trained by an optimizer with state, which cannot be sharded data_parallel: "
+                       "data_parallel trains a replicated table with torch's own optimizer in the table's dtype, where its "
+                       "eps (1e-8) rounds to 0 and every row without a gradient in a step becomes NaN (measured on CPU with "
+                       "adagrad and rowwise_adagrad; sgd keeps no state)")
 """Why an fp16 table trained by an optimizer with state is never ``data_parallel``."""
 
 _UNPOOLED_DATA_PARALLEL = "is read unpooled (a history's table, in an EmbeddingCollection), which cannot be sharded data_parallel"
@@ -309,7 +310,7 @@ def _without_data_parallel(table: str, types: list[str], device_type: str, chose
     usable = [t for t in offered if t != ShardingType.DATA_PARALLEL.value]
     if not usable:
         why = _UNPOOLED_DATA_PARALLEL if unpooled else _HALF_DATA_PARALLEL
-        fix = "" if unpooled else ", or precision.embedding_data_type=fp32, or optim/sparse=sgd"
+        fix = "" if unpooled else ", or fp32 for its features (precision.embedding_data_type / embedding_data_type_by_feature), or optim/sparse=sgd"
         raise ConfigError(
             f"table {table!r} {why}, and the sharding types {chosen} leave nothing else. "
             f"Fix: +distributed.tables.{table}.sharding_types=[table_wise] (or row_wise / column_wise){fix}"

@@ -7,6 +7,7 @@ Shape legend: ``B`` batch size, ``F`` number of sparse features, ``D`` embedding
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -94,17 +95,17 @@ def materialize(model: nn.Module, device: torch.device | str = "cpu") -> nn.Modu
     return model
 
 
-def store_tables(model: nn.Module, data_type: DataType) -> nn.Module:
-    """``model`` (in place) with every embedding table stored in ``data_type`` (``precision.embedding_data_type``).
+def store_tables(model: nn.Module, data_type: Callable[[str, list[str]], DataType]) -> nn.Module:
+    """``model`` (in place) with each embedding table stored in ``data_type(table name, the features reading it)``
+    (``precision.embedding_data_type`` and ``embedding_data_type_by_feature``: ``PrecisionConfig.table_data_type``).
 
-    Each table config of its ``EmbeddingBagCollection``s and ``EmbeddingCollection``s gets ``data_type``, which
+    Each table config of its ``EmbeddingBagCollection``s and ``EmbeddingCollection``s gets its type, which
     TorchRec's sharders hand to fbgemm as the kernel's ``weights_precision``, and each table's weight (on ``meta`` until
     DistributedModelParallel materializes it) takes the matching dtype, which the planner's memory estimate reads
     (``tensor.element_size()``) and an unsharded model (export) loads into. Done once, after the model is built, so that
     no model (nor a user's own) passes the setting to its tables; TorchRec's collections would otherwise make every
     table float32, and float16 for any other ``data_type`` (bfloat16 included).
     """
-    dtype = data_type_to_dtype(data_type)
     for module in model.modules():
         if isinstance(module, EmbeddingBagCollection):
             tables: list[tuple[Any, nn.EmbeddingBag | nn.Embedding]] = [
@@ -114,7 +115,8 @@ def store_tables(model: nn.Module, data_type: DataType) -> nn.Module:
         else:
             continue
         for config, table in tables:
-            config.data_type = data_type
+            config.data_type = data_type(config.name, list(config.feature_names))
+            dtype = data_type_to_dtype(config.data_type)
             weight = table.weight
             if weight.dtype != dtype:
                 table.weight = nn.Parameter(weight.detach().to(dtype), requires_grad=weight.requires_grad)

@@ -122,7 +122,8 @@ def load_weights(model: nn.Module, checkpoint: Path, ema: bool) -> None:
 
     with warnings.catch_warnings():  # "torch.distributed is … uninitialized, assuming … a single process": just so
         warnings.simplefilter("ignore", UserWarning)
-        load_into(storage_for(checkpoint), checkpoint, ours, rule="exact", sources=sources)
+        # float32 tables by design (build_unsharded): an fp16 checkpoint's widen exactly, and serve predict's scores
+        load_into(storage_for(checkpoint), checkpoint, ours, rule="exact", sources=sources, announce_conversion=False)
     restore_collision_state(model)  # a mapping saved by several row-wise shards is their sorted blocks end to end
     leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if leftover:

@@ -20,18 +20,34 @@ process-wide torch flags; on CPU they are set but change nothing (no TF32 on CPU
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torchrec.types import DataType
 
 from recsys_runner.configurable import Configurable
-from recsys_runner.errors import require
+from recsys_runner.errors import ConfigError, require
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 EMBEDDING_DATA_TYPES = {"fp32": DataType.FP32, "fp16": DataType.FP16}
-"""``precision.embedding_data_type``'s choices: TorchRec's ``DataType`` of every embedding table."""
+"""``precision.embedding_data_type``'s (and ``embedding_data_type_by_feature``'s) choices: TorchRec's ``DataType`` of an
+embedding table."""
+
+
+def _check_table_type(key: str, value: str) -> None:
+    """Refuse a table type fbgemm cannot train here (``bf16``) or that is not one of :data:`EMBEDDING_DATA_TYPES`, naming
+    ``key`` (``precision.embedding_data_type``, or ``precision.embedding_data_type_by_feature.<feature>``) and the fix."""
+    require(value != "bf16",
+            f"{key}=bf16 is not offered: fbgemm-gpu-cpu 1.8's CPU kernels have no bfloat16 table "
+            "(the first lookup fails: split_embedding_cpu_forward not implemented for BFloat16), and it is untested on "
+            f"CUDA here. Fix: {key}=fp16 (half the table "
+            "memory, as bf16), with precision=bf16 for the dense arches if you want bf16 compute")
+    require(value in EMBEDDING_DATA_TYPES,
+            f"{key}={value!r} is not one of {list(EMBEDDING_DATA_TYPES)}. "
+            f"Fix: {key}=fp16 (half the table memory) or fp32 (the default)")
 
 
 @dataclass(kw_only=True)
@@ -68,7 +84,14 @@ class PrecisionConfig(Configurable):
     embedding_data_type: str = "fp32"
     """How the embedding tables store their weights: ``fp32`` or ``fp16`` (half the table memory; TorchEasyRec's
     feature ``data_type``, TorchRec's ``EmbeddingBagConfig.data_type``, fbgemm's ``weights_precision``). Independent of
-    ``dtype``: the tables' pooled output and their optimizer state stay float32 (docs/performance.md)."""
+    ``dtype``: the tables' pooled output and their optimizer state stay float32 (docs/performance.md). The type of every
+    table no feature of ``embedding_data_type_by_feature`` reads."""
+    embedding_data_type_by_feature: dict[str, str] = field(default_factory=dict)
+    """Sparse feature name → ``fp32`` or ``fp16``: the type of the tables that feature reads (its own ``t_<name>``, a table
+    it shares (``data.sparse[].table``), and a model's tables beside it such as DeepFM's ``first_order_t_<name>``), in place
+    of ``embedding_data_type`` (TorchEasyRec's per-feature ``data_type``). On the command line
+    ``+precision.embedding_data_type_by_feature={cat_0: fp16, cat_1: fp16}``. A name no sparse feature of the data has is
+    an error naming the closest ones; features that share a table must not ask for different types."""
     allow_tf32_matmul: bool = False
     """``torch.backends.cuda.matmul.allow_tf32`` (CUDA only; torch's default is off)."""
     allow_tf32_cudnn: bool = True
@@ -77,19 +100,45 @@ class PrecisionConfig(Configurable):
     def __post_init__(self) -> None:
         require(self.dtype in _DTYPES, f"precision.dtype={self.dtype!r} is not one of {sorted(_DTYPES)}; "
                 "choose precision=fp32, precision=bf16 or precision=fp16")
-        require(self.embedding_data_type != "bf16",
-                "precision.embedding_data_type=bf16 is not offered: fbgemm-gpu-cpu 1.8's CPU kernels have no bfloat16 table "
-                "(the first lookup fails: split_embedding_cpu_forward not implemented for BFloat16), and it is untested on "
-                "CUDA here. Fix: precision.embedding_data_type=fp16 (half the table "
-                "memory, as bf16), with precision=bf16 for the dense arches if you want bf16 compute")
-        require(self.embedding_data_type in EMBEDDING_DATA_TYPES,
-                f"precision.embedding_data_type={self.embedding_data_type!r} is not one of {list(EMBEDDING_DATA_TYPES)}. "
-                f"Fix: precision.embedding_data_type=fp16 (half the table memory) or fp32 (the default)")
+        _check_table_type("precision.embedding_data_type", self.embedding_data_type)
+        for feature, value in self.embedding_data_type_by_feature.items():
+            _check_table_type(f"precision.embedding_data_type_by_feature.{feature}", value)
 
     @property
-    def table_data_type(self) -> DataType:
-        """TorchRec's ``DataType`` of every embedding table (``embedding_data_type``)."""
-        return EMBEDDING_DATA_TYPES[self.embedding_data_type]
+    def half_tables(self) -> bool:
+        """Whether any table may be stored in less than fp32 (``embedding_data_type`` or one feature's)."""
+        return any(t != "fp32" for t in (self.embedding_data_type, *self.embedding_data_type_by_feature.values()))
+
+    def check_features(self, names: Collection[str]) -> None:
+        """Refuse a feature of ``embedding_data_type_by_feature`` that is not among the data's sparse feature ``names``.
+
+        Why here, once the data is built: a data module may learn its features from its files (a Parquet schema).
+
+        Raises:
+            ConfigError: naming the unknown features, the closest of ``names`` and the valid ones.
+        """
+        unknown = [f for f in self.embedding_data_type_by_feature if f not in names]
+        if not unknown:
+            return
+        closest = {f: difflib.get_close_matches(f, list(names), n=1, cutoff=0.0) for f in unknown}
+        hints = ", ".join(f"{f!r} (closest: {c[0]})" if c else repr(f) for f, c in closest.items())
+        raise ConfigError(f"precision.embedding_data_type_by_feature names {hints}, which the data has no sparse feature of; "
+                          f"its sparse features: {', '.join(names)}. Fix: name one of them, or drop the entry")
+
+    def table_data_type(self, table: str, features: Sequence[str]) -> DataType:
+        """TorchRec's ``DataType`` of embedding table ``table``, read by ``features``: the one
+        ``embedding_data_type_by_feature`` gives them, else ``embedding_data_type``.
+
+        Raises:
+            ConfigError: two of ``features`` (sharing the table) are given different types.
+        """
+        chosen = {f: self.embedding_data_type_by_feature[f] for f in features if f in self.embedding_data_type_by_feature}
+        types = set(chosen.values())
+        if len(types) > 1:
+            raise ConfigError(f"precision.embedding_data_type_by_feature gives table {table!r} more than one type: "
+                              f"{', '.join(f'{f}: {t}' for f, t in chosen.items())}; the features {list(features)} share "
+                              f"its rows. Fix: give them one type")
+        return EMBEDDING_DATA_TYPES[types.pop() if types else self.embedding_data_type]
 
     def build(self) -> Precision:
         """The :class:`Precision` this config describes."""
@@ -119,9 +168,11 @@ class Precision:
         Why: fbgemm's CPU kernels (fbgemm-gpu-cpu 1.8) round each updated weight to the nearest fp16, with or without
         ``stochastic_rounding`` (measured: 1000 SGD steps of 1e-4 on a weight of 1.0 leave it at 1.0 in fp16, 0.9 in
         fp32), where its CUDA kernels round stochastically, so that small updates add up on average."""
-        if self.config.embedding_data_type == "fp32" or device.type != "cpu":
+        if not self.config.half_tables or device.type != "cpu":
             return None
-        return ("precision.embedding_data_type=fp16 on CPU: fbgemm's CPU kernels round every embedding update to the nearest "
+        setting = ("precision.embedding_data_type=fp16" if self.config.embedding_data_type != "fp32"
+                   else "fp16 tables of precision.embedding_data_type_by_feature")
+        return (f"{setting} on CPU: fbgemm's CPU kernels round every embedding update to the nearest "
                 "fp16 (no stochastic rounding, which its CUDA kernels use), so an update smaller than half an fp16 step of its "
                 "weight (about |w|/2048) is lost: a small optim.sparse.lr, or Adagrad's shrinking steps late in a run, may stop "
                 "training the tables. Compare eval metrics with precision.embedding_data_type=fp32 before relying on it")
