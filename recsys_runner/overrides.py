@@ -102,7 +102,8 @@ def explain(config_name: str, overrides: list[str], *, multirun: bool = False, m
             cause = e.__cause__
             message = None
             if isinstance(cause, ConfigKeyError | ConfigAttributeError) and str(e).startswith("Could not override"):
-                message = _unknown_key(config_name, chosen, single, str(cause.full_key), module)
+                message = (_map_without_plus(chosen, str(cause.full_key))
+                           or _unknown_key(config_name, chosen, single, str(cause.full_key), module))
             elif isinstance(cause, ValidationError) and str(e).startswith("Error merging override"):
                 message = _wrong_type(config_name, chosen, single, cause)
             if message is not None:
@@ -151,6 +152,19 @@ def _unknown_option(e: MissingConfigException, chosen: list[Override], module: s
     fix = f"{group}={close[0]}" if close else f"one of them, e.g. {group}={options[0]}"
     return (f"{given.input_line}: {group} has no option {option!r}{hint}; its options are {', '.join(options)}. "
             f"Fix: {fix} (python -m {module} --help lists every group)")
+
+
+def _map_without_plus(chosen: list[Override], key: str) -> str | None:
+    """``map={k: v}`` without a leading ``+`` on a free-form map (``checkpoint.name_map``,
+    ``precision.embedding_data_type_by_feature``): Hydra merges the given entries into the map, and refuses each new
+    one as "not in struct"; the fix is the ``+`` form, which adds them."""
+    for override in chosen:
+        prefix = override.key_or_group
+        if not override.is_add() and not override.is_force_add() and key.startswith(f"{prefix}.") and isinstance(override.value(), dict):
+            given = override.input_line or prefix
+            return (f"{given}: {prefix} is a map whose entries a command line adds with a leading + (Hydra merges a "
+                    f"map given with = into the existing one, which has no key {key[len(prefix) + 1:]!r}). Fix: +{given}")
+    return None
 
 
 def _unknown_key(config_name: str, chosen: list[Override], single: list[str], key: str, module: str) -> str | None:

@@ -148,6 +148,10 @@ TYPOS = {
     "a-file-options-key": (["data.sparse=[{name: tag}]"], "data.sparse=[{name: tag}]: sparse is a key of data=parquet, csv, not "
                                                           "of the data chosen"),
     "top-level": (["seedd=3"], "seedd=3: the config has no key 'seedd' (did you mean seed?). Fix: seed=3 ("),
+    "map-without-plus": (["precision.embedding_data_type_by_feature={cat_0: fp16}"],
+                         "precision.embedding_data_type_by_feature is a map whose entries a command line adds with a "
+                         "leading + (Hydra merges a map given with = into the existing one, which has no key 'cat_0'). Fix: "
+                         "+precision.embedding_data_type_by_feature={cat_0: fp16}"),
     "another-commands-key": (["load=outputs/x"], "load=outputs/x: load is a setting of python -m "
                                                  "recsys_runner.evaluate|predict|export, not of python -m recsys_runner."),
 }
@@ -167,6 +171,7 @@ def test_a_typo_is_one_line_naming_the_closest_valid_name(case: str) -> None:
 
 @pytest.mark.parametrize("overrides", [["model=dlrm", "optim.lr=0.1", "+scheduler@optim.sparse_scheduler=cosine"],
                                        ["+train.num_step=5"],  # refused by validate(), which names the fix itself
+                                       ["+distributed.tables={t_cat_0: {sharding_types: [table_wise]}}"],  # a map's fix
                                        ["metrics.eval=auc,logloss"],  # Hydra's message: brackets, quotes or --multirun
                                        ["model=dlrm", "hydra.run.dir=/tmp/x", "hydra/launcher=basic"]])
 def test_what_composes_or_hydra_reports_well_is_left_alone(overrides: list[str]) -> None:
