@@ -46,18 +46,10 @@ from recsys_runner.metrics.registry import default_objective, higher_is_better
 from recsys_runner.metrics.tasks import TaskTrainMetrics, eval_metric_keys
 from recsys_runner.models.common import TaskWeighting, TrainWrapper, store_tables
 from recsys_runner.optim.config import OptimConfig
-from recsys_runner.optim.optimizers import (
-    DENSE,
-    SPARSE,
-    GroupedOptimizer,
-    OptimizerGroup,
-    apply_sparse_optimizer,
-    decay_summary,
-    dense_optimizers,
-    sparse_accumulation_warning,
-)
+from recsys_runner.optim.optimizers import DENSE, SPARSE, GroupedOptimizer, OptimizerGroup, decay_summary, dense_optimizers
 from recsys_runner.optim.schedulers import Schedule, ScheduledLR, SchedulePosition, SchedulerConfig
 from recsys_runner.optim.schedulers import lr_scheduler as make_lr_scheduler
+from recsys_runner.optim.sparse import apply_sparse_optimizer, sparse_accumulation_warning
 from recsys_runner.runtime import Launch
 from recsys_runner.tasks import SINGLE_TASK
 from recsys_runner.tracking.tensorboard import LOGDIR_NAME, TensorBoardTracker

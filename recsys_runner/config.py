@@ -1,7 +1,7 @@
 """The config schema: dataclasses registered in Hydra's ConfigStore.
 
 Every component module owns the dataclass for its config group (``DeepFMConfig`` in
-``models/deepfm.py``, ``SparseAdagradConfig`` in ``optim/optimizers.py`` …): field defaults, field docs and
+``models/deepfm.py``, ``SparseAdagradConfig`` in ``optim/sparse.py`` …): field defaults, field docs and
 ``__post_init__`` validation live there. This module registers them as ``schema/<group>/<name>``
 and each ``conf/<group>/<name>.yaml`` extends its schema with ``/schema/<group>/<name>@_here_``,
 so YAML only chooses and overrides.
@@ -68,11 +68,16 @@ from recsys_runner.models.wide_deep import WideDeepConfig
 from recsys_runner.models.wukong import WukongConfig
 from recsys_runner.models.xdeepfm import XDeepFMConfig
 from recsys_runner.optim.config import OptimConfig
-from recsys_runner.optim.optimizers import (
-    DenseAdagradConfig,
-    DenseAdamConfig,
-    DenseAdamWConfig,
-    DenseSGDConfig,
+from recsys_runner.optim.optimizers import DenseAdagradConfig, DenseAdamConfig, DenseAdamWConfig, DenseSGDConfig
+from recsys_runner.optim.schedulers import (
+    ConstantConfig,
+    CosineConfig,
+    CosineRestartsConfig,
+    ExponentialDecayConfig,
+    ManualStepConfig,
+    SchedulerConfig,
+)
+from recsys_runner.optim.sparse import (
     SparseAdagradConfig,
     SparseAdamConfig,
     SparseLAMBConfig,
@@ -82,14 +87,6 @@ from recsys_runner.optim.optimizers import (
     SparseRowWiseAdagradConfig,
     SparseSGDConfig,
     check_sparse_on_device,
-)
-from recsys_runner.optim.schedulers import (
-    ConstantConfig,
-    CosineConfig,
-    CosineRestartsConfig,
-    ExponentialDecayConfig,
-    ManualStepConfig,
-    SchedulerConfig,
 )
 from recsys_runner.paths import register_resolvers
 from recsys_runner.stores import StorageConfig

@@ -130,7 +130,7 @@ def test_plan_logs_a_one_line_summary_and_the_full_plan_at_debug(make_cfg, caplo
     import torch
 
     from recsys_runner.models.common import TrainWrapper
-    from recsys_runner.optim.optimizers import apply_sparse_optimizer
+    from recsys_runner.optim.sparse import apply_sparse_optimizer
 
     run = validate(make_cfg("tracking=none"))
     data = run.data.for_model(run.model.data_needs()).build()
