@@ -44,7 +44,8 @@ from recsys_runner.errors import CheckpointError, ConfigError
 from recsys_runner.features import FeatureSpec
 from recsys_runner.metrics.registry import default_objective, higher_is_better
 from recsys_runner.metrics.tasks import TaskTrainMetrics, eval_metric_keys
-from recsys_runner.models.common import TaskWeighting, TrainWrapper, store_tables
+from recsys_runner.models.common import store_tables
+from recsys_runner.models.train_wrapper import TaskWeighting, TrainWrapper
 from recsys_runner.optim.config import OptimConfig
 from recsys_runner.optim.optimizers import DENSE, SPARSE, GroupedOptimizer, OptimizerGroup, decay_summary, dense_optimizers
 from recsys_runner.optim.schedulers import Schedule, ScheduledLR, SchedulePosition, SchedulerConfig

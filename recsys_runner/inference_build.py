@@ -31,7 +31,7 @@ from recsys_runner.config import RunConfig, check_eval_keys
 from recsys_runner.data.base import DataModule
 from recsys_runner.distributed.env import DistEnv, decided_on_rank0
 from recsys_runner.distributed.sharding import Distributed
-from recsys_runner.models.common import TrainWrapper
+from recsys_runner.models.train_wrapper import TrainWrapper
 from recsys_runner.runtime import Launch
 from recsys_runner.tasks import Task
 from recsys_runner.tracking.tracker import NullTracker, Tracker

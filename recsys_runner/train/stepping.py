@@ -60,7 +60,7 @@ from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from recsys_runner.errors import require
 from recsys_runner.metrics.tasks import TaskTrainMetrics
-from recsys_runner.models.common import TaskWeighting
+from recsys_runner.models.train_wrapper import TaskWeighting
 from recsys_runner.optim.optimizers import GroupedOptimizer
 from recsys_runner.optim.schedulers import ScheduledLR
 from recsys_runner.train.ema import DenseEMA
