@@ -31,7 +31,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from recsys_runner import stores, uris
-from recsys_runner.config import check_known_keys, flatten, register_configs, to_yaml, validate
+from recsys_runner.config import flatten, register_configs, to_yaml, validate
+from recsys_runner.config_keys import check_known_keys
 from recsys_runner.data.base import SplitFiles
 from recsys_runner.data.encoding.stored import ENCODERS_FILE
 from recsys_runner.errors import CheckpointError, ConfigError, UserError

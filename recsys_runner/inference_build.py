@@ -25,13 +25,14 @@ from torchrec.optim.keyed import CombinedOptimizer
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from recsys_runner import stores
-from recsys_runner.build import build_data, build_model, build_tracker, seed_everything, with_catalogue
+from recsys_runner.build import build_model, build_tracker, seed_everything, with_catalogue
 from recsys_runner.checkpoint.config import TrainState
 from recsys_runner.config import RunConfig, check_eval_keys
 from recsys_runner.data.base import DataModule
+from recsys_runner.data_build import build_data
 from recsys_runner.distributed.env import DistEnv, decided_on_rank0
 from recsys_runner.distributed.sharding import Distributed
-from recsys_runner.models.common import TrainWrapper
+from recsys_runner.models.train_wrapper import TrainWrapper
 from recsys_runner.runtime import Launch
 from recsys_runner.tasks import Task
 from recsys_runner.tracking.tracker import NullTracker, Tracker

@@ -2,7 +2,7 @@
 
 Hydra reports its own composition errors in its own words, which leave a newcomer stuck: ``optim.lrr=0.1`` gets
 "Key 'lrr' not in 'OptimConfig' … To append to your config use +optim.lrr=0.1" (advice the runner then refuses:
-:func:`~recsys_runner.config.check_known_keys`), ``model=deepfmm`` the list of all 21 models, and
+:func:`~recsys_runner.config_keys.check_known_keys`), ``model=deepfmm`` the list of all 21 models, and
 ``python -m recsys_runner evaluate`` "missing EQUAL at '<EOF>'". :func:`check_command_line` composes the overrides as
 Hydra will, and for these mistakes — a key the config does not have (or another command's), an option a group does not
 have, a value the key's type cannot take (a list key given one value without brackets), a word that is not an override

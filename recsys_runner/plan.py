@@ -26,7 +26,7 @@ from recsys_runner.distributed.plan_report import PlanReport
 from recsys_runner.distributed.sharding import Distributed
 from recsys_runner.errors import reported
 from recsys_runner.noise import quiet_known_noise
-from recsys_runner.optim.optimizers import apply_sparse_optimizer
+from recsys_runner.optim.sparse import apply_sparse_optimizer
 from recsys_runner.overrides import check_command_line
 from recsys_runner.paths import CONFIG_PATH
 

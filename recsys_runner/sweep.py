@@ -30,7 +30,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from recsys_runner.build import planned_eval_keys
-from recsys_runner.config import RunConfig, check_override_key, check_swept_keys, is_key_override, validate
+from recsys_runner.config import RunConfig, validate
+from recsys_runner.config_keys import check_override_key, check_swept_keys, is_key_override
 from recsys_runner.errors import ConfigError, reported
 from recsys_runner.metrics.registry import default_objective
 from recsys_runner.tracking.sweep import MlflowSweepCallback
@@ -74,7 +75,7 @@ def _validated(job: DictConfig, label: str) -> RunConfig:
 
 class SweptKeysCheck(Callback):
     """``hydra.callbacks.swept_keys`` (``conf/config.yaml``, before ``mlflow_sweep``): when a multirun starts,
-    :func:`~recsys_runner.config.check_swept_keys` and :func:`check_group_option_keys`, their one line and exit 2 (as
+    :func:`~recsys_runner.config_keys.check_swept_keys` and :func:`check_group_option_keys`, their one line and exit 2 (as
     every command's config error) before the parent run exists."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:

@@ -2,7 +2,7 @@
 
 A task kind is a class: it owns its loss, how it turns a model output and the batch's labels into
 its targets and into the ``(preds, targets)`` the metrics read, and its default metrics. Models
-(``models/``) say which tasks they have; the :class:`~recsys_runner.models.common.TrainWrapper` and
+(``models/``) say which tasks they have; the :class:`~recsys_runner.models.train_wrapper.TrainWrapper` and
 the metrics (``metrics/tasks.py``) call these methods and never branch on a kind. Both depend on this
 module; it depends on neither.
 

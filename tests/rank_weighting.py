@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 import recsys_runner.__main__ as entry
-from recsys_runner.models.common import TaskWeighting
+from recsys_runner.models.train_wrapper import TaskWeighting
 from recsys_runner.train.loop import Loop
 
 _train = entry.train

@@ -17,8 +17,9 @@ from recsys_runner.distributed.sharding import Distributed
 from recsys_runner.errors import ConfigError
 from recsys_runner.models.common import ModelConfig
 from recsys_runner.optim.config import OptimConfig
-from recsys_runner.optim.optimizers import DenseOptimizerConfig, SparseOptimizerConfig
+from recsys_runner.optim.optimizers import DenseOptimizerConfig
 from recsys_runner.optim.schedulers import Schedule, SchedulerConfig
+from recsys_runner.optim.sparse import SparseOptimizerConfig
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.tracking.tracker import MlflowTracker, NullTracker
 

@@ -24,9 +24,10 @@ from recsys_runner.errors import ConfigError
 from recsys_runner.metrics.corpus import corpus_ranks
 from recsys_runner.metrics.registry import MetricsConfig, metric_entry
 from recsys_runner.metrics.retrieval import Ranked, target_ranks
-from recsys_runner.models.common import TrainWrapper, materialize
+from recsys_runner.models.common import materialize
 from recsys_runner.models.dssm import DSSM, DSSMConfig, first_ids
 from recsys_runner.models.frequency import FrequencyEstimator
+from recsys_runner.models.train_wrapper import TrainWrapper
 from recsys_runner.train.corpus import CorpusEval
 from tests.conftest import TINY, torchrun
 from tests.test_evaluate import compose_entry

@@ -59,7 +59,7 @@ def test_bad_planner_settings(make_cfg, override: str, message: str) -> None:
 def test_planner_knobs_reach_the_topology(make_cfg) -> None:
     import torch
 
-    from recsys_runner.models.common import TrainWrapper
+    from recsys_runner.models.train_wrapper import TrainWrapper
 
     cfg = make_cfg("distributed.intra_node_bandwidth_gbps=100", "distributed.cross_node_bandwidth_gbps=5", "distributed.hbm_cap_gb=2",
                    "distributed.ddr_cap_gb=3", "distributed.planner_batch_size=4096", "tracking=none")
@@ -129,8 +129,8 @@ def test_plan_logs_a_one_line_summary_and_the_full_plan_at_debug(make_cfg, caplo
 
     import torch
 
-    from recsys_runner.models.common import TrainWrapper
-    from recsys_runner.optim.optimizers import apply_sparse_optimizer
+    from recsys_runner.models.train_wrapper import TrainWrapper
+    from recsys_runner.optim.sparse import apply_sparse_optimizer
 
     run = validate(make_cfg("tracking=none"))
     data = run.data.for_model(run.model.data_needs()).build()

@@ -33,8 +33,9 @@ from recsys_runner.configurable import make
 from recsys_runner.data.generated.synthetic import SyntheticData
 from recsys_runner.data.generated.synthetic_config import SyntheticDataConfig
 from recsys_runner.errors import ConfigError, DataError
-from recsys_runner.models.common import TrainWrapper, materialize
+from recsys_runner.models.common import materialize
 from recsys_runner.models.esmm import ESMM, ESMMConfig, product_logit
+from recsys_runner.models.train_wrapper import TrainWrapper
 from recsys_runner.tasks import BinaryTask
 from recsys_runner.train.loop import train
 from recsys_runner.train.signals import Interrupted

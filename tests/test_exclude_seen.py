@@ -25,8 +25,8 @@ from recsys_runner.data.generated.synthetic_sequences import SyntheticSequencesC
 from recsys_runner.errors import ConfigError
 from recsys_runner.metrics.corpus import corpus_ranks
 from recsys_runner.metrics.registry import MetricsConfig, build_eval_metrics
-from recsys_runner.models.common import TrainWrapper
 from recsys_runner.models.sasrec import SASRec, SASRecConfig
+from recsys_runner.models.train_wrapper import TrainWrapper
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.train.corpus import two_tower_of, use_ranking_protocol
 from tests.conftest import torchrun

@@ -21,9 +21,9 @@ from recsys_runner.configurable import make
 from recsys_runner.data.__main__ import main as data_main
 from recsys_runner.data.files.tabular import ParquetData
 from recsys_runner.data.files.tabular_config import ParquetDataConfig
-from recsys_runner.models.common import TrainWrapper
 from recsys_runner.models.hstu import HSTUBlock, RelativeBias, time_buckets
 from recsys_runner.models.sasrec import SASRec, SASRecConfig, query_and_key_times
+from recsys_runner.models.train_wrapper import TrainWrapper
 
 
 def spread_log(num_users: int = 24, seed: int = 0) -> pa.Table:

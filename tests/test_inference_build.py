@@ -15,7 +15,7 @@ from recsys_runner import build as training_build
 from recsys_runner.__main__ import run as train
 from recsys_runner.config import validate
 from recsys_runner.inference_build import Inference, build_inference
-from recsys_runner.optim import optimizers
+from recsys_runner.optim import optimizers, sparse
 from recsys_runner.train import pipeline
 
 TRAINING_ONLY = {"optimizer", "lr_scheduler", "policy", "pipeline", "stepper", "loop", "early_stopping", "train_metrics"}
@@ -35,7 +35,7 @@ def test_inference_builds_no_optimizer_and_scores_like_training(make_cfg: Callab
     final = {k: v for k, v in trained.data.metrics.items() if k.startswith("eval/")}
 
     for module, names in ((training_build, ("apply_sparse_optimizer", "dense_optimizers", "make_pipeline", "make_lr_scheduler")),
-                          (optimizers, ("apply_sparse_optimizer", "dense_optimizers")), (pipeline, ("make_pipeline",))):
+                          (sparse, ("apply_sparse_optimizer",)), (optimizers, ("dense_optimizers",)), (pipeline, ("make_pipeline",))):
         for name in names:
             monkeypatch.setattr(module, name, _training_only)
     built = build_inference(validate(cfg), weights=tmp_path / "ck" / "step_00000030")

@@ -19,7 +19,7 @@ from recsys_runner.build import build
 from recsys_runner.config import validate
 from recsys_runner.data.memory import InMemoryData
 from recsys_runner.errors import ConfigError
-from recsys_runner.models.common import TrainWrapper
+from recsys_runner.models.train_wrapper import TrainWrapper
 from recsys_runner.tasks import BinaryTask, HuberTask
 from recsys_runner.train.loop import train
 from recsys_runner.train.signals import Interrupted

@@ -15,7 +15,7 @@ from recsys_runner.configurable import make
 from recsys_runner.data.generated.synthetic import SyntheticData
 from recsys_runner.data.generated.synthetic_config import SyntheticDataConfig
 from recsys_runner.errors import ConfigError
-from recsys_runner.models.common import TrainWrapper
+from recsys_runner.models.train_wrapper import TrainWrapper
 from recsys_runner.tasks import BinaryTask, RegressionTask
 from recsys_runner.train.loop import train
 from tests.conftest import FixedHeads

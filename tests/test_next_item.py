@@ -26,8 +26,8 @@ from recsys_runner.errors import ConfigError
 from recsys_runner.metrics.registry import MetricsConfig, build_eval_metrics, higher_is_better, metric_entry
 from recsys_runner.metrics.retrieval import RecallAtK, target_ranks
 from recsys_runner.metrics.tasks import eval_metric_keys
-from recsys_runner.models.common import TrainWrapper
 from recsys_runner.models.sasrec import SASRec, SASRecConfig
+from recsys_runner.models.train_wrapper import TrainWrapper
 from recsys_runner.tasks import NextItemTask
 from tests.conftest import free_port
 

@@ -165,7 +165,7 @@ def test_gpu_only_fused_optimizers_say_so_on_cpu(make_cfg, name: str) -> None:
 def test_lars_sgd_with_checkpoints_is_refused_on_cuda(make_cfg) -> None:
     from omegaconf import OmegaConf
 
-    from recsys_runner.optim.optimizers import check_sparse_on_device
+    from recsys_runner.optim.sparse import check_sparse_on_device
 
     # validate() resolves distributed.device=cuda without touching a GPU
     with pytest.raises(ConfigError, match=r"optim/sparse=lars_sgd \(LarsSGD\) cannot be checkpointed: TorchRec cannot export its "
@@ -188,7 +188,7 @@ def test_fused_kwargs_reach_fbgemm_as_its_enum(make_cfg) -> None:
     from omegaconf import OmegaConf
 
     from recsys_runner.optim.compat import WeightDecayMode
-    from recsys_runner.optim.optimizers import SparseLAMBConfig
+    from recsys_runner.optim.sparse import SparseLAMBConfig
 
     cfg = make_cfg("optim/sparse=lamb", "optim.sparse.weight_decay=0.01", "optim.sparse.weight_decay_mode=decouple",
                    "optim.sparse.gradient_clipping=true", "optim.sparse.max_gradient=5")

@@ -90,7 +90,7 @@ def test_training_in_a_pipe_logs_plain_lines_and_no_known_noise(tmp_path: Path) 
 def test_planner_stats_table_only_at_debug(make_cfg, caplog: pytest.LogCaptureFixture) -> None:
     import torch
 
-    from recsys_runner.models.common import TrainWrapper
+    from recsys_runner.models.train_wrapper import TrainWrapper
 
     run = validate(make_cfg("tracking=none"))
     data = run.data.for_model(run.model.data_needs()).build()

@@ -17,10 +17,10 @@ from recsys_runner.configurable import make
 from recsys_runner.data.generated.synthetic_sequences import SyntheticSequencesConfig
 from recsys_runner.errors import ConfigError
 from recsys_runner.metrics.registry import MetricsConfig, build_eval_metrics
-from recsys_runner.models.common import TrainWrapper
 from recsys_runner.models.dssm import DSSMConfig
 from recsys_runner.models.ranking_eval import distinct_seen, sampled_negatives, seen_ids
 from recsys_runner.models.sasrec import SASRec, SASRecConfig
+from recsys_runner.models.train_wrapper import TrainWrapper
 from recsys_runner.train.corpus import sampled_ranks
 from tests.test_evaluate import compose_entry
 from tests.test_exclude_seen import NUM_ITEMS, as_tower_keys, brute_force, tower_rows, train_two_tower

@@ -27,8 +27,8 @@ from recsys_runner.data.schema_files import stored_schema
 from recsys_runner.data.sequences.mapping import load_mapping, mapping_folder, raw_ids
 from recsys_runner.data.sequences.splits import rows_kind
 from recsys_runner.errors import ConfigError
-from recsys_runner.models.common import TrainWrapper
 from recsys_runner.models.sasrec import SASRec, SASRecConfig
+from recsys_runner.models.train_wrapper import TrainWrapper
 
 
 def distinct_times_log(num_users: int = 30, seed: int = 0) -> pa.Table:

@@ -293,7 +293,7 @@ def test_a_key_an_option_of_a_swept_group_lacks_is_a_config_error_before_the_par
 def test_swept_keys_that_exist_or_go_into_free_form_maps_pass(make_cfg) -> None:
     """What :func:`check_swept_keys` leaves alone: existing keys, a key added to a free-form map, config groups and the
     keys under a swept group (each job's option decides), Hydra's own keys."""
-    from recsys_runner.config import check_swept_keys
+    from recsys_runner.config_keys import check_swept_keys
 
     config = make_cfg()
     OmegaConf.set_struct(config, False)

@@ -23,8 +23,8 @@ from recsys_runner.config import validate
 from recsys_runner.errors import ConfigError, DataError
 from recsys_runner.metrics.registry import MetricsConfig
 from recsys_runner.metrics.tasks import TaskEvalMetrics, TaskTrainMetrics, check_task_metrics
-from recsys_runner.models.common import TrainWrapper
 from recsys_runner.models.multitask import MultiTaskConfig
+from recsys_runner.models.train_wrapper import TrainWrapper
 from recsys_runner.tasks import BinaryTask, MulticlassTask, Task, output_columns
 from recsys_runner.train.loop import train
 from tests.conftest import FixedHeads, free_port

@@ -98,7 +98,7 @@ def test_cache_load_factor_must_be_a_share(make_cfg) -> None:
 def test_cache_load_factor_without_a_cached_table_warns(make_cfg, caplog: pytest.LogCaptureFixture) -> None:
     import torch
 
-    from recsys_runner.models.common import TrainWrapper
+    from recsys_runner.models.train_wrapper import TrainWrapper
 
     run = validate(make_cfg("distributed.cache_load_factor=0.3", "tracking=none"))
     data = run.data.for_model(run.model.data_needs()).build()

@@ -31,12 +31,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
 
 from recsys_runner.__main__ import run as train
-from recsys_runner.build import REFIT_FILE, Components, build
+from recsys_runner.build import Components, build
 from recsys_runner.checkpoint.storage import DcpFileStorage, list_checkpoints
 from recsys_runner.checkpoint.weights import CarriedRows, load_into
 from recsys_runner.config import validate
 from recsys_runner.data.encoding.stored import ENCODERS_FILE, from_json
 from recsys_runner.data.encoding.vocabulary import Vocabulary, carry_rows
+from recsys_runner.data_build import REFIT_FILE
 from recsys_runner.errors import ConfigError
 from tests.conftest import REPO
 from tests.test_evaluate import compose_entry

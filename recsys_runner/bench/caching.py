@@ -55,8 +55,8 @@ from recsys_runner.build import Components, build_model
 from recsys_runner.data.memory import InMemoryData
 from recsys_runner.distributed.config import resolve_device_type
 from recsys_runner.distributed.plan_report import PlanReport
-from recsys_runner.models.common import TrainWrapper
-from recsys_runner.optim.optimizers import apply_sparse_optimizer
+from recsys_runner.models.train_wrapper import TrainWrapper
+from recsys_runner.optim.sparse import apply_sparse_optimizer
 
 _GB = 1024**3
 

@@ -56,8 +56,9 @@ from recsys_runner.data.base import DataModule
 from recsys_runner.data.generated.generate import write_criteo_parquet
 from recsys_runner.data.generated.synthetic import SyntheticData
 from recsys_runner.data.memory import InMemoryData
-from recsys_runner.models.common import TrainWrapper
-from recsys_runner.optim.optimizers import DenseAdagradConfig, SparseAdagradConfig
+from recsys_runner.models.train_wrapper import TrainWrapper
+from recsys_runner.optim.optimizers import DenseAdagradConfig
+from recsys_runner.optim.sparse import SparseAdagradConfig
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.tracking.tracker import NullTracker
 from recsys_runner.train.loop import Loop, train

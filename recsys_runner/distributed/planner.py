@@ -320,7 +320,7 @@ def _without_data_parallel(table: str, types: list[str], device_type: str, chose
 
 def _half_trained_tables(model: nn.Module) -> set[str]:
     """The tables of ``model`` stored in less than fp32 (``precision.embedding_data_type``) whose in-backward optimizer
-    (:func:`~recsys_runner.optim.optimizers.apply_sparse_optimizer`) keeps state: all but SGD. None before an optimizer is
+    (:func:`~recsys_runner.optim.sparse.apply_sparse_optimizer`) keeps state: all but SGD. None before an optimizer is
     attached (evaluate, predict: no step, any sharding scores alike)."""
     half: set[str] = set()
     for module in model.modules():

@@ -1,4 +1,5 @@
-"""Model zoo: one module per architecture, built from the named parts in ``common``.
+"""Model zoo: one module per architecture, built from the named parts in ``common``; ``train_wrapper`` is how every
+model is trained (its tasks' losses, ``(loss, output)`` for TorchRec's pipelines).
 
 Each model has a config dataclass (a :class:`~recsys_runner.models.common.ModelConfig`, the schema of
 ``conf/model/<name>.yaml``) that declares its hyperparameters once. The model's constructor takes that

@@ -19,8 +19,9 @@ from omegaconf import MISSING
 
 from recsys_runner.configurable import config_class, locate_class, make
 from recsys_runner.errors import ConfigError, require
-from recsys_runner.optim.optimizers import DENSE_CONFIGS, DenseOptimizerConfig, SparseOptimizerConfig
+from recsys_runner.optim.optimizers import DENSE_CONFIGS, DenseOptimizerConfig
 from recsys_runner.optim.schedulers import SchedulerConfig
+from recsys_runner.optim.sparse import SparseOptimizerConfig
 
 C = TypeVar("C")
 

@@ -18,7 +18,7 @@ embedding tables still take one update per micro-batch: for SGD it is ``1/N``-si
 the large-batch update except that later micro-batches see already-updated rows; every other fused
 optimizer normalizes the gradient (Adagrad, Adam: ``g / sqrt(sum g²)``; LAMB, LARS: a trust ratio),
 so the ``1/N`` cancels and each micro-batch is a full-size step, exactly as without accumulation
-(the builder warns: :func:`~recsys_runner.optim.optimizers.sparse_accumulation_warning`). Likewise clipping (``train.clip_grad``)
+(the builder warns: :func:`~recsys_runner.optim.sparse.sparse_accumulation_warning`). Likewise clipping (``train.clip_grad``)
 applies to the dense gradients only; the embedding kernels clip per element with
 ``optim.sparse.gradient_clipping``/``max_gradient``.
 
@@ -60,7 +60,7 @@ from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from recsys_runner.errors import require
 from recsys_runner.metrics.tasks import TaskTrainMetrics
-from recsys_runner.models.common import TaskWeighting
+from recsys_runner.models.train_wrapper import TaskWeighting
 from recsys_runner.optim.optimizers import GroupedOptimizer
 from recsys_runner.optim.schedulers import ScheduledLR
 from recsys_runner.train.ema import DenseEMA

@@ -1,7 +1,7 @@
 """How a multi-task model's task losses are weighted: ``train.loss_weighting`` (fixed, uncertainty, Pareto).
 
-The :class:`~recsys_runner.models.common.TrainWrapper` owns the weighting (a
-:class:`~recsys_runner.models.common.TaskWeighting`), so learned log-variances are dense parameters that the dense
+The :class:`~recsys_runner.models.train_wrapper.TrainWrapper` owns the weighting (a
+:class:`~recsys_runner.models.train_wrapper.TaskWeighting`), so learned log-variances are dense parameters that the dense
 optimizer trains and the Pareto weights are buffers saved with the model; the step counter is saved per rank
 (:class:`WeightingPosition`).
 
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from recsys_runner.errors import ConfigError, require
-from recsys_runner.models.common import TaskWeighting
+from recsys_runner.models.train_wrapper import TaskWeighting
 from recsys_runner.tasks import Task
 
 __all__ = ["KINDS", "LossWeightingConfig", "ParetoWeighting", "UncertaintyWeighting", "WeightingPosition", "min_norm_weights"]

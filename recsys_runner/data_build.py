@@ -1,0 +1,126 @@
+"""The run's data module, encoded as its checkpoint says: by the encoders stored with the checkpoint a training resumes
+or fine-tunes from (or evaluate/predict load), else by encoders fitted now; with ``data.vocabulary=refit`` fitted anew,
+and each table's trained rows carried over by id (:data:`REFIT_FILE` records what was carried).
+
+Shared by the training build (:func:`recsys_runner.build.build`) and the inference build
+(:func:`recsys_runner.inference_build.build_inference`); one step of their fixed order, apart because what a checkpoint
+stores of the data (vocabularies, statistics, row carry-over) is its own concern.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from recsys_runner import stores, uris
+from recsys_runner.checkpoint.policy import Checkpointer
+from recsys_runner.checkpoint.weights import CarriedRows
+from recsys_runner.config import RunConfig
+from recsys_runner.data.base import DataConfig, DataModule
+from recsys_runner.data.encoding.stored import ENCODERS_FILE, StoredEncoders, from_json, read_stored
+from recsys_runner.data.encoding.vocabulary import RowCarry, carry_rows
+from recsys_runner.data.files.tabular_config import TabularDataConfig
+from recsys_runner.errors import CheckpointError, ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def build_data(run: RunConfig, device: torch.device, source: Path | None, checkpointer: Checkpointer | None = None) -> DataModule:
+    """The data module, its files encoded by the encoders stored in checkpoint ``source`` (the one a training resumes,
+    or ``init_from``'s; the one evaluate/predict load) when there is one, else by encoders fitted now; with
+    ``checkpointer`` (a training) those are written into each checkpoint it saves (:mod:`recsys_runner.data.encoding.stored`).
+    With ``data.vocabulary=refit`` and ``init_from`` they are fitted now too, and the checkpointer is told which tables'
+    trained rows to carry over by id (:func:`_refit`).
+
+    A checkpoint written before encoders were stored gets a warning: its encoders are fitted on the data again, and
+    files that changed since its training give its ids other rows."""
+    config = run.served_data
+    refit = checkpointer is not None and isinstance(config, TabularDataConfig) and config.vocabulary == "refit"
+    if refit and run.checkpoint.resume not in ("auto", "never"):
+        raise ConfigError(f"data.vocabulary=refit fits the vocabularies anew for a run that starts from checkpoint.init_from, but "
+                          f"checkpoint.resume={run.checkpoint.resume} continues a run, whose trained rows belong to the ids of the "
+                          f"vocabulary stored with it (a resume keeps it, by design). Fix: drop data.vocabulary=refit to resume, or "
+                          f"fine-tune on the new files: checkpoint.init_from=<that checkpoint> checkpoint.resume=never data.vocabulary=refit")
+    if checkpointer is not None and source is not None and checkpointer.resuming():
+        _keep_refit_record(checkpointer, source)
+        if refit:  # e.g. the relaunch of a preempted refit fine-tune, whose resume command repeats its overrides
+            log.warning("data.vocabulary=refit has no effect on a resumed run: resuming %s continues with the vocabulary stored "
+                        "there (the one its run fitted when it started); refit applies when a run starts from checkpoint.init_from",
+                        source)
+            refit = False
+    elif refit and source is None:
+        log.info("data.vocabulary=refit without checkpoint.init_from: the encoders are fitted on the files, as for any new run")
+    stored = read_stored(source) if source is not None else None
+    if refit and source is not None:
+        assert checkpointer is not None
+        return _refit(config, device, checkpointer, source, stored)
+    if source is not None and stored is None and config.takes_encoders():
+        log.warning("checkpoint %s stores no data encoders (it was written before they were): they are fitted on the data "
+                    "again, as when it was trained. If the files changed since (rows appended, a new day), ids may map to other "
+                    "rows than the ones it trained", source)
+    data: DataModule = config.build(device=device, encoders=stored)
+    if checkpointer is not None:
+        checkpointer.data_shards = data.shards_per_rank()
+    if checkpointer is not None and (document := data.encoders_document()) is not None:  # evaluate/predict save nothing
+        checkpointer.files[ENCODERS_FILE] = document  # the training run also logs it to MLflow (recsys_runner.__main__)
+    return data
+
+
+REFIT_FILE = "vocabulary_refit.json"
+"""Written beside ``encoders.json`` into the checkpoints of a ``data.vocabulary=refit`` fine-tune (and so logged to its
+MLflow run): the checkpoint it started from and, per table, the rows carried over, the new ids and the ids dropped."""
+
+
+def _keep_refit_record(checkpointer: Checkpointer, resumed: Path) -> None:
+    """A resumed ``data.vocabulary=refit`` fine-tune keeps writing its :data:`REFIT_FILE` into its checkpoints."""
+    try:
+        checkpointer.files[REFIT_FILE] = stores.read_bytes(uris.join(str(resumed), REFIT_FILE), CheckpointError)
+    except FileNotFoundError:
+        pass  # not a refit fine-tune
+
+
+def _refit(config: DataConfig, device: torch.device, checkpointer: Checkpointer, source: Path,
+           stored: StoredEncoders | None) -> DataModule:
+    """``data.vocabulary=refit`` with ``init_from`` ``source``: the data with every encoder fitted anew on its files (a
+    new run's vocabularies, table sizes, boundaries and statistics), and the checkpointer's :class:`CarriedRows`: per
+    table with a vocabulary now or in ``source``, the trained row each of its rows starts from (all fresh for a table
+    with a vocabulary on one side only: its rows are positions of hashed values on the other).
+
+    Raises:
+        CheckpointError: ``source`` stores no encoders, so which id trained which row is unknown.
+    """
+    if stored is None:
+        raise CheckpointError(f"data.vocabulary=refit carries trained rows over by id, but checkpoint {source} stores no data "
+                              f"encoders (it was written before they were), so which id trained which row is unknown. Fix: "
+                              f"data.vocabulary=keep (its encoders are then fitted on the files again, with a warning)")
+    data: DataModule = config.build(device=device)
+    document = data.encoders_document()
+    assert document is not None, "file data stores its encoders"
+    new = from_json(document, "the encoders fitted now")[0]
+    old = stored.schema
+    tables: dict[str, RowCarry] = {}
+    for col in new.sparse:
+        now, then = new.vocabularies.get(col.name), old.vocabularies.get(col.name)
+        if col.table_name in tables or (now is None and then is None):
+            continue
+        if now is not None and then is not None:
+            tables[col.table_name] = carry_rows(then, now)
+        else:
+            assert col.num_embeddings is not None  # sized when fitted
+            tables[col.table_name] = RowCarry(np.full(col.num_embeddings, -1, dtype=np.int64), carried=0, new=now.size if now else 0,
+                                              dropped=then.size if then else 0, oov_carried=False)
+            log.warning("data.vocabulary=refit: %s has a vocabulary %s only (encoding=%s now), so its rows start fresh", col.table_name,
+                        "now" if now else f"in {source}", col.encoding)
+    if not tables:  # e.g. Parquet written by convert: its ids are encoded already, so there is no id -> row to refit
+        log.warning("data.vocabulary=refit has nothing to carry over: no table has a vocabulary (encoding=vocab) in these files "
+                    "or in %s, so every trained row loads at its position, as with data.vocabulary=keep", source)
+    checkpointer.carry = CarriedRows(tables, frozenset(c.table_name for c in new.sparse))
+    checkpointer.files[ENCODERS_FILE] = document
+    checkpointer.files[REFIT_FILE] = json.dumps({"init_from": str(source), "tables": {
+        t: {"carried": c.carried, "new": c.new, "dropped": c.dropped, "oov_carried": c.oov_carried} for t, c in tables.items()}},
+        indent=1).encode()
+    return data
