@@ -274,11 +274,12 @@ def build_model(run: RunConfig, features: FeatureSpec, device: torch.device) -> 
 
 def with_catalogue(model: ModelT, data: DataModule) -> ModelT:
     """``model``, handed the data's item ids and popularity (``None`` when the data has no catalogue) when it reads them
-    (``use_catalogue``: a two-tower model's logQ from the item counts)."""
+    (``use_catalogue``: a two-tower model's logQ from the item counts), as copies: the catalogue's arrays may be
+    read-only views of Arrow buffers, which ``torch.from_numpy`` warns of."""
     use = getattr(model, "use_catalogue", None)
     table = data.item_table() if use is not None else None
     if use is not None:
-        use(*((None, None) if table is None else (torch.from_numpy(table.ids), torch.from_numpy(table.popularity))))
+        use(*((None, None) if table is None else (torch.tensor(table.ids), torch.tensor(table.popularity))))
     return model
 
 
