@@ -42,15 +42,9 @@ from typing import Any
 from recsys_runner.errors import ConfigError
 from recsys_runner.metrics.registry import best_first_key, higher_is_better
 from recsys_runner.tracking.store import UI_PORT, missing_store, resolve_uri, ui_lines, ui_url
-from recsys_runner.tracking.sweep import (
-    EXPECTED_JOBS_TAG,
-    FAILED_JOBS_TAG,
-    SWEEP_PARENT_TAG,
-    finish_parent,
-    summarize,
-    sweep_objective,
-)
+from recsys_runner.tracking.sweep import EXPECTED_JOBS_TAG, FAILED_JOBS_TAG
 from recsys_runner.tracking.sweep_jobs import end_dead_runs, slurm_jobs_ended
+from recsys_runner.tracking.sweep_summary import SWEEP_PARENT_TAG, finish_parent, summarize, sweep_objective
 from recsys_runner.tracking.tracker import MlflowTrackingConfig
 
 DEFAULT_METRICS = ("eval/auc", "eval/logloss", "train/loss")

@@ -94,7 +94,7 @@ from recsys_runner.optim.schedulers import (
 from recsys_runner.paths import register_resolvers
 from recsys_runner.stores import StorageConfig
 from recsys_runner.tasks import Task
-from recsys_runner.tracking.sweep import sweep_overrides
+from recsys_runner.tracking.sweep_names import sweep_overrides
 from recsys_runner.tracking.tracker import MlflowTrackingConfig, NoTrackingConfig, TrackingConfig
 from recsys_runner.train.compile import check_compile
 from recsys_runner.train.config import TrainConfig

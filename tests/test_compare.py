@@ -12,8 +12,10 @@ from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
 from recsys_runner import compare
-from recsys_runner.tracking.sweep import EXPECTED_JOBS_TAG, JOB_NUM_TAG, SWEEP_PARENT_TAG, SWEPT_KEYS_TAG
+from recsys_runner.tracking.sweep import EXPECTED_JOBS_TAG
 from recsys_runner.tracking.sweep_jobs import JOB_END_TAG, SLURM_JOB_IDS_TAG, SUBMITIT_FOLDER_TAG
+from recsys_runner.tracking.sweep_names import JOB_NUM_TAG, SWEPT_KEYS_TAG
+from recsys_runner.tracking.sweep_summary import SWEEP_PARENT_TAG
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -10,7 +10,7 @@ A job killed from outside — ``scancel``, a time limit, an OOM kill, SIGKILL �
 (:func:`recsys_runner.lifecycle.tracked_run`), which would stay RUNNING in MLflow for ever, without an end time. The side
 that sees the job die ends it (:func:`end_dead_runs`): the waiting launchers (``submitit_slurm``, ``submitit_local``) once
 their jobs have ended, and ``collect`` when SLURM says a job has. A job's run is found by its number in the sweep
-(:data:`~recsys_runner.tracking.sweep.JOB_NUM_TAG`); only jobs seen ended are looked at, so a run whose job still runs
+(:data:`~recsys_runner.tracking.sweep_names.JOB_NUM_TAG`); only jobs seen ended are looked at, so a run whose job still runs
 is never touched.
 """
 
@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from recsys_runner.tracking.sweep import JOB_NUM_TAG
+from recsys_runner.tracking.sweep_names import JOB_NUM_TAG
 
 SLURM_JOB_IDS_TAG = "sweep.slurm_job_ids"
 """Set with :data:`~recsys_runner.tracking.sweep.EXPECTED_JOBS_TAG` by the detached SLURM launcher: the jobs' SLURM ids in job order (``42_0 42_1``)."""
@@ -51,7 +51,7 @@ def end_dead_runs(client: Any, parent_run_id: str, dead: Mapping[int, str]) -> l
     """End the runs that jobs of the sweep left RUNNING when they died; returns their ids.
 
     ``dead``: a job's number in the sweep → how it ended (:data:`JOB_END_TAG`'s value), for jobs seen ended without a
-    result. Each child of ``parent_run_id`` still RUNNING whose :data:`~recsys_runner.tracking.sweep.JOB_NUM_TAG` is one
+    result. Each child of ``parent_run_id`` still RUNNING whose :data:`~recsys_runner.tracking.sweep_names.JOB_NUM_TAG` is one
     of them is tagged with how its job ended and ended KILLED (FAILED for :data:`_FAILED_STATES`), its end time now, with
     a line on stderr. A state in which SLURM says a job may still run (``PENDING``, ``REQUEUED``, ``UNKNOWN``, …) is
     never taken for a death, whoever passes it: a run whose job still runs, or will run again, is left alone.
