@@ -25,7 +25,7 @@ RANGE_PARAM, SWEPT_PARAM = "sweep.range.", "swept."
 """Param prefixes: the parent's range of each swept key, a child's value of it."""
 JOB_NUM_TAG = "sweep.job_num"
 """On a sweep job's run: the job's number in the sweep (``hydra.job.num``), by which the side that sees the job die finds
-the run it left RUNNING (:func:`recsys_runner.tracking.sweep_jobs.end_dead_runs`)."""
+the run it left RUNNING (:func:`recsys_runner.tracking.sweep_jobs.end_left_runs`)."""
 _MAX_NAME_CHARS = 80
 
 
