@@ -31,6 +31,7 @@ from recsys_runner.tracking.sweep_jobs import (
 from recsys_runner.tracking.sweep_names import JOB_NUM_TAG
 from recsys_runner.tracking.sweep_summary import SWEEP_PARENT_TAG
 from recsys_runner.tracking.tracker import PARENT_RUN_ENV, UNSENT_DIR_TAG, MlflowTracker, MlflowTrackingConfig, replay
+from tests.conftest import REPO, TINY, run_cli
 
 
 def _store(tmp_path: Path, name: str, monkeypatch: pytest.MonkeyPatch) -> tuple[str, MlflowClient, str]:
@@ -202,3 +203,64 @@ def test_a_completed_jobs_run_left_running_waits_for_its_replay_else_is_ended_at
     assert client.get_run(waiting).info.status == "FINISHED"
     p = client.get_run(parent)
     assert p.info.status == "FINISHED" and p.data.tags["best.run_id"] == lost
+
+
+STORE_GONE_AT_THE_END = '''
+"""Test hook (sitecustomize, in a sweep's submitit job processes only): the tracking store goes away as the run ends
+(``set_terminated`` fails), and job #1's replay file is lost (never written)."""
+import os
+
+if os.environ.get("SUBMITIT_LOCAL_JOB_ID"):
+    import pathlib
+
+    from mlflow.tracking import MlflowClient
+
+    lost = set()
+
+    def gone(self, run_id, *args, **kwargs):
+        if self.get_run(run_id).data.tags.get("sweep.job_num") == "1":
+            lost.add(f"mlflow_unsent_{run_id}.json")
+        raise ConnectionError("tracking store gone")
+
+    real_write_text = pathlib.Path.write_text
+
+    def write_text(self, *args, **kwargs):
+        return 0 if self.name in lost else real_write_text(self, *args, **kwargs)
+
+    MlflowClient.set_terminated = gone
+    pathlib.Path.write_text = write_text
+'''
+
+
+@pytest.mark.slow
+def test_submitit_local_sweep_whose_store_was_gone_as_its_jobs_ended(tmp_path: Path) -> None:
+    """A real ``submitit_local`` sweep whose jobs complete while the tracking store is gone at their runs' end: job #0's
+    end waits in its replay file, so the launcher leaves its run RUNNING and says how to replay it; job #1's file is
+    lost, so its run, which nothing else would end, is ended FINISHED at the job's end, tagged why. Once the replay has
+    run, ``collect`` summarizes the sweep."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(STORE_GONE_AT_THE_END)
+    uri = f"sqlite:///{tmp_path}/gone.db"
+    out = run_cli("-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5", "optim.lr=0.01,0.1", *TINY,
+                  "train.num_steps=10", "tracking.flush_timeout_s=0", f"tracking.uri={uri}", "tracking.experiment=gone",
+                  cwd=tmp_path, timeout=600, env={"PYTHONPATH": f"{hooks}:{REPO}"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name("gone").experiment_id])
+    (parent,) = [r for r in runs if SWEEP_PARENT_TAG in r.data.tags]
+    children = {r.data.tags[JOB_NUM_TAG]: r for r in runs if JOB_NUM_TAG in r.data.tags}
+    waiting, lost = children["0"], children["1"]
+    spool = tmp_path / f"mlflow_unsent_{waiting.info.run_id}.json"
+    assert waiting.info.status == "RUNNING" and spool.exists(), out.stderr[-3000:]
+    assert f"python -m recsys_runner.tracking replay {spool}" in out.stderr
+    assert lost.info.status == "FINISHED" and lost.data.tags[JOB_END_TAG].startswith("COMPLETED: the run's end never"), out.stderr[-3000:]
+    results = list((tmp_path / "multirun").glob("*/*/.submitit/*/*_result.pkl"))
+    assert lost.info.end_time in {int(p.stat().st_mtime * 1000) for p in results}, "ended at its job's end"
+    assert f"Job #1 (COMPLETED) ended, but its MLflow run {lost.info.run_id} (lr=0.1) never got its end" in out.stderr
+    assert parent.info.status == "RUNNING", "the summary waits for the replay"
+
+    replay(spool)
+    assert compare.main(["collect", "--uri", uri, "--parent", parent.info.run_id, "--no-plots"]) == 0
+    assert client.get_run(waiting.info.run_id).info.status == "FINISHED"
+    assert client.get_run(parent.info.run_id).info.status == "FINISHED"
