@@ -280,7 +280,8 @@ def slurm_skip_summary(skipped: Sequence[Any]) -> str | None:
     return f"SLURM tests skipped ({len(reasons)}): {why}; to run them: {SLURM_HOW_TO_RUN}"
 
 
-SERIAL_GROUPS = {"test_slurm": "slurm", "test_slurm_preempt": "slurm", "test_slurm_summary": "slurm"}
+SERIAL_GROUPS = {"test_slurm": "slurm", "test_slurm_preempt": "slurm", "test_slurm_summary": "slurm",
+                 "test_sweeps_dead_jobs": "slurm", "test_sweeps_left_runs": "slurm"}
 """Test modules that must share one xdist worker: the SLURM ones each start daemons of one single-node cluster."""
 
 

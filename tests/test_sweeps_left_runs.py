@@ -32,6 +32,7 @@ from recsys_runner.tracking.sweep_names import JOB_NUM_TAG
 from recsys_runner.tracking.sweep_summary import SWEEP_PARENT_TAG
 from recsys_runner.tracking.tracker import PARENT_RUN_ENV, UNSENT_DIR_TAG, MlflowTracker, MlflowTrackingConfig, replay
 from tests.conftest import REPO, TINY, run_cli
+from tests.slurm_cluster import SlurmCluster, slurm_cluster_fixture  # noqa: F401 - provides the slurm_cluster fixture
 
 
 def _store(tmp_path: Path, name: str, monkeypatch: pytest.MonkeyPatch) -> tuple[str, MlflowClient, str]:
@@ -206,11 +207,11 @@ def test_a_completed_jobs_run_left_running_waits_for_its_replay_else_is_ended_at
 
 
 STORE_GONE_AT_THE_END = '''
-"""Test hook (sitecustomize, in a sweep's submitit job processes only): the tracking store goes away as the run ends
-(``set_terminated`` fails), and job #1's replay file is lost (never written)."""
+"""Test hook (sitecustomize, in a sweep's submitit job processes only, local or SLURM): the tracking store goes away as
+the run ends (``set_terminated`` fails), and job #1's replay file is lost (never written)."""
 import os
 
-if os.environ.get("SUBMITIT_LOCAL_JOB_ID"):
+if os.environ.get("SUBMITIT_EXECUTOR"):
     import pathlib
 
     from mlflow.tracking import MlflowClient
@@ -232,19 +233,17 @@ if os.environ.get("SUBMITIT_LOCAL_JOB_ID"):
 '''
 
 
-@pytest.mark.slow
-def test_submitit_local_sweep_whose_store_was_gone_as_its_jobs_ended(tmp_path: Path) -> None:
-    """A real ``submitit_local`` sweep whose jobs complete while the tracking store is gone at their runs' end: job #0's
-    end waits in its replay file, so the launcher leaves its run RUNNING and says how to replay it; job #1's file is
-    lost, so its run, which nothing else would end, is ended FINISHED at the job's end, tagged why. Once the replay has
-    run, ``collect`` summarizes the sweep."""
+def _sweep_whose_store_is_gone_as_its_jobs_end(tmp_path: Path, *launcher: str) -> None:
+    """Job #0's end waits in its replay file, so the launcher leaves its run RUNNING and says how to replay it; job #1's
+    file is lost, so its run, which nothing else would end, is ended FINISHED at the job's end, tagged why. Once the
+    replay has run, ``collect`` summarizes the sweep."""
     hooks = tmp_path / "hooks"
     hooks.mkdir()
     (hooks / "sitecustomize.py").write_text(STORE_GONE_AT_THE_END)
     uri = f"sqlite:///{tmp_path}/gone.db"
-    out = run_cli("-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5", "optim.lr=0.01,0.1", *TINY,
-                  "train.num_steps=10", "tracking.flush_timeout_s=0", f"tracking.uri={uri}", "tracking.experiment=gone",
-                  cwd=tmp_path, timeout=600, env={"PYTHONPATH": f"{hooks}:{REPO}"})
+    out = run_cli("-m", *launcher, "optim.lr=0.01,0.1", *TINY, "train.num_steps=10", "tracking.flush_timeout_s=0",
+                  f"tracking.uri={uri}", "tracking.experiment=gone", cwd=tmp_path, timeout=600,
+                  env={"PYTHONPATH": f"{hooks}:{REPO}"})
     assert out.returncode == 0, out.stderr[-3000:]
     client = MlflowClient(tracking_uri=uri)
     runs = client.search_runs([client.get_experiment_by_name("gone").experiment_id])
@@ -264,3 +263,16 @@ def test_submitit_local_sweep_whose_store_was_gone_as_its_jobs_ended(tmp_path: P
     assert compare.main(["collect", "--uri", uri, "--parent", parent.info.run_id, "--no-plots"]) == 0
     assert client.get_run(waiting.info.run_id).info.status == "FINISHED"
     assert client.get_run(parent.info.run_id).info.status == "FINISHED"
+
+
+@pytest.mark.slow
+def test_submitit_local_sweep_whose_store_was_gone_as_its_jobs_ended(tmp_path: Path) -> None:
+    """A real ``submitit_local`` sweep whose jobs complete while the tracking store is gone at their runs' end."""
+    _sweep_whose_store_is_gone_as_its_jobs_end(tmp_path, "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5")
+
+
+@pytest.mark.slow
+def test_slurm_sweep_whose_store_was_gone_as_its_jobs_ended(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """The same against the real test SLURM cluster (tests/slurm_cluster.py), with the waiting ``submitit_slurm``."""
+    _sweep_whose_store_is_gone_as_its_jobs_end(tmp_path, "hydra/launcher=submitit_slurm", "hydra.launcher.timeout_min=10",
+                                               "hydra.launcher.cpus_per_task=1")
