@@ -21,7 +21,7 @@ from recsys_runner.noise import quiet_known_noise
 from recsys_runner.overrides import check_command_line
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.runtime import TRAIN_MODULE, Launch
-from recsys_runner.tracking import datasets, lineage, sweep
+from recsys_runner.tracking import datasets, lineage, sweep_names
 from recsys_runner.tracking.datasets import DataRecord
 from recsys_runner.train.loop import Loop, train
 
@@ -40,12 +40,12 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> float:
     spec = validate(cfg)
     c = build(spec, launch=launch)
     loop = c.loop
-    swept = sweep.job_swept_values(launch.overrides)  # {} unless a job of a sweep: then its name and swept.* params
+    swept = sweep_names.job_swept_values(launch.overrides)  # {} unless a job of a sweep: then its name and swept.* params
     data_inputs = _data_inputs(c)
     start = RunStart(
-        run_name=sweep.child_name(swept) or ",".join(launch.overrides) or "defaults",
-        params=flatten(spec) | _run_length(loop) | sweep.child_params(swept),
-        tags=sweep.child_tags(launch.job_num) | (
+        run_name=sweep_names.child_name(swept) or ",".join(launch.overrides) or "defaults",
+        params=flatten(spec) | _run_length(loop) | sweep_names.child_params(swept),
+        tags=sweep_names.child_tags(launch.job_num) | (
             {lineage.CHECKPOINT_DIR_TAG: str(loop.checkpointer.dir.absolute())} if loop.checkpointer.dir is not None else {}),
         texts={"config.yaml": to_yaml(spec), "sharding_plan.txt": str(c.plan), **stored_texts(loop.checkpointer.files)},
         continue_run=loop.state.run_id,

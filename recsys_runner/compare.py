@@ -36,21 +36,16 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from recsys_runner.errors import ConfigError
 from recsys_runner.metrics.registry import best_first_key, higher_is_better
 from recsys_runner.tracking.store import UI_PORT, missing_store, resolve_uri, ui_lines, ui_url
-from recsys_runner.tracking.sweep import (
-    EXPECTED_JOBS_TAG,
-    FAILED_JOBS_TAG,
-    SWEEP_PARENT_TAG,
-    finish_parent,
-    summarize,
-    sweep_objective,
-)
-from recsys_runner.tracking.sweep_jobs import end_dead_runs, slurm_jobs_ended
+from recsys_runner.tracking.sweep import EXPECTED_JOBS_TAG, FAILED_JOBS_TAG
+from recsys_runner.tracking.sweep_jobs import end_left_runs, overrides_on_disk, slurm_jobs_ended
+from recsys_runner.tracking.sweep_summary import SWEEP_PARENT_TAG, finish_parent, summarize, sweep_objective
 from recsys_runner.tracking.tracker import MlflowTrackingConfig
 
 DEFAULT_METRICS = ("eval/auc", "eval/logloss", "train/loss")
@@ -291,13 +286,20 @@ def collect(client: Any, parent: str, *, wait: bool, timeout_s: float, poll_s: f
     MLflow run (a config error, an OOM kill) never adds a child, and waiting for it would last until ``--timeout``.
     Each failed job is named in a line on stderr as soon as SLURM reports it (``Job #1 (SLURM 42_1, FAILED) failed:
     Config error: …``); the parent then ends ``FAILED`` with them in its tag ``sweep.failed_jobs``, as a waiting
-    launcher's would. A failed job killed after its MLflow run started (``scancel``, a time limit, an OOM kill) left that
-    run RUNNING: it is ended as soon as SLURM reports the job (:func:`~recsys_runner.tracking.sweep_jobs.end_dead_runs`)."""
-    deadline, told = time.monotonic() + timeout_s, set[int]()
+    launcher's would. A job that ended and left its MLflow run RUNNING — killed after the run started (``scancel``, a
+    time limit, an OOM kill), or completed while the store was gone — has that run ended as soon as SLURM reports the job
+    (:func:`~recsys_runner.tracking.sweep_jobs.end_left_runs`); a run whose end waits in a replay file is the replay's,
+    and the summary waits for it."""
+    deadline, told, said = time.monotonic() + timeout_s, set[int](), set[str]()
     while True:
         tags = client.get_run(parent).data.tags
         ended = slurm_jobs_ended(tags)
-        end_dead_runs(client, parent, {job.num: job.state for job in ended or [] if job.failed})
+        on_disk = partial(overrides_on_disk, tags.get("sweep.dir"), int(tags.get(EXPECTED_JOBS_TAG, 0)))
+        left = end_left_runs(client, parent, {job.num: job.end() for job in ended or []}, on_disk)
+        for note in left.notes:
+            if note not in said:  # once each, not at every poll
+                said.add(note)
+                print(note, file=sys.stderr)
         summary = summarize(client, parent)
         expected = int(tags.get(EXPECTED_JOBS_TAG, summary.num_children))
         for job in ended or []:
@@ -305,7 +307,7 @@ def collect(client: Any, parent: str, *, wait: bool, timeout_s: float, poll_s: f
                 told.add(job.num)
                 print(f"Job {job.label()} failed: {job.error}", file=sys.stderr)
         runs_ended = summary.num_children >= expected and summary.num_terminal == summary.num_children
-        if runs_ended or (ended is not None and len(ended) == expected):
+        if not left.awaiting_replay and (runs_ended or (ended is not None and len(ended) == expected)):
             failed = [job.label() for job in ended or [] if job.failed]
             if failed:
                 client.set_tag(parent, FAILED_JOBS_TAG, "; ".join(failed)[:5000])
@@ -315,7 +317,9 @@ def collect(client: Any, parent: str, *, wait: bool, timeout_s: float, poll_s: f
                       f"child runs finished; MLflow parent run {parent} ended FAILED.", file=sys.stderr)
             return failed
         if not wait or time.monotonic() > deadline:
-            print(f"sweep {parent}: {summary.num_terminal} of {expected} jobs ended; run collect again later", file=sys.stderr)
+            waiting = f"; {len(left.awaiting_replay)} run(s) wait for their replay (above)" if left.awaiting_replay else ""
+            print(f"sweep {parent}: {summary.num_terminal} of {expected} jobs ended{waiting}; run collect again later",
+                  file=sys.stderr)
             return None
         time.sleep(poll_s)
 

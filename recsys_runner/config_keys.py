@@ -17,7 +17,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from recsys_runner.errors import ConfigError
-from recsys_runner.tracking.sweep import sweep_overrides
+from recsys_runner.tracking.sweep_names import sweep_overrides
 
 
 def check_known_keys(cfg: DictConfig) -> None:

@@ -71,6 +71,26 @@ def make_cfg(mlflow_uri: str, request: pytest.FixtureRequest) -> Callable[..., D
     return _make
 
 
+SACCT = """#!/bin/sh
+# sacct as submitit calls it (sacct -o JobID,State,NodeList --parsable2 -j ID): the states of this test's jobs
+printf 'JobID|State|NodeList\\n'
+cat "$(dirname "$0")/states"
+"""
+
+
+@pytest.fixture
+def slurm_states(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A ``sacct`` first on ``PATH`` answering from ``<bin>/states`` (``<id>|<state>|<node>`` lines): SLURM's account of a
+    detached sweep's jobs, as submitit reads it, without a cluster (tests/test_slurm.py runs the real one), for
+    ``compare collect``'s tests (tests/test_compare.py, tests/test_sweeps_left_runs.py)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sacct").write_text(SACCT)
+    (bin_dir / "sacct").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    return bin_dir / "states"
+
+
 def run_cli(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess[str]:
     """``python -m recsys_runner *args`` in ``cwd``, capturing output."""
     full_env = {**os.environ, **(env or {})}
@@ -260,7 +280,8 @@ def slurm_skip_summary(skipped: Sequence[Any]) -> str | None:
     return f"SLURM tests skipped ({len(reasons)}): {why}; to run them: {SLURM_HOW_TO_RUN}"
 
 
-SERIAL_GROUPS = {"test_slurm": "slurm", "test_slurm_preempt": "slurm", "test_slurm_summary": "slurm"}
+SERIAL_GROUPS = {"test_slurm": "slurm", "test_slurm_preempt": "slurm", "test_slurm_summary": "slurm",
+                 "test_sweeps_dead_jobs": "slurm", "test_sweeps_left_runs": "slurm"}
 """Test modules that must share one xdist worker: the SLURM ones each start daemons of one single-node cluster."""
 
 

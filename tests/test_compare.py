@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -12,8 +11,10 @@ from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
 from recsys_runner import compare
-from recsys_runner.tracking.sweep import EXPECTED_JOBS_TAG, JOB_NUM_TAG, SWEEP_PARENT_TAG, SWEPT_KEYS_TAG
+from recsys_runner.tracking.sweep import EXPECTED_JOBS_TAG
 from recsys_runner.tracking.sweep_jobs import JOB_END_TAG, SLURM_JOB_IDS_TAG, SUBMITIT_FOLDER_TAG
+from recsys_runner.tracking.sweep_names import JOB_NUM_TAG, SWEPT_KEYS_TAG
+from recsys_runner.tracking.sweep_summary import SWEEP_PARENT_TAG
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -115,25 +116,6 @@ def test_collect_without_wait_reports_missing_jobs(sweep: tuple[str, str, dict[s
     assert compare.main(["collect", "--uri", uri, "--parent", parent, "--no-plots"]) == 1
     assert "3 of 4 jobs ended" in capsys.readouterr().err
     assert client.get_run(parent).info.status == "RUNNING"
-
-
-SACCT = """#!/bin/sh
-# sacct as submitit calls it (sacct -o JobID,State,NodeList --parsable2 -j ID): the states of this test's jobs
-printf 'JobID|State|NodeList\\n'
-cat "$(dirname "$0")/states"
-"""
-
-
-@pytest.fixture
-def slurm_states(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A ``sacct`` first on ``PATH`` answering from ``<bin>/states`` (``<id>|<state>|<node>`` lines): SLURM's account of a
-    detached sweep's jobs, as submitit reads it, without a cluster (tests/test_slurm.py runs the real one)."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "sacct").write_text(SACCT)
-    (bin_dir / "sacct").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    return bin_dir / "states"
 
 
 def test_collect_names_a_job_that_died_before_its_run_at_once(tmp_path: Path, slurm_states: Path,

@@ -18,19 +18,18 @@ from omegaconf import OmegaConf
 from recsys_runner import compare
 from recsys_runner.errors import ConfigError
 from recsys_runner.sweep import first_job_overrides
-from recsys_runner.tracking.sweep import (
+from recsys_runner.tracking.sweep import check_direction
+from recsys_runner.tracking.sweep_names import (
     JOB_NUM_TAG,
-    PARENT_RUN_ENV,
-    SWEEP_PARENT_TAG,
     SWEPT_KEYS_ENV,
-    _override_pairs,
-    check_direction,
     child_name,
     child_params,
     job_swept_values,
     sweep_name,
     swept_ranges,
 )
+from recsys_runner.tracking.sweep_summary import SWEEP_PARENT_TAG, _override_pairs
+from recsys_runner.tracking.tracker import PARENT_RUN_ENV
 from tests.conftest import REPO, TINY, run_cli, run_in_process
 
 TRAIN = [sys.executable, "-m", "recsys_runner"]

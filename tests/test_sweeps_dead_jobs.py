@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from recsys_runner.tracking.sweep import JOB_NUM_TAG, SWEEP_PARENT_TAG
 from recsys_runner.tracking.sweep_jobs import DIED, JOB_END_TAG
+from recsys_runner.tracking.sweep_names import JOB_NUM_TAG
+from recsys_runner.tracking.sweep_summary import SWEEP_PARENT_TAG
 from tests.conftest import REPO, TINY
 from tests.slurm_cluster import SlurmCluster, slurm_cluster_fixture  # noqa: F401 - provides the slurm_cluster fixture
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -109,23 +110,25 @@ class WaitingSubmititLauncher(BaseSubmititLauncher):
     one-line error (``Config error: …``) buried inside, and the sweep's MLflow parent is left RUNNING. Here each
     job's failure becomes a ``FAILED`` result (:func:`_failures_are_results`); once every job has ended, each failed
     one is named with the last line of its error stream, the parent is ended FAILED naming them
-    (``recsys_runner.tracking.sweep.jobs_ended``), and the command exits 1. A failed job killed after its MLflow run
-    started (``scancel``, a time limit, an OOM kill, SIGKILL) left that run RUNNING: it is ended first, tagged with how
-    the job ended (:func:`recsys_runner.tracking.sweep_jobs.end_dead_runs`)."""
+    (``recsys_runner.tracking.sweep.jobs_ended``), and the command exits 1. A job that left its MLflow run RUNNING —
+    killed after the run started (``scancel``, a time limit, an OOM kill, SIGKILL), or ended while the tracking store was
+    gone — has it ended first, tagged with how the job ended, unless a replay file holds the run's end
+    (:func:`recsys_runner.tracking.sweep_jobs.end_left_runs`)."""
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         from submitit.core.utils import UncompletedJobError
 
         from recsys_runner.tracking.sweep import jobs_ended
 
+        launched_ms = int(time.time() * 1000)  # this batch's runs start later: an earlier batch's are never taken for them
         with _failures_are_results() as jobs:
             returns = super().launch(job_overrides, initial_job_idx)
         failed = [(initial_job_idx + i, overrides, r) for i, (overrides, r) in enumerate(zip(job_overrides, returns, strict=True))
                   if r.status == JobStatus.FAILED]
         # A job that raised left its error as its result, its run ended by the job itself; one that left none died.
-        dead = {num: _end_state(jobs[num - initial_job_idx]) for num, _, r in failed if isinstance(r._return_value, UncompletedJobError)}
-        if dead:
-            self._end_dead_runs(dead)
+        ends = {initial_job_idx + i: _job_end(job, r, isinstance(r._return_value, UncompletedJobError))
+                for i, (job, r) in enumerate(zip(jobs, returns, strict=True))}
+        self._end_left_runs(ends, {initial_job_idx + i: " ".join(o) for i, o in enumerate(job_overrides)}, launched_ms)
         jobs_ended([(num, list(overrides)) for num, overrides, _ in failed])
         if failed:
             for num, _, r in failed:
@@ -134,19 +137,23 @@ class WaitingSubmititLauncher(BaseSubmititLauncher):
             sys.exit(1)
         return returns
 
-    def _end_dead_runs(self, dead: dict[int, str]) -> None:
-        """The MLflow runs the ``dead`` jobs (number → how each ended) left RUNNING, ended; a store that fails only
-        says so: the sweep's outcome is reported all the same."""
-        from recsys_runner.tracking.sweep_jobs import end_dead_runs
+    def _end_left_runs(self, ends: dict[int, Any], overrides: dict[int, str], launched_ms: int) -> None:
+        """The MLflow runs the jobs (number → how each ended) left RUNNING, ended, a line for each one left; a store that
+        fails only says so: the sweep's outcome is reported all the same."""
+        from recsys_runner.tracking.sweep_jobs import end_left_runs
         from recsys_runner.tracking.tracker import PARENT_RUN_ENV
 
         parent = os.environ.get(PARENT_RUN_ENV)
         if parent is None or self.config is None:  # no MLflow parent: tracking is off
             return
         try:
-            end_dead_runs(_client(self.config), parent, dead)
+            left = end_left_runs(_client(self.config), parent, ends, lambda: overrides, since_ms=launched_ms)
         except Exception as e:  # noqa: BLE001 - the jobs have ended; only their runs' status is left to fix
-            print(f"Could not end the MLflow runs of the jobs that died ({e}); their runs may show RUNNING", file=sys.stderr)
+            print(f"Could not check the MLflow runs of the sweep's jobs ({e}); a run whose job died may show RUNNING",
+                  file=sys.stderr)
+            return
+        for note in left.notes:
+            print(note, file=sys.stderr)
 
 
 class WaitingSlurmLauncher(WaitingSubmititLauncher, SlurmLauncher):
@@ -177,14 +184,19 @@ def _client(config: Any) -> Any:
     return MlflowClient(tracking_uri=resolve_uri(config.tracking.get("uri")))
 
 
-def _end_state(job: Any) -> str:
-    """How a submitit job that left no result ended: SLURM's state (``TIMEOUT``, ``OUT_OF_MEMORY``, ``CANCELLED``, …);
-    for a local job, whose process submitit only saw end, ``DIED``."""
+def _job_end(job: Any, result: JobReturn, died: bool) -> Any:
+    """How a submitit job ended (a :class:`recsys_runner.tracking.sweep_jobs.JobEnd`). One that ``died`` (left no result):
+    SLURM's state (``TIMEOUT``, ``OUT_OF_MEMORY``, ``CANCELLED``, …), for a local job, whose process submitit only saw
+    end, ``DIED``. One that returned (completed, or raised: its error is its result): ``COMPLETED`` or ``FAILED``, at the
+    time of its result file."""
     from submitit.local.local import LocalJob
 
-    from recsys_runner.tracking.sweep_jobs import DIED, slurm_state
+    from recsys_runner.tracking.sweep_jobs import DIED, JobEnd, ended_at, slurm_state
 
-    return DIED if isinstance(job, LocalJob) else slurm_state(job.state)
+    if died:
+        return JobEnd(DIED if isinstance(job, LocalJob) else slurm_state(job.state))
+    state = "COMPLETED" if result.status == JobStatus.COMPLETED else "FAILED"
+    return JobEnd(state, returned=True, end_ms=ended_at(job.paths.result_pickle))
 
 
 @contextmanager

@@ -8,21 +8,41 @@ which the waiting launchers use on submitit's error text too).
 
 A job killed from outside — ``scancel``, a time limit, an OOM kill, SIGKILL — never reaches the end of its run
 (:func:`recsys_runner.lifecycle.tracked_run`), which would stay RUNNING in MLflow for ever, without an end time. The side
-that sees the job die ends it (:func:`end_dead_runs`): the waiting launchers (``submitit_slurm``, ``submitit_local``) once
-their jobs have ended, and ``collect`` when SLURM says a job has. A job's run is found by its number in the sweep
-(:data:`~recsys_runner.tracking.sweep.JOB_NUM_TAG`); only jobs seen ended are looked at, so a run whose job still runs
-is never touched.
+that sees the job end ends it (:func:`end_left_runs`): the waiting launchers (``submitit_slurm``, ``submitit_local``) once
+their jobs have ended, and ``collect`` when SLURM says a job has. Only jobs seen ended are looked at, so a run whose job
+still runs is never touched.
+
+A job that ran to its end (SLURM's ``COMPLETED``) can leave its run RUNNING too: the store was gone when the run ended.
+Its tracker then wrote the run's end to ``mlflow_unsent_<run id>.json`` in the directory the run names
+(:data:`~recsys_runner.tracking.tracker.UNSENT_DIR_TAG`), for ``python -m recsys_runner.tracking replay``. While that file
+is there the run is the replay's: it is left RUNNING and the replay's command is said (the sweep's summary waits for it,
+since the file holds the run's last metrics). Where no file is left (replayed into another store, deleted, a runner too old
+to write one) nothing else would ever end the run: it is ended at the job's end time, ``FINISHED`` (``FAILED`` for a job
+that failed on its own), tagged :data:`JOB_END_TAG` saying why.
+
+A job's run is found by its number in the sweep (:data:`~recsys_runner.tracking.sweep_names.JOB_NUM_TAG`). A run from a
+runner older than that tag is found by the job's overrides (the run's ``hydra.overrides`` tag,
+:data:`recsys_runner.lifecycle.OVERRIDES_TAG`), only where they single it out: no other job of the sweep has the same
+overrides, no other child run carries them, and the run started after the jobs were launched. Where they do not (the
+jobs' overrides unknown, two jobs alike), no run is guessed: a note names the sweep's RUNNING runs left and the command
+that ends one (``python -m recsys_runner.tracking end``).
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from recsys_runner.tracking.sweep import JOB_NUM_TAG
+import yaml
+
+from recsys_runner.tracking.sweep_names import JOB_NUM_TAG
+from recsys_runner.tracking.sweep_summary import child_runs
+from recsys_runner.tracking.tracker import UNSENT_DIR_TAG, unsent_file
 
 SLURM_JOB_IDS_TAG = "sweep.slurm_job_ids"
 """Set with :data:`~recsys_runner.tracking.sweep.EXPECTED_JOBS_TAG` by the detached SLURM launcher: the jobs' SLURM ids in job order (``42_0 42_1``)."""
@@ -47,34 +67,170 @@ def slurm_state(raw: str) -> str:
     return (raw.split() or ["UNKNOWN"])[0].upper()
 
 
-def end_dead_runs(client: Any, parent_run_id: str, dead: Mapping[int, str]) -> list[str]:
-    """End the runs that jobs of the sweep left RUNNING when they died; returns their ids.
+OVERRIDES_TAG = "hydra.overrides"
+"""A run's overrides, as :func:`recsys_runner.lifecycle.tracked_run` tags it (that layer's ``OVERRIDES_TAG``)."""
+JobOverrides = Callable[[], Mapping[int, str] | None]
+"""Every job of the sweep's overrides (space-joined, as :data:`OVERRIDES_TAG` holds them) by job number, ``None`` where
+not all are known: asked only when runs without :data:`~recsys_runner.tracking.sweep_names.JOB_NUM_TAG` are RUNNING."""
 
-    ``dead``: a job's number in the sweep → how it ended (:data:`JOB_END_TAG`'s value), for jobs seen ended without a
-    result. Each child of ``parent_run_id`` still RUNNING whose :data:`~recsys_runner.tracking.sweep.JOB_NUM_TAG` is one
-    of them is tagged with how its job ended and ended KILLED (FAILED for :data:`_FAILED_STATES`), its end time now, with
-    a line on stderr. A state in which SLURM says a job may still run (``PENDING``, ``REQUEUED``, ``UNKNOWN``, …) is
-    never taken for a death, whoever passes it: a run whose job still runs, or will run again, is left alone.
+
+@dataclass(frozen=True)
+class JobEnd:
+    """How one job of a sweep ended, as the side that saw it end knows."""
+
+    state: str
+    """SLURM's state (``COMPLETED``, ``TIMEOUT``, ``OUT_OF_MEMORY``, …), or for a local job ``COMPLETED``, ``FAILED`` (it
+    raised) or :data:`DIED`."""
+    returned: bool = False
+    """The job ran to its end and returned (SLURM's ``COMPLETED``, a local job with a result): the end of its run was its
+    own to write, and a RUNNING run means the store was gone then (module docstring)."""
+    end_ms: int | None = None
+    """When the job ended, in ms since the epoch (its result file's time); ``None``: now."""
+
+
+@dataclass
+class LeftRuns:
+    """What :func:`end_left_runs` did: the runs it ended, and the lines (for stderr) on the runs it left RUNNING."""
+
+    ended: list[str] = field(default_factory=list)
+    awaiting_replay: list[str] = field(default_factory=list)
+    """Runs of jobs that returned whose end waits in a replay file: the sweep's summary waits for them."""
+    notes: list[str] = field(default_factory=list)
+
+
+def end_left_runs(client: Any, parent_run_id: str, ended: Mapping[int, JobEnd], overrides: JobOverrides | None = None,
+                  since_ms: int = 0) -> LeftRuns:
+    """End the runs that jobs of the sweep, seen ended, left RUNNING (module docstring); returns what was done.
+
+    ``ended``: a job's number in the sweep → how it ended. The run of a job that died is tagged with how (:data:`JOB_END_TAG`)
+    and ended KILLED (FAILED for :data:`_FAILED_STATES`), its end time now, with a line on stderr; that of a job that
+    returned is left to its replay file while there is one, else ended at the job's end time. A state in which SLURM says
+    a job may still run (``PENDING``, ``REQUEUED``, ``UNKNOWN``, …) is never taken for an end, whoever passes it: a run whose
+    job still runs, or will run again, is left alone. ``overrides`` and ``since_ms`` (runs started before are never
+    taken) find runs without a job number (:func:`job_runs`).
     """
-    dead = {num: state for num, state in dead.items() if state not in _SLURM_NOT_ENDED}
-    if not dead:
-        return []
-    experiment = client.get_run(parent_run_id).info.experiment_id
-    running = client.search_runs([experiment], max_results=10000, filter_string=(
-        f"tags.mlflow.parentRunId = '{parent_run_id}' and attributes.status = 'RUNNING'"))
-    ended = []
-    for run in running:
-        num = run.data.tags.get(JOB_NUM_TAG)
-        if num is None or not num.isdigit() or int(num) not in dead:
+    ended = {num: end for num, end in ended.items() if end.state not in _SLURM_NOT_ENDED}
+    left = LeftRuns()
+    if not ended:
+        return left
+    children = child_runs(client, client.get_run(parent_run_id))
+    found, unknown = job_runs(children, ended, overrides, since_ms)
+    for num, runs in found.items():
+        for run in (r for r in runs if r.info.status == "RUNNING"):
+            if ended[num].returned:
+                _end_returned(client, num, ended[num], run, left)
+            else:
+                _end_dead(client, num, ended[num].state, run)
+                left.ended.append(run.info.run_id)
+    taken = {r.info.run_id for runs in found.values() for r in runs}
+    still_open = [r for r in children if r.info.status == "RUNNING" and JOB_NUM_TAG not in r.data.tags
+                  and r.info.run_id not in taken]
+    if unknown and still_open:
+        jobs = ", ".join(f"#{num} ({ended[num].state})" for num in unknown)
+        listed = ", ".join(f"{r.info.run_id} ({r.info.run_name})" for r in still_open)
+        left.notes.append(
+            f"Sweep {parent_run_id}: job(s) {jobs} ended, but which of the sweep's RUNNING runs without {JOB_NUM_TAG} "
+            f"(from an older runner) is theirs cannot be told safely: the jobs' overrides do not single it out. None was "
+            f"ended. Still RUNNING: {listed}. End each one whose job has ended with: python -m recsys_runner.tracking end "
+            f"<run id> --uri {client.tracking_uri}")
+    return left
+
+
+def job_runs(children: Iterable[Any], nums: Iterable[int], overrides: JobOverrides | None = None,
+             since_ms: int = 0) -> tuple[dict[int, list[Any]], list[int]]:
+    """Each job's runs among the sweep's ``children``, and the jobs whose run cannot be told apart.
+
+    A job's runs are those tagged with its number (:data:`~recsys_runner.tracking.sweep_names.JOB_NUM_TAG`). A job with
+    none, while runs without that tag are RUNNING (an older runner's), is matched by its overrides, which must single
+    its run out: ``overrides()`` knows every job's, none but this job's are the same, exactly one child carries them
+    (:data:`OVERRIDES_TAG`), untagged, started at ``since_ms`` or later. Otherwise the job is one whose run cannot be told
+    (none when its overrides are unique and no run carries them: it died before its run).
+    """
+    children = list(children)
+    tagged: dict[int, list[Any]] = defaultdict(list)
+    for run in children:
+        num = run.data.tags.get(JOB_NUM_TAG, "")
+        if num.isdigit():
+            tagged[int(num)].append(run)
+    untagged_open = any(JOB_NUM_TAG not in r.data.tags and r.info.status == "RUNNING" for r in children)
+    every: Mapping[int, str] | None = None
+    found, unknown = dict[int, list[Any]](), list[int]()
+    for num in nums:
+        if num in tagged:
+            found[num] = tagged[num]
             continue
-        state = dead[int(num)]
-        status = "FAILED" if state in _FAILED_STATES else "KILLED"
-        client.set_tag(run.info.run_id, JOB_END_TAG, state)
-        client.set_terminated(run.info.run_id, status=status)
-        print(f"Job #{num} ({state}) died before it could end its MLflow run {run.info.run_id} "
-              f"({run.info.run_name}): ended it {status}", file=sys.stderr)
-        ended.append(run.info.run_id)
-    return ended
+        if not untagged_open:
+            continue
+        every = every if every is not None else (overrides() if overrides is not None else None) or {}
+        text = every.get(num)
+        if text is None or sum(other == text for other in every.values()) != 1:
+            unknown.append(num)
+            continue
+        same = [r for r in children if r.data.tags.get(OVERRIDES_TAG) == text]
+        if len(same) == 1 and JOB_NUM_TAG not in same[0].data.tags and same[0].info.start_time >= since_ms:
+            found[num] = same
+        elif same:
+            unknown.append(num)
+    return found, unknown
+
+
+def _end_dead(client: Any, num: int, state: str, run: Any) -> None:
+    status = "FAILED" if state in _FAILED_STATES else "KILLED"
+    client.set_tag(run.info.run_id, JOB_END_TAG, state)
+    client.set_terminated(run.info.run_id, status=status)
+    print(f"Job #{num} ({state}) died before it could end its MLflow run {run.info.run_id} "
+          f"({run.info.run_name}): ended it {status}", file=sys.stderr)
+
+
+def _end_returned(client: Any, num: int, end: JobEnd, run: Any, left: LeftRuns) -> None:
+    """The RUNNING run of a job that returned: left to its replay file while there is one, else ended (module docstring).
+    A run from before :data:`UNSENT_DIR_TAG` wrote its file where its job was launched (this directory, for a launcher)."""
+    file = unsent_file(run.data.tags.get(UNSENT_DIR_TAG) or Path.cwd(), run.info.run_id)
+    if file.exists():
+        left.awaiting_replay.append(run.info.run_id)
+        left.notes.append(f"Job #{num} ({end.state}) ended, but the tracking store was gone when its MLflow run "
+                          f"{run.info.run_id} ({run.info.run_name}) ended: the run stays RUNNING until its end and last "
+                          f"metrics are sent with: python -m recsys_runner.tracking replay {file}")
+        return
+    status = "FINISHED" if end.state == _SLURM_OK else "FAILED"
+    client.set_tag(run.info.run_id, JOB_END_TAG, f"{end.state}: the run's end never reached the tracking store, and no "
+                                                 f"replay file ({file.name}) was left")
+    client.set_terminated(run.info.run_id, status=status, end_time=end.end_ms)
+    left.ended.append(run.info.run_id)
+    print(f"Job #{num} ({end.state}) ended, but its MLflow run {run.info.run_id} ({run.info.run_name}) never got its "
+          f"end (the tracking store was gone, and no {file.name} is left to replay): ended it {status}", file=sys.stderr)
+
+
+def overrides_on_disk(sweep_dir: str | None, num_jobs: int) -> dict[int, str] | None:
+    """Every job's overrides as Hydra saved them in the job's folder under ``sweep_dir`` (``.hydra/hydra.yaml``:
+    ``hydra.job.num``, ``hydra.overrides.task``), for a sweep that recorded them nowhere else; ``None`` unless each of
+    the ``num_jobs`` jobs has exactly one such folder (a job not started yet, or folders that jobs share, leave one
+    job's overrides unknown, and then another job could carry the same)."""
+    if not sweep_dir or not os.path.isdir(sweep_dir):
+        return None
+    seen: dict[int, list[str]] = defaultdict(list)
+    for folder, dirs, _ in os.walk(sweep_dir):
+        if ".hydra" in dirs:
+            dirs.clear()  # a job's folder: its checkpoints hold no other job's
+            try:
+                hydra = (yaml.safe_load((Path(folder) / ".hydra" / "hydra.yaml").read_text()) or {}).get("hydra", {})
+                num, task = int(hydra["job"]["num"]), hydra["overrides"]["task"]
+            except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError):
+                return None
+            seen[num].append(" ".join(str(o) for o in task))
+        else:
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+    if sorted(seen) != list(range(num_jobs)) or any(len(found) != 1 for found in seen.values()):
+        return None
+    return {num: found[0] for num, found in seen.items()}
+
+
+def ended_at(path: Path) -> int | None:
+    """A job's end time, in ms since the epoch, as the time of a file it wrote last (submitit's result file)."""
+    try:
+        return int(path.stat().st_mtime * 1000)
+    except OSError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -86,10 +242,16 @@ class EndedJob:
     slurm_id: str
     state: str
     error: str | None
+    end_ms: int | None = None
+    """When it ended, where its result file says (a job that completed)."""
 
     @property
     def failed(self) -> bool:
         return self.state != _SLURM_OK
+
+    def end(self) -> JobEnd:
+        """How it ended, for :func:`end_left_runs`: a job SLURM says completed returned; any other did not."""
+        return JobEnd(self.state, returned=not self.failed, end_ms=self.end_ms)
 
     def label(self) -> str:
         """``#1 (SLURM 42_1, FAILED)``, how a failed job is named on the parent and in ``collect``'s line."""
@@ -117,7 +279,7 @@ def slurm_jobs_ended(tags: Mapping[str, str]) -> list[EndedJob] | None:
         if state in _SLURM_NOT_ENDED:
             continue
         error = None if state == _SLURM_OK else (last_own_line(job.stderr() or "") or f"no error output ({job.paths.stderr})")
-        ended.append(EndedJob(num, job.job_id, state, error))
+        ended.append(EndedJob(num, job.job_id, state, error, ended_at(job.paths.result_pickle)))
     return ended
 
 

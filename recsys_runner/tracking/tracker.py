@@ -9,7 +9,10 @@ A remote server may go away mid-run. Training never waits on it: a metric batch 
 sent stays in memory and is re-sent with the next batch (at the log cadence, with a growing pause
 between attempts), and :meth:`MlflowTracker.finish` retries for ``tracking.flush_timeout_s``. If the
 server is still gone then, the unsent metrics are written to ``mlflow_unsent_<run id>.json`` and
-``python -m recsys_runner.tracking replay <file>`` sends them later.
+``python -m recsys_runner.tracking replay <file>`` sends them later; so is a run's end when the store does not take it
+(nothing else could end the run). The file goes to the directory the run started in, which the run names in its tag
+:data:`UNSENT_DIR_TAG`: a sweep's launcher or ``compare collect`` looks there before ending a run whose job completed
+but whose end never reached the store (:mod:`recsys_runner.tracking.sweep_jobs`).
 
 The start of a run is different: it needs its MLflow run id (a resumed training continues that run,
 a sweep files its jobs under their parent), so a store that cannot be used then is an error, found
@@ -68,6 +71,13 @@ _DATABASES = ("sqlite", "postgresql", "mysql", "mssql")  # MLflow's database sto
 
 PARENT_RUN_ENV = "RECSYS_RUNNER_PARENT_RUN_ID"
 """Set by the sweep callback for its jobs: their runs become children of this run."""
+UNSENT_DIR_TAG = "tracking.unsent_dir"
+"""On every MLflow run: the directory its :func:`unsent_file` goes to if the store is gone when the run ends."""
+
+
+def unsent_file(directory: str | Path, run_id: str) -> Path:
+    """Where a run's data the store did not take at its end waits for ``python -m recsys_runner.tracking replay``."""
+    return Path(directory) / f"mlflow_unsent_{run_id}.json"
 
 
 @dataclass(frozen=True)
@@ -227,6 +237,7 @@ class MlflowTracker:
         self._next_try = 0.0
         self._backoff_s = 1.0
         self._warned = False
+        self._unsent_dir = Path.cwd()  # where the run starts: its UNSENT_DIR_TAG says so, for whoever finds it RUNNING
 
     def check(self) -> None:
         """Preflight, run by ``build`` on rank 0 before data and model exist: open the store, or raise
@@ -265,7 +276,7 @@ class MlflowTracker:
 
         if self._client is None:
             self.check()
-        all_tags = dict(tags)
+        all_tags = dict(tags) | {UNSENT_DIR_TAG: str(self._unsent_dir)}
         parent = os.environ.get(PARENT_RUN_ENV)
         if parent:
             all_tags["mlflow.parentRunId"] = parent
@@ -288,6 +299,7 @@ class MlflowTracker:
             self._experiment_id = self._client.get_run(run_id).info.experiment_id  # fails clearly if the store lacks it
             self._client.update_run(run_id, status="RUNNING")
             self._client.set_tag(run_id, "resumed", "true")
+            self._client.set_tag(run_id, UNSENT_DIR_TAG, str(self._unsent_dir))  # this launch's directory, not the first's
         self.run_id = run_id
 
     def log_inputs(self, datasets: Sequence[DataRecord]) -> None:
@@ -369,8 +381,10 @@ class MlflowTracker:
         else:
             try:
                 self._client.set_terminated(self.run_id, status=status)
-            except Exception as e:  # noqa: BLE001 - the run's data is safe; only its end status is lost
-                log.warning("could not mark MLflow run %s %s: %s", self.run_id, status, e)
+            except Exception as e:  # noqa: BLE001 - the run's data is safe; its end waits in the file for a replay
+                path = self._write_unsent(status)
+                log.warning("could not mark MLflow run %s %s (%s): its end saved to %s; send it later with: "
+                            "python -m recsys_runner.tracking replay %s", self.run_id, status, e, path, path)
             else:
                 self._say_where(status)
         self.run_id = None
@@ -414,7 +428,7 @@ class MlflowTracker:
         return True
 
     def _write_unsent(self, status: str) -> Path:
-        path = Path(f"mlflow_unsent_{self.run_id}.json").absolute()
+        path = unsent_file(self._unsent_dir, self._run())
         record = {
             "uri": self.uri,
             "run_id": self.run_id,

@@ -1,0 +1,278 @@
+"""Runs a sweep's ended jobs left RUNNING (``tracking/sweep_jobs.py``): a run from a runner older than ``sweep.job_num``,
+found only where the job's overrides single it out, never guessed; a job that completed while the tracking store was
+gone, whose run is left to its replay file while there is one and ended at the job's end time where there is none. On
+``collect``'s side, against SLURM's account of the jobs as submitit reads it (``sacct`` faked as in
+tests/conftest.py's ``slurm_states``); tests/test_sweeps_dead_jobs.py runs the waiting launchers for real.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from recsys_runner import compare
+from recsys_runner.configurable import make
+from recsys_runner.tracking.__main__ import main as tracking_main
+from recsys_runner.tracking.sweep import EXPECTED_JOBS_TAG
+from recsys_runner.tracking.sweep_jobs import (
+    JOB_END_TAG,
+    SLURM_JOB_IDS_TAG,
+    SUBMITIT_FOLDER_TAG,
+    JobEnd,
+    end_left_runs,
+    overrides_on_disk,
+)
+from recsys_runner.tracking.sweep_names import JOB_NUM_TAG
+from recsys_runner.tracking.sweep_summary import SWEEP_PARENT_TAG
+from recsys_runner.tracking.tracker import PARENT_RUN_ENV, UNSENT_DIR_TAG, MlflowTracker, MlflowTrackingConfig, replay
+from tests.conftest import REPO, TINY, run_cli
+from tests.slurm_cluster import SlurmCluster, slurm_cluster_fixture  # noqa: F401 - provides the slurm_cluster fixture
+
+
+def _store(tmp_path: Path, name: str, monkeypatch: pytest.MonkeyPatch) -> tuple[str, MlflowClient, str]:
+    monkeypatch.chdir(tmp_path)  # the parent's summary table goes to ./mlruns
+    uri = f"sqlite:///{tmp_path}/{name}.db"
+    client = MlflowClient(tracking_uri=uri)
+    return uri, client, client.create_experiment(name)
+
+
+def _parent(client: MlflowClient, exp: str, array: str, num_jobs: int, sweep_dir: Path) -> str:
+    ids = " ".join(f"{array}_{num}" for num in range(num_jobs))
+    return client.create_run(exp, run_name="sweep", tags={
+        SWEEP_PARENT_TAG: "eval/auc", EXPECTED_JOBS_TAG: str(num_jobs), SLURM_JOB_IDS_TAG: ids, "sweep.dir": str(sweep_dir),
+        SUBMITIT_FOLDER_TAG: f"{sweep_dir}/.submitit/%j"}).info.run_id
+
+
+def _old_child(client: MlflowClient, exp: str, parent: str, overrides: str) -> str:
+    """A child as a runner before ``sweep.job_num`` logged it: its overrides tag, no job number, RUNNING."""
+    run = client.create_run(exp, run_name=overrides.replace("optim.", ""),
+                            tags={"mlflow.parentRunId": parent, "hydra.overrides": overrides})
+    client.log_metric(run.info.run_id, "train/loss", 0.5, step=10)
+    return run.info.run_id
+
+
+def _job_folder(sweep_dir: Path, num: int, overrides: list[str]) -> None:
+    """What Hydra writes into a job's folder when the job starts: ``.hydra/hydra.yaml`` with its number and overrides."""
+    hydra = sweep_dir / str(num) / ".hydra"
+    hydra.mkdir(parents=True)
+    (hydra / "hydra.yaml").write_text(json.dumps({"hydra": {"job": {"num": num, "name": "__main__"},
+                                                            "overrides": {"task": overrides, "hydra": []}}}))
+
+
+def _collect(uri: str, parent: str) -> int:
+    return compare.main(["collect", "--uri", uri, "--parent", parent, "--no-plots"])
+
+
+def test_an_older_runners_runs_are_ended_where_the_jobs_overrides_single_them_out(
+        tmp_path: Path, slurm_states: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sweep started before runs carried ``sweep.job_num``: its dead jobs' runs were never found and stayed RUNNING.
+    Each job's overrides, from its folder under the sweep dir, match exactly one run: that run is ended; the run of the
+    job SLURM says still runs is not touched."""
+    uri, client, exp = _store(tmp_path, "older", monkeypatch)
+    sweep_dir = tmp_path / "multirun"
+    parent = _parent(client, exp, "9400", 3, sweep_dir)
+    overrides = [["optim.lr=0.1", "seed=1"], ["optim.lr=0.2", "seed=1"], ["optim.lr=0.3", "seed=1"]]
+    runs = [_old_child(client, exp, parent, " ".join(o)) for o in overrides]
+    for num, o in enumerate(overrides):
+        _job_folder(sweep_dir, num, o)
+    slurm_states.write_text("9400_0|TIMEOUT|localhost\n9400_1|RUNNING|localhost\n9400_2|CANCELLED by 0|localhost\n")
+    assert _collect(uri, parent) == 1
+    err = capsys.readouterr().err
+    ended = [client.get_run(r) for r in runs]
+    assert [(r.info.status, r.data.tags.get(JOB_END_TAG)) for r in ended] == [
+        ("KILLED", "TIMEOUT"), ("RUNNING", None), ("KILLED", "CANCELLED")], err
+    assert f"Job #0 (TIMEOUT) died before it could end its MLflow run {runs[0]} (lr=0.1 seed=1): ended it KILLED" in err
+    assert "cannot be told" not in err
+
+
+@pytest.mark.parametrize("case", ["two jobs alike", "a job's folder missing"])
+def test_an_older_runners_runs_are_never_guessed(case: str, tmp_path: Path, slurm_states: Path,
+                                                 capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the overrides do not single a run out — two jobs tried the same values, or a job's folder is missing (not
+    started, or shared), so another job could carry the same ones — no run is ended: a note names the sweep, the jobs,
+    the RUNNING runs and the command that ends one, once per collect, and that command ends it."""
+    uri, client, exp = _store(tmp_path, "guess", monkeypatch)
+    sweep_dir = tmp_path / "multirun"
+    parent = _parent(client, exp, "9500", 2, sweep_dir)
+    overrides = [["optim.lr=0.1"], ["optim.lr=0.1"]] if case == "two jobs alike" else [["optim.lr=0.1"], ["optim.lr=0.2"]]
+    runs = [_old_child(client, exp, parent, " ".join(o)) for o in overrides]
+    for num, o in enumerate(overrides[: 2 if case == "two jobs alike" else 1]):
+        _job_folder(sweep_dir, num, o)
+    slurm_states.write_text("9500_0|OUT_OF_MEMORY|localhost\n9500_1|RUNNING|localhost\n")
+    assert _collect(uri, parent) == 1
+    err = capsys.readouterr().err
+    assert [client.get_run(r).info.status for r in runs] == ["RUNNING", "RUNNING"], err
+    assert err.count("cannot be told safely") == 1, err
+    note = next(line for line in err.splitlines() if "cannot be told safely" in line)
+    assert f"Sweep {parent}: job(s) #0 (OUT_OF_MEMORY) ended" in note and "None was ended" in note
+    assert all(run in note for run in runs), note
+    assert f"python -m recsys_runner.tracking end <run id> --uri {uri}" in note
+
+    tracking_main(["end", runs[0], "--uri", uri])
+    assert client.get_run(runs[0]).info.status == "KILLED" and client.get_run(runs[1]).info.status == "RUNNING"
+    assert f"ended MLflow run {runs[0]}" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="has ended already: KILLED"):
+        tracking_main(["end", runs[0], "--uri", uri])
+    with pytest.raises(SystemExit, match="no MLflow store at"):
+        tracking_main(["end", runs[0], "--uri", f"sqlite:///{tmp_path}/absent.db"])
+    assert not (tmp_path / "absent.db").exists()
+
+
+def test_a_job_folder_shared_by_two_jobs_leaves_their_overrides_unknown(tmp_path: Path) -> None:
+    _job_folder(tmp_path, 0, ["optim.lr=0.1"])
+    _job_folder(tmp_path / "again", 0, ["optim.lr=0.2"])
+    assert overrides_on_disk(str(tmp_path), 1) is None
+    assert overrides_on_disk(str(tmp_path / "again"), 1) == {0: "optim.lr=0.2"}
+    assert overrides_on_disk(str(tmp_path / "none"), 1) is None
+
+
+def test_a_run_started_before_its_batch_was_launched_is_not_its_jobs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The waiting launcher knows its batch's overrides (an Optuna sweep launches batch after batch): an older runner's
+    RUNNING run with the same overrides that started before the batch is an earlier trial's, never this job's."""
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/batch.db")
+    exp = client.create_experiment("batch")
+    parent = client.create_run(exp, run_name="sweep", tags={SWEEP_PARENT_TAG: "eval/auc"}).info.run_id
+    earlier = _old_child(client, exp, parent, "optim.lr=0.1")
+    since = int(time.time() * 1000) + 1000
+    left = end_left_runs(client, parent, {3: JobEnd("DIED")}, lambda: {3: "optim.lr=0.1"}, since_ms=since)
+    assert left.ended == [] and client.get_run(earlier).info.status == "RUNNING"
+    assert "cannot be told safely" in left.notes[0]
+    left = end_left_runs(client, parent, {3: JobEnd("DIED")}, lambda: {3: "optim.lr=0.1"}, since_ms=0)
+    assert left.ended == [earlier] and client.get_run(earlier).data.tags[JOB_END_TAG] == "DIED"
+
+
+def _tracked_run_whose_end_is_lost(uri: str, job_num: int) -> str:
+    """A sweep job's run logged by the real tracker, whose end the store does not take (it went away): the tracker
+    writes the run's end to its replay file in the directory it started in."""
+    tracker = MlflowTracker(make(MlflowTrackingConfig, uri=uri, experiment="lost", flush_timeout_s=0.0))
+    tracker.start(run_name=f"lr=0.{job_num + 1}", tags={JOB_NUM_TAG: str(job_num)}, params={})  # a child of $PARENT_RUN_ENV
+    tracker.log_metrics({"eval/auc": 0.6 + job_num / 10}, step=10)
+    client: Any = tracker._client
+
+    def gone(*args: object, **kwargs: object) -> None:
+        raise ConnectionError("tracking server gone")
+
+    real, client.set_terminated = client.set_terminated, gone
+    run_id = str(tracker.run_id)
+    tracker.finish("FINISHED")
+    client.set_terminated = real
+    return run_id
+
+
+def test_a_completed_jobs_run_left_running_waits_for_its_replay_else_is_ended_at_the_jobs_end(
+        tmp_path: Path, slurm_states: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two jobs SLURM says COMPLETED whose runs stayed RUNNING: the store was gone at their end. Job #0's end waits in its
+    replay file: its run is left to the replay, collect says the command, and the sweep's summary waits. Job #1's file
+    is gone: nothing else would end its run, so it is ended FINISHED at the job's end time, tagged why. Once the replay
+    has run, collect summarizes the sweep."""
+    uri, client, exp = _store(tmp_path, "lost", monkeypatch)
+    sweep_dir = tmp_path / "multirun"
+    parent = _parent(client, exp, "9600", 2, sweep_dir)
+    monkeypatch.setenv(PARENT_RUN_ENV, parent)
+    waiting, lost = (_tracked_run_whose_end_is_lost(uri, num) for num in range(2))
+    files = {run: tmp_path / f"mlflow_unsent_{run}.json" for run in (waiting, lost)}
+    assert all(f.exists() for f in files.values()), "the tracker keeps a run's end the store did not take"
+    assert client.get_run(waiting).data.tags[UNSENT_DIR_TAG] == str(tmp_path)
+    files[lost].unlink()
+    result = sweep_dir / ".submitit" / "9600_1" / "9600_1_0_result.pkl"
+    result.parent.mkdir(parents=True)
+    result.write_bytes(b"")
+    job_end = int(time.time()) - 600
+    os.utime(result, (job_end, job_end))
+    slurm_states.write_text("9600_0|COMPLETED|localhost\n9600_1|COMPLETED|localhost\n")
+
+    assert _collect(uri, parent) == 1
+    err = capsys.readouterr().err
+    assert client.get_run(waiting).info.status == "RUNNING" and JOB_END_TAG not in client.get_run(waiting).data.tags
+    assert (f"Job #0 (COMPLETED) ended, but the tracking store was gone when its MLflow run {waiting} (lr=0.1) ended: the "
+            f"run stays RUNNING until its end and last metrics are sent with: python -m recsys_runner.tracking replay "
+            f"{files[waiting]}") in err
+    ended = client.get_run(lost)
+    assert ended.info.status == "FINISHED" and ended.info.end_time == job_end * 1000
+    assert ended.data.tags[JOB_END_TAG].startswith("COMPLETED: the run's end never reached the tracking store")
+    assert f"Job #1 (COMPLETED) ended, but its MLflow run {lost} (lr=0.2) never got its end" in err
+    assert "1 run(s) wait for their replay" in err and client.get_run(parent).info.status == "RUNNING"
+
+    replay(files[waiting])
+    assert _collect(uri, parent) == 0
+    assert client.get_run(waiting).info.status == "FINISHED"
+    p = client.get_run(parent)
+    assert p.info.status == "FINISHED" and p.data.tags["best.run_id"] == lost
+
+
+STORE_GONE_AT_THE_END = '''
+"""Test hook (sitecustomize, in a sweep's submitit job processes only, local or SLURM): the tracking store goes away as
+the run ends (``set_terminated`` fails), and job #1's replay file is lost (never written)."""
+import os
+
+if os.environ.get("SUBMITIT_EXECUTOR"):
+    import pathlib
+
+    from mlflow.tracking import MlflowClient
+
+    lost = set()
+
+    def gone(self, run_id, *args, **kwargs):
+        if self.get_run(run_id).data.tags.get("sweep.job_num") == "1":
+            lost.add(f"mlflow_unsent_{run_id}.json")
+        raise ConnectionError("tracking store gone")
+
+    real_write_text = pathlib.Path.write_text
+
+    def write_text(self, *args, **kwargs):
+        return 0 if self.name in lost else real_write_text(self, *args, **kwargs)
+
+    MlflowClient.set_terminated = gone
+    pathlib.Path.write_text = write_text
+'''
+
+
+def _sweep_whose_store_is_gone_as_its_jobs_end(tmp_path: Path, *launcher: str) -> None:
+    """Job #0's end waits in its replay file, so the launcher leaves its run RUNNING and says how to replay it; job #1's
+    file is lost, so its run, which nothing else would end, is ended FINISHED at the job's end, tagged why. Once the
+    replay has run, ``collect`` summarizes the sweep."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(STORE_GONE_AT_THE_END)
+    uri = f"sqlite:///{tmp_path}/gone.db"
+    out = run_cli("-m", *launcher, "optim.lr=0.01,0.1", *TINY, "train.num_steps=10", "tracking.flush_timeout_s=0",
+                  f"tracking.uri={uri}", "tracking.experiment=gone", cwd=tmp_path, timeout=600,
+                  env={"PYTHONPATH": f"{hooks}:{REPO}"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name("gone").experiment_id])
+    (parent,) = [r for r in runs if SWEEP_PARENT_TAG in r.data.tags]
+    children = {r.data.tags[JOB_NUM_TAG]: r for r in runs if JOB_NUM_TAG in r.data.tags}
+    waiting, lost = children["0"], children["1"]
+    spool = tmp_path / f"mlflow_unsent_{waiting.info.run_id}.json"
+    assert waiting.info.status == "RUNNING" and spool.exists(), out.stderr[-3000:]
+    assert f"python -m recsys_runner.tracking replay {spool}" in out.stderr
+    assert lost.info.status == "FINISHED" and lost.data.tags[JOB_END_TAG].startswith("COMPLETED: the run's end never"), out.stderr[-3000:]
+    results = list((tmp_path / "multirun").glob("*/*/.submitit/*/*_result.pkl"))
+    assert lost.info.end_time in {int(p.stat().st_mtime * 1000) for p in results}, "ended at its job's end"
+    assert f"Job #1 (COMPLETED) ended, but its MLflow run {lost.info.run_id} (lr=0.1) never got its end" in out.stderr
+    assert parent.info.status == "RUNNING", "the summary waits for the replay"
+
+    replay(spool)
+    assert compare.main(["collect", "--uri", uri, "--parent", parent.info.run_id, "--no-plots"]) == 0
+    assert client.get_run(waiting.info.run_id).info.status == "FINISHED"
+    assert client.get_run(parent.info.run_id).info.status == "FINISHED"
+
+
+@pytest.mark.slow
+def test_submitit_local_sweep_whose_store_was_gone_as_its_jobs_ended(tmp_path: Path) -> None:
+    """A real ``submitit_local`` sweep whose jobs complete while the tracking store is gone at their runs' end."""
+    _sweep_whose_store_is_gone_as_its_jobs_end(tmp_path, "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5")
+
+
+@pytest.mark.slow
+def test_slurm_sweep_whose_store_was_gone_as_its_jobs_ended(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """The same against the real test SLURM cluster (tests/slurm_cluster.py), with the waiting ``submitit_slurm``."""
+    _sweep_whose_store_is_gone_as_its_jobs_end(tmp_path, "hydra/launcher=submitit_slurm", "hydra.launcher.timeout_min=10",
+                                               "hydra.launcher.cpus_per_task=1")
