@@ -5,8 +5,26 @@ too few ``--steps`` before it builds anything."""
 from __future__ import annotations
 
 import importlib
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+import torch
+from torchrec.datasets.utils import Batch
+
+import recsys_runner.data.files.shard_stream as shard_stream
+import recsys_runner.data.generated.synthetic as synthetic
+import recsys_runner.data.packed as packed
+from recsys_runner.configurable import make
+from recsys_runner.data.files.tabular import CsvData, ParquetData
+from recsys_runner.data.files.tabular_config import CsvDataConfig, ParquetDataConfig
+from recsys_runner.data.generated.synthetic import SyntheticData
+from recsys_runner.data.generated.synthetic_config import SyntheticDataConfig
+from recsys_runner.data.packed import Packed, pack, unpack
+from recsys_runner.errors import DataError
 
 BENCHES_WITH_WINDOWS = ("data", "regimes", "storage", "zoo", "caching", "table_dtype", "step_options", "multitask", "retrieval")
 
@@ -21,3 +39,125 @@ def test_bench_refuses_steps_without_a_timed_window(name: str, capsys: pytest.Ca
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "--steps" in err and "Fix: --steps 20 or more" in err, err
+
+
+# -- one buffer per batch across the worker boundary (data/packed.py) -----------------------------------------------------
+
+
+def test_pack_gives_back_every_tensor_bit_for_bit_and_every_other_item_as_it_was() -> None:
+    nan_payload = torch.tensor([float("nan"), -0.0, 1.5], dtype=torch.float64)
+    item = (torch.arange(12, dtype=torch.float32).reshape(3, 4).t(),  # not contiguous
+            torch.tensor([True, False, True]), torch.zeros(0, dtype=torch.int64), torch.tensor(7, dtype=torch.int32),
+            nan_payload, None, 3, {"tags": (1, 2)}, torch.arange(5, dtype=torch.int16))
+    packed = pack(item)
+    assert isinstance(packed, Packed) and packed.buffer.dtype == torch.uint8
+    back = unpack(packed)
+    assert len(back) == len(item)
+    for x, y in zip(item, back, strict=True):
+        if isinstance(x, torch.Tensor):
+            assert isinstance(y, torch.Tensor) and (y.dtype, y.shape) == (x.dtype, x.shape) and y.is_contiguous()
+            assert torch.equal(x.contiguous().view(-1).view(torch.uint8), y.view(-1).view(torch.uint8))  # bits, NaN included
+        else:
+            assert y == x
+    assert pack(("error", "bad row")) == ("error", "bad row")  # nothing to pack: as it is
+    assert unpack(("error", "bad row")) == ("error", "bad row")
+
+
+def _csv_and_parquet(tmp_path: Path, n: int = 230) -> None:
+    """The same rows as CSV and Parquet: a label, an id, a dense number and a weighted multi-hot list; every 17th row bad
+    (a price that is no number in the CSV, a missing label in the Parquet file), so batches come with skipped-row counts."""
+    lines = ["label,item,price,tags"]
+    for i in range(n):
+        price = "abc" if i % 17 == 5 else f"{i * 0.25}"
+        lines.append(f"{i % 2},{i % 97},{price},{i % 50}:{(i % 7) * 0.5}|{(i * 3) % 50}:1.5")
+    (tmp_path / "rows.csv").write_text("\n".join(lines) + "\n")
+    pq.write_table(pa.table({
+        "label": pa.array([None if i % 17 == 5 else i % 2 for i in range(n)], pa.int64()),
+        "item": pa.array([i % 97 for i in range(n)], pa.int64()),
+        "price": pa.array([i * 0.25 for i in range(n)], pa.float32()),
+        "tags": pa.array([[i % 50, (i * 3) % 50][: 1 + i % 2] for i in range(n)], pa.list_(pa.int64())),
+        "tags_w": pa.array([[(i % 7) * 0.5, 1.5][: 1 + i % 2] for i in range(n)], pa.list_(pa.float32())),
+    }), tmp_path / "rows.parquet", row_group_size=31)
+
+
+def _file_data(kind: str, tmp_path: Path, **kw: Any) -> ParquetData | CsvData:
+    common: dict[str, Any] = {"batch_size": 8, "shuffle_buffer_rows": 24, "eval_fraction": 0.2, "on_bad_rows": "skip",
+                              "num_workers": 2, "pin_memory": False, "dense": [{"name": "price"}]} | kw
+    if kind == "parquet":
+        sparse = [{"name": "item", "num_embeddings": 100}, {"name": "tags", "num_embeddings": 50, "weights": "tags_w"}]
+        return ParquetData(make(ParquetDataConfig, path=str(tmp_path / "rows.parquet"), sparse=sparse, **common))
+    sparse = [{"name": "item", "num_embeddings": 100}, {"name": "tags", "num_embeddings": 50, "separator": "|", "weighted": True}]
+    return CsvData(make(CsvDataConfig, path=str(tmp_path / "rows.csv"), block_rows=29, sparse=sparse, **common))
+
+
+def _identical(a: list[Batch], b: list[Batch]) -> None:
+    """The same batches in the same order, bit for bit: every tensor's dtype, shape and values; weights None or present alike."""
+    assert len(a) == len(b) and a
+    for x, y in zip(a, b, strict=True):
+        kx, ky = x.sparse_features, y.sparse_features
+        assert kx.keys() == ky.keys()
+        pairs = [(x.dense_features, y.dense_features), (x.labels, y.labels), (kx.values(), ky.values()), (kx.lengths(), ky.lengths())]
+        assert (kx.weights_or_none() is None) == (ky.weights_or_none() is None)
+        if kx.weights_or_none() is not None:
+            pairs.append((kx.weights(), ky.weights()))
+        for s, t in pairs:
+            assert (s.dtype, s.shape) == (t.dtype, t.shape) and torch.equal(s, t)
+
+
+@pytest.fixture
+def count_packed(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each item the training process unpacks came packed (so that a test of the packed path is not vacuous)."""
+    seen: list[bool] = []
+    real = packed.unpack
+
+    def spy(item: Any) -> tuple[Any, ...]:
+        seen.append(isinstance(item, Packed))
+        return real(item)
+
+    monkeypatch.setattr(packed, "unpack", spy)
+    return seen
+
+
+def _unpacked_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers send their tuples as they did before packing: one shared segment per tensor (the reference)."""
+    monkeypatch.setattr(shard_stream, "packed_stream", lambda items: items)
+    monkeypatch.setattr(synthetic, "packed_stream", lambda items: items)
+
+
+@pytest.mark.parametrize("kind", ["parquet", "csv"])
+def test_packed_file_batches_from_two_workers_are_the_unpacked_ones(kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     count_packed: list[bool]) -> None:
+    """Weighted features, skipped-row markers and their counts: through one buffer per batch, exactly as before."""
+    _csv_and_parquet(tmp_path)
+    data = _file_data(kind, tmp_path)
+    got = [list(data.train_batches(e, 0, 1)) for e in (0, 1)] + [list(data.eval_batches(0, 1))]
+    counters = data.metrics()
+    assert any(count_packed) and counters["data/bad_rows_skipped"] > 0
+    with monkeypatch.context() as m:
+        _unpacked_workers(m)
+        count_packed.clear()
+        reference = _file_data(kind, tmp_path)
+        expected = [list(reference.train_batches(e, 0, 1)) for e in (0, 1)] + [list(reference.eval_batches(0, 1))]
+        assert not any(count_packed)
+    for g, e in zip(got, expected, strict=True):
+        _identical(g, e)
+    assert counters == reference.metrics()
+
+
+def test_a_bad_row_in_a_worker_is_still_named(tmp_path: Path) -> None:
+    _csv_and_parquet(tmp_path)
+    with pytest.raises(DataError, match=r"bad row in .*rows\.csv, line \d+, column 'price': 'abc' is not a number"):
+        list(_file_data("csv", tmp_path, on_bad_rows="fail").train_batches(0, 0, 1))
+
+
+def test_packed_synthetic_batches_from_two_workers_are_the_in_process_ones(monkeypatch: pytest.MonkeyPatch,
+                                                                           count_packed: list[bool]) -> None:
+    config = make(SyntheticDataConfig, batch_size=32, num_dense=3, num_sparse=4, num_embeddings=50, num_train_rows=32 * 9,
+                  num_eval_rows=32 * 3, tasks=["ctr", "cvr"], user_item_clusters=4, hard_negatives=2, pin_memory=False)
+    workers, here = SyntheticData(replace(config, num_workers=2)), SyntheticData(replace(config, num_workers=0))
+    _identical(list(workers.train_batches(1, 0, 1)), list(here.train_batches(1, 0, 1)))
+    _identical(list(workers.eval_batches(0, 1)), list(here.eval_batches(0, 1)))
+    assert count_packed and all(count_packed)
+    with monkeypatch.context() as m:
+        _unpacked_workers(m)
+        _identical(list(workers.train_batches(1, 0, 1)), list(here.train_batches(1, 0, 1)))
