@@ -61,12 +61,21 @@ def pack(item: tuple[Any, ...]) -> Packed | tuple[Any, ...]:
             slots.append(None)
     if all(s is None for s in slots):
         return item
-    buffer = torch.empty(total, dtype=torch.uint8)
+    buffer = shared_bytes(total)
     packed = Packed(buffer, tuple(slots), tuple(None if s is not None else x for x, s in zip(item, slots, strict=True)))
     for x, view in zip(item, _views(packed), strict=True):
         if view is not None:
             view.copy_(x)
     return packed
+
+
+def shared_bytes(size: int) -> torch.Tensor:
+    """``size`` bytes (at least one) of new shared memory, not yet written. A worker's batch is packed straight into it, so
+    that DataLoader sends it as it is: a private buffer would be copied once more into a new segment when sent, and the
+    pages of a fresh segment cost more to fault in than the copy (at batch 65536, 24 MB: ~40 ms more per batch on a
+    loaded CPU)."""
+    storage = torch.UntypedStorage._new_shared(max(size, 1))
+    return torch.empty(0, dtype=torch.uint8).set_(storage)[:size]
 
 
 def unpack(item: Packed | tuple[Any, ...]) -> tuple[Any, ...]:
