@@ -5,6 +5,7 @@ too few ``--steps`` before it builds anything."""
 from __future__ import annotations
 
 import importlib
+import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from torchrec.datasets.utils import Batch
 import recsys_runner.data.files.shard_stream as shard_stream
 import recsys_runner.data.generated.synthetic as synthetic
 import recsys_runner.data.packed as packed
+from recsys_runner.bench import input_path
 from recsys_runner.configurable import make
 from recsys_runner.data.files.tabular import CsvData, ParquetData
 from recsys_runner.data.files.tabular_config import CsvDataConfig, ParquetDataConfig
@@ -161,3 +163,28 @@ def test_packed_synthetic_batches_from_two_workers_are_the_in_process_ones(monke
     with monkeypatch.context() as m:
         _unpacked_workers(m)
         _identical(list(workers.train_batches(1, 0, 1)), list(here.train_batches(1, 0, 1)))
+
+
+# -- the loader benchmark ---------------------------------------------------------------------------------------------------
+
+
+def test_input_path_bench_measures_every_grid_point_and_writes_them(tmp_path: Path) -> None:
+    """A few batches of each point (it checks the bench works, not how fast): the grid capped by the CPUs, pinning only
+    where CUDA is, and with --train the fed and in-memory rounds and their ratio; the JSON holds what the table prints."""
+    out = tmp_path / "input_path.json"
+    result = input_path.main(["--batch-sizes", "64", "--workers", "0,1,9999", "--batches", "3", "--rounds", "1", "--train",
+                              "--steps", "20", "--json", str(out), "distributed.device=cpu", "data.num_embeddings=1000",
+                              "model.embedding_dim=4", "model.dense_arch_layer_sizes=[4]", "model.deep_layer_sizes=[8]"])
+    points = json.loads(out.read_text())["points"]
+    assert points == result["points"] and result["workers_left_out"] == [9999]
+    assert [(p["data"], p["num_workers"], p["pin_memory"]) for p in points] == [
+        ("synthetic", 0, False), ("synthetic", 1, False), ("parquet", 0, False), ("parquet", 1, False)]
+    assert all(p["rows_per_s"] > 0 and p["batch_size"] == 64 and p["ratio"] > 0 for p in points)
+
+
+def test_input_path_bench_refuses_a_grid_it_cannot_run(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, says in ((["--data", "csv"], "--data must name some of synthetic, parquet"),
+                       (["--workers", "9999"], "every --workers value exceeds the")):
+        with pytest.raises(SystemExit):
+            input_path.main(argv)
+        assert says in capsys.readouterr().err
