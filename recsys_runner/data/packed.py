@@ -1,11 +1,12 @@
 """A batch crossing the DataLoader worker boundary as ONE buffer: the worker copies the tensors of a batch tuple into one
-contiguous byte buffer (:func:`pack`), the training process takes them back as views of it (:func:`unpack`).
+contiguous byte buffer in shared memory (:func:`pack`), the training process takes them back as views of it (:func:`unpack`).
 
 Why: a tensor a worker sends is copied into a shared-memory segment of its own, whose file descriptor crosses on a
-connection of its own and is mapped by the receiver; that costs a fixed ~0.3-0.5 ms per tensor, whatever its size. A
-file batch (dense, values, lengths, labels, weights) paid it five times per batch, a synthetic one four: on a CPU, one
-worker delivered 3.4x fewer synthetic rows/s than generating them in the training process (docs/performance.md,
-*The input path on a CPU*). One buffer pays it once; with ``pin_memory`` the pin thread pins one buffer, not each tensor.
+connection of its own and is mapped by the receiver; that costs the training process ~0.5 ms per tensor (cProfile, on a
+CPU), whatever its size. A file batch (dense, values, lengths, labels, weights) paid it five times, a synthetic one four:
+on a CPU, one worker delivered 3.4x fewer synthetic rows/s than generating them in the training process
+(docs/performance.md, *6. The input path on a CPU*). One buffer pays it once, and the worker writes it straight into
+shared memory (:func:`shared_bytes`); with ``pin_memory`` the pin thread pins one buffer, not each tensor.
 
 The tuple is otherwise what it was: the same tensors bit for bit (dtype, shape, values), every other item (counts,
 ``None``, error markers) as it was, at its place. Views are contiguous and share the buffer: a part kept alone (a batch's
