@@ -40,7 +40,7 @@ def test_bench_refuses_steps_without_a_timed_window(name: str, capsys: pytest.Ca
         main(["--steps", "10"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert "--steps" in err and "Fix: --steps 20 or more" in err, err
+    assert "argument --steps: 10 steps time no window" in err and "Fix: 20 or more" in err, err
 
 
 # -- one buffer per batch across the worker boundary (data/packed.py) -----------------------------------------------------

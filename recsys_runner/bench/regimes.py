@@ -109,7 +109,7 @@ def window_steps(text: str) -> int:
     steps = int(text)
     if steps < MIN_STEPS:
         raise argparse.ArgumentTypeError(f"{steps} steps time no window: a round's first {WINDOW} steps are warm-up, and its "
-                                         f"figure is the median of the windows after them. Fix: --steps {MIN_STEPS} or more")
+                                         f"figure is the median of the windows after them. Fix: {MIN_STEPS} or more")
     return steps
 
 
