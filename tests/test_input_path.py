@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from torch.utils.data._utils.pin_memory import pin_memory
 from torchrec.datasets.utils import Batch
 
 import recsys_runner.data.files.shard_stream as shard_stream
@@ -63,6 +64,25 @@ def test_pack_gives_back_every_tensor_bit_for_bit_and_every_other_item_as_it_was
             assert y == x
     assert pack(("error", "bad row")) == ("error", "bad row")  # nothing to pack: as it is
     assert unpack(("error", "bad row")) == ("error", "bad row")
+
+
+def test_the_pin_thread_pins_a_packed_batch_as_one_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DataLoader's pin thread (``pin_memory=True``) calls a batch's own ``pin_memory``: one pinned copy of the buffer, whose
+    views are the batch. Pinning itself needs CUDA: here a copy stands in for it."""
+    pinned: list[int] = []
+
+    def pin(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        pinned.append(self.numel())
+        return self.clone()
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
+    item = (torch.rand(4, 3), torch.arange(5), None, 2)
+    packed_item = pack(item)
+    assert isinstance(packed_item, Packed)
+    out = pin_memory(packed_item)
+    assert isinstance(out, Packed) and pinned == [packed_item.buffer.numel()]
+    back = unpack(out)
+    assert torch.equal(back[0], item[0]) and torch.equal(back[1], item[1]) and back[2:] == (None, 2)
 
 
 def _csv_and_parquet(tmp_path: Path, n: int = 230) -> None:
