@@ -50,7 +50,7 @@ def test_too_few_steps_is_refused(flag: str, tmp_path: Path, monkeypatch: pytest
     with pytest.raises(SystemExit) as exited:
         main([flag, "10"])
     assert exited.value.code == 2
-    assert f"error: {flag} must be >= 20: the first window of 10 steps is warm-up" in capsys.readouterr().err
+    assert f"error: argument {flag}: 10 steps time no window: a round's first 10 steps are warm-up" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 
 

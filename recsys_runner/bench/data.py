@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from recsys_runner.bench.regimes import WINDOW, build_for_bench, on_device, runner_round, with_data
+from recsys_runner.bench.regimes import WINDOW, build_for_bench, on_device, runner_round, window_steps, with_data
 from recsys_runner.data.files.tabular_config import TabularDataConfig
 from recsys_runner.data.generated.generate import write_criteo_parquet
 from recsys_runner.data.memory import InMemoryData
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=500_000)
     parser.add_argument("--num-embeddings", type=int, default=100_000)
     parser.add_argument("--batch-size", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=60, help="training steps per round (windows of 10)")
+    parser.add_argument("--steps", type=window_steps, default=60, help="training steps per round (windows of 10)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("overrides", nargs="*", help="extra config overrides (e.g. data.num_workers=1)")
     args = parser.parse_args(argv)

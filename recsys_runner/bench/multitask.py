@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from recsys_runner.bench.regimes import COMMON, Regime, build_for_bench, runner_round
+from recsys_runner.bench.regimes import COMMON, Regime, build_for_bench, runner_round, window_steps
 from recsys_runner.train.weighting import ParetoWeighting
 
 TARGET, TARGET_SHARE = 1 / 1.3, 0.30
@@ -99,7 +99,7 @@ def bench_multitask(overrides: list[str], quick: bool, rounds: int | None, steps
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=None, help="steps per round, windows of 10 (default 60; --quick 20)")
+    parser.add_argument("--steps", type=window_steps, default=None, help="steps per round, windows of 10 (default 60; --quick 20)")
     parser.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 3; --quick 1)")
     parser.add_argument("--json", default="bench_results/bench_multitask.json", help="where to write the results")
     parser.add_argument("--quick", action="store_true", help="batch 512, few steps, one round: checks that it runs, not how fast")

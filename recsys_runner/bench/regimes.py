@@ -100,8 +100,24 @@ def with_data(loop: Loop, data: DataModule) -> Loop:
     return replace(loop, data=data, evaluator=replace(loop.evaluator, data=data))
 
 
+MIN_STEPS = 2 * WINDOW
+"""The fewest steps a timed round can take: its first window of :data:`WINDOW` steps is warm-up, and a median needs one more."""
+
+
+def window_steps(text: str) -> int:
+    """``argparse`` type of a bench's ``--steps``: a number of steps a timed round can take (at least :data:`MIN_STEPS`),
+    refused at parsing, not as a ``StatisticsError`` from :func:`runner_round` after the model is built."""
+    steps = int(text)
+    if steps < MIN_STEPS:
+        raise argparse.ArgumentTypeError(f"{steps} steps time no window: a round's first {WINDOW} steps are warm-up, and its "
+                                         f"figure is the median of the windows after them. Fix: {MIN_STEPS} or more")
+    return steps
+
+
 def runner_round(loop: Loop, steps: int) -> float:
     """One call of the runner's :func:`train` for ``steps`` steps: median samples/s of its windows after the first."""
+    if steps < MIN_STEPS:  # a bench's --steps is refused at parsing (window_steps): this names a caller's mistake
+        raise ValueError(f"runner_round: {steps} steps leave no window after the warm-up one; at least {MIN_STEPS}")
     recorder = _Recorder()
     train(replace(loop, tracker=recorder, total_steps=steps))
     return statistics.median(recorder.rates[1:])
@@ -313,8 +329,8 @@ since that module builds on this one's helpers (no import cycle)."""
 def main(argv: list[str] | None = None, sequence_bench: SequenceBench | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-size", type=int, default=None, help="regimes (a)/(b)/(d) batch size (default 1024; --quick 128)")
-    parser.add_argument("--steps", type=int, default=None, help="steps per round for (a)/(b), windows of 10 (default 100; --quick 20)")
-    parser.add_argument("--host-steps", type=int, default=None, help="steps per round for (c) (default 300; --quick 20)")
+    parser.add_argument("--steps", type=window_steps, default=None, help="steps per round for (a)/(b), windows of 10 (default 100; --quick 20)")
+    parser.add_argument("--host-steps", type=window_steps, default=None, help="steps per round for (c) (default 300; --quick 20)")
     parser.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 7; --quick 1)")
     parser.add_argument("--parquet-rows", type=int, default=None, help="rows of the generated Parquet file (default 200000)")
     parser.add_argument("--json", default="bench_results/bench.json", help="where to write the results (default ./bench_results/bench.json, git-ignored)")
@@ -330,9 +346,6 @@ def main(argv: list[str] | None = None, sequence_bench: SequenceBench | None = N
     host_steps = args.host_steps or (20 if q else 300)
     rounds = args.rounds or (1 if q else 7)
     parquet_rows = args.parquet_rows or (20_000 if q else 200_000)
-    for name, n in (("--steps", steps), ("--host-steps", host_steps)):
-        if n < 2 * WINDOW:
-            parser.error(f"{name} must be >= {2 * WINDOW}: the first window of {WINDOW} steps is warm-up")
     os.makedirs(os.path.dirname(str(args.json)) or ".", exist_ok=True)  # only once the arguments are accepted
 
     started = time.perf_counter()

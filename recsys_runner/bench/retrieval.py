@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from recsys_runner.bench.regimes import COMMON, Regime, build_for_bench, runner_round
+from recsys_runner.bench.regimes import COMMON, Regime, build_for_bench, runner_round, window_steps
 
 NEGATIVES = 256
 """``K`` of the regime: the ``data.negatives.num_negatives`` of ``experiment=dssm_negatives``."""
@@ -82,7 +82,7 @@ def bench_retrieval(overrides: list[str], quick: bool, rounds: int | None, batch
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-size", type=int, default=None, help="rows per batch B (default 1024; --quick 256)")
-    parser.add_argument("--steps", type=int, default=None, help="steps per round, windows of 10 (default 100; --quick 20)")
+    parser.add_argument("--steps", type=window_steps, default=None, help="steps per round, windows of 10 (default 100; --quick 20)")
     parser.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 5; --quick 1)")
     parser.add_argument("--json", default="bench_results/bench_retrieval.json", help="where to write the results")
     parser.add_argument("--quick", action="store_true", help="small steps and one round: checks that it runs, not how fast")

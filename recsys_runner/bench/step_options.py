@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from recsys_runner.bench.regimes import COMMON, build_for_bench, on_device, runner_round, with_data
+from recsys_runner.bench.regimes import COMMON, build_for_bench, on_device, runner_round, window_steps, with_data
 from recsys_runner.build import Components
 from recsys_runner.data.memory import InMemoryData
 
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="deepfm")
     parser.add_argument("--batch-size", type=int, default=16384)
-    parser.add_argument("--steps", type=int, default=100, help="steps per timed round (windows of 10)")
+    parser.add_argument("--steps", type=window_steps, default=100, help="steps per timed round (windows of 10)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--exact-steps", type=int, default=200, help="steps of the loss-curve comparison (0: skip)")
     parser.add_argument("--variants", default="sparse_dist,base,semi_sync,no_train_metrics,compile,cuda_graphs",

@@ -33,7 +33,7 @@ import fsspec
 import torch
 
 from recsys_runner import stores
-from recsys_runner.bench.regimes import COMMON, Regime, build_for_bench, runner_round, with_data
+from recsys_runner.bench.regimes import COMMON, Regime, build_for_bench, runner_round, window_steps, with_data
 from recsys_runner.data.files.tabular_config import TabularDataConfig
 from recsys_runner.data.generated.generate import write_criteo_parquet
 
@@ -129,7 +129,7 @@ def bench_storage(overrides: list[str], quick: bool, rounds: int | None, rows: i
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=None, help="rows of the Parquet file (default 300,000; --quick 20,000)")
-    parser.add_argument("--steps", type=int, default=None, help="steps per round, windows of 10 (default 100; --quick 20)")
+    parser.add_argument("--steps", type=window_steps, default=None, help="steps per round, windows of 10 (default 100; --quick 20)")
     parser.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 5; --quick 1)")
     parser.add_argument("--json", default="bench_results/bench_storage.json", help="where to write the results")
     parser.add_argument("--quick", action="store_true", help="a small file and one round: checks that it runs, not how fast")

@@ -28,6 +28,7 @@ from recsys_runner.bench.regimes import (
     build_for_bench,
     on_device,
     runner_round,
+    window_steps,
     with_data,
 )
 from recsys_runner.build import Components
@@ -76,7 +77,7 @@ def bench_table_dtype(overrides: list[str], steps: int, rounds: int) -> dict[str
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m recsys_runner.bench.table_dtype", description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=window_steps, default=200)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--json", default=None, help="also write the figures here")
     parser.add_argument("overrides", nargs="*")

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from recsys_runner.bench.regimes import COMMON, build_for_bench, runner_round
+from recsys_runner.bench.regimes import COMMON, build_for_bench, runner_round, window_steps
 
 SHAPES: dict[str, tuple[list[str], list[str]]] = {
     "criteo": (["data=synthetic", "data.num_dense=13", "data.num_sparse=26", "data.num_embeddings=100000", "data.batch_size=2048"],
@@ -66,7 +66,7 @@ def bench_zoo(models: list[str] | None, quick: bool, steps: int, rounds: int, ex
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=None, help="comma-separated models (each shape's reference is always run)")
-    parser.add_argument("--steps", type=int, default=None, help="steps a round, windows of 10 (default 40; --quick 20)")
+    parser.add_argument("--steps", type=window_steps, default=None, help="steps a round, windows of 10 (default 40; --quick 20)")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per model (default 2; --quick 1)")
     parser.add_argument("--json", default="bench_results/zoo.json", help="where to write the results")
     parser.add_argument("--quick", action="store_true", help="two models a shape, small batches: checks that it runs")

@@ -139,7 +139,8 @@ class DataConfig(Configurable):
     num_workers: int | str = AUTO
     """DataLoader worker processes per rank that produce the batches off the training thread; 0 produces them
     in the training process. ``auto``: ``min(4, CPUs per local rank - 1)`` (at least 1) when the run's device is
-    CUDA, 0 on CPU, where extra processes only compete with the step for the cores."""
+    CUDA, 0 on CPU, where extra processes only compete with the step for the cores (measured: one worker delivers fewer
+    rows/s than the training process makes itself, docs/performance.md "The input path on a CPU")."""
     pin_memory: bool | None = None
     """Produce batches in page-locked (pinned) memory, so that their copy to the GPU overlaps the step;
     ``null``: when the run's device is CUDA."""

@@ -5,8 +5,8 @@ tensors with the counts since the batch before (bad rows skipped, histories trun
 
 Apart from the data module (:class:`~recsys_runner.data.files.streaming.TabularData`), which decides the splits and
 turns these tuples into batches in the training process and keeps the counters: a worker process gets only this
-reader, the split and its shard, and sends plain tuples back (a :class:`DataError` as an ``("error", message)`` item,
-which the data module raises again).
+reader, the split and its shard, and sends plain tuples back, each batch's tensors packed into one buffer
+(:mod:`recsys_runner.data.packed`; a :class:`DataError` as an ``("error", message)`` item, which the data module raises again).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from recsys_runner.data.files.csv_source import CsvSource
 from recsys_runner.data.files.prefetch import read_ahead
 from recsys_runner.data.files.splits import Split, shard_ranges
 from recsys_runner.data.files.tabular_config import TabularDataConfig
+from recsys_runner.data.packed import Packed, packed_stream
 from recsys_runner.data.schema import Schema
 from recsys_runner.data.sequences.histories import history_costs, token_cuts
 from recsys_runner.errors import DataError
@@ -167,13 +168,15 @@ class ShardStream(IterableDataset):
         self.reader, self.with_negatives = reader, with_negatives
         self.split, self.epoch, self.rank, self.world_size, self.train = split, epoch, rank, world_size, train
 
-    def __iter__(self) -> Iterator[tuple]:
+    def __iter__(self) -> Iterator[tuple | Packed]:
         info = get_worker_info()
         workers = info.num_workers if info is not None else 1
         shard = self.rank * workers + (info.id if info is not None else 0)
         try:
             stream = self.reader.batches(self.split, self.epoch, shard, self.world_size * workers, self.train)
-            yield from self.with_negatives(stream, self.epoch, shard, self.train)
+            batches = self.with_negatives(stream, self.epoch, shard, self.train)
+            # In a worker, each batch crosses to the training process as one buffer (data/packed.py says why)
+            yield from batches if info is None else packed_stream(batches)
         except DataError as e:
             if info is None:
                 raise

@@ -47,6 +47,7 @@ from recsys_runner.data.files.sources import ParquetSource
 from recsys_runner.data.files.splits import Split, eval_mask, shard_ranges, split_key
 from recsys_runner.data.files.tabular_config import DEFAULT_EVAL_FRACTION, TabularDataConfig
 from recsys_runner.data.locate import resolve_files
+from recsys_runner.data.packed import unpacked_stream
 from recsys_runner.data.schema import Schema
 from recsys_runner.data.sequences.histories import expected_rows
 from recsys_runner.data.sequences.tokens import check_budget
@@ -229,8 +230,8 @@ class TabularData(Catalogue, DataModule, abc.ABC):
     def _batches(self, split: Split, epoch: int, rank: int, world_size: int, train: bool) -> Iterator[Batch]:
         stream = ShardStream(ShardReader(self.config, self.schema, self.batch_size), self.with_negatives, split, epoch, rank, world_size, train)
         if self._workers > 0:
-            items: Any = DataLoader(stream, batch_size=None, num_workers=self._workers, pin_memory=self._pin,
-                                    multiprocessing_context="fork" if os.name == "posix" else None)
+            items: Any = unpacked_stream(DataLoader(stream, batch_size=None, num_workers=self._workers, pin_memory=self._pin,
+                                                    multiprocessing_context="fork" if os.name == "posix" else None))
         else:
             items = stream
         workers = max(self._workers, 1)

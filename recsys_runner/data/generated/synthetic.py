@@ -47,6 +47,7 @@ from recsys_runner.data.generated.synthetic_items import (
     pair_popularity,
 )
 from recsys_runner.data.generated.synthetic_world import TaskLabels, World
+from recsys_runner.data.packed import Packed, packed_stream, unpacked_stream
 from recsys_runner.errors import require
 from recsys_runner.features import FeatureSpec, SparseFeature
 
@@ -184,7 +185,7 @@ class SyntheticData(DataModule):
         # batches i ≡ w (mod workers) that _Stream gives it, in order.
         loader = DataLoader(_Stream(self, split, indices), batch_size=None, num_workers=min(self._workers, max(len(indices), 1)),
                             pin_memory=self._pin, multiprocessing_context="fork" if os.name == "posix" else None)
-        for tensors in loader:
+        for tensors in unpacked_stream(loader):
             yield self._assemble(tensors)
 
     def batch(self, split: int, index: int) -> Batch:
@@ -197,7 +198,8 @@ class SyntheticData(DataModule):
         return Batch(dense_features=dense, sparse_features=kjt, labels=labels)
 
     def _tensors(self, split: int, index: int) -> tuple[torch.Tensor, ...]:
-        """Batch ``index`` of ``split`` as ``(dense, values, lengths, labels)``, which cross a worker process boundary as they are."""
+        """Batch ``index`` of ``split`` as ``(dense, values, lengths, labels)``, which cross a worker process boundary packed
+        into one buffer (:mod:`recsys_runner.data.packed`)."""
         g = torch.Generator().manual_seed(hash((self._seed, split, index)) & 0x7FFF_FFFF_FFFF_FFFF)
         n, f = self.batch_size, len(self._sizes)
         u = torch.rand(n, f, generator=g, dtype=torch.float64)
@@ -236,7 +238,9 @@ class _Stream(IterableDataset):
         super().__init__()
         self.data, self.split, self.indices = data, split, indices
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...] | Packed]:
         info = get_worker_info()
-        mine = self.indices if info is None else self.indices[info.id :: info.num_workers]
-        return (self.data._tensors(self.split, i) for i in mine)
+        if info is None:
+            return (self.data._tensors(self.split, i) for i in self.indices)
+        # each batch crosses to the training process as one buffer (data/packed.py says why)
+        return packed_stream(self.data._tensors(self.split, i) for i in self.indices[info.id :: info.num_workers])
