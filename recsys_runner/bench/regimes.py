@@ -64,9 +64,9 @@ from recsys_runner.tracking.tracker import NullTracker
 from recsys_runner.train.loop import Loop, train
 
 WINDOW = 10
+"""Steps per timed window (``train.log_every_steps`` of the runner; one host sync per window in the hand loop)."""
 MAX_DISTINCT_BATCHES = 100
 """Regimes (a)/(b) hold at most this many distinct batches in memory (on a GPU, 2.4 GB at batch 65536)."""
-"""Steps per timed window (``train.log_every_steps`` of the runner; one host sync per window in the hand loop)."""
 
 TARGETS = {"a_in_memory": 0.97, "b_synthetic": 0.9, "b_parquet": 0.9, "c_host_overhead": 0.95, "e_din_in_memory": 0.95}
 
