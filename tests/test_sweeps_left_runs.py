@@ -19,6 +19,7 @@ from mlflow.tracking import MlflowClient
 from recsys_runner import compare
 from recsys_runner.configurable import make
 from recsys_runner.tracking.__main__ import main as tracking_main
+from recsys_runner.tracking.outbox import UNSENT_DIR_TAG, replay
 from recsys_runner.tracking.sweep import EXPECTED_JOBS_TAG
 from recsys_runner.tracking.sweep_jobs import (
     JOB_END_TAG,
@@ -30,7 +31,7 @@ from recsys_runner.tracking.sweep_jobs import (
 )
 from recsys_runner.tracking.sweep_names import JOB_NUM_TAG
 from recsys_runner.tracking.sweep_summary import SWEEP_PARENT_TAG
-from recsys_runner.tracking.tracker import PARENT_RUN_ENV, UNSENT_DIR_TAG, MlflowTracker, MlflowTrackingConfig, replay
+from recsys_runner.tracking.tracker import PARENT_RUN_ENV, MlflowTracker, MlflowTrackingConfig
 from tests.conftest import REPO, TINY, run_cli
 from tests.slurm_cluster import SlurmCluster, slurm_cluster_fixture  # noqa: F401 - provides the slurm_cluster fixture
 

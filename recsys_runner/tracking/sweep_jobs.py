@@ -14,7 +14,7 @@ still runs is never touched.
 
 A job that ran to its end (SLURM's ``COMPLETED``) can leave its run RUNNING too: the store was gone when the run ended.
 Its tracker then wrote the run's end to ``mlflow_unsent_<run id>.json`` in the directory the run names
-(:data:`~recsys_runner.tracking.tracker.UNSENT_DIR_TAG`), for ``python -m recsys_runner.tracking replay``. While that file
+(:data:`~recsys_runner.tracking.outbox.UNSENT_DIR_TAG`), for ``python -m recsys_runner.tracking replay``. While that file
 is there the run is the replay's: it is left RUNNING and the replay's command is said (the sweep's summary waits for it,
 since the file holds the run's last metrics). Where no file is left (replayed into another store, deleted, a runner too old
 to write one) nothing else would ever end the run: it is ended at the job's end time, ``FINISHED`` (``FAILED`` for a job
@@ -40,9 +40,9 @@ from typing import Any
 
 import yaml
 
+from recsys_runner.tracking.outbox import UNSENT_DIR_TAG, unsent_file
 from recsys_runner.tracking.sweep_names import JOB_NUM_TAG
 from recsys_runner.tracking.sweep_summary import child_runs
-from recsys_runner.tracking.tracker import UNSENT_DIR_TAG, unsent_file
 
 SLURM_JOB_IDS_TAG = "sweep.slurm_job_ids"
 """Set with :data:`~recsys_runner.tracking.sweep.EXPECTED_JOBS_TAG` by the detached SLURM launcher: the jobs' SLURM ids in job order (``42_0 42_1``)."""
