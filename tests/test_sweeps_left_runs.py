@@ -12,6 +12,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -32,7 +33,7 @@ from recsys_runner.tracking.sweep_jobs import (
 from recsys_runner.tracking.sweep_names import JOB_NUM_TAG
 from recsys_runner.tracking.sweep_summary import SWEEP_PARENT_TAG
 from recsys_runner.tracking.tracker import PARENT_RUN_ENV, MlflowTracker, MlflowTrackingConfig
-from tests.conftest import REPO, TINY, run_cli, run_in_process
+from tests.conftest import REPO, TINY, free_port, run_cli, run_in_process
 from tests.slurm_cluster import SlurmCluster, slurm_cluster_fixture  # noqa: F401 - provides the slurm_cluster fixture
 from tests.store_gone import HOOK, refuse_run_ends
 
@@ -264,3 +265,54 @@ def test_slurm_sweep_whose_store_was_gone_as_its_jobs_ended(slurm_cluster: Slurm
     """The same against the real test SLURM cluster (tests/slurm_cluster.py), with the waiting ``submitit_slurm``."""
     _sweep_whose_store_is_gone_as_its_jobs_end(tmp_path, "hydra/launcher=submitit_slurm", "hydra.launcher.timeout_min=10",
                                                "hydra.launcher.cpus_per_task=1")
+
+
+def test_a_store_gone_at_the_sweeps_end_is_said_only_where_a_died_jobs_run_is_left_unknown(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launchers' check of their jobs' runs against a tracking server that is gone (nothing listens on its port):
+    a healthy sweep, whose jobs all returned (each ended its own run, or said where its replay file is), prints nothing;
+    a sweep with a job that died names it, and the command that ends its run once the store is back."""
+    from omegaconf import OmegaConf
+
+    from hydra_plugins.recsys_runner_detached import _end_left_runs
+
+    uri = f"http://127.0.0.1:{free_port()}"
+    config = OmegaConf.create({"tracking": {"uri": uri}})
+    monkeypatch.setenv(PARENT_RUN_ENV, "0123456789abcdef")
+    overrides = {0: "optim.lr=0.1", 1: "optim.lr=0.2"}
+    healthy = {0: JobEnd("COMPLETED", returned=True), 1: JobEnd("FAILED", returned=True)}
+    started = time.monotonic()
+    _end_left_runs(config, healthy, overrides, 0)
+    _end_left_runs(config, healthy, overrides, 0, tracker_said_replays=True)
+    assert capsys.readouterr().err == ""
+    assert time.monotonic() - started < 60, "no minutes of MLflow's HTTP retries"
+
+    _end_left_runs(config, {0: JobEnd("COMPLETED", returned=True), 1: JobEnd("DIED")}, overrides, 0)
+    err = capsys.readouterr().err
+    assert err.startswith("Could not check the MLflow runs of the sweep's jobs (") and err.count("\n") == 1, err
+    assert "job(s) #1 (DIED) died" in err and f"python -m recsys_runner.tracking end <run id> --uri {uri}" in err
+
+
+def test_a_run_the_store_would_not_end_is_named_and_the_others_still_ended(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store fails as one left run is ended: that run is named with the command that ends it (its status as the
+    check would have set it), and the next job's run is still ended."""
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/flaky.db")
+    exp = client.create_experiment("flaky")
+    parent = client.create_run(exp, run_name="sweep", tags={SWEEP_PARENT_TAG: "eval/auc"}).info.run_id
+    runs = [client.create_run(exp, run_name=f"lr=0.{num + 1}", tags={"mlflow.parentRunId": parent, JOB_NUM_TAG: str(num)})
+            .info.run_id for num in range(2)]
+    real = client.set_terminated
+
+    def flaky(run_id: str, **kwargs: Any) -> None:
+        if run_id == runs[0]:
+            raise ConnectionError("tracking store gone")
+        real(run_id, **kwargs)
+
+    monkeypatch.setattr(client, "set_terminated", flaky)
+    left = end_left_runs(client, parent, {0: JobEnd("TIMEOUT"), 1: JobEnd("DIED")})
+    assert left.ended == [runs[1]] and client.get_run(runs[1]).info.status == "KILLED"
+    assert client.get_run(runs[0]).info.status == "RUNNING"
+    (note,) = left.notes
+    assert note.startswith(f"Job #0 (TIMEOUT) ended, but its MLflow run {runs[0]} (lr=0.1), left RUNNING, could not be "
+                           f"ended (ConnectionError: tracking store gone)"), note
+    assert note.endswith(f"python -m recsys_runner.tracking end {runs[0]} --status KILLED --uri {client.tracking_uri}")

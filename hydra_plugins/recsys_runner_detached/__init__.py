@@ -179,7 +179,7 @@ def _end_left_runs(config: Any, ends: Mapping[int, Any], overrides: Mapping[int,
     A store that cannot be reached now only says so where that leaves something unknown that matters: a job that died,
     whose run may show RUNNING. A job that returned ended its own run, or left its end in a replay file and said so:
     a healthy sweep whose store is gone as it ends prints nothing of the kind."""
-    from recsys_runner.tracking.store import is_remote, no_http_retries
+    from recsys_runner.tracking.store import failure, is_remote, no_http_retries
     from recsys_runner.tracking.sweep_jobs import end_left_runs
     from recsys_runner.tracking.tracker import PARENT_RUN_ENV
 
@@ -193,7 +193,7 @@ def _end_left_runs(config: Any, ends: Mapping[int, Any], overrides: Mapping[int,
     except Exception as e:  # noqa: BLE001 - the jobs have ended; only their runs' status is left to fix
         died = [f"#{num} ({end.state})" for num, end in ends.items() if not end.returned]
         if died:
-            print(f"Could not check the MLflow runs of the sweep's jobs ({type(e).__name__}: {e}): job(s) {', '.join(died)} "
+            print(f"Could not check the MLflow runs of the sweep's jobs ({failure(e)}): job(s) {', '.join(died)} "
                   f"died, and a run of theirs may show RUNNING; once the store is back, end it with: python -m "
                   f"recsys_runner.tracking end <run id> --uri {client.tracking_uri}", file=sys.stderr)
         return

@@ -41,6 +41,7 @@ from typing import Any
 import yaml
 
 from recsys_runner.tracking.outbox import UNSENT_DIR_TAG, unsent_file
+from recsys_runner.tracking.store import failure
 from recsys_runner.tracking.sweep_names import JOB_NUM_TAG
 from recsys_runner.tracking.sweep_summary import child_runs
 
@@ -130,7 +131,7 @@ def end_left_runs(client: Any, parent_run_id: str, ended: Mapping[int, JobEnd], 
                     left.ended.append(run.info.run_id)
             except Exception as e:  # noqa: BLE001 - the store failed now: this run is known left RUNNING, the others are still ended
                 left.notes.append(f"Job #{num} ({ended[num].state}) ended, but its MLflow run {run.info.run_id} "
-                                  f"({run.info.run_name}), left RUNNING, could not be ended ({type(e).__name__}: {e}); once "
+                                  f"({run.info.run_name}), left RUNNING, could not be ended ({failure(e)}); once "
                                   f"the store is back, end it with: python -m recsys_runner.tracking end {run.info.run_id} "
                                   f"--status {_status(ended[num])} --uri {client.tracking_uri}")
     taken = {r.info.run_id for runs in found.values() for r in runs}
