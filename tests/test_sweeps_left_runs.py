@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from mlflow.tracking import MlflowClient
 from recsys_runner import compare
 from recsys_runner.configurable import make
 from recsys_runner.tracking.__main__ import main as tracking_main
+from recsys_runner.tracking.outbox import UNSENT_DIR_TAG, replay
 from recsys_runner.tracking.sweep import EXPECTED_JOBS_TAG
 from recsys_runner.tracking.sweep_jobs import (
     JOB_END_TAG,
@@ -30,9 +32,10 @@ from recsys_runner.tracking.sweep_jobs import (
 )
 from recsys_runner.tracking.sweep_names import JOB_NUM_TAG
 from recsys_runner.tracking.sweep_summary import SWEEP_PARENT_TAG
-from recsys_runner.tracking.tracker import PARENT_RUN_ENV, UNSENT_DIR_TAG, MlflowTracker, MlflowTrackingConfig, replay
-from tests.conftest import REPO, TINY, run_cli
+from recsys_runner.tracking.tracker import PARENT_RUN_ENV, MlflowTracker, MlflowTrackingConfig
+from tests.conftest import REPO, TINY, free_port, run_cli, run_in_process
 from tests.slurm_cluster import SlurmCluster, slurm_cluster_fixture  # noqa: F401 - provides the slurm_cluster fixture
+from tests.store_gone import HOOK, refuse_run_ends
 
 
 def _store(tmp_path: Path, name: str, monkeypatch: pytest.MonkeyPatch) -> tuple[str, MlflowClient, str]:
@@ -148,20 +151,13 @@ def test_a_run_started_before_its_batch_was_launched_is_not_its_jobs(tmp_path: P
 
 
 def _tracked_run_whose_end_is_lost(uri: str, job_num: int) -> str:
-    """A sweep job's run logged by the real tracker, whose end the store does not take (it went away): the tracker
-    writes the run's end to its replay file in the directory it started in."""
+    """A sweep job's run logged by the real tracker, whose end the store does not take (it went away:
+    tests/store_gone.py): the tracker writes the run's end to its replay file in the directory it started in."""
     tracker = MlflowTracker(make(MlflowTrackingConfig, uri=uri, experiment="lost", flush_timeout_s=0.0))
     tracker.start(run_name=f"lr=0.{job_num + 1}", tags={JOB_NUM_TAG: str(job_num)}, params={})  # a child of $PARENT_RUN_ENV
     tracker.log_metrics({"eval/auc": 0.6 + job_num / 10}, step=10)
-    client: Any = tracker._client
-
-    def gone(*args: object, **kwargs: object) -> None:
-        raise ConnectionError("tracking server gone")
-
-    real, client.set_terminated = client.set_terminated, gone
     run_id = str(tracker.run_id)
     tracker.finish("FINISHED")
-    client.set_terminated = real
     return run_id
 
 
@@ -175,6 +171,7 @@ def test_a_completed_jobs_run_left_running_waits_for_its_replay_else_is_ended_at
     sweep_dir = tmp_path / "multirun"
     parent = _parent(client, exp, "9600", 2, sweep_dir)
     monkeypatch.setenv(PARENT_RUN_ENV, parent)
+    refuse_run_ends(monkeypatch.setattr, lost_job=None)
     waiting, lost = (_tracked_run_whose_end_is_lost(uri, num) for num in range(2))
     files = {run: tmp_path / f"mlflow_unsent_{run}.json" for run in (waiting, lost)}
     assert all(f.exists() for f in files.values()), "the tracker keeps a run's end the store did not take"
@@ -206,63 +203,55 @@ def test_a_completed_jobs_run_left_running_waits_for_its_replay_else_is_ended_at
     assert p.info.status == "FINISHED" and p.data.tags["best.run_id"] == lost
 
 
-STORE_GONE_AT_THE_END = '''
-"""Test hook (sitecustomize, in a sweep's submitit job processes only, local or SLURM): the tracking store goes away as
-the run ends (``set_terminated`` fails), and job #1's replay file is lost (never written)."""
-import os
-
-if os.environ.get("SUBMITIT_EXECUTOR"):
-    import pathlib
-
-    from mlflow.tracking import MlflowClient
-
-    lost = set()
-
-    def gone(self, run_id, *args, **kwargs):
-        if self.get_run(run_id).data.tags.get("sweep.job_num") == "1":
-            lost.add(f"mlflow_unsent_{run_id}.json")
-        raise ConnectionError("tracking store gone")
-
-    real_write_text = pathlib.Path.write_text
-
-    def write_text(self, *args, **kwargs):
-        return 0 if self.name in lost else real_write_text(self, *args, **kwargs)
-
-    MlflowClient.set_terminated = gone
-    pathlib.Path.write_text = write_text
-'''
-
-
-def _sweep_whose_store_is_gone_as_its_jobs_end(tmp_path: Path, *launcher: str) -> None:
-    """Job #0's end waits in its replay file, so the launcher leaves its run RUNNING and says how to replay it; job #1's
-    file is lost, so its run, which nothing else would end, is ended FINISHED at the job's end, tagged why. Once the
-    replay has run, ``collect`` summarizes the sweep."""
-    hooks = tmp_path / "hooks"
-    hooks.mkdir()
-    (hooks / "sitecustomize.py").write_text(STORE_GONE_AT_THE_END)
+def _sweep_whose_store_is_gone_as_its_jobs_end(tmp_path: Path, *launcher: str,
+                                                monkeypatch: pytest.MonkeyPatch | None = None) -> None:
+    """Job #0's end waits in its replay file, so its run is left RUNNING and the replay command said once; job #1's file
+    is lost, so its run, which nothing else would end, is ended FINISHED at the job's end, tagged why. Once the replay
+    has run, ``collect`` summarizes the sweep. The store is tests/store_gone.py's: in the job processes (a
+    ``sitecustomize`` hook) for a submitit ``launcher``; in this process, given ``monkeypatch``, for the default
+    in-process launcher (``basic_keep_going``), run as ``python -m recsys_runner`` runs it."""
     uri = f"sqlite:///{tmp_path}/gone.db"
-    out = run_cli("-m", *launcher, "optim.lr=0.01,0.1", *TINY, "train.num_steps=10", "tracking.flush_timeout_s=0",
-                  f"tracking.uri={uri}", "tracking.experiment=gone", cwd=tmp_path, timeout=600,
-                  env={"PYTHONPATH": f"{hooks}:{REPO}"})
-    assert out.returncode == 0, out.stderr[-3000:]
+    args = ["-m", *launcher, "optim.lr=0.01,0.1", *TINY, "train.num_steps=10", "tracking.flush_timeout_s=0",
+            f"tracking.uri={uri}", "tracking.experiment=gone"]
+    if monkeypatch is not None:
+        refuse_run_ends(monkeypatch.setattr)
+        out = run_in_process([sys.executable, "-m", "recsys_runner", *args], tmp_path)
+    else:
+        hooks = tmp_path / "hooks"
+        hooks.mkdir()
+        (hooks / "sitecustomize.py").write_text(HOOK)
+        out = run_cli(*args, cwd=tmp_path, timeout=600, env={"PYTHONPATH": f"{hooks}:{REPO}"})
+    said, ended_by_ms = out.stdout + out.stderr, int(time.time() * 1000)
+    assert out.returncode == 0, said[-3000:]
     client = MlflowClient(tracking_uri=uri)
     runs = client.search_runs([client.get_experiment_by_name("gone").experiment_id])
     (parent,) = [r for r in runs if SWEEP_PARENT_TAG in r.data.tags]
     children = {r.data.tags[JOB_NUM_TAG]: r for r in runs if JOB_NUM_TAG in r.data.tags}
     waiting, lost = children["0"], children["1"]
     spool = tmp_path / f"mlflow_unsent_{waiting.info.run_id}.json"
-    assert waiting.info.status == "RUNNING" and spool.exists(), out.stderr[-3000:]
-    assert f"python -m recsys_runner.tracking replay {spool}" in out.stderr
-    assert lost.info.status == "FINISHED" and lost.data.tags[JOB_END_TAG].startswith("COMPLETED: the run's end never"), out.stderr[-3000:]
-    results = list((tmp_path / "multirun").glob("*/*/.submitit/*/*_result.pkl"))
-    assert lost.info.end_time in {int(p.stat().st_mtime * 1000) for p in results}, "ended at its job's end"
+    assert waiting.info.status == "RUNNING" and spool.exists(), said[-3000:]
+    assert said.count(f"python -m recsys_runner.tracking replay {spool}") == 1, said[-3000:]
+    assert lost.info.status == "FINISHED" and lost.data.tags[JOB_END_TAG].startswith("COMPLETED: the run's end never"), said[-3000:]
+    if monkeypatch is None:
+        results = list((tmp_path / "multirun").glob("*/*/.submitit/*/*_result.pkl"))
+        assert lost.info.end_time in {int(p.stat().st_mtime * 1000) for p in results}, "ended at its job's end"
+    else:  # ended as its job returned
+        assert lost.info.start_time < lost.info.end_time <= ended_by_ms
     assert f"Job #1 (COMPLETED) ended, but its MLflow run {lost.info.run_id} (lr=0.1) never got its end" in out.stderr
     assert parent.info.status == "RUNNING", "the summary waits for the replay"
+    assert "every job has ended, but 1 of 2 child runs are still RUNNING" in said and "still running or queued" not in said
+    assert "Could not check" not in said
 
     replay(spool)
     assert compare.main(["collect", "--uri", uri, "--parent", parent.info.run_id, "--no-plots"]) == 0
     assert client.get_run(waiting.info.run_id).info.status == "FINISHED"
     assert client.get_run(parent.info.run_id).info.status == "FINISHED"
+
+
+def test_in_process_sweep_whose_store_was_gone_as_its_jobs_ended(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default launcher (``basic_keep_going``) runs the jobs in this process: each job's end is known as it returns,
+    and a run it left RUNNING is left to its replay file or ended, as the waiting launchers do."""
+    _sweep_whose_store_is_gone_as_its_jobs_end(tmp_path, monkeypatch=monkeypatch)
 
 
 @pytest.mark.slow
@@ -276,3 +265,54 @@ def test_slurm_sweep_whose_store_was_gone_as_its_jobs_ended(slurm_cluster: Slurm
     """The same against the real test SLURM cluster (tests/slurm_cluster.py), with the waiting ``submitit_slurm``."""
     _sweep_whose_store_is_gone_as_its_jobs_end(tmp_path, "hydra/launcher=submitit_slurm", "hydra.launcher.timeout_min=10",
                                                "hydra.launcher.cpus_per_task=1")
+
+
+def test_a_store_gone_at_the_sweeps_end_is_said_only_where_a_died_jobs_run_is_left_unknown(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launchers' check of their jobs' runs against a tracking server that is gone (nothing listens on its port):
+    a healthy sweep, whose jobs all returned (each ended its own run, or said where its replay file is), prints nothing;
+    a sweep with a job that died names it, and the command that ends its run once the store is back."""
+    from omegaconf import OmegaConf
+
+    from hydra_plugins.recsys_runner_detached import _end_left_runs
+
+    uri = f"http://127.0.0.1:{free_port()}"
+    config = OmegaConf.create({"tracking": {"uri": uri}})
+    monkeypatch.setenv(PARENT_RUN_ENV, "0123456789abcdef")
+    overrides = {0: "optim.lr=0.1", 1: "optim.lr=0.2"}
+    healthy = {0: JobEnd("COMPLETED", returned=True), 1: JobEnd("FAILED", returned=True)}
+    started = time.monotonic()
+    _end_left_runs(config, healthy, overrides, 0)
+    _end_left_runs(config, healthy, overrides, 0, tracker_said_replays=True)
+    assert capsys.readouterr().err == ""
+    assert time.monotonic() - started < 60, "no minutes of MLflow's HTTP retries"
+
+    _end_left_runs(config, {0: JobEnd("COMPLETED", returned=True), 1: JobEnd("DIED")}, overrides, 0)
+    err = capsys.readouterr().err
+    assert err.startswith("Could not check the MLflow runs of the sweep's jobs (") and err.count("\n") == 1, err
+    assert "job(s) #1 (DIED) died" in err and f"python -m recsys_runner.tracking end <run id> --uri {uri}" in err
+
+
+def test_a_run_the_store_would_not_end_is_named_and_the_others_still_ended(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store fails as one left run is ended: that run is named with the command that ends it (its status as the
+    check would have set it), and the next job's run is still ended."""
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/flaky.db")
+    exp = client.create_experiment("flaky")
+    parent = client.create_run(exp, run_name="sweep", tags={SWEEP_PARENT_TAG: "eval/auc"}).info.run_id
+    runs = [client.create_run(exp, run_name=f"lr=0.{num + 1}", tags={"mlflow.parentRunId": parent, JOB_NUM_TAG: str(num)})
+            .info.run_id for num in range(2)]
+    real = client.set_terminated
+
+    def flaky(run_id: str, **kwargs: Any) -> None:
+        if run_id == runs[0]:
+            raise ConnectionError("tracking store gone")
+        real(run_id, **kwargs)
+
+    monkeypatch.setattr(client, "set_terminated", flaky)
+    left = end_left_runs(client, parent, {0: JobEnd("TIMEOUT"), 1: JobEnd("DIED")})
+    assert left.ended == [runs[1]] and client.get_run(runs[1]).info.status == "KILLED"
+    assert client.get_run(runs[0]).info.status == "RUNNING"
+    (note,) = left.notes
+    assert note.startswith(f"Job #0 (TIMEOUT) ended, but its MLflow run {runs[0]} (lr=0.1), left RUNNING, could not be "
+                           f"ended (ConnectionError: tracking store gone)"), note
+    assert note.endswith(f"python -m recsys_runner.tracking end {runs[0]} --status KILLED --uri {client.tracking_uri}")

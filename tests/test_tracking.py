@@ -17,7 +17,8 @@ from mlflow.tracking import MlflowClient
 
 from recsys_runner import tracking
 from recsys_runner.configurable import make
-from recsys_runner.tracking.tracker import MlflowTracker, MlflowTrackingConfig, replay
+from recsys_runner.tracking.outbox import replay
+from recsys_runner.tracking.tracker import MlflowTracker, MlflowTrackingConfig
 from tests.conftest import LogWarnings, free_port
 
 
@@ -64,7 +65,7 @@ def test_outage_buffers_and_resends_in_order() -> None:
     assert sum("unreachable" in m for m in records.messages) == 1, "warn once per outage"
     assert [s for _, _, s in client.metrics] == [10]
     client.down = False
-    t._next_try = 0.0  # the back-off window has passed
+    t._outbox.next_try = 0.0  # the back-off window has passed
     t.log_metrics({"train/loss": 0.7}, step=40)
     assert [s for _, _, s in client.metrics] == [10, 20, 30, 40]
     assert client.texts == ["sharding_plan.txt"]

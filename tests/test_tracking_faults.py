@@ -203,7 +203,7 @@ def test_a_signal_while_metrics_are_sent_stops_the_command_and_keeps_them(tmp_pa
     monkeypatch.setattr(tracker._client, "log_batch", interrupted)
     with pytest.raises(Interrupted):
         tracker.log_metrics({"train/loss": 0.5}, step=1)
-    assert [m.key for m in tracker._pending] == ["train/loss"], "the metrics that were being sent stay pending"
+    assert [m.key for m in tracker._outbox.metrics] == ["train/loss"], "the metrics that were being sent stay pending"
     monkeypatch.undo()
     run_id = tracker.run_id
     tracker.finish("KILLED")  # sends them

@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 from unittest.mock import patch
@@ -76,9 +76,15 @@ class KeepGoingLauncher(BasicLauncher):
     launcher would stop the sweep at the first bad grid point, the points after it never run. Here each job runs in
     its own call of the basic launcher's ``launch``; one that exits :data:`FAILED_JOB_EXITS` is noted and the next
     one runs; once the batch is done the process exits with the first failed job's status, so the sweep fails as a
-    whole (the MLflow parent run ends FAILED, naming the failed jobs: ``recsys_runner.tracking.sweep``)."""
+    whole (the MLflow parent run ends FAILED, naming the failed jobs: ``recsys_runner.tracking.sweep``).
+
+    A job that returned or failed here has a known end: once it has, a run it left RUNNING — its end never reached the
+    tracking store — is ended as the waiting launchers end theirs (:func:`_end_left_runs`): left to its replay file while
+    there is one (its tracker printed the replay command, on this console), else ended at the job's end, tagged why."""
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        from recsys_runner.tracking.sweep_jobs import JobEnd
+
         returns: list[JobReturn] = []
         failed: list[tuple[int, int]] = []  # (job number, exit status)
         log.info("Launching %d jobs locally (a failed one does not stop the others)", len(job_overrides))
@@ -86,12 +92,18 @@ class KeepGoingLauncher(BasicLauncher):
         basic_log.addFilter(one_line)  # its "Launching 1 jobs locally" before every job says nothing
         try:
             for offset, overrides in enumerate(job_overrides):
+                num, started_ms = initial_job_idx + offset, int(time.time() * 1000)
                 try:
-                    returns.extend(super().launch([overrides], initial_job_idx + offset))
+                    job = super().launch([overrides], num)
+                    state = "COMPLETED" if all(r.status == JobStatus.COMPLETED for r in job) else "FAILED"  # raised
+                    returns.extend(job)
                 except SystemExit as e:
                     if e.code not in FAILED_JOB_EXITS:
                         raise
-                    failed.append((initial_job_idx + offset, int(e.code)))
+                    failed.append((num, int(e.code)))
+                    state = "FAILED"
+                ends = {num: JobEnd(state, returned=True, end_ms=int(time.time() * 1000))}
+                _end_left_runs(self.config, ends, {num: " ".join(overrides)}, started_ms, tracker_said_replays=True)
         finally:
             basic_log.removeFilter(one_line)
         if failed:
@@ -128,7 +140,7 @@ class WaitingSubmititLauncher(BaseSubmititLauncher):
         # A job that raised left its error as its result, its run ended by the job itself; one that left none died.
         ends = {initial_job_idx + i: _job_end(job, r, isinstance(r._return_value, UncompletedJobError))
                 for i, (job, r) in enumerate(zip(jobs, returns, strict=True))}
-        self._end_left_runs(ends, {initial_job_idx + i: " ".join(o) for i, o in enumerate(job_overrides)}, launched_ms)
+        _end_left_runs(self.config, ends, {initial_job_idx + i: " ".join(o) for i, o in enumerate(job_overrides)}, launched_ms)
         jobs_ended([(num, list(overrides)) for num, overrides, _ in failed])
         if failed:
             for num, _, r in failed:
@@ -136,24 +148,6 @@ class WaitingSubmititLauncher(BaseSubmititLauncher):
             log.error("%d of %d jobs failed: %s", len(failed), len(job_overrides), ", ".join(f"#{num}" for num, _, _ in failed))
             sys.exit(1)
         return returns
-
-    def _end_left_runs(self, ends: dict[int, Any], overrides: dict[int, str], launched_ms: int) -> None:
-        """The MLflow runs the jobs (number → how each ended) left RUNNING, ended, a line for each one left; a store that
-        fails only says so: the sweep's outcome is reported all the same."""
-        from recsys_runner.tracking.sweep_jobs import end_left_runs
-        from recsys_runner.tracking.tracker import PARENT_RUN_ENV
-
-        parent = os.environ.get(PARENT_RUN_ENV)
-        if parent is None or self.config is None:  # no MLflow parent: tracking is off
-            return
-        try:
-            left = end_left_runs(_client(self.config), parent, ends, lambda: overrides, since_ms=launched_ms)
-        except Exception as e:  # noqa: BLE001 - the jobs have ended; only their runs' status is left to fix
-            print(f"Could not check the MLflow runs of the sweep's jobs ({e}); a run whose job died may show RUNNING",
-                  file=sys.stderr)
-            return
-        for note in left.notes:
-            print(note, file=sys.stderr)
 
 
 class WaitingSlurmLauncher(WaitingSubmititLauncher, SlurmLauncher):
@@ -173,6 +167,39 @@ def _last_error_line(error: str) -> str:
 
     own = last_own_line(error.split("Error stream produced:")[-1]) if "Error stream produced:" in error else None
     return own or error.strip().splitlines()[0]
+
+
+def _end_left_runs(config: Any, ends: Mapping[int, Any], overrides: Mapping[int, str], launched_ms: int, *,
+                   tracker_said_replays: bool = False) -> None:
+    """The MLflow runs the jobs (number → how each ended, a :class:`recsys_runner.tracking.sweep_jobs.JobEnd`) left
+    RUNNING, ended (:func:`recsys_runner.tracking.sweep_jobs.end_left_runs`), a line on stderr for each one left.
+    ``tracker_said_replays``: the jobs ran in this process, whose console has its tracker's line with the replay
+    command of a run left to its replay file; that command is not said twice.
+
+    A store that cannot be reached now only says so where that leaves something unknown that matters: a job that died,
+    whose run may show RUNNING. A job that returned ended its own run, or left its end in a replay file and said so:
+    a healthy sweep whose store is gone as it ends prints nothing of the kind."""
+    from recsys_runner.tracking.store import failure, is_remote, no_http_retries
+    from recsys_runner.tracking.sweep_jobs import end_left_runs
+    from recsys_runner.tracking.tracker import PARENT_RUN_ENV
+
+    parent = os.environ.get(PARENT_RUN_ENV)
+    if parent is None or config is None:  # no MLflow parent: tracking is off
+        return
+    client = _client(config)
+    try:
+        with no_http_retries(is_remote(client.tracking_uri)):  # an outage answers in seconds, not after minutes of retries
+            left = end_left_runs(client, parent, ends, lambda: overrides, since_ms=launched_ms)
+    except Exception as e:  # noqa: BLE001 - the jobs have ended; only their runs' status is left to fix
+        died = [f"#{num} ({end.state})" for num, end in ends.items() if not end.returned]
+        if died:
+            print(f"Could not check the MLflow runs of the sweep's jobs ({failure(e)}): job(s) {', '.join(died)} "
+                  f"died, and a run of theirs may show RUNNING; once the store is back, end it with: python -m "
+                  f"recsys_runner.tracking end <run id> --uri {client.tracking_uri}", file=sys.stderr)
+        return
+    for note in left.notes:
+        if not (tracker_said_replays and note in left.replay_notes):
+            print(note, file=sys.stderr)
 
 
 def _client(config: Any) -> Any:

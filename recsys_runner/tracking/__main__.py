@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from recsys_runner.tracking.outbox import replay
 from recsys_runner.tracking.store import missing_store, resolve_uri
-from recsys_runner.tracking.tracker import replay
 
 _END_STATUSES = ("KILLED", "FAILED", "FINISHED")
 

@@ -175,6 +175,12 @@ def _root_cause(error: BaseException) -> BaseException:
     return error
 
 
+def failure(error: BaseException) -> str:
+    """What went wrong with a store, in one short line: the innermost cause of ``error`` (``ConnectionRefusedError: …``),
+    not MLflow's wrapping of requests' wrapping of it."""
+    return _describe(_root_cause(error))
+
+
 def _describe(error: BaseException) -> str:
     text = (str(error).strip().splitlines() or [""])[0]
     return f"{type(error).__name__}: {text[:300]}" if text else type(error).__name__

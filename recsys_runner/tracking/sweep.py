@@ -206,7 +206,11 @@ class MlflowSweepCallback(Callback):
         try:
             summary = summarize(self._client, self._parent)
             expected = int(self._client.get_run(self._parent).data.tags.get(EXPECTED_JOBS_TAG, summary.num_children))
-            if summary.num_terminal < expected:
+            if summary.num_terminal < expected and (self._in_process or _ENDED_JOBS):  # every job has ended here
+                log.info("every job has ended, but %d of %d child runs are still RUNNING: their end never reached the "
+                         "tracking store (the lines above say how to send or end it); then summarize the sweep with: %s",
+                         expected - summary.num_terminal, expected, collect)
+            elif summary.num_terminal < expected:
                 log.info("%d of %d jobs still running or queued; summarize later with: %s",
                          expected - summary.num_terminal, expected, collect)
             else:
@@ -214,6 +218,7 @@ class MlflowSweepCallback(Callback):
         except Exception as e:  # noqa: BLE001 - the jobs' results are safe in their own runs; only the summary waits
             log.warning("could not summarize sweep parent run %s (%s); do it later with: %s", self._parent, e, collect)
         self._parent = None
+        _ENDED_JOBS.clear()  # this multirun's: a later one in this process has its own
         atexit.unregister(self._end_stopped_sweep)
 
 

@@ -14,7 +14,7 @@ still runs is never touched.
 
 A job that ran to its end (SLURM's ``COMPLETED``) can leave its run RUNNING too: the store was gone when the run ended.
 Its tracker then wrote the run's end to ``mlflow_unsent_<run id>.json`` in the directory the run names
-(:data:`~recsys_runner.tracking.tracker.UNSENT_DIR_TAG`), for ``python -m recsys_runner.tracking replay``. While that file
+(:data:`~recsys_runner.tracking.outbox.UNSENT_DIR_TAG`), for ``python -m recsys_runner.tracking replay``. While that file
 is there the run is the replay's: it is left RUNNING and the replay's command is said (the sweep's summary waits for it,
 since the file holds the run's last metrics). Where no file is left (replayed into another store, deleted, a runner too old
 to write one) nothing else would ever end the run: it is ended at the job's end time, ``FINISHED`` (``FAILED`` for a job
@@ -40,9 +40,10 @@ from typing import Any
 
 import yaml
 
+from recsys_runner.tracking.outbox import UNSENT_DIR_TAG, unsent_file
+from recsys_runner.tracking.store import failure
 from recsys_runner.tracking.sweep_names import JOB_NUM_TAG
 from recsys_runner.tracking.sweep_summary import child_runs
-from recsys_runner.tracking.tracker import UNSENT_DIR_TAG, unsent_file
 
 SLURM_JOB_IDS_TAG = "sweep.slurm_job_ids"
 """Set with :data:`~recsys_runner.tracking.sweep.EXPECTED_JOBS_TAG` by the detached SLURM launcher: the jobs' SLURM ids in job order (``42_0 42_1``)."""
@@ -96,6 +97,9 @@ class LeftRuns:
     awaiting_replay: list[str] = field(default_factory=list)
     """Runs of jobs that returned whose end waits in a replay file: the sweep's summary waits for them."""
     notes: list[str] = field(default_factory=list)
+    replay_notes: list[str] = field(default_factory=list)
+    """Those of :attr:`notes` that give a run's replay command: the job's own tracker said it too, which in an in-process
+    sweep was on this very console."""
 
 
 def end_left_runs(client: Any, parent_run_id: str, ended: Mapping[int, JobEnd], overrides: JobOverrides | None = None,
@@ -107,7 +111,9 @@ def end_left_runs(client: Any, parent_run_id: str, ended: Mapping[int, JobEnd], 
     returned is left to its replay file while there is one, else ended at the job's end time. A state in which SLURM says
     a job may still run (``PENDING``, ``REQUEUED``, ``UNKNOWN``, …) is never taken for an end, whoever passes it: a run whose
     job still runs, or will run again, is left alone. ``overrides`` and ``since_ms`` (runs started before are never
-    taken) find runs without a job number (:func:`job_runs`).
+    taken) find runs without a job number (:func:`job_runs`). A store that fails while one run is ended leaves a note
+    naming that run and the command that ends it, and the other runs are still tried; one that fails before any run is
+    found raises, and the caller says what that leaves unknown.
     """
     ended = {num: end for num, end in ended.items() if end.state not in _SLURM_NOT_ENDED}
     left = LeftRuns()
@@ -117,11 +123,17 @@ def end_left_runs(client: Any, parent_run_id: str, ended: Mapping[int, JobEnd], 
     found, unknown = job_runs(children, ended, overrides, since_ms)
     for num, runs in found.items():
         for run in (r for r in runs if r.info.status == "RUNNING"):
-            if ended[num].returned:
-                _end_returned(client, num, ended[num], run, left)
-            else:
-                _end_dead(client, num, ended[num].state, run)
-                left.ended.append(run.info.run_id)
+            try:
+                if ended[num].returned:
+                    _end_returned(client, num, ended[num], run, left)
+                else:
+                    _end_dead(client, num, ended[num].state, run)
+                    left.ended.append(run.info.run_id)
+            except Exception as e:  # noqa: BLE001 - the store failed now: this run is known left RUNNING, the others are still ended
+                left.notes.append(f"Job #{num} ({ended[num].state}) ended, but its MLflow run {run.info.run_id} "
+                                  f"({run.info.run_name}), left RUNNING, could not be ended ({failure(e)}); once "
+                                  f"the store is back, end it with: python -m recsys_runner.tracking end {run.info.run_id} "
+                                  f"--status {_status(ended[num])} --uri {client.tracking_uri}")
     taken = {r.info.run_id for runs in found.values() for r in runs}
     still_open = [r for r in children if r.info.status == "RUNNING" and JOB_NUM_TAG not in r.data.tags
                   and r.info.run_id not in taken]
@@ -174,8 +186,15 @@ def job_runs(children: Iterable[Any], nums: Iterable[int], overrides: JobOverrid
     return found, unknown
 
 
+def _status(end: JobEnd) -> str:
+    """The status a run its job left RUNNING is ended with (module docstring)."""
+    if end.returned:
+        return "FINISHED" if end.state == _SLURM_OK else "FAILED"
+    return "FAILED" if end.state in _FAILED_STATES else "KILLED"
+
+
 def _end_dead(client: Any, num: int, state: str, run: Any) -> None:
-    status = "FAILED" if state in _FAILED_STATES else "KILLED"
+    status = _status(JobEnd(state))
     client.set_tag(run.info.run_id, JOB_END_TAG, state)
     client.set_terminated(run.info.run_id, status=status)
     print(f"Job #{num} ({state}) died before it could end its MLflow run {run.info.run_id} "
@@ -188,11 +207,12 @@ def _end_returned(client: Any, num: int, end: JobEnd, run: Any, left: LeftRuns) 
     file = unsent_file(run.data.tags.get(UNSENT_DIR_TAG) or Path.cwd(), run.info.run_id)
     if file.exists():
         left.awaiting_replay.append(run.info.run_id)
-        left.notes.append(f"Job #{num} ({end.state}) ended, but the tracking store was gone when its MLflow run "
-                          f"{run.info.run_id} ({run.info.run_name}) ended: the run stays RUNNING until its end and last "
-                          f"metrics are sent with: python -m recsys_runner.tracking replay {file}")
+        left.replay_notes.append(f"Job #{num} ({end.state}) ended, but the tracking store was gone when its MLflow run "
+                                 f"{run.info.run_id} ({run.info.run_name}) ended: the run stays RUNNING until its end and "
+                                 f"last metrics are sent with: python -m recsys_runner.tracking replay {file}")
+        left.notes.append(left.replay_notes[-1])
         return
-    status = "FINISHED" if end.state == _SLURM_OK else "FAILED"
+    status = _status(end)
     client.set_tag(run.info.run_id, JOB_END_TAG, f"{end.state}: the run's end never reached the tracking store, and no "
                                                  f"replay file ({file.name}) was left")
     client.set_terminated(run.info.run_id, status=status, end_time=end.end_ms)

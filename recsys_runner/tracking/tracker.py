@@ -5,14 +5,11 @@ default), so ``make ui`` shows every run without a server. ``tracking.uri`` or t
 ``MLFLOW_TRACKING_URI`` environment variable (in that order) point elsewhere, e.g. a
 ``mlflow server`` at ``http://host:5000``.
 
-A remote server may go away mid-run. Training never waits on it: a metric batch that cannot be
-sent stays in memory and is re-sent with the next batch (at the log cadence, with a growing pause
-between attempts), and :meth:`MlflowTracker.finish` retries for ``tracking.flush_timeout_s``. If the
-server is still gone then, the unsent metrics are written to ``mlflow_unsent_<run id>.json`` and
-``python -m recsys_runner.tracking replay <file>`` sends them later; so is a run's end when the store does not take it
-(nothing else could end the run). The file goes to the directory the run started in, which the run names in its tag
-:data:`UNSENT_DIR_TAG`: a sweep's launcher or ``compare collect`` looks there before ending a run whose job completed
-but whose end never reached the store (:mod:`recsys_runner.tracking.sweep_jobs`).
+A remote server may go away mid-run. Training never waits on it: what cannot be sent waits in the run's
+:class:`~recsys_runner.tracking.outbox.Outbox` and is re-sent with the next batch, and :meth:`MlflowTracker.finish`
+retries for ``tracking.flush_timeout_s``. If the server is still gone then, the unsent metrics — and the run's end,
+when the store does not take it (nothing else could end the run) — go to the run's replay file, which
+``python -m recsys_runner.tracking replay <file>`` sends later (:mod:`recsys_runner.tracking.outbox`).
 
 The start of a run is different: it needs its MLflow run id (a resumed training continues that run,
 a sweep files its jobs under their parent), so a store that cannot be used then is an error, found
@@ -44,6 +41,7 @@ from urllib.parse import urlsplit
 from recsys_runner.configurable import Configurable
 from recsys_runner.errors import Stopped, require
 from recsys_runner.tracking.folders import check_folder
+from recsys_runner.tracking.outbox import UNSENT_DIR_TAG, Outbox
 from recsys_runner.tracking.store import (
     experiment_id,
     is_remote,
@@ -65,19 +63,10 @@ _MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
 
 _PARAMS_PER_CALL = 100  # MLflow's limit on params per log_batch
 
-_METRICS_PER_CALL = 1000  # MLflow's limit on metrics per log_batch
-
 _DATABASES = ("sqlite", "postgresql", "mysql", "mssql")  # MLflow's database stores (scheme, or dialect before "+driver")
 
 PARENT_RUN_ENV = "RECSYS_RUNNER_PARENT_RUN_ID"
 """Set by the sweep callback for its jobs: their runs become children of this run."""
-UNSENT_DIR_TAG = "tracking.unsent_dir"
-"""On every MLflow run: the directory its :func:`unsent_file` goes to if the store is gone when the run ends."""
-
-
-def unsent_file(directory: str | Path, run_id: str) -> Path:
-    """Where a run's data the store did not take at its end waits for ``python -m recsys_runner.tracking replay``."""
-    return Path(directory) / f"mlflow_unsent_{run_id}.json"
 
 
 @dataclass(frozen=True)
@@ -232,11 +221,7 @@ class MlflowTracker:
         self._source = uri_source(config.uri)
         self._client: Any = None
         self._remote = is_remote(self.uri)
-        self._pending: list[Any] = []  # mlflow.entities.Metric not yet accepted by the store
-        self._pending_text: list[tuple[str, str]] = []
-        self._next_try = 0.0
-        self._backoff_s = 1.0
-        self._warned = False
+        self._outbox = Outbox(self.uri)
         self._unsent_dir = Path.cwd()  # where the run starts: its UNSENT_DIR_TAG says so, for whoever finds it RUNNING
 
     def check(self) -> None:
@@ -329,8 +314,8 @@ class MlflowTracker:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self._pending.extend(Metric(k, float(v), now, step) for k, v in metrics.items())
-        if time.monotonic() >= self._next_try:
+        self._outbox.metrics.extend(Metric(k, float(v), now, step) for k, v in metrics.items())
+        if self._outbox.due():
             self._flush()
 
     def logged_at(self, step: int, keys: Sequence[str]) -> dict[str, float] | None:
@@ -356,8 +341,8 @@ class MlflowTracker:
         return found
 
     def log_text(self, text: str, artifact_file: str) -> None:
-        self._pending_text.append((text, artifact_file))
-        if time.monotonic() >= self._next_try:
+        self._outbox.texts.append((text, artifact_file))
+        if self._outbox.due():
             self._flush()
 
     def log_histograms(self, histograms: Mapping[str, Histogram], step: int) -> None:
@@ -371,18 +356,18 @@ class MlflowTracker:
         deadline = time.monotonic() + self.config.flush_timeout_s
         while not self._flush() and time.monotonic() < deadline:
             time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
-        if self._pending or self._pending_text:
-            path = self._write_unsent(status)
+        if not self._outbox.empty():
+            path = self._outbox.write(self._unsent_dir, self._run(), status)
             log.warning(
                 "tracking server %s still unreachable after %.0f s: %d metric values of run %s saved to %s; "
                 "send them later with: python -m recsys_runner.tracking replay %s",
-                self.uri, self.config.flush_timeout_s, len(self._pending), self.run_id, path, path,
+                self.uri, self.config.flush_timeout_s, len(self._outbox.metrics), self.run_id, path, path,
             )
         else:
             try:
                 self._client.set_terminated(self.run_id, status=status)
             except Exception as e:  # noqa: BLE001 - the run's data is safe; its end waits in the file for a replay
-                path = self._write_unsent(status)
+                path = self._outbox.write(self._unsent_dir, self._run(), status)
                 log.warning("could not mark MLflow run %s %s (%s): its end saved to %s; send it later with: "
                             "python -m recsys_runner.tracking replay %s", self.run_id, status, e, path, path)
             else:
@@ -399,62 +384,10 @@ class MlflowTracker:
             log.info("%s", line)
 
     def _flush(self) -> bool:
-        """Send everything pending; True when nothing is left. Never raises for a store outage."""
-        run_id = self._run()
-        try:
-            with no_http_retries(self._remote):
-                while self._pending:
-                    self._client.log_batch(run_id, metrics=self._pending[:_METRICS_PER_CALL])
-                    del self._pending[:_METRICS_PER_CALL]
-                while self._pending_text:
-                    text, artifact_file = self._pending_text[0]
-                    self._client.log_text(run_id, text, artifact_file)
-                    self._pending_text.pop(0)
-        except Stopped:  # a signal that arrived while sending: the command stops, the data stays pending for close()
-            raise
-        except Exception as e:  # noqa: BLE001 - any store failure: keep the data and carry on training
-            self._next_try = time.monotonic() + self._backoff_s
-            self._backoff_s = min(self._backoff_s * 2, 60.0)
-            if not self._warned:
-                log.warning("tracking server %s unreachable (%s); training continues, metrics are buffered and re-sent",
-                            self.uri, type(e).__name__)
-                self._warned = True
-            return False
-        if self._warned:
-            log.warning("tracking server %s reachable again; buffered metrics sent", self.uri)
-            self._warned = False
-        self._backoff_s = 1.0
-        self._next_try = 0.0
-        return True
-
-    def _write_unsent(self, status: str) -> Path:
-        path = unsent_file(self._unsent_dir, self._run())
-        record = {
-            "uri": self.uri,
-            "run_id": self.run_id,
-            "status": status,
-            "metrics": [[m.key, m.value, m.timestamp, m.step] for m in self._pending],
-            "texts": self._pending_text,
-        }
-        path.write_text(json.dumps(record))
-        return path
+        """Send everything the outbox holds; True when nothing is left. Never raises for a store outage."""
+        return self._outbox.flush(self._client, self._run())
 
     def _run(self) -> str:
         assert self.run_id is not None, "MlflowTracker.start() must run first"
         return self.run_id
 
-
-def replay(path: str | Path, uri: str | None = None) -> str:
-    """Send a file written by :meth:`MlflowTracker.finish` to its run and set the run's end status."""
-    from mlflow.entities import Metric
-    from mlflow.tracking import MlflowClient
-
-    record = json.loads(Path(path).read_text())
-    client = MlflowClient(tracking_uri=uri or record["uri"])
-    metrics = [Metric(k, v, ts, step) for k, v, ts, step in record["metrics"]]
-    for i in range(0, len(metrics), _METRICS_PER_CALL):
-        client.log_batch(record["run_id"], metrics=metrics[i : i + _METRICS_PER_CALL])
-    for text, artifact_file in record["texts"]:
-        client.log_text(record["run_id"], text, artifact_file)
-    client.set_terminated(record["run_id"], status=record["status"])
-    return str(record["run_id"])
