@@ -112,7 +112,7 @@ def read_item_parts(path: str, columns: list[str], text: ItemsText) -> ItemParts
                     "Fix: drop them", KEY, path)
     tables = [_read_parquet(f, columns, path) for f in files]
     empty = [f for f, t in zip(files, tables, strict=True) if t.num_rows == 0]
-    kept = skip_empty(files, empty, "has no items (no rows)")
+    kept = skip_empty(files, empty, "has no items (no rows)", key=KEY)
     tables = [t for t in tables if t.num_rows]
     for f, t in zip(kept[1:], tables[1:], strict=True):
         if (clash := type_clash(columns, (kept[0], tables[0].schema), (f, t.schema), KEY)) is not None:
