@@ -170,6 +170,15 @@ def test_inspect_takes_the_delimiters_names(tmp_path: Path, capsys: pytest.Captu
     assert "40 rows" in capsys.readouterr().out
 
 
+def test_inspect_of_a_text_file_without_format_names_format_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``inspect ratings.csv`` reads Parquet by default: it was Arrow's traceback ("Parquet magic bytes not found")."""
+    path = write_csv(tmp_path / "ratings.csv")
+    assert data_main(["inspect", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"Data error: {path} is not a Parquet file (it does not begin with PAR1), and inspect reads Parquet "
+                          "unless --format says otherwise. Fix: --format csv") and "Traceback" not in err
+
+
 def test_file_level_error_at_startup_is_a_data_error_with_exit_2(tmp_path: Path) -> None:
     """Raised in the data module's constructor, while the run is being built."""
     path = write_csv(tmp_path / "cols.csv")

@@ -49,7 +49,7 @@ from recsys_runner.data.encoding.encoded_rows import Rows
 from recsys_runner.data.encoding.fit import InferConfig, complete_schema
 from recsys_runner.data.encoding.rows import Encoder, Location
 from recsys_runner.data.files.csv_source import CsvSource
-from recsys_runner.data.files.sources import skip_empty
+from recsys_runner.data.files.sources import PARQUET_MAGIC, read_head, skip_empty
 from recsys_runner.data.files.tabular_config import CRITEO_COLUMNS, CRITEO_NUM_SPARSE, criteo_schema, text_delimiter
 from recsys_runner.data.locate import PARQUET_SUFFIXES, resolve_files
 from recsys_runner.data.schema import DenseColumn, Schema, SparseColumn
@@ -179,6 +179,11 @@ def convert(args: argparse.Namespace) -> None:
 def _tables(args: argparse.Namespace) -> tuple[list[str], Any]:
     if args.format == "parquet":
         files = resolve_files(args.path, "path", PARQUET_SUFFIXES)
+        for path in files:  # a text file read as Parquet was Arrow's traceback: "Parquet magic bytes not found in footer"
+            if not read_head(path).startswith(PARQUET_MAGIC):
+                raise DataError(f"{path} is not a Parquet file (it does not begin with {PARQUET_MAGIC.decode()}), and inspect reads "
+                                f"Parquet unless --format says otherwise. Fix: --format csv for delimited text (CSV, TSV; "
+                                f"--delimiter), --format criteo for Criteo's TSV files")
 
         def parquet_tables() -> Any:
             for path in files:
