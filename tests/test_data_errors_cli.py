@@ -179,6 +179,17 @@ def test_inspect_of_a_text_file_without_format_names_format_csv(tmp_path: Path, 
                           "unless --format says otherwise. Fix: --format csv") and "Traceback" not in err
 
 
+def test_convert_with_a_label_not_in_the_header_names_the_flag_and_the_closest_column(tmp_path: Path,
+                                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """``convert --label labl``: the schema was inferred and printed around the typo, then the training settings' message
+    ("correct the column names in data.label(s) / data.dense / data.sparse") named no flag."""
+    path = write_csv(tmp_path / "r.csv")
+    assert data_main(["convert", "--format", "csv", str(path), str(tmp_path / "out"), "--label", "labl"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"Data error: --label 'labl' is not a column of {path}: its header lists ['label', 'item', "
+                                   "'price'] (did you mean label?). Fix: --label label") and "schema inferred" not in captured.out
+
+
 def test_file_level_error_at_startup_is_a_data_error_with_exit_2(tmp_path: Path) -> None:
     """Raised in the data module's constructor, while the run is being built."""
     path = write_csv(tmp_path / "cols.csv")

@@ -34,6 +34,7 @@ and the command that redoes it, and the exit status is ``128 + signal``.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import shlex
 import sys
@@ -100,6 +101,17 @@ def rows_to_table(rows: Rows, schema: Schema, multi_hot: list[bool]) -> pa.Table
     return pa.table(cols)
 
 
+def _check_label(label: str | None, path: str, names: list[str]) -> None:
+    """Refuse a ``--label`` that is not a column of ``path`` (its header's ``names``) before a schema is inferred and
+    printed around it: the training settings' message (data.label(s) / data.dense / data.sparse) named no flag."""
+    if label is None or label in names:
+        return
+    close = difflib.get_close_matches(label, names, n=1, cutoff=0.6)
+    fix = f"--label {close[0]}" if close else "--label <one of them>"
+    raise DataError(f"--label {label!r} is not a column of {path}: its header lists {names}"
+                    + (f" (did you mean {close[0]}?)" if close else "") + f". Fix: {fix}")
+
+
 def inferred_csv_schema(args: argparse.Namespace, files: list[str]) -> tuple[Schema, dict[str, Any]]:
     """``--format csv`` without ``--schema``: the schema inferred from the files' first rows exactly as a training run
     on ``data=csv`` infers it (:mod:`recsys_runner.data.encoding.fit`), and the reader options; printed as a schema file
@@ -109,6 +121,7 @@ def inferred_csv_schema(args: argparse.Namespace, files: list[str]) -> tuple[Sch
     sampler = CsvSource(files, [], block_rows=args.row_group_rows, on_bad_rows=args.on_bad_rows, **options)
     infer = InferConfig(sample_rows=args.sample_rows, exclude=list(args.exclude))
     where = f"the input {files[0]}" + (f" (and {len(files) - 1} more file(s))" if len(files) > 1 else "")
+    _check_label(args.label, files[0], sampler.names(files[0]))
     try:
         done = complete_schema(label=args.label, labels=None, label_kinds=None, label_threshold=args.label_threshold, dense=[],
                                sparse=[], sample=lambda: sampler.sample(infer.sample_rows), config=infer, where=where,
