@@ -324,6 +324,25 @@ def collect(client: Any, parent: str, *, wait: bool, timeout_s: float, poll_s: f
         time.sleep(poll_s)
 
 
+def wrong_parent(client: Any, uri: str, parent: str, *, collect: bool) -> str | None:
+    """Why ``--parent`` cannot be used, or ``None``: no run of that id in the store (MLflow's traceback), or, for
+    ``collect``, a run that is no sweep's parent (no :data:`SWEEP_PARENT_TAG`): collect would end it FAILED or FINISHED
+    and log a sweep summary on it, overwriting a training run's status without a word."""
+    from mlflow.exceptions import MlflowException
+
+    fix = "Fix: --parent <the sweep's parent run id>, which a sweep prints when it starts and each child's tag mlflow.parentRunId holds"
+    try:
+        run = client.get_run(parent)
+    except MlflowException:
+        return f"no MLflow run {parent} in {uri}. {fix}"
+    if not collect or SWEEP_PARENT_TAG in run.data.tags:
+        return None
+    sweep = run.data.tags.get("mlflow.parentRunId")
+    return (f"run {parent} ({run.info.run_name}) is not a sweep's parent run (it has no tag {SWEEP_PARENT_TAG}): collect ends "
+            f"a sweep's parent with its summary, and leaves other runs alone. "
+            + (f"Fix: --parent {sweep}, the sweep this run is a child of" if sweep else fix))
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m recsys_runner.compare", description=__doc__.split("\n\n")[0])
     p.add_argument("--uri", default=None, help="tracking URI (default: $MLFLOW_TRACKING_URI or ./mlflow.db); a store that "
@@ -368,9 +387,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     client = MlflowClient(tracking_uri=uri)
     failed: list[str] | None = None
+    if is_collect and not args.parent:
+        parser.error("collect needs --parent <run id>")
+    if args.parent and (wrong := wrong_parent(client, uri, args.parent, collect=is_collect)) is not None:
+        print(wrong, file=sys.stderr)
+        return 2
     if is_collect:
-        if not args.parent:
-            parser.error("collect needs --parent <run id>")
         failed = collect(client, args.parent, wait=args.wait, timeout_s=args.timeout)
         if failed is None:
             return 1
