@@ -31,6 +31,7 @@ one, and exits with status 2.
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import os
 import sys
@@ -161,6 +162,19 @@ def table(runs: Sequence[Any], metrics: Sequence[str] = DEFAULT_METRICS, manifes
     lines = ["  ".join(str(x).ljust(w) for x, w in zip(line, widths, strict=True)) for line in [header, *rows]]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def unlogged_metrics(runs: Sequence[Any], metrics: Sequence[str]) -> str | None:
+    """Why ``--metric`` names a metric no run of ``runs`` logged (a typo: ``eval/acu``), with the closest logged one,
+    or ``None``: such a column was all ``-``, and the ranking by it silently none."""
+    logged = sorted({m for r in runs for m in r.data.metrics})
+    unlogged = [m for m in metrics if m not in logged]
+    if not unlogged:
+        return None
+    close = difflib.get_close_matches(unlogged[0], logged, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return (f"--metric {unlogged[0]}: none of the {len(runs)} runs selected logged it{hint}; they logged "
+            f"{', '.join(logged) or 'no metric'}. Fix: --metric {close[0] if close else '<one of those>'}")
 
 
 def best_first(runs: Sequence[Any], metric: str) -> list[Any]:
@@ -409,6 +423,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("no runs match", file=sys.stderr)
         return 1
     metrics = args.metric or list(DEFAULT_METRICS)
+    if args.metric and (unlogged := unlogged_metrics(runs, args.metric)) is not None:
+        print(unlogged, file=sys.stderr)
+        return 2
     print(table(runs, metrics, manifest=args.manifest))
     if not args.no_plots:
         out = Path(args.out)

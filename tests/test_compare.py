@@ -69,6 +69,16 @@ def test_loss_metric_ranks_lowest_first(sweep: tuple[str, str, dict[str, str]], 
     assert losses == sorted(losses) and len(losses) == 3
 
 
+def test_a_metric_no_run_logged_names_the_closest_logged_one(sweep: tuple[str, str, dict[str, str]],
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """``--metric eval/acu``: the column was all ``-`` and the ranking none, without a word."""
+    uri, _, _ = sweep
+    assert compare.main(["--uri", uri, "--experiment", "cmp", "--metric", "eval/acu", "--no-plots"]) == 2
+    out, err = capsys.readouterr()
+    assert not out and err.startswith("--metric eval/acu: none of the 3 runs selected logged it (did you mean eval/auc?); they "
+                                      "logged eval/auc, train/loss. Fix: --metric eval/auc")
+
+
 def test_lower_is_better_metric_ranks_best_lowest_first(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``eval/mse`` is lower-is-better (its metric class says so): the lowest error is listed first, a run that
     never logged it last."""
