@@ -190,6 +190,15 @@ def test_convert_with_a_label_not_in_the_header_names_the_flag_and_the_closest_c
                                    "'price'] (did you mean label?). Fix: --label label") and "schema inferred" not in captured.out
 
 
+def test_convert_of_a_csv_without_format_names_format_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """convert reads Criteo's TSV by default: a CSV was a bad row whose fix was 'set data.delimiter', a training key."""
+    path = write_csv(tmp_path / "r.csv")
+    assert data_main(["convert", str(path), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.startswith(f"Data error: {path} is not Criteo's TSV (its first line has no tab: "
+                                              "'label,item,price'), which convert reads unless --format says otherwise. "
+                                              "Fix: --format csv")
+
+
 def test_file_level_error_at_startup_is_a_data_error_with_exit_2(tmp_path: Path) -> None:
     """Raised in the data module's constructor, while the run is being built."""
     path = write_csv(tmp_path / "cols.csv")

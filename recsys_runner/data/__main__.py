@@ -156,6 +156,10 @@ def convert(args: argparse.Namespace) -> None:
         raise ConfigError(f"--schema lists the weighted columns {weighted}, whose weights convert would drop (it writes ids only). "
                           f"Fix: train on the text files with data=csv data.schema=<file>, or drop weighted / weights from them")
     source = CsvSource(files, schema.columns, block_rows=args.row_group_rows, on_bad_rows=args.on_bad_rows, **options)
+    if args.format == "criteo" and (first := source.headers.first_lines(files[0], 1)) and "\t" not in first[0]:
+        # the default format: a CSV given without --format was a bad row whose fix named data.delimiter, no flag
+        raise DataError(f"{files[0]} is not Criteo's TSV (its first line has no tab: {first[0][:100]!r}), which convert reads "
+                        f"unless --format says otherwise. Fix: --format csv (its schema inferred, or --schema <file>)")
     files = skip_empty(files, [f for f in files if not source.has_rows(f)], "has a header line but no rows")  # as training does
     encoder = Encoder(schema, args.on_bad_rows, DataError)
     out_schema = converted_schema(schema)
