@@ -156,6 +156,9 @@ TYPOS = {
                                "precision.embedding_data_type_by_feature.cat_0=fp16: precision.embedding_data_type_by_feature "
                                "is a map whose entries a command line adds with a leading + (it has no key 'cat_0' yet). Fix: "
                                "+precision.embedding_data_type_by_feature.cat_0=fp16"),
+    "map-entry-of-another-type": (["+distributed.tables={t_cat_0: data_parallel}"],
+                                  "+distributed.tables={t_cat_0: data_parallel}: Invalid type assigned: str is not a subclass of "
+                                  "TableShardingConfig. value: data_parallel. Fix: give distributed.tables.t_cat_0 a value of its type"),
     "map-given-a-list": (["+precision.embedding_data_type_by_feature=[cat_0,cat_1]"],
                          "+precision.embedding_data_type_by_feature=[cat_0,cat_1]: precision.embedding_data_type_by_feature is "
                          "a map of name: value entries, not a list. Fix: +precision.embedding_data_type_by_feature={cat_0: "
