@@ -31,6 +31,7 @@ one, and exits with status 2.
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import os
 import sys
@@ -161,6 +162,19 @@ def table(runs: Sequence[Any], metrics: Sequence[str] = DEFAULT_METRICS, manifes
     lines = ["  ".join(str(x).ljust(w) for x, w in zip(line, widths, strict=True)) for line in [header, *rows]]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def unlogged_metrics(runs: Sequence[Any], metrics: Sequence[str]) -> str | None:
+    """Why ``--metric`` names a metric no run of ``runs`` logged (a typo: ``eval/acu``), with the closest logged one,
+    or ``None``: such a column was all ``-``, and the ranking by it silently none."""
+    logged = sorted({m for r in runs for m in r.data.metrics})
+    unlogged = [m for m in metrics if m not in logged]
+    if not unlogged:
+        return None
+    close = difflib.get_close_matches(unlogged[0], logged, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return (f"--metric {unlogged[0]}: none of the {len(runs)} runs selected logged it{hint}; they logged "
+            f"{', '.join(logged) or 'no metric'}. Fix: --metric {close[0] if close else '<one of those>'}")
 
 
 def best_first(runs: Sequence[Any], metric: str) -> list[Any]:
@@ -324,6 +338,25 @@ def collect(client: Any, parent: str, *, wait: bool, timeout_s: float, poll_s: f
         time.sleep(poll_s)
 
 
+def wrong_parent(client: Any, uri: str, parent: str, *, collect: bool) -> str | None:
+    """Why ``--parent`` cannot be used, or ``None``: no run of that id in the store (MLflow's traceback), or, for
+    ``collect``, a run that is no sweep's parent (no :data:`SWEEP_PARENT_TAG`): collect would end it FAILED or FINISHED
+    and log a sweep summary on it, overwriting a training run's status without a word."""
+    from mlflow.exceptions import MlflowException
+
+    fix = "Fix: --parent <the sweep's parent run id>, which a sweep prints when it starts and each child's tag mlflow.parentRunId holds"
+    try:
+        run = client.get_run(parent)
+    except MlflowException:
+        return f"no MLflow run {parent} in {uri}. {fix}"
+    if not collect or SWEEP_PARENT_TAG in run.data.tags:
+        return None
+    sweep = run.data.tags.get("mlflow.parentRunId")
+    return (f"run {parent} ({run.info.run_name}) is not a sweep's parent run (it has no tag {SWEEP_PARENT_TAG}): collect ends "
+            f"a sweep's parent with its summary, and leaves other runs alone. "
+            + (f"Fix: --parent {sweep}, the sweep this run is a child of" if sweep else fix))
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m recsys_runner.compare", description=__doc__.split("\n\n")[0])
     p.add_argument("--uri", default=None, help="tracking URI (default: $MLFLOW_TRACKING_URI or ./mlflow.db); a store that "
@@ -368,9 +401,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     client = MlflowClient(tracking_uri=uri)
     failed: list[str] | None = None
+    if is_collect and not args.parent:
+        parser.error("collect needs --parent <run id>")
+    if args.parent and (wrong := wrong_parent(client, uri, args.parent, collect=is_collect)) is not None:
+        print(wrong, file=sys.stderr)
+        return 2
     if is_collect:
-        if not args.parent:
-            parser.error("collect needs --parent <run id>")
         failed = collect(client, args.parent, wait=args.wait, timeout_s=args.timeout)
         if failed is None:
             return 1
@@ -387,6 +423,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("no runs match", file=sys.stderr)
         return 1
     metrics = args.metric or list(DEFAULT_METRICS)
+    if args.metric and (unlogged := unlogged_metrics(runs, args.metric)) is not None:
+        print(unlogged, file=sys.stderr)
+        return 2
     print(table(runs, metrics, manifest=args.manifest))
     if not args.no_plots:
         out = Path(args.out)

@@ -52,6 +52,7 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> dict[str, float]:
     start = inference_start(built, entry="evaluate", checkpoint=checkpoint, load=str(cfg.load))
     with tracked_run(built.tracker, start, launch, close=built.close):
         with Progress(spec.train.eval_max_batches, enabled=built.env.is_main, unit="batch", desc="evaluate") as progress:
+            assert built.evaluator is not None, "build_inference builds it unless evaluate=False"
             metrics = built.evaluator.evaluate(progress)
         built.tracker.log_metrics(metrics, built.state.step)
         if built.env.is_main:

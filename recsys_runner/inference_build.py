@@ -4,7 +4,7 @@ The training build's order (:mod:`recsys_runner.build`) without what only traini
 0 checks its store) → checkpointer, only to read the weights (nothing locked, nothing written) → precision → data,
 encoded by the checkpoint's stored encoders → model with embedding tables on ``meta`` → TrainWrapper (the fixed task
 weights: a learned loss weighting only shapes the training loss) → sharding plan → DistributedModelParallel → the
-EMA's dense weights when ``train.ema.eval_with_ema`` (the weights scored) → Evaluator → the checkpoint's weights,
+EMA's dense weights when ``train.ema.eval_with_ema`` (the weights scored) → Evaluator (evaluate only) → the checkpoint's weights,
 loaded strictly (:meth:`~recsys_runner.checkpoint.policy.Checkpointer.load_weights`). No optimizer (the sharded
 tables get fbgemm's kernels without a fused optimizer's state, which the planner then does not budget either), no lr
 schedule, step policy, train pipeline, train metrics or early stopping.
@@ -54,7 +54,9 @@ class Inference:
         model: the sharded model (``TrainWrapper`` inside DistributedModelParallel), in train mode as built.
         tasks: the model's tasks, in output order.
         ema: the checkpoint's EMA weights to swap in (``train.ema.eval_with_ema``), or ``None``: the raw weights.
-        evaluator: the eval pass over the data's eval split (the training loop's own).
+        evaluator: the eval pass over the data's eval split (the training loop's own); ``None`` for predict, which
+            scores its own input: building it checks the eval rows against the catalogue (one pass over them), a
+            refusal about rows predict never reads.
         state: the checkpoint's step and MLflow run id; ``resumed_from`` names the checkpoint loaded.
     """
 
@@ -66,7 +68,7 @@ class Inference:
     model: DistributedModelParallel
     tasks: tuple[Task, ...]
     ema: DenseEMA | None
-    evaluator: Evaluator
+    evaluator: Evaluator | None
     state: TrainState
 
     def close(self) -> None:
@@ -74,12 +76,13 @@ class Inference:
         self.distributed.close()
 
 
-def build_inference(run: RunConfig, *, weights: Path, launch: Launch = Launch()) -> Inference:
+def build_inference(run: RunConfig, *, weights: Path, launch: Launch = Launch(), evaluate: bool = True) -> Inference:
     """Build the scoring graph from the validated config and load checkpoint ``weights`` into it; see the module
     docstring for the order.
 
     ``launch``: the command-line launch, which sets ``checkpoint.dir``'s default (where the checkpoint storage is
-    chosen from, as in training); nothing is written there.
+    chosen from, as in training); nothing is written there. ``evaluate``: build the :class:`Evaluator` (false for
+    predict, whose :attr:`Inference.evaluator` is then ``None``).
 
     Raises:
         CheckpointError: ``weights`` is damaged, or was written by another model config (naming the tensors).
@@ -103,8 +106,8 @@ def build_inference(run: RunConfig, *, weights: Path, launch: Launch = Launch())
         sharded = distributed.shard(wrapped, distributed.plan(wrapped, batch_size=data.batch_size))
         compile_dense(model, run.train.compile, wrapper=wrapped)  # the same module objects DMP now holds
         ema = _ema_weights(sharded, run.train.ema.decay) if run.train.ema.eval_with_ema else None
-        evaluator = Evaluator(model=sharded, pipeline=None, data=data, env=env, tasks=wrapped.tasks,
-                              metrics=run.metrics, max_batches=run.train.eval_max_batches, ema=ema)
+        evaluator = Evaluator(model=sharded, pipeline=None, data=data, env=env, tasks=wrapped.tasks, metrics=run.metrics,
+                              max_batches=run.train.eval_max_batches, ema=ema) if evaluate else None
         checkpointer.attach(model=sharded, optimizer=NO_OPTIMIZER, tensors={"ema": ema} if ema is not None else {}, objects={})
         state = checkpointer.load_weights(weights)
     except BaseException:

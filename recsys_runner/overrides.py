@@ -25,7 +25,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ConfigTypeError, ValidationError
 
 from recsys_runner.config import GROUPS, register_configs
 from recsys_runner.errors import ConfigError, reported
@@ -106,6 +106,8 @@ def explain(config_name: str, overrides: list[str], *, multirun: bool = False, m
                            or _unknown_key(config_name, chosen, single, str(cause.full_key), module))
             elif isinstance(cause, ValidationError) and str(e).startswith("Error merging override"):
                 message = _wrong_type(config_name, chosen, single, cause)
+            elif isinstance(cause, ConfigTypeError) and str(e).startswith("Error merging override"):
+                message = _not_a_map(chosen, str(cause.full_key))
             if message is not None:
                 raise ConfigError(message) from None
 
@@ -167,6 +169,18 @@ def _map_without_plus(chosen: list[Override], key: str) -> str | None:
     return None
 
 
+def _not_a_map(chosen: list[Override], key: str) -> str | None:
+    """``map=[a, b]`` (or ``+map=[a, b]``) on a free-form map (``precision.embedding_data_type_by_feature``): Hydra's
+    "Cannot merge DictConfig with ListConfig" names neither the map nor its form; the fix is entries, one per name."""
+    for override in chosen:
+        value = override.value()
+        if override.key_or_group == key and isinstance(value, list):
+            names = [str(v) for v in value if isinstance(v, str | int)] or ["<name>"]
+            entries = ", ".join(f"{name}: <value>" for name in names)
+            return f"{override.input_line or key}: {key} is a map of name: value entries, not a list. Fix: +{key}={{{entries}}}"
+    return None
+
+
 def _unknown_key(config_name: str, chosen: list[Override], single: list[str], key: str, module: str) -> str | None:
     """``key=value`` (``key`` as Hydra names it, e.g. ``optim.lrr``) where the composed config has no such key: compose
     without that override (the options the command line chose stay, so the keys are theirs) and name the first part of
@@ -187,6 +201,10 @@ def _unknown_key(config_name: str, chosen: list[Override], single: list[str], ke
         if not isinstance(node, DictConfig):
             return None  # a list, a value or a null section on the way: Hydra's message stands
         if part not in node.keys():
+            if i > 0 and OmegaConf.get_type(node) is dict:  # a free-form map (no schema): its entries are added with +
+                given = override.input_line or key
+                return (f"{given}: {'.'.join(parts[:i])} is a map whose entries a command line adds with a leading + (it "
+                        f"has no key {part!r} yet). Fix: +{given}")
             siblings = [str(k) for k in node.keys() if not str(k).startswith("_")]
             return _no_such_key(parts, i, siblings, override.input_line or key, module)
         node = OmegaConf.select(node, part, throw_on_missing=False)
@@ -196,8 +214,8 @@ def _unknown_key(config_name: str, chosen: list[Override], single: list[str], ke
 def _wrong_type(config_name: str, chosen: list[Override], single: list[str], cause: ValidationError) -> str | None:
     """``key=value`` whose value the key's type cannot take (``data.batch_size=abc``; a list key given one value without
     brackets): OmegaConf's reason and a value that fits, the default the config has without this override."""
-    key = str(cause.full_key)
-    failed = [i for i, o in enumerate(chosen) if o.key_or_group == key]
+    key = str(cause.full_key)  # an entry of a map the override gives whole (+distributed.tables={t: x}): that override
+    failed = [i for i, o in enumerate(chosen) if o.key_or_group == key or key.startswith(f"{o.key_or_group}.")]
     if not key or len(failed) != 1:
         return None
     given = chosen[failed[0]].input_line or key

@@ -125,7 +125,7 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> PredictResult:
     output = uris.as_path(str(settings.output))
     check_output(output, settings.overwrite)
     check_columns(spec.data, settings.columns, settings.input)
-    built = build_inference(spec, launch=launch, weights=checkpoint)
+    built = build_inference(spec, launch=launch, weights=checkpoint, evaluate=False)  # scores predict.input, no eval split
     params = {f"predict.{name}": getattr(settings, name) for name in ("input", "output", "columns", "top_k", "exclude_seen")}
     start = inference_start(built, entry="predict", checkpoint=checkpoint, load=str(cfg.load), extra_params=params,
                             scored=_scored(built, spec.data.path, settings.input))

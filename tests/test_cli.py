@@ -152,6 +152,17 @@ TYPOS = {
                          "precision.embedding_data_type_by_feature is a map whose entries a command line adds with a "
                          "leading + (Hydra merges a map given with = into the existing one, which has no key 'cat_0'). Fix: "
                          "+precision.embedding_data_type_by_feature={cat_0: fp16}"),
+    "map-entry-without-plus": (["precision.embedding_data_type_by_feature.cat_0=fp16"],
+                               "precision.embedding_data_type_by_feature.cat_0=fp16: precision.embedding_data_type_by_feature "
+                               "is a map whose entries a command line adds with a leading + (it has no key 'cat_0' yet). Fix: "
+                               "+precision.embedding_data_type_by_feature.cat_0=fp16"),
+    "map-entry-of-another-type": (["+distributed.tables={t_cat_0: data_parallel}"],
+                                  "+distributed.tables={t_cat_0: data_parallel}: Invalid type assigned: str is not a subclass of "
+                                  "TableShardingConfig. value: data_parallel. Fix: give distributed.tables.t_cat_0 a value of its type"),
+    "map-given-a-list": (["+precision.embedding_data_type_by_feature=[cat_0,cat_1]"],
+                         "+precision.embedding_data_type_by_feature=[cat_0,cat_1]: precision.embedding_data_type_by_feature is "
+                         "a map of name: value entries, not a list. Fix: +precision.embedding_data_type_by_feature={cat_0: "
+                         "<value>, cat_1: <value>}"),
     "another-commands-key": (["load=outputs/x"], "load=outputs/x: load is a setting of python -m "
                                                  "recsys_runner.evaluate|predict|export, not of python -m recsys_runner."),
 }

@@ -69,6 +69,16 @@ def test_loss_metric_ranks_lowest_first(sweep: tuple[str, str, dict[str, str]], 
     assert losses == sorted(losses) and len(losses) == 3
 
 
+def test_a_metric_no_run_logged_names_the_closest_logged_one(sweep: tuple[str, str, dict[str, str]],
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """``--metric eval/acu``: the column was all ``-`` and the ranking none, without a word."""
+    uri, _, _ = sweep
+    assert compare.main(["--uri", uri, "--experiment", "cmp", "--metric", "eval/acu", "--no-plots"]) == 2
+    out, err = capsys.readouterr()
+    assert not out and err.startswith("--metric eval/acu: none of the 3 runs selected logged it (did you mean eval/auc?); they "
+                                      "logged eval/auc, train/loss. Fix: --metric eval/auc")
+
+
 def test_lower_is_better_metric_ranks_best_lowest_first(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``eval/mse`` is lower-is-better (its metric class says so): the lowest error is listed first, a run that
     never logged it last."""
@@ -107,6 +117,23 @@ def test_collect_summarizes_a_finished_sweep(sweep: tuple[str, str, dict[str, st
     assert summary["runs"][0]["eval/logloss"] is None, "a metric the children did not log"
     experiment = p.info.experiment_id
     assert f"then open http://127.0.0.1:5000/#/experiments/{experiment}/runs/{parent}?workflowType=machine_learning" in err
+
+
+def test_a_parent_that_is_no_sweep_parent_is_refused_and_left_alone(sweep: tuple[str, str, dict[str, str]],
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """``collect --parent <a child's id>`` ended that finished trial FAILED with a sweep summary on it; an unknown id was
+    MLflow's traceback. Both are one line, exit 2, and the child keeps its status."""
+    uri, parent, ids = sweep
+    assert compare.main(["collect", "--uri", uri, "--parent", ids["a"], "--no-plots"]) == 2
+    err = capsys.readouterr().err
+    assert f"run {ids['a']} (optim.lr=0.01,model=deepfm) is not a sweep's parent run (it has no tag {SWEEP_PARENT_TAG})" in err
+    assert err.strip().endswith(f"Fix: --parent {parent}, the sweep this run is a child of")
+    child = MlflowClient(tracking_uri=uri).get_run(ids["a"])
+    assert child.info.status == "FINISHED" and "best.run_id" not in child.data.tags
+    for command in (["collect"], []):
+        assert compare.main([*command, "--uri", uri, "--parent", "deadbeef", "--no-plots"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"no MLflow run deadbeef in {uri}. Fix: --parent <the sweep's parent run id>") and "Traceback" not in err
 
 
 def test_collect_without_wait_reports_missing_jobs(sweep: tuple[str, str, dict[str, str]], capsys: pytest.CaptureFixture[str]) -> None:

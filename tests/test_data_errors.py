@@ -163,8 +163,11 @@ def test_empty_files(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"e\.csv is an empty file"):
         CsvData(make(CsvDataConfig, path=str(tmp_path / "e.csv"), sparse=SPARSE))
     (tmp_path / "h.csv").write_text("label,item\n")
-    with pytest.raises(DataError, match=r"h\.csv has a header line but no rows: there are no rows to read"):
+    with pytest.raises(DataError, match=r"h\.csv has a header line but no rows: there are no rows to read\. Fix: point data\.path at"):
         CsvData(make(CsvDataConfig, path=str(tmp_path / "h.csv"), sparse=SPARSE))
+    (tmp_path / "t.csv").write_text("label,item\n1,3\n0,4\n")
+    with pytest.raises(DataError, match=r"h\.csv has a header line but no rows: there are no rows to read\. Fix: point data\.eval_path at"):
+        CsvData(make(CsvDataConfig, path=str(tmp_path / "t.csv"), eval_path=str(tmp_path / "h.csv"), sparse=SPARSE))
 
 
 def _no_rows(path: Path, item: pa.DataType | None = None) -> None:

@@ -170,6 +170,35 @@ def test_inspect_takes_the_delimiters_names(tmp_path: Path, capsys: pytest.Captu
     assert "40 rows" in capsys.readouterr().out
 
 
+def test_inspect_of_a_text_file_without_format_names_format_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``inspect ratings.csv`` reads Parquet by default: it was Arrow's traceback ("Parquet magic bytes not found")."""
+    path = write_csv(tmp_path / "ratings.csv")
+    assert data_main(["inspect", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"Data error: {path} is not a Parquet file (it does not begin with PAR1), and inspect reads Parquet "
+                          "unless --format says otherwise. Fix: --format csv") and "Traceback" not in err
+
+
+def test_convert_with_a_label_not_in_the_header_names_the_flag_and_the_closest_column(tmp_path: Path,
+                                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """``convert --label labl``: the schema was inferred and printed around the typo, then the training settings' message
+    ("correct the column names in data.label(s) / data.dense / data.sparse") named no flag."""
+    path = write_csv(tmp_path / "r.csv")
+    assert data_main(["convert", "--format", "csv", str(path), str(tmp_path / "out"), "--label", "labl"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"Data error: --label 'labl' is not a column of {path}: its header lists ['label', 'item', "
+                                   "'price'] (did you mean label?). Fix: --label label") and "schema inferred" not in captured.out
+
+
+def test_convert_of_a_csv_without_format_names_format_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """convert reads Criteo's TSV by default: a CSV was a bad row whose fix was 'set data.delimiter', a training key."""
+    path = write_csv(tmp_path / "r.csv")
+    assert data_main(["convert", str(path), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.startswith(f"Data error: {path} is not Criteo's TSV (its first line has no tab: "
+                                              "'label,item,price'), which convert reads unless --format says otherwise. "
+                                              "Fix: --format csv")
+
+
 def test_file_level_error_at_startup_is_a_data_error_with_exit_2(tmp_path: Path) -> None:
     """Raised in the data module's constructor, while the run is being built."""
     path = write_csv(tmp_path / "cols.csv")

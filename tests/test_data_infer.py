@@ -89,6 +89,23 @@ def test_integer_columns_named_as_ids_are_never_dense(tmp_path: Path, caplog: py
     assert "left out 'id': a different value in every sampled row" in caplog.text
 
 
+def test_id_named_columns_of_whole_floats_are_ids(tmp_path: Path) -> None:
+    """pandas writes an integer ``movieId`` holding nulls as floats (``6.0``, empty): the id rule held for integers
+    only, so such a column became a dense ``log1p`` number line without a word. Whole floats under an id name are ids;
+    fractional ones (``score_id`` of 0.5s) and unnamed whole floats (``weight``) stay dense."""
+    rng = np.random.default_rng(2)
+    rows = 400
+    movie = [str(float(m)) if i % 7 else "" for i, m in enumerate(rng.integers(0, 2000, rows))]
+    cols = {"label": [str(v) for v in rng.integers(0, 2, rows)], "movieId": movie, "item": [str(v) for v in rng.integers(0, 9, rows)],
+            "score_id": [str(v + 0.5) for v in rng.integers(0, 10**6, rows)], "weight": [str(float(v)) for v in rng.integers(0, 10**6, rows)]}
+    (tmp_path / "r.csv").write_text(",".join(cols) + "\n" + "".join(",".join(cols[c][i] for c in cols) + "\n" for i in range(rows)))
+    data = csv_data(tmp_path / "r.csv")
+    assert [s.name for s in data.schema.sparse] == ["movieId", "item"]
+    assert [d.name for d in data.schema.dense] == ["score_id", "weight"]
+    movies = next(iter(data.train_batches(0, 0, 1))).sparse_features["movieId"]
+    assert set(movies.lengths().tolist()) == {0, 1}  # a null movieId is no id, as in a Parquet column of integers
+
+
 def test_bucket_counts_round_up_to_1_2_5() -> None:
     assert [bucket_count(n, 2.0) for n in (1, 3, 40, 943, 1682, 30_000)] == [5, 10, 100, 2000, 5000, 100_000]
     assert bucket_count(943, 1.0) == 1000

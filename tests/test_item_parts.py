@@ -93,8 +93,13 @@ def test_folder_mistakes_are_errors_naming_the_file_and_the_fix(tmp_path: Path) 
     with pytest.raises(DataError, match=r"data\.items\.path='.*none' is a directory without data files"):
         _parquet(tmp_path, {"path": str(tmp_path / "none")})
     empty = write_parts(_items().slice(0, 0), tmp_path / "empty", [0])
-    with pytest.raises(DataError, match=r"part-00000-c000\.snappy\.parquet has no items \(no rows\), as do all 2 files"):
+    with pytest.raises(DataError, match=r"part-00000-c000\.snappy\.parquet has no items \(no rows\), as do all 2 files.*"
+                                        r"Fix: point data\.items\.path at files with rows"):
         _parquet(tmp_path, {"path": str(empty)})
+    headers = write_parts(_items().slice(0, 0), tmp_path / "headers", [0], fmt="csv")  # text parts: a header line each
+    with pytest.raises(DataError, match=r"part-00000-c000\.csv has a header line but no rows, as do all 2 files.*"
+                                        r"Fix: point data\.items\.path at files with rows"):
+        _parquet(tmp_path, {"path": str(headers)})
     wrong = write_parts(_items(), tmp_path / "wrong", [20])
     pq.write_table(_items(list(range(20, ITEMS_))).drop_columns(["cate"]), wrong / "part-00001-c000.snappy.parquet")
     with pytest.raises(DataError, match=r"part-00001-c000\.snappy\.parquet \(a part of data\.items\.path='.*wrong'\) has no column "

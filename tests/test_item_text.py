@@ -116,6 +116,14 @@ def test_a_catalogue_whose_header_differs_from_the_training_files_is_an_error_na
         _table(with_header, {"path": str(bare), "header": False})
     with pytest.raises(ConfigError, match=r"data\.items\.column_names=\['item_id', 'cate', 'item_id'\] names a column twice"):
         _table(with_header, {"path": str(bare), "header": False, "column_names": ["item_id", "cate", "item_id"]})
+    # data.items.column_names replaces the header's names: a misspelt id is said to be that key's, not the file's
+    with pytest.raises(DataError, match=r"headered\.csv \(data\.items\.path\) has no column 'item_id', which data\.items names; "
+                                        r"data\.items\.column_names names its columns \['itemid', 'cate', 'price', 'count'\]\. "
+                                        r"Fix: correct data\.items\.column_names"):
+        _table(with_header, {"path": str(headered), "column_names": ["itemid", "cate", "price", "count"]})
+    with pytest.raises(DataError, match=r"bare\.csv \(data\.items\.path\) has no column 'item_id', which data\.items names; "
+                                        r"data\.items\.column_names names its columns .*Fix: correct data\.items\.column_names"):
+        _table(with_header, {"path": str(bare), "header": False, "column_names": ["itemid", "cate", "price", "count"]})
 
 
 def test_evaluate_with_a_header_less_text_catalogue_equals_the_parquet_one(tmp_path: Path) -> None:

@@ -14,16 +14,17 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from recsys_runner import predict
+from recsys_runner import evaluate, predict
 from recsys_runner.__main__ import run as train
 from recsys_runner.build import build
 from recsys_runner.config import register_configs, validate
 from recsys_runner.data.sequences.mapping import load_mapping
-from recsys_runner.errors import ConfigError
+from recsys_runner.errors import ConfigError, DataError
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.scoring_topk import TOP_ITEMS, TOP_SCORES
 from tests.conftest import torchrun
 from tests.test_evaluate import compose_entry
+from tests.test_exclude_seen import NUM_ITEMS, train_two_tower
 from tests.test_sequence_rows import distinct_times_log, run_sequences
 
 K = 5
@@ -200,6 +201,21 @@ def test_two_tower_top_k_equals_a_brute_force_over_the_catalogue_without_the_see
     searched = predict.run(compose_entry("predict", *overrides, f"load={step}", f"predict.output={tmp_path}/faiss",
                                          f"predict.top_k={K}", "model.index=faiss"))
     assert pq.read_table(searched.parts)[TOP_ITEMS].to_pylist() == written[TOP_ITEMS].to_pylist()
+
+
+def test_predict_ranks_a_smaller_catalogue_whatever_the_eval_rows_hold(tmp_path: Path) -> None:
+    """Predict scores ``predict.input`` and never evaluates: a catalogue lacking items of the eval rows (which full-corpus
+    evaluation refuses, naming the row) ranks its own items for every input row; it was refused by the eval check."""
+    overrides, step = train_two_tower(tmp_path)
+    half = NUM_ITEMS // 2
+    pq.write_table(pq.read_table(tmp_path / "items.parquet").slice(0, half), tmp_path / "half.parquet")
+    smaller = f"data.items.path={tmp_path}/half.parquet"
+    with pytest.raises(DataError, match=r"is not in the item table .*half\.parquet .*so full-corpus evaluation cannot rank it"):
+        evaluate.run(compose_entry("evaluate", *overrides, f"load={step}", smaller))
+    result = predict.run(compose_entry("predict", *overrides, f"load={step}", smaller, f"predict.output={tmp_path}/out",
+                                       f"predict.top_k={K}", "predict.exclude_seen=false"))
+    top = pq.read_table(result.parts)[TOP_ITEMS].to_pylist()
+    assert result.rows == 384 and all(len(row) == K and set(row) <= set(range(half)) for row in top)
 
 
 def test_pass_through_ids_past_the_mapping_or_null_are_written_as_null() -> None:

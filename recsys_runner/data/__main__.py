@@ -34,6 +34,7 @@ and the command that redoes it, and the exit status is ``128 + signal``.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import shlex
 import sys
@@ -49,7 +50,7 @@ from recsys_runner.data.encoding.encoded_rows import Rows
 from recsys_runner.data.encoding.fit import InferConfig, complete_schema
 from recsys_runner.data.encoding.rows import Encoder, Location
 from recsys_runner.data.files.csv_source import CsvSource
-from recsys_runner.data.files.sources import skip_empty
+from recsys_runner.data.files.sources import PARQUET_MAGIC, read_head, skip_empty
 from recsys_runner.data.files.tabular_config import CRITEO_COLUMNS, CRITEO_NUM_SPARSE, criteo_schema, text_delimiter
 from recsys_runner.data.locate import PARQUET_SUFFIXES, resolve_files
 from recsys_runner.data.schema import DenseColumn, Schema, SparseColumn
@@ -100,6 +101,17 @@ def rows_to_table(rows: Rows, schema: Schema, multi_hot: list[bool]) -> pa.Table
     return pa.table(cols)
 
 
+def _check_label(label: str | None, path: str, names: list[str]) -> None:
+    """Refuse a ``--label`` that is not a column of ``path`` (its header's ``names``) before a schema is inferred and
+    printed around it: the training settings' message (data.label(s) / data.dense / data.sparse) named no flag."""
+    if label is None or label in names:
+        return
+    close = difflib.get_close_matches(label, names, n=1, cutoff=0.6)
+    fix = f"--label {close[0]}" if close else "--label <one of them>"
+    raise DataError(f"--label {label!r} is not a column of {path}: its header lists {names}"
+                    + (f" (did you mean {close[0]}?)" if close else "") + f". Fix: {fix}")
+
+
 def inferred_csv_schema(args: argparse.Namespace, files: list[str]) -> tuple[Schema, dict[str, Any]]:
     """``--format csv`` without ``--schema``: the schema inferred from the files' first rows exactly as a training run
     on ``data=csv`` infers it (:mod:`recsys_runner.data.encoding.fit`), and the reader options; printed as a schema file
@@ -109,6 +121,7 @@ def inferred_csv_schema(args: argparse.Namespace, files: list[str]) -> tuple[Sch
     sampler = CsvSource(files, [], block_rows=args.row_group_rows, on_bad_rows=args.on_bad_rows, **options)
     infer = InferConfig(sample_rows=args.sample_rows, exclude=list(args.exclude))
     where = f"the input {files[0]}" + (f" (and {len(files) - 1} more file(s))" if len(files) > 1 else "")
+    _check_label(args.label, files[0], sampler.names(files[0]))
     try:
         done = complete_schema(label=args.label, labels=None, label_kinds=None, label_threshold=args.label_threshold, dense=[],
                                sparse=[], sample=lambda: sampler.sample(infer.sample_rows), config=infer, where=where,
@@ -143,6 +156,10 @@ def convert(args: argparse.Namespace) -> None:
         raise ConfigError(f"--schema lists the weighted columns {weighted}, whose weights convert would drop (it writes ids only). "
                           f"Fix: train on the text files with data=csv data.schema=<file>, or drop weighted / weights from them")
     source = CsvSource(files, schema.columns, block_rows=args.row_group_rows, on_bad_rows=args.on_bad_rows, **options)
+    if args.format == "criteo" and (first := source.headers.first_lines(files[0], 1)) and "\t" not in first[0]:
+        # the default format: a CSV given without --format was a bad row whose fix named data.delimiter, no flag
+        raise DataError(f"{files[0]} is not Criteo's TSV (its first line has no tab: {first[0][:100]!r}), which convert reads "
+                        f"unless --format says otherwise. Fix: --format csv (its schema inferred, or --schema <file>)")
     files = skip_empty(files, [f for f in files if not source.has_rows(f)], "has a header line but no rows")  # as training does
     encoder = Encoder(schema, args.on_bad_rows, DataError)
     out_schema = converted_schema(schema)
@@ -179,6 +196,11 @@ def convert(args: argparse.Namespace) -> None:
 def _tables(args: argparse.Namespace) -> tuple[list[str], Any]:
     if args.format == "parquet":
         files = resolve_files(args.path, "path", PARQUET_SUFFIXES)
+        for path in files:  # a text file read as Parquet was Arrow's traceback: "Parquet magic bytes not found in footer"
+            if not read_head(path).startswith(PARQUET_MAGIC):
+                raise DataError(f"{path} is not a Parquet file (it does not begin with {PARQUET_MAGIC.decode()}), and inspect reads "
+                                f"Parquet unless --format says otherwise. Fix: --format csv for delimited text (CSV, TSV; "
+                                f"--delimiter), --format criteo for Criteo's TSV files")
 
         def parquet_tables() -> Any:
             for path in files:

@@ -16,7 +16,8 @@ schema stored by ``convert``), the first ``data.infer.sample_rows`` rows decide:
     than ``data.infer.dense_min_distinct_fraction`` of the sampled rows have distinct values (a measurement,
     a timestamp) → dense; but never dense when the column's name says it is an identifier (:func:`id_named`:
     ``id``, ``user_id``, ``movieId``, ``itemID``): a sample of a table with many users holds mostly distinct
-    user ids, and a number line through ids (``log1p`` of a user id) is no feature;
+    user ids, and a number line through ids (``log1p`` of a user id) is no feature; nor is an id-named column of
+    whole floats (``6.0``: pandas writes an integer column holding nulls as floats), read as ids;
   - other numbers (floats, booleans) → dense;
   - ``log1p`` for a dense column whose sampled values are all ``>= 0``, else none;
   - a text column (or one of integers beyond 64 bits, or an id-named integer column) whose every sampled value
@@ -79,6 +80,15 @@ def _kind(arr: pa.Array) -> tuple[str, pa.Array]:
     return "other", arr  # binary, dictionary, decimal, temporal: the encoder reads none of them as is
 
 
+def _whole(values: pa.Array) -> bool:
+    """Whether every sampled number is a whole number (integers; floats such as ``6.0``, how pandas writes an integer
+    column with nulls): an id-named column of them holds ids, whatever type the writer gave them."""
+    if pa.types.is_integer(values.type):
+        return True
+    numbers = np.asarray(values.cast(pa.float64()).to_numpy(zero_copy_only=False))
+    return bool(np.isfinite(numbers).all() and (numbers == np.floor(numbers)).all())
+
+
 def infer_column(name: str, arr: pa.Array, config: InferConfig) -> tuple[DenseColumn | SparseColumn | None, str | None]:
     """One sampled column's role: a dense or (not yet sized) sparse column, or ``None`` with the reason it is left out."""
     arr = arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
@@ -101,7 +111,7 @@ def infer_column(name: str, arr: pa.Array, config: InferConfig) -> tuple[DenseCo
     if kind == "other":
         return None, f"{name!r}: type {arr.type} is neither a number, text nor a list (list it in data.dense / data.sparse after converting it)"
     distinct = len(pc.unique(values))
-    identifiers = kind == "text" or (kind == "integer" and id_named(name))
+    identifiers = kind == "text" or (kind in ("integer", "float") and id_named(name) and _whole(values))
     if identifiers and distinct == rows and rows >= ROW_ID_MIN_ROWS:
         return None, f"{name!r}: a different value in every sampled row (a row id?); add it to data.sparse to use it"
     if identifiers or (kind == "integer" and distinct <= config.dense_min_distinct_fraction * rows):

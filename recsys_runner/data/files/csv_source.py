@@ -78,7 +78,7 @@ class CsvSource:
             units.extend(found)
             if not found:
                 empty.append(path)
-        self.files = skip_empty(self.files, empty, "has a header line but no rows", say_skipped)
+        self.files = skip_empty(self.files, empty, "has a header line but no rows", say_skipped, self.headers.path_key)
         return units
 
     def has_rows(self, path: str) -> bool:

@@ -57,6 +57,9 @@ class ItemsText:
     """``header`` is the training files' (``data.items.header=null``): a file laid out otherwise is refused, naming the key."""
     names_said: str
     """What names the columns of a file without a header line, for messages."""
+    names_key: str | None
+    """The setting ``column_names`` comes from (``data.items.column_names``, ``data.column_names``), ``None``: each file's
+    header line; a configured column missing from those names is said to be that setting's, the likelier mistake."""
     own_layout: bool
     """``data.items.header`` or ``data.items.column_names`` is set: said to have no effect on Parquet items files."""
 
@@ -82,6 +85,7 @@ def items_text(config: TabularDataConfig) -> ItemsText:
     return ItemsText(delimiter=(csv.delimiter if csv is not None else None) or ",", header=header, column_names=names,
                      null_values=list(csv.null_values) if csv is not None else [""], on_bad_rows=config.on_bad_rows,
                      follows_training=csv is not None and items.header is None, names_said=said,
+                     names_key="data.items.column_names" if items.column_names else None if header else "data.column_names",
                      own_layout=items.header is not None or items.column_names is not None)
 
 
@@ -112,7 +116,7 @@ def read_item_parts(path: str, columns: list[str], text: ItemsText) -> ItemParts
                     "Fix: drop them", KEY, path)
     tables = [_read_parquet(f, columns, path) for f in files]
     empty = [f for f, t in zip(files, tables, strict=True) if t.num_rows == 0]
-    kept = skip_empty(files, empty, "has no items (no rows)")
+    kept = skip_empty(files, empty, "has no items (no rows)", key=KEY)
     tables = [t for t in tables if t.num_rows]
     for f, t in zip(kept[1:], tables[1:], strict=True):
         if (clash := type_clash(columns, (kept[0], tables[0].schema), (f, t.schema), KEY)) is not None:
@@ -131,9 +135,15 @@ def _what(path: str, setting: str) -> str:
     return f"{path} (data.items.path)" if path == setting else f"{path} (a part of data.items.path={setting!r})"
 
 
-def _missing(what: str, column: str, names: list[str]) -> DataError:
-    return DataError(f"{what} has no column {column!r}, which data.items names; its columns are {names}. "
-                     f"Fix: add the column to the file, or correct data.items.id / features / popularity")
+def _missing(what: str, column: str, names: list[str], named_by: str | None = None) -> DataError:
+    """A configured column the file lacks; ``named_by``: the setting that named the file's columns where its header did
+    not (``data.items.column_names``), so the message says where ``names`` come from and that it may be the mistake."""
+    if named_by is None:
+        return DataError(f"{what} has no column {column!r}, which data.items names; its columns are {names}. "
+                         f"Fix: add the column to the file, or correct data.items.id / features / popularity")
+    return DataError(f"{what} has no column {column!r}, which data.items names; {named_by} names its columns {names}. "
+                     f"Fix: correct {named_by} (every column of the file, in file order), or data.items.id / features / "
+                     f"popularity")
 
 
 def _read_parquet(path: str, columns: list[str], setting: str) -> pa.Table:
@@ -201,7 +211,7 @@ def _check_layout(path: str, source: CsvSource, columns: list[str], text: ItemsT
         if (missing := [c for c in columns if c not in names]) and looks_like_data(lines, text.delimiter):
             raise DataError(source.headers.not_a_header(path, missing[0], lines[0]))
         if missing:
-            raise _missing(what, missing[0], names)
+            raise _missing(what, missing[0], names, text.names_key)
         return
     fields = len(split_fields(lines[0], text.delimiter)) if lines else len(names)
     if fields != len(names):
@@ -209,4 +219,4 @@ def _check_layout(path: str, source: CsvSource, columns: list[str], text: ItemsT
                         f"{text.names_said} names {len(names)} columns {names}: the items file has no header line and is laid "
                         f"out otherwise. Fix: data.items.column_names=[...] (its {fields} columns, in file order)")
     if missing := [c for c in columns if c not in names]:
-        raise _missing(what, missing[0], names)
+        raise _missing(what, missing[0], names, text.names_key)

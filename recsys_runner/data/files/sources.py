@@ -51,9 +51,10 @@ def unreadable(path: str, e: OSError) -> UserError:
     return DataError(f"{path} cannot be read ({e.strerror or e}). Fix: check that it exists and that you may read it, or remove it from data.path")
 
 
-def skip_empty(files: list[str], empty: list[str], what: str, say: bool = True) -> list[str]:
+def skip_empty(files: list[str], empty: list[str], what: str, say: bool = True, key: str = "the setting that names them") -> list[str]:
     """``files`` less the ``empty`` ones, said in one log line (rank 0; not when ``say`` is false: files already said, as
-    ``data.eval_path`` naming ``data.path``'s folder); every file empty is an error (``what``: how the first looks).
+    ``data.eval_path`` naming ``data.path``'s folder); every file empty is an error (``what``: how the first looks) naming
+    ``key``, the setting that named the files (``data.items.path``), as the fix to change.
 
     Why: Spark, Hive and pandas' partitioned writers leave a part file per partition, also one with no rows (a header
     line; a Parquet footer of 0 rows). Such a file holds nothing to train on, so refusing it would only make the user delete
@@ -67,7 +68,7 @@ def skip_empty(files: list[str], empty: list[str], what: str, say: bool = True) 
         return files
     if len(empty) == len(files):
         every = f"{files[0]} {what}" + (f", as do all {len(files)} files read with it" if len(files) > 1 else "")
-        raise DataError(f"{every}: there are no rows to read. Fix: point the setting at files with rows, or write the data again")
+        raise DataError(f"{every}: there are no rows to read. Fix: point {key} at files with rows, or write the data again")
     if say and int(os.environ.get("RANK", "0")) == 0:
         shown = ", ".join(os.path.basename(f) for f in empty[:3]) + (", …" if len(empty) > 3 else "")
         log.info("%d of %d files in %s have no rows and are skipped (%s): empty part files, as partitioned writers leave them",

@@ -177,7 +177,7 @@ class CsvData(TabularData):
         names = c.column_names if c.column_names or header else train.names(train.files[0])
         return CsvSource(files, self.schema.columns, delimiter=c.delimiter, header=header, column_names=names,
                          null_values=c.null_values, block_rows=c.block_rows, on_bad_rows=c.on_bad_rows,
-                         header_key="data.eval_header", follows_training=c.eval_header is None)
+                         header_key="data.eval_header", follows_training=c.eval_header is None, path_key="data.eval_path")
 
 
 class CriteoData(TabularData):
