@@ -41,7 +41,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from recsys_runner.errors import ConfigError
+from recsys_runner.errors import ConfigError, reported
 from recsys_runner.metrics.registry import best_first_key, higher_is_better
 from recsys_runner.tracking.store import UI_PORT, missing_store, resolve_uri, ui_lines, ui_url
 from recsys_runner.tracking.sweep import EXPECTED_JOBS_TAG, FAILED_JOBS_TAG
@@ -59,14 +59,18 @@ def find_runs(client: Any, *, experiments: Sequence[str] = (), parent: str | Non
     for name in experiments:
         exp = client.get_experiment_by_name(name)
         if exp is None:
-            raise SystemExit(f"no MLflow experiment named {name!r} at {client.tracking_uri}")
+            known = sorted(e.name for e in client.search_experiments())
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(f"no MLflow experiment named {name!r} at {client.tracking_uri} ({hint}experiments there: "
+                              f"{', '.join(known) or 'none'}). Fix: --experiment <one of them>, or --uri for another store")
         ids.append(exp.experiment_id)
     clauses = [filter_string] if filter_string else []
     if parent:
         ids = ids or [client.get_run(parent).info.experiment_id]
         clauses.append(f"tags.mlflow.parentRunId = '{parent}'")
     if not ids:
-        raise SystemExit("name an --experiment or a --parent run")
+        raise ConfigError("name an --experiment or a --parent run")
     runs = client.search_runs(ids, filter_string=" and ".join(clauses), max_results=10000, order_by=["attributes.start_time ASC"])
     return [r for r in runs if SWEEP_PARENT_TAG not in r.data.tags]  # a sweep's parent is a summary, not a trial
 
@@ -89,7 +93,7 @@ def default_selection(client: Any) -> tuple[list[str], str | None, str]:
     default = MlflowTrackingConfig().experiment
     if client.get_experiment_by_name(default) is None:
         names = ", ".join(sorted(e.name for e in experiments if e.name != "Default")) or "none"
-        raise SystemExit(f"no sweep and no experiment {default!r} at {client.tracking_uri} (experiments there: {names}); "
+        raise ConfigError(f"no sweep and no experiment {default!r} at {client.tracking_uri} (experiments there: {names}); "
                          f"name one with --experiment <name>, or --uri for another store")
     return [default], None, f"the runs of experiment {default} (no sweep in this store); {other}"
 
@@ -378,7 +382,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; ``argv[0] == "collect"`` selects the collector."""
+    """Entry point; ``argv[0] == "collect"`` selects the collector. A user's mistake (an experiment the store lacks) is one
+    line and exit status 2, as in every command (:func:`~recsys_runner.errors.reported`)."""
+    with reported():
+        return _main(argv)
+    return 2  # not reached: reported() exits
+
+
+def _main(argv: Sequence[str] | None) -> int:
     from mlflow.tracking import MlflowClient
 
     args_in = list(sys.argv[1:] if argv is None else argv)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -261,11 +262,16 @@ def test_no_arguments_without_a_sweep_show_the_default_experiment(tmp_path: Path
     assert [line.split()[2] for line in out.splitlines()[2:]] == ["0.1", "0.01"]
 
 
-def test_no_arguments_on_an_empty_store_say_what_to_name(tmp_path: Path) -> None:
+def test_no_arguments_on_an_empty_store_say_what_to_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     uri = f"sqlite:///{tmp_path}/empty.db"
     MlflowClient(tracking_uri=uri).create_experiment("other")
-    with pytest.raises(SystemExit, match=r"no sweep and no experiment 'recsys_runner' .*experiments there: other.*--experiment <name>"):
-        compare.main(["--uri", uri, "--no-plots"])
+    for argv, expected in [([], r"no sweep and no experiment 'recsys_runner' .*experiments there: other.*--experiment <name>"),
+                           (["--experiment", "othr"], r"no MLflow experiment named 'othr' .*did you mean 'other'\? .*Fix: "
+                                                      r"--experiment <one of them>")]:
+        with pytest.raises(SystemExit) as stopped:  # one line, exit status 2, as every command's mistakes
+            compare.main(["--uri", uri, "--no-plots", *argv])
+        err = capsys.readouterr().err
+        assert stopped.value.code == 2 and re.search(f"^Config error: {expected}", err, re.MULTILINE), err
 
 
 @pytest.mark.parametrize("how", ["uri", "bare"])

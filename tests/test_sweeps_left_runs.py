@@ -120,10 +120,12 @@ def test_an_older_runners_runs_are_never_guessed(case: str, tmp_path: Path, slur
     tracking_main(["end", runs[0], "--uri", uri])
     assert client.get_run(runs[0]).info.status == "KILLED" and client.get_run(runs[1]).info.status == "RUNNING"
     assert f"ended MLflow run {runs[0]}" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="has ended already: KILLED"):
-        tracking_main(["end", runs[0], "--uri", uri])
-    with pytest.raises(SystemExit, match="no MLflow store at"):
-        tracking_main(["end", runs[0], "--uri", f"sqlite:///{tmp_path}/absent.db"])
+    for argv, line in [([runs[0], "--uri", uri], f"MLflow run {runs[0]} (lr=0.1) has ended already: KILLED"),
+                       ([runs[0], "--uri", f"sqlite:///{tmp_path}/absent.db"], "no MLflow store at"),
+                       (["0" * 32, "--uri", uri], f"no MLflow run {'0' * 32} in {uri}. Fix: pass the store")]:
+        with pytest.raises(SystemExit) as stopped:  # a user's mistake: one line and exit status 2, as every command
+            tracking_main(["end", *argv])
+        assert stopped.value.code == 2 and f"Tracking error: {line}" in capsys.readouterr().err
     assert not (tmp_path / "absent.db").exists()
 
 

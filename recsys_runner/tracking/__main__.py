@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import argparse
 
+from recsys_runner.errors import TrackingError, reported
 from recsys_runner.tracking.outbox import replay
-from recsys_runner.tracking.store import missing_store, resolve_uri
+from recsys_runner.tracking.store import failure, missing_store, resolve_uri
 
 _END_STATUSES = ("KILLED", "FAILED", "FINISHED")
 
@@ -17,21 +18,26 @@ def end(run_id: str, status: str, uri: str | None = None) -> str:
     the line to print.
 
     Raises:
-        SystemExit: naming the store, when it lacks the run or the run has ended already.
+        TrackingError: naming the store, when it is missing or does not answer, lacks the run, or the run has ended
+            already (one line and exit status 2 from the command line).
     """
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
     store = resolve_uri(uri)
     if (missing := missing_store(store)) is not None:  # never create a store to look for a run in it
-        raise SystemExit(f"no MLflow store at {store}: {missing}; pass the sweep's store with --uri")
+        raise TrackingError(f"no MLflow store at {store}: {missing}. Fix: pass the sweep's store with --uri")
     client = MlflowClient(tracking_uri=store)
     try:
         run = client.get_run(run_id)
     except MlflowException as e:
-        raise SystemExit(f"no MLflow run {run_id} in {client.tracking_uri} ({e.message}); pass the store with --uri") from None
+        if e.error_code != "RESOURCE_DOES_NOT_EXIST":  # the store did not answer (a server down): not a missing run
+            raise TrackingError(f"the MLflow store {client.tracking_uri} did not answer ({failure(e)}). Fix: start it, or "
+                                "pass the store the run is in with --uri") from None
+        raise TrackingError(f"no MLflow run {run_id} in {client.tracking_uri}. Fix: pass the store the run is in with --uri, "
+                            "or check the run id") from None
     if run.info.status != "RUNNING":
-        raise SystemExit(f"MLflow run {run_id} ({run.info.run_name}) has ended already: {run.info.status}; nothing done")
+        raise TrackingError(f"MLflow run {run_id} ({run.info.run_name}) has ended already: {run.info.status}; nothing done")
     client.set_terminated(run_id, status=status)
     return f"ended MLflow run {run_id} ({run.info.run_name}) {status}"
 
@@ -48,7 +54,8 @@ def main(argv: list[str] | None = None) -> None:
     stop.add_argument("--uri", default=None, help="tracking URI (default: $MLFLOW_TRACKING_URI or ./mlflow.db)")
     args = parser.parse_args(argv)
     if args.command == "end":
-        print(end(args.run_id, args.status, args.uri))
+        with reported():
+            print(end(args.run_id, args.status, args.uri))
         return
     run_id = replay(args.file, args.uri)
     print(f"replayed {args.file} into run {run_id}")
