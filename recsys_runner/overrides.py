@@ -206,7 +206,7 @@ def _unknown_key(config_name: str, chosen: list[Override], single: list[str], ke
                 return (f"{given}: {'.'.join(parts[:i])} is a map whose entries a command line adds with a leading + (it "
                         f"has no key {part!r} yet). Fix: +{given}")
             siblings = [str(k) for k in node.keys() if not str(k).startswith("_")]
-            return _no_such_key(parts, i, siblings, override.input_line or key, module)
+            return _no_such_key(parts, i, siblings, override.input_line or key, module, _one_level_down(node, part))
         node = OmegaConf.select(node, part, throw_on_missing=False)
     return None
 
@@ -245,9 +245,15 @@ def _options_with_key(group: str, key: str) -> list[str]:
     return [option for option, schema in GROUPS.get(group, {}).items() if key in {f.name for f in dataclasses.fields(schema)}]
 
 
-def _no_such_key(parts: list[str], i: int, siblings: list[str], given: str, module: str) -> str:
-    """``parts[i]`` is not among ``siblings``, the keys at ``parts[:i]``: the command whose key it is, or the closest of
-    them as the fix."""
+def _one_level_down(node: DictConfig, key: str) -> list[str]:
+    """The sections of ``node`` that have ``key`` (``optim.no_decay_1d`` → ``dense``): a key given one level too high."""
+    return [str(k) for k in node.keys() if not str(k).startswith("_")
+            and isinstance(section := OmegaConf.select(node, str(k), throw_on_missing=False), DictConfig) and key in section.keys()]
+
+
+def _no_such_key(parts: list[str], i: int, siblings: list[str], given: str, module: str, below: Sequence[str] = ()) -> str:
+    """``parts[i]`` is not among ``siblings``, the keys at ``parts[:i]``: the command whose key it is, the key of that name
+    in a section of them (``below``: one level down), or the closest of them as the fix."""
     parent = ".".join(parts[:i])
     where = f"{parent} has" if parent else "the config has"
     every = f"python -m {module} --help lists every key with its default"
@@ -259,10 +265,14 @@ def _no_such_key(parts: list[str], i: int, siblings: list[str], given: str, modu
     if owners:  # before the closest name: data.sparse is no misspelt data.num_sparse but a key of the file options
         return (f"{given}: {parts[1]} is a key of {parts[0]}={', '.join(owners)}, not of the {parts[0]} chosen (its keys: "
                 f"{', '.join(siblings)}). Fix: choose one of those, e.g. {parts[0]}={owners[0]} {given}, or drop it ({every})")
+    value = given.split("=", 1)[1] if "=" in given else ""
+    if below:  # the key exists one level down: optim.no_decay_1d is optim.dense.no_decay_1d
+        where_below = [".".join([*parts[:i], section, *parts[i:]]) for section in below]
+        return (f"{given}: {where} no key {parts[i]!r}, but {' and '.join(where_below)} "
+                f"{'is' if len(below) == 1 else 'are'}. Fix: {where_below[0]}={value} ({every})")
     close = difflib.get_close_matches(parts[i], siblings, n=1, cutoff=0.6)
     if not close:
         return (f"{given}: {where} no key {parts[i]!r}; its keys are {', '.join(siblings)} ({every}; a leading + adds "
                 "keys only to free-form maps such as checkpoint.name_map)")
     right = ".".join([*parts[:i], close[0], *parts[i + 1:]])
-    value = given.split("=", 1)[1] if "=" in given else ""
     return f"{given}: {where} no key {parts[i]!r} (did you mean {right}?). Fix: {right}={value} ({every})"

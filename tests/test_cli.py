@@ -147,6 +147,10 @@ TYPOS = {
                                                           "e.g. model=dcn_v2 model.structure=parallel, or drop it ("),
     "a-file-options-key": (["data.sparse=[{name: tag}]"], "data.sparse=[{name: tag}]: sparse is a key of data=parquet, csv, not "
                                                           "of the data chosen"),
+    "one-level-down": (["optim.no_decay_1d=true"], "optim.no_decay_1d=true: optim has no key 'no_decay_1d', but "
+                                                  "optim.dense.no_decay_1d is. Fix: optim.dense.no_decay_1d=true ("),
+    "in-two-sections": (["optim.eps=1e-6"], "optim has no key 'eps', but optim.sparse.eps and optim.dense.eps are. Fix: "
+                                            "optim.sparse.eps=1e-6 ("),
     "top-level": (["seedd=3"], "seedd=3: the config has no key 'seedd' (did you mean seed?). Fix: seed=3 ("),
     "map-without-plus": (["precision.embedding_data_type_by_feature={cat_0: fp16}"],
                          "precision.embedding_data_type_by_feature is a map whose entries a command line adds with a "
