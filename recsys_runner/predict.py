@@ -137,8 +137,14 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> PredictResult:
         built.tracker.set_tag("predict.output", str(output.absolute()))
         built.tracker.log_metrics({"predict/rows": result.rows, "predict/rows_per_s": result.rows_per_s,
                                "predict/seconds": result.seconds}, built.state.step)
+        if scorer is not None:
+            built.tracker.log_metrics({"predict/short_lists": result.short_lists}, built.state.step)
         if built.env.is_main:
             log.info("predict: wrote %d rows to %s in %.1f s (%.0f rows/s)", result.rows, output, result.seconds, result.rows_per_s)
+            if result.short_lists:
+                log.warning("predict: %d of %d rows have fewer than predict.top_k=%d items in top_items: their seen items "
+                            "(predict.exclude_seen) left fewer unseen ones in the catalogue (logged as predict/short_lists)",
+                            result.short_lists, result.rows, settings.top_k)
         return result
 
 

@@ -52,7 +52,7 @@ from recsys_runner.errors import ConfigError, DataError, UserError
 from recsys_runner.features import FeatureSpec
 from recsys_runner.inference_build import Inference
 from recsys_runner.progress import Progress
-from recsys_runner.scoring_topk import Scorer, top_k_scorer
+from recsys_runner.scoring_topk import TOP_ITEMS, Scorer, top_k_scorer
 from recsys_runner.tasks import score_columns
 
 log = logging.getLogger(__name__)
@@ -66,12 +66,14 @@ TEMP_PREFIX = ".tmp-"
 
 @dataclass
 class PredictResult:
-    """What a predict run wrote: rows over all ranks, seconds, the output directory and this rank's part files."""
+    """What a predict run wrote: rows over all ranks, seconds, the output directory and this rank's part files; with a
+    top-k scorer, the rows over all ranks whose list is shorter than ``k`` (their seen items left fewer than ``k``)."""
 
     rows: int
     seconds: float
     output: Path
     parts: list[Path]
+    short_lists: int = 0
 
     @property
     def rows_per_s(self) -> float:
@@ -207,7 +209,8 @@ def score_files(inference: Inference, *, input_path: str | None, columns: list[s
     raw = RawIdColumns(columns, say=env.is_main)
     batches = _batches(source, units, data.schema, data.features, data.batch_size, columns)
     idle = placeholder(data.features)
-    rows, start = 0, time.monotonic()
+    rows, short, start = 0, 0, time.monotonic()
+    k = getattr(scorer, "k", None)  # a top-k scorer's list length
     weights = inference.ema.swapped_in() if inference.ema is not None else contextlib.nullcontext()
     progress = Progress(sum(u.num_rows for u in units), enabled=env.is_main, unit="row", desc="predict", unit_scale=True)
     try:
@@ -221,6 +224,8 @@ def score_files(inference: Inference, *, input_path: str | None, columns: list[s
                     path, _, passthrough, first_row = item
                     writer.write(path, first_row, raw.of(path, passthrough), scored)
                     rows += passthrough.num_rows
+                    if k is not None and TOP_ITEMS in scored:
+                        short += int((np.asarray(scored[TOP_ITEMS].value_lengths()) < k).sum())
                     progress.update(passthrough.num_rows)
                 if env.is_main and not progress.active and (n + 1) % log_every_batches == 0:
                     _progress(rows, env.world_size, time.monotonic() - start)
@@ -230,12 +235,12 @@ def score_files(inference: Inference, *, input_path: str | None, columns: list[s
         writer.discard()
         raise
     seconds = time.monotonic() - start
-    total = rows
+    total = (rows, short)
     if env.world_size > 1:
-        counts = torch.tensor([rows], dtype=torch.int64, device=env.device if env.backend == "nccl" else torch.device("cpu"))
+        counts = torch.tensor(total, dtype=torch.int64, device=env.device if env.backend == "nccl" else torch.device("cpu"))
         dist.all_reduce(counts)
-        total = int(counts.item())
-    return PredictResult(rows=total, seconds=seconds, output=output, parts=writer.parts)
+        total = (int(counts[0]), int(counts[1]))
+    return PredictResult(rows=total[0], seconds=seconds, output=output, parts=writer.parts, short_lists=total[1])
 
 
 def _progress(rows: int, world_size: int, seconds: float) -> None:

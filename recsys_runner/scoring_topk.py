@@ -25,7 +25,7 @@ retrieval, the Arrow columns.
 **Seen items** (``predict.exclude_seen``, default true): the items the row's history holds are never recommended,
 masked as the exclude-seen eval masks them (``corpus_top_k``'s ``seen``: one indexed write per chunk; for a two-tower
 model the history features and ``data.items.seen`` that :func:`~recsys_runner.train.corpus.seen_features` names). A
-row that has seen all but fewer than ``k`` items gets a shorter list.
+row that has seen all but fewer than ``k`` items gets a shorter list (predict counts them: ``predict/short_lists``).
 
 **Ids.** Rows written by ``python -m recsys_runner.data sequences`` name their id mapping
 (:func:`~recsys_runner.data.sequences.mapping.mapping_folder`): the top items are then the raw ids of the log, and

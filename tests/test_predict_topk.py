@@ -22,7 +22,7 @@ from recsys_runner.data.sequences.mapping import load_mapping
 from recsys_runner.errors import ConfigError, DataError
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.scoring_topk import TOP_ITEMS, TOP_SCORES
-from tests.conftest import torchrun
+from tests.conftest import LogWarnings, torchrun
 from tests.test_evaluate import compose_entry
 from tests.test_exclude_seen import NUM_ITEMS, train_two_tower
 from tests.test_sequence_rows import distinct_times_log, run_sequences
@@ -104,6 +104,22 @@ def test_top_k_equals_a_brute_force_top_k_of_the_checkpoints_scores_in_raw_ids(t
         raw_histories = [set(mapping["item"][h].tolist()) for h in histories]
         assert not any(set(items) & seen for items, seen in zip(got_items, raw_histories, strict=True))
         assert any(histories)  # the mask had something to exclude
+
+
+def test_rows_whose_seen_items_leave_fewer_than_k_are_counted_and_said(trained: tuple[Path, list[str]], tmp_path: Path) -> None:
+    """``top_k`` the whole catalogue with ``exclude_seen``: every row with a history gets a shorter list, as documented;
+    the run says how many (a line and ``predict/short_lists``) rather than leaving the lengths to be found."""
+    root, overrides = trained
+    rows = root / "rows" / "eval.parquet"
+    k = len(load_mapping(str(root / "rows"))["item"])
+    with LogWarnings("recsys_runner.predict") as warned:
+        result = predict.run(compose_entry("predict", *overrides, f"load={root}/ck", f"predict.input={rows}",
+                                           f"predict.output={tmp_path}/out", f"predict.top_k={k}"))
+    lengths = [len(items) for items in pq.read_table(result.parts)[TOP_ITEMS].to_pylist()]
+    short = sum(n < k for n in lengths)
+    assert short > 0 and result.short_lists == short
+    assert any(f"predict: {short} of {result.rows} rows have fewer than predict.top_k={k} items" in w for w in warned.messages), \
+        warned.messages
 
 
 def test_two_ranks_write_disjoint_top_k_parts_covering_the_input(trained: tuple[Path, list[str]], tmp_path: Path) -> None:
