@@ -426,7 +426,7 @@ class RowOf:
     ids to catalogue rows with this one class."""
 
     def __init__(self, table: ItemTable, device: torch.device) -> None:
-        ids = torch.as_tensor(np.asarray(table.ids, dtype=np.int64), device=device)
+        ids = torch.tensor(np.asarray(table.ids, dtype=np.int64), device=device)  # a copy: the ids may be a read-only Arrow view
         self.sorted_ids, self.order = ids.sort()
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
