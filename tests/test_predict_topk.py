@@ -112,7 +112,7 @@ def test_rows_whose_seen_items_leave_fewer_than_k_are_counted_and_said(trained: 
     root, overrides = trained
     rows = root / "rows" / "eval.parquet"
     k = len(load_mapping(str(root / "rows"))["item"])
-    with LogWarnings("recsys_runner.predict") as warned:
+    with LogWarnings() as warned:
         result = predict.run(compose_entry("predict", *overrides, f"load={root}/ck", f"predict.input={rows}",
                                            f"predict.output={tmp_path}/out", f"predict.top_k={k}"))
     lengths = [len(items) for items in pq.read_table(result.parts)[TOP_ITEMS].to_pylist()]
