@@ -37,7 +37,6 @@ from typing import IO, Any
 
 import fsspec
 import pyarrow.fs as pafs
-from botocore.exceptions import BotoCoreError
 
 from recsys_runner import uris
 from recsys_runner.errors import DataError, UserError, require
@@ -120,7 +119,16 @@ def waiting_now() -> bool:
     return _waiting > 0
 
 
-STORE_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, BotoCoreError)
+def _botocore_errors() -> tuple[type[BaseException], ...]:
+    """botocore's base error, where botocore is installed (it comes with s3fs; a machine without it reaches no bucket)."""
+    try:
+        from botocore.exceptions import BotoCoreError
+    except ImportError:
+        return ()
+    return (BotoCoreError,)
+
+
+STORE_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, *_botocore_errors())
 """What a store call raises when the store refuses or does not answer: pyarrow's and s3fs's ``OSError`` (a missing
 object is ``FileNotFoundError``), and botocore's own errors, which s3fs passes through untranslated (an unreachable
 endpoint is ``EndpointConnectionError``, neither an ``OSError`` nor a ``ValueError``)."""

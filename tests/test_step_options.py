@@ -5,6 +5,8 @@ a CPU or on shapes that change, the CUDA-only pipelines, a GPU that is not there
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -94,3 +96,19 @@ def test_the_gpu_measurement_list_names_every_command(tmp_path, capsys) -> None:
     listed = capsys.readouterr().out
     for m in gpu.MEASUREMENTS:
         assert f"{m.name} -m {m.module}" in listed and "distributed.device=cuda" in listed
+
+
+NOT_ON_THE_GPU_MACHINE = ("botocore", "boto3", "s3fs", "aiobotocore", "mlflow", "moto", "optuna", "sqlalchemy")
+"""Packages the GPU machine's stack lacks (../shared/gpu/README.md: torch, numpy, pyarrow, pandas and what pack.sh carries)."""
+
+
+def test_every_gpu_measurement_imports_without_the_cpu_only_packages() -> None:
+    """A lease was lost to ``stores.py`` importing botocore at module level: each module of the list must import with
+    the object-store client, MLflow and Optuna absent (a fresh interpreter, those names made unimportable)."""
+    modules = sorted({m.module for m in gpu.MEASUREMENTS} | {"recsys_runner.bench.gpu", "recsys_runner.__main__"})
+    code = ("import importlib, sys\n"
+            f"for name in {NOT_ON_THE_GPU_MACHINE!r}:\n    sys.modules[name] = None\n"
+            f"for module in {modules!r}:\n    importlib.import_module(module)\n"
+            f"assert not [n for n in {NOT_ON_THE_GPU_MACHINE!r} if sys.modules.get(n) is not None]\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
