@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import importlib
 import json
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pyarrow as pa
@@ -18,6 +20,7 @@ from torch.utils.data._utils.pin_memory import pin_memory
 from torchrec.datasets.utils import Batch
 
 import recsys_runner.data.files.shard_stream as shard_stream
+import recsys_runner.data.files.streaming as streaming
 import recsys_runner.data.generated.synthetic as synthetic
 import recsys_runner.data.packed as packed
 from recsys_runner.bench import input_path
@@ -146,10 +149,38 @@ def _unpacked_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(synthetic, "packed_stream", lambda items: items)
 
 
+class _RoundRobinInProcess:
+    """What ``DataLoader(stream, batch_size=None, num_workers=W)`` yields, made in this process: worker ``w``'s stream is
+    the dataset iterated under a worker info saying ``w`` of ``W`` (its shard, unpacked), and the streams are taken in
+    turn as DataLoader takes its workers' results, an exhausted worker dropping out of the turn. The reference of the packed
+    path without a second round of worker processes: a worker forked from this long-lived test process once aborted in
+    CI (``std::system_error``, both workers, in the reference's round only), which its batches need not depend on."""
+
+    def __init__(self, dataset: Any, batch_size: None = None, num_workers: int = 0, **_: Any) -> None:
+        self.dataset, self.workers = dataset, num_workers
+
+    def __iter__(self) -> Iterator[Any]:
+        streams = []
+        for w in range(self.workers):
+            info = SimpleNamespace(id=w, num_workers=self.workers)
+            with pytest.MonkeyPatch.context() as m:
+                m.setattr(shard_stream, "get_worker_info", lambda info=info: info)
+                streams.append(list(self.dataset))  # the shard read whole under its worker info
+        turn = [iter(s) for s in streams]
+        while turn:
+            for it in list(turn):
+                item = next(it, None)
+                if item is None:
+                    turn.remove(it)
+                else:
+                    yield item
+
+
 @pytest.mark.parametrize("kind", ["parquet", "csv"])
 def test_packed_file_batches_from_two_workers_are_the_unpacked_ones(kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                      count_packed: list[bool]) -> None:
-    """Weighted features, skipped-row markers and their counts: through one buffer per batch, exactly as before."""
+    """Weighted features, skipped-row markers and their counts: through one buffer per batch from two worker processes,
+    exactly the tuples each worker's shard makes, in DataLoader's order."""
     _csv_and_parquet(tmp_path)
     data = _file_data(kind, tmp_path)
     got = [list(data.train_batches(e, 0, 1)) for e in (0, 1)] + [list(data.eval_batches(0, 1))]
@@ -157,6 +188,7 @@ def test_packed_file_batches_from_two_workers_are_the_unpacked_ones(kind: str, t
     assert any(count_packed) and counters["data/bad_rows_skipped"] > 0
     with monkeypatch.context() as m:
         _unpacked_workers(m)
+        m.setattr(streaming, "DataLoader", _RoundRobinInProcess)
         count_packed.clear()
         reference = _file_data(kind, tmp_path)
         expected = [list(reference.train_batches(e, 0, 1)) for e in (0, 1)] + [list(reference.eval_batches(0, 1))]
