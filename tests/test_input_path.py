@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch.utils.data._utils.pin_memory import pin_memory
 from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import recsys_runner.data.files.shard_stream as shard_stream
 import recsys_runner.data.files.streaming as streaming
@@ -240,3 +241,30 @@ def test_input_path_bench_refuses_a_grid_it_cannot_run(capsys: pytest.CaptureFix
         with pytest.raises(SystemExit):
             input_path.main(argv)
         assert says in capsys.readouterr().err
+
+
+# -- per-key lengths known on the host (data/base.py batch_kjt) -------------------------------------------------------------
+
+
+def _per_key_lengths_are_known(batches: list[Batch]) -> None:
+    """Each batch's KJT comes with ``length_per_key``/``offset_per_key`` set (no step computes them from device lengths)
+    and equal to what TorchRec's own sync computes."""
+    assert batches
+    for b in batches:
+        kjt = b.sparse_features
+        assert kjt._length_per_key is not None and kjt._offset_per_key is not None
+        synced = KeyedJaggedTensor.from_lengths_sync(kjt.keys(), kjt.values(), kjt.lengths())
+        assert kjt.length_per_key() == synced.length_per_key() and kjt.offset_per_key() == synced.offset_per_key()
+        assert kjt.stride() == synced.stride() == b.labels.shape[0]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_generated_and_file_batches_carry_their_per_key_lengths(workers: int, tmp_path: Path) -> None:
+    config = make(SyntheticDataConfig, batch_size=32, num_dense=3, num_sparse=4, num_embeddings=50, num_train_rows=32 * 3,
+                  num_eval_rows=32, tasks=["ctr", "cvr"], user_item_clusters=4, hard_negatives=2, num_workers=workers,
+                  pin_memory=False)
+    _per_key_lengths_are_known(list(SyntheticData(config).train_batches(0, 0, 1)))
+    _csv_and_parquet(tmp_path)
+    for kind in ("parquet", "csv"):
+        data = _file_data(kind, tmp_path, num_workers=workers)
+        _per_key_lengths_are_known(list(data.train_batches(0, 0, 1)) + list(data.eval_batches(0, 1)))

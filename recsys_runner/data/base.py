@@ -21,7 +21,7 @@ from recsys_runner.features import DataNeeds, FeatureSpec
 if TYPE_CHECKING:  # the annotation only: the stored encoders are handed in by the builder
     from recsys_runner.data.encoding.stored import StoredEncoders
 
-__all__ = ["AUTO", "DataConfig", "DataError", "DataModule", "SplitFiles", "auto_workers", "data_device_type", "in_step", "placeholder",
+__all__ = ["AUTO", "batch_kjt", "DataConfig", "DataError", "DataModule", "SplitFiles", "auto_workers", "data_device_type", "in_step", "placeholder",
            "synchronized"]  # DataError lives in errors.py with its siblings; importable from here too
 
 log = logging.getLogger(__name__)
@@ -30,8 +30,8 @@ D = TypeVar("D", bound="DataConfig")
 
 AUTO = "auto"
 """``data.num_workers: auto``: DataLoader workers when the run's device is CUDA, none on CPU (:func:`auto_workers`)."""
-MAX_AUTO_WORKERS = 4
-"""The most DataLoader workers per rank that ``num_workers: auto`` starts."""
+MAX_AUTO_WORKERS = 12
+"""The most DataLoader workers per rank that ``num_workers: auto`` starts (the best count measured on an H200's 16 CPUs)."""
 
 
 @dataclass(frozen=True)
@@ -138,9 +138,9 @@ class DataConfig(Configurable):
     tokens reach the budget (a batch then pads to its longest row)."""
     num_workers: int | str = AUTO
     """DataLoader worker processes per rank that produce the batches off the training thread; 0 produces them
-    in the training process. ``auto``: ``min(4, CPUs per local rank - 1)`` (at least 1) when the run's device is
-    CUDA, 0 on CPU, where extra processes only compete with the step for the cores (measured: one worker delivers fewer
-    rows/s than the training process makes itself, docs/performance.md "The input path on a CPU")."""
+    in the training process. ``auto``: three quarters of the CPUs per local rank, at most 12 (at least 1), when the run's
+    device is CUDA; 0 on CPU, where extra processes only compete with the step for the cores (measured: one worker
+    delivers fewer rows/s than the training process makes itself, docs/performance.md "The input path on a CPU")."""
     pin_memory: bool | None = None
     """Produce batches in page-locked (pinned) memory, so that their copy to the GPU overlaps the step;
     ``null``: when the run's device is CUDA."""
@@ -220,15 +220,19 @@ def data_device_type(device: torch.device | str | None = None) -> str:
 
 
 def auto_workers(local_world_size: int | None = None) -> int:
-    """DataLoader workers per rank for ``num_workers: auto`` on CUDA: ``min(4, CPUs // local_world_size - 1)``, at least 1.
+    """DataLoader workers per rank for ``num_workers: auto`` on CUDA: three quarters of the CPUs per local rank, at most
+    :data:`MAX_AUTO_WORKERS`, at least 1.
 
-    One core per local rank stays with its training process; ``local_world_size`` defaults to ``LOCAL_WORLD_SIZE``
+    Measured on an H200 with 16 CPUs (docs/performance.md, *The input path on the GPU*): 12 workers fed the runner best or
+    near best for Parquet and generated data at batch 4096 and 65536, 8 or fewer starved it at 65536, and 15 (every CPU but
+    the training process's) collapsed it (0.11x of in-memory for Parquet at 65536): the training process, DataLoader's pin
+    thread and the CUDA driver's threads need cores of their own. ``local_world_size`` defaults to ``LOCAL_WORLD_SIZE``
     (``WORLD_SIZE``, 1), as the process group reads it.
     """
     if local_world_size is None:
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(MAX_AUTO_WORKERS, cpus // max(local_world_size, 1) - 1))
+    return max(1, min(MAX_AUTO_WORKERS, cpus // max(local_world_size, 1) * 3 // 4))
 
 
 def synchronized(batches: Iterable[T], on_dropped: Callable[[T], None] | None = None) -> Iterator[T]:
@@ -283,6 +287,27 @@ def _ranks_agree(have: bool, op: dist.ReduceOp.RedOpType) -> bool:
     flag = torch.tensor([int(have)], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=op)
     return bool(flag.item())
+
+
+def batch_kjt(keys: list[str], values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None = None) -> KeyedJaggedTensor:
+    """A batch's ``KeyedJaggedTensor`` (every key ``len(lengths) // len(keys)`` rows) with its per-key lengths and offsets
+    already known, summed here on the host by NumPy on one thread.
+
+    Why: TorchRec's sharded modules split a batch by table with ``length_per_key()`` (``KeyedJaggedTensor.split`` and
+    ``permute`` in their input distribution). Left unset, it is computed from the lengths where they are when first asked,
+    on the GPU inside the step, and read back with ``tolist()``: a device-to-host sync in every step. The in-memory batches
+    of the benches carried it (``from_lengths_sync``), file batches did not. ``from_lengths_sync`` computes it with torch's
+    intra-op threads, which compete with the DataLoader workers for the cores; NumPy takes one.
+    """
+    if not keys or lengths.numel() % len(keys) or lengths.device.type != "cpu":
+        return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, weights=weights)  # not a batch of equal rows per key
+    stride = lengths.numel() // len(keys)
+    per_key = lengths.numpy().reshape(len(keys), stride).sum(axis=1, dtype="int64").tolist()
+    offsets = [0]
+    for n in per_key:
+        offsets.append(offsets[-1] + n)
+    return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, weights=weights, stride=stride,
+                             length_per_key=per_key, offset_per_key=offsets)
 
 
 def placeholder(features: FeatureSpec) -> Batch:

@@ -36,9 +36,8 @@ import numpy as np
 import pyarrow as pa
 from torch.utils.data import DataLoader
 from torchrec.datasets.utils import Batch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsys_runner.data.base import DataModule, SplitFiles, synchronized
+from recsys_runner.data.base import DataModule, SplitFiles, batch_kjt, synchronized
 from recsys_runner.data.catalogue.item_files import Catalogue, item_columns
 from recsys_runner.data.encoding.stored import StoredEncoders, check_inputs, column_kinds, column_types, oov_counters, to_json
 from recsys_runner.data.files.item_parts import items_text, read_item_parts
@@ -286,7 +285,7 @@ class TabularData(Catalogue, DataModule, abc.ABC):
             if self._pin and self._workers == 0:
                 dense, values, lengths, labels = dense.pin_memory(), values.pin_memory(), lengths.pin_memory(), labels.pin_memory()
                 weights = weights.pin_memory() if weights is not None else None
-            kjt = KeyedJaggedTensor(keys=names, values=values, lengths=lengths, weights=weights)
+            kjt = batch_kjt(names, values, lengths, weights)
             yield Batch(dense_features=dense, sparse_features=kjt, labels=labels)
         if self._bad_rows > skipped_before:
             what = f"epoch {epoch}" if train else "eval"

@@ -32,9 +32,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torchrec.datasets.utils import Batch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsys_runner.data.base import DataModule
+from recsys_runner.data.base import DataModule, batch_kjt
 from recsys_runner.data.catalogue.items import ItemTable
 from recsys_runner.data.catalogue.negatives import MinedNegatives, NegativeSampler
 from recsys_runner.data.collision import spread_ids
@@ -194,7 +193,7 @@ class SyntheticData(DataModule):
 
     def _assemble(self, tensors: tuple[torch.Tensor, ...]) -> Batch:
         dense, values, lengths, labels = tensors
-        kjt = KeyedJaggedTensor.from_lengths_sync(keys=self.features.sparse_names, values=values, lengths=lengths)
+        kjt = batch_kjt(self.features.sparse_names, values, lengths)
         return Batch(dense_features=dense, sparse_features=kjt, labels=labels)
 
     def _tensors(self, split: int, index: int) -> tuple[torch.Tensor, ...]:

@@ -43,9 +43,8 @@ from dataclasses import dataclass, replace
 
 import torch
 from torchrec.datasets.utils import Batch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsys_runner.data.base import DataConfig, DataModule
+from recsys_runner.data.base import DataConfig, DataModule, batch_kjt
 from recsys_runner.data.catalogue.items import ItemTable
 from recsys_runner.data.generated.synthetic_items import generated_item_table
 from recsys_runner.data.sequences.tokens import check_budget, padded_slices, row_tokens, token_slices
@@ -268,7 +267,7 @@ class SyntheticSequences(DataModule):
         if self.config.timestamps:
             values.append(rows.hist_ts)
             parts.append(lengths)
-        kjt = KeyedJaggedTensor(keys=self.features.kjt_keys, values=torch.cat(values), lengths=torch.cat(parts))
+        kjt = batch_kjt(self.features.kjt_keys, torch.cat(values), torch.cat(parts))
         return Batch(dense_features=rows.dense, sparse_features=kjt, labels=rows.labels)
 
 
