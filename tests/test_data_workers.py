@@ -136,11 +136,13 @@ def test_auto_is_in_process_and_unpinned_on_cpu(monkeypatch: pytest.MonkeyPatch)
 
 def test_auto_workers_per_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)), raising=False)
-    assert auto_workers(1) == MAX_AUTO_WORKERS
-    assert auto_workers(4) == 3  # 16 // 4 - 1: one core per rank stays with its training process
+    assert auto_workers(1) == MAX_AUTO_WORKERS == 12  # 3/4 of 16: four cores stay with the training process and its threads
+    assert auto_workers(2) == 6 and auto_workers(4) == 3  # 3/4 of a rank's 8 and 4 cores
     assert auto_workers(8) == 1 and auto_workers(16) == 1  # at least one
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert auto_workers() == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(64)), raising=False)
+    assert auto_workers(1) == 12 and auto_workers(4) == 12 and auto_workers(8) == 6  # at most 12 per rank
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1}, raising=False)
     assert auto_workers(1) == 1
 
