@@ -16,7 +16,7 @@ from recsys_runner.build import Components, build
 from recsys_runner.config import flatten, register_configs, to_yaml, validate
 from recsys_runner.data.encoding.stored import ENCODERS_FILE
 from recsys_runner.errors import ConfigError
-from recsys_runner.lifecycle import RunStart, exit_codes, mark_finished, note_interrupted_runs, tracked_run
+from recsys_runner.lifecycle import RunStart, end_rank_process, exit_codes, mark_finished, note_interrupted_runs, tracked_run
 from recsys_runner.noise import quiet_known_noise
 from recsys_runner.overrides import check_command_line
 from recsys_runner.paths import CONFIG_PATH
@@ -122,3 +122,4 @@ def main(cfg: DictConfig) -> float:
 if __name__ == "__main__":
     check_command_line("config")  # a typo: one line with the closest valid name (overrides.py)
     main()
+    end_rank_process()  # a rank of a multi-rank launch skips the native teardown (lifecycle.py says why)

@@ -31,7 +31,7 @@ from recsys_runner.inference import (
     with_training_overrides,
 )
 from recsys_runner.inference_build import build_inference
-from recsys_runner.lifecycle import exit_codes, tracked_run
+from recsys_runner.lifecycle import end_rank_process, exit_codes, tracked_run
 from recsys_runner.noise import quiet_known_noise
 from recsys_runner.overrides import check_command_line
 from recsys_runner.paths import CONFIG_PATH
@@ -74,3 +74,4 @@ if __name__ == "__main__":
     carry_training_overrides()  # before @hydra.main composes: the training's overrides, then this command's
     check_command_line("evaluate")  # a typo: one line with the closest valid name (overrides.py)
     main()
+    end_rank_process()  # a rank of a multi-rank launch skips the native teardown (lifecycle.py says why)

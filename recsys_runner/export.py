@@ -60,7 +60,7 @@ from recsys_runner.config import RunConfig, flatten, register_entry_schema, to_y
 from recsys_runner.data.encoding.stored import read_stored
 from recsys_runner.errors import CheckpointError, ConfigError, require
 from recsys_runner.inference import LOAD_FIELD, carry_training_overrides, checkpoint_to_load, with_training_overrides
-from recsys_runner.lifecycle import RunStart, exit_codes, link_tags, tracked_run
+from recsys_runner.lifecycle import RunStart, end_rank_process, exit_codes, link_tags, tracked_run
 from recsys_runner.noise import quiet_known_noise
 from recsys_runner.overrides import check_command_line
 from recsys_runner.paths import CONFIG_PATH
@@ -228,3 +228,4 @@ if __name__ == "__main__":
     carry_training_overrides()  # before @hydra.main composes: the training's overrides, then this command's
     check_command_line("export")  # a typo: one line with the closest valid name (overrides.py)
     main()
+    end_rank_process()  # a rank of a multi-rank launch skips the native teardown (lifecycle.py says why)

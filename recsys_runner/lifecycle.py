@@ -33,11 +33,13 @@ May import ``build``'s rooms (``train``, ``tracking``) and the shared modules; o
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -205,6 +207,29 @@ def exit_codes(launch: Launch) -> Iterator[None]:
         if e.checkpoint is not None:
             print(resume_hint(launch, e.checkpoint, after_fix=True), file=sys.stderr)
         sys.exit(1)
+
+
+def end_rank_process() -> None:
+    """After a command's work is done: in a rank of a multi-rank launch (``WORLD_SIZE`` > 1: torchrun, SLURM tasks), end the
+    process as Python's own exit would, but without the interpreter's native teardown; elsewhere, return.
+
+    Why: with the process group destroyed and every output written, a native thread of the closed gloo group was seen to
+    abort a rank during that teardown ("terminate called without an active exception", SIGABRT) on a loaded machine: the
+    launcher then reports a rank failed (exit -6) for a command whose work was done, and a SLURM job or sweep job fails.
+    So: wait for the non-daemon threads, run the ``atexit`` handlers (MLflow's, logging's flush, temporary files' cleanup),
+    flush the standard streams and ``os._exit(0)``. Only reached when the entry point's ``main`` returned: an error or a
+    signal leaves through :func:`exit_codes`' ``sys.exit`` as before.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) < 2:
+        return
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
 
 
 def rank_lost_message(launch: Launch, e: RankLost) -> str:
