@@ -117,7 +117,8 @@ class Metric(nn.Module):
         self._persistent[name] = persistent
 
     def persistent(self, mode: bool = False) -> None:
-        """Whether the states are saved in ``state_dict()`` (under their bare names) and read by ``load_state_dict``."""
+        """Whether the states are saved in ``state_dict()``, under their bare names (``load_state_dict`` reads any state it
+        is given)."""
         for name in self._persistent:
             self._persistent[name] = mode
 
