@@ -1,7 +1,8 @@
 """The two state layouts every metric class builds on: additive sums and kept rows.
 
-States are synchronized over the default process group in ``compute()``, so **each value equals what one
-process computes over the union of all ranks' data** — never an average of per-rank values:
+States are synchronized over the default process group in ``compute()`` (:mod:`recsys_runner.metrics.state`), so
+**each value equals what one process computes over the union of all ranks' data** — never an average of per-rank
+values:
 
 * :class:`SumMetric`: float64 sum states (log loss, accuracy, NE, calibration, MAE, MSE, recall@k, DecayAUC's
   bins), summed across ranks before ``compute`` divides;
@@ -9,11 +10,10 @@ process computes over the union of all ranks' data** — never an average of per
   then computed once on the union. Grouped AUC therefore sees all of a group's rows even when they were
   spread over ranks, and every computation is invariant to the order of the rows.
 
-Collectives: ``compute()`` is collective when a process group is initialized, so every rank must call it,
-and every rank must have called ``update`` at least once (a rank without a gather state would not join the
-gather).
+Collectives: ``compute()`` is collective when a process group is initialized, so every rank must call it, in the
+same order; a rank that holds no rows (never updated) joins the gathers with none.
 
-Each metric class states its direction in torchmetrics' ``higher_is_better`` class attribute (``None``: best
+Each metric class states its direction in the ``higher_is_better`` class attribute (``None``: best
 at a target value, e.g. calibration at 1); :func:`recsys_runner.metrics.registry.higher_is_better` reads it.
 """
 
@@ -23,14 +23,14 @@ from typing import ClassVar
 
 import torch
 from torch import Tensor
-from torchmetrics import Metric
+
+from recsys_runner.metrics.state import Metric
 
 
 class RecMetric(Metric):
-    """Base of every metric here: states updated per batch only (no full-state update), and whether batches may be
-    merged before ``update``."""
+    """Base of every metric here (on :class:`~recsys_runner.metrics.state.Metric`, which says how states combine over
+    ranks): whether batches may be merged before ``update``."""
 
-    full_state_update = False
     batch_exact: ClassVar[bool] = False
     """Whether one ``update`` on concatenated batches gives exactly the state of one ``update`` per batch (integer
     counts do; float sums may round differently), so deferred train updates may be batched."""

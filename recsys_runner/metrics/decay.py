@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torchmetrics import Metric
 
 from recsys_runner.metrics.base import GatherMetric, SumMetric
 from recsys_runner.metrics.functional import histogram_auc
+from recsys_runner.metrics.state import Metric
 
 
 class DecayAUC(SumMetric):

@@ -4,7 +4,7 @@ Which metrics run is chosen by config (:class:`MetricsConfig`, a list of names p
 unknown names are errors that list the valid ones, and registering a name twice is an error.
 :func:`build_eval_metrics` builds the eval collection and :func:`build_train_metrics` the decaying train metrics.
 
-A metric's direction is a fact of its class (torchmetrics' ``higher_is_better``), exposed by its
+A metric's direction is a fact of its class (its ``higher_is_better``), exposed by its
 :class:`MetricEntry`; :func:`higher_is_better` reads it for a logged key (``eval/ctr/logloss``) and
 :func:`improved` compares two values with it. The default objective (the eval metric a run reports and a
 sweep ranks by when no setting names one) is declared here once: :data:`DEFAULT_OBJECTIVE`,
@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from torchmetrics import Metric, MetricCollection
 
 from recsys_runner.errors import ConfigError, require
 from recsys_runner.metrics.classification import AUC, XAUC, Accuracy, Calibration, GroupedAUC, LogLoss, NormalizedEntropy
@@ -29,6 +28,7 @@ from recsys_runner.metrics.corpus import AnnRecallAtK, CoverageAtK, MeanReciproc
 from recsys_runner.metrics.decay import DecayAUC, DecayingMetric, TrainMetrics
 from recsys_runner.metrics.regression import MeanAbsoluteError, MeanSquaredError
 from recsys_runner.metrics.retrieval import HitRateAtK, NDCGAtK, RecallAtK
+from recsys_runner.metrics.state import Metric, MetricCollection
 
 Inputs = Literal["pointwise", "grouped", "retrieval", "ranking", "multiclass"]
 
@@ -326,7 +326,7 @@ def build_eval_metrics(spec: MetricsConfig, device: torch.device) -> MetricColle
     ``{name: value}`` (collective under a process group).
     """
     metrics = {name: metric_entry(name, "metrics.eval").factory(spec) for name in spec.eval}
-    return MetricCollection(metrics, compute_groups=False).to(device)
+    return MetricCollection(metrics).to(device)
 
 
 def build_train_metrics(spec: MetricsConfig, device: torch.device, prefix: str = "train/") -> TrainMetrics:

@@ -44,7 +44,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchmetrics import Metric
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -57,6 +56,7 @@ from recsys_runner.errors import ConfigError
 from recsys_runner.metrics.corpus import corpus_k, corpus_ranks
 from recsys_runner.metrics.registry import MetricsConfig, metric_entry
 from recsys_runner.metrics.retrieval import Ranked, target_ranks
+from recsys_runner.metrics.state import Metric
 from recsys_runner.metrics.tasks import catalogue_metric_names, eval_key
 from recsys_runner.models.dssm import first_ids
 from recsys_runner.models.ranking_eval import distinct_seen, sampled_negatives
