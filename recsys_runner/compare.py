@@ -16,7 +16,7 @@ metrics) and writes ``curves.png`` (each metric over steps, a line per run) and
 ``hydra/launcher=submitit_slurm_detached``): it waits until every job has ended, writes the best
 trial to the parent run, ends it, then prints and plots like the default command. A job that SLURM says failed is
 named in a line at once, one that died before it created its MLflow run included; the parent then ends ``FAILED`` and
-the command exits 1.
+the command exits 1. What collect does before the table is :mod:`recsys_runner.compare_collect`'s.
 
 After the table it prints (on stderr, so that stdout stays the table) how to look at the same runs in the MLflow UI:
 for a local store the command that serves it (``mlflow ui --backend-store-uri <uri> --port 5000``) and the page to
@@ -37,16 +37,14 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from functools import partial
 from pathlib import Path
 from typing import Any
 
+from recsys_runner.compare_collect import best_line, collect, wrong_parent
 from recsys_runner.errors import ConfigError, reported
 from recsys_runner.metrics.registry import best_first_key, higher_is_better
 from recsys_runner.tracking.store import UI_PORT, missing_store, resolve_uri, ui_lines, ui_url
-from recsys_runner.tracking.sweep import EXPECTED_JOBS_TAG, FAILED_JOBS_TAG
-from recsys_runner.tracking.sweep_jobs import end_left_runs, overrides_on_disk, slurm_jobs_ended
-from recsys_runner.tracking.sweep_summary import SWEEP_PARENT_TAG, finish_parent, summarize, sweep_objective
+from recsys_runner.tracking.sweep_summary import SWEEP_PARENT_TAG
 from recsys_runner.tracking.tracker import MlflowTrackingConfig
 
 DEFAULT_METRICS = ("eval/auc", "eval/logloss", "train/loss")
@@ -295,72 +293,6 @@ def print_ui_url(uri: str, port: int = UI_PORT) -> int:
     return 0
 
 
-def collect(client: Any, parent: str, *, wait: bool, timeout_s: float, poll_s: float = 5.0) -> list[str] | None:
-    """Summarize a sweep's parent once all its jobs ended: the jobs that failed (``[]`` when none did); ``None`` when
-    ``wait`` is off or time ran out first.
-
-    The jobs have ended when every expected child run has (:data:`EXPECTED_JOBS_TAG`), or, for a SLURM sweep, when SLURM
-    says every job has (:func:`~recsys_runner.tracking.sweep_jobs.slurm_jobs_ended`): a job that died before it created its
-    MLflow run (a config error, an OOM kill) never adds a child, and waiting for it would last until ``--timeout``.
-    Each failed job is named in a line on stderr as soon as SLURM reports it (``Job #1 (SLURM 42_1, FAILED) failed:
-    Config error: …``); the parent then ends ``FAILED`` with them in its tag ``sweep.failed_jobs``, as a waiting
-    launcher's would. A job that ended and left its MLflow run RUNNING — killed after the run started (``scancel``, a
-    time limit, an OOM kill), or completed while the store was gone — has that run ended as soon as SLURM reports the job
-    (:func:`~recsys_runner.tracking.sweep_jobs.end_left_runs`); a run whose end waits in a replay file is the replay's,
-    and the summary waits for it."""
-    deadline, told, said = time.monotonic() + timeout_s, set[int](), set[str]()
-    while True:
-        tags = client.get_run(parent).data.tags
-        ended = slurm_jobs_ended(tags)
-        on_disk = partial(overrides_on_disk, tags.get("sweep.dir"), int(tags.get(EXPECTED_JOBS_TAG, 0)))
-        left = end_left_runs(client, parent, {job.num: job.end() for job in ended or []}, on_disk)
-        for note in left.notes:
-            if note not in said:  # once each, not at every poll
-                said.add(note)
-                print(note, file=sys.stderr)
-        summary = summarize(client, parent)
-        expected = int(tags.get(EXPECTED_JOBS_TAG, summary.num_children))
-        for job in ended or []:
-            if job.failed and job.num not in told:
-                told.add(job.num)
-                print(f"Job {job.label()} failed: {job.error}", file=sys.stderr)
-        runs_ended = summary.num_children >= expected and summary.num_terminal == summary.num_children
-        if not left.awaiting_replay and (runs_ended or (ended is not None and len(ended) == expected)):
-            failed = [job.label() for job in ended or [] if job.failed]
-            if failed:
-                client.set_tag(parent, FAILED_JOBS_TAG, "; ".join(failed)[:5000])
-            finish_parent(client, parent, summary, status="FAILED" if failed else None)
-            if failed:
-                print(f"Sweep failed (failed job(s): {'; '.join(failed)}); {summary.num_finished} of {summary.num_children} "
-                      f"child runs finished; MLflow parent run {parent} ended FAILED.", file=sys.stderr)
-            return failed
-        if not wait or time.monotonic() > deadline:
-            waiting = f"; {len(left.awaiting_replay)} run(s) wait for their replay (above)" if left.awaiting_replay else ""
-            print(f"sweep {parent}: {summary.num_terminal} of {expected} jobs ended{waiting}; run collect again later",
-                  file=sys.stderr)
-            return None
-        time.sleep(poll_s)
-
-
-def wrong_parent(client: Any, uri: str, parent: str, *, collect: bool) -> str | None:
-    """Why ``--parent`` cannot be used, or ``None``: no run of that id in the store (MLflow's traceback), or, for
-    ``collect``, a run that is no sweep's parent (no :data:`SWEEP_PARENT_TAG`): collect would end it FAILED or FINISHED
-    and log a sweep summary on it, overwriting a training run's status without a word."""
-    from mlflow.exceptions import MlflowException
-
-    fix = "Fix: --parent <the sweep's parent run id>, which a sweep prints when it starts and each child's tag mlflow.parentRunId holds"
-    try:
-        run = client.get_run(parent)
-    except MlflowException:
-        return f"no MLflow run {parent} in {uri}. {fix}"
-    if not collect or SWEEP_PARENT_TAG in run.data.tags:
-        return None
-    sweep = run.data.tags.get("mlflow.parentRunId")
-    return (f"run {parent} ({run.info.run_name}) is not a sweep's parent run (it has no tag {SWEEP_PARENT_TAG}): collect ends "
-            f"a sweep's parent with its summary, and leaves other runs alone. "
-            + (f"Fix: --parent {sweep}, the sweep this run is a child of" if sweep else fix))
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m recsys_runner.compare", description=__doc__.split("\n\n")[0])
     p.add_argument("--uri", default=None, help="tracking URI (default: $MLFLOW_TRACKING_URI or ./mlflow.db); a store that "
@@ -421,10 +353,7 @@ def _main(argv: Sequence[str] | None) -> int:
         failed = collect(client, args.parent, wait=args.wait, timeout_s=args.timeout)
         if failed is None:
             return 1
-        parent = client.get_run(args.parent)
-        objective = sweep_objective(client, args.parent)
-        print(f"sweep {args.parent}: best {objective}={parent.data.metrics.get('best/' + objective, float('nan')):.4f} "
-              f"({parent.data.tags.get('best.run_name', '-')})")
+        print(best_line(client, args.parent))
     experiments, parent_id = args.experiment, args.parent
     if not experiments and not parent_id:
         experiments, parent_id, shown = default_selection(client)

@@ -60,14 +60,13 @@ from recsys_runner.metrics.corpus import corpus_top_k
 from recsys_runner.models.sequence import History, SequenceEmbeddings
 from recsys_runner.tasks import Task
 from recsys_runner.train.candidates import catalogue_candidates
+from recsys_runner.train.catalogue_rows import RowOf, seen_rows
 from recsys_runner.train.corpus import (
-    RowOf,
     TwoTower,
     hnsw_index,
     inner_with,
     item_index,
     seen_features,
-    seen_rows,
     two_tower_of,
 )
 

@@ -42,7 +42,7 @@ from recsys_runner.serving.program import (  # noqa: F401 - EXACT_ATOL, EXACT_RT
     export_program,
 )
 from recsys_runner.tasks import SINGLE_TASK, Task
-from recsys_runner.train.corpus import catalogue_candidates, eval_mapped_files
+from recsys_runner.train.candidates import catalogue_candidates, eval_mapped_files
 
 log = logging.getLogger("recsys_runner")
 
@@ -57,7 +57,7 @@ TOWER_FILE = "{}_tower.pt2"
 
 ITEMS_FILE = "items.pt"
 """A two-tower model's item index, when the data has an item catalogue: ``{"ids": [N] int64, "vectors": [N, O] float32}``
-(the item tower over every catalogue item that may be recommended, :func:`~recsys_runner.train.corpus.catalogue_candidates`,
+(the item tower over every catalogue item that may be recommended, :func:`~recsys_runner.train.candidates.catalogue_candidates`,
 the ones the eval ranks: what a server loads into its nearest-neighbour index)."""
 
 CHECKPOINT_MODEL_PREFIX = "model/model."

@@ -63,9 +63,10 @@ from recsys_runner.models.ranking_eval import distinct_seen, sampled_negatives
 from recsys_runner.progress import Progress
 from recsys_runner.tasks import Task
 from recsys_runner.train.candidates import Candidates, catalogue_candidates, check_eval_items, eval_mapped_files
+from recsys_runner.train.catalogue_rows import RowOf, seen_rows
 
-__all__ = ["CorpusEval", "RowOf", "TwoTower", "check_eval_negatives",
-           "item_index", "mine", "inner_with", "sampled_ranks", "seen_features", "seen_rows", "two_tower_of", "use_ranking_protocol"]
+__all__ = ["CorpusEval", "TwoTower", "check_eval_negatives",
+           "item_index", "mine", "inner_with", "sampled_ranks", "seen_features", "two_tower_of", "use_ranking_protocol"]
 
 log = logging.getLogger(__name__)
 
@@ -402,38 +403,6 @@ def sampled_ranks(queries: torch.Tensor, index: torch.Tensor, targets: torch.Ten
     ranks = torch.where(targets >= 0, ranks, torch.full_like(ranks, math.inf))
     top = items.gather(1, score.topk(min(k, 1 + n), dim=1).indices)
     return Ranked(ranks, top, num_items)
-
-
-def seen_rows(sparse: KeyedJaggedTensor, names: list[str], rows: RowOf) -> torch.Tensor:
-    """``[Q, L]`` each query's seen items as catalogue rows (features ``names`` concatenated, ``-1`` padding and for an
-    id not in the catalogue).
-
-    Public because the corpus eval (exclude-seen masks, sampled negatives) and ``predict``'s two-tower top-k
-    (``scoring_topk.py``) must read a query's seen items identically: one function, not two copies that drift."""
-    parts = []
-    for name in names:
-        jagged = sparse[name]
-        width = max(int(jagged.lengths().max()) if jagged.lengths().numel() else 0, 1)
-        parts.append(jagged.to_padded_dense(desired_length=width, padding_value=-1).long())
-    ids = torch.cat(parts, dim=1)
-    return torch.where(ids >= 0, rows(ids.clamp_min(0)), torch.full_like(ids, -1))
-
-
-class RowOf:
-    """Maps item ids to their table rows (``-1`` for an id not in the catalogue), on ``device``.
-
-    Public for the same reason as :func:`seen_rows`: the corpus eval and ``predict``'s two-tower top-k map a batch's item
-    ids to catalogue rows with this one class."""
-
-    def __init__(self, table: ItemTable, device: torch.device) -> None:
-        ids = torch.tensor(np.asarray(table.ids, dtype=np.int64), device=device)  # a copy: the ids may be a read-only Arrow view
-        self.sorted_ids, self.order = ids.sort()
-
-    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.sorted_ids.numel() == 0:
-            return torch.full_like(ids, -1)
-        at = torch.searchsorted(self.sorted_ids, ids.long()).clamp_max(self.sorted_ids.numel() - 1)
-        return torch.where(self.sorted_ids[at] == ids, self.order[at], torch.full_like(at, -1))
 
 
 def hnsw_index(vectors: torch.Tensor) -> Any:
