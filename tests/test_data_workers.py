@@ -115,9 +115,13 @@ def test_file_readers_with_workers_read_every_row_once_deterministically(kind: s
 # -- auto ------------------------------------------------------------------------------------------
 
 
+ON_8_CPUS = 6
+"""``data.num_workers=auto`` on CUDA with 8 CPUs for one rank: three quarters of them."""
+
+
 @pytest.fixture
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    """CUDA reported available (nothing is ever copied to a GPU in these tests)."""
+    """CUDA reported available (nothing is ever copied to a GPU in these tests), on 8 CPUs: ``auto`` is 6 workers."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(8)), raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
@@ -161,14 +165,14 @@ class Recorder:
 
 
 def test_auto_uses_workers_and_pinned_memory_on_cuda(fake_cuda: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert data_device_type() == "cuda" and auto_workers() == MAX_AUTO_WORKERS
+    assert data_device_type() == "cuda" and auto_workers() == ON_8_CPUS
     config = make(SyntheticDataConfig, **SMALL)
     data = config.build()
-    assert isinstance(data, SyntheticData) and (data.config.num_workers, data.config.pin_memory) == (MAX_AUTO_WORKERS, True)
+    assert isinstance(data, SyntheticData) and (data.config.num_workers, data.config.pin_memory) == (ON_8_CPUS, True)
     loader = Recorder()
     monkeypatch.setattr(synthetic, "DataLoader", loader)
     made = list(data.train_batches(0, 0, 1))
-    assert [(c["num_workers"], c["pin_memory"]) for c in loader.calls] == [(MAX_AUTO_WORKERS, True)]
+    assert [(c["num_workers"], c["pin_memory"]) for c in loader.calls] == [(ON_8_CPUS, True)]
     assert same(made, list(synthetic_data(num_workers=0, pin_memory=False).train_batches(0, 0, 1)))
     # The run's device decides, not the machine: a CPU run on a CUDA machine neither forks nor pins.
     on_cpu = config.build(device=torch.device("cpu"))
@@ -183,11 +187,11 @@ def test_auto_file_reader_on_cuda(fake_cuda: None, monkeypatch: pytest.MonkeyPat
     config = make(ParquetDataConfig, path=str(tmp_path / "a.parquet"), batch_size=4, eval_fraction=0.2,
                   sparse=[{"name": "rid", "num_embeddings": 200}])
     data = config.build()
-    assert isinstance(data, ParquetData) and (data.config.num_workers, data.config.pin_memory) == (MAX_AUTO_WORKERS, True)
+    assert isinstance(data, ParquetData) and (data.config.num_workers, data.config.pin_memory) == (ON_8_CPUS, True)
     loader = Recorder()
     monkeypatch.setattr(streaming, "DataLoader", loader)
     assert rids(data.train_batches(0, 0, 1))
-    assert [(c["num_workers"], c["pin_memory"]) for c in loader.calls] == [(MAX_AUTO_WORKERS, True)]
+    assert [(c["num_workers"], c["pin_memory"]) for c in loader.calls] == [(ON_8_CPUS, True)]
     on_cpu = config.build(device="cpu")
     assert isinstance(on_cpu, ParquetData) and (on_cpu.config.num_workers, on_cpu.config.pin_memory) == (0, False)
 
