@@ -176,7 +176,7 @@ def exit_codes(launch: Launch) -> Iterator[None]:
                 hint = resume_hint(launch, e.last_good) if e.last_good is not None else start_again_hint(launch)
                 raise CheckpointError(f"{e}\n{hint}") from None
             except RuntimeError as e:  # lost outside the training loop (building, restoring): no checkpoint of this launch
-                if peer_gone(e) is None or int(os.environ.get("WORLD_SIZE", "1") or 1) < 2:
+                if peer_gone(e) is None or not _multi_rank():
                     raise
                 signals.stopping()
                 raise RankLost(e) from e
@@ -209,6 +209,11 @@ def exit_codes(launch: Launch) -> Iterator[None]:
         sys.exit(1)
 
 
+def _multi_rank() -> bool:
+    """Whether this process is one rank of several (the launcher's ``WORLD_SIZE`` > 1; unset or empty: a single process)."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+
+
 def end_rank_process() -> None:
     """After a command's work is done: in a rank of a multi-rank launch (``WORLD_SIZE`` > 1: torchrun, SLURM tasks), end the
     process as Python's own exit would, but without the interpreter's native teardown; elsewhere, return.
@@ -220,7 +225,7 @@ def end_rank_process() -> None:
     flush the standard streams and ``os._exit(0)``. Only reached when the entry point's ``main`` returned: an error or a
     signal leaves through :func:`exit_codes`' ``sys.exit`` as before.
     """
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) < 2:
+    if not _multi_rank():
         return
     for thread in threading.enumerate():
         if thread is not threading.main_thread() and not thread.daemon:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
@@ -303,11 +304,8 @@ def batch_kjt(keys: list[str], values: torch.Tensor, lengths: torch.Tensor, weig
         return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, weights=weights)  # not a batch of equal rows per key
     stride = lengths.numel() // len(keys)
     per_key = lengths.numpy().reshape(len(keys), stride).sum(axis=1, dtype="int64").tolist()
-    offsets = [0]
-    for n in per_key:
-        offsets.append(offsets[-1] + n)
     return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, weights=weights, stride=stride,
-                             length_per_key=per_key, offset_per_key=offsets)
+                             length_per_key=per_key, offset_per_key=list(itertools.accumulate(per_key, initial=0)))
 
 
 def placeholder(features: FeatureSpec) -> Batch:
