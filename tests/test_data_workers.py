@@ -19,8 +19,7 @@ import torch
 from omegaconf import OmegaConf
 from torchrec.datasets.utils import Batch
 
-import recsys_runner.data.files.streaming as streaming
-import recsys_runner.data.generated.synthetic as synthetic
+import recsys_runner.data.workers as data_workers
 from recsys_runner.__main__ import run
 from recsys_runner.build import build
 from recsys_runner.config import validate
@@ -170,7 +169,7 @@ def test_auto_uses_workers_and_pinned_memory_on_cuda(fake_cuda: None, monkeypatc
     data = config.build()
     assert isinstance(data, SyntheticData) and (data.config.num_workers, data.config.pin_memory) == (ON_8_CPUS, True)
     loader = Recorder()
-    monkeypatch.setattr(synthetic, "DataLoader", loader)
+    monkeypatch.setattr(data_workers, "DataLoader", loader)
     made = list(data.train_batches(0, 0, 1))
     assert [(c["num_workers"], c["pin_memory"]) for c in loader.calls] == [(ON_8_CPUS, True)]
     assert same(made, list(synthetic_data(num_workers=0, pin_memory=False).train_batches(0, 0, 1)))
@@ -189,7 +188,7 @@ def test_auto_file_reader_on_cuda(fake_cuda: None, monkeypatch: pytest.MonkeyPat
     data = config.build()
     assert isinstance(data, ParquetData) and (data.config.num_workers, data.config.pin_memory) == (ON_8_CPUS, True)
     loader = Recorder()
-    monkeypatch.setattr(streaming, "DataLoader", loader)
+    monkeypatch.setattr(data_workers, "DataLoader", loader)
     assert rids(data.train_batches(0, 0, 1))
     assert [(c["num_workers"], c["pin_memory"]) for c in loader.calls] == [(ON_8_CPUS, True)]
     on_cpu = config.build(device="cpu")
