@@ -14,14 +14,16 @@ then runs threads: gloo's, MLflow's, the read-ahead thread of object-store files
   names, tensors) and opens its files itself.
 * ``spawn`` starts each worker as a new interpreter that imports everything again: as clean, and the dearest start.
 
-Process-wide settings that a worker reads and does not inherit outside ``fork`` travel with the loader
-(:func:`_in_worker`): the object-store settings (``storage.*``).
+What a worker reads from its process and does not inherit outside ``fork`` travels with the loader (:func:`_in_worker`):
+the object-store settings (``storage.*``) and the environment (a store's endpoint and credentials, as the training process
+has them now: the forkserver's own is that of its start).
 """
 
 from __future__ import annotations
 
 import functools
 import multiprocessing
+import os
 import sys
 from multiprocessing.context import BaseContext
 
@@ -75,12 +77,16 @@ def worker_loader(dataset: IterableDataset, *, num_workers: int, pin_memory: boo
     started by ``method`` (``data.worker_start``); with ``pin_memory``, its pin thread pins each batch."""
     return DataLoader(dataset, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
                       multiprocessing_context=worker_context(method, type(dataset).__module__),
-                      worker_init_fn=functools.partial(_in_worker, stores.settings()))
+                      worker_init_fn=functools.partial(_in_worker, stores.settings(), dict(os.environ)))
 
 
-def _in_worker(storage: stores.StorageConfig, worker_id: int) -> None:
-    """In a worker as it starts: the training process's object-store settings, which a worker that was not forked from
-    it does not have (it would reach a bucket through AWS's endpoint, not ``storage.endpoint_url``). A forked worker has
-    them already and keeps its state."""
+def _in_worker(storage: stores.StorageConfig, environ: dict[str, str], worker_id: int) -> None:
+    """In a worker as it starts: the training process's object-store settings and environment, which a worker that was not
+    forked from it lacks (it would reach a bucket through AWS's endpoint, not ``storage.endpoint_url`` or
+    ``AWS_ENDPOINT_URL`` set after the forkserver started, and without the credentials). A forked worker has them already
+    and keeps its state."""
+    if dict(os.environ) != environ:
+        os.environ.clear()
+        os.environ.update(environ)
     if stores.settings() != storage:
         stores.configure(storage)
