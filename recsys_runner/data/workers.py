@@ -11,7 +11,9 @@ then runs threads: gloo's, MLflow's, the read-ahead thread of object-store files
 * ``forkserver`` forks each worker from a small server process started once, before any of those threads, with the
   modules a worker needs already imported (:func:`worker_context`): a clean process at about fork's cost after the
   first round. The dataset is pickled to each worker, so a worker-side dataset holds plain state only (configs, file
-  names, tensors) and opens its files itself.
+  names, tensors) and opens its files itself. Not persistent workers: each pass is a new dataset for its (split,
+  epoch, rank) — the epoch's order, and a resume's skipped batches made again — which a persistent worker, keeping the
+  dataset it started with, would not see.
 * ``spawn`` starts each worker as a new interpreter that imports everything again: as clean, and the dearest start.
 
 What a worker reads from its process and does not inherit outside ``fork`` travels with the loader (:func:`_in_worker`):
@@ -37,7 +39,8 @@ WORKER_STARTS = ("fork", "forkserver", "spawn")
 
 PRELOAD = ("torch", "numpy", "pyarrow", "pyarrow.parquet", "pyarrow.csv")
 """Modules the forkserver imports once, so that a worker forked from it starts with them (beside the dataset's own module).
-Not ``__main__``: Python 3.11's forkserver does not preload it. A script run as ``python train.py`` is imported again (as
+The server imports them from its own ``sys.path`` (the installed package, ``PYTHONPATH``, the working directory); one it
+cannot import is imported by each worker instead. Not ``__main__``: Python 3.11's forkserver does not preload it. A script run as ``python train.py`` is imported again (as
 ``__mp_main__``) by every worker that forkserver or spawn starts, so its imports and work belong under its
 ``if __name__ == "__main__"`` guard; ``python -m recsys_runner`` has no script to import."""
 
