@@ -35,6 +35,7 @@ from recsys_runner.errors import ConfigError
 from recsys_runner.train.signals import Interrupted
 from tests.conftest import LogWarnings
 from tests.test_checkpoint import history
+from tests.test_sequence_files import columns, histories, write_csv
 
 SMALL = dict(batch_size=16, num_dense=3, num_sparse=4, num_embeddings=50, num_train_rows=16 * 11, num_eval_rows=16 * 5)
 
@@ -291,7 +292,7 @@ def test_an_epoch_that_drop_remainder_cuts_much_of_is_said_with_its_shards(make_
 def test_forkserver_workers_make_the_fork_workers_batches(tmp_path: Path) -> None:
     """Outside fork the worker-side dataset is pickled to each worker and opens its files there: the batches are those of
     forked workers, bit for bit and in the same order (synthetic pairs with funnel labels, hard and sampled negatives;
-    Parquet files through a shuffle buffer), every epoch and every rank's eval share."""
+    Parquet files through a shuffle buffer, every epoch and every rank's eval share; CSV histories in token batches)."""
     extra = {"tasks": ["ctr", "cvr"], "user_item_clusters": 4, "hard_negatives": 2, "negatives": {"num_negatives": 4}}
     forked, served = (synthetic_data(num_workers=2, worker_start=start, **extra) for start in ("fork", "forkserver"))
     for epoch in (0, 1):
@@ -303,6 +304,11 @@ def test_forkserver_workers_make_the_fork_workers_batches(tmp_path: Path) -> Non
         expected = list(forked_files.train_batches(epoch, 0, 1))
         assert expected and same(list(served_files.train_batches(epoch, 0, 1)), expected), epoch
     assert same(list(served_files.eval_batches(1, 2)), list(forked_files.eval_batches(1, 2)))
+    write_csv(tmp_path / "histories.csv", histories(0))  # sequences: histories in CSV, batches of history tokens
+    forked_seq, served_seq = (CsvData(make(CsvDataConfig, path=str(tmp_path / "histories.csv"), batch_tokens=24, shuffle_buffer_rows=16,
+                                           num_workers=2, worker_start=start, **columns("|"))) for start in ("fork", "forkserver"))
+    expected = list(forked_seq.train_batches(1, 0, 1))
+    assert expected and same(list(served_seq.train_batches(1, 0, 1)), expected)
 
 
 @pytest.mark.parametrize(("settings", "says"), [
