@@ -35,6 +35,7 @@ from recsys_runner.data.files.sources import Unit
 from recsys_runner.data.files.tabular import CriteoData, CsvData, ParquetData
 from recsys_runner.data.files.tabular_config import CriteoDataConfig, CsvDataConfig, ParquetDataConfig
 from recsys_runner.data.generated.generate import write_criteo_csv, write_criteo_parquet, write_criteo_tsv
+from recsys_runner.data.workers import worker_context
 from recsys_runner.errors import CheckpointError, DataError
 from recsys_runner.paths import CONFIG_PATH
 from tests.conftest import REPO, run_in_process
@@ -113,7 +114,8 @@ def test_forkserver_workers_read_the_bucket_with_the_settings_and_environment_of
     """A forkserver worker is no copy of the training process: the store's endpoint and credentials set in the environment
     after the server started, and ``storage.*``, reach it with the loader (data/workers.py), so it reads the bucket's rows
     as a forked worker does."""
-    forkserver.ensure_running()  # this process's server, started before the store is set up
+    worker_context("forkserver", ParquetData.__module__)  # the server's preload, then the server of this process, started
+    forkserver.ensure_running()  # before the store is set up
     with s3.as_client(monkeypatch, stores.StorageConfig(max_attempts=1, connect_timeout_s=1, request_timeout_s=2)):
         args = {"path": "s3://data/train/part0.parquet", "batch_size": 64, "eval_fraction": 0.2, "num_workers": 2}
         served = ParquetData(make(ParquetDataConfig, worker_start="forkserver", **args))

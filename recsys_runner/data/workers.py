@@ -37,8 +37,11 @@ from recsys_runner.errors import ConfigError, require
 WORKER_STARTS = ("fork", "forkserver", "spawn")
 """The values of ``data.worker_start``: Python's start methods for a DataLoader's worker processes."""
 
-PRELOAD = ("torch", "numpy", "pyarrow", "pyarrow.parquet", "pyarrow.csv")
-"""Modules the forkserver imports once, so that a worker forked from it starts with them (beside the dataset's own module).
+PRELOAD = ("torch", "numpy", "pyarrow", "pyarrow.parquet", "pyarrow.csv", "recsys_runner.data.files.shard_stream",
+           "recsys_runner.data.generated.synthetic")
+"""Modules the forkserver imports once, so that a worker forked from it starts with them (beside the dataset's own module):
+both of this package's worker-side datasets, whichever round starts the server (a process may read files and generate
+data, and tests do both).
 The server imports them from its own ``sys.path`` (the installed package, ``PYTHONPATH``, the working directory); one it
 cannot import is imported by each worker instead. Not ``__main__``: Python 3.11's forkserver does not preload it. A script run as ``python train.py`` is imported again (as
 ``__mp_main__``) by every worker that forkserver or spawn starts, so its imports and work belong under its
