@@ -7,7 +7,9 @@ without a GPU, by reporting CUDA available).
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +21,7 @@ import torch
 from omegaconf import OmegaConf
 from torchrec.datasets.utils import Batch
 
-import recsys_runner.data.files.streaming as streaming
-import recsys_runner.data.generated.synthetic as synthetic
+import recsys_runner.data.workers as data_workers
 from recsys_runner.__main__ import run
 from recsys_runner.build import build
 from recsys_runner.config import validate
@@ -34,6 +35,7 @@ from recsys_runner.errors import ConfigError
 from recsys_runner.train.signals import Interrupted
 from tests.conftest import LogWarnings
 from tests.test_checkpoint import history
+from tests.test_sequence_files import columns, histories, write_csv
 
 SMALL = dict(batch_size=16, num_dense=3, num_sparse=4, num_embeddings=50, num_train_rows=16 * 11, num_eval_rows=16 * 5)
 
@@ -170,7 +172,7 @@ def test_auto_uses_workers_and_pinned_memory_on_cuda(fake_cuda: None, monkeypatc
     data = config.build()
     assert isinstance(data, SyntheticData) and (data.config.num_workers, data.config.pin_memory) == (ON_8_CPUS, True)
     loader = Recorder()
-    monkeypatch.setattr(synthetic, "DataLoader", loader)
+    monkeypatch.setattr(data_workers, "DataLoader", loader)
     made = list(data.train_batches(0, 0, 1))
     assert [(c["num_workers"], c["pin_memory"]) for c in loader.calls] == [(ON_8_CPUS, True)]
     assert same(made, list(synthetic_data(num_workers=0, pin_memory=False).train_batches(0, 0, 1)))
@@ -189,7 +191,7 @@ def test_auto_file_reader_on_cuda(fake_cuda: None, monkeypatch: pytest.MonkeyPat
     data = config.build()
     assert isinstance(data, ParquetData) and (data.config.num_workers, data.config.pin_memory) == (ON_8_CPUS, True)
     loader = Recorder()
-    monkeypatch.setattr(streaming, "DataLoader", loader)
+    monkeypatch.setattr(data_workers, "DataLoader", loader)
     assert rids(data.train_batches(0, 0, 1))
     assert [(c["num_workers"], c["pin_memory"]) for c in loader.calls] == [(ON_8_CPUS, True)]
     on_cpu = config.build(device="cpu")
@@ -282,3 +284,65 @@ def test_an_epoch_that_drop_remainder_cuts_much_of_is_said_with_its_shards(make_
     assert "Fix: data.drop_remainder=false" in warned and "fewer data.num_workers" in warned
     assert not said("data.num_workers=0")
     assert not said("data.num_workers=4", "data.drop_remainder=false")
+
+
+# -- how workers start (data.worker_start) ---------------------------------------------------------
+
+
+def test_forkserver_workers_make_the_fork_workers_batches(tmp_path: Path) -> None:
+    """Outside fork the worker-side dataset is pickled to each worker and opens its files there: the batches are those of
+    forked workers, bit for bit and in the same order (synthetic pairs with funnel labels, hard and sampled negatives;
+    Parquet files through a shuffle buffer, every epoch and every rank's eval share; CSV histories in token batches)."""
+    extra = {"tasks": ["ctr", "cvr"], "user_item_clusters": 4, "hard_negatives": 2, "negatives": {"num_negatives": 4}}
+    forked, served = (synthetic_data(num_workers=2, worker_start=start, **extra) for start in ("fork", "forkserver"))
+    for epoch in (0, 1):
+        assert same(list(served.train_batches(epoch, 1, 2)), list(forked.train_batches(epoch, 1, 2))), epoch
+    assert same(list(served.eval_batches(0, 1)), list(forked.eval_batches(0, 1)))
+    id_files(tmp_path)
+    forked_files, served_files = (reader("parquet", tmp_path, num_workers=2, worker_start=start) for start in ("fork", "forkserver"))
+    for epoch in (0, 1):
+        expected = list(forked_files.train_batches(epoch, 0, 1))
+        assert expected and same(list(served_files.train_batches(epoch, 0, 1)), expected), epoch
+    assert same(list(served_files.eval_batches(1, 2)), list(forked_files.eval_batches(1, 2)))
+    write_csv(tmp_path / "histories.csv", histories(0))  # sequences: histories in CSV, batches of history tokens
+    forked_seq, served_seq = (CsvData(make(CsvDataConfig, path=str(tmp_path / "histories.csv"), batch_tokens=24, shuffle_buffer_rows=16,
+                                           num_workers=2, worker_start=start, **columns("|"))) for start in ("fork", "forkserver"))
+    expected = list(forked_seq.train_batches(1, 0, 1))
+    assert expected and same(list(served_seq.train_batches(1, 0, 1)), expected)
+
+
+@pytest.mark.parametrize(("settings", "says"), [
+    ({"worker_start": "threads"}, "data.worker_start='threads' must be one of ['fork', 'forkserver', 'spawn']"),
+    ({"worker_start": "forkserver", "num_workers": 2, "windows": True}, "data.worker_start=forkserver is not available on this platform"),
+])
+def test_worker_start_is_validated(settings: dict[str, Any], says: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if settings.pop("windows", False):
+        monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["spawn"])
+    with pytest.raises(ConfigError, match=re.escape(says)) as refused:
+        make(SyntheticDataConfig, **(SMALL | settings))
+    assert "Fix: data.worker_start=" in str(refused.value)
+
+
+def test_worker_start_needs_no_platform_method_without_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On Windows (spawn only), forkserver with no workers starts nothing and is fine; fork, the default, falls back to the
+    platform's method as it always did."""
+    monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["spawn"])
+    assert make(SyntheticDataConfig, worker_start="forkserver", num_workers=0, **SMALL).worker_start == "forkserver"
+    assert make(SyntheticDataConfig, num_workers=2, **SMALL).worker_start == "fork"
+    assert data_workers.worker_context("fork", "m") is None
+
+
+def test_a_run_resumed_with_forkserver_workers_trains_the_forked_runs_batches(make_cfg: Any, mlflow_uri: str, tmp_path: Path) -> None:
+    """Training with forkserver workers, stopped after step 2 and resumed in the middle of the epoch: its losses are those of
+    the same run with forked workers, step for step."""
+    csv = _click_csv(tmp_path / "clicks.csv")
+    short = ("train.num_steps=3", "data.num_workers=2")
+    run(make_cfg(*_resumable(csv, *short, f"checkpoint.dir={tmp_path}/a", "tracking.experiment=start_fork"), tiny=False))
+    served = make_cfg(*_resumable(csv, *short, "data.worker_start=forkserver", f"checkpoint.dir={tmp_path}/b",
+                                  "tracking.experiment=start_forkserver", "train.stop_after_steps=2"), tiny=False)
+    with pytest.raises(Interrupted):
+        run(served)
+    run(served)
+    expected, resumed = history(mlflow_uri, "start_fork"), history(mlflow_uri, "start_forkserver")
+    assert sorted(resumed) == [1, 2, 3]
+    assert resumed == pytest.approx(expected, rel=1e-5, abs=1e-6)

@@ -21,9 +21,9 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import recsys_runner.data.files.shard_stream as shard_stream
-import recsys_runner.data.files.streaming as streaming
 import recsys_runner.data.generated.synthetic as synthetic
 import recsys_runner.data.packed as packed
+import recsys_runner.data.workers as data_workers
 from recsys_runner.bench import input_path
 from recsys_runner.configurable import make
 from recsys_runner.data.files.tabular import CsvData, ParquetData
@@ -189,7 +189,7 @@ def test_packed_file_batches_from_two_workers_are_the_unpacked_ones(kind: str, t
     assert any(count_packed) and counters["data/bad_rows_skipped"] > 0
     with monkeypatch.context() as m:
         _unpacked_workers(m)
-        m.setattr(streaming, "DataLoader", _RoundRobinInProcess)
+        m.setattr(data_workers, "DataLoader", _RoundRobinInProcess)
         count_packed.clear()
         reference = _file_data(kind, tmp_path)
         expected = [list(reference.train_batches(e, 0, 1)) for e in (0, 1)] + [list(reference.eval_batches(0, 1))]

@@ -69,8 +69,11 @@ def _generated(workers: int = 0, **fields):
                 user_item_clusters=4, num_workers=workers, **fields).build()
 
 
-def test_a_refresh_reaches_running_dataloader_workers() -> None:
-    data = _generated(workers=2, negatives={"num_negatives": 16, "mined_ratio": 0.5, "mined_top_k": 5})
+@pytest.mark.parametrize("start", ["fork", "forkserver"])
+def test_a_refresh_reaches_running_dataloader_workers(start: str) -> None:
+    """The mined lists are shared memory: workers forked from the training process share them, and so do workers a
+    forkserver starts, to which the lists are pickled (as a handle on the same memory, not a copy)."""
+    data = _generated(workers=2, negatives={"num_negatives": 16, "mined_ratio": 0.5, "mined_top_k": 5}, worker_start=start)
     miner = data.negative_miner()
     table = data.item_table()
     assert miner is not None and table is not None

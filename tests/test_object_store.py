@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from multiprocessing import forkserver
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +35,7 @@ from recsys_runner.data.files.sources import Unit
 from recsys_runner.data.files.tabular import CriteoData, CsvData, ParquetData
 from recsys_runner.data.files.tabular_config import CriteoDataConfig, CsvDataConfig, ParquetDataConfig
 from recsys_runner.data.generated.generate import write_criteo_csv, write_criteo_parquet, write_criteo_tsv
+from recsys_runner.data.workers import worker_context
 from recsys_runner.errors import CheckpointError, DataError
 from recsys_runner.paths import CONFIG_PATH
 from tests.conftest import REPO, run_in_process
@@ -105,6 +107,20 @@ def test_a_forked_worker_builds_its_own_store_client_and_reads_the_bucket(s3_env
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0, "the forked child reused the parent's client or could not read"
     assert stores.arrow_filesystem(path)[0] is parent  # the parent keeps its own
+
+
+def test_forkserver_workers_read_the_bucket_with_the_settings_and_environment_of_now(s3: MotoServer,
+                                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forkserver worker is no copy of the training process: the store's endpoint and credentials set in the environment
+    after the server started, and ``storage.*``, reach it with the loader (data/workers.py), so it reads the bucket's rows
+    as a forked worker does."""
+    worker_context("forkserver", ParquetData.__module__)  # the server's preload, then the server of this process, started
+    forkserver.ensure_running()  # before the store is set up
+    with s3.as_client(monkeypatch, stores.StorageConfig(max_attempts=1, connect_timeout_s=1, request_timeout_s=2)):
+        args = {"path": "s3://data/train/part0.parquet", "batch_size": 64, "eval_fraction": 0.2, "num_workers": 2}
+        served = ParquetData(make(ParquetDataConfig, worker_start="forkserver", **args))
+        forked = ParquetData(make(ParquetDataConfig, **args))
+        assert _ids(served.train_batches(0, 0, 1)) == _ids(forked.train_batches(0, 0, 1))
 
 
 def test_criteo_tsv_from_a_bucket_reads_the_same_batches_and_tables_as_the_local_files(s3_env: MotoServer, tmp_path: Path) -> None:

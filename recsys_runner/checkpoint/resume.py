@@ -61,6 +61,7 @@ RESUME_CHANGES: tuple[tuple[str, Treatment, str], ...] = (
     ("train.summary_histograms", "silent", "summaries"),
     ("data.num_workers", "silent", "loader processes"),
     ("data.pin_memory", "silent", "host memory"),
+    ("data.worker_start", "silent", "how loader processes start: the same batches"),
     ("seed", "refuse", "the resumed run restores the RNG states the checkpoint saved: a new seed would be logged nowhere "
                        "and change nothing"),
     ("data", "refuse", "another data option: " + _EPOCH_POSITION),

@@ -16,6 +16,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.configurable import Configurable
 from recsys_runner.data.catalogue.items import ItemTable
+from recsys_runner.data.workers import check_worker_start
 from recsys_runner.errors import CheckpointError, DataError, require
 from recsys_runner.features import DataNeeds, FeatureSpec
 
@@ -145,6 +146,12 @@ class DataConfig(Configurable):
     pin_memory: bool | None = None
     """Produce batches in page-locked (pinned) memory, so that their copy to the GPU overlaps the step;
     ``null``: when the run's device is CUDA."""
+    worker_start: str = "fork"
+    """How the DataLoader workers start (:mod:`recsys_runner.data.workers`), a new round at every pass over a split:
+    ``fork`` copies the training process (the cheapest start; where the platform has no fork, its own method);
+    ``forkserver`` forks them from a clean server process started before the training process's threads (gloo, MLflow,
+    read-ahead, Arrow's pools), for a long-lived process with threads or a large CUDA process; ``spawn`` starts new
+    interpreters. The batches are the same, bit for bit, whichever starts them. Nothing starts with ``num_workers: 0``."""
 
     def __post_init__(self) -> None:
         require(self.batch_size > 0, f"data.batch_size must be positive, got {self.batch_size}. Fix: data.batch_size=512")
@@ -155,6 +162,7 @@ class DataConfig(Configurable):
         require(workers == AUTO or (isinstance(workers, int) and not isinstance(workers, bool) and workers >= 0),
                 f"data.num_workers={workers!r} must be a number >= 0 or auto. Fix: data.num_workers=auto (workers on CUDA, "
                 f"none on CPU), data.num_workers=0 (in the training process) or e.g. data.num_workers=2")
+        check_worker_start(self.worker_start, workers)
 
     def supports_batch_tokens(self) -> bool:
         """Whether this data has histories whose tokens ``batch_tokens`` can count (data with sequences overrides this)."""

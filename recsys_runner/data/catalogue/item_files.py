@@ -306,7 +306,8 @@ def most_seen(items: ItemTable, schema: Schema, split: Any, columns: list[str]) 
 
 class Catalogue:
     """What a file data module mixes in to have an item table and sampled negatives (:class:`TabularData`): the table built
-    from ``data.items`` when the module is built, :meth:`item_table`, and :meth:`with_negatives` over its batch stream."""
+    from ``data.items`` when the module is built, :meth:`item_table`, and the sampler that a shard's stream appends the
+    negatives of its training batches with (:meth:`NegativeSampler.extend_stream`, in :mod:`~recsys_runner.data.files.shard_stream`)."""
 
     config: Any
     schema: Schema
@@ -351,17 +352,4 @@ class Catalogue:
         column that is not a plain column."""
         return most_seen(candidates, self.schema, self._eval, columns)
 
-    def with_negatives(self, stream: Iterator[tuple], epoch: int, shard: int, train: bool) -> Iterator[tuple]:
-        """``stream``'s batch tuples with the sampled rows appended to each training batch, seeded by (epoch, shard, batch
-        number): markers (skipped-row counts, worker errors) pass as they are."""
-        if self._negative_sampler is None or not train:
-            yield from stream
-            return
-        number = 0
-        for item in stream:
-            if isinstance(item[0], str) or item[3] is None:
-                yield item
-                continue
-            yield self._negative_sampler.extend(item, (epoch, shard, number))
-            number += 1
 

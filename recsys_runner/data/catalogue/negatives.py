@@ -15,7 +15,7 @@ independent between ranks, which read disjoint batches. ``docs/retrieval.md`` sa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -162,6 +162,18 @@ class NegativeSampler:
         item_dense, kjt = self.table.rows(self.draw(key, hard_ids, positives), list(self.keys), tuple(self.dense_names))
         appended = append_rows((dense, values, lengths, labels), (item_dense, kjt.values(), kjt.lengths()), len(self.keys))
         return (*appended, *tensors[4:])
+
+    def extend_stream(self, stream: Iterator[tuple], epoch: int, shard: int) -> Iterator[tuple]:
+        """A shard's training batch tuples (file data, :mod:`~recsys_runner.data.files.shard_stream`) with the sampled rows
+        appended to each (:meth:`extend`), seeded by (epoch, shard, batch number): markers (skipped-row counts, worker
+        errors) pass as they are."""
+        number = 0
+        for item in stream:
+            if isinstance(item[0], str) or item[3] is None:
+                yield item
+                continue
+            yield self.extend(item, (epoch, shard, number))
+            number += 1
 
     def _positives(self, values: torch.Tensor, lengths: torch.Tensor, rows: int) -> np.ndarray:
         """The table rows of the batch's positives (each row's first item id; ids not in the table are left out)."""

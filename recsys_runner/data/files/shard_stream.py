@@ -11,7 +11,7 @@ reader, the split and its shard, and sends plain tuples back, each batch's tenso
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +19,7 @@ import pyarrow as pa
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from recsys_runner.data.catalogue.negatives import NegativeSampler
 from recsys_runner.data.encoding.encoded_rows import Rows
 from recsys_runner.data.encoding.rows import Encoder, Location
 from recsys_runner.data.files.csv_source import CsvSource
@@ -29,10 +30,6 @@ from recsys_runner.data.packed import Packed, packed_stream
 from recsys_runner.data.schema import Schema
 from recsys_runner.data.sequences.histories import history_costs, token_cuts
 from recsys_runner.errors import DataError
-
-WithNegatives = Callable[[Iterator[tuple], int, int, bool], Iterator[tuple]]
-"""``(stream, epoch, shard, train) → stream``: a shard's batches with their sampled negatives
-(:meth:`~recsys_runner.data.catalogue.item_files.Catalogue.with_negatives`)."""
 
 
 @dataclass(frozen=True)
@@ -160,12 +157,16 @@ class ShardReader:
 
 
 class ShardStream(IterableDataset):
-    """One rank's share of a split for one epoch; with DataLoader workers, each worker a sub-share."""
+    """One rank's share of a split for one epoch; with DataLoader workers, each worker a sub-share.
 
-    def __init__(self, reader: ShardReader, with_negatives: WithNegatives, split: Split, epoch: int, rank: int, world_size: int,
+    Outside ``data.worker_start=fork`` it is pickled to each worker, so it holds plain state only: the reader (configs,
+    schema), the split (file names, units, row counts), the negative sampler (``None``: none; its tables and shared
+    mined lists) and numbers; the files are opened in the worker, as it reads them."""
+
+    def __init__(self, reader: ShardReader, sampler: NegativeSampler | None, split: Split, epoch: int, rank: int, world_size: int,
                  train: bool) -> None:
         super().__init__()
-        self.reader, self.with_negatives = reader, with_negatives
+        self.reader, self.sampler = reader, sampler
         self.split, self.epoch, self.rank, self.world_size, self.train = split, epoch, rank, world_size, train
 
     def __iter__(self) -> Iterator[tuple | Packed]:
@@ -174,7 +175,7 @@ class ShardStream(IterableDataset):
         shard = self.rank * workers + (info.id if info is not None else 0)
         try:
             stream = self.reader.batches(self.split, self.epoch, shard, self.world_size * workers, self.train)
-            batches = self.with_negatives(stream, self.epoch, shard, self.train)
+            batches = self.sampler.extend_stream(stream, self.epoch, shard) if self.sampler is not None and self.train else stream
             # In a worker, each batch crosses to the training process as one buffer (data/packed.py says why)
             yield from batches if info is None else packed_stream(batches)
         except DataError as e:

@@ -28,13 +28,11 @@ from __future__ import annotations
 import abc
 import logging
 import math
-import os
 from collections.abc import Collection, Iterator
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
-from torch.utils.data import DataLoader
 from torchrec.datasets.utils import Batch
 
 from recsys_runner.data.base import DataModule, SplitFiles, batch_kjt, synchronized
@@ -50,6 +48,7 @@ from recsys_runner.data.packed import unpacked_stream
 from recsys_runner.data.schema import Schema
 from recsys_runner.data.sequences.histories import expected_rows
 from recsys_runner.data.sequences.tokens import check_budget
+from recsys_runner.data.workers import worker_loader
 from recsys_runner.errors import ConfigError, DataError, require
 
 log = logging.getLogger(__name__)
@@ -227,10 +226,11 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         return [sum(per_batch[r * workers : (r + 1) * workers]) for r in range(world_size)]
 
     def _batches(self, split: Split, epoch: int, rank: int, world_size: int, train: bool) -> Iterator[Batch]:
-        stream = ShardStream(ShardReader(self.config, self.schema, self.batch_size), self.with_negatives, split, epoch, rank, world_size, train)
+        reader = ShardReader(self.config, self.schema, self.batch_size)
+        stream = ShardStream(reader, self._negative_sampler, split, epoch, rank, world_size, train)
         if self._workers > 0:
-            items: Any = unpacked_stream(DataLoader(stream, batch_size=None, num_workers=self._workers, pin_memory=self._pin,
-                                                    multiprocessing_context="fork" if os.name == "posix" else None))
+            items: Any = unpacked_stream(worker_loader(stream, num_workers=self._workers, pin_memory=self._pin,
+                                                       method=self.config.worker_start))
         else:
             items = stream
         workers = max(self._workers, 1)

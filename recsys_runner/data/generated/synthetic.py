@@ -25,12 +25,11 @@ interleaves back in order: the batches are exactly those of the in-process path,
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, get_worker_info
 from torchrec.datasets.utils import Batch
 
 from recsys_runner.data.base import DataModule, batch_kjt
@@ -47,6 +46,7 @@ from recsys_runner.data.generated.synthetic_items import (
 )
 from recsys_runner.data.generated.synthetic_world import TaskLabels, World
 from recsys_runner.data.packed import Packed, packed_stream, unpacked_stream
+from recsys_runner.data.workers import worker_loader
 from recsys_runner.errors import require
 from recsys_runner.features import FeatureSpec, SparseFeature
 
@@ -182,8 +182,8 @@ class SyntheticData(DataModule):
             return
         # Never more workers than batches: the DataLoader's round robin then hands worker w exactly the
         # batches i ≡ w (mod workers) that _Stream gives it, in order.
-        loader = DataLoader(_Stream(self, split, indices), batch_size=None, num_workers=min(self._workers, max(len(indices), 1)),
-                            pin_memory=self._pin, multiprocessing_context="fork" if os.name == "posix" else None)
+        loader = worker_loader(_Stream(self, split, indices), num_workers=min(self._workers, max(len(indices), 1)),
+                               pin_memory=self._pin, method=self.config.worker_start)
         for tensors in unpacked_stream(loader):
             yield self._assemble(tensors)
 
