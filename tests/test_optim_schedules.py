@@ -260,6 +260,19 @@ def test_a_group_schedules_mistake_names_its_own_key(make_cfg, overrides: list[s
         assert " scheduler." not in f" {raised.value}", str(raised.value)
 
 
+def test_a_parts_optimizer_mistake_names_the_parts_key(make_cfg) -> None:
+    # A part's optimizer is a DenseOptimizerConfig, whose checks name optim.dense.*: in a part they name the part's key
+    with pytest.raises(ConfigError) as raised:
+        validate(make_cfg("+optim.parts.deep={pattern: 'deep[.]', optimizer: {_target_: torch.optim.SGD, weight_decay: -1}}"))
+    assert "optim.parts.deep.optimizer.weight_decay must be >= 0" in str(raised.value), str(raised.value)
+    assert "optim.dense" not in str(raised.value), str(raised.value)
+    with pytest.raises(ConfigError) as raised:  # checked when the part's parameters are known, as the model is built
+        run(make_cfg("+optim.parts.deep={pattern: 'deep[.]', optimizer: {_target_: torch.optim.AdamW, no_decay_patterns: [nothing_here]}}",
+                     "tracking=none"))
+    assert "optim.parts.deep.optimizer.no_decay_patterns has 'nothing_here'" in str(raised.value), str(raised.value)
+    assert "optim.dense" not in str(raised.value), str(raised.value)
+
+
 @pytest.mark.parametrize(
     ("overrides", "key"),
     [(["+scheduler@optim.sparse_scheduler=exponential_decay"], "optim.sparse_scheduler.warmup_steps"),
