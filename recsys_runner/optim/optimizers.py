@@ -36,7 +36,6 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimiz
 from recsys_runner.configurable import Configurable
 from recsys_runner.errors import ConfigError, require
 
-
 _DENSE_KEY = re.compile(r"(?<![\w.])optim\.dense\.")
 
 
