@@ -45,7 +45,7 @@ from recsys_runner.models.common import store_tables
 from recsys_runner.models.train_wrapper import TaskWeighting, TrainWrapper
 from recsys_runner.optim.config import OptimConfig
 from recsys_runner.optim.optimizers import DENSE, SPARSE, GroupedOptimizer, OptimizerGroup, decay_summary, dense_optimizers
-from recsys_runner.optim.schedulers import Schedule, ScheduledLR, SchedulePosition, SchedulerConfig
+from recsys_runner.optim.schedulers import Schedule, ScheduledLR, SchedulePosition, SchedulerConfig, schedule_error
 from recsys_runner.optim.schedulers import lr_scheduler as make_lr_scheduler
 from recsys_runner.optim.sparse import apply_sparse_optimizer, sparse_accumulation_warning
 from recsys_runner.runtime import Launch
@@ -242,20 +242,23 @@ def _say_weight_decay(optim: OptimConfig, dense: GroupedOptimizer) -> None:
 def _schedules(run: RunConfig, total_steps: int, steps_per_epoch: int | None) -> tuple[dict[OptimizerGroup, Schedule], Schedule]:
     """The per-optimizer-group schedules that replace the default one, and the default."""
 
-    def make(config: SchedulerConfig) -> Schedule:
-        return config.build(total_steps=total_steps, steps_per_epoch=steps_per_epoch)
+    def make(config: SchedulerConfig, where: str) -> Schedule:
+        try:
+            return config.build(total_steps=total_steps, steps_per_epoch=steps_per_epoch)
+        except ConfigError as e:  # e.g. a warmup longer than the run: named by the key of this schedule's slot
+            raise schedule_error(where, e) from None
 
     optim: OptimConfig = run.optim
-    default = make(run.scheduler)
+    default = make(run.scheduler, "scheduler")
     own: dict[OptimizerGroup, Schedule] = {}
     if optim.sparse_scheduler is not None:
-        own[SPARSE] = make(optim.sparse_scheduler)
-    dense = make(optim.dense_scheduler) if optim.dense_scheduler is not None else None
+        own[SPARSE] = make(optim.sparse_scheduler, "optim.sparse_scheduler")
+    dense = make(optim.dense_scheduler, "optim.dense_scheduler") if optim.dense_scheduler is not None else None
     if dense is not None:
         own[DENSE] = dense
     for name, part in optim.part_configs().items():
         if part.scheduler is not None:
-            own[OptimizerGroup.part(name)] = make(part.scheduler)
+            own[OptimizerGroup.part(name)] = make(part.scheduler, f"optim.parts.{name}.scheduler")
         elif dense is not None:
             own[OptimizerGroup.part(name)] = dense
     return own, default

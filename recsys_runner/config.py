@@ -76,6 +76,7 @@ from recsys_runner.optim.schedulers import (
     ExponentialDecayConfig,
     ManualStepConfig,
     SchedulerConfig,
+    schedule_error,
 )
 from recsys_runner.optim.sparse import (
     SparseAdagradConfig,
@@ -249,6 +250,7 @@ def validate(cfg: DictConfig) -> RunConfig:
         for name, base in _component_slots().items():
             cfg[name] = typed(cfg[name], base, name)
         check_known_keys(cfg)
+        _check_group_schedules(cfg)
         composed = OmegaConf.to_object(cfg)
     except UserError:
         raise
@@ -273,6 +275,21 @@ def validate(cfg: DictConfig) -> RunConfig:
     if stopping.patience is not None:
         stopping.mode = metric_mode(stopping.metric, stopping.mode, "train.early_stopping.mode")
     return run
+
+
+def _check_group_schedules(cfg: DictConfig) -> None:
+    """Validate the schedules of single optimizer groups (``+scheduler@optim.sparse_scheduler=…``) before the whole
+    config, so that a mistake in one names its own key (``optim.sparse_scheduler.decay_rate``), not the top-level
+    ``scheduler``'s, which the schedule's checks name and which would not fix it (:func:`schedule_error`)."""
+    parts = cfg.optim.get("parts") or {}
+    slots = {f"optim.{name}": cfg.optim.get(name) for name in ("sparse_scheduler", "dense_scheduler")}
+    slots |= {f"optim.parts.{name}.scheduler": part.get("scheduler") for name, part in parts.items() if isinstance(part, DictConfig)}
+    for where, node in slots.items():
+        if isinstance(node, DictConfig):
+            try:
+                OmegaConf.to_object(node)
+            except ConfigError as e:
+                raise schedule_error(where, e) from None
 
 
 def metric_mode(key: str, mode: str | None, where: str) -> str | None:

@@ -103,14 +103,20 @@ class Launch:
 
         It is the launch's own overrides (config dir and name included) with ``checkpoint.dir`` set to the
         absolute directory and any ``checkpoint.resume``/``checkpoint.dir`` override dropped, so the
-        relaunch continues from the newest checkpoint there, into the same MLflow run. A torchrun launch
+        relaunch continues from the newest checkpoint there, into the same MLflow run. Where the launch did not
+        compose ``checkpoint.resume=auto`` (``checkpoint=none`` and the ``debug`` presets say ``never``, yet a stop on a
+        signal still writes a checkpoint) or set it on the command line, ``checkpoint.resume=auto`` is added: the
+        relaunch would otherwise start over, and a second interruption's command must say it again. A torchrun launch
         is repeated as torchrun with the same number of processes per node.
         """
         if not self.from_cli:
             return None
         keep = [o for o in self.overrides if not re.match(r"^[+~]*checkpoint\.(dir|resume)=", o)]
         where = uris.as_path(checkpoint_dir).absolute()
-        return self._command(TRAIN_MODULE, [*keep, f"checkpoint.dir={where}"])
+        resume_set = len(keep) < len([o for o in self.overrides if not re.match(r"^[+~]*checkpoint\.dir=", o)])
+        composed = self.settings.get("checkpoint.resume", "auto") if self.settings is not None else "auto"
+        auto = ["checkpoint.resume=auto"] if resume_set or composed != "auto" else []
+        return self._command(TRAIN_MODULE, [*keep, f"checkpoint.dir={where}", *auto])
 
     def command(self) -> str | None:
         """The shell command that repeats this launch as it was (the same module and overrides), e.g. to redo an

@@ -251,19 +251,22 @@ def list_files(path: str, key: str, suffixes: tuple[str, ...] | None) -> list[st
     ``_`` and, with ``suffixes``, other names left out) or a glob (``s3://b/day_*/*.parquet``)."""
     scheme, rest = uris.split(path)
     fs = _fsspec(scheme)
-    try:
-        if any(ch in rest for ch in "*?["):
+    glob = any(ch in rest for ch in "*?[")
+    try:  # only the store's calls: a DataError of ours is a ValueError too, and would read as the store refusing the listing
+        if glob:
             found = [p for p, info in fs.glob(rest, detail=True).items() if info.get("type") == "file"]
-            if not found:
-                _check_bucket(path)
-                raise DataError(f"{key}={path!r} is a glob pattern that matches no objects. Fix: check the pattern and the bucket's listing "
-                                f"(aws s3 ls {path.rsplit('/', 1)[0]}/)")
-            return [_uri(scheme, p) for p in sorted(found)]
-        if is_object(fs, rest):
+        elif is_object(fs, rest):
             return [path]
-        entries = fs.find(rest.rstrip("/") + "/", maxdepth=1, detail=True)
+        else:
+            entries = fs.find(rest.rstrip("/") + "/", maxdepth=1, detail=True)
     except STORE_ERRORS as e:
         raise store_error(path, e, key=key, doing="listing it") from None
+    if glob:
+        if not found:
+            _check_bucket(path)
+            raise DataError(f"{key}={path!r} is a glob pattern that matches no objects. Fix: check the pattern and the bucket's listing "
+                            f"(aws s3 ls {path.rsplit('/', 1)[0]}/)")
+        return [_uri(scheme, p) for p in sorted(found)]
     names = sorted(p for p, info in entries.items() if info.get("type") == "file" and not p.rsplit("/", 1)[-1].startswith((".", "_")))
     files = [_uri(scheme, p) for p in names if suffixes is None or p.endswith(suffixes)]
     if not files:

@@ -13,7 +13,8 @@ documents, a default stated as a value (``16``, ``[64, null]``, ``null``; not on
 and a model's table in models.md lists every key of its config. So are the other lists a config or registry is the
 truth of: every ``key=value`` in the prose names a key that exists; README.md's table of groups names every option of
 ``conf/`` and only those; docs/metrics.md's tables name every registered metric and every module of the package; the
-schema reference of docs/data.md names every key of the file options.
+schema reference of docs/data.md names every key of the file options, and docs/metrics.md gives each metric its class's
+direction. What the prose points at exists: every other doc it names, every file of the repository and every test.
 """
 
 from __future__ import annotations
@@ -397,3 +398,44 @@ def test_every_inline_override_names_a_key(hydra_initialized: None) -> None:
     assert len(overrides) > 200, "the extraction found too few overrides: did the docs' layout change?"
     wrong = [f"{where}: {key}" for where, key in overrides if not any(_has_key(cfg, key) for cfg in configs)]
     assert not wrong, "keys no config has:\n" + "\n".join(wrong)
+
+
+# --------------------------------------------------------------------------------------------
+# What the prose points at: metric directions, other docs, the repository's files and tests.
+# --------------------------------------------------------------------------------------------
+
+
+def test_the_direction_paragraph_gives_every_metric_its_class_direction() -> None:
+    """docs/metrics.md's "Which way is better" lists each registered metric (and name pattern) under its class's
+    ``higher_is_better``: ``True for …; False for …; None for …``."""
+    from recsys_runner.metrics.registry import higher_is_better
+
+    paragraph = (REPO / "docs" / "metrics.md").read_text().split("Which way is better", 1)[1].split("\n\n", 1)[0]
+    listed: dict[str, bool | None] = {}
+    for direction, names in re.findall(r"`(True|False|None)` for (.*?)(?=`(?:True|False|None)` for|\.\s|$)", paragraph, re.S):
+        for name in re.findall(r"`([^`]+)`", names.split("(")[0]):
+            listed[name] = {"True": True, "False": False, "None": None}[direction]
+    registered = {**{n: e.higher_is_better for n, e in METRICS.items()},
+                  **{n: higher_is_better("eval/" + n.replace("@<k>", "_at_10")) for n in NAME_PATTERNS}}
+    assert listed == registered, "docs/metrics.md's directions against the metric classes'"
+
+
+DOC_LINK = re.compile(r"(?<![\w/])(?:docs/)?([a-z_]+\.md)\b")
+REPO_PATH = re.compile(r"(?<![\w/.])((?:recsys_runner|tests|hydra_plugins|conf|sweeps)/[\w./-]+\.(?:py|yaml))\b")
+TEST_NAME = re.compile(r"(?<![\w/])(test_\w+)\b(?!\.sh)")
+
+
+def test_every_doc_file_path_and_test_the_docs_name_exists() -> None:
+    """A doc names another doc (``docs/retrieval.md``, ``[launch.md](launch.md)``), a file of the repository
+    (``recsys_runner/train/corpus.py``, ``conf/debug/fast.yaml``) or a test (``tests/test_presets.py``,
+    ``test_resumed_training_matches_uninterrupted``) that exists: a rename leaves no pointer into nothing."""
+    tests = {p.stem for p in (REPO / "tests").glob("test_*.py")}
+    defined = set(re.findall(r"^\s*(?:async )?def (test_\w+)", "\n".join(p.read_text() for p in (REPO / "tests").glob("*.py")), re.M))
+    wrong = []
+    for path in DOCS:
+        text = path.read_text()
+        wrong += [f"{path.name}: {name}" for name in sorted(set(DOC_LINK.findall(text)))
+                  if not (REPO / "docs" / name).exists() and not (REPO / name).exists()]
+        wrong += [f"{path.name}: {name}" for name in sorted(set(REPO_PATH.findall(text))) if not (REPO / name).exists()]
+        wrong += [f"{path.name}: {name}" for name in sorted(set(TEST_NAME.findall(text))) if name not in tests | defined]
+    assert not wrong, "the docs point at what does not exist:\n" + "\n".join(wrong)

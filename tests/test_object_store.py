@@ -172,8 +172,11 @@ def test_missing_bucket_empty_prefix_and_wrong_credentials_name_the_uri(s3_env: 
         ParquetData(make(ParquetDataConfig, path="s3://data/nothing/"))
     with pytest.raises(DataError, match=r"s3://nobucket/train/: the bucket 'nobucket' does not exist .*Fix: create it"):
         ParquetData(make(ParquetDataConfig, path="s3://nobucket/train/"))
-    with pytest.raises(DataError, match=r"glob pattern that matches no objects"):
+    # said as such, not wrapped as the store refusing the listing (our DataError is a ValueError, which a store raises too)
+    with pytest.raises(DataError, match=r"^data.path='s3://data/train/\*.csv' is a glob pattern that matches no objects\. Fix: check"):
         ParquetData(make(ParquetDataConfig, path="s3://data/train/*.csv"))
+    with pytest.raises(DataError, match=r"^s3://nobucket/train/\*.parquet: the bucket 'nobucket' does not exist .*Fix: create it"):
+        ParquetData(make(ParquetDataConfig, path="s3://nobucket/train/*.parquet"))
     strict = start_moto(tmp_path, {"INITIAL_NO_AUTH_ACTION_COUNT": "0"})  # a server that checks credentials
     try:
         monkeypatch.setenv("AWS_ENDPOINT_URL", strict.endpoint)

@@ -234,6 +234,58 @@ def test_warmup_longer_than_training_is_an_error(make_cfg) -> None:
         run(make_cfg("scheduler.warmup_steps=100", "tracking=none"))
 
 
+SCHEDULE_OF_A_PART = "+optim.parts.deep={pattern: 'deep[.]', optimizer: {_target_: torch.optim.SGD}, scheduler: %s}"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["+scheduler@optim.sparse_scheduler=exponential_decay", "optim.sparse_scheduler.decay_rate=2"],
+         "optim.sparse_scheduler.decay_rate must lie in (0, 1], got 2.0; e.g. optim.sparse_scheduler.decay_rate=0.5"),
+        (["+scheduler@optim.dense_scheduler=manual_step", "optim.dense_scheduler.rates=[1]"],
+         "optim.dense_scheduler.rates needs one more entry than optim.dense_scheduler.boundaries"),
+        ([SCHEDULE_OF_A_PART % "{_target_: recsys_runner.optim.schedulers.Cosine, warmup_start: 2}"],
+         "optim.parts.deep.scheduler.warmup_start must lie in [0, 1], got 2"),
+        (["scheduler=cosine", "scheduler.min_factor=2"], "Config error: scheduler.min_factor must lie in [0, 1]"),
+    ],
+    ids=["sparse", "dense", "part", "top-level"],
+)
+def test_a_group_schedules_mistake_names_its_own_key(make_cfg, overrides: list[str], message: str) -> None:
+    # The schedules' checks are written for the top-level `scheduler`; in a group's slot they must name that slot's key,
+    # or the fix they print (scheduler.decay_rate=0.5) would change another schedule and leave the mistake in place.
+    with pytest.raises(ConfigError) as raised:
+        validate(make_cfg(*overrides))
+    assert message.removeprefix("Config error: ") in str(raised.value), str(raised.value)
+    if not message.startswith("Config error: "):
+        assert " scheduler." not in f" {raised.value}", str(raised.value)
+
+
+def test_a_parts_optimizer_mistake_names_the_parts_key(make_cfg) -> None:
+    # A part's optimizer is a DenseOptimizerConfig, whose checks name optim.dense.*: in a part they name the part's key
+    with pytest.raises(ConfigError) as raised:
+        validate(make_cfg("+optim.parts.deep={pattern: 'deep[.]', optimizer: {_target_: torch.optim.SGD, weight_decay: -1}}"))
+    assert "optim.parts.deep.optimizer.weight_decay must be >= 0" in str(raised.value), str(raised.value)
+    assert "optim.dense" not in str(raised.value), str(raised.value)
+    with pytest.raises(ConfigError) as raised:  # checked when the part's parameters are known, as the model is built
+        run(make_cfg("+optim.parts.deep={pattern: 'deep[.]', optimizer: {_target_: torch.optim.AdamW, no_decay_patterns: [nothing_here]}}",
+                     "tracking=none"))
+    assert "optim.parts.deep.optimizer.no_decay_patterns has 'nothing_here'" in str(raised.value), str(raised.value)
+    assert "optim.dense" not in str(raised.value), str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [(["+scheduler@optim.sparse_scheduler=exponential_decay"], "optim.sparse_scheduler.warmup_steps"),
+     ([SCHEDULE_OF_A_PART % "{_target_: recsys_runner.optim.schedulers.Constant, warmup_steps: 40}"], "optim.parts.deep.scheduler.warmup_steps")],
+    ids=["sparse", "part"],
+)
+def test_a_group_schedules_warmup_longer_than_training_names_its_own_key(make_cfg, overrides: list[str], key: str) -> None:
+    # exponential_decay's own warmup (100 steps) is longer than the 30 steps of the run: the key to lower is the group's
+    with pytest.raises(ConfigError) as raised:
+        run(make_cfg(*overrides, "tracking=none"))
+    assert f"{key}=" in str(raised.value) and f"lower {key} or train longer" in str(raised.value), str(raised.value)
+
+
 class TestSchedules:
     def test_constant_with_warmup(self) -> None:
         s = Constant(make(ConstantConfig, warmup_steps=10, warmup_start=0.1), total_steps=100)

@@ -140,7 +140,7 @@ def test_exclusions_without_weight_decay_are_warned_about_not_refused(make_cfg: 
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (["+optim.parts.x={pattern: 'blocks[.]1', optimizer: {_target_: torch.optim.Rprop, weight_decay: 0.1}}"],
-     r"optim\.parts\.x\.optimizer: .*torch\.optim\.Rprop takes no weight_decay argument.* Fix: optim\.dense\.weight_decay=0"),
+     r"optim\.parts\.x\.optimizer: .*torch\.optim\.Rprop takes no weight_decay argument.* Fix: optim\.parts\.x\.optimizer\.weight_decay=0"),
     (["+optim.parts.x={pattern: 'blocks[.]1', optimizer: {_target_: torch.optim.Rprop, no_decay_1d: true}}"],
      r"optim\.parts\.x\.optimizer: .*exclude parameters from the weight decay of torch\.optim\.Rprop, which has none"),
     (["optim.dense.no_decay_patterns=['(']"], r"optim\.dense\.no_decay_patterns has '\(', not a valid regular expression"),

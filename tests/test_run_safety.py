@@ -74,6 +74,27 @@ def test_stop_hint_executed_verbatim_continues_the_same_mlflow_run(tmp_path: Pat
     assert steps_logged(uri, mlrun.info.run_id) == list(range(1, 9))
 
 
+def test_the_hint_of_a_run_that_resumes_never_still_resumes(tmp_path: Path) -> None:
+    # checkpoint=none (as debug=fast, debug=profile) composes checkpoint.resume=never, yet a stop writes a checkpoint and
+    # prints a command to resume it: that command must say checkpoint.resume=auto, or it starts over in a new MLflow run
+    # (and writes its own step_00000003 over the one it was to resume from). Twice, so the second hint says it too.
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    launch = [*TRAIN, *SMALL, "checkpoint=none", "train.num_steps=7", "train.stop_after_steps=3", f"tracking.uri={uri}",
+              "tracking.experiment=never", "hydra.run.dir=outputs/never"]
+    first = run_in_process(launch, tmp_path)
+    assert first.returncode == 0 and "after step 3" in first.stderr, first.stderr[-3000:]
+    command = hint_of(first.stderr)
+    assert command is not None and "checkpoint.resume=auto" in command, first.stderr[-2000:]
+    second = run_in_process(command, tmp_path)
+    assert second.returncode == 0 and "step_00000003 at step 3" in second.stdout + second.stderr, second.stderr[-3000:]
+    assert hint_of(second.stderr) == command  # stable: the relaunch's own hint resumes as well
+    third = run_in_process(command, tmp_path)
+    assert third.returncode == 0 and hint_of(third.stderr) is None, third.stderr[-3000:]
+    (mlrun,) = runs(uri, "never")  # one run, continued twice
+    assert mlrun.info.status == "FINISHED" and mlrun.data.tags.get("resumed") == "true"
+    assert steps_logged(uri, mlrun.info.run_id) == list(range(1, 8))
+
+
 def test_nan_guard_hint_resumes_from_a_truly_good_checkpoint(make_cfg, tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     # The lr jumps to 1e29 for the 5th update: the 5th loss is still finite, the weights after it are not good.

@@ -171,3 +171,19 @@ def test_server_goes_away_mid_run(make_cfg, mlflow_server: MlflowServer, tmp_pat
     assert steps == [10, 20, 30, 40, 50]
     assert client.get_metric_history(run_id, "eval/auc")[-1].value == pytest.approx(auc)
     assert "config.yaml" in {a.path for a in client.list_artifacts(run_id)}
+
+
+@pytest.mark.parametrize("content", [None, "{not json", '{"run_id": "abc"}', "[1, 2]"], ids=["missing", "not-json", "lacks-keys", "a-list"])
+def test_replay_of_a_file_that_is_no_replay_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str | None) -> None:
+    # python -m recsys_runner.tracking replay <file>: a mistyped path or another file is the user's to fix, said in one
+    # line with exit status 2, never a FileNotFoundError or KeyError traceback
+    from recsys_runner.tracking.__main__ import main
+
+    path = tmp_path / "mlflow_unsent_abc.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as exited:
+        main(["replay", str(path)])
+    err = capsys.readouterr().err.strip()
+    assert exited.value.code == 2 and err.startswith(f"Tracking error: {path}") and "Fix: give the mlflow_unsent_" in err, err
+    assert len(err.splitlines()) == 1, err

@@ -19,8 +19,8 @@ from omegaconf import MISSING
 
 from recsys_runner.configurable import config_class, locate_class, make
 from recsys_runner.errors import ConfigError, require
-from recsys_runner.optim.optimizers import DENSE_CONFIGS, DenseOptimizerConfig
-from recsys_runner.optim.schedulers import SchedulerConfig
+from recsys_runner.optim.optimizers import DENSE_CONFIGS, DenseOptimizerConfig, optimizer_error
+from recsys_runner.optim.schedulers import SchedulerConfig, schedule_error
 from recsys_runner.optim.sparse import SparseOptimizerConfig
 
 C = TypeVar("C")
@@ -104,12 +104,17 @@ def _part_config(name: str, part: Any, lr: float) -> PartConfig:
     require(optimizer is not None, f"{where} has no optimizer; set {where}.optimizer="
             "{_target_: torch.optim.SGD, lr: 0.1} (any torch.optim class)")
     scheduler = part.get("scheduler")
-    return PartConfig(
-        pattern=pattern,
-        optimizer=optimizer if isinstance(optimizer, DenseOptimizerConfig) else _dense_config(f"{where}.optimizer", optimizer, lr),
-        scheduler=scheduler if scheduler is None or isinstance(scheduler, SchedulerConfig)
-        else _typed_mapping(f"{where}.scheduler", scheduler, SchedulerConfig, {}),
-    )
+    if scheduler is not None and not isinstance(scheduler, SchedulerConfig):
+        try:
+            scheduler = _typed_mapping(f"{where}.scheduler", scheduler, SchedulerConfig, {})
+        except ConfigError as e:
+            raise schedule_error(f"{where}.scheduler", e) from None
+    if not isinstance(optimizer, DenseOptimizerConfig):
+        try:
+            optimizer = _dense_config(f"{where}.optimizer", optimizer, lr)
+        except ConfigError as e:
+            raise optimizer_error(f"{where}.optimizer", e) from None
+    return PartConfig(pattern=pattern, optimizer=optimizer, scheduler=scheduler)
 
 
 def signature_config(cls: type[torch.optim.Optimizer]) -> type[DenseOptimizerConfig]:

@@ -36,6 +36,17 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimiz
 from recsys_runner.configurable import Configurable
 from recsys_runner.errors import ConfigError, require
 
+_DENSE_KEY = re.compile(r"(?<![\w.])optim\.dense\.")
+
+
+def optimizer_error(where: str, error: ConfigError) -> ConfigError:
+    """``error`` of a dense optimizer's config or build, with its keys named where that optimizer sits.
+
+    :class:`DenseOptimizerConfig`'s checks name ``optim.dense.<key>``, but the same config is also a part's
+    ``optim.parts.<name>.optimizer``, where ``optim.dense.no_decay_patterns`` would change another optimizer.
+    """
+    return ConfigError(_DENSE_KEY.sub(f"{where}.", str(error)))
+
 
 def check_rate_and_decay(where: str, lr: float, weight_decay: float) -> None:
     """The checks every optimizer config (sparse and dense) makes of its learning rate and weight decay."""
@@ -269,7 +280,10 @@ def dense_optimizers(
             )
         for k in taken:
             del remaining[k]
-        out.append((OptimizerGroup.part(name), _keyed(taken, factory)))
+        try:
+            out.append((OptimizerGroup.part(name), _keyed(taken, factory)))
+        except ConfigError as e:  # e.g. a no_decay_patterns entry that matches none of the part's parameters
+            raise optimizer_error(f"optim.parts.{name}.optimizer", e) from None
     if remaining:
         out.append((DENSE, _keyed(remaining, dense)))
     return out

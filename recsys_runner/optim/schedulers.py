@@ -19,6 +19,7 @@ from __future__ import annotations
 import abc
 import bisect
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,21 @@ def _warmup(step: int, warmup_steps: int, warmup_start: float) -> float | None:
     if step < warmup_steps:
         return warmup_start + (1.0 - warmup_start) * step / warmup_steps
     return None
+
+
+_SCHEDULER_KEY = re.compile(r"(?<![\w.])scheduler\.")
+
+
+def schedule_error(where: str, error: ConfigError) -> ConfigError:
+    """``error`` of a schedule's config or build, with its keys named where the schedule sits.
+
+    The checks below name the top-level ``scheduler.<key>``, but the same configs also sit in
+    ``optim.sparse_scheduler``, ``optim.dense_scheduler`` and ``optim.parts.<name>.scheduler``; there the fix is to
+    change ``optim.sparse_scheduler.warmup_steps``, and ``scheduler.warmup_steps`` would change another schedule.
+    """
+    if where == "scheduler":
+        return error
+    return ConfigError(_SCHEDULER_KEY.sub(f"{where}.", str(error)))
 
 
 @dataclass(kw_only=True)

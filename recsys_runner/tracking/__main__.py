@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> None:
         with reported():
             print(end(args.run_id, args.status, args.uri))
         return
-    run_id = replay(args.file, args.uri)
+    with reported():  # a missing or foreign file: one line, exit status 2
+        run_id = replay(args.file, args.uri)
     print(f"replayed {args.file} into run {run_id}")
 
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from recsys_runner.errors import Stopped
+from recsys_runner.errors import Stopped, TrackingError
 from recsys_runner.tracking.store import is_remote, no_http_retries
 
 log = logging.getLogger(__name__)
@@ -95,12 +95,30 @@ class Outbox:
         return path
 
 
+_RECORD_KEYS = ("uri", "run_id", "status", "metrics", "texts")
+"""What :meth:`Outbox.write` puts in a replay file, and :func:`replay` reads."""
+
+
 def replay(path: str | Path, uri: str | None = None) -> str:
-    """Send a file written by :meth:`Outbox.write` to its run and set the run's end status."""
+    """Send a file written by :meth:`Outbox.write` to its run and set the run's end status.
+
+    Raises:
+        TrackingError: the file is missing or is no replay file (the command line's one line and exit status 2, not a
+            traceback).
+    """
     from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
 
-    record = json.loads(Path(path).read_text())
+    fix = (f"Fix: give the mlflow_unsent_<run id>.json a run wrote when its store was gone (the run's tag {UNSENT_DIR_TAG} "
+           "names its directory)")
+    try:
+        record = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise TrackingError(f"{path}: no such file. {fix}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TrackingError(f"{path} cannot be read as a replay file ({type(e).__name__}: {e}). {fix}") from None
+    if not isinstance(record, dict) or (lacks := [k for k in _RECORD_KEYS if k not in record]):
+        raise TrackingError(f"{path} is no replay file: it lacks {lacks if isinstance(record, dict) else list(_RECORD_KEYS)}. {fix}")
     client = MlflowClient(tracking_uri=uri or record["uri"])
     metrics = [Metric(k, v, ts, step) for k, v, ts, step in record["metrics"]]
     for i in range(0, len(metrics), METRICS_PER_CALL):
