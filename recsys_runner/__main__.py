@@ -109,7 +109,12 @@ def _note_resume(c: Components, launch: Launch) -> None:
         tracker.set_tag("resume_changes", f"at step {state.step}: {'; '.join(state.resume_changes)}")
     directory = c.loop.checkpointer.dir
     if directory is not None and c.env.is_main and (command := launch.resume_command(directory)):
-        log.info("checkpoints: %s (if this run dies, resume it with: %s)", directory, command)
+        if during := c.loop.checkpointer.kept_through_a_crash():
+            log.info("checkpoints: %s, %s (if this run dies, resume it with: %s)", directory, " and ".join(during), command)
+        else:
+            log.info("checkpoints: %s, written only %son a stop by a signal: a crash keeps none (checkpoint.every_steps=N keeps one "
+                     "every N steps; after a stop, resume it with: %s)", directory, "at the end and " if c.loop.checkpointer.config.at_end else "",
+                     command)
 
 
 @hydra.main(config_path=CONFIG_PATH, config_name="config", version_base="1.3")

@@ -67,7 +67,7 @@ BAD_CONFIGS = {
     "zero-batch": (["data.batch_size=0"], 2, ["data.batch_size must be positive"]),
     "negative-batch": (["data.batch_size=-8"], 2, ["data.batch_size must be positive"]),
     "zero-lr": (["optim.lr=0"], 2, ["lr must be positive"]),
-    "negative-dense-lr": (["optim.dense.lr=-0.1"], 2, ["optim.dense.lr must be positive"]),
+    "negative-dense-lr": (["optim.dense.lr=-0.1"], 2, ["optim.dense.lr must be positive", "Fix: e.g. optim.dense.lr=0.01 where it is set"]),
     "dims-deepfm": (["model.embedding_dim=8", "model.dense_arch_layer_sizes=[64,16]"], 2,
                     ["model.dense_arch_layer_sizes ends in 16 but model.embedding_dim=8", "FM", "model.dense_arch_layer_sizes=[64,null]"]),
     "dims-dlrm": (["model=dlrm", "model.dense_arch_layer_sizes=[64,32]"], 2, ["ends in 32 but model.embedding_dim=16", "DLRM"]),

@@ -83,6 +83,10 @@ def test_the_hint_of_a_run_that_resumes_never_still_resumes(tmp_path: Path) -> N
               "tracking.experiment=never", "hydra.run.dir=outputs/never"]
     first = run_in_process(launch, tmp_path)
     assert first.returncode == 0 and "after step 3" in first.stderr, first.stderr[-3000:]
+    # no periodic checkpoints: the start-up line must not promise a resume after a crash
+    log = first.stdout + first.stderr
+    assert ", written only on a stop by a signal: a crash keeps none (checkpoint.every_steps=N" in log, log[-3000:]
+    assert "if this run dies" not in log
     command = hint_of(first.stderr)
     assert command is not None and "checkpoint.resume=auto" in command, first.stderr[-2000:]
     second = run_in_process(command, tmp_path)
@@ -103,6 +107,7 @@ def test_nan_guard_hint_resumes_from_a_truly_good_checkpoint(make_cfg, tmp_path:
     failed = run_in_process([*TRAIN, *common, *blowup], tmp_path)
     assert failed.returncode == 1, failed.stderr[-3000:]
     assert "Training failed: train loss is nan at step 6" in failed.stderr
+    assert ", every 1 steps (if this run dies, resume it with: " in failed.stdout + failed.stderr  # periodic checkpoints outlive a crash
     assert "the last good checkpoint is" in failed.stderr and "step_00000004)" in failed.stderr
     command = hint_of(failed.stderr)
     assert command is not None and "scheduler.rates=[1.0,1e30]" in command

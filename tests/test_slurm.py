@@ -92,7 +92,7 @@ def test_collect_names_a_detached_job_that_died_before_its_mlflow_run(slurm_clus
     assert time.monotonic() - started < 300, "noticed when the jobs ended, not at the timeout"
     first_id = parent.data.tags["sweep.slurm_job_ids"].split()[0]
     assert (f"Job #0 (SLURM {first_id}, FAILED) failed: Config error: optim.sparse.lr must be positive, got -1.0. "
-            "Fix: e.g. optim.lr=0.01") in collected.stderr.splitlines(), collected.stderr[-3000:]
+            "Fix: e.g. optim.sparse.lr=0.01 where it is set, else optim.lr=0.01 (its default)") in collected.stderr.splitlines(), collected.stderr[-3000:]
     parent, (child,) = _sweep(uri, "slurm_died")
     assert parent.info.status == "FAILED" and parent.data.tags["sweep.failed_jobs"] == f"#0 (SLURM {first_id}, FAILED)"
     assert child.info.status == "FINISHED" and parent.data.tags["best.run_id"] == child.info.run_id

@@ -325,7 +325,7 @@ def test_submitit_local_waits_for_every_job_and_names_a_failed_one(tmp_path: Pat
                   "train.num_steps=5", f"tracking.uri={uri}", "tracking.experiment=local_failed", cwd=tmp_path, timeout=600)
     assert out.returncode == 1, out.stderr[-3000:]
     lines = out.stderr.strip().splitlines()
-    assert lines[-2] == "Job #0 failed: Config error: optim.sparse.lr must be positive, got -1.0. Fix: e.g. optim.lr=0.01", lines[-3:]
+    assert lines[-2] == "Job #0 failed: Config error: optim.sparse.lr must be positive, got -1.0. Fix: e.g. optim.sparse.lr=0.01 where it is set, else optim.lr=0.01 (its default)", lines[-3:]
     assert lines[-1].startswith("Sweep failed (failed job(s): #0 optim.lr=-1); 1 of 1 child runs finished"), lines[-1]
     assert "Traceback" not in out.stderr and "validated against ConfigStore schema" not in out.stderr
     parent, (child,) = _parent_and_children(uri, "local_failed")

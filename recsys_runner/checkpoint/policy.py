@@ -134,6 +134,17 @@ class Checkpointer:
             and (epoch_ended + 1) % self.config.every_epochs == 0
         return by_epoch or bool(self.config.every_steps and step % self.config.every_steps == 0)
 
+    def kept_through_a_crash(self) -> list[str]:
+        """When this run writes checkpoints that a crash (an OOM kill, ``kill -9``, a lost node) leaves to resume from:
+        ``every N steps``, ``every N epochs``, ``on a better <metric>``; empty when it keeps none.
+
+        Why: the start-up line says how to resume. The end's checkpoint and a signal's are written by a run still in
+        control; promising a resume "if this run dies" is wrong for a run that writes none of the periodic kind.
+        """
+        c = self.config
+        during = [f"every {n} {unit}" for n, unit in ((c.every_steps, "steps"), (c.every_epochs, "epochs")) if n]
+        return during + ([f"on a better {c.best_metric}"] if c.best_metric is not None else [])
+
     # -- saving ----------------------------------------------------------------------------------
     def save(self, state: TrainState, metrics: Mapping[str, float] | None = None, best: bool = False) -> str | None:
         """Write a checkpoint of ``state`` atomically; returns its path (``None`` without a dir). A store that fails

@@ -50,7 +50,7 @@ def optimizer_error(where: str, error: ConfigError) -> ConfigError:
 
 def check_rate_and_decay(where: str, lr: float, weight_decay: float) -> None:
     """The checks every optimizer config (sparse and dense) makes of its learning rate and weight decay."""
-    require(lr > 0, f"{where}.lr must be positive, got {lr}. Fix: e.g. optim.lr=0.01")
+    require(lr > 0, f"{where}.lr must be positive, got {lr}. Fix: e.g. {where}.lr=0.01 where it is set, else optim.lr=0.01 (its default)")
     require(weight_decay >= 0, f"{where}.weight_decay must be >= 0, got {weight_decay}")
 
 
