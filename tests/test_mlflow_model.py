@@ -110,6 +110,24 @@ def test_pyfunc_model_scores_raw_rows_as_predict_does(deepfm: dict[str, Any]) ->
         model.predict(as_text.head(3).assign(price=["1.0", "cheap", "2"]))
 
 
+
+def test_a_list_in_a_column_of_one_value_per_row_is_refused_naming_it(deepfm: dict[str, Any]) -> None:
+    """A list sent where training read one value per row: in an id column the encoder would pool its ids into one bag (two
+    users scored as one row training never saw), in a dense column Arrow cannot cast it — both a named 400, while a
+    multi-hot column (``tags``) still takes lists."""
+    import mlflow.pyfunc
+
+    model = mlflow.pyfunc.load_model(str(deepfm["model"]))
+    rows = pd.read_csv(deepfm["root"] / "score.csv", dtype=str).head(3)
+    with pytest.raises(Exception, match=r"request row 1, column 'user' holds a list \(\['u1', 'u2'\]\), but the model reads one value per "
+                                        r"row in it\. Fix: send one value per row in 'user' \(a list per row only in \['tags'\]\)"):
+        model.predict(rows.assign(user=[None, ["u1", "u2"], None]))
+    with pytest.raises(Exception, match=r"request row 0, column 'price' holds a list \(\['1.5'\]\).*Fix: send one value per row in 'price'"):
+        model.predict(rows.assign(price=[["1.5"], ["2"], ["3"]]))
+    listed = rows.assign(tags=[t.split("|") if isinstance(t, str) else [] for t in rows["tags"]])
+    np.testing.assert_allclose(model.predict(listed)["score"].to_numpy(), deepfm["reference"]["score"].to_numpy()[:3], atol=ATOL)
+
+
 BLOCKER = """
 import importlib.abc, sys
 BLOCKED = ("recsys_runner", "torchrec", "fbgemm_gpu")
