@@ -92,6 +92,10 @@ def test_pyfunc_model_scores_raw_rows_as_predict_does(deepfm: dict[str, Any]) ->
     np.testing.assert_allclose(model.predict(as_text)["score"].to_numpy(), reference, atol=ATOL)
     listed = as_text.assign(tags=[t.split("|") if isinstance(t, str) else [] for t in as_text["tags"]])  # multi-hot as lists
     np.testing.assert_allclose(model.predict(listed)["score"].to_numpy(), reference, atol=ATOL)
+    # a shuffled frame (its index not 0..n-1, as after sorting, sampling or filtering) and its columns in another order: the
+    # scores come back on the request's index, so pandas' assignment puts each on its own row
+    shuffled = as_text.sample(frac=1, random_state=0)[list(reversed(as_text.columns))]
+    np.testing.assert_allclose(shuffled.assign(score=model.predict(shuffled)["score"]).sort_index()["score"].to_numpy(), reference, atol=ATOL)
     # Past MLflow's signature check (JSON requests are converted to its types; a Python caller may skip it): ids as numbers,
     # prices as floats with NaN, are cast to what training read — the text of the CSV — and score the same.
     typed = pd.read_csv(deepfm["root"] / "score.csv")

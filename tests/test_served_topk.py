@@ -116,6 +116,9 @@ def test_served_top_k_equals_predicts_in_raw_ids_and_reads_an_unknown_id_as_the_
         assert served[served_topk.UNKNOWN_IDS].tolist() == [int(exclude_seen and r in changed) for r in range(len(request))]
         seen_in_top = [set(items) & set(history) for items, history in zip(served[TOP_ITEMS], asked["hist_item_id"], strict=True)]
         assert not any(seen_in_top) if exclude_seen else any(seen_in_top)  # the mask had something to exclude
+    # a reversed frame (its index not 0..n-1): the answers come back on the request's index, so assigning them lines up
+    backwards = request.iloc[::-1]
+    assert backwards.assign(top=model.predict(backwards)[TOP_ITEMS]).sort_index()["top"].tolist() == model.predict(request)[TOP_ITEMS].tolist()
     # k from the request; without params the export's export.top_k; a history longer than max_len is cut as training cut it
     assert [len(items) for items in model.predict(request.head(3), params={"k": 2})[TOP_ITEMS]] == [2, 2, 2]
     assert [len(items) for items in model.predict(request.head(3))[TOP_ITEMS]] == [K, K, K]

@@ -165,10 +165,12 @@ class ServedModel:
         frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)
         if len(frame) == 0:  # the program's batch is at least one row: no rows, no scores (still only with every column)
             self.request.check(frame)
-            return pd.DataFrame(empty_scores(self.spec["outputs"]))
+            return pd.DataFrame(empty_scores(self.spec["outputs"]), index=frame.index)
         with torch.inference_mode():  # no autograd bookkeeping at all (no_grad still keeps version counters): less per op
             out = self.program(*self.encode(frame))
-        return pd.DataFrame(scores(out, self.spec["outputs"]))
+        # the request's index, so that ``frame.assign(score=model.predict(frame)["score"])`` lines up row by row whatever the
+        # index (a sorted, sampled or filtered frame): pandas aligns on it, and a fresh 0..n-1 would misplace every row
+        return pd.DataFrame(scores(out, self.spec["outputs"]), index=frame.index)
 
 
 def scores(out: Any, outputs: list[dict[str, Any]]) -> dict[str, np.ndarray]:
