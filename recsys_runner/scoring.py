@@ -54,6 +54,7 @@ from recsys_runner.inference_build import Inference
 from recsys_runner.progress import Progress
 from recsys_runner.scoring_topk import TOP_ITEMS, Scorer, top_k_scorer
 from recsys_runner.tasks import score_columns
+from recsys_runner.tracking.folders import unwritable
 
 log = logging.getLogger(__name__)
 
@@ -102,9 +103,15 @@ def earlier_parts(output: Path) -> tuple[list[Path], list[Path]]:
 
 def check_output(output: Path, overwrite: bool) -> None:
     """Refuse an ``output`` holding part files of an earlier run, saying which are complete and which incomplete; with
-    ``overwrite`` delete them instead (every rank may do so: nothing is written before all ranks have built)."""
+    ``overwrite`` delete them instead (every rank may do so: nothing is written before all ranks have built). A local
+    ``output`` that cannot be written (under a file, read-only, no permission) is refused too, now rather than with a raw
+    ``OSError`` once the model is built and the first part is written."""
     if not uris.is_remote(output) and output.exists() and not output.is_dir():
         raise ConfigError(f"predict.output={output} is a file, not a directory. Fix: predict.output=<directory for the part files>")
+    found = None if uris.is_remote(output) else unwritable(output)
+    if found is not None:
+        _, cause, fix = found
+        raise ConfigError(f"predict.output={output} cannot be written: {cause}. Fix: {fix}, or another predict.output")
     complete, incomplete = earlier_parts(output)
     if not complete and not incomplete:
         return

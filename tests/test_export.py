@@ -278,6 +278,10 @@ def test_export_refuses_a_used_dir_before_building_and_overwrite_replaces_the_wh
     (tmp_path / "other" / "notes.txt").write_text("mine")
     with pytest.raises(ConfigError, match=r"holds \['notes.txt'\], which no export writes; export.overwrite=true replaces only"):
         export.run(export_cfg(*SMALL, f"load={tmp_path / 'ck'}", f"export.dir={tmp_path / 'other'}", "export.overwrite=true"))
+    under_a_file = tmp_path / "other" / "notes.txt" / "export"  # not a raw NotADirectoryError once the model is traced
+    with pytest.raises(ConfigError, match=rf"export.dir={under_a_file} cannot be written: a file is in the place of its parent "
+                                          rf"folder {tmp_path / 'other' / 'notes.txt'}\. Fix: move or remove"):
+        export.run(export_cfg(*SMALL, f"load={tmp_path / 'ck'}", f"export.dir={under_a_file}"))
     monkeypatch.undo()
 
     # overwrite: the DeepFM export replaces the DSSM one as a whole (no tower files left beside it)

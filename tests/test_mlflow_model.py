@@ -92,6 +92,10 @@ def test_pyfunc_model_scores_raw_rows_as_predict_does(deepfm: dict[str, Any]) ->
     np.testing.assert_allclose(model.predict(as_text)["score"].to_numpy(), reference, atol=ATOL)
     listed = as_text.assign(tags=[t.split("|") if isinstance(t, str) else [] for t in as_text["tags"]])  # multi-hot as lists
     np.testing.assert_allclose(model.predict(listed)["score"].to_numpy(), reference, atol=ATOL)
+    # a shuffled frame (its index not 0..n-1, as after sorting, sampling or filtering) and its columns in another order: the
+    # scores come back on the request's index, so pandas' assignment puts each on its own row
+    shuffled = as_text.sample(frac=1, random_state=0)[list(reversed(as_text.columns))]
+    np.testing.assert_allclose(shuffled.assign(score=model.predict(shuffled)["score"]).sort_index()["score"].to_numpy(), reference, atol=ATOL)
     # Past MLflow's signature check (JSON requests are converted to its types; a Python caller may skip it): ids as numbers,
     # prices as floats with NaN, are cast to what training read — the text of the CSV — and score the same.
     typed = pd.read_csv(deepfm["root"] / "score.csv")
@@ -108,6 +112,24 @@ def test_pyfunc_model_scores_raw_rows_as_predict_does(deepfm: dict[str, Any]) ->
         ServedModel(str(deepfm["model"] / "data" / "data")).predict(as_text.drop(columns=["item"]))
     with pytest.raises(Exception, match=r"request row 1, column 'price': 'cheap' is not a number.*Fix the request"):
         model.predict(as_text.head(3).assign(price=["1.0", "cheap", "2"]))
+
+
+
+def test_a_list_in_a_column_of_one_value_per_row_is_refused_naming_it(deepfm: dict[str, Any]) -> None:
+    """A list sent where training read one value per row: in an id column the encoder would pool its ids into one bag (two
+    users scored as one row training never saw), in a dense column Arrow cannot cast it — both a named 400, while a
+    multi-hot column (``tags``) still takes lists."""
+    import mlflow.pyfunc
+
+    model = mlflow.pyfunc.load_model(str(deepfm["model"]))
+    rows = pd.read_csv(deepfm["root"] / "score.csv", dtype=str).head(3)
+    with pytest.raises(Exception, match=r"request row 1, column 'user' holds a list \(\['u1', 'u2'\]\), but the model reads one value per "
+                                        r"row in it\. Fix: send one value per row in 'user' \(a list per row only in \['tags'\]\)"):
+        model.predict(rows.assign(user=[None, ["u1", "u2"], None]))
+    with pytest.raises(Exception, match=r"request row 0, column 'price' holds a list \(\['1.5'\]\).*Fix: send one value per row in 'price'"):
+        model.predict(rows.assign(price=[["1.5"], ["2"], ["3"]]))
+    listed = rows.assign(tags=[t.split("|") if isinstance(t, str) else [] for t in rows["tags"]])
+    np.testing.assert_allclose(model.predict(listed)["score"].to_numpy(), deepfm["reference"]["score"].to_numpy()[:3], atol=ATOL)
 
 
 BLOCKER = """
@@ -412,8 +434,13 @@ def test_parquet_ids_with_gaps_are_served_from_text(tmp_path: Path) -> None:
     np.testing.assert_allclose(model.predict(as_str)["score"].to_numpy(), reference["score"].to_numpy(), atol=ATOL)
     empty = model.predict(request.head(0))  # no rows: no scores (the program's batch is at least one row)
     assert list(empty.columns) == ["score"] and len(empty) == 0 and empty["score"].dtype == np.float32
+    # the list column is ``any`` in the signature (MLflow's array check names no column): the served model names it, and
+    # reads numbers in a list of text ids as their text, as it reads them in a single-valued column
     with pytest.raises(Exception, match=r"column 'tags' cannot be read .*Fix: send one kind of value in it"):
-        unit.predict(request.head(2).assign(tags=[["t1"], "t2"]))
+        model.predict(request.head(2).assign(tags=[["t1"], "t2"]))
+    np.testing.assert_allclose(model.predict(request.head(2).assign(tags=[[1, 2], []]))["score"].to_numpy(),
+                               model.predict(request.head(2).assign(tags=[["1", "2"], []]))["score"].to_numpy(), atol=0)
+    assert [c.type.to_dict() for c in model.metadata.get_input_schema().inputs if c.name == "tags"] == [{"type": "any"}]
     # ids as floats (what pandas makes of a JSON request's integers beside a null) beyond 2**53 may have lost digits already
     np.testing.assert_allclose(unit.predict(request.head(2).assign(user=[1000000000012.0, np.nan]))["score"].to_numpy(),
                                unit.predict(request.head(2).assign(user=["1000000000012", None]))["score"].to_numpy(), atol=ATOL)

@@ -226,6 +226,10 @@ def test_predict_refuses_an_output_with_earlier_parts_naming_the_incomplete_ones
                                           r"incomplete .*: .tmp-part-00002-00000.parquet, part-00001-00000.parquet\).*"
                                           r"Fix: predict.overwrite=true to delete them first"):
         predict.run(cfg)
+    under_a_part = out / "part-00000-00000.parquet" / "out"  # not a raw NotADirectoryError once the model is built
+    with pytest.raises(ConfigError, match=rf"predict.output={under_a_part} cannot be written: a file is in the place of its parent folder"):
+        predict.run(compose_entry("predict", *trained, f"load={root}/ck", f"predict.input={tmp_path}/b.parquet",
+                                  f"predict.output={under_a_part}"))
     monkeypatch.undo()
 
     cfg.predict.overwrite = True

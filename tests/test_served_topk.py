@@ -116,6 +116,9 @@ def test_served_top_k_equals_predicts_in_raw_ids_and_reads_an_unknown_id_as_the_
         assert served[served_topk.UNKNOWN_IDS].tolist() == [int(exclude_seen and r in changed) for r in range(len(request))]
         seen_in_top = [set(items) & set(history) for items, history in zip(served[TOP_ITEMS], asked["hist_item_id"], strict=True)]
         assert not any(seen_in_top) if exclude_seen else any(seen_in_top)  # the mask had something to exclude
+    # a reversed frame (its index not 0..n-1): the answers come back on the request's index, so assigning them lines up
+    backwards = request.iloc[::-1]
+    assert backwards.assign(top=model.predict(backwards)[TOP_ITEMS]).sort_index()["top"].tolist() == model.predict(request)[TOP_ITEMS].tolist()
     # k from the request; without params the export's export.top_k; a history longer than max_len is cut as training cut it
     assert [len(items) for items in model.predict(request.head(3), params={"k": 2})[TOP_ITEMS]] == [2, 2, 2]
     assert [len(items) for items in model.predict(request.head(3))[TOP_ITEMS]] == [K, K, K]
@@ -125,9 +128,11 @@ def test_served_top_k_equals_predicts_in_raw_ids_and_reads_an_unknown_id_as_the_
     assert any(full)
     same = model.predict(longer)[TOP_ITEMS].tolist()
     assert [a for a, f in zip(same, full, strict=True) if f] == [b for b, f in zip(model.predict(head)[TOP_ITEMS], full, strict=True) if f]
-    # past MLflow's signature (arrays of longs here), ids sent as text for this integer table are read as the integers training keyed
+    # through MLflow's signature (``any``: its array check would refuse them naming no column), ids sent as text or as whole
+    # floats for this integer table are read as the integers training keyed
     as_text = head.assign(hist_item_id=[[str(i) for i in h] for h in head["hist_item_id"]])
-    assert unit.predict(as_text)[TOP_ITEMS].tolist() == model.predict(head)[TOP_ITEMS].tolist()
+    as_floats = head.assign(hist_item_id=[[float(i) for i in h] for h in head["hist_item_id"]])
+    assert model.predict(as_text)[TOP_ITEMS].tolist() == model.predict(as_floats)[TOP_ITEMS].tolist() == model.predict(head)[TOP_ITEMS].tolist()
 
 
 def test_top_k_leaves_out_every_seen_row_beside_padding_and_across_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -159,10 +164,15 @@ def test_bad_requests_and_a_bad_k_are_named(exported: dict[str, Any], loaded: tu
             served.predict(request.drop(columns=["hist_ts"]))
     with pytest.raises(Exception, match=r"request row 1: column 'hist_ts' holds \d+ values for \d+ events"):
         unit.predict(request.assign(hist_ts=[request["hist_ts"][0], [*request["hist_ts"][1], 5], request["hist_ts"][2]]))
+    # each through MLflow's signature too, which leaves the cells to the model: it names the row and the column
     with pytest.raises(Exception, match=r"request row 0, column 'hist_item_id': 42 is not a list"):
-        unit.predict(request.assign(hist_item_id=[42, [], []]))
+        model.predict(request.assign(hist_item_id=[42, [], []]))
     with pytest.raises(Exception, match=r"column 'hist_item_id' cannot be read as int64 .*the model's ids in it are integers"):
-        unit.predict(request.assign(hist_item_id=[["abc"], [], []]))
+        model.predict(request.assign(hist_item_id=[["abc"], [], []]))
+    with pytest.raises(Exception, match=r"request row 1, column 'hist_item_id': a missing id in the list. Fix: leave it out"):
+        model.predict(request.head(2).assign(hist_item_id=[[3], [3, None]], hist_ts=[[1], [1, 2]]))
+    with pytest.raises(Exception, match=r"column 'hist_ts' cannot be read as int64 .*the model's times in it are integers"):
+        model.predict(request.head(1).assign(hist_item_id=[[3]], hist_ts=[[1.5]]))
     # an empty history (a new user) and a missing cell are answered too, alike, through MLflow's signature check (a missing
     # cell of a required array column is refused there); and a request of no rows gets no rows
     answered = model.predict(request.assign(hist_item_id=[[], None, []], hist_ts=[[], None, []]))

@@ -74,26 +74,24 @@ def outputs(tasks: tuple[Task, ...]) -> list[dict[str, Any]]:
 
 
 def signature(types: dict[str, str], columns: list[str]) -> Any:
-    """The input signature: every single-valued raw column as ``string``, a list column as an array of its elements' type.
+    """The input signature: every single-valued raw column as ``string``, a list column as ``any``, not ``required``.
 
     Why text: the served model casts each column to the type training read (``encoders.json``'s ``column_types``) and
     names the column when a value does not fit; MLflow's own types cannot hold a missing id (pandas turns an int column
     with a gap into floats, which a ``long`` column refuses) nor parse a CSV request's bad number without losing the
     column's name. A JSON request's numbers are converted to text by the server; a pandas caller passes ``dtype=str``.
 
-    A list column is not ``required``: MLflow refuses a missing cell (``None``) in a required array column ("Expected data
-    to be list or numpy array, got NoneType", naming no column), where training reads a missing list as an empty one. A
-    request without the column is still refused, naming it, by the served model (``ServedModel.encode``)."""
+    Why not MLflow's arrays for a list column: their check names no column (``Incompatible input types for column .``,
+    ``Expected data to be list or numpy array, got str``) and refuses what the served model reads as training read it —
+    numbers in a list of text ids, a missing element, a missing cell (training reads a missing list as an empty one). The
+    served model casts each list to the type training read and names the column when it cannot, and refuses a request
+    without the column, naming it (``ServedModel.encode``)."""
     from mlflow.models import ModelSignature
-    from mlflow.types.schema import Array, ColSpec, DataType, Schema
-
-    scalar = {"string": DataType.string, "int64": DataType.long, "float64": DataType.double, "bool": DataType.boolean,
-              "null": DataType.string}
+    from mlflow.types.schema import AnyType, ColSpec, DataType, Schema
 
     def spec(name: str) -> ColSpec:
-        t = types.get(name, "string")
-        if t.startswith("list<"):
-            return ColSpec(Array(scalar.get(t[5:-1], DataType.string)), name, required=False)
+        if types.get(name, "string").startswith("list<"):
+            return ColSpec(AnyType(), name, required=False)
         return ColSpec(DataType.string, name)
 
     return ModelSignature(inputs=Schema([spec(c) for c in columns]))

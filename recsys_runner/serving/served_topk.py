@@ -114,7 +114,7 @@ class TopKModel:
         frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)
         if len(frame) == 0:  # the program's batch is at least one row: no rows, no lists (still only with every column)
             self.check_columns(frame)
-            return pd.DataFrame({TOP_ITEMS: [], TOP_SCORES: [], UNKNOWN_IDS: np.zeros(0, np.int64)})
+            return pd.DataFrame({TOP_ITEMS: [], TOP_SCORES: [], UNKNOWN_IDS: np.zeros(0, np.int64)}, index=frame.index)
         inputs, seen, unknown = self.encode(frame)
         with torch.inference_mode():
             queries = self.program(*inputs).float()
@@ -124,7 +124,9 @@ class TopKModel:
             kept = keep[r].numpy()
             items.append(self.item_names[rows[r].numpy()[kept]].tolist())
             lists.append(scores[r].numpy()[kept].astype(np.float32).tolist())
-        return pd.DataFrame({TOP_ITEMS: items, TOP_SCORES: lists, UNKNOWN_IDS: unknown})
+        # the request's index, so that ``frame.assign(top_items=model.predict(frame)[...])`` lines up row by row whatever
+        # the index (a sorted, sampled or filtered frame): pandas aligns on it, and a fresh 0..n-1 would misplace every row
+        return pd.DataFrame({TOP_ITEMS: items, TOP_SCORES: lists, UNKNOWN_IDS: unknown}, index=frame.index)
 
     def parameters(self, params: dict[str, Any] | None) -> tuple[int, bool]:
         """The request's ``k`` and ``exclude_seen`` (the model's defaults where it gives none).

@@ -182,7 +182,7 @@ def write_top_k_model(plan: TopKPlan, model: nn.Module, keys: list[str], batch: 
 
         mlflow.pyfunc.save_model(
             path=str(target), loader_module=served_topk.LOADER_MODULE, data_path=str(directory), code_paths=sorted(str(p) for p in code.iterdir()),
-            signature=signature(columns, request_columns, k), input_example=example, pip_requirements=mlflow_model.requirements())
+            signature=signature(request_columns, k), input_example=example, pip_requirements=mlflow_model.requirements())
     check_served_top_k(target, model, tasks, data, plan, raw, encoders, request_columns)
     return [mlflow_model.MODEL_DIR]
 
@@ -225,16 +225,19 @@ def raw_histories(rows: pa.Table, columns: list[dict[str, Any]], mapping: dict[s
     return pd.DataFrame(out), good
 
 
-def signature(columns: list[dict[str, Any]], request_columns: list[str], k: int) -> Any:
-    """The input signature: each history column an array of its table's raw id type, the times an array of longs; the
-    parameters ``k`` (default ``k``) and ``exclude_seen`` (default true). The arrays are not ``required``: MLflow refuses a
-    missing cell (``None``) in a required one, where the model reads it as a user without history; a request without a
-    column is refused by the model, naming it (``TopKModel.check_columns``)."""
-    from mlflow.models import ModelSignature
-    from mlflow.types.schema import Array, ColSpec, DataType, ParamSchema, ParamSpec, Schema
+def signature(request_columns: list[str], k: int) -> Any:
+    """The input signature: each history column and the times of type ``any``, not ``required``; the parameters ``k``
+    (default ``k``) and ``exclude_seen`` (default true).
 
-    types = {c["column"]: DataType.long if c["integers"] else DataType.string for c in columns}
-    inputs = Schema([ColSpec(Array(types.get(name, DataType.long)), name, required=False) for name in request_columns])
+    Not MLflow's arrays: its check of an array column names no column (``Incompatible input types for column .``) and
+    refuses what the model reads as training read it — ids sent as text or as whole floats, a missing cell (a user
+    without history) in a required array — or names plainly: a missing id in a list, a cell that is not a list. So the
+    model checks each cell itself, naming the row and the column (``TopKModel._lists``), and a request without a column
+    (``TopKModel.check_columns``); the input example shows the lists a request sends."""
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import AnyType, ColSpec, DataType, ParamSchema, ParamSpec, Schema
+
+    inputs = Schema([ColSpec(AnyType(), name, required=False) for name in request_columns])
     params = ParamSchema([ParamSpec("k", DataType.long, k), ParamSpec("exclude_seen", DataType.boolean, True)])
     return ModelSignature(inputs=inputs, params=params)
 

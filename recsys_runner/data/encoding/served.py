@@ -91,6 +91,13 @@ class _Schema:
         return "regression"
 
 
+def _single_valued(document: dict[str, Any]) -> set[str]:
+    """The raw columns ``encoders.json`` reads one value per row in: its dense columns, and its id columns with no
+    separator (a column training read as a list type is told apart by :class:`.served_request.RequestColumns`)."""
+    return {d["name"] for d in document["dense"]} | {s["name"] for s in document["sparse"]
+                                                     if s.get("separator") is None and not s.get("cross")}
+
+
 def _sparse_column(entry: dict[str, Any]) -> SimpleNamespace:
     col = SimpleNamespace(**entry)
     col.size = entry["num_embeddings"]
@@ -113,7 +120,7 @@ class ServedModel:
         self.error = _program.error_class()
         self.request = RequestColumns(
             columns, {name: _values.arrow_type(t) for name, t in (document.get("column_types") or {}).items() if name in columns},
-            {d["name"] for d in document["dense"]}, list(self.spec.get("null_values") or []), self.error)
+            {d["name"] for d in document["dense"]}, _single_valued(document), list(self.spec.get("null_values") or []), self.error)
         """How a request's columns become the columns training read (steps 1 and 2 of :meth:`predict`)."""
         self.schema = _Schema(document, set(self.spec["features"]) if self.spec.get("tower") else None)
         names = [c.name for c in self.schema.sparse] + [g.timestamps for g in self.schema.sequences if g.timestamps]
@@ -158,10 +165,12 @@ class ServedModel:
         frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)
         if len(frame) == 0:  # the program's batch is at least one row: no rows, no scores (still only with every column)
             self.request.check(frame)
-            return pd.DataFrame(empty_scores(self.spec["outputs"]))
+            return pd.DataFrame(empty_scores(self.spec["outputs"]), index=frame.index)
         with torch.inference_mode():  # no autograd bookkeeping at all (no_grad still keeps version counters): less per op
             out = self.program(*self.encode(frame))
-        return pd.DataFrame(scores(out, self.spec["outputs"]))
+        # the request's index, so that ``frame.assign(score=model.predict(frame)["score"])`` lines up row by row whatever the
+        # index (a sorted, sampled or filtered frame): pandas aligns on it, and a fresh 0..n-1 would misplace every row
+        return pd.DataFrame(scores(out, self.spec["outputs"]), index=frame.index)
 
 
 def scores(out: Any, outputs: list[dict[str, Any]]) -> dict[str, np.ndarray]:

@@ -62,13 +62,16 @@ class RequestColumns:
         columns: the request columns the model reads (``serving.json``'s ``input_columns``).
         types: each column's Arrow type as training read it (``encoders.json``'s ``column_types``).
         dense_columns: the columns read as dense features.
+        single_valued: the columns holding one value per row (dense columns, and id columns training split at no
+            separator): a list sent in one is refused (:meth:`_one_value_per_row`), not read as a multi-hot bag.
         null_values: the CSV reader's missing-value tokens (``serving.json``'s ``null_values``).
         error: what a request that cannot be read raises (MLflow's ``BAD_REQUEST``: :func:`.served_program.error_class`).
     """
 
-    def __init__(self, columns: list[str], types: dict[str, pa.DataType], dense_columns: set[str], null_values: list[str],
-                 error: type[Exception]) -> None:
+    def __init__(self, columns: list[str], types: dict[str, pa.DataType], dense_columns: set[str], single_valued: set[str],
+                 null_values: list[str], error: type[Exception]) -> None:
         self.columns, self.types, self.dense_columns, self.error = columns, types, dense_columns, error
+        self.single_valued = {name for name in single_valued if not _values.is_list(types.get(name, pa.string()))}
         self.null_values = pa.array(list(null_values), pa.string())
         self.absent_texts = pa.array(sorted({*self.null_values.to_pylist(), *ABSENT_TEXTS}), pa.string())
         """The texts read as missing in a column training read as numbers (:data:`ABSENT_TEXTS`, with the null tokens)."""
@@ -150,6 +153,8 @@ class RequestColumns:
                     arr = pc.if_else(tokens, pa.scalar(None, pa.string()), arr)
             if target is not None and pa.types.is_integer(target):
                 arr = _whole_texts(arr)
+        if _values.is_list(arr.type) and name in self.single_valued:
+            self._one_value_per_row(name, arr)
         if target is None or pa.types.is_null(arr.type) or pa.types.is_null(target) or arr.type == target:
             return arr
         if name in self.dense_columns and pa.types.is_string(target):
@@ -167,6 +172,16 @@ class RequestColumns:
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
             raise self.error(f"column {name!r} cannot be read as {target} ({str(e).splitlines()[0]}): the model was trained "
                                  f"on {target} values in it. Fix: send {target} values") from None
+
+    def _one_value_per_row(self, name: str, arr: pa.Array) -> None:
+        """Raises RequestError (MLflow's ``BAD_REQUEST``) for a list sent in column ``name``, which training read one value
+        per row in: the encoder would read a list in an id column as a multi-hot bag (two users pooled into one row
+        training never saw: a silently wrong score), and Arrow cannot cast one in a dense column."""
+        row = int(pc.index(pc.is_valid(arr), True).as_py())
+        listed = sorted(set(self.columns) - self.single_valued)
+        raise self.error(f"request row {row}, column {name!r} holds a list ({arr[row].as_py()!r}), but the model reads one value "
+                         f"per row in it. Fix: send one value per row in {name!r}"
+                         f"{f' (a list per row only in {listed})' if listed else ''}")
 
     def _exact_ids(self, name: str, arr: pa.Array) -> None:
         """Raises RequestError (MLflow's ``BAD_REQUEST``) when ids of column ``name`` arrive as floats beyond
