@@ -53,8 +53,8 @@ from recsys_runner.features import FeatureSpec
 from recsys_runner.inference_build import Inference
 from recsys_runner.progress import Progress
 from recsys_runner.scoring_topk import TOP_ITEMS, Scorer, top_k_scorer
+from recsys_runner.staging import unwritable
 from recsys_runner.tasks import score_columns
-from recsys_runner.tracking.folders import unwritable
 
 log = logging.getLogger(__name__)
 

@@ -14,10 +14,15 @@ and moved into place when complete:
 Both rooms get the output's place already resolved (:func:`recsys_runner.uris.as_path`: a local path or a
 :class:`~recsys_runner.uris.UriPath`) and never ask which it is: that is decided here. May import ``stores``,
 ``uris`` and ``errors``.
+
+Whether a local output can be written at all (:func:`unwritable`, :func:`check_writable`) is asked here too, by every
+command before its work: a file where a folder goes, a read-only disk or a missing permission is one line naming the
+setting, not a raw ``OSError`` at the end.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -26,6 +31,51 @@ from types import TracebackType
 
 from recsys_runner import stores, uris
 from recsys_runner.errors import ConfigError, UserError
+
+
+def unwritable(folder: Path) -> tuple[Path, str, str] | None:
+    """Why files cannot be written into ``folder`` (made, with its parents, if missing, as its writer would):
+    ``(the path at fault, the cause, its fix)``, or ``None`` when it can.
+
+    A missing folder is probed at its nearest existing parent; the probe is a file created and removed at once, so
+    nothing stays (a permission test by mode bits would miss root, ACLs and read-only mounts)."""
+    folder = folder.absolute()
+    base = folder
+    while not os.path.lexists(base) and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        what = "a link to nothing" if base.is_symlink() and not base.exists() else "a file"
+        where = "in its place" if base == folder else f"in the place of its parent folder {base}"
+        return base, f"{what} is {where}", f"move or remove {base}"
+    try:
+        fd, probe = tempfile.mkstemp(dir=base, prefix=".recsys_write_probe_")
+    except PermissionError:
+        return base, f"permission denied: this user (uid {os.getuid()}) cannot create files in {base}", \
+            f"make {base} writable for this user (chmod u+w {base}, or chown it)"
+    except OSError as e:
+        cause = "the file system is read-only" if e.errno == errno.EROFS else f"{type(e).__name__}: {e.strerror or e}"
+        return base, f"{cause} ({base})", f"write somewhere else than {base}"
+    os.close(fd)
+    os.unlink(probe)
+    return None
+
+
+def check_writable(out: Path, what: str, instead: str, cls: type[UserError] = ConfigError) -> None:
+    """Refuse a local output folder ``out`` whose files could not be written, before any work: a :class:`StagedFolder` is
+    built in a sibling and renamed into place, so the folder above ``out`` must take new entries (an ``out`` that exists
+    is probed at its parent, a missing one at its nearest existing parent). Without this the command fails at its end, with
+    a raw ``OSError``, after the work. ``what`` names the output in the message (``export.dir=<out>``), ``instead`` the
+    other way out (``another export.dir``).
+
+    Raises:
+        cls: naming ``what``, the cause and the fix.
+    """
+    if uris.is_remote(out):
+        return
+    found = unwritable(out.parent if out.exists() else out)
+    if found is not None:
+        _, cause, fix = found
+        raise cls(f"{what} cannot be written: {cause}. Fix: {fix}, or {instead}")
 
 
 def held_names(folder: Path, what: str, cls: type[UserError] = ConfigError) -> list[str]:

@@ -190,6 +190,16 @@ def test_convert_with_a_label_not_in_the_header_names_the_flag_and_the_closest_c
                                    "'price'] (did you mean label?). Fix: --label label") and "schema inferred" not in captured.out
 
 
+def test_convert_into_a_file_or_under_one_is_refused_before_reading(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An output that is a file, or under one, was os.makedirs' raw FileExistsError/NotADirectoryError traceback."""
+    path = write_csv(tmp_path / "r.csv")
+    assert data_main(["convert", "--format", "csv", str(path), str(path)]) == 2
+    assert capsys.readouterr().err.startswith(f"Config error: the output folder {path} is a file. Fix: name a folder")
+    assert data_main(["convert", "--format", "csv", str(path), str(path / "out")]) == 2
+    assert capsys.readouterr().err.startswith(f"Config error: the output folder {path / 'out'} cannot be written: a file is in "
+                                              f"the place of its parent folder {path}. Fix: move or remove {path}, or another output folder")
+
+
 def test_convert_of_a_csv_without_format_names_format_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """convert reads Criteo's TSV by default: a CSV was a bad row whose fix was 'set data.delimiter', a training key."""
     path = write_csv(tmp_path / "r.csv")

@@ -17,7 +17,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from recsys_runner.errors import TrackingError
-from recsys_runner.tracking.folders import check_folder, unwritable
+from recsys_runner.staging import unwritable
+from recsys_runner.tracking.folders import check_folder
 from recsys_runner.tracking.tracker import MlflowTracker, MlflowTrackingConfig
 from recsys_runner.train.profiling import check_trace_folder
 from tests.conftest import REPO, TINY

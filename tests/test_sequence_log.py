@@ -382,6 +382,10 @@ def test_a_used_output_folder_is_refused_unless_overwrite_which_replaces_it_whol
     assert (out / "notes.txt").read_text() == "mine"
     assert data_main(["sequences", str(tmp_path / "log.parquet"), str(out / "notes.txt")]) == 2
     assert f"the output {out / 'notes.txt'} is a file, not a folder" in capsys.readouterr().err
+    # under a file: refused before the log is read, not a raw NotADirectoryError when the staging folder is made
+    assert data_main(["sequences", str(tmp_path / "log.parquet"), str(out / "notes.txt" / "rows")]) == 2
+    assert (f"Config error: the output folder {out / 'notes.txt' / 'rows'} cannot be written: a file is in the place of its "
+            f"parent folder {out / 'notes.txt'}. Fix: move or remove {out / 'notes.txt'}, or another output folder") in capsys.readouterr().err
 
 
 # -- signals ------------------------------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ import difflib
 import os
 import shlex
 import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -63,6 +64,7 @@ from recsys_runner.errors import ConfigError, DataError
 from recsys_runner.noise import quiet_known_noise
 from recsys_runner.progress import MODES as PROGRESS_MODES
 from recsys_runner.progress import Progress
+from recsys_runner.staging import unwritable
 from recsys_runner.train import signals  # the one import up the layers (pyproject.toml, docs/architecture.md)
 
 
@@ -164,6 +166,10 @@ def convert(args: argparse.Namespace) -> None:
     encoder = Encoder(schema, args.on_bad_rows, DataError)
     out_schema = converted_schema(schema)
     multi_hot = [s.separator is not None for s in schema.sparse]
+    if os.path.exists(args.output) and not os.path.isdir(args.output):
+        raise ConfigError(f"the output folder {args.output} is a file. Fix: name a folder for the Parquet files")
+    if found := unwritable(Path(args.output)):  # now, not with a raw OSError after the first file is converted
+        raise ConfigError(f"the output folder {args.output} cannot be written: {found[1]}. Fix: {found[2]}, or another output folder")
     os.makedirs(args.output, exist_ok=True)
     total = 0
     # Progress in input bytes: known up front, unlike rows, and it moves within one large file.

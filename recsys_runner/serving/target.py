@@ -12,9 +12,8 @@ from recsys_runner.errors import ConfigError
 from recsys_runner.runtime import Launch
 from recsys_runner.serving import mlflow_model
 from recsys_runner.serving.files import EXAMPLE_FILE, FEATURE_SPEC_FILE, ITEMS_FILE, MODEL_FILE, TOWER_FILE
-from recsys_runner.staging import held_names, is_local_file
+from recsys_runner.staging import check_writable, held_names, is_local_file
 from recsys_runner.tracking import lineage
-from recsys_runner.tracking.folders import unwritable
 
 
 def export_dir(configured: str | None, launch: Launch) -> Path:
@@ -41,7 +40,7 @@ def check_target(out: Path, overwrite: bool) -> None:
         ConfigError: naming the directory, what it holds and the fix.
     """
     held = held_names(out, f"export.dir={out}")
-    check_writable(out)
+    check_writable(out, f"export.dir={out}", "another export.dir")
     if not held:
         return
     shown = held[:8] + ([f"… {len(held) - 8} more"] if len(held) > 8 else [])
@@ -52,19 +51,3 @@ def check_target(out: Path, overwrite: bool) -> None:
     if foreign:
         raise ConfigError(f"export.dir={out} holds {foreign[:8]}, which no export writes; export.overwrite=true replaces only an "
                           f"earlier export's files. Fix: a new export.dir, or move those away")
-
-
-def check_writable(out: Path) -> None:
-    """Refuse a local ``export.dir`` whose files could not be written: the export is staged in a sibling folder and
-    renamed into place (:class:`recsys_runner.staging.StagedFolder`), so the folder above it must take new entries — checked
-    now, not after the checkpoint is loaded and the model traced, where it would fail with a raw ``OSError``.
-
-    Raises:
-        ConfigError: naming ``export.dir``, the cause and the fix.
-    """
-    if uris.is_remote(out):
-        return
-    found = unwritable(out.parent if out.exists() else out)  # a missing folder is probed at its nearest existing parent
-    if found is not None:
-        _, cause, fix = found
-        raise ConfigError(f"export.dir={out} cannot be written: {cause}. Fix: {fix}, or another export.dir")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from recsys_runner import uris
 from recsys_runner.errors import ConfigError
-from recsys_runner.staging import StagedFolder, held_names, is_local_file
+from recsys_runner.staging import StagedFolder, check_writable, held_names, is_local_file
 
 OUTPUT_FILES = ("train.parquet", "eval.parquet", "valid.parquet", "test.parquet", "vocab.json")
 """The files ``sequences`` may write into its output folder (``train``/``eval`` or ``train``/``valid``/``test``, and
@@ -30,6 +30,7 @@ def check_output(output: Path, overwrite: bool) -> list[str]:
             output's files (naming the folder, what it holds and the fix).
     """
     held = held_names(output, f"the output {output}")
+    check_writable(output, f"the output folder {output}", "another output folder")
     if not held:
         return []
     foreign = [n for n in held if not (n in OUTPUT_FILES and is_local_file(output, n))
