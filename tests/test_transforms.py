@@ -8,6 +8,7 @@ What is fitted (a zscore column's mean and std, quantile boundaries) is fitted o
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -202,3 +203,22 @@ def test_fitted_transforms_are_stored_and_reused_by_evaluate(tmp_path: Path) -> 
     after = run_evaluate()
     assert after["eval/auc"] == pytest.approx(before["eval/auc"], abs=1e-6)
     assert after["eval/logloss"] == pytest.approx(before["eval/logloss"], abs=1e-6)
+
+
+def test_a_served_request_is_told_what_is_wrong_not_how_to_train_another_model() -> None:
+    """An id past an ``encoding=id`` table, or text in a bucketized column: training is told the setting that takes it
+    (``data.sparse[item].num_embeddings``); a client of the served model, whose tables are fixed, is told the range."""
+    from recsys_runner.data.encoding.served_request import RequestEncoder, RequestRows
+
+    schema = _schema([], [SparseColumn(name="item", encoding="id", num_embeddings=10), SparseColumn(name="age", boundaries=[18, 30])])
+    for item, age, training, served in ((["3", "12"], ["20", "40"], "Raise data.sparse[item].num_embeddings",
+                                         "id '12' is outside [0, 10) (encoding=id): the model's table for 'item' has 10 rows"),
+                                        (["3", "4"], ["20", "old"], "data.sparse[age].boundaries/quantiles",
+                                         "'old' is not a number, which the model reads from this column (its values are bucketized)")):
+        table = pa.table({"label": ["1", "0"], "item": item, "age": age})
+        with pytest.raises(DataError, match=re.escape(training)):
+            _encode(schema, table)
+        with pytest.raises(DataError) as refused:
+            RequestEncoder(schema, "fail", DataError).encode(table, RequestRows("request", "rows", np.arange(2), 0))
+        assert f"request row 1, column '{'item' if item[1] == '12' else 'age'}': {served}. Fix the request" in str(refused.value)
+        assert "data.sparse" not in str(refused.value)

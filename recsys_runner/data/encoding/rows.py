@@ -81,6 +81,9 @@ class Encoder:
 
     fix = "Fix the data, or set data.on_bad_rows=skip to skip such rows (they are counted and logged)"
     """What a bad row's message ends with (the served model says how to fix a request instead)."""
+    settings_fixes = True
+    """Whether a bad value's message also names the training setting that would take it (``data.sparse[c].num_embeddings``):
+    a fix for whoever trains, not for a client of the served model, whose model is fixed."""
 
     def __init__(self, schema: Any, on_bad_rows: str = "fail", error: type[Exception] = ValueError) -> None:
         self.schema, self.error = schema, error
@@ -220,24 +223,28 @@ class Encoder:
             def describe(i: int) -> str:
                 value = first_bad.get(i)
                 shown = f"{value!r}" if value is not None else "a value"
+                told = self.settings_fixes  # a served model's client gets what is wrong, not how to train another model
                 if _beyond_int64(value, col.hex):
                     how = "hex=false encoding=hash" if col.hex else "encoding=hash"
-                    return (f"{shown} does not fit in a signed 64-bit integer: ids must lie in [-2**63, 2**63). Hash such ids "
-                            f"into the table with data.sparse[{col.name}].{how} (docs/data.md, 'Sparse column fields')")
+                    return (f"{shown} does not fit in a signed 64-bit integer: ids must lie in [-2**63, 2**63)" +
+                            (f". Hash such ids into the table with data.sparse[{col.name}].{how} (docs/data.md, 'Sparse column "
+                             f"fields')" if told else ""))
                 if col.encoding == "bucketize":
-                    return _not_a_number(shown, col)
+                    return _not_a_number(shown, col, told)
                 if col.hex:
                     return f"{shown} is not a hexadecimal string"
                 if col.encoding == "vocab":
                     return f"{shown} is neither text nor an integer (encoding=vocab)"
                 if col.encoding == "raw":
                     space = col.managed_collision.input_hash_size if col.managed_collision is not None else 0
-                    return (f"raw id {shown} is outside [0, {space}). Raise data.sparse[{col.name}].managed_collision."
-                            f"input_hash_size, or pass the ids as text (hashed into it)")
+                    return (f"raw id {shown} is outside [0, {space})" + (f". Raise data.sparse[{col.name}].managed_collision."
+                            f"input_hash_size, or pass the ids as text (hashed into it)" if told else
+                            ": send the id as text, which the model hashes into that range"))
                 if col.encoding == "id":
-                    return (f"id {shown} is outside [0, {col.num_embeddings}) (encoding=id). Raise data.sparse[{col.name}].num_embeddings, "
-                            f"or use encoding=mod or hash")
-                return f"{shown} is not an integer (encoding={col.encoding}); use encoding=hash for strings"
+                    return (f"id {shown} is outside [0, {col.num_embeddings}) (encoding=id)" +
+                            (f". Raise data.sparse[{col.name}].num_embeddings, or use encoding=mod or hash" if told else
+                             f": the model's table for {col.name!r} has {col.num_embeddings} rows"))
+                return f"{shown} is not an integer (encoding={col.encoding})" + ("; use encoding=hash for strings" if told else "")
 
             bad(col.name, row_bad, describe)
             ids = np.where(wrong, 0, ids)
@@ -337,14 +344,13 @@ class Encoder:
         ids = (cross_keys(keys)[present] % np.uint64(col.size)).astype(np.int64)
         return ids, present.astype(np.int32)
 
-    @staticmethod
-    def _buckets(col: Any, arr: pa.Array, bad) -> tuple[np.ndarray, np.ndarray]:
+    def _buckets(self, col: Any, arr: pa.Array, bad) -> tuple[np.ndarray, np.ndarray]:
         """A single-valued ``encoding: bucketize`` column: one id per row, a missing value reading bucket ``0``."""
         n = len(arr)
         valid = np.asarray(arr.is_valid().to_numpy(zero_copy_only=False), dtype=bool) if arr.null_count else np.ones(n, bool)
         numbers, wrong = np.zeros(n, np.float64), np.zeros(n, bool)
         numbers[valid], wrong[valid] = parse_numbers(arr.drop_null() if arr.null_count else arr)
-        bad(col.name, wrong, lambda i: _not_a_number(repr(arr[i].as_py()), col))
+        bad(col.name, wrong, lambda i: _not_a_number(repr(arr[i].as_py()), col, self.settings_fixes))
         return bucket_ids(col, numbers, wrong), np.ones(n, dtype=np.int32)
 
     def _vocabulary(self, col: Any) -> Any:
@@ -430,7 +436,9 @@ def float_ids(col: Any, dtype: pa.DataType) -> str:
             f"number, or bucketize it (data.sparse[{col.name}].boundaries or quantiles)")
 
 
-def _not_a_number(shown: str, col: Any) -> str:
+def _not_a_number(shown: str, col: Any, settings_fixes: bool = True) -> str:
+    if not settings_fixes:
+        return f"{shown} is not a number, which the model reads from this column (its values are bucketized)"
     return (f"{shown} is not a number, which encoding=bucketize reads (data.sparse[{col.name}].boundaries/quantiles). Fix the value, "
             f"or drop the boundaries to treat the column as ids")
 

@@ -53,6 +53,7 @@ class RequestEncoder(_rows.Encoder):
     """The row encoder training used, whose bad rows end with the fix for a request."""
 
     fix = "Fix the request"
+    settings_fixes = False
 
 
 class RequestColumns:
