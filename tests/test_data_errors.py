@@ -8,6 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from recsys_runner.__main__ import run
 from recsys_runner.configurable import make
@@ -360,3 +361,25 @@ def test_csv_not_in_utf8_names_the_line_and_the_encoding(tmp_path: Path) -> None
     with pytest.raises(DataError, match=said):
         read_all(CsvData(make(CsvDataConfig, path=path, eval_path=path, batch_size=1,
                               sparse=[{"name": "item", "num_embeddings": 10, "encoding": "hash"}])))
+
+
+def test_dense_value_beyond_float32_is_a_bad_row(tmp_path: Path) -> None:
+    # 1e39 is a finite float64 but the model's dense input is float32: it read as inf, silently, and trained on NaN losses
+    path = parquet(tmp_path, label=[0, 1, 0], item=[1, 2, 3], price=[1.0, 2.0, 1e39])
+    with pytest.raises(DataError, match=r"row 2 of the file, column 'price': the value is 1e\+39, beyond the range of a 32-bit float "
+                                        r"\(±3\.4e38\).*Log-scale it \(data\.dense\[price\]\.transform=log1p\) or clip it"):
+        read_all(parquet_data(path, dense=[{"name": "price", "transform": "none"}]))
+    data = parquet_data(path, dense=[{"name": "price", "transform": "log1p"}])  # log1p(1e39) is 89.8: fine
+    assert all(torch.isfinite(b.dense_features).all() for b in data.train_batches(0, 0, 1))
+    regression = parquet(tmp_path, "r.parquet", label=[0.5, 1e39, 2.0], item=[1, 2, 3])
+    with pytest.raises(DataError, match=r"row 1 of the file, column 'label': the label \(task 'watch'\) is 1e\+39, but a regression label "
+                                        r"must be finite \(within ±3\.4e38"):
+        read_all(parquet_data(regression, labels={"watch": "label"}, label_kinds={"watch": "regression"}))
+
+
+def test_int64_dense_values_beyond_2_53_are_read(tmp_path: Path) -> None:
+    # Arrow's safe cast to float64 refused them: a traceback from inside Arrow ("Integer value ... not in range")
+    path = parquet(tmp_path, label=[0, 1, 0], item=[1, 2, 3], stamp=pa.array([1, -2**63, 2**63 - 1], pa.int64()))
+    data = parquet_data(path, dense=[{"name": "stamp", "transform": "none"}], batch_size=1)
+    dense = torch.cat([b.dense_features for b in data.train_batches(0, 0, 1)]).flatten().tolist()
+    assert dense == [1.0, float(np.float32(-2.0**63)), float(np.float32(2.0**63))]
