@@ -383,3 +383,31 @@ def test_int64_dense_values_beyond_2_53_are_read(tmp_path: Path) -> None:
     data = parquet_data(path, dense=[{"name": "stamp", "transform": "none"}], batch_size=1)
     dense = torch.cat([b.dense_features for b in data.train_batches(0, 0, 1)]).flatten().tolist()
     assert dense == [1.0, float(np.float32(-2.0**63)), float(np.float32(2.0**63))]
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_columns_name(tmp_path: Path) -> None:
+    # Excel's "CSV UTF-8" begins with a BOM: the first column was named '\ufefflabel', so no label column was found, and the
+    # fix offered, data.label=\ufefflabel, carried the invisible character
+    (tmp_path / "excel.csv").write_text("\ufefflabel,item\n" + "".join(f"{i % 2},{i % 10}\n" for i in range(20)))
+    data = CsvData(make(CsvDataConfig, path=str(tmp_path / "excel.csv"), eval_fraction=0.5, batch_size=1))  # label found by name
+    assert data.schema.label == "label" and read_all(data) == 20
+    (tmp_path / "excel.tsv").write_text("\ufefflabel\titem\n" + "".join(f"{i % 2}\t{i % 10}\n" for i in range(20)))
+    data = CsvData(make(CsvDataConfig, path=str(tmp_path / "excel.tsv"), delimiter=None, header=None, sparse=SPARSE, batch_size=1))
+    assert data.schema.label == "label"  # the header detected despite the mark
+
+
+def test_repeated_column_names_are_refused(tmp_path: Path) -> None:
+    # a CSV header naming 'item' twice read the first 'item' silently; a Parquet schema so made failed in Arrow with a KeyError
+    (tmp_path / "d.csv").write_text("label,item,item\n1,2,3\n0,3,4\n")
+    with pytest.raises(DataError, match=r"d\.csv: its header line names the column 'item' 2 times \(its columns are \['label', 'item', "
+                                        r"'item'\]\).*Fix: rename the repeated columns in the header line, or name every column with "
+                                        r"data\.column_names=\[\.\.\.\]"):
+        CsvData(make(CsvDataConfig, path=str(tmp_path / "d.csv"), sparse=SPARSE))
+    CsvData(make(CsvDataConfig, path=str(tmp_path / "d.csv"), eval_path=str(tmp_path / "d.csv"), column_names=["label", "item", "item2"],
+                 sparse=SPARSE))  # the fix
+    table = pa.Table.from_arrays([pa.array([0, 1]), pa.array([1, 2]), pa.array([3, 4])], names=["label", "item", "item"])
+    pq.write_table(table, tmp_path / "d.parquet")
+    for sparse in (SPARSE, []):  # as configured, and inferred
+        with pytest.raises(DataError, match=r"d\.parquet: its schema names the column 'item' 2 times .*Fix: write it again with a name "
+                                            r"of its own for each column"):
+            parquet_data(str(tmp_path / "d.parquet"), sparse=sparse)

@@ -20,9 +20,12 @@ from recsys_runner.data.files.layout import (
     looks_like_header,
     split_fields,
 )
-from recsys_runner.data.files.sources import PARQUET_MAGIC, SNIFF_BYTES, looks_like_text, read_head
+from recsys_runner.data.files.sources import PARQUET_MAGIC, SNIFF_BYTES, check_unique_names, looks_like_text, read_head
 from recsys_runner.errors import DataError
 
+BOM = "\ufeff"
+"""The byte order mark some writers (Excel's "CSV UTF-8", Windows Notepad) put before a file's first line: not part of
+its first column's name (Arrow's parser skips it before the rows too)."""
 DELIMITER_OPTIONS = {"\t": "tab", ",": "comma", ";": "semicolon", "|": "pipe"}
 """How each detectable delimiter is written on the command line (``data.delimiter=comma``)."""
 
@@ -74,8 +77,8 @@ class CsvHeaders:
         """``path``'s first ``n`` non-empty lines as text (bytes that are not UTF-8 replaced), to detect or check its layout."""
         lines = []
         with self.open_text(path) as f:
-            for raw in f:
-                if line := raw.decode("utf-8", errors="replace").rstrip("\r\n"):
+            for i, raw in enumerate(f):
+                if line := _line(raw, first=i == 0):
                     lines.append(line)
                 if len(lines) >= n:
                     break
@@ -163,7 +166,7 @@ class CsvHeaders:
                             f"data: a header mismatch. Fix: {self.header_key}=true (the line is read as the header: it names the columns, "
                             f"or {self.names_key} replaces its names), or remove the line from the {self.what}")
         if header:
-            names = split_fields(first_line.decode("utf-8", errors="replace").rstrip("\r\n"), delimiter)
+            names = split_fields(_line(first_line, first=True), delimiter)
             data_start = len(first_line)
             if self.column_names:  # names of the config's replace the header's
                 if len(self.column_names) != len(names):
@@ -173,6 +176,11 @@ class CsvHeaders:
         else:
             assert self.column_names is not None
             names, data_start = list(self.column_names), 0
+        if header and not self.column_names:
+            check_unique_names(path, names, "its header line", f"rename the repeated columns in the header line, or name every "
+                               f"column with {self.names_key}=[...] (one name per column, in file order)")
+        else:
+            check_unique_names(path, names, self.names_key, f"give each column a name of its own in {self.names_key}")
         missing = [c for c in columns if c not in names] if columns is not None else []
         if missing:
             if header and len(names) == 1 and (hint := delimiter_hint(names[0], delimiter)):
@@ -211,3 +219,10 @@ class CsvHeaders:
     def line_offset(self, path: str) -> int:
         """Line number of file row ``r`` is ``r + line_offset`` (1-based, header counted)."""
         return 2 if self.layout(path)[1] else 1
+
+
+def _line(raw: bytes, first: bool) -> str:
+    """A line of a file as text, without its line ending (bytes that are not UTF-8 replaced) and, for the file's ``first``
+    line, without a byte order mark (:data:`BOM`)."""
+    text = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+    return text.removeprefix(BOM) if first else text

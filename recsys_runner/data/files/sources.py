@@ -77,6 +77,22 @@ def skip_empty(files: list[str], empty: list[str], what: str, say: bool = True, 
     return [f for f in files if f not in skipped]
 
 
+def check_unique_names(path: str, names: list[str], listed_by: str, fix: str) -> None:
+    """Refuse a file whose columns (``names``, as ``listed_by`` lists them: its header line, its Parquet schema, a setting)
+    repeat a name, with ``fix``.
+
+    Why: every column is read by its name. Of two columns of one name a CSV reader read the first, silently, and Arrow
+    refused a Parquet file's with a ``KeyError`` from deep inside it; which of them was meant cannot be told.
+
+    Raises:
+        DataError: naming the file, the first repeated name and how often it occurs.
+    """
+    repeated = [n for i, n in enumerate(names) if n in names[:i]]
+    if repeated:
+        raise DataError(f"{path}: {listed_by} names the column {repeated[0]!r} {names.count(repeated[0])} times (its columns are "
+                        f"{names}); columns are read by their names, so which one is meant cannot be told. Fix: {fix}")
+
+
 def looks_like_text(head: bytes) -> bool:
     """Whether a file's first bytes look like text (no NUL byte: binary formats have plenty)."""
     return b"\x00" not in head
@@ -225,6 +241,8 @@ class ParquetSource:
                 f"Fix: write it again, or remove it from data.path"
             ) from None
         names = f.schema_arrow.names
+        check_unique_names(path, names, "its schema", "write it again with a name of its own for each column (in pandas, "
+                           "df.columns.is_unique must hold), or remove it from data.path")
         missing = [c for c in self.columns if c not in names]
         if missing:
             raise DataError(
