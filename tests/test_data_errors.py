@@ -411,3 +411,19 @@ def test_repeated_column_names_are_refused(tmp_path: Path) -> None:
         with pytest.raises(DataError, match=r"d\.parquet: its schema names the column 'item' 2 times .*Fix: write it again with a name "
                                             r"of its own for each column"):
             parquet_data(str(tmp_path / "d.parquet"), sparse=sparse)
+
+
+def test_documentation_and_schema_files_in_a_text_directory_are_left_out(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # a directory of text files takes any name, so a dataset's README or the schema file saved beside the data was read
+    # as rows: for an inferred schema its first line was every file's header ("none of its columns ['hello'] is named label")
+    (tmp_path / "part-0.csv").write_text("label,item\n" + "".join(f"{i % 2},{i % 10}\n" for i in range(20)))
+    for name in ("README", "LICENSE.txt", "notes.md", "schema.yaml", "part-0.csv.md5"):
+        (tmp_path / name).write_text("hello\n")
+    with caplog.at_level("INFO"):
+        data = CsvData(make(CsvDataConfig, path=str(tmp_path), eval_fraction=0.5, batch_size=1))
+    assert data.schema.label == "label" and read_all(data) == 20
+    assert [Path(f).name for f in data.split_files()["train"].files] == ["part-0.csv"]
+    said = [r.getMessage() for r in caplog.records if "left out as no data by their names" in r.getMessage()]
+    assert len(said) == 1 and "5 file(s)" in said[0] and "LICENSE.txt, README, notes.md, part-0.csv.md5, schema.yaml" in said[0], said
+    (tmp_path / "train.txt").write_text("label,item\n1,3\n")  # .txt stays data (Criteo's train.txt)
+    assert "train.txt" in [Path(f).name for f in CsvData(make(CsvDataConfig, path=str(tmp_path), eval_fraction=0.5)).split_files()["train"].files]

@@ -8,10 +8,15 @@ scoring), so none of those rooms imports another to find its files. May import `
 from __future__ import annotations
 
 import glob
+import logging
 import os
 
 from recsys_runner import stores, uris
 from recsys_runner.errors import DataError
+
+log = logging.getLogger(__name__)
+_said: set[str] = set()
+"""Directories whose left-out documentation and schema files were logged: a run resolves its paths several times."""
 
 PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")
 """The names of Parquet files in a directory or under a prefix (other names there are left out)."""
@@ -20,8 +25,9 @@ PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")
 def resolve_files(path: str, key: str, suffixes: tuple[str, ...] | None) -> list[str]:
     """The files ``path`` names: a file, a directory (its files, sorted) or a glob pattern.
 
-    In a directory, names starting with ``.`` or ``_`` (``_SUCCESS``, ``.crc``) are ignored, and so
-    are names without one of ``suffixes`` (when given). An object-store URI (``s3://bucket/prefix/``, a glob of one)
+    In a directory, names starting with ``.`` or ``_`` (``_SUCCESS``, ``.crc``) are ignored, and so are names without
+    one of ``suffixes`` (when given), else documentation, schema and checksum files (``README``, ``schema.yaml``:
+    :func:`~recsys_runner.stores.is_data_name`). An object-store URI (``s3://bucket/prefix/``, a glob of one)
     names objects alike (:func:`recsys_runner.stores.list_files`).
     """
     if uris.is_uri(path):
@@ -35,8 +41,13 @@ def resolve_files(path: str, key: str, suffixes: tuple[str, ...] | None) -> list
         raise DataError(f"{key}={path!r} does not exist. Fix: point {key} at a file, a directory or a glob such as '/data/train/*.parquet'")
     if os.path.isfile(path):
         return [path]
-    names = sorted(n for n in os.listdir(path) if not n.startswith((".", "_")))
-    files = [os.path.join(path, n) for n in names if os.path.isfile(os.path.join(path, n)) and (suffixes is None or n.endswith(suffixes))]
+    names = sorted(os.listdir(path))
+    files = [os.path.join(path, n) for n in names if os.path.isfile(os.path.join(path, n)) and stores.is_data_name(n, suffixes)]
+    if suffixes is None and path not in _said:
+        _said.add(path)
+        if left := [n for n in names if os.path.isfile(os.path.join(path, n)) and not n.startswith((".", "_")) and not stores.is_data_name(n, None)]:
+            log.info("%s=%r: %d file(s) left out as no data by their names (%s): documentation, schema and checksum files. "
+                     "To read one, name it (or a glob) in %s", key, path, len(left), ", ".join(left[:5]) + (", …" if len(left) > 5 else ""), key)
     if not files:
         wanted = f" with a name ending in {', '.join(suffixes)}" if suffixes else ""
         raise DataError(f"{key}={path!r} is a directory without data files{wanted}. Fix: point {key} at the directory that holds them")
