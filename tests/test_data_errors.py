@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -427,3 +428,31 @@ def test_documentation_and_schema_files_in_a_text_directory_are_left_out(tmp_pat
     assert len(said) == 1 and "5 file(s)" in said[0] and "LICENSE.txt, README, notes.md, part-0.csv.md5, schema.yaml" in said[0], said
     (tmp_path / "train.txt").write_text("label,item\n1,3\n")  # .txt stays data (Criteo's train.txt)
     assert "train.txt" in [Path(f).name for f in CsvData(make(CsvDataConfig, path=str(tmp_path), eval_fraction=0.5)).split_files()["train"].files]
+
+
+def test_a_dictionary_encoded_column_reads_as_its_values(tmp_path: Path) -> None:
+    # pandas writes a 'category' column as a Parquet dictionary column: hashed, it was a bad row "'a' is not an integer
+    # (encoding=hash); use encoding=hash for strings", and the inferred schema left it out as "neither a number, text nor a list"
+    names = ["a", "b", "c", "a"] * 10
+    category = parquet(tmp_path, "category.parquet", label=[0, 1] * 20, item=pa.array(names).dictionary_encode())
+    plain = parquet(tmp_path, "plain.parquet", label=[0, 1] * 20, item=names)
+    hashed = [{"name": "item", "num_embeddings": 100, "encoding": "hash"}]
+
+    def ids(path: str, sparse: list) -> list[int]:
+        return [i for b in parquet_data(path, sparse=sparse).train_batches(0, 0, 1) for i in b.sparse_features.values().tolist()]
+    assert ids(category, hashed) == ids(plain, hashed)
+    assert ids(category, []) == ids(plain, [])  # inferred: a vocabulary of its values, as of the text column
+    assert parquet_data(category, sparse=[]).schema.vocabularies["item"].keys.size == 3
+
+
+def test_a_sparse_column_of_another_type_than_ids_is_refused_at_start_up(tmp_path: Path) -> None:
+    # a struct, a list of lists, bytes: each row was a bad row "id {'a': 1} is outside [0, 10)", or, hashed, "b'a' is not an
+    # integer (encoding=hash); use encoding=hash for strings"
+    for item, shown in ((pa.array([{"a": 1}, {"a": 2}]), "struct<a: int64>"), (pa.array([[[1]], [[2]]]), "list<element: list<element: int64>>"),
+                        (pa.array([b"a", b"b"]), "binary")):
+        path = parquet(tmp_path, label=[0, 1], item=item)
+        for encoding in ("id", "hash"):
+            with pytest.raises(DataError, match=rf"p\.parquet: column 'item' holds {re.escape(shown)} values, but data\.sparse\[item\] "
+                                                r"reads ids: integers or text, or a list of them per row \(multi-hot\)\. Fix: write the "
+                                                r"column as int64 or string"):
+                parquet_data(path, sparse=[{"name": "item", "num_embeddings": 10, "encoding": encoding}])

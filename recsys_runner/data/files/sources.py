@@ -120,6 +120,26 @@ class Unit:
         return f"row group {self.index}"
 
 
+def plain_schema(schema: pa.Schema) -> pa.Schema:
+    """A Parquet file's Arrow schema with each dictionary-encoded column as its values' type, as :class:`ParquetSource`
+    reads it (:func:`decoded`)."""
+    if not any(pa.types.is_dictionary(t) for t in schema.types):
+        return schema
+    return pa.schema([f.with_type(f.type.value_type) if pa.types.is_dictionary(f.type) else f for f in schema], metadata=schema.metadata)
+
+
+def decoded(table: pa.Table) -> pa.Table:
+    """``table`` with each dictionary-encoded column decoded to its values.
+
+    Why: pandas writes a ``category`` column (and Spark a low-cardinality one may) as a Parquet dictionary column, which
+    Arrow reads back as ``dictionary<values=string, …>``; its values are text, keyed as any text column is, but the
+    encoder and the schema inference read a column's values by their type, and took the dictionary for neither text nor
+    integers ("'a' is not an integer (encoding=hash); use encoding=hash for strings")."""
+    if not any(pa.types.is_dictionary(t) for t in table.schema.types):
+        return table
+    return table.cast(plain_schema(table.schema))
+
+
 def _family(t: pa.DataType) -> str | None:
     """What a column's Arrow type is for reading it: ``number`` (any integer or float width: files of one column may
     differ in it), ``text``, ``list<…>`` of one of these, another type's name (``bool``); ``None`` for a column of nulls
@@ -177,8 +197,8 @@ class ParquetSource:
         for path in self.files:
             f = self._open(path)
             meta = f.metadata
-            reference = reference or (path, f.schema_arrow)
-            if (clash := type_clash(self.columns, reference, (path, f.schema_arrow))) is not None:
+            reference = reference or (path, plain_schema(f.schema_arrow))
+            if (clash := type_clash(self.columns, reference, (path, plain_schema(f.schema_arrow)))) is not None:
                 raise clash
             if meta.num_rows == 0:
                 empty.append(path)  # its schema checked all the same: an empty file of other types is a writer to fix
@@ -204,7 +224,7 @@ class ParquetSource:
         Raises:
             DataError: naming the column, both files and the fix (:func:`type_clash`).
         """
-        mine, theirs = (source._open(source.files[0]).schema_arrow for source in (self, reference))
+        mine, theirs = (plain_schema(source._open(source.files[0]).schema_arrow) for source in (self, reference))
         if (clash := type_clash(self.columns, (reference.files[0], theirs), (self.files[0], mine))) is not None:
             raise clash
 
@@ -258,14 +278,14 @@ class ParquetSource:
         first: tuple[str, pa.Schema] | None = None
         for path in self.files:
             f = self._open(path)
-            first = first or (path, f.schema_arrow)
-            if f.schema_arrow.names == first[1].names and (clash := type_clash(first[1].names, first, (path, f.schema_arrow))):
+            first = first or (path, plain_schema(f.schema_arrow))
+            if f.schema_arrow.names == first[1].names and (clash := type_clash(first[1].names, first, (path, plain_schema(f.schema_arrow)))):
                 raise clash
             try:
                 for rb in f.iter_batches(batch_size=min(wanted, self.read_rows), use_threads=False):
                     if tables and rb.schema.names != tables[0].column_names:
                         return _concat(tables)
-                    tables.append(pa.Table.from_batches([rb]))
+                    tables.append(decoded(pa.Table.from_batches([rb])))
                     wanted -= rb.num_rows
                     if wanted <= 0:
                         return _concat(tables)
@@ -282,7 +302,7 @@ class ParquetSource:
         first = unit.first_row
         try:
             for rb in f.iter_batches(batch_size=self.read_rows, row_groups=[unit.index], columns=self.columns, use_threads=False):
-                yield pa.Table.from_batches([rb]), np.arange(first, first + rb.num_rows)
+                yield decoded(pa.Table.from_batches([rb])), np.arange(first, first + rb.num_rows)
                 first += rb.num_rows
         except (pa.ArrowException, OSError) as e:
             if (refused := stores.failure(f"{unit.path} (row group {unit.index})", e)) is not None:
