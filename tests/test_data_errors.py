@@ -456,3 +456,33 @@ def test_a_sparse_column_of_another_type_than_ids_is_refused_at_start_up(tmp_pat
                                                 r"reads ids: integers or text, or a list of them per row \(multi-hot\)\. Fix: write the "
                                                 r"column as int64 or string"):
                 parquet_data(path, sparse=[{"name": "item", "num_embeddings": 10, "encoding": encoding}])
+
+
+def test_a_symbolic_link_to_nothing_is_refused_not_left_out(tmp_path: Path) -> None:
+    # a broken link is no file: a directory's or a glob's listing dropped it without a word (training on fewer files), and
+    # as data.path it "did not exist"
+    (tmp_path / "a.csv").write_text("label,item\n1,2\n0,3\n")
+    (tmp_path / "b.csv").symlink_to(tmp_path / "moved" / "b.csv")
+    (tmp_path / "loop1.csv").symlink_to(tmp_path / "loop2.csv")
+    (tmp_path / "loop2.csv").symlink_to(tmp_path / "loop1.csv")
+    link = r"a symbolic link to '.*{}', which does not exist \(deleted or moved, or a loop of links\)\. Fix: restore the link's target"
+    for path, said in ((tmp_path, r"holds .*b\.csv: " + link.format(r"moved/b\.csv")), (tmp_path / "*.csv", r"holds .*b\.csv: "
+                       + link.format(r"moved/b\.csv")), (tmp_path / "loop1.csv", r"is " + link.format(r"loop2\.csv"))):
+        with pytest.raises(DataError, match=rf"data\.path='{re.escape(str(path))}' {said}"):
+            CsvData(make(CsvDataConfig, path=str(path), sparse=SPARSE))
+
+
+def test_a_directorys_subdirectories_are_named_where_they_are_not_read(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # a Hive-partitioned folder (date=.../part-0.parquet): its subdirectories were left out silently
+    parts = tmp_path / "events"
+    (parts / "date=2026-11-01").mkdir(parents=True)
+    parquet(parts / "date=2026-11-01", "part-0.parquet")
+    with pytest.raises(DataError, match=r"is a directory without data files with a name ending in \.parquet, \.parq, \.pq \(its "
+                                        r"subdirectories date=2026-11-01 are not read: name their files with a glob, e\.g\. "
+                                        r"data\.path='.*events/\*\*/\*\.parquet'\)"):
+        parquet_data(str(parts))
+    parquet(parts, "part-0.parquet")
+    with caplog.at_level("INFO"):
+        parquet_data(str(parts))
+    assert any("its files are read, not its 1 subdirectories (date=2026-11-01)" in r.getMessage() for r in caplog.records)
+    assert read_all(parquet_data(str(parts / "**" / "*.parquet"))) == 2 * 6  # the glob the message gives reads both
