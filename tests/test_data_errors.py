@@ -486,3 +486,21 @@ def test_a_directorys_subdirectories_are_named_where_they_are_not_read(tmp_path:
         parquet_data(str(parts))
     assert any("its files are read, not its 1 subdirectories (date=2026-11-01)" in r.getMessage() for r in caplog.records)
     assert read_all(parquet_data(str(parts / "**" / "*.parquet"))) == 2 * 6  # the glob the message gives reads both
+
+
+def test_text_that_is_no_integer_in_an_id_column_is_said_so(tmp_path: Path) -> None:
+    # was "id 'abc' is outside [0, 10) (encoding=id). Raise data.sparse[item].num_embeddings": no size holds 'abc'
+    (tmp_path / "a.csv").write_text("label,item\n1,2\n0,abc\n")
+    data = CsvData(make(CsvDataConfig, path=str(tmp_path / "a.csv"), eval_path=str(tmp_path / "a.csv"), batch_size=1, sparse=SPARSE))
+    with pytest.raises(DataError, match=r"line 3, column 'item': 'abc' is not an integer, which encoding=id reads \(ids in \[0, 10\)\); "
+                                        r"use encoding=hash for text"):
+        read_all(data)
+
+
+def test_zscore_statistics_that_overflow_name_the_column_and_the_fix(tmp_path: Path) -> None:
+    # a std of inf was refused as a config error, "data.dense[price].std must be a positive finite number … got inf"
+    path = parquet(tmp_path, label=[0, 1, 0], item=[1, 2, 3], price=[1.0, 1e200, 2.0])
+    with pytest.raises(DataError, match=r"data\.dense\[price\]\.normalize=zscore: the mean and std of its 3 sampled values in "
+                                        r"data\.path='.*p\.parquet' overflow a float \(mean=3\.33333e\+199, std=inf; the largest value is "
+                                        r"1e\+200\)\. Fix: data\.dense\[price\]\.transform=log1p or clip"):
+        parquet_data(path, dense=[{"name": "price", "transform": "none", "normalize": "zscore"}])

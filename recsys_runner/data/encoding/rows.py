@@ -234,6 +234,8 @@ class Encoder:
                     space = col.managed_collision.input_hash_size if col.managed_collision is not None else 0
                     return (f"raw id {shown} is outside [0, {space}). Raise data.sparse[{col.name}].managed_collision."
                             f"input_hash_size, or pass the ids as text (hashed into it)")
+                if col.encoding == "id" and isinstance(value, str) and parse_int(pa.array([value]))[1].any():
+                    return f"{shown} is not an integer, which encoding=id reads (ids in [0, {col.num_embeddings})); use encoding=hash for text"
                 if col.encoding == "id":
                     return (f"id {shown} is outside [0, {col.num_embeddings}) (encoding=id). Raise data.sparse[{col.name}].num_embeddings, "
                             f"or use encoding=mod or hash")
