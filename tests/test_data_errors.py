@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -504,3 +505,19 @@ def test_zscore_statistics_that_overflow_name_the_column_and_the_fix(tmp_path: P
                                         r"data\.path='.*p\.parquet' overflow a float \(mean=3\.33333e\+199, std=inf; the largest value is "
                                         r"1e\+200\)\. Fix: data\.dense\[price\]\.transform=log1p or clip"):
         parquet_data(path, dense=[{"name": "price", "transform": "none", "normalize": "zscore"}])
+
+
+def test_a_directory_that_cannot_be_listed_is_a_data_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # os.listdir's PermissionError was a traceback; a mode of 000 does not stop root (as CI may run), so listing is refused here
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    listdir = os.listdir
+
+    def refused(path: str) -> list[str]:
+        if Path(path) == locked:
+            raise PermissionError(13, "Permission denied", str(path))
+        return listdir(path)
+    monkeypatch.setattr(os, "listdir", refused)
+    with pytest.raises(DataError, match=r"data\.path='.*locked' is a directory that cannot be listed \(Permission denied\)\. Fix: check "
+                                        r"that you may read it \(ls -ld .*locked\)"):
+        CsvData(make(CsvDataConfig, path=str(locked), sparse=SPARSE))

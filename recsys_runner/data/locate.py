@@ -45,7 +45,11 @@ def resolve_files(path: str, key: str, suffixes: tuple[str, ...] | None) -> list
         raise DataError(f"{key}={path!r} does not exist. Fix: point {key} at a file, a directory or a glob such as '/data/train/*.parquet'")
     if os.path.isfile(path):
         return [path]
-    names = sorted(os.listdir(path))
+    try:
+        names = sorted(os.listdir(path))
+    except OSError as e:
+        raise DataError(f"{key}={path!r} is a directory that cannot be listed ({e.strerror or e}). Fix: check that you may read it "
+                        f"(ls -ld {path}), or point {key} at readable files") from None
     _refuse_broken_links([os.path.join(path, n) for n in names if stores.is_data_name(n, suffixes)], key, path)
     files = [os.path.join(path, n) for n in names if os.path.isfile(os.path.join(path, n)) and stores.is_data_name(n, suffixes)]
     if suffixes is None and path not in _said:
