@@ -521,3 +521,21 @@ def test_a_directory_that_cannot_be_listed_is_a_data_error(tmp_path: Path, monke
     with pytest.raises(DataError, match=r"data\.path='.*locked' is a directory that cannot be listed \(Permission denied\)\. Fix: check "
                                         r"that you may read it \(ls -ld .*locked\)"):
         CsvData(make(CsvDataConfig, path=str(locked), sparse=SPARSE))
+
+
+def test_blank_lines_and_carriage_return_line_endings_are_named(tmp_path: Path) -> None:
+    # a blank line was reported as "the label is missing (null or empty)"; a file of \r line endings alone as one header line,
+    # "has no column 'price'; its header lists ['label', 'item', 'price\r1', ...]"
+    for name, text, line in (("end.csv", "label,item\n1,2\n0,3\n\n", 4), ("middle.csv", "label,item\n1,2\r\n\r\n0,3\r\n", 3)):
+        (tmp_path / name).write_text(text, newline="")
+        data = CsvData(make(CsvDataConfig, path=str(tmp_path / name), eval_path=str(tmp_path / name), batch_size=1, sparse=SPARSE))
+        with pytest.raises(DataError, match=rf"bad row in .*{name}, line {line}: the line is empty \(a blank line between the rows or "
+                                            r"after the last one is a row without a label\)\. Fix: remove the blank lines"):
+            read_all(data)
+    skipping = CsvData(make(CsvDataConfig, path=str(tmp_path / "end.csv"), eval_path=str(tmp_path / "end.csv"), batch_size=1,
+                            sparse=SPARSE, on_bad_rows="skip"))
+    assert read_all(skipping) == 4 and skipping.metrics()["data/bad_rows_skipped"] == 2  # counted as bad rows, as before
+    (tmp_path / "mac.csv").write_text("label,item\r1,2\r0,3\r", newline="")
+    with pytest.raises(DataError, match=r"mac\.csv: its lines end in a carriage return alone \(\\r, classic Mac OS line endings; its first "
+                                        r"line reads 'label,item\\r1,2\\r0,3'\).*Fix: convert its line endings, e\.g\. tr '\\r' '\\n'"):
+        CsvData(make(CsvDataConfig, path=str(tmp_path / "mac.csv"), sparse=SPARSE))

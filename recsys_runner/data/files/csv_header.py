@@ -159,6 +159,10 @@ class CsvHeaders:
         if not first_line or (self.header is not False and not more and not first_line.strip(b"\r\n")):
             raise DataError(f"{path} is an empty file" + (f" (once decompressed, {codec.name})" if codec else "")
                             + f". Fix: remove it from {self.path_key}, or write it again")
+        if b"\r" in first_line.rstrip(b"\r\n"):
+            raise DataError(f"{path}: its lines end in a carriage return alone (\\r, classic Mac OS line endings; its first line reads "
+                            f"{_line(first_line, first=True)[:100]!r}), but records are split at newlines (\\n or \\r\\n), so the "
+                            f"whole file would be one line. Fix: convert its line endings, e.g. tr '\\r' '\\n' < {path} > unix.csv")
         delimiter, header = self.layout(path)
         if self.follows_training and not header and looks_like_header(lines := self.first_lines(path), delimiter):
             raise DataError(f"{path} begins with a header line ({lines[0][:100]!r}), but the training files (data.path) have none "
