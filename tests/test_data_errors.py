@@ -18,8 +18,9 @@ from recsys_runner.data.__main__ import main as data_main
 from recsys_runner.data.base import DataError
 from recsys_runner.data.encoding.keys import splitmix64
 from recsys_runner.data.encoding.rows import Encoder, Location
-from recsys_runner.data.files.tabular import CsvData, ParquetData
-from recsys_runner.data.files.tabular_config import CsvDataConfig, ParquetDataConfig
+from recsys_runner.data.files.tabular import CriteoData, CsvData, ParquetData
+from recsys_runner.data.files.tabular_config import CRITEO_COLUMNS, CriteoDataConfig, CsvDataConfig, ParquetDataConfig
+from recsys_runner.data.generated.generate import write_criteo_tsv
 from recsys_runner.data.schema import Schema, SparseColumn
 from recsys_runner.errors import ConfigError
 
@@ -539,3 +540,18 @@ def test_blank_lines_and_carriage_return_line_endings_are_named(tmp_path: Path) 
     with pytest.raises(DataError, match=r"mac\.csv: its lines end in a carriage return alone \(\\r, classic Mac OS line endings; its first "
                                         r"line reads 'label,item\\r1,2\\r0,3'\).*Fix: convert its line endings, e\.g\. tr '\\r' '\\n'"):
         CsvData(make(CsvDataConfig, path=str(tmp_path / "mac.csv"), sparse=SPARSE))
+
+
+def test_a_criteo_file_laid_out_otherwise_says_what_data_criteo_reads(tmp_path: Path) -> None:
+    # a header line was a bad row "'label' is not a number"; commas offered "Fix: set data.delimiter=','", a key data=criteo lacks
+    write_criteo_tsv(str(tmp_path / "day_0.tsv"), 20)
+    lines = (tmp_path / "day_0.tsv").read_text().splitlines(keepends=True)
+    (tmp_path / "header.tsv").write_text("\t".join(CRITEO_COLUMNS) + "\n" + "".join(lines))
+    (tmp_path / "commas.csv").write_text("".join(line.replace("\t", ",") for line in lines))
+    criteo = r"data=criteo reads Criteo's layout: tab-separated, no header line, 40 fields .*Fix: write the file so \(tail -n \+2"
+    with pytest.raises(DataError, match=rf"header\.tsv begins with a header line \('label\\tint_0.*'\), but {criteo}"):
+        CriteoData(make(CriteoDataConfig, path=str(tmp_path / "header.tsv"), num_embeddings=100))
+    data = CriteoData(make(CriteoDataConfig, path=str(tmp_path / "commas.csv"), eval_path=str(tmp_path / "commas.csv"), num_embeddings=100))
+    with pytest.raises(DataError, match=rf"commas\.csv, line 1: expected 40 fields separated by '\\t', found 1 .* The line contains commas: "
+                                        rf"the file looks comma-separated, but {criteo}"):
+        read_all(data)

@@ -47,9 +47,14 @@ class CsvHeaders:
         names_said: str = "the training header's column names in file order, or data.column_names",
         path_key: str = "data.path",
         what: str = "eval file",
+        fixed_layout: str | None = None,
     ) -> None:
         self.delimiter, self.header, self.column_names = delimiter, header, column_names
         """As configured; ``None``: detected per file (:meth:`layout`)."""
+        self.fixed_layout = fixed_layout
+        """For a format that fixes the delimiter and the header (``data=criteo``, which has no keys for them): what it reads
+        and the fix, said instead of ``data.delimiter`` / ``data.header`` when a file is laid out otherwise (another
+        delimiter, a header line)."""
         self.header_key = header_key
         """The setting ``header`` comes from, for messages: ``data.header``, ``data.eval_header`` for eval files, or
         ``data.items.header`` for the item catalogue's."""
@@ -164,6 +169,8 @@ class CsvHeaders:
                             f"{_line(first_line, first=True)[:100]!r}), but records are split at newlines (\\n or \\r\\n), so the "
                             f"whole file would be one line. Fix: convert its line endings, e.g. tr '\\r' '\\n' < {path} > unix.csv")
         delimiter, header = self.layout(path)
+        if self.fixed_layout is not None and not header and looks_like_header(lines := self.first_lines(path), delimiter):
+            raise DataError(f"{path} begins with a header line ({lines[0][:100]!r}), but {self.fixed_layout}")
         if self.follows_training and not header and looks_like_header(lines := self.first_lines(path), delimiter):
             raise DataError(f"{path} begins with a header line ({lines[0][:100]!r}), but the training files (data.path) have none "
                             f"({self.header_key}=null reads {self.what}s as data.header=false does), so it would be read as a row of "

@@ -241,7 +241,7 @@ class CsvSource:
             number, expected, actual, text = invalid[0]
             if not self.skip:
                 line = f"line {first_row + number + self.line_offset(path) - 1}" if number is not None else part
-                hint = delimiter_hint(text, delimiter) if actual == 1 else ""
+                hint = delimiter_hint(text, delimiter, self.headers.fixed_layout) if actual == 1 else ""
                 raise DataError(
                     f"bad row in {path}, {line}: expected {expected} fields separated by {delimiter!r}, found {actual} "
                     f"({text[:80]!r})." + (hint or " Fix the line, or set data.on_bad_rows=skip to skip such rows (they are counted and logged)")

@@ -57,10 +57,14 @@ def looks_like_data(lines: list[str], delimiter: str) -> bool:
     return len(first) == len(second) > 1 and any(_is_number(a) and _is_number(b) for a, b in zip(first, second, strict=True))
 
 
-def delimiter_hint(text: str, delimiter: str) -> str:
-    """A sentence naming the delimiter ``text`` (a line read as one field) seems to use instead of ``delimiter``, or ``""``."""
+def delimiter_hint(text: str, delimiter: str, fixed: str | None = None) -> str:
+    """A sentence naming the delimiter ``text`` (a line read as one field) seems to use instead of ``delimiter``, or ``""``;
+    ``fixed``: the format fixes its delimiter (``data=criteo``), and this says what it reads and the fix instead of a
+    ``data.delimiter`` it has no key for."""
     for other, name in DELIMITER_NAMES.items():
         if other != delimiter and other in text:
+            if fixed is not None:
+                return f" The line contains {name}: the file looks {name[:-1]}-separated, but {fixed}"
             return (f" The line contains {name}: the file looks {name[:-1]}-separated, but data.delimiter={delimiter!r}. "
                     f"Fix: set data.delimiter={other!r}")
     return ""

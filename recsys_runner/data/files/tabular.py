@@ -186,6 +186,13 @@ class CsvData(TabularData):
                          header_key="data.eval_header", follows_training=c.eval_header is None, path_key="data.eval_path")
 
 
+CRITEO_LAYOUT = ("data=criteo reads Criteo's layout: tab-separated, no header line, 40 fields (the label, 13 counts, 26 hex "
+                 "categoricals). Fix: write the file so (tail -n +2 drops a header line; tr ',' '\\t' turns commas into tabs), or read "
+                 "it as data=csv (data.delimiter, data.header, data.column_names)")
+"""What ``data=criteo``, which has no delimiter or header keys, says of a file laid out otherwise (:class:`CsvHeaders`'s
+``fixed_layout``)."""
+
+
 class CriteoData(TabularData):
     """``data=criteo``: raw Criteo TSV files (see :class:`CriteoDataConfig`); with ``data.num_embeddings=null`` each
     table is sized from a sample of the files (logged)."""
@@ -209,4 +216,5 @@ class CriteoData(TabularData):
     def _source(self, files: list[str]) -> CsvSource:
         c = self.criteo
         return CsvSource(files, self.schema.columns if hasattr(self, "schema") else [], delimiter="\t", header=False,
-                         column_names=CRITEO_COLUMNS, null_values=[""], block_rows=c.block_rows, on_bad_rows=c.on_bad_rows)
+                         column_names=CRITEO_COLUMNS, null_values=[""], block_rows=c.block_rows, on_bad_rows=c.on_bad_rows,
+                         fixed_layout=CRITEO_LAYOUT)
