@@ -555,3 +555,11 @@ def test_a_criteo_file_laid_out_otherwise_says_what_data_criteo_reads(tmp_path: 
     with pytest.raises(DataError, match=rf"commas\.csv, line 1: expected 40 fields separated by '\\t', found 1 .* The line contains commas: "
                                         rf"the file looks comma-separated, but {criteo}"):
         read_all(data)
+
+
+def test_a_comma_separated_file_read_as_tsv_offers_the_comma_by_name(tmp_path: Path) -> None:
+    # the fix offered, data.delimiter=',', reaches Hydra as a bare comma (the shell drops the quotes): a list separator
+    (tmp_path / "a.csv").write_text("label,item\n1,2\n0,3\n")
+    with pytest.raises(DataError, match=r"The line contains commas: the file looks comma-separated, but data\.delimiter='\\t'\. "
+                                        r"Fix: set data\.delimiter=comma$"):
+        CsvData(make(CsvDataConfig, path=str(tmp_path / "a.csv"), delimiter="\t", sparse=SPARSE))

@@ -65,8 +65,9 @@ def delimiter_hint(text: str, delimiter: str, fixed: str | None = None) -> str:
         if other != delimiter and other in text:
             if fixed is not None:
                 return f" The line contains {name}: the file looks {name[:-1]}-separated, but {fixed}"
+            spelled = "comma" if other == "," else repr(other)  # data.delimiter=',' reaches Hydra as a bare comma, a list separator
             return (f" The line contains {name}: the file looks {name[:-1]}-separated, but data.delimiter={delimiter!r}. "
-                    f"Fix: set data.delimiter={other!r}")
+                    f"Fix: set data.delimiter={spelled}")
     return ""
 
 
