@@ -563,3 +563,12 @@ def test_a_comma_separated_file_read_as_tsv_offers_the_comma_by_name(tmp_path: P
     with pytest.raises(DataError, match=r"The line contains commas: the file looks comma-separated, but data\.delimiter='\\t'\. "
                                         r"Fix: set data\.delimiter=comma$"):
         CsvData(make(CsvDataConfig, path=str(tmp_path / "a.csv"), delimiter="\t", sparse=SPARSE))
+
+
+def test_a_quoted_header_name_holding_the_delimiter_is_one_column(tmp_path: Path) -> None:
+    # the header was split at every comma, quotes or not: 4 names for rows of 3 fields, so every row was "expected 4 fields"
+    (tmp_path / "a.csv").write_text('"label","item","price, USD"\n1,2,3.5\n0,3,"4,5"\n')
+    data = CsvData(make(CsvDataConfig, path=str(tmp_path / "a.csv"), eval_path=str(tmp_path / "a.csv"), batch_size=1, sparse=SPARSE,
+                       dense=[{"name": "price, USD", "transform": "none"}]))
+    with pytest.raises(DataError, match=r"line 3, column 'price, USD': '4,5' is not a number"):  # read as one field, as Arrow reads it
+        read_all(data)

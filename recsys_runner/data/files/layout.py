@@ -3,6 +3,7 @@ and the hint a reader gives when a line splits into the wrong number of fields."
 
 from __future__ import annotations
 
+import csv
 import re
 
 DELIMITER_NAMES = {"\t": "tabs", ",": "commas", ";": "semicolons", "|": "pipes"}
@@ -21,8 +22,10 @@ def _is_number(text: str) -> bool:
 
 
 def split_fields(line: str, delimiter: str) -> list[str]:
-    """``line``'s fields by ``delimiter``, stripped of spaces and quotes."""
-    return [f.strip().strip('"') for f in line.split(delimiter)]
+    """``line``'s fields by ``delimiter``, stripped of spaces and quotes; a quoted field holds the delimiter as the rows'
+    parser reads it (``"price, USD"`` is one field: a header split at every comma named more columns than its rows have)."""
+    fields = next(csv.reader([line], delimiter=delimiter), None) or [""]
+    return [f.strip().strip('"') for f in fields]
 
 
 def detect_delimiter(lines: list[str]) -> str | None:
