@@ -572,3 +572,15 @@ def test_a_quoted_header_name_holding_the_delimiter_is_one_column(tmp_path: Path
                        dense=[{"name": "price, USD", "transform": "none"}]))
     with pytest.raises(DataError, match=r"line 3, column 'price, USD': '4,5' is not a number"):  # read as one field, as Arrow reads it
         read_all(data)
+
+
+def test_an_empty_element_of_a_multi_hot_value_is_dropped_as_fitting_drops_it(tmp_path: Path) -> None:
+    # 'a||b' read three ids, the third the hash of '' (and '|' two of them), where the fitted vocabulary leaves '' out and
+    # docs/data.md says an empty list element is dropped
+    (tmp_path / "a.csv").write_text("label,tags\n1,a|b\n0,a||b\n1,|\n0,a|\n")
+    tags = {"name": "tags", "num_embeddings": 100, "encoding": "hash", "separator": "|"}
+    data = CsvData(make(CsvDataConfig, path=str(tmp_path / "a.csv"), eval_path=str(tmp_path / "a.csv"), batch_size=4, sparse=[tags],
+                        shuffle=False))
+    kjt = next(iter(data.train_batches(0, 0, 1))).sparse_features
+    a_b = kjt.values()[:2].tolist()
+    assert kjt.lengths().tolist() == [2, 2, 0, 1] and kjt.values().tolist() == a_b + a_b + a_b[:1]

@@ -193,6 +193,8 @@ class Encoder:
         if pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
             lengths = np.asarray(pc.fill_null(pc.list_value_length(arr), 0).to_numpy(zero_copy_only=False), dtype=np.int32)
             flat = pc.list_flatten(arr)
+            if is_text(flat.type) and len(flat):  # an empty element ("a||b", a list's ""): missing, dropped as fitting drops it
+                flat = pc.if_else(pc.equal(flat, ""), pa.scalar(None, flat.type), flat)
             row_of = np.repeat(np.arange(n), lengths)
         else:
             lengths = np.where(np.asarray(arr.is_valid().to_numpy(zero_copy_only=False)), 1, 0).astype(np.int32)
