@@ -443,6 +443,8 @@ def test_a_dictionary_encoded_column_reads_as_its_values(tmp_path: Path) -> None
     def ids(path: str, sparse: list) -> list[int]:
         return [i for b in parquet_data(path, sparse=sparse).train_batches(0, 0, 1) for i in b.sparse_features.values().tolist()]
     assert ids(category, hashed) == ids(plain, hashed)
+    view = parquet(tmp_path, "view.parquet", label=[0, 1] * 20, item=pa.array(names, pa.string_view()))  # Polars' text
+    assert ids(view, hashed) == ids(plain, hashed)
     assert ids(category, []) == ids(plain, [])  # inferred: a vocabulary of its values, as of the text column
     assert parquet_data(category, sparse=[]).schema.vocabularies["item"].keys.size == 3
 

@@ -120,12 +120,19 @@ class Unit:
         return f"row group {self.index}"
 
 
+def _plain(t: pa.DataType) -> pa.DataType:
+    """``t`` as the readers take it: a dictionary's values' type, a ``string_view`` (Polars' text) as ``string``."""
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return pa.string() if pa.types.is_string_view(t) else t
+
+
 def plain_schema(schema: pa.Schema) -> pa.Schema:
-    """A Parquet file's Arrow schema with each dictionary-encoded column as its values' type, as :class:`ParquetSource`
-    reads it (:func:`decoded`)."""
-    if not any(pa.types.is_dictionary(t) for t in schema.types):
+    """A Parquet file's Arrow schema with each dictionary-encoded column as its values' type (and text views as text), as
+    :class:`ParquetSource` reads it (:func:`decoded`)."""
+    if all(_plain(t) == t for t in schema.types):
         return schema
-    return pa.schema([f.with_type(f.type.value_type) if pa.types.is_dictionary(f.type) else f for f in schema], metadata=schema.metadata)
+    return pa.schema([f.with_type(_plain(f.type)) for f in schema], metadata=schema.metadata)
 
 
 def decoded(table: pa.Table) -> pa.Table:
@@ -135,9 +142,8 @@ def decoded(table: pa.Table) -> pa.Table:
     Arrow reads back as ``dictionary<values=string, …>``; its values are text, keyed as any text column is, but the
     encoder and the schema inference read a column's values by their type, and took the dictionary for neither text nor
     integers ("'a' is not an integer (encoding=hash); use encoding=hash for strings")."""
-    if not any(pa.types.is_dictionary(t) for t in table.schema.types):
-        return table
-    return table.cast(plain_schema(table.schema))
+    plain = plain_schema(table.schema)
+    return table if plain is table.schema else table.cast(plain)
 
 
 def _family(t: pa.DataType) -> str | None:
