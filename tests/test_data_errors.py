@@ -586,3 +586,14 @@ def test_an_empty_element_of_a_multi_hot_value_is_dropped_as_fitting_drops_it(tm
     kjt = next(iter(data.train_batches(0, 0, 1))).sparse_features
     a_b = kjt.values()[:2].tolist()
     assert kjt.lengths().tolist() == [2, 2, 0, 1] and kjt.values().tolist() == a_b + a_b + a_b[:1]
+
+
+def test_a_file_without_a_column_the_first_file_has_is_named_as_the_odd_one(tmp_path: Path) -> None:
+    # the fix offered was "correct the column names in data.label(s) / data.dense / data.sparse", also for a schema inferred
+    # from the first file, whose names are not the mistake
+    parquet(tmp_path, "a.parquet", label=[0, 1, 0], item=[1, 2, 3], price=[1.0, 2.0, 3.0])
+    parquet(tmp_path, "b.parquet", label=[1, 0], item=[4, 5], cost=[1.0, 2.0])
+    with pytest.raises(DataError, match=r"b\.parquet has no column 'price'; its columns are \['label', 'item', 'cost'\], but .*a\.parquet "
+                                        r"has it: files read together hold the same columns\. Fix: write .*b\.parquet with the column, or "
+                                        r"remove it"):
+        parquet_data(str(tmp_path), dense=[{"name": "price"}])

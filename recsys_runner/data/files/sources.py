@@ -271,11 +271,23 @@ class ParquetSource:
                            "df.columns.is_unique must hold), or remove it from data.path")
         missing = [c for c in self.columns if c not in names]
         if missing:
-            raise DataError(
-                f"{path} has no column {missing[0]!r}" + (f" (nor {missing[1:]})" if len(missing) > 1 else "")
-                + f"; its columns are {names}. Fix: correct the column names in data.label(s) / data.dense / data.sparse"
-            )
+            lacks = f"{path} has no column {missing[0]!r}" + (f" (nor {missing[1:]})" if len(missing) > 1 else "") + f"; its columns are {names}"
+            if (holder := self._holding(missing[0], path)) is not None:
+                raise DataError(f"{lacks}, but {holder} has it: files read together hold the same columns. Fix: write {path} with the "
+                                f"column, or remove it from the setting that names it (data.path, data.eval_path)")
+            raise DataError(f"{lacks}. Fix: correct the column names in data.label(s) / data.dense / data.sparse")
         return f
+
+    def _holding(self, column: str, path: str) -> str | None:
+        """The first of :attr:`files` (not ``path``) if it holds ``column``: then ``path`` is the odd file out, not the
+        column name a mistake (a schema inferred from the first file, or written for it, names what the first file has)."""
+        first = self.files[0]
+        if first == path:
+            return None
+        try:
+            return first if column in self._open(first).schema_arrow.names else None
+        except DataError:  # the first file lacks it too, or cannot be read: the names are the mistake to report
+            return None
 
     def sample(self, num_rows: int) -> pa.Table:
         """The first ``num_rows`` rows of the files (in order), every column, to infer a schema from."""
