@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from recsys_runner.__main__ import run
 from recsys_runner.configurable import make
@@ -15,8 +18,9 @@ from recsys_runner.data.__main__ import main as data_main
 from recsys_runner.data.base import DataError
 from recsys_runner.data.encoding.keys import splitmix64
 from recsys_runner.data.encoding.rows import Encoder, Location
-from recsys_runner.data.files.tabular import CsvData, ParquetData
-from recsys_runner.data.files.tabular_config import CsvDataConfig, ParquetDataConfig
+from recsys_runner.data.files.tabular import CriteoData, CsvData, ParquetData
+from recsys_runner.data.files.tabular_config import CRITEO_COLUMNS, CriteoDataConfig, CsvDataConfig, ParquetDataConfig
+from recsys_runner.data.generated.generate import write_criteo_tsv
 from recsys_runner.data.schema import Schema, SparseColumn
 from recsys_runner.errors import ConfigError
 
@@ -360,3 +364,236 @@ def test_csv_not_in_utf8_names_the_line_and_the_encoding(tmp_path: Path) -> None
     with pytest.raises(DataError, match=said):
         read_all(CsvData(make(CsvDataConfig, path=path, eval_path=path, batch_size=1,
                               sparse=[{"name": "item", "num_embeddings": 10, "encoding": "hash"}])))
+
+
+def test_dense_value_beyond_float32_is_a_bad_row(tmp_path: Path) -> None:
+    # 1e39 is a finite float64 but the model's dense input is float32: it read as inf, silently, and trained on NaN losses
+    path = parquet(tmp_path, label=[0, 1, 0], item=[1, 2, 3], price=[1.0, 2.0, 1e39])
+    with pytest.raises(DataError, match=r"row 2 of the file, column 'price': the value is 1e\+39, beyond the range of a 32-bit float "
+                                        r"\(±3\.4e38\).*Log-scale it \(data\.dense\[price\]\.transform=log1p\) or clip it"):
+        read_all(parquet_data(path, dense=[{"name": "price", "transform": "none"}]))
+    data = parquet_data(path, dense=[{"name": "price", "transform": "log1p"}])  # log1p(1e39) is 89.8: fine
+    assert all(torch.isfinite(b.dense_features).all() for b in data.train_batches(0, 0, 1))
+    regression = parquet(tmp_path, "r.parquet", label=[0.5, 1e39, 2.0], item=[1, 2, 3])
+    with pytest.raises(DataError, match=r"row 1 of the file, column 'label': the label \(task 'watch'\) is 1e\+39, but a regression label "
+                                        r"must be finite \(within ±3\.4e38"):
+        read_all(parquet_data(regression, labels={"watch": "label"}, label_kinds={"watch": "regression"}))
+
+
+def test_int64_dense_values_beyond_2_53_are_read(tmp_path: Path) -> None:
+    # Arrow's safe cast to float64 refused them: a traceback from inside Arrow ("Integer value ... not in range")
+    path = parquet(tmp_path, label=[0, 1, 0], item=[1, 2, 3], stamp=pa.array([1, -2**63, 2**63 - 1], pa.int64()))
+    data = parquet_data(path, dense=[{"name": "stamp", "transform": "none"}], batch_size=1)
+    dense = torch.cat([b.dense_features for b in data.train_batches(0, 0, 1)]).flatten().tolist()
+    assert dense == [1.0, float(np.float32(-2.0**63)), float(np.float32(2.0**63))]
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_columns_name(tmp_path: Path) -> None:
+    # Excel's "CSV UTF-8" begins with a BOM: the first column was named '\ufefflabel', so no label column was found, and the
+    # fix offered, data.label=\ufefflabel, carried the invisible character
+    (tmp_path / "excel.csv").write_text("\ufefflabel,item\n" + "".join(f"{i % 2},{i % 10}\n" for i in range(20)))
+    data = CsvData(make(CsvDataConfig, path=str(tmp_path / "excel.csv"), eval_fraction=0.5, batch_size=1))  # label found by name
+    assert data.schema.label == "label" and read_all(data) == 20
+    (tmp_path / "excel.tsv").write_text("\ufefflabel\titem\n" + "".join(f"{i % 2}\t{i % 10}\n" for i in range(20)))
+    data = CsvData(make(CsvDataConfig, path=str(tmp_path / "excel.tsv"), delimiter=None, header=None, sparse=SPARSE, batch_size=1))
+    assert data.schema.label == "label"  # the header detected despite the mark
+
+
+def test_repeated_column_names_are_refused(tmp_path: Path) -> None:
+    # a CSV header naming 'item' twice read the first 'item' silently; a Parquet schema so made failed in Arrow with a KeyError
+    (tmp_path / "d.csv").write_text("label,item,item\n1,2,3\n0,3,4\n")
+    with pytest.raises(DataError, match=r"d\.csv: its header line names the column 'item' 2 times \(its columns are \['label', 'item', "
+                                        r"'item'\]\).*Fix: rename the repeated columns in the header line, or name every column with "
+                                        r"data\.column_names=\[\.\.\.\]"):
+        CsvData(make(CsvDataConfig, path=str(tmp_path / "d.csv"), sparse=SPARSE))
+    CsvData(make(CsvDataConfig, path=str(tmp_path / "d.csv"), eval_path=str(tmp_path / "d.csv"), column_names=["label", "item", "item2"],
+                 sparse=SPARSE))  # the fix
+    table = pa.Table.from_arrays([pa.array([0, 1]), pa.array([1, 2]), pa.array([3, 4])], names=["label", "item", "item"])
+    pq.write_table(table, tmp_path / "d.parquet")
+    for sparse in (SPARSE, []):  # as configured, and inferred
+        with pytest.raises(DataError, match=r"d\.parquet: its schema names the column 'item' 2 times .*Fix: write it again with a name "
+                                            r"of its own for each column"):
+            parquet_data(str(tmp_path / "d.parquet"), sparse=sparse)
+
+
+def test_documentation_and_schema_files_in_a_text_directory_are_left_out(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # a directory of text files takes any name, so a dataset's README or the schema file saved beside the data was read
+    # as rows: for an inferred schema its first line was every file's header ("none of its columns ['hello'] is named label")
+    (tmp_path / "part-0.csv").write_text("label,item\n" + "".join(f"{i % 2},{i % 10}\n" for i in range(20)))
+    for name in ("README", "LICENSE.txt", "notes.md", "schema.yaml", "part-0.csv.md5"):
+        (tmp_path / name).write_text("hello\n")
+    with caplog.at_level("INFO"):
+        data = CsvData(make(CsvDataConfig, path=str(tmp_path), eval_fraction=0.5, batch_size=1))
+    assert data.schema.label == "label" and read_all(data) == 20
+    assert [Path(f).name for f in data.split_files()["train"].files] == ["part-0.csv"]
+    said = [r.getMessage() for r in caplog.records if "left out as no data by their names" in r.getMessage()]
+    assert len(said) == 1 and "5 file(s)" in said[0] and "LICENSE.txt, README, notes.md, part-0.csv.md5, schema.yaml" in said[0], said
+    (tmp_path / "train.txt").write_text("label,item\n1,3\n")  # .txt stays data (Criteo's train.txt)
+    assert "train.txt" in [Path(f).name for f in CsvData(make(CsvDataConfig, path=str(tmp_path), eval_fraction=0.5)).split_files()["train"].files]
+
+
+def test_a_dictionary_encoded_column_reads_as_its_values(tmp_path: Path) -> None:
+    # pandas writes a 'category' column as a Parquet dictionary column: hashed, it was a bad row "'a' is not an integer
+    # (encoding=hash); use encoding=hash for strings", and the inferred schema left it out as "neither a number, text nor a list"
+    names = ["a", "b", "c", "a"] * 10
+    category = parquet(tmp_path, "category.parquet", label=[0, 1] * 20, item=pa.array(names).dictionary_encode())
+    plain = parquet(tmp_path, "plain.parquet", label=[0, 1] * 20, item=names)
+    hashed = [{"name": "item", "num_embeddings": 100, "encoding": "hash"}]
+
+    def ids(path: str, sparse: list) -> list[int]:
+        return [i for b in parquet_data(path, sparse=sparse).train_batches(0, 0, 1) for i in b.sparse_features.values().tolist()]
+    assert ids(category, hashed) == ids(plain, hashed)
+    view = parquet(tmp_path, "view.parquet", label=[0, 1] * 20, item=pa.array(names, pa.string_view()))  # Polars' text
+    assert ids(view, hashed) == ids(plain, hashed)
+    assert ids(category, []) == ids(plain, [])  # inferred: a vocabulary of its values, as of the text column
+    assert parquet_data(category, sparse=[]).schema.vocabularies["item"].keys.size == 3
+
+
+def test_a_sparse_column_of_another_type_than_ids_is_refused_at_start_up(tmp_path: Path) -> None:
+    # a struct, a list of lists, bytes: each row was a bad row "id {'a': 1} is outside [0, 10)", or, hashed, "b'a' is not an
+    # integer (encoding=hash); use encoding=hash for strings"
+    for item, shown in ((pa.array([{"a": 1}, {"a": 2}]), "struct<a: int64>"), (pa.array([[[1]], [[2]]]), "list<element: list<element: int64>>"),
+                        (pa.array([b"a", b"b"]), "binary")):
+        path = parquet(tmp_path, label=[0, 1], item=item)
+        for encoding in ("id", "hash"):
+            with pytest.raises(DataError, match=rf"p\.parquet: column 'item' holds {re.escape(shown)} values, but data\.sparse\[item\] "
+                                                r"reads ids: integers or text, or a list of them per row \(multi-hot\)\. Fix: write the "
+                                                r"column as int64 or string"):
+                parquet_data(path, sparse=[{"name": "item", "num_embeddings": 10, "encoding": encoding}])
+
+
+def test_a_symbolic_link_to_nothing_is_refused_not_left_out(tmp_path: Path) -> None:
+    # a broken link is no file: a directory's or a glob's listing dropped it without a word (training on fewer files), and
+    # as data.path it "did not exist"
+    (tmp_path / "a.csv").write_text("label,item\n1,2\n0,3\n")
+    (tmp_path / "b.csv").symlink_to(tmp_path / "moved" / "b.csv")
+    (tmp_path / "loop1.csv").symlink_to(tmp_path / "loop2.csv")
+    (tmp_path / "loop2.csv").symlink_to(tmp_path / "loop1.csv")
+    link = r"a symbolic link to '.*{}', which does not exist \(deleted or moved, or a loop of links\)\. Fix: restore the link's target"
+    for path, said in ((tmp_path, r"holds .*b\.csv: " + link.format(r"moved/b\.csv")), (tmp_path / "*.csv", r"holds .*b\.csv: "
+                       + link.format(r"moved/b\.csv")), (tmp_path / "loop1.csv", r"is " + link.format(r"loop2\.csv"))):
+        with pytest.raises(DataError, match=rf"data\.path='{re.escape(str(path))}' {said}"):
+            CsvData(make(CsvDataConfig, path=str(path), sparse=SPARSE))
+
+
+def test_a_directorys_subdirectories_are_named_where_they_are_not_read(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # a Hive-partitioned folder (date=.../part-0.parquet): its subdirectories were left out silently
+    parts = tmp_path / "events"
+    (parts / "date=2026-11-01").mkdir(parents=True)
+    parquet(parts / "date=2026-11-01", "part-0.parquet")
+    with pytest.raises(DataError, match=r"is a directory without data files with a name ending in \.parquet, \.parq, \.pq \(its "
+                                        r"subdirectories date=2026-11-01 are not read: name their files with a glob, e\.g\. "
+                                        r"data\.path='.*events/\*\*/\*\.parquet'\)"):
+        parquet_data(str(parts))
+    parquet(parts, "part-0.parquet")
+    with caplog.at_level("INFO"):
+        parquet_data(str(parts))
+    assert any("its files are read, not its 1 subdirectories (date=2026-11-01)" in r.getMessage() for r in caplog.records)
+    assert read_all(parquet_data(str(parts / "**" / "*.parquet"))) == 2 * 6  # the glob the message gives reads both
+
+
+def test_text_that_is_no_integer_in_an_id_column_is_said_so(tmp_path: Path) -> None:
+    # was "id 'abc' is outside [0, 10) (encoding=id). Raise data.sparse[item].num_embeddings": no size holds 'abc'
+    (tmp_path / "a.csv").write_text("label,item\n1,2\n0,abc\n")
+    data = CsvData(make(CsvDataConfig, path=str(tmp_path / "a.csv"), eval_path=str(tmp_path / "a.csv"), batch_size=1, sparse=SPARSE))
+    with pytest.raises(DataError, match=r"line 3, column 'item': 'abc' is not an integer, which encoding=id reads \(ids in \[0, 10\)\); "
+                                        r"use encoding=hash for text"):
+        read_all(data)
+
+
+def test_zscore_statistics_that_overflow_name_the_column_and_the_fix(tmp_path: Path) -> None:
+    # a std of inf was refused as a config error, "data.dense[price].std must be a positive finite number … got inf"
+    path = parquet(tmp_path, label=[0, 1, 0], item=[1, 2, 3], price=[1.0, 1e200, 2.0])
+    with pytest.raises(DataError, match=r"data\.dense\[price\]\.normalize=zscore: the mean and std of its 3 sampled values in "
+                                        r"data\.path='.*p\.parquet' overflow a float \(mean=3\.33333e\+199, std=inf; the largest value is "
+                                        r"1e\+200\)\. Fix: data\.dense\[price\]\.transform=log1p or clip"):
+        parquet_data(path, dense=[{"name": "price", "transform": "none", "normalize": "zscore"}])
+
+
+def test_a_directory_that_cannot_be_listed_is_a_data_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # os.listdir's PermissionError was a traceback; a mode of 000 does not stop root (as CI may run), so listing is refused here
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    listdir = os.listdir
+
+    def refused(path: str) -> list[str]:
+        if Path(path) == locked:
+            raise PermissionError(13, "Permission denied", str(path))
+        return listdir(path)
+    monkeypatch.setattr(os, "listdir", refused)
+    with pytest.raises(DataError, match=r"data\.path='.*locked' is a directory that cannot be listed \(Permission denied\)\. Fix: check "
+                                        r"that you may read it \(ls -ld .*locked\)"):
+        CsvData(make(CsvDataConfig, path=str(locked), sparse=SPARSE))
+
+
+def test_blank_lines_and_carriage_return_line_endings_are_named(tmp_path: Path) -> None:
+    # a blank line was reported as "the label is missing (null or empty)"; a file of \r line endings alone as one header line,
+    # "has no column 'price'; its header lists ['label', 'item', 'price\r1', ...]"
+    for name, text, line in (("end.csv", "label,item\n1,2\n0,3\n\n", 4), ("middle.csv", "label,item\n1,2\r\n\r\n0,3\r\n", 3)):
+        (tmp_path / name).write_text(text, newline="")
+        data = CsvData(make(CsvDataConfig, path=str(tmp_path / name), eval_path=str(tmp_path / name), batch_size=1, sparse=SPARSE))
+        with pytest.raises(DataError, match=rf"bad row in .*{name}, line {line}: the line is empty \(a blank line between the rows or "
+                                            r"after the last one is a row without a label\)\. Fix: remove the blank lines"):
+            read_all(data)
+    skipping = CsvData(make(CsvDataConfig, path=str(tmp_path / "end.csv"), eval_path=str(tmp_path / "end.csv"), batch_size=1,
+                            sparse=SPARSE, on_bad_rows="skip"))
+    assert read_all(skipping) == 4 and skipping.metrics()["data/bad_rows_skipped"] == 2  # counted as bad rows, as before
+    (tmp_path / "mac.csv").write_text("label,item\r1,2\r0,3\r", newline="")
+    with pytest.raises(DataError, match=r"mac\.csv: its lines end in a carriage return alone \(\\r, classic Mac OS line endings; its first "
+                                        r"line reads 'label,item\\r1,2\\r0,3'\).*Fix: convert its line endings, e\.g\. tr '\\r' '\\n'"):
+        CsvData(make(CsvDataConfig, path=str(tmp_path / "mac.csv"), sparse=SPARSE))
+
+
+def test_a_criteo_file_laid_out_otherwise_says_what_data_criteo_reads(tmp_path: Path) -> None:
+    # a header line was a bad row "'label' is not a number"; commas offered "Fix: set data.delimiter=','", a key data=criteo lacks
+    write_criteo_tsv(str(tmp_path / "day_0.tsv"), 20)
+    lines = (tmp_path / "day_0.tsv").read_text().splitlines(keepends=True)
+    (tmp_path / "header.tsv").write_text("\t".join(CRITEO_COLUMNS) + "\n" + "".join(lines))
+    (tmp_path / "commas.csv").write_text("".join(line.replace("\t", ",") for line in lines))
+    criteo = r"data=criteo reads Criteo's layout: tab-separated, no header line, 40 fields .*Fix: write the file so \(tail -n \+2"
+    with pytest.raises(DataError, match=rf"header\.tsv begins with a header line \('label\\tint_0.*'\), but {criteo}"):
+        CriteoData(make(CriteoDataConfig, path=str(tmp_path / "header.tsv"), num_embeddings=100))
+    data = CriteoData(make(CriteoDataConfig, path=str(tmp_path / "commas.csv"), eval_path=str(tmp_path / "commas.csv"), num_embeddings=100))
+    with pytest.raises(DataError, match=rf"commas\.csv, line 1: expected 40 fields separated by '\\t', found 1 .* The line contains commas: "
+                                        rf"the file looks comma-separated, but {criteo}"):
+        read_all(data)
+
+
+def test_a_comma_separated_file_read_as_tsv_offers_the_comma_by_name(tmp_path: Path) -> None:
+    # the fix offered, data.delimiter=',', reaches Hydra as a bare comma (the shell drops the quotes): a list separator
+    (tmp_path / "a.csv").write_text("label,item\n1,2\n0,3\n")
+    with pytest.raises(DataError, match=r"The line contains commas: the file looks comma-separated, but data\.delimiter='\\t'\. "
+                                        r"Fix: set data\.delimiter=comma$"):
+        CsvData(make(CsvDataConfig, path=str(tmp_path / "a.csv"), delimiter="\t", sparse=SPARSE))
+
+
+def test_a_quoted_header_name_holding_the_delimiter_is_one_column(tmp_path: Path) -> None:
+    # the header was split at every comma, quotes or not: 4 names for rows of 3 fields, so every row was "expected 4 fields"
+    (tmp_path / "a.csv").write_text('"label","item","price, USD"\n1,2,3.5\n0,3,"4,5"\n')
+    data = CsvData(make(CsvDataConfig, path=str(tmp_path / "a.csv"), eval_path=str(tmp_path / "a.csv"), batch_size=1, sparse=SPARSE,
+                       dense=[{"name": "price, USD", "transform": "none"}]))
+    with pytest.raises(DataError, match=r"line 3, column 'price, USD': '4,5' is not a number"):  # read as one field, as Arrow reads it
+        read_all(data)
+
+
+def test_an_empty_element_of_a_multi_hot_value_is_dropped_as_fitting_drops_it(tmp_path: Path) -> None:
+    # 'a||b' read three ids, the third the hash of '' (and '|' two of them), where the fitted vocabulary leaves '' out and
+    # docs/data.md says an empty list element is dropped
+    (tmp_path / "a.csv").write_text("label,tags\n1,a|b\n0,a||b\n1,|\n0,a|\n")
+    tags = {"name": "tags", "num_embeddings": 100, "encoding": "hash", "separator": "|"}
+    data = CsvData(make(CsvDataConfig, path=str(tmp_path / "a.csv"), eval_path=str(tmp_path / "a.csv"), batch_size=4, sparse=[tags],
+                        shuffle=False))
+    kjt = next(iter(data.train_batches(0, 0, 1))).sparse_features
+    a_b = kjt.values()[:2].tolist()
+    assert kjt.lengths().tolist() == [2, 2, 0, 1] and kjt.values().tolist() == a_b + a_b + a_b[:1]
+
+
+def test_a_file_without_a_column_the_first_file_has_is_named_as_the_odd_one(tmp_path: Path) -> None:
+    # the fix offered was "correct the column names in data.label(s) / data.dense / data.sparse", also for a schema inferred
+    # from the first file, whose names are not the mistake
+    parquet(tmp_path, "a.parquet", label=[0, 1, 0], item=[1, 2, 3], price=[1.0, 2.0, 3.0])
+    parquet(tmp_path, "b.parquet", label=[1, 0], item=[4, 5], cost=[1.0, 2.0])
+    with pytest.raises(DataError, match=r"b\.parquet has no column 'price'; its columns are \['label', 'item', 'cost'\], but .*a\.parquet "
+                                        r"has it: files read together hold the same columns\. Fix: write .*b\.parquet with the column, or "
+                                        r"remove it"):
+        parquet_data(str(tmp_path), dense=[{"name": "price"}])

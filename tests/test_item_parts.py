@@ -106,8 +106,9 @@ def test_folder_mistakes_are_errors_naming_the_file_and_the_fix(tmp_path: Path) 
                                         r"'cate'.*Fix: add the column"):
         _parquet(tmp_path, {"path": str(wrong)})
     mixed = write_parts(_items(), tmp_path / "mixed", [20])
-    (mixed / "README.txt").write_text("items of 2026-11\n")
-    with pytest.raises(DataError, match=r"names Parquet part files .* and other files \(.*README\.txt\).*Fix: point data\.items\.path"):
+    (mixed / "README.txt").write_text("items of 2026-11\n")  # documentation is left out by its name (stores.is_data_name)
+    (mixed / "items-2026-11.csv").write_text("item_id,cate\n1,2\n")
+    with pytest.raises(DataError, match=r"names Parquet part files .* and other files \(.*items-2026-11\.csv\).*Fix: point data\.items\.path"):
         _parquet(tmp_path, {"path": str(mixed)})
     typed = write_parts(_items(), tmp_path / "typed", [20])
     ints = _items(list(range(20, ITEMS_))).set_column(0, "item_id", pa.array(range(20, ITEMS_), pa.int64()))

@@ -210,8 +210,13 @@ def _fit_zscore(col: DenseColumn, read: Callable[[], pa.Table], where: str, infe
     if not len(values):
         raise DataError(f"data.dense[{col.name}].normalize=zscore: no number in the {t.num_rows} sampled rows of {where} to fit its "
                         f"mean and std on. Fix: set data.dense[{col.name}].mean and .std, or normalize=none")
-    mean = col.mean if col.mean is not None else float(values.mean())
-    std = col.std if col.std is not None else float(values.std())
+    with np.errstate(over="ignore", invalid="ignore"):  # the overflow is the finding, said below
+        mean = col.mean if col.mean is not None else float(values.mean())
+        std = col.std if col.std is not None else float(values.std())
+    if not (np.isfinite(mean) and np.isfinite(std)):
+        raise DataError(f"data.dense[{col.name}].normalize=zscore: the mean and std of its {len(values)} sampled values in {where} "
+                        f"overflow a float (mean={mean:g}, std={std:g}; the largest value is {float(np.abs(values).max()):g}). Fix: "
+                        f"data.dense[{col.name}].transform=log1p or clip=[low, high], or set its mean and std")
     if std == 0:
         notes.append(f"data.dense[{col.name}]: every sampled value is {values[0]:g} (std 0); zscore divides by std=1 instead")
         std = 1.0

@@ -42,8 +42,9 @@ def label_values(table: pa.Table, name: str, task: str, kind: str, multi: bool, 
         bad(name, wrong, lambda i: f"the label is {_shown(float(values[i]))}, not a finite number to compare with data.label_threshold")
         return np.where(null | wrong, 0, values >= threshold).astype(np.float32)
     if kind == "regression":
-        wrong = ~null & ~np.isfinite(values)
-        bad(name, wrong, lambda i: f"the label{of} is {_shown(float(values[i]))}, but a regression label must be finite")
+        wrong = ~null & ~(np.abs(values) <= FLOAT32_MAX)  # NaN, infinity, and what float32 would read as infinity
+        bad(name, wrong, lambda i: f"the label{of} is {_shown(float(values[i]))}, but a regression label must be finite (within "
+                                   f"±3.4e38, a 32-bit float's range, as the model reads it)")
     elif kind == "multiclass":
         wrong = ~null & ~(np.isfinite(values) & (values >= 0) & (values == np.round(values)))
         bad(name, wrong, lambda i: f"the label{of} is {_shown(float(values[i]))}, but a multiclass label is a class index (an integer >= 0)")
@@ -72,7 +73,21 @@ def dense_values(col: Any, arr: pa.ChunkedArray | pa.Array, where: Location, bad
         assert col.mean is not None and col.std is not None, (f"data.dense[{col.name}] (normalize=zscore) has no mean/std: "
                                                               f"build its schema with complete_schema")
         values = (values - col.mean) / col.std
-    return values
+    beyond = np.abs(values) > FLOAT32_MAX
+    bad(col.name, beyond, lambda i: f"the value is {_shown(float(read[i]))}{_as_read(col, float(values[i]))}, beyond the range of a "
+                                    f"32-bit float (±3.4e38), which the model's dense input is: it would read as infinity. Log-scale "
+                                    f"it (data.dense[{col.name}].transform=log1p) or clip it (data.dense[{col.name}].clip=[low, high])")
+    return np.where(beyond, 0.0, values) if beyond.any() else values
+
+
+def _as_read(col: Any, value: float) -> str:
+    """What a dense value became after its column's ``transform``/``normalize``, for a message (``""`` when neither is set)."""
+    changed = col.transform != "none" or col.normalize == "zscore"
+    return f" ({_shown(value)} after data.dense[{col.name}]'s transform and normalize)" if changed else ""
+
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+"""The largest magnitude a float32 holds: dense features and labels reach the model as float32, where more is infinity."""
 
 
 def _shown(value: float) -> str:
@@ -106,7 +121,7 @@ def _numeric(arr: pa.ChunkedArray | pa.Array, name: str, where: Location, bad, e
     """
     arr = combined(arr)
     if is_number_type(arr.type):
-        return arr.cast(pa.float64())
+        return arr.cast(pa.float64(), safe=False)  # unsafe: an int64 beyond 2**53 (a ns timestamp) rounds, as a float does
     if (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)) and where.line_offset is not None:
         try:
             return arr.cast(pa.float64())

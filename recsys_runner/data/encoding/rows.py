@@ -196,6 +196,8 @@ class Encoder:
         if pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
             lengths = np.asarray(pc.fill_null(pc.list_value_length(arr), 0).to_numpy(zero_copy_only=False), dtype=np.int32)
             flat = pc.list_flatten(arr)
+            if is_text(flat.type) and len(flat):  # an empty element ("a||b", a list's ""): missing, dropped as fitting drops it
+                flat = pc.if_else(pc.equal(flat, ""), pa.scalar(None, flat.type), flat)
             row_of = np.repeat(np.arange(n), lengths)
         else:
             lengths = np.where(np.asarray(arr.is_valid().to_numpy(zero_copy_only=False)), 1, 0).astype(np.int32)
@@ -240,6 +242,9 @@ class Encoder:
                     return (f"raw id {shown} is outside [0, {space})" + (f". Raise data.sparse[{col.name}].managed_collision."
                             f"input_hash_size, or pass the ids as text (hashed into it)" if told else
                             ": send the id as text, which the model hashes into that range"))
+                if col.encoding == "id" and isinstance(value, str) and parse_int(pa.array([value]))[1].any():
+                    return f"{shown} is not an integer, which encoding=id reads (ids in [0, {col.num_embeddings}))" + \
+                        ("; use encoding=hash for text" if told else "")
                 if col.encoding == "id":
                     return (f"id {shown} is outside [0, {col.num_embeddings}) (encoding=id)" +
                             (f". Raise data.sparse[{col.name}].num_embeddings, or use encoding=mod or hash" if told else

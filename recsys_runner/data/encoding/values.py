@@ -78,7 +78,7 @@ def parse_numbers(flat: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """A flat array without nulls (numbers, or text of numbers) as float64, and a mask of values that are not a number
     (text that does not parse, NaN, another type)."""
     if pa.types.is_integer(flat.type) or pa.types.is_floating(flat.type) or pa.types.is_boolean(flat.type) or pa.types.is_null(flat.type):
-        numbers = np.asarray(flat.cast(pa.float64()).to_numpy(zero_copy_only=False), dtype=np.float64)
+        numbers = np.asarray(flat.cast(pa.float64(), safe=False).to_numpy(zero_copy_only=False), dtype=np.float64)
         return numbers, np.isnan(numbers)
     if not (pa.types.is_string(flat.type) or pa.types.is_large_string(flat.type)):
         return np.zeros(len(flat), np.float64), np.ones(len(flat), bool)

@@ -20,9 +20,12 @@ from recsys_runner.data.files.layout import (
     looks_like_header,
     split_fields,
 )
-from recsys_runner.data.files.sources import PARQUET_MAGIC, SNIFF_BYTES, looks_like_text, read_head
+from recsys_runner.data.files.sources import PARQUET_MAGIC, SNIFF_BYTES, check_unique_names, looks_like_text, read_head
 from recsys_runner.errors import DataError
 
+BOM = "\ufeff"
+"""The byte order mark some writers (Excel's "CSV UTF-8", Windows Notepad) put before a file's first line: not part of
+its first column's name (Arrow's parser skips it before the rows too)."""
 DELIMITER_OPTIONS = {"\t": "tab", ",": "comma", ";": "semicolon", "|": "pipe"}
 """How each detectable delimiter is written on the command line (``data.delimiter=comma``)."""
 
@@ -44,9 +47,14 @@ class CsvHeaders:
         names_said: str = "the training header's column names in file order, or data.column_names",
         path_key: str = "data.path",
         what: str = "eval file",
+        fixed_layout: str | None = None,
     ) -> None:
         self.delimiter, self.header, self.column_names = delimiter, header, column_names
         """As configured; ``None``: detected per file (:meth:`layout`)."""
+        self.fixed_layout = fixed_layout
+        """For a format that fixes the delimiter and the header (``data=criteo``, which has no keys for them): what it reads
+        and the fix, said instead of ``data.delimiter`` / ``data.header`` when a file is laid out otherwise (another
+        delimiter, a header line)."""
         self.header_key = header_key
         """The setting ``header`` comes from, for messages: ``data.header``, ``data.eval_header`` for eval files, or
         ``data.items.header`` for the item catalogue's."""
@@ -74,8 +82,8 @@ class CsvHeaders:
         """``path``'s first ``n`` non-empty lines as text (bytes that are not UTF-8 replaced), to detect or check its layout."""
         lines = []
         with self.open_text(path) as f:
-            for raw in f:
-                if line := raw.decode("utf-8", errors="replace").rstrip("\r\n"):
+            for i, raw in enumerate(f):
+                if line := _line(raw, first=i == 0):
                     lines.append(line)
                 if len(lines) >= n:
                     break
@@ -156,14 +164,20 @@ class CsvHeaders:
         if not first_line or (self.header is not False and not more and not first_line.strip(b"\r\n")):
             raise DataError(f"{path} is an empty file" + (f" (once decompressed, {codec.name})" if codec else "")
                             + f". Fix: remove it from {self.path_key}, or write it again")
+        if b"\r" in first_line.rstrip(b"\r\n"):
+            raise DataError(f"{path}: its lines end in a carriage return alone (\\r, classic Mac OS line endings; its first line reads "
+                            f"{_line(first_line, first=True)[:100]!r}), but records are split at newlines (\\n or \\r\\n), so the "
+                            f"whole file would be one line. Fix: convert its line endings, e.g. tr '\\r' '\\n' < {path} > unix.csv")
         delimiter, header = self.layout(path)
+        if self.fixed_layout is not None and not header and looks_like_header(lines := self.first_lines(path), delimiter):
+            raise DataError(f"{path} begins with a header line ({lines[0][:100]!r}), but {self.fixed_layout}")
         if self.follows_training and not header and looks_like_header(lines := self.first_lines(path), delimiter):
             raise DataError(f"{path} begins with a header line ({lines[0][:100]!r}), but the training files (data.path) have none "
                             f"({self.header_key}=null reads {self.what}s as data.header=false does), so it would be read as a row of "
                             f"data: a header mismatch. Fix: {self.header_key}=true (the line is read as the header: it names the columns, "
                             f"or {self.names_key} replaces its names), or remove the line from the {self.what}")
         if header:
-            names = split_fields(first_line.decode("utf-8", errors="replace").rstrip("\r\n"), delimiter)
+            names = split_fields(_line(first_line, first=True), delimiter)
             data_start = len(first_line)
             if self.column_names:  # names of the config's replace the header's
                 if len(self.column_names) != len(names):
@@ -173,6 +187,11 @@ class CsvHeaders:
         else:
             assert self.column_names is not None
             names, data_start = list(self.column_names), 0
+        if header and not self.column_names:
+            check_unique_names(path, names, "its header line", f"rename the repeated columns in the header line, or name every "
+                               f"column with {self.names_key}=[...] (one name per column, in file order)")
+        else:
+            check_unique_names(path, names, self.names_key, f"give each column a name of its own in {self.names_key}")
         missing = [c for c in columns if c not in names] if columns is not None else []
         if missing:
             if header and len(names) == 1 and (hint := delimiter_hint(names[0], delimiter)):
@@ -211,3 +230,10 @@ class CsvHeaders:
     def line_offset(self, path: str) -> int:
         """Line number of file row ``r`` is ``r + line_offset`` (1-based, header counted)."""
         return 2 if self.layout(path)[1] else 1
+
+
+def _line(raw: bytes, first: bool) -> str:
+    """A line of a file as text, without its line ending (bytes that are not UTF-8 replaced) and, for the file's ``first``
+    line, without a byte order mark (:data:`BOM`)."""
+    text = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+    return text.removeprefix(BOM) if first else text

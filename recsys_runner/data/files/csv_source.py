@@ -233,11 +233,15 @@ class CsvSource:
                 lines[i] = b""  # an empty line: a bad row of its own, counted below
             table, invalid = self._read_text(path, b"\n".join(lines), part, first_row)
         file_rows = np.arange(first_row, first_row + num_rows)
+        if not self.skip and (blank := _first_blank_line(raw)) is not None:
+            raise DataError(f"bad row in {path}, line {first_row + blank + self.line_offset(path)}: the line is empty (a blank line "
+                            f"between the rows or after the last one is a row without a label). Fix: remove the blank lines (e.g. "
+                            f"sed -i '/^\\s*$/d' {path}), or set data.on_bad_rows=skip to skip such rows (they are counted and logged)")
         if invalid:
             number, expected, actual, text = invalid[0]
             if not self.skip:
                 line = f"line {first_row + number + self.line_offset(path) - 1}" if number is not None else part
-                hint = delimiter_hint(text, delimiter) if actual == 1 else ""
+                hint = delimiter_hint(text, delimiter, self.headers.fixed_layout) if actual == 1 else ""
                 raise DataError(
                     f"bad row in {path}, {line}: expected {expected} fields separated by {delimiter!r}, found {actual} "
                     f"({text[:80]!r})." + (hint or " Fix the line, or set data.on_bad_rows=skip to skip such rows (they are counted and logged)")
@@ -278,3 +282,13 @@ class CsvSource:
             raise DataError(f"{path}, {part}: cannot be parsed as delimited text ({str(e).splitlines()[0]}). "
                             f"Fix: check data.delimiter={delimiter!r} and the file's format") from None
         return table, invalid
+
+
+def _first_blank_line(raw: bytes) -> int | None:
+    """The 0-based index of the first empty line of ``raw`` (lines, each ending in a newline), or ``None``.
+
+    Why: Arrow reads an empty line as a row of nulls, whose first bad value (a missing label) was what the message named,
+    sending the user to look for a label in a line with nothing on it. Searched only where ``raw`` holds an empty line."""
+    if not (raw.startswith((b"\n", b"\r\n")) or b"\n\n" in raw or b"\n\r\n" in raw):
+        return None
+    return next(i for i, line in enumerate(raw.split(b"\n")) if not line.rstrip(b"\r"))

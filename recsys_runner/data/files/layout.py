@@ -3,6 +3,7 @@ and the hint a reader gives when a line splits into the wrong number of fields."
 
 from __future__ import annotations
 
+import csv
 import re
 
 DELIMITER_NAMES = {"\t": "tabs", ",": "commas", ";": "semicolons", "|": "pipes"}
@@ -21,8 +22,10 @@ def _is_number(text: str) -> bool:
 
 
 def split_fields(line: str, delimiter: str) -> list[str]:
-    """``line``'s fields by ``delimiter``, stripped of spaces and quotes."""
-    return [f.strip().strip('"') for f in line.split(delimiter)]
+    """``line``'s fields by ``delimiter``, stripped of spaces and quotes; a quoted field holds the delimiter as the rows'
+    parser reads it (``"price, USD"`` is one field: a header split at every comma named more columns than its rows have)."""
+    fields = next(csv.reader([line], delimiter=delimiter), None) or [""]
+    return [f.strip().strip('"') for f in fields]
 
 
 def detect_delimiter(lines: list[str]) -> str | None:
@@ -57,12 +60,17 @@ def looks_like_data(lines: list[str], delimiter: str) -> bool:
     return len(first) == len(second) > 1 and any(_is_number(a) and _is_number(b) for a, b in zip(first, second, strict=True))
 
 
-def delimiter_hint(text: str, delimiter: str) -> str:
-    """A sentence naming the delimiter ``text`` (a line read as one field) seems to use instead of ``delimiter``, or ``""``."""
+def delimiter_hint(text: str, delimiter: str, fixed: str | None = None) -> str:
+    """A sentence naming the delimiter ``text`` (a line read as one field) seems to use instead of ``delimiter``, or ``""``;
+    ``fixed``: the format fixes its delimiter (``data=criteo``), and this says what it reads and the fix instead of a
+    ``data.delimiter`` it has no key for."""
     for other, name in DELIMITER_NAMES.items():
         if other != delimiter and other in text:
+            if fixed is not None:
+                return f" The line contains {name}: the file looks {name[:-1]}-separated, but {fixed}"
+            spelled = "comma" if other == "," else repr(other)  # data.delimiter=',' reaches Hydra as a bare comma, a list separator
             return (f" The line contains {name}: the file looks {name[:-1]}-separated, but data.delimiter={delimiter!r}. "
-                    f"Fix: set data.delimiter={other!r}")
+                    f"Fix: set data.delimiter={spelled}")
     return ""
 
 

@@ -77,6 +77,22 @@ def skip_empty(files: list[str], empty: list[str], what: str, say: bool = True, 
     return [f for f in files if f not in skipped]
 
 
+def check_unique_names(path: str, names: list[str], listed_by: str, fix: str) -> None:
+    """Refuse a file whose columns (``names``, as ``listed_by`` lists them: its header line, its Parquet schema, a setting)
+    repeat a name, with ``fix``.
+
+    Why: every column is read by its name. Of two columns of one name a CSV reader read the first, silently, and Arrow
+    refused a Parquet file's with a ``KeyError`` from deep inside it; which of them was meant cannot be told.
+
+    Raises:
+        DataError: naming the file, the first repeated name and how often it occurs.
+    """
+    repeated = [n for i, n in enumerate(names) if n in names[:i]]
+    if repeated:
+        raise DataError(f"{path}: {listed_by} names the column {repeated[0]!r} {names.count(repeated[0])} times (its columns are "
+                        f"{names}); columns are read by their names, so which one is meant cannot be told. Fix: {fix}")
+
+
 def looks_like_text(head: bytes) -> bool:
     """Whether a file's first bytes look like text (no NUL byte: binary formats have plenty)."""
     return b"\x00" not in head
@@ -102,6 +118,32 @@ class Unit:
         if self.byte_range != (0, 0) or self.compression is not None:
             return f"rows {self.first_row}-{self.first_row + self.num_rows - 1}"
         return f"row group {self.index}"
+
+
+def _plain(t: pa.DataType) -> pa.DataType:
+    """``t`` as the readers take it: a dictionary's values' type, a ``string_view`` (Polars' text) as ``string``."""
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return pa.string() if pa.types.is_string_view(t) else t
+
+
+def plain_schema(schema: pa.Schema) -> pa.Schema:
+    """A Parquet file's Arrow schema with each dictionary-encoded column as its values' type (and text views as text), as
+    :class:`ParquetSource` reads it (:func:`decoded`)."""
+    if all(_plain(t) == t for t in schema.types):
+        return schema
+    return pa.schema([f.with_type(_plain(f.type)) for f in schema], metadata=schema.metadata)
+
+
+def decoded(table: pa.Table) -> pa.Table:
+    """``table`` with each dictionary-encoded column decoded to its values.
+
+    Why: pandas writes a ``category`` column (and Spark a low-cardinality one may) as a Parquet dictionary column, which
+    Arrow reads back as ``dictionary<values=string, …>``; its values are text, keyed as any text column is, but the
+    encoder and the schema inference read a column's values by their type, and took the dictionary for neither text nor
+    integers ("'a' is not an integer (encoding=hash); use encoding=hash for strings")."""
+    plain = plain_schema(table.schema)
+    return table if plain is table.schema else table.cast(plain)
 
 
 def _family(t: pa.DataType) -> str | None:
@@ -161,8 +203,8 @@ class ParquetSource:
         for path in self.files:
             f = self._open(path)
             meta = f.metadata
-            reference = reference or (path, f.schema_arrow)
-            if (clash := type_clash(self.columns, reference, (path, f.schema_arrow))) is not None:
+            reference = reference or (path, plain_schema(f.schema_arrow))
+            if (clash := type_clash(self.columns, reference, (path, plain_schema(f.schema_arrow)))) is not None:
                 raise clash
             if meta.num_rows == 0:
                 empty.append(path)  # its schema checked all the same: an empty file of other types is a writer to fix
@@ -188,7 +230,7 @@ class ParquetSource:
         Raises:
             DataError: naming the column, both files and the fix (:func:`type_clash`).
         """
-        mine, theirs = (source._open(source.files[0]).schema_arrow for source in (self, reference))
+        mine, theirs = (plain_schema(source._open(source.files[0]).schema_arrow) for source in (self, reference))
         if (clash := type_clash(self.columns, (reference.files[0], theirs), (self.files[0], mine))) is not None:
             raise clash
 
@@ -225,13 +267,27 @@ class ParquetSource:
                 f"Fix: write it again, or remove it from data.path"
             ) from None
         names = f.schema_arrow.names
+        check_unique_names(path, names, "its schema", "write it again with a name of its own for each column (in pandas, "
+                           "df.columns.is_unique must hold), or remove it from data.path")
         missing = [c for c in self.columns if c not in names]
         if missing:
-            raise DataError(
-                f"{path} has no column {missing[0]!r}" + (f" (nor {missing[1:]})" if len(missing) > 1 else "")
-                + f"; its columns are {names}. Fix: correct the column names in data.label(s) / data.dense / data.sparse"
-            )
+            lacks = f"{path} has no column {missing[0]!r}" + (f" (nor {missing[1:]})" if len(missing) > 1 else "") + f"; its columns are {names}"
+            if (holder := self._holding(missing[0], path)) is not None:
+                raise DataError(f"{lacks}, but {holder} has it: files read together hold the same columns. Fix: write {path} with the "
+                                f"column, or remove it from the setting that names it (data.path, data.eval_path)")
+            raise DataError(f"{lacks}. Fix: correct the column names in data.label(s) / data.dense / data.sparse")
         return f
+
+    def _holding(self, column: str, path: str) -> str | None:
+        """The first of :attr:`files` (not ``path``) if it holds ``column``: then ``path`` is the odd file out, not the
+        column name a mistake (a schema inferred from the first file, or written for it, names what the first file has)."""
+        first = self.files[0]
+        if first == path:
+            return None
+        try:
+            return first if column in self._open(first).schema_arrow.names else None
+        except DataError:  # the first file lacks it too, or cannot be read: the names are the mistake to report
+            return None
 
     def sample(self, num_rows: int) -> pa.Table:
         """The first ``num_rows`` rows of the files (in order), every column, to infer a schema from."""
@@ -240,14 +296,14 @@ class ParquetSource:
         first: tuple[str, pa.Schema] | None = None
         for path in self.files:
             f = self._open(path)
-            first = first or (path, f.schema_arrow)
-            if f.schema_arrow.names == first[1].names and (clash := type_clash(first[1].names, first, (path, f.schema_arrow))):
+            first = first or (path, plain_schema(f.schema_arrow))
+            if f.schema_arrow.names == first[1].names and (clash := type_clash(first[1].names, first, (path, plain_schema(f.schema_arrow)))):
                 raise clash
             try:
                 for rb in f.iter_batches(batch_size=min(wanted, self.read_rows), use_threads=False):
                     if tables and rb.schema.names != tables[0].column_names:
                         return _concat(tables)
-                    tables.append(pa.Table.from_batches([rb]))
+                    tables.append(decoded(pa.Table.from_batches([rb])))
                     wanted -= rb.num_rows
                     if wanted <= 0:
                         return _concat(tables)
@@ -264,7 +320,7 @@ class ParquetSource:
         first = unit.first_row
         try:
             for rb in f.iter_batches(batch_size=self.read_rows, row_groups=[unit.index], columns=self.columns, use_threads=False):
-                yield pa.Table.from_batches([rb]), np.arange(first, first + rb.num_rows)
+                yield decoded(pa.Table.from_batches([rb])), np.arange(first, first + rb.num_rows)
                 first += rb.num_rows
         except (pa.ArrowException, OSError) as e:
             if (refused := stores.failure(f"{unit.path} (row group {unit.index})", e)) is not None:

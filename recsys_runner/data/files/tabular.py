@@ -16,12 +16,13 @@ from typing import Any
 import pyarrow as pa
 
 from recsys_runner.data.encoding.fit import Inferred, complete_schema
+from recsys_runner.data.encoding.keys import is_text
 from recsys_runner.data.encoding.number_columns import is_number_type, not_numbers
 from recsys_runner.data.encoding.rows import float_ids
 from recsys_runner.data.encoding.stored import StoredEncoders, check_inputs
 from recsys_runner.data.encoding.values import is_list
 from recsys_runner.data.files.csv_source import CsvSource
-from recsys_runner.data.files.sources import ParquetSource
+from recsys_runner.data.files.sources import ParquetSource, plain_schema
 from recsys_runner.data.files.streaming import KIND_SAMPLE_ROWS, TabularData
 from recsys_runner.data.files.tabular_config import (
     CRITEO_COLUMNS,
@@ -55,8 +56,9 @@ def from_checkpoint(encoders: StoredEncoders, sample: pa.Table, where: str) -> S
 
 def check_column_types(schema: Schema, arrow: pa.Schema, path: str) -> None:
     """The columns of ``schema`` have types it can read in the Parquet file ``path`` (``arrow``: its footer's schema):
-    each label and dense column numbers (:func:`~recsys_runner.data.encoding.number_columns.is_number_type`), no sparse column
-    read as ids floats. Checked when the data is built, before the model: the encoder refuses the same columns, but only
+    each label and dense column numbers (:func:`~recsys_runner.data.encoding.number_columns.is_number_type`), each sparse
+    column read as ids integers or text (or lists of them): not floats, and not a struct, a list of lists, bytes, a
+    timestamp or a decimal, whose values the encoder named as ids out of range (``id {'a': 1} is outside [0, 10)``). Checked when the data is built, before the model: the encoder refuses the same columns, but only
     at the first read, after the model has been built and sharded. The other files of ``data.path`` and ``data.eval_path``
     hold each column as the same kind of values (:func:`~recsys_runner.data.files.sources.type_clash`).
 
@@ -73,6 +75,10 @@ def check_column_types(schema: Schema, arrow: pa.Schema, path: str) -> None:
         t = arrow.field(col.name).type
         if pa.types.is_floating(flat := t.value_type if is_list(t) else t):
             raise DataError(f"{path}: {float_ids(col, flat)}")
+        if not (pa.types.is_integer(flat) or is_text(flat) or pa.types.is_boolean(flat) or pa.types.is_null(flat)):
+            raise DataError(f"{path}: column {col.name!r} holds {t} values, but data.sparse[{col.name}] reads ids: integers or text, or "
+                            f"a list of them per row (multi-hot). Fix: write the column as int64 or string (a list column as "
+                            f"list<int64> or list<string>), or leave it out of data.sparse")
 
 
 def config_schema(config: Any, sample: Any, where: str, column_names: Any = None) -> tuple[Inferred, dict[str, Any]]:
@@ -111,7 +117,7 @@ class ParquetData(TabularData):
         # the first file with rows speaks for the columns' types: an empty part (skipped when read) may hold a column of
         # text or lists as nulls only, as pandas writes an empty partition
         head = next((f for f in files if probe.has_rows(f)), files[0])
-        first = probe._open(head).schema_arrow
+        first = plain_schema(probe._open(head).schema_arrow)  # a dictionary column as its values (sources.decoded)
         stored = None if (config.schema or config.sparse or config.dense or encoders) else stored_schema(head)
         if encoders is not None:
             schema = from_checkpoint(encoders, ParquetSource(files, [], config.read_rows).sample(KIND_SAMPLE_ROWS),
@@ -180,6 +186,13 @@ class CsvData(TabularData):
                          header_key="data.eval_header", follows_training=c.eval_header is None, path_key="data.eval_path")
 
 
+CRITEO_LAYOUT = ("data=criteo reads Criteo's layout: tab-separated, no header line, 40 fields (the label, 13 counts, 26 hex "
+                 "categoricals). Fix: write the file so (tail -n +2 drops a header line; tr ',' '\\t' turns commas into tabs), or read "
+                 "it as data=csv (data.delimiter, data.header, data.column_names)")
+"""What ``data=criteo``, which has no delimiter or header keys, says of a file laid out otherwise (:class:`CsvHeaders`'s
+``fixed_layout``)."""
+
+
 class CriteoData(TabularData):
     """``data=criteo``: raw Criteo TSV files (see :class:`CriteoDataConfig`); with ``data.num_embeddings=null`` each
     table is sized from a sample of the files (logged)."""
@@ -203,4 +216,5 @@ class CriteoData(TabularData):
     def _source(self, files: list[str]) -> CsvSource:
         c = self.criteo
         return CsvSource(files, self.schema.columns if hasattr(self, "schema") else [], delimiter="\t", header=False,
-                         column_names=CRITEO_COLUMNS, null_values=[""], block_rows=c.block_rows, on_bad_rows=c.on_bad_rows)
+                         column_names=CRITEO_COLUMNS, null_values=[""], block_rows=c.block_rows, on_bad_rows=c.on_bad_rows,
+                         fixed_layout=CRITEO_LAYOUT)
