@@ -246,32 +246,8 @@ def _uri(scheme: str, rest: str) -> str:
     return f"{scheme}://{rest}"
 
 
-NOT_DATA_SUFFIXES = (".md", ".rst", ".yaml", ".yml", ".json", ".crc", ".md5", ".sha1", ".sha256", ".sha512", ".py", ".sh",
-                     ".ipynb", ".html", ".pdf")
-"""Names that are no data file by their suffix (documentation, a saved schema file, checksums, scripts), left out of a
-directory of text files, whose data files may have any name (``u.data``, ``day_0``, ``train.txt``)."""
-NOT_DATA_STEMS = ("readme", "license", "licence", "notice", "changelog")
-"""Names that are no data file by their stem, whatever their suffix (``README``, ``LICENSE.txt``), left out alike."""
-
-
-def is_data_name(name: str, suffixes: tuple[str, ...] | None) -> bool:
-    """Whether a file of a directory (or a prefix) named ``name`` is read as data: not hidden or a writer's marker (``.`` or
-    ``_`` first: ``_SUCCESS``, ``.crc``), and with one of ``suffixes`` when given, else not a documentation, schema or checksum
-    file by its name (:data:`NOT_DATA_SUFFIXES`, :data:`NOT_DATA_STEMS`).
-
-    Why the second rule: a text directory takes files of any name, and a dataset's README, or the schema file a run logs
-    and the user saved beside the data, was read as rows (``README has no column 'label'``) or, for an inferred schema,
-    as the header of every file (``none of its columns ['hello'] is named label``)."""
-    if name.startswith((".", "_")):
-        return False
-    if suffixes is not None:
-        return name.endswith(suffixes)
-    lower = name.lower()
-    return not (lower.endswith(NOT_DATA_SUFFIXES) or lower.split(".", 1)[0] in NOT_DATA_STEMS)
-
-
 def list_files(path: str, key: str, suffixes: tuple[str, ...] | None) -> list[str]:
-    """The objects a URI names, as URIs: one object, the objects under a prefix (sorted; those :func:`is_data_name` refuses
+    """The objects a URI names, as URIs: one object, the objects under a prefix (sorted; those :func:`~recsys_runner.uris.is_data_name` refuses
     left out) or a glob (``s3://b/day_*/*.parquet``)."""
     scheme, rest = uris.split(path)
     fs = _fsspec(scheme)
@@ -291,7 +267,7 @@ def list_files(path: str, key: str, suffixes: tuple[str, ...] | None) -> list[st
             raise DataError(f"{key}={path!r} is a glob pattern that matches no objects. Fix: check the pattern and the bucket's listing "
                             f"(aws s3 ls {path.rsplit('/', 1)[0]}/)")
         return [_uri(scheme, p) for p in sorted(found)]
-    files = sorted(_uri(scheme, p) for p, info in entries.items() if info.get("type") == "file" and is_data_name(p.rsplit("/", 1)[-1], suffixes))
+    files = sorted(_uri(scheme, p) for p, info in entries.items() if info.get("type") == "file" and uris.is_data_name(p.rsplit("/", 1)[-1], suffixes))
     if not files:
         _check_bucket(path)
         wanted = f" with a name ending in {', '.join(suffixes)}" if suffixes else ""

@@ -9,7 +9,8 @@ for the text forms that stay text (data files, which pyarrow reads).
 A room of its own below :mod:`recsys_runner.stores`: an address is arithmetic on names, with no client, setting,
 retry or error of a store, and a room that only names a place (the launch's resume command, the checkpoint policy's
 directory, the ``sequences`` command's output) needs nothing else; ``stores`` imports it to pick a file system, never
-the reverse. May import nothing of the package.
+the reverse. Which names of a listing are data files (:func:`is_data_name`) is decided here too, for a local folder and a
+prefix alike. May import nothing of the package.
 """
 
 from __future__ import annotations
@@ -96,3 +97,27 @@ def split(uri: str) -> tuple[str, str]:
     m = _SCHEME.match(uri)
     assert m is not None, uri
     return m.group(1).lower(), uri[m.end():]
+
+
+NOT_DATA_SUFFIXES = (".md", ".rst", ".yaml", ".yml", ".json", ".crc", ".md5", ".sha1", ".sha256", ".sha512", ".py", ".sh",
+                     ".ipynb", ".html", ".pdf")
+"""Names that are no data file by their suffix (documentation, a saved schema file, checksums, scripts), left out of a
+directory of text files, whose data files may have any name (``u.data``, ``day_0``, ``train.txt``)."""
+NOT_DATA_STEMS = ("readme", "license", "licence", "notice", "changelog")
+"""Names that are no data file by their stem, whatever their suffix (``README``, ``LICENSE.txt``), left out alike."""
+
+
+def is_data_name(name: str, suffixes: tuple[str, ...] | None) -> bool:
+    """Whether a file of a directory (or a prefix) named ``name`` is read as data: not hidden or a writer's marker (``.`` or
+    ``_`` first: ``_SUCCESS``, ``.crc``), and with one of ``suffixes`` when given, else not a documentation, schema or checksum
+    file by its name (:data:`NOT_DATA_SUFFIXES`, :data:`NOT_DATA_STEMS`).
+
+    Why the second rule: a text directory takes files of any name, and a dataset's README, or the schema file a run logs
+    and the user saved beside the data, was read as rows (``README has no column 'label'``) or, for an inferred schema,
+    as the header of every file (``none of its columns ['hello'] is named label``)."""
+    if name.startswith((".", "_")):
+        return False
+    if suffixes is not None:
+        return name.endswith(suffixes)
+    lower = name.lower()
+    return not (lower.endswith(NOT_DATA_SUFFIXES) or lower.split(".", 1)[0] in NOT_DATA_STEMS)

@@ -106,7 +106,7 @@ def test_folder_mistakes_are_errors_naming_the_file_and_the_fix(tmp_path: Path) 
                                         r"'cate'.*Fix: add the column"):
         _parquet(tmp_path, {"path": str(wrong)})
     mixed = write_parts(_items(), tmp_path / "mixed", [20])
-    (mixed / "README.txt").write_text("items of 2026-11\n")  # documentation is left out by its name (stores.is_data_name)
+    (mixed / "README.txt").write_text("items of 2026-11\n")  # documentation is left out by its name (uris.is_data_name)
     (mixed / "items-2026-11.csv").write_text("item_id,cate\n1,2\n")
     with pytest.raises(DataError, match=r"names Parquet part files .* and other files \(.*items-2026-11\.csv\).*Fix: point data\.items\.path"):
         _parquet(tmp_path, {"path": str(mixed)})

@@ -28,7 +28,7 @@ def resolve_files(path: str, key: str, suffixes: tuple[str, ...] | None) -> list
 
     In a directory, names starting with ``.`` or ``_`` (``_SUCCESS``, ``.crc``) are ignored, and so are names without
     one of ``suffixes`` (when given), else documentation, schema and checksum files (``README``, ``schema.yaml``:
-    :func:`~recsys_runner.stores.is_data_name`). An object-store URI (``s3://bucket/prefix/``, a glob of one)
+    :func:`~recsys_runner.uris.is_data_name`). An object-store URI (``s3://bucket/prefix/``, a glob of one)
     names objects alike (:func:`recsys_runner.stores.list_files`).
     """
     if uris.is_uri(path):
@@ -50,11 +50,11 @@ def resolve_files(path: str, key: str, suffixes: tuple[str, ...] | None) -> list
     except OSError as e:
         raise DataError(f"{key}={path!r} is a directory that cannot be listed ({e.strerror or e}). Fix: check that you may read it "
                         f"(ls -ld {path}), or point {key} at readable files") from None
-    _refuse_broken_links([os.path.join(path, n) for n in names if stores.is_data_name(n, suffixes)], key, path)
-    files = [os.path.join(path, n) for n in names if os.path.isfile(os.path.join(path, n)) and stores.is_data_name(n, suffixes)]
+    _refuse_broken_links([os.path.join(path, n) for n in names if uris.is_data_name(n, suffixes)], key, path)
+    files = [os.path.join(path, n) for n in names if os.path.isfile(os.path.join(path, n)) and uris.is_data_name(n, suffixes)]
     if suffixes is None and path not in _said:
         _said.add(path)
-        if left := [n for n in names if os.path.isfile(os.path.join(path, n)) and not n.startswith((".", "_")) and not stores.is_data_name(n, None)]:
+        if left := [n for n in names if os.path.isfile(os.path.join(path, n)) and not n.startswith((".", "_")) and not uris.is_data_name(n, None)]:
             log.info("%s=%r: %d file(s) left out as no data by their names (%s): documentation, schema and checksum files. "
                      "To read one, name it (or a glob) in %s", key, path, len(left), ", ".join(left[:5]) + (", …" if len(left) > 5 else ""), key)
     folders = [n for n in names if os.path.isdir(os.path.join(path, n)) and not n.startswith((".", "_"))]
