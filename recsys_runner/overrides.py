@@ -214,8 +214,10 @@ def _unknown_key(config_name: str, chosen: list[Override], single: list[str], ke
 def _wrong_type(config_name: str, chosen: list[Override], single: list[str], cause: ValidationError) -> str | None:
     """``key=value`` whose value the key's type cannot take (``data.batch_size=abc``; a list key given one value without
     brackets): OmegaConf's reason and a value that fits, the default the config has without this override."""
-    key = str(cause.full_key)  # an entry of a map the override gives whole (+distributed.tables={t: x}): that override
-    failed = [i for i, o in enumerate(chosen) if o.key_or_group == key or key.startswith(f"{o.key_or_group}.")]
+    key = str(cause.full_key)  # an entry of a map the override gives whole (+distributed.tables={t: x}): that override;
+    # not the group's choice (model=dlrm before model.embedding_dim=abc), whose key is a prefix too but whose value no map
+    failed = [i for i, o in enumerate(chosen) if o.key_or_group == key
+              or (key.startswith(f"{o.key_or_group}.") and isinstance(o.value(), dict))]
     if not key or len(failed) != 1:
         return None
     given = chosen[failed[0]].input_line or key
