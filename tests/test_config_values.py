@@ -1,0 +1,30 @@
+"""Bad values found by feeding every config field a wrong one (a zero or negative count, an out-of-range share, a name
+nothing has): each is refused by :func:`~recsys_runner.config.validate` with a ``ConfigError`` naming the key, before
+anything is built, never a traceback from inside the code that would use it."""
+
+from __future__ import annotations
+
+import pytest
+
+from recsys_runner.config import validate
+from recsys_runner.errors import ConfigError
+
+BAD_VALUES = {
+    "synthetic-no-sparse-columns": (["data.num_sparse=0"], "data.num_sparse must be positive, got 0"),
+    "synthetic-negative-label-scale": (["data.label_noise=-1"], "data.label_noise must be >= 0"),
+    "synthetic-negative-amount": (["data.conversion_amount=-5"], "data.conversion_amount must be positive"),
+    "dense-adam-zero-eps": (["optim/dense=adam", "optim.dense.eps=0"], "optim.dense.eps must be positive, got 0.0"),
+    "dense-adagrad-negative-eps": (["optim.dense.eps=-1e-8"], "optim.dense.eps must be positive"),
+    "sparse-adagrad-zero-eps": (["optim.sparse.eps=0"], "optim.sparse.eps must be positive"),
+    "dense-sgd-momentum-above-one": (["optim/dense=sgd", "optim.dense.momentum=1.5"], "optim.dense.momentum must lie in [0, 1)"),
+    "dense-sgd-negative-momentum": (["optim/dense=sgd", "optim.dense.momentum=-0.1"], "optim.dense.momentum must lie in [0, 1)"),
+}
+"""Case → (overrides on the tiny default config, a fragment of the message)."""
+
+
+@pytest.mark.parametrize("case", list(BAD_VALUES))
+def test_a_bad_value_is_refused_naming_its_key(make_cfg, case: str) -> None:
+    overrides, fragment = BAD_VALUES[case]
+    with pytest.raises(ConfigError) as raised:
+        validate(make_cfg(*overrides, "tracking=none"))
+    assert fragment in str(raised.value), str(raised.value)
