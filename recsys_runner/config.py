@@ -130,6 +130,11 @@ class RunConfig:
     """Object stores (``s3://`` paths, docs/storage.md): ``storage.endpoint_url`` of an S3-compatible store, region,
     retries, timeouts; never credentials (the store client's environment and config files hold those)."""
 
+    def __post_init__(self) -> None:
+        # numpy's generator takes only this range: a seed outside it would fail in build(), from inside numpy
+        require(0 <= self.seed < 2**32, f"seed={self.seed} must lie in [0, 2**32): numpy's and torch's generators take an "
+                f"unsigned 32-bit seed. Fix: e.g. seed=0")
+
     @functools.cached_property
     def served_data(self) -> DataConfig:
         """``data`` as the model gets it, ``data.for_model(model.data_needs())``: generated data takes the model's labels

@@ -17,6 +17,11 @@ BAD_VALUES = {
     "dense-adagrad-negative-eps": (["optim.dense.eps=-1e-8"], "optim.dense.eps must be positive"),
     "sparse-adagrad-zero-eps": (["optim.sparse.eps=0"], "optim.sparse.eps must be positive"),
     "dense-sgd-momentum-above-one": (["optim/dense=sgd", "optim.dense.momentum=1.5"], "optim.dense.momentum must lie in [0, 1)"),
+    "negative-seed": (["seed=-1"], "seed=-1 must lie in [0, 2**32)"),
+    "hard-column-without-sampled-negatives": (["model=dssm", "data.negatives.hard_column=hard_items"],
+                                              "data.negatives.hard_column=hard_items would do nothing: data.negatives.num_negatives=0"),
+    "mined-share-without-sampled-negatives": (["model=dssm", "data.negatives.mined_ratio=0.25"],
+                                              "data.negatives.mined_ratio=0.25 would do nothing"),
     "dense-sgd-negative-momentum": (["optim/dense=sgd", "optim.dense.momentum=-0.1"], "optim.dense.momentum must lie in [0, 1)"),
 }
 """Case → (overrides on the tiny default config, a fragment of the message)."""
