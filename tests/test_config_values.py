@@ -4,9 +4,12 @@ anything is built, never a traceback from inside the code that would use it."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from recsys_runner.config import validate
+from recsys_runner.data.generated.generate import write_criteo_parquet
 from recsys_runner.errors import ConfigError
 
 BAD_VALUES = {
@@ -36,3 +39,15 @@ def test_a_bad_value_is_refused_naming_its_key(make_cfg, case: str) -> None:
     with pytest.raises(ConfigError) as raised:
         validate(make_cfg(*overrides, "tracking=none"))
     assert fragment in str(raised.value), str(raised.value)
+
+
+def test_a_label_setting_the_files_stored_schema_replaces_is_refused(make_cfg, tmp_path: Path) -> None:
+    """Files ``convert`` wrote carry their schema, which the reader takes whole when no columns are configured: a
+    ``data.label`` naming another column was silently ignored (the run trained on the stored label)."""
+    write_criteo_parquet(str(tmp_path / "train.parquet"), 256)
+    files = ["data=parquet", f"data.path={tmp_path}/train.parquet", "distributed.device=cpu", "tracking=none"]
+    with pytest.raises(ConfigError, match=r"data.label='int_0' would be ignored: .*train.parquet carries the schema .*"
+                                          r"label\(s\) 'label'.*Fix: drop data.label"):
+        validate(make_cfg(*files, "data.label=int_0", tiny=False)).served_data.build(device="cpu")
+    data = validate(make_cfg(*files, "data.label=label", tiny=False)).served_data.build(device="cpu")  # the stored one: fine
+    assert data.schema.label == "label"
