@@ -34,7 +34,7 @@ from recsys_runner.data.files.tabular_config import CriteoDataConfig, CsvDataCon
 from recsys_runner.data.generated.synthetic_config import SyntheticDataConfig
 from recsys_runner.data.generated.synthetic_sequences import SyntheticSequencesConfig
 from recsys_runner.distributed.config import DistributedConfig, check_sharding_types, resolve_device_type
-from recsys_runner.errors import ConfigError, UserError, require
+from recsys_runner.errors import ConfigError, UserError, require, require_seed
 from recsys_runner.metrics.registry import (
     AT_K_NAME,
     DEFAULT_OBJECTIVE,
@@ -131,9 +131,7 @@ class RunConfig:
     retries, timeouts; never credentials (the store client's environment and config files hold those)."""
 
     def __post_init__(self) -> None:
-        # numpy's generator takes only this range: a seed outside it would fail in build(), from inside numpy
-        require(0 <= self.seed < 2**32, f"seed={self.seed} must lie in [0, 2**32): numpy's and torch's generators take an "
-                f"unsigned 32-bit seed. Fix: e.g. seed=0")
+        require_seed("seed", self.seed)
 
     @functools.cached_property
     def served_data(self) -> DataConfig:

@@ -41,11 +41,14 @@ def test_a_bad_value_is_refused_naming_its_key(make_cfg, case: str) -> None:
     assert fragment in str(raised.value), str(raised.value)
 
 
-def test_a_label_setting_the_files_stored_schema_replaces_is_refused(make_cfg, tmp_path: Path) -> None:
-    """Files ``convert`` wrote carry their schema, which the reader takes whole when no columns are configured: a
-    ``data.label`` naming another column was silently ignored (the run trained on the stored label)."""
+def test_file_data_settings_the_reader_would_fail_on_or_ignore_are_refused(make_cfg, tmp_path: Path) -> None:
+    """A negative ``data.seed`` failed in numpy's generator once the files were read. Files ``convert`` wrote carry their
+    schema, which the reader takes whole when no columns are configured: a ``data.label`` naming another column was
+    silently ignored (the run trained on the stored label)."""
     write_criteo_parquet(str(tmp_path / "train.parquet"), 256)
     files = ["data=parquet", f"data.path={tmp_path}/train.parquet", "distributed.device=cpu", "tracking=none"]
+    with pytest.raises(ConfigError, match=r"data.seed=-1 must lie in \[0, 2\*\*32\)"):  # was numpy's ValueError in the first epoch
+        validate(make_cfg(*files, "data.seed=-1", tiny=False))
     with pytest.raises(ConfigError, match=r"data.label='int_0' would be ignored: .*train.parquet carries the schema .*"
                                           r"label\(s\) 'label'.*Fix: drop data.label"):
         validate(make_cfg(*files, "data.label=int_0", tiny=False)).served_data.build(device="cpu")
