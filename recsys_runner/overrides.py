@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import difflib
 import sys
+import typing
 from collections.abc import Sequence
 
 from hydra import compose
@@ -105,7 +106,7 @@ def explain(config_name: str, overrides: list[str], *, multirun: bool = False, m
                 message = (_map_without_plus(chosen, str(cause.full_key))
                            or _unknown_key(config_name, chosen, single, str(cause.full_key), module))
             elif isinstance(cause, ValidationError) and str(e).startswith("Error merging override"):
-                message = _wrong_type(config_name, chosen, single, cause)
+                message = _entries_not_mappings(chosen, cause) or _wrong_type(config_name, chosen, single, cause)
             elif isinstance(cause, ConfigTypeError) and str(e).startswith("Error merging override"):
                 message = _not_a_map(chosen, str(cause.full_key))
             if message is not None:
@@ -232,6 +233,26 @@ def _wrong_type(config_name: str, chosen: list[Override], single: list[str], cau
         return f"{given}: {key} is a list ({reason}). Fix: {key}=[{value}] (a list in brackets, e.g. {key}=[a,b])"
     example = f", e.g. its default {key}={_yaml(default)}" if default is not None else ""
     return f"{given}: {reason}. Fix: give {key} a value of its type{example}"
+
+
+def _entries_not_mappings(chosen: list[Override], cause: ValidationError) -> str | None:
+    """``data.dense=[price]``: a list whose entries are mappings with a required field (``DenseColumn``: ``name``) given
+    bare values; OmegaConf's "str is not a subclass of DenseColumn" at ``data.dense[0]`` names neither the form nor the
+    fix, which is each value as that field."""
+    container, bracket, _ = str(cause.full_key).partition("[")
+    entry = typing.get_args(getattr(cause, "ref_type", None))
+    cls = entry[0] if bracket and len(entry) == 1 else None
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        return None
+    required = [f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    override = next((o for o in chosen if o.key_or_group == container), None)
+    values = override.value() if override is not None else None
+    if not required or not isinstance(values, list) or not all(isinstance(v, str | int | float) for v in values):
+        return None
+    entries = ", ".join(f"{{{required[0]}: {v}}}" for v in values)
+    return (f"{override.input_line if override is not None else container}: each entry of {container} is a mapping "
+            f"({cls.__name__}, with {', '.join(required)}), not a bare value like {cause.value!r}. Fix: {container}=[{entries}]")
 
 
 def _yaml(value: object) -> str:

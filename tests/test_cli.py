@@ -141,6 +141,9 @@ TYPOS = {
     "wrong-type-of-the-chosen-option": (["model=dlrm", "model.embedding_dim=abc"],
                                         "model.embedding_dim=abc: Value 'abc' of type 'str' could not be converted to Integer. "
                                         "Fix: give model.embedding_dim a value of its type, e.g. its default model.embedding_dim=16"),
+    "entries-given-bare": (["data=parquet", "data.path=x", "data.sparse=[user,item]"],
+                           "data.sparse=[user,item]: each entry of data.sparse is a mapping (SparseColumn, with name), not a "
+                           "bare value like 'user'. Fix: data.sparse=[{name: user}, {name: item}]"),
     "list-without-brackets": (["model=dlrm", "metrics.eval=auc"], "metrics.eval=auc: metrics.eval is a list (Invalid value "
                                                                   "assigned: str is not a ListConfig, list or tuple). Fix: "
                                                                   "metrics.eval=[auc]"),
