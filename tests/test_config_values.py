@@ -42,13 +42,17 @@ def test_a_bad_value_is_refused_naming_its_key(make_cfg, case: str) -> None:
 
 
 def test_file_data_settings_the_reader_would_fail_on_or_ignore_are_refused(make_cfg, tmp_path: Path) -> None:
-    """A negative ``data.seed`` failed in numpy's generator once the files were read. Files ``convert`` wrote carry their
+    """A negative ``data.seed`` failed in numpy's generator once the files were read; an item catalogue described without
+    its file was silently none. Files ``convert`` wrote carry their
     schema, which the reader takes whole when no columns are configured: a ``data.label`` naming another column was
     silently ignored (the run trained on the stored label)."""
     write_criteo_parquet(str(tmp_path / "train.parquet"), 256)
     files = ["data=parquet", f"data.path={tmp_path}/train.parquet", "distributed.device=cpu", "tracking=none"]
     with pytest.raises(ConfigError, match=r"data.seed=-1 must lie in \[0, 2\*\*32\)"):  # was numpy's ValueError in the first epoch
         validate(make_cfg(*files, "data.seed=-1", tiny=False))
+    with pytest.raises(ConfigError, match=r"data.items.id, data.items.features describe\(s\) the item catalogue file, but "
+                                          r"data.items.path is null"):
+        validate(make_cfg(*files, "data.items.id=cat_0", "data.items.features=[cat_1]", tiny=False))
     with pytest.raises(ConfigError, match=r"data.label='int_0' would be ignored: .*train.parquet carries the schema .*"
                                           r"label\(s\) 'label'.*Fix: drop data.label"):
         validate(make_cfg(*files, "data.label=int_0", tiny=False)).served_data.build(device="cpu")
