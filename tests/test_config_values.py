@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from recsys_runner.__main__ import run
 from recsys_runner.config import validate
 from recsys_runner.data.generated.generate import write_criteo_parquet
 from recsys_runner.errors import ConfigError
@@ -58,3 +59,10 @@ def test_file_data_settings_the_reader_would_fail_on_or_ignore_are_refused(make_
         validate(make_cfg(*files, "data.label=int_0", tiny=False)).served_data.build(device="cpu")
     data = validate(make_cfg(*files, "data.label=label", tiny=False)).served_data.build(device="cpu")  # the stored one: fine
     assert data.schema.label == "label"
+
+
+def test_a_profile_window_past_the_run_is_refused_before_training(make_cfg) -> None:
+    """torch.profiler records nothing before ``wait + warmup`` steps: a run shorter than that ended without a trace and
+    without a word. Refused once the run's length is known, before the model is built."""
+    with pytest.raises(ConfigError, match=r"train.profile.wait=5 \+ train.profile.warmup=2 skip 7 steps, but the run has 6"):
+        run(make_cfg("debug=profile", "train.num_steps=6", "tracking=none"))
