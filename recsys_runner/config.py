@@ -17,6 +17,7 @@ import copy
 import dataclasses
 import difflib
 import functools
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -252,6 +253,7 @@ def validate(cfg: DictConfig) -> RunConfig:
         for name, base in _component_slots().items():
             cfg[name] = typed(cfg[name], base, name)
         check_known_keys(cfg)
+        check_finite(OmegaConf.to_container(cfg, resolve=True))
         composed = OmegaConf.to_object(cfg)
     except UserError:
         raise
@@ -276,6 +278,25 @@ def validate(cfg: DictConfig) -> RunConfig:
     if stopping.patience is not None:
         stopping.mode = metric_mode(stopping.metric, stopping.mode, "train.early_stopping.mode")
     return run
+
+
+def check_finite(node: Any, key: str = "") -> None:
+    """Every number of the config (``node``, as plain containers) is finite. ``inf`` passes every ``> 0`` check a schema
+    makes (``optim.lr=1e400`` is infinity, as YAML's ``.inf`` is) and reaches training, where it turns the weights to NaN;
+    ``nan`` fails those checks with a message about its sign. One check for every key, so no schema needs its own.
+
+    Raises:
+        ConfigError: naming the first key whose value is ``inf``, ``-inf`` or ``nan``.
+    """
+    if isinstance(node, dict):
+        for k, v in node.items():
+            check_finite(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            check_finite(v, f"{key}[{i}]")
+    elif isinstance(node, float) and not math.isfinite(node):
+        raise ConfigError(f"{key}={node} is not a finite number. Fix: give {key} a finite value (YAML reads numbers beyond "
+                          f"1.8e308, and .inf, as infinity)")
 
 
 def metric_mode(key: str, mode: str | None, where: str) -> str | None:

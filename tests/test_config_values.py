@@ -24,6 +24,8 @@ BAD_VALUES = {
     "no-sharding-type": (["distributed.sharding_types=[]"], "distributed.sharding_types=[] allows nothing"),
     "no-table-kernel": (["+distributed.tables={t_cat_0: {compute_kernels: []}}"],
                         "distributed.tables.t_cat_0.compute_kernels=[] allows nothing"),
+    "infinite-lr": (["optim.lr=1e400"], "optim.lr=inf is not a finite number"),
+    "nan-in-a-list": (["model=dlrm", "optim/dense=adam", "optim.dense.betas=[0.9,nan]"], "optim.dense.betas[1]=nan is not a finite number"),
     "negative-seed": (["seed=-1"], "seed=-1 must lie in [0, 2**32)"),
     "hard-column-without-sampled-negatives": (["model=dssm", "data.negatives.hard_column=hard_items"],
                                               "data.negatives.hard_column=hard_items would do nothing: data.negatives.num_negatives=0"),
