@@ -84,6 +84,8 @@ def explain(config_name: str, overrides: list[str], *, multirun: bool = False, m
                 raise ConfigError(not_an_override(text, module)) from None
             return  # a malformed value: Hydra's message shows where
     chosen = [o for o in parsed if not o.is_hydra_override()]
+    for override in chosen:
+        _require_one_option(override, module)
     first = [_first_of_sweep(o) for o in chosen] if multirun else [o.input_line for o in chosen]
     single = [line for line in first if line is not None]
     if len(single) < len(chosen):
@@ -128,6 +130,18 @@ def not_an_override(word: str, module: str) -> str:
                 f"[overrides] ({COMMANDS[name]}); overrides are key=value or group=option")
     return (f"{word!r} is not an override: {here} takes key=value or group=option, e.g. data.batch_size=1024 "
             f"(the commands: python -m recsys_runner.<{'|'.join(COMMANDS)}>; --help lists groups and keys)")
+
+
+def _require_one_option(override: Override, module: str) -> None:
+    """``model=[deepfm,dlrm]``: a component group given a list. Hydra would merge every option listed into one node and then
+    fail on an interpolation of the defaults list ("Error resolving interpolation '${experiment}_${model}'"), which names
+    neither the group nor the fix: one option, or a sweep of them."""
+    value = override.value()
+    if override.key_or_group not in GROUPS or not isinstance(value, list):
+        return
+    group, options = override.key_or_group, [str(v) for v in value]
+    raise ConfigError(f"{override.input_line}: {group} takes one option, not a list. Fix: choose one, e.g. {group}={options[0]}, "
+                      f"or train each in a sweep: python -m {module} --multirun {group}={','.join(options)}")
 
 
 def _first_of_sweep(override: Override) -> str | None:

@@ -144,6 +144,9 @@ TYPOS = {
     "entries-given-bare": (["data=parquet", "data.path=x", "data.sparse=[user,item]"],
                            "data.sparse=[user,item]: each entry of data.sparse is a mapping (SparseColumn, with name), not a "
                            "bare value like 'user'. Fix: data.sparse=[{name: user}, {name: item}]"),
+    "group-given-a-list": (["model=[deepfm,dlrm]"], "model=[deepfm,dlrm]: model takes one option, not a list. Fix: choose one, e.g. "
+                                                   "model=deepfm, or train each in a sweep: python -m recsys_runner --multirun "
+                                                   "model=deepfm,dlrm"),
     "list-without-brackets": (["model=dlrm", "metrics.eval=auc"], "metrics.eval=auc: metrics.eval is a list (Invalid value "
                                                                   "assigned: str is not a ListConfig, list or tuple). Fix: "
                                                                   "metrics.eval=[auc]"),
