@@ -58,7 +58,7 @@ from recsys_runner.train.ema import DenseEMA
 from recsys_runner.train.evaluation import BestEval, Evaluator
 from recsys_runner.train.loop import Loop
 from recsys_runner.train.pipeline import make_pipeline
-from recsys_runner.train.profiling import check_trace_folder
+from recsys_runner.train.profiling import check_profile_window, check_trace_folder
 from recsys_runner.train.stepping import Stepper, StepPolicy, dense_ddp
 from recsys_runner.train.stopping import EarlyStopping
 from recsys_runner.train.summaries import Summaries
@@ -138,6 +138,7 @@ def build(run: RunConfig, *, launch: Launch = Launch(), weights: Path | None = N
                           checkpointer if weights is None else None)
         steps_per_epoch = _steps_per_epoch(data, env.world_size, run.train.grad_accum_steps)
         total_steps = _total_steps(run, steps_per_epoch, log_choice=env.is_main, world_size=env.world_size)
+        check_profile_window(run.train.profile, total_steps)
         if env.is_main:
             _warn_rows_left_out(run, data, env.world_size)
         check_eval_cadence(run.train, steps_per_epoch)

@@ -17,6 +17,7 @@ import copy
 import dataclasses
 import difflib
 import functools
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +35,7 @@ from recsys_runner.data.files.tabular_config import CriteoDataConfig, CsvDataCon
 from recsys_runner.data.generated.synthetic_config import SyntheticDataConfig
 from recsys_runner.data.generated.synthetic_sequences import SyntheticSequencesConfig
 from recsys_runner.distributed.config import DistributedConfig, check_sharding_types, resolve_device_type
-from recsys_runner.errors import ConfigError, UserError, require
+from recsys_runner.errors import ConfigError, UserError, require, require_seed
 from recsys_runner.metrics.registry import (
     AT_K_NAME,
     DEFAULT_OBJECTIVE,
@@ -130,6 +131,9 @@ class RunConfig:
     storage: StorageConfig = field(default_factory=StorageConfig)
     """Object stores (``s3://`` paths, docs/storage.md): ``storage.endpoint_url`` of an S3-compatible store, region,
     retries, timeouts; never credentials (the store client's environment and config files hold those)."""
+
+    def __post_init__(self) -> None:
+        require_seed("seed", self.seed)
 
     @functools.cached_property
     def served_data(self) -> DataConfig:
@@ -251,6 +255,7 @@ def validate(cfg: DictConfig) -> RunConfig:
             cfg[name] = typed(cfg[name], base, name)
         check_known_keys(cfg)
         _check_group_schedules(cfg)
+        check_finite(OmegaConf.to_container(cfg, resolve=True))
         composed = OmegaConf.to_object(cfg)
     except UserError:
         raise
@@ -290,6 +295,25 @@ def _check_group_schedules(cfg: DictConfig) -> None:
                 OmegaConf.to_object(node)
             except ConfigError as e:
                 raise schedule_error(where, e) from None
+
+
+def check_finite(node: Any, key: str = "") -> None:
+    """Every number of the config (``node``, as plain containers) is finite. ``inf`` passes every ``> 0`` check a schema
+    makes (``optim.lr=1e400`` is infinity, as YAML's ``.inf`` is) and reaches training, where it turns the weights to NaN;
+    ``nan`` fails those checks with a message about its sign. One check for every key, so no schema needs its own.
+
+    Raises:
+        ConfigError: naming the first key whose value is ``inf``, ``-inf`` or ``nan``.
+    """
+    if isinstance(node, dict):
+        for k, v in node.items():
+            check_finite(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            check_finite(v, f"{key}[{i}]")
+    elif isinstance(node, float) and not math.isfinite(node):
+        raise ConfigError(f"{key}={node} is not a finite number. Fix: give {key} a finite value (YAML reads numbers beyond "
+                          f"1.8e308, and .inf, as infinity)")
 
 
 def metric_mode(key: str, mode: str | None, where: str) -> str | None:

@@ -67,6 +67,13 @@ def require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def require_seed(key: str, seed: int) -> None:
+    """:func:`require` that ``seed`` (the setting ``key``) fits numpy's and torch's generators, unsigned 32-bit: outside it
+    numpy raises from deep inside the data pipeline or the build, after the job has started."""
+    require(0 <= seed < 2**32, f"{key}={seed} must lie in [0, 2**32): numpy's and torch's generators take an unsigned 32-bit "
+            f"seed. Fix: e.g. {key}=0")
+
+
 @contextlib.contextmanager
 def reported() -> Iterator[None]:
     """Every command line's handling of a :class:`UserError` (module docstring): its one-line message on stderr

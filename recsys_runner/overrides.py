@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import difflib
 import sys
+import typing
 from collections.abc import Sequence
 
 from hydra import compose
@@ -83,6 +84,8 @@ def explain(config_name: str, overrides: list[str], *, multirun: bool = False, m
                 raise ConfigError(not_an_override(text, module)) from None
             return  # a malformed value: Hydra's message shows where
     chosen = [o for o in parsed if not o.is_hydra_override()]
+    for override in chosen:
+        _require_one_option(override, module)
     first = [_first_of_sweep(o) for o in chosen] if multirun else [o.input_line for o in chosen]
     single = [line for line in first if line is not None]
     if len(single) < len(chosen):
@@ -105,7 +108,7 @@ def explain(config_name: str, overrides: list[str], *, multirun: bool = False, m
                 message = (_map_without_plus(chosen, str(cause.full_key))
                            or _unknown_key(config_name, chosen, single, str(cause.full_key), module))
             elif isinstance(cause, ValidationError) and str(e).startswith("Error merging override"):
-                message = _wrong_type(config_name, chosen, single, cause)
+                message = _entries_not_mappings(chosen, cause) or _wrong_type(config_name, chosen, single, cause)
             elif isinstance(cause, ConfigTypeError) and str(e).startswith("Error merging override"):
                 message = _not_a_map(chosen, str(cause.full_key))
             if message is not None:
@@ -127,6 +130,18 @@ def not_an_override(word: str, module: str) -> str:
                 f"[overrides] ({COMMANDS[name]}); overrides are key=value or group=option")
     return (f"{word!r} is not an override: {here} takes key=value or group=option, e.g. data.batch_size=1024 "
             f"(the commands: python -m recsys_runner.<{'|'.join(COMMANDS)}>; --help lists groups and keys)")
+
+
+def _require_one_option(override: Override, module: str) -> None:
+    """``model=[deepfm,dlrm]``: a component group given a list. Hydra would merge every option listed into one node and then
+    fail on an interpolation of the defaults list ("Error resolving interpolation '${experiment}_${model}'"), which names
+    neither the group nor the fix: one option, or a sweep of them."""
+    value = override.value()
+    if override.key_or_group not in GROUPS or not isinstance(value, list):
+        return
+    group, options = override.key_or_group, [str(v) for v in value]
+    raise ConfigError(f"{override.input_line}: {group} takes one option, not a list. Fix: choose one, e.g. {group}={options[0]}, "
+                      f"or train each in a sweep: python -m {module} --multirun {group}={','.join(options)}")
 
 
 def _first_of_sweep(override: Override) -> str | None:
@@ -214,8 +229,10 @@ def _unknown_key(config_name: str, chosen: list[Override], single: list[str], ke
 def _wrong_type(config_name: str, chosen: list[Override], single: list[str], cause: ValidationError) -> str | None:
     """``key=value`` whose value the key's type cannot take (``data.batch_size=abc``; a list key given one value without
     brackets): OmegaConf's reason and a value that fits, the default the config has without this override."""
-    key = str(cause.full_key)  # an entry of a map the override gives whole (+distributed.tables={t: x}): that override
-    failed = [i for i, o in enumerate(chosen) if o.key_or_group == key or key.startswith(f"{o.key_or_group}.")]
+    key = str(cause.full_key)  # an entry of a map the override gives whole (+distributed.tables={t: x}): that override;
+    # not the group's choice (model=dlrm before model.embedding_dim=abc), whose key is a prefix too but whose value no map
+    failed = [i for i, o in enumerate(chosen) if o.key_or_group == key
+              or (key.startswith(f"{o.key_or_group}.") and isinstance(o.value(), dict))]
     if not key or len(failed) != 1:
         return None
     given = chosen[failed[0]].input_line or key
@@ -230,6 +247,26 @@ def _wrong_type(config_name: str, chosen: list[Override], single: list[str], cau
         return f"{given}: {key} is a list ({reason}). Fix: {key}=[{value}] (a list in brackets, e.g. {key}=[a,b])"
     example = f", e.g. its default {key}={_yaml(default)}" if default is not None else ""
     return f"{given}: {reason}. Fix: give {key} a value of its type{example}"
+
+
+def _entries_not_mappings(chosen: list[Override], cause: ValidationError) -> str | None:
+    """``data.dense=[price]``: a list whose entries are mappings with a required field (``DenseColumn``: ``name``) given
+    bare values; OmegaConf's "str is not a subclass of DenseColumn" at ``data.dense[0]`` names neither the form nor the
+    fix, which is each value as that field."""
+    container, bracket, _ = str(cause.full_key).partition("[")
+    entry = typing.get_args(getattr(cause, "ref_type", None))
+    cls = entry[0] if bracket and len(entry) == 1 else None
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        return None
+    required = [f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    override = next((o for o in chosen if o.key_or_group == container), None)
+    values = override.value() if override is not None else None
+    if not required or not isinstance(values, list) or not all(isinstance(v, str | int | float) for v in values):
+        return None
+    entries = ", ".join(f"{{{required[0]}: {v}}}" for v in values)
+    return (f"{override.input_line if override is not None else container}: each entry of {container} is a mapping "
+            f"({cls.__name__}, with {', '.join(required)}), not a bare value like {cause.value!r}. Fix: {container}=[{entries}]")
 
 
 def _yaml(value: object) -> str:

@@ -138,6 +138,15 @@ TYPOS = {
     "word": (["deepfm"], "'deepfm' is not an override: python -m recsys_runner takes key=value or group=option"),
     "wrong-type": (["data.batch_size=abc"], "data.batch_size=abc: Value 'abc' of type 'str' could not be converted to Integer. "
                                             "Fix: give data.batch_size a value of its type, e.g. its default data.batch_size=512"),
+    "wrong-type-of-the-chosen-option": (["model=dlrm", "model.embedding_dim=abc"],
+                                        "model.embedding_dim=abc: Value 'abc' of type 'str' could not be converted to Integer. "
+                                        "Fix: give model.embedding_dim a value of its type, e.g. its default model.embedding_dim=16"),
+    "entries-given-bare": (["data=parquet", "data.path=x", "data.sparse=[user,item]"],
+                           "data.sparse=[user,item]: each entry of data.sparse is a mapping (SparseColumn, with name), not a "
+                           "bare value like 'user'. Fix: data.sparse=[{name: user}, {name: item}]"),
+    "group-given-a-list": (["model=[deepfm,dlrm]"], "model=[deepfm,dlrm]: model takes one option, not a list. Fix: choose one, e.g. "
+                                                   "model=deepfm, or train each in a sweep: python -m recsys_runner --multirun "
+                                                   "model=deepfm,dlrm"),
     "list-without-brackets": (["model=dlrm", "metrics.eval=auc"], "metrics.eval=auc: metrics.eval is a list (Invalid value "
                                                                   "assigned: str is not a ListConfig, list or tuple). Fix: "
                                                                   "metrics.eval=[auc]"),

@@ -154,6 +154,10 @@ KEY_CHECKS = {
     "multitask-objective": (["model=mmoe", "data=synthetic_multitask", "train.objective=eval/auc"],
                             ["train.objective='eval/auc' is not an eval metric this run logs", "valid: eval/ctr/auc, eval/ctr/logloss, "
                              "eval/cvr/auc, eval/cvr/logloss"]),
+    # A two-tower model's task takes model.eval_metrics: metrics.eval would change nothing, silently.
+    "eval-metrics-no-task-reads": (["model=dssm", "metrics.eval=[auc]"],
+                                   ["metrics.eval=['auc'] has no effect: DSSM's tasks take their own eval metrics (its task: "
+                                    "inbatch_recall@1,inbatch_recall@10,inbatch_recall@50)", "Fix: set them where the model takes them"]),
 }
 """Keys naming an eval metric or a feature that the run would not log or read, with what the error must say."""
 

@@ -35,6 +35,10 @@ PROPOSERS = ("default", "dynamic_programming", "greedy", "grid_search", "uniform
 
 def _check_choices(key: str, sharding_types: list[str] | None, compute_kernels: list[str] | None,
                    cache_load_factor: float | None = None) -> None:
+    # an empty list reads as "none allowed" but the planner takes it as null (all): refuse it rather than guess
+    for name, chosen in (("sharding_types", sharding_types), ("compute_kernels", compute_kernels)):
+        require(chosen is None or len(chosen) > 0, f"{key}.{name}=[] allows nothing. Fix: {key}.{name}=null (the planner "
+                f"chooses among all), or list the ones to allow")
     for t in sharding_types or []:
         require(t in _SHARDING_TYPES, f"{key}.sharding_types has unknown {t!r}; valid: {_SHARDING_TYPES}")
     for k in compute_kernels or []:

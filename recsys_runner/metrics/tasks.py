@@ -115,6 +115,19 @@ def check_task_metrics(spec: MetricsConfig, tasks: tuple[Task, ...], model: str 
                 f"appl{'ies' if len(valid) == 1 else 'y'}, e.g. [{','.join(example)}]"
             )
         _check_candidates(task, task.eval_metric_names(spec.eval), key, eval_rows)
+    _check_eval_is_read(spec, tasks, model)
+
+
+def _check_eval_is_read(spec: MetricsConfig, tasks: tuple[Task, ...], model: str) -> None:
+    """``metrics.eval`` changed from its default while no task reads it: each takes its own eval metrics (a two-tower or
+    next-item model's ``model.eval_metrics``, a task spec's, or its kind's default, e.g. ``mse``/``mae`` for regression),
+    so the setting would change nothing and the run would log other metrics than the ones asked for, silently."""
+    if list(spec.eval) == MetricsConfig().eval or any(not (t.eval_metrics or t.default_eval_metrics) for t in tasks):
+        return
+    own = "; ".join(f"{t.name or 'its task'}: {','.join(t.eval_metric_names(spec.eval))}" for t in tasks)
+    raise ConfigError(f"metrics.eval={list(spec.eval)} has no effect: {model}'s tasks take their own eval metrics ({own}). "
+                      f"Fix: set them where the model takes them (model.eval_metrics, or model.task_specs.<task>.eval_metrics; "
+                      f"docs/metrics.md), or drop metrics.eval")
 
 
 def _check_candidates(task: Task, names: list[str], key: str, eval_rows: int | None) -> None:

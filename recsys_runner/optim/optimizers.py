@@ -54,6 +54,13 @@ def check_rate_and_decay(where: str, lr: float, weight_decay: float) -> None:
     require(weight_decay >= 0, f"{where}.weight_decay must be >= 0, got {weight_decay}")
 
 
+def check_eps(where: str, eps: float) -> None:
+    """``eps`` keeps an adaptive optimizer's division by its accumulated squares finite: 0 divides by zero on a row or
+    weight that has had no gradient yet (NaN), and torch refuses a negative one only when the optimizer is built, after
+    sharding."""
+    require(eps > 0, f"{where}.eps must be positive, got {eps}. Fix: e.g. {where}.eps=1e-8")
+
+
 def optimizer_kwargs(config: Configurable) -> dict[str, Any]:
     """Every field of ``config`` but ``_target_``: the keyword arguments of the optimizer class it names."""
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "_target_"}
@@ -186,6 +193,10 @@ class DenseSGDConfig(DenseOptimizerConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        # torch refuses a negative momentum only once the optimizer is built (after sharding), and takes 1 or more,
+        # with which the velocity never decays and training diverges
+        require(0 <= self.momentum < 1, f"optim.dense.momentum must lie in [0, 1), got {self.momentum}. Fix: e.g. "
+                "optim.dense.momentum=0.9, or 0 for plain SGD")
         require(not self.nesterov or self.momentum > 0, "optim.dense.nesterov=true needs optim.dense.momentum > 0")
 
 
@@ -195,6 +206,10 @@ class DenseAdagradConfig(DenseOptimizerConfig):
 
     _target_: str = "torch.optim.Adagrad"
     eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_eps("optim.dense", self.eps)
 
 
 @dataclass(kw_only=True)
@@ -207,6 +222,7 @@ class DenseAdamConfig(DenseOptimizerConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_eps("optim.dense", self.eps)
         require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
                 f"optim.dense.betas needs two values in [0, 1), got {self.betas}")
 

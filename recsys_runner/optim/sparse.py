@@ -28,7 +28,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from recsys_runner.configurable import Configurable
 from recsys_runner.errors import ConfigError, require
 from recsys_runner.optim.compat import WeightDecayMode
-from recsys_runner.optim.optimizers import check_rate_and_decay, optimizer_kwargs
+from recsys_runner.optim.optimizers import check_eps, check_rate_and_decay, optimizer_kwargs
 
 
 @dataclass(kw_only=True)
@@ -119,7 +119,7 @@ class SparseAdagradConfig(_FusedConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(self.eps > 0, f"optim.sparse.eps must be positive, got {self.eps}")
+        check_eps("optim.sparse", self.eps)
 
 
 @dataclass(kw_only=True)
@@ -144,7 +144,7 @@ class SparseAdamConfig(_FusedConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, f"optim.sparse.beta1/beta2 must lie in [0, 1), got {self.beta1}, {self.beta2}")
-        require(self.eps > 0, f"optim.sparse.eps must be positive, got {self.eps}")
+        check_eps("optim.sparse", self.eps)
 
 
 @dataclass(kw_only=True)

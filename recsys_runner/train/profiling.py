@@ -46,6 +46,18 @@ class ProfileConfig:
         require(self.active > 0, f"train.profile.active must be positive, got {self.active}")
 
 
+def check_profile_window(config: ProfileConfig, total_steps: int) -> None:
+    """With ``enabled``: at least one step of the run falls past ``wait`` and ``warmup``. torch.profiler writes a trace
+    only for steps it records, so a window beyond the run's steps would end it without a trace, and without a word;
+    checked once the run's length is known (``build``), before the model."""
+    if not config.enabled:
+        return
+    skipped = config.wait + config.warmup
+    require(skipped < total_steps, f"train.profile.wait={config.wait} + train.profile.warmup={config.warmup} skip {skipped} "
+            f"steps, but the run has {total_steps}, so no step would be recorded. Fix: lower them (e.g. "
+            f"train.profile.wait={max(0, min(config.wait, total_steps - 1 - config.warmup))}), or train longer")
+
+
 def check_trace_folder() -> None:
     """With ``train.profile.enabled``: the temporary folder each rank writes its trace into before logging it
     (``tempfile``'s: ``$TMPDIR``, else ``/tmp``, …) can be written, checked when the run is built (before the model);

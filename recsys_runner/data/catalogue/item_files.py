@@ -68,6 +68,14 @@ class ItemsConfig:
     def __post_init__(self) -> None:
         require(self.path is None or bool(self.id),
                 f"data.items.path={self.path!r} needs data.items.id: the item id column, a data.sparse column, e.g. data.items.id=item_id")
+        # without a file nothing reads these: an id or features set while the path is forgotten would leave the run with
+        # no catalogue, silently
+        described = [f"data.items.{key}" for key, value in (("id", self.id), ("features", self.features),
+                     ("popularity", self.popularity), ("seen", self.seen), ("column_names", self.column_names),
+                     ("header", self.header)) if value not in (None, [])]
+        require(self.path is not None or not described,
+                f"{', '.join(described)} describe(s) the item catalogue file, but data.items.path is null (no catalogue), so "
+                f"it would do nothing. Fix: data.items.path=<items file>, or drop {', '.join(described)}")
         require(self.count_rows > 0, f"data.items.count_rows must be positive, got {self.count_rows}")
         require(self.column_names is None or len(set(self.column_names)) == len(self.column_names),
                 f"data.items.column_names={self.column_names} names a column twice. Fix: one distinct name per column of the "

@@ -72,6 +72,13 @@ class NegativesConfig:
         require(0 <= self.hard_ratio <= 1, f"data.negatives.hard_ratio must lie in [0, 1], got {self.hard_ratio}")
         require(0 <= self.mined_ratio <= 1, f"data.negatives.mined_ratio must lie in [0, 1], got {self.mined_ratio}")
         require(self.mined_top_k > 0, f"data.negatives.mined_top_k must be positive, got {self.mined_top_k}. Fix: e.g. 50")
+        # a share of none: the sampler is off, and nothing would read (or check) the column or the mined pool
+        unused = {key: off for key, value, off in (("hard_column", self.hard_column, "null"), ("mined_ratio", self.mined_ratio, "0"))
+                  if value not in (None, 0)}
+        require(self.enabled or not unused,
+                f"{' and '.join(f'data.negatives.{key}={getattr(self, key)}' for key in unused)} would do nothing: "
+                f"data.negatives.num_negatives=0 samples no negatives to take a share of (in-batch negatives only). Fix: "
+                f"data.negatives.num_negatives=256 (for example), or {' '.join(f'data.negatives.{k}={v}' for k, v in unused.items())}")
         require(self.hard_ratio + self.mined_ratio <= 1 or self.hard_column is None,
                 f"data.negatives.hard_ratio + mined_ratio = {self.hard_ratio + self.mined_ratio} exceeds 1: together they are "
                 f"shares of the same K. Fix: lower one of them")

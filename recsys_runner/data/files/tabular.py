@@ -38,7 +38,7 @@ from recsys_runner.data.locate import PARQUET_SUFFIXES, resolve_files
 from recsys_runner.data.schema import Schema
 from recsys_runner.data.schema_files import read_schema_file, schema_yaml, stored_schema
 from recsys_runner.data.sequences.histories import check_list_columns
-from recsys_runner.errors import DataError
+from recsys_runner.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,7 @@ class ParquetData(TabularData):
             schema = from_checkpoint(encoders, ParquetSource(files, [], config.read_rows).sample(KIND_SAMPLE_ROWS),
                                      f"data.path={config.path!r}")
         elif stored is not None:
+            check_stored_replaces(config, stored, head)
             schema = stored
         else:
             done, _ = config_schema(config, lambda: ParquetSource(files, [], config.read_rows).sample(config.infer.sample_rows),
@@ -138,6 +139,24 @@ class ParquetData(TabularData):
 
     def _source(self, files: list[str]) -> ParquetSource:
         return ParquetSource(files, self.schema.columns, self.config.read_rows)
+
+
+def check_stored_replaces(config: ParquetDataConfig, stored: Schema, head: str) -> None:
+    """Refuse label and history settings that the files' stored schema replaces: the stored one is read whole, so a
+    ``data.label`` (or ``labels``, ``label_kinds``, ``label_threshold``, ``sequences``) that differs from it would be
+    silently ignored, and a run would train on another label than the one asked for. The same value is fine."""
+    given: dict[str, Any] = {"label": config.label, "labels": mapping_option(config.labels, "data.labels"),
+                             "label_kinds": mapping_option(config.label_kinds, "data.label_kinds"),
+                             "label_threshold": config.label_threshold}
+    differ = [f"data.{key}={value!r}" for key, value in given.items() if value is not None and value != getattr(stored, key)]
+    if config.sequences is not None and config.sequence_groups() != stored.sequences:
+        differ.append("data.sequences")
+    if differ:
+        names = stored.label if stored.label is not None else stored.labels
+        raise ConfigError(f"{', '.join(differ)} would be ignored: {head} carries the schema `python -m recsys_runner.data convert` "
+                          f"stored (label(s) {names!r}), which the files are read by when data.dense, data.sparse and "
+                          f"data.schema are unset. Fix: drop {', '.join(d.split('=')[0] for d in differ)}, or list the columns "
+                          f"(data.dense/data.sparse, or data.schema=<file>) to read the files by the config instead")
 
 
 class CsvData(TabularData):

@@ -26,7 +26,7 @@ from recsys_runner.data.schema import (
 from recsys_runner.data.schema_sequences import check_group, sequence_groups
 from recsys_runner.data.sequences.splits import check_rows_for_model
 from recsys_runner.data.sequences.tokens import check_budget
-from recsys_runner.errors import require
+from recsys_runner.errors import require, require_seed
 from recsys_runner.features import DataNeeds, SequenceGroup
 
 DEFAULT_EVAL_FRACTION = 0.1
@@ -91,6 +91,7 @@ class TabularDataConfig(DataConfig):
     def __post_init__(self) -> None:
         require(bool(self.path), "data.path is required: a file, a directory or a glob, e.g. data.path=/data/train/")
         super().__post_init__()
+        require_seed("data.seed", self.seed)
         require(self.shuffle_buffer_rows >= 0, f"data.shuffle_buffer_rows must be >= 0, got {self.shuffle_buffer_rows}")
         require(self.on_bad_rows in BAD_ROW_MODES, f"data.on_bad_rows={self.on_bad_rows!r} must be one of {BAD_ROW_MODES}")
         require(self.vocabulary in VOCABULARY_MODES,

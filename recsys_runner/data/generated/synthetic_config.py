@@ -125,6 +125,9 @@ class SyntheticDataConfig(DataConfig):
             require(self.conversion_truth not in (self.tasks or []),
                     f"data.conversion_truth={self.conversion_truth!r} is also a task of data.tasks={self.tasks}; it is a column of "
                     f"its own. Fix: another name, e.g. data.conversion_truth=cvr_if_clicked")
+        # the column counts first: the checks below name the columns they make (cat_0 …)
+        require(self.num_dense >= 0, f"data.num_dense must be >= 0, got {self.num_dense}")
+        require(self.num_sparse > 0, f"data.num_sparse must be positive, got {self.num_sparse}: the models need at least one embedding table")
         if self.user_item_clusters is not None:
             require(self.user_item_clusters > 0, f"data.user_item_clusters must be positive or null, got {self.user_item_clusters}")
             require(self.num_sparse >= 2, "data.user_item_clusters needs data.num_sparse >= 2 (cat_0 is the user, cat_1 the item)")
@@ -138,8 +141,6 @@ class SyntheticDataConfig(DataConfig):
                 f"the pairs' item columns {items} (data.item_features) must be at least one and not the user column {user!r} "
                 f"(data.user_feature). Fix: data.item_features=[<sparse columns other than {user}>]")
         require(self.hard_negatives >= 0, f"data.hard_negatives must be >= 0, got {self.hard_negatives}. Fix: e.g. 8, or 0 for none")
-        require(self.num_dense >= 0, f"data.num_dense must be >= 0, got {self.num_dense}")
-        require(self.num_sparse > 0, f"data.num_sparse must be positive, got {self.num_sparse}: the models need at least one embedding table")
         require(self.num_embeddings > 0, f"data.num_embeddings must be positive, got {self.num_embeddings}")
         if self.num_embeddings_per_feature is not None:
             require(
@@ -157,6 +158,13 @@ class SyntheticDataConfig(DataConfig):
             f"data.num_eval_rows={self.num_eval_rows} is smaller than one batch (data.batch_size={self.batch_size})",
         )
         require(self.id_skew > 0, f"data.id_skew must be positive, got {self.id_skew}")
+        # a negative scale turns the hidden world's click score around, a negative amount makes purchases refunds:
+        # neither is a setting of the data the docs describe, and nothing would refuse them later
+        require(self.label_noise >= 0, f"data.label_noise must be >= 0 (the click score's scale; 0: labels are coin flips), "
+                f"got {self.label_noise}. Fix: e.g. data.label_noise=0.5 for noisier labels")
+        require(self.conversion_amount is None or self.conversion_amount > 0,
+                f"data.conversion_amount must be positive (the amount's scale) or null, got {self.conversion_amount}. "
+                f"Fix: e.g. data.conversion_amount=50, or null for softplus(score) on every row")
         self.managed_collision = collision_config(self.managed_collision, SyntheticCollisionConfig, "data.managed_collision")
         if self.managed_collision is not None:
             self.managed_collision.check_features(sparse, list(self.num_embeddings_per_feature or [self.num_embeddings] * self.num_sparse))
