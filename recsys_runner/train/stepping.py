@@ -56,7 +56,7 @@ from torchrec.datasets.utils import Batch
 from torchrec.distributed.train_pipeline import TrainPipeline, TrainPipelineBase, TrainPipelineSparseDist
 from torchrec.distributed.types import Awaitable, ShardedModule
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
-from torchrec.sparse.jagged_tensor import KeyedTensor
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedTensor
 
 from recsys_runner.errors import require
 from recsys_runner.metrics.tasks import TaskTrainMetrics
@@ -157,18 +157,30 @@ class StepPolicy:
         return self._unscaled(output)
 
     def _unscaled(self, result: Any) -> Any:
-        """``result`` with :class:`_UnscaleGrad` on its values, at the scale the loss is multiplied by."""
-        assert self.scaler is not None, "hooked only with a scaler"
+        """``result`` with :class:`_UnscaleGrad` on its values, at the scale the loss is multiplied by.
+
+        An EmbeddingBagCollection gives a ``KeyedTensor``; an EmbeddingCollection (the sequence models: SASRec, HSTU,
+        DIN, MIND …) a ``{feature: JaggedTensor}`` of per-id rows, each unscaled on its own (each zeroed on its own
+        overflow, as each module's output is)."""
         if isinstance(result, KeyedTensor):
-            values = result.values()
-            scale = self.scaler.scale(torch.ones((), dtype=torch.float32, device=values.device))
             return KeyedTensor(keys=result.keys(), length_per_key=result.length_per_key(),
-                               values=_UnscaleGrad.apply(values, scale), key_dim=result.key_dim())
+                               values=self._unscale(result.values()), key_dim=result.key_dim())
+        if isinstance(result, JaggedTensor):
+            return JaggedTensor(values=self._unscale(result.values()), weights=result.weights_or_none(),
+                                lengths=result.lengths_or_none(), offsets=result.offsets_or_none())
         if isinstance(result, torch.Tensor):
-            scale = self.scaler.scale(torch.ones((), dtype=torch.float32, device=result.device))
-            return _UnscaleGrad.apply(result, scale)
-        raise TypeError(f"fp16 loss scaling unscales embedding outputs of type KeyedTensor or Tensor, got "
-                        f"{type(result).__name__}; use precision.grad_scaler.enabled=false or precision=bf16")
+            return self._unscale(result)
+        if isinstance(result, dict):
+            return {key: self._unscaled(value) for key, value in result.items()}
+        raise TypeError(f"fp16 loss scaling unscales embedding outputs of type KeyedTensor, JaggedTensor, Tensor or a dict "
+                        f"of them, got {type(result).__name__}; use precision.grad_scaler.enabled=false or precision=bf16")
+
+    def _unscale(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` with :class:`_UnscaleGrad` at the current loss scale."""
+        assert self.scaler is not None, "hooked only with a scaler"
+        scale = self.scaler.scale(torch.ones((), dtype=torch.float32, device=values.device))
+        result: torch.Tensor = _UnscaleGrad.apply(values, scale)
+        return result
 
     def micro_batch(self) -> contextlib.AbstractContextManager[None]:
         """What the next micro-batch's forward and backward run in: DDP's ``no_sync`` unless it is its step's last (or
