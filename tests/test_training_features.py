@@ -53,6 +53,39 @@ def test_fp16_scaler_settings_reach_the_grad_scaler(make_cfg) -> None:
         c.close()
 
 
+def _scaler_after(make_cfg, *overrides: str, steps: int, resumed_from: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The step policy's state after ``steps`` fp16 steps (after loading ``resumed_from`` first), and its scaler's."""
+    c = build(validate(make_cfg("precision=fp16", *overrides, "tracking=none")))
+    try:
+        policy = c.loop.stepper.policy
+        if resumed_from is not None:
+            policy.load_state_dict(resumed_from)
+        batches = iter([c.loop.data.batch(0, i) for i in range(steps)])  # type: ignore[attr-defined]
+        c.loop.stepper.reset()
+        for _ in range(steps):
+            assert c.loop.stepper.step(batches) is not None
+        assert policy.scaler is not None
+        return policy.state_dict(), policy.scaler.state_dict()
+    finally:
+        c.close()
+
+
+def test_a_resume_continues_the_loss_scale_under_the_new_grad_scaler_settings(make_cfg) -> None:
+    # was: torch's GradScaler.load_state_dict put back the saved growth_factor / backoff_factor / growth_interval, so a
+    # resume that changed them kept the old ones (while the resume warning said each change takes effect), and a count
+    # of good steps past a lowered growth_interval never grew the scale again.
+    saved, scaler = _scaler_after(make_cfg, "precision.grad_scaler.init_scale=1024", steps=5)
+    assert scaler["_growth_tracker"] == 5 and scaler["growth_interval"] == 2000
+    _, resumed = _scaler_after(make_cfg, "precision.grad_scaler.init_scale=1024", "precision.grad_scaler.growth_interval=3",
+                               "precision.grad_scaler.growth_factor=4", steps=1, resumed_from=saved)
+    # the count (5) is capped at 3 - 1: the first resumed good step grows the scale by the new factor, and counts anew
+    assert resumed == {"scale": 1024.0 * 4, "growth_factor": 4.0, "backoff_factor": 0.5, "growth_interval": 3, "_growth_tracker": 0}
+    _, unchanged = _scaler_after(make_cfg, "precision.grad_scaler.init_scale=1024", steps=1, resumed_from=saved)
+    assert unchanged == {**scaler, "_growth_tracker": 6}  # nothing changed: the saved state goes on
+    _, restarted = _scaler_after(make_cfg, "precision.grad_scaler.init_scale=256", steps=1, resumed_from=saved)
+    assert restarted["scale"] == 256.0 and restarted["_growth_tracker"] == 1  # a new init_scale starts the scale over
+
+
 def _concat(batches: list[Batch]) -> Batch:
     jts = [b.sparse_features.to_dict() for b in batches]
     merged = {}

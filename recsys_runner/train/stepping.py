@@ -129,6 +129,8 @@ class StepPolicy:
         self.sparse, self.dense = sparse, dense
         self.accumulation_steps, self.scaler, self.ema, self.ddp = accumulation_steps, scaler, ema, ddp
         self.clip = clip if clip is not None and clip.max is not None else None
+        self._init_scale = scaler.get_scale() if scaler is not None else None
+        """``precision.grad_scaler.init_scale`` (the scale before the first step), saved with the scaler's state."""
         self._micro = 0
         self._stepped = False
         """Whether a dense step was taken in this process: a static-graph DDP's first iteration must all-reduce."""
@@ -234,11 +236,31 @@ class StepPolicy:
             self.dense.zero_grad(set_to_none=True)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scaler": self.scaler.state_dict() if self.scaler is not None else None}
+        """The loss scaler's state and the ``init_scale`` it started from (:meth:`load_state_dict` compares it)."""
+        if self.scaler is None:
+            return {"scaler": None}
+        return {"scaler": self.scaler.state_dict(), "init_scale": self._init_scale}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.scaler is not None and state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
+        """Continue the checkpoint's loss scale and its count of overflow-free steps, under this launch's
+        ``precision.grad_scaler`` settings.
+
+        Why not torch's ``GradScaler.load_state_dict`` as is: it also puts back the saved ``growth_factor``,
+        ``backoff_factor`` and ``growth_interval``, so a resume that changed one of them kept the old one while the resume
+        warning said it takes effect; and a count of good steps at or past a lowered interval would never grow the scale
+        (torch grows it when the count *equals* the interval), so the count is capped just below it. A changed
+        ``init_scale`` takes effect as the others do: the scale starts over there. A checkpoint without a scaler (an fp32
+        or bf16 run) leaves this launch's fresh one."""
+        saved = state.get("scaler")
+        if self.scaler is None or not saved:
+            return
+        interval = self.scaler.get_growth_interval()
+        scale, good_steps = saved["scale"], min(int(saved["_growth_tracker"]), interval - 1)
+        if state.get("init_scale", self._init_scale) != self._init_scale:  # checkpoints before it was saved: as unchanged
+            scale, good_steps = self._init_scale, 0
+        self.scaler.load_state_dict({"scale": scale, "_growth_tracker": good_steps, "growth_interval": interval,
+                                     "growth_factor": self.scaler.get_growth_factor(),
+                                     "backoff_factor": self.scaler.get_backoff_factor()})
 
 
 class PolicyPipelineBase(TrainPipelineBase):
