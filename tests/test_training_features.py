@@ -21,6 +21,7 @@ from recsys_runner.checkpoint.guard import NonFiniteLossError
 from recsys_runner.checkpoint.storage import is_complete, list_checkpoints
 from recsys_runner.config import validate
 from recsys_runner.train.ema import DenseEMA
+from recsys_runner.train.signals import Interrupted
 from recsys_runner.train.stepping import LeanPipeline, PolicyPipelineBase, PolicyPipelineSparseDist
 from tests.conftest import TINY, LogWarnings, hint_of, run_in_process, signal_in_process
 
@@ -84,6 +85,29 @@ def test_a_resume_continues_the_loss_scale_under_the_new_grad_scaler_settings(ma
     assert unchanged == {**scaler, "_growth_tracker": 6}  # nothing changed: the saved state goes on
     _, restarted = _scaler_after(make_cfg, "precision.grad_scaler.init_scale=256", steps=1, resumed_from=saved)
     assert restarted["scale"] == 256.0 and restarted["_growth_tracker"] == 1  # a new init_scale starts the scale over
+
+
+FP16_RESUME = ["precision=fp16", "precision.grad_scaler.init_scale=1e6", "precision.grad_scaler.growth_interval=2", "optim/dense=adam",
+               "optim.dense.lr=0.003", "train.num_steps=4", "train.log_every_steps=1", "train.eval_max_batches=1", "checkpoint.keep_last=1"]
+"""A scale that overflows at first (steps 1 and 2 skipped, 1e6 -> 2.5e5, measured) and grows after 2 good steps (step 4):
+a resume at step 2 that lost the scale would overflow and skip step 3 again, one that lost the count would not grow."""
+
+
+def test_an_fp16_resume_continues_the_uninterrupted_runs_loss_scale(make_cfg, mlflow_uri: str, tmp_path: Path) -> None:
+    straight = make_cfg(*FP16_RESUME, f"checkpoint.dir={tmp_path}/a", "tracking.experiment=fp16_straight")
+    run(straight)
+    sliced = make_cfg(*FP16_RESUME, f"checkpoint.dir={tmp_path}/b", "tracking.experiment=fp16_sliced", "train.stop_after_steps=2")
+    with pytest.raises(Interrupted, match="after step 2"):
+        run(sliced)
+    run(sliced)
+    (a,), (b,) = list_checkpoints(tmp_path / "a"), list_checkpoints(tmp_path / "b")
+    scalers = [torch.load(ckpt / "rank0.pt", weights_only=False)["objects"]["policy"]["scaler"] for ckpt in (a, b)]
+    assert a.name == b.name == "step_00000004" and scalers[0] == scalers[1] == {
+        "scale": 5e5, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2, "_growth_tracker": 0}, scalers
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    losses = [{m.step: m.value for m in client.get_metric_history(the_run(mlflow_uri, cfg.tracking.experiment)[1].info.run_id, "train/loss")}
+              for cfg in (straight, sliced)]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6) and sorted(losses[1]) == list(range(1, 5))
 
 
 def _concat(batches: list[Batch]) -> Batch:
