@@ -110,6 +110,24 @@ def test_an_fp16_resume_continues_the_uninterrupted_runs_loss_scale(make_cfg, ml
     assert losses[1] == pytest.approx(losses[0], rel=1e-6) and sorted(losses[1]) == list(range(1, 5))
 
 
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_clipping_bounds_the_true_dense_gradients_under_loss_scaling(make_cfg, precision: str) -> None:
+    # fp16's dense gradients are scaled by 65536 until the scaler unscales them: clipping them before that would clip
+    # the scaled norm to train.clip_grad.max, and the step would be 65536 times too small. With SGD at lr 1 one step
+    # moves the dense weights by exactly the clipped gradient: its norm must be train.clip_grad.max in fp16 as in fp32.
+    c = build(validate(make_cfg(f"precision={precision}", "train.clip_grad.max=0.001", "optim=sgd", "optim.dense.lr=1.0",
+                                "optim.sparse.lr=1e-30", "scheduler=constant", "tracking=none")))
+    try:
+        before = [p.detach().clone() for name, p in c.loop.evaluator.model.named_parameters() if "embedding" not in name]
+        c.loop.stepper.pipeline.progress(iter([c.loop.data.batch(0, 0)]))  # type: ignore[attr-defined]
+        after = [p.detach() for name, p in c.loop.evaluator.model.named_parameters() if "embedding" not in name]
+        moved = float(torch.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(after, before, strict=True))))
+        assert (c.loop.stepper.policy.scaler is not None) == (precision == "fp16")
+        assert moved == pytest.approx(0.001, rel=1e-3)
+    finally:
+        c.close()
+
+
 def _concat(batches: list[Batch]) -> Batch:
     jts = [b.sparse_features.to_dict() for b in batches]
     merged = {}
