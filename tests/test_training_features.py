@@ -128,6 +128,20 @@ def test_clipping_bounds_the_true_dense_gradients_under_loss_scaling(make_cfg, p
         c.close()
 
 
+def test_fp16_gradient_norm_summaries_are_of_the_unscaled_gradients(make_cfg, mlflow_uri: str) -> None:
+    # grad_norm/dense and grad_norm/sparse are documented as taken after fp16 unscaling: at step 1 (the weights as
+    # initialized, the same batch) they must be fp32's, not 256 times them. The summary's hook on the embedding outputs
+    # sees the gradient below the loss scaler's unscaling (it is prepended), the dense one after the scaler's step.
+    norms = {}
+    for precision in ("fp32", "fp16"):
+        cfg = make_cfg(f"precision={precision}", "precision.grad_scaler.init_scale=256", "train.num_steps=1",
+                       "train.summary_every_steps=1", f"tracking.experiment=grad_norms_{precision}")
+        run(cfg)
+        client, mlrun = the_run(mlflow_uri, cfg.tracking.experiment)
+        norms[precision] = {k: mlrun.data.metrics[k] for k in ("grad_norm/dense", "grad_norm/sparse")}
+    assert norms["fp16"] == pytest.approx(norms["fp32"], rel=1e-2), norms
+
+
 def _concat(batches: list[Batch]) -> Batch:
     jts = [b.sparse_features.to_dict() for b in batches]
     merged = {}
