@@ -243,6 +243,39 @@ def test_fp16_unscales_every_embedding_lookup(make_cfg, model: list[str]) -> Non
     assert fp16 == pytest.approx(fp32, rel=0.05)
 
 
+def _step_of_each_tensor(make_cfg, *overrides: str) -> dict[str, torch.Tensor]:
+    """What one optimizer step (fused SGD, lr pushed) changed of each floating tensor of the model's state."""
+    c = build(validate(make_cfg("optim=sgd", "scheduler=constant", "tracking=none", *overrides)))
+    try:
+        def state() -> dict[str, torch.Tensor]:
+            return {k: (v.local_shards()[0].tensor if hasattr(v, "local_shards") else v).detach().clone()  # one rank: whole
+                    for k, v in c.loop.evaluator.model.state_dict().items() if v.is_floating_point()}
+        before = state()
+        c.loop.stepper.reset()
+        assert c.loop.stepper.step(iter([c.loop.data.batch(0, 0)])) is not None  # type: ignore[attr-defined]
+        return {k: v - before[k] for k, v in state().items()}
+    finally:
+        c.close()
+
+
+MANAGED = "data.managed_collision={features: [cat_0, cat_1], input_hash_size: 1000000, eviction_interval: 2}"
+
+
+@pytest.mark.parametrize("tables", [["distributed.sharding_types=[data_parallel]"], ["data.num_embeddings=100", MANAGED]],
+                         ids=["data_parallel", "managed_collision"])
+def test_loss_scaling_gives_every_table_its_true_gradient(make_cfg, tables: list[str]) -> None:
+    # In float32 a loss scale of 256 is exact arithmetic: one step with the scaler on must move every table and dense
+    # weight as without it. Was: data_parallel tables (trained by the dense optimizer) had their gradient unscaled twice,
+    # by the embedding hook and by the GradScaler, and moved 1/256 as far (1/65536 at fp16's default scale) — the planner
+    # picks data_parallel for small tables, here DeepFM's first-order ones at 100 rows; a managed-collision collection's
+    # (tensor, remapped ids) output was a TypeError under fp16.
+    plain = _step_of_each_tensor(make_cfg, *tables)
+    scaled = _step_of_each_tensor(make_cfg, *tables, "precision.grad_scaler.enabled=true", "precision.grad_scaler.init_scale=256")
+    assert any("first_order" in k and float(v.norm()) > 0 for k, v in plain.items())
+    for key, moved in plain.items():
+        assert torch.allclose(scaled[key], moved, rtol=1e-4, atol=1e-9), key
+
+
 def test_ema_follows_its_formula_and_can_evaluate(make_cfg) -> None:
     p = torch.nn.Parameter(torch.zeros(2))
     ema = DenseEMA({"p": p}, decay=0.9)

@@ -56,7 +56,7 @@ from torchrec.datasets.utils import Batch
 from torchrec.distributed.train_pipeline import TrainPipeline, TrainPipelineBase, TrainPipelineSparseDist
 from torchrec.distributed.types import Awaitable, ShardedModule
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
-from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedTensor
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 from recsys_runner.errors import require
 from recsys_runner.metrics.tasks import TaskTrainMetrics
@@ -134,6 +134,8 @@ class StepPolicy:
         self._micro = 0
         self._stepped = False
         """Whether a dense step was taken in this process: a static-graph DDP's first iteration must all-reduce."""
+        self._unscaled_dense: list[torch.Tensor] = []
+        """Dense-optimizer parameters inside a hooked sharded module (``data_parallel`` tables): see :meth:`_dense_step`."""
 
     @property
     def active(self) -> bool:
@@ -145,17 +147,16 @@ class StepPolicy:
         if self.scaler is None:
             return
         hooked: list[str] = []
+        dense = {id(p) for group in self.dense.param_groups for p in group["params"]}
         for name, module in model.named_modules():
             if isinstance(module, ShardedModule) and not any(name.startswith(f"{h}.") for h in hooked):
                 module.register_forward_hook(self._unscale_on_backward)
                 hooked.append(name)
+                self._unscaled_dense += [p for p in module.parameters() if id(p) in dense]
 
     def _unscale_on_backward(self, _module: nn.Module, _inputs: Any, output: Any) -> Any:
         if not torch.is_grad_enabled():
             return None  # evaluation: no backward to unscale
-        if isinstance(output, Awaitable):  # a sharded module's output: unscale once it is waited for
-            output.callbacks.append(self._unscaled)
-            return None
         return self._unscaled(output)
 
     def _unscaled(self, result: Any) -> Any:
@@ -163,7 +164,16 @@ class StepPolicy:
 
         An EmbeddingBagCollection gives a ``KeyedTensor``; an EmbeddingCollection (the sequence models: SASRec, HSTU,
         DIN, MIND …) a ``{feature: JaggedTensor}`` of per-id rows, each unscaled on its own (each zeroed on its own
-        overflow, as each module's output is)."""
+        overflow, as each module's output is); a managed-collision collection (``data.managed_collision``) a tuple of
+        one of those and its remapped ids (a ``KeyedJaggedTensor`` or ``None``: no gradient, passed as they are). A sharded
+        module's output may be an awaitable (or hold one): its result is unscaled once it is waited for."""
+        if isinstance(result, Awaitable):  # a sharded module's output: unscale once it is waited for
+            result.callbacks.append(self._unscaled)
+            return result
+        if result is None or isinstance(result, KeyedJaggedTensor):
+            return result
+        if isinstance(result, tuple):
+            return tuple(self._unscaled(part) for part in result)
         if isinstance(result, KeyedTensor):
             return KeyedTensor(keys=result.keys(), length_per_key=result.length_per_key(),
                                values=self._unscale(result.values()), key_dim=result.key_dim())
@@ -174,8 +184,8 @@ class StepPolicy:
             return self._unscale(result)
         if isinstance(result, dict):
             return {key: self._unscaled(value) for key, value in result.items()}
-        raise TypeError(f"fp16 loss scaling unscales embedding outputs of type KeyedTensor, JaggedTensor, Tensor or a dict "
-                        f"of them, got {type(result).__name__}; use precision.grad_scaler.enabled=false or precision=bf16")
+        raise TypeError(f"fp16 loss scaling unscales embedding outputs of type KeyedTensor, JaggedTensor, Tensor or a dict or "
+                        f"tuple of them, got {type(result).__name__}; use precision.grad_scaler.enabled=false or precision=bf16")
 
     def _unscale(self, values: torch.Tensor) -> torch.Tensor:
         """``values`` with :class:`_UnscaleGrad` at the current loss scale."""
@@ -210,6 +220,13 @@ class StepPolicy:
             self._dense_step()
 
     def _dense_step(self) -> None:
+        if self.scaler is not None and self._unscaled_dense:
+            # data_parallel tables are trained by the dense optimizer, but their gradient came through the embedding
+            # unscaling already: scale it back, so the GradScaler's unscale is its one division (was: 1/scale-sized
+            # updates of every data_parallel table under fp16) and its overflow check sees it as the others.
+            grads = [p.grad for p in self._unscaled_dense if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, self.scaler.scale(torch.ones((), dtype=torch.float32, device=grads[0].device)))
         if self.clip is not None:
             if self.scaler is not None:
                 self.scaler.unscale_(self.dense)
