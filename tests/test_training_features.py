@@ -87,6 +87,26 @@ def test_a_resume_continues_the_loss_scale_under_the_new_grad_scaler_settings(ma
     assert restarted["scale"] == 256.0 and restarted["_growth_tracker"] == 1  # a new init_scale starts the scale over
 
 
+def test_accumulated_fp16_steps_unscale_and_update_the_scale_once_per_optimizer_step(make_cfg) -> None:
+    # growth_interval=1 doubles the scale at every scaler.update(): 8 micro-batches of train.grad_accum_steps=4 are two
+    # optimizer steps, so two updates (x4), not eight (x256); and the scaler steps the dense optimizers twice.
+    c = build(validate(make_cfg("precision=fp16", "precision.grad_scaler.init_scale=64", "precision.grad_scaler.growth_interval=1",
+                                "train.grad_accum_steps=4", "tracking=none")))
+    try:
+        policy = c.loop.stepper.policy
+        assert policy.scaler is not None
+        steps: list[int] = []
+        original = policy.scaler.step
+        policy.scaler.step = lambda optimizer, *a, **k: (steps.append(1), original(optimizer, *a, **k))[1]  # type: ignore[method-assign]
+        batches = iter([c.loop.data.batch(0, i) for i in range(8)])  # type: ignore[attr-defined]
+        c.loop.stepper.reset()
+        for _ in range(2):
+            assert c.loop.stepper.step(batches) is not None
+        assert policy.scaler.get_scale() == 64.0 * 4 and len(steps) == 2
+    finally:
+        c.close()
+
+
 FP16_RESUME = ["precision=fp16", "precision.grad_scaler.init_scale=1e6", "precision.grad_scaler.growth_interval=2", "optim/dense=adam",
                "optim.dense.lr=0.003", "train.num_steps=4", "train.log_every_steps=1", "train.eval_max_batches=1", "checkpoint.keep_last=1"]
 """A scale that overflows at first (steps 1 and 2 skipped, 1e6 -> 2.5e5, measured) and grows after 2 good steps (step 4):
