@@ -38,7 +38,9 @@ current scale on the way, and zeroed if it overflowed, so the fused optimizer se
 the dense step is skipped on overflow by the GradScaler. The policy finds the embedding lookups by
 TorchRec's type, not by a model's class: the output of every top-level
 :class:`~torchrec.distributed.types.ShardedModule` (a sharded EmbeddingBagCollection, whichever
-model part holds it) gets the unscaling, added through the output awaitable's public ``callbacks``.
+model part holds it) gets the unscaling, added through the output awaitable's public ``callbacks``. ``data_parallel``
+tables differ: the dense optimizer trains them and the GradScaler unscales their gradient,
+so :meth:`StepPolicy._dense_step` scales theirs back first (divided once, not twice).
 """
 
 from __future__ import annotations
