@@ -121,6 +121,21 @@ def test_routing_is_the_papers_behaviour_to_interest_routing() -> None:
     assert torch.equal(squash(torch.zeros(3)), torch.zeros(3))
 
 
+def test_mind_trains_in_fp16(make_cfg) -> None:
+    # was: under fp16 autocast squash's 1e-9 is 0 in float16, so an inactive interest's zero capsule gave 0/sqrt(0) = NaN
+    # and the very first loss was NaN (the NaN guard stopped the run); bf16 and fp32 were fine.
+    assert torch.equal(squash(torch.zeros(3, dtype=torch.float16)), torch.zeros(3, dtype=torch.float16))
+    c = build(validate(make_cfg("model=mind", "precision=fp16", "data.batch_size=128", "data.num_train_rows=1024",
+                                "distributed.device=cpu", "tracking=none", tiny=False)))
+    try:
+        batches = iter([c.loop.data.batch(0, i) for i in range(3)])  # type: ignore[attr-defined]
+        c.loop.stepper.reset()
+        losses = [c.loop.stepper.step(batches) for _ in range(3)]
+        assert all(loss is not None and math.isfinite(float(loss)) for loss in losses), losses
+    finally:
+        c.close()
+
+
 def test_padding_changes_nothing() -> None:
     """Padded events (any values, masked) leave the capsules as they were; in the model, a row's interests are the same
     alone and beside a longer row (its history padded further)."""

@@ -21,6 +21,7 @@ from recsys_runner.checkpoint.guard import NonFiniteLossError
 from recsys_runner.checkpoint.storage import is_complete, list_checkpoints
 from recsys_runner.config import validate
 from recsys_runner.train.ema import DenseEMA
+from recsys_runner.train.signals import Interrupted
 from recsys_runner.train.stepping import LeanPipeline, PolicyPipelineBase, PolicyPipelineSparseDist
 from tests.conftest import TINY, LogWarnings, hint_of, run_in_process, signal_in_process
 
@@ -51,6 +52,114 @@ def test_fp16_scaler_settings_reach_the_grad_scaler(make_cfg) -> None:
         assert isinstance(c.loop.stepper.pipeline, LeanPipeline) and c.loop.stepper.pipeline.policy is policy
     finally:
         c.close()
+
+
+def _scaler_after(make_cfg, *overrides: str, steps: int, resumed_from: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The step policy's state after ``steps`` fp16 steps (after loading ``resumed_from`` first), and its scaler's."""
+    c = build(validate(make_cfg("precision=fp16", *overrides, "tracking=none")))
+    try:
+        policy = c.loop.stepper.policy
+        if resumed_from is not None:
+            policy.load_state_dict(resumed_from)
+        batches = iter([c.loop.data.batch(0, i) for i in range(steps)])  # type: ignore[attr-defined]
+        c.loop.stepper.reset()
+        for _ in range(steps):
+            assert c.loop.stepper.step(batches) is not None
+        assert policy.scaler is not None
+        return policy.state_dict(), policy.scaler.state_dict()
+    finally:
+        c.close()
+
+
+def test_a_resume_continues_the_loss_scale_under_the_new_grad_scaler_settings(make_cfg) -> None:
+    # was: torch's GradScaler.load_state_dict put back the saved growth_factor / backoff_factor / growth_interval, so a
+    # resume that changed them kept the old ones (while the resume warning said each change takes effect), and a count
+    # of good steps past a lowered growth_interval never grew the scale again.
+    saved, scaler = _scaler_after(make_cfg, "precision.grad_scaler.init_scale=1024", steps=5)
+    assert scaler["_growth_tracker"] == 5 and scaler["growth_interval"] == 2000
+    _, resumed = _scaler_after(make_cfg, "precision.grad_scaler.init_scale=1024", "precision.grad_scaler.growth_interval=3",
+                               "precision.grad_scaler.growth_factor=4", steps=1, resumed_from=saved)
+    # the count (5) is capped at 3 - 1: the first resumed good step grows the scale by the new factor, and counts anew
+    assert resumed == {"scale": 1024.0 * 4, "growth_factor": 4.0, "backoff_factor": 0.5, "growth_interval": 3, "_growth_tracker": 0}
+    _, unchanged = _scaler_after(make_cfg, "precision.grad_scaler.init_scale=1024", steps=1, resumed_from=saved)
+    assert unchanged == {**scaler, "_growth_tracker": 6}  # nothing changed: the saved state goes on
+    _, restarted = _scaler_after(make_cfg, "precision.grad_scaler.init_scale=256", steps=1, resumed_from=saved)
+    assert restarted["scale"] == 256.0 and restarted["_growth_tracker"] == 1  # a new init_scale starts the scale over
+
+
+def test_accumulated_fp16_steps_unscale_and_update_the_scale_once_per_optimizer_step(make_cfg) -> None:
+    # growth_interval=1 doubles the scale at every scaler.update(): 8 micro-batches of train.grad_accum_steps=4 are two
+    # optimizer steps, so two updates (x4), not eight (x256); and the scaler steps the dense optimizers twice.
+    c = build(validate(make_cfg("precision=fp16", "precision.grad_scaler.init_scale=64", "precision.grad_scaler.growth_interval=1",
+                                "train.grad_accum_steps=4", "tracking=none")))
+    try:
+        policy = c.loop.stepper.policy
+        assert policy.scaler is not None
+        steps: list[int] = []
+        original = policy.scaler.step
+        policy.scaler.step = lambda optimizer, *a, **k: (steps.append(1), original(optimizer, *a, **k))[1]  # type: ignore[method-assign]
+        batches = iter([c.loop.data.batch(0, i) for i in range(8)])  # type: ignore[attr-defined]
+        c.loop.stepper.reset()
+        for _ in range(2):
+            assert c.loop.stepper.step(batches) is not None
+        assert policy.scaler.get_scale() == 64.0 * 4 and len(steps) == 2
+    finally:
+        c.close()
+
+
+FP16_RESUME = ["precision=fp16", "precision.grad_scaler.init_scale=1e6", "precision.grad_scaler.growth_interval=2", "optim/dense=adam",
+               "optim.dense.lr=0.003", "train.num_steps=4", "train.log_every_steps=1", "train.eval_max_batches=1", "checkpoint.keep_last=1"]
+"""A scale that overflows at first (steps 1 and 2 skipped, 1e6 -> 2.5e5, measured) and grows after 2 good steps (step 4):
+a resume at step 2 that lost the scale would overflow and skip step 3 again, one that lost the count would not grow."""
+
+
+def test_an_fp16_resume_continues_the_uninterrupted_runs_loss_scale(make_cfg, mlflow_uri: str, tmp_path: Path) -> None:
+    straight = make_cfg(*FP16_RESUME, f"checkpoint.dir={tmp_path}/a", "tracking.experiment=fp16_straight")
+    run(straight)
+    sliced = make_cfg(*FP16_RESUME, f"checkpoint.dir={tmp_path}/b", "tracking.experiment=fp16_sliced", "train.stop_after_steps=2")
+    with pytest.raises(Interrupted, match="after step 2"):
+        run(sliced)
+    run(sliced)
+    (a,), (b,) = list_checkpoints(tmp_path / "a"), list_checkpoints(tmp_path / "b")
+    scalers = [torch.load(ckpt / "rank0.pt", weights_only=False)["objects"]["policy"]["scaler"] for ckpt in (a, b)]
+    assert a.name == b.name == "step_00000004" and scalers[0] == scalers[1] == {
+        "scale": 5e5, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2, "_growth_tracker": 0}, scalers
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    losses = [{m.step: m.value for m in client.get_metric_history(the_run(mlflow_uri, cfg.tracking.experiment)[1].info.run_id, "train/loss")}
+              for cfg in (straight, sliced)]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6) and sorted(losses[1]) == list(range(1, 5))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_clipping_bounds_the_true_dense_gradients_under_loss_scaling(make_cfg, precision: str) -> None:
+    # fp16's dense gradients are scaled by 65536 until the scaler unscales them: clipping them before that would clip
+    # the scaled norm to train.clip_grad.max, and the step would be 65536 times too small. With SGD at lr 1 one step
+    # moves the dense weights by exactly the clipped gradient: its norm must be train.clip_grad.max in fp16 as in fp32.
+    c = build(validate(make_cfg(f"precision={precision}", "train.clip_grad.max=0.001", "optim=sgd", "optim.dense.lr=1.0",
+                                "optim.sparse.lr=1e-30", "scheduler=constant", "tracking=none")))
+    try:
+        before = [p.detach().clone() for name, p in c.loop.evaluator.model.named_parameters() if "embedding" not in name]
+        c.loop.stepper.pipeline.progress(iter([c.loop.data.batch(0, 0)]))  # type: ignore[attr-defined]
+        after = [p.detach() for name, p in c.loop.evaluator.model.named_parameters() if "embedding" not in name]
+        moved = float(torch.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(after, before, strict=True))))
+        assert (c.loop.stepper.policy.scaler is not None) == (precision == "fp16")
+        assert moved == pytest.approx(0.001, rel=1e-3)
+    finally:
+        c.close()
+
+
+def test_fp16_gradient_norm_summaries_are_of_the_unscaled_gradients(make_cfg, mlflow_uri: str) -> None:
+    # grad_norm/dense and grad_norm/sparse are documented as taken after fp16 unscaling: at step 1 (the weights as
+    # initialized, the same batch) they must be fp32's, not 256 times them. The summary's hook on the embedding outputs
+    # sees the gradient below the loss scaler's unscaling (it is prepended), the dense one after the scaler's step.
+    norms = {}
+    for precision in ("fp32", "fp16"):
+        cfg = make_cfg(f"precision={precision}", "precision.grad_scaler.init_scale=256", "train.num_steps=1",
+                       "train.summary_every_steps=1", f"tracking.experiment=grad_norms_{precision}")
+        run(cfg)
+        client, mlrun = the_run(mlflow_uri, cfg.tracking.experiment)
+        norms[precision] = {k: mlrun.data.metrics[k] for k in ("grad_norm/dense", "grad_norm/sparse")}
+    assert norms["fp16"] == pytest.approx(norms["fp32"], rel=1e-2), norms
 
 
 def _concat(batches: list[Batch]) -> Batch:
@@ -90,10 +199,12 @@ def test_dense_accumulation_equals_one_large_batch(make_cfg, pipeline: str) -> N
         c_large.close()
 
 
-def _policy_run(make_cfg, *overrides: str, steps: int = 8, torchrec_base: bool = False) -> tuple[list[float], list[torch.Tensor], Any]:
+def _policy_run(make_cfg, *overrides: str, steps: int = 8, torchrec_base: bool = False,
+                tiny: bool = True) -> tuple[list[float], list[torch.Tensor], Any]:
     """Per-batch losses, the dense parameters after ``steps`` batches, and the step policy's pipeline class;
-    ``torchrec_base``: through TorchRec's TrainPipelineBase (what ``base`` is on a GPU) instead of the built one."""
-    cfg = make_cfg(*overrides, "tracking=none")
+    ``torchrec_base``: through TorchRec's TrainPipelineBase (what ``base`` is on a GPU) instead of the built one;
+    ``tiny``: on top of the TINY settings (of the click data; a sequence model's data takes its own)."""
+    cfg = make_cfg(*overrides, "tracking=none", tiny=tiny)
     c = build(validate(cfg))
     try:
         if torchrec_base:
@@ -133,12 +244,56 @@ def test_the_lean_pipeline_trains_exactly_as_torchrecs_base_pipeline(make_cfg, p
         assert torch.equal(a, b)
 
 
-def test_fp16_unscales_every_embedding_lookup(make_cfg) -> None:
+SEQUENCES = ["model=sasrec", "data=synthetic_sequences", "data.num_items=2000", "data.max_len=20", "data.batch_size=128",
+             "data.num_train_rows=2048", "model.embedding_dim=32", "distributed.device=cpu"]
+"""A small SASRec on CPU (without the TINY settings of the click data)."""
+
+
+@pytest.mark.parametrize("model", [["model=wide_deep"], [*SEQUENCES, "precision.grad_scaler.init_scale=256"]],
+                         ids=["wide_deep", "sasrec"])
+def test_fp16_unscales_every_embedding_lookup(make_cfg, model: list[str]) -> None:
     # wide_deep's wide part has an EmbeddingBagCollection of its own, outside SparseArch: its fused
     # SGD update must see the true gradient too, or the loss explodes by the loss scale (65536).
-    fp32 = _policy_run(make_cfg, "model=wide_deep", "optim=sgd", "precision=fp32", steps=6)[0]
-    fp16 = _policy_run(make_cfg, "model=wide_deep", "optim=sgd", "precision=fp16", steps=6)[0]
+    # sasrec's EmbeddingCollection gives {feature: JaggedTensor}: was a TypeError at the first step, so precision=fp16
+    # failed with every sequence model (SASRec, HSTU, DIN, MIND, BST). Its first step overflows at the default scale of
+    # 65536 and is skipped (the dense part then diverges from fp32's path); at 256 none does, and fp16 follows fp32 closely.
+    tiny = "model=sasrec" not in model
+    fp32 = _policy_run(make_cfg, *model, "optim=sgd", "precision=fp32", steps=6, tiny=tiny)[0]
+    fp16 = _policy_run(make_cfg, *model, "optim=sgd", "precision=fp16", steps=6, tiny=tiny)[0]
     assert fp16 == pytest.approx(fp32, rel=0.05)
+
+
+def _step_of_each_tensor(make_cfg, *overrides: str) -> dict[str, torch.Tensor]:
+    """What one optimizer step (fused SGD, lr pushed) changed of each floating tensor of the model's state."""
+    c = build(validate(make_cfg("optim=sgd", "scheduler=constant", "tracking=none", *overrides)))
+    try:
+        def state() -> dict[str, torch.Tensor]:
+            return {k: (v.local_shards()[0].tensor if hasattr(v, "local_shards") else v).detach().clone()  # one rank: whole
+                    for k, v in c.loop.evaluator.model.state_dict().items() if v.is_floating_point()}
+        before = state()
+        c.loop.stepper.reset()
+        assert c.loop.stepper.step(iter([c.loop.data.batch(0, 0)])) is not None  # type: ignore[attr-defined]
+        return {k: v - before[k] for k, v in state().items()}
+    finally:
+        c.close()
+
+
+MANAGED = "data.managed_collision={features: [cat_0, cat_1], input_hash_size: 1000000, eviction_interval: 2}"
+
+
+@pytest.mark.parametrize("tables", [["distributed.sharding_types=[data_parallel]"], ["data.num_embeddings=100", MANAGED]],
+                         ids=["data_parallel", "managed_collision"])
+def test_loss_scaling_gives_every_table_its_true_gradient(make_cfg, tables: list[str]) -> None:
+    # In float32 a loss scale of 256 is exact arithmetic: one step with the scaler on must move every table and dense
+    # weight as without it. Was: data_parallel tables (trained by the dense optimizer) had their gradient unscaled twice,
+    # by the embedding hook and by the GradScaler, and moved 1/256 as far (1/65536 at fp16's default scale) — the planner
+    # picks data_parallel for small tables, here DeepFM's first-order ones at 100 rows; a managed-collision collection's
+    # (tensor, remapped ids) output was a TypeError under fp16.
+    plain = _step_of_each_tensor(make_cfg, *tables)
+    scaled = _step_of_each_tensor(make_cfg, *tables, "precision.grad_scaler.enabled=true", "precision.grad_scaler.init_scale=256")
+    assert any("first_order" in k and float(v.norm()) > 0 for k, v in plain.items())
+    for key, moved in plain.items():
+        assert torch.allclose(scaled[key], moved, rtol=1e-4, atol=1e-9), key
 
 
 def test_ema_follows_its_formula_and_can_evaluate(make_cfg) -> None:

@@ -332,7 +332,7 @@ def load_run(storage: CheckpointStorage, path: Path, parts: TrainingParts, confi
     meta = storage.read_meta(path)
     with_optimizer = strict or config.load_optimizer
     if with_optimizer:
-        parts.init_optimizer_state()
+        parts.init_optimizer_state(storage.tensor_index(path))
     ours = parts.tensor_state(with_optimizer)
 
     def renamed(index: TensorIndex) -> dict[str, str]:

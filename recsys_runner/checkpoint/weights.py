@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -62,10 +62,16 @@ class TrainingParts:
                 flat[f"{holder_name}/{k}"] = v
         return flat
 
-    def init_optimizer_state(self) -> None:
-        """Create the optimizers' lazy state (e.g. Adam moments), so a checkpoint's can be loaded into it."""
-        for _, opt in self.optimizer.optimizers:
+    def init_optimizer_state(self, saved: Collection[str] | None = None) -> None:
+        """Create the optimizers' lazy state (e.g. Adam moments), so a checkpoint's can be loaded into it.
+
+        ``saved``: the checkpoint's tensor keys; an optimizer that has none there had no state when it was written — it
+        never stepped, as when fp16's loss scaler skipped every step so far (their gradients overflowed) — and is left
+        lazy, as it was, instead of being asked for state the checkpoint cannot give."""
+        for name, opt in self.optimizer.optimizers:
             if isinstance(opt, KeyedOptimizerWrapper) and not opt.state:
+                if saved is not None and not any(key.startswith(f"optim/{name}.") for key in saved):
+                    continue
                 opt.init_state()
 
     def take(self, loaded: Mapping[str, Any], with_optimizer: bool) -> None:

@@ -91,9 +91,14 @@ class MINDConfig(DSSMConfig):
 
 
 def squash(z: torch.Tensor) -> torch.Tensor:
-    """The capsule non-linearity over the last dim: ``|z|² / (1 + |z|²) · z / |z|`` (length in [0, 1), direction kept)."""
-    squared = (z * z).sum(dim=-1, keepdim=True)
-    return z * (squared / (1 + squared) / torch.sqrt(squared + 1e-9))
+    """The capsule non-linearity over the last dim: ``|z|² / (1 + |z|²) · z / |z|`` (length in [0, 1), direction kept).
+
+    Computed in float32 and returned in ``z``'s dtype: under ``precision=fp16`` autocast ``z`` is float16, whose ``1e-9``
+    is 0, so an inactive interest's zero capsule gave ``0 / sqrt(0)`` = NaN and a NaN loss at the first step (and a
+    ``|z|²`` above 65504 would overflow)."""
+    wide = z.float()
+    squared = (wide * wide).sum(dim=-1, keepdim=True)
+    return (wide * (squared / (1 + squared) / torch.sqrt(squared + 1e-9))).to(z.dtype)
 
 
 def interest_counts(lengths: torch.Tensor, num_interests: int, dynamic: bool) -> torch.Tensor:
