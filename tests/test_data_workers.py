@@ -7,6 +7,7 @@ without a GPU, by reporting CUDA available).
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import re
@@ -309,6 +310,44 @@ def test_forkserver_workers_make_the_fork_workers_batches(tmp_path: Path) -> Non
                                            num_workers=2, worker_start=start, **columns("|"))) for start in ("fork", "forkserver"))
     expected = list(forked_seq.train_batches(1, 0, 1))
     assert expected and same(list(served_seq.train_batches(1, 0, 1)), expected)
+
+
+class _Finalized:
+    """An object in a reference cycle (garbage only the collector frees) that writes down the process finalizing it."""
+
+    def __init__(self, log: Path) -> None:
+        self.log, self.cycle = log, self
+
+    def __del__(self) -> None:
+        with open(self.log, "a") as log:
+            log.write(f"{os.getpid()}\n")
+
+
+class _Collecting(torch.utils.data.IterableDataset):
+    """A worker-side dataset that runs the collector in the worker, as any allocating worker eventually does."""
+
+    def __iter__(self) -> Any:
+        gc.collect()
+        yield torch.tensor([os.getpid()])
+
+
+@pytest.mark.parametrize("start", ["fork", "forkserver"])
+def test_a_forked_worker_never_finalizes_the_training_processs_garbage(start: str, tmp_path: Path) -> None:
+    """Garbage of the training process still uncollected when a round of workers starts (an earlier run's gloo process
+    group in a cycle: its destructor joins threads a forked child does not have, and hangs or aborts there) is finalized
+    by the training process, once, and by no worker; the collector is unfrozen again after the workers start."""
+    log = tmp_path / "finalized"
+    gc.disable()
+    try:
+        _Finalized(log)
+        loader = data_workers.worker_loader(_Collecting(), num_workers=2, pin_memory=False, method=start)
+        workers = {int(batch) for batch in loader}
+    finally:
+        gc.enable()
+    assert len(workers) == 2 and os.getpid() not in workers
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert log.read_text().split() == [str(os.getpid())]
 
 
 @pytest.mark.parametrize(("settings", "says"), [

@@ -5,6 +5,7 @@ credentials, a missing bucket, an empty prefix."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -98,7 +99,10 @@ def test_a_forked_worker_builds_its_own_store_client_and_reads_the_bucket(s3_env
     path = "s3://data/train/part0.parquet"
     parent, _ = stores.arrow_filesystem(path)
     size = stores.file_size(path)
+    gc.freeze()  # the child must not finalize this process's garbage (data/workers.py: WorkerLoader)
     pid = os.fork()
+    if pid:
+        gc.unfreeze()
     if pid == 0:  # the child: report through the exit status only
         fresh = stores._arrow_s3.cache_info().currsize == 0
         child, _ = stores.arrow_filesystem(path)

@@ -6,8 +6,11 @@ then runs threads: gloo's, MLflow's, the read-ahead thread of object-store files
 
 * ``fork`` (the default) copies the training process as it is: the cheapest start, nothing to pickle. A thread of the
   parent does not survive a fork, and a lock it held at that moment stays held in the child; a library that uses such
-  a lock in the worker can hang or abort there (CI once saw both workers of a round die with ``std::system_error:
-  Invalid argument``). Where the platform has no fork (Windows) the platform's own method (spawn) starts them, as before.
+  a lock in the worker can hang or abort there. One such path is closed here (:class:`WorkerLoader`): garbage of the
+  parent (an earlier run's gloo process group in a reference cycle, say) that the child's garbage collector would
+  finalize, running a destructor that joins threads the child does not have — measured here: the worker hangs; CI
+  saw workers die with ``std::system_error: Invalid argument``. Where the platform has no fork (Windows) the
+  platform's own method (spawn) starts them, as before.
 * ``forkserver`` forks each worker from a small server process started once, before any of those threads, with the
   modules a worker needs already imported (:func:`worker_context`): a clean process at about fork's cost after the
   first round. The dataset is pickled to each worker, so a worker-side dataset holds plain state only (configs, file
@@ -24,12 +27,14 @@ has them now: the forkserver's own is that of its start).
 from __future__ import annotations
 
 import functools
+import gc
 import multiprocessing
 import os
 import sys
 from multiprocessing.context import BaseContext
 
 from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from recsys_runner import stores
 from recsys_runner.errors import ConfigError, require
@@ -78,10 +83,32 @@ def worker_context(method: str, dataset_module: str) -> BaseContext | None:
     return context
 
 
+class WorkerLoader(DataLoader):
+    """A DataLoader whose workers never finalize the training process's objects: while a round of workers starts, every
+    object of the process is frozen (:func:`gc.freeze`), so a forked worker's collector leaves them alone; the training
+    process unfreezes its own right after, and collects its garbage itself, where the threads its destructors join exist.
+
+    Freezing moves the collector's generations aside in O(1) and copies nothing; it also spares the worker the copy on
+    write that collecting the parent's objects would make (Python's advice for fork without exec). A process that
+    froze objects of its own before keeps them frozen, ours beside them (an unfreeze would undo its freeze too).
+    """
+
+    def __iter__(self) -> _BaseDataLoaderIter:
+        if self.num_workers == 0:
+            return super().__iter__()
+        frozen_before = gc.get_freeze_count()
+        gc.freeze()
+        try:
+            return super().__iter__()
+        finally:
+            if not frozen_before:
+                gc.unfreeze()
+
+
 def worker_loader(dataset: IterableDataset, *, num_workers: int, pin_memory: bool, method: str) -> DataLoader:
     """A DataLoader over ``dataset`` (which makes whole batches: ``batch_size=None``) with ``num_workers`` worker processes
     started by ``method`` (``data.worker_start``); with ``pin_memory``, its pin thread pins each batch."""
-    return DataLoader(dataset, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
+    return WorkerLoader(dataset, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
                       multiprocessing_context=worker_context(method, type(dataset).__module__),
                       worker_init_fn=functools.partial(_in_worker, stores.settings(), dict(os.environ)))
 
