@@ -155,7 +155,7 @@ def test_auto_workers_per_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 class Recorder:
-    """Stands in for DataLoader: records its arguments and iterates a real, unpinned one."""
+    """Stands in for the loader (WorkerLoader): records its arguments and iterates a real, unpinned one."""
 
     calls: list[dict[str, Any]]
 
@@ -173,7 +173,7 @@ def test_auto_uses_workers_and_pinned_memory_on_cuda(fake_cuda: None, monkeypatc
     data = config.build()
     assert isinstance(data, SyntheticData) and (data.config.num_workers, data.config.pin_memory) == (ON_8_CPUS, True)
     loader = Recorder()
-    monkeypatch.setattr(data_workers, "DataLoader", loader)
+    monkeypatch.setattr(data_workers, "WorkerLoader", loader)
     made = list(data.train_batches(0, 0, 1))
     assert [(c["num_workers"], c["pin_memory"]) for c in loader.calls] == [(ON_8_CPUS, True)]
     assert same(made, list(synthetic_data(num_workers=0, pin_memory=False).train_batches(0, 0, 1)))
@@ -192,7 +192,7 @@ def test_auto_file_reader_on_cuda(fake_cuda: None, monkeypatch: pytest.MonkeyPat
     data = config.build()
     assert isinstance(data, ParquetData) and (data.config.num_workers, data.config.pin_memory) == (ON_8_CPUS, True)
     loader = Recorder()
-    monkeypatch.setattr(data_workers, "DataLoader", loader)
+    monkeypatch.setattr(data_workers, "WorkerLoader", loader)
     assert rids(data.train_batches(0, 0, 1))
     assert [(c["num_workers"], c["pin_memory"]) for c in loader.calls] == [(ON_8_CPUS, True)]
     on_cpu = config.build(device="cpu")

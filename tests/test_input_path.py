@@ -189,7 +189,7 @@ def test_packed_file_batches_from_two_workers_are_the_unpacked_ones(kind: str, t
     assert any(count_packed) and counters["data/bad_rows_skipped"] > 0
     with monkeypatch.context() as m:
         _unpacked_workers(m)
-        m.setattr(data_workers, "DataLoader", _RoundRobinInProcess)
+        m.setattr(data_workers, "WorkerLoader", _RoundRobinInProcess)
         count_packed.clear()
         reference = _file_data(kind, tmp_path)
         expected = [list(reference.train_batches(e, 0, 1)) for e in (0, 1)] + [list(reference.eval_batches(0, 1))]

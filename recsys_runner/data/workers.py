@@ -79,7 +79,7 @@ def worker_context(method: str, dataset_module: str) -> BaseContext | None:
         return None
     context = multiprocessing.get_context(method)
     if method == "forkserver":
-        context.set_forkserver_preload([*PRELOAD, dataset_module])
+        context.set_forkserver_preload(list(dict.fromkeys([*PRELOAD, dataset_module])))
     return context
 
 
@@ -108,16 +108,18 @@ class WorkerLoader(DataLoader):
 def worker_loader(dataset: IterableDataset, *, num_workers: int, pin_memory: bool, method: str) -> DataLoader:
     """A DataLoader over ``dataset`` (which makes whole batches: ``batch_size=None``) with ``num_workers`` worker processes
     started by ``method`` (``data.worker_start``); with ``pin_memory``, its pin thread pins each batch."""
-    return WorkerLoader(dataset, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
-                      multiprocessing_context=worker_context(method, type(dataset).__module__),
-                      worker_init_fn=functools.partial(_in_worker, stores.settings(), dict(os.environ)))
+    context = worker_context(method, type(dataset).__module__)
+    forked = context is not None and context.get_start_method() == "fork"
+    return WorkerLoader(dataset, batch_size=None, num_workers=num_workers, pin_memory=pin_memory, multiprocessing_context=context,
+                        worker_init_fn=None if forked or num_workers == 0 else
+                        functools.partial(_in_worker, stores.settings(), dict(os.environ)))
 
 
 def _in_worker(storage: stores.StorageConfig, environ: dict[str, str], worker_id: int) -> None:
     """In a worker as it starts: the training process's object-store settings and environment, which a worker that was not
     forked from it lacks (it would reach a bucket through AWS's endpoint, not ``storage.endpoint_url`` or
     ``AWS_ENDPOINT_URL`` set after the forkserver started, and without the credentials). A forked worker has them already
-    and keeps its state."""
+    (it gets no such function)."""
     if dict(os.environ) != environ:
         os.environ.clear()
         os.environ.update(environ)
