@@ -11,6 +11,9 @@ import gc
 import multiprocessing
 import os
 import re
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +37,7 @@ from recsys_runner.data.generated.synthetic import SyntheticData
 from recsys_runner.data.generated.synthetic_config import SyntheticDataConfig
 from recsys_runner.errors import ConfigError
 from recsys_runner.train.signals import Interrupted
-from tests.conftest import LogWarnings
+from tests.conftest import REPO, LogWarnings
 from tests.test_checkpoint import history
 from tests.test_sequence_files import columns, histories, write_csv
 
@@ -348,6 +351,44 @@ def test_a_forked_worker_never_finalizes_the_training_processs_garbage(start: st
     assert gc.get_freeze_count() == 0
     gc.collect()
     assert log.read_text().split() == [str(os.getpid())]
+
+
+GLOO_IN_A_CYCLE = """
+import datetime, gc, os, sys
+import torch, torch.distributed as dist
+from recsys_runner.data.workers import worker_loader
+
+class Collecting(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        gc.collect()
+        yield torch.tensor([os.getpid()])
+
+class Run:  # what an earlier in-process run leaves: its process group, in a reference cycle
+    pass
+
+gc.disable()
+run = Run()
+run.cycle, run.group = run, dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=30))
+run.group.allreduce(torch.ones(2)).wait()
+del run
+print(sorted(int(b) for b in worker_loader(Collecting(), num_workers=2, pin_memory=False, method="fork")))
+"""
+
+
+def test_forked_workers_of_a_process_with_a_dead_gloo_group_in_a_cycle_do_not_hang() -> None:
+    """The real case behind :class:`WorkerLoader`: a gloo process group that an earlier run left in a reference cycle,
+    collected in a forked worker, joins threads the worker does not have (it hangs; CI saw workers abort). In a process of
+    its own, so that a hang is a timeout here, not a hung suite."""
+    process = subprocess.Popen([sys.executable, "-c", GLOO_IN_A_CYCLE], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
+    try:
+        out, err = process.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # the hung workers too
+        process.communicate()
+        raise AssertionError("the forked workers hung collecting the parent's process group") from None
+    assert process.returncode == 0, err[-2000:]
+    assert len(out.split(",")) == 2, out
 
 
 @pytest.mark.parametrize(("settings", "says"), [
