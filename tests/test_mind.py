@@ -145,7 +145,8 @@ def test_padding_changes_nothing() -> None:
     mask = torch.tensor([[True] * 4, [True, True, False, False]])
     longer = torch.cat([events, 100 * torch.randn(2, 5, 4)], dim=1)
     torch.testing.assert_close(routing(longer, torch.cat([mask, torch.zeros(2, 5, dtype=torch.bool)], 1), active), routing(events, mask, active))
-    assert torch.equal(routing(events, mask, active)[1], routing(events[1:, :2], mask[1:, :2], active[1:])[0])
+    # a batch of one row and one of two take other kernel paths (vectorized blocks): equal to float32 rounding, not bit for bit
+    torch.testing.assert_close(routing(events, mask, active)[1], routing(events[1:, :2], mask[1:, :2], active[1:])[0])
 
     model, sparse, dense = tiny_model()
     lengths = sparse["hist_item_id"].lengths()
