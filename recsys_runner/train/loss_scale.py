@@ -16,9 +16,12 @@ optimizer step:
   theirs is scaled back first (:meth:`LossScaling.rescale_replicated_tables`: divided once, not twice).
 * **The dense step**: the gradients are unscaled before clipping (:meth:`LossScaling.unscale_`), the dense optimizers
   are stepped through the scaler, which skips the step when a dense gradient overflowed, and the scale adapts
-  (:meth:`LossScaling.step`).
-* **Checkpoints**: the scale and its count of overflow-free steps; a resume continues them under the launch's
-  ``precision.grad_scaler`` settings (:meth:`LossScaling.load_state_dict`).
+  (:meth:`LossScaling.step`, which says whether the step was taken: a skipped step left the dense weights as they were,
+  so the policy does not move the EMA either).
+* **What it did**: the current scale and the count of skipped dense steps, logged with the train metrics
+  (:meth:`LossScaling.logged`: ``train/loss_scale``, ``train/skipped_steps``).
+* **Checkpoints**: the scale, its count of overflow-free steps and the count of skipped steps; a resume continues them
+  under the launch's ``precision.grad_scaler`` settings (:meth:`LossScaling.load_state_dict`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,12 @@ import torch
 from torch import nn
 from torchrec.distributed.types import Awaitable, ShardedModule
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+
+LOSS_SCALE_KEY = "train/loss_scale"
+"""The logged loss scale: the scale the next step's loss will be multiplied by."""
+
+SKIPPED_STEPS_KEY = "train/skipped_steps"
+"""The logged count of dense optimizer steps the GradScaler skipped (a gradient overflowed) since the run started."""
 
 
 class _UnscaleGrad(torch.autograd.Function):
@@ -52,15 +61,25 @@ class LossScaling:
     Args:
         scaler: the ``GradScaler`` (:meth:`~recsys_runner.train.precision.Precision.grad_scaler`), as built: its scale
             now is ``precision.grad_scaler.init_scale``, saved with its state (:meth:`load_state_dict` compares it).
+        dense: the dense optimizers the scaler steps; a step hook on them tells a taken step from a skipped one.
     """
 
-    def __init__(self, scaler: torch.amp.GradScaler) -> None:
+    def __init__(self, scaler: torch.amp.GradScaler, dense: torch.optim.Optimizer) -> None:
         self.scaler = scaler
         self.init_scale = scaler.get_scale()
         """``precision.grad_scaler.init_scale`` (the scale before the first step), saved with the scaler's state."""
+        self.skipped_steps = 0
+        """Dense steps the scaler skipped in this run (all its launches: saved and restored with the checkpoint)."""
         self._replicated: list[torch.Tensor] = []
         """Dense-optimizer parameters inside a hooked sharded module (``data_parallel`` tables): see
         :meth:`rescale_replicated_tables`."""
+        self._taken = False
+        # Why a hook: GradScaler.step decides on the host whether to step (it reads the overflow flag, its one sync) but
+        # says so to nobody; its public step post hook tells it here without a second sync (the scale's, after update).
+        dense.register_step_post_hook(self._step_taken)
+
+    def _step_taken(self, _optimizer: torch.optim.Optimizer, _args: tuple[Any, ...], _kwargs: dict[str, Any]) -> None:
+        self._taken = True
 
     # -- the loss and the embedding lookups ----------------------------------------------------------
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
@@ -137,29 +156,40 @@ class LossScaling:
         """Divide the gradients of ``dense`` by the scale now (before clipping); the step then does not again."""
         self.scaler.unscale_(dense)
 
-    def step(self, dense: torch.optim.Optimizer) -> None:
-        """Step ``dense`` through the scaler (skipped when a gradient overflowed) and adapt the scale."""
+    def step(self, dense: torch.optim.Optimizer) -> bool:
+        """Step ``dense`` through the scaler and adapt the scale; whether the step was taken (``False``: a gradient
+        overflowed, the scaler skipped it and the weights are unchanged, counted in :attr:`skipped_steps`)."""
+        self._taken = False
         self.scaler.step(dense)
         self.scaler.update()
+        if not self._taken:
+            self.skipped_steps += 1
+        return self._taken
 
-    # -- its state -------------------------------------------------------------------------------------
+    # -- what it did, and its state ---------------------------------------------------------------------
+    def logged(self) -> dict[str, float]:
+        """``train/loss_scale`` (the scale now, which the next step uses) and ``train/skipped_steps`` (dense steps
+        skipped for overflow so far in the run). Reading the scale syncs with the device: called at log steps only."""
+        return {LOSS_SCALE_KEY: float(self.scaler.get_scale()), SKIPPED_STEPS_KEY: float(self.skipped_steps)}
+
     def state_dict(self) -> dict[str, Any]:
-        """The scaler's state and the ``init_scale`` it started from."""
-        return {"scaler": self.scaler.state_dict(), "init_scale": self.init_scale}
+        """The scaler's state, the ``init_scale`` it started from and the count of skipped steps."""
+        return {"scaler": self.scaler.state_dict(), "init_scale": self.init_scale, "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue the checkpoint's loss scale and its count of overflow-free steps, under this launch's
-        ``precision.grad_scaler`` settings.
+        """Continue the checkpoint's loss scale, its count of overflow-free steps and of skipped steps, under this
+        launch's ``precision.grad_scaler`` settings.
 
         Why not torch's ``GradScaler.load_state_dict`` as is: it also puts back the saved ``growth_factor``,
         ``backoff_factor`` and ``growth_interval``, so a resume that changed one of them kept the old one while the resume
         warning said it takes effect; and a count of good steps at or past a lowered interval would never grow the scale
         (torch grows it when the count *equals* the interval), so the count is capped just below it. A changed
-        ``init_scale`` takes effect as the others do: the scale starts over there. A checkpoint without a scaler (an fp32
-        or bf16 run) leaves this launch's fresh one."""
+        ``init_scale`` takes effect as the others do: the scale starts over there (the count of skipped steps, the run's
+        history, goes on). A checkpoint without a scaler (an fp32 or bf16 run) leaves this launch's fresh one."""
         saved = state.get("scaler")
         if not saved:
             return
+        self.skipped_steps = int(state.get("skipped_steps", 0))  # checkpoints before it was saved: none counted
         interval = self.scaler.get_growth_interval()
         scale, good_steps = saved["scale"], min(int(saved["_growth_tracker"]), interval - 1)
         if state.get("init_scale", self.init_scale) != self.init_scale:  # checkpoints before it was saved: as unchanged

@@ -98,7 +98,8 @@ class StepPolicy:
         accumulation_steps: micro-batches per dense step (``train.grad_accum_steps``).
         scaler: fp16 loss scaler, or ``None``.
         clip: dense gradient clipping (off when ``clip.max`` is ``None``).
-        ema: moving average of the dense weights, updated after every dense step.
+        ema: moving average of the dense weights, updated after every dense step taken (not after one the loss scaler
+            skipped: the weights did not change).
         ddp: the DDP of the dense part (:func:`dense_ddp`), whose gradient all-reduce :meth:`micro_batch` skips in all
             but a step's last micro-batch; ``None`` with one rank.
     """
@@ -110,7 +111,7 @@ class StepPolicy:
     ) -> None:
         self.sparse, self.dense = sparse, dense
         self.accumulation_steps, self.ema, self.ddp = accumulation_steps, ema, ddp
-        self.loss_scaling = LossScaling(scaler) if scaler is not None else None
+        self.loss_scaling = LossScaling(scaler, dense) if scaler is not None else None
         """fp16 loss scaling around the loss, the embedding lookups and the dense step; ``None`` without a scaler."""
         self.clip = clip if clip is not None and clip.max is not None else None
         self._micro = 0
@@ -171,11 +172,12 @@ class StepPolicy:
                 torch.nn.utils.clip_grad_norm_(params, limit, foreach=True)
             else:
                 torch.nn.utils.clip_grad_value_(params, limit, foreach=True)
-        if scaling is not None:
-            scaling.step(self.dense)
-        else:
+        if scaling is None:
             self.dense.step()
-        if self.ema is not None:
+            taken = True
+        else:
+            taken = scaling.step(self.dense)
+        if self.ema is not None and taken:  # a step the scaler skipped left the weights as they were: nothing to average
             self.ema.update()
         self._stepped = True
 
@@ -350,6 +352,11 @@ class Stepper:
     def task_losses(self) -> dict[str, float]:
         """``train/loss/<task>`` (mean over the steps since the last call) and ``train/weight/<task>``; empty for one task."""
         return self.weighting.logged() if self.weighting is not None else {}
+
+    def loss_scale(self) -> dict[str, float]:
+        """``train/loss_scale`` and ``train/skipped_steps`` under fp16 loss scaling (:meth:`LossScaling.logged`); empty
+        without a scaler."""
+        return self.policy.loss_scaling.logged() if self.policy.loss_scaling is not None else {}
 
     def learning_rates(self) -> dict[str, float]:
         """The lr of each optimizer group during the step just taken, as logged (:func:`learning_rates`,
