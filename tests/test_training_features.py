@@ -112,6 +112,9 @@ FP16_RESUME = ["precision=fp16", "precision.grad_scaler.init_scale=1e6", "precis
 """A scale that overflows at first (steps 1 and 2 skipped, 1e6 -> 2.5e5, measured) and grows after 2 good steps (step 4):
 a resume at step 2 that lost the scale would overflow and skip step 3 again, one that lost the count would not grow."""
 
+FP16_RESUME_LOGGED = {"train/loss_scale": {1: 5e5, 2: 2.5e5, 3: 2.5e5, 4: 5e5}, "train/skipped_steps": {1: 1, 2: 2, 3: 2, 4: 2}}
+"""What FP16_RESUME's run logs at each step: the scale after the step (the next step's), the dense steps skipped so far."""
+
 
 def test_an_fp16_resume_continues_the_uninterrupted_runs_loss_scale(make_cfg, mlflow_uri: str, tmp_path: Path) -> None:
     straight = make_cfg(*FP16_RESUME, f"checkpoint.dir={tmp_path}/a", "tracking.experiment=fp16_straight")
@@ -125,9 +128,38 @@ def test_an_fp16_resume_continues_the_uninterrupted_runs_loss_scale(make_cfg, ml
     assert a.name == b.name == "step_00000004" and scalers[0] == scalers[1] == {
         "scale": 5e5, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2, "_growth_tracker": 0}, scalers
     client = MlflowClient(tracking_uri=mlflow_uri)
-    losses = [{m.step: m.value for m in client.get_metric_history(the_run(mlflow_uri, cfg.tracking.experiment)[1].info.run_id, "train/loss")}
-              for cfg in (straight, sliced)]
+    runs = [the_run(mlflow_uri, cfg.tracking.experiment)[1].info.run_id for cfg in (straight, sliced)]
+    losses = [{m.step: m.value for m in client.get_metric_history(r, "train/loss")} for r in runs]
     assert losses[1] == pytest.approx(losses[0], rel=1e-6) and sorted(losses[1]) == list(range(1, 5))
+    # the loss scale and the skipped steps are logged with the train metrics; the count goes on across the resume
+    # (was: neither logged, so an fp16 run's skipped steps were invisible)
+    for r in runs:
+        assert {k: {m.step: m.value for m in client.get_metric_history(r, k)} for k in FP16_RESUME_LOGGED} == FP16_RESUME_LOGGED
+    assert [torch.load(ckpt / "rank0.pt", weights_only=False)["objects"]["policy"]["skipped_steps"] for ckpt in (a, b)] == [2, 2]
+
+
+def test_a_skipped_fp16_step_leaves_the_ema_and_advances_the_lr_schedule(make_cfg) -> None:
+    # At a scale of 1e30 every fp16 step overflows and the GradScaler skips the dense step: the weights stay, so the EMA
+    # must stay too (was: it moved towards the unchanged weights, here from zeros to half of them). The lr schedule
+    # follows the run's step, skipped or not (docs/training.md): after two skipped steps the warmup is at its step 1.
+    c = build(validate(make_cfg("precision=fp16", "precision.grad_scaler.init_scale=1e30", "train.ema.decay=0.5",
+                                "scheduler=constant", "scheduler.warmup_steps=4", "optim.dense.lr=0.1", "tracking=none")))
+    try:
+        policy, stepper = c.loop.stepper.policy, c.loop.stepper
+        assert policy.ema is not None and policy.loss_scaling is not None
+        for shadow in policy.ema.shadow:
+            shadow.zero_()
+        before = [p.detach().clone() for p in policy.ema.params]
+        batches = iter([c.loop.data.batch(0, i) for i in range(2)])  # type: ignore[attr-defined]
+        stepper.reset()
+        for _ in range(2):
+            assert stepper.step(batches) is not None
+        assert policy.loss_scaling.skipped_steps == 2 and stepper.loss_scale() == pytest.approx({"train/loss_scale": 2.5e29, "train/skipped_steps": 2.0})
+        assert all(torch.equal(p, b) for p, b in zip(policy.ema.params, before, strict=True))
+        assert all(not s.any() for s in policy.ema.shadow)
+        assert stepper.lr_scheduler.last_epoch == 2 and stepper.learning_rates()["lr/dense"] == pytest.approx(0.1 * 1 / 4)
+    finally:
+        c.close()
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])

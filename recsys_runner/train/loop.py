@@ -130,8 +130,8 @@ def train(loop: Loop) -> dict[str, float]:
                 if state.step % cfg.log_every_steps == 0 or state.step == loop.total_steps:
                     logged = meter.flush(state.step)
                     loop.checkpointer.loss_logged(state.step, logged["train/loss"])
-                    _log(loop, logged | loop.stepper.learning_rates() | loop.stepper.task_losses() | loop.stepper.train_metrics.compute() | _data_metrics(loop)
-                         | {"train/epoch": state.epoch}, state.step, progress)
+                    _log(loop, logged | loop.stepper.learning_rates() | loop.stepper.loss_scale() | loop.stepper.task_losses()
+                         | loop.stepper.train_metrics.compute() | _data_metrics(loop) | {"train/epoch": state.epoch}, state.step, progress)
                 if loop.steps_per_epoch and state.epoch_step >= loop.steps_per_epoch:
                     state.epoch, state.epoch_step = state.epoch + 1, 0  # before any checkpoint of this step: see _epoch_end
                 if _eval_due(loop, state):

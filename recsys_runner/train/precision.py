@@ -10,7 +10,9 @@ the loss by a dynamic scale before backward (``torch.amp.GradScaler``), unscales
 gradients before clipping and the optimizer step, skips steps whose gradients overflowed and
 adapts the scale (``growth_factor`` after ``growth_interval`` good steps, ``backoff_factor`` after
 an overflow). The fused embedding optimizer updates rows *inside* backward, so the gradient
-reaching the embedding tables is unscaled on its way there (:mod:`recsys_runner.train.stepping`).
+reaching the embedding tables is unscaled on its way there (:mod:`recsys_runner.train.loss_scale`, which also logs
+the scale and the count of skipped steps, ``train/loss_scale`` and ``train/skipped_steps``). A skipped step leaves the
+dense EMA as it was; the lr schedule goes on with the run's step (docs/training.md says why).
 bf16 has fp32's exponent range and needs no scaler.
 
 ``allow_tf32_matmul`` / ``allow_tf32_cudnn`` let CUDA matmuls / cuDNN convolutions use TF32

@@ -33,14 +33,10 @@ before, and lets DDP record its graph. Only DMP's own DDP (:func:`dense_ddp`): t
 and TorchRec's DDP around ``data_parallel`` tables runs their fused update after its all-reduce, so it must keep
 all-reducing every micro-batch for the tables to update every micro-batch as above.
 
-fp16 loss scaling: the scaled gradient flowing back into the embedding tables is divided by the
-current scale on the way, and zeroed if it overflowed, so the fused optimizer sees true gradients;
-the dense step is skipped on overflow by the GradScaler. The policy finds the embedding lookups by
-TorchRec's type, not by a model's class: the output of every top-level
-:class:`~torchrec.distributed.types.ShardedModule` (a sharded EmbeddingBagCollection, whichever
-model part holds it) gets the unscaling, added through the output awaitable's public ``callbacks``. ``data_parallel``
-tables differ: the dense optimizer trains them and the GradScaler unscales their gradient,
-so :meth:`StepPolicy._dense_step` scales theirs back first (divided once, not twice).
+fp16 loss scaling (``precision.grad_scaler``) is :class:`~recsys_runner.train.loss_scale.LossScaling`'s: the policy
+scales the loss, has the scaler unscale the dense gradients before clipping and step the dense optimizers (a step whose
+gradients overflowed is skipped); the gradient reaching the embedding tables is unscaled on its way
+(:mod:`recsys_runner.train.loss_scale`).
 """
 
 from __future__ import annotations
@@ -56,9 +52,7 @@ from torch.autograd.profiler import record_function
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.train_pipeline import TrainPipeline, TrainPipelineBase, TrainPipelineSparseDist
-from torchrec.distributed.types import Awaitable, ShardedModule
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
-from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 from recsys_runner.errors import require
 from recsys_runner.metrics.tasks import TaskTrainMetrics
@@ -66,6 +60,7 @@ from recsys_runner.models.train_wrapper import TaskWeighting
 from recsys_runner.optim.optimizers import GroupedOptimizer
 from recsys_runner.optim.schedulers import ScheduledLR
 from recsys_runner.train.ema import DenseEMA
+from recsys_runner.train.loss_scale import LossScaling
 
 _CLIP_MODES = ("norm", "value")
 
@@ -83,21 +78,6 @@ class ClipConfig:
     def __post_init__(self) -> None:
         require(self.mode in _CLIP_MODES, f"train.clip_grad.mode={self.mode!r} must be one of {_CLIP_MODES}")
         require(self.max is None or self.max > 0, f"train.clip_grad.max must be positive or null, got {self.max}")
-
-
-class _UnscaleGrad(torch.autograd.Function):
-    """Identity forward; backward divides by the loss scale and zeroes a non-finite gradient."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        unscaled = grad / ctx.scale.to(grad.device)
-        finite = torch.isfinite(unscaled).all()
-        return torch.where(finite, unscaled, torch.zeros_like(unscaled)), None
 
 
 def dense_ddp(model: nn.Module) -> DistributedDataParallel | None:
@@ -118,7 +98,8 @@ class StepPolicy:
         accumulation_steps: micro-batches per dense step (``train.grad_accum_steps``).
         scaler: fp16 loss scaler, or ``None``.
         clip: dense gradient clipping (off when ``clip.max`` is ``None``).
-        ema: moving average of the dense weights, updated after every dense step.
+        ema: moving average of the dense weights, updated after every dense step taken (not after one the loss scaler
+            skipped: the weights did not change).
         ddp: the DDP of the dense part (:func:`dense_ddp`), whose gradient all-reduce :meth:`micro_batch` skips in all
             but a step's last micro-batch; ``None`` with one rank.
     """
@@ -129,72 +110,28 @@ class StepPolicy:
         ddp: DistributedDataParallel | None = None,
     ) -> None:
         self.sparse, self.dense = sparse, dense
-        self.accumulation_steps, self.scaler, self.ema, self.ddp = accumulation_steps, scaler, ema, ddp
+        self.accumulation_steps, self.ema, self.ddp = accumulation_steps, ema, ddp
+        self.loss_scaling = LossScaling(scaler, dense) if scaler is not None else None
+        """fp16 loss scaling around the loss, the embedding lookups and the dense step; ``None`` without a scaler."""
         self.clip = clip if clip is not None and clip.max is not None else None
-        self._init_scale = scaler.get_scale() if scaler is not None else None
-        """``precision.grad_scaler.init_scale`` (the scale before the first step), saved with the scaler's state."""
         self._micro = 0
         self._stepped = False
         """Whether a dense step was taken in this process: a static-graph DDP's first iteration must all-reduce."""
-        self._unscaled_dense: list[torch.Tensor] = []
-        """Dense-optimizer parameters inside a hooked sharded module (``data_parallel`` tables): see :meth:`_dense_step`."""
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """The fp16 loss scaler (``precision.grad_scaler``), or ``None``."""
+        return self.loss_scaling.scaler if self.loss_scaling is not None else None
 
     @property
     def active(self) -> bool:
         """Whether the pipeline needs the policy at all (else TorchRec's pipeline gets the plain optimizer)."""
-        return bool(self.accumulation_steps > 1 or self.scaler or self.clip or self.ema)
+        return bool(self.accumulation_steps > 1 or self.loss_scaling or self.clip or self.ema)
 
     def hook_embeddings(self, model: nn.Module) -> None:
         """With a loss scaler, unscale the gradient reaching each top-level sharded module (embedding lookups)."""
-        if self.scaler is None:
-            return
-        hooked: list[str] = []
-        dense = {id(p) for group in self.dense.param_groups for p in group["params"]}
-        for name, module in model.named_modules():
-            if isinstance(module, ShardedModule) and not any(name.startswith(f"{h}.") for h in hooked):
-                module.register_forward_hook(self._unscale_on_backward)
-                hooked.append(name)
-                self._unscaled_dense += [p for p in module.parameters() if id(p) in dense]
-
-    def _unscale_on_backward(self, _module: nn.Module, _inputs: Any, output: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return None  # evaluation: no backward to unscale
-        return self._unscaled(output)
-
-    def _unscaled(self, result: Any) -> Any:
-        """``result`` with :class:`_UnscaleGrad` on its values, at the scale the loss is multiplied by.
-
-        An EmbeddingBagCollection gives a ``KeyedTensor``; an EmbeddingCollection (the sequence models: SASRec, HSTU,
-        DIN, MIND …) a ``{feature: JaggedTensor}`` of per-id rows, each unscaled on its own (each zeroed on its own
-        overflow, as each module's output is); a managed-collision collection (``data.managed_collision``) a tuple of
-        one of those and its remapped ids (a ``KeyedJaggedTensor`` or ``None``: no gradient, passed as they are). A sharded
-        module's output may be an awaitable (or hold one): its result is unscaled once it is waited for."""
-        if isinstance(result, Awaitable):  # a sharded module's output: unscale once it is waited for
-            result.callbacks.append(self._unscaled)
-            return result
-        if result is None or isinstance(result, KeyedJaggedTensor):
-            return result
-        if isinstance(result, tuple):
-            return tuple(self._unscaled(part) for part in result)
-        if isinstance(result, KeyedTensor):
-            return KeyedTensor(keys=result.keys(), length_per_key=result.length_per_key(),
-                               values=self._unscale(result.values()), key_dim=result.key_dim())
-        if isinstance(result, JaggedTensor):
-            return JaggedTensor(values=self._unscale(result.values()), weights=result.weights_or_none(),
-                                lengths=result.lengths_or_none(), offsets=result.offsets_or_none())
-        if isinstance(result, torch.Tensor):
-            return self._unscale(result)
-        if isinstance(result, dict):
-            return {key: self._unscaled(value) for key, value in result.items()}
-        raise TypeError(f"fp16 loss scaling unscales embedding outputs of type KeyedTensor, JaggedTensor, Tensor or a dict or "
-                        f"tuple of them, got {type(result).__name__}; use precision.grad_scaler.enabled=false or precision=bf16")
-
-    def _unscale(self, values: torch.Tensor) -> torch.Tensor:
-        """``values`` with :class:`_UnscaleGrad` at the current loss scale."""
-        assert self.scaler is not None, "hooked only with a scaler"
-        scale = self.scaler.scale(torch.ones((), dtype=torch.float32, device=values.device))
-        result: torch.Tensor = _UnscaleGrad.apply(values, scale)
-        return result
+        if self.loss_scaling is not None:
+            self.loss_scaling.hook_embeddings(model, self.dense)
 
     def micro_batch(self) -> contextlib.AbstractContextManager[None]:
         """What the next micro-batch's forward and backward run in: DDP's ``no_sync`` unless it is its step's last (or
@@ -213,8 +150,8 @@ class StepPolicy:
         loss = torch.sum(losses, dim=0)
         if self.accumulation_steps > 1:
             loss = loss / self.accumulation_steps
-        if self.scaler is not None:
-            loss = self.scaler.scale(loss)
+        if self.loss_scaling is not None:
+            loss = self.loss_scaling.scale(loss)
         loss.backward()
         self._micro += 1
         if self._micro == self.accumulation_steps:
@@ -222,16 +159,12 @@ class StepPolicy:
             self._dense_step()
 
     def _dense_step(self) -> None:
-        if self.scaler is not None and self._unscaled_dense:
-            # data_parallel tables are trained by the dense optimizer, but their gradient came through the embedding
-            # unscaling already: scale it back, so the GradScaler's unscale is its one division (was: 1/scale-sized
-            # updates of every data_parallel table under fp16) and its overflow check sees it as the others.
-            grads = [p.grad for p in self._unscaled_dense if p.grad is not None]
-            if grads:
-                torch._foreach_mul_(grads, self.scaler.scale(torch.ones((), dtype=torch.float32, device=grads[0].device)))
+        scaling = self.loss_scaling
+        if scaling is not None:
+            scaling.rescale_replicated_tables()
         if self.clip is not None:
-            if self.scaler is not None:
-                self.scaler.unscale_(self.dense)
+            if scaling is not None:
+                scaling.unscale_(self.dense)
             params = [p for g in self.dense.param_groups for p in g["params"] if getattr(p, "grad", None) is not None]
             limit = self.clip.max
             assert limit is not None, "ClipConfig validation guarantees train.clip_grad.max when clipping is on"
@@ -239,12 +172,12 @@ class StepPolicy:
                 torch.nn.utils.clip_grad_norm_(params, limit, foreach=True)
             else:
                 torch.nn.utils.clip_grad_value_(params, limit, foreach=True)
-        if self.scaler is not None:
-            self.scaler.step(self.dense)
-            self.scaler.update()
-        else:
+        if scaling is None:
             self.dense.step()
-        if self.ema is not None:
+            taken = True
+        else:
+            taken = scaling.step(self.dense)
+        if self.ema is not None and taken:  # a step the scaler skipped left the weights as they were: nothing to average
             self.ema.update()
         self._stepped = True
 
@@ -255,31 +188,13 @@ class StepPolicy:
             self.dense.zero_grad(set_to_none=True)
 
     def state_dict(self) -> dict[str, Any]:
-        """The loss scaler's state and the ``init_scale`` it started from (:meth:`load_state_dict` compares it)."""
-        if self.scaler is None:
-            return {"scaler": None}
-        return {"scaler": self.scaler.state_dict(), "init_scale": self._init_scale}
+        """The loss scaling's state (:meth:`LossScaling.state_dict`); ``{"scaler": None}`` without a scaler."""
+        return self.loss_scaling.state_dict() if self.loss_scaling is not None else {"scaler": None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue the checkpoint's loss scale and its count of overflow-free steps, under this launch's
-        ``precision.grad_scaler`` settings.
-
-        Why not torch's ``GradScaler.load_state_dict`` as is: it also puts back the saved ``growth_factor``,
-        ``backoff_factor`` and ``growth_interval``, so a resume that changed one of them kept the old one while the resume
-        warning said it takes effect; and a count of good steps at or past a lowered interval would never grow the scale
-        (torch grows it when the count *equals* the interval), so the count is capped just below it. A changed
-        ``init_scale`` takes effect as the others do: the scale starts over there. A checkpoint without a scaler (an fp32
-        or bf16 run) leaves this launch's fresh one."""
-        saved = state.get("scaler")
-        if self.scaler is None or not saved:
-            return
-        interval = self.scaler.get_growth_interval()
-        scale, good_steps = saved["scale"], min(int(saved["_growth_tracker"]), interval - 1)
-        if state.get("init_scale", self._init_scale) != self._init_scale:  # checkpoints before it was saved: as unchanged
-            scale, good_steps = self._init_scale, 0
-        self.scaler.load_state_dict({"scale": scale, "_growth_tracker": good_steps, "growth_interval": interval,
-                                     "growth_factor": self.scaler.get_growth_factor(),
-                                     "backoff_factor": self.scaler.get_backoff_factor()})
+        """Continue the checkpoint's loss scaling (:meth:`LossScaling.load_state_dict`); nothing to do without a scaler."""
+        if self.loss_scaling is not None:
+            self.loss_scaling.load_state_dict(state)
 
 
 class PolicyPipelineBase(TrainPipelineBase):
@@ -437,6 +352,11 @@ class Stepper:
     def task_losses(self) -> dict[str, float]:
         """``train/loss/<task>`` (mean over the steps since the last call) and ``train/weight/<task>``; empty for one task."""
         return self.weighting.logged() if self.weighting is not None else {}
+
+    def loss_scale(self) -> dict[str, float]:
+        """``train/loss_scale`` and ``train/skipped_steps`` under fp16 loss scaling (:meth:`LossScaling.logged`); empty
+        without a scaler."""
+        return self.policy.loss_scaling.logged() if self.policy.loss_scaling is not None else {}
 
     def learning_rates(self) -> dict[str, float]:
         """The lr of each optimizer group during the step just taken, as logged (:func:`learning_rates`,
