@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 from pathlib import Path
 
+import fsspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -597,3 +599,45 @@ def test_a_file_without_a_column_the_first_file_has_is_named_as_the_odd_one(tmp_
                                         r"has it: files read together hold the same columns\. Fix: write .*b\.parquet with the column, or "
                                         r"remove it"):
         parquet_data(str(tmp_path), dense=[{"name": "price"}])
+
+
+def test_a_named_pipe_as_data_path_is_refused_without_opening_it(tmp_path: Path) -> None:
+    # a FIFO was "a directory that cannot be listed (Not a directory)"; opened, a pipe without a writer blocks forever,
+    # hence the alarm: the test fails rather than hangs should the path be opened
+    fifo = tmp_path / "rows.csv"
+    os.mkfifo(fifo)
+    before = signal.signal(signal.SIGALRM, _hung)
+    signal.alarm(20)
+    try:
+        with pytest.raises(DataError, match=rf"data\.path='{re.escape(str(fifo))}' is a named pipe \(FIFO\), not a regular file: .* "
+                                            r"Fix: write the data to a file and point data\.path at it"):
+            CsvData(make(CsvDataConfig, path=str(fifo), sparse=SPARSE))
+        with pytest.raises(DataError, match=r"is a directory without data files \(rows\.csv is a named pipe \(FIFO\): only regular "
+                                            r"files are read\)"):
+            CsvData(make(CsvDataConfig, path=str(tmp_path), sparse=SPARSE))
+        with pytest.raises(DataError, match=r"is a glob pattern that matches no files \(rows\.csv is a named pipe \(FIFO\)"):
+            CsvData(make(CsvDataConfig, path=str(tmp_path / "*.csv"), sparse=SPARSE))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, before)
+
+
+def _hung(*_: object) -> None:
+    raise TimeoutError("reading the named pipe blocked: the data path was opened instead of refused")
+
+
+def test_documentation_files_under_an_object_store_prefix_are_left_out_and_said(caplog: pytest.LogCaptureFixture) -> None:
+    # a prefix left README and the like out as a local directory does, but without the log line that names them
+    fs = fsspec.filesystem("memory")
+    root = f"/datasmall-{os.getpid()}/train"
+    fs.pipe(f"{root}/part-0.csv", ("label,item\n" + "".join(f"{i % 2},{i % 10}\n" for i in range(20))).encode())
+    for name in ("README", "schema.yaml", "_SUCCESS"):
+        fs.pipe(f"{root}/{name}", b"hello\n")
+    try:
+        with caplog.at_level("INFO"):
+            data = CsvData(make(CsvDataConfig, path=f"memory://{root}/", eval_fraction=0.5, batch_size=1))
+        assert read_all(data) == 20
+        said = [r.getMessage() for r in caplog.records if "left out as no data by their names" in r.getMessage()]
+        assert len(said) == 1 and "2 file(s) left out as no data by their names (README, schema.yaml)" in said[0], said
+    finally:
+        fs.rm(root, recursive=True)
