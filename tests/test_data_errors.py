@@ -601,6 +601,22 @@ def test_a_file_without_a_column_the_first_file_has_is_named_as_the_odd_one(tmp_
         parquet_data(str(tmp_path), dense=[{"name": "price"}])
 
 
+def test_an_eval_file_without_a_column_of_the_training_files_names_itself_the_column_and_the_fix(tmp_path: Path) -> None:
+    # was "ev.csv has no column 'price'; its header lists [...]. Fix: correct the column names in data.label(s) / data.dense
+    # / data.sparse": the names are right (the training files' columns), the eval file is what lacks one
+    (tmp_path / "tr.csv").write_text("label,item,price\n1,2,1.0\n0,3,2.0\n")
+    (tmp_path / "ev.csv").write_text("label,item\n1,2\n")
+    parquet(tmp_path, "tr.parquet")
+    parquet(tmp_path, "ev.parquet", label=[0, 1], item=[1, 2])
+    fix = (r"but the training files \(data\.path\) have it, e\.g\. .*tr\.{}: eval files \(data\.eval_path\) are read with the training "
+           r"files' columns\. Fix: write .*ev\.{} with the column 'price', or point data\.eval_path at files that hold the training files' columns")
+    with pytest.raises(DataError, match=r"ev\.csv has no column 'price' \(its header lists \['label', 'item'\]\), " + fix.format("csv", "csv")):
+        CsvData(make(CsvDataConfig, path=str(tmp_path / "tr.csv"), eval_path=str(tmp_path / "ev.csv"), sparse=SPARSE, dense=[{"name": "price"}]))
+    with pytest.raises(DataError, match=r"ev\.parquet has no column 'price' \(its columns are \['label', 'item'\]\), "
+                                        + fix.format("parquet", "parquet")):
+        parquet_data(str(tmp_path / "tr.parquet"), eval_path=str(tmp_path / "ev.parquet"), dense=[{"name": "price"}])
+
+
 def test_a_named_pipe_as_data_path_is_refused_without_opening_it(tmp_path: Path) -> None:
     # a FIFO was "a directory that cannot be listed (Not a directory)"; opened, a pipe without a writer blocks forever,
     # hence the alarm: the test fails rather than hangs should the path be opened

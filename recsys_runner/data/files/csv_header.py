@@ -20,7 +20,14 @@ from recsys_runner.data.files.layout import (
     looks_like_header,
     split_fields,
 )
-from recsys_runner.data.files.sources import PARQUET_MAGIC, SNIFF_BYTES, check_unique_names, looks_like_text, read_head
+from recsys_runner.data.files.sources import (
+    PARQUET_MAGIC,
+    SNIFF_BYTES,
+    check_unique_names,
+    lacks_training_column,
+    looks_like_text,
+    read_head,
+)
 from recsys_runner.errors import DataError
 
 BOM = "\ufeff"
@@ -48,8 +55,12 @@ class CsvHeaders:
         path_key: str = "data.path",
         what: str = "eval file",
         fixed_layout: str | None = None,
+        reference: tuple[str, list[str]] | None = None,
     ) -> None:
         self.delimiter, self.header, self.column_names = delimiter, header, column_names
+        self.reference = reference
+        """For files read with the training files' columns (eval files): the first training file and its column names, so
+        a column these files lack but it holds is named as this file's mistake, not the config's."""
         """As configured; ``None``: detected per file (:meth:`layout`)."""
         self.fixed_layout = fixed_layout
         """For a format that fixes the delimiter and the header (``data=criteo``, which has no keys for them): what it reads
@@ -199,6 +210,8 @@ class CsvHeaders:
             if header and looks_like_data(lines := self.first_lines(path), delimiter):
                 raise DataError(self.not_a_header(path, missing[0], lines[0]))
             where = "its header" if header else "data.column_names"
+            if self.reference is not None and missing[0] in self.reference[1]:
+                raise DataError(lacks_training_column(path, missing, f"{where} lists {names}", self.reference[0], self.path_key, self.what))
             raise DataError(f"{path} has no column {missing[0]!r}; {where} lists {names}. Fix: correct the column names in "
                             f"data.label(s) / data.dense / data.sparse" + ("" if header else " or data.column_names")
                             + self.misread(path, delimiter, header, names))

@@ -48,14 +48,16 @@ class CsvSource:
         on_bad_rows: str,
         header_key: str = "data.header",
         follows_training: bool = False,
+        reference: tuple[str, list[str]] | None = None,
         **messages: str,
     ) -> None:
         self.files, self.columns = files, columns
         self.headers = CsvHeaders(delimiter=delimiter, header=header, column_names=column_names, header_key=header_key,
-                                  follows_training=follows_training, **messages)
+                                  follows_training=follows_training, reference=reference, **messages)
         """Each file's layout (``delimiter``, ``header``, ``column_names`` as configured, ``None``: detected per file); for
         eval files ``header_key`` is ``data.eval_header`` and ``follows_training`` checks them against the training files';
-        ``messages``: the other settings :class:`CsvHeaders`' messages name (the item catalogue's keys, for its files)."""
+        ``messages``: the other settings :class:`CsvHeaders`' messages name (the item catalogue's keys, for its files);
+        ``reference``: the first training file and its columns, for eval files (:attr:`CsvHeaders.reference`)."""
         self.null_values, self.block_rows, self.skip = null_values, block_rows, on_bad_rows == "skip"
         self.num_bad_rows = 0
         self._names: dict[str, list[str]] = {}

@@ -181,11 +181,25 @@ def type_clash(columns: list[str], first: tuple[str, pa.Schema], other: tuple[st
     return None
 
 
+def lacks_training_column(path: str, missing: list[str], listed: str, reference: str, path_key: str, what: str) -> str:
+    """The message for an eval file (``path``, named by ``path_key``) without a column the training file ``reference`` holds:
+    the file is the mistake, not the config's column names, so the fix is to the file or the setting naming it.
+
+    Why: the generic message ("correct the column names in data.label(s) / data.dense / data.sparse") sent the user to
+    the config, whose names are right: they are the training files' columns."""
+    nor = f" (nor {missing[1:]})" if len(missing) > 1 else ""
+    return (f"{path} has no column {missing[0]!r}{nor} ({listed}), but the training files (data.path) have it, e.g. {reference}: "
+            f"{what}s ({path_key}) are read with the training files' columns. Fix: write {path} with the column {missing[0]!r}, or "
+            f"point {path_key} at files that hold the training files' columns")
+
+
 class ParquetSource:
     """Parquet files, one unit per row group."""
 
-    def __init__(self, files: list[str], columns: list[str], read_rows: int) -> None:
+    def __init__(self, files: list[str], columns: list[str], read_rows: int, reference: str | None = None) -> None:
         self.files, self.columns, self.read_rows = files, columns, read_rows
+        self.reference = reference
+        """For eval files: the first training file, so a column they lack but it holds is named as their mistake."""
         self._footers: dict[str, pq.FileMetaData] = {}
         """Object-store files' footers, read once (a footer costs a round trip to the store)."""
 
@@ -272,11 +286,20 @@ class ParquetSource:
         missing = [c for c in self.columns if c not in names]
         if missing:
             lacks = f"{path} has no column {missing[0]!r}" + (f" (nor {missing[1:]})" if len(missing) > 1 else "") + f"; its columns are {names}"
+            if self.reference is not None and self._has(self.reference, missing[0]):
+                raise DataError(lacks_training_column(path, missing, f"its columns are {names}", self.reference, "data.eval_path", "eval file"))
             if (holder := self._holding(missing[0], path)) is not None:
                 raise DataError(f"{lacks}, but {holder} has it: files read together hold the same columns. Fix: write {path} with the "
                                 f"column, or remove it from the setting that names it (data.path, data.eval_path)")
             raise DataError(f"{lacks}. Fix: correct the column names in data.label(s) / data.dense / data.sparse")
         return f
+
+    def _has(self, path: str, column: str) -> bool:
+        """Whether the Parquet file ``path`` (another source's, already read) holds ``column``, by its footer."""
+        try:
+            return column in pq.read_schema(path, filesystem=stores.arrow_filesystem(path)[0] if uris.is_uri(path) else None).names
+        except (pa.ArrowException, OSError):
+            return False
 
     def _holding(self, column: str, path: str) -> str | None:
         """The first of :attr:`files` (not ``path``) if it holds ``column``: then ``path`` is the odd file out, not the

@@ -140,6 +140,11 @@ class ParquetData(TabularData):
     def _source(self, files: list[str]) -> ParquetSource:
         return ParquetSource(files, self.schema.columns, self.config.read_rows)
 
+    def _eval_source(self, files: list[str], train: ParquetSource) -> ParquetSource:
+        """The eval files, whose columns are checked against the first training file's (a column they lack but it holds
+        is named as the eval file's mistake)."""
+        return ParquetSource(files, self.schema.columns, self.config.read_rows, reference=train.files[0])
+
 
 def check_stored_replaces(config: ParquetDataConfig, stored: Schema, head: str) -> None:
     """Refuse label and history settings that the files' stored schema replaces: the stored one is read whole, so a
@@ -202,7 +207,8 @@ class CsvData(TabularData):
         names = c.column_names if c.column_names or header else train.names(train.files[0])
         return CsvSource(files, self.schema.columns, delimiter=c.delimiter, header=header, column_names=names,
                          null_values=c.null_values, block_rows=c.block_rows, on_bad_rows=c.on_bad_rows,
-                         header_key="data.eval_header", follows_training=c.eval_header is None, path_key="data.eval_path")
+                         header_key="data.eval_header", follows_training=c.eval_header is None, path_key="data.eval_path",
+                         reference=(train.files[0], train.names(train.files[0])))
 
 
 CRITEO_LAYOUT = ("data=criteo reads Criteo's layout: tab-separated, no header line, 40 fields (the label, 13 counts, 26 hex "
