@@ -412,10 +412,31 @@ def test_repeated_column_names_are_refused(tmp_path: Path) -> None:
                  sparse=SPARSE))  # the fix
     table = pa.Table.from_arrays([pa.array([0, 1]), pa.array([1, 2]), pa.array([3, 4])], names=["label", "item", "item"])
     pq.write_table(table, tmp_path / "d.parquet")
-    for sparse in (SPARSE, []):  # as configured, and inferred
-        with pytest.raises(DataError, match=r"d\.parquet: its schema names the column 'item' 2 times .*Fix: write it again with a name "
-                                            r"of its own for each column"):
-            parquet_data(str(tmp_path / "d.parquet"), sparse=sparse)
+    with pytest.raises(DataError, match=r"d\.parquet: its schema names the column 'item' 2 times .*Fix: write it again with a name "
+                                        r"of its own for each column"):
+        parquet_data(str(tmp_path / "d.parquet"))
+    with pytest.raises(DataError, match=r"inferred no sparse \(categorical\) column .* left out 'item': the files name more than one "
+                                        r"column so, and which is meant cannot be told \(rename one to read it\)"):
+        parquet_data(str(tmp_path / "d.parquet"), sparse=[])  # inferred: not proposed, and said
+
+
+def test_a_repeated_column_name_is_refused_only_where_a_column_of_that_name_is_read(tmp_path: Path) -> None:
+    # two 'unused' columns (an export's) refused the file even where no column of that name was read; now such columns are
+    # left alone (an inferred schema leaves them out, saying so) and only naming one of them is refused
+    (tmp_path / "u.csv").write_text("label,item,unused,unused\n" + "".join(f"{i % 2},{i % 7},x,{i}\n" for i in range(20)))
+    table = pa.Table.from_arrays([pa.array([i % 2 for i in range(20)]), pa.array([i % 7 for i in range(20)]), pa.array(["x"] * 20),
+                                  pa.array(list(range(20)))], names=["label", "item", "unused", "unused"])
+    pq.write_table(table, tmp_path / "u.parquet")
+    unused = [{"name": "unused", "num_embeddings": 10, "encoding": "hash"}]
+    for name, build, listed in (("u.csv", lambda path, **kw: CsvData(make(CsvDataConfig, path=path, eval_path=path, batch_size=2, **kw)),
+                                 "its header line"), ("u.parquet", parquet_data, "its schema")):
+        path = str(tmp_path / name)
+        assert read_all(build(path, sparse=SPARSE)) == 40  # train and eval: every row
+        inferred = build(path, sparse=[])
+        assert inferred.schema.columns == ["label", "item"]
+        for sparse in (unused, [{"name": "unused"}]):  # sized, and sized from the sample (which leaves the repeats out)
+            with pytest.raises(DataError, match=rf"{re.escape(name)}: {listed} names the column 'unused' 2 times"):
+                build(path, sparse=sparse)
 
 
 def test_documentation_and_schema_files_in_a_text_directory_are_left_out(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

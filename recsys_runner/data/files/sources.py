@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 
 from recsys_runner import stores, uris
 from recsys_runner.data.encoding.keys import is_text
+from recsys_runner.data.encoding.roles import REPEATED_KEY
 from recsys_runner.data.encoding.values import is_list
 from recsys_runner.errors import DataError, UserError
 
@@ -77,20 +78,47 @@ def skip_empty(files: list[str], empty: list[str], what: str, say: bool = True, 
     return [f for f in files if f not in skipped]
 
 
-def check_unique_names(path: str, names: list[str], listed_by: str, fix: str) -> None:
+PARQUET_REPEATS_FIX = ("write it again with a name of its own for each column (in pandas, df.columns.is_unique must hold), or "
+                      "remove it from data.path")
+"""The fix for a Parquet file whose schema repeats the name of a column read (:func:`check_unique_names`)."""
+
+
+def repeated_names(names: list[str]) -> list[str]:
+    """The names that ``names`` holds more than once, each once, in order."""
+    return list(dict.fromkeys(n for i, n in enumerate(names) if n in names[:i]))
+
+
+def check_unique_names(path: str, names: list[str], listed_by: str, fix: str, read: Collection[str] | None = None) -> None:
     """Refuse a file whose columns (``names``, as ``listed_by`` lists them: its header line, its Parquet schema, a setting)
-    repeat a name, with ``fix``.
+    repeat the name of a column that is ``read`` (``None``: any name), with ``fix``.
 
     Why: every column is read by its name. Of two columns of one name a CSV reader read the first, silently, and Arrow
-    refused a Parquet file's with a ``KeyError`` from deep inside it; which of them was meant cannot be told.
+    refused a Parquet file's with a ``KeyError`` from deep inside it; which of them was meant cannot be told. A repeated
+    name the run does not read (two ``unused`` columns of an export) is no such question, and such columns are left
+    alone: a schema inferred from the files never proposes them (:func:`without_repeats`).
 
     Raises:
-        DataError: naming the file, the first repeated name and how often it occurs.
+        DataError: naming the file, the first repeated name read and how often it occurs.
     """
-    repeated = [n for i, n in enumerate(names) if n in names[:i]]
+    repeated = [n for n in repeated_names(names) if read is None or n in read]
     if repeated:
         raise DataError(f"{path}: {listed_by} names the column {repeated[0]!r} {names.count(repeated[0])} times (its columns are "
                         f"{names}); columns are read by their names, so which one is meant cannot be told. Fix: {fix}")
+
+
+def without_repeats(table: pa.Table) -> pa.Table:
+    """``table`` (a sample of a file, every column) without the columns whose name it repeats, those names listed in its
+    schema's metadata (:data:`~recsys_runner.data.encoding.roles.REPEATED_KEY`) for an inferred schema to say they were
+    left out.
+
+    Why: which of two columns of one name holds what the name says cannot be told, so none of them is read; the sample a
+    schema is inferred from leaves them out rather than propose one, and a run that names such a column is refused
+    (:func:`check_unique_names`)."""
+    repeated = repeated_names(table.column_names)
+    if not repeated:
+        return table
+    kept = table.select([i for i, n in enumerate(table.column_names) if n not in repeated])
+    return kept.replace_schema_metadata({**(kept.schema.metadata or {}), REPEATED_KEY: "\n".join(repeated).encode()})
 
 
 def looks_like_text(head: bytes) -> bool:
@@ -281,8 +309,7 @@ class ParquetSource:
                 f"Fix: write it again, or remove it from data.path"
             ) from None
         names = f.schema_arrow.names
-        check_unique_names(path, names, "its schema", "write it again with a name of its own for each column (in pandas, "
-                           "df.columns.is_unique must hold), or remove it from data.path")
+        check_unique_names(path, names, "its schema", PARQUET_REPEATS_FIX, self.columns)
         missing = [c for c in self.columns if c not in names]
         if missing:
             lacks = f"{path} has no column {missing[0]!r}" + (f" (nor {missing[1:]})" if len(missing) > 1 else "") + f"; its columns are {names}"
@@ -320,13 +347,15 @@ class ParquetSource:
         for path in self.files:
             f = self._open(path)
             first = first or (path, plain_schema(f.schema_arrow))
-            if f.schema_arrow.names == first[1].names and (clash := type_clash(first[1].names, first, (path, plain_schema(f.schema_arrow)))):
+            unique = [n for n in first[1].names if n not in repeated_names(first[1].names)]
+            if f.schema_arrow.names == first[1].names and (clash := type_clash(unique, first, (path, plain_schema(f.schema_arrow)))):
                 raise clash
             try:
                 for rb in f.iter_batches(batch_size=min(wanted, self.read_rows), use_threads=False):
-                    if tables and rb.schema.names != tables[0].column_names:
+                    table = without_repeats(decoded(pa.Table.from_batches([rb])))
+                    if tables and table.column_names != tables[0].column_names:
                         return _concat(tables)
-                    tables.append(decoded(pa.Table.from_batches([rb])))
+                    tables.append(table)
                     wanted -= rb.num_rows
                     if wanted <= 0:
                         return _concat(tables)
