@@ -22,7 +22,7 @@ def as_ids(flat: pa.Array) -> pa.Array:
     Why: a Parquet ``bool`` column (``is_new_user``, ``has_coupon``) is a two-valued categorical. A dense column reads it
     as 0/1 and a cross keys it as the integers 0/1 (:func:`raw_keys`); as a sparse id it was a bad row (``id True is
     outside [0, 4)``) for ``encoding: id`` and ``mod``, and not keyed at all for ``hash`` and ``vocab``. Read as the
-    integers 0/1, it is one id space in training, evaluation, predict and the served model alike."""
+    integers 0/1, it is one id space wherever the row encoder reads it (training, evaluation, predict) and for fitting."""
     return flat.cast(pa.int8()) if pa.types.is_boolean(flat.type) else flat
 
 

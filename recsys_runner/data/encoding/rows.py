@@ -382,8 +382,7 @@ class Encoder:
 
     def _ids(self, col: Any, flat: pa.Array) -> tuple[np.ndarray, np.ndarray | None]:
         """Encode a flat array of values to ids; also a mask of values that cannot be encoded."""
-        if pa.types.is_boolean(flat.type):
-            flat = as_ids(flat)
+        flat = as_ids(flat)  # booleans: the ids 0/1
         is_text = pa.types.is_string(flat.type) or pa.types.is_large_string(flat.type)
         if col.encoding == "bucketize":
             numbers, not_numbers = parse_numbers(flat)

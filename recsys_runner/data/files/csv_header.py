@@ -59,10 +59,10 @@ class CsvHeaders:
         reference: tuple[str, list[str]] | None = None,
     ) -> None:
         self.delimiter, self.header, self.column_names = delimiter, header, column_names
+        """As configured; ``None``: detected per file (:meth:`layout`)."""
         self.reference = reference
         """For files read with the training files' columns (eval files): the first training file and its column names, so
         a column these files lack but it holds is named as this file's mistake, not the config's."""
-        """As configured; ``None``: detected per file (:meth:`layout`)."""
         self.fixed_layout = fixed_layout
         """For a format that fixes the delimiter and the header (``data=criteo``, which has no keys for them): what it reads
         and the fix, said instead of ``data.delimiter`` / ``data.header`` when a file is laid out otherwise (another

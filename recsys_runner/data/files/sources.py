@@ -323,8 +323,9 @@ class ParquetSource:
 
     def _has(self, path: str, column: str) -> bool:
         """Whether the Parquet file ``path`` (another source's, already read) holds ``column``, by its footer."""
+        fs, rest = stores.arrow_filesystem(path)
         try:
-            return column in pq.read_schema(path, filesystem=stores.arrow_filesystem(path)[0] if uris.is_uri(path) else None).names
+            return column in pq.read_schema(rest, filesystem=fs).names
         except (pa.ArrowException, OSError):
             return False
 

@@ -134,6 +134,7 @@ class ParquetData(TabularData):
 
         def refuse_repeats(columns: Collection[str]) -> None:
             check_unique_names(head, first.names, "its schema", PARQUET_REPEATS_FIX, columns)
+
         if encoders is not None:
             refuse_repeats(encoders.schema.columns)
             schema = from_checkpoint(encoders, ParquetSource(files, [], config.read_rows).sample(KIND_SAMPLE_ROWS),
@@ -194,8 +195,10 @@ class CsvData(TabularData):
             config = replace(config, delimiter=delimiter, header=header)
         self.csv = config
         """:attr:`config`, typed as this option's (its reader settings; set first: the base class opens the files)."""
+
         def refuse_repeats(columns: Collection[str]) -> None:
             self._sampler(config).header_names(columns)
+
         if encoders is not None:
             refuse_repeats(encoders.schema.columns)
             schema = from_checkpoint(encoders, self._sampler(config).sample(KIND_SAMPLE_ROWS), where)
