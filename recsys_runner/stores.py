@@ -246,9 +246,13 @@ def _uri(scheme: str, rest: str) -> str:
     return f"{scheme}://{rest}"
 
 
-def list_files(path: str, key: str, suffixes: tuple[str, ...] | None) -> list[str]:
+def list_files(path: str, key: str, suffixes: tuple[str, ...] | None, *, left_out: list[str] | None = None) -> list[str]:
     """The objects a URI names, as URIs: one object, the objects under a prefix (sorted; those :func:`~recsys_runner.uris.is_data_name` refuses
-    left out) or a glob (``s3://b/day_*/*.parquet``)."""
+    left out) or a glob (``s3://b/day_*/*.parquet``).
+
+    ``left_out``, when given, receives the names under a prefix left out as no data by their names (documentation,
+    schema and checksum files; not hidden or marker names, nor names without one of ``suffixes``), for the caller to
+    say as it says a local directory's (:mod:`recsys_runner.data.locate`)."""
     scheme, rest = uris.split(path)
     fs = _fsspec(scheme)
     glob = any(ch in rest for ch in "*?[")
@@ -267,7 +271,10 @@ def list_files(path: str, key: str, suffixes: tuple[str, ...] | None) -> list[st
             raise DataError(f"{key}={path!r} is a glob pattern that matches no objects. Fix: check the pattern and the bucket's listing "
                             f"(aws s3 ls {path.rsplit('/', 1)[0]}/)")
         return [_uri(scheme, p) for p in sorted(found)]
-    files = sorted(_uri(scheme, p) for p, info in entries.items() if info.get("type") == "file" and uris.is_data_name(p.rsplit("/", 1)[-1], suffixes))
+    names = sorted((p, p.rsplit("/", 1)[-1]) for p, info in entries.items() if info.get("type") == "file")
+    files = [_uri(scheme, p) for p, name in names if uris.is_data_name(name, suffixes)]
+    if left_out is not None and suffixes is None:
+        left_out.extend(name for _, name in names if not name.startswith((".", "_")) and not uris.is_data_name(name, None))
     if not files:
         _check_bucket(path)
         wanted = f" with a name ending in {', '.join(suffixes)}" if suffixes else ""

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 from pathlib import Path
 
+import fsspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -410,10 +412,31 @@ def test_repeated_column_names_are_refused(tmp_path: Path) -> None:
                  sparse=SPARSE))  # the fix
     table = pa.Table.from_arrays([pa.array([0, 1]), pa.array([1, 2]), pa.array([3, 4])], names=["label", "item", "item"])
     pq.write_table(table, tmp_path / "d.parquet")
-    for sparse in (SPARSE, []):  # as configured, and inferred
-        with pytest.raises(DataError, match=r"d\.parquet: its schema names the column 'item' 2 times .*Fix: write it again with a name "
-                                            r"of its own for each column"):
-            parquet_data(str(tmp_path / "d.parquet"), sparse=sparse)
+    with pytest.raises(DataError, match=r"d\.parquet: its schema names the column 'item' 2 times .*Fix: write it again with a name "
+                                        r"of its own for each column"):
+        parquet_data(str(tmp_path / "d.parquet"))
+    with pytest.raises(DataError, match=r"inferred no sparse \(categorical\) column .* left out 'item': the files name more than one "
+                                        r"column so, and which is meant cannot be told \(rename one to read it\)"):
+        parquet_data(str(tmp_path / "d.parquet"), sparse=[])  # inferred: not proposed, and said
+
+
+def test_a_repeated_column_name_is_refused_only_where_a_column_of_that_name_is_read(tmp_path: Path) -> None:
+    # two 'unused' columns (an export's) refused the file even where no column of that name was read; now such columns are
+    # left alone (an inferred schema leaves them out, saying so) and only naming one of them is refused
+    (tmp_path / "u.csv").write_text("label,item,unused,unused\n" + "".join(f"{i % 2},{i % 7},x,{i}\n" for i in range(20)))
+    table = pa.Table.from_arrays([pa.array([i % 2 for i in range(20)]), pa.array([i % 7 for i in range(20)]), pa.array(["x"] * 20),
+                                  pa.array(list(range(20)))], names=["label", "item", "unused", "unused"])
+    pq.write_table(table, tmp_path / "u.parquet")
+    unused = [{"name": "unused", "num_embeddings": 10, "encoding": "hash"}]
+    for name, build, listed in (("u.csv", lambda path, **kw: CsvData(make(CsvDataConfig, path=path, eval_path=path, batch_size=2, **kw)),
+                                 "its header line"), ("u.parquet", parquet_data, "its schema")):
+        path = str(tmp_path / name)
+        assert read_all(build(path, sparse=SPARSE)) == 40  # train and eval: every row
+        inferred = build(path, sparse=[])
+        assert inferred.schema.columns == ["label", "item"]
+        for sparse in (unused, [{"name": "unused"}]):  # sized, and sized from the sample (which leaves the repeats out)
+            with pytest.raises(DataError, match=rf"{re.escape(name)}: {listed} names the column 'unused' 2 times"):
+                build(path, sparse=sparse)
 
 
 def test_documentation_and_schema_files_in_a_text_directory_are_left_out(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -597,3 +620,61 @@ def test_a_file_without_a_column_the_first_file_has_is_named_as_the_odd_one(tmp_
                                         r"has it: files read together hold the same columns\. Fix: write .*b\.parquet with the column, or "
                                         r"remove it"):
         parquet_data(str(tmp_path), dense=[{"name": "price"}])
+
+
+def test_an_eval_file_without_a_column_of_the_training_files_names_itself_the_column_and_the_fix(tmp_path: Path) -> None:
+    # was "ev.csv has no column 'price'; its header lists [...]. Fix: correct the column names in data.label(s) / data.dense
+    # / data.sparse": the names are right (the training files' columns), the eval file is what lacks one
+    (tmp_path / "tr.csv").write_text("label,item,price\n1,2,1.0\n0,3,2.0\n")
+    (tmp_path / "ev.csv").write_text("label,item\n1,2\n")
+    parquet(tmp_path, "tr.parquet")
+    parquet(tmp_path, "ev.parquet", label=[0, 1], item=[1, 2])
+    fix = (r"but the training files \(data\.path\) have it, e\.g\. .*tr\.{}: eval files \(data\.eval_path\) are read with the training "
+           r"files' columns\. Fix: write .*ev\.{} with the column 'price', or point data\.eval_path at files that hold the training files' columns")
+    with pytest.raises(DataError, match=r"ev\.csv has no column 'price' \(its header lists \['label', 'item'\]\), " + fix.format("csv", "csv")):
+        CsvData(make(CsvDataConfig, path=str(tmp_path / "tr.csv"), eval_path=str(tmp_path / "ev.csv"), sparse=SPARSE, dense=[{"name": "price"}]))
+    with pytest.raises(DataError, match=r"ev\.parquet has no column 'price' \(its columns are \['label', 'item'\]\), "
+                                        + fix.format("parquet", "parquet")):
+        parquet_data(str(tmp_path / "tr.parquet"), eval_path=str(tmp_path / "ev.parquet"), dense=[{"name": "price"}])
+
+
+def test_a_named_pipe_as_data_path_is_refused_without_opening_it(tmp_path: Path) -> None:
+    # a FIFO was "a directory that cannot be listed (Not a directory)"; opened, a pipe without a writer blocks forever,
+    # hence the alarm: the test fails rather than hangs should the path be opened
+    fifo = tmp_path / "rows.csv"
+    os.mkfifo(fifo)
+    before = signal.signal(signal.SIGALRM, _hung)
+    signal.alarm(20)
+    try:
+        with pytest.raises(DataError, match=rf"data\.path='{re.escape(str(fifo))}' is a named pipe \(FIFO\), not a regular file: .* "
+                                            r"Fix: write the data to a file and point data\.path at it"):
+            CsvData(make(CsvDataConfig, path=str(fifo), sparse=SPARSE))
+        with pytest.raises(DataError, match=r"is a directory without data files \(rows\.csv is a named pipe \(FIFO\): only regular "
+                                            r"files are read\)"):
+            CsvData(make(CsvDataConfig, path=str(tmp_path), sparse=SPARSE))
+        with pytest.raises(DataError, match=r"is a glob pattern that matches no files \(rows\.csv is a named pipe \(FIFO\)"):
+            CsvData(make(CsvDataConfig, path=str(tmp_path / "*.csv"), sparse=SPARSE))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, before)
+
+
+def _hung(*_: object) -> None:
+    raise TimeoutError("reading the named pipe blocked: the data path was opened instead of refused")
+
+
+def test_documentation_files_under_an_object_store_prefix_are_left_out_and_said(caplog: pytest.LogCaptureFixture) -> None:
+    # a prefix left README and the like out as a local directory does, but without the log line that names them
+    fs = fsspec.filesystem("memory")
+    root = f"/datasmall-{os.getpid()}/train"
+    fs.pipe(f"{root}/part-0.csv", ("label,item\n" + "".join(f"{i % 2},{i % 10}\n" for i in range(20))).encode())
+    for name in ("README", "schema.yaml", "_SUCCESS"):
+        fs.pipe(f"{root}/{name}", b"hello\n")
+    try:
+        with caplog.at_level("INFO"):
+            data = CsvData(make(CsvDataConfig, path=f"memory://{root}/", eval_fraction=0.5, batch_size=1))
+        assert read_all(data) == 20
+        said = [r.getMessage() for r in caplog.records if "left out as no data by their names" in r.getMessage()]
+        assert len(said) == 1 and "2 file(s) left out as no data by their names (README, schema.yaml)" in said[0], said
+    finally:
+        fs.rm(root, recursive=True)

@@ -12,6 +12,7 @@ import pytest
 
 from recsys_runner.configurable import make
 from recsys_runner.data.__main__ import main as data_main
+from recsys_runner.data.encoding.stored import StoredEncoders, from_json, stored_types
 from recsys_runner.data.files.tabular import CriteoData, CsvData, ParquetData
 from recsys_runner.data.files.tabular_config import CriteoDataConfig, CsvDataConfig, ParquetDataConfig
 from recsys_runner.data.generated.generate import write_criteo_parquet
@@ -279,3 +280,28 @@ def test_predict_says_the_lists_it_cuts_to_max_values(tmp_path: Path, caplog: py
     said = [r.getMessage() for r in caplog.records if "max_values" in r.getMessage()]
     assert said == ["predict: lists longer than max_values were cut to their first values: data.sparse[tags] in 2 rows "
                     "(max_values=3, the longest list 40)"], said
+
+
+def test_a_bool_column_as_a_sparse_feature_reads_ids_0_and_1_in_training_and_with_stored_encoders(tmp_path: Path) -> None:
+    # a Parquet bool column in data.sparse was a bad row for encoding=id ("id True is outside [0, 4)") and hash, though the
+    # start-up check admits it and a cross keys it as 0/1; now False/True are the ids 0/1, alike in every encoding, also
+    # where stored encoders read it (evaluate, predict)
+    flags = [True, False, None, True] * 10
+    pq.write_table(pa.table({"label": [0, 1] * 20, "flag": flags}), tmp_path / "bools.parquet")
+    pq.write_table(pa.table({"label": [0, 1] * 20, "flag": pa.array([None if f is None else int(f) for f in flags], pa.int8())}),
+                   tmp_path / "ints.parquet")
+
+    def ids(name: str, entry: dict, encoders: StoredEncoders | None = None) -> tuple[list[int], ParquetData]:
+        data = ParquetData(make(ParquetDataConfig, path=str(tmp_path / name), eval_path=str(tmp_path / name), batch_size=40,
+                                shuffle=False, sparse=[{"name": "flag", **entry}]), encoders=encoders)
+        return next(iter(data.train_batches(0, 0, 1))).sparse_features["flag"].values().tolist(), data
+
+    for entry in ({"num_embeddings": 2}, {"num_embeddings": 2, "encoding": "mod"}, {"num_embeddings": 50, "encoding": "hash"}, {}):
+        read, data = ids("bools.parquet", entry)
+        assert read == ids("ints.parquet", entry)[0], entry
+        if entry in ({"num_embeddings": 2}, {}):  # ids; an inferred vocabulary's rows (True the most frequent: row 0)
+            assert read == ([1, 0, 1] if entry else [0, 1, 0]) * 10
+        document = data.encoders_document()
+        schema, kinds = from_json(document, "ck")
+        stored = StoredEncoders(schema, kinds, "ck", stored_types(document))
+        assert ids("bools.parquet", entry, stored)[0] == read, entry

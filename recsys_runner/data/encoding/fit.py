@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from recsys_runner import stores
-from recsys_runner.data.encoding.keys import parse_int, value_keys
+from recsys_runner.data.encoding.keys import as_ids, parse_int, value_keys
 from recsys_runner.data.encoding.roles import detect_label, infer_columns
 from recsys_runner.data.encoding.values import dense_transformed, is_list, parse_numbers, split_pairs
 from recsys_runner.data.encoding.vocabulary import Vocabulary
@@ -96,7 +96,7 @@ def _flat_values(arr: pa.Array, separator: str | None) -> pa.Array:
         arr = pc.split_pattern(arr, separator)
     if pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
         arr = pc.list_flatten(arr)
-    arr = arr.drop_null()
+    arr = as_ids(arr.drop_null())
     return pc.filter(arr, pc.not_equal(arr, "")) if _text(arr) else arr
 
 
@@ -333,7 +333,7 @@ def _integer_ids(col: SparseColumn, t: pa.Table, where: str) -> bool:
                         f"the column names in data.sparse")
     typ = t.schema.field(col.name).type
     typ = typ.value_type if is_list(typ) else typ
-    return pa.types.is_integer(typ) and not col.hex
+    return (pa.types.is_integer(typ) or pa.types.is_boolean(typ)) and not col.hex
 
 
 def read_vocab_file(path: str, key: str, oov_buckets: int, integers: bool, hex_digits: bool = False) -> Vocabulary:

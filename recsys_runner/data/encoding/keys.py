@@ -16,6 +16,16 @@ import numpy as np
 import pyarrow as pa
 
 
+def as_ids(flat: pa.Array) -> pa.Array:
+    """A flat array of booleans as the ids they are read as: ``False`` 0, ``True`` 1 (other arrays as they are).
+
+    Why: a Parquet ``bool`` column (``is_new_user``, ``has_coupon``) is a two-valued categorical. A dense column reads it
+    as 0/1 and a cross keys it as the integers 0/1 (:func:`raw_keys`); as a sparse id it was a bad row (``id True is
+    outside [0, 4)``) for ``encoding: id`` and ``mod``, and not keyed at all for ``hash`` and ``vocab``. Read as the
+    integers 0/1, it is one id space wherever the row encoder reads it (training, evaluation, predict) and for fitting."""
+    return flat.cast(pa.int8()) if pa.types.is_boolean(flat.type) else flat
+
+
 def is_text(t: pa.DataType) -> bool:
     """Whether ``t`` is text (``string`` or ``large_string``): text is keyed by :func:`fnv1a64`."""
     return pa.types.is_string(t) or pa.types.is_large_string(t)

@@ -134,6 +134,17 @@ def detect_label(columns: list[str], where: str) -> str:
     )
 
 
+REPEATED_KEY = b"recsys_runner.repeated_columns"
+"""The key of a sampled table's schema metadata that lists, one per line, the names the files repeat: their columns were
+left out of the sample (:func:`~recsys_runner.data.files.sources.without_repeats`), and the inferred schema says so."""
+
+
+def repeated_in_sample(t: pa.Table) -> list[str]:
+    """The column names the sampled files repeat, whose columns the sample ``t`` leaves out (:data:`REPEATED_KEY`)."""
+    listed = (t.schema.metadata or {}).get(REPEATED_KEY, b"")
+    return [n for n in listed.decode().split("\n") if n]
+
+
 def infer_columns(t: pa.Table, skip: set[str], config: InferConfig, where: str) -> tuple[list[DenseColumn], list[SparseColumn], list[str]]:
     """The dense and sparse columns of the sampled table ``t`` (``skip`` left out), and notes on the columns left out.
 
@@ -142,7 +153,8 @@ def infer_columns(t: pa.Table, skip: set[str], config: InferConfig, where: str) 
     """
     dense: list[DenseColumn] = []
     sparse: list[SparseColumn] = []
-    notes: list[str] = []
+    notes = [f"left out {name!r}: the files name more than one column so, and which is meant cannot be told (rename one to read it)"
+             for name in repeated_in_sample(t) if name not in skip]
     for name in t.column_names:
         if name in skip:
             continue

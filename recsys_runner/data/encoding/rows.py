@@ -33,13 +33,13 @@ import pyarrow.compute as pc
 if TYPE_CHECKING or __package__:
     from .encoded_rows import Rows
     from .histories import HistoryEncoder, truncate
-    from .keys import cross_keys, fnv1a64, is_text, parse_hex, parse_int, raw_keys, splitmix64
+    from .keys import as_ids, cross_keys, fnv1a64, is_text, parse_hex, parse_int, raw_keys, splitmix64
     from .number_columns import dense_values, label_values
     from .values import bucket_ids, combined, is_list, parse_numbers, split_pairs, vocab_rows
 else:  # inside the MLflow model: the copies of the modules it imports beside this one in its code/ directory
     from recsys_encoded_rows import Rows
     from recsys_histories import HistoryEncoder, truncate
-    from recsys_keys import cross_keys, fnv1a64, is_text, parse_hex, parse_int, raw_keys, splitmix64
+    from recsys_keys import as_ids, cross_keys, fnv1a64, is_text, parse_hex, parse_int, raw_keys, splitmix64
     from recsys_number_columns import dense_values, label_values
     from recsys_values import bucket_ids, combined, is_list, parse_numbers, split_pairs, vocab_rows
 
@@ -382,6 +382,7 @@ class Encoder:
 
     def _ids(self, col: Any, flat: pa.Array) -> tuple[np.ndarray, np.ndarray | None]:
         """Encode a flat array of values to ids; also a mask of values that cannot be encoded."""
+        flat = as_ids(flat)  # booleans: the ids 0/1
         is_text = pa.types.is_string(flat.type) or pa.types.is_large_string(flat.type)
         if col.encoding == "bucketize":
             numbers, not_numbers = parse_numbers(flat)

@@ -8,6 +8,7 @@ source that reads the rows is :mod:`~recsys_runner.data.files.csv_source`; what 
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from contextlib import AbstractContextManager
 from typing import IO
 
@@ -20,7 +21,14 @@ from recsys_runner.data.files.layout import (
     looks_like_header,
     split_fields,
 )
-from recsys_runner.data.files.sources import PARQUET_MAGIC, SNIFF_BYTES, check_unique_names, looks_like_text, read_head
+from recsys_runner.data.files.sources import (
+    PARQUET_MAGIC,
+    SNIFF_BYTES,
+    check_unique_names,
+    lacks_training_column,
+    looks_like_text,
+    read_head,
+)
 from recsys_runner.errors import DataError
 
 BOM = "\ufeff"
@@ -48,9 +56,13 @@ class CsvHeaders:
         path_key: str = "data.path",
         what: str = "eval file",
         fixed_layout: str | None = None,
+        reference: tuple[str, list[str]] | None = None,
     ) -> None:
         self.delimiter, self.header, self.column_names = delimiter, header, column_names
         """As configured; ``None``: detected per file (:meth:`layout`)."""
+        self.reference = reference
+        """For files read with the training files' columns (eval files): the first training file and its column names, so
+        a column these files lack but it holds is named as this file's mistake, not the config's."""
         self.fixed_layout = fixed_layout
         """For a format that fixes the delimiter and the header (``data=criteo``, which has no keys for them): what it reads
         and the fix, said instead of ``data.delimiter`` / ``data.header`` when a file is laid out otherwise (another
@@ -141,10 +153,11 @@ class CsvHeaders:
                     f"replaces its names), or data.header=null to detect it")
         return ""
 
-    def inspect(self, path: str, columns: list[str] | None) -> tuple[list[str], int, bool]:
+    def inspect(self, path: str, columns: list[str] | None, read: Collection[str] = ()) -> tuple[list[str], int, bool]:
         """``path``'s column names, the byte offset of its first data line (in its decompressed text) and whether a line
         follows the first, after checking it is delimited text (and, unless ``columns`` is ``None``, that it holds those
-        columns: not for a source's ``has_rows``, which also sees predict inputs without a label)."""
+        columns: not for a source's ``has_rows``, which also sees predict inputs without a label), and that it names none of
+        ``columns`` and ``read`` twice (another name may repeat: such columns are not read)."""
         head = read_head(path)
         if head.startswith(PARQUET_MAGIC):
             raise DataError(f"{path} looks like a Parquet file (it begins with Parquet's magic bytes {PARQUET_MAGIC.decode()}), "
@@ -189,9 +202,10 @@ class CsvHeaders:
             names, data_start = list(self.column_names), 0
         if header and not self.column_names:
             check_unique_names(path, names, "its header line", f"rename the repeated columns in the header line, or name every "
-                               f"column with {self.names_key}=[...] (one name per column, in file order)")
+                               f"column with {self.names_key}=[...] (one name per column, in file order)", {*(columns or ()), *read})
         else:
-            check_unique_names(path, names, self.names_key, f"give each column a name of its own in {self.names_key}")
+            check_unique_names(path, names, self.names_key, f"give each column a name of its own in {self.names_key}",
+                               {*(columns or ()), *read})
         missing = [c for c in columns if c not in names] if columns is not None else []
         if missing:
             if header and len(names) == 1 and (hint := delimiter_hint(names[0], delimiter)):
@@ -199,6 +213,8 @@ class CsvHeaders:
             if header and looks_like_data(lines := self.first_lines(path), delimiter):
                 raise DataError(self.not_a_header(path, missing[0], lines[0]))
             where = "its header" if header else "data.column_names"
+            if self.reference is not None and missing[0] in self.reference[1]:
+                raise DataError(lacks_training_column(path, missing, f"{where} lists {names}", self.reference[0], self.path_key, self.what))
             raise DataError(f"{path} has no column {missing[0]!r}; {where} lists {names}. Fix: correct the column names in "
                             f"data.label(s) / data.dense / data.sparse" + ("" if header else " or data.column_names")
                             + self.misread(path, delimiter, header, names))
@@ -218,10 +234,11 @@ class CsvHeaders:
         return (f"{cause}. Fix: data.header=false data.column_names=[...] (the names of all columns, in file order), or "
                 f"data.header=null to detect it")
 
-    def header_names(self, path: str, columns: list[str]) -> list[str]:
-        """``path``'s column names (its header, or ``data.column_names``), checked to hold ``columns``, without reading its
-        rows; a header that is one column split by another delimiter than ``data.delimiter`` is the wrong delimiter, said so."""
-        names = self.inspect(path, columns)[0]
+    def header_names(self, path: str, columns: list[str], read: Collection[str] = ()) -> list[str]:
+        """``path``'s column names (its header, or ``data.column_names``), checked to hold ``columns`` and to name none of them
+        nor of ``read`` twice, without reading its rows; a header that is one column split by another delimiter than
+        ``data.delimiter`` is the wrong delimiter, said so."""
+        names = self.inspect(path, columns, read)[0]
         delimiter, header = self.layout(path)
         if header and len(names) == 1 and (hint := delimiter_hint(names[0], delimiter)):
             raise DataError(f"{path} has no column 'label': its header line is one column, {names[0]!r}.{hint}")

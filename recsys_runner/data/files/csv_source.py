@@ -6,7 +6,7 @@ its line and the fix. The unit and the Parquet source are in :mod:`~recsys_runne
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -23,7 +23,7 @@ from recsys_runner.data.files.layout import (
     open_quote_fix,
     open_quote_lines,
 )
-from recsys_runner.data.files.sources import Unit, skip_empty, unreadable
+from recsys_runner.data.files.sources import Unit, skip_empty, unreadable, without_repeats
 from recsys_runner.errors import DataError
 
 
@@ -48,14 +48,16 @@ class CsvSource:
         on_bad_rows: str,
         header_key: str = "data.header",
         follows_training: bool = False,
+        reference: tuple[str, list[str]] | None = None,
         **messages: str,
     ) -> None:
         self.files, self.columns = files, columns
         self.headers = CsvHeaders(delimiter=delimiter, header=header, column_names=column_names, header_key=header_key,
-                                  follows_training=follows_training, **messages)
+                                  follows_training=follows_training, reference=reference, **messages)
         """Each file's layout (``delimiter``, ``header``, ``column_names`` as configured, ``None``: detected per file); for
         eval files ``header_key`` is ``data.eval_header`` and ``follows_training`` checks them against the training files';
-        ``messages``: the other settings :class:`CsvHeaders`' messages name (the item catalogue's keys, for its files)."""
+        ``messages``: the other settings :class:`CsvHeaders`' messages name (the item catalogue's keys, for its files);
+        ``reference``: the first training file and its columns, for eval files (:attr:`CsvHeaders.reference`)."""
         self.null_values, self.block_rows, self.skip = null_values, block_rows, on_bad_rows == "skip"
         self.num_bad_rows = 0
         self._names: dict[str, list[str]] = {}
@@ -92,10 +94,11 @@ class CsvSource:
             self._index(path)
         return self._names[path]
 
-    def header_names(self) -> list[str]:
+    def header_names(self, read: Collection[str] = ()) -> list[str]:
         """The first file's column names (its header, or ``data.column_names``), without reading its rows
-        (:meth:`~recsys_runner.data.files.csv_header.CsvHeaders.header_names`)."""
-        return self.headers.header_names(self.files[0], self.columns)
+        (:meth:`~recsys_runner.data.files.csv_header.CsvHeaders.header_names`), after checking that none of the columns
+        ``read`` (beyond this source's own) is a name it repeats."""
+        return self.headers.header_names(self.files[0], self.columns, read)
 
     def sample(self, num_rows: int) -> pa.Table:
         """The first ``num_rows`` rows of the files (in order), every column as text (missing values null), to infer
@@ -134,6 +137,7 @@ class CsvSource:
                 kept = sorted(set(range(len(lines))) - set(quoted))
                 lines, numbers = [lines[i] for i in kept], [numbers[i] for i in kept]
                 table, _ = self._sample_table(path, lines, numbers, names, delimiter)
+            table = without_repeats(table)
             if tables and table.column_names != tables[0].column_names:
                 break  # a file with other columns: infer from those seen so far
             tables.append(table)

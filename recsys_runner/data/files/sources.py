@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 
 from recsys_runner import stores, uris
 from recsys_runner.data.encoding.keys import is_text
+from recsys_runner.data.encoding.roles import REPEATED_KEY
 from recsys_runner.data.encoding.values import is_list
 from recsys_runner.errors import DataError, UserError
 
@@ -77,20 +78,47 @@ def skip_empty(files: list[str], empty: list[str], what: str, say: bool = True, 
     return [f for f in files if f not in skipped]
 
 
-def check_unique_names(path: str, names: list[str], listed_by: str, fix: str) -> None:
+PARQUET_REPEATS_FIX = ("write it again with a name of its own for each column (in pandas, df.columns.is_unique must hold), or "
+                      "remove it from data.path")
+"""The fix for a Parquet file whose schema repeats the name of a column read (:func:`check_unique_names`)."""
+
+
+def repeated_names(names: list[str]) -> list[str]:
+    """The names that ``names`` holds more than once, each once, in order."""
+    return list(dict.fromkeys(n for i, n in enumerate(names) if n in names[:i]))
+
+
+def check_unique_names(path: str, names: list[str], listed_by: str, fix: str, read: Collection[str] | None = None) -> None:
     """Refuse a file whose columns (``names``, as ``listed_by`` lists them: its header line, its Parquet schema, a setting)
-    repeat a name, with ``fix``.
+    repeat the name of a column that is ``read`` (``None``: any name), with ``fix``.
 
     Why: every column is read by its name. Of two columns of one name a CSV reader read the first, silently, and Arrow
-    refused a Parquet file's with a ``KeyError`` from deep inside it; which of them was meant cannot be told.
+    refused a Parquet file's with a ``KeyError`` from deep inside it; which of them was meant cannot be told. A repeated
+    name the run does not read (two ``unused`` columns of an export) is no such question, and such columns are left
+    alone: a schema inferred from the files never proposes them (:func:`without_repeats`).
 
     Raises:
-        DataError: naming the file, the first repeated name and how often it occurs.
+        DataError: naming the file, the first repeated name read and how often it occurs.
     """
-    repeated = [n for i, n in enumerate(names) if n in names[:i]]
+    repeated = [n for n in repeated_names(names) if read is None or n in read]
     if repeated:
         raise DataError(f"{path}: {listed_by} names the column {repeated[0]!r} {names.count(repeated[0])} times (its columns are "
                         f"{names}); columns are read by their names, so which one is meant cannot be told. Fix: {fix}")
+
+
+def without_repeats(table: pa.Table) -> pa.Table:
+    """``table`` (a sample of a file, every column) without the columns whose name it repeats, those names listed in its
+    schema's metadata (:data:`~recsys_runner.data.encoding.roles.REPEATED_KEY`) for an inferred schema to say they were
+    left out.
+
+    Why: which of two columns of one name holds what the name says cannot be told, so none of them is read; the sample a
+    schema is inferred from leaves them out rather than propose one, and a run that names such a column is refused
+    (:func:`check_unique_names`)."""
+    repeated = repeated_names(table.column_names)
+    if not repeated:
+        return table
+    kept = table.select([i for i, n in enumerate(table.column_names) if n not in repeated])
+    return kept.replace_schema_metadata({**(kept.schema.metadata or {}), REPEATED_KEY: "\n".join(repeated).encode()})
 
 
 def looks_like_text(head: bytes) -> bool:
@@ -181,11 +209,25 @@ def type_clash(columns: list[str], first: tuple[str, pa.Schema], other: tuple[st
     return None
 
 
+def lacks_training_column(path: str, missing: list[str], listed: str, reference: str, path_key: str, what: str) -> str:
+    """The message for an eval file (``path``, named by ``path_key``) without a column the training file ``reference`` holds:
+    the file is the mistake, not the config's column names, so the fix is to the file or the setting naming it.
+
+    Why: the generic message ("correct the column names in data.label(s) / data.dense / data.sparse") sent the user to
+    the config, whose names are right: they are the training files' columns."""
+    nor = f" (nor {missing[1:]})" if len(missing) > 1 else ""
+    return (f"{path} has no column {missing[0]!r}{nor} ({listed}), but the training files (data.path) have it, e.g. {reference}: "
+            f"{what}s ({path_key}) are read with the training files' columns. Fix: write {path} with the column {missing[0]!r}, or "
+            f"point {path_key} at files that hold the training files' columns")
+
+
 class ParquetSource:
     """Parquet files, one unit per row group."""
 
-    def __init__(self, files: list[str], columns: list[str], read_rows: int) -> None:
+    def __init__(self, files: list[str], columns: list[str], read_rows: int, reference: str | None = None) -> None:
         self.files, self.columns, self.read_rows = files, columns, read_rows
+        self.reference = reference
+        """For eval files: the first training file, so a column they lack but it holds is named as their mistake."""
         self._footers: dict[str, pq.FileMetaData] = {}
         """Object-store files' footers, read once (a footer costs a round trip to the store)."""
 
@@ -267,16 +309,25 @@ class ParquetSource:
                 f"Fix: write it again, or remove it from data.path"
             ) from None
         names = f.schema_arrow.names
-        check_unique_names(path, names, "its schema", "write it again with a name of its own for each column (in pandas, "
-                           "df.columns.is_unique must hold), or remove it from data.path")
+        check_unique_names(path, names, "its schema", PARQUET_REPEATS_FIX, self.columns)
         missing = [c for c in self.columns if c not in names]
         if missing:
             lacks = f"{path} has no column {missing[0]!r}" + (f" (nor {missing[1:]})" if len(missing) > 1 else "") + f"; its columns are {names}"
+            if self.reference is not None and self._has(self.reference, missing[0]):
+                raise DataError(lacks_training_column(path, missing, f"its columns are {names}", self.reference, "data.eval_path", "eval file"))
             if (holder := self._holding(missing[0], path)) is not None:
                 raise DataError(f"{lacks}, but {holder} has it: files read together hold the same columns. Fix: write {path} with the "
                                 f"column, or remove it from the setting that names it (data.path, data.eval_path)")
             raise DataError(f"{lacks}. Fix: correct the column names in data.label(s) / data.dense / data.sparse")
         return f
+
+    def _has(self, path: str, column: str) -> bool:
+        """Whether the Parquet file ``path`` (another source's, already read) holds ``column``, by its footer."""
+        fs, rest = stores.arrow_filesystem(path)
+        try:
+            return column in pq.read_schema(rest, filesystem=fs).names
+        except (pa.ArrowException, OSError):
+            return False
 
     def _holding(self, column: str, path: str) -> str | None:
         """The first of :attr:`files` (not ``path``) if it holds ``column``: then ``path`` is the odd file out, not the
@@ -297,13 +348,15 @@ class ParquetSource:
         for path in self.files:
             f = self._open(path)
             first = first or (path, plain_schema(f.schema_arrow))
-            if f.schema_arrow.names == first[1].names and (clash := type_clash(first[1].names, first, (path, plain_schema(f.schema_arrow)))):
+            unique = [n for n in first[1].names if n not in repeated_names(first[1].names)]
+            if f.schema_arrow.names == first[1].names and (clash := type_clash(unique, first, (path, plain_schema(f.schema_arrow)))):
                 raise clash
             try:
                 for rb in f.iter_batches(batch_size=min(wanted, self.read_rows), use_threads=False):
-                    if tables and rb.schema.names != tables[0].column_names:
+                    table = without_repeats(decoded(pa.Table.from_batches([rb])))
+                    if tables and table.column_names != tables[0].column_names:
                         return _concat(tables)
-                    tables.append(decoded(pa.Table.from_batches([rb])))
+                    tables.append(table)
                     wanted -= rb.num_rows
                     if wanted <= 0:
                         return _concat(tables)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Collection
 from dataclasses import replace
 from typing import Any
 
@@ -22,7 +23,7 @@ from recsys_runner.data.encoding.rows import float_ids
 from recsys_runner.data.encoding.stored import StoredEncoders, check_inputs
 from recsys_runner.data.encoding.values import is_list
 from recsys_runner.data.files.csv_source import CsvSource
-from recsys_runner.data.files.sources import ParquetSource, plain_schema
+from recsys_runner.data.files.sources import PARQUET_REPEATS_FIX, ParquetSource, check_unique_names, plain_schema
 from recsys_runner.data.files.streaming import KIND_SAMPLE_ROWS, TabularData
 from recsys_runner.data.files.tabular_config import (
     CRITEO_COLUMNS,
@@ -81,10 +82,15 @@ def check_column_types(schema: Schema, arrow: pa.Schema, path: str) -> None:
                             f"list<int64> or list<string>), or leave it out of data.sparse")
 
 
-def config_schema(config: Any, sample: Any, where: str, column_names: Any = None) -> tuple[Inferred, dict[str, Any]]:
+def config_schema(config: Any, sample: Any, where: str, column_names: Any = None,
+                  refuse_repeats: Callable[[Collection[str]], None] | None = None) -> tuple[Inferred, dict[str, Any]]:
     """The schema a config (or its ``data.schema`` file) describes, with what it leaves open inferred from
     ``sample()`` (:func:`~recsys_runner.data.encoding.fit.complete_schema`), and the text-reader options the schema
-    file sets (``{}`` without one)."""
+    file sets (``{}`` without one).
+
+    ``refuse_repeats(columns)`` refuses a repeated column name among ``columns`` in the first file, called with the columns
+    the config names before the sample is read (which leaves repeated names out: :func:`~recsys_runner.data.files.sources.without_repeats`,
+    so a named one would read as missing) and with the schema's after."""
     reader: dict[str, Any] = {}
     if config.schema is not None:
         parts, reader = read_schema_file(config.schema)
@@ -92,7 +98,13 @@ def config_schema(config: Any, sample: Any, where: str, column_names: Any = None
         parts = {"label": config.label, "labels": mapping_option(config.labels, "data.labels"), "label_threshold": config.label_threshold,
                  "label_kinds": mapping_option(config.label_kinds, "data.label_kinds"), "dense": list(config.dense), "sparse": list(config.sparse),
                  "sequences": config.sequence_groups()}
-    return complete_schema(**parts, sample=sample, config=config.infer, where=where, column_names=column_names), reader
+    if refuse_repeats is not None:
+        refuse_repeats([*([parts["label"]] if parts["label"] else []), *(parts["labels"] or {}).values(), *(c.name for c in parts["dense"]),
+                        *(n for c in parts["sparse"] for n in c.input_columns)])
+    done = complete_schema(**parts, sample=sample, config=config.infer, where=where, column_names=column_names)
+    if refuse_repeats is not None:
+        refuse_repeats(done.schema.columns)
+    return done, reader
 
 
 def log_inferred(done: Inferred, where: str, reader: dict[str, Any] | None = None) -> None:
@@ -119,7 +131,12 @@ class ParquetData(TabularData):
         head = next((f for f in files if probe.has_rows(f)), files[0])
         first = plain_schema(probe._open(head).schema_arrow)  # a dictionary column as its values (sources.decoded)
         stored = None if (config.schema or config.sparse or config.dense or encoders) else stored_schema(head)
+
+        def refuse_repeats(columns: Collection[str]) -> None:
+            check_unique_names(head, first.names, "its schema", PARQUET_REPEATS_FIX, columns)
+
         if encoders is not None:
+            refuse_repeats(encoders.schema.columns)
             schema = from_checkpoint(encoders, ParquetSource(files, [], config.read_rows).sample(KIND_SAMPLE_ROWS),
                                      f"data.path={config.path!r}")
         elif stored is not None:
@@ -127,7 +144,7 @@ class ParquetData(TabularData):
             schema = stored
         else:
             done, _ = config_schema(config, lambda: ParquetSource(files, [], config.read_rows).sample(config.infer.sample_rows),
-                                    f"data.path={config.path!r}", lambda: first.names)
+                                    f"data.path={config.path!r}", lambda: first.names, refuse_repeats)
             log_inferred(done, f"data.path={config.path!r}")
             schema = done.schema
         check_list_columns(schema, first, head)
@@ -139,6 +156,11 @@ class ParquetData(TabularData):
 
     def _source(self, files: list[str]) -> ParquetSource:
         return ParquetSource(files, self.schema.columns, self.config.read_rows)
+
+    def _eval_source(self, files: list[str], train: ParquetSource) -> ParquetSource:
+        """The eval files, whose columns are checked against the first training file's (a column they lack but it holds
+        is named as the eval file's mistake)."""
+        return ParquetSource(files, self.schema.columns, self.config.read_rows, reference=train.files[0])
 
 
 def check_stored_replaces(config: ParquetDataConfig, stored: Schema, head: str) -> None:
@@ -173,11 +195,16 @@ class CsvData(TabularData):
             config = replace(config, delimiter=delimiter, header=header)
         self.csv = config
         """:attr:`config`, typed as this option's (its reader settings; set first: the base class opens the files)."""
+
+        def refuse_repeats(columns: Collection[str]) -> None:
+            self._sampler(config).header_names(columns)
+
         if encoders is not None:
+            refuse_repeats(encoders.schema.columns)
             schema = from_checkpoint(encoders, self._sampler(config).sample(KIND_SAMPLE_ROWS), where)
         else:
             done, _ = config_schema(config, lambda: self._sampler(config).sample(config.infer.sample_rows), where,
-                                    lambda: self._sampler(config).header_names())
+                                    lambda: self._sampler(config).header_names(), refuse_repeats)
             log_inferred(done, where, {"delimiter": config.delimiter, "header": config.header, "null_values": list(config.null_values),
                                        **({"column_names": list(config.column_names)} if config.column_names else {})})
             schema = done.schema
@@ -202,7 +229,8 @@ class CsvData(TabularData):
         names = c.column_names if c.column_names or header else train.names(train.files[0])
         return CsvSource(files, self.schema.columns, delimiter=c.delimiter, header=header, column_names=names,
                          null_values=c.null_values, block_rows=c.block_rows, on_bad_rows=c.on_bad_rows,
-                         header_key="data.eval_header", follows_training=c.eval_header is None, path_key="data.eval_path")
+                         header_key="data.eval_header", follows_training=c.eval_header is None, path_key="data.eval_path",
+                         reference=(train.files[0], train.names(train.files[0])))
 
 
 CRITEO_LAYOUT = ("data=criteo reads Criteo's layout: tab-separated, no header line, 40 fields (the label, 13 counts, 26 hex "
