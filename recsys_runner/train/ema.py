@@ -1,7 +1,7 @@
 """Exponential moving average of the dense weights, optionally used for evaluation.
 
-After every optimizer step ``shadow ← decay·shadow + (1 − decay)·param`` for each dense parameter
-(one fused ``_foreach_lerp_``, no host sync). Embedding tables are excluded: they are updated
+After every dense optimizer step taken ``shadow ← decay·shadow + (1 − decay)·param`` for each dense parameter
+(one fused ``_foreach_lerp_``, no host sync); not after one the fp16 loss scaler skipped, which left the weights as they were. Embedding tables are excluded: they are updated
 sparsely in backward by fbgemm, and an EMA of a 10⁸-row table would double its memory.
 With ``train.ema.eval_with_ema=true`` evaluation swaps the EMA weights in and back out.
 """
