@@ -157,7 +157,8 @@ class SyntheticDataConfig(SyntheticLabelsConfig):
 
 
     def _as_sequences(self, needs: DataNeeds) -> DataConfig:
-        """``data=synthetic_sequences`` with this config's shared fields (batch size, rows, workers, seed), for a model
+        """``data=synthetic_sequences`` with this config's shared fields (batch size, rows, workers, seed, tasks and the funnel's
+        label fields), for a model
         that attends over histories: the Criteo-shaped columns have none. Logged, so that the switch is seen."""
         changed = {f.name: getattr(self, f.name) for f in fields(self)
                    if f.name != "_target_" and getattr(self, f.name) != getattr(SyntheticDataConfig, f.name, None)}

@@ -11,7 +11,12 @@ user prefers ``interests`` categories (2). A row is one user's history (``hist_i
 * the candidate is the true next item with probability ``1 - negatives`` (always for a next-item model), else a
   popular item of any category;
 * the click's score adds the share of the history in the candidate's category, whether the candidate is the
-  successor of the newest event, the item's own appeal and a little of two dense columns.
+  successor of the newest event, the item's own appeal and a little of two dense columns;
+* with ``data.tasks=[ctr, cvr, …]`` (or a multi-task model's tasks) one label per task, as ``data=synthetic`` draws them
+  (:mod:`recsys_runner.data.generated.synthetic_labels`): the click above, then each later task a conversion of a
+  clicked row whose own score reads the history too (:class:`_Conversion`: the same two signals and whether the
+  candidate is already in the history, with weights of its own), drawn after every other column, so a batch's click
+  and ids are those of its one-label batch.
 
 So a model that reads the history (DIN, BST) beats the same model without it, and a next-item model (SASRec)
 that learns successors beats the popularity ranking. History lengths are long-tailed (a Zipf law over
@@ -289,6 +294,7 @@ class _Rows:
     lengths: torch.Tensor
     dense: torch.Tensor
     labels: torch.Tensor
+    """``[n]``, the click; with ``data.tasks`` ``[n, T]`` (then ``conversion_truth``'s column)."""
     next_item: torch.Tensor
     """The true next item of each row (the candidate on positive rows)."""
 
