@@ -149,8 +149,7 @@ def resolve_tasks(features: FeatureSpec, names: list[str], loss_weights: list[fl
             f"model.tasks={list(names)}: task(s) {missing or list(names)} have no label column; the data's label(s): "
             f"{list(labels)}{'' if features.multi_label else ' (a single [B] label)'}. Fix: name tasks after the data's "
             f"labels (or set model.task_specs.<task>.label), or give the data one label per task (data.tasks=[...] for "
-            f"data=synthetic, data.labels={{task: column}} for Parquet/CSV; generated histories, data=synthetic_sequences, "
-            f"carry one click label only)"
+            f"data=synthetic and data=synthetic_sequences, data.labels={{task: column}} for Parquet/CSV)"
         )
     return tuple(_bind(n, cls, c, w, specs.get(n), names, columns, labels)
                  for n, cls, c, w in zip(names, classes, columns, _per_task(names, specs, "weight", weights), strict=True))

@@ -44,7 +44,8 @@ from recsys_runner.data.generated.synthetic_items import (
     item_lookups,
     pair_popularity,
 )
-from recsys_runner.data.generated.synthetic_world import TaskLabels, World
+from recsys_runner.data.generated.synthetic_labels import TaskLabels
+from recsys_runner.data.generated.synthetic_world import World
 from recsys_runner.data.packed import Packed, packed_stream, unpacked_stream
 from recsys_runner.data.workers import worker_loader
 from recsys_runner.errors import require
@@ -89,11 +90,8 @@ class SyntheticData(DataModule):
         self.features = FeatureSpec(
             dense_names=tuple(f"int_{i}" for i in range(c.num_dense)),
             sparse=sparse,
-            label=(*c.tasks, *([c.conversion_truth] if c.conversion_truth is not None else [])) if c.tasks is not None else "label",
+            label=c.label_columns(),
         )
-        require(not (c.selection_bias or c.conversion_truth is not None) or len(c.tasks or []) >= 2,
-                f"data.selection_bias / data.conversion_truth read the funnel's first conversion, but the data has labels "
-                f"{list(c.tasks or ['label'])}. Fix: data.tasks=[ctr,cvr], or a multi-task model (model=esmm)")
         self.batch_size = c.batch_size
         self._num_train_batches = c.num_train_rows // c.batch_size
         self._num_eval_batches = c.num_eval_rows // c.batch_size
@@ -101,15 +99,10 @@ class SyntheticData(DataModule):
         self._id_skew = c.id_skew
         self._seed = c.seed
         self._world = World.draw(c.seed, c.num_dense, sizes, c.label_noise)
-        self._task_labels = TaskLabels(
-            worlds=[World.draw(c.seed * 1000 + t, c.num_dense, sizes, c.label_noise, bias=c.conversion_bias)
-                    for t in range(1, len(c.tasks or []))],
-            kinds=[(c.label_kinds or {}).get(t, "binary") for t in c.tasks or []],
-            classes=[(c.label_classes or {}).get(t, 0) for t in c.tasks or []],
-            conflict=c.conversion_conflict,
-            amount=c.conversion_amount,
-            truth=c.conversion_truth is not None,
-        )
+        self._conversions = [World.draw(c.seed * 1000 + t, c.num_dense, sizes, c.label_noise, bias=c.conversion_bias)
+                             for t in range(1, len(c.tasks or []))]
+        """The later tasks' worlds: their own seeds, a higher base rate (conversion given a click)."""
+        self._task_labels: TaskLabels = c.task_labels()
         self._selection_bias = c.selection_bias
         self._clusters = c.user_item_clusters
         if c.user_item_clusters is not None:
@@ -213,10 +206,11 @@ class SyntheticData(DataModule):
         dense = torch.randn(n, self.features.num_dense, generator=g)
         score = self._world.score(dense, ids)
         if self._selection_bias:  # the click selects on what makes the row convert (the first conversion's own score)
-            score = score + self._selection_bias * self._task_labels.worlds[0].score(dense, ids)
+            score = score + self._selection_bias * self._conversions[0].score(dense, ids)
         labels = torch.bernoulli(torch.sigmoid(score), generator=g)
         if self.features.multi_label:
-            labels = torch.stack(self._task_labels.labels(labels, score, dense, ids, g), dim=1)
+            own = [world.score(dense, ids) for world in self._conversions]
+            labels = torch.stack(self._task_labels.labels(labels, score, own, g), dim=1)
         if self._hard:  # drawn last, so the other columns are the same with and without the list
             first = self._items[0]
             hard = hard_negative_ids(ids[:, first], ids[:, self._user], self._hard, int(self._sizes[first]), self._clusters or 1,

@@ -13,8 +13,8 @@ from typing import Any
 from recsys_runner.data.base import DataConfig
 from recsys_runner.data.catalogue.negatives import NegativesConfig
 from recsys_runner.data.collision import SyntheticCollisionConfig, collision_config
+from recsys_runner.data.generated.synthetic_labels import SyntheticLabelsConfig
 from recsys_runner.data.generated.synthetic_sequences import SyntheticSequencesConfig
-from recsys_runner.data.schema import LABEL_KINDS
 from recsys_runner.errors import require
 from recsys_runner.features import DataNeeds
 
@@ -26,8 +26,9 @@ DEFAULT_NUM_STEPS = 1000
 
 
 @dataclass(kw_only=True)
-class SyntheticDataConfig(DataConfig):
-    """Schema of ``conf/data/synthetic.yaml``."""
+class SyntheticDataConfig(SyntheticLabelsConfig):
+    """Schema of ``conf/data/synthetic.yaml``; its label fields (``tasks``, ``label_kinds`` …) are
+    :class:`~recsys_runner.data.generated.synthetic_labels.SyntheticLabelsConfig`'s, which generated histories share."""
 
     _target_: str = "recsys_runner.data.generated.synthetic.SyntheticData"
     num_dense: int = 13
@@ -49,39 +50,6 @@ class SyntheticDataConfig(DataConfig):
     """Seed of the hidden world and of every batch; equal seeds give identical data."""
     label_noise: float = 1.0
     """Scale of the click score; smaller means noisier labels and a lower attainable AUC."""
-    tasks: list[str] | None = None
-    """Task names, one label each (``labels [B, T]``): the first is the click, each later one a
-    conversion observed only on clicked rows, e.g. ``[ctr, cvr]``. ``null``: the model's tasks — one
-    click label ``[B]`` for a single-task model, one label per task for a multi-task one (``model=mmoe``)."""
-    label_kinds: Any = None
-    """Per task of ``tasks``: ``binary`` (the default) or ``regression`` (an amount on every row: ``softplus`` of
-    the task's own score, e.g. a watch time), e.g. ``{watch: regression}``. With
-    ``tasks: null``, the model's task kinds. A mapping, typed ``Any`` so that ``data.label_kinds={…}``
-    works as a plain override."""
-    label_classes: Any = None
-    """Per ``multiclass`` task of ``label_kinds``: its number of classes ``C >= 2``, e.g. ``{category: 5}``; its label is a
-    class index ``0..C-1``, the ``C`` quantiles of ``sigmoid(score_t + logistic noise)`` (learnable: the class rises with
-    the task's own score). With ``tasks: null``, the model's (``model.task_specs.<task>.num_classes``)."""
-    conversion_bias: float = 0.0
-    """Logit offset of each later task's own score: its base rate given a click (0: about one in two; -3: a few in
-    a hundred, a rare task whose loss is small next to the click's)."""
-    conversion_conflict: float = 0.0
-    """How strongly each later task's score falls with the click's score (``score_t - c·score_click``): with ``c > 0`` the
-    tasks pull the shared layers apart — a seesaw, where equal fixed loss weights favour the click (docs/multitask.md)."""
-    conversion_amount: float | None = None
-    """A later ``regression`` task's label as a purchase amount: ``conversion_amount·(1 + softplus(score_t))`` on rows that
-    convert (the funnel: a click, then ``Bernoulli(sigmoid(score_t))``), 0 elsewhere — a large-variance amount whose MSE
-    dwarfs the click's log loss; its ``auc`` ranks the converting rows. ``null``: ``softplus(score_t)`` on every row."""
-    selection_bias: float = 0.0
-    """How strongly the click selects on conversion: the click's score gains ``selection_bias`` times the first later
-    task's own score, so rows that would convert are clicked more and clicked rows are a biased sample of the impressions
-    (a CVR model fitted on them alone ranks the unclicked ones badly; ESMM's setting, ``data=synthetic_esmm``). 0: the
-    click ignores the conversion world."""
-    conversion_truth: str | None = None
-    """Name of one more label column, written on every row: whether the row would convert if clicked (the first later
-    task's conversion draw before the click gates it), so a CVR model can be evaluated on all impressions (ESMM's
-    ``cvr_all`` task, docs/multitask.md). Ground truth no logged data has: no task trains on it unless told to.
-    ``null``: no such column."""
     user_item_clusters: int | None = None
     """``K``: draw each item feature's id in the user feature's cluster (``id mod K``), so (user, item) pairs
     are learnable for retrieval. ``null``: 16 for a two-tower model (``model=dssm``), else independent columns."""
@@ -104,27 +72,6 @@ class SyntheticDataConfig(DataConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.tasks is not None:
-            require(len(self.tasks) > 0 and len(set(self.tasks)) == len(self.tasks),
-                    f"data.tasks={self.tasks} must list distinct task names, e.g. data.tasks=[ctr,cvr], or be null")
-        kinds = self.label_kinds or {}
-        require(isinstance(kinds, dict), f"data.label_kinds must map task names to kinds, e.g. {{watch: regression}}; got {kinds!r}")
-        require(not kinds or self.tasks is not None,
-                f"data.label_kinds={kinds} is set but data.tasks is null (the model's tasks, with the model's kinds). "
-                f"Fix: data.label_kinds=null and model.task_kinds=[...], or list data.tasks as well")
-        unknown = sorted(set(kinds) - set(self.tasks or []))
-        require(not unknown, f"data.label_kinds names {unknown}, which are not in data.tasks={self.tasks}. Fix: one entry per task to change")
-        wrong = sorted({k for k in kinds.values() if k not in LABEL_KINDS})
-        require(not wrong, f"data.label_kinds has kind(s) {wrong}; each must be one of {list(LABEL_KINDS)}")
-        self._check_classes(kinds)
-        if self.selection_bias or self.conversion_truth is not None:
-            what = "data.selection_bias" if self.selection_bias else f"data.conversion_truth={self.conversion_truth!r}"
-            require(self.tasks is None or (len(self.tasks) >= 2 and kinds.get(self.tasks[1], "binary") == "binary"),
-                    f"{what} reads the funnel's first conversion, but data.tasks={self.tasks} has no binary task after the click. "
-                    f"Fix: data.tasks=[ctr,cvr] (or null: the model's tasks), or data.selection_bias=0 data.conversion_truth=null")
-            require(self.conversion_truth not in (self.tasks or []),
-                    f"data.conversion_truth={self.conversion_truth!r} is also a task of data.tasks={self.tasks}; it is a column of "
-                    f"its own. Fix: another name, e.g. data.conversion_truth=cvr_if_clicked")
         # the column counts first: the checks below name the columns they make (cat_0 …)
         require(self.num_dense >= 0, f"data.num_dense must be >= 0, got {self.num_dense}")
         require(self.num_sparse > 0, f"data.num_sparse must be positive, got {self.num_sparse}: the models need at least one embedding table")
@@ -158,13 +105,10 @@ class SyntheticDataConfig(DataConfig):
             f"data.num_eval_rows={self.num_eval_rows} is smaller than one batch (data.batch_size={self.batch_size})",
         )
         require(self.id_skew > 0, f"data.id_skew must be positive, got {self.id_skew}")
-        # a negative scale turns the hidden world's click score around, a negative amount makes purchases refunds:
-        # neither is a setting of the data the docs describe, and nothing would refuse them later
+        # a negative scale turns the hidden world's click score around: not a setting of the data the docs describe, and
+        # nothing would refuse it later
         require(self.label_noise >= 0, f"data.label_noise must be >= 0 (the click score's scale; 0: labels are coin flips), "
                 f"got {self.label_noise}. Fix: e.g. data.label_noise=0.5 for noisier labels")
-        require(self.conversion_amount is None or self.conversion_amount > 0,
-                f"data.conversion_amount must be positive (the amount's scale) or null, got {self.conversion_amount}. "
-                f"Fix: e.g. data.conversion_amount=50, or null for softplus(score) on every row")
         self.managed_collision = collision_config(self.managed_collision, SyntheticCollisionConfig, "data.managed_collision")
         if self.managed_collision is not None:
             self.managed_collision.check_features(sparse, list(self.num_embeddings_per_feature or [self.num_embeddings] * self.num_sparse))
@@ -172,16 +116,6 @@ class SyntheticDataConfig(DataConfig):
     def default_num_steps(self) -> int:
         """:data:`DEFAULT_NUM_STEPS`: generated rows are an arbitrary amount, so the default length is in steps, not epochs."""
         return DEFAULT_NUM_STEPS
-
-    def _check_classes(self, kinds: dict[str, str]) -> None:
-        """``label_classes``: a count ``>= 2`` for each multiclass task of ``label_kinds``, and for no other."""
-        classes = self.label_classes or {}
-        require(isinstance(classes, dict), f"data.label_classes must map task names to class counts, e.g. {{category: 5}}; got {classes!r}")
-        multi = sorted(t for t, k in kinds.items() if k == "multiclass")
-        require(sorted(classes) == multi, f"data.label_classes={classes} must give exactly the multiclass tasks of "
-                f"data.label_kinds ({multi}) their number of classes, e.g. data.label_classes={{{multi[0] if multi else 'category'}: 5}}")
-        small = {t: c for t, c in classes.items() if not isinstance(c, int) or c < 2}
-        require(not small, f"data.label_classes has {small}; each must be an integer >= 2")
 
     def supports_batch_tokens(self) -> bool:
         """Decided with the model: :meth:`for_model` generates histories for a model over them (``batch_tokens`` then counts
@@ -202,20 +136,7 @@ class SyntheticDataConfig(DataConfig):
             return self._as_sequences(needs)
         require(self.batch_tokens is None, self.no_histories(" for this model (generated data has histories only for a model "
                                                              "over them: model=din, bst, sasrec)"))
-        changes: dict[str, Any] = {}
-        if self.tasks is None and needs.labels:
-            changes["tasks"] = list(needs.labels)
-            if needs.task_label_columns:  # a column to read exists only in files
-                log.warning("%s: generated data has no label columns to choose from; it draws each task's label (the click, then the "
-                            "funnel's conversions) and only names it so, so this has no effect here. It picks a label column of files "
-                            "(data=parquet|csv)", ", ".join(f"model.task_specs.{task}.label={column}"
-                                                            for task, column in needs.task_label_columns))
-            kinds = {n: k for n, k in zip(needs.labels, needs.label_kinds, strict=False) if k != "binary"}
-            if kinds:
-                changes["label_kinds"] = kinds
-            classes = {n: c for n, c in zip(needs.labels, needs.label_classes, strict=False) if c}
-            if classes:
-                changes["label_classes"] = classes
+        changes = self.label_changes(needs)
         sparse = sparse_names(self.num_sparse)
         known = {*sparse, *(f"int_{i}" for i in range(self.num_dense))}
         towers = {"user": [n for n in needs.user_features if n in sparse], "item": [n for n in needs.item_features if n in sparse]}
@@ -236,7 +157,8 @@ class SyntheticDataConfig(DataConfig):
 
 
     def _as_sequences(self, needs: DataNeeds) -> DataConfig:
-        """``data=synthetic_sequences`` with this config's shared fields (batch size, rows, workers, seed), for a model
+        """``data=synthetic_sequences`` with this config's shared fields (batch size, rows, workers, seed, tasks and the funnel's
+        label fields), for a model
         that attends over histories: the Criteo-shaped columns have none. Logged, so that the switch is seen."""
         changed = {f.name: getattr(self, f.name) for f in fields(self)
                    if f.name != "_target_" and getattr(self, f.name) != getattr(SyntheticDataConfig, f.name, None)}

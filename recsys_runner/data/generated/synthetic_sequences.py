@@ -11,7 +11,12 @@ user prefers ``interests`` categories (2). A row is one user's history (``hist_i
 * the candidate is the true next item with probability ``1 - negatives`` (always for a next-item model), else a
   popular item of any category;
 * the click's score adds the share of the history in the candidate's category, whether the candidate is the
-  successor of the newest event, the item's own appeal and a little of two dense columns.
+  successor of the newest event, the item's own appeal and a little of two dense columns;
+* with ``data.tasks=[ctr, cvr, …]`` (or a multi-task model's tasks) one label per task, as ``data=synthetic`` draws them
+  (:mod:`recsys_runner.data.generated.synthetic_labels`): the click above, then each later task a conversion of a
+  clicked row whose own score reads the history too (:class:`_Conversion`: the same two signals and whether the
+  candidate is already in the history, with weights of its own), drawn after every other column, so a batch's click
+  and ids are those of its one-label batch.
 
 So a model that reads the history (DIN, BST) beats the same model without it, and a next-item model (SASRec)
 that learns successors beats the popularity ranking. History lengths are long-tailed (a Zipf law over
@@ -44,9 +49,10 @@ from dataclasses import dataclass, replace
 import torch
 from torchrec.datasets.utils import Batch
 
-from recsys_runner.data.base import DataConfig, DataModule, batch_kjt
+from recsys_runner.data.base import DataModule, batch_kjt
 from recsys_runner.data.catalogue.items import ItemTable
 from recsys_runner.data.generated.synthetic_items import generated_item_table
+from recsys_runner.data.generated.synthetic_labels import SyntheticLabelsConfig, TaskLabels
 from recsys_runner.data.sequences.tokens import check_budget, padded_slices, row_tokens, token_slices
 from recsys_runner.errors import require
 from recsys_runner.features import TRUNCATIONS, DataNeeds, FeatureSpec, SequenceGroup, SparseFeature
@@ -62,8 +68,9 @@ HISTORY = "hist"
 
 
 @dataclass(kw_only=True)
-class SyntheticSequencesConfig(DataConfig):
-    """Schema of ``conf/data/synthetic_sequences.yaml``."""
+class SyntheticSequencesConfig(SyntheticLabelsConfig):
+    """Schema of ``conf/data/synthetic_sequences.yaml``; its label fields (``tasks``, ``label_kinds`` …) are ``data=synthetic``'s
+    (:class:`~recsys_runner.data.generated.synthetic_labels.SyntheticLabelsConfig`), the later tasks scored from the history."""
 
     _target_: str = "recsys_runner.data.generated.synthetic_sequences.SyntheticSequences"
     batch_size: int = 512
@@ -154,11 +161,14 @@ class SyntheticSequencesConfig(DataConfig):
         return DEFAULT_NUM_STEPS
 
     def for_model(self, needs: DataNeeds) -> SyntheticSequencesConfig:
-        """``negatives: null`` decided for the model: none for a next-item or two-tower model (every candidate is the true
-        next item: a two-tower model's rows are the (user, item) pairs it learns to retrieve)."""
-        if self.negatives is not None:
-            return self
-        return replace(self, negatives=0.0 if needs.next_item or needs.item_features else 0.5)
+        """The fields left ``null`` decided for the model: its tasks, their kinds and classes (as ``data=synthetic`` fills
+        them: a multi-task model such as ``model=hstu_rank model.tasks=[ctr,cvr]`` gets one label per task), and
+        ``negatives``: none for a next-item or two-tower model (every candidate is the true next item: a two-tower model's
+        rows are the (user, item) pairs it learns to retrieve)."""
+        changes = self.label_changes(needs)
+        if self.negatives is None:
+            changes["negatives"] = 0.0 if needs.next_item or needs.item_features else 0.5
+        return replace(self, **changes) if changes else self
 
 
 class SyntheticSequences(DataModule):
@@ -185,7 +195,7 @@ class SyntheticSequences(DataModule):
         )
         group = SequenceGroup(HISTORY, ("hist_item_id", "hist_category"), c.max_len, c.truncate,
                               timestamps="hist_ts" if c.timestamps else None)
-        self.features = FeatureSpec(tuple(f"int_{i}" for i in range(c.num_dense)), sparse, "label", sequences=(group,))
+        self.features = FeatureSpec(tuple(f"int_{i}" for i in range(c.num_dense)), sparse, c.label_columns(), sequences=(group,))
         self._drawn: _World | None = None
         self._catalogue: ItemTable | None = None
 
@@ -284,6 +294,7 @@ class _Rows:
     lengths: torch.Tensor
     dense: torch.Tensor
     labels: torch.Tensor
+    """``[n]``, the click; with ``data.tasks`` ``[n, T]`` (then ``conversion_truth``'s column)."""
     next_item: torch.Tensor
     """The true next item of each row (the candidate on positive rows)."""
 
@@ -312,6 +323,10 @@ class _World:
     """``[max_len + 1]``: the distribution of history lengths."""
     dense_weights: torch.Tensor
     config: SyntheticSequencesConfig
+    conversions: list[_Conversion]
+    """The later tasks' worlds of ``data.tasks`` (none for one label)."""
+    task_labels: TaskLabels
+    """How the scores become labels: the click, then the funnel (``data=synthetic``'s code)."""
 
     @staticmethod
     def draw(c: SyntheticSequencesConfig) -> _World:
@@ -332,7 +347,8 @@ class _World:
                       category_start=sizes.cumsum(0) - sizes, popularity=popularity,
                       appeal=torch.randn(c.num_items, generator=g) * 0.5,
                       preferred=torch.randint(c.num_categories, (c.num_users, c.interests), generator=g), length_probs=probs,
-                      dense_weights=torch.randn(c.num_dense, generator=g) * 0.3, config=c)
+                      dense_weights=torch.randn(c.num_dense, generator=g) * 0.3, config=c,
+                      conversions=[_Conversion.draw(c, t) for t in range(1, len(c.tasks or []))], task_labels=c.task_labels())
 
     def _fresh(self, users: torch.Tensor, g: torch.Generator) -> torch.Tensor:
         """A fresh pick per user: with 0.8 a popular item of one of the user's categories, else a popular item of any."""
@@ -374,18 +390,64 @@ class _World:
         negative = torch.rand(n, generator=g) < negatives
         item = torch.where(negative, torch.multinomial(self.popularity, n, replacement=True, generator=g) if n else next_item, next_item)
         dense = torch.randn(n, c.num_dense, generator=g)
-        labels = torch.bernoulli(torch.sigmoid(self._score(item, events, lengths, mask, dense)), generator=g)
+        share, follows = self._signals(item, events, lengths, mask)
+        score = self._score(item, share, follows, dense)
+        # the later tasks' scores draw nothing from g: the click below is the same draw with and without them
+        own = [conversion.score(item, share, follows, events, mask, dense) for conversion in self.conversions]
+        if c.selection_bias:  # the click selects on what makes the row convert (the first conversion's own score)
+            score = score + c.selection_bias * own[0]
+        labels = torch.bernoulli(torch.sigmoid(score), generator=g)
+        if c.tasks is not None:  # the funnel's labels, drawn after every other column: one label's rows are unchanged
+            labels = torch.stack(self.task_labels.labels(labels, score, own, g), dim=1)
         return _Rows(user=users, item=item, category=self.category[item], hist_items=hist_items,
                      hist_categories=self.category[hist_items], hist_ts=hist_ts, lengths=lengths, dense=dense,
                      labels=labels, next_item=next_item)
 
-    def _score(self, item: torch.Tensor, events: torch.Tensor, lengths: torch.Tensor, mask: torch.Tensor,
-               dense: torch.Tensor) -> torch.Tensor:
-        """The click logit: history share of the candidate's category, the candidate being the newest event's successor,
-        the item's appeal and the dense columns."""
+    def _signals(self, item: torch.Tensor, events: torch.Tensor, lengths: torch.Tensor,
+                 mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the history says of the candidate, ``[n]`` each: the share of the history in its category, and whether it
+        is the newest event's successor."""
         same = (self.category[events] == self.category[item].unsqueeze(1)) & mask
         share = same.sum(1).float() / lengths.clamp_min(1).float()
         newest = events[torch.arange(item.shape[0]), (lengths - 1).clamp_min(0)]
         follows = ((self.successor[newest] == item) & (lengths > 0)).float()
+        return share, follows
+
+    def _score(self, item: torch.Tensor, share: torch.Tensor, follows: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        """The click logit: history share of the candidate's category, the candidate being the newest event's successor,
+        the item's appeal and the dense columns."""
         linear = dense @ self.dense_weights if dense.shape[1] else torch.zeros(item.shape[0])
         return -1.5 + 3.0 * share + 2.0 * follows + self.appeal[item] + linear
+
+
+@dataclass(frozen=True)
+class _Conversion:
+    """A later task's hidden world: its own score reads the history as the click does (the share of the candidate's
+    category, whether it is the newest event's successor) and one thing more, whether the candidate is already in the
+    history (a repeat: what a user buys is often what they looked at), each with a weight of its own, and its own item
+    appeal and dense weights. So the task is learnable from the history and is not the click again."""
+
+    weights: torch.Tensor
+    """``[3]``: the weights of (share, successor, repeat), each in 1-3: every task rises with what the history says of
+    the candidate; ``data.conversion_conflict`` makes one that falls with the click."""
+    appeal: torch.Tensor
+    """``[num_items]``: each item's own effect on this task."""
+    dense_weights: torch.Tensor
+    bias: float
+    """``data.conversion_bias``: the base rate given a click (0: about one in two)."""
+
+    @staticmethod
+    def draw(c: SyntheticSequencesConfig, task: int) -> _Conversion:
+        """Task ``task``'s (1: the first after the click) world, from a stream of its own: the click's world and rows are
+        the same with and without it."""
+        g = torch.Generator().manual_seed(hash((c.seed, 7_919, task)) & 0x7FFF_FFFF_FFFF_FFFF)
+        return _Conversion(weights=1.0 + 2.0 * torch.rand(3, generator=g), appeal=torch.randn(c.num_items, generator=g) * 0.5,
+                           dense_weights=torch.randn(c.num_dense, generator=g) * 0.3, bias=c.conversion_bias)
+
+    def score(self, item: torch.Tensor, share: torch.Tensor, follows: torch.Tensor, events: torch.Tensor, mask: torch.Tensor,
+              dense: torch.Tensor) -> torch.Tensor:
+        """The task's own logit ``[n]`` (each signal centred at 0.5, so ``bias`` sets the base rate)."""
+        repeat = ((events == item.unsqueeze(1)) & mask).any(1).float()
+        signals = torch.stack([share, follows, repeat], dim=1) - 0.5
+        linear = dense @ self.dense_weights if dense.shape[1] else torch.zeros(item.shape[0])
+        return self.bias + signals @ self.weights + self.appeal[item] + linear
