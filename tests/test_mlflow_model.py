@@ -132,6 +132,86 @@ def test_a_list_in_a_column_of_one_value_per_row_is_refused_naming_it(deepfm: di
     np.testing.assert_allclose(model.predict(listed)["score"].to_numpy(), deepfm["reference"]["score"].to_numpy()[:3], atol=ATOL)
 
 
+@pytest.fixture(scope="module")
+def served(deepfm: dict[str, Any]) -> Any:
+    """The DeepFM's MLflow model, loaded once through MLflow (its signature checked on every call, as a caller's is)."""
+    import mlflow.pyfunc
+
+    return mlflow.pyfunc.load_model(str(deepfm["model"]))
+
+
+def _objects(*values: object) -> pd.Series:
+    return pd.Series(values, dtype=object)
+
+
+# Typed columns as pandas holds them (read_csv without dtype=str, read_parquet, JSON-made frames): MLflow's check of the text
+# signature refuses each before the model runs, naming the column; the documented fix, ``frame.astype(object)``, scores them as
+# the text a CSV held (docs/export.md, "A bad request").
+TYPED = {
+    "int ids": lambda rows: rows.assign(item=rows["item"].astype("int64")),
+    "whole float ids": lambda rows: rows.assign(item=rows["item"].astype("float64")),
+    "float ids with a gap": lambda rows: rows.assign(item=rows["item"].astype("float64").where(rows.index != 1)),
+    "nullable Int64 ids": lambda rows: rows.assign(item=rows["item"].astype("Int64").where(rows.index != 1)),
+    "category ids": lambda rows: rows.assign(item=rows["item"].astype("category")),
+    "float prices": lambda rows: rows.assign(price=rows["price"].astype("float64")),
+    "int prices": lambda rows: rows.assign(price=rows["price"].astype("float64").round().astype("int64")),
+}
+
+
+@pytest.mark.parametrize("case", list(TYPED))
+def test_a_typed_column_is_named_before_the_model_runs_and_scores_as_text_once_objects(deepfm: dict[str, Any], served: Any,
+                                                                                      case: str) -> None:
+    rows = pd.read_csv(deepfm["root"] / "score.csv", dtype=str).head(3).drop(columns=["click"]).assign(price=["2", "3.5", "4"])
+    typed = TYPED[case](rows)
+    column = "price" if "price" in case else "item"
+    with pytest.raises(Exception, match=rf"Incompatible input types for column {column}\. Can not safely convert"):
+        served.predict(typed)  # MLflow's own check, before our code: docs/export.md quotes it with the fix
+    same_text = rows.astype(object).where(typed.notna(), None).assign(price=typed["price"].astype(str))  # what the CSV held
+    np.testing.assert_allclose(served.predict(typed.astype(object))["score"].to_numpy(), served.predict(same_text)["score"].to_numpy(), atol=0)
+
+
+# Requests that pass MLflow's check and reach the model: each refused naming the row, the column, what it reads and the fix,
+# where each was scored silently (a boolean read as an id or a tag), refused by Arrow unnamed (a dict) or named as a list in its
+# first column only (a dict of lists, which MLflow reads as one row).
+REFUSED = {
+    "a boolean id": (lambda rows: rows.assign(item=_objects(True, False, True)),
+                     r"request row 0, column 'item' holds the boolean True, but the model reads text in it: read as such, it would "
+                     r"silently become the text 'true'\. Fix: send text in 'item', as the training files held it \(e\.g\. the text 'True'\)"),
+    "a boolean price": (lambda rows: rows.assign(price=_objects(None, False, True)),
+                        r"request row 1, column 'price' holds the boolean False, but the model reads numbers \(or their text\) in it: "
+                        r"read as such, it would silently become 0\. Fix: send numbers \(or their text\) in 'price'$"),
+    "booleans as tags": (lambda rows: rows.assign(tags=_objects([], [False], [True, True])),
+                         r"request row 1, column 'tags' holds the boolean False, but the model reads text in it"),
+    "a dict as a price": (lambda rows: rows.assign(price=_objects({"eur": 1.5}, None, None)),
+                          r"request row 0, column 'price' holds \{'eur': 1\.5\} \(struct<eur: double>\), but the model reads numbers "
+                          r"\(or their text\) in it\. Fix: send numbers \(or their text\) in 'price'"),
+    "a dict of lists": (lambda rows: rows.fillna("").to_dict(orient="list"),
+                        r"the request is one row holding a list in every column of one value per row \(\['price', 'user', 'item'\]\): "
+                        r"MLflow reads a dict of columns .* as ONE row of lists.*Fix: send .*pd\.DataFrame\(request\)"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_a_request_the_model_cannot_read_is_refused_naming_its_column_and_the_fix(deepfm: dict[str, Any], served: Any, case: str) -> None:
+    rows = pd.read_csv(deepfm["root"] / "score.csv", dtype=str).head(3).drop(columns=["click"])
+    change, message = REFUSED[case]
+    with pytest.raises(Exception, match=message) as refused:
+        served.predict(change(rows))
+    assert type(refused.value).__name__ == "BadRequest"  # MLflow's BAD_REQUEST: `mlflow models serve` answers 400
+
+
+def test_a_dict_of_one_row_and_a_twice_named_column_past_the_signature(deepfm: dict[str, Any]) -> None:
+    """Called past MLflow (``ServedModel`` itself, as MLflow's own conversion of a dict is not there): a dict of one value
+    per column is one row, as MLflow reads it; a column named twice is named, not an AttributeError from pandas."""
+    unit = ServedModel(str(deepfm["model"] / "data" / "data"))
+    rows = pd.read_csv(deepfm["root"] / "score.csv", dtype=str).head(2)
+    one = {k: (None if pd.isna(v) else v) for k, v in rows.iloc[0].items()}
+    np.testing.assert_allclose(unit.predict(one)["score"].to_numpy(), unit.predict(rows.head(1))["score"].to_numpy(), atol=0)
+    with pytest.raises(Exception, match=r"the request has the column 'item' more than once: the model cannot tell which to read\. "
+                                        r"Fix: send each column once"):
+        unit.predict(pd.concat([rows, rows[["item"]]], axis=1))
+
+
 BLOCKER = """
 import importlib.abc, sys
 BLOCKED = ("recsys_runner", "torchrec", "fbgemm_gpu")
@@ -446,3 +526,10 @@ def test_parquet_ids_with_gaps_are_served_from_text(tmp_path: Path) -> None:
                                unit.predict(request.head(2).assign(user=["1000000000012", None]))["score"].to_numpy(), atol=ATOL)
     with pytest.raises(Exception, match=r"column 'user' holds the id 9007199254740994 as a floating-point number.*Fix: send the ids as text"):
         unit.predict(request.head(2).assign(user=[float(2**53 + 2), np.nan]))
+    # an id that is not whole is not cut to another id, and a boolean is not the id 1 (both reach the model through MLflow's
+    # check as Python objects: a JSON request's numbers and booleans)
+    with pytest.raises(Exception, match=r"request row 1, column 'user' holds 1\.5, which is not a whole number, but the model reads whole "
+                                        r"numbers \(int64\) or their text in it.*Fix: send the ids of 'user' as whole numbers"):
+        model.predict(request.head(2).assign(user=pd.Series([7.0, 1.5], dtype=object)))
+    with pytest.raises(Exception, match=r"request row 0, column 'user' holds the boolean True.*it would silently become 1\."):
+        model.predict(request.head(2).assign(user=pd.Series([True, None], dtype=object)))

@@ -162,7 +162,7 @@ class ServedModel:
         import pandas as pd
 
         torch = self._torch
-        frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)
+        frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(_rows_of(model_input))
         if len(frame) == 0:  # the program's batch is at least one row: no rows, no scores (still only with every column)
             self.request.check(frame)
             return pd.DataFrame(empty_scores(self.spec["outputs"]), index=frame.index)
@@ -171,6 +171,15 @@ class ServedModel:
         # the request's index, so that ``frame.assign(score=model.predict(frame)["score"])`` lines up row by row whatever the
         # index (a sorted, sampled or filtered frame): pandas aligns on it, and a fresh 0..n-1 would misplace every row
         return pd.DataFrame(scores(out, self.spec["outputs"]), index=frame.index)
+
+
+def _rows_of(model_input: Any) -> Any:
+    """What ``pd.DataFrame`` makes a request of that is not a DataFrame (MLflow hands one over for a column signature; a
+    caller of :class:`ServedModel` may not): a dict of one value per column is one row, as MLflow reads it, not pandas'
+    ``If using all scalar values, you must pass an index``."""
+    if isinstance(model_input, dict) and all(v is None or np.isscalar(v) for v in model_input.values()):
+        return [model_input]
+    return model_input
 
 
 def scores(out: Any, outputs: list[dict[str, Any]]) -> dict[str, np.ndarray]:

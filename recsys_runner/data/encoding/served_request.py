@@ -90,10 +90,32 @@ class RequestColumns:
         columns = self.text_columns(frame) if len(frame) <= STACKED_ROWS else None
         if columns is not None:
             return columns, True
-        return {name: self.cast(name, self.arrow_column(name, frame[name])) for name in self.columns}, False
+        try:
+            return {name: self.cast(name, self.arrow_column(name, frame[name])) for name in self.columns}, False
+        except self.error:
+            self._columns_as_one_row(frame)
+            raise
+
+    def _columns_as_one_row(self, frame: Any) -> None:
+        """Raises RequestError (MLflow's ``BAD_REQUEST``) for a request that is one row holding a list in every column of
+        one value per row: what MLflow makes of a dict of columns whose values are all lists of text
+        (``{"user": ["u1", "u2"], ...}``, read as one row of list cells, not as two rows), which would otherwise be named as
+        a list in the first such column only. Called only once a request failed, so a good request pays nothing."""
+        single = [name for name in self.columns if name in self.single_valued]
+        if len(frame) != 1 or not single or not all(isinstance(frame[name].iloc[0], (list, tuple, np.ndarray)) for name in single):
+            return
+        raise self.error(f"the request is one row holding a list in every column of one value per row ({single}): MLflow reads a "
+                         f"dict of columns whose values are all lists of text ({{{single[0]!r}: [...], ...}}) as ONE row of lists, "
+                         f"not as rows. Fix: send a DataFrame of one value per cell, pd.DataFrame(request), or a list of rows "
+                         f"([{{column: value, ...}}, ...])")
 
     def check(self, frame: Any) -> None:
         """Raises RequestError (MLflow's ``BAD_REQUEST``) naming the input columns ``frame`` lacks."""
+        if not frame.columns.is_unique:  # pandas hands over a frame, not a column, for a twice-named column
+            twice = [c for c in self.columns if int((frame.columns == c).sum()) > 1]
+            if twice:
+                raise self.error(f"the request has {'the column' if len(twice) == 1 else 'the columns'} {', '.join(map(repr, twice))} "
+                                 f"more than once: the model cannot tell which to read. Fix: send each column once")
         missing = [c for c in self.columns if c not in frame.columns]
         if missing:
             raise self.error(f"the request has no column {missing[0]!r}{f' (nor {missing[1:]})' if missing[1:] else ''}; "
@@ -143,6 +165,9 @@ class RequestColumns:
         """A request column as training read it: ids sent as numbers become the text a CSV held, numbers sent as text are
         parsed, list elements cast likewise; dense columns stay numbers (the encoder reads both)."""
         target = self.types.get(name)
+        if pa.types.is_dictionary(arr.type):  # a pandas category: its values, so that they are read as any others
+            arr = arr.dictionary_decode()
+        self._one_kind_of_value(name, arr, target)
         if _keys.is_text(arr.type):  # pandas' strings arrive as large_string
             if arr.type != pa.string():
                 arr = arr.cast(pa.string())
@@ -163,16 +188,61 @@ class RequestColumns:
         if pa.types.is_string(target) and _values.is_list(arr.type):  # a multi-hot text column sent as a list
             target = pa.list_(pa.string())
         if _values.is_list(target) and not _values.is_list(arr.type):
+            example = "['a', 'b']" if _keys.is_text(target.value_type) else "[3, 7, 9]"
             raise self.error(f"column {name!r} holds {arr.type} values, but the model reads a list per row in it ({target}). "
-                                 f"Fix: send a list (e.g. [3, 7, 9]) for each row")
+                                 f"Fix: send a list (e.g. {example}) for each row")
         if pa.types.is_floating(arr.type) and not pa.types.is_floating(target):  # ids sent as numbers, made floats
             self._exact_ids(name, arr)
             arr = integral(arr)
+            if pa.types.is_floating(arr.type) and pa.types.is_integer(target):
+                self._whole_ids(name, arr, target)
         try:
             return arr.cast(target)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
             raise self.error(f"column {name!r} cannot be read as {target} ({str(e).splitlines()[0]}): the model was trained "
                                  f"on {target} values in it. Fix: send {target} values") from None
+
+    def _one_kind_of_value(self, name: str, arr: pa.Array, target: pa.DataType | None) -> None:
+        """Raises RequestError (MLflow's ``BAD_REQUEST``) for values of column ``name`` (or of its lists) that name no value
+        of the type training read: a boolean in a column training did not read as booleans — cast, ``True`` would
+        silently be the id 1, the price 1.0 or the text ``"true"`` (which a file written by pandas holds as ``"True"``) —
+        and values that are neither text, numbers nor lists (a dict, a date, bytes), which Arrow cannot cast, or casts to
+        text training never held (a date's ``"2024-01-02 00:00:00"``)."""
+        values = arr.type.value_type if _values.is_list(arr.type) else arr.type
+        wanted = target.value_type if target is not None and _values.is_list(target) else target
+        if pa.types.is_boolean(values):
+            if wanted is not None and pa.types.is_boolean(wanted):
+                return
+        elif (_keys.is_text(values) or pa.types.is_integer(values) or pa.types.is_floating(values) or pa.types.is_decimal(values)
+              or pa.types.is_null(values)):
+            return
+        flat = pc.list_flatten(arr) if _values.is_list(arr.type) else arr
+        first = int(pc.index(pc.is_valid(flat), True).as_py())
+        if first < 0:  # only missing values: read as missing, whatever their type
+            return
+        row = int(pc.list_parent_indices(arr)[first].as_py()) if _values.is_list(arr.type) else first
+        value = flat[first].as_py()
+        reads = self._reads(name, target)
+        if pa.types.is_boolean(values):
+            text = (wanted is None or _keys.is_text(wanted)) and name not in self.dense_columns  # a CSV's dense column: numbers
+            becomes = f"the text {str(value).lower()!r}" if text else str(int(value))
+            raise self.error(f"request row {row}, column {name!r} holds the boolean {value!r}, but the model reads {reads} in it: "
+                             f"read as such, it would silently become {becomes}. Fix: send {reads} in {name!r}"
+                             + (f", as the training files held it (e.g. the text {str(value)!r})" if text else ""))
+        raise self.error(f"request row {row}, column {name!r} holds {value!r} ({values}), but the model reads {reads} in it. "
+                         f"Fix: send {reads} in {name!r}")
+
+    def _reads(self, name: str, target: pa.DataType | None) -> str:
+        """What the model reads in column ``name``, in words, for a message."""
+        if name in self.dense_columns:
+            return "numbers (or their text)"
+        if target is not None and _values.is_list(target):
+            return f"a list of {self._reads(name, target.value_type).removesuffix(' (or their text)')} per row"
+        if target is not None and pa.types.is_integer(target):
+            return f"whole numbers ({target}) or their text"
+        if target is not None and (pa.types.is_floating(target) or pa.types.is_boolean(target)):
+            return f"{target} values"
+        return "text"
 
     def _one_value_per_row(self, name: str, arr: pa.Array) -> None:
         """Raises RequestError (MLflow's ``BAD_REQUEST``) for a list sent in column ``name``, which training read one value
@@ -183,6 +253,19 @@ class RequestColumns:
         raise self.error(f"request row {row}, column {name!r} holds a list ({arr[row].as_py()!r}), but the model reads one value "
                          f"per row in it. Fix: send one value per row in {name!r}"
                          f"{f' (a list per row only in {listed})' if listed else ''}")
+
+    def _whole_ids(self, name: str, arr: pa.Array, target: pa.DataType) -> None:
+        """Raises RequestError (MLflow's ``BAD_REQUEST``) for a number that is not whole (``3.7``) in column ``name``,
+        whose ids training read as integers, named with its row and value (Arrow's own refusal, ``Float value 3.700000 was
+        truncated converting to int64``, names neither); never cut to the id 3."""
+        finite = pc.fill_null(pc.is_finite(arr), True)
+        whole = pc.and_(finite, pc.equal(pc.floor(arr), arr))
+        row = int(pc.index(pc.fill_null(whole, True), False).as_py())
+        if row < 0:
+            return
+        raise self.error(f"request row {row}, column {name!r} holds {arr[row].as_py()!r}, which is not a whole number, but the model "
+                         f"reads {self._reads(name, target)} in it: no id is a fraction, and cut it would be another id. "
+                         f"Fix: send the ids of {name!r} as whole numbers, or as their text")
 
     def _exact_ids(self, name: str, arr: pa.Array) -> None:
         """Raises RequestError (MLflow's ``BAD_REQUEST``) when ids of column ``name`` arrive as floats beyond
