@@ -169,6 +169,8 @@ def test_bad_requests_and_a_bad_k_are_named(exported: dict[str, Any], loaded: tu
         model.predict(request.assign(hist_item_id=[42, [], []]))
     with pytest.raises(Exception, match=r"column 'hist_item_id' cannot be read as int64 .*the model's ids in it are integers"):
         model.predict(request.assign(hist_item_id=[["abc"], [], []]))
+    with pytest.raises(Exception, match=r"request row 1, column 'hist_item_id' holds booleans.*True would silently be the id 1"):
+        model.predict(request.head(2).assign(hist_item_id=[[], [True]], hist_ts=[[], [1]]))
     with pytest.raises(Exception, match=r"request row 1, column 'hist_item_id': a missing id in the list. Fix: leave it out"):
         model.predict(request.head(2).assign(hist_item_id=[[3], [3, None]], hist_ts=[[1], [1, 2]]))
     with pytest.raises(Exception, match=r"column 'hist_ts' cannot be read as int64 .*the model's times in it are integers"):

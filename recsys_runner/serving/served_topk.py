@@ -228,6 +228,11 @@ class TopKModel:
             raise self.error(f"request row {row}, column {name!r}: a missing id in the list. Fix: leave it out")
         if pa.types.is_null(flat.type):
             flat = flat.cast(pa.string() if text else pa.int64())
+        if pa.types.is_boolean(flat.type):  # cast, True would silently be the id 1 (or the text "true")
+            raise self.error(f"request row {int(np.argmax(counts > 0))}, column {name!r} holds booleans, but the model's "
+                             f"{'times' if name == self.times else 'ids'} in it are {'text' if text else 'integers'}: read as such, "
+                             f"True would silently be {'the text' if text else 'the id'} {'true' if text else 1}. "
+                             f"Fix: send {'the ids as text' if text else 'integers'} in {name!r}")
         if text and not _keys.is_text(flat.type):
             flat = _request.integral(flat)
             if not pa.types.is_integer(flat.type):
