@@ -16,7 +16,15 @@ from recsys_runner.build import Components, build
 from recsys_runner.config import flatten, register_configs, to_yaml, validate
 from recsys_runner.data.encoding.stored import ENCODERS_FILE
 from recsys_runner.errors import ConfigError
-from recsys_runner.lifecycle import RunStart, end_rank_process, exit_codes, mark_finished, note_interrupted_runs, tracked_run
+from recsys_runner.lifecycle import (
+    RunStart,
+    end_rank_process,
+    exit_codes,
+    mark_finished,
+    note_interrupted_runs,
+    one_job,
+    tracked_run,
+)
 from recsys_runner.noise import quiet_known_noise
 from recsys_runner.overrides import check_command_line
 from recsys_runner.paths import CONFIG_PATH
@@ -35,6 +43,7 @@ def stored_texts(files: dict[str, bytes]) -> dict[str, str]:
     return {name: content.decode() for name, content in files.items()}
 
 
+@one_job
 def run(cfg: DictConfig, launch: Launch = Launch()) -> float:
     """Run one job; returns its objective, the final eval metric ``train.objective`` (for sweepers)."""
     spec = validate(cfg)

@@ -31,7 +31,7 @@ from recsys_runner.inference import (
     with_training_overrides,
 )
 from recsys_runner.inference_build import build_inference
-from recsys_runner.lifecycle import end_rank_process, exit_codes, tracked_run
+from recsys_runner.lifecycle import end_rank_process, exit_codes, one_job, tracked_run
 from recsys_runner.noise import quiet_known_noise
 from recsys_runner.overrides import check_command_line
 from recsys_runner.paths import CONFIG_PATH
@@ -44,6 +44,7 @@ register_entry_schema("evaluate", [LOAD_FIELD])
 """The root schema of ``conf/evaluate.yaml``: the run's keys plus ``load``."""
 
 
+@one_job
 def run(cfg: DictConfig, launch: Launch = Launch()) -> dict[str, float]:
     """Evaluate the checkpoint ``cfg.load`` on the configured data; returns the eval metrics (every rank)."""
     checkpoint = checkpoint_to_load(cfg)  # first: a load= that names no checkpoint is the error to fix first

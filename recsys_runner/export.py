@@ -60,7 +60,7 @@ from recsys_runner.config import RunConfig, flatten, register_entry_schema, to_y
 from recsys_runner.data.encoding.stored import read_stored
 from recsys_runner.errors import CheckpointError, ConfigError, require
 from recsys_runner.inference import LOAD_FIELD, carry_training_overrides, checkpoint_to_load, with_training_overrides
-from recsys_runner.lifecycle import RunStart, end_rank_process, exit_codes, link_tags, tracked_run
+from recsys_runner.lifecycle import RunStart, end_rank_process, exit_codes, link_tags, one_job, tracked_run
 from recsys_runner.noise import quiet_known_noise
 from recsys_runner.overrides import check_command_line
 from recsys_runner.paths import CONFIG_PATH
@@ -137,6 +137,7 @@ def register() -> None:
     ])
 
 
+@one_job
 def run(cfg: DictConfig, launch: Launch = Launch()) -> Path:
     """Export the checkpoint ``cfg.load`` names; returns the directory written (see the module docstring)."""
     checkpoint = checkpoint_to_load(cfg)  # first: a load= that names no checkpoint is the error to fix first

@@ -68,7 +68,7 @@ from recsys_runner.inference import (
     with_training_overrides,
 )
 from recsys_runner.inference_build import Inference, build_inference
-from recsys_runner.lifecycle import end_rank_process, exit_codes, tracked_run
+from recsys_runner.lifecycle import end_rank_process, exit_codes, one_job, tracked_run
 from recsys_runner.noise import quiet_known_noise
 from recsys_runner.overrides import check_command_line
 from recsys_runner.paths import CONFIG_PATH
@@ -112,6 +112,7 @@ register_entry_schema("predict", [LOAD_FIELD, ("predict", PredictConfig, field(d
 """The root schema of ``conf/predict.yaml``: the run's keys plus ``load`` and ``predict.*``."""
 
 
+@one_job
 def run(cfg: DictConfig, launch: Launch = Launch()) -> PredictResult:
     """Score ``predict.input`` with the checkpoint ``cfg.load`` and write the parts (see the module docstring)."""
     checkpoint = checkpoint_to_load(cfg)  # first: a load= that names no checkpoint is the error to fix first

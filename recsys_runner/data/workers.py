@@ -27,7 +27,6 @@ has them now: the forkserver's own is that of its start).
 from __future__ import annotations
 
 import functools
-import gc
 import multiprocessing
 import os
 import sys
@@ -37,6 +36,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from recsys_runner import stores
+from recsys_runner.collection import frozen
 from recsys_runner.errors import ConfigError, require
 
 WORKER_STARTS = ("fork", "forkserver", "spawn")
@@ -90,19 +90,15 @@ class WorkerLoader(DataLoader):
 
     Freezing moves the collector's generations aside in O(1) and copies nothing; it also spares the worker the copy on
     write that collecting the parent's objects would make (Python's advice for fork without exec). A process that
-    froze objects of its own before keeps them frozen, ours beside them (an unfreeze would undo its freeze too).
+    froze objects of its own before keeps them frozen, ours beside them (an unfreeze would undo its freeze too); a job's
+    own freeze is undone (:func:`~recsys_runner.collection.frozen`).
     """
 
     def __iter__(self) -> _BaseDataLoaderIter:
         if self.num_workers == 0:
             return super().__iter__()
-        frozen_before = gc.get_freeze_count()
-        gc.freeze()
-        try:
+        with frozen():
             return super().__iter__()
-        finally:
-            if not frozen_before:
-                gc.unfreeze()
 
 
 def worker_loader(dataset: IterableDataset, *, num_workers: int, pin_memory: bool, method: str) -> DataLoader:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed.optim  # noqa: F401 - imported now, before any process group exists: see below
 from omegaconf import II
 from torch import nn
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
@@ -29,6 +30,11 @@ from recsys_runner.configurable import Configurable
 from recsys_runner.errors import ConfigError, require
 from recsys_runner.optim.compat import WeightDecayMode
 from recsys_runner.optim.optimizers import check_eps, check_rate_and_decay, optimizer_kwargs
+
+# TorchRec's apply_optimizer_in_backward imports torch.distributed.optim on its first call, and that package's
+# zero_redundancy_optimizer binds dist.group.WORLD as a default argument as it is imported: the first job of a process,
+# whose group is WORLD then, left that group (its gloo threads, sockets and pipes, and its store) held for the rest of
+# the process. Imported with this module (above), before any job's group, it binds None.
 
 
 @dataclass(kw_only=True)
