@@ -77,9 +77,21 @@ def deepfm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "{name: tags, separator: '|'}]", "data.dense=[{name: price, normalize: zscore}]", "data.label=click", "model=deepfm",
             "distributed.device=cpu", "tracking=none"]
     uri = f"sqlite:///{root}/mlflow.db"  # the export logs to MLflow and registers the model (the others: tracking=none)
+    import mlflow
+
+    process_uri = (os.environ.get("MLFLOW_TRACKING_URI"), mlflow.get_tracking_uri())
     trained = _trained(root, data, 20, "tracking=mlflow", f"tracking.uri={uri}", "export.register_as=ctr-deepfm")
+    trained["process_uri"] = (process_uri, (os.environ.get("MLFLOW_TRACKING_URI"), mlflow.get_tracking_uri()))
     trained["reference"] = _scores(data, trained["checkpoint"], root / "score.csv", root / "predicted")
     return trained | {"uri": uri}
+
+
+def test_an_export_leaves_the_processs_tracking_uri_as_it_found_it(deepfm: dict[str, Any]) -> None:
+    """The export logs its model through MLflow's fluent API at ``tracking.uri``; MLflow's ``set_tracking_uri`` also sets
+    ``$MLFLOW_TRACKING_URI``, which ``tracking.uri``'s default reads: left set, every later job of the process (a sweep,
+    a notebook) and its subprocesses logged to the export's store."""
+    before, after = deepfm["process_uri"]
+    assert after == before
 
 
 def test_pyfunc_model_scores_raw_rows_as_predict_does(deepfm: dict[str, Any]) -> None:

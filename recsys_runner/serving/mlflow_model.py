@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -233,8 +234,11 @@ def log_and_register(model_dir: Path, tracking_uri: str, run_id: str, register_a
     data = model_dir / "data" / "data"
     loader = meta.flavors["python_function"]["loader_module"]  # the pointwise model's, or the top-k model's (serving/topk.py)
     model_id = None if trained_by is None else trained_model(tracking_uri, name, trained_by[0])
-    before = mlflow.get_tracking_uri()
-    mlflow.set_tracking_uri(tracking_uri)  # MLflow's fluent API logs a model; it reads the URI from the process
+    # MLflow's fluent API logs a model at the process's URI; its set_tracking_uri also sets $MLFLOW_TRACKING_URI, which
+    # tracking.uri's default reads: both go back as they were, or every later job of the process logs to this store
+    env_before = os.environ.get("MLFLOW_TRACKING_URI")
+    before = mlflow.get_tracking_uri() if mlflow.is_tracking_uri_set() else None
+    mlflow.set_tracking_uri(tracking_uri)
     try:
         with mlflow.start_run(run_id=run_id):
             info = mlflow.pyfunc.log_model(
@@ -243,7 +247,11 @@ def log_and_register(model_dir: Path, tracking_uri: str, run_id: str, register_a
                 input_example=meta.load_input_example(str(model_dir)), pip_requirements=requirements(),
                 registered_model_name=register_as, model_id=model_id)
     finally:
-        mlflow.set_tracking_uri(before)
+        mlflow.set_tracking_uri(cast(str, before))  # None unsets it again (MLflow's code does; its annotation says str)
+        if env_before is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = env_before
     if trained_by is not None and model_id is not None:  # the training run is in this store: list the model as its output too
         link_to_training(tracking_uri, info.model_id, *trained_by)
     return None if register_as is None else str(info.registered_model_version)
