@@ -119,10 +119,17 @@ def one_job(run: Callable[P, R]) -> Callable[P, R]:
     piled them up: a 5-job sweep measured 3 native threads, 4 descriptors and ~40 MB more after every job. Collected
     here, at the job's end, in the thread that ran it, rather than at a later job's allocation or, worse, inside a
     forked DataLoader worker, whose collector would finalize the group without its threads (data/workers.py).
+
+    Not in a rank of a multi-rank launch: such a process runs one job and ends without freeing its group at all
+    (:func:`end_rank_process`). Collecting it there deadlocked a rank (seen in the suite, 2 ranks on gloo): the group's
+    destructor, run by the collector with the GIL held, joins its work threads, one of which was finishing a collective
+    whose tensors it must release under the GIL.
     """
 
     @functools.wraps(run)
     def job(*args: P.args, **kwargs: P.kwargs) -> R:
+        if _multi_rank():
+            return run(*args, **kwargs)
         with job_collected():
             return run(*args, **kwargs)
 
