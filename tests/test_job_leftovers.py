@@ -4,6 +4,7 @@ handlers and environment must be gone when it ends, whether it finished, failed 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -65,3 +66,23 @@ def test_jobs_in_one_process_leave_nothing_behind_finished_failed_or_stopped(
     assert last == first
     # Nor does a process keep its first job's group: torch.distributed.optim, imported inside it, would bind that group.
     assert last["gloo threads"] <= before["gloo threads"]  # fewer: an earlier test's group in a cycle, freed by now
+
+
+@pytest.mark.parametrize("world_size, collected", [("2", False), ("1", True), ("", True)])
+def test_a_rank_of_a_multi_rank_launch_leaves_its_group_to_the_process_end(
+        world_size: str, collected: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a rank of several (``WORLD_SIZE`` > 1) the job's end collects nothing: such a process ends without freeing its
+    group (``end_rank_process``), and a collection there ran the gloo group's destructor while a work thread still
+    finished a collective, deadlocking the rank (seen in the suite)."""
+    from recsys_runner import lifecycle
+
+    entered: list[bool] = []
+
+    def spy() -> contextlib.AbstractContextManager[None]:
+        entered.append(True)
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(lifecycle, "job_collected", spy)
+    monkeypatch.setenv("WORLD_SIZE", world_size)
+    assert lifecycle.one_job(lambda x: x + 1)(1) == 2
+    assert entered == ([True] if collected else [])

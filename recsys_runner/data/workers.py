@@ -84,14 +84,9 @@ def worker_context(method: str, dataset_module: str) -> BaseContext | None:
 
 
 class WorkerLoader(DataLoader):
-    """A DataLoader whose workers never finalize the training process's objects: while a round of workers starts, every
-    object of the process is frozen (:func:`gc.freeze`), so a forked worker's collector leaves them alone; the training
-    process unfreezes its own right after, and collects its garbage itself, where the threads its destructors join exist.
-
-    Freezing moves the collector's generations aside in O(1) and copies nothing; it also spares the worker the copy on
-    write that collecting the parent's objects would make (Python's advice for fork without exec). A process that
-    froze objects of its own before keeps them frozen, ours beside them (an unfreeze would undo its freeze too); a job's
-    own freeze is undone (:func:`~recsys_runner.collection.frozen`).
+    """A DataLoader whose workers never finalize the training process's objects: a round of workers starts inside
+    :func:`~recsys_runner.collection.frozen` (which says how, and what it costs), so a forked worker's collector leaves the
+    training process's objects alone; that process collects its own garbage, where the threads its destructors join exist.
     """
 
     def __iter__(self) -> _BaseDataLoaderIter:
