@@ -4,6 +4,9 @@ row and the fix; never a stack trace from inside pyarrow or torch, never a row l
 
 from __future__ import annotations
 
+import contextlib
+import io
+import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -39,3 +42,73 @@ def test_eval_rows_whose_true_item_the_mapping_has_not_seen_are_misses_not_a_cra
         c.close()
     hits = [v for k, v in metrics.items() if k.startswith("eval/hr_at_")]
     assert hits and max(hits) <= 0.5  # of the two rows, the OOV target's is a miss
+
+
+def _sequences(tmp_path: Path, log: pa.Table | list[pa.Table], *flags: str) -> tuple[int, str, Path]:
+    """``data sequences`` on ``log`` (several tables: a folder of files), its exit status, what it said, and its output."""
+    from recsys_runner.data.__main__ import main as data_main
+
+    folder = tmp_path / "log"
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, t in enumerate(log if isinstance(log, list) else [log]):
+        pq.write_table(t, folder / f"part-{i}.parquet")
+    out = tmp_path / "out"
+    buf_out, buf_err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(buf_out), contextlib.redirect_stderr(buf_err):
+        rc = data_main(["sequences", str(folder), str(out), "--user", "user", "--item", "item", "--time", "ts", "--overwrite", *flags])
+    return rc, buf_out.getvalue() + buf_err.getvalue(), out
+
+
+LOG = {"user": [1, 1, 1, 2, 2], "item": [10, 11, 12, 10, 13], "ts": [100, 90, 95, 50, 60]}
+
+
+def _log(**columns: object) -> pa.Table:
+    return pa.table({**LOG, **columns})
+
+
+@pytest.mark.parametrize(("log", "message"), [
+    (_log(item=[[10], [11], [12], [10], [13]]), r"column 'item' holds list<element: int64> values, one list per line.*Fix: one event "
+                                                 r"per line \(explode the lists first\)"),
+    (_log(item=[10.0, 11.0, float("nan"), 10.0, 13.0]), r"row 2 \(0-based, header not counted\): column 'item' is missing \(null or NaN\)"),
+    (_log(rating=[5.0, float("nan"), 3.0, 4.0, 1.0]), r"row 1 .*column 'rating' is missing \(null or NaN\).*--label"),
+    (_log(ts=pa.array([1, 2, 3, 4, 2**63 + 4], pa.uint64())), r"the time column 'ts' \(uint64\) holds times beyond int64"),
+    ([_log(), _log(item=["a", "b", "c", "d", "10"])], r"the log's column 'item' holds int64 in .*part-0.parquet but string in "
+                                                       r".*part-1.parquet.*Fix: write the column with one type in every file"),
+], ids=["list_ids", "nan_item", "nan_label", "uint64_times", "int_and_text_ids_across_files"])
+def test_a_bad_log_column_is_refused_by_name(tmp_path: Path, log: pa.Table | list[pa.Table], message: str) -> None:
+    """Each stopped inside pyarrow (a list or a mix of types: ``ArrowNotImplementedError``, ``ArrowTypeError``), or made a
+    value of nothing: a NaN item became the item ``nan``, a NaN rating the label 0, uint64 times past int64 wrapped
+    negative."""
+    flags = ["--label", "rating", "--label-threshold", "4"] if "rating" in (log if isinstance(log, list) else [log])[0].column_names else []
+    rc, said, out = _sequences(tmp_path, log, *flags)
+    assert rc == 2 and said.startswith("Data error: ") and re.search(message, said), said
+    assert not out.exists()
+
+
+def test_timestamps_of_any_unit_and_dictionary_ids_make_the_rows_of_plain_columns(tmp_path: Path) -> None:
+    """pandas writes datetimes as ``timestamp[ns]`` (or ``[us]``, with a time zone) and a ``category`` column
+    dictionary-encoded: both stopped inside pyarrow (``Casting from timestamp[ms] to timestamp[s] would lose data``,
+    ``Array type doesn't match type of values set``). Times are Unix seconds, a fraction floored."""
+    rc, _, plain = _sequences(tmp_path / "plain", _log(item=["a", "b", "c", "a", "d"]))
+    assert rc == 0
+    fractions = pa.array([1_000_000_000 * t + 999_999_999 for t in LOG["ts"]], pa.int64()).cast(pa.timestamp("ns", tz="Europe/Paris"))
+    rc, said, pandas_like = _sequences(tmp_path / "pandas", _log(item=pa.array(["a", "b", "c", "a", "d"]).dictionary_encode(),
+                                                                ts=fractions))
+    assert rc == 0, said
+    for part in ("train", "eval"):
+        assert pq.read_table(pandas_like / f"{part}.parquet").to_pylist() == pq.read_table(plain / f"{part}.parquet").to_pylist()
+    assert pq.read_table(plain / "eval.parquet").column("ts").to_pylist() == [100, 60]
+
+
+def test_held_out_rows_of_users_without_a_training_row_are_counted_and_said(tmp_path: Path) -> None:
+    """A user with a single event (leave-last-out makes it an eval row with an empty history) and users whose every
+    event is after ``--eval-from``: the eval's cold-start rows, said in one line; before, nothing said them."""
+    single = pa.table({"user": [1, 1, 2, 3], "item": [10, 11, 12, 13], "ts": [1, 2, 3, 4]})
+    rc, said, out = _sequences(tmp_path / "l", single)
+    assert rc == 0 and "2 of the 3 eval rows are of users without a training row" in said
+    assert sorted(len(h) for h in pq.read_table(out / "eval.parquet").column("hist_item_id").to_pylist()) == [0, 0, 1]
+    later = pa.table({"user": [1, 1, 2, 2], "item": [10, 11, 12, 13], "ts": [1, 2, 30, 40]})
+    rc, said, _ = _sequences(tmp_path / "t", later, "--split", "time", "--eval-from", "20")
+    assert rc == 0 and "2 of the 2 eval rows are of users without a training row" in said
+    rc, said, _ = _sequences(tmp_path / "n", pa.table(LOG))
+    assert rc == 0 and "without a training row" not in said

@@ -322,6 +322,11 @@ def sequences(args: argparse.Namespace) -> None:
     if rows.num_short_users:
         print(f"{rows.num_short_users} user(s) have fewer than {LEAVE_TWO_OUT_MIN_EVENTS} events: --split leave-two-out gives them no valid "
               f"or test row (all their events are training rows)")
+    for part, count in rows.cold_rows.items():
+        if count:
+            print(f"{count} of the {rows.parts[part].num_rows} {part} rows are of users without a training row (a user's single event "
+                  f"under --split leave-last-out, or all of a user's events held out): the model never trained on these users, "
+                  f"and their histories hold no training event")
     for table, count in rows.unseen.items():
         print(f"--vocab {args.vocab}: {count} {table} id(s) of this log are not in its mapping (each reads an OOV row)")
     names = part_names(spec.split, spec.valid_from)
