@@ -15,6 +15,10 @@ import pytest
 
 from recsys_runner.build import build
 from recsys_runner.config import validate
+from recsys_runner.configurable import make
+from recsys_runner.data.files.tabular import ParquetData
+from recsys_runner.data.files.tabular_config import ParquetDataConfig
+from recsys_runner.errors import DataError
 from tests.test_evaluate import compose_entry
 from tests.test_sequence_rows import distinct_times_log, run_sequences
 
@@ -112,3 +116,49 @@ def test_held_out_rows_of_users_without_a_training_row_are_counted_and_said(tmp_
     assert rc == 0 and "2 of the 2 eval rows are of users without a training row" in said
     rc, said, _ = _sequences(tmp_path / "n", pa.table(LOG))
     assert rc == 0 and "without a training row" not in said
+
+
+def _history_file(tmp_path: Path, **columns: object) -> ParquetData:
+    """``data=parquet`` over eight rows with two-event histories (``columns`` replace the defaults), group ``hist``."""
+    table = {"user": list(range(8)), "item": [i % 5 for i in range(8)], "hist_item": [[1, 2]] * 8, "hist_ts": [[10, 20]] * 8,
+             "click": [i % 2 for i in range(8)], **columns}
+    pq.write_table(pa.table(table), tmp_path / "rows.parquet")
+    sequences = {"hist": {"features": ["hist_item"], "max_len": 3, **({"timestamps": "hist_ts"} if "hist_ts" in table else {})}}
+    return ParquetData(make(ParquetDataConfig, path=str(tmp_path / "rows.parquet"), eval_path=str(tmp_path / "rows.parquet"),
+                            num_workers=0, shuffle=False, batch_size=4,
+                            drop_remainder=False, label="click", sequences=sequences,
+                            sparse=[{"name": "user", "num_embeddings": 10}, {"name": "item", "table": "item"},
+                                    {"name": "hist_item", "table": "item"}]))
+
+
+@pytest.mark.parametrize(("columns", "message"), [
+    ({"hist_item": [[1, 2]] * 7 + [[1, None]]}, r"row 7 of the file, column 'hist_item': an id inside the history list is missing \(null\)"),
+    ({"hist_item": [[1, 2]] * 7 + [[1, None]], "hist_ts": None}, r"row 7 of the file, column 'hist_item': an id inside the history "
+                                                                    r"list is missing \(null\)"),
+    ({"hist_ts": [[10, 20]] * 7 + [[20, 10]]}, r"row 7 of the file, column 'hist_ts': its event times fall.*Fix: write each history "
+                                                r"oldest event first"),
+], ids=["null_id_beside_times", "null_id_alone", "newest_first"])
+def test_a_history_list_that_would_lose_or_misorder_an_event_is_a_bad_row(tmp_path: Path, columns: dict[str, object], message: str) -> None:
+    """A null inside a history list was dropped from that list alone: said as unequal lengths naming ``hist_ts``, or,
+    alone in its group, not at all (the row trained on one event fewer). A newest-first history (times falling) was
+    read as it is: truncation kept its oldest events and models read it backwards."""
+    if columns.get("hist_ts", ()) is None:
+        del columns["hist_ts"]
+    data = _history_file(tmp_path, **columns)
+    with pytest.raises(DataError, match=message):
+        list(data.train_batches(0, 0, 1))
+
+
+def test_history_times_as_timestamps_are_unix_seconds(tmp_path: Path) -> None:
+    """A ``list<timestamp[ms]>`` history read its raw milliseconds as the times (1000x the seconds of int64 times)."""
+    data = _history_file(tmp_path, hist_ts=pa.array([[10_000, 20_999]] * 8, pa.list_(pa.timestamp("ms", tz="UTC"))))
+    times = [b.sparse_features["hist_ts"].values().tolist() for b in data.train_batches(0, 0, 1)]
+    assert times == [[10, 20] * 4] * 2
+
+
+def test_a_candidate_and_its_history_with_ids_of_two_kinds_are_refused(tmp_path: Path) -> None:
+    """The item 1 as an integer candidate and as the text ``"1"`` in its history read two rows of the item table (the
+    history never matched its candidate), unsaid."""
+    with pytest.raises(DataError, match=r"data.sparse\[item\] holds integer ids and data.sparse\[hist_item\] text ids, but both read "
+                                        r"table 'item'"):
+        _history_file(tmp_path, hist_item=pa.array([["1", "2"]] * 8, pa.list_(pa.string())))
