@@ -162,3 +162,12 @@ def test_a_candidate_and_its_history_with_ids_of_two_kinds_are_refused(tmp_path:
     with pytest.raises(DataError, match=r"data.sparse\[item\] holds integer ids and data.sparse\[hist_item\] text ids, but both read "
                                         r"table 'item'"):
         _history_file(tmp_path, hist_item=pa.array([["1", "2"]] * 8, pa.list_(pa.string())))
+
+
+def test_float_ids_of_a_candidate_and_its_history_are_named_not_sized_to_nothing(tmp_path: Path) -> None:
+    """pandas writes an id column with a missing value as float64, a history with one as list<double>: on one table left
+    unsized, no value was keyed and the table was refused as ``num_embeddings=16 leaves no row for the vocabulary beside
+    oov_buckets=16``, a config error naming neither the column nor its type."""
+    with pytest.raises(DataError, match=r"column 'item' holds double values, but data.sparse\[item\].*reads ids: integers or text.*"
+                                        r"pandas turns an id column with a missing value into float64"):
+        _history_file(tmp_path, item=[float(i % 5) for i in range(8)], hist_item=[[1.0, 2.0]] * 8)
