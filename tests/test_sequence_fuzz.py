@@ -16,8 +16,8 @@ import pytest
 from recsys_runner.build import build
 from recsys_runner.config import validate
 from recsys_runner.configurable import make
-from recsys_runner.data.files.tabular import ParquetData
-from recsys_runner.data.files.tabular_config import ParquetDataConfig
+from recsys_runner.data.files.tabular import CsvData, ParquetData
+from recsys_runner.data.files.tabular_config import CsvDataConfig, ParquetDataConfig
 from recsys_runner.errors import DataError
 from tests.test_evaluate import compose_entry
 from tests.test_sequence_rows import distinct_times_log, run_sequences
@@ -132,16 +132,18 @@ def _history_file(tmp_path: Path, **columns: object) -> ParquetData:
 
 
 @pytest.mark.parametrize(("columns", "message"), [
-    ({"hist_item": [[1, 2]] * 7 + [[1, None]]}, r"row 7 of the file, column 'hist_item': an id inside the history list is missing \(null\)"),
+    ({"hist_item": [[1, 2]] * 7 + [[1, None]]}, r"row 7 of the file, column 'hist_item': an id inside the history list is missing \(null"),
     ({"hist_item": [[1, 2]] * 7 + [[1, None]], "hist_ts": None}, r"row 7 of the file, column 'hist_item': an id inside the history "
-                                                                    r"list is missing \(null\)"),
+                                                                    r"list is missing \(null"),
+    ({"item": [str(i % 5) for i in range(8)], "hist_item": [["1", "2"]] * 7 + [["1", ""]]},
+     r"row 7 of the file, column 'hist_item': an id inside the history list is missing \(null or empty\)"),
     ({"hist_ts": [[10, 20]] * 7 + [[20, 10]]}, r"row 7 of the file, column 'hist_ts': its event times fall.*Fix: write each history "
                                                 r"oldest event first"),
-], ids=["null_id_beside_times", "null_id_alone", "newest_first"])
+], ids=["null_id_beside_times", "null_id_alone", "empty_text_id", "newest_first"])
 def test_a_history_list_that_would_lose_or_misorder_an_event_is_a_bad_row(tmp_path: Path, columns: dict[str, object], message: str) -> None:
-    """A null inside a history list was dropped from that list alone: said as unequal lengths naming ``hist_ts``, or,
-    alone in its group, not at all (the row trained on one event fewer). A newest-first history (times falling) was
-    read as it is: truncation kept its oldest events and models read it backwards."""
+    """A null (or an empty text) inside a history list was dropped from that list alone: said as unequal lengths naming
+    ``hist_ts``, or, alone in its group, not at all (the row trained on one event fewer). A newest-first history (times
+    falling) was read as it is: truncation kept its oldest events and models read it backwards."""
     if columns.get("hist_ts", ()) is None:
         del columns["hist_ts"]
     data = _history_file(tmp_path, **columns)
@@ -171,3 +173,21 @@ def test_float_ids_of_a_candidate_and_its_history_are_named_not_sized_to_nothing
     with pytest.raises(DataError, match=r"column 'item' holds double values, but data.sparse\[item\].*reads ids: integers or text.*"
                                         r"pandas turns an id column with a missing value into float64"):
         _history_file(tmp_path, item=[float(i % 5) for i in range(8)], hist_item=[[1.0, 2.0]] * 8)
+
+
+def test_an_empty_event_in_a_csv_history_field_is_a_bad_row_and_an_empty_field_no_history(tmp_path: Path) -> None:
+    """``1||2`` in a CSV history field dropped its middle event from that list alone (said as unequal lengths naming
+    the times column); an empty field stays an empty history."""
+    def csv_data(cell: str) -> CsvData:
+        lines = [f"{i},{i % 3},{cell if i == 0 else '1|2'},{'5|6|7' if i == 0 and cell else '' if i == 0 else '5|6'},{i % 2}" for i in range(6)]
+        (tmp_path / "rows.csv").write_text("user,item,hist_item,hist_ts,click\n" + "\n".join(lines) + "\n")
+        return CsvData(make(CsvDataConfig, path=str(tmp_path / "rows.csv"), eval_path=str(tmp_path / "rows.csv"), num_workers=0,
+                            shuffle=False, batch_size=4, drop_remainder=False, label="click",
+                            sparse=[{"name": "user", "num_embeddings": 10}, {"name": "item", "table": "item"},
+                                    {"name": "hist_item", "table": "item", "separator": "|"}],
+                            sequences={"hist": {"features": ["hist_item"], "max_len": 3, "timestamps": "hist_ts"}}))
+
+    with pytest.raises(DataError, match=r"rows\.csv, line 2, column 'hist_item': an id inside the history list is missing"):
+        list(csv_data("1||2").train_batches(0, 0, 1))
+    lengths = [b.sparse_features["hist_item"].lengths().tolist() for b in csv_data("").train_batches(0, 0, 1)]
+    assert lengths == [[0, 2, 2, 2], [2, 2]]

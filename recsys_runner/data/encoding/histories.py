@@ -80,7 +80,7 @@ class HistoryEncoder:
                 if not (is_list(typ) or pa.types.is_null(typ) or (is_text(typ) and self.separators[f] is not None)):
                     raise not_a_list(where.path, f, group, typ, self.error)
             for f in group.features:
-                self._missing_ids(f, table.column(f), bad)
+                self._missing_ids(f, table.column(f), self.separators[f], bad)
             named = [(f, out[self.index[f]]) for f in group.features]
             if group.timestamps is not None:
                 named.append((group.timestamps, self._times(group, table.column(group.timestamps), where, bad)))
@@ -106,23 +106,28 @@ class HistoryEncoder:
                 f"event. Fix the row so that they have equal lengths"))
 
     @staticmethod
-    def _missing_ids(name: str, arr: Any, bad: Callable[..., None]) -> None:
-        """Flag rows with a null inside a history feature's list: the encoder drops such an element (a multi-hot bag
-        keeps its other ids), which in a history silently loses the event from that list alone, out of step with the
-        group's other lists and times (said as their unequal lengths, naming another column) or, alone in its group,
-        unsaid."""
+    def _missing_ids(name: str, arr: Any, separator: str | None, bad: Callable[..., None]) -> None:
+        """Flag rows with a missing element inside a history feature's list (a null, an empty text, ``12||7`` in a CSV
+        field): the encoder drops such an element (a multi-hot bag keeps its other ids), which in a history silently
+        loses the event from that list alone, out of step with the group's other lists and times (said as their unequal
+        lengths, naming another column) or, alone in its group, unsaid. An empty field or list is no history."""
         arr = arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
+        if is_text(arr.type) and separator is not None:
+            arr = pc.split_pattern(pc.if_else(pc.equal(arr, ""), pa.scalar(None, arr.type), arr), separator)
         if not is_list(arr.type):
             return
         flat = pc.list_flatten(arr)
-        if not flat.null_count:
+        empty = pc.equal(flat, "") if is_text(flat.type) else None
+        if not flat.null_count and not (empty is not None and pc.any(empty).as_py()):
             return
         lengths = np.asarray(pc.fill_null(pc.list_value_length(arr), 0).to_numpy(zero_copy_only=False), dtype=np.int64)
         row_of = np.repeat(np.arange(len(arr)), lengths)
         missing = ~np.asarray(flat.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
-        bad(name, np.bincount(row_of[missing], minlength=len(arr)) > 0, lambda i: "an id inside the history list is missing (null), "
-            "so its event would drop out of this list alone. Fix: give every event of the history its id (or leave the event out "
-            "of every list of the group)")
+        if empty is not None:
+            missing |= np.asarray(pc.fill_null(empty, False).to_numpy(zero_copy_only=False), dtype=bool)
+        bad(name, np.bincount(row_of[missing], minlength=len(arr)) > 0, lambda i: "an id inside the history list is missing (null or "
+            "empty), so its event would drop out of this list alone. Fix: give every event of the history its id (or leave the "
+            "event out of every list of the group)")
 
     @staticmethod
     def _oldest_first(name: str, times: Jagged, bad: Callable[..., None]) -> None:
