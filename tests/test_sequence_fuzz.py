@@ -18,7 +18,7 @@ from recsys_runner.config import validate
 from recsys_runner.configurable import make
 from recsys_runner.data.files.tabular import CsvData, ParquetData
 from recsys_runner.data.files.tabular_config import CsvDataConfig, ParquetDataConfig
-from recsys_runner.errors import DataError
+from recsys_runner.errors import ConfigError, DataError
 from tests.test_evaluate import compose_entry
 from tests.test_sequence_rows import distinct_times_log, run_sequences
 
@@ -191,3 +191,21 @@ def test_an_empty_event_in_a_csv_history_field_is_a_bad_row_and_an_empty_field_n
         list(csv_data("1||2").train_batches(0, 0, 1))
     lengths = [b.sparse_features["hist_item"].lengths().tolist() for b in csv_data("").train_batches(0, 0, 1)]
     assert lengths == [[0, 2, 2, 2], [2, 2]]
+
+
+def test_rows_moved_away_from_their_mapping_are_named_with_the_fix(tmp_path: Path) -> None:
+    """Copying ``train.parquet`` and ``eval.parquet`` out of the output folder left their mapping behind: the eval's
+    candidates (and predict's top-k) were refused as ``the mapping folder=moved is not an earlier output of sequences
+    ... Fix: point it at an earlier output folder``, naming no setting to point and not the file that named it."""
+    import shutil
+
+    from recsys_runner.data.sequences.mapping import candidate_items
+
+    rows = run_sequences(tmp_path, distinct_times_log(num_users=5), "rows")
+    (tmp_path / "moved").mkdir()
+    shutil.copy(rows / "eval.parquet", tmp_path / "moved" / "eval.parquet")
+    assert candidate_items([str(rows / "eval.parquet")], "item", 10_000).folder == str(rows)
+    with pytest.raises(ConfigError, match=r"moved/eval\.parquet was written by python -m recsys_runner.data sequences with its id mapping "
+                                          r"beside it, but its folder .*moved has no vocab.json.*Fix: keep the rows files in the output "
+                                          r"folder with vocab.json and vocab/"):
+        candidate_items([str(tmp_path / "moved" / "eval.parquet")], "item", 10_000)
