@@ -355,7 +355,8 @@ def _sequences_parser(sub: Any) -> None:
     s.add_argument("output", help="output directory (train.parquet, eval.parquet or valid.parquet and test.parquet, vocab.json, vocab/)")
     s.add_argument("--user", default="user", help="the user column")
     s.add_argument("--item", default="item", help="the item column")
-    s.add_argument("--time", default="timestamp", help="the event time column (integers, e.g. Unix seconds, or timestamps)")
+    s.add_argument("--time", default="timestamp", help="the event time column (integers, e.g. Unix seconds, or dates/timestamps of any unit: "
+                                                        "Unix seconds, a fraction floored)")
     s.add_argument("--label", help="a 0/1 label column, or a rating with --label-threshold (default: every event is a positive)")
     s.add_argument("--label-threshold", type=float, help="label = (--label column >= this), e.g. a rating of 4")
     s.add_argument("--side", action="append", default=[], help="an item side column such as category (repeatable): "
