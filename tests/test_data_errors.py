@@ -219,7 +219,7 @@ def test_empty_part_files_are_skipped_and_counted(tmp_path: Path, caplog: pytest
     pandas.mkdir()
     pq.write_table(pa.table({"label": pa.array([], pa.int64()), "hist": pa.array([], pa.null()), "item": pa.array([], pa.null())}),
                    pandas / "part-00000.parquet")
-    pq.write_table(pa.table({"label": [0, 1, 0, 1], "hist": pa.array([[1], [2, 3], [], [4]], pa.list_(pa.int64())),
+    pq.write_table(pa.table({"label": [0, 1, 0, 1], "hist": pa.array([["a"], ["b", "c"], [], ["a"]], pa.list_(pa.string())),
                              "item": ["a", "b", "a", "c"]}), pandas / "part-00001.parquet")
     histories = parquet_data(str(pandas), eval_path=str(pandas), sequences={"h": {"features": ["hist"], "max_len": 2}},
                              sparse=[{"name": "hist", "num_embeddings": 10, "encoding": "hash", "table": "items"},

@@ -322,6 +322,11 @@ def sequences(args: argparse.Namespace) -> None:
     if rows.num_short_users:
         print(f"{rows.num_short_users} user(s) have fewer than {LEAVE_TWO_OUT_MIN_EVENTS} events: --split leave-two-out gives them no valid "
               f"or test row (all their events are training rows)")
+    for part, count in rows.cold_rows.items():
+        if count:
+            print(f"{count} of the {rows.parts[part].num_rows} {part} rows are of users without a training row (a user's single event "
+                  f"under --split leave-last-out, or all of a user's events held out): the model never trained on these users, "
+                  f"and their histories hold no training event")
     for table, count in rows.unseen.items():
         print(f"--vocab {args.vocab}: {count} {table} id(s) of this log are not in its mapping (each reads an OOV row)")
     names = part_names(spec.split, spec.valid_from)
@@ -350,7 +355,8 @@ def _sequences_parser(sub: Any) -> None:
     s.add_argument("output", help="output directory (train.parquet, eval.parquet or valid.parquet and test.parquet, vocab.json, vocab/)")
     s.add_argument("--user", default="user", help="the user column")
     s.add_argument("--item", default="item", help="the item column")
-    s.add_argument("--time", default="timestamp", help="the event time column (integers, e.g. Unix seconds, or timestamps)")
+    s.add_argument("--time", default="timestamp", help="the event time column (integers, e.g. Unix seconds, or dates/timestamps of any unit: "
+                                                        "Unix seconds, a fraction floored)")
     s.add_argument("--label", help="a 0/1 label column, or a rating with --label-threshold (default: every event is a positive)")
     s.add_argument("--label-threshold", type=float, help="label = (--label column >= this), e.g. a rating of 4")
     s.add_argument("--side", action="append", default=[], help="an item side column such as category (repeatable): "

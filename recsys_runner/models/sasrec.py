@@ -56,6 +56,11 @@ torch.fx.wrap("padded")  # a leaf of TorchRec's pipeline trace here too (models/
 torch.fx.wrap("tile")  # and the jagged tiling (models/jagged.py says why)
 
 BLOCKS = ("sasrec", "hstu")
+NOT_A_CANDIDATE = -100
+"""The target index :meth:`SASRec.full_scores` gives an eval row whose true item is no candidate (an OOV row: eval rows
+encoded with ``data sequences --vocab`` hold items the earlier mapping has not seen): ``F.cross_entropy``'s
+``ignore_index``, so the eval loss leaves the row out (no column of the scores holds its item, and an index past them
+stopped the eval inside torch), and :func:`~recsys_runner.metrics.retrieval.target_ranks` counts it a miss."""
 """``model.block`` options: SASRec's softmax self-attention + feed-forward, or HSTU's pointwise gated attention."""
 
 
@@ -323,17 +328,19 @@ class SASRec(nn.Module):
 
     def full_scores(self, states: torch.Tensor, lengths: torch.Tensor, sparse: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(scores [B, C], true item ids [B])``: the state after each row's whole history against every candidate item
-        (ids ``0 … C-1``, :attr:`candidates`; a true item past them is no candidate, a miss); with :attr:`exclude_seen`
+        (ids ``0 … C-1``, :attr:`candidates`; a true item past them is no candidate, a miss: its index
+        :data:`NOT_A_CANDIDATE`); with :attr:`exclude_seen`
         the row's history items score ``-inf`` except its true item. With ``eval_negatives`` ``n`` instead ``(scores
         [B, 1 + n], zeros [B])``: column 0 the true item, then ``n`` sampled unseen candidates
-        (:func:`~recsys_runner.models.ranking_eval.sampled_negatives`; ``-1`` instead of 0 for a true item that is no
-        candidate). An exported program scores the whole table."""
+        (:func:`~recsys_runner.models.ranking_eval.sampled_negatives`; :data:`NOT_A_CANDIDATE` instead of 0 for a true item
+        that is no candidate). An exported program scores the whole table."""
         user = states[torch.arange(states.shape[0], device=states.device), lengths]
         targets, table = self._candidate_ids(sparse), self.item_table(sparse)
         if torch.compiler.is_exporting():
             return self.score(user, table), targets
+        at = torch.where(targets < self.candidates, targets.long(), NOT_A_CANDIDATE)
         if not (self.exclude_seen or self.eval_negatives):
-            return self.score(user, table[: self.candidates]), targets
+            return self.score(user, table[: self.candidates]), at
         jagged = sparse[self.item_feature]
         history = jagged.to_padded_dense(desired_length=max(int(jagged.lengths().max()) if lengths.numel() else 0, 1),
                                          padding_value=-1)
@@ -344,9 +351,8 @@ class SASRec(nn.Module):
             vectors, states_ = table[items].to(user.dtype), user.unsqueeze(1)
             if self.normalize:
                 vectors, states_ = F.normalize(vectors, dim=2), F.normalize(states_, dim=2)
-            at = torch.where(targets < self.candidates, 0, -1)
-            return (states_ * vectors).sum(dim=2) / self.temperature, at
-        return without_seen(self.score(user, table[: self.candidates]), seen, targets), targets
+            return (states_ * vectors).sum(dim=2) / self.temperature, torch.where(targets < self.candidates, 0, NOT_A_CANDIDATE)
+        return without_seen(self.score(user, table[: self.candidates]), seen, targets), at
 
     def use_candidates(self, count: int) -> None:
         """Rank eval rows against ids ``0 … count-1`` only: the items that may be recommended

@@ -34,6 +34,7 @@ import pyarrow.compute as pc
 from recsys_runner import stores
 from recsys_runner.data.encoding.keys import as_ids, parse_int, value_keys
 from recsys_runner.data.encoding.roles import detect_label, infer_columns
+from recsys_runner.data.encoding.rows import float_ids
 from recsys_runner.data.encoding.values import dense_transformed, is_list, parse_numbers, split_pairs
 from recsys_runner.data.encoding.vocabulary import Vocabulary
 from recsys_runner.data.schema import DenseColumn, Schema, SparseColumn
@@ -396,6 +397,8 @@ def _keys(col: SparseColumn, t: pa.Table, where: str) -> np.ndarray:
         raise DataError(f"{where} has no column {col.name!r} (data.sparse); its columns are {t.column_names}. Fix: correct "
                         f"the column names in data.sparse")
     values = _flat_values(t.column(col.name).combine_chunks(), col.separator)
+    if pa.types.is_floating(values.type) and col.encoding != "bucketize":  # no value keyed: said here, not as a table of OOV rows
+        raise DataError(f"{where}: {float_ids(col, t.column(col.name).type)}")
     if col.weighted and _text(values):  # id:weight pairs: the vocabulary keys the ids
         ids, _, no_colon, not_number = split_pairs(values)
         values = pc.filter(ids, pa.array(~(no_colon | not_number)))

@@ -79,6 +79,8 @@ class HistoryEncoder:
                 typ = table.column(f).type
                 if not (is_list(typ) or pa.types.is_null(typ) or (is_text(typ) and self.separators[f] is not None)):
                     raise not_a_list(where.path, f, group, typ, self.error)
+            for f in group.features:
+                self._missing_ids(f, table.column(f), self.separators[f], bad)
             named = [(f, out[self.index[f]]) for f in group.features]
             if group.timestamps is not None:
                 named.append((group.timestamps, self._times(group, table.column(group.timestamps), where, bad)))
@@ -103,7 +105,52 @@ class HistoryEncoder:
                 f"data.sequences.{group.name} ({', '.join(n for n, _ in named)}) describe the same events, one value per "
                 f"event. Fix the row so that they have equal lengths"))
 
+    @staticmethod
+    def _missing_ids(name: str, arr: Any, separator: str | None, bad: Callable[..., None]) -> None:
+        """Flag rows with a missing element inside a history feature's list (a null, an empty text, ``12||7`` in a CSV
+        field): the encoder drops such an element (a multi-hot bag keeps its other ids), which in a history silently
+        loses the event from that list alone, out of step with the group's other lists and times (said as their unequal
+        lengths, naming another column) or, alone in its group, unsaid. An empty field or list is no history."""
+        arr = arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
+        if is_text(arr.type) and separator is not None:
+            arr = pc.split_pattern(pc.if_else(pc.equal(arr, ""), pa.scalar(None, arr.type), arr), separator)
+        if not is_list(arr.type):
+            return
+        flat = pc.list_flatten(arr)
+        empty = pc.equal(flat, "") if is_text(flat.type) else None
+        if not flat.null_count and not (empty is not None and pc.any(empty).as_py()):
+            return
+        lengths = np.asarray(pc.fill_null(pc.list_value_length(arr), 0).to_numpy(zero_copy_only=False), dtype=np.int64)
+        row_of = np.repeat(np.arange(len(arr)), lengths)
+        missing = ~np.asarray(flat.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+        if empty is not None:
+            missing |= np.asarray(pc.fill_null(empty, False).to_numpy(zero_copy_only=False), dtype=bool)
+        bad(name, np.bincount(row_of[missing], minlength=len(arr)) > 0, lambda i: "an id inside the history list is missing (null or "
+            "empty), so its event would drop out of this list alone. Fix: give every event of the history its id (or leave the "
+            "event out of every list of the group)")
+
+    @staticmethod
+    def _oldest_first(name: str, times: Jagged, bad: Callable[..., None]) -> None:
+        """Flag rows whose event times fall: a history lists its events oldest first (truncation keeps the most recent
+        by position, and models read positions in order), so a newest-first list would keep its oldest events and be read
+        backwards, unsaid."""
+        values, lengths = times
+        n = len(lengths)
+        if len(values) < 2:
+            return
+        row_of = np.repeat(np.arange(n), lengths)
+        falls = (values[1:] < values[:-1]) & (row_of[1:] == row_of[:-1])
+        bad(name, np.bincount(row_of[1:][falls], minlength=n) > 0, lambda i: "its event times fall (an event earlier than the one "
+            "listed before it): a history lists its events oldest first. Fix: write each history oldest event first (reverse a "
+            "newest-first list)")
+
     def _times(self, group: Any, arr: Any, where: Any, bad: Callable[..., None]) -> Jagged:
+        times = self._event_times(group, arr, where, bad)
+        assert group.timestamps is not None
+        self._oldest_first(group.timestamps, times, bad)
+        return times
+
+    def _event_times(self, group: Any, arr: Any, where: Any, bad: Callable[..., None]) -> Jagged:
         """The event times of ``group``: an int64 list column (or text split at the group's separator)."""
         arr = arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
         name, n = group.timestamps, len(arr)
@@ -129,7 +176,10 @@ class HistoryEncoder:
             bad(name, np.bincount(row_of[wrong], minlength=n) > 0, lambda i: "an event time is not an integer (int64, e.g. seconds). "
                 "Fix: write integer times")
             return values, lengths
-        if pa.types.is_integer(flat.type) or pa.types.is_timestamp(flat.type):
+        if pa.types.is_timestamp(flat.type):  # Unix seconds, a fraction floored (as python -m recsys_runner.data sequences)
+            units = np.asarray(flat.cast(pa.int64()).to_numpy(zero_copy_only=False), dtype=np.int64)
+            return np.floor_divide(units, {"s": 1, "ms": 10**3, "us": 10**6, "ns": 10**9}[flat.type.unit]), lengths
+        if pa.types.is_integer(flat.type):
             return np.asarray(flat.cast(pa.int64()).to_numpy(zero_copy_only=False), dtype=np.int64), lengths
         raise self.error(f"{where.path}: column {name!r} (event times of data.sequences.{group.name}) holds {flat.type}; event "
                         f"times are integers (int64, e.g. seconds). Fix: write them as list<int64>")

@@ -80,6 +80,30 @@ def check_column_types(schema: Schema, arrow: pa.Schema, path: str) -> None:
             raise DataError(f"{path}: column {col.name!r} holds {t} values, but data.sparse[{col.name}] reads ids: integers or text, or "
                             f"a list of them per row (multi-hot). Fix: write the column as int64 or string (a list column as "
                             f"list<int64> or list<string>), or leave it out of data.sparse")
+    check_shared_kinds(schema, arrow, path)
+
+
+def check_shared_kinds(schema: Schema, arrow: pa.Schema, path: str) -> None:
+    """Columns on one table (a history and its candidate) hold ids of one kind: the integer 1 and the text ``"1"`` have
+    different keys, so they would read two rows of the table, and a history would never match its candidate.
+
+    Raises:
+        DataError: naming both columns, their kinds and the table, and the fix.
+    """
+    kinds: dict[str, tuple[str, str]] = {}
+    for col in schema.sparse:
+        if col.name not in arrow.names or col.encoding == "bucketize" or col.weighted or col.cross is not None:
+            continue
+        t = arrow.field(col.name).type
+        flat = t.value_type if is_list(t) else t
+        kind = "text" if is_text(flat) else "integer" if pa.types.is_integer(flat) else None
+        if kind is None:
+            continue
+        first, first_kind = kinds.setdefault(col.table_name, (col.name, kind))
+        if first_kind != kind:
+            raise DataError(f"{path}: data.sparse[{first}] holds {first_kind} ids and data.sparse[{col.name}] {kind} ids, but both read "
+                            f"table {col.table_name!r}: the id 1 and the id '1' would be two rows of it (a history would never match "
+                            f"its candidate). Fix: write both columns with one type (e.g. the integer ids as strings)")
 
 
 def config_schema(config: Any, sample: Any, where: str, column_names: Any = None,

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
@@ -105,6 +106,7 @@ def read_log(path: str, spec: LogSpec, fmt: str = "auto", delimiter: str = ",") 
     parquet = fmt == "parquet" or (fmt == "auto" and all(f.endswith(PARQUET_SUFFIXES) for f in files))
     where = files[0] + (f" (and {len(files) - 1} more file(s))" if len(files) > 1 else "")
     tables: list[pa.Table] = []
+    read: list[str] = []
     empty: list[tuple[str, str]] = []
     for f in files:
         if stores.file_size(f) == 0:  # no header, no footer: nothing to name columns by, and no events
@@ -122,15 +124,47 @@ def read_log(path: str, spec: LogSpec, fmt: str = "auto", delimiter: str = ",") 
             with stores.open_input(f) as stream:
                 table = pacsv.read_csv(stream, parse_options=pacsv.ParseOptions(delimiter=delimiter),
                                        convert_options=pacsv.ConvertOptions(include_columns=spec.columns))
+        table = _plain_columns(table)
         if table.num_rows == 0:
             empty.append((f, "a Parquet file of 0 rows" if parquet else "a header line only"))
             continue
         tables.append(table)
+        read.append(f)
     if not tables:
         which = empty[0][1] if len(empty) == 1 else "in each file: " + "; ".join(f"{f}: {what}" for f, what in empty)
         raise DataError(f"the log {where} is empty (rows: 0, {which}): there are no events to make rows of. Fix: point the command "
                         f"at the log's events (one per line: user, item, time), or check the export that wrote it")
-    return pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0], where
+    return _concat(tables, read, spec.columns) if len(tables) > 1 else tables[0], where
+
+
+def _plain_columns(table: pa.Table) -> pa.Table:
+    """``table`` with dictionary-encoded columns (a pandas ``category`` column written to Parquet) as their values: the id
+    numbering sorts and matches values, which pyarrow's kernels refuse for a dictionary column (``Array type doesn't
+    match type of values set``), and files of one log may hold a column encoded in one and plain in another."""
+    for i, f in enumerate(table.schema):
+        if pa.types.is_dictionary(f.type):
+            table = table.set_column(i, f.name, table.column(i).cast(f.type.value_type))
+    return table
+
+
+def _concat(tables: list[pa.Table], files: list[str], columns: list[str]) -> pa.Table:
+    """The files' tables as one (integer widths and the like promoted).
+
+    Raises:
+        DataError: a column of different kinds in two files (ids as integers in one, text in another: ``1`` and ``"1"``
+            would be two ids), naming both files and the fix.
+    """
+    try:
+        return pa.concat_tables(tables, promote_options="permissive")
+    except (pa.ArrowTypeError, pa.ArrowInvalid):
+        for c in columns:
+            types = [t.schema.field(c).type for t in tables]
+            other = next((i for i, typ in enumerate(types) if typ != types[0]), None)
+            if other is not None:
+                raise DataError(f"the log's column {c!r} holds {types[0]} in {files[0]} but {types[other]} in {files[other]}: the files "
+                                f"of one log hold each column as one kind of values (an id 1 and an id '1' would be two ids). Fix: "
+                                f"write the column with one type in every file") from None
+        raise
 
 
 def _header(path: str, delimiter: str) -> list[str]:
@@ -139,26 +173,48 @@ def _header(path: str, delimiter: str) -> list[str]:
 
 
 def _no_nulls(arr: pa.ChunkedArray, column: str, where: str) -> pa.Array:
+    """The column as one array, refused where a value is missing: null, or NaN (a float column's missing value, which
+    would otherwise become an id ``nan`` shared by every such event, or a label 0)."""
     arr = arr.combine_chunks()
-    if arr.null_count:
-        row = int(np.flatnonzero(np.asarray(arr.is_null().to_numpy(zero_copy_only=False)))[0])
-        raise DataError(f"{where}, row {row} (0-based, header not counted): column {column!r} is missing. Fix: every event needs a "
-                        f"user, an item and a time; drop such lines")
+    if pa.types.is_nested(arr.type):
+        raise DataError(f"{where}: column {column!r} holds {arr.type} values, one list per line; an event has one user, one item, one "
+                        f"time, one label and one value of each side. Fix: one event per line (explode the lists first), or name "
+                        f"another column")
+    missing = arr.is_null(nan_is_null=True) if pa.types.is_floating(arr.type) else arr.is_null()
+    if pc.any(missing).as_py():
+        row = int(np.flatnonzero(np.asarray(missing.to_numpy(zero_copy_only=False)))[0])
+        raise DataError(f"{where}, row {row} (0-based, header not counted): column {column!r} is missing (null or NaN). Fix: every "
+                        f"event needs a value in each column the command reads (--user, --item, --time, --label, --side); drop or "
+                        f"fill such lines")
     return arr
 
 
+SECONDS = {"s": 1, "ms": 1_000, "us": 1_000_000, "ns": 1_000_000_000}
+"""Units of an Arrow timestamp per second: times are kept in whole seconds."""
+
+
 def event_times(arr: pa.ChunkedArray, column: str, where: str) -> np.ndarray:
-    """The time column as int64 (integers as they are, timestamps in seconds).
+    """The time column as int64: integers as they are, dates and timestamps (of any unit, with a time zone or not) in
+    Unix seconds, a fraction of a second floored (pandas writes ``datetime64[ns]``: events of one second are then
+    simultaneous, so none is in another's per-event history).
 
     Raises:
-        DataError: a null, or a column of another type (naming it and the fix).
+        DataError: a null, a column of another type, or integers beyond int64 (naming it and the fix).
     """
     arr = _no_nulls(arr, column, where)
-    if pa.types.is_timestamp(arr.type) or pa.types.is_date(arr.type):
-        arr = arr.cast(pa.timestamp("s")).cast(pa.int64())
+    if pa.types.is_date(arr.type):
+        arr = arr.cast(pa.timestamp("ms")) if pa.types.is_date64(arr.type) else arr.cast(pa.timestamp("s"))
+    if pa.types.is_timestamp(arr.type):
+        units = np.asarray(arr.cast(pa.int64()).to_numpy(zero_copy_only=False), dtype=np.int64)
+        return np.floor_divide(units, SECONDS[arr.type.unit])
     if not pa.types.is_integer(arr.type):
         raise DataError(f"{where}: the time column {column!r} has type {arr.type}; event times are integers (e.g. Unix seconds) "
                         f"or timestamps. Fix: --time <an integer time column>, or convert it first")
+    try:
+        arr = arr.cast(pa.int64())
+    except pa.ArrowInvalid:
+        raise DataError(f"{where}: the time column {column!r} ({arr.type}) holds times beyond int64 (the largest "
+                        f"{pc.max(arr).as_py()}). Fix: times in seconds (or another unit that fits int64)") from None
     return np.asarray(arr.to_numpy(zero_copy_only=False), dtype=np.int64)
 
 

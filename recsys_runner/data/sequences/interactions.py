@@ -37,10 +37,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from recsys_runner import stores
@@ -174,6 +175,10 @@ class LogRows:
     """With ``--vocab``: per table, the distinct raw ids the earlier mapping has not seen (each reads an OOV row)."""
     num_short_users: int = 0
     """Leave-two-out: users with fewer than 3 events, all of whose events are training rows (no valid/test row)."""
+    cold_rows: dict[str, int] = field(default_factory=dict)
+    """Per held-out part, its rows of users without a training row (a user's single event under leave-last-out, or
+    all of a user's events at or after ``--eval-from``): rows of a user the model never trained on, whose histories hold
+    no training event. Counted so that the command says it, as the eval's cold-start share."""
 
     @property
     def train(self) -> pa.Table:
@@ -210,8 +215,11 @@ def log_to_rows(table: pa.Table, spec: LogSpec, where: str, earlier: EarlierVoca
             fix = "an --eval-from (and --valid-from) between those times, or another --split" if spec.split == "time" else \
                 "users with at least 3 events, or --split leave-last-out" if spec.split == "leave-two-out" else "another --split"
             raise DataError(f"{where}: {how} leaves no {'training' if name == 'train' else name} rows ({len(events.time)} events, times "
-                            f"{int(events.time.min(initial=0))} … {int(events.time.max(initial=0))}). Fix: {fix}")
-    return LogRows(parts, rows_schema(events, spec), table.num_rows, copies, encoded.tables, encoded.unseen, short)
+                            f"{int(events.time.min())} … {int(events.time.max())}). Fix: {fix}")
+    trained = parts["train"].column("user_id").combine_chunks()
+    cold = {name: int(pc.sum(pc.invert(pc.is_in(rows.column("user_id"), value_set=trained))).as_py() or 0)
+            for name, rows in parts.items() if name != "train"}
+    return LogRows(parts, rows_schema(events, spec), table.num_rows, copies, encoded.tables, encoded.unseen, short, cold)
 
 
 def write_rows(table: pa.Table, schema: Schema, path: str, row_group_rows: int = 65_536, rows: str = "per-event") -> None:

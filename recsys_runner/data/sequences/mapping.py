@@ -105,8 +105,9 @@ def write_vocab(folder: Path, tables: list[Table], oov_buckets: int) -> None:
     (folder / VOCAB_FILE).write_text(json.dumps({"format": FORMAT, "oov_buckets": oov_buckets, "tables": index}, indent=1) + "\n")
 
 
-def _index(folder: str, what: str) -> dict:
-    """The checked :data:`VOCAB_FILE` of an earlier output ``folder``.
+def _index(folder: str, what: str, rows_file: str | None = None) -> dict:
+    """The checked :data:`VOCAB_FILE` of an earlier output ``folder``; ``rows_file``: a rows file whose metadata named
+    the folder (:func:`mapping_folder`), for the message when it is not there.
 
     Raises:
         ConfigError: no such file, not JSON, or not the form this command writes (naming the folder, ``what`` names the
@@ -117,6 +118,11 @@ def _index(folder: str, what: str) -> dict:
     try:
         index = json.loads(stores.read_bytes(path, ConfigError).decode("utf-8"))
     except FileNotFoundError:
+        if rows_file is not None:  # the rows were moved (or copied) away from their mapping
+            raise ConfigError(f"{rows_file} was written by python -m recsys_runner.data sequences with its id mapping beside it, but "
+                              f"its folder {folder} has no {VOCAB_FILE}: the mapping says which ids are items (the candidates a "
+                              f"ranking returns and its eval ranks) and their raw values. Fix: keep the rows files in the output "
+                              f"folder with {VOCAB_FILE} and {VOCAB_DIR}/ (copy those along when moving them)") from None
         raise ConfigError(f"{what}={folder} is not an earlier output of sequences: it has no {VOCAB_FILE}. {fix}") from None
     except NotADirectoryError:  # a local file named where the folder belongs (the log, or one of the output's rows files)
         raise ConfigError(f"{what}={folder} is a file, not an earlier output folder of sequences. {fix}") from None
@@ -251,7 +257,7 @@ def candidate_items(files: list[str] | tuple[str, ...], table: str, num_rows: in
     folder = next(iter(folders), None)
     if folder is None:
         return CandidateItems(None, num_rows)
-    tables = _index(folder, "the mapping folder")["tables"]
+    tables = _index(folder, "the mapping folder", next(f for f in files if mapping_folder(f) == folder))["tables"]
     if table not in tables:
         raise ConfigError(f"the id mapping in {folder} has no table {table!r} (it has {sorted(tables)}), the table the model "
                           f"ranks items from. Fix: rows written by data sequences for this model's data")
