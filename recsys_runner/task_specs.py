@@ -151,8 +151,34 @@ def resolve_tasks(features: FeatureSpec, names: list[str], loss_weights: list[fl
             f"labels (or set model.task_specs.<task>.label), or give the data one label per task (data.tasks=[...] for "
             f"data=synthetic and data=synthetic_sequences, data.labels={{task: column}} for Parquet/CSV)"
         )
+    _check_label_kinds(features, names, classes, columns)
     return tuple(_bind(n, cls, c, w, specs.get(n), names, columns, labels)
                  for n, cls, c, w in zip(names, classes, columns, _per_task(names, specs, "weight", weights), strict=True))
+
+
+def _check_label_kinds(features: FeatureSpec, names: list[str], classes: list[type[Task]], columns: list[str]) -> None:
+    """Each task's label read as the kind its loss trains on: the data checks a label's values by its own kind
+    (``data.label_kinds``), the model trains it by the task's, and where they differ the data lets through values the
+    loss cannot take (BCE on a ``regression`` label's 12.5, which trains on it and then fails inside the eval's log loss)
+    or refuses good ones under a message about the wrong kind. Data that declares no kinds (one label) is not checked.
+
+    Raises:
+        ConfigError: naming the task, its kind, the label's kind in the data and both settings.
+    """
+    if not features.label_kinds:
+        return
+    kinds = dict(zip(features.label_names, features.label_kinds, strict=True))
+    for name, cls, column in zip(names, classes, columns, strict=True):
+        read = kinds[column]
+        if read == cls.label_kind:
+            continue
+        task = (f"'+model.task_specs.{name}={{kind: multiclass, num_classes: <C>}}'" if read == "multiclass"
+                else f"'+model.task_specs.{name}.kind={read}'" + (" (or huber)" if read == "regression" else ""))
+        raise ConfigError(
+            f"task {name!r} is {cls.kind} (model.task_kinds / model.task_specs.{name}.kind) and trains on a {cls.label_kind} "
+            f"label, but the data reads its label {column!r} as {read} (data.label_kinds; unset: binary): the data checks each "
+            f"label's values by data.label_kinds, the model trains it by the task's kind, and the two must agree. Fix: "
+            f"data.label_kinds.{column}={cls.label_kind}, or {task}")
 
 
 def _bind(name: str, cls: type[Task], column: str, weight: float, spec: TaskSpec | None, names: list[str], columns: list[str],

@@ -1,0 +1,77 @@
+"""Multi-task labels from users' own files, fuzzed: a task whose kind differs from how the data reads its label, a
+predict input without the label columns, loss weighting over one task, text booleans in a CSV label column, and the
+task → label column mapping when the tasks come in another order than the data's labels (docs/multitask.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from recsys_runner.configurable import make
+from recsys_runner.data.files.tabular import CsvData, ParquetData
+from recsys_runner.data.files.tabular_config import CsvDataConfig, ParquetDataConfig
+from recsys_runner.data.generated.synthetic_config import SyntheticDataConfig
+from recsys_runner.errors import ConfigError
+from recsys_runner.models.esmm import ESMMConfig
+from recsys_runner.models.mmoe import MMoEConfig
+
+ROWS = 64
+
+
+def _table(rows: int = ROWS, seed: int = 0) -> dict[str, np.ndarray]:
+    """A click, a conversion drawn independently of it, an amount, and two id columns."""
+    rng = np.random.default_rng(seed)
+    return {"click": rng.integers(0, 2, rows), "buy": rng.integers(0, 2, rows), "amount": rng.random(rows) * 20,
+            "item": rng.integers(0, 20, rows), "user": rng.integers(0, 10, rows)}
+
+
+def _parquet(path: Path, drop: tuple[str, ...] = ()) -> str:
+    pq.write_table(pa.table({k: v for k, v in _table().items() if k not in drop}), path)
+    return str(path)
+
+
+def _data(path: str, cls: type = ParquetData, **kw) -> ParquetData | CsvData:
+    fields = {"path": path, "eval_path": path, "labels": {"ctr": "click", "gmv": "amount"}, "dense": [],
+              "sparse": [{"name": "item", "num_embeddings": 20}], "batch_size": 16, "shuffle": False}
+    return cls(make({ParquetData: ParquetDataConfig, CsvData: CsvDataConfig}[cls], **(fields | kw)))
+
+
+@pytest.mark.parametrize(("data_kinds", "model", "message"), [
+    # binary task on a label the data reads as any number: BCE trained on the amounts, then the eval's log loss failed
+    # deep inside torch ("all elements of target should be between 0 and 1")
+    ({"gmv": "regression"}, {}, r"task 'gmv' is binary .* but the data reads its label 'gmv' as regression .* Fix: "
+                                r"data\.label_kinds\.gmv=binary, or '\+model\.task_specs\.gmv\.kind=regression' \(or huber\)"),
+    # regression task on a label the data checks as 0/1: every amount was a bad row "the task is binary (BCE)"
+    ({}, {"task_kinds": ["binary", "regression"]}, r"task 'gmv' is regression .* as binary .* Fix: data\.label_kinds\.gmv=regression"),
+    ({"gmv": "multiclass"}, {"task_kinds": ["binary", "huber"]},
+     r"task 'gmv' is huber .* as multiclass .*'\+model\.task_specs\.gmv=\{kind: multiclass, num_classes: <C>\}'"),
+])
+def test_task_kind_must_match_how_the_data_reads_its_label(tmp_path: Path, data_kinds: dict, model: dict, message: str) -> None:
+    data = _data(_parquet(tmp_path / "a.parquet"), label_kinds=data_kinds or None)
+    with pytest.raises(ConfigError, match=message):
+        make(MMoEConfig, tasks=["ctr", "gmv"], **model).resolve_tasks(data.features)
+    # generated data with its own data.tasks / data.label_kinds is checked the same way
+    classes = {t: 3 for t, k in data_kinds.items() if k == "multiclass"} or None
+    synthetic = make(SyntheticDataConfig, tasks=["ctr", "gmv"], label_kinds=data_kinds or None, label_classes=classes).build()
+    with pytest.raises(ConfigError, match=message):
+        make(MMoEConfig, tasks=["ctr", "gmv"], **model).resolve_tasks(synthetic.features)
+
+
+def test_agreeing_kinds_bind_by_name_whatever_the_order(tmp_path: Path) -> None:
+    data = _data(_parquet(tmp_path / "a.parquet"), labels={"ctr": "click", "gmv": "amount", "cvr": "buy"},
+                 label_kinds={"gmv": "regression"})
+    tasks = make(MMoEConfig, tasks=["gmv", "cvr", "ctr"], task_kinds=["huber", "binary", "binary"]).resolve_tasks(data.features)
+    # each task reads its own label's column of Batch.labels [B, T] (ctr, gmv, cvr), never its position's
+    assert [(t.name, t.label, t.column) for t in tasks] == [("gmv", "gmv", 1), ("cvr", "cvr", 2), ("ctr", "ctr", 0)]
+    batch = next(iter(data.train_batches(0, 0, 1)))
+    table = _table()
+    for t, column in zip(tasks, ["amount", "buy", "click"], strict=True):
+        np.testing.assert_allclose(batch.labels[:, t.column].numpy(), table[column][:16], rtol=1e-6)
+    # ESMM's click and conversion are binary: a conversion the data reads as a number is refused too
+    with pytest.raises(ConfigError, match=r"task 'cvr' is binary .* label 'cvr' as regression"):
+        make(ESMMConfig).resolve_tasks(_data(_parquet(tmp_path / "a.parquet"), labels={"ctr": "click", "cvr": "amount"},
+                                             label_kinds={"cvr": "regression"}).features)
