@@ -10,7 +10,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hydra import compose, initialize_config_dir
 
+from recsys_runner import predict
+from recsys_runner.__main__ import run as train
+from recsys_runner.config import register_configs
 from recsys_runner.configurable import make
 from recsys_runner.data.files.tabular import CsvData, ParquetData
 from recsys_runner.data.files.tabular_config import CsvDataConfig, ParquetDataConfig
@@ -18,6 +22,8 @@ from recsys_runner.data.generated.synthetic_config import SyntheticDataConfig
 from recsys_runner.errors import ConfigError
 from recsys_runner.models.esmm import ESMMConfig
 from recsys_runner.models.mmoe import MMoEConfig
+from recsys_runner.paths import CONFIG_PATH
+from tests.test_evaluate import compose_entry
 
 ROWS = 64
 
@@ -75,3 +81,28 @@ def test_agreeing_kinds_bind_by_name_whatever_the_order(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"task 'cvr' is binary .* label 'cvr' as regression"):
         make(ESMMConfig).resolve_tasks(_data(_parquet(tmp_path / "a.parquet"), labels={"ctr": "click", "cvr": "amount"},
                                              label_kinds={"cvr": "regression"}).features)
+
+
+def _train(tmp_path: Path, train_file: str, *extra: str, labels: str = "{ctr: click, cvr: buy}") -> list[str]:
+    """MMoE trained 2 steps on ``train_file`` (tasks ``[cvr, ctr]``, the data's labels ``{ctr, cvr}``); its overrides."""
+    overrides = ["model=mmoe", "model.tasks=[cvr,ctr]", "data=parquet", f"data.path={train_file}", "data.label=null",
+                 f"data.labels={labels}", "data.sparse=[{name: item}, {name: user}]", "data.batch_size=16",
+                 "train.num_steps=2", "train.eval_every_steps=null", "distributed.device=cpu", "tracking=none",
+                 f"checkpoint.dir={tmp_path}/ck", *extra]
+    register_configs()
+    with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
+        train(compose(config_name="config", overrides=overrides))
+    return overrides
+
+
+def test_predict_of_a_multi_task_checkpoint_on_files_without_labels(tmp_path: Path) -> None:
+    """The files to score may lack the label columns (docs/lifecycle.md): predict listed the files it scores for its
+    run's dataset input with the training's columns, labels included, and refused such an input."""
+    (tmp_path / "score").mkdir()
+    _parquet(tmp_path / "score" / "b.parquet", drop=("click", "buy", "amount"))
+    overrides = _train(tmp_path, _parquet(tmp_path / "train.parquet"))
+    result = predict.run(compose_entry("predict", *overrides, f"load={tmp_path}/ck", f"predict.input={tmp_path}/score",
+                                       f"predict.output={tmp_path}/out", "predict.columns=[item]"))
+    written = pq.read_table(result.parts[0])
+    assert result.rows == ROWS and written.column_names == ["item", "score_cvr", "score_ctr"]
+    assert written["item"].to_pylist() == _table()["item"].tolist()
