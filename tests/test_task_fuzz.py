@@ -23,6 +23,7 @@ from recsys_runner.errors import ConfigError
 from recsys_runner.models.esmm import ESMMConfig
 from recsys_runner.models.mmoe import MMoEConfig
 from recsys_runner.paths import CONFIG_PATH
+from recsys_runner.train.weighting import LossWeightingConfig
 from tests.test_evaluate import compose_entry
 
 ROWS = 64
@@ -81,6 +82,16 @@ def test_agreeing_kinds_bind_by_name_whatever_the_order(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"task 'cvr' is binary .* label 'cvr' as regression"):
         make(ESMMConfig).resolve_tasks(_data(_parquet(tmp_path / "a.parquet"), labels={"ctr": "click", "cvr": "amount"},
                                              label_kinds={"cvr": "regression"}).features)
+
+
+@pytest.mark.parametrize("kind", ["pareto", "uncertainty"])
+def test_loss_weighting_over_one_task_is_refused(tmp_path: Path, kind: str) -> None:
+    data = _data(_parquet(tmp_path / "a.parquet"), labels={"ctr": "click", "cvr": "buy"})
+    one = make(MMoEConfig, tasks=["ctr"]).resolve_tasks(data.features)
+    with pytest.raises(ConfigError, match=rf"train\.loss_weighting\.kind={kind} weights the losses of several tasks, but "
+                                          rf"model\.tasks=\['ctr'\] has one: .* Fix: train\.loss_weighting\.kind=fixed"):
+        LossWeightingConfig(kind=kind).build(one)
+    assert LossWeightingConfig(kind=kind).build(make(MMoEConfig).resolve_tasks(data.features)) is not None
 
 
 def _train(tmp_path: Path, train_file: str, *extra: str, labels: str = "{ctr: click, cvr: buy}") -> list[str]:
