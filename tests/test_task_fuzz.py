@@ -16,6 +16,7 @@ from recsys_runner import predict
 from recsys_runner.__main__ import run as train
 from recsys_runner.config import register_configs
 from recsys_runner.configurable import make
+from recsys_runner.data.base import DataError
 from recsys_runner.data.files.tabular import CsvData, ParquetData
 from recsys_runner.data.files.tabular_config import CsvDataConfig, ParquetDataConfig
 from recsys_runner.data.generated.synthetic_config import SyntheticDataConfig
@@ -92,6 +93,18 @@ def test_loss_weighting_over_one_task_is_refused(tmp_path: Path, kind: str) -> N
                                           rf"model\.tasks=\['ctr'\] has one: .* Fix: train\.loss_weighting\.kind=fixed"):
         LossWeightingConfig(kind=kind).build(one)
     assert LossWeightingConfig(kind=kind).build(make(MMoEConfig).resolve_tasks(data.features)) is not None
+
+
+def test_csv_text_booleans_are_labels_and_other_text_names_the_fix(tmp_path: Path) -> None:
+    path = tmp_path / "log.csv"
+    path.write_text("item,click,buy\n3,True,false\n1,FALSE,true\n4,1,0\n")  # pandas writes a bool column as True/False
+    data = _data(str(path), CsvData, labels={"ctr": "click", "cvr": "buy"}, drop_remainder=False)
+    (batch,) = list(data.train_batches(0, 0, 1))
+    assert batch.labels.tolist() == [[1, 0], [0, 1], [1, 0]]
+    path.write_text("item,click,buy\n3,1,yes\n")
+    with pytest.raises(DataError, match=r"log\.csv, line 2, column 'buy': 'yes' is not a number, but it is a label, and a label "
+                                        r"is a number: 0 or 1 for a binary task \(true/false also read as 1/0\)"):
+        list(_data(str(path), CsvData, labels={"ctr": "click", "cvr": "buy"}).train_batches(0, 0, 1))
 
 
 def _train(tmp_path: Path, train_file: str, *extra: str, labels: str = "{ctr: click, cvr: buy}") -> list[str]:
