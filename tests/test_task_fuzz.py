@@ -119,6 +119,17 @@ def _train(tmp_path: Path, train_file: str, *extra: str, labels: str = "{ctr: cl
     return overrides
 
 
+def test_a_negative_sample_weight_stops_training(tmp_path: Path) -> None:
+    """A sample-weight column is read as any finite number; a negative weight trained its row's loss upwards, silently."""
+    table = _table()
+    table["w"] = np.where(np.arange(ROWS) == 5, -2.0, 1.0)
+    pq.write_table(pa.table(table), tmp_path / "w.parquet")
+    with pytest.raises(DataError, match=r"task 'cvr': its sample-weight column \(model\.task_specs\.cvr\.sample_weight\) holds -2 "
+                                        r"in this batch, but a row's weight in the loss must be >= 0"):
+        _train(tmp_path, str(tmp_path / "w.parquet"), "data.label_kinds={w: regression}", "+model.task_specs.cvr.sample_weight=w",
+               "checkpoint=none", labels="{ctr: click, cvr: buy, w: w}")
+
+
 def test_predict_of_a_multi_task_checkpoint_on_files_without_labels(tmp_path: Path) -> None:
     """The files to score may lack the label columns (docs/lifecycle.md): predict listed the files it scores for its
     run's dataset input with the training's columns, labels included, and refused such an input."""
