@@ -4,6 +4,7 @@ task → label column mapping when the tasks come in another order than the data
 
 from __future__ import annotations
 
+from decimal import Decimal
 from pathlib import Path
 
 import numpy as np
@@ -105,6 +106,16 @@ def test_csv_text_booleans_are_labels_and_other_text_names_the_fix(tmp_path: Pat
     with pytest.raises(DataError, match=r"log\.csv, line 2, column 'buy': 'yes' is not a number, but it is a label, and a label "
                                         r"is a number: 0 or 1 for a binary task \(true/false also read as 1/0\)"):
         list(_data(str(path), CsvData, labels={"ctr": "click", "cvr": "buy"}).train_batches(0, 0, 1))
+
+
+def test_a_decimal_label_column_reads_as_numbers(tmp_path: Path) -> None:
+    """A SQL export's ``DECIMAL(10, 2)`` amount was refused for the whole column as "not a number", with a fix for text."""
+    amounts = [Decimal("12.50"), Decimal("0.00"), Decimal("-3.25"), None]
+    pq.write_table(pa.table({"click": [1, 0, 1, 0], "amount": pa.array(amounts, pa.decimal128(10, 2)), "item": [1, 2, 3, 4]}),
+                   tmp_path / "d.parquet")
+    data = _data(str(tmp_path / "d.parquet"), label_kinds={"gmv": "regression"}, batch_size=3, on_bad_rows="skip")
+    (batch,) = list(data.train_batches(0, 0, 1))  # the null amount is a bad row, skipped and counted
+    assert batch.labels.tolist() == [[1, 12.5], [0, 0], [1, -3.25]]
 
 
 def _train(tmp_path: Path, train_file: str, *extra: str, labels: str = "{ctr: click, cvr: buy}") -> list[str]:

@@ -100,8 +100,9 @@ def _shown(value: float) -> str:
 
 def is_number_type(t: pa.DataType) -> bool:
     """Whether a typed (Parquet) column of ``t`` reads as numbers, as a label or a dense feature must: integers, floats,
-    booleans, or nulls only."""
-    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t) or pa.types.is_null(t)
+    decimals (a SQL export's ``DECIMAL(10, 2)`` amount, read as the nearest float64), booleans, or nulls only."""
+    return (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_decimal(t) or pa.types.is_boolean(t)
+            or pa.types.is_null(t))
 
 
 def not_numbers(name: str, dtype: pa.DataType, label: bool) -> str:
