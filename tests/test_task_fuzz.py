@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 from hydra import compose, initialize_config_dir
 
-from recsys_runner import predict
+from recsys_runner import evaluate, predict
 from recsys_runner.__main__ import run as train
 from recsys_runner.config import register_configs
 from recsys_runner.configurable import make
@@ -141,14 +141,37 @@ def test_a_negative_sample_weight_stops_training(tmp_path: Path) -> None:
                "checkpoint=none", labels="{ctr: click, cvr: buy, w: w}")
 
 
-def test_predict_of_a_multi_task_checkpoint_on_files_without_labels(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+    """An MMoE checkpoint for this module's predict and evaluate (tasks ``[cvr, ctr]``): its directory and overrides."""
+    root = tmp_path_factory.mktemp("task_fuzz")
+    return root, _train(root, _parquet(root / "train.parquet"))
+
+
+def test_predict_of_a_multi_task_checkpoint_on_files_without_labels(trained: tuple[Path, list[str]], tmp_path: Path) -> None:
     """The files to score may lack the label columns (docs/lifecycle.md): predict listed the files it scores for its
     run's dataset input with the training's columns, labels included, and refused such an input."""
+    root, overrides = trained
     (tmp_path / "score").mkdir()
     _parquet(tmp_path / "score" / "b.parquet", drop=("click", "buy", "amount"))
-    overrides = _train(tmp_path, _parquet(tmp_path / "train.parquet"))
-    result = predict.run(compose_entry("predict", *overrides, f"load={tmp_path}/ck", f"predict.input={tmp_path}/score",
+    result = predict.run(compose_entry("predict", *overrides, f"load={root}/ck", f"predict.input={tmp_path}/score",
                                        f"predict.output={tmp_path}/out", "predict.columns=[item]"))
     written = pq.read_table(result.parts[0])
     assert result.rows == ROWS and written.column_names == ["item", "score_cvr", "score_ctr"]
     assert written["item"].to_pylist() == _table()["item"].tolist()
+
+
+def test_evaluate_reads_the_label_columns_the_command_names(trained: tuple[Path, list[str]], tmp_path: Path) -> None:
+    """Labels are not encoders: evaluate read the checkpoint's stored label columns whatever data.labels said, so a file
+    whose labels are named otherwise was refused and a swapped mapping scored each task against its training column."""
+    root, overrides = trained
+    load = f"load={root}/ck"
+    first = evaluate.run(compose_entry("evaluate", *overrides, load, f"data.eval_path={root}/train.parquet"))
+    renamed = tmp_path / "renamed.parquet"
+    pq.write_table(pa.table(_table()).rename_columns(["is_click", "is_buy", "amount", "item", "user"]), renamed)
+    again = evaluate.run(compose_entry("evaluate", *overrides, load, f"data.path={renamed}", f"data.eval_path={renamed}",
+                                       "data.labels={ctr: is_click, cvr: is_buy}"))
+    assert again == first  # the same rows and labels under other column names
+    swapped = evaluate.run(compose_entry("evaluate", *overrides, load, f"data.eval_path={root}/train.parquet",
+                                         "data.labels={ctr: buy, cvr: click}"))
+    assert swapped["eval/ctr/auc"] != first["eval/ctr/auc"] and swapped["eval/cvr/auc"] != first["eval/cvr/auc"]
