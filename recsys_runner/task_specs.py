@@ -142,7 +142,8 @@ def resolve_tasks(features: FeatureSpec, names: list[str], loss_weights: list[fl
     labels, columns = features.label_names, [(specs[n].label if n in specs else None) or n for n in names]
     renamed = [f"model.task_specs.{n}.label={c!r}" for n, c in zip(names, columns, strict=True) if c != n and c not in labels]
     require(not renamed or not features.multi_label, f"{', '.join(renamed)} is not a label column of the data; its label columns: "
-            f"{list(labels)}. Fix: name one of them (data.labels={{name: column}} maps a file's columns)")
+            f"{list(labels)}. Fix: name one of them: for files these are the names data.labels={{name: column}} gives the "
+            f"file's columns, not the columns' own names (a task reads its label through that mapping; add the column there)")
     missing = [n for n, c in zip(names, columns, strict=True) if c not in labels]
     if missing or not features.multi_label:
         raise ConfigError(

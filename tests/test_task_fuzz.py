@@ -86,6 +86,16 @@ def test_agreeing_kinds_bind_by_name_whatever_the_order(tmp_path: Path) -> None:
                                              label_kinds={"cvr": "regression"}).features)
 
 
+def test_a_task_spec_naming_the_files_column_says_labels_are_named_by_data_labels(tmp_path: Path) -> None:
+    """``model.task_specs.ctr.label=click`` with ``data.labels={ctr: click}``: the data's label is named ``ctr``; the message
+    listed ``['ctr', 'cvr']`` as "label columns" beside the file's column ``click``, and said nothing of the mapping."""
+    data = _data(_parquet(tmp_path / "a.parquet"), labels={"ctr": "click", "cvr": "buy"})
+    with pytest.raises(ConfigError, match=r"model\.task_specs\.ctr\.label='click' is not a label column of the data; its label "
+                                          r"columns: \['ctr', 'cvr'\]\. Fix: name one of them: for files these are the names "
+                                          r"data\.labels=\{name: column\} gives the file's columns, not the columns' own names"):
+        make(MMoEConfig, task_specs={"ctr": {"label": "click"}}).resolve_tasks(data.features)
+
+
 @pytest.mark.parametrize("kind", ["pareto", "uncertainty"])
 def test_loss_weighting_over_one_task_is_refused(tmp_path: Path, kind: str) -> None:
     data = _data(_parquet(tmp_path / "a.parquet"), labels={"ctr": "click", "cvr": "buy"})
