@@ -367,6 +367,11 @@ class _PartWriter:
         self._next = 0
 
     def write(self, path: str, first_row: int, passthrough: pa.Table, scored: dict[str, pa.Array]) -> None:
+        clash = [c for c in passthrough.column_names if c in scored]
+        if clash:  # re-scoring an earlier predict's output, say: Arrow would write both, and refuse to read the parts back
+            raise ConfigError(f"predict.columns copies {clash}, which predict writes itself (this model's output columns: "
+                              f"{list(scored)}): a part would hold two columns of one name, which Arrow and pandas cannot read "
+                              f"back as a dataset. Fix: drop {clash} from predict.columns, or rename them in the input")
         # built column by column: a table without columns (predict.columns=[]) has no rows to append scores to
         table = pa.Table.from_arrays([*passthrough.columns, *scored.values()], names=[*passthrough.column_names, *scored])
         if path != self._path:

@@ -165,10 +165,16 @@ def test_predict_of_a_multi_task_checkpoint_on_files_without_labels(trained: tup
     (tmp_path / "score").mkdir()
     _parquet(tmp_path / "score" / "b.parquet", drop=("click", "buy", "amount"))
     result = predict.run(compose_entry("predict", *overrides, f"load={root}/ck", f"predict.input={tmp_path}/score",
-                                       f"predict.output={tmp_path}/out", "predict.columns=[item]"))
+                                       f"predict.output={tmp_path}/out", "predict.columns=[item,user]"))
     written = pq.read_table(result.parts[0])
-    assert result.rows == ROWS and written.column_names == ["item", "score_cvr", "score_ctr"]
+    assert result.rows == ROWS and written.column_names == ["item", "user", "score_cvr", "score_ctr"]
     assert written["item"].to_pylist() == _table()["item"].tolist()
+    # scoring that output again, its score column copied through: two columns score_ctr made parts Arrow cannot read back
+    with pytest.raises(ConfigError, match=r"predict\.columns copies \['score_ctr'\], which predict writes itself \(this model's "
+                                          r"output columns: \['score_cvr', 'score_ctr'\]\)"):
+        predict.run(compose_entry("predict", *overrides, f"load={root}/ck", f"predict.input={tmp_path}/out",
+                                  f"predict.output={tmp_path}/again", "predict.columns=[item,user,score_ctr]"))
+    assert not list((tmp_path / "again").glob("*part-*"))
 
 
 def test_evaluate_reads_the_label_columns_the_command_names(trained: tuple[Path, list[str]], tmp_path: Path) -> None:
