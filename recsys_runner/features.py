@@ -168,6 +168,11 @@ class FeatureSpec:
     """The last ``sampled_items`` (``K``) rows of every *training* batch are sampled catalogue items (item features only,
     user features empty, labels 0), appended after the ``B`` real rows by ``data.negatives``: a two-tower model scores its
     ``B`` queries against ``B + K`` candidates. Eval batches carry none. 0: every row is a real row."""
+    label_kinds: tuple[str, ...] = ()
+    """Per label of :attr:`label_names`: the kind the data checks its values as (``binary``: 0 or 1, ``regression``: any
+    finite number, ``multiclass``: a class index), so a task that trains on the label can be refused before the first
+    step when its loss needs another (BCE on a ``regression`` label would train on targets like 12.5); empty: not
+    declared (one ``[B]`` label)."""
 
     def __post_init__(self) -> None:
         names = self.sparse_names
@@ -184,6 +189,8 @@ class FeatureSpec:
             if group.timestamps is not None and group.timestamps in names:
                 raise ConfigError(f"data.sequences.{group.name}.timestamps={group.timestamps!r} is a sparse feature; event times "
                                   f"are not embedded. Fix: remove it from data.sparse")
+        if self.label_kinds and len(self.label_kinds) != len(self.label_names):
+            raise ConfigError(f"FeatureSpec.label_kinds={self.label_kinds} must give one kind per label of {self.label_names}")
         if self.sampled_items < 0:
             raise ConfigError(f"FeatureSpec.sampled_items must be >= 0, got {self.sampled_items}")
         groups = [g.name for g in self.sequences]

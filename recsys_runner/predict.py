@@ -73,7 +73,15 @@ from recsys_runner.noise import quiet_known_noise
 from recsys_runner.overrides import check_command_line
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.runtime import Launch
-from recsys_runner.scoring import PredictResult, check_columns, check_output, ranking_scorer, score_files, scored_files
+from recsys_runner.scoring import (
+    PredictResult,
+    check_columns,
+    check_output,
+    ranking_scorer,
+    score_files,
+    scored_files,
+    scored_source,
+)
 from recsys_runner.scoring_topk import ranks_items
 
 quiet_known_noise()  # the known library warnings, each with its reason (noise.py)
@@ -156,7 +164,7 @@ def _scored(built: Inference, data_path: str, input_path: str | None) -> SplitFi
         return None
     assert isinstance(built.data, TabularData)  # predict refuses other data before building
     path, key = scored_files(data_path, input_path)
-    source = built.data.open_files(path, key)
+    source = scored_source(built.data, path, key, [])  # the files to score may lack the label columns
     return SplitFiles(path, tuple(f for f in source.files if source.has_rows(f)), num_rows=None)  # empty parts are skipped
 
 

@@ -194,6 +194,15 @@ def ranking_scorer(inference: Inference, input_path: str | None, *, k: int, excl
     return top_k_scorer(inference.model, inference.tasks, inference.data, inference.env, files, k=k, exclude_seen=exclude_seen)
 
 
+def scored_source(data: TabularData, files: str, key: str, columns: list[str]) -> Any:
+    """A row source over ``files`` (the setting ``key``) that reads what predict scores from: the features (dense, sparse,
+    histories' times) and the pass-through ``columns``, never the label columns, which files to score may lack."""
+    source = data.open_files(files, key)
+    features = [c for c in data.schema.columns if c not in data.schema.label_columns]
+    source.columns = list(dict.fromkeys([*features, *columns]))
+    return source
+
+
 def score_files(inference: Inference, *, input_path: str | None, columns: list[str], output: Path,
                 log_every_batches: int, scorer: Scorer | None = None) -> PredictResult:
     """Score this rank's share of ``input_path`` (``None``: ``data.path``) with ``inference``'s model (its EMA weights
@@ -204,9 +213,7 @@ def score_files(inference: Inference, *, input_path: str | None, columns: list[s
     assert isinstance(data, TabularData)
     # the data option's own reader (format settings), over the input's columns
     files, key = scored_files(data.config.path, input_path)
-    source = data.open_files(files, key)
-    features = [c for c in data.schema.columns if c not in data.schema.label_columns]  # dense, sparse, histories' times
-    source.columns = list(dict.fromkeys([*features, *columns]))
+    source = scored_source(data, files, key, columns)
     if input_path:
         data.check_trained(source, f"{key}={files!r}", optional=data.schema.label_columns)
     units = rank_units(source.units(), env.rank, env.world_size)
@@ -360,6 +367,11 @@ class _PartWriter:
         self._next = 0
 
     def write(self, path: str, first_row: int, passthrough: pa.Table, scored: dict[str, pa.Array]) -> None:
+        clash = [c for c in passthrough.column_names if c in scored]
+        if clash:  # re-scoring an earlier predict's output, say: Arrow would write both, and refuse to read the parts back
+            raise ConfigError(f"predict.columns copies {clash}, which predict writes itself (this model's output columns: "
+                              f"{list(scored)}): a part would hold two columns of one name, which Arrow and pandas cannot read "
+                              f"back as a dataset. Fix: drop {clash} from predict.columns, or rename them in the input")
         # built column by column: a table without columns (predict.columns=[]) has no rows to append scores to
         table = pa.Table.from_arrays([*passthrough.columns, *scored.values()], names=[*passthrough.column_names, *scored])
         if path != self._path:

@@ -142,7 +142,8 @@ def resolve_tasks(features: FeatureSpec, names: list[str], loss_weights: list[fl
     labels, columns = features.label_names, [(specs[n].label if n in specs else None) or n for n in names]
     renamed = [f"model.task_specs.{n}.label={c!r}" for n, c in zip(names, columns, strict=True) if c != n and c not in labels]
     require(not renamed or not features.multi_label, f"{', '.join(renamed)} is not a label column of the data; its label columns: "
-            f"{list(labels)}. Fix: name one of them (data.labels={{name: column}} maps a file's columns)")
+            f"{list(labels)}. Fix: name one of them: for files these are the names data.labels={{name: column}} gives the "
+            f"file's columns, not the columns' own names (a task reads its label through that mapping; add the column there)")
     missing = [n for n, c in zip(names, columns, strict=True) if c not in labels]
     if missing or not features.multi_label:
         raise ConfigError(
@@ -151,8 +152,34 @@ def resolve_tasks(features: FeatureSpec, names: list[str], loss_weights: list[fl
             f"labels (or set model.task_specs.<task>.label), or give the data one label per task (data.tasks=[...] for "
             f"data=synthetic and data=synthetic_sequences, data.labels={{task: column}} for Parquet/CSV)"
         )
+    _check_label_kinds(features, names, classes, columns)
     return tuple(_bind(n, cls, c, w, specs.get(n), names, columns, labels)
                  for n, cls, c, w in zip(names, classes, columns, _per_task(names, specs, "weight", weights), strict=True))
+
+
+def _check_label_kinds(features: FeatureSpec, names: list[str], classes: list[type[Task]], columns: list[str]) -> None:
+    """Each task's label read as the kind its loss trains on: the data checks a label's values by its own kind
+    (``data.label_kinds``), the model trains it by the task's, and where they differ the data lets through values the
+    loss cannot take (BCE on a ``regression`` label's 12.5, which trains on it and then fails inside the eval's log loss)
+    or refuses good ones under a message about the wrong kind. Data that declares no kinds (one label) is not checked.
+
+    Raises:
+        ConfigError: naming the task, its kind, the label's kind in the data and both settings.
+    """
+    if not features.label_kinds:
+        return
+    kinds = dict(zip(features.label_names, features.label_kinds, strict=True))
+    for name, cls, column in zip(names, classes, columns, strict=True):
+        read = kinds[column]
+        if read == cls.label_kind:
+            continue
+        task = (f"'+model.task_specs.{name}={{kind: multiclass, num_classes: <C>}}'" if read == "multiclass"
+                else f"'+model.task_specs.{name}.kind={read}'" + (" (or huber)" if read == "regression" else ""))
+        raise ConfigError(
+            f"task {name!r} is {cls.kind} (model.task_kinds / model.task_specs.{name}.kind) and trains on a {cls.label_kind} "
+            f"label, but the data reads its label {column!r} as {read} (data.label_kinds; unset: binary): the data checks each "
+            f"label's values by data.label_kinds, the model trains it by the task's kind, and the two must agree. Fix: "
+            f"data.label_kinds.{column}={cls.label_kind}, or {task}")
 
 
 def _bind(name: str, cls: type[Task], column: str, weight: float, spec: TaskSpec | None, names: list[str], columns: list[str],

@@ -41,7 +41,7 @@ from torch import Tensor
 from recsys_runner.errors import ConfigError, DataError
 
 __all__ = ["Task", "BinaryTask", "RegressionTask", "HuberTask", "MulticlassTask", "InBatchSoftmaxTask", "NextItemTask", "TASK_KINDS", "LABEL_TASK_KINDS", "SINGLE_TASK",
-           "task_kind", "output_columns", "mask_task_index"]
+           "task_kind", "output_columns", "mask_task_index", "checked_weights"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +185,22 @@ def checked_classes(target: Tensor, num_classes: int, task: str, label: str) -> 
                         f"num_classes={num_classes} needs class indices 0..{num_classes - 1}. Fix the data, or set "
                         f"model.task_specs.{task}.num_classes")
     return target
+
+
+@torch.fx.wrap  # one opaque node in TorchRec's pipeline trace, which cannot follow a value-dependent raise
+def checked_weights(weights: Tensor, task: str) -> Tensor:
+    """``weights`` (a task's sample-weight column) unchanged when none is negative: the data reads the column as any
+    finite number (a ``regression`` label), and a negative weight would turn its row's loss into one to maximize, a
+    silently wrong model.
+
+    Raises:
+        DataError: a negative weight, naming the task, the setting and the fix.
+    """
+    if bool((weights < 0).any()):
+        raise DataError(f"task {task!r}: its sample-weight column (model.task_specs.{task}.sample_weight) holds "
+                        f"{float(weights.min()):g} in this batch, but a row's weight in the loss must be >= 0 (a negative one "
+                        f"would train the model away from that row's label). Fix the data, e.g. clip the column at 0")
+    return weights
 
 
 @dataclass(frozen=True, slots=True)

@@ -428,6 +428,7 @@ class Schema:
         label: str | tuple[str, ...] = tuple(self.labels) if self.labels is not None else self._single_label()
         mean = self.sequence_tables
         sparse = tuple(c.feature("mean" if c.table_name in mean else "sum") for c in self.sparse)
-        spec = FeatureSpec(tuple(c.name for c in self.dense), sparse, label, sequences=tuple(self.sequences))
+        kinds = tuple(self.label_kind(t) for t in self.label_tasks) if self.labels is not None else ()
+        spec = FeatureSpec(tuple(c.name for c in self.dense), sparse, label, sequences=tuple(self.sequences), label_kinds=kinds)
         spec.embedding_tables(1)  # tables shared by several features must agree: fail at build, not at shard time
         return spec

@@ -16,7 +16,7 @@ from torchrec.datasets.utils import Batch
 
 from recsys_runner.errors import ConfigError
 from recsys_runner.features import FeatureSpec
-from recsys_runner.tasks import SINGLE_TASK, Task
+from recsys_runner.tasks import SINGLE_TASK, Task, checked_weights
 
 __all__ = ["TaskWeighting", "TrainWrapper", "shared_representation"]
 
@@ -146,7 +146,7 @@ class TrainWrapper(nn.Module):
         rows = task.row_losses(output, target.float())
         if task.weight_column is None and task.mask_column is None:
             return rows.mean()
-        w = torch.ones_like(rows) if task.weight_column is None else labels[:, task.weight_column].float()
+        w = torch.ones_like(rows) if task.weight_column is None else checked_weights(labels[:, task.weight_column].float(), str(task.name))
         if task.mask_column is not None:
             w = w * (labels[:, task.mask_column] > 0)
         return (rows * w).sum() / w.sum().clamp_min(1e-12)

@@ -80,6 +80,12 @@ class LossWeightingConfig:
             return None
         names = [str(t.name) for t in tasks]
         weights = [t.weight for t in tasks]
+        if len(tasks) == 1 and tasks[0].name is not None:  # one unnamed output: the TrainWrapper names the model
+            does = ("would solve for the weight of one task, always 1, at the cost of its gradient every "
+                    f"{self.every_n_steps} step(s)" if self.kind == "pareto"
+                    else "would learn one log-variance, which only rescales the task's loss as a learning rate would")
+            raise ConfigError(f"train.loss_weighting.kind={self.kind} weights the losses of several tasks, but model.tasks={names} "
+                              f"has one: it {does}. Fix: train.loss_weighting.kind=fixed, or more tasks (model.tasks=[{names[0]},cvr])")
         if self.kind == "uncertainty":
             return UncertaintyWeighting(names, weights, self.init_log_variance)
         unknown = sorted(set(self.min_weights) - set(names))

@@ -86,6 +86,9 @@ def _as_read(col: Any, value: float) -> str:
     return f" ({_shown(value)} after data.dense[{col.name}]'s transform and normalize)" if changed else ""
 
 
+TEXT_TRUTHS = {"true": 1.0, "false": 0.0}
+"""A text label field that reads as a number (any case, e.g. pandas' ``True``/``False``): a text file's boolean label reads
+as a Parquet ``bool`` column does, 1 and 0."""
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 """The largest magnitude a float32 holds: dense features and labels reach the model as float32, where more is infinity."""
 
@@ -97,8 +100,9 @@ def _shown(value: float) -> str:
 
 def is_number_type(t: pa.DataType) -> bool:
     """Whether a typed (Parquet) column of ``t`` reads as numbers, as a label or a dense feature must: integers, floats,
-    booleans, or nulls only."""
-    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t) or pa.types.is_null(t)
+    decimals (a SQL export's ``DECIMAL(10, 2)`` amount, read as the nearest float64), booleans, or nulls only."""
+    return (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_decimal(t) or pa.types.is_boolean(t)
+            or pa.types.is_null(t))
 
 
 def not_numbers(name: str, dtype: pa.DataType, label: bool) -> str:
@@ -128,12 +132,15 @@ def _numeric(arr: pa.ChunkedArray | pa.Array, name: str, where: Location, bad, e
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
             texts = arr.to_pylist()
             parsed, wrong = [], np.zeros(len(texts), dtype=bool)
+            truths = TEXT_TRUTHS if label else {}
             for i, t in enumerate(texts):
                 try:
-                    parsed.append(None if t is None else float(t))
+                    parsed.append(None if t is None else truths[t.strip().lower()] if t.strip().lower() in truths else float(t))
                 except ValueError:
                     parsed.append(None)
                     wrong[i] = True
-            bad(name, wrong, lambda i: f"{texts[i]!r} is not a number")
+            what = (", but it is a label, and a label is a number: 0 or 1 for a binary task (true/false also read as 1/0), a class "
+                    "index for a multiclass one, any number for regression (data.label_kinds)" if label else "")
+            bad(name, wrong, lambda i: f"{texts[i]!r} is not a number{what}")
             return pa.array(parsed, pa.float64()).fill_null(0.0) if wrong.any() else pa.array(parsed, pa.float64())
     raise error(f"{where.path}, {where.part}: {not_numbers(name, arr.type, label)}")

@@ -135,8 +135,9 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         Raises:
             DataError: a column the model was trained on is missing, or holds another kind or type of values.
         """
-        if self.trained is not None:
-            check_inputs(self.trained, source.sample(KIND_SAMPLE_ROWS), where, optional)
+        if self.trained is not None:  # nor the stored labels the config renamed (tabular.checkpoint_schema)
+            renamed = [c for c in self.trained.schema.label_columns if c not in self.schema.label_columns]
+            check_inputs(self.trained, source.sample(KIND_SAMPLE_ROWS), where, [*optional, *renamed])
 
     # -- subclass hooks ------------------------------------------------------------------------------
     def _suffixes(self) -> tuple[str, ...] | None:

@@ -31,6 +31,7 @@ from recsys_runner.data.files.tabular_config import (
     CriteoDataConfig,
     CsvDataConfig,
     ParquetDataConfig,
+    SchemaFields,
     check_text_lists,
     criteo_columns,
     mapping_option,
@@ -44,15 +45,34 @@ from recsys_runner.errors import ConfigError, DataError
 log = logging.getLogger(__name__)
 
 
-def from_checkpoint(encoders: StoredEncoders, sample: pa.Table, where: str) -> Schema:
-    """The stored encoders' schema, after checking that the files (``sample``: rows of them) do not contradict it.
+def checkpoint_schema(encoders: StoredEncoders, config: SchemaFields) -> Schema:
+    """The stored encoders' schema with the labels the config names (``data.label`` or ``data.labels``, with
+    ``label_kinds`` and ``label_threshold``) in place of the stored ones. Labels are not encoders: nothing about them was
+    fitted, and the model's tasks bind to them by name, so an ``evaluate`` of files whose label columns are named
+    otherwise, or a fine-tune on another label, reads the columns it is told to. The stored labels were used instead,
+    silently: ``data.labels={ctr: buy, cvr: click}`` given to evaluate scored each task against its training column.
+    A config that names no label (the training's was detected from the files) keeps the stored ones."""
+    stored = encoders.schema
+    given: dict[str, Any] = {"label": config.label, "labels": mapping_option(config.labels, "data.labels"),
+                             "label_kinds": mapping_option(config.label_kinds, "data.label_kinds"),
+                             "label_threshold": config.label_threshold}
+    if (given["label"] is None and given["labels"] is None) or all(v == getattr(stored, k) for k, v in given.items()):
+        return stored
+    log.info("data labels: %s, as the config names them (the checkpoint was trained on %s)",
+             given["labels"] or given["label"], stored.labels or stored.label)
+    return replace(stored, **given)
+
+
+def from_checkpoint(encoders: StoredEncoders, schema: Schema, sample: pa.Table, where: str) -> Schema:
+    """``schema`` (the stored encoders', :func:`checkpoint_schema`), after checking that the files (``sample``: rows of
+    them) do not contradict the encoders; the stored label columns that ``schema`` no longer reads may be absent.
 
     Raises:
         DataError: a column the model was trained on is missing, or holds another kind of values (:func:`check_inputs`).
     """
-    check_inputs(encoders, sample, where)
+    check_inputs(encoders, sample, where, optional=[c for c in encoders.schema.label_columns if c not in schema.label_columns])
     log.info("data encoders: loaded from %s (fitted when it was trained; not fitted again on %s)", encoders.source, where)
-    return encoders.schema
+    return schema
 
 
 def check_column_types(schema: Schema, arrow: pa.Schema, path: str) -> None:
@@ -160,8 +180,9 @@ class ParquetData(TabularData):
             check_unique_names(head, first.names, "its schema", PARQUET_REPEATS_FIX, columns)
 
         if encoders is not None:
-            refuse_repeats(encoders.schema.columns)
-            schema = from_checkpoint(encoders, ParquetSource(files, [], config.read_rows).sample(KIND_SAMPLE_ROWS),
+            schema = checkpoint_schema(encoders, config)
+            refuse_repeats(schema.columns)
+            schema = from_checkpoint(encoders, schema, ParquetSource(files, [], config.read_rows).sample(KIND_SAMPLE_ROWS),
                                      f"data.path={config.path!r}")
         elif stored is not None:
             check_stored_replaces(config, stored, head)
@@ -224,8 +245,9 @@ class CsvData(TabularData):
             self._sampler(config).header_names(columns)
 
         if encoders is not None:
-            refuse_repeats(encoders.schema.columns)
-            schema = from_checkpoint(encoders, self._sampler(config).sample(KIND_SAMPLE_ROWS), where)
+            schema = checkpoint_schema(encoders, config)
+            refuse_repeats(schema.columns)
+            schema = from_checkpoint(encoders, schema, self._sampler(config).sample(KIND_SAMPLE_ROWS), where)
         else:
             done, _ = config_schema(config, lambda: self._sampler(config).sample(config.infer.sample_rows), where,
                                     lambda: self._sampler(config).header_names(), refuse_repeats)

@@ -91,6 +91,7 @@ class SyntheticData(DataModule):
             dense_names=tuple(f"int_{i}" for i in range(c.num_dense)),
             sparse=sparse,
             label=c.label_columns(),
+            label_kinds=c.label_column_kinds(),
         )
         self.batch_size = c.batch_size
         self._num_train_batches = c.num_train_rows // c.batch_size

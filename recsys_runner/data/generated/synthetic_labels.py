@@ -135,6 +135,14 @@ class SyntheticLabelsConfig(DataConfig):
             return "label"
         return (*self.tasks, *([self.conversion_truth] if self.conversion_truth is not None else []))
 
+    def label_column_kinds(self) -> tuple[str, ...]:
+        """The data's ``FeatureSpec.label_kinds``: each label column of :meth:`label_columns`'s kind (``data.label_kinds``,
+        else binary; the ``conversion_truth`` column is binary); empty for one label."""
+        if self.tasks is None:
+            return ()
+        kinds = self.label_kinds or {}
+        return (*(kinds.get(t, "binary") for t in self.tasks), *(["binary"] if self.conversion_truth is not None else []))
+
     def task_labels(self) -> TaskLabels:
         """How this config's batches turn scores into labels (:class:`TaskLabels`)."""
         tasks = self.tasks or []
