@@ -56,12 +56,12 @@ torch.fx.wrap("padded")  # a leaf of TorchRec's pipeline trace here too (models/
 torch.fx.wrap("tile")  # and the jagged tiling (models/jagged.py says why)
 
 BLOCKS = ("sasrec", "hstu")
+"""``model.block`` options: SASRec's softmax self-attention + feed-forward, or HSTU's pointwise gated attention."""
 NOT_A_CANDIDATE = -100
 """The target index :meth:`SASRec.full_scores` gives an eval row whose true item is no candidate (an OOV row: eval rows
 encoded with ``data sequences --vocab`` hold items the earlier mapping has not seen): ``F.cross_entropy``'s
 ``ignore_index``, so the eval loss leaves the row out (no column of the scores holds its item, and an index past them
 stopped the eval inside torch), and :func:`~recsys_runner.metrics.retrieval.target_ranks` counts it a miss."""
-"""``model.block`` options: SASRec's softmax self-attention + feed-forward, or HSTU's pointwise gated attention."""
 
 
 @dataclass(kw_only=True)
