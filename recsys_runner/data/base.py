@@ -63,7 +63,7 @@ class DataModule(Protocol):
     (:func:`in_step`), so that no eval row is left out to even them.
 
     A data module subclasses this protocol explicitly, so that it inherits the defaults of
-    :meth:`metrics` (no counters) and :meth:`explain_empty_epoch` (a generic hint) unless it has
+    :meth:`metrics` (no counters), :meth:`explain_empty_epoch` and :meth:`explain_empty_eval` (generic hints) unless it has
     something better to say.
     """
 
@@ -120,6 +120,21 @@ class DataModule(Protocol):
         """Why the last pass over ``train_batches(epoch, rank, …)`` ended before one full training step (rows
         read, rows skipped) and what to do, for the :class:`DataError` the runner raises then."""
         return "Fix: check the data, or lower data.batch_size / train.grad_accum_steps"
+
+    def check_eval_rows(self) -> None:
+        """Before the first training step (the evaluator is built), refuse eval data known to hold no row to evaluate, so that
+        a run does not train for hours and then find every eval metric NaN; nothing to check by default (generated data).
+
+        Raises:
+            DataError: no eval row is left, naming the eval data and the fix.
+        """
+        return
+
+    def explain_empty_eval(self, rank: int) -> str:
+        """Where the eval rows come from, how many ``rank`` read and skipped in its last pass over ``eval_batches``, and what
+        to do: for the :class:`~recsys_runner.errors.DataError` the evaluator raises when no rank had an eval row (its
+        metrics would all be NaN)."""
+        return "Fix: check the eval data"
 
 
 @dataclass(kw_only=True)

@@ -19,6 +19,7 @@ from torchrec.datasets.utils import Batch
 
 from recsys_runner.data.base import DataModule, in_step, placeholder
 from recsys_runner.distributed.env import DistEnv
+from recsys_runner.errors import DataError
 from recsys_runner.metrics.registry import SELECTION_KEY, MetricsConfig, improved, selection_score
 from recsys_runner.metrics.tasks import TaskEvalMetrics, eval_metric_keys, grouping_ids
 from recsys_runner.progress import Progress
@@ -58,6 +59,7 @@ class Evaluator:
     corpus: CorpusEval | None = None
 
     def __post_init__(self) -> None:
+        self.data.check_eval_rows()  # before the first step: eval data known to hold no row is refused now, not after the training
         if self.corpus is None:
             self.corpus = CorpusEval.for_run(self.model, self.data, self.tasks, self.metrics, say=self.env.is_main)
 
@@ -88,7 +90,9 @@ class Evaluator:
             try:
                 with torch.no_grad():
                     last: Batch | None = None
+                    steps = 0  # a step on every rank while any has a batch: none means no rank had an eval row
                     for mine in in_step(itertools.islice(batches, self.max_batches)):
+                        steps += 1
                         # a rank out of batches steps with a stand-in while another scores its last ones: its rows count
                         # nowhere (an update with none of them keeps this rank's metric states in the gathers)
                         batch = mine.to(self.env.device, non_blocking=True) if mine is not None else \
@@ -102,6 +106,9 @@ class Evaluator:
                             progress.update(1)
                         if stop is not None:
                             stop()
+                    if not steps:  # every metric would be NaN; an eval with rows whose label has one class is not this
+                        raise DataError(f"the eval data gave no row to evaluate (its metrics would all be NaN): "
+                                        f"{self.data.explain_empty_eval(self.env.rank)}")
                     if self.corpus is not None:  # a second pass: the user tower's queries against the whole catalogue
                         corpus = self.corpus.evaluate(model, self.data, self.env, itertools.islice(
                             self.data.eval_batches(self.env.rank, self.env.world_size), self.max_batches), stop=stop)

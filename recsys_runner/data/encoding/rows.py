@@ -74,6 +74,10 @@ class Encoder:
         on_bad_rows: ``fail`` raises ``error`` at the first bad row; ``skip`` drops bad
             rows and counts them in ``num_bad_rows``.
         error: the exception a bad row raises (training: :class:`~recsys_runner.errors.DataError`).
+        required: single-valued sparse columns every row must have a value in, each with why (the end of the bad row's
+            message): a next-item model's candidate column when it trains or evaluates, the item that came next, whose
+            null an empty bag would read as item ``0``. Empty (the default): a null is an empty bag, as predict's top-k
+            rows leave the candidate null.
 
     Histories (``schema.sequences``) are checked and truncated by a :class:`~recsys_runner.data.encoding.histories.HistoryEncoder`;
     ``num_truncated_rows`` counts the rows whose history was longer than its ``max_len``.
@@ -85,8 +89,10 @@ class Encoder:
     """Whether a bad value's message also names the training setting that would take it (``data.sparse[c].num_embeddings``):
     a fix for whoever trains, not for a client of the served model, whose model is fixed."""
 
-    def __init__(self, schema: Any, on_bad_rows: str = "fail", error: type[Exception] = ValueError) -> None:
+    def __init__(self, schema: Any, on_bad_rows: str = "fail", error: type[Exception] = ValueError,
+                 required: dict[str, str] | None = None) -> None:
         self.schema, self.error = schema, error
+        self.required = required or {}
         self.skip = on_bad_rows == "skip"
         self.num_bad_rows = 0
         self.histories = HistoryEncoder(schema, error)
@@ -121,6 +127,9 @@ class Encoder:
         for j, col in enumerate(self.schema.dense):
             dense[:, j] = self._dense(col, _column(table, col.name), where, bad)
         bags = [self._bag(col, table, where, bad) for col in self.schema.sparse]
+        for col, (_, lengths, _) in zip(self.schema.sparse, bags, strict=True):
+            if col.name in self.required:
+                bad(col.name, lengths == 0, self._missing(self.required[col.name]))
         sparse = self.histories.apply(table, [(ids, lengths) for ids, lengths, _ in bags], where, bad)
         weights = [w for _, _, w in bags]
         rows = Rows(labels, dense, sparse, weights + [None] * (len(sparse) - len(weights)) if any(w is not None for w in weights) else None)
@@ -135,6 +144,11 @@ class Encoder:
         keep = ~np.logical_or.reduce([mask for _, _, mask, _ in problems])
         self.num_bad_rows += int(n - keep.sum())
         return rows.take(np.flatnonzero(keep))
+
+    @staticmethod
+    def _missing(why: str) -> Callable[[int], str]:
+        """What a row missing a ``required`` column's value is told (``why``: the reason it needs one)."""
+        return lambda _: f"it is missing (null or empty): {why}"
 
     # -- label --------------------------------------------------------------------------------------
     def _label(self, table: pa.Table, where: Location, bad) -> np.ndarray:

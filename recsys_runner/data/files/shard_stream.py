@@ -12,7 +12,7 @@ reader, the split and its shard, and sends plain tuples back, each batch's tenso
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -40,6 +40,8 @@ class ShardReader:
     config: TabularDataConfig
     schema: Schema
     batch_size: int
+    required: dict[str, str] = field(default_factory=dict)
+    """Columns every row must have a value in, with why (:meth:`~recsys_runner.data.files.streaming.TabularData.required_candidates`)."""
 
     def batches(self, split: Split, epoch: int, shard: int, num_shards: int, train: bool) -> Iterator[tuple]:
         """Encoded batches of one shard, as tensors: (dense, values, lengths, labels, bad rows skipped, histories truncated,
@@ -51,7 +53,7 @@ class ShardReader:
         if shuffle:
             order = np.random.default_rng([cfg.seed, epoch]).permutation(len(order)).tolist()
         ranges = shard_ranges(split.counts, order, shard, num_shards, equal=train and cfg.drop_remainder)
-        encoder = Encoder(self.schema, cfg.on_bad_rows, DataError)
+        encoder = Encoder(self.schema, cfg.on_bad_rows, DataError, self.required)
         rng = np.random.default_rng([cfg.seed, epoch, shard]) if shuffle and cfg.shuffle_buffer_rows > 0 else None
         hold = max(cfg.shuffle_buffer_rows, self.batch_size) if rng is not None else self.batch_size
         keep_last = not (train and cfg.drop_remainder)
@@ -104,6 +106,11 @@ class ShardReader:
         last = counts()
         if last[0] or last[1] or any(total for _, total in last[2].values()) or any(cut for cut, _ in last[3].values()):
             yield (None, None, None, None, *last, None)
+
+    def has_a_row(self, split: Split) -> bool:
+        """Whether ``split`` holds a row that is not bad, read in file order up to the first one (every row when none is)."""
+        ranges = shard_ranges(split.counts, list(range(len(split.units))), 0, 1, equal=False)
+        return any(len(rows) for rows in self._read_ranges(split, ranges, Encoder(self.schema, "skip", DataError, self.required)))
 
     def _token_batches(self, block: Rows, budget: int, final: bool, order: np.random.Generator) -> tuple[Rows, list[tuple[int, int]], int]:
         """``block`` (sorted by history length with ``group_by_length``), its ``batch_tokens`` batches and the rows they use.

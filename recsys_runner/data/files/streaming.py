@@ -79,6 +79,8 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         self._oov: dict[str, list[int]] = {c.name: [0, 0] for c in schema.sparse if c.encoding == "vocab"}
         """Per ``encoding: vocab`` column, since construction: values that read an OOV row, and values."""
         self._dropped_rows = 0
+        self._eval_passes: dict[int, tuple[int, int]] = {}
+        """rank → (rows of the rank's share, bad rows skipped) of its last full pass over the eval data (:meth:`explain_empty_eval`)."""
         self._passes: dict[tuple[int, int], tuple[int, int]] = {}
         """(epoch, rank) → (rows of the rank's share, bad rows skipped) of the last pass over that epoch's training data."""
         self._workers = config.num_workers
@@ -102,7 +104,8 @@ class TabularData(Catalogue, DataModule, abc.ABC):
             self._train = Split(train_source, train_units, [u.num_rows - h for u, h in zip(train_units, held, strict=True)], (fraction, False))
             self._eval = Split(train_source, train_units, held, (fraction, True))
         if sum(self._eval.counts) == 0:
-            raise DataError(f"the eval split of {config.eval_path or config.path} has no rows. Fix: a larger data.eval_fraction, or data.eval_path")
+            raise DataError(f"{self._eval_files()} has no rows (of {sum(self._train.counts)} training rows): the eval would have none. "
+                            f"Fix: a larger data.eval_fraction, or data.eval_path=<eval files>")
         if config.batch_tokens is not None:
             if not schema.sequences:
                 raise ConfigError(f"data.batch_tokens={config.batch_tokens} sizes batches by history tokens, but the schema of "
@@ -182,6 +185,37 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         return (f"its share of {where} was {read} training rows (each rank and data.num_workers worker reads its own share; "
                 f"eval rows are held out). Fix: more data, or a smaller data.batch_size / train.grad_accum_steps")
 
+    def check_eval_rows(self) -> None:
+        """With ``on_bad_rows: skip``, read the eval rows in file order up to the first good one (a unit's read, as a rule):
+        eval data whose every row is bad would log every eval metric NaN after the training.
+
+        Raises:
+            DataError: every eval row is a bad row, naming the eval files, their rows and the fix.
+        """
+        if self.config.on_bad_rows != "skip":
+            return  # the first bad row stops the run; a split without rows was refused when it was opened
+        if not ShardReader(self.config, self.schema, self.batch_size, self.required_candidates()).has_a_row(self._eval):
+            rows = sum(self._eval.counts)
+            raise DataError(f"the eval data has no row to evaluate (its metrics would all be NaN): {self._eval_files()} holds "
+                            f"{rows} eval rows, and all {rows} are bad rows, which data.on_bad_rows=skip skips. {BAD_EVAL_FIX}")
+
+    def explain_empty_eval(self, rank: int) -> str:
+        """The eval files (``data.eval_path``'s, or the rows held out of ``data.path``), their rows, the share ``rank`` read and
+        skipped as bad rows in its last eval pass, and the fix."""
+        read, skipped = self._eval_passes.get(rank, (0, 0))
+        said = f"{self._eval_files()} holds {sum(self._eval.counts)} eval rows; rank {rank} read {read} and skipped {skipped} as bad rows"
+        if skipped:
+            return f"{said} (data.on_bad_rows=skip). {BAD_EVAL_FIX}"
+        return f"{said}. Fix: point data.eval_path at files with rows (or a larger data.eval_fraction)"
+
+    def _eval_files(self) -> str:
+        """The eval rows' setting and files (at most three named), for messages."""
+        config, files = self.config, list(self._eval.source.files)
+        shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+        if config.eval_path is not None:
+            return f"data.eval_path={config.eval_path!r} ({shown})"
+        return f"the share of data.path={config.path!r} ({shown}) held out by data.eval_fraction={config.eval_fraction or DEFAULT_EVAL_FRACTION}"
+
     def metrics(self) -> dict[str, float]:
         """Counters since construction: bad rows skipped, rows left unread so that ranks end together, histories truncated,
         multi-hot lists cut to their ``max_values``."""
@@ -226,8 +260,19 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         per_batch = [n // self.batch_size if drop else math.ceil(n / self.batch_size) for n in per_shard]
         return [sum(per_batch[r * workers : (r + 1) * workers]) for r in range(world_size)]
 
+    def required_candidates(self) -> dict[str, str]:
+        """The columns every training and eval row must have a value in, each with why (the
+        :class:`~recsys_runner.data.encoding.rows.Encoder`'s ``required``): with ``next_item``, the candidate of each
+        history's first feature (its item), the item that came next. None otherwise."""
+        if not self.config.next_item:
+            return {}
+        candidates = {g.features[0]: self.features.candidate_of(g.features[0]) for g in self.schema.sequences}
+        return {candidate: (f"a next-item model trains toward and is judged against each row's {candidate!r}, the item that came "
+                            f"after its history {history!r} (predict's top-k alone may leave it null)")
+                for history, candidate in candidates.items() if candidate is not None}
+
     def _batches(self, split: Split, epoch: int, rank: int, world_size: int, train: bool) -> Iterator[Batch]:
-        reader = ShardReader(self.config, self.schema, self.batch_size)
+        reader = ShardReader(self.config, self.schema, self.batch_size, self.required_candidates())
         stream = ShardStream(reader, self._negative_sampler, split, epoch, rank, world_size, train)
         if self._workers > 0:
             items: Any = unpacked_stream(worker_loader(stream, num_workers=self._workers, pin_memory=self._pin,
@@ -288,10 +333,16 @@ class TabularData(Catalogue, DataModule, abc.ABC):
                 weights = weights.pin_memory() if weights is not None else None
             kjt = batch_kjt(names, values, lengths, weights)
             yield Batch(dense_features=dense, sparse_features=kjt, labels=labels)
+        if not train:
+            self._eval_passes[rank] = (rows, self._bad_rows - skipped_before)
         if self._bad_rows > skipped_before:
             what = f"epoch {epoch}" if train else "eval"
             log.warning("rank %d skipped %d bad rows in %s (data.on_bad_rows=skip)", rank, self._bad_rows - skipped_before, what)
 
+
+BAD_EVAL_FIX = ("Fix: correct or remove the bad rows (with data.on_bad_rows=fail the run stops at the first one and names its file, "
+                "row and column), or point data.eval_path at files with good rows")
+"""The fix for eval data whose every row is a bad row (:meth:`TabularData.check_eval_rows`, :meth:`TabularData.explain_empty_eval`)."""
 
 KIND_SAMPLE_ROWS = 1000
 """Rows read to tell each column's kind (text, number, list) when encoders are stored or checked."""

@@ -6,7 +6,7 @@ Each config's ``_target_`` names its reader in :mod:`recsys_runner.data.files.ta
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -84,9 +84,19 @@ class TabularDataConfig(DataConfig):
     a new id starts fresh; docs/lifecycle.md, *Fine-tuning on new data*). Refused with an explicit ``checkpoint.resume``:
     a resumed run continues its own id → row mapping."""
 
+    next_item: bool = False
+    """The rows train and evaluate a next-item model (``model=sasrec``): set by the model's needs (:meth:`for_model`), not by
+    hand. Each history's candidate column (``item_id`` beside ``hist_item_id``) is then the item that came next, which the
+    model trains toward and is judged against, so a row whose candidate is missing (null) is a bad row (``on_bad_rows``),
+    never an empty bag read as item ``0``. Predict's top-k rows, which need no candidate, are read apart and may leave it null."""
+
     def takes_encoders(self) -> bool:
         """Files are encoded by fitted encoders, which a checkpoint stores (:mod:`recsys_runner.data.encoding.stored`)."""
         return True
+
+    def for_model(self, needs: DataNeeds) -> TabularDataConfig:
+        """The files as they are, told whether their rows are a next-item model's (:attr:`next_item`)."""
+        return self if self.next_item == needs.next_item else replace(self, next_item=needs.next_item)
 
     def __post_init__(self) -> None:
         require(bool(self.path), "data.path is required: a file, a directory or a glob, e.g. data.path=/data/train/")
@@ -183,10 +193,12 @@ class ParquetDataConfig(SchemaFields):
     _target_: str = "recsys_runner.data.files.tabular.ParquetData"
 
     def for_model(self, needs: DataNeeds) -> ParquetDataConfig:
-        """The files as they are, refused for a model that scores one candidate per row when ``sequences --rows per-user``
-        wrote them (:func:`~recsys_runner.data.sequences.splits.check_rows_for_model`): checked before anything is built."""
+        """The files as they are (told whether their rows are a next-item model's), refused for a model that scores one
+        candidate per row when ``sequences --rows per-user`` wrote them (:func:`~recsys_runner.data.sequences.splits.check_rows_for_model`): checked before anything is built."""
         check_rows_for_model({"data.path": self.path, "data.eval_path": self.eval_path}, needs.next_item)
-        return self
+        config = super().for_model(needs)
+        assert isinstance(config, ParquetDataConfig)
+        return config
 
 
 @dataclass(kw_only=True)
