@@ -123,6 +123,11 @@ class Task(abc.ABC):
         """``(preds, targets)`` for the metrics' ``update``."""
         return output, targets
 
+    def nonfinite_fix(self) -> str | None:
+        """What this kind's own loss suggests changing when it went NaN or infinite (the NaN guard's message names the
+        task with it); ``None``: nothing beyond the guard's usual causes (the lr, fp16, the data)."""
+        return None
+
     def eval_metric_names(self, configured: Sequence[str]) -> list[str]:
         """The eval metrics of this task: its own, else its kind's default, else ``configured`` (``metrics.eval``)."""
         return list(self.eval_metrics or self.default_eval_metrics or configured)
@@ -158,6 +163,12 @@ class RegressionTask(Task):
     def row_losses(self, output: Tensor, targets: Tensor) -> Tensor:
         return (output - targets.float()).pow(2)
 
+    def nonfinite_fix(self) -> str | None:
+        # float32 ends at 3.4e38: an error beyond 1.8e19 squares to inf, and smaller huge ones blow the weights up
+        return (f"MSE squares each error, so labels in the order of 1e19 (or huge amounts that drive the weights there) "
+                f"overflow float32. Fix: scale the label column (e.g. log1p of the amounts, predicting log1p(amount)), or "
+                f"train it with the Huber loss, linear in large errors: '+model.task_specs.{self.name}.kind=huber'")
+
 
 @dataclass(frozen=True, slots=True)
 class HuberTask(RegressionTask):
@@ -169,6 +180,10 @@ class HuberTask(RegressionTask):
 
     def row_losses(self, output: Tensor, targets: Tensor) -> Tensor:
         return F.huber_loss(output, targets.float(), reduction="none", delta=self.delta)
+
+    def nonfinite_fix(self) -> str | None:
+        return (f"huge labels still make huge predictions and gradients. Fix: scale the label column (e.g. log1p of the "
+                f"amounts, predicting log1p(amount)), or lower model.task_specs.{self.name}.huber_delta")
 
 
 @torch.fx.wrap  # one opaque node in TorchRec's pipeline trace, which cannot follow a value-dependent raise

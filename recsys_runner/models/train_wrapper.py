@@ -8,6 +8,7 @@ evaluation and planning; :class:`TaskWeighting` is how a multi-task model's per-
 
 from __future__ import annotations
 
+import math
 from typing import Any, cast
 
 import torch
@@ -77,6 +78,14 @@ class TaskWeighting(nn.Module):
         out |= {f"train/weight/{n}": float(v) for n, v in zip(self.names, self.weights().tolist(), strict=True)}
         return out
 
+    def nonfinite(self) -> dict[str, float]:
+        """The tasks whose loss was NaN or infinite in a step since the losses were last read (:meth:`logged`), with
+        their mean over those steps; one host sync, so read only after the NaN guard found the loss non-finite."""
+        if not self._loss_count:
+            return {}
+        means = (self._loss_sum / self._loss_count).tolist()
+        return {n: float(v) for n, v in zip(self.names, means, strict=True) if not math.isfinite(v)}
+
 
 def shared_representation(model: nn.Module) -> nn.Module | None:
     """The submodule whose output every task reads: the model class's ``shared_module`` (a dotted name, e.g.
@@ -134,6 +143,12 @@ class TrainWrapper(nn.Module):
                 f"{type(model).__name__} has one output but the data has labels {list(features.label_names)}. Fix: a "
                 f"multi-task model (model=mmoe), or single-label data (data.tasks=null / data.label=<column>)"
             )
+
+    def nonfinite_tasks(self) -> list[tuple[Task, float]]:
+        """The tasks whose loss went NaN or infinite since the losses were last logged, with that mean loss (empty for a
+        model of one task); one host sync, for the NaN guard's message (:func:`~recsys_runner.checkpoint.guard.task_causes`)."""
+        bad = self.weighting.nonfinite() if self.weighting is not None else {}
+        return [(t, bad[str(t.name)]) for t in self.tasks if str(t.name) in bad]
 
     def _keep_shared(self, _module: nn.Module, _inputs: Any, output: Any) -> None:
         if self._capture:
