@@ -97,15 +97,16 @@ class Task(abc.ABC):
         """How many values the model outputs per row for this task: 1 (a logit ``[B]``); a multi-class task's ``C``."""
         return 1
 
-    def targets(self, output: Tensor, labels: Tensor) -> Tensor:
-        """What ``output`` is trained against: the task's label column (``[B]``)."""
+    def targets(self, output: Tensor, labels: Tensor, batch: str = "batch") -> Tensor:
+        """What ``output`` is trained against: the task's label column (``[B]``). ``batch`` says which batch the labels
+        are from (``training batch`` / ``eval batch``), for a label check's message."""
         return labels if self.column is None else labels[:, self.column]
 
-    def output_and_targets(self, out: Any, labels: Tensor) -> tuple[Tensor, Tensor]:
+    def output_and_targets(self, out: Any, labels: Tensor, batch: str = "batch") -> tuple[Tensor, Tensor]:
         """An unnamed task's model output as float32 and its targets (:meth:`targets`); a kind whose model returns
         its own targets beside its output (:class:`NextItemTask`) overrides this."""
         output = out.float()
-        return output, self.targets(output, labels)
+        return output, self.targets(output, labels, batch)
 
     def served(self, out: Any) -> Any:
         """What a server gets of the model's eval-mode output (the exported program's output): all of it by default."""
@@ -203,17 +204,17 @@ def checked_classes(target: Tensor, num_classes: int, task: str, label: str) -> 
 
 
 @torch.fx.wrap  # one opaque node in TorchRec's pipeline trace, which cannot follow a value-dependent raise
-def checked_weights(weights: Tensor, task: str) -> Tensor:
+def checked_weights(weights: Tensor, task: str, batch: str = "batch") -> Tensor:
     """``weights`` (a task's sample-weight column) unchanged when none is negative: the data reads the column as any
     finite number (a ``regression`` label), and a negative weight would turn its row's loss into one to maximize, a
-    silently wrong model.
+    silently wrong model. ``batch``: which batch (``training batch`` / ``eval batch``), for the message.
 
     Raises:
         DataError: a negative weight, naming the task, the setting and the fix.
     """
     if bool((weights < 0).any()):
         raise DataError(f"task {task!r}: its sample-weight column (model.task_specs.{task}.sample_weight) holds "
-                        f"{float(weights.min()):g} in this batch, but a row's weight in the loss must be >= 0 (a negative one "
+                        f"{float(weights.min()):g} in this {batch}, but a row's weight in the loss must be >= 0 (a negative one "
                         f"would train the model away from that row's label). Fix the data, e.g. clip the column at 0")
     return weights
 
@@ -239,7 +240,7 @@ class MulticlassTask(Task):
     def output_width(self) -> int:
         return self.num_classes
 
-    def targets(self, output: Tensor, labels: Tensor) -> Tensor:
+    def targets(self, output: Tensor, labels: Tensor, batch: str = "batch") -> Tensor:
         target = labels if self.column is None else labels[:, self.column]
         return checked_classes(target, self.num_classes, str(self.name), str(self.label or self.column))
 
@@ -266,7 +267,7 @@ class InBatchSoftmaxTask(Task):
     metric_inputs_kinds: ClassVar[tuple[str, ...]] = ("retrieval", "ranking")
     catalogue_kinds: ClassVar[tuple[str, ...]] = ("ranking",)
 
-    def targets(self, output: Tensor, labels: Tensor) -> Tensor:
+    def targets(self, output: Tensor, labels: Tensor, batch: str = "batch") -> Tensor:
         return torch.arange(output.shape[0], device=output.device)
 
     def row_losses(self, output: Tensor, targets: Tensor) -> Tensor:
@@ -302,7 +303,7 @@ class NextItemTask(Task):
     default_train_metrics: ClassVar[tuple[str, ...] | None] = ()
     metric_inputs_kinds: ClassVar[tuple[str, ...]] = ("ranking",)
 
-    def output_and_targets(self, out: Any, labels: Tensor) -> tuple[Tensor, Tensor]:
+    def output_and_targets(self, out: Any, labels: Tensor, batch: str = "batch") -> tuple[Tensor, Tensor]:
         scores, targets = out
         return scores.float(), targets
 

@@ -146,7 +146,7 @@ def test_a_negative_sample_weight_stops_training(tmp_path: Path) -> None:
     table["w"] = np.where(np.arange(ROWS) == 5, -2.0, 1.0)
     pq.write_table(pa.table(table), tmp_path / "w.parquet")
     with pytest.raises(DataError, match=r"task 'cvr': its sample-weight column \(model\.task_specs\.cvr\.sample_weight\) holds -2 "
-                                        r"in this batch, but a row's weight in the loss must be >= 0"):
+                                        r"in this training batch, but a row's weight in the loss must be >= 0"):
         _train(tmp_path, str(tmp_path / "w.parquet"), "data.label_kinds={w: regression}", "+model.task_specs.cvr.sample_weight=w",
                "checkpoint=none", labels="{ctr: click, cvr: buy, w: w}")
 
