@@ -195,7 +195,8 @@ class SyntheticSequences(DataModule):
         )
         group = SequenceGroup(HISTORY, ("hist_item_id", "hist_category"), c.max_len, c.truncate,
                               timestamps="hist_ts" if c.timestamps else None)
-        self.features = FeatureSpec(tuple(f"int_{i}" for i in range(c.num_dense)), sparse, c.label_columns(), sequences=(group,))
+        self.features = FeatureSpec(tuple(f"int_{i}" for i in range(c.num_dense)), sparse, c.label_columns(), sequences=(group,),
+                                    label_kinds=c.label_column_kinds())
         self._drawn: _World | None = None
         self._catalogue: ItemTable | None = None
 
