@@ -97,15 +97,16 @@ class Task(abc.ABC):
         """How many values the model outputs per row for this task: 1 (a logit ``[B]``); a multi-class task's ``C``."""
         return 1
 
-    def targets(self, output: Tensor, labels: Tensor) -> Tensor:
-        """What ``output`` is trained against: the task's label column (``[B]``)."""
+    def targets(self, output: Tensor, labels: Tensor, batch: str = "batch") -> Tensor:
+        """What ``output`` is trained against: the task's label column (``[B]``). ``batch`` says which batch the labels
+        are from (``training batch`` / ``eval batch``), for a label check's message."""
         return labels if self.column is None else labels[:, self.column]
 
-    def output_and_targets(self, out: Any, labels: Tensor) -> tuple[Tensor, Tensor]:
+    def output_and_targets(self, out: Any, labels: Tensor, batch: str = "batch") -> tuple[Tensor, Tensor]:
         """An unnamed task's model output as float32 and its targets (:meth:`targets`); a kind whose model returns
         its own targets beside its output (:class:`NextItemTask`) overrides this."""
         output = out.float()
-        return output, self.targets(output, labels)
+        return output, self.targets(output, labels, batch)
 
     def served(self, out: Any) -> Any:
         """What a server gets of the model's eval-mode output (the exported program's output): all of it by default."""
@@ -122,6 +123,11 @@ class Task(abc.ABC):
     def metric_inputs(self, output: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
         """``(preds, targets)`` for the metrics' ``update``."""
         return output, targets
+
+    def nonfinite_fix(self) -> str | None:
+        """What this kind's own loss suggests changing when it went NaN or infinite (the NaN guard's message names the
+        task with it); ``None``: nothing beyond the guard's usual causes (the lr, fp16, the data)."""
+        return None
 
     def eval_metric_names(self, configured: Sequence[str]) -> list[str]:
         """The eval metrics of this task: its own, else its kind's default, else ``configured`` (``metrics.eval``)."""
@@ -158,6 +164,12 @@ class RegressionTask(Task):
     def row_losses(self, output: Tensor, targets: Tensor) -> Tensor:
         return (output - targets.float()).pow(2)
 
+    def nonfinite_fix(self) -> str | None:
+        # float32 ends at 3.4e38: an error beyond 1.8e19 squares to inf, and smaller huge ones blow the weights up
+        return (f"MSE squares each error, so labels in the order of 1e19 (or huge amounts that drive the weights there) "
+                f"overflow float32. Fix: scale the label column (e.g. log1p of the amounts, predicting log1p(amount)), or "
+                f"train it with the Huber loss, linear in large errors: '+model.task_specs.{self.name}.kind=huber'")
+
 
 @dataclass(frozen=True, slots=True)
 class HuberTask(RegressionTask):
@@ -169,6 +181,10 @@ class HuberTask(RegressionTask):
 
     def row_losses(self, output: Tensor, targets: Tensor) -> Tensor:
         return F.huber_loss(output, targets.float(), reduction="none", delta=self.delta)
+
+    def nonfinite_fix(self) -> str | None:
+        return (f"huge labels still make huge predictions and gradients. Fix: scale the label column (e.g. log1p of the "
+                f"amounts, predicting log1p(amount)), or lower model.task_specs.{self.name}.huber_delta")
 
 
 @torch.fx.wrap  # one opaque node in TorchRec's pipeline trace, which cannot follow a value-dependent raise
@@ -188,17 +204,17 @@ def checked_classes(target: Tensor, num_classes: int, task: str, label: str) -> 
 
 
 @torch.fx.wrap  # one opaque node in TorchRec's pipeline trace, which cannot follow a value-dependent raise
-def checked_weights(weights: Tensor, task: str) -> Tensor:
+def checked_weights(weights: Tensor, task: str, batch: str = "batch") -> Tensor:
     """``weights`` (a task's sample-weight column) unchanged when none is negative: the data reads the column as any
     finite number (a ``regression`` label), and a negative weight would turn its row's loss into one to maximize, a
-    silently wrong model.
+    silently wrong model. ``batch``: which batch (``training batch`` / ``eval batch``), for the message.
 
     Raises:
         DataError: a negative weight, naming the task, the setting and the fix.
     """
     if bool((weights < 0).any()):
         raise DataError(f"task {task!r}: its sample-weight column (model.task_specs.{task}.sample_weight) holds "
-                        f"{float(weights.min()):g} in this batch, but a row's weight in the loss must be >= 0 (a negative one "
+                        f"{float(weights.min()):g} in this {batch}, but a row's weight in the loss must be >= 0 (a negative one "
                         f"would train the model away from that row's label). Fix the data, e.g. clip the column at 0")
     return weights
 
@@ -224,7 +240,7 @@ class MulticlassTask(Task):
     def output_width(self) -> int:
         return self.num_classes
 
-    def targets(self, output: Tensor, labels: Tensor) -> Tensor:
+    def targets(self, output: Tensor, labels: Tensor, batch: str = "batch") -> Tensor:
         target = labels if self.column is None else labels[:, self.column]
         return checked_classes(target, self.num_classes, str(self.name), str(self.label or self.column))
 
@@ -251,7 +267,7 @@ class InBatchSoftmaxTask(Task):
     metric_inputs_kinds: ClassVar[tuple[str, ...]] = ("retrieval", "ranking")
     catalogue_kinds: ClassVar[tuple[str, ...]] = ("ranking",)
 
-    def targets(self, output: Tensor, labels: Tensor) -> Tensor:
+    def targets(self, output: Tensor, labels: Tensor, batch: str = "batch") -> Tensor:
         return torch.arange(output.shape[0], device=output.device)
 
     def row_losses(self, output: Tensor, targets: Tensor) -> Tensor:
@@ -287,7 +303,7 @@ class NextItemTask(Task):
     default_train_metrics: ClassVar[tuple[str, ...] | None] = ()
     metric_inputs_kinds: ClassVar[tuple[str, ...]] = ("ranking",)
 
-    def output_and_targets(self, out: Any, labels: Tensor) -> tuple[Tensor, Tensor]:
+    def output_and_targets(self, out: Any, labels: Tensor, batch: str = "batch") -> tuple[Tensor, Tensor]:
         scores, targets = out
         return scores.float(), targets
 

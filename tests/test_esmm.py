@@ -223,9 +223,13 @@ def test_a_conversion_without_a_click_stops_step_one_or_counts_as_not_converted(
     labels = batch.labels.clone()
     labels[:3] = torch.tensor([0.0, 1.0])  # three conversions without a click
     bad = Batch(dense_features=batch.dense_features, sparse_features=batch.sparse_features, labels=labels)
-    with pytest.raises(DataError, match=r"ESMM: 3 of this batch's 8 rows have the conversion label 'cvr' positive where the click "
-                                        r"'ctr' is 0.*model.conversion_without_click=and"):
-        TrainWrapper(esmm(data), features=data.features)(bad)
+    wrapper = TrainWrapper(esmm(data), features=data.features)
+    with pytest.raises(DataError, match=r"ESMM: 3 of this training batch's 8 rows have the conversion label 'cvr' positive where "
+                                        r"the click 'ctr' is 0.* Fix the labels in the training data \(data\.path\).*"
+                                        r"model.conversion_without_click=and"):
+        wrapper(bad)
+    with pytest.raises(DataError, match=r"ESMM: 3 of this eval batch's 8 rows .* Fix the labels in the eval data \(data\.eval_path"):
+        wrapper.eval()(bad)  # as the evaluator runs it
     _, (_, _, targets) = TrainWrapper(esmm(data, conversion_without_click="and"), features=data.features)(bad)
     torch.testing.assert_close(targets[:, 2], labels[:, 0] * labels[:, 1])  # ctcvr: click AND conversion
     torch.testing.assert_close(targets[:, 1], labels[:, 1])  # cvr: the conversion (its loss and metrics see clicked rows)
@@ -249,13 +253,19 @@ def click_csv(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"root": root, "data": data}
 
 
-def test_logged_data_with_a_buy_without_a_click_stops_at_step_one(click_csv: dict[str, Any], tmp_path: Path) -> None:
-    """One row in 50 buys without a click: step 1's batch holds some, so no step completes."""
-    data = [*click_csv["data"], f"data.path={click_csv['root']}/broken.csv", "train.num_steps=4", "checkpoint=none"]
+@pytest.mark.parametrize(("broken", "batch"), [("data.path", "training"), ("data.eval_path", "eval")])
+def test_logged_data_with_a_buy_without_a_click_stops_at_step_one(click_csv: dict[str, Any], tmp_path: Path, broken: str,
+                                                                   batch: str) -> None:
+    """One row in 50 buys without a click: step 1's batch holds some, so no step completes; in the eval data, the first
+    eval stops the run, and the message says which data the batch came from."""
+    files = {"data.path": f"{click_csv['root']}/train.csv", "data.eval_path": f"{click_csv['root']}/train.csv"}
+    files[broken] = f"{click_csv['root']}/broken.csv"
+    data = [*click_csv["data"], *(f"{k}={v}" for k, v in files.items()), "train.num_steps=1", "train.eval_max_batches=2",
+            "checkpoint=none"]
     c = build(validate(compose_entry("config", *data)))
     try:
-        with pytest.raises(DataError, match=r"ESMM: [1-9]\d* of this batch's 128 rows have the conversion label 'cvr' positive "
-                                            r"where the click 'ctr' is 0"):
+        with pytest.raises(DataError, match=rf"ESMM: [1-9]\d* of this {batch} batch's 128 rows have the conversion label 'cvr' "
+                                            rf"positive where the click 'ctr' is 0.* Fix the labels in the {batch} data \({broken}"):
             train(c.loop)
         assert c.loop.state.step == 0
     finally:

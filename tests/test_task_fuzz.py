@@ -21,6 +21,7 @@ from recsys_runner.data.base import DataError
 from recsys_runner.data.files.tabular import CsvData, ParquetData
 from recsys_runner.data.files.tabular_config import CsvDataConfig, ParquetDataConfig
 from recsys_runner.data.generated.synthetic_config import SyntheticDataConfig
+from recsys_runner.data.generated.synthetic_sequences import SyntheticSequencesConfig
 from recsys_runner.errors import ConfigError
 from recsys_runner.models.esmm import ESMMConfig
 from recsys_runner.models.mmoe import MMoEConfig
@@ -63,11 +64,12 @@ def test_task_kind_must_match_how_the_data_reads_its_label(tmp_path: Path, data_
     data = _data(_parquet(tmp_path / "a.parquet"), label_kinds=data_kinds or None)
     with pytest.raises(ConfigError, match=message):
         make(MMoEConfig, tasks=["ctr", "gmv"], **model).resolve_tasks(data.features)
-    # generated data with its own data.tasks / data.label_kinds is checked the same way
+    # generated data with its own data.tasks / data.label_kinds is checked the same way, rows and histories alike
     classes = {t: 3 for t, k in data_kinds.items() if k == "multiclass"} or None
-    synthetic = make(SyntheticDataConfig, tasks=["ctr", "gmv"], label_kinds=data_kinds or None, label_classes=classes).build()
-    with pytest.raises(ConfigError, match=message):
-        make(MMoEConfig, tasks=["ctr", "gmv"], **model).resolve_tasks(synthetic.features)
+    for config in (SyntheticDataConfig, SyntheticSequencesConfig):
+        synthetic = make(config, tasks=["ctr", "gmv"], label_kinds=data_kinds or None, label_classes=classes).build()
+        with pytest.raises(ConfigError, match=message):
+            make(MMoEConfig, tasks=["ctr", "gmv"], **model).resolve_tasks(synthetic.features)
 
 
 def test_agreeing_kinds_bind_by_name_whatever_the_order(tmp_path: Path) -> None:
@@ -146,7 +148,7 @@ def test_a_negative_sample_weight_stops_training(tmp_path: Path) -> None:
     table["w"] = np.where(np.arange(ROWS) == 5, -2.0, 1.0)
     pq.write_table(pa.table(table), tmp_path / "w.parquet")
     with pytest.raises(DataError, match=r"task 'cvr': its sample-weight column \(model\.task_specs\.cvr\.sample_weight\) holds -2 "
-                                        r"in this batch, but a row's weight in the loss must be >= 0"):
+                                        r"in this training batch, but a row's weight in the loss must be >= 0"):
         _train(tmp_path, str(tmp_path / "w.parquet"), "data.label_kinds={w: regression}", "+model.task_specs.cvr.sample_weight=w",
                "checkpoint=none", labels="{ctr: click, cvr: buy, w: w}")
 

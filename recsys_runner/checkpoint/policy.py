@@ -43,7 +43,7 @@ from torchrec.optim.keyed import CombinedOptimizer
 from recsys_runner import uris
 from recsys_runner.checkpoint import resume
 from recsys_runner.checkpoint.config import RESUME_WORDS, CheckpointConfig, TrainState
-from recsys_runner.checkpoint.guard import check_finite, finite_state
+from recsys_runner.checkpoint.guard import check_finite, finite_state, task_causes
 from recsys_runner.checkpoint.lock import DirectoryInUse, lock_for
 from recsys_runner.checkpoint.object_storage import storage_for
 from recsys_runner.checkpoint.storage import RUN_DIR_FOLDER, STEP_DIR, CheckpointStorage, checkpoint_name, step_of
@@ -225,9 +225,10 @@ class Checkpointer:
 
     def _refuse_nonfinite(self, value: float, step: int, what: str | None = None) -> None:
         """Raise :class:`~recsys_runner.checkpoint.guard.NonFiniteLossError` for a non-finite ``value``, after setting
-        aside the checkpoints no finite loss has followed, so the one it names (and a resume picks) is truly good."""
+        aside the checkpoints no finite loss has followed, so the one it names (and a resume picks) is truly good; the
+        message names a multi-task model's tasks whose losses went non-finite (read only now, off the normal path)."""
         if not math.isfinite(value):
-            check_finite(value, step, self.drop_unverified(), what)
+            check_finite(value, step, self.drop_unverified(), what, task_causes(self.parts.model))
 
     def drop_unverified(self) -> str | None:
         """After a non-finite loss: move the step checkpoints no finite loss has followed aside (``diverged-step_<n>``)

@@ -133,18 +133,22 @@ class ESMMConfig(ModelConfig):
 
 
 @torch.fx.wrap  # one opaque node in TorchRec's pipeline trace, which cannot follow a value-dependent raise
-def checked_funnel(conversion: Tensor, click: Tensor, label: str, click_label: str) -> Tensor:
-    """``conversion`` unchanged when it is positive only where ``click`` is.
+def checked_funnel(conversion: Tensor, click: Tensor, label: str, click_label: str, batch: str = "batch") -> Tensor:
+    """``conversion`` unchanged when it is positive only where ``click`` is. ``batch`` says which (``training batch`` /
+    ``eval batch``): the eval data is its own files (``data.eval_path``) or rows held out of the training files.
 
     Raises:
-        DataError: some row converts without a click, naming how many of the batch's rows, both columns and the fix.
+        DataError: some row converts without a click, naming how many of the batch's rows, which batch, both columns
+            and the fix.
     """
     bad = (conversion > 0) & (click <= 0)
     if bool(bad.any()):
         count = int(bad.sum())
-        raise DataError(f"ESMM: {count} of this batch's {conversion.shape[0]} rows have the conversion label {label!r} positive "
+        data = {"training batch": " in the training data (data.path)",
+                "eval batch": " in the eval data (data.eval_path, else the rows data.eval_fraction holds out of data.path)"}
+        raise DataError(f"ESMM: {count} of this {batch}'s {conversion.shape[0]} rows have the conversion label {label!r} positive "
                         f"where the click {click_label!r} is 0; ESMM's pCTCVR = pCTR x pCVR cannot fit a conversion without a "
-                        f"click. Fix the labels (a conversion is counted only after a click), or set "
+                        f"click. Fix the labels{data.get(batch, '')} (a conversion is counted only after a click), or set "
                         f"model.conversion_without_click=and to train on click AND conversion (those rows then count as not converted)")
     return conversion
 
@@ -161,11 +165,11 @@ class ConversionTask(BinaryTask):
     """The click column's name, for the error message."""
     without_click: str = "error"
 
-    def targets(self, output: Tensor, labels: Tensor) -> Tensor:
+    def targets(self, output: Tensor, labels: Tensor, batch: str = "batch") -> Tensor:
         conversion, click = labels[:, self.column], labels[:, self.click_column]
         if self.without_click == "and":
             return conversion * (click > 0).to(conversion.dtype)
-        return checked_funnel(conversion, click, str(self.label), self.click_label)
+        return checked_funnel(conversion, click, str(self.label), self.click_label, batch)
 
 
 def product_logit(a: Tensor, b: Tensor) -> Tensor:

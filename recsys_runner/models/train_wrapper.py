@@ -8,6 +8,7 @@ evaluation and planning; :class:`TaskWeighting` is how a multi-task model's per-
 
 from __future__ import annotations
 
+import math
 from typing import Any, cast
 
 import torch
@@ -77,6 +78,14 @@ class TaskWeighting(nn.Module):
         out |= {f"train/weight/{n}": float(v) for n, v in zip(self.names, self.weights().tolist(), strict=True)}
         return out
 
+    def nonfinite(self) -> dict[str, float]:
+        """The tasks whose loss was NaN or infinite in a step since the losses were last read (:meth:`logged`), with
+        their mean over those steps; one host sync, so read only after the NaN guard found the loss non-finite."""
+        if not self._loss_count:
+            return {}
+        means = (self._loss_sum / self._loss_count).tolist()
+        return {n: float(v) for n, v in zip(self.names, means, strict=True) if not math.isfinite(v)}
+
 
 def shared_representation(model: nn.Module) -> nn.Module | None:
     """The submodule whose output every task reads: the model class's ``shared_module`` (a dotted name, e.g.
@@ -135,18 +144,24 @@ class TrainWrapper(nn.Module):
                 f"multi-task model (model=mmoe), or single-label data (data.tasks=null / data.label=<column>)"
             )
 
+    def nonfinite_tasks(self) -> list[tuple[Task, float]]:
+        """The tasks whose loss went NaN or infinite since the losses were last logged, with that mean loss (empty for a
+        model of one task); one host sync, for the NaN guard's message (:func:`~recsys_runner.checkpoint.guard.task_causes`)."""
+        bad = self.weighting.nonfinite() if self.weighting is not None else {}
+        return [(t, bad[str(t.name)]) for t in self.tasks if str(t.name) in bad]
+
     def _keep_shared(self, _module: nn.Module, _inputs: Any, output: Any) -> None:
         if self._capture:
             self._shared = list(output) if isinstance(output, list | tuple) else [output]
 
-    def _task_loss(self, task: Task, output: torch.Tensor, target: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _task_loss(self, task: Task, output: torch.Tensor, target: torch.Tensor, labels: torch.Tensor, batch: str) -> torch.Tensor:
         """One task's loss from its own output alone (so that its gradient reaches only its own path): the mean row
         loss, or for a task with a sample-weight column or a mask (only where another task is positive) the weighted mean
-        over its rows (0 in a batch without any)."""
+        over its rows (0 in a batch without any). ``batch``: which batch, for a label check's message."""
         rows = task.row_losses(output, target.float())
         if task.weight_column is None and task.mask_column is None:
             return rows.mean()
-        w = torch.ones_like(rows) if task.weight_column is None else checked_weights(labels[:, task.weight_column].float(), str(task.name))
+        w = torch.ones_like(rows) if task.weight_column is None else checked_weights(labels[:, task.weight_column].float(), str(task.name), batch)
         if task.mask_column is not None:
             w = w * (labels[:, task.mask_column] > 0)
         return (rows * w).sum() / w.sum().clamp_min(1e-12)
@@ -159,17 +174,18 @@ class TrainWrapper(nn.Module):
             device, dtype = self._autocast_args
             with torch.autocast(device_type=device, dtype=dtype):
                 out = self.model(batch.dense_features, batch.sparse_features)
+        which = "training batch" if self.training else "eval batch"  # for a label check's message (the evaluator sets eval())
         if self.weighting is not None:  # each task's loss from its own output, combined by the weighting
             outputs = [out[t.name].float() for t in self.tasks]
-            targets = [task.targets(output, batch.labels) for task, output in zip(self.tasks, outputs, strict=True)]
-            per_task = [self._task_loss(t, o, y, batch.labels) for t, o, y in zip(self.tasks, outputs, targets, strict=True)]
+            targets = [task.targets(output, batch.labels, which) for task, output in zip(self.tasks, outputs, strict=True)]
+            per_task = [self._task_loss(t, o, y, batch.labels, which) for t, o, y in zip(self.tasks, outputs, targets, strict=True)]
             logits = torch.cat([o.reshape(o.shape[0], -1) for o in outputs], dim=1)
             labels = torch.stack(targets, dim=1).float()
             shared, self._shared, self._capture = self._shared, None, False
             loss = self.weighting(per_task, shared)
         else:  # one unnamed task: no per-step lists; a weight of 1 (x * 1.0 == x exactly) costs no op
             (task,) = self.tasks
-            logits, labels = task.output_and_targets(out, batch.labels)
+            logits, labels = task.output_and_targets(out, batch.labels, which)
             loss = task.loss(logits, labels)
             if task.weight != 1:
                 loss = task.weight * loss

@@ -1,6 +1,6 @@
 """Generated user histories whose labels and next items depend on the history: the default data of sequence models.
 
-A hidden world is drawn once from ``seed``: ``num_items`` items, each in one of ``num_categories`` categories,
+A hidden world is drawn once from ``seed`` (:mod:`~recsys_runner.data.generated.synthetic_history_world`): ``num_items`` items, each in one of ``num_categories`` categories,
 with Zipf popularity; every item has a *successor* in its own category (what people tend to watch next); every
 user prefers ``interests`` categories (2). A row is one user's history (``hist_item_id``, ``hist_category`` and, with
 ``timestamps``, ``hist_ts``), then a candidate item (``item_id``, ``category``) and a click label:
@@ -14,7 +14,7 @@ user prefers ``interests`` categories (2). A row is one user's history (``hist_i
   successor of the newest event, the item's own appeal and a little of two dense columns;
 * with ``data.tasks=[ctr, cvr, …]`` (or a multi-task model's tasks) one label per task, as ``data=synthetic`` draws them
   (:mod:`recsys_runner.data.generated.synthetic_labels`): the click above, then each later task a conversion of a
-  clicked row whose own score reads the history too (:class:`_Conversion`: the same two signals and whether the
+  clicked row whose own score reads the history too (``HistoryConversion``: the same two signals and whether the
   candidate is already in the history, with weights of its own), drawn after every other column, so a batch's click
   and ids are those of its one-label batch.
 
@@ -51,8 +51,9 @@ from torchrec.datasets.utils import Batch
 
 from recsys_runner.data.base import DataModule, batch_kjt
 from recsys_runner.data.catalogue.items import ItemTable
+from recsys_runner.data.generated.synthetic_history_world import HistoryRows, HistoryWorld
 from recsys_runner.data.generated.synthetic_items import generated_item_table
-from recsys_runner.data.generated.synthetic_labels import SyntheticLabelsConfig, TaskLabels
+from recsys_runner.data.generated.synthetic_labels import SyntheticLabelsConfig
 from recsys_runner.data.sequences.tokens import check_budget, padded_slices, row_tokens, token_slices
 from recsys_runner.errors import require
 from recsys_runner.features import TRUNCATIONS, DataNeeds, FeatureSpec, SequenceGroup, SparseFeature
@@ -195,15 +196,16 @@ class SyntheticSequences(DataModule):
         )
         group = SequenceGroup(HISTORY, ("hist_item_id", "hist_category"), c.max_len, c.truncate,
                               timestamps="hist_ts" if c.timestamps else None)
-        self.features = FeatureSpec(tuple(f"int_{i}" for i in range(c.num_dense)), sparse, c.label_columns(), sequences=(group,))
-        self._drawn: _World | None = None
+        self.features = FeatureSpec(tuple(f"int_{i}" for i in range(c.num_dense)), sparse, c.label_columns(), sequences=(group,),
+                                    label_kinds=c.label_column_kinds())
+        self._drawn: HistoryWorld | None = None
         self._catalogue: ItemTable | None = None
 
     @property
-    def _world(self) -> _World:
+    def _world(self) -> HistoryWorld:
         """The hidden world, drawn at the first batch: planning (``recsys_runner.plan``, on ``meta``) never draws it."""
         if self._drawn is None:
-            self._drawn = _World.draw(self.config)
+            self._drawn = HistoryWorld.draw(self.config)
         return self._drawn
 
     def item_table(self) -> ItemTable:
@@ -266,7 +268,7 @@ class SyntheticSequences(DataModule):
         enough = int(torch.searchsorted(torch.cumsum(lengths + 1, 0), tokens)) + 1
         return lengths[:enough]
 
-    def assemble(self, rows: _Rows) -> Batch:
+    def assemble(self, rows: HistoryRows) -> Batch:
         """The rows as a TorchRec batch: one ``KeyedJaggedTensor`` with the candidate's ids (one per row), the jagged
         histories and (with ``timestamps``) their event times, in :attr:`FeatureSpec.kjt_keys` order."""
         n = rows.user.shape[0]
@@ -279,175 +281,3 @@ class SyntheticSequences(DataModule):
             parts.append(lengths)
         kjt = batch_kjt(self.features.kjt_keys, torch.cat(values), torch.cat(parts))
         return Batch(dense_features=rows.dense, sparse_features=kjt, labels=rows.labels)
-
-
-@dataclass
-class _Rows:
-    """Generated rows: per-row ids ``[n]``, histories flat (oldest first per row) with ``lengths [n]``."""
-
-    user: torch.Tensor
-    item: torch.Tensor
-    category: torch.Tensor
-    hist_items: torch.Tensor
-    hist_categories: torch.Tensor
-    hist_ts: torch.Tensor
-    lengths: torch.Tensor
-    dense: torch.Tensor
-    labels: torch.Tensor
-    """``[n]``, the click; with ``data.tasks`` ``[n, T]`` (then ``conversion_truth``'s column)."""
-    next_item: torch.Tensor
-    """The true next item of each row (the candidate on positive rows)."""
-
-
-@dataclass(frozen=True)
-class _World:
-    """The hidden ground truth the rows are drawn from."""
-
-    category: torch.Tensor
-    """``[num_items]``: each item's category."""
-    successor: torch.Tensor
-    """``[num_items]``: the item that tends to come next, in the same category."""
-    by_category: torch.Tensor
-    """Every item, grouped by category, each category's most popular first."""
-    category_start: torch.Tensor
-    """``[num_categories]``: where each category's items start in ``by_category``."""
-    category_size: torch.Tensor
-    """``[num_categories]``: how many items each category has."""
-    popularity: torch.Tensor
-    """``[num_items]`` draw weights (Zipf)."""
-    appeal: torch.Tensor
-    """``[num_items]``: each item's own effect on the click."""
-    preferred: torch.Tensor
-    """``[num_users, interests]``: each user's categories."""
-    length_probs: torch.Tensor
-    """``[max_len + 1]``: the distribution of history lengths."""
-    dense_weights: torch.Tensor
-    config: SyntheticSequencesConfig
-    conversions: list[_Conversion]
-    """The later tasks' worlds of ``data.tasks`` (none for one label)."""
-    task_labels: TaskLabels
-    """How the scores become labels: the click, then the funnel (``data=synthetic``'s code)."""
-
-    @staticmethod
-    def draw(c: SyntheticSequencesConfig) -> _World:
-        g = torch.Generator().manual_seed(c.seed * 104_729 + 17)
-        category = torch.randint(c.num_categories, (c.num_items,), generator=g)
-        category[: c.num_categories] = torch.arange(c.num_categories)  # no category is empty
-        popularity = 1.0 / torch.arange(1, c.num_items + 1, dtype=torch.float64)[torch.randperm(c.num_items, generator=g)]
-        successor = torch.empty(c.num_items, dtype=torch.long)
-        by_category = []
-        for k in range(c.num_categories):
-            members = torch.nonzero(category == k).squeeze(1)
-            by_category.append(members[torch.argsort(popularity[members], descending=True)])
-            successor[members] = members[torch.randperm(len(members), generator=g)]
-        lengths = torch.arange(1, c.max_len + 1, dtype=torch.float64).pow(-c.length_skew)
-        probs = torch.cat([torch.tensor([c.empty_fraction], dtype=torch.float64), (1 - c.empty_fraction) * lengths / lengths.sum()])
-        sizes = torch.tensor([len(m) for m in by_category])
-        return _World(category=category, successor=successor, by_category=torch.cat(by_category), category_size=sizes,
-                      category_start=sizes.cumsum(0) - sizes, popularity=popularity,
-                      appeal=torch.randn(c.num_items, generator=g) * 0.5,
-                      preferred=torch.randint(c.num_categories, (c.num_users, c.interests), generator=g), length_probs=probs,
-                      dense_weights=torch.randn(c.num_dense, generator=g) * 0.3, config=c,
-                      conversions=[_Conversion.draw(c, t) for t in range(1, len(c.tasks or []))], task_labels=c.task_labels())
-
-    def _fresh(self, users: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-        """A fresh pick per user: with 0.8 a popular item of one of the user's categories, else a popular item of any."""
-        n = users.shape[0]
-        pick = self.preferred[users, torch.randint(self.config.interests, (n,), generator=g)]
-        # A popular item of category `pick`: rank ~ Zipf within the category, by inverse CDF of u**3.
-        sizes = self.category_size[pick]
-        rank = (sizes.double() * torch.rand(n, generator=g, dtype=torch.float64).pow(3)).long().clamp_max(sizes - 1)
-        own = self.by_category[self.category_start[pick] + rank]
-        anywhere = torch.multinomial(self.popularity, n, replacement=True, generator=g) if n else pick
-        return torch.where(torch.rand(n, generator=g) < 0.8, own, anywhere)
-
-    def _step(self, previous: torch.Tensor, users: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-        follow = torch.rand(users.shape[0], generator=g) < self.config.follow
-        return torch.where(follow, self.successor[previous], self._fresh(users, g))
-
-    def rows(self, n: int, negatives: float, g: torch.Generator, lengths: torch.Tensor | None = None) -> _Rows:
-        """``n`` rows drawn from ``g``; with ``lengths`` (a token batch's, drawn first) as many rows as it has lengths."""
-        c = self.config
-        n = n if lengths is None else lengths.shape[0]
-        users = torch.multinomial(torch.ones(c.num_users), n, replacement=True, generator=g)
-        if lengths is None:
-            lengths = torch.multinomial(self.length_probs, n, replacement=True, generator=g)
-        longest = int(lengths.max()) if n else 0
-        events = torch.zeros(n, longest + 1, dtype=torch.long)  # events[:, L] is the true next item
-        current = self._fresh(users, g)
-        for t in range(longest + 1):
-            events[:, t] = current
-            current = self._step(current, users, g)
-        gaps = torch.empty(n, longest + 1).exponential_(generator=g).mul_(3600).long() + 1
-        if c.candidates_per_user > 1:  # each group of rows takes its first row's user, history and times
-            first = torch.div(torch.arange(n), c.candidates_per_user, rounding_mode="floor") * c.candidates_per_user
-            users, lengths, events, gaps = users[first], lengths[first], events[first], gaps[first]
-        # Row b's history is events[b, :L_b]; its next item events[b, L_b] (each step follows the one before).
-        next_item = events[torch.arange(n), lengths]
-        mask = torch.arange(longest + 1).unsqueeze(0) < lengths.unsqueeze(1)
-        hist_items = events[mask]
-        hist_ts = (1_700_000_000 + gaps.cumsum(1))[mask]
-        negative = torch.rand(n, generator=g) < negatives
-        item = torch.where(negative, torch.multinomial(self.popularity, n, replacement=True, generator=g) if n else next_item, next_item)
-        dense = torch.randn(n, c.num_dense, generator=g)
-        share, follows = self._signals(item, events, lengths, mask)
-        score = self._score(item, share, follows, dense)
-        # the later tasks' scores draw nothing from g: the click below is the same draw with and without them
-        own = [conversion.score(item, share, follows, events, mask, dense) for conversion in self.conversions]
-        if c.selection_bias:  # the click selects on what makes the row convert (the first conversion's own score)
-            score = score + c.selection_bias * own[0]
-        labels = torch.bernoulli(torch.sigmoid(score), generator=g)
-        if c.tasks is not None:  # the funnel's labels, drawn after every other column: one label's rows are unchanged
-            labels = torch.stack(self.task_labels.labels(labels, score, own, g), dim=1)
-        return _Rows(user=users, item=item, category=self.category[item], hist_items=hist_items,
-                     hist_categories=self.category[hist_items], hist_ts=hist_ts, lengths=lengths, dense=dense,
-                     labels=labels, next_item=next_item)
-
-    def _signals(self, item: torch.Tensor, events: torch.Tensor, lengths: torch.Tensor,
-                 mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """What the history says of the candidate, ``[n]`` each: the share of the history in its category, and whether it
-        is the newest event's successor."""
-        same = (self.category[events] == self.category[item].unsqueeze(1)) & mask
-        share = same.sum(1).float() / lengths.clamp_min(1).float()
-        newest = events[torch.arange(item.shape[0]), (lengths - 1).clamp_min(0)]
-        follows = ((self.successor[newest] == item) & (lengths > 0)).float()
-        return share, follows
-
-    def _score(self, item: torch.Tensor, share: torch.Tensor, follows: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
-        """The click logit: history share of the candidate's category, the candidate being the newest event's successor,
-        the item's appeal and the dense columns."""
-        linear = dense @ self.dense_weights if dense.shape[1] else torch.zeros(item.shape[0])
-        return -1.5 + 3.0 * share + 2.0 * follows + self.appeal[item] + linear
-
-
-@dataclass(frozen=True)
-class _Conversion:
-    """A later task's hidden world: its own score reads the history as the click does (the share of the candidate's
-    category, whether it is the newest event's successor) and one thing more, whether the candidate is already in the
-    history (a repeat: what a user buys is often what they looked at), each with a weight of its own, and its own item
-    appeal and dense weights. So the task is learnable from the history and is not the click again."""
-
-    weights: torch.Tensor
-    """``[3]``: the weights of (share, successor, repeat), each in 1-3: every task rises with what the history says of
-    the candidate; ``data.conversion_conflict`` makes one that falls with the click."""
-    appeal: torch.Tensor
-    """``[num_items]``: each item's own effect on this task."""
-    dense_weights: torch.Tensor
-    bias: float
-    """``data.conversion_bias``: the base rate given a click (0: about one in two)."""
-
-    @staticmethod
-    def draw(c: SyntheticSequencesConfig, task: int) -> _Conversion:
-        """Task ``task``'s (1: the first after the click) world, from a stream of its own: the click's world and rows are
-        the same with and without it."""
-        g = torch.Generator().manual_seed(hash((c.seed, 7_919, task)) & 0x7FFF_FFFF_FFFF_FFFF)
-        return _Conversion(weights=1.0 + 2.0 * torch.rand(3, generator=g), appeal=torch.randn(c.num_items, generator=g) * 0.5,
-                           dense_weights=torch.randn(c.num_dense, generator=g) * 0.3, bias=c.conversion_bias)
-
-    def score(self, item: torch.Tensor, share: torch.Tensor, follows: torch.Tensor, events: torch.Tensor, mask: torch.Tensor,
-              dense: torch.Tensor) -> torch.Tensor:
-        """The task's own logit ``[n]`` (each signal centred at 0.5, so ``bias`` sets the base rate)."""
-        repeat = ((events == item.unsqueeze(1)) & mask).any(1).float()
-        signals = torch.stack([share, follows, repeat], dim=1) - 0.5
-        linear = dense @ self.dense_weights if dense.shape[1] else torch.zeros(item.shape[0])
-        return self.bias + signals @ self.weights + self.appeal[item] + linear
