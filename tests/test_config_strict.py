@@ -215,7 +215,8 @@ def test_a_task_metric_of_a_multitask_model_is_accepted(make_cfg, mlflow_uri: st
     "overrides",
     [
         ["metrics.eval=[auc,logloss,gauc,ne,calibration]", "metrics.grouping_key=cat_0"],
-        ["model=mmoe", "data=synthetic_multitask", "model.task_kinds=[binary,regression]"],
+        ["model=mmoe", "data=synthetic_multitask", "model.task_kinds=[binary,regression]",
+         "data.label_kinds={cvr: regression}"],
         ["model=dssm", "data=synthetic_retrieval"],
     ],
     ids=["single-task", "multitask", "retrieval"],
