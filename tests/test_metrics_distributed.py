@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from recsys_runner.data.base import DataModule
 from recsys_runner.features import FeatureSpec, SparseFeature
 from recsys_runner.metrics.registry import MetricsConfig, build_eval_metrics, build_train_metrics
 from tests.conftest import free_port
@@ -136,8 +137,9 @@ EVAL_SIZES = {0: [40, 40, 7], 1: []}
 """Each rank's eval batches for the evaluator test: rank 1 has none at all (a tiny eval split on 2 ranks)."""
 
 
-class _EvalData:
-    """Rank ``r``'s eval batches of :data:`EVAL_SIZES` (a dense column, a ``user`` id per row, 0/1 labels); no training."""
+class _EvalData(DataModule):
+    """Rank ``r``'s eval batches of :data:`EVAL_SIZES` (a dense column, a ``user`` id per row, 0/1 labels); no training. A
+    :class:`DataModule` as every data module is (its defaults: no eval-row check, a generic hint)."""
 
     features = FeatureSpec(("x",), (SparseFeature("user", 6),))
     batch_size = 40
