@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from recsys_runner.tracking.store import missing_store
 from recsys_runner.tracking.sweep_jobs import DIED, JOB_END_TAG
 from recsys_runner.tracking.sweep_names import JOB_NUM_TAG
 from recsys_runner.tracking.sweep_summary import SWEEP_PARENT_TAG
@@ -43,7 +44,12 @@ def _multirun(tmp_path: Path, experiment: str, *launcher: str) -> subprocess.Pop
 
 
 def _runs(tmp_path: Path, experiment: str) -> list:
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    """The experiment's runs; none while the sweep has not made its store. Polling must not open a store the sweep is
+    still creating: MLflow would make its tables again and crash the sweep (``table ... already exists``)."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    if missing_store(uri) is not None:
+        return []
+    client = MlflowClient(tracking_uri=uri)
     found = client.get_experiment_by_name(experiment)
     return client.search_runs([found.experiment_id]) if found else []
 

@@ -188,6 +188,34 @@ def test_processes_creating_a_new_sqlite_store_together_all_start(tmp_path: Path
     assert all(r.info.status == "FINISHED" for r in runs)
 
 
+def test_a_reader_waits_for_a_store_being_created_instead_of_opening_it_half_made(tmp_path: Path) -> None:
+    """A reader (``compare``, a test polling a sweep's store) that saw a store's first tables and opened it made the rest
+    again under the creator and crashed it (``table sql_trace_metric_daily_rollups already exists``, a CI run):
+    :func:`missing_store` waits while a creator holds the store's lock exclusively, as :func:`store_lock` does."""
+    import fcntl
+    import threading
+
+    from recsys_runner.tracking.store import missing_store
+
+    path = tmp_path / "mlflow.db"
+    with sqlite3.connect(path) as db:  # the creator's first table: MLflow's own are still being made
+        db.execute("CREATE TABLE experiments (experiment_id INTEGER)")
+    uri = f"sqlite:///{path}"
+    fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # what store_lock holds while a new store is made
+    answer: list[str | None] = []
+    reader = threading.Thread(target=lambda: answer.append(missing_store(uri)), daemon=True)
+    try:
+        reader.start()
+        reader.join(timeout=1.0)
+        assert reader.is_alive() and answer == [], f"read a store while it was being created: {answer}"
+    finally:
+        os.close(fd)  # the creator is done
+    reader.join(timeout=30)
+    assert answer == [None]
+    assert missing_store(f"sqlite:///{tmp_path}/none.db") == f"{tmp_path}/none.db does not exist"
+
+
 def test_a_signal_while_metrics_are_sent_stops_the_command_and_keeps_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The tracker rides out a store outage by catching every error while sending; a signal (the lifecycle's
     ``Interrupted``, raised from its handler into whatever runs) is not an outage: it goes through, the metrics stay

@@ -80,17 +80,35 @@ def missing_store(uri: str) -> str | None:
     """Why ``uri`` names no existing store, for a reader that must not create one (``compare``): a ``sqlite:`` file
     that does not exist or holds no tables yet, a local (``file:`` or plain path) store directory that does not exist;
     ``None`` when it exists, or when only a request can tell (a tracking server, a database server, in-memory sqlite).
-    Reads nothing but the file system and creates nothing."""
+    Reads nothing but the file system and creates no store (only the lock file beside an existing database); waits
+    while another process is creating the store (:func:`_made`)."""
     path = sqlite_path(uri)
     if path is not None:
         if not os.path.isfile(path):
             return f"{path} does not exist"
-        return None if _has_tables(path) else f"{path} holds no MLflow tables (an empty database)"
+        return None if _made(path) else f"{path} holds no MLflow tables (an empty database)"
     scheme = urlsplit(uri).scheme
     if scheme not in ("", "file"):
         return None
     local = urlsplit(uri).path if scheme == "file" else uri
     return None if os.path.isdir(local) else f"{os.path.abspath(local)} does not exist"
+
+
+def _made(path: str) -> bool:
+    """Whether the sqlite store at ``path`` has its tables, checked under a shared :func:`store_lock`: a run creating the
+    store holds it exclusively until MLflow has made every table and the default experiment, so a reader (``compare``, a
+    script polling a sweep's store) waits for that instead of seeing the first tables and opening the store itself,
+    which would make the rest again (``table ... already exists``) and crash the creator. Where the lock file cannot be
+    opened (a read-only folder) no run can be creating the store, and the tables are read without it."""
+    try:
+        fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:
+        return _has_tables(path)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        return _has_tables(path)
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _has_tables(path: str) -> bool:
