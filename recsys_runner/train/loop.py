@@ -113,7 +113,7 @@ def train(loop: Loop) -> dict[str, float]:
     with (StopSignals(env.world_size, env.device, cfg.stop_check_every_steps) as signals,
           Progress(loop.total_steps, enabled=env.is_main, unit="step", initial=state.step, mode=cfg.progress) as progress,
           _rank_lost(loop, state), _store_wait(loop, state), _stopped_again(loop, state)):
-        _sanity_eval(loop, state)
+        _sanity_eval(loop, state, meter)
         evaluated, stop = _resumed_eval(loop, state, signals, meter, progress)
         while state.step < loop.total_steps and stop is None:
             batches = meter.counted(_epoch_batches(loop, state))
@@ -249,11 +249,12 @@ def _final_eval(loop: Loop, state: TrainState, loss: torch.Tensor | None, signal
     raise Interrupted(signum, state.step, loop.checkpointer.save_guarded(state, loss, None), when="during the final eval")
 
 
-def _sanity_eval(loop: Loop, state: TrainState) -> None:
+def _sanity_eval(loop: Loop, state: TrainState, meter: Throughput) -> None:
     """Before this launch's first step, the eval's per-batch path on ``train.sanity_eval_batches`` eval batches, discarded
     (:meth:`Evaluator.sanity_check`), so that an eval-only error stops the run before the training, not after it; one log
     line says it ran (batches, seconds) or why not. Skipped when this launch trains no step (a resume at the last step: the
-    final eval comes at once). A signal during it is taken after the first step, as one before the steps always is."""
+    final eval comes at once). Its time is left out of the first samples/s window (``meter``). A signal during it is
+    taken after the first step, as one before the steps always is."""
     wanted = loop.config.sanity_eval_batches
     if not wanted or state.step >= loop.total_steps:
         if loop.env.is_main:
@@ -261,7 +262,8 @@ def _sanity_eval(loop: Loop, state: TrainState) -> None:
             log.info("sanity eval skipped: %s", why)
         return
     start = time.perf_counter()
-    ran = loop.evaluator.sanity_check(wanted)
+    with meter.paused():
+        ran = loop.evaluator.sanity_check(wanted)
     if loop.env.is_main:
         log.info("sanity eval: %d eval batches (forward, metric updates and compute; nothing logged) in %.2fs before step %d "
                  "(train.sanity_eval_batches=%d, 0 turns it off)", ran, time.perf_counter() - start, state.step + 1, wanted)
