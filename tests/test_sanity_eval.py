@@ -57,7 +57,7 @@ EVAL_ONLY_ERRORS = {
 @pytest.mark.parametrize("case", sorted(EVAL_ONLY_ERRORS))
 def test_an_eval_only_error_stops_the_run_before_the_first_step(make_cfg: Callable[..., DictConfig], tmp_path: Path, case: str) -> None:
     """Without the sanity eval (``0``) the error came at the final eval, after four steps and their checkpoints; with
-    the default it is the same error, with the same message, before any step or checkpoint."""
+    the default it is the same error, with the same message, before any step or checkpoint, and so in a resumed launch."""
     files, extra, error, message = EVAL_ONLY_ERRORS[case]
     overrides = _files(tmp_path, *extra, **files)
     with pytest.raises(error, match=message) as late:
@@ -67,6 +67,10 @@ def test_an_eval_only_error_stops_the_run_before_the_first_step(make_cfg: Callab
         run(make_cfg(*overrides, f"checkpoint.dir={tmp_path}/ck_sanity", tiny=False))
     assert str(early.value) == str(late.value)
     assert list_checkpoints(tmp_path / "ck_sanity") == []  # no step trained, nothing written
+    with pytest.raises(error) as resumed:  # a resumed launch checks again before its first step (its eval data may be new)
+        run(make_cfg(*overrides, "train.num_steps=6", tiny=False))
+    assert str(resumed.value) == str(late.value)
+    assert [p.name for p in list_checkpoints(tmp_path / "ck")][-1] == "step_00000004"
 
 
 def test_the_sanity_eval_leaves_the_data_counters_modes_and_generators_as_they_were(
@@ -103,13 +107,14 @@ def _flat(value: Any, prefix: str = "") -> dict[str, torch.Tensor]:
     return {prefix: value.detach().clone()} if isinstance(value, torch.Tensor) else {}
 
 
-def _trained(make_cfg: Callable[..., DictConfig], monkeypatch: pytest.MonkeyPatch, sanity: int) -> tuple[list[float], dict[str, float], dict[str, torch.Tensor]]:
+def _trained(make_cfg: Callable[..., DictConfig], monkeypatch: pytest.MonkeyPatch, pipeline: str, sanity: int) -> tuple[list[float], dict[str, float], dict[str, torch.Tensor]]:
     """A BST (dropout 0.1, drawn from torch's generator) with an EMA evaluated with, trained 3 steps: its losses, final
     eval metrics, and weights, EMA and optimizer state."""
     spec = validate(make_cfg("model=bst", "model.feedforward_dim=16", "data=synthetic_sequences", "data.batch_size=64",
                              "data.num_train_rows=2048", "data.num_eval_rows=512", "train.num_steps=3", "train.log_every_steps=1",
                              "train.eval_every_steps=null", "train.ema.decay=0.9", "train.ema.eval_with_ema=true", "distributed.device=cpu",
-                             "tracking=none", "checkpoint=none", f"train.sanity_eval_batches={sanity}", tiny=False))
+                             "tracking=none", "checkpoint=none", f"distributed.pipeline={pipeline}", f"train.sanity_eval_batches={sanity}",
+                             tiny=False))
     c = build(spec)
     try:
         step, losses = c.loop.stepper.step, []
@@ -130,13 +135,15 @@ def _trained(make_cfg: Callable[..., DictConfig], monkeypatch: pytest.MonkeyPatc
         c.close()
 
 
+@pytest.mark.parametrize("pipeline", ["base", "sparse_dist"])
 def test_training_is_bit_identical_with_and_without_the_sanity_eval(
-    make_cfg: Callable[..., DictConfig], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    make_cfg: Callable[..., DictConfig], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, pipeline: str
 ) -> None:
+    """``sparse_dist``: TorchRec's pipeline, detached for the eval before it ever ran a batch, trains on unchanged."""
     with caplog.at_level(logging.INFO, logger="recsys_runner.train.loop"):
-        plain = _trained(make_cfg, monkeypatch, 0)
+        plain = _trained(make_cfg, monkeypatch, pipeline, 0)
         assert "sanity eval skipped: train.sanity_eval_batches=0" in caplog.text
-        checked = _trained(make_cfg, monkeypatch, 2)
+        checked = _trained(make_cfg, monkeypatch, pipeline, 2)
         assert "sanity eval: 2 eval batches" in caplog.text
     assert checked[0] == plain[0] and len(plain[0]) == 3
     assert checked[1] == plain[1]
