@@ -23,6 +23,7 @@ from recsys_runner.build import build
 from recsys_runner.checkpoint.storage import list_checkpoints
 from recsys_runner.config import validate
 from recsys_runner.errors import ConfigError, DataError
+from recsys_runner.models.collision import collision_counters
 from recsys_runner.train.loop import train
 
 ROWS = 64
@@ -92,6 +93,22 @@ def test_the_sanity_eval_leaves_the_data_counters_modes_and_generators_as_they_w
         assert [m.training for m in model.modules()] == modes
         assert torch.equal(torch.get_rng_state(), generators[0]) and random.getstate() == generators[1]
         assert np.array_equal(np.random.get_state()[1], generators[2])
+    finally:
+        c.close()
+
+
+def test_the_sanity_eval_leaves_no_managed_table_eval_count(make_cfg: Callable[..., DictConfig]) -> None:
+    """Its lookups do not reach the first logged ``mc/<table>/eval_fallback_rate`` (an eval's counts since the last log)."""
+    spec = validate(make_cfg("data.num_embeddings=100", "data.managed_collision={features: [cat_0], input_hash_size: 1000000}",
+                             "tracking=none", "checkpoint=none"))
+    c = build(spec)
+    try:
+        model = c.loop.evaluator.model
+        collision_counters(model)  # counts since the last call: none now
+        c.loop.evaluator.sanity_check(2)
+        counts = collision_counters(model)
+        assert "mc/t_cat_0/eval_lookups" in counts and counts["mc/t_cat_0/eval_lookups"] == 0, counts
+        assert counts["mc/t_cat_0/eval_fallback_lookups"] == 0
     finally:
         c.close()
 
