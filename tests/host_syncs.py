@@ -4,15 +4,16 @@
 those that read a tensor's value back to the host (``item``, ``bool(t)``, ``float``/``int``, ``tolist``, ``cpu``,
 ``numpy``, formatting a tensor) or whose output's shape depends on the values (``nonzero``, ``masked_select``,
 ``unique``, a boolean-mask index, ``repeat_interleave`` without ``output_size``): on a GPU each waits for every kernel
-queued before it. Each is recorded at its call site, the first frame inside ``recsys_runner/`` (else TorchRec's, fbgemm's,
-torch's).
+queued before it. Each is recorded at its call site: the innermost frame inside ``recsys_runner/`` and, when the op is
+called inside a library below it, the library's frame that calls it (TorchRec's, fbgemm's, torch's).
 
 Only syncs made through Python are seen: a C++ kernel that reads a device value itself (some of TorchRec's and fbgemm's
 CPU kernels do) makes none of these calls, so the inventory is of Python-visible syncs.
 
 On a CPU run every tensor is on the "device", so a call is told apart by where it runs: one made while a data module
 builds a batch or while the host checks a batch's labels (a frame of :data:`HOST_SIDE` on the stack) is host-side batch
-assembly, on the tensors before the pipeline copies them to the GPU: no sync there, and kept apart in :attr:`host`.
+assembly, on the tensors before the pipeline copies them to the GPU: no sync there, and kept apart in :attr:`host`
+(except the ranks' agreement on a batch, :data:`ON_DEVICE_IN_DATA`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ SHAPED_BY_VALUES = {"nonzero", "argwhere", "masked_select", "unique", "unique_co
 """Functions whose output's size is a count of values, read back to allocate it."""
 HOST_SIDE = ("recsys_runner/data/", "recsys_runner/train/batch_checks.py")
 """Where a batch is built and checked on the host, before its copy to the device (module docstring)."""
+ON_DEVICE_IN_DATA = ("_ranks_agree",)
+"""Functions of the data path that read a device value all the same: the ranks' "have a batch" flag, all-reduced on the
+GPU under NCCL (``data.base.synchronized`` / ``in_step``, several ranks only)."""
 
 API_LAYER = (__file__.rsplit("/", 1)[-1], "torch/overrides.py", "torch/_tensor.py", "torch/functional.py")
 """Frames of this recorder and of torch's Python API around an op, left out of its call site."""
@@ -63,7 +67,7 @@ def _short(path: str) -> str:
 def _site(stack: list[traceback.FrameSummary]) -> tuple[str, int, bool]:
     """``(key, line, host-side?)`` of the call: its innermost frame in the package (``file function``), and when the op is
     called inside a library below it, that library's frame too (``→ file function``)."""
-    host = any(h in f.filename for f in stack for h in HOST_SIDE)
+    host = any(h in f.filename for f in stack for h in HOST_SIDE) and not any(f.name in ON_DEVICE_IN_DATA for f in stack)
     ours = [i for i, f in enumerate(stack) if f.filename.startswith(PACKAGE)]
     frame = stack[ours[-1]] if ours else stack[-1]
     key = f"{_short(frame.filename)} {frame.name}"
