@@ -24,6 +24,7 @@ from recsys_runner.metrics.registry import SELECTION_KEY, MetricsConfig, improve
 from recsys_runner.metrics.tasks import TaskEvalMetrics, eval_metric_keys, grouping_ids
 from recsys_runner.progress import Progress
 from recsys_runner.tasks import Task
+from recsys_runner.train.batch_checks import checked_batches
 from recsys_runner.train.corpus import CorpusEval
 from recsys_runner.train.ema import DenseEMA
 from recsys_runner.train.pipeline import detached
@@ -91,7 +92,8 @@ class Evaluator:
                 with torch.no_grad():
                     last: Batch | None = None
                     steps = 0  # a step on every rank while any has a batch: none means no rank had an eval row
-                    for mine in in_step(itertools.islice(batches, self.max_batches)):
+                    # each batch's labels checked by the tasks on the host, before its copy to the device (no sync)
+                    for mine in in_step(checked_batches(itertools.islice(batches, self.max_batches), self.tasks, "eval batch")):
                         steps += 1
                         # a rank out of batches steps with a stand-in while another scores its last ones: its rows count
                         # nowhere (an update with none of them keeps this rank's metric states in the gathers)
