@@ -9,6 +9,7 @@ The printed command run as typed in a shell: test_run_safety.
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import subprocess
@@ -147,7 +148,19 @@ def test_signal_during_evaluate_ends_its_run_killed_with_the_command_to_redo_it(
 
 
 # -- a relaunch notices the interrupted run in the default place ----------------------------------------------------
-def test_a_relaunch_names_the_interrupted_run_of_the_same_command_and_how_to_resume_it(tmp_path: Path) -> None:
+def test_a_relaunch_names_the_interrupted_run_of_the_same_command_and_how_to_resume_it(tmp_path: Path,
+                                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every launch in the same second, as when a launch takes under one: Hydra's run folder is to the second
+    (``outputs/<date>/<time>``), and the relaunch shared it and silently resumed the first's checkpoints (a flaky failure
+    waiting for a faster machine) until it became ``${new_dir:…}`` (recsys_runner/paths.py): the relaunch gets ``<time>_2``."""
+    import hydra.core.utils
+
+    class SameSecond(datetime.datetime):
+        @classmethod
+        def now(cls, tz: datetime.tzinfo | None = None) -> SameSecond:
+            return cls(2026, 1, 2, 3, 4, 5)
+
+    monkeypatch.setattr(hydra.core.utils, "datetime", SameSecond)  # what Hydra's ${now:…} reads
     args = [*SMALL, "train.num_steps=6", "train.stop_after_steps=3", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
             "tracking.experiment=notice"]
     first = run_in_process([sys.executable, "-m", "recsys_runner", *args], tmp_path)
@@ -161,6 +174,7 @@ def test_a_relaunch_names_the_interrupted_run_of_the_same_command_and_how_to_res
     resume = hint_of(first.stderr)
     assert resume is not None
     assert f"in {first_dir}, up to step_00000003; this launch starts a new run from step 0" in notice, notice
+    assert sorted(p.name for p in (tmp_path / "outputs" / "2026-01-02").iterdir()) == ["03-04-05", "03-04-05_2"]
     assert notice.endswith("run: python -m recsys_runner " + " ".join(resume[3:])), notice  # the first run's own hint
     assert "resuming from" not in out  # noticed, not resumed silently
 
