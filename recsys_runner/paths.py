@@ -1,4 +1,4 @@
-"""Where ``conf/`` is found, and the resolver that gives each sweep a folder of its own.
+"""Where ``conf/`` is found, and the resolver that gives each launch (a single run, a sweep) a folder of its own.
 
 In a checkout (editable install or ``python -m`` from the repo root) the top-level ``conf/``
 directory beside the package is used, so edits to YAML take effect immediately. A wheel ships the
@@ -7,6 +7,7 @@ same files as the package ``recsys_runner.conf`` (see ``pyproject.toml``), found
 
 from __future__ import annotations
 
+import os
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ def initialize_conf() -> AbstractContextManager[Any]:
     return initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3")
 
 NEW_DIR_RESOLVER = "new_dir"
-"""``${new_dir:<path>}`` in ``conf/config.yaml``'s ``hydra.sweep.dir``: :func:`new_dir`."""
+"""``${new_dir:<path>}`` in ``conf/config.yaml``'s ``hydra.run.dir`` and ``hydra.sweep.dir``: :func:`new_dir`."""
 _MAX_SUFFIX = 1000
 
 
@@ -35,13 +36,20 @@ def new_dir(path: str) -> str:
     """``path``, made now, or ``<path>_2``, ``<path>_3`` … when another launch made it first: a folder no other launch
     writes into.
 
-    Hydra's default sweep folder, ``multirun/<date>/<time>``, is to the second: two sweeps started in the same second
-    would share it, and the second one's job ``<n>`` would find the first one's checkpoints in
-    ``<sweep dir>/<n>/checkpoints`` and resume them (``checkpoint.resume=auto``), a result changed without a word.
-    Making the folder claims it atomically (``mkdir`` fails for the second, on one machine or a shared file system).
-    Resolved once per launch: the value is cached in the config, as Hydra's ``now`` is, and carried to every job of
-    the sweep, a requeued SLURM job included (it resumes its own checkpoints, in the same folder).
+    Hydra's default folders, ``outputs/<date>/<time>`` and ``multirun/<date>/<time>``, are to the second: two launches
+    started in the same second in one folder would share one, and the second would find the first one's checkpoints in
+    ``<run dir>/checkpoints`` (a sweep's job ``<n>``: ``<sweep dir>/<n>/checkpoints``) and resume them
+    (``checkpoint.resume=auto``), a result changed without a word (a test relaunching a command that had taken under a
+    second did just that). Making the folder claims it atomically (``mkdir`` fails for the second, on one machine or a
+    shared file system). Resolved once per launch: the value is cached in the config, as Hydra's ``now`` is, and carried
+    to every job of a sweep, a requeued SLURM job included (it resumes its own checkpoints, in the same folder).
+
+    A torchrun rank other than 0 (``RANK`` set and not ``0``) claims nothing and takes ``path`` as it is: its ranks are
+    one launch, whose checkpoints are rank 0's run directory's on every rank
+    (:class:`~recsys_runner.checkpoint.policy.Checkpointer`); a claim per rank would leave an extra folder per launch.
     """
+    if os.environ.get("RANK", "0") != "0":
+        return path
     base = Path(path)
     base.parent.mkdir(parents=True, exist_ok=True)
     for n in range(1, _MAX_SUFFIX):

@@ -24,6 +24,11 @@ Config names a kind once, in :data:`TASK_KINDS` (``model.task_kinds=[binary,regr
 outputs lie side by side (:func:`output_columns`, :func:`mask_task_index`, predict's :func:`score_columns`) is here too,
 since it reads only the tasks; how the config's task names and specs bind to the data's label columns
 (``TaskSpec``, ``resolve_tasks``) is :mod:`recsys_runner.task_specs`.
+
+A task's checks of its label values (a class index within ``C``, a sample weight ``>= 0``, ESMM's funnel) run on the host,
+on each batch's labels before the batch is copied to the device (:func:`check_batch_labels`, called as the loop and the
+evaluator read the batches: :mod:`recsys_runner.train.batch_checks`), not in the model's forward, where reading a device
+value back would make the host wait for the device in every step.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from torch import Tensor
 from recsys_runner.errors import ConfigError, DataError
 
 __all__ = ["Task", "BinaryTask", "RegressionTask", "HuberTask", "MulticlassTask", "InBatchSoftmaxTask", "NextItemTask", "TASK_KINDS", "LABEL_TASK_KINDS", "SINGLE_TASK",
-           "task_kind", "output_columns", "mask_task_index", "checked_weights"]
+           "task_kind", "output_columns", "mask_task_index", "checked_weights", "check_batch_labels"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,16 +102,31 @@ class Task(abc.ABC):
         """How many values the model outputs per row for this task: 1 (a logit ``[B]``); a multi-class task's ``C``."""
         return 1
 
-    def targets(self, output: Tensor, labels: Tensor, batch: str = "batch") -> Tensor:
-        """What ``output`` is trained against: the task's label column (``[B]``). ``batch`` says which batch the labels
-        are from (``training batch`` / ``eval batch``), for a label check's message."""
+    @property
+    def checks_labels(self) -> bool:
+        """Whether :func:`check_batch_labels` has anything to check for this task: its sample weights, or its kind's
+        own check (:meth:`check_labels`)."""
+        return self.weight_column is not None
+
+    def check_labels(self, labels: Tensor, batch: str = "batch") -> None:
+        """The kind's own check of its label column in one batch's ``labels`` (``[B]`` or ``[B, T]``, on the host before
+        the batch's copy to the device); nothing by default. ``batch``: which batch (``training batch`` / ``eval
+        batch``), for the message.
+
+        Raises:
+            DataError: a value the task cannot train on, naming the task, the value and the fix."""
+        return
+
+    def targets(self, output: Tensor, labels: Tensor) -> Tensor:
+        """What ``output`` is trained against: the task's label column (``[B]``), unchecked (:meth:`check_labels` ran on the
+        host)."""
         return labels if self.column is None else labels[:, self.column]
 
-    def output_and_targets(self, out: Any, labels: Tensor, batch: str = "batch") -> tuple[Tensor, Tensor]:
+    def output_and_targets(self, out: Any, labels: Tensor) -> tuple[Tensor, Tensor]:
         """An unnamed task's model output as float32 and its targets (:meth:`targets`); a kind whose model returns
         its own targets beside its output (:class:`NextItemTask`) overrides this."""
         output = out.float()
-        return output, self.targets(output, labels, batch)
+        return output, self.targets(output, labels)
 
     def served(self, out: Any) -> Any:
         """What a server gets of the model's eval-mode output (the exported program's output): all of it by default."""
@@ -187,7 +207,6 @@ class HuberTask(RegressionTask):
                 f"amounts, predicting log1p(amount)), or lower model.task_specs.{self.name}.huber_delta")
 
 
-@torch.fx.wrap  # one opaque node in TorchRec's pipeline trace, which cannot follow a value-dependent raise
 def checked_classes(target: Tensor, num_classes: int, task: str, label: str) -> Tensor:
     """``target`` unchanged when every value is a class index ``0 … num_classes - 1``.
 
@@ -203,7 +222,6 @@ def checked_classes(target: Tensor, num_classes: int, task: str, label: str) -> 
     return target
 
 
-@torch.fx.wrap  # one opaque node in TorchRec's pipeline trace, which cannot follow a value-dependent raise
 def checked_weights(weights: Tensor, task: str, batch: str = "batch") -> Tensor:
     """``weights`` (a task's sample-weight column) unchanged when none is negative: the data reads the column as any
     finite number (a ``regression`` label), and a negative weight would turn its row's loss into one to maximize, a
@@ -225,7 +243,8 @@ class MulticlassTask(Task):
     ``[B, C]``; softmax cross-entropy; metrics see ``softmax(logits) [B, C]`` and the class indices ``[B]``.
 
     A label outside ``[0, C)`` (or not an integer) is a :class:`~recsys_runner.errors.DataError` naming the column and
-    the value, raised by :meth:`targets` (one host sync per step; ``F.cross_entropy`` would assert inside the kernel)."""
+    the value, raised by :meth:`check_labels` on the host as the batch is read (``F.cross_entropy`` would assert inside
+    the kernel)."""
 
     kind: ClassVar[str] = "multiclass"
     label_kind: ClassVar[str] = "multiclass"
@@ -240,9 +259,13 @@ class MulticlassTask(Task):
     def output_width(self) -> int:
         return self.num_classes
 
-    def targets(self, output: Tensor, labels: Tensor, batch: str = "batch") -> Tensor:
+    @property
+    def checks_labels(self) -> bool:
+        return True
+
+    def check_labels(self, labels: Tensor, batch: str = "batch") -> None:
         target = labels if self.column is None else labels[:, self.column]
-        return checked_classes(target, self.num_classes, str(self.name), str(self.label or self.column))
+        checked_classes(target, self.num_classes, str(self.name), str(self.label or self.column))
 
     def row_losses(self, output: Tensor, targets: Tensor) -> Tensor:
         return F.cross_entropy(output, targets.long(), reduction="none")
@@ -267,7 +290,7 @@ class InBatchSoftmaxTask(Task):
     metric_inputs_kinds: ClassVar[tuple[str, ...]] = ("retrieval", "ranking")
     catalogue_kinds: ClassVar[tuple[str, ...]] = ("ranking",)
 
-    def targets(self, output: Tensor, labels: Tensor, batch: str = "batch") -> Tensor:
+    def targets(self, output: Tensor, labels: Tensor) -> Tensor:
         return torch.arange(output.shape[0], device=output.device)
 
     def row_losses(self, output: Tensor, targets: Tensor) -> Tensor:
@@ -303,7 +326,7 @@ class NextItemTask(Task):
     default_train_metrics: ClassVar[tuple[str, ...] | None] = ()
     metric_inputs_kinds: ClassVar[tuple[str, ...]] = ("ranking",)
 
-    def output_and_targets(self, out: Any, labels: Tensor, batch: str = "batch") -> tuple[Tensor, Tensor]:
+    def output_and_targets(self, out: Any, labels: Tensor) -> tuple[Tensor, Tensor]:
         scores, targets = out
         return scores.float(), targets
 
@@ -357,6 +380,22 @@ def score_columns(tasks: Sequence[Task], logits: Tensor) -> dict[str, np.ndarray
             preds = prob
         scores[name] = preds.cpu().numpy().astype(np.float32)
     return scores
+
+
+def check_batch_labels(tasks: Sequence[Task], labels: Tensor, batch: str = "batch") -> None:
+    """Every check of one batch's ``labels`` the ``tasks`` make, on the host (the batch before its copy to the device, so
+    that no check makes the step wait for the device): each task's own (:meth:`Task.check_labels`), in task order, then
+    each sample-weight column (:func:`checked_weights`), the order in which the loss reads them. ``batch``: which batch
+    (``training batch`` / ``eval batch``), for the message.
+
+    Raises:
+        DataError: the first bad value, naming the task, the value, the batch and the fix.
+    """
+    for task in tasks:
+        task.check_labels(labels, batch)
+    for task in tasks:
+        if task.weight_column is not None:
+            checked_weights(labels[:, task.weight_column].float(), str(task.name), batch)
 
 
 def output_columns(tasks: Sequence[Task]) -> list[slice]:

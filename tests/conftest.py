@@ -11,6 +11,7 @@ import contextlib
 import io
 import logging
 import os
+import random
 import re
 import runpy
 import shlex
@@ -258,8 +259,49 @@ def torchrun(*args: str, cwd: Path, module: str = "recsys_runner", timeout: int 
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
+EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
+"""The kernel's ephemeral range: where it picks a port for any process's ``connect()`` or ``bind(port 0)``."""
+LOWEST_TEST_PORT = 10_000
+
+
+def worker_ports(worker: str | None = None, workers: str | None = None) -> range:
+    """The ports :func:`free_port` hands out in this pytest worker (``PYTEST_XDIST_WORKER`` ``gw<i>`` of
+    ``PYTEST_XDIST_WORKER_COUNT``): its own share of the ports below the kernel's ephemeral range.
+
+    A port asked of the kernel (``bind`` to port 0) is free only until the test's process binds it, seconds later (a
+    torchrun's Python start-up on a loaded machine): meanwhile any process may get the same port from the kernel, the
+    other worker's gloo ranks, an HTTP client or a server bound to port 0, and the test fails on ``address already in use``
+    (or, for a port meant to be unreachable, finds something listening). Below the ephemeral range the kernel hands out
+    nothing; the two workers' shares do not overlap."""
+    worker = worker if worker is not None else os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    workers = workers if workers is not None else os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")
+    try:
+        ephemeral = int(EPHEMERAL_PORTS.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32_768  # Linux's default
+    index, count = int(worker.removeprefix("gw") or 0), max(int(workers), 1)
+    share = max(ephemeral - LOWEST_TEST_PORT, 0) // count
+    return range(LOWEST_TEST_PORT + index * share, LOWEST_TEST_PORT + (index + 1) * share)
+
+
+_next_port = iter(range(random.randrange(1 << 20), 1 << 62))
+"""Where :func:`free_port` looks next in :func:`worker_ports` (a random start: this module may be imported twice, as
+``conftest`` and as ``tests.conftest``, and the two must not hand out the same sequence)."""
+
+
 def free_port() -> int:
-    """A TCP port free on loopback now (for a process group, a test server or a SLURM daemon)."""
+    """A TCP port free on loopback now, that no other process will be handed by the kernel before the test binds it (for
+    a process group, a test server or a SLURM daemon; see :func:`worker_ports`); one from the kernel where no range is left
+    below its ephemeral one."""
+    ports = worker_ports()
+    for _ in range(min(len(ports), 1000)):
+        port = ports[next(_next_port) % len(ports)]
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))  # no SO_REUSEADDR: a port still in TIME_WAIT is passed over too
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -79,6 +79,20 @@ class MotoServer:
     def resume(self) -> None:
         self.proc.send_signal(signal.SIGCONT)
 
+    def request_waiting(self) -> bool:
+        """Whether a client has sent this paused server a request it has not read: a socket on the server's port holding
+        unread bytes, or a connection not yet accepted (``rx_queue`` in ``/proc/net/tcp``; the kernel still accepts
+        connections and data for a stopped process). A test that must act while a client waits on the store polls this
+        instead of sleeping and hoping the client got there."""
+        port = int(self.endpoint.rsplit(":", 1)[1])
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with contextlib.suppress(OSError):
+                for line in Path(table).read_text().splitlines()[1:]:
+                    fields = line.split()  # sl, local address, remote address, state, tx_queue:rx_queue, ...
+                    if int(fields[1].rsplit(":", 1)[1], 16) == port and int(fields[4].split(":")[1], 16) > 0:
+                        return True
+        return False
+
     def stop(self) -> None:
         """Stop the server (its PID, never a name) and wait for it."""
         if self.proc.poll() is None:

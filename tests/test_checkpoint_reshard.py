@@ -8,7 +8,6 @@ as one global tensor with its shards' offsets, and loads into whatever sharding 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +28,7 @@ from recsys_runner.checkpoint.storage import list_checkpoints
 from recsys_runner.config import register_configs
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.train.signals import Interrupted
-from tests.conftest import REPO, TINY, LogWarnings
+from tests.conftest import REPO, TINY, LogWarnings, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -46,10 +45,7 @@ def _overrides(tmp_path: Path, experiment: str) -> list[str]:
 
 
 def _torchrun(tmp_path: Path, *overrides: str, module: str = "recsys_runner", column_wise: bool = True) -> subprocess.CompletedProcess[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
            "-m", module, *(["distributed.sharding_types=[column_wise]"] if column_wise else []), "distributed.timeout_s=120",
            f"hydra.run.dir={tmp_path}/run2", *overrides]
     return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=400, env={**os.environ, "PYTHONPATH": str(REPO)})

@@ -9,7 +9,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from recsys_runner.distributed.launch import map_submitit_env
-from tests.conftest import TINY, run_cli
+from tests.conftest import TINY, free_port, run_cli
 
 SLURM_TASK = {
     "SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "77", "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4",
@@ -86,15 +86,11 @@ def test_submitit_local_two_tasks_shard_with_two_sharding_types(tmp_path: Path) 
 @pytest.mark.slow
 def test_torchrun_two_ranks_table_wise_with_a_data_parallel_table(tmp_path: Path) -> None:
     """torchrun, 2 ranks: tables placed whole on either rank, one table replicated — two sharding types in one plan."""
-    import socket
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     uri = f"sqlite:///{tmp_path}/tw.db"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
            "-m", "recsys_runner", *TINY, "train.num_steps=20", "distributed.sharding_types=[table_wise]",
            "+distributed.tables={t_cat_0: {sharding_types: [data_parallel]}}", f"tracking.uri={uri}", "tracking.experiment=tw"]
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)

@@ -36,7 +36,7 @@ from recsys_runner.errors import ConfigError, DataError
 from recsys_runner.models.common import materialize
 from recsys_runner.models.esmm import ESMM, ESMMConfig, product_logit
 from recsys_runner.models.train_wrapper import TrainWrapper
-from recsys_runner.tasks import BinaryTask
+from recsys_runner.tasks import BinaryTask, check_batch_labels
 from recsys_runner.train.loop import train
 from recsys_runner.train.signals import Interrupted
 from tests.conftest import TINY, run_in_process, torchrun
@@ -223,13 +223,15 @@ def test_a_conversion_without_a_click_stops_step_one_or_counts_as_not_converted(
     labels = batch.labels.clone()
     labels[:3] = torch.tensor([0.0, 1.0])  # three conversions without a click
     bad = Batch(dense_features=batch.dense_features, sparse_features=batch.sparse_features, labels=labels)
-    wrapper = TrainWrapper(esmm(data), features=data.features)
+    tasks = TrainWrapper(esmm(data), features=data.features).tasks
+    # checked on the host as the loop (training batch) or the evaluator (eval batch) reads the batch: train/batch_checks.py
     with pytest.raises(DataError, match=r"ESMM: 3 of this training batch's 8 rows have the conversion label 'cvr' positive where "
                                         r"the click 'ctr' is 0.* Fix the labels in the training data \(data\.path\).*"
                                         r"model.conversion_without_click=and"):
-        wrapper(bad)
+        check_batch_labels(tasks, bad.labels, "training batch")
     with pytest.raises(DataError, match=r"ESMM: 3 of this eval batch's 8 rows .* Fix the labels in the eval data \(data\.eval_path"):
-        wrapper.eval()(bad)  # as the evaluator runs it
+        check_batch_labels(tasks, bad.labels, "eval batch")
+    check_batch_labels(tasks, batch.labels, "training batch")  # the generated funnel: a conversion only after a click
     _, (_, _, targets) = TrainWrapper(esmm(data, conversion_without_click="and"), features=data.features)(bad)
     torch.testing.assert_close(targets[:, 2], labels[:, 0] * labels[:, 1])  # ctcvr: click AND conversion
     torch.testing.assert_close(targets[:, 1], labels[:, 1])  # cvr: the conversion (its loss and metrics see clicked rows)

@@ -358,8 +358,10 @@ def test_sweep_chart_view_plots_each_child(logged: Logged, browser: Browser) -> 
         seen[0] = browser.driver.execute_script(PLOTTED_JS)
         return bool(seen[0]) and seen[0]["lines"] >= len(children) and len(seen[0]["rows"] or []) >= len(children)
 
+    # WAIT_S, not seconds: the canvas draws in a browser sharing 2 loaded cores with the other pytest worker; a chart
+    # that has drawn all its lines ends the wait at once, and only one that never does waits it out before the asserts
     with contextlib.suppress(AssertionError):
-        browser.wait_for("every child's line", drawn_all, timeout=10)
+        browser.wait_for("every child's line", drawn_all)
     plotted = seen[0]
     assert plotted, "the parallel-coordinates chart drew nothing"
     rows = {row["uuid"]: (row.get("swept.optim.lr"), row.get("eval/auc")) for row in plotted["rows"] or []}

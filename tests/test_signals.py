@@ -9,6 +9,7 @@ The printed command run as typed in a shell: test_run_safety.
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import subprocess
@@ -80,6 +81,18 @@ def _run_open(root: Path) -> Callable[[], bool]:
     return lambda: any((root / "mlruns").glob("*/*/artifacts/manifest.json"))
 
 
+def _new_run_open(uri: str, experiment: str, entry: str) -> Callable[[], bool]:
+    """Whether a run of the command ``entry`` (its tag) opened in ``experiment`` since this was called. Read from the
+    store ``uri``, which must exist whole already (a store being created must not be opened: test_tracking_faults); not
+    from the artifact folder, which may be shared: a store made in-process keeps its artifacts in ./mlruns of the
+    suite's directory, where the other pytest worker's stores put theirs (experiment 1 of each)."""
+    def count() -> int:
+        return sum(r.data.tags.get("entry") == entry for r in runs(uri, experiment))
+
+    before = count()
+    return lambda: count() > before
+
+
 def _status(uri: str, run_id: str) -> str:
     return MlflowClient(tracking_uri=uri).get_run(run_id).info.status
 
@@ -147,7 +160,19 @@ def test_signal_during_evaluate_ends_its_run_killed_with_the_command_to_redo_it(
 
 
 # -- a relaunch notices the interrupted run in the default place ----------------------------------------------------
-def test_a_relaunch_names_the_interrupted_run_of_the_same_command_and_how_to_resume_it(tmp_path: Path) -> None:
+def test_a_relaunch_names_the_interrupted_run_of_the_same_command_and_how_to_resume_it(tmp_path: Path,
+                                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every launch in the same second, as when a launch takes under one: Hydra's run folder is to the second
+    (``outputs/<date>/<time>``), and the relaunch shared it and silently resumed the first's checkpoints (a flaky failure
+    waiting for a faster machine) until it became ``${new_dir:…}`` (recsys_runner/paths.py): the relaunch gets ``<time>_2``."""
+    import hydra.core.utils
+
+    class SameSecond(datetime.datetime):
+        @classmethod
+        def now(cls, tz: datetime.tzinfo | None = None) -> SameSecond:
+            return cls(2026, 1, 2, 3, 4, 5)
+
+    monkeypatch.setattr(hydra.core.utils, "datetime", SameSecond)  # what Hydra's ${now:…} reads
     args = [*SMALL, "train.num_steps=6", "train.stop_after_steps=3", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
             "tracking.experiment=notice"]
     first = run_in_process([sys.executable, "-m", "recsys_runner", *args], tmp_path)
@@ -161,6 +186,7 @@ def test_a_relaunch_names_the_interrupted_run_of_the_same_command_and_how_to_res
     resume = hint_of(first.stderr)
     assert resume is not None
     assert f"in {first_dir}, up to step_00000003; this launch starts a new run from step 0" in notice, notice
+    assert sorted(p.name for p in (tmp_path / "outputs" / "2026-01-02").iterdir()) == ["03-04-05", "03-04-05_2"]
     assert notice.endswith("run: python -m recsys_runner " + " ".join(resume[3:])), notice  # the first run's own hint
     assert "resuming from" not in out  # noticed, not resumed silently
 
@@ -229,12 +255,14 @@ def test_sigterm_during_predict_leaves_no_part_and_ends_its_run_killed(
     out_dir = tmp_path / "out"
     argv = [sys.executable, "-m", "recsys_runner.predict", *trained, f"load={root}/ck", f"predict.input={tmp_path}/score",
             f"predict.output={out_dir}"]
-    code, out, _ = signal_in_process(argv, tmp_path, "loaded weights of", signal.SIGTERM, 1.0)
+    uri = next(a.split("=", 1)[1] for a in trained if a.startswith("tracking.uri="))
+    # as for evaluate: "loaded weights of" comes before predict opens its MLflow run (on a loaded machine, seconds before:
+    # it failed with a 1.5 s delay put there); a signal then found no run to end KILLED. It waits for the open run.
+    code, out, _ = signal_in_process(argv, tmp_path, "loaded weights of", signal.SIGTERM, 0.2, ready=_new_run_open(uri, "predict", "predict"))
     assert code == 143, out[-3000:]
     (line,) = [x for x in out.splitlines() if x.startswith("Interrupted:")]
     assert line.startswith("Interrupted: stopped by SIGTERM during predict; ") and "python -m recsys_runner.predict " in line, line
     assert not out_dir.exists() or list(out_dir.iterdir()) == [], sorted(p.name for p in out_dir.iterdir())
-    uri = next(a.split("=", 1)[1] for a in trained if a.startswith("tracking.uri="))
     predicted = [r for r in runs(uri, "predict") if r.data.tags.get("entry") == "predict"]
     assert [r.info.status for r in predicted] == ["KILLED"]
 

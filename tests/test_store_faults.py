@@ -158,7 +158,10 @@ def test_training_whose_checkpoint_store_stalls_fails_or_stops_with_the_resume_c
 
     live, lines = _start_training(tmp_path, store, "s3://ckpt/stopped", request_timeout_s=20)  # the bound: 2 × 21 s + 1 s
     store.pause()
-    time.sleep(1.5)  # the next checkpoint write is now waiting on the store
+    deadline = time.monotonic() + 60
+    while not store.request_waiting():  # the run's next request (a checkpoint write, the lock's renewal) waits on the store
+        assert live.poll() is None and time.monotonic() < deadline, "no request reached the paused store"
+        time.sleep(0.05)
     sent = time.monotonic()
     live.send_signal(signal.SIGTERM)
     out, _ = live.communicate(timeout=60)

@@ -25,7 +25,7 @@ from recsys_runner.metrics.registry import MetricsConfig
 from recsys_runner.metrics.tasks import TaskEvalMetrics, TaskTrainMetrics, check_task_metrics
 from recsys_runner.models.multitask import MultiTaskConfig
 from recsys_runner.models.train_wrapper import TrainWrapper
-from recsys_runner.tasks import BinaryTask, MulticlassTask, Task, output_columns
+from recsys_runner.tasks import BinaryTask, MulticlassTask, Task, check_batch_labels, output_columns
 from recsys_runner.train.loop import train
 from tests.conftest import FixedHeads, free_port
 from tests.test_evaluate import compose_entry
@@ -79,12 +79,13 @@ def test_multiclass_loss_is_cross_entropy_and_its_metrics_read_the_class_probabi
 
 
 def test_a_label_outside_the_classes_is_a_data_error_naming_the_column_and_value() -> None:
+    """Checked on the host as the batch is read (tests/test_host_syncs.py: no sync in the step), not in the forward."""
     tasks = (BinaryTask("ctr", column=0), MulticlassTask("category", column=1, num_classes=3, label="genre"))
-    out = {"ctr": torch.zeros(3), "category": torch.zeros(3, 3)}
     with pytest.raises(DataError, match=r"task 'category': its label 'genre' holds 7, but .* num_classes=3 needs class indices 0..2"):
-        _forward(tasks, out, torch.tensor([[0.0, 1.0], [1.0, 7.0], [0.0, 2.0]]))
+        check_batch_labels(tasks, torch.tensor([[0.0, 1.0], [1.0, 7.0], [0.0, 2.0]]), "training batch")
     with pytest.raises(DataError, match=r"holds 1.5"):
-        _forward(tasks, out, torch.tensor([[0.0, 1.5], [1.0, 0.0], [0.0, 2.0]]))
+        check_batch_labels(tasks, torch.tensor([[0.0, 1.5], [1.0, 0.0], [0.0, 2.0]]), "training batch")
+    check_batch_labels(tasks, torch.tensor([[0.0, 1.0], [1.0, 0.0], [0.0, 2.0]]), "training batch")  # every class in 0..2
 
 
 @pytest.mark.parametrize(

@@ -30,9 +30,11 @@ EXPERIMENT = "faults"
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """:func:`tests.conftest.free_port` (a port the kernel hands no other process: nothing else can be listening on a
+    port meant to be unreachable), imported when called (above)."""
+    from tests.conftest import free_port
+
+    return free_port()
 
 
 def _cli_env() -> dict[str, str]:
@@ -47,6 +49,23 @@ def _assert_tracking_error(result: subprocess.CompletedProcess[str], *fragments:
     for fragment in fragments:
         assert fragment in result.stderr, (fragment, result.stderr)
     assert "sharding plan" not in output, "the store is checked before data and model are built"
+
+
+def test_a_free_port_is_one_the_kernel_hands_no_other_process() -> None:
+    """A port the kernel had handed out (``bind`` to port 0) could be handed to another process before the test bound it
+    (the other pytest worker's gloo ranks, a client's connection): ``address already in use`` for a torchrun, or a
+    listener on the port these tests need unreachable. ``free_port``'s come from below the ephemeral range, a share of
+    their own per pytest worker."""
+    from tests.conftest import EPHEMERAL_PORTS, free_port, worker_ports
+
+    ephemeral = int(EPHEMERAL_PORTS.read_text().split()[0])
+    gw0, gw1 = worker_ports("gw0", "2"), worker_ports("gw1", "2")
+    assert len(gw0) > 1000 and len(gw1) > 1000 and gw0.stop <= gw1.start and gw1.stop <= ephemeral
+    ports = [free_port() for _ in range(20)]
+    assert len(set(ports)) == 20 and all(p in worker_ports() for p in ports), ports
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        assert s.getsockname()[1] >= ephemeral  # what any other process gets meanwhile
 
 
 def test_unreachable_server_stops_the_cli_within_seconds(tmp_path: Path) -> None:

@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import re
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -39,7 +38,7 @@ from recsys_runner.data.encoding.stored import ENCODERS_FILE, from_json
 from recsys_runner.data.encoding.vocabulary import Vocabulary, carry_rows
 from recsys_runner.data_build import REFIT_FILE
 from recsys_runner.errors import ConfigError
-from tests.conftest import REPO
+from tests.conftest import REPO, free_port
 from tests.test_evaluate import compose_entry
 from tests.test_stored_encoders import _rows
 
@@ -231,10 +230,7 @@ def test_two_ranks_carry_rows_into_shards_spread_over_them(trained: dict[str, An
     """On 2 gloo ranks (``t_user`` column-wise, ``t_item`` table-wise: a rank may hold no shard of a table, and reads the
     trained table collectively all the same). The learning rates are ~0, so the one step the run takes leaves every
     trained row as loaded. Shards split within a table: the loader test above."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
            "-m", "recsys_runner", *trained["data"], f"data.path={trained['root']}/new.csv", "data.vocabulary=refit",
            f"checkpoint.init_from={trained['checkpoint']}", "optim.sparse.lr=1e-30", "optim.dense.lr=1e-30", "train.num_steps=1",
            "+distributed.tables={t_user: {sharding_types: [column_wise]}, t_item: {sharding_types: [table_wise]}}",

@@ -75,8 +75,9 @@ class ESMMConfig(ModelConfig):
     conversion_without_click: str = "error"
     """A row whose conversion label is positive but whose click is 0 (a funnel ESMM's product cannot fit):
     ``error`` stops with a :class:`~recsys_runner.errors.DataError` at the first batch holding one, at step 1 when the
-    first batch does, naming how many rows (one host sync per step: the check runs on every batch, train and eval);
-    ``and`` trains and evaluates ``ctcvr`` on click∧conversion (such rows count as not converted), unchecked."""
+    first batch does, naming how many rows (every batch is checked, train and eval, on the host as it is read, before its
+    copy to the device: no host sync in the step); ``and`` trains and evaluates ``ctcvr`` on click∧conversion (such rows
+    count as not converted), unchecked."""
 
     def __post_init__(self) -> None:
         check_embedding_dim("model.embedding_dim", self.embedding_dim)
@@ -132,7 +133,6 @@ class ESMMConfig(ModelConfig):
                                     click_label=self.click_label, without_click=self.conversion_without_click) if t.name == "ctcvr" else t for t in tasks)
 
 
-@torch.fx.wrap  # one opaque node in TorchRec's pipeline trace, which cannot follow a value-dependent raise
 def checked_funnel(conversion: Tensor, click: Tensor, label: str, click_label: str, batch: str = "batch") -> Tensor:
     """``conversion`` unchanged when it is positive only where ``click`` is. ``batch`` says which (``training batch`` /
     ``eval batch``): the eval data is its own files (``data.eval_path``) or rows held out of the training files.
@@ -157,19 +157,27 @@ def checked_funnel(conversion: Tensor, click: Tensor, label: str, click_label: s
 class ConversionTask(BinaryTask):
     """ESMM's ``ctcvr``: a binary task on the conversion label that also reads the click column (``click_column`` of
     ``Batch.labels``), because its target is click∧conversion: with ``without_click="error"`` a conversion without a
-    click is a :class:`~recsys_runner.errors.DataError` (:func:`checked_funnel`), with ``"and"`` the target is
-    ``conversion · [click > 0]``."""
+    click is a :class:`~recsys_runner.errors.DataError` (:func:`checked_funnel`, on the host: :meth:`check_labels`) and
+    the target is the conversion, with ``"and"`` the target is ``conversion · [click > 0]``."""
 
     click_column: int = 0
     click_label: str = ""
     """The click column's name, for the error message."""
     without_click: str = "error"
 
-    def targets(self, output: Tensor, labels: Tensor, batch: str = "batch") -> Tensor:
+    @property
+    def checks_labels(self) -> bool:
+        return self.without_click == "error" or self.weight_column is not None
+
+    def check_labels(self, labels: Tensor, batch: str = "batch") -> None:
+        if self.without_click == "error":
+            checked_funnel(labels[:, self.column], labels[:, self.click_column], str(self.label), self.click_label, batch)
+
+    def targets(self, output: Tensor, labels: Tensor) -> Tensor:
         conversion, click = labels[:, self.column], labels[:, self.click_column]
         if self.without_click == "and":
             return conversion * (click > 0).to(conversion.dtype)
-        return checked_funnel(conversion, click, str(self.label), self.click_label, batch)
+        return conversion
 
 
 def product_logit(a: Tensor, b: Tensor) -> Tensor:

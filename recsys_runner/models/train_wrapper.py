@@ -17,7 +17,7 @@ from torchrec.datasets.utils import Batch
 
 from recsys_runner.errors import ConfigError
 from recsys_runner.features import FeatureSpec
-from recsys_runner.tasks import SINGLE_TASK, Task, checked_weights
+from recsys_runner.tasks import SINGLE_TASK, Task
 
 __all__ = ["TaskWeighting", "TrainWrapper", "shared_representation"]
 
@@ -154,14 +154,15 @@ class TrainWrapper(nn.Module):
         if self._capture:
             self._shared = list(output) if isinstance(output, list | tuple) else [output]
 
-    def _task_loss(self, task: Task, output: torch.Tensor, target: torch.Tensor, labels: torch.Tensor, batch: str) -> torch.Tensor:
+    def _task_loss(self, task: Task, output: torch.Tensor, target: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One task's loss from its own output alone (so that its gradient reaches only its own path): the mean row
         loss, or for a task with a sample-weight column or a mask (only where another task is positive) the weighted mean
-        over its rows (0 in a batch without any). ``batch``: which batch, for a label check's message."""
+        over its rows (0 in a batch without any). The labels were checked on the host (sample weights ``>= 0``:
+        :func:`~recsys_runner.tasks.check_batch_labels`)."""
         rows = task.row_losses(output, target.float())
         if task.weight_column is None and task.mask_column is None:
             return rows.mean()
-        w = torch.ones_like(rows) if task.weight_column is None else checked_weights(labels[:, task.weight_column].float(), str(task.name), batch)
+        w = torch.ones_like(rows) if task.weight_column is None else labels[:, task.weight_column].float()  # >= 0: checked on the host
         if task.mask_column is not None:
             w = w * (labels[:, task.mask_column] > 0)
         return (rows * w).sum() / w.sum().clamp_min(1e-12)
@@ -174,18 +175,17 @@ class TrainWrapper(nn.Module):
             device, dtype = self._autocast_args
             with torch.autocast(device_type=device, dtype=dtype):
                 out = self.model(batch.dense_features, batch.sparse_features)
-        which = "training batch" if self.training else "eval batch"  # for a label check's message (the evaluator sets eval())
         if self.weighting is not None:  # each task's loss from its own output, combined by the weighting
             outputs = [out[t.name].float() for t in self.tasks]
-            targets = [task.targets(output, batch.labels, which) for task, output in zip(self.tasks, outputs, strict=True)]
-            per_task = [self._task_loss(t, o, y, batch.labels, which) for t, o, y in zip(self.tasks, outputs, targets, strict=True)]
+            targets = [task.targets(output, batch.labels) for task, output in zip(self.tasks, outputs, strict=True)]
+            per_task = [self._task_loss(t, o, y, batch.labels) for t, o, y in zip(self.tasks, outputs, targets, strict=True)]
             logits = torch.cat([o.reshape(o.shape[0], -1) for o in outputs], dim=1)
             labels = torch.stack(targets, dim=1).float()
             shared, self._shared, self._capture = self._shared, None, False
             loss = self.weighting(per_task, shared)
         else:  # one unnamed task: no per-step lists; a weight of 1 (x * 1.0 == x exactly) costs no op
             (task,) = self.tasks
-            logits, labels = task.output_and_targets(out, batch.labels, which)
+            logits, labels = task.output_and_targets(out, batch.labels)
             loss = task.loss(logits, labels)
             if task.weight != 1:
                 loss = task.weight * loss

@@ -27,6 +27,7 @@ from recsys_runner.metrics.tasks import TaskEvalMetrics, eval_metric_keys, group
 from recsys_runner.models.collision import eval_counts_kept
 from recsys_runner.progress import Progress
 from recsys_runner.tasks import Task
+from recsys_runner.train.batch_checks import checked_batches
 from recsys_runner.train.corpus import CorpusEval
 from recsys_runner.train.ema import DenseEMA
 from recsys_runner.train.pipeline import detached
@@ -107,8 +108,9 @@ class Evaluator:
         ``train.eval_max_batches``) and discard what it computed; the number of batches stepped.
 
         What the loop runs before the first step (``train.sanity_eval_batches``), so that an error only the eval path
-        meets — a bad eval row under ``data.on_bad_rows=fail``, a grouping key an eval row lacks, a forward that fails on
-        the eval data, no eval row at all — is raised, with the same message, before any training step or checkpoint.
+        meets — a bad eval row under ``data.on_bad_rows=fail``, a label a task refuses, a grouping key an eval row lacks,
+        a forward that fails on the eval data, no eval row at all — is raised, with the same message, before any training
+        step or checkpoint.
         It runs what :meth:`evaluate` runs per batch (the EMA weights swapped in, the pipeline detached, eval mode, the
         forward, every task's metric update) and the metrics' compute (their gathers over ranks), on every rank, so the
         ranks' collectives match. It does not run the full-corpus pass (:mod:`recsys_runner.train.corpus`: the item index
@@ -150,7 +152,8 @@ class Evaluator:
         key = self.metrics.grouping_key
         last: Batch | None = None
         steps = 0  # a step on every rank while any has a batch: none means no rank had an eval row
-        for mine in in_step(batches):
+        # each batch's labels checked by the tasks on the host, before its copy to the device (no sync)
+        for mine in in_step(checked_batches(batches, self.tasks, "eval batch")):
             steps += 1
             # a rank out of batches steps with a stand-in while another scores its last ones: its rows count
             # nowhere (an update with none of them keeps this rank's metric states in the gathers)

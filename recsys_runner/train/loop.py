@@ -54,6 +54,7 @@ from recsys_runner.errors import DataError
 from recsys_runner.models.collision import collision_counters, collision_rates
 from recsys_runner.progress import Progress
 from recsys_runner.tracking.tracker import Tracker
+from recsys_runner.train.batch_checks import checked_batches
 from recsys_runner.train.config import TrainConfig
 from recsys_runner.train.evaluation import BestEval, Evaluator
 from recsys_runner.train.profiling import StepProfiler
@@ -302,11 +303,12 @@ def _not_again(loop: Loop, why: str) -> None:
 
 
 def _epoch_batches(loop: Loop, state: TrainState) -> Iterator:
-    """This epoch's batches from the current position (skipping what a resumed run already saw)."""
+    """This epoch's batches from the current position (skipping what a resumed run already saw), each one's labels checked
+    by the model's tasks on the host as it is read (:mod:`recsys_runner.train.batch_checks`: no sync in the step)."""
     loop.stepper.reset()
     batches = iter(loop.data.train_batches(state.epoch, loop.env.rank, loop.env.world_size))
     skip = state.epoch_step * loop.config.grad_accum_steps
-    return itertools.islice(batches, skip, None) if skip else batches
+    return iter(checked_batches(itertools.islice(batches, skip, None) if skip else batches, loop.evaluator.tasks, "training batch"))
 
 
 def _no_step_error(loop: Loop, state: TrainState) -> DataError:
