@@ -32,6 +32,8 @@ BAD_VALUES = {
     "mined-share-without-sampled-negatives": (["model=dssm", "data.negatives.mined_ratio=0.25"],
                                               "data.negatives.mined_ratio=0.25 would do nothing"),
     "dense-sgd-negative-momentum": (["optim/dense=sgd", "optim.dense.momentum=-0.1"], "optim.dense.momentum must lie in [0, 1)"),
+    "negative-sanity-eval-batches": (["train.sanity_eval_batches=-1"],
+                                     "train.sanity_eval_batches must be 0 (off) or a number of eval batches, got -1"),
 }
 """Case → (overrides on the tiny default config, a fragment of the message)."""
 

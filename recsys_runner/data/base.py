@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -87,6 +88,12 @@ class DataModule(Protocol):
         """Counters since the module was built (e.g. ``data/bad_rows_skipped``), logged with the training
         metrics (summed over ranks); none by default."""
         return {}
+
+    def counters_kept(self) -> contextlib.AbstractContextManager[None]:
+        """Within the block, reading batches leaves the counters of :meth:`metrics` as they were: the train loop's sanity
+        eval reads a few eval batches before the first step, and their rows must not reach the logged counters. Nothing to
+        keep by default (no counters)."""
+        return contextlib.nullcontext()
 
     def encoders_document(self) -> bytes | None:
         """The encoders this data fitted to its files (:mod:`recsys_runner.data.encoding.stored`), stored with every checkpoint;

@@ -24,6 +24,7 @@ joins the two lookups. :func:`collision_counters` reads what the modules counted
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -381,6 +382,22 @@ def collision_counters(model: nn.Module) -> dict[str, float]:
     """This rank's counts of every managed table (``mc/<table>/<count>``, since the last call), summable over ranks
     (each rank holds other slots of a row-wise sharded table); empty for a model without managed tables."""
     return {f"mc/{table}/{k}": float(v) for table, m in _tables(model) for k, v in m.counters().items()}
+
+
+@contextlib.contextmanager
+def eval_counts_kept(model: nn.Module) -> Iterator[None]:
+    """Within the block, evaluation lookups leave every managed table's eval counters (``eval_lookups``,
+    ``eval_fallback_lookups``) as they were: the train loop's sanity eval reads eval batches whose lookups must not
+    reach the first logged ``mc/<table>/eval_fallback_rate``. An eval changes no mapping, so the counts are all it
+    leaves behind."""
+    tables = _tables(model)
+    saved = [(m._lookups[1], m._eval_fallbacks.clone()) for _, m in tables]
+    try:
+        yield
+    finally:
+        for (_, m), (lookups, fallbacks) in zip(tables, saved, strict=True):
+            m._lookups[1] = lookups
+            m._eval_fallbacks.copy_(fallbacks)
 
 
 def collision_rates(counters: dict[str, float]) -> dict[str, float]:

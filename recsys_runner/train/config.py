@@ -35,6 +35,13 @@ class TrainConfig:
     ``train.eval_every_steps=null`` for epoch ends only."""
     eval_max_batches: int | None = None
     """Cap on eval batches per rank (``null`` = the whole eval split)."""
+    sanity_eval_batches: int = 2
+    """Before the first training step of every launch (a resumed one too: its eval data may have changed), run the eval's
+    per-batch path (forward, metric updates and compute, on every rank) on this many eval batches and discard it: nothing
+    logged, nothing checkpointed, training unchanged bit for bit. An error only the eval meets (a bad eval row, a
+    missing grouping id) then stops the run in seconds instead of after the training. The full-corpus pass of a
+    retrieval eval is not covered (:meth:`~recsys_runner.train.evaluation.Evaluator.sanity_check`). 0 turns it off
+    (PyTorch Lightning's ``num_sanity_val_steps``)."""
     grad_accum_steps: int = 1
     """Micro-batches per optimizer step; dense gradients are averaged over them. The fused embedding optimizers still
     update every micro-batch, and all but SGD at full size: for them the tables train as without accumulation
@@ -101,6 +108,9 @@ class TrainConfig:
             self.eval_max_batches is None or self.eval_max_batches > 0,
             f"train.eval_max_batches must be positive or null, got {self.eval_max_batches}",
         )
+        require(self.sanity_eval_batches >= 0,
+                f"train.sanity_eval_batches must be 0 (off) or a number of eval batches, got {self.sanity_eval_batches}. "
+                f"Fix: e.g. train.sanity_eval_batches=2")
         require(self.stop_after_steps is None or self.stop_after_steps > 0,
                 f"train.stop_after_steps must be positive or null, got {self.stop_after_steps}")
         require(self.objective is None or self.objective.startswith("eval/"),

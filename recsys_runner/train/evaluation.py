@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Callable
+import random
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torchrec.datasets.utils import Batch
@@ -22,6 +24,7 @@ from recsys_runner.distributed.env import DistEnv
 from recsys_runner.errors import DataError
 from recsys_runner.metrics.registry import SELECTION_KEY, MetricsConfig, improved, selection_score
 from recsys_runner.metrics.tasks import TaskEvalMetrics, eval_metric_keys, grouping_ids
+from recsys_runner.models.collision import eval_counts_kept
 from recsys_runner.progress import Progress
 from recsys_runner.tasks import Task
 from recsys_runner.train.batch_checks import checked_batches
@@ -82,7 +85,6 @@ class Evaluator:
         are collectives that every rank must finish). The EMA weights are swapped back, the pipeline reattached and the
         model put back in train mode all the same."""
         metrics = TaskEvalMetrics(self.metrics, self.tasks, self.env.device)
-        key = self.metrics.grouping_key
         batches = self.data.eval_batches(self.env.rank, self.env.world_size)
         weights = self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext()
         corpus: dict[str, float] = {}
@@ -90,27 +92,7 @@ class Evaluator:
             model.eval()
             try:
                 with torch.no_grad():
-                    last: Batch | None = None
-                    steps = 0  # a step on every rank while any has a batch: none means no rank had an eval row
-                    # each batch's labels checked by the tasks on the host, before its copy to the device (no sync)
-                    for mine in in_step(checked_batches(itertools.islice(batches, self.max_batches), self.tasks, "eval batch")):
-                        steps += 1
-                        # a rank out of batches steps with a stand-in while another scores its last ones: its rows count
-                        # nowhere (an update with none of them keeps this rank's metric states in the gathers)
-                        batch = mine.to(self.env.device, non_blocking=True) if mine is not None else \
-                            last if last is not None else placeholder(self.data.features).to(self.env.device)
-                        last = batch
-                        _, (_, logits, labels) = model(batch)
-                        rows = slice(None) if mine is not None else slice(0)
-                        groups = {"groups": grouping_ids(batch.sparse_features, key)[rows]} if key else {}
-                        metrics.update(logits[rows], labels[rows], **groups)
-                        if progress is not None and mine is not None:
-                            progress.update(1)
-                        if stop is not None:
-                            stop()
-                    if not steps:  # every metric would be NaN; an eval with rows whose label has one class is not this
-                        raise DataError(f"the eval data gave no row to evaluate (its metrics would all be NaN): "
-                                        f"{self.data.explain_empty_eval(self.env.rank)}")
+                    self._score(model, metrics, itertools.islice(batches, self.max_batches), progress, stop)
                     if self.corpus is not None:  # a second pass: the user tower's queries against the whole catalogue
                         corpus = self.corpus.evaluate(model, self.data, self.env, itertools.islice(
                             self.data.eval_batches(self.env.rank, self.env.world_size), self.max_batches), stop=stop)
@@ -120,6 +102,89 @@ class Evaluator:
         if self.metrics.selection:
             out[SELECTION_KEY] = selection_score(self.metrics.selection, out)
         return {k: out[k] for k in self.keys()}
+
+    def sanity_check(self, num_batches: int) -> int:
+        """Run the eval's per-batch path on the first ``num_batches`` eval batches of this rank (capped by
+        ``train.eval_max_batches``) and discard what it computed; the number of batches stepped.
+
+        What the loop runs before the first step (``train.sanity_eval_batches``), so that an error only the eval path
+        meets — a bad eval row under ``data.on_bad_rows=fail``, a label a task refuses, a grouping key an eval row lacks,
+        a forward that fails on the eval data, no eval row at all — is raised, with the same message, before any training
+        step or checkpoint.
+        It runs what :meth:`evaluate` runs per batch (the EMA weights swapped in, the pipeline detached, eval mode, the
+        forward, every task's metric update) and the metrics' compute (their gathers over ranks), on every rank, so the
+        ranks' collectives match. It does not run the full-corpus pass (:mod:`recsys_runner.train.corpus`: the item index
+        over the whole catalogue, the queries ranked against it, hard negatives mined from it), whose cost is the
+        catalogue's, not a few batches', and whose mining would change the training data.
+
+        Training continues bit for bit as without it: the random generators (Python, NumPy, torch on the CPU and the
+        device) are restored, every module's train/eval mode is put back as it was, the data module's counters
+        (:meth:`~recsys_runner.data.base.DataModule.counters_kept`) and the managed tables' eval counts are restored, and
+        nothing is logged; the training batches and the optimizers are not touched.
+        """
+        limit = num_batches if self.max_batches is None else min(num_batches, self.max_batches)
+        metrics = TaskEvalMetrics(self.metrics, self.tasks, self.env.device)
+        modes = [(m, m.training) for m in self.model.modules()]
+        weights = self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext()
+        with (_random_state_kept(self.env.device), self.data.counters_kept(), eval_counts_kept(self.model),
+              detached(self.pipeline, self.model) as model, weights):
+            batches = self.data.eval_batches(self.env.rank, self.env.world_size)
+            model.eval()
+            try:
+                with torch.no_grad():
+                    steps = self._score(model, metrics, itertools.islice(batches, limit), None, None)
+                    metrics.compute()
+            finally:
+                for module, training in modes:
+                    module.training = training
+                close = getattr(batches, "close", None)
+                if close is not None:  # a generator left part read: its readers (DataLoader workers) end now
+                    close()
+        return steps
+
+    def _score(self, model: nn.Module, metrics: TaskEvalMetrics, batches: Iterable[Batch], progress: Progress | None,
+               stop: Callable[[], None] | None) -> int:
+        """Forward ``batches`` in step with the other ranks and update ``metrics`` with their rows; the steps taken.
+
+        Raises:
+            DataError: no rank had an eval row (every metric would be NaN).
+        """
+        key = self.metrics.grouping_key
+        last: Batch | None = None
+        steps = 0  # a step on every rank while any has a batch: none means no rank had an eval row
+        # each batch's labels checked by the tasks on the host, before its copy to the device (no sync)
+        for mine in in_step(checked_batches(batches, self.tasks, "eval batch")):
+            steps += 1
+            # a rank out of batches steps with a stand-in while another scores its last ones: its rows count
+            # nowhere (an update with none of them keeps this rank's metric states in the gathers)
+            batch = mine.to(self.env.device, non_blocking=True) if mine is not None else \
+                last if last is not None else placeholder(self.data.features).to(self.env.device)
+            last = batch
+            _, (_, logits, labels) = model(batch)
+            rows = slice(None) if mine is not None else slice(0)
+            groups = {"groups": grouping_ids(batch.sparse_features, key)[rows]} if key else {}
+            metrics.update(logits[rows], labels[rows], **groups)
+            if progress is not None and mine is not None:
+                progress.update(1)
+            if stop is not None:
+                stop()
+        if not steps:  # every metric would be NaN; an eval with rows whose label has one class is not this
+            raise DataError(f"the eval data gave no row to evaluate (its metrics would all be NaN): "
+                            f"{self.data.explain_empty_eval(self.env.rank)}")
+        return steps
+
+
+@contextlib.contextmanager
+def _random_state_kept(device: torch.device) -> Iterator[None]:
+    """Within the block, draws from Python's, NumPy's and torch's generators (the CPU's and ``device``'s) are undone:
+    the sanity eval must leave the training's random stream (dropout, sampled negatives) where it was."""
+    python, numpy = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy)
 
 
 @dataclass

@@ -4,7 +4,9 @@ Per-step mechanics (moving the batch, forward, backward, optimizer step, input d
 the next batch) belong to the TrainPipeline and the step policy (:mod:`recsys_runner.train.stepping`);
 building and restoring belong to :mod:`recsys_runner.build`; what a checkpoint holds to
 :mod:`recsys_runner.checkpoint`. A step is one optimizer step (``train.grad_accum_steps``
-micro-batches). Training stops at ``loop.total_steps``, on early stopping, on a signal
+micro-batches). Before a launch's first step a sanity eval (``train.sanity_eval_batches``, :func:`_sanity_eval`) runs the
+eval's per-batch path on a few eval batches and discards it, so an error only the eval meets stops the run before the
+training, not after it. Training stops at ``loop.total_steps``, on early stopping, on a signal
 (:mod:`recsys_runner.train.signals`), on a non-finite loss (:mod:`recsys_runner.train.stopping`) or when another rank
 is lost (:class:`~recsys_runner.distributed.peers.RankLost`, with the last complete checkpoint).
 
@@ -36,6 +38,7 @@ import dataclasses
 import itertools
 import logging
 import signal
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -111,6 +114,7 @@ def train(loop: Loop) -> dict[str, float]:
     with (StopSignals(env.world_size, env.device, cfg.stop_check_every_steps) as signals,
           Progress(loop.total_steps, enabled=env.is_main, unit="step", initial=state.step, mode=cfg.progress) as progress,
           _rank_lost(loop, state), _store_wait(loop, state), _stopped_again(loop, state)):
+        _sanity_eval(loop, state, meter)
         evaluated, stop = _resumed_eval(loop, state, signals, meter, progress)
         while state.step < loop.total_steps and stop is None:
             batches = meter.counted(_epoch_batches(loop, state))
@@ -244,6 +248,26 @@ def _final_eval(loop: Loop, state: TrainState, loss: torch.Tensor | None, signal
         except _Abandoned as e:
             signum = e.signum
     raise Interrupted(signum, state.step, loop.checkpointer.save_guarded(state, loss, None), when="during the final eval")
+
+
+def _sanity_eval(loop: Loop, state: TrainState, meter: Throughput) -> None:
+    """Before this launch's first step, the eval's per-batch path on ``train.sanity_eval_batches`` eval batches, discarded
+    (:meth:`Evaluator.sanity_check`), so that an eval-only error stops the run before the training, not after it; one log
+    line says it ran (batches, seconds) or why not. Skipped when this launch trains no step (a resume at the last step: the
+    final eval comes at once). Its time is left out of the first samples/s window (``meter``). A signal during it is
+    taken after the first step, as one before the steps always is."""
+    wanted = loop.config.sanity_eval_batches
+    if not wanted or state.step >= loop.total_steps:
+        if loop.env.is_main:
+            why = "train.sanity_eval_batches=0" if not wanted else f"no step to train in this launch (at step {state.step} of {loop.total_steps})"
+            log.info("sanity eval skipped: %s", why)
+        return
+    start = time.perf_counter()
+    with meter.paused():
+        ran = loop.evaluator.sanity_check(wanted)
+    if loop.env.is_main:
+        log.info("sanity eval: %d eval batches (forward, metric updates and compute; nothing logged) in %.2fs before step %d "
+                 "(train.sanity_eval_batches=%d, 0 turns it off)", ran, time.perf_counter() - start, state.step + 1, wanted)
 
 
 def _resumed_eval(loop: Loop, state: TrainState, signals: StopSignals, meter: Throughput,

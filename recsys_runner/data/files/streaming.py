@@ -26,6 +26,8 @@ held out when a hash of (file name, row number) falls below ``eval_fraction``.
 from __future__ import annotations
 
 import abc
+import contextlib
+import copy
 import logging
 import math
 from collections.abc import Collection, Iterator
@@ -222,6 +224,16 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         return {"data/bad_rows_skipped": float(self._bad_rows), "data/rows_dropped_uneven_ranks": float(self._dropped_rows),
                 "data/truncated_histories": float(self._truncated_rows),
                 **({"data/truncated_lists": float(sum(n for n, _ in self._capped.values()))} if self._capped else {})} | oov_counters(self._oov)
+
+    @contextlib.contextmanager
+    def counters_kept(self) -> Iterator[None]:
+        """Within the block, reads leave :meth:`metrics`'s counters and the eval pass's account (:meth:`explain_empty_eval`)
+        as they were (:meth:`DataModule.counters_kept`)."""
+        saved = copy.deepcopy((self._bad_rows, self._truncated_rows, self._capped, self._oov, self._dropped_rows, self._eval_passes))
+        try:
+            yield
+        finally:
+            (self._bad_rows, self._truncated_rows, self._capped, self._oov, self._dropped_rows, self._eval_passes) = saved
 
     def encoders_document(self) -> bytes:
         """The schema these files are encoded by (vocabularies included) and the kind of each of their columns, stored

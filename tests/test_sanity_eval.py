@@ -1,0 +1,168 @@
+"""The sanity eval (``train.sanity_eval_batches``): before the first step, the eval's per-batch path on a few eval batches,
+so that an error only the eval meets stops the run in seconds, with the eval's own message, before any step or
+checkpoint; and it leaves the training exactly as without it (losses, weights, EMA, optimizer state, the data's
+counters, the modules' modes, the random generators)."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from omegaconf import DictConfig
+
+from recsys_runner.__main__ import run
+from recsys_runner.build import build
+from recsys_runner.checkpoint.storage import list_checkpoints
+from recsys_runner.config import validate
+from recsys_runner.errors import ConfigError, DataError
+from recsys_runner.models.collision import collision_counters
+from recsys_runner.train.loop import train
+
+ROWS = 64
+
+
+def _write(path: Path, n: int, label: list[int] | None = None, tag: list[list[int]] | None = None) -> str:
+    """``n`` click rows (``label``, ``item``, a one-id list ``tag``) at ``path``; ``label``/``tag`` replace the columns."""
+    pq.write_table(pa.table({"label": label or [i % 2 for i in range(n)], "item": [i % 16 for i in range(n)],
+                             "tag": tag or [[i % 16] for i in range(n)]}), path)
+    return str(path)
+
+
+def _files(tmp_path: Path, *extra: str, eval_label: list[int] | None = None, eval_tag: list[list[int]] | None = None) -> list[str]:
+    """A DeepFM over two sparse columns of Parquet rows, 4 steps of 8 rows, a checkpoint every step."""
+    return ["data=parquet", f"data.path={_write(tmp_path / 'train.parquet', ROWS)}",
+            f"data.eval_path={_write(tmp_path / 'eval.parquet', 16, eval_label, eval_tag)}", "data.batch_size=8",
+            "data.num_workers=0", "data.sparse=[{name:item,num_embeddings:16},{name:tag,num_embeddings:16}]",
+            "train.num_steps=4", "train.log_every_steps=1", "train.eval_every_steps=null", "distributed.device=cpu",
+            "tracking=none", f"checkpoint.dir={tmp_path}/ck", "checkpoint.every_steps=1", *extra]
+
+
+EVAL_ONLY_ERRORS = {
+    # a bad row in the first eval batch, data.on_bad_rows=fail (the default): the reader's DataError
+    "bad-eval-row": ({"eval_label": [7] + [i % 2 for i in range(1, 16)]}, (), DataError,
+                     r"bad row in .*eval\.parquet, row group 0, row 0 of the file, column 'label': the label is 7"),
+    # gauc groups by a feature that an eval row holds two ids of (every training row holds one): only the eval reads it
+    "grouping-id": ({"eval_tag": [[1, 2]] + [[i % 16] for i in range(1, 16)]}, ("metrics.eval=[auc,gauc]", "metrics.grouping_key=tag"),
+                    ConfigError, r"metrics.grouping_key='tag' must hold exactly one id per row"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EVAL_ONLY_ERRORS))
+def test_an_eval_only_error_stops_the_run_before_the_first_step(make_cfg: Callable[..., DictConfig], tmp_path: Path, case: str) -> None:
+    """Without the sanity eval (``0``) the error came at the final eval, after four steps and their checkpoints; with
+    the default it is the same error, with the same message, before any step or checkpoint, and so in a resumed launch."""
+    files, extra, error, message = EVAL_ONLY_ERRORS[case]
+    overrides = _files(tmp_path, *extra, **files)
+    with pytest.raises(error, match=message) as late:
+        run(make_cfg(*overrides, "train.sanity_eval_batches=0", tiny=False))
+    assert [p.name for p in list_checkpoints(tmp_path / "ck")][-1] == "step_00000004"  # the training was spent
+    with pytest.raises(error) as early:
+        run(make_cfg(*overrides, f"checkpoint.dir={tmp_path}/ck_sanity", tiny=False))
+    assert str(early.value) == str(late.value)
+    assert list_checkpoints(tmp_path / "ck_sanity") == []  # no step trained, nothing written
+    with pytest.raises(error) as resumed:  # a resumed launch checks again before its first step (its eval data may be new)
+        run(make_cfg(*overrides, "train.num_steps=6", tiny=False))
+    assert str(resumed.value) == str(late.value)
+    assert [p.name for p in list_checkpoints(tmp_path / "ck")][-1] == "step_00000004"
+
+
+def test_the_sanity_eval_leaves_the_data_counters_modes_and_generators_as_they_were(
+    make_cfg: Callable[..., DictConfig], tmp_path: Path
+) -> None:
+    """Its rows reach no logged counter (a bad row skipped in the first eval batch is not ``data/bad_rows_skipped`` at
+    the first log step), every module keeps its train/eval mode, and no generator moves."""
+    bad_first = [7] + [i % 2 for i in range(1, 16)]
+    spec = validate(make_cfg(*_files(tmp_path, "data.on_bad_rows=skip", "checkpoint=none", eval_label=bad_first), tiny=False))
+    c = build(spec)
+    try:
+        model, data = c.loop.evaluator.model, c.loop.data
+        frozen = next(m for m in model.modules() if not list(m.children()))
+        frozen.eval()  # a module a fine-tune keeps in eval mode: left so, not put in train mode
+        modes = [m.training for m in model.modules()]
+        counters, generators = data.metrics(), (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
+        assert c.loop.evaluator.sanity_check(2) == 2
+        assert data.metrics() == counters and counters["data/bad_rows_skipped"] == 0
+        assert [m.training for m in model.modules()] == modes
+        assert torch.equal(torch.get_rng_state(), generators[0]) and random.getstate() == generators[1]
+        assert np.array_equal(np.random.get_state()[1], generators[2])
+    finally:
+        c.close()
+
+
+def test_the_sanity_eval_leaves_no_managed_table_eval_count(make_cfg: Callable[..., DictConfig]) -> None:
+    """Its lookups do not reach the first logged ``mc/<table>/eval_fallback_rate`` (an eval's counts since the last log)."""
+    spec = validate(make_cfg("data.num_embeddings=100", "data.managed_collision={features: [cat_0], input_hash_size: 1000000}",
+                             "tracking=none", "checkpoint=none"))
+    c = build(spec)
+    try:
+        model = c.loop.evaluator.model
+        collision_counters(model)  # counts since the last call: none now
+        c.loop.evaluator.sanity_check(2)
+        counts = collision_counters(model)
+        assert "mc/t_cat_0/eval_lookups" in counts and counts["mc/t_cat_0/eval_lookups"] == 0, counts
+        assert counts["mc/t_cat_0/eval_fallback_lookups"] == 0
+    finally:
+        c.close()
+
+
+def _flat(value: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of a (nested) state dict by its path; a sharded tensor by its local shards."""
+    if isinstance(value, dict):
+        return {k: t for key, v in value.items() for k, t in _flat(v, f"{prefix}/{key}").items()}
+    if isinstance(value, list | tuple):
+        return {k: t for i, v in enumerate(value) for k, t in _flat(v, f"{prefix}/{i}").items()}
+    if hasattr(value, "local_shards"):
+        return {f"{prefix}/{i}": s.tensor for i, s in enumerate(value.local_shards())}
+    return {prefix: value.detach().clone()} if isinstance(value, torch.Tensor) else {}
+
+
+def _trained(make_cfg: Callable[..., DictConfig], monkeypatch: pytest.MonkeyPatch, pipeline: str, sanity: int) -> tuple[list[float], dict[str, float], dict[str, torch.Tensor]]:
+    """A BST (dropout 0.1, drawn from torch's generator) with an EMA evaluated with, trained 3 steps: its losses, final
+    eval metrics, and weights, EMA and optimizer state."""
+    spec = validate(make_cfg("model=bst", "model.feedforward_dim=16", "data=synthetic_sequences", "data.batch_size=64",
+                             "data.num_train_rows=2048", "data.num_eval_rows=512", "train.num_steps=3", "train.log_every_steps=1",
+                             "train.eval_every_steps=null", "train.ema.decay=0.9", "train.ema.eval_with_ema=true", "distributed.device=cpu",
+                             "tracking=none", "checkpoint=none", f"distributed.pipeline={pipeline}", f"train.sanity_eval_batches={sanity}",
+                             tiny=False))
+    c = build(spec)
+    try:
+        step, losses = c.loop.stepper.step, []
+
+        def recorded(batches: Any) -> torch.Tensor | None:
+            loss = step(batches)
+            if loss is not None:
+                losses.append(float(loss))
+            return loss
+
+        monkeypatch.setattr(c.loop.stepper, "step", recorded)
+        metrics = train(c.loop)
+        assert c.loop.stepper.policy.ema is not None
+        state = {"model": c.loop.evaluator.model.state_dict(), "ema": c.loop.stepper.policy.ema.state_dict(),
+                 "optimizer": c.loop.stepper.optimizer.state_dict()}
+        return losses, metrics, _flat(state)
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("pipeline", ["base", "sparse_dist"])
+def test_training_is_bit_identical_with_and_without_the_sanity_eval(
+    make_cfg: Callable[..., DictConfig], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, pipeline: str
+) -> None:
+    """``sparse_dist``: TorchRec's pipeline, detached for the eval before it ever ran a batch, trains on unchanged."""
+    with caplog.at_level(logging.INFO, logger="recsys_runner.train.loop"):
+        plain = _trained(make_cfg, monkeypatch, pipeline, 0)
+        assert "sanity eval skipped: train.sanity_eval_batches=0" in caplog.text
+        checked = _trained(make_cfg, monkeypatch, pipeline, 2)
+        assert "sanity eval: 2 eval batches" in caplog.text
+    assert checked[0] == plain[0] and len(plain[0]) == 3
+    assert checked[1] == plain[1]
+    assert checked[2].keys() == plain[2].keys() and checked[2]
+    assert [k for k, t in plain[2].items() if not torch.equal(t, checked[2][k])] == []
