@@ -14,6 +14,9 @@ carries its longest rows through both. Any other ``KeyedJaggedTensor`` (built by
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -26,8 +29,9 @@ class HostLengthsKJT(KeyedJaggedTensor):
     Made by :func:`with_longest_rows`; ``to`` and ``pin_memory`` return one with the same longest rows.
     """
 
-    longest_rows: dict[str, int]
-    """Each key's longest row of this batch, counted on the host when the batch was built."""
+    longest_rows: Mapping[str, int] = MappingProxyType({})
+    """Each key's longest row of this batch, counted on the host when the batch was built (none known for one made
+    otherwise than by :func:`with_longest_rows`)."""
 
     def to(self, device: torch.device, non_blocking: bool = False, dtype: torch.dtype | None = None) -> KeyedJaggedTensor:
         return with_longest_rows(super().to(device, non_blocking=non_blocking, dtype=dtype), self.longest_rows)
@@ -36,7 +40,7 @@ class HostLengthsKJT(KeyedJaggedTensor):
         return with_longest_rows(super().pin_memory(), self.longest_rows)
 
 
-def with_longest_rows(kjt: KeyedJaggedTensor, longest_rows: dict[str, int]) -> HostLengthsKJT:
+def with_longest_rows(kjt: KeyedJaggedTensor, longest_rows: Mapping[str, int]) -> HostLengthsKJT:
     """``kjt`` (the same tensors and host-side caches, not copied) carrying ``longest_rows``: each key's longest row,
     which the caller counted from the same lengths on the host."""
     carrier = HostLengthsKJT.__new__(HostLengthsKJT)

@@ -25,8 +25,9 @@ of both L2-normalized when ``normalize``, divided by ``temperature``.
 
 Shape legend: ``B`` batch, ``L`` longest history in the batch (``L + 1`` positions with the start token), ``D`` the
 item table's width (the model's width), ``D_g`` an event's width (its features' embeddings concatenated), ``H``
-heads, ``P`` real positions of the batch, ``U`` distinct positives among them, ``N`` items in the table, ``C`` of them
-candidates (those that may be recommended).
+heads, ``P`` real positions of the batch, ``U`` distinct positives among them, ``N`` items in the table, ``K = min(P, N)``
+the columns of the training logits (a bound of ``U`` known on the host), ``C`` of the ``N`` items candidates (those that
+may be recommended).
 """
 
 from __future__ import annotations
@@ -177,7 +178,7 @@ class SASRecBlock(nn.Module):
 class SASRec(nn.Module):
     """SASRec / HSTU next-item model: ``(dense [B, N_dense], sparse KJT with a history) → (scores, targets)``.
 
-    In training ``(logits [P, U], positives [P])`` (:meth:`sampled_logits`), in eval mode ``(scores [B, N],
+    In training ``(logits [P, K], positives [P])`` (:meth:`sampled_logits`), in eval mode ``(scores [B, N],
     true item ids [B])`` (:meth:`full_scores`); its task is :class:`~recsys_runner.tasks.NextItemTask`. Dense
     columns and the other features are not read (the state depends on the history alone).
 
@@ -201,7 +202,7 @@ class SASRec(nn.Module):
         >>> batch = next(iter(data.train_batches(epoch=0, rank=0, world_size=1)))
         >>> model = materialize(SASRec(make(SASRecConfig, embedding_dim=8, num_blocks=1, block="hstu", num_heads=2),
         ...                              features=data.features))
-        >>> logits, positives = model(batch.dense_features, batch.sparse_features)   # training: [P, U], [P]
+        >>> logits, positives = model(batch.dense_features, batch.sparse_features)   # training: [P, K], [P]
         >>> positions = int(batch.sparse_features["hist_item_id"].lengths().sum()) + 8   # each event's successor, then the candidate
         >>> logits.shape[0] == positives.shape[0] == positions
         True
