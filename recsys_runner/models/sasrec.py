@@ -330,9 +330,11 @@ class SASRec(nn.Module):
         vectors = torch.where(last.unsqueeze(2), candidate.unsqueeze(1).to(vectors.dtype), F.pad(vectors, (0, 0, 0, 1))).flatten(0, 1)[index]
         positives, counts, first = distinct_positives(ids, min(count, self.num_items))
         logits = self.score(states.flatten(0, 1)[index], vectors[first])
+        # One pass over the [P, K] logits, as before: each item's logQ (or 0) subtracted, +inf for the empty slots.
+        empty = torch.full_like(counts, 0, dtype=logits.dtype).masked_fill(counts == 0, float("inf"))
         if self.logq:
-            logits = logits - torch.log(counts.to(logits.dtype) / count).unsqueeze(0)
-        return logits.masked_fill((counts == 0).unsqueeze(0), float("-inf")), positives
+            empty = torch.where(counts > 0, torch.log(counts.to(logits.dtype) / count), empty)
+        return logits - empty.unsqueeze(0), positives
 
     def full_scores(self, states: torch.Tensor, lengths: torch.Tensor, sparse: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(scores [B, C], true item ids [B])``: the state after each row's whole history against every candidate item
@@ -415,10 +417,13 @@ def flat_positions(sizes: torch.Tensor, width: int, count: int) -> torch.Tensor:
 
 
 def distinct_positives(ids: torch.Tensor, columns: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``ids [P]``'s distinct values in ascending order, as ``torch.unique`` numbers them, in ``columns`` slots (at
-    least the distinct count): ``(positives [P]`` each id's slot, ``counts [columns]`` each slot's ids (0: no item),
-    ``first [columns]`` each slot's first position in ``ids`` (``P - 1`` for an empty slot)``)``. Fixed sizes: a sort,
-    the starts of its runs of equal ids, and their running count."""
+    """``ids [P]``'s distinct values numbered in ascending order, as ``torch.unique`` numbers them, in ``columns`` slots
+    (at least the distinct count, e.g. a bound known on the host).
+
+    Returns ``(positives, counts, first)``: ``positives [P]`` each id's slot, ``counts [columns]`` the ids in each slot
+    (0: a slot no id fills), ``first [columns]`` each slot's first position in ``ids`` (``P - 1`` for an empty slot).
+    Every size is ``P`` or ``columns``, none counted from the values: a sort, the starts of its runs of equal ids, and
+    their running count."""
     total = ids.shape[0]
     ordered, order = torch.sort(ids)
     starts = torch.cat([torch.ones_like(ordered[:1], dtype=torch.bool), ordered[1:] != ordered[:-1]])
