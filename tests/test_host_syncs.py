@@ -52,6 +52,7 @@ CASES: dict[str, tuple[list[str], list[str], str | None]] = {
     "sasrec": (["model=sasrec", "data=synthetic_sequences"], SEQUENCE, None),
     "sasrec_hstu_padded": (["model=sasrec", "model.block=hstu", "model.attention_block=0", "data=synthetic_sequences"], SEQUENCE, None),
     "din_padded": (["model=din", "model.attention=padded", "data=synthetic_sequences"], SEQUENCE, None),
+    "din": (["model=din", "data=synthetic_sequences"], SEQUENCE, None),
     "bst_padded": (["model=bst", "model.attention=padded", "data=synthetic_sequences"], SEQUENCE, None),
     "hstu_rank_padded": (["model=hstu_rank", "model.attention=padded", "data=synthetic_sequences"], SEQUENCE, None),
 }
