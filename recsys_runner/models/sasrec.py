@@ -328,7 +328,7 @@ class SASRec(nn.Module):
         ids = torch.where(last, self._candidate_ids(sparse).unsqueeze(1), F.pad(ids, (0, 1))).flatten()[index]
         vectors = history.values[..., self.item_offset: self.item_offset + self.dim]
         vectors = torch.where(last.unsqueeze(2), candidate.unsqueeze(1).to(vectors.dtype), F.pad(vectors, (0, 0, 0, 1))).flatten(0, 1)[index]
-        positives, counts, first = distinct_positives(ids, min(count, self.num_items))
+        positives, counts, first = distinct_positives(ids, self.num_items)
         logits = self.score(states.flatten(0, 1)[index], vectors[first])
         # One pass over the [P, K] logits, as before: each item's logQ (or 0) subtracted, +inf for the empty slots.
         empty = torch.full_like(counts, 0, dtype=logits.dtype).masked_fill(counts == 0, float("inf"))
@@ -416,15 +416,17 @@ def flat_positions(sizes: torch.Tensor, width: int, count: int) -> torch.Tensor:
     return rows * width + torch.arange(count, device=sizes.device) - starts[rows]
 
 
-def distinct_positives(ids: torch.Tensor, columns: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``ids [P]``'s distinct values numbered in ascending order, as ``torch.unique`` numbers them, in ``columns`` slots
-    (at least the distinct count, e.g. a bound known on the host).
+@torch.fx.wrap  # a leaf of TorchRec's pipeline trace: its number of slots is a comparison of sizes
+def distinct_positives(ids: torch.Tensor, num_items: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``ids [P]``'s distinct values (item ids below ``num_items``) numbered in ascending order, as ``torch.unique``
+    numbers them, in ``K = min(P, num_items)`` slots: at least the distinct count, a bound known without counting them.
 
-    Returns ``(positives, counts, first)``: ``positives [P]`` each id's slot, ``counts [columns]`` the ids in each slot
-    (0: a slot no id fills), ``first [columns]`` each slot's first position in ``ids`` (``P - 1`` for an empty slot).
-    Every size is ``P`` or ``columns``, none counted from the values: a sort, the starts of its runs of equal ids, and
+    Returns ``(positives, counts, first)``: ``positives [P]`` each id's slot, ``counts [K]`` the ids in each slot
+    (0: a slot no id fills), ``first [K]`` each slot's first position in ``ids`` (``P - 1`` for an empty slot).
+    Every size is ``P`` or ``K``, none counted from the values: a sort, the starts of its runs of equal ids, and
     their running count."""
     total = ids.shape[0]
+    columns = min(total, num_items)
     ordered, order = torch.sort(ids)
     starts = torch.cat([torch.ones_like(ordered[:1], dtype=torch.bool), ordered[1:] != ordered[:-1]])
     slot = torch.cumsum(starts, 0) - 1
