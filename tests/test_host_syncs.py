@@ -35,18 +35,18 @@ ALLOWED: dict[str, str] = {
         "torch's dense optimizer reads each parameter's step count: a CPU tensor (torch keeps it on the host unless "
         "capturable or fused), no sync",
     f"recsys_runner/models/sequence.py forward → {TBE}": "the history lookups' TBE: as pooled_lookup's, no sync",
-    "recsys_runner/models/sequence.py longest item":
-        "a device sync, every step of a padded sequence model: the batch's longest history sizes the padded block",
-    "recsys_runner/models/sasrec.py sampled_logits __getitem__":
-        "a device sync, every SASRec step: the positions with a next event, a boolean mask of the device lengths",
-    "recsys_runner/models/sasrec.py sampled_logits → torch/_jit_internal.py fn unique":
-        "a device sync, every SASRec step: the batch's distinct positives (the sampled softmax's candidates), a count "
-        "of device values",
+    "recsys_runner/train/stepping.py step → torch/optim/optimizer.py _get_value item":
+        "the dense optimizer's step count as _step's, under TorchRec's sparse_dist pipeline (which steps it itself)",
+    "recsys_runner/train/stepping.py step → torchrec/distributed/dist_data.py _safe_tolist_2d tolist":
+        "TorchRec's sparse_dist input distribution: the splits of the ids all-to-all (docs/performance.md, section 3)",
+    "recsys_runner/train/stepping.py step → torchrec/sparse/jagged_tensor.py _safe_tolist tolist":
+        "TorchRec's sparse_dist input distribution: the distributed batch's per-key lengths",
 }
 """Each sync a steady-state step may make, with why it is there (or why it is none on a GPU)."""
 
 PLAIN = [f"recsys_runner/models/lookup.py pooled_lookup → {TBE}", "recsys_runner/train/stepping.py _step → torch/optim/optimizer.py _get_value item"]
-SEQUENCE = [*PLAIN, *(k for k in ALLOWED if "/sequence.py" in k or "/sasrec.py" in k)]
+SEQUENCE = [*PLAIN, *(k for k in ALLOWED if "/sequence.py" in k)]
+SPARSE_DIST = [PLAIN[0], *(k for k in ALLOWED if "/sequence.py" in k or "stepping.py step →" in k)]
 CASES: dict[str, tuple[list[str], list[str], str | None]] = {
     "deepfm": ([], PLAIN, None),
     "dlrm": (["model=dlrm"], PLAIN, None),
@@ -57,6 +57,12 @@ CASES: dict[str, tuple[list[str], list[str], str | None]] = {
                     "data.label_classes={category: 3}", "+model.task_specs.category={kind: multiclass, num_classes: 3}"],
                    PLAIN, "recsys_runner/tasks.py checked_classes __bool__"),
     "sasrec": (["model=sasrec", "data=synthetic_sequences"], SEQUENCE, None),
+    "sasrec_sparse_dist": (["model=sasrec", "data=synthetic_sequences", "distributed.pipeline=sparse_dist"], SPARSE_DIST, None),
+    "sasrec_hstu_padded": (["model=sasrec", "model.block=hstu", "model.attention_block=0", "data=synthetic_sequences"], SEQUENCE, None),
+    "din_padded": (["model=din", "model.attention=padded", "data=synthetic_sequences"], SEQUENCE, None),
+    "din": (["model=din", "data=synthetic_sequences"], SEQUENCE, None),
+    "bst_padded": (["model=bst", "model.attention=padded", "data=synthetic_sequences"], SEQUENCE, None),
+    "hstu_rank_padded": (["model=hstu_rank", "model.attention=padded", "data=synthetic_sequences"], SEQUENCE, None),
 }
 """Per run: its overrides, the allow-list entries its step makes, and the label check it makes on the host (if any)."""
 

@@ -14,8 +14,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.__main__ import run
 from recsys_runner.config import validate
@@ -26,7 +28,9 @@ from recsys_runner.errors import ConfigError
 from recsys_runner.metrics.registry import MetricsConfig, build_eval_metrics, higher_is_better, metric_entry
 from recsys_runner.metrics.retrieval import RecallAtK, target_ranks
 from recsys_runner.metrics.tasks import eval_metric_keys
-from recsys_runner.models.sasrec import SASRec, SASRecConfig
+from recsys_runner.models.common import materialize
+from recsys_runner.models.sasrec import SASRec, SASRecConfig, distinct_positives
+from recsys_runner.models.sequence import History
 from recsys_runner.models.train_wrapper import TrainWrapper
 from recsys_runner.tasks import NextItemTask
 from tests.conftest import free_port
@@ -143,7 +147,9 @@ def test_train_wrapper_takes_the_models_targets_and_eval_scores_the_whole_table(
     loss, (_, logits, positives) = wrapper(batch)
     lengths = batch.sparse_features["hist_item_id"].lengths()
     assert logits.shape[0] == int(lengths.sum()) + 16, "one position per event plus the start token, per row"
-    assert logits.shape[1] == int(positives.max()) + 1 and torch.isfinite(loss)
+    distinct = int(positives.max()) + 1
+    assert logits.shape[1] == min(logits.shape[0], 60) and torch.isfinite(loss), "K = min(P, N) columns, a bound known on the host"
+    assert torch.isfinite(logits[:, :distinct]).all() and torch.isneginf(logits[:, distinct:]).all(), "no item past the distinct ones"
     wrapper.eval()
     with torch.no_grad():
         _, (_, scores, targets) = wrapper(batch)
@@ -154,6 +160,47 @@ def test_train_wrapper_takes_the_models_targets_and_eval_scores_the_whole_table(
     assert torch.equal(table, expected), "ids 0..N-1 looked up through the model's own table"
     wrapper.train()
     assert model._table is None
+
+
+def _unique_logits(model: SASRec, states: torch.Tensor, history: History, candidate: torch.Tensor,
+                   sparse: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampled softmax as it was computed before it took fixed sizes: the real positions by a boolean mask, the
+    candidates by ``torch.unique`` (each a device-to-host sync on a GPU)."""
+    length = history.mask.shape[1]
+    positions = torch.arange(length + 1).unsqueeze(0)
+    last, valid = positions == history.lengths.unsqueeze(1), positions <= history.lengths.unsqueeze(1)
+    ids = sparse["hist_item_id"].to_padded_dense(desired_length=length, padding_value=0)
+    ids = torch.where(last, sparse["item_id"].values().unsqueeze(1), F.pad(ids, (0, 1)))[valid]
+    vectors = history.values[..., : model.dim]
+    vectors = torch.where(last.unsqueeze(2), candidate.unsqueeze(1), F.pad(vectors, (0, 0, 0, 1)))[valid]
+    distinct, positives, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+    first = torch.full_like(distinct, ids.shape[0]).scatter_reduce(0, positives, torch.arange(ids.shape[0]), reduce="amin")
+    logits = model.score(states[valid], vectors[first])
+    return logits - torch.log(counts.to(logits.dtype) / ids.shape[0]).unsqueeze(0), positives
+
+
+@pytest.mark.parametrize("num_items", [60, 5000])
+def test_the_fixed_size_sampled_softmax_is_the_unique_one(num_items: int) -> None:
+    """Same states: the same positives and, on the distinct items' columns, the same logits, bit for bit; the columns past
+    them are -inf, so the loss is the same (60 items: fewer than the positions, the bound K = N; 5000: K = P)."""
+    data = make(SyntheticSequencesConfig, batch_size=32, num_items=num_items, num_categories=4, num_users=30, max_len=12,
+                num_train_rows=64, num_eval_rows=64, empty_fraction=0.2).for_model(SASRecConfig().data_needs()).build()
+    torch.manual_seed(0)
+    model = materialize(SASRec(make(SASRecConfig, embedding_dim=8, dropout=0.0), features=data.features))
+    assert isinstance(model, SASRec)
+    sparse = data.batch(0, 0).sparse_features
+    embedded = model.arch(sparse)
+    history = embedded.histories["hist"]
+    states = model.encode(history)
+    logits, positives = model.sampled_logits(states, history, embedded.candidates["item_id"], sparse)
+    expected, expected_positives = _unique_logits(model, states, history, embedded.candidates["item_id"], sparse)
+    distinct = expected.shape[1]
+    assert logits.shape == (expected.shape[0], min(expected.shape[0], num_items)) and torch.equal(positives, expected_positives)
+    assert torch.equal(logits[:, :distinct], expected) and torch.isneginf(logits[:, distinct:]).all()
+    assert F.cross_entropy(logits, positives).item() == pytest.approx(F.cross_entropy(expected, positives).item(), rel=1e-6)
+    ids = torch.tensor([7, 3, 7, 7, 0, 3])
+    slots, counts, first = distinct_positives(ids, 100)
+    assert slots.tolist() == [2, 1, 2, 2, 0, 1] and counts.tolist() == [1, 2, 3, 0, 0, 0] and first.tolist() == [4, 1, 0, 5, 5, 5]
 
 
 def test_sasrec_config_errors_name_the_key_and_the_fix(make_cfg) -> None:

@@ -8,6 +8,7 @@ Short CPU runs through ``recsys_runner.__main__.run`` on small generated histori
 from __future__ import annotations
 
 import math
+import pickle
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from recsys_runner.config import validate
 from recsys_runner.configurable import make
 from recsys_runner.errors import ConfigError
 from recsys_runner.features import FeatureSpec, SequenceGroup, SparseFeature
+from recsys_runner.host_lengths import HostLengthsKJT, longest_row
 from recsys_runner.models.bst import BST, BehaviorTransformer, BSTConfig, TimeGapBuckets
 from recsys_runner.models.common import materialize
 from recsys_runner.models.din import DIN, DINConfig, TargetAttention
@@ -179,6 +181,26 @@ def test_sequence_arch_pads_each_batch_to_its_longest_row_not_max_len() -> None:
     assert torch.equal(h.values[~h.mask], torch.zeros(5, 16)), "padding is not zero"
     assert torch.equal(out.candidates["item_id"], items[kjt["item_id"].values()])
     assert out.pooled.shape == (3, 3 * 8)  # user_id, item_id, category; the histories are not pooled here
+
+
+def test_a_batch_carries_its_longest_rows_from_the_host_and_the_arch_pads_to_them() -> None:
+    """A data module's batch knows each key's longest row on the host (no device read in the step: tests/test_host_syncs.py),
+    through the copies a pipeline and a DataLoader worker make; the arch pads to it exactly as to the lengths' own max."""
+    data = small_sequences(max_len=50, empty_fraction=0.3)
+    batch = next(iter(data.train_batches(0, 0, 1)))
+    sparse = batch.sparse_features
+    assert isinstance(sparse, HostLengthsKJT)
+    longest = {key: int(sparse[key].lengths().max()) for key in sparse.keys()}
+    assert sparse.longest_rows == longest and longest["hist_item_id"] > 1
+    for copy in (batch.to(torch.device("cpu")).sparse_features, pickle.loads(pickle.dumps(sparse))):
+        assert isinstance(copy, HostLengthsKJT) and copy.longest_rows == longest
+        assert torch.equal(copy.lengths(), sparse.lengths()) and copy.length_per_key() == sparse.length_per_key()
+    arch = materialize(SequenceArch(data.features, 8, DIN))
+    plain = KeyedJaggedTensor(keys=sparse.keys(), values=sparse.values(), lengths=sparse.lengths())
+    assert longest_row(plain, "hist_item_id") is None
+    carried, read = arch(sparse).histories["hist"], arch(plain).histories["hist"]
+    assert carried.values.shape[1] == longest["hist_item_id"] and torch.equal(carried.values, read.values)
+    assert torch.equal(carried.mask, read.mask) and torch.equal(carried.timestamps, read.timestamps)
 
 
 def test_every_empty_history_runs_forward_and_backward() -> None:

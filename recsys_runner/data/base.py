@@ -20,6 +20,7 @@ from recsys_runner.data.catalogue.items import ItemTable
 from recsys_runner.data.workers import check_worker_start
 from recsys_runner.errors import CheckpointError, DataError, require
 from recsys_runner.features import DataNeeds, FeatureSpec
+from recsys_runner.host_lengths import with_longest_rows
 
 if TYPE_CHECKING:  # the annotation only: the stored encoders are handed in by the builder
     from recsys_runner.data.encoding.stored import StoredEncoders
@@ -322,7 +323,9 @@ def _ranks_agree(have: bool, op: dist.ReduceOp.RedOpType) -> bool:
 
 def batch_kjt(keys: list[str], values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None = None) -> KeyedJaggedTensor:
     """A batch's ``KeyedJaggedTensor`` (every key ``len(lengths) // len(keys)`` rows) with its per-key lengths and offsets
-    already known, summed here on the host by NumPy on one thread.
+    already known, summed here on the host by NumPy on one thread, and each key's longest row (a
+    :class:`~recsys_runner.host_lengths.HostLengthsKJT`), which a model that pads histories sizes its block by
+    (``models/sequence.py``): counted in the step, on the GPU, that was a device-to-host sync too.
 
     Why: TorchRec's sharded modules split a batch by table with ``length_per_key()`` (``KeyedJaggedTensor.split`` and
     ``permute`` in their input distribution). Left unset, it is computed from the lengths where they are when first asked,
@@ -333,9 +336,12 @@ def batch_kjt(keys: list[str], values: torch.Tensor, lengths: torch.Tensor, weig
     if not keys or lengths.numel() % len(keys) or lengths.device.type != "cpu":
         return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, weights=weights)  # not a batch of equal rows per key
     stride = lengths.numel() // len(keys)
-    per_key = lengths.numpy().reshape(len(keys), stride).sum(axis=1, dtype="int64").tolist()
-    return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, weights=weights, stride=stride,
-                             length_per_key=per_key, offset_per_key=list(itertools.accumulate(per_key, initial=0)))
+    rows = lengths.numpy().reshape(len(keys), stride)
+    per_key = rows.sum(axis=1, dtype="int64").tolist()
+    longest = rows.max(axis=1, initial=0).tolist()
+    kjt = KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, weights=weights, stride=stride,
+                            length_per_key=per_key, offset_per_key=list(itertools.accumulate(per_key, initial=0)))
+    return with_longest_rows(kjt, dict(zip(keys, map(int, longest), strict=True)))
 
 
 def placeholder(features: FeatureSpec) -> Batch:

@@ -25,8 +25,9 @@ of both L2-normalized when ``normalize``, divided by ``temperature``.
 
 Shape legend: ``B`` batch, ``L`` longest history in the batch (``L + 1`` positions with the start token), ``D`` the
 item table's width (the model's width), ``D_g`` an event's width (its features' embeddings concatenated), ``H``
-heads, ``P`` real positions of the batch, ``U`` distinct positives among them, ``N`` items in the table, ``C`` of them
-candidates (those that may be recommended).
+heads, ``P`` real positions of the batch, ``U`` distinct positives among them, ``N`` items in the table, ``K = min(P, N)``
+the columns of the training logits (a bound of ``U`` known on the host), ``C`` of the ``N`` items candidates (those that
+may be recommended).
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ from recsys_runner.models.ranking_eval import sampled_negatives, seen_ids, witho
 from recsys_runner.models.sequence import History, SequenceArch, padded, recency_positions
 from recsys_runner.tasks import NextItemTask
 
-__all__ = ["BLOCKS", "SASRec", "SASRecBlock", "SASRecConfig", "query_and_key_times"]
+__all__ = ["BLOCKS", "SASRec", "SASRecBlock", "SASRecConfig", "distinct_positives", "flat_positions", "query_and_key_times",
+           "real_positions"]
 
 torch.fx.wrap("padded")  # a leaf of TorchRec's pipeline trace here too (models/sequence.py says why)
 torch.fx.wrap("tile")  # and the jagged tiling (models/jagged.py says why)
@@ -176,7 +178,7 @@ class SASRecBlock(nn.Module):
 class SASRec(nn.Module):
     """SASRec / HSTU next-item model: ``(dense [B, N_dense], sparse KJT with a history) → (scores, targets)``.
 
-    In training ``(logits [P, U], positives [P])`` (:meth:`sampled_logits`), in eval mode ``(scores [B, N],
+    In training ``(logits [P, K], positives [P])`` (:meth:`sampled_logits`), in eval mode ``(scores [B, N],
     true item ids [B])`` (:meth:`full_scores`); its task is :class:`~recsys_runner.tasks.NextItemTask`. Dense
     columns and the other features are not read (the state depends on the history alone).
 
@@ -200,7 +202,7 @@ class SASRec(nn.Module):
         >>> batch = next(iter(data.train_batches(epoch=0, rank=0, world_size=1)))
         >>> model = materialize(SASRec(make(SASRecConfig, embedding_dim=8, num_blocks=1, block="hstu", num_heads=2),
         ...                              features=data.features))
-        >>> logits, positives = model(batch.dense_features, batch.sparse_features)   # training: [P, U], [P]
+        >>> logits, positives = model(batch.dense_features, batch.sparse_features)   # training: [P, K], [P]
         >>> positions = int(batch.sparse_features["hist_item_id"].lengths().sum()) + 8   # each event's successor, then the candidate
         >>> logits.shape[0] == positives.shape[0] == positions
         True
@@ -305,26 +307,34 @@ class SASRec(nn.Module):
 
     def sampled_logits(self, states: torch.Tensor, history: History, candidate: torch.Tensor,
                        sparse: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """In-batch sampled softmax: ``(logits [P, U], positives [P])`` over the batch's real positions.
+        """In-batch sampled softmax: ``(logits [P, K], positives [P])`` over the batch's real positions.
 
         Position ``t`` of a row (``0 … length``) has positive event ``t + 1`` of its history, the last one the row's
-        candidate (the true next item); the ``U`` distinct positives of the batch are every position's candidates,
-        each read once from its embedding, ``- ln(count / P)`` added per item when ``logq_correction``.
+        candidate (the true next item); the ``U`` distinct positives of the batch, in ascending id order, are the first
+        ``U`` columns, each read once from its embedding, ``- ln(count / P)`` added per item when ``logq_correction``;
+        the other ``K - U`` columns hold no item and score ``-inf``, which a softmax gives no weight (the loss is
+        :func:`torch.unique`'s over ``U`` columns, to float rounding).
+
+        Why the fixed sizes: ``P`` is known on the host (the batch's per-key event counts, which TorchRec keeps there),
+        and ``K = min(P, N)`` bounds ``U`` without counting it. Selecting the real positions by a mask, or the distinct
+        positives by ``torch.unique``, sizes a tensor by device values: a device-to-host sync in every step. The cost is
+        ``K - U`` extra columns of scores.
         """
         b, length = history.mask.shape
         last = torch.arange(length + 1, device=states.device).unsqueeze(0) == history.lengths.unsqueeze(1)  # [B, L + 1]
-        valid = torch.arange(length + 1, device=states.device).unsqueeze(0) <= history.lengths.unsqueeze(1)
+        count = real_positions(sparse, self.item_feature, history.lengths)
+        index = flat_positions(history.lengths + 1, length + 1, count)  # [P] into the [B * (L + 1)] positions
         ids = sparse[self.item_feature].to_padded_dense(desired_length=length, padding_value=0)
-        ids = torch.where(last, self._candidate_ids(sparse).unsqueeze(1), F.pad(ids, (0, 1)))[valid]
+        ids = torch.where(last, self._candidate_ids(sparse).unsqueeze(1), F.pad(ids, (0, 1))).flatten()[index]
         vectors = history.values[..., self.item_offset: self.item_offset + self.dim]
-        vectors = torch.where(last.unsqueeze(2), candidate.unsqueeze(1).to(vectors.dtype), F.pad(vectors, (0, 0, 0, 1)))[valid]
-        distinct, positives, counts = torch.unique(ids, return_inverse=True, return_counts=True)
-        order = torch.arange(ids.shape[0], device=ids.device)
-        first = torch.full_like(distinct, ids.shape[0]).scatter_reduce(0, positives, order, reduce="amin")
-        logits = self.score(states[valid], vectors[first])
+        vectors = torch.where(last.unsqueeze(2), candidate.unsqueeze(1).to(vectors.dtype), F.pad(vectors, (0, 0, 0, 1))).flatten(0, 1)[index]
+        positives, counts, first = distinct_positives(ids, self.num_items)
+        logits = self.score(states.flatten(0, 1)[index], vectors[first])
+        # One pass over the [P, K] logits, as before: each item's logQ (or 0) subtracted, +inf for the empty slots.
+        empty = torch.full_like(counts, 0, dtype=logits.dtype).masked_fill(counts == 0, float("inf"))
         if self.logq:
-            logits = logits - torch.log(counts.to(logits.dtype) / ids.shape[0]).unsqueeze(0)
-        return logits, positives
+            empty = torch.where(counts > 0, torch.log(counts.to(logits.dtype) / count), empty)
+        return logits - empty.unsqueeze(0), positives
 
     def full_scores(self, states: torch.Tensor, lengths: torch.Tensor, sparse: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(scores [B, C], true item ids [B])``: the state after each row's whole history against every candidate item
@@ -385,6 +395,46 @@ class SASRec(nn.Module):
     def _candidate_ids(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
         """Each row's candidate item id ``[B]`` (its first id; the candidate has one per row)."""
         return padded(sparse.to_dict()[self.candidate], 1)[:, 0]
+
+
+@torch.fx.wrap
+def real_positions(sparse: KeyedJaggedTensor, item_feature: str, lengths: torch.Tensor) -> int:
+    """``P``, the batch's positions with a next event: its history events plus one per row (the candidate), from the
+    event count TorchRec keeps on the host (``length_per_key``, set by every data module's batch); else summed from
+    ``lengths`` (a device read)."""
+    per_key = sparse.length_per_key_or_none()
+    if per_key is None or torch.compiler.is_exporting():
+        return int(lengths.sum()) + lengths.shape[0]
+    return per_key[sparse.keys().index(item_feature)] + lengths.shape[0]
+
+
+def flat_positions(sizes: torch.Tensor, width: int, count: int) -> torch.Tensor:
+    """``[count]``: the flat index (into rows of ``width``) of each row's first ``sizes[row]`` positions, row after row,
+    ``count = sizes.sum()`` given by the caller (the order a boolean mask selects them in, without counting them)."""
+    rows = torch.repeat_interleave(torch.arange(sizes.shape[0], device=sizes.device), sizes, output_size=count)
+    starts = torch.cumsum(sizes, 0) - sizes
+    return rows * width + torch.arange(count, device=sizes.device) - starts[rows]
+
+
+@torch.fx.wrap  # a leaf of TorchRec's pipeline trace: its number of slots is a comparison of sizes
+def distinct_positives(ids: torch.Tensor, num_items: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``ids [P]``'s distinct values (item ids below ``num_items``) numbered in ascending order, as ``torch.unique``
+    numbers them, in ``K = min(P, num_items)`` slots: at least the distinct count, a bound known without counting them.
+
+    Returns ``(positives, counts, first)``: ``positives [P]`` each id's slot, ``counts [K]`` the ids in each slot
+    (0: a slot no id fills), ``first [K]`` each slot's first position in ``ids`` (``P - 1`` for an empty slot).
+    Every size is ``P`` or ``K``, none counted from the values: a sort, the starts of its runs of equal ids, and
+    their running count."""
+    total = ids.shape[0]
+    columns = min(total, num_items)
+    ordered, order = torch.sort(ids)
+    starts = torch.cat([torch.ones_like(ordered[:1], dtype=torch.bool), ordered[1:] != ordered[:-1]])
+    slot = torch.cumsum(starts, 0) - 1
+    positives = torch.empty_like(slot).scatter_(0, order, slot)
+    counts = torch.zeros(columns, dtype=torch.int64, device=ids.device).scatter_add_(0, slot, torch.ones_like(slot))
+    positions = torch.arange(total, device=ids.device)
+    first = torch.full((columns,), total, dtype=torch.int64, device=ids.device).scatter_reduce(0, positives, positions, reduce="amin")
+    return positives, counts, first.clamp_max(max(total - 1, 0))
 
 
 def query_and_key_times(timestamps: torch.Tensor, lengths: torch.Tensor,

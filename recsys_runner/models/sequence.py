@@ -26,10 +26,11 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from recsys_runner.errors import ConfigError
 from recsys_runner.features import FeatureSpec, SequenceGroup
+from recsys_runner.host_lengths import longest_row
 from recsys_runner.models.common import embedding_width_rule
 from recsys_runner.models.lookup import managed_feature_names, pooled_collections, pooled_lookup
 
-__all__ = ["History", "JaggedHistory", "SequenceArch", "SequenceEmbeddings", "check_candidates", "longest", "padded", "recency_positions"]
+__all__ = ["History", "JaggedHistory", "SequenceArch", "SequenceEmbeddings", "check_candidates", "longest", "longest_of", "padded", "recency_positions"]
 
 
 @dataclass
@@ -94,10 +95,22 @@ def padded(jagged: JaggedTensor, length: int) -> torch.Tensor:
 @torch.fx.wrap
 def longest(lengths: torch.Tensor) -> int:
     """The longest row of ``lengths`` (at least 1, so that a batch of empty histories still has a block): a plain
-    ``int`` when run eagerly, a size symbol under ``torch.export`` (so the exported program pads per call too)."""
+    ``int`` when run eagerly, a size symbol under ``torch.export`` (so the exported program pads per call too).
+
+    Read from the lengths where they are: on a GPU, a device-to-host sync. A batch built by a data module says it
+    without one (:func:`longest_of`)."""
     length = lengths.max().clamp_min(1).item() if lengths.numel() else 1
     torch._check(length >= 1)
     return cast(int, length)
+
+
+@torch.fx.wrap
+def longest_of(sparse: KeyedJaggedTensor, key: str, lengths: torch.Tensor) -> int:
+    """The longest row of feature ``key`` (at least 1), whose rows' lengths are ``lengths``: as the batch's builder
+    counted it on the host when ``sparse`` carries it (:class:`~recsys_runner.host_lengths.HostLengthsKJT`, every
+    data module's batch), so that a step reads no device value for it; else :func:`longest` of ``lengths``."""
+    known = longest_row(sparse, key)
+    return max(known, 1) if known is not None else longest(lengths)
 
 
 def recency_positions(lengths: torch.Tensor, length: int) -> torch.Tensor:
@@ -181,7 +194,7 @@ class SequenceArch(nn.Module):
     def forward(self, sparse: KeyedJaggedTensor) -> SequenceEmbeddings:
         unpooled = self.ec(sparse) if self.ec is not None else {}
         bags = pooled_lookup(self.ebc, self.mc_ebc, sparse, self.bag_names, self.managed_names, self.weighted_names)
-        candidates = {name: self._pool(unpooled[name]) for name in self.candidate_names}
+        candidates = {name: self._pool(unpooled[name], longest_of(sparse, name, unpooled[name].lengths())) for name in self.candidate_names}
         pieces = [candidates[n] if n in candidates else bags[n] for n in self.pooled_names]
         pooled = torch.cat(pieces, dim=1) if pieces else torch.zeros(sparse.stride(), 0, device=sparse.values().device)
         if self.jagged and not torch.compiler.is_exporting():
@@ -191,15 +204,16 @@ class SequenceArch(nn.Module):
         return SequenceEmbeddings(pooled=pooled, histories=histories, candidates=candidates)
 
     @staticmethod
-    def _pool(jagged: JaggedTensor) -> torch.Tensor:
-        """A candidate's vector ``[B, D]``: the sum of its row's embeddings (its one id's, for a single-valued column)."""
-        return padded(jagged, longest(jagged.lengths())).sum(dim=1)
+    def _pool(jagged: JaggedTensor, length: int) -> torch.Tensor:
+        """A candidate's vector ``[B, D]``: the sum of its row's embeddings (its one id's, for a single-valued column);
+        ``length`` is its longest row."""
+        return padded(jagged, length).sum(dim=1)
 
     def _history(self, group: SequenceGroup, unpooled: dict[str, JaggedTensor], sparse: KeyedJaggedTensor) -> History:
         """Group ``group`` padded to the longest row of this batch (at least 1, so an all-empty batch still has a block)."""
         first = unpooled[group.features[0]]
         lengths = first.lengths()
-        length = longest(lengths)
+        length = longest_of(sparse, group.features[0], lengths)
         values = torch.cat([padded(unpooled[f], length) for f in group.features], dim=2)
         mask = torch.arange(length, device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)
         timestamps = None
