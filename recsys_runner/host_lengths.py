@@ -4,12 +4,14 @@ Why: a model that pads histories into a dense block sizes it by the batch's long
 the step runs (on the GPU), that is a device-to-host sync in every step, which drains the queue of kernels and costs a
 pipelined step its overlap (docs/performance.md, "Host syncs per step"). The data module builds each batch on the CPU,
 where the longest row per key is a NumPy ``max`` beside the per-key sums TorchRec already keeps on the host
-(``length_per_key``): :func:`recsys_runner.data.base.batch_kjt` takes both and returns a :class:`HostLengthsKJT`.
+(``length_per_key``): :func:`recsys_runner.data.base.batch_kjt` takes both and returns a :class:`HostLengthsKJT`. It also
+keeps the rows' lengths themselves (the NumPy array they were counted from): a model on jagged rows sizes its tile plan
+and its flat positions by sums over them (``models/jagged.py``, ``models/sasrec.py``), again without a device read.
 
 TorchRec's own copies of a ``KeyedJaggedTensor`` (``to``, ``pin_memory``: what the train pipelines, the DataLoader's pin
 thread and the evaluator call on a batch) keep its host-side caches but return a plain ``KeyedJaggedTensor``; this class
-carries its longest rows through both. Any other ``KeyedJaggedTensor`` (built by a test, a server, an export) has none:
-:func:`longest_row` says ``None`` and the model reads the lengths instead.
+carries its longest rows and row lengths through both. Any other ``KeyedJaggedTensor`` (built by a test, a server, an
+export) has none: :func:`longest_row` and :func:`row_lengths` say ``None`` and the model reads the lengths instead.
 """
 
 from __future__ import annotations
@@ -17,35 +19,49 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
+import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-__all__ = ["HostLengthsKJT", "longest_row", "with_longest_rows"]
+__all__ = ["HostLengthsKJT", "longest_row", "row_lengths", "values_on_host", "with_longest_rows"]
 
 
 class HostLengthsKJT(KeyedJaggedTensor):
-    """A ``KeyedJaggedTensor`` with :attr:`longest_rows`: each key's longest row (its most values in one row), host ints.
+    """A ``KeyedJaggedTensor`` with :attr:`longest_rows`: each key's longest row (its most values in one row), host ints,
+    and :attr:`row_lengths`: each key's rows' lengths, a host array.
 
-    Made by :func:`with_longest_rows`; ``to`` and ``pin_memory`` return one with the same longest rows.
+    Made by :func:`with_longest_rows`; ``to`` and ``pin_memory`` return one with the same longest rows and row lengths.
     """
 
     longest_rows: Mapping[str, int] = MappingProxyType({})
     """Each key's longest row of this batch, counted on the host when the batch was built (none known for one made
     otherwise than by :func:`with_longest_rows`)."""
+    row_lengths: Mapping[str, np.ndarray] = MappingProxyType({})
+    """Each key's rows' lengths ``[B]`` (int), the host array they were counted from when the batch was built (none
+    known unless :func:`with_longest_rows` was given them)."""
+    host_values: np.ndarray | None = None
+    """The batch's values as built, on the host (a view of the same memory) (``None``: not known): what a model whose token layout depends on the
+    ids themselves (HSTU ranking's sequences of rows that share a history) sizes it by, without a device read."""
 
     def to(self, device: torch.device, non_blocking: bool = False, dtype: torch.dtype | None = None) -> KeyedJaggedTensor:
-        return with_longest_rows(super().to(device, non_blocking=non_blocking, dtype=dtype), self.longest_rows)
+        moved = super().to(device, non_blocking=non_blocking, dtype=dtype)
+        return with_longest_rows(moved, self.longest_rows, self.row_lengths, self.host_values)
 
     def pin_memory(self) -> KeyedJaggedTensor:
-        return with_longest_rows(super().pin_memory(), self.longest_rows)
+        return with_longest_rows(super().pin_memory(), self.longest_rows, self.row_lengths, self.host_values)
 
 
-def with_longest_rows(kjt: KeyedJaggedTensor, longest_rows: Mapping[str, int]) -> HostLengthsKJT:
+def with_longest_rows(kjt: KeyedJaggedTensor, longest_rows: Mapping[str, int], row_lengths: Mapping[str, np.ndarray] | None = None,
+                      host_values: np.ndarray | None = None) -> HostLengthsKJT:
     """``kjt`` (the same tensors and host-side caches, not copied) carrying ``longest_rows``: each key's longest row,
-    which the caller counted from the same lengths on the host."""
+    which the caller counted from the same lengths on the host, ``row_lengths``: those lengths per key (host arrays,
+    not copied; ``None``: not known), and ``host_values``: ``kjt``'s values on the host (a NumPy view of them, not
+    copied; ``None``: not known)."""
     carrier = HostLengthsKJT.__new__(HostLengthsKJT)
     carrier.__dict__.update(kjt.__dict__)
     carrier.longest_rows = dict(longest_rows)
+    carrier.row_lengths = dict(row_lengths or {})
+    carrier.host_values = host_values
     return carrier
 
 
@@ -55,3 +71,22 @@ def longest_row(sparse: KeyedJaggedTensor, key: str) -> int | None:
     if isinstance(sparse, HostLengthsKJT) and not torch.compiler.is_exporting():
         return sparse.longest_rows.get(key)
     return None
+
+
+def row_lengths(sparse: KeyedJaggedTensor, key: str) -> np.ndarray | None:
+    """``key``'s rows' lengths ``[B]`` in ``sparse`` as the batch's builder had them on the host; ``None`` when ``sparse``
+    does not carry them (not a :class:`HostLengthsKJT`), or under ``torch.export``."""
+    if isinstance(sparse, HostLengthsKJT) and not torch.compiler.is_exporting():
+        return sparse.row_lengths.get(key)
+    return None
+
+
+def values_on_host(sparse: KeyedJaggedTensor, keys: list[str]) -> np.ndarray | None:
+    """``[T, len(keys)]``: the values of ``keys`` (which share their rows' lengths, as a history's features and its
+    times do), a column each, as the batch's builder had them on the host; ``None`` when ``sparse`` does not carry them
+    (not a :class:`HostLengthsKJT` built with its values, or under ``torch.export``)."""
+    if not isinstance(sparse, HostLengthsKJT) or sparse.host_values is None or torch.compiler.is_exporting():
+        return None
+    offsets, names = sparse.offset_per_key(), sparse.keys()
+    values = sparse.host_values
+    return np.stack([values[offsets[names.index(k)]: offsets[names.index(k) + 1]] for k in keys], axis=1)

@@ -10,6 +10,7 @@ test_sequence_runner exports it.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,9 +19,22 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recsys_runner.configurable import make
 from recsys_runner.errors import ConfigError
 from recsys_runner.models.bst import BST, BSTConfig
-from recsys_runner.models.jagged import padded_reference, softmax_attention, tile
+from recsys_runner.models.jagged import host_plus, padded_reference, softmax_attention, tile
 from tests.test_hstu_rank import assert_paths_agree, build_model, jt_row
 from tests.test_models import small_sequences
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_tile_plan_sized_on_the_host_is_the_plan_read_from_the_lengths(causal: bool) -> None:
+    """The batch's lengths on the host (a data module's batch carries them) size the plan without a device read: the same
+    counts and the same tensors as the plan sized by reading the lengths (empty rows, exact and partial tiles)."""
+    lengths = np.array([0, 3, 4, 9, 1, 0, 8], dtype=np.int32)
+    read = tile(torch.from_numpy(lengths), 4, causal=causal)
+    sized = tile(torch.from_numpy(lengths), 4, causal=causal, host=lengths)
+    assert read.counts == sized.counts == (0 + 1 + 1 + 3 + 1 + 0 + 2, 25, 12 if causal else 16)
+    for name in ("slots", "positions", "pair_query", "pair_key"):
+        assert torch.equal(getattr(read, name), getattr(sized, name)), name
+    assert host_plus(None, 1) is None and host_plus(lengths, 1, events=False).tolist() == [1] * 7
 
 
 @pytest.mark.parametrize("causal", [False, True])

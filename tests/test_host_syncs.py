@@ -63,6 +63,14 @@ CASES: dict[str, tuple[list[str], list[str], str | None]] = {
     "din": (["model=din", "data=synthetic_sequences"], SEQUENCE, None),
     "bst_padded": (["model=bst", "model.attention=padded", "data=synthetic_sequences"], SEQUENCE, None),
     "hstu_rank_padded": (["model=hstu_rank", "model.attention=padded", "data=synthetic_sequences"], SEQUENCE, None),
+    "bst": (["model=bst", "data=synthetic_sequences"], SEQUENCE, None),
+    "hstu_rank": (["model=hstu_rank", "data=synthetic_sequences"], SEQUENCE, None),
+    "sasrec_hstu": (["model=sasrec", "model.block=hstu", "data=synthetic_sequences"], SEQUENCE, None),
+    "hstu_rank_fbgemm": (["model=hstu_rank", "model.attention_kernel=fbgemm", "data=synthetic_sequences"], SEQUENCE, None),
+    "bst_sparse_dist": (["model=bst", "data=synthetic_sequences", "distributed.pipeline=sparse_dist"], SPARSE_DIST, None),
+    "hstu_rank_sparse_dist": (["model=hstu_rank", "data=synthetic_sequences", "distributed.pipeline=sparse_dist"], SPARSE_DIST, None),
+    "sasrec_hstu_sparse_dist": (["model=sasrec", "model.block=hstu", "data=synthetic_sequences", "distributed.pipeline=sparse_dist"],
+                                SPARSE_DIST, None),
 }
 """Per run: its overrides, the allow-list entries its step makes, and the label check it makes on the host (if any)."""
 

@@ -72,7 +72,8 @@ def test_the_fbgemm_kernels_give_the_tiles_numbers(options: set[str]) -> None:
 
 
 def test_rows_in_chunks_of_launches_give_the_one_launch_numbers() -> None:
-    """More rows than one CUDA launch takes (``H × B`` over ``max_rows``) go in chunks, with the same values and gradients."""
+    """More rows than one CUDA launch takes (``H × B`` over ``max_rows``) go in chunks, with the same values and gradients;
+    the lengths on the host (a batch's, through its tiles) cut the same launches as the lengths read from the device."""
     g = torch.Generator().manual_seed(1)
     lengths = torch.tensor(LENGTHS)
     q, k, v = (torch.randn(int(lengths.sum()), 2, 4, generator=g, requires_grad=True) for _ in range(3))
@@ -80,6 +81,8 @@ def test_rows_in_chunks_of_launches_give_the_one_launch_numbers() -> None:
     outputs = []
     for max_rows in (1_000, 5, 1):
         out = fbgemm_pointwise_attention(q, k, v, lengths, position, None, 0.1, max_rows=max_rows)
+        sized = fbgemm_pointwise_attention(q, k, v, lengths, position, None, 0.1, max_rows=max_rows, host_lengths=lengths.numpy())
+        assert torch.equal(sized, out)
         outputs.append((out, *torch.autograd.grad((out ** 2).sum(), (q, k, v))))
     for chunked in outputs[1:]:
         for a, b in zip(chunked, outputs[0], strict=True):

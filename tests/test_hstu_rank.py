@@ -314,6 +314,24 @@ def test_rows_that_share_a_history_are_scored_in_one_sequence_each_as_alone() ->
     torch.testing.assert_close(jagged(dense, kjt), padded(dense, kjt), atol=1e-5, rtol=1e-5)
 
 
+def test_the_sequences_of_rows_that_share_a_history_are_counted_on_the_host_as_on_the_device() -> None:
+    """:func:`host_sequence_lengths` (the rows' lengths and ids as a data module's batch carries them on the host) gives
+    the sequences :func:`candidate_sequences` finds on the device, and the plan it sizes is the same tensors as the plan
+    sized by a device read (grouped rows, a repeat apart, an empty history)."""
+    data = small_sequences(max_len=9, empty_fraction=0.3)
+    by_key = next(iter(data.train_batches(0, 0, 1))).sparse_features.to_dict()
+    order = torch.tensor([0, 0, 0, 1, 2, 2, 3, 0, 4, 5, 5, 6, 7])
+    grouped = {k: jt_row_cat(by_key[k], order) for k in ("hist_item_id", "hist_category", "hist_ts")}
+    lengths = grouped["hist_item_id"].lengths()
+    ids = torch.stack([grouped[k].values().long() for k in ("hist_item_id", "hist_category", "hist_ts")], dim=1)
+    host = hstu_rank.host_sequence_lengths(lengths.numpy(), ids.numpy())
+    read, sized = hstu_rank.candidate_sequences(lengths, ids), hstu_rank.candidate_sequences(lengths, ids, host)
+    assert host.tolist() == read.lengths.tolist() and len(host) < len(order)
+    assert (lengths == 0).any(), "an empty history among the rows"
+    for name in ("kept", "at_event", "recency", "at_candidate", "lengths", "last", "positions"):
+        assert torch.equal(getattr(read, name), getattr(sized, name)), name
+
+
 def jt_row_cat(jt: JaggedTensor, rows: torch.Tensor) -> JaggedTensor:
     """Rows ``rows`` of a JaggedTensor, in that order (repeats allowed)."""
     picked = [jt_row(jt, int(r)) for r in rows]

@@ -23,7 +23,7 @@ from recsys_runner.config import validate
 from recsys_runner.configurable import make
 from recsys_runner.errors import ConfigError
 from recsys_runner.features import FeatureSpec, SequenceGroup, SparseFeature
-from recsys_runner.host_lengths import HostLengthsKJT, longest_row
+from recsys_runner.host_lengths import HostLengthsKJT, longest_row, row_lengths, values_on_host
 from recsys_runner.models.bst import BST, BehaviorTransformer, BSTConfig, TimeGapBuckets
 from recsys_runner.models.common import materialize
 from recsys_runner.models.din import DIN, DINConfig, TargetAttention
@@ -195,12 +195,17 @@ def test_a_batch_carries_its_longest_rows_from_the_host_and_the_arch_pads_to_the
     for copy in (batch.to(torch.device("cpu")).sparse_features, pickle.loads(pickle.dumps(sparse))):
         assert isinstance(copy, HostLengthsKJT) and copy.longest_rows == longest
         assert torch.equal(copy.lengths(), sparse.lengths()) and copy.length_per_key() == sparse.length_per_key()
+        assert {k: v.tolist() for k, v in copy.row_lengths.items()} == {k: sparse[k].lengths().tolist() for k in sparse.keys()}
+        on_host = values_on_host(copy, ["hist_item_id", "hist_ts"])
+        assert on_host is not None and on_host.T.tolist() == [sparse[k].values().tolist() for k in ("hist_item_id", "hist_ts")]
     arch = materialize(SequenceArch(data.features, 8, DIN))
     plain = KeyedJaggedTensor(keys=sparse.keys(), values=sparse.values(), lengths=sparse.lengths())
-    assert longest_row(plain, "hist_item_id") is None
+    assert longest_row(plain, "hist_item_id") is None and row_lengths(plain, "hist_item_id") is None
+    assert values_on_host(plain, ["hist_item_id"]) is None
     carried, read = arch(sparse).histories["hist"], arch(plain).histories["hist"]
     assert carried.values.shape[1] == longest["hist_item_id"] and torch.equal(carried.values, read.values)
     assert torch.equal(carried.mask, read.mask) and torch.equal(carried.timestamps, read.timestamps)
+    assert carried.host_lengths is not None and carried.host_lengths.tolist() == carried.lengths.tolist() and read.host_lengths is None
 
 
 def test_every_empty_history_runs_forward_and_backward() -> None:

@@ -323,9 +323,10 @@ def _ranks_agree(have: bool, op: dist.ReduceOp.RedOpType) -> bool:
 
 def batch_kjt(keys: list[str], values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None = None) -> KeyedJaggedTensor:
     """A batch's ``KeyedJaggedTensor`` (every key ``len(lengths) // len(keys)`` rows) with its per-key lengths and offsets
-    already known, summed here on the host by NumPy on one thread, and each key's longest row (a
+    already known, summed here on the host by NumPy on one thread, and each key's longest row and rows' lengths (a
     :class:`~recsys_runner.host_lengths.HostLengthsKJT`), which a model that pads histories sizes its block by
-    (``models/sequence.py``): counted in the step, on the GPU, that was a device-to-host sync too.
+    (``models/sequence.py``), and a model on jagged rows its tile plan (``models/jagged.py``): counted in the step, on
+    the GPU, each was a device-to-host sync too.
 
     Why: TorchRec's sharded modules split a batch by table with ``length_per_key()`` (``KeyedJaggedTensor.split`` and
     ``permute`` in their input distribution). Left unset, it is computed from the lengths where they are when first asked,
@@ -341,7 +342,8 @@ def batch_kjt(keys: list[str], values: torch.Tensor, lengths: torch.Tensor, weig
     longest = rows.max(axis=1, initial=0).tolist()
     kjt = KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, weights=weights, stride=stride,
                             length_per_key=per_key, offset_per_key=list(itertools.accumulate(per_key, initial=0)))
-    return with_longest_rows(kjt, dict(zip(keys, map(int, longest), strict=True)))
+    return with_longest_rows(kjt, dict(zip(keys, map(int, longest), strict=True)), dict(zip(keys, rows, strict=True)),
+                             values.numpy() if values.device.type == "cpu" else None)
 
 
 def placeholder(features: FeatureSpec) -> Batch:

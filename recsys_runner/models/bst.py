@@ -44,6 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, cast
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -52,13 +53,14 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recsys_runner.errors import ConfigError, require
 from recsys_runner.features import DataNeeds, FeatureSpec, SequenceGroup, check_embedding_dim
 from recsys_runner.models.common import MLP, ModelConfig, check_layer_sizes
-from recsys_runner.models.jagged import Tiles, row_starts, softmax_attention, tile
+from recsys_runner.models.jagged import Tiles, host_plus, row_starts, softmax_attention, tile
 from recsys_runner.models.sequence import History, JaggedHistory, SequenceArch, check_candidates, recency_positions
 
 __all__ = ["ATTENTIONS", "BST", "BSTConfig", "BehaviorTransformer", "TimeGapBuckets"]
 
 torch.fx.wrap("tile")  # leaves of TorchRec's pipeline trace here too (models/jagged.py says why)
 torch.fx.wrap("softmax_attention")
+torch.fx.wrap("host_plus")
 
 POSITIONS = ("recency", "time_gap")
 """What a token's positional embedding encodes (``model.position``)."""
@@ -214,10 +216,12 @@ class BehaviorTransformer(nn.Module):
         return (out * weights).sum(dim=1) / weights.sum(dim=1)
 
     def forward_jagged(self, candidate: torch.Tensor, events: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor,
-                       block: int) -> torch.Tensor:
+                       block: int, host_sizes: np.ndarray | None = None) -> torch.Tensor:
         """The same on jagged rows: ``(candidate [B, D_g], events [E, D_g] (row after row), positions [E], lengths [B]) →
         [B, D_g]``: each row's tokens ``[candidate, its events]`` flat, every layer's attention over its own row only, in
-        tiles of ``block`` tokens (no padding to the batch's longest row)."""
+        tiles of ``block`` tokens (no padding to the batch's longest row). ``host_sizes [B]``: each row's tokens
+        (``lengths + 1``) on the host, when the batch carries its lengths there: they size the tiles without a device
+        read (:class:`~recsys_runner.models.jagged.Tiles`)."""
         batch = candidate.shape[0]
         sizes = lengths.long() + 1  # [B]: each row's tokens, its candidate first
         at_candidate = row_starts(sizes)
@@ -225,7 +229,7 @@ class BehaviorTransformer(nn.Module):
         own = torch.full((batch,), self.candidate_position, dtype=torch.long, device=candidate.device)
         x = candidate.new_zeros(events.shape[0] + batch, candidate.shape[1])
         x = x.index_copy(0, at_event, events + self.positions(positions)).index_copy(0, at_candidate, candidate + self.positions(own))
-        tiles = tile(sizes, block, causal=False)
+        tiles = tile(sizes, block, causal=False, host=host_sizes)
         for layer in self.encoder.layers:
             x = encoder_layer_jagged(cast(nn.TransformerEncoderLayer, layer), x, tiles)
         if self.readout == "candidate":
@@ -322,7 +326,8 @@ class BST(nn.Module):
             events, positions, lengths = history.values.to(candidate.dtype), self.jagged_positions(history), history.lengths
             if not self.use_history:  # only the candidate token, as the padded path's mask
                 events, positions, lengths = events[:0], positions[:0], lengths * 0
-            encoded = self.transformer.forward_jagged(candidate, events, positions, lengths, self.block)
+            sizes = host_plus(history.host_lengths, 1, events=self.use_history)
+            encoded = self.transformer.forward_jagged(candidate, events, positions, lengths, self.block, sizes)
         else:
             padded = embedded.histories[self.group.name]
             encoded = self.transformer(candidate, padded, self.positions(padded), use_history=self.use_history)

@@ -39,6 +39,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import ClassVar, cast
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -46,6 +47,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.errors import require
 from recsys_runner.features import DataNeeds, FeatureSpec, check_embedding_dim
+from recsys_runner.host_lengths import values_on_host
 from recsys_runner.models.common import check_layer_sizes
 from recsys_runner.models.hstu import HSTUBlock
 from recsys_runner.models.jagged import row_starts, tile
@@ -60,30 +62,57 @@ torch.fx.wrap("tile")  # a leaf of TorchRec's pipeline trace here too (models/ja
 
 @dataclass(frozen=True)
 class SequencePlan:
-    """Where a batch's tokens go in its flat sequences (:func:`candidate_sequences`): ``keep [T]`` the events kept (a
-    group's first row's), ``at_event [T_kept]`` and ``recency [T_kept]`` their places and recencies (1 for the newest),
-    ``at_candidate [B]`` each row's candidate's place, ``lengths [G]`` the sequences' lengths, ``last [N]`` each token's
-    sequence's last place, ``positions [N]`` each token's position for the relative bias (an event its index, every
-    candidate the history's length: where it would stand alone)."""
+    """Where a batch's tokens go in its flat sequences (:func:`candidate_sequences`): ``kept [T_kept]`` the events kept
+    (a group's first row's: their indices among the batch's ``T``), ``at_event [T_kept]`` and ``recency [T_kept]`` their
+    places and recencies (1 for the newest), ``at_candidate [B]`` each row's candidate's place, ``lengths [G]`` the
+    sequences' lengths (``host_lengths``: the same on the host, when the batch carries its ids there), ``last [N]`` each
+    token's sequence's last place, ``positions [N]`` each token's position for the relative bias (an event its index,
+    every candidate the history's length: where it would stand alone)."""
 
-    keep: torch.Tensor
+    kept: torch.Tensor
     at_event: torch.Tensor
     recency: torch.Tensor
     at_candidate: torch.Tensor
     lengths: torch.Tensor
     last: torch.Tensor
     positions: torch.Tensor
+    host_lengths: np.ndarray | None = None
+
+
+def _starts_group(lengths: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """``[B]``: whether each row starts a sequence (row 0, or a history other than the previous row's): ``lengths [B]``
+    and ``ids [T, F]`` on the host, the comparison :func:`candidate_sequences` makes on the device."""
+    num_events = ids.shape[0]
+    starts = np.cumsum(lengths) - lengths
+    event_row = np.repeat(np.arange(lengths.shape[0]), lengths)
+    event_pos = np.arange(num_events) - starts[event_row]
+    previous = np.clip(starts[np.maximum(event_row - 1, 0)] + event_pos, 0, max(num_events - 1, 0))
+    differs = (ids != ids[previous]).any(axis=1)
+    row_differs = np.bincount(event_row[differs], minlength=lengths.shape[0]) > 0
+    return np.concatenate([[True], (lengths[1:] != lengths[:-1]) | row_differs[1:]])
+
+
+def host_sequence_lengths(lengths: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """``[G]``: :func:`candidate_sequences`' sequence lengths (a group's history, then its rows' candidates), counted on
+    the host from the rows' ``lengths [B]`` and the events' ``ids [T, F]`` as the batch's builder had them."""
+    lengths = lengths.astype(np.int64)
+    new = _starts_group(lengths, ids)
+    group = np.cumsum(new) - 1
+    return lengths[new] + np.bincount(group, minlength=int(new.sum()))
 
 
 @torch.fx.wrap
-def candidate_sequences(lengths: torch.Tensor, ids: torch.Tensor) -> SequencePlan:
+def candidate_sequences(lengths: torch.Tensor, ids: torch.Tensor, host_lengths: np.ndarray | None = None) -> SequencePlan:
     """One sequence per run of consecutive rows with the same history (``lengths [B]``, events' ``ids [T, F]``, times
     included): that history once, then every row's candidate, in row order. Impressions of one user grouped together
     (several candidates per user) are then scored in one pass; rows of different histories give one sequence each. The
-    candidates see the history and not each other, so a row's score is the same either way. A leaf of TorchRec's
-    pipeline trace: the group counts are data."""
+    candidates see the history and not each other, so a row's score is the same either way. ``host_lengths``: the
+    sequences' lengths counted on the host (:func:`host_sequence_lengths`), which size every tensor here; ``None``: the
+    sequences and their events are counted on the device (one device-to-host read). A leaf of TorchRec's pipeline
+    trace: the group counts are data."""
     lengths = lengths.long()
-    rows = torch.arange(lengths.shape[0], device=lengths.device)
+    batch = lengths.shape[0]
+    rows = torch.arange(batch, device=lengths.device)
     num_events = ids.shape[0]
     starts = row_starts(lengths)
     event_row = torch.repeat_interleave(rows, lengths, output_size=num_events)
@@ -93,20 +122,37 @@ def candidate_sequences(lengths: torch.Tensor, ids: torch.Tensor) -> SequencePla
     row_differs = torch.zeros_like(rows).index_add(0, event_row, differs.long()) > 0
     same = F.pad((lengths[1:] == lengths[:-1]) & ~row_differs[1:], (1, 0))  # row 0 starts a sequence
     new = ~same
+    if host_lengths is not None:
+        num_groups, num_tokens = host_lengths.shape[0], int(host_lengths.sum())
+    else:
+        num_groups, num_kept = torch.stack([new.sum(), (lengths * new).sum()]).tolist()
+        num_tokens = num_kept + batch
     group = torch.cumsum(new.long(), 0) - 1  # [B]
-    leader = rows[new]  # [G]: each sequence's first row
+    rows_per_group = torch.zeros(num_groups, dtype=torch.long, device=lengths.device).index_add(0, group, torch.ones_like(rows))
+    leader = row_starts(rows_per_group)  # [G]: each sequence's first row (the groups are runs of rows)
     history = lengths[leader]
-    sizes = history + torch.bincount(group, minlength=leader.shape[0])
+    sizes = history + rows_per_group
     seq_start = row_starts(sizes)
-    keep = new[event_row]
-    at_event = seq_start[group[event_row[keep]]] + event_pos[keep]
+    num_kept = num_tokens - batch
+    kept_group = torch.repeat_interleave(torch.arange(num_groups, device=lengths.device), history, output_size=num_kept)
+    kept_pos = torch.arange(num_kept, device=lengths.device) - row_starts(history)[kept_group]  # each kept event's place in its row
+    kept = starts[leader[kept_group]] + kept_pos
+    at_event = seq_start[kept_group] + kept_pos
     at_candidate = seq_start[group] + history[group] + rows - leader[group]
-    num_tokens = int(sizes.sum())
     last = torch.repeat_interleave(seq_start + sizes - 1, sizes, output_size=num_tokens)
-    positions = torch.zeros(num_tokens, dtype=torch.long, device=lengths.device).index_copy(0, at_event, event_pos[keep])
-    return SequencePlan(keep=keep, at_event=at_event, recency=lengths[event_row[keep]] - event_pos[keep],
+    positions = torch.zeros(num_tokens, dtype=torch.long, device=lengths.device).index_copy(0, at_event, kept_pos)
+    return SequencePlan(kept=kept, at_event=at_event, recency=history[kept_group] - kept_pos,
                         at_candidate=at_candidate, lengths=sizes, last=last,
-                        positions=positions.index_copy(0, at_candidate, lengths))
+                        positions=positions.index_copy(0, at_candidate, lengths), host_lengths=host_lengths)
+
+
+@torch.fx.wrap
+def host_plan_lengths(sparse: KeyedJaggedTensor, lengths: np.ndarray | None, keys: list[str]) -> np.ndarray | None:
+    """:func:`host_sequence_lengths` of the history's keys ``keys`` (its features, then its times) when ``sparse``
+    carries its lengths and values on the host (every data module's batch); else ``None``. A leaf of TorchRec's pipeline
+    trace: it reads host arrays, no tensor."""
+    ids = values_on_host(sparse, keys)
+    return None if lengths is None or ids is None else host_sequence_lengths(lengths, ids)
 
 ATTENTIONS = ("jagged", "padded")
 """``model.attention``: the HSTU layers on the jagged rows, or on the rows padded to the batch's longest."""
@@ -200,6 +246,9 @@ class HSTURank(nn.Module):
         self.jagged_attention = config.attention == "jagged"
         self.arch = SequenceArch(features, config.embedding_dim, type(self), jagged=self.jagged_attention)
         self.group = features.group(config.sequence_group, model="hstu_rank")
+        self.history_keys = [*self.group.features, *([self.group.timestamps] if self.group.timestamps is not None else [])]
+        """The keys whose values tell rows' histories apart (the history's features, then its times): the columns of
+        :func:`candidate_sequences`' ``ids``."""
         self.candidates = check_candidates(features, self.group, "hstu_rank")
         widths = dict(zip(features.sparse_names, features.embedding_dims(config.embedding_dim), strict=True))
         dim = widths[self.candidates[0]]
@@ -231,7 +280,7 @@ class HSTURank(nn.Module):
         embedded = self.arch(sparse)
         candidate = self.project(torch.cat([embedded.candidates[name] for name in self.candidates], dim=1))
         if embedded.jagged:
-            state = self._jagged(embedded.jagged[self.group.name], candidate)
+            state = self._jagged(embedded.jagged[self.group.name], candidate, sparse)
         else:
             state = self._padded(embedded.histories[self.group.name], candidate)
         x = torch.cat([state, embedded.pooled, dense], dim=1)
@@ -243,12 +292,12 @@ class HSTURank(nn.Module):
         """Tokens scaled and given their recency embedding (``recency`` clamped to the table), then dropout."""
         return self.dropout(x * math.sqrt(self.dim) + self.positions(recency.clamp_max(self.max_len)))
 
-    def _jagged(self, history: JaggedHistory, candidate: torch.Tensor) -> torch.Tensor:
+    def _jagged(self, history: JaggedHistory, candidate: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         """The candidate's output ``[B, D]``, the layers tiled over one flat sequence per user: consecutive rows that share
         a history (:func:`candidate_sequences`) read it once, each with its candidate after it."""
         ids = history.ids if history.timestamps is None else torch.cat([history.ids, history.timestamps.unsqueeze(1)], dim=1)
-        plan = candidate_sequences(history.lengths, ids)
-        events = self.project(history.values[plan.keep])
+        plan = candidate_sequences(history.lengths, ids, host_plan_lengths(sparse, history.host_lengths, self.history_keys))
+        events = self.project(history.values[plan.kept])
         num_tokens = events.shape[0] + candidate.shape[0]
         x = events.new_zeros(num_tokens, self.dim).index_copy(0, plan.at_event, events).index_copy(0, plan.at_candidate, candidate)
         recency = torch.zeros(num_tokens, dtype=torch.long, device=x.device).index_copy(0, plan.at_event, plan.recency)
@@ -258,11 +307,11 @@ class HSTURank(nn.Module):
             lengths = history.lengths
             # The newest event's time per row (0 for an empty history): index s + l of the times shifted by one.
             newest = F.pad(history.timestamps, (1, 0))[row_starts(lengths) + lengths] * (lengths > 0).long()
-            key = torch.zeros_like(recency).index_copy(0, plan.at_event, history.timestamps[plan.keep])
+            key = torch.zeros_like(recency).index_copy(0, plan.at_event, history.timestamps[plan.kept])
             key = key.index_copy(0, plan.at_candidate, newest)
             following = torch.minimum(torch.arange(1, num_tokens + 1, device=x.device), plan.last)
             times = (key[following], key)
-        tiles = tile(plan.lengths, self.block)
+        tiles = tile(plan.lengths, self.block, host=plan.host_lengths)
         x = self._tokens(x, recency)
         for layer in self.layers:
             x = cast(HSTUBlock, layer).forward_jagged(x, tiles, times, is_candidate, plan.positions)

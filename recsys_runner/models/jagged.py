@@ -24,12 +24,19 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["TIME_BUCKET_WIDTH", "Tiles", "padded_reference", "from_tiles", "pointwise_attention", "relative_bias", "row_starts",
-           "softmax_attention", "tile", "time_buckets", "to_tiles"]
+__all__ = ["TIME_BUCKET_WIDTH", "Tiles", "padded_reference", "from_tiles", "host_plus", "pointwise_attention", "relative_bias",
+           "row_starts", "softmax_attention", "tile", "time_buckets", "to_tiles"]
+
+
+class _Counts(NamedTuple):
+    tiles: int
+    tokens: int
+    pairs: int
 
 
 class _Plan(NamedTuple):
@@ -53,10 +60,28 @@ class Tiles:
     lengths: torch.Tensor
     block: int
     causal: bool
+    host: np.ndarray | None = None
+    """The same ``lengths`` on the host (the batch's builder counted them: ``host_lengths.row_lengths``), which size the
+    plan without a device read; ``None``: the sizes are read from ``lengths`` (one device-to-host sync on a GPU)."""
+
+    @functools.cached_property
+    def counts(self) -> _Counts:
+        """The plan's sizes: its tiles ``NB``, tokens ``T`` and (query tile, key tile) pairs ``P``: sums over the rows'
+        tile counts ``t_r`` (``Σ t_r``, ``Σ n_r``, and ``Σ t_r (t_r + 1) / 2`` causal or ``Σ t_r²``), from :attr:`host`
+        when known, else read from the device in one read."""
+        if self.host is not None:
+            n = self.host.astype(np.int64)
+            t = (n + self.block - 1) // self.block
+            pairs = t * (t + 1) // 2 if self.causal else t * t
+            return _Counts(int(t.sum()), int(n.sum()), int(pairs.sum()))
+        per_row = torch.div(self.lengths + self.block - 1, self.block, rounding_mode="floor")
+        per_pair = torch.div(per_row * (per_row + 1), 2, rounding_mode="floor") if self.causal else per_row * per_row
+        num_tiles, num_tokens, num_pairs = torch.stack([per_row.sum(), self.lengths.sum(), per_pair.sum()]).tolist()
+        return _Counts(num_tiles, num_tokens, num_pairs)
 
     @functools.cached_property
     def _plan(self) -> _Plan:
-        return _plan(self.lengths, self.block, self.causal)
+        return _plan(self.lengths, self.block, self.causal, self.counts)
 
     @property
     def slots(self) -> torch.Tensor:
@@ -81,30 +106,38 @@ def row_starts(lengths: torch.Tensor) -> torch.Tensor:
 
 
 @torch.fx.wrap
-def tile(lengths: torch.Tensor, block: int, causal: bool = True) -> Tiles:
+def tile(lengths: torch.Tensor, block: int, causal: bool = True, host: np.ndarray | None = None) -> Tiles:
     """The tiling of rows of ``lengths [B]`` (tokens flat, row after row) into tiles of ``block`` tokens.
 
-    ``causal``: a query tile meets its row's key tiles up to itself; otherwise every tile of its row. A leaf of
-    TorchRec's pipeline trace (``torch.fx.wrap``): the tile counts are data, which a symbolic trace cannot follow.
+    ``causal``: a query tile meets its row's key tiles up to itself; otherwise every tile of its row. ``host``: the same
+    lengths on the host, when the batch carries them (:attr:`Tiles.host`). A leaf of TorchRec's pipeline trace
+    (``torch.fx.wrap``): the tile counts are data, which a symbolic trace cannot follow.
     """
-    return Tiles(lengths=lengths.long(), block=block, causal=causal)
+    return Tiles(lengths=lengths.long(), block=block, causal=causal, host=None if torch.compiler.is_exporting() else host)
 
 
-def _plan(lengths: torch.Tensor, block: int, causal: bool) -> _Plan:
+@torch.fx.wrap
+def host_plus(host: np.ndarray | None, extra: int, events: bool = True) -> np.ndarray | None:
+    """Host lengths ``host [B]`` with ``extra`` tokens more per row (a start token, a candidate), or those alone when not
+    ``events``; ``None`` when not known. A leaf of TorchRec's pipeline trace, like :func:`tile`: ``host`` is no tensor."""
+    return None if host is None else host.astype(np.int64) * int(events) + extra
+
+
+def _plan(lengths: torch.Tensor, block: int, causal: bool, counts: _Counts) -> _Plan:
     device = lengths.device
     tiles = torch.div(lengths + block - 1, block, rounding_mode="floor")  # [B]
     first = row_starts(tiles)
-    num_tiles = int(tiles.sum())
+    num_tiles = counts.tiles
     rows = torch.arange(lengths.shape[0], device=device)
     tile_row = torch.repeat_interleave(rows, tiles, output_size=num_tiles)
     tile_index = torch.arange(num_tiles, device=device) - first[tile_row]  # each tile's place in its row
     positions = tile_index.unsqueeze(1) * block + torch.arange(block, device=device).unsqueeze(0)
     positions = torch.where(positions < lengths[tile_row].unsqueeze(1), positions, -1)
-    num_tokens = int(lengths.sum())
+    num_tokens = counts.tokens
     token_row = torch.repeat_interleave(rows, lengths, output_size=num_tokens)
     slots = first[token_row] * block + torch.arange(num_tokens, device=device) - row_starts(lengths)[token_row]
     keys = tile_index + 1 if causal else tiles[tile_row]  # key tiles per query tile
-    num_pairs = int(keys.sum())
+    num_pairs = counts.pairs
     pair_query = torch.repeat_interleave(torch.arange(num_tiles, device=device), keys, output_size=num_pairs)
     pair_key = first[tile_row[pair_query]] + torch.arange(num_pairs, device=device) - row_starts(keys)[pair_query]
     return _Plan(slots=slots, positions=positions, pair_query=pair_query, pair_key=pair_key)

@@ -34,6 +34,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -100,9 +101,9 @@ class _Squares:
     j: torch.Tensor
 
 
-def _squares(lengths: torch.Tensor) -> _Squares:
+def _squares(lengths: torch.Tensor, total: int) -> _Squares:
+    """``total``: the entries of all the squares (``Σ n_r²``)."""
     sizes = lengths * lengths
-    total = int(sizes.sum())
     row = torch.repeat_interleave(torch.arange(lengths.shape[0], device=lengths.device), sizes, output_size=total)
     local = torch.arange(total, device=lengths.device) - _offsets(sizes)[row]
     n = lengths[row]
@@ -111,12 +112,13 @@ def _squares(lengths: torch.Tensor) -> _Squares:
     return _Squares(query=start + i, key=start + j, i=i, j=j)
 
 
-def _per_launch(lengths: torch.Tensor, max_rows: int,
+def _per_launch(lengths: torch.Tensor, host: np.ndarray, max_rows: int,
                 call: Callable[[tuple[torch.Tensor, ...], slice, slice], torch.Tensor]) -> torch.Tensor:
     """``call`` once per launch of at most ``max_rows`` rows, its outputs concatenated. It gets the launch's row lengths
     and offsets and its score squares' sizes and offsets, then the slices of the flat tokens and of the flat scores that
-    are the launch's."""
-    token_at, entry_at = _offsets(lengths).tolist(), _offsets(lengths * lengths).tolist()
+    are the launch's (cut where the same ``lengths``, ``host`` on the host, say)."""
+    token_at = np.concatenate([[0], np.cumsum(host)]).tolist()
+    entry_at = np.concatenate([[0], np.cumsum(host * host)]).tolist()
     out = []
     for first in range(0, lengths.shape[0], max_rows):
         last = min(first + max_rows, lengths.shape[0])
@@ -130,20 +132,22 @@ def _per_launch(lengths: torch.Tensor, max_rows: int,
 def fbgemm_pointwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, position: torch.Tensor,
                                time: torch.Tensor | None, scale: float, times: tuple[torch.Tensor, torch.Tensor] | None = None,
                                candidates: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-                               max_rows: int = MAX_GRID_ROWS) -> torch.Tensor:
+                               max_rows: int = MAX_GRID_ROWS, host_lengths: np.ndarray | None = None) -> torch.Tensor:
     """HSTU's attention on jagged rows of ``lengths [B]``: ``q, k, v [T, H, d] → [T, H, d]``, on fbgemm's kernels.
 
     The same function as :func:`~recsys_runner.models.jagged.pointwise_attention` (its docstring has the formula, the
     candidates' mask and the bias's ``times`` and ``positions``), computed without tiles: the scores of each row's whole
-    square, then the mask. ``max_rows``: rows (``H × B``) per kernel launch. A leaf of TorchRec's pipeline trace: its
-    shapes are data.
+    square, then the mask. ``max_rows``: rows (``H × B``) per kernel launch. ``host_lengths``: the same ``lengths`` on the
+    host (:attr:`~recsys_runner.models.jagged.Tiles.host`), which size the squares and the launches; ``None``: they are
+    read from the device (one read). A leaf of TorchRec's pipeline trace: its shapes are data.
     """
     tokens, heads, width = q.shape
     if tokens == 0:
         return torch.zeros_like(q)
     scores_product, mixing_product = products()
     lengths = lengths.long()
-    at = _squares(lengths)
+    host = lengths.cpu().numpy() if host_lengths is None else host_lengths.astype(np.int64)
+    at = _squares(lengths, int((host * host).sum()))
     allowed = at.j <= at.i
     if candidates is not None:
         allowed = allowed & (~candidates[at.key] | (at.i == at.j))
@@ -151,21 +155,21 @@ def fbgemm_pointwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     gaps = None if times is None else times[0][at.query] - times[1][at.key]
     bias = relative_bias(position, time, distance.clamp_min(0), gaps).to(q.dtype)  # [S]
     qh, kh, vh = (t.permute(1, 0, 2).reshape(heads * tokens, width) for t in (q, k, v))  # head 0's rows, head 1's, ...
-    rows, longest = lengths.repeat(heads), int(lengths.max())
+    rows, longest, host_rows = lengths.repeat(heads), int(host.max()), np.tile(host, heads)
     tf32 = bool(q.is_cuda and torch.backends.cuda.matmul.allow_tf32)
 
     def scores_of(launch: tuple[torch.Tensor, ...], own: slice, _: slice) -> torch.Tensor:  # each row's Q Kᵀ, flat
         n, starts, squares, square_starts = launch
         return scores_product(qh[own], kh[own], n, starts, n, starts, squares, square_starts, longest, tf32)
 
-    scores = _per_launch(rows, max_rows, scores_of).view(heads, -1)  # [H, S]
+    scores = _per_launch(rows, host_rows, max_rows, scores_of).view(heads, -1)  # [H, S]
     weights = (F.silu(scores + bias) * scale * allowed.to(q.dtype)).reshape(-1)
 
     def mixed_of(launch: tuple[torch.Tensor, ...], own: slice, entries: slice) -> torch.Tensor:  # each row's weights @ V
         n, starts, squares, square_starts = launch
         return mixing_product(weights[entries], vh[own], squares, square_starts, n, starts, n, starts, longest, tf32)
 
-    mixed = _per_launch(rows, max_rows, mixed_of)  # [H · T, d]
+    mixed = _per_launch(rows, host_rows, max_rows, mixed_of)  # [H · T, d]
     return mixed.view(heads, tokens, width).permute(1, 0, 2)
 
 
@@ -226,5 +230,6 @@ def attention(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ti
     if use_fbgemm:
         if not q.is_cuda:
             _note_cpu_loops()  # asked for by name: auto never picks the loops
-        return fbgemm_pointwise_attention(q, k, v, tiles.lengths, position, time, scale, times, candidates, positions)
+        return fbgemm_pointwise_attention(q, k, v, tiles.lengths, position, time, scale, times, candidates, positions,
+                                          host_lengths=tiles.host)
     return pointwise_attention(q, k, v, tiles, position, time, scale, times, candidates, positions)

@@ -45,7 +45,7 @@ from recsys_runner.errors import ConfigError, require
 from recsys_runner.features import DataNeeds, FeatureSpec, SequenceGroup, check_embedding_dim
 from recsys_runner.models.common import ModelConfig
 from recsys_runner.models.hstu import HSTUBlock
-from recsys_runner.models.jagged import tile
+from recsys_runner.models.jagged import host_plus, tile
 from recsys_runner.models.jagged_kernels import check_kernel
 from recsys_runner.models.ranking_eval import sampled_negatives, seen_ids, without_seen
 from recsys_runner.models.sequence import History, SequenceArch, padded, recency_positions
@@ -56,6 +56,7 @@ __all__ = ["BLOCKS", "SASRec", "SASRecBlock", "SASRecConfig", "distinct_positive
 
 torch.fx.wrap("padded")  # a leaf of TorchRec's pipeline trace here too (models/sequence.py says why)
 torch.fx.wrap("tile")  # and the jagged tiling (models/jagged.py says why)
+torch.fx.wrap("host_plus")
 
 BLOCKS = ("sasrec", "hstu")
 """``model.block`` options: SASRec's softmax self-attention + feed-forward, or HSTU's pointwise gated attention."""
@@ -290,11 +291,15 @@ class SASRec(nn.Module):
         x = self.dropout(x) * mask.unsqueeze(2).to(x.dtype)
         times = None if history.timestamps is None else query_and_key_times(history.timestamps, history.lengths, next_times)
         if self.tile_size and not torch.compiler.is_exporting():  # HSTU on the real positions only (an export pads)
-            tiles = tile(lengths, self.tile_size)
-            flat, flat_times = x[mask], None if times is None else (times[0][mask], times[1][mask])
+            # The real positions gathered by an index of the tiles' token count (known on the host when the batch
+            # carries its lengths there), in the order a mask would select them: a mask sizes them by a device read.
+            tiles = tile(lengths, self.tile_size, host=host_plus(history.host_lengths, 1))
+            index = flat_positions(lengths, length + 1, tiles.counts.tokens)  # [P] into the [B * (L + 1)] positions
+            flat = x.flatten(0, 1)[index]
+            flat_times = None if times is None else (times[0].flatten()[index], times[1].flatten()[index])
             for block in self.blocks:
                 flat = cast(HSTUBlock, block).forward_jagged(flat, tiles, flat_times)
-            return self.norm(torch.zeros_like(x).masked_scatter(mask.unsqueeze(2), flat))
+            return self.norm(torch.zeros_like(x).flatten(0, 1).index_copy(0, index, flat).view_as(x))
         for block in self.blocks:
             x = block(x, mask, times)
         return self.norm(x)

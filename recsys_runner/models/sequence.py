@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import cast
 
+import numpy as np
 import torch
 from torch import nn
 from torchrec.modules.embedding_modules import EmbeddingCollection
@@ -26,7 +27,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from recsys_runner.errors import ConfigError
 from recsys_runner.features import FeatureSpec, SequenceGroup
-from recsys_runner.host_lengths import longest_row
+from recsys_runner.host_lengths import longest_row, row_lengths
 from recsys_runner.models.common import embedding_width_rule
 from recsys_runner.models.lookup import managed_feature_names, pooled_collections, pooled_lookup
 
@@ -38,24 +39,27 @@ class History:
     """One sequence group of a batch as a dense block: ``values [B, L, D_g]`` (the group's features' embeddings
     concatenated per event, ``D_g = Σ D_f``), ``mask [B, L]`` (True on real events, False on padding, events
     left-aligned, oldest first), ``lengths [B]``, and ``timestamps [B, L]`` (int64, 0 on padding) when the data has
-    event times."""
+    event times; ``host_lengths [B]``: the same lengths on the host when the batch carries them
+    (:func:`~recsys_runner.host_lengths.row_lengths`), which size a jagged path's tensors without a device read."""
 
     values: torch.Tensor
     mask: torch.Tensor
     lengths: torch.Tensor
     timestamps: torch.Tensor | None = None
+    host_lengths: np.ndarray | None = None
 
 
 @dataclass
 class JaggedHistory:
     """One sequence group of a batch, unpadded: ``values [T, D_g]`` (every row's events, oldest first, row after row),
     ``ids [T, F_g]`` (the events' ids, a column per feature of the group), ``lengths [B]``, and ``timestamps [T]``
-    (int64) when the data has event times."""
+    (int64) when the data has event times; ``host_lengths [B]`` as :class:`History`'s."""
 
     values: torch.Tensor
     ids: torch.Tensor
     lengths: torch.Tensor
     timestamps: torch.Tensor | None = None
+    host_lengths: np.ndarray | None = None
 
 
 @dataclass
@@ -90,6 +94,9 @@ def padded(jagged: JaggedTensor, length: int) -> torch.Tensor:
     flat = torch.arange(values.shape[0], device=lengths.device) - starts[rows] + rows * length
     out = values.new_zeros((batch * length, *values.shape[1:]))
     return out.index_copy(0, flat, values).view(batch, length, *values.shape[1:])
+
+
+torch.fx.wrap("row_lengths")  # a leaf too: it reads the batch's host-side lengths, no tensor
 
 
 @torch.fx.wrap
@@ -219,7 +226,8 @@ class SequenceArch(nn.Module):
         timestamps = None
         if group.timestamps is not None:
             timestamps = padded(sparse.to_dict()[group.timestamps], length)
-        return History(values=values, mask=mask, lengths=lengths.long(), timestamps=timestamps)
+        return History(values=values, mask=mask, lengths=lengths.long(), timestamps=timestamps,
+                       host_lengths=row_lengths(sparse, group.features[0]))
 
 
     @staticmethod
@@ -229,7 +237,8 @@ class SequenceArch(nn.Module):
         by_key = sparse.to_dict()
         ids = torch.stack([by_key[f].values().long() for f in group.features], dim=1)
         timestamps = by_key[group.timestamps].values().long() if group.timestamps is not None else None
-        return JaggedHistory(values=values, ids=ids, lengths=unpooled[group.features[0]].lengths().long(), timestamps=timestamps)
+        return JaggedHistory(values=values, ids=ids, lengths=unpooled[group.features[0]].lengths().long(), timestamps=timestamps,
+                             host_lengths=row_lengths(sparse, group.features[0]))
 
 
 def check_candidates(features: FeatureSpec, group: SequenceGroup, model: str) -> list[str]:
