@@ -183,7 +183,8 @@ def test_din_run_logs_samples_and_tokens_per_s_of_the_real_rows(make_cfg, monkey
     cfg = make_cfg("model=din", "data=synthetic_sequences", f"data.max_len={MAX_LEN}", "data.length_skew=1.0",
                    f"data.batch_tokens={BUDGET}", *args, "train.num_steps=6", "train.log_every_steps=3",
                    "train.eval_every_steps=null", "train.eval_max_batches=1", "tracking=none", "checkpoint=none",
-                   "distributed.device=cpu", tiny=False)
+                   # the fake clock ticks a second per reading: the sanity eval's pause (two readings) would add one
+                   "train.sanity_eval_batches=0", "distributed.device=cpu", tiny=False)
     c = build(validate(cfg))
     try:
         trained = list(itertools.islice(c.loop.data.train_batches(0, 0, 1), 6))  # the batches the run trains, in order
