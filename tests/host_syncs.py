@@ -31,8 +31,9 @@ READS = {"item", "__bool__", "__float__", "__int__", "__index__", "__format__", 
 """Tensor methods that read the values back to the host."""
 SHAPED_BY_VALUES = {"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "_unique2"}
 """Functions whose output's size is a count of values, read back to allocate it."""
-HOST_SIDE = ("recsys_runner/data/", "recsys_runner/train/batch_checks.py")
-"""Where a batch is built and checked on the host, before its copy to the device (module docstring)."""
+HOST_SIDE = ("recsys_runner/data/", "recsys_runner/train/batch_checks.py", "recsys_runner/host_lengths.py")
+"""Where a batch is built and checked on the host, before its copy to the device (module docstring), and where a model
+reads the batch's host facts: ``host_lengths`` views the CPU tensors the batch was built from (it refuses any other)."""
 ON_DEVICE_IN_DATA = ("_ranks_agree",)
 """Functions of the data path that read a device value all the same: the ranks' "have a batch" flag, all-reduced on the
 GPU under NCCL (``data.base.synchronized`` / ``in_step``, several ranks only)."""

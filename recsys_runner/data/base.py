@@ -342,8 +342,8 @@ def batch_kjt(keys: list[str], values: torch.Tensor, lengths: torch.Tensor, weig
     longest = rows.max(axis=1, initial=0).tolist()
     kjt = KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, weights=weights, stride=stride,
                             length_per_key=per_key, offset_per_key=list(itertools.accumulate(per_key, initial=0)))
-    return with_longest_rows(kjt, dict(zip(keys, map(int, longest), strict=True)), dict(zip(keys, rows, strict=True)),
-                             values.numpy() if values.device.type == "cpu" else None)
+    return with_longest_rows(kjt, dict(zip(keys, map(int, longest), strict=True)), lengths,
+                             values if values.device.type == "cpu" else None)
 
 
 def placeholder(features: FeatureSpec) -> Batch:
