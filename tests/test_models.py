@@ -77,12 +77,16 @@ def as_tensor(out: torch.Tensor | dict[str, torch.Tensor] | tuple[torch.Tensor, 
 
 
 def check_sasrec_output(out: tuple[torch.Tensor, torch.Tensor], batch: Batch) -> None:
-    """SASRec in training mode: ``(logits [P, U], positives [P])``, one row per real position (each event's successor
-    and the candidate after the whole history: ``P = Σ lengths + B``), one column per distinct positive item."""
+    """SASRec in training mode: ``(logits [P, K], positives [P])``, one row per real position (each event's successor
+    and the candidate after the whole history: ``P = Σ lengths + B``); the first ``U`` columns are the distinct
+    positive items, numbered densely, and the other ``K - U`` (``K = P`` here, fewer positions than items) hold no item
+    and score ``-inf`` (fixed sizes: no device read to count ``U``, models/sasrec.py)."""
     logits, positives = out
     positions = int(batch.sparse_features["hist_item_id"].lengths().sum()) + batch.labels.shape[0]
-    assert logits.shape == (positions, int(positives.unique().numel())) and positives.shape == (positions,)
-    assert int(positives.max()) == logits.shape[1] - 1
+    distinct = int(positives.unique().numel())
+    assert logits.shape == (positions, positions) and positives.shape == (positions,)
+    assert int(positives.max()) == distinct - 1
+    assert torch.isfinite(logits[:, :distinct]).all() and bool((logits[:, distinct:] == float("-inf")).all())
 
 
 def build(make_cfg, name: str, *overrides: str, seed: int = 0) -> nn.Module:
@@ -135,7 +139,8 @@ def test_forward_shape_and_seeded_stability(make_cfg, name: str) -> None:
             check_sasrec_output(first(batch.dense_features, batch.sparse_features), batch)
         else:
             assert out.shape == OUTPUT_SHAPES.get(name, (8,))
-        assert out.dtype == torch.float32 and torch.isfinite(out).all()
+        scored = out[out != float("-inf")] if name == "sasrec" else out  # SASRec's empty columns: check_sasrec_output
+        assert out.dtype == torch.float32 and torch.isfinite(scored).all()
         assert torch.equal(out, forward(second)), "same seed, different output"
         assert not torch.equal(out, forward(other)), "the seed has no effect"
     logits = forward(first)
