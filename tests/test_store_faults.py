@@ -121,11 +121,12 @@ def test_checkpoint_dir_faults_are_one_line_before_the_model_is_built(store: Mot
         assert "sharding plan" not in (done.stdout + done.stderr).lower(), done.stderr[-3000:]
 
 
-def _start_training(tmp: Path, server: MotoServer, directory: str, request_timeout_s: int = 1) -> tuple[subprocess.Popen[str], list[str]]:
+def _start_training(tmp: Path, server: MotoServer, directory: str, request_timeout_s: int = 1,
+                    *more: str) -> tuple[subprocess.Popen[str], list[str]]:
     """A training run checkpointing every 2 steps into ``directory``; returns once its first checkpoint is in."""
     lines: list[str] = []
     live = subprocess.Popen(_cli(tmp, server, "train.num_steps=40", "checkpoint.every_steps=2", f"checkpoint.dir={directory}",
-                                 request_timeout_s=request_timeout_s),
+                                 *more, request_timeout_s=request_timeout_s),
                             cwd=tmp, env=_env(server), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert live.stdout is not None
     for line in live.stdout:
@@ -156,10 +157,13 @@ def test_training_whose_checkpoint_store_stalls_fails_or_stops_with_the_resume_c
     saved = stores.fsspec_filesystem("s3://ckpt/stalled")[0].find("ckpt/stalled")
     assert any(p.endswith("meta.json") for p in saved), saved
 
-    live, lines = _start_training(tmp_path, store, "s3://ckpt/stopped", request_timeout_s=20)  # the bound: 2 × 21 s + 1 s
+    # The bound: 2 × 21 s + 1 s. The lock's lease is long, so its renewal (every lease / 3, from a background thread)
+    # cannot be the request found waiting below: a signal then would come while the main thread trains, and the
+    # checkpoint of the step it stops at would wait on the store for the whole bound (CI once met this).
+    live, lines = _start_training(tmp_path, store, "s3://ckpt/stopped", 20, "storage.lock_ttl_s=3600")
     store.pause()
     deadline = time.monotonic() + 60
-    while not store.request_waiting():  # the run's next request (a checkpoint write, the lock's renewal) waits on the store
+    while not store.request_waiting():  # the main thread's next checkpoint write waits on the store
         assert live.poll() is None and time.monotonic() < deadline, "no request reached the paused store"
         time.sleep(0.05)
     sent = time.monotonic()
