@@ -1,7 +1,7 @@
 """The sanity eval (``train.sanity_eval_batches``): before the first step, the eval's per-batch path on a few eval batches,
 so that an error only the eval meets stops the run in seconds, with the eval's own message, before any step or
 checkpoint; and it leaves the training exactly as without it (losses, weights, EMA, optimizer state, the data's
-counters, the modules' modes, the random generators)."""
+counters, the modules' modes, the random generators, once-only data warnings)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ from recsys_runner.config import validate
 from recsys_runner.errors import ConfigError, DataError
 from recsys_runner.models.collision import collision_counters
 from recsys_runner.train.loop import train
+from tests.conftest import LogWarnings
+from tests.test_sequence_files import MAX_LEN, histories, parquet, write_parquet
 
 ROWS = 64
 
@@ -166,3 +168,39 @@ def test_training_is_bit_identical_with_and_without_the_sanity_eval(
     assert checked[1] == plain[1]
     assert checked[2].keys() == plain[2].keys() and checked[2]
     assert [k for k, t in plain[2].items() if not torch.equal(t, checked[2][k])] == []
+
+
+def test_a_once_only_data_warning_is_said_once_over_the_sanity_eval_training_and_eval(
+    make_cfg: Callable[..., DictConfig], tmp_path: Path
+) -> None:
+    """A list cut to ``max_values`` in the first eval row warns once per column; the sanity eval puts the data's counters
+    back (``data/truncated_lists`` counts no row of it), which must not make the final eval say it a second time. The
+    counter still counts the eval's cut row once (the final eval's), as without the sanity eval."""
+    eval_tag = [[1, 2]] + [[i % 16] for i in range(1, 16)]  # every training row holds one id
+    capped = "data.sparse=[{name:item,num_embeddings:16},{name:tag,num_embeddings:16,max_values:1}]"
+    spec = validate(make_cfg(*_files(tmp_path, capped, "checkpoint=none", eval_tag=eval_tag), tiny=False))
+    c = build(spec)
+    try:
+        with LogWarnings("recsys_runner.data") as warnings:
+            train(c.loop)
+        counted = c.loop.data.metrics()["data/truncated_lists"]
+    finally:
+        c.close()
+    said = [m for m in warnings.messages if "were cut to their first 1 values" in m]
+    assert len(said) == 1, warnings.messages
+    assert counted == 1.0
+
+
+def test_the_truncated_histories_warning_is_not_said_again_after_the_counters_are_put_back(tmp_path: Path) -> None:
+    """The same for histories cut to ``max_len`` (read as the sanity eval and then the eval read them): said once, counted
+    once."""
+    write_parquet(tmp_path / "train.parquet", histories(0))
+    write_parquet(tmp_path / "eval.parquet", histories(1, 20))
+    data = parquet(tmp_path)
+    long = sum(len(r["hist_item"] or []) > MAX_LEN for r in histories(1, 20))
+    with LogWarnings("recsys_runner.data") as warnings:
+        with data.counters_kept():
+            list(data.eval_batches(0, 1))
+        list(data.eval_batches(0, 1))
+    assert long and data.metrics()["data/truncated_histories"] == long
+    assert sum("were truncated" in m for m in warnings.messages) == 1, warnings.messages
