@@ -1,13 +1,17 @@
 """The sanity eval (``train.sanity_eval_batches``): before the first step, the eval's per-batch path on a few eval batches,
 so that an error only the eval meets stops the run in seconds, with the eval's own message, before any step or
 checkpoint; and it leaves the training exactly as without it (losses, weights, EMA, optimizer state, the data's
-counters, the modules' modes, the random generators, once-only data warnings)."""
+counters, the modules' modes, the random generators, once-only data warnings). A signal during it stops the run before
+the first step."""
 
 from __future__ import annotations
 
 import logging
+import os
 import random
-from collections.abc import Callable
+import signal
+import sys
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from omegaconf import DictConfig
+from torchrec.datasets.utils import Batch
 
 from recsys_runner.__main__ import run
 from recsys_runner.build import build
@@ -24,8 +29,10 @@ from recsys_runner.checkpoint.storage import list_checkpoints
 from recsys_runner.config import validate
 from recsys_runner.errors import ConfigError, DataError
 from recsys_runner.models.collision import collision_counters
+from recsys_runner.train import evaluation, loop
 from recsys_runner.train.loop import train
-from tests.conftest import LogWarnings
+from tests.conftest import LogWarnings, hint_of, run_in_process
+from tests.test_run_safety import runs, steps_logged
 from tests.test_sequence_files import MAX_LEN, histories, parquet, write_parquet
 
 ROWS = 64
@@ -168,6 +175,60 @@ def test_training_is_bit_identical_with_and_without_the_sanity_eval(
     assert checked[1] == plain[1]
     assert checked[2].keys() == plain[2].keys() and checked[2]
     assert [k for k, t in plain[2].items() if not torch.equal(t, checked[2][k])] == []
+
+
+def _signal_at_the_first_eval_batch(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """SIGTERM to this process as the first eval batch of the run (the sanity eval's) is read, once, in the main thread as
+    a signal from outside would be handled; the returned list gets one entry per eval batch read (the first: the one the
+    signal came in)."""
+    real, read = evaluation.checked_batches, []
+
+    def checked(batches: Iterable[Batch], *args: Any) -> Iterator[Batch]:
+        for batch in real(batches, *args):
+            if not read:
+                os.kill(os.getpid(), signal.SIGTERM)
+            read.append(1)
+            yield batch
+
+    monkeypatch.setattr(evaluation, "checked_batches", checked)
+    return read
+
+
+@pytest.mark.parametrize(("resumed", "ranks"), [(False, 1), (True, 2)], ids=["new-run", "resumed-run-as-with-ranks"])
+def test_a_signal_during_the_sanity_eval_stops_the_run_before_the_first_step(
+    tmp_path: Path, mlflow_uri: str, monkeypatch: pytest.MonkeyPatch, resumed: bool, ranks: int
+) -> None:
+    """It was taken only after the first step, whose checkpoint was then written. Now no step trains, nothing is written,
+    the MLflow run is KILLED, the exit is 143 and the command printed goes on: the resume from the checkpoint the launch
+    resumed from, or the run again. With one rank the sanity eval is abandoned after the batch the signal came in; as
+    with several (no ``stop`` hook: every rank must finish its collectives) it ends, then the signal is agreed on."""
+    experiment = f"sanity_signal_{resumed}"
+    if ranks > 1:
+        monkeypatch.setattr(loop, "_stop_hook", lambda *_: None)
+    args = [a for a in _files(tmp_path) if a != "tracking=none"]
+    launch = [sys.executable, "-m", "recsys_runner", *args, f"tracking.uri={mlflow_uri}", f"tracking.experiment={experiment}",
+              f"hydra.run.dir={tmp_path}/run"]
+    if resumed:  # a first launch of 2 steps; the second, of 4, resumes from its step 2
+        assert run_in_process([*launch, "train.num_steps=2"], tmp_path).returncode == 0
+        launch = [*launch, "train.num_steps=4"]
+    before = [p.name for p in list_checkpoints(tmp_path / "ck")]
+    read = _signal_at_the_first_eval_batch(monkeypatch)
+    done = run_in_process(launch, tmp_path)
+    assert done.returncode == 143, done.stderr[-3000:]
+    assert len(read) == (1 if ranks == 1 else 2), done.stderr[-3000:]  # abandoned after the batch the signal came in, or whole
+    assert [p.name for p in list_checkpoints(tmp_path / "ck")] == before  # no step trained, nothing written
+    (mlrun,) = runs(mlflow_uri, experiment)
+    assert mlrun.info.status == "KILLED"
+    assert steps_logged(mlflow_uri, mlrun.info.run_id) == ([1, 2] if resumed else [])
+    if resumed:
+        assert f"Interrupted: stopped by SIGTERM during the sanity eval after step 2; checkpoint {tmp_path}/ck/step_00000002" \
+            in done.stderr, done.stderr[-3000:]
+        command = hint_of(done.stderr)
+        assert command is not None and f"checkpoint.dir={tmp_path}/ck" in command, done.stderr[-3000:]
+    else:
+        said = (f"Interrupted: stopped by SIGTERM during the sanity eval; nothing was kept (MLflow run {mlrun.info.run_id} is "
+                f"KILLED); redo it with: python -m recsys_runner ")
+        assert said in done.stderr, done.stderr[-3000:]
 
 
 def test_a_once_only_data_warning_is_said_once_over_the_sanity_eval_training_and_eval(
