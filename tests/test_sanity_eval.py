@@ -1,8 +1,8 @@
 """The sanity eval (``train.sanity_eval_batches``): before the first step, the eval's per-batch path on a few eval batches,
 so that an error only the eval meets stops the run in seconds, with the eval's own message, before any step or
 checkpoint; and it leaves the training exactly as without it (losses, weights, EMA, optimizer state, the data's
-counters, the modules' modes, the random generators, once-only data warnings). A signal during it stops the run before
-the first step."""
+counters, the modules' modes, the random generators, samples/s, once-only data warnings). A signal during it stops the
+run before the first step."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import signal
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -29,7 +30,7 @@ from recsys_runner.checkpoint.storage import list_checkpoints
 from recsys_runner.config import validate
 from recsys_runner.errors import ConfigError, DataError
 from recsys_runner.models.collision import collision_counters
-from recsys_runner.train import evaluation, loop
+from recsys_runner.train import evaluation, loop, throughput
 from recsys_runner.train.loop import train
 from tests.conftest import LogWarnings, hint_of, run_in_process
 from tests.test_run_safety import runs, steps_logged
@@ -229,6 +230,46 @@ def test_a_signal_during_the_sanity_eval_stops_the_run_before_the_first_step(
         said = (f"Interrupted: stopped by SIGTERM during the sanity eval; nothing was kept (MLflow run {mlrun.info.run_id} is "
                 f"KILLED); redo it with: python -m recsys_runner ")
         assert said in done.stderr, done.stderr[-3000:]
+
+
+class _Clock:
+    """``time`` for the meter: it stands still unless moved (:attr:`now`), so a window lasts exactly what the test says."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_the_sanity_eval_is_not_counted_in_samples_per_s(make_cfg: Callable[..., DictConfig], tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sanity eval of 1000 s (on the meter's clock) and steps of 1 s each: the first window's samples/s is its rows per
+    second of steps (8 rows / 1 s), not per 1001 s."""
+    clock, logged = _Clock(), {}
+    monkeypatch.setattr(throughput, "time", SimpleNamespace(perf_counter=clock.perf_counter))
+    sanity_check = evaluation.Evaluator.sanity_check
+
+    def slow(self: evaluation.Evaluator, *args: Any, **kwargs: Any) -> int:
+        clock.now += 1000.0
+        return sanity_check(self, *args, **kwargs)
+
+    monkeypatch.setattr(evaluation.Evaluator, "sanity_check", slow)
+    c = build(validate(make_cfg(*_files(tmp_path, "checkpoint=none", "train.num_steps=2"), tiny=False)))
+    try:
+        step = c.loop.stepper.step
+
+        def timed(batches: Any) -> torch.Tensor | None:
+            clock.now += 1.0
+            return step(batches)
+
+        monkeypatch.setattr(c.loop.stepper, "step", timed)
+        monkeypatch.setattr(c.loop.tracker, "log_metrics", lambda metrics, at: logged.setdefault(at, {}).update(metrics))
+        train(c.loop)
+    finally:
+        c.close()
+    assert clock.now == 1002.0  # the sanity eval ran, and two steps
+    assert logged[1]["train/samples_per_s"] == pytest.approx(8.0) and logged[2]["train/samples_per_s"] == pytest.approx(8.0)
 
 
 def test_a_once_only_data_warning_is_said_once_over_the_sanity_eval_training_and_eval(
