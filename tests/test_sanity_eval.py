@@ -32,7 +32,7 @@ from recsys_runner.errors import ConfigError, DataError
 from recsys_runner.models.collision import collision_counters
 from recsys_runner.train import evaluation, loop, throughput
 from recsys_runner.train.loop import train
-from tests.conftest import LogWarnings, hint_of, run_in_process
+from tests.conftest import LogWarnings, hint_of, run_in_process, torchrun
 from tests.test_run_safety import runs, steps_logged
 from tests.test_sequence_files import MAX_LEN, histories, parquet, write_parquet
 
@@ -230,6 +230,21 @@ def test_a_signal_during_the_sanity_eval_stops_the_run_before_the_first_step(
         said = (f"Interrupted: stopped by SIGTERM during the sanity eval; nothing was kept (MLflow run {mlrun.info.run_id} is "
                 f"KILLED); redo it with: python -m recsys_runner ")
         assert said in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_rank_during_the_sanity_eval_stops_both_before_the_first_step(tmp_path: Path) -> None:
+    """2 gloo ranks, rank 1 signalled at its first eval batch (:mod:`tests.sanity_signal`): the sanity eval ends on both
+    (its gathers are collectives), the ranks agree on the signal and both stop before the first step, nothing written.
+    Before, the signal waited for the first agreement of the steps (``train.stop_check_every_steps``), here the final
+    eval, after every step and checkpoint."""
+    args = [a for a in _files(tmp_path) if not a.startswith("checkpoint.dir=")]
+    done = torchrun(*args, f"checkpoint.dir={tmp_path}/ck", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path, module="tests.sanity_signal")
+    out = done.stdout + done.stderr
+    assert done.returncode != 0 and "exitcode  : 143" in out, out[-3000:]
+    assert "Interrupted: stopped by SIGTERM during the sanity eval; nothing was kept; redo it with: " in out, out[-3000:]
+    assert "sanity eval: 1 eval batches" in out and "step 1/4" not in out, out[-3000:]
+    assert list_checkpoints(tmp_path / "ck") == []
 
 
 class _Clock:
