@@ -103,9 +103,11 @@ class Evaluator:
             out[SELECTION_KEY] = selection_score(self.metrics.selection, out)
         return {k: out[k] for k in self.keys()}
 
-    def sanity_check(self, num_batches: int) -> int:
+    def sanity_check(self, num_batches: int, *, stop: Callable[[], None] | None = None) -> int:
         """Run the eval's per-batch path on the first ``num_batches`` eval batches of this rank (capped by
-        ``train.eval_max_batches``) and discard what it computed; the number of batches stepped.
+        ``train.eval_max_batches``) and discard what it computed; the number of batches stepped. ``stop`` is called after
+        each batch and may raise to abandon it there, as in :meth:`evaluate` (the loop's pending-signal check, one rank
+        only); everything below is put back all the same.
 
         What the loop runs before the first step (``train.sanity_eval_batches``), so that an error only the eval path
         meets — a bad eval row under ``data.on_bad_rows=fail``, a label a task refuses, a grouping key an eval row lacks,
@@ -132,7 +134,7 @@ class Evaluator:
             model.eval()
             try:
                 with torch.no_grad():
-                    steps = self._score(model, metrics, itertools.islice(batches, limit), None, None)
+                    steps = self._score(model, metrics, itertools.islice(batches, limit), None, stop)
                     metrics.compute()
             finally:
                 for module, training in modes:

@@ -10,20 +10,24 @@ training, not after it. Training stops at ``loop.total_steps``, on early stoppin
 (:mod:`recsys_runner.train.signals`), on a non-finite loss (:mod:`recsys_runner.train.stopping`) or when another rank
 is lost (:class:`~recsys_runner.distributed.peers.RankLost`, with the last complete checkpoint).
 
-A signal is handled from the first step to the end checkpoint: during the steps the current step ends, its checkpoint
-is written and :class:`~recsys_runner.train.signals.Interrupted` is raised. During an eval, periodic or final, with one
-rank, the eval is abandoned between two pieces of its work (an eval batch; with an item catalogue, a chunk of the item
-index, of the items a query batch is ranked against, of the items mined: the evaluator's ``stop`` hook), so the stop
-comes within one chunk's work, not after the whole eval: nothing of the eval is logged, the checkpoint of its step is
-written without eval metrics and the run is interrupted there; a resume evaluates that step first (a periodic eval
-before the next step, so early stopping and the best checkpoint see it; the final eval). Abandoning a periodic eval is
-safe: the eval changes nothing a checkpoint holds until it returns (the EMA weights are swapped back and the pipeline
-reattached in its ``finally`` blocks, mined negatives are stored only whole) and its step is evaluated again. With
-several ranks an eval ends first, so that no rank leaves its collectives early, and the signal stops the run after it
-(after the step's checkpoint, or the end checkpoint); a signal after the eval lets its checkpoint be written, then
-interrupts. A signal while the loop waits on an object store (a checkpoint write, a unit read ahead) is taken there at
-once, since a stalled store can hold a step for its whole retry bound: the run is interrupted with its last complete
-checkpoint (:func:`_store_wait`).
+A signal is handled from the sanity eval to the end checkpoint. One that comes before the sanity eval ends stops the run
+before the first step, with no step trained and nothing written: with one rank the sanity eval is abandoned between two
+eval batches, with several it ends first and the ranks agree on the signal after it (:func:`_sanity_eval`); the
+:class:`~recsys_runner.train.signals.Interrupted` names the checkpoint the launch resumed from, or none (without a
+sanity eval, ``train.sanity_eval_batches=0``, such a signal is taken after the first step). During the steps the current
+step ends, its checkpoint is written and :class:`~recsys_runner.train.signals.Interrupted` is raised. During an eval,
+periodic or final, with one rank, the eval is abandoned between two pieces of its work (an eval batch; with an item
+catalogue, a chunk of the item index, of the items a query batch is ranked against, of the items mined: the evaluator's
+``stop`` hook), so the stop comes within one chunk's work, not after the whole eval: nothing of the eval is logged, the
+checkpoint of its step is written without eval metrics and the run is interrupted there; a resume evaluates that step
+first (a periodic eval before the next step, so early stopping and the best checkpoint see it; the final eval).
+Abandoning a periodic eval is safe: the eval changes nothing a checkpoint holds until it returns (the EMA weights are
+swapped back and the pipeline reattached in its ``finally`` blocks, mined negatives are stored only whole) and its step
+is evaluated again. With several ranks an eval ends first, so that no rank leaves its collectives early, and the signal
+stops the run after it (after the step's checkpoint, or the end checkpoint); a signal after the eval lets its checkpoint
+be written, then interrupts. A signal while the loop waits on an object store (a checkpoint write, a unit read ahead) is
+taken there at once, since a stalled store can hold a step for its whole retry bound: the run is interrupted with its
+last complete checkpoint (:func:`_store_wait`).
 
 A step's eval metrics are logged once per MLflow run: a resumed run does not evaluate again the step it resumes at when
 an earlier launch completed and logged that eval. Its checkpoint recorded them (``TrainState.metrics``); or, when that
@@ -114,7 +118,7 @@ def train(loop: Loop) -> dict[str, float]:
     with (StopSignals(env.world_size, env.device, cfg.stop_check_every_steps) as signals,
           Progress(loop.total_steps, enabled=env.is_main, unit="step", initial=state.step, mode=cfg.progress) as progress,
           _rank_lost(loop, state), _store_wait(loop, state), _stopped_again(loop, state)):
-        _sanity_eval(loop, state, meter)
+        _sanity_eval(loop, state, signals, meter)
         evaluated, stop = _resumed_eval(loop, state, signals, meter, progress)
         while state.step < loop.total_steps and stop is None:
             batches = meter.counted(_epoch_batches(loop, state))
@@ -250,12 +254,15 @@ def _final_eval(loop: Loop, state: TrainState, loss: torch.Tensor | None, signal
     raise Interrupted(signum, state.step, loop.checkpointer.save_guarded(state, loss, None), when="during the final eval")
 
 
-def _sanity_eval(loop: Loop, state: TrainState, meter: Throughput) -> None:
+def _sanity_eval(loop: Loop, state: TrainState, signals: StopSignals, meter: Throughput) -> None:
     """Before this launch's first step, the eval's per-batch path on ``train.sanity_eval_batches`` eval batches, discarded
     (:meth:`Evaluator.sanity_check`), so that an eval-only error stops the run before the training, not after it; one log
     line says it ran (batches, seconds) or why not. Skipped when this launch trains no step (a resume at the last step: the
-    final eval comes at once). Its time is left out of the first samples/s window (``meter``). A signal during it is
-    taken after the first step, as one before the steps always is."""
+    final eval comes at once). Its time is left out of the first samples/s window (``meter``).
+
+    A signal before it ends stops the run before the first step (:func:`_before_first_step`), rather than after a step
+    whose checkpoint nobody asked for: with one rank it is abandoned between two eval batches (:func:`_stop_hook`); with
+    several it ends first (its gathers are collectives every rank must finish) and the ranks then agree on the signal."""
     wanted = loop.config.sanity_eval_batches
     if not wanted or state.step >= loop.total_steps:
         if loop.env.is_main:
@@ -263,11 +270,24 @@ def _sanity_eval(loop: Loop, state: TrainState, meter: Throughput) -> None:
             log.info("sanity eval skipped: %s", why)
         return
     start = time.perf_counter()
-    with meter.paused():
-        ran = loop.evaluator.sanity_check(wanted)
+    try:
+        with meter.paused():
+            ran = loop.evaluator.sanity_check(wanted, stop=_stop_hook(loop, signals))
+    except _Abandoned as e:
+        raise _before_first_step(e.signum, state) from None
     if loop.env.is_main:
         log.info("sanity eval: %d eval batches (forward, metric updates and compute; nothing logged) in %.2fs before step %d "
                  "(train.sanity_eval_batches=%d, 0 turns it off)", ran, time.perf_counter() - start, state.step + 1, wanted)
+    if (signum := signals.agreed()) is not None:
+        raise _before_first_step(signum, state)
+
+
+def _before_first_step(signum: int, state: TrainState) -> Interrupted:
+    """The stop on a signal that came by the end of the sanity eval: no step trained, no checkpoint written. A resumed
+    launch names the checkpoint it resumed from (its command resumes there again); a new run kept nothing (``step``
+    ``None``: the entry point prints the command that runs it again, as for a signal while it was being built)."""
+    kept = state.resumed_from
+    return Interrupted(signum, state.step if kept is not None else None, kept, when="during the sanity eval")
 
 
 def _resumed_eval(loop: Loop, state: TrainState, signals: StopSignals, meter: Throughput,

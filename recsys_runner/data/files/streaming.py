@@ -81,6 +81,10 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         self._oov: dict[str, list[int]] = {c.name: [0, 0] for c in schema.sparse if c.encoding == "vocab"}
         """Per ``encoding: vocab`` column, since construction: values that read an OOV row, and values."""
         self._dropped_rows = 0
+        self._said: set[str] = set()
+        """The once-only warnings already given (``truncated_histories``, ``truncated_lists/<column>``). Kept apart from
+        the counters they once read, which :meth:`counters_kept` puts back after the sanity eval: a warning its rows
+        gave is not given again when the training or the eval meets the same thing."""
         self._eval_passes: dict[int, tuple[int, int]] = {}
         """rank → (rows of the rank's share, bad rows skipped) of its last full pass over the eval data (:meth:`explain_empty_eval`)."""
         self._passes: dict[tuple[int, int], tuple[int, int]] = {}
@@ -303,16 +307,23 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         return batches
 
     def _count_capped(self, capped: dict[str, tuple[int, int]]) -> None:
-        """Add a batch's lists cut to ``max_values``; warn once per column, at its first cut, with the longest list so far."""
+        """Add a batch's lists cut to ``max_values``; warn once per column (:meth:`_first`), at its first cut, with the
+        longest list so far."""
         for name, (cut, longest) in capped.items():
             counts = self._capped[name]
-            if cut and not counts[0]:
+            if cut and self._first(f"truncated_lists/{name}"):
                 cap = next(c.max_values for c in self.schema.sparse if c.name == name)
                 log.warning("%s: lists of data.sparse[%s] longer than max_values=%d were cut to their first %d values (the longest "
                             "so far: %d); the count of such rows is logged as data/truncated_lists", self.config.path, name, cap,
                             cap, longest)
             counts[0] += cut
             counts[1] = max(counts[1], longest)
+
+    def _first(self, warning: str) -> bool:
+        """Whether ``warning`` is given now for the first time (it is then noted as given)."""
+        first = warning not in self._said
+        self._said.add(warning)
+        return first
 
     def _count_dropped(self, batch: Batch) -> None:
         self._dropped_rows += int(batch.labels.shape[0])
@@ -331,7 +342,7 @@ class TabularData(Catalogue, DataModule, abc.ABC):
             for name, (unseen, total) in oov.items():
                 self._oov[name][0] += unseen
                 self._oov[name][1] += total
-            if truncated and not self._truncated_rows:
+            if truncated and self._first("truncated_histories"):
                 log.warning("%s: histories longer than max_len were truncated (data.sequences %s); the count of such rows is "
                             "logged as data/truncated_histories", self.config.path,
                             ", ".join(f"{g.name}: max_len={g.max_len}, truncate={g.truncate}" for g in self.schema.sequences))
