@@ -28,7 +28,7 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import ShardingPlan
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from recsys_runner import stores
+from recsys_runner import store_settings
 from recsys_runner.checkpoint.config import TrainState
 from recsys_runner.checkpoint.policy import Checkpointer
 from recsys_runner.config import RunConfig, check_eval_keys
@@ -119,7 +119,7 @@ def build(run: RunConfig, *, launch: Launch = Launch(), weights: Path | None = N
     (:func:`recsys_runner.inference_build.build_inference`).
     """
     seed_everything(run.seed)
-    stores.configure(run.storage)
+    store_settings.configure(run.storage)
     distributed: Distributed = run.distributed.build()
     env = distributed.setup()
     checkpointer: Checkpointer | None = None

@@ -91,7 +91,7 @@ from recsys_runner.optim.sparse import (
     check_sparse_on_device,
 )
 from recsys_runner.paths import register_resolvers
-from recsys_runner.stores import StorageConfig
+from recsys_runner.store_settings import StorageConfig
 from recsys_runner.tasks import Task
 from recsys_runner.tracking.tracker import MlflowTrackingConfig, NoTrackingConfig, TrackingConfig
 from recsys_runner.train.compile import check_compile

@@ -30,7 +30,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from recsys_runner import stores, uris
+from recsys_runner import store_settings, stores, uris
 from recsys_runner.config import flatten, register_configs, to_yaml, validate
 from recsys_runner.config_keys import check_known_keys
 from recsys_runner.data.base import SplitFiles
@@ -40,7 +40,7 @@ from recsys_runner.inference_build import Inference
 from recsys_runner.lifecycle import RunStart, link_tags
 from recsys_runner.paths import initialize_conf
 from recsys_runner.runtime import Launch
-from recsys_runner.stores import StorageConfig
+from recsys_runner.store_settings import StorageConfig
 from recsys_runner.tracking import datasets, lineage
 from recsys_runner.tracking.datasets import DataRecord
 from recsys_runner.tracking.store import resolve_uri
@@ -78,14 +78,14 @@ def checkpoint_to_load(cfg: DictConfig) -> Path:
         validate(cfg)
         raise ConfigError("load is required: the checkpoint to use, e.g. load=outputs/<date>/<time>/checkpoints (its best, "
                           "else newest checkpoint), load=<…>/checkpoints/step_00001000, or load=<MLflow run id of the training run>")
-    stores.configure(_storage(cfg))
+    store_settings.configure(_storage(cfg))
     uri = OmegaConf.select(cfg, "tracking.uri", default=_NO_STORE)  # a tracking option without a uri (none) has no runs
     lookup = lineage.run_tags(resolve_uri(uri)) if uri is not _NO_STORE else None
     return lineage.resolve_checkpoint(str(spec), lookup_run=lookup)
 
 
 def _storage(cfg: DictConfig) -> StorageConfig:
-    """``cfg.storage`` as a validated :class:`~recsys_runner.stores.StorageConfig` (its ``__post_init__`` run)."""
+    """``cfg.storage`` as a validated :class:`~recsys_runner.store_settings.StorageConfig` (its ``__post_init__`` run)."""
     try:
         storage = OmegaConf.to_object(cfg.storage) if cfg.get("storage") is not None else StorageConfig()
     except OmegaConfBaseException as e:  # OmegaConf wraps the ConfigError raised in __post_init__

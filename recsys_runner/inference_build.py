@@ -24,7 +24,7 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.optim.keyed import CombinedOptimizer
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from recsys_runner import stores
+from recsys_runner import store_settings
 from recsys_runner.build import build_model, build_tracker, seed_everything, with_catalogue
 from recsys_runner.checkpoint.config import TrainState
 from recsys_runner.config import RunConfig, check_eval_keys
@@ -88,7 +88,7 @@ def build_inference(run: RunConfig, *, weights: Path, launch: Launch = Launch(),
         CheckpointError: ``weights`` is damaged, or was written by another model config (naming the tensors).
     """
     seed_everything(run.seed)
-    stores.configure(run.storage)
+    store_settings.configure(run.storage)
     distributed: Distributed = run.distributed.build()
     env = distributed.setup()
     try:

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from recsys_runner import stores, uris
+from recsys_runner import store_settings, uris
 from recsys_runner.config import register_entry_schema, validate
 from recsys_runner.data.base import SplitFiles
 from recsys_runner.data.files.streaming import TabularData
@@ -125,7 +125,7 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> PredictResult:
     """Score ``predict.input`` with the checkpoint ``cfg.load`` and write the parts (see the module docstring)."""
     checkpoint = checkpoint_to_load(cfg)  # first: a load= that names no checkpoint is the error to fix first
     spec = validate(cfg)
-    stores.configure(spec.storage)
+    store_settings.configure(spec.storage)
     settings = settings_of(cfg)
     if not isinstance(spec.data, TabularDataConfig):
         raise ConfigError(f"predict scores files, but data is {type(spec.data).__name__}. Fix: data=parquet|csv|criteo with "

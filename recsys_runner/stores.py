@@ -5,12 +5,9 @@ Every place that takes a path (``data.path``, ``data.items``, ``checkpoint.dir``
 ``S3FileSystem`` (data reads) and to s3fs (DCP checkpoints, the lock, small writes); any other scheme fsspec knows
 (``gs://``, ``abfs://``…) goes through fsspec, wrapped for pyarrow where pyarrow reads it.
 
-Credentials are never configured here: both clients read the standard chain of the store's client
-(``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN``, ``AWS_PROFILE`` and ``~/.aws/credentials``,
-an instance role). What is configured (``storage.*``, :class:`StorageConfig`) is where the store is
-(``endpoint_url`` for an S3-compatible store, else ``AWS_ENDPOINT_URL``), its region and how hard to retry.
-Every failure becomes a :class:`~recsys_runner.errors.UserError` naming the URI, the cause and the fix
-(:func:`store_error`).
+The clients come from :mod:`recsys_runner.store_settings` (``storage.*``: where the store is, its region, how hard to
+retry; never credentials), which this module reads through and never configures. Every failure becomes a
+:class:`~recsys_runner.errors.UserError` naming the URI, the cause and the fix (:func:`store_error`).
 
 A setting's text is resolved once, where the setting is read (:func:`~recsys_runner.uris.as_path`: a local
 :class:`~pathlib.Path` or a :class:`~recsys_runner.uris.UriPath`, :mod:`recsys_runner.uris`), and the rooms below take
@@ -18,105 +15,24 @@ that and never parse the text again. Where the local disk and a store truly diff
 lock in a store) they ask its type (:func:`~recsys_runner.uris.is_remote`): an output folder replaced whole
 (``staging.py``), the checkpoint lock and storage, predict's part files. Everything else goes through this module's
 calls, which work on both (:func:`read_bytes`, :func:`arrow_filesystem`, :func:`failure`…). Data files, listed from
-``data.path`` by ``data/locate.py``, stay text for pyarrow. May import ``uris`` and ``errors`` only.
+``data.path`` by ``data/locate.py``, stay text for pyarrow. May import ``store_settings``, ``uris`` and ``errors`` only.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import glob as local_glob
 import io
 import os
 import shutil
-import threading
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import fsspec
 import pyarrow.fs as pafs
 
 from recsys_runner import uris
-from recsys_runner.errors import DataError, UserError, require
-
-
-@dataclass(kw_only=True)
-class StorageConfig:
-    """``storage.*``: where an object store is and how hard to retry it. Never credentials (module docstring)."""
-
-    endpoint_url: str | None = None
-    """The S3 endpoint of an S3-compatible store (MinIO, Ceph, a loopback test server), e.g.
-    ``http://127.0.0.1:9000``; ``null``: ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``, else AWS itself."""
-    region: str | None = None
-    """The bucket's region; ``null``: ``AWS_REGION`` / ``AWS_DEFAULT_REGION`` / the client's config file."""
-    max_attempts: int = 5
-    """Tries of each request (the first included), with exponential backoff between them, before it fails."""
-    connect_timeout_s: float = 5.0
-    """Seconds to wait for a connection to the store."""
-    request_timeout_s: float = 30.0
-    """Seconds to wait for a request's answer. A store that stops answering is given up on after about
-    ``max_attempts × (connect_timeout_s + request_timeout_s)`` plus the backoff between tries (:func:`give_up_after_s`),
-    for every kind of call: data reads, listings, the checkpoint lock, checkpoint writes and reads, outputs."""
-    lock_ttl_s: float = 60.0
-    """A checkpoint directory's lock in an object store is renewed every third of this; a lock not renewed for this
-    long belongs to a dead run and is taken over (on one host a dead holder's lock is taken over at once)."""
-    prefetch_units: int = 2
-    """Units (Parquet row groups, blocks of text lines) of object-store files read ahead in a background thread, so
-    a slow store does not stall steps; 0 reads in the training process's turn."""
-
-    def __post_init__(self) -> None:
-        require(self.max_attempts >= 1, f"storage.max_attempts={self.max_attempts} must be >= 1 (1: no retry). Fix: e.g. storage.max_attempts=5")
-        require(self.connect_timeout_s > 0 and self.request_timeout_s > 0, "storage.connect_timeout_s and storage.request_timeout_s must "
-                "be > 0. Fix: e.g. storage.request_timeout_s=30")
-        require(self.lock_ttl_s >= 3, f"storage.lock_ttl_s={self.lock_ttl_s} must be >= 3 seconds. Fix: e.g. storage.lock_ttl_s=60")
-        require(self.prefetch_units >= 0, f"storage.prefetch_units={self.prefetch_units} must be >= 0. Fix: e.g. storage.prefetch_units=2")
-        require(self.endpoint_url is None or "://" in self.endpoint_url,
-                f"storage.endpoint_url={self.endpoint_url!r} needs a scheme. Fix: e.g. storage.endpoint_url=http://127.0.0.1:9000")
-
-
-_settings = StorageConfig()
-
-
-def configure(config: StorageConfig) -> None:
-    """Use ``config`` for every store this process opens from now on (each entry calls it once, from the run's config)."""
-    global _settings
-    _settings = config
-    _arrow_s3.cache_clear()  # a new client: the settings, and the credentials in the environment now
-    _fsspec.cache_clear()
-    _aio_session.cache_clear()
-
-
-def settings() -> StorageConfig:
-    """The :class:`StorageConfig` in force."""
-    return _settings
-
-
-_waiting = 0
-"""How deep the main thread is in calls that wait on a store (:func:`waiting`)."""
-
-
-@contextlib.contextmanager
-def waiting() -> Iterator[None]:
-    """Mark the block as the main thread waiting on a store (a checkpoint write, a unit being read ahead), for the
-    training loop's signal handler: a stop it would otherwise take after the step is taken at once instead, since a
-    stalled store can hold the step for the whole retry bound (:func:`give_up_after_s`), past a scheduler's grace period.
-    Other threads' waits are not marked (signals reach only the main thread)."""
-    global _waiting
-    main = threading.current_thread() is threading.main_thread()
-    if main:
-        _waiting += 1
-    try:
-        yield
-    finally:
-        if main:
-            _waiting -= 1
-
-
-def waiting_now() -> bool:
-    """Whether the main thread is inside :func:`waiting`."""
-    return _waiting > 0
+from recsys_runner.errors import DataError, UserError
+from recsys_runner.store_settings import arrow_s3, endpoint_url, fsspec_for, settings
 
 
 def _botocore_errors() -> tuple[type[BaseException], ...]:
@@ -134,112 +50,20 @@ object is ``FileNotFoundError``), and botocore's own errors, which s3fs passes t
 endpoint is ``EndpointConnectionError``, neither an ``OSError`` nor a ``ValueError``)."""
 
 
-def give_up_after_s() -> float:
-    """About how long one call to a store that stopped answering takes to fail under the settings in force: every
-    attempt waits for its connection and its answer, with exponential backoff (at most 20 s) between attempts."""
-    s = _settings
-    backoff = sum(min(2.0 ** i, 20.0) for i in range(s.max_attempts - 1))
-    return s.max_attempts * (s.connect_timeout_s + s.request_timeout_s) + backoff
-
-
-def endpoint_url() -> str | None:
-    """The S3 endpoint in force: ``storage.endpoint_url``, ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL`` or none (AWS)."""
-    return _settings.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
-
-
-def region() -> str | None:
-    """The region in force; an endpoint without one gets ``us-east-1`` (S3-compatible stores ignore it)."""
-    found = _settings.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-    return found or ("us-east-1" if endpoint_url() else None)
-
-
-@functools.cache
-def _arrow_s3() -> pafs.S3FileSystem:
-    s = _settings
-    options: dict[str, Any] = {"connect_timeout": s.connect_timeout_s, "request_timeout": s.request_timeout_s,
-                               "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=s.max_attempts)}
-    if (url := endpoint_url()) is not None:
-        options["endpoint_override"] = url
-        options["scheme"] = url.split("://", 1)[0]
-    if (where := region()) is not None:
-        options["region"] = where
-    return pafs.S3FileSystem(**options)
-
-
-@functools.cache
-def _fsspec(scheme: str) -> fsspec.AbstractFileSystem:
-    fs = fsspec.filesystem(scheme, **fsspec_options(scheme))
-    return one_retry_policy(fs)
-
-
-def one_retry_policy(fs: fsspec.AbstractFileSystem) -> fsspec.AbstractFileSystem:
-    """``fs`` with retries only in its client (botocore's ``storage.max_attempts``): s3fs retries each call again 5
-    times on a timeout around the client's own attempts, which multiplied a stalled store's wait 5-fold (minutes
-    with no log line). For every s3fs instance the package makes, DCP's checkpoint reader and writer included."""
-    if hasattr(fs, "retries"):
-        fs.retries = 1
-    return fs
-
-
-def fsspec_options(scheme: str = "s3") -> dict[str, Any]:
-    """The fsspec storage options of ``scheme`` (for s3fs: endpoint, region, retries, timeouts; never credentials)."""
-    if scheme not in ("s3", "s3a"):
-        return {}
-    s = _settings
-    client: dict[str, Any] = {}
-    if (url := endpoint_url()) is not None:
-        client["endpoint_url"] = url
-    if (where := region()) is not None:
-        client["region_name"] = where
-    return {"client_kwargs": client, "skip_instance_cache": True, "use_listings_cache": False, "session": _aio_session(),
-            "config_kwargs": {"retries": {"max_attempts": s.max_attempts, "mode": "standard"},
-                              "connect_timeout": s.connect_timeout_s, "read_timeout": s.request_timeout_s}}
-
-
-@functools.cache
-def _aio_session() -> Any:
-    """The aiobotocore session of every s3fs instance: botocore's, without its ``Expect: 100-continue`` header on
-    uploads. aiohttp waits for the server's ``100 Continue`` with no timeout at all, so a store that stopped answering
-    held a checkpoint write or the lock forever (``storage.request_timeout_s`` never applied); without the header the
-    body goes at once and the answer is waited for within the timeout. Credentials come from the standard chain as before."""
-    from aiobotocore.session import AioSession
-
-    session = AioSession()
-    session.get_component("event_emitter").register_last("before-call.s3", _no_expect_header, unique_id="recsys-runner-no-expect")
-    return session
-
-
-def _no_expect_header(params: dict[str, Any], **_: Any) -> None:
-    params.get("headers", {}).pop("Expect", None)
-
-
-def _forget_clients() -> None:
-    """In a forked child (a DataLoader worker reading a bucket): drop the parent's store clients, so that the child
-    builds its own on first use. A client holds connection pools, locks and the SDK's threads; the threads do not
-    survive a fork, and a lock one of them held at that moment stays held in the child, so a worker that reused the
-    parent's client could hang or crash (a worker segfault was seen once in the suite)."""
-    _arrow_s3.cache_clear()
-    _fsspec.cache_clear()
-    _aio_session.cache_clear()
-
-
-os.register_at_fork(after_in_child=_forget_clients)
-
-
 def arrow_filesystem(path: str) -> tuple[pafs.FileSystem, str]:
     """The pyarrow file system that holds ``path`` and the path in it (the local disk for a local path)."""
     if not uris.is_uri(path):
         return pafs.LocalFileSystem(), path
     scheme, rest = uris.split(path)
     if scheme in ("s3", "s3a"):
-        return _arrow_s3(), rest
-    return pafs.PyFileSystem(pafs.FSSpecHandler(_fsspec(scheme))), rest
+        return arrow_s3(), rest
+    return pafs.PyFileSystem(pafs.FSSpecHandler(fsspec_for(scheme))), rest
 
 
 def fsspec_filesystem(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
     """The fsspec file system of a URI and the path in it."""
     scheme, rest = uris.split(uri)
-    return _fsspec(scheme), rest
+    return fsspec_for(scheme), rest
 
 
 def _uri(scheme: str, rest: str) -> str:
@@ -254,7 +78,7 @@ def list_files(path: str, key: str, suffixes: tuple[str, ...] | None, *, left_ou
     schema and checksum files; not hidden or marker names, nor names without one of ``suffixes``), for the caller to
     say as it says a local directory's (:mod:`recsys_runner.data.locate`)."""
     scheme, rest = uris.split(path)
-    fs = _fsspec(scheme)
+    fs = fsspec_for(scheme)
     glob = any(ch in rest for ch in "*?[")
     try:  # only the store's calls: a DataError of ours is a ValueError too, and would read as the store refusing the listing
         if glob:
@@ -287,7 +111,7 @@ def find(uri: str, cls: type[UserError] = DataError) -> list[str]:
     """Every object under the prefix ``uri``, at any depth, sorted, as URIs (none under a prefix that holds nothing)."""
     scheme, rest = uris.split(uri)
     try:
-        found = _fsspec(scheme).find(rest.rstrip("/") + "/")
+        found = fsspec_for(scheme).find(rest.rstrip("/") + "/")
     except FileNotFoundError:
         return []
     except STORE_ERRORS as e:
@@ -309,7 +133,7 @@ def _check_bucket(uri: str) -> None:
     scheme, rest = uris.split(uri)
     bucket = rest.split("/", 1)[0]
     try:
-        _fsspec(scheme).ls(bucket, detail=False)  # raises what a listing under it swallows: no bucket, no access
+        fsspec_for(scheme).ls(bucket, detail=False)  # raises what a listing under it swallows: no bucket, no access
     except FileNotFoundError:
         found = False
     except STORE_ERRORS as e:
@@ -379,7 +203,7 @@ def glob(pattern: str, cls: type[UserError] = DataError) -> list[str]:
         return sorted(p for p in local_glob.glob(pattern) if os.path.isfile(p))
     scheme, rest = uris.split(pattern)
     try:
-        found = _fsspec(scheme).glob(rest, detail=True)
+        found = fsspec_for(scheme).glob(rest, detail=True)
     except STORE_ERRORS as e:
         raise store_error(pattern, e, cls=cls, doing="listing it") from None
     return sorted(_uri(scheme, p) for p, info in found.items() if info.get("type") == "file")
@@ -440,8 +264,8 @@ def store_error(uri: str, e: BaseException, *, key: str | None = None, cls: type
     at = f" at {endpoint_url()}" if endpoint_url() else ""
     for marks, cause, fix in _CAUSES:
         if any(m in text for m in marks):
-            tries = (f", after {_settings.max_attempts} attempts with backoff (storage.max_attempts, storage.request_timeout_s="
-                     f"{_settings.request_timeout_s:g})") if "reached" in cause else ""
+            tries = (f", after {settings().max_attempts} attempts with backoff (storage.max_attempts, storage.request_timeout_s="
+                     f"{settings().request_timeout_s:g})") if "reached" in cause else ""
             return cls(f"{where}{what}: {cause}{at}{tries} ({text.splitlines()[0][:300]}). Fix: {fix}")
     return cls(f"{where}{what}: the store{at} refused it ({text.splitlines()[0][:300]}). Fix: check the URI and that the store holds it")
 

@@ -62,16 +62,16 @@ class MotoServer:
     def as_client(self, monkeypatch: Any, settings: Any) -> Iterator[MotoServer]:
         """This process set up as a user would (the server's endpoint and credentials in the environment, ``settings``
         as ``storage.*``); afterwards the server answers again and the default settings are back."""
-        from recsys_runner import stores
+        from recsys_runner import store_settings
 
         for key, value in self.env.items():
             monkeypatch.setenv(key, value)
-        stores.configure(settings)
+        store_settings.configure(settings)
         try:
             yield self
         finally:
             self.resume()
-            stores.configure(stores.StorageConfig())
+            store_settings.configure(store_settings.StorageConfig())
 
     def pause(self) -> None:
         self.proc.send_signal(signal.SIGSTOP)

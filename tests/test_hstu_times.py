@@ -21,8 +21,8 @@ from recsys_runner.configurable import make
 from recsys_runner.data.__main__ import main as data_main
 from recsys_runner.data.files.tabular import ParquetData
 from recsys_runner.data.files.tabular_config import ParquetDataConfig
-from recsys_runner.models.hstu import HSTUBlock, RelativeBias, time_buckets
-from recsys_runner.models.sasrec import SASRec, SASRecConfig, query_and_key_times
+from recsys_runner.models.hstu import HSTUBlock, RelativeBias, query_and_key_times, time_buckets
+from recsys_runner.models.sasrec import SASRec, SASRecConfig
 from recsys_runner.models.train_wrapper import TrainWrapper
 
 

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from hydra import compose, initialize_config_dir
 
-from recsys_runner import evaluate, stores
+from recsys_runner import evaluate, store_settings
 from recsys_runner.__main__ import run as train
 from recsys_runner.config import register_configs
 from recsys_runner.configurable import make
@@ -176,7 +176,7 @@ def test_parts_under_an_object_store_prefix_are_the_catalogue_of_the_local_folde
     pq.write_table(_rows(600, 1), tmp_path / "train.parquet", row_group_size=200)
     pq.write_table(_rows(200, 2), tmp_path / "eval.parquet")
     parts = write_parts(_items(), tmp_path / "items", [13, 13, 30])
-    with moto_with_buckets(tmp_path, "cat") as server, server.as_client(monkeypatch, stores.StorageConfig(max_attempts=2)):
+    with moto_with_buckets(tmp_path, "cat") as server, server.as_client(monkeypatch, store_settings.StorageConfig(max_attempts=2)):
         server.put(parts, "s3://cat/items")
         remote = _parquet(tmp_path, {"path": "s3://cat/items/"})
         same_table(remote.item_table(), _parquet(tmp_path, {"path": str(parts)}).item_table())

@@ -29,7 +29,8 @@ from recsys_runner.metrics.registry import MetricsConfig, build_eval_metrics, hi
 from recsys_runner.metrics.retrieval import RecallAtK, target_ranks
 from recsys_runner.metrics.tasks import eval_metric_keys
 from recsys_runner.models.common import materialize
-from recsys_runner.models.sasrec import SASRec, SASRecConfig, distinct_positives
+from recsys_runner.models.fixed_sizes import distinct_positives
+from recsys_runner.models.sasrec import SASRec, SASRecConfig
 from recsys_runner.models.sequence import History
 from recsys_runner.models.train_wrapper import TrainWrapper
 from recsys_runner.tasks import NextItemTask

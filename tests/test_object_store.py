@@ -25,7 +25,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from recsys_runner import stores, uris
+from recsys_runner import store_settings, stores, uris
 from recsys_runner.__main__ import run
 from recsys_runner.checkpoint.lock import DirectoryInUse, ObjectStoreLock
 from recsys_runner.checkpoint.object_storage import DcpObjectStorage
@@ -67,7 +67,7 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
 @pytest.fixture
 def s3_env(s3: MotoServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[MotoServer]:
     """This process set up as a user would: the server's endpoint and credentials in the environment."""
-    with s3.as_client(monkeypatch, stores.StorageConfig(max_attempts=2, connect_timeout_s=1, request_timeout_s=2)):
+    with s3.as_client(monkeypatch, store_settings.StorageConfig(max_attempts=2, connect_timeout_s=1, request_timeout_s=2)):
         yield s3
 
 
@@ -104,7 +104,7 @@ def test_a_forked_worker_builds_its_own_store_client_and_reads_the_bucket(s3_env
     if pid:
         gc.unfreeze()
     if pid == 0:  # the child: report through the exit status only
-        fresh = stores._arrow_s3.cache_info().currsize == 0
+        fresh = store_settings.arrow_s3.cache_info().currsize == 0
         child, _ = stores.arrow_filesystem(path)
         ok = fresh and child is not parent and stores.file_size(path) == size and len(stores.open_input(path).read()) == size
         os._exit(0 if ok else 1)
@@ -120,7 +120,7 @@ def test_forkserver_workers_read_the_bucket_with_the_settings_and_environment_of
     as a forked worker does."""
     worker_context("forkserver", ParquetData.__module__)  # the server's preload, then the server of this process, started
     forkserver.ensure_running()  # before the store is set up
-    with s3.as_client(monkeypatch, stores.StorageConfig(max_attempts=1, connect_timeout_s=1, request_timeout_s=2)):
+    with s3.as_client(monkeypatch, store_settings.StorageConfig(max_attempts=1, connect_timeout_s=1, request_timeout_s=2)):
         args = {"path": "s3://data/train/part0.parquet", "batch_size": 64, "eval_fraction": 0.2, "num_workers": 2}
         served = ParquetData(make(ParquetDataConfig, worker_start="forkserver", **args))
         forked = ParquetData(make(ParquetDataConfig, **args))
@@ -184,7 +184,7 @@ def test_missing_bucket_empty_prefix_and_wrong_credentials_name_the_uri(s3_env: 
     strict = start_moto(tmp_path, {"INITIAL_NO_AUTH_ACTION_COUNT": "0"})  # a server that checks credentials
     try:
         monkeypatch.setenv("AWS_ENDPOINT_URL", strict.endpoint)
-        stores.configure(stores.StorageConfig(max_attempts=1))
+        store_settings.configure(store_settings.StorageConfig(max_attempts=1))
         with pytest.raises(DataError, match=r"s3://data/train/.*access denied.*Fix: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"):
             ParquetData(make(ParquetDataConfig, path="s3://data/train/"))
     finally:
@@ -197,7 +197,7 @@ def test_reads_retry_then_fail_clearly_when_the_server_stops(s3_env: MotoServer,
         server.bucket("slow")
         pq.write_table(pa.table({"label": np.arange(1000) % 2, "rid": np.arange(1000)}), tmp_path / "a.parquet", row_group_size=50)
         server.put(tmp_path / "a.parquet", "s3://slow/a.parquet")
-        stores.configure(stores.StorageConfig(endpoint_url=server.endpoint, max_attempts=2, connect_timeout_s=1, request_timeout_s=1))
+        store_settings.configure(store_settings.StorageConfig(endpoint_url=server.endpoint, max_attempts=2, connect_timeout_s=1, request_timeout_s=1))
         data = ParquetData(make(ParquetDataConfig, path="s3://slow/a.parquet", batch_size=10, shuffle=False,
                                 sparse=[{"name": "rid", "num_embeddings": 1000}]))
         batches = data.train_batches(0, 0, 1)
@@ -230,7 +230,7 @@ def test_object_store_lock_is_a_conditional_create_taken_over_only_when_abandone
     taken.acquire()
     taken.release()
     # one of another host is refused once it is renewed, and taken over when its lease (storage.lock_ttl_s) runs out unrenewed
-    stores.configure(stores.StorageConfig(lock_ttl_s=3))
+    store_settings.configure(store_settings.StorageConfig(lock_ttl_s=3))
     elsewhere = ObjectStoreLock("s3://data/lock-test")
     elsewhere.acquire()
     fs.pipe_file("data/lock-test/.lock", json.dumps({"host": "elsewhere", "pid": 1, "renewed": time.time()}).encode())
@@ -249,7 +249,7 @@ def test_a_failed_checkpoint_write_leaves_the_previous_one_usable(s3_env: MotoSe
     server = start_moto(tmp_path)
     try:
         server.bucket("ckpt")
-        stores.configure(stores.StorageConfig(endpoint_url=server.endpoint, max_attempts=1, connect_timeout_s=1, request_timeout_s=1))
+        store_settings.configure(store_settings.StorageConfig(endpoint_url=server.endpoint, max_attempts=1, connect_timeout_s=1, request_timeout_s=1))
         storage, root = DcpObjectStorage(), uris.as_path("s3://ckpt/run")
         good = {"model/w": torch.arange(6.0)}
         storage.write(root / "step_00000002", good, {"objects": {}}, {"step": 2, "world_size": 1})

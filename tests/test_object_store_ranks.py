@@ -19,7 +19,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import recsys_runner.__main__ as entry
-from recsys_runner import evaluate, stores, uris
+from recsys_runner import evaluate, store_settings, uris
 from recsys_runner.checkpoint.lock import ObjectStoreLock
 from recsys_runner.checkpoint.object_storage import DcpObjectStorage
 from recsys_runner.paths import CONFIG_PATH
@@ -41,10 +41,10 @@ def bucket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[MotoServ
         server.bucket("ranks")
         for key, value in server.env.items():
             monkeypatch.setenv(key, value)
-        stores.configure(stores.StorageConfig())
+        store_settings.configure(store_settings.StorageConfig())
         yield server
     finally:
-        stores.configure(stores.StorageConfig())
+        store_settings.configure(store_settings.StorageConfig())
         server.stop()
 
 
@@ -114,8 +114,8 @@ def _resume_on_one_rank(tmp_path: Path, args: list[str], step6: Path) -> None:
 
 def _saved(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint in the bucket as one full tensor, whatever sharding wrote it."""
-    reader = FsspecReader(str(path), **stores.fsspec_options())
+    reader = FsspecReader(str(path), **store_settings.fsspec_options())
     meta = reader.read_metadata().state_dict_metadata
     full = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items() if isinstance(m, TensorStorageMetadata)}
-    dcp.load(full, storage_reader=FsspecReader(str(path), **stores.fsspec_options()), no_dist=True)
+    dcp.load(full, storage_reader=FsspecReader(str(path), **store_settings.fsspec_options()), no_dist=True)
     return full

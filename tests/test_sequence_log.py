@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from recsys_runner import stores
+from recsys_runner import store_settings
 from recsys_runner.__main__ import run
 from recsys_runner.data.__main__ import main as data_main
 from recsys_runner.data.schema_files import stored_schema
@@ -447,7 +447,7 @@ def test_a_log_and_an_output_in_an_object_store(tmp_path: Path, capsys: pytest.C
     try:
         for key, value in server.env.items():
             monkeypatch.setenv(key, value)
-        stores.configure(stores.StorageConfig(max_attempts=2, connect_timeout_s=1, request_timeout_s=5))
+        store_settings.configure(store_settings.StorageConfig(max_attempts=2, connect_timeout_s=1, request_timeout_s=5))
         bucket = server.bucket("seq")
         log = event_log(seed=12)
         pq.write_table(log, tmp_path / "log.parquet")
@@ -468,5 +468,5 @@ def test_a_log_and_an_output_in_an_object_store(tmp_path: Path, capsys: pytest.C
             assert max(len(h) for h in pq.read_table(f).column("hist_item_id").to_pylist()) == 2
         assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("moto")) == ["log.parquet", "out"]  # no local s3:/
     finally:
-        stores.configure(stores.StorageConfig())
+        store_settings.configure(store_settings.StorageConfig())
         server.stop()

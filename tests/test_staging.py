@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from recsys_runner import stores, uris
+from recsys_runner import store_settings, stores, uris
 from recsys_runner.errors import ConfigError
 from recsys_runner.staging import StagedFolder, held_names, is_local_file
 from tests.object_store import MotoServer, moto_with_buckets
@@ -56,7 +56,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
 
 @pytest.fixture
 def store(server: MotoServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[MotoServer]:
-    with server.as_client(monkeypatch, stores.StorageConfig(max_attempts=2, connect_timeout_s=2, request_timeout_s=5)):
+    with server.as_client(monkeypatch, store_settings.StorageConfig(max_attempts=2, connect_timeout_s=2, request_timeout_s=5)):
         yield server
 
 

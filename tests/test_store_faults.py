@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from recsys_runner import stores, uris
+from recsys_runner import store_settings, stores, uris
 from recsys_runner.checkpoint.lock import ObjectStoreLock
 from recsys_runner.checkpoint.object_storage import DcpObjectStorage
 from recsys_runner.errors import CheckpointError, DataError, UserError
 from tests.conftest import REPO, free_port, hint_of, run_in_process
 from tests.object_store import MotoServer, moto_with_buckets
 
-FAST = stores.StorageConfig(max_attempts=2, connect_timeout_s=1, request_timeout_s=1, lock_ttl_s=6)
+FAST = store_settings.StorageConfig(max_attempts=2, connect_timeout_s=1, request_timeout_s=1, lock_ttl_s=6)
 """Small bounds, so a stalled store fails in seconds: 2 attempts of (1 s connect + 1 s answer) with 1 s backoff."""
 
 
@@ -46,7 +46,7 @@ def _fails_within_bound(call: Callable[[], object], error: type[UserError], patt
     with pytest.raises(error, match=pattern):
         call()
     elapsed = time.monotonic() - started
-    assert elapsed <= stores.give_up_after_s() + 4, f"{elapsed:.1f} s > the bound {stores.give_up_after_s():.0f} s"
+    assert elapsed <= store_settings.give_up_after_s() + 4, f"{elapsed:.1f} s > the bound {store_settings.give_up_after_s():.0f} s"
     return elapsed
 
 
@@ -72,12 +72,12 @@ def test_a_stalled_store_fails_each_path_within_the_bound_naming_what_was_being_
 
 
 def test_a_wrong_endpoint_and_a_missing_bucket_raise_the_store_error_not_botocore(store: MotoServer) -> None:
-    stores.configure(stores.StorageConfig(endpoint_url=f"http://127.0.0.1:{free_port()}", max_attempts=1, connect_timeout_s=1))
+    store_settings.configure(store_settings.StorageConfig(endpoint_url=f"http://127.0.0.1:{free_port()}", max_attempts=1, connect_timeout_s=1))
     _fails_within_bound(lambda: stores.list_files("s3://ckpt/data/", "data.path", None), DataError,
                         r"data\.path='s3://ckpt/data/' \(listing it\): the store cannot be reached")  # EndpointConnectionError
     _fails_within_bound(lambda: ObjectStoreLock("s3://ckpt/x").acquire(), CheckpointError,
                         r"checkpoint\.dir='s3://ckpt/x' \(taking the run's lock\): the store cannot be reached")
-    stores.configure(FAST)
+    store_settings.configure(FAST)
     _fails_within_bound(lambda: ObjectStoreLock("s3://no-such-bucket/run").acquire(), CheckpointError,
                         r"checkpoint\.dir='s3://no-such-bucket/run': its bucket 'no-such-bucket' does not exist.*Fix: create it")
 

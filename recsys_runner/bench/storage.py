@@ -32,7 +32,7 @@ from typing import Any
 import fsspec
 import torch
 
-from recsys_runner import stores
+from recsys_runner import store_settings
 from recsys_runner.bench.regimes import COMMON, Regime, build_for_bench, runner_round, window_steps, with_data
 from recsys_runner.data.files.tabular_config import TabularDataConfig
 from recsys_runner.data.generated.generate import write_criteo_parquet
@@ -117,13 +117,13 @@ def bench_storage(overrides: list[str], quick: bool, rounds: int | None, rows: i
                 c.close()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        stores.configure(stores.StorageConfig())
+        store_settings.configure(store_settings.StorageConfig())
     ratios = [b / d for b, d in zip(figures["bucket"], figures["disk"], strict=True)]
     regime = Regime("s_bucket_parquet", "DeepFM from Parquet in a loopback S3 bucket vs the same file on local disk, samples/s",
                     statistics.median(figures["bucket"]), statistics.median(figures["disk"]), statistics.median(ratios), TARGET,
                     min(ratios), max(ratios), figures)
     return regime, {"rows": rows, "batch_size": batch, "steps_per_round": steps, "rounds": rounds,
-                    "prefetch_units": stores.settings().prefetch_units}
+                    "prefetch_units": store_settings.settings().prefetch_units}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

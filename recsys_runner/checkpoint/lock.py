@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from recsys_runner import stores, uris
+from recsys_runner import store_settings, stores, uris
 from recsys_runner.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ class ObjectStoreLock:
         self.directory = str(directory).rstrip("/")
         self.uri = f"{self.directory}/{LOCK_NAME}"
         self.fs, self.key = stores.fsspec_filesystem(self.uri)
-        self.ttl = stores.settings().lock_ttl_s
+        self.ttl = store_settings.settings().lock_ttl_s
         self._stop: threading.Event | None = None
 
     @property
@@ -164,7 +164,7 @@ class ObjectStoreLock:
             if isinstance(e, FileNotFoundError) or "NoSuchBucket" in str(e):
                 bucket = self.directory.split("://", 1)[-1].split("/", 1)[0]
                 raise CheckpointError(f"checkpoint.dir={self.directory!r}: its bucket {bucket!r} does not exist (at "
-                                      f"{stores.endpoint_url() or 'AWS'}; {type(e).__name__}: {e}). Fix: create it, or correct "
+                                      f"{store_settings.endpoint_url() or 'AWS'}; {type(e).__name__}: {e}). Fix: create it, or correct "
                                       f"checkpoint.dir (and storage.endpoint_url / AWS_ENDPOINT_URL)") from None
             raise stores.store_error(self.directory, e, key="checkpoint.dir", cls=CheckpointError, doing=doing) from None
 

@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from recsys_runner import stores, uris
+from recsys_runner import store_settings, stores, uris
 from recsys_runner.checkpoint.storage import (
     INDEX_FILE,
     META_FILE,
@@ -64,7 +64,7 @@ class DcpObjectStorage:
         done. A botocore error (an unreachable endpoint) is always the store's; an ``OSError`` or a ``ValueError`` only
         when it says so (else it is a bug or a damaged object, raised as it is)."""
         try:
-            with stores.waiting(), stops_unwrapped(self.rank):  # a stop inside DCP's save or load comes out as itself
+            with store_settings.waiting(), stops_unwrapped(self.rank):  # a stop inside DCP's save or load comes out as itself
                 return action()
         except FileNotFoundError:
             raise
@@ -83,7 +83,7 @@ class DcpObjectStorage:
             for left in self.unfinished(path.parent):  # what cut-off writes and removals left: the one writer's to delete
                 self.remove(left)
         self._barrier()
-        writer = FsspecWriter(str(path), sync_files=False, **stores.fsspec_options())
+        writer = FsspecWriter(str(path), sync_files=False, **store_settings.fsspec_options())
         _one_policy(writer)
         self._call(path, lambda: dcp.save(tensors, storage_writer=writer), writing)
         buffer = io.BytesIO()
@@ -210,17 +210,17 @@ class DcpObjectStorage:
 
 
 def _reader(path: Path) -> FsspecReader:
-    reader = FsspecReader(str(path), **stores.fsspec_options())
+    reader = FsspecReader(str(path), **store_settings.fsspec_options())
     _one_policy(reader)
     return reader
 
 
 def _one_policy(dcp_io: FsspecReader | FsspecWriter) -> None:
     """DCP's reader and writer make their own s3fs instance: give it the package's one retry policy
-    (:func:`recsys_runner.stores.one_retry_policy`), so a stalled store fails a checkpoint write in the configured bound."""
+    (:func:`recsys_runner.store_settings.one_retry_policy`), so a stalled store fails a checkpoint write in the configured bound."""
     inner = getattr(dcp_io.fs, "fs", None)  # torch's FileSystem wrapper holds the fsspec instance it made
     if inner is not None:
-        stores.one_retry_policy(inner)
+        store_settings.one_retry_policy(inner)
 
 
 def _exists(fs: Any, key: str) -> bool:

@@ -35,7 +35,7 @@ from multiprocessing.context import BaseContext
 from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from recsys_runner import stores
+from recsys_runner import store_settings
 from recsys_runner.collection import frozen
 from recsys_runner.errors import ConfigError, require
 
@@ -103,10 +103,10 @@ def worker_loader(dataset: IterableDataset, *, num_workers: int, pin_memory: boo
     forked = context is not None and context.get_start_method() == "fork"
     return WorkerLoader(dataset, batch_size=None, num_workers=num_workers, pin_memory=pin_memory, multiprocessing_context=context,
                         worker_init_fn=None if forked or num_workers == 0 else
-                        functools.partial(_in_worker, stores.settings(), dict(os.environ)))
+                        functools.partial(_in_worker, store_settings.settings(), dict(os.environ)))
 
 
-def _in_worker(storage: stores.StorageConfig, environ: dict[str, str], worker_id: int) -> None:
+def _in_worker(storage: store_settings.StorageConfig, environ: dict[str, str], worker_id: int) -> None:
     """In a worker as it starts: the training process's object-store settings and environment, which a worker that was not
     forked from it lacks (it would reach a bucket through AWS's endpoint, not ``storage.endpoint_url`` or
     ``AWS_ENDPOINT_URL`` set after the forkserver started, and without the credentials). A forked worker has them already
@@ -114,5 +114,5 @@ def _in_worker(storage: stores.StorageConfig, environ: dict[str, str], worker_id
     if dict(os.environ) != environ:
         os.environ.clear()
         os.environ.update(environ)
-    if stores.settings() != storage:
-        stores.configure(storage)
+    if store_settings.settings() != storage:
+        store_settings.configure(storage)

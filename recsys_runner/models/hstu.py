@@ -12,7 +12,8 @@ One layer, as in the paper (eqs. 1-3) and meta-recsys/generative-recommenders' r
 ``floor(ln(gap) / 0.301)`` (the reference code's bucketization), clamped to ``time_buckets``. As in the reference
 (``RelativeBucketedTimeAndPositionBasedBias``: "ts(next-item) - ts(current-item)"), a key's time ``k_j`` is its own
 event's time and a query's time ``q_i`` is the time of the event position ``i`` predicts (the next one; for the last
-position, the candidate's), so the bias says how long before the predicted event each earlier event happened. ``n`` is the longest
+position, the candidate's), so the bias says how long before the predicted event each earlier event happened
+(:func:`query_and_key_times` makes both from a history's event times). ``n`` is the longest
 block the model takes (the history's ``max_len`` + 1), a constant, so a row's attention does not depend on how
 long the other rows of its batch are. There is no feed-forward sublayer: the gate ``U`` takes its place.
 
@@ -30,7 +31,7 @@ from recsys_runner.models.jagged_kernels import KERNELS, attention
 
 torch.fx.wrap("attention")  # a leaf of TorchRec's pipeline trace here too (models/jagged_kernels.py says why)
 
-__all__ = ["HSTUBlock", "RelativeBias", "TIME_BUCKET_WIDTH", "time_buckets"]
+__all__ = ["HSTUBlock", "RelativeBias", "TIME_BUCKET_WIDTH", "query_and_key_times", "time_buckets"]
 
 
 class RelativeBias(nn.Module):
@@ -139,3 +140,22 @@ class HSTUBlock(nn.Module):
         mixed = attention(self.kernel, q.reshape(heads), k.reshape(heads), v.reshape(heads), tiles, self.bias.position,
                           self.bias.time, 1.0 / self.max_len, times, candidates, positions)
         return x + self.out(self.dropout(self.norm_attention(mixed.reshape(x.shape)) * u))
+
+
+def query_and_key_times(timestamps: torch.Tensor, lengths: torch.Tensor,
+                        next_times: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each position's ``(query [B, L + 1], key [B, L + 1])`` time for HSTU's time bias, from the history's event
+    times ``timestamps [B, L]`` (0 on padding) and ``lengths [B]``.
+
+    As generative-recommenders' ``RelativeBucketedTimeAndPositionBasedBias`` ("ts(next-item) - ts(current-item)", its
+    data appending the target's time to the history's): a key's time is its own event's, a query's the time of the
+    event it predicts. Position ``t`` (after events ``1 … t``) predicts event ``t + 1``, so its query time is event
+    ``t + 1``'s; the last position (``t = lengths``) predicts the candidate, whose time is ``next_times`` when given,
+    else the newest event's (0 for an empty history). The start token (position 0) has no event: its key time is
+    position 0's query time (gap 0).
+    """
+    rows = torch.arange(timestamps.shape[0], device=timestamps.device)
+    newest = timestamps[rows, (lengths - 1).clamp_min(0)] * (lengths > 0).to(timestamps.dtype)
+    last = newest if next_times is None else next_times.to(timestamps.dtype)
+    query = F.pad(timestamps, (0, 1)).scatter(1, lengths.long().view(-1, 1), last.view(-1, 1))
+    return query, torch.cat([query[:, :1], timestamps], dim=1)

@@ -44,19 +44,21 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recsys_runner.errors import ConfigError, require
 from recsys_runner.features import DataNeeds, FeatureSpec, SequenceGroup, check_embedding_dim
 from recsys_runner.models.common import ModelConfig
-from recsys_runner.models.hstu import HSTUBlock
+from recsys_runner.models.fixed_sizes import distinct_positives, flat_positions, real_positions
+from recsys_runner.models.hstu import HSTUBlock, query_and_key_times
 from recsys_runner.models.jagged import host_plus, tile
 from recsys_runner.models.jagged_kernels import check_kernel
 from recsys_runner.models.ranking_eval import sampled_negatives, seen_ids, without_seen
 from recsys_runner.models.sequence import History, SequenceArch, padded, recency_positions
 from recsys_runner.tasks import NextItemTask
 
-__all__ = ["BLOCKS", "SASRec", "SASRecBlock", "SASRecConfig", "distinct_positives", "flat_positions", "query_and_key_times",
-           "real_positions"]
+__all__ = ["BLOCKS", "SASRec", "SASRecBlock", "SASRecConfig"]
 
 torch.fx.wrap("padded")  # a leaf of TorchRec's pipeline trace here too (models/sequence.py says why)
 torch.fx.wrap("tile")  # and the jagged tiling (models/jagged.py says why)
 torch.fx.wrap("host_plus")
+torch.fx.wrap("real_positions")  # and the sampled softmax's host-sized helpers (models/fixed_sizes.py says why)
+torch.fx.wrap("distinct_positives")
 
 BLOCKS = ("sasrec", "hstu")
 """``model.block`` options: SASRec's softmax self-attention + feed-forward, or HSTU's pointwise gated attention."""
@@ -279,7 +281,7 @@ class SASRec(nn.Module):
         seen events ``1 … t``; positions past ``lengths`` are padding.
 
         With event times (``history.timestamps``) the blocks get each position's query and key times
-        (:func:`query_and_key_times`); ``next_times [B]`` is the time of each row's candidate (the last position's
+        (:func:`~recsys_runner.models.hstu.query_and_key_times`); ``next_times [B]`` is the time of each row's candidate (the last position's
         query time), ``None``: the newest event's time stands in for it. Without event times: positions only.
         """
         b, length, _ = history.values.shape
@@ -400,65 +402,6 @@ class SASRec(nn.Module):
     def _candidate_ids(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
         """Each row's candidate item id ``[B]`` (its first id; the candidate has one per row)."""
         return padded(sparse.to_dict()[self.candidate], 1)[:, 0]
-
-
-@torch.fx.wrap
-def real_positions(sparse: KeyedJaggedTensor, item_feature: str, lengths: torch.Tensor) -> int:
-    """``P``, the batch's positions with a next event: its history events plus one per row (the candidate), from the
-    event count TorchRec keeps on the host (``length_per_key``, set by every data module's batch); else summed from
-    ``lengths`` (a device read)."""
-    per_key = sparse.length_per_key_or_none()
-    if per_key is None or torch.compiler.is_exporting():
-        return int(lengths.sum()) + lengths.shape[0]
-    return per_key[sparse.keys().index(item_feature)] + lengths.shape[0]
-
-
-def flat_positions(sizes: torch.Tensor, width: int, count: int) -> torch.Tensor:
-    """``[count]``: the flat index (into rows of ``width``) of each row's first ``sizes[row]`` positions, row after row,
-    ``count = sizes.sum()`` given by the caller (the order a boolean mask selects them in, without counting them)."""
-    rows = torch.repeat_interleave(torch.arange(sizes.shape[0], device=sizes.device), sizes, output_size=count)
-    starts = torch.cumsum(sizes, 0) - sizes
-    return rows * width + torch.arange(count, device=sizes.device) - starts[rows]
-
-
-@torch.fx.wrap  # a leaf of TorchRec's pipeline trace: its number of slots is a comparison of sizes
-def distinct_positives(ids: torch.Tensor, num_items: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``ids [P]``'s distinct values (item ids below ``num_items``) numbered in ascending order, as ``torch.unique``
-    numbers them, in ``K = min(P, num_items)`` slots: at least the distinct count, a bound known without counting them.
-
-    Returns ``(positives, counts, first)``: ``positives [P]`` each id's slot, ``counts [K]`` the ids in each slot
-    (0: a slot no id fills), ``first [K]`` each slot's first position in ``ids`` (``P - 1`` for an empty slot).
-    Every size is ``P`` or ``K``, none counted from the values: a sort, the starts of its runs of equal ids, and
-    their running count."""
-    total = ids.shape[0]
-    columns = min(total, num_items)
-    ordered, order = torch.sort(ids)
-    starts = torch.cat([torch.ones_like(ordered[:1], dtype=torch.bool), ordered[1:] != ordered[:-1]])
-    slot = torch.cumsum(starts, 0) - 1
-    positives = torch.empty_like(slot).scatter_(0, order, slot)
-    counts = torch.zeros(columns, dtype=torch.int64, device=ids.device).scatter_add_(0, slot, torch.ones_like(slot))
-    positions = torch.arange(total, device=ids.device)
-    first = torch.full((columns,), total, dtype=torch.int64, device=ids.device).scatter_reduce(0, positives, positions, reduce="amin")
-    return positives, counts, first.clamp_max(max(total - 1, 0))
-
-
-def query_and_key_times(timestamps: torch.Tensor, lengths: torch.Tensor,
-                        next_times: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each position's ``(query [B, L + 1], key [B, L + 1])`` time for HSTU's time bias, from the history's event
-    times ``timestamps [B, L]`` (0 on padding) and ``lengths [B]``.
-
-    As generative-recommenders' ``RelativeBucketedTimeAndPositionBasedBias`` ("ts(next-item) - ts(current-item)", its
-    data appending the target's time to the history's): a key's time is its own event's, a query's the time of the
-    event it predicts. Position ``t`` (after events ``1 … t``) predicts event ``t + 1``, so its query time is event
-    ``t + 1``'s; the last position (``t = lengths``) predicts the candidate, whose time is ``next_times`` when given,
-    else the newest event's (0 for an empty history). The start token (position 0) has no event: its key time is
-    position 0's query time (gap 0).
-    """
-    rows = torch.arange(timestamps.shape[0], device=timestamps.device)
-    newest = timestamps[rows, (lengths - 1).clamp_min(0)] * (lengths > 0).to(timestamps.dtype)
-    last = newest if next_times is None else next_times.to(timestamps.dtype)
-    query = F.pad(timestamps, (0, 1)).scatter(1, lengths.long().view(-1, 1), last.view(-1, 1))
-    return query, torch.cat([query[:, :1], timestamps], dim=1)
 
 
 def _check_eval_negatives(n: int, num_items: int, group: SequenceGroup, item_feature: str) -> None:

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from recsys_runner import stores
+from recsys_runner import store_settings
 from recsys_runner.errors import Stopped
 
 PREEMPT = signal.SIGUSR2
@@ -82,7 +82,7 @@ class Interrupted(Stopped):
 
 
 class StoreWaitInterrupted(Stopped):
-    """A stop signal came while the main thread waited on an object store (:func:`recsys_runner.stores.waiting`: a
+    """A stop signal came while the main thread waited on an object store (:func:`recsys_runner.store_settings.waiting`: a
     checkpoint write, a unit read ahead): raised there at once rather than after the step, which a stalled store can
     hold for minutes. The loop turns it into :class:`Interrupted` naming the last complete checkpoint (a checkpoint cut
     off half-written is never listed: its ``meta.json`` comes last)."""
@@ -132,7 +132,7 @@ class StopSignals:
         self.received.add(signum)
         if self.signum != PREEMPT:  # a preemption wins over the SIGTERM that comes with it
             self.signum = signum
-        if stores.waiting_now() and not self._raised:
+        if store_settings.waiting_now() and not self._raised:
             self._raised = True
             raise StoreWaitInterrupted(self.signum)
 

@@ -6,15 +6,17 @@ arrays) by a schema (a
 :class:`~recsys_runner.data.schema.Schema`, or the plain objects the served model builds from ``encoders.json``) and
 checks every row; a bad row either raises the encoder's ``error`` naming the file, row and column (:class:`Location`),
 or is skipped and counted (``on_bad_rows: skip``). This module encodes the sparse columns' ids; labels and dense
-features are read as numbers by :mod:`~recsys_runner.data.encoding.number_columns`, and histories are checked, truncated
+features are read as numbers by :mod:`~recsys_runner.data.encoding.number_columns`, a weighted entry's weights by
+:mod:`~recsys_runner.data.encoding.sparse_weights`, and histories are checked, truncated
 and given their event times by :class:`~recsys_runner.data.encoding.histories.HistoryEncoder`. The stable keys of values (hashes, crosses) and the
 hex/decimal parsing of ids are :mod:`~recsys_runner.data.encoding.keys`'s; numbers, bucket ids, vocabulary rows and
 ``id:weight`` pairs read from one flat array of values are :mod:`~recsys_runner.data.encoding.values`'.
 
 **Standalone on purpose.** This module imports NumPy, PyArrow, :mod:`~recsys_runner.data.encoding.keys`,
 :mod:`~recsys_runner.data.encoding.values`, :mod:`~recsys_runner.data.encoding.histories`,
-:mod:`~recsys_runner.data.encoding.number_columns` and :mod:`~recsys_runner.data.encoding.encoded_rows` only: the MLflow
-model that ``export`` writes carries a copy of it (with those five, :mod:`~recsys_runner.data.encoding.vocabulary` and
+:mod:`~recsys_runner.data.encoding.number_columns`, :mod:`~recsys_runner.data.encoding.sparse_weights` and
+:mod:`~recsys_runner.data.encoding.encoded_rows` only: the MLflow model that ``export`` writes carries a copy of it (with
+those six, :mod:`~recsys_runner.data.encoding.vocabulary` and
 the ``served`` modules: :data:`~recsys_runner.data.encoding.served.SHIPPED`), so a
 server turns raw rows into exactly the ids training used without recsys_runner, TorchRec or fbgemm installed. The schema
 is read by attribute (duck-typed), never imported; training passes ``error=DataError``.
@@ -35,13 +37,15 @@ if TYPE_CHECKING or __package__:
     from .histories import HistoryEncoder, truncate
     from .keys import as_ids, cross_keys, fnv1a64, is_text, parse_hex, parse_int, raw_keys, splitmix64
     from .number_columns import dense_values, label_values
-    from .values import bucket_ids, combined, is_list, parse_numbers, split_pairs, vocab_rows
+    from .sparse_weights import pair_weights, parallel_weights
+    from .values import bucket_ids, combined, is_list, parse_numbers, vocab_rows
 else:  # inside the MLflow model: the copies of the modules it imports beside this one in its code/ directory
     from recsys_encoded_rows import Rows
     from recsys_histories import HistoryEncoder, truncate
     from recsys_keys import as_ids, cross_keys, fnv1a64, is_text, parse_hex, parse_int, raw_keys, splitmix64
     from recsys_number_columns import dense_values, label_values
-    from recsys_values import bucket_ids, combined, is_list, parse_numbers, split_pairs, vocab_rows
+    from recsys_sparse_weights import pair_weights, parallel_weights
+    from recsys_values import bucket_ids, combined, is_list, parse_numbers, vocab_rows
 
 BAD_ROW_MODES = ("fail", "skip")
 """``data.on_bad_rows``: ``fail`` stops at the first bad row, ``skip`` drops and counts bad rows."""
@@ -203,7 +207,7 @@ class Encoder:
         if pa.types.is_null(arr.type):
             lengths = np.zeros(n, dtype=np.int32)
             if weights_arr is not None:
-                self._parallel_weights(col, weights_arr, lengths, where, bad)
+                parallel_weights(col, weights_arr, lengths, where, bad, self.error)
             return np.zeros(0, dtype=np.int64), lengths, np.zeros(0, np.float32) if weighted else None
         if col.separator is not None and (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)):
             arr = pc.split_pattern(arr, col.separator)
@@ -217,7 +221,7 @@ class Encoder:
             lengths = np.where(np.asarray(arr.is_valid().to_numpy(zero_copy_only=False)), 1, 0).astype(np.int32)
             flat = arr.drop_null() if arr.null_count else arr
             row_of = np.flatnonzero(lengths) if arr.null_count else np.arange(n)
-        weights = None if weights_arr is None else self._parallel_weights(col, weights_arr, lengths, where, bad)
+        weights = None if weights_arr is None else parallel_weights(col, weights_arr, lengths, where, bad, self.error)
         if flat.null_count:  # a null inside a list: drop the element, keep the row
             valid = np.asarray(flat.is_valid().to_numpy(zero_copy_only=False))
             lengths = lengths - np.bincount(row_of[~valid], minlength=n).astype(np.int32)
@@ -225,7 +229,7 @@ class Encoder:
             flat = flat.drop_null()
             weights = None if weights is None else weights[valid]
         if pairs:
-            flat, weights = self._pairs(col, flat, row_of, n, where, bad)
+            flat, weights = pair_weights(col, flat, row_of, n, where, bad, self.error)
         if pa.types.is_floating(flat.type) and col.encoding != "bucketize":
             raise self.error(f"{where.path}, {where.part}: {float_ids(col, flat.type)}")
         ids, wrong = self._ids(col, flat)
@@ -268,72 +272,6 @@ class Encoder:
             bad(col.name, row_bad, describe)
             ids = np.where(wrong, 0, ids)
         return ids, lengths, weights
-
-    def _pairs(self, col: Any, flat: pa.Array, row_of: np.ndarray, n: int, where: Location, bad) -> tuple[pa.Array, np.ndarray]:
-        """``weighted: true``: the ids and the weights of ``id:weight`` values (no nulls); a value without ``:`` or whose
-        weight is not a finite number makes its row bad.
-
-        Raises:
-            error: the column holds no text (a typed column of numbers or lists of numbers cannot carry pairs).
-        """
-        if not is_text(flat.type):
-            raise self.error(f"{where.path}: column {col.name!r} holds {flat.type} values, but data.sparse[{col.name}].weighted=true reads "
-                             f"'id:weight' text (e.g. \"12:0.5|7:2\"). Fix: write the pairs as text, or the weights as a column of "
-                             f"their own (data.sparse[{col.name}].weights=<column>, weighted=false)")
-        ids, weights, no_colon, not_number = split_pairs(flat)
-        for mask, what in ((no_colon, "is not an 'id:weight' pair (it has no ':')"), (not_number, "has a weight that is not a finite number")):
-            if mask.any():
-                k = int(np.flatnonzero(mask)[0])  # the first such value, in the first row that has one
-                value, first_row = flat[k].as_py(), int(row_of[k])
-                bad(col.name, np.bincount(row_of[mask], minlength=n) > 0,
-                    lambda i, value=value, first_row=first_row, what=what: (
-                        f"{value!r} {what}" if i == first_row else f"a value {what}") +
-                    f"; data.sparse[{col.name}].weighted=true reads values like 12:0.5 (the id, ':', its weight)")
-        return ids, weights
-
-    def _parallel_weights(self, col: Any, arr: pa.ChunkedArray | pa.Array, lengths: np.ndarray, where: Location, bad) -> np.ndarray:
-        """The float32 weight of each value of ``col`` (``lengths`` values per row, nulls inside lists still counted) from its
-        ``weights`` column: a list column, or text split at ``col.separator``. A row whose weights are not as many as its
-        values, or not finite numbers, is bad (its weights read 0).
-
-        Raises:
-            error: the weights column is neither numbers, text nor lists of them.
-        """
-        name, arr, n = col.weights, combined(arr), len(lengths)
-        if col.separator is not None and is_text(arr.type):
-            arr = pc.split_pattern(arr, col.separator)
-        if pa.types.is_null(arr.type):
-            counts, flat = np.zeros(n, np.int32), pa.array([], pa.float64())
-        elif is_list(arr.type):
-            counts = np.asarray(pc.fill_null(pc.list_value_length(arr), 0).to_numpy(zero_copy_only=False), dtype=np.int32)
-            flat = pc.list_flatten(arr)
-        elif is_text(arr.type) or pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type):
-            counts = np.asarray(arr.is_valid().to_numpy(zero_copy_only=False), dtype=np.int32)
-            flat = arr.drop_null() if arr.null_count else arr
-        else:
-            raise self.error(f"{where.path}: column {name!r} (the weights of data.sparse[{col.name}]) has type {arr.type}; weights are "
-                             f"numbers, one per value of {col.name!r}. Fix: write it as a list of floats (or text split at the "
-                             f"column's separator)")
-        valid = np.asarray(flat.is_valid().to_numpy(zero_copy_only=False), dtype=bool) if flat.null_count else np.ones(len(flat), bool)
-        numbers, wrong = np.zeros(len(flat), np.float64), ~valid
-        numbers[valid], wrong[valid] = parse_numbers(flat.drop_null() if flat.null_count else flat)
-        wrong |= ~np.isfinite(numbers)
-        row_of = np.repeat(np.arange(n), counts)
-        unequal = counts != lengths
-        bad(name, unequal, lambda i: f"it has {int(counts[i])} weight(s) but {col.name!r} has {int(lengths[i])} value(s): its i-th weight "
-                                     f"weighs the i-th value (data.sparse[{col.name}].weights). Fix the row so that both lists have equal lengths")
-        if wrong.any():
-            k = int(np.flatnonzero(wrong)[0])
-            value, first_row = flat[k].as_py(), int(row_of[k])
-            bad(name, np.bincount(row_of[wrong], minlength=n) > 0,
-                lambda i: (f"the weight {value!r}" if i == first_row else "a weight") + " is not a finite number (data.sparse["
-                          f"{col.name}].weights)")
-        numbers = np.where(wrong, 0.0, numbers).astype(np.float32)
-        if not unequal.any():
-            return numbers
-        out = np.zeros(int(lengths.sum()), np.float32)  # rows of unequal lengths are bad: their values weigh 0
-        out[np.repeat(~unequal, lengths)] = numbers[np.repeat(~unequal, counts)]
-        return out
 
     def _cross(self, col: Any, table: pa.Table, where: Location) -> tuple[np.ndarray, np.ndarray]:
         """A cross's ids: per row, the keys of its crossed columns' raw values mixed in order (:func:`cross_keys`) and taken

@@ -6,7 +6,7 @@
 (``recsys_served_request.py``: :mod:`~recsys_runner.data.encoding.served_request`), small requests encoded together
 (``recsys_served_small.py``: :mod:`~recsys_runner.data.encoding.served_small`), the row encoder (``recsys_rows.py``:
 :mod:`~recsys_runner.data.encoding.rows`, with its blocks of rows ``recsys_encoded_rows.py``, label and dense columns
-``recsys_number_columns.py``, histories ``recsys_histories.py``, values ``recsys_values.py`` and keys ``recsys_keys.py``) and the vocabulary lookup (``recsys_vocabulary.py``): :data:`SHIPPED`, and whose ``data/`` holds the
+``recsys_number_columns.py``, weights ``recsys_sparse_weights.py``, histories ``recsys_histories.py``, values ``recsys_values.py`` and keys ``recsys_keys.py``) and the vocabulary lookup (``recsys_vocabulary.py``): :data:`SHIPPED`, and whose ``data/`` holds the
 ``torch.export`` program (and, when ``export`` compiled it, its AOTInductor package), the checkpoint's ``encoders.json``
 and ``serving.json`` (what the program takes and what its outputs mean). MLflow calls
 :func:`_load_pyfunc` on ``data/``; :meth:`ServedModel.predict` then
@@ -58,7 +58,8 @@ else:  # inside the MLflow model: the copies in its code/ directory, never an in
 SPEC_FILE = "serving.json"
 ENCODERS_FILE = "encoders.json"
 SHIPPED = {"keys": "recsys_keys.py", "values": "recsys_values.py", "histories": "recsys_histories.py",
-           "encoded_rows": "recsys_encoded_rows.py", "number_columns": "recsys_number_columns.py", "rows": "recsys_rows.py",
+           "encoded_rows": "recsys_encoded_rows.py", "number_columns": "recsys_number_columns.py",
+           "sparse_weights": "recsys_sparse_weights.py", "rows": "recsys_rows.py",
            "vocabulary": "recsys_vocabulary.py", "served_program": "recsys_served_program.py",
            "served_request": "recsys_served_request.py", "served_small": "recsys_served_small.py", "served": "recsys_served.py"}
 """This room's modules the MLflow model carries in ``code/``, by the names they are imported under there."""

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from recsys_runner import stores, uris
+from recsys_runner import store_settings, uris
 from recsys_runner.data.files.sources import Unit
 
 
@@ -20,7 +20,7 @@ def read_ahead(source: Any, units: list[Unit], depth: int | None = None) -> Iter
     ``storage.prefetch_units``) ahead, whole, in a background thread, so the next unit's round trips overlap this one's
     encoding and the training step. A compressed file (one unit, the whole file) is never read whole: it streams as it
     is consumed, while the units after it are read ahead."""
-    depth = stores.settings().prefetch_units if depth is None else depth
+    depth = store_settings.settings().prefetch_units if depth is None else depth
     ahead = [u for u in units if uris.is_uri(u.path) and u.compression is None]
     if depth <= 0 or not ahead:
         yield from (source.read(u) for u in units)
@@ -37,7 +37,7 @@ def read_ahead(source: Any, units: list[Unit], depth: int | None = None) -> Iter
             while len(pending) < depth + 1 and (next_unit := next(queued, None)) is not None:
                 pending.append(pool.submit(whole, next_unit))
             if uris.is_uri(unit.path) and unit.compression is None:
-                with stores.waiting():  # a stop signal is taken here at once: the store may be stalled
+                with store_settings.waiting():  # a stop signal is taken here at once: the store may be stalled
                     ready = pending.pop(0).result()  # the futures are in the order of the units read ahead
                 yield iter(ready)
             else:
