@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 from recsys_runner import compare
 from recsys_runner.errors import ConfigError
 from recsys_runner.sweep import first_job_overrides
+from recsys_runner.tracking.store import mlflow_command
 from recsys_runner.tracking.sweep import check_direction
 from recsys_runner.tracking.sweep_names import (
     JOB_NUM_TAG,
@@ -132,7 +133,7 @@ def test_compare_prints_how_to_open_the_sweep_in_the_ui(grid: tuple[str, Path], 
     assert compare.main(["--uri", uri, "--no-plots"]) == 0
     out, err = capsys.readouterr()
     assert len(out.splitlines()) == 2 + 3 and "MLflow UI" not in out, "stdout stays the table"
-    assert f"MLflow UI: mlflow ui --backend-store-uri {uri} --port 5000" in err.splitlines()
+    assert f"MLflow UI: {mlflow_command()} ui --backend-store-uri {uri} --port 5000" in err.splitlines()
     page = f"http://127.0.0.1:5000/#/experiments/{experiment}/runs/{parent.info.run_id}?workflowType=machine_learning"
     assert f"  then open {page}" in err.splitlines()
     # make ui: the page of the experiment that ran last, on the port it serves
