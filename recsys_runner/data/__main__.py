@@ -131,7 +131,7 @@ def inferred_csv_schema(args: argparse.Namespace, files: list[str]) -> tuple[Sch
     except DataError as e:  # the inference speaks of data.* settings; here they are flags
         raise DataError(str(e).replace("data.label_threshold=", "--label-threshold ").replace("data.label=", "--label ")
                         .replace("data.labels=", "--schema with labels: ")) from None
-    print(f"schema inferred ({'; '.join(done.inferred)}). To keep or edit it, save the lines below as a file and pass "
+    print(f"schema inferred ({done.summary()}). To keep or edit it, save the lines below as a file and pass "
           f"--schema <file>:\n{schema_yaml(done.schema, {'delimiter': options['delimiter']}, done.notes)}")
     return done.schema, options
 
