@@ -86,5 +86,5 @@ ui: $(STAMP) ## MLflow UI on ./mlflow.db at http://127.0.0.1:5000 (PORT=5001: an
 	@$(PY) -m recsys_runner.compare --ui-url --uri sqlite:///$(CURDIR)/mlflow.db --port $(PORT) || true
 	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host 127.0.0.1 --port $(PORT)
 
-clean: ## Remove run outputs (keeps .venv and mlflow.db)
-	rm -rf outputs multirun .pytest_cache
+clean: ## Remove run outputs and compare's plots (keeps .venv and mlflow.db)
+	rm -rf outputs multirun compare .pytest_cache

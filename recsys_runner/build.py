@@ -297,11 +297,13 @@ def _total_steps(run: RunConfig, steps_per_epoch: int | None, log_choice: bool =
     neither the data's default (:meth:`~recsys_runner.data.base.DataConfig.default_num_steps`: one epoch of a file).
 
     Warns when explicit steps amount to more than :data:`MANY_EPOCHS` passes over file-backed data (a small
-    file trained for "the usual 1000 steps"), and when an epoch of it is under :data:`FEW_EPOCH_STEPS` steps;
+    file trained for "the usual 1000 steps"), and when an epoch of it is under :data:`FEW_EPOCH_STEPS` steps and the run
+    is counted in epochs (a run of ``train.num_steps`` makes that many updates, however short an epoch);
     ``log_choice`` logs the length the data chose.
     """
     train, data_steps = run.train, run.data.default_num_steps()
-    if log_choice and data_steps is None and steps_per_epoch and steps_per_epoch < FEW_EPOCH_STEPS:
+    # train.num_steps sets the updates itself (too many passes over the file get the warning below)
+    if log_choice and data_steps is None and train.num_steps is None and steps_per_epoch and steps_per_epoch < FEW_EPOCH_STEPS:
         _warn_short_epoch(run, steps_per_epoch, world_size)
     steps = train.num_steps if train.num_steps is not None else data_steps if train.num_epochs is None else None
     if steps is None:

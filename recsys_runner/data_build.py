@@ -21,7 +21,13 @@ from recsys_runner.checkpoint.policy import Checkpointer
 from recsys_runner.checkpoint.weights import CarriedRows
 from recsys_runner.config import RunConfig
 from recsys_runner.data.base import DataConfig, DataModule
-from recsys_runner.data.encoding.stored import ENCODERS_FILE, StoredEncoders, from_json, read_stored
+from recsys_runner.data.encoding.stored import (
+    ENCODERS_FILE,
+    StoredEncoders,
+    from_json,
+    read_stored,
+    trained_on_generated_data,
+)
 from recsys_runner.data.encoding.vocabulary import RowCarry, carry_rows
 from recsys_runner.data.files.tabular_config import TabularDataConfig
 from recsys_runner.errors import CheckpointError, ConfigError
@@ -37,7 +43,8 @@ def build_data(run: RunConfig, device: torch.device, source: Path | None, checkp
     trained rows to carry over by id (:func:`_refit`).
 
     A checkpoint written before encoders were stored gets a warning: its encoders are fitted on the data again, and
-    files that changed since its training give its ids other rows."""
+    files that changed since its training give its ids other rows; one trained on generated data (which has none) a
+    warning that says so."""
     config = run.served_data
     refit = checkpointer is not None and isinstance(config, TabularDataConfig) and config.vocabulary == "refit"
     if refit and run.checkpoint.resume not in ("auto", "never"):
@@ -59,9 +66,15 @@ def build_data(run: RunConfig, device: torch.device, source: Path | None, checkp
         assert checkpointer is not None
         return _refit(config, device, checkpointer, source, stored)
     if source is not None and stored is None and config.takes_encoders():
-        log.warning("checkpoint %s stores no data encoders (it was written before they were): they are fitted on the data "
-                    "again, as when it was trained. If the files changed since (rows appended, a new day), ids may map to other "
-                    "rows than the ones it trained", source)
+        if (generated := trained_on_generated_data(source)) is not None:
+            log.warning("checkpoint %s was trained on generated data (data=%s), whose ids are table rows as drawn, so it "
+                        "stores no data encoders: these files' encoders are fitted now. Only ids that are row numbers already "
+                        "(encoding: id, as in the Criteo-shaped Parquet docs/lifecycle.md generates) read the rows they "
+                        "trained", source, generated)
+        else:
+            log.warning("checkpoint %s stores no data encoders (it was written before they were): they are fitted on the "
+                        "data again, as when it was trained. If the files changed since (rows appended, a new day), ids may "
+                        "map to other rows than the ones it trained", source)
     data: DataModule = config.build(device=device, encoders=stored)
     if checkpointer is not None:
         checkpointer.data_shards = data.shards_per_rank()
@@ -94,9 +107,11 @@ def _refit(config: DataConfig, device: torch.device, checkpointer: Checkpointer,
         CheckpointError: ``source`` stores no encoders, so which id trained which row is unknown.
     """
     if stored is None:
+        generated = trained_on_generated_data(source)
+        why = f"it was trained on generated data (data={generated})" if generated else "it was written before they were"
         raise CheckpointError(f"data.vocabulary=refit carries trained rows over by id, but checkpoint {source} stores no data "
-                              f"encoders (it was written before they were), so which id trained which row is unknown. Fix: "
-                              f"data.vocabulary=keep (its encoders are then fitted on the files again, with a warning)")
+                              f"encoders ({why}), so which id trained which row is unknown. Fix: "
+                              f"data.vocabulary=keep (its encoders are then fitted on the files, with a warning)")
     data: DataModule = config.build(device=device)
     document = data.encoders_document()
     assert document is not None, "file data stores its encoders"

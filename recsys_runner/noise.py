@@ -118,6 +118,13 @@ LOG_RECORDS: tuple[LogNoise, ...] = (
             "ask it in an ordinary eager forward; nothing is traced or exported in training.",
     ),
     LogNoise(
+        logger="mlflow.pyfunc",
+        message=r"Validating input example against model signature",
+        why="MLflow announces at INFO, in its own format, each check of a saved model's input example against its "
+            "signature: twice per export of an MLflow model (saved into export.dir, then logged to the export's run); a "
+            "failing check still raises, naming the mismatch.",
+    ),
+    LogNoise(
         logger="mlflow.store.db.utils",
         message=r"(Creating initial MLflow database tables|Updating database tables)",
         why="MLflow creating the tables of a new sqlite store (the first run of `make run` makes ./mlflow.db); "

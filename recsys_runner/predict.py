@@ -128,8 +128,11 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> PredictResult:
     store_settings.configure(spec.storage)
     settings = settings_of(cfg)
     if not isinstance(spec.data, TabularDataConfig):
-        raise ConfigError(f"predict scores files, but data is {type(spec.data).__name__}. Fix: data=parquet|csv|criteo with "
-                          f"the training's data settings, and predict.input=<files to score>")
+        raise ConfigError(f"predict scores files, but data is {type(spec.data).__name__}, which generates its rows (the "
+                          f"training's data, unless given here) and has no files to score. Fix: data=parquet|csv|criteo "
+                          f"data.path=<files with the columns the model was trained on> (predict.input=<other files> to score "
+                          f"others); for a model trained on data=synthetic, Criteo-shaped Parquet of its data.num_embeddings, "
+                          f"as docs/lifecycle.md generates")
     require(bool(settings.output), "predict.output is required: the directory for the Parquet part files, e.g. predict.output=scores/")
     output = uris.as_path(str(settings.output))
     check_output(output, settings.overwrite)

@@ -17,6 +17,7 @@ from mlflow.tracking import MlflowClient
 from recsys_runner.__main__ import run
 from recsys_runner.errors import ConfigError
 from recsys_runner.overrides import explain
+from recsys_runner.tracking.store import mlflow_command
 from tests.conftest import REPO, TINY, free_port, run_cli, run_in_process
 
 TRAIN = [sys.executable, "-m", "recsys_runner"]
@@ -242,7 +243,7 @@ def test_default_store_is_mlflow_db_in_launch_dir(tmp_path: Path) -> None:
     # It ends by saying which run it was and how to see it: a local store has no UI until `mlflow ui` serves it.
     end = [line.split("] - ", 1)[-1] for line in out.stdout.splitlines()[-3:]]
     assert end == [f"MLflow run {run.info.run_id} FINISHED (experiment 'recsys_runner', store sqlite:///{db})",
-                   f"MLflow UI: mlflow ui --backend-store-uri sqlite:///{db} --port 5000",
+                   f"MLflow UI: {mlflow_command()} ui --backend-store-uri sqlite:///{db} --port 5000",
                    f"  then open http://127.0.0.1:5000/#/experiments/{experiment}/runs/{run.info.run_id}"
                    "?workflowType=machine_learning"], out.stdout[-2000:]
 

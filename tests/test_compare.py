@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -12,6 +14,7 @@ from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
 from recsys_runner import compare
+from recsys_runner.tracking.store import mlflow_command
 from recsys_runner.tracking.sweep import EXPECTED_JOBS_TAG
 from recsys_runner.tracking.sweep_jobs import JOB_END_TAG, SLURM_JOB_IDS_TAG, SUBMITIT_FOLDER_TAG
 from recsys_runner.tracking.sweep_names import JOB_NUM_TAG, SWEPT_KEYS_TAG
@@ -303,8 +306,20 @@ def test_ui_lines_for_a_server_and_a_local_store() -> None:
     assert compare.ui_lines("https://mlflow.example.org/", "3", "abc") == [
         "MLflow UI: https://mlflow.example.org/#/experiments/3/runs/abc?workflowType=machine_learning"]
     assert compare.ui_lines("sqlite:////data/my runs/mlflow.db", "3", port=5001) == [
-        "MLflow UI: mlflow ui --backend-store-uri 'sqlite:////data/my runs/mlflow.db' --port 5001",
+        f"MLflow UI: {mlflow_command()} ui --backend-store-uri 'sqlite:////data/my runs/mlflow.db' --port 5001",
         "  then open http://127.0.0.1:5001/#/experiments/3?workflowType=machine_learning"]
+
+
+def test_the_mlflow_command_printed_runs_in_a_shell_that_has_not_activated_the_venv(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``make run`` trains with ``.venv/bin/python`` without activating ``.venv``: a bare ``mlflow`` in the line it ends
+    with would be "command not found" there, so the line names this environment's script unless ``PATH`` finds it."""
+    own = Path(os.path.abspath(sys.executable)).parent / "mlflow"
+    assert own.is_file(), "the venv that runs the tests has mlflow's script"
+    monkeypatch.setenv("PATH", str(tmp_path))  # a shell without the venv on PATH
+    assert compare.ui_lines("sqlite:////r/mlflow.db", "1")[0] == f"MLflow UI: {own} ui --backend-store-uri sqlite:////r/mlflow.db --port 5000"
+    monkeypatch.setenv("PATH", f"{own.parent}{os.pathsep}{tmp_path}")  # an activated venv
+    assert compare.ui_lines("sqlite:////r/mlflow.db", "1")[0] == "MLflow UI: mlflow ui --backend-store-uri sqlite:////r/mlflow.db --port 5000"
 
 
 def test_ui_url_names_the_experiment_that_ran_last(sweep: tuple[str, str, dict[str, str]], tmp_path: Path,

@@ -226,6 +226,8 @@ def test_an_epoch_of_few_steps_is_said_once_with_a_batch_size_that_fits(make_cfg
         _total_steps(run, FEW_EPOCH_STEPS, log_choice=True)  # enough steps
         _total_steps(run, 14, log_choice=False)  # ranks other than 0 say nothing
         _total_steps(validate(make_cfg("tracking=none")), 3, log_choice=True)  # generated data: its epoch is no file's
+        # train.num_steps=50 makes 50 updates, however short an epoch: "so few updates" and "more epochs" would be wrong
+        _total_steps(validate(make_cfg(*overrides, "train.num_steps=50", tiny=False)), 14, log_choice=True)
     assert "optimizer steps" not in caplog.text
     with caplog.at_level(logging.WARNING, logger="recsys_runner"):
         _total_steps(validate(make_cfg(*overrides, "train.grad_accum_steps=2", tiny=False)), 7, log_choice=True, world_size=2)

@@ -283,7 +283,7 @@ def test_a_group_schedules_warmup_longer_than_training_names_its_own_key(make_cf
     # exponential_decay's own warmup (100 steps) is longer than the 30 steps of the run: the key to lower is the group's
     with pytest.raises(ConfigError) as raised:
         run(make_cfg(*overrides, "tracking=none"))
-    assert f"{key}=" in str(raised.value) and f"lower {key} or train longer" in str(raised.value), str(raised.value)
+    assert f"{key}=" in str(raised.value) and f"Fix: {key}<=30 " in str(raised.value), str(raised.value)
 
 
 class TestSchedules:
@@ -312,7 +312,9 @@ class TestSchedules:
         assert s(110) == pytest.approx(0.1)
 
     def test_warmup_longer_than_training_is_an_error(self) -> None:
-        with pytest.raises(ConfigError, match="scheduler.warmup_steps=200 exceeds the run's 100 training steps"):
+        with pytest.raises(ConfigError, match=r"scheduler.warmup_steps=200 exceeds the run's 100 training steps\. Fix: "
+                                              r"scheduler.warmup_steps<=100 \(e.g. 10, a tenth of the run\), or train longer: "
+                                              r"train.num_steps>=200$"):
             make(ConstantConfig, warmup_steps=200).build(total_steps=100)
 
 

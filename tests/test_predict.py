@@ -238,6 +238,20 @@ def test_predict_refuses_an_output_with_earlier_parts_naming_the_incomplete_ones
     assert pq.read_table(result.parts[0])["request_id"].to_pylist() == table["request_id"].to_pylist()
 
 
+def test_predict_of_a_model_trained_on_generated_data_says_which_files_it_can_score(tmp_path: Path,
+                                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """``make run``'s model, then ``predict load=<it>``: the data is the training's, generated. The error named only the
+    class and asked for "the training's data settings", which are the generated data's; it names the files that fit."""
+    monkeypatch.setattr(predict, "build_inference", _no_build)
+    step = tmp_path / "ck" / "step_00000001"  # a checkpoint as load= sees one (load= is checked first), never loaded here
+    step.mkdir(parents=True)
+    (step / ".metadata").touch()
+    (step / "meta.json").write_text('{"step": 1}')
+    with pytest.raises(ConfigError, match=r"data is SyntheticDataConfig, which generates its rows .* no files to score\. "
+                                          r"Fix: data=parquet\|csv\|criteo data\.path=<files .*Criteo-shaped Parquet"):
+        predict.run(compose_entry("predict", f"load={tmp_path}/ck", f"predict.output={tmp_path}/out"))
+
+
 def test_predict_columns_missing_from_the_input_fail_before_the_model_is_built(tmp_path: Path,
                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(predict, "build_inference", _no_build)

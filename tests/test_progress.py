@@ -195,6 +195,35 @@ def test_noise_log_filters_drop_only_the_known_records(caplog: pytest.LogCapture
         caplog.clear()
 
 
+def test_saving_an_mlflow_model_says_nothing_of_its_input_example_check(tmp_path: Path) -> None:
+    """An export printed MLflow's "Validating input example against model signature" twice, in MLflow's own format
+    between the runner's lines; a real save_model with an input example, as export's, now says nothing at INFO. (MLflow's
+    loggers do not propagate to the root, so a handler of the logger itself sees what reaches its console handler.)"""
+    import mlflow.pyfunc
+    import pandas as pd
+    from mlflow.models import infer_signature
+
+    class Seen(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.INFO)
+            self.messages: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.messages.append(record.getMessage())
+
+    quiet_known_noise()
+    logger, handler = logging.getLogger("mlflow.pyfunc"), Seen()
+    logger.addHandler(handler)
+    try:
+        example = pd.DataFrame({"x": [1.0, 2.0]})
+        mlflow.pyfunc.save_model(path=str(tmp_path / "model"), loader_module="served_model", input_example=example,
+                                 signature=infer_signature(example), pip_requirements=["pandas"])
+    finally:
+        logger.removeHandler(handler)
+    assert (tmp_path / "model" / "MLmodel").exists()
+    assert handler.messages == [], handler.messages
+
+
 def test_data_convert_bar_and_plain_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     src = tmp_path / "day_0.tsv"
     line = "\t".join(["1", *[str(i) for i in range(13)], *[f"{i:08x}" for i in range(26)]]) + "\n"

@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from recsys_runner import evaluate, predict
 from recsys_runner.__main__ import run as train
@@ -27,7 +28,10 @@ from recsys_runner.configurable import make
 from recsys_runner.data.encoding.stored import ENCODERS_FILE, StoredEncoders, from_json, stored_types
 from recsys_runner.data.files.tabular import CsvData, ParquetData
 from recsys_runner.data.files.tabular_config import CsvDataConfig, ParquetDataConfig
+from recsys_runner.data.generated.generate import write_criteo_parquet
+from recsys_runner.data_build import build_data
 from recsys_runner.errors import DataError
+from recsys_runner.serving.files import served_rows
 from tests.test_evaluate import compose_entry
 
 
@@ -153,6 +157,26 @@ def test_a_checkpoint_without_stored_encoders_loads_with_a_warning(trained: dict
         metrics = evaluate.run(compose_entry("evaluate", *trained["data"], f"data.path={tmp_path}/train.csv", f"load={old}"))
     assert "eval/auc" in metrics
     assert any("stores no data encoders" in r.getMessage() and "fitted on the data again" in r.getMessage() for r in caplog.records)
+
+
+def test_a_checkpoint_trained_on_generated_data_is_not_said_to_predate_stored_encoders(make_cfg, tmp_path: Path,
+                                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """``make run``'s checkpoint (``data=synthetic``, its ``meta.json`` as the CLI writes it) scored on Criteo-shaped
+    Parquet: it stores no encoders because generated data fits none. The warning said it was written before encoders
+    were stored, and export asked for a fine-tune "with this version", sending a newcomer after an upgrade that exists."""
+    step = tmp_path / "step_00001000"
+    step.mkdir()
+    config = {"data": "synthetic", "data._target_": "recsys_runner.data.generated.synthetic.SyntheticData"}
+    (step / "meta.json").write_text(json.dumps({"step": 1000, "overrides": [], "config": config}))
+    write_criteo_parquet(str(tmp_path / "day.parquet"), 300, num_embeddings=1000)
+    run = validate(make_cfg("data=parquet", f"data.path={tmp_path}/day.parquet", "distributed.device=cpu", tiny=False))
+    with caplog.at_level(logging.INFO):
+        build_data(run, torch.device("cpu"), step)
+        assert served_rows(None, step, raw=object(), null_values=[]) is None
+    said = [r.getMessage() for r in caplog.records if str(step) in r.getMessage() or "MLflow model" in r.getMessage()]
+    assert any("was trained on generated data (data=synthetic)" in m for m in said), said
+    assert any(m.startswith("no MLflow model: the model was trained on generated data") for m in said), said
+    assert not any("written before" in m or "fine-tune" in m for m in said), said
 
 
 def test_ids_of_another_type_than_in_training_are_refused_not_read_as_oov(tmp_path: Path) -> None:

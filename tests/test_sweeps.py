@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 from recsys_runner import compare
 from recsys_runner.errors import ConfigError
 from recsys_runner.sweep import first_job_overrides
+from recsys_runner.tracking.store import mlflow_command
 from recsys_runner.tracking.sweep import check_direction
 from recsys_runner.tracking.sweep_names import (
     JOB_NUM_TAG,
@@ -84,12 +85,19 @@ def grid(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     out = run_in_process([*TRAIN, "-m", "optim.lr=0.01,0.05,0.1", *TINY, "train.num_steps=10", f"tracking.uri={uri}",
                           "tracking.experiment=grid"], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
+    (tmp_path / "output.txt").write_text(out.stdout)
     return uri, tmp_path
 
 
 def test_grid_multirun_is_one_parent_with_children(grid: tuple[str, Path]) -> None:
-    uri, _ = grid
+    uri, tmp_path = grid
     parent, children = _parent_and_children(uri, "grid")
+    # It ends as every command does: how to compare its jobs, and the parent's page in the MLflow UI.
+    end = [line.split("] ", 1)[-1].removeprefix("- ") for line in (tmp_path / "output.txt").read_text().splitlines()[-3:]]
+    assert end == [f"compare its jobs (a table and plots): python -m recsys_runner.compare --parent {parent.info.run_id} --uri {uri}",
+                   f"MLflow UI: {mlflow_command()} ui --backend-store-uri {uri} --port 5000",
+                   f"  then open http://127.0.0.1:5000/#/experiments/{parent.info.experiment_id}/runs/{parent.info.run_id}"
+                   "?workflowType=machine_learning"], end
     assert len(children) == 3 and parent.info.status == "FINISHED"
     # Each run names its job (what a launcher that sees a job die finds its run by: tracking/sweep_jobs.py).
     assert {r.data.tags[JOB_NUM_TAG]: r.data.params["optim.lr"] for r in children} == {"0": "0.01", "1": "0.05", "2": "0.1"}
@@ -132,7 +140,7 @@ def test_compare_prints_how_to_open_the_sweep_in_the_ui(grid: tuple[str, Path], 
     assert compare.main(["--uri", uri, "--no-plots"]) == 0
     out, err = capsys.readouterr()
     assert len(out.splitlines()) == 2 + 3 and "MLflow UI" not in out, "stdout stays the table"
-    assert f"MLflow UI: mlflow ui --backend-store-uri {uri} --port 5000" in err.splitlines()
+    assert f"MLflow UI: {mlflow_command()} ui --backend-store-uri {uri} --port 5000" in err.splitlines()
     page = f"http://127.0.0.1:5000/#/experiments/{experiment}/runs/{parent.info.run_id}?workflowType=machine_learning"
     assert f"  then open {page}" in err.splitlines()
     # make ui: the page of the experiment that ran last, on the port it serves

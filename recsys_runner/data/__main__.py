@@ -131,7 +131,7 @@ def inferred_csv_schema(args: argparse.Namespace, files: list[str]) -> tuple[Sch
     except DataError as e:  # the inference speaks of data.* settings; here they are flags
         raise DataError(str(e).replace("data.label_threshold=", "--label-threshold ").replace("data.label=", "--label ")
                         .replace("data.labels=", "--schema with labels: ")) from None
-    print(f"schema inferred ({'; '.join(done.inferred)}). To keep or edit it, save the lines below as a file and pass "
+    print(f"schema inferred ({done.summary()}). To keep or edit it, save the lines below as a file and pass "
           f"--schema <file>:\n{schema_yaml(done.schema, {'delimiter': options['delimiter']}, done.notes)}")
     return done.schema, options
 
@@ -398,7 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--exclude", action="append", default=[], help="csv without --schema: a column not to use as a feature (repeatable)")
     c.add_argument("--delimiter", default=",", help="csv without --schema: the field delimiter (a character, or tab/comma/semicolon/pipe)")
     c.add_argument("--sample-rows", type=int, default=InferConfig.sample_rows, help="csv without --schema: rows read to infer the schema")
-    c.add_argument("--num-embeddings", type=int, default=100_000, help="criteo: table size of every categorical")
+    c.add_argument("--num-embeddings", type=int, default=100_000, help="criteo: table size of every categorical (default: %(default)s, fixed: "
+                   "a small file gets tables larger than its rows; data=criteo sizes them from the files)")
     c.add_argument("--categorical-encoding", choices=["mod", "hash"], default="mod", help="criteo: hex value modulo the table size, or a hash")
     c.add_argument("--row-group-rows", type=int, default=65_536)
     c.add_argument("--on-bad-rows", choices=["fail", "skip"], default="fail")

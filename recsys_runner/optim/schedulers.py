@@ -172,8 +172,9 @@ class Schedule(abc.ABC):
         unit = "epochs" if config.by_epoch else "training steps"
         if config.warmup_steps > total:
             raise ConfigError(
-                f"scheduler.warmup_steps={config.warmup_steps} exceeds the run's {total} {unit}; "
-                f"lower scheduler.warmup_steps or train longer"
+                f"scheduler.warmup_steps={config.warmup_steps} exceeds the run's {total} {unit}. Fix: "
+                f"scheduler.warmup_steps<={total} (e.g. {max(total // 10, 1)}, a tenth of the run), or train longer: "
+                f"{'train.num_epochs' if config.by_epoch else 'train.num_steps'}>={config.warmup_steps}"
             )
         self.total_steps, self.warmup_steps, self.warmup_start = total, config.warmup_steps, config.warmup_start
         self.steps_per_epoch = steps_per_epoch if config.by_epoch else None

@@ -25,7 +25,7 @@ from recsys_runner.checkpoint.weights import load_into
 from recsys_runner.config import RunConfig
 from recsys_runner.data.base import DataModule
 from recsys_runner.data.catalogue.items import ItemTable
-from recsys_runner.data.encoding.stored import ENCODERS_FILE, StoredEncoders
+from recsys_runner.data.encoding.stored import ENCODERS_FILE, StoredEncoders, trained_on_generated_data
 from recsys_runner.errors import CheckpointError, ConfigError
 from recsys_runner.features import FeatureSpec
 from recsys_runner.models.collision import restore_collision_state
@@ -210,7 +210,7 @@ class ServedRows:
 
 def served_rows(stored: StoredEncoders | None, checkpoint: Path, raw: Any, null_values: list[str]) -> ServedRows | None:
     """The MLflow model's inputs (:class:`ServedRows`), or ``None`` (logged: why no MLflow model is written)."""
-    if raw is None:
+    if raw is None or (stored is None and trained_on_generated_data(checkpoint) is not None):
         log.info("no MLflow model: the model was trained on generated data, which has no raw columns to encode (model.pt2 "
                  "takes its ids as they are)")
         return None

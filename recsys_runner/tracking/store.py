@@ -10,7 +10,9 @@ import fcntl
 import logging
 import os
 import shlex
+import shutil
 import sqlite3
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -251,8 +253,20 @@ def ui_lines(tracking_uri: str, experiment_id: str, run_id: str | None = None, p
     served = ui_url(tracking_uri, experiment_id, run_id)
     if served is not None:
         return [f"MLflow UI: {served}"]
-    command = f"mlflow ui --backend-store-uri {shlex.quote(tracking_uri)} --port {port}"
+    command = f"{mlflow_command()} ui --backend-store-uri {shlex.quote(tracking_uri)} --port {port}"
     return [f"MLflow UI: {command}", f"  then open {ui_url(f'http://127.0.0.1:{port}', experiment_id, run_id)}"]
+
+
+def mlflow_command() -> str:
+    """``mlflow`` as the user can type it to serve the UI: ``mlflow`` when that name on ``PATH`` is this environment's
+    (an activated venv), else the absolute path of this environment's script. ``make run`` trains with
+    ``.venv/bin/python`` without activating ``.venv``, so a bare ``mlflow`` would be "command not found" (or another
+    installation's, of another MLflow version) in the shell it printed to."""
+    own = Path(os.path.abspath(sys.executable)).parent / "mlflow"
+    found = shutil.which("mlflow")
+    if not own.is_file() or (found is not None and Path(found).resolve() == own.resolve()):
+        return "mlflow"
+    return shlex.quote(str(own))
 
 
 def ui_url(tracking_uri: str, experiment_id: str, run_id: str | None = None) -> str | None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import shlex
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
@@ -43,7 +44,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from recsys_runner.errors import ConfigError, UserError, reported
 from recsys_runner.metrics.registry import DEFAULT_OBJECTIVE, higher_is_better
-from recsys_runner.tracking.store import experiment_id, open_store, resolve_uri, store_errors, uri_source
+from recsys_runner.tracking.store import experiment_id, open_store, resolve_uri, store_errors, ui_lines, uri_source
 from recsys_runner.tracking.sweep_names import (
     SWEPT_KEYS_ENV,
     SWEPT_KEYS_TAG,
@@ -198,6 +199,16 @@ class MlflowSweepCallback(Callback):
                 os.environ[key] = value
         self._previous_env = {}
 
+    def _say_next(self, parent: str) -> None:
+        """A finished sweep's last lines, as every command ends: how to compare its jobs and where the MLflow UI shows
+        them (the parent's page, its children nested under it)."""
+        run = self._client.get_run(parent)
+        uri = run.data.tags.get("sweep.tracking_uri") or resolve_uri(None)
+        store = "" if uri == resolve_uri(None) else f" --uri {shlex.quote(uri)}"
+        log.info("compare its jobs (a table and plots): python -m recsys_runner.compare --parent %s%s", parent, store)
+        for line in ui_lines(uri, run.info.experiment_id, parent):
+            log.info("%s", line)
+
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if self._parent is None:
             return
@@ -215,6 +226,7 @@ class MlflowSweepCallback(Callback):
                          expected - summary.num_terminal, expected, collect)
             else:
                 finish_parent(self._client, self._parent, summary)
+                self._say_next(self._parent)
         except Exception as e:  # noqa: BLE001 - the jobs' results are safe in their own runs; only the summary waits
             log.warning("could not summarize sweep parent run %s (%s); do it later with: %s", self._parent, e, collect)
         self._parent = None

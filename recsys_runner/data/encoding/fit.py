@@ -109,6 +109,21 @@ class Inferred:
     inferred: list[str]
     notes: list[str]
 
+    def summary(self) -> str:
+        """:attr:`inferred` for the log, ``; ``-joined, with a run of three or more columns that got the same said once
+        (``26 columns cat_0 … cat_25: num_embeddings=516 (vocabulary of 500 + 16 OOV rows) each``): a Criteo file's 26
+        alike lines made one line of ~1800 characters, and the schema printed under it lists every column anyway."""
+        runs: list[tuple[list[str], str]] = []
+        for line in self.inferred:
+            name, _, rest = line.partition(" ")
+            if runs and rest and runs[-1][1] == rest:
+                runs[-1][0].append(name)
+            else:
+                runs.append(([name], rest))
+        said = [f"{len(names)} columns {names[0]} … {names[-1]}: {rest} each" if len(names) > 2
+                else "; ".join(f"{name} {rest}".rstrip() for name in names) for names, rest in runs]
+        return "; ".join(said)
+
 
 def complete_schema(
     *,

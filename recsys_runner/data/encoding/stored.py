@@ -71,6 +71,25 @@ def read_stored(checkpoint: str | os.PathLike[str]) -> StoredEncoders | None:
     return StoredEncoders(schema, kinds, os.fspath(checkpoint), stored_types(content))
 
 
+GENERATED_DATA = "recsys_runner.data.generated."
+"""The module prefix of every generated data option's ``_target_`` (``data=synthetic``, ``synthetic_sequences``, …)."""
+
+
+def trained_on_generated_data(checkpoint: str | os.PathLike[str]) -> str | None:
+    """The data option ``checkpoint`` was trained on when it generates its rows (``synthetic``: its ids are drawn as table
+    rows, nothing is fitted, so no encoders are stored), read from the launch's composed config in its ``meta.json``;
+    ``None`` for file data, or a checkpoint without that record. Tells a checkpoint that never had encoders from one
+    written before they were stored, so the warnings about their absence say the right one."""
+    try:
+        meta = json.loads(stores.read_bytes(uris.join(os.fspath(checkpoint), "meta.json"), CheckpointError))
+    except (FileNotFoundError, ValueError):
+        return None
+    config = meta.get("config") if isinstance(meta, dict) else None
+    if not isinstance(config, dict) or not str(config.get("data._target_") or "").startswith(GENERATED_DATA):
+        return None
+    return str(config.get("data") or "synthetic")
+
+
 def column_kind(column: pa.ChunkedArray | pa.Array) -> str:
     """``list``, ``number`` (numbers, or text that parses as numbers in every sampled row: a CSV reads every column as
     text), ``text``, or ``null`` (no value in the sample: compatible with every kind)."""

@@ -157,7 +157,7 @@ def log_inferred(done: Inferred, where: str, reader: dict[str, Any] | None = Non
         return
     text = schema_yaml(done.schema, reader, done.notes)
     log.info("data schema of %s, inferred (%s). To keep or edit it, save the lines below as a file and train with "
-             "data.schema=<file>:\n%s", where, "; ".join(done.inferred), text)
+             "data.schema=<file>:\n%s", where, done.summary(), text)
 
 
 class ParquetData(TabularData):
