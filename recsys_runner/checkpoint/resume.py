@@ -59,6 +59,8 @@ RESUME_CHANGES: tuple[tuple[str, Treatment, str], ...] = (
     ("train.profile", "silent", "the profiler"),
     ("train.summary_every_steps", "silent", "summary cadence"),
     ("train.summary_histograms", "silent", "summaries"),
+    ("train.sanity_eval_batches", "silent", "a check before the first step, which leaves training unchanged bit for bit "
+                                            "(a checkpoint written before it existed lacks it)"),
     ("data.num_workers", "silent", "loader processes"),
     ("data.pin_memory", "silent", "host memory"),
     ("data.worker_start", "silent", "how loader processes start: the same batches"),
