@@ -64,11 +64,13 @@ def test_encoders_of_a_newer_format_are_refused_as_a_newer_versions() -> None:
         from_json(json.dumps({"label": "click"}).encode(), "ck/encoders.json")
 
 
-def test_resuming_a_checkpoint_saved_before_sanity_eval_batches_warns_of_no_change(make_cfg, tmp_path: Path) -> None:
-    """A checkpoint whose composed config predates ``train.sanity_eval_batches`` (recsys_runner up to 2026-11-30) lacks it:
-    resumed after the upgrade it warned ``train.sanity_eval_batches: (unset) -> 2`` and tagged the run resume_changes,
-    though the check leaves training unchanged bit for bit."""
-    now = composed_settings(make_cfg(), {})
-    before = {key: value for key, value in now.items() if key != "train.sanity_eval_batches"}
+@pytest.mark.parametrize("key", ["train.sanity_eval_batches", "data.next_item"])
+def test_resuming_a_checkpoint_saved_before_a_key_was_added_warns_of_no_change(make_cfg, tmp_path: Path, key: str) -> None:
+    """A checkpoint whose composed config predates ``train.sanity_eval_batches`` or file data's ``data.next_item``
+    (recsys_runner up to 2026-11-30) lacks them: resumed after the upgrade it warned ``train.sanity_eval_batches: (unset)
+    -> 2`` / ``data.next_item: (unset) -> false`` and tagged the run resume_changes, though the sanity check leaves
+    training unchanged bit for bit and ``next_item`` is false for every model but next-item ones, set by the model."""
+    now = composed_settings(make_cfg("data=parquet", f"data.path={tmp_path}/train.parquet", tiny=False), {})
+    assert key in now
+    before = {k: value for k, value in now.items() if k != key}
     assert check_changes(Launched([], before), Launched([], now), tmp_path) == ()
-    assert check_changes(Launched([], before), Launched([], {**now, "train.sanity_eval_batches": 0}), tmp_path) == ()
