@@ -249,6 +249,42 @@ def test_pyfunc_model_runs_where_recsys_runner_torchrec_and_fbgemm_cannot_be_imp
     np.testing.assert_allclose(scores, deepfm["reference"]["score"].to_numpy(), atol=ATOL)
 
 
+def test_a_model_of_other_code_is_refused_in_a_process_that_runs_another_models_code(deepfm: dict[str, Any], tmp_path: Path) -> None:
+    """Two MLflow models in one process (a notebook comparing the models of two recsys_runner versions): MLflow imports a
+    model's code/ by module name, which Python imports once per process, so the second model ran the first one's code on
+    its own data, unsaid. Its load now names the clash and the fix; a model of the same code (another export of this
+    version, the same model again) loads beside it."""
+    import shutil
+
+    import mlflow.pyfunc
+
+    older = tmp_path / "older"
+    shutil.copytree(deepfm["model"], older)
+    with (older / "code" / "recsys_values.py").open("a") as f:
+        f.write("\n# another recsys_runner version's copy\n")
+    same = tmp_path / "same"
+    shutil.copytree(deepfm["model"], same)
+    names = [p.stem for p in (older / "code").glob("*.py")]
+    hidden, path = {n: sys.modules.pop(n) for n in names if n in sys.modules}, list(sys.path)
+    try:
+        mlflow.pyfunc.load_model(str(older))  # the first model of the process: its code is what the process imports
+        # the class of the first model's copy (recsys_served_program.CodeClash), not of recsys_runner's module
+        with pytest.raises(RuntimeError, match=rf"the MLflow model {deepfm['model']} cannot be loaded into this process: "
+                                               rf"it already runs the code of another model \({older}\), whose "
+                                               r"recsys_values.py differs .*Fix: load each of the two in its own process") as clash:
+            mlflow.pyfunc.load_model(str(deepfm["model"]))
+        assert type(clash.value).__name__ == served_program.CodeClash.__name__
+        for name in names:
+            sys.modules.pop(name, None)
+        mlflow.pyfunc.load_model(str(deepfm["model"]))
+        mlflow.pyfunc.load_model(str(same))
+    finally:
+        for name in names:
+            sys.modules.pop(name, None)
+        sys.modules.update(hidden)
+        sys.path[:] = path
+
+
 @pytest.fixture(scope="module")
 def din(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """DIN on a CSV whose history cells hold ``|``-separated events; the rows to score hold unseen items."""

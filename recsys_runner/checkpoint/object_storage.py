@@ -35,6 +35,7 @@ from recsys_runner.checkpoint.storage import (
     CheckpointStorage,
     DcpFileStorage,
     TensorIndex,
+    check_format,
     saved_dtypes,
     stops_unwrapped,
 )
@@ -155,6 +156,7 @@ class DcpObjectStorage:
     def read_meta(self, path: Path) -> dict[str, Any]:
         fs, key = self._fs(path)
         meta: dict[str, Any] = json.loads(self._call(path, lambda: fs.cat_file(f"{key}/{META_FILE}")))
+        check_format(meta, path)
         return meta
 
     def tensor_index(self, path: Path) -> TensorIndex:

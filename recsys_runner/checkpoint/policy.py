@@ -46,7 +46,15 @@ from recsys_runner.checkpoint.config import RESUME_WORDS, CheckpointConfig, Trai
 from recsys_runner.checkpoint.guard import check_finite, finite_state, task_causes
 from recsys_runner.checkpoint.lock import DirectoryInUse, lock_for
 from recsys_runner.checkpoint.object_storage import storage_for
-from recsys_runner.checkpoint.storage import RUN_DIR_FOLDER, STEP_DIR, CheckpointStorage, checkpoint_name, step_of
+from recsys_runner.checkpoint.storage import (
+    FORMAT,
+    FORMAT_KEY,
+    RUN_DIR_FOLDER,
+    STEP_DIR,
+    CheckpointStorage,
+    checkpoint_name,
+    step_of,
+)
 from recsys_runner.checkpoint.weights import CarriedRows, TrainingParts, load_into
 from recsys_runner.distributed.env import decided_on_rank0
 from recsys_runner.distributed.peers import peer_gone
@@ -164,6 +172,7 @@ class Checkpointer:
             return str(final)
         meta = {k: v for k, v in asdict(state).items() if k not in ("resumed_from", "resume_changes")}
         meta["metrics"] = dict(metrics or {})
+        meta[FORMAT_KEY] = FORMAT
         meta["world_size"] = self.world_size
         if self.data_shards is not None:
             meta[resume.DATA_SHARDS_KEY] = self.data_shards

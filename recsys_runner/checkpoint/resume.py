@@ -59,6 +59,8 @@ RESUME_CHANGES: tuple[tuple[str, Treatment, str], ...] = (
     ("train.profile", "silent", "the profiler"),
     ("train.summary_every_steps", "silent", "summary cadence"),
     ("train.summary_histograms", "silent", "summaries"),
+    ("train.sanity_eval_batches", "silent", "a check before the first step, which leaves training unchanged bit for bit "
+                                            "(a checkpoint written before it existed lacks it)"),
     ("data.num_workers", "silent", "loader processes"),
     ("data.pin_memory", "silent", "host memory"),
     ("data.worker_start", "silent", "how loader processes start: the same batches"),
@@ -85,7 +87,8 @@ key is the setting's key (a group's for its option: ``model``, ``optim/sparse``)
 ``checkpoint.every_steps``), decides; a key no entry names (``optim.lr``, ``train.num_steps``, ``scheduler``,
 ``model.dropout`` …) is warned about (:data:`WARNED_BY_DEFAULT`); a ``warn`` entry's own reason is added to the warning. Shapes that cannot load (``model.embedding_dim``) are
 refused by the loader, naming the tensors."""
-ADDED_KEYS: dict[str, Any] = {"precision.embedding_data_type": "fp32", "data.items.header": None, "data.items.column_names": None}
+ADDED_KEYS: dict[str, Any] = {"precision.embedding_data_type": "fp32", "data.items.header": None, "data.items.column_names": None,
+                              "data.next_item": False}
 """Keys added after checkpoints began saving their composed config, each with the value every run before it trained with:
 such a checkpoint's missing key is compared as that value, so resuming it after an upgrade warns about no change."""
 SECTIONS = ("checkpoint", "tracking", "storage", "distributed", "precision.embedding_data_type_by_feature")

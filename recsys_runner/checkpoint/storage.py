@@ -44,6 +44,13 @@ STEP_DIR = re.compile(r"^(best-)?step_(\d+)$")
 RUN_DIR_FOLDER = "checkpoints"
 """The folder of a training run's directory (Hydra's) its checkpoints go to when ``checkpoint.dir`` is null."""
 META_FILE = "meta.json"
+FORMAT = 1
+"""The checkpoint layout this version writes and reads (tensor keys, ``rank<r>.pt``'s objects, ``meta.json``'s keys),
+recorded as ``meta.json``'s ``format`` (:data:`FORMAT_KEY`). A checkpoint without one was written before formats were
+recorded (recsys_runner up to 2026-12-01), in the layout of format 1, and is read as such. Raise it with a change that
+an older version would misread; a reader meeting a format above its own refuses it (:func:`check_format`) instead of
+loading what it would misread."""
+FORMAT_KEY = "format"
 INDEX_FILE = ".metadata"
 """DCP's index of the tensors: which file and where in it each one's bytes are."""
 
@@ -183,6 +190,7 @@ class DcpFileStorage:
 
     def read_meta(self, path: Path) -> dict[str, Any]:
         meta: dict[str, Any] = json.loads((path / META_FILE).read_text())
+        check_format(meta, path)
         return meta
 
     def tensor_index(self, path: Path) -> TensorIndex:
@@ -270,6 +278,7 @@ def damage(path: Path) -> str | None:
         index = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # any parse failure of either file means damage
         return f"meta.json or .metadata cannot be read ({type(e).__name__}: {str(e)[:200]})"
+    check_format(meta, path)  # a newer version's checkpoint is refused by name, never set aside as damaged
     odd = meta_fault(meta, path)
     if odd is not None:
         return odd
@@ -287,6 +296,27 @@ def damage(path: Path) -> str | None:
         if not (path / f"rank{r}.pt").is_file():
             return f"rank{r}.pt is missing"
     return None
+
+
+def check_format(meta: Any, path: Path | str) -> None:
+    """Refuse the checkpoint at ``path`` (its parsed ``meta.json`` is ``meta``) when a later version wrote it in a
+    format this one does not know (:data:`FORMAT`): its files may be whole, but what this version would read from them
+    is not what was saved, so it is neither loaded nor set aside as damaged. One without a format (written before
+    formats were recorded) is format 1.
+
+    Raises:
+        CheckpointError: naming the two formats and the fix.
+    """
+    written = meta.get(FORMAT_KEY, 1) if isinstance(meta, dict) else 1
+    if type(written) is not int or written < 1:
+        raise CheckpointError(f"checkpoint {path}: meta.json's {FORMAT_KEY} is {written!r}, not a checkpoint format (a whole "
+                              f"number from 1; edited by hand?). Fix: put back the meta.json the run wrote, or point at another "
+                              f"checkpoint")
+    if written > FORMAT:
+        raise CheckpointError(f"checkpoint {path} was written by a newer recsys_runner (checkpoint format {written}; this "
+                              f"version reads format {FORMAT} and older), so it would be read otherwise than it was saved. Fix: "
+                              f"run this command with the recsys_runner version that wrote it or a later one (the training "
+                              f"run's manifest.git_commit tag names its commit), or point at a checkpoint this version wrote")
 
 
 POSITION_KEYS = ("step", "epoch", "epoch_step")

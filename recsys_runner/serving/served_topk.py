@@ -321,5 +321,7 @@ def _vocabulary(values: np.ndarray, oov_buckets: int) -> Any:
 
 
 def _load_pyfunc(data_path: str) -> TopKModel:
-    """MLflow's pyfunc ``loader_module`` entry: the model in ``data_path`` (the MLflow model's ``data/``)."""
+    """MLflow's pyfunc ``loader_module`` entry: the model in ``data_path`` (the MLflow model's ``data/``), refused when this
+    process runs another model's code of other files (:func:`.served_program.check_own_code`)."""
+    _program.check_own_code(data_path)
     return TopKModel(data_path)

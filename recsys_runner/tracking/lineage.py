@@ -252,14 +252,28 @@ def locate_checkpoint(spec: str, *, lookup_run: Any = None) -> Located:
                               f"directory, a checkpoints root, or the training run's id")
     storage = storage_for(path)
     if storage.is_complete(path):
+        _refuse_newer(storage, path)
         return Located(path)
     skipped: list[tuple[Path, str]] = []
     for kind in (storage.checkpoints(path, best=True, complete=False), storage.checkpoints(path, complete=False)):
         for candidate in reversed(kind):
             if storage.is_complete(candidate):  # a file missing inside it is found, and refused, by the loader
+                _refuse_newer(storage, candidate)
                 return Located(candidate, tuple(skipped))
             skipped.append((candidate, storage.damage(candidate) or "incomplete"))
     raise CheckpointError(_nothing_to_load(storage, path))
+
+
+def _refuse_newer(storage: CheckpointStorage, path: Path) -> None:
+    """Refuse ``load=``'s checkpoint here, before anything is built, when a later recsys_runner wrote it in a format this
+    one does not know (the storage's ``read_meta`` checks it); a ``meta.json`` that does not parse is left to the loader,
+    which names it as damage."""
+    try:
+        storage.read_meta(path)
+    except CheckpointError:
+        raise
+    except (OSError, ValueError):
+        return
 
 
 def _nothing_to_load(storage: CheckpointStorage, path: Path) -> str:

@@ -219,5 +219,7 @@ def empty_scores(outputs: list[dict[str, Any]]) -> dict[str, np.ndarray]:
 
 
 def _load_pyfunc(data_path: str) -> ServedModel:
-    """MLflow's pyfunc ``loader_module`` entry: the model in ``data_path`` (the MLflow model's ``data/``)."""
+    """MLflow's pyfunc ``loader_module`` entry: the model in ``data_path`` (the MLflow model's ``data/``), refused when this
+    process runs another model's code of other files (:func:`.served_program.check_own_code`)."""
+    _program.check_own_code(data_path)
     return ServedModel(data_path)

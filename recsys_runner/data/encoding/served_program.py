@@ -3,7 +3,8 @@ model (:mod:`recsys_runner.serving.served_topk`) load and run alike.
 
 The ``torch.export`` program (or its AOTInductor package) loaded and made runnable without its runtime checks
 (:func:`load_program`, :func:`runnable`), torch's intra-op threads inside ``mlflow models serve``
-(:func:`serving_threads`), and the error a request the model cannot read raises (:func:`error_class`).
+(:func:`serving_threads`), the error a request the model cannot read raises (:func:`error_class`), and the check that a
+model loaded into a process that already runs another model's code runs its own (:func:`check_own_code`).
 
 **Standalone on purpose**, like :mod:`.served`: torch (imported when called), and MLflow when it is there, only; the MLflow
 models ``export`` writes carry a copy of it (:data:`.served.SHIPPED`).
@@ -12,6 +13,7 @@ models ``export`` writes carry a copy of it (:data:`.served.SHIPPED`).
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from typing import Any
 
@@ -40,6 +42,53 @@ def error_class() -> type[Exception]:
             super().__init__(message, error_code=BAD_REQUEST)
 
     return BadRequest
+
+
+class CodeClash(RuntimeError):
+    """An MLflow model loaded into a process whose modules of the same names are another model's, of other code."""
+
+
+_IMPORTED: dict[str, bytes] = {}
+"""The code file each module name of a model's ``code/`` was imported from in this process, as it was when the model was
+loaded (an export loads its model back from a staging folder that is then renamed away)."""
+
+
+def check_own_code(data_path: str) -> None:
+    """Refuse to load the model whose ``data/`` is ``data_path`` when this process already imported a module of its
+    ``code/`` from another model's directory, and that file differs from the model's own.
+
+    Why: MLflow puts a model's ``code/`` first on ``sys.path`` and imports its loader by name, but Python imports a name
+    once per process: a second model exported by another recsys_runner version (a notebook comparing two days' models,
+    one server hosting both) would run the first one's code on its own data, unsaid. Models exported by the same version
+    carry the same files and load side by side.
+
+    Raises:
+        CodeClash: naming both directories, the first module that differs and the fix.
+    """
+    model = os.path.dirname(os.path.dirname(os.path.abspath(data_path)))
+    code = os.path.join(model, "code")
+    if not os.path.isdir(code):
+        return
+    for name in sorted(n for n in os.listdir(code) if n.endswith(".py")):
+        loaded = getattr(sys.modules.get(name.removesuffix(".py")), "__file__", None)
+        if loaded is None:
+            continue
+        with open(os.path.join(code, name), "rb") as f:
+            ours = f.read()
+        if os.path.realpath(os.path.dirname(loaded)) == os.path.realpath(code):
+            _IMPORTED.setdefault(name, ours)
+            continue
+        theirs = _IMPORTED.get(name)
+        if theirs is None and os.path.isfile(loaded):
+            with open(loaded, "rb") as f:
+                theirs = f.read()
+        if theirs is None or theirs == ours:
+            continue
+        raise CodeClash(f"the MLflow model {model} cannot be loaded into this process: it already runs the code of another "
+                        f"model ({os.path.dirname(os.path.dirname(loaded))}), whose {name} differs from this model's (exported "
+                        f"by another recsys_runner version), and Python imports a module name once per process, so this "
+                        f"model would run that model's code. Fix: load each of the two in its own process (its own "
+                        f"'mlflow models serve', its own script), or export both with one recsys_runner version")
 
 
 def load_program(directory: str) -> Any:

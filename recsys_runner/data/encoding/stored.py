@@ -145,8 +145,14 @@ def from_json(content: bytes, where: str) -> tuple[Schema, dict[str, str]]:
     """
     try:
         raw: dict[str, Any] = json.loads(content)
-        if raw.get("format") != FORMAT:
-            raise CheckpointError(f"{where}: encoders of format {raw.get('format')!r}, this version reads format {FORMAT}. Fix: "
+        written = raw.get("format")
+        if type(written) is int and written > FORMAT:
+            raise CheckpointError(f"{where}: encoders of format {written}, written by a newer recsys_runner (this version reads "
+                                  f"format {FORMAT}), so its columns would be encoded otherwise than in training. Fix: run this "
+                                  f"command with the recsys_runner version that trained it or a later one (the training run's "
+                                  f"manifest.git_commit tag names its commit)")
+        if written != FORMAT:
+            raise CheckpointError(f"{where}: encoders of format {written!r}, this version reads format {FORMAT}. Fix: "
                                   f"evaluate it with the recsys_runner version that trained it")
         schema = Schema(label=raw["label"], labels=raw["labels"], label_kinds=raw["label_kinds"], label_threshold=raw["label_threshold"],
                         dense=[DenseColumn(**d) for d in raw["dense"]], sparse=[SparseColumn(**s) for s in raw["sparse"]],
@@ -155,6 +161,8 @@ def from_json(content: bytes, where: str) -> tuple[Schema, dict[str, str]]:
             schema.vocabularies[name] = Vocabulary(np.asarray(v["keys"], dtype=np.uint64), np.asarray(v["rows"], dtype=np.int64),
                                                    int(v["capacity"]), int(v["oov_buckets"]))
         return schema, dict(raw["column_kinds"])
+    except CheckpointError:  # a format it does not read: said as such, not as an unreadable document
+        raise
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{where} is not a readable encoders document ({type(e).__name__}: {e}). Fix: point load= / "
                               f"checkpoint.resume at a checkpoint this version wrote, or delete the file to rebuild the encoders "
