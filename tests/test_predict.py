@@ -141,6 +141,14 @@ def _no_build(*_: object, **__: object) -> None:
     raise AssertionError("the model was built before the config was refused")
 
 
+def _unloaded_checkpoint(root: Path) -> None:
+    """A checkpoint under ``root`` as ``load=`` sees one (``load=`` is checked first), for tests that never load it."""
+    step = root / "step_00000001"
+    step.mkdir(parents=True)
+    (step / ".metadata").touch()
+    (step / "meta.json").write_text('{"step": 1}')
+
+
 def test_predict_default_columns_and_a_stop_mid_write_leaves_no_part(trained_once: tuple[Path, list[str]], tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     root, trained = trained_once
@@ -243,10 +251,7 @@ def test_predict_of_a_model_trained_on_generated_data_says_which_files_it_can_sc
     """``make run``'s model, then ``predict load=<it>``: the data is the training's, generated. The error named only the
     class and asked for "the training's data settings", which are the generated data's; it names the files that fit."""
     monkeypatch.setattr(predict, "build_inference", _no_build)
-    step = tmp_path / "ck" / "step_00000001"  # a checkpoint as load= sees one (load= is checked first), never loaded here
-    step.mkdir(parents=True)
-    (step / ".metadata").touch()
-    (step / "meta.json").write_text('{"step": 1}')
+    _unloaded_checkpoint(tmp_path / "ck")
     with pytest.raises(ConfigError, match=r"data is SyntheticDataConfig, which generates its rows .* no files to score\. "
                                           r"Fix: data=parquet\|csv\|criteo data\.path=<files .*Criteo-shaped Parquet"):
         predict.run(compose_entry("predict", f"load={tmp_path}/ck", f"predict.output={tmp_path}/out"))
@@ -256,10 +261,7 @@ def test_predict_columns_missing_from_the_input_fail_before_the_model_is_built(t
                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(predict, "build_inference", _no_build)
     _score_file(tmp_path / "b.parquet", 10, seed=1, row_group_size=10)
-    step = tmp_path / "ck" / "step_00000001"  # a checkpoint as load= sees one (load= is checked first), never loaded here
-    step.mkdir(parents=True)
-    (step / ".metadata").touch()
-    (step / "meta.json").write_text('{"step": 1}')
+    _unloaded_checkpoint(tmp_path / "ck")
     with pytest.raises(ConfigError, match=r"predict.columns=\['request_id', 'request'\] names \['request'\] \(not in .*b.parquet.*"
                                           r"its columns are \[.*'request_id'\]. Fix: predict.columns="):
         predict.run(compose_entry("predict", "data=parquet", f"data.path={tmp_path}/b.parquet", f"load={tmp_path}/ck",
