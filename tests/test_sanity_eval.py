@@ -305,6 +305,7 @@ def test_a_once_only_data_warning_is_said_once_over_the_sanity_eval_training_and
         c.close()
     said = [m for m in warnings.messages if "were cut to their first 1 values" in m]
     assert len(said) == 1, warnings.messages
+    assert said[0].startswith(f"data.eval_path={tmp_path / 'eval.parquet'}: "), said  # the files the cut list is in
     assert counted == 1.0
 
 

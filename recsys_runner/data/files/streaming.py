@@ -306,18 +306,25 @@ class TabularData(Catalogue, DataModule, abc.ABC):
             return synchronized(batches, on_dropped=self._count_dropped)
         return batches
 
-    def _count_capped(self, capped: dict[str, tuple[int, int]]) -> None:
+    def _count_capped(self, capped: dict[str, tuple[int, int]], train: bool) -> None:
         """Add a batch's lists cut to ``max_values``; warn once per column (:meth:`_first`), at its first cut, with the
-        longest list so far."""
+        longest list so far and the files it came from (:meth:`_read_from`)."""
         for name, (cut, longest) in capped.items():
             counts = self._capped[name]
             if cut and self._first(f"truncated_lists/{name}"):
                 cap = next(c.max_values for c in self.schema.sparse if c.name == name)
                 log.warning("%s: lists of data.sparse[%s] longer than max_values=%d were cut to their first %d values (the longest "
-                            "so far: %d); the count of such rows is logged as data/truncated_lists", self.config.path, name, cap,
-                            cap, longest)
+                            "so far: %d); the count of such rows is logged as data/truncated_lists", self._read_from(train), name,
+                            cap, cap, longest)
             counts[0] += cut
             counts[1] = max(counts[1], longest)
+
+    def _read_from(self, train: bool) -> str:
+        """The files a batch was read from, as a warning names them: the eval files when the eval reads its own
+        (``data.eval_path``), else ``data.path`` (the training files, or the rows the eval holds out of them)."""
+        if not train and self.config.eval_path is not None:
+            return f"data.eval_path={self.config.eval_path}"
+        return str(self.config.path)
 
     def _first(self, warning: str) -> bool:
         """Whether ``warning`` is given now for the first time (it is then noted as given)."""
@@ -337,14 +344,14 @@ class TabularData(Catalogue, DataModule, abc.ABC):
             if item[0] == "error":
                 raise DataError(item[1])
             dense, values, lengths, labels, skipped, truncated, oov, capped, weights = item
-            self._count_capped(capped)
+            self._count_capped(capped, train)
             self._bad_rows += skipped
             for name, (unseen, total) in oov.items():
                 self._oov[name][0] += unseen
                 self._oov[name][1] += total
             if truncated and self._first("truncated_histories"):
                 log.warning("%s: histories longer than max_len were truncated (data.sequences %s); the count of such rows is "
-                            "logged as data/truncated_histories", self.config.path,
+                            "logged as data/truncated_histories", self._read_from(train),
                             ", ".join(f"{g.name}: max_len={g.max_len}, truncate={g.truncate}" for g in self.schema.sequences))
             self._truncated_rows += truncated
             if train and skipped:
