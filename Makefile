@@ -82,9 +82,11 @@ lint: $(STAMP) ## ruff, mypy, and import-linter (what each room may import: docs
 	$(VENV)/bin/lint-imports
 
 # The last experiment's page first (with ?workflowType=machine_learning: MLflow 3's UI otherwise opens an empty GenAI view).
-ui: $(STAMP) ## MLflow UI on ./mlflow.db at http://127.0.0.1:5000 (PORT=5001: another port); prints the last experiment's page first
-	@$(PY) -m recsys_runner.compare --ui-url --uri sqlite:///$(CURDIR)/mlflow.db --port $(PORT) || true
-	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host 127.0.0.1 --port $(PORT)
+ui: $(STAMP) ## MLflow UI on ./mlflow.db at http://127.0.0.1:5000 (PORT=5001: another port); prints the last experiment's page once it answers
+	@$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host 127.0.0.1 --port $(PORT) & server=$$!; \
+	trap 'kill $$server 2>/dev/null; wait $$server' INT TERM; \
+	$(PY) -m recsys_runner.compare --ui-url --uri sqlite:///$(CURDIR)/mlflow.db --port $(PORT) --wait-for-ui $$server || true; \
+	wait $$server
 
 clean: ## Remove run outputs and compare's plots (keeps .venv and mlflow.db)
 	rm -rf outputs multirun compare .pytest_cache

@@ -21,7 +21,7 @@ the command exits 1. What collect does before the table is :mod:`recsys_runner.c
 After the table it prints (on stderr, so that stdout stays the table) how to look at the same runs in the MLflow UI:
 for a local store the command that serves it (``mlflow ui --backend-store-uri <uri> --port 5000``) and the page to
 open, for a tracking server its page: the sweep's parent run, else the experiment. ``--ui-url`` prints only the page of
-the store's most recently active experiment (``make ui`` does, before it starts the server).
+the store's most recently active experiment (``make ui`` does, once the server it started answers: ``--wait-for-ui``).
 
 compare only reads: a store that does not exist (``--uri sqlite:///no/such/dir/x.db``, or a bare ``compare`` in a
 folder without ``mlflow.db``) is not created; it says so in one line naming the URI and how to point at the right
@@ -283,14 +283,57 @@ def last_experiment_url(client: Any, tracking_uri: str, port: int = UI_PORT) -> 
     return ui_url(tracking_uri, experiment) or ui_url(f"http://127.0.0.1:{port}", experiment)
 
 
-def print_ui_url(uri: str, port: int = UI_PORT) -> int:
+def print_ui_url(uri: str, port: int = UI_PORT, server: int | None = None) -> int:
     """``--ui-url``: the last experiment's page, or a line saying there is none yet (status 0 either way: ``make ui``
-    starts the server next, on a store that may not exist yet)."""
+    serves a store that may not exist yet). With ``server`` (``--wait-for-ui``, the PID of the ``mlflow ui`` that
+    ``make ui`` started first) the page is printed once the UI answers (it takes ~15 s to start): a page printed
+    before then was refused when opened at once."""
     from mlflow.tracking import MlflowClient
 
+    why = ui_not_started(port, server) if server is not None else None
+    if why is not None:
+        print(f"the MLflow UI (PID {server}) {why}. Fix: make ui PORT=<a free port>", file=sys.stderr)
+        return 0
     url = None if missing_store(uri) is not None else last_experiment_url(MlflowClient(tracking_uri=uri), uri, port)
     print(url or f"no run in {uri} yet: the UI lists runs once they log there")
     return 0
+
+
+def ui_not_started(port: int, server: int, timeout_s: float = 300.0) -> str | None:
+    """Wait until the MLflow UI ``server`` (a PID) answers its health check on 127.0.0.1:``port``; ``None`` then, else
+    why not: the port answered at once, before any UI could have started (another server holds it, and this one
+    cannot bind it), the process ended (it could not start: its own error says why), or ``timeout_s`` passed."""
+    import urllib.request
+
+    deadline, first = time.monotonic() + timeout_s, True
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as answer:
+                if answer.status == 200:
+                    return f"cannot serve port {port}: another server already answers there" if first else None
+        except OSError:
+            pass
+        if not _alive(server):
+            return f"ended before it answered on port {port}: its error is above"
+        first = False
+        time.sleep(0.25)
+    return f"did not answer on port {port} within {timeout_s:.0f} s"
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs: not gone, and not a zombie (``make ui``'s shell reaps its server only at its
+    ``wait``, so a server that failed to start stays one while :func:`ui_answers` polls; Linux's ``/proc`` says so)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state != "Z"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -309,7 +352,9 @@ def _parser() -> argparse.ArgumentParser:
                    "torch/torchrec versions, device, world size")
     p.add_argument("--port", type=int, default=UI_PORT, help=f"the port in the printed `mlflow ui` command and page (default {UI_PORT})")
     p.add_argument("--ui-url", action="store_true", help="print only the MLflow UI page of the store's most recently "
-                   "active experiment (what `make ui` prints before it starts the server)")
+                   "active experiment (what `make ui` prints)")
+    p.add_argument("--wait-for-ui", type=int, default=None, metavar="PID", help="with --ui-url: print it once the MLflow "
+                   "UI of this process answers on --port (or say that process ended first)")
     return p
 
 
@@ -334,7 +379,7 @@ def _main(argv: Sequence[str] | None) -> int:
     args = parser.parse_args(args_in)
     uri = resolve_uri(args.uri)
     if args.ui_url:
-        return print_ui_url(uri, args.port)
+        return print_ui_url(uri, args.port, args.wait_for_ui)
     missing = missing_store(uri)
     if missing is not None:  # opening it would create it (a sqlite file and its folder): compare only reads
         source = "--uri" if args.uri else "$MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI") else "the default, ./mlflow.db"

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import re
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from recsys_runner.tracking.sweep import EXPECTED_JOBS_TAG
 from recsys_runner.tracking.sweep_jobs import JOB_END_TAG, SLURM_JOB_IDS_TAG, SUBMITIT_FOLDER_TAG
 from recsys_runner.tracking.sweep_names import JOB_NUM_TAG, SWEPT_KEYS_TAG
 from recsys_runner.tracking.sweep_summary import SWEEP_PARENT_TAG
+from tests.conftest import free_port
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -369,3 +373,67 @@ def test_a_nan_trial_is_never_the_best_and_lists_last(sweep: tuple[str, str, dic
     assert compare.main(["--uri", uri, "--parent", parent, "--no-plots"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
     assert [r[-3] for r in rows] == ["0.6800", "0.6500", "0.6100", "nan"]
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    """An MLflow UI that has started, as far as ``make ui``'s wait can tell: ``/health`` answers 200."""
+
+    def do_GET(self) -> None:
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+        self.wfile.write(b"OK")
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+def test_make_ui_prints_the_page_once_the_server_answers_or_says_the_server_ended(
+        sweep: tuple[str, str, dict[str, str]], capsys: pytest.CaptureFixture[str]) -> None:
+    """``make ui`` starts the server first and prints the page once it answers (``--wait-for-ui <its PID>``): a page printed
+    before the ~15 s the UI takes to start was refused when opened at once. A server that ends first (a port in use) is
+    said, pointing at its own error, instead of a page nobody serves; never a wait for nothing. So is a port another server
+    answers on before this one could have started (the page would have been that server's)."""
+    uri, parent, _ = sweep
+    port, servers = free_port(), []
+
+    def start() -> None:  # a second after the wait began: the port is bound and answers only from then on
+        servers.append(http.server.HTTPServer(("127.0.0.1", port), _Health))
+        servers[0].serve_forever()
+
+    answering = threading.Timer(1.0, start)
+    answering.start()
+    try:
+        started = time.monotonic()
+        assert compare.main(["--ui-url", "--uri", uri, "--port", str(port), "--wait-for-ui", str(os.getpid())]) == 0
+        assert time.monotonic() - started >= 1.0
+    finally:
+        answering.cancel()  # not started yet (the wait failed early): it never will be
+        while answering.finished.is_set() and answering.is_alive() and not servers:
+            time.sleep(0.01)  # started: its server is being made
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+        answering.join()
+    experiment = MlflowClient(tracking_uri=uri).get_run(parent).info.experiment_id
+    assert capsys.readouterr().out == f"http://127.0.0.1:{port}/#/experiments/{experiment}?workflowType=machine_learning\n"
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])  # left unreaped, as make's shell leaves its server till `wait`
+    while Path(f"/proc/{ended.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        time.sleep(0.05)
+    started = time.monotonic()
+    assert compare.main(["--ui-url", "--uri", uri, "--port", str(free_port()), "--wait-for-ui", str(ended.pid)]) == 0
+    said = capsys.readouterr()
+    assert time.monotonic() - started < 10 and said.out == ""
+    assert f"the MLflow UI (PID {ended.pid}) ended before it answered on port" in said.err, said.err
+    assert "Fix: make ui PORT=<a free port>" in said.err
+    ended.wait()
+    taken = http.server.HTTPServer(("127.0.0.1", free_port()), _Health)  # another server on the port from the start
+    serving = threading.Thread(target=taken.serve_forever)
+    serving.start()
+    try:
+        assert compare.main(["--ui-url", "--uri", uri, "--port", str(taken.server_port), "--wait-for-ui", str(os.getpid())]) == 0
+    finally:
+        taken.shutdown()
+        serving.join()
+        taken.server_close()
+    said = capsys.readouterr()
+    assert said.out == "" and f"cannot serve port {taken.server_port}: another server already answers there" in said.err
