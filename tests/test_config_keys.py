@@ -1,7 +1,7 @@
 """The guard against a resume's false warning about a new config key: the keys every option composes today against the
 snapshot ``tests/config_keys.txt`` (:mod:`tests.config_keys`). A key added since must come with a rule that makes a
 checkpoint written before it resume without a word (``resume.ADDED_KEYS``, or a ``silent`` entry of
-``resume.RESUME_CHANGES``), then the snapshot is rewritten; docs/architecture.md, "Adding a config key"."""
+``resume.RESUME_CHANGES``), then the snapshot is rewritten (docs/architecture.md, "Adding a config key")."""
 
 from __future__ import annotations
 
