@@ -27,7 +27,8 @@ SNAPSHOT = Path(__file__).with_name("config_keys.txt")
 HEADER = """\
 # The config keys a checkpoint's saved config holds and a resume compares (keys under a section resume never warns
 # about, as checkpoint.* and tracking.*, are left out), for each option of each config group, the other groups at their
-# defaults: `group=option key`. tests/test_config_keys.py checks it (docs/architecture.md, "Adding a config key").
+# defaults: the default composition's keys once (`(defaults) key`), then each option's difference from them
+# (`group=option +key`, `group=option -key`). tests/test_config_keys.py checks it (docs/architecture.md, "Adding a config key").
 # Rewrite it with: python -m tests.config_keys --write
 """
 PRESETS = ("experiment", "debug")
@@ -68,24 +69,56 @@ def compose_options() -> dict[str, dict[str, Any]]:
     return out
 
 
+DEFAULTS = "(defaults)"
+"""The snapshot's name for the default composition, whose keys it lists once; each option's lines are its difference."""
+
+
 def snapshot_lines(options: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    """``group=option key`` for every key of every option, sorted."""
-    return sorted(f"{option} {key}" for option, settings in options.items() for key in settings)
+    """The default composition's keys (``(defaults) key``), then each option's keys as its difference from them
+    (``group=option +key`` / ``group=option -key``; an option that adds or drops nothing has no line), sorted: the
+    snapshot a reader can diff, ~60 options × ~130 keys written out whole would be ~7,500 lines of repeats."""
+    common = set(_defaults(options))
+    lines = sorted(f"{DEFAULTS} {key}" for key in common)
+    for option, settings in sorted(options.items()):
+        lines += sorted([f"{option} +{key}" for key in settings.keys() - common] + [f"{option} -{key}" for key in common - settings.keys()])
+    return lines
+
+
+def _defaults(options: Mapping[str, Mapping[str, Any]]) -> Mapping[str, Any]:
+    """The default composition's settings: :func:`compose_options` gives every group's default option that one mapping."""
+    return next(v for o, v in options.items() if any(w is v for p, w in options.items() if p != o))
 
 
 def read_snapshot(path: Path = SNAPSHOT) -> dict[str, set[str]]:
-    """``{"model=dlrm": {key, …}, …}`` as the snapshot file records it."""
-    out: dict[str, set[str]] = {}
+    """``{"model=dlrm": {key, …}, …}``: each option's keys, the defaults' with its differences applied."""
+    common: set[str] = set()
+    changes: dict[str, list[str]] = {}
     for line in path.read_text().splitlines():
         if line and not line.startswith("#"):
             option, key = line.split(" ", 1)
-            out.setdefault(option, set()).add(key)
+            if option == DEFAULTS:
+                common.add(key)
+            else:
+                changes.setdefault(option, []).append(key)
+    out = {option: set(common) for option in _options_listed(path)}
+    for option, keys in changes.items():
+        for change in keys:
+            (out[option].add if change[0] == "+" else out[option].discard)(change[1:])
     return out
+
+
+def _options_listed(path: Path) -> list[str]:
+    """Every option the snapshot knows, those without a difference included (its ``# options:`` line)."""
+    for line in path.read_text().splitlines():
+        if line.startswith("# options: "):
+            return line.removeprefix("# options: ").split()
+    raise AssertionError(f"{path} lacks its '# options:' line. Fix: python -m tests.config_keys --write")
 
 
 def write_snapshot(path: Path = SNAPSHOT) -> None:
     """Rewrite the snapshot from what composes now."""
-    path.write_text(HEADER + "".join(f"{line}\n" for line in snapshot_lines(compose_options())))
+    options = compose_options()
+    path.write_text(HEADER + f"# options: {' '.join(sorted(options))}\n" + "".join(f"{line}\n" for line in snapshot_lines(options)))
 
 
 if __name__ == "__main__":
