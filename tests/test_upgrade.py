@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from recsys_runner.__main__ import run
-from recsys_runner.checkpoint.resume import Launched, check_changes
+from recsys_runner.checkpoint.resume import ADDED_KEYS, Launched, check_changes
 from recsys_runner.checkpoint.storage import FORMAT, FORMAT_KEY, list_checkpoints
 from recsys_runner.data.encoding.stored import from_json
 from recsys_runner.errors import CheckpointError
@@ -64,12 +64,20 @@ def test_encoders_of_a_newer_format_are_refused_as_a_newer_versions() -> None:
         from_json(json.dumps({"label": "click"}).encode(), "ck/encoders.json")
 
 
-@pytest.mark.parametrize("key", ["train.sanity_eval_batches", "data.next_item"])
+ADDED_SINCE = ("train.sanity_eval_batches", "data.next_item", "precision.embedding_data_type", "data.items.header",
+               "data.items.column_names")
+"""Keys added after checkpoints began saving their composed config (up to 2026-12-01), named here so that dropping one's
+rule from ``resume.ADDED_KEYS`` fails; keys added since are in tests/config_keys.txt, whose test guards them."""
+
+
+@pytest.mark.parametrize("key", sorted({*ADDED_SINCE, *ADDED_KEYS}))
 def test_resuming_a_checkpoint_saved_before_a_key_was_added_warns_of_no_change(make_cfg, tmp_path: Path, key: str) -> None:
     """A checkpoint whose composed config predates ``train.sanity_eval_batches`` or file data's ``data.next_item``
     (recsys_runner up to 2026-11-30) lacks them: resumed after the upgrade it warned ``train.sanity_eval_batches: (unset)
     -> 2`` / ``data.next_item: (unset) -> false`` and tagged the run resume_changes, though the sanity check leaves
-    training unchanged bit for bit and ``next_item`` is false for every model but next-item ones, set by the model."""
+    training unchanged bit for bit and ``next_item`` is false for every model but next-item ones, set by the model.
+    So every key of ``ADDED_KEYS`` and :data:`ADDED_SINCE` (file data holds them all): its rule's value is the one a launch
+    composes today, so a checkpoint lacking it resumes without a word."""
     now = composed_settings(make_cfg("data=parquet", f"data.path={tmp_path}/train.parquet", tiny=False), {})
     assert key in now
     before = {k: value for k, value in now.items() if k != key}
