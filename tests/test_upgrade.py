@@ -67,7 +67,7 @@ def test_encoders_of_a_newer_format_are_refused_as_a_newer_versions() -> None:
 ADDED_SINCE = ("train.sanity_eval_batches", "data.next_item", "precision.embedding_data_type", "data.items.header",
                "data.items.column_names")
 """Keys added after checkpoints began saving their composed config (up to 2026-12-01), named here so that dropping one's
-rule from ``resume.ADDED_KEYS`` fails; keys added since are in tests/config_keys.txt, whose test guards them."""
+rule from ``resume.ADDED_KEYS`` fails; keys added since are in tests/resume_keys.txt, whose test guards them."""
 
 
 @pytest.mark.parametrize("key", sorted({*ADDED_SINCE, *ADDED_KEYS}))

@@ -1,5 +1,5 @@
 """The guard against a resume's false warning about a new config key: the keys every option composes today against the
-snapshot ``tests/config_keys.txt`` (:mod:`tests.config_keys`). A key added since must come with a rule that makes a
+snapshot ``tests/resume_keys.txt`` (:mod:`tests.resume_keys`). A key added since must come with a rule that makes a
 checkpoint written before it resume without a word (``resume.ADDED_KEYS``, or a ``silent`` entry of
 ``resume.RESUME_CHANGES``), then the snapshot is rewritten (docs/architecture.md, "Adding a config key")."""
 
@@ -11,9 +11,9 @@ from typing import Any
 
 from recsys_runner.checkpoint.resume import Launched, check_changes
 from recsys_runner.errors import CheckpointError
-from tests.config_keys import compose_options, read_snapshot
+from tests.resume_keys import compose_options, read_snapshot
 
-REWRITE = "python -m tests.config_keys --write"
+REWRITE = "python -m tests.resume_keys --write"
 
 
 def resumes_silently(key: str, settings: Mapping[str, Any], path: Path) -> bool:
@@ -57,9 +57,9 @@ def problems(options: Mapping[str, Mapping[str, Any]], snapshot: Mapping[str, se
 
 
 def test_every_config_key_is_in_the_snapshot_or_resume_has_a_rule_for_it(tmp_path: Path) -> None:
-    """Every option of every group composed in-process (~50 composes, a few seconds) against tests/config_keys.txt."""
+    """Every option of every group composed in-process (~50 composes, a few seconds) against tests/resume_keys.txt."""
     found = problems(compose_options(), read_snapshot(), tmp_path)
-    assert not found, "config keys differ from tests/config_keys.txt:\n" + "\n".join(found)
+    assert not found, "config keys differ from tests/resume_keys.txt:\n" + "\n".join(found)
 
 
 def test_the_guard_names_each_kind_of_difference_with_its_fix(tmp_path: Path) -> None:

@@ -1,11 +1,11 @@
 """The config keys a checkpoint saves and a resume compares, per option of every group a training launch composes
-(``tests/config_keys.txt``), and the command that rewrites that snapshot: ``python -m tests.config_keys --write``.
+(``tests/resume_keys.txt``), and the command that rewrites that snapshot: ``python -m tests.resume_keys --write``.
 
 Why: a checkpoint saves its launch's composed config (:func:`recsys_runner.runtime.composed_settings`), and a resume
 compares it key by key (:func:`recsys_runner.checkpoint.resume.check_changes`). A key added to the config since is
 absent from every checkpoint written before, so resuming one after the upgrade warned ``key: (unset) -> value`` and
 tagged the run ``resume_changes`` unless ``resume.ADDED_KEYS`` (or a ``silent`` rule) said what earlier runs had.
-tests/test_config_keys.py compares what composes today with the snapshot, so a new key without such a rule fails
+tests/test_resume_keys.py compares what composes today with the snapshot, so a new key without such a rule fails
 there instead of in a user's resumed run.
 """
 
@@ -23,13 +23,13 @@ from recsys_runner.config import register_configs
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.runtime import composed_settings
 
-SNAPSHOT = Path(__file__).with_name("config_keys.txt")
+SNAPSHOT = Path(__file__).with_name("resume_keys.txt")
 HEADER = """\
 # The config keys a checkpoint's saved config holds and a resume compares (keys under a section resume never warns
 # about, as checkpoint.* and tracking.*, are left out), for each option of each config group, the other groups at their
 # defaults: the default composition's keys once (`(defaults) key`), then each option's difference from them
-# (`group=option +key`, `group=option -key`). tests/test_config_keys.py checks it (docs/architecture.md, "Adding a config key").
-# Rewrite it with: python -m tests.config_keys --write
+# (`group=option +key`, `group=option -key`). tests/test_resume_keys.py checks it (docs/architecture.md, "Adding a config key").
+# Rewrite it with: python -m tests.resume_keys --write
 """
 PRESETS = ("experiment", "debug")
 """Groups of presets, not snapshot: they set values of keys the other groups' options define and choose those options
@@ -112,7 +112,7 @@ def _options_listed(path: Path) -> list[str]:
     for line in path.read_text().splitlines():
         if line.startswith("# options: "):
             return line.removeprefix("# options: ").split()
-    raise AssertionError(f"{path} lacks its '# options:' line. Fix: python -m tests.config_keys --write")
+    raise AssertionError(f"{path} lacks its '# options:' line. Fix: python -m tests.resume_keys --write")
 
 
 def write_snapshot(path: Path = SNAPSHOT) -> None:
@@ -123,6 +123,6 @@ def write_snapshot(path: Path = SNAPSHOT) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:] != ["--write"]:
-        sys.exit("usage: python -m tests.config_keys --write   (rewrites tests/config_keys.txt from conf/ and the config dataclasses)")
+        sys.exit("usage: python -m tests.resume_keys --write   (rewrites tests/resume_keys.txt from conf/ and the config dataclasses)")
     write_snapshot()
     print(f"wrote {SNAPSHOT}")
