@@ -136,6 +136,18 @@ def _start_training(tmp: Path, server: MotoServer, directory: str, request_timeo
     raise AssertionError("".join(lines[-50:]))
 
 
+def _main_thread_blocked(pid: int, for_s: float = 0.5) -> bool:
+    """Whether the main thread of process ``pid`` sleeps through ``for_s`` seconds without using CPU: blocked, as a
+    thread waiting on a stalled store is (a training step computes; a thread starved of a core is runnable, not asleep)."""
+    def sample() -> tuple[str, int]:
+        fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[11]) + int(fields[12])  # state, then user + system clock ticks
+
+    state, used = sample()
+    time.sleep(for_s)
+    return state == "S" and sample() == ("S", used)
+
+
 @pytest.mark.slow
 def test_training_whose_checkpoint_store_stalls_fails_or_stops_with_the_resume_command(store: MotoServer, tmp_path: Path) -> None:
     """The store stops answering after the first checkpoints: the run fails within the bound with one line and the
@@ -157,14 +169,14 @@ def test_training_whose_checkpoint_store_stalls_fails_or_stops_with_the_resume_c
     saved = stores.fsspec_filesystem("s3://ckpt/stalled")[0].find("ckpt/stalled")
     assert any(p.endswith("meta.json") for p in saved), saved
 
-    # The bound: 2 × 21 s + 1 s. The lock's lease is long, so its renewal (every lease / 3, from a background thread)
-    # cannot be the request found waiting below: a signal then would come while the main thread trains, and the
-    # checkpoint of the step it stops at would wait on the store for the whole bound (CI once met this).
+    # The bound: 2 × 21 s + 1 s. The signal must come while the main thread waits on the store: one that comes while it
+    # trains is taken after the step, whose checkpoint then waits for the whole bound (CI met this twice, with a request
+    # of another thread found waiting, or the main thread's about to be); so both are waited for.
     live, lines = _start_training(tmp_path, store, "s3://ckpt/stopped", 20, "storage.lock_ttl_s=3600")
     store.pause()
     deadline = time.monotonic() + 60
-    while not store.request_waiting():  # the main thread's next checkpoint write waits on the store
-        assert live.poll() is None and time.monotonic() < deadline, "no request reached the paused store"
+    while not (store.request_waiting() and _main_thread_blocked(live.pid)):
+        assert live.poll() is None and time.monotonic() < deadline, "no request of the main thread reached the paused store"
         time.sleep(0.05)
     sent = time.monotonic()
     live.send_signal(signal.SIGTERM)
