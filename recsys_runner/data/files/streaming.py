@@ -47,7 +47,7 @@ from recsys_runner.data.files.splits import Split, eval_mask, shard_ranges, spli
 from recsys_runner.data.files.tabular_config import DEFAULT_EVAL_FRACTION, TabularDataConfig
 from recsys_runner.data.locate import resolve_files
 from recsys_runner.data.packed import unpacked_stream
-from recsys_runner.data.schema import Schema
+from recsys_runner.data.schema import Schema, check_funnel
 from recsys_runner.data.sequences.histories import expected_rows
 from recsys_runner.data.sequences.tokens import check_budget
 from recsys_runner.data.workers import worker_loader
@@ -73,6 +73,7 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         self.trained = encoders
         """The checkpoint's encoders this data was built with (evaluate, predict, a resume), else ``None`` (fitted now)."""
         self.features = schema.features()
+        check_funnel(config.funnel, dict(zip(schema.label_tasks, schema.label_columns, strict=True)), schema.label_kinds)
         self.batch_size = config.batch_size
         self._bad_rows = 0
         self._truncated_rows = 0
