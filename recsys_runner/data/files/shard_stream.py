@@ -26,8 +26,9 @@ from recsys_runner.data.files.csv_source import CsvSource
 from recsys_runner.data.files.prefetch import read_ahead
 from recsys_runner.data.files.splits import Split, shard_ranges
 from recsys_runner.data.files.tabular_config import TabularDataConfig
+from recsys_runner.data.funnel import FUNNEL_WHY
 from recsys_runner.data.packed import Packed, packed_stream
-from recsys_runner.data.schema import FUNNEL_WHY, Schema
+from recsys_runner.data.schema import Schema
 from recsys_runner.data.sequences.histories import history_costs, token_cuts
 from recsys_runner.errors import DataError
 

@@ -45,9 +45,10 @@ from recsys_runner.data.files.shard_stream import ShardReader, ShardStream
 from recsys_runner.data.files.sources import ParquetSource
 from recsys_runner.data.files.splits import Split, eval_mask, shard_ranges, split_key
 from recsys_runner.data.files.tabular_config import DEFAULT_EVAL_FRACTION, TabularDataConfig
+from recsys_runner.data.funnel import check_funnel
 from recsys_runner.data.locate import resolve_files
 from recsys_runner.data.packed import unpacked_stream
-from recsys_runner.data.schema import Schema, check_funnel
+from recsys_runner.data.schema import Schema
 from recsys_runner.data.sequences.histories import expected_rows
 from recsys_runner.data.sequences.tokens import check_budget
 from recsys_runner.data.workers import worker_loader

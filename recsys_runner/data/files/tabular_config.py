@@ -16,12 +16,12 @@ from recsys_runner.data.catalogue.item_files import ItemsConfig
 from recsys_runner.data.catalogue.negatives import NegativesConfig
 from recsys_runner.data.encoding.fit import InferConfig
 from recsys_runner.data.encoding.rows import BAD_ROW_MODES
+from recsys_runner.data.funnel import check_funnel
 from recsys_runner.data.schema import (
     DENSE_TRANSFORMS,
     DenseColumn,
     Schema,
     SparseColumn,
-    check_funnel,
     check_labels,
 )
 from recsys_runner.data.schema_sequences import check_group, sequence_groups
