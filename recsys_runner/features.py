@@ -366,6 +366,10 @@ class DataNeeds:
     (``data=synthetic_sequences``'s defaults)."""
     next_item: bool = False
     """A next-item model: every row's candidate should be the item that truly came next (no sampled negatives)."""
+    funnel: tuple[str, ...] = ()
+    """Binary label tasks that form a funnel, in order: each later one positive only on rows where the one before it is
+    (ESMM's click, then the conversion). Files then refuse (or skip, ``data.on_bad_rows``) a row that breaks it as they
+    read it, naming the file, row and columns (``data.funnel``); generated data draws funnels."""
     task_label_columns: tuple[tuple[str, str], ...] = ()
     """``(task, column)`` for each task the model trains on a label column not named after it
     (``model.task_specs.<task>.label``): files must have that column; generated data draws the label and only names it so."""

@@ -88,7 +88,7 @@ key is the setting's key (a group's for its option: ``model``, ``optim/sparse``)
 ``model.dropout`` …) is warned about (:data:`WARNED_BY_DEFAULT`); a ``warn`` entry's own reason is added to the warning. Shapes that cannot load (``model.embedding_dim``) are
 refused by the loader, naming the tensors."""
 ADDED_KEYS: dict[str, Any] = {"precision.embedding_data_type": "fp32", "data.items.header": None, "data.items.column_names": None,
-                              "data.next_item": False}
+                              "data.next_item": False, "data.funnel": None}
 """Keys added after checkpoints began saving their composed config, each with the value every run before it trained with:
 such a checkpoint's missing key is compared as that value, so resuming it after an upgrade warns about no change."""
 SECTIONS = ("checkpoint", "tracking", "storage", "distributed", "precision.embedding_data_type_by_feature")

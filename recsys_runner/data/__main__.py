@@ -56,6 +56,7 @@ from recsys_runner.data.files.tabular_config import CRITEO_COLUMNS, CRITEO_NUM_S
 from recsys_runner.data.locate import PARQUET_SUFFIXES, resolve_files
 from recsys_runner.data.schema import DenseColumn, Schema, SparseColumn
 from recsys_runner.data.schema_files import SCHEMA_METADATA_KEY, read_schema_file, schema_json, schema_yaml, stored_schema
+from recsys_runner.data.sequences.coverage import vocab_line
 from recsys_runner.data.sequences.events import DUPLICATES, LogSpec
 from recsys_runner.data.sequences.interactions import convert_log
 from recsys_runner.data.sequences.output import OUTPUT_FILES
@@ -329,6 +330,9 @@ def sequences(args: argparse.Namespace) -> None:
                   f"and their histories hold no training event")
     for table, count in rows.unseen.items():
         print(f"--vocab {args.vocab}: {count} {table} id(s) of this log are not in its mapping (each reads an OOV row)")
+    if args.vocab is not None:
+        for part, coverage in rows.coverage.items():
+            print(vocab_line(args.vocab, part, coverage))
     names = part_names(spec.split, spec.valid_from)
     written = ", ".join(f"{rows.parts[n].num_rows} {'training' if n == 'train' else n} rows to {out}/{n}.parquet" for n in names)
     per = "one per user: its whole sequence, up to" if spec.rows == "per-user" else "histories: up to"

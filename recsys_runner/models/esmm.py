@@ -74,10 +74,11 @@ class ESMMConfig(ModelConfig):
     never."""
     conversion_without_click: str = "error"
     """A row whose conversion label is positive but whose click is 0 (a funnel ESMM's product cannot fit):
-    ``error`` stops with a :class:`~recsys_runner.errors.DataError` at the first batch holding one, at step 1 when the
-    first batch does, naming how many rows (every batch is checked, train and eval, on the host as it is read, before its
-    copy to the device: no host sync in the step); ``and`` trains and evaluates ``ctcvr`` on click∧conversion (such rows
-    count as not converted), unchecked."""
+    ``error`` stops with a :class:`~recsys_runner.errors.DataError`: files declare the funnel (``data.funnel``, from
+    :meth:`data_needs`) and name the file, row and both columns of the first such row as it is read; every batch is also
+    checked, train and eval, on the host as it is read, before its copy to the device (no host sync in the step), naming
+    how many of its rows; ``and`` trains and evaluates ``ctcvr`` on click∧conversion (such rows count as not converted),
+    unchecked."""
 
     def __post_init__(self) -> None:
         check_embedding_dim("model.embedding_dim", self.embedding_dim)
@@ -99,9 +100,11 @@ class ESMMConfig(ModelConfig):
 
     def data_needs(self) -> DataNeeds:
         """Two binary labels: the click, then the conversion (generated data draws a funnel: a conversion only on a
-        clicked row)."""
+        clicked row); with ``conversion_without_click=error`` the funnel, which files check row by row as they are read
+        (``data.funnel``: naming the file, row and columns before the batch reaches the model)."""
         return DataNeeds(labels=(self.click_label, self.conversion_label), label_kinds=("binary", "binary"),
-                         label_classes=(0, 0))
+                         label_classes=(0, 0),
+                         funnel=(self.click_label, self.conversion_label) if self.conversion_without_click == "error" else ())
 
     def resolve_tasks(self, features: FeatureSpec) -> tuple[Task, ...]:
         """``ctr``, ``cvr`` (masked by the click), ``ctcvr`` (a :class:`ConversionTask`) and, when the data has

@@ -7,9 +7,9 @@ each dense value filled, clipped, transformed and normalized; a value that is no
 Apart from :mod:`~recsys_runner.data.encoding.rows`, which keeps the sparse columns' ids, because numbers and ids share
 nothing but the bad-row bookkeeping the encoder hands in (``bad``, ``error``).
 
-**Standalone on purpose**, like :mod:`~recsys_runner.data.encoding.rows`: NumPy, PyArrow and
-:mod:`~recsys_runner.data.encoding.values` only, and copied into the MLflow model's ``code/``
-(:data:`~recsys_runner.data.encoding.served.SHIPPED`).
+**Standalone on purpose**, like :mod:`~recsys_runner.data.encoding.rows`: NumPy, PyArrow,
+:mod:`~recsys_runner.data.encoding.values` and :mod:`~recsys_runner.data.encoding.keys` only, and copied into the MLflow
+model's ``code/`` (:data:`~recsys_runner.data.encoding.served.SHIPPED`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,11 @@ import numpy as np
 import pyarrow as pa
 
 if TYPE_CHECKING or __package__:
-    from .values import combined, dense_transformed
-else:  # inside the MLflow model: the copy of values.py beside this one in its code/ directory
-    from recsys_values import combined, dense_transformed
+    from .keys import cast_or_none, parse_texts
+    from .values import PLAIN_FLOAT, combined, dense_transformed, plain_floats
+else:  # inside the MLflow model: the copies of keys.py and values.py beside this one in its code/ directory
+    from recsys_keys import cast_or_none, parse_texts
+    from recsys_values import PLAIN_FLOAT, combined, dense_transformed, plain_floats
 
 if TYPE_CHECKING:
     from .rows import Location
@@ -127,20 +129,21 @@ def _numeric(arr: pa.ChunkedArray | pa.Array, name: str, where: Location, bad, e
     if is_number_type(arr.type):
         return arr.cast(pa.float64(), safe=False)  # unsafe: an int64 beyond 2**53 (a ns timestamp) rounds, as a float does
     if (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)) and where.line_offset is not None:
-        try:
-            return arr.cast(pa.float64())
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-            texts = arr.to_pylist()
-            parsed, wrong = [], np.zeros(len(texts), dtype=bool)
-            truths = TEXT_TRUTHS if label else {}
-            for i, t in enumerate(texts):
-                try:
-                    parsed.append(None if t is None else truths[t.strip().lower()] if t.strip().lower() in truths else float(t))
-                except ValueError:
-                    parsed.append(None)
-                    wrong[i] = True
-            what = (", but it is a label, and a label is a number: 0 or 1 for a binary task (true/false also read as 1/0), a class "
-                    "index for a multiclass one, any number for regression (data.label_kinds)" if label else "")
-            bad(name, wrong, lambda i: f"{texts[i]!r} is not a number{what}")
-            return pa.array(parsed, pa.float64()).fill_null(0.0) if wrong.any() else pa.array(parsed, pa.float64())
+        cast = cast_or_none(arr, pa.float64())
+        if cast is not None:
+            return cast
+        truths = TEXT_TRUTHS if label else {}
+
+        def number(text: str) -> float:
+            word = text.strip().lower()
+            return truths[word] if word in truths else float(text)
+
+        # a missing field stays missing (the label's check, the dense fill), also in a block with a bad field, where it
+        # had read as 0; one vectorized parse of the plain numbers, Python once per other distinct text (``True``)
+        null = np.asarray(arr.is_null().to_numpy(zero_copy_only=False), dtype=bool)
+        values, wrong = parse_texts(arr.fill_null("0"), PLAIN_FLOAT, plain_floats, number, np.float64)
+        what = (", but it is a label, and a label is a number: 0 or 1 for a binary task (true/false also read as 1/0), a class "
+                "index for a multiclass one, any number for regression (data.label_kinds)" if label else "")
+        bad(name, wrong, lambda i: f"{arr[i].as_py()!r} is not a number{what}")
+        return pa.array(values, pa.float64(), mask=null)
     raise error(f"{where.path}, {where.part}: {not_numbers(name, arr.type, label)}")

@@ -82,6 +82,9 @@ class Encoder:
             message): a next-item model's candidate column when it trains or evaluates, the item that came next, whose
             null an empty bag would read as item ``0``. Empty (the default): a null is an empty bag, as predict's top-k
             rows leave the candidate null.
+        funnel: label tasks (of ``schema.labels``) that form a funnel, in order (``data.funnel``): a row whose later
+            label is positive where the one before it is not (a conversion without a click) is a bad row, ``funnel_why``
+            ending its message. Empty (the default): unchecked.
 
     Histories (``schema.sequences``) are checked and truncated by a :class:`~recsys_runner.data.encoding.histories.HistoryEncoder`;
     ``num_truncated_rows`` counts the rows whose history was longer than its ``max_len``.
@@ -94,9 +97,10 @@ class Encoder:
     a fix for whoever trains, not for a client of the served model, whose model is fixed."""
 
     def __init__(self, schema: Any, on_bad_rows: str = "fail", error: type[Exception] = ValueError,
-                 required: dict[str, str] | None = None) -> None:
+                 required: dict[str, str] | None = None, funnel: tuple[str, ...] = (), funnel_why: str = "") -> None:
         self.schema, self.error = schema, error
         self.required = required or {}
+        self.funnel, self.funnel_why = funnel, funnel_why
         self.skip = on_bad_rows == "skip"
         self.num_bad_rows = 0
         self.histories = HistoryEncoder(schema, error)
@@ -127,6 +131,8 @@ class Encoder:
                 problems.append((column, "", mask, what))
 
         labels = self._label(table, where, bad)
+        if self.funnel:
+            self._funnel(labels, bad)
         dense = np.empty((n, len(self.schema.dense)), dtype=np.float32)
         for j, col in enumerate(self.schema.dense):
             dense[:, j] = self._dense(col, _column(table, col.name), where, bad)
@@ -155,6 +161,18 @@ class Encoder:
         return lambda _: f"it is missing (null or empty): {why}"
 
     # -- label --------------------------------------------------------------------------------------
+    def _funnel(self, labels: np.ndarray, bad) -> None:
+        """Each later task of :attr:`funnel` positive only where the one before it is, over the block at once (``labels
+        [n, T]``; a label already bad reads 0, so its row is named for that)."""
+        tasks, columns = list(self.schema.label_tasks), list(self.schema.label_columns)
+        for before, after in zip(self.funnel[:-1], self.funnel[1:], strict=True):
+            i, j = tasks.index(before), tasks.index(after)
+            broken = (labels[:, j] > 0) & (labels[:, i] <= 0)
+            bad(columns[j], broken, lambda r, before=before, after=after, i=i, j=j: (
+                f"the label of task {after!r} is {labels[r, j]:g} where the label of task {before!r} before it (column "
+                f"{columns[i]!r}) is {labels[r, i]:g}, but data.funnel={list(self.funnel)} has each later label positive only "
+                f"on rows where the one before it is{self.funnel_why}"))
+
     def _label(self, table: pa.Table, where: Location, bad) -> np.ndarray:
         schema = self.schema
         columns = [label_values(table, column, task, schema.label_kind(task), schema.labels is not None, where, bad, self.error,

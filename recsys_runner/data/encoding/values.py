@@ -23,9 +23,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 if TYPE_CHECKING or __package__:
-    from .keys import is_text, parse_hex, value_keys
+    from .keys import cast_or_none, is_text, parse_hex, parse_texts, value_keys
 else:  # inside the MLflow model: the copy of keys.py beside this one in its code/ directory
-    from recsys_keys import is_text, parse_hex, value_keys
+    from recsys_keys import cast_or_none, is_text, parse_hex, parse_texts, value_keys
 
 
 
@@ -82,17 +82,22 @@ def parse_numbers(flat: pa.Array) -> tuple[np.ndarray, np.ndarray]:
         return numbers, np.isnan(numbers)
     if not (pa.types.is_string(flat.type) or pa.types.is_large_string(flat.type)):
         return np.zeros(len(flat), np.float64), np.ones(len(flat), bool)
-    try:
-        numbers = np.asarray(flat.cast(pa.float64()).to_numpy(zero_copy_only=False), dtype=np.float64)
+    cast = cast_or_none(flat, pa.float64())
+    if cast is not None:
+        numbers = np.asarray(cast.to_numpy(zero_copy_only=False), dtype=np.float64)
         return numbers, np.isnan(numbers)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-        numbers, wrong = np.zeros(len(flat), np.float64), np.zeros(len(flat), bool)
-        for i, text in enumerate(flat.to_pylist()):
-            try:
-                numbers[i] = float(text)
-            except ValueError:
-                wrong[i] = True
-        return numbers, wrong | np.isnan(numbers)
+    numbers, wrong = parse_texts(flat, PLAIN_FLOAT, plain_floats, float, np.float64)
+    return numbers, wrong | np.isnan(numbers)
+
+
+PLAIN_FLOAT = r"^[ \t]*[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?[ \t]*$"
+"""Decimal text that Arrow's cast reads as Python's ``float`` does (correctly rounded; spaces trimmed): read vectorized
+by :func:`~recsys_runner.data.encoding.keys.parse_texts`. ``inf``, ``nan``, ``1_0`` and the like go through ``float``."""
+
+
+def plain_floats(texts: pa.Array) -> np.ndarray:
+    """Texts matching :data:`PLAIN_FLOAT` as float64."""
+    return np.asarray(pc.ascii_trim(texts, " \t").cast(pa.float64()).to_numpy(zero_copy_only=False), dtype=np.float64)
 
 
 FEW_BOUNDARIES = 32

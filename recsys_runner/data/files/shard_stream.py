@@ -26,6 +26,7 @@ from recsys_runner.data.files.csv_source import CsvSource
 from recsys_runner.data.files.prefetch import read_ahead
 from recsys_runner.data.files.splits import Split, shard_ranges
 from recsys_runner.data.files.tabular_config import TabularDataConfig
+from recsys_runner.data.funnel import FUNNEL_WHY
 from recsys_runner.data.packed import Packed, packed_stream
 from recsys_runner.data.schema import Schema
 from recsys_runner.data.sequences.histories import history_costs, token_cuts
@@ -53,7 +54,7 @@ class ShardReader:
         if shuffle:
             order = np.random.default_rng([cfg.seed, epoch]).permutation(len(order)).tolist()
         ranges = shard_ranges(split.counts, order, shard, num_shards, equal=train and cfg.drop_remainder)
-        encoder = Encoder(self.schema, cfg.on_bad_rows, DataError, self.required)
+        encoder = self.encoder(cfg.on_bad_rows)
         rng = np.random.default_rng([cfg.seed, epoch, shard]) if shuffle and cfg.shuffle_buffer_rows > 0 else None
         hold = max(cfg.shuffle_buffer_rows, self.batch_size) if rng is not None else self.batch_size
         keep_last = not (train and cfg.drop_remainder)
@@ -107,10 +108,14 @@ class ShardReader:
         if last[0] or last[1] or any(total for _, total in last[2].values()) or any(cut for cut, _ in last[3].values()):
             yield (None, None, None, None, *last, None)
 
+    def encoder(self, on_bad_rows: str) -> Encoder:
+        """The row encoder of this shard's blocks: the schema's columns, the required candidates and ``data.funnel``."""
+        return Encoder(self.schema, on_bad_rows, DataError, self.required, tuple(self.config.funnel or ()), FUNNEL_WHY)
+
     def has_a_row(self, split: Split) -> bool:
         """Whether ``split`` holds a row that is not bad, read in file order up to the first one (every row when none is)."""
         ranges = shard_ranges(split.counts, list(range(len(split.units))), 0, 1, equal=False)
-        return any(len(rows) for rows in self._read_ranges(split, ranges, Encoder(self.schema, "skip", DataError, self.required)))
+        return any(len(rows) for rows in self._read_ranges(split, ranges, self.encoder("skip")))
 
     def _token_batches(self, block: Rows, budget: int, final: bool, order: np.random.Generator) -> tuple[Rows, list[tuple[int, int]], int]:
         """``block`` (sorted by history length with ``group_by_length``), its ``batch_tokens`` batches and the rows they use.

@@ -45,6 +45,7 @@ from recsys_runner.data.files.shard_stream import ShardReader, ShardStream
 from recsys_runner.data.files.sources import ParquetSource
 from recsys_runner.data.files.splits import Split, eval_mask, shard_ranges, split_key
 from recsys_runner.data.files.tabular_config import DEFAULT_EVAL_FRACTION, TabularDataConfig
+from recsys_runner.data.funnel import check_funnel
 from recsys_runner.data.locate import resolve_files
 from recsys_runner.data.packed import unpacked_stream
 from recsys_runner.data.schema import Schema
@@ -73,6 +74,7 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         self.trained = encoders
         """The checkpoint's encoders this data was built with (evaluate, predict, a resume), else ``None`` (fitted now)."""
         self.features = schema.features()
+        check_funnel(config.funnel, dict(zip(schema.label_tasks, schema.label_columns, strict=True)), schema.label_kinds)
         self.batch_size = config.batch_size
         self._bad_rows = 0
         self._truncated_rows = 0

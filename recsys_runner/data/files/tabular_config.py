@@ -16,6 +16,7 @@ from recsys_runner.data.catalogue.item_files import ItemsConfig
 from recsys_runner.data.catalogue.negatives import NegativesConfig
 from recsys_runner.data.encoding.fit import InferConfig
 from recsys_runner.data.encoding.rows import BAD_ROW_MODES
+from recsys_runner.data.funnel import check_funnel
 from recsys_runner.data.schema import (
     DENSE_TRANSFORMS,
     DenseColumn,
@@ -90,13 +91,29 @@ class TabularDataConfig(DataConfig):
     model trains toward and is judged against, so a row whose candidate is missing (null) is a bad row (``on_bad_rows``),
     never an empty bag read as item ``0``. Predict's top-k rows, which need no candidate, are read apart and may leave it null."""
 
+    funnel: list[str] | None = None
+    """Binary label tasks (of ``data.labels``) that form a funnel, in order, e.g. ``[ctr, cvr]``: each later label is
+    positive only on rows where the one before it is (a conversion is counted only after a click). A row that breaks
+    it (``cvr`` 1 where ``ctr`` is 0: a mis-joined label) is a bad row as it is read, naming the file, the row and both
+    columns: it stops the run (``on_bad_rows: fail``) or is skipped and counted (``skip``). ``model=esmm`` sets it to
+    ``[model.click_label, model.conversion_label]`` (unless ``model.conversion_without_click=and``), whose pCTCVR =
+    pCTR x pCVR cannot fit such a row; set it for any multi-task model whose labels are a funnel. ``null``: unchecked."""
+
     def takes_encoders(self) -> bool:
         """Files are encoded by fitted encoders, which a checkpoint stores (:mod:`recsys_runner.data.encoding.stored`)."""
         return True
 
     def for_model(self, needs: DataNeeds) -> TabularDataConfig:
-        """The files as they are, told whether their rows are a next-item model's (:attr:`next_item`)."""
-        return self if self.next_item == needs.next_item else replace(self, next_item=needs.next_item)
+        """The files as they are, told whether their rows are a next-item model's (:attr:`next_item`) and the funnel its
+        labels form (:attr:`funnel`, when not set here). A funnel naming a task ``data.labels`` lacks is left to the
+        model, which names the labels it needs and the fix."""
+        changes: dict[str, Any] = {}
+        if self.next_item != needs.next_item:
+            changes["next_item"] = needs.next_item
+        labels = mapping_option(getattr(self, "labels", None), "data.labels")
+        if self.funnel is None and needs.funnel and (labels is None or set(needs.funnel) <= set(labels)):
+            changes["funnel"] = list(needs.funnel)
+        return replace(self, **changes) if changes else self
 
     def __post_init__(self) -> None:
         require(bool(self.path), "data.path is required: a file, a directory or a glob, e.g. data.path=/data/train/")
@@ -166,6 +183,7 @@ class SchemaFields(TabularDataConfig):
         kinds = mapping_option(self.label_kinds, "data.label_kinds")
         if self.label is not None or labels is not None or kinds:  # neither: detected from the files' columns
             check_labels(self.label, labels, kinds)
+        check_funnel(self.funnel, labels, kinds)
         require(self.label_threshold is None or (labels is None and math.isfinite(self.label_threshold)),
                 f"data.label_threshold={self.label_threshold} makes one data.label binary (a finite number); it does not apply to data.labels")
         require(self.schema is None or not (self.dense or self.sparse or self.label is not None or labels is not None

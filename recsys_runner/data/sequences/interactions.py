@@ -41,12 +41,12 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from recsys_runner import stores
 from recsys_runner.data.schema import Schema, SparseColumn
 from recsys_runner.data.schema_files import SCHEMA_METADATA_KEY, schema_json
+from recsys_runner.data.sequences.coverage import PartCoverage, Spans, part_coverage
 from recsys_runner.data.sequences.events import Events, LogSpec, duplicates_message, encode, read_log
 from recsys_runner.data.sequences.mapping import VOCAB_METADATA_KEY, EarlierVocab, Table, write_vocab
 from recsys_runner.data.sequences.output import StagedOutput
@@ -142,20 +142,32 @@ def rows_schema(events: Events, spec: LogSpec) -> Schema:
     return Schema(label="label", sparse=sparse, sequences=[group])
 
 
-def part_tables(events: Events, h: Histories, spec: LogSpec) -> tuple[dict[str, pa.Table], int]:
+def part_tables(events: Events, h: Histories, spec: LogSpec) -> tuple[dict[str, pa.Table], dict[str, Spans], int]:
     """Each part's rows (:func:`~recsys_runner.data.sequences.splits.split_parts`; a held-out event takes its copies
-    along, so a held-out row is never also a training row), per event or per user; and the users leave-two-out leaves
-    in train only (fewer than 3 events)."""
+    along, so a held-out row is never also a training row), per event or per user; where each row's candidate and
+    history lie among the sorted events; and the users leave-two-out leaves in train only (fewer than 3 events)."""
     layout: Sorted = sorted_layout(events.user[h.order], events.same[h.order])
     parts, short = split_parts(spec.split, events.time[h.order], layout, spec.eval_from, spec.valid_from)
-    tables = {}
+    tables, spans = {}, {}
     for name, mask in parts.items():
         if spec.rows == "per-user":
             rows, begin, end = per_user_rows(mask, layout, spec.max_len)
-            tables[name] = rows_table(events, h, rows, (begin, end))
         else:
-            tables[name] = rows_table(events, h, np.flatnonzero(mask))
-    return tables, short
+            rows = np.flatnonzero(mask)
+            begin, end = h.begin[rows], h.end[rows]
+        tables[name] = rows_table(events, h, rows, (begin, end))
+        spans[name] = Spans(rows, begin, end)
+    return tables, spans, short
+
+
+def coverage(events: Events, h: Histories, spans: dict[str, Spans], oov_buckets: int) -> dict[str, PartCoverage]:
+    """Each part's :class:`~recsys_runner.data.sequences.coverage.PartCoverage`: users told apart by their raw ids
+    (:attr:`Events.user`, never the ids the rows hold, which new users share); a user or item unseen by the mapping is
+    one whose id is an OOV row (past the table's values)."""
+    o = h.order
+    new_user = events.ids["user_id"][o] >= events.sizes["user_id"] - oov_buckets
+    new_item = events.ids["item_id"][o] >= events.sizes["item_id"] - oov_buckets
+    return part_coverage(events.user[o], new_user, new_item, spans)
 
 
 @dataclass(frozen=True)
@@ -175,10 +187,16 @@ class LogRows:
     """With ``--vocab``: per table, the distinct raw ids the earlier mapping has not seen (each reads an OOV row)."""
     num_short_users: int = 0
     """Leave-two-out: users with fewer than 3 events, all of whose events are training rows (no valid/test row)."""
-    cold_rows: dict[str, int] = field(default_factory=dict)
-    """Per held-out part, its rows of users without a training row (a user's single event under leave-last-out, or
-    all of a user's events at or after ``--eval-from``): rows of a user the model never trained on, whose histories hold
-    no training event. Counted so that the command says it, as the eval's cold-start share."""
+    coverage: dict[str, PartCoverage] = field(default_factory=dict)
+    """Per part, what its rows hold that the model has not trained on (:mod:`~recsys_runner.data.sequences.coverage`):
+    rows of users without a training row, and with ``--vocab`` users and items the earlier mapping has not seen."""
+
+    @property
+    def cold_rows(self) -> dict[str, int]:
+        """Per held-out part, its rows of users (raw ids) without a training row (a user's single event under
+        leave-last-out, or all of a user's events at or after ``--eval-from``): rows of a user the model never trained
+        on, whose histories hold no training event. Counted so that the command says it, as the eval's cold-start share."""
+        return {name: c.untrained_rows for name, c in self.coverage.items() if name != "train"}
 
     @property
     def train(self) -> pa.Table:
@@ -207,7 +225,7 @@ def log_to_rows(table: pa.Table, spec: LogSpec, where: str, earlier: EarlierVoca
     if copies and spec.duplicates == "drop":  # the first copy stays: ids, numbered by sorted value, do not change
         events = events.take(~events.copy)
     h = history_bounds(events.user, events.time, spec.max_len, ties=events.ties)
-    parts, short = part_tables(events, h, spec)
+    parts, spans, short = part_tables(events, h, spec)
     how = {"time": f"--split time --eval-from {spec.eval_from}" + (f" --valid-from {spec.valid_from}" if spec.valid_from is not None else ""),
            }.get(spec.split, f"--split {spec.split}")
     for name, rows in parts.items():
@@ -216,10 +234,8 @@ def log_to_rows(table: pa.Table, spec: LogSpec, where: str, earlier: EarlierVoca
                 "users with at least 3 events, or --split leave-last-out" if spec.split == "leave-two-out" else "another --split"
             raise DataError(f"{where}: {how} leaves no {'training' if name == 'train' else name} rows ({len(events.time)} events, times "
                             f"{int(events.time.min())} … {int(events.time.max())}). Fix: {fix}")
-    trained = parts["train"].column("user_id").combine_chunks()
-    cold = {name: int(pc.sum(pc.invert(pc.is_in(rows.column("user_id"), value_set=trained))).as_py() or 0)
-            for name, rows in parts.items() if name != "train"}
-    return LogRows(parts, rows_schema(events, spec), table.num_rows, copies, encoded.tables, encoded.unseen, short, cold)
+    return LogRows(parts, rows_schema(events, spec), table.num_rows, copies, encoded.tables, encoded.unseen, short,
+                   coverage(events, h, spans, earlier.oov_buckets if earlier else spec.oov_buckets))
 
 
 def write_rows(table: pa.Table, schema: Schema, path: str, row_group_rows: int = 65_536, rows: str = "per-event") -> None:

@@ -44,15 +44,14 @@ def token_slices(costs: np.ndarray, budget: int) -> list[tuple[int, int]]:
     costs = np.asarray(costs, dtype=np.int64)
     if costs.size and int(costs.max()) > budget:
         raise ValueError(f"a row costs {int(costs.max())} tokens, more than the budget {budget}")
+    # one search per slice, not a Python step per row: a slice ends before the first row whose running total passes it
+    total = np.concatenate([[0], np.cumsum(costs)])
     slices: list[tuple[int, int]] = []
-    start, total = 0, 0
-    for i, cost in enumerate(costs.tolist()):
-        if total + cost > budget:
-            slices.append((start, i))
-            start, total = i, 0
-        total += cost
-    if start < len(costs):
-        slices.append((start, len(costs)))
+    start = 0
+    while start < len(costs):
+        stop = int(np.searchsorted(total, total[start] + budget, side="right")) - 1
+        slices.append((start, stop))
+        start = stop
     return slices
 
 
@@ -67,13 +66,19 @@ def padded_slices(costs: np.ndarray, budget: int) -> list[tuple[int, int]]:
     costs = np.asarray(costs, dtype=np.int64)
     if costs.size and int(costs.max()) > budget:
         raise ValueError(f"a row costs {int(costs.max())} tokens, more than the budget {budget}")
+    # rows × the running largest cost only grows along a slice, so the rows that fit are a prefix: found over a window
+    # of rows at a time (twice the last slice's rows, doubled until the slice ends in it), not a Python step per row
     slices: list[tuple[int, int]] = []
-    start, widest = 0, 0
-    for i, cost in enumerate(costs.tolist()):
-        if (i - start + 1) * max(widest, cost) > budget:
-            slices.append((start, i))
-            start, widest = i, 0
-        widest = max(widest, cost)
-    if start < len(costs):
-        slices.append((start, len(costs)))
+    start, width, n = 0, 64, len(costs)
+    while start < n:
+        while True:
+            window = costs[start : start + width]
+            fits = np.arange(1, len(window) + 1) * np.maximum.accumulate(window) <= budget
+            rows = len(window) if fits.all() else int(np.argmin(fits))
+            if rows < len(window) or start + len(window) >= n:
+                break
+            width *= 2
+        slices.append((start, start + rows))
+        start += rows
+        width = max(64, 2 * rows)
     return slices
