@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from recsys_runner import uris
+from recsys_runner import provenance, uris
 from recsys_runner.checkpoint.config import RESUME_WORDS, CheckpointConfig, TrainState
 from recsys_runner.checkpoint.storage import CheckpointStorage, TensorIndex
 from recsys_runner.checkpoint.weights import TABLE_CONVERSION, CarriedRows, TrainingParts, load_into
@@ -354,6 +354,8 @@ def load_run(storage: CheckpointStorage, path: Path, parts: TrainingParts, confi
                               f"so it is corrupt inside or from a different model. Nothing was resumed. Fix: choose one with {pick}, "
                               "or start over with checkpoint.resume=never") from None
     parts.take(loaded, with_optimizer)
+    if rank == 0:
+        provenance.note_other_code(f"checkpoint {path}", meta)
     if ranked is None:
         log.info("initialized from %s (%d tensors)", path, len(loaded))
         if carry is not None and rank == 0:
