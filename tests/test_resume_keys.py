@@ -15,7 +15,7 @@ import pytest
 from recsys_runner.checkpoint import resume
 from recsys_runner.checkpoint.resume import Launched, check_changes, renamed
 from recsys_runner.errors import CheckpointError
-from tests.resume_keys import compose_options, read_snapshot
+from tests.resume_keys import _owned, _rounds, compose_options, read_snapshot
 
 REWRITE = "python -m tests.resume_keys --write"
 
@@ -90,7 +90,8 @@ def problems(options: Mapping[str, Mapping[str, Any]], snapshot: Mapping[str, se
 
 
 def test_every_config_key_is_in_the_snapshot_or_resume_has_a_rule_for_it(tmp_path: Path) -> None:
-    """Every option of every group composed in-process (~50 composes, a few seconds) against tests/resume_keys.txt."""
+    """Every option of every group composed in-process (~20 composes in rounds, tests.resume_keys.compose_options)
+    against tests/resume_keys.txt."""
     found = problems(compose_options(), read_snapshot(), tmp_path)
     assert not found, "config keys differ from tests/resume_keys.txt:\n" + "\n".join(found)
 
@@ -130,3 +131,18 @@ def test_a_key_gone_beside_a_new_one_is_a_rename_when_renamed_keys_maps_it(tmp_p
     monkeypatch.setattr(resume, "RENAMED_KEYS", {"train.steps": "train.num_steps"})
     assert problems(now, snapshot, tmp_path) == [f"train.num_steps (new under model=deepfm and 1 more options): train.steps "
                                                  f"renamed, as resume.RENAMED_KEYS says. Fix: {REWRITE}"]
+
+
+def test_a_round_chooses_one_option_per_group_and_never_a_group_with_its_subgroup() -> None:
+    """The rounds ``compose_options`` composes in (each option's settings are the round's under its group): two options of
+    one group, or ``optim=sgd`` (which chooses ``optim/sparse`` itself) beside ``optim/sparse=adam``, would mix."""
+    varied = [("model", "dlrm"), ("model", "dcn"), ("data", "csv"), ("optim", "sgd"), ("optim", "adam"),
+              ("optim/sparse", "adam"), ("optim/sparse", "sgd"), ("optim/dense", "adam")]
+    rounds = _rounds(varied)
+    assert sorted(v for chosen in rounds for v in chosen) == sorted(varied)
+    for chosen in rounds:
+        groups = [group for group, _ in chosen]
+        assert len(groups) == len(set(groups)) and not ("optim" in groups and any(g.startswith("optim/") for g in groups))
+    assert len(rounds) == 4  # optim's 2 options, then optim/sparse's 2 beside optim/dense's 1
+    assert _owned("optim", "optim.sparse.lr") and _owned("optim", "optim/sparse") and not _owned("optim/sparse", "optim.lr")
+    assert _owned("data", "experiment/data@data") and not _owned("model", "data.path")
