@@ -300,7 +300,7 @@ def _no_such_key(parts: list[str], i: int, siblings: list[str], given: str, modu
         return (f"{given}: {parts[0]} is a setting of python -m recsys_runner.{other}, not of python -m {module}. Fix: run "
                 f"it with that command, or drop it ({every})")
     value = given.split("=", 1)[1] if "=" in given else ""
-    if (new := renamed(".".join(parts))) != ".".join(parts):  # a command line of before the rename (a printed resume command)
+    if (new := renamed(".".join(parts))) != ".".join(parts):  # a command line from before the rename (a resume command printed then)
         return f"{given}: {'.'.join(parts)} was renamed {new}. Fix: {new}={value} ({every})"
     owners = _options_with_key(parts[0], parts[1]) if i == 1 else []
     if owners:  # before the closest name: data.sparse is no misspelt data.num_sparse but a key of the file options
