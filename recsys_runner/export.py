@@ -55,7 +55,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from recsys_runner import stores
+from recsys_runner import provenance, stores
 from recsys_runner.config import RunConfig, flatten, register_entry_schema, to_yaml, validate
 from recsys_runner.data.encoding.stored import read_stored
 from recsys_runner.errors import CheckpointError, ConfigError, require
@@ -146,6 +146,7 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> Path:
     out = export_dir(options.dir, launch)
     check_target(out, options.overwrite)
     meta = json.loads(stores.read_bytes(str(checkpoint / "meta.json"), CheckpointError))
+    provenance.note_other_code(f"checkpoint {checkpoint}", meta)
     torch.manual_seed(spec.seed)
     stored = read_stored(checkpoint)
     built = build_unsharded(spec, stored)

@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from recsys_runner import store_settings, stores, uris
+from recsys_runner.checkpoint.resume import renamed_override
 from recsys_runner.config import flatten, register_configs, to_yaml, validate
 from recsys_runner.config_keys import check_known_keys
 from recsys_runner.data.base import SplitFiles
@@ -163,6 +164,7 @@ def training_overrides(here: Sequence[str]) -> TrainingOverrides | None:
         tracking = [text for text, o in zip(here, parsed, strict=True) if o.key_or_group.startswith("tracking")]
         checkpoint = lineage.locate_checkpoint(spec, lookup_run=_run_lookup(tracking)).path  # the command warns of a fallback
         saved = json.loads(stores.read_bytes(str(checkpoint / "meta.json"), CheckpointError)).get("overrides") or []
+        saved = [renamed_override(text) for text in saved]  # a key renamed since the training: under its new name
         saved_parsed = parser.parse_overrides(saved)
     except Exception:  # noqa: BLE001 - nothing to carry; the command's own resolution says what is wrong
         return None

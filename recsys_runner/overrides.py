@@ -28,6 +28,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException, Ove
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ConfigTypeError, ValidationError
 
+from recsys_runner.checkpoint.resume import renamed
 from recsys_runner.config import GROUPS, register_configs
 from recsys_runner.errors import ConfigError, reported
 from recsys_runner.paths import initialize_conf
@@ -298,11 +299,13 @@ def _no_such_key(parts: list[str], i: int, siblings: list[str], given: str, modu
     if other is not None and module.rpartition(".")[2] not in other.split("|"):
         return (f"{given}: {parts[0]} is a setting of python -m recsys_runner.{other}, not of python -m {module}. Fix: run "
                 f"it with that command, or drop it ({every})")
+    value = given.split("=", 1)[1] if "=" in given else ""
+    if (new := renamed(".".join(parts))) != ".".join(parts):  # a command line from before the rename (a resume command printed then)
+        return f"{given}: {'.'.join(parts)} was renamed {new}. Fix: {new}={value} ({every})"
     owners = _options_with_key(parts[0], parts[1]) if i == 1 else []
     if owners:  # before the closest name: data.sparse is no misspelt data.num_sparse but a key of the file options
         return (f"{given}: {parts[1]} is a key of {parts[0]}={', '.join(owners)}, not of the {parts[0]} chosen (its keys: "
                 f"{', '.join(siblings)}). Fix: choose one of those, e.g. {parts[0]}={owners[0]} {given}, or drop it ({every})")
-    value = given.split("=", 1)[1] if "=" in given else ""
     if below:  # the key exists one level down: optim.no_decay_1d is optim.dense.no_decay_1d
         where_below = [".".join([*parts[:i], section, *parts[i:]]) for section in below]
         return (f"{given}: {where} no key {parts[i]!r}, but {' and '.join(where_below)} "

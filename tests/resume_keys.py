@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import yaml
 from hydra import compose, initialize_config_dir
 
 from recsys_runner.checkpoint.resume import RESUME_CHANGES, SECTIONS
@@ -55,18 +56,78 @@ def _settings(overrides: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
 def compose_options() -> dict[str, dict[str, Any]]:
     """``{"model=dlrm": {key: value, …}, …}``: for every option of every group under ``conf/`` that the default
     composition chooses from (presets aside), the compared keys of the training config composed with that option, the
-    others at their defaults (a group's default option shares the default composition)."""
+    others at their defaults (a group's default option shares the default composition).
+
+    Composed in rounds (:func:`_rounds`), not once per option: one compose chooses an option of every group at once, and
+    each option's settings are the round's under its group (:func:`_owned`) and the default composition's elsewhere. That
+    is the option's own composition whenever the option reaches nothing outside its group, which :func:`_self_contained`
+    checks from its file (no ``# @package``, a defaults list of its schema, its own subgroups and ``_self_``); one that
+    may reach further is composed alone. ~20 composes instead of ~60."""
     register_configs()
     with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
         defaults, choices = _settings([])
         out: dict[str, dict[str, Any]] = {}
+        varied: list[tuple[str, str]] = []
         for group, default in sorted(choices.items()):
             folder = Path(CONFIG_PATH) / group
             if group.split("/")[0] in PRESETS or not folder.is_dir():
                 continue
             for option in sorted(p.stem for p in folder.glob("*.yaml")):
-                out[f"{group}={option}"] = defaults if option == default else _settings([f"{group}={option}"])[0]
-    return out
+                if option == default:
+                    out[f"{group}={option}"] = defaults
+                else:
+                    varied.append((group, option))
+        for group, option in varied:
+            if not _self_contained(group, option):
+                out[f"{group}={option}"] = _settings([f"{group}={option}"])[0]
+        for chosen in _rounds([v for v in varied if f"{v[0]}={v[1]}" not in out]):
+            settings = _settings([f"{group}={option}" for group, option in chosen])[0]
+            for group, option in chosen:
+                out[f"{group}={option}"] = {k: v for k, v in defaults.items() if not _owned(group, k)} | {
+                    k: v for k, v in settings.items() if _owned(group, k)}
+    return dict(sorted(out.items()))
+
+
+def _owned(group: str, key: str) -> bool:
+    """Whether ``key`` is ``group``'s: its choice (``optim/sparse``), a subgroup's choice, a key under its package, or the
+    choice of a group placed in its package, named by its option (``experiment/data@data``: ``${experiment}_${data}``)."""
+    package = group.replace("/", ".")
+    return key in (group, package) or key.startswith((f"{group}/", f"{package}.")) or key.endswith(f"@{package}")
+
+
+def _self_contained(group: str, option: str) -> bool:
+    """Whether ``conf/<group>/<option>.yaml`` can only set keys under its group: it names no other package
+    (``# @package``) and its defaults list holds only its schema (``/schema/…@_here_``), ``_self_`` and options of its
+    own subgroups (``optim/adagrad.yaml``'s ``sparse: adagrad``)."""
+    path = Path(CONFIG_PATH) / group / f"{option}.yaml"
+    text = path.read_text()
+    if "@package" in text:
+        return False
+    entries = (yaml.safe_load(text) or {}).get("defaults") or []
+    subgroups = {p.name for p in path.parent.iterdir() if p.is_dir()}
+    for entry in entries:
+        if entry == "_self_" or (isinstance(entry, str) and entry.startswith("/schema/") and entry.endswith("@_here_")):
+            continue
+        if isinstance(entry, dict) and len(entry) == 1 and next(iter(entry)) in subgroups:
+            continue
+        return False
+    return True
+
+
+def _rounds(varied: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
+    """``varied`` (group, option) pairs in rounds each choosing at most one option per group, and never a group with one
+    of its subgroups (``optim=sgd`` chooses ``optim/sparse`` itself): a group's options come first, then its subgroups'
+    side by side (``optim/sparse`` and ``optim/dense`` are apart)."""
+    queues: dict[str, list[list[tuple[str, str]]]] = {}
+    for family in sorted({group.split("/")[0] for group, _ in varied}):
+        own = [[v] for v in varied if v[0] == family]
+        nested = sorted({group for group, _ in varied if group.startswith(f"{family}/")})
+        assert all(group.count("/") == 1 for group in nested), nested  # deeper groups would need their own rounds
+        by_group = [[v for v in varied if v[0] == group] for group in nested]
+        side_by_side = [[v for options in by_group if i < len(options) for v in [options[i]]]
+                        for i in range(max(map(len, by_group), default=0))]
+        queues[family] = own + side_by_side
+    return [[v for queue in queues.values() if i < len(queue) for v in queue[i]] for i in range(max(map(len, queues.values()), default=0))]
 
 
 DEFAULTS = "(defaults)"

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from recsys_runner import evaluate, export, predict
+from recsys_runner.checkpoint import resume
 from recsys_runner.errors import CheckpointError, ConfigError
 from recsys_runner.inference import carry_into_argv
 from tests.test_evaluate import compose_entry
@@ -51,6 +52,18 @@ def test_the_same_option_chosen_again_keeps_the_trainings_settings_of_it(tmp_pat
     assert cfg.data.path == f"{tmp_path}/train.parquet" and cfg.data.eval_path == f"{tmp_path}/day2.parquet"
     other = carry_into_argv(["evaluate", f"load={root}", "data=csv"])
     assert other is not None and other.overrides == ("model=fm",) and other.dropped == (f"data.path={tmp_path}/train.parquet",)
+
+
+def test_a_key_renamed_since_the_training_is_carried_under_its_new_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint whose launch set a key since renamed (a dummy rename: ``model.width`` to ``model.embedding_dim``,
+    in ``resume.RENAMED_KEYS``): ``load=`` carries its override under the new name, which composes; the old name would be
+    an unknown key."""
+    monkeypatch.setattr(resume, "RENAMED_KEYS", {"model.width": "model.embedding_dim"})
+    root = fake_checkpoint(tmp_path / "ck", ["model=dlrm", "model.width=8"])
+    argv = ["evaluate", f"load={root}"]
+    carried = carry_into_argv(argv)
+    assert carried is not None and carried.overrides == ("model=dlrm", "model.embedding_dim=8")
+    assert compose_entry("evaluate", *argv[1:]).model.embedding_dim == 8
 
 
 @pytest.mark.parametrize("entry", ["evaluate", "predict", "export"])

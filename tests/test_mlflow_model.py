@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from recsys_runner import export, predict
+from recsys_runner import export, predict, provenance
 from recsys_runner.__main__ import run as train
 from recsys_runner.data.encoding import served as served_module
 from recsys_runner.data.encoding import served_program
@@ -116,6 +116,7 @@ def test_pyfunc_model_scores_raw_rows_as_predict_does(deepfm: dict[str, Any]) ->
 
     spec = json.loads((deepfm["model"] / "data" / "data" / "serving.json").read_text())
     assert spec["input_columns"] == ["price", "user", "item", "tags"] and spec["outputs"] == [{"column": "score", "task": None, "kind": "binary"}]
+    assert spec[provenance.KEY] == provenance.written_by()  # which code exported it: version, commit, dirty
     signature = mlflow.models.Model.load(str(deepfm["model"])).signature
     assert [(c.name, c.type.name) for c in signature.inputs.inputs] == [(n, "string") for n in spec["input_columns"]]
     with pytest.raises(Exception, match=r"Model is missing inputs \['item'\]"):  # MLflow's signature check names it

@@ -1,6 +1,7 @@
 """Artifacts an earlier recsys_runner wrote, met by this one (docs/lifecycle.md, *Upgrading recsys_runner*):
 a checkpoint without a ``format`` is read as format 1, one of a newer format is refused by name, as are a newer
-version's encoders; a key added to the config since a checkpoint was written is no change to warn about."""
+version's encoders; a key added to the config since a checkpoint was written, or renamed since, is no change to warn
+about."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from recsys_runner.__main__ import run
+from recsys_runner.checkpoint import resume
 from recsys_runner.checkpoint.resume import ADDED_KEYS, Launched, check_changes
 from recsys_runner.checkpoint.storage import FORMAT, FORMAT_KEY, list_checkpoints
 from recsys_runner.data.encoding.stored import from_json
@@ -82,3 +84,22 @@ def test_resuming_a_checkpoint_saved_before_a_key_was_added_warns_of_no_change(m
     assert key in now
     before = {k: value for k, value in now.items() if k != key}
     assert check_changes(Launched([], before), Launched([], now), tmp_path) == ()
+
+
+def test_a_renamed_key_is_compared_under_its_new_name(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A checkpoint saved before a key was renamed (here a dummy rename of ``train.num_steps`` from ``train.steps``, and of
+    the section ``train.ema`` from ``train.average``) holds the old name: with ``resume.RENAMED_KEYS`` mapping it, it resumes
+    without a word when the value is the same, and warns under the new name when it is not; without the mapping it would
+    warn of both names, one unset."""
+    now = {"model": "deepfm", "train.num_steps": 5, "train.ema.decay": 0.9, "train.ema.eval_with_ema": False}
+    before = {"model": "deepfm", "train.steps": 5, "train.average.decay": 0.9, "train.average.eval_with_ema": False}
+    unmapped = check_changes(Launched([], before), Launched([], now), tmp_path)
+    assert {c.key for c in unmapped} == {*now.keys() - {"model"}, *before.keys() - {"model"}}
+    monkeypatch.setattr(resume, "RENAMED_KEYS", {"train.steps": "train.num_steps", "train.average": "train.ema"})
+    assert check_changes(Launched([], before), Launched([], now), tmp_path) == ()
+    (changed,) = check_changes(Launched([], before | {"train.steps": 3}), Launched([], now), tmp_path)
+    assert changed.line() == "train.num_steps: 3 -> 5" and changed.put_back == "train.num_steps=3"
+    # a checkpoint that saved only its overrides (before configs were saved) is compared under the new names too
+    assert check_changes(Launched(["train.steps=5"]), Launched(["train.num_steps=5"]), tmp_path) == ()
+    (changed,) = check_changes(Launched(["train.average.decay=0.5"]), Launched(["train.ema.decay=0.9"]), tmp_path)
+    assert changed.line() == "train.ema.decay: 0.5 -> 0.9"

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torchrec.optim.keyed import CombinedOptimizer
 
-from recsys_runner import uris
+from recsys_runner import provenance, uris
 from recsys_runner.checkpoint import resume
 from recsys_runner.checkpoint.config import RESUME_WORDS, CheckpointConfig, TrainState
 from recsys_runner.checkpoint.guard import check_finite, finite_state, task_causes
@@ -173,6 +173,7 @@ class Checkpointer:
         meta = {k: v for k, v in asdict(state).items() if k not in ("resumed_from", "resume_changes")}
         meta["metrics"] = dict(metrics or {})
         meta[FORMAT_KEY] = FORMAT
+        meta[provenance.KEY] = provenance.written_by()
         meta["world_size"] = self.world_size
         if self.data_shards is not None:
             meta[resume.DATA_SHARDS_KEY] = self.data_shards
@@ -385,6 +386,8 @@ class Checkpointer:
                 continue
             self.parts.take(loaded, with_optimizer=False)
             log.info("loaded weights of %s (step %d)", path, meta["step"])
+            if self.rank == 0:
+                provenance.note_other_code(f"checkpoint {path}", meta)
             return TrainState(step=meta["step"], epoch=meta["epoch"], run_id=meta.get("run_id"), resumed_from=str(path))
         raise CheckpointError(f"the checkpoints in {path.parent} were rotated away {_ROTATION_RETRIES} times while loading "
                               f"one; a run is writing there faster than this can read. Fix: load=<a checkpoint kept elsewhere>")

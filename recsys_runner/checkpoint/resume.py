@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from recsys_runner import uris
+from recsys_runner import provenance, uris
 from recsys_runner.checkpoint.config import RESUME_WORDS, CheckpointConfig, TrainState
 from recsys_runner.checkpoint.storage import CheckpointStorage, TensorIndex
 from recsys_runner.checkpoint.weights import TABLE_CONVERSION, CarriedRows, TrainingParts, load_into
@@ -91,6 +91,12 @@ ADDED_KEYS: dict[str, Any] = {"precision.embedding_data_type": "fp32", "data.ite
                               "data.next_item": False, "data.funnel": None}
 """Keys added after checkpoints began saving their composed config, each with the value every run before it trained with:
 such a checkpoint's missing key is compared as that value, so resuming it after an upgrade warns about no change."""
+RENAMED_KEYS: dict[str, str] = {}
+"""Keys renamed after checkpoints began saving their composed config: old dotted key -> new dotted key (a section's name
+renames every key under it: ``"train.ema": "train.average"`` takes ``train.ema.decay`` to ``train.average.decay``). A
+checkpoint that saved the old name (in its config or its overrides) is compared under the new one
+(:func:`under_new_names`), so resuming it after the rename warns of no change, and of a real change of the value as of
+any other key's. tests/test_resume_keys.py checks that a key gone from the config beside a new one is mapped here."""
 SECTIONS = ("checkpoint", "tracking", "storage", "distributed", "precision.embedding_data_type_by_feature")
 """The entries of :data:`RESUME_CHANGES` that cover every key under them; the others name one key (or a group's choice)."""
 WARNED_BY_DEFAULT = ("takes effect from the resumed step; the MLflow run's params keep the first launch's value (the run is "
@@ -173,6 +179,28 @@ def _same(before: Any, after: Any, cwd_before: str | None, cwd_after: str | None
     return where(before, cwd_before) == where(after, cwd_after)
 
 
+def renamed(key: str) -> str:
+    """``key`` under its name today: :data:`RENAMED_KEYS`' new name for it (or for the section it is under), else itself."""
+    for old, new in RENAMED_KEYS.items():
+        if key == old or key.startswith(f"{old}."):
+            return new + key[len(old):]
+    return key
+
+
+def under_new_names(values: Mapping[str, Any]) -> dict[str, Any]:
+    """A launch's ``key -> value`` with each renamed key (:data:`RENAMED_KEYS`) under its new name; where a launch has
+    both names, the new name's value stands."""
+    return {renamed(key): value for key, value in values.items() if renamed(key) == key or renamed(key) not in values}
+
+
+def renamed_override(text: str) -> str:
+    """A saved override (``+train.steps=5``) with its key under its name today (``+train.num_steps=5``): what a checkpoint's
+    launch wrote, for a command that carries it (``load=``, :func:`recsys_runner.inference.training_overrides`)."""
+    body = text.lstrip("+~")
+    key, equals, value = body.partition("=")
+    return f"{text[:len(text) - len(body)]}{renamed(key)}{equals}{value}"
+
+
 def treatment(key: str) -> tuple[Treatment, str]:
     """How :data:`RESUME_CHANGES` treats a change of ``key``."""
     for entry, how, why in RESUME_CHANGES:
@@ -186,7 +214,8 @@ def check_changes(saved: Launched, now: Launched, path: Path) -> tuple[Change, .
     ``now``; ``()`` when nothing warned about changed, or when the two cannot be compared (a run outside the CLI).
 
     The composed configs are compared where both launches saved one, so a setting changed in a YAML file (or a
-    default changed in the code) counts as one changed on the command line; keys under a group whose option changed
+    default changed in the code) counts as one changed on the command line (a key added since, :data:`ADDED_KEYS`, as the
+    value earlier runs had; a key renamed since, :data:`RENAMED_KEYS`, under its new name); keys under a group whose option changed
     come with the option and are not listed apart. A checkpoint written before configs were saved is compared by its
     overrides. Either way values are compared, not spellings.
 
@@ -194,9 +223,10 @@ def check_changes(saved: Launched, now: Launched, path: Path) -> tuple[Change, .
         CheckpointError: a change :data:`RESUME_CHANGES` refuses, each named with why and the two ways on.
     """
     if saved.config is not None and now.config is not None:
-        before, after, absent = ADDED_KEYS | dict(saved.config), ADDED_KEYS | dict(now.config), "(unset)"
+        before, after = ADDED_KEYS | under_new_names(saved.config), ADDED_KEYS | under_new_names(now.config)
+        absent = "(unset)"
     elif saved.overrides is not None and now.overrides is not None:
-        before, after, absent = _by_key(saved.overrides), _by_key(now.overrides), "(default)"
+        before, after, absent = under_new_names(_by_key(saved.overrides)), under_new_names(_by_key(now.overrides)), "(default)"
     else:
         return ()
     differ = [key for key in sorted(before.keys() | after.keys())
@@ -354,6 +384,8 @@ def load_run(storage: CheckpointStorage, path: Path, parts: TrainingParts, confi
                               f"so it is corrupt inside or from a different model. Nothing was resumed. Fix: choose one with {pick}, "
                               "or start over with checkpoint.resume=never") from None
     parts.take(loaded, with_optimizer)
+    if rank == 0:
+        provenance.note_other_code(f"checkpoint {path}", meta)
     if ranked is None:
         log.info("initialized from %s (%d tensors)", path, len(loaded))
         if carry is not None and rank == 0:

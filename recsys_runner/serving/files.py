@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torchrec.datasets.utils import Batch
 
-from recsys_runner import stores, uris
+from recsys_runner import provenance, stores, uris
 from recsys_runner.checkpoint.object_storage import storage_for
 from recsys_runner.checkpoint.storage import TensorIndex
 from recsys_runner.checkpoint.weights import load_into
@@ -273,7 +273,7 @@ def write_mlflow_models(built: Unsharded, serving: ServingModule, keys: list[str
     if why is not None:
         log.info("no MLflow model for %s: %s", type(model).__name__, why)
         return []
-    base = {"format": 1, "model": type(model).__name__, "null_values": served.null_values}
+    base = {"format": 1, provenance.KEY: provenance.written_by(), "model": type(model).__name__, "null_values": served.null_values}
     if not two_tower:
         spec = base | {"input_columns": mlflow_model.input_columns(served.encoders), "dense": list(features.dense_names), "keys": keys,
                        "features": None, "tower": None, "outputs": mlflow_model.outputs(tasks), "weighted": features.weighted}

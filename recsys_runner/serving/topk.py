@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchrec.datasets.utils import Batch
 
-from recsys_runner import stores, uris
+from recsys_runner import provenance, stores, uris
 from recsys_runner.data.base import DataModule
 from recsys_runner.data.encoding import served_program
 from recsys_runner.data.encoding.stored import StoredEncoders
@@ -153,7 +153,7 @@ def write_top_k_model(plan: TopKPlan, model: nn.Module, keys: list[str], batch: 
     reads_times = _reads_times(query, inputs)
     request_columns = [c["column"] for c in columns] + ([group.timestamps] if reads_times and group.timestamps else [])
     spec: dict[str, Any] = {
-        "format": 1, "model": type(model).__name__, "kind": "next_item top-k", "k": k, "exclude_seen": True,
+        "format": 1, provenance.KEY: provenance.written_by(), "model": type(model).__name__, "kind": "next_item top-k", "k": k, "exclude_seen": True,
         "history": {"columns": columns, "item_column": inner.item_feature, "times": group.timestamps,
                     "reads_times": reads_times, "timed_program": query.timed, "max_len": group.max_len,
                     "truncate": group.truncate, "oov_buckets": plan.oov_buckets},

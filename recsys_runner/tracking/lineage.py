@@ -31,7 +31,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import torch
 
-from recsys_runner import uris
+from recsys_runner import provenance, uris
 from recsys_runner.checkpoint.object_storage import storage_for
 from recsys_runner.checkpoint.storage import RUN_DIR_FOLDER, STEP_DIR, CheckpointStorage, step_of
 from recsys_runner.errors import CheckpointError
@@ -104,7 +104,7 @@ class Manifest:
 
 def collect(*, world_size: int, device: torch.device, argv: list[str] | None = None) -> Manifest:
     """The manifest of this process (rank 0's view; every rank runs the same code by construction)."""
-    source = Path(__file__).resolve().parent.parent
+    source = provenance.SOURCE_ROOT
     commit, dirty, diff = _git_state(source)
     branch, repo_url = _git_origin(source) if commit else (None, None)
     name, count = _device(device)
@@ -134,18 +134,17 @@ def command_line(argv: list[str] | None = None) -> str:
 
 
 def _git_state(source: Path) -> tuple[str | None, bool | None, str]:
-    """(commit, dirty, diff) of the git tree holding ``source``; ``(None, None, "")`` outside one or without git."""
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(source), *args], capture_output=True, text=True, check=True, timeout=30).stdout
-
+    """(commit, dirty, diff) of the git checkout whose top is ``source``; ``(None, None, "")`` for none (an installed
+    wheel) or without git. Commit and dirtiness are the ones a checkpoint records as written_by
+    (:func:`recsys_runner.provenance.source_state`), read once per process for the package's own tree."""
+    state = provenance.running_source() if source == provenance.SOURCE_ROOT else provenance.source_state(source)
+    if state.commit is None or not state.dirty:
+        return state.commit, state.dirty, ""
     try:
-        commit = git("rev-parse", "HEAD").strip()
-        status = git("status", "--porcelain", "--untracked-files=no")
-        diff = git("diff", "HEAD") if status.strip() else ""
+        diff = subprocess.run(["git", "-C", str(source), "diff", "HEAD"], capture_output=True, text=True, check=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
-        return None, None, ""
-    return commit, bool(status.strip()), diff
+        diff = ""
+    return state.commit, True, diff
 
 
 def _git_origin(source: Path) -> tuple[str | None, str | None]:
