@@ -245,6 +245,18 @@ def test_object_store_lock_is_a_conditional_create_taken_over_only_when_abandone
     stale.release()
 
 
+def test_a_note_beside_the_checkpoints_is_written_and_read_back_in_a_bucket(s3_env: MotoServer) -> None:
+    """The record of a run's MLflow run (``.mlflow_run``, tests/test_requeue.py) goes through the checkpoint storage, so
+    a checkpoint directory in a bucket keeps it too; it is no checkpoint and no unfinished one."""
+    storage, root = DcpObjectStorage(), uris.as_path("s3://data/note-test")
+    assert storage.read_note(root, ".mlflow_run") is None
+    storage.write_note(root, ".mlflow_run", "one")
+    storage.write_note(root, ".mlflow_run", "two")
+    assert storage.read_note(root, ".mlflow_run") == "two"
+    assert s3_env.fs().cat_file("data/note-test/.mlflow_run") == b"two"
+    assert storage.checkpoints(root) == [] and storage.unfinished(root) == []
+
+
 def test_a_failed_checkpoint_write_leaves_the_previous_one_usable(s3_env: MotoServer, tmp_path: Path) -> None:
     server = start_moto(tmp_path)
     try:
