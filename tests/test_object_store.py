@@ -445,7 +445,8 @@ def test_a_kill_while_rotation_deletes_in_a_bucket_leaves_no_checkpoint_lookalik
     assert "step_00000002" in _prefixes(s3_env, f"data/rotkill_{cut}/ck")  # part of it is left ...
     assert storage.checkpoints(root) == [root / "step_00000004"]  # ... and is no checkpoint: meta.json went first
     train(8)
-    assert _prefixes(s3_env, f"data/rotkill_{cut}/ck") == {".finished", "step_00000008"}  # the leftover swept, step 4 and 6 rotated
+    assert _prefixes(s3_env, f"data/rotkill_{cut}/ck") == {".finished", ".mlflow_run", "step_00000008"}  # the leftover swept,
+    # step 4 and 6 rotated; the record of the MLflow run (tests/test_requeue.py) beside them
     assert storage.damage(root / "step_00000008") is None
 
 
@@ -504,7 +505,7 @@ def test_resuming_an_older_step_in_a_bucket_deletes_an_unfinished_leftover_and_m
     kept = s3_env.fs().cat_file(f"{root}/step_00000004/.metadata")
     with LogWarnings() as warned:
         train(4, f"checkpoint.resume=s3://{root}/step_00000002")
-    assert _prefixes(s3_env, root) == {".finished", "step_00000002", "step_00000004", "abandoned-step_00000004"}
+    assert _prefixes(s3_env, root) == {".finished", ".mlflow_run", "step_00000002", "step_00000004", "abandoned-step_00000004"}
     assert s3_env.fs().cat_file(f"{root}/abandoned-step_00000004/.metadata") == kept
     assert any(f"deleted s3://{root}/step_00000006, left by a checkpoint write or removal cut off part-way" in w
                for w in warned.messages), warned.messages
