@@ -92,12 +92,12 @@ def _data_inputs(c: Components) -> list[DataRecord]:
 
 def _run_record(c: Components) -> RunRecord | None:
     """Where rank 0 records its MLflow run: the checkpoint directory, read first when no checkpoint was resumed
-    (``checkpoint.resume=auto`` found none), for the run of a launch preempted before its first checkpoint."""
+    (``checkpoint.resume=auto`` found none), for the run of a launch preempted before its first checkpoint; nowhere with
+    ``checkpoint.resume=never`` (``checkpoint=none``), whose relaunch resumes nothing."""
     checkpointer = c.loop.checkpointer
-    if not c.env.is_main or checkpointer.dir is None:
+    if not c.env.is_main or checkpointer.dir is None or checkpointer.config.resume == "never":
         return None
-    fresh = c.loop.state.resumed_from is None and checkpointer.config.resume == "auto"
-    return RunRecord(checkpointer.storage, checkpointer.dir, read=fresh)
+    return RunRecord(checkpointer.storage, checkpointer.dir, read=c.loop.state.resumed_from is None)
 
 
 def _run_length(loop: Loop) -> dict[str, int]:

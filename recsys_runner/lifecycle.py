@@ -247,7 +247,7 @@ def _read_record(record: RunRecord) -> str | None:
 def _record(tracker: Tracker, record: RunRecord | None) -> None:
     """Record the open run in the checkpoint directory for a relaunch of this job (:mod:`recsys_runner.tracking.requeue`).
     A failure only warns: the run goes on; a relaunch before the first checkpoint would then start a new run."""
-    text = tracker.run_record()
+    text = tracker.run_record() if record is not None else None
     if record is None or text is None:
         return
     try:

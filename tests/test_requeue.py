@@ -13,14 +13,16 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from mlflow.tracking import MlflowClient
+from omegaconf import DictConfig
 from torchrec.datasets.utils import Batch
 
+from recsys_runner.__main__ import run
 from recsys_runner.checkpoint.storage import DcpFileStorage, list_checkpoints
 from recsys_runner.tracking.requeue import PREEMPTED_TAG, RECORD_FILE, run_record, why_not_continue
 from recsys_runner.train import evaluation
@@ -93,6 +95,13 @@ def test_a_relaunch_with_another_config_starts_a_new_run_and_says_why(
     assert statuses.pop(run_id) == "KILLED" and list(statuses.values()) == ["FINISHED"]
     (new_id,) = statuses
     assert DcpFileStorage().read_note(tmp_path / "ck", RECORD_FILE) == run_record(new_id, mlflow_uri)  # the new run's now
+
+
+def test_a_launch_that_resumes_nothing_records_no_run(make_cfg: Callable[..., DictConfig], tmp_path: Path) -> None:
+    """``checkpoint.resume=never`` (``checkpoint=none``): its relaunch resumes nothing, so no record is left to read."""
+    run(make_cfg("train.num_steps=2", "checkpoint.resume=never", f"checkpoint.dir={tmp_path}/ck"))
+    assert [p.name for p in list_checkpoints(tmp_path / "ck")] == ["step_00000002"]
+    assert not (tmp_path / "ck" / RECORD_FILE).exists()
 
 
 # -- the rules, one by one ------------------------------------------------------------------------------------------
