@@ -17,6 +17,7 @@ from recsys_runner.config import flatten, register_configs, to_yaml, validate
 from recsys_runner.data.encoding.stored import ENCODERS_FILE
 from recsys_runner.errors import ConfigError
 from recsys_runner.lifecycle import (
+    RunRecord,
     RunStart,
     end_rank_process,
     exit_codes,
@@ -58,7 +59,8 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> float:
             {lineage.CHECKPOINT_DIR_TAG: str(loop.checkpointer.dir.absolute())} if loop.checkpointer.dir is not None else {}),
         texts={"config.yaml": to_yaml(spec), "sharding_plan.txt": str(c.plan), **stored_texts(loop.checkpointer.files)},
         continue_run=loop.state.run_id,
-        world_size=c.env.world_size, device=c.env.device if c.env.is_main else None, step=loop.state.step, datasets=data_inputs)
+        world_size=c.env.world_size, device=c.env.device if c.env.is_main else None, step=loop.state.step, datasets=data_inputs,
+        record=_run_record(c))
     if c.env.is_main and spec.checkpoint.dir is None and spec.checkpoint.resume == "auto" and loop.state.step == 0:
         note_interrupted_runs(launch, loop.checkpointer.storage, loop.checkpointer.dir)  # the default dir is new per launch
     with tracked_run(loop.tracker, start, launch, close=c.close):
@@ -86,6 +88,16 @@ def _data_inputs(c: Components) -> list[DataRecord]:
         datasets.note_changes(stored, trained, resumed, consequence=datasets.RESUMED_ON_CHANGED)
         datasets.note_split_changes(stored, records, resumed, consequence=datasets.RESUMED_ON_RESPLIT)
     return records
+
+
+def _run_record(c: Components) -> RunRecord | None:
+    """Where rank 0 records its MLflow run: the checkpoint directory, read first when no checkpoint was resumed
+    (``checkpoint.resume=auto`` found none), for the run of a launch preempted before its first checkpoint; nowhere with
+    ``checkpoint.resume=never`` (``checkpoint=none``), whose relaunch resumes nothing."""
+    checkpointer = c.loop.checkpointer
+    if not c.env.is_main or checkpointer.dir is None or checkpointer.config.resume == "never":
+        return None
+    return RunRecord(checkpointer.storage, checkpointer.dir, read=c.loop.state.resumed_from is None)
 
 
 def _run_length(loop: Loop) -> dict[str, int]:

@@ -32,6 +32,10 @@ sibling run directories for checkpoints of a launch with the same overrides that
 written by :func:`mark_finished`) and logs one line naming the newest and the command that resumes it; nothing is resumed
 without being asked.
 
+**A job preempted before its first checkpoint.** A training records its MLflow run in its checkpoint directory as the
+run opens (:class:`RunRecord`); a relaunch that finds no checkpoint continues that run when it was preempted and nothing
+would tell the two launches apart in it, else says why not in one line (:mod:`recsys_runner.tracking.requeue`).
+
 May import ``build``'s rooms (``train``, ``tracking``) and the shared modules; only entry points import it.
 """
 
@@ -57,9 +61,9 @@ from recsys_runner.checkpoint.guard import NonFiniteLossError
 from recsys_runner.checkpoint.storage import CheckpointStorage
 from recsys_runner.collection import job_collected
 from recsys_runner.distributed.peers import EXIT_RANK_LOST, RankLost, peer_gone
-from recsys_runner.errors import CheckpointError, CheckpointWriteFailed, reported
+from recsys_runner.errors import CheckpointError, CheckpointWriteFailed, UserError, reported
 from recsys_runner.runtime import TRAIN_MODULE, Launch
-from recsys_runner.tracking import lineage
+from recsys_runner.tracking import lineage, requeue
 from recsys_runner.tracking.datasets import DataRecord
 from recsys_runner.tracking.tracker import Tracker
 from recsys_runner.train import signals
@@ -97,6 +101,20 @@ class RunStart:
     datasets: list[DataRecord] = field(default_factory=list)
     """The data the command reads, logged as the run's dataset inputs (:mod:`recsys_runner.tracking.datasets`), by a new
     run and a continued one alike (MLflow keeps a dataset once)."""
+    record: RunRecord | None = None
+    """Where a training records its run for a relaunch of the job (rank 0, with a checkpoint directory); ``None``: nowhere."""
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """A training's record of its MLflow run in its checkpoint directory (:mod:`recsys_runner.tracking.requeue`): written
+    once the run is open, so that a relaunch of a job preempted before its first checkpoint continues the same run."""
+
+    storage: CheckpointStorage
+    directory: Path
+    read: bool
+    """Look for an earlier launch's record first: this launch resumed no checkpoint (``checkpoint.resume=auto`` found
+    none), so a run that launch left is named nowhere else."""
 
 
 def link_tags(entry: str, checkpoint: Path, step: int | None, source_run: str | None) -> dict[str, str]:
@@ -155,7 +173,7 @@ def tracked_run(tracker: Tracker, start: RunStart, launch: Launch, *, close: Cal
         if isinstance(e, Interrupted):
             e.run_id = tracker.run_id
         if getattr(e, "preempted", False):
-            tracker.set_tag("preempted", "true")  # submitit requeues it; the relaunch resumes this run
+            tracker.set_tag(requeue.PREEMPTED_TAG, "true")  # submitit requeues it; the relaunch resumes this run
         raise
     finally:
         with signals.deferred() as late:
@@ -171,7 +189,8 @@ def _open(tracker: Tracker, start: RunStart, launch: Launch) -> None:
     manifest = start.manifest
     if manifest is None and start.device is not None:
         manifest = lineage.collect(world_size=start.world_size, device=start.device)
-    if start.continue_run and _continued(tracker, start.continue_run):
+    if (start.continue_run and _continued(tracker, start.continue_run)) or _preempted_run_continued(tracker, start):
+        _record(tracker, start.record)
         if manifest is not None:  # the run's manifest.json stays the first launch's; each resume adds its own
             tracker.log_text(manifest.to_json(), f"manifest_resume_step{start.step}.json")
         tracker.log_inputs(start.datasets)
@@ -181,6 +200,7 @@ def _open(tracker: Tracker, start: RunStart, launch: Launch) -> None:
         entry = start.tags.get(ENTRY_TAG)  # evaluate, predict, export: their module, however they were called
         tags |= manifest.tags(source_name=f"{TRAIN_MODULE}.{entry}" if entry else launch.module)
     tracker.start(run_name=start.run_name, tags=tags, params=start.params)
+    _record(tracker, start.record)
     tracker.log_inputs(start.datasets)
     for artifact_file, text in start.texts.items():
         tracker.log_text(text, artifact_file)
@@ -196,6 +216,45 @@ def _continued(tracker: Tracker, run_id: str) -> bool:
     except Exception as e:  # a different tracking store, or the run was deleted
         log.warning("cannot continue MLflow run %s (%s); starting a new run", run_id, e)
         return False
+
+
+def _preempted_run_continued(tracker: Tracker, start: RunStart) -> bool:
+    """Continue the run an earlier launch of this job recorded in its checkpoint directory and left with no checkpoint,
+    when it was preempted and nothing would tell the two launches apart in it (:func:`~recsys_runner.tracking.requeue
+    .why_not_continue`); else one line says why not, and a new run starts."""
+    record = start.record
+    if record is None or not record.read or (text := _read_record(record)) is None:
+        return False
+    run_id, why = requeue.recorded_id(text), tracker.why_not_continue(text, start.params)
+    if why is None and run_id is not None and _continued(tracker, run_id):
+        log.info("continuing MLflow run %s, preempted before its first checkpoint", run_id)
+        return True
+    if why is not None:
+        log.info("not continuing MLflow run %s recorded in %s by an earlier launch: %s; starting a new run",
+                 run_id or "(unknown)", record.directory / requeue.RECORD_FILE, why)
+    return False
+
+
+def _read_record(record: RunRecord) -> str | None:
+    """The text of the record in ``record.directory``; ``None`` when there is none, or it cannot be read (said)."""
+    try:
+        return record.storage.read_note(record.directory, requeue.RECORD_FILE)
+    except (OSError, UserError) as e:
+        log.warning("could not read %s (%s); starting a new MLflow run", record.directory / requeue.RECORD_FILE, e)
+        return None
+
+
+def _record(tracker: Tracker, record: RunRecord | None) -> None:
+    """Record the open run in the checkpoint directory for a relaunch of this job (:mod:`recsys_runner.tracking.requeue`).
+    A failure only warns: the run goes on; a relaunch before the first checkpoint would then start a new run."""
+    text = tracker.run_record() if record is not None else None
+    if record is None or text is None:
+        return
+    try:
+        record.storage.write_note(record.directory, requeue.RECORD_FILE, text)
+    except (OSError, UserError) as e:
+        log.warning("could not record MLflow run %s in %s (%s): a relaunch of this job before its first checkpoint would "
+                    "start a new run", tracker.run_id, record.directory / requeue.RECORD_FILE, e)
 
 
 @contextlib.contextmanager

@@ -188,13 +188,13 @@ def test_a_full_disk_stops_with_the_fix_keeps_the_previous_checkpoint_whole_and_
         assert failed.value.last_good == str(tmp_path / "step_00000002")
         assert f"the checkpoints before it in {tmp_path} are whole (the newest: step_00000002)" in message, message
         assert "checkpoint.keep_last" in message, message
-        assert sorted(p.name for p in tmp_path.iterdir() if p.name != ".lock") == ["step_00000002"]
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name not in (".lock", ".mlflow_run")) == ["step_00000002"]
         assert damage(tmp_path / "step_00000002") is None
     else:
         assert failed.value.last_good is None
         assert f"no checkpoint was written in {tmp_path} before it, so there is none to resume from yet" in message, message
         assert "before it in" not in message and "keep_last" not in message, message
-        assert sorted(p.name for p in tmp_path.iterdir() if p.name != ".lock") == []
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name not in (".lock", ".mlflow_run")) == []
     client = MlflowClient(tracking_uri=mlflow_uri)
     (mlrun,) = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])
     assert mlrun.info.status == "FAILED"

@@ -13,6 +13,7 @@ in a shell is test_run_safety's ``..._executed_verbatim_...``.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -27,7 +28,7 @@ from mlflow.tracking import MlflowClient
 
 from recsys_runner.checkpoint.storage import list_checkpoints
 from recsys_runner.tracking.tracker import MlflowTracker
-from tests.conftest import TINY, hint_of, run_in_process, signal_in_process
+from tests.conftest import TINY, hint_of, run_in_process, signal_in_process, torchrun
 from tests.test_run_safety import runs
 
 CORPUS = ["model=dssm", "data=synthetic_retrieval", "data.num_sparse=2", "data.batch_size=512", "data.num_embeddings=100000",
@@ -182,3 +183,46 @@ def test_an_eval_logged_before_the_stop_is_not_evaluated_or_logged_again_by_the_
     assert finished.info.run_id == run.info.run_id and finished.info.status == "FINISHED"
     assert _history(uri, run.info.run_id, "eval/auc") == [4]  # once
     assert finished.data.metrics["eval/auc"] == run.data.metrics["eval/auc"]
+
+
+
+def _two_ranks(tmp_path: Path, *extra: str) -> list[str]:
+    """A DeepFM of 6 steps on 2 gloo ranks (:mod:`tests.eval_signal`'s), its checkpoints in ``<tmp_path>/ck``."""
+    return [*[a for a in TINY if not a.startswith("train.")], "train.num_steps=6", "train.log_every_steps=1",
+            "train.eval_max_batches=2", "tracking=none", f"checkpoint.dir={tmp_path}/ck", f"hydra.run.dir={tmp_path}/run", *extra]
+
+
+def _stopped_after_step_3_with_its_eval(tmp_path: Path, done: subprocess.CompletedProcess[str], trained: int) -> None:
+    """Both ranks stopped on the signal right after the eval of step 3, its checkpoint holding the eval's metrics, each
+    rank having trained ``trained`` steps in this launch."""
+    out = done.stdout + done.stderr
+    assert done.returncode != 0 and "exitcode  : 143" in out, out[-3000:]
+    assert f"Interrupted: stopped by SIGTERM after step 3; checkpoint {tmp_path}/ck/step_00000003" in out, out[-3000:]
+    assert "step 3/6 eval/auc=" in out and "step 4/6" not in out, out[-3000:]
+    assert [p.name for p in list_checkpoints(tmp_path / "ck")] == ["step_00000003"]
+    assert [(tmp_path / f"steps_rank{r}.txt").read_text() for r in (0, 1)] == [str(trained)] * 2
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_rank_during_a_periodic_eval_stops_both_right_after_it_with_its_metrics(tmp_path: Path) -> None:
+    """2 gloo ranks, rank 1 signalled at the first batch of the eval of step 3 (:mod:`tests.eval_signal`): the eval ends
+    on both (its forwards and gathers are collectives), then the ranks agree on the signal at once, not at the next
+    ``train.stop_check_every_steps`` (10) boundary: both stop after step 3, its checkpoint holds the eval's metrics, and
+    neither rank trains a step more than the other. Before, the signal waited for that boundary, here past the last
+    step: the run trained on to step 6 and its final eval."""
+    done = torchrun(*_two_ranks(tmp_path, "train.eval_every_steps=3"), cwd=tmp_path, module="tests.eval_signal")
+    _stopped_after_step_3_with_its_eval(tmp_path, done, trained=3)
+    meta = json.loads((tmp_path / "ck" / "step_00000003" / "meta.json").read_text())
+    assert set(meta["metrics"]) >= {"eval/auc", "eval/logloss"}, meta
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_rank_during_the_eval_a_resume_starts_with_stops_both_right_after_it(tmp_path: Path) -> None:
+    """The eval a resumed run runs first (its checkpoint, at an eval step, lacks the eval: here written by a launch
+    without evals, resumed with ``train.eval_every_steps=3``) on 2 gloo ranks, rank 1 signalled in it: the ranks agree
+    right after it and stop before training a step, rather than at the next ``train.stop_check_every_steps`` boundary."""
+    first = run_in_process([sys.executable, "-m", "recsys_runner", *_two_ranks(tmp_path, "train.eval_every_steps=null",
+                                                                               "train.stop_after_steps=3")], tmp_path)
+    assert first.returncode == 0 and [p.name for p in list_checkpoints(tmp_path / "ck")] == ["step_00000003"], first.stderr[-3000:]
+    done = torchrun(*_two_ranks(tmp_path, "train.eval_every_steps=3"), cwd=tmp_path, module="tests.eval_signal")
+    _stopped_after_step_3_with_its_eval(tmp_path, done, trained=0)

@@ -245,6 +245,18 @@ def test_object_store_lock_is_a_conditional_create_taken_over_only_when_abandone
     stale.release()
 
 
+def test_a_note_beside_the_checkpoints_is_written_and_read_back_in_a_bucket(s3_env: MotoServer) -> None:
+    """The record of a run's MLflow run (``.mlflow_run``, tests/test_requeue.py) goes through the checkpoint storage, so
+    a checkpoint directory in a bucket keeps it too; it is no checkpoint and no unfinished one."""
+    storage, root = DcpObjectStorage(), uris.as_path("s3://data/note-test")
+    assert storage.read_note(root, ".mlflow_run") is None
+    storage.write_note(root, ".mlflow_run", "one")
+    storage.write_note(root, ".mlflow_run", "two")
+    assert storage.read_note(root, ".mlflow_run") == "two"
+    assert s3_env.fs().cat_file("data/note-test/.mlflow_run") == b"two"
+    assert storage.checkpoints(root) == [] and storage.unfinished(root) == []
+
+
 def test_a_failed_checkpoint_write_leaves_the_previous_one_usable(s3_env: MotoServer, tmp_path: Path) -> None:
     server = start_moto(tmp_path)
     try:
@@ -433,7 +445,8 @@ def test_a_kill_while_rotation_deletes_in_a_bucket_leaves_no_checkpoint_lookalik
     assert "step_00000002" in _prefixes(s3_env, f"data/rotkill_{cut}/ck")  # part of it is left ...
     assert storage.checkpoints(root) == [root / "step_00000004"]  # ... and is no checkpoint: meta.json went first
     train(8)
-    assert _prefixes(s3_env, f"data/rotkill_{cut}/ck") == {".finished", "step_00000008"}  # the leftover swept, step 4 and 6 rotated
+    assert _prefixes(s3_env, f"data/rotkill_{cut}/ck") == {".finished", ".mlflow_run", "step_00000008"}  # the leftover swept,
+    # step 4 and 6 rotated; the record of the MLflow run (tests/test_requeue.py) beside them
     assert storage.damage(root / "step_00000008") is None
 
 
@@ -492,7 +505,7 @@ def test_resuming_an_older_step_in_a_bucket_deletes_an_unfinished_leftover_and_m
     kept = s3_env.fs().cat_file(f"{root}/step_00000004/.metadata")
     with LogWarnings() as warned:
         train(4, f"checkpoint.resume=s3://{root}/step_00000002")
-    assert _prefixes(s3_env, root) == {".finished", "step_00000002", "step_00000004", "abandoned-step_00000004"}
+    assert _prefixes(s3_env, root) == {".finished", ".mlflow_run", "step_00000002", "step_00000004", "abandoned-step_00000004"}
     assert s3_env.fs().cat_file(f"{root}/abandoned-step_00000004/.metadata") == kept
     assert any(f"deleted s3://{root}/step_00000006, left by a checkpoint write or removal cut off part-way" in w
                for w in warned.messages), warned.messages

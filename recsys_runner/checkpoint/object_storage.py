@@ -201,6 +201,18 @@ class DcpObjectStorage:
         except FileNotFoundError:
             pass
 
+    def write_note(self, root: Path, name: str, text: str) -> None:
+        fs, key = self._fs(root)
+        self._call(root, lambda: fs.pipe_file(f"{key.rstrip('/')}/{name}", text.encode()), f"writing {name}")
+
+    def read_note(self, root: Path, name: str) -> str | None:
+        fs, key = self._fs(root)
+        try:
+            data = self._call(root, lambda: fs.cat_file(f"{key.rstrip('/')}/{name}"), f"reading {name}")
+        except FileNotFoundError:
+            return None
+        return bytes(data).decode()
+
     def unfinished(self, root: Path) -> list[Path]:
         found = [(int(m.group(2)), bool(m.group(1)), root / name) for name, files in self._listing(root).items()
                  if (m := STEP_DIR.match(name)) and META_FILE not in files]

@@ -135,6 +135,13 @@ class CheckpointStorage(Protocol):
         """Delete the checkpoint, first out of the listing: cut off part-way (a kill, a store failure), it leaves no
         checkpoint lookalike, only what :meth:`unfinished` finds."""
 
+    def write_note(self, root: Path, name: str, text: str) -> None:
+        """Write the small file ``<root>/<name>`` (beside the checkpoints, never one: e.g. the MLflow run a launch opened),
+        whole or not at all, replacing what was there."""
+
+    def read_note(self, root: Path, name: str) -> str | None:
+        """The text :meth:`write_note` left at ``<root>/<name>``, or ``None`` when there is none."""
+
     def unfinished(self, root: Path) -> list[Path]:
         """What writes and removals cut off part-way left under ``root`` under a checkpoint's name (step or best), oldest
         first: never a checkpoint, skipped by a resume (with a warning) and deleted by the next write. Empty on a file
@@ -230,6 +237,18 @@ class DcpFileStorage:
         except FileNotFoundError:
             return
         shutil.rmtree(trash, ignore_errors=True)
+
+    def write_note(self, root: Path, name: str, text: str) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = root / f"{TMP_PREFIX}{name}"
+        tmp.write_text(text)
+        os.replace(tmp, root / name)
+
+    def read_note(self, root: Path, name: str) -> str | None:
+        try:
+            return (root / name).read_text()
+        except FileNotFoundError:
+            return None
 
     def unfinished(self, root: Path) -> list[Path]:
         return []

@@ -87,6 +87,12 @@ class TensorBoardTracker:
     def set_tag(self, key: str, value: str) -> None:
         self.inner.set_tag(key, value)
 
+    def run_record(self) -> str | None:
+        return self.inner.run_record()
+
+    def why_not_continue(self, record: str, params: Mapping[str, Any]) -> str | None:
+        return self.inner.why_not_continue(record, params)
+
     def finish(self, status: str) -> None:
         try:
             if self._writer is not None:

@@ -42,6 +42,7 @@ from recsys_runner.configurable import Configurable
 from recsys_runner.errors import Stopped, require
 from recsys_runner.tracking.folders import check_folder
 from recsys_runner.tracking.outbox import UNSENT_DIR_TAG, Outbox
+from recsys_runner.tracking.requeue import run_record, why_not_continue
 from recsys_runner.tracking.store import (
     experiment_id,
     is_remote,
@@ -166,6 +167,16 @@ class Tracker(Protocol):
     def set_tag(self, key: str, value: str) -> None: ...
     def finish(self, status: str) -> None: ...
 
+    def run_record(self) -> str | None:
+        """What a relaunch of this job needs to find this run again (:mod:`recsys_runner.tracking.requeue`), once started
+        or resumed; ``None`` when nothing is tracked."""
+        ...
+
+    def why_not_continue(self, record: str, params: Mapping[str, Any]) -> str | None:
+        """Why a launch at step 0 that would log ``params`` must not continue the run ``record`` names (a preempted
+        launch's, :func:`~recsys_runner.tracking.requeue.why_not_continue`); ``None`` when it may."""
+        ...
+
 
 class NullTracker:
     """Tracks nothing (non-zero ranks, or ``tracking=none``)."""
@@ -206,6 +217,12 @@ class NullTracker:
 
     def finish(self, status: str) -> None:
         pass
+
+    def run_record(self) -> str | None:
+        return None
+
+    def why_not_continue(self, record: str, params: Mapping[str, Any]) -> str | None:
+        return "nothing is tracked"
 
 
 class MlflowTracker:
@@ -286,6 +303,18 @@ class MlflowTracker:
             self._client.set_tag(run_id, "resumed", "true")
             self._client.set_tag(run_id, UNSENT_DIR_TAG, str(self._unsent_dir))  # this launch's directory, not the first's
         self.run_id = run_id
+
+    def run_record(self) -> str | None:
+        return run_record(self.run_id, self.uri) if self.run_id is not None else None
+
+    def why_not_continue(self, record: str, params: Mapping[str, Any]) -> str | None:
+        """See :func:`~recsys_runner.tracking.requeue.why_not_continue`; the params compared as :meth:`start` logs them."""
+        if self._client is None:
+            self.check()
+        logged = {k: str(v)[:_MAX_PARAM_CHARS] for k, v in params.items()}
+        with store_errors(self.uri, self._source):
+            return why_not_continue(self._client, record, uri=self.uri, experiment=self.config.experiment, params=logged,
+                                    parent=os.environ.get(PARENT_RUN_ENV) or None)
 
     def log_inputs(self, datasets: Sequence[DataRecord]) -> None:
         """The run's dataset inputs, in one call; a store outage (or a store too old for datasets) only warns: the

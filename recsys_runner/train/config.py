@@ -72,7 +72,7 @@ class TrainConfig:
     stop_check_every_steps: int = 10
     """With several ranks, how often (in steps) they agree on a pending stop signal. Agreeing is an
     all-reduce plus a host sync, so it is not done every step; a signal is honoured within this many
-    steps. A single process checks every step for free."""
+    steps, or right after an eval (which synced the ranks anyway). A single process checks every step for free."""
     summary_every_steps: int | None = None
     """Every this many steps, log training summaries (:mod:`recsys_runner.train.summaries`): the global gradient norm of
     the dense parameters and of the looked-up embeddings (``grad_norm/dense``, ``grad_norm/sparse``), each embedding

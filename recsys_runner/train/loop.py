@@ -23,9 +23,10 @@ checkpoint of its step is written without eval metrics and the run is interrupte
 first (a periodic eval before the next step, so early stopping and the best checkpoint see it; the final eval).
 Abandoning a periodic eval is safe: the eval changes nothing a checkpoint holds until it returns (the EMA weights are
 swapped back and the pipeline reattached in its ``finally`` blocks, mined negatives are stored only whole) and its step
-is evaluated again. With several ranks an eval ends first, so that no rank leaves its collectives early, and the signal
-stops the run after it (after the step's checkpoint, or the end checkpoint); a signal after the eval lets its checkpoint
-be written, then interrupts. A signal while the loop waits on an object store (a checkpoint write, a unit read ahead) is
+is evaluated again. With several ranks an eval ends first, so that no rank leaves its collectives early, and the ranks
+agree on the signal right after it, not only every ``train.stop_check_every_steps`` steps: the run stops after the step's
+checkpoint, written with the eval's metrics (or after the end checkpoint), and every rank has trained the same steps; a
+signal after the eval lets its checkpoint be written, then interrupts. A signal while the loop waits on an object store (a checkpoint write, a unit read ahead) is
 taken there at once, since a stalled store can hold a step for its whole retry bound: the run is interrupted with its
 last complete checkpoint (:func:`_store_wait`).
 
@@ -147,7 +148,7 @@ def train(loop: Loop) -> dict[str, float]:
                     evaluated = _periodic_eval(loop, state, loss, signals, meter, progress)
                     stop = "early_stopping" if loop.early_stopping.update(evaluated) else None
                 loop.checkpointer.after_step(state, loss, evaluated, _epoch_end(loop, state))
-                if (signum := signals.requested(state.step)) is not None or _slice_done(loop, state):
+                if (signum := signals.requested(state.step, evaluated=evaluated is not None)) is not None or _slice_done(loop, state):
                     raise Interrupted(signum, state.step, loop.checkpointer.on_interrupt(state, loss, evaluated))
                 if state.epoch_step == 0:  # the epoch ended with this step
                     break
@@ -311,6 +312,8 @@ def _resumed_eval(loop: Loop, state: TrainState, signals: StopSignals, meter: Th
         loop.checkpointer.maybe_save_best(state, logged)
     elif start.step < loop.total_steps:
         logged = _periodic_eval(loop, state, None, signals, meter, progress)
+        if (signum := signals.agreed()) is not None:  # came during it (several ranks end it first): stop right after it
+            raise Interrupted(signum, state.step, loop.checkpointer.save_guarded(state, None, logged))
     else:
         return None, None
     return logged, "early_stopping" if loop.early_stopping.update(logged) else None

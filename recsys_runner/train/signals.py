@@ -4,8 +4,8 @@
 each step); the runner then writes a checkpoint and raises :class:`Interrupted`, the entry point
 closes the MLflow run as ``KILLED``, prints the command that resumes from that checkpoint into the
 same MLflow run (:meth:`recsys_runner.runtime.Launch.resume_command`) and exits with ``128 + signal``. With several
-ranks the flag is combined with an all-reduce every ``train.stop_check_every_steps`` steps, so every
-rank stops after the same step.
+ranks the flag is combined with an all-reduce every ``train.stop_check_every_steps`` steps, and after every eval, so
+every rank stops after the same step.
 A second SIGINT while stopping raises ``KeyboardInterrupt`` as usual.
 
 **Preemption (SIGUSR2)**: submitit asks SLURM for SIGUSR2 before a time limit (``--signal=USR2@<grace>``,
@@ -136,15 +136,18 @@ class StopSignals:
             self._raised = True
             raise StoreWaitInterrupted(self.signum)
 
-    def requested(self, step: int) -> int | None:
+    def requested(self, step: int, *, evaluated: bool = False) -> int | None:
         """The signal that asked to stop (agreed by all ranks), or ``None``.
 
         Ranks agree only every ``check_every_steps`` steps: the all-reduce and its host sync would
-        otherwise stall every step of a GPU pipeline.
+        otherwise stall every step of a GPU pipeline. After a step that ``evaluated`` they agree at once: the eval synced
+        the ranks already (one all-reduce more is nothing beside its gathers), and a signal that came during it, which
+        several ranks cannot abandon, then stops the run right after it, with its metrics in the step's checkpoint,
+        rather than up to ``check_every_steps`` steps later.
         """
         if self._world_size == 1:
             return self.signum
-        if step % self._check_every:
+        if step % self._check_every and not evaluated:
             return None
         return self.agreed()
 
