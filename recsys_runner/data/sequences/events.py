@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 
 from recsys_runner import stores
 from recsys_runner.data.locate import PARQUET_SUFFIXES, resolve_files
+from recsys_runner.data.sequences import text_ids
 from recsys_runner.data.sequences.mapping import EarlierVocab, Table, check_writable, sorted_codes
 from recsys_runner.data.sequences.splits import ROWS, SPLITS
 from recsys_runner.errors import ConfigError, DataError
@@ -57,6 +58,10 @@ class LogSpec:
     """Repeated events (equal in every column read): ``drop`` all but the first, ``keep`` them, or ``fail``."""
     vocab: str | None = None
     """An earlier output folder whose id mapping encodes this log (``--vocab``); ``None``: a new mapping."""
+    ids_as_text: bool | None = None
+    """Read the id columns (user, item, sides) as text (``--ids-as-text``; :mod:`~recsys_runner.data.sequences.text_ids`);
+    ``False``: as Arrow infers them, refused where that loses an id; ``None``: the earlier mapping's with ``vocab``, else
+    ``False``."""
     oov_buckets: int = 1
     """Rows after each table's ids shared by raw ids a ``--vocab`` run has not seen (a new mapping reserves them too,
     so both outputs' tables have one size); with ``vocab`` the earlier output's number."""
@@ -94,6 +99,11 @@ class LogSpec:
     def columns(self) -> list[str]:
         return [self.user, self.item, self.time, *([self.label] if self.label else []), *self.sides]
 
+    @property
+    def id_roles(self) -> dict[str, str]:
+        """Each id column (the ones numbered into a table) → its flag, for messages."""
+        return {self.user: "--user", self.item: "--item", **dict.fromkeys(self.sides, "--side")}
+
 
 def read_log(path: str, spec: LogSpec, fmt: str = "auto", delimiter: str = ",") -> tuple[pa.Table, str]:
     """The log's columns (``spec.columns``) from Parquet or delimited text (local files or object-store URIs), and a name
@@ -118,13 +128,21 @@ def read_log(path: str, spec: LogSpec, fmt: str = "auto", delimiter: str = ",") 
         if missing:
             raise DataError(f"{f} has no column(s) {missing}; its columns are {names}. Fix: name the log's columns with --user, "
                             f"--item, --time, --label and --side")
+        ids = list(spec.id_roles)
         if parquet:
             table = pq.read_table(in_fs, columns=spec.columns, filesystem=fs)
         else:
             with stores.open_input(f) as stream:
+                text = dict.fromkeys(ids, pa.string()) if spec.ids_as_text else {}
                 table = pacsv.read_csv(stream, parse_options=pacsv.ParseOptions(delimiter=delimiter),
-                                       convert_options=pacsv.ConvertOptions(include_columns=spec.columns))
+                                       convert_options=pacsv.ConvertOptions(include_columns=spec.columns, column_types=text))
+            inferred = [] if spec.ids_as_text else text_ids.inferred_id_columns(table, ids)
+            if inferred and table.num_rows:  # the raw text of ids read as numbers (or dates): lost in the reading?
+                raw = text_ids.read_text_columns(f, delimiter, inferred)
+                text_ids.check_lossless(table, raw, f, spec.id_roles)
         table = _plain_columns(table)
+        if spec.ids_as_text:
+            table = text_ids.as_text(table, ids)
         if table.num_rows == 0:
             empty.append((f, "a Parquet file of 0 rows" if parquet else "a header line only"))
             continue

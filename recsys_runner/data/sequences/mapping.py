@@ -40,7 +40,9 @@ log = logging.getLogger(__name__)
 
 VOCAB_FILE = "vocab.json"
 """``{"format": 1, "oov_buckets": n, "tables": {table: {"file": "vocab/<table>.txt", "columns": [...], "size": capacity,
-"integers": bool, "log_column": <the log's column>}}}``: the mapping's index, beside the rows."""
+"integers": bool, "log_column": <the log's column>}}}``: the mapping's index, beside the rows; ``"ids_as_text": true``
+when the log's id columns were read as text (``--ids-as-text``; absent: as Arrow infers them), which a ``--vocab`` run
+follows."""
 VOCAB_DIR = "vocab"
 VOCAB_METADATA_KEY = b"recsys_runner.vocab"
 """Parquet key-value metadata of the rows: the folder holding :data:`VOCAB_FILE`, relative to the file's folder (``.``)."""
@@ -94,15 +96,19 @@ class Table:
     """Raw values; line ``i`` of the vocab file, id ``i``."""
 
 
-def write_vocab(folder: Path, tables: list[Table], oov_buckets: int) -> None:
-    """``folder/vocab/<table>.txt`` and ``folder/vocab.json`` (module docstring)."""
+def write_vocab(folder: Path, tables: list[Table], oov_buckets: int, ids_as_text: bool = False) -> None:
+    """``folder/vocab/<table>.txt`` and ``folder/vocab.json`` (module docstring); ``ids_as_text`` is recorded only when
+    set, so an output of ids read as inferred is the file it was before the setting existed."""
     (folder / VOCAB_DIR).mkdir(parents=True, exist_ok=True)
     index = {}
     for t in tables:
         (folder / VOCAB_DIR / f"{t.name}.txt").write_bytes(vocab_text(t.values))
         index[t.name] = {"file": f"{VOCAB_DIR}/{t.name}.txt", "columns": list(t.columns), "size": len(t.values),
                          "integers": is_integers(t.values), "log_column": t.log_column}
-    (folder / VOCAB_FILE).write_text(json.dumps({"format": FORMAT, "oov_buckets": oov_buckets, "tables": index}, indent=1) + "\n")
+    document: dict = {"format": FORMAT, "oov_buckets": oov_buckets, "tables": index}
+    if ids_as_text:
+        document["ids_as_text"] = True
+    (folder / VOCAB_FILE).write_text(json.dumps(document, indent=1) + "\n")
 
 
 def _index(folder: str, what: str, rows_file: str | None = None) -> dict:
@@ -146,6 +152,8 @@ class EarlierVocab:
     folder: str
     oov_buckets: int
     tables: dict[str, dict]
+    ids_as_text: bool = False
+    """Whether the earlier log's id columns were read as text (``--ids-as-text``): the new log is read alike."""
 
     @staticmethod
     def load(folder: str) -> EarlierVocab:
@@ -155,7 +163,10 @@ class EarlierVocab:
             ConfigError: ``folder`` is not an earlier output (no or a malformed :data:`VOCAB_FILE`).
         """
         index = _index(folder, "--vocab")
-        return EarlierVocab(folder, index["oov_buckets"], index["tables"])
+        if not isinstance(index.get("ids_as_text", False), bool):
+            raise ConfigError(f"--vocab={folder}: {VOCAB_FILE}'s ids_as_text is {index['ids_as_text']!r}, not true or false. Fix: point it at "
+                              f"an earlier output folder of python -m recsys_runner.data sequences")
+        return EarlierVocab(folder, index["oov_buckets"], index["tables"], index.get("ids_as_text", False))
 
     def size(self, table: str) -> int:
         """Rows of ``table``'s embedding table: the earlier capacity and the OOV rows."""
@@ -183,8 +194,10 @@ class EarlierVocab:
         integers = is_integers(arr)
         if integers != entry["integers"]:
             kinds = ("integers", "text")
+            fix = ("give the column the earlier log's type" if not integers or self.ids_as_text else
+                   "give the column the earlier log's type (its ids are text; a text log whose ids all look like integers: --ids-as-text)")
             raise ConfigError(f"{where}: the {table} ids are {kinds[not integers]}, but --vocab {self.folder} holds {kinds[not entry['integers']]} "
-                              f"for them, which key values differently. Fix: give the column the earlier log's type")
+                              f"for them, which key values differently. Fix: {fix}")
         vocabulary: Vocabulary = read_vocab_file(uris.join(self.folder, entry["file"]), f"--vocab {self.folder} [{table}]",
                                                  self.oov_buckets, integers=integers)
         keys, wrong = value_keys(arr, False)
