@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 
 from recsys_runner import stores, uris
 from recsys_runner.data.encoding.fit import read_vocab_file
-from recsys_runner.data.encoding.keys import value_keys
+from recsys_runner.data.encoding.keys import is_text, value_keys
 from recsys_runner.data.encoding.vocabulary import Vocabulary
 from recsys_runner.data.locate import PARQUET_SUFFIXES
 from recsys_runner.errors import ConfigError, DataError
@@ -83,6 +83,16 @@ def check_writable(values: pa.Array, table: str, where: str) -> None:
 def vocab_text(values: pa.Array) -> bytes:
     """A vocab file: one raw value per line (integers in decimal)."""
     return ("\n".join(str(v) for v in values.to_pylist()) + "\n").encode("utf-8")
+
+
+def as_vocab_text(arr: pa.Array) -> pa.Array:
+    """Values that are neither integers nor text (a float, date or boolean id column) as the lines :func:`vocab_text`
+    writes for them (Python's ``str``, once per distinct value): what a ``--vocab`` run keys them by. Why: the vocab
+    file of such a table is read back as text, and the values themselves have no key (a ``--vocab`` run on a log of
+    float ids stopped on an assertion)."""
+    distinct = pc.unique(arr)
+    texts = pa.array([str(v) for v in distinct.to_pylist()], pa.string())
+    return texts.take(pc.index_in(arr, value_set=distinct))
 
 
 @dataclass(frozen=True)
@@ -200,6 +210,8 @@ class EarlierVocab:
                               f"for them, which key values differently. Fix: {fix}")
         vocabulary: Vocabulary = read_vocab_file(uris.join(self.folder, entry["file"]), f"--vocab {self.folder} [{table}]",
                                                  self.oov_buckets, integers=integers)
+        if not integers and not is_text(arr.type):  # floats, dates, booleans: keyed as the text their vocab file holds
+            arr = as_vocab_text(arr)
         keys, wrong = value_keys(arr, False)
         assert wrong is None, "integers or text: every value keys"
         ids = vocabulary.lookup(keys)
