@@ -111,3 +111,13 @@ def test_vocab_run_on_float_ids_gives_the_ids_of_the_first_run(tmp_path: Path) -
     _convert(log, tmp_path / "again", vocab=str(tmp_path / "out"))
     for part in ("train", "eval"):
         assert pq.read_table(tmp_path / "again" / f"{part}.parquet").equals(pq.read_table(tmp_path / "out" / f"{part}.parquet"))
+
+
+def test_files_reading_an_id_column_as_integers_and_text_name_ids_as_text_which_reads_them(tmp_path: Path) -> None:
+    (tmp_path / "logs").mkdir()
+    _csv(tmp_path / "logs" / "a.csv", "user,item,timestamp", ["1,10,1", "1,11,2", "2,10,3", "2,12,4"])
+    _csv(tmp_path / "logs" / "b.csv", "user,item,timestamp", ["u3,10,5", "u3,11,6"])
+    with pytest.raises(DataError, match=r"column 'user' holds int64 in .*a.csv but string in .*b.csv.*or --ids-as-text"):
+        _convert(str(tmp_path / "logs"), tmp_path / "out")
+    _convert(str(tmp_path / "logs"), tmp_path / "out", ids_as_text=True)
+    assert (tmp_path / "out" / "vocab" / "user_id.txt").read_text().split() == ["1", "2", "u3"]

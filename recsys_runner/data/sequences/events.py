@@ -152,7 +152,7 @@ def read_log(path: str, spec: LogSpec, fmt: str = "auto", delimiter: str = ",") 
         which = empty[0][1] if len(empty) == 1 else "in each file: " + "; ".join(f"{f}: {what}" for f, what in empty)
         raise DataError(f"the log {where} is empty (rows: 0, {which}): there are no events to make rows of. Fix: point the command "
                         f"at the log's events (one per line: user, item, time), or check the export that wrote it")
-    return _concat(tables, read, spec.columns) if len(tables) > 1 else tables[0], where
+    return _concat(tables, read, spec.columns, list(spec.id_roles)) if len(tables) > 1 else tables[0], where
 
 
 def _plain_columns(table: pa.Table) -> pa.Table:
@@ -165,8 +165,8 @@ def _plain_columns(table: pa.Table) -> pa.Table:
     return table
 
 
-def _concat(tables: list[pa.Table], files: list[str], columns: list[str]) -> pa.Table:
-    """The files' tables as one (integer widths and the like promoted).
+def _concat(tables: list[pa.Table], files: list[str], columns: list[str], ids: list[str]) -> pa.Table:
+    """The files' tables as one (integer widths and the like promoted); ``ids``: the id columns, for the fix.
 
     Raises:
         DataError: a column of different kinds in two files (ids as integers in one, text in another: ``1`` and ``"1"``
@@ -181,7 +181,8 @@ def _concat(tables: list[pa.Table], files: list[str], columns: list[str]) -> pa.
             if other is not None:
                 raise DataError(f"the log's column {c!r} holds {types[0]} in {files[0]} but {types[other]} in {files[other]}: the files "
                                 f"of one log hold each column as one kind of values (an id 1 and an id '1' would be two ids). Fix: "
-                                f"write the column with one type in every file") from None
+                                f"write the column with one type in every file" + (", or --ids-as-text (reads the id columns of every file as "
+                                "text)" if c in ids else "")) from None
         raise
 
 
