@@ -20,7 +20,8 @@ list and the 99th percentile of the lengths, to choose ``max_values`` by. Label 
 ``sequences`` turns an interaction log (user, item, time, optional label or rating, item side columns) into rows
 whose histories hold each user's earlier events only (:mod:`recsys_runner.data.sequences.interactions`), one per event or
 one per user (``--rows``), split by time, leave-last-out or leave-two-out, with the schema stored and the id mapping
-written beside them (``--vocab``: an earlier one); exact duplicate events are dropped and counted (``--duplicates``), and
+written beside them (``--vocab``: an earlier one); a CSV log whose id columns the type inference would merge (``007`` and
+``7``) is refused (``--ids-as-text`` reads them as text); exact duplicate events are dropped and counted (``--duplicates``), and
 a used output folder is refused unless ``--overwrite`` (:mod:`recsys_runner.data.sequences.output`)::
 
     python -m recsys_runner.data sequences events.csv out/ --user user --item item --time ts --side category \

@@ -2,7 +2,8 @@
 
 :func:`read_log` reads the columns the command names (:class:`LogSpec`: ``--user``, ``--item``, ``--time``,
 ``--label``, ``--side``) from Parquet or delimited text, local or in an object store, and refuses a log without rows
-by name. :func:`encode` numbers each table's distinct raw values in sorted order (or encodes them with an earlier
+by name, and a text log whose id columns Arrow's type inference would merge (``--ids-as-text`` reads them as text:
+:mod:`~recsys_runner.data.sequences.text_ids`). :func:`encode` numbers each table's distinct raw values in sorted order (or encodes them with an earlier
 output's mapping, ``--vocab``), reads the times as integers and the labels as 0/1, and marks each line that repeats
 an earlier one exactly (:func:`identical_events`): :class:`Events`, one entry per line of the log.
 

@@ -256,7 +256,7 @@ def convert_log(path: str, output: str, spec: LogSpec, fmt: str = "auto", delimi
     and the mapping (``vocab.json``, ``vocab/``: :mod:`~recsys_runner.data.sequences.mapping`) from the log at ``path``
     (a folder or an object-store prefix), staged and moved into place whole
     (:class:`~recsys_runner.data.sequences.output.StagedOutput`); the rows. With ``spec.vocab`` the earlier output's
-    mapping is copied (it is the one the ids follow), and the log's id columns are read as its were (``ids_as_text``:
+    mapping is copied (it is the one the ids follow), and the log's id columns are read as its were read (``ids_as_text``:
     ``None`` follows it, the other setting is refused).
 
     ``overwrite``: replace an earlier output there (else it is refused, before the log is read). ``committing`` is entered
