@@ -20,7 +20,8 @@ list and the 99th percentile of the lengths, to choose ``max_values`` by. Label 
 ``sequences`` turns an interaction log (user, item, time, optional label or rating, item side columns) into rows
 whose histories hold each user's earlier events only (:mod:`recsys_runner.data.sequences.interactions`), one per event or
 one per user (``--rows``), split by time, leave-last-out or leave-two-out, with the schema stored and the id mapping
-written beside them (``--vocab``: an earlier one); exact duplicate events are dropped and counted (``--duplicates``), and
+written beside them (``--vocab``: an earlier one); a CSV log whose id columns the type inference would merge (``007`` and
+``7``) is refused (``--ids-as-text`` reads them as text); exact duplicate events are dropped and counted (``--duplicates``), and
 a used output folder is refused unless ``--overwrite`` (:mod:`recsys_runner.data.sequences.output`)::
 
     python -m recsys_runner.data sequences events.csv out/ --user user --item item --time ts --side category \
@@ -306,7 +307,8 @@ def sequences(args: argparse.Namespace) -> None:
     into place waits for it (``signals.deferred``) and then stops the command saying the output is complete."""
     spec = LogSpec(user=args.user, item=args.item, time=args.time, label=args.label, label_threshold=args.label_threshold,
                    sides=list(args.side), max_len=args.max_len, split=args.split, eval_from=args.eval_from, valid_from=args.valid_from,
-                   rows=args.rows, duplicates=args.duplicates, vocab=args.vocab, oov_buckets=args.oov_buckets or 1)
+                   rows=args.rows, duplicates=args.duplicates, vocab=args.vocab, oov_buckets=args.oov_buckets or 1,
+                   ids_as_text=args.ids_as_text)
     if args.vocab is not None and args.oov_buckets is not None:
         raise ConfigError(f"--oov-buckets {args.oov_buckets} with --vocab: the tables keep the earlier output's sizes (its ids and its "
                           f"OOV rows), so a model trained on it reads the new rows. Fix: drop --oov-buckets")
@@ -377,6 +379,9 @@ def _sequences_parser(sub: Any) -> None:
     s.add_argument("--vocab", help="an earlier output folder: encode this log with its id mapping (unseen ids read OOV rows, counted)")
     s.add_argument("--oov-buckets", type=int, help="rows after each table's ids for ids a later --vocab run has not seen (default 1; "
                                                    "with --vocab the earlier output's)")
+    s.add_argument("--ids-as-text", action=argparse.BooleanOptionalAction, default=None,
+                   help="read the id columns (--user, --item, --side) as text: '007' and '7' two ids (a Parquet integer column as its "
+                        "decimal text). Default: as inferred, refused where that would merge ids; with --vocab: as its mapping was read")
     s.add_argument("--format", choices=["auto", "parquet", "csv"], default="auto", help="auto: Parquet by file name, else text")
     s.add_argument("--delimiter", default=",", help="text logs: the field delimiter (a character, or tab/comma/semicolon/pipe)")
     s.add_argument("--row-group-rows", type=int, default=65_536)

@@ -2,7 +2,8 @@
 
 :func:`read_log` reads the columns the command names (:class:`LogSpec`: ``--user``, ``--item``, ``--time``,
 ``--label``, ``--side``) from Parquet or delimited text, local or in an object store, and refuses a log without rows
-by name. :func:`encode` numbers each table's distinct raw values in sorted order (or encodes them with an earlier
+by name, and a text log whose id columns Arrow's type inference would merge (``--ids-as-text`` reads them as text:
+:mod:`~recsys_runner.data.sequences.text_ids`). :func:`encode` numbers each table's distinct raw values in sorted order (or encodes them with an earlier
 output's mapping, ``--vocab``), reads the times as integers and the labels as 0/1, and marks each line that repeats
 an earlier one exactly (:func:`identical_events`): :class:`Events`, one entry per line of the log.
 
@@ -23,6 +24,7 @@ import pyarrow.parquet as pq
 
 from recsys_runner import stores
 from recsys_runner.data.locate import PARQUET_SUFFIXES, resolve_files
+from recsys_runner.data.sequences import text_ids
 from recsys_runner.data.sequences.mapping import EarlierVocab, Table, check_writable, sorted_codes
 from recsys_runner.data.sequences.splits import ROWS, SPLITS
 from recsys_runner.errors import ConfigError, DataError
@@ -57,6 +59,10 @@ class LogSpec:
     """Repeated events (equal in every column read): ``drop`` all but the first, ``keep`` them, or ``fail``."""
     vocab: str | None = None
     """An earlier output folder whose id mapping encodes this log (``--vocab``); ``None``: a new mapping."""
+    ids_as_text: bool | None = None
+    """Read the id columns (user, item, sides) as text (``--ids-as-text``; :mod:`~recsys_runner.data.sequences.text_ids`);
+    ``False``: as Arrow infers them, refused where that loses an id; ``None``: the earlier mapping's with ``vocab``, else
+    ``False``."""
     oov_buckets: int = 1
     """Rows after each table's ids shared by raw ids a ``--vocab`` run has not seen (a new mapping reserves them too,
     so both outputs' tables have one size); with ``vocab`` the earlier output's number."""
@@ -94,6 +100,11 @@ class LogSpec:
     def columns(self) -> list[str]:
         return [self.user, self.item, self.time, *([self.label] if self.label else []), *self.sides]
 
+    @property
+    def id_roles(self) -> dict[str, str]:
+        """Each id column (the ones numbered into a table) → its flag, for messages."""
+        return {self.user: "--user", self.item: "--item", **dict.fromkeys(self.sides, "--side")}
+
 
 def read_log(path: str, spec: LogSpec, fmt: str = "auto", delimiter: str = ",") -> tuple[pa.Table, str]:
     """The log's columns (``spec.columns``) from Parquet or delimited text (local files or object-store URIs), and a name
@@ -118,13 +129,21 @@ def read_log(path: str, spec: LogSpec, fmt: str = "auto", delimiter: str = ",") 
         if missing:
             raise DataError(f"{f} has no column(s) {missing}; its columns are {names}. Fix: name the log's columns with --user, "
                             f"--item, --time, --label and --side")
+        ids = list(spec.id_roles)
         if parquet:
             table = pq.read_table(in_fs, columns=spec.columns, filesystem=fs)
         else:
             with stores.open_input(f) as stream:
+                text = dict.fromkeys(ids, pa.string()) if spec.ids_as_text else {}
                 table = pacsv.read_csv(stream, parse_options=pacsv.ParseOptions(delimiter=delimiter),
-                                       convert_options=pacsv.ConvertOptions(include_columns=spec.columns))
+                                       convert_options=pacsv.ConvertOptions(include_columns=spec.columns, column_types=text))
+            inferred = [] if spec.ids_as_text else text_ids.inferred_id_columns(table, ids)
+            if inferred and table.num_rows:  # the raw text of ids read as numbers (or dates): lost in the reading?
+                raw = text_ids.read_text_columns(f, delimiter, inferred)
+                text_ids.check_lossless(table, raw, f, spec.id_roles)
         table = _plain_columns(table)
+        if spec.ids_as_text:
+            table = text_ids.as_text(table, ids)
         if table.num_rows == 0:
             empty.append((f, "a Parquet file of 0 rows" if parquet else "a header line only"))
             continue
@@ -134,7 +153,7 @@ def read_log(path: str, spec: LogSpec, fmt: str = "auto", delimiter: str = ",") 
         which = empty[0][1] if len(empty) == 1 else "in each file: " + "; ".join(f"{f}: {what}" for f, what in empty)
         raise DataError(f"the log {where} is empty (rows: 0, {which}): there are no events to make rows of. Fix: point the command "
                         f"at the log's events (one per line: user, item, time), or check the export that wrote it")
-    return _concat(tables, read, spec.columns) if len(tables) > 1 else tables[0], where
+    return _concat(tables, read, spec.columns, list(spec.id_roles)) if len(tables) > 1 else tables[0], where
 
 
 def _plain_columns(table: pa.Table) -> pa.Table:
@@ -147,8 +166,8 @@ def _plain_columns(table: pa.Table) -> pa.Table:
     return table
 
 
-def _concat(tables: list[pa.Table], files: list[str], columns: list[str]) -> pa.Table:
-    """The files' tables as one (integer widths and the like promoted).
+def _concat(tables: list[pa.Table], files: list[str], columns: list[str], ids: list[str]) -> pa.Table:
+    """The files' tables as one (integer widths and the like promoted); ``ids``: the id columns, for the fix.
 
     Raises:
         DataError: a column of different kinds in two files (ids as integers in one, text in another: ``1`` and ``"1"``
@@ -163,7 +182,8 @@ def _concat(tables: list[pa.Table], files: list[str], columns: list[str]) -> pa.
             if other is not None:
                 raise DataError(f"the log's column {c!r} holds {types[0]} in {files[0]} but {types[other]} in {files[other]}: the files "
                                 f"of one log hold each column as one kind of values (an id 1 and an id '1' would be two ids). Fix: "
-                                f"write the column with one type in every file") from None
+                                f"write the column with one type in every file" + (", or --ids-as-text (reads the id columns of every file as "
+                                "text)" if c in ids else "")) from None
         raise
 
 

@@ -58,7 +58,7 @@ from recsys_runner.data.sequences.splits import (
     sorted_layout,
     split_parts,
 )
-from recsys_runner.errors import DataError
+from recsys_runner.errors import ConfigError, DataError
 from recsys_runner.features import SequenceGroup
 
 __all__ = ["LogRows", "convert_log", "log_to_rows"]
@@ -256,14 +256,21 @@ def convert_log(path: str, output: str, spec: LogSpec, fmt: str = "auto", delimi
     and the mapping (``vocab.json``, ``vocab/``: :mod:`~recsys_runner.data.sequences.mapping`) from the log at ``path``
     (a folder or an object-store prefix), staged and moved into place whole
     (:class:`~recsys_runner.data.sequences.output.StagedOutput`); the rows. With ``spec.vocab`` the earlier output's
-    mapping is copied (it is the one the ids follow).
+    mapping is copied (it is the one the ids follow), and the log's id columns are read as its were read (``ids_as_text``:
+    ``None`` follows it, the other setting is refused).
 
     ``overwrite``: replace an earlier output there (else it is refused, before the log is read). ``committing`` is entered
     around the move into place: the command line holds signals back there (``train.signals.deferred``).
     """
     earlier = EarlierVocab.load(spec.vocab) if spec.vocab is not None else None
     if earlier is not None:
-        spec = replace(spec, oov_buckets=earlier.oov_buckets)
+        if spec.ids_as_text is not None and spec.ids_as_text != earlier.ids_as_text:
+            how = ("read the earlier log's id columns as text (--ids-as-text)" if earlier.ids_as_text
+                   else "read the earlier log's id columns as Arrow infers them (no --ids-as-text)")
+            raise ConfigError(f"--vocab {spec.vocab} {how}, but this run {'does not' if earlier.ids_as_text else 'does'}: the same id "
+                              f"would be keyed differently ('7' as text or 7 as a number) and read another row. Fix: drop "
+                              f"--{'no-' if earlier.ids_as_text else ''}ids-as-text (a --vocab run reads ids as its mapping did)")
+        spec = replace(spec, oov_buckets=earlier.oov_buckets, ids_as_text=earlier.ids_as_text)
     staged = StagedOutput(output, overwrite)
     table, where = read_log(path, spec, fmt, delimiter)
     rows = log_to_rows(table, spec, where, earlier)
@@ -271,7 +278,7 @@ def convert_log(path: str, output: str, spec: LogSpec, fmt: str = "auto", delimi
         for name in part_names(spec.split, spec.valid_from):
             write_rows(rows.parts[name], rows.schema, staged.file(f"{name}.parquet"), row_group_rows, spec.rows)
         if earlier is None:
-            write_vocab(staged.path, rows.tables, spec.oov_buckets)
+            write_vocab(staged.path, rows.tables, spec.oov_buckets, bool(spec.ids_as_text))
         else:
             earlier.copy_to(staged.path)
         with committing():

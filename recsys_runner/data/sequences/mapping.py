@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 
 from recsys_runner import stores, uris
 from recsys_runner.data.encoding.fit import read_vocab_file
-from recsys_runner.data.encoding.keys import value_keys
+from recsys_runner.data.encoding.keys import is_text, value_keys
 from recsys_runner.data.encoding.vocabulary import Vocabulary
 from recsys_runner.data.locate import PARQUET_SUFFIXES
 from recsys_runner.errors import ConfigError, DataError
@@ -40,7 +40,9 @@ log = logging.getLogger(__name__)
 
 VOCAB_FILE = "vocab.json"
 """``{"format": 1, "oov_buckets": n, "tables": {table: {"file": "vocab/<table>.txt", "columns": [...], "size": capacity,
-"integers": bool, "log_column": <the log's column>}}}``: the mapping's index, beside the rows."""
+"integers": bool, "log_column": <the log's column>}}}``: the mapping's index, beside the rows; ``"ids_as_text": true``
+when the log's id columns were read as text (``--ids-as-text``; absent: as Arrow infers them), which a ``--vocab`` run
+follows."""
 VOCAB_DIR = "vocab"
 VOCAB_METADATA_KEY = b"recsys_runner.vocab"
 """Parquet key-value metadata of the rows: the folder holding :data:`VOCAB_FILE`, relative to the file's folder (``.``)."""
@@ -83,6 +85,16 @@ def vocab_text(values: pa.Array) -> bytes:
     return ("\n".join(str(v) for v in values.to_pylist()) + "\n").encode("utf-8")
 
 
+def as_vocab_text(arr: pa.Array) -> pa.Array:
+    """Values that are neither integers nor text (a float, date or boolean id column) as the lines :func:`vocab_text`
+    writes for them (Python's ``str``, once per distinct value): what a ``--vocab`` run keys them by. Why: the vocab
+    file of such a table is read back as text, and the values themselves have no key (a ``--vocab`` run on a log of
+    float ids stopped on an assertion)."""
+    distinct = pc.unique(arr)
+    texts = pa.array([str(v) for v in distinct.to_pylist()], pa.string())
+    return texts.take(pc.index_in(arr, value_set=distinct))
+
+
 @dataclass(frozen=True)
 class Table:
     """One id space of the output: its log column, its output columns and its raw values in id order."""
@@ -94,15 +106,19 @@ class Table:
     """Raw values; line ``i`` of the vocab file, id ``i``."""
 
 
-def write_vocab(folder: Path, tables: list[Table], oov_buckets: int) -> None:
-    """``folder/vocab/<table>.txt`` and ``folder/vocab.json`` (module docstring)."""
+def write_vocab(folder: Path, tables: list[Table], oov_buckets: int, ids_as_text: bool = False) -> None:
+    """``folder/vocab/<table>.txt`` and ``folder/vocab.json`` (module docstring); ``ids_as_text`` is recorded only when
+    set, so an output of ids read as inferred is the file it was before the setting existed."""
     (folder / VOCAB_DIR).mkdir(parents=True, exist_ok=True)
     index = {}
     for t in tables:
         (folder / VOCAB_DIR / f"{t.name}.txt").write_bytes(vocab_text(t.values))
         index[t.name] = {"file": f"{VOCAB_DIR}/{t.name}.txt", "columns": list(t.columns), "size": len(t.values),
                          "integers": is_integers(t.values), "log_column": t.log_column}
-    (folder / VOCAB_FILE).write_text(json.dumps({"format": FORMAT, "oov_buckets": oov_buckets, "tables": index}, indent=1) + "\n")
+    document: dict = {"format": FORMAT, "oov_buckets": oov_buckets, "tables": index}
+    if ids_as_text:
+        document["ids_as_text"] = True
+    (folder / VOCAB_FILE).write_text(json.dumps(document, indent=1) + "\n")
 
 
 def _index(folder: str, what: str, rows_file: str | None = None) -> dict:
@@ -146,6 +162,8 @@ class EarlierVocab:
     folder: str
     oov_buckets: int
     tables: dict[str, dict]
+    ids_as_text: bool = False
+    """Whether the earlier log's id columns were read as text (``--ids-as-text``): the new log is read alike."""
 
     @staticmethod
     def load(folder: str) -> EarlierVocab:
@@ -155,7 +173,10 @@ class EarlierVocab:
             ConfigError: ``folder`` is not an earlier output (no or a malformed :data:`VOCAB_FILE`).
         """
         index = _index(folder, "--vocab")
-        return EarlierVocab(folder, index["oov_buckets"], index["tables"])
+        if not isinstance(index.get("ids_as_text", False), bool):
+            raise ConfigError(f"--vocab={folder}: {VOCAB_FILE}'s ids_as_text is {index['ids_as_text']!r}, not true or false. Fix: point it at "
+                              f"an earlier output folder of python -m recsys_runner.data sequences")
+        return EarlierVocab(folder, index["oov_buckets"], index["tables"], index.get("ids_as_text", False))
 
     def size(self, table: str) -> int:
         """Rows of ``table``'s embedding table: the earlier capacity and the OOV rows."""
@@ -183,10 +204,14 @@ class EarlierVocab:
         integers = is_integers(arr)
         if integers != entry["integers"]:
             kinds = ("integers", "text")
+            fix = ("give the column the earlier log's type" if not integers or self.ids_as_text else
+                   "give the column the earlier log's type (its ids are text; a text log whose ids all look like integers: --ids-as-text)")
             raise ConfigError(f"{where}: the {table} ids are {kinds[not integers]}, but --vocab {self.folder} holds {kinds[not entry['integers']]} "
-                              f"for them, which key values differently. Fix: give the column the earlier log's type")
+                              f"for them, which key values differently. Fix: {fix}")
         vocabulary: Vocabulary = read_vocab_file(uris.join(self.folder, entry["file"]), f"--vocab {self.folder} [{table}]",
                                                  self.oov_buckets, integers=integers)
+        if not integers and not is_text(arr.type):  # floats, dates, booleans: keyed as the text their vocab file holds
+            arr = as_vocab_text(arr)
         keys, wrong = value_keys(arr, False)
         assert wrong is None, "integers or text: every value keys"
         ids = vocabulary.lookup(keys)

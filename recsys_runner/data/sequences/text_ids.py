@@ -1,0 +1,78 @@
+"""A text log's id columns read without merging ids: the check that inferred types keep every raw id, and ``--ids-as-text``.
+
+Arrow infers each CSV column's type, so an all-digit id column is read as integers: ``"007"`` and ``"7"`` become the
+one id 7 (also ``"+7"``, ``" 7"``), ``"1e3"`` and ``"1000"`` the float 1000, an id beyond int64 a float. Reading every
+id column as text would renumber every existing integer-id log (integers are numbered by value, text by its bytes), so
+the default stays inference, and :func:`check_lossless` refuses a file where it is lossy: a raw id (user, item, side)
+whose text is not what its inferred value writes back (what the vocab files would hold). ``--ids-as-text``
+(:func:`as_text`) reads the id columns as text instead: every distinct text one id. Vectorized: one more read of the
+id columns as text, one cast and one comparison per column. May import ``stores`` and ``errors``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pacsv
+
+from recsys_runner import stores
+from recsys_runner.errors import DataError
+
+__all__ = ["as_text", "check_lossless", "read_text_columns"]
+
+
+def read_text_columns(path: str, delimiter: str, columns: list[str]) -> pa.Table:
+    """``columns`` of the delimited text file ``path`` read as text, exactly as written (an empty field is ``""``)."""
+    with stores.open_input(path) as stream:
+        return pacsv.read_csv(stream, parse_options=pacsv.ParseOptions(delimiter=delimiter),
+                              convert_options=pacsv.ConvertOptions(include_columns=columns, column_types=dict.fromkeys(columns, pa.string())))
+
+
+def inferred_id_columns(table: pa.Table, columns: list[str]) -> list[str]:
+    """Those of the id ``columns`` that Arrow's inference read as something else than text: the ones to check."""
+    return [c for c in columns if not pa.types.is_string(table.schema.field(c).type)]
+
+
+def check_lossless(typed: pa.Table, texts: pa.Table, where: str, roles: dict[str, str]) -> None:
+    """Refuse a text log whose inferred id columns (``typed``) lose a raw id: one whose text (``texts``, the same columns
+    read as text) differs from what its value writes back. ``roles``: each column's flag (``--user``) for the message.
+
+    Raises:
+        DataError: naming the file, the column, the row, the raw id, what it is read as (and another raw id it would
+            merge with, when the file holds one) and the fix (``--ids-as-text``).
+    """
+    for column in texts.column_names:
+        values = typed.column(column).combine_chunks()
+        raw = texts.column(column).combine_chunks()
+        written = values.cast(pa.string())
+        lossy = pc.fill_null(pc.and_(values.is_valid(), pc.not_equal(raw, written)), False)
+        if not pc.any(lossy).as_py():
+            continue
+        row = int(np.flatnonzero(np.asarray(lossy.to_numpy(zero_copy_only=False)))[0])
+        value, reads = raw[row].as_py(), written[row].as_py()
+        others = pc.fill_null(pc.and_(pc.equal(values, values[row]), pc.not_equal(raw, value)), False)
+        if pc.any(others).as_py():
+            other = int(np.flatnonzero(np.asarray(others.to_numpy(zero_copy_only=False)))[0])
+            merged = f", the same id as {raw[other].as_py()!r} in row {other}: the two would be one {column} without a word"
+        else:
+            merged = f", so its vocab file would hold {reads!r}, not the id as logged, and any other text read as {reads!r} would be the same id"
+        raise DataError(f"{where}, row {row} (0-based, header not counted): the {roles.get(column, 'id')} column {column!r} is read as "
+                        f"{values.type} (Arrow infers each column's type), which reads the id {value!r} as {reads!r}{merged}. Ids spelled "
+                        f"differently (leading zeros, a '+', spaces, '1e3', an id beyond int64) must stay apart. Fix: --ids-as-text "
+                        f"(reads the id columns as text: every distinct text one id; a new mapping, numbered by text, recorded in "
+                        f"vocab.json so a later --vocab run reads alike), or clean the log's {column} column")
+
+
+def as_text(table: pa.Table, columns: list[str]) -> pa.Table:
+    """``table`` with the id ``columns`` as text (``--ids-as-text``): integers as their decimal text, an empty text field
+    missing (so the log is refused naming its row, as an empty field of an inferred column is)."""
+    for column in columns:
+        i = table.schema.get_field_index(column)
+        arr = table.column(i)
+        if pa.types.is_integer(arr.type) or pa.types.is_large_string(arr.type):
+            arr = arr.cast(pa.string())
+        if pa.types.is_string(arr.type):
+            arr = pc.if_else(pc.equal(arr, ""), pa.scalar(None, pa.string()), arr)
+        table = table.set_column(i, column, arr)
+    return table
