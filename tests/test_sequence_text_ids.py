@@ -121,3 +121,39 @@ def test_files_reading_an_id_column_as_integers_and_text_name_ids_as_text_which_
         _convert(str(tmp_path / "logs"), tmp_path / "out")
     _convert(str(tmp_path / "logs"), tmp_path / "out", ids_as_text=True)
     assert (tmp_path / "out" / "vocab" / "user_id.txt").read_text().split() == ["1", "2", "u3"]
+
+
+def test_files_joining_integer_ids_beyond_2_53_with_float_ids_are_refused(tmp_path: Path) -> None:
+    """Integer ids in one file and floats in another are joined as floats: exact below 2**53 (the log reads as before),
+    but 2**53 + 1 would read as 2**53, another user's id. Refused naming the file, the id and ``--ids-as-text``."""
+    (tmp_path / "logs").mkdir()
+    big = 2**53
+    _csv(tmp_path / "logs" / "a.csv", "user,item,timestamp", [f"{big + 1},10,1", f"{big + 1},11,2", f"{big},10,3", f"{big},12,4"])
+    _csv(tmp_path / "logs" / "b.csv", "user,item,timestamp", ["3.5,10,5", "3.5,11,6"])
+    with pytest.raises(DataError, match=rf"a.csv, row 0 .*'user' holds integers here but floats in .*b.csv.*{big + 1} as {big}.*--ids-as-text"):
+        _convert(str(tmp_path / "logs"), tmp_path / "out")
+    _convert(str(tmp_path / "logs"), tmp_path / "out", ids_as_text=True)
+    assert sorted((tmp_path / "out" / "vocab" / "user_id.txt").read_text().split()) == sorted([str(big), str(big + 1), "3.5"])
+    (tmp_path / "small").mkdir()  # below 2**53 the join is exact and the log reads as before
+    _csv(tmp_path / "small" / "a.csv", "user,item,timestamp", ["7,10,1", "7,11,2", "8,10,3", "8,12,4"])
+    _csv(tmp_path / "small" / "b.csv", "user,item,timestamp", ["3.5,10,5", "3.5,11,6"])
+    _convert(str(tmp_path / "small"), tmp_path / "small_out")
+    assert (tmp_path / "small_out" / "vocab" / "user_id.txt").read_text().split() == ["3.5", "7.0", "8.0"]
+
+
+def test_a_vocab_run_that_follows_ids_as_text_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The command line: a ``--vocab`` run without the flag reads ids as its mapping did, and one line says it (a user
+    who never passed ``--ids-as-text`` to this run learns why "007" and "7" stay apart); an inferred mapping: no line."""
+    from recsys_runner.data.__main__ import main as data_main
+
+    log = _log(tmp_path, "user", ["007", "7", "007", "8", "8"])
+    args = ["--user", "user", "--item", "item", "--time", "timestamp"]
+    assert data_main(["sequences", log, str(tmp_path / "out"), *args, "--ids-as-text"]) == 0
+    capsys.readouterr()
+    assert data_main(["sequences", log, str(tmp_path / "again"), *args, "--vocab", str(tmp_path / "out")]) == 0
+    assert "its mapping read the id columns as text (--ids-as-text), and so did this run" in capsys.readouterr().out
+    (tmp_path / "plain").mkdir()
+    plain = _log(tmp_path / "plain", "user", ["1", "1", "2", "2", "3"])
+    assert data_main(["sequences", plain, str(tmp_path / "p1"), *args]) == 0
+    assert data_main(["sequences", plain, str(tmp_path / "p2"), *args, "--vocab", str(tmp_path / "p1")]) == 0
+    assert "--ids-as-text" not in capsys.readouterr().out

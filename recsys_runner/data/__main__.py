@@ -60,6 +60,7 @@ from recsys_runner.data.schema_files import SCHEMA_METADATA_KEY, read_schema_fil
 from recsys_runner.data.sequences.coverage import vocab_line
 from recsys_runner.data.sequences.events import DUPLICATES, LogSpec
 from recsys_runner.data.sequences.interactions import convert_log
+from recsys_runner.data.sequences.mapping import EarlierVocab
 from recsys_runner.data.sequences.output import OUTPUT_FILES
 from recsys_runner.data.sequences.splits import LEAVE_TWO_OUT_MIN_EVENTS, ROWS, SPLITS, part_names
 from recsys_runner.errors import ConfigError, DataError
@@ -332,6 +333,8 @@ def sequences(args: argparse.Namespace) -> None:
                   f"and their histories hold no training event")
     for table, count in rows.unseen.items():
         print(f"--vocab {args.vocab}: {count} {table} id(s) of this log are not in its mapping (each reads an OOV row)")
+    if args.vocab is not None and args.ids_as_text is None and EarlierVocab.load(args.vocab).ids_as_text:
+        print(f"--vocab {args.vocab}: its mapping read the id columns as text (--ids-as-text), and so did this run")
     if args.vocab is not None:
         for part, coverage in rows.coverage.items():
             print(vocab_line(args.vocab, part, coverage))

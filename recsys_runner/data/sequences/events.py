@@ -171,8 +171,10 @@ def _concat(tables: list[pa.Table], files: list[str], columns: list[str], ids: l
 
     Raises:
         DataError: a column of different kinds in two files (ids as integers in one, text in another: ``1`` and ``"1"``
-            would be two ids), naming both files and the fix.
+            would be two ids), naming both files and the fix; integer ids beyond 2**53 in one file and floats in another
+            (:func:`~recsys_runner.data.sequences.text_ids.check_promotion`).
     """
+    text_ids.check_promotion(tables, files, ids)
     try:
         return pa.concat_tables(tables, promote_options="permissive")
     except (pa.ArrowTypeError, pa.ArrowInvalid):

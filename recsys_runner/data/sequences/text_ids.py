@@ -19,7 +19,7 @@ import pyarrow.csv as pacsv
 from recsys_runner import stores
 from recsys_runner.errors import DataError
 
-__all__ = ["as_text", "check_lossless", "read_text_columns"]
+__all__ = ["as_text", "check_lossless", "check_promotion", "read_text_columns"]
 
 
 def read_text_columns(path: str, delimiter: str, columns: list[str]) -> pa.Table:
@@ -76,3 +76,35 @@ def as_text(table: pa.Table, columns: list[str]) -> pa.Table:
             arr = pc.if_else(pc.equal(arr, ""), pa.scalar(None, pa.string()), arr)
         table = table.set_column(i, column, arr)
     return table
+
+
+EXACT_FLOAT = 2**53
+"""The largest magnitude below which every integer is exactly a float64: beyond it two ids can round to one float."""
+
+
+def check_promotion(tables: list[pa.Table], files: list[str], ids: list[str]) -> None:
+    """Refuse files of one log whose id column is integers in one and floats in another when joining them would merge
+    ids: the files' tables are concatenated with the column promoted to float64, where an integer id beyond 2**53 rounds
+    (``9007199254740993`` reads as ``9007199254740992``, another id). Below it the promotion is exact (``7`` and ``7.0``
+    are one id, as in one file of floats), so such logs read as before.
+
+    Raises:
+        DataError: naming the file, the column, the id and what it would read as, and the fix (``--ids-as-text``).
+    """
+    for column in ids:
+        types = [t.schema.field(column).type for t in tables]
+        if not (any(pa.types.is_floating(t) for t in types) and any(pa.types.is_integer(t) for t in types)):
+            continue
+        for table, path, typ in zip(tables, files, types, strict=True):
+            if not pa.types.is_integer(typ):
+                continue
+            values = table.column(column).combine_chunks()
+            beyond = pc.fill_null(pc.greater(pc.abs(values.cast(pa.int64())), EXACT_FLOAT), False)
+            if pc.any(beyond).as_py():
+                row = int(np.flatnonzero(np.asarray(beyond.to_numpy(zero_copy_only=False)))[0])
+                value = values[row].as_py()
+                float_file = files[next(i for i, t in enumerate(types) if pa.types.is_floating(t))]
+                raise DataError(f"{path}, row {row} (0-based, header not counted): the id column {column!r} holds integers here but "
+                                f"floats in {float_file}, so the files are joined as floats, which read the id {value} as "
+                                f"{float(value):.0f}: ids beyond 2**53 would merge without a word. Fix: --ids-as-text (reads the id "
+                                f"columns of every file as text), or write the {column} column as integers in every file")
