@@ -1,14 +1,19 @@
-"""Metric states whose size must not grow with the eval's rows where the value does not need them to: ``coverage@k``
-keeps one mask over the catalogue per rank, however many queries it sees, with the values of the distinct rows it kept
-per batch before (the old computation, written out here)."""
+"""Metric states no larger than their value needs: ``coverage@k`` keeps one mask over the catalogue per rank, however
+many queries it sees, with the values of the distinct rows it kept per batch before (the old computation, written out
+here); AUC and grouped AUC keep float32 predictions as float32 and labels as one byte, with the values of float64
+rows, and copy a batch's predictions rather than hold a view of the model's whole output."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from recsys_runner.metrics.classification import AUC, GroupedAUC
 from recsys_runner.metrics.corpus import CoverageAtK
+from recsys_runner.metrics.functional import binary_auc, grouped_auc
 from recsys_runner.metrics.retrieval import Ranked
+from recsys_runner.metrics.tasks import grouping_ids
 
 
 def distinct_rows_coverage(tops: list[torch.Tensor], k: int, num_items: int) -> float:
@@ -45,3 +50,38 @@ def test_coverage_from_full_table_scores_and_no_rows() -> None:
     metric.reset()
     metric.update(Ranked(torch.zeros(0), torch.zeros(0, 2, dtype=torch.long), 4))  # a stand-in batch: no row
     assert float(metric.compute()) == 0.0
+
+
+def test_auc_and_gauc_keep_five_and_thirteen_bytes_a_row_with_the_values_of_float64_rows() -> None:
+    g = torch.Generator().manual_seed(5)
+    outputs = torch.randn(3000, 3, generator=g)  # a three-task model's output: each task reads one column
+    preds = torch.sigmoid((outputs * 4).round() / 4)  # float32, with ties
+    labels, groups = (torch.rand(3000, generator=g) < preds[:, 1]).float(), torch.randint(0, 300, (3000,), generator=g)
+    auc, gauc = AUC(), GroupedAUC()
+    for rows in (slice(0, 1000), slice(1000, 3000)):
+        auc.update(preds[rows, 1], labels[rows])
+        gauc.update(preds[rows, 1], labels[rows], groups=groups[rows])
+    kept = [t for m in (auc, gauc) for name in m._defaults for t in getattr(m, name)]
+    assert sum(t.untyped_storage().nbytes() for t in kept) == 3000 * (4 + 1) + 3000 * (4 + 1 + 8)  # no view of [B, 3]
+    assert {t.dtype for t in auc.preds} == {torch.float32} and {t.dtype for t in auc.labels} == {torch.bool}
+    rows64 = preds[:, 1].double(), labels.double()
+    assert torch.equal(auc.compute(), binary_auc(*rows64))
+    assert torch.equal(gauc.compute(), grouped_auc(*rows64, groups))
+
+
+def test_multiclass_auc_keeps_class_indices() -> None:
+    probs = torch.softmax(torch.tensor([[2.0, 0.1, 0.3], [0.2, 1.5, 0.1], [0.3, 0.2, 1.1], [1.0, 1.2, 0.1]]), dim=1)
+    auc = AUC()
+    auc.update(probs, torch.tensor([0.0, 1, 2, 1]))
+    assert auc.labels[0].dtype == torch.long and float(auc.compute()) == 1.0
+
+
+def test_gauc_copies_the_runner_s_group_ids_out_of_the_batch_s_sparse_ids() -> None:
+    batch = 512
+    sparse = KeyedJaggedTensor.from_lengths_sync(keys=[f"f{i}" for i in range(26)], values=torch.randint(0, 1000, (26 * batch,)),
+                                                 lengths=torch.ones(26 * batch, dtype=torch.int32))
+    groups = grouping_ids(sparse, "f3")
+    assert groups.untyped_storage().nbytes() == 26 * batch * 8  # a view of every feature's ids: what must not be kept
+    gauc = GroupedAUC()
+    gauc.update(torch.rand(batch), (torch.rand(batch) < 0.5).float(), groups=groups)
+    assert gauc.groups[0].untyped_storage().nbytes() == batch * 8 and torch.equal(gauc.groups[0], groups)
