@@ -25,7 +25,7 @@ def grouped_auc_parts(preds: Tensor, labels: Tensor, groups: Tensor | None = Non
     How, and why so: the rows are lined up by ``(group, prediction)`` (:func:`_lined_up`, two stable
     sorts), a run of equal pairs shares its mean rank, and the rank sums are kept doubled in int64 so
     that a tie's half rank stays whole: every sum is exact, whatever the order of the rows or of the
-    additions. At 2M rows that is ~20x faster and a third of the memory of ``torch.unique(..., dim=0)``
+    additions. At 2M rows that is 10-18x faster, with a fifth of the peak memory, than ``torch.unique(..., dim=0)``
     over the pairs, which it replaced with the same values to the last bit (docs/performance.md,
     "At scale"). Predictions keep their dtype: float32 → float64 is exact, so no order or tie changes.
     """
