@@ -85,3 +85,19 @@ def test_gauc_copies_the_runner_s_group_ids_out_of_the_batch_s_sparse_ids() -> N
     gauc = GroupedAUC()
     gauc.update(torch.rand(batch), (torch.rand(batch) < 0.5).float(), groups=groups)
     assert gauc.groups[0].untyped_storage().nbytes() == batch * 8 and torch.equal(gauc.groups[0], groups)
+
+
+def test_kept_rows_are_merged_every_64_batches_in_order() -> None:
+    g = torch.Generator().manual_seed(9)
+    preds, labels, groups = torch.rand(200 * 16, generator=g), (torch.rand(200 * 16, generator=g) < 0.3).float(), torch.arange(200 * 16) % 37
+    gauc = GroupedAUC()
+    for b in range(200):
+        rows = slice(16 * b, 16 * (b + 1))
+        gauc.update(preds[rows], labels[rows], groups=groups[rows])
+    assert [len(gauc.preds), len(gauc.labels), len(gauc.groups)] == [3 + 8] * 3  # three merged pieces of 64 and 8 batches
+    assert torch.equal(torch.cat(gauc.preds), preds) and torch.equal(torch.cat(gauc.groups), groups)
+    assert torch.equal(gauc.compute(), grouped_auc(preds.double(), labels.double(), groups))
+    gauc.reset()
+    for _ in range(70):
+        gauc.update(preds[:16], labels[:16], groups=groups[:16])
+    assert len(gauc.preds) == 1 + 6  # counted afresh after the reset

@@ -148,11 +148,11 @@ class AUC(GatherMetric):
 
     def update(self, preds: Tensor, labels: Tensor) -> None:
         if preds.dim() == 2:  # class probabilities [B, C] and class indices
-            self.preds.append(ranked_preds(preds))
-            self.labels.append(labels.detach().long().flatten())
+            self.keep("preds", ranked_preds(preds))
+            self.keep("labels", labels.detach().long().flatten())
         else:
-            self.preds.append(ranked_preds(preds).flatten())
-            self.labels.append(positives(labels))
+            self.keep("preds", ranked_preds(preds).flatten())
+            self.keep("labels", positives(labels))
 
     def compute(self) -> Tensor:
         preds, labels = self._rows("preds"), self._rows("labels")
@@ -179,9 +179,9 @@ class GroupedAUC(GatherMetric):
     def update(self, preds: Tensor, labels: Tensor, groups: Tensor | None = None) -> None:
         if groups is None:
             raise ValueError("gauc needs groups=<[B] integer ids> in update(); the runner passes them when metrics.grouping_key is set")
-        self.preds.append(ranked_preds(preds).flatten())
-        self.labels.append(positives(labels))
-        self.groups.append(group_ids(groups))
+        self.keep("preds", ranked_preds(preds).flatten())
+        self.keep("labels", positives(labels))
+        self.keep("groups", group_ids(groups))
 
     def compute(self) -> Tensor:
         return grouped_auc(self._rows("preds"), self._rows("labels"), self._rows("groups"), self.weighting)
@@ -200,8 +200,8 @@ class XAUC(GatherMetric):
         self.max_pairs, self.seed = max_pairs, seed
 
     def update(self, preds: Tensor, labels: Tensor) -> None:
-        self.preds.append(preds.detach().double().flatten())
-        self.targets.append(labels.detach().double().flatten())
+        self.keep("preds", preds.detach().double().flatten())
+        self.keep("targets", labels.detach().double().flatten())
 
     def compute(self) -> Tensor:
         return xauc(self._rows("preds"), self._rows("targets"), self.max_pairs, self.seed)
