@@ -59,12 +59,13 @@ test-fast: $(STAMP) ## Run the tests except those marked slow
 	$(PY) -m pytest -q $(TEST_PARALLEL) -m "not slow"
 
 BENCH_ARGS ?=
-bench: $(STAMP) ## Runner vs hand loop (synthetic, Parquet, sequences, managed collision), start-up; negatives; object store; corpus eval; serving, encoders, Criteo transforms; jagged attention; every model's samples/s (docs/performance.md)
+bench: $(STAMP) ## Runner vs hand loop (synthetic, Parquet, sequences, managed collision), start-up; negatives; object store; corpus eval; eval metrics at 2M rows; serving, encoders, Criteo transforms; jagged attention; every model's samples/s (docs/performance.md)
 	$(PY) -m recsys_runner.bench $(BENCH_ARGS)
 	$(PY) -m recsys_runner.bench.retrieval
 	$(PY) -m recsys_runner.bench.storage
 	$(PY) -m recsys_runner.bench.multitask
 	$(PY) -m recsys_runner.bench --corpus
+	$(PY) -m recsys_runner.bench.eval_scale
 	$(PY) -m recsys_runner.bench.serving
 	$(PY) -m recsys_runner.bench.serving --compiled
 	$(PY) -m recsys_runner.bench.encoding

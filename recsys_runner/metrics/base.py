@@ -53,13 +53,36 @@ class SumMetric(RecMetric):
         return torch.where(count > 0, total / count.clamp_min(1), torch.nan)
 
 
+MERGE_PIECES = 64
+"""A list state's pieces kept by :meth:`GatherMetric.keep` are concatenated into one every this many."""
+
+
 class GatherMetric(RecMetric):
     """Base of ranking metrics: keeps every row; ``compute`` runs on all ranks' rows gathered."""
 
     def __init__(self, *names: str) -> None:
         super().__init__()
+        self._pieces: dict[str, int] = {}
         for name in names:
             self.add_state(name, default=[], dist_reduce_fx="cat")
+
+    def keep(self, name: str, rows: Tensor) -> None:
+        """Append a batch's ``rows`` to list state ``name``; every :data:`MERGE_PIECES` appends, the last ones become one
+        tensor (the same rows in the same order, so every value is unchanged).
+
+        Why: one small tensor kept per eval batch, between the batch's large short-lived buffers (the model's outputs,
+        its sparse ids), fragments the allocator's heap: at 2M rows grouped AUC's 25 MB of kept rows held the process's
+        RSS ~285 MB higher in most runs; merged, ~50 MB (docs/performance.md, "At scale")."""
+        state = getattr(self, name)
+        state.append(rows)
+        self._pieces[name] = self._pieces.get(name, 0) + 1
+        if self._pieces[name] >= MERGE_PIECES:
+            state[-MERGE_PIECES:] = [torch.cat(state[-MERGE_PIECES:])]
+            self._pieces[name] = 0
+
+    def reset(self) -> None:
+        super().reset()
+        self._pieces.clear()
 
     def _rows(self, name: str) -> Tensor:
         state = getattr(self, name)

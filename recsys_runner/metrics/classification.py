@@ -112,6 +112,27 @@ class Calibration(SumMetric):
         return self.pred_sum / self.label_sum
 
 
+def ranked_preds(preds: Tensor) -> Tensor:
+    """A batch's predictions as AUC and grouped AUC keep them: in their own floating dtype (float32 from the model), a
+    copy (not a view that would hold the batch's whole output). Only their order and ties count, which a conversion to
+    float64, exact, would not change: 4 bytes a row rather than 8 (docs/performance.md, "At scale")."""
+    kept = preds.detach()
+    return kept.clone() if kept.is_floating_point() else kept.double()
+
+
+def positives(labels: Tensor) -> Tensor:
+    """A batch's 0/1 labels as AUC and grouped AUC keep them: ``label ≥ 0.5`` as one byte a row, all they read."""
+    return (labels.detach() >= 0.5).flatten()
+
+
+def group_ids(groups: Tensor) -> Tensor:
+    """A batch's group ids as grouped AUC keeps them: int64, a copy. The runner's are a view of the batch's sparse ids
+    (``KeyedJaggedTensor.__getitem__`` slices the values of every feature): kept as such they held every feature's ids
+    of every eval batch, 26 times the group ids' own 8 bytes a row on Criteo-shaped data."""
+    ids = groups.detach().flatten()
+    return ids.clone() if ids.dtype == torch.long else ids.long()
+
+
 class AUC(GatherMetric):
     """Exact ROC AUC over all rows of all ranks (ties ½); see :func:`binary_auc`. With class probabilities ``[B, C]``
     and class indices: the macro one-vs-rest AUC, the mean over the classes present (with some rows of another class too)
@@ -126,8 +147,12 @@ class AUC(GatherMetric):
         super().__init__("preds", "labels")
 
     def update(self, preds: Tensor, labels: Tensor) -> None:
-        self.preds.append(preds.detach().double() if preds.dim() == 2 else preds.detach().double().flatten())
-        self.labels.append(labels.detach().double().flatten())
+        if preds.dim() == 2:  # class probabilities [B, C] and class indices
+            self.keep("preds", ranked_preds(preds))
+            self.keep("labels", labels.detach().long().flatten())
+        else:
+            self.keep("preds", ranked_preds(preds).flatten())
+            self.keep("labels", positives(labels))
 
     def compute(self) -> Tensor:
         preds, labels = self._rows("preds"), self._rows("labels")
@@ -154,9 +179,9 @@ class GroupedAUC(GatherMetric):
     def update(self, preds: Tensor, labels: Tensor, groups: Tensor | None = None) -> None:
         if groups is None:
             raise ValueError("gauc needs groups=<[B] integer ids> in update(); the runner passes them when metrics.grouping_key is set")
-        self.preds.append(preds.detach().double().flatten())
-        self.labels.append(labels.detach().double().flatten())
-        self.groups.append(groups.detach().long().flatten())
+        self.keep("preds", ranked_preds(preds).flatten())
+        self.keep("labels", positives(labels))
+        self.keep("groups", group_ids(groups))
 
     def compute(self) -> Tensor:
         return grouped_auc(self._rows("preds"), self._rows("labels"), self._rows("groups"), self.weighting)
@@ -175,8 +200,8 @@ class XAUC(GatherMetric):
         self.max_pairs, self.seed = max_pairs, seed
 
     def update(self, preds: Tensor, labels: Tensor) -> None:
-        self.preds.append(preds.detach().double().flatten())
-        self.targets.append(labels.detach().double().flatten())
+        self.keep("preds", preds.detach().double().flatten())
+        self.keep("targets", labels.detach().double().flatten())
 
     def compute(self) -> Tensor:
         return xauc(self._rows("preds"), self._rows("targets"), self.max_pairs, self.seed)
