@@ -157,3 +157,15 @@ def test_a_vocab_run_that_follows_ids_as_text_says_so(tmp_path: Path, capsys: py
     assert data_main(["sequences", plain, str(tmp_path / "p1"), *args]) == 0
     assert data_main(["sequences", plain, str(tmp_path / "p2"), *args, "--vocab", str(tmp_path / "p1")]) == 0
     assert "--ids-as-text" not in capsys.readouterr().out
+
+
+def test_parquet_files_of_uint64_ids_beyond_2_53_beside_float_ids_are_refused_by_name(tmp_path: Path) -> None:
+    """The join check reads any integer width: a Parquet file's uint64 ids beyond int64 are refused by name, not with
+    Arrow's cast error."""
+    (tmp_path / "logs").mkdir()
+    big = 2**64 - 1
+    pq.write_table(pa.table({"user": pa.array([big, big, 5, 5], pa.uint64()), "item": [10, 11, 10, 12], "timestamp": [1, 2, 3, 4]}),
+                   tmp_path / "logs" / "a.parquet")
+    pq.write_table(pa.table({"user": [3.5, 3.5], "item": [10, 11], "timestamp": [5, 6]}), tmp_path / "logs" / "b.parquet")
+    with pytest.raises(DataError, match=rf"a.parquet, row 0 .*'user' holds integers here but floats .*{big} as .*--ids-as-text"):
+        _convert(str(tmp_path / "logs"), tmp_path / "out")

@@ -99,7 +99,12 @@ def check_promotion(tables: list[pa.Table], files: list[str], ids: list[str]) ->
             if not pa.types.is_integer(typ):
                 continue
             values = table.column(column).combine_chunks()
-            beyond = pc.fill_null(pc.greater(pc.abs(values.cast(pa.int64())), EXACT_FLOAT), False)
+            if typ.bit_width < 64:  # int32 and narrower are exact floats
+                continue
+            beyond = pc.greater(values, pa.scalar(EXACT_FLOAT, typ))
+            if pa.types.is_signed_integer(typ):
+                beyond = pc.or_(beyond, pc.less(values, pa.scalar(-EXACT_FLOAT, typ)))
+            beyond = pc.fill_null(beyond, False)
             if pc.any(beyond).as_py():
                 row = int(np.flatnonzero(np.asarray(beyond.to_numpy(zero_copy_only=False)))[0])
                 value = values[row].as_py()
