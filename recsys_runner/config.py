@@ -26,6 +26,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from recsys_runner import help_groups
 from recsys_runner.checkpoint.config import CheckpointConfig
 from recsys_runner.config_keys import check_known_keys
 from recsys_runner.configurable import Configurable, typed
@@ -209,9 +210,11 @@ GROUPS: dict[str, dict[str, type]] = {
 
 
 def register_configs() -> None:
-    """Store the root schema and every group schema in Hydra's ConfigStore, and register the resolvers ``conf/`` uses
-    (idempotent)."""
+    """Store the root schema and every group schema in Hydra's ConfigStore, register the resolvers ``conf/`` uses, and
+    make ``--help`` list the groups in one walk, without these ``schema/*`` groups (``help_groups.py``; idempotent).
+    Every Hydra entry runs it before ``@hydra.main``."""
     register_resolvers()
+    help_groups.install()
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=_composition_schema())
     for group, options in GROUPS.items():
