@@ -1,4 +1,4 @@
-"""Known, harmless noise from the libraries under us (TorchRec, torch, Hydra), silenced in one place.
+"""Known, harmless noise from the libraries under us (TorchRec, torch, Hydra, MLflow), silenced in one place.
 
 Every entry point calls :func:`quiet_known_noise` first (at import, before Hydra composes anything).
 Each filter names the exact message, its category (warnings) or logger (log records), and the
@@ -86,6 +86,23 @@ WARNINGS: tuple[WarningNoise, ...] = (
             "one it plans to save or load; the tensors are TorchRec's, nothing a user can change (a pair per resume or load).",
     ),
     WarningNoise(
+        message=r"To copy construct from a tensor, it is recommended to use sourceTensor\.detach\(\)\.clone\(\)",
+        category=UserWarning,
+        module=r"torchrec\.modules\.hash_mc_modules$",
+        why="HashZchManagedCollisionModule.__init__ (data.managed_collision with module hash_zch, the choice on CUDA) builds its "
+            "rank offsets with torch.tensor(<a cumsum it just computed>), which copies a tensor that has no grad and no other "
+            "user: the copy is what detach().clone() would give. TorchRec's line, once per managed table at start-up.",
+    ),
+    WarningNoise(
+        message=r"Operation with range is deprecated",
+        category=DeprecationWarning,  # pandas' Pandas4Warning, a DeprecationWarning: named by its base, pandas is not imported here
+        module=r"mlflow\.models\.utils$",
+        why="an export saves the MLflow model with its input example (a DataFrame of the training files' first rows), and MLflow "
+            "decides whether to write the example's column names by df.columns == range(n), which pandas 3 deprecates; our "
+            "columns are names, so the answer is no now and under pandas 4's scalar-like comparison alike, and the names are "
+            "written either way (twice per export of an MLflow model: saved, then logged). Python hides it outside pytest.",
+    ),
+    WarningNoise(
         message=r"\s*'hydra/launcher/submitit_(slurm|local)' is validated against ConfigStore schema",
         category=UserWarning,
         # Hydra warns with a fixed stacklevel, so the frame it blames depends on how deep the launch path is (python -m
@@ -104,6 +121,14 @@ LOG_RECORDS: tuple[LogNoise, ...] = (
             "weights of DeepFM's first-order term or a table sized from a small file, on GPU), and a replicated table has "
             "no sharding spec by design; torchrec.distributed.planner.planners.validate_rank_assignment still logs one "
             "line per such table of a valid plan. The plan is logged by the runner (sharding plan: … data_parallel).",
+    ),
+    LogNoise(
+        logger="torchrec.modules.mc_modules",
+        message=r"Skipping validation on ManagedCollisionModule\. ",  # "…  This module may not be Reshard-able as a result"
+        why="HashZchManagedCollisionModule always builds its base class with skip_state_validation=True (TorchRec's choice, "
+            "for its own publishing), so every hash_zch table logs it at start-up. Resharding is checked by us instead: a "
+            "hash_zch checkpoint loaded on another number of ranks is refused with a CheckpointError naming the fix "
+            "(recsys_runner/models/collision.py, CountedHashZch).",
     ),
     LogNoise(
         logger="torchrec.distributed.utils",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -294,3 +295,30 @@ def test_an_epoch_end_checkpoint_resumes_with_other_data_workers_at_the_next_epo
     epochs = history(mlflow_uri, cfg(0).tracking.experiment, "train/epoch")
     assert [int(epochs[s]) for s in range(per_epoch[2] + 1, steps + 1)] == [1] * per_epoch[0] + [2]
     assert not [m for m in warned.messages if "other shards" in m], warned.messages
+
+
+def test_dcp_storage_without_a_process_group_says_nothing_of_assuming_one_process(tmp_path: Path) -> None:
+    """DCP warns "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to save (load) in a
+    single process" on every call without a process group, even one that passes ``no_dist=True`` (torch 2.13); the
+    storage, which knows it is one process, says so and keeps it quiet (export's unsharded load, a script reading a
+    checkpoint). With several ranks and no group it stays loud: that is a bug to see."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from recsys_runner.checkpoint.storage import SINGLE_PROCESS, DcpFileStorage, single_process
+
+    assert not dist.is_initialized()
+    storage = DcpFileStorage()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        storage.write(tmp_path / "step_00000001", {"model/w": torch.arange(6.0)}, {}, {"step": 1})
+        loaded = {"model/w": torch.zeros(6)}
+        storage.load_tensors(tmp_path / "step_00000001", loaded)
+    assert loaded["model/w"].tolist() == list(range(6))
+    assert [str(w.message) for w in seen if "single process" in str(w.message)] == []
+    with warnings.catch_warnings(record=True) as seen, single_process(world_size=2) as alone:
+        warnings.simplefilter("always")
+        warnings.warn("torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to save in a single "
+                      "process.", UserWarning, stacklevel=1)
+    assert not alone and len(seen) == 1 and re.match(SINGLE_PROCESS, str(seen[0].message))

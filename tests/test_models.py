@@ -302,3 +302,20 @@ def test_interaction_models_refuse_mixed_widths_saying_why(make_cfg, tmp_path: P
 def test_baselines_train_on_the_default_data(make_cfg, model: str) -> None:
     auc = run(make_cfg(f"model={model}", "tracking=none", "train.num_steps=20"))
     assert auc > 0.55, auc
+
+
+def test_dlrm_interaction_exports_without_torch_exports_shared_storage_warning(tmp_path: Path) -> None:
+    """DotInteraction's index buffers were the two halves of one triu_indices tensor; ``torch.export.save`` of a model with
+    them (every ``export model=dlrm``) warned "No complete tensor found in the group! Returning the first one". Now each
+    is its own tensor, and the saved program computes what the module does."""
+    import warnings
+
+    from recsys_runner.models.dlrm import DotInteraction
+
+    interaction, dense, sparse = DotInteraction(num_sparse=3), torch.randn(4, 8), torch.randn(4, 3, 8)
+    program = torch.export.export(interaction, (dense, sparse))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.export.save(program, str(tmp_path / "dot.pt2"))
+    assert [str(w.message) for w in seen if "complete tensor" in str(w.message)] == []
+    torch.testing.assert_close(torch.export.load(str(tmp_path / "dot.pt2")).module()(dense, sparse), interaction(dense, sparse))

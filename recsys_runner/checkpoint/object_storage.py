@@ -37,6 +37,7 @@ from recsys_runner.checkpoint.storage import (
     TensorIndex,
     check_format,
     saved_dtypes,
+    single_process,
     stops_unwrapped,
 )
 from recsys_runner.errors import CheckpointError
@@ -86,7 +87,8 @@ class DcpObjectStorage:
         self._barrier()
         writer = FsspecWriter(str(path), sync_files=False, **store_settings.fsspec_options())
         _one_policy(writer)
-        self._call(path, lambda: dcp.save(tensors, storage_writer=writer), writing)
+        with single_process(self.world_size) as alone:
+            self._call(path, lambda: dcp.save(tensors, storage_writer=writer, no_dist=alone), writing)
         buffer = io.BytesIO()
         torch.save(dict(ranked), buffer)
         self._call(path, lambda: fs.pipe_file(f"{key}/rank{self.rank}.pt", buffer.getvalue()), writing)
@@ -168,7 +170,8 @@ class DcpObjectStorage:
 
     def load_tensors(self, path: Path, state: dict[str, Any]) -> None:
         reader = _reader(path)
-        self._call(path, lambda: dcp.load(state, storage_reader=reader))
+        with single_process(self.world_size) as alone:
+            self._call(path, lambda: dcp.load(state, storage_reader=reader, no_dist=alone))
 
     def read_ranked(self, path: Path, rank: int) -> dict[str, Any] | None:
         fs, key = self._fs(path)

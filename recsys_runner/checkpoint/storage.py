@@ -28,6 +28,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -59,6 +60,25 @@ TMP_PREFIX, TRASH_PREFIX = ".tmp-", ".trash-"
 
 TensorIndex = dict[str, list[int] | None]
 """A checkpoint's tensors: DCP key → global shape (``None`` for a non-tensor entry)."""
+
+
+SINGLE_PROCESS = r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to (save|load) in a single process"
+"""DCP's warning for a call without a process group, which torch 2.13 gives even when the caller says so (``no_dist=True``)."""
+
+
+@contextlib.contextmanager
+def single_process(world_size: int) -> Iterator[bool]:
+    """Whether a DCP save or load runs without a process group (one process that set none up: export's unsharded model, a
+    script or test reading a checkpoint), to pass as DCP's ``no_dist``; within it DCP's warning that it assumes so
+    (:data:`SINGLE_PROCESS`) is not shown, since the caller meant exactly that. With several ranks and no group the
+    warning still shows: each rank would write or read the whole checkpoint alone, which is a bug to see."""
+    alone = world_size == 1 and not (dist.is_available() and dist.is_initialized())
+    if not alone:
+        yield False
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=SINGLE_PROCESS, category=UserWarning)
+        yield True
 
 
 @contextlib.contextmanager
@@ -163,8 +183,8 @@ class DcpFileStorage:
                 _sweep(path.parent)
                 tmp.mkdir(parents=True)
             self._barrier()
-            with stops_unwrapped(self.rank):
-                dcp.save(tensors, checkpoint_id=str(tmp))
+            with stops_unwrapped(self.rank), single_process(self.world_size) as alone:
+                dcp.save(tensors, checkpoint_id=str(tmp), no_dist=alone)
             buffer = io.BytesIO()  # torch.save to a file reports a full disk as a RuntimeError of its zip writer
             torch.save(dict(ranked), buffer)
             (tmp / f"rank{self.rank}.pt").write_bytes(buffer.getvalue())
@@ -208,8 +228,8 @@ class DcpFileStorage:
         return saved_dtypes(dcp.FileSystemReader(str(path)).read_metadata())
 
     def load_tensors(self, path: Path, state: dict[str, Any]) -> None:
-        with stops_unwrapped(self.rank):
-            dcp.load(state, checkpoint_id=str(path))
+        with stops_unwrapped(self.rank), single_process(self.world_size) as alone:
+            dcp.load(state, checkpoint_id=str(path), no_dist=alone)
 
     def read_ranked(self, path: Path, rank: int) -> dict[str, Any] | None:
         file = path / f"rank{rank}.pt"

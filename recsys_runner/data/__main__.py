@@ -12,7 +12,9 @@ schema (the label column or the task → label column mapping included) stored i
 
 ``inspect`` prints a file's (or directory's) columns and types, row count, the rate (mean) of each
 label column, per column the null count and the number of distinct values, and per list (multi-hot) column the longest
-list and the 99th percentile of the lengths, to choose ``max_values`` by. Label columns: the
+list and the 99th percentile of the lengths, to choose ``max_values`` by. Text files are counted as training reads them:
+every field as text (``007`` and ``7`` two ids), a dense column's or label's numbers as numbers, a multi-hot field's ids
+(the columns' roles inferred as ``data=csv`` infers them). Label columns: the
 ``--label`` options, else those of the schema stored by ``convert``, else ``label``::
 
     python -m recsys_runner.data inspect out/ [--format parquet|csv|criteo] [--label click --label conversion]
@@ -50,7 +52,9 @@ import pyarrow.parquet as pq
 
 from recsys_runner.data.encoding.encoded_rows import Rows
 from recsys_runner.data.encoding.fit import InferConfig, complete_schema
+from recsys_runner.data.encoding.roles import infer_column
 from recsys_runner.data.encoding.rows import Encoder, Location
+from recsys_runner.data.encoding.values import parse_numbers
 from recsys_runner.data.files.csv_source import CsvSource
 from recsys_runner.data.files.sources import PARQUET_MAGIC, read_head, skip_empty
 from recsys_runner.data.files.tabular_config import CRITEO_COLUMNS, CRITEO_NUM_SPARSE, criteo_schema, text_delimiter
@@ -202,7 +206,11 @@ def convert(args: argparse.Namespace) -> None:
           "sources did: evaluate a checkpoint trained on the sources on the sources (docs/data.md, 'Eval split')")
 
 
-def _tables(args: argparse.Namespace) -> tuple[list[str], Any]:
+def _tables(args: argparse.Namespace, shown_types: dict[str, pa.DataType]) -> tuple[list[str], Any]:
+    """The files and their tables, one per batch. Text (``csv``, ``criteo``) is read as the training readers read it
+    (:class:`~recsys_runner.data.files.csv_source.CsvSource`): every field a string, only an empty field missing, so
+    ``007`` and ``7`` stay two values; ``shown_types`` gets, per column, the type Arrow infers from a file's first block,
+    which is only shown (what a column looks like), never what values are counted by."""
     if args.format == "parquet":
         files = resolve_files(args.path, "path", PARQUET_SUFFIXES)
         for path in files:  # a text file read as Parquet was Arrow's traceback: "Parquet magic bytes not found in footer"
@@ -219,18 +227,67 @@ def _tables(args: argparse.Namespace) -> tuple[list[str], Any]:
     files = resolve_files(args.path, "path", None)
     criteo = args.format == "criteo"
     delimiter = "\t" if criteo else text_delimiter(args.delimiter, "--delimiter ", "--delimiter ,")
+    read_options = pacsv.ReadOptions(column_names=CRITEO_COLUMNS if criteo else None, autogenerate_column_names=False)
+    parse_options = pacsv.ParseOptions(delimiter=delimiter)
 
     def text_tables() -> Any:
         for path in files:
-            reader = pacsv.open_csv(
-                path,
-                read_options=pacsv.ReadOptions(column_names=CRITEO_COLUMNS if criteo else None, autogenerate_column_names=False),
-                parse_options=pacsv.ParseOptions(delimiter=delimiter),
-                convert_options=pacsv.ConvertOptions(strings_can_be_null=True),
-            )
+            typed = pacsv.open_csv(path, read_options=read_options, parse_options=parse_options)
+            for field in typed.schema:
+                shown_types.setdefault(field.name, field.type)
+            text = pacsv.ConvertOptions(column_types=dict.fromkeys(typed.schema.names, pa.string()), null_values=[""],
+                                        strings_can_be_null=True, quoted_strings_can_be_null=True)
+            reader = pacsv.open_csv(path, read_options=read_options, parse_options=parse_options, convert_options=text)
             yield from (pa.Table.from_batches([b]) for b in reader)
 
     return files, text_tables()
+
+
+TEXT = "text"
+"""A text column's values counted as their text (ids: ``hash`` and ``vocab`` key ``007`` and ``7`` apart)."""
+NUMBER = "number"
+"""A text column's values counted as the numbers they parse to (dense features and labels: ``1.0`` is ``1``)."""
+
+
+def text_counting(first: pa.Table, label_columns: list[str], criteo: bool) -> dict[str, str]:
+    """How each column of a text file (``first``: its first table, every field a string) is counted, as training reads it:
+    :data:`NUMBER` for labels and dense features, else :data:`TEXT`, or the separator (one character) that splits a
+    multi-hot field into its ids. Criteo's columns are known (``int_*`` dense, ``cat_*`` ids); a CSV's are those the schema inference of
+    ``data=csv`` gives (:func:`~recsys_runner.data.encoding.roles.infer_column`), and a column it leaves out is counted as
+    text (a row id, or an empty one)."""
+    counting: dict[str, str] = {}
+    for name in first.column_names:
+        if name in label_columns or (criteo and not name.startswith("cat_")):
+            counting[name] = NUMBER
+        elif criteo:
+            counting[name] = TEXT
+        else:
+            column, _ = infer_column(name, first.column(name), InferConfig())
+            counting[name] = NUMBER if isinstance(column, DenseColumn) else (column.separator if isinstance(column, SparseColumn) else None) or TEXT
+    return counting
+
+
+def split_lists(col: pa.Array, separator: str) -> pa.Array:
+    """A multi-hot text field split into its ids, empty ids (``a||b``) dropped, as the row encoder drops them."""
+    lists = pc.split_pattern(col, separator)
+    flat = pc.list_flatten(lists)
+    keep = pc.not_equal(flat, "")
+    rows = pc.filter(pc.list_parent_indices(lists), keep)
+    lengths = np.bincount(np.asarray(rows.to_numpy(zero_copy_only=False), dtype=np.int64), minlength=len(lists))
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets), pc.filter(flat, keep), mask=pc.is_null(col))
+
+
+def counted_values(col: pa.Array, counting: str) -> list[Any]:
+    """The distinct values of ``col`` (nulls included as ``None``; lists flattened) as training tells them apart:
+    :data:`NUMBER` parses text to floats (a text that is no number is counted as itself), else values as they are."""
+    if counting == NUMBER:
+        texts = col.drop_null()
+        numbers, wrong = parse_numbers(texts)
+        found: list[Any] = np.unique(numbers[~wrong]).tolist() + pc.unique(pc.filter(texts, pa.array(wrong))).to_pylist()
+        return found + ([None] if col.null_count else [])
+    flat = pc.list_flatten(col) if pa.types.is_list(col.type) or pa.types.is_large_list(col.type) else col
+    return list(pc.unique(flat).to_pylist())
 
 
 def _label_columns(args: argparse.Namespace, files: list[str]) -> list[str]:
@@ -245,35 +302,42 @@ def _label_columns(args: argparse.Namespace, files: list[str]) -> list[str]:
 
 
 def inspect(args: argparse.Namespace) -> None:
-    files, tables = _tables(args)
+    types: dict[str, pa.DataType] = {}
+    files, tables = _tables(args, types)
     label_columns = _label_columns(args, files)
     rows = 0
     sums: dict[str, float] = dict.fromkeys(label_columns, 0.0)
     labelled: dict[str, int] = dict.fromkeys(label_columns, 0)
     nulls: dict[str, int] = {}
     distinct: dict[str, set] = {}
-    types: dict[str, pa.DataType] = {}
     lengths: dict[str, list[np.ndarray]] = {}
+    counting: dict[str, str] | None = None  # text files: how each column is counted (text_counting)
     for table in tables:
         rows += table.num_rows
+        if args.format != "parquet" and counting is None:
+            counting = text_counting(table, label_columns, args.format == "criteo")
         for name in table.column_names:
             col = table.column(name)
+            col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+            how = counting.get(name, TEXT) if counting is not None else TEXT
+            if how not in (TEXT, NUMBER):  # a separator: the field's ids, as a list column
+                col = split_lists(col, how)
             types.setdefault(name, col.type)
             nulls[name] = nulls.get(name, 0) + col.null_count
             seen = distinct.setdefault(name, set())
             if len(seen) <= args.max_distinct:
-                flat = pc.list_flatten(col) if pa.types.is_list(col.type) else col
-                seen.update(pc.unique(flat.combine_chunks() if isinstance(flat, pa.ChunkedArray) else flat).to_pylist())
+                seen.update(counted_values(col, how))
             if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
                 lengths.setdefault(name, []).append(pc.fill_null(pc.list_value_length(col), 0).to_numpy())
         for name in label_columns:
             if name in table.column_names:
-                label = table.column(name).cast(pa.float64())
-                labelled[name] += table.num_rows - label.null_count
-                sums[name] += float(pc.sum(label).as_py() or 0.0)
+                label = table.column(name).drop_null()
+                numbers, wrong = parse_numbers(label.combine_chunks() if isinstance(label, pa.ChunkedArray) else label)
+                labelled[name] += int((~wrong).sum())
+                sums[name] += float(numbers[~wrong].sum())
     print(f"{len(files)} file(s), {rows} rows")
     for name in label_columns:
-        if name in types:
+        if name in distinct:
             print(f"label {name!r}: rate {sums[name] / max(labelled[name], 1):.4f} (mean over {labelled[name]} labelled rows)")
     print(f"{'column':<24} {'type':<20} {'nulls':>10} {'distinct':>10}")
     for name, typ in types.items():

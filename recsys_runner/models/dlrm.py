@@ -63,8 +63,10 @@ class DotInteraction(nn.Module):
     def __init__(self, num_sparse: int) -> None:
         super().__init__()
         rows, cols = torch.triu_indices(num_sparse + 1, num_sparse + 1, offset=1)
-        self.register_buffer("rows", rows, persistent=False)
-        self.register_buffer("cols", cols, persistent=False)
+        # each its own tensor, not two halves of triu_indices' one storage: torch.export.save of two buffers that are slices
+        # of a storage neither covers warned "No complete tensor found in the group!" on every export of a DLRM
+        self.register_buffer("rows", rows.clone(), persistent=False)
+        self.register_buffer("cols", cols.clone(), persistent=False)
 
     @staticmethod
     def output_dim(num_sparse: int, embedding_dim: int) -> int:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -120,10 +119,9 @@ def load_weights(model: nn.Module, checkpoint: Path, ema: bool) -> None:
         twin = {k: CHECKPOINT_EMA_PREFIX + k.removeprefix(CHECKPOINT_MODEL_PREFIX) for k in ours}
         return {k: twin[k] if ema and twin[k] in index else k for k in ours}
 
-    with warnings.catch_warnings():  # "torch.distributed is … uninitialized, assuming … a single process": just so
-        warnings.simplefilter("ignore", UserWarning)
-        # float32 tables by design (build_unsharded): an fp16 checkpoint's widen exactly, and serve predict's scores
-        load_into(storage_for(checkpoint), checkpoint, ours, rule="exact", sources=sources, announce_conversion=False)
+    # one process, no process group: the storage says so to DCP (storage.single_process), which then does not warn
+    # float32 tables by design (build_unsharded): an fp16 checkpoint's widen exactly, and serve predict's scores
+    load_into(storage_for(checkpoint), checkpoint, ours, rule="exact", sources=sources, announce_conversion=False)
     restore_collision_state(model)  # a mapping saved by several row-wise shards is their sorted blocks end to end
     leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if leftover:
