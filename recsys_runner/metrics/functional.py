@@ -1,5 +1,9 @@
 """Closed-form metric math on one process's rows (or the gathered union's): pure functions of tensors.
 
+AUC's and grouped AUC's integer halves (:func:`rank_sums`) and final arithmetic (:func:`auc_from_rank_sums`,
+:func:`group_terms`, :func:`weighted_mean`) are also what :mod:`~recsys_runner.metrics.sharded` runs on each rank's range
+and on the ranks' summaries, so that the routed value is one process's to the bit.
+
 The metric classes (:mod:`recsys_runner.metrics.classification`, :mod:`~recsys_runner.metrics.decay`) keep
 states and synchronize them across ranks; every value they report is one of these functions applied to
 those states.
