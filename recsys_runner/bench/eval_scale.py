@@ -111,7 +111,7 @@ def measure(case: str, rows: int, batch: int, rows_per_group: int, items: int, t
         updating = sum(update(at) for at in range(0, share.stop - share.start, batch))
         state = _state_bytes(owners)
         start = time.perf_counter()
-        with _gathering(gather):
+        with _gathering(gather, owners):
             values = compute()
         computing = time.perf_counter() - start
     finally:
@@ -124,18 +124,18 @@ def measure(case: str, rows: int, batch: int, rows_per_group: int, items: int, t
 
 
 @contextmanager
-def _gathering(gather: bool) -> Iterator[None]:
-    """Within, when ``gather``: no metric computes over ranks its own way (:meth:`Metric._compute_sharded` answers
-    ``None``), so AUC and grouped AUC gather every rank's rows as they did before routing them — the bench's "before"."""
-    if not gather:
-        yield
-        return
-    own = Metric._compute_sharded
-    Metric._compute_sharded = lambda self: None  # type: ignore[method-assign]
+def _gathering(gather: bool, metrics: list[Metric]) -> Iterator[None]:
+    """Within, when ``gather``: none of ``metrics`` computes over ranks its own way (their
+    :meth:`Metric._compute_sharded` answers ``None``), so AUC and grouped AUC gather every rank's rows as they did before
+    routing them — the bench's "before"."""
+    if gather:
+        for metric in metrics:
+            vars(metric)["_compute_sharded"] = lambda: None  # shadows the class's method on this instance only
     try:
         yield
     finally:
-        Metric._compute_sharded = own  # type: ignore[method-assign]
+        for metric in metrics:
+            vars(metric).pop("_compute_sharded", None)
 
 
 Case = tuple[Callable[[int], float], Callable[[], dict[str, float]], list[Metric]]

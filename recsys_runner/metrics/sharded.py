@@ -8,9 +8,9 @@ the union — each rank's memory grows with world size × rows, and the largest 
    makes the value NaN at once, as it does on one process, and no row moves;
 2. :func:`splitters`: ``world − 1`` keys cutting the union into ranges of about equal rows, from an all-gathered
    sample of each rank's sorted keys (at most :data:`SAMPLES` per rank, each weighted by the rows it stands for);
-3. :func:`route`: every row goes to the rank whose range ``(s[r−1], s[r]]`` holds its key, by one ``all_to_all``;
+3. :func:`route`: every row goes to the rank whose range ``(s[r−1], s[r]]`` holds its key, by ``all_to_all``;
    equal keys land on one rank, so a tie of predictions, or a group, never straddles two;
-4. each rank computes on its own range, and only a summary travels back: for AUC four int64 sums
+4. each rank computes on its own range, and only a summary travels back: for AUC three int64 sums
    (:func:`auc_over_ranks`), for grouped AUC each valid group's ``(auc, weight)`` (:func:`grouped_auc_over_ranks`).
 
 Exact, to the bit: the rank sums are integers (:func:`~recsys_runner.metrics.functional.rank_sums`), shifted by the
@@ -33,7 +33,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from recsys_runner.metrics.functional import auc_from_rank_sums, check_weighting, group_terms, grouped_auc_parts, rank_sums, weighted_mean
+from recsys_runner.metrics.functional import (
+    auc_from_rank_sums,
+    check_weighting,
+    group_terms,
+    grouped_auc_parts,
+    rank_sums,
+    weighted_mean,
+)
 
 __all__ = ["SAMPLES", "auc_over_ranks", "grouped_auc_over_ranks", "route", "splitters"]
 
@@ -51,7 +58,8 @@ def auc_over_ranks(preds: Tensor, labels: Tensor) -> Tensor | None:
     (on every rank alike) when some rank holds class probabilities ``[B, C]`` (macro AUC: the caller gathers).
 
     Routed by prediction; each rank's doubled rank sum of positives is shifted by twice the rows of the lower ranges
-    per positive, and the four int64 sums (doubled rank sum, positives, rows, NaNs) are all-reduced."""
+    per positive, and the three int64 sums (doubled rank sum, positives, rows) are all-reduced (NaN predictions were
+    counted before: any makes the value NaN, as on one process)."""
     world = dist.get_world_size()
     table = _header(preds, labels.flatten() >= 0.5)
     if any(row[1] > 1 for row in table):
@@ -60,8 +68,7 @@ def auc_over_ranks(preds: Tensor, labels: Tensor) -> Tensor | None:
     if nan_rows or not rows:  # NaN as one process gives it (a NaN prediction, or no rows), and nothing routed
         return torch.tensor(torch.nan, dtype=torch.float64, device=preds.device)
     keys = _common_dtype(preds.flatten(), table)
-    cuts = splitters(keys, world)
-    mine, (positive,), received = route(keys, [labels.flatten() >= 0.5], cuts)
+    mine, (positive,), received = route(keys, [labels.flatten() >= 0.5], world)
     offset = sum(received[:dist.get_rank()])
     doubled, num_pos, num_rows, _ = rank_sums(mine, positive)
     totals = torch.stack([(doubled + 2 * offset * num_pos).sum(), num_pos.sum(), num_rows.sum()])
@@ -84,30 +91,28 @@ def grouped_auc_over_ranks(preds: Tensor, labels: Tensor, groups: Tensor, weight
     if not sum(row[2] for row in table):
         return torch.tensor(torch.nan, dtype=torch.float64, device=preds.device)
     keys = groups.flatten().long()
-    cuts = splitters(keys, world)
-    mine, (mine_preds, positive), _ = route(keys, [_common_dtype(preds.flatten(), table), labels.flatten() >= 0.5], cuts)
+    mine, (mine_preds, positive), _ = route(keys, [_common_dtype(preds.flatten(), table), labels.flatten() >= 0.5], world)
     aucs, weights = group_terms(*grouped_auc_parts(mine_preds, positive, mine), weighting)
     del mine, mine_preds, positive
     return weighted_mean(_gathered(aucs), _gathered(weights))
 
 
-def splitters(keys: Tensor, world: int) -> Tensor:
-    """``world − 1`` nondecreasing keys cutting all ranks' ``keys`` into ranges of about equal rows (collective).
+def splitters(ordered: Tensor, world: int) -> Tensor:
+    """``world − 1`` nondecreasing keys cutting all ranks' keys into ranges of about equal rows (collective), from this
+    rank's keys sorted (``ordered``).
 
-    Each rank sorts its keys and offers the last key of each of ``min(rows, SAMPLES)`` equal chunks, weighted by the
+    Each rank offers the last key of each of ``min(rows, SAMPLES)`` equal chunks of its sorted keys, weighted by the
     chunk's rows; on the gathered sample, cut ``r`` is the first key at which the weights reach ``r / world`` of all
     rows. With every key sampled (a rank of at most :data:`SAMPLES` rows: chunks of one) the cuts are the union's exact
-    quantiles."""
-    ordered = torch.sort(keys).values
+    quantiles, and a range holds at most ``⌈rows / world⌉`` rows plus the tie at its upper cut."""
     n = ordered.numel()
     k = min(n, SAMPLES)
-    ends = torch.arange(1, k + 1, device=keys.device) * n // max(k, 1)
-    values = torch.zeros(SAMPLES, dtype=keys.dtype, device=keys.device)
-    weights = torch.zeros(SAMPLES, dtype=torch.long, device=keys.device)
+    ends = torch.arange(1, k + 1, device=ordered.device) * n // max(k, 1)
+    values = torch.zeros(SAMPLES, dtype=ordered.dtype, device=ordered.device)
+    weights = torch.zeros(SAMPLES, dtype=torch.long, device=ordered.device)
     if k:
         values[:k] = ordered[ends - 1]
         weights[:k] = ends - torch.cat([ends.new_zeros(1), ends[:-1]])
-    del ordered
     all_values = [torch.empty_like(values) for _ in range(world)]
     all_weights = [torch.empty_like(weights) for _ in range(world)]
     dist.all_gather(all_values, values)
@@ -116,34 +121,41 @@ def splitters(keys: Tensor, world: int) -> Tensor:
     kept = weight > 0
     sample, order = torch.sort(sample[kept])
     reached = torch.cumsum(weight[kept][order], 0)  # rows at or below each sampled key
-    targets = torch.arange(1, world, device=keys.device) * reached[-1]  # r · rows, against reached · world: integers
+    targets = torch.arange(1, world, device=ordered.device) * reached[-1]  # r · rows, against reached · world: integers
     return sample[torch.searchsorted(reached * world, targets).clamp_max(sample.numel() - 1)]
 
 
-def route(keys: Tensor, payload: Sequence[Tensor], cuts: Tensor) -> tuple[Tensor, list[Tensor], list[int]]:
-    """Every row to the rank whose range ``(cuts[r−1], cuts[r]]`` holds its key (collective; one ``all_to_all`` per
-    column): ``(this rank's keys, its payload columns, rows received by each rank)``, the keys of rank ``r`` all above
-    those of the ranks below it. Equal keys always go to one rank."""
-    world = cuts.numel() + 1
-    dest = torch.bucketize(keys, cuts)
-    dest, order = torch.sort(dest, stable=True)
-    sends = torch.bincount(dest, minlength=world)
-    del dest
-    table = [torch.empty_like(sends) for _ in range(world)]
-    dist.all_gather(table, sends)
+def route(keys: Tensor, payload: Sequence[Tensor], world: int) -> tuple[Tensor, list[Tensor], list[int]]:
+    """Every row to the rank whose range ``(cuts[r−1], cuts[r]]`` of :func:`splitters` holds its key (collective; one
+    ``all_to_all`` per column): ``(this rank's keys, its payload columns, rows received by each rank)``, the keys of rank
+    ``r`` all above those of the ranks below it. Equal keys always go to one rank.
+
+    One sort of this rank's keys serves both the sample and the sends (each destination's rows are then one contiguous
+    slice): no per-row destination or second permutation, so that routing holds little beyond the rows themselves."""
+    ordered, order = torch.sort(keys)
+    payload = [column[order] for column in payload]
+    del order
+    cuts = splitters(ordered, world)
+    bounds = torch.searchsorted(ordered, cuts, right=True).tolist()  # rows at or below each cut
+    send_sizes = [b - a for a, b in zip([0, *bounds], [*bounds, ordered.numel()], strict=True)]
+    table = [torch.empty(world, dtype=torch.long, device=keys.device) for _ in range(world)]
+    dist.all_gather(table, torch.tensor(send_sizes, dtype=torch.long, device=keys.device))
     rank = dist.get_rank()
-    send_sizes, receive_sizes = sends.tolist(), [int(t[rank]) for t in table]
+    receive_sizes = [int(t[rank]) for t in table]
     received = [int(sum(int(t[r]) for t in table)) for r in range(world)]
-    columns = []
-    for column in (keys, *payload):
-        wire = column[order]
-        if wire.dtype == torch.bool:  # sent as bytes (NCCL has no bool)
-            wire = wire.view(torch.uint8)
-        out = torch.empty(sum(receive_sizes), dtype=wire.dtype, device=wire.device)
-        dist.all_to_all_single(out, wire, receive_sizes, send_sizes)
-        del wire
-        columns.append(out.view(torch.bool) if column.dtype == torch.bool else out)
+    columns = [_exchanged(ordered, receive_sizes, send_sizes)]
+    del ordered
+    while payload:
+        columns.append(_exchanged(payload.pop(0), receive_sizes, send_sizes))
     return columns[0], columns[1:], received
+
+
+def _exchanged(column: Tensor, receive_sizes: list[int], send_sizes: list[int]) -> Tensor:
+    """``column``'s slices of ``send_sizes`` rows sent to the ranks in turn, and what they sent this rank (collective)."""
+    wire = column.view(torch.uint8) if column.dtype == torch.bool else column  # as bytes: NCCL has no bool
+    out = torch.empty(sum(receive_sizes), dtype=wire.dtype, device=wire.device)
+    dist.all_to_all_single(out, wire, receive_sizes, send_sizes)
+    return out.view(torch.bool) if column.dtype == torch.bool else out
 
 
 def _header(preds: Tensor, others: Tensor) -> list[list[int]]:
