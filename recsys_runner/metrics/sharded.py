@@ -61,7 +61,7 @@ def auc_over_ranks(preds: Tensor, labels: Tensor) -> Tensor | None:
     per positive, and the three int64 sums (doubled rank sum, positives, rows) are all-reduced (NaN predictions were
     counted before: any makes the value NaN, as on one process)."""
     world = dist.get_world_size()
-    table = _header(preds, labels.flatten() >= 0.5)
+    table = _header(preds)
     if any(row[1] > 1 for row in table):
         return None
     nan_rows, rows = sum(row[3] for row in table), sum(row[2] for row in table)
@@ -85,7 +85,7 @@ def grouped_auc_over_ranks(preds: Tensor, labels: Tensor, groups: Tensor, weight
     sums them."""
     check_weighting(weighting)
     world = dist.get_world_size()
-    table = _header(preds, groups.flatten())
+    table = _header(preds)
     if sum(row[3] for row in table):  # a NaN prediction anywhere: NaN, as on one process
         return torch.tensor(torch.nan, dtype=torch.float64, device=preds.device)
     if not sum(row[2] for row in table):
@@ -158,13 +158,13 @@ def _exchanged(column: Tensor, receive_sizes: list[int], send_sizes: list[int]) 
     return out.view(torch.bool) if column.dtype == torch.bool else out
 
 
-def _header(preds: Tensor, others: Tensor) -> list[list[int]]:
-    """Every rank's ``[prediction dtype code (−1: no rows), prediction dimensions, rows, NaN predictions]`` (collective);
-    ``others`` only sets the device."""
+def _header(preds: Tensor) -> list[list[int]]:
+    """Every rank's ``[prediction dtype code (−1: no rows), prediction dimensions, rows, NaN predictions]``
+    (collective, on the predictions' device)."""
     rows = preds.shape[0] if preds.dim() else 1
     code = _FLOATS.index(preds.dtype) if rows and preds.dtype in _FLOATS else -1
     nan = int(torch.isnan(preds).sum()) if preds.is_floating_point() else 0
-    mine = torch.tensor([code, preds.dim() if rows else 0, rows, nan], dtype=torch.long, device=others.device)
+    mine = torch.tensor([code, preds.dim() if rows else 0, rows, nan], dtype=torch.long, device=preds.device)
     table = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(table, mine)
     return [t.tolist() for t in table]
