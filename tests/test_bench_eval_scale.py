@@ -13,7 +13,7 @@ import torch
 from recsys_runner.bench import eval_scale
 from recsys_runner.metrics.functional import binary_auc, grouped_auc
 
-SMALL = {"rows": 5000, "batch": 512, "rows_per_group": 10, "items": 400, "threads": 1}
+SMALL = {"rows": 5000, "batch": 512, "rows_per_group": 10, "items": 400, "threads": 1, "ranks": 1}
 
 
 def test_every_case_runs_and_reports_the_metrics_own_values(tmp_path: Path) -> None:
@@ -49,3 +49,22 @@ def test_an_unknown_case_is_refused_naming_the_cases(capsys: pytest.CaptureFixtu
     with pytest.raises(SystemExit):
         eval_scale.main(["--cases", "auc,gauk"])
     assert "unknown ['gauk']; the cases are auc, gauc" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_two_ranks_measure_each_ranks_share_and_report_the_unions_values() -> None:
+    """``--ranks 2``: two processes of one gloo group, each keeping half the rows (half the states' bytes), report the
+    one-process values; ``--gather`` (the state gather, AUC's former way over ranks) reports the same values."""
+    [one] = eval_scale.bench_eval_scale(SMALL, ["all"])
+    [routed] = eval_scale.bench_eval_scale(SMALL | {"ranks": 2}, ["all"])
+    [gathered] = eval_scale.bench_eval_scale(SMALL | {"ranks": 2}, ["all"], gather=True)
+    assert routed["values"] == gathered["values"] == one["values"]
+    assert routed["ranks"] == 2 and not routed["gather"] and gathered["gather"]
+    assert len(routed["peak_growth_mb_ranks"]) == 2 and routed["peak_growth_mb"] == max(routed["peak_growth_mb_ranks"])
+    assert routed["state_bytes"] < one["state_bytes"] * 0.6  # the larger rank's half, not the union
+
+
+def test_ranks_in_process_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        eval_scale.main(["--ranks", "2", "--in-process"])
+    assert "--ranks 2 needs a process per rank" in capsys.readouterr().err

@@ -17,6 +17,12 @@ Per case: ``update_s`` (every batch's ``update``, and the group ids' read; not t
 (on a shared machine 1 gives steadier figures). Results go to ``bench_results/eval_scale.json`` (``--json``);
 docs/performance.md, "At scale", quotes them. ``--in-process`` measures every case in this process instead (the peak
 is then the largest so far: what a test affords).
+
+``--ranks N``: each case on ``N`` processes at once, a gloo group on loopback, rank ``r`` holding the ``r``-th of ``N``
+contiguous shares of the rows (as the evaluator's ranks each hold theirs); the row reports the largest rank's figures
+(``peak_growth_mb``, the seconds) and each rank's peak (``peak_growth_mb_ranks``) — what decides whether a node runs out.
+``--gather`` sends every metric through the state gather (every rank's rows copied onto every rank, then computed on
+the union), as AUC and grouped AUC did before :mod:`recsys_runner.metrics.sharded` routed their rows: the comparison.
 """
 
 from __future__ import annotations
@@ -24,13 +30,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.bench import write_results
@@ -44,9 +54,9 @@ from recsys_runner.tasks import BinaryTask
 CASES = {"auc": ["auc"], "gauc": ["gauc"], "pointwise": ["logloss", "accuracy", "ne", "calibration"],
          "all": ["auc", "logloss", "gauc", "ne", "calibration", "accuracy"], "coverage": ["coverage@100"]}
 """Each case's eval metrics (``metrics.eval``)."""
-DEFAULTS = {"rows": 2_000_000, "batch": 4096, "rows_per_group": 20, "items": 100_000, "threads": 0}
-"""Eval rows (queries for ``coverage``), rows per eval batch, rows per ``gauc`` user, catalogue items, torch threads
-(0: torch's default)."""
+DEFAULTS = {"rows": 2_000_000, "batch": 4096, "rows_per_group": 20, "items": 100_000, "threads": 0, "ranks": 1}
+"""Eval rows (queries for ``coverage``; all ranks' together), rows per eval batch, rows per ``gauc`` user, catalogue
+items, torch threads (0: torch's default), ranks (processes of one gloo group, each with its share of the rows)."""
 GROUP_KEY = "user"
 """The sparse feature ``gauc`` groups by (``metrics.grouping_key``)."""
 TOP_K, TOP_BATCHES = 100, 16
@@ -80,23 +90,52 @@ def eval_rows(rows: int, rows_per_group: int) -> tuple[torch.Tensor, torch.Tenso
     return logits, labels, torch.randint(0, max(rows // rows_per_group, 1), (rows,), generator=g)
 
 
-def measure(case: str, rows: int, batch: int, rows_per_group: int, items: int, threads: int) -> dict[str, Any]:
-    """One case: the seconds of the updates and of ``compute``, the states' bytes, the peak RSS growth, the values."""
+def measure(case: str, rows: int, batch: int, rows_per_group: int, items: int, threads: int, ranks: int = 1,
+            gather: bool = False) -> dict[str, Any]:
+    """One case: the seconds of the updates and of ``compute``, the states' bytes, the peak RSS growth, the values.
+    With ``ranks`` above 1, this process is one rank of a gloo group whose address ``torchrun``'s variables give
+    (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``: :func:`bench_eval_scale` sets them), and measures
+    its share of the rows; ``gather``: every metric through the state gather (:func:`_gathering`)."""
     if threads:
         torch.set_num_threads(threads)
-    update, compute, owners = _coverage(rows, batch, items) if case == "coverage" else _eval_metrics(case, rows, batch, rows_per_group)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # the peak RSS mark starts again here
-    before = _status("VmRSS")
-    updating = sum(update(at) for at in range(0, rows, batch))
-    state = _state_bytes(owners)
-    start = time.perf_counter()
-    values = compute()
-    computing = time.perf_counter() - start
+    if ranks > 1:
+        dist.init_process_group("gloo", timeout=timedelta(minutes=10))
+    rank = dist.get_rank() if ranks > 1 else 0
+    share = slice(rank * rows // ranks, (rank + 1) * rows // ranks)
+    try:
+        update, compute, owners = (_coverage(share.stop - share.start, batch, items) if case == "coverage"
+                                   else _eval_metrics(case, rows, batch, rows_per_group, share))
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the peak RSS mark starts again here
+        before = _status("VmRSS")
+        updating = sum(update(at) for at in range(0, share.stop - share.start, batch))
+        state = _state_bytes(owners)
+        start = time.perf_counter()
+        with _gathering(gather, owners):
+            values = compute()
+        computing = time.perf_counter() - start
+    finally:
+        if ranks > 1:
+            dist.destroy_process_group()
     return {"case": case, "metrics": CASES[case], "rows": rows, "update_s": round(updating, 2),
             "compute_s": round(computing, 2), "state_mb": round(state / 2**20, 1), "state_bytes": state,
             "peak_growth_mb": round((_status("VmHWM") - before) / 1024, 1), "threads": torch.get_num_threads(),
-            "values": {k: round(v, 6) for k, v in values.items()}}
+            "ranks": ranks, "gather": gather, "values": {k: round(v, 6) for k, v in values.items()}}
+
+
+@contextmanager
+def _gathering(gather: bool, metrics: list[Metric]) -> Iterator[None]:
+    """Within, when ``gather``: none of ``metrics`` computes over ranks its own way (their
+    :meth:`Metric._compute_sharded` answers ``None``), so AUC and grouped AUC gather every rank's rows as they did before
+    routing them — the bench's "before"."""
+    if gather:
+        for metric in metrics:
+            vars(metric)["_compute_sharded"] = lambda: None  # shadows the class's method on this instance only
+    try:
+        yield
+    finally:
+        for metric in metrics:
+            vars(metric).pop("_compute_sharded", None)
 
 
 Case = tuple[Callable[[int], float], Callable[[], dict[str, float]], list[Metric]]
@@ -104,13 +143,14 @@ Case = tuple[Callable[[int], float], Callable[[], dict[str, float]], list[Metric
 whose states it fills."""
 
 
-def _eval_metrics(case: str, rows: int, batch: int, rows_per_group: int) -> Case:
-    """The evaluator's metrics of a binary task (:class:`TaskEvalMetrics`) over :func:`eval_rows`; ``gauc``'s group ids
-    read from each batch's sparse features as the evaluator reads them (:func:`grouping_ids`)."""
+def _eval_metrics(case: str, rows: int, batch: int, rows_per_group: int, share: slice | None = None) -> Case:
+    """The evaluator's metrics of a binary task (:class:`TaskEvalMetrics`) over :func:`eval_rows` (this rank's ``share``
+    of them); ``gauc``'s group ids read from each batch's sparse features as the evaluator reads them
+    (:func:`grouping_ids`)."""
     names = CASES[case]
     spec = MetricsConfig(eval=names, train=[], grouping_key=GROUP_KEY if "gauc" in names else None)
     metrics = TaskEvalMetrics(spec, (BinaryTask(),), torch.device("cpu"))
-    logits, labels, groups = eval_rows(rows, rows_per_group)
+    logits, labels, groups = (t[share].clone() for t in eval_rows(rows, rows_per_group))
 
     def update(at: int) -> float:
         sparse = sparse_batch(groups[at:at + batch]) if "gauc" in names else None  # the data's batch: not timed
@@ -147,27 +187,63 @@ def _coverage(rows: int, batch: int, items: int) -> Case:
     return update, lambda: {"coverage@100": float(metric.compute())}, [metric]
 
 
-def bench_eval_scale(settings: dict[str, int], cases: list[str], in_process: bool = False) -> list[dict[str, Any]]:
-    """:func:`measure` for each case, each in a fresh interpreter (its own peak memory) unless ``in_process``."""
+def bench_eval_scale(settings: dict[str, int], cases: list[str], in_process: bool = False,
+                     gather: bool = False) -> list[dict[str, Any]]:
+    """:func:`measure` for each case, each in a fresh interpreter (its own peak memory; with ``ranks``, one per rank,
+    started together) unless ``in_process``."""
     if in_process:
-        return [measure(case, **settings) for case in cases]
+        return [measure(case, **settings, gather=gather) for case in cases]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(32 << 20)}
-    args = [f"--{key.replace('_', '-')}={value}" for key, value in settings.items()]
+    args = [f"--{key.replace('_', '-')}={value}" for key, value in settings.items()] + (["--gather"] if gather else [])
     rows = []
     for case in cases:
-        out = subprocess.run([sys.executable, "-m", "recsys_runner.bench.eval_scale", "--one", case, *args],
-                             capture_output=True, text=True, check=True, env=env)
-        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        command = [sys.executable, "-m", "recsys_runner.bench.eval_scale", "--one", case, *args]
+        ranks = settings.get("ranks", 1)
+        if ranks == 1:
+            out = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
+            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            continue
+        group = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(ranks)}
+        procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env={**env, **group, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(ranks)]
+        outs = [p.communicate() for p in procs]
+        for p, (_, err) in zip(procs, outs, strict=True):
+            if p.returncode:
+                raise subprocess.CalledProcessError(p.returncode, command, stderr=err)
+        rows.append(_largest_rank([json.loads(out.strip().splitlines()[-1]) for out, _ in outs]))
     return rows
+
+
+def _largest_rank(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ranks' rows as one: the largest rank's seconds, states and peak (each rank's peak kept as well); the values
+    are every rank's alike (a collective ``compute``), rank 0's reported."""
+    row = dict(per_rank[0])
+    for key in ("update_s", "compute_s", "state_mb", "state_bytes", "peak_growth_mb"):
+        row[key] = max(r[key] for r in per_rank)
+    row["peak_growth_mb_ranks"] = [r["peak_growth_mb"] for r in per_rank]
+    return row
+
+
+def _free_port() -> int:
+    """A TCP port free on loopback now, for the ranks' rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The cases as a markdown table."""
-    head = ("| case | metrics | rows | update s | compute s | states MB | peak RSS growth MB | threads | values |\n"
-            "|---|---|---|---|---|---|---|---|---|")
-    lines = [f"| {r['case']} | {', '.join(r['metrics'])} | {r['rows']:,} | {r['update_s']} | {r['compute_s']} | {r['state_mb']} | "
-             f"{r['peak_growth_mb']} | {r['threads']} | {', '.join(f'{k}={v}' for k, v in r['values'].items())} |" for r in rows]
+    head = ("| case | metrics | rows | ranks | update s | compute s | states MB | peak RSS growth MB | threads | values |\n"
+            "|---|---|---|---|---|---|---|---|---|---|")
+    lines = [f"| {r['case']} | {', '.join(r['metrics'])} | {r['rows']:,} | {_ranks(r)} | {r['update_s']} | {r['compute_s']} | "
+             f"{r['state_mb']} | {r['peak_growth_mb']} | {r['threads']} | {', '.join(f'{k}={v}' for k, v in r['values'].items())} |"
+             for r in rows]
     return "\n".join([head, *lines])
+
+
+def _ranks(row: dict[str, Any]) -> str:
+    """A row's ranks for the table: their number, ``gathered`` when ``--gather`` sent the metrics through the gather."""
+    return f"{row['ranks']}{' gathered' if row['gather'] else ''}"
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -177,18 +253,22 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for key, value in DEFAULTS.items():
         parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=value)
     parser.add_argument("--in-process", action="store_true", help="every case in this process (no fresh interpreter each)")
+    parser.add_argument("--gather", action="store_true",
+                        help="every metric through the state gather (every rank's rows on every rank): the comparison")
     parser.add_argument("--json", default="bench_results/eval_scale.json", help="where to write the results")
     args = parser.parse_args(argv)
     settings = {key: getattr(args, key) for key in DEFAULTS}
+    if args.in_process and args.ranks > 1:
+        parser.error(f"--in-process measures in this one process; --ranks {args.ranks} needs a process per rank")
     if args.one is not None:
-        row = measure(args.one, **settings)
+        row = measure(args.one, **settings, gather=args.gather)
         print(json.dumps(row))
         return [row]
     cases = [c for c in args.cases.split(",") if c]
     unknown = sorted(set(cases) - set(CASES))
     if unknown:
         parser.error(f"--cases: unknown {unknown}; the cases are {', '.join(CASES)}")
-    rows = bench_eval_scale(settings, cases, args.in_process)
+    rows = bench_eval_scale(settings, cases, args.in_process, args.gather)
     print(table(rows))
     write_results(args.json, {"settings": settings, "cases": rows})
     return rows

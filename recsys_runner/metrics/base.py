@@ -6,12 +6,16 @@ values:
 
 * :class:`SumMetric`: float64 sum states (log loss, accuracy, NE, calibration, MAE, MSE, recall@k, DecayAUC's
   bins), summed across ranks before ``compute`` divides;
-* :class:`GatherMetric`: every row kept (``cat`` states; AUC, grouped AUC, XAUC), gathered from all ranks,
-  then computed once on the union. Grouped AUC therefore sees all of a group's rows even when they were
-  spread over ranks, and every computation is invariant to the order of the rows.
+* :class:`GatherMetric`: every row kept (``cat`` states; AUC, grouped AUC, XAUC, coverage@k's mask). Binary AUC
+  and grouped AUC combine over ranks without copying the union onto any rank
+  (:mod:`recsys_runner.metrics.sharded`): rows are routed to the rank owning their prediction's (AUC) or group id's
+  (grouped AUC) range, each rank scores its range, and exact integer rank sums or the groups' ``(auc, weight)`` come
+  back — each rank holds about its share, whatever the world size. XAUC, the multi-class macro AUC and coverage@k
+  gather every rank's rows onto every rank and compute once on the union. Either way grouped AUC sees all of a
+  group's rows even when they were spread over ranks, and every computation is invariant to the order of the rows.
 
 Collectives: ``compute()`` is collective when a process group is initialized, so every rank must call it, in the
-same order; a rank that holds no rows (never updated) joins the gathers with none.
+same order; a rank that holds no rows (never updated) joins the routing or the gathers with none.
 
 Each metric class states its direction in the ``higher_is_better`` class attribute (``None``: best
 at a target value, e.g. calibration at 1); :func:`recsys_runner.metrics.registry.higher_is_better` reads it.
@@ -58,7 +62,8 @@ MERGE_PIECES = 64
 
 
 class GatherMetric(RecMetric):
-    """Base of ranking metrics: keeps every row; ``compute`` runs on all ranks' rows gathered."""
+    """Base of ranking metrics: keeps every row; ``compute`` runs on all ranks' rows gathered, unless the metric routes
+    them itself (:meth:`~recsys_runner.metrics.state.Metric._compute_sharded`: AUC, grouped AUC)."""
 
     def __init__(self, *names: str) -> None:
         super().__init__()

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from recsys_runner.metrics import sharded
 from recsys_runner.metrics.base import GatherMetric, SumMetric
 from recsys_runner.metrics.functional import EPS, binary_auc, binary_entropy, grouped_auc, xauc
 
@@ -136,7 +137,8 @@ def group_ids(groups: Tensor) -> Tensor:
 class AUC(GatherMetric):
     """Exact ROC AUC over all rows of all ranks (ties ½); see :func:`binary_auc`. With class probabilities ``[B, C]``
     and class indices: the macro one-vs-rest AUC, the mean over the classes present (with some rows of another class too)
-    of the AUC of ``p[:, c]`` for ``label == c``."""
+    of the AUC of ``p[:, c]`` for ``label == c``. Over several ranks the binary AUC is sharded (rows routed by
+    prediction range, :mod:`~recsys_runner.metrics.sharded`); the macro AUC gathers every rank's rows."""
 
     higher_is_better = True
 
@@ -162,6 +164,11 @@ class AUC(GatherMetric):
         present = per_class[~torch.isnan(per_class)]
         return present.mean() if present.numel() else torch.tensor(torch.nan, dtype=torch.float64, device=preds.device)
 
+    def _compute_sharded(self) -> Tensor | None:
+        """Binary AUC over several ranks by a sample sort of the rows by prediction (:func:`sharded.auc_over_ranks`):
+        each rank holds about its share, not the union; ``None`` (gather) for class probabilities (macro AUC)."""
+        return sharded.auc_over_ranks(self._rows("preds"), self._rows("labels"))
+
 
 class GroupedAUC(GatherMetric):
     """Grouped AUC over all ranks' ``(group, pred, label)`` rows; see :func:`grouped_auc`."""
@@ -186,9 +193,15 @@ class GroupedAUC(GatherMetric):
     def compute(self) -> Tensor:
         return grouped_auc(self._rows("preds"), self._rows("labels"), self._rows("groups"), self.weighting)
 
+    def _compute_sharded(self) -> Tensor:
+        """Over several ranks, every group's rows routed to one rank (:func:`sharded.grouped_auc_over_ranks`): each rank
+        holds about its share of the rows, and only the groups' ``(auc, weight)`` are gathered."""
+        return sharded.grouped_auc_over_ranks(self._rows("preds"), self._rows("labels"), self._rows("groups"), self.weighting)
+
 
 class XAUC(GatherMetric):
-    """XAUC over all ranks' rows; see :func:`xauc` (exact up to ``max_pairs`` pairs, then sampled)."""
+    """XAUC over all ranks' rows; see :func:`xauc` (exact up to ``max_pairs`` pairs, then sampled). Gathers every rank's
+    rows onto every rank (pairs, unlike ranks, do not split by range)."""
 
     higher_is_better = True
 

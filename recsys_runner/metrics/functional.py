@@ -1,5 +1,9 @@
 """Closed-form metric math on one process's rows (or the gathered union's): pure functions of tensors.
 
+AUC's and grouped AUC's integer halves (:func:`rank_sums`) and final arithmetic (:func:`auc_from_rank_sums`,
+:func:`group_terms`, :func:`weighted_mean`) are also what :mod:`~recsys_runner.metrics.sharded` runs on each rank's range
+and on the ranks' summaries, so that the routed value is one process's to the bit.
+
 The metric classes (:mod:`recsys_runner.metrics.classification`, :mod:`~recsys_runner.metrics.decay`) keep
 states and synchronize them across ranks; every value they report is one of these functions applied to
 those states.
@@ -28,12 +32,24 @@ def grouped_auc_parts(preds: Tensor, labels: Tensor, groups: Tensor | None = Non
     additions. At 2M rows that is 10-18x faster, with a fifth of the peak memory, than ``torch.unique(..., dim=0)``
     over the pairs, which it replaced with the same values to the last bit (docs/performance.md,
     "At scale"). Predictions keep their dtype: float32 → float64 is exact, so no order or tie changes.
+    The two halves are :func:`rank_sums` (the integers) and :func:`auc_from_rank_sums` (the float arithmetic), so that
+    :mod:`~recsys_runner.metrics.sharded` adds up the integers over ranks and ends in the same arithmetic, the same bits.
     """
+    return auc_from_rank_sums(*rank_sums(preds, labels, groups))
+
+
+def rank_sums(preds: Tensor, labels: Tensor, groups: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per group (ascending ids; ``None``: one group, none over no rows): ``(doubled rank sum of the positives,
+    positives, rows)`` in int64 and whether it holds a NaN prediction, ``[G]`` each — ranks counted from 1 at the
+    group's first row in ascending prediction, a tie's rows sharing their mean rank (kept doubled: whole).
+
+    Exact integers, so that they add over ranks: a rank holding a whole prediction range whose rows come after
+    ``offset`` others adds ``2 · offset`` per positive (:func:`recsys_runner.metrics.sharded.auc_over_ranks`)."""
     preds, positive = preds.detach().flatten(), labels.detach().flatten() >= 0.5
     n, device = preds.numel(), preds.device
     if n == 0:
-        empty = torch.zeros(0, dtype=torch.float64, device=device)
-        return empty, empty, empty
+        empty = torch.zeros(0, dtype=torch.long, device=device)
+        return empty, empty, empty, torch.zeros(0, dtype=torch.bool, device=device)
     ordered, positive, group_change = _lined_up(preds, positive, groups)
     group_start = group_change.nonzero().squeeze(1)
     group_end = _ends(group_start, n)
@@ -56,10 +72,16 @@ def grouped_auc_parts(preds: Tensor, labels: Tensor, groups: Tensor | None = Non
     run_sums = _prefix_sums(doubled)
     group_first_run = run_opens_group.nonzero().squeeze(1)
     doubled_sum = run_sums[_ends(group_first_run, doubled.numel())] - run_sums[group_first_run] - 2 * group_start * num_pos
-    rank_sum, num_pos = doubled_sum.double() / 2, num_pos.double()
-    num_neg = (group_end - group_start).double() - num_pos
-    auc = (rank_sum - num_pos * (num_pos + 1) / 2) / (num_pos * num_neg)
-    return torch.where((num_pos > 0) & (num_neg > 0) & ~has_nan, auc, torch.nan), num_pos, num_neg
+    return doubled_sum, num_pos, group_end - group_start, has_nan
+
+
+def auc_from_rank_sums(doubled_sum: Tensor, num_pos: Tensor, num_rows: Tensor, has_nan: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`grouped_auc_parts`'s ``(auc, positives, negatives)`` from :func:`rank_sums`' integers: the one float
+    arithmetic every AUC here ends in, one process's or the ranks' summed (the same integers give the same bits)."""
+    rank_sum, num_pos_f = doubled_sum.double() / 2, num_pos.double()
+    num_neg = num_rows.double() - num_pos_f
+    auc = (rank_sum - num_pos_f * (num_pos_f + 1) / 2) / (num_pos_f * num_neg)
+    return torch.where((num_pos_f > 0) & (num_neg > 0) & ~has_nan, auc, torch.nan), num_pos_f, num_neg
 
 
 def _lined_up(preds: Tensor, positive: Tensor, groups: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
@@ -103,17 +125,32 @@ def grouped_auc(preds: Tensor, labels: Tensor, groups: Tensor, weighting: str = 
     ``weighting="impressions"`` weights each group by its number of rows (the GAUC of Zhou et al.
     2018, DIN); ``"uniform"`` gives every group the same weight. NaN when no group has both classes.
     """
-    if weighting not in ("impressions", "uniform"):
-        raise ValueError(f"grouped AUC weighting must be 'impressions' or 'uniform', got {weighting!r}")
-    auc, num_pos, num_neg = grouped_auc_parts(preds, labels, groups)
+    check_weighting(weighting)
     if bool(torch.isnan(preds).any()):  # a NaN prediction ranks against nothing: no group may quietly drop it
         return torch.tensor(torch.nan, dtype=torch.float64, device=preds.device)
+    return weighted_mean(*group_terms(*grouped_auc_parts(preds, labels, groups), weighting))
+
+
+def check_weighting(weighting: str) -> None:
+    """Grouped AUC's ``weighting`` is ``impressions`` or ``uniform``, or an error that says so."""
+    if weighting not in ("impressions", "uniform"):
+        raise ValueError(f"grouped AUC weighting must be 'impressions' or 'uniform', got {weighting!r}")
+
+
+def group_terms(auc: Tensor, num_pos: Tensor, num_neg: Tensor, weighting: str) -> tuple[Tensor, Tensor]:
+    """The groups that count in grouped AUC (both classes, no NaN): their ``(auc, weight)``, in the given (ascending
+    group) order — what :func:`weighted_mean` sums, on one process or gathered from the ranks' group ranges."""
     valid = ~torch.isnan(auc)
     weights = (num_pos + num_neg) if weighting == "impressions" else torch.ones_like(auc)
-    weights = weights[valid]
+    return auc[valid], weights[valid]
+
+
+def weighted_mean(aucs: Tensor, weights: Tensor) -> Tensor:
+    """``Σ auc·w / Σ w`` over the groups' terms in ascending group order (float sums: the order fixes the last bits);
+    NaN over none."""
     if weights.numel() == 0:
-        return torch.tensor(torch.nan, dtype=torch.float64, device=preds.device)
-    return (auc[valid] * weights).sum() / weights.sum()
+        return torch.tensor(torch.nan, dtype=torch.float64, device=aucs.device)
+    return (aucs * weights).sum() / weights.sum()
 
 
 def xauc(preds: Tensor, targets: Tensor, max_pairs: int = 1 << 22, seed: int = 0) -> Tensor:

@@ -16,7 +16,9 @@ What a :class:`Metric` keeps of torchmetrics 1.0.3's semantics, which the metric
 * ``update`` runs without autograd and drops the cached value; ``compute`` is cached until the next ``update`` or
   ``reset``. Under an initialized process group of several ranks, ``compute`` runs on the states combined over all
   ranks (a collective: every rank must call it, in the same order) and then restores this rank's own, so each value
-  equals what one process computes over the union of the ranks' rows and accumulation goes on. Unlike torchmetrics
+  equals what one process computes over the union of the ranks' rows and accumulation goes on. A metric may compute
+  over the ranks its own way instead (:meth:`Metric._compute_sharded`: AUC and grouped AUC route rows by range rather
+  than copy all of them onto every rank, :mod:`recsys_runner.metrics.sharded`), with the same value. Unlike torchmetrics
   1.0.3, a rank that holds no rows of a ``cat`` state (an empty list: it never updated) joins the gather with none,
   rather than skipping the collective the others enter.
 """
@@ -158,11 +160,20 @@ class Metric(nn.Module):
         self._computed = None
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
 
+    def _compute_sharded(self) -> Any:
+        """Under a process group of several ranks: the value over all ranks' rows by the metric's own collectives,
+        without the gather of :meth:`_over_all_ranks`; ``None`` (this default): gather, then ``compute``.
+
+        A metric whose rows are too many to copy onto every rank overrides it (AUC and grouped AUC route their rows
+        by range, :mod:`recsys_runner.metrics.sharded`). Collective: every rank must decide alike whether to return
+        ``None``, from what all ranks exchanged, never from its own rows alone."""
+        return None
+
     @contextmanager
     def _over_all_ranks(self) -> Iterator[None]:
         """Within: the states combined over the default process group (when one of several ranks is initialized);
         after: this rank's own again, so that updates accumulate on."""
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        world = _world_size()
         if world < 2:
             yield
             return
@@ -195,8 +206,9 @@ def _updating(update: Callable[..., None]) -> Callable[..., None]:
 
 
 def _computing(compute: Callable[..., Any]) -> Callable[..., Any]:
-    """``compute`` on the states combined over ranks, cached until the next update; a one-element tensor as a scalar
-    (torchmetrics' squeeze). A ``super().compute()`` inside a subclass's runs as is (no second combination)."""
+    """``compute`` on the states combined over ranks (or the metric's :meth:`Metric._compute_sharded` value), cached
+    until the next update; a one-element tensor as a scalar (torchmetrics' squeeze). A ``super().compute()`` inside a
+    subclass's runs as is (no second combination)."""
 
     @functools.wraps(compute)
     def wrapped(self: Metric, *args: Any, **kwargs: Any) -> Any:
@@ -206,8 +218,10 @@ def _computing(compute: Callable[..., Any]) -> Callable[..., Any]:
             return self._computed
         self._computing = True
         try:
-            with self._over_all_ranks():
-                value = compute(self, *args, **kwargs)
+            value = self._compute_sharded() if _world_size() >= 2 else None
+            if value is None:
+                with self._over_all_ranks():
+                    value = compute(self, *args, **kwargs)
         finally:
             self._computing = False
         if isinstance(value, Tensor) and value.numel() == 1:
@@ -216,6 +230,11 @@ def _computing(compute: Callable[..., Any]) -> Callable[..., Any]:
         return value
 
     return wrapped
+
+
+def _world_size() -> int:
+    """The default process group's ranks; 1 without one."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _moved(value: Tensor | list[Tensor], device: torch.device) -> Tensor | list[Tensor]:
