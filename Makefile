@@ -83,8 +83,13 @@ lint: $(STAMP) ## ruff, mypy, and import-linter (what each room may import: docs
 	$(VENV)/bin/lint-imports
 
 # The last experiment's page first (with ?workflowType=machine_learning: MLflow 3's UI otherwise opens an empty GenAI view).
+# Without MLflow 3's server-side job runner (its huey consumers serve GenAI jobs: prompt optimization, scorers), which a
+# training-runs UI never uses and which costs ~2.5 s of start-up; MLFLOW_SERVER_ENABLE_JOB_EXECUTION=true brings it back.
+# MLflow's own import of starlette.middleware.wsgi warns in each of its 4 server processes: not ours, nothing to do.
 ui: $(STAMP) ## MLflow UI on ./mlflow.db at http://127.0.0.1:5000 (PORT=5001: another port); prints the last experiment's page once it answers
-	@$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host 127.0.0.1 --port $(PORT) & server=$$!; \
+	@MLFLOW_SERVER_ENABLE_JOB_EXECUTION=$${MLFLOW_SERVER_ENABLE_JOB_EXECUTION:-false} \
+	  PYTHONWARNINGS="ignore:starlette.middleware.wsgi is deprecated$${PYTHONWARNINGS:+,$$PYTHONWARNINGS}" \
+	  $(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host 127.0.0.1 --port $(PORT) & server=$$!; \
 	trap 'kill $$server 2>/dev/null; wait $$server' INT TERM; \
 	$(PY) -m recsys_runner.compare --ui-url --uri sqlite:///$(CURDIR)/mlflow.db --port $(PORT) --wait-for-ui $$server || true; \
 	wait $$server
