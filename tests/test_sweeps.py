@@ -49,8 +49,8 @@ def _parent_and_children(uri: str, experiment: str) -> tuple[object, list]:
 
 def test_optuna_sweep_logs_parent_with_best_trial(tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path}/optuna.db"
-    out = run_cli("-m", "--config-dir", str(REPO / "sweeps"), "--config-name", "optuna_lr", *TINY, "train.num_steps=10",
-                  "hydra.sweeper.n_trials=3", f"tracking.uri={uri}", cwd=tmp_path, timeout=600)
+    out = run_in_process([*TRAIN, "-m", "--config-dir", str(REPO / "sweeps"), "--config-name", "optuna_lr", *TINY, "train.num_steps=10",
+                          "hydra.sweeper.n_trials=3", f"tracking.uri={uri}"], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     parent, children = _parent_and_children(uri, "optuna_lr")
     assert len(children) == 3 and all(r.info.status == "FINISHED" for r in children)
@@ -320,8 +320,8 @@ def test_swept_keys_that_exist_or_go_into_free_form_maps_pass(make_cfg) -> None:
 def test_submitit_local_jobs_are_children(tmp_path: Path) -> None:
     """Jobs in submitit subprocesses find the parent run (env var survives pickling and the subprocess)."""
     uri = f"sqlite:///{tmp_path}/local.db"
-    out = run_cli("-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5", "optim.lr=0.01,0.1", *TINY,
-                  "train.num_steps=10", f"tracking.uri={uri}", "tracking.experiment=local", cwd=tmp_path, timeout=600)
+    out = run_in_process([*TRAIN, "-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5", "optim.lr=0.01,0.1", *TINY,
+                          "train.num_steps=10", f"tracking.uri={uri}", "tracking.experiment=local"], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     parent, children = _parent_and_children(uri, "local")
     assert len(children) == 2 and all(r.info.status == "FINISHED" for r in children)
