@@ -5,7 +5,6 @@ the full-error traceback and torchrun launch real processes."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
