@@ -123,11 +123,9 @@ def test_checkpoint_dir_faults_are_one_line_before_the_model_is_built(store: Mot
 
 def _start_training(tmp: Path, server: MotoServer, directory: str, request_timeout_s: int = 1,
                     *more: str) -> tuple[subprocess.Popen[str], list[str]]:
-    """A training run checkpointing every 2 steps into ``directory``; returns once its first checkpoint is in. 16 steps:
-    the store is paused right after that checkpoint, so the run stalls on a later one (its 7 writes to come leave the
-    pause room); more steps only made the resume's writes to the bucket more (40: 19 of them)."""
+    """A training run checkpointing every 2 steps into ``directory``; returns once its first checkpoint is in."""
     lines: list[str] = []
-    live = subprocess.Popen(_cli(tmp, server, "train.num_steps=16", "checkpoint.every_steps=2", f"checkpoint.dir={directory}",
+    live = subprocess.Popen(_cli(tmp, server, "train.num_steps=40", "checkpoint.every_steps=2", f"checkpoint.dir={directory}",
                                  *more, request_timeout_s=request_timeout_s),
                             cwd=tmp, env=_env(server), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert live.stdout is not None
