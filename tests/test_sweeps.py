@@ -318,10 +318,12 @@ def test_swept_keys_that_exist_or_go_into_free_form_maps_pass(make_cfg) -> None:
 
 @pytest.mark.slow
 def test_submitit_local_jobs_are_children(tmp_path: Path) -> None:
-    """Jobs in submitit subprocesses find the parent run (env var survives pickling and the subprocess)."""
+    """Jobs in submitit subprocesses find the parent run (env var survives pickling and the subprocess). The sweep is a
+    process of its own: run in this one (run_in_process), submitit's pickling of the job left the suite's config
+    dataclasses broken for the tests after it (``_MISSING_TYPE is not a subclass of TrainConfig``)."""
     uri = f"sqlite:///{tmp_path}/local.db"
-    out = run_in_process([*TRAIN, "-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5", "optim.lr=0.01,0.1", *TINY,
-                          "train.num_steps=10", f"tracking.uri={uri}", "tracking.experiment=local"], tmp_path)
+    out = run_cli("-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5", "optim.lr=0.01,0.1", *TINY,
+                  "train.num_steps=10", f"tracking.uri={uri}", "tracking.experiment=local", cwd=tmp_path, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     parent, children = _parent_and_children(uri, "local")
     assert len(children) == 2 and all(r.info.status == "FINISHED" for r in children)
