@@ -1,7 +1,8 @@
 """Multiruns as MLflow parent + children: a grid, an Optuna search, and the submitit_local launcher; a sweep's own
-folder and its swept keys checked before it starts. The Optuna search
-and the launcher run as commands; the grid ones run in this process as ``python -m`` would run them
-(:func:`tests.conftest.run_in_process`: the same multirun, its jobs and callbacks, without ~10 s of imports)."""
+folder and its swept keys checked before it starts. The submitit_local
+launcher and a sweep whose parent is ended at the process's exit run as commands; the grid and Optuna ones run in this
+process as ``python -m`` would run them (:func:`tests.conftest.run_in_process`: the same multirun, its jobs and
+callbacks, without ~10 s of imports)."""
 
 from __future__ import annotations
 
