@@ -1,11 +1,10 @@
 """The command line as a user meets it: help, --cfg job, bad configs, a multirun, torchrun. The commands whose process
-is not the point (help, --cfg job, the multiruns) run in this process as ``python -m`` runs them
+is not the point (help, --cfg job, the multiruns, the default store) run in this process as ``python -m`` runs them
 (:func:`tests.conftest.run_in_process`: the same exit status and output, without ~10 s of imports each); bad configs,
-the full-error traceback, the default store and torchrun launch real processes."""
+the full-error traceback and torchrun launch real processes."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -238,10 +237,9 @@ def test_full_error_shows_traceback(tmp_path: Path) -> None:
     assert out.returncode != 0 and "Traceback" in out.stderr and "ConfigError" in out.stderr
 
 
-def test_default_store_is_mlflow_db_in_launch_dir(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    out = subprocess.run([sys.executable, "-m", "recsys_runner", *TINY, "train.num_steps=10"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=300)
+def test_default_store_is_mlflow_db_in_launch_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    out = run_in_process([*TRAIN, *TINY, "train.num_steps=10"], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     db = tmp_path / "mlflow.db"
     assert db.exists()

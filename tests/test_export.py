@@ -40,7 +40,7 @@ from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.serving import program as serving
 from recsys_runner.train.corpus import inner_with
 from recsys_runner.train.signals import Interrupted
-from tests.conftest import REPO, TINY
+from tests.conftest import TINY, run_in_process
 
 SMALL = ["data.batch_size=64", "data.num_train_rows=1024", "data.num_eval_rows=256", "train.num_steps=3",
          "train.log_every_steps=3", "train.eval_max_batches=1"]
@@ -210,8 +210,7 @@ def test_cli_exports_the_ema_weights_a_run_evaluated_with(make_cfg, tmp_path: Pa
     ema = ["train.ema.decay=0.5", "train.ema.eval_with_ema=true"]
     batch, expected = train_and_score(make_cfg, tmp_path / "ck", *ema)
     args = [*TINY, *SMALL, *ema, f"tracking.uri={mlflow_uri}", "tracking.experiment=export_cli", f"load={tmp_path / 'ck'}", f"export.dir={tmp_path / 'export'}"]
-    done = subprocess.run([sys.executable, "-m", "recsys_runner.export", *args], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
+    done = run_in_process([sys.executable, "-m", "recsys_runner.export", *args], tmp_path)  # the command, without its imports
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"exported to {tmp_path / 'export'}" in done.stdout
     spec = json.loads((tmp_path / "export" / export.FEATURE_SPEC_FILE).read_text())

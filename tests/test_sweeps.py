@@ -1,7 +1,8 @@
 """Multiruns as MLflow parent + children: a grid, an Optuna search, and the submitit_local launcher; a sweep's own
-folder and its swept keys checked before it starts. The Optuna search
-and the launcher run as commands; the grid ones run in this process as ``python -m`` would run them
-(:func:`tests.conftest.run_in_process`: the same multirun, its jobs and callbacks, without ~10 s of imports)."""
+folder and its swept keys checked before it starts. The submitit_local
+launcher and a sweep whose parent is ended at the process's exit run as commands; the grid and Optuna ones run in this
+process as ``python -m`` would run them (:func:`tests.conftest.run_in_process`: the same multirun, its jobs and
+callbacks, without ~10 s of imports)."""
 
 from __future__ import annotations
 
@@ -49,8 +50,8 @@ def _parent_and_children(uri: str, experiment: str) -> tuple[object, list]:
 
 def test_optuna_sweep_logs_parent_with_best_trial(tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path}/optuna.db"
-    out = run_cli("-m", "--config-dir", str(REPO / "sweeps"), "--config-name", "optuna_lr", *TINY, "train.num_steps=10",
-                  "hydra.sweeper.n_trials=3", f"tracking.uri={uri}", cwd=tmp_path, timeout=600)
+    out = run_in_process([*TRAIN, "-m", "--config-dir", str(REPO / "sweeps"), "--config-name", "optuna_lr", *TINY, "train.num_steps=10",
+                          "hydra.sweeper.n_trials=3", f"tracking.uri={uri}"], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     parent, children = _parent_and_children(uri, "optuna_lr")
     assert len(children) == 3 and all(r.info.status == "FINISHED" for r in children)
@@ -318,7 +319,9 @@ def test_swept_keys_that_exist_or_go_into_free_form_maps_pass(make_cfg) -> None:
 
 @pytest.mark.slow
 def test_submitit_local_jobs_are_children(tmp_path: Path) -> None:
-    """Jobs in submitit subprocesses find the parent run (env var survives pickling and the subprocess)."""
+    """Jobs in submitit subprocesses find the parent run (env var survives pickling and the subprocess). The sweep is a
+    process of its own: run in this one (run_in_process), submitit's pickling of the job left the suite's config
+    dataclasses broken for the tests after it (``_MISSING_TYPE is not a subclass of TrainConfig``)."""
     uri = f"sqlite:///{tmp_path}/local.db"
     out = run_cli("-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5", "optim.lr=0.01,0.1", *TINY,
                   "train.num_steps=10", f"tracking.uri={uri}", "tracking.experiment=local", cwd=tmp_path, timeout=600)

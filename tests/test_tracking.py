@@ -97,7 +97,9 @@ class MlflowServer:
         self.proc: subprocess.Popen[bytes] | None = None
         self.artifacts = artifacts or str(root / "artifacts")
         """``--artifacts-destination``: a local folder, or a bucket (``s3://…``, with its client's variables in ``env``)."""
-        self.env = env or {}
+        self.env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **(env or {})}
+        """No job runner (MLflow 3's GenAI scorer jobs, none here): two more Python processes (a job runner and huey's
+        consumers) starting beside the server cost ~2.5 s of its start-up and CPU the other test worker wants."""
 
     def start(self, timeout_s: float = 90) -> None:
         mlflow = Path(sys.executable).with_name("mlflow")
