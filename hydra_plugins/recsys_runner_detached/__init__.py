@@ -159,7 +159,8 @@ class WaitingSubmititLauncher(_OwnFailuresAreErrors):
             returns = super().launch(job_overrides, initial_job_idx)
         failed = [(initial_job_idx + i, overrides, r) for i, (overrides, r) in enumerate(zip(job_overrides, returns, strict=True))
                   if r.status == JobStatus.FAILED]
-        # A job that raised left its error as its result, its run ended by the job itself; one that left none died.
+        # A job that raised (its own failure too: _OwnFailuresAreErrors) left its error as its result, its run ended by
+        # the job itself; one that left none died.
         ends = {initial_job_idx + i: _job_end(job, r, isinstance(r._return_value, UncompletedJobError))
                 for i, (job, r) in enumerate(zip(jobs, returns, strict=True))}
         _end_left_runs(self.config, ends, {initial_job_idx + i: " ".join(o) for i, o in enumerate(job_overrides)}, launched_ms)
