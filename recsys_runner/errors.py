@@ -14,7 +14,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Iterator
-from typing import ClassVar
+from typing import ClassVar, NoReturn
 
 
 class UserError(ValueError):
@@ -74,17 +74,38 @@ def require_seed(key: str, seed: int) -> None:
             f"seed. Fix: e.g. {key}=0")
 
 
+class Failed(SystemExit):  # noqa: N818 - an exit, as SystemExit is
+    """The exit of a command that failed on its own after saying why on stderr (:func:`fail`): ``SystemExit`` with its
+    status (no traceback, the process exits with it), and the ``message`` it printed, for code that runs the command as
+    one job of many and names a failed one by it: a submitit job hands it to the sweep's launcher as its error
+    (``hydra_plugins/recsys_runner_detached``: no 15 s wait for a result that never comes, no parsing of its stderr)."""
+
+    code: int
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(code)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def fail(message: str, code: int) -> NoReturn:
+    """Print ``message`` on stderr and exit with status ``code`` (:class:`Failed`): a command's end on its own failure."""
+    print(message, file=sys.stderr)
+    raise Failed(code, message)
+
+
 @contextlib.contextmanager
 def reported() -> Iterator[None]:
     """Every command line's handling of a :class:`UserError` (module docstring): its one-line message on stderr
-    and exit status 2; with ``HYDRA_FULL_ERROR=1`` the traceback instead."""
+    and exit status 2 (:func:`fail`); with ``HYDRA_FULL_ERROR=1`` the traceback instead."""
     try:
         yield
     except UserError as e:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        print(f"{e.label}: {e}", file=sys.stderr)
-        sys.exit(2)
+        fail(f"{e.label}: {e}", 2)
 
 
 class CheckpointWriteFailed(CheckpointError):

@@ -61,7 +61,7 @@ from recsys_runner.checkpoint.guard import NonFiniteLossError
 from recsys_runner.checkpoint.storage import CheckpointStorage
 from recsys_runner.collection import job_collected
 from recsys_runner.distributed.peers import EXIT_RANK_LOST, RankLost, peer_gone
-from recsys_runner.errors import CheckpointError, CheckpointWriteFailed, UserError, reported
+from recsys_runner.errors import CheckpointError, CheckpointWriteFailed, UserError, fail, reported
 from recsys_runner.runtime import TRAIN_MODULE, Launch
 from recsys_runner.tracking import lineage, requeue
 from recsys_runner.tracking.datasets import DataRecord
@@ -264,7 +264,9 @@ def exit_codes(launch: Launch) -> Iterator[None]:
     training's loop stops after its step or final eval instead), which prints what was kept and the command that
     resumes or redoes it (or hands a preempted job to submitit) and exits ``128 + signal``; a non-finite loss prints
     the last good checkpoint and exits 1; a collective that failed because another rank is gone prints which rank, the
-    last checkpoint and the command that resumes (:func:`rank_lost_message`) and exits ``75``."""
+    last checkpoint and the command that resumes (:func:`rank_lost_message`) and exits ``75``. These failures of the
+    command's own end in :func:`~recsys_runner.errors.fail`, whose exit carries the message (a sweep's job names its
+    failure by it); a signal's exit is a plain ``SystemExit``, never taken for a failure."""
     try:
         with signals.RaiseOnSignal(f"during {launch.command_name}"), reported():
             try:
@@ -280,8 +282,7 @@ def exit_codes(launch: Launch) -> Iterator[None]:
     except RankLost as e:
         with contextlib.suppress(ValueError):  # torchrun's SIGTERM to the survivors must not cut this exit short
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        print(rank_lost_message(launch, e), file=sys.stderr)
-        sys.exit(EXIT_RANK_LOST)
+        fail(rank_lost_message(launch, e), EXIT_RANK_LOST)
     except Interrupted as e:
         if e.handover is not None:  # preempted inside submitit: its handler resubmits this job and requeues it
             print(f"Interrupted: {e}", file=sys.stderr)
@@ -300,10 +301,8 @@ def exit_codes(launch: Launch) -> Iterator[None]:
                   file=sys.stderr)
         sys.exit(128 + signal.SIGINT)
     except NonFiniteLossError as e:
-        print(f"Training failed: {e}", file=sys.stderr)
-        if e.checkpoint is not None:
-            print(resume_hint(launch, e.checkpoint, after_fix=True), file=sys.stderr)
-        sys.exit(1)
+        hint = f"\n{resume_hint(launch, e.checkpoint, after_fix=True)}" if e.checkpoint is not None else ""
+        fail(f"Training failed: {e}{hint}", 1)
 
 
 def _multi_rank() -> bool:

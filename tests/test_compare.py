@@ -10,16 +10,18 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import pytest
 from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
+from submitit.core.utils import cloudpickle_dump
 
 from recsys_runner import compare
 from recsys_runner.tracking.store import mlflow_command
 from recsys_runner.tracking.sweep import EXPECTED_JOBS_TAG
-from recsys_runner.tracking.sweep_jobs import JOB_END_TAG, SLURM_JOB_IDS_TAG, SUBMITIT_FOLDER_TAG
+from recsys_runner.tracking.sweep_jobs import JOB_END_TAG, SLURM_JOB_IDS_TAG, SUBMITIT_FOLDER_TAG, JobFailed
 from recsys_runner.tracking.sweep_names import JOB_NUM_TAG, SWEPT_KEYS_TAG
 from recsys_runner.tracking.sweep_summary import SWEEP_PARENT_TAG
 from tests.conftest import free_port
@@ -182,6 +184,46 @@ def test_collect_names_a_job_that_died_before_its_run_at_once(tmp_path: Path, sl
     p = client.get_run(parent)
     assert p.info.status == "FAILED" and p.data.tags["sweep.failed_jobs"] == "#1 (SLURM 9100_1, FAILED)"
     assert p.data.tags["best.run_id"] == ok and "0.6800" in out, "the job that ran is still compared"
+
+
+def test_collect_names_a_job_by_its_own_failure_left_as_its_result(tmp_path: Path, slurm_states: Path,
+                                                                    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A detached job that ended on a failure of its own after its run started (a non-finite loss: a message of three
+    lines, exit 1) left its error as its result (:class:`JobFailed`, as submitit's job side writes an error). collect
+    names the job by the message's first line (its log's last line is submitit's own), and takes the job for one that
+    returned: its run, left RUNNING (the store was gone as it ended, no replay file left), is ended FAILED at the job's
+    end, tagged why, not as the run of a job that died."""
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path}/own.db"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("own")
+    folder = tmp_path / "multirun" / ".submitit"
+    parent = client.create_run(exp, run_name="sweep", tags={SWEEP_PARENT_TAG: "eval/auc", EXPECTED_JOBS_TAG: "1",
+                                                            SLURM_JOB_IDS_TAG: "9400_0",
+                                                            SUBMITIT_FOLDER_TAG: f"{folder}/%j"}).info.run_id
+    run = client.create_run(exp, run_name="lr=10", tags={"mlflow.parentRunId": parent, JOB_NUM_TAG: "0"}).info.run_id
+    message = ("Training failed: the loss is nan at step 3\nResume this run from step_2, into the same MLflow run, with "
+               "this command with your change made:\n  python -m recsys_runner optim.lr=10 checkpoint.dir=/tmp/x")
+    (folder / "9400_0").mkdir(parents=True)
+    result = folder / "9400_0" / "9400_0_0_result.pkl"
+    try:
+        raise JobFailed(1, message)
+    except Exception:  # noqa: BLE001 - as submitit's job side writes a job's error (submitit/core/submission.py)
+        cloudpickle_dump(("error", traceback.format_exc()), result)
+    job_end = int(time.time()) - 600
+    os.utime(result, (job_end, job_end))
+    (folder / "9400_0" / "9400_0_0_log.err").write_text(
+        f"{message}\nsubmitit ERROR (2026-01-01 00:00:00,000) - Submitted job triggered an exception\n")
+    slurm_states.write_text("9400_0|FAILED|localhost\n")
+    assert compare.main(["collect", "--uri", uri, "--parent", parent, "--no-plots"]) == 1
+    err = capsys.readouterr().err
+    assert "Job #0 (SLURM 9400_0, FAILED) failed: Training failed: the loss is nan at step 3" in err.splitlines(), err
+    ended = client.get_run(run)
+    assert ended.info.status == "FAILED" and ended.info.end_time == job_end * 1000, ended.info
+    assert ended.data.tags[JOB_END_TAG].startswith("FAILED: the run's end never reached the tracking store"), ended.data.tags
+    assert "died before" not in err
+    p = client.get_run(parent)
+    assert p.info.status == "FAILED" and p.data.tags["sweep.failed_jobs"] == "#0 (SLURM 9400_0, FAILED)"
 
 
 def test_collect_waits_while_slurm_says_a_job_still_runs(tmp_path: Path, slurm_states: Path,

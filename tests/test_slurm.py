@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from recsys_runner.tracking.sweep_jobs import own_failure
 from recsys_runner.tracking.sweep_summary import SWEEP_PARENT_TAG
 from tests.conftest import TINY, run_cli
 from tests.slurm_cluster import SlurmCluster, slurm_cluster_fixture  # noqa: F401 - provides the slurm_cluster fixture
@@ -48,6 +49,20 @@ def test_array_sweep_lands_in_mlflow_as_parent_and_children(slurm_cluster: Slurm
     # One array job: "<id>_0", "<id>_1" and "<id>_2".
     ids = {p.name for p in (tmp_path / "multirun").glob("*/*/.submitit/*_*") if p.is_dir()}
     assert len(ids) == 3 and len({i.split("_")[0] for i in ids}) == 1, ids
+    _failed_on_its_own(tmp_path, "1")
+
+
+def _failed_on_its_own(tmp_path: Path, task: str) -> None:
+    """Array task ``task`` of the sweep ended on its config error: the error is its result, read at once (its exit left
+    none, and the sweep's side waited submitit's 15 s for one, then read its log); its log holds its line, no traceback;
+    SLURM saw it fail with the command's own status, 2."""
+    error = "Config error: optim.sparse.lr must be positive, got -1.0"
+    (result,) = (tmp_path / "multirun").glob(f"*/*/.submitit/*_{task}/*_{task}_0_result.pkl")
+    assert (own_failure(result) or "").startswith(error), own_failure(result)
+    log = result.with_name(result.name.replace("_result.pkl", "_log.err")).read_text()
+    assert any(line.startswith(error) for line in log.splitlines()) and "Traceback" not in log, log[-3000:]
+    job = subprocess.run(["scontrol", "-o", "show", "job", result.parent.name], capture_output=True, text=True, timeout=30)
+    assert "JobState=FAILED" in job.stdout and "ExitCode=2:0" in job.stdout, job.stdout + job.stderr
 
 
 def test_submit_and_exit_then_collect(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
@@ -96,6 +111,7 @@ def test_collect_names_a_detached_job_that_died_before_its_mlflow_run(slurm_clus
     parent, (child,) = _sweep(uri, "slurm_died")
     assert parent.info.status == "FAILED" and parent.data.tags["sweep.failed_jobs"] == f"#0 (SLURM {first_id}, FAILED)"
     assert child.info.status == "FINISHED" and parent.data.tags["best.run_id"] == child.info.run_id
+    _failed_on_its_own(tmp_path, "0")
 
 
 def test_two_task_slurm_job_is_one_two_rank_run(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:

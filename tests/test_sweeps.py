@@ -21,6 +21,7 @@ from recsys_runner.errors import ConfigError
 from recsys_runner.sweep import first_job_overrides
 from recsys_runner.tracking.store import mlflow_command
 from recsys_runner.tracking.sweep import check_direction
+from recsys_runner.tracking.sweep_jobs import own_failure
 from recsys_runner.tracking.sweep_names import (
     JOB_NUM_TAG,
     SWEPT_KEYS_ENV,
@@ -336,13 +337,22 @@ def test_submitit_local_jobs_are_children(tmp_path: Path) -> None:
 def test_submitit_local_waits_for_every_job_and_names_a_failed_one(tmp_path: Path) -> None:
     """``submitit_local`` stopped at the first failed job with submitit's traceback, the parent left RUNNING. Now it waits
     for every job, names the failed one in a line (its own error), and ends the parent FAILED naming it (exit 1), as
-    ``submitit_slurm`` does."""
+    ``submitit_slurm`` does. The failed job left its error as its result, read at once: its exit (a ``SystemExit``) left
+    none, and the launcher waited submitit's 15 s for one before it read the job's stderr; that stderr holds the job's
+    line, no traceback."""
     uri = f"sqlite:///{tmp_path}/local_failed.db"
     out = run_cli("-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5", "optim.lr=-1,0.1", *TINY,
                   "train.num_steps=5", f"tracking.uri={uri}", "tracking.experiment=local_failed", cwd=tmp_path, timeout=600)
     assert out.returncode == 1, out.stderr[-3000:]
     lines = out.stderr.strip().splitlines()
-    assert lines[-2] == "Job #0 failed: Config error: optim.sparse.lr must be positive, got -1.0. Fix: e.g. optim.sparse.lr=0.01 where it is set, else optim.lr=0.01 (its default)", lines[-3:]
+    error = ("Config error: optim.sparse.lr must be positive, got -1.0. Fix: e.g. optim.sparse.lr=0.01 where it is set, "
+             "else optim.lr=0.01 (its default)")
+    assert lines[-2] == f"Job #0 failed: {error}", lines[-3:]
+    results = list((tmp_path / "multirun").glob("*/*/.submitit/*/*_result.pkl"))
+    assert len(results) == 2 and [own_failure(r) for r in results].count(error) == 1, results
+    (failed,) = [r for r in results if own_failure(r) == error]
+    job_err = failed.with_name(failed.name.replace("_result.pkl", "_log.err")).read_text()
+    assert error in job_err.splitlines() and "Traceback" not in job_err, job_err[-3000:]
     assert lines[-1].startswith("Sweep failed (failed job(s): #0 optim.lr=-1); 1 of 1 child runs finished"), lines[-1]
     assert "Traceback" not in out.stderr and "validated against ConfigStore schema" not in out.stderr
     parent, (child,) = _parent_and_children(uri, "local_failed")

@@ -29,7 +29,29 @@ log = logging.getLogger(__name__)
 register_resolvers()  # conf/config.yaml's ${new_dir:…}: Hydra imports this module in every process it composes in
 
 
-class DetachedSlurmLauncher(SlurmLauncher):
+class _OwnFailuresAreErrors(BaseSubmititLauncher):
+    """The plugin's submitit launcher whose job (its ``__call__``, run in the job's process) ends on a failure of the
+    command's own — one line on stderr and exit 2 for a user error, 1 for a non-finite loss, 75 for a lost rank
+    (:func:`recsys_runner.errors.fail`) — by raising it as a :class:`~recsys_runner.tracking.sweep_jobs.JobFailed`.
+
+    Such an exit is a ``SystemExit``, which passes Hydra's ``run_job`` and submitit's job wrapper alike: the job left no
+    result, and the launcher waited submitit's ``_results_timeout_s`` (15 s) for one, job after failed job, then took the
+    job's line from its stderr (as ``compare collect`` did from SLURM's log). A ``JobFailed`` is an ``Exception`` to
+    submitit, which writes it as the job's error result at once, and a ``SystemExit`` to the process, which still exits
+    with the command's status (SLURM's ``FAILED``) and prints no traceback. A signal's exit (a preempted job handed over
+    to submitit's requeue, a ``scancel``) is no failure of the command's own and passes as it did."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> JobReturn:
+        from recsys_runner.errors import Failed
+        from recsys_runner.tracking.sweep_jobs import JobFailed
+
+        try:
+            return super().__call__(*args, **kwargs)
+        except Failed as e:
+            raise JobFailed(e.code, e.message) from None
+
+
+class DetachedSlurmLauncher(_OwnFailuresAreErrors, SlurmLauncher):
     """``submitit_slurm`` that returns once the array is queued (submit-and-exit).
 
     Everything but the wait is the plugin's own ``launch``: executor, parameters, sweep dir, job
@@ -113,7 +135,7 @@ class KeepGoingLauncher(BasicLauncher):
         return returns
 
 
-class WaitingSubmititLauncher(BaseSubmititLauncher):
+class WaitingSubmititLauncher(_OwnFailuresAreErrors):
     """The plugin's submitit launcher that waits for every job and reports a failed one in a line; the executor is the
     subclass's (:class:`WaitingSlurmLauncher`, :class:`WaitingLocalLauncher`).
 
@@ -121,7 +143,7 @@ class WaitingSubmititLauncher(BaseSubmititLauncher):
     ``UncompletedJobError`` while the jobs after it still run, and Hydra prints its 30-line traceback, the job's own
     one-line error (``Config error: …``) buried inside, and the sweep's MLflow parent is left RUNNING. Here each
     job's failure becomes a ``FAILED`` result (:func:`_failures_are_results`); once every job has ended, each failed
-    one is named with the last line of its error stream, the parent is ended FAILED naming them
+    one is named with its own line (:func:`_error_line`), the parent is ended FAILED naming them
     (``recsys_runner.tracking.sweep.jobs_ended``), and the command exits 1. A job that left its MLflow run RUNNING —
     killed after the run started (``scancel``, a time limit, an OOM kill, SIGKILL), or ended while the tracking store was
     gone — has it ended first, tagged with how the job ended, unless a replay file holds the run's end
@@ -137,14 +159,15 @@ class WaitingSubmititLauncher(BaseSubmititLauncher):
             returns = super().launch(job_overrides, initial_job_idx)
         failed = [(initial_job_idx + i, overrides, r) for i, (overrides, r) in enumerate(zip(job_overrides, returns, strict=True))
                   if r.status == JobStatus.FAILED]
-        # A job that raised left its error as its result, its run ended by the job itself; one that left none died.
+        # A job that raised (its own failure too: _OwnFailuresAreErrors) left its error as its result, its run ended by
+        # the job itself; one that left none died.
         ends = {initial_job_idx + i: _job_end(job, r, isinstance(r._return_value, UncompletedJobError))
                 for i, (job, r) in enumerate(zip(jobs, returns, strict=True))}
         _end_left_runs(self.config, ends, {initial_job_idx + i: " ".join(o) for i, o in enumerate(job_overrides)}, launched_ms)
         jobs_ended([(num, list(overrides)) for num, overrides, _ in failed])
         if failed:
             for num, _, r in failed:
-                print(f"Job #{num} failed: {_last_error_line(str(r._return_value))}", file=sys.stderr)
+                print(f"Job #{num} failed: {_error_line(jobs[num - initial_job_idx], r._return_value)}", file=sys.stderr)
             log.error("%d of %d jobs failed: %s", len(failed), len(job_overrides), ", ".join(f"#{num}" for num, _, _ in failed))
             sys.exit(1)
         return returns
@@ -160,13 +183,15 @@ class WaitingLocalLauncher(WaitingSubmititLauncher, LocalLauncher):
     (:class:`WaitingSubmititLauncher`), as ``submitit_slurm`` and ``basic_keep_going`` do."""
 
 
-def _last_error_line(error: str) -> str:
-    """The job's own last word in submitit's error text (its stderr follows ``Error stream produced:``): the last
-    line that is not srun's own, else submitit's first line."""
-    from recsys_runner.tracking.sweep_jobs import last_own_line
+def _error_line(job: Any, error: Exception) -> str:
+    """A failed job's own line: the first line of the message its own failure left as its result
+    (:func:`recsys_runner.tracking.sweep_jobs.own_failure`); else, from submitit's ``error`` (for a job that left no
+    result its stderr follows ``Error stream produced:``), the last line that is not srun's own, else its first line."""
+    from recsys_runner.tracking.sweep_jobs import last_own_line, own_failure
 
-    own = last_own_line(error.split("Error stream produced:")[-1]) if "Error stream produced:" in error else None
-    return own or error.strip().splitlines()[0]
+    text = str(error)
+    own = last_own_line(text.split("Error stream produced:")[-1]) if "Error stream produced:" in text else None
+    return own_failure(job.paths.result_pickle) or own or text.strip().splitlines()[0]
 
 
 def _end_left_runs(config: Any, ends: Mapping[int, Any], overrides: Mapping[int, str], launched_ms: int, *,

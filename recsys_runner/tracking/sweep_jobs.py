@@ -3,8 +3,10 @@
 A sweep launched with ``hydra/launcher=submitit_slurm_detached`` records its jobs' SLURM ids and submitit's folder on
 its MLflow parent run (:data:`SLURM_JOB_IDS_TAG`, :data:`SUBMITIT_FOLDER_TAG`); ``python -m recsys_runner.compare
 collect`` asks SLURM here which of them have ended, so a job that died before it created its MLflow run is named at
-once instead of waited for. A failed job is named with its own last line of error output (:func:`last_own_line`,
-which the waiting launchers use on submitit's error text too).
+once instead of waited for. A failed job is named with its own line: the first line of the message a failure of its own
+(a user error, a non-finite loss, a lost rank: :func:`recsys_runner.errors.fail`) left as the job's error result
+(:class:`JobFailed`, :func:`own_failure`), else the last line of its error output (:func:`last_own_line`); the waiting
+launchers name theirs the same way.
 
 A job killed from outside — ``scancel``, a time limit, an OOM kill, SIGKILL — never reaches the end of its run
 (:func:`recsys_runner.lifecycle.tracked_run`), which would stay RUNNING in MLflow for ever, without an end time. The side
@@ -40,6 +42,7 @@ from typing import Any
 
 import yaml
 
+from recsys_runner.errors import Failed
 from recsys_runner.tracking.outbox import UNSENT_DIR_TAG, unsent_file
 from recsys_runner.tracking.store import failure
 from recsys_runner.tracking.sweep_names import JOB_NUM_TAG
@@ -263,15 +266,21 @@ class EndedJob:
     state: str
     error: str | None
     end_ms: int | None = None
-    """When it ended, where its result file says (a job that completed)."""
+    """When it ended, where its result file says (a job that completed, or failed on its own: its error is its result)."""
 
     @property
     def failed(self) -> bool:
         return self.state != _SLURM_OK
 
+    @property
+    def returned(self) -> bool:
+        """It ran to its end: SLURM says it completed, or it left a result (its error, :class:`JobFailed`), having ended
+        its own MLflow run; any other job died."""
+        return not self.failed or self.end_ms is not None
+
     def end(self) -> JobEnd:
-        """How it ended, for :func:`end_left_runs`: a job SLURM says completed returned; any other did not."""
-        return JobEnd(self.state, returned=not self.failed, end_ms=self.end_ms)
+        """How it ended, for :func:`end_left_runs`."""
+        return JobEnd(self.state, returned=self.returned, end_ms=self.end_ms)
 
     def label(self) -> str:
         """``#1 (SLURM 42_1, FAILED)``, how a failed job is named on the parent and in ``collect``'s line."""
@@ -298,7 +307,8 @@ def slurm_jobs_ended(tags: Mapping[str, str]) -> list[EndedJob] | None:
     for num, (job, state) in enumerate(zip(jobs, states, strict=True)):
         if state in _SLURM_NOT_ENDED:
             continue
-        error = None if state == _SLURM_OK else (last_own_line(job.stderr() or "") or f"no error output ({job.paths.stderr})")
+        error = None if state == _SLURM_OK else (own_failure(job.paths.result_pickle) or last_own_line(job.stderr() or "")
+                                                 or f"no error output ({job.paths.stderr})")
         ended.append(EndedJob(num, job.job_id, state, error, ended_at(job.paths.result_pickle)))
     return ended
 
@@ -309,3 +319,32 @@ def last_own_line(stderr: str) -> str | None:
     own = [line.strip() for line in stderr.splitlines()]
     own = [line for line in own if line and not line.startswith(("srun:", "---")) and "Error stream" not in line]
     return own[-1] if own else None
+
+
+class JobFailed(Failed, Exception):
+    """A sweep job's failure of its own (:class:`~recsys_runner.errors.Failed`: its message already on stderr), as the
+    job's launcher call raises it in the job process (``hydra_plugins/recsys_runner_detached``).
+
+    An ``Exception``, so that submitit writes it as the job's error result at once (its traceback's text, whose last line
+    is :data:`JOB_FAILED_LINE` and the message): a ``SystemExit`` left no result, and the sweep's side waited submitit's
+    15 s for one, then took the job's line from its stderr. Still a ``SystemExit``, so that when submitit re-raises it the
+    process exits as the command would — its status (1, 2, 75: SLURM's ``FAILED``), no traceback printed."""
+
+
+JOB_FAILED_LINE = f"\n{JobFailed.__module__}.{JobFailed.__qualname__}: "
+"""How a :class:`JobFailed`'s message begins in its traceback's text (``traceback.format_exception_only``)."""
+
+
+def own_failure(result_pickle: Path) -> str | None:
+    """The first line of the message of a job's own failure (:class:`JobFailed`), from the error result it left;
+    ``None`` for a job that left no result (died), completed, or raised another error."""
+    from submitit.core.utils import pickle_load
+
+    try:
+        outcome, trace = pickle_load(result_pickle)
+    except Exception:  # noqa: BLE001 - none, or unreadable: the job's stderr tells instead
+        return None
+    if outcome != "error" or not isinstance(trace, str) or JOB_FAILED_LINE not in trace:
+        return None
+    message = trace.rpartition(JOB_FAILED_LINE)[2].strip()
+    return message.splitlines()[0] if message else None
