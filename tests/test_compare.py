@@ -226,6 +226,35 @@ def test_collect_names_a_job_by_its_own_failure_left_as_its_result(tmp_path: Pat
     assert p.info.status == "FAILED" and p.data.tags["sweep.failed_jobs"] == "#0 (SLURM 9400_0, FAILED)"
 
 
+def test_collect_names_a_crashed_job_by_its_errors_last_line(tmp_path: Path, slurm_states: Path,
+                                                            capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A detached job that crashed (an error of no kind the command knows, here a CUDA out-of-memory) is raised again by
+    the launcher's job side, so it left its traceback as its error result and SLURM says FAILED: collect names the job
+    by the traceback's last line and ends the parent FAILED naming it. Before, Hydra kept the error as the job's return
+    value: SLURM said COMPLETED and the sweep ended as if the job had succeeded."""
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path}/crash.db"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("crash")
+    folder = tmp_path / "multirun" / ".submitit"
+    parent = client.create_run(exp, run_name="sweep", tags={SWEEP_PARENT_TAG: "eval/auc", EXPECTED_JOBS_TAG: "1",
+                                                            SLURM_JOB_IDS_TAG: "9500_0",
+                                                            SUBMITIT_FOLDER_TAG: f"{folder}/%j"}).info.run_id
+    run = client.create_run(exp, run_name="bs=65536", tags={"mlflow.parentRunId": parent, JOB_NUM_TAG: "0"}).info.run_id
+    client.set_terminated(run, status="FAILED")  # the job's tracker ended its run as the error left the command
+    (folder / "9500_0").mkdir(parents=True)
+    try:
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    except Exception:  # noqa: BLE001 - as submitit's job side writes a job's error (submitit/core/submission.py)
+        cloudpickle_dump(("error", traceback.format_exc()), folder / "9500_0" / "9500_0_0_result.pkl")
+    slurm_states.write_text("9500_0|FAILED|localhost\n")
+    assert compare.main(["collect", "--uri", uri, "--parent", parent, "--no-plots"]) == 1
+    err = capsys.readouterr().err
+    assert "Job #0 (SLURM 9500_0, FAILED) failed: RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB" in err.splitlines(), err
+    p = client.get_run(parent)
+    assert p.info.status == "FAILED" and p.data.tags["sweep.failed_jobs"] == "#0 (SLURM 9500_0, FAILED)"
+
+
 def test_collect_waits_while_slurm_says_a_job_still_runs(tmp_path: Path, slurm_states: Path,
                                                          capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)

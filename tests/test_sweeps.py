@@ -361,6 +361,44 @@ def test_submitit_local_waits_for_every_job_and_names_a_failed_one(tmp_path: Pat
     assert parent.data.tags["best.run_id"] == child.info.run_id
 
 
+def test_a_sweep_jobs_crash_is_raised_again_in_its_process_its_own_failure_as_job_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The job side of the plugin's submitit launchers (their ``__call__``, run in the job's process): Hydra's ``run_job``
+    keeps a crash of the task as a ``FAILED`` return, which submitit would write as the job's success (exit 0, SLURM
+    ``COMPLETED``); it is raised again, the error itself, so that submitit writes it as the job's error. A failure of the
+    command's own (:class:`~recsys_runner.errors.Failed`) becomes a ``JobFailed`` with its status and message; a return
+    that completed passes as it is."""
+    from hydra.core.utils import JobReturn, JobStatus
+
+    from hydra_plugins.recsys_runner_detached import DetachedSlurmLauncher, WaitingLocalLauncher
+    from recsys_runner.errors import Failed
+    from recsys_runner.tracking.sweep_jobs import JobFailed
+
+    crash = RuntimeError("CUDA out of memory")
+    outcomes: list[Any] = []
+
+    def job(self: Any, *args: Any, **kwargs: Any) -> JobReturn:
+        outcome = outcomes.pop(0)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    for launcher in (object.__new__(WaitingLocalLauncher), object.__new__(DetachedSlurmLauncher)):
+        # the plugin's base class as these launchers hold it: Hydra's plugin scan may have imported its module again since
+        base = next(c for c in type(launcher).__mro__ if c.__name__ == "BaseSubmititLauncher")
+        monkeypatch.setattr(base, "__call__", job)
+        outcomes[:] = [JobReturn(status=JobStatus.FAILED, _return_value=crash)]
+        with pytest.raises(RuntimeError) as raised:
+            launcher([], "", 0, "1", {})
+        assert raised.value is crash
+        outcomes[:] = [Failed(2, "Config error: optim.sparse.lr must be positive")]
+        with pytest.raises(JobFailed) as failed:
+            launcher([], "", 0, "1", {})
+        assert failed.value.code == 2 and str(failed.value) == "Config error: optim.sparse.lr must be positive"
+        done = JobReturn(status=JobStatus.COMPLETED, _return_value=0.7)
+        outcomes[:] = [done]
+        assert launcher([], "", 0, "1", {}) is done
+
+
 def test_detached_slurm_launcher_is_a_discoverable_hydra_plugin() -> None:
     """Hydra instantiates launchers only from scanned hydra_plugins modules (needs a wheel or a compat editable install)."""
     from hydra.core.plugins import Plugins

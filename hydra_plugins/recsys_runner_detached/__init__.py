@@ -39,16 +39,25 @@ class _OwnFailuresAreErrors(BaseSubmititLauncher):
     job's line from its stderr (as ``compare collect`` did from SLURM's log). A ``JobFailed`` is an ``Exception`` to
     submitit, which writes it as the job's error result at once, and a ``SystemExit`` to the process, which still exits
     with the command's status (SLURM's ``FAILED``) and prints no traceback. A signal's exit (a preempted job handed over
-    to submitit's requeue, a ``scancel``) is no failure of the command's own and passes as it did."""
+    to submitit's requeue, a ``scancel``) is no failure of the command's own and passes as it did.
+
+    A crash (an error of no kind the command knows: a bug, a CUDA out-of-memory) is raised again: Hydra's ``run_job``
+    keeps any ``Exception`` of the task as a ``FAILED`` result, which submitit then wrote as the job's success, the
+    process exiting 0 with no traceback in its log: SLURM said ``COMPLETED`` and ``compare collect`` counted the job
+    among those that succeeded. Raised, it is the job's error result (its traceback's last line names it), its
+    traceback is in the job's log, and the process exits 1 (SLURM's ``FAILED``)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> JobReturn:
         from recsys_runner.errors import Failed
         from recsys_runner.tracking.sweep_jobs import JobFailed
 
         try:
-            return super().__call__(*args, **kwargs)
+            returned = super().__call__(*args, **kwargs)
         except Failed as e:
             raise JobFailed(e.code, e.message) from None
+        if returned.status == JobStatus.FAILED and isinstance(returned._return_value, BaseException):
+            raise returned._return_value
+        return returned
 
 
 class DetachedSlurmLauncher(_OwnFailuresAreErrors, SlurmLauncher):

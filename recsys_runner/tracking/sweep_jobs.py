@@ -336,15 +336,19 @@ JOB_FAILED_LINE = f"\n{JobFailed.__module__}.{JobFailed.__qualname__}: "
 
 
 def own_failure(result_pickle: Path) -> str | None:
-    """The first line of the message of a job's own failure (:class:`JobFailed`), from the error result it left;
-    ``None`` for a job that left no result (died), completed, or raised another error."""
+    """A failed job's line, from the error result it left: the first line of the message of its own failure
+    (:class:`JobFailed`), else, for a crash (any other error, raised again by the launcher's job side), its traceback's
+    last line (``RuntimeError: …``); ``None`` for a job that left no result (died) or completed."""
     from submitit.core.utils import pickle_load
 
     try:
         outcome, trace = pickle_load(result_pickle)
     except Exception:  # noqa: BLE001 - none, or unreadable: the job's stderr tells instead
         return None
-    if outcome != "error" or not isinstance(trace, str) or JOB_FAILED_LINE not in trace:
+    if outcome != "error" or not isinstance(trace, str):
         return None
+    if JOB_FAILED_LINE not in trace:
+        lines = [line.strip() for line in trace.splitlines() if line.strip()]
+        return lines[-1] if lines else None
     message = trace.rpartition(JOB_FAILED_LINE)[2].strip()
     return message.splitlines()[0] if message else None
