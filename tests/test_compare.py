@@ -186,6 +186,27 @@ def test_collect_names_a_job_that_died_before_its_run_at_once(tmp_path: Path, sl
     assert p.data.tags["best.run_id"] == ok and "0.6800" in out, "the job that ran is still compared"
 
 
+def _detached_job_with_an_error(tmp_path: Path, name: str, job_id: str, run_name: str,
+                                error: BaseException) -> tuple[MlflowClient, str, str, Path]:
+    """A detached one-job SLURM sweep in ``sqlite:///<tmp_path>/<name>.db`` whose job ``job_id`` raised ``error`` in its
+    process after its child run ``run_name`` started: ``(client, parent id, run id, the job's result file)``, the result
+    written as submitit's job side writes a job's error (submitit/core/submission.py)."""
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/{name}.db")
+    exp = client.create_experiment(name)
+    folder = tmp_path / "multirun" / ".submitit"
+    parent = client.create_run(exp, run_name="sweep", tags={SWEEP_PARENT_TAG: "eval/auc", EXPECTED_JOBS_TAG: "1",
+                                                            SLURM_JOB_IDS_TAG: job_id,
+                                                            SUBMITIT_FOLDER_TAG: f"{folder}/%j"}).info.run_id
+    run = client.create_run(exp, run_name=run_name, tags={"mlflow.parentRunId": parent, JOB_NUM_TAG: "0"}).info.run_id
+    (folder / job_id).mkdir(parents=True)
+    result = folder / job_id / f"{job_id}_0_result.pkl"
+    try:
+        raise error
+    except BaseException:  # noqa: BLE001 - JobFailed is a SystemExit too
+        cloudpickle_dump(("error", traceback.format_exc()), result)
+    return client, parent, run, result
+
+
 def test_collect_names_a_job_by_its_own_failure_left_as_its_result(tmp_path: Path, slurm_states: Path,
                                                                     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """A detached job that ended on a failure of its own after its run started (a non-finite loss: a message of three
@@ -195,21 +216,10 @@ def test_collect_names_a_job_by_its_own_failure_left_as_its_result(tmp_path: Pat
     end, tagged why, not as the run of a job that died."""
     monkeypatch.chdir(tmp_path)
     uri = f"sqlite:///{tmp_path}/own.db"
-    client = MlflowClient(tracking_uri=uri)
-    exp = client.create_experiment("own")
-    folder = tmp_path / "multirun" / ".submitit"
-    parent = client.create_run(exp, run_name="sweep", tags={SWEEP_PARENT_TAG: "eval/auc", EXPECTED_JOBS_TAG: "1",
-                                                            SLURM_JOB_IDS_TAG: "9400_0",
-                                                            SUBMITIT_FOLDER_TAG: f"{folder}/%j"}).info.run_id
-    run = client.create_run(exp, run_name="lr=10", tags={"mlflow.parentRunId": parent, JOB_NUM_TAG: "0"}).info.run_id
     message = ("Training failed: the loss is nan at step 3\nResume this run from step_2, into the same MLflow run, with "
                "this command with your change made:\n  python -m recsys_runner optim.lr=10 checkpoint.dir=/tmp/x")
-    (folder / "9400_0").mkdir(parents=True)
-    result = folder / "9400_0" / "9400_0_0_result.pkl"
-    try:
-        raise JobFailed(1, message)
-    except Exception:  # noqa: BLE001 - as submitit's job side writes a job's error (submitit/core/submission.py)
-        cloudpickle_dump(("error", traceback.format_exc()), result)
+    client, parent, run, result = _detached_job_with_an_error(tmp_path, "own", "9400_0", "lr=10", JobFailed(1, message))
+    folder = result.parent.parent
     job_end = int(time.time()) - 600
     os.utime(result, (job_end, job_end))
     (folder / "9400_0" / "9400_0_0_log.err").write_text(
@@ -234,19 +244,9 @@ def test_collect_names_a_crashed_job_by_its_errors_last_line(tmp_path: Path, slu
     value: SLURM said COMPLETED and the sweep ended as if the job had succeeded."""
     monkeypatch.chdir(tmp_path)
     uri = f"sqlite:///{tmp_path}/crash.db"
-    client = MlflowClient(tracking_uri=uri)
-    exp = client.create_experiment("crash")
-    folder = tmp_path / "multirun" / ".submitit"
-    parent = client.create_run(exp, run_name="sweep", tags={SWEEP_PARENT_TAG: "eval/auc", EXPECTED_JOBS_TAG: "1",
-                                                            SLURM_JOB_IDS_TAG: "9500_0",
-                                                            SUBMITIT_FOLDER_TAG: f"{folder}/%j"}).info.run_id
-    run = client.create_run(exp, run_name="bs=65536", tags={"mlflow.parentRunId": parent, JOB_NUM_TAG: "0"}).info.run_id
+    client, parent, run, _ = _detached_job_with_an_error(tmp_path, "crash", "9500_0", "bs=65536",
+                                                         RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     client.set_terminated(run, status="FAILED")  # the job's tracker ended its run as the error left the command
-    (folder / "9500_0").mkdir(parents=True)
-    try:
-        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
-    except Exception:  # noqa: BLE001 - as submitit's job side writes a job's error (submitit/core/submission.py)
-        cloudpickle_dump(("error", traceback.format_exc()), folder / "9500_0" / "9500_0_0_result.pkl")
     slurm_states.write_text("9500_0|FAILED|localhost\n")
     assert compare.main(["collect", "--uri", uri, "--parent", parent, "--no-plots"]) == 1
     err = capsys.readouterr().err
