@@ -46,21 +46,18 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from recsys_runner.data.encoding.encoded_rows import Rows
 from recsys_runner.data.encoding.fit import InferConfig, complete_schema
-from recsys_runner.data.encoding.roles import infer_column
 from recsys_runner.data.encoding.rows import Encoder, Location
-from recsys_runner.data.encoding.values import parse_numbers
 from recsys_runner.data.files.csv_source import CsvSource
-from recsys_runner.data.files.sources import PARQUET_MAGIC, read_head, skip_empty
+from recsys_runner.data.files.sources import skip_empty
 from recsys_runner.data.files.tabular_config import CRITEO_COLUMNS, CRITEO_NUM_SPARSE, criteo_schema, text_delimiter
-from recsys_runner.data.locate import PARQUET_SUFFIXES, resolve_files
+from recsys_runner.data.inspect import inspect
+from recsys_runner.data.locate import resolve_files
 from recsys_runner.data.schema import DenseColumn, Schema, SparseColumn
-from recsys_runner.data.schema_files import SCHEMA_METADATA_KEY, read_schema_file, schema_json, schema_yaml, stored_schema
+from recsys_runner.data.schema_files import SCHEMA_METADATA_KEY, read_schema_file, schema_json, schema_yaml
 from recsys_runner.data.sequences.coverage import vocab_line
 from recsys_runner.data.sequences.events import DUPLICATES, LogSpec
 from recsys_runner.data.sequences.interactions import convert_log
@@ -204,166 +201,6 @@ def convert(args: argparse.Namespace) -> None:
     print(f"train with: python -m recsys_runner data=parquet data.path={args.output}")
     print("note: a hash eval split (data.eval_fraction) keys rows by file name, so these files hold out other rows than their "
           "sources did: evaluate a checkpoint trained on the sources on the sources (docs/data.md, 'Eval split')")
-
-
-def _tables(args: argparse.Namespace, shown_types: dict[str, pa.DataType]) -> tuple[list[str], Any]:
-    """The files and their tables, one per batch. Text (``csv``, ``criteo``) is read as the training readers read it
-    (:class:`~recsys_runner.data.files.csv_source.CsvSource`): every field a string, only an empty field missing, so
-    ``007`` and ``7`` stay two values; ``shown_types`` gets, per column, the type Arrow infers from a file's first block,
-    which is only shown (what a column looks like), never what values are counted by."""
-    if args.format == "parquet":
-        files = resolve_files(args.path, "path", PARQUET_SUFFIXES)
-        for path in files:  # a text file read as Parquet was Arrow's traceback: "Parquet magic bytes not found in footer"
-            if not read_head(path).startswith(PARQUET_MAGIC):
-                raise DataError(f"{path} is not a Parquet file (it does not begin with {PARQUET_MAGIC.decode()}), and inspect reads "
-                                f"Parquet unless --format says otherwise. Fix: --format csv for delimited text (CSV, TSV; "
-                                f"--delimiter), --format criteo for Criteo's TSV files")
-
-        def parquet_tables() -> Any:
-            for path in files:
-                yield from (pa.Table.from_batches([b]) for b in pq.ParquetFile(path).iter_batches(batch_size=65_536))
-
-        return files, parquet_tables()
-    files = resolve_files(args.path, "path", None)
-    criteo = args.format == "criteo"
-    delimiter = "\t" if criteo else text_delimiter(args.delimiter, "--delimiter ", "--delimiter ,")
-    read_options = pacsv.ReadOptions(column_names=CRITEO_COLUMNS if criteo else None, autogenerate_column_names=False)
-    parse_options = pacsv.ParseOptions(delimiter=delimiter)
-
-    def text_tables() -> Any:
-        for path in files:
-            typed = pacsv.open_csv(path, read_options=read_options, parse_options=parse_options)
-            for field in typed.schema:
-                shown_types.setdefault(field.name, field.type)
-            text = pacsv.ConvertOptions(column_types=dict.fromkeys(typed.schema.names, pa.string()), null_values=[""],
-                                        strings_can_be_null=True, quoted_strings_can_be_null=True)
-            reader = pacsv.open_csv(path, read_options=read_options, parse_options=parse_options, convert_options=text)
-            yield from (pa.Table.from_batches([b]) for b in reader)
-
-    return files, text_tables()
-
-
-TEXT = "text"
-"""A text column's values counted as their text (ids: ``hash`` and ``vocab`` key ``007`` and ``7`` apart)."""
-NUMBER = "number"
-"""A text column's values counted as the numbers they parse to (dense features and labels: ``1.0`` is ``1``)."""
-
-
-def text_counting(first: pa.Table, label_columns: list[str], criteo: bool) -> dict[str, str]:
-    """How each column of a text file (``first``: its first table, every field a string) is counted, as training reads it:
-    :data:`NUMBER` for labels and dense features, else :data:`TEXT`, or the separator (one character) that splits a
-    multi-hot field into its ids. Criteo's columns are known (``int_*`` dense, ``cat_*`` ids); a CSV's are those the schema inference of
-    ``data=csv`` gives (:func:`~recsys_runner.data.encoding.roles.infer_column`), and a column it leaves out is counted as
-    text (a row id, or an empty one)."""
-    counting: dict[str, str] = {}
-    for name in first.column_names:
-        if name in label_columns or (criteo and not name.startswith("cat_")):
-            counting[name] = NUMBER
-        elif criteo:
-            counting[name] = TEXT
-        else:
-            column, _ = infer_column(name, first.column(name), InferConfig())
-            counting[name] = NUMBER if isinstance(column, DenseColumn) else (column.separator if isinstance(column, SparseColumn) else None) or TEXT
-    return counting
-
-
-def split_lists(col: pa.Array, separator: str) -> pa.Array:
-    """A multi-hot text field split into its ids, empty ids (``a||b``) dropped, as the row encoder drops them."""
-    lists = pc.split_pattern(col, separator)
-    flat = pc.list_flatten(lists)
-    keep = pc.not_equal(flat, "")
-    rows = pc.filter(pc.list_parent_indices(lists), keep)
-    lengths = np.bincount(np.asarray(rows.to_numpy(zero_copy_only=False), dtype=np.int64), minlength=len(lists))
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    return pa.ListArray.from_arrays(pa.array(offsets), pc.filter(flat, keep), mask=pc.is_null(col))
-
-
-def counted_values(col: pa.Array, counting: str) -> list[Any]:
-    """The distinct values of ``col`` (nulls included as ``None``; lists flattened) as training tells them apart:
-    :data:`NUMBER` parses text to floats (a text that is no number is counted as itself), else values as they are."""
-    if counting == NUMBER:
-        texts = col.drop_null()
-        numbers, wrong = parse_numbers(texts)
-        found: list[Any] = np.unique(numbers[~wrong]).tolist() + pc.unique(pc.filter(texts, pa.array(wrong))).to_pylist()
-        return found + ([None] if col.null_count else [])
-    flat = pc.list_flatten(col) if pa.types.is_list(col.type) or pa.types.is_large_list(col.type) else col
-    return list(pc.unique(flat).to_pylist())
-
-
-def _label_columns(args: argparse.Namespace, files: list[str]) -> list[str]:
-    """``--label`` columns, else the stored schema's label columns (Parquet), else ``label``."""
-    if args.label:
-        return list(args.label)
-    if args.format == "parquet":
-        stored = stored_schema(files[0])
-        if stored is not None:
-            return stored.label_columns
-    return ["label"]
-
-
-def inspect(args: argparse.Namespace) -> None:
-    types: dict[str, pa.DataType] = {}
-    files, tables = _tables(args, types)
-    label_columns = _label_columns(args, files)
-    rows = 0
-    sums: dict[str, float] = dict.fromkeys(label_columns, 0.0)
-    labelled: dict[str, int] = dict.fromkeys(label_columns, 0)
-    nulls: dict[str, int] = {}
-    distinct: dict[str, set] = {}
-    lengths: dict[str, list[np.ndarray]] = {}
-    counting: dict[str, str] | None = None  # text files: how each column is counted (text_counting)
-    for table in tables:
-        rows += table.num_rows
-        if args.format != "parquet" and counting is None:
-            counting = text_counting(table, label_columns, args.format == "criteo")
-        for name in table.column_names:
-            col = table.column(name)
-            col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
-            how = counting.get(name, TEXT) if counting is not None else TEXT
-            if how not in (TEXT, NUMBER):  # a separator: the field's ids, as a list column
-                col = split_lists(col, how)
-            types.setdefault(name, col.type)
-            nulls[name] = nulls.get(name, 0) + col.null_count
-            seen = distinct.setdefault(name, set())
-            if len(seen) <= args.max_distinct:
-                seen.update(counted_values(col, how))
-            if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
-                lengths.setdefault(name, []).append(pc.fill_null(pc.list_value_length(col), 0).to_numpy())
-        for name in label_columns:
-            if name in table.column_names:
-                label = table.column(name).drop_null()
-                numbers, wrong = parse_numbers(label.combine_chunks() if isinstance(label, pa.ChunkedArray) else label)
-                labelled[name] += int((~wrong).sum())
-                sums[name] += float(numbers[~wrong].sum())
-    print(f"{len(files)} file(s), {rows} rows")
-    for name in label_columns:
-        if name in distinct:
-            print(f"label {name!r}: rate {sums[name] / max(labelled[name], 1):.4f} (mean over {labelled[name]} labelled rows)")
-    print(f"{'column':<24} {'type':<20} {'nulls':>10} {'distinct':>10}")
-    for name, typ in types.items():
-        seen = distinct[name]
-        count = f">{args.max_distinct}" if len(seen) > args.max_distinct else str(len(seen - {None}))
-        print(f"{name:<24} {str(typ):<20} {nulls[name]:>10} {count:>10}")
-    for name, parts in lengths.items():
-        print(list_lengths_line(name, np.concatenate(parts)))
-
-
-LONG_TAIL = 4
-"""A list column whose longest list is this many times its 99th percentile (or more) has a long tail worth capping."""
-
-
-def list_lengths_line(name: str, lengths: np.ndarray) -> str:
-    """``inspect``'s line for the list column ``name`` of row lengths ``lengths``: the longest list and the 99th percentile,
-    and, where the longest is far above it, the ``max_values`` cap (:class:`~recsys_runner.data.schema.SparseColumn`)
-    that keeps 99% of rows whole: the few long rows otherwise set the cost of every batch they fall in."""
-    longest = int(lengths.max()) if len(lengths) else 0
-    p99 = int(np.ceil(np.percentile(lengths, 99))) if len(lengths) else 0
-    line = f"list {name!r}: lengths max {longest}, p99 {p99} (over {len(lengths)} rows)"
-    if longest > LONG_TAIL * max(p99, 1):
-        cut = int((lengths > p99).sum())
-        line += (f"; a long tail: data.sparse[{name}].max_values={p99} keeps 99% of rows whole and cuts {cut} "
-                 f"(counted as data/truncated_lists)")
-    return line
 
 
 def sequences(args: argparse.Namespace) -> None:
