@@ -104,8 +104,10 @@ def explain(config_name: str, overrides: list[str], *, multirun: bool = False, m
                 raise ConfigError(message) from None
         except ConfigCompositionException as e:
             cause = e.__cause__
-            message = None
-            if isinstance(cause, ConfigKeyError | ConfigAttributeError) and str(e).startswith("Could not override"):
+            message = _group_with_plus(chosen, str(e), module)
+            if message is not None:
+                pass  # a group's option given with a leading +
+            elif isinstance(cause, ConfigKeyError | ConfigAttributeError) and str(e).startswith("Could not override"):
                 message = (_map_without_plus(chosen, str(cause.full_key))
                            or _unknown_key(config_name, chosen, single, str(cause.full_key), module))
             elif isinstance(cause, ValidationError) and str(e).startswith("Error merging override"):
@@ -154,8 +156,7 @@ def _first_of_sweep(override: Override) -> str | None:
         first = next(override.sweep_string_iterator())
     except Exception:  # noqa: BLE001 - an interval sweep has no values to list
         return None
-    prefix = "++" if override.is_force_add() else "+" if override.is_add() else "~" if override.is_delete() else ""
-    return f"{prefix}{override.get_key_element()}={first}"
+    return f"{override.get_key_element()}={first}"  # the key with its prefix (+, ++, ~)
 
 
 def _unknown_option(e: MissingConfigException, chosen: list[Override], module: str) -> str | None:
@@ -170,6 +171,22 @@ def _unknown_option(e: MissingConfigException, chosen: list[Override], module: s
     fix = f"{group}={close[0]}" if close else f"one of them, e.g. {group}={options[0]}"
     return (f"{given.input_line}: {group} has no option {option!r}{hint}; its options are {', '.join(options)}. "
             f"Fix: {fix} (python -m {module} --help lists every group)")
+
+
+def _group_with_plus(chosen: list[Override], error: str, module: str) -> str | None:
+    """``+experiment=deepfm_criteo`` (the form Hydra's own docs use for a group outside the defaults list): every group of
+    the root config is in its defaults list (``experiment`` and ``debug`` as ``null``, no preset), so Hydra refuses the
+    ``+`` with "Multiple values for experiment. To override a value use 'override experiment: …'" (``++``: "force-add of
+    config groups is not supported"), advice for a YAML defaults list, not for a command line. The fix: the plain form."""
+    if not error.startswith(("Multiple values for ", "force-add of config groups")):
+        return None
+    for override in chosen:
+        given, group = override.input_line or "", override.key_or_group
+        if (override.is_add() or override.is_force_add()) and (f"Multiple values for {group}." in error or f"'{given}'" in error):
+            plain = given.lstrip("+")
+            return (f"{given}: {group} is a group of the config's defaults list already (python -m {module} --help lists its "
+                    f"options), so an option of it is chosen without a leading +. Fix: {plain}")
+    return None
 
 
 def _map_without_plus(chosen: list[Override], key: str) -> str | None:

@@ -177,6 +177,11 @@ TYPOS = {
                          "+precision.embedding_data_type_by_feature=[cat_0,cat_1]: precision.embedding_data_type_by_feature is "
                          "a map of name: value entries, not a list. Fix: +precision.embedding_data_type_by_feature={cat_0: "
                          "<value>, cat_1: <value>}"),
+    "group-with-plus": (["+experiment=deepfm_criteo"], "+experiment=deepfm_criteo: experiment is a group of the config's "
+                                                       "defaults list already (python -m recsys_runner --help lists its "
+                                                       "options), so an option of it is chosen without a leading +. Fix: "
+                                                       "experiment=deepfm_criteo"),
+    "group-with-force-add": (["++model=dlrm"], "++model=dlrm: model is a group of the config's defaults list already"),
     "another-commands-key": (["load=outputs/x"], "load=outputs/x: load is a setting of python -m "
                                                  "recsys_runner.evaluate|predict|export, not of python -m recsys_runner."),
 }
@@ -216,6 +221,9 @@ def test_a_sweep_is_checked_by_its_first_value(tmp_path: Path) -> None:
         explain("config", ["optim.lrr=0.1,0.2", "model=dlrm,deepfm"], multirun=True)
     explain("config", ["optim.lr=0.1,0.2", "model=dlrm,deepfm"], multirun=True)
     explain("config", ["optim.lr=interval(0.01,0.1)"], multirun=True)  # a search's interval: left to Hydra
+    # a swept + keeps its one +: "+experiment=a" (refused with the plain form as the fix), not "++experiment=a"
+    with pytest.raises(ConfigError, match=r"chosen without a leading \+. Fix: experiment=deepfm_criteo,dlrm_criteo$"):
+        explain("config", ["+experiment=deepfm_criteo,dlrm_criteo"], multirun=True)
 
 
 def test_every_command_checks_its_command_line(tmp_path: Path) -> None:
