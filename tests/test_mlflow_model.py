@@ -8,15 +8,19 @@ fbgemm_gpu cannot be imported, and a real ``mlflow models serve`` process on loo
 
 from __future__ import annotations
 
+import importlib
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +35,7 @@ from recsys_runner.__main__ import run as train
 from recsys_runner.data.encoding import served as served_module
 from recsys_runner.data.encoding import served_program
 from recsys_runner.data.encoding.served import ServedModel
-from recsys_runner.serving import mlflow_model
+from recsys_runner.serving import mlflow_model, served_topk
 from tests.conftest import free_port
 from tests.test_evaluate import compose_entry
 from tests.test_sequence_files import columns, histories, write_csv
@@ -253,40 +257,108 @@ def test_pyfunc_model_runs_where_recsys_runner_torchrec_and_fbgemm_cannot_be_imp
     np.testing.assert_allclose(scores, deepfm["reference"]["score"].to_numpy(), atol=ATOL)
 
 
-def test_a_model_of_other_code_is_refused_in_a_process_that_runs_another_models_code(deepfm: dict[str, Any], tmp_path: Path) -> None:
-    """Two MLflow models in one process (a notebook comparing the models of two recsys_runner versions): MLflow imports a
-    model's code/ by module name, which Python imports once per process, so the second model ran the first one's code on
-    its own data, unsaid. Its load now names the clash and the fix; a model of the same code (another export of this
-    version, the same model again) loads beside it."""
-    import shutil
+SHIPPED_STEMS = (*served_module.SHIPPED.values(), served_topk.LOADER_MODULE, served_topk.TOP_K_MODULE)
+"""The stems of every module an MLflow model carries in code/ (hashed or, exported before the hashes, not)."""
 
-    import mlflow.pyfunc
 
-    older = tmp_path / "older"
-    shutil.copytree(deepfm["model"], older)
-    with (older / "code" / "recsys_values.py").open("a") as f:
-        f.write("\n# another recsys_runner version's copy\n")
-    same = tmp_path / "same"
-    shutil.copytree(deepfm["model"], same)
-    names = [p.stem for p in (older / "code").glob("*.py")]
-    hidden, path = {n: sys.modules.pop(n) for n in names if n in sys.modules}, list(sys.path)
+@contextmanager
+def _fresh_code() -> Iterator[None]:
+    """This process as if it had loaded no MLflow model: its models' code modules taken out of ``sys.modules`` for the
+    block (and ``sys.path``, which MLflow prepends each model's code/ to, as it was), then put back as they were."""
+    def shipped(name: str) -> bool:
+        return any(name == stem or name.startswith(f"{stem}_") for stem in SHIPPED_STEMS)
+
+    hidden, path = {n: m for n, m in sys.modules.items() if shipped(n)}, list(sys.path)
+    for name in hidden:
+        del sys.modules[name]
     try:
-        mlflow.pyfunc.load_model(str(older))  # the first model of the process: its code is what the process imports
-        # the class of the first model's copy (recsys_served_program.CodeClash), not of recsys_runner's module
-        with pytest.raises(RuntimeError, match=rf"the MLflow model {deepfm['model']} cannot be loaded into this process: "
-                                               rf"it already runs the code of another model \({older}\), whose "
-                                               r"recsys_values.py differs .*Fix: load each of the two in its own process") as clash:
-            mlflow.pyfunc.load_model(str(deepfm["model"]))
-        assert type(clash.value).__name__ == served_program.CodeClash.__name__
-        for name in names:
-            sys.modules.pop(name, None)
-        mlflow.pyfunc.load_model(str(deepfm["model"]))
-        mlflow.pyfunc.load_model(str(same))
+        yield
     finally:
-        for name in names:
-            sys.modules.pop(name, None)
+        for name in [n for n in sys.modules if shipped(n)]:
+            del sys.modules[name]
         sys.modules.update(hidden)
         sys.path[:] = path
+
+
+def _another_version(model: Path, out: Path, times: int, hashed: bool = True) -> Path:
+    """A copy at ``out`` of the MLflow model ``model`` as another recsys_runner version would have exported it: its served
+    program's logits multiplied by ``times`` (a change to ``served_program``, a module the loader imports), its code named
+    by the hash of that set as ``export`` names it, or (``hashed=False``) under the fixed names models exported before the
+    hashes carried, without the check of their code those added on 2026-12-01 (such a model cannot refuse anything)."""
+    shutil.copytree(model, out, ignore=shutil.ignore_patterns("code"))
+    code = out / "code"
+    code.mkdir()
+    change = (f"\n\n_exported_load_program = load_program\n\n\ndef load_program(directory):  # another version's serving\n"
+              f"    program = _exported_load_program(directory)\n    return lambda *inputs: program(*inputs) * {times}\n")
+    program = out.parent / f"{out.name}_served_program.py"
+    program.write_text(Path(str(served_program.__file__)).read_text() + change)
+    if hashed:
+        loader = mlflow_model.copy_shipped(code, {served_module.SHIPPED["served_program"]: str(program)})[served_module.LOADER_MODULE]
+    else:
+        for name, stem in served_module.SHIPPED.items():
+            source = program if name == "served_program" else Path(str(importlib.import_module(f"{served_module.__package__}.{name}").__file__))
+            text = source.read_text().replace("    _program.check_own_code(data_path)\n", "")
+            (code / f"{stem}.py").write_text(text)
+        loader = served_module.LOADER_MODULE
+    meta = yaml.safe_load((out / "MLmodel").read_text())
+    meta["flavors"]["python_function"]["loader_module"] = loader
+    (out / "MLmodel").write_text(yaml.safe_dump(meta))
+    return out
+
+
+def _sharpened(score: np.ndarray, times: int) -> np.ndarray:
+    """The binary score of ``times`` x the logit of ``score``."""
+    return np.asarray(score**times / (score**times + (1 - score) ** times))
+
+
+def test_models_of_other_code_run_side_by_side_each_its_own_whichever_loads_first(deepfm: dict[str, Any], tmp_path: Path) -> None:
+    """Two MLflow models of other code in one process (a notebook comparing the models of two recsys_runner versions, one
+    server hosting both): MLflow imports a model's code/ by module name, which Python imports once per process, so under
+    fixed names the second model ran the first one's code on its own data — unsaid when the first was exported before the
+    check of 2026-12-01, refused (so never both) when it had it. A model's modules are now named by the hash of its code,
+    so each of two models, in either order, answers with its own; beside a model of the fixed names too."""
+    import mlflow.pyfunc
+
+    rows = pd.read_csv(deepfm["root"] / "score.csv", dtype=str)
+    reference = deepfm["reference"]["score"].to_numpy()
+    models = {"this": (deepfm["model"], reference),
+              "doubled": (_another_version(deepfm["model"], tmp_path / "doubled", 2), _sharpened(reference, 2)),
+              "fixed names": (_another_version(deepfm["model"], tmp_path / "fixed", 3, hashed=False), _sharpened(reference, 3))}
+    loaders = {k: mlflow.models.Model.load(str(path)).flavors["python_function"]["loader_module"] for k, (path, _) in models.items()}
+    assert loaders["this"] != loaders["doubled"] and loaders["fixed names"] == served_module.LOADER_MODULE
+    assert np.abs(models["doubled"][1] - reference).max() > 0.05  # the change shows in the scores
+    for order in (("fixed names", "this"), ("this", "fixed names"), ("this", "doubled"), ("doubled", "this")):
+        with _fresh_code():
+            loaded = [mlflow.pyfunc.load_model(str(models[k][0])) for k in order]
+            for k, model in zip(order, loaded, strict=True):  # each asked after both were loaded
+                np.testing.assert_allclose(model.predict(rows)["score"].to_numpy(), models[k][1], atol=3 * ATOL, err_msg=f"{order}: {k}")
+
+
+def test_a_model_whose_code_was_edited_after_export_is_refused_beside_the_unedited_one(deepfm: dict[str, Any], tmp_path: Path) -> None:
+    """A model's code/ edited by hand keeps its names, which then no longer say what its files hold: loaded beside a model of
+    the unedited files (either first), one would run the other's code. Its load names the clash and the fix; an unedited
+    copy of the model (another export of this version) loads beside it."""
+    import mlflow.pyfunc
+
+    edited = tmp_path / "edited"
+    shutil.copytree(deepfm["model"], edited)
+    (values,) = (edited / "code").glob(f"{served_module.SHIPPED['values']}_*.py")
+    with values.open("a") as f:
+        f.write("\n# patched by hand\n")
+    same = tmp_path / "same"
+    shutil.copytree(deepfm["model"], same)
+    for first, second in ((edited, deepfm["model"]), (deepfm["model"], edited)):
+        with _fresh_code():
+            mlflow.pyfunc.load_model(str(first))  # the first model of the process: its code is what the process imports
+            # the class of the first model's copy (recsys_served_program_<hash>.CodeClash), not of recsys_runner's module
+            with pytest.raises(RuntimeError, match=rf"the MLflow model {second} cannot be loaded into this process: it "
+                                                   rf"already runs the code of another model \({first}\), whose {values.name} "
+                                                   r"differs .*Fix: load each of the two in its own process") as clash:
+                mlflow.pyfunc.load_model(str(second))
+            assert type(clash.value).__name__ == served_program.CodeClash.__name__
+    with _fresh_code():
+        mlflow.pyfunc.load_model(str(deepfm["model"]))
+        mlflow.pyfunc.load_model(str(same))
 
 
 @pytest.fixture(scope="module")

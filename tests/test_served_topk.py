@@ -208,8 +208,6 @@ def test_the_export_run_logs_the_top_k_model_as_its_model(exported: dict[str, An
 
 
 BLOCKED = ("recsys_runner", "torchrec", "fbgemm_gpu")
-SHIPPED = (served_topk.LOADER_MODULE, *(Path(name).stem for name in served_module.SHIPPED.values()))
-"""The modules of the model's code/ directory, by the names they are imported under there."""
 
 
 class _Refuse(importlib.abc.MetaPathFinder):
@@ -225,12 +223,21 @@ def test_the_served_model_loads_and_answers_where_recsys_runner_torchrec_and_fbg
                                                                                                        loaded: tuple[Any, TopKModel]) -> None:
     """In this process, for the load and a request: recsys_runner, TorchRec and fbgemm_gpu taken out of ``sys.modules`` and
     refused by the import system (a subprocess would cost a Python start; test_mlflow_model.py runs one for the pointwise
-    model), the model's code/ modules imported afresh from its directory."""
+    model), the model's code/ modules imported afresh from its directory. Their names end in the hash of the files the
+    model carries (so a model of other code, another version's or the pointwise model's, never shares one:
+    test_mlflow_model.py loads two side by side), the loader's too."""
     import mlflow.pyfunc
+    from mlflow.models import Model
 
     request = _request(pq.read_table(exported["rows"] / "eval.parquet").slice(0, 6), exported["mapping"])
     want = loaded[0].predict(request, params={"k": 3})
-    hidden = {n: m for n, m in sys.modules.items() if n.split(".")[0] in BLOCKED or n in SHIPPED}
+    loader = Model.load(str(exported["model"])).flavors["python_function"]["loader_module"]
+    suffix = loader.removeprefix(served_topk.LOADER_MODULE)
+    stems = [*served_module.SHIPPED.values(), served_topk.LOADER_MODULE, served_topk.TOP_K_MODULE]
+    files = {p.stem: p.read_bytes() for p in (exported["model"] / "code").glob("*.py")}
+    assert sorted(files) == sorted(f"{stem}{suffix}" for stem in stems)
+    assert suffix == f"_{mlflow_model.code_hash({name.removesuffix(suffix): text for name, text in files.items()})}"
+    hidden = {n: m for n, m in sys.modules.items() if n.split(".")[0] in BLOCKED or n in files}
     refuse = _Refuse()
     for name in hidden:
         del sys.modules[name]
@@ -238,12 +245,13 @@ def test_the_served_model_loads_and_answers_where_recsys_runner_torchrec_and_fbg
     try:
         got = mlflow.pyfunc.load_model(str(exported["model"])).predict(request, params={"k": 3})
         imported = [n for n in sys.modules if n.split(".")[0] in BLOCKED]
-        loaded_from = Path(sys.modules["recsys_topk"].__file__ or "").parent
+        loaded_from = {Path(sys.modules[name].__file__ or "").parent for name in files if name in sys.modules}
+        assert loader in sys.modules
     finally:
         sys.meta_path.remove(refuse)
-        for name in [n for n in sys.modules if n.split(".")[0] in BLOCKED or n in SHIPPED]:
+        for name in [n for n in sys.modules if n.split(".")[0] in BLOCKED or n in files]:
             del sys.modules[name]
         sys.modules.update(hidden)
-    assert not imported and loaded_from == exported["model"] / "code"
+    assert not imported and loaded_from == {exported["model"] / "code"}
     assert got[TOP_ITEMS].tolist() == want[TOP_ITEMS].tolist()
     np.testing.assert_allclose(np.array(got[TOP_SCORES].tolist()), np.array(want[TOP_SCORES].tolist()), rtol=1e-6, atol=1e-6)

@@ -10,7 +10,7 @@ tie (one ``topk`` of ``k + 1`` instead of ``k`` tells), and, once at the end, a 
 row is ``topk``'s own answer, so lists without exact ties are what they were, bit for bit. A NaN score ranks above
 every other, as ``torch.topk`` and ``torch.sort`` place it.
 
-Standalone (torch only): the served top-k model carries a copy in its ``code/`` (``recsys_top_k.py``,
+Standalone (torch only): the served top-k model carries a copy in its ``code/`` (``recsys_top_k_<hash>.py``,
 :mod:`recsys_runner.serving.served_topk`), so that it breaks ties as ``predict`` does.
 
 Shape legend: ``Q`` queries, ``C`` items of a chunk.

@@ -2,10 +2,10 @@
 
 ``export`` writes ``<export.dir>/mlflow_model/`` beside ``model.pt2`` — an MLflow model of the pyfunc flavor whose
 ``loader_module`` is the standalone :mod:`recsys_runner.data.encoding.served` (copied into the model's ``code/`` with the
-row encoder and the vocabulary lookup it needs) and whose ``data/`` holds the ``torch.export`` program, the checkpoint's
-``encoders.json`` and ``serving.json``. So ``mlflow.pyfunc.load_model(dir).predict(df)`` on raw rows, or
-``mlflow models serve -m dir --env-manager local`` on ``POST /invocations``, returns exactly the columns ``predict``
-writes, with torch, NumPy, pandas, PyArrow and MLflow alone. A two-tower model gets one per tower instead
+row encoder and the vocabulary lookup it needs, under names that carry the hash of those files: :func:`copy_shipped`) and
+whose ``data/`` holds the ``torch.export`` program, the checkpoint's ``encoders.json`` and ``serving.json``. So
+``mlflow.pyfunc.load_model(dir).predict(df)`` on raw rows, or ``mlflow models serve -m dir --env-manager local`` on
+``POST /invocations``, returns exactly the columns ``predict`` writes, with torch, NumPy, pandas, PyArrow and MLflow alone. A two-tower model gets one per tower instead
 (``mlflow_user_tower/``, ``mlflow_item_tower/``), each returning the tower's vectors.
 
 The model is written with an input signature of the raw columns — every single-valued column as ``string``, which the
@@ -20,11 +20,11 @@ version of it in the model registry under ``name`` (:func:`log_and_register`).
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import logging
 import os
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, cast
@@ -139,20 +139,47 @@ def write_model(out: Path, module: ServingModule | TowerServing, program: torch.
             compile_program(program, str(data / served_program.COMPILED_FILE))
         (data / served.ENCODERS_FILE).write_bytes(document)
         (data / served.SPEC_FILE).write_text(json.dumps(spec, indent=1) + "\n")
-        copy_shipped(code)
+        names = copy_shipped(code)
         columns = spec["input_columns"]
         example = as_request(raw.select(columns).slice(0, EXAMPLE_ROWS))
         mlflow.pyfunc.save_model(
-            path=str(out), loader_module=served.LOADER_MODULE, data_path=str(data), code_paths=[str(code / n) for n in served.SHIPPED.values()],
-            signature=signature(encoders.types, columns), input_example=example, pip_requirements=requirements())
+            path=str(out), loader_module=names[served.LOADER_MODULE], data_path=str(data),
+            code_paths=[str(code / f"{n}.py") for n in names.values()], signature=signature(encoders.types, columns),
+            input_example=example, pip_requirements=requirements())
     check_served(out, module, encoders, spec, raw)
 
 
-def copy_shipped(code: Path) -> None:
-    """Copy the modules the MLflow model carries into ``code``, each under the name it is imported by there
-    (:data:`~recsys_runner.data.encoding.served.SHIPPED`)."""
-    for name, shipped_as in served.SHIPPED.items():
-        shutil.copyfile(str(importlib.import_module(f"{served.__package__}.{name}").__file__), code / shipped_as)
+CODE_HASH_DIGITS = 12
+"""Hex digits of the hash in the shipped modules' names (48 bits: two different code sets get the same with a chance of 2**-48)."""
+
+
+def copy_shipped(code: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Write the modules the MLflow model carries into ``code`` — :data:`~recsys_runner.data.encoding.served.SHIPPED` and
+    ``extra`` (stem → source file: the top-k model's own) — each as ``<stem>_<hash>.py``, ``<hash>`` the
+    :func:`code_hash` of all of them; returns each stem's module name there (the loader's is the model's
+    ``loader_module``).
+
+    Why the hash of the whole set, and in every name: a module imports the others under its own suffix, so one model's
+    modules are all of one set, and a process that loads two models of other code (two recsys_runner versions, or a
+    pointwise and a top-k model) imports each one's modules under names of their own (``SHIPPED`` says why that is
+    needed)."""
+    sources = {stem: str(importlib.import_module(f"{served.__package__}.{name}").__file__) for name, stem in served.SHIPPED.items()}
+    texts = {stem: Path(path).read_bytes() for stem, path in (sources | (extra or {})).items()}
+    suffix = code_hash(texts)
+    names = {stem: f"{stem}_{suffix}" for stem in texts}
+    for stem, text in texts.items():
+        (code / f"{names[stem]}.py").write_bytes(text)
+    return names
+
+
+def code_hash(texts: dict[str, bytes]) -> str:
+    """The first :data:`CODE_HASH_DIGITS` hex digits of the SHA-256 of the modules ``texts`` (stem → file contents), taken
+    in the order of their stems, each stem and length before its text (so no two sets read as one stream)."""
+    digest = hashlib.sha256()
+    for stem in sorted(texts):
+        digest.update(f"{stem}\0{len(texts[stem])}\0".encode())
+        digest.update(texts[stem])
+    return digest.hexdigest()[:CODE_HASH_DIGITS]
 
 
 def requirements() -> list[str]:

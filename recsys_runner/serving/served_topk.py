@@ -1,9 +1,10 @@
 """The served top-k model: a user's history of raw item ids in (a pandas DataFrame), its best items out — MLflow's pyfunc loader.
 
 ``export`` writes, for a next-item model trained on ``python -m recsys_runner.data sequences`` output
-(:mod:`recsys_runner.serving.topk`), an MLflow model whose ``code/`` holds a copy of this module (``recsys_topk.py``) with
-the copies the pointwise model carries (the key hashes, the row encoder, the vocabulary lookup,
-:data:`~recsys_runner.data.encoding.served.SHIPPED`), and whose ``data/`` holds
+(:mod:`recsys_runner.serving.topk`), an MLflow model whose ``code/`` holds a copy of this module (``recsys_topk_<hash>.py``)
+with the copies the pointwise model carries (the key hashes, the row encoder, the vocabulary lookup,
+:data:`~recsys_runner.data.encoding.served.SHIPPED`, which says why each name ends in the hash of the whole set), and whose
+``data/`` holds
 
 * ``model.pt2``: the ``torch.export`` program of the model's query (and ``model_aoti.pt2``, its AOTInductor package, with
   ``export.compile=true``), ``(values [G, V], lengths [B], times [V]) →
@@ -50,20 +51,20 @@ if TYPE_CHECKING or __package__:
     from recsys_runner.data.encoding.vocabulary import Vocabulary
     from recsys_runner.metrics import top_k as _top_k
 else:  # inside the MLflow model: the copies in its code/ directory, never an installed recsys_runner
-    _keys = importlib.import_module("recsys_keys")
-    _program = importlib.import_module("recsys_served_program")
-    _request = importlib.import_module("recsys_served_request")
-    Vocabulary = importlib.import_module("recsys_vocabulary").Vocabulary
-    _top_k = importlib.import_module("recsys_top_k")
+    _CODE = __name__.removeprefix("recsys_topk")  # "_<hash>": this copy's code set (served.SHIPPED says why)
+    _keys = importlib.import_module(f"recsys_keys{_CODE}")
+    _program = importlib.import_module(f"recsys_served_program{_CODE}")
+    _request = importlib.import_module(f"recsys_served_request{_CODE}")
+    Vocabulary = importlib.import_module(f"recsys_vocabulary{_CODE}").Vocabulary
+    _top_k = importlib.import_module(f"recsys_top_k{_CODE}")
 
 SPEC_FILE = "serving.json"
 VECTORS_FILE = "items.npy"
 VOCAB_DIR = "vocab"
 LOADER_MODULE = "recsys_topk"
-SHIPPED_AS = "recsys_topk.py"
-"""This module's name in the MLflow model's ``code/``."""
-TOP_K_SHIPPED_AS = "recsys_top_k.py"
-"""The name in ``code/`` of :mod:`recsys_runner.metrics.top_k` (the tie-break predict's top-k uses too)."""
+"""The stem of this module's name in the MLflow model's ``code/`` (its ``loader_module``: ``recsys_topk_<hash>``)."""
+TOP_K_MODULE = "recsys_top_k"
+"""The stem of the name in ``code/`` of :mod:`recsys_runner.metrics.top_k` (the tie-break predict's top-k uses too)."""
 TOP_ITEMS, TOP_SCORES, UNKNOWN_IDS = "top_items", "top_scores", "unknown_ids"
 CHUNK_ROWS = 8192
 """Items scored at once (memory: request rows × (chunk + k) scores)."""
@@ -322,6 +323,7 @@ def _vocabulary(values: np.ndarray, oov_buckets: int) -> Any:
 
 def _load_pyfunc(data_path: str) -> TopKModel:
     """MLflow's pyfunc ``loader_module`` entry: the model in ``data_path`` (the MLflow model's ``data/``), refused when this
-    process runs another model's code of other files (:func:`.served_program.check_own_code`)."""
+    process imported a module of its ``code/``'s names from another model's files that differ (one of the two was edited
+    after export: :func:`.served_program.check_own_code`)."""
     _program.check_own_code(data_path)
     return TopKModel(data_path)

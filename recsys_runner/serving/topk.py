@@ -3,8 +3,8 @@
 For ``model=sasrec`` (and ``model.block=hstu``) trained on ``python -m recsys_runner.data sequences`` output (rows whose
 Parquet metadata names the id mapping: :func:`~recsys_runner.data.sequences.mapping.mapping_folder`), ``export`` writes
 ``mlflow_model/`` as an MLflow pyfunc model whose ``loader_module`` is the standalone
-:mod:`recsys_runner.serving.served_topk` (copied into its ``code/`` as ``recsys_topk.py``, beside the copies the pointwise
-model carries). What it holds and does: that module's docstring. Its answers are ``predict``'s top-k
+:mod:`recsys_runner.serving.served_topk` (copied into its ``code/`` as ``recsys_topk_<hash>.py``, beside the copies the
+pointwise model carries, all named by the hash of the set: :func:`~recsys_runner.serving.mlflow_model.copy_shipped`). What it holds and does: that module's docstring. Its answers are ``predict``'s top-k
 (:mod:`recsys_runner.scoring_topk`): the same query (the model's state after the history, traced by ``torch.export``:
 :class:`~recsys_runner.serving.program.HistoryServing`), the same item vectors (the mapping's items only, never an OOV
 row), ranked exactly, the history's items left out by default, the ids named through the same mapping.
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -174,14 +173,14 @@ def write_top_k_model(plan: TopKPlan, model: nn.Module, keys: list[str], batch: 
             text = stores.read_bytes(uris.join(plan.folder, c["file"]), ConfigError)
             (directory / served_topk.VOCAB_DIR / f"{c['table']}.txt").write_bytes(text)
         (directory / served_topk.SPEC_FILE).write_text(json.dumps(spec, indent=1) + "\n")
-        mlflow_model.copy_shipped(code)
-        shutil.copyfile(str(served_topk.__file__), code / served_topk.SHIPPED_AS)
-        shutil.copyfile(str(top_k_module.__file__), code / served_topk.TOP_K_SHIPPED_AS)
+        names = mlflow_model.copy_shipped(code, {served_topk.LOADER_MODULE: str(served_topk.__file__),
+                                                 served_topk.TOP_K_MODULE: str(top_k_module.__file__)})
         example, _ = raw_histories(raw.slice(0, mlflow_model.EXAMPLE_ROWS), columns, plan.mapping, request_columns)
         import mlflow.pyfunc
 
         mlflow.pyfunc.save_model(
-            path=str(target), loader_module=served_topk.LOADER_MODULE, data_path=str(directory), code_paths=sorted(str(p) for p in code.iterdir()),
+            path=str(target), loader_module=names[served_topk.LOADER_MODULE], data_path=str(directory),
+            code_paths=sorted(str(p) for p in code.iterdir()),
             signature=signature(request_columns, k), input_example=example, pip_requirements=mlflow_model.requirements())
     check_served_top_k(target, model, tasks, data, plan, raw, encoders, request_columns)
     return [mlflow_model.MODEL_DIR]

@@ -16,6 +16,7 @@ MLflow model's ``code/`` (:data:`~recsys_runner.data.encoding.served.SHIPPED`).
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -27,8 +28,10 @@ if TYPE_CHECKING or __package__:
     from .keys import is_text, parse_int
     from .values import is_list
 else:  # inside the MLflow model: the copies of keys.py and values.py beside this one in its code/ directory
-    from recsys_keys import is_text, parse_int
-    from recsys_values import is_list
+    _CODE = __name__.removeprefix("recsys_histories")  # "_<hash>": this copy's code set (served.SHIPPED says why)
+    _keys = importlib.import_module(f"recsys_keys{_CODE}")
+    is_text, parse_int = _keys.is_text, _keys.parse_int
+    is_list = importlib.import_module(f"recsys_values{_CODE}").is_list
 
 Jagged = tuple[np.ndarray, np.ndarray]
 """One feature of a block of rows: flat values and per-row lengths."""

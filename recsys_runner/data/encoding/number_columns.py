@@ -14,6 +14,7 @@ model's ``code/`` (:data:`~recsys_runner.data.encoding.served.SHIPPED`).
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -23,8 +24,12 @@ if TYPE_CHECKING or __package__:
     from .keys import cast_or_none, parse_texts
     from .values import PLAIN_FLOAT, combined, dense_transformed, plain_floats
 else:  # inside the MLflow model: the copies of keys.py and values.py beside this one in its code/ directory
-    from recsys_keys import cast_or_none, parse_texts
-    from recsys_values import PLAIN_FLOAT, combined, dense_transformed, plain_floats
+    _CODE = __name__.removeprefix("recsys_number_columns")  # "_<hash>": this copy's code set (served.SHIPPED says why)
+    _keys = importlib.import_module(f"recsys_keys{_CODE}")
+    cast_or_none, parse_texts = _keys.cast_or_none, _keys.parse_texts
+    _values = importlib.import_module(f"recsys_values{_CODE}")
+    PLAIN_FLOAT, combined = _values.PLAIN_FLOAT, _values.combined
+    dense_transformed, plain_floats = _values.dense_transformed, _values.plain_floats
 
 if TYPE_CHECKING:
     from .rows import Location

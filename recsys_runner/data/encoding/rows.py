@@ -24,6 +24,7 @@ is read by attribute (duck-typed), never imported; training passes ``error=DataE
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -40,12 +41,20 @@ if TYPE_CHECKING or __package__:
     from .sparse_weights import pair_weights, parallel_weights
     from .values import bucket_ids, combined, is_list, parse_numbers, vocab_rows
 else:  # inside the MLflow model: the copies of the modules it imports beside this one in its code/ directory
-    from recsys_encoded_rows import Rows
-    from recsys_histories import HistoryEncoder, truncate
-    from recsys_keys import as_ids, cross_keys, fnv1a64, is_text, parse_hex, parse_int, raw_keys, splitmix64
-    from recsys_number_columns import dense_values, label_values
-    from recsys_sparse_weights import pair_weights, parallel_weights
-    from recsys_values import bucket_ids, combined, is_list, parse_numbers, vocab_rows
+    _CODE = __name__.removeprefix("recsys_rows")  # "_<hash>": this copy's code set (served.SHIPPED says why)
+    Rows = importlib.import_module(f"recsys_encoded_rows{_CODE}").Rows
+    _histories = importlib.import_module(f"recsys_histories{_CODE}")
+    HistoryEncoder, truncate = _histories.HistoryEncoder, _histories.truncate
+    _keys = importlib.import_module(f"recsys_keys{_CODE}")
+    as_ids, cross_keys, fnv1a64, is_text = _keys.as_ids, _keys.cross_keys, _keys.fnv1a64, _keys.is_text
+    parse_hex, parse_int, raw_keys, splitmix64 = _keys.parse_hex, _keys.parse_int, _keys.raw_keys, _keys.splitmix64
+    _numbers = importlib.import_module(f"recsys_number_columns{_CODE}")
+    dense_values, label_values = _numbers.dense_values, _numbers.label_values
+    _weights = importlib.import_module(f"recsys_sparse_weights{_CODE}")
+    pair_weights, parallel_weights = _weights.pair_weights, _weights.parallel_weights
+    _values = importlib.import_module(f"recsys_values{_CODE}")
+    bucket_ids, combined, is_list, parse_numbers, vocab_rows = (_values.bucket_ids, _values.combined, _values.is_list,
+                                                                _values.parse_numbers, _values.vocab_rows)
 
 BAD_ROW_MODES = ("fail", "skip")
 """``data.on_bad_rows``: ``fail`` stops at the first bad row, ``skip`` drops and counts bad rows."""

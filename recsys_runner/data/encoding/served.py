@@ -1,12 +1,14 @@
 """The served model: raw rows in (a pandas DataFrame), the scores ``predict`` writes out — MLflow's pyfunc loader.
 
 ``export`` writes an MLflow model (:mod:`recsys_runner.serving.mlflow_model`) whose ``code/`` holds a copy of this module
-(``recsys_served.py``) and of what it imports: the program's loader (``recsys_served_program.py``:
+(``recsys_served_<hash>.py``) and of what it imports: the program's loader (``recsys_served_program_<hash>.py``:
 :mod:`~recsys_runner.data.encoding.served_program`), a request's columns read as training read them
-(``recsys_served_request.py``: :mod:`~recsys_runner.data.encoding.served_request`), small requests encoded together
-(``recsys_served_small.py``: :mod:`~recsys_runner.data.encoding.served_small`), the row encoder (``recsys_rows.py``:
-:mod:`~recsys_runner.data.encoding.rows`, with its blocks of rows ``recsys_encoded_rows.py``, label and dense columns
-``recsys_number_columns.py``, weights ``recsys_sparse_weights.py``, histories ``recsys_histories.py``, values ``recsys_values.py`` and keys ``recsys_keys.py``) and the vocabulary lookup (``recsys_vocabulary.py``): :data:`SHIPPED`, and whose ``data/`` holds the
+(``recsys_served_request_<hash>.py``: :mod:`~recsys_runner.data.encoding.served_request`), small requests encoded together
+(``recsys_served_small_<hash>.py``: :mod:`~recsys_runner.data.encoding.served_small`), the row encoder (``recsys_rows_<hash>.py``:
+:mod:`~recsys_runner.data.encoding.rows`, with its blocks of rows ``recsys_encoded_rows``, label and dense columns
+``recsys_number_columns``, weights ``recsys_sparse_weights``, histories ``recsys_histories``, values ``recsys_values`` and
+keys ``recsys_keys``) and the vocabulary lookup (``recsys_vocabulary``): :data:`SHIPPED`, each name ending in the hash of
+the whole set (:data:`SHIPPED` says why), and whose ``data/`` holds the
 ``torch.export`` program (and, when ``export`` compiled it, its AOTInductor package), the checkpoint's ``encoders.json``
 and ``serving.json`` (what the program takes and what its outputs mean). MLflow calls
 :func:`_load_pyfunc` on ``data/``; :meth:`ServedModel.predict` then
@@ -48,22 +50,33 @@ if TYPE_CHECKING or __package__:
     from .served_small import SmallRequests
     from .vocabulary import Vocabulary
 else:  # inside the MLflow model: the copies in its code/ directory, never an installed recsys_runner
-    _program = importlib.import_module("recsys_served_program")
-    _values = importlib.import_module("recsys_values")
-    _request = importlib.import_module("recsys_served_request")
+    _CODE = __name__.removeprefix("recsys_served")  # "_<hash>": this copy's code set (SHIPPED says why)
+    _program = importlib.import_module(f"recsys_served_program{_CODE}")
+    _values = importlib.import_module(f"recsys_values{_CODE}")
+    _request = importlib.import_module(f"recsys_served_request{_CODE}")
     RequestColumns, RequestEncoder, RequestRows = _request.RequestColumns, _request.RequestEncoder, _request.RequestRows
-    SmallRequests = importlib.import_module("recsys_served_small").SmallRequests
-    Vocabulary = importlib.import_module("recsys_vocabulary").Vocabulary
+    SmallRequests = importlib.import_module(f"recsys_served_small{_CODE}").SmallRequests
+    Vocabulary = importlib.import_module(f"recsys_vocabulary{_CODE}").Vocabulary
 
 SPEC_FILE = "serving.json"
 ENCODERS_FILE = "encoders.json"
-SHIPPED = {"keys": "recsys_keys.py", "values": "recsys_values.py", "histories": "recsys_histories.py",
-           "encoded_rows": "recsys_encoded_rows.py", "number_columns": "recsys_number_columns.py",
-           "sparse_weights": "recsys_sparse_weights.py", "rows": "recsys_rows.py",
-           "vocabulary": "recsys_vocabulary.py", "served_program": "recsys_served_program.py",
-           "served_request": "recsys_served_request.py", "served_small": "recsys_served_small.py", "served": "recsys_served.py"}
-"""This room's modules the MLflow model carries in ``code/``, by the names they are imported under there."""
+SHIPPED = {"keys": "recsys_keys", "values": "recsys_values", "histories": "recsys_histories", "encoded_rows": "recsys_encoded_rows",
+           "number_columns": "recsys_number_columns", "sparse_weights": "recsys_sparse_weights", "rows": "recsys_rows",
+           "vocabulary": "recsys_vocabulary", "served_program": "recsys_served_program", "served_request": "recsys_served_request",
+           "served_small": "recsys_served_small", "served": "recsys_served"}
+"""This room's modules the MLflow model carries in ``code/``, by the stem of the names they are imported under there: each
+is written as ``<stem>_<hash>.py``, ``<hash>`` a digest of the whole set of files the model carries
+(:func:`~recsys_runner.serving.mlflow_model.copy_shipped`), and imports the others as ``<stem>_<hash>`` too: the suffix
+of its own ``__name__`` (``_CODE`` in each module), so one source file is the package's module and every model's copy.
+
+Why names that carry the code's hash: MLflow puts a model's ``code/`` first on ``sys.path`` and imports its loader by
+name, and Python imports a name once per process. Under fixed names (models exported before 2026-12-02: ``recsys_served``,
+``recsys_values``, …), the second of two models exported by different recsys_runner versions ran the first one's code on
+its own data (a notebook comparing two days' models, one server hosting both). Under content-addressed names, models of
+other code never share a module name, so each runs its own; models of the same code share the modules, which are the same.
+"""
 LOADER_MODULE = "recsys_served"
+"""The stem of the loader's name (the MLflow model's ``loader_module`` is ``recsys_served_<hash>``)."""
 LABEL = "__served_label__"
 """The zero label column the encoder is given (it encodes labels too; a request has none)."""
 
@@ -220,6 +233,7 @@ def empty_scores(outputs: list[dict[str, Any]]) -> dict[str, np.ndarray]:
 
 def _load_pyfunc(data_path: str) -> ServedModel:
     """MLflow's pyfunc ``loader_module`` entry: the model in ``data_path`` (the MLflow model's ``data/``), refused when this
-    process runs another model's code of other files (:func:`.served_program.check_own_code`)."""
+    process imported a module of its ``code/``'s names from another model's files that differ (one of the two was edited
+    after export: :func:`.served_program.check_own_code`)."""
     _program.check_own_code(data_path)
     return ServedModel(data_path)

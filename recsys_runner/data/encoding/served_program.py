@@ -4,7 +4,8 @@ model (:mod:`recsys_runner.serving.served_topk`) load and run alike.
 The ``torch.export`` program (or its AOTInductor package) loaded and made runnable without its runtime checks
 (:func:`load_program`, :func:`runnable`), torch's intra-op threads inside ``mlflow models serve``
 (:func:`serving_threads`), the error a request the model cannot read raises (:func:`error_class`), and the check that a
-model loaded into a process that already runs another model's code runs its own (:func:`check_own_code`).
+model loaded into a process that already imported modules of its code's names from another model's files runs its own
+(:func:`check_own_code`).
 
 **Standalone on purpose**, like :mod:`.served`: torch (imported when called), and MLflow when it is there, only; the MLflow
 models ``export`` writes carry a copy of it (:data:`.served.SHIPPED`).
@@ -45,7 +46,7 @@ def error_class() -> type[Exception]:
 
 
 class CodeClash(RuntimeError):
-    """An MLflow model loaded into a process whose modules of the same names are another model's, of other code."""
+    """An MLflow model loaded into a process whose modules of the same names are another model's, of other files."""
 
 
 _IMPORTED: dict[str, bytes] = {}
@@ -57,10 +58,12 @@ def check_own_code(data_path: str) -> None:
     """Refuse to load the model whose ``data/`` is ``data_path`` when this process already imported a module of its
     ``code/`` from another model's directory, and that file differs from the model's own.
 
-    Why: MLflow puts a model's ``code/`` first on ``sys.path`` and imports its loader by name, but Python imports a name
-    once per process: a second model exported by another recsys_runner version (a notebook comparing two days' models,
-    one server hosting both) would run the first one's code on its own data, unsaid. Models exported by the same version
-    carry the same files and load side by side.
+    Why, now that a model's code carries its hash in its module names (:data:`.served.SHIPPED`): two models of other
+    code no longer share a name, so this refuses only a model whose ``code/`` was edited after ``export`` wrote it (a
+    patch by hand: its names no longer say what its files hold) loaded beside a copy that was not, or the other way round
+    — Python imports a name once per process, so the second would run the first one's files, unsaid. Models exported
+    before the hashed names (fixed names, ``recsys_served``) are checked by their own copy of this function, which a
+    model with hashed names never meets: their names differ from every hashed one.
 
     Raises:
         CodeClash: naming both directories, the first module that differs and the fix.
@@ -85,10 +88,11 @@ def check_own_code(data_path: str) -> None:
         if theirs is None or theirs == ours:
             continue
         raise CodeClash(f"the MLflow model {model} cannot be loaded into this process: it already runs the code of another "
-                        f"model ({os.path.dirname(os.path.dirname(loaded))}), whose {name} differs from this model's (exported "
-                        f"by another recsys_runner version), and Python imports a module name once per process, so this "
-                        f"model would run that model's code. Fix: load each of the two in its own process (its own "
-                        f"'mlflow models serve', its own script), or export both with one recsys_runner version")
+                        f"model ({os.path.dirname(os.path.dirname(loaded))}), whose {name} differs from this model's though "
+                        f"its name says they are the same code (one of the two was edited after export wrote it), and "
+                        f"Python imports a module name once per process, so this model would run that model's code. Fix: "
+                        f"load each of the two in its own process, or export the model again from a recsys_runner that "
+                        f"holds the change (an export names its code by the hash of its files)")
 
 
 def load_program(directory: str) -> Any:

@@ -24,9 +24,10 @@ if TYPE_CHECKING or __package__:
     from . import rows as _rows
     from . import values as _values
 else:  # inside the MLflow model: the copies in its code/ directory, never an installed recsys_runner
-    _keys = importlib.import_module("recsys_keys")
-    _rows = importlib.import_module("recsys_rows")
-    _values = importlib.import_module("recsys_values")
+    _CODE = __name__.removeprefix("recsys_served_request")  # "_<hash>": this copy's code set (served.SHIPPED says why)
+    _keys = importlib.import_module(f"recsys_keys{_CODE}")
+    _rows = importlib.import_module(f"recsys_rows{_CODE}")
+    _values = importlib.import_module(f"recsys_values{_CODE}")
 
 STACKED_ROWS = 4096
 """Requests of up to this many rows are converted to Arrow in one piece (:meth:`RequestColumns.text_columns`)."""

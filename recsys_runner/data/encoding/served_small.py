@@ -25,11 +25,12 @@ if TYPE_CHECKING or __package__:
     from .encoded_rows import Rows
     from .served_request import RequestEncoder, RequestRows
 else:  # inside the MLflow model: the copies in its code/ directory, never an installed recsys_runner
-    _keys = importlib.import_module("recsys_keys")
-    Rows = importlib.import_module("recsys_encoded_rows").Rows
-    _values = importlib.import_module("recsys_values")
-    RequestEncoder = importlib.import_module("recsys_served_request").RequestEncoder
-    RequestRows = importlib.import_module("recsys_served_request").RequestRows
+    _CODE = __name__.removeprefix("recsys_served_small")  # "_<hash>": this copy's code set (served.SHIPPED says why)
+    _keys = importlib.import_module(f"recsys_keys{_CODE}")
+    Rows = importlib.import_module(f"recsys_encoded_rows{_CODE}").Rows
+    _values = importlib.import_module(f"recsys_values{_CODE}")
+    _request = importlib.import_module(f"recsys_served_request{_CODE}")
+    RequestEncoder, RequestRows = _request.RequestEncoder, _request.RequestRows
 
 
 class SmallRequests:

@@ -14,6 +14,7 @@ MLflow model's ``code/`` (:data:`~recsys_runner.data.encoding.served.SHIPPED`).
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -24,8 +25,10 @@ if TYPE_CHECKING or __package__:
     from .keys import is_text
     from .values import combined, is_list, parse_numbers, split_pairs
 else:  # inside the MLflow model: the copies of the modules it imports beside this one in its code/ directory
-    from recsys_keys import is_text
-    from recsys_values import combined, is_list, parse_numbers, split_pairs
+    _CODE = __name__.removeprefix("recsys_sparse_weights")  # "_<hash>": this copy's code set (served.SHIPPED says why)
+    is_text = importlib.import_module(f"recsys_keys{_CODE}").is_text
+    _values = importlib.import_module(f"recsys_values{_CODE}")
+    combined, is_list, parse_numbers, split_pairs = _values.combined, _values.is_list, _values.parse_numbers, _values.split_pairs
 
 if TYPE_CHECKING:
     from .rows import Location

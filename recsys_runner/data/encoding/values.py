@@ -16,6 +16,7 @@ vocabulary (:mod:`~recsys_runner.data.encoding.vocabulary`) and the served model
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -24,8 +25,11 @@ import pyarrow.compute as pc
 
 if TYPE_CHECKING or __package__:
     from .keys import cast_or_none, is_text, parse_hex, parse_texts, value_keys
-else:  # inside the MLflow model: the copy of keys.py beside this one in its code/ directory
-    from recsys_keys import cast_or_none, is_text, parse_hex, parse_texts, value_keys
+else:  # inside the MLflow model: the copy of keys.py beside this one in its code/ directory, of this copy's code set
+    _CODE = __name__.removeprefix("recsys_values")  # "_<hash>" (served.SHIPPED says why)
+    _keys = importlib.import_module(f"recsys_keys{_CODE}")
+    cast_or_none, is_text, parse_hex, parse_texts, value_keys = (_keys.cast_or_none, _keys.is_text, _keys.parse_hex, _keys.parse_texts,
+                                                                 _keys.value_keys)
 
 
 

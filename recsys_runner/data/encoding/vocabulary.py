@@ -29,8 +29,9 @@ if TYPE_CHECKING or __package__:
     from . import keys as _keys
     from . import values as _values
 else:  # inside the MLflow model: the copies of keys.py and values.py beside this one in its code/ directory
-    _keys = importlib.import_module("recsys_keys")
-    _values = importlib.import_module("recsys_values")
+    _CODE = __name__.removeprefix("recsys_vocabulary")  # "_<hash>": this copy's code set (served.SHIPPED says why)
+    _keys = importlib.import_module(f"recsys_keys{_CODE}")
+    _values = importlib.import_module(f"recsys_values{_CODE}")
 
 DIRECT_SLACK, DIRECT_MIN, DIRECT_MAX = 4, 1 << 16, 1 << 25
 """A vocabulary of integers reads them from a direct table (:meth:`Vocabulary.lookup_ints`) when the integers it holds
