@@ -80,7 +80,7 @@ def _one_run_per_job(tmp_path: Path, experiment: str, jobs: int) -> dict[str, An
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
     runs = [r for r in client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
             if SWEEP_PARENT_TAG not in r.data.tags]
-    by_job = {r.data.tags.get(JOB_NUM_TAG): r for r in runs}
+    by_job = {r.data.tags.get(JOB_NUM_TAG, "(none)"): r for r in runs}
     assert len(runs) == jobs and sorted(by_job) == [str(n) for n in range(jobs)], [r.data.tags.get(JOB_NUM_TAG) for r in runs]
     for child in runs:
         assert child.info.status == "FINISHED", child.info.status
@@ -91,9 +91,9 @@ def _one_run_per_job(tmp_path: Path, experiment: str, jobs: int) -> dict[str, An
 
 
 def _check_resumed_from_a_checkpoint(tmp_path: Path, experiment: str, proc: subprocess.Popen[str], extra: str = "",
-                                     job: str = "*", jobs: int = 1) -> tuple[str, dict[str, Any]]:
+                                     job: str = "*", jobs: int = 1) -> dict[str, Any]:
     """The sweep ended well; job ``job`` (its number: ``0``) was requeued and resumed from its checkpoint in its job dir,
-    into its one MLflow run. Returns the sweep's output and each job's run."""
+    into its one MLflow run. Returns each job's run (:func:`_one_run_per_job`)."""
     out, _ = proc.communicate(timeout=600)
     logs = _job_logs(tmp_path, job)
     assert proc.returncode == 0, out[-3000:] + _job_logs(tmp_path)[-6000:] + extra
@@ -103,7 +103,7 @@ def _check_resumed_from_a_checkpoint(tmp_path: Path, experiment: str, proc: subp
     assert f"resuming from {ckpts}" in logs, "the requeued job resumed from the same job dir"
     resumed_at = int(logs.split(f"resuming from {ckpts}/step_")[1][:8])
     assert 0 < resumed_at < STEPS, resumed_at
-    return out, _one_run_per_job(tmp_path, experiment, jobs)
+    return _one_run_per_job(tmp_path, experiment, jobs)
 
 
 def test_slurm_preemption_requeues_and_resumes_into_the_same_run(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
@@ -119,7 +119,7 @@ def test_slurm_preemption_requeues_and_resumes_into_the_same_run(slurm_cluster: 
         (job_id,) = [p.name for d in _sweep_dirs(tmp_path) for p in d.glob(".submitit/*_0")]
         # What SLURM sends ahead of the time limit (--signal=USR2@signal_delay_s), to the job's srun step.
         subprocess.run(["scancel", "--signal=USR2", job_id], check=True, env={**os.environ, **slurm_cluster.env}, timeout=30)
-        _, runs = _check_resumed_from_a_checkpoint(tmp_path, "slurm_preempt", proc, slurm_cluster.logs(), job="0", jobs=2)
+        runs = _check_resumed_from_a_checkpoint(tmp_path, "slurm_preempt", proc, slurm_cluster.logs(), job="0", jobs=2)
         logs = _job_logs(tmp_path, "1")
         assert marker.exists() and "stopped by SIGUSR2 during the sanity eval" in logs, logs[-6000:]
         assert "handing over to submitit" in logs and "Requeued job" in logs, logs[-6000:]
