@@ -15,7 +15,7 @@ from functools import partial
 from typing import Any
 
 from recsys_runner.tracking.sweep import EXPECTED_JOBS_TAG, FAILED_JOBS_TAG
-from recsys_runner.tracking.sweep_jobs import end_left_runs, overrides_on_disk, slurm_jobs_ended
+from recsys_runner.tracking.sweep_jobs import end_left_runs, overrides_on_disk, slurm_account
 from recsys_runner.tracking.sweep_summary import SWEEP_PARENT_TAG, finish_parent, summarize, sweep_objective
 
 __all__ = ["best_line", "collect", "wrong_parent"]
@@ -26,8 +26,10 @@ def collect(client: Any, parent: str, *, wait: bool, timeout_s: float, poll_s: f
     ``wait`` is off or time ran out first.
 
     The jobs have ended when every expected child run has (:data:`EXPECTED_JOBS_TAG`), or, for a SLURM sweep, when SLURM
-    says every job has (:func:`~recsys_runner.tracking.sweep_jobs.slurm_jobs_ended`): a job that died before it created its
-    MLflow run (a config error, an OOM kill) never adds a child, and waiting for it would last until ``--timeout``.
+    says every job has (:func:`~recsys_runner.tracking.sweep_jobs.slurm_account`): a job that died before it created its
+    MLflow run (a config error, an OOM kill) never adds a child, and waiting for it would last until ``--timeout``. Never
+    while SLURM says a job still runs or will run again: a preempted job ended its run ``KILLED`` before SLURM requeued
+    it, and the requeued job continues that run.
     Each failed job is named in a line on stderr as soon as SLURM reports it (``Job #1 (SLURM 42_1, FAILED) failed:
     Config error: …``); the parent then ends ``FAILED`` with them in its tag ``sweep.failed_jobs``, as a waiting
     launcher's would. A job that ended and left its MLflow run RUNNING — killed after the run started (``scancel``, a
@@ -37,7 +39,8 @@ def collect(client: Any, parent: str, *, wait: bool, timeout_s: float, poll_s: f
     deadline, told, said = time.monotonic() + timeout_s, set[int](), set[str]()
     while True:
         tags = client.get_run(parent).data.tags
-        ended = slurm_jobs_ended(tags)
+        account = slurm_account(tags)
+        ended, running = (account.ended, account.running) if account is not None else (None, {})
         on_disk = partial(overrides_on_disk, tags.get("sweep.dir"), int(tags.get(EXPECTED_JOBS_TAG, 0)))
         left = end_left_runs(client, parent, {job.num: job.end() for job in ended or []}, on_disk)
         for note in left.notes:
@@ -50,7 +53,7 @@ def collect(client: Any, parent: str, *, wait: bool, timeout_s: float, poll_s: f
             if job.failed and job.num not in told:
                 told.add(job.num)
                 print(f"Job {job.label()} failed: {job.error}", file=sys.stderr)
-        runs_ended = summary.num_children >= expected and summary.num_terminal == summary.num_children
+        runs_ended = summary.num_children >= expected and summary.num_terminal == summary.num_children and not running
         if not left.awaiting_replay and (runs_ended or (ended is not None and len(ended) == expected)):
             failed = [job.label() for job in ended or [] if job.failed]
             if failed:
@@ -62,8 +65,8 @@ def collect(client: Any, parent: str, *, wait: bool, timeout_s: float, poll_s: f
             return failed
         if not wait or time.monotonic() > deadline:
             waiting = f"; {len(left.awaiting_replay)} run(s) wait for their replay (above)" if left.awaiting_replay else ""
-            print(f"sweep {parent}: {summary.num_terminal} of {expected} jobs ended{waiting}; run collect again later",
-                  file=sys.stderr)
+            num_ended = len(ended) if ended is not None else summary.num_terminal  # a requeued job's run looks ended
+            print(f"sweep {parent}: {num_ended} of {expected} jobs ended{waiting}; run collect again later", file=sys.stderr)
             return None
         time.sleep(poll_s)
 

@@ -19,6 +19,7 @@ from mlflow.tracking import MlflowClient
 from submitit.core.utils import cloudpickle_dump
 
 from recsys_runner import compare
+from recsys_runner.tracking.requeue import PREEMPTED_TAG
 from recsys_runner.tracking.store import mlflow_command
 from recsys_runner.tracking.sweep import EXPECTED_JOBS_TAG
 from recsys_runner.tracking.sweep_jobs import JOB_END_TAG, SLURM_JOB_IDS_TAG, SUBMITIT_FOLDER_TAG, JobFailed
@@ -269,6 +270,39 @@ def test_collect_waits_while_slurm_says_a_job_still_runs(tmp_path: Path, slurm_s
     err = capsys.readouterr().err
     assert "1 of 2 jobs ended; run collect again later" in err and "failed" not in err
     assert client.get_run(parent).info.status == "RUNNING"
+
+
+def test_collect_waits_for_a_requeued_job_whose_preemption_ended_its_run_killed(
+        tmp_path: Path, slurm_states: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A preempted job ends its run KILLED (tagged ``preempted``) and SLURM requeues it: until the requeued job runs (on a
+    busy cluster, hours) every child run is KILLED or FINISHED. collect took that for the sweep's end: it ended the parent
+    FINISHED with the best of the runs so far, and the requeued job's result, logged later into the same run, was never
+    summarized. While SLURM says a job may still run, the sweep has not ended; once it has, collect summarizes it."""
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path}/requeued.db"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("requeued")
+    parent = client.create_run(exp, run_name="sweep", tags={SWEEP_PARENT_TAG: "eval/auc", EXPECTED_JOBS_TAG: "2",
+                                                            SLURM_JOB_IDS_TAG: "9700_0 9700_1"}).info.run_id
+    _child(client, exp, parent, 0.1, "deepfm", 0.68)
+    preempted = client.create_run(exp, run_name="optim.lr=0.2,model=deepfm",
+                                  tags={"mlflow.parentRunId": parent, JOB_NUM_TAG: "1", PREEMPTED_TAG: "true"}).info.run_id
+    client.log_metric(preempted, "train/loss", 0.5, step=10)
+    client.set_terminated(preempted, "KILLED")
+    for requeued in ("REQUEUED", "PENDING", "RUNNING"):
+        slurm_states.write_text(f"9700_0|COMPLETED|localhost\n9700_1|{requeued}|\n")
+        assert compare.main(["collect", "--uri", uri, "--parent", parent, "--no-plots"]) == 1, requeued
+        err = capsys.readouterr().err
+        assert "sweep " + parent + ": 1 of 2 jobs ended; run collect again later" in err and "failed" not in err, err
+        assert client.get_run(parent).info.status == "RUNNING", requeued
+        assert client.get_run(preempted).info.status == "KILLED", "the requeued job's run is its own to continue"
+
+    client.log_metric(preempted, "eval/auc", 0.71, step=30)  # the requeued job continued its run and finished it
+    client.set_terminated(preempted, "FINISHED")
+    slurm_states.write_text("9700_0|COMPLETED|localhost\n9700_1|COMPLETED|localhost\n")
+    assert compare.main(["collect", "--uri", uri, "--parent", parent, "--no-plots"]) == 0
+    p = client.get_run(parent)
+    assert p.info.status == "FINISHED" and p.data.tags["best.run_id"] == preempted
 
 
 def test_collect_ends_the_runs_of_jobs_slurm_killed_and_leaves_running_ones_alone(

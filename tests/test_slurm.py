@@ -1,4 +1,6 @@
 """Against a real SLURM cluster (tests/slurm_cluster.py): an array sweep, submit-and-exit + collect, one two-task job.
+A job that fails its config check and one that crashes (a bug: tests/job_hooks.py, a ``sitecustomize`` hook in the job
+processes) ride along in the array sweep and in a detached one.
 
 Every job logs to MLflow as a child of the multirun's parent run, from inside ``sbatch``/``srun``.
 """
@@ -14,6 +16,7 @@ from mlflow.tracking import MlflowClient
 
 from recsys_runner.tracking.sweep_jobs import own_failure
 from recsys_runner.tracking.sweep_summary import SWEEP_PARENT_TAG
+from tests import job_hooks
 from tests.conftest import TINY, run_cli
 from tests.slurm_cluster import SlurmCluster, slurm_cluster_fixture  # noqa: F401 - provides the slurm_cluster fixture
 
@@ -32,24 +35,30 @@ def _sweep(uri: str, experiment: str) -> tuple[object, list]:
 
 
 def test_array_sweep_lands_in_mlflow_as_parent_and_children(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
-    """A 3-job array, one of them with an invalid value: the others run and are compared; the failed one is named in a
-    line (not submitit's traceback), and the parent ends FAILED naming it once every job has ended."""
+    """A 4-job array, one of them with an invalid value, one that crashes (a bug, tests/job_hooks.py): the others run
+    and are compared; each failed one is named in a line (its own, or its error's; not submitit's traceback), and the
+    parent ends FAILED naming them once every job has ended."""
     uri = f"sqlite:///{tmp_path}/array.db"
-    out = run_cli("-m", *SLURM, "optim.lr=0.01,-1,0.1", *TINY, "train.num_steps=10", f"tracking.uri={uri}",
-                  "tracking.experiment=slurm_array", cwd=tmp_path, timeout=600)
+    hooks = job_hooks.install(tmp_path / "hooks", "crash_at_the_first_step('optim.lr=0.05')")
+    out = run_cli("-m", *SLURM, "optim.lr=0.01,-1,0.1,0.05", *TINY, "train.num_steps=10", f"tracking.uri={uri}",
+                  "tracking.experiment=slurm_array", cwd=tmp_path, timeout=600, env={"PYTHONPATH": hooks})
     assert out.returncode == 1, out.stderr[-3000:] + slurm_cluster.logs()
     assert "Job #1 failed: Config error: optim.sparse.lr must be positive, got -1.0" in out.stderr, out.stderr[-3000:]
-    assert "Traceback" not in out.stderr and "Sweep failed (failed job(s): #1 optim.lr=-1); 2 of 2 " in out.stderr
+    assert f"Job #3 failed: RuntimeError: {job_hooks.CRASH}" in out.stderr.splitlines(), out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "Sweep failed (failed job(s): #1 optim.lr=-1; #3 optim.lr=0.05); 2 of 3 " in out.stderr, out.stderr[-3000:]
     parent, children = _sweep(uri, "slurm_array")
-    assert len(children) == 2 and all(r.info.status == "FINISHED" for r in children)
-    assert sorted(float(r.data.params["optim.lr"]) for r in children) == [0.01, 0.1]
-    best = max(children, key=lambda r: r.data.metrics["eval/auc"])
+    by_lr = {float(r.data.params["optim.lr"]): r for r in children}
+    assert sorted(by_lr) == [0.01, 0.05, 0.1] and by_lr.pop(0.05).info.status == "FAILED", "the crash ended its run FAILED"
+    assert all(r.info.status == "FINISHED" for r in by_lr.values())
+    best = max(by_lr.values(), key=lambda r: r.data.metrics["eval/auc"])
     assert parent.info.status == "FAILED" and parent.data.tags["best.run_id"] == best.info.run_id
-    assert parent.data.tags["sweep.failed_jobs"] == "#1 optim.lr=-1"
-    # One array job: "<id>_0", "<id>_1" and "<id>_2".
+    assert parent.data.tags["sweep.failed_jobs"] == "#1 optim.lr=-1; #3 optim.lr=0.05"
+    # One array job: "<id>_0" … "<id>_3".
     ids = {p.name for p in (tmp_path / "multirun").glob("*/*/.submitit/*_*") if p.is_dir()}
-    assert len(ids) == 3 and len({i.split("_")[0] for i in ids}) == 1, ids
+    assert len(ids) == 4 and len({i.split("_")[0] for i in ids}) == 1, ids
     _failed_on_its_own(tmp_path, "1")
+    _crashed(tmp_path, "3")
 
 
 def _failed_on_its_own(tmp_path: Path, task: str) -> None:
@@ -63,6 +72,18 @@ def _failed_on_its_own(tmp_path: Path, task: str) -> None:
     assert any(line.startswith(error) for line in log.splitlines()) and "Traceback" not in log, log[-3000:]
     job = subprocess.run(["scontrol", "-o", "show", "job", result.parent.name], capture_output=True, text=True, timeout=30)
     assert "JobState=FAILED" in job.stdout and "ExitCode=2:0" in job.stdout, job.stdout + job.stderr
+
+
+def _crashed(tmp_path: Path, task: str) -> None:
+    """Array task ``task`` of the sweep crashed: its error is its result (named by the traceback's last line), its log
+    holds the traceback, and SLURM saw it fail with exit 1. Before, Hydra kept the error as the job's return value:
+    submitit wrote it as a success, the job exited 0 with no traceback, and SLURM said COMPLETED."""
+    (result,) = (tmp_path / "multirun").glob(f"*/*/.submitit/*_{task}/*_{task}_0_result.pkl")
+    assert own_failure(result) == f"RuntimeError: {job_hooks.CRASH}", own_failure(result)
+    log = result.with_name(result.name.replace("_result.pkl", "_log.err")).read_text()
+    assert "Traceback" in log and any(line.endswith(f"RuntimeError: {job_hooks.CRASH}") for line in log.splitlines()), log[-3000:]
+    job = subprocess.run(["scontrol", "-o", "show", "job", result.parent.name], capture_output=True, text=True, timeout=30)
+    assert "JobState=FAILED" in job.stdout and "ExitCode=1:0" in job.stdout, job.stdout + job.stderr
 
 
 def test_submit_and_exit_then_collect(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
@@ -86,16 +107,20 @@ def test_submit_and_exit_then_collect(slurm_cluster: SlurmCluster, tmp_path: Pat
     assert all(r.info.status == "FINISHED" for r in children)
 
 
-def test_collect_names_a_detached_job_that_died_before_its_mlflow_run(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
-    """A detached sweep whose job #0 fails its config check (exit 2, before any MLflow run): ``collect --wait`` waited
-    for its child until ``--timeout``. SLURM's account says the job ended FAILED: it is named with its own error line,
-    the parent ends FAILED naming it, long before the timeout."""
+def test_collect_names_a_detached_job_that_died_before_its_mlflow_run_and_one_that_crashed(slurm_cluster: SlurmCluster,
+                                                                                          tmp_path: Path) -> None:
+    """A detached sweep whose job #0 fails its config check (exit 2, before any MLflow run) and whose job #2 crashes (a
+    bug, tests/job_hooks.py; its run ended FAILED): ``collect --wait`` waited for job #0's child until ``--timeout``, and
+    counted job #2 among those that succeeded (SLURM said COMPLETED). SLURM's account says both ended FAILED: each is
+    named with its own error line (#2 by its traceback's last line), the parent ends FAILED naming both, long before the
+    timeout."""
     import time
 
     uri = f"sqlite:///{tmp_path}/died.db"
     detached = ["hydra/launcher=submitit_slurm_detached", *SLURM[1:]]
-    out = run_cli("-m", *detached, "optim.lr=-1,0.1", *TINY, "train.num_steps=5", f"tracking.uri={uri}",
-                  "tracking.experiment=slurm_died", cwd=tmp_path, timeout=300)
+    hooks = job_hooks.install(tmp_path / "hooks", "crash_at_the_first_step('optim.lr=0.05')")
+    out = run_cli("-m", *detached, "optim.lr=-1,0.1,0.05", *TINY, "train.num_steps=5", f"tracking.uri={uri}",
+                  "tracking.experiment=slurm_died", cwd=tmp_path, timeout=300, env={"PYTHONPATH": hooks})
     assert out.returncode == 0, out.stderr[-3000:]
     client = MlflowClient(tracking_uri=uri)
     (parent,) = client.search_runs([client.get_experiment_by_name("slurm_died").experiment_id], f"tags.`{SWEEP_PARENT_TAG}` != ''")
@@ -105,13 +130,19 @@ def test_collect_names_a_detached_job_that_died_before_its_mlflow_run(slurm_clus
                                cwd=tmp_path, capture_output=True, text=True, timeout=500)
     assert collected.returncode == 1, collected.stderr[-3000:] + slurm_cluster.squeue("--states=all") + slurm_cluster.logs()
     assert time.monotonic() - started < 300, "noticed when the jobs ended, not at the timeout"
-    first_id = parent.data.tags["sweep.slurm_job_ids"].split()[0]
+    first_id, _, crashed_id = parent.data.tags["sweep.slurm_job_ids"].split()
+    lines = collected.stderr.splitlines()
     assert (f"Job #0 (SLURM {first_id}, FAILED) failed: Config error: optim.sparse.lr must be positive, got -1.0. "
-            "Fix: e.g. optim.sparse.lr=0.01 where it is set, else optim.lr=0.01 (its default)") in collected.stderr.splitlines(), collected.stderr[-3000:]
-    parent, (child,) = _sweep(uri, "slurm_died")
-    assert parent.info.status == "FAILED" and parent.data.tags["sweep.failed_jobs"] == f"#0 (SLURM {first_id}, FAILED)"
-    assert child.info.status == "FINISHED" and parent.data.tags["best.run_id"] == child.info.run_id
+            "Fix: e.g. optim.sparse.lr=0.01 where it is set, else optim.lr=0.01 (its default)") in lines, collected.stderr[-3000:]
+    assert f"Job #2 (SLURM {crashed_id}, FAILED) failed: RuntimeError: {job_hooks.CRASH}" in lines, collected.stderr[-3000:]
+    parent, children = _sweep(uri, "slurm_died")
+    assert parent.info.status == "FAILED", parent.info.status
+    assert parent.data.tags["sweep.failed_jobs"] == f"#0 (SLURM {first_id}, FAILED); #2 (SLURM {crashed_id}, FAILED)"
+    by_lr = {float(r.data.params["optim.lr"]): r for r in children}
+    assert sorted(by_lr) == [0.05, 0.1] and by_lr[0.05].info.status == "FAILED" and by_lr[0.1].info.status == "FINISHED"
+    assert parent.data.tags["best.run_id"] == by_lr[0.1].info.run_id
     _failed_on_its_own(tmp_path, "0")
+    _crashed(tmp_path, "2")
 
 
 def test_two_task_slurm_job_is_one_two_rank_run(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:

@@ -287,11 +287,24 @@ class EndedJob:
         return f"#{self.num} (SLURM {self.slurm_id}, {self.state})"
 
 
-def slurm_jobs_ended(tags: Mapping[str, str]) -> list[EndedJob] | None:
-    """The jobs of a detached sweep (:data:`SLURM_JOB_IDS_TAG` on its parent) that have ended, by SLURM's account (submitit
-    asks ``sacct``); ``None`` when the parent names no SLURM job (another launcher) or SLURM cannot say (``sacct``
-    missing: every state ``UNKNOWN``). A job that died before it created its MLflow run (a config error, an import
-    error, an OOM kill) shows only here: the parent's child runs never count it."""
+@dataclass(frozen=True)
+class SlurmAccount:
+    """SLURM's account of a detached sweep's jobs (:func:`slurm_account`)."""
+
+    ended: list[EndedJob]
+    """The jobs that have ended."""
+    running: dict[int, str]
+    """Job number → state, for the jobs SLURM says still run or will run again (``PENDING``, ``RUNNING``, a requeued
+    job's ``REQUEUED``, …). A preempted job ended its MLflow run ``KILLED`` before SLURM requeued it, so its run looks
+    ended until the requeued job continues it (hours later on a busy cluster): while a job is here, the sweep has not
+    ended, whatever its runs say. A job SLURM keeps no record of (``UNKNOWN``) is in neither list."""
+
+
+def slurm_account(tags: Mapping[str, str]) -> SlurmAccount | None:
+    """SLURM's account of the jobs of a detached sweep (:data:`SLURM_JOB_IDS_TAG` on its parent; submitit asks ``sacct``);
+    ``None`` when the parent names no SLURM job (another launcher) or SLURM cannot say (``sacct`` missing: every state
+    ``UNKNOWN``). A job that died before it created its MLflow run (a config error, an import error, an OOM kill) shows
+    only here: the parent's child runs never count it."""
     ids = tags.get(SLURM_JOB_IDS_TAG, "").split()
     if not ids:
         return None
@@ -303,14 +316,16 @@ def slurm_jobs_ended(tags: Mapping[str, str]) -> list[EndedJob] | None:
     states = [slurm_state(SlurmJob.watcher.get_state(job_id, mode="cache")) for job_id in ids]  # "CANCELLED by 0"
     if all(state == "UNKNOWN" for state in states):
         return None
-    ended = []
+    account = SlurmAccount(ended=[], running={})
     for num, (job, state) in enumerate(zip(jobs, states, strict=True)):
         if state in _SLURM_NOT_ENDED:
+            if state != "UNKNOWN":
+                account.running[num] = state
             continue
         error = None if state == _SLURM_OK else (own_failure(job.paths.result_pickle) or last_own_line(job.stderr() or "")
                                                  or f"no error output ({job.paths.stderr})")
-        ended.append(EndedJob(num, job.job_id, state, error, ended_at(job.paths.result_pickle)))
-    return ended
+        account.ended.append(EndedJob(num, job.job_id, state, error, ended_at(job.paths.result_pickle)))
+    return account
 
 
 def last_own_line(stderr: str) -> str | None:
