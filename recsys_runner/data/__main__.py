@@ -53,7 +53,13 @@ from recsys_runner.data.encoding.fit import InferConfig, complete_schema
 from recsys_runner.data.encoding.rows import Encoder, Location
 from recsys_runner.data.files.csv_source import CsvSource
 from recsys_runner.data.files.sources import skip_empty
-from recsys_runner.data.files.tabular_config import CRITEO_COLUMNS, CRITEO_NUM_SPARSE, criteo_schema, text_delimiter
+from recsys_runner.data.files.tabular_config import (
+    CRITEO_COLUMNS,
+    CRITEO_MISSING_TEXTS,
+    CRITEO_NUM_SPARSE,
+    criteo_schema,
+    text_delimiter,
+)
 from recsys_runner.data.inspect import inspect
 from recsys_runner.data.locate import resolve_files
 from recsys_runner.data.schema import DenseColumn, Schema, SparseColumn
@@ -143,7 +149,7 @@ def inferred_csv_schema(args: argparse.Namespace, files: list[str]) -> tuple[Sch
 def convert(args: argparse.Namespace) -> None:
     if args.format == "criteo":
         schema = criteo_schema([args.num_embeddings] * CRITEO_NUM_SPARSE, args.categorical_encoding)
-        options: dict[str, Any] = {"delimiter": "\t", "header": False, "column_names": CRITEO_COLUMNS, "null_values": [""]}
+        options: dict[str, Any] = {"delimiter": "\t", "header": False, "column_names": CRITEO_COLUMNS, "null_values": CRITEO_MISSING_TEXTS}
     elif args.schema:
         parts, reader = read_schema_file(args.schema)  # the form a training run logs when it infers a schema
         if parts["label"] is None and parts["labels"] is None:
