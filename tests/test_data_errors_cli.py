@@ -214,3 +214,22 @@ def test_file_level_error_at_startup_is_a_data_error_with_exit_2(tmp_path: Path)
     path = write_csv(tmp_path / "cols.csv")
     err = cli(tmp_path, f"data.path={path}", "data.sparse=[{name: itme, num_embeddings: 10}]")
     assert f"Data error: {path} has no column 'itme'; its header lists ['label', 'item', 'price']. Fix: correct the column names" in err
+
+
+def test_inspect_of_a_text_file_cut_short_names_the_line_or_the_compression(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A download cut short — a plain file ending in a partial line, a gzip file without its end — was Arrow's traceback
+    (``ArrowInvalid: CSV parse error: Expected 3 columns, got 1``, ``OSError: Truncated compressed stream``), where
+    training names the file, the line and the fix."""
+    import gzip
+
+    text = write_csv(tmp_path / "full.csv").read_bytes()
+    (tmp_path / "cut.csv").write_bytes(text[:-6])  # the last line ends before its price: 1,9
+    (tmp_path / "cut.csv.gz").write_bytes(gzip.compress(text * 50)[:-40])
+    assert data_main(["inspect", str(tmp_path / "cut.csv"), "--format", "csv"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"Data error: bad row in {tmp_path / 'cut.csv'}, line 41: expected 3 fields separated by ',', found 2 "
+                          "('1,9'); inspect stops at it") and "Traceback" not in err
+    assert data_main(["inspect", str(tmp_path / "cut.csv.gz"), "--format", "csv"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"Data error: {tmp_path / 'cut.csv.gz'} cannot be decompressed as gzip (") and "gzip -t" in err
+    assert "remove it from the files inspected" in err and "Traceback" not in err
