@@ -233,3 +233,28 @@ def test_inspect_of_a_text_file_cut_short_names_the_line_or_the_compression(tmp_
     err = capsys.readouterr().err
     assert err.startswith(f"Data error: {tmp_path / 'cut.csv.gz'} cannot be decompressed as gzip (") and "gzip -t" in err
     assert "remove it from the files inspected" in err and "Traceback" not in err
+
+
+def test_sequences_reads_a_log_without_a_header_line_by_column_names(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """MovieLens' u.data and ml-1m's ratings.dat (once its '::' are tabs) have no header line: ``sequences`` took the first
+    event for the column names and answered ``has no column(s) ['user', …]; its columns are ['196', '242', '3', …]. Fix: name
+    the log's columns with --user …`` — no flag could name them. ``--column-names`` does, and both errors say so."""
+    from recsys_runner.data.generated.generate import write_movielens_ratings
+
+    log = tmp_path / "u.data"
+    write_movielens_ratings(str(log), 600, num_users=40, num_items=60)
+    flags = ["--delimiter", "tab", "--user", "user", "--item", "item", "--time", "timestamp"]
+    assert data_main(["sequences", str(log), str(tmp_path / "out"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert f"{log} has no column(s) ['user', 'item', 'timestamp']" in err and "is data, not a header naming the columns" in err
+    assert "Fix: name its 4 columns in file order with --column-names, e.g. --column-names user,item,rating,timestamp" in err
+    dat = tmp_path / "ratings.dat"
+    dat.write_text(log.read_text().replace("\t", "::"))
+    assert data_main(["sequences", str(dat), str(tmp_path / "out"), *flags, "--column-names", "user,item,rating,timestamp"]) == 2
+    assert "Its fields are separated by '::' (MovieLens ml-1m's ratings.dat)" in capsys.readouterr().err
+    names = ["--column-names", "user,item,rating,timestamp"]
+    assert data_main(["sequences", str(log), str(tmp_path / "out"), *flags, *names, "--label", "rating", "--label-threshold", "4"]) == 0
+    assert f"read 600 events from {log}; no exact duplicates" in capsys.readouterr().out
+    assert sum(pq.read_metadata(p).num_rows for p in (tmp_path / "out").glob("*.parquet")) == 600  # every line an event
+    assert data_main(["sequences", str(log), str(tmp_path / "out2"), *flags, "--column-names", "user,item,rating"]) == 2
+    assert "lacks ['timestamp']" in capsys.readouterr().err
