@@ -230,6 +230,8 @@ def check_inputs(encoders: StoredEncoders, sample: pa.Table, where: str, optiona
 OOV_PREFIX, LOOKUP_PREFIX = "data/oov_values/", "data/vocab_values/"
 """The counters (summable over ranks) a file data module keeps per ``encoding: vocab`` column: values that read an OOV
 row, and values; :func:`oov_rates` turns each pair into ``data/oov_rate/<column>``."""
+RATE_PREFIX = "data/oov_rate/"
+"""Each ``encoding: vocab`` column's metric: the share of its values that read an OOV row (:func:`oov_rates`)."""
 
 
 def oov_counters(counts: dict[str, list[int]]) -> dict[str, float]:
@@ -247,11 +249,11 @@ def oov_rates(counters: dict[str, float]) -> dict[str, float]:
     for key, total in counters.items():
         if key.startswith(LOOKUP_PREFIX) and total:
             name = key.removeprefix(LOOKUP_PREFIX)
-            out[f"data/oov_rate/{name}"] = counters.get(f"{OOV_PREFIX}{name}", 0.0) / total
+            out[f"{RATE_PREFIX}{name}"] = counters.get(f"{OOV_PREFIX}{name}", 0.0) / total
     return out
 
 
 def oov_line(rates: dict[str, float]) -> str | None:
     """One log line of the ``data/oov_rate/<column>`` values, or ``None`` without any."""
-    shown = [f"{k.removeprefix('data/oov_rate/')} {v:.2%}" for k, v in rates.items() if k.startswith("data/oov_rate/")]
+    shown = [f"{k.removeprefix(RATE_PREFIX)} {v:.2%}" for k, v in rates.items() if k.startswith(RATE_PREFIX)]
     return f"values unseen when the vocabularies were fitted (read OOV rows): {', '.join(shown)}" if shown else None
