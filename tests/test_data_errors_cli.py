@@ -258,3 +258,21 @@ def test_sequences_reads_a_log_without_a_header_line_by_column_names(tmp_path: P
     assert sum(pq.read_metadata(p).num_rows for p in (tmp_path / "out").glob("*.parquet")) == 600  # every line an event
     assert data_main(["sequences", str(log), str(tmp_path / "out2"), *flags, "--column-names", "user,item,rating"]) == 2
     assert "lacks ['timestamp']" in capsys.readouterr().err
+
+
+def test_column_names_of_another_length_than_every_line_is_told_at_start(tmp_path: Path) -> None:
+    """data.column_names naming fewer columns than every line holds — ml-1m's ratings.dat read with data.delimiter=':' (7
+    fields, every other one empty), or a file of 5 columns named 3 — left every sampled line out as a bad row, and the
+    run said ``left out 'user': empty in the sample``, as if the column held nothing."""
+    from recsys_runner.errors import DataError
+
+    (tmp_path / "ratings.dat").write_text("1::1193::5::978300760\n1::661::3::978302109\n2::914::3::978301968\n")
+    names = ["user", "item", "rating", "timestamp"]
+    with pytest.raises(DataError, match=r"its fields are separated by '::', which data.delimiter=':' splits into 7 fields, every "
+                                        r"other one empty, where data.column_names names 4 columns .*Fix: .*sed 's/::/\\t/g'"):
+        CsvData(make(CsvDataConfig, path=str(tmp_path / "ratings.dat"), delimiter=":", header=False, column_names=names,
+                     label="rating", label_threshold=4))
+    (tmp_path / "five.csv").write_text("1,2,3,4,5\n0,5,6,7,8\n1,2,2,2,2\n")
+    with pytest.raises(DataError, match=r"split into 5 field\(s\) by data.delimiter=',', but data.column_names names 3 columns "
+                                        r".*Fix: data.column_names naming all 5 columns in file order"):
+        CsvData(make(CsvDataConfig, path=str(tmp_path / "five.csv"), header=False, column_names=["label", "u", "i"]))
