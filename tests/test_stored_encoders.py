@@ -221,3 +221,21 @@ def test_ids_of_another_type_than_in_training_are_refused_not_read_as_oov(tmp_pa
     # 'item' (encoding=id) reads "3" and 3 alike: no error for ids of the training's type in its column
     pq.write_table(pq.read_table(ints).drop_columns(["label"]).set_column(1, "item", pa.array(["3"] * 40)), without_labels)
     data.check_trained(scored, "predict.input", optional=["label"])
+
+
+def test_a_vocabulary_fitted_on_rows_unlike_the_rest_is_said_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A file sorted by time (Avazu's train.csv: its first 100,000 rows are its first hour) gives the vocabulary of ``hour``
+    the first hours alone, which looked like a covered column (every value seen often): every later row's hour read the
+    column's OOV rows, said by nothing but ``data/oov_rate/hour`` among 20 other rates. The run now says it once, naming
+    the column, the share and the fix; a column the sample did cover (``item``) is not named."""
+    rng = np.random.default_rng(0)
+    lines = [f"{int(rng.random() < 0.3)},h{i * 50 // 12_000},{int(rng.integers(20))}" for i in range(12_000)]  # hours in order
+    (tmp_path / "train.csv").write_text("\n".join(["label,hour,item", *lines]) + "\n")
+    with caplog.at_level(logging.WARNING, logger="recsys_runner.train.loop"):
+        train(compose_entry("config", "data=csv", f"data.path={tmp_path}/train.csv", "data.label=label", "data.batch_size=1000",
+                            "data.eval_fraction=0.01", "data.infer.sample_rows=960", "model=lr", "train.num_epochs=1",
+                            "train.num_steps=null", "train.log_every_steps=5", "distributed.device=cpu", "tracking=none",
+                            "checkpoint=none"))
+    said = [r.getMessage() for r in caplog.records if "the vocabulary of" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("the vocabulary of 'hour' lacks 9"), said  # 4 of 50 hours fitted
+    assert "data.infer.sample_rows=<every row of the files>" in said[0]

@@ -45,14 +45,14 @@ import logging
 import signal
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from recsys_runner.checkpoint.config import TrainState
 from recsys_runner.checkpoint.policy import Checkpointer
 from recsys_runner.data.base import DataModule
-from recsys_runner.data.encoding.stored import RATE_PREFIX, oov_rates
+from recsys_runner.data.encoding.stored import RATE_PREFIX, oov_rates, unfitted_vocabularies
 from recsys_runner.distributed.env import DistEnv, decided_on_rank0
 from recsys_runner.distributed.peers import RankLost, peer_gone
 from recsys_runner.errors import DataError
@@ -90,6 +90,7 @@ class Loop:
         state: where training starts (step, epoch, position in it), restored from a checkpoint or new.
         best: the best eval of the watched metric so far, reported beside the last.
         summaries: gradient norms, embedding row norms, lrs, histograms every ``train.summary_every_steps`` (or nothing).
+        unfitted: the vocabularies said to miss too many training values (each said once).
     """
 
     config: TrainConfig
@@ -105,6 +106,8 @@ class Loop:
     state: TrainState
     best: BestEval
     summaries: Summaries
+    unfitted: set[str] = field(default_factory=set)
+    """Columns whose vocabulary was said to miss too many training values (:func:`_warn_unfitted`): each is said once."""
 
 
 def train(loop: Loop) -> dict[str, float]:
@@ -392,12 +395,29 @@ def _data_metrics(loop: Loop) -> dict[str, float]:
     model's managed-collision tables' counters (``mc/<table>/…``, since the last log), summed over ranks in one
     reduction; empty if neither keeps any."""
     counters = loop.data.metrics() | collision_counters(loop.evaluator.model)
-    if not counters or loop.env.world_size == 1:
-        return oov_rates(collision_rates(dict(counters)))
-    keys = sorted(counters)
-    totals = torch.tensor([float(counters[k]) for k in keys], dtype=torch.float64, device=loop.env.device)
-    torch.distributed.all_reduce(totals)
-    return oov_rates(collision_rates(dict(zip(keys, totals.tolist(), strict=True))))
+    if counters and loop.env.world_size > 1:
+        keys = sorted(counters)
+        totals = torch.tensor([float(counters[k]) for k in keys], dtype=torch.float64, device=loop.env.device)
+        torch.distributed.all_reduce(totals)
+        counters = dict(zip(keys, totals.tolist(), strict=True))
+    if loop.env.is_main:
+        _warn_unfitted(loop, counters)
+    return oov_rates(collision_rates(dict(counters)))
+
+
+def _warn_unfitted(loop: Loop, counters: dict[str, float]) -> None:
+    """Say once per column that its vocabulary misses a share of the training values no fair sample would
+    (:func:`~recsys_runner.data.encoding.stored.unfitted_vocabularies`): those values all share its few OOV rows, which
+    ``data/oov_rate/<column>`` shows but no line said."""
+    for name, (share, values) in unfitted_vocabularies(counters).items():
+        if name not in loop.unfitted:
+            loop.unfitted.add(name)
+            log.warning("the vocabulary of %r lacks %.0f%% of the %d values of it that training has read so far (data/oov_rate/%s): "
+                        "they all share its few OOV rows. It was fitted on the first data.infer.sample_rows rows of data.path (or "
+                        "read from its vocab_file), which looked to cover the column, so the files' later rows hold other values: "
+                        "files sorted by time (Avazu's hour, ids that appear later) give no fair sample in their first rows. Fix: "
+                        "data.infer.sample_rows=<every row of the files> to fit on all of them, or shuffle the files' rows once",
+                        name, 100 * share, values, name)
 
 
 def _log(loop: Loop, metrics: dict[str, float], step: int, progress: Progress) -> None:
