@@ -210,10 +210,12 @@ def test_convert_of_a_csv_without_format_names_format_csv(tmp_path: Path, capsys
 
 
 def test_file_level_error_at_startup_is_a_data_error_with_exit_2(tmp_path: Path) -> None:
-    """Raised in the data module's constructor, while the run is being built."""
+    """Raised in the data module's constructor, while the run is being built; a column spelled close to the one asked for
+    is named (a preset's ``click`` on a copy whose header says ``is_clicked`` was a list of 24 names to search)."""
     path = write_csv(tmp_path / "cols.csv")
     err = cli(tmp_path, f"data.path={path}", "data.sparse=[{name: itme, num_embeddings: 10}]")
-    assert f"Data error: {path} has no column 'itme'; its header lists ['label', 'item', 'price']. Fix: correct the column names" in err
+    assert (f"Data error: {path} has no column 'itme'; its header lists ['label', 'item', 'price'] (did you mean 'item'?). Fix: "
+            "correct the column names") in err
 
 
 def test_inspect_of_a_text_file_cut_short_names_the_line_or_the_compression(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -25,6 +25,7 @@ from recsys_runner.data.files.sources import (
     PARQUET_MAGIC,
     SNIFF_BYTES,
     check_unique_names,
+    closest_column,
     lacks_training_column,
     looks_like_text,
     read_head,
@@ -224,8 +225,8 @@ class CsvHeaders:
             where = "its header" if header else "data.column_names"
             if self.reference is not None and missing[0] in self.reference[1]:
                 raise DataError(lacks_training_column(path, missing, f"{where} lists {names}", self.reference[0], self.path_key, self.what))
-            raise DataError(f"{path} has no column {missing[0]!r}; {where} lists {names}. Fix: correct the column names in "
-                            f"data.label(s) / data.dense / data.sparse" + ("" if header else " or data.column_names")
+            raise DataError(f"{path} has no column {missing[0]!r}; {where} lists {names}{closest_column(missing[0], names)}. Fix: "
+                            f"correct the column names in data.label(s) / data.dense / data.sparse" + ("" if header else " or data.column_names")
                             + self.misread(path, delimiter, header, names))
         return names, data_start, more
 
