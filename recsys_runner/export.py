@@ -151,7 +151,7 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> Path:
     stored = read_stored(checkpoint)
     built = build_unsharded(spec, stored)
     model = built.model
-    rows = served_rows(stored, checkpoint, built.raw, list(getattr(spec.data, "null_values", None) or [])) if options.mlflow_model else None
+    rows = served_rows(stored, checkpoint, built.raw, spec.data.missing_texts()) if options.mlflow_model else None
     top_k = topk.plan_top_k(model, built.features, built.data, options.top_k) if rows is not None else None  # export.top_k checked here
     ema = use_ema(spec, options.weights)
     manifest = lineage.collect(world_size=1, device=torch.device("cpu"))

@@ -63,8 +63,11 @@ BAD_CONFIGS = {
     "unknown-option": (["model=deepfn"], 1, ["Could not find 'model/deepfn'", "Available options in 'model'", "deepfm", "dlrm"]),
     "unknown-key": (["train.num_stepz=5"], 1, ["Key 'num_stepz' not in 'TrainConfig'"]),
     "steps-and-epochs": (["train.num_steps=5", "train.num_epochs=2"], 2,
-                         ["train.num_steps=5 and train.num_epochs=2 are both set", "train.num_epochs=2 alone"]),
-    "preset-steps-and-epochs": (["debug=fast", "train.num_epochs=2"], 2, ["are both set", "add train.num_steps=null"]),
+                         ["train.num_steps=5 and train.num_epochs=2 are both set", "train.num_epochs=2 train.num_steps=null"]),
+    "preset-steps-and-epochs": (["debug=fast", "train.num_epochs=2"], 2, ["are both set", "train.num_epochs=2 train.num_steps=null"]),
+    # the file presets train one epoch: a step count given on top needs the epochs unset, which the old fix never said
+    "preset-epochs-and-steps": (["experiment=movielens", "data.path=u.data", "train.num_steps=5"], 2,
+                                ["train.num_steps=5 and train.num_epochs=1 are both set", "Fix: train.num_steps=5 train.num_epochs=null"]),
     "zero-batch": (["data.batch_size=0"], 2, ["data.batch_size must be positive"]),
     "negative-batch": (["data.batch_size=-8"], 2, ["data.batch_size must be positive"]),
     "zero-lr": (["optim.lr=0"], 2, ["lr must be positive"]),

@@ -62,7 +62,8 @@ def test_directory_without_parquet_files(tmp_path: Path) -> None:
 
 def test_missing_column(tmp_path: Path) -> None:
     path = parquet(tmp_path)
-    with pytest.raises(DataError, match=r"p\.parquet has no column 'itme'; its columns are \['label', 'item', 'price'\]\. Fix: correct the column names"):
+    with pytest.raises(DataError, match=r"p\.parquet has no column 'itme'; its columns are \['label', 'item', 'price'\] \(did you mean "
+                                        r"'item'\?\)\. Fix: correct the column names"):
         parquet_data(path, sparse=[{"name": "itme", "num_embeddings": 10}])
 
 

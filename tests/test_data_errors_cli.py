@@ -210,7 +210,71 @@ def test_convert_of_a_csv_without_format_names_format_csv(tmp_path: Path, capsys
 
 
 def test_file_level_error_at_startup_is_a_data_error_with_exit_2(tmp_path: Path) -> None:
-    """Raised in the data module's constructor, while the run is being built."""
+    """Raised in the data module's constructor, while the run is being built; a column spelled close to the one asked for
+    is named (a preset's ``click`` on a copy whose header says ``is_clicked`` was a list of 24 names to search)."""
     path = write_csv(tmp_path / "cols.csv")
     err = cli(tmp_path, f"data.path={path}", "data.sparse=[{name: itme, num_embeddings: 10}]")
-    assert f"Data error: {path} has no column 'itme'; its header lists ['label', 'item', 'price']. Fix: correct the column names" in err
+    assert (f"Data error: {path} has no column 'itme'; its header lists ['label', 'item', 'price'] (did you mean 'item'?). Fix: "
+            "correct the column names") in err
+
+
+def test_inspect_of_a_text_file_cut_short_names_the_line_or_the_compression(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A download cut short — a plain file ending in a partial line, a gzip file without its end — was Arrow's traceback
+    (``ArrowInvalid: CSV parse error: Expected 3 columns, got 1``, ``OSError: Truncated compressed stream``), where
+    training names the file, the line and the fix."""
+    import gzip
+
+    text = write_csv(tmp_path / "full.csv").read_bytes()
+    (tmp_path / "cut.csv").write_bytes(text[:-6])  # the last line ends before its price: 1,9
+    (tmp_path / "cut.csv.gz").write_bytes(gzip.compress(text * 50)[:-40])
+    assert data_main(["inspect", str(tmp_path / "cut.csv"), "--format", "csv"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"Data error: bad row in {tmp_path / 'cut.csv'}, line 41: expected 3 fields separated by ',', found 2 "
+                          "('1,9'); inspect stops at it") and "Traceback" not in err
+    assert data_main(["inspect", str(tmp_path / "cut.csv.gz"), "--format", "csv"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"Data error: {tmp_path / 'cut.csv.gz'} cannot be decompressed as gzip (") and "gzip -t" in err
+    assert "remove it from the files inspected" in err and "Traceback" not in err
+
+
+def test_sequences_reads_a_log_without_a_header_line_by_column_names(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """MovieLens' u.data and ml-1m's ratings.dat (once its '::' are tabs) have no header line: ``sequences`` took the first
+    event for the column names and answered ``has no column(s) ['user', …]; its columns are ['196', '242', '3', …]. Fix: name
+    the log's columns with --user …`` — no flag could name them. ``--column-names`` does, and both errors say so."""
+    from recsys_runner.data.generated.generate import write_movielens_ratings
+
+    log = tmp_path / "u.data"
+    write_movielens_ratings(str(log), 600, num_users=40, num_items=60)
+    flags = ["--delimiter", "tab", "--user", "user", "--item", "item", "--time", "timestamp"]
+    assert data_main(["sequences", str(log), str(tmp_path / "out"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert f"{log} has no column(s) ['user', 'item', 'timestamp']" in err and "is data, not a header naming the columns" in err
+    assert "Fix: name its 4 columns in file order with --column-names, e.g. --column-names user,item,rating,timestamp" in err
+    dat = tmp_path / "ratings.dat"
+    dat.write_text(log.read_text().replace("\t", "::"))
+    assert data_main(["sequences", str(dat), str(tmp_path / "out"), *flags, "--column-names", "user,item,rating,timestamp"]) == 2
+    assert "Its fields are separated by '::' (MovieLens ml-1m's ratings.dat)" in capsys.readouterr().err
+    names = ["--column-names", "user,item,rating,timestamp"]
+    assert data_main(["sequences", str(log), str(tmp_path / "out"), *flags, *names, "--label", "rating", "--label-threshold", "4"]) == 0
+    assert f"read 600 events from {log}; no exact duplicates" in capsys.readouterr().out
+    assert sum(pq.read_metadata(p).num_rows for p in (tmp_path / "out").glob("*.parquet")) == 600  # every line an event
+    assert data_main(["sequences", str(log), str(tmp_path / "out2"), *flags, "--column-names", "user,item,rating"]) == 2
+    assert "lacks ['timestamp']" in capsys.readouterr().err
+
+
+def test_column_names_of_another_length_than_every_line_is_told_at_start(tmp_path: Path) -> None:
+    """data.column_names naming fewer columns than every line holds — ml-1m's ratings.dat read with data.delimiter=':' (7
+    fields, every other one empty), or a file of 5 columns named 3 — left every sampled line out as a bad row, and the
+    run said ``left out 'user': empty in the sample``, as if the column held nothing."""
+    from recsys_runner.errors import DataError
+
+    (tmp_path / "ratings.dat").write_text("1::1193::5::978300760\n1::661::3::978302109\n2::914::3::978301968\n")
+    names = ["user", "item", "rating", "timestamp"]
+    with pytest.raises(DataError, match=r"its fields are separated by '::', which data.delimiter=':' splits into 7 fields, every "
+                                        r"other one empty, where data.column_names names 4 columns .*Fix: .*sed 's/::/\\t/g'"):
+        CsvData(make(CsvDataConfig, path=str(tmp_path / "ratings.dat"), delimiter=":", header=False, column_names=names,
+                     label="rating", label_threshold=4))
+    (tmp_path / "five.csv").write_text("1,2,3,4,5\n0,5,6,7,8\n1,2,2,2,2\n")
+    with pytest.raises(DataError, match=r"split into 5 field\(s\) by data.delimiter=',', but data.column_names names 3 columns "
+                                        r".*Fix: data.column_names naming all 5 columns in file order"):
+        CsvData(make(CsvDataConfig, path=str(tmp_path / "five.csv"), header=False, column_names=["label", "u", "i"]))

@@ -657,3 +657,24 @@ def test_parquet_ids_with_gaps_are_served_from_text(tmp_path: Path) -> None:
         model.predict(request.head(2).assign(user=pd.Series([7.0, 1.5], dtype=object)))
     with pytest.raises(Exception, match=r"request row 0, column 'user' holds the boolean True.*it would silently become 1\."):
         model.predict(request.head(2).assign(user=pd.Series([True, None], dtype=object)))
+
+
+def test_a_criteo_model_serves_raw_lines_whose_empty_fields_are_missing_values(tmp_path: Path) -> None:
+    """``data=criteo`` reads an empty field as missing (a count takes its fill, a categorical is an empty bag); the served
+    model was told no missing-value text (``null_values`` came only from ``data=csv``), so a raw Criteo line, as
+    ``pd.read_csv(..., dtype=str, keep_default_na=False)`` or a CSV request body gives it, was refused: ``'' is not a
+    number``."""
+    import mlflow.pyfunc
+
+    from recsys_runner.data.files.tabular_config import CRITEO_COLUMNS
+    from recsys_runner.data.generated.generate import write_criteo_tsv
+
+    write_criteo_tsv(str(tmp_path / "train.txt"), 400, cardinality=30)
+    data = ["data=criteo", f"data.path={tmp_path}/train.txt", "data.batch_size=64", "model=deepfm", "distributed.device=cpu",
+            "tracking=none"]
+    trained = _trained(tmp_path, data, 3)
+    raw = pd.read_csv(tmp_path / "train.txt", sep="\t", header=None, names=CRITEO_COLUMNS, dtype=str, keep_default_na=False)
+    assert (raw[["int_0", "cat_0"]] == "").any().all(), "the rows must hold empty counts and categoricals"
+    reference = _scores(data, trained["checkpoint"], tmp_path / "train.txt", tmp_path / "predicted")["score"].to_numpy()
+    served = mlflow.pyfunc.load_model(str(trained["model"])).predict(raw.drop(columns=["label"]))
+    np.testing.assert_allclose(served["score"].to_numpy(), reference, atol=ATOL)

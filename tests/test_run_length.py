@@ -85,7 +85,7 @@ def test_num_epochs_alone_trains_that_many_epochs(make_cfg, mlflow_uri: str) -> 
 
 
 def test_steps_and_epochs_both_set_is_an_error_naming_the_fix(make_cfg) -> None:
-    with pytest.raises(ConfigError, match=r"train.num_steps=30 and train.num_epochs=2 are both set.*train.num_epochs=2 alone"):
+    with pytest.raises(ConfigError, match=r"train.num_steps=30 and train.num_epochs=2 are both set.*train.num_epochs=2 train.num_steps=null"):
         validate(make_cfg("train.num_epochs=2", "tracking=none"))  # TINY sets train.num_steps=30
 
 

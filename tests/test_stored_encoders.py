@@ -32,6 +32,7 @@ from recsys_runner.data.generated.generate import write_criteo_parquet
 from recsys_runner.data_build import build_data
 from recsys_runner.errors import DataError
 from recsys_runner.serving.files import served_rows
+from recsys_runner.train.loop import in_the_line, line_extra
 from tests.test_evaluate import compose_entry
 
 
@@ -105,13 +106,24 @@ def test_appended_rows_change_neither_evaluate_nor_predict_nor_resume(trained: d
         c.close()
 
 
-def test_the_training_run_logs_its_encoders_to_mlflow(trained: dict[str, Any], mlflow_uri: str, tmp_path: Path) -> None:
+def test_the_training_run_logs_its_encoders_to_mlflow(trained: dict[str, Any], mlflow_uri: str, tmp_path: Path,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
     from mlflow.tracking import MlflowClient
 
     (tmp_path / "train.csv").write_text(trained["original"])
     data = [o for o in trained["data"] if o != "tracking=none"]
-    train(compose_entry("config", *data, f"data.path={tmp_path}/train.csv", "train.num_steps=2", "checkpoint=none",
-                        f"tracking.uri={mlflow_uri}", "tracking.experiment=stored_encoders"))
+    with caplog.at_level(logging.INFO, logger="recsys_runner.train.loop"):
+        train(compose_entry("config", *data, f"data.path={tmp_path}/train.csv", "train.num_steps=2", "checkpoint=none",
+                            "train.log_every_steps=1", f"tracking.uri={mlflow_uri}", "tracking.experiment=stored_encoders"))
+    # the step lines show no rate or counter at 0 (Criteo's 26 vocabularies made each line ~1,600 characters), and say
+    # what they leave to the run's metrics
+    (line, *_) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step 1/2 train/loss=")]
+    assert "oov_rate/user=" not in line and "oov_rate/item=" not in line and "data/bad_rows_skipped" not in line, line
+    assert "(+2 lower data/oov_rate/<column> in the run's metrics)" in line, line
+    rates = {f"data/oov_rate/cat_{i}": i / 100 for i in range(26)}  # Criteo's 26: the three highest are shown
+    metrics = {"train/loss": 0.5, **rates, "data/truncated_histories": 0.0, "data/bad_rows_skipped": 3.0}
+    assert list(in_the_line(metrics)) == ["train/loss", *(f"data/oov_rate/cat_{i}" for i in (23, 24, 25)), "data/bad_rows_skipped"]
+    assert line_extra(metrics) == " (+23 lower data/oov_rate/<column> in the run's metrics)"
     client = MlflowClient(tracking_uri=mlflow_uri)
     (run,) = client.search_runs([client.get_experiment_by_name("stored_encoders").experiment_id])
     logged = json.loads(Path(client.download_artifacts(run.info.run_id, ENCODERS_FILE, str(tmp_path))).read_text())
@@ -209,3 +221,21 @@ def test_ids_of_another_type_than_in_training_are_refused_not_read_as_oov(tmp_pa
     # 'item' (encoding=id) reads "3" and 3 alike: no error for ids of the training's type in its column
     pq.write_table(pq.read_table(ints).drop_columns(["label"]).set_column(1, "item", pa.array(["3"] * 40)), without_labels)
     data.check_trained(scored, "predict.input", optional=["label"])
+
+
+def test_a_vocabulary_fitted_on_rows_unlike_the_rest_is_said_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A file sorted by time (Avazu's train.csv: its first 100,000 rows are its first hour) gives the vocabulary of ``hour``
+    the first hours alone, which looked like a covered column (every value seen often): every later row's hour read the
+    column's OOV rows, said by nothing but ``data/oov_rate/hour`` among 20 other rates. The run now says it once, naming
+    the column, the share and the fix; a column the sample did cover (``item``) is not named."""
+    rng = np.random.default_rng(0)
+    lines = [f"{int(rng.random() < 0.3)},h{i * 50 // 12_000},{int(rng.integers(20))}" for i in range(12_000)]  # hours in order
+    (tmp_path / "train.csv").write_text("\n".join(["label,hour,item", *lines]) + "\n")
+    with caplog.at_level(logging.WARNING, logger="recsys_runner.train.loop"):
+        train(compose_entry("config", "data=csv", f"data.path={tmp_path}/train.csv", "data.label=label", "data.batch_size=1000",
+                            "data.eval_fraction=0.01", "data.infer.sample_rows=960", "model=lr", "train.num_epochs=1",
+                            "train.num_steps=null", "train.log_every_steps=5", "distributed.device=cpu", "tracking=none",
+                            "checkpoint=none"))
+    said = [r.getMessage() for r in caplog.records if "the vocabulary of" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("the vocabulary of 'hour' lacks 9"), said  # 4 of 50 hours fitted
+    assert "data.infer.sample_rows=<every row of the files>" in said[0]

@@ -53,7 +53,13 @@ from recsys_runner.data.encoding.fit import InferConfig, complete_schema
 from recsys_runner.data.encoding.rows import Encoder, Location
 from recsys_runner.data.files.csv_source import CsvSource
 from recsys_runner.data.files.sources import skip_empty
-from recsys_runner.data.files.tabular_config import CRITEO_COLUMNS, CRITEO_NUM_SPARSE, criteo_schema, text_delimiter
+from recsys_runner.data.files.tabular_config import (
+    CRITEO_COLUMNS,
+    CRITEO_MISSING_TEXTS,
+    CRITEO_NUM_SPARSE,
+    criteo_schema,
+    text_delimiter,
+)
 from recsys_runner.data.inspect import inspect
 from recsys_runner.data.locate import resolve_files
 from recsys_runner.data.schema import DenseColumn, Schema, SparseColumn
@@ -143,7 +149,7 @@ def inferred_csv_schema(args: argparse.Namespace, files: list[str]) -> tuple[Sch
 def convert(args: argparse.Namespace) -> None:
     if args.format == "criteo":
         schema = criteo_schema([args.num_embeddings] * CRITEO_NUM_SPARSE, args.categorical_encoding)
-        options: dict[str, Any] = {"delimiter": "\t", "header": False, "column_names": CRITEO_COLUMNS, "null_values": [""]}
+        options: dict[str, Any] = {"delimiter": "\t", "header": False, "column_names": CRITEO_COLUMNS, "null_values": CRITEO_MISSING_TEXTS}
     elif args.schema:
         parts, reader = read_schema_file(args.schema)  # the form a training run logs when it infers a schema
         if parts["label"] is None and parts["labels"] is None:
@@ -210,7 +216,7 @@ def sequences(args: argparse.Namespace) -> None:
     spec = LogSpec(user=args.user, item=args.item, time=args.time, label=args.label, label_threshold=args.label_threshold,
                    sides=list(args.side), max_len=args.max_len, split=args.split, eval_from=args.eval_from, valid_from=args.valid_from,
                    rows=args.rows, duplicates=args.duplicates, vocab=args.vocab, oov_buckets=args.oov_buckets or 1,
-                   ids_as_text=args.ids_as_text)
+                   ids_as_text=args.ids_as_text, column_names=args.column_names.split(",") if args.column_names else None)
     if args.vocab is not None and args.oov_buckets is not None:
         raise ConfigError(f"--oov-buckets {args.oov_buckets} with --vocab: the tables keep the earlier output's sizes (its ids and its "
                           f"OOV rows), so a model trained on it reads the new rows. Fix: drop --oov-buckets")
@@ -288,6 +294,8 @@ def _sequences_parser(sub: Any) -> None:
                         "decimal text). Default: as inferred, refused where that would merge ids; with --vocab: as its mapping was read")
     s.add_argument("--format", choices=["auto", "parquet", "csv"], default="auto", help="auto: Parquet by file name, else text")
     s.add_argument("--delimiter", default=",", help="text logs: the field delimiter (a character, or tab/comma/semicolon/pipe)")
+    s.add_argument("--column-names", help="a text log without a header line (MovieLens' u.data): its columns' names in file order, "
+                                          "comma-separated, e.g. user,item,rating,timestamp; every line is then an event")
     s.add_argument("--row-group-rows", type=int, default=65_536)
     s.add_argument("--duplicates", choices=list(DUPLICATES), default="drop",
                    help="events equal in every column read (user, item, time, label, sides): drop all but the first, keep them "

@@ -221,6 +221,12 @@ class DataConfig(Configurable):
         """Whether this data encodes files by fitted encoders (file data overrides this)."""
         return False
 
+    def missing_texts(self) -> list[str]:
+        """The field texts this data's reader reads as a missing value: none for data whose values are typed (generated,
+        Parquet); text options override it. The exported MLflow model reads a request's fields by them, so a served raw
+        row takes the fill and the empty bag where training's reader saw a missing value."""
+        return []
+
     def resolved(self: D, device: torch.device | str | None = None) -> D:
         """This config with ``num_workers: auto`` and ``pin_memory: null`` decided for a run on ``device`` (``None``:
         CUDA when it is available, as ``distributed.device=auto`` decides); ``self`` when both are already set."""

@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 from recsys_runner.data.encoding.fit import InferConfig
 from recsys_runner.data.encoding.roles import infer_column
 from recsys_runner.data.encoding.values import parse_numbers
+from recsys_runner.data.files.compression import detect, read_error
 from recsys_runner.data.files.sources import PARQUET_MAGIC, read_head
 from recsys_runner.data.files.tabular_config import CRITEO_COLUMNS, text_delimiter
 from recsys_runner.data.locate import PARQUET_SUFFIXES, resolve_files
@@ -46,20 +47,53 @@ def _tables(args: argparse.Namespace, shown_types: dict[str, pa.DataType]) -> tu
     files = resolve_files(args.path, "path", None)
     criteo = args.format == "criteo"
     delimiter = "\t" if criteo else text_delimiter(args.delimiter, "--delimiter ", "--delimiter ,")
-    read_options = pacsv.ReadOptions(column_names=CRITEO_COLUMNS if criteo else None, autogenerate_column_names=False)
-    parse_options = pacsv.ParseOptions(delimiter=delimiter)
+    read_options = pacsv.ReadOptions(column_names=CRITEO_COLUMNS if criteo else None, autogenerate_column_names=False,
+                                     use_threads=False)  # one thread: a bad row is then told with its line number
 
     def text_tables() -> Any:
         for path in files:
-            typed = pacsv.open_csv(path, read_options=read_options, parse_options=parse_options)
-            for field in typed.schema:
-                shown_types.setdefault(field.name, field.type)
-            text = pacsv.ConvertOptions(column_types=dict.fromkeys(typed.schema.names, pa.string()), null_values=[""],
-                                        strings_can_be_null=True, quoted_strings_can_be_null=True)
-            reader = pacsv.open_csv(path, read_options=read_options, parse_options=parse_options, convert_options=text)
-            yield from (pa.Table.from_batches([b]) for b in reader)
+            yield from _text_file_tables(path, read_options, delimiter, criteo, shown_types)
 
     return files, text_tables()
+
+
+def _text_file_tables(path: str, read_options: pacsv.ReadOptions, delimiter: str, criteo: bool,
+                      shown_types: dict[str, pa.DataType]) -> Any:
+    """The text file ``path``'s blocks, every field a string (``shown_types`` gets the types Arrow infers); a line of the
+    wrong number of fields or a damaged compressed file stops it with :func:`_unreadable`'s error."""
+    bad: list[Any] = []  # the first line of a wrong number of fields, as Arrow's parser saw it
+
+    def stop_at(row: Any) -> str:
+        bad.append(row)
+        return "error"
+
+    options = pacsv.ParseOptions(delimiter=delimiter, invalid_row_handler=stop_at)
+    try:
+        typed = pacsv.open_csv(path, read_options=read_options, parse_options=options)
+        for field in typed.schema:
+            shown_types.setdefault(field.name, field.type)
+        text = pacsv.ConvertOptions(column_types=dict.fromkeys(typed.schema.names, pa.string()), null_values=[""],
+                                    strings_can_be_null=True, quoted_strings_can_be_null=True)
+        reader = pacsv.open_csv(path, read_options=read_options, parse_options=options, convert_options=text)
+        yield from (pa.Table.from_batches([b]) for b in reader)
+    except (OSError, pa.ArrowInvalid) as e:
+        raise _unreadable(path, e, bad[0] if bad else None, delimiter, criteo) from None
+
+
+def _unreadable(path: str, e: BaseException, bad: Any, delimiter: str, criteo: bool) -> Exception:
+    """Why the text file ``path`` cannot be counted, as training words it: a compressed file cut short or corrupt, a line of
+    another number of fields than the first (``bad``: Arrow's ``InvalidRow``, e.g. the last line of a truncated download),
+    or Arrow's own error where it is neither (naming the file)."""
+    compression = detect(path, read_head(path))
+    if bad is None and compression is not None:
+        return read_error(path, compression, e, "the files inspected")
+    if bad is None:
+        return DataError(f"{path} cannot be read as delimited text ({str(e).splitlines()[0]}). Fix: check the file and --delimiter")
+    line = "" if bad.number is None else f", line {bad.number}"
+    layout = " (Criteo's layout: the label, 13 counts, 26 hex categoricals)" if criteo else ""
+    return DataError(f"bad row in {path}{line}: expected {bad.expected_columns} fields{layout} separated by {delimiter!r}, found "
+                     f"{bad.actual_columns} ({bad.text[:100]!r}); inspect stops at it, as training does (data.on_bad_rows=fail). "
+                     f"Fix the line (a file cut short ends in a partial line: drop it, e.g. head -n -1), or check --delimiter")
 
 
 TEXT = "text"

@@ -203,7 +203,8 @@ class ServedRows:
     document: bytes
     raw: Any
     null_values: list[str]
-    """The text reader's missing-value tokens (``data.null_values`` of CSV data; none for Parquet)."""
+    """The text reader's missing-value tokens (``data.missing_texts()``: ``data.null_values`` of CSV data, the empty field of
+    Criteo's; none for Parquet)."""
 
 
 def served_rows(stored: StoredEncoders | None, checkpoint: Path, raw: Any, null_values: list[str]) -> ServedRows | None:

@@ -230,6 +230,8 @@ def check_inputs(encoders: StoredEncoders, sample: pa.Table, where: str, optiona
 OOV_PREFIX, LOOKUP_PREFIX = "data/oov_values/", "data/vocab_values/"
 """The counters (summable over ranks) a file data module keeps per ``encoding: vocab`` column: values that read an OOV
 row, and values; :func:`oov_rates` turns each pair into ``data/oov_rate/<column>``."""
+RATE_PREFIX = "data/oov_rate/"
+"""Each ``encoding: vocab`` column's metric: the share of its values that read an OOV row (:func:`oov_rates`)."""
 
 
 def oov_counters(counts: dict[str, list[int]]) -> dict[str, float]:
@@ -240,6 +242,26 @@ def oov_counters(counts: dict[str, list[int]]) -> dict[str, float]:
     return out
 
 
+UNFITTED_RATE, UNFITTED_MIN_VALUES = 0.2, 10_000
+"""A vocabulary that misses at least this share of at least this many training values was fitted on rows unlike the
+rest (:func:`unfitted_vocabularies`): a fit keeps a vocabulary only where the sample's values seen once are at most
+``data.infer.max_unseen_fraction`` (5%) of its values, so a fair sample leaves a few percent unseen, never a fifth."""
+
+
+def unfitted_vocabularies(counters: dict[str, float]) -> dict[str, tuple[float, int]]:
+    """The columns whose vocabulary misses a share of their values that no fair sample would (:data:`UNFITTED_RATE` of at
+    least :data:`UNFITTED_MIN_VALUES`), each with that share and the values counted: the first rows of a file sorted by time
+    (Avazu's ``train.csv``: one hour of ten days) hold the first hours alone, so ``hour`` is then OOV for every later row."""
+    out: dict[str, tuple[float, int]] = {}
+    for key, total in counters.items():
+        name = key.removeprefix(LOOKUP_PREFIX)
+        if key.startswith(LOOKUP_PREFIX) and total >= UNFITTED_MIN_VALUES:
+            share = counters.get(f"{OOV_PREFIX}{name}", 0.0) / total
+            if share >= UNFITTED_RATE:
+                out[name] = (share, int(total))
+    return out
+
+
 def oov_rates(counters: dict[str, float]) -> dict[str, float]:
     """``counters`` (summed over ranks) with each column's pair of OOV counters replaced by ``data/oov_rate/<column>``:
     the share of its values since the data was built that no row of the stored vocabulary holds."""
@@ -247,11 +269,11 @@ def oov_rates(counters: dict[str, float]) -> dict[str, float]:
     for key, total in counters.items():
         if key.startswith(LOOKUP_PREFIX) and total:
             name = key.removeprefix(LOOKUP_PREFIX)
-            out[f"data/oov_rate/{name}"] = counters.get(f"{OOV_PREFIX}{name}", 0.0) / total
+            out[f"{RATE_PREFIX}{name}"] = counters.get(f"{OOV_PREFIX}{name}", 0.0) / total
     return out
 
 
 def oov_line(rates: dict[str, float]) -> str | None:
     """One log line of the ``data/oov_rate/<column>`` values, or ``None`` without any."""
-    shown = [f"{k.removeprefix('data/oov_rate/')} {v:.2%}" for k, v in rates.items() if k.startswith("data/oov_rate/")]
+    shown = [f"{k.removeprefix(RATE_PREFIX)} {v:.2%}" for k, v in rates.items() if k.startswith(RATE_PREFIX)]
     return f"values unseen when the vocabularies were fitted (read OOV rows): {', '.join(shown)}" if shown else None

@@ -79,13 +79,13 @@ def plain_name(path: str) -> str:
     return name
 
 
-def read_error(path: str, compression: Compression, e: BaseException) -> UserError:
+def read_error(path: str, compression: Compression, e: BaseException, given: str = "data.path") -> UserError:
     """Why ``path`` cannot be decompressed, as a :class:`DataError` naming it, its compression and the check; a store that
-    does not answer, as the store's error."""
+    does not answer, as the store's error. ``given``: what named the file (a key, or a command's argument)."""
     if (refused := stores.failure(path, e)) is not None:
         return refused
     return DataError(f"{path} cannot be decompressed as {compression.name} ({str(e).splitlines()[0]}): the file is truncated or "
-                     f"corrupt. Fix: check it ({compression.check} {path}), download or compress it again, or remove it from data.path")
+                     f"corrupt. Fix: check it ({compression.check} {path}), download or compress it again, or remove it from {given}")
 
 
 @contextmanager

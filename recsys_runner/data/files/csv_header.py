@@ -25,10 +25,12 @@ from recsys_runner.data.files.sources import (
     PARQUET_MAGIC,
     SNIFF_BYTES,
     check_unique_names,
+    closest_column,
     lacks_training_column,
     looks_like_text,
     read_head,
 )
+from recsys_runner.data.files.tabular_config import MULTI_CHARACTER_FIX
 from recsys_runner.errors import DataError
 
 BOM = "\ufeff"
@@ -138,12 +140,20 @@ class CsvHeaders:
                 + (f", a header line ({', '.join(split_fields(lines[0], found)[:6])})" if found and looks_like_header(lines, found) else "")
                 if found else f"Its first line is {lines[0][:100]!r}")
         fields = len(split_fields(data[0], delimiter)) if data else len(names)
-        if fields != len(names) and (fields == 1 or (found is not None and found != delimiter)):
+        # data.column_names of another length than every first line (never one bad row, which data.on_bad_rows handles)
+        alike = not header and len(data) > 1 and all(len(split_fields(line, delimiter)) == fields for line in self.first_lines(path, 3))
+        if fields != len(names) and (fields == 1 or alike or (found is not None and found != delimiter)):
+            if alike and fields > 2 and all(not f for f in split_fields(data[0], delimiter)[1::2]):  # ml-1m's '::' read by ':'
+                return (f" {seen}: its fields are separated by {delimiter * 2!r}, which data.delimiter={delimiter!r} splits into "
+                        f"{fields} fields, every other one empty, where data.column_names names "
+                        f"{len(names)} columns {names}. Fix: {MULTI_CHARACTER_FIX}")
             fix = []
             if found and found != delimiter:
                 fix.append(f"data.delimiter={DELIMITER_OPTIONS.get(found, found)}")
             if found and looks_like_header(lines, found) and not header:
                 fix.append("data.header=true")
+            if alike and not fix:
+                fix.append(f"data.column_names naming all {fields} columns in file order, or set data.delimiter to match the file")
             return (f" The lines split into {fields} field(s) by data.delimiter={delimiter!r}, but "
                     f"{'the header' if header else 'data.column_names'} names {len(names)} columns {names}: the wrong delimiter"
                     f"{' or header' if not header else ''}? {seen}. Fix: {' '.join(fix) or 'set data.delimiter and data.header to match the file'} "
@@ -215,8 +225,8 @@ class CsvHeaders:
             where = "its header" if header else "data.column_names"
             if self.reference is not None and missing[0] in self.reference[1]:
                 raise DataError(lacks_training_column(path, missing, f"{where} lists {names}", self.reference[0], self.path_key, self.what))
-            raise DataError(f"{path} has no column {missing[0]!r}; {where} lists {names}. Fix: correct the column names in "
-                            f"data.label(s) / data.dense / data.sparse" + ("" if header else " or data.column_names")
+            raise DataError(f"{path} has no column {missing[0]!r}; {where} lists {names}{closest_column(missing[0], names)}. Fix: "
+                            f"correct the column names in data.label(s) / data.dense / data.sparse" + ("" if header else " or data.column_names")
                             + self.misread(path, delimiter, header, names))
         return names, data_start, more
 

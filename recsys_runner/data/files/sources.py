@@ -11,6 +11,7 @@ source; the delimited-text source is :mod:`~recsys_runner.data.files.csv_source`
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 from collections.abc import Collection, Iterator
@@ -209,6 +210,13 @@ def type_clash(columns: list[str], first: tuple[str, pa.Schema], other: tuple[st
     return None
 
 
+def closest_column(name: str, names: list[str]) -> str:
+    """`` (did you mean 'is_clicked'?)`` when one of the file's columns ``names`` is spelled close to the missing ``name`` (a
+    label a preset names ``click`` that a copy of the file calls otherwise), else ``""``."""
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def lacks_training_column(path: str, missing: list[str], listed: str, reference: str, path_key: str, what: str) -> str:
     """The message for an eval file (``path``, named by ``path_key``) without a column the training file ``reference`` holds:
     the file is the mistake, not the config's column names, so the fix is to the file or the setting naming it.
@@ -318,7 +326,8 @@ class ParquetSource:
             if (holder := self._holding(missing[0], path)) is not None:
                 raise DataError(f"{lacks}, but {holder} has it: files read together hold the same columns. Fix: write {path} with the "
                                 f"column, or remove it from the setting that names it (data.path, data.eval_path)")
-            raise DataError(f"{lacks}. Fix: correct the column names in data.label(s) / data.dense / data.sparse")
+            raise DataError(f"{lacks}{closest_column(missing[0], names)}. Fix: correct the column names in data.label(s) / data.dense / "
+                            f"data.sparse")
         return f
 
     def _has(self, path: str, column: str) -> bool:

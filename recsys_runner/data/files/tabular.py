@@ -309,5 +309,5 @@ class CriteoData(TabularData):
     def _source(self, files: list[str]) -> CsvSource:
         c = self.criteo
         return CsvSource(files, self.schema.columns if hasattr(self, "schema") else [], delimiter="\t", header=False,
-                         column_names=CRITEO_COLUMNS, null_values=[""], block_rows=c.block_rows, on_bad_rows=c.on_bad_rows,
+                         column_names=CRITEO_COLUMNS, null_values=c.missing_texts(), block_rows=c.block_rows, on_bad_rows=c.on_bad_rows,
                          fixed_layout=CRITEO_LAYOUT)

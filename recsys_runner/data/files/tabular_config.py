@@ -40,6 +40,8 @@ VOCABULARY_MODES = ("keep", "refit")
 """``data.vocabulary``: what a run that starts from a checkpoint encodes its files by (:class:`TabularDataConfig`)."""
 CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE = 13, 26
 CRITEO_COLUMNS = ["label", *(f"int_{i}" for i in range(CRITEO_NUM_DENSE)), *(f"cat_{i}" for i in range(CRITEO_NUM_SPARSE))]
+CRITEO_MISSING_TEXTS = [""]
+"""Criteo's missing value: an empty field (a count or a categorical the log did not record)."""
 
 
 @dataclass(kw_only=True)
@@ -261,6 +263,9 @@ class CsvDataConfig(SchemaFields):
         require(self.block_rows > 0, f"data.block_rows must be positive, got {self.block_rows}")
         check_text_lists(self.sequence_groups(), list(self.sparse), "data.sparse")
 
+    def missing_texts(self) -> list[str]:
+        return list(self.null_values)
+
 
 MULTI_CHARACTER_FIX = ("A separator of several characters, such as MovieLens ml-1m's '::', is one character once rewritten: "
                        "sed 's/::/\\t/g' ratings.dat > ratings.tsv, then a tab (its movies.dat and users.dat are Latin-1 text: "
@@ -319,6 +324,9 @@ class CriteoDataConfig(TabularDataConfig):
     """``log1p`` (clamp negatives to 0, then log(1+x)) or ``none``."""
     block_rows: int = 65_536
     """Lines per unit of work."""
+
+    def missing_texts(self) -> list[str]:
+        return list(CRITEO_MISSING_TEXTS)
 
     def __post_init__(self) -> None:
         super().__post_init__()

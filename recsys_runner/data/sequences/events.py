@@ -57,6 +57,9 @@ class LogSpec:
     """``per-event``: a row per event; ``per-user``: a row per user and part (:mod:`~recsys_runner.data.sequences.splits`)."""
     duplicates: str = "drop"
     """Repeated events (equal in every column read): ``drop`` all but the first, ``keep`` them, or ``fail``."""
+    column_names: list[str] | None = None
+    """The names of a text log's columns in file order (``--column-names``), for a log without a header line (MovieLens'
+    ``u.data``, ``ratings.dat`` once its ``::`` are tabs): every line is then an event. ``None``: the first line names them."""
     vocab: str | None = None
     """An earlier output folder whose id mapping encodes this log (``--vocab``); ``None``: a new mapping."""
     ids_as_text: bool | None = None
@@ -95,6 +98,14 @@ class LogSpec:
         names = [self.user, self.item, self.time, *([self.label] if self.label else []), *self.sides]
         if len(set(names)) != len(names):
             raise ConfigError(f"the columns {names} (--user, --item, --time, --label, --side) repeat; each has one role")
+        if self.column_names is not None:
+            repeated = sorted({c for c in self.column_names if self.column_names.count(c) > 1})
+            if repeated or not all(self.column_names):
+                raise ConfigError(f"--column-names {','.join(self.column_names)} names {'the column ' + repr(repeated[0]) + ' twice' if repeated else 'a column with no name'}"
+                                  f": each column of the log has one name. Fix: one distinct name per column, in file order")
+            if unnamed := [c for c in names if c not in self.column_names]:
+                raise ConfigError(f"--column-names {','.join(self.column_names)} lacks {unnamed}, which --user, --item, --time, --label "
+                                  f"or --side read. Fix: name the log's columns in file order and give those names to the flags")
 
     @property
     def columns(self) -> list[str]:
@@ -124,22 +135,30 @@ def read_log(path: str, spec: LogSpec, fmt: str = "auto", delimiter: str = ",") 
             empty.append((f, "0 bytes"))
             continue
         fs, in_fs = stores.arrow_filesystem(f)
-        names = pq.read_schema(in_fs, filesystem=fs).names if parquet else _header(f, delimiter)
+        if parquet and spec.column_names is not None:
+            raise ConfigError(f"--column-names names the columns of a text log without a header line, but {f} is Parquet, which "
+                              f"names its own ({pq.read_schema(in_fs, filesystem=fs).names}). Fix: drop --column-names")
+        first = [] if parquet else _header(f, delimiter)
+        names = pq.read_schema(in_fs, filesystem=fs).names if parquet else spec.column_names or first
+        if spec.column_names is not None and len(first) != len(names):
+            raise DataError(f"{f}: its first line {delimiter.join(first)[:100]!r} splits into {len(first)} field(s) by --delimiter "
+                            f"{delimiter!r}, but --column-names names {len(names)} columns {names}.{_layout_fix(first, delimiter)}")
         missing = [c for c in spec.columns if c not in names]
         if missing:
-            raise DataError(f"{f} has no column(s) {missing}; its columns are {names}. Fix: name the log's columns with --user, "
-                            f"--item, --time, --label and --side")
+            raise DataError(f"{f} has no column(s) {missing}; its columns are {names}."
+                            + (_layout_fix(first, delimiter) or " Fix: name the log's columns with --user, --item, --time, --label and --side"))
         ids = list(spec.id_roles)
         if parquet:
             table = pq.read_table(in_fs, columns=spec.columns, filesystem=fs)
         else:
             with stores.open_input(f) as stream:
                 text = dict.fromkeys(ids, pa.string()) if spec.ids_as_text else {}
-                table = pacsv.read_csv(stream, parse_options=pacsv.ParseOptions(delimiter=delimiter),
+                table = pacsv.read_csv(stream, read_options=pacsv.ReadOptions(column_names=spec.column_names),
+                                       parse_options=pacsv.ParseOptions(delimiter=delimiter),
                                        convert_options=pacsv.ConvertOptions(include_columns=spec.columns, column_types=text))
             inferred = [] if spec.ids_as_text else text_ids.inferred_id_columns(table, ids)
             if inferred and table.num_rows:  # the raw text of ids read as numbers (or dates): lost in the reading?
-                raw = text_ids.read_text_columns(f, delimiter, inferred)
+                raw = text_ids.read_text_columns(f, delimiter, inferred, spec.column_names)
                 text_ids.check_lossless(table, raw, f, spec.id_roles)
         table = _plain_columns(table)
         if spec.ids_as_text:
@@ -192,6 +211,30 @@ def _concat(tables: list[pa.Table], files: list[str], columns: list[str], ids: l
 def _header(path: str, delimiter: str) -> list[str]:
     with stores.open_input(path) as f:
         return f.readline().decode("utf-8", errors="replace").rstrip("\r\n").split(delimiter)
+
+
+def _layout_fix(first: list[str], delimiter: str) -> str:
+    """The fix for a text log whose first line (``first``, split by ``delimiter``) does not name the columns asked for, when
+    it tells why: fields separated by ``::`` (MovieLens ml-1m's ``ratings.dat``), or a line of data (a log without a
+    header line, as ``u.data``); ``""`` otherwise."""
+    line = delimiter.join(first)
+    if "::" in line and len(first) == 1:
+        return (" Its fields are separated by '::' (MovieLens ml-1m's ratings.dat), which is no one-character delimiter, and it has "
+                "no header line. Fix: sed 's/::/\\t/g' ratings.dat > ratings.tsv, then --delimiter tab --column-names "
+                "user,item,rating,timestamp (and --user user --item item --time timestamp)")
+    if first and all(_is_number(v) for v in first):
+        return (f" Its first line {line[:100]!r} is data, not a header naming the columns: a log without a header line (as MovieLens' "
+                f"u.data). Fix: name its {len(first)} columns in file order with --column-names, e.g. --column-names "
+                f"{','.join(['user', 'item', 'rating', 'timestamp'][:len(first)] if len(first) <= 4 else [f'c{i}' for i in range(len(first))])}")
+    return ""
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _no_nulls(arr: pa.ChunkedArray, column: str, where: str) -> pa.Array:
