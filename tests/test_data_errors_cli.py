@@ -170,6 +170,25 @@ def test_inspect_takes_the_delimiters_names(tmp_path: Path, capsys: pytest.Captu
     assert "40 rows" in capsys.readouterr().out
 
 
+def test_inspect_of_a_folder_says_which_of_its_files_it_leaves_unread(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``inspect d`` counts d's own files, not those of its subdirectories; training says so at INFO, but the data commands
+    left Python's default level (WARNING) in place, so inspect's counts covered part of the data without a word. The
+    logger's state is restored after the command (tests call it in process)."""
+    import logging
+
+    (tmp_path / "d" / "day=2").mkdir(parents=True)
+    write_csv(tmp_path / "d" / "a.csv")
+    write_csv(tmp_path / "d" / "day=2" / "b.csv")
+    logger = logging.getLogger("recsys_runner")
+    before = logger.level, logger.propagate, list(logger.handlers)
+    assert data_main(["inspect", str(tmp_path / "d"), "--format", "csv"]) == 0
+    captured = capsys.readouterr()
+    assert "40 rows" in captured.out
+    assert f"INFO path='{tmp_path / 'd'}': its files are read, not its 1 subdirectories (day=2); to read theirs too, name them " \
+           f"with a glob" in captured.err, captured.err
+    assert (logger.level, logger.propagate, list(logger.handlers)) == before
+
+
 def test_inspect_of_a_text_file_without_format_names_format_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``inspect ratings.csv`` reads Parquet by default: it was Arrow's traceback ("Parquet magic bytes not found")."""
     path = write_csv(tmp_path / "ratings.csv")

@@ -37,10 +37,13 @@ and the command that redoes it, and the exit status is ``128 + signal``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
+import logging
 import os
 import shlex
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -305,6 +308,28 @@ def _sequences_parser(sub: Any) -> None:
                         f"one holding other files than {', '.join(OUTPUT_FILES)} and vocab/ is refused even so)")
 
 
+@contextlib.contextmanager
+def notes_shown() -> Iterator[None]:
+    """The notes the data modules log at INFO while a command runs, printed as ``INFO <note>`` on stderr: which files of a
+    folder are read and which not (its subdirectories, a README), empty part files skipped. Training shows them through
+    Hydra's logging; here Python's default level (WARNING) dropped them, so ``inspect`` of a folder counted its top
+    files alone without a word about the subdirectory beside them. Restored afterwards: tests call :func:`main` in
+    process."""
+    logger = logging.getLogger("recsys_runner")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    saved = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # the root handler a library installs would print each note a second time
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m recsys_runner.data", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -337,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     quiet_known_noise()
     try:
-        {"convert": convert, "inspect": inspect, "sequences": sequences}[args.command](args)
+        with notes_shown():
+            {"convert": convert, "inspect": inspect, "sequences": sequences}[args.command](args)
     except (DataError, ConfigError) as e:
         print(f"{e.label}: {e}", file=sys.stderr)
         return 2
