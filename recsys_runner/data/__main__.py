@@ -210,7 +210,7 @@ def sequences(args: argparse.Namespace) -> None:
     spec = LogSpec(user=args.user, item=args.item, time=args.time, label=args.label, label_threshold=args.label_threshold,
                    sides=list(args.side), max_len=args.max_len, split=args.split, eval_from=args.eval_from, valid_from=args.valid_from,
                    rows=args.rows, duplicates=args.duplicates, vocab=args.vocab, oov_buckets=args.oov_buckets or 1,
-                   ids_as_text=args.ids_as_text)
+                   ids_as_text=args.ids_as_text, column_names=args.column_names.split(",") if args.column_names else None)
     if args.vocab is not None and args.oov_buckets is not None:
         raise ConfigError(f"--oov-buckets {args.oov_buckets} with --vocab: the tables keep the earlier output's sizes (its ids and its "
                           f"OOV rows), so a model trained on it reads the new rows. Fix: drop --oov-buckets")
@@ -288,6 +288,8 @@ def _sequences_parser(sub: Any) -> None:
                         "decimal text). Default: as inferred, refused where that would merge ids; with --vocab: as its mapping was read")
     s.add_argument("--format", choices=["auto", "parquet", "csv"], default="auto", help="auto: Parquet by file name, else text")
     s.add_argument("--delimiter", default=",", help="text logs: the field delimiter (a character, or tab/comma/semicolon/pipe)")
+    s.add_argument("--column-names", help="text logs without a header line: their columns, comma-separated in file order (e.g. "
+                                          "Taobao's UserBehavior.csv: user_id,item_id,category_id,behavior_type,timestamp)")
     s.add_argument("--row-group-rows", type=int, default=65_536)
     s.add_argument("--duplicates", choices=list(DUPLICATES), default="drop",
                    help="events equal in every column read (user, item, time, label, sides): drop all but the first, keep them "

@@ -66,6 +66,10 @@ class LogSpec:
     oov_buckets: int = 1
     """Rows after each table's ids shared by raw ids a ``--vocab`` run has not seen (a new mapping reserves them too,
     so both outputs' tables have one size); with ``vocab`` the earlier output's number."""
+    column_names: list[str] | None = None
+    """A text log's column names in file order (``--column-names``), for a log without a header line, as Taobao's
+    ``UserBehavior.csv`` (``user_id,item_id,category_id,behavior_type,timestamp``, every line an event); ``None``: each
+    file's first line names its columns."""
 
     def __post_init__(self) -> None:
         if self.duplicates not in DUPLICATES:
@@ -95,6 +99,15 @@ class LogSpec:
         names = [self.user, self.item, self.time, *([self.label] if self.label else []), *self.sides]
         if len(set(names)) != len(names):
             raise ConfigError(f"the columns {names} (--user, --item, --time, --label, --side) repeat; each has one role")
+        if self.column_names is not None:
+            if len(set(self.column_names)) != len(self.column_names):
+                raise ConfigError(f"--column-names {','.join(self.column_names)} names a column twice. Fix: one distinct name per column "
+                                  f"of the log, in file order")
+            unnamed = [n for n in names if n not in self.column_names]
+            if unnamed:
+                raise ConfigError(f"--column-names {','.join(self.column_names)} has no column {unnamed[0]!r}, which --user, --item, "
+                                  f"--time, --label or --side reads. Fix: name the log's columns in file order with --column-names "
+                                  f"and the ones to read with those flags")
 
     @property
     def columns(self) -> list[str]:
@@ -124,22 +137,26 @@ def read_log(path: str, spec: LogSpec, fmt: str = "auto", delimiter: str = ",") 
             empty.append((f, "0 bytes"))
             continue
         fs, in_fs = stores.arrow_filesystem(f)
-        names = pq.read_schema(in_fs, filesystem=fs).names if parquet else _header(f, delimiter)
+        if parquet and spec.column_names is not None:
+            raise ConfigError(f"--column-names names the columns of a text log without a header line, but {f} is Parquet, which names "
+                              f"its own ({pq.read_schema(in_fs, filesystem=fs).names}). Fix: drop --column-names")
+        names = pq.read_schema(in_fs, filesystem=fs).names if parquet else _text_names(f, delimiter, spec.column_names)
         missing = [c for c in spec.columns if c not in names]
         if missing:
-            raise DataError(f"{f} has no column(s) {missing}; its columns are {names}. Fix: name the log's columns with --user, "
-                            f"--item, --time, --label and --side")
+            raise DataError(f"{f} has no column(s) {missing}; its columns are {names}. Fix: " + (_headerless_fix(names) if not parquet
+                            and _looks_like_an_event(names) else "name the log's columns with --user, --item, --time, --label and --side"))
         ids = list(spec.id_roles)
         if parquet:
             table = pq.read_table(in_fs, columns=spec.columns, filesystem=fs)
         else:
             with stores.open_input(f) as stream:
                 text = dict.fromkeys(ids, pa.string()) if spec.ids_as_text else {}
-                table = pacsv.read_csv(stream, parse_options=pacsv.ParseOptions(delimiter=delimiter),
+                table = pacsv.read_csv(stream, read_options=pacsv.ReadOptions(column_names=spec.column_names),
+                                       parse_options=pacsv.ParseOptions(delimiter=delimiter),
                                        convert_options=pacsv.ConvertOptions(include_columns=spec.columns, column_types=text))
             inferred = [] if spec.ids_as_text else text_ids.inferred_id_columns(table, ids)
             if inferred and table.num_rows:  # the raw text of ids read as numbers (or dates): lost in the reading?
-                raw = text_ids.read_text_columns(f, delimiter, inferred)
+                raw = text_ids.read_text_columns(f, delimiter, inferred, spec.column_names)
                 text_ids.check_lossless(table, raw, f, spec.id_roles)
         table = _plain_columns(table)
         if spec.ids_as_text:
@@ -192,6 +209,45 @@ def _concat(tables: list[pa.Table], files: list[str], columns: list[str], ids: l
 def _header(path: str, delimiter: str) -> list[str]:
     with stores.open_input(path) as f:
         return f.readline().decode("utf-8", errors="replace").rstrip("\r\n").split(delimiter)
+
+
+def _text_names(path: str, delimiter: str, column_names: list[str] | None) -> list[str]:
+    """A text log's column names: its first line's, or ``column_names`` (``--column-names``) for a log without a header line.
+
+    Raises:
+        DataError: with ``column_names``, a first line of another number of fields, or one that is those names (a header
+            line, which would be read as an event).
+    """
+    first = _header(path, delimiter)
+    if column_names is None:
+        return first
+    if first == column_names:
+        raise DataError(f"{path} has a header line ({delimiter.join(first)}), but --column-names reads every line as an event. Fix: "
+                        f"drop --column-names (the header names the columns)")
+    if len(first) != len(column_names):
+        raise DataError(f"{path}: its first line has {len(first)} field(s) ({delimiter.join(first)}), but --column-names names "
+                        f"{len(column_names)} ({','.join(column_names)}). Fix: one name per column, in file order (--delimiter if the "
+                        f"fields are not split at {delimiter!r})")
+    return column_names
+
+
+def _looks_like_an_event(names: list[str]) -> bool:
+    """Whether a text log's first line holds values rather than names: a field that is a number (an id, a time) is no
+    column name anyone writes, and a log without a header line begins with one."""
+    def number(field: str) -> bool:
+        try:
+            float(field)
+        except ValueError:
+            return False
+        return True
+
+    return any(number(n.strip()) for n in names)
+
+
+def _headerless_fix(first: list[str]) -> str:
+    return (f"its first line ({','.join(first)}) is an event, not column names: a log without a header line (as Taobao's "
+            f"UserBehavior.csv). Name its {len(first)} columns in file order with --column-names, e.g. --column-names "
+            f"{','.join(f'c{i}' for i in range(len(first)))} --user c0 --item c1 --time c{len(first) - 1}")
 
 
 def _no_nulls(arr: pa.ChunkedArray, column: str, where: str) -> pa.Array:

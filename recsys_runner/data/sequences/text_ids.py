@@ -22,10 +22,12 @@ from recsys_runner.errors import DataError
 __all__ = ["as_text", "check_lossless", "check_promotion", "read_text_columns"]
 
 
-def read_text_columns(path: str, delimiter: str, columns: list[str]) -> pa.Table:
-    """``columns`` of the delimited text file ``path`` read as text, exactly as written (an empty field is ``""``)."""
+def read_text_columns(path: str, delimiter: str, columns: list[str], column_names: list[str] | None = None) -> pa.Table:
+    """``columns`` of the delimited text file ``path`` read as text, exactly as written (an empty field is ``""``);
+    ``column_names``: the file's columns for a file without a header line (``--column-names``)."""
     with stores.open_input(path) as stream:
-        return pacsv.read_csv(stream, parse_options=pacsv.ParseOptions(delimiter=delimiter),
+        return pacsv.read_csv(stream, read_options=pacsv.ReadOptions(column_names=column_names),
+                              parse_options=pacsv.ParseOptions(delimiter=delimiter),
                               convert_options=pacsv.ConvertOptions(include_columns=columns, column_types=dict.fromkeys(columns, pa.string())))
 
 
