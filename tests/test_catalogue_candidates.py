@@ -119,3 +119,21 @@ def test_a_towers_part_of_a_history_group_is_cut_to_the_groups_max_len() -> None
     assert (group.features, group.max_len, group.timestamps) == (("hist_item_id",), 6, None)
     (whole,) = _Schema(document).sequences
     assert (whole.features, whole.timestamps) == (("hist_item_id", "hist_cate"), "hist_ts")
+
+
+def test_an_items_file_of_the_logs_raw_ids_is_refused_naming_the_mapping(tmp_path: Path) -> None:
+    """``data sequences`` rows hold the mapping's table ids; an items file of the log's raw ids was refused with the
+    encoder's fix (raise num_embeddings, or hash the ids), which would have encoded each raw id to another item's row."""
+    from recsys_runner.configurable import make
+    from recsys_runner.data.files.tabular import ParquetData
+    from recsys_runner.data.files.tabular_config import ParquetDataConfig
+    from recsys_runner.errors import DataError
+
+    rows = run_sequences(tmp_path, distinct_times_log(num_users=20, seed=3), "rows", "--max-len", "4")
+    raw = load_mapping(str(rows))["item"]  # items 7i + 3: most beyond the table's rows
+    pq.write_table(pa.table({"item_id": raw[::-1].copy()}), tmp_path / "raw_items.parquet")
+    with pytest.raises(DataError, match=r"bad item in .*raw_items.parquet.*column 'item_id': id \d+ is outside \[0, \d+\) \(encoding=id\): "
+                                        r"the model's table .*written by python -m recsys_runner.data sequences, whose id mapping "
+                                        r"\(in .*rows\).*Fix: write the items file with the mapping's table ids"):
+        ParquetData(make(ParquetDataConfig, path=f"{rows}/train.parquet", num_workers=0,
+                         items={"path": str(tmp_path / "raw_items.parquet"), "id": "item_id"}))

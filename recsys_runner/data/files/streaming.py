@@ -50,6 +50,7 @@ from recsys_runner.data.locate import resolve_files
 from recsys_runner.data.packed import unpacked_stream
 from recsys_runner.data.schema import Schema
 from recsys_runner.data.sequences.histories import expected_rows
+from recsys_runner.data.sequences.mapping import mapping_folder
 from recsys_runner.data.sequences.tokens import check_budget
 from recsys_runner.data.workers import worker_loader
 from recsys_runner.errors import ConfigError, DataError, require
@@ -126,7 +127,8 @@ class TabularData(Catalogue, DataModule, abc.ABC):
             read_item_parts(config.items.path, item_columns(config.items, schema), items_text(config))
         self._item_files = None if parts is None else SplitFiles(parts.path, parts.files, parts.table.num_rows)
         """The catalogue's files (``data.items.path``), for the run's dataset inputs (:meth:`split_files`)."""
-        self.open_catalogue(train_source, parts)  # data.items and data.negatives (item_files.py), checked before the first step
+        mapping = mapping_folder(train_source.files[0]) if parts is not None and isinstance(train_source, ParquetSource) else None
+        self.open_catalogue(train_source, parts, mapping)  # data.items and data.negatives (item_files.py), checked before the first step
 
     def open_files(self, path: str, key: str) -> Any:
         """A row source over the files at ``path`` with this data option's own reader and format settings (the
