@@ -91,7 +91,9 @@ class TrainConfig:
             self.num_steps is None or self.num_epochs is None,
             f"train.num_steps={self.num_steps} and train.num_epochs={self.num_epochs} are both set; the run length is one "
             f"of them. Fix: drop one, e.g. train.num_epochs={self.num_epochs} alone (add train.num_steps=null when a "
-            f"preset such as debug=fast sets the steps), or train.num_steps={self.num_steps} alone",
+            f"preset such as debug=fast sets the steps), or train.num_steps={self.num_steps} alone (add "
+            f"train.num_epochs=null when a preset such as experiment=mmoe_taobao sets the epochs: train.num_steps="
+            f"{self.num_steps} train.num_epochs=null)",
         )
         require(self.num_steps is None or self.num_steps > 0, f"train.num_steps must be positive, got {self.num_steps}")
         require(self.num_epochs is None or self.num_epochs > 0, f"train.num_epochs must be positive, got {self.num_epochs}")
