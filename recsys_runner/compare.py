@@ -36,6 +36,7 @@ import math
 import os
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,10 @@ from recsys_runner.tracking.sweep_summary import SWEEP_PARENT_TAG
 from recsys_runner.tracking.tracker import MlflowTrackingConfig
 
 DEFAULT_METRICS = ("eval/auc", "eval/logloss", "train/loss")
+"""The table's metrics for runs whose objective is ``eval/auc`` (single-task CTR, the runner's default)."""
+MAX_EVAL_COLUMNS = 6
+"""At most this many eval metrics in a table chosen from what the runs logged (:func:`default_metrics`): a multi-task run
+logs a few per task, and a wider table no longer fits a terminal."""
 _HIDDEN_PARAMS = ("tracking.", "hydra.")
 
 
@@ -177,6 +182,25 @@ def unlogged_metrics(runs: Sequence[Any], metrics: Sequence[str]) -> str | None:
     hint = f" (did you mean {close[0]}?)" if close else ""
     return (f"--metric {unlogged[0]}: none of the {len(runs)} runs selected logged it{hint}; they logged "
             f"{', '.join(logged) or 'no metric'}. Fix: --metric {close[0] if close else '<one of those>'}")
+
+
+def default_metrics(runs: Sequence[Any]) -> list[str]:
+    """The table's metrics without ``--metric``: :data:`DEFAULT_METRICS` when the runs' objective is ``eval/auc``, else
+    their objective first (it ranks), then their other final eval metrics and ``train/loss``.
+
+    Why not always :data:`DEFAULT_METRICS`: a multi-task run logs ``eval/<task>/auc``, a retrieval run
+    ``eval/recall_at_50``, a next-item run ``eval/hr_at_10``, never ``eval/auc``, so the table showed ``-`` in every
+    metric column and ranked nothing. The objective is what each run logged its best of (``best/<metric>``, the sweep's
+    ``train.objective``, e.g. ``eval/ctr/auc`` for MMoE); the most common one wins, else the first eval metric by name.
+    """
+    logged = {m for r in runs for m in r.data.metrics}
+    evals = sorted(m for m in logged if m.startswith("eval/"))
+    objectives = Counter(m.removeprefix("best/") for r in runs for m in r.data.metrics if m.startswith("best/eval/"))
+    objective = objectives.most_common(1)[0][0] if objectives else ("eval/auc" if "eval/auc" in logged or not evals else evals[0])
+    if objective == "eval/auc":
+        return list(DEFAULT_METRICS)
+    others = [m for m in evals if m != objective][:MAX_EVAL_COLUMNS - 1]
+    return [objective, *others, *(["train/loss"] if "train/loss" in logged else [])]
 
 
 def best_first(runs: Sequence[Any], metric: str) -> list[Any]:
@@ -345,7 +369,8 @@ def _parser() -> argparse.ArgumentParser:
                         f"runs of experiment {MlflowTrackingConfig().experiment!r}")
     p.add_argument("--parent", default=None, help="a sweep's parent run id: compare its children")
     p.add_argument("--filter", default="", help="MLflow search filter, e.g. \"params.optim.sparse.lr > '0.05'\"")
-    p.add_argument("--metric", action="append", default=None, help=f"metrics for the table and plots (default: {', '.join(DEFAULT_METRICS)})")
+    p.add_argument("--metric", action="append", default=None, help=f"metrics for the table and plots, the first ranks (default: {', '.join(DEFAULT_METRICS)}, or, for runs whose "
+                   "objective is another metric (best/<metric>), that one, their other eval metrics and train/loss)")
     p.add_argument("--out", default="compare", help="directory for the PNGs (default: ./compare)")
     p.add_argument("--no-plots", action="store_true", help="print the table only")
     p.add_argument("--manifest", action="store_true", help="add where each run came from: entry, git commit, dirty, "
@@ -407,7 +432,9 @@ def _main(argv: Sequence[str] | None) -> int:
     if not runs:
         print("no runs match", file=sys.stderr)
         return 1
-    metrics = args.metric or list(DEFAULT_METRICS)
+    metrics = args.metric or default_metrics(runs)
+    if not args.metric and metrics[0] != DEFAULT_METRICS[0]:
+        print(f"ranked by {metrics[0]}, the runs' objective (--metric <name> ranks by another)", file=sys.stderr)
     if args.metric and (unlogged := unlogged_metrics(runs, args.metric)) is not None:
         print(unlogged, file=sys.stderr)
         return 2

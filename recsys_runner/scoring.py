@@ -197,7 +197,7 @@ def ranking_scorer(inference: Inference, input_path: str | None, *, k: int, excl
 def scored_source(data: TabularData, files: str, key: str, columns: list[str]) -> Any:
     """A row source over ``files`` (the setting ``key``) that reads what predict scores from: the features (dense, sparse,
     histories' times) and the pass-through ``columns``, never the label columns, which files to score may lack."""
-    source = data.open_files(files, key)
+    source = data.open_files(files, key, "input file")
     features = [c for c in data.schema.columns if c not in data.schema.label_columns]
     source.columns = list(dict.fromkeys([*features, *columns]))
     return source

@@ -34,10 +34,15 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str], 
     (the OOV rows included: a catalogue dumped from the embedding table), dssm trained a few steps; the folder, the
     overrides and the mapping's item count."""
     root = tmp_path_factory.mktemp("catalogue_candidates")
-    rows = run_sequences(root, distinct_times_log(num_users=40, seed=7), "rows", "--max-len", "6", "--oov-buckets", str(OOV_ROWS))
+    log = distinct_times_log(num_users=40, seed=7)
+    log = log.append_column("cate", pa.array(np.asarray(log["item"]) % 5))
+    rows = run_sequences(root, log, "rows", "--max-len", "6", "--oov-buckets", str(OOV_ROWS), "--side", "cate")
     items = len(load_mapping(str(rows))["item"])
     pq.write_table(pa.table({"item_id": np.arange(items + OOV_ROWS, dtype=np.int64)}), root / "items.parquet")
-    overrides = ["model=dssm", "model.user_features=[user_id]", "model.item_features=[item_id]", "model.tower_layer_sizes=[8]",
+    # the user tower reads the history group (hist_item_id, hist_cate) but not its times (hist_ts), as a two-tower model on
+    # `data sequences` rows does
+    overrides = ["model=dssm", "model.user_features=[user_id,hist_item_id,hist_cate]", "model.item_features=[item_id]",
+                 "model.tower_layer_sizes=[8]",
                  f"model.eval_metrics=[recall@{K}]", "model.corpus_chunk_rows=16", "data=parquet", f"data.path={rows}/train.parquet",
                  f"data.eval_path={rows}/eval.parquet", f"data.items.path={root}/items.parquet", "data.items.id=item_id",
                  "data.batch_size=16", "train.num_steps=6", "train.eval_every_steps=null", "distributed.device=cpu", "tracking=none",
@@ -71,9 +76,64 @@ def test_eval_recall_equals_a_brute_force_recall_of_predicts_top_k_on_the_same_r
     assert f"past the {items} item ids of the id mapping in {root / 'rows'}" in said[0]
 
 
-def test_export_serves_the_same_items_as_eval_and_predict(trained: tuple[Path, list[str], int], tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def exported(trained: tuple[Path, list[str], int], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The export of the trained model (its folder)."""
+    root, overrides, _ = trained
+    return export.run(compose_entry("export", *overrides, f"load={root}/ck", f"export.dir={tmp_path_factory.mktemp('export')}/export"))
+
+
+def test_export_serves_the_same_items_as_eval_and_predict(trained: tuple[Path, list[str], int], exported: Path) -> None:
     """``items.pt``, the index a server loads, holds the ranked items only: no OOV row past the mapping."""
-    root, overrides, items = trained
-    out = export.run(compose_entry("export", *overrides, f"load={root}/ck", f"export.dir={tmp_path}/export"))
+    _, _, items = trained
+    out = exported
     saved = torch.load(out / "items.pt")
     assert saved["ids"].tolist() == list(range(items)) and saved["vectors"].shape[0] == items
+
+
+def test_the_served_user_tower_reads_the_history_without_its_times_and_cuts_it_as_training(exported: Path) -> None:
+    """The user tower reads the history group but not its times: its MLflow model is written (the export crashed checking
+    it: ``serving.json and encoders.json describe other features``), asks for no ``hist_ts``, and cuts a history to the
+    group's ``max_len`` (6) as training did."""
+    import mlflow.pyfunc
+    import pandas as pd
+
+    model = mlflow.pyfunc.load_model(str(exported / "mlflow_user_tower"))
+    assert [c.name for c in model.metadata.get_input_schema().inputs] == ["user_id", "hist_item_id", "hist_cate"]
+    events = list(range(10))
+    request = pd.DataFrame({"user_id": ["0", "0"], "hist_item_id": [events, events[-6:]],
+                            "hist_cate": [[e % 5 for e in events], [e % 5 for e in events[-6:]]]})
+    vectors = np.stack(model.predict(request)["vector"].to_numpy())
+    np.testing.assert_array_equal(vectors[0], vectors[1])
+
+
+def test_a_towers_part_of_a_history_group_is_cut_to_the_groups_max_len() -> None:
+    """A tower reading one feature of a history group (``hist_item_id`` of ``[hist_item_id, hist_cate]``) keeps the group for
+    it, so a served history is cut to ``max_len`` as training cut it (the group was dropped whole: histories went uncut)."""
+    from recsys_runner.data.encoding.served import _Schema
+
+    sparse = [{"name": n, "num_embeddings": 10} for n in ("user_id", "hist_item_id", "hist_cate")]
+    document = {"dense": [], "sparse": sparse, "vocabularies": {},
+                "sequences": {"hist": {"features": ["hist_item_id", "hist_cate"], "max_len": 6, "timestamps": "hist_ts"}}}
+    (group,) = _Schema(document, {"user_id", "hist_item_id"}).sequences
+    assert (group.features, group.max_len, group.timestamps) == (("hist_item_id",), 6, None)
+    (whole,) = _Schema(document).sequences
+    assert (whole.features, whole.timestamps) == (("hist_item_id", "hist_cate"), "hist_ts")
+
+
+def test_an_items_file_of_the_logs_raw_ids_is_refused_naming_the_mapping(tmp_path: Path) -> None:
+    """``data sequences`` rows hold the mapping's table ids; an items file of the log's raw ids was refused with the
+    encoder's fix (raise num_embeddings, or hash the ids), which would have encoded each raw id to another item's row."""
+    from recsys_runner.configurable import make
+    from recsys_runner.data.files.tabular import ParquetData
+    from recsys_runner.data.files.tabular_config import ParquetDataConfig
+    from recsys_runner.errors import DataError
+
+    rows = run_sequences(tmp_path, distinct_times_log(num_users=20, seed=3), "rows", "--max-len", "4")
+    raw = load_mapping(str(rows))["item"]  # items 7i + 3: most beyond the table's rows
+    pq.write_table(pa.table({"item_id": raw[::-1].copy()}), tmp_path / "raw_items.parquet")
+    with pytest.raises(DataError, match=r"bad item in .*raw_items.parquet.*column 'item_id': id \d+ is outside \[0, \d+\) \(encoding=id\): "
+                                        r"the model's table .*written by python -m recsys_runner.data sequences, whose id mapping "
+                                        r"\(in .*rows\).*Fix: write the items file with the mapping's table ids"):
+        ParquetData(make(ParquetDataConfig, path=f"{rows}/train.parquet", num_workers=0,
+                         items={"path": str(tmp_path / "raw_items.parquet"), "id": "item_id"}))

@@ -90,6 +90,28 @@ def test_a_metric_no_run_logged_names_the_closest_logged_one(sweep: tuple[str, s
                                       "logged eval/auc, train/loss. Fix: --metric eval/auc")
 
 
+def test_runs_of_another_objective_are_ranked_by_it_without_metric(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Multi-task runs log ``eval/<task>/auc``, never ``eval/auc``: without ``--metric`` the table showed ``-`` in every
+    metric column and ranked nothing. It now takes their objective (``best/eval/ctr/auc``) first, ranks by it, and
+    shows their other eval metrics and ``train/loss``; a line on stderr says what ranks."""
+    uri = f"sqlite:///{tmp_path}/mt.db"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("mt")
+    for kind, ctr in (("fixed", 0.55), ("pareto", 0.61), ("uncertainty", 0.58)):
+        rid = client.create_run(exp, run_name=f"kind={kind}").info.run_id
+        metrics = {"eval/ctr/auc": ctr, "best/eval/ctr/auc": ctr, "eval/ctr/logloss": 0.4, "eval/cvr/auc": 0.5, "train/loss": 0.6}
+        client.log_batch(rid, metrics=[Metric(k, v, 0, 30) for k, v in metrics.items()],
+                         params=[Param("train.loss_weighting.kind", kind)])
+        client.set_terminated(rid, "FINISHED")
+    assert compare.main(["--uri", uri, "--experiment", "mt", "--no-plots"]) == 0
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    assert lines[0].split() == ["run", "status", "train.loss_weighting.kind", "eval/ctr/auc", "eval/ctr/logloss", "eval/cvr/auc",
+                                "train/loss"]
+    assert [line.split()[0] for line in lines[2:]] == ["kind=pareto", "kind=uncertainty", "kind=fixed"], "best eval/ctr/auc first"
+    assert "ranked by eval/ctr/auc, the runs' objective" in err
+
+
 def test_lower_is_better_metric_ranks_best_lowest_first(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``eval/mse`` is lower-is-better (its metric class says so): the lowest error is listed first, a run that
     never logged it last."""

@@ -75,6 +75,11 @@ def test_a_dirty_tree_logs_its_diff_and_tags_mlflow_source() -> None:
 def test_resolve_checkpoint_explains_what_is_missing(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="neither a directory nor a known MLflow run id"):
         lineage.resolve_checkpoint(str(tmp_path / "nope"))
+    # a run id with no store to look it up in (tracking=none): it was "neither a directory nor a known MLflow run id",
+    # as if the id were wrong
+    with pytest.raises(CheckpointError, match=r"load=163b30d3c36a434fba18973e152d27fc looks like an MLflow run id, but this "
+                                              r"command has no MLflow store to look it up in \(tracking=none\). Fix: drop tracking=none"):
+        lineage.resolve_checkpoint("163b30d3c36a434fba18973e152d27fc")
     with pytest.raises(CheckpointError, match=r"holds no complete checkpoint .*point load= at one"):
         lineage.resolve_checkpoint(str(tmp_path))
     with pytest.raises(CheckpointError, match=r"has no 'checkpoint_dir' tag.*instead: load=<path>"):

@@ -217,6 +217,22 @@ def test_predict_skips_an_empty_part_file_of_its_input(trained_once: tuple[Path,
     assert json.loads(scored.profile)["files"] == 1
 
 
+def test_an_input_without_a_feature_column_is_named_as_the_inputs_mistake(trained_once: tuple[Path, list[str]], tmp_path: Path) -> None:
+    """A file to score that lacks a feature the model was trained on (a user column left out of the nightly export): the
+    fix said to correct the column names in data.label(s) / data.dense / data.sparse, which are right (the training
+    files'); it now names the training file that has the column and predict.input."""
+    from recsys_runner.errors import DataError
+
+    root, trained = trained_once
+    table = _score_file(tmp_path / "b.parquet", 50, seed=1, row_group_size=50)
+    pq.write_table(table.drop_columns(["cat_3"]), tmp_path / "b.parquet")
+    with pytest.raises(DataError, match=r"b.parquet has no column 'cat_3' \(its columns are .*\), but the training files \(data.path\) "
+                                        r"have it, e.g. .*a.parquet: input files \(predict.input\) are read with the training files' "
+                                        r"columns. Fix: write .*b.parquet with the column 'cat_3', or point predict.input at files"):
+        predict.run(compose_entry("predict", *trained, f"load={root}/ck", f"predict.input={tmp_path}/b.parquet",
+                                  f"predict.output={tmp_path}/out"))
+
+
 def test_predict_refuses_an_output_with_earlier_parts_naming_the_incomplete_ones(
         trained_once: tuple[Path, list[str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     root, trained = trained_once

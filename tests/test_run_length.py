@@ -87,6 +87,11 @@ def test_num_epochs_alone_trains_that_many_epochs(make_cfg, mlflow_uri: str) -> 
 def test_steps_and_epochs_both_set_is_an_error_naming_the_fix(make_cfg) -> None:
     with pytest.raises(ConfigError, match=r"train.num_steps=30 and train.num_epochs=2 are both set.*train.num_epochs=2 train.num_steps=null"):
         validate(make_cfg("train.num_epochs=2", "tracking=none"))  # TINY sets train.num_steps=30
+    # a preset that trains for an epoch (every experiment=*_taobao), shortened to a few steps as a first try does: the fix
+    # said "train.num_steps=50 alone", which is what was typed
+    with pytest.raises(ConfigError, match=r"train.num_steps=50 and train.num_epochs=1 are both set.*"
+                                          r"Fix: train.num_steps=50 train.num_epochs=null for the steps"):
+        validate(make_cfg("experiment=esmm_taobao", "train.num_steps=50", "tracking=none", tiny=False))
 
 
 def test_synthetic_data_defaults_to_its_step_count(make_cfg) -> None:

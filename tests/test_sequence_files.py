@@ -194,6 +194,19 @@ def test_csv_history_without_separator_and_split_id_spaces_are_refused(files: Pa
              batch_tokens=64)
 
 
+def test_a_csv_history_of_another_separator_is_refused_naming_it(files: Path) -> None:
+    """Histories written ``i3;i7`` read with ``separator: '|'``: every history was one id (the whole text), trained on
+    without a word (the vocabulary is fitted on those texts, so nothing was out of vocabulary)."""
+    (files / "semicolon.csv").write_text((files / "train.csv").read_text().replace("|", ";"))
+    with pytest.raises(ConfigError, match=r"data.sparse\[hist_item\].separator='\|', but none of the \d+ sampled values of column "
+                                          r"'hist_item' in .*semicolon.csv.* holds '\|', while \d+ hold ';' \(e.g. 'i\d+;i\d+.*'\): each "
+                                          r"would be read as one id.*Fix: data.sparse\[hist_item\].separator=';'"):
+        CsvData(make(CsvDataConfig, path=str(files / "semicolon.csv"), num_workers=0, **columns("|")))
+    data = CsvData(make(CsvDataConfig, path=str(files / "semicolon.csv"), num_workers=0, batch_size=8, drop_remainder=False,
+                        **columns(";")))
+    assert max(len(h) for h in per_row(list(data.train_batches(0, 0, 1)), "hist_item")) == MAX_LEN
+
+
 @pytest.mark.parametrize("grouped", [False, True])
 def test_batch_tokens_cut_training_batches_by_history_tokens(files: Path, grouped: bool) -> None:
     data = parquet(files, batch_tokens=12, group_by_length=grouped)

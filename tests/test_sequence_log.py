@@ -217,6 +217,30 @@ def test_a_csv_log_reads_like_parquet(tmp_path: Path) -> None:
     assert pq.read_table(tmp_path / "csv" / "train.parquet").equals(from_parquet)
 
 
+def test_a_csv_log_without_a_header_line_reads_with_column_names(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Taobao's ``UserBehavior.csv`` has no header line: its first event was taken for the column names, and the fix said
+    to name the columns with --user/--item/--time, which cannot name a column that has no name. ``--column-names`` names
+    them (the rows are the ones a header gives), and the error says so."""
+    log = event_log(seed=4)
+    lines = "".join(f"{r['user']},{r['item']},{r['category']},pv,{r['timestamp']}\n" for r in log.to_pylist())
+    (tmp_path / "UserBehavior.csv").write_text(lines)
+    (tmp_path / "with_header.csv").write_text("user,item,category,behavior,timestamp\n" + lines)
+    flags = ["--side", "category"]
+    assert data_main(["sequences", str(tmp_path / "UserBehavior.csv"), str(tmp_path / "o"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert "is data, not a header naming the columns: a log without a header line" in err  # its user ids are text (u2)
+    assert "Fix: name its 5 columns in file order with --column-names, e.g. --column-names c0,c1,c2,c3,c4" in err
+    names = ["--column-names", "user,item,category,behavior,timestamp"]
+    assert data_main(["sequences", str(tmp_path / "UserBehavior.csv"), str(tmp_path / "named"), *names, *flags]) == 0
+    assert data_main(["sequences", str(tmp_path / "with_header.csv"), str(tmp_path / "header"), *flags]) == 0
+    assert pq.read_table(tmp_path / "named" / "train.parquet").equals(pq.read_table(tmp_path / "header" / "train.parquet"))
+    assert data_main(["sequences", str(tmp_path / "with_header.csv"), str(tmp_path / "o"), *names, *flags]) == 2
+    assert "has a header line (user,item,category,behavior,timestamp), but --column-names reads every line as an event" in \
+        capsys.readouterr().err
+    assert data_main(["sequences", str(tmp_path / "UserBehavior.csv"), str(tmp_path / "o"), "--column-names", "user,item,timestamp"]) == 2
+    assert "splits into 5 field(s) by --delimiter ',', but --column-names names 3 columns" in capsys.readouterr().err
+
+
 def test_mistakes_name_the_flag_or_column(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     log = event_log(seed=5)
     pq.write_table(log, tmp_path / "log.parquet")

@@ -111,11 +111,7 @@ def input_columns(encoders: StoredEncoders, keep: set[str] | None = None) -> lis
     schema = encoders.schema
     labels = set(schema.label_columns)
     columns = [c for c in schema.columns if c not in labels]
-    return [c for c in columns if keep is None or c in keep or c in _timestamps(encoders, keep)]
-
-
-def _timestamps(encoders: StoredEncoders, keep: set[str]) -> set[str]:
-    return {g.timestamps for g in encoders.schema.sequences if g.timestamps is not None and set(g.features) <= keep}
+    return [c for c in columns if keep is None or c in keep]
 
 
 def write_model(out: Path, module: ServingModule | TowerServing, program: torch.export.ExportedProgram, document: bytes,

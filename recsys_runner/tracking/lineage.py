@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import platform
+import re
 import shlex
 import socket
 import subprocess
@@ -220,6 +221,11 @@ class Located:
                 f"you mean")
 
 
+_RUN_ID = re.compile(r"[0-9a-f]{32}")
+"""An MLflow run id (32 lowercase hex digits): a ``load=`` that is one, without a store to look it up in, is said to be one
+(it was "neither a directory nor a known MLflow run id", as if the id were wrong)."""
+
+
 def resolve_checkpoint(spec: str, *, lookup_run: Any = None) -> Path:
     """:func:`locate_checkpoint`'s checkpoint, with a warning naming the newer ones skipped on the way. Called once per
     command (:func:`recsys_runner.inference.checkpoint_to_load`); a second look-up of the same ``spec`` uses
@@ -246,6 +252,11 @@ def locate_checkpoint(spec: str, *, lookup_run: Any = None) -> Located:
         if not _exists(path):
             raise CheckpointError(f"MLflow run {spec} wrote its checkpoints to {path}, which does not exist on this machine; "
                                   f"copy them here and pass load=<path>")
+    if not _exists(path) and lookup_run is None and _RUN_ID.fullmatch(spec):
+        raise CheckpointError(f"load={spec} looks like an MLflow run id, but this command has no MLflow store to look it up in "
+                              f"(tracking=none). Fix: drop tracking=none (the run is looked up at tracking.uri, by default "
+                              f"./mlflow.db, or the store the training logged to: tracking.uri=<it>), or load=<the run's "
+                              f"checkpoint directory>")
     if not _exists(path):
         raise CheckpointError(f"checkpoint {spec!r} is neither a directory nor a known MLflow run id; pass a step_* checkpoint "
                               f"directory, a checkpoints root, or the training run's id")

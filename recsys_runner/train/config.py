@@ -91,8 +91,9 @@ class TrainConfig:
             self.num_steps is None or self.num_epochs is None,
             f"train.num_steps={self.num_steps} and train.num_epochs={self.num_epochs} are both set; the run length is one "
             f"of them. Fix: train.num_steps={self.num_steps} train.num_epochs=null for the steps, or "
-            f"train.num_epochs={self.num_epochs} train.num_steps=null for the epochs (the other may come from a preset: the "
-            f"file presets experiment=criteo_tsv, avazu_csv, movielens set train.num_epochs=1, debug=fast sets train.num_steps)",
+            f"train.num_epochs={self.num_epochs} train.num_steps=null for the epochs (the other may come from a preset: "
+            f"the file and Taobao presets, experiment=criteo_tsv, avazu_csv, movielens, mmoe_taobao, esmm_taobao, dssm_taobao, …, "
+            f"set train.num_epochs=1; debug=fast sets train.num_steps)",
         )
         require(self.num_steps is None or self.num_steps > 0, f"train.num_steps must be positive, got {self.num_steps}")
         require(self.num_epochs is None or self.num_epochs > 0, f"train.num_epochs must be positive, got {self.num_epochs}")

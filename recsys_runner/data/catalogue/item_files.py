@@ -127,13 +127,26 @@ class ItemParts:
         return ", ".join(self.files[int(p)] for p in parts)
 
 
-def _raise_bad(parts: ItemParts) -> Callable[..., None]:
-    """The encoder's ``bad`` callback for the items: the first bad value stops the run, naming file, row and column."""
+def _raise_bad(parts: ItemParts, fix: str = "Fix the items file (data.items.path)") -> Callable[..., None]:
+    """The encoder's ``bad`` callback for the items: the first bad value stops the run, naming file, row, column and ``fix``."""
     def bad(column: str, mask: np.ndarray, what: Callable[[int], str]) -> None:
         if mask.any():
             i = int(np.flatnonzero(mask)[0])
-            raise DataError(f"bad item in {parts.where(i)}, column {column!r}: {what(i)}. Fix the items file (data.items.path)")
+            raise DataError(f"bad item in {parts.where(i)}, column {column!r}: {what(i)}. {fix}")
     return bad
+
+
+def mapping_fix(mapping: str) -> str:
+    """The fix for an items file that does not encode beside rows written by ``data sequences`` (the id mapping in
+    ``mapping``): most likely it holds the log's raw ids, which those rows have replaced by the mapping's table ids.
+
+    Why not the encoder's own fix (raise ``num_embeddings``, or hash the ids): that would make the raw ids encode, each to
+    a row that some other item trained, and the full-corpus metrics and ``predict``'s lists would rank a wrong catalogue
+    without a word."""
+    return (f"data.path's rows were written by python -m recsys_runner.data sequences, whose id mapping (in {mapping}) numbers "
+            f"the log's raw ids: their columns hold table ids (id i is line i of the column's vocab/<table>.txt, {mapping}/vocab.json "
+            f"names each), and so must the items file, whose raw ids would be refused or, where small enough, read as other items. "
+            f"Fix: write the items file with the mapping's table ids (docs/retrieval.md, 'Items of data sequences rows')")
 
 
 def _check_unique(parts: ItemParts, column: str) -> None:
@@ -161,10 +174,11 @@ def item_columns(config: ItemsConfig, schema: Schema) -> list[str]:
 
 
 def read_item_table(config: ItemsConfig, schema: Schema, parts: ItemParts,
-                    train_sample: Callable[[int], pa.Table] | None = None) -> ItemTable:
+                    train_sample: Callable[[int], pa.Table] | None = None, mapping: str | None = None) -> ItemTable:
     """The :class:`ItemTable` of ``parts`` (the rows of ``config.path``, its :func:`item_columns`), encoded with
     ``schema``'s columns; popularity from its column, else counted in ``train_sample(config.count_rows)`` (training rows),
-    else uniform.
+    else uniform. ``mapping``: the ``data sequences`` output folder whose id mapping the training rows name, if any
+    (a value that does not encode is then most likely a raw id: :func:`mapping_fix`).
 
     Raises:
         DataError: an item id repeats or is missing, a value does not encode (naming the file and its row).
@@ -172,7 +186,10 @@ def read_item_table(config: ItemsConfig, schema: Schema, parts: ItemParts,
     assert config.path is not None and config.id is not None
     path, id_name, table = config.path, config.id, parts.table
     _check_unique(parts, id_name)
-    encoder, bad = Encoder(schema, error=DataError), _raise_bad(parts)
+    encoder = Encoder(schema, error=DataError)
+    if mapping is not None:
+        encoder.settings_fixes = False  # its fix (a larger table, hashed ids) would make raw ids read other items' rows
+    bad = _raise_bad(parts) if mapping is None else _raise_bad(parts, mapping_fix(mapping))
     whole = Location(path, "items", np.arange(0), parts.line_offset)  # text: numbers are parsed (dense, popularity)
     sparse_cols, dense_cols = {c.name: c for c in schema.sparse}, {c.name: c for c in schema.dense}
     ids, lengths = encoder._sparse(sparse_cols[id_name], table.column(id_name), whole, bad)
@@ -324,14 +341,14 @@ class Catalogue:
     _item_catalogue: ItemTable | None = None
     _negative_sampler: NegativeSampler | None = None
 
-    def open_catalogue(self, train_source: Any, parts: ItemParts | None) -> None:
+    def open_catalogue(self, train_source: Any, parts: ItemParts | None, mapping: str | None = None) -> None:
         """Build the item table of ``parts`` (``data.items.path`` read; ``None`` without one) and the negative sampler
-        (the module's schema, splits and features exist by now)."""
+        (the module's schema, splits and features exist by now); ``mapping``: the id mapping the training rows name."""
         items: ItemsConfig = self.config.items
         negatives: NegativesConfig = self.config.negatives
         if items.path is not None:
             assert parts is not None, "data.items.path is read by the file data module"
-            self._item_catalogue = read_item_table(items, self.schema, parts, train_source.sample)
+            self._item_catalogue = read_item_table(items, self.schema, parts, train_source.sample, mapping)
         negatives.check(self._item_catalogue, self.features, "the data has no item table. Fix: data.items.path=<items file> and "
                                                     "data.items.id=<item id column> (docs/retrieval.md)")
         if negatives.enabled and self._item_catalogue is not None:

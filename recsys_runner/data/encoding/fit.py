@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -179,9 +180,48 @@ def complete_schema(
              for c in dense]
     sparse = [_fit_boundaries(c, read(), where, inferred) if c.encoding == "bucketize" and c.boundaries is None else c for c in sparse]
     sparse, vocabularies = _size_tables(sparse, read, config, where, inferred)
+    if table is not None:  # read for what was left open: check the list columns' separators on it while it is here
+        _check_separators(sparse, sequences or [], table, where)
     schema = Schema(label=label, labels=labels, label_kinds=label_kinds, label_threshold=label_threshold, dense=dense, sparse=sparse,
                     sequences=list(sequences or []), vocabularies=vocabularies)
     return Inferred(schema, inferred, notes)
+
+
+OTHER_SEPARATORS = ("|", ";", ",", " ", "\t", "#", "/")
+"""Characters that separate a list's values in files that others write (pandas, Spark, Hive, a shell export): what a text
+list column is checked for when its own ``separator`` splits nothing (:func:`_check_separators`)."""
+
+
+def _check_separators(sparse: list[SparseColumn], sequences: list[SequenceGroup], t: pa.Table, where: str) -> None:
+    """Refuse a text list of ids (``separator`` set on a history feature, or on a column sharing its table with another:
+    a list of item ids beside the item) whose sampled values never hold its separator but often another one.
+
+    Why: a history ``38;1119;7`` read with ``separator: '|'`` is one id, ``'38;1119;7'``, on every row, without a word: the
+    vocabulary is fitted on those texts, so nothing is out of vocabulary or bad, and DIN, MIND or a tower trains on one
+    opaque "event" per row. Only lists of ids are checked: a multi-hot column of names may hold a space or a slash in a
+    single value (``new york``). A column whose values are single ids (no separator anywhere, none of the others in a
+    tenth of the values) is fine.
+
+    Raises:
+        ConfigError: naming the column, its separator, the separator its values hold (with one) and the fix.
+    """
+    in_groups = {f for g in sequences for f in g.features}
+    tables = Counter(c.table_name for c in sparse)
+    for col in sparse:
+        ids = col.name in in_groups or tables[col.table_name] > 1
+        if col.separator is None or not ids or col.name not in t.column_names or not _text(t.column(col.name)):
+            continue
+        arr = t.column(col.name).combine_chunks().drop_null()
+        if not len(arr) or pc.any(pc.match_substring(arr, col.separator)).as_py():
+            continue
+        counts = {c: int(pc.sum(pc.match_substring(arr, c)).as_py() or 0) for c in OTHER_SEPARATORS if c != col.separator}
+        other, held = max(counts.items(), key=lambda kv: kv[1])
+        if held * 10 < len(arr):
+            continue
+        example = pc.filter(arr, pc.match_substring(arr, other))[0].as_py()
+        raise ConfigError(f"data.sparse[{col.name}].separator={col.separator!r}, but none of the {len(arr)} sampled values of column "
+                          f"{col.name!r} in {where} holds {col.separator!r}, while {held} hold {other!r} (e.g. {example!r}): each would be "
+                          f"read as one id, the whole list. Fix: data.sparse[{col.name}].separator={other!r} (the files' separator)")
 
 
 def _check_inputs(sparse: list[SparseColumn], columns: list[str], where: str) -> None:

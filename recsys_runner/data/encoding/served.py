@@ -82,7 +82,13 @@ LABEL = "__served_label__"
 
 
 class _Schema:
-    """The stored schema as the row encoder reads it (by attribute), with a zero label in place of the training labels."""
+    """The stored schema as the row encoder reads it (by attribute), with a zero label in place of the training labels.
+
+    ``keep``: a tower's features (``None``: every feature). A history group keeps the features the tower reads, so each is
+    still cut to the group's ``max_len`` as training cut it, and its event times only when the tower reads them: a tower
+    program takes the features it lists and no others (a two-tower model on ``data sequences`` rows lists the histories,
+    not their ``hist_ts``), so times the tower does not read would be a key the program has no input for.
+    """
 
     def __init__(self, document: dict[str, Any], keep: set[str] | None = None) -> None:
         def wanted(name: str) -> bool:
@@ -91,9 +97,10 @@ class _Schema:
         self.dense = [SimpleNamespace(**d) for d in document["dense"] if wanted(d["name"])]
         self.sparse = [_sparse_column(s) for s in document["sparse"] if wanted(s["name"])]
         names = {c.name for c in self.sparse}
-        self.sequences = [SimpleNamespace(name=name, features=tuple(g["features"]), max_len=int(g["max_len"]),
-                                          truncate=g.get("truncate") or "recent", timestamps=g.get("timestamps"))
-                          for name, g in (document.get("sequences") or {}).items() if set(g["features"]) <= names]
+        self.sequences = [SimpleNamespace(name=name, features=kept, max_len=int(g["max_len"]), truncate=g.get("truncate") or "recent",
+                                          timestamps=g.get("timestamps") if g.get("timestamps") and wanted(g["timestamps"]) else None)
+                          for name, g in (document.get("sequences") or {}).items()
+                          if (kept := tuple(f for f in g["features"] if f in names))]
         self.vocabularies = {name: Vocabulary(np.asarray(v["keys"], dtype=np.uint64), np.asarray(v["rows"], dtype=np.int64),
                                               int(v["capacity"]), int(v["oov_buckets"]))
                              for name, v in document["vocabularies"].items() if name in names}

@@ -63,6 +63,12 @@ class CsvSource:
         self._names: dict[str, list[str]] = {}
         self._data_start: dict[str, int] = {}
 
+    def follow_training(self, first: str, train: CsvSource, key: str, what: str) -> None:
+        """Read these files as files with the training files' columns (``first``: the first training file; ``train`` its
+        source), named by ``key`` and each a ``what`` in messages (:meth:`TabularData.open_files`)."""
+        self.headers.reference = (first, train.names(first))
+        self.headers.path_key, self.headers.what = key, what
+
     def detected(self) -> tuple[str, bool]:
         """The first file's ``delimiter`` and ``header`` as read (detected where configured ``null``)."""
         return self.headers.layout(self.files[0])

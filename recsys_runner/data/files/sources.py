@@ -236,6 +236,8 @@ class ParquetSource:
         self.files, self.columns, self.read_rows = files, columns, read_rows
         self.reference = reference
         """For eval files: the first training file, so a column they lack but it holds is named as their mistake."""
+        self.path_key, self.what = "data.eval_path", "eval file"
+        """For that message: the setting naming these files and what one of them is."""
         self._footers: dict[str, pq.FileMetaData] = {}
         """Object-store files' footers, read once (a footer costs a round trip to the store)."""
 
@@ -322,13 +324,18 @@ class ParquetSource:
         if missing:
             lacks = f"{path} has no column {missing[0]!r}" + (f" (nor {missing[1:]})" if len(missing) > 1 else "") + f"; its columns are {names}"
             if self.reference is not None and self._has(self.reference, missing[0]):
-                raise DataError(lacks_training_column(path, missing, f"its columns are {names}", self.reference, "data.eval_path", "eval file"))
+                raise DataError(lacks_training_column(path, missing, f"its columns are {names}", self.reference, self.path_key, self.what))
             if (holder := self._holding(missing[0], path)) is not None:
                 raise DataError(f"{lacks}, but {holder} has it: files read together hold the same columns. Fix: write {path} with the "
                                 f"column, or remove it from the setting that names it (data.path, data.eval_path)")
             raise DataError(f"{lacks}{closest_column(missing[0], names)}. Fix: correct the column names in data.label(s) / data.dense / "
                             f"data.sparse")
         return f
+
+    def follow_training(self, first: str, train: ParquetSource, key: str, what: str) -> None:
+        """Read these files as files with the training files' columns (``first``: the first training file; ``train`` its
+        source), named by ``key`` and each a ``what`` in messages (:meth:`TabularData.open_files`)."""
+        self.reference, self.path_key, self.what = first, key, what
 
     def _has(self, path: str, column: str) -> bool:
         """Whether the Parquet file ``path`` (another source's, already read) holds ``column``, by its footer."""

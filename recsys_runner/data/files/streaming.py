@@ -50,6 +50,7 @@ from recsys_runner.data.locate import resolve_files
 from recsys_runner.data.packed import unpacked_stream
 from recsys_runner.data.schema import Schema
 from recsys_runner.data.sequences.histories import expected_rows
+from recsys_runner.data.sequences.mapping import mapping_folder
 from recsys_runner.data.sequences.tokens import check_budget
 from recsys_runner.data.workers import worker_loader
 from recsys_runner.errors import ConfigError, DataError, require
@@ -126,16 +127,23 @@ class TabularData(Catalogue, DataModule, abc.ABC):
             read_item_parts(config.items.path, item_columns(config.items, schema), items_text(config))
         self._item_files = None if parts is None else SplitFiles(parts.path, parts.files, parts.table.num_rows)
         """The catalogue's files (``data.items.path``), for the run's dataset inputs (:meth:`split_files`)."""
-        self.open_catalogue(train_source, parts)  # data.items and data.negatives (item_files.py), checked before the first step
+        mapping = mapping_folder(train_source.files[0]) if parts is not None and isinstance(train_source, ParquetSource) else None
+        self.open_catalogue(train_source, parts, mapping)  # data.items and data.negatives (item_files.py), checked before the first step
 
-    def open_files(self, path: str, key: str) -> Any:
+    def open_files(self, path: str, key: str, what: str | None = None) -> Any:
         """A row source over the files at ``path`` with this data option's own reader and format settings (the
-        training data's, or another input such as ``predict.input``); ``key`` names the setting in errors.
+        training data's, or another input such as ``predict.input``); ``key`` names the setting in errors. ``what``
+        (``input file``): the files are read with the training files' columns, so one lacking a column the first
+        training file holds is named as their mistake, with ``key`` as the fix (:func:`~.sources.lacks_training_column`),
+        not as the config's column names (which are the training files').
 
         Raises:
             DataError: ``path`` matches no file of this format.
         """
-        return self._source(resolve_files(path, key, self._suffixes()))
+        source = self._source(resolve_files(path, key, self._suffixes()))
+        if what is not None:
+            source.follow_training(self._train.source.files[0], self._train.source, key, what)
+        return source
 
     def check_trained(self, source: Any, where: str, optional: Collection[str] = ()) -> None:
         """Refuse files other than ``data.path`` (``data.eval_path``, ``predict.input``: ``where``) that the checkpoint's

@@ -140,6 +140,9 @@ def read_log(path: str, spec: LogSpec, fmt: str = "auto", delimiter: str = ",") 
                               f"names its own ({pq.read_schema(in_fs, filesystem=fs).names}). Fix: drop --column-names")
         first = [] if parquet else _header(f, delimiter)
         names = pq.read_schema(in_fs, filesystem=fs).names if parquet else spec.column_names or first
+        if spec.column_names is not None and first == spec.column_names:
+            raise DataError(f"{f} has a header line ({delimiter.join(first)}), but --column-names reads every line as an event. Fix: "
+                            f"drop --column-names (the header names the columns)")
         if spec.column_names is not None and len(first) != len(names):
             raise DataError(f"{f}: its first line {delimiter.join(first)[:100]!r} splits into {len(first)} field(s) by --delimiter "
                             f"{delimiter!r}, but --column-names names {len(names)} columns {names}.{_layout_fix(first, delimiter)}")
@@ -222,7 +225,7 @@ def _layout_fix(first: list[str], delimiter: str) -> str:
         return (" Its fields are separated by '::' (MovieLens ml-1m's ratings.dat), which is no one-character delimiter, and it has "
                 "no header line. Fix: sed 's/::/\\t/g' ratings.dat > ratings.tsv, then --delimiter tab --column-names "
                 "user,item,rating,timestamp (and --user user --item item --time timestamp)")
-    if first and all(_is_number(v) for v in first):
+    if any(_is_number(v.strip()) for v in first):  # a number (an id, a time) is no column name anyone writes
         return (f" Its first line {line[:100]!r} is data, not a header naming the columns: a log without a header line (as MovieLens' "
                 f"u.data). Fix: name its {len(first)} columns in file order with --column-names, e.g. --column-names "
                 f"{','.join(['user', 'item', 'rating', 'timestamp'][:len(first)] if len(first) <= 4 else [f'c{i}' for i in range(len(first))])}")
