@@ -75,7 +75,8 @@ def build_data(run: RunConfig, device: torch.device, source: Path | None, checkp
             log.warning("checkpoint %s stores no data encoders (it was written before they were): they are fitted on the "
                         "data again, as when it was trained. If the files changed since (rows appended, a new day), ids may "
                         "map to other rows than the ones it trained", source)
-    data: DataModule = config.build(device=device, encoders=stored)
+    # a checkpoint without stored encoders was fitted on the files' first rows: fitted again so, its ids keep their rows
+    data: DataModule = config.build(device=device, encoders=stored, fit_on_head=source is not None and stored is None)
     if checkpointer is not None:
         checkpointer.data_shards = data.shards_per_rank()
     if checkpointer is not None and (document := data.encoders_document()) is not None:  # evaluate/predict save nothing

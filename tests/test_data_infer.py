@@ -3,8 +3,10 @@ column list, the schema file a run prints and takes back (``data.schema``), and 
 
 from __future__ import annotations
 
+import gzip
 import logging
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,7 @@ import yaml
 from recsys_runner.configurable import make
 from recsys_runner.data.__main__ import main as data_main
 from recsys_runner.data.encoding.fit import bucket_count
+from recsys_runner.data.files.sources import ParquetSource
 from recsys_runner.data.files.tabular import CsvData, ParquetData
 from recsys_runner.data.files.tabular_config import CsvDataConfig, ParquetDataConfig
 from recsys_runner.data.schema_files import schema_json
@@ -208,3 +211,73 @@ def test_schema_file_mistakes_are_config_errors(tmp_path: Path) -> None:
         make(CsvDataConfig, path=str(tmp_path / "m.csv"), schema=str(tmp_path / "bad.yaml"), sparse=[{"name": "site"}])
     with pytest.raises(ConfigError, match="cannot be read"):
         csv_data(tmp_path / "m.csv", schema=str(tmp_path / "missing.yaml"))
+
+
+def write_hours(path: Path, hours: range, rows_per_hour: int = 500, row_group_size: int = 700) -> None:
+    """A click log sorted by time: ``hours`` of ``rows_per_hour`` rows each, a low-cardinality ``hour`` column (what a
+    vocabulary fitted on the first rows alone covers badly) and a ``row`` number across files."""
+    n = len(hours) * rows_per_hour
+    first = hours.start * rows_per_hour
+    pq.write_table(pa.table({"click": pa.array([int(i % 3 == 0) for i in range(n)], pa.int8()),
+                             "hour": pa.array([h for h in hours for _ in range(rows_per_hour)], pa.int64()),
+                             "row": pa.array(range(first, first + n), pa.int64())}), path, row_group_size=row_group_size)
+
+
+def test_encoders_are_fitted_on_rows_spread_over_time_sorted_parquet_files(tmp_path: Path) -> None:
+    """12 hours in two files (6,000 rows) and data.infer.sample_rows=2000: the first 2,000 rows are hours 0-3 alone, and
+    every later hour's rows read the OOV rows. The sample is taken in pieces spread over both files' row groups."""
+    write_hours(tmp_path / "a.parquet", range(0, 6))
+    write_hours(tmp_path / "b.parquet", range(6, 12))
+    config = make(ParquetDataConfig, path=str(tmp_path), label="click", sparse=[{"name": "hour"}], batch_size=32,
+                  num_workers=0, infer={"sample_rows": 2000})
+    vocabulary = ParquetData(config).schema.vocabularies["hour"]
+    assert vocabulary.size >= 10  # the first 2,000 rows: 4
+    again = ParquetData(config).schema.vocabularies["hour"]  # the same files: the same sample
+    np.testing.assert_array_equal(again.keys, vocabulary.keys)
+    np.testing.assert_array_equal(again.rows, vocabulary.rows)
+    source = ParquetSource([str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")], [], read_rows=256)
+    rows = source.sample(2000, spread=True)["row"].to_numpy()
+    assert len(rows) == 2000 and len(set(rows)) == 2000 and rows.max() >= 5000 and list(rows) == sorted(rows)
+    head = source.sample(2000)["row"].to_pylist()  # unspread (a checkpoint's kind checks): the first rows
+    assert head == list(range(len(head))) and len(head) >= 2000
+    # files holding no more rows than the sample: every row, read as the head sample reads it
+    for rows in (6000, 10_000):
+        assert source.sample(rows, spread=True).equals(source.sample(rows))
+
+
+def test_encoders_are_fitted_on_lines_spread_over_a_time_sorted_csv_file(tmp_path: Path) -> None:
+    """The CSV twin of the Parquet case: an uncompressed file's sample is read from byte offsets spread over it (each
+    resynced to a line start); a bad line deep in the file is named by its true line number; a gzip-compressed copy
+    (whose later lines are reached only by decompressing those before them) keeps its first lines."""
+    rows = [f"{int(i % 3 == 0)},{i // 500},{i}" for i in range(6000)]  # 12 hours of 500 rows, in time order
+    (tmp_path / "log.csv").write_text("click,hour,row\n" + "\n".join(rows) + "\n")
+    config = make(CsvDataConfig, path=str(tmp_path / "log.csv"), label="click", sparse=[{"name": "hour"}], batch_size=32,
+                  num_workers=0, infer={"sample_rows": 2000})
+    vocabulary = CsvData(config).schema.vocabularies["hour"]
+    assert vocabulary.size >= 10  # the first 2,000 rows: 4
+    np.testing.assert_array_equal(CsvData(config).schema.vocabularies["hour"].keys, vocabulary.keys)  # the same sample again
+    source = CsvData._sampler(config)
+    sampled = [int(r) for r in source.sample(2000, spread=True)["row"].to_pylist()]
+    assert len(sampled) == len(set(sampled)) == 2000 and sampled == sorted(sampled) and sampled[-1] >= 5000
+    assert [int(r) for r in source.sample(2000)["row"].to_pylist()] == list(range(2000))  # unspread: the head
+    for rows in (6000, 10_000):  # no more lines than the sample: every line, in order, as the head sample reads them
+        assert source.sample(rows, spread=True).equals(source.sample(rows))
+    # two files: the pieces spread over both
+    text = (tmp_path / "log.csv").read_text().splitlines(keepends=True)
+    (tmp_path / "parts").mkdir()
+    (tmp_path / "parts" / "a.csv").write_text("".join(text[:3001]))
+    (tmp_path / "parts" / "b.csv").write_text(text[0] + "".join(text[3001:]))
+    parts = [int(r) for r in CsvData._sampler(replace(config, path=str(tmp_path / "parts"))).sample(2000, spread=True)["row"].to_pylist()]
+    assert len(set(parts)) == 2000 and min(parts) == 0 and max(parts) >= 5000 and 2000 < parts[1000] < 4000
+    # a line of a later piece that is not UTF-8 (its hour's digits as as many 0xff bytes: the pieces stay where they were)
+    # is named by its line number in the file, which counts the lines before it (line 1: the header)
+    row = sampled[1950]
+    lines = (tmp_path / "log.csv").read_bytes().split(b"\n")
+    lines[row + 1] = b"%d,%s,%d" % (int(row % 3 == 0), b"\xff" * len(str(row // 500)), row)
+    (tmp_path / "bad.csv").write_bytes(b"\n".join(lines))
+    with pytest.raises(DataError, match=rf"bad.csv, line {row + 2}\b.*not UTF-8"):
+        CsvData._sampler(replace(config, path=str(tmp_path / "bad.csv"))).sample(2000, spread=True)
+    packed = tmp_path / "log.csv.gz"
+    packed.write_bytes(gzip.compress((tmp_path / "log.csv").read_bytes()))
+    compressed = CsvData._sampler(replace(config, path=str(packed)))
+    assert [int(r) for r in compressed.sample(2000, spread=True)["row"].to_pylist()] == list(range(2000))

@@ -9,6 +9,7 @@ a checkpoint written before encoders were stored still loads, with a warning.
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 from pathlib import Path
@@ -31,8 +32,9 @@ from recsys_runner.data.files.tabular_config import CsvDataConfig, ParquetDataCo
 from recsys_runner.data.generated.generate import write_criteo_parquet
 from recsys_runner.data_build import build_data
 from recsys_runner.errors import DataError
-from recsys_runner.serving.files import served_rows
+from recsys_runner.serving.files import build_unsharded, served_rows
 from recsys_runner.train.loop import in_the_line, line_extra
+from tests.test_data_infer import write_hours
 from tests.test_evaluate import compose_entry
 
 
@@ -171,6 +173,32 @@ def test_a_checkpoint_without_stored_encoders_loads_with_a_warning(trained: dict
     assert any("stores no data encoders" in r.getMessage() and "fitted on the data again" in r.getMessage() for r in caplog.records)
 
 
+def test_a_checkpoint_without_stored_encoders_is_fitted_again_on_the_first_rows(make_cfg, tmp_path: Path) -> None:
+    """A new run fits its encoders on rows spread over the files (tests/test_data_infer.py); a checkpoint written before
+    encoders were stored was fitted on the files' first data.infer.sample_rows rows, and its ids keep their trained rows
+    only if refitted so: training (resume, init_from), evaluate, predict (build_data) and export (build_unsharded) alike."""
+    write_hours(tmp_path / "log.parquet", range(0, 12))  # time-sorted: the first 2,000 rows are hours 0-3
+    step = tmp_path / "step_00000040"
+    step.mkdir()
+    (step / "meta.json").write_text(json.dumps({"step": 40, "overrides": [], "config": {"data": "parquet"}}))
+    run = validate(make_cfg("data=parquet", f"data.path={tmp_path}/log.parquet", "data.label=click", "data.sparse=[{name: hour}]",
+                            "data.infer.sample_rows=2000", "model=deepfm", "distributed.device=cpu", "tracking=none", tiny=False))
+    new = build_data(run, torch.device("cpu"), None).schema.vocabularies["hour"]
+    old = build_data(run, torch.device("cpu"), step).schema.vocabularies["hour"]
+    exported = build_unsharded(run, None).data.schema.vocabularies["hour"]
+    assert new.size >= 10 and old.size == exported.size == 4
+    head = ParquetData(run.data, fit_on_head=True).schema.vocabularies["hour"]  # the fit of the code before the spread sample
+    for refit in (old, exported):
+        np.testing.assert_array_equal(refit.keys, head.keys)
+        np.testing.assert_array_equal(refit.rows, head.rows)
+    # the same file as CSV (plain text, whose sample is read from byte offsets spread over it)
+    (tmp_path / "log.csv").write_text(pq.read_table(tmp_path / "log.parquet").to_pandas().to_csv(index=False))
+    run = validate(make_cfg("data=csv", f"data.path={tmp_path}/log.csv", "data.label=click", "data.sparse=[{name: hour}]",
+                            "data.infer.sample_rows=2000", "model=deepfm", "distributed.device=cpu", "tracking=none", tiny=False))
+    assert build_data(run, torch.device("cpu"), None).schema.vocabularies["hour"].size >= 10
+    assert build_data(run, torch.device("cpu"), step).schema.vocabularies["hour"].size == 4
+
+
 def test_a_checkpoint_trained_on_generated_data_is_not_said_to_predate_stored_encoders(make_cfg, tmp_path: Path,
                                                                                      caplog: pytest.LogCaptureFixture) -> None:
     """``make run``'s checkpoint (``data=synthetic``, its ``meta.json`` as the CLI writes it) scored on Criteo-shaped
@@ -224,15 +252,16 @@ def test_ids_of_another_type_than_in_training_are_refused_not_read_as_oov(tmp_pa
 
 
 def test_a_vocabulary_fitted_on_rows_unlike_the_rest_is_said_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """A file sorted by time (Avazu's train.csv: its first 100,000 rows are its first hour) gives the vocabulary of ``hour``
-    the first hours alone, which looked like a covered column (every value seen often): every later row's hour read the
-    column's OOV rows, said by nothing but ``data/oov_rate/hour`` among 20 other rates. The run now says it once, naming
-    the column, the share and the fix; a column the sample did cover (``item``) is not named."""
+    """A gzip-compressed file sorted by time (Avazu's train.csv.gz: its first 100,000 rows are its first hour), whose sample
+    is its first rows (its later lines are reached only by decompressing those before them), gives the vocabulary of
+    ``hour`` the first hours alone, which looked like a covered column (every value seen often): every later row's hour
+    read the column's OOV rows, said by nothing but ``data/oov_rate/hour`` among 20 other rates. The run says it once,
+    naming the column, the share and the fix; a column the sample did cover (``item``) is not named."""
     rng = np.random.default_rng(0)
     lines = [f"{int(rng.random() < 0.3)},h{i * 50 // 12_000},{int(rng.integers(20))}" for i in range(12_000)]  # hours in order
-    (tmp_path / "train.csv").write_text("\n".join(["label,hour,item", *lines]) + "\n")
+    (tmp_path / "train.csv.gz").write_bytes(gzip.compress(("\n".join(["label,hour,item", *lines]) + "\n").encode()))
     with caplog.at_level(logging.WARNING, logger="recsys_runner.train.loop"):
-        train(compose_entry("config", "data=csv", f"data.path={tmp_path}/train.csv", "data.label=label", "data.batch_size=1000",
+        train(compose_entry("config", "data=csv", f"data.path={tmp_path}/train.csv.gz", "data.label=label", "data.batch_size=1000",
                             "data.eval_fraction=0.01", "data.infer.sample_rows=960", "model=lr", "train.num_epochs=1",
                             "train.num_steps=null", "train.log_every_steps=5", "distributed.device=cpu", "tracking=none",
                             "checkpoint=none"))

@@ -128,7 +128,7 @@ def _check_label(label: str | None, path: str, names: list[str]) -> None:
 
 
 def inferred_csv_schema(args: argparse.Namespace, files: list[str]) -> tuple[Schema, dict[str, Any]]:
-    """``--format csv`` without ``--schema``: the schema inferred from the files' first rows exactly as a training run
+    """``--format csv`` without ``--schema``: the schema inferred from a sample of the files' rows exactly as a training run
     on ``data=csv`` infers it (:mod:`recsys_runner.data.encoding.fit`), and the reader options; printed as a schema file
     to keep, edit and pass back as ``--schema`` (or ``data.schema=`` to train on the text files)."""
     options: dict[str, Any] = {"delimiter": text_delimiter(args.delimiter, "--delimiter ", "--delimiter ,"), "header": True,
@@ -139,7 +139,7 @@ def inferred_csv_schema(args: argparse.Namespace, files: list[str]) -> tuple[Sch
     _check_label(args.label, files[0], sampler.names(files[0]))
     try:
         done = complete_schema(label=args.label, labels=None, label_kinds=None, label_threshold=args.label_threshold, dense=[],
-                               sparse=[], sample=lambda: sampler.sample(infer.sample_rows), config=infer, where=where,
+                               sparse=[], sample=lambda: sampler.sample(infer.sample_rows, spread=True), config=infer, where=where,
                                column_names=sampler.header_names)
     except DataError as e:  # the inference speaks of data.* settings; here they are flags
         raise DataError(str(e).replace("data.label_threshold=", "--label-threshold ").replace("data.label=", "--label ")
@@ -165,7 +165,7 @@ def convert(args: argparse.Namespace) -> None:
     elif args.schema:  # vocabularies (and sizes left out) come from the files, as in training
         sampler = CsvSource(files, [], block_rows=args.row_group_rows, on_bad_rows=args.on_bad_rows, **options)
         infer = InferConfig(sample_rows=args.sample_rows)
-        schema = complete_schema(**parts, sample=lambda: sampler.sample(infer.sample_rows), config=infer, where=f"the input {files[0]}").schema
+        schema = complete_schema(**parts, sample=lambda: sampler.sample(infer.sample_rows, spread=True), config=infer, where=f"the input {files[0]}").schema
     weighted = [s.name for s in schema.sparse if s.is_weighted]
     if weighted:  # the converted files hold ids only
         raise ConfigError(f"--schema lists the weighted columns {weighted}, whose weights convert would drop (it writes ids only). "
@@ -338,12 +338,13 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("output", help="output directory")
     c.add_argument("--format", choices=["criteo", "csv"], default="criteo")
     c.add_argument("--schema", help="csv: YAML file with label (or labels, label_kinds), dense, sparse (as in data.*); "
-                                    "without it the schema is inferred from the files' first rows and printed")
+                                    "without it the schema is inferred from a sample of the files' rows and printed")
     c.add_argument("--label", help="csv without --schema: the label column (default: one named label, click, clicked, …)")
     c.add_argument("--label-threshold", type=float, help="csv without --schema: label = (label column >= this), e.g. a rating of 4")
     c.add_argument("--exclude", action="append", default=[], help="csv without --schema: a column not to use as a feature (repeatable)")
     c.add_argument("--delimiter", default=",", help="csv without --schema: the field delimiter (a character, or tab/comma/semicolon/pipe)")
-    c.add_argument("--sample-rows", type=int, default=InferConfig.sample_rows, help="csv without --schema: rows read to infer the schema")
+    c.add_argument("--sample-rows", type=int, default=InferConfig.sample_rows, help="csv: rows read to infer the schema and fit vocabularies, in pieces spread over the "
+                   "files (a compressed file: its first rows)")
     c.add_argument("--num-embeddings", type=int, default=100_000, help="criteo: table size of every categorical (default: %(default)s, fixed: "
                    "a small file gets tables larger than its rows; data=criteo sizes them from the files)")
     c.add_argument("--categorical-encoding", choices=["mod", "hash"], default="mod", help="criteo: hex value modulo the table size, or a hash")

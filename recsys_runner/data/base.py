@@ -197,18 +197,23 @@ class DataConfig(Configurable):
                 f"has no histories{why}. Fix: data.batch_tokens=null and data.batch_size=<rows>, or data with sequences "
                 f"(data=synthetic_sequences, or data.sequences on Parquet/CSV files)")
 
-    def build(self, *, device: torch.device | str | None = None, encoders: StoredEncoders | None = None) -> DataModule:
+    def build(self, *, device: torch.device | str | None = None, encoders: StoredEncoders | None = None,
+              fit_on_head: bool = False) -> DataModule:
         """The data module this config describes, for a run on ``device`` (``None``: where ``distributed.device=auto``
         puts it): built from :meth:`resolved`, so that the module sees a number of workers and a pinning decision.
 
         ``encoders``: the encoders a checkpoint stored (evaluate, predict, resume, ``init_from``, export): the files are
-        encoded by them, not by encoders fitted again (:mod:`recsys_runner.data.encoding.stored`).
+        encoded by them, not by encoders fitted again (:mod:`recsys_runner.data.encoding.stored`). ``fit_on_head``: without
+        them, file data fits its encoders on the files' first ``data.infer.sample_rows`` rows, not on rows spread over the
+        files: a checkpoint written before encoders were stored was fitted so, and fitting it otherwise again would move
+        its ids to rows they never trained.
 
         Raises:
             CheckpointError: ``encoders`` for data that takes none (the checkpoint was trained on files).
         """
         if encoders is None:
-            data: DataModule = self.component_class()(self.resolved(device))
+            head = {"fit_on_head": True} if fit_on_head and self.takes_encoders() else {}
+            data: DataModule = self.component_class()(self.resolved(device), **head)
             return data
         if not self.takes_encoders():
             raise CheckpointError(f"the checkpoint {encoders.source} was trained on files (it stores their encoders), but this "

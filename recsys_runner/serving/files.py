@@ -84,9 +84,10 @@ class Unsharded:
 
 def build_unsharded(run: RunConfig, encoders: StoredEncoders | None = None) -> Unsharded:
     """The model the config describes on CPU, its data and what export needs of it (:class:`Unsharded`). ``encoders``: the
-    checkpoint's, which encode the files (:mod:`recsys_runner.data.encoding.stored`)."""
+    checkpoint's, which encode the files (:mod:`recsys_runner.data.encoding.stored`); ``None`` for a checkpoint written
+    before they were stored, whose encoders are fitted again as its training fitted them (on the files' first rows)."""
     cpu = torch.device("cpu")
-    data = run.data.for_model(run.model.data_needs()).build(device=cpu, encoders=encoders)
+    data = run.data.for_model(run.model.data_needs()).build(device=cpu, encoders=encoders, fit_on_head=encoders is None)
     # Tables in float32 whatever precision.embedding_data_type trained them in (an fp16 checkpoint's rows widen exactly):
     # fbgemm's kernels pool fp16 rows in float32 and return float32, where an fp16 nn.EmbeddingBag rounds each pooled sum
     # to fp16, so only float32 tables serve the scores training and evaluate computed.

@@ -1,7 +1,8 @@
 """A schema completed from a sample of the files: what the data config leaves open, decided when training starts.
 
 When ``data=csv`` / ``data=parquet`` get no ``data.dense`` / ``data.sparse`` (and no ``data.schema`` file, nor a
-schema stored by ``convert``), the data module reads the first ``data.infer.sample_rows`` rows and infers the label and
+schema stored by ``convert``), the data module reads ``data.infer.sample_rows`` rows (:attr:`InferConfig.sample_rows`: in
+pieces spread over the files) and infers the label and
 each column's role (:mod:`recsys_runner.data.encoding.roles`). With or without a column list, it then fits what the
 columns leave open: a ``zscore`` column's mean and std, a ``quantiles`` column's boundaries, a ``vocab_file``'s
 vocabulary, and each sparse feature's **rows** (``num_embeddings``; also for ``data.sparse`` entries without one and
@@ -50,7 +51,10 @@ class InferConfig:
     """``data.infer``: how a schema is inferred from the files (see :mod:`recsys_runner.data.encoding.fit`)."""
 
     sample_rows: int = 100_000
-    """Rows read from the start of the files to infer column types and bucket counts."""
+    """Rows read to infer column roles and fit what the columns leave open (table sizes, encodings, vocabularies, zscore
+    statistics, quantile boundaries): taken in pieces spread over the files (Parquet row groups; byte offsets of plain
+    text), so that files sorted by time give later rows too; a compressed text file's first rows (its later lines are
+    reached only by decompressing every line before them); every row where the files hold no more."""
     bucket_margin: float = 2.0
     """A sized sparse feature gets ``distinct values in the sample × this`` buckets (rounded up to 1/2/5 × 10^k):
     room for values the sample missed and fewer hash collisions."""

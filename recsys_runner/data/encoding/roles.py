@@ -1,7 +1,7 @@
 """Each sampled column's role when a data config lists no columns: the label, a dense or a sparse feature, or left out.
 
 When ``data=csv`` / ``data=parquet`` get no ``data.dense`` / ``data.sparse`` (and no ``data.schema`` file, nor a
-schema stored by ``convert``), the first ``data.infer.sample_rows`` rows decide:
+schema stored by ``convert``), a sample of ``data.infer.sample_rows`` rows decides (:attr:`~recsys_runner.data.encoding.fit.InferConfig.sample_rows`):
 
 * the **label**: ``data.label`` / ``data.labels`` when set, else the first column named (any case) one of
   :data:`LABEL_NAMES` (``label``, ``click``, ``target`` …); otherwise a :class:`DataError` lists the columns and

@@ -6,7 +6,9 @@ its line and the fix. The unit and the Parquet source are in :mod:`~recsys_runne
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import pyarrow as pa
@@ -23,8 +25,31 @@ from recsys_runner.data.files.layout import (
     open_quote_fix,
     open_quote_lines,
 )
-from recsys_runner.data.files.sources import Unit, skip_empty, unreadable, without_repeats
+from recsys_runner.data.files.sources import Unit, repeated_names, skip_empty, unreadable, without_repeats
 from recsys_runner.errors import DataError
+
+TEXT_SAMPLE_PIECES = 100
+"""How many even spans of plain text a spread sample reads its lines from (:meth:`CsvSource._spread`). Each costs one seek
+and a read of :data:`SPAN_BUFFER_BYTES`, not a row group's columns as a Parquet piece does, so text takes ten times the
+pieces Parquet does (:data:`~recsys_runner.data.files.sources.SAMPLE_PIECES`): 300,000 rows of 24 hours in time order get
+a piece every 3,000 rows, every hour several."""
+
+SPAN_BUFFER_BYTES = 1 << 16
+"""The read buffer of a span of a spread sample: a share of its lines (1,000 of a 100,000-row sample) without reading
+ahead the 1 MiB an object store's reader takes for a sequential read (:func:`recsys_runner.stores.open_input`)."""
+
+
+@dataclass
+class _Span:
+    """Where a spread sample reads lines of a plain-text file (:meth:`CsvSource._spread`): those that start at a byte in
+    [``pos``, ``stop``); ``pos`` moves on as they are read (``synced``: it is at a line start; ``data_start``: where the
+    file's first data line starts, a line start)."""
+
+    path: str
+    data_start: int
+    pos: int
+    stop: int
+    synced: bool = False
 
 
 class CsvSource:
@@ -106,21 +131,23 @@ class CsvSource:
         ``read`` (beyond this source's own) is a name it repeats."""
         return self.headers.header_names(self.files[0], self.columns, read)
 
-    def sample(self, num_rows: int) -> pa.Table:
-        """The first ``num_rows`` rows of the files (in order), every column as text (missing values null), to infer
-        a schema from (:mod:`recsys_runner.data.encoding.fit`); lines with the wrong number of fields are left out.
+    def sample(self, num_rows: int, spread: bool = False) -> pa.Table:
+        """``num_rows`` rows of the files, every column as text (missing values null), to infer a schema and fit encoders
+        from (:mod:`recsys_runner.data.encoding.fit`): the first ones, or with ``spread`` lines spread over the files
+        (:meth:`_spread`) where every file is plain text (a compressed file's later lines are reached only by decompressing
+        every line before them: its first ones); every row, in order, where the files hold no more. Lines with the wrong
+        number of fields are left out; files after the first whose columns are named otherwise are not sampled.
 
         Raises:
             DataError: a line opens a quote it does not close (with ``data.on_bad_rows=skip``: left out), which would
                 end the sample there; a line that is not UTF-8 text.
         """
+        if spread and (like := self._like_files()) and not any(self.headers.compression(path) for path, _ in like):
+            return self._spread(like, num_rows)
         tables: list[pa.Table] = []
         wanted = num_rows
         for path in self.files:
-            names, data_start, _ = self.headers.inspect(path, self.columns)
-            delimiter, header = self.headers.layout(path)
-            if path == self.files[0] and (why := self.headers.misread(path, delimiter, header, names)):
-                raise DataError(f"{path} does not read as configured.{why}")
+            names, data_start, delimiter = self._sample_layout(path)
             lines: list[bytes] = []
             numbers: list[int] = []  # each kept line's number in the file (blank lines are left out)
             first_line = self.line_offset(path)
@@ -133,17 +160,7 @@ class CsvSource:
                         break
             if not lines:
                 continue
-            table, invalid = self._sample_table(path, lines, numbers, names, delimiter)
-            swallowed = table.num_rows + len(invalid) < len(lines) or any('"' in text for text in invalid)
-            if swallowed and (quoted := open_quote_lines(b"".join(lines), delimiter)):
-                # a line opening a quote swallowed the lines after it, which would end the sample there
-                if not self.skip:
-                    raise DataError(f"bad row in {path}, line {numbers[quoted[0]]}: {open_quote_fix(lines[quoted[0]])}. "
-                                    f"Or set data.on_bad_rows=skip to skip such rows (they are counted and logged)")
-                kept = sorted(set(range(len(lines))) - set(quoted))
-                lines, numbers = [lines[i] for i in kept], [numbers[i] for i in kept]
-                table, _ = self._sample_table(path, lines, numbers, names, delimiter)
-            table = without_repeats(table)
+            table = self._lines_table(path, lines, numbers, lambda n: n, names, delimiter)
             if tables and table.column_names != tables[0].column_names:
                 break  # a file with other columns: infer from those seen so far
             tables.append(table)
@@ -154,8 +171,129 @@ class CsvSource:
             raise DataError(f"{self.files[0]} has no data lines to infer a schema from. Fix: point data.path at files with rows")
         return pa.concat_tables(tables)
 
-    def _sample_table(self, path: str, lines: list[bytes], numbers: list[int], names: list[str], delimiter: str) -> tuple[pa.Table, list[str]]:
-        """``lines`` of ``path`` (each ending in a newline; ``numbers``: their line numbers) as a table of text columns, and
+    def _sample_layout(self, path: str) -> tuple[list[str], int, str]:
+        """``path``'s column names, the byte offset of its first data line and its delimiter, for the sample; the first
+        file's layout checked against its lines (:meth:`~recsys_runner.data.files.csv_header.CsvHeaders.misread`)."""
+        names, data_start, _ = self.headers.inspect(path, self.columns)
+        delimiter, header = self.headers.layout(path)
+        if path == self.files[0] and (why := self.headers.misread(path, delimiter, header, names)):
+            raise DataError(f"{path} does not read as configured.{why}")
+        return names, data_start, delimiter
+
+    def _like_files(self) -> list[tuple[str, int]]:
+        """The files up to the first with data bytes whose columns are named otherwise than the first's (the head sample
+        stops there too), each with the byte offset of its first data line."""
+        like: list[tuple[str, int]] = []
+        first: list[str] | None = None
+        for path in self.files:
+            names, data_start, _ = self._sample_layout(path)
+            unique = [n for n in names if n not in repeated_names(names)]
+            if stores.file_size(path) > data_start and first is not None and unique != first:
+                break
+            first = first if first is not None else unique
+            like.append((path, data_start))
+        return like
+
+    def _spread(self, files: list[tuple[str, int]], num_rows: int) -> pa.Table:
+        """``num_rows`` non-blank lines of the plain-text ``files`` (each with the byte offset of its first data line): their
+        data bytes taken together are cut into :data:`TEXT_SAMPLE_PIECES` even spans, and each
+        span's share of the sample is its first lines (a span begins at the first line that starts in it: one ``readline``
+        resyncs a seek). A span whose lines run out before its share (lines are longer there) passes the rest on to the
+        next, and what is still short is read on after where each span stopped; so files holding no more lines than
+        the sample give every line, in order, as the head sample does.
+
+        Why: CTR logs are written in time order, so their first rows are their first hours; a vocabulary fitted on them
+        lacks every later value of a column such as ``hour``. The spans cost one seek each, not a scan of the files (the
+        newline scan that cuts them into units reads every byte)."""
+        ends = [stores.file_size(path) for path, _ in files]
+        total = sum(end - start for (_, start), end in zip(files, ends, strict=True))
+        k = min(TEXT_SAMPLE_PIECES, num_rows)
+        spans: list[list[_Span]] = []
+        for i in range(k):
+            lo, hi, at = i * total // k, (i + 1) * total // k, 0
+            parts = []
+            for (path, start), end in zip(files, ends, strict=True):
+                a, b = max(lo, at), min(hi, at + end - start)
+                if a < b:
+                    parts.append(_Span(path, start, start + a - at, start + b - at))
+                at += end - start
+            spans.append(parts)
+        picked: dict[str, list[tuple[int, bytes]]] = {path: [] for path, _ in files}
+        short = 0
+        for i, parts in enumerate(spans):
+            short += (i + 1) * num_rows // k - i * num_rows // k
+            for span in parts:
+                short -= self._span_lines(span, short, picked[span.path])
+        for span in (span for parts in spans for span in parts):
+            short -= self._span_lines(span, short, picked[span.path])
+        tables = []
+        for path, _ in files:
+            if lines := sorted(picked[path]):
+                names, _, delimiter = self._sample_layout(path)
+                tables.append(self._lines_table(path, [line for _, line in lines], [at for at, _ in lines],
+                                                partial(self._line_at, path), names, delimiter))
+        if not tables:
+            raise DataError(f"{self.files[0]} has no data lines to infer a schema from. Fix: point data.path at files with rows")
+        return pa.concat_tables(tables)
+
+    def _span_lines(self, span: _Span, n: int, out: list[tuple[int, bytes]]) -> int:
+        """Up to ``n`` more non-blank lines that start in ``span`` (from where it stopped), into ``out`` with each one's
+        byte offset; how many."""
+        if n <= 0 or span.pos >= span.stop:
+            return 0
+        got = 0
+        resync = span.pos > span.data_start and not span.synced
+        with stores.open_input(span.path, buffer_bytes=SPAN_BUFFER_BYTES) as f:  # plain text: entered by a seek
+            f.seek(span.pos - 1 if resync else span.pos)
+            if resync:  # the rest of the line the span begins in (a lone newline where it begins at a line)
+                span.pos += len(f.readline()) - 1
+            span.synced = True
+            while got < n and span.pos < span.stop:
+                line = f.readline()
+                if not line:
+                    span.pos = span.stop
+                    break
+                if line.strip(b"\r\n"):
+                    out.append((span.pos, line if line.endswith(b"\n") else line + b"\n"))
+                    got += 1
+                span.pos += len(line)
+        return got
+
+    def _line_at(self, path: str, offset: int) -> int:
+        """The line number (1-based, header counted) of the line of plain-text ``path`` that starts at byte ``offset``: its
+        newlines before it counted, for an error message about a line of a spread sample."""
+        data_start, count = self.headers.inspect(path, None)[1], 0
+        with self.headers.open_text(path, data_start) as f:
+            left = offset - data_start
+            while left > 0 and (chunk := f.read(min(left, 1 << 24))):
+                count += chunk.count(b"\n")
+                left -= len(chunk)
+        return count + self.line_offset(path)
+
+    def _lines_table(self, path: str, lines: list[bytes], at: list[int], number: Callable[[int], int], names: list[str],
+                     delimiter: str) -> pa.Table:
+        """The sampled ``lines`` of ``path`` (each ending in a newline; ``at``: where each is, ``number`` its line number) as
+        a table of text columns, lines with the wrong number of fields left out.
+
+        Raises:
+            DataError: a line opens a quote it does not close (with ``data.on_bad_rows=skip``: left out), which would
+                end the sample there; a line that is not UTF-8 text.
+        """
+        table, invalid = self._sample_table(path, lines, lambda i: number(at[i]), names, delimiter)
+        swallowed = table.num_rows + len(invalid) < len(lines) or any('"' in text for text in invalid)
+        if swallowed and (quoted := open_quote_lines(b"".join(lines), delimiter)):
+            # a line opening a quote swallowed the lines after it, which would end the sample there
+            if not self.skip:
+                raise DataError(f"bad row in {path}, line {number(at[quoted[0]])}: {open_quote_fix(lines[quoted[0]])}. "
+                                f"Or set data.on_bad_rows=skip to skip such rows (they are counted and logged)")
+            kept = sorted(set(range(len(lines))) - set(quoted))
+            lines, at = [lines[i] for i in kept], [at[i] for i in kept]
+            table, _ = self._sample_table(path, lines, lambda i: number(at[i]), names, delimiter)
+        return without_repeats(table)
+
+    def _sample_table(self, path: str, lines: list[bytes], number: Callable[[int], int], names: list[str],
+                      delimiter: str) -> tuple[pa.Table, list[str]]:
+        """``lines`` of ``path`` (each ending in a newline; ``number``: the line number of each, by index) as a table of text columns, and
         the text of each row left out for the wrong number of fields."""
         raw = b"".join(lines)
         invalid: list[str] = []
@@ -175,7 +313,7 @@ class CsvSource:
         except pa.ArrowInvalid as e:
             if (wrong := not_utf8(raw)) is not None:
                 index, at = wrong
-                raise DataError(not_utf8_message(path, numbers[index], lines[index], at)) from None
+                raise DataError(not_utf8_message(path, number(index), lines[index], at)) from None
             raise DataError(f"{path}: its first lines cannot be parsed as delimited text ({str(e).splitlines()[0]}). "
                             f"Fix: check data.delimiter={delimiter!r} and the file's format") from None
         return table, invalid

@@ -167,7 +167,7 @@ class ParquetData(TabularData):
     files; without that, one inferred from the files (:mod:`recsys_runner.data.encoding.fit`, logged).
     """
 
-    def __init__(self, config: ParquetDataConfig, encoders: StoredEncoders | None = None) -> None:
+    def __init__(self, config: ParquetDataConfig, encoders: StoredEncoders | None = None, fit_on_head: bool = False) -> None:
         files = resolve_files(config.path, "data.path", PARQUET_SUFFIXES)
         probe = ParquetSource(files, [], config.read_rows)
         # the first file with rows speaks for the columns' types: an empty part (skipped when read) may hold a column of
@@ -188,7 +188,7 @@ class ParquetData(TabularData):
             check_stored_replaces(config, stored, head)
             schema = stored
         else:
-            done, _ = config_schema(config, lambda: ParquetSource(files, [], config.read_rows).sample(config.infer.sample_rows),
+            done, _ = config_schema(config, lambda: ParquetSource(files, [], config.read_rows).sample(config.infer.sample_rows, spread=not fit_on_head),
                                     f"data.path={config.path!r}", lambda: first.names, refuse_repeats)
             log_inferred(done, f"data.path={config.path!r}")
             schema = done.schema
@@ -230,7 +230,7 @@ class CsvData(TabularData):
     """``data=csv``: delimited text files (see :class:`CsvDataConfig`); the schema from ``data.schema``, the config's
     columns, or inferred from the files (:mod:`recsys_runner.data.encoding.fit`, logged)."""
 
-    def __init__(self, config: CsvDataConfig, encoders: StoredEncoders | None = None) -> None:
+    def __init__(self, config: CsvDataConfig, encoders: StoredEncoders | None = None, fit_on_head: bool = False) -> None:
         where = f"data.path={config.path!r}"
         if config.schema is not None and (reader := read_schema_file(config.schema)[1]):
             config = replace(config, **reader)  # the schema file says how its files are read
@@ -249,7 +249,7 @@ class CsvData(TabularData):
             refuse_repeats(schema.columns)
             schema = from_checkpoint(encoders, schema, self._sampler(config).sample(KIND_SAMPLE_ROWS), where)
         else:
-            done, _ = config_schema(config, lambda: self._sampler(config).sample(config.infer.sample_rows), where,
+            done, _ = config_schema(config, lambda: self._sampler(config).sample(config.infer.sample_rows, spread=not fit_on_head), where,
                                     lambda: self._sampler(config).header_names(), refuse_repeats)
             log_inferred(done, where, {"delimiter": config.delimiter, "header": config.header, "null_values": list(config.null_values),
                                        **({"column_names": list(config.column_names)} if config.column_names else {})})
@@ -290,7 +290,7 @@ class CriteoData(TabularData):
     """``data=criteo``: raw Criteo TSV files (see :class:`CriteoDataConfig`); with ``data.num_embeddings=null`` each
     table is sized from a sample of the files (logged)."""
 
-    def __init__(self, config: CriteoDataConfig, encoders: StoredEncoders | None = None) -> None:
+    def __init__(self, config: CriteoDataConfig, encoders: StoredEncoders | None = None, fit_on_head: bool = False) -> None:
         self.criteo = config
         """:attr:`config`, typed as this option's (its reader settings; set first: the base class opens the files)."""
         if encoders is not None:  # Criteo's columns are fixed: only the stored sizes and vocabularies matter
@@ -301,7 +301,7 @@ class CriteoData(TabularData):
         dense, sparse = criteo_columns(sizes, config.categorical_encoding, config.dense_transform)
         where = f"data.path={config.path!r}"
         done = complete_schema(label="label", labels=None, label_kinds=None, label_threshold=None, dense=dense, sparse=sparse,
-                               sample=lambda: self.open_files(config.path, "data.path").sample(config.infer.sample_rows),
+                               sample=lambda: self.open_files(config.path, "data.path").sample(config.infer.sample_rows, spread=not fit_on_head),
                                config=config.infer, where=where)
         log_inferred(done, where)
         super().__init__(config, done.schema)
