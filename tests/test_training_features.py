@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import signal
 import sys
@@ -20,6 +21,7 @@ from recsys_runner.build import build
 from recsys_runner.checkpoint.guard import NonFiniteLossError
 from recsys_runner.checkpoint.storage import is_complete, list_checkpoints
 from recsys_runner.config import validate
+from recsys_runner.runtime import Launch
 from recsys_runner.train.ema import DenseEMA
 from recsys_runner.train.signals import Interrupted
 from recsys_runner.train.stepping import LeanPipeline, PolicyPipelineBase, PolicyPipelineSparseDist
@@ -362,12 +364,20 @@ def test_nan_guard_stops_and_sets_aside_checkpoints_no_finite_loss_followed(make
     assert mlrun.info.status == "FAILED"
 
 
-def test_profile_preset_stores_a_trace(make_cfg, mlflow_uri: str) -> None:
+def test_profile_preset_stores_a_trace(make_cfg, mlflow_uri: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The trace is kept in the run's folder, where a log line says it is, as well as in MLflow: only rank 0 logs to
+    MLflow, so a trace kept only as an artifact (written into a temporary folder first, and left there) was lost on
+    every other rank and with tracking=none."""
     cfg = make_cfg("debug=profile", "train.profile.wait=1", "train.profile.active=2", "train.num_steps=6", "train.log_every_steps=3")
-    run(cfg)
+    with caplog.at_level("INFO", logger="recsys_runner.train.profiling"):
+        run(cfg, launch=Launch(output_dir=tmp_path))  # a CLI launch's run folder
     client, mlrun = the_run(mlflow_uri, cfg.tracking.experiment)
     names = {a.path for a in client.list_artifacts(mlrun.info.run_id, "profile")}
-    assert {"profile/trace_rank0.json", "profile/key_averages.txt"} <= names
+    assert {"profile/trace_rank0.json", "profile/key_averages.txt", "profile/breakdown.txt"} <= names
+    folder = tmp_path / "profile"
+    assert sorted(p.name for p in folder.iterdir()) == ["breakdown_rank0.txt", "key_averages_rank0.txt", "trace_rank0.json"]
+    assert json.loads((folder / "trace_rank0.json").read_text())["traceEvents"]
+    assert f"profile: rank 0's trace of steps 4-5 written to {folder / 'trace_rank0.json'} (open it in" in caplog.text
 
 
 PRESET_BEST = {"experiment=mmoe_taobao": "eval/ctr/auc", "experiment=dssm_taobao": "eval/recall_at_50"}
