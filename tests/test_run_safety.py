@@ -223,6 +223,8 @@ def test_resume_changes_table_treats_each_key_once() -> None:
     assert resume.treatment("data.path")[0] == "refuse" and resume.treatment("data")[0] == "refuse"
     assert resume.treatment("optim/sparse")[0] == "refuse" and resume.treatment("model")[0] == "refuse"
     assert resume.treatment("experiment")[0] == "refuse"
+    # the loop skips epoch_step x grad_accum_steps batches of the epoch: another accumulation restores another position
+    assert resume.treatment("train.grad_accum_steps")[0] == "refuse"
     assert resume.treatment("data.eval_path")[0] == "warn" and resume.treatment("optim.lr")[0] == "warn"
     assert resume.treatment("scheduler")[0] == "warn" and resume.treatment("model.dropout")[0] == "warn"
     path = Path("/ck/step_00000004")

@@ -74,6 +74,10 @@ RESUME_CHANGES: tuple[tuple[str, Treatment, str], ...] = (
     ("data.shuffle", "refuse", _EPOCH_POSITION),
     ("data.drop_remainder", "refuse", _EPOCH_POSITION),
     ("data.group_by_length", "refuse", _EPOCH_POSITION),
+    ("train.grad_accum_steps", "refuse", "a step trains that many batches, and the position in the epoch it restores counts "
+                                         "steps: the resumed run would skip another number of batches than the run it "
+                                         "continues trained (rows left out or trained twice), and train more or fewer rows "
+                                         "per step"),
     ("experiment", "refuse", "another preset: its model, data and optimizer settings are another experiment's"),
     ("model", "refuse", "another model: its weights are not the checkpoint's"),
     ("optim", "refuse", "another optimizer: the optimizer state saved is another's"),
