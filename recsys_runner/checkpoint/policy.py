@@ -318,11 +318,13 @@ class Checkpointer:
             state.resume_changes = self.resume_changes
             if self.rank == 0:
                 resume.note_changes(path, self.resume_changes)
-            cut = resume.epoch_cut_change(self.storage.read_meta(path), state, self.world_size, self.data_shards)
-            if cut is not None:
-                if self.rank == 0:
-                    log.warning("resuming %s %s", path, cut[1])
-                state.resume_changes = (*state.resume_changes, cut[0])
+            meta = self.storage.read_meta(path)
+            for said in (resume.rows_per_step_change(meta, path, self.world_size),
+                         resume.epoch_cut_change(meta, state, self.world_size, self.data_shards)):
+                if said is not None:
+                    if self.rank == 0:
+                        log.warning("resuming %s %s", path, said[1])
+                    state.resume_changes = (*state.resume_changes, said[0])
             if self.config.resume not in RESUME_WORDS:  # auto/latest took the newest whole one: only the best can be later
                 decided_on_rank0(functools.partial(self._abandon_after, path, state.step), self.rank, self.world_size)
             self.last_saved = str(path)

@@ -301,6 +301,36 @@ def epoch_cut_change(meta: Mapping[str, Any], state: TrainState, world_size: int
     return line, warning
 
 
+def rows_per_step_change(meta: Mapping[str, Any], path: Path, world_size: int) -> tuple[str, str] | None:
+    """``(change line, warning)`` when a resume runs on another number of ranks than the run that wrote ``meta`` (its
+    checkpoint ``path``); ``None`` on as many.
+
+    Why: ``data.batch_size`` (and ``data.batch_tokens``) is per rank, so a step trains ``ranks × data.batch_size ×
+    train.grad_accum_steps`` rows, and resharding onto another number of ranks changes that for every step after the
+    checkpoint, while ``train.num_steps``, the lr schedule and the eval and checkpoint cadence still count steps: the
+    same change of the global batch as another ``data.batch_size``, which a resume refuses, but allowed (a checkpoint
+    reshards) and, at an epoch's end, said by nothing else. The fix that keeps the rows per step on other ranks is a new
+    run from these weights with the per-rank batch scaled, which a resume cannot take."""
+    saved = int(meta.get("world_size", 1))
+    if saved == world_size:
+        return None
+    config = meta.get("config") or {}
+    batch, accumulation = config.get("data.batch_size"), config.get("train.grad_accum_steps", 1)
+    line = f"ranks: {saved} -> {world_size} (rows per step x{world_size / saved:g})"
+    if isinstance(batch, int) and isinstance(accumulation, int) and config.get("data.batch_tokens") is None:
+        rows = (f"{world_size} x data.batch_size={batch} x train.grad_accum_steps={accumulation} = "
+                f"{world_size * batch * accumulation} rows, {saved * batch * accumulation} before")
+        scaled = saved * batch / world_size
+        keep = f" data.batch_size={int(scaled)}" if scaled == int(scaled) else ""
+    else:
+        rows, keep = f"{world_size}/{saved} as many rows as before", ""
+    warning = (f"on {world_size} rank(s), written by {saved}: data.batch_size is per rank, so each step from here on trains "
+               f"{rows}, while train.num_steps, the lr schedule and the eval and checkpoint cadence still count steps. Fix: "
+               f"resume on {saved} rank(s) to keep the rows per step, or start a new run from these weights in its own "
+               f"checkpoint.dir with checkpoint.init_from={path}{keep}")
+    return line, warning
+
+
 def choose(config: CheckpointConfig, storage: CheckpointStorage, root: Path | None) -> tuple[Path | None, tuple[str, ...]]:
     """The checkpoint to resume from and the damaged newer ones moved aside on the way (run on rank 0)."""
     if config.resume == "never":
