@@ -344,6 +344,18 @@ def test_ema_follows_its_formula_and_can_evaluate(make_cfg) -> None:
     assert run(make_cfg("train.ema.decay=0.9", "train.ema.eval_with_ema=true", "tracking=none")) > 0.55
 
 
+def test_init_from_a_checkpoint_without_ema_starts_the_average_at_the_loaded_weights(make_cfg, tmp_path: Path) -> None:
+    """Fine-tuning with train.ema.decay from a run that had none (the usual order: a baseline, then a tuned run) crashed
+    with a KeyError inside DenseEMA.load_state_dict; an average kept at its fresh (random) weights would have scored an
+    untrained model under eval_with_ema. It starts at the weights loaded: with a negligible lr the fine-tune's first EMA
+    eval is the checkpoint's own."""
+    source = run(make_cfg("tracking=none", f"checkpoint.dir={tmp_path}/base"))
+    tuned = run(make_cfg("tracking=none", f"checkpoint.dir={tmp_path}/tuned", f"checkpoint.init_from={tmp_path}/base",
+                         "train.ema.decay=0.999", "train.ema.eval_with_ema=true", "optim.lr=1e-9", "train.num_steps=1",
+                         "train.sanity_eval_batches=0"))
+    assert tuned == pytest.approx(source, abs=1e-4)
+
+
 def test_early_stopping_stops_after_patience(make_cfg, mlflow_uri: str) -> None:
     cfg = make_cfg("train.num_steps=30", "train.eval_every_steps=5", "train.eval_max_batches=2",
                    "train.early_stopping.patience=2", "train.early_stopping.min_delta=1.0")  # nothing improves by 1.0
