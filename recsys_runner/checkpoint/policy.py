@@ -330,11 +330,11 @@ class Checkpointer:
             self.last_saved = str(path)
             self.verified_step = state.step + 1  # the checkpoint resumed from is trusted
             return state
-        if self.config.resume == "never" and self.dir is not None:
-            decided_on_rank0(self._abandon_earlier_run, self.rank, self.world_size)
         if init is not None:
             resume.load_run(self.storage, init, self.parts, self.config, strict=False, rank=self.rank, world_size=self.world_size,
                             carry=self.carry)
+        if self.config.resume == "never" and self.dir is not None:  # after init_from, which may name one of them
+            decided_on_rank0(self._abandon_earlier_run, self.rank, self.world_size)
         return TrainState()
 
     def _abandon_earlier_run(self) -> None:
