@@ -242,6 +242,8 @@ def test_a_resume_on_another_number_of_ranks_says_how_the_rows_per_step_change()
 
 def test_resume_changes_table_treats_each_key_once() -> None:
     assert resume.treatment("checkpoint.every_steps")[0] == "silent" and resume.treatment("distributed.sharding.plan")[0] == "silent"
+    # train.profile is a section: profiling a resumed run (train.profile.enabled=true) changes nothing learned
+    assert resume.treatment("train.profile.enabled")[0] == "silent" and resume.treatment("train.profile.active")[0] == "silent"
     assert resume.treatment("data.path")[0] == "refuse" and resume.treatment("data")[0] == "refuse"
     assert resume.treatment("optim/sparse")[0] == "refuse" and resume.treatment("model")[0] == "refuse"
     assert resume.treatment("experiment")[0] == "refuse"

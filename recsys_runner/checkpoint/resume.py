@@ -101,7 +101,7 @@ renames every key under it: ``"train.ema": "train.average"`` takes ``train.ema.d
 checkpoint that saved the old name (in its config or its overrides) is compared under the new one
 (:func:`under_new_names`), so resuming it after the rename warns of no change, and of a real change of the value as of
 any other key's. tests/test_resume_keys.py checks that a key gone from the config beside a new one is mapped here."""
-SECTIONS = ("checkpoint", "tracking", "storage", "distributed", "precision.embedding_data_type_by_feature")
+SECTIONS = ("checkpoint", "tracking", "storage", "distributed", "train.profile", "precision.embedding_data_type_by_feature")
 """The entries of :data:`RESUME_CHANGES` that cover every key under them; the others name one key (or a group's choice)."""
 WARNED_BY_DEFAULT = ("takes effect from the resumed step; the MLflow run's params keep the first launch's value (the run is "
                      "tagged resume_changes)")
