@@ -58,7 +58,7 @@ from recsys_runner.train.ema import DenseEMA
 from recsys_runner.train.evaluation import BestEval, Evaluator
 from recsys_runner.train.loop import Loop
 from recsys_runner.train.pipeline import make_pipeline
-from recsys_runner.train.profiling import check_profile_window, check_trace_folder
+from recsys_runner.train.profiling import PROFILE_DIR_NAME, check_profile_window, check_trace_folder
 from recsys_runner.train.stepping import Stepper, StepPolicy, dense_ddp
 from recsys_runner.train.stopping import EarlyStopping
 from recsys_runner.train.summaries import Summaries
@@ -126,8 +126,9 @@ def build(run: RunConfig, *, launch: Launch = Launch(), weights: Path | None = N
     try:
         tracker = build_tracker(run, launch) if env.is_main else NullTracker()
         decided_on_rank0(tracker.check, env.rank, env.world_size)  # the store, and the folders the tracker writes
+        profile_dir = launch.under_output_dir(PROFILE_DIR_NAME)
         if run.train.profile.enabled:
-            check_trace_folder()
+            check_trace_folder(profile_dir)
         checkpointer = run.checkpoint.build(rank=env.rank, world_size=env.world_size, device=env.device, nan_guard=run.train.nan_guard,
                                             launch=launch)
         if weights is None:
@@ -184,7 +185,7 @@ def build(run: RunConfig, *, launch: Launch = Launch(), weights: Path | None = N
                           total_steps=total_steps, next_step=state.step + 1)
     loop = Loop(config=run.train, env=env, data=data, stepper=stepper, evaluator=evaluator, checkpointer=checkpointer,
                 early_stopping=early_stopping, tracker=tracker, total_steps=total_steps, steps_per_epoch=steps_per_epoch, state=state,
-                best=best, summaries=summaries)
+                best=best, summaries=summaries, profile_dir=profile_dir)
     return Components(run=run, env=env, distributed=distributed, plan=plan, loop=loop)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import re
 import sys
 import typing
 from collections.abc import Sequence
@@ -104,9 +105,9 @@ def explain(config_name: str, overrides: list[str], *, multirun: bool = False, m
                 raise ConfigError(message) from None
         except ConfigCompositionException as e:
             cause = e.__cause__
-            message = _group_with_plus(chosen, str(e), module)
+            message = _group_with_plus(chosen, str(e), module) or _preset_key_of_another_option(chosen, str(e), module)
             if message is not None:
-                pass  # a group's option given with a leading +
+                pass  # a group's option given with a leading +, or a preset setting a key the option chosen lacks
             elif isinstance(cause, ConfigKeyError | ConfigAttributeError) and str(e).startswith("Could not override"):
                 message = (_map_without_plus(chosen, str(cause.full_key))
                            or _unknown_key(config_name, chosen, single, str(cause.full_key), module))
@@ -187,6 +188,34 @@ def _group_with_plus(chosen: list[Override], error: str, module: str) -> str | N
             return (f"{given}: {group} is a group of the config's defaults list already (python -m {module} --help lists its "
                     f"options), so an option of it is chosen without a leading +. Fix: {plain}")
     return None
+
+
+_PRESET_KEY = re.compile(r"^In '(?P<group>\w+)/(?P<option>\w+)': ConfigKeyError raised while composing config:\n"
+                         r"Key '[^']+' not in '(?P<schema>\w+)'\n\s*full_key: (?P<key>\S+)")
+"""Hydra's words for a preset file (``debug/overfit``) that sets a key the option chosen for its section does not have."""
+
+
+def _preset_key_of_another_option(chosen: list[Override], error: str, module: str) -> str | None:
+    """``debug=overfit data=parquet``: a preset (``debug``, ``experiment``) sets a key of a group's other options
+    (``data.num_train_rows``, which cuts only generated data's epoch), and Hydra says only "In 'debug/overfit':
+    ConfigKeyError raised while composing config: Key 'num_train_rows' not in 'ParquetDataConfig'", with a traceback hint
+    and exit status 1, naming neither the clash nor a way out. The message names the preset, the key, the options that
+    have it and the two fixes: one of those options, or the preset's other settings given without it."""
+    match = _PRESET_KEY.match(error)
+    if match is None:
+        return None
+    preset = f"{match['group']}={match['option']}"
+    key = match["key"]
+    section, _, name = key.partition(".")
+    given = next((o.input_line for o in chosen if o.key_or_group == section and not o.is_sweep_override()), None)
+    named = [option for option, schema in GROUPS.get(section, {}).items() if schema.__name__ == match["schema"]]
+    option = given or (f"{section}={named[0]}" if len(named) == 1 else f"the {section} chosen")
+    owners = _options_with_key(section, name)
+    whose = f"a key of {section}={', '.join(owners)}" if owners else f"a key the {section} options do not all have"
+    instead = f" with one of those, e.g. {preset} {section}={owners[0]}" if owners else f" with another {section}"
+    return (f"{preset} sets {key}, {whose}, not of {option}: the preset is written for those. Fix: {preset}{instead}, or "
+            f"leave {preset} out and give its other settings on the command line (conf/{match['group']}/{match['option']}.yaml "
+            f"lists them; python -m {module} --help lists every key)")
 
 
 def _map_without_plus(chosen: list[Override], key: str) -> str | None:

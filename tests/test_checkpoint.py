@@ -227,6 +227,28 @@ def test_resuming_an_older_checkpoint_writes_its_own_newer_ones_over_the_abandon
     assert any("abandoned-step_00000006" in w and "step_00000002" in w for w in warned.messages), warned.messages
 
 
+def test_a_new_run_with_resume_never_sets_aside_an_earlier_runs_checkpoints(make_cfg, tmp_path: Path) -> None:
+    """``checkpoint.resume=never`` in a directory holding an earlier run's checkpoints (a fixed ``checkpoint.dir`` reused; the
+    documented fine-tune ``checkpoint.init_from=… checkpoint.resume=never``): this run's save at step 4 found the earlier
+    step_4 complete and kept it, so the run ended with the earlier run's weights as its own, without a word, and a later
+    ``resume=auto`` would continue the earlier run from its step 6. They are moved aside, named in a warning."""
+    cfg = make_cfg("train.num_steps=6", "checkpoint.every_steps=2", "checkpoint.best_metric=eval/auc",
+                   "train.eval_every_steps=2", "train.eval_max_batches=1", "tracking=none", f"checkpoint.dir={tmp_path}")
+    run(cfg)
+    earlier = {p.name: (p / "__0_0.distcp").read_bytes() for p in [*list_checkpoints(tmp_path), *list_checkpoints(tmp_path, True)]}
+    fresh = make_cfg("train.num_steps=4", "checkpoint.every_steps=2", "optim.lr=0.2", "tracking=none", "checkpoint.resume=never",
+                     f"checkpoint.dir={tmp_path}")
+    with LogWarnings("recsys_runner") as warned:
+        run(fresh)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002", "step_00000004"] and not list_checkpoints(tmp_path, True)
+    assert (tmp_path / "step_00000004" / "__0_0.distcp").read_bytes() != earlier["step_00000004"]  # this run's own
+    for name, data in earlier.items():
+        assert (tmp_path / f"abandoned-{name}" / "__0_0.distcp").read_bytes() == data
+    (said,) = [w for w in warned.messages if "checkpoint.resume=never" in w]
+    assert f"starts a new run in {tmp_path}, which holds checkpoints of an earlier run: moved them aside to " in said
+    assert "abandoned-step_00000006" in said and "give each its own checkpoint.dir" in said
+
+
 def test_a_kill_while_rotation_deletes_the_oldest_leaves_nothing_half_deleted_behind(
     make_cfg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -232,3 +232,8 @@ def test_a_checkpoint_at_an_epochs_end_resumes_on_other_ranks_at_the_next_epochs
     resumed = [epochs[s] for s in range(stop + 1, steps + 1)]
     assert resumed == [1] * per_epoch[resumed_on] + [2], resumed  # epoch 1 whole from its start, then epoch 2
     assert "other shards" not in said, said[-3000:]
+    # the rows per step do change: data.batch_size is per rank (resume.rows_per_step_change; the 1-rank launch is one from
+    # Python, whose checkpoint records no config, so that case says the ratio alone)
+    rows = (f"{resumed_on} x data.batch_size={BATCH} x train.grad_accum_steps=1 = {resumed_on * BATCH} rows, {saved_on * BATCH} before"
+            if saved_on == 2 else f"{resumed_on}/{saved_on} as many rows as before")
+    assert f"on {resumed_on} rank(s), written by {saved_on}: data.batch_size is per rank, so each step from here on trains {rows}" in said

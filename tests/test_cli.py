@@ -185,6 +185,11 @@ TYPOS = {
                                                        "options), so an option of it is chosen without a leading +. Fix: "
                                                        "experiment=deepfm_criteo"),
     "group-with-force-add": (["++model=dlrm"], "++model=dlrm: model is a group of the config's defaults list already"),
+    "preset-key-of-another-option": (["debug=overfit", "data=parquet"],
+                                     "debug=overfit sets data.num_train_rows, a key of data=synthetic, synthetic_sequences, "
+                                     "not of data=parquet: the preset is written for those. Fix: debug=overfit with one of "
+                                     "those, e.g. debug=overfit data=synthetic, or leave debug=overfit out and give its other "
+                                     "settings on the command line (conf/debug/overfit.yaml lists them;"),
     "another-commands-key": (["load=outputs/x"], "load=outputs/x: load is a setting of python -m "
                                                  "recsys_runner.evaluate|predict|export, not of python -m recsys_runner."),
 }

@@ -149,3 +149,12 @@ def test_profiler_traces_need_a_temporary_folder_that_can_be_written(tmp_path: P
         check_trace_folder()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     check_trace_folder()
+
+
+def test_profiler_traces_need_a_run_folder_that_can_be_written(tmp_path: Path) -> None:
+    (tmp_path / "profile").write_text("")  # <run dir>/profile, where a CLI run keeps its traces
+    with pytest.raises(TrackingError, match=r"^train\.profile\.enabled=true writes its traces into .*/profile, which cannot "
+                                            r"be written: a file is in its place\. Fix: move or remove .*/profile, use another "
+                                            r"run directory \(hydra\.run\.dir=<dir>\), or train\.profile\.enabled=false$"):
+        check_trace_folder(tmp_path / "profile")
+    check_trace_folder(tmp_path / "new" / "profile")  # a folder to be made: fine

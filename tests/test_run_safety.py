@@ -218,11 +218,37 @@ def test_resume_compares_what_was_composed_so_a_yaml_edit_counts_and_a_respellin
     assert mlrun.data.tags["resume_changes"] == f"at step 8: {line}"
 
 
+def test_a_resume_on_another_number_of_ranks_says_how_the_rows_per_step_change() -> None:
+    """data.batch_size is per rank: a resharding resume changes the rows every later step trains (a global batch change a
+    resume refuses as data.batch_size), and at an epoch's end nothing else said so. Checked by the policy on each resume
+    (tests/test_checkpoint_reshard.py sees it said through the CLI, 1 -> 2 and 2 -> 1 ranks)."""
+    path = Path("/ck/step_00000020")
+    meta = {"world_size": 2, "config": {"data.batch_size": 256, "train.grad_accum_steps": 2, "data.batch_tokens": None}}
+    assert resume.rows_per_step_change(meta, path, 2) is None
+    said = resume.rows_per_step_change(meta, path, 1)
+    assert said is not None and said[0] == "ranks: 2 -> 1 (rows per step x0.5)"
+    assert said[1] == ("on 1 rank(s), written by 2: data.batch_size is per rank, so each step from here on trains 1 x "
+                       "data.batch_size=256 x train.grad_accum_steps=2 = 512 rows, 1024 before, while train.num_steps, the lr "
+                       "schedule and the eval and checkpoint cadence still count steps. Fix: resume on 2 rank(s) to keep the "
+                       "rows per step, or start a new run from these weights in its own checkpoint.dir with "
+                       "checkpoint.init_from=/ck/step_00000020 data.batch_size=512")
+    more = resume.rows_per_step_change({"world_size": 1, "config": {"data.batch_size": 256}}, path, 2)
+    assert more is not None and more[1].endswith("data.batch_size=128") and "= 512 rows, 256 before" in more[1]
+    odd = resume.rows_per_step_change({"world_size": 2, "config": {"data.batch_size": 100}}, path, 3)  # no whole batch keeps it
+    assert odd is not None and odd[1].endswith("checkpoint.init_from=/ck/step_00000020")
+    tokens = resume.rows_per_step_change({"world_size": 1, "config": {"data.batch_size": 64, "data.batch_tokens": 4096}}, path, 2)
+    assert tokens is not None and "each step from here on trains 2/1 as many rows as before" in tokens[1]
+
+
 def test_resume_changes_table_treats_each_key_once() -> None:
     assert resume.treatment("checkpoint.every_steps")[0] == "silent" and resume.treatment("distributed.sharding.plan")[0] == "silent"
+    # train.profile is a section: profiling a resumed run (train.profile.enabled=true) changes nothing learned
+    assert resume.treatment("train.profile.enabled")[0] == "silent" and resume.treatment("train.profile.active")[0] == "silent"
     assert resume.treatment("data.path")[0] == "refuse" and resume.treatment("data")[0] == "refuse"
     assert resume.treatment("optim/sparse")[0] == "refuse" and resume.treatment("model")[0] == "refuse"
     assert resume.treatment("experiment")[0] == "refuse"
+    # the loop skips epoch_step x grad_accum_steps batches of the epoch: another accumulation restores another position
+    assert resume.treatment("train.grad_accum_steps")[0] == "refuse"
     assert resume.treatment("data.eval_path")[0] == "warn" and resume.treatment("optim.lr")[0] == "warn"
     assert resume.treatment("scheduler")[0] == "warn" and resume.treatment("model.dropout")[0] == "warn"
     path = Path("/ck/step_00000004")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import signal
 import sys
@@ -20,6 +21,7 @@ from recsys_runner.build import build
 from recsys_runner.checkpoint.guard import NonFiniteLossError
 from recsys_runner.checkpoint.storage import is_complete, list_checkpoints
 from recsys_runner.config import validate
+from recsys_runner.runtime import Launch
 from recsys_runner.train.ema import DenseEMA
 from recsys_runner.train.signals import Interrupted
 from recsys_runner.train.stepping import LeanPipeline, PolicyPipelineBase, PolicyPipelineSparseDist
@@ -342,6 +344,18 @@ def test_ema_follows_its_formula_and_can_evaluate(make_cfg) -> None:
     assert run(make_cfg("train.ema.decay=0.9", "train.ema.eval_with_ema=true", "tracking=none")) > 0.55
 
 
+def test_init_from_a_checkpoint_without_ema_starts_the_average_at_the_loaded_weights(make_cfg, tmp_path: Path) -> None:
+    """Fine-tuning with train.ema.decay from a run that had none (the usual order: a baseline, then a tuned run) crashed
+    with a KeyError inside DenseEMA.load_state_dict; an average kept at its fresh (random) weights would have scored an
+    untrained model under eval_with_ema. It starts at the weights loaded: with a negligible lr the fine-tune's first EMA
+    eval is the checkpoint's own."""
+    source = run(make_cfg("tracking=none", f"checkpoint.dir={tmp_path}/base"))
+    tuned = run(make_cfg("tracking=none", f"checkpoint.dir={tmp_path}/tuned", f"checkpoint.init_from={tmp_path}/base",
+                         "train.ema.decay=0.999", "train.ema.eval_with_ema=true", "optim.lr=1e-9", "train.num_steps=1",
+                         "train.sanity_eval_batches=0"))
+    assert tuned == pytest.approx(source, abs=1e-4)
+
+
 def test_early_stopping_stops_after_patience(make_cfg, mlflow_uri: str) -> None:
     cfg = make_cfg("train.num_steps=30", "train.eval_every_steps=5", "train.eval_max_batches=2",
                    "train.early_stopping.patience=2", "train.early_stopping.min_delta=1.0")  # nothing improves by 1.0
@@ -362,12 +376,20 @@ def test_nan_guard_stops_and_sets_aside_checkpoints_no_finite_loss_followed(make
     assert mlrun.info.status == "FAILED"
 
 
-def test_profile_preset_stores_a_trace(make_cfg, mlflow_uri: str) -> None:
+def test_profile_preset_stores_a_trace(make_cfg, mlflow_uri: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The trace is kept in the run's folder, where a log line says it is, as well as in MLflow: only rank 0 logs to
+    MLflow, so a trace kept only as an artifact (written into a temporary folder first, and left there) was lost on
+    every other rank and with tracking=none."""
     cfg = make_cfg("debug=profile", "train.profile.wait=1", "train.profile.active=2", "train.num_steps=6", "train.log_every_steps=3")
-    run(cfg)
+    with caplog.at_level("INFO", logger="recsys_runner.train.profiling"):
+        run(cfg, launch=Launch(output_dir=tmp_path))  # a CLI launch's run folder
     client, mlrun = the_run(mlflow_uri, cfg.tracking.experiment)
     names = {a.path for a in client.list_artifacts(mlrun.info.run_id, "profile")}
-    assert {"profile/trace_rank0.json", "profile/key_averages.txt"} <= names
+    assert {"profile/trace_rank0.json", "profile/key_averages.txt", "profile/breakdown.txt"} <= names
+    folder = tmp_path / "profile"
+    assert sorted(p.name for p in folder.iterdir()) == ["breakdown_rank0.txt", "key_averages_rank0.txt", "trace_rank0.json"]
+    assert json.loads((folder / "trace_rank0.json").read_text())["traceEvents"]
+    assert f"profile: rank 0's trace of steps 4-5 written to {folder / 'trace_rank0.json'} (open it in" in caplog.text
 
 
 PRESET_BEST = {"experiment=mmoe_taobao": "eval/ctr/auc", "experiment=dssm_taobao": "eval/recall_at_50"}

@@ -318,11 +318,13 @@ class Checkpointer:
             state.resume_changes = self.resume_changes
             if self.rank == 0:
                 resume.note_changes(path, self.resume_changes)
-            cut = resume.epoch_cut_change(self.storage.read_meta(path), state, self.world_size, self.data_shards)
-            if cut is not None:
-                if self.rank == 0:
-                    log.warning("resuming %s %s", path, cut[1])
-                state.resume_changes = (*state.resume_changes, cut[0])
+            meta = self.storage.read_meta(path)
+            for said in (resume.rows_per_step_change(meta, path, self.world_size),
+                         resume.epoch_cut_change(meta, state, self.world_size, self.data_shards)):
+                if said is not None:
+                    if self.rank == 0:
+                        log.warning("resuming %s %s", path, said[1])
+                    state.resume_changes = (*state.resume_changes, said[0])
             if self.config.resume not in RESUME_WORDS:  # auto/latest took the newest whole one: only the best can be later
                 decided_on_rank0(functools.partial(self._abandon_after, path, state.step), self.rank, self.world_size)
             self.last_saved = str(path)
@@ -331,7 +333,37 @@ class Checkpointer:
         if init is not None:
             resume.load_run(self.storage, init, self.parts, self.config, strict=False, rank=self.rank, world_size=self.world_size,
                             carry=self.carry)
+        if self.config.resume == "never" and self.dir is not None:  # after init_from, which may name one of them
+            decided_on_rank0(self._abandon_earlier_run, self.rank, self.world_size)
         return TrainState()
+
+    def _abandon_earlier_run(self) -> None:
+        """(rank 0, ``checkpoint.resume=never``) Move aside (``abandoned-<name>``) every checkpoint already in ``dir``, with a
+        warning: this run starts fresh, and an earlier run's checkpoints left there pass for its own. A save at a step one
+        of them holds keeps that one (the run's end checkpoint at step 20 was the earlier run's step_00000020, its own
+        weights never written, and the MLflow run pointed at it), ``resume=auto`` would continue the earlier run from its
+        newest, and ``load=<dir>`` would score its best."""
+        assert self.dir is not None
+        earlier = [p for best in (False, True) for p in self.storage.checkpoints(self.dir, best=best, complete=False)]
+        moved = self._set_aside_as_abandoned(earlier, f"checkpoint.resume=never: starting a new run in {self.dir}")
+        if moved:
+            log.warning("checkpoint.resume=never starts a new run in %s, which holds checkpoints of an earlier run: moved them "
+                        "aside to %s (delete them when not needed), as this run's own would otherwise not replace them at the "
+                        "same steps, a relaunch with checkpoint.resume=auto would continue the earlier run and load= would read "
+                        "its checkpoints. To keep runs apart, give each its own checkpoint.dir", self.dir, ", ".join(moved))
+
+    def _set_aside_as_abandoned(self, paths: list[Path], doing: str) -> list[str]:
+        """Move ``paths`` (checkpoints of ``dir``) aside as ``abandoned-<name>``; returns where they went. What a cut-off write
+        or removal left in an object store under such a name (no ``meta.json``: ``storage.unfinished``) is no checkpoint,
+        so it is deleted with a log line naming ``doing``, not copied aside."""
+        assert self.dir is not None
+        unfinished = [p for p in self.storage.unfinished(self.dir) if p in paths]
+        for p in unfinished:
+            self.storage.remove(p)
+        if unfinished:
+            log.warning("%s: deleted %s, left by a checkpoint write or removal cut off part-way (no meta.json), so not a "
+                        "checkpoint", doing, ", ".join(str(p) for p in unfinished))
+        return [str(self.storage.set_aside(p, "abandoned")) for p in paths if p not in unfinished]
 
     def _abandon_after(self, resumed: Path, step: int) -> None:
         """(rank 0, once the checkpoint ``checkpoint.resume=<path>`` names loaded) Move aside (``abandoned-<name>``) the
@@ -344,15 +376,8 @@ class Checkpointer:
         assert self.dir is not None
         later = [p for best in (False, True) for p in self.storage.checkpoints(self.dir, best=best, complete=False)
                  if step_of(p) > step and p != resumed]
-        unfinished = [p for p in self.storage.unfinished(self.dir) if p in later]
-        for p in unfinished:
-            self.storage.remove(p)
-        if unfinished:
-            log.warning("resuming %s (step %d): deleted %s, left by a checkpoint write or removal cut off part-way (no meta.json), "
-                        "so not a checkpoint", resumed, step, ", ".join(str(p) for p in unfinished))
-        later = [p for p in later if p not in unfinished]
-        if later:
-            moved = [str(self.storage.set_aside(p, "abandoned")) for p in later]
+        moved = self._set_aside_as_abandoned(later, f"resuming {resumed} (step {step})")
+        if moved:
             log.warning("resuming %s (step %d) abandons the later checkpoints of %s, which continued it otherwise: moved aside "
                         "to %s (delete them when not needed)", resumed, step, self.dir, ", ".join(moved))
 

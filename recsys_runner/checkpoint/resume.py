@@ -74,6 +74,10 @@ RESUME_CHANGES: tuple[tuple[str, Treatment, str], ...] = (
     ("data.shuffle", "refuse", _EPOCH_POSITION),
     ("data.drop_remainder", "refuse", _EPOCH_POSITION),
     ("data.group_by_length", "refuse", _EPOCH_POSITION),
+    ("train.grad_accum_steps", "refuse", "a step trains that many batches, and the position in the epoch it restores counts "
+                                         "steps: the resumed run would skip another number of batches than the run it "
+                                         "continues trained (rows left out or trained twice), and train more or fewer rows "
+                                         "per step"),
     ("experiment", "refuse", "another preset: its model, data and optimizer settings are another experiment's"),
     ("model", "refuse", "another model: its weights are not the checkpoint's"),
     ("optim", "refuse", "another optimizer: the optimizer state saved is another's"),
@@ -97,7 +101,7 @@ renames every key under it: ``"train.ema": "train.average"`` takes ``train.ema.d
 checkpoint that saved the old name (in its config or its overrides) is compared under the new one
 (:func:`under_new_names`), so resuming it after the rename warns of no change, and of a real change of the value as of
 any other key's. tests/test_resume_keys.py checks that a key gone from the config beside a new one is mapped here."""
-SECTIONS = ("checkpoint", "tracking", "storage", "distributed", "precision.embedding_data_type_by_feature")
+SECTIONS = ("checkpoint", "tracking", "storage", "distributed", "train.profile", "precision.embedding_data_type_by_feature")
 """The entries of :data:`RESUME_CHANGES` that cover every key under them; the others name one key (or a group's choice)."""
 WARNED_BY_DEFAULT = ("takes effect from the resumed step; the MLflow run's params keep the first launch's value (the run is "
                      "tagged resume_changes)")
@@ -294,6 +298,36 @@ def epoch_cut_change(meta: Mapping[str, Any], state: TrainState, world_size: int
                f"decides by the device). The order of the epoch's batches follows the shards, so the batches skipped to reach the "
                f"step are not the ones the checkpoint trained: rows of this epoch are trained twice or never (the epochs after it "
                f"are whole). Fix: resume with {' on '.join(fixes)}, as the run was written")
+    return line, warning
+
+
+def rows_per_step_change(meta: Mapping[str, Any], path: Path, world_size: int) -> tuple[str, str] | None:
+    """``(change line, warning)`` when a resume runs on another number of ranks than the run that wrote ``meta`` (its
+    checkpoint ``path``); ``None`` on as many.
+
+    Why: ``data.batch_size`` (and ``data.batch_tokens``) is per rank, so a step trains ``ranks × data.batch_size ×
+    train.grad_accum_steps`` rows, and resharding onto another number of ranks changes that for every step after the
+    checkpoint, while ``train.num_steps``, the lr schedule and the eval and checkpoint cadence still count steps: the
+    same change of the global batch as another ``data.batch_size``, which a resume refuses, but allowed (a checkpoint
+    reshards) and, at an epoch's end, said by nothing else. The fix that keeps the rows per step on other ranks is a new
+    run from these weights with the per-rank batch scaled, which a resume cannot take."""
+    saved = int(meta.get("world_size", 1))
+    if saved == world_size:
+        return None
+    config = meta.get("config") or {}
+    batch, accumulation = config.get("data.batch_size"), config.get("train.grad_accum_steps", 1)
+    line = f"ranks: {saved} -> {world_size} (rows per step x{world_size / saved:g})"
+    if isinstance(batch, int) and isinstance(accumulation, int) and config.get("data.batch_tokens") is None:
+        rows = (f"{world_size} x data.batch_size={batch} x train.grad_accum_steps={accumulation} = "
+                f"{world_size * batch * accumulation} rows, {saved * batch * accumulation} before")
+        scaled = saved * batch / world_size
+        keep = f" data.batch_size={int(scaled)}" if scaled == int(scaled) else ""
+    else:
+        rows, keep = f"{world_size}/{saved} as many rows as before", ""
+    warning = (f"on {world_size} rank(s), written by {saved}: data.batch_size is per rank, so each step from here on trains "
+               f"{rows}, while train.num_steps, the lr schedule and the eval and checkpoint cadence still count steps. Fix: "
+               f"resume on {saved} rank(s) to keep the rows per step, or start a new run from these weights in its own "
+               f"checkpoint.dir with checkpoint.init_from={path}{keep}")
     return line, warning
 
 

@@ -35,6 +35,10 @@ from recsys_runner.models.collision import restore_collision_state
 
 log = logging.getLogger(__name__)
 
+EMA_PREFIX = "ema/"
+"""The checkpoint keys of the dense EMA weights (the tensor holder ``ema``, :class:`~recsys_runner.train.ema.DenseEMA`),
+which a fine-tune that lacks them starts at the loaded weights rather than keeping fresh."""
+
 Rule = Literal["exact", "resume", "fine_tune"]
 """What :func:`load_into` refuses (the module docstring)."""
 
@@ -271,7 +275,11 @@ def _shared(path: Path, index: TensorIndex, ours: Mapping[str, Any], wanted: Map
     if not any(k.startswith("model/") for k in [*kept, *carried]):
         raise CheckpointError(f"checkpoint.init_from={path} shares no parameter name with this model; map names with "
                               f"checkpoint.name_map (e.g. this model has {sorted(ours)[:3]}, it has {sorted(index)[:3]})")
-    if skipped:
+    averages = [k for k in skipped if k.startswith(EMA_PREFIX)]
+    if averages:  # DenseEMA.load_state_dict starts them at the loaded weights
+        log.info("init_from %s: it holds no EMA weights for %d dense tensors (written without train.ema.decay, or by "
+                 "another model): their moving average starts at the weights loaded", path, len(averages))
+    if skipped := [k for k in skipped if not k.startswith(EMA_PREFIX)]:
         log.warning("init_from %s: %d tensors not in the checkpoint keep their fresh values, e.g. %s", path, len(skipped), skipped[:5])
     if resized:
         log.warning("init_from %s: %d tensors of another shape there keep their fresh values (a table resized, e.g. one sized "

@@ -66,6 +66,13 @@ class DenseEMA:
         return dict(zip(self.names, self.shadow, strict=True))
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Load the averages ``state`` holds; a weight it has none for starts its average at the weight as it is now.
+
+        Why: a fine-tune (``checkpoint.init_from``) from a checkpoint written without ``train.ema.decay``, or one whose
+        EMA tensor has another shape, hands over only the averages it has, after the model's weights were loaded. An
+        average begins at the weights it averages (as a new run's begins at its initial weights), so those start at the
+        loaded weights, not at the random ones this object was built with: evaluated with ``eval_with_ema`` they would
+        score an untrained model. A resume never gets here without every one (the ``resume`` rule asks for them all)."""
         with torch.no_grad():
-            for n, s in zip(self.names, self.shadow, strict=True):
-                s.copy_(state[n])
+            for n, p, s in zip(self.names, self.params, self.shadow, strict=True):
+                s.copy_(state[n] if n in state else p.detach())

@@ -46,6 +46,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -91,6 +92,8 @@ class Loop:
         best: the best eval of the watched metric so far, reported beside the last.
         summaries: gradient norms, embedding row norms, lrs, histograms every ``train.summary_every_steps`` (or nothing).
         unfitted: the vocabularies said to miss too many training values (each said once).
+        profile_dir: where ``train.profile`` writes its traces (``<run dir>/profile`` under the CLI); ``None``: a new
+            temporary folder (:class:`~recsys_runner.train.profiling.StepProfiler`).
     """
 
     config: TrainConfig
@@ -108,6 +111,7 @@ class Loop:
     summaries: Summaries
     unfitted: set[str] = field(default_factory=set)
     """Columns whose vocabulary was said to miss too many training values (:func:`_warn_unfitted`): each is said once."""
+    profile_dir: Path | None = None
 
 
 def train(loop: Loop) -> dict[str, float]:
@@ -115,7 +119,8 @@ def train(loop: Loop) -> dict[str, float]:
     cfg, env, state = loop.config, loop.env, dataclasses.replace(loop.state)
     meter = Throughput(loop.total_steps, features=loop.data.features, micro_batches=cfg.grad_accum_steps,
                        world_size=env.world_size, device=env.device)  # counts the rows each step really trained
-    profiler = StepProfiler(cfg.profile, env.device, env.rank) if cfg.profile.enabled else None
+    profiler = (StepProfiler(cfg.profile, env.device, env.rank, loop.profile_dir, first_step=state.step)
+                if cfg.profile.enabled else None)
     stop: str | None = None
     evaluated: dict[str, float] | None = None
     last_loss: torch.Tensor | None = None  # the NaN guard checks it before a checkpoint written after the steps
@@ -138,7 +143,7 @@ def train(loop: Loop) -> dict[str, float]:
                 last_loss = loss
                 progress.update(1)
                 if profiler is not None:
-                    profiler.step()
+                    profiler.step(state.step)
                 loop.summaries.after_step(state.step)
                 if state.step % cfg.log_every_steps == 0 or state.step == loop.total_steps:
                     logged = meter.flush(state.step)

@@ -1,11 +1,17 @@
-"""``train.profile``: record a few steps with ``torch.profiler`` and store the trace in MLflow.
+"""``train.profile``: record a few steps with ``torch.profiler``, keep the trace in the run's folder and in MLflow.
 
 The profiler waits ``wait`` steps, warms up for ``warmup`` and records ``active`` steps (CPU
-activity, plus CUDA on GPU); the Chrome trace (open it in ``chrome://tracing`` or Perfetto) and a
-table of the most expensive ops are logged as artifacts ``profile/trace_rank<r>.json`` and
-``profile/key_averages.txt``, with ``profile/breakdown.txt``: where a step's time goes (:func:`breakdown`: input copy,
-embedding forward/backward, all-to-all, dense forward/backward, optimizer, metrics, Python; kernel time against step
-time on a GPU). Off by default; ``debug=profile`` turns it on.
+activity, plus CUDA on GPU). Every rank writes its Chrome trace (open it in Perfetto or ``chrome://tracing``), a table
+of the most expensive ops and ``breakdown``: where a step's time goes (:func:`breakdown`: input copy, embedding
+forward/backward, all-to-all, dense forward/backward, optimizer, metrics, Python; kernel time against step time on a
+GPU) into the profile folder, ``<run dir>/profile`` under the CLI (``trace_rank<r>.json``, ``key_averages_rank<r>.txt``,
+``breakdown_rank<r>.txt``), and says where in a log line; rank 0 also logs its three as the MLflow artifacts
+``profile/trace_rank0.json``, ``profile/key_averages.txt`` and ``profile/breakdown.txt``.
+
+Why a folder of the run's own: only rank 0 logs to MLflow (the other ranks' tracker is a null one) and ``tracking=none``
+logs nothing, so a trace kept only as an artifact was lost on every other rank and without tracking, without a word;
+and traces (hundreds of MB with CUDA kernels) written into a temporary folder to upload stayed there. Off by default;
+``debug=profile`` turns it on.
 """
 
 from __future__ import annotations
@@ -58,10 +64,19 @@ def check_profile_window(config: ProfileConfig, total_steps: int) -> None:
             f"train.profile.wait={max(0, min(config.wait, total_steps - 1 - config.warmup))}), or train longer")
 
 
-def check_trace_folder() -> None:
-    """With ``train.profile.enabled``: the temporary folder each rank writes its trace into before logging it
-    (``tempfile``'s: ``$TMPDIR``, else ``/tmp``, …) can be written, checked when the run is built (before the model);
-    else :class:`~recsys_runner.errors.TrackingError` names it and the fix."""
+PROFILE_DIR_NAME = "profile"
+"""The folder of the traces under the run's Hydra folder (``<run dir>/profile``)."""
+
+
+def check_trace_folder(folder: Path | None = None) -> None:
+    """With ``train.profile.enabled``: the folder each rank writes its trace into can be written, checked when the run
+    is built (before the model); else :class:`~recsys_runner.errors.TrackingError` names it and the fix. ``folder``: the
+    run's profile folder (:data:`PROFILE_DIR_NAME` under the CLI's run folder); ``None`` (a run from Python): a new
+    temporary folder (``tempfile``'s: ``$TMPDIR``, else ``/tmp``, …)."""
+    if folder is not None:
+        check_folder(folder, setting="train.profile.enabled=true", writes="its traces",
+                     fixes=("use another run directory (hydra.run.dir=<dir>)", "train.profile.enabled=false"))
+        return
     fixes = ("set TMPDIR to a writable folder", "train.profile.enabled=false")
     try:
         folder = Path(tempfile.gettempdir())
@@ -72,14 +87,21 @@ def check_trace_folder() -> None:
 
 
 class StepProfiler:
-    """A started ``torch.profiler.profile`` stepped by the runner; :meth:`finish` logs the trace."""
+    """A started ``torch.profiler.profile`` stepped by the runner, writing into ``folder`` (``None``: a new temporary
+    folder, for a run from Python); each file written is said in a log line, and :meth:`finish` logs rank 0's to the
+    tracker. ``first_step``: the run's step the loop starts after (a resume's), so the line names the steps traced."""
 
-    def __init__(self, config: ProfileConfig, device: torch.device, rank: int) -> None:
+    def __init__(self, config: ProfileConfig, device: torch.device, rank: int, folder: Path | None = None,
+                 first_step: int = 0) -> None:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self.rank = rank
-        self._dir = Path(tempfile.mkdtemp(prefix="recsys_profile_"))
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+        self._dir = folder if folder is not None else Path(tempfile.mkdtemp(prefix="recsys_profile_"))
+        self._first = first_step + config.wait + config.warmup + 1
+        self._step = first_step
         self._traces: list[Path] = []
         self._prof = torch.profiler.profile(
             activities=activities,
@@ -90,31 +112,43 @@ class StepProfiler:
         self._prof.start()
 
     def _save(self, prof: Any) -> None:
+        """torch.profiler's ``on_trace_ready``, as the recording ends: the trace is in its file from then on, also for a
+        run stopped before :meth:`finish`."""
         path = self._dir / f"trace_rank{self.rank}.json"
         prof.export_chrome_trace(str(path))
         self._traces.append(path)
+        steps = f"step {self._first}" if self._step <= self._first else f"steps {self._first}-{self._step}"
+        log.info("profile: rank %d's trace of %s written to %s (open it in https://ui.perfetto.dev or chrome://tracing)",
+                 self.rank, steps, path.absolute())
 
-    def step(self) -> None:
+    def step(self, step: int) -> None:
+        """After the run's step ``step`` trained."""
+        self._step = step
         self._prof.step()
 
     def finish(self, tracker: Any) -> list[str]:
-        """Stop profiling and log what was recorded (trace, op table, step breakdown); returns the artifact names."""
+        """Stop profiling, write the op table and the step breakdown beside the trace, and log rank 0's three to
+        ``tracker``; returns the artifact names logged."""
         self._prof.stop()
         names, text = [], ""
         for path in self._traces:
             text = path.read_text()
             tracker.log_text(text, f"profile/{path.name}")
             names.append(f"profile/{path.name}")
-        if self._traces:
-            table = self._prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
-            tracker.log_text(table, "profile/key_averages.txt")
-            names.append("profile/key_averages.txt")
-            try:
-                step_table = breakdown(json.loads(text)).table()
-            except (ValueError, KeyError, TypeError) as e:  # a diagnostic must not cost the run its end checkpoint
-                log.warning("profile/breakdown.txt not written: the trace could not be broken down (%s: %s)", type(e).__name__, e)
-            else:
-                tracker.log_text(step_table, "profile/breakdown.txt")
-                names.append("profile/breakdown.txt")
+        if not self._traces:
+            return names
+        tables = {"key_averages": self._prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)}
+        try:
+            tables["breakdown"] = breakdown(json.loads(text)).table()
+        except (ValueError, KeyError, TypeError) as e:  # a diagnostic must not cost the run its end checkpoint
+            log.warning("profile/breakdown.txt not written: the trace could not be broken down (%s: %s)", type(e).__name__, e)
+        written = []
+        for kind, table in tables.items():
+            path = self._dir / f"{kind}_rank{self.rank}.txt"
+            path.write_text(table)
+            written.append(str(path.absolute()))
+            tracker.log_text(table, f"profile/{kind}.txt")
+            names.append(f"profile/{kind}.txt")
+        log.info("profile: rank %d's op table and step breakdown written to %s", self.rank, " and ".join(written))
         return names
 
