@@ -33,7 +33,7 @@ from recsys_runner.data.generated.generate import write_criteo_parquet
 from recsys_runner.data_build import build_data
 from recsys_runner.errors import DataError
 from recsys_runner.serving.files import build_unsharded, served_rows
-from recsys_runner.train.loop import in_the_line, line_extra
+from recsys_runner.train.log_line import in_the_line, line_extra
 from tests.test_data_infer import write_hours
 from tests.test_evaluate import compose_entry
 
