@@ -282,6 +282,15 @@ def test_resume_changes_table_treats_each_key_once() -> None:
                                   {"scheduler": "cosine", "scheduler._target_": "Co", "scheduler.min_lr": 0.0, "model.dropout": 0.1})
     assert scheduler.line() == "scheduler: constant -> cosine" and added.line() == "model.dropout: (unset) -> 0.1"
     assert added.put_back == "~model.dropout"
+    # was: turning the EMA on was refused by the loader naming missing ema/ tensors, not the setting to put back
+    with pytest.raises(CheckpointError, match=r"train.ema.decay: null -> 0.99 \(the checkpoint's run trained without a moving "
+                                              r"average.*put back train.ema.decay=null on the.*checkpoint.init_from=/ck/step_"):
+        composed({"train.ema.decay": None}, {"train.ema.decay": 0.99})
+    with pytest.raises(CheckpointError, match=r"train.ema.decay: \(default\) -> 0.99 \(the checkpoint's run trained without"):
+        changes([], ["train.ema.decay=0.99"])
+    (decay,) = composed({"train.ema.decay": 0.99}, {"train.ema.decay": 0.999})  # another decay of an average it holds
+    assert decay.treatment == "warn"
+    assert composed({"train.ema.decay": 0.99}, {"train.ema.decay": None})[0].treatment == "warn"  # off: its average unused
     keys = [key for key, _, _ in resume.RESUME_CHANGES]
     assert len(keys) == len(set(keys))
 
