@@ -288,7 +288,7 @@ def exit_codes(launch: Launch) -> Iterator[None]:
             print(f"Interrupted: {e}", file=sys.stderr)
             print("Preempted: handing over to submitit to requeue this job", file=sys.stderr)
             e.handover()
-        else:
+        elif not _told_by_rank_zero(e):
             print(interrupted_message(launch, e), file=sys.stderr)
         sys.exit(e.exit_code)
     except KeyboardInterrupt as e:  # a second Ctrl-C as the command ended on its first (inside the training loop it is
@@ -308,6 +308,14 @@ def exit_codes(launch: Launch) -> Iterator[None]:
 def _multi_rank() -> bool:
     """Whether this process is one rank of several (the launcher's ``WORLD_SIZE`` > 1; unset or empty: a single process)."""
     return int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+
+
+def _told_by_rank_zero(e: Interrupted) -> bool:
+    """Whether this rank leaves the account of ``e`` to rank 0: a rank other than 0 of a multi-rank launch whose stop every
+    rank agreed on (:attr:`~recsys_runner.train.signals.Interrupted.agreed`: the same step, checkpoint and command on each),
+    so that the "Interrupted / Resume this run" block is printed once, not once per rank. A rank's own stop (a signal
+    while it waited on the store, a second Ctrl-C, one during the build) is still told by each rank: they may differ."""
+    return e.agreed and _multi_rank() and os.environ.get("RANK", "0") != "0"
 
 
 def end_rank_process() -> None:

@@ -81,6 +81,7 @@ def test_two_rank_checkpoint_resumes_on_one_rank(tmp_path: Path, monkeypatch: py
     args = _overrides(tmp_path, "reshard_2to1")
     out = _torchrun(tmp_path, *args, f"train.stop_after_steps={SLICE}")
     assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stderr.count("Resume this run from") == 1, out.stderr[-4000:]  # told by rank 0 alone: every rank agreed
     (ckpt,) = list_checkpoints(tmp_path / "ckpt")
     saved = _saved(ckpt)
     meta = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata

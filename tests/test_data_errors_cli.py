@@ -254,6 +254,15 @@ def test_inspect_of_a_text_file_cut_short_names_the_line_or_the_compression(tmp_
     err = capsys.readouterr().err
     assert err.startswith(f"Data error: {tmp_path / 'cut.csv.gz'} cannot be decompressed as gzip (") and "gzip -t" in err
     assert "remove it from the files inspected" in err and "Traceback" not in err
+    # convert reads its own positional paths: its fix named data.path, a training run's key
+    assert data_main(["convert", "--format", "csv", str(tmp_path / "cut.csv.gz"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"Data error: {tmp_path / 'cut.csv.gz'} cannot be decompressed as gzip (") and "data.path" not in err
+    assert err.rstrip().endswith("or remove it from convert's inputs")
+    (tmp_path / "bad.csv.gz").write_bytes(b"\x00\x01" * 300)  # not gzip from its first byte
+    assert data_main(["convert", "--format", "csv", str(tmp_path / "bad.csv.gz"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "does not begin as a gzip file does" in err and err.rstrip().endswith("or remove it from convert's inputs")
 
 
 def test_sequences_reads_a_log_without_a_header_line_by_column_names(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

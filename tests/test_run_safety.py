@@ -18,14 +18,17 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import cast
 
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 
 from recsys_runner.__main__ import run
 from recsys_runner.checkpoint import resume
 from recsys_runner.checkpoint.lock import DirectoryInUse, DirectoryLock
-from recsys_runner.checkpoint.storage import damage, list_checkpoints
+from recsys_runner.checkpoint.storage import CheckpointStorage, damage, list_checkpoints
+from recsys_runner.checkpoint.weights import load_into
 from recsys_runner.errors import CheckpointError
 from recsys_runner.train.signals import Interrupted
 from tests.conftest import REPO, TINY, hint_of, run_in_process
@@ -282,8 +285,31 @@ def test_resume_changes_table_treats_each_key_once() -> None:
                                   {"scheduler": "cosine", "scheduler._target_": "Co", "scheduler.min_lr": 0.0, "model.dropout": 0.1})
     assert scheduler.line() == "scheduler: constant -> cosine" and added.line() == "model.dropout: (unset) -> 0.1"
     assert added.put_back == "~model.dropout"
+    # was: turning the EMA on was refused by the loader naming missing ema/ tensors, not the setting to put back
+    with pytest.raises(CheckpointError, match=r"train.ema.decay: null -> 0.99 \(the checkpoint's run trained without a moving "
+                                              r"average.*put back train.ema.decay=null on the.*checkpoint.init_from=/ck/step_"):
+        composed({"train.ema.decay": None}, {"train.ema.decay": 0.99})
+    with pytest.raises(CheckpointError, match=r"train.ema.decay: \(default\) -> 0.99 \(the checkpoint's run trained without"):
+        changes([], ["train.ema.decay=0.99"])
+    (decay,) = composed({"train.ema.decay": 0.99}, {"train.ema.decay": 0.999})  # another decay of an average it holds
+    assert decay.treatment == "warn"
+    assert composed({"train.ema.decay": 0.99}, {"train.ema.decay": None})[0].treatment == "warn"  # off: its average unused
     keys = [key for key, _, _ in resume.RESUME_CHANGES]
     assert len(keys) == len(set(keys))
+
+
+def test_a_resume_outside_the_cli_that_turns_the_ema_on_names_the_setting() -> None:
+    """Without a saved config to compare (a run launched from Python) the loader refuses: it named the missing ema/
+    tensors and "the same config", not train.ema.decay nor checkpoint.init_from."""
+    class Holds:  # a checkpoint whose run trained without EMA: its dense weight, no ema/ twin
+        def tensor_index(self, path: Path) -> dict[str, list[int] | None]:
+            return {"model/dense.weight": [2, 2]}
+
+    ours = {"model/dense.weight": torch.zeros(2, 2), "ema/model/dense.weight": torch.zeros(2, 2)}
+    with pytest.raises(CheckpointError, match=r"holds no moving average of the dense weights \(1 ema/ tensors, e.g. "
+                                              r"ema/model/dense.weight\): its run trained without train.ema.decay.*Fix: resume "
+                                              r"without train.ema.decay, or .*checkpoint.init_from=/ck/step_00000004"):
+        load_into(cast(CheckpointStorage, Holds()), Path("/ck/step_00000004"), ours, rule="resume")
 
 
 def test_a_slice_ending_on_the_last_step_finishes_the_run(make_cfg, mlflow_uri: str, tmp_path: Path) -> None:

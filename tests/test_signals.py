@@ -26,7 +26,7 @@ from recsys_runner.__main__ import run
 from recsys_runner.checkpoint.storage import DcpFileStorage, list_checkpoints
 from recsys_runner.config import register_configs
 from recsys_runner.data.generated.generate import write_criteo_parquet
-from recsys_runner.lifecycle import FINISHED_MARK, interrupted_message, interrupted_runs
+from recsys_runner.lifecycle import FINISHED_MARK, exit_codes, interrupted_message, interrupted_runs
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.runtime import Launch
 from recsys_runner.train.signals import Interrupted, RaiseOnSignal, deferred, stopping
@@ -244,6 +244,20 @@ def test_the_message_says_what_was_kept_and_the_command() -> None:
         "  python -m recsys_runner optim.lr=0.1 checkpoint.dir=/o/r/checkpoints")
     assert Launch(config_name="evaluate", module="recsys_runner.evaluate").command() == "python -m recsys_runner.evaluate"
     assert Launch(config_name="config").command_name == "training"
+
+
+@pytest.mark.parametrize(("rank", "agreed", "told"), [("0", True, True), ("1", True, False), ("1", False, True)])
+def test_an_agreed_stop_is_told_once_by_rank_zero(rank: str, agreed: bool, told: bool, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """Under torchrun every rank raises the stop they agreed on (same step, checkpoint, command): only rank 0 prints
+    its "Interrupted / Resume this run" block; a rank's own stop (here the store wait) is still told by that rank."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", rank)
+    launch = Launch(overrides=("optim.lr=0.1",), output_dir=Path("/o/r"), config_name="config")
+    with pytest.raises(SystemExit) as ended, exit_codes(launch):
+        raise Interrupted(None, 4, "/o/r/checkpoints/step_00000004", agreed=agreed)
+    assert ended.value.code == 0  # train.stop_after_steps: a planned slice
+    assert ("Resume this run from step_00000004" in capsys.readouterr().err) == told
 
 
 # -- predict: a signal mid-write leaves no part, the run KILLED -----------------------------------------------------

@@ -91,6 +91,13 @@ key is the setting's key (a group's for its option: ``model``, ``optim/sparse``)
 ``checkpoint.every_steps``), decides; a key no entry names (``optim.lr``, ``train.num_steps``, ``scheduler``,
 ``model.dropout`` …) is warned about (:data:`WARNED_BY_DEFAULT`); a ``warn`` entry's own reason is added to the warning. Shapes that cannot load (``model.embedding_dim``) are
 refused by the loader, naming the tensors."""
+TURNED_ON: dict[str, str] = {
+    "train.ema.decay": "the checkpoint's run trained without a moving average of the dense weights, so it holds none to "
+                       "continue; a new run from these weights starts the average at the weights loaded",
+}
+"""Keys a resume refuses to turn on (from ``null`` or unset to a value), though it lets their value change otherwise: the
+checkpoint was written without the state they keep, so the loader would only find its tensors missing (``ema/…``), which
+names no setting; refused here instead, naming the key and the way on, as a :data:`RESUME_CHANGES` refusal is."""
 ADDED_KEYS: dict[str, Any] = {"precision.embedding_data_type": "fp32", "data.items.header": None, "data.items.column_names": None,
                               "data.next_item": False, "data.funnel": None}
 """Keys added after checkpoints began saving their composed config, each with the value every run before it trained with:
@@ -205,8 +212,11 @@ def renamed_override(text: str) -> str:
     return f"{text[:len(text) - len(body)]}{renamed(key)}{equals}{value}"
 
 
-def treatment(key: str) -> tuple[Treatment, str]:
-    """How :data:`RESUME_CHANGES` treats a change of ``key``."""
+def treatment(key: str, before: Any = None, after: Any = None) -> tuple[Treatment, str]:
+    """How :data:`RESUME_CHANGES` treats a change of ``key`` from ``before`` to ``after`` (refused when it turns on a
+    :data:`TURNED_ON` key: ``None`` or absent before, a value now)."""
+    if key in TURNED_ON and before in (None, _ABSENT) and after not in (None, _ABSENT):
+        return "refuse", TURNED_ON[key]
     for entry, how, why in RESUME_CHANGES:
         if key == entry or (entry in SECTIONS and key.startswith((f"{entry}.", f"{entry}/"))):
             return how, why
@@ -240,7 +250,7 @@ def check_changes(saved: Launched, now: Launched, path: Path) -> tuple[Change, .
     def shown(values: Mapping[str, Any], key: str) -> str:
         return _text(values[key]) if key in values else absent
 
-    changes = [Change(key, shown(before, key), shown(after, key), *treatment(key),
+    changes = [Change(key, shown(before, key), shown(after, key), *treatment(key, before.get(key, _ABSENT), after.get(key, _ABSENT)),
                       put_back=f"{key}={_text(before[key])}" if key in before else f"~{key}")
                for key in differ if not key.startswith(rechosen)]
     refused = [c for c in changes if c.treatment == "refuse"]

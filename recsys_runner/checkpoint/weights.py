@@ -155,6 +155,11 @@ def load_into(
         _refuse_mismatch(path, index, ours)
     elif rule == "resume":
         missing = [k for k in ours if k not in index]
+        if missing and all(k.startswith(EMA_PREFIX) for k in missing):  # a launch outside the CLI, which compares no config
+            raise CheckpointError(f"checkpoint {path} holds no moving average of the dense weights ({len(missing)} ema/ tensors, "
+                                  f"e.g. {missing[0]}): its run trained without train.ema.decay, which this one sets. Fix: "
+                                  f"resume without train.ema.decay, or start a new run from these weights in its own "
+                                  f"checkpoint.dir with checkpoint.init_from={path} (the average starts at the weights loaded)")
         if missing:
             raise CheckpointError(f"checkpoint {path} does not match this model/optimizer: it lacks {missing[:5]} "
                                   f"({len(missing)} in all); resume needs the same config (fine-tune with checkpoint.init_from)")

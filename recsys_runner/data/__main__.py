@@ -80,6 +80,10 @@ from recsys_runner.progress import Progress
 from recsys_runner.staging import unwritable
 from recsys_runner.train import signals  # the one import up the layers (pyproject.toml, docs/architecture.md)
 
+INPUTS = "convert's inputs"
+"""What names the files ``convert`` reads, in the fixes its messages give (a damaged file: "remove it from convert's
+inputs"): its positional paths, not ``data.path``, which a training run's messages name."""
+
 
 def converted_schema(schema: Schema) -> Schema:
     """The schema of converted files: values already transformed, ids already in range."""
@@ -133,7 +137,7 @@ def inferred_csv_schema(args: argparse.Namespace, files: list[str]) -> tuple[Sch
     to keep, edit and pass back as ``--schema`` (or ``data.schema=`` to train on the text files)."""
     options: dict[str, Any] = {"delimiter": text_delimiter(args.delimiter, "--delimiter ", "--delimiter ,"), "header": True,
                                "column_names": None, "null_values": [""]}
-    sampler = CsvSource(files, [], block_rows=args.row_group_rows, on_bad_rows=args.on_bad_rows, **options)
+    sampler = CsvSource(files, [], block_rows=args.row_group_rows, on_bad_rows=args.on_bad_rows, path_key=INPUTS, **options)
     infer = InferConfig(sample_rows=args.sample_rows, exclude=list(args.exclude))
     where = f"the input {files[0]}" + (f" (and {len(files) - 1} more file(s))" if len(files) > 1 else "")
     _check_label(args.label, files[0], sampler.names(files[0]))
@@ -163,14 +167,15 @@ def convert(args: argparse.Namespace) -> None:
     if args.format == "csv" and not args.schema:
         schema, options = inferred_csv_schema(args, files)
     elif args.schema:  # vocabularies (and sizes left out) come from the files, as in training
-        sampler = CsvSource(files, [], block_rows=args.row_group_rows, on_bad_rows=args.on_bad_rows, **options)
+        sampler = CsvSource(files, [], block_rows=args.row_group_rows, on_bad_rows=args.on_bad_rows, path_key=INPUTS, **options)
         infer = InferConfig(sample_rows=args.sample_rows)
         schema = complete_schema(**parts, sample=lambda: sampler.sample(infer.sample_rows, spread=True), config=infer, where=f"the input {files[0]}").schema
     weighted = [s.name for s in schema.sparse if s.is_weighted]
     if weighted:  # the converted files hold ids only
         raise ConfigError(f"--schema lists the weighted columns {weighted}, whose weights convert would drop (it writes ids only). "
                           f"Fix: train on the text files with data=csv data.schema=<file>, or drop weighted / weights from them")
-    source = CsvSource(files, schema.columns, block_rows=args.row_group_rows, on_bad_rows=args.on_bad_rows, **options)
+    source = CsvSource(files, schema.columns, block_rows=args.row_group_rows, on_bad_rows=args.on_bad_rows, path_key=INPUTS,
+                       **options)
     if args.format == "criteo" and (first := source.headers.first_lines(files[0], 1)) and "\t" not in first[0]:
         # the default format: a CSV given without --format was a bad row whose fix named data.delimiter, no flag
         raise DataError(f"{files[0]} is not Criteo's TSV (its first line has no tab: {first[0][:100]!r}), which convert reads "

@@ -158,7 +158,7 @@ def train(loop: Loop) -> dict[str, float]:
                     stop = "early_stopping" if loop.early_stopping.update(evaluated) else None
                 loop.checkpointer.after_step(state, loss, evaluated, _epoch_end(loop, state))
                 if (signum := signals.requested(state.step, evaluated=evaluated is not None)) is not None or _slice_done(loop, state):
-                    raise Interrupted(signum, state.step, loop.checkpointer.on_interrupt(state, loss, evaluated))
+                    raise Interrupted(signum, state.step, loop.checkpointer.on_interrupt(state, loss, evaluated), agreed=True)
                 if state.epoch_step == 0:  # the epoch ended with this step
                     break
         final = evaluated if evaluated is not None else _final_eval(loop, state, last_loss, signals, meter, progress)
@@ -172,7 +172,7 @@ def train(loop: Loop) -> dict[str, float]:
         loop.checkpointer.on_end(state, final)
         if (signum := signals.agreed()) is not None:  # came during the end checkpoint: it is written, then stop
             raise Interrupted(signum, state.step, loop.checkpointer.save_guarded(state, last_loss, final),
-                              when="at the end of training")
+                              when="at the end of training", agreed=True)
     return final
 
 
@@ -261,7 +261,8 @@ def _final_eval(loop: Loop, state: TrainState, loss: torch.Tensor | None, signal
             return _evaluate_and_select(loop, state, meter, progress, _stop_hook(loop, signals))
         except _Abandoned as e:
             signum = e.signum
-    raise Interrupted(signum, state.step, loop.checkpointer.save_guarded(state, loss, None), when="during the final eval")
+    raise Interrupted(signum, state.step, loop.checkpointer.save_guarded(state, loss, None), when="during the final eval",
+                      agreed=True)
 
 
 def _sanity_eval(loop: Loop, state: TrainState, signals: StopSignals, meter: Throughput) -> None:
@@ -297,7 +298,7 @@ def _before_first_step(signum: int, state: TrainState) -> Interrupted:
     launch names the checkpoint it resumed from (its command resumes there again); a new run kept nothing (``step``
     ``None``: the entry point prints the command that runs it again, as for a signal while it was being built)."""
     kept = state.resumed_from
-    return Interrupted(signum, state.step if kept is not None else None, kept, when="during the sanity eval")
+    return Interrupted(signum, state.step if kept is not None else None, kept, when="during the sanity eval", agreed=True)
 
 
 def _resumed_eval(loop: Loop, state: TrainState, signals: StopSignals, meter: Throughput,
@@ -322,7 +323,7 @@ def _resumed_eval(loop: Loop, state: TrainState, signals: StopSignals, meter: Th
     elif start.step < loop.total_steps:
         logged = _periodic_eval(loop, state, None, signals, meter, progress)
         if (signum := signals.agreed()) is not None:  # came during it (several ranks end it first): stop right after it
-            raise Interrupted(signum, state.step, loop.checkpointer.save_guarded(state, None, logged))
+            raise Interrupted(signum, state.step, loop.checkpointer.save_guarded(state, None, logged), agreed=True)
     else:
         return None, None
     return logged, "early_stopping" if loop.early_stopping.update(logged) else None

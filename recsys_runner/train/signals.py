@@ -56,10 +56,14 @@ class Interrupted(Stopped):
     wrote, any command elsewhere (``step`` is ``None``: nothing was kept)."""
 
     def __init__(self, signum: int | None, step: int | None, checkpoint: str | None, *, when: str | None = None,
-                 finished: bool = False) -> None:
+                 finished: bool = False, agreed: bool = False) -> None:
         self.signum, self.step, self.checkpoint, self.when, self.finished = signum, step, checkpoint, when, finished
         """``when``: what was under way (``during the final eval``, ``during evaluate``); ``finished``: the signal came
         as the run ended, after its work was done and recorded."""
+        self.agreed = agreed
+        """Every rank stopped here together: the signal came from :meth:`StopSignals.agreed` (all-reduced) or the slice's
+        end, so each rank raises this same stop, step and checkpoint, and rank 0's account of it says it for all
+        (:func:`recsys_runner.lifecycle.exit_codes`). ``False``: a rank's own stop, which only it can tell."""
         self.preempted = False
         """SIGUSR2 reached this process: the job is being preempted or hits its time limit."""
         self.handover: Callable[[], None] | None = None

@@ -47,8 +47,9 @@ STREAM_CHUNK_BYTES = 8 << 20
 """Decompressed bytes handed on at a time: what a reader holds of a compressed file beyond its current rows."""
 
 
-def detect(path: str, head: bytes) -> Compression | None:
-    """The compression of ``path`` by its first bytes ``head``; ``None``: not compressed.
+def detect(path: str, head: bytes, given: str = "data.path") -> Compression | None:
+    """The compression of ``path`` by its first bytes ``head``; ``None``: not compressed. ``given``: what named the file,
+    for the fix (as :func:`read_error`'s).
 
     Raises:
         DataError: a compression that is not read (xz, lz4, zip), or a name that says compressed on bytes that are not
@@ -65,7 +66,7 @@ def detect(path: str, head: bytes) -> Compression | None:
     if named is not None and b"\x00" in head:
         raise DataError(f"{path}: its name says {named.name}-compressed, but it does not begin as a {named.name} file does: it is "
                         f"corrupt, or compressed otherwise. Fix: check it ({named.check} {path}), download or compress it again, "
-                        f"or remove it from data.path")
+                        f"or remove it from {given}")
     return None  # plain text (even if named .gz: read as it is)
 
 
@@ -89,9 +90,9 @@ def read_error(path: str, compression: Compression, e: BaseException, given: str
 
 
 @contextmanager
-def open_text(path: str, compression: Compression | None, start: int = 0) -> Iterator[IO[bytes]]:
+def open_text(path: str, compression: Compression | None, start: int = 0, given: str = "data.path") -> Iterator[IO[bytes]]:
     """``path``'s bytes (decompressed) from byte ``start`` of them on, as a line-iterable binary file; a read that fails
-    for the compressed data is a :func:`read_error`."""
+    for the compressed data is a :func:`read_error` (``given``: what named the file)."""
     if compression is None:
         with stores.open_input(path) as plain:
             plain.seek(start)
@@ -104,7 +105,7 @@ def open_text(path: str, compression: Compression | None, start: int = 0) -> Ite
             _skip(f, start)
             yield f
     except (OSError, pa.ArrowException) as e:
-        raise read_error(path, compression, e) from None
+        raise read_error(path, compression, e, given) from None
 
 
 def _skip(f: io.BufferedReader, n: int) -> None:
@@ -112,8 +113,9 @@ def _skip(f: io.BufferedReader, n: int) -> None:
         n -= got
 
 
-def chunks(path: str, compression: Compression, start: int = 0) -> Iterator[bytes]:
-    """``path``'s decompressed bytes from ``start`` on, :data:`STREAM_CHUNK_BYTES` at a time."""
-    with open_text(path, compression, start) as f:
+def chunks(path: str, compression: Compression, start: int = 0, given: str = "data.path") -> Iterator[bytes]:
+    """``path``'s decompressed bytes from ``start`` on, :data:`STREAM_CHUNK_BYTES` at a time (``given``: what named the
+    file, for :func:`read_error`)."""
+    with open_text(path, compression, start, given) as f:
         while chunk := f.read(STREAM_CHUNK_BYTES):
             yield chunk

@@ -51,11 +51,11 @@ def line_blocks(path: str, data_start: int, block_rows: int) -> list[Unit]:
     return units
 
 
-def stream_unit(path: str, codec: Compression, data_start: int) -> Unit:
+def stream_unit(path: str, codec: Compression, data_start: int, given: str = "data.path") -> Unit:
     """A compressed file as one unit: its lines (from byte ``data_start`` of its text on) counted by decompressing it once
-    (no parsing)."""
+    (no parsing); ``given``: what named the file, for a read error's fix."""
     started, num_lines, last_byte = time.monotonic(), 0, b"\n"
-    for chunk in compressed.chunks(path, codec, data_start):
+    for chunk in compressed.chunks(path, codec, data_start, given):
         num_lines += chunk.count(b"\n")
         last_byte = chunk[-1:]
     if last_byte != b"\n":

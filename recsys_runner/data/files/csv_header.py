@@ -85,12 +85,12 @@ class CsvHeaders:
     def compression(self, path: str) -> Compression | None:
         """``path``'s compression, told by its first bytes (``None``: plain text)."""
         if path not in self._compressions:
-            self._compressions[path] = compressed.detect(path, read_head(path))
+            self._compressions[path] = compressed.detect(path, read_head(path), self.path_key)
         return self._compressions[path]
 
     def open_text(self, path: str, start: int = 0) -> AbstractContextManager[IO[bytes]]:
         """``path``'s text (decompressed) from byte ``start`` of it on."""
-        return compressed.open_text(path, self.compression(path), start)
+        return compressed.open_text(path, self.compression(path), start, self.path_key)
 
     def first_lines(self, path: str, n: int = 2) -> list[str]:
         """``path``'s first ``n`` non-empty lines as text (bytes that are not UTF-8 replaced), to detect or check its layout."""

@@ -325,7 +325,7 @@ class CsvSource:
             return []  # a header alone: a partitioned writer's empty part, skipped by units()
         codec = self.headers.compression(path)
         if codec is not None:
-            return [stream_unit(path, codec, data_start)]
+            return [stream_unit(path, codec, data_start, self.headers.path_key)]
         return line_blocks(path, data_start, self.block_rows)
 
     def line_offset(self, path: str) -> int:
@@ -353,7 +353,7 @@ class CsvSource:
         codec = self.headers.compression(unit.path)
         assert codec is not None and self.names(unit.path)  # indexed: names and data start known
         first, tail = 0, b""
-        for chunk in compressed.chunks(unit.path, codec, self._data_start[unit.path]):
+        for chunk in compressed.chunks(unit.path, codec, self._data_start[unit.path], self.headers.path_key):
             text = tail + chunk
             cut = text.rfind(b"\n") + 1
             text, tail = text[:cut], text[cut:]
