@@ -14,7 +14,6 @@ ids (:func:`raw_rows`) for the MLflow model's input example and for the check th
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,8 +25,6 @@ from recsys_runner.data.sequences.mapping import EarlierVocab, load_mapping, map
 from recsys_runner.errors import ConfigError
 from recsys_runner.serving.served_topk import mapping_vocabulary
 from recsys_runner.serving.topk import training_files
-
-log = logging.getLogger("recsys_runner")
 
 
 @dataclass(frozen=True)
