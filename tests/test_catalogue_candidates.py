@@ -91,18 +91,21 @@ def test_export_serves_the_same_items_as_eval_and_predict(trained: tuple[Path, l
     assert saved["ids"].tolist() == list(range(items)) and saved["vectors"].shape[0] == items
 
 
-def test_the_served_user_tower_reads_the_history_without_its_times_and_cuts_it_as_training(exported: Path) -> None:
+def test_the_served_user_tower_reads_the_history_without_its_times_and_cuts_it_as_training(
+        trained: tuple[Path, list[str], int], exported: Path) -> None:
     """The user tower reads the history group but not its times: its MLflow model is written (the export crashed checking
     it: ``serving.json and encoders.json describe other features``), asks for no ``hist_ts``, and cuts a history to the
     group's ``max_len`` (6) as training did."""
     import mlflow.pyfunc
     import pandas as pd
 
+    mapping = load_mapping(str(trained[0] / "rows"))
     model = mlflow.pyfunc.load_model(str(exported / "mlflow_user_tower"))
     assert [c.name for c in model.metadata.get_input_schema().inputs] == ["user_id", "hist_item_id", "hist_cate"]
-    events = list(range(10))
-    request = pd.DataFrame({"user_id": ["0", "0"], "hist_item_id": [events, events[-6:]],
-                            "hist_cate": [[e % 5 for e in events], [e % 5 for e in events[-6:]]]})
+    events = mapping["item"][:10].tolist()  # the log's raw ids (the towers read them through the id mapping)
+    cates = mapping["cate"][np.arange(10) % 5].tolist()
+    user = str(mapping["user_id"][0])
+    request = pd.DataFrame({"user_id": [user, user], "hist_item_id": [events, events[-6:]], "hist_cate": [cates, cates[-6:]]})
     vectors = np.stack(model.predict(request)["vector"].to_numpy())
     np.testing.assert_array_equal(vectors[0], vectors[1])
 
@@ -137,3 +140,62 @@ def test_an_items_file_of_the_logs_raw_ids_is_refused_naming_the_mapping(tmp_pat
                                         r"\(in .*rows\).*Fix: write the items file with the mapping's table ids"):
         ParquetData(make(ParquetDataConfig, path=f"{rows}/train.parquet", num_workers=0,
                          items={"path": str(tmp_path / "raw_items.parquet"), "id": "item_id"}))
+
+
+def test_the_served_towers_take_the_logs_raw_ids_through_the_id_mapping(trained: tuple[Path, list[str], int], exported: Path) -> None:
+    """Trained on ``data sequences`` rows, each tower's MLflow model takes the log's raw ids (user, item, side and history
+    cells) and reads them through the rows' id mapping: its vectors are the table-id program's (``<tower>_tower.pt2``) for
+    the mapped ids, an unseen raw id reads the OOV row ``data sequences --vocab`` gives it (counted in ``unknown_ids``),
+    and ``items.pt`` names each vector's raw item id. (They took table ids: a raw user id read another user's row, or
+    was refused.)"""
+    import json
+
+    import mlflow.pyfunc
+    import pandas as pd
+
+    from recsys_runner.data.sequences.mapping import EarlierVocab
+
+    root, _, items = trained
+    folder = str(root / "rows")
+    mapping, vocab = load_mapping(folder), EarlierVocab.load(folder)
+    users, item_ids, cates = mapping["user_id"], mapping["item"], mapping["cate"]
+    unseen_user, unseen_item, unseen_cate = "nobody", int(item_ids.max()) + 10_000, int(cates.max()) + 7
+
+    def oov(table: str, value: object) -> int:
+        (row,), unseen = vocab.encode(table, pa.array([value]), "test")
+        assert unseen == 1 and row >= len(mapping[table])
+        return int(row)
+
+    spec = json.loads((exported / "feature_spec.json").read_text())["towers"]
+
+    def program_vectors(tower: str, ids: dict[str, list[list[int]]]) -> np.ndarray:
+        """The table-id program's vectors of rows given as table ids per feature (a list per row)."""
+        keys = [f["name"] for f in spec[tower]["sparse_features"]]
+        n = len(ids[keys[0]])
+        values = torch.tensor([i for k in keys for cell in ids[k] for i in cell], dtype=torch.int64)
+        lengths = torch.tensor([[len(cell) for cell in ids[k]] for k in keys], dtype=torch.int64)
+        with torch.no_grad():
+            return torch.export.load(str(exported / spec[tower]["file"])).module()(torch.zeros(n, 0), values, lengths).numpy()
+
+    user_model = mlflow.pyfunc.load_model(str(exported / "mlflow_user_tower"))
+    request = pd.DataFrame({"user_id": [str(users[3]), unseen_user],
+                            "hist_item_id": [item_ids[[5, 9, 2]].tolist(), [int(item_ids[7]), unseen_item]],
+                            "hist_cate": [cates[[1, 4, 0]].tolist(), [int(cates[2]), unseen_cate]]})
+    served = user_model.predict(request)
+    want = program_vectors("user", {"user_id": [[3], [oov("user_id", unseen_user)]],
+                                    "hist_item_id": [[5, 9, 2], [7, oov("item", unseen_item)]],
+                                    "hist_cate": [[1, 4, 0], [2, oov("cate", unseen_cate)]]})
+    np.testing.assert_allclose(np.stack(served["vector"].to_numpy()), want, rtol=1e-5, atol=1e-6)
+    assert served["unknown_ids"].tolist() == [0, 3]
+    as_text = request.head(1).assign(hist_item_id=[[str(i) for i in request["hist_item_id"][0]]])  # integer ids sent as text
+    np.testing.assert_allclose(np.stack(user_model.predict(as_text)["vector"].to_numpy())[0], np.stack(served["vector"].to_numpy())[0],
+                               rtol=1e-6, atol=1e-7)
+
+    item_model = mlflow.pyfunc.load_model(str(exported / "mlflow_item_tower"))
+    served = item_model.predict(pd.DataFrame({"item_id": [str(item_ids[5]), str(unseen_item), str(item_ids[0])]}))
+    want = program_vectors("item", {"item_id": [[5], [oov("item", unseen_item)], [0]]})
+    np.testing.assert_allclose(np.stack(served["vector"].to_numpy()), want, rtol=1e-5, atol=1e-6)
+    assert served["unknown_ids"].tolist() == [0, 1, 0]
+
+    saved = torch.load(exported / "items.pt")
+    assert saved["raw_ids"] == item_ids[saved["ids"].numpy()].tolist() and len(saved["raw_ids"]) == items

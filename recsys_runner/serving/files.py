@@ -30,7 +30,7 @@ from recsys_runner.features import FeatureSpec
 from recsys_runner.models.collision import restore_collision_state
 from recsys_runner.models.dssm import tower_scores
 from recsys_runner.models.jagged import padded_reference
-from recsys_runner.serving import mlflow_model, topk
+from recsys_runner.serving import mlflow_model, raw_ids, topk
 from recsys_runner.serving.program import (  # noqa: F401 - EXACT_ATOL, EXACT_RTOL: the tolerances the docs and tests name
     EXACT_ATOL,
     EXACT_RTOL,
@@ -248,7 +248,7 @@ def write_export(built: Unsharded, *, checkpoint: Path, meta: dict[str, Any], em
                               f"take no weights yet. Fix: train it without weighted features (data.sparse weighted / weights)")
         described["towers"] = export_towers(model, keys, features, batch, eager, out)
         if items is not None:
-            described["towers"]["items"] = export_items(model, items, keys, features, out)
+            described["towers"]["items"] = export_items(model, items, keys, features, out, raw_ids.training_mapping(built.data))
     torch.export.save(program, str(out / MODEL_FILE))
     (out / FEATURE_SPEC_FILE).write_text(json.dumps(described, indent=2) + "\n")
     torch.save({"inputs": inputs, "outputs": eager}, out / EXAMPLE_FILE)
@@ -281,14 +281,20 @@ def write_mlflow_models(built: Unsharded, serving: ServingModule, keys: list[str
                                  served.encoders, spec, served.raw, compiled=compiled)
         return [mlflow_model.MODEL_DIR]
     written = []
+    mapping = raw_ids.training_mapping(built.data)  # rows of `data sequences`: the towers take the log's raw ids
     for name, mine in cast(TwoTowerModel, model).tower_features.items():
         tower = TowerServing(model, name, keys, list(features.dense_names))
         spec = base | {"input_columns": mlflow_model.input_columns(served.encoders, set(mine)), "dense": tower.dense_columns,
                        "keys": tower.sparse_keys, "features": list(mine), "tower": name,
                        "outputs": [{"column": "vector", "task": None, "kind": "vector"}]}
+        document, rows, request = served.document, served.raw, None
+        if mapping is not None:
+            document, mapped = raw_ids.raw_id_document(served.document, mapping, set(mine))
+            rows, request = raw_ids.raw_rows(served.raw, mapping, mapped)
+            spec["raw_ids"] = mapped
         directory = mlflow_model.TOWER_DIR.format(name)
-        mlflow_model.write_model(out / directory, tower, torch.export.load(str(out / TOWER_FILE.format(name))), served.document,
-                                 served.encoders, spec, served.raw, compiled=compiled)
+        mlflow_model.write_model(out / directory, tower, torch.export.load(str(out / TOWER_FILE.format(name))), document,
+                                 served.encoders, spec, rows, compiled=compiled, request=request)
         written.append(directory)
     return written
 
@@ -325,9 +331,12 @@ def export_towers(model: nn.Module, keys: list[str], features: FeatureSpec, batc
     return {"score": score, "temperature": temperature, **towers}
 
 
-def export_items(model: nn.Module, items: ItemTable, keys: list[str], features: FeatureSpec, out: Path) -> dict[str, Any]:
+def export_items(model: nn.Module, items: ItemTable, keys: list[str], features: FeatureSpec, out: Path,
+                 mapping: raw_ids.IdMapping | None = None) -> dict[str, Any]:
     """A two-tower model's item vectors of the whole catalogue, with their ids, as :data:`ITEMS_FILE`; returns its part
-    of ``feature_spec.json``. Chunked as the full-corpus evaluation builds its index (``model.corpus_chunk_rows``)."""
+    of ``feature_spec.json``. Chunked as the full-corpus evaluation builds its index (``model.corpus_chunk_rows``).
+    ``mapping``: the id mapping of ``data sequences`` rows, which names each item's raw id too (``raw_ids``: what the
+    served towers take and a search answers with; the catalogue's items are the mapping's, never an OOV row)."""
     two_tower = cast(TwoTowerModel, model)
     chunk = int(getattr(model, "corpus_chunk_rows", 8192))
     parts = []
@@ -336,8 +345,18 @@ def export_items(model: nn.Module, items: ItemTable, keys: list[str], features: 
             dense, sparse = items.rows(np.arange(start, min(start + chunk, len(items))), keys, features.dense_names)
             parts.append(two_tower.tower("item", dense, sparse).float())
     vectors = torch.cat(parts) if parts else torch.zeros(0, 0)
-    torch.save({"ids": torch.as_tensor(np.asarray(items.ids, dtype=np.int64)), "vectors": vectors}, out / ITEMS_FILE)
-    return {"file": ITEMS_FILE, "load": f"torch.load('{ITEMS_FILE}')", "id_feature": items.id_feature,
-            "ids": {"dtype": "int64", "shape": [len(items)], "meaning": f"each item's {items.id_feature} id, as the data encodes it"},
-            "vectors": {"dtype": "float32", "shape": [len(items), int(vectors.shape[1]) if parts else 0],
-                        "meaning": "item_tower.pt2's vectors of those items, row for row: the candidate index"}}
+    saved: dict[str, Any] = {"ids": torch.as_tensor(np.asarray(items.ids, dtype=np.int64)), "vectors": vectors}
+    described: dict[str, Any] = {
+        "file": ITEMS_FILE, "load": f"torch.load('{ITEMS_FILE}')", "id_feature": items.id_feature,
+        "ids": {"dtype": "int64", "shape": [len(items)], "meaning": f"each item's {items.id_feature} id, as the data encodes it"},
+        "vectors": {"dtype": "float32", "shape": [len(items), int(vectors.shape[1]) if parts else 0],
+                    "meaning": "item_tower.pt2's vectors of those items, row for row: the candidate index"}}
+    if mapping is not None and items.id_feature in mapping.tables:
+        ids, size = np.asarray(items.ids, np.int64), len(mapping.values[mapping.tables[items.id_feature]])
+        inside = mapping.raw_values(items.id_feature, np.where(ids < size, ids, 0))
+        saved["raw_ids"] = [raw if i < size else None for raw, i in zip(inside, ids.tolist(), strict=True)]  # None: an OOV row
+        described["raw_ids"] = {"type": "list", "shape": [len(items)],
+                                "meaning": f"each item's raw id in the log, through the id mapping in {mapping.folder} (what "
+                                           f"mlflow_item_tower/ takes and a search answers with)"}
+    torch.save(saved, out / ITEMS_FILE)
+    return described

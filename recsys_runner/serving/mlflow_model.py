@@ -115,10 +115,12 @@ def input_columns(encoders: StoredEncoders, keep: set[str] | None = None) -> lis
 
 
 def write_model(out: Path, module: ServingModule | TowerServing, program: torch.export.ExportedProgram, document: bytes,
-                encoders: StoredEncoders, spec: dict[str, Any], raw: pa.Table, compiled: bool = False) -> None:
+                encoders: StoredEncoders, spec: dict[str, Any], raw: pa.Table, compiled: bool = False, request: pa.Table | None = None) -> None:
     """Write the MLflow model to ``out`` and check it (:func:`check_served`) on ``raw`` (rows of the training files).
     ``compiled``: also compile the program with AOTInductor (:func:`~recsys_runner.serving.program.compile_program`:
-    minutes of CPU, ~4 ms less per request), which the served model then runs; the check runs it too.
+    minutes of CPU, ~4 ms less per request), which the served model then runs; the check runs it too. ``request``: the
+    same rows as a request sends them when that differs from ``raw`` (a tower served on the log's raw ids,
+    :mod:`recsys_runner.serving.raw_ids`): the input example, and what the check sends.
 
     Raises:
         ConfigError: the served model's scores differ from the eager model's on those rows.
@@ -137,12 +139,12 @@ def write_model(out: Path, module: ServingModule | TowerServing, program: torch.
         (data / served.SPEC_FILE).write_text(json.dumps(spec, indent=1) + "\n")
         names = copy_shipped(code)
         columns = spec["input_columns"]
-        example = as_request(raw.select(columns).slice(0, EXAMPLE_ROWS))
+        example = as_request((raw if request is None else request).select(columns).slice(0, EXAMPLE_ROWS))
         mlflow.pyfunc.save_model(
             path=str(out), loader_module=names[served.LOADER_MODULE], data_path=str(data),
             code_paths=[str(code / f"{n}.py") for n in names.values()], signature=signature(encoders.types, columns),
             input_example=example, pip_requirements=requirements())
-    check_served(out, module, encoders, spec, raw)
+    check_served(out, module, encoders, spec, raw, request)
 
 
 CODE_HASH_DIGITS = 12
@@ -187,9 +189,10 @@ def requirements() -> list[str]:
             f"pyarrow=={pa.__version__}", f"mlflow=={mlflow.__version__}"]
 
 
-def check_served(out: Path, module: ServingModule | TowerServing, encoders: StoredEncoders, spec: dict[str, Any], raw: pa.Table) -> None:
-    """Load the written model through MLflow and compare its output on ``raw``'s rows with the eager model's on the same
-    rows encoded by the training encoder.
+def check_served(out: Path, module: ServingModule | TowerServing, encoders: StoredEncoders, spec: dict[str, Any], raw: pa.Table,
+                 request: pa.Table | None = None) -> None:
+    """Load the written model through MLflow and compare its output on ``raw``'s rows (as ``request`` holds them, when
+    given: the same rows in the request's ids) with the eager model's on the same rows encoded by the training encoder.
 
     Raises:
         ConfigError: they differ by more than :data:`SCORE_ATOL`, naming the column.
@@ -197,7 +200,8 @@ def check_served(out: Path, module: ServingModule | TowerServing, encoders: Stor
     import mlflow.pyfunc
 
     rows = raw.slice(0, CHECK_ROWS)  # every column: the training encoder reads them all (a tower's model only its own)
-    got = mlflow.pyfunc.load_model(str(out)).predict(as_request(rows.select(spec["input_columns"])))
+    sent = rows if request is None else request.slice(0, CHECK_ROWS)
+    got = mlflow.pyfunc.load_model(str(out)).predict(as_request(sent.select(spec["input_columns"])))
     want = expected(module, encoders, rows)
     for column, values in want.items():
         served_values = np.stack(got[column].to_numpy()) if spec["outputs"][0]["kind"] == "vector" else got[column].to_numpy()

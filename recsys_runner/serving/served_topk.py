@@ -91,7 +91,7 @@ class TopKModel:
         tables = {c["table"]: c["integers"] for c in self.columns}
         self.values = {table: _read_values(os.path.join(directory, VOCAB_DIR, f"{table}.txt"), integers) for table, integers in tables.items()}
         """Each table's raw values in id order (``values[i]``: id ``i``)."""
-        self.vocabularies = {table: _vocabulary(values, self.oov_buckets) for table, values in self.values.items()}
+        self.vocabularies = {table: mapping_vocabulary(values, self.oov_buckets) for table, values in self.values.items()}
         self.item_names = self.values[self.spec["items"]["table"]]
         self.index = torch.from_numpy(np.load(os.path.join(directory, VECTORS_FILE)))
         self.num_items = int(self.index.shape[0])
@@ -312,9 +312,10 @@ def _read_values(path: str, integers: bool) -> np.ndarray:
     return np.array([int(v) for v in lines], np.int64) if integers else np.array(lines, object)
 
 
-def _vocabulary(values: np.ndarray, oov_buckets: int) -> Any:
+def mapping_vocabulary(values: np.ndarray, oov_buckets: int) -> Any:
     """The lookup of a table's raw values (id ``i`` for ``values[i]``), keyed as the row encoder keys them; every other
-    value reads row ``len(values) + key mod oov_buckets`` (``data sequences --vocab``'s encoding of a new log)."""
+    value reads row ``len(values) + key mod oov_buckets`` (``data sequences --vocab``'s encoding of a new log). A two-tower
+    model's served towers read the mapping through it too (:func:`recsys_runner.serving.raw_ids.raw_id_document`)."""
     arr = pa.array(values, pa.int64()) if values.dtype == np.int64 else pa.array(values.tolist(), pa.string())
     keys, _ = _keys.value_keys(arr, False)
     order = np.argsort(keys, kind="stable")

@@ -97,7 +97,7 @@ def plan_top_k(model: nn.Module, features: FeatureSpec, data: DataModule, k: int
     inner = next_item_model(model, tuple(getattr(model, "tasks", SINGLE_TASK)))
     if inner is None:
         return None
-    files = _training_files(data)
+    files = training_files(data)
     folder = mapping_folder(files[0]) if files else None
     if folder is None:
         log.info("no MLflow model for %s: its rows name no id mapping (they were not written by python -m recsys_runner.data "
@@ -186,7 +186,7 @@ def write_top_k_model(plan: TopKPlan, model: nn.Module, keys: list[str], batch: 
     return [mlflow_model.MODEL_DIR]
 
 
-def _training_files(data: DataModule) -> list[str]:
+def training_files(data: DataModule) -> list[str]:
     """The Parquet files of ``data.path`` (whose metadata names the id mapping); none for other data."""
     config = data.config if isinstance(data, TabularData) else None
     if not isinstance(config, ParquetDataConfig):

@@ -24,7 +24,9 @@ and ``serving.json`` (what the program takes and what its outputs mean). MLflow 
    have read there;
 4. runs the program and turns its outputs into ``predict``'s columns: ``score`` (``score_<task>`` for several tasks) as a
    probability for a binary task, the value for a regression, and for a multi-class task the most probable class
-   (``class_<task>``) with its probability; a tower of a two-tower model returns ``vector`` (one list per row).
+   (``class_<task>``) with its probability; a tower of a two-tower model returns ``vector`` (one list per row), and,
+   trained on ``data sequences`` rows (its ids read through their id mapping: :mod:`recsys_runner.serving.raw_ids`),
+   ``unknown_ids``: per row, the raw ids the mapping does not hold (each read an OOV row).
 
 Why a copy and not an import: the server needs torch, NumPy, pandas, PyArrow and MLflow only — no recsys_runner,
 TorchRec or fbgemm — and the model keeps working whatever version of recsys_runner is (or is not) installed beside it.
@@ -77,6 +79,8 @@ other code never share a module name, so each runs its own; models of the same c
 """
 LOADER_MODULE = "recsys_served"
 """The stem of the loader's name (the MLflow model's ``loader_module`` is ``recsys_served_<hash>``)."""
+UNKNOWN_IDS = "unknown_ids"
+"""The column a tower served on raw ids adds: per row, the ids its id mapping does not hold (``spec["raw_ids"]``)."""
 LABEL = "__served_label__"
 """The zero label column the encoder is given (it encodes labels too; a request has none)."""
 
@@ -150,6 +154,9 @@ class ServedModel:
         small = self.request.all_text and not self.schema.sequences and not self.spec.get("weighted")
         self.small = SmallRequests(self.schema, self.error) if small else None
         """Small text requests' encoder (not for a model with histories or weighted features), else ``None``."""
+        self.raw_ids: list[str] = list(self.spec.get("raw_ids") or [])
+        """The features read through an id mapping (a tower of a model trained on ``data sequences`` rows:
+        :mod:`recsys_runner.serving.raw_ids`), whose unknown ids each row's ``unknown_ids`` counts; none for other models."""
         self.program = _program.load_program(directory)
         self._torch = torch
         self.threads = _program.serving_threads(torch)
@@ -186,12 +193,29 @@ class ServedModel:
         frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(_rows_of(model_input))
         if len(frame) == 0:  # the program's batch is at least one row: no rows, no scores (still only with every column)
             self.request.check(frame)
-            return pd.DataFrame(empty_scores(self.spec["outputs"]), index=frame.index)
+            empty = empty_scores(self.spec["outputs"]) | ({UNKNOWN_IDS: np.zeros(0, np.int64)} if self.raw_ids else {})
+            return pd.DataFrame(empty, index=frame.index)
+        inputs = self.encode(frame)
         with torch.inference_mode():  # no autograd bookkeeping at all (no_grad still keeps version counters): less per op
-            out = self.program(*self.encode(frame))
+            out = self.program(*inputs)
+        columns = scores(out, self.spec["outputs"])
+        if self.raw_ids:
+            columns[UNKNOWN_IDS] = self.unknown_ids(inputs[1].numpy(), inputs[2].numpy())
         # the request's index, so that ``frame.assign(score=model.predict(frame)["score"])`` lines up row by row whatever the
         # index (a sorted, sampled or filtered frame): pandas aligns on it, and a fresh 0..n-1 would misplace every row
-        return pd.DataFrame(scores(out, self.spec["outputs"]), index=frame.index)
+        return pd.DataFrame(columns, index=frame.index)
+
+    def unknown_ids(self, values: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Per row, the ids of :attr:`raw_ids`' features the id mapping does not hold — each read an OOV row, at or past
+        its vocabulary's ``capacity`` — as the top-k model counts them (a history's after it is cut to ``max_len``)."""
+        features, rows = lengths.shape
+        first_oov = np.full(features, np.iinfo(np.int64).max, np.int64)  # the keys past the sparse columns: event times
+        for i, column in enumerate(self.schema.sparse):
+            if column.name in self.raw_ids:
+                first_oov[i] = self.schema.vocabularies[column.name].capacity
+        feature = np.repeat(np.arange(features), lengths.sum(axis=1))
+        row = np.repeat(np.tile(np.arange(rows), features), lengths.reshape(-1))
+        return np.bincount(row[values >= first_oov[feature]], minlength=rows).astype(np.int64)
 
 
 def _rows_of(model_input: Any) -> Any:
