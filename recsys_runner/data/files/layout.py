@@ -13,8 +13,7 @@ HEADER_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_ .\-]*$")
 """What a column name in a header line looks like."""
 
 
-def is_number(text: str) -> bool:
-    """Whether ``text`` reads as a number: no column name anyone writes (a header line has none; a line of data does)."""
+def _is_number(text: str) -> bool:
     try:
         float(text)
     except ValueError:
@@ -49,7 +48,7 @@ def looks_like_header(lines: list[str], delimiter: str) -> bool:
     if len(lines) < 2:
         return True
     second = split_fields(lines[1], delimiter)
-    return any(is_number(b) for a, b in zip(first, second, strict=False) if not is_number(a))
+    return any(_is_number(b) for a, b in zip(first, second, strict=False) if not _is_number(a))
 
 
 def looks_like_data(lines: list[str], delimiter: str) -> bool:
@@ -58,7 +57,7 @@ def looks_like_data(lines: list[str], delimiter: str) -> bool:
     if len(lines) < 2:
         return False
     first, second = split_fields(lines[0], delimiter), split_fields(lines[1], delimiter)
-    return len(first) == len(second) > 1 and any(is_number(a) and is_number(b) for a, b in zip(first, second, strict=True))
+    return len(first) == len(second) > 1 and any(_is_number(a) and _is_number(b) for a, b in zip(first, second, strict=True))
 
 
 def delimiter_hint(text: str, delimiter: str, fixed: str | None = None) -> str:

@@ -23,7 +23,6 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from recsys_runner import stores
-from recsys_runner.data.files.layout import is_number
 from recsys_runner.data.locate import PARQUET_SUFFIXES, resolve_files
 from recsys_runner.data.sequences import text_ids
 from recsys_runner.data.sequences.mapping import EarlierVocab, Table, check_writable, sorted_codes
@@ -226,11 +225,19 @@ def _layout_fix(first: list[str], delimiter: str) -> str:
         return (" Its fields are separated by '::' (MovieLens ml-1m's ratings.dat), which is no one-character delimiter, and it has "
                 "no header line. Fix: sed 's/::/\\t/g' ratings.dat > ratings.tsv, then --delimiter tab --column-names "
                 "user,item,rating,timestamp (and --user user --item item --time timestamp)")
-    if any(is_number(v.strip()) for v in first):  # a number (an id, a time) is no column name anyone writes
+    if any(_is_number(v.strip()) for v in first):  # a number (an id, a time) is no column name anyone writes
         return (f" Its first line {line[:100]!r} is data, not a header naming the columns: a log without a header line (as MovieLens' "
                 f"u.data). Fix: name its {len(first)} columns in file order with --column-names, e.g. --column-names "
                 f"{','.join(['user', 'item', 'rating', 'timestamp'][:len(first)] if len(first) <= 4 else [f'c{i}' for i in range(len(first))])}")
     return ""
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _no_nulls(arr: pa.ChunkedArray, column: str, where: str) -> pa.Array:
