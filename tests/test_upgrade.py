@@ -93,8 +93,11 @@ def test_a_renamed_key_is_compared_under_its_new_name(monkeypatch: pytest.Monkey
     warn of both names, one unset."""
     now = {"model": "deepfm", "train.num_steps": 5, "train.ema.decay": 0.9, "train.ema.eval_with_ema": False}
     before = {"model": "deepfm", "train.steps": 5, "train.average.decay": 0.9, "train.average.eval_with_ema": False}
-    unmapped = check_changes(Launched([], before), Launched([], now), tmp_path)
-    assert {c.key for c in unmapped} == {*now.keys() - {"model"}, *before.keys() - {"model"}}
+    without_ema = {"model": "deepfm", "train.num_steps": 5}, {"model": "deepfm", "train.steps": 5}
+    unmapped = check_changes(Launched([], without_ema[1]), Launched([], without_ema[0]), tmp_path)
+    assert {c.key for c in unmapped} == {"train.num_steps", "train.steps"}
+    with pytest.raises(CheckpointError, match=r"train.ema.decay: \(unset\) -> 0.9"):  # unmapped, the EMA looks newly turned on
+        check_changes(Launched([], before), Launched([], now), tmp_path)
     monkeypatch.setattr(resume, "RENAMED_KEYS", {"train.steps": "train.num_steps", "train.average": "train.ema"})
     assert check_changes(Launched([], before), Launched([], now), tmp_path) == ()
     (changed,) = check_changes(Launched([], before | {"train.steps": 3}), Launched([], now), tmp_path)
