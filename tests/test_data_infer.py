@@ -226,7 +226,7 @@ def write_hours(path: Path, hours: range, rows_per_hour: int = 500, row_group_si
 
 def test_encoders_are_fitted_on_rows_spread_over_time_sorted_parquet_files(tmp_path: Path) -> None:
     """12 hours in two files (6,000 rows) and data.infer.sample_rows=2000: the first 2,000 rows are hours 0-3 alone, and
-    every later hour's rows read the OOV rows. The sample is taken in pieces spread over both files' row groups."""
+    every later hour's rows read the OOV rows. The sample is taken in runs spread over both files' row groups."""
     write_hours(tmp_path / "a.parquet", range(0, 6))
     write_hours(tmp_path / "b.parquet", range(6, 12))
     config = make(ParquetDataConfig, path=str(tmp_path), label="click", sparse=[{"name": "hour"}], batch_size=32,
@@ -263,7 +263,7 @@ def test_encoders_are_fitted_on_lines_spread_over_a_time_sorted_csv_file(tmp_pat
     assert [int(r) for r in source.sample(2000)["row"].to_pylist()] == list(range(2000))  # unspread: the head
     for rows in (6000, 10_000):  # no more lines than the sample: every line, in order, as the head sample reads them
         assert source.sample(rows, spread=True).equals(source.sample(rows))
-    # two files: the pieces spread over both
+    # two files: the runs spread over both
     text = (tmp_path / "log.csv").read_text().splitlines(keepends=True)
     (tmp_path / "parts").mkdir()
     (tmp_path / "parts" / "a.csv").write_text("".join(text[:3001]))

@@ -52,9 +52,11 @@ class InferConfig:
 
     sample_rows: int = 100_000
     """Rows read to infer column roles and fit what the columns leave open (table sizes, encodings, vocabularies, zscore
-    statistics, quantile boundaries): taken in pieces spread over the files (Parquet row groups; byte offsets of plain
-    text), so that files sorted by time give later rows too; a compressed text file's first rows (its later lines are
-    reached only by decompressing every line before them); every row where the files hold no more."""
+    statistics, quantile boundaries): taken as many short runs evenly spaced over the files
+    (:mod:`recsys_runner.data.files.spread_sample`: byte spans of plain text, runs over Parquet row groups), so that
+    files sorted by time give later rows too; of compressed text, each file's first rows (its later lines are reached
+    only by decompressing every line before them; a single such file is said in a warning); every row where the files
+    hold no more."""
     bucket_margin: float = 2.0
     """A sized sparse feature gets ``distinct values in the sample × this`` buckets (rounded up to 1/2/5 × 10^k):
     room for values the sample missed and fewer hash collisions."""
