@@ -20,6 +20,7 @@ from recsys_runner.configurable import make
 from recsys_runner.data.__main__ import main as data_main
 from recsys_runner.data.encoding.fit import bucket_count
 from recsys_runner.data.files.sources import ParquetSource
+from recsys_runner.data.files.spread_sample import PARQUET_DECODE_FACTOR, group_runs, sampled_groups
 from recsys_runner.data.files.tabular import CsvData, ParquetData
 from recsys_runner.data.files.tabular_config import CsvDataConfig, ParquetDataConfig
 from recsys_runner.data.schema_files import schema_json
@@ -225,7 +226,7 @@ def write_hours(path: Path, hours: range, rows_per_hour: int = 500, row_group_si
 
 def test_encoders_are_fitted_on_rows_spread_over_time_sorted_parquet_files(tmp_path: Path) -> None:
     """12 hours in two files (6,000 rows) and data.infer.sample_rows=2000: the first 2,000 rows are hours 0-3 alone, and
-    every later hour's rows read the OOV rows. The sample is taken in pieces spread over both files' row groups."""
+    every later hour's rows read the OOV rows. The sample is taken in runs spread over both files' row groups."""
     write_hours(tmp_path / "a.parquet", range(0, 6))
     write_hours(tmp_path / "b.parquet", range(6, 12))
     config = make(ParquetDataConfig, path=str(tmp_path), label="click", sparse=[{"name": "hour"}], batch_size=32,
@@ -262,7 +263,7 @@ def test_encoders_are_fitted_on_lines_spread_over_a_time_sorted_csv_file(tmp_pat
     assert [int(r) for r in source.sample(2000)["row"].to_pylist()] == list(range(2000))  # unspread: the head
     for rows in (6000, 10_000):  # no more lines than the sample: every line, in order, as the head sample reads them
         assert source.sample(rows, spread=True).equals(source.sample(rows))
-    # two files: the pieces spread over both
+    # two files: the runs spread over both
     text = (tmp_path / "log.csv").read_text().splitlines(keepends=True)
     (tmp_path / "parts").mkdir()
     (tmp_path / "parts" / "a.csv").write_text("".join(text[:3001]))
@@ -281,3 +282,58 @@ def test_encoders_are_fitted_on_lines_spread_over_a_time_sorted_csv_file(tmp_pat
     packed.write_bytes(gzip.compress((tmp_path / "log.csv").read_bytes()))
     compressed = CsvData._sampler(replace(config, path=str(packed)))
     assert [int(r) for r in compressed.sample(2000, spread=True)["row"].to_pylist()] == list(range(2000))
+
+
+def test_every_hour_of_a_long_time_sorted_log_is_in_the_vocabulary(tmp_path: Path) -> None:
+    """240 hours of 100 rows each, in time order, and data.infer.sample_rows=6000: the sample is 300 runs of 20 rows, a
+    run every 80 rows, so every hour is in the vocabulary of ``hour``, as plain CSV and as Parquet (all 12 row groups
+    read: 24,000 rows are within the decode budget, PARQUET_DECODE_FACTOR × 6000). 100 spans of CSV and 10 runs of Parquet missed hours between them."""
+    n = 24_000
+    rows = [f"{int(i % 3 == 0)},{i // 100},{i}" for i in range(n)]
+    (tmp_path / "log.csv").write_text("click,hour,row\n" + "\n".join(rows) + "\n")
+    write_hours(tmp_path / "log.parquet", range(240), rows_per_hour=100, row_group_size=2000)
+    for data, cls in ((CsvDataConfig, CsvData), (ParquetDataConfig, ParquetData)):
+        suffix = "csv" if cls is CsvData else "parquet"
+        config = make(data, path=str(tmp_path / f"log.{suffix}"), label="click", sparse=[{"name": "hour"}], batch_size=32,
+                      num_workers=0, infer={"sample_rows": 6000})
+        vocabulary = cls(config).schema.vocabularies["hour"]
+        assert vocabulary.capacity == 240, suffix
+
+
+def test_a_parquet_spread_sample_of_many_row_groups_decodes_a_bounded_share_of_them() -> None:
+    """Runs inside a row group decode its rows before them, so over files holding more than PARQUET_DECODE_FACTOR times
+    the sample the runs are spread over evenly spaced row groups holding about that many rows, not over every group."""
+    groups = [("f", g, 1000) for g in range(100)]
+    budget = PARQUET_DECODE_FACTOR * 2000 // 1000  # groups of 1,000 rows whose decoding the budget allows
+    spaced = [j * 100 // budget for j in range(budget)]  # the groups holding evenly spaced rows
+    assert [g for _, g, _ in sampled_groups(groups, 2000)] == spaced
+    runs = group_runs(groups, 2000)
+    assert sorted(g for _, g in runs) == spaced and sum(hi - lo for r in runs.values() for lo, hi in r) == 2000
+    assert sampled_groups(groups[:budget], 2000) == groups[:budget]  # within the budget: every group
+    uneven = [("f", 0, 50_000)] + [("f", g, 100) for g in range(1, 200)]  # one huge group: still enough rows picked
+    assert sum(n for *_, n in sampled_groups(uneven, 2000)) >= 2000
+
+
+def test_compressed_files_are_each_sampled_from_their_first_lines(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A compressed file is entered only at its start, so several of them give the sample from each one's first lines (the
+    head sample read the first file alone); one compressed file holding more lines than the sample is sampled from its
+    head, said in a warning naming the fix."""
+    (tmp_path / "days").mkdir()
+    for day in range(4):  # four days of 1,500 rows, in time order
+        lines = "".join(f"{int(i % 3 == 0)},{day * 100 + i // 500},{day * 1500 + i}\n" for i in range(1500))
+        (tmp_path / "days" / f"day_{day}.csv.gz").write_bytes(gzip.compress(("click,hour,row\n" + lines).encode()))
+    config = make(CsvDataConfig, path=str(tmp_path / "days"), label="click", sparse=[{"name": "hour"}], batch_size=32,
+                  num_workers=0, infer={"sample_rows": 2000})
+    source = CsvData._sampler(config)
+    with caplog.at_level(logging.INFO, logger="recsys_runner"):
+        rows = [int(r) for r in source.sample(2000, spread=True)["row"].to_pylist()]
+    assert rows == [r for day in range(4) for r in range(day * 1500, day * 1500 + 500)]
+    assert "spread over 4 compressed files" in caplog.text and "WARNING" not in caplog.text
+    for n in (6000, 8000):  # no more lines than the sample: every line, in order, as the head sample reads them
+        assert source.sample(n, spread=True).equals(source.sample(n))
+    caplog.clear()
+    one = CsvData._sampler(replace(config, path=str(tmp_path / "days" / "day_0.csv.gz")))
+    with caplog.at_level(logging.INFO, logger="recsys_runner"):
+        assert [int(r) for r in one.sample(1000, spread=True)["row"].to_pylist()] == list(range(1000))
+    warning = next(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert "day_0.csv.gz is gzip-compressed" in warning and "FIRST 1000 lines" in warning and "recsys_runner.data convert" in warning

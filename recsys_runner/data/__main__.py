@@ -348,8 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--label-threshold", type=float, help="csv without --schema: label = (label column >= this), e.g. a rating of 4")
     c.add_argument("--exclude", action="append", default=[], help="csv without --schema: a column not to use as a feature (repeatable)")
     c.add_argument("--delimiter", default=",", help="csv without --schema: the field delimiter (a character, or tab/comma/semicolon/pipe)")
-    c.add_argument("--sample-rows", type=int, default=InferConfig.sample_rows, help="csv: rows read to infer the schema and fit vocabularies, in pieces spread over the "
-                   "files (a compressed file: its first rows)")
+    c.add_argument("--sample-rows", type=int, default=InferConfig.sample_rows, help="csv: rows read to infer the schema and fit vocabularies, in runs spread over the "
+                   "files (compressed files: each one's first rows)")
     c.add_argument("--num-embeddings", type=int, default=100_000, help="criteo: table size of every categorical (default: %(default)s, fixed: "
                    "a small file gets tables larger than its rows; data=criteo sizes them from the files)")
     c.add_argument("--categorical-encoding", choices=["mod", "hash"], default="mod", help="criteo: hex value modulo the table size, or a hash")

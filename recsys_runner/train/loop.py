@@ -420,12 +420,13 @@ def _warn_unfitted(loop: Loop, counters: dict[str, float]) -> None:
         if name not in loop.unfitted:
             loop.unfitted.add(name)
             log.warning("the vocabulary of %r lacks %.0f%% of the %d values of it that training has read so far (data/oov_rate/%s): "
-                        "they all share its few OOV rows. It was fitted on data.infer.sample_rows rows of data.path (pieces "
-                        "spread over the files; the first rows of a compressed text file, and for a checkpoint written before "
-                        "encoders were stored) or read from its vocab_file, which looked to cover the column, so the rows "
-                        "outside the sample hold other values: files sorted by time (Avazu's hour, ids that appear later) hold "
-                        "them between the pieces or after the first rows. Fix: data.infer.sample_rows=<every row of the files> "
-                        "to fit on all of them, shuffle the files' rows once, or decompress a compressed text file",
+                        "they all share its few OOV rows. It was fitted on data.infer.sample_rows rows of data.path (runs "
+                        "spread over the files; the first rows of each compressed text file, and for a checkpoint written "
+                        "before encoders were stored) or read from its vocab_file, which looked to cover the column, so the "
+                        "rows outside the sample hold other values: files sorted by time (Avazu's hour, ids that appear later) "
+                        "hold them between the runs or after the first rows. Fix: data.infer.sample_rows=<every row of the "
+                        "files> to fit on all of them, shuffle the files' rows once, or convert a compressed text file to "
+                        "Parquet (python -m recsys_runner.data convert), whose sample is spread over all its rows",
                         name, 100 * share, values, name)
 
 

@@ -33,11 +33,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from recsys_runner import stores
-from recsys_runner.data.encoding.keys import as_ids, parse_int, value_keys
+from recsys_runner.data.encoding.keys import as_ids, value_keys
 from recsys_runner.data.encoding.roles import detect_label, infer_columns
 from recsys_runner.data.encoding.rows import float_ids
 from recsys_runner.data.encoding.values import dense_transformed, is_list, parse_numbers, split_pairs
+from recsys_runner.data.encoding.vocab_file import read_vocab_file
 from recsys_runner.data.encoding.vocabulary import Vocabulary
 from recsys_runner.data.schema import DenseColumn, Schema, SparseColumn
 from recsys_runner.errors import ConfigError, DataError, require
@@ -52,9 +52,11 @@ class InferConfig:
 
     sample_rows: int = 100_000
     """Rows read to infer column roles and fit what the columns leave open (table sizes, encodings, vocabularies, zscore
-    statistics, quantile boundaries): taken in pieces spread over the files (Parquet row groups; byte offsets of plain
-    text), so that files sorted by time give later rows too; a compressed text file's first rows (its later lines are
-    reached only by decompressing every line before them); every row where the files hold no more."""
+    statistics, quantile boundaries): taken as many short runs evenly spaced over the files
+    (:mod:`recsys_runner.data.files.spread_sample`: byte spans of plain text, runs over Parquet row groups), so that
+    files sorted by time give later rows too; of compressed text, each file's first rows (its later lines are reached
+    only by decompressing every line before them; a single such file is said in a warning); every row where the files
+    hold no more."""
     bucket_margin: float = 2.0
     """A sized sparse feature gets ``distinct values in the sample × this`` buckets (rounded up to 1/2/5 × 10^k):
     room for values the sample missed and fewer hash collisions."""
@@ -350,7 +352,7 @@ def _file_vocabulary_table(sparse: list[SparseColumn], members: list[int], read:
     lines + ``oov_buckets`` (in place); their vocabulary goes into ``vocabularies``.
 
     Raises:
-        ConfigError: the table's columns name different files, or the file cannot be used (:func:`read_vocab_file`).
+        ConfigError: the table's columns name different files, or the file cannot be used (:func:`~recsys_runner.data.encoding.vocab_file.read_vocab_file`).
     """
     cols = [sparse[i] for i in members]
     listed = [c for c in cols if c.vocab_file is not None]
@@ -394,56 +396,6 @@ def _integer_ids(col: SparseColumn, t: pa.Table, where: str) -> bool:
     typ = t.schema.field(col.name).type
     typ = typ.value_type if is_list(typ) else typ
     return (pa.types.is_integer(typ) or pa.types.is_boolean(typ)) and not col.hex
-
-
-def read_vocab_file(path: str, key: str, oov_buckets: int, integers: bool, hex_digits: bool = False) -> Vocabulary:
-    """The vocabulary of the file ``path``: one value per line, line ``i`` (from 1) given row ``i - 1``, then ``oov_buckets``
-    rows; each line keyed as the encoder keys the column's values (:func:`~recsys_runner.data.encoding.keys.value_keys`):
-    as an integer when the training files hold ``integers``, else as text (exactly, ``\r`` of a Windows line end
-    dropped); ``hex_digits``: parsed from hexadecimal text. ``key`` names the column's entry in messages.
-
-    Raises:
-        ConfigError: the file cannot be read, is empty, has an empty line, a line that is not an integer (``integers``) or
-            hexadecimal (``hex_digits``), or repeats a value (naming the value and both lines).
-    """
-    where = f"{key}.vocab_file={path!r}"
-    try:
-        text = stores.read_bytes(path, ConfigError).decode("utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{where}: no such file. Fix: point it at a text file with one value per line (a relative path is read "
-                          f"from the directory the command runs in)") from None
-    except OSError as e:
-        raise ConfigError(f"{where} cannot be read ({e.strerror or e}). Fix: point it at a text file with one value per line") from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{where} is not UTF-8 text ({e.reason} at byte {e.start}). Fix: write one value per line as UTF-8") from None
-    lines = [line.removesuffix("\r") for line in text.split("\n")]
-    if lines and lines[-1] == "":
-        lines.pop()  # the newline that ends the last line
-    require(len(lines) > 0, f"{where} is empty. Fix: write one value per line (line i becomes row i - 1)")
-    blank = next((i for i, line in enumerate(lines) if line == ""), None)
-    require(blank is None, f"{where}: line {(blank or 0) + 1} is empty, and an empty field is a missing value, never an id. Fix: "
-            f"remove the empty line (one value per line)")
-    texts = pa.array(lines, pa.string())
-    if integers:
-        numbers, wrong = parse_int(texts)
-        require(not wrong.any(), f"{where}: line {int(np.argmax(wrong)) + 1} ({lines[int(np.argmax(wrong))]!r}) is not an integer, "
-                f"but the column holds integers in the training files, which key values by their number. Fix: write the ids as "
-                f"decimal integers, one per line")
-        keys, wrong_keys = value_keys(pa.array(numbers, pa.int64()), False)
-    else:
-        keys, wrong_keys = value_keys(texts, hex_digits)
-    require(wrong_keys is None or not wrong_keys.any(), f"{where}: line {int(np.argmax(wrong_keys)) + 1 if wrong_keys is not None else 0} "
-            f"is not a hexadecimal string (data.sparse hex=true). Fix: write hexadecimal ids, one per line")
-    _, first_index, inverse = np.unique(keys, return_index=True, return_inverse=True)
-    repeat = first_index[inverse] != np.arange(len(keys))
-    if repeat.any():
-        k = int(np.argmax(repeat))
-        j = int(first_index[inverse[k]])
-        same = "" if lines[j] == lines[k] else f" ({lines[j]!r}: the same {'integer' if integers else 'id'})"
-        raise ConfigError(f"{where}: the value {lines[k]!r} on line {k + 1} repeats line {j + 1}{same}; each value gets one row. "
-                          f"Fix: remove the repeated line(s)")
-    order = np.argsort(keys, kind="stable")
-    return Vocabulary(keys[order], np.arange(len(keys), dtype=np.int64)[order], len(keys), oov_buckets)
 
 
 def _keys(col: SparseColumn, t: pa.Table, where: str) -> np.ndarray:

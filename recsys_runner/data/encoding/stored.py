@@ -251,8 +251,8 @@ rest (:func:`unfitted_vocabularies`): a fit keeps a vocabulary only where the sa
 def unfitted_vocabularies(counters: dict[str, float]) -> dict[str, tuple[float, int]]:
     """The columns whose vocabulary misses a share of their values that no fair sample would (:data:`UNFITTED_RATE` of at
     least :data:`UNFITTED_MIN_VALUES`), each with that share and the values counted: a sample of a file sorted by time that is
-    its first rows (a compressed text file's; Avazu's ``train.csv``: one hour of ten days) holds the first hours alone, so
-    ``hour`` is then OOV for every later row, and one in pieces spread over it still misses the hours between them."""
+    its first rows (a single compressed text file's; Avazu's ``train.csv``: one hour of ten days) holds the first hours alone,
+    so ``hour`` is then OOV for every later row, and one in runs spread over it can still miss values between them."""
     out: dict[str, tuple[float, int]] = {}
     for key, total in counters.items():
         name = key.removeprefix(LOOKUP_PREFIX)

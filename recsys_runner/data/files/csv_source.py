@@ -6,8 +6,9 @@ its line and the fix. The unit and the Parquet source are in :mod:`~recsys_runne
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
@@ -16,6 +17,7 @@ import pyarrow.csv as pacsv
 
 from recsys_runner import stores
 from recsys_runner.data.files import compression as compressed
+from recsys_runner.data.files.compression import Compression
 from recsys_runner.data.files.csv_blocks import line_blocks, stream_unit
 from recsys_runner.data.files.csv_header import CsvHeaders
 from recsys_runner.data.files.layout import (
@@ -26,31 +28,10 @@ from recsys_runner.data.files.layout import (
     open_quote_lines,
 )
 from recsys_runner.data.files.sources import Unit, repeated_names, skip_empty, unreadable, without_repeats
+from recsys_runner.data.files.spread_sample import file_shares, spread_lines
 from recsys_runner.errors import DataError
 
-TEXT_SAMPLE_PIECES = 100
-"""How many even spans of plain text a spread sample reads its lines from (:meth:`CsvSource._spread`). Each costs one seek
-and a read of :data:`SPAN_BUFFER_BYTES`, not a row group's columns as a Parquet piece does, so text takes ten times the
-pieces Parquet does (:data:`~recsys_runner.data.files.sources.SAMPLE_PIECES`): 300,000 rows of 24 hours in time order get
-a piece every 3,000 rows, every hour several."""
-
-SPAN_BUFFER_BYTES = 1 << 16
-"""The read buffer of a span of a spread sample: a share of its lines (1,000 of a 100,000-row sample) without reading
-ahead the 1 MiB an object store's reader takes for a sequential read (:func:`recsys_runner.stores.open_input`)."""
-
-
-@dataclass
-class _Span:
-    """Where a spread sample reads lines of a plain-text file (:meth:`CsvSource._spread`): those that start at a byte in
-    [``pos``, ``stop``); ``pos`` moves on as they are read (``synced``: it is at a line start; ``data_start``: where the
-    file's first data line starts, a line start)."""
-
-    path: str
-    data_start: int
-    pos: int
-    stop: int
-    synced: bool = False
-
+log = logging.getLogger(__name__)
 
 class CsvSource:
     """Delimited text files (CSV, TSV, Criteo), one unit per block of ``block_rows`` lines; a compressed file (gzip,
@@ -134,33 +115,26 @@ class CsvSource:
     def sample(self, num_rows: int, spread: bool = False) -> pa.Table:
         """``num_rows`` rows of the files, every column as text (missing values null), to infer a schema and fit encoders
         from (:mod:`recsys_runner.data.encoding.fit`): the first ones, or with ``spread`` lines spread over the files
-        (:meth:`_spread`) where every file is plain text (a compressed file's later lines are reached only by decompressing
-        every line before them: its first ones); every row, in order, where the files hold no more. Lines with the wrong
+        (:mod:`~recsys_runner.data.files.spread_sample`): over their bytes where every file is plain text (:meth:`_spread`),
+        else over the first lines of each file (:meth:`_file_heads`: a compressed file's later lines are reached only by
+        decompressing every line before them); every row, in order, where the files hold no more. Lines with the wrong
         number of fields are left out; files after the first whose columns are named otherwise are not sampled.
 
         Raises:
             DataError: a line opens a quote it does not close (with ``data.on_bad_rows=skip``: left out), which would
                 end the sample there; a line that is not UTF-8 text.
         """
-        if spread and (like := self._like_files()) and not any(self.headers.compression(path) for path, _ in like):
-            return self._spread(like, num_rows)
+        if spread and (like := self._like_files()):
+            if not any(self.headers.compression(path) for path, _ in like):
+                return self._spread(like, num_rows)
+            return self._file_heads([path for path, _ in like], num_rows)
         tables: list[pa.Table] = []
         wanted = num_rows
         for path in self.files:
-            names, data_start, delimiter = self._sample_layout(path)
-            lines: list[bytes] = []
-            numbers: list[int] = []  # each kept line's number in the file (blank lines are left out)
-            first_line = self.line_offset(path)
-            with self.headers.open_text(path, data_start) as f:
-                for k, line in enumerate(f):
-                    if line.strip(b"\r\n"):
-                        lines.append(line if line.endswith(b"\n") else line + b"\n")
-                        numbers.append(first_line + k)
-                    if len(lines) >= wanted:
-                        break
+            lines, numbers, _ = self._first_lines(path, wanted)
             if not lines:
                 continue
-            table = self._lines_table(path, lines, numbers, lambda n: n, names, delimiter)
+            table = self._head_table(path, lines, numbers)
             if tables and table.column_names != tables[0].column_names:
                 break  # a file with other columns: infer from those seen so far
             tables.append(table)
@@ -169,6 +143,61 @@ class CsvSource:
                 break
         if not tables:
             raise DataError(f"{self.files[0]} has no data lines to infer a schema from. Fix: point data.path at files with rows")
+        return pa.concat_tables(tables)
+
+    def _first_lines(self, path: str, n: int, skip: int = 0) -> tuple[list[bytes], list[int], bool]:
+        """Up to ``n`` non-blank data lines of ``path`` from its first one on (the first ``skip`` of them passed over), each
+        ending in a newline, with each one's line number (1-based, header counted), and whether the file holds more."""
+        data_start = self._sample_layout(path)[1]
+        lines: list[bytes] = []
+        numbers: list[int] = []  # each kept line's number in the file (blank lines are left out)
+        first_line, seen = self.line_offset(path), 0
+        with self.headers.open_text(path, data_start) as f:
+            for k, line in enumerate(f):
+                if len(lines) >= n:
+                    return lines, numbers, True
+                if line.strip(b"\r\n"):
+                    seen += 1
+                    if seen > skip:
+                        lines.append(line if line.endswith(b"\n") else line + b"\n")
+                        numbers.append(first_line + k)
+        return lines, numbers, False
+
+    def _head_table(self, path: str, lines: list[bytes], numbers: list[int]) -> pa.Table:
+        """``lines`` of ``path`` read from its start (``numbers``: their line numbers) as a sample's table."""
+        names, _, delimiter = self._sample_layout(path)
+        return self._lines_table(path, lines, numbers, lambda n: n, names, delimiter)
+
+    def _file_heads(self, files: list[str], num_rows: int) -> pa.Table:
+        """``num_rows`` lines of ``files`` (some compressed) spread over the files: each file (or each of evenly spaced ones,
+        :func:`~recsys_runner.data.files.spread_sample.file_shares`) gives its share from its first lines, a file short of
+        lines passing the rest on to the next, and what is still short read on in the files that hold more; so files
+        holding no more lines than the sample give every line, in order, as the head sample does.
+
+        Why: a compressed file cannot be entered in the middle, but files written one a day (Criteo's ``day_0.gz`` …
+        ``day_23.gz``) can each be entered at their start: the sample then holds every day, not the first day's first
+        lines. A single compressed file still gives its first lines, which is said (:func:`_say_head`)."""
+        read: dict[str, tuple[list[bytes], list[int]]] = {}
+        more: list[str] = []
+        short = 0
+        for path, share in file_shares(files, num_rows):
+            lines, numbers, rest = self._first_lines(path, share + short)
+            read[path] = lines, numbers
+            short += share - len(lines)
+            if rest:
+                more.append(path)
+        for path in more:
+            if short <= 0:
+                break
+            lines, numbers = read[path]
+            extra, extra_numbers, _ = self._first_lines(path, short, skip=len(lines))
+            read[path] = lines + extra, numbers + extra_numbers
+            short -= len(extra)
+        tables = [self._head_table(path, *read[path]) for path in files if path in read and read[path][0]]
+        if not tables:
+            raise DataError(f"{self.files[0]} has no data lines to infer a schema from. Fix: point data.path at files with rows")
+        if more:
+            _say_head(more, len(read), self.headers.compression(more[0]), num_rows)
         return pa.concat_tables(tables)
 
     def _sample_layout(self, path: str) -> tuple[list[str], int, str]:
@@ -195,69 +224,19 @@ class CsvSource:
         return like
 
     def _spread(self, files: list[tuple[str, int]], num_rows: int) -> pa.Table:
-        """``num_rows`` non-blank lines of the plain-text ``files`` (each with the byte offset of its first data line): their
-        data bytes taken together are cut into :data:`TEXT_SAMPLE_PIECES` even spans, and each
-        span's share of the sample is its first lines (a span begins at the first line that starts in it: one ``readline``
-        resyncs a seek). A span whose lines run out before its share (lines are longer there) passes the rest on to the
-        next, and what is still short is read on after where each span stopped; so files holding no more lines than
-        the sample give every line, in order, as the head sample does.
-
-        Why: CTR logs are written in time order, so their first rows are their first hours; a vocabulary fitted on them
-        lacks every later value of a column such as ``hour``. The spans cost one seek each, not a scan of the files (the
-        newline scan that cuts them into units reads every byte)."""
-        ends = [stores.file_size(path) for path, _ in files]
-        total = sum(end - start for (_, start), end in zip(files, ends, strict=True))
-        k = min(TEXT_SAMPLE_PIECES, num_rows)
-        spans: list[list[_Span]] = []
-        for i in range(k):
-            lo, hi, at = i * total // k, (i + 1) * total // k, 0
-            parts = []
-            for (path, start), end in zip(files, ends, strict=True):
-                a, b = max(lo, at), min(hi, at + end - start)
-                if a < b:
-                    parts.append(_Span(path, start, start + a - at, start + b - at))
-                at += end - start
-            spans.append(parts)
-        picked: dict[str, list[tuple[int, bytes]]] = {path: [] for path, _ in files}
-        short = 0
-        for i, parts in enumerate(spans):
-            short += (i + 1) * num_rows // k - i * num_rows // k
-            for span in parts:
-                short -= self._span_lines(span, short, picked[span.path])
-        for span in (span for parts in spans for span in parts):
-            short -= self._span_lines(span, short, picked[span.path])
+        """``num_rows`` non-blank lines of the plain-text ``files`` (each with the byte offset of its first data line), read
+        from even spans of their data bytes (:func:`~recsys_runner.data.files.spread_sample.spread_lines`); an error about
+        a line names its true line number (:meth:`_line_at`)."""
+        picked = spread_lines(files, num_rows)
         tables = []
         for path, _ in files:
-            if lines := sorted(picked[path]):
+            if lines := picked[path]:
                 names, _, delimiter = self._sample_layout(path)
                 tables.append(self._lines_table(path, [line for _, line in lines], [at for at, _ in lines],
                                                 partial(self._line_at, path), names, delimiter))
         if not tables:
             raise DataError(f"{self.files[0]} has no data lines to infer a schema from. Fix: point data.path at files with rows")
         return pa.concat_tables(tables)
-
-    def _span_lines(self, span: _Span, n: int, out: list[tuple[int, bytes]]) -> int:
-        """Up to ``n`` more non-blank lines that start in ``span`` (from where it stopped), into ``out`` with each one's
-        byte offset; how many."""
-        if n <= 0 or span.pos >= span.stop:
-            return 0
-        got = 0
-        resync = span.pos > span.data_start and not span.synced
-        with stores.open_input(span.path, buffer_bytes=SPAN_BUFFER_BYTES) as f:  # plain text: entered by a seek
-            f.seek(span.pos - 1 if resync else span.pos)
-            if resync:  # the rest of the line the span begins in (a lone newline where it begins at a line)
-                span.pos += len(f.readline()) - 1
-            span.synced = True
-            while got < n and span.pos < span.stop:
-                line = f.readline()
-                if not line:
-                    span.pos = span.stop
-                    break
-                if line.strip(b"\r\n"):
-                    out.append((span.pos, line if line.endswith(b"\n") else line + b"\n"))
-                    got += 1
-                span.pos += len(line)
-        return got
 
     def _line_at(self, path: str, offset: int) -> int:
         """The line number (1-based, header counted) of the line of plain-text ``path`` that starts at byte ``offset``: its
@@ -430,6 +409,28 @@ class CsvSource:
             raise DataError(f"{path}, {part}: cannot be parsed as delimited text ({str(e).splitlines()[0]}). "
                             f"Fix: check data.delimiter={delimiter!r} and the file's format") from None
         return table, invalid
+
+
+def _say_head(more: list[str], read: int, codec: Compression | None, num_rows: int) -> None:
+    """Say (rank 0) that a spread sample of ``num_rows`` lines was taken from the first lines of ``read`` files, of which
+    ``more`` (the first one ``codec``-compressed) hold more lines than it read: a warning naming the fix for one file (its
+    later rows are not in the sample at all), an info line for several.
+
+    Why: a single compressed file sorted by time (Avazu's ``train.csv.gz``) is fitted on its first hours alone, and the
+    warning on unseen values (:mod:`recsys_runner.train.loop`) comes only after training has read the later ones."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    kind = f"{codec.name}-compressed" if codec is not None else "read with compressed files"
+    if read == 1:
+        log.warning("%s is %s: the encoders (vocabularies, table sizes, zscore statistics) are fitted on its FIRST %d lines "
+                    "(data.infer.sample_rows), because a line further on is reached only by decompressing every line before "
+                    "it; a file sorted by time is fitted on its first hours alone. Fix: convert it to Parquet once (python -m "
+                    "recsys_runner.data convert), whose sample is spread over all its rows, or decompress it, or split it into "
+                    "several files (each is then sampled from its start)", more[0], kind, num_rows)
+    else:
+        log.info("the sample of %d rows (data.infer.sample_rows) is spread over %d compressed files, each giving its share "
+                 "from its first lines (a compressed file is read from its start); for a sample spread within each file too, "
+                 "convert them to Parquet (python -m recsys_runner.data convert)", num_rows, read)
 
 
 def _first_blank_line(raw: bytes) -> int | None:

@@ -25,6 +25,7 @@ from recsys_runner import stores, uris
 from recsys_runner.data.encoding.keys import is_text
 from recsys_runner.data.encoding.roles import REPEATED_KEY
 from recsys_runner.data.encoding.values import is_list
+from recsys_runner.data.files.spread_sample import group_runs, take_runs
 from recsys_runner.errors import DataError, UserError
 
 log = logging.getLogger(__name__)
@@ -358,7 +359,7 @@ class ParquetSource:
 
     def sample(self, num_rows: int, spread: bool = False) -> pa.Table:
         """``num_rows`` rows of the files, every column, to infer a schema and fit encoders from: the first ones, or with
-        ``spread`` rows spread over the files (:meth:`_spread`); every row, in order, where the files hold no more.
+        ``spread`` rows spread over the files (:meth:`_spread`, :mod:`~recsys_runner.data.files.spread_sample`); every row, in order, where the files hold no more.
 
         Files after the first whose columns are named otherwise are not sampled (infer from those seen so far).
 
@@ -394,39 +395,19 @@ class ParquetSource:
         return groups
 
     def _spread(self, groups: list[tuple[str, int, int]], num_rows: int) -> pa.Table:
-        """``num_rows`` rows of the row groups ``groups`` (holding more), in :func:`spread_pieces` over their rows taken
-        together: each piece is read from its row group(s) by one pass that stops at the piece's last row.
-
-        Why: CTR logs are written in time order, so their first rows are their first hours; a vocabulary fitted on them
-        lacks every later value of a column such as ``hour``. A piece that begins inside a row group decodes the group's
-        rows before it, and a row group's columns are read whole: the cost is about a row group per piece, hence few
-        pieces (:data:`SAMPLE_PIECES`)."""
-        wanted: dict[tuple[str, int], list[tuple[int, int]]] = {}  # per row group: (first, stop) of the rows taken
-        start = 0
-        bounds = spread_pieces(sum(n for *_, n in groups), num_rows)
-        for path, g, n in groups:
-            for first, stop in bounds:
-                lo, hi = max(first, start), min(stop, start + n)
-                if lo < hi:
-                    wanted.setdefault((path, g), []).append((lo - start, hi - start))
-            start += n
+        """``num_rows`` rows of the row groups ``groups`` (holding more), in the runs
+        :func:`~recsys_runner.data.files.spread_sample.group_runs` places: each row group read by one pass that stops at
+        its last run's last row."""
         tables: list[pa.Table] = []
-        for (path, g), ranges in wanted.items():
-            f, at = self._open(path), 0
-            end = ranges[-1][1]
+        for (path, g), runs in group_runs(groups, num_rows).items():
+            f = self._open(path)
+            batches = f.iter_batches(batch_size=min(runs[-1][1], self.read_rows), row_groups=[g], use_threads=False)
             try:
-                for rb in f.iter_batches(batch_size=min(end, self.read_rows), row_groups=[g], use_threads=False):
-                    table = without_repeats(decoded(pa.Table.from_batches([rb])))
-                    for lo, hi in ranges:
-                        if lo < at + rb.num_rows and hi > at:
-                            tables.append(table.slice(max(lo - at, 0), min(hi, at + rb.num_rows) - max(lo, at)))
-                    at += rb.num_rows
-                    if at >= end:
-                        break
+                tables.extend(take_runs((without_repeats(decoded(pa.Table.from_batches([rb]))) for rb in batches), runs))
             except (pa.ArrowException, OSError) as e:
                 raise DataError(f"{path}, row group {g}: its rows cannot be read to infer a schema ({str(e).splitlines()[0]}); the "
                                 f"file is corrupt. Fix: write it again, or remove it from data.path") from None
-        return _concat(tables)
+        return _concat(tables).combine_chunks()  # one chunk, not one per run: the fit's computations read it whole
 
     def _head(self, num_rows: int) -> pa.Table:
         """The first ``num_rows`` rows of the files (in order), every column."""
@@ -470,22 +451,6 @@ class ParquetSource:
                 f"{unit.path}, row group {unit.index}: cannot be read ({str(e).splitlines()[0]}); the file is corrupt. "
                 f"Fix: write it again, or remove it from data.path"
             ) from None
-
-
-SAMPLE_PIECES = 10
-"""How many evenly spaced pieces a sample spread over Parquet files is read in (:func:`spread_pieces`): each costs about a
-row group's read (its columns are read whole), so a 100,000-row sample of files of 65,536-row groups (``convert``'s) reads
-about 10 row groups where their first rows read 2. Plain text, whose pieces cost a seek each, takes more
-(:data:`~recsys_runner.data.files.csv_source.TEXT_SAMPLE_PIECES`)."""
-
-
-def spread_pieces(total: int, num_rows: int, pieces: int = SAMPLE_PIECES) -> list[tuple[int, int]]:
-    """(first, stop) of each of ``pieces`` runs of rows that together hold ``num_rows`` of ``total`` rows (more than
-    ``num_rows``), evenly spaced: the first begins at row 0, the gaps between them are as even as the sizes, the last ends
-    at most at ``total``. The same counts give the same pieces (a sample is reproducible)."""
-    k = min(pieces, num_rows)
-    gap = total - num_rows
-    return [(i * num_rows // k + i * gap // k, (i + 1) * num_rows // k + i * gap // k) for i in range(k)]
 
 
 def _concat(tables: list[pa.Table]) -> pa.Table:

@@ -2,7 +2,7 @@
 
 Each table's ids number its distinct raw values in sorted order (integers by number, text by its UTF-8 bytes), so a
 shuffled copy of a log gets the same ids. The command writes them beside the rows as the vocab files that
-``data.sparse[...].vocab_file`` reads (:func:`~recsys_runner.data.encoding.fit.read_vocab_file`): ``vocab/<table>.txt``,
+``data.sparse[...].vocab_file`` reads (:func:`~recsys_runner.data.encoding.vocab_file.read_vocab_file`): ``vocab/<table>.txt``,
 one raw value per line, line ``i`` (from 0) holding the value of id ``i``; tables ``user_id``, ``item`` (``item_id`` and
 ``hist_item_id``) and one per side column (``category``: ``category`` and ``hist_category``). ``vocab.json`` says which
 file belongs to which table and columns, how many values each holds and how many OOV rows follow them
@@ -30,8 +30,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from recsys_runner import stores, uris
-from recsys_runner.data.encoding.fit import read_vocab_file
 from recsys_runner.data.encoding.keys import is_text, value_keys
+from recsys_runner.data.encoding.vocab_file import read_vocab_file
 from recsys_runner.data.encoding.vocabulary import Vocabulary
 from recsys_runner.data.locate import PARQUET_SUFFIXES
 from recsys_runner.errors import ConfigError, DataError
