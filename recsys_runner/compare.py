@@ -26,34 +26,30 @@ the store's most recently active experiment (``make ui`` does, once the server i
 compare only reads: a store that does not exist (``--uri sqlite:///no/such/dir/x.db``, or a bare ``compare`` in a
 folder without ``mlflow.db``) is not created; it says so in one line naming the URI and how to point at the right
 one, and exits with status 2.
+
+The table and the metrics it shows are :mod:`recsys_runner.compare_table`'s, the plots :mod:`recsys_runner.compare_plots`'s,
+``--ui-url``'s page :mod:`recsys_runner.compare_ui`'s.
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
-import math
 import os
 import sys
 import time
-from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from recsys_runner.compare_collect import best_line, collect, wrong_parent
+from recsys_runner.compare_plots import plot_curves, plot_vs_params
+from recsys_runner.compare_table import DEFAULT_METRICS, default_metrics, table, unlogged_metrics
+from recsys_runner.compare_ui import print_ui_url
 from recsys_runner.errors import ConfigError, reported
-from recsys_runner.metrics.registry import best_first_key, higher_is_better
-from recsys_runner.tracking.store import UI_PORT, missing_store, resolve_uri, ui_lines, ui_url
+from recsys_runner.tracking.store import UI_PORT, missing_store, resolve_uri, ui_lines
 from recsys_runner.tracking.sweep_summary import SWEEP_PARENT_TAG
 from recsys_runner.tracking.tracker import MlflowTrackingConfig
-
-DEFAULT_METRICS = ("eval/auc", "eval/logloss", "train/loss")
-"""The table's metrics for runs whose objective is ``eval/auc`` (single-task CTR, the runner's default)."""
-MAX_EVAL_COLUMNS = 6
-"""At most this many eval metrics in a table chosen from what the runs logged (:func:`default_metrics`): a multi-task run
-logs a few per task, and a wider table no longer fits a terminal."""
-_HIDDEN_PARAMS = ("tracking.", "hydra.")
 
 
 def find_runs(client: Any, *, experiments: Sequence[str] = (), parent: str | None = None, filter_string: str = "") -> list[Any]:
@@ -99,265 +95,6 @@ def default_selection(client: Any) -> tuple[list[str], str | None, str]:
         raise ConfigError(f"no sweep and no experiment {default!r} at {client.tracking_uri} (experiments there: {names}); "
                          f"name one with --experiment <name>, or --uri for another store")
     return [default], None, f"the runs of experiment {default} (no sweep in this store); {other}"
-
-
-def varying_params(runs: Sequence[Any]) -> list[str]:
-    """Keys every run has as a param, with values that differ between ``runs`` (bookkeeping excluded)."""
-    if not runs:
-        return []
-    keys = sorted(set.intersection(*(set(r.data.params) for r in runs)))
-    keys = [k for k in keys if not k.startswith(_HIDDEN_PARAMS)]
-    return [k for k in keys if len({r.data.params.get(k) for r in runs}) > 1]
-
-
-def _short(value: str | None) -> str:
-    if value is None:
-        return "-"
-    if "." in value and value.split(".")[-1][:1].isupper():  # a _target_ like recsys_runner.models.dlrm.DLRM
-        return value.rsplit(".", 1)[-1]
-    try:
-        return f"{float(value):.4g}"
-    except ValueError:
-        return value if len(value) <= 24 else value[:21] + "..."
-
-
-MANIFEST_COLUMNS: dict[str, str] = {
-    "entry": "entry",
-    "commit": "manifest.git_commit",
-    "dirty": "manifest.git_dirty",
-    "torch": "manifest.version.torch",
-    "torchrec": "manifest.version.torchrec",
-    "device": "manifest.device",
-    "world": "manifest.world_size",
-}
-"""``--manifest`` columns: header → run tag (:mod:`recsys_runner.tracking.lineage`; ``entry`` is set by evaluate/predict runs)."""
-
-
-def manifest_cells(run: Any) -> list[str]:
-    """The :data:`MANIFEST_COLUMNS` of ``run``: the commit shortened to 8 characters, ``-`` where a tag is missing
-    (runs made before the manifest existed; a training run has no ``entry`` tag: ``train``)."""
-    tags = run.data.tags
-    cells = []
-    for header, tag in MANIFEST_COLUMNS.items():
-        value = tags.get(tag, "train" if header == "entry" else None)
-        if value is None:
-            cells.append("-")
-        elif header == "commit":
-            cells.append(value[:8])
-        elif header == "device":
-            cells.append(value if len(value) <= 32 else value[:29] + "...")
-        else:
-            cells.append(value)
-    return cells
-
-
-def table(runs: Sequence[Any], metrics: Sequence[str] = DEFAULT_METRICS, manifest: bool = False) -> str:
-    """A fixed-width text table: run name, status, varying params, final metrics; best ``metrics[0]`` first
-    (:func:`best_first`). ``manifest``: also where each run came from
-    (:data:`MANIFEST_COLUMNS`: entry, git commit, dirty, torch/torchrec versions, device, world size)."""
-    params = varying_params(runs)
-    ordered = best_first(runs, metrics[0]) if metrics else list(runs)
-    header = ["run", "status", *params, *metrics, *(MANIFEST_COLUMNS if manifest else ())]
-    rows = [
-        [_short(r.info.run_name) if len(r.info.run_name or "") <= 24 else r.info.run_id[:8], r.info.status,
-         *(_short(r.data.params.get(p)) for p in params),
-         *(f"{r.data.metrics[m]:.4f}" if m in r.data.metrics else "-" for m in metrics),
-         *(manifest_cells(r) if manifest else ())]
-        for r in ordered
-    ]
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
-    lines = ["  ".join(str(x).ljust(w) for x, w in zip(line, widths, strict=True)) for line in [header, *rows]]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def unlogged_metrics(runs: Sequence[Any], metrics: Sequence[str]) -> str | None:
-    """Why ``--metric`` names a metric no run of ``runs`` logged (a typo: ``eval/acu``), with the closest logged one,
-    or ``None``: such a column was all ``-``, and the ranking by it silently none."""
-    logged = sorted({m for r in runs for m in r.data.metrics})
-    unlogged = [m for m in metrics if m not in logged]
-    if not unlogged:
-        return None
-    close = difflib.get_close_matches(unlogged[0], logged, n=1, cutoff=0.6)
-    hint = f" (did you mean {close[0]}?)" if close else ""
-    return (f"--metric {unlogged[0]}: none of the {len(runs)} runs selected logged it{hint}; they logged "
-            f"{', '.join(logged) or 'no metric'}. Fix: --metric {close[0] if close else '<one of those>'}")
-
-
-def default_metrics(runs: Sequence[Any]) -> list[str]:
-    """The table's metrics without ``--metric``: :data:`DEFAULT_METRICS` when the runs' objective is ``eval/auc``, else
-    their objective first (it ranks), then their other final eval metrics and ``train/loss``.
-
-    Why not always :data:`DEFAULT_METRICS`: a multi-task run logs ``eval/<task>/auc``, a retrieval run
-    ``eval/recall_at_50``, a next-item run ``eval/hr_at_10``, never ``eval/auc``, so the table showed ``-`` in every
-    metric column and ranked nothing. The objective is what each run logged its best of (``best/<metric>``, the sweep's
-    ``train.objective``, e.g. ``eval/ctr/auc`` for MMoE); the most common one wins, else the first eval metric by name.
-    """
-    logged = {m for r in runs for m in r.data.metrics}
-    evals = sorted(m for m in logged if m.startswith("eval/"))
-    objectives = Counter(m.removeprefix("best/") for r in runs for m in r.data.metrics if m.startswith("best/eval/"))
-    objective = objectives.most_common(1)[0][0] if objectives else ("eval/auc" if "eval/auc" in logged or not evals else evals[0])
-    if objective == "eval/auc":
-        return list(DEFAULT_METRICS)
-    others = [m for m in evals if m != objective][:MAX_EVAL_COLUMNS - 1]
-    return [objective, *others, *(["train/loss"] if "train/loss" in logged else [])]
-
-
-def best_first(runs: Sequence[Any], metric: str) -> list[Any]:
-    """``runs`` ordered by final ``metric``, best first in the metric's direction (highest AUC, lowest log loss or
-    MSE: :func:`~recsys_runner.metrics.registry.higher_is_better`), runs without it last; in their given order when
-    the metric has no direction (``train/samples_per_s``, ``eval/calibration``)."""
-    try:
-        higher = higher_is_better(metric)
-    except ConfigError:
-        return list(runs)
-    return sorted(runs, key=lambda r: best_first_key(r.data.metrics.get(metric), higher))
-
-
-def _param_name(key: str) -> str:
-    """``model._target_`` → ``model``, ``optim.sparse.lr`` → ``sparse.lr``: short but unambiguous legend keys."""
-    parts = key.split(".")
-    if parts[-1] == "_target_":
-        return ".".join(parts[:-1])
-    return ".".join(parts[-2:])
-
-
-def _label(run: Any, params: Sequence[str]) -> str:
-    if params:
-        return ", ".join(f"{_param_name(p)}={_short(run.data.params.get(p))}" for p in params[:3])
-    return run.info.run_name or run.info.run_id[:8]
-
-
-def plot_curves(client: Any, runs: Sequence[Any], metrics: Sequence[str], path: Path) -> Path:
-    """One panel per metric, its value over steps, one line per run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    params = varying_params(runs)
-    fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4.2), squeeze=False)
-    for ax, metric in zip(axes[0], metrics, strict=True):
-        drawn = 0
-        for run in runs:
-            history = sorted(client.get_metric_history(run.info.run_id, metric), key=lambda m: m.step)
-            if history:
-                ax.plot([m.step for m in history], [m.value for m in history], marker="o" if len(history) < 4 else None,
-                        markersize=4, label=_label(run, params))
-                drawn += 1
-        if not drawn:
-            ax.text(0.5, 0.5, "not logged by these runs", ha="center", va="center", transform=ax.transAxes, color="gray")
-        ax.set_title(metric)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-    # The legend from the panel that drew the most runs (a metric may be missing from some runs).
-    handles, labels = max((ax.get_legend_handles_labels() for ax in axes[0]), key=lambda hl: len(hl[1]))
-    if handles:
-        fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.06 * math.ceil(len(labels) / 3) if handles else 0, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def plot_vs_params(runs: Sequence[Any], metric: str, path: Path) -> Path | None:
-    """The final ``metric`` against each varying parameter (log x for positive numbers spanning > 10x)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import NullFormatter
-
-    params = varying_params(runs)[:6]
-    scored = [r for r in runs if metric in r.data.metrics]
-    if not params or not scored:
-        return None
-    fig, axes = plt.subplots(1, len(params), figsize=(4.5 * len(params), 4), squeeze=False)
-    for ax, param in zip(axes[0], params, strict=True):
-        raw = [r.data.params.get(param) for r in scored]
-        ys = [r.data.metrics[metric] for r in scored]
-        try:
-            xs: list[Any] = [float(v) for v in raw]
-            ax.scatter(xs, ys)
-            if min(xs) > 0 and max(xs) / min(xs) > 10:
-                ax.set_xscale("log")
-                ax.xaxis.set_minor_formatter(NullFormatter())
-        except (TypeError, ValueError):
-            names = sorted({_short(v) for v in raw})
-            ax.scatter([names.index(_short(v)) for v in raw], ys)
-            ax.set_xticks(range(len(names)), names)
-        ax.set_xlabel(param)
-        ax.set_ylabel(metric)
-        ax.grid(alpha=0.3)
-    fig.suptitle(f"final {metric} vs hyperparameters ({len(scored)} runs)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def last_experiment_url(client: Any, tracking_uri: str, port: int = UI_PORT) -> str | None:
-    """The UI's page of the experiment whose run started last; ``None`` when the store holds no run. For a local store,
-    the page that ``mlflow ui --port <port>`` serves."""
-    ids = [e.experiment_id for e in client.search_experiments()]
-    latest = client.search_runs(ids, max_results=1, order_by=["attributes.start_time DESC"]) if ids else []
-    if not latest:
-        return None
-    experiment = latest[0].info.experiment_id
-    return ui_url(tracking_uri, experiment) or ui_url(f"http://127.0.0.1:{port}", experiment)
-
-
-def print_ui_url(uri: str, port: int = UI_PORT, server: int | None = None) -> int:
-    """``--ui-url``: the last experiment's page, or a line saying there is none yet (status 0 either way: ``make ui``
-    serves a store that may not exist yet). With ``server`` (``--wait-for-ui``, the PID of the ``mlflow ui`` that
-    ``make ui`` started first) the page is printed once the UI answers (it takes ~15 s to start): a page printed
-    before then was refused when opened at once."""
-    from mlflow.tracking import MlflowClient
-
-    why = ui_not_started(port, server) if server is not None else None
-    if why is not None:
-        print(f"the MLflow UI (PID {server}) {why}. Fix: make ui PORT=<a free port>", file=sys.stderr)
-        return 0
-    url = None if missing_store(uri) is not None else last_experiment_url(MlflowClient(tracking_uri=uri), uri, port)
-    print(url or f"no run in {uri} yet: the UI lists runs once they log there")
-    return 0
-
-
-def ui_not_started(port: int, server: int, timeout_s: float = 300.0) -> str | None:
-    """Wait until the MLflow UI ``server`` (a PID) answers its health check on 127.0.0.1:``port``; ``None`` then, else
-    why not: the port answered at once, before any UI could have started (another server holds it, and this one
-    cannot bind it), the process ended (it could not start: its own error says why), or ``timeout_s`` passed."""
-    import urllib.request
-
-    deadline, first = time.monotonic() + timeout_s, True
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as answer:
-                if answer.status == 200:
-                    return f"cannot serve port {port}: another server already answers there" if first else None
-        except OSError:
-            pass
-        if not _alive(server):
-            return f"ended before it answered on port {port}: its error is above"
-        first = False
-        time.sleep(0.25)
-    return f"did not answer on port {port} within {timeout_s:.0f} s"
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` still runs: not gone, and not a zombie (``make ui``'s shell reaps its server only at its
-    ``wait``, so a server that failed to start stays one while :func:`ui_answers` polls; Linux's ``/proc`` says so)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state != "Z"
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from recsys_runner import store_settings, stores, uris
-from recsys_runner.checkpoint.resume import renamed_override
+from recsys_runner.checkpoint.resume_changes import renamed_override
 from recsys_runner.config import flatten, register_configs, to_yaml, validate
 from recsys_runner.config_keys import check_known_keys
 from recsys_runner.data.base import SplitFiles

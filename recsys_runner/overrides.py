@@ -29,7 +29,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException, Ove
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ConfigTypeError, ValidationError
 
-from recsys_runner.checkpoint.resume import renamed
+from recsys_runner.checkpoint.resume_changes import renamed
 from recsys_runner.config import GROUPS, register_configs
 from recsys_runner.errors import ConfigError, reported
 from recsys_runner.paths import initialize_conf

@@ -2,9 +2,9 @@
 (``tests/resume_keys.txt``), and the command that rewrites that snapshot: ``python -m tests.resume_keys --write``.
 
 Why: a checkpoint saves its launch's composed config (:func:`recsys_runner.runtime.composed_settings`), and a resume
-compares it key by key (:func:`recsys_runner.checkpoint.resume.check_changes`). A key added to the config since is
+compares it key by key (:func:`recsys_runner.checkpoint.resume_changes.check_changes`). A key added to the config since is
 absent from every checkpoint written before, so resuming one after the upgrade warned ``key: (unset) -> value`` and
-tagged the run ``resume_changes`` unless ``resume.ADDED_KEYS`` (or a ``silent`` rule) said what earlier runs had.
+tagged the run ``resume_changes`` unless ``resume_changes.ADDED_KEYS`` (or a ``silent`` rule) said what earlier runs had.
 tests/test_resume_keys.py compares what composes today with the snapshot, so a new key without such a rule fails
 there instead of in a user's resumed run.
 """
@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 from hydra import compose, initialize_config_dir
 
-from recsys_runner.checkpoint.resume import RESUME_CHANGES, SECTIONS
+from recsys_runner.checkpoint.resume_changes import RESUME_CHANGES, SECTIONS
 from recsys_runner.config import register_configs
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.runtime import composed_settings

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import recsys_runner.__main__ as entry
 from recsys_runner.checkpoint.config import TrainState
-from recsys_runner.checkpoint.resume import epoch_cut_change
+from recsys_runner.checkpoint.resume_changes import epoch_cut_change
 from recsys_runner.checkpoint.storage import DcpFileStorage, list_checkpoints
 from recsys_runner.config import register_configs
 from recsys_runner.paths import CONFIG_PATH
@@ -233,7 +233,7 @@ def test_a_checkpoint_at_an_epochs_end_resumes_on_other_ranks_at_the_next_epochs
     resumed = [epochs[s] for s in range(stop + 1, steps + 1)]
     assert resumed == [1] * per_epoch[resumed_on] + [2], resumed  # epoch 1 whole from its start, then epoch 2
     assert "other shards" not in said, said[-3000:]
-    # the rows per step do change: data.batch_size is per rank (resume.rows_per_step_change; the 1-rank launch is one from
+    # the rows per step do change: data.batch_size is per rank (resume_changes.rows_per_step_change; the 1-rank launch is one from
     # Python, whose checkpoint records no config, so that case says the ratio alone)
     rows = (f"{resumed_on} x data.batch_size={BATCH} x train.grad_accum_steps=1 = {resumed_on * BATCH} rows, {saved_on * BATCH} before"
             if saved_on == 2 else f"{resumed_on}/{saved_on} as many rows as before")

@@ -14,7 +14,7 @@ from hydra.errors import HydraException
 from mlflow.tracking import MlflowClient
 
 from recsys_runner.__main__ import run
-from recsys_runner.checkpoint import resume
+from recsys_runner.checkpoint import resume_changes
 from recsys_runner.errors import ConfigError
 from recsys_runner.overrides import explain
 from recsys_runner.tracking.store import mlflow_command
@@ -217,9 +217,9 @@ def test_what_composes_or_hydra_reports_well_is_left_alone(overrides: list[str])
 
 
 def test_a_renamed_key_names_its_new_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An override of a key renamed since (a dummy rename in ``resume.RENAMED_KEYS``), as a resume command printed before
+    """An override of a key renamed since (a dummy rename in ``resume_changes.RENAMED_KEYS``), as a resume command printed before
     the rename has it: named with the new name as the fix, not with the closest spelling."""
-    monkeypatch.setattr(resume, "RENAMED_KEYS", {"train.steps": "train.num_steps"})
+    monkeypatch.setattr(resume_changes, "RENAMED_KEYS", {"train.steps": "train.num_steps"})
     with pytest.raises(ConfigError, match=r"^train.steps=5: train.steps was renamed train.num_steps. Fix: train.num_steps=5 \("):
         explain("config", ["train.steps=5"])
 

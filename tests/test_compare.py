@@ -18,7 +18,7 @@ from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 from submitit.core.utils import cloudpickle_dump
 
-from recsys_runner import compare
+from recsys_runner import compare, compare_ui
 from recsys_runner.tracking.requeue import PREEMPTED_TAG
 from recsys_runner.tracking.store import mlflow_command
 from recsys_runner.tracking.sweep import EXPECTED_JOBS_TAG
@@ -464,7 +464,7 @@ def test_ui_url_names_the_experiment_that_ran_last(sweep: tuple[str, str, dict[s
     assert compare.main(["--ui-url", "--uri", uri]) == 0
     cmp = client.get_run(parent).info.experiment_id
     assert capsys.readouterr().out == f"http://127.0.0.1:5000/#/experiments/{cmp}?workflowType=machine_learning\n"
-    assert compare.last_experiment_url(client, "http://tracking:5000", port=1) == (
+    assert compare_ui.last_experiment_url(client, "http://tracking:5000", port=1) == (
         f"http://tracking:5000/#/experiments/{cmp}?workflowType=machine_learning")
     empty = f"sqlite:///{tmp_path}/empty.db"
     MlflowClient(tracking_uri=empty).create_experiment("nothing_ran")

@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig
 
-from recsys_runner import compare, evaluate
+from recsys_runner import compare_table, evaluate
 from recsys_runner.__main__ import run as train
 from recsys_runner.config import register_configs
 from recsys_runner.errors import CheckpointError, ConfigError
@@ -66,9 +66,9 @@ def test_evaluate_reproduces_final_eval_exactly(make_cfg: Callable[..., DictConf
     assert "manifest.json" in {a.path for a in client.list_artifacts(logged.info.run_id)}
 
     # compare shows the manifest columns of both runs.
-    shown = compare.table(client.search_runs([experiment.experiment_id]), ["eval/auc"], manifest=True)
+    shown = compare_table.table(client.search_runs([experiment.experiment_id]), ["eval/auc"], manifest=True)
     header, _, *rows = shown.splitlines()
-    assert all(column in header for column in compare.MANIFEST_COLUMNS)
+    assert all(column in header for column in compare_table.MANIFEST_COLUMNS)
     commit = tags["manifest.git_commit"][:8]
     assert len(rows) == 2 and all(commit in row for row in rows)
     assert any(" evaluate " in row for row in rows) and any(" train " in row for row in rows)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from recsys_runner import evaluate, export, predict
-from recsys_runner.checkpoint import resume
+from recsys_runner.checkpoint import resume_changes
 from recsys_runner.errors import CheckpointError, ConfigError
 from recsys_runner.inference import carry_into_argv
 from tests.test_evaluate import compose_entry
@@ -56,9 +56,9 @@ def test_the_same_option_chosen_again_keeps_the_trainings_settings_of_it(tmp_pat
 
 def test_a_key_renamed_since_the_training_is_carried_under_its_new_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A checkpoint whose launch set a key since renamed (a dummy rename: ``model.width`` to ``model.embedding_dim``,
-    in ``resume.RENAMED_KEYS``): ``load=`` carries its override under the new name, which composes; the old name would be
+    in ``resume_changes.RENAMED_KEYS``): ``load=`` carries its override under the new name, which composes; the old name would be
     an unknown key."""
-    monkeypatch.setattr(resume, "RENAMED_KEYS", {"model.width": "model.embedding_dim"})
+    monkeypatch.setattr(resume_changes, "RENAMED_KEYS", {"model.width": "model.embedding_dim"})
     root = fake_checkpoint(tmp_path / "ck", ["model=dlrm", "model.width=8"])
     argv = ["evaluate", f"load={root}"]
     carried = carry_into_argv(argv)

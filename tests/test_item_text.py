@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from recsys_runner import evaluate
-from recsys_runner.checkpoint.resume import Launched, check_changes
+from recsys_runner.checkpoint.resume_changes import Launched, check_changes
 from recsys_runner.configurable import make
 from recsys_runner.data.catalogue.items import ItemTable
 from recsys_runner.data.files.tabular_config import CsvDataConfig, ParquetDataConfig
@@ -168,7 +168,7 @@ def test_the_training_files_null_marker_is_a_missing_item_feature(tmp_path: Path
 
 def test_resuming_a_checkpoint_saved_before_the_catalogue_layout_keys_warns_of_no_change(tmp_path: Path) -> None:
     """A checkpoint whose composed config predates ``data.items.header`` / ``column_names`` lacks them: their ``null``
-    default is no change of setting to warn about (``resume.ADDED_KEYS``); another value is."""
+    default is no change of setting to warn about (``resume_changes.ADDED_KEYS``); another value is."""
     old = {"data.items.path": "items.csv", "data.seed": 0}
     now = {**old, "data.items.header": None, "data.items.column_names": None}
     assert check_changes(Launched([], old), Launched([], now), tmp_path) == ()

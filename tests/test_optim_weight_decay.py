@@ -14,7 +14,7 @@ from torchrec.optim.keyed import KeyedOptimizer
 
 from recsys_runner.__main__ import run
 from recsys_runner.build import build
-from recsys_runner.checkpoint.resume import treatment
+from recsys_runner.checkpoint.resume_changes import treatment
 from recsys_runner.config import validate
 from recsys_runner.errors import ConfigError
 from recsys_runner.optim.optimizers import DENSE, OptimizerGroup, decay_summary

@@ -1,7 +1,7 @@
 """The guard against a resume's false warning about a new config key: the keys every option composes today against the
 snapshot ``tests/resume_keys.txt`` (:mod:`tests.resume_keys`). A key added since must come with a rule that makes a
-checkpoint written before it resume without a word (``resume.ADDED_KEYS``, or a ``silent`` entry of
-``resume.RESUME_CHANGES``); a key renamed, an entry of ``resume.RENAMED_KEYS``; then the snapshot is rewritten
+checkpoint written before it resume without a word (``resume_changes.ADDED_KEYS``, or a ``silent`` entry of
+``resume_changes.RESUME_CHANGES``); a key renamed, an entry of ``resume_changes.RENAMED_KEYS``; then the snapshot is rewritten
 (docs/architecture.md, "Adding a config key", "Renaming a config key")."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from recsys_runner.checkpoint import resume
-from recsys_runner.checkpoint.resume import Launched, check_changes, renamed
+from recsys_runner.checkpoint import resume_changes
+from recsys_runner.checkpoint.resume_changes import Launched, check_changes, renamed
 from recsys_runner.errors import CheckpointError
 from tests.resume_keys import _owned, _rounds, compose_options, read_snapshot
 
@@ -38,7 +38,7 @@ def _where(key: str, under: list[str], how: str) -> str:
 
 def problems(options: Mapping[str, Mapping[str, Any]], snapshot: Mapping[str, set[str]], path: Path) -> list[str]:
     """What differs between the keys ``options`` compose and ``snapshot``, each with its fix; ``[]`` when nothing. A key
-    gone where a new one appears is a rename when ``resume.RENAMED_KEYS`` maps the one to the other (and a checkpoint that
+    gone where a new one appears is a rename when ``resume_changes.RENAMED_KEYS`` maps the one to the other (and a checkpoint that
     saved the old name then resumes without a word); else both fixes are named: the rename's, or the new key's and the
     removal's."""
     new: dict[str, list[str]] = {}
@@ -54,9 +54,9 @@ def problems(options: Mapping[str, Mapping[str, Any]], snapshot: Mapping[str, se
     renames = {old: renamed(old) for old in gone if renamed(old) in new}
     for old, key in renames.items():
         if resumes_silently(key, options[new[key][0]], path, saved_as=old):
-            out.append(f"{_where(key, new[key], 'new under')}: {old} renamed, as resume.RENAMED_KEYS says. Fix: {REWRITE}")
+            out.append(f"{_where(key, new[key], 'new under')}: {old} renamed, as resume_changes.RENAMED_KEYS says. Fix: {REWRITE}")
         else:
-            out.append(f"{_where(key, new[key], 'new under')}: {old} renamed (resume.RENAMED_KEYS), yet a checkpoint that saved "
+            out.append(f"{_where(key, new[key], 'new under')}: {old} renamed (resume_changes.RENAMED_KEYS), yet a checkpoint that saved "
                        f"{old} does not resume without a word. Fix: map the old name to the new one in RENAMED_KEYS, or, if "
                        f"the value's meaning changed, give {key} its own rule, then {REWRITE}")
     for key, under in new.items():
@@ -69,13 +69,13 @@ def problems(options: Mapping[str, Mapping[str, Any]], snapshot: Mapping[str, se
         elif candidates:
             out.append(f"{where}: new where {', '.join(candidates)} is gone. A checkpoint written before would resume with a "
                        f"warning of both though nothing changed. Fix: if {key} is {candidates[0]} renamed, add "
-                       f"'{candidates[0]}': '{key}' to RENAMED_KEYS in recsys_runner/checkpoint/resume.py; if it is a new key, "
+                       f"'{candidates[0]}': '{key}' to RENAMED_KEYS in recsys_runner/checkpoint/resume_changes.py; if it is a new key, "
                        f"add it to ADDED_KEYS there with the value every earlier run trained with (or give it a 'silent' "
                        f"entry in RESUME_CHANGES if it changes nothing learned), and see to the removal (below); then {REWRITE}")
         else:
             out.append(f"{where}: a checkpoint written before lacks it, so resuming one after the upgrade would warn "
                        f"'{key}: (unset) -> ...' (or refuse it) though nothing changed. Fix: add it to ADDED_KEYS in "
-                       f"recsys_runner/checkpoint/resume.py with the value every earlier run trained with (or give it a "
+                       f"recsys_runner/checkpoint/resume_changes.py with the value every earlier run trained with (or give it a "
                        f"'silent' entry in RESUME_CHANGES if it changes nothing learned); if it is a key renamed, map the old "
                        f"name to it in RENAMED_KEYS instead; then {REWRITE}")
     for key, under in gone.items():
@@ -83,7 +83,7 @@ def problems(options: Mapping[str, Mapping[str, Any]], snapshot: Mapping[str, se
             continue
         out.append(f"{_where(key, under, 'gone from')}: removed or renamed. A checkpoint that saved it resumes with a warning "
                    f"'{key}: <its value> -> (unset)' (refused where RESUME_CHANGES refuses the key). Fix: if it was renamed, "
-                   f"add '{key}': '<its new name>' to RENAMED_KEYS in recsys_runner/checkpoint/resume.py, so an old "
+                   f"add '{key}': '<its new name>' to RENAMED_KEYS in recsys_runner/checkpoint/resume_changes.py, so an old "
                    f"checkpoint's value is compared under the new name; if it was removed, give it a 'silent' entry in "
                    f"RESUME_CHANGES if it no longer changes what is trained; then {REWRITE}")
     return out
@@ -111,7 +111,7 @@ def test_the_guard_names_each_kind_of_difference_with_its_fix(tmp_path: Path) ->
     found = problems({"model=deepfm": {**now, "train.new_key": 3}}, {"model=deepfm": set(now)}, tmp_path)
     assert found == [f"train.new_key (new under model=deepfm): a checkpoint written before lacks it, so resuming one after the "
                      f"upgrade would warn 'train.new_key: (unset) -> ...' (or refuse it) though nothing changed. Fix: add it to "
-                     f"ADDED_KEYS in recsys_runner/checkpoint/resume.py with the value every earlier run trained with (or give "
+                     f"ADDED_KEYS in recsys_runner/checkpoint/resume_changes.py with the value every earlier run trained with (or give "
                      f"it a 'silent' entry in RESUME_CHANGES if it changes nothing learned); if it is a key renamed, map the "
                      f"old name to it in RENAMED_KEYS instead; then {REWRITE}"]
 
@@ -119,7 +119,7 @@ def test_the_guard_names_each_kind_of_difference_with_its_fix(tmp_path: Path) ->
 def test_a_key_gone_beside_a_new_one_is_a_rename_when_renamed_keys_maps_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A dummy rename (``train.steps`` to ``train.num_steps``): unmapped, the new key's line names both fixes (a
     ``RENAMED_KEYS`` entry, or ``ADDED_KEYS`` and the removal's) and the gone key's says how a rename is mapped; mapped in
-    ``resume.RENAMED_KEYS``, it is accepted (the snapshot is to be rewritten, nothing else)."""
+    ``resume_changes.RENAMED_KEYS``, it is accepted (the snapshot is to be rewritten, nothing else)."""
     now = {"model=deepfm": {"model": "deepfm", "train.num_steps": 5}, "model=dlrm": {"model": "dlrm", "train.num_steps": 5}}
     snapshot = {"model=deepfm": {"model", "train.steps"}, "model=dlrm": {"model", "train.steps"}}
     new, gone = problems(now, snapshot, tmp_path)
@@ -128,9 +128,9 @@ def test_a_key_gone_beside_a_new_one_is_a_rename_when_renamed_keys_maps_it(tmp_p
     assert "if it is a new key, add it to ADDED_KEYS there with the value every earlier run trained with" in new
     assert gone.startswith("train.steps (gone from model=deepfm and 1 more options): removed or renamed.")
     assert "Fix: if it was renamed, add 'train.steps': '<its new name>' to RENAMED_KEYS" in gone
-    monkeypatch.setattr(resume, "RENAMED_KEYS", {"train.steps": "train.num_steps"})
+    monkeypatch.setattr(resume_changes, "RENAMED_KEYS", {"train.steps": "train.num_steps"})
     assert problems(now, snapshot, tmp_path) == [f"train.num_steps (new under model=deepfm and 1 more options): train.steps "
-                                                 f"renamed, as resume.RENAMED_KEYS says. Fix: {REWRITE}"]
+                                                 f"renamed, as resume_changes.RENAMED_KEYS says. Fix: {REWRITE}"]
 
 
 def test_a_round_chooses_one_option_per_group_and_never_a_group_with_its_subgroup() -> None:

@@ -25,7 +25,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from recsys_runner.__main__ import run
-from recsys_runner.checkpoint import resume
+from recsys_runner.checkpoint import resume_changes
 from recsys_runner.checkpoint.lock import DirectoryInUse, DirectoryLock
 from recsys_runner.checkpoint.storage import CheckpointStorage, damage, list_checkpoints
 from recsys_runner.checkpoint.weights import load_into
@@ -227,37 +227,37 @@ def test_a_resume_on_another_number_of_ranks_says_how_the_rows_per_step_change()
     (tests/test_checkpoint_reshard.py sees it said through the CLI, 1 -> 2 and 2 -> 1 ranks)."""
     path = Path("/ck/step_00000020")
     meta = {"world_size": 2, "config": {"data.batch_size": 256, "train.grad_accum_steps": 2, "data.batch_tokens": None}}
-    assert resume.rows_per_step_change(meta, path, 2) is None
-    said = resume.rows_per_step_change(meta, path, 1)
+    assert resume_changes.rows_per_step_change(meta, path, 2) is None
+    said = resume_changes.rows_per_step_change(meta, path, 1)
     assert said is not None and said[0] == "ranks: 2 -> 1 (rows per step x0.5)"
     assert said[1] == ("on 1 rank(s), written by 2: data.batch_size is per rank, so each step from here on trains 1 x "
                        "data.batch_size=256 x train.grad_accum_steps=2 = 512 rows, 1024 before, while train.num_steps, the lr "
                        "schedule and the eval and checkpoint cadence still count steps. Fix: resume on 2 rank(s) to keep the "
                        "rows per step, or start a new run from these weights in its own checkpoint.dir with "
                        "checkpoint.init_from=/ck/step_00000020 data.batch_size=512")
-    more = resume.rows_per_step_change({"world_size": 1, "config": {"data.batch_size": 256}}, path, 2)
+    more = resume_changes.rows_per_step_change({"world_size": 1, "config": {"data.batch_size": 256}}, path, 2)
     assert more is not None and more[1].endswith("data.batch_size=128") and "= 512 rows, 256 before" in more[1]
-    odd = resume.rows_per_step_change({"world_size": 2, "config": {"data.batch_size": 100}}, path, 3)  # no whole batch keeps it
+    odd = resume_changes.rows_per_step_change({"world_size": 2, "config": {"data.batch_size": 100}}, path, 3)  # no whole batch keeps it
     assert odd is not None and odd[1].endswith("checkpoint.init_from=/ck/step_00000020")
-    tokens = resume.rows_per_step_change({"world_size": 1, "config": {"data.batch_size": 64, "data.batch_tokens": 4096}}, path, 2)
+    tokens = resume_changes.rows_per_step_change({"world_size": 1, "config": {"data.batch_size": 64, "data.batch_tokens": 4096}}, path, 2)
     assert tokens is not None and "each step from here on trains 2/1 as many rows as before" in tokens[1]
 
 
 def test_resume_changes_table_treats_each_key_once() -> None:
-    assert resume.treatment("checkpoint.every_steps")[0] == "silent" and resume.treatment("distributed.sharding.plan")[0] == "silent"
+    assert resume_changes.treatment("checkpoint.every_steps")[0] == "silent" and resume_changes.treatment("distributed.sharding.plan")[0] == "silent"
     # train.profile is a section: profiling a resumed run (train.profile.enabled=true) changes nothing learned
-    assert resume.treatment("train.profile.enabled")[0] == "silent" and resume.treatment("train.profile.active")[0] == "silent"
-    assert resume.treatment("data.path")[0] == "refuse" and resume.treatment("data")[0] == "refuse"
-    assert resume.treatment("optim/sparse")[0] == "refuse" and resume.treatment("model")[0] == "refuse"
-    assert resume.treatment("experiment")[0] == "refuse"
+    assert resume_changes.treatment("train.profile.enabled")[0] == "silent" and resume_changes.treatment("train.profile.active")[0] == "silent"
+    assert resume_changes.treatment("data.path")[0] == "refuse" and resume_changes.treatment("data")[0] == "refuse"
+    assert resume_changes.treatment("optim/sparse")[0] == "refuse" and resume_changes.treatment("model")[0] == "refuse"
+    assert resume_changes.treatment("experiment")[0] == "refuse"
     # the loop skips epoch_step x grad_accum_steps batches of the epoch: another accumulation restores another position
-    assert resume.treatment("train.grad_accum_steps")[0] == "refuse"
-    assert resume.treatment("data.eval_path")[0] == "warn" and resume.treatment("optim.lr")[0] == "warn"
-    assert resume.treatment("scheduler")[0] == "warn" and resume.treatment("model.dropout")[0] == "warn"
+    assert resume_changes.treatment("train.grad_accum_steps")[0] == "refuse"
+    assert resume_changes.treatment("data.eval_path")[0] == "warn" and resume_changes.treatment("optim.lr")[0] == "warn"
+    assert resume_changes.treatment("scheduler")[0] == "warn" and resume_changes.treatment("model.dropout")[0] == "warn"
     path = Path("/ck/step_00000004")
 
-    def changes(saved: list[str] | None, now: list[str] | None) -> tuple[resume.Change, ...]:  # checkpoints saving overrides only
-        return resume.check_changes(resume.Launched(saved), resume.Launched(now), path)
+    def changes(saved: list[str] | None, now: list[str] | None) -> tuple[resume_changes.Change, ...]:  # checkpoints saving overrides only
+        return resume_changes.check_changes(resume_changes.Launched(saved), resume_changes.Launched(now), path)
 
     with pytest.raises(CheckpointError, match=r"data.path: a.parquet -> b.parquet \(other training files: .*its overrides are in "):
         changes(["data=parquet", "data.path=a.parquet"], ["data=parquet", "data.path=b.parquet"])
@@ -273,8 +273,8 @@ def test_resume_changes_table_treats_each_key_once() -> None:
     (order,) = changes(["model.deep_layer_sizes=[8,4]"], ["model.deep_layer_sizes=[4,8]"])  # a list's order is its meaning
     assert order.line() == "model.deep_layer_sizes: [8,4] -> [4,8]"
 
-    def composed(before: dict, after: dict, cwd_before: str = "/a", cwd_after: str = "/a") -> tuple[resume.Change, ...]:
-        return resume.check_changes(resume.Launched([], before, cwd_before), resume.Launched([], after, cwd_after), path)
+    def composed(before: dict, after: dict, cwd_before: str = "/a", cwd_after: str = "/a") -> tuple[resume_changes.Change, ...]:
+        return resume_changes.check_changes(resume_changes.Launched([], before, cwd_before), resume_changes.Launched([], after, cwd_after), path)
 
     # a relative path is read from the directory its launch started in: one file, two spellings; two files, one spelling
     assert composed({"data.path": "d/x.parquet"}, {"data.path": "/a/d/x.parquet"}, "/a", "/b") == ()
@@ -294,7 +294,7 @@ def test_resume_changes_table_treats_each_key_once() -> None:
     (decay,) = composed({"train.ema.decay": 0.99}, {"train.ema.decay": 0.999})  # another decay of an average it holds
     assert decay.treatment == "warn"
     assert composed({"train.ema.decay": 0.99}, {"train.ema.decay": None})[0].treatment == "warn"  # off: its average unused
-    keys = [key for key, _, _ in resume.RESUME_CHANGES]
+    keys = [key for key, _, _ in resume_changes.RESUME_CHANGES]
     assert len(keys) == len(set(keys))
 
 

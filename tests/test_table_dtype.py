@@ -24,7 +24,7 @@ from recsys_runner import evaluate
 from recsys_runner.__main__ import run
 from recsys_runner.bench.table_dtype import bench_table_dtype
 from recsys_runner.build import build
-from recsys_runner.checkpoint import resume
+from recsys_runner.checkpoint import resume_changes
 from recsys_runner.config import validate
 from recsys_runner.distributed.config import DistributedConfig
 from recsys_runner.distributed.planner import table_constraints
@@ -238,10 +238,10 @@ def test_the_bench_measures_half_the_table_bytes_and_the_same_float32_state() ->
 
 def test_a_checkpoint_from_before_the_setting_resumes_as_fp32_without_a_warning() -> None:
     path = Path("/ck/step_00000004")
-    older = resume.Launched([], {"model": "deepfm", "optim.lr": 0.05}, "/a")  # its composed config has no such key
-    assert resume.check_changes(older, resume.Launched([], {"model": "deepfm", "optim.lr": 0.05,
+    older = resume_changes.Launched([], {"model": "deepfm", "optim.lr": 0.05}, "/a")  # its composed config has no such key
+    assert resume_changes.check_changes(older, resume_changes.Launched([], {"model": "deepfm", "optim.lr": 0.05,
                                                             "precision.embedding_data_type": "fp32"}, "/a"), path) == ()
-    (change,) = resume.check_changes(older, resume.Launched([], {"model": "deepfm", "optim.lr": 0.05,
+    (change,) = resume_changes.check_changes(older, resume_changes.Launched([], {"model": "deepfm", "optim.lr": 0.05,
                                                                  "precision.embedding_data_type": "fp16"}, "/a"), path)
     assert change.line().startswith("precision.embedding_data_type: fp32 -> fp16 (the checkpoint's embedding tables are converted")
 
@@ -337,9 +337,9 @@ def test_evaluate_and_init_from_that_convert_the_stored_tables_say_which_and_how
 
 def test_a_resume_that_changes_a_feature_s_table_type_warns_as_one_that_changes_every_table() -> None:
     path, before = Path("/ck/step_00000004"), {"model": "deepfm", "precision.embedding_data_type": "fp32"}
-    saved = resume.Launched([], before, "/a")
-    assert resume.check_changes(saved, resume.Launched([], dict(before), "/a"), path) == ()  # an empty mapping: no key either side
-    (change,) = resume.check_changes(saved, resume.Launched([], before | {"precision.embedding_data_type_by_feature.cat_0": "fp16"},
+    saved = resume_changes.Launched([], before, "/a")
+    assert resume_changes.check_changes(saved, resume_changes.Launched([], dict(before), "/a"), path) == ()  # an empty mapping: no key either side
+    (change,) = resume_changes.check_changes(saved, resume_changes.Launched([], before | {"precision.embedding_data_type_by_feature.cat_0": "fp16"},
                                                             "/a"), path)
     assert change.line() == ("precision.embedding_data_type_by_feature.cat_0: (unset) -> fp16 (the checkpoint's embedding tables "
                              "are converted as they load: to fp16 every weight is rounded to 11 significant bits, to fp32 they "

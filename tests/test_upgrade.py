@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from recsys_runner.__main__ import run
-from recsys_runner.checkpoint import resume
-from recsys_runner.checkpoint.resume import ADDED_KEYS, Launched, check_changes
+from recsys_runner.checkpoint import resume_changes
+from recsys_runner.checkpoint.resume_changes import ADDED_KEYS, Launched, check_changes
 from recsys_runner.checkpoint.storage import FORMAT, FORMAT_KEY, list_checkpoints
 from recsys_runner.data.encoding.stored import from_json
 from recsys_runner.errors import CheckpointError
@@ -69,7 +69,7 @@ def test_encoders_of_a_newer_format_are_refused_as_a_newer_versions() -> None:
 ADDED_SINCE = ("train.sanity_eval_batches", "data.next_item", "precision.embedding_data_type", "data.items.header",
                "data.items.column_names")
 """Keys added after checkpoints began saving their composed config (up to 2026-12-01), named here so that dropping one's
-rule from ``resume.ADDED_KEYS`` fails; keys added since are in tests/resume_keys.txt, whose test guards them."""
+rule from ``resume_changes.ADDED_KEYS`` fails; keys added since are in tests/resume_keys.txt, whose test guards them."""
 
 
 @pytest.mark.parametrize("key", sorted({*ADDED_SINCE, *ADDED_KEYS}))
@@ -88,7 +88,7 @@ def test_resuming_a_checkpoint_saved_before_a_key_was_added_warns_of_no_change(m
 
 def test_a_renamed_key_is_compared_under_its_new_name(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A checkpoint saved before a key was renamed (here a dummy rename of ``train.num_steps`` from ``train.steps``, and of
-    the section ``train.ema`` from ``train.average``) holds the old name: with ``resume.RENAMED_KEYS`` mapping it, it resumes
+    the section ``train.ema`` from ``train.average``) holds the old name: with ``resume_changes.RENAMED_KEYS`` mapping it, it resumes
     without a word when the value is the same, and warns under the new name when it is not; without the mapping it would
     warn of both names, one unset."""
     now = {"model": "deepfm", "train.num_steps": 5, "train.ema.decay": 0.9, "train.ema.eval_with_ema": False}
@@ -98,7 +98,7 @@ def test_a_renamed_key_is_compared_under_its_new_name(monkeypatch: pytest.Monkey
     assert {c.key for c in unmapped} == {"train.num_steps", "train.steps"}
     with pytest.raises(CheckpointError, match=r"train.ema.decay: \(unset\) -> 0.9"):  # unmapped, the EMA looks newly turned on
         check_changes(Launched([], before), Launched([], now), tmp_path)
-    monkeypatch.setattr(resume, "RENAMED_KEYS", {"train.steps": "train.num_steps", "train.average": "train.ema"})
+    monkeypatch.setattr(resume_changes, "RENAMED_KEYS", {"train.steps": "train.num_steps", "train.average": "train.ema"})
     assert check_changes(Launched([], before), Launched([], now), tmp_path) == ()
     (changed,) = check_changes(Launched([], before | {"train.steps": 3}), Launched([], now), tmp_path)
     assert changed.line() == "train.num_steps: 3 -> 5" and changed.put_back == "train.num_steps=3"

@@ -102,7 +102,7 @@ class TrainState:
     """Damaged newer checkpoints moved aside before resuming from ``resumed_from`` (not saved)."""
     resume_changes: tuple[str, ...] = ()
     """The settings this launch changed from the one that wrote ``resumed_from`` (``key: before -> now``), warned and
-    tagged on the MLflow run (:func:`recsys_runner.checkpoint.resume.check_changes`; not saved)."""
+    tagged on the MLflow run (:func:`recsys_runner.checkpoint.resume_changes.check_changes`; not saved)."""
     metrics: dict[str, float] | None = None
     """The eval metrics of ``step`` as the resumed checkpoint recorded them (``meta.json``'s ``metrics``, written from what
     the loop passes with each checkpoint: an eval of that step that completed and was logged), ``None`` when it recorded

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torchrec.optim.keyed import CombinedOptimizer
 
 from recsys_runner import provenance, uris
-from recsys_runner.checkpoint import resume
+from recsys_runner.checkpoint import resume, resume_changes
 from recsys_runner.checkpoint.config import RESUME_WORDS, CheckpointConfig, TrainState
 from recsys_runner.checkpoint.guard import check_finite, finite_state, task_causes
 from recsys_runner.checkpoint.lock import DirectoryInUse, lock_for
@@ -50,12 +50,11 @@ from recsys_runner.checkpoint.storage import (
     FORMAT,
     FORMAT_KEY,
     RUN_DIR_FOLDER,
-    STEP_DIR,
     CheckpointStorage,
     checkpoint_name,
     step_of,
 )
-from recsys_runner.checkpoint.weights import CarriedRows, TrainingParts, load_into
+from recsys_runner.checkpoint.weights import CarriedRows, TrainingParts
 from recsys_runner.distributed.env import decided_on_rank0
 from recsys_runner.distributed.peers import peer_gone
 from recsys_runner.errors import CheckpointError, CheckpointWriteFailed, ConfigError
@@ -63,9 +62,6 @@ from recsys_runner.metrics.registry import improved
 from recsys_runner.runtime import Launch
 
 log = logging.getLogger(__name__)
-
-_ROTATION_RETRIES = 5
-"""How many times :meth:`Checkpointer.load_weights` moves on to a newer checkpoint when the one it loads is rotated away."""
 
 
 class Checkpointer:
@@ -91,9 +87,9 @@ class Checkpointer:
         self.overrides = list(launch.overrides) if launch.from_cli else None
         """The launch's command-line overrides, saved in each ``meta.json``: evaluate, predict and export rebuild the
         training's config from them (:func:`recsys_runner.inference.with_training_overrides`). ``None`` outside a CLI."""
-        self.launched = resume.Launched(self.overrides, launch.settings if launch.from_cli else None, launch.cwd)
+        self.launched = resume_changes.Launched(self.overrides, launch.settings if launch.from_cli else None, launch.cwd)
         """What this launch trains with, saved in each ``meta.json`` (``overrides``, ``config``, ``cwd``) for a resume to
-        compare with (:func:`~recsys_runner.checkpoint.resume.check_changes`)."""
+        compare with (:func:`~recsys_runner.checkpoint.resume_changes.check_changes`)."""
         self.verified_step = 0
         """Step checkpoints before this step are known good: a finite loss was computed from later weights."""
         self._lock = lock_for(self.dir) if self.dir is not None and rank == 0 else None
@@ -176,7 +172,7 @@ class Checkpointer:
         meta[provenance.KEY] = provenance.written_by()
         meta["world_size"] = self.world_size
         if self.data_shards is not None:
-            meta[resume.DATA_SHARDS_KEY] = self.data_shards
+            meta[resume_changes.DATA_SHARDS_KEY] = self.data_shards
         if self.overrides is not None:
             meta["overrides"] = self.overrides
         if self.launched.config is not None:
@@ -293,11 +289,11 @@ class Checkpointer:
 
     def _choose(self) -> tuple[Path | None, tuple[str, ...], tuple[str, ...]]:
         """(rank 0) The checkpoint to resume, the damaged ones set aside, and the changed settings resumed with
-        (:func:`~recsys_runner.checkpoint.resume.check_changes`: refused before anything is built; warned about once loaded)."""
+        (:func:`~recsys_runner.checkpoint.resume_changes.check_changes`: refused before anything is built; warned about once loaded)."""
         path, set_aside = resume.choose(self.config, self.storage, self.dir)
         if path is None:
             return None, set_aside, ()
-        changes = resume.check_changes(resume.Launched.saved(self.storage.read_meta(path)), self.launched, path)
+        changes = resume_changes.check_changes(resume_changes.Launched.saved(self.storage.read_meta(path)), self.launched, path)
         return path, set_aside, tuple(c.line() for c in changes)
 
     def resuming(self) -> bool:
@@ -317,10 +313,10 @@ class Checkpointer:
             state.set_aside = set_aside
             state.resume_changes = self.resume_changes
             if self.rank == 0:
-                resume.note_changes(path, self.resume_changes)
+                resume_changes.note_changes(path, self.resume_changes)
             meta = self.storage.read_meta(path)
-            for said in (resume.rows_per_step_change(meta, path, self.world_size),
-                         resume.epoch_cut_change(meta, state, self.world_size, self.data_shards)):
+            for said in (resume_changes.rows_per_step_change(meta, path, self.world_size),
+                         resume_changes.epoch_cut_change(meta, state, self.world_size, self.data_shards)):
                 if said is not None:
                     if self.rank == 0:
                         log.warning("resuming %s %s", path, said[1])
@@ -383,57 +379,9 @@ class Checkpointer:
 
     def load_weights(self, path: Path) -> TrainState:
         """Load the model's and the EMA's weights of checkpoint ``path`` (evaluate, predict): nothing else is read,
-        nothing is locked or written, the optimizer keeps its fresh state. Strict, unlike ``init_from``: every tensor
-        of this model must be in the checkpoint with the same shape and the checkpoint may hold no other model
-        tensor, so weights of another model config are refused by name, not half-loaded. Returns the checkpoint's
-        step and MLflow run id (``meta.json``).
-
-        A checkpoint that a run still writing there rotated away since it was chosen (``keep_last`` removes the oldest
-        step checkpoints after writing a newer one, a new best replaces the old best) is skipped with a warning for the
-        newest complete one of its kind there (a best one for a best one), decided on rank 0; ``resumed_from`` of the returned
-        state names the one loaded.
-
-        Raises:
-            CheckpointError: damaged (and no newer checkpoint replaced it), or written by another model config (naming
-                the first differences).
-        """
-        for _ in range(_ROTATION_RETRIES):
-            path = decided_on_rank0(functools.partial(self._still_there, path), self.rank, self.world_size)
-            meta = self.storage.read_meta(path)
-            ours = self._tensor_state(with_optimizer=False)
-            try:
-                loaded = load_into(self.storage, path, ours, rule="exact", world_size=self.world_size)
-            except CheckpointError:
-                raise
-            except Exception:  # DCP's reader fails when the files go while it reads: rotated away meanwhile?
-                if self.storage.is_complete(path) and self.storage.damage(path) is None:
-                    raise
-                continue
-            self.parts.take(loaded, with_optimizer=False)
-            log.info("loaded weights of %s (step %d)", path, meta["step"])
-            if self.rank == 0:
-                provenance.note_other_code(f"checkpoint {path}", meta)
-            return TrainState(step=meta["step"], epoch=meta["epoch"], run_id=meta.get("run_id"), resumed_from=str(path))
-        raise CheckpointError(f"the checkpoints in {path.parent} were rotated away {_ROTATION_RETRIES} times while loading "
-                              f"one; a run is writing there faster than this can read. Fix: load=<a checkpoint kept elsewhere>")
-
-    def _still_there(self, path: Path) -> Path:
-        """``path`` if it can be loaded; else, when a newer checkpoint of its kind replaced it (it was rotated away by
-        the run writing there), the newest complete one of that kind, with a warning."""
-        reason = self.storage.damage(path)
-        if reason is None:
-            return path
-        kind = STEP_DIR.match(path.name)
-        found = self.storage.checkpoints(path.parent, best=bool(kind.group(1))) if kind else []
-        newer = found[-1] if found else None
-        if newer is None or step_of(newer) <= step_of(path) or self.storage.damage(newer) is not None:
-            older = next((p for p in reversed(found) if step_of(p) < step_of(path) and self.storage.damage(p) is None), None)
-            instead = f" (load={older}, the newest whole one before it, has older weights)" if older is not None else ""
-            raise CheckpointError(f"checkpoint {path} is damaged ({reason}). Fix: point load= at another checkpoint{instead}, "
-                                  f"or copy this one again whole")
-        log.warning("checkpoint %s is gone (%s): the run writing %s rotated it away (checkpoint.keep_last) after saving "
-                    "newer ones; loading %s, the newest complete one there, instead", path, reason, path.parent, newer)
-        return newer
+        nothing is locked or written, the optimizer keeps its fresh state. Strict, and past a checkpoint a run still
+        writing there rotated away: :func:`~recsys_runner.checkpoint.resume.load_weights` says how."""
+        return resume.load_weights(self.storage, path, self.parts, rank=self.rank, world_size=self.world_size)
 
     def close(self) -> None:
         """Release ``dir`` for the next run (also released by the OS if this process dies)."""

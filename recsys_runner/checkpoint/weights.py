@@ -144,7 +144,7 @@ def load_into(
     A ``model/`` tensor stored in another dtype than ours (embedding tables of another ``precision.embedding_data_type``
     or ``embedding_data_type_by_feature``) is converted as it loads, with a warning naming the tables and the types
     (:func:`note_conversions`), unless ``announce_conversion`` is off: for export, whose float32 tables are its design,
-    and a resume, whose changed settings are warned about by name already (:func:`~recsys_runner.checkpoint.resume.check_changes`).
+    and a resume, whose changed settings are warned about by name already (:func:`~recsys_runner.checkpoint.resume_changes.check_changes`).
 
     Raises:
         CheckpointError: the checkpoint does not hold what ``rule`` needs, naming the differences.

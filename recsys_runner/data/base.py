@@ -121,7 +121,7 @@ class DataModule(Protocol):
         """How many shards a rank's epoch is cut into, each read on its own, whose number the order of the rank's batches
         depends on (file data: one per DataLoader worker); 1 (the default) where that order does not depend on the
         workers. A checkpoint records it with the world size, so that a resume in the middle of an epoch whose rows are cut
-        otherwise is said (:func:`recsys_runner.checkpoint.resume.epoch_cut_change`)."""
+        otherwise is said (:func:`recsys_runner.checkpoint.resume_changes.epoch_cut_change`)."""
         return 1
 
     def explain_empty_epoch(self, epoch: int, rank: int) -> str:
