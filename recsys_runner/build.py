@@ -185,7 +185,8 @@ def build(run: RunConfig, *, launch: Launch = Launch(), weights: Path | None = N
                           total_steps=total_steps, next_step=state.step + 1)
     loop = Loop(config=run.train, env=env, data=data, stepper=stepper, evaluator=evaluator, checkpointer=checkpointer,
                 early_stopping=early_stopping, tracker=tracker, total_steps=total_steps, steps_per_epoch=steps_per_epoch, state=state,
-                best=best, summaries=summaries, profile_dir=profile_dir)
+                best=best, summaries=summaries, profile_dir=profile_dir,
+                stuck_after_signal_s=run.distributed.stuck_after_signal_s)
     return Components(run=run, env=env, distributed=distributed, plan=plan, loop=loop)
 
 

@@ -268,7 +268,7 @@ def exit_codes(launch: Launch) -> Iterator[None]:
     command's own end in :func:`~recsys_runner.errors.fail`, whose exit carries the message (a sweep's job names its
     failure by it); a signal's exit is a plain ``SystemExit``, never taken for a failure."""
     try:
-        with signals.RaiseOnSignal(f"during {launch.command_name}"), reported():
+        with signals.RaiseOnSignal(f"during {launch.command_name}", account=functools.partial(_account, launch)), reported():
             try:
                 yield
             except CheckpointWriteFailed as e:  # the store failed mid-run: the checkpoints before stay, resume from them
@@ -303,6 +303,12 @@ def exit_codes(launch: Launch) -> Iterator[None]:
     except NonFiniteLossError as e:
         hint = f"\n{resume_hint(launch, e.checkpoint, after_fix=True)}" if e.checkpoint is not None else ""
         fail(f"Training failed: {e}{hint}", 1)
+
+
+def _account(launch: Launch, error: BaseException) -> str:
+    """What this command says of ``error`` when it ends the process from a watching thread (:func:`~recsys_runner.train
+    .signals.end_now`): a lost rank's line and resume command as its own exit says them, else the error's words."""
+    return rank_lost_message(launch, error) if isinstance(error, RankLost) else str(error)
 
 
 def _multi_rank() -> bool:

@@ -83,6 +83,35 @@ def test_only_a_lost_peer_counts() -> None:
     assert cause_of(RuntimeError(GLOO_RESET)) == "Read error [127.0.0.1]:9371: Connection reset by peer"
 
 
+# -- a main thread blocked in native code after a stop signal ------------------------------------------------------
+WATCHED = """
+import os, signal, sys, time
+from recsys_runner.train.signals import StopSignals
+def stuck(signum, waited_s):
+    print(f"stuck on {signal.Signals(signum).name} after {waited_s:.1f} s", flush=True)
+    os._exit(75)
+with StopSignals(2, on_stuck=stuck, stuck_after_s=0.5) as signals:
+    os.kill(os.getpid(), signal.SIGTERM)
+    if sys.argv[1] == "blocked":
+        os.read(os.pipe()[0], 1)  # one native call that never returns, as a collective on a peer that never fails
+    end = time.monotonic() + 1.5
+    while time.monotonic() < end:  # busy in Python meanwhile: stopping as it should
+        pass
+print("stopped by", signals.signum)
+"""
+
+
+@pytest.mark.parametrize("main", ["blocked", "busy"])
+def test_a_main_thread_still_in_one_native_call_after_sigterm_is_ended_and_a_busy_one_is_not(main: str) -> None:
+    """:mod:`recsys_runner.train.stuck` through :class:`StopSignals` with several ranks: the handler noted the SIGTERM,
+    but the main thread blocked in one native call is ended by the watch; one running Python for longer is left to stop."""
+    out = subprocess.run([sys.executable, "-c", WATCHED, main], env=ENV, capture_output=True, text=True, timeout=30)
+    if main == "blocked":
+        assert out.returncode == 75 and out.stdout.startswith("stuck on SIGTERM after 0."), out.stdout + out.stderr
+    else:
+        assert out.returncode == 0 and out.stdout.strip() == f"stopped by {int(signal.SIGTERM)}", out.stdout + out.stderr
+
+
 # -- the survivor's line -------------------------------------------------------------------------------------------
 def test_the_line_names_the_other_rank_of_two_and_where_this_one_failed(torchrun_env: pytest.MonkeyPatch) -> None:
     lost = RankLost(RuntimeError(GLOO_RESET), step=12, checkpoint="/o/r/checkpoints/step_00000010")
@@ -211,8 +240,10 @@ def _workers(torchrun: subprocess.Popen) -> dict[int, int]:
     return ranks
 
 
-def _kill_after_first_checkpoint(argv: list[str], checkpoints: str, rank: int, cwd: Path, timeout_s: float = 240) -> subprocess.Popen:
-    """Start ``argv`` (torchrun), wait for a complete checkpoint under the glob ``checkpoints``, ``kill -9`` worker ``rank``."""
+def _kill_after_first_checkpoint(argv: list[str], checkpoints: str, rank: int, cwd: Path, timeout_s: float = 240,
+                                 sig: int = signal.SIGKILL) -> subprocess.Popen:
+    """Start ``argv`` (torchrun), wait for a complete checkpoint under the glob ``checkpoints``, ``kill -9`` worker ``rank``
+    (or send it ``sig``)."""
     proc = subprocess.Popen(argv, cwd=cwd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + timeout_s
     while not list(cwd.glob(f"{checkpoints}/step_*/meta.json")):
@@ -220,7 +251,7 @@ def _kill_after_first_checkpoint(argv: list[str], checkpoints: str, rank: int, c
         time.sleep(0.1)
     workers = _workers(proc)
     assert set(workers) == {0, 1}, workers
-    os.kill(workers[rank], signal.SIGKILL)
+    os.kill(workers[rank], sig)
     return proc
 
 
@@ -268,6 +299,49 @@ def test_kill_9_of_one_rank_ends_the_survivor_with_one_line_and_its_command_resu
     run = _only_run(uri, "lost")  # the same run, continued and ended
     assert run.info.run_id == failed.info.run_id and run.info.status == "FINISHED" and run.data.tags.get("resumed") == "true"
     assert list_checkpoints(ckpt_dir)[-1].name == "step_00000040"
+
+
+@pytest.mark.slow
+def test_a_survivor_blocked_on_a_peer_that_never_fails_ends_with_the_line_after_sigterm(tmp_path: Path) -> None:
+    """The flake of the kill -9 test above on a loaded machine: the survivor logged its checkpoint, then stayed blocked in a
+    collective that never failed, where the SIGTERM torchrun sent it could not reach Python; torchrun killed it 30 s later
+    (-9, no line). Here the peer is stopped (SIGSTOP) right after the checkpoint, so every collective of the survivor waits
+    on it for ``distributed.timeout_s``, and the survivor gets torchrun's SIGTERM: it ends within
+    ``distributed.stuck_after_signal_s`` with the lost rank's line, the whole checkpoint and exit 75, its run FAILED."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    args = [*SHORT, f"tracking.uri={uri}", "tracking.experiment=stuck", f"hydra.run.dir={tmp_path}/run",
+            "distributed.stuck_after_signal_s=2"]
+    proc = _kill_after_first_checkpoint(_torchrun("--log-dir=logs", "--redirects=3", "-m", "recsys_runner", *args),
+                                        "run/checkpoints", rank=1, cwd=tmp_path, sig=signal.SIGSTOP)
+    workers = _workers(proc)
+    try:
+        os.kill(workers[0], signal.SIGTERM)  # what torchrun sends the survivors once it sees a rank gone
+        deadline = time.monotonic() + 25  # torchrun's kill comes 30 s after its SIGTERM
+        while not _ended(workers[0]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        ended = _ended(workers[0])
+    finally:
+        os.kill(workers[1], signal.SIGKILL)  # stopped, it would hold torchrun 30 s past its SIGTERM
+    out, _ = proc.communicate(timeout=120)
+    assert ended, f"rank 0 still blocked 25 s after SIGTERM: {out[-3000:]}"
+    assert "exitcode  : 75" in out, out[-3000:]
+    survivor = _rank_output(tmp_path / "logs", 0, 0)
+    assert "Traceback" not in survivor, survivor[-3000:]
+    lines = survivor.splitlines()
+    (i,) = [n for n, line in enumerate(lines) if line.startswith("Rank lost: ")]
+    assert lines[i].startswith("Rank lost: rank 1 of 2 stopped answering: a collective on rank 0 (local rank 0 on node 0) "
+                               "failed after step "), lines[i]
+    assert "after SIGTERM, waiting on it" in lines[i], lines[i]
+    assert lines[i + 1].startswith("Resume this run from step_00000005,"), survivor[-2000:]  # whole before the stop
+    assert _only_run(uri, "stuck").info.status == "FAILED"
+
+
+def _ended(pid: int) -> bool:
+    """Process ``pid`` (not this one's child) has ended: gone, or a zombie its parent has yet to reap."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 RESTARTED_GROUP = """

@@ -84,6 +84,8 @@ class Checkpointer:
         self.storage: CheckpointStorage = storage or storage_for(self.dir, rank, world_size)
         """Where the checkpoints are written and read."""
         self.last_saved: str | None = None
+        self._writing: Path | None = None
+        """The step checkpoint being written (:meth:`resumable`), until its write and closing barriers end."""
         self.overrides = list(launch.overrides) if launch.from_cli else None
         """The launch's command-line overrides, saved in each ``meta.json``: evaluate, predict and export rebuild the
         training's config from them (:func:`recsys_runner.inference.with_training_overrides`). ``None`` outside a CLI."""
@@ -178,6 +180,7 @@ class Checkpointer:
         if self.launched.config is not None:
             meta["config"], meta["cwd"] = self.launched.config, self.launched.cwd
         ranked = {"objects": self.parts.object_states(), "rng": resume.rng_state()}
+        self._writing = None if best else final
         try:
             self.storage.write(final, self._tensor_state(), ranked, meta, self.files)
             if not best:  # whole from here: a rotation that fails next must name it as the one to resume from
@@ -188,12 +191,21 @@ class Checkpointer:
         except RuntimeError as e:
             # a peer that dies after rank 0 wrote meta.json (the write's last file) fails only the closing barriers:
             # the checkpoint is whole, and the survivor's resume command must name it, not say that none was written
-            if not best and peer_gone(e) is not None and self.storage.is_complete(final):
-                self.last_saved = str(final)
+            if peer_gone(e) is not None:
+                self.last_saved = self.resumable()
             raise
+        finally:
+            self._writing = None
         if self.rank == 0:  # one line per checkpoint, not one per rank
             log.info("checkpoint saved: %s", final)
         return str(final)
+
+    def resumable(self) -> str | None:
+        """The checkpoint a resume continues from now: the last one saved, or the step checkpoint being written once it is
+        whole (its ``meta.json`` is written before the closing barriers, which a lost peer fails or leaves waiting)."""
+        if self._writing is not None and self.storage.is_complete(self._writing):
+            return str(self._writing)
+        return self.last_saved
 
     # -- the checkpoint policy the loop drives: when, guarded, best ------------------------------
     def loss_logged(self, step: int, mean_loss: float) -> None:

@@ -154,6 +154,12 @@ class DistributedConfig(Configurable):
     """``python -m recsys_runner.plan`` only: ranks per node for ``plan_world_size`` (``null``: all on one node)."""
     timeout_s: int = 1800
     """Collective timeout; a rank that hangs longer than this fails instead of waiting forever."""
+    stuck_after_signal_s: float = 20.0
+    """With several ranks: how long after a SIGTERM (the one torchrun sends the survivors once a rank is lost) a rank's
+    training may stay blocked in native code, e.g. a collective waiting on a rank gone without its connection failing,
+    before it ends as a lost rank (exit 75, :mod:`recsys_runner.train.stuck`). Below the launcher's kill grace (torchrun's
+    and SLURM's: 30 s), which would end it with no word. A healthy group's stop in which a rank waits on another that
+    long (a checkpoint still being written) ends so too: raise it for such checkpoints, within the launcher's grace."""
 
     def __post_init__(self) -> None:
         require(self.device in _DEVICES, f"distributed.device={self.device!r} must be one of {_DEVICES}")
@@ -183,6 +189,8 @@ class DistributedConfig(Configurable):
                 f"multiple of it (got {self.plan_world_size})",
             )
         require(self.timeout_s > 0, "distributed.timeout_s must be positive")
+        require(self.stuck_after_signal_s > 0, f"distributed.stuck_after_signal_s must be positive, got {self.stuck_after_signal_s}. "
+                "Fix: e.g. distributed.stuck_after_signal_s=20 (below the launcher's 30 s kill grace)")
         require(not (self.device == "cpu" and self.planner.proposer == "dynamic_programming"),
                 "distributed.planner.proposer=dynamic_programming budgets device (HBM) memory, which a CPU plan has none of. "
                 "Fix: distributed.planner.proposer=default on CPU (or plan for CUDA: distributed.device=cuda)")

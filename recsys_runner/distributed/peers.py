@@ -23,6 +23,7 @@ PEER_GONE: dict[str, str] = {
     "remote process exited": "stopped",  # NCCL's ncclRemoteError
     "Timed out waiting": "stopped answering",  # gloo: no answer within distributed.timeout_s (a hung peer, a lost host)
     "Socket Timeout": "stopped answering",  # the rendezvous store
+    "still blocked": "stopped answering",  # a collective that never failed, ended after a stop signal (blocked_on_peer)
 }
 """Words of a collective's error that mean another rank is gone (or stopped answering), with how to say it."""
 
@@ -47,6 +48,13 @@ def cause_of(error: BaseException) -> str:
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     first = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", first)
     return first.split(". ", 1)[0].rstrip(".")
+
+
+def blocked_on_peer(signal_name: str, waited_s: float) -> RuntimeError:
+    """The error of a rank whose main thread was still blocked in one native call (a collective waiting on a rank gone
+    without its connection failing) ``waited_s`` after ``signal_name`` came (:mod:`recsys_runner.train.stuck`): as a
+    collective's own error, a peer that stopped answering."""
+    return RuntimeError(f"still blocked {waited_s:.0f} s after {signal_name}, waiting on it")
 
 
 class RankLost(Exception):

@@ -54,8 +54,9 @@ from recsys_runner.checkpoint.config import TrainState
 from recsys_runner.checkpoint.policy import Checkpointer
 from recsys_runner.data.base import DataModule
 from recsys_runner.data.encoding.stored import oov_rates, unfitted_vocabularies
+from recsys_runner.distributed.config import DistributedConfig
 from recsys_runner.distributed.env import DistEnv, decided_on_rank0
-from recsys_runner.distributed.peers import RankLost, peer_gone
+from recsys_runner.distributed.peers import EXIT_RANK_LOST, RankLost, blocked_on_peer, peer_gone
 from recsys_runner.errors import DataError
 from recsys_runner.models.collision import collision_counters, collision_rates
 from recsys_runner.progress import Progress
@@ -65,7 +66,7 @@ from recsys_runner.train.config import TrainConfig
 from recsys_runner.train.evaluation import BestEval, Evaluator
 from recsys_runner.train.log_line import in_the_line, line_extra, on_the_bar
 from recsys_runner.train.profiling import StepProfiler
-from recsys_runner.train.signals import Interrupted, StopSignals, StoreWaitInterrupted, stopping
+from recsys_runner.train.signals import Interrupted, StopSignals, StoreWaitInterrupted, end_now, stopping
 from recsys_runner.train.stepping import Stepper
 from recsys_runner.train.stopping import EarlyStopping
 from recsys_runner.train.summaries import Summaries
@@ -95,6 +96,7 @@ class Loop:
         unfitted: the vocabularies said to miss too many training values (each said once).
         profile_dir: where ``train.profile`` writes its traces (``<run dir>/profile`` under the CLI); ``None``: a new
             temporary folder (:class:`~recsys_runner.train.profiling.StepProfiler`).
+        stuck_after_signal_s: ``distributed.stuck_after_signal_s`` (:func:`_stuck`).
     """
 
     config: TrainConfig
@@ -113,6 +115,7 @@ class Loop:
     unfitted: set[str] = field(default_factory=set)
     """Columns whose vocabulary was said to miss too many training values (:func:`_warn_unfitted`): each is said once."""
     profile_dir: Path | None = None
+    stuck_after_signal_s: float = DistributedConfig.stuck_after_signal_s
 
 
 def train(loop: Loop) -> dict[str, float]:
@@ -125,7 +128,8 @@ def train(loop: Loop) -> dict[str, float]:
     stop: str | None = None
     evaluated: dict[str, float] | None = None
     last_loss: torch.Tensor | None = None  # the NaN guard checks it before a checkpoint written after the steps
-    with (StopSignals(env.world_size, env.device, cfg.stop_check_every_steps) as signals,
+    with (StopSignals(env.world_size, env.device, cfg.stop_check_every_steps, on_stuck=_stuck(loop, state),
+                      stuck_after_s=loop.stuck_after_signal_s) as signals,
           Progress(loop.total_steps, enabled=env.is_main, unit="step", initial=state.step, mode=cfg.progress) as progress,
           _rank_lost(loop, state), _store_wait(loop, state), _stopped_again(loop, state)):
         _sanity_eval(loop, state, signals, meter)
@@ -198,6 +202,23 @@ def _stopped_again(loop: Loop, state: TrainState) -> Iterator[None]:
     except KeyboardInterrupt:
         kept = loop.checkpointer.last_saved or state.resumed_from
         raise Interrupted(signal.SIGINT, state.step, kept, when="a second time") from None
+
+
+def _stuck(loop: Loop, state: TrainState) -> Callable[[int, float], None]:
+    """What ends a rank whose main thread is still blocked in native code ``distributed.stuck_after_signal_s`` after a
+    SIGTERM (:mod:`~recsys_runner.train.stuck`; called from its watching thread): the lost rank's line and exit 75,
+    as :func:`_rank_lost` ends one whose collective failed, with the last complete checkpoint; rank 0 ends the MLflow run
+    ``FAILED`` first. The SIGTERM torchrun sends the survivors of a lost rank reaches a main thread blocked in a
+    collective that never fails (the lost rank's connection not closed) only this way; torchrun kills it 30 s later."""
+
+    def end(signum: int, waited_s: float) -> None:
+        lost = RankLost(blocked_on_peer(signal.Signals(signum).name, waited_s), step=state.step,
+                        checkpoint=loop.checkpointer.resumable())
+        with contextlib.suppress(Exception):
+            loop.tracker.finish("FAILED")
+        end_now(lost, EXIT_RANK_LOST)
+
+    return end
 
 
 @contextlib.contextmanager

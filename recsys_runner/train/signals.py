@@ -6,7 +6,10 @@ closes the MLflow run as ``KILLED``, prints the command that resumes from that c
 same MLflow run (:meth:`recsys_runner.runtime.Launch.resume_command`) and exits with ``128 + signal``. With several
 ranks the flag is combined with an all-reduce every ``train.stop_check_every_steps`` steps, and after every eval, so
 every rank stops after the same step.
-A second SIGINT while stopping raises ``KeyboardInterrupt`` as usual.
+A second SIGINT while stopping raises ``KeyboardInterrupt`` as usual. A rank of several whose main thread stays blocked in native
+code after a SIGTERM (a collective on a rank that is gone without its connection failing), where no Python handler can
+run, is ended from a watching thread (:mod:`~recsys_runner.train.stuck`, ``distributed.stuck_after_signal_s``) with
+the account the command registered (:func:`end_now`).
 
 **Preemption (SIGUSR2)**: submitit asks SLURM for SIGUSR2 before a time limit (``--signal=USR2@<grace>``,
 ``hydra.launcher.signal_delay_s``) and its test helper ``job._interrupt()`` sends SIGTERM then SIGUSR2
@@ -30,17 +33,21 @@ SIGINT still raises ``KeyboardInterrupt``), and :func:`deferred` holds a signal 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from types import FrameType, TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from recsys_runner import store_settings
 from recsys_runner.errors import Stopped
+from recsys_runner.train.stuck import NativeWaitWatch
 
 PREEMPT = signal.SIGUSR2
 """submitit's preemption/time-limit signal (its default ``SUBMITIT_PREEMPT_SIGNAL=USR2``)."""
@@ -99,21 +106,33 @@ class StoreWaitInterrupted(Stopped):
 class StopSignals:
     """Context manager: while active, the handled signals request a stop instead of killing."""
 
-    def __init__(self, world_size: int = 1, device: torch.device | None = None, check_every_steps: int = 1) -> None:
+    def __init__(self, world_size: int = 1, device: torch.device | None = None, check_every_steps: int = 1, *,
+                 on_stuck: Callable[[int, float], None] | None = None, stuck_after_s: float | None = None) -> None:
+        """``on_stuck(signum, waited_s)``, with several ranks: called from a watching thread when the main thread stays
+        in native code ``stuck_after_s`` seconds after a SIGTERM (:mod:`~recsys_runner.train.stuck`); it is to end the
+        process."""
         self.signum: int | None = None
         self.received: set[int] = set()
         self._check_every = check_every_steps
         self._previous: dict[int, Handler] = {}
         self._world_size, self._device = world_size, device or torch.device("cpu")
         self._raised = False
+        # SIGTERM only: the signal a launcher follows with SIGKILL (torchrun and SLURM, 30 s later), and the one torchrun
+        # sends the survivors of a lost rank; a preemption's SIGUSR2 comes with a long grace, a stop may take it
+        self._watch = NativeWaitWatch(on_stuck, (signal.SIGTERM,), stuck_after_s) \
+            if world_size > 1 and on_stuck is not None and stuck_after_s is not None else None
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
             for s in HANDLED:
                 self._previous[s] = signal.signal(s, self._handle)
+            if self._watch is not None:  # after the handlers: the interpreter reports only signals it handles
+                self._watch.__enter__()
         return self
 
     def __exit__(self, _type: type[BaseException] | None, exc: BaseException | None, _tb: TracebackType | None) -> None:
+        if self._watch is not None:
+            self._watch.__exit__(None, None, None)
         if isinstance(exc, Interrupted) or self.signum is not None:
             stopping()  # before the outer handlers are back: a signal now must not replace this stop
         previous_usr2 = self._previous.get(PREEMPT)
@@ -131,6 +150,8 @@ class StopSignals:
         return PREEMPT in self.received
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        if self._watch is not None and self._watch.answered(signum):
+            return  # the watch's probe: the main thread is in Python
         if self.signum is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.received.add(signum)
@@ -171,8 +192,10 @@ class RaiseOnSignal:
 
     Training's :class:`StopSignals` takes the signals over for its loop and gives them back after."""
 
-    def __init__(self, when: str) -> None:
+    def __init__(self, when: str, account: Callable[[BaseException], str] | None = None) -> None:
         self.when = when
+        self.account = account
+        """What the command says of an error that ends it (:func:`end_now`), as its own exit would say it."""
         self.signum: int | None = None
         """The signal that stopped the command (raised, or noted while :func:`deferred`)."""
         self.stopping = False
@@ -232,3 +255,22 @@ def deferred() -> Iterator[Callable[[], int | None]]:
         yield lambda: guard.signum if not before and guard.stopping else None
     finally:
         guard.deferring = was_deferring
+
+
+def end_now(error: BaseException, code: int) -> NoReturn:
+    """End the process at once, from any thread, with status ``code``, after saying ``error`` on stderr as the command
+    would (the account :class:`RaiseOnSignal` was given, else ``str(error)``) and flushing the logs and streams.
+
+    For a main thread that cannot be reached (:mod:`~recsys_runner.train.stuck`): nothing unwinds, no ``finally`` or
+    ``atexit`` runs; the checkpoints written are whole (a checkpoint is listed only once complete)."""
+    guard = _active
+    account = guard.account if guard is not None and guard.account is not None else str
+    with contextlib.suppress(Exception):
+        print(account(error), file=sys.stderr)
+    for handler in logging.getLogger().handlers + logging.getLogger("recsys_runner").handlers:
+        with contextlib.suppress(Exception):
+            handler.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
