@@ -292,7 +292,7 @@ def exit_codes(launch: Launch) -> Iterator[None]:
             print(interrupted_message(launch, e), file=sys.stderr)
         sys.exit(e.exit_code)
     except KeyboardInterrupt as e:  # a second Ctrl-C as the command ended on its first (inside the training loop it is
-        first = e.__context__         # an Interrupted naming the last checkpoint: train/loop.py's _stopped_again)
+        first = e.__context__         # an Interrupted naming the last checkpoint: train/fault_ends.py's stopped_again)
         if isinstance(first, Interrupted):
             print(interrupted_message(launch, first), file=sys.stderr)
         else:

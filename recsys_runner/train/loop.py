@@ -28,7 +28,8 @@ agree on the signal right after it, not only every ``train.stop_check_every_step
 checkpoint, written with the eval's metrics (or after the end checkpoint), and every rank has trained the same steps; a
 signal after the eval lets its checkpoint be written, then interrupts. A signal while the loop waits on an object store (a checkpoint write, a unit read ahead) is
 taken there at once, since a stalled store can hold a step for its whole retry bound: the run is interrupted with its
-last complete checkpoint (:func:`_store_wait`).
+last complete checkpoint (:func:`~recsys_runner.train.fault_ends.store_wait`; the loop's other endings on a fault are
+there too).
 
 A step's eval metrics are logged once per MLflow run: a resumed run does not evaluate again the step it resumes at when
 an earlier launch completed and logged that eval. Its checkpoint recorded them (``TrainState.metrics``); or, when that
@@ -38,11 +39,9 @@ it), the MLflow run holds them at that step (``Tracker.logged_at``). Those metri
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import logging
-import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -56,17 +55,17 @@ from recsys_runner.data.base import DataModule
 from recsys_runner.data.encoding.stored import oov_rates, unfitted_vocabularies
 from recsys_runner.distributed.config import DistributedConfig
 from recsys_runner.distributed.env import DistEnv, decided_on_rank0
-from recsys_runner.distributed.peers import EXIT_RANK_LOST, RankLost, blocked_on_peer, peer_gone
 from recsys_runner.errors import DataError
 from recsys_runner.models.collision import collision_counters, collision_rates
 from recsys_runner.progress import Progress
 from recsys_runner.tracking.tracker import Tracker
+from recsys_runner.train import fault_ends
 from recsys_runner.train.batch_checks import checked_batches
 from recsys_runner.train.config import TrainConfig
 from recsys_runner.train.evaluation import BestEval, Evaluator
 from recsys_runner.train.log_line import in_the_line, line_extra, on_the_bar
 from recsys_runner.train.profiling import StepProfiler
-from recsys_runner.train.signals import Interrupted, StopSignals, StoreWaitInterrupted, end_now, stopping
+from recsys_runner.train.signals import Interrupted, StopSignals
 from recsys_runner.train.stepping import Stepper
 from recsys_runner.train.stopping import EarlyStopping
 from recsys_runner.train.summaries import Summaries
@@ -96,7 +95,7 @@ class Loop:
         unfitted: the vocabularies said to miss too many training values (each said once).
         profile_dir: where ``train.profile`` writes its traces (``<run dir>/profile`` under the CLI); ``None``: a new
             temporary folder (:class:`~recsys_runner.train.profiling.StepProfiler`).
-        stuck_after_signal_s: ``distributed.stuck_after_signal_s`` (:func:`_stuck`).
+        stuck_after_signal_s: ``distributed.stuck_after_signal_s`` (:func:`~recsys_runner.train.fault_ends.when_stuck`).
     """
 
     config: TrainConfig
@@ -128,10 +127,11 @@ def train(loop: Loop) -> dict[str, float]:
     stop: str | None = None
     evaluated: dict[str, float] | None = None
     last_loss: torch.Tensor | None = None  # the NaN guard checks it before a checkpoint written after the steps
-    with (StopSignals(env.world_size, env.device, cfg.stop_check_every_steps, on_stuck=_stuck(loop, state),
-                      stuck_after_s=loop.stuck_after_signal_s) as signals,
+    with (StopSignals(env.world_size, env.device, cfg.stop_check_every_steps, stuck_after_s=loop.stuck_after_signal_s,
+                      on_stuck=fault_ends.when_stuck(loop.checkpointer, loop.tracker, state)) as signals,
           Progress(loop.total_steps, enabled=env.is_main, unit="step", initial=state.step, mode=cfg.progress) as progress,
-          _rank_lost(loop, state), _store_wait(loop, state), _stopped_again(loop, state)):
+          fault_ends.rank_lost(loop.checkpointer, env.world_size, state), fault_ends.store_wait(loop.checkpointer, state),
+          fault_ends.stopped_again(loop.checkpointer, state)):
         _sanity_eval(loop, state, signals, meter)
         evaluated, stop = _resumed_eval(loop, state, signals, meter, progress)
         while state.step < loop.total_steps and stop is None:
@@ -178,61 +178,6 @@ def train(loop: Loop) -> dict[str, float]:
             raise Interrupted(signum, state.step, loop.checkpointer.save_guarded(state, last_loss, final),
                               when="at the end of training", agreed=True)
     return final
-
-
-@contextlib.contextmanager
-def _store_wait(loop: Loop, state: TrainState) -> Iterator[None]:
-    """A signal that came while the loop waited on an object store stopped it there, not after the step
-    (:class:`~recsys_runner.train.signals.StoreWaitInterrupted`): the run is interrupted with its last complete
-    checkpoint (inside :class:`StopSignals`, so a preemption still hands over to submitit)."""
-    try:
-        yield
-    except StoreWaitInterrupted as e:
-        raise Interrupted(e.signum, state.step, loop.checkpointer.last_saved, when="while waiting on the object store") from None
-
-
-@contextlib.contextmanager
-def _stopped_again(loop: Loop, state: TrainState) -> Iterator[None]:
-    """A second Ctrl-C while the loop stops (writing the checkpoint of the first, or during the final eval) raises
-    ``KeyboardInterrupt`` where the main thread is (:class:`StopSignals`): the run ends at once as an
-    :class:`Interrupted` naming the last complete checkpoint, so it is still ``KILLED`` with the command that resumes.
-    A checkpoint cut off half-written is never listed, so resuming never meets it."""
-    try:
-        yield
-    except KeyboardInterrupt:
-        kept = loop.checkpointer.last_saved or state.resumed_from
-        raise Interrupted(signal.SIGINT, state.step, kept, when="a second time") from None
-
-
-def _stuck(loop: Loop, state: TrainState) -> Callable[[int, float], None]:
-    """What ends a rank whose main thread is still blocked in native code ``distributed.stuck_after_signal_s`` after a
-    SIGTERM (:mod:`~recsys_runner.train.stuck`; called from its watching thread): the lost rank's line and exit 75,
-    as :func:`_rank_lost` ends one whose collective failed, with the last complete checkpoint; rank 0 ends the MLflow run
-    ``FAILED`` first. The SIGTERM torchrun sends the survivors of a lost rank reaches a main thread blocked in a
-    collective that never fails (the lost rank's connection not closed) only this way; torchrun kills it 30 s later."""
-
-    def end(signum: int, waited_s: float) -> None:
-        lost = RankLost(blocked_on_peer(signal.Signals(signum).name, waited_s), step=state.step,
-                        checkpoint=loop.checkpointer.resumable())
-        with contextlib.suppress(Exception):
-            loop.tracker.finish("FAILED")
-        end_now(lost, EXIT_RANK_LOST)
-
-    return end
-
-
-@contextlib.contextmanager
-def _rank_lost(loop: Loop, state: TrainState) -> Iterator[None]:
-    """A collective that failed because another rank is gone ends the run as :class:`RankLost` with the last complete
-    checkpoint (:mod:`recsys_runner.distributed.peers`). Raised inside the loop's signal handlers, which only note
-    the SIGTERM torchrun sends the survivors next; :func:`stopping` keeps it noted after them."""
-    try:
-        yield
-    except RuntimeError as e:
-        if loop.env.world_size == 1 or peer_gone(e) is None:
-            raise
-        stopping()
-        raise RankLost(e, step=state.step, checkpoint=loop.checkpointer.last_saved) from e
 
 
 class _Abandoned(Exception):

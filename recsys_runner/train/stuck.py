@@ -14,7 +14,7 @@ writes the signal's number to a pipe even while the main thread is in native cod
 answers (:meth:`NativeWaitWatch.answered`) and otherwise ignores. A main thread back in Python answers at once, whatever it
 does (finishing its step, writing the checkpoint); when no probe has been answered for ``after_s``
 (``distributed.stuck_after_signal_s``) it is blocked in native code, and the watch calls ``on_stuck``, which ends the
-process (:func:`recsys_runner.train.loop._stuck` says it as a lost rank). Where the main thread is in Python cannot tell
+process (:func:`recsys_runner.train.fault_ends.when_stuck` says it as a lost rank). Where the main thread is in Python cannot tell
 it: a thread that is busy in Python leaves the GIL at the same instruction every time. The main thread holding the GIL in
 native code (a deadlock) stops the watch too: nothing in Python can end that.
 """
