@@ -186,27 +186,37 @@ def _read_spans(spans: list[list[Span]], shares: list[int], short: int, picked: 
     """One pass over ``spans`` in order, each reading its share (and what is ``short`` of those before it) into
     ``picked``; each file opened once. What is still short."""
     handles: dict[str, IO[bytes]] = {}
-    try:
-        for parts, share in zip(spans, shares, strict=True):
-            short += share
-            for span in parts:
-                if short > 0 and span.pos < span.stop:
-                    if span.path not in handles:
-                        handles[span.path] = stores.open_input(span.path, buffer_bytes=SPAN_BUFFER_BYTES)
-                    short -= _span_lines(handles[span.path], span, short, picked[span.path])
-    finally:
-        for f in handles.values():
-            f.close()
+    starts: dict[str, list[int]] = {}
+    for span in (span for parts in spans for span in parts if span.pos < span.stop):
+        starts.setdefault(span.path, []).append(_entry(span))
+    with stores.read_ahead_inputs(starts, SPAN_BUFFER_BYTES, SPAN_BUFFER_BYTES) as open_input:
+        try:
+            for parts, share in zip(spans, shares, strict=True):
+                short += share
+                for span in parts:
+                    if short > 0 and span.pos < span.stop:
+                        if span.path not in handles:
+                            handles[span.path] = open_input(span.path)
+                        short -= _span_lines(handles[span.path], span, short, picked[span.path])
+        finally:
+            for f in handles.values():
+                f.close()
     return short
+
+
+def _entry(span: Span) -> int:
+    """Where reading ``span`` seeks to: its position, or the byte before it where it may begin inside a line (the rest of
+    that line is read to resync)."""
+    return span.pos - 1 if span.pos > span.data_start and not span.synced else span.pos
 
 
 def _span_lines(f: IO[bytes], span: Span, n: int, out: list[tuple[int, bytes]]) -> int:
     """Up to ``n`` more non-blank lines that start in ``span`` (from where it stopped), read from its file ``f``, into
     ``out`` with each one's byte offset; how many."""
     got = 0
-    resync = span.pos > span.data_start and not span.synced
-    f.seek(span.pos - 1 if resync else span.pos)  # plain text: entered by a seek
-    if resync:  # the rest of the line the span begins in (a lone newline where it begins at a line)
+    entry = _entry(span)
+    f.seek(entry)  # plain text: entered by a seek
+    if entry < span.pos:  # the rest of the line the span begins in (a lone newline where it begins at a line)
         span.pos += len(f.readline()) - 1
     span.synced = True
     while got < n and span.pos < span.stop:
