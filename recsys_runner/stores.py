@@ -29,7 +29,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 import fsspec
 import pyarrow as pa
@@ -38,6 +38,9 @@ import pyarrow.fs as pafs
 from recsys_runner import uris
 from recsys_runner.errors import DataError, UserError
 from recsys_runner.store_settings import arrow_s3, endpoint_url, fsspec_for, settings
+
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
 
 
 def _botocore_errors() -> tuple[type[BaseException], ...]:
@@ -222,14 +225,15 @@ class _ReadAhead(io.RawIOBase):
         self._pos = base + offset
         return self._pos
 
-    def readinto(self, buffer: memoryview) -> int:  # type: ignore[override]
-        data = self._ahead(len(buffer))
+    def readinto(self, buffer: WriteableBuffer) -> int:
+        view = memoryview(buffer).cast("B")
+        data = self._ahead(len(view))
         if data is None:
             try:
-                data = bytes(self._file("reading it").read_at(len(buffer), self._pos))
+                data = bytes(self._file("reading it").read_at(len(view), self._pos))
             except STORE_ERRORS as e:
                 raise store_error(self._uri, e, doing="reading it") from None
-        buffer[:len(data)] = data
+        view[:len(data)] = data
         self._pos += len(data)
         return len(data)
 
