@@ -20,19 +20,27 @@ calls, which work on both (:func:`read_bytes`, :func:`arrow_filesystem`, :func:`
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import glob as local_glob
 import io
 import os
 import shutil
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 import fsspec
+import pyarrow as pa
 import pyarrow.fs as pafs
 
 from recsys_runner import uris
 from recsys_runner.errors import DataError, UserError
 from recsys_runner.store_settings import arrow_s3, endpoint_url, fsspec_for, settings
+
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
 
 
 def _botocore_errors() -> tuple[type[BaseException], ...]:
@@ -154,6 +162,106 @@ def open_input(path: str, *, buffer_bytes: int = 1 << 20) -> IO[bytes]:
         return io.BufferedReader(fs.open_input_file(rest), buffer_size=buffer_bytes)
     except STORE_ERRORS as e:
         raise store_error(path, e, doing="opening it") from None
+
+
+READ_AHEAD_THREADS = 16
+"""How many requests :func:`read_ahead_inputs` has in flight at once: 1,000 blocks cost about 63 round trips, not 1,000
+(docs/data.md, the sample's cost)."""
+
+
+@contextlib.contextmanager
+def read_ahead_inputs(starts: dict[str, list[int]], block_bytes: int, buffer_bytes: int) -> Iterator[Callable[[str], IO[bytes]]]:
+    """An opener of the files ``starts`` names, as :func:`open_input` opens them, where an object's blocks of
+    ``block_bytes`` at its ``starts`` (in the order they will be read) are fetched ahead, :data:`READ_AHEAD_THREADS` at a
+    time, and served from memory: a reader that seeks to many places one after another (the spread sample) waits for a
+    few round trips, not one per place. Local files are opened as they are (a seek costs nothing). Reads pending at
+    the end are cancelled; the openers' files must be closed by then."""
+    remote = [path for path in starts if uris.is_uri(path)]
+    if not remote:
+        yield lambda path: open_input(path, buffer_bytes=buffer_bytes)
+        return
+    readers: dict[str, _ReadAhead] = {}
+    with ThreadPoolExecutor(READ_AHEAD_THREADS, thread_name_prefix="read-ahead") as pool:
+        try:
+            for path in remote:  # in order: a file's open, then its blocks, ahead of the next file's
+                fs, rest = arrow_filesystem(path)
+                opened = pool.submit(fs.open_input_file, rest)
+                readers[path] = _ReadAhead(path, opened, [(at, pool.submit(_read_block, opened, at, block_bytes))
+                                                          for at in sorted(starts[path])])
+            yield lambda path: (io.BufferedReader(readers[path], buffer_size=buffer_bytes) if path in readers
+                                else open_input(path, buffer_bytes=buffer_bytes))
+        finally:
+            pool.shutdown(cancel_futures=True)
+            for reader in readers.values():
+                reader.release()
+
+
+def _read_block(opened: Future[pa.NativeFile], at: int, size: int) -> bytes:
+    """``size`` bytes at ``at`` (fewer at the end) of the file ``opened`` (its open submitted before: done or running)."""
+    return bytes(opened.result().read_at(size, at))  # Arrow's read_at: thread-safe, no shared position
+
+
+class _ReadAhead(io.RawIOBase):
+    """An object read at its position from a block fetched ahead that holds it (waited for), else by a request of its
+    own; a store's failure, in the thread that fetched a block or here, becomes :func:`store_error` naming the URI."""
+
+    def __init__(self, uri: str, opened: Future[pa.NativeFile], blocks: list[tuple[int, Future[bytes]]]) -> None:
+        super().__init__()
+        self._uri, self._opened, self._blocks = uri, opened, blocks
+        self._starts = [at for at, _ in blocks]
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = 0 if whence == io.SEEK_SET else self._pos if whence == io.SEEK_CUR else self._file("reading its size").size()
+        self._pos = base + offset
+        return self._pos
+
+    def readinto(self, buffer: WriteableBuffer) -> int:
+        view = memoryview(buffer).cast("B")
+        data = self._ahead(len(view))
+        if data is None:
+            try:
+                data = bytes(self._file("reading it").read_at(len(view), self._pos))
+            except STORE_ERRORS as e:
+                raise store_error(self._uri, e, doing="reading it") from None
+        view[:len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+    def _ahead(self, size: int) -> bytes | None:
+        """Up to ``size`` bytes at the position from the last block starting at or before it, where it holds it (blocks are
+        of one size, so no earlier one does then)."""
+        i = bisect.bisect_right(self._starts, self._pos) - 1
+        if i < 0:
+            return None
+        at, block = self._blocks[i]
+        try:
+            data = block.result()
+        except STORE_ERRORS as e:
+            raise store_error(self._uri, e, doing="reading it") from None
+        if self._pos - at >= len(data):
+            return None
+        return data[self._pos - at:self._pos - at + size]
+
+    def _file(self, doing: str) -> pa.NativeFile:
+        try:
+            return self._opened.result()
+        except STORE_ERRORS as e:
+            raise store_error(self._uri, e, doing=doing) from None
+
+    def release(self) -> None:
+        """Close the object's file (the reads ahead are over)."""
+        if not self._opened.cancelled() and self._opened.done() and self._opened.exception() is None:
+            self._opened.result().close()
 
 
 def file_size(path: str) -> int:

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from multiprocessing import forkserver
@@ -33,6 +34,7 @@ from recsys_runner.config import register_configs
 from recsys_runner.configurable import make
 from recsys_runner.data.files.prefetch import read_ahead
 from recsys_runner.data.files.sources import Unit
+from recsys_runner.data.files.spread_sample import spread_lines, text_spans
 from recsys_runner.data.files.tabular import CriteoData, CsvData, ParquetData
 from recsys_runner.data.files.tabular_config import CriteoDataConfig, CsvDataConfig, ParquetDataConfig
 from recsys_runner.data.generated.generate import write_criteo_csv, write_criteo_parquet, write_criteo_tsv
@@ -210,6 +212,93 @@ def test_reads_retry_then_fail_clearly_when_the_server_stops(s3_env: MotoServer,
         assert time.monotonic() - started >= 1  # it waited and tried again before giving up
     finally:
         server.stop()
+
+
+class _CountedReads:
+    """A store's file whose reads (``read_at``, ``readinto``, ``read``: every way pyarrow's file is read) are counted,
+    with the most in flight at once; each takes a little longer, so reads issued together overlap."""
+
+    def __init__(self, f: object, counts: dict[str, int], lock: threading.Lock, fail: BaseException | None) -> None:
+        self._f, self._counts, self._lock, self._fail = f, counts, lock, fail
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._f, name)
+
+    def _counted(self, name: str, *args: object) -> object:
+        with self._lock:
+            self._counts["total"] += 1
+            self._counts["now"] += 1
+            self._counts["most"] = max(self._counts["most"], self._counts["now"])
+        try:
+            time.sleep(0.002)
+            if self._fail is not None:
+                raise self._fail
+            return getattr(self._f, name)(*args)
+        finally:
+            with self._lock:
+                self._counts["now"] -= 1
+
+    def read_at(self, *args: object) -> object:
+        return self._counted("read_at", *args)
+
+    def readinto(self, *args: object) -> object:
+        return self._counted("readinto", *args)
+
+    def read(self, *args: object) -> object:
+        return self._counted("read", *args)
+
+
+def _count_reads(monkeypatch: pytest.MonkeyPatch, fail: BaseException | None = None) -> dict[str, int]:
+    """Count the reads of the files the store opens (:class:`_CountedReads`); with ``fail``, each raises it instead."""
+    counts, lock, real = {"total": 0, "now": 0, "most": 0}, threading.Lock(), stores.arrow_filesystem
+
+    class Fs:
+        def __init__(self, fs: object) -> None:
+            self._fs = fs
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self._fs, name)
+
+        def open_input_file(self, path: str) -> object:
+            return _CountedReads(self._fs.open_input_file(path), counts, lock, fail)  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(stores, "arrow_filesystem", lambda path: (lambda fs, rest: (Fs(fs), rest))(*real(path)))
+    return counts
+
+
+@pytest.fixture(scope="module")
+def long_lines_csv(s3: MotoServer) -> tuple[Path, str]:
+    """A 4 MB CSV of lines of uneven length, a few longer than a span's block (40 KB), locally and in the bucket."""
+    rng = np.random.default_rng(5)
+    path = s3.local / "long.csv"  # type: ignore[attr-defined]
+    with open(path, "wb") as f:
+        f.write(b"id,label,text\n")
+        for i in range(30_000):
+            width = 40_000 if i % 2_000 == 7 else int(rng.integers(20, 250))
+            f.write(b"%d,%d,%s\n" % (i, i % 2, b"x" * width))
+    s3.put(path, "s3://data/spread/long.csv")
+    return path, "s3://data/spread/long.csv"
+
+
+def test_spread_sample_of_a_bucket_file_is_the_local_files_read_ahead_concurrently(
+        s3_env: MotoServer, long_lines_csv: tuple[Path, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    local, uri = long_lines_csv
+    start = len(b"id,label,text\n")
+    num_rows = 5_000  # 250 spans of 20 KB, some holding a line longer than the 16 KiB read ahead at a span
+    spans = len(text_spans([(str(local), start, local.stat().st_size)], num_rows))
+    want = spread_lines([(str(local), start)], num_rows)[str(local)]
+    counts = _count_reads(monkeypatch)
+    got = spread_lines([(uri, start)], num_rows)[uri]
+    assert got == want and len(got) == num_rows  # the same lines at the same offsets
+    assert counts["most"] > 1  # the spans' reads overlap, not one round trip after another
+    assert spans <= counts["total"] <= spans + 40  # a request per span, and one per 16 KiB more of the 15 long lines
+
+
+def test_a_store_failure_in_a_read_ahead_names_the_uri(s3_env: MotoServer, long_lines_csv: tuple[Path, str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    _count_reads(monkeypatch, fail=OSError("AWS Error NETWORK_CONNECTION during GetObject operation: curlCode: 7"))
+    with pytest.raises(DataError, match=r"^s3://data/spread/long.csv \(reading it\): the store cannot be reached.*Fix:"):
+        spread_lines([(long_lines_csv[1], 14)], 10_000)
 
 
 # -- 2. checkpoints -----------------------------------------------------------------------------------------------------

@@ -33,8 +33,9 @@ PIECE_ROWS = 20
 MAX_PIECES = 1000
 """The most runs a spread sample is taken in: a sample of 100,000 rows is 1,000 runs of 100 rows, a run every 40,000
 rows of Avazu's 40-million-row ``train.csv`` (an hour holds 170,000 on average), where 100 spans of plain text and 10
-runs of Parquet missed hours between them. Each run of plain text costs a seek (an object store's request), so runs are
-not made shorter than the sample allows: 1,000 seeks read 100,000 lines about as fast as 100 did (docs/data.md)."""
+runs of Parquet missed hours between them. Each run of plain text costs a seek (an object store's request, made
+:data:`~recsys_runner.stores.READ_AHEAD_THREADS` at a time), so runs are not made shorter than the sample allows: 1,000
+seeks read 100,000 lines about as fast as 100 did (docs/data.md)."""
 
 PARQUET_DECODE_FACTOR = 4
 """How many times the sample's rows a Parquet spread sample may decode: a run decodes its row group's rows before it
@@ -171,7 +172,8 @@ def spread_lines(files: list[tuple[str, int]], num_rows: int) -> dict[str, list[
     sample its first lines (a span begins at the first line that starts in it: one ``readline`` resyncs a seek). A span
     whose lines run out before its share (lines are longer there) passes the rest on to the next, and what is still short
     is read on after where each span stopped; so files holding no more lines than the sample give every line, in order,
-    as the head sample does. Each file is opened once a pass, its spans entered by a seek each (not a scan of the file)."""
+    as the head sample does. Each file is opened once a pass, its spans entered by a seek each (not a scan of the file);
+    an object's spans' first :data:`SPAN_BUFFER_BYTES` are fetched ahead, concurrently (:func:`_read_spans`)."""
     spans = text_spans([(path, start, stores.file_size(path)) for path, start in files], num_rows)
     k = len(spans)
     shares = [(i + 1) * num_rows // k - i * num_rows // k for i in range(k)]
@@ -184,29 +186,41 @@ def spread_lines(files: list[tuple[str, int]], num_rows: int) -> dict[str, list[
 
 def _read_spans(spans: list[list[Span]], shares: list[int], short: int, picked: dict[str, list[tuple[int, bytes]]]) -> int:
     """One pass over ``spans`` in order, each reading its share (and what is ``short`` of those before it) into
-    ``picked``; each file opened once. What is still short."""
+    ``picked``; each file opened once, an object's blocks at the spans it may enter read ahead
+    (:func:`~recsys_runner.stores.read_ahead_inputs`: a few round trips' wait, not one per span; those the pass does not
+    reach are cancelled). What is still short."""
     handles: dict[str, IO[bytes]] = {}
-    try:
-        for parts, share in zip(spans, shares, strict=True):
-            short += share
-            for span in parts:
-                if short > 0 and span.pos < span.stop:
-                    if span.path not in handles:
-                        handles[span.path] = stores.open_input(span.path, buffer_bytes=SPAN_BUFFER_BYTES)
-                    short -= _span_lines(handles[span.path], span, short, picked[span.path])
-    finally:
-        for f in handles.values():
-            f.close()
+    starts: dict[str, list[int]] = {}
+    for span in (span for parts in spans for span in parts if span.pos < span.stop):
+        starts.setdefault(span.path, []).append(_entry(span))
+    with stores.read_ahead_inputs(starts, SPAN_BUFFER_BYTES, SPAN_BUFFER_BYTES) as open_input:
+        try:
+            for parts, share in zip(spans, shares, strict=True):
+                short += share
+                for span in parts:
+                    if short > 0 and span.pos < span.stop:
+                        if span.path not in handles:
+                            handles[span.path] = open_input(span.path)
+                        short -= _span_lines(handles[span.path], span, short, picked[span.path])
+        finally:
+            for f in handles.values():
+                f.close()
     return short
+
+
+def _entry(span: Span) -> int:
+    """Where reading ``span`` seeks to: its position, or the byte before it where it may begin inside a line (the rest of
+    that line is read to resync)."""
+    return span.pos - 1 if span.pos > span.data_start and not span.synced else span.pos
 
 
 def _span_lines(f: IO[bytes], span: Span, n: int, out: list[tuple[int, bytes]]) -> int:
     """Up to ``n`` more non-blank lines that start in ``span`` (from where it stopped), read from its file ``f``, into
     ``out`` with each one's byte offset; how many."""
     got = 0
-    resync = span.pos > span.data_start and not span.synced
-    f.seek(span.pos - 1 if resync else span.pos)  # plain text: entered by a seek
-    if resync:  # the rest of the line the span begins in (a lone newline where it begins at a line)
+    entry = _entry(span)
+    f.seek(entry)  # plain text: entered by a seek
+    if entry < span.pos:  # the rest of the line the span begins in (a lone newline where it begins at a line)
         span.pos += len(f.readline()) - 1
     span.synced = True
     while got < n and span.pos < span.stop:
