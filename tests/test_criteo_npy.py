@@ -46,6 +46,12 @@ def rows_of(batches) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return dense, ids, labels
 
 
+def in_row_order(rows: tuple[np.ndarray, ...]) -> list[np.ndarray]:
+    """``rows`` (as :func:`rows_of`) sorted by their values: rows read in another order, aligned."""
+    order = np.lexsort(np.concatenate([rows[0], rows[1], rows[2][:, None]], axis=1).T)
+    return [r[order] for r in rows]
+
+
 def npy_data(path: Path, **overrides) -> CriteoNpyData:
     return CriteoNpyData(make(CriteoNpyDataConfig, path=str(path), eval_path=str(path), batch_size=256, shuffle=False, drop_remainder=False,
                               num_embeddings_per_feature=SIZES, block_rows=400, **overrides))
@@ -65,10 +71,17 @@ def test_rows_equal_torchrec_datapipe(days: Path) -> None:
         np.testing.assert_array_equal(g, w)
     ranks = [rows_of(data.train_batches(0, r, 2)) for r in range(2)]
     assert all(0 < len(r[0]) < sum(DAY_ROWS) for r in ranks)
-    key = lambda rows: np.lexsort(np.concatenate([rows[0], rows[1], rows[2][:, None]], axis=1).T)  # noqa: E731
-    both = [np.concatenate([r[i] for r in ranks]) for i in range(3)]
-    for g, w in zip(both, want, strict=True):
-        np.testing.assert_array_equal(g[key(both)], w[key(want)])
+    both = tuple(np.concatenate([r[i] for r in ranks]) for i in range(3))
+    for g, w in zip(in_row_order(both), in_row_order(want), strict=True):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_workers_read_the_same_rows(days: Path) -> None:
+    """Two DataLoader workers (each a share of the blocks) read every row once: the source crosses to them whole."""
+    alone, workers = (rows_of(npy_data(days, num_workers=n).train_batches(0, 0, 1)) for n in (0, 2))
+    assert not np.array_equal(alone[0], workers[0])  # the workers' batches interleave: read apart
+    for g, w in zip(in_row_order(workers), in_row_order(alone), strict=True):
+        np.testing.assert_array_equal(g, w)
 
 
 def test_dlrm_trains_on_npy_days(make_cfg, days: Path) -> None:
