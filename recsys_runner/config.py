@@ -32,7 +32,7 @@ from recsys_runner.config_keys import check_known_keys
 from recsys_runner.configurable import Configurable, typed
 from recsys_runner.data.base import DataConfig
 from recsys_runner.data.collision import resolve_collision_modules
-from recsys_runner.data.files.tabular_config import CriteoDataConfig, CsvDataConfig, ParquetDataConfig
+from recsys_runner.data.files.tabular_config import CriteoDataConfig, CriteoNpyDataConfig, CsvDataConfig, ParquetDataConfig
 from recsys_runner.data.generated.synthetic_config import SyntheticDataConfig
 from recsys_runner.data.generated.synthetic_sequences import SyntheticSequencesConfig
 from recsys_runner.distributed.config import DistributedConfig, check_sharding_types, resolve_device_type
@@ -181,7 +181,7 @@ GROUPS: dict[str, dict[str, type]] = {
               "xdeepfm": XDeepFMConfig, "autoint": AutoIntConfig, "masknet": MaskNetConfig,
               "dcn": DCNConfig, "wukong": WukongConfig, "hstu_rank": HSTURankConfig, "esmm": ESMMConfig, "mind": MINDConfig},
     "data": {"synthetic": SyntheticDataConfig, "parquet": ParquetDataConfig, "csv": CsvDataConfig, "criteo": CriteoDataConfig,
-             "synthetic_sequences": SyntheticSequencesConfig},
+             "criteo_npy": CriteoNpyDataConfig, "synthetic_sequences": SyntheticSequencesConfig},
     "optim": {"optim": OptimConfig},
     "optim/sparse": {
         "sgd": SparseSGDConfig,

@@ -142,10 +142,12 @@ class Unit:
     """Text files: the block's ``[start, stop)`` byte offsets."""
     compression: str | None = None
     """A compressed text file's compression: the unit is the whole file, read as one stream from its start."""
+    row_block: bool = False
+    """A block of rows of an array file (a day of ``.npy`` files, :mod:`~recsys_runner.data.files.npy_source`)."""
 
     @property
     def part(self) -> str:
-        if self.byte_range != (0, 0) or self.compression is not None:
+        if self.byte_range != (0, 0) or self.compression is not None or self.row_block:
             return f"rows {self.first_row}-{self.first_row + self.num_rows - 1}"
         return f"row group {self.index}"
 

@@ -1,4 +1,4 @@
-"""The file data options ``data=parquet``, ``data=csv`` and ``data=criteo``: each one's row source and where its schema comes from.
+"""The file data options ``data=parquet``, ``data=csv``, ``data=criteo`` and ``data=criteo_npy``: each one's row source and where its schema comes from.
 
 A data option reads its schema from the model's stored encoders (a checkpoint), a ``data.schema`` file, the config's
 columns, the schema ``convert`` stored in Parquet files, or infers what they leave open from a sample of the files
@@ -23,6 +23,7 @@ from recsys_runner.data.encoding.rows import float_ids
 from recsys_runner.data.encoding.stored import StoredEncoders, check_inputs
 from recsys_runner.data.encoding.values import is_list
 from recsys_runner.data.files.csv_source import CsvSource
+from recsys_runner.data.files.npy_source import NpySource
 from recsys_runner.data.files.sources import PARQUET_REPEATS_FIX, ParquetSource, check_unique_names, plain_schema
 from recsys_runner.data.files.streaming import KIND_SAMPLE_ROWS, TabularData
 from recsys_runner.data.files.tabular_config import (
@@ -37,7 +38,7 @@ from recsys_runner.data.files.tabular_config import (
     mapping_option,
 )
 from recsys_runner.data.locate import PARQUET_SUFFIXES, resolve_files
-from recsys_runner.data.schema import Schema
+from recsys_runner.data.schema import DenseColumn, Schema, SparseColumn
 from recsys_runner.data.schema_files import read_schema_file, schema_yaml, stored_schema
 from recsys_runner.data.sequences.histories import check_list_columns
 from recsys_runner.errors import ConfigError, DataError
@@ -298,7 +299,7 @@ class CriteoData(TabularData):
             super().__init__(config, encoders.schema, encoders)
             return
         sizes: list[int | None] = [*config.num_embeddings_per_feature] if config.num_embeddings_per_feature else [config.num_embeddings] * CRITEO_NUM_SPARSE
-        dense, sparse = criteo_columns(sizes, config.categorical_encoding, config.dense_transform)
+        dense, sparse = self._columns(sizes)
         where = f"data.path={config.path!r}"
         done = complete_schema(label="label", labels=None, label_kinds=None, label_threshold=None, dense=dense, sparse=sparse,
                                sample=lambda: self.open_files(config.path, "data.path").sample(config.infer.sample_rows, spread=not fit_on_head),
@@ -306,8 +307,26 @@ class CriteoData(TabularData):
         log_inferred(done, where)
         super().__init__(config, done.schema)
 
-    def _source(self, files: list[str]) -> CsvSource:
+    def _columns(self, sizes: list[int | None]) -> tuple[list[DenseColumn], list[SparseColumn]]:
+        """Criteo's columns with these table sizes: hex ids in text."""
+        return criteo_columns(sizes, self.criteo.categorical_encoding, self.criteo.dense_transform)
+
+    def _source(self, files: list[str]) -> Any:
         c = self.criteo
         return CsvSource(files, self.schema.columns if hasattr(self, "schema") else [], delimiter="\t", header=False,
                          column_names=CRITEO_COLUMNS, null_values=c.missing_texts(), block_rows=c.block_rows, on_bad_rows=c.on_bad_rows,
                          fixed_layout=CRITEO_LAYOUT)
+
+
+class CriteoNpyData(CriteoData):
+    """``data=criteo_npy``: TorchRec's preprocessed Criteo days (see :class:`CriteoNpyDataConfig`,
+    :mod:`recsys_runner.data.files.npy_source`): Criteo's columns, the ids integers, the dense values read as they are."""
+
+    def _columns(self, sizes: list[int | None]) -> tuple[list[DenseColumn], list[SparseColumn]]:
+        return criteo_columns(sizes, self.criteo.categorical_encoding, self.criteo.dense_transform, hex_ids=False)
+
+    def _suffixes(self) -> tuple[str, ...] | None:
+        return (".npy",)
+
+    def _source(self, files: list[str]) -> NpySource:
+        return NpySource(files, self.schema.columns if hasattr(self, "schema") else [], self.criteo.block_rows)

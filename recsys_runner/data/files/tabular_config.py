@@ -1,4 +1,4 @@
-"""The configs of the file-backed data options (``data=parquet``, ``data=csv``, ``data=criteo``) and the Criteo layout.
+"""The configs of the file-backed data options (``data=parquet``, ``data=csv``, ``data=criteo``, ``data=criteo_npy``) and the Criteo layout.
 
 Each config's ``_target_`` names its reader in :mod:`recsys_runner.data.files.tabular`; docs/data.md has the full reference.
 """
@@ -341,10 +341,11 @@ class CriteoDataConfig(TabularDataConfig):
 
 
 def criteo_columns(num_embeddings: list[int | None], categorical_encoding: str = "mod",
-                   dense_transform: str = "log1p") -> tuple[list[DenseColumn], list[SparseColumn]]:
+                   dense_transform: str = "log1p", hex_ids: bool = True) -> tuple[list[DenseColumn], list[SparseColumn]]:
     """The Criteo dense and sparse columns with the usual preprocessing (a ``None`` size: sized from the data, a
-    vocabulary or ``categorical_encoding``, :mod:`recsys_runner.data.encoding.fit`)."""
-    hexed = categorical_encoding == "mod"
+    vocabulary or ``categorical_encoding``, :mod:`recsys_runner.data.encoding.fit`); ``hex_ids`` false: the ids are
+    integers already (TorchRec's ``.npy`` files), not the TSV's hex text."""
+    hexed = categorical_encoding == "mod" and hex_ids
     return ([DenseColumn(name=f"int_{i}", transform=dense_transform) for i in range(CRITEO_NUM_DENSE)],
             [SparseColumn(name=f"cat_{i}", num_embeddings=n, encoding=categorical_encoding if n is not None else None, hex=hexed)
              for i, n in enumerate(num_embeddings)])
@@ -366,3 +367,26 @@ def mapping_option(value: Any, key: str) -> dict[str, str] | None:
     require(value is None or (isinstance(value, dict) and all(isinstance(v, str) for v in value.values())),
             f"{key}={value!r} must be a mapping of task names to strings, e.g. {key}='{{ctr: click, cvr: conversion}}', or null")
     return None if value is None else {str(k): v for k, v in value.items()}
+
+
+@dataclass(kw_only=True)
+class CriteoNpyDataConfig(CriteoDataConfig):
+    """Schema of ``conf/data/criteo_npy.yaml``: Criteo as TorchRec's DLRM example preprocesses it
+    (:mod:`recsys_runner.data.files.npy_source`): ``data.path`` a folder of ``day_{i}_{dense,sparse,labels}.npy``.
+
+    The dense values are already log-transformed (``dense_transform: none``: a second log would change them); the ids
+    are integers, taken modulo the table size as TorchRec's ``InMemoryBinaryCriteoIterDataPipe`` takes them with its
+    ``hashes`` (``num_embeddings_per_feature``, else ``num_embeddings`` for all 26, ``100000`` as in ``dlrm_main.py``).
+    """
+
+    _target_: str = "recsys_runner.data.files.tabular.CriteoNpyData"
+    num_embeddings: int | None = 100_000
+    """Table size of every categorical column (TorchRec's ``dlrm_main.py --num_embeddings`` default); ``null``: sized from
+    a sample of the files, as ``data=criteo``'s."""
+    dense_transform: str = "none"
+    """``none``: the files' dense values are ``log`` of the counts already (``tsv_to_npys``)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.categorical_encoding == "mod", f"data.categorical_encoding={self.categorical_encoding!r}: data=criteo_npy reads "
+                "integer ids, taken modulo the table size as TorchRec does. Fix: leave data.categorical_encoding=mod")

@@ -1,0 +1,126 @@
+"""``data=criteo_npy``: TorchRec's preprocessed Criteo days, written by TorchRec's own ``tsv_to_npys``, read into the same
+rows TorchRec's ``InMemoryBinaryCriteoIterDataPipe`` yields (dense as they are, ids modulo the table sizes, labels), split
+between ranks, trained on by ``model=dlrm``; mismatched days refused naming the file."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torchrec.datasets.criteo import DEFAULT_CAT_NAMES, BinaryCriteoUtils, InMemoryBinaryCriteoIterDataPipe
+
+from recsys_runner.__main__ import run
+from recsys_runner.configurable import make
+from recsys_runner.data.files.tabular import CriteoNpyData
+from recsys_runner.data.files.tabular_config import CriteoNpyDataConfig
+from recsys_runner.data.generated.generate import write_criteo_tsv
+from recsys_runner.errors import DataError
+
+SIZES = [50 + 7 * i for i in range(26)]
+"""Table sizes below the generated ids' spread, so the modulo matters."""
+DAY_ROWS = (1500, 1100)
+KINDS = ("dense", "sparse", "labels")
+
+
+@pytest.fixture(scope="module")
+def days(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two days in TorchRec's layout, written by TorchRec's ``tsv_to_npys`` from generated Criteo TSV."""
+    root = tmp_path_factory.mktemp("npy")
+    for day, rows in enumerate(DAY_ROWS):
+        tsv = root / f"day_{day}.tsv"
+        write_criteo_tsv(str(tsv), rows, seed=day, cardinality=5000)
+        BinaryCriteoUtils.tsv_to_npys(str(tsv), *(str(root / f"day_{day}_{kind}.npy") for kind in KINDS))
+        tsv.unlink()
+    return root
+
+
+def rows_of(batches) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Dense values, ids (a column per table, TorchRec's order) and labels of ``batches``, row after row."""
+    batches = list(batches)
+    dense = torch.cat([b.dense_features for b in batches]).numpy()
+    ids = np.concatenate([np.stack([b.sparse_features[k].values().numpy() for k in DEFAULT_CAT_NAMES], axis=1) for b in batches])
+    labels = torch.cat([b.labels.reshape(-1) for b in batches]).numpy()
+    return dense, ids, labels
+
+
+def in_row_order(rows: tuple[np.ndarray, ...]) -> list[np.ndarray]:
+    """``rows`` (as :func:`rows_of`) sorted by their values: rows read in another order, aligned."""
+    order = np.lexsort(np.concatenate([rows[0], rows[1], rows[2][:, None]], axis=1).T)
+    return [r[order] for r in rows]
+
+
+def npy_data(path: Path, **overrides) -> CriteoNpyData:
+    return CriteoNpyData(make(CriteoNpyDataConfig, path=str(path), eval_path=str(path), batch_size=256, shuffle=False, drop_remainder=False,
+                              num_embeddings_per_feature=SIZES, block_rows=400, **overrides))
+
+
+def test_rows_equal_torchrec_datapipe(days: Path) -> None:
+    """Every row as TorchRec's pipe yields it (with ``hashes``): in order on one rank, and two ranks' rows are those rows,
+    each once. TSV ids ~5000 apart are taken modulo tables of 50-225 rows, and dense are not logged a second time."""
+    paths = {kind: [str(days / f"day_{d}_{kind}.npy") for d in range(len(DAY_ROWS))] for kind in KINDS}
+    pipe = InMemoryBinaryCriteoIterDataPipe("train", paths["dense"], paths["sparse"], paths["labels"], batch_size=300, rank=0,
+                                            world_size=1, hashes=SIZES)
+    want = rows_of(pipe)
+    assert len(want[0]) == sum(DAY_ROWS) and want[1].max() < max(SIZES)
+    data = npy_data(days)
+    got = rows_of(data.train_batches(0, 0, 1))
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+    ranks = [rows_of(data.train_batches(0, r, 2)) for r in range(2)]
+    assert all(0 < len(r[0]) < sum(DAY_ROWS) for r in ranks)
+    both = tuple(np.concatenate([r[i] for r in ranks]) for i in range(3))
+    for g, w in zip(in_row_order(both), in_row_order(want), strict=True):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_workers_read_the_same_rows(days: Path) -> None:
+    """Two DataLoader workers (each a share of the blocks) read every row once: the source crosses to them whole."""
+    alone, workers = (rows_of(npy_data(days, num_workers=n).train_batches(0, 0, 1)) for n in (0, 2))
+    assert not np.array_equal(alone[0], workers[0])  # the workers' batches interleave: read apart
+    for g, w in zip(in_row_order(workers), in_row_order(alone), strict=True):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_dlrm_trains_on_npy_days(make_cfg, days: Path) -> None:
+    cfg = make_cfg("data=criteo_npy", f"data.path={days}", "data.num_embeddings_per_feature=[" + ",".join(map(str, SIZES)) + "]",
+                   "model=dlrm", "train.num_steps=8", "train.log_every_steps=4", "train.eval_every_steps=null",
+                   "distributed.device=cpu", "data.batch_size=256", tiny=False)
+    assert np.isfinite(run(cfg))
+
+
+def copy_days(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for f in src.glob("*.npy"):
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+@pytest.mark.parametrize("broken, message", [
+    (lambda d: (d / "day_1_sparse.npy").unlink(),
+     r"day 1 has day_1_\w+\.npy but no day_1_sparse\.npy next to it .* each day is three files.*Fix: write day 1 again"),
+    (lambda d: np.save(d / "day_0_labels.npy", np.zeros((7, 1), np.int32)),
+     r"day 0's files differ in rows \(day_0_dense.npy: 1500, day_0_sparse.npy: 1500, day_0_labels.npy: 7\).*Fix: write the day again"),
+    (lambda d: np.save(d / "day_1_dense.npy", np.zeros((1100, 12), np.float32)),
+     r"day_1_dense\.npy holds an array of shape \(1100, 12\), but TorchRec's dense file of a Criteo day holds \[rows, 13\].*Fix"),
+    (lambda d: np.save(d / "day_0_sparse.npy", np.zeros((1500, 26), np.float32)),
+     r"day_0_sparse\.npy holds float32 values, but TorchRec's sparse file holds integers.*Fix"),
+    (lambda d: np.save(d / "extra.npy", np.zeros(3)),
+     r"extra\.npy is not named as TorchRec names its Criteo files \(day_<i>_dense\.npy.*Fix: rename it so, or remove it"),
+])
+def test_mismatched_days_name_the_file(days: Path, tmp_path: Path, broken, message: str) -> None:
+    folder = copy_days(days, tmp_path / "days")
+    broken(folder)
+    with pytest.raises(DataError, match=message) as e:
+        npy_data(folder)
+    assert "\n" not in str(e.value)
+
+
+def test_missing_folder_and_criteo_defaults(tmp_path: Path) -> None:
+    """A DLRM user's defaults: no second log, ids modulo dlrm_main's 100000 rows; a folder without .npy files is refused."""
+    config = make(CriteoNpyDataConfig, path=str(tmp_path))
+    assert (config.dense_transform, config.num_embeddings, config.categorical_encoding) == ("none", 100_000, "mod")
+    with pytest.raises(DataError, match=re.escape(str(tmp_path))):
+        CriteoNpyData(config)
