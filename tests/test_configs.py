@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
+from torchrec.datasets.criteo import BinaryCriteoUtils
 
 from recsys_runner.config import GROUPS, RunConfig, validate
 from recsys_runner.data.base import DataConfig
@@ -50,10 +51,15 @@ def test_every_yaml_option_has_a_registered_schema() -> None:
 
 
 def file_backed_data(option: str, tmp_path: Path) -> list[str]:
-    """Overrides giving a file-backed data option (parquet, csv, criteo) a small generated file."""
+    """Overrides giving a file-backed data option (parquet, csv, criteo, criteo_npy) a small generated file."""
     if option == "parquet":
         write_criteo_parquet(str(tmp_path / "d.parquet"), 300)
         return [f"data.path={tmp_path}/d.parquet"]
+    if option == "criteo_npy":  # TorchRec's layout, written by TorchRec's own converter
+        write_criteo_tsv(str(tmp_path / "d.tsv"), 300)
+        (tmp_path / "npy").mkdir()
+        BinaryCriteoUtils.tsv_to_npys(str(tmp_path / "d.tsv"), *(str(tmp_path / "npy" / f"day_0_{k}.npy") for k in ("dense", "sparse", "labels")))
+        return [f"data.path={tmp_path}/npy", "data.num_embeddings=100"]
     if option == "csv":
         write_criteo_csv(str(tmp_path / "d.csv"), 300)
         return [f"data.path={tmp_path}/d.csv", "data.sparse=[{name: cat_0, num_embeddings: 100, encoding: hash}]", "data.dense=[{name: int_0}]"]
