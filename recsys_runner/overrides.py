@@ -167,11 +167,19 @@ def _unknown_option(e: MissingConfigException, chosen: list[Override], module: s
     given = next((o for o in chosen if o.key_or_group == group and str(o.value()) == option), None)
     if not group or given is None or not options:
         return None
-    close = difflib.get_close_matches(option, options, n=1, cutoff=0.5)
+    close = _closest_option(option, options)
     hint = f" (did you mean {group}={close[0]}?)" if close else ""
     fix = f"{group}={close[0]}" if close else f"one of them, e.g. {group}={options[0]}"
     return (f"{given.input_line}: {group} has no option {option!r}{hint}; its options are {', '.join(options)}. "
             f"Fix: {fix} (python -m {module} --help lists every group)")
+
+
+def _closest_option(given: str, options: list[str]) -> list[str]:
+    """The option ``given`` most likely means, as a list of at most one: the one equal but for case first
+    (``precision=BF16`` is ``bf16``, TorchEasyRec's spelling, where difflib's character match ranks ``fp16`` above it
+    and the fix would train in another precision), else the closest spelling."""
+    same = [o for o in options if o.lower() == given.lower()]
+    return same[:1] or difflib.get_close_matches(given, options, n=1, cutoff=0.5)
 
 
 def _group_with_plus(chosen: list[Override], error: str, module: str) -> str | None:

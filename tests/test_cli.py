@@ -164,6 +164,8 @@ TYPOS = {
                                                   "optim.dense.no_decay_1d is. Fix: optim.dense.no_decay_1d=true ("),
     "in-two-sections": (["optim.eps=1e-6"], "optim has no key 'eps', but optim.sparse.eps and optim.dense.eps are. Fix: "
                                             "optim.sparse.eps=1e-6 ("),
+    # TorchEasyRec's BF16: the option equal but for case, where the closest spelling was fp16 (another precision)
+    "option-in-capitals": (["precision=BF16"], "precision=BF16: precision has no option 'BF16' (did you mean precision=bf16?)"),
     "top-level": (["seedd=3"], "seedd=3: the config has no key 'seedd' (did you mean seed?). Fix: seed=3 ("),
     "map-without-plus": (["precision.embedding_data_type_by_feature={cat_0: fp16}"],
                          "precision.embedding_data_type_by_feature is a map whose entries a command line adds with a "
