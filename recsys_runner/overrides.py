@@ -31,6 +31,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ConfigTypeErr
 
 from recsys_runner.checkpoint.resume import renamed
 from recsys_runner.config import GROUPS, register_configs
+from recsys_runner.config_keys import torcheasyrec_fix
 from recsys_runner.errors import ConfigError, reported
 from recsys_runner.paths import initialize_conf
 
@@ -356,6 +357,8 @@ def _no_such_key(parts: list[str], i: int, siblings: list[str], given: str, modu
     value = given.split("=", 1)[1] if "=" in given else ""
     if (new := renamed(".".join(parts))) != ".".join(parts):  # a command line from before the rename (a resume command printed then)
         return f"{given}: {'.'.join(parts)} was renamed {new}. Fix: {new}={value} ({every})"
+    if (migrated := torcheasyrec_fix(parts, i, siblings, value, lambda name: _options_with_key(parts[0], name))) is not None:
+        return f"{given}: {migrated} ({every})"
     owners = _options_with_key(parts[0], parts[1]) if i == 1 else []
     if owners:  # before the closest name: data.sparse is no misspelt data.num_sparse but a key of the file options
         return (f"{given}: {parts[1]} is a key of {parts[0]}={', '.join(owners)}, not of the {parts[0]} chosen (its keys: "

@@ -166,6 +166,22 @@ TYPOS = {
                                             "optim.sparse.eps=1e-6 ("),
     # TorchEasyRec's BF16: the option equal but for case, where the closest spelling was fp16 (another precision)
     "option-in-capitals": (["precision=BF16"], "precision=BF16: precision has no option 'BF16' (did you mean precision=bf16?)"),
+    # TorchEasyRec's names (config_keys.TORCHEASYREC_KEYS): the closest spelling was another setting (decay_factor ->
+    # min_factor) or none at all (save_checkpoints_steps lives in another section here)
+    "torcheasyrec-decay-factor": (["scheduler=exponential_decay", "scheduler.decay_factor=0.5"],
+                                  "scheduler.decay_factor=0.5: decay_factor is TorchEasyRec's name; here it is "
+                                  "scheduler.decay_rate. Fix: scheduler.decay_rate=0.5 ("),
+    "torcheasyrec-before-the-option": (["scheduler.decay_factor=0.5"],
+                                       "decay_factor is TorchEasyRec's name; here it is scheduler.decay_rate (a key of "
+                                       "scheduler=exponential_decay). Fix: scheduler=exponential_decay scheduler.decay_rate=0.5 ("),
+    "torcheasyrec-another-section": (["train.save_checkpoints_steps=10"], "save_checkpoints_steps is TorchEasyRec's name; here "
+                                                                          "it is checkpoint.every_steps. Fix: checkpoint.every_steps=10 ("),
+    "torcheasyrec-section": (["train.grad_scaler.init_scale=1024"], "here it is precision.grad_scaler.init_scale. Fix: "
+                                                                     "precision.grad_scaler.init_scale=1024 ("),
+    "torcheasyrec-group": (["train.mixed_precision=BF16"], "here it is precision, a config group. Fix: precision=bf16 ("),
+    "torcheasyrec-lr-as-fraction": (["scheduler=exponential_decay", "scheduler.min_learning_rate=0.001"],
+                                    "here it is scheduler.min_factor, a fraction of the base lr (optim.lr)"),
+    "torcheasyrec-name-of-no-key-there": (["model.learning_rate=3"], "model.learning_rate=3: model has no key 'learning_rate'; its keys are"),
     "top-level": (["seedd=3"], "seedd=3: the config has no key 'seedd' (did you mean seed?). Fix: seed=3 ("),
     "map-without-plus": (["precision.embedding_data_type_by_feature={cat_0: fp16}"],
                          "precision.embedding_data_type_by_feature is a map whose entries a command line adds with a "
