@@ -164,6 +164,11 @@ KEY_CHECKS = {
     "early-stopping-off-metric": (["train.early_stopping.metric=eval/loglos"],
                                   ["train.early_stopping.metric='eval/loglos' is not an eval metric this run logs (closest: eval/logloss)",
                                    "Fix: train.early_stopping.metric=eval/logloss; early stopping is off until train.early_stopping.patience is set"]),
+    # TorchEasyRec's metric name: the closest key logged was eval/auc, another metric
+    "torcheasyrec-metric-name": (["checkpoint.best_metric=eval/grouped_auc", "checkpoint.dir=ckpt"],
+                                 ["checkpoint.best_metric='eval/grouped_auc' names the metric as TorchEasyRec does; here it is "
+                                  "eval/gauc, which this run does not log (it logs eval/auc, eval/logloss). Fix: add gauc to "
+                                  "metrics.eval and set checkpoint.best_metric=eval/gauc"]),
     "grouping-key": (["metrics.eval=[auc,gauc]", "metrics.grouping_key=cat_00"],
                      ["metrics.grouping_key='cat_00' is not a sparse feature of the data (closest: cat_0)", "valid: cat_0, cat_1,"]),
     "multitask-objective": (["model=mmoe", "data=synthetic_multitask", "train.objective=eval/auc"],
