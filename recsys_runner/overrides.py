@@ -162,15 +162,17 @@ def _first_of_sweep(override: Override) -> str | None:
 
 
 def _unknown_option(e: MissingConfigException, chosen: list[Override], module: str) -> str | None:
-    """``group=option`` where the group has no such option: the closest one and the list."""
+    """``group=option`` where the group has no such option: the closest one and the list. The fix keeps how the group
+    was given (``+scheduler@optim.sparse_scheduler=…``: the sparse group's own schedule, not the run's ``scheduler``)."""
     missing, options = e.missing_cfg_file or "", list(e.options or [])
     group, _, option = missing.rpartition("/")
     given = next((o for o in chosen if o.key_or_group == group and str(o.value()) == option), None)
     if not group or given is None or not options:
         return None
     close = _closest_option(option, options)
-    hint = f" (did you mean {group}={close[0]}?)" if close else ""
-    fix = f"{group}={close[0]}" if close else f"one of them, e.g. {group}={options[0]}"
+    chosen_as = given.get_key_element()
+    hint = f" (did you mean {chosen_as}={close[0]}?)" if close else ""
+    fix = f"{chosen_as}={close[0]}" if close else f"one of them, e.g. {chosen_as}={options[0]}"
     return (f"{given.input_line}: {group} has no option {option!r}{hint}; its options are {', '.join(options)}. "
             f"Fix: {fix} (python -m {module} --help lists every group)")
 

@@ -182,6 +182,11 @@ TYPOS = {
     "torcheasyrec-lr-as-fraction": (["scheduler=exponential_decay", "scheduler.min_learning_rate=0.001"],
                                     "here it is scheduler.min_factor, a fraction of the base lr (optim.lr)"),
     "torcheasyrec-name-of-no-key-there": (["model.learning_rate=3"], "model.learning_rate=3: model has no key 'learning_rate'; its keys are"),
+    # an option of a group placed elsewhere: the fix keeps the placement (it said scheduler=exponential_decay, the run's)
+    "option-of-a-placed-group": (["+scheduler@optim.sparse_scheduler=exp_decay"],
+                                 "scheduler has no option 'exp_decay' (did you mean +scheduler@optim.sparse_scheduler="
+                                 "exponential_decay?); its options are constant, cosine, cosine_restarts, exponential_decay, "
+                                 "manual_step. Fix: +scheduler@optim.sparse_scheduler=exponential_decay ("),
     "top-level": (["seedd=3"], "seedd=3: the config has no key 'seedd' (did you mean seed?). Fix: seed=3 ("),
     "map-without-plus": (["precision.embedding_data_type_by_feature={cat_0: fp16}"],
                          "precision.embedding_data_type_by_feature is a map whose entries a command line adds with a "
