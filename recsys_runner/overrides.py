@@ -104,6 +104,10 @@ def explain(config_name: str, overrides: list[str], *, multirun: bool = False, m
             message = _unknown_option(e, chosen, module)
             if message is not None:
                 raise ConfigError(message) from None
+        except AssertionError:  # OmegaConf's "Unexpected type for root: NoneType", a traceback: a key under a null slot
+            message = _under_an_unchosen_schedule(config_name, chosen, single)
+            if message is not None:
+                raise ConfigError(message) from None
         except ConfigCompositionException as e:
             cause = e.__cause__
             message = _group_with_plus(chosen, str(e), module) or _preset_key_of_another_option(chosen, str(e), module)
@@ -227,6 +231,33 @@ def _preset_key_of_another_option(chosen: list[Override], error: str, module: st
     return (f"{preset} sets {key}, {whose}, not of {option}: the preset is written for those. Fix: {preset}{instead}, or "
             f"leave {preset} out and give its other settings on the command line (conf/{match['group']}/{match['option']}.yaml "
             f"lists them; python -m {module} --help lists every key)")
+
+
+SCHEDULE_SLOT = re.compile(r"^(optim\.(?:sparse|dense)_scheduler|optim\.parts\.[^.]+\.scheduler)\.(?P<key>[^.]+)$")
+"""A key of a group's own schedule (``optim.sparse_scheduler.decay_rate``): a slot that is null until a schedule is chosen
+into it with ``+scheduler@<slot>=<option>``."""
+
+
+def _under_an_unchosen_schedule(config_name: str, chosen: list[Override], single: list[str]) -> str | None:
+    """``optim.sparse_scheduler.decay_rate=0.5`` (or with ``+``) while no schedule was chosen for the sparse group: the slot
+    is null (the run's ``scheduler`` drives that lr), and OmegaConf fails an assert with "Unexpected type for root:
+    NoneType", printed as a traceback. The fix: choose the schedule that has the key into the slot first."""
+    for override, line in zip(chosen, single, strict=True):
+        match = SCHEDULE_SLOT.match(override.key_or_group)
+        if match is None or override.package is not None:
+            continue
+        slot, key = override.key_or_group.rpartition(".")[0], match["key"]
+        try:
+            if OmegaConf.select(compose(config_name=config_name, overrides=[x for x in single if x != line]), slot) is not None:
+                continue  # a schedule is chosen there: the key's own check names what is wrong
+        except Exception:  # noqa: BLE001 - another override is wrong too: Hydra reports it
+            return None
+        owners = _options_with_key("scheduler", key) or ["<option>"]
+        value = (override.input_line or "").split("=", 1)[1]
+        return (f"{override.input_line}: {slot} is not set (the run's scheduler drives that lr), so it has no key {key!r} to "
+                f"set; a schedule of its own is chosen into it first. Fix: +scheduler@{slot}={owners[0]} {slot}.{key}={value}, "
+                f"or scheduler.{key}={value} for the run's schedule")
+    return None
 
 
 def _map_without_plus(chosen: list[Override], key: str) -> str | None:

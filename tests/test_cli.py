@@ -187,6 +187,12 @@ TYPOS = {
                                  "scheduler has no option 'exp_decay' (did you mean +scheduler@optim.sparse_scheduler="
                                  "exponential_decay?); its options are constant, cosine, cosine_restarts, exponential_decay, "
                                  "manual_step. Fix: +scheduler@optim.sparse_scheduler=exponential_decay ("),
+    # a key of a group's own schedule before one is chosen: OmegaConf's assert on the null slot, printed as a traceback
+    "key-of-an-unchosen-schedule": (["+optim.sparse_scheduler.decay_rate=0.5"],
+                                    "optim.sparse_scheduler is not set (the run's scheduler drives that lr), so it has no key "
+                                    "'decay_rate' to set; a schedule of its own is chosen into it first. Fix: "
+                                    "+scheduler@optim.sparse_scheduler=exponential_decay optim.sparse_scheduler.decay_rate=0.5, "
+                                    "or scheduler.decay_rate=0.5 for the run's schedule"),
     "top-level": (["seedd=3"], "seedd=3: the config has no key 'seedd' (did you mean seed?). Fix: seed=3 ("),
     "map-without-plus": (["precision.embedding_data_type_by_feature={cat_0: fp16}"],
                          "precision.embedding_data_type_by_feature is a map whose entries a command line adds with a "
