@@ -117,7 +117,8 @@ def explain(config_name: str, overrides: list[str], *, multirun: bool = False, m
                 message = (_map_without_plus(chosen, str(cause.full_key))
                            or _unknown_key(config_name, chosen, single, str(cause.full_key), module))
             elif isinstance(cause, ValidationError) and str(e).startswith("Error merging override"):
-                message = _entries_not_mappings(chosen, cause) or _wrong_type(config_name, chosen, single, cause)
+                message = (_schedule_given_as_a_value(chosen, cause) or _entries_not_mappings(chosen, cause)
+                           or _wrong_type(config_name, chosen, single, cause))
             elif isinstance(cause, ConfigTypeError) and str(e).startswith("Error merging override"):
                 message = _not_a_map(chosen, str(cause.full_key))
             if message is not None:
@@ -258,6 +259,17 @@ def _under_an_unchosen_schedule(config_name: str, chosen: list[Override], single
                 f"set; a schedule of its own is chosen into it first. Fix: +scheduler@{slot}={owners[0]} {slot}.{key}={value}, "
                 f"or scheduler.{key}={value} for the run's schedule")
     return None
+
+
+def _schedule_given_as_a_value(chosen: list[Override], cause: ValidationError) -> str | None:
+    """``optim.sparse_scheduler=exponential_decay``: a schedule's name given as the slot's value, which OmegaConf refuses
+    as "str is not a subclass of SchedulerConfig"; a schedule is chosen into the slot as an option of ``scheduler``."""
+    key = str(cause.full_key)
+    override = next((o for o in chosen if o.key_or_group == key and o.package is None), None)
+    if override is None or not SCHEDULE_SLOT.match(f"{key}.x") or not isinstance(override.value(), str):
+        return None
+    return (f"{override.input_line}: {key} takes a schedule chosen as an option of the scheduler group, not a name as its "
+            f"value. Fix: +scheduler@{key}={override.value()}")
 
 
 def _map_without_plus(chosen: list[Override], key: str) -> str | None:

@@ -193,6 +193,9 @@ TYPOS = {
                                     "'decay_rate' to set; a schedule of its own is chosen into it first. Fix: "
                                     "+scheduler@optim.sparse_scheduler=exponential_decay optim.sparse_scheduler.decay_rate=0.5, "
                                     "or scheduler.decay_rate=0.5 for the run's schedule"),
+    "schedule-given-as-a-value": (["optim.sparse_scheduler=cosine"],
+                                  "optim.sparse_scheduler=cosine: optim.sparse_scheduler takes a schedule chosen as an option of "
+                                  "the scheduler group, not a name as its value. Fix: +scheduler@optim.sparse_scheduler=cosine"),
     "top-level": (["seedd=3"], "seedd=3: the config has no key 'seedd' (did you mean seed?). Fix: seed=3 ("),
     "map-without-plus": (["precision.embedding_data_type_by_feature={cat_0: fp16}"],
                          "precision.embedding_data_type_by_feature is a map whose entries a command line adds with a "
