@@ -168,12 +168,18 @@ def _first_of_sweep(override: Override) -> str | None:
 
 def _unknown_option(e: MissingConfigException, chosen: list[Override], module: str) -> str | None:
     """``group=option`` where the group has no such option: the closest one and the list. The fix keeps how the group
-    was given (``+scheduler@optim.sparse_scheduler=…``: the sparse group's own schedule, not the run's ``scheduler``)."""
+    was given (``+scheduler@optim.sparse_scheduler=…``: the sparse group's own schedule, not the run's ``scheduler``). An
+    option of a group below it (``optim=adamw``: ``optim/dense=adamw``) is named there, before any closest spelling
+    (``optim=adam`` would train another optimizer, with fused Adam on the tables)."""
     missing, options = e.missing_cfg_file or "", list(e.options or [])
     group, _, option = missing.rpartition("/")
     given = next((o for o in chosen if o.key_or_group == group and str(o.value()) == option), None)
     if not group or given is None or not options:
         return None
+    below = None if _same_option(option, options) else _option_below(group, option)
+    if below is not None:
+        return (f"{given.input_line}: {group} has no option {option!r}, but {below} is an option of one half of it. Fix: "
+                f"{below} (python -m {module} --help lists every group)")
     close = _closest_option(option, options)
     chosen_as = given.get_key_element()
     hint = f" (did you mean {chosen_as}={close[0]}?)" if close else ""
@@ -182,12 +188,38 @@ def _unknown_option(e: MissingConfigException, chosen: list[Override], module: s
             f"Fix: {fix} (python -m {module} --help lists every group)")
 
 
+def _spelling(name: str) -> str:
+    """``name`` without case, separators and TorchEasyRec's class suffixes: ``BF16`` and ``bf16``, ``AdamWOptimizer`` and
+    ``adamw``, ``ExponentialDecayLR`` and ``exponential_decay`` are spelt alike."""
+    bare = re.sub(r"[^a-z0-9]", "", name.lower())
+    for suffix in ("optimizer", "lr"):
+        if bare.endswith(suffix) and len(bare) > len(suffix):
+            bare = bare[: -len(suffix)]
+    return bare
+
+
+def _same_option(given: str, options: list[str]) -> list[str]:
+    """The option spelt as ``given`` but for case, separators and a class suffix (:func:`_spelling`), as a list of at
+    most one."""
+    return [o for o in options if _spelling(o) == _spelling(given)][:1]
+
+
 def _closest_option(given: str, options: list[str]) -> list[str]:
-    """The option ``given`` most likely means, as a list of at most one: the one equal but for case first
-    (``precision=BF16`` is ``bf16``, TorchEasyRec's spelling, where difflib's character match ranks ``fp16`` above it
-    and the fix would train in another precision), else the closest spelling."""
-    same = [o for o in options if o.lower() == given.lower()]
-    return same[:1] or difflib.get_close_matches(given, options, n=1, cutoff=0.5)
+    """The option ``given`` most likely means, as a list of at most one: the one spelt alike (:func:`_same_option`:
+    ``precision=BF16`` is ``bf16``, TorchEasyRec's spelling, where difflib's character match ranks ``fp16`` above it and
+    the fix would train in another precision; ``optim/sparse=LarsSGDOptimizer`` is ``lars_sgd``), else the closest
+    spelling."""
+    return _same_option(given, options) or difflib.get_close_matches(given, options, n=1, cutoff=0.5)
+
+
+def _option_below(group: str, option: str) -> str | None:
+    """``<group>/<half>=<option>`` for an option spelt as ``option`` (:func:`_same_option`) in a group below ``group``
+    (``optim/dense`` below ``optim``); ``None`` when none has it."""
+    loader = GlobalHydra.instance().config_loader()
+    for half in sorted(loader.list_groups(group)):
+        if same := _same_option(option, loader.get_group_options(f"{group}/{half}")):
+            return f"{group}/{half}={same[0]}"
+    return None
 
 
 def _group_with_plus(chosen: list[Override], error: str, module: str) -> str | None:

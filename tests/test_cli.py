@@ -196,6 +196,11 @@ TYPOS = {
     "schedule-given-as-a-value": (["optim.sparse_scheduler=cosine"],
                                   "optim.sparse_scheduler=cosine: optim.sparse_scheduler takes a schedule chosen as an option of "
                                   "the scheduler group, not a name as its value. Fix: +scheduler@optim.sparse_scheduler=cosine"),
+    # an option of one half of optim: the closest spelling among optim's own was another optimizer (optim=adam)
+    "option-of-a-half": (["optim=adamw"], "optim=adamw: optim has no option 'adamw', but optim/dense=adamw is an option of one "
+                                          "half of it. Fix: optim/dense=adamw ("),
+    # TorchEasyRec's class names: no close spelling (LarsSGDOptimizer had none)
+    "torcheasyrec-class-name": (["optim/sparse=LarsSGDOptimizer"], "(did you mean optim/sparse=lars_sgd?)"),
     "top-level": (["seedd=3"], "seedd=3: the config has no key 'seedd' (did you mean seed?). Fix: seed=3 ("),
     "map-without-plus": (["precision.embedding_data_type_by_feature={cat_0: fp16}"],
                          "precision.embedding_data_type_by_feature is a map whose entries a command line adds with a "
