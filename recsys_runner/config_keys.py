@@ -44,6 +44,8 @@ TORCHEASYREC_KEYS: dict[str, Renamed] = {
     "warmup_learning_rate": Renamed("warmup_start", ", a fraction of the base lr (optim.lr): warmup_learning_rate / lr",
                                     fix="scheduler.warmup_start=<warmup_learning_rate / optim.lr>"),
     "warmup_size": Renamed("warmup_steps"),
+    "T_0": Renamed("cycle_steps"),
+    "T_mult": Renamed("cycle_mult"),
     "schedule_sizes": Renamed("boundaries", ", counted from the end of the warmup"),
     "learning_rates": Renamed("rates", ", multipliers of the base lr (optim.lr), one more than scheduler.boundaries "
                               "(the rate before the first boundary first)",

@@ -198,10 +198,15 @@ def _spelling(name: str) -> str:
     return bare
 
 
+TORCHEASYREC_OPTIONS = {"cosineannealing": "cosine", "cosineannealingwarmrestarts": "cosine_restarts"}
+"""TorchEasyRec's class names (as :func:`_spelling` leaves them) of options named otherwise here."""
+
+
 def _same_option(given: str, options: list[str]) -> list[str]:
-    """The option spelt as ``given`` but for case, separators and a class suffix (:func:`_spelling`), as a list of at
-    most one."""
-    return [o for o in options if _spelling(o) == _spelling(given)][:1]
+    """The option spelt as ``given`` but for case, separators and a class suffix (:func:`_spelling`), or named so by
+    TorchEasyRec (:data:`TORCHEASYREC_OPTIONS`: ``CosineAnnealingLR`` is ``cosine``), as a list of at most one."""
+    spelt = TORCHEASYREC_OPTIONS.get(_spelling(given), _spelling(given))
+    return [o for o in options if _spelling(o) == spelt][:1]
 
 
 def _closest_option(given: str, options: list[str]) -> list[str]:

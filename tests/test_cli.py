@@ -201,6 +201,7 @@ TYPOS = {
                                           "half of it. Fix: optim/dense=adamw ("),
     # TorchEasyRec's class names: no close spelling (LarsSGDOptimizer had none)
     "torcheasyrec-class-name": (["optim/sparse=LarsSGDOptimizer"], "(did you mean optim/sparse=lars_sgd?)"),
+    "torcheasyrec-other-name": (["scheduler=CosineAnnealingLR"], "(did you mean scheduler=cosine?)"),
     "top-level": (["seedd=3"], "seedd=3: the config has no key 'seedd' (did you mean seed?). Fix: seed=3 ("),
     "map-without-plus": (["precision.embedding_data_type_by_feature={cat_0: fp16}"],
                          "precision.embedding_data_type_by_feature is a map whose entries a command line adds with a "
