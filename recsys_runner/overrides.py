@@ -63,15 +63,25 @@ def check_command_line(config_name: str, argv: Sequence[str] | None = None) -> N
 
     argv = list(sys.argv if argv is None else argv)
     try:
-        args, _ = get_args_parser().parse_known_args(argv[1:])
+        args, unknown = get_args_parser().parse_known_args(argv[1:])
     except (Exception, SystemExit):  # noqa: BLE001 - Hydra's own parse reports bad arguments
         return
     if any(getattr(args, flag, None) for flag in _SKIPPED_FLAGS):
         return
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     with reported():
+        _torcheasyrec_flags(unknown)
         explain(args.config_name or config_name, list(args.overrides or []), multirun=bool(args.multirun),
                 module=spec.name.removesuffix(".__main__") if spec is not None else "recsys_runner")
+
+
+def _torcheasyrec_flags(unknown: list[str]) -> None:
+    """``--model_dir=out`` or ``--continue_train``: TorchEasyRec's ``train_eval`` flags, which Hydra's argument parser
+    refuses with its usage text. Raise the one line naming our key (:func:`torcheasyrec_fix`) for the first of them."""
+    for word in unknown:
+        name, equals, value = word.removeprefix("--").partition("=")
+        if word.startswith("--") and (message := torcheasyrec_fix([name], 0, [], value if equals else "<value>")) is not None:
+            raise ConfigError(f"{word}: {message} (overrides are key=value, without --)")
 
 
 def explain(config_name: str, overrides: list[str], *, multirun: bool = False, module: str = "recsys_runner") -> None:

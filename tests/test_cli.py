@@ -16,7 +16,7 @@ from mlflow.tracking import MlflowClient
 from recsys_runner.__main__ import run
 from recsys_runner.checkpoint import resume
 from recsys_runner.errors import ConfigError
-from recsys_runner.overrides import explain
+from recsys_runner.overrides import check_command_line, explain
 from recsys_runner.tracking.store import mlflow_command
 from tests.conftest import REPO, TINY, free_port, run_cli, run_in_process
 
@@ -252,6 +252,16 @@ def test_a_typo_is_one_line_naming_the_closest_valid_name(case: str) -> None:
                                        ["model=dlrm", "hydra.run.dir=/tmp/x", "hydra/launcher=basic"]])
 def test_what_composes_or_hydra_reports_well_is_left_alone(overrides: list[str]) -> None:
     explain("config", overrides)
+
+
+def test_a_torcheasyrec_flag_names_our_key(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--model_dir=out`` (TorchEasyRec's train_eval flag) was Hydra's usage text and "unrecognized arguments"; it is one
+    line naming our key, exit 2, before anything is composed."""
+    with pytest.raises(SystemExit) as exited:
+        check_command_line("config", ["recsys_runner", "--model_dir=out", "train.num_steps=5"])
+    assert exited.value.code == 2
+    assert ("--model_dir=out: model_dir is TorchEasyRec's name; here it is checkpoint.dir (the rest of a run, logs and config, "
+            "goes to hydra.run.dir). Fix: checkpoint.dir=out (overrides are key=value, without --)") in capsys.readouterr().err
 
 
 def test_a_renamed_key_names_its_new_name(monkeypatch: pytest.MonkeyPatch) -> None:
