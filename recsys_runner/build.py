@@ -159,6 +159,8 @@ def build(run: RunConfig, *, launch: Launch = Launch(), weights: Path | None = N
             log.warning("%s", caveat)
         if env.is_main and (rounding := precision.table_rounding_warning(env.device)):
             log.warning("%s", rounding)
+        if env.is_main and (unused := precision.unused_scaler_warning()):
+            log.warning("%s", unused)
         ema = policy.ema
         pipeline = make_pipeline(run.distributed.pipeline, env, sharded, policy.dense, policy, annotate=run.train.profile.enabled,
                                  semi_sync_start_batch=run.distributed.semi_sync_start_batch)  # the fused lr is pushed by the Stepper

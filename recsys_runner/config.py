@@ -45,6 +45,7 @@ from recsys_runner.metrics.registry import (
     MetricsConfig,
     higher_is_better,
     metric_name,
+    torcheasyrec_key,
 )
 from recsys_runner.metrics.tasks import check_task_metrics, eval_metric_keys
 from recsys_runner.models.autoint import AutoIntConfig
@@ -366,6 +367,7 @@ def check_eval_keys(run: RunConfig, tasks: tuple[Task, ...], sparse_names: list[
              "train.early_stopping.metric": stopping.metric if watched else None}
     off = "; early stopping is off until train.early_stopping.patience is set, or drop the setting" if stopping.patience is None else ""
     for name, value in named.items():
+        _require_torcheasyrec_metric(name, value, keys)
         _require_one_of(name, value, keys, "an eval metric this run logs", also=off if name == "train.early_stopping.metric" else "")
     logged = [k for k in keys if k != SELECTION_KEY]
     for key in run.metrics.selection:
@@ -374,6 +376,18 @@ def check_eval_keys(run: RunConfig, tasks: tuple[Task, ...], sparse_names: list[
             raise ConfigError(f"metrics.selection names {key!r}, which this run does not log (its tasks: "
                               f"{[t.name for t in tasks]}); valid: {', '.join(logged)}. Fix: use {closest[0] if closest else 'one of them'}")
     _require_one_of("metrics.grouping_key", run.metrics.grouping_key, sparse_names, "a sparse feature of the data")
+
+
+def _require_torcheasyrec_metric(name: str, value: str | None, keys: list[str]) -> None:
+    """:class:`ConfigError` for a key naming its metric as TorchEasyRec does (``checkpoint.best_metric=eval/grouped_auc``),
+    whose closest spelling among the keys logged is another metric (``eval/auc``): ours, and how to log it if it is not."""
+    ours = torcheasyrec_key(value) if value is not None and value not in keys else None
+    if ours is None:
+        return
+    if ours in keys:
+        raise ConfigError(f"{name}={value!r} names the metric as TorchEasyRec does; here it is {ours}. Fix: {name}={ours}")
+    raise ConfigError(f"{name}={value!r} names the metric as TorchEasyRec does; here it is {ours}, which this run does not "
+                      f"log (it logs {', '.join(keys)}). Fix: add {ours.rpartition('/')[2]} to metrics.eval and set {name}={ours}")
 
 
 def _require_one_of(name: str, value: str | None, valid: list[str], what: str, also: str = "") -> None:

@@ -11,13 +11,94 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from recsys_runner.errors import ConfigError
 from recsys_runner.tracking.sweep_names import sweep_overrides
+
+
+@dataclasses.dataclass(frozen=True)
+class Renamed:
+    """Where a TorchEasyRec ``TrainConfig`` field (or optimizer/scheduler field) lives here (docs/training.md's table)."""
+
+    ours: str
+    """Our key: a name in the same section (``decay_rate`` for ``scheduler.decay_factor``) or, with a dot, the whole key
+    (``checkpoint.every_steps`` for ``train.save_checkpoints_steps``); the rest of a longer key follows it."""
+    note: str = ""
+    """How the value differs, said after the name (``min_factor`` is a fraction of the base lr, not an lr)."""
+    fix: str | None = None
+    """The fix when it is not ``<ours>=<value>``, with ``{value}`` the value given (``precision={value}``)."""
+    top: bool = False
+    """``ours`` is a top-level name (a config group: ``precision``), not one in the section the key was given in."""
+
+
+TORCHEASYREC_KEYS: dict[str, Renamed] = {
+    "learning_rate": Renamed("lr"),
+    "decay_size": Renamed("decay_steps"),
+    "decay_factor": Renamed("decay_rate"),
+    "min_learning_rate": Renamed("min_factor", ", a fraction of the base lr (optim.lr): min_learning_rate / lr",
+                                 fix="scheduler.min_factor=<min_learning_rate / optim.lr>"),
+    "warmup_learning_rate": Renamed("warmup_start", ", a fraction of the base lr (optim.lr): warmup_learning_rate / lr",
+                                    fix="scheduler.warmup_start=<warmup_learning_rate / optim.lr>"),
+    "warmup_size": Renamed("warmup_steps"),
+    "T_0": Renamed("cycle_steps"),
+    "T_mult": Renamed("cycle_mult"),
+    "schedule_sizes": Renamed("boundaries", ", counted from the end of the warmup"),
+    "learning_rates": Renamed("rates", ", multipliers of the base lr (optim.lr), one more than scheduler.boundaries "
+                              "(the rate before the first boundary first)",
+                              fix="scheduler.rates=[1,<each of learning_rates / optim.lr>]"),
+    "gradient_accumulation_steps": Renamed("train.grad_accum_steps", ", counted in optimizer steps as every step count here "
+                                           "(docs/training.md)"),
+    "log_step_count_steps": Renamed("train.log_every_steps"),
+    "save_checkpoints_steps": Renamed("checkpoint.every_steps"),
+    "save_checkpoints_epochs": Renamed("checkpoint.every_epochs"),
+    "fine_tune_checkpoint": Renamed("checkpoint.init_from"),
+    "model_dir": Renamed("checkpoint.dir", " (the rest of a run, logs and config, goes to hydra.run.dir)"),
+    "continue_train": Renamed("checkpoint.resume", ", on by default (auto: from the newest checkpoint in checkpoint.dir)",
+                              fix="checkpoint.resume=auto checkpoint.dir=<the run's checkpoints>"),
+    "train_input_path": Renamed("data.path", ", a key of the file data options (data=parquet, csv, criteo)"),
+    "eval_input_path": Renamed("data.eval_path", ", a key of the file data options (data=parquet, csv, criteo)"),
+    "fine_tune_ckpt_param_map": Renamed("checkpoint.name_map", ", a map of ours: theirs name parts, not a file",
+                                        fix="+checkpoint.name_map.<our name part>=<theirs>"),
+    "ignore_restore_optimizer": Renamed("checkpoint.load_optimizer", ", the opposite", fix="checkpoint.load_optimizer=false"),
+    "mixed_precision": Renamed("precision", ", a config group", fix="precision={value_lower}", top=True),
+    "grad_scaler": Renamed("precision.grad_scaler"),
+    "cudnn_allow_tf32": Renamed("precision.allow_tf32_cudnn"),
+    "cuda_matmul_allow_tf32": Renamed("precision.allow_tf32_matmul"),
+    "is_profiling": Renamed("train.profile.enabled"),
+    "use_tensorboard": Renamed("tracking.tensorboard"),
+    "sparse_optimizer": Renamed("optim/sparse", ", a config group", fix="optim/sparse=<sgd|adagrad|rowwise_adagrad|…>"),
+    "dense_optimizer": Renamed("optim/dense", ", a config group", fix="optim/dense=<sgd|adagrad|adam|adamw>"),
+    "global_embedding_constraints": Renamed("distributed.sharding_types", " and distributed.compute_kernels",
+                                            fix="distributed.sharding_types=[table_wise,row_wise] (docs/launch.md)"),
+}
+"""TorchEasyRec's names for settings this config names otherwise, by the last part of a key given (``decay_factor`` in
+``scheduler.decay_factor``): a migrating user types them, and the closest spelling among our keys is often another
+setting (``decay_factor`` → ``min_factor``)."""
+
+
+def torcheasyrec_fix(parts: list[str], i: int, siblings: list[str], value: str, owners: Callable[[str], list[str]] | None = None) -> str | None:
+    """The message for the key ``parts`` given ``value``, whose part ``i`` is not among ``siblings`` (the keys beside it),
+    when that part is a TorchEasyRec name (:data:`TORCHEASYREC_KEYS`) whose key here exists: that name, ours and the fix
+    (the rest of the key after it); ``None`` otherwise. ``owners(name)``: the options of the group ``parts[0]`` that have
+    key ``name`` (``scheduler.decay_factor`` before ``scheduler=exponential_decay`` is chosen: that option's
+    ``decay_rate``)."""
+    entry = TORCHEASYREC_KEYS.get(parts[i])
+    if entry is None:
+        return None
+    relative = not entry.top and "." not in entry.ours and "/" not in entry.ours
+    choose = owners(entry.ours) if relative and i == 1 and entry.ours not in siblings and owners is not None else []
+    if relative and entry.ours not in siblings and not choose:
+        return None
+    head = [*parts[:i], entry.ours] if relative else entry.ours.split(".")
+    ours = ".".join([*head, *parts[i + 1:]])
+    fix = entry.fix.format(value=value, value_lower=value.lower()) if entry.fix else f"{ours}={value}"
+    where = f" (a key of {parts[0]}={', '.join(choose)})" if choose else ""
+    fix = f"{parts[0]}={choose[0]} {fix}" if choose else fix
+    return f"{parts[i]} is TorchEasyRec's name; here it is {ours}{where}{entry.note}. Fix: {fix}"
 
 
 def check_known_keys(cfg: DictConfig) -> None:
@@ -40,14 +121,18 @@ def check_known_keys(cfg: DictConfig) -> None:
     key, siblings = unknown[0]
     others = f" Also unknown: {', '.join(k for k, _ in unknown[1:])}." if len(unknown) > 1 else ""
     raise unknown_key(key, siblings, [k for k, s in keys if s is None], given_as=(
-        "a leading + adds keys only to free-form maps such as checkpoint.name_map", others))
+        "a leading + adds keys only to free-form maps such as checkpoint.name_map", others),
+        value=str(OmegaConf.select(cfg, key, default="<value>", throw_on_missing=False)))
 
 
-def unknown_key(key: str, siblings: list[str], known: list[str], given_as: tuple[str, str]) -> ConfigError:
-    """The :class:`ConfigError` for ``key``, which the config does not have: the closest of its ``siblings`` (the keys
-    of its section), else a ``known`` key with a similar last part (the right name in the wrong section), and the
-    section's keys. ``given_as``: what to say about how it was given, inside the fix and after the message."""
+def unknown_key(key: str, siblings: list[str], known: list[str], given_as: tuple[str, str], value: str = "<value>") -> ConfigError:
+    """The :class:`ConfigError` for ``key``, which the config does not have: ours for a TorchEasyRec name
+    (:func:`torcheasyrec_fix`, ``value`` the value given), else the closest of its ``siblings`` (the keys of its section),
+    else a ``known`` key with a similar last part (the right name in the wrong section), and the section's keys.
+    ``given_as``: what to say about how it was given, inside the fix and after the message."""
     parent, _, name = key.rpartition(".")
+    if (migrated := torcheasyrec_fix(key.split("."), key.count("."), siblings, value)) is not None:
+        return ConfigError(f"unknown key {key}: {migrated} (python -m recsys_runner --help lists every key).{given_as[1]}")
     close = difflib.get_close_matches(name, siblings, n=1)
     suggestion: str | None
     if close:

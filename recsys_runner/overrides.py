@@ -31,6 +31,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ConfigTypeErr
 
 from recsys_runner.checkpoint.resume_changes import renamed
 from recsys_runner.config import GROUPS, register_configs
+from recsys_runner.config_keys import torcheasyrec_fix
 from recsys_runner.errors import ConfigError, reported
 from recsys_runner.paths import initialize_conf
 
@@ -62,15 +63,25 @@ def check_command_line(config_name: str, argv: Sequence[str] | None = None) -> N
 
     argv = list(sys.argv if argv is None else argv)
     try:
-        args, _ = get_args_parser().parse_known_args(argv[1:])
+        args, unknown = get_args_parser().parse_known_args(argv[1:])
     except (Exception, SystemExit):  # noqa: BLE001 - Hydra's own parse reports bad arguments
         return
     if any(getattr(args, flag, None) for flag in _SKIPPED_FLAGS):
         return
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     with reported():
+        _torcheasyrec_flags(unknown)
         explain(args.config_name or config_name, list(args.overrides or []), multirun=bool(args.multirun),
                 module=spec.name.removesuffix(".__main__") if spec is not None else "recsys_runner")
+
+
+def _torcheasyrec_flags(unknown: list[str]) -> None:
+    """``--model_dir=out`` or ``--continue_train``: TorchEasyRec's ``train_eval`` flags, which Hydra's argument parser
+    refuses with its usage text. Raise the one line naming our key (:func:`torcheasyrec_fix`) for the first of them."""
+    for word in unknown:
+        name, equals, value = word.removeprefix("--").partition("=")
+        if word.startswith("--") and (message := torcheasyrec_fix([name], 0, [], value if equals else "<value>")) is not None:
+            raise ConfigError(f"{word}: {message} (overrides are key=value, without --)")
 
 
 def explain(config_name: str, overrides: list[str], *, multirun: bool = False, module: str = "recsys_runner") -> None:
@@ -103,6 +114,10 @@ def explain(config_name: str, overrides: list[str], *, multirun: bool = False, m
             message = _unknown_option(e, chosen, module)
             if message is not None:
                 raise ConfigError(message) from None
+        except AssertionError:  # OmegaConf's "Unexpected type for root: NoneType", a traceback: a key under a null slot
+            message = _under_an_unchosen_schedule(config_name, chosen, single)
+            if message is not None:
+                raise ConfigError(message) from None
         except ConfigCompositionException as e:
             cause = e.__cause__
             message = _group_with_plus(chosen, str(e), module) or _preset_key_of_another_option(chosen, str(e), module)
@@ -112,7 +127,8 @@ def explain(config_name: str, overrides: list[str], *, multirun: bool = False, m
                 message = (_map_without_plus(chosen, str(cause.full_key))
                            or _unknown_key(config_name, chosen, single, str(cause.full_key), module))
             elif isinstance(cause, ValidationError) and str(e).startswith("Error merging override"):
-                message = _entries_not_mappings(chosen, cause) or _wrong_type(config_name, chosen, single, cause)
+                message = (_schedule_given_as_a_value(chosen, cause) or _entries_not_mappings(chosen, cause)
+                           or _wrong_type(config_name, chosen, single, cause))
             elif isinstance(cause, ConfigTypeError) and str(e).startswith("Error merging override"):
                 message = _not_a_map(chosen, str(cause.full_key))
             if message is not None:
@@ -161,17 +177,64 @@ def _first_of_sweep(override: Override) -> str | None:
 
 
 def _unknown_option(e: MissingConfigException, chosen: list[Override], module: str) -> str | None:
-    """``group=option`` where the group has no such option: the closest one and the list."""
+    """``group=option`` where the group has no such option: the closest one and the list. The fix keeps how the group
+    was given (``+scheduler@optim.sparse_scheduler=…``: the sparse group's own schedule, not the run's ``scheduler``). An
+    option of a group below it (``optim=adamw``: ``optim/dense=adamw``) is named there, before any closest spelling
+    (``optim=adam`` would train another optimizer, with fused Adam on the tables)."""
     missing, options = e.missing_cfg_file or "", list(e.options or [])
     group, _, option = missing.rpartition("/")
     given = next((o for o in chosen if o.key_or_group == group and str(o.value()) == option), None)
     if not group or given is None or not options:
         return None
-    close = difflib.get_close_matches(option, options, n=1, cutoff=0.5)
-    hint = f" (did you mean {group}={close[0]}?)" if close else ""
-    fix = f"{group}={close[0]}" if close else f"one of them, e.g. {group}={options[0]}"
+    below = None if _same_option(option, options) else _option_below(group, option)
+    if below is not None:
+        return (f"{given.input_line}: {group} has no option {option!r}, but {below} is an option of one half of it. Fix: "
+                f"{below} (python -m {module} --help lists every group)")
+    close = _closest_option(option, options)
+    chosen_as = given.get_key_element()
+    hint = f" (did you mean {chosen_as}={close[0]}?)" if close else ""
+    fix = f"{chosen_as}={close[0]}" if close else f"one of them, e.g. {chosen_as}={options[0]}"
     return (f"{given.input_line}: {group} has no option {option!r}{hint}; its options are {', '.join(options)}. "
             f"Fix: {fix} (python -m {module} --help lists every group)")
+
+
+def _spelling(name: str) -> str:
+    """``name`` without case, separators and TorchEasyRec's class suffixes: ``BF16`` and ``bf16``, ``AdamWOptimizer`` and
+    ``adamw``, ``ExponentialDecayLR`` and ``exponential_decay`` are spelt alike."""
+    bare = re.sub(r"[^a-z0-9]", "", name.lower())
+    for suffix in ("optimizer", "lr"):
+        if bare.endswith(suffix) and len(bare) > len(suffix):
+            bare = bare[: -len(suffix)]
+    return bare
+
+
+TORCHEASYREC_OPTIONS = {"cosineannealing": "cosine", "cosineannealingwarmrestarts": "cosine_restarts"}
+"""TorchEasyRec's class names (as :func:`_spelling` leaves them) of options named otherwise here."""
+
+
+def _same_option(given: str, options: list[str]) -> list[str]:
+    """The option spelt as ``given`` but for case, separators and a class suffix (:func:`_spelling`), or named so by
+    TorchEasyRec (:data:`TORCHEASYREC_OPTIONS`: ``CosineAnnealingLR`` is ``cosine``), as a list of at most one."""
+    spelt = TORCHEASYREC_OPTIONS.get(_spelling(given), _spelling(given))
+    return [o for o in options if _spelling(o) == spelt][:1]
+
+
+def _closest_option(given: str, options: list[str]) -> list[str]:
+    """The option ``given`` most likely means, as a list of at most one: the one spelt alike (:func:`_same_option`:
+    ``precision=BF16`` is ``bf16``, TorchEasyRec's spelling, where difflib's character match ranks ``fp16`` above it and
+    the fix would train in another precision; ``optim/sparse=LarsSGDOptimizer`` is ``lars_sgd``), else the closest
+    spelling."""
+    return _same_option(given, options) or difflib.get_close_matches(given, options, n=1, cutoff=0.5)
+
+
+def _option_below(group: str, option: str) -> str | None:
+    """``<group>/<half>=<option>`` for an option spelt as ``option`` (:func:`_same_option`) in a group below ``group``
+    (``optim/dense`` below ``optim``); ``None`` when none has it."""
+    loader = GlobalHydra.instance().config_loader()
+    for half in sorted(loader.list_groups(group)):
+        if same := _same_option(option, loader.get_group_options(f"{group}/{half}")):
+            return f"{group}/{half}={same[0]}"
+    return None
 
 
 def _group_with_plus(chosen: list[Override], error: str, module: str) -> str | None:
@@ -216,6 +279,44 @@ def _preset_key_of_another_option(chosen: list[Override], error: str, module: st
     return (f"{preset} sets {key}, {whose}, not of {option}: the preset is written for those. Fix: {preset}{instead}, or "
             f"leave {preset} out and give its other settings on the command line (conf/{match['group']}/{match['option']}.yaml "
             f"lists them; python -m {module} --help lists every key)")
+
+
+SCHEDULE_SLOT = re.compile(r"^(optim\.(?:sparse|dense)_scheduler|optim\.parts\.[^.]+\.scheduler)\.(?P<key>[^.]+)$")
+"""A key of a group's own schedule (``optim.sparse_scheduler.decay_rate``): a slot that is null until a schedule is chosen
+into it with ``+scheduler@<slot>=<option>``."""
+
+
+def _under_an_unchosen_schedule(config_name: str, chosen: list[Override], single: list[str]) -> str | None:
+    """``optim.sparse_scheduler.decay_rate=0.5`` (or with ``+``) while no schedule was chosen for the sparse group: the slot
+    is null (the run's ``scheduler`` drives that lr), and OmegaConf fails an assert with "Unexpected type for root:
+    NoneType", printed as a traceback. The fix: choose the schedule that has the key into the slot first."""
+    for override, line in zip(chosen, single, strict=True):
+        match = SCHEDULE_SLOT.match(override.key_or_group)
+        if match is None or override.package is not None:
+            continue
+        slot, key = override.key_or_group.rpartition(".")[0], match["key"]
+        try:
+            if OmegaConf.select(compose(config_name=config_name, overrides=[x for x in single if x != line]), slot) is not None:
+                continue  # a schedule is chosen there: the key's own check names what is wrong
+        except Exception:  # noqa: BLE001 - another override is wrong too: Hydra reports it
+            return None
+        owners = _options_with_key("scheduler", key) or ["<option>"]
+        value = (override.input_line or "").split("=", 1)[1]
+        return (f"{override.input_line}: {slot} is not set (the run's scheduler drives that lr), so it has no key {key!r} to "
+                f"set; a schedule of its own is chosen into it first. Fix: +scheduler@{slot}={owners[0]} {slot}.{key}={value}, "
+                f"or scheduler.{key}={value} for the run's schedule")
+    return None
+
+
+def _schedule_given_as_a_value(chosen: list[Override], cause: ValidationError) -> str | None:
+    """``optim.sparse_scheduler=exponential_decay``: a schedule's name given as the slot's value, which OmegaConf refuses
+    as "str is not a subclass of SchedulerConfig"; a schedule is chosen into the slot as an option of ``scheduler``."""
+    key = str(cause.full_key)
+    override = next((o for o in chosen if o.key_or_group == key and o.package is None), None)
+    if override is None or not SCHEDULE_SLOT.match(f"{key}.x") or not isinstance(override.value(), str):
+        return None
+    return (f"{override.input_line}: {key} takes a schedule chosen as an option of the scheduler group, not a name as its "
+            f"value. Fix: +scheduler@{key}={override.value()}")
 
 
 def _map_without_plus(chosen: list[Override], key: str) -> str | None:
@@ -348,6 +449,8 @@ def _no_such_key(parts: list[str], i: int, siblings: list[str], given: str, modu
     value = given.split("=", 1)[1] if "=" in given else ""
     if (new := renamed(".".join(parts))) != ".".join(parts):  # a command line from before the rename (a resume command printed then)
         return f"{given}: {'.'.join(parts)} was renamed {new}. Fix: {new}={value} ({every})"
+    if (migrated := torcheasyrec_fix(parts, i, siblings, value, lambda name: _options_with_key(parts[0], name))) is not None:
+        return f"{given}: {migrated} ({every})"
     owners = _options_with_key(parts[0], parts[1]) if i == 1 else []
     if owners:  # before the closest name: data.sparse is no misspelt data.num_sparse but a key of the file options
         return (f"{given}: {parts[1]} is a key of {parts[0]}={', '.join(owners)}, not of the {parts[0]} chosen (its keys: "

@@ -16,7 +16,7 @@ from mlflow.tracking import MlflowClient
 from recsys_runner.__main__ import run
 from recsys_runner.checkpoint import resume_changes
 from recsys_runner.errors import ConfigError
-from recsys_runner.overrides import explain
+from recsys_runner.overrides import check_command_line, explain
 from recsys_runner.tracking.store import mlflow_command
 from tests.conftest import REPO, TINY, free_port, run_cli, run_in_process
 
@@ -164,6 +164,44 @@ TYPOS = {
                                                   "optim.dense.no_decay_1d is. Fix: optim.dense.no_decay_1d=true ("),
     "in-two-sections": (["optim.eps=1e-6"], "optim has no key 'eps', but optim.sparse.eps and optim.dense.eps are. Fix: "
                                             "optim.sparse.eps=1e-6 ("),
+    # TorchEasyRec's BF16: the option equal but for case, where the closest spelling was fp16 (another precision)
+    "option-in-capitals": (["precision=BF16"], "precision=BF16: precision has no option 'BF16' (did you mean precision=bf16?)"),
+    # TorchEasyRec's names (config_keys.TORCHEASYREC_KEYS): the closest spelling was another setting (decay_factor ->
+    # min_factor) or none at all (save_checkpoints_steps lives in another section here)
+    "torcheasyrec-decay-factor": (["scheduler=exponential_decay", "scheduler.decay_factor=0.5"],
+                                  "scheduler.decay_factor=0.5: decay_factor is TorchEasyRec's name; here it is "
+                                  "scheduler.decay_rate. Fix: scheduler.decay_rate=0.5 ("),
+    "torcheasyrec-before-the-option": (["scheduler.decay_factor=0.5"],
+                                       "decay_factor is TorchEasyRec's name; here it is scheduler.decay_rate (a key of "
+                                       "scheduler=exponential_decay). Fix: scheduler=exponential_decay scheduler.decay_rate=0.5 ("),
+    "torcheasyrec-another-section": (["train.save_checkpoints_steps=10"], "save_checkpoints_steps is TorchEasyRec's name; here "
+                                                                          "it is checkpoint.every_steps. Fix: checkpoint.every_steps=10 ("),
+    "torcheasyrec-section": (["train.grad_scaler.init_scale=1024"], "here it is precision.grad_scaler.init_scale. Fix: "
+                                                                     "precision.grad_scaler.init_scale=1024 ("),
+    "torcheasyrec-group": (["train.mixed_precision=BF16"], "here it is precision, a config group. Fix: precision=bf16 ("),
+    "torcheasyrec-lr-as-fraction": (["scheduler=exponential_decay", "scheduler.min_learning_rate=0.001"],
+                                    "here it is scheduler.min_factor, a fraction of the base lr (optim.lr)"),
+    "torcheasyrec-name-of-no-key-there": (["model.learning_rate=3"], "model.learning_rate=3: model has no key 'learning_rate'; its keys are"),
+    # an option of a group placed elsewhere: the fix keeps the placement (it said scheduler=exponential_decay, the run's)
+    "option-of-a-placed-group": (["+scheduler@optim.sparse_scheduler=exp_decay"],
+                                 "scheduler has no option 'exp_decay' (did you mean +scheduler@optim.sparse_scheduler="
+                                 "exponential_decay?); its options are constant, cosine, cosine_restarts, exponential_decay, "
+                                 "manual_step. Fix: +scheduler@optim.sparse_scheduler=exponential_decay ("),
+    # a key of a group's own schedule before one is chosen: OmegaConf's assert on the null slot, printed as a traceback
+    "key-of-an-unchosen-schedule": (["+optim.sparse_scheduler.decay_rate=0.5"],
+                                    "optim.sparse_scheduler is not set (the run's scheduler drives that lr), so it has no key "
+                                    "'decay_rate' to set; a schedule of its own is chosen into it first. Fix: "
+                                    "+scheduler@optim.sparse_scheduler=exponential_decay optim.sparse_scheduler.decay_rate=0.5, "
+                                    "or scheduler.decay_rate=0.5 for the run's schedule"),
+    "schedule-given-as-a-value": (["optim.sparse_scheduler=cosine"],
+                                  "optim.sparse_scheduler=cosine: optim.sparse_scheduler takes a schedule chosen as an option of "
+                                  "the scheduler group, not a name as its value. Fix: +scheduler@optim.sparse_scheduler=cosine"),
+    # an option of one half of optim: the closest spelling among optim's own was another optimizer (optim=adam)
+    "option-of-a-half": (["optim=adamw"], "optim=adamw: optim has no option 'adamw', but optim/dense=adamw is an option of one "
+                                          "half of it. Fix: optim/dense=adamw ("),
+    # TorchEasyRec's class names: no close spelling (LarsSGDOptimizer had none)
+    "torcheasyrec-class-name": (["optim/sparse=LarsSGDOptimizer"], "(did you mean optim/sparse=lars_sgd?)"),
+    "torcheasyrec-other-name": (["scheduler=CosineAnnealingLR"], "(did you mean scheduler=cosine?)"),
     "top-level": (["seedd=3"], "seedd=3: the config has no key 'seedd' (did you mean seed?). Fix: seed=3 ("),
     "map-without-plus": (["precision.embedding_data_type_by_feature={cat_0: fp16}"],
                          "precision.embedding_data_type_by_feature is a map whose entries a command line adds with a "
@@ -214,6 +252,16 @@ def test_a_typo_is_one_line_naming_the_closest_valid_name(case: str) -> None:
                                        ["model=dlrm", "hydra.run.dir=/tmp/x", "hydra/launcher=basic"]])
 def test_what_composes_or_hydra_reports_well_is_left_alone(overrides: list[str]) -> None:
     explain("config", overrides)
+
+
+def test_a_torcheasyrec_flag_names_our_key(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--model_dir=out`` (TorchEasyRec's train_eval flag) was Hydra's usage text and "unrecognized arguments"; it is one
+    line naming our key, exit 2, before anything is composed."""
+    with pytest.raises(SystemExit) as exited:
+        check_command_line("config", ["recsys_runner", "--model_dir=out", "train.num_steps=5"])
+    assert exited.value.code == 2
+    assert ("--model_dir=out: model_dir is TorchEasyRec's name; here it is checkpoint.dir (the rest of a run, logs and config, "
+            "goes to hydra.run.dir). Fix: checkpoint.dir=out (overrides are key=value, without --)") in capsys.readouterr().err
 
 
 def test_a_renamed_key_names_its_new_name(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,10 +12,12 @@ from typing import Any
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
+from omegaconf import OmegaConf
 
 from recsys_runner.__main__ import run
 from recsys_runner.build import build
 from recsys_runner.config import validate
+from recsys_runner.config_keys import TORCHEASYREC_KEYS
 from recsys_runner.errors import ConfigError
 from recsys_runner.metrics.tasks import eval_metric_keys
 from recsys_runner.optim.config import PartConfig
@@ -107,12 +109,25 @@ def _assert_refused_before_a_run(cfg: Any, mlflow_uri: str, fragments: list[str]
           "+scheduler@optim.parts.deep.scheduler=manual_step", "+optim.parts.deep.scheduler.boundary=[5]"],
          r"unknown key optim.parts.deep.scheduler.boundary \(did you mean optim.parts.deep.scheduler.boundaries\?\)"),
         (["+train.num_step=5", "+foo=1"], r"unknown key train.num_step .*Also unknown: foo\.$"),
+        (["+train.fine_tune_checkpoint=/ckpt"], r"unknown key train.fine_tune_checkpoint: fine_tune_checkpoint is TorchEasyRec's "
+                                                r"name; here it is checkpoint.init_from. Fix: checkpoint.init_from=/ckpt \("),
     ],
-    ids=["nested-dataclass", "wrong-section", "any-field-value", "free-form-map-value", "several"],
+    ids=["nested-dataclass", "wrong-section", "any-field-value", "free-form-map-value", "several", "torcheasyrec-name"],
 )
 def test_validate_rejects_unknown_keys_at_every_level(make_cfg, overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         validate(make_cfg(*overrides, "tracking=none"))
+
+
+def test_every_torcheasyrec_name_points_at_a_key_we_have(make_cfg) -> None:
+    """Each whole key of ``TORCHEASYREC_KEYS`` (a fix the message prints) is one of the config's; a name in the same
+    section is checked where it is used (``model.learning_rate`` has none: ``tests/test_cli.py``)."""
+    configs = [make_cfg("tracking=none"), make_cfg("tracking=none", "data=parquet", tiny=False)]  # data.path: the file options' key
+    for name, entry in TORCHEASYREC_KEYS.items():
+        if "/" in entry.ours:
+            assert entry.ours.replace("/", ".") in {"optim.sparse", "optim.dense"}, name
+        elif "." in entry.ours or entry.top:
+            assert any(OmegaConf.select(cfg, entry.ours, default="absent") != "absent" for cfg in configs), (name, entry.ours)
 
 
 def test_free_form_map_entries_are_still_accepted(make_cfg) -> None:
@@ -149,6 +164,11 @@ KEY_CHECKS = {
     "early-stopping-off-metric": (["train.early_stopping.metric=eval/loglos"],
                                   ["train.early_stopping.metric='eval/loglos' is not an eval metric this run logs (closest: eval/logloss)",
                                    "Fix: train.early_stopping.metric=eval/logloss; early stopping is off until train.early_stopping.patience is set"]),
+    # TorchEasyRec's metric name: the closest key logged was eval/auc, another metric
+    "torcheasyrec-metric-name": (["checkpoint.best_metric=eval/grouped_auc", "checkpoint.dir=ckpt"],
+                                 ["checkpoint.best_metric='eval/grouped_auc' names the metric as TorchEasyRec does; here it is "
+                                  "eval/gauc, which this run does not log (it logs eval/auc, eval/logloss). Fix: add gauc to "
+                                  "metrics.eval and set checkpoint.best_metric=eval/gauc"]),
     "grouping-key": (["metrics.eval=[auc,gauc]", "metrics.grouping_key=cat_00"],
                      ["metrics.grouping_key='cat_00' is not a sparse feature of the data (closest: cat_0)", "valid: cat_0, cat_1,"]),
     "multitask-objective": (["model=mmoe", "data=synthetic_multitask", "train.objective=eval/auc"],

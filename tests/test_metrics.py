@@ -333,6 +333,13 @@ def test_an_unknown_metric_is_refused_listing_every_valid_name() -> None:
         MetricsConfig(eval=["loglos"])
     with pytest.raises(ConfigError, match=r"unknown metric 'ndcg' \(did you mean ndcg@10\? it needs its k\)"):
         MetricsConfig(eval=["ndcg"])
+    # TorchEasyRec's names and capitals: no close spelling among ours (grouped_auc), or a wrong one (AUC had none)
+    with pytest.raises(ConfigError, match=r"unknown metric 'grouped_auc' \(TorchEasyRec's name for gauc: did you mean gauc\?\)"):
+        MetricsConfig(eval=["grouped_auc"])
+    with pytest.raises(ConfigError, match=r"unknown metric 'mean_squared_error' \(TorchEasyRec's name for mse: did you mean mse\?\)"):
+        MetricsConfig(train=["mean_squared_error"])
+    with pytest.raises(ConfigError, match=r"unknown metric 'AUC' \(did you mean auc\?\)"):
+        MetricsConfig(eval=["AUC"])
 
 
 @pytest.mark.parametrize(

@@ -216,11 +216,17 @@ def test_fused_kwargs_reach_fbgemm_as_its_enum(make_cfg) -> None:
         (["optim/sparse=lars_sgd", "optim.sparse.weight_decay=0.1", "optim.sparse.weight_decay_mode=decouple"],
          "weight_decay_mode=l2"),
         (["scheduler=manual_step", "scheduler.boundaries=[5,3]", "scheduler.rates=[1,0.5,0.1]"], "strictly increasing"),
+        # TorchEasyRec's learning_rates: one per size, lrs; here one more, multipliers
+        (["scheduler=manual_step", "scheduler.boundaries=[5]", "scheduler.rates=[0.01]"],
+         "rates are multipliers of the base lr, rates[0] before the first boundary (TorchEasyRec's learning_rates"),
         (["train.clip_grad.max=-1"], "clip_grad.max must be positive"),
         (["+optim.parts.x={pattern: '(', optimizer: {_target_: torch.optim.SGD}}"], "not a valid regular expression"),
+        # a fused clipping bound without its switch trained unclipped, silently
+        (["optim.sparse.max_gradient=0.5"], "optim.sparse.max_gradient=0.5 does nothing while optim.sparse.gradient_clipping is "
+                                            "off (the bound applies only with the switch). Fix: optim.sparse.gradient_clipping=true"),
     ],
     ids=["unknown-key", "negative-decay", "negative-weight-decay", "decay-without-mode", "no-decay-on-cpu", "adagrad-has-no-decay", "adam-decays-decoupled",
-         "lars-decays-l2", "boundaries", "clip", "bad-regex"],
+         "lars-decays-l2", "boundaries", "rates-as-torcheasyrec-lrs", "clip", "bad-regex", "bound-without-clipping"],
 )
 def test_bad_settings_are_clear(make_cfg, overrides: list[str], message: str) -> None:
     cfg = make_cfg(*overrides)

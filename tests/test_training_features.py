@@ -56,6 +56,18 @@ def test_fp16_scaler_settings_reach_the_grad_scaler(make_cfg) -> None:
         c.close()
 
 
+def test_scaler_settings_with_loss_scaling_off_are_warned_about(make_cfg) -> None:
+    # only fp16 (or enabled=true) scales the loss, so a migrated precision.grad_scaler.init_scale under bf16 was silently
+    # unused
+    with LogWarnings() as warned:
+        build(validate(make_cfg("precision=bf16", "precision.grad_scaler.init_scale=1024", "tracking=none"))).close()
+    assert any(m.startswith("precision.grad_scaler.init_scale=1024.0 does nothing: loss scaling is off with "
+                            "precision.dtype=bf16") for m in warned.messages), warned.messages
+    with LogWarnings() as warned:
+        build(validate(make_cfg("precision=fp16", "precision.grad_scaler.init_scale=1024", "tracking=none"))).close()
+    assert not any("loss scaling is off" in m for m in warned.messages), warned.messages
+
+
 def _scaler_after(make_cfg, *overrides: str, steps: int, resumed_from: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """The step policy's state after ``steps`` fp16 steps (after loading ``resumed_from`` first), and its scaler's."""
     c = build(validate(make_cfg("precision=fp16", *overrides, "tracking=none")))

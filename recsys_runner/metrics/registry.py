@@ -117,14 +117,33 @@ def metric_entry(name: str, key: str = "metrics") -> MetricEntry:
     return METRICS[name]
 
 
+TORCHEASYREC_METRICS = {"grouped_auc": "gauc", "mean_absolute_error": "mae", "mean_squared_error": "mse",
+                        "multiclass_auc": "auc"}
+"""TorchEasyRec's metric names (its ``metric.proto``) for metrics registered here under another: a migrating user's
+``metrics.eval=[grouped_auc]`` has no close spelling among ours (``auc`` for a multi-class task is the macro AUC)."""
+
+
 def _closest(name: str) -> str:
     """`` (did you mean recall@10?)`` for a misspelt metric name (``recal@10``, ``loglos``), keeping its ``@k``, or one
-    without its ``@k`` (``hr``); else ``""``."""
+    without its ``@k`` (``hr``), ours for a TorchEasyRec name (:data:`TORCHEASYREC_METRICS`) or for one in capitals
+    (``AUC``); else ``""``."""
+    if (ours := TORCHEASYREC_METRICS.get(name.lower())) is not None:
+        return f" (TorchEasyRec's name for {ours}: did you mean {ours}?)"
+    if name.lower() != name and (name.lower() in METRICS or AT_K_NAME.fullmatch(name.lower())):
+        return f" (did you mean {name.lower()}?)"
     base, at, k = name.partition("@")
     if not at and base in AT_K:
         return f" (did you mean {base}@10? it needs its k)"
     close = difflib.get_close_matches(base, list(AT_K) if at else list(METRICS), n=1, cutoff=0.6)
     return f" (did you mean {close[0]}{at}{k}?)" if close else ""
+
+
+def torcheasyrec_key(key: str) -> str | None:
+    """A logged key whose metric is named as TorchEasyRec does (``eval/grouped_auc``) under our name (``eval/gauc``);
+    ``None`` for any other key."""
+    head, _, name = key.rpartition("/")
+    ours = TORCHEASYREC_METRICS.get(name.lower())
+    return f"{head}/{ours}" if ours is not None and head else None
 
 
 def metric_key(name: str) -> str:

@@ -149,7 +149,9 @@ class ManualStepConfig(SchedulerConfig):
         super().__post_init__()
         require(len(self.rates) == len(self.boundaries) + 1,
                 f"scheduler.rates needs one more entry than scheduler.boundaries, got {len(self.rates)} rates "
-                f"for {len(self.boundaries)} boundaries")
+                f"for {len(self.boundaries)} boundaries: rates are multipliers of the base lr, rates[0] before the first "
+                f"boundary (TorchEasyRec's learning_rates [x, y] at schedule_sizes [a, b] are lrs after each size: here "
+                f"scheduler.boundaries=[a,b] scheduler.rates=[1,x/lr,y/lr])")
         require(all(b > 0 for b in self.boundaries) and list(self.boundaries) == sorted(set(self.boundaries)),
                 f"scheduler.boundaries must be positive and strictly increasing, got {self.boundaries}")
         require(all(r >= 0 for r in self.rates), f"scheduler.rates must be >= 0, got {self.rates}")

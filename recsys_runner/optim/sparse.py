@@ -64,6 +64,8 @@ class SparseOptimizerConfig(Configurable):
         return optimizer_kwargs(self)
 
 _WEIGHT_DECAY_MODES = ("none", "l2", "decouple")
+_MAX_GRADIENT = 1.0
+"""``max_gradient``'s default: any other value set while ``gradient_clipping`` is off is a mistake."""
 
 
 @dataclass(kw_only=True)
@@ -77,8 +79,8 @@ class _FusedConfig(SparseOptimizerConfig):
     (:attr:`decay_modes`)."""
     gradient_clipping: bool = False
     """Clip each embedding gradient element to ``[-max_gradient, max_gradient]`` inside the kernel."""
-    max_gradient: float = 1.0
-    """Clipping threshold when ``gradient_clipping`` is on."""
+    max_gradient: float = _MAX_GRADIENT
+    """Clipping threshold when ``gradient_clipping`` is on (another value with it off is refused: it would do nothing)."""
 
     decay_modes: ClassVar[tuple[str, ...]] = ("l2", "decouple")
     """The weight decay modes fbgemm's kernel for this optimizer really applies. Only row-wise Adagrad's kernel reads
@@ -99,6 +101,10 @@ class _FusedConfig(SparseOptimizerConfig):
                 f"optim.sparse.weight_decay_mode={self.weight_decay_mode}: fbgemm's {name} kernel ignores the mode and applies "
                 f"weight decay as {'/'.join(modes)} only. Fix: optim.sparse.weight_decay_mode={modes[0]}")
         require(self.max_gradient > 0, f"optim.sparse.max_gradient must be positive, got {self.max_gradient}")
+        require(self.gradient_clipping or self.max_gradient == _MAX_GRADIENT,
+                f"optim.sparse.max_gradient={self.max_gradient} does nothing while optim.sparse.gradient_clipping is off "
+                f"(the bound applies only with the switch). Fix: "
+                f"optim.sparse.gradient_clipping=true optim.sparse.max_gradient={self.max_gradient}")
         require(self.weight_decay == 0 or self.weight_decay_mode != "none",
                 f"optim.sparse.weight_decay={self.weight_decay} with weight_decay_mode=none does not say how it is applied "
                 f"(fbgemm's {name} kernel: {' or '.join(modes)}). Fix: optim.sparse.weight_decay_mode={modes[0]}")

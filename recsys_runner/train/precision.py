@@ -179,11 +179,29 @@ class Precision:
                 "weight (about |w|/2048) is lost: a small optim.sparse.lr, or Adagrad's shrinking steps late in a run, may stop "
                 "training the tables. Compare eval metrics with precision.embedding_data_type=fp32 before relying on it")
 
+    @property
+    def scales_loss(self) -> bool:
+        """Whether loss scaling is on: ``precision.grad_scaler.enabled``, by default for fp16 only."""
+        enabled = self.config.grad_scaler.enabled
+        return enabled if enabled is not None else self.config.dtype == "fp16"
+
+    def unused_scaler_warning(self) -> str | None:
+        """For the run's log: ``precision.grad_scaler`` settings changed from their defaults while loss scaling is off,
+        which therefore do nothing (a config migrated with a ``grad_scaler`` section under bf16 or fp32); ``None``
+        otherwise."""
+        defaults, c = GradScalerConfig(), self.config.grad_scaler
+        changed = [f"precision.grad_scaler.{k}={getattr(c, k)}" for k in ("init_scale", "growth_factor", "backoff_factor",
+                                                                          "growth_interval") if getattr(c, k) != getattr(defaults, k)]
+        if self.scales_loss or not changed:
+            return None
+        return (f"{', '.join(changed)} {'does' if len(changed) == 1 else 'do'} nothing: loss scaling is off with precision.dtype={self.config.dtype} (on for fp16 "
+                f"only, unless precision.grad_scaler.enabled=true). To scale the loss: precision=fp16, or "
+                f"precision.grad_scaler.enabled=true")
+
     def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler | None:
         """A ``GradScaler`` when loss scaling is on (fp16 by default), else ``None``."""
         c = self.config.grad_scaler
-        enabled = c.enabled if c.enabled is not None else self.config.dtype == "fp16"
-        if not enabled:
+        if not self.scales_loss:
             return None
         return torch.amp.GradScaler(
             device.type, init_scale=c.init_scale, growth_factor=c.growth_factor,
