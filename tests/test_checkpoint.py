@@ -14,7 +14,7 @@ from recsys_runner.__main__ import run
 from recsys_runner.build import build
 from recsys_runner.checkpoint.storage import list_checkpoints
 from recsys_runner.config import validate
-from recsys_runner.errors import CheckpointError, CheckpointWriteFailed
+from recsys_runner.errors import CheckpointError, CheckpointWriteFailed, ConfigError
 from recsys_runner.train.signals import Interrupted
 from tests.conftest import LogWarnings
 
@@ -118,6 +118,8 @@ def test_fine_tune_with_name_map_and_without_optimizer_state(make_cfg, tmp_path:
     assert torch.equal(mapped[dense_key], plain[dense_key])
     with pytest.raises(CheckpointError, match="shares no parameter name"):
         built("+checkpoint.name_map.model=other")
+    with pytest.raises(ConfigError, match=r"checkpoint.name_map.t_cat_O=t_cat_1: no tensor of this model has 't_cat_O'.*Fix: use a part of this model's names as the key \(e.g. t_cat_"):
+        built("+checkpoint.name_map.t_cat_O=t_cat_1")  # renamed nothing, without a word: a fine-tune as if unmapped
 
 
 def _default_dir_on_rank(rank: int, port: int, out: str) -> None:

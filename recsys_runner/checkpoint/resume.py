@@ -17,6 +17,7 @@ What may change on a resume, and what it says of each change: :mod:`~recsys_runn
 
 from __future__ import annotations
 
+import difflib
 import functools
 import logging
 import random
@@ -32,7 +33,7 @@ from recsys_runner.checkpoint.config import RESUME_WORDS, CheckpointConfig, Trai
 from recsys_runner.checkpoint.storage import STEP_DIR, CheckpointStorage, TensorIndex, step_of
 from recsys_runner.checkpoint.weights import CarriedRows, TrainingParts, load_into
 from recsys_runner.distributed.env import decided_on_rank0
-from recsys_runner.errors import CheckpointError, UserError
+from recsys_runner.errors import CheckpointError, ConfigError, UserError
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,8 @@ def load_run(storage: CheckpointStorage, path: Path, parts: TrainingParts, confi
     if with_optimizer:
         parts.init_optimizer_state(storage.tensor_index(path))
     ours = parts.tensor_state(with_optimizer)
+    if not strict:
+        _check_name_map(config.name_map, ours)
 
     def renamed(index: TensorIndex) -> dict[str, str]:
         return {k: k if strict else _rename(k, config.name_map) for k in ours}
@@ -150,6 +153,23 @@ def _ranked(storage: CheckpointStorage, path: Path, meta: Mapping[str, Any], ran
     if ranked is None:
         raise FileNotFoundError(f"rank{rank}.pt is missing")
     return ranked
+
+
+def _check_name_map(name_map: Mapping[str, str], ours: Mapping[str, Any]) -> None:
+    """Each ``checkpoint.name_map`` key must be part of a name of this model's tensors: one that is not renames nothing,
+    and the run would fine-tune as if the entry were not there, without a word (the tensors it was meant for load under
+    their own names, or keep their fresh values).
+
+    Raises:
+        ConfigError: naming the entry and the closest parts of this model's names."""
+    for mine, theirs in name_map.items():
+        if any(mine in k for k in ours):
+            continue
+        parts = sorted({p for k in ours if k.startswith("model/") for p in k.removeprefix("model/").split(".")})
+        close = difflib.get_close_matches(mine, parts, n=3, cutoff=0.5) or parts[:8]
+        raise ConfigError(f"checkpoint.name_map.{mine}={theirs}: no tensor of this model has '{mine}' in its name, so the "
+                          f"entry would rename nothing. Fix: use a part of this model's names as the key (e.g. "
+                          f"{', '.join(close)}), or remove the entry")
 
 
 def _rename(key: str, name_map: Mapping[str, str]) -> str:
