@@ -50,6 +50,10 @@ def test_per_table_sharding_type_checked_against_device(make_cfg) -> None:
     ("distributed.intra_node_bandwidth_gbps=0", "distributed.intra_node_bandwidth_gbps must be positive"),
     ("distributed.plan_local_world_size=3", "distributed.plan_local_world_size=3 needs distributed.plan_world_size"),
     ("+distributed.tables={t_cat_0: {compute_kernels: [magic]}}", "distributed.tables.t_cat_0.compute_kernels has unknown 'magic'"),
+    # TorchRec's enum names, as TorchEasyRec's configs write them: the fix is the list in its values
+    ("distributed.sharding_types=[TABLE_WISE,row_wise]",
+     r"distributed.sharding_types has unknown 'TABLE_WISE'; .*Fix: distributed.sharding_types=\[table_wise,row_wise\]$"),
+    ("distributed.compute_kernels=[fused_uvm_cachng]", r"Fix: distributed.compute_kernels=\[fused_uvm_caching\]$"),
 ])
 def test_bad_planner_settings(make_cfg, override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):

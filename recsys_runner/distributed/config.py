@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -11,7 +12,7 @@ from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.types import ShardingType
 
 from recsys_runner.configurable import Configurable
-from recsys_runner.errors import require
+from recsys_runner.errors import ConfigError, require
 
 if TYPE_CHECKING:  # built by name (_target_); the config must not import the machinery it configures
     from recsys_runner.distributed.sharding import Distributed
@@ -39,14 +40,29 @@ def _check_choices(key: str, sharding_types: list[str] | None, compute_kernels: 
     for name, chosen in (("sharding_types", sharding_types), ("compute_kernels", compute_kernels)):
         require(chosen is None or len(chosen) > 0, f"{key}.{name}=[] allows nothing. Fix: {key}.{name}=null (the planner "
                 f"chooses among all), or list the ones to allow")
-    for t in sharding_types or []:
-        require(t in _SHARDING_TYPES, f"{key}.sharding_types has unknown {t!r}; valid: {_SHARDING_TYPES}")
-    for k in compute_kernels or []:
-        require(k in _KERNELS, f"{key}.compute_kernels has unknown {k!r}; valid: {_KERNELS}")
+    _check_names(f"{key}.sharding_types", sharding_types, _SHARDING_TYPES)
+    _check_names(f"{key}.compute_kernels", compute_kernels, _KERNELS)
     require(cache_load_factor is None or 0 < cache_load_factor < 1,
             f"{key}.cache_load_factor={cache_load_factor} must lie strictly between 0 and 1 (the share of a UVM-cached table's "
             f"rows its HBM cache holds; at 1 the whole table would sit in HBM, which is the fused kernel, and TorchRec refuses it). "
             f"Fix: e.g. {key}.cache_load_factor=0.2, or null for TorchRec's default")
+
+
+def _check_names(key: str, chosen: list[str] | None, valid: list[str]) -> None:
+    """Each of ``chosen`` is one of TorchRec's ``valid`` values; an unknown one is named with the whole list fixed: each
+    replaced by the value equal but for case (TorchRec's enum names, ``TABLE_WISE``, as TorchEasyRec's configs write them),
+    else by the closest."""
+    unknown = [v for v in chosen or [] if v not in valid]
+    if not unknown:
+        return
+
+    def fixed(v: str) -> str:
+        if v in valid:
+            return v
+        return v.lower() if v.lower() in valid else (difflib.get_close_matches(v.lower(), valid, n=1, cutoff=0.0) or valid)[0]
+
+    raise ConfigError(f"{key} has unknown {', '.join(map(repr, unknown))}; valid: {', '.join(valid)} (TorchRec's values, in "
+                      f"lower case). Fix: {key}=[{','.join(fixed(v) for v in chosen or [])}]")
 
 
 @dataclass(kw_only=True)
