@@ -157,6 +157,8 @@ def build(run: RunConfig, *, launch: Launch = Launch(), weights: Path | None = N
             _say_weight_decay(run.optim, policy.dense)
         if env.is_main and (caveat := sparse_accumulation_warning(run.optim.sparse, run.train.grad_accum_steps, run.data.batch_size)):
             log.warning("%s", caveat)
+        if env.is_main and (said := precision.line(env.device)):
+            log.info("%s", said)
         if env.is_main and (rounding := precision.table_rounding_warning(env.device)):
             log.warning("%s", rounding)
         if env.is_main and (unused := precision.unused_scaler_warning()):

@@ -526,3 +526,15 @@ def test_an_accumulated_steps_loss_is_its_whole_batchs(make_cfg) -> None:
     finally:
         small.close()
         large.close()
+
+
+def test_a_run_not_in_float32_says_its_precision_once_at_start() -> None:
+    # bf16/fp16 showed only in the MLflow params: nothing in the log said the run computed in half precision
+    from recsys_runner.train.precision import PrecisionConfig
+
+    cpu = torch.device("cpu")
+    assert PrecisionConfig().build().line(cpu) is None  # float32 throughout: nothing to say
+    assert PrecisionConfig(dtype="bf16").build().line(cpu) == (
+        "precision: dense compute bf16 (autocast on cpu; weights and optimizer fp32), embedding tables fp32, loss scaling off")
+    assert PrecisionConfig(dtype="fp16").build().line(cpu).endswith("loss scaling on")
+    assert "embedding tables fp16" in PrecisionConfig(embedding_data_type="fp16").build().line(cpu)

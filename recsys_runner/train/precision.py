@@ -179,6 +179,17 @@ class Precision:
                 "weight (about |w|/2048) is lost: a small optim.sparse.lr, or Adagrad's shrinking steps late in a run, may stop "
                 "training the tables. Compare eval metrics with precision.embedding_data_type=fp32 before relying on it")
 
+    def line(self, device: torch.device) -> str | None:
+        """What the run computes and stores in, for its log, where it is not float32 throughout (``None`` then): a run
+        in bf16 or fp16 says so once at start, not only in its MLflow params."""
+        c = self.config
+        if c.dtype == "fp32" and not c.half_tables:
+            return None
+        tables = c.embedding_data_type + (f" ({len(c.embedding_data_type_by_feature)} features' tables by "
+                                          "precision.embedding_data_type_by_feature)" if c.embedding_data_type_by_feature else "")
+        dense = "fp32" if c.dtype == "fp32" else f"{c.dtype} (autocast on {device.type}; weights and optimizer fp32)"
+        return f"precision: dense compute {dense}, embedding tables {tables}, loss scaling {'on' if self.scales_loss else 'off'}"
+
     @property
     def scales_loss(self) -> bool:
         """Whether loss scaling is on: ``precision.grad_scaler.enabled``, by default for fp16 only."""
