@@ -204,3 +204,16 @@ def test_dynamic_programming_proposer_plans_a_large_table_config_differently(mak
 def test_bad_proposer_settings(make_cfg, overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         validate(make_cfg(*overrides, "tracking=none"))  # TINY plans on distributed.device=cpu
+
+
+def test_torcheasyrecs_planning_variables_are_named_with_our_keys() -> None:
+    # a launch script migrated from TorchEasyRec set them and planned as if they had no effect, without a word
+    from recsys_runner.distributed.config import foreign_environment
+
+    said = foreign_environment({"STORAGE_RESERVE_PERCENT": "0.5", "CROSS_NODE_BANDWIDTH": "25e9", "PROCESS_GROUP_TIMEOUT_SECONDS": "3600",
+                                "PATH": "/bin"})
+    assert [s.rsplit("Fix: ", 1)[1] for s in said] == [
+        "distributed.storage_reserve_percent=0.5", "distributed.cross_node_bandwidth_gbps=25 (GB/s; TorchEasyRec's is bytes/s)",
+        "distributed.timeout_s=3600"]
+    assert all(" is TorchEasyRec's and is not read here" in s for s in said)
+    assert foreign_environment({"PATH": "/bin"}) == []

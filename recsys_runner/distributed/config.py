@@ -34,6 +34,34 @@ PROPOSERS = ("default", "dynamic_programming", "greedy", "grid_search", "uniform
 """``distributed.planner.proposer``'s choices (:func:`recsys_runner.distributed.planner.proposers` builds them)."""
 
 
+TORCHEASYREC_ENVIRONMENT: dict[str, tuple[str, float]] = {
+    "STORAGE_RESERVE_PERCENT": ("distributed.storage_reserve_percent", 1.0),
+    "INTRA_NODE_BANDWIDTH": ("distributed.intra_node_bandwidth_gbps", 1e-9),
+    "CROSS_NODE_BANDWIDTH": ("distributed.cross_node_bandwidth_gbps", 1e-9),
+    "PROCESS_GROUP_TIMEOUT_SECONDS": ("distributed.timeout_s", 1.0),
+}
+"""TorchEasyRec's environment variables for planning and the process group (its docs' "Environment Variables
+Reference"), with our key and the factor from its unit to ours (bandwidths: bytes/s there, GB/s here)."""
+
+
+def foreign_environment(environ: Mapping[str, str]) -> list[str]:
+    """For the run's log: each of TorchEasyRec's environment variables set in ``environ``, which this runner does not read
+    (the setting is config, saved with the run), with the key that does and the value in its unit."""
+    said = []
+    for name, (key, factor) in TORCHEASYREC_ENVIRONMENT.items():
+        if (value := environ.get(name)) is None:
+            continue
+        try:
+            ours = f"{float(value) * factor:g}"
+            if key == "distributed.timeout_s":
+                ours = str(round(float(value)))
+        except ValueError:
+            ours = "<value>"
+        said.append(f"{name}={value} is TorchEasyRec's and is not read here: the planner and the process group take their "
+                    f"settings from the config. Fix: {key}={ours}" + (" (GB/s; TorchEasyRec's is bytes/s)" if factor != 1 else ""))
+    return said
+
+
 def _check_choices(key: str, sharding_types: list[str] | None, compute_kernels: list[str] | None,
                    cache_load_factor: float | None = None) -> None:
     # an empty list reads as "none allowed" but the planner takes it as null (all): refuse it rather than guess

@@ -25,7 +25,7 @@ from torchrec.distributed.planner.stats import EmbeddingStats
 from torchrec.distributed.planner.types import PlannerError, Stats
 from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardingEnv, ShardingPlan
 
-from recsys_runner.distributed.config import DistributedConfig, resolve_device_type
+from recsys_runner.distributed.config import DistributedConfig, foreign_environment, resolve_device_type
 from recsys_runner.distributed.env import DistEnv, auto_num_threads
 from recsys_runner.distributed.launch import elastic_store, map_submitit_env
 from recsys_runner.distributed.plan_report import (
@@ -155,6 +155,7 @@ class Distributed:
         # rank 0 planned, so its recorder holds the chosen options and their storage
         self.summary = plan_summary(plan, env.world_size, rank_usage(recorder.best_plan, env.world_size), recorder.best_plan)
         if env.is_main:
+            _warn_foreign_environment()
             log.info("%s", self.summary)
             log.debug("sharding plan (%d ranks):\n%s", env.world_size, plan)
             self._warn_unused_cache_load_factor(plan)
@@ -167,6 +168,7 @@ class Distributed:
         would hold and whether it fits the memory budget (``hbm_cap_gb``/``ddr_cap_gb`` minus the reserve).
         """
         c = self.config
+        _warn_foreign_environment()
         world_size = c.plan_world_size or int(os.environ.get("WORLD_SIZE", 1))
         local_world_size = c.plan_local_world_size or (world_size if c.plan_world_size else int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
         planner, recorder, topology = self._planner(model, batch_size, world_size, local_world_size, device_type)
@@ -220,3 +222,10 @@ class Distributed:
         assert self.env is not None, "Distributed.setup() must run first"
         return self.env
 
+
+def _warn_foreign_environment() -> None:
+    """Say each of TorchEasyRec's planning and process-group variables set in the environment, which nothing here reads
+    (:func:`~recsys_runner.distributed.config.foreign_environment`): a migrated launch script would plan as if it had
+    no effect, without a word."""
+    for said in foreign_environment(os.environ):
+        log.warning("%s", said)
