@@ -29,17 +29,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["TIME_BUCKET_WIDTH", "BiasIndex", "Tiles", "bias_index", "gathered_bias", "padded_reference", "from_tiles", "host_plus", "pointwise_attention", "relative_bias",
-           "row_starts", "softmax_attention", "take", "tile", "time_buckets", "to_tiles"]
+__all__ = ["TIME_BUCKET_WIDTH", "BiasIndex", "Tiles", "bias_index", "from_tiles", "gathered_bias", "host_plus", "padded_reference",
+           "pointwise_attention", "relative_bias", "row_starts", "softmax_attention", "take", "tile", "time_buckets", "to_tiles"]
+
+_T = TypeVar("_T")
 
 
 class _Counts(NamedTuple):
     tiles: int
     tokens: int
     pairs: int
-
-
-_T = TypeVar("_T")
 
 
 class _Plan(NamedTuple):
@@ -121,8 +120,8 @@ class Tiles:
 def take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x[index]`` along ``x``'s first dim, for an ``index`` of any shape (``[*index.shape, *x.shape[1:]]``): by
     ``index_select``, whose backward is an ``index_add``. Advanced indexing's backward (``index_put`` with
-    ``accumulate``) is 6-10x slower on the CPU, and the tiles gather by pair indices and the bias by distances and time
-    buckets in every layer's forward (docs/performance.md, *HSTU step profile*)."""
+    ``accumulate``) is 1.3-10x slower on the CPU, and the tiles gather by pair indices and the bias by distances and time
+    buckets in every layer's forward (docs/performance.md, *HSTU-SASRec on per-user rows: where a step goes*)."""
     return x.index_select(0, index.reshape(-1)).view(index.shape + x.shape[1:])  # shapes added: TorchRec's trace follows
 
 
