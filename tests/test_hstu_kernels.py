@@ -117,6 +117,25 @@ def test_the_fbgemm_kernel_never_plans_the_tiles_and_the_tiles_plan_once() -> No
     assert tiles.__dict__["_plan"] is plan
 
 
+def test_the_layers_of_a_batch_share_its_pair_terms_and_only_for_the_same_inputs() -> None:
+    """The bias indices and masks of a batch's pairs are made by its first layer and reused by the next (the same times):
+    the numbers are those of fresh tiles; other times (or no times, or candidates) make their own, never a stale reuse."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([3, 0, 37, 9])
+    q, k, v = (torch.randn(49, 2, 4, generator=g) for _ in range(3))
+    position, time = torch.randn(64, generator=g), torch.randn(17, generator=g)
+    times_a = (torch.randint(0, 10**6, (49,), generator=g), torch.randint(0, 10**6, (49,), generator=g))
+    times_b = (times_a[0] + 10**5, times_a[1])
+    candidates = torch.zeros(49, dtype=torch.bool).index_fill(0, torch.tensor([2, 48]), True)
+    tiles = tile(lengths, 8)
+    calls = [(times_a, None), (times_b, None), (times_a, None), (None, None), (times_b, candidates)]
+    for times, seen_only in calls:
+        shared = jagged_kernels.attention("tiles", q, k, v, tiles, position, time, 0.1, times, seen_only)
+        fresh = jagged_kernels.attention("tiles", q, k, v, tile(lengths, 8), position, time, 0.1, times, seen_only)
+        assert torch.equal(shared, fresh)
+    assert len(tiles._shared) == 4  # times_a's terms were reused by the third call
+
+
 def test_auto_runs_the_tiles_on_the_cpu() -> None:
     """``auto`` (the default) on the CPU is the tiles' computation itself, not fbgemm's loops: the same output bit for bit."""
     torch.manual_seed(0)

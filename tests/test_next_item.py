@@ -30,7 +30,7 @@ from recsys_runner.metrics.retrieval import RecallAtK, target_ranks
 from recsys_runner.metrics.tasks import eval_metric_keys
 from recsys_runner.models.common import materialize
 from recsys_runner.models.fixed_sizes import distinct_positives
-from recsys_runner.models.sasrec import SASRec, SASRecConfig
+from recsys_runner.models.sasrec import SASRec, SASRecConfig, _column_vectors
 from recsys_runner.models.sequence import History
 from recsys_runner.models.train_wrapper import TrainWrapper
 from recsys_runner.tasks import NextItemTask
@@ -176,8 +176,7 @@ def _unique_logits(model: SASRec, states: torch.Tensor, history: History, candid
     vectors = torch.where(last.unsqueeze(2), candidate.unsqueeze(1), F.pad(vectors, (0, 0, 0, 1)))[valid]
     distinct, positives, counts = torch.unique(ids, return_inverse=True, return_counts=True)
     first = torch.full_like(distinct, ids.shape[0]).scatter_reduce(0, positives, torch.arange(ids.shape[0]), reduce="amin")
-    logits = model.score(states[valid], vectors[first])
-    return logits - torch.log(counts.to(logits.dtype) / ids.shape[0]).unsqueeze(0), positives
+    return model.score(states[valid], vectors[first], shift=torch.log(counts.to(states.dtype) / ids.shape[0])), positives
 
 
 @pytest.mark.parametrize("num_items", [60, 5000])
@@ -202,6 +201,26 @@ def test_the_fixed_size_sampled_softmax_is_the_unique_one(num_items: int) -> Non
     ids = torch.tensor([7, 3, 7, 7, 0, 3])
     slots, counts, first = distinct_positives(ids, 100)
     assert slots.tolist() == [2, 1, 2, 2, 0, 1] and counts.tolist() == [1, 2, 3, 0, 0, 0] and first.tolist() == [4, 1, 0, 5, 5, 5]
+
+
+def test_the_sampled_logits_shift_and_columns_are_the_plain_ones() -> None:
+    """``score`` with a ``shift`` (one ``addmm``) is the plain scores less the shift, to float rounding, ``-inf`` where
+    the shift is ``+inf``; the columns' vectors read for their positions alone are the padded targets' rows, exactly."""
+    torch.manual_seed(0)
+    data = make(SyntheticSequencesConfig, batch_size=16, num_items=40, num_categories=4, num_users=30, max_len=12,
+                num_train_rows=32, num_eval_rows=32, empty_fraction=0.2).for_model(SASRecConfig().data_needs()).build()
+    model = materialize(SASRec(make(SASRecConfig, embedding_dim=8, dropout=0.0), features=data.features))
+    assert isinstance(model, SASRec)
+    states, items = torch.randn(20, 8), torch.randn(6, 8)
+    shift = torch.tensor([0.5, -1.0, float("inf"), 0.0, 2.0, float("inf")])
+    shifted, plain = model.score(states, items, shift=shift), model.score(states, items) - shift
+    assert torch.isneginf(shifted[:, [2, 5]]).all()
+    torch.testing.assert_close(shifted[:, [0, 1, 3, 4]], plain[:, [0, 1, 3, 4]], rtol=1e-6, atol=1e-5)
+    events, lengths, candidate = torch.randn(5, 7, 3), torch.tensor([0, 7, 3, 1, 5]), torch.randn(5, 3)
+    last = torch.arange(8).unsqueeze(0) == lengths.unsqueeze(1)
+    targets = torch.where(last.unsqueeze(2), candidate.unsqueeze(1), F.pad(events, (0, 0, 0, 1))).flatten(0, 1)
+    at = torch.tensor([0, 8, 15, 17, 19, 24, 25, 33, 37, 37])  # every row's last position, some events, a repeat
+    assert torch.equal(_column_vectors(events, lengths, candidate, at), targets[at])
 
 
 def test_sasrec_config_errors_name_the_key_and_the_fix(make_cfg) -> None:

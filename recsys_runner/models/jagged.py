@@ -19,18 +19,20 @@ pairs, ``H`` heads, ``d`` a head's width.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["TIME_BUCKET_WIDTH", "Tiles", "padded_reference", "from_tiles", "host_plus", "pointwise_attention", "relative_bias",
-           "row_starts", "softmax_attention", "tile", "time_buckets", "to_tiles"]
+__all__ = ["TIME_BUCKET_WIDTH", "BiasIndex", "Tiles", "bias_index", "from_tiles", "gathered_bias", "host_plus", "padded_reference",
+           "pointwise_attention", "relative_bias", "row_starts", "softmax_attention", "take", "tile", "time_buckets", "to_tiles"]
+
+_T = TypeVar("_T")
 
 
 class _Counts(NamedTuple):
@@ -63,6 +65,7 @@ class Tiles:
     host: np.ndarray | None = None
     """The same ``lengths`` on the host (the batch's builder counted them: ``host_lengths.row_lengths``), which size the
     plan without a device read; ``None``: the sizes are read from ``lengths`` (one device-to-host sync on a GPU)."""
+    _shared: list[tuple[tuple[Any, ...], Any]] = field(default_factory=list, init=False, repr=False, compare=False)
 
     @functools.cached_property
     def counts(self) -> _Counts:
@@ -98,6 +101,28 @@ class Tiles:
     @property
     def pair_key(self) -> torch.Tensor:
         return self._plan.pair_key
+
+    def shared(self, inputs: tuple[Any, ...], make: Callable[[], _T]) -> _T:
+        """``make()``, made once per ``inputs`` for the batch these tiles cut: what every layer of the batch would compute
+        alike (:func:`pointwise_attention`'s bias indices and masks, from the same times, candidates and positions),
+        made by the first layer and reused by the others. ``inputs`` match when each is the same tensor, or equal (not a
+        tensor: numbers, dtypes, ``None``); they are kept, so a tensor's identity cannot pass to another while the tiles
+        live."""
+        for seen, made in self._shared:
+            if len(seen) == len(inputs) and all(a is b or not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor)
+                                                and a == b for a, b in zip(seen, inputs, strict=True)):
+                return made
+        made = make()
+        self._shared.append((inputs, made))
+        return made
+
+
+def take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x[index]`` along ``x``'s first dim, for an ``index`` of any shape (``[*index.shape, *x.shape[1:]]``): by
+    ``index_select``, whose backward is an ``index_add``. Advanced indexing's backward (``index_put`` with
+    ``accumulate``) is 1.3-10x slower on the CPU, and the tiles gather by pair indices and the bias by distances and time
+    buckets in every layer's forward (docs/performance.md, *HSTU-SASRec on per-user rows: where a step goes*)."""
+    return x.index_select(0, index.reshape(-1)).view(index.shape + x.shape[1:])  # shapes added: TorchRec's trace follows
 
 
 def row_starts(lengths: torch.Tensor) -> torch.Tensor:
@@ -152,7 +177,7 @@ def to_tiles(x: torch.Tensor, tiles: Tiles) -> torch.Tensor:
 
 def from_tiles(x: torch.Tensor, tiles: Tiles) -> torch.Tensor:
     """``x [NB, C, ...]`` back to its tokens ``[T, ...]``."""
-    return x.reshape(-1, *x.shape[2:])[tiles.slots]
+    return take(x.reshape(-1, *x.shape[2:]), tiles.slots)
 
 
 TIME_BUCKET_WIDTH = 0.301
@@ -165,15 +190,65 @@ def time_buckets(gaps: torch.Tensor, last: int) -> torch.Tensor:
     return (torch.log(gaps.abs().clamp_min(1).double()) / TIME_BUCKET_WIDTH).long().clamp(0, last)
 
 
+class BiasIndex(NamedTuple):
+    """Where HSTU's ``rab`` of some query-key pairs reads its learned weights: ``distance`` into ``position``, ``bucket``
+    into ``time`` (``None``: no time term). :func:`bias_index` makes it, :func:`gathered_bias` reads it."""
+
+    distance: torch.Tensor
+    bucket: torch.Tensor | None
+
+
+def bias_index(distance: torch.Tensor, gaps: torch.Tensor | None, positions: int, buckets: int | None) -> BiasIndex:
+    """The weights' indices of query-key pairs ``distance`` apart (query position − key position, ``≥ 0``) with time gaps
+    ``gaps`` (query time − key time; ``None``: no time term): ``min(distance, positions - 1)`` among ``positions``
+    position weights and ``bucket(gap)`` among ``buckets + 1`` time weights (``buckets=None``: no time term)."""
+    time = None if gaps is None or buckets is None else time_buckets(gaps, buckets)
+    return BiasIndex(distance.clamp_max(positions - 1), time)
+
+
+def gathered_bias(position: torch.Tensor, time: torch.Tensor | None, index: BiasIndex) -> torch.Tensor:
+    """``position[index.distance] + time[index.bucket]``: the bias of the pairs :func:`bias_index` indexed."""
+    bias = take(position, index.distance)
+    return bias if time is None or index.bucket is None else bias + take(time, index.bucket)
+
+
 def relative_bias(position: torch.Tensor, time: torch.Tensor | None, distance: torch.Tensor,
                   gaps: torch.Tensor | None) -> torch.Tensor:
     """HSTU's ``rab`` of query-key pairs ``distance`` apart (query position − key position, ``≥ 0``) with time gaps
     ``gaps`` (query time − key time; ``None``: no time term): ``position[min(distance, len - 1)] + time[bucket(gap)]``,
     from the learned weights ``position [max_len]`` and ``time [buckets + 1]`` (``None``: no time term)."""
-    bias = position[distance.clamp_max(position.shape[0] - 1)]
-    if time is None or gaps is None:
-        return bias
-    return bias + time[time_buckets(gaps, time.shape[0] - 1)]
+    buckets = None if time is None else time.shape[0] - 1
+    return gathered_bias(position, time, bias_index(distance, gaps, position.shape[0], buckets))
+
+
+class _PointwisePairs(NamedTuple):
+    bias: BiasIndex  # [P, C, C] each
+    scaled_mask: torch.Tensor  # [P, 1, C, C]: the scale where the query may see the key, else 0
+
+
+def _pointwise_pairs(tiles: Tiles, times: tuple[torch.Tensor, torch.Tensor] | None, candidates: torch.Tensor | None,
+                     positions: torch.Tensor | None, num_positions: int, buckets: int | None, scale: float,
+                     dtype: torch.dtype) -> _PointwisePairs:
+    """What :func:`pointwise_attention` needs of the pairs besides the layer's weights: the bias's indices and the
+    scaled mask, the same in every layer of one batch (the first layer makes them, :meth:`Tiles.shared`). Every
+    ``[P, C, C]`` integer pass (distances, time gaps, their log buckets in double) is paid once per batch, not per layer."""
+    pq, pk = tiles.pair_query, tiles.pair_key
+    query_at, key_at = tiles.positions[pq], tiles.positions[pk]  # [P, C]
+    distance = query_at.unsqueeze(2) - key_at.unsqueeze(1)  # [P, C, C]
+    allowed = (distance >= 0) & (key_at >= 0).unsqueeze(1) & (query_at >= 0).unsqueeze(2)
+    if candidates is not None:
+        seen = ~to_tiles(candidates, tiles)[pk]  # [P, C]: keys every query may see
+        allowed = allowed & (seen.unsqueeze(1) | (distance == 0))
+    if positions is not None:
+        placed = to_tiles(positions, tiles)
+        distance = placed[pq].unsqueeze(2) - placed[pk].unsqueeze(1)
+    gaps = None
+    if times is not None:
+        query_t, key_t = to_tiles(times[0], tiles)[pq], to_tiles(times[1], tiles)[pk]
+        gaps = query_t.unsqueeze(2) - key_t.unsqueeze(1)
+    # ``allowed * scale`` in one factor: SiLU(x) · scale · 1 and SiLU(x) · scale are the same float, as are the 0s.
+    return _PointwisePairs(bias_index(distance.clamp_min(0), gaps, num_positions, buckets),
+                           (allowed.unsqueeze(1).to(dtype) * scale))
 
 
 @torch.fx.wrap
@@ -194,22 +269,12 @@ def pointwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles
     pq, pk = tiles.pair_query, tiles.pair_key
     heads = (0, 2, 1, 3)  # [NB, C, H, d] → [NB, H, C, d]
     qt, kt, vt = (to_tiles(t, tiles).permute(heads) for t in (q, k, v))
-    query_at, key_at = tiles.positions[pq], tiles.positions[pk]  # [P, C]
-    distance = query_at.unsqueeze(2) - key_at.unsqueeze(1)  # [P, C, C]
-    allowed = (distance >= 0) & (key_at >= 0).unsqueeze(1) & (query_at >= 0).unsqueeze(2)
-    if candidates is not None:
-        seen = ~to_tiles(candidates, tiles)[pk]  # [P, C]: keys every query may see
-        allowed = allowed & (seen.unsqueeze(1) | (distance == 0))
-    if positions is not None:
-        placed = to_tiles(positions, tiles)
-        distance = placed[pq].unsqueeze(2) - placed[pk].unsqueeze(1)
-    gaps = None
-    if times is not None:
-        query_t, key_t = to_tiles(times[0], tiles)[pq], to_tiles(times[1], tiles)[pk]
-        gaps = query_t.unsqueeze(2) - key_t.unsqueeze(1)
-    logits = qt[pq] @ kt[pk].transpose(2, 3) + relative_bias(position, time, distance.clamp_min(0), gaps).unsqueeze(1).to(q.dtype)  # [P, H, C, C]
-    weights = F.silu(logits) * scale * allowed.unsqueeze(1).to(logits.dtype)
-    mixed = torch.zeros_like(qt).index_add(0, pq, weights @ vt[pk])  # [NB, H, C, d]
+    buckets = None if time is None else time.shape[0] - 1
+    pairs = tiles.shared((*(times or (None, None)), candidates, positions, position.shape[0], buckets, scale, q.dtype),
+                         lambda: _pointwise_pairs(tiles, times, candidates, positions, position.shape[0], buckets, scale, q.dtype))
+    logits = take(qt, pq) @ take(kt, pk).transpose(2, 3) + gathered_bias(position, time, pairs.bias).unsqueeze(1).to(q.dtype)  # [P, H, C, C]
+    weights = F.silu(logits) * pairs.scaled_mask
+    mixed = torch.zeros_like(qt).index_add(0, pq, weights @ take(vt, pk))  # [NB, H, C, d]
     return from_tiles(mixed.permute(heads), tiles)
 
 
@@ -233,7 +298,7 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: 
     allowed = (key_at >= 0).unsqueeze(1)  # [P, 1, C]: real keys only
     if tiles.causal:
         allowed = allowed & (query_at.unsqueeze(2) >= key_at.unsqueeze(1))  # [P, C, C]
-    logits = (qt[pq] @ kt[pk].transpose(2, 3) * scale).masked_fill(~allowed.unsqueeze(1), float("-inf"))  # [P, H, C, C]
+    logits = (take(qt, pq) @ take(kt, pk).transpose(2, 3) * scale).masked_fill(~allowed.unsqueeze(1), float("-inf"))  # [P, H, C, C]
     pair_top = logits.detach().amax(dim=3)  # [P, H, C]
     top = torch.full(qt.shape[:3], float("-inf"), dtype=logits.dtype, device=logits.device)
     top = top.scatter_reduce(0, pq.view(-1, 1, 1).expand_as(pair_top), pair_top, reduce="amax")  # [NB, H, C]
@@ -242,7 +307,7 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: 
     total = torch.zeros_like(top).index_add(0, pq, weights.sum(dim=3))  # [NB, H, C]: the softmax's denominators
     if training and dropout > 0:
         weights = F.dropout(weights, dropout)
-    mixed = torch.zeros_like(qt).index_add(0, pq, weights @ vt[pk])  # [NB, H, C, d]
+    mixed = torch.zeros_like(qt).index_add(0, pq, weights @ take(vt, pk))  # [NB, H, C, d]
     mixed = mixed / total.clamp_min(torch.finfo(total.dtype).tiny).unsqueeze(3)
     return from_tiles(mixed.permute(heads), tiles)
 

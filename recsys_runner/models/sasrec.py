@@ -46,7 +46,7 @@ from recsys_runner.features import DataNeeds, FeatureSpec, SequenceGroup, check_
 from recsys_runner.models.common import ModelConfig
 from recsys_runner.models.fixed_sizes import distinct_positives, flat_positions, real_positions
 from recsys_runner.models.hstu import HSTUBlock, query_and_key_times
-from recsys_runner.models.jagged import host_plus, tile
+from recsys_runner.models.jagged import host_plus, take, tile
 from recsys_runner.models.jagged_kernels import check_kernel
 from recsys_runner.models.ranking_eval import sampled_negatives, seen_ids, without_seen
 from recsys_runner.models.sequence import History, SequenceArch, padded, recency_positions
@@ -297,7 +297,7 @@ class SASRec(nn.Module):
             # carries its lengths there), in the order a mask would select them: a mask sizes them by a device read.
             tiles = tile(lengths, self.tile_size, host=host_plus(history.host_lengths, 1))
             index = flat_positions(lengths, length + 1, tiles.counts.tokens)  # [P] into the [B * (L + 1)] positions
-            flat = x.flatten(0, 1)[index]
+            flat = take(x.flatten(0, 1), index)
             flat_times = None if times is None else (times[0].flatten()[index], times[1].flatten()[index])
             for block in self.blocks:
                 flat = cast(HSTUBlock, block).forward_jagged(flat, tiles, flat_times)
@@ -306,11 +306,16 @@ class SASRec(nn.Module):
             x = block(x, mask, times)
         return self.norm(x)
 
-    def score(self, states: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
-        """``states [S, D]`` × ``items [I, D]`` → ``[S, I]``: (cosine when ``normalize``) dot products / temperature."""
+    def score(self, states: torch.Tensor, items: torch.Tensor, shift: torch.Tensor | None = None) -> torch.Tensor:
+        """``states [S, D]`` × ``items [I, D]`` → ``[S, I]``: (cosine when ``normalize``) dot products / temperature, less
+        ``shift [I]`` per item when given: one ``addmm``, the scale and the shift applied as the product is written, not
+        two more passes over ``[S, I]`` forward and one backward (the training logits' ``[P, K]`` are the step's largest
+        tensor)."""
         if self.normalize:
             states, items = F.normalize(states, dim=1), F.normalize(items.to(states.dtype), dim=1)
-        return states @ items.to(states.dtype).t() / self.temperature
+        if shift is None:
+            return states @ items.to(states.dtype).t() / self.temperature
+        return torch.addmm(-shift.to(states.dtype).unsqueeze(0), states, items.to(states.dtype).t(), alpha=1 / self.temperature)
 
     def sampled_logits(self, states: torch.Tensor, history: History, candidate: torch.Tensor,
                        sparse: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -333,15 +338,14 @@ class SASRec(nn.Module):
         index = flat_positions(history.lengths + 1, length + 1, count)  # [P] into the [B * (L + 1)] positions
         ids = sparse[self.item_feature].to_padded_dense(desired_length=length, padding_value=0)
         ids = torch.where(last, self._candidate_ids(sparse).unsqueeze(1), F.pad(ids, (0, 1))).flatten()[index]
-        vectors = history.values[..., self.item_offset: self.item_offset + self.dim]
-        vectors = torch.where(last.unsqueeze(2), candidate.unsqueeze(1).to(vectors.dtype), F.pad(vectors, (0, 0, 0, 1))).flatten(0, 1)[index]
         positives, counts, first = distinct_positives(ids, self.num_items)
-        logits = self.score(states.flatten(0, 1)[index], vectors[first])
-        # One pass over the [P, K] logits, as before: each item's logQ (or 0) subtracted, +inf for the empty slots.
-        empty = torch.full_like(counts, 0, dtype=logits.dtype).masked_fill(counts == 0, float("inf"))
+        # Each item's logQ (or 0) subtracted, +inf for the empty slots, as the [P, K] logits are written (score).
+        empty = torch.full_like(counts, 0, dtype=states.dtype).masked_fill(counts == 0, float("inf"))
         if self.logq:
-            empty = torch.where(counts > 0, torch.log(counts.to(logits.dtype) / count), empty)
-        return logits - empty.unsqueeze(0), positives
+            empty = torch.where(counts > 0, torch.log(counts.to(states.dtype) / count), empty)
+        vectors = _column_vectors(history.values[..., self.item_offset: self.item_offset + self.dim], history.lengths, candidate,
+                                  index[first])
+        return self.score(take(states.flatten(0, 1), index), vectors, shift=empty), positives
 
     def full_scores(self, states: torch.Tensor, lengths: torch.Tensor, sparse: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(scores [B, C], true item ids [B])``: the state after each row's whole history against every candidate item
@@ -402,6 +406,17 @@ class SASRec(nn.Module):
     def _candidate_ids(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
         """Each row's candidate item id ``[B]`` (its first id; the candidate has one per row)."""
         return padded(sparse.to_dict()[self.candidate], 1)[:, 0]
+
+
+def _column_vectors(events: torch.Tensor, lengths: torch.Tensor, candidate: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """``[K, D]``: the item vector at each of the flat positions ``at [K]`` of the ``[B, L + 1]`` targets, where position
+    ``t < lengths[b]`` of row ``b`` is its event ``t`` (``events [B, L, D]``) and ``t = lengths[b]`` its ``candidate
+    [B, D]``. Read from the events and the candidates for the ``K`` columns alone: the ``[B, L + 1, D]`` targets (a pad, a
+    ``where`` and their backward, over every padded slot) are never built."""
+    b, length, _ = events.shape
+    row, t = torch.div(at, length + 1, rounding_mode="floor"), at % (length + 1)
+    table = torch.cat([events.flatten(0, 1), candidate.to(events.dtype)])  # [B · L + B, D]: the events, then the candidates
+    return take(table, torch.where(t == lengths[row], b * length + row, row * length + t))
 
 
 def _check_eval_negatives(n: int, num_items: int, group: SequenceGroup, item_feature: str) -> None:
