@@ -93,6 +93,7 @@ from recsys_runner.optim.sparse import (
     check_sparse_on_device,
 )
 from recsys_runner.paths import register_resolvers
+from recsys_runner.plugins import Plugins, load
 from recsys_runner.store_settings import StorageConfig
 from recsys_runner.tasks import Task
 from recsys_runner.tracking.tracker import MlflowTrackingConfig, NoTrackingConfig, TrackingConfig
@@ -207,20 +208,42 @@ GROUPS: dict[str, dict[str, type]] = {
     "checkpoint": {"checkpoint": CheckpointConfig},
     "tracking": {"mlflow": MlflowTrackingConfig, "none": NoTrackingConfig},
 }
-"""Every schema, by group and name. A new option registers its dataclass here."""
+"""Every built-in schema, by group and name. A new option of this package registers its dataclass here; another package's
+comes from its entry points (:func:`plugins`)."""
+
+PLUGIN_BASES: dict[str, type] = {"model": ModelConfig, "data": DataConfig}
+"""The config groups other packages may add options to (``plugins.ENTRY_POINT_GROUPS``), with the base each must subclass."""
+
+
+@functools.cache
+def plugins() -> Plugins:
+    """The options installed packages declare as entry points (``recsys_runner.models``, ``recsys_runner.data``), read and
+    imported once per process; a broken one is left out with one warning line (:mod:`recsys_runner.plugins`)."""
+    return load(GROUPS, PLUGIN_BASES)
+
+
+def group_options(group: str) -> dict[str, type]:
+    """Every option of ``group`` with its schema: the built-in ones and those of installed packages."""
+    return {**GROUPS.get(group, {}), **plugins().options.get(group, {})}
 
 
 def register_configs() -> None:
     """Store the root schema and every group schema in Hydra's ConfigStore, register the resolvers ``conf/`` uses, and
     make ``--help`` list the groups in one walk, without these ``schema/*`` groups (``help_groups.py``; idempotent).
-    Every Hydra entry runs it before ``@hydra.main``."""
+    Every Hydra entry runs it before ``@hydra.main``. Each option of an installed package (:func:`plugins`) is stored
+    twice: as ``schema/<group>/<name>``, which its own YAML presets extend as ours do, and as the option
+    ``<group>=<name>`` itself."""
     register_resolvers()
     help_groups.install()
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=_composition_schema())
-    for group, options in GROUPS.items():
-        for name, node in options.items():
+    for group, builtin in GROUPS.items():
+        for name, node in builtin.items():
             cs.store(group=f"schema/{group}", name=name, node=node)
+    for group, added in plugins().options.items():
+        for name, node in added.items():
+            cs.store(group=f"schema/{group}", name=name, node=node)  # for the package's own YAML presets to extend
+            cs.store(group=group, name=name, node=node)  # the option itself: the dataclass's defaults, no YAML needed
 
 
 def register_entry_schema(name: str, fields: list[tuple[str, Any, Any]]) -> None:

@@ -30,7 +30,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ConfigTypeError, ValidationError
 
 from recsys_runner.checkpoint.resume_changes import renamed
-from recsys_runner.config import GROUPS, register_configs
+from recsys_runner.config import GROUPS, group_options, plugins, register_configs
 from recsys_runner.config_keys import torcheasyrec_fix
 from recsys_runner.errors import ConfigError, reported
 from recsys_runner.paths import initialize_conf
@@ -97,6 +97,8 @@ def explain(config_name: str, overrides: list[str], *, multirun: bool = False, m
                 raise ConfigError(not_an_override(text, module)) from None
             return  # a malformed value: Hydra's message shows where
     chosen = [o for o in parsed if not o.is_hydra_override()]
+    # another package's YAML options (hydra.searchpath=[pkg://theirpkg.conf]) are options here too
+    searchpath = [o.input_line for o in parsed if o.key_or_group == "hydra.searchpath" and o.input_line is not None]
     for override in chosen:
         _require_one_option(override, module)
     first = [_first_of_sweep(o) for o in chosen] if multirun else [o.input_line for o in chosen]
@@ -109,7 +111,7 @@ def explain(config_name: str, overrides: list[str], *, multirun: bool = False, m
     initialized = GlobalHydra.instance().is_initialized()  # by a caller that composes from conf/ itself (a test)
     with contextlib.nullcontext() if initialized else initialize_conf():
         try:
-            compose(config_name=config_name, overrides=single)
+            compose(config_name=config_name, overrides=[*searchpath, *single])
         except MissingConfigException as e:
             message = _unknown_option(e, chosen, module)
             if message is not None:
@@ -186,6 +188,8 @@ def _unknown_option(e: MissingConfigException, chosen: list[Override], module: s
     given = next((o for o in chosen if o.key_or_group == group and str(o.value()) == option), None)
     if not group or given is None or not options:
         return None
+    if (refused := plugins().refused.get((group, option))) is not None:
+        return f"{given.input_line}: {refused}"
     below = None if _same_option(option, options) else _option_below(group, option)
     if below is not None:
         return (f"{given.input_line}: {group} has no option {option!r}, but {below} is an option of one half of it. Fix: "
@@ -271,7 +275,7 @@ def _preset_key_of_another_option(chosen: list[Override], error: str, module: st
     key = match["key"]
     section, _, name = key.partition(".")
     given = next((o.input_line for o in chosen if o.key_or_group == section and not o.is_sweep_override()), None)
-    named = [option for option, schema in GROUPS.get(section, {}).items() if schema.__name__ == match["schema"]]
+    named = [option for option, schema in group_options(section).items() if schema.__name__ == match["schema"]]
     option = given or (f"{section}={named[0]}" if len(named) == 1 else f"the {section} chosen")
     owners = _options_with_key(section, name)
     whose = f"a key of {section}={', '.join(owners)}" if owners else f"a key the {section} options do not all have"
@@ -427,7 +431,7 @@ def _yaml(value: object) -> str:
 
 def _options_with_key(group: str, key: str) -> list[str]:
     """The options of config group ``group`` whose schema has ``key`` (``model``, ``structure`` → ``dcn_v2``, ``masknet``)."""
-    return [option for option, schema in GROUPS.get(group, {}).items() if key in {f.name for f in dataclasses.fields(schema)}]
+    return [option for option, schema in group_options(group).items() if key in {f.name for f in dataclasses.fields(schema)}]
 
 
 def _one_level_down(node: DictConfig, key: str) -> list[str]:

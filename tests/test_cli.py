@@ -134,7 +134,7 @@ TYPOS = {
     "nested": (["optim.sparse.lrr=0.1"], "optim.sparse has no key 'lrr' (did you mean optim.sparse.lr?)"),
     "no-close-key": (["train.zzz=1"], "train has no key 'zzz'; its keys are num_steps, num_epochs, "),
     "option": (["data=parquett"], "data=parquett: data has no option 'parquett' (did you mean data=parquet?); its options are "
-                                  "criteo, csv, parquet, "),
+                                  "criteo, criteo_npy, csv, parquet, "),
     "option-of-a-subgroup": (["optim/sparse=adagradd"], "optim/sparse has no option 'adagradd' (did you mean optim/sparse=adagrad?)"),
     "command": (["evalute", "load=x"], "'evalute' is not an override (did you mean evaluate?): evaluate is a command of its "
                                        "own, python -m recsys_runner.evaluate [overrides]"),
