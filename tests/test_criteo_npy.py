@@ -118,6 +118,25 @@ def test_mismatched_days_name_the_file(days: Path, tmp_path: Path, broken, messa
     assert "\n" not in str(e.value)
 
 
+def set_value(path: Path, row: int, column: int, value: float) -> None:
+    """``path`` (an ``.npy`` file) with one value changed."""
+    arr = np.load(path)
+    arr.reshape(len(arr), -1)[row, column] = value
+    np.save(path, arr)
+
+
+@pytest.mark.parametrize("kind, column, value, named", [
+    ("labels", 0, 3, r"day_1_labels\.npy, rows 0-399, row 7 of the file, column 'label': the label is 3"),
+    ("dense", 2, np.nan, r"day_1_dense\.npy, rows 0-399, row 7 of the file, column 'int_2': the value is nan"),
+])
+def test_bad_value_names_the_file_holding_it(days: Path, tmp_path: Path, kind: str, column: int, value: float, named: str) -> None:
+    """A bad label is told in the day's labels file (it named the dense file, the unit's, whatever the column)."""
+    folder = copy_days(days, tmp_path / "days")
+    set_value(folder / f"day_1_{kind}.npy", 7, column, value)
+    with pytest.raises(DataError, match=r"^bad row in \S*" + named):
+        list(npy_data(folder).train_batches(0, 0, 1))
+
+
 def test_missing_folder_and_criteo_defaults(tmp_path: Path) -> None:
     """A DLRM user's defaults: no second log, ids modulo dlrm_main's 100000 rows; a folder without .npy files is refused."""
     config = make(CriteoNpyDataConfig, path=str(tmp_path))
