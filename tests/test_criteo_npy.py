@@ -14,8 +14,9 @@ from torchrec.datasets.criteo import DEFAULT_CAT_NAMES, BinaryCriteoUtils, InMem
 
 from recsys_runner.__main__ import run
 from recsys_runner.configurable import make
-from recsys_runner.data.files.tabular import CriteoNpyData
-from recsys_runner.data.files.tabular_config import CriteoNpyDataConfig
+from recsys_runner.data.__main__ import main as data_main
+from recsys_runner.data.files.tabular import CriteoNpyData, ParquetData
+from recsys_runner.data.files.tabular_config import CriteoNpyDataConfig, ParquetDataConfig
 from recsys_runner.data.generated.generate import write_criteo_tsv
 from recsys_runner.errors import DataError
 
@@ -143,3 +144,43 @@ def test_missing_folder_and_criteo_defaults(tmp_path: Path) -> None:
     assert (config.dense_transform, config.num_embeddings, config.categorical_encoding) == ("none", 100_000, "mod")
     with pytest.raises(DataError, match=re.escape(str(tmp_path))):
         CriteoNpyData(config)
+
+
+def test_inspect_describes_the_days(days: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``inspect --format criteo_npy``: rows per day, the label rate, distinct ids per column and their range, as the
+    files hold them (the default format names the flag)."""
+    assert data_main(["inspect", str(days), "--format", "criteo_npy"]) == 0
+    out = capsys.readouterr().out
+    labels = np.concatenate([np.load(days / f"day_{d}_labels.npy").reshape(-1) for d in range(len(DAY_ROWS))])
+    sparse = np.concatenate([np.load(days / f"day_{d}_sparse.npy") for d in range(len(DAY_ROWS))])
+    assert f"6 file(s), {sum(DAY_ROWS)} rows\n2 day(s): day 0 1500 rows, day 1 1100 rows\n" in out
+    assert f"label 'label': rate {labels.mean():.4f}" in out
+    assert re.search(rf"^cat_7 +int64 +0 +{len(np.unique(sparse[:, 7]))}$", out, re.M)
+    assert f"ids (26 columns): lowest {sparse.min()}, highest {sparse.max()} (spread, not contiguous" in out
+    assert data_main(["inspect", str(days)]) == 2
+    assert "holds .npy files" in (err := capsys.readouterr().err) and "Fix: --format criteo_npy" in err
+
+
+def test_inspect_sizes_contiguous_ids(days: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Ids made contiguous (TorchRec's 1TB preprocessing): the sizes that give each its own row."""
+    folder = copy_days(days, tmp_path / "days")
+    for d in range(len(DAY_ROWS)):
+        np.save(folder / f"day_{d}_sparse.npy", np.load(folder / f"day_{d}_sparse.npy") % np.array(SIZES))
+    assert data_main(["inspect", str(folder), "--format", "criteo_npy"]) == 0
+    sizes = [int(np.load(folder / "day_0_sparse.npy")[:, i].max() + 1) for i in range(26)]  # day 0's 1500 rows fill every table
+    assert f"data.num_embeddings_per_feature=[{','.join(map(str, sizes))}] gives every id a row of its own" in capsys.readouterr().out
+
+
+def test_convert_writes_the_rows_training_reads(days: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``convert --format criteo_npy``: a Parquet file per day holding the rows ``data=criteo_npy`` reads (ids modulo the
+    sizes, dense as they are), which ``data=parquet`` reads back as the same batches; the default format names the flag."""
+    out = tmp_path / "out"
+    assert data_main(["convert", "--format", "criteo_npy", str(days), str(out), "--num-embeddings-per-feature",
+                      ",".join(map(str, SIZES)), "--progress", "log"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["day_0.parquet", "day_1.parquet"]
+    assert f"converted {sum(DAY_ROWS)} rows from 2 day(s)" in capsys.readouterr().out
+    parquet = ParquetData(make(ParquetDataConfig, path=str(out), eval_path=str(out), batch_size=256, shuffle=False, drop_remainder=False))
+    for g, w in zip(rows_of(parquet.train_batches(0, 0, 1)), rows_of(npy_data(days).train_batches(0, 0, 1)), strict=True):
+        np.testing.assert_array_equal(g, w)
+    assert data_main(["convert", str(days), str(tmp_path / "other")]) == 2
+    assert "is a NumPy file, not Criteo's TSV" in (err := capsys.readouterr().err) and "Fix: --format criteo_npy" in err
