@@ -13,12 +13,14 @@ import torch
 from torchrec.datasets.criteo import DEFAULT_CAT_NAMES, BinaryCriteoUtils, InMemoryBinaryCriteoIterDataPipe
 
 from recsys_runner.__main__ import run
+from recsys_runner.config import validate
 from recsys_runner.configurable import make
 from recsys_runner.data.__main__ import main as data_main
 from recsys_runner.data.files.tabular import CriteoNpyData, ParquetData
 from recsys_runner.data.files.tabular_config import CriteoNpyDataConfig, ParquetDataConfig
 from recsys_runner.data.generated.generate import write_criteo_tsv
 from recsys_runner.errors import DataError
+from recsys_runner.models.dlrm import DLRMConfig
 
 SIZES = [50 + 7 * i for i in range(26)]
 """Table sizes below the generated ids' spread, so the modulo matters."""
@@ -184,3 +186,20 @@ def test_convert_writes_the_rows_training_reads(days: Path, tmp_path: Path, caps
         np.testing.assert_array_equal(g, w)
     assert data_main(["convert", str(days), str(tmp_path / "other")]) == 2
     assert "is a NumPy file, not Criteo's TSV" in (err := capsys.readouterr().err) and "Fix: --format criteo_npy" in err
+
+
+README_1TB = {"embedding_dim": 128, "dense_arch_layer_sizes": [512, 256, 128], "over_arch_layer_sizes": [1024, 1024, 512, 256]}
+"""torchrec_dlrm/README.MD's Criteo 1TB command for dlrm_main.py, as ``model.*`` (the final 1-unit layer is the model's)."""
+
+
+def test_dlrm_criteo_npy_preset_carries_dlrm_main_settings_and_trains(make_cfg, days: Path) -> None:
+    """``experiment=dlrm_criteo_npy`` as shipped: the README's sizes, SGD at lr 15, batch 2048, the 1TB table sizes; with
+    smaller tables and batch it trains at the model's published sizes on TorchRec's files."""
+    spec = validate(make_cfg("experiment=dlrm_criteo_npy", f"data.path={days}", "tracking=none", tiny=False))
+    assert {k: getattr(spec.model, k) for k in README_1TB} == README_1TB and isinstance(spec.model, DLRMConfig)
+    assert (spec.optim.lr, type(spec.optim.sparse).__name__, type(spec.optim.dense).__name__) == (15.0, "SparseSGDConfig", "DenseSGDConfig")
+    assert (spec.data.batch_size, spec.train.num_epochs, spec.data.num_embeddings_per_feature[:3]) == (2048, 1, [45833188, 36746, 17245])
+    cfg = make_cfg("experiment=dlrm_criteo_npy", f"data.path={days}", "data.num_embeddings_per_feature=[" + ",".join(map(str, SIZES)) + "]",
+                   "data.batch_size=128", "data.num_workers=0", "train.num_epochs=null", "train.num_steps=4", "train.eval_max_batches=2",
+                   "distributed.device=cpu", "checkpoint=none", "tracking=none", tiny=False)
+    assert np.isfinite(run(cfg))

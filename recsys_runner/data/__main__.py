@@ -9,6 +9,7 @@ schema (the label column or the task → label column mapping included) stored i
     python -m recsys_runner.data convert --format criteo --num-embeddings 1000000 day_0.tsv out/
     python -m recsys_runner.data convert --format csv --schema schema.yaml logs/*.csv out/
     python -m recsys_runner.data convert --format csv ratings.csv out/ --label rating --label-threshold 4   # schema inferred
+    python -m recsys_runner.data convert --format criteo_npy /data/criteo_1tb_npy/ out/   # TorchRec's .npy days: day_<i>.parquet
 
 ``inspect`` prints a file's (or directory's) columns and types, row count, the rate (mean) of each
 label column, per column the null count and the number of distinct values, and per list (multi-hot) column the longest
@@ -17,7 +18,10 @@ every field as text (``007`` and ``7`` two ids), a dense column's or label's num
 (the columns' roles inferred as ``data=csv`` infers them). Label columns: the
 ``--label`` options, else those of the schema stored by ``convert``, else ``label``::
 
-    python -m recsys_runner.data inspect out/ [--format parquet|csv|criteo] [--label click --label conversion]
+    python -m recsys_runner.data inspect out/ [--format parquet|csv|criteo|criteo_npy] [--label click --label conversion]
+
+``--format criteo_npy`` reads TorchRec's Criteo days as ``data=criteo_npy`` does; ``inspect`` adds the rows of each day and
+the range of the ids (with the table sizes that give each its own row where they are contiguous).
 
 ``sequences`` turns an interaction log (user, item, time, optional label or rating, item side columns) into rows
 whose histories hold each user's earlier events only (:mod:`recsys_runner.data.sequences.interactions`), one per event or
