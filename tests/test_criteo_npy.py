@@ -13,11 +13,14 @@ import torch
 from torchrec.datasets.criteo import DEFAULT_CAT_NAMES, BinaryCriteoUtils, InMemoryBinaryCriteoIterDataPipe
 
 from recsys_runner.__main__ import run
+from recsys_runner.config import validate
 from recsys_runner.configurable import make
-from recsys_runner.data.files.tabular import CriteoNpyData
-from recsys_runner.data.files.tabular_config import CriteoNpyDataConfig
+from recsys_runner.data.__main__ import main as data_main
+from recsys_runner.data.files.tabular import CriteoNpyData, ParquetData
+from recsys_runner.data.files.tabular_config import CriteoNpyDataConfig, ParquetDataConfig
 from recsys_runner.data.generated.generate import write_criteo_tsv
 from recsys_runner.errors import DataError
+from recsys_runner.models.dlrm import DLRMConfig
 
 SIZES = [50 + 7 * i for i in range(26)]
 """Table sizes below the generated ids' spread, so the modulo matters."""
@@ -118,9 +121,85 @@ def test_mismatched_days_name_the_file(days: Path, tmp_path: Path, broken, messa
     assert "\n" not in str(e.value)
 
 
+def set_value(path: Path, row: int, column: int, value: float) -> None:
+    """``path`` (an ``.npy`` file) with one value changed."""
+    arr = np.load(path)
+    arr.reshape(len(arr), -1)[row, column] = value
+    np.save(path, arr)
+
+
+@pytest.mark.parametrize("kind, column, value, named", [
+    ("labels", 0, 3, r"day_1_labels\.npy, rows 0-399, row 7 of the file, column 'label': the label is 3"),
+    ("dense", 2, np.nan, r"day_1_dense\.npy, rows 0-399, row 7 of the file, column 'int_2': the value is nan"),
+])
+def test_bad_value_names_the_file_holding_it(days: Path, tmp_path: Path, kind: str, column: int, value: float, named: str) -> None:
+    """A bad label is told in the day's labels file (it named the dense file, the unit's, whatever the column)."""
+    folder = copy_days(days, tmp_path / "days")
+    set_value(folder / f"day_1_{kind}.npy", 7, column, value)
+    with pytest.raises(DataError, match=r"^bad row in \S*" + named):
+        list(npy_data(folder).train_batches(0, 0, 1))
+
+
 def test_missing_folder_and_criteo_defaults(tmp_path: Path) -> None:
     """A DLRM user's defaults: no second log, ids modulo dlrm_main's 100000 rows; a folder without .npy files is refused."""
     config = make(CriteoNpyDataConfig, path=str(tmp_path))
     assert (config.dense_transform, config.num_embeddings, config.categorical_encoding) == ("none", 100_000, "mod")
     with pytest.raises(DataError, match=re.escape(str(tmp_path))):
         CriteoNpyData(config)
+
+
+def test_inspect_describes_the_days(days: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``inspect --format criteo_npy``: rows per day, the label rate, distinct ids per column and their range, as the
+    files hold them (the default format names the flag)."""
+    assert data_main(["inspect", str(days), "--format", "criteo_npy"]) == 0
+    out = capsys.readouterr().out
+    labels = np.concatenate([np.load(days / f"day_{d}_labels.npy").reshape(-1) for d in range(len(DAY_ROWS))])
+    sparse = np.concatenate([np.load(days / f"day_{d}_sparse.npy") for d in range(len(DAY_ROWS))])
+    assert f"6 file(s), {sum(DAY_ROWS)} rows\n2 day(s): day 0 1500 rows, day 1 1100 rows\n" in out
+    assert f"label 'label': rate {labels.mean():.4f}" in out
+    assert re.search(rf"^cat_7 +int64 +0 +{len(np.unique(sparse[:, 7]))}$", out, re.M)
+    assert f"ids (26 columns): lowest {sparse.min()}, highest {sparse.max()} (spread, not contiguous" in out
+    assert data_main(["inspect", str(days)]) == 2
+    assert "holds .npy files" in (err := capsys.readouterr().err) and "Fix: --format criteo_npy" in err
+
+
+def test_inspect_sizes_contiguous_ids(days: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Ids made contiguous (TorchRec's 1TB preprocessing): the sizes that give each its own row."""
+    folder = copy_days(days, tmp_path / "days")
+    for d in range(len(DAY_ROWS)):
+        np.save(folder / f"day_{d}_sparse.npy", np.load(folder / f"day_{d}_sparse.npy") % np.array(SIZES))
+    assert data_main(["inspect", str(folder), "--format", "criteo_npy"]) == 0
+    sizes = [int(np.load(folder / "day_0_sparse.npy")[:, i].max() + 1) for i in range(26)]  # day 0's 1500 rows fill every table
+    assert f"data.num_embeddings_per_feature=[{','.join(map(str, sizes))}] gives every id a row of its own" in capsys.readouterr().out
+
+
+def test_convert_writes_the_rows_training_reads(days: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``convert --format criteo_npy``: a Parquet file per day holding the rows ``data=criteo_npy`` reads (ids modulo the
+    sizes, dense as they are), which ``data=parquet`` reads back as the same batches; the default format names the flag."""
+    out = tmp_path / "out"
+    assert data_main(["convert", "--format", "criteo_npy", str(days), str(out), "--num-embeddings-per-feature",
+                      ",".join(map(str, SIZES)), "--progress", "log"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["day_0.parquet", "day_1.parquet"]
+    assert f"converted {sum(DAY_ROWS)} rows from 2 day(s)" in capsys.readouterr().out
+    parquet = ParquetData(make(ParquetDataConfig, path=str(out), eval_path=str(out), batch_size=256, shuffle=False, drop_remainder=False))
+    for g, w in zip(rows_of(parquet.train_batches(0, 0, 1)), rows_of(npy_data(days).train_batches(0, 0, 1)), strict=True):
+        np.testing.assert_array_equal(g, w)
+    assert data_main(["convert", str(days), str(tmp_path / "other")]) == 2
+    assert "is a NumPy file, not Criteo's TSV" in (err := capsys.readouterr().err) and "Fix: --format criteo_npy" in err
+
+
+README_1TB = {"embedding_dim": 128, "dense_arch_layer_sizes": [512, 256, 128], "over_arch_layer_sizes": [1024, 1024, 512, 256]}
+"""torchrec_dlrm/README.MD's Criteo 1TB command for dlrm_main.py, as ``model.*`` (the final 1-unit layer is the model's)."""
+
+
+def test_dlrm_criteo_npy_preset_carries_dlrm_main_settings_and_trains(make_cfg, days: Path) -> None:
+    """``experiment=dlrm_criteo_npy`` as shipped: the README's sizes, SGD at lr 15, batch 2048, the 1TB table sizes; with
+    smaller tables and batch it trains at the model's published sizes on TorchRec's files."""
+    spec = validate(make_cfg("experiment=dlrm_criteo_npy", f"data.path={days}", "tracking=none", tiny=False))
+    assert {k: getattr(spec.model, k) for k in README_1TB} == README_1TB and isinstance(spec.model, DLRMConfig)
+    assert (spec.optim.lr, type(spec.optim.sparse).__name__, type(spec.optim.dense).__name__) == (15.0, "SparseSGDConfig", "DenseSGDConfig")
+    assert (spec.data.batch_size, spec.train.num_epochs, spec.data.num_embeddings_per_feature[:3]) == (2048, 1, [45833188, 36746, 17245])
+    cfg = make_cfg("experiment=dlrm_criteo_npy", f"data.path={days}", "data.num_embeddings_per_feature=[" + ",".join(map(str, SIZES)) + "]",
+                   "data.batch_size=128", "data.num_workers=0", "train.num_epochs=null", "train.num_steps=4", "train.eval_max_batches=2",
+                   "distributed.device=cpu", "checkpoint=none", "tracking=none", tiny=False)
+    assert np.isfinite(run(cfg))

@@ -219,7 +219,7 @@ def test_presets_keep_option_specific_keys_in_their_option_files() -> None:
             extra = set(OmegaConf.load(path)) - fields
             assert not extra, f"{path.name}: {sorted(extra)} are not keys of {group}={option}"
     assert seen["model"] == set(PRESETS)  # every preset tunes its own model
-    assert seen["data"] == {"sasrec_movielens", "hstu_movielens", "dssm_hard_negatives"}
+    assert seen["data"] == {"sasrec_movielens", "hstu_movielens", "dssm_hard_negatives", "dlrm_criteo_npy"}
 
 
 def test_baselines_build_under_the_criteo_preset(make_cfg, tmp_path: Path) -> None:

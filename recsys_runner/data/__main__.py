@@ -9,6 +9,7 @@ schema (the label column or the task → label column mapping included) stored i
     python -m recsys_runner.data convert --format criteo --num-embeddings 1000000 day_0.tsv out/
     python -m recsys_runner.data convert --format csv --schema schema.yaml logs/*.csv out/
     python -m recsys_runner.data convert --format csv ratings.csv out/ --label rating --label-threshold 4   # schema inferred
+    python -m recsys_runner.data convert --format criteo_npy /data/criteo_1tb_npy/ out/   # TorchRec's .npy days: day_<i>.parquet
 
 ``inspect`` prints a file's (or directory's) columns and types, row count, the rate (mean) of each
 label column, per column the null count and the number of distinct values, and per list (multi-hot) column the longest
@@ -17,7 +18,10 @@ every field as text (``007`` and ``7`` two ids), a dense column's or label's num
 (the columns' roles inferred as ``data=csv`` infers them). Label columns: the
 ``--label`` options, else those of the schema stored by ``convert``, else ``label``::
 
-    python -m recsys_runner.data inspect out/ [--format parquet|csv|criteo] [--label click --label conversion]
+    python -m recsys_runner.data inspect out/ [--format parquet|csv|criteo|criteo_npy] [--label click --label conversion]
+
+``--format criteo_npy`` reads TorchRec's Criteo days as ``data=criteo_npy`` does; ``inspect`` adds the rows of each day and
+the range of the ids (with the table sizes that give each its own row where they are contiguous).
 
 ``sequences`` turns an interaction log (user, item, time, optional label or rating, item side columns) into rows
 whose histories hold each user's earlier events only (:mod:`recsys_runner.data.sequences.interactions`), one per event or
@@ -55,11 +59,13 @@ from recsys_runner.data.encoding.encoded_rows import Rows
 from recsys_runner.data.encoding.fit import InferConfig, complete_schema
 from recsys_runner.data.encoding.rows import Encoder, Location
 from recsys_runner.data.files.csv_source import CsvSource
+from recsys_runner.data.files.npy_source import NpySource
 from recsys_runner.data.files.sources import skip_empty
 from recsys_runner.data.files.tabular_config import (
     CRITEO_COLUMNS,
     CRITEO_MISSING_TEXTS,
     CRITEO_NUM_SPARSE,
+    criteo_columns,
     criteo_schema,
     text_delimiter,
 )
@@ -153,9 +159,93 @@ def inferred_csv_schema(args: argparse.Namespace, files: list[str]) -> tuple[Sch
     return done.schema, options
 
 
+def output_folder(output: str) -> None:
+    """The folder ``convert`` writes into, made, or refused before anything is read: a file, or one that cannot be written
+    (now, not with a raw OSError after the first file is converted)."""
+    if os.path.exists(output) and not os.path.isdir(output):
+        raise ConfigError(f"the output folder {output} is a file. Fix: name a folder for the Parquet files")
+    if found := unwritable(Path(output)):
+        raise ConfigError(f"the output folder {output} cannot be written: {found[1]}. Fix: {found[2]}, or another output folder")
+    os.makedirs(output, exist_ok=True)
+
+
+class ParquetOut:
+    """One converted file, opened at its first rows (an input of no rows writes none) with the schema stored."""
+
+    def __init__(self, target: str, schema: Schema, multi_hot: list[bool], row_group_rows: int) -> None:
+        self.target, self.schema, self.multi_hot, self.row_group_rows = target, schema, multi_hot, row_group_rows
+        self.writer: pq.ParquetWriter | None = None
+
+    def write(self, rows: Rows) -> int:
+        """Writes ``rows``; returns how many."""
+        out = rows_to_table(rows, self.schema, self.multi_hot)
+        if self.writer is None:
+            self.writer = pq.ParquetWriter(self.target, out.schema.with_metadata({SCHEMA_METADATA_KEY: schema_json(self.schema)}))
+        self.writer.write_table(out, row_group_size=self.row_group_rows)
+        return out.num_rows
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def say_converted(total: int, inputs: str, skipped: int, output: str) -> None:
+    """``convert``'s last lines: what it wrote (from ``inputs``: ``3 file(s)``), and how to train on it."""
+    print(f"converted {total} rows from {inputs} into {output}" + (f"; skipped {skipped} bad rows" if skipped else ""))
+    print(f"train with: python -m recsys_runner data=parquet data.path={output}")
+    print("note: a hash eval split (data.eval_fraction) keys rows by file name, so these files hold out other rows than their "
+          "sources did: evaluate a checkpoint trained on the sources on the sources (docs/data.md, 'Eval split')")
+
+
+def table_sizes(args: argparse.Namespace) -> list[int]:
+    """The 26 Criteo table sizes: ``--num-embeddings-per-feature`` (comma-separated), else ``--num-embeddings`` for all.
+
+    Raises:
+        ConfigError: not 26 positive integers.
+    """
+    if args.num_embeddings_per_feature is None:
+        return [args.num_embeddings] * CRITEO_NUM_SPARSE
+    try:
+        sizes = [int(n) for n in args.num_embeddings_per_feature.split(",")]
+    except ValueError:
+        sizes = []
+    if len(sizes) != CRITEO_NUM_SPARSE or min(sizes) <= 0:
+        raise ConfigError(f"--num-embeddings-per-feature {args.num_embeddings_per_feature!r} must be {CRITEO_NUM_SPARSE} positive "
+                          f"integers separated by commas, one table size per Criteo categorical (cat_0 … cat_25)")
+    return sizes
+
+
+def convert_npy(args: argparse.Namespace) -> None:
+    """``--format criteo_npy``: TorchRec's Criteo days → ``<output>/day_<i>.parquet`` each, encoded as ``data=criteo_npy``
+    reads them (dense values as they are, ids modulo the table sizes), for readers the ``.npy`` files do not serve (an
+    object store, another tool)."""
+    if args.categorical_encoding != "mod":
+        raise ConfigError(f"--categorical-encoding {args.categorical_encoding}: TorchRec's days hold integer ids, taken modulo the "
+                          f"table size as data=criteo_npy takes them. Fix: leave --categorical-encoding mod")
+    dense, sparse = criteo_columns(list(table_sizes(args)), "mod", "none", hex_ids=False)
+    schema = Schema(label="label", dense=dense, sparse=sparse)
+    source = NpySource([f for p in args.inputs for f in resolve_files(p, "input", (".npy",))], schema.columns, args.row_group_rows,
+                       key=INPUTS)
+    encoder, out_schema = Encoder(schema, args.on_bad_rows, DataError), converted_schema(schema)
+    output_folder(args.output)
+    units, total = source.units(), 0
+    with Progress(sum(u.num_rows for u in units), unit="rows", desc="convert", mode=args.progress) as progress:
+        for day in source.days:
+            out = ParquetOut(os.path.join(args.output, f"day_{day.day}.parquet"), out_schema, [False] * len(sparse), args.row_group_rows)
+            for unit in (u for u in units if u.path == day.dense):
+                for table, file_rows in source.read(unit):
+                    total += out.write(encoder.encode(table, Location(unit.path, unit.part, file_rows, None, source.column_files(unit.path))))
+                progress.update(unit.num_rows, rows=total)
+            out.close()
+            progress.write(f"day {day.day} ({os.path.basename(day.dense)}, …) -> {out.target}")
+    say_converted(total, f"{len(source.days)} day(s)", encoder.num_bad_rows, args.output)
+
+
 def convert(args: argparse.Namespace) -> None:
+    if args.format == "criteo_npy":
+        return convert_npy(args)
     if args.format == "criteo":
-        schema = criteo_schema([args.num_embeddings] * CRITEO_NUM_SPARSE, args.categorical_encoding)
+        schema = criteo_schema(table_sizes(args), args.categorical_encoding)
         options: dict[str, Any] = {"delimiter": "\t", "header": False, "column_names": CRITEO_COLUMNS, "null_values": CRITEO_MISSING_TEXTS}
     elif args.schema:
         parts, reader = read_schema_file(args.schema)  # the form a training run logs when it infers a schema
@@ -176,6 +266,9 @@ def convert(args: argparse.Namespace) -> None:
                           f"Fix: train on the text files with data=csv data.schema=<file>, or drop weighted / weights from them")
     source = CsvSource(files, schema.columns, block_rows=args.row_group_rows, on_bad_rows=args.on_bad_rows, path_key=INPUTS,
                        **options)
+    if args.format == "criteo" and files[0].endswith(".npy"):  # its first line has no tab either, but its fix differs
+        raise DataError(f"{files[0]} is a NumPy file, not Criteo's TSV, which convert reads unless --format says otherwise. Fix: "
+                        f"--format criteo_npy for TorchRec's Criteo days (day_<i>_dense.npy, …)")
     if args.format == "criteo" and (first := source.headers.first_lines(files[0], 1)) and "\t" not in first[0]:
         # the default format: a CSV given without --format was a bad row whose fix named data.delimiter, no flag
         raise DataError(f"{files[0]} is not Criteo's TSV (its first line has no tab: {first[0][:100]!r}), which convert reads "
@@ -184,37 +277,23 @@ def convert(args: argparse.Namespace) -> None:
     encoder = Encoder(schema, args.on_bad_rows, DataError)
     out_schema = converted_schema(schema)
     multi_hot = [s.separator is not None for s in schema.sparse]
-    if os.path.exists(args.output) and not os.path.isdir(args.output):
-        raise ConfigError(f"the output folder {args.output} is a file. Fix: name a folder for the Parquet files")
-    if found := unwritable(Path(args.output)):  # now, not with a raw OSError after the first file is converted
-        raise ConfigError(f"the output folder {args.output} cannot be written: {found[1]}. Fix: {found[2]}, or another output folder")
-    os.makedirs(args.output, exist_ok=True)
+    output_folder(args.output)
     total = 0
     # Progress in input bytes: known up front, unlike rows, and it moves within one large file.
     with Progress(sum(os.path.getsize(f) for f in files), unit="B", unit_scale=True, desc="convert", mode=args.progress) as progress:
         for path in files:
             target = os.path.join(args.output, os.path.splitext(os.path.basename(path))[0] + ".parquet")
-            writer, done = None, 0
+            out, done = ParquetOut(target, out_schema, multi_hot, args.row_group_rows), 0
             for unit in source._index(path):
                 for table, file_rows in source.read(unit):
-                    rows = encoder.encode(table, Location(path, unit.part, file_rows, source.line_offset(path)))
-                    out = rows_to_table(rows, out_schema, multi_hot)
-                    if writer is None:
-                        writer = pq.ParquetWriter(target, out.schema.with_metadata({SCHEMA_METADATA_KEY: schema_json(out_schema)}))
-                    writer.write_table(out, row_group_size=args.row_group_rows)
-                    total += out.num_rows
+                    total += out.write(encoder.encode(table, Location(path, unit.part, file_rows, source.line_offset(path))))
                 start, stop = unit.byte_range
                 progress.update(stop - start, rows=total)
                 done += stop - start
-            if writer is not None:
-                writer.close()
+            out.close()
             progress.update(os.path.getsize(path) - done)  # the header line, if any
             progress.write(f"{path} -> {target}")
-    skipped = encoder.num_bad_rows + source.num_bad_rows
-    print(f"converted {total} rows from {len(files)} file(s) into {args.output}" + (f"; skipped {skipped} bad rows" if skipped else ""))
-    print(f"train with: python -m recsys_runner data=parquet data.path={args.output}")
-    print("note: a hash eval split (data.eval_fraction) keys rows by file name, so these files hold out other rows than their "
-          "sources did: evaluate a checkpoint trained on the sources on the sources (docs/data.md, 'Eval split')")
+    say_converted(total, f"{len(files)} file(s)", encoder.num_bad_rows + source.num_bad_rows, args.output)
 
 
 def sequences(args: argparse.Namespace) -> None:
@@ -338,10 +417,12 @@ def notes_shown() -> Iterator[None]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m recsys_runner.data", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("convert", help="CSV/TSV/Criteo -> Parquet with the schema")
+    c = sub.add_parser("convert", help="CSV/TSV/Criteo (TSV or TorchRec's .npy days) -> Parquet with the schema")
     c.add_argument("inputs", nargs="+", help="input files, directories or globs")
     c.add_argument("output", help="output directory")
-    c.add_argument("--format", choices=["criteo", "csv"], default="criteo")
+    c.add_argument("--format", choices=["criteo", "csv", "criteo_npy"], default="criteo",
+                   help="criteo_npy: TorchRec's preprocessed Criteo days (day_<i>_{dense,sparse,labels}.npy) -> day_<i>.parquet, "
+                        "encoded as data=criteo_npy reads them")
     c.add_argument("--schema", help="csv: YAML file with label (or labels, label_kinds), dense, sparse (as in data.*); "
                                     "without it the schema is inferred from a sample of the files' rows and printed")
     c.add_argument("--label", help="csv without --schema: the label column (default: one named label, click, clicked, …)")
@@ -352,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
                    "files (compressed files: each one's first rows)")
     c.add_argument("--num-embeddings", type=int, default=100_000, help="criteo: table size of every categorical (default: %(default)s, fixed: "
                    "a small file gets tables larger than its rows; data=criteo sizes them from the files)")
+    c.add_argument("--num-embeddings-per-feature", help="criteo, criteo_npy: the 26 table sizes, comma-separated (instead of "
+                   "--num-embeddings), e.g. TorchRec's Criteo 1TB sizes (docs/data.md)")
     c.add_argument("--categorical-encoding", choices=["mod", "hash"], default="mod", help="criteo: hex value modulo the table size, or a hash")
     c.add_argument("--row-group-rows", type=int, default=65_536)
     c.add_argument("--on-bad-rows", choices=["fail", "skip"], default="fail")
@@ -359,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="auto: a progress bar on a terminal, plain lines otherwise; bar: always; log: never")
     i = sub.add_parser("inspect", help="columns, row count, label rate, nulls, cardinality")
     i.add_argument("path", help="a file, directory or glob")
-    i.add_argument("--format", choices=["parquet", "csv", "criteo"], default="parquet")
+    i.add_argument("--format", choices=["parquet", "csv", "criteo", "criteo_npy"], default="parquet",
+                   help="criteo_npy: TorchRec's preprocessed Criteo days (day_<i>_{dense,sparse,labels}.npy), as data=criteo_npy reads them")
     i.add_argument("--delimiter", default=",")
     i.add_argument("--label", action="append", help="a label column (repeat for several); default: the stored schema's, else 'label'")
     i.add_argument("--max-distinct", type=int, default=1_000_000, help="stop counting distinct values above this")

@@ -6,6 +6,7 @@ text, which as numbers) are the readers', restated for a summary; the command li
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,7 @@ from recsys_runner.data.encoding.fit import InferConfig
 from recsys_runner.data.encoding.roles import infer_column
 from recsys_runner.data.encoding.values import parse_numbers
 from recsys_runner.data.files.compression import detect, read_error
+from recsys_runner.data.files.npy_source import NpySource
 from recsys_runner.data.files.sources import PARQUET_MAGIC, read_head
 from recsys_runner.data.files.tabular_config import CRITEO_COLUMNS, text_delimiter
 from recsys_runner.data.locate import PARQUET_SUFFIXES, resolve_files
@@ -32,7 +34,11 @@ def _tables(args: argparse.Namespace, shown_types: dict[str, pa.DataType]) -> tu
     ``007`` and ``7`` stay two values; ``shown_types`` gets, per column, the type Arrow infers from a file's first block,
     which is only shown (what a column looks like), never what values are counted by."""
     if args.format == "parquet":
-        files = resolve_files(args.path, "path", PARQUET_SUFFIXES)
+        found = resolve_files(args.path, "path", PARQUET_SUFFIXES + (".npy",))
+        files = [f for f in found if not f.endswith(".npy")]
+        if not files:  # a folder of TorchRec's days was "a directory without data files with a name ending in .parquet"
+            raise DataError(f"path={args.path!r} holds .npy files ({os.path.basename(found[-1])}) and no Parquet, and inspect reads Parquet unless "
+                            f"--format says otherwise. Fix: --format criteo_npy for TorchRec's Criteo days (day_<i>_dense.npy, …)")
         for path in files:  # a text file read as Parquet was Arrow's traceback: "Parquet magic bytes not found in footer"
             if not read_head(path).startswith(PARQUET_MAGIC):
                 raise DataError(f"{path} is not a Parquet file (it does not begin with {PARQUET_MAGIC.decode()}), and inspect reads "
@@ -55,6 +61,52 @@ def _tables(args: argparse.Namespace, shown_types: dict[str, pa.DataType]) -> tu
             yield from _text_file_tables(path, read_options, delimiter, criteo, shown_types)
 
     return files, text_tables()
+
+
+NPY_BLOCK_ROWS = 65_536
+"""Rows of a ``.npy`` day read at a time (as many as a Parquet batch of :func:`_tables`)."""
+
+
+def npy_tables(source: NpySource) -> Any:
+    """The tables of TorchRec's Criteo days (``--format criteo_npy``) as ``data=criteo_npy`` reads them, the ids before
+    the modulo (their distinct values and range are what the tables are sized by)."""
+    for unit in source.units():
+        for table, _ in source.read(unit):
+            yield table
+
+
+def npy_days_line(source: NpySource) -> str:
+    """The rows of each day of ``source`` (``--format criteo_npy``): the days are the files' unit, not each file."""
+    return f"{len(source.days)} day(s): " + ", ".join(f"day {d.day} {d.rows} rows" for d in source.days)
+
+
+def widen_ranges(ranges: dict[str, tuple[int, int]], table: pa.Table) -> None:
+    """``ranges`` (per ``cat_*`` column of TorchRec's days, its lowest and highest id) widened to ``table``'s ids."""
+    for name in table.column_names:
+        if name.startswith("cat_") and table.num_rows:
+            ends = pc.min_max(table.column(name))
+            lo, hi = ends["min"].as_py(), ends["max"].as_py()
+            ranges[name] = (min(lo, ranges[name][0]), max(hi, ranges[name][1])) if name in ranges else (lo, hi)
+
+
+SPREAD = 4
+"""Ids whose highest is this many times a column's distinct count (or more) are spread (raw hashes, as ``tsv_to_npys``
+writes them), not made contiguous: a table of ``highest + 1`` rows would be mostly unused."""
+
+
+def npy_ids_line(ranges: dict[str, tuple[int, int]], distinct: dict[str, int | None]) -> str:
+    """The range of the ids (``--format criteo_npy``; ``ranges``: per ``cat_*`` column its lowest and highest id) and,
+    where every column's ids are contiguous enough (below :data:`SPREAD` times its ``distinct`` count, ``None``: counting
+    stopped), the table sizes that give each id a row of its own, which ``data=criteo_npy`` otherwise takes modulo
+    ``data.num_embeddings``."""
+    lowest, highest = min(lo for lo, _ in ranges.values()), max(hi for _, hi in ranges.values())
+    line = f"ids ({len(ranges)} columns): lowest {lowest}, highest {highest}"
+    contiguous = lowest >= 0 and all(n is None or hi + 1 <= SPREAD * max(n, 1) for (_, hi), n in zip(ranges.values(), distinct.values(), strict=True))
+    if not contiguous:
+        return line + (" (spread, not contiguous: data=criteo_npy takes each id modulo its table's size, data.num_embeddings or "
+                       "data.num_embeddings_per_feature)")
+    sizes = ",".join(str(hi + 1) for _, hi in ranges.values())
+    return line + f"; data.num_embeddings_per_feature=[{sizes}] gives every id a row of its own"
 
 
 def _text_file_tables(path: str, read_options: pacsv.ReadOptions, delimiter: str, criteo: bool,
@@ -156,7 +208,13 @@ def _label_columns(args: argparse.Namespace, files: list[str]) -> list[str]:
 
 def inspect(args: argparse.Namespace) -> None:
     types: dict[str, pa.DataType] = {}
-    files, tables = _tables(args, types)
+    npy = None
+    if args.format == "criteo_npy":
+        files = resolve_files(args.path, "path", (".npy",))
+        npy = NpySource(files, list(CRITEO_COLUMNS), NPY_BLOCK_ROWS, key="path")
+        tables = npy_tables(npy)
+    else:
+        files, tables = _tables(args, types)
     label_columns = _label_columns(args, files)
     rows = 0
     sums: dict[str, float] = dict.fromkeys(label_columns, 0.0)
@@ -165,9 +223,12 @@ def inspect(args: argparse.Namespace) -> None:
     distinct: dict[str, set] = {}
     lengths: dict[str, list[np.ndarray]] = {}
     counting: dict[str, str] | None = None  # text files: how each column is counted (text_counting)
+    ranges: dict[str, tuple[int, int]] = {}  # criteo_npy: each id column's lowest and highest id
     for table in tables:
         rows += table.num_rows
-        if args.format != "parquet" and counting is None:
+        if npy is not None:
+            widen_ranges(ranges, table)
+        if args.format in ("csv", "criteo") and counting is None:
             counting = text_counting(table, label_columns, args.format == "criteo")
         for name in table.column_names:
             col = table.column(name)
@@ -189,6 +250,8 @@ def inspect(args: argparse.Namespace) -> None:
                 labelled[name] += int((~wrong).sum())
                 sums[name] += float(numbers[~wrong].sum())
     print(f"{len(files)} file(s), {rows} rows")
+    if npy is not None:
+        print(npy_days_line(npy))
     for name in label_columns:
         if name in distinct:
             print(f"label {name!r}: rate {sums[name] / max(labelled[name], 1):.4f} (mean over {labelled[name]} labelled rows)")
@@ -199,6 +262,8 @@ def inspect(args: argparse.Namespace) -> None:
         print(f"{name:<24} {str(typ):<20} {nulls[name]:>10} {count:>10}")
     for name, parts in lengths.items():
         print(list_lengths_line(name, np.concatenate(parts)))
+    if ranges:
+        print(npy_ids_line(ranges, {name: None if len(distinct[name]) > args.max_distinct else len(distinct[name]) for name in ranges}))
 
 
 LONG_TAIL = 4

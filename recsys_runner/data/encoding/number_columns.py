@@ -151,4 +151,4 @@ def _numeric(arr: pa.ChunkedArray | pa.Array, name: str, where: Location, bad, e
                 "index for a multiclass one, any number for regression (data.label_kinds)" if label else "")
         bad(name, wrong, lambda i: f"{arr[i].as_py()!r} is not a number{what}")
         return pa.array(values, pa.float64(), mask=null)
-    raise error(f"{where.path}, {where.part}: {not_numbers(name, arr.type, label)}")
+    raise error(f"{where.file_of(name)}, {where.part}: {not_numbers(name, arr.type, label)}")

@@ -25,7 +25,7 @@ is read by attribute (duck-typed), never imported; training passes ``error=DataE
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -71,12 +71,20 @@ class Location:
     """0-based row number in the file of each row of the block."""
     line_offset: int | None = None
     """For text files: line number = file row + this (1-based, header counted); ``None`` for Parquet."""
+    column_files: Mapping[str, str] | None = None
+    """Where the columns of a row lie in files of their own (a day of TorchRec's ``.npy`` files: labels, dense, sparse),
+    each column's file, so that a bad value names the file that holds it; ``None``: every column is in :attr:`path`."""
 
-    def describe(self, i: int) -> str:
-        row = int(self.file_rows[i])
+    def file_of(self, column: str | None) -> str:
+        """The file that holds ``column`` (:attr:`path` unless :attr:`column_files` names another)."""
+        return self.column_files.get(column, self.path) if self.column_files and column is not None else self.path
+
+    def describe(self, i: int, column: str | None = None) -> str:
+        """Row ``i`` of the block, in the file that holds ``column`` (the file's line for text)."""
+        row, path = int(self.file_rows[i]), self.file_of(column)
         if self.line_offset is not None:
-            return f"{self.path}, line {row + self.line_offset}"
-        return f"{self.path}, {self.part}, row {row} of the file"
+            return f"{path}, line {row + self.line_offset}"
+        return f"{path}, {self.part}, row {row} of the file"
 
 
 class Encoder:
@@ -158,7 +166,7 @@ class Encoder:
         if not self.skip:
             column, _, _, what = next(p for p in problems if p[2][first])
             raise self.error(
-                f"bad row in {where.describe(first)}, column {column!r}: {what(first)}. {self.fix}"
+                f"bad row in {where.describe(first, column)}, column {column!r}: {what(first)}. {self.fix}"
             )
         keep = ~np.logical_or.reduce([mask for _, _, mask, _ in problems])
         self.num_bad_rows += int(n - keep.sum())
@@ -258,7 +266,7 @@ class Encoder:
         if pairs:
             flat, weights = pair_weights(col, flat, row_of, n, where, bad, self.error)
         if pa.types.is_floating(flat.type) and col.encoding != "bucketize":
-            raise self.error(f"{where.path}, {where.part}: {float_ids(col, flat.type)}")
+            raise self.error(f"{where.file_of(col.name)}, {where.part}: {float_ids(col, flat.type)}")
         ids, wrong = self._ids(col, flat)
         row_bad = np.zeros(n, dtype=bool)
         if wrong is not None and wrong.any():

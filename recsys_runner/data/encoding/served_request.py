@@ -46,7 +46,7 @@ WHOLE_TEXT = r"^[+-]?[0-9]+\.0*$"
 class RequestRows(_rows.Location):
     """Rows of a request, for the encoder's messages: ``request row <i>`` (0-based)."""
 
-    def describe(self, i: int) -> str:
+    def describe(self, i: int, column: str | None = None) -> str:
         return f"request row {int(self.file_rows[i])}"
 
 

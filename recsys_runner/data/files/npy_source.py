@@ -135,6 +135,12 @@ class NpySource:
         return [Unit(d.dense, b, first, min(self.block_rows, d.rows - first), row_block=True)
                 for d in self.days if d.rows for b, first in enumerate(range(0, d.rows, self.block_rows))]
 
+    def column_files(self, path: str) -> dict[str, str]:
+        """Each column's file in the day whose dense file is ``path`` (a unit's path), for the bad-row messages
+        (:class:`~recsys_runner.data.encoding.rows.Location`): a bad label is in the labels file, a bad id in the sparse one."""
+        day = self._by_dense[path]
+        return {name: day.labels if name == "label" else day.dense if name.startswith("int_") else day.sparse for name in CRITEO_COLUMNS}
+
     def follow_training(self, first: str, train: NpySource, key: str, what: str) -> None:
         """Eval days are read as training days: the layout is fixed, there is no column to name as their mistake."""
 

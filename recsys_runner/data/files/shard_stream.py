@@ -23,6 +23,7 @@ from recsys_runner.data.catalogue.negatives import NegativeSampler
 from recsys_runner.data.encoding.encoded_rows import Rows
 from recsys_runner.data.encoding.rows import Encoder, Location
 from recsys_runner.data.files.csv_source import CsvSource
+from recsys_runner.data.files.npy_source import NpySource
 from recsys_runner.data.files.prefetch import read_ahead
 from recsys_runner.data.files.splits import Split, shard_ranges
 from recsys_runner.data.files.tabular_config import TabularDataConfig
@@ -136,6 +137,7 @@ class ShardReader:
             unit = split.units[u]
             seen = 0
             line_offset = split.source.line_offset(unit.path) if isinstance(split.source, CsvSource) else None
+            column_files = split.source.column_files(unit.path) if isinstance(split.source, NpySource) else None
             for table, file_rows in tables:
                 chosen = split.select(unit, file_rows)
                 k = table.num_rows if chosen is None else len(chosen)
@@ -146,7 +148,7 @@ class ShardReader:
                         part, rows_of = table.slice(lo, hi - lo), file_rows[lo:hi]
                     else:
                         part, rows_of = table.take(pa.array(chosen[lo:hi])), file_rows[chosen[lo:hi]]
-                    yield encoder.encode(part, Location(unit.path, unit.part, rows_of, line_offset))
+                    yield encoder.encode(part, Location(unit.path, unit.part, rows_of, line_offset, column_files))
                 if seen >= stop:
                     break
 
