@@ -33,7 +33,7 @@ from recsys_runner.checkpoint.config import TrainState
 from recsys_runner.checkpoint.policy import Checkpointer
 from recsys_runner.config import RunConfig, check_eval_keys
 from recsys_runner.data.base import DataModule
-from recsys_runner.data.files.downsample import negative_rate
+from recsys_runner.data.files.downsample import negative_rate, start_line
 from recsys_runner.data.files.tabular_config import TabularDataConfig
 from recsys_runner.data_build import build_data
 from recsys_runner.distributed.env import DistEnv, decided_on_rank0
@@ -143,6 +143,8 @@ def build(run: RunConfig, *, launch: Launch = Launch(), weights: Path | None = N
         check_profile_window(run.train.profile, total_steps)
         if env.is_main:
             _warn_rows_left_out(run, data, env.world_size)
+            if (rate := negative_rate(run.served_data)) is not None:
+                log.info("%s", start_line(rate))
         check_eval_cadence(run.train, steps_per_epoch)
         check_static_shapes(run.train.compile, data.features)
         model = with_catalogue(build_model(run, data.features, env.device), data)

@@ -143,8 +143,7 @@ class Encoder:
         return self.encode_kept(table, where)[0]
 
     def encode_kept(self, table: pa.Table, where: Location) -> tuple[Rows, np.ndarray | None]:
-        """:meth:`encode`, and which rows of ``table`` the block holds (``None``: all, no bad row was skipped), so that the
-        reader can tell each encoded row's place in its file (negative downsampling keys rows by it)."""
+        """:meth:`encode`, and which rows of ``table`` it kept (``None``: all): each row's place in its file, for downsampling."""
         n = table.num_rows
         problems: list[tuple[str, str, np.ndarray, Callable[[int], str]]] = []
 

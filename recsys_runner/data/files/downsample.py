@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import zlib
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,13 @@ def negative_rate(config: Any) -> float | None:
     its rows and downsamples none)."""
     rate = getattr(config, "negative_rate", None)
     return None if rate is None else float(rate)
+
+
+def start_line(rate: float) -> str:
+    """What a training run says of ``data.negative_rate`` once at start-up."""
+    return (f"data.negative_rate={rate:g}: training keeps every positive and {100 * rate:.4g}% of the negatives (by a hash of data.seed, "
+            f"file and row; eval rows all kept), counted as data/negatives_downsampled; the eval, evaluate, predict and export score "
+            f"logit + log({rate:g}) = logit {math.log(rate):+.4f}, the probability on all rows (train metrics: the downsampled rows)")
 
 
 def kept_rows(path: str, file_rows: np.ndarray, labels: np.ndarray, seed: int, rate: float) -> np.ndarray:

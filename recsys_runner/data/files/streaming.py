@@ -131,11 +131,6 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         """The catalogue's files (``data.items.path``), for the run's dataset inputs (:meth:`split_files`)."""
         mapping = mapping_folder(train_source.files[0]) if parts is not None and isinstance(train_source, ParquetSource) else None
         self.open_catalogue(train_source, parts, mapping)  # data.items and data.negatives (item_files.py), checked before the first step
-        if config.negative_rate is not None:
-            log.info("data.negative_rate=%g: training keeps every positive and %.4g%% of the negatives (by a hash of data.seed, file "
-                     "and row; eval rows all kept); eval, evaluate, predict and export score logit + log(%g) = logit %+.4f, the "
-                     "probability on all rows; the count left out is logged as data/negatives_downsampled", config.negative_rate,
-                     100 * config.negative_rate, config.negative_rate, math.log(config.negative_rate))
 
     def open_files(self, path: str, key: str, what: str | None = None) -> Any:
         """A row source over the files at ``path`` with this data option's own reader and format settings (the
