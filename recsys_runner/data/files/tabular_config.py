@@ -69,8 +69,9 @@ class TabularDataConfig(DataConfig):
     """Negative downsampling: train on every positive and this fraction ``r`` (``0 < r <= 1``) of the negatives, chosen by a
     hash of (``seed``, file, row number), so the same rows with any number of ranks or workers and after a resume. The
     model's outputs are then corrected by ``logit + log(r)`` (``q = p / (p + (1 - p) / r)``) wherever they are scored:
-    eval metrics, evaluate, predict, export; the rate is stored with each checkpoint. Eval rows are never downsampled.
-    Single-task binary labels only. ``null``: every row (docs/data.md, *Negative downsampling*)."""
+    eval metrics, evaluate, predict, export; the rate is stored with each checkpoint. Eval rows are never downsampled. An
+    epoch's length is then known only by reading: set ``train.num_steps``. Single-task binary labels only. ``null``: every
+    row (docs/data.md, *Negative downsampling*)."""
     on_bad_rows: str = "fail"
     """``fail``: stop at the first bad row with its file, row and column. ``skip``: skip bad rows,
     count them (``data/bad_rows_skipped``) and log the count."""
