@@ -33,6 +33,7 @@ from recsys_runner.checkpoint.config import TrainState
 from recsys_runner.checkpoint.policy import Checkpointer
 from recsys_runner.config import RunConfig, check_eval_keys
 from recsys_runner.data.base import DataModule
+from recsys_runner.data.files.downsample import negative_rate, start_line
 from recsys_runner.data.files.tabular_config import TabularDataConfig
 from recsys_runner.data_build import build_data
 from recsys_runner.distributed.env import DistEnv, decided_on_rank0
@@ -49,7 +50,7 @@ from recsys_runner.optim.schedulers import Schedule, ScheduledLR, SchedulePositi
 from recsys_runner.optim.schedulers import lr_scheduler as make_lr_scheduler
 from recsys_runner.optim.sparse import apply_sparse_optimizer, sparse_accumulation_warning
 from recsys_runner.runtime import Launch
-from recsys_runner.tasks import SINGLE_TASK
+from recsys_runner.tasks import SINGLE_TASK, logit_shift
 from recsys_runner.tracking.tensorboard import LOGDIR_NAME, TensorBoardTracker
 from recsys_runner.tracking.tracker import NullTracker, Tracker
 from recsys_runner.train.compile import check_static_shapes, compile_dense
@@ -142,11 +143,13 @@ def build(run: RunConfig, *, launch: Launch = Launch(), weights: Path | None = N
         check_profile_window(run.train.profile, total_steps)
         if env.is_main:
             _warn_rows_left_out(run, data, env.world_size)
+            if (rate := negative_rate(run.served_data)) is not None:
+                log.info("%s", start_line(rate))
         check_eval_cadence(run.train, steps_per_epoch)
         check_static_shapes(run.train.compile, data.features)
         model = with_catalogue(build_model(run, data.features, env.device), data)
         wrapped = TrainWrapper(model, autocast=precision.autocast(env.device), features=data.features,
-                               weighting=_loss_weighting(run, model))
+                               weighting=_loss_weighting(run, model), logit_shift=logit_shift(negative_rate(run.served_data)))
         check_eval_keys(run, wrapped.tasks, data.features.sparse_names, type(model).__name__)  # before the tracker starts a run
         apply_sparse_optimizer(wrapped, run.optim.sparse)
         plan = distributed.plan(wrapped, batch_size=data.batch_size)
@@ -318,7 +321,8 @@ def _total_steps(run: RunConfig, steps_per_epoch: int | None, log_choice: bool =
             what = f"train.num_epochs={epochs}" if train.num_epochs is not None else "the default length, one epoch of the data,"
             raise ConfigError(
                 f"{what} needs to know how many steps an epoch has before reading the data, and this data does not say "
-                f"(its size is known only after reading, e.g. with data.on_bad_rows=skip) or has no full step per rank. "
+                f"(its size is known only after reading: with data.on_bad_rows=skip, data.negative_rate or data.batch_tokens) or "
+                f"has no full step per rank. "
                 f"Fix: set train.num_steps=<steps>, or use more data / a smaller data.batch_size / train.grad_accum_steps"
             )
         if log_choice and train.num_epochs is None:

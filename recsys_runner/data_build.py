@@ -29,6 +29,8 @@ from recsys_runner.data.encoding.stored import (
     trained_on_generated_data,
 )
 from recsys_runner.data.encoding.vocabulary import RowCarry, carry_rows
+from recsys_runner.data.files.downsample import SAMPLING_FILE, negative_rate
+from recsys_runner.data.files.downsample import document as sampling_document
 from recsys_runner.data.files.tabular_config import TabularDataConfig
 from recsys_runner.errors import CheckpointError, ConfigError
 
@@ -81,6 +83,8 @@ def build_data(run: RunConfig, device: torch.device, source: Path | None, checkp
         checkpointer.data_shards = data.shards_per_rank()
     if checkpointer is not None and (document := data.encoders_document()) is not None:  # evaluate/predict save nothing
         checkpointer.files[ENCODERS_FILE] = document  # the training run also logs it to MLflow (recsys_runner.__main__)
+    if checkpointer is not None and (rate := negative_rate(config)) is not None:  # what evaluate/predict/export correct by
+        checkpointer.files[SAMPLING_FILE] = sampling_document(rate)
     return data
 
 

@@ -58,6 +58,7 @@ from omegaconf import DictConfig, OmegaConf
 from recsys_runner import provenance, stores
 from recsys_runner.config import RunConfig, flatten, register_entry_schema, to_yaml, validate
 from recsys_runner.data.encoding.stored import read_stored
+from recsys_runner.data.files.downsample import negative_rate, trained_rate
 from recsys_runner.errors import CheckpointError, ConfigError, require
 from recsys_runner.inference import LOAD_FIELD, carry_training_overrides, checkpoint_to_load, with_training_overrides
 from recsys_runner.lifecycle import RunStart, end_rank_process, exit_codes, link_tags, one_job, tracked_run
@@ -148,6 +149,7 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> Path:
     meta = json.loads(stores.read_bytes(str(checkpoint / "meta.json"), CheckpointError))
     provenance.note_other_code(f"checkpoint {checkpoint}", meta)
     torch.manual_seed(spec.seed)
+    rate = trained_rate(checkpoint, negative_rate(spec.data))  # outputs corrected by the rate the checkpoint trained with
     stored = read_stored(checkpoint)
     built = build_unsharded(spec, stored)
     model = built.model
@@ -163,7 +165,7 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> Path:
     with tracked_run(tracker, start, launch):
         with StagedFolder(out) as staged:  # an error or a stop anywhere in here leaves no partial export behind
             files = write_export(built, checkpoint=checkpoint, meta=meta, ema=ema, out=staged.path, served=rows, compiled=options.compile,
-                                 top_k=top_k)
+                                 top_k=top_k, negative_rate=rate)
             (staged.path / lineage.MANIFEST_FILE).write_text(manifest.to_json() + "\n")
             check_target(out, options.overwrite)  # still as checked before the build (nothing else wrote there since)
             staged.commit()

@@ -29,12 +29,13 @@ from recsys_runner.build import build_model, build_tracker, seed_everything, wit
 from recsys_runner.checkpoint.config import TrainState
 from recsys_runner.config import RunConfig, check_eval_keys
 from recsys_runner.data.base import DataModule
+from recsys_runner.data.files.downsample import negative_rate, trained_rate
 from recsys_runner.data_build import build_data
 from recsys_runner.distributed.env import DistEnv, decided_on_rank0
 from recsys_runner.distributed.sharding import Distributed
 from recsys_runner.models.train_wrapper import TrainWrapper
 from recsys_runner.runtime import Launch
-from recsys_runner.tasks import Task
+from recsys_runner.tasks import Task, logit_shift
 from recsys_runner.tracking.tracker import NullTracker, Tracker
 from recsys_runner.train.compile import check_static_shapes, compile_dense
 from recsys_runner.train.ema import DenseEMA
@@ -98,10 +99,11 @@ def build_inference(run: RunConfig, *, weights: Path, launch: Launch = Launch(),
                                             launch=launch)  # reads the weights only: never locked, never saves
         precision = run.precision.build()
         precision.apply_tf32()
+        shift = logit_shift(trained_rate(weights, negative_rate(run.served_data)))  # the rate the checkpoint trained with
         data = build_data(run, env.device, weights)
         check_static_shapes(run.train.compile, data.features)
         model = with_catalogue(build_model(run, data.features, env.device), data)
-        wrapped = TrainWrapper(model, autocast=precision.autocast(env.device), features=data.features)
+        wrapped = TrainWrapper(model, autocast=precision.autocast(env.device), features=data.features, logit_shift=shift)
         check_eval_keys(run, wrapped.tasks, data.features.sparse_names, type(model).__name__)  # before the tracker starts a run
         sharded = distributed.shard(wrapped, distributed.plan(wrapped, batch_size=data.batch_size))
         compile_dense(model, run.train.compile, wrapper=wrapped)  # the same module objects DMP now holds

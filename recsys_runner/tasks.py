@@ -34,6 +34,7 @@ value back would make the host wait for the device in every step.
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -46,7 +47,7 @@ from torch import Tensor
 from recsys_runner.errors import ConfigError, DataError
 
 __all__ = ["Task", "BinaryTask", "RegressionTask", "HuberTask", "MulticlassTask", "InBatchSoftmaxTask", "NextItemTask", "TASK_KINDS", "LABEL_TASK_KINDS", "SINGLE_TASK",
-           "task_kind", "output_columns", "mask_task_index", "checked_weights", "check_batch_labels"]
+           "task_kind", "logit_shift", "calibrated", "output_columns", "mask_task_index", "checked_weights", "check_batch_labels"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -349,6 +350,21 @@ LABEL_TASK_KINDS: tuple[str, ...] = tuple(name for name, cls in TASK_KINDS.items
 """The kinds a labelled task may have (``model.task_kinds``): ``binary``, ``regression`` (MSE) and ``huber``."""
 
 SINGLE_TASK: tuple[Task, ...] = (BinaryTask(),)
+
+
+def logit_shift(negative_rate: float | None) -> float:
+    """What a binary logit trained on rows whose negatives were kept at ``negative_rate`` (``data.negative_rate``) is corrected
+    by to be the logit of the probability on all rows: ``log(r)``, since ``q = p / (p + (1 - p) / r)`` is
+    ``logit(q) = logit(p) + log(r)`` (He et al., 2014); 0 for ``None`` (every row trained)."""
+    return 0.0 if negative_rate is None else math.log(negative_rate)
+
+
+def calibrated(out: Any, shift: float) -> Any:
+    """A model's output (a logit ``[B]``, or a dict of one task's) with :func:`logit_shift`'s ``shift`` added: what evaluation,
+    predict and the exported program score. The training loss reads the output without it (the rows it trained on)."""
+    if shift == 0.0:
+        return out
+    return {name: value + shift for name, value in out.items()} if isinstance(out, dict) else out + shift
 """The task of every model without a ``tasks`` attribute: one unnamed binary output ``[B]``."""
 
 

@@ -64,6 +64,8 @@ RESUME_CHANGES: tuple[tuple[str, Treatment, str], ...] = (
     ("data.shuffle", "refuse", _EPOCH_POSITION),
     ("data.drop_remainder", "refuse", _EPOCH_POSITION),
     ("data.group_by_length", "refuse", _EPOCH_POSITION),
+    ("data.negative_rate", "refuse", "other rows of each epoch are trained (the negatives kept), and the checkpoint's outputs "
+                                     "are corrected by the rate it trained with: " + _EPOCH_POSITION),
     ("train.grad_accum_steps", "refuse", "a step trains that many batches, and the position in the epoch it restores counts "
                                          "steps: the resumed run would skip another number of batches than the run it "
                                          "continues trained (rows left out or trained twice), and train more or fewer rows "
@@ -89,7 +91,7 @@ TURNED_ON: dict[str, str] = {
 checkpoint was written without the state they keep, so the loader would only find its tensors missing (``ema/…``), which
 names no setting; refused here instead, naming the key and the way on, as a :data:`RESUME_CHANGES` refusal is."""
 ADDED_KEYS: dict[str, Any] = {"precision.embedding_data_type": "fp32", "data.items.header": None, "data.items.column_names": None,
-                              "data.next_item": False, "data.funnel": None}
+                              "data.next_item": False, "data.funnel": None, "data.negative_rate": None}
 """Keys added after checkpoints began saving their composed config, each with the value every run before it trained with:
 such a checkpoint's missing key is compared as that value, so resuming it after an upgrade warns about no change."""
 RENAMED_KEYS: dict[str, str] = {}

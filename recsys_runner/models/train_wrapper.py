@@ -17,7 +17,7 @@ from torchrec.datasets.utils import Batch
 
 from recsys_runner.errors import ConfigError
 from recsys_runner.features import FeatureSpec
-from recsys_runner.tasks import SINGLE_TASK, Task
+from recsys_runner.tasks import SINGLE_TASK, Task, calibrated
 
 __all__ = ["TaskWeighting", "TrainWrapper", "shared_representation"]
 
@@ -113,14 +113,20 @@ class TrainWrapper(nn.Module):
 
     The dense forward runs under the precision policy's autocast; the loss is always computed in float32.
 
+    ``logit_shift`` (``log(data.negative_rate)``, :func:`~recsys_runner.tasks.logit_shift`): in eval mode the ``logits``
+    returned are the model's plus it, the probability on all rows of a model trained on downsampled negatives, so that
+    the evaluation, evaluate and predict score corrected outputs; the loss, and in training the logits the decaying train
+    metrics read, are the model's own (they are of the downsampled rows it trains on). Only for one binary task.
+
     Raises:
         ConfigError: a model with one unnamed labelled output is given data with several labels.
     """
 
     def __init__(self, model: nn.Module, autocast: torch.autocast | None = None, features: FeatureSpec | None = None,
-                 weighting: TaskWeighting | None = None) -> None:
+                 weighting: TaskWeighting | None = None, logit_shift: float = 0.0) -> None:
         super().__init__()
         self.model = model
+        self.logit_shift = logit_shift
         self._autocast_args = None if autocast is None else (autocast.device, autocast.fast_dtype)
         self.tasks: tuple[Task, ...] = tuple(getattr(model, "tasks", SINGLE_TASK))
         self._named = any(t.name is not None for t in self.tasks)
@@ -138,6 +144,9 @@ class TrainWrapper(nn.Module):
                                   f"but {type(model).__name__} declares none (a class attribute shared_module naming that submodule, "
                                   f"as MMoE's 'experts'). Fix: train.loss_weighting.kind=uncertainty or fixed")
             shared.register_forward_hook(self._keep_shared)
+        if logit_shift and not (len(self.tasks) == 1 and self.tasks[0].kind == "binary"):
+            raise ConfigError(f"data.negative_rate corrects the logit of one binary task, but {type(model).__name__} has tasks "
+                              f"{[(t.name, t.kind) for t in self.tasks]}. Fix: data.negative_rate=null")
         if features is not None and features.multi_label and any(t.reads_labels and t.column is None for t in self.tasks):
             raise ConfigError(
                 f"{type(model).__name__} has one output but the data has labels {list(features.label_names)}. Fix: a "
@@ -189,4 +198,6 @@ class TrainWrapper(nn.Module):
             loss = task.loss(logits, labels)
             if task.weight != 1:
                 loss = task.weight * loss
+        if not self.training:
+            logits = calibrated(logits, self.logit_shift)
         return loss, (loss.detach(), logits.detach(), labels.detach())

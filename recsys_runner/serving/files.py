@@ -40,7 +40,7 @@ from recsys_runner.serving.program import (  # noqa: F401 - EXACT_ATOL, EXACT_RT
     check_same,
     export_program,
 )
-from recsys_runner.tasks import SINGLE_TASK, Task
+from recsys_runner.tasks import SINGLE_TASK, Task, logit_shift
 from recsys_runner.train.candidates import catalogue_candidates, eval_mapped_files
 
 log = logging.getLogger("recsys_runner")
@@ -222,15 +222,17 @@ def served_rows(stored: StoredEncoders | None, checkpoint: Path, raw: Any, null_
 
 
 def write_export(built: Unsharded, *, checkpoint: Path, meta: dict[str, Any], ema: bool, out: Path, served: ServedRows | None = None,
-                 compiled: bool = False, top_k: topk.TopKPlan | None = None) -> list[str]:
+                 compiled: bool = False, top_k: topk.TopKPlan | None = None, negative_rate: float | None = None) -> list[str]:
     """Load the checkpoint's weights into ``built.model``, trace it (and a two-tower model's towers), check each program
     against the eager model on ``built.batch`` and write the files to ``out`` (with ``built.items``, a two-tower model's
     item index :data:`ITEMS_FILE` too; with ``served``, the MLflow model(s): :func:`write_mlflow_models`, their programs
-    compiled by AOTInductor with ``compiled``; a next-item model's is the top-k model ``top_k`` plans); returns their names."""
+    compiled by AOTInductor with ``compiled``; a next-item model's is the top-k model ``top_k`` plans); returns their names.
+    ``negative_rate``: the ``data.negative_rate`` the checkpoint was trained with, whose ``log`` the program adds to its logit
+    (:class:`~recsys_runner.serving.program.ServingModule`), recorded in ``feature_spec.json``."""
     model, features, batch, items = built.model, built.features, built.batch, built.items
     load_weights(model, checkpoint, ema)
     keys = list(batch.sparse_features.keys())
-    serving = ServingModule(model, keys, features.weighted)
+    serving = ServingModule(model, keys, features.weighted, logit_shift(negative_rate))
     program = export_program(serving, batch)
     inputs = serving.inputs(batch)
     with torch.no_grad(), padded_reference(model):
@@ -241,7 +243,11 @@ def write_export(built: Unsharded, *, checkpoint: Path, meta: dict[str, Any], em
     tasks = tuple(getattr(model, "tasks", SINGLE_TASK))
     described = feature_spec(features, keys, tasks, inputs, eager) | {
         "weights": "ema" if ema else "raw", "checkpoint": str(checkpoint.absolute()), "step": meta.get("step"),
-        "source_run_id": meta.get("run_id"), "model": type(model).__name__}
+        "source_run_id": meta.get("run_id"), "model": type(model).__name__,
+        "negative_rate": negative_rate,  # null: trained on every row
+        **({"calibration": f"trained on every positive and {negative_rate:g} of the negatives (data.negative_rate): the output "
+                           f"is the model's logit + log({negative_rate:g}), whose sigmoid is the probability on all rows"}
+           if negative_rate is not None else {})}
     if hasattr(model, "tower_features"):  # a two-tower model: each tower on its own as well (checked, then written)
         if features.weighted:
             raise ConfigError(f"a two-tower model with weighted features ({features.weighted_names}) cannot be exported: its towers "

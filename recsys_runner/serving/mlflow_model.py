@@ -40,7 +40,7 @@ from recsys_runner.data.encoding.stored import StoredEncoders
 from recsys_runner.data.encoding.values import is_list
 from recsys_runner.errors import ConfigError, DataError
 from recsys_runner.serving.program import ServingModule, TowerServing, compile_program
-from recsys_runner.tasks import SINGLE_TASK, Task, score_columns
+from recsys_runner.tasks import SINGLE_TASK, Task, calibrated, score_columns
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +219,7 @@ def expected(module: ServingModule | TowerServing, encoders: StoredEncoders, row
     with torch.no_grad():
         if isinstance(module, TowerServing):
             return {"vector": module(*module.inputs(batch)).float().numpy()}
-        out = module.model(batch.dense_features, batch.sparse_features)
+        out = calibrated(module.model(batch.dense_features, batch.sparse_features), module.logit_shift)
     tasks = cast(tuple[Task, ...], tuple(getattr(module.model, "tasks", SINGLE_TASK)))
     if isinstance(out, dict):
         logits = torch.cat([out[t.name].float().reshape(rows.num_rows, -1) for t in tasks], dim=1)

@@ -17,7 +17,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recsys_runner.errors import ConfigError
 from recsys_runner.scoring_topk import NextItemModel
 from recsys_runner.serving.fused import for_serving
-from recsys_runner.tasks import SINGLE_TASK, Task
+from recsys_runner.tasks import SINGLE_TASK, Task, calibrated
 from recsys_runner.train.signals import Interrupted
 
 log = logging.getLogger(__name__)
@@ -35,12 +35,15 @@ class ServingModule(nn.Module):
 
     Builds the KeyedJaggedTensor inside, so the caller passes plain tensors (module docstring). A model with weighted
     features (``weighted``) also takes ``weights [V]`` float32: each id's weight (1.0 for the ids of features without
-    weights, which pool exactly as without).
+    weights, which pool exactly as without). ``logit_shift``: added to a binary logit (``log(data.negative_rate)`` of a model
+    trained on downsampled negatives, :func:`~recsys_runner.tasks.logit_shift`), so that a server gets the probability on
+    all rows, as evaluate and predict score it.
     """
 
-    def __init__(self, model: nn.Module, keys: list[str], weighted: bool = False) -> None:
+    def __init__(self, model: nn.Module, keys: list[str], weighted: bool = False, logit_shift: float = 0.0) -> None:
         super().__init__()
         self.model = model
+        self.logit_shift = logit_shift
         self.keys = keys
         self.weighted = weighted
         tasks = tuple(getattr(model, "tasks", SINGLE_TASK))
@@ -49,7 +52,7 @@ class ServingModule(nn.Module):
 
     def forward(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None = None) -> Any:
         sparse = KeyedJaggedTensor(keys=self.keys, values=values, lengths=lengths.reshape(-1), weights=weights)
-        out = self.model(dense, sparse)
+        out = calibrated(self.model(dense, sparse), self.logit_shift)
         return out if self.task is None else self.task.served(out)
 
     def inputs(self, batch: Batch) -> tuple[torch.Tensor, ...]:

@@ -140,6 +140,10 @@ class Encoder:
         return self.histories.num_truncated_rows
 
     def encode(self, table: pa.Table, where: Location) -> Rows:
+        return self.encode_kept(table, where)[0]
+
+    def encode_kept(self, table: pa.Table, where: Location) -> tuple[Rows, np.ndarray | None]:
+        """:meth:`encode`, and which rows of ``table`` it kept (``None``: all): each row's place in its file, for downsampling."""
         n = table.num_rows
         problems: list[tuple[str, str, np.ndarray, Callable[[int], str]]] = []
 
@@ -161,7 +165,7 @@ class Encoder:
         weights = [w for _, _, w in bags]
         rows = Rows(labels, dense, sparse, weights + [None] * (len(sparse) - len(weights)) if any(w is not None for w in weights) else None)
         if not problems:
-            return rows
+            return rows, None
         first = min(int(np.flatnonzero(mask)[0]) for _, _, mask, _ in problems)
         if not self.skip:
             column, _, _, what = next(p for p in problems if p[2][first])
@@ -170,7 +174,8 @@ class Encoder:
             )
         keep = ~np.logical_or.reduce([mask for _, _, mask, _ in problems])
         self.num_bad_rows += int(n - keep.sum())
-        return rows.take(np.flatnonzero(keep))
+        kept = np.flatnonzero(keep)
+        return rows.take(kept), kept
 
     @staticmethod
     def _missing(why: str) -> Callable[[int], str]:

@@ -1,7 +1,8 @@
 """One (rank, worker) shard of an epoch read into batches — what runs in a DataLoader worker: the shard's units read
 ahead, their rows encoded and checked (:class:`~recsys_runner.data.encoding.rows.Encoder`), passed through a seeded
 shuffle buffer and cut into batches of ``batch_size`` rows (or of ``batch_tokens`` history tokens), each handed on as
-tensors with the counts since the batch before (bad rows skipped, histories truncated, OOV values, lists cut).
+tensors with the counts since the batch before (bad rows skipped, histories truncated, OOV values, lists cut, negatives
+left out by ``data.negative_rate``: :mod:`~recsys_runner.data.files.downsample`).
 
 Apart from the data module (:class:`~recsys_runner.data.files.streaming.TabularData`), which decides the splits and
 turns these tuples into batches in the training process and keeps the counters: a worker process gets only this
@@ -23,6 +24,7 @@ from recsys_runner.data.catalogue.negatives import NegativeSampler
 from recsys_runner.data.encoding.encoded_rows import Rows
 from recsys_runner.data.encoding.rows import Encoder, Location
 from recsys_runner.data.files.csv_source import CsvSource
+from recsys_runner.data.files.downsample import kept_rows
 from recsys_runner.data.files.npy_source import NpySource
 from recsys_runner.data.files.prefetch import read_ahead
 from recsys_runner.data.files.splits import Split, shard_ranges
@@ -48,7 +50,7 @@ class ShardReader:
     def batches(self, split: Split, epoch: int, shard: int, num_shards: int, train: bool) -> Iterator[tuple]:
         """Encoded batches of one shard, as tensors: (dense, values, lengths, labels, bad rows skipped, histories truncated,
         each vocabulary's OOV values and values, each ``max_values`` column's rows cut and longest list, the weights of the
-        values when a feature is weighted)."""
+        values when a feature is weighted, negatives left out by ``data.negative_rate``: training rows only)."""
         cfg = self.config
         shuffle = train and cfg.shuffle
         order = list(range(len(split.units)))
@@ -65,10 +67,11 @@ class ShardReader:
         reported = [0, 0]
         reported_oov = {name: [0, 0] for name in encoder.oov}
         reported_cuts = dict.fromkeys(encoder.capped, 0)
+        sampling = _Sampling(cfg.seed, cfg.negative_rate) if train and cfg.negative_rate is not None else None
 
-        def counts() -> tuple[int, int, dict[str, tuple[int, int]], dict[str, tuple[int, int]]]:
-            """Bad rows skipped, histories truncated, each vocabulary's (OOV values, values) and each capped list's (rows cut,
-            longest list so far) since the last call."""
+        def counts() -> tuple[int, int, dict[str, tuple[int, int]], dict[str, tuple[int, int]], int]:
+            """Bad rows skipped, histories truncated, each vocabulary's (OOV values, values), each capped list's (rows cut,
+            longest list so far) and the negatives downsampled away since the last call."""
             totals = [encoder.num_bad_rows + getattr(split.source, "num_bad_rows", 0) - source_bad, encoder.num_truncated_rows]
             deltas = (totals[0] - reported[0], totals[1] - reported[1])
             reported[:] = totals
@@ -76,7 +79,7 @@ class ShardReader:
             reported_oov.update({name: list(now) for name, now in encoder.oov.items()})
             cuts = {name: (cut - reported_cuts[name], longest) for name, (cut, longest) in encoder.capped.items()}
             reported_cuts.update({name: cut for name, (cut, _) in encoder.capped.items()})
-            return *deltas, oov, cuts
+            return *deltas, oov, cuts, sampling.take_dropped() if sampling is not None else 0
 
         buffer: list[Rows] = []
         held = 0
@@ -98,7 +101,7 @@ class ShardReader:
                 yield self._tensors(block.slice(a, b), *counts())
             buffer, held = [block.slice(used, len(block))], len(block) - used
 
-        for rows in self._read_ranges(split, ranges, encoder):
+        for rows in self._read_ranges(split, ranges, encoder, sampling):
             buffer.append(rows)
             held += len(rows)
             if held >= hold:
@@ -106,8 +109,8 @@ class ShardReader:
         if held:
             yield from cut(final=True)
         last = counts()
-        if last[0] or last[1] or any(total for _, total in last[2].values()) or any(cut for cut, _ in last[3].values()):
-            yield (None, None, None, None, *last, None)
+        if last[0] or last[1] or any(total for _, total in last[2].values()) or any(cut for cut, _ in last[3].values()) or last[4]:
+            yield (None, None, None, None, *last[:4], None, last[4])
 
     def encoder(self, on_bad_rows: str) -> Encoder:
         """The row encoder of this shard's blocks: the schema's columns, the required candidates and ``data.funnel``."""
@@ -131,7 +134,9 @@ class ShardReader:
         slices, used = token_cuts(costs, budget, final=final, padded=True)
         return block, [slices[i] for i in order.permutation(len(slices))], used
 
-    def _read_ranges(self, split: Split, ranges: list[tuple[int, int, int]], encoder: Encoder) -> Iterator[Rows]:
+    def _read_ranges(self, split: Split, ranges: list[tuple[int, int, int]], encoder: Encoder,
+                     sampling: _Sampling | None = None) -> Iterator[Rows]:
+        """The encoded rows of ``ranges``, block by block; with ``sampling``, only the rows it keeps."""
         ahead = read_ahead(split.source, [split.units[u] for u, _, _ in ranges])
         for (u, start, stop), tables in zip(ranges, ahead, strict=True):
             unit = split.units[u]
@@ -148,12 +153,13 @@ class ShardReader:
                         part, rows_of = table.slice(lo, hi - lo), file_rows[lo:hi]
                     else:
                         part, rows_of = table.take(pa.array(chosen[lo:hi])), file_rows[chosen[lo:hi]]
-                    yield encoder.encode(part, Location(unit.path, unit.part, rows_of, line_offset, column_files))
+                    rows, kept = encoder.encode_kept(part, Location(unit.path, unit.part, rows_of, line_offset, column_files))
+                    yield rows if sampling is None else sampling.keep(rows, unit.path, rows_of if kept is None else rows_of[kept])
                 if seen >= stop:
                     break
 
     def _tensors(self, rows: Rows, skipped: int, truncated: int, oov: dict[str, tuple[int, int]],
-                 capped: dict[str, tuple[int, int]]) -> tuple:
+                 capped: dict[str, tuple[int, int]], downsampled: int) -> tuple:
         values = np.concatenate([v for v, _ in rows.sparse]) if rows.sparse else np.zeros(0, np.int64)
         lengths = np.concatenate([ln for _, ln in rows.sparse]) if rows.sparse else np.zeros(0, np.int32)
         weights = rows.key_weights()  # a weighted feature's weights, 1.0 for every other key's values (FeatureSpec.weighted)
@@ -167,7 +173,28 @@ class ShardReader:
             oov,
             capped,
             None if weights is None else torch.from_numpy(weights),
+            downsampled,
         )
+
+
+@dataclass
+class _Sampling:
+    """A shard's negative downsampling (``data.negative_rate``): which rows of each block it keeps, and how many it left out."""
+
+    seed: int
+    rate: float
+    dropped: int = 0
+
+    def keep(self, rows: Rows, path: str, file_rows: np.ndarray) -> Rows:
+        """``rows`` (of file ``path``, at ``file_rows``) without the negatives :func:`~.downsample.kept_rows` leaves out."""
+        mask = kept_rows(path, file_rows, rows.labels, self.seed, self.rate)
+        self.dropped += int(len(rows) - mask.sum())
+        return rows if bool(mask.all()) else rows.take(np.flatnonzero(mask))
+
+    def take_dropped(self) -> int:
+        """The rows left out since the last call."""
+        dropped, self.dropped = self.dropped, 0
+        return dropped
 
 
 class ShardStream(IterableDataset):

@@ -9,7 +9,7 @@ How an epoch is read (see docs/data.md for the full semantics):
    ranges, one per (rank, worker) shard: disjoint, together every row exactly once, and of equal
    length (the last ``total mod shards`` rows are left out when ``drop_remainder``), so every rank
    gets the same number of batches without talking to the others. Where that cannot be known in
-   advance (``on_bad_rows: skip``, or ``drop_remainder: false`` with ranks one batch apart), the
+   advance (``on_bad_rows: skip``, ``negative_rate``, or ``drop_remainder: false`` with ranks one batch apart), the
    ranks agree step by step (:func:`recsys_runner.data.base.synchronized`) and stop together. Eval shards keep every
    row, whatever their batch counts: the evaluator steps a rank that is done with a stand-in batch
    (:func:`recsys_runner.data.base.in_step`). The split and the shards are :mod:`recsys_runner.data.files.splits`'.
@@ -84,6 +84,8 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         self._oov: dict[str, list[int]] = {c.name: [0, 0] for c in schema.sparse if c.encoding == "vocab"}
         """Per ``encoding: vocab`` column, since construction: values that read an OOV row, and values."""
         self._dropped_rows = 0
+        self._downsampled = 0
+        """Training negatives left out by ``data.negative_rate`` since construction (``data/negatives_downsampled``)."""
         self._said: set[str] = set()
         """The once-only warnings already given (``truncated_histories``, ``truncated_lists/<column>``). Kept apart from
         the counters they once read, which :meth:`counters_kept` puts back after the sanity eval: a warning its rows
@@ -178,8 +180,8 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         return self._batches(self._eval, 0, rank, world_size, train=False)
 
     def num_train_batches(self, world_size: int) -> int | None:
-        if self.config.on_bad_rows == "skip" or self.config.batch_tokens is not None:
-            return None  # skipped rows, and rows per token batch, are only known after reading
+        if self.config.on_bad_rows == "skip" or self.config.batch_tokens is not None or self.config.negative_rate is not None:
+            return None  # skipped rows, rows per token batch and negatives kept are only known after reading
         return min(self._rank_batch_counts(self._train, world_size, train=True))
 
     def shards_per_rank(self) -> int:
@@ -234,8 +236,9 @@ class TabularData(Catalogue, DataModule, abc.ABC):
 
     def metrics(self) -> dict[str, float]:
         """Counters since construction: bad rows skipped, rows left unread so that ranks end together, histories truncated,
-        multi-hot lists cut to their ``max_values``."""
+        multi-hot lists cut to their ``max_values``, training negatives left out by ``data.negative_rate``."""
         return {"data/bad_rows_skipped": float(self._bad_rows), "data/rows_dropped_uneven_ranks": float(self._dropped_rows),
+                **({"data/negatives_downsampled": float(self._downsampled)} if self.config.negative_rate is not None else {}),
                 "data/truncated_histories": float(self._truncated_rows),
                 **({"data/truncated_lists": float(sum(n for n, _ in self._capped.values()))} if self._capped else {})} | oov_counters(self._oov)
 
@@ -243,11 +246,13 @@ class TabularData(Catalogue, DataModule, abc.ABC):
     def counters_kept(self) -> Iterator[None]:
         """Within the block, reads leave :meth:`metrics`'s counters and the eval pass's account (:meth:`explain_empty_eval`)
         as they were (:meth:`DataModule.counters_kept`)."""
-        saved = copy.deepcopy((self._bad_rows, self._truncated_rows, self._capped, self._oov, self._dropped_rows, self._eval_passes))
+        saved = copy.deepcopy((self._bad_rows, self._truncated_rows, self._capped, self._oov, self._dropped_rows, self._eval_passes,
+                               self._downsampled))
         try:
             yield
         finally:
-            (self._bad_rows, self._truncated_rows, self._capped, self._oov, self._dropped_rows, self._eval_passes) = saved
+            (self._bad_rows, self._truncated_rows, self._capped, self._oov, self._dropped_rows, self._eval_passes,
+             self._downsampled) = saved
 
     def encoders_document(self) -> bytes:
         """The schema these files are encoded by (vocabularies included) and the kind of each of their columns, stored
@@ -310,7 +315,7 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         batches = self._to_batches(items, epoch, rank, train, rows)
         if not train:  # every eval row once: the evaluator keeps ranks with fewer batches in step (data.base.in_step)
             return batches
-        uneven = (self.config.on_bad_rows == "skip" or self.config.batch_tokens is not None
+        uneven = (self.config.on_bad_rows == "skip" or self.config.batch_tokens is not None or self.config.negative_rate is not None
                   or len(set(self._rank_batch_counts(split, world_size, train))) > 1)
         if world_size > 1 and uneven:
             return synchronized(batches, on_dropped=self._count_dropped)
@@ -353,7 +358,8 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         for item in items:
             if item[0] == "error":
                 raise DataError(item[1])
-            dense, values, lengths, labels, skipped, truncated, oov, capped, weights = item
+            dense, values, lengths, labels, skipped, truncated, oov, capped, weights, downsampled = item
+            self._downsampled += downsampled
             self._count_capped(capped, train)
             self._bad_rows += skipped
             for name, (unseen, total) in oov.items():

@@ -64,7 +64,14 @@ class TabularDataConfig(DataConfig):
     """Drop each shard's last partial training batch (and the last ``rows mod shards`` rows), so every
     rank has the same number of full batches. ``false`` keeps them (ranks then agree step by step)."""
     seed: int = 0
-    """Seed of the unit order and the shuffle buffer (combined with the epoch)."""
+    """Seed of the unit order and the shuffle buffer (combined with the epoch), and of which negatives ``negative_rate`` keeps."""
+    negative_rate: float | None = None
+    """Negative downsampling: train on every positive and this fraction ``r`` (``0 < r <= 1``) of the negatives, chosen by a
+    hash of (``seed``, file, row number), so the same rows with any number of ranks or workers and after a resume. The
+    model's outputs are then corrected by ``logit + log(r)`` (``q = p / (p + (1 - p) / r)``) wherever they are scored:
+    eval metrics, evaluate, predict, export; the rate is stored with each checkpoint. Eval rows are never downsampled. An
+    epoch's length is then known only by reading: set ``train.num_steps``. Single-task binary labels only. ``null``: every
+    row (docs/data.md, *Negative downsampling*)."""
     on_bad_rows: str = "fail"
     """``fail``: stop at the first bad row with its file, row and column. ``skip``: skip bad rows,
     count them (``data/bad_rows_skipped``) and log the count."""
@@ -113,6 +120,8 @@ class TabularDataConfig(DataConfig):
         if self.next_item != needs.next_item:
             changes["next_item"] = needs.next_item
         labels = mapping_option(getattr(self, "labels", None), "data.labels")
+        if self.negative_rate is not None:
+            check_downsampled_model(self.negative_rate, needs)
         if self.funnel is None and needs.funnel and (labels is None or set(needs.funnel) <= set(labels)):
             changes["funnel"] = list(needs.funnel)
         return replace(self, **changes) if changes else self
@@ -127,6 +136,9 @@ class TabularDataConfig(DataConfig):
                 f"data.vocabulary={self.vocabulary!r} must be one of {VOCABULARY_MODES}: keep (the checkpoint's encoders) or "
                 f"refit (fitted anew on these files, trained rows carried over by id; with checkpoint.init_from)")
         require(self.read_rows > 0, f"data.read_rows must be positive, got {self.read_rows}")
+        require(self.negative_rate is None or 0 < self.negative_rate <= 1,
+                f"data.negative_rate={self.negative_rate} must lie in (0, 1]: the fraction of training negatives kept (every "
+                f"positive is). Fix: e.g. data.negative_rate=0.1, or data.negative_rate=null to train on every row")
         require(
             self.eval_path is None or self.eval_fraction is None,
             f"data.eval_path and data.eval_fraction={self.eval_fraction} are both set; eval rows come from one of them. "
@@ -186,6 +198,9 @@ class SchemaFields(TabularDataConfig):
         if self.label is not None or labels is not None or kinds:  # neither: detected from the files' columns
             check_labels(self.label, labels, kinds)
         check_funnel(self.funnel, labels, kinds)
+        require(self.negative_rate is None or ((labels is None or len(labels) == 1) and set((kinds or {}).values()) <= {"binary"}),
+                f"data.negative_rate={self.negative_rate} downsamples the negatives of one binary label, but data.labels={labels} "
+                f"(data.label_kinds={kinds}): {NEGATIVE_RATE_SCOPE}")
         require(self.label_threshold is None or (labels is None and math.isfinite(self.label_threshold)),
                 f"data.label_threshold={self.label_threshold} makes one data.label binary (a finite number); it does not apply to data.labels")
         require(self.schema is None or not (self.dense or self.sparse or self.label is not None or labels is not None
@@ -265,6 +280,25 @@ class CsvDataConfig(SchemaFields):
 
     def missing_texts(self) -> list[str]:
         return list(self.null_values)
+
+
+NEGATIVE_RATE_SCOPE = ("the correction logit + log(r) is exact for one binary (click) label, where a negative is a row "
+                       "labelled 0; several labels, regression and multiclass labels, and retrieval or next-item models (whose "
+                       "rows are positives, with negatives sampled instead) have no such negatives. Fix: data.negative_rate=null")
+"""Why ``data.negative_rate`` applies to single-task binary classification only (:func:`check_downsampled_model`)."""
+
+
+def check_downsampled_model(rate: float, needs: DataNeeds) -> None:
+    """``data.negative_rate`` needs a model of one binary task over pointwise rows (:data:`NEGATIVE_RATE_SCOPE`).
+
+    Raises:
+        ConfigError: the model has several tasks, a non-binary task, or is a retrieval or next-item model.
+    """
+    what = ("a next-item model" if needs.next_item else "a two-tower (retrieval) model" if needs.user_features
+            else f"a model of {len(needs.labels)} tasks {list(needs.labels)}" if len(needs.labels) > 1
+            else f"a model whose task is {needs.label_kinds[0]}" if any(k != "binary" for k in needs.label_kinds) else None)
+    require(what is None, f"data.negative_rate={rate} downsamples the negatives of one binary label, but this is {what}: "
+            f"{NEGATIVE_RATE_SCOPE}")
 
 
 MULTI_CHARACTER_FIX = ("A separator of several characters, such as MovieLens ml-1m's '::', is one character once rewritten: "
