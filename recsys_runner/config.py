@@ -216,6 +216,11 @@ def group_options(group: str) -> dict[str, type]:
     return {**GROUPS.get(group, {}), **plugins().options.get(group, {})}
 
 
+def options_with_key(group: str, key: str) -> list[str]:
+    """The options of config group ``group`` whose schema has ``key`` (``model``, ``structure`` → ``dcn_v2``, ``masknet``)."""
+    return [option for option, schema in group_options(group).items() if key in {f.name for f in dataclasses.fields(schema)}]
+
+
 def register_configs() -> None:
     """Store the root schema and every group schema in Hydra's ConfigStore, register the resolvers ``conf/`` uses, and
     make ``--help`` list the groups in one walk, without these ``schema/*`` groups (``help_groups.py``; idempotent).
