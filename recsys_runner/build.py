@@ -31,7 +31,8 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from recsys_runner import store_settings
 from recsys_runner.checkpoint.config import TrainState
 from recsys_runner.checkpoint.policy import Checkpointer
-from recsys_runner.config import RunConfig, check_eval_keys
+from recsys_runner.config import RunConfig
+from recsys_runner.config_metrics import check_eval_keys
 from recsys_runner.data.base import DataModule
 from recsys_runner.data.files.downsample import negative_rate, start_line
 from recsys_runner.data.files.tabular_config import TabularDataConfig

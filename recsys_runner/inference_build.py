@@ -27,7 +27,8 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from recsys_runner import store_settings
 from recsys_runner.build import build_model, build_tracker, seed_everything, with_catalogue
 from recsys_runner.checkpoint.config import TrainState
-from recsys_runner.config import RunConfig, check_eval_keys
+from recsys_runner.config import RunConfig
+from recsys_runner.config_metrics import check_eval_keys
 from recsys_runner.data.base import DataModule
 from recsys_runner.data.files.downsample import negative_rate, trained_rate
 from recsys_runner.data_build import build_data

@@ -206,7 +206,7 @@ def test_early_stopping_metric_is_checked_when_set_even_with_early_stopping_off(
     """Unknown ``train.early_stopping.metric``: an error with ``patience`` set, and also without it when the metric was
     set (its default, which a regression model does not log, is then not checked); a known one without ``patience``
     is fine."""
-    from recsys_runner.config import check_eval_keys
+    from recsys_runner.config_metrics import check_eval_keys
     from recsys_runner.tasks import SINGLE_TASK, RegressionTask
 
     tasks = SINGLE_TASK

@@ -267,7 +267,7 @@ class Checkpointer:
         """Save a ``best-*`` checkpoint when ``metrics[best_metric]`` improves on ``state.best``."""
         if self.config.best_metric is None or self.dir is None:
             return None
-        value = metrics[self.config.best_metric]  # a key eval logs: config.check_eval_keys made sure before the first step
+        value = metrics[self.config.best_metric]  # a key eval logs: config_metrics.check_eval_keys made sure before the first step
         if not improved(value, state.best, higher_is_better=self.config.best_mode == "max"):
             return None
         state.best = value
