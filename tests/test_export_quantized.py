@@ -149,16 +149,19 @@ def test_a_model_with_history_tables_is_refused_before_anything_is_written(tmp_p
 
 
 @pytest.mark.filterwarnings("ignore:torch.ao.quantization is deprecated:DeprecationWarning")  # TorchRec's quantize_embeddings
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp16"])
 def test_rows_are_fbgemms_format_and_pool_as_torchrecs_quantized_collection(kind: str) -> None:
     torch.manual_seed(0)
     weight = torch.randn(50, 8)
     rows = QuantizedRows(weight, kind)
-    bits = {"int8": 8, "int4": 4}[kind]
-    fused = torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf(weight, bits)
     ids = torch.tensor([3, 0, 49, 3, 7])
-    expected = torch.ops.fbgemm.FusedNBitRowwiseQuantizedSBHalfToFloat(fused, bits)[ids]
-    assert torch.equal(rows(ids), expected) and rows.nbytes == fused.numel()
+    if kind == "fp16":
+        assert torch.equal(rows(ids), weight.half().float()[ids]) and rows.nbytes == weight.numel() * 2
+    else:
+        bits = {"int8": 8, "int4": 4}[kind]
+        fused = torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf(weight, bits)
+        expected = torch.ops.fbgemm.FusedNBitRowwiseQuantizedSBHalfToFloat(fused, bits)[ids]
+        assert torch.equal(rows(ids), expected) and rows.nbytes == fused.numel()
 
     tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=50, feature_names=[f"f{i}"]) for i in range(2)]
     ebc = EmbeddingBagCollection(tables=tables)
@@ -169,6 +172,7 @@ def test_rows_are_fbgemms_format_and_pool_as_torchrecs_quantized_collection(kind
             super().__init__()
             self.ebc = ebc
 
-    reference = quantize_embeddings(Holder(), dtype=torch.qint8 if kind == "int8" else torch.quint4x2, inplace=False).ebc(kjt)
+    dtype = {"int8": torch.qint8, "int4": torch.quint4x2, "fp16": torch.float16}[kind]
+    reference = quantize_embeddings(Holder(), dtype=dtype, inplace=False).ebc(kjt)
     ours = FusedEmbeddingBags(ebc, ["f0", "f1"], kind)(kjt)
     torch.testing.assert_close(ours.values(), reference.values(), atol=1e-5, rtol=1e-5)
