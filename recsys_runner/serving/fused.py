@@ -77,8 +77,8 @@ class _Group(nn.Module):
         if self.rows is None:
             pooled = F.embedding_bag(ids, self.weight, offsets, mode=self.mode, per_sample_weights=weights, include_last_offset=True)
         else:  # the bags' rows dequantized, then pooled by the same kernel, each value a bag of its own row
-            rows = self.rows(ids)
-            pooled = F.embedding_bag(torch.arange(ids.shape[0], device=ids.device), rows, offsets, mode=self.mode,
+            looked_up = self.rows(ids)
+            pooled = F.embedding_bag(torch.arange(ids.shape[0], device=ids.device), looked_up, offsets, mode=self.mode,
                                      per_sample_weights=weights, include_last_offset=True)
         num_keys, rows = lengths.shape
         pooled = pooled.view(num_keys, rows, -1)
@@ -117,7 +117,7 @@ class FusedEmbeddingBags(nn.Module):
             key_table = {index[f]: n for f, n in members}
             numbers = sorted({n for _, n in members})
             local = {n: i for i, n in enumerate(numbers)}
-            stored = kind if why_kept_float(width, kind) is None else "none"
+            stored = kind if kind != "none" and why_kept_float(width, kind) is None else "none"
             self.groups.append(_Group([tables[n].weight for n in numbers], {k: local[n] for k, n in key_table.items()}, len(keys), mode,
                                       stored))
             by_key = sorted(members, key=lambda m: index[m[0]])
