@@ -37,7 +37,7 @@ PROBABILITY_ATOL = 1e-2
 """Row-wise int8 moves a value by at most half its row's step, (max - min) / 255 / 2: the served probabilities stay
 within this of the float model's."""
 
-STEPS = 10
+STEPS = 4
 
 
 def _rows(rng: np.random.Generator, n: int) -> list[str]:
@@ -54,7 +54,7 @@ def _rows(rng: np.random.Generator, n: int) -> list[str]:
 def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """DeepFM trained on a CSV, exported as trained and with int8 tables."""
     root = tmp_path_factory.mktemp("quantized")
-    (root / "train.csv").write_text("\n".join(["click,user,item,price", *_rows(np.random.default_rng(0), 1024)]) + "\n")
+    (root / "train.csv").write_text("\n".join(["click,user,item,price", *_rows(np.random.default_rng(0), 512)]) + "\n")
     data = ["data=csv", f"data.path={root}/train.csv", "data.batch_size=128", "data.sparse=[{name: user}, {name: item}]",
             "data.dense=[{name: price, normalize: zscore}]", "data.label=click", "model=deepfm", "distributed.device=cpu",
             "tracking=none"]
