@@ -120,8 +120,8 @@ class ExportConfig:
     """Serve the embedding tables quantized row-wise: ``int8`` (a code a byte and an fp16 scale and bias per row: ~3.2x
     smaller at width 16, ~3.8x at 64), ``int4`` (two codes a byte), ``fp16``; ``none`` the float32 tables as trained. Every
     file export writes is then of the quantized model, and ``feature_spec.json``'s ``quantize`` (and the log) says what it
-    costs: the tables' bytes before and after, and the scores' difference on the example batch (docs/export.md). Pooled
-    tables only (``EmbeddingBagCollection``): a model with history tables is refused."""
+    costs: the tables' bytes before and after, and the scores' difference on the example batch (docs/export.md). The tables of
+    TorchRec's ``EmbeddingBagCollection`` and ``EmbeddingCollection`` (histories); a model with other tables is refused."""
     top_k: int = 10
     """A next-item model's MLflow model answers each history with its best ``top_k`` items when a request does not say
     (its ``k`` parameter); ``predict.top_k``'s default. At most the items the model may recommend."""

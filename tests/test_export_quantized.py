@@ -4,8 +4,9 @@ DeepFM is trained for a few steps on a small generated CSV and exported twice, a
 export's programs (``model.pt2``, the MLflow model's) stay plain ATen (no fbgemm op: they load with torch alone), their
 tables are ~3.2x smaller at width 16 (DeepFM's first-order tables, one value a row, stay float32: an int8 row of one value
 with its scale and bias is 5 bytes), and the scores stay within :data:`PROBABILITY_ATOL` of the float model's on the
-example batch and through the MLflow model on the training rows. The row format is checked against fbgemm's own
-dequantization and a quantized collection's pooled output against TorchRec's quantized ``EmbeddingBagCollection``.
+example batch and through the MLflow model on the training rows. DIN's history tables (an ``EmbeddingCollection``) are
+quantized too. The row format is checked against fbgemm's own dequantization and a quantized collection's pooled output
+against TorchRec's quantized ``EmbeddingBagCollection``.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import pytest
 import torch
 from torch import nn
 from torchrec.inference.modules import quantize_embeddings
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner import export
@@ -30,7 +31,7 @@ from recsys_runner.errors import ConfigError
 from recsys_runner.serving import mlflow_model
 from recsys_runner.serving.fused import FusedEmbeddingBags
 from recsys_runner.serving.quantize import check_quantizable
-from recsys_runner.serving.quantized_rows import QuantizedRows
+from recsys_runner.serving.quantized_rows import QuantizedEmbeddings, QuantizedRows
 from tests.test_evaluate import compose_entry
 
 PROBABILITY_ATOL = 1e-2
@@ -125,27 +126,44 @@ def test_an_unknown_kind_names_the_choices(exported: dict[str, Any]) -> None:
     assert not (root / "bad").exists()
 
 
-def test_a_model_with_history_tables_is_refused_before_anything_is_written(tmp_path: Path) -> None:
-    """DIN reads its history's tables one row per event (an EmbeddingCollection), which the quantized path does not cover:
-    refused once the model is built, before its weights are read or anything is written."""
+@pytest.mark.slow
+def test_a_model_with_history_tables_serves_them_quantized(tmp_path: Path) -> None:
+    """DIN reads its history's tables one row per event (an EmbeddingCollection): they are quantized too."""
     din = ["model=din", "data=synthetic_sequences", "data.batch_size=64", "data.num_train_rows=256", "data.num_eval_rows=64",
            "distributed.device=cpu", "tracking=none"]
     train(compose_entry("config", *din, "train.num_steps=1", f"checkpoint.dir={tmp_path}/ck"))
-    with pytest.raises(ConfigError, match=r"export.quantize=int8: DIN reads the tables \[.*\] one row per event \(an "
-                                          r"EmbeddingCollection.*only pooled tables \(EmbeddingBagCollection\) are quantized. "
-                                          r"Fix: export.quantize=none"):
-        export.run(compose_entry("export", *din, f"load={tmp_path}/ck", f"export.dir={tmp_path}/out", "export.quantize=int8"))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # no export.dir, no staged folder
+    out = export.run(compose_entry("export", *din, f"load={tmp_path}/ck", f"export.dir={tmp_path}/out", "export.quantize=int8"))
+    cost = json.loads((out / export.FEATURE_SPEC_FILE).read_text())["quantize"]
+    assert cost["smaller_by"] == pytest.approx(64 / 20, abs=1e-3) and cost["kept_float32_bytes"] == 0  # every table of width 16
+    assert _fbgemm_ops(out / export.MODEL_FILE) == []
+    example = torch.load(out / export.EXAMPLE_FILE)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.export.load(str(out / export.MODEL_FILE)).module()(*example["inputs"]), example["outputs"],
+                                   atol=1e-6, rtol=1e-6)
+    assert 0 < cost["example_batch"]["max_abs_diff_probability"]["output"] <= PROBABILITY_ATOL
 
-    class Odd(nn.Module):  # one value a row: an int8 row with its scale and bias would be larger than float32's
+
+def test_tables_the_path_does_not_cover_are_refused_naming_why() -> None:
+    class Indexed(nn.Module):  # a collection that returns its ids beside its rows
+        def __init__(self) -> None:
+            super().__init__()
+            self.ec = EmbeddingCollection(tables=[EmbeddingConfig(name="item_table", embedding_dim=8, num_embeddings=10,
+                                                                  feature_names=["item"])], need_indices=True)
+
+    with pytest.raises(ConfigError, match=r"export.quantize=int8: Indexed's tables \['item_table'\] return their ids beside their "
+                                          r"rows \(need_indices\), which the quantized serving path does not cover. "
+                                          r"Fix: export.quantize=none"):
+        check_quantizable(Indexed(), ["item"], "int8")
+
+    class Narrow(nn.Module):  # one value a row: an int8 row with its scale and bias would be larger than float32's
         def __init__(self) -> None:
             super().__init__()
             self.ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="w", embedding_dim=1, num_embeddings=10,
                                                                          feature_names=["f"])])
 
-    with pytest.raises(ConfigError, match=r"no table of Odd would be quantized: a int8 row of 1 value\(s\) is 5 bytes, not "
+    with pytest.raises(ConfigError, match=r"no table of Narrow would be quantized: a int8 row of 1 value\(s\) is 5 bytes, not "
                                           r"smaller than float32's 4"):
-        check_quantizable(Odd(), ["f"], "int8")
+        check_quantizable(Narrow(), ["f"], "int8")
 
 
 @pytest.mark.filterwarnings("ignore:torch.ao.quantization is deprecated:DeprecationWarning")  # TorchRec's quantize_embeddings
@@ -176,3 +194,12 @@ def test_rows_are_fbgemms_format_and_pool_as_torchrecs_quantized_collection(kind
     reference = quantize_embeddings(Holder(), dtype=dtype, inplace=False).ebc(kjt)
     ours = FusedEmbeddingBags(ebc, ["f0", "f1"], kind)(kjt)
     torch.testing.assert_close(ours.values(), reference.values(), atol=1e-5, rtol=1e-5)
+
+    # a history's collection: each id's row, dequantized, with the feature's lengths
+    ec = EmbeddingCollection(tables=[EmbeddingConfig(name=f"t{i}", embedding_dim=8, num_embeddings=50, feature_names=[f"f{i}"])
+                                     for i in range(2)])
+    unpooled = QuantizedEmbeddings(ec, kind)(kjt)
+    for i, feature in enumerate(["f0", "f1"]):
+        ids = kjt[feature].values()
+        assert torch.equal(unpooled[feature].values(), QuantizedRows(ec.embeddings[f"t{i}"].weight, kind)(ids))
+        assert torch.equal(unpooled[feature].lengths(), kjt[feature].lengths())

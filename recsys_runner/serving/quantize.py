@@ -1,8 +1,9 @@
 """``export.quantize``: the model's embedding tables served row-wise quantized, and what that costs.
 
 :func:`check_quantizable` refuses, before an export writes anything, a model whose tables the quantized path does not
-cover; :func:`quantize_tables` gives the model with its ``EmbeddingBagCollection`` tables fused and stored in int8, int4 or
-fp16 (:mod:`~recsys_runner.serving.fused`, :mod:`~recsys_runner.serving.quantized_rows`), which export then traces,
+cover; :func:`quantize_tables` gives the model with its pooled tables (``EmbeddingBagCollection``, fused) and its history
+tables (``EmbeddingCollection``, one row per event) stored in int8, int4 or fp16 (:mod:`~recsys_runner.serving.fused`,
+:mod:`~recsys_runner.serving.quantized_rows`), which export then traces,
 checks and writes as it does the float model; :func:`cost` is what it costs — the tables' bytes before and after, and the
 scores on the example batch of the float model against the quantized one — for ``feature_spec.json`` and the log.
 """
@@ -21,7 +22,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 from recsys_runner.errors import ConfigError
 from recsys_runner.metrics.functional import binary_auc
 from recsys_runner.serving.fused import FusedEmbeddingBags, for_serving, fusion_groups
-from recsys_runner.serving.quantized_rows import why_kept_float
+from recsys_runner.serving.quantized_rows import QuantizedEmbeddings, why_kept_float
 from recsys_runner.tasks import Task
 
 log = logging.getLogger("recsys_runner")
@@ -37,20 +38,25 @@ FORMATS = {
 
 def check_quantizable(model: nn.Module, keys: list[str], kind: str) -> None:
     """Refuse ``export.quantize=kind`` for ``model`` (its batch's sparse ``keys``) unless every embedding table it has is in
-    an ``EmbeddingBagCollection`` that :mod:`~recsys_runner.serving.fused` fuses, and one of them gains by ``kind``.
+    TorchRec's ``EmbeddingBagCollection`` that :mod:`~recsys_runner.serving.fused` fuses or its ``EmbeddingCollection`` (not
+    returning its ids: ``need_indices``), and one of them gains by ``kind``.
 
     Raises:
         ConfigError: naming the tables the path does not cover, and why.
     """
     name = type(model).__name__
     fix = "Fix: export.quantize=none (the float32 tables)"
-    sequence = [c.name for m in model.modules() if isinstance(m, EmbeddingCollection) for c in m.embedding_configs()]
-    if sequence:
-        raise ConfigError(f"export.quantize={kind}: {name} reads the tables {sequence} one row per event (an EmbeddingCollection: "
-                          f"histories, next-item scoring), which the quantized serving path does not cover; only pooled tables "
-                          f"(EmbeddingBagCollection) are quantized. {fix}")
+    other = sorted({type(m).__name__ for m in model.modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))
+                    and type(m) not in (EmbeddingBagCollection, EmbeddingCollection)})
+    histories = [m for m in model.modules() if isinstance(m, EmbeddingCollection) and type(m) is EmbeddingCollection]
+    indexed = [c.name for m in histories if m.need_indices() for c in m.embedding_configs()]
+    if other or indexed:
+        raise ConfigError(f"export.quantize={kind}: {name}'s tables "
+                          + (f"in {other} (not TorchRec's EmbeddingBagCollection or EmbeddingCollection)" if other else
+                             f"{indexed} return their ids beside their rows (need_indices)")
+                          + f", which the quantized serving path does not cover. {fix}")
     collections = [m for m in model.modules() if type(m) is EmbeddingBagCollection]
-    widths = []
+    widths = [c.embedding_dim for m in histories for c in m.embedding_configs()]
     for ebc in collections:
         try:
             groups = fusion_groups(ebc, keys)
@@ -59,7 +65,7 @@ def check_quantizable(model: nn.Module, keys: list[str], kind: str) -> None:
                               f"{fix}") from e
         widths += [width for width, _, _ in groups]
     if not any(why_kept_float(w, kind) is None for w in widths):
-        reasons = sorted({str(why_kept_float(w, kind)) for w in widths}) or ["it has no EmbeddingBagCollection tables"]
+        reasons = sorted({str(why_kept_float(w, kind)) for w in widths}) or ["it has no EmbeddingBagCollection or EmbeddingCollection"]
         raise ConfigError(f"export.quantize={kind}: no table of {name} would be quantized: {'; '.join(reasons)}. "
                           f"{fix}" + (", or export.quantize=int8" if kind == "int4" else ""))
 
@@ -68,6 +74,10 @@ def quantize_tables(model: nn.Module, keys: list[str], kind: str) -> nn.Module:
     """A copy of ``model`` (weights loaded, eval mode) whose tables are stored in ``kind``: each ``EmbeddingBagCollection``
     fused (:func:`~recsys_runner.serving.fused.for_serving`); ``model`` is left as it was, the float reference."""
     served = for_serving(model, keys, kind)
+    for name, module in list(served.named_modules()):
+        if type(module) is EmbeddingCollection:
+            parent, _, attribute = name.rpartition(".")
+            setattr(served.get_submodule(parent) if parent else served, attribute, QuantizedEmbeddings(module, kind))
     left = [n for n, m in served.named_modules() if type(m) is EmbeddingBagCollection]
     if left:  # check_quantizable ran before the export started; this is its invariant
         raise ConfigError(f"export.quantize={kind}: the collections {left} were not fused: this is a bug; please report it")
@@ -79,9 +89,9 @@ def table_bytes(model: nn.Module) -> tuple[int, int]:
     model's (:func:`quantize_tables`) as quantized."""
     stored = kept = 0
     for module in model.modules():
-        if type(module) is EmbeddingBagCollection:
+        if type(module) in (EmbeddingBagCollection, EmbeddingCollection):
             stored += sum(p.numel() * p.element_size() for p in module.parameters())
-        elif isinstance(module, FusedEmbeddingBags):
+        elif isinstance(module, (FusedEmbeddingBags, QuantizedEmbeddings)):
             for _, size, quantized in module.stored():
                 stored += size
                 kept += 0 if quantized else size
@@ -95,8 +105,8 @@ def cost(kind: str, float_model: nn.Module, served: nn.Module, before: Any, afte
     task's probability, and a binary model's AUC and log loss before and after when the batch has ``labels``; logged."""
     float_bytes, _ = table_bytes(float_model)
     quantized_bytes, kept = table_bytes(served)
-    kept_widths = sorted({width for m in served.modules() if isinstance(m, FusedEmbeddingBags) for width, _, quantized in m.stored()
-                          if not quantized})
+    kept_widths = sorted({width for m in served.modules() if isinstance(m, (FusedEmbeddingBags, QuantizedEmbeddings))
+                          for width, _, quantized in m.stored() if not quantized})
     named = isinstance(before, dict)
     pairs = {_key(t): (before[t.name], after[t.name]) for t in tasks} if named else {_key(tasks[0]): (before, after)}
     example: dict[str, Any] = {"rows": int(next(iter(pairs.values()))[0].shape[0])}

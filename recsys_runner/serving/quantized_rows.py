@@ -1,4 +1,5 @@
-"""One concatenated embedding table stored row-wise quantized for serving (``export.quantize``), looked up by plain torch ops.
+"""Embedding tables stored row-wise quantized for serving (``export.quantize``), looked up by plain torch ops: one table
+(:class:`QuantizedRows`, a fused group's concatenated tables), an ``EmbeddingCollection``'s (:class:`QuantizedEmbeddings`).
 
 The format is fbgemm's fused row-wise one, the format TorchRec's post-training quantization
 (``torchrec.inference.modules.quantize_embeddings`` → ``torchrec.quant.embedding_modules.EmbeddingBagCollection``) stores:
@@ -15,8 +16,12 @@ values fbgemm's ``FusedNBitRowwiseQuantizedSBHalfToFloat`` gives (``tests/test_e
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
+from torchrec.modules.embedding_modules import EmbeddingCollection
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 QUANTIZE = ("none", "fp16", "int8", "int4")
 """``export.quantize``'s values: ``none`` serves the float32 tables as trained."""
@@ -49,8 +54,8 @@ def why_kept_float(width: int, kind: str) -> str | None:
 
 
 class QuantizedRows(nn.Module):
-    """``weight [N, D]`` float stored in ``kind`` (module docstring); called with ids ``[V]`` it returns their rows ``[V, D]``
-    float32, dequantized."""
+    """``weight [N, D]`` float stored in ``kind`` (module docstring; ``none``: float32, as it is); called with ids ``[V]`` it
+    returns their rows ``[V, D]`` float32, dequantized."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -58,13 +63,13 @@ class QuantizedRows(nn.Module):
 
     def __init__(self, weight: torch.Tensor, kind: str) -> None:
         super().__init__()
-        if kind not in ("fp16", *BITS):
-            raise ValueError(f"no row-wise kind {kind!r}; one of {['fp16', *BITS]}")
+        if kind not in QUANTIZE:
+            raise ValueError(f"no row-wise kind {kind!r}; one of {list(QUANTIZE)}")
         self.kind, self.width = kind, int(weight.shape[1])
         weight = weight.detach().float().contiguous()
         empty = torch.zeros(0, dtype=torch.float16)
-        if kind == "fp16":
-            codes, scale, bias = weight.half(), empty, empty
+        if kind in ("none", "fp16"):
+            codes, scale, bias = (weight if kind == "none" else weight.half()), empty, empty
         else:
             import fbgemm_gpu  # noqa: F401 - registers torch.ops.fbgemm (TorchRec, which training runs, imports it too)
 
@@ -83,8 +88,35 @@ class QuantizedRows(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         codes = self.codes.index_select(0, ids)
-        if self.kind == "fp16":
+        if self.kind in ("none", "fp16"):
             return codes.float()
         if self.kind == "int4":  # the even column in the low nibble, the odd one in the high
             codes = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(ids.shape[0], self.width)
         return codes.float() * self.scale.index_select(0, ids).float().unsqueeze(1) + self.bias.index_select(0, ids).float().unsqueeze(1)
+
+
+class QuantizedEmbeddings(nn.Module):
+    """An ``EmbeddingCollection`` (a history's tables: one row per event) with its tables stored in ``kind``, a table whose
+    width does not gain by it kept float32 (:func:`why_kept_float`): ``KeyedJaggedTensor → {feature: JaggedTensor}``, the
+    rows of each feature's ids with its lengths, as the collection returns them."""
+
+    def __init__(self, ec: EmbeddingCollection, kind: str) -> None:
+        super().__init__()
+        if ec.need_indices():
+            raise ValueError("a collection that returns its indices beside the rows is not quantized")
+        self.tables = nn.ModuleDict()
+        self.feature_tables: dict[str, str] = {}
+        """Each feature read, to its table's name (one entry per feature: TorchRec names the output by the feature)."""
+        for config in ec.embedding_configs():
+            stored = kind if why_kept_float(config.embedding_dim, kind) is None else "none"
+            self.tables[config.name] = QuantizedRows(ec.embeddings[config.name].weight, stored)
+            self.feature_tables |= {f: config.name for f in config.feature_names}
+
+    def stored(self) -> list[tuple[int, int, bool]]:
+        """Each table's ``(width, bytes, quantized)`` as stored: what ``export.quantize`` reports."""
+        return [(t.width, t.nbytes, t.kind != "none") for t in (cast(QuantizedRows, m) for m in self.tables.values())]
+
+    def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        by_key = features.to_dict()
+        return {f: JaggedTensor(values=self.tables[t](by_key[f].values().long()), lengths=by_key[f].lengths())
+                for f, t in self.feature_tables.items()}
