@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -31,6 +31,7 @@ from recsys_runner.models.collision import restore_collision_state
 from recsys_runner.models.dssm import tower_scores
 from recsys_runner.models.jagged import padded_reference
 from recsys_runner.serving import mlflow_model, raw_ids, topk
+from recsys_runner.serving import quantize as quantized
 from recsys_runner.serving.program import (  # noqa: F401 - EXACT_ATOL, EXACT_RTOL: the tolerances the docs and tests name
     EXACT_ATOL,
     EXACT_RTOL,
@@ -222,17 +223,26 @@ def served_rows(stored: StoredEncoders | None, checkpoint: Path, raw: Any, null_
 
 
 def write_export(built: Unsharded, *, checkpoint: Path, meta: dict[str, Any], ema: bool, out: Path, served: ServedRows | None = None,
-                 compiled: bool = False, top_k: topk.TopKPlan | None = None, negative_rate: float | None = None) -> list[str]:
+                 compiled: bool = False, top_k: topk.TopKPlan | None = None, negative_rate: float | None = None,
+                 quantize: str = "none") -> list[str]:
     """Load the checkpoint's weights into ``built.model``, trace it (and a two-tower model's towers), check each program
     against the eager model on ``built.batch`` and write the files to ``out`` (with ``built.items``, a two-tower model's
     item index :data:`ITEMS_FILE` too; with ``served``, the MLflow model(s): :func:`write_mlflow_models`, their programs
     compiled by AOTInductor with ``compiled``; a next-item model's is the top-k model ``top_k`` plans); returns their names.
     ``negative_rate``: the ``data.negative_rate`` the checkpoint was trained with, whose ``log`` the program adds to its logit
-    (:class:`~recsys_runner.serving.program.ServingModule`), recorded in ``feature_spec.json``."""
+    (:class:`~recsys_runner.serving.program.ServingModule`), recorded in ``feature_spec.json``.
+    With ``quantize`` (``export.quantize``, checked by :func:`~recsys_runner.serving.quantize.check_quantizable`) every file
+    is of the model with its tables quantized, checked against that model, and ``feature_spec.json``'s ``quantize`` says
+    what it costs against the float one (:func:`~recsys_runner.serving.quantize.cost`)."""
     model, features, batch, items = built.model, built.features, built.batch, built.items
     load_weights(model, checkpoint, ema)
     keys = list(batch.sparse_features.keys())
-    serving = ServingModule(model, keys, features.weighted, logit_shift(negative_rate))
+    float_model = model
+    if quantize != "none":
+        model = quantized.quantize_tables(float_model, keys, quantize)
+        built = replace(built, model=model)
+    shift = logit_shift(negative_rate)
+    serving = ServingModule(model, keys, features.weighted, shift)
     program = export_program(serving, batch)
     inputs = serving.inputs(batch)
     with torch.no_grad(), padded_reference(model):
@@ -248,6 +258,10 @@ def write_export(built: Unsharded, *, checkpoint: Path, meta: dict[str, Any], em
         **({"calibration": f"trained on every positive and {negative_rate:g} of the negatives (data.negative_rate): the output "
                            f"is the model's logit + log({negative_rate:g}), whose sigmoid is the probability on all rows"}
            if negative_rate is not None else {})}
+    if quantize != "none":
+        with torch.no_grad(), padded_reference(float_model):
+            before = ServingModule(float_model, keys, features.weighted, shift)(*inputs)
+        described["quantize"] = quantized.cost(quantize, float_model, model, before, eager, tasks, batch.labels)
     if hasattr(model, "tower_features"):  # a two-tower model: each tower on its own as well (checked, then written)
         if features.weighted:
             raise ConfigError(f"a two-tower model with weighted features ({features.weighted_names}) cannot be exported: its towers "

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 from collections import defaultdict
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +27,9 @@ from torchrec.modules.embedding_configs import pooling_type_to_str
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-__all__ = ["FusedEmbeddingBags", "for_serving"]
+from recsys_runner.serving.quantized_rows import QuantizedRows, why_kept_float
+
+__all__ = ["FusedEmbeddingBags", "for_serving", "fusion_groups"]
 
 
 class _Group(nn.Module):
@@ -38,15 +41,18 @@ class _Group(nn.Module):
     key_index: torch.Tensor
     weight: torch.Tensor
 
-    def __init__(self, weights: list[torch.Tensor], key_table: dict[int, int], num_keys: int, mode: str) -> None:
+    def __init__(self, weights: list[torch.Tensor], key_table: dict[int, int], num_keys: int, mode: str, kind: str = "none") -> None:
         super().__init__()
         starts = torch.tensor([0, *[w.shape[0] for w in weights]]).cumsum(0)
         self.mode = mode
+        self.rows = None if kind == "none" else QuantizedRows(torch.cat([w.detach() for w in weights]), kind)
+        """The rows quantized (``export.quantize``, :mod:`~recsys_runner.serving.quantized_rows`); ``None``: ``weight``."""
         self.all_keys = sorted(key_table) == list(range(num_keys))
         """Every key of the batch is read by one of these tables: no id needs masking."""
         self.keys = sorted(key_table)
         """The keys read, in the batch's order: the order of this group's output slots."""
-        self.register_buffer("weight", torch.cat([w.detach() for w in weights]), persistent=True)
+        if self.rows is None:
+            self.register_buffer("weight", torch.cat([w.detach() for w in weights]), persistent=True)
         base = torch.zeros(num_keys, dtype=torch.long)
         used = torch.zeros(num_keys, dtype=torch.bool)
         for key, table in key_table.items():
@@ -55,6 +61,12 @@ class _Group(nn.Module):
         self.register_buffer("used", used, persistent=False)
         self.register_buffer("key_index", torch.tensor(self.keys, dtype=torch.long), persistent=False)
 
+    def stored(self) -> tuple[int, int, bool]:
+        """``(width, bytes, quantized)`` of these tables as stored: what ``export.quantize`` reports."""
+        if self.rows is not None:
+            return self.rows.width, self.rows.nbytes, True
+        return int(self.weight.shape[1]), self.weight.numel() * self.weight.element_size(), False
+
     def forward(self, values: torch.Tensor, lengths: torch.Tensor, key_of_value: torch.Tensor,
                 weights: torch.Tensor | None) -> torch.Tensor:
         """``(values [V], lengths [K, B], key_of_value [V], weights [V] | None) → pooled [B, slots · width]``."""
@@ -62,7 +74,12 @@ class _Group(nn.Module):
         if not self.all_keys:
             ids = torch.where(self.used[key_of_value], ids, torch.zeros_like(ids))
         offsets = F.pad(lengths.reshape(-1).cumsum(0), (1, 0))
-        pooled = F.embedding_bag(ids, self.weight, offsets, mode=self.mode, per_sample_weights=weights, include_last_offset=True)
+        if self.rows is None:
+            pooled = F.embedding_bag(ids, self.weight, offsets, mode=self.mode, per_sample_weights=weights, include_last_offset=True)
+        else:  # the bags' rows dequantized, then pooled by the same kernel, each value a bag of its own row
+            looked_up = self.rows(ids)
+            pooled = F.embedding_bag(torch.arange(ids.shape[0], device=ids.device), looked_up, offsets, mode=self.mode,
+                                     per_sample_weights=weights, include_last_offset=True)
         num_keys, rows = lengths.shape
         pooled = pooled.view(num_keys, rows, -1)
         if not self.all_keys:
@@ -77,6 +94,8 @@ class FusedEmbeddingBags(nn.Module):
     Args:
         ebc: the collection (its weights are copied).
         keys: the keys of the ``KeyedJaggedTensor`` it is called with, in order (the served batch's).
+        kind: ``export.quantize``: the groups' rows stored row-wise quantized (:class:`QuantizedRows`), a group whose
+            width does not gain by it kept float32 (:func:`~recsys_runner.serving.quantized_rows.why_kept_float`).
 
     Raises:
         ValueError: a feature the collection reads is not among ``keys``, or one group's tables read one feature twice
@@ -85,27 +104,22 @@ class FusedEmbeddingBags(nn.Module):
 
     column_order: torch.Tensor
 
-    def __init__(self, ebc: EmbeddingBagCollection, keys: list[str]) -> None:
+    def __init__(self, ebc: EmbeddingBagCollection, keys: list[str], kind: str = "none") -> None:
         super().__init__()
         index = {k: i for i, k in enumerate(keys)}
-        groups: dict[tuple[int, str, torch.dtype], list[tuple[str, int]]] = defaultdict(list)  # (feature, table number)
+        groups = fusion_groups(ebc, keys)
         tables = list(ebc.embedding_bags.values())
-        for number, (config, bag) in enumerate(zip(ebc._embedding_bag_configs, tables, strict=True)):
-            for feature in config.feature_names:
-                if feature not in index:
-                    raise ValueError(f"feature {feature!r} is not among the batch's keys {keys}")
-                groups[(config.embedding_dim, pooling_type_to_str(config.pooling), bag.weight.dtype)].append((feature, number))
         self.weighted = ebc.is_weighted()
         self.groups = nn.ModuleList()
         columns: list[tuple[int, int]] = []  # per output column of the fused result: (slot in ebc order, column in slot)
         slot_of = {(f, n): s for s, (f, n) in enumerate((f, n) for n, c in enumerate(ebc._embedding_bag_configs) for f in c.feature_names)}
         for (width, mode, _), members in groups.items():
             key_table = {index[f]: n for f, n in members}
-            if len(key_table) != len(members):
-                raise ValueError(f"tables of one group read a feature twice: {members}")
             numbers = sorted({n for _, n in members})
             local = {n: i for i, n in enumerate(numbers)}
-            self.groups.append(_Group([tables[n].weight for n in numbers], {k: local[n] for k, n in key_table.items()}, len(keys), mode))
+            stored = kind if kind != "none" and why_kept_float(width, kind) is None else "none"
+            self.groups.append(_Group([tables[n].weight for n in numbers], {k: local[n] for k, n in key_table.items()}, len(keys), mode,
+                                      stored))
             by_key = sorted(members, key=lambda m: index[m[0]])
             columns += [(slot_of[m], c) for m in by_key for c in range(width)]
         widths = list(ebc._lengths_per_embedding)
@@ -120,6 +134,10 @@ class FusedEmbeddingBags(nn.Module):
         self.widths = widths
         self.num_keys = len(keys)
 
+    def stored(self) -> list[tuple[int, int, bool]]:
+        """Each group's ``(width, bytes, quantized)`` as stored (:meth:`_Group.stored`)."""
+        return [cast(_Group, g).stored() for g in self.groups]
+
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         values = features.values()
         lengths = features.lengths().view(self.num_keys, -1)
@@ -132,16 +150,36 @@ class FusedEmbeddingBags(nn.Module):
         return KeyedTensor(keys=self.embedding_names, values=pooled, length_per_key=self.widths)
 
 
-def for_serving(model: nn.Module, keys: list[str]) -> nn.Module:
-    """A copy of ``model`` whose ``EmbeddingBagCollection`` modules are :class:`FusedEmbeddingBags` (module docstring);
-    a collection that cannot be fused (a feature outside ``keys``, a feature read twice in one group) stays as it is.
-    ``model`` itself is not changed: the export checks the served program against it."""
+def fusion_groups(ebc: EmbeddingBagCollection, keys: list[str]) -> dict[tuple[int, str, torch.dtype], list[tuple[str, int]]]:
+    """``ebc``'s tables by ``(width, pooling, dtype)``: each group's ``(feature, table number)`` pairs, one lookup each.
+
+    Raises:
+        ValueError: a feature the collection reads is not among ``keys``, or one group's tables read one feature twice.
+    """
+    groups: dict[tuple[int, str, torch.dtype], list[tuple[str, int]]] = defaultdict(list)
+    tables = list(ebc.embedding_bags.values())
+    for number, (config, bag) in enumerate(zip(ebc._embedding_bag_configs, tables, strict=True)):
+        for feature in config.feature_names:
+            if feature not in keys:
+                raise ValueError(f"feature {feature!r} is not among the batch's keys {keys}")
+            groups[(config.embedding_dim, pooling_type_to_str(config.pooling), bag.weight.dtype)].append((feature, number))
+    for members in groups.values():
+        if len({f for f, _ in members}) != len(members):
+            raise ValueError(f"tables of one group read a feature twice: {members}")
+    return groups
+
+
+def for_serving(model: nn.Module, keys: list[str], kind: str = "none") -> nn.Module:
+    """A copy of ``model`` whose ``EmbeddingBagCollection`` modules are :class:`FusedEmbeddingBags` (module docstring), their
+    rows stored in ``kind`` (``export.quantize``); a collection that cannot be fused (a feature outside ``keys``, a feature
+    read twice in one group) stays as it is, which :func:`~recsys_runner.serving.quantize.check_quantizable` refuses before a
+    quantized export starts. ``model`` itself is not changed: the export checks the served program against it."""
     served = copy.deepcopy(model)
     for name, module in list(served.named_modules()):
         if type(module) is not EmbeddingBagCollection:
             continue
         try:
-            fused = FusedEmbeddingBags(module, keys)
+            fused = FusedEmbeddingBags(module, keys, kind)
         except ValueError:
             continue
         parent, _, attribute = name.rpartition(".")
