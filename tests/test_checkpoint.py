@@ -346,3 +346,23 @@ def test_dcp_storage_without_a_process_group_says_nothing_of_assuming_one_proces
         warnings.warn("torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to save in a single "
                       "process.", UserWarning, stacklevel=1)
     assert not alone and len(seen) == 1 and re.match(SINGLE_PROCESS, str(seen[0].message))
+
+
+def test_init_from_a_run_directory_or_a_run_id_names_the_checkpoints_folder_to_give(tmp_path: Path) -> None:
+    """A daily fine-tune pointed at yesterday's run directory (``outputs/day1``, whose checkpoints are in its ``checkpoints/``)
+    or at its MLflow run id was refused with "no complete checkpoint there" alone; ``load=`` named the fix, init_from now too."""
+    from recsys_runner.checkpoint.config import CheckpointConfig
+    from recsys_runner.checkpoint.object_storage import storage_for
+    from recsys_runner.checkpoint.resume import init_source
+
+    step = tmp_path / "day1" / "checkpoints" / "step_00000005"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text("{}")
+    (step / ".metadata").write_bytes(b"")
+    storage = storage_for(tmp_path)
+    assert init_source(CheckpointConfig(init_from=str(tmp_path / "day1" / "checkpoints")), storage) == step
+    with pytest.raises(CheckpointError, match=re.escape(f"its checkpoints/ folder holds some: it is a training run's directory. "
+                                                        f"Fix: checkpoint.init_from={tmp_path}/day1/checkpoints (its newest, step_00000005)")):
+        init_source(CheckpointConfig(init_from=str(tmp_path / "day1")), storage)
+    with pytest.raises(CheckpointError, match=r"no such directory \(an MLflow run id\? init_from takes the run's checkpoint directory"):
+        init_source(CheckpointConfig(init_from="c1a3b77f33af4a7a8ff50ef9d54926f1"), storage)
