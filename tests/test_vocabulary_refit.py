@@ -36,6 +36,7 @@ from recsys_runner.checkpoint.weights import CarriedRows, load_into
 from recsys_runner.config import validate
 from recsys_runner.data.encoding.stored import ENCODERS_FILE, from_json
 from recsys_runner.data.encoding.vocabulary import Vocabulary, carry_rows, grown
+from recsys_runner.data.files.tabular import sizes_not_used
 from recsys_runner.data_build import REFIT_FILE
 from recsys_runner.errors import ConfigError
 from tests.conftest import REPO, free_port
@@ -191,6 +192,22 @@ def test_extend_keeps_every_trained_id_at_its_row_and_grows_the_tables_by_the_ne
             torch.testing.assert_close(rows[new.capacity:], trained_rows[old.capacity:], rtol=0, atol=0)  # OOV rows
             started = rows[new.rows[added]]  # fresh: a first-order weight starts at 0, an embedding at none of the trained values
             assert (started == 0).all() if prefix else not torch.isin(started, trained_rows).any()
+
+
+def test_a_table_size_the_stored_encoders_overrule_is_said(trained: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
+    """A fine-tune that raised a table's size (the OOV rate grew) kept the checkpoint's size without a word."""
+    fine_tune = [*trained["data"], f"data.path={trained['root']}/new.csv", "checkpoint.resume=never",
+                 f"checkpoint.init_from={trained['checkpoint']}", "data.sparse=[{name: user, num_embeddings: 500}, {name: item}]"]
+    with caplog.at_level(logging.WARNING, logger="recsys_runner"):
+        *_, c = _built(*fine_tune)
+    assert c.loop.checkpointer.carry is None  # keep: the stored sizes
+    (line,) = [r.getMessage() for r in caplog.records if "not used" in r.getMessage()]
+    assert line.startswith(f"data.sparse[user].num_embeddings=500 (stored: 76): not used, the encoders stored in {trained['checkpoint']} "
+                           f"size the tables (a checkpoint's ids keep their rows). To size them anew on these files, fine-tune "
+                           f"with data.vocabulary=refit"), line
+    stored = from_json((trained["checkpoint"] / ENCODERS_FILE).read_bytes(), "test")[0]
+    assert sizes_not_used(stored, {"user": 50, "item": None}) == {}  # a vocabulary grown past its configured size: expected
+    assert sizes_not_used(stored, {"user": 76, "item": 90}) == {"item": (90, 56)}
 
 
 def test_a_grown_vocabulary_fills_the_rows_it_reserved_before_it_grows() -> None:
