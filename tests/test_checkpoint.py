@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import shutil
 from pathlib import Path
@@ -366,3 +367,22 @@ def test_init_from_a_run_directory_or_a_run_id_names_the_checkpoints_folder_to_g
         init_source(CheckpointConfig(init_from=str(tmp_path / "day1")), storage)
     with pytest.raises(CheckpointError, match=r"no such directory \(an MLflow run id\? init_from takes the run's checkpoint directory"):
         init_source(CheckpointConfig(init_from="c1a3b77f33af4a7a8ff50ef9d54926f1"), storage)
+
+
+def test_init_from_a_root_whose_best_is_not_its_newest_says_which_it_starts_from(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``evaluate``/``export`` ``load=<root>`` take its best checkpoint, ``init_from=<root>`` its newest: yesterday's model
+    as compared and served and the one today's run continues differed without a word."""
+    from recsys_runner.checkpoint.config import CheckpointConfig
+    from recsys_runner.checkpoint.object_storage import storage_for
+    from recsys_runner.checkpoint.resume import init_source
+
+    for name in ("best-step_00000003", "step_00000003", "step_00000005"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "meta.json").write_text("{}")
+        (tmp_path / name / ".metadata").write_bytes(b"")
+    with caplog.at_level(logging.WARNING, logger="recsys_runner"):
+        assert init_source(CheckpointConfig(init_from=str(tmp_path)), storage_for(tmp_path)) == tmp_path / "step_00000005"
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line == (f"checkpoint.init_from={tmp_path} starts from its newest checkpoint, step_00000005, but evaluate, predict "
+                    f"and export given this root (load=) use its best, best-step_00000003: the model you compared or served is "
+                    f"not the one this run continues. Name the one you mean: checkpoint.init_from={tmp_path}/best-step_00000003")

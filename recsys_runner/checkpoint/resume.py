@@ -91,6 +91,11 @@ def init_source(config: CheckpointConfig, storage: CheckpointStorage) -> Path:
     found = storage.checkpoints(source)
     if not found:
         raise CheckpointError(f"checkpoint.init_from={config.init_from}: {_no_init_checkpoint(source, storage)}")
+    best = storage.checkpoints(source, best=True)
+    if best and step_of(best[-1]) != step_of(found[-1]):  # load= of this root evaluates and exports the best one
+        log.warning("checkpoint.init_from=%s starts from its newest checkpoint, %s, but evaluate, predict and export given "
+                    "this root (load=) use its best, %s: the model you compared or served is not the one this run continues. "
+                    "Name the one you mean: checkpoint.init_from=%s", config.init_from, found[-1].name, best[-1].name, best[-1])
     return found[-1]
 
 
