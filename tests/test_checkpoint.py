@@ -386,3 +386,19 @@ def test_init_from_a_root_whose_best_is_not_its_newest_says_which_it_starts_from
     assert line == (f"checkpoint.init_from={tmp_path} starts from its newest checkpoint, step_00000005, but evaluate, predict "
                     f"and export given this root (load=) use its best, best-step_00000003: the model you compared or served is "
                     f"not the one this run continues. Name the one you mean: checkpoint.init_from={tmp_path}/best-step_00000003")
+
+
+@pytest.mark.slow
+def test_a_fine_tunes_mlflow_run_names_the_checkpoint_and_run_it_started_from(make_cfg, mlflow_uri: str, tmp_path: Path) -> None:
+    """Day N's run, warm-started from day N-1's, named its start only by the ``checkpoint.init_from`` param as typed
+    (a relative root); the tags give the checkpoint, its step and the run that wrote it: the chain of days in MLflow."""
+    run(make_cfg("train.num_steps=2", f"checkpoint.dir={tmp_path}/day1", "tracking.experiment=days"))
+    (day1,) = list_checkpoints(tmp_path / "day1")
+    run(make_cfg("train.num_steps=2", f"checkpoint.dir={tmp_path}/day2", f"checkpoint.init_from={tmp_path}/day1",
+                 "tracking.experiment=days"))
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    runs = client.search_runs([client.get_experiment_by_name("days").experiment_id], order_by=["attributes.start_time ASC"])
+    first, second = runs
+    assert "init_from" not in first.data.tags
+    assert {k: second.data.tags[k] for k in ("init_from", "init_from_step", "init_from_run_id")} == {
+        "init_from": str(day1), "init_from_step": "2", "init_from_run_id": first.info.run_id}
