@@ -136,6 +136,9 @@ def _refit(config: DataConfig, device: torch.device, checkpointer: Checkpointer,
             continue
         if now is not None and then is not None:
             tables[col.table_name] = carry_rows(then, now)
+        elif col.table_name not in {c.table_name for c in old.sparse}:  # a column these files add (day 3's new one)
+            log.warning("data.vocabulary=refit: %s is a new table (column %s is not in %s), so its rows start fresh",
+                        col.table_name, col.name, source)
         else:
             assert col.num_embeddings is not None  # sized when fitted
             tables[col.table_name] = RowCarry(np.full(col.num_embeddings, -1, dtype=np.int64), carried=0, new=now.size if now else 0,

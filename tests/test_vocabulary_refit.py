@@ -194,6 +194,20 @@ def test_extend_keeps_every_trained_id_at_its_row_and_grows_the_tables_by_the_ne
             assert (started == 0).all() if prefix else not torch.isin(started, trained_rows).any()
 
 
+def test_refit_names_a_table_of_a_column_the_new_files_add_as_new(trained: dict[str, Any], tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Day 3 adds a column: refit said its table "has a vocabulary now only (encoding=vocab now)", as if it had changed."""
+    lines = (trained["root"] / "new.csv").read_text().splitlines()
+    (tmp_path / "day3.csv").write_text("\n".join([f"{lines[0]},device", *(f"{x},d{i % 3}" for i, x in enumerate(lines[1:]))]) + "\n")
+    with caplog.at_level(logging.WARNING, logger="recsys_runner"):
+        _, _, _, c = _built(*trained["data"], f"data.path={tmp_path}/day3.csv", "checkpoint.resume=never",
+                            f"checkpoint.init_from={trained['checkpoint']}", "data.vocabulary=refit")
+    said = [r.getMessage() for r in caplog.records if "t_device" in r.getMessage()]
+    assert said[0] == (f"data.vocabulary=refit: t_device is a new table (column device is not in {trained['checkpoint']}), so "
+                       f"its rows start fresh"), said
+    assert "t_device" not in c.loop.checkpointer.carry.tables
+
+
 def test_a_table_size_the_stored_encoders_overrule_is_said(trained: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
     """A fine-tune that raised a table's size (the OOV rate grew) kept the checkpoint's size without a word."""
     fine_tune = [*trained["data"], f"data.path={trained['root']}/new.csv", "checkpoint.resume=never",
