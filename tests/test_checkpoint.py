@@ -402,3 +402,22 @@ def test_a_fine_tunes_mlflow_run_names_the_checkpoint_and_run_it_started_from(ma
     assert "init_from" not in first.data.tags
     assert {k: second.data.tags[k] for k in ("init_from", "init_from_step", "init_from_run_id")} == {
         "init_from": str(day1), "init_from_step": "2", "init_from_run_id": first.info.run_id}
+
+
+def test_init_from_a_checkpoint_whose_plan_trained_a_table_with_the_other_optimizer_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    """A fine-tune with another data.batch_size flipped 26 first-order tables from data_parallel (the dense optimizer's
+    state, ``optim/dense.<param>/sum``) to table_wise (the fused one's, ``optim/sparse.<param>/<table>.momentum1``): their
+    state started fresh under "26 tensors not in the checkpoint keep their fresh values", which named no cause."""
+    from recsys_runner.checkpoint.weights import _shared
+
+    param = "model.first_order.ebc.embedding_bags.first_order_t_cat_0.weight"
+    index: dict[str, list[int] | None] = {f"model/{param}": [16, 1], f"optim/dense.{param}/sum": [16, 1], f"optim/dense.{param}/step": []}
+    ours = {f"model/{param}": torch.zeros(16, 1), f"optim/sparse.{param}/first_order_t_cat_0.momentum1": torch.zeros(16, 1)}
+    with caplog.at_level(logging.WARNING, logger="recsys_runner"):
+        kept = _shared(Path("ck"), index, ours, {k: k for k in ours}, {})
+    assert kept == {f"model/{param}": f"model/{param}"}
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("init_from ck: the optimizer state of 1 embedding tables starts fresh: the checkpoint holds it in its "
+                           "dense optimizer, while this run trains them with its sparse one, because the sharding plan placed "
+                           "them otherwise"), line
+    assert "Fix: give the tables the checkpoint's sharding type (distributed.sharding_types=[...]" in line
