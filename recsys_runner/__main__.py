@@ -88,6 +88,8 @@ def _data_inputs(c: Components) -> list[DataRecord]:
         trained = [r for r in records if r.context in (datasets.CONTEXTS["train"], datasets.CONTEXTS["items"])]
         datasets.note_changes(stored, trained, resumed, consequence=datasets.RESUMED_ON_CHANGED)
         datasets.note_split_changes(stored, records, resumed, consequence=datasets.RESUMED_ON_RESPLIT)
+    elif (source := c.loop.checkpointer.restore_source()) is not None:  # a fine-tune: today's files against yesterday's
+        datasets.note_shrunk(datasets.read_stored(source), records, source)
     return records
 
 
