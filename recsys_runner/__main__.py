@@ -56,7 +56,8 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> float:
         run_name=sweep_names.child_name(swept) or ",".join(launch.overrides) or "defaults",
         params=flatten(spec) | _run_length(loop) | sweep_names.child_params(swept),
         tags=sweep_names.child_tags(launch.job_num) | (
-            {lineage.CHECKPOINT_DIR_TAG: str(loop.checkpointer.dir.absolute())} if loop.checkpointer.dir is not None else {}),
+            {lineage.CHECKPOINT_DIR_TAG: str(loop.checkpointer.dir.absolute())} if loop.checkpointer.dir is not None else {})
+            | loop.checkpointer.init_tags(),
         texts={"config.yaml": to_yaml(spec), "sharding_plan.txt": str(c.plan), **stored_texts(loop.checkpointer.files)},
         continue_run=loop.state.run_id,
         world_size=c.env.world_size, device=c.env.device if c.env.is_main else None, step=loop.state.step, datasets=data_inputs,
@@ -87,6 +88,8 @@ def _data_inputs(c: Components) -> list[DataRecord]:
         trained = [r for r in records if r.context in (datasets.CONTEXTS["train"], datasets.CONTEXTS["items"])]
         datasets.note_changes(stored, trained, resumed, consequence=datasets.RESUMED_ON_CHANGED)
         datasets.note_split_changes(stored, records, resumed, consequence=datasets.RESUMED_ON_RESPLIT)
+    elif (source := c.loop.checkpointer.restore_source()) is not None:  # a fine-tune: today's files against yesterday's
+        datasets.note_shrunk(datasets.read_stored(source), records, source)
     return records
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -28,10 +29,11 @@ from recsys_runner.data.encoding.stored import (
     read_stored,
     trained_on_generated_data,
 )
-from recsys_runner.data.encoding.vocabulary import RowCarry, carry_rows
+from recsys_runner.data.encoding.vocabulary import RowCarry, carry_rows, grown
 from recsys_runner.data.files.downsample import SAMPLING_FILE, negative_rate
 from recsys_runner.data.files.downsample import document as sampling_document
 from recsys_runner.data.files.tabular_config import TabularDataConfig
+from recsys_runner.data.schema import Schema
 from recsys_runner.errors import CheckpointError, ConfigError
 
 log = logging.getLogger(__name__)
@@ -48,24 +50,29 @@ def build_data(run: RunConfig, device: torch.device, source: Path | None, checkp
     files that changed since its training give its ids other rows; one trained on generated data (which has none) a
     warning that says so."""
     config = run.served_data
-    refit = checkpointer is not None and isinstance(config, TabularDataConfig) and config.vocabulary == "refit"
+    mode = config.vocabulary if checkpointer is not None and isinstance(config, TabularDataConfig) else "keep"
+    refit = mode != "keep"  # refit or extend: the vocabularies change, and trained rows are carried over by id
     if refit and run.checkpoint.resume not in ("auto", "never"):
-        raise ConfigError(f"data.vocabulary=refit fits the vocabularies anew for a run that starts from checkpoint.init_from, but "
+        raise ConfigError(f"data.vocabulary={mode} changes the vocabularies for a run that starts from checkpoint.init_from, but "
                           f"checkpoint.resume={run.checkpoint.resume} continues a run, whose trained rows belong to the ids of the "
-                          f"vocabulary stored with it (a resume keeps it, by design). Fix: drop data.vocabulary=refit to resume, or "
-                          f"fine-tune on the new files: checkpoint.init_from=<that checkpoint> checkpoint.resume=never data.vocabulary=refit")
+                          f"vocabulary stored with it (a resume keeps it, by design). Fix: drop data.vocabulary={mode} to resume, or "
+                          f"fine-tune on the new files: checkpoint.init_from=<that checkpoint> checkpoint.resume=never data.vocabulary={mode}")
     if checkpointer is not None and source is not None and checkpointer.resuming():
         _keep_refit_record(checkpointer, source)
         if refit:  # e.g. the relaunch of a preempted refit fine-tune, whose resume command repeats its overrides
-            log.warning("data.vocabulary=refit has no effect on a resumed run: resuming %s continues with the vocabulary stored "
-                        "there (the one its run fitted when it started); refit applies when a run starts from checkpoint.init_from",
-                        source)
+            log.warning("data.vocabulary=%s has no effect on a resumed run: resuming %s continues with the vocabulary stored "
+                        "there (the one its run made when it started); %s applies when a run starts from checkpoint.init_from",
+                        mode, source, mode)
             refit = False
     elif refit and source is None:
-        log.info("data.vocabulary=refit without checkpoint.init_from: the encoders are fitted on the files, as for any new run")
+        log.info("data.vocabulary=%s without checkpoint.init_from: the encoders are fitted on the files, as for any new run", mode)
     stored = read_stored(source) if source is not None else None
     if refit and source is not None:
         assert checkpointer is not None
+        _require_stored(stored, source, mode)
+        assert stored is not None
+        if mode == "extend":
+            return _extend(config, device, checkpointer, source, stored)
         return _refit(config, device, checkpointer, source, stored)
     if source is not None and stored is None and config.takes_encoders():
         if (generated := trained_on_generated_data(source)) is not None:
@@ -101,22 +108,26 @@ def _keep_refit_record(checkpointer: Checkpointer, resumed: Path) -> None:
         pass  # not a refit fine-tune
 
 
-def _refit(config: DataConfig, device: torch.device, checkpointer: Checkpointer, source: Path,
-           stored: StoredEncoders | None) -> DataModule:
-    """``data.vocabulary=refit`` with ``init_from`` ``source``: the data with every encoder fitted anew on its files (a
-    new run's vocabularies, table sizes, boundaries and statistics), and the checkpointer's :class:`CarriedRows`: per
-    table with a vocabulary now or in ``source``, the trained row each of its rows starts from (all fresh for a table
-    with a vocabulary on one side only: its rows are positions of hashed values on the other).
+def _require_stored(stored: StoredEncoders | None, source: Path, mode: str) -> None:
+    """Refit and extend carry trained rows by id, which only a checkpoint's stored encoders tell.
 
     Raises:
-        CheckpointError: ``source`` stores no encoders, so which id trained which row is unknown.
+        CheckpointError: ``source`` stores no encoders.
     """
     if stored is None:
         generated = trained_on_generated_data(source)
         why = f"it was trained on generated data (data={generated})" if generated else "it was written before they were"
-        raise CheckpointError(f"data.vocabulary=refit carries trained rows over by id, but checkpoint {source} stores no data "
+        raise CheckpointError(f"data.vocabulary={mode} carries trained rows over by id, but checkpoint {source} stores no data "
                               f"encoders ({why}), so which id trained which row is unknown. Fix: "
                               f"data.vocabulary=keep (its encoders are then fitted on the files, with a warning)")
+
+
+def _refit(config: DataConfig, device: torch.device, checkpointer: Checkpointer, source: Path,
+           stored: StoredEncoders) -> DataModule:
+    """``data.vocabulary=refit`` with ``init_from`` ``source``: the data with every encoder fitted anew on its files (a
+    new run's vocabularies, table sizes, boundaries and statistics), and the checkpointer's :class:`CarriedRows`: per
+    table with a vocabulary now or in ``source``, the trained row each of its rows starts from (all fresh for a table
+    with a vocabulary on one side only: its rows are positions of hashed values on the other)."""
     data: DataModule = config.build(device=device)
     document = data.encoders_document()
     assert document is not None, "file data stores its encoders"
@@ -129,6 +140,9 @@ def _refit(config: DataConfig, device: torch.device, checkpointer: Checkpointer,
             continue
         if now is not None and then is not None:
             tables[col.table_name] = carry_rows(then, now)
+        elif col.table_name not in {c.table_name for c in old.sparse}:  # a column these files add (day 3's new one)
+            log.warning("data.vocabulary=refit: %s is a new table (column %s is not in %s), so its rows start fresh",
+                        col.table_name, col.name, source)
         else:
             assert col.num_embeddings is not None  # sized when fitted
             tables[col.table_name] = RowCarry(np.full(col.num_embeddings, -1, dtype=np.int64), carried=0, new=now.size if now else 0,
@@ -138,9 +152,66 @@ def _refit(config: DataConfig, device: torch.device, checkpointer: Checkpointer,
     if not tables:  # e.g. Parquet written by convert: its ids are encoded already, so there is no id -> row to refit
         log.warning("data.vocabulary=refit has nothing to carry over: no table has a vocabulary (encoding=vocab) in these files "
                     "or in %s, so every trained row loads at its position, as with data.vocabulary=keep", source)
-    checkpointer.carry = CarriedRows(tables, frozenset(c.table_name for c in new.sparse))
+    _carry(checkpointer, source, tables, new, document, "refit")
+    return data
+
+
+def _carry(checkpointer: Checkpointer, source: Path, tables: dict[str, RowCarry], schema: Schema, document: bytes,
+           mode: str) -> None:
+    """Tell the checkpointer which tables' rows to carry over by id, and what to store: the encoders ``document`` and
+    the :data:`REFIT_FILE` record of ``mode``."""
+    checkpointer.carry = CarriedRows(tables, frozenset(c.table_name for c in schema.sparse))
     checkpointer.files[ENCODERS_FILE] = document
-    checkpointer.files[REFIT_FILE] = json.dumps({"init_from": str(source), "tables": {
+    checkpointer.files[REFIT_FILE] = json.dumps({"init_from": str(source), "mode": mode, "tables": {
         t: {"carried": c.carried, "new": c.new, "dropped": c.dropped, "oov_carried": c.oov_carried} for t, c in tables.items()}},
         indent=1).encode()
+
+
+def _extend(config: DataConfig, device: torch.device, checkpointer: Checkpointer, source: Path,
+            stored: StoredEncoders) -> DataModule:
+    """``data.vocabulary=extend`` with ``init_from`` ``source``: the data encoded by ``source``'s encoders (its table sizes,
+    boundaries and statistics), each vocabulary grown by the ids of these files it lacks (:func:`grown`; the ids a new
+    run would fit on them), and the checkpointer's :class:`CarriedRows`: every trained id keeps its trained row, a new id
+    starts from a fresh one. A table whose column these files' fit gives no vocabulary (hashed: the sample does not
+    cover it) keeps its vocabulary as stored, with a warning."""
+    quiet = logging.getLogger("recsys_runner.data")  # the fit's inferred schema is not this run's: its encoders are source's
+    level = quiet.level
+    quiet.setLevel(max(logging.WARNING, quiet.getEffectiveLevel()))
+    try:
+        fitted = config.build(device=device)
+    finally:
+        quiet.setLevel(level)
+    log.info("data.vocabulary=extend: the encoders of %s, each vocabulary grown by the ids of data.path=%s it lacks",
+             source, getattr(config, "path", None))
+    document = fitted.encoders_document()
+    assert document is not None, "file data stores its encoders"
+    now = from_json(document, "the encoders fitted now")[0].vocabularies
+    old = stored.schema
+    vocabularies = dict(old.vocabularies)
+    sizes: dict[str, int] = {}
+    tables: dict[str, RowCarry] = {}
+    for col in old.sparse:
+        then = old.vocabularies.get(col.name)
+        if then is None or col.table_name in tables:
+            continue
+        names = [c.name for c in old.sparse if c.table_name == col.table_name]
+        found = [now[n] for n in names if n in now]
+        if not found:
+            log.warning("data.vocabulary=extend: %s has no vocabulary in the fit of these files (its values outnumber what the "
+                        "sample shows, or the column is gone), so its vocabulary stays as stored: new ids read its OOV rows",
+                        col.table_name)
+            continue
+        vocabulary, added = grown(then, found[0])
+        for name in names:
+            vocabularies[name] = vocabulary
+        sizes[col.table_name] = vocabulary.capacity + vocabulary.oov_buckets
+        tables[col.table_name] = carry = carry_rows(then, vocabulary)
+        log.info("%s: %d trained ids keep their rows, %d new ids get fresh rows (%d -> %d rows)", col.table_name,
+                 carry.carried, added, then.capacity + then.oov_buckets, sizes[col.table_name])
+    schema = replace(old, sparse=[replace(c, num_embeddings=sizes.get(c.table_name, c.num_embeddings)) for c in old.sparse],
+                     vocabularies=vocabularies)
+    data: DataModule = config.build(device=device, encoders=replace(stored, schema=schema))
+    extended = data.encoders_document()
+    assert extended is not None
+    _carry(checkpointer, source, tables, schema, extended, "extend")
     return data

@@ -99,6 +99,8 @@ def explain(config_name: str, overrides: list[str], *, multirun: bool = False, m
         except OverrideParseException:
             if "=" not in text:
                 raise ConfigError(not_an_override(text, module)) from None
+            if (message := _equals_in_value(parser, text)) is not None:
+                raise ConfigError(message) from None
             return  # a malformed value: Hydra's message shows where
     chosen = [o for o in parsed if not o.is_hydra_override()]
     # another package's YAML options (hydra.searchpath=[pkg://theirpkg.conf]) are options here too
@@ -156,6 +158,23 @@ def not_an_override(word: str, module: str) -> str:
                 f"[overrides] ({COMMANDS[name]}); overrides are key=value or group=option")
     return (f"{word!r} is not an override: {here} takes key=value or group=option, e.g. data.batch_size=1024 "
             f"(the commands: python -m recsys_runner.<{'|'.join(COMMANDS)}>; --help lists groups and keys)")
+
+
+def _equals_in_value(parser: OverridesParser, text: str) -> str | None:
+    """``data.path=data/day=2026-11-01``: a value holding ``=`` (a Hive-partitioned folder), which Hydra's grammar refuses
+    with "mismatched input '=' expecting <EOF>", naming neither the override nor the fix. The fix, when quoting the value
+    makes it parse: Hydra's quotes around it, inside the shell's."""
+    key, _, value = text.partition("=")
+    if "=" not in value or "'" in value:
+        return None
+    quoted = f"{key}='{value}'"
+    try:
+        parser.parse_overrides([quoted])
+    except OverrideParseException:
+        return None
+    return (f"{text}: Hydra's override grammar reads only the first '=' as the one between key and value, and refuses "
+            f"another in an unquoted value (a Hive-style folder such as day=2026-11-01). Fix: quote the value for Hydra, "
+            f"inside the shell's quotes: \"{quoted}\"")
 
 
 def _require_one_option(override: Override, module: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import shutil
 from pathlib import Path
@@ -346,3 +347,77 @@ def test_dcp_storage_without_a_process_group_says_nothing_of_assuming_one_proces
         warnings.warn("torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to save in a single "
                       "process.", UserWarning, stacklevel=1)
     assert not alone and len(seen) == 1 and re.match(SINGLE_PROCESS, str(seen[0].message))
+
+
+def test_init_from_a_run_directory_or_a_run_id_names_the_checkpoints_folder_to_give(tmp_path: Path) -> None:
+    """A daily fine-tune pointed at yesterday's run directory (``outputs/day1``, whose checkpoints are in its ``checkpoints/``)
+    or at its MLflow run id was refused with "no complete checkpoint there" alone; ``load=`` named the fix, init_from now too."""
+    from recsys_runner.checkpoint.config import CheckpointConfig
+    from recsys_runner.checkpoint.object_storage import storage_for
+    from recsys_runner.checkpoint.resume import init_source
+
+    step = tmp_path / "day1" / "checkpoints" / "step_00000005"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text("{}")
+    (step / ".metadata").write_bytes(b"")
+    storage = storage_for(tmp_path)
+    assert init_source(CheckpointConfig(init_from=str(tmp_path / "day1" / "checkpoints")), storage) == step
+    with pytest.raises(CheckpointError, match=re.escape(f"its checkpoints/ folder holds some: it is a training run's directory. "
+                                                        f"Fix: checkpoint.init_from={tmp_path}/day1/checkpoints (its newest, step_00000005)")):
+        init_source(CheckpointConfig(init_from=str(tmp_path / "day1")), storage)
+    with pytest.raises(CheckpointError, match=r"no such directory \(an MLflow run id\? init_from takes the run's checkpoint directory"):
+        init_source(CheckpointConfig(init_from="c1a3b77f33af4a7a8ff50ef9d54926f1"), storage)
+
+
+def test_init_from_a_root_whose_best_is_not_its_newest_says_which_it_starts_from(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``evaluate``/``export`` ``load=<root>`` take its best checkpoint, ``init_from=<root>`` its newest: yesterday's model
+    as compared and served and the one today's run continues differed without a word."""
+    from recsys_runner.checkpoint.config import CheckpointConfig
+    from recsys_runner.checkpoint.object_storage import storage_for
+    from recsys_runner.checkpoint.resume import init_source
+
+    for name in ("best-step_00000003", "step_00000003", "step_00000005"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "meta.json").write_text("{}")
+        (tmp_path / name / ".metadata").write_bytes(b"")
+    with caplog.at_level(logging.WARNING, logger="recsys_runner"):
+        assert init_source(CheckpointConfig(init_from=str(tmp_path)), storage_for(tmp_path)) == tmp_path / "step_00000005"
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line == (f"checkpoint.init_from={tmp_path} starts from its newest checkpoint, step_00000005, but evaluate, predict "
+                    f"and export given this root (load=) use its best, best-step_00000003: the model you compared or served is "
+                    f"not the one this run continues. Name the one you mean: checkpoint.init_from={tmp_path}/best-step_00000003")
+
+
+@pytest.mark.slow
+def test_a_fine_tunes_mlflow_run_names_the_checkpoint_and_run_it_started_from(make_cfg, mlflow_uri: str, tmp_path: Path) -> None:
+    """Day N's run, warm-started from day N-1's, named its start only by the ``checkpoint.init_from`` param as typed
+    (a relative root); the tags give the checkpoint, its step and the run that wrote it: the chain of days in MLflow."""
+    run(make_cfg("train.num_steps=2", f"checkpoint.dir={tmp_path}/day1", "tracking.experiment=days"))
+    (day1,) = list_checkpoints(tmp_path / "day1")
+    run(make_cfg("train.num_steps=2", f"checkpoint.dir={tmp_path}/day2", f"checkpoint.init_from={tmp_path}/day1",
+                 "tracking.experiment=days"))
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    runs = client.search_runs([client.get_experiment_by_name("days").experiment_id], order_by=["attributes.start_time ASC"])
+    first, second = runs
+    assert "init_from" not in first.data.tags
+    assert {k: second.data.tags[k] for k in ("init_from", "init_from_step", "init_from_run_id")} == {
+        "init_from": str(day1), "init_from_step": "2", "init_from_run_id": first.info.run_id}
+
+
+def test_init_from_a_checkpoint_whose_plan_trained_a_table_with_the_other_optimizer_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    """A fine-tune with another data.batch_size flipped 26 first-order tables from data_parallel (the dense optimizer's
+    state, ``optim/dense.<param>/sum``) to table_wise (the fused one's, ``optim/sparse.<param>/<table>.momentum1``): their
+    state started fresh under "26 tensors not in the checkpoint keep their fresh values", which named no cause."""
+    from recsys_runner.checkpoint.weights import _shared
+
+    param = "model.first_order.ebc.embedding_bags.first_order_t_cat_0.weight"
+    index: dict[str, list[int] | None] = {f"model/{param}": [16, 1], f"optim/dense.{param}/sum": [16, 1], f"optim/dense.{param}/step": []}
+    ours = {f"model/{param}": torch.zeros(16, 1), f"optim/sparse.{param}/first_order_t_cat_0.momentum1": torch.zeros(16, 1)}
+    with caplog.at_level(logging.WARNING, logger="recsys_runner"):
+        kept = _shared(Path("ck"), index, ours, {k: k for k in ours}, {})
+    assert kept == {f"model/{param}": f"model/{param}"}
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("init_from ck: the optimizer state of 1 embedding tables starts fresh: the checkpoint holds it in its "
+                           "dense optimizer, while this run trains them with its sparse one, because the sharding plan placed "
+                           "them otherwise"), line
+    assert "Fix: give the tables the checkpoint's sharding type (distributed.sharding_types=[...]" in line

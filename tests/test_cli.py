@@ -228,6 +228,12 @@ TYPOS = {
                                      "not of data=parquet: the preset is written for those. Fix: debug=overfit with one of "
                                      "those, e.g. debug=overfit data=synthetic, or leave debug=overfit out and give its other "
                                      "settings on the command line (conf/debug/overfit.yaml lists them;"),
+    # a Hive-partitioned day folder: Hydra said "mismatched input '=' expecting <EOF>", naming neither override nor fix
+    "equals-in-value": (["data=parquet", "data.path=data/day=2026-11-01"],
+                        "data.path=data/day=2026-11-01: Hydra's override grammar reads only the first '=' as the one "
+                        "between key and value, and refuses another in an unquoted value (a Hive-style folder such as "
+                        "day=2026-11-01). Fix: quote the value for Hydra, inside the shell's quotes: "
+                        "\"data.path='data/day=2026-11-01'\""),
     "another-commands-key": (["load=outputs/x"], "load=outputs/x: load is a setting of python -m "
                                                  "recsys_runner.evaluate|predict|export, not of python -m recsys_runner."),
 }

@@ -305,3 +305,17 @@ def test_a_bool_column_as_a_sparse_feature_reads_ids_0_and_1_in_training_and_wit
         schema, kinds = from_json(document, "ck")
         stored = StoredEncoders(schema, kinds, "ck", stored_types(document))
         assert ids("bools.parquet", entry, stored)[0] == read, entry
+
+
+def test_an_empty_day_is_said_as_empty_not_as_a_schema_to_infer(tmp_path: Path) -> None:
+    """A day partition whose part files hold no rows, fine-tuned on with the checkpoint's encoders (nothing inferred): the
+    sample said "has no rows to infer a schema from"; it says what evaluate says of the same files."""
+    from recsys_runner.data.files.sources import ParquetSource
+    from recsys_runner.errors import DataError
+
+    for i in range(2):
+        pq.write_table(pa.table({"label": pa.array([], pa.int64()), "user": pa.array([], pa.string())}), tmp_path / f"part-{i}.parquet")
+    files = sorted(str(p) for p in tmp_path.glob("*.parquet"))
+    with pytest.raises(DataError, match=r"part-0.parquet is an empty Parquet file \(0 rows\), as do all 2 files read with it: there "
+                                        r"are no rows to read"):
+        ParquetSource(files, [], 1000).sample(100)

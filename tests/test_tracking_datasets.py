@@ -8,6 +8,7 @@ checkpoint on the same file, an export of it, then an evaluate after rows were a
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -259,3 +260,22 @@ def test_an_evaluate_or_resume_on_converted_files_warns_that_the_hash_eval_split
         train(compose_entry("config", *base, *converted, "train.num_steps=4", f"checkpoint.dir={tmp_path}/ck"))
     (said,) = [m for m in warned.messages if moved in m]
     assert "trains on rows its earlier steps held out" in said
+
+
+def test_a_fine_tune_on_a_sliver_of_the_days_rows_is_said(caplog: pytest.LogCaptureFixture) -> None:
+    """A truncated day (350 of the usual 18,000 rows; its cut last line skipped) fine-tuned yesterday's model on 2% of a
+    day without a word."""
+    from recsys_runner.tracking.datasets import DataRecord, note_shrunk
+
+    def record(source: str, rows: int, context: str = "training") -> DataRecord:
+        return DataRecord(name="criteo/train" if context == "training" else "criteo/eval", digest=source, source_type="local",
+                          source=source, context=context, profile={"files": 1, "bytes": rows * 100, "num_rows": rows}, columns=[])
+
+    yesterday = [record("/d/day_1", 17945), record("/d/day_2", 9000, "evaluation")]
+    with caplog.at_level(logging.WARNING, logger="recsys_runner"):
+        assert note_shrunk(yesterday, [record("/d/day_2", 16000), record("/d/day_3", 10, "evaluation")], "ck") is None
+        assert note_shrunk(yesterday, [record("/d/day_5", 350)], "ck") == "criteo/train"
+        assert note_shrunk(None, [record("/d/day_5", 350)], "ck") is None  # a checkpoint written before data_inputs.json
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("data criteo/train (training) is /d/day_5: 350 rows in 1 files, 2.0% of the 17945 rows checkpoint ck "
+                           "was trained on (/d/day_1, 1 files). A day that arrived truncated or partial?"), line

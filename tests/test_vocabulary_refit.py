@@ -35,7 +35,8 @@ from recsys_runner.checkpoint.storage import DcpFileStorage, list_checkpoints
 from recsys_runner.checkpoint.weights import CarriedRows, load_into
 from recsys_runner.config import validate
 from recsys_runner.data.encoding.stored import ENCODERS_FILE, from_json
-from recsys_runner.data.encoding.vocabulary import Vocabulary, carry_rows
+from recsys_runner.data.encoding.vocabulary import Vocabulary, carry_rows, grown
+from recsys_runner.data.files.tabular import sizes_not_used
 from recsys_runner.data_build import REFIT_FILE
 from recsys_runner.errors import ConfigError
 from tests.conftest import REPO, free_port
@@ -162,8 +163,73 @@ def test_refit_is_refused_when_resuming_and_must_be_keep_or_refit(trained: dict[
     with pytest.raises(ConfigError, match=r"data.vocabulary=refit .* checkpoint.resume=.*step_.* continues a run.*Fix: drop "
                                           r"data.vocabulary=refit to resume, or fine-tune on the new files: checkpoint.init_from="):
         build(validate(compose_entry("config", *new, "data.vocabulary=refit", f"checkpoint.resume={trained['checkpoint']}")))
-    with pytest.raises(ConfigError, match=r"data.vocabulary='again' must be one of \('keep', 'refit'\)"):
+    with pytest.raises(ConfigError, match=r"data.vocabulary='again' must be one of \('keep', 'refit', 'extend'\)"):
         validate(compose_entry("config", *new, "data.vocabulary=again"))
+
+
+def test_extend_keeps_every_trained_id_at_its_row_and_grows_the_tables_by_the_new_ids(trained: dict[str, Any]) -> None:
+    """The daily fine-tune: yesterday's encoders, each vocabulary grown by today's new ids. ``keep`` read them as OOV,
+    ``refit`` dropped the ids absent today (their trained rows left behind) and refitted every statistic."""
+    old_state, old_vocab = _checkpoint(trained["checkpoint"])
+    fine_tune = [*trained["data"], f"data.path={trained['root']}/new.csv", "checkpoint.resume=never"]
+    extended, *new_vocab, c = _built(*fine_tune, f"checkpoint.init_from={trained['checkpoint']}", "data.vocabulary=extend")
+    record = json.loads(c.loop.checkpointer.files[REFIT_FILE])
+    assert record["mode"] == "extend" and record["tables"]["t_user"] == {"carried": 60, "new": 30, "dropped": 0, "oov_carried": True}
+    for column, new in zip(("user", "item"), new_vocab, strict=True):
+        old = old_vocab[column]
+        assert (len(old.keys), len(new.keys)) == {"user": (60, 90), "item": (40, 50)}[column]
+        assert new.capacity == len(new.keys) and new.oov_buckets == old.oov_buckets
+        at = np.searchsorted(new.keys, old.keys)
+        np.testing.assert_array_equal(new.rows[at], old.rows)  # every trained id keeps its row
+        added = np.setdiff1d(np.arange(len(new.keys)), at)
+        assert sorted(new.rows[added]) == list(range(len(old.keys), len(new.keys)))  # new ids: the rows after them
+        for prefix in ("", "first_order_"):
+            name = f"{prefix}{TABLES[column]}.weight"
+            key = next(k for k in extended if k.startswith("model/") and k.endswith(f".{name}"))
+            rows, trained_rows = extended[key], old_state[key]
+            assert rows.shape[0] == new.capacity + new.oov_buckets > trained_rows.shape[0]
+            torch.testing.assert_close(rows[:old.capacity], trained_rows[:old.capacity], rtol=0, atol=0)
+            torch.testing.assert_close(rows[new.capacity:], trained_rows[old.capacity:], rtol=0, atol=0)  # OOV rows
+            started = rows[new.rows[added]]  # fresh: a first-order weight starts at 0, an embedding at none of the trained values
+            assert (started == 0).all() if prefix else not torch.isin(started, trained_rows).any()
+
+
+def test_refit_names_a_table_of_a_column_the_new_files_add_as_new(trained: dict[str, Any], tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Day 3 adds a column: refit said its table "has a vocabulary now only (encoding=vocab now)", as if it had changed."""
+    lines = (trained["root"] / "new.csv").read_text().splitlines()
+    (tmp_path / "day3.csv").write_text("\n".join([f"{lines[0]},device", *(f"{x},d{i % 3}" for i, x in enumerate(lines[1:]))]) + "\n")
+    with caplog.at_level(logging.WARNING, logger="recsys_runner"):
+        _, _, _, c = _built(*trained["data"], f"data.path={tmp_path}/day3.csv", "checkpoint.resume=never",
+                            f"checkpoint.init_from={trained['checkpoint']}", "data.vocabulary=refit")
+    said = [r.getMessage() for r in caplog.records if "t_device" in r.getMessage()]
+    assert said[0] == (f"data.vocabulary=refit: t_device is a new table (column device is not in {trained['checkpoint']}), so "
+                       f"its rows start fresh"), said
+    assert "t_device" not in c.loop.checkpointer.carry.tables
+
+
+def test_a_table_size_the_stored_encoders_overrule_is_said(trained: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
+    """A fine-tune that raised a table's size (the OOV rate grew) kept the checkpoint's size without a word."""
+    fine_tune = [*trained["data"], f"data.path={trained['root']}/new.csv", "checkpoint.resume=never",
+                 f"checkpoint.init_from={trained['checkpoint']}", "data.sparse=[{name: user, num_embeddings: 500}, {name: item}]"]
+    with caplog.at_level(logging.WARNING, logger="recsys_runner"):
+        *_, c = _built(*fine_tune)
+    assert c.loop.checkpointer.carry is None  # keep: the stored sizes
+    (line,) = [r.getMessage() for r in caplog.records if "not used" in r.getMessage()]
+    assert line.startswith(f"data.sparse[user].num_embeddings=500 (stored: 76): not used, the encoders stored in {trained['checkpoint']} "
+                           f"size the tables (a checkpoint's ids keep their rows). To size them anew on these files, fine-tune "
+                           f"with data.vocabulary=refit"), line
+    stored = from_json((trained["checkpoint"] / ENCODERS_FILE).read_bytes(), "test")[0]
+    assert sizes_not_used(stored, {"user": 50, "item": None}) == {}  # a vocabulary grown past its configured size: expected
+    assert sizes_not_used(stored, {"user": 76, "item": 90}) == {"item": (90, 56)}
+
+
+def test_a_grown_vocabulary_fills_the_rows_it_reserved_before_it_grows() -> None:
+    old = Vocabulary.build(np.array([5, 5, 7], dtype=np.uint64), capacity=4, oov_buckets=2)  # rows 2, 3 reserved, unused
+    new = Vocabulary.build(np.array([9, 9, 9, 8, 8, 7, 6], dtype=np.uint64), capacity=10, oov_buckets=2)
+    vocab, added = grown(old, new)
+    assert added == 3 and vocab.capacity == 5 and vocab.oov_buckets == 2
+    assert vocab.lookup(np.array([5, 7, 9, 8, 6], dtype=np.uint64)).tolist() == [0, 1, 2, 3, 4]  # old rows; new by frequency
 
 
 def test_refit_without_any_vocabulary_says_it_has_nothing_to_carry(trained: dict[str, Any], tmp_path: Path,

@@ -308,6 +308,18 @@ class Checkpointer:
         changes = resume_changes.check_changes(resume_changes.Launched.saved(self.storage.read_meta(path)), self.launched, path)
         return path, set_aside, tuple(c.line() for c in changes)
 
+    def init_tags(self) -> dict[str, str]:
+        """The MLflow tags of a fine-tune's lineage (``init_from``: the checkpoint started from, its step and the run that
+        wrote it), so that day N's run names day N-1's; ``{}`` when resuming or starting fresh."""
+        self.restore_source()
+        assert self._chosen is not None
+        path, _, init = self._chosen
+        if path is not None or init is None:
+            return {}
+        meta = self.storage.read_meta(init)
+        tags = {"init_from": str(init if uris.is_remote(init) else init.absolute()), "init_from_step": str(meta.get("step"))}
+        return tags | ({"init_from_run_id": str(meta["run_id"])} if meta.get("run_id") else {})
+
     def resuming(self) -> bool:
         """Whether :meth:`restore` resumes a run (rather than fine-tuning from ``init_from`` or starting fresh)."""
         self.restore_source()

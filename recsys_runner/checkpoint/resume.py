@@ -21,6 +21,7 @@ import difflib
 import functools
 import logging
 import random
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -30,12 +31,15 @@ import torch
 
 from recsys_runner import provenance, uris
 from recsys_runner.checkpoint.config import RESUME_WORDS, CheckpointConfig, TrainState
-from recsys_runner.checkpoint.storage import STEP_DIR, CheckpointStorage, TensorIndex, step_of
+from recsys_runner.checkpoint.storage import RUN_DIR_FOLDER, STEP_DIR, CheckpointStorage, TensorIndex, step_of
 from recsys_runner.checkpoint.weights import CarriedRows, TrainingParts, load_into
 from recsys_runner.distributed.env import decided_on_rank0
 from recsys_runner.errors import CheckpointError, ConfigError, UserError
 
 log = logging.getLogger(__name__)
+
+_RUN_ID = re.compile(r"[0-9a-f]{32}")
+"""An MLflow run id, which ``init_from`` may be given by mistake for a checkpoint (``load=`` takes one)."""
 
 
 def choose(config: CheckpointConfig, storage: CheckpointStorage, root: Path | None) -> tuple[Path | None, tuple[str, ...]]:
@@ -86,9 +90,28 @@ def init_source(config: CheckpointConfig, storage: CheckpointStorage) -> Path:
         return source
     found = storage.checkpoints(source)
     if not found:
-        raise CheckpointError(f"checkpoint.init_from={config.init_from}: no complete checkpoint there "
-                              "(a step_* directory with meta.json and .metadata, or a directory holding them)")
+        raise CheckpointError(f"checkpoint.init_from={config.init_from}: {_no_init_checkpoint(source, storage)}")
+    best = storage.checkpoints(source, best=True)
+    if best and step_of(best[-1]) != step_of(found[-1]):  # load= of this root evaluates and exports the best one
+        log.warning("checkpoint.init_from=%s starts from its newest checkpoint, %s, but evaluate, predict and export given "
+                    "this root (load=) use its best, %s: the model you compared or served is not the one this run continues. "
+                    "Name the one you mean: checkpoint.init_from=%s", config.init_from, found[-1].name, best[-1].name, best[-1])
     return found[-1]
+
+
+def _no_init_checkpoint(source: Path, storage: CheckpointStorage) -> str:
+    """Why ``init_from`` names no checkpoint, and the fix where one is at hand: yesterday's run directory (its
+    checkpoints are in ``<run dir>/checkpoints``), or its MLflow run id, which ``load=`` takes but a training does not."""
+    inside = source / RUN_DIR_FOLDER
+    if found := storage.checkpoints(inside):
+        return (f"no checkpoint there, but its {RUN_DIR_FOLDER}/ folder holds some: it is a training run's directory. "
+                f"Fix: checkpoint.init_from={inside} (its newest, {found[-1].name})")
+    if not storage.exists(source):
+        run_id = " (an MLflow run id? init_from takes the run's checkpoint directory, its checkpoint_dir tag)" if (
+            _RUN_ID.fullmatch(source.name) and str(source) == source.name) else ""
+        return f"no such directory{run_id}. Fix: point it at a step_* checkpoint or a checkpoints root"
+    return ("no complete checkpoint there (a step_* directory with meta.json and .metadata, or a directory holding them). "
+            "Fix: point it at one")
 
 
 def load_run(storage: CheckpointStorage, path: Path, parts: TrainingParts, config: CheckpointConfig, *, strict: bool,

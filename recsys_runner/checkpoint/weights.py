@@ -284,12 +284,42 @@ def _shared(path: Path, index: TensorIndex, ours: Mapping[str, Any], wanted: Map
     if averages:  # DenseEMA.load_state_dict starts them at the loaded weights
         log.info("init_from %s: it holds no EMA weights for %d dense tensors (written without train.ema.decay, or by "
                  "another model): their moving average starts at the weights loaded", path, len(averages))
-    if skipped := [k for k in skipped if not k.startswith(EMA_PREFIX)]:
+    skipped = [k for k in skipped if not k.startswith(EMA_PREFIX)]
+    if moved := _other_optimizer(index, [wanted[k] for k in skipped]):
+        log.warning("init_from %s: the optimizer state of %d embedding tables starts fresh: the checkpoint holds it in its %s "
+                    "optimizer, while this run trains them with its %s one, because the sharding plan placed them otherwise "
+                    "(a data_parallel table is trained by the dense optimizer, a table_wise, row_wise or column_wise one by "
+                    "the fused sparse one; the planner chooses by data.batch_size, the table sizes and the ranks), e.g. %s. "
+                    "Fix: give the tables the checkpoint's sharding type (distributed.sharding_types=[...], or per table "
+                    "+distributed.tables={<table>: {sharding_types: [...]}}; its run's sharding_plan.txt lists them), or "
+                    "checkpoint.load_optimizer=false to start every optimizer state fresh alike", path, len(moved),
+                    *moved[sorted(moved)[0]], ", ".join(sorted(moved)[:3]))
+        skipped = [k for k in skipped if _param_of(wanted[k]) not in moved]
+    if skipped:
         log.warning("init_from %s: %d tensors not in the checkpoint keep their fresh values, e.g. %s", path, len(skipped), skipped[:5])
     if resized:
         log.warning("init_from %s: %d tensors of another shape there keep their fresh values (a table resized, e.g. one sized "
                     "from the files with data.vocabulary=refit, or a width changed): %s", path, len(resized), "; ".join(list(resized.values())[:5]))
     return {k: wanted[k] for k in kept}
+
+
+def _param_of(key: str) -> str:
+    """The parameter an optimizer state key belongs to: ``optim/sparse.<param>/<state>`` → ``<param>``."""
+    return key.split("/")[1].split(".", 1)[-1] if key.startswith("optim/") and key.count("/") >= 2 else ""
+
+
+def _other_optimizer(index: TensorIndex, missing: list[str]) -> dict[str, tuple[str, str]]:
+    """Of the optimizer state keys ``missing`` from the checkpoint, the parameters whose state it holds under the other
+    optimizer half (``optim/dense.<param>/…`` for our ``optim/sparse.<param>/…``, or the reverse): parameter → (its
+    half there, ours)."""
+    halves = {"sparse": "dense", "dense": "sparse"}
+    moved: dict[str, tuple[str, str]] = {}
+    for key in missing:
+        half = key.split("/")[1].split(".", 1)[0] if key.startswith("optim/") and key.count("/") >= 2 else ""
+        param = _param_of(key)
+        if half in halves and any(k.startswith(f"optim/{halves[half]}.{param}/") for k in index):
+            moved[param] = (halves[half], half)
+    return moved
 
 
 def _split_carried(path: Path, index: TensorIndex, ours: Mapping[str, Any], wanted: Mapping[str, str],

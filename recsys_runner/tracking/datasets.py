@@ -173,6 +173,32 @@ def note_changes(trained: Sequence[DataRecord] | None, now: Sequence[DataRecord]
     return changed
 
 
+SHRUNK_FRACTION = 0.25
+"""A fine-tune's training data holding less than this share of the rows (else bytes) its checkpoint trained on is
+said (:func:`note_shrunk`): a day that arrived truncated or partial trains a model on a sliver without a word."""
+
+
+def note_shrunk(trained: Sequence[DataRecord] | None, now: Sequence[DataRecord], checkpoint: object) -> str | None:
+    """Warn when the training data of a fine-tune (``now``, from ``checkpoint.init_from``'s ``checkpoint``) is under
+    :data:`SHRUNK_FRACTION` of the training data the checkpoint's run recorded (``trained``), by rows where both counted
+    them, else by bytes; returns the training record's name then, else ``None``."""
+    before = {r.name: r for r in trained or () if r.context == CONTEXTS["train"]}
+    for record in now:
+        old = before.get(record.name)
+        if old is None or record.context != CONTEXTS["train"]:
+            continue
+        unit = "rows" if "num_rows" in old.profile and "num_rows" in record.profile else "bytes"
+        was, is_ = old.profile.get("num_rows" if unit == "rows" else "bytes"), record.profile.get("num_rows" if unit == "rows" else "bytes")
+        if not isinstance(was, int) or not isinstance(is_, int) or not was or is_ >= SHRUNK_FRACTION * was:
+            continue
+        log.warning("data %s (training) is %s: %d %s in %d files, %.1f%% of the %d %s checkpoint %s was trained on (%s, %d "
+                    "files). A day that arrived truncated or partial? The fine-tune trains on what is there. Fix: wait for the "
+                    "whole day, or compare the files with the day before", record.name, record.source, is_, unit,
+                    record.profile.get("files", 0), 100 * is_ / was, was, unit, checkpoint, old.source, old.profile.get("files", 0))
+        return record.name
+    return None
+
+
 SCORED_ON_RESPLIT = ("Its eval rows now include rows the checkpoint trained on (and leave out rows it never saw), so its "
                      "metrics overstate the model")
 """What a hash eval split keyed otherwise means for an evaluate (:func:`note_split_changes`)."""

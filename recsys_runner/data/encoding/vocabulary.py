@@ -169,3 +169,16 @@ def carry_rows(old: Vocabulary, new: Vocabulary) -> RowCarry:
     if oov_carried:
         old_rows[new.capacity:] = np.arange(old.capacity, old.capacity + old.oov_buckets, dtype=np.int64)
     return RowCarry(old_rows, carried=len(in_new), new=new.size - len(in_new), dropped=old.size - len(in_new), oov_carried=oov_carried)
+
+
+def grown(old: Vocabulary, new: Vocabulary) -> tuple[Vocabulary, int]:
+    """``old`` grown by the ids of ``new`` it lacks (``data.vocabulary=extend``), and how many: every id of ``old`` keeps
+    its row, the others take the rows after them in ``new``'s order (the most frequent first), first the rows ``old``
+    reserved and left unused, then new ones; its OOV buckets stay ``old``'s, after the grown capacity."""
+    added = np.setdiff1d(new.keys, old.keys, assume_unique=True)
+    added = added[np.argsort(new.rows[np.searchsorted(new.keys, added)], kind="stable")]
+    first = old.size if not old.size or int(old.rows.max()) == old.size - 1 else old.capacity  # ids hold rows 0..size-1
+    keys = np.concatenate([old.keys, added])
+    rows = np.concatenate([old.rows, np.arange(first, first + len(added), dtype=np.int64)])
+    by_key = np.argsort(keys, kind="stable")
+    return Vocabulary(keys[by_key], rows[by_key], max(old.capacity, first + len(added)), old.oov_buckets), len(added)

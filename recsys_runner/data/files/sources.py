@@ -434,8 +434,8 @@ class ParquetSource:
             except (pa.ArrowException, OSError) as e:
                 raise DataError(f"{path}: its first rows cannot be read to infer a schema ({str(e).splitlines()[0]}); the file is "
                                 f"corrupt. Fix: write it again, or remove it from data.path") from None
-        if not tables:
-            raise DataError(f"{self.files[0]} has no rows to infer a schema from. Fix: point data.path at files with rows")
+        if not tables:  # an empty day: said as the reader says it (also when a checkpoint's encoders infer nothing)
+            skip_empty(self.files, list(self.files), "is an empty Parquet file (0 rows)")
         return _concat(tables)
 
     def read(self, unit: Unit) -> Iterator[tuple[pa.Table, np.ndarray]]:

@@ -54,6 +54,8 @@ def checkpoint_schema(encoders: StoredEncoders, config: SchemaFields) -> Schema:
     silently: ``data.labels={ctr: buy, cvr: click}`` given to evaluate scored each task against its training column.
     A config that names no label (the training's was detected from the files) keeps the stored ones."""
     stored = encoders.schema
+    differ = sizes_not_used(stored, {c.name: c.num_embeddings for c in config.sparse})
+    warn_sizes_not_used([f"data.sparse[{c}].num_embeddings={n} (stored: {m})" for c, (n, m) in differ.items()], encoders.source)
     given: dict[str, Any] = {"label": config.label, "labels": mapping_option(config.labels, "data.labels"),
                              "label_kinds": mapping_option(config.label_kinds, "data.label_kinds"),
                              "label_threshold": config.label_threshold}
@@ -62,6 +64,24 @@ def checkpoint_schema(encoders: StoredEncoders, config: SchemaFields) -> Schema:
     log.info("data labels: %s, as the config names them (the checkpoint was trained on %s)",
              given["labels"] or given["label"], stored.labels or stored.label)
     return replace(stored, **given)
+
+
+def sizes_not_used(stored: Schema, given: dict[str, int | None]) -> dict[str, tuple[int, int]]:
+    """The columns the config sizes (``given``: column → ``num_embeddings``, ``None`` where it leaves it to the data)
+    other than the stored encoders do: column → (configured, stored). A vocabulary table larger than configured is left
+    out: a ``data.vocabulary=extend`` fine-tune grows it past the size its first run was configured with."""
+    return {c.name: (n, c.num_embeddings) for c in stored.sparse if (n := given.get(c.name)) is not None and c.num_embeddings is not None
+            and n != c.num_embeddings and not (c.encoding == "vocab" and c.num_embeddings > n)}
+
+
+def warn_sizes_not_used(differ: list[str], source: str) -> None:
+    """Warn that the config's table sizes ``differ`` (``key=value (stored: n)`` each) are not used: the stored encoders
+    win, so a fine-tune that raised ``data.num_embeddings`` because the OOV rate grew trained on the checkpoint's sizes
+    without a word."""
+    if differ:
+        shown = "; ".join(differ[:5]) + (f"; and {len(differ) - 5} more" if len(differ) > 5 else "")
+        log.warning("%s: not used, the encoders stored in %s size the tables (a checkpoint's ids keep their rows). To size "
+                    "them anew on these files, fine-tune with data.vocabulary=refit", shown, source)
 
 
 def from_checkpoint(encoders: StoredEncoders, schema: Schema, sample: pa.Table, where: str) -> Schema:
@@ -296,6 +316,13 @@ class CriteoData(TabularData):
         """:attr:`config`, typed as this option's (its reader settings; set first: the base class opens the files)."""
         if encoders is not None:  # Criteo's columns are fixed: only the stored sizes and vocabularies matter
             log.info("data encoders: loaded from %s (fitted when it was trained; not fitted again)", encoders.source)
+            per_feature = config.num_embeddings_per_feature
+            given: list[int | None] = [*per_feature] if per_feature else [config.num_embeddings] * CRITEO_NUM_SPARSE
+            names = [c.name for c in encoders.schema.sparse]
+            differ = sizes_not_used(encoders.schema, dict(zip(names, given, strict=False)))
+            warn_sizes_not_used([f"data.num_embeddings_per_feature[{names.index(c)}]={n} (stored: {m})" for c, (n, m) in differ.items()]
+                                if per_feature else [f"data.num_embeddings={config.num_embeddings} (stored: "
+                                                     f"{sorted({m for _, m in differ.values()})})"] if differ else [], encoders.source)
             super().__init__(config, encoders.schema, encoders)
             return
         sizes: list[int | None] = [*config.num_embeddings_per_feature] if config.num_embeddings_per_feature else [config.num_embeddings] * CRITEO_NUM_SPARSE

@@ -36,7 +36,7 @@ DELIMITER_ESCAPES = {"\\t": "\t", "tab": "\t", "comma": ",", "semicolon": ";", "
 """``data.delimiter`` spellings that stand for a character hard to pass through a shell and Hydra (a tab; a comma,
 which Hydra's override grammar reads as a list separator: ``data.delimiter=comma``, or Hydra's own escapes
 ``'data.delimiter=\\,'`` and ``"data.delimiter=','"``)."""
-VOCABULARY_MODES = ("keep", "refit")
+VOCABULARY_MODES = ("keep", "refit", "extend")
 """``data.vocabulary``: what a run that starts from a checkpoint encodes its files by (:class:`TabularDataConfig`)."""
 CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE = 13, 26
 CRITEO_COLUMNS = ["label", *(f"int_{i}" for i in range(CRITEO_NUM_DENSE)), *(f"cat_{i}" for i in range(CRITEO_NUM_SPARSE))]
@@ -91,8 +91,10 @@ class TabularDataConfig(DataConfig):
     (vocabularies, table sizes, boundaries, statistics), so every id keeps the row it trained. ``refit``: with
     ``checkpoint.init_from``, everything is fitted anew on these files, as a new run would, and each ``encoding: vocab``
     table's trained rows are carried over by id (an id in both vocabularies keeps its trained row at its new position,
-    a new id starts fresh; docs/lifecycle.md, *Fine-tuning on new data*). Refused with an explicit ``checkpoint.resume``:
-    a resumed run continues its own id → row mapping."""
+    a new id starts fresh; docs/lifecycle.md, *Fine-tuning on new data*). ``extend``: with ``checkpoint.init_from``, the
+    stored encoders, each vocabulary grown by the ids of these files it lacks (every trained id keeps its row, a new id
+    gets a fresh one, the table grows; the daily fine-tune). Refit and extend are refused with an explicit
+    ``checkpoint.resume``: a resumed run continues its own id → row mapping."""
 
     next_item: bool = False
     """The rows train and evaluate a next-item model (``model=sasrec``): set by the model's needs (:meth:`for_model`), not by
@@ -134,7 +136,8 @@ class TabularDataConfig(DataConfig):
         require(self.on_bad_rows in BAD_ROW_MODES, f"data.on_bad_rows={self.on_bad_rows!r} must be one of {BAD_ROW_MODES}")
         require(self.vocabulary in VOCABULARY_MODES,
                 f"data.vocabulary={self.vocabulary!r} must be one of {VOCABULARY_MODES}: keep (the checkpoint's encoders) or "
-                f"refit (fitted anew on these files, trained rows carried over by id; with checkpoint.init_from)")
+                f"refit (fitted anew on these files, trained rows carried over by id; with checkpoint.init_from) or extend (the "
+                f"checkpoint's encoders, each vocabulary grown by these files' new ids; with checkpoint.init_from)")
         require(self.read_rows > 0, f"data.read_rows must be positive, got {self.read_rows}")
         require(self.negative_rate is None or 0 < self.negative_rate <= 1,
                 f"data.negative_rate={self.negative_rate} must lie in (0, 1]: the fraction of training negatives kept (every "
