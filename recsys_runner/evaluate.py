@@ -107,7 +107,7 @@ def measured_features(built: Inference, settings: EvaluateConfig) -> list[import
     """The features whose importance ``settings`` asks for (none with ``evaluate.importance=none``), its cost said."""
     if settings.importance == "none":
         return []
-    importance.check_pointwise(built.tasks)
+    importance.check_pointwise(built.tasks, corpus=built.evaluator is not None and built.evaluator.corpus is not None)
     features = importance.selected(importance.input_features(built.data.features), settings.importance_features)
     if built.env.is_main:
         cap = built.evaluator.max_batches if built.evaluator is not None else None

@@ -82,14 +82,15 @@ def selected(features: list[Feature], names: list[str]) -> list[Feature]:
     return [f for f in features if not names or f.name in names]
 
 
-def check_pointwise(tasks: tuple[Task, ...]) -> None:
-    """Refuse a model whose eval ranks items (next-item, two-tower): its metrics come from a corpus pass over the
-    catalogue, and the item each row is to find travels in the features a permutation would move."""
+def check_pointwise(tasks: tuple[Task, ...], corpus: bool = False) -> None:
+    """Refuse a model whose eval ranks items (next-item, two-tower) or has a full-corpus pass (``corpus``): its metrics
+    come from the catalogue, and the item each row is to find travels in the features a permutation would move."""
     ranking = [t.kind for t in tasks if t.kind in RANKING_KINDS]
-    if ranking:
+    if ranking or corpus:
+        what = f"this model's task ranks items ({ranking[0]})" if ranking else "this model's eval has a full-corpus pass"
         raise ConfigError(f"evaluate.importance=permutation measures a pointwise model's metrics (AUC, log loss) per task, but "
-                          f"this model's task ranks items ({ranking[0]}): its eval scores each row's true item against the "
-                          f"catalogue, and the item travels in the features a permutation moves. Fix: evaluate.importance=none")
+                          f"{what}: its eval scores each row's true item against the catalogue, and the item travels in the "
+                          f"features a permutation moves. Fix: evaluate.importance=none")
 
 
 def permute_kjt_rows(kjt: KeyedJaggedTensor, keys: tuple[str, ...], order: torch.Tensor) -> KeyedJaggedTensor:

@@ -27,6 +27,7 @@ from recsys_runner.features import FeatureSpec, SequenceGroup, SparseFeature
 from recsys_runner.importance import (
     Feature,
     Importance,
+    change_name,
     check_pointwise,
     input_features,
     metric_keys,
@@ -73,6 +74,10 @@ def test_ranking_models_refused_and_metric_names_kept_valid() -> None:
     check_pointwise((BinaryTask(),))
     with pytest.raises(ConfigError, match=r"ranks items \(retrieval\).*Fix: evaluate.importance=none"):
         check_pointwise((InBatchSoftmaxTask(),))
+    with pytest.raises(ConfigError, match=r"eval has a full-corpus pass"):
+        check_pointwise((BinaryTask(),), corpus=True)
+    assert [change_name(k) for k in ("eval/ctr/auc", "eval/ctr/logloss", "eval/recall_at_10", "eval/calibration")] == \
+        ["ctr/auc_drop", "ctr/logloss_rise", "recall_at_10_drop", "calibration_change"]
     rows = [Importance(Feature(name, "sparse"), {}, {"auc_drop": 0.1}) for name in ("a:b/c", "a_b_c", "..")]
     assert list(metric_keys(rows)) == ["importance/a_b_c/auc_drop", "importance/a_b_c_2/auc_drop", "importance/__/auc_drop"]
 
