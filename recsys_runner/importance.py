@@ -70,10 +70,15 @@ def selected(features: list[Feature], names: list[str]) -> list[Feature]:
     """The features ``names`` lists (``evaluate.importance_features``; empty: all), in the data's order.
 
     Raises:
-        ConfigError: a name that is no input feature, with the closest one and the valid names.
+        ConfigError: a name that is no input feature, with the closest one and the valid names; a column of a history
+            group, with the group's name.
     """
     known = {f.name: f for f in features}
     for name in names:
+        group = next((f.name for f in features if f.kind == "history" and name in f.keys), None)
+        if name not in known and group is not None:
+            raise ConfigError(f"evaluate.importance_features names {name!r}, a column of history group {group!r}, whose "
+                              f"columns are shuffled together (one history per row). Fix: evaluate.importance_features=[{group}]")
         if name not in known:
             close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.0)
             hint = f" (did you mean {close[0]}?)" if close else ""

@@ -33,6 +33,7 @@ from recsys_runner.importance import (
     metric_keys,
     permute_kjt_rows,
     permute_rows,
+    selected,
 )
 from recsys_runner.runtime import Launch
 from recsys_runner.tasks import BinaryTask, InBatchSoftmaxTask
@@ -57,6 +58,9 @@ def test_history_group_moves_as_one_and_dense_columns_alone() -> None:
                        sequences=(SequenceGroup("clicks", ("hist",), max_len=4, timestamps="hist_ts"),))
     assert [(f.name, f.kind) for f in input_features(spec)] == [("x", "dense"), ("y", "dense"), ("item", "sparse"),
                                                                  ("clicks", "history")]
+    assert [f.name for f in selected(input_features(spec), ["clicks", "x"])] == ["x", "clicks"]  # the data's order
+    with pytest.raises(ConfigError, match=r"'hist', a column of history group 'clicks'.*Fix: evaluate.importance_features=\[clicks\]"):
+        selected(input_features(spec), ["hist"])
     (group,) = [f for f in input_features(spec) if f.kind == "history"]
     assert group.keys == ("hist", "hist_ts")
     kjt = KeyedJaggedTensor(keys=["item", "hist", "hist_ts"], values=torch.tensor([5, 6, 1, 2, 3, 100, 200, 300]),
