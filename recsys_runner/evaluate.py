@@ -12,17 +12,25 @@ The evaluation is the training loop's own (:class:`recsys_runner.train.evaluatio
 the training run's final eval metrics exactly. A checkpoint of another model config is refused, naming the
 tensors that differ. The result is logged as ``eval/*`` at the checkpoint's step in a new MLflow run, a
 child of the training run (:mod:`recsys_runner.inference`).
+
+``evaluate.importance=permutation`` adds which features carry those metrics: one more pass per input feature, with
+that feature's values shuffled across each batch's rows (:mod:`recsys_runner.importance`); a table of each metric's
+change (AUC drop, log loss rise) per feature, most important first, printed, written to the run directory as
+``importance.csv``/``importance.json``, and logged as those artifacts and ``importance/<feature>/<metric>_drop|_rise``.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+from recsys_runner import importance
 from recsys_runner.config import register_entry_schema, validate
 from recsys_runner.data.encoding.stored import oov_line, oov_rates
+from recsys_runner.errors import ConfigError, require
 from recsys_runner.inference import (
     LOAD_FIELD,
     carry_training_overrides,
@@ -30,7 +38,7 @@ from recsys_runner.inference import (
     inference_start,
     with_training_overrides,
 )
-from recsys_runner.inference_build import build_inference
+from recsys_runner.inference_build import Inference, build_inference
 from recsys_runner.lifecycle import end_rank_process, exit_codes, one_job, tracked_run
 from recsys_runner.noise import quiet_known_noise
 from recsys_runner.overrides import check_command_line
@@ -40,8 +48,34 @@ from recsys_runner.runtime import Launch
 
 quiet_known_noise()  # the known library warnings, each with its reason (noise.py)
 log = logging.getLogger("recsys_runner")
-register_entry_schema("evaluate", [LOAD_FIELD])
-"""The root schema of ``conf/evaluate.yaml``: the run's keys plus ``load``."""
+IMPORTANCE_METHODS = ("none", "permutation")
+
+
+@dataclass(kw_only=True)
+class EvaluateConfig:
+    """The ``evaluate`` section of ``conf/evaluate.yaml``."""
+
+    importance: str = "none"
+    """``permutation``: after the metrics, each input feature's importance (:mod:`recsys_runner.importance`): the eval
+    pass again per feature with its values shuffled across each batch's rows, and each metric's change; ``none``: the
+    metrics only. Costs one eval pass per feature measured (``train.eval_max_batches`` caps each)."""
+    importance_features: list[str] = field(default_factory=list)
+    """The features to measure (dense columns, sparse features, history groups by name); empty: every one."""
+    importance_seed: int = 0
+    """Seeds the shuffles: the same seed gives the same numbers on the same data and ranks."""
+
+    def __post_init__(self) -> None:
+        require(self.importance in IMPORTANCE_METHODS,
+                f"evaluate.importance={self.importance!r} must be one of {list(IMPORTANCE_METHODS)}")
+        require(not self.importance_features or self.importance == "permutation",
+                f"evaluate.importance_features={self.importance_features} is set, but evaluate.importance=none measures "
+                f"nothing. Fix: add evaluate.importance=permutation")
+        twice = sorted({f for f in self.importance_features if self.importance_features.count(f) > 1})
+        require(not twice, f"evaluate.importance_features names {twice} twice")
+
+
+register_entry_schema("evaluate", [LOAD_FIELD, ("evaluate", EvaluateConfig, field(default_factory=EvaluateConfig))])
+"""The root schema of ``conf/evaluate.yaml``: the run's keys plus ``load`` and ``evaluate.*``."""
 
 
 @one_job
@@ -49,9 +83,12 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> dict[str, float]:
     """Evaluate the checkpoint ``cfg.load`` on the configured data; returns the eval metrics (every rank)."""
     checkpoint = checkpoint_to_load(cfg)  # first: a load= that names no checkpoint is the error to fix first
     spec = validate(cfg)
+    settings = settings_of(cfg)
     built = build_inference(spec, launch=launch, weights=checkpoint)
-    start = inference_start(built, entry="evaluate", checkpoint=checkpoint, load=str(cfg.load))
+    params = {f"evaluate.{k}": v for k, v in vars(settings).items()} if settings.importance != "none" else None
+    start = inference_start(built, entry="evaluate", checkpoint=checkpoint, load=str(cfg.load), extra_params=params)
     with tracked_run(built.tracker, start, launch, close=built.close):
+        measured = measured_features(built, settings)  # before the first pass: a name that is no feature is refused now
         with Progress(spec.train.eval_max_batches, enabled=built.env.is_main, unit="batch", desc="evaluate") as progress:
             assert built.evaluator is not None, "build_inference builds it unless evaluate=False"
             metrics = built.evaluator.evaluate(progress)
@@ -61,7 +98,54 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> dict[str, float]:
             log.info("evaluate %s (step %d): %s", checkpoint, built.state.step, shown)
             if (line := oov_line(oov_rates(built.data.metrics()))) is not None:  # this rank's share of the eval data
                 log.info("evaluate: %s", line)
+        if measured:
+            feature_importance(built, measured, settings.importance_seed, metrics, launch)
         return metrics
+
+
+def measured_features(built: Inference, settings: EvaluateConfig) -> list[importance.Feature]:
+    """The features whose importance ``settings`` asks for (none with ``evaluate.importance=none``), its cost said."""
+    if settings.importance == "none":
+        return []
+    importance.check_pointwise(built.tasks, corpus=built.evaluator is not None and built.evaluator.corpus is not None)
+    features = importance.selected(importance.input_features(built.data.features), settings.importance_features)
+    if built.env.is_main:
+        cap = built.evaluator.max_batches if built.evaluator is not None else None
+        log.info("evaluate.importance=permutation: %d feature(s), so %d eval passes (the metrics, then one per feature "
+                 "shuffled), each over %s: %s", len(features), len(features) + 1,
+                 "every eval batch" if cap is None else f"at most {cap} eval batches per rank (train.eval_max_batches)",
+                 ", ".join(f.name for f in features))
+    return features
+
+
+def feature_importance(built: Inference, features: list[importance.Feature], seed: int, base: dict[str, float],
+                       launch: Launch) -> None:
+    """The permutation importance of ``features`` against the ``base`` metrics: measured (every rank), then printed,
+    written to the run directory and logged to the run (rank 0)."""
+    assert built.evaluator is not None
+    rows = importance.ranked(base, importance.measure(built.evaluator, features, seed=seed, show=built.env.is_main))
+    if not built.env.is_main:
+        return
+    log.info("feature importance (each metric's change with the feature shuffled; > 0: the feature helps):\n%s",
+             importance.table(base, rows))
+    directory = launch.output_dir
+    for name, text in importance.write(directory, base, rows, seed).items():
+        built.tracker.log_text(text, name)
+    built.tracker.log_metrics(importance.metric_keys(rows), built.state.step)
+    if directory is not None:
+        log.info("feature importance written to %s", directory / f"{importance.IMPORTANCE_FILE}.csv")
+
+
+def settings_of(cfg: DictConfig) -> EvaluateConfig:
+    """``cfg.evaluate`` as a validated :class:`EvaluateConfig` (its ``__post_init__`` run)."""
+    try:
+        settings = OmegaConf.to_object(cfg.evaluate)
+    except Exception as e:  # OmegaConf wraps the ConfigError raised in __post_init__
+        if isinstance(e.__cause__, ConfigError):
+            raise e.__cause__ from None
+        raise
+    assert isinstance(settings, EvaluateConfig)
+    return settings
 
 
 @hydra.main(config_path=CONFIG_PATH, config_name="evaluate", version_base="1.3")

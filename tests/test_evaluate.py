@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -229,9 +230,14 @@ def test_two_ranks_evaluate_every_eval_row_once(cli_trained: tuple[Path, str]) -
     write_criteo_parquet(str(root / "odd.parquet"), 2 * 256 + 1, seed=11, num_embeddings=1000)
     one = _evaluate_cli(root, "data.eval_path=odd.parquet", "tracking=none", "hydra.run.dir=eval_odd1")
     assert one.returncode == 0, one.stderr[-3000:]
+    # with a feature's importance too: each rank shuffles its own rows, the stand-in batch's none (one more pass)
     two = torchrun("load=train/checkpoints", "data.eval_path=odd.parquet", "tracking=none", "hydra.run.dir=eval_odd2",
-                   "distributed.sharding_types=[table_wise]", "distributed.timeout_s=120", cwd=root, module="recsys_runner.evaluate")
+                   "distributed.sharding_types=[table_wise]", "distributed.timeout_s=120", "evaluate.importance=permutation",
+                   "evaluate.importance_features=[cat_3]", cwd=root, module="recsys_runner.evaluate")
     assert two.returncode == 0, two.stderr[-4000:]
+    (row,) = json.loads((root / "eval_odd2" / "importance.json").read_text())["features"]
+    assert row["feature"] == "cat_3" and set(row["changes"]) == {"auc_drop", "logloss_rise"}
+    assert all(math.isfinite(v) for v in row["changes"].values()), row
 
     def shown(logged: str) -> dict[str, float]:
         line = re.search(r"evaluate .*\(step 10\): (.*)", logged)

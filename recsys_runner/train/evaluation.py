@@ -71,7 +71,8 @@ class Evaluator:
         """The metric keys :meth:`evaluate` returns (``eval/auc``, ``eval/recall_at_10``, …)."""
         return eval_metric_keys(self.metrics, self.tasks)
 
-    def evaluate(self, progress: Progress | None = None, *, stop: Callable[[], None] | None = None) -> dict[str, float]:
+    def evaluate(self, progress: Progress | None = None, *, stop: Callable[[], None] | None = None,
+                 transform: Callable[[Iterator[Batch]], Iterator[Batch]] | None = None) -> dict[str, float]:
         """Each task's eval metrics over this rank's eval batches, combined over all ranks; ``progress`` counts the
         batches (``python -m recsys_runner.evaluate``; during training the train bar shows the results instead).
 
@@ -83,7 +84,10 @@ class Evaluator:
         item index, of the items a query batch is scored against, and of the items mined) and may raise to abandon the
         eval there: the loop's pending-signal check, given with one rank only (with several, the forwards and gathers
         are collectives that every rank must finish). The EMA weights are swapped back, the pipeline reattached and the
-        model put back in train mode all the same."""
+        model put back in train mode all the same.
+
+        ``transform`` rewrites this rank's eval batches (on the host, before the forward): the permutation importance's
+        batches with one feature's rows shuffled (:mod:`recsys_runner.importance`, which refuses models with a corpus pass)."""
         metrics = TaskEvalMetrics(self.metrics, self.tasks, self.env.device)
         batches = self.data.eval_batches(self.env.rank, self.env.world_size)
         weights = self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext()
@@ -92,7 +96,8 @@ class Evaluator:
             model.eval()
             try:
                 with torch.no_grad():
-                    self._score(model, metrics, itertools.islice(batches, self.max_batches), progress, stop)
+                    mine: Iterator[Batch] = itertools.islice(batches, self.max_batches)
+                    self._score(model, metrics, transform(mine) if transform is not None else mine, progress, stop)
                     if self.corpus is not None:  # a second pass: the user tower's queries against the whole catalogue
                         corpus = self.corpus.evaluate(model, self.data, self.env, itertools.islice(
                             self.data.eval_batches(self.env.rank, self.env.world_size), self.max_batches), stop=stop)
