@@ -6,11 +6,15 @@ For people who would rather read a terminal or look at a picture than click thro
     python -m recsys_runner.compare --experiment lr_grid               # every run of an experiment
     python -m recsys_runner.compare --parent <run id>                   # the children of one sweep
     python -m recsys_runner.compare --experiment lr_grid --filter "params.model._target_ LIKE '%DLRM'"
+    python -m recsys_runner.compare --experiment seeds --repeats seed  # a row per configuration: mean ± std over seeds
     python -m recsys_runner.compare collect --parent <run id> --wait    # a detached sweep: wait, summarize
 
 It prints one row per run (name, status, the parameters that differ between the runs, final
 metrics) and writes ``curves.png`` (each metric over steps, a line per run) and
-``<metric>_vs_params.png`` (the final metric against each varying parameter) to ``--out``.
+``<metric>_vs_params.png`` (the final metric against each varying parameter) to ``--out``. With ``--repeats <key>``
+(``seed``; ``seeds`` for every seed param) the runs that differ only in that key are one row: each metric's mean ± std
+over them, ``n``, and whether the best two rows differ by more than their spread
+(:mod:`recsys_runner.compare_repeats`); the plots then show each configuration's mean and std.
 
 ``collect`` finishes a sweep whose launcher returned before its jobs did (e.g.
 ``hydra/launcher=submitit_slurm_detached``): it waits until every job has ended, writes the best
@@ -44,6 +48,7 @@ from typing import Any
 
 from recsys_runner.compare_collect import best_line, collect, wrong_parent
 from recsys_runner.compare_plots import plot_curves, plot_vs_params
+from recsys_runner.compare_repeats import Grouping, group_runs, grouped_table, repeat_keys, spread_note
 from recsys_runner.compare_table import DEFAULT_METRICS, default_metrics, table, unlogged_metrics
 from recsys_runner.compare_ui import print_ui_url
 from recsys_runner.errors import ConfigError, reported
@@ -108,6 +113,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--filter", default="", help="MLflow search filter, e.g. \"params.optim.sparse.lr > '0.05'\"")
     p.add_argument("--metric", action="append", default=None, help=f"metrics for the table and plots, the first ranks (default: {', '.join(DEFAULT_METRICS)}, or, for runs whose "
                    "objective is another metric (best/<metric>), that one, their other eval metrics and train/loss)")
+    p.add_argument("--repeats", action="append", default=None, metavar="KEY",
+                   help="runs that differ only in this param are repeats of one configuration: a row per configuration, "
+                        "each metric as mean ± std over them, n, and Welch's t-test p against the best (repeatable; "
+                        "'seeds' is every seed param: seed, data.seed)")
     p.add_argument("--out", default="compare", help="directory for the PNGs (default: ./compare)")
     p.add_argument("--no-plots", action="store_true", help="print the table only")
     p.add_argument("--manifest", action="store_true", help="add where each run came from: entry, git commit, dirty, "
@@ -175,12 +184,19 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.metric and (unlogged := unlogged_metrics(runs, args.metric)) is not None:
         print(unlogged, file=sys.stderr)
         return 2
-    print(table(runs, metrics, manifest=args.manifest))
+    grouping: Grouping | None = None
+    if args.repeats:
+        grouping = group_runs(runs, repeat_keys(runs, args.repeats))
+        print(grouped_table(grouping, metrics, manifest=args.manifest))
+        if (note := spread_note(grouping, metrics[0])) is not None:
+            print(note)
+    else:
+        print(table(runs, metrics, manifest=args.manifest))
     if not args.no_plots:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        written = [plot_curves(client, runs, metrics, out / "curves.png"),
-                   plot_vs_params(runs, metrics[0], out / f"{metrics[0].replace('/', '_')}_vs_params.png")]
+        written = [plot_curves(client, runs, metrics, out / "curves.png", grouping),
+                   plot_vs_params(runs, metrics[0], out / f"{metrics[0].replace('/', '_')}_vs_params.png", grouping)]
         print("plots: " + ", ".join(str(p) for p in written if p is not None))
     shown_experiment = client.get_run(parent_id).info.experiment_id if parent_id else runs[0].info.experiment_id
     print("\n".join(ui_lines(uri, shown_experiment, parent_id, args.port)), file=sys.stderr)

@@ -18,7 +18,8 @@ DEFAULT_METRICS = ("eval/auc", "eval/logloss", "train/loss")
 MAX_EVAL_COLUMNS = 6
 """At most this many eval metrics in a table chosen from what the runs logged (:func:`default_metrics`): a multi-task run
 logs a few per task, and a wider table no longer fits a terminal."""
-_HIDDEN_PARAMS = ("tracking.", "hydra.")
+HIDDEN_PARAMS = ("tracking.", "hydra.")
+"""Param prefixes that are bookkeeping, not configuration: never a column, never what sets runs apart."""
 
 
 def varying_params(runs: Sequence[Any]) -> list[str]:
@@ -26,7 +27,7 @@ def varying_params(runs: Sequence[Any]) -> list[str]:
     if not runs:
         return []
     keys = sorted(set.intersection(*(set(r.data.params) for r in runs)))
-    keys = [k for k in keys if not k.startswith(_HIDDEN_PARAMS)]
+    keys = [k for k in keys if not k.startswith(HIDDEN_PARAMS)]
     return [k for k in keys if len({r.data.params.get(k) for r in runs}) > 1]
 
 
