@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import logging
 import re
 import sys
 import typing
@@ -34,6 +35,8 @@ from recsys_runner.config import GROUPS, group_options, plugins, register_config
 from recsys_runner.config_keys import torcheasyrec_fix
 from recsys_runner.errors import ConfigError, reported
 from recsys_runner.paths import initialize_conf
+
+log = logging.getLogger("recsys_runner")
 
 COMMANDS = {
     "evaluate": "metrics of a checkpoint on eval data",
@@ -101,6 +104,7 @@ def explain(config_name: str, overrides: list[str], *, multirun: bool = False, m
     searchpath = [o.input_line for o in parsed if o.key_or_group == "hydra.searchpath" and o.input_line is not None]
     for override in chosen:
         _require_one_option(override, module)
+        _refused_entry_point(override)
     first = [_first_of_sweep(o) for o in chosen] if multirun else [o.input_line for o in chosen]
     single = [line for line in first if line is not None]
     if len(single) < len(chosen):
@@ -166,6 +170,15 @@ def _require_one_option(override: Override, module: str) -> None:
                       f"or train each in a sweep: python -m {module} --multirun {group}={','.join(options)}")
 
 
+def _refused_entry_point(override: Override) -> None:
+    """``model=deepfm`` while an installed package's entry point is named ``deepfm`` too: the run gets the option that
+    holds the name (the built-in, or the entry first by name), and one warning line says which entry was refused and
+    why (:attr:`~recsys_runner.plugins.Plugins.refused`); a run that does not choose that name hears nothing of it."""
+    value = override.value()
+    if isinstance(value, str) and (refused := plugins().refused.get((override.key_or_group, value))) is not None:
+        log.warning(refused)
+
+
 def _first_of_sweep(override: Override) -> str | None:
     """A multirun's override as one job sees it (a sweep cut to its first value); ``None`` when it has no list of values
     (an interval for a search): the check then leaves the command line to Hydra."""
@@ -188,8 +201,6 @@ def _unknown_option(e: MissingConfigException, chosen: list[Override], module: s
     given = next((o for o in chosen if o.key_or_group == group and str(o.value()) == option), None)
     if not group or given is None or not options:
         return None
-    if (refused := plugins().refused.get((group, option))) is not None:
-        return f"{given.input_line}: {refused}"
     below = None if _same_option(option, options) else _option_below(group, option)
     if below is not None:
         return (f"{given.input_line}: {group} has no option {option!r}, but {below} is an option of one half of it. Fix: "
