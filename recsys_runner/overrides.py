@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import difflib
 import logging
+import os
 import re
 import sys
 import typing
@@ -173,10 +174,12 @@ def _require_one_option(override: Override, module: str) -> None:
 def _refused_entry_point(override: Override) -> None:
     """``model=deepfm`` while an installed package's entry point is named ``deepfm`` too: the run gets the option that
     holds the name (the built-in, or the entry first by name), and one warning line says which entry was refused and
-    why (:attr:`~recsys_runner.plugins.Plugins.refused`); a run that does not choose that name hears nothing of it."""
+    why (:attr:`~recsys_runner.plugins.Plugins.refused`); a run that does not choose that name hears nothing of it.
+    Said by rank 0 only: under torchrun every rank checks the same command line."""
     value = override.value()
     if isinstance(value, str) and (refused := plugins().refused.get((override.key_or_group, value))) is not None:
-        log.warning(refused)
+        if int(os.environ.get("RANK", "0")) == 0:
+            log.warning(refused)
 
 
 def _first_of_sweep(override: Override) -> str | None:

@@ -20,7 +20,7 @@ from conftest import REPO, run_cli, run_in_process
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from recsys_runner import config, plugins
+from recsys_runner import config, overrides, plugins
 from recsys_runner.errors import ConfigError
 
 MODEL = '''
@@ -183,6 +183,15 @@ def test_choosing_a_name_an_entry_point_lost_warns_once(installed: Path, tmp_pat
     assert out.returncode == 0, out.stderr[-3000:]
     said = [r.getMessage() for r in caplog.records if "entry point" in r.getMessage()]
     assert len(said) == 1 and "'deepfm = theirpkg.tiny:TinyConfig'" in said[0] and "is refused" in said[0], said
+
+
+@pytest.mark.parametrize(("rank", "lines"), [("0", 1), ("1", 0)])
+def test_the_warning_is_said_by_rank_0_only(installed: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+                                            rank: str, lines: int) -> None:
+    """Under torchrun every rank checks the same command line: one line for the job, not one per rank."""
+    monkeypatch.setenv("RANK", rank)
+    overrides.explain("config", ["model=deepfm", "data=small"])
+    assert len([r for r in caplog.records if "'deepfm = theirpkg.tiny:TinyConfig'" in r.getMessage()]) == lines
 
 
 def test_help_lists_the_installed_options(installed: Path, tmp_path: Path) -> None:
