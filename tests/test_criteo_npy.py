@@ -15,10 +15,12 @@ from torchrec.datasets.criteo import DEFAULT_CAT_NAMES, BinaryCriteoUtils, InMem
 from recsys_runner.__main__ import run
 from recsys_runner.config import validate
 from recsys_runner.configurable import make
+from recsys_runner.data import inspect as inspect_module
 from recsys_runner.data.__main__ import main as data_main
 from recsys_runner.data.files.tabular import CriteoNpyData, ParquetData
 from recsys_runner.data.files.tabular_config import CriteoNpyDataConfig, ParquetDataConfig
 from recsys_runner.data.generated.generate import write_criteo_tsv
+from recsys_runner.data.inspect import BITMAP_IDS
 from recsys_runner.errors import DataError
 from recsys_runner.models.dlrm import DLRMConfig
 
@@ -171,6 +173,31 @@ def test_inspect_sizes_contiguous_ids(days: Path, tmp_path: Path, capsys: pytest
     assert data_main(["inspect", str(folder), "--format", "criteo_npy"]) == 0
     sizes = [int(np.load(folder / "day_0_sparse.npy")[:, i].max() + 1) for i in range(26)]  # day 0's 1500 rows fill every table
     assert f"data.num_embeddings_per_feature=[{','.join(map(str, sizes))}] gives every id a row of its own" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cap", [1_000_000, 900])
+def test_inspect_counts_each_column_in_numpy(days: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                             monkeypatch: pytest.MonkeyPatch, cap: int) -> None:
+    """Every column's distinct count as the files hold it (``np.unique`` of the whole column; past ``--max-distinct``
+    only ``>cap``), counted in numpy, not in Python values: ids in a bitmap (contiguous, ``cat_0``), sorted (spread, the
+    others), and a bitmap's ids sorted once a later day's ids go past it (``cat_1``)."""
+    folder = copy_days(days, tmp_path / "days")
+    for d in range(len(DAY_ROWS)):
+        sparse = np.load(folder / f"day_{d}_sparse.npy")
+        sparse[:, 0] %= SIZES[0]
+        sparse[:, 1] = sparse[:, 1] % SIZES[1] + (BITMAP_IDS if d == 1 else 0)
+        np.save(folder / f"day_{d}_sparse.npy", sparse)
+    monkeypatch.setattr(inspect_module, "counted_values", None)  # Python sets of every value: 5-7x as long
+    assert data_main(["inspect", str(folder), "--format", "criteo_npy", "--max-distinct", str(cap)]) == 0
+    out = capsys.readouterr().out
+    columns = {"label": np.concatenate([np.load(folder / f"day_{d}_labels.npy").reshape(-1) for d in range(len(DAY_ROWS))])}
+    dense = np.concatenate([np.load(folder / f"day_{d}_dense.npy") for d in range(len(DAY_ROWS))])
+    sparse = np.concatenate([np.load(folder / f"day_{d}_sparse.npy") for d in range(len(DAY_ROWS))])
+    columns |= {f"int_{i}": dense[:, i] for i in range(13)} | {f"cat_{i}": sparse[:, i] for i in range(26)}
+    for name, values in columns.items():
+        n = len(np.unique(values))
+        assert re.search(rf"^{name} +\S+ +0 +{n if n <= cap else f'>{cap}'}$", out, re.M), (name, n, out)
+    assert any(len(np.unique(v)) > 900 for v in columns.values()) and len(np.unique(sparse[:, 0])) < 900
 
 
 def test_convert_writes_the_rows_training_reads(days: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
