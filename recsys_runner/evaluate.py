@@ -16,6 +16,7 @@ child of the training run (:mod:`recsys_runner.inference`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import hydra
@@ -49,6 +50,8 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> dict[str, float]:
     """Evaluate the checkpoint ``cfg.load`` on the configured data; returns the eval metrics (every rank)."""
     checkpoint = checkpoint_to_load(cfg)  # first: a load= that names no checkpoint is the error to fix first
     spec = validate(cfg)
+    if (scored := spec.data.for_evaluate()) is not spec.data:  # rows kept apart for evaluate (TorchRec's test half)
+        spec = dataclasses.replace(spec, data=scored)
     built = build_inference(spec, launch=launch, weights=checkpoint)
     start = inference_start(built, entry="evaluate", checkpoint=checkpoint, load=str(cfg.load))
     with tracked_run(built.tracker, start, launch, close=built.close):
