@@ -122,8 +122,8 @@ def test_last_day_halves_equal_torchrec_stages(three_days: Path, half: str) -> N
     assert (splits["train"].num_rows, splits["eval"].num_rows, splits["eval"].files) == (sum(DAY_ROWS), len(want[0]), (paths["dense"][2],))
 
 
-def test_last_day_holdout_refusals(days: Path) -> None:
-    """Eval rows from one place; a half without a held-out day; a single day to both train and hold out."""
+def test_last_day_holdout_refusals(days: Path, tmp_path: Path) -> None:
+    """Eval rows from one place; a half without a held-out day; a single day to both train and hold out; an empty half."""
     with pytest.raises(ConfigError, match="data.last_day=holdout evaluates on halves of the last day of data.path, but "
                                           "data.eval_path is set too"):
         make(CriteoNpyDataConfig, path=str(days), eval_path=str(days), last_day="holdout")
@@ -131,6 +131,13 @@ def test_last_day_holdout_refusals(days: Path) -> None:
         make(CriteoNpyDataConfig, path=str(days), last_day_half="test")
     with pytest.raises(DataError, match="holds only day 0"):
         CriteoNpyData(make(CriteoNpyDataConfig, path=f"{days}/day_0_*.npy", num_embeddings_per_feature=SIZES, last_day="holdout"))
+    tiny = tmp_path / "one_row_last"
+    tiny.mkdir()
+    for kind in KINDS:
+        np.save(tiny / f"day_0_{kind}.npy", np.load(days / f"day_0_{kind}.npy"))
+        np.save(tiny / f"day_1_{kind}.npy", np.load(days / f"day_1_{kind}.npy")[:1])
+    with pytest.raises(DataError, match=r"day_1_dense.npy: no rows of 1\), held out by data.last_day=holdout has no rows .* Fix: a last day with rows, or data.last_day=train"):
+        CriteoNpyData(make(CriteoNpyDataConfig, path=str(tiny), num_embeddings_per_feature=SIZES, last_day="holdout", last_day_half="test"))
     config = make(CriteoNpyDataConfig, path=str(days), last_day="holdout")
     assert (config.for_evaluate().last_day_half, make(CriteoNpyDataConfig, path=str(days)).for_evaluate().last_day_half) == ("test", None)
 

@@ -118,8 +118,9 @@ class TabularData(Catalogue, DataModule, abc.ABC):
             self._train = Split(train_source, train_units, [u.num_rows - h for u, h in zip(train_units, held, strict=True)], (fraction, False))
             self._eval = Split(train_source, train_units, held, (fraction, True))
         if sum(self._eval.counts) == 0:
+            fix = "a last day with rows, or data.last_day=train" if self._held_out else "a larger data.eval_fraction, or data.eval_path=<eval files>"
             raise DataError(f"{self._eval_files()} has no rows (of {sum(self._train.counts)} training rows): the eval would have none. "
-                            f"Fix: a larger data.eval_fraction, or data.eval_path=<eval files>")
+                            f"Fix: {fix}")
         if config.batch_tokens is not None:
             if not schema.sequences:
                 raise ConfigError(f"data.batch_tokens={config.batch_tokens} sizes batches by history tokens, but the schema of "

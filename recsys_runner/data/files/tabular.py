@@ -344,7 +344,6 @@ class CriteoNpyData(CriteoData):
         train, held, units = train_source.last_day_apart(half, "data.path")
         train_units = train.units()
         last = held.days[0]
-        said = (f"the {half} half of day {last.day} of data.path={config.path!r} ({last.dense}: rows "
-                f"{units[0].first_row if units else 0}-{units[-1].first_row + units[-1].num_rows - 1 if units else -1} of "
-                f"{last.rows}), held out by data.last_day=holdout")
+        rows = f"rows {units[0].first_row}-{units[-1].first_row + units[-1].num_rows - 1}" if units else "no rows"
+        said = f"the {half} half of day {last.day} of data.path={config.path!r} ({last.dense}: {rows} of {last.rows}), held out by data.last_day=holdout"
         return (Split(train, train_units, [u.num_rows for u in train_units]), Split(held, units, [u.num_rows for u in units]), said)
