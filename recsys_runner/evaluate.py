@@ -4,6 +4,8 @@ Same overrides as the training run (they rebuild the same model and data), plus 
 checkpoint directory, a checkpoints root (best, else newest) or the training run's MLflow id. Change the
 data to evaluate the checkpoint on other data, e.g. that day's ``data.eval_path=/data/day_31``; the
 configured ``metrics.*`` are computed over all ranks (``torchrun --nproc_per_node=N -m recsys_runner.evaluate …``).
+Data that keeps rows apart for this command is read as such (:meth:`~recsys_runner.data.base.DataConfig.for_evaluate`:
+``data=criteo_npy data.last_day=holdout`` scores the last day's test half, where training evaluated on its val half).
 
 The evaluation is the training loop's own (:class:`recsys_runner.train.evaluation.Evaluator`, over the model
 :func:`recsys_runner.inference_build.build_inference` builds: no optimizer, schedule or train pipeline): the same
