@@ -83,7 +83,7 @@ from recsys_runner.optim.sparse import (
     check_sparse_on_device,
 )
 from recsys_runner.paths import register_resolvers
-from recsys_runner.plugins import Plugins, load
+from recsys_runner.plugins import Plugins, listed, load_class, store_lazily
 from recsys_runner.store_settings import StorageConfig
 from recsys_runner.tracking.tracker import MlflowTrackingConfig, NoTrackingConfig, TrackingConfig
 from recsys_runner.train.compile import check_compile
@@ -206,14 +206,37 @@ PLUGIN_BASES: dict[str, type] = {"model": ModelConfig, "data": DataConfig}
 
 @functools.cache
 def plugins() -> Plugins:
-    """The options installed packages declare as entry points (``recsys_runner.models``, ``recsys_runner.data``), read and
-    imported once per process; a broken one is left out with one warning line (:mod:`recsys_runner.plugins`)."""
-    return load(GROUPS, PLUGIN_BASES)
+    """The options installed packages declare as entry points (``recsys_runner.models``, ``recsys_runner.data``), listed
+    by name once per process; none is imported here (:mod:`recsys_runner.plugins`)."""
+    return listed(GROUPS)
+
+
+@functools.cache
+def _plugin_schema(group: str, name: str) -> type | ConfigError:
+    """The config class of the installed option ``<group>=<name>``, imported once; or the one-line error of a broken one."""
+    try:
+        return load_class(plugins().entries[group][name], PLUGIN_BASES[group])
+    except ConfigError as e:
+        return e
+
+
+def plugin_schema(group: str, name: str) -> type:
+    """The config class of the installed option ``<group>=<name>``, imported on first use (Hydra composing the option).
+
+    Raises:
+        ConfigError: the entry point fails to import or names no config class (one line naming it and its distribution).
+    """
+    schema = _plugin_schema(group, name)
+    if isinstance(schema, ConfigError):
+        raise ConfigError(str(schema))
+    return schema
 
 
 def group_options(group: str) -> dict[str, type]:
-    """Every option of ``group`` with its schema: the built-in ones and those of installed packages."""
-    return {**GROUPS.get(group, {}), **plugins().options.get(group, {})}
+    """Every option of ``group`` with its schema: the built-in ones and those of installed packages that import (which
+    imports them: for the hints that read an option's keys, after a mistake, not for an ordinary run)."""
+    added = {name: _plugin_schema(group, name) for name in plugins().entries.get(group, {})}
+    return {**GROUPS.get(group, {}), **{name: schema for name, schema in added.items() if isinstance(schema, type)}}
 
 
 def options_with_key(group: str, key: str) -> list[str]:
@@ -226,7 +249,7 @@ def register_configs() -> None:
     make ``--help`` list the groups in one walk, without these ``schema/*`` groups (``help_groups.py``; idempotent).
     Every Hydra entry runs it before ``@hydra.main``. Each option of an installed package (:func:`plugins`) is stored
     twice: as ``schema/<group>/<name>``, which its own YAML presets extend as ours do, and as the option
-    ``<group>=<name>`` itself."""
+    ``<group>=<name>`` itself; by name, its module imported only when Hydra first composes it."""
     register_resolvers()
     help_groups.install()
     cs = ConfigStore.instance()
@@ -234,10 +257,11 @@ def register_configs() -> None:
     for group, builtin in GROUPS.items():
         for name, node in builtin.items():
             cs.store(group=f"schema/{group}", name=name, node=node)
-    for group, added in plugins().options.items():
-        for name, node in added.items():
-            cs.store(group=f"schema/{group}", name=name, node=node)  # for the package's own YAML presets to extend
-            cs.store(group=group, name=name, node=node)  # the option itself: the dataclass's defaults, no YAML needed
+    for group, added in plugins().entries.items():
+        for name in added:
+            schema = functools.partial(plugin_schema, group, name)  # imported when Hydra first composes it
+            store_lazily(f"schema/{group}", name, schema)  # for the package's own YAML presets to extend
+            store_lazily(group, name, schema)  # the option itself: the dataclass's defaults, no YAML needed
 
 
 def register_entry_schema(name: str, fields: list[tuple[str, Any, Any]]) -> None:

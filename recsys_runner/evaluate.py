@@ -4,6 +4,8 @@ Same overrides as the training run (they rebuild the same model and data), plus 
 checkpoint directory, a checkpoints root (best, else newest) or the training run's MLflow id. Change the
 data to evaluate the checkpoint on other data, e.g. that day's ``data.eval_path=/data/day_31``; the
 configured ``metrics.*`` are computed over all ranks (``torchrun --nproc_per_node=N -m recsys_runner.evaluate …``).
+Data that keeps rows apart for this command is read as such (:meth:`~recsys_runner.data.base.DataConfig.for_evaluate`:
+``data=criteo_npy data.last_day=holdout`` scores the last day's test half, where training evaluated on its val half).
 
 The evaluation is the training loop's own (:class:`recsys_runner.train.evaluation.Evaluator`, over the model
 :func:`recsys_runner.inference_build.build_inference` builds: no optimizer, schedule or train pipeline): the same
@@ -22,7 +24,7 @@ change (AUC drop, log loss rise) per feature, most important first, printed, wri
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -84,6 +86,8 @@ def run(cfg: DictConfig, launch: Launch = Launch()) -> dict[str, float]:
     checkpoint = checkpoint_to_load(cfg)  # first: a load= that names no checkpoint is the error to fix first
     spec = validate(cfg)
     settings = settings_of(cfg)
+    if (scored := spec.data.for_evaluate()) is not spec.data:  # rows kept apart for evaluate (TorchRec's test half)
+        spec = replace(spec, data=scored)
     built = build_inference(spec, launch=launch, weights=checkpoint)
     params = {f"evaluate.{k}": v for k, v in vars(settings).items()} if settings.importance != "none" else None
     start = inference_start(built, entry="evaluate", checkpoint=checkpoint, load=str(cfg.load), extra_params=params)

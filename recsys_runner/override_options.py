@@ -15,7 +15,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.types import Override
 from hydra.errors import MissingConfigException
 
-from recsys_runner.config import group_options, options_with_key, plugins
+from recsys_runner.config import group_options, options_with_key
 
 
 def unknown_option(e: MissingConfigException, chosen: list[Override], module: str) -> str | None:
@@ -28,8 +28,6 @@ def unknown_option(e: MissingConfigException, chosen: list[Override], module: st
     given = next((o for o in chosen if o.key_or_group == group and str(o.value()) == option), None)
     if not group or given is None or not options:
         return None
-    if (refused := plugins().refused.get((group, option))) is not None:
-        return f"{given.input_line}: {refused}"
     below = None if _same_option(option, options) else _option_below(group, option)
     if below is not None:
         return (f"{given.input_line}: {group} has no option {option!r}, but {below} is an option of one half of it. Fix: "

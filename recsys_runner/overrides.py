@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -27,7 +29,7 @@ from hydra.core.override_parser.types import Override
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ConfigTypeError, ValidationError
 
-from recsys_runner.config import GROUPS, register_configs
+from recsys_runner.config import GROUPS, plugins, register_configs
 from recsys_runner.config_keys import torcheasyrec_fix
 from recsys_runner.errors import ConfigError, reported
 from recsys_runner.override_keys import (
@@ -41,6 +43,8 @@ from recsys_runner.override_keys import (
 )
 from recsys_runner.override_options import group_with_plus, preset_key_of_another_option, unknown_option
 from recsys_runner.paths import initialize_conf
+
+log = logging.getLogger("recsys_runner")
 
 COMMANDS = {
     "evaluate": "metrics of a checkpoint on eval data",
@@ -107,6 +111,7 @@ def explain(config_name: str, overrides: list[str], *, multirun: bool = False, m
     searchpath = [o.input_line for o in parsed if o.key_or_group == "hydra.searchpath" and o.input_line is not None]
     for override in chosen:
         _require_one_option(override, module)
+        _refused_entry_point(override)
     first = [_first_of_sweep(o) for o in chosen] if multirun else [o.input_line for o in chosen]
     single = [line for line in first if line is not None]
     if len(single) < len(chosen):
@@ -187,6 +192,17 @@ def _require_one_option(override: Override, module: str) -> None:
     group, options = override.key_or_group, [str(v) for v in value]
     raise ConfigError(f"{override.input_line}: {group} takes one option, not a list. Fix: choose one, e.g. {group}={options[0]}, "
                       f"or train each in a sweep: python -m {module} --multirun {group}={','.join(options)}")
+
+
+def _refused_entry_point(override: Override) -> None:
+    """``model=deepfm`` while an installed package's entry point is named ``deepfm`` too: the run gets the option that
+    holds the name (the built-in, or the entry first by name), and one warning line says which entry was refused and
+    why (:attr:`~recsys_runner.plugins.Plugins.refused`); a run that does not choose that name hears nothing of it.
+    Said by rank 0 only: under torchrun every rank checks the same command line."""
+    value = override.value()
+    if isinstance(value, str) and (refused := plugins().refused.get((override.key_or_group, value))) is not None:
+        if int(os.environ.get("RANK", "0")) == 0:
+            log.warning(refused)
 
 
 def _first_of_sweep(override: Override) -> str | None:

@@ -10,20 +10,29 @@ dataclass defaults; no YAML needed), exactly where the built-in options live, so
 :func:`~recsys_runner.config.validate` treat it as one of ours. :data:`ENTRY_POINT_GROUPS` maps each entry-point group to
 the config group it fills and the base class its classes must subclass.
 
-A broken entry (it does not import, names something that is not a subclass of the group's base, or takes a name that is
-already an option) is left out with one warning line naming the entry point, its distribution and the cause, and every
-other option still works: one broken package in a shared environment must not stop runs that do not use it, and a run
-that does choose it is told why the option is missing (:attr:`Plugins.refused`, read by ``overrides.py``'s message for an
-unknown option) rather than only that it is.
+Entry points are listed by name from the installed distributions' metadata (:func:`listed`), which imports nothing;
+an option's module is imported only when Hydra loads that option (:func:`store_lazily`), i.e. when a run chooses it
+(or a preset extends its schema). So a package whose module is slow to import, or broken, costs nothing to a run that
+does not use it: ``--help`` and the typo hints need only the names. What cannot be used is said where it matters:
+
+- an entry whose name is already an option (a built-in's, or an earlier entry's) is refused from the names alone
+  (:attr:`Plugins.refused`); the command line check warns when a run chooses that name (it gets the other option);
+- an entry that fails to import, or names something that is not a subclass of the group's base, stops the run that
+  chooses it with one ``Config error:`` line naming the entry point, its distribution and the cause (:func:`load_class`).
 """
 
 from __future__ import annotations
 
-import logging
+import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
+from typing import Any
 
-log = logging.getLogger("recsys_runner")
+from hydra.core.config_store import ConfigNode, ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from recsys_runner.errors import ConfigError
 
 ENTRY_POINT_GROUPS: dict[str, str] = {"recsys_runner.models": "model", "recsys_runner.data": "data"}
 """Entry-point group → the config group its entries become options of (``model=<name>``, ``data=<name>``)."""
@@ -31,12 +40,12 @@ ENTRY_POINT_GROUPS: dict[str, str] = {"recsys_runner.models": "model", "recsys_r
 
 @dataclass(frozen=True)
 class Plugins:
-    """What the installed entry points add: the options loaded, and the entries left out with the reason."""
+    """What the installed entry points add, from their names alone: the options, and the entries refused with the reason."""
 
-    options: dict[str, dict[str, type]]
-    """Config group → option name → its config class (a subclass of the group's base)."""
+    entries: dict[str, dict[str, EntryPoint]]
+    """Config group → option name → its entry point (not imported: :func:`load_class` does, when the option is used)."""
     refused: dict[tuple[str, str], str]
-    """``(config group, option name)`` → the one-line reason the entry was left out."""
+    """``(config group, option name)`` → the one-line reason an entry of that name was left out (the name was taken)."""
 
 
 def _where(ep: EntryPoint) -> str:
@@ -45,41 +54,80 @@ def _where(ep: EntryPoint) -> str:
     return f"entry point '{ep.name} = {ep.value}' (group {ep.group}) of distribution {dist}"
 
 
-def _load_one(ep: EntryPoint, base: type, taken: dict[str, str]) -> type | str:
-    """The config class ``ep`` names, or the reason it is refused; ``taken`` maps each option name already in use to
-    what holds it (a built-in's class, or an earlier entry point)."""
-    group = ENTRY_POINT_GROUPS[ep.group]
-    if ep.name in taken:
-        return (f"{_where(ep)} is refused: {group}={ep.name} is already {taken[ep.name]}. Fix: give the entry point "
-                f"another name in that package's pyproject.toml")
-    try:
-        cls = ep.load()
-    except Exception as e:  # noqa: BLE001 - whatever the user's module raises on import: reported, the others still load
-        first = str(e).splitlines()[0] if str(e) else ""
-        return (f"{_where(ep)} failed to import: {type(e).__name__}: {first}. Fix: install what it needs, or uninstall "
-                f"that distribution; {group}={ep.name} is unavailable")
-    if not (isinstance(cls, type) and issubclass(cls, base)):
-        return (f"{_where(ep)} is refused: it names {cls!r}, not a subclass of {base.__module__}.{base.__name__}. Fix: "
-                f"point it at the config dataclass (whose _target_ names the {group} class)")
-    return cls
-
-
-def load(builtin: dict[str, dict[str, type]], bases: dict[str, type]) -> Plugins:
-    """Every entry point of :data:`ENTRY_POINT_GROUPS`, each as an option of its config group, next to ``builtin``
-    (config group → option → class) whose names it may not take; ``bases`` gives each config group's base class. A
-    refused entry is logged (one warning line) and recorded in :attr:`Plugins.refused`."""
-    options: dict[str, dict[str, type]] = {}
+def listed(builtin: dict[str, dict[str, type]]) -> Plugins:
+    """Every entry point of :data:`ENTRY_POINT_GROUPS` by name, next to ``builtin`` (config group → option → class) whose
+    names it may not take; nothing is imported. Of two entries of one name the first by name and value keeps it."""
+    entries: dict[str, dict[str, EntryPoint]] = {}
     refused: dict[tuple[str, str], str] = {}
     for ep_group, group in ENTRY_POINT_GROUPS.items():
         taken = {name: f"the built-in {cls.__module__}.{cls.__qualname__}" for name, cls in builtin.get(group, {}).items()}
-        found = options.setdefault(group, {})
+        found = entries.setdefault(group, {})
         for ep in sorted(entry_points(group=ep_group), key=lambda e: (e.name, e.value)):
-            result = _load_one(ep, bases[group], taken)
-            if isinstance(result, str):
-                log.warning(result)
-                refused.setdefault((group, ep.name), result)
+            if ep.name in taken:
+                refused.setdefault((group, ep.name), f"{_where(ep)} is refused: {group}={ep.name} is already {taken[ep.name]}. "
+                                                     f"Fix: give the entry point another name in that package's pyproject.toml")
                 continue
-            found[ep.name] = result
+            found[ep.name] = ep
             taken[ep.name] = f"taken by {_where(ep)}"
-    return Plugins(options=options, refused=refused)
+    return Plugins(entries=entries, refused=refused)
 
+
+def load_class(ep: EntryPoint, base: type) -> type:
+    """The config class ``ep`` names, imported now.
+
+    Raises:
+        ConfigError: ``<group>=<name>: entry point … failed to import: …`` (or names no subclass of ``base``), one line.
+    """
+    group = ENTRY_POINT_GROUPS[ep.group]
+    try:
+        cls = ep.load()
+    except Exception as e:  # noqa: BLE001 - whatever the user's module raises on import: one line, for this option only
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise ConfigError(f"{group}={ep.name}: {_where(ep)} failed to import: {type(e).__name__}: {first}. Fix: install "
+                          f"what it needs, or uninstall that distribution") from None
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise ConfigError(f"{group}={ep.name}: {_where(ep)} is refused: it names {cls!r}, not a subclass of "
+                          f"{base.__module__}.{base.__name__}. Fix: point it at the config dataclass (whose _target_ "
+                          f"names the {group} class)")
+    return cls
+
+
+class _LazyNode(ConfigNode):
+    """A ConfigStore entry whose node is built on first use: Hydra lists an option by its name (``ConfigStore.list``) and
+    reads ``node`` only to compose it (``ConfigStore.load``, which copies the entry and then sets ``node``)."""
+
+    def __init__(self, name: str, group: str | None, schema: Callable[[], type]) -> None:
+        self.name, self.group, self.package, self.provider = name, group, None, "recsys_runner.plugins"
+        self._schema = schema
+        self._node: DictConfig | None = None
+
+    @property
+    def node(self) -> DictConfig:
+        if self._node is None:
+            self._node = OmegaConf.structured(self._schema())
+        return self._node
+
+    @node.setter
+    def node(self, value: DictConfig) -> None:
+        self._node = value
+
+    def __copy__(self) -> _LazyNode:
+        twin = _LazyNode(self.name, self.group, self._schema)
+        twin._node = self._node
+        return twin
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _LazyNode:
+        twin = _LazyNode(self.name, self.group, self._schema)
+        twin._node = copy.deepcopy(self._node, memo)
+        return twin
+
+
+def store_lazily(group: str, name: str, schema: Callable[[], type]) -> None:
+    """Store ``<group>/<name>`` in Hydra's ConfigStore as :meth:`ConfigStore.store` would store ``schema()``, calling
+    ``schema`` (and so importing its module) only when Hydra first loads the option."""
+    cs = ConfigStore.instance()
+    cs.store(group=group, name=name, node={})  # the folders and the entry's name, as store() makes them
+    folder = cs.repo
+    for part in group.split("/"):
+        folder = folder[part]
+    folder[f"{name}.yaml"] = _LazyNode(f"{name}.yaml", group, schema)

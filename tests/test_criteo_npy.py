@@ -10,17 +10,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 from torchrec.datasets.criteo import DEFAULT_CAT_NAMES, BinaryCriteoUtils, InMemoryBinaryCriteoIterDataPipe
 
+from recsys_runner import evaluate
 from recsys_runner.__main__ import run
 from recsys_runner.config import validate
 from recsys_runner.configurable import make
+from recsys_runner.data import inspect as inspect_module
 from recsys_runner.data.__main__ import main as data_main
+from recsys_runner.data.files.npy_source import NpySource
 from recsys_runner.data.files.tabular import CriteoNpyData, ParquetData
 from recsys_runner.data.files.tabular_config import CriteoNpyDataConfig, ParquetDataConfig
 from recsys_runner.data.generated.generate import write_criteo_tsv
-from recsys_runner.errors import DataError
+from recsys_runner.data.inspect import BITMAP_IDS
+from recsys_runner.errors import ConfigError, DataError
 from recsys_runner.models.dlrm import DLRMConfig
+from recsys_runner.paths import CONFIG_PATH
 
 SIZES = [50 + 7 * i for i in range(26)]
 """Table sizes below the generated ids' spread, so the modulo matters."""
@@ -77,6 +83,63 @@ def test_rows_equal_torchrec_datapipe(days: Path) -> None:
     both = tuple(np.concatenate([r[i] for r in ranks]) for i in range(3))
     for g, w in zip(in_row_order(both), in_row_order(want), strict=True):
         np.testing.assert_array_equal(g, w)
+
+
+@pytest.fixture(scope="module")
+def three_days(days: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``days`` and a third of an odd number of rows (day 1's first 1099, reversed), whose halves differ in size."""
+    root = tmp_path_factory.mktemp("npy3")
+    for f in days.glob("*.npy"):
+        (root / f.name).write_bytes(f.read_bytes())
+    for kind in KINDS:
+        np.save(root / f"day_2_{kind}.npy", np.load(days / f"day_1_{kind}.npy")[:1099][::-1])
+    return root
+
+
+@pytest.mark.parametrize("half", ["val", "test"])
+def test_last_day_halves_equal_torchrec_stages(three_days: Path, half: str) -> None:
+    """``data.last_day=holdout``: training reads the days before the last, as TorchRec's ``train`` stage of them; the eval
+    reads the last day's ``val`` (first ``ceil(1099 / 2)`` = 550 rows) or ``test`` half (549), row for row as TorchRec's
+    stage of that name yields it (in order on one rank; two ranks' rows are those rows, each once)."""
+    paths = {kind: [str(three_days / f"day_{d}_{kind}.npy") for d in range(3)] for kind in KINDS}
+
+    def stage(name: str, days: slice) -> tuple[np.ndarray, ...]:
+        return rows_of(InMemoryBinaryCriteoIterDataPipe(name, paths["dense"][days], paths["sparse"][days], paths["labels"][days],
+                                                        batch_size=300, rank=0, world_size=1, hashes=SIZES))
+
+    data = CriteoNpyData(make(CriteoNpyDataConfig, path=str(three_days), batch_size=256, shuffle=False, drop_remainder=False,
+                              num_embeddings_per_feature=SIZES, block_rows=400, last_day="holdout", last_day_half=half))
+    want = stage(half, slice(2, 3))
+    assert len(want[0]) == (550 if half == "val" else 549)
+    for g, w in zip(rows_of(data.eval_batches(0, 1)), want, strict=True):
+        np.testing.assert_array_equal(g, w)
+    both = tuple(np.concatenate(parts) for parts in zip(*(rows_of(data.eval_batches(r, 2)) for r in range(2)), strict=True))
+    for g, w in zip(in_row_order(both), in_row_order(want), strict=True):
+        np.testing.assert_array_equal(g, w)
+    for g, w in zip(rows_of(data.train_batches(0, 0, 1)), stage("train", slice(0, 2)), strict=True):
+        np.testing.assert_array_equal(g, w)
+    splits = data.split_files()
+    assert (splits["train"].num_rows, splits["eval"].num_rows, splits["eval"].files) == (sum(DAY_ROWS), len(want[0]), (paths["dense"][2],))
+
+
+def test_last_day_holdout_refusals(days: Path, tmp_path: Path) -> None:
+    """Eval rows from one place; a half without a held-out day; a single day to both train and hold out; an empty half."""
+    with pytest.raises(ConfigError, match="data.last_day=holdout evaluates on halves of the last day of data.path, but "
+                                          "data.eval_path is set too"):
+        make(CriteoNpyDataConfig, path=str(days), eval_path=str(days), last_day="holdout")
+    with pytest.raises(ConfigError, match="data.last_day=train holds no day out. Fix: data.last_day=holdout"):
+        make(CriteoNpyDataConfig, path=str(days), last_day_half="test")
+    with pytest.raises(DataError, match="holds only day 0"):
+        CriteoNpyData(make(CriteoNpyDataConfig, path=f"{days}/day_0_*.npy", num_embeddings_per_feature=SIZES, last_day="holdout"))
+    tiny = tmp_path / "one_row_last"
+    tiny.mkdir()
+    for kind in KINDS:
+        np.save(tiny / f"day_0_{kind}.npy", np.load(days / f"day_0_{kind}.npy"))
+        np.save(tiny / f"day_1_{kind}.npy", np.load(days / f"day_1_{kind}.npy")[:1])
+    with pytest.raises(DataError, match=r"day_1_dense.npy: no rows of 1\), held out by data.last_day=holdout has no rows .* Fix: a last day with rows, or data.last_day=train"):
+        CriteoNpyData(make(CriteoNpyDataConfig, path=str(tiny), num_embeddings_per_feature=SIZES, last_day="holdout", last_day_half="test"))
+    config = make(CriteoNpyDataConfig, path=str(days), last_day="holdout")
+    assert (config.for_evaluate().last_day_half, make(CriteoNpyDataConfig, path=str(days)).for_evaluate().last_day_half) == ("test", None)
 
 
 def test_workers_read_the_same_rows(days: Path) -> None:
@@ -173,6 +236,31 @@ def test_inspect_sizes_contiguous_ids(days: Path, tmp_path: Path, capsys: pytest
     assert f"data.num_embeddings_per_feature=[{','.join(map(str, sizes))}] gives every id a row of its own" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("cap", [1_000_000, 900])
+def test_inspect_counts_each_column_in_numpy(days: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                             monkeypatch: pytest.MonkeyPatch, cap: int) -> None:
+    """Every column's distinct count as the files hold it (``np.unique`` of the whole column; past ``--max-distinct``
+    only ``>cap``), counted in numpy, not in Python values: ids in a bitmap (contiguous, ``cat_0``), sorted (spread, the
+    others), and a bitmap's ids sorted once a later day's ids go past it (``cat_1``)."""
+    folder = copy_days(days, tmp_path / "days")
+    for d in range(len(DAY_ROWS)):
+        sparse = np.load(folder / f"day_{d}_sparse.npy")
+        sparse[:, 0] %= SIZES[0]
+        sparse[:, 1] = sparse[:, 1] % SIZES[1] + (BITMAP_IDS if d == 1 else 0)
+        np.save(folder / f"day_{d}_sparse.npy", sparse)
+    monkeypatch.setattr(inspect_module, "counted_values", None)  # Python sets of every value: 5-7x as long
+    assert data_main(["inspect", str(folder), "--format", "criteo_npy", "--max-distinct", str(cap)]) == 0
+    out = capsys.readouterr().out
+    columns = {"label": np.concatenate([np.load(folder / f"day_{d}_labels.npy").reshape(-1) for d in range(len(DAY_ROWS))])}
+    dense = np.concatenate([np.load(folder / f"day_{d}_dense.npy") for d in range(len(DAY_ROWS))])
+    sparse = np.concatenate([np.load(folder / f"day_{d}_sparse.npy") for d in range(len(DAY_ROWS))])
+    columns |= {f"int_{i}": dense[:, i] for i in range(13)} | {f"cat_{i}": sparse[:, i] for i in range(26)}
+    for name, values in columns.items():
+        n = len(np.unique(values))
+        assert re.search(rf"^{name} +\S+ +0 +{n if n <= cap else f'>{cap}'}$", out, re.M), (name, n, out)
+    assert any(len(np.unique(v)) > 900 for v in columns.values()) and len(np.unique(sparse[:, 0])) < 900
+
+
 def test_convert_writes_the_rows_training_reads(days: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``convert --format criteo_npy``: a Parquet file per day holding the rows ``data=criteo_npy`` reads (ids modulo the
     sizes, dense as they are), which ``data=parquet`` reads back as the same batches; the default format names the flag."""
@@ -192,14 +280,23 @@ README_1TB = {"embedding_dim": 128, "dense_arch_layer_sizes": [512, 256, 128], "
 """torchrec_dlrm/README.MD's Criteo 1TB command for dlrm_main.py, as ``model.*`` (the final 1-unit layer is the model's)."""
 
 
-def test_dlrm_criteo_npy_preset_carries_dlrm_main_settings_and_trains(make_cfg, days: Path) -> None:
-    """``experiment=dlrm_criteo_npy`` as shipped: the README's sizes, SGD at lr 15, batch 2048, the 1TB table sizes; with
-    smaller tables and batch it trains at the model's published sizes on TorchRec's files."""
+def test_dlrm_criteo_npy_preset_carries_dlrm_main_settings_and_trains(make_cfg, days: Path, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``experiment=dlrm_criteo_npy`` as shipped: the README's sizes, SGD at lr 15, batch 2048, the 1TB table sizes, the
+    last day held out; with smaller tables and batch it trains at the model's published sizes on TorchRec's files,
+    evaluating on the last day's val half, and ``evaluate`` of its checkpoint scores the test half."""
     spec = validate(make_cfg("experiment=dlrm_criteo_npy", f"data.path={days}", "tracking=none", tiny=False))
     assert {k: getattr(spec.model, k) for k in README_1TB} == README_1TB and isinstance(spec.model, DLRMConfig)
     assert (spec.optim.lr, type(spec.optim.sparse).__name__, type(spec.optim.dense).__name__) == (15.0, "SparseSGDConfig", "DenseSGDConfig")
     assert (spec.data.batch_size, spec.train.num_epochs, spec.data.num_embeddings_per_feature[:3]) == (2048, 1, [45833188, 36746, 17245])
-    cfg = make_cfg("experiment=dlrm_criteo_npy", f"data.path={days}", "data.num_embeddings_per_feature=[" + ",".join(map(str, SIZES)) + "]",
-                   "data.batch_size=128", "data.num_workers=0", "train.num_epochs=null", "train.num_steps=4", "train.eval_max_batches=2",
-                   "distributed.device=cpu", "checkpoint=none", "tracking=none", tiny=False)
-    assert np.isfinite(run(cfg))
+    assert isinstance(spec.data, CriteoNpyDataConfig) and (spec.data.last_day, spec.data.last_day_half) == ("holdout", None)
+    halves: list[str] = []
+    apart = NpySource.last_day_apart
+    monkeypatch.setattr(NpySource, "last_day_apart", lambda self, half, key: (halves.append(half), apart(self, half, key))[1])
+    overrides = ["experiment=dlrm_criteo_npy", f"data.path={days}", "data.num_embeddings_per_feature=[" + ",".join(map(str, SIZES)) + "]",
+                 "data.batch_size=128", "data.num_workers=0", "train.num_epochs=null", "train.num_steps=4", "train.eval_max_batches=2",
+                 "distributed.device=cpu", f"checkpoint.dir={tmp_path / 'ck'}", "tracking=none"]
+    assert np.isfinite(run(make_cfg(*overrides, tiny=False)))
+    with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
+        metrics = evaluate.run(compose(config_name="evaluate", overrides=[*overrides, f"load={tmp_path / 'ck'}"]))
+    assert np.isfinite(metrics["eval/auc"]) and set(halves) == {"val", "test"} and halves[-1] == "test", halves

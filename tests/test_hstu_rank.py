@@ -170,6 +170,24 @@ def test_sasrec_with_hstu_blocks_scores_the_same_on_jagged_and_padded_rows() -> 
         assert torch.equal(targets, expected_targets)
 
 
+def test_sasrec_hstu_input_dropout_runs_on_the_real_positions_only() -> None:
+    """On the jagged positions (``attention_block > 0``) the input dropout draws for the ``P`` real positions alone, not
+    the padded ``[B, L + 1, D]`` (~3x less work for it at max_len 200, where 85% of positions are padding): each real
+    element is still dropped with probability ``model.dropout``, the survivors scaled by ``1 / (1 - p)``."""
+    data = small_sequences(negatives=0.0, empty_fraction=0.3, max_len=9)
+    batch = next(iter(data.train_batches(0, 0, 1)))
+    model = build_model(make(SASRecConfig, embedding_dim=8, block="hstu", dropout=0.5, attention_block=4), data.features).train()
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    model.dropout.register_forward_hook(lambda _, given, out: seen.append((given[0], out)))
+    model(batch.dense_features, batch.sparse_features)
+    (given, out), = seen
+    history = batch.sparse_features["hist_item_id"]
+    assert given.shape == (int(history.lengths().sum()) + len(history.lengths()), 8), "one row per event plus the start token"
+    kept = out != 0
+    torch.testing.assert_close(out[kept], given[kept] * 2)
+    assert 0.4 < (~kept).float().mean().item() < 0.6
+
+
 @pytest.mark.parametrize("attention", ["jagged", "padded"])
 def test_a_row_scores_the_same_alone_as_in_its_batch(attention: str) -> None:
     """No row reads another: the padded path pads to the batch's longest row, the jagged one tiles each row alone."""

@@ -254,6 +254,12 @@ class DataConfig(Configurable):
         which the model then checks against its needs."""
         return self
 
+    def for_evaluate(self) -> DataConfig:
+        """This config as ``python -m recsys_runner.evaluate`` reads it: ``self``, unless the data keeps rows apart for
+        that command (``data=criteo_npy data.last_day=holdout``: the last day's test half, where training evaluates on its
+        val half)."""
+        return self
+
 
 def data_device_type(device: torch.device | str | None = None) -> str:
     """``cuda`` or ``cpu``: the type of ``device``, or for ``None`` where ``distributed.device=auto`` runs (CUDA when available)."""

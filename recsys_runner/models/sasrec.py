@@ -290,18 +290,20 @@ class SASRec(nn.Module):
         lengths = history.lengths + 1
         x = x + self.positions(recency_positions(lengths, length + 1).clamp_max(self.group.max_len))
         mask = torch.arange(length + 1, device=x.device).unsqueeze(0) < lengths.unsqueeze(1)
-        x = self.dropout(x) * mask.unsqueeze(2).to(x.dtype)
         times = None if history.timestamps is None else query_and_key_times(history.timestamps, history.lengths, next_times)
         if self.tile_size and not torch.compiler.is_exporting():  # HSTU on the real positions only (an export pads)
             # The real positions gathered by an index of the tiles' token count (known on the host when the batch
             # carries its lengths there), in the order a mask would select them: a mask sizes them by a device read.
             tiles = tile(lengths, self.tile_size, host=host_plus(history.host_lengths, 1))
             index = flat_positions(lengths, length + 1, tiles.counts.tokens)  # [P] into the [B * (L + 1)] positions
-            flat = take(x.flatten(0, 1), index)
+            # dropout on the real positions only: each element is dropped alike (independently, with model.dropout),
+            # and the padding, which the mask zeroed and the gather leaves out, costs no dropout pass nor mask product
+            flat = self.dropout(take(x.flatten(0, 1), index))
             flat_times = None if times is None else (times[0].flatten()[index], times[1].flatten()[index])
             for block in self.blocks:
                 flat = cast(HSTUBlock, block).forward_jagged(flat, tiles, flat_times)
             return self.norm(torch.zeros_like(x).flatten(0, 1).index_copy(0, index, flat).view_as(x))
+        x = self.dropout(x) * mask.unsqueeze(2).to(x.dtype)
         for block in self.blocks:
             x = block(x, mask, times)
         return self.norm(x)

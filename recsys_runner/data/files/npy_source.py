@@ -135,6 +135,27 @@ class NpySource:
         return [Unit(d.dense, b, first, min(self.block_rows, d.rows - first), row_block=True)
                 for d in self.days if d.rows for b, first in enumerate(range(0, d.rows, self.block_rows))]
 
+    def last_day_apart(self, half: str, key: str) -> tuple[NpySource, NpySource, list[Unit]]:
+        """TorchRec's split of these days (``InMemoryBinaryCriteoIterDataPipe``'s stages): the days but the last, to train
+        on; the last day; and the units of its ``half``: ``val``, its first ``ceil(rows / 2)`` rows, or ``test``, the rest
+        (``key``: the setting that names the days, for errors).
+
+        Raises:
+            DataError: fewer than two days (one to train on, one held out).
+        """
+        if len(self.days) < 2:
+            raise DataError(f"data.last_day=holdout holds out the last day of {key} and trains on the days before it, but "
+                            f"{key} holds only day {self.days[0].day} ({self.days[0].dense}). Fix: point {key} at the days to "
+                            f"train on and the one to evaluate on (TorchRec's 1TB: day_0 … day_23), or data.last_day=train")
+        *before, last = self.days
+        train, held = (NpySource([f for d in days for f in (d.dense, d.sparse, d.labels)], self.columns, self.block_rows, key)
+                       for days in (before, [last]))
+        middle = (last.rows + 1) // 2  # TorchRec's int(np.ceil(samples_in_file / 2.0))
+        start, stop = (0, middle) if half == "val" else (middle, last.rows)
+        units = [Unit(last.dense, b, first, min(self.block_rows, stop - first), row_block=True)
+                 for b, first in enumerate(range(start, stop, self.block_rows))]
+        return train, held, units
+
     def column_files(self, path: str) -> dict[str, str]:
         """Each column's file in the day whose dense file is ``path`` (a unit's path), for the bad-row messages
         (:class:`~recsys_runner.data.encoding.rows.Location`): a bad label is in the labels file, a bad id in the sparse one."""

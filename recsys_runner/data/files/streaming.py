@@ -98,9 +98,13 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         """DataLoader workers per rank; each (rank, worker) reads its own shard, so the batch order depends on it."""
         self._pin = bool(config.pin_memory)
         train_source = self.open_files(config.path, "data.path")
-        train_files = list(train_source.files)  # before units() drops the empty ones
-        train_units = train_source.units()
-        if config.eval_path is not None:
+        self._held_out: str | None = None
+        """The eval rows in words where the option splits its files itself (:meth:`_own_split`), for messages."""
+        if (own := self._own_split(train_source)) is not None:
+            self._train, self._eval, self._held_out = own
+            train_source = self._train.source
+        elif config.eval_path is not None:
+            train_files, train_units = list(train_source.files), train_source.units()  # the files before units() drops empty ones
             eval_files = resolve_files(config.eval_path, "data.eval_path", self._suffixes())
             eval_source = self._eval_source(eval_files, train_source)
             eval_units = eval_source.units(say_skipped=eval_files != train_files)  # the same folder's skip is said once
@@ -110,13 +114,15 @@ class TabularData(Catalogue, DataModule, abc.ABC):
             self._train = Split(train_source, train_units, [u.num_rows for u in train_units])
             self._eval = Split(eval_source, eval_units, [u.num_rows for u in eval_units])
         else:
+            train_units = train_source.units()
             fraction = config.eval_fraction or DEFAULT_EVAL_FRACTION
             held = [int(eval_mask(u.path, np.arange(u.first_row, u.first_row + u.num_rows), fraction).sum()) for u in train_units]
             self._train = Split(train_source, train_units, [u.num_rows - h for u, h in zip(train_units, held, strict=True)], (fraction, False))
             self._eval = Split(train_source, train_units, held, (fraction, True))
         if sum(self._eval.counts) == 0:
+            fix = "a last day with rows, or data.last_day=train" if self._held_out else "a larger data.eval_fraction, or data.eval_path=<eval files>"
             raise DataError(f"{self._eval_files()} has no rows (of {sum(self._train.counts)} training rows): the eval would have none. "
-                            f"Fix: a larger data.eval_fraction, or data.eval_path=<eval files>")
+                            f"Fix: {fix}")
         if config.batch_tokens is not None:
             if not schema.sequences:
                 raise ConfigError(f"data.batch_tokens={config.batch_tokens} sizes batches by history tokens, but the schema of "
@@ -167,6 +173,11 @@ class TabularData(Catalogue, DataModule, abc.ABC):
     @abc.abstractmethod
     def _source(self, files: list[str]) -> Any:
         """The row source over ``files``: ParquetData / CsvData / CriteoData each choose theirs."""
+
+    def _own_split(self, train_source: Any) -> tuple[Split, Split, str] | None:
+        """The training and eval splits where the option splits its files itself (``data=criteo_npy data.last_day=holdout``),
+        with the eval rows in words; ``None``: ``eval_path``, else the hash split of ``eval_fraction``."""
+        return None
 
     def _eval_source(self, files: list[str], train: Any) -> Any:
         """The row source over the ``eval_path`` files (``train``: the training files' source, indexed): read as those."""
@@ -230,6 +241,8 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         """The eval rows' setting and files (at most three named), for messages."""
         config, files = self.config, list(self._eval.source.files)
         shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+        if self._held_out is not None:
+            return self._held_out
         if config.eval_path is not None:
             return f"data.eval_path={config.eval_path!r} ({shown})"
         return f"the share of data.path={config.path!r} ({shown}) held out by data.eval_fraction={config.eval_fraction or DEFAULT_EVAL_FRACTION}"
@@ -267,8 +280,8 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         config = self.config
         train = SplitFiles(config.path, tuple(self._train.source.files), sum(self._train.counts))
         items = {} if self._item_files is None else {"items": self._item_files}
-        if config.eval_path is not None:
-            return {"train": train, "eval": SplitFiles(config.eval_path, tuple(self._eval.source.files), sum(self._eval.counts)), **items}
+        if config.eval_path is not None or self._held_out is not None:
+            return {"train": train, "eval": SplitFiles(config.eval_path or config.path, tuple(self._eval.source.files), sum(self._eval.counts)), **items}
         return {"train": train, "eval": SplitFiles(config.path, train.files, sum(self._eval.counts),
                                                    holdout=config.eval_fraction or DEFAULT_EVAL_FRACTION,
                                                    split_keys=tuple(split_key(f) for f in train.files)), **items}

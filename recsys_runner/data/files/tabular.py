@@ -25,11 +25,13 @@ from recsys_runner.data.encoding.values import is_list
 from recsys_runner.data.files.csv_source import CsvSource
 from recsys_runner.data.files.npy_source import NpySource
 from recsys_runner.data.files.sources import PARQUET_REPEATS_FIX, ParquetSource, check_unique_names, plain_schema
+from recsys_runner.data.files.splits import Split
 from recsys_runner.data.files.streaming import KIND_SAMPLE_ROWS, TabularData
 from recsys_runner.data.files.tabular_config import (
     CRITEO_COLUMNS,
     CRITEO_NUM_SPARSE,
     CriteoDataConfig,
+    CriteoNpyDataConfig,
     CsvDataConfig,
     ParquetDataConfig,
     SchemaFields,
@@ -357,3 +359,18 @@ class CriteoNpyData(CriteoData):
 
     def _source(self, files: list[str]) -> NpySource:
         return NpySource(files, self.schema.columns if hasattr(self, "schema") else [], self.criteo.block_rows)
+
+    def _own_split(self, train_source: NpySource) -> tuple[Split, Split, str] | None:
+        """``data.last_day=holdout``: TorchRec's split (:meth:`NpySource.last_day_apart`): the days before the last to train
+        on, and the last day's half ``data.last_day_half`` (``val`` unless evaluate made it ``test``) to evaluate on."""
+        config = self.criteo
+        assert isinstance(config, CriteoNpyDataConfig)
+        if config.last_day != "holdout":
+            return None
+        half = config.last_day_half or "val"
+        train, held, units = train_source.last_day_apart(half, "data.path")
+        train_units = train.units()
+        last = held.days[0]
+        rows = f"rows {units[0].first_row}-{units[-1].first_row + units[-1].num_rows - 1}" if units else "no rows"
+        said = f"the {half} half of day {last.day} of data.path={config.path!r} ({last.dense}: {rows} of {last.rows}), held out by data.last_day=holdout"
+        return (Split(train, train_units, [u.num_rows for u in train_units]), Split(held, units, [u.num_rows for u in units]), said)

@@ -406,6 +406,12 @@ def mapping_option(value: Any, key: str) -> dict[str, str] | None:
     return None if value is None else {str(k): v for k, v in value.items()}
 
 
+LAST_DAY_MODES = ("train", "holdout")
+"""``data.last_day`` of ``data=criteo_npy`` (:class:`CriteoNpyDataConfig`)."""
+LAST_DAY_HALVES = ("val", "test")
+"""``data.last_day_half``: TorchRec's stages, the first and the second half of the held-out last day."""
+
+
 @dataclass(kw_only=True)
 class CriteoNpyDataConfig(CriteoDataConfig):
     """Schema of ``conf/data/criteo_npy.yaml``: Criteo as TorchRec's DLRM example preprocesses it
@@ -422,8 +428,30 @@ class CriteoNpyDataConfig(CriteoDataConfig):
     a sample of the files, as ``data=criteo``'s."""
     dense_transform: str = "none"
     """``none``: the files' dense values are ``log`` of the counts already (``tsv_to_npys``)."""
+    last_day: str = "train"
+    """``train``: every day of ``data.path`` is trained on (eval rows from ``eval_path``, else ``eval_fraction``).
+    ``holdout``: TorchRec's split (``InMemoryBinaryCriteoIterDataPipe``'s stages, as its DLRM example evaluates): the
+    last day of ``data.path`` (its highest day number) is never trained on; its first ``ceil(rows / 2)`` rows (TorchRec's
+    ``val``) are the eval during training, the rest (``test``) what ``python -m recsys_runner.evaluate`` scores."""
+    last_day_half: str | None = None
+    """With ``last_day: holdout``, the half of the last day the eval reads: ``val`` or ``test``; ``null``: ``val`` in
+    training, ``test`` in evaluate (``data.last_day_half=val`` there gives the training's own eval again)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require(self.categorical_encoding == "mod", f"data.categorical_encoding={self.categorical_encoding!r}: data=criteo_npy reads "
                 "integer ids, taken modulo the table size as TorchRec does. Fix: leave data.categorical_encoding=mod")
+        require(self.last_day in LAST_DAY_MODES, f"data.last_day={self.last_day!r} must be one of {', '.join(LAST_DAY_MODES)}")
+        require(self.last_day_half in (None, *LAST_DAY_HALVES),
+                f"data.last_day_half={self.last_day_half!r} must be one of {', '.join(LAST_DAY_HALVES)} or null")
+        if self.last_day == "holdout":
+            setting = "data.eval_path" if self.eval_path is not None else "data.eval_fraction" if self.eval_fraction is not None else None
+            require(setting is None, f"data.last_day=holdout evaluates on halves of the last day of data.path, but {setting} is set "
+                    f"too; eval rows come from one of them. Fix: {setting}=null, or data.last_day=train")
+        else:
+            require(self.last_day_half is None, f"data.last_day_half={self.last_day_half} chooses a half of the held-out last day, "
+                    f"but data.last_day={self.last_day} holds no day out. Fix: data.last_day=holdout, or data.last_day_half=null")
+
+    def for_evaluate(self) -> CriteoNpyDataConfig:
+        """With ``last_day: holdout`` and no half chosen, the ``test`` half: what ``evaluate`` scores, as TorchRec's test stage."""
+        return replace(self, last_day_half="test") if self.last_day == "holdout" and self.last_day_half is None else self
