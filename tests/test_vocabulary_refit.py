@@ -6,8 +6,8 @@ The scenario: DeepFM trained on a CSV of users ``u0..u59`` and items ``0..39`` (
 ``40..49`` are new, so ``t_user`` grows and ``t_item`` shrinks. The fine-tune shards ``t_user`` row-wise: a trained
 row is read from the table-wise checkpoint and lands at the id's new row in the row-wise shard. For every id in both
 vocabularies the new row (embedding and first-order weight) equals the trained one, a new id's row equals a fresh
-run's, the OOV rows are carried bucket by bucket, the optimizer state of those tables is fresh, and the run logs one
-line per table. That ``keep`` (the default) keeps the stored vocabulary is tested in test_stored_encoders.py.
+run's, the OOV rows are carried bucket by bucket, the rows of those tables' optimizer state (Adagrad's sums) go as the
+weights', and the run logs one line per table. That ``keep`` (the default) keeps the stored vocabulary is tested in test_stored_encoders.py.
 """
 
 from __future__ import annotations
@@ -74,8 +74,7 @@ def _whole(t: Any) -> torch.Tensor:
     shards = t.local_shards()
     out = torch.zeros(list(t.metadata().size), dtype=shards[0].tensor.dtype)
     for shard in shards:
-        (r, c), (n, m) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-        out[r:r + n, c:c + m] = shard.tensor
+        out[tuple(slice(o, o + n) for o, n in zip(shard.metadata.shard_offsets, shard.metadata.shard_sizes, strict=True))] = shard.tensor
     return out
 
 
@@ -91,11 +90,19 @@ def _built(*overrides: str) -> tuple[dict[str, torch.Tensor], Vocabulary, Vocabu
 
 
 def _checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Vocabulary]]:
-    """The model tensors of a checkpoint, read with the project's DCP storage, and its stored vocabularies."""
+    """The model tensors and optimizer state of a checkpoint, read with the project's DCP storage, and its stored
+    vocabularies."""
     storage = DcpFileStorage()
-    state = {k: torch.empty(shape) for k, shape in storage.tensor_index(path).items() if k.startswith("model/") and shape}
+    state = {k: torch.empty(shape) for k, shape in storage.tensor_index(path).items() if k.startswith(("model/", "optim/")) and shape}
     storage.load_tensors(path, state)
     return state, from_json((path / ENCODERS_FILE).read_bytes(), "test")[0].vocabularies
+
+
+def _sums(state: dict[str, torch.Tensor], table: str) -> str:
+    """The key of ``table``'s Adagrad sums: the fused optimizer's ``momentum1`` (a sharded table) or the dense one's ``sum``
+    (a data_parallel table, as DeepFM's small first-order tables are planned)."""
+    (key,) = [k for k in state if re.fullmatch(rf"optim/(sparse\.\S+\.{table}\.weight/{table}\.momentum1|dense\.\S+\.{table}\.weight/sum)", k)]
+    return key
 
 
 def test_refit_carries_each_trained_row_to_its_ids_new_row(trained: dict[str, Any]) -> None:
@@ -122,8 +129,14 @@ def test_refit_carries_each_trained_row_to_its_ids_new_row(trained: dict[str, An
             torch.testing.assert_close(rows[new.rows[only_new]], fresh_rows[new.rows[only_new]], rtol=0, atol=0)
             torch.testing.assert_close(rows[oov_new], trained_rows[oov_old], rtol=0, atol=0)
             assert not torch.equal(rows[new.rows[new_at]], fresh_rows[new.rows[new_at]])
-        for key in (k for k in refit if k.startswith("optim/") and TABLES[column] in k):  # the tables' optimizer state: fresh
-            torch.testing.assert_close(refit[key], fresh[key], rtol=0, atol=0)
+        sums = [_sums(refit, f"{prefix}{TABLES[column]}") for prefix in ("", "first_order_")]
+        assert sums[0].startswith("optim/sparse.") and sums[1].startswith("optim/dense.")  # a fused table and a data_parallel one
+        for key in sums:
+            trained_sums, carried, started = old_state[key], refit[key], fresh[key]
+            torch.testing.assert_close(carried[new.rows[new_at]], trained_sums[old.rows[old_at]], rtol=0, atol=0)
+            torch.testing.assert_close(carried[oov_new], trained_sums[oov_old], rtol=0, atol=0)
+            assert trained_sums[old.rows[old_at]].any() and not started.any()  # Adagrad's sums start at 0 (fbgemm's, torch's)
+            assert not carried[new.rows[only_new]].any()  # a new id's row: the initial value
     dense = next(k for k in refit if k.startswith("model/") and k.endswith("deep.1.weight"))
     torch.testing.assert_close(refit[dense], old_state[dense], rtol=0, atol=0)  # the rest loads as for any init_from
 
@@ -192,6 +205,12 @@ def test_extend_keeps_every_trained_id_at_its_row_and_grows_the_tables_by_the_ne
             torch.testing.assert_close(rows[new.capacity:], trained_rows[old.capacity:], rtol=0, atol=0)  # OOV rows
             started = rows[new.rows[added]]  # fresh: a first-order weight starts at 0, an embedding at none of the trained values
             assert (started == 0).all() if prefix else not torch.isin(started, trained_rows).any()
+            # Its optimizer state (Adagrad's sum) goes as its rows: a trained id keeps yesterday's, a new one starts at 0.
+            state = _sums(extended, f"{prefix}{TABLES[column]}")
+            sums, trained_sums = extended[state], old_state[state]
+            torch.testing.assert_close(sums[:old.capacity], trained_sums[:old.capacity], rtol=0, atol=0)
+            torch.testing.assert_close(sums[new.capacity:], trained_sums[old.capacity:], rtol=0, atol=0)
+            assert trained_sums[:old.capacity].any() and not sums[new.rows[added]].any()
 
 
 def test_refit_names_a_table_of_a_column_the_new_files_add_as_new(trained: dict[str, Any], tmp_path: Path,
@@ -264,11 +283,15 @@ def one_rank() -> Iterator[None]:
 def test_rows_land_in_each_local_shard_and_other_tables_follow_the_fine_tune_rule(one_rank: None, tmp_path: Path, split: str,
                                                                                   caplog: pytest.LogCaptureFixture) -> None:
     """The loader alone, on a ShardedTensor of two local shards split by rows or by columns: ``t_a``'s rows (and its
-    first-order ``wide_t_a``'s) go by id, ``t_x_t_a`` is another table and loads as it is, ``t_a``'s optimizer state
-    stays fresh, and a resized table without a vocabulary (``t_h``) keeps its fresh rows with a warning."""
+    first-order ``wide_t_a``'s) go by id, ``t_x_t_a`` is another table and loads as it is, and a resized table without a
+    vocabulary (``t_h``) keeps its fresh rows with a warning. The optimizer state goes by id too: ``t_a``'s row-wise sums
+    (one a row), ``wide_t_a``'s row-wise sums of a table column-wise sharded in two (TorchRec keeps a block of rows per
+    column shard) block by block, its step count as it is; ``t_b``'s, two blocks here and one there, starts fresh, said."""
     old_a, old_x, old_h = torch.arange(20.0).reshape(5, 4), torch.randn(5, 4), torch.randn(7, 4)
     dcp.save({"model/m.t_a.weight": old_a, "model/m.wide_t_a.weight": old_a + 100, "model/m.t_x_t_a.weight": old_x,
-              "model/m.t_h.weight": old_h, "optim/sparse.m.t_a.weight/t_a.momentum1": torch.ones(5)}, checkpoint_id=str(tmp_path))
+              "model/m.t_h.weight": old_h, "model/m.t_b.weight": old_a, "optim/sparse.m.t_a.weight/t_a.momentum1": torch.arange(5.0) + 1,
+              "optim/sparse.m.wide_t_a.weight/wide_t_a.momentum1": torch.arange(10.0) + 1, "optim/sparse.m.wide_t_a.weight/step": torch.tensor(7.0),
+              "optim/sparse.m.t_b.weight/t_b.momentum1": torch.ones(5)}, checkpoint_id=str(tmp_path))
     old = Vocabulary(np.array([10, 20, 30], dtype=np.uint64), np.array([0, 1, 2]), capacity=3, oov_buckets=2)
     new = Vocabulary(np.array([20, 30, 40, 50], dtype=np.uint64), np.array([1, 0, 2, 3]), capacity=4, oov_buckets=2)
     carry = carry_rows(old, new)
@@ -276,17 +299,28 @@ def test_rows_land_in_each_local_shard_and_other_tables_follow_the_fine_tune_rul
     pieces = [(0, 3, 0, 4), (3, 3, 0, 4)] if split == "rows" else [(0, 6, 0, 2), (0, 6, 2, 2)]
     shards = [Shard(torch.full((nr, nc), -1.0), ShardMetadata([r, c], [nr, nc], "rank:0/cpu")) for r, nr, c, nc in pieces]
     ours = {"model/m.t_a.weight": ShardedTensor._init_from_local_shards(shards, [6, 4]), "model/m.wide_t_a.weight": torch.full((6, 4), -1.0),
-            "model/m.t_x_t_a.weight": torch.zeros(5, 4), "model/m.t_h.weight": torch.zeros(9, 4),
-            "optim/sparse.m.t_a.weight/t_a.momentum1": torch.zeros(6)}
+            "model/m.t_x_t_a.weight": torch.zeros(5, 4), "model/m.t_h.weight": torch.zeros(9, 4), "model/m.t_b.weight": torch.zeros(6, 4),
+            "optim/sparse.m.t_a.weight/t_a.momentum1": ShardedTensor._init_from_local_shards(
+                [Shard(torch.zeros(n), ShardMetadata([r], [n], "rank:0/cpu")) for r, n in ((0, 2), (2, 4))], [6]),
+            "optim/sparse.m.wide_t_a.weight/wide_t_a.momentum1": torch.zeros(12), "optim/sparse.m.wide_t_a.weight/step": torch.tensor(0.0),
+            "optim/sparse.m.t_b.weight/t_b.momentum1": torch.zeros(12)}
     with caplog.at_level(logging.WARNING, logger="recsys_runner"):
         loaded = load_into(DcpFileStorage(), tmp_path, ours, rule="fine_tune",
-                           carry=CarriedRows({"t_a": carry}, frozenset({"t_a", "t_x_t_a", "t_h"})))
+                           carry=CarriedRows({"t_a": carry, "t_b": carry}, frozenset({"t_a", "t_x_t_a", "t_h", "t_b"})))
     expected = torch.cat([old_a[[2, 1]], torch.full((2, 4), -1.0), old_a[[3, 4]]])
     torch.testing.assert_close(_whole(ours["model/m.t_a.weight"]), expected, rtol=0, atol=0)
     torch.testing.assert_close(ours["model/m.wide_t_a.weight"], torch.where(expected < 0, expected, expected + 100), rtol=0, atol=0)
     torch.testing.assert_close(ours["model/m.t_x_t_a.weight"], old_x, rtol=0, atol=0)
-    assert not ours["model/m.t_h.weight"].any() and not ours["optim/sparse.m.t_a.weight/t_a.momentum1"].any()
-    assert set(loaded) == {"model/m.t_a.weight", "model/m.wide_t_a.weight", "model/m.t_x_t_a.weight"}
+    assert not ours["model/m.t_h.weight"].any()
+    assert _whole(ours["optim/sparse.m.t_a.weight/t_a.momentum1"]).tolist() == [3, 2, 0, 0, 4, 5]  # new ids: 0, as fbgemm starts
+    assert ours["optim/sparse.m.wide_t_a.weight/wide_t_a.momentum1"].tolist() == [3, 2, 0, 0, 4, 5, 8, 7, 0, 0, 9, 10]
+    assert ours["optim/sparse.m.wide_t_a.weight/step"].item() == 7 and not ours["optim/sparse.m.t_b.weight/t_b.momentum1"].any()
+    assert set(loaded) == {"model/m.t_a.weight", "model/m.wide_t_a.weight", "model/m.t_x_t_a.weight", "model/m.t_b.weight",
+                           "optim/sparse.m.t_a.weight/t_a.momentum1", "optim/sparse.m.wide_t_a.weight/wide_t_a.momentum1",
+                           "optim/sparse.m.wide_t_a.weight/step"}
+    (fresh,) = [r.getMessage() for r in caplog.records if "optimizer state of" in r.getMessage()]
+    assert "optimizer state of 1 carried tables starts fresh" in fresh and "t_b (optim/sparse.m.t_b.weight/t_b.momentum1: 1 " \
+           "row-wise blocks there, 2 here)" in fresh, fresh
     assert any("tensors of another shape there keep their fresh values" in r.getMessage() and "model/m.t_h.weight ([9, 4] here, "
                "[7, 4] there)" in r.getMessage() for r in caplog.records)
 
