@@ -38,7 +38,7 @@ from recsys_runner.data.encoding.stored import ENCODERS_FILE, from_json
 from recsys_runner.data.encoding.vocabulary import Vocabulary, carry_rows, grown
 from recsys_runner.data.files.tabular import sizes_not_used
 from recsys_runner.data_build import REFIT_FILE
-from recsys_runner.errors import ConfigError
+from recsys_runner.errors import ConfigError, DataError
 from tests.conftest import REPO, free_port
 from tests.test_evaluate import compose_entry
 from tests.test_stored_encoders import _rows
@@ -347,3 +347,28 @@ def test_two_ranks_carry_rows_into_shards_spread_over_them(trained: dict[str, An
             key = next(k for k in state if k.endswith(f".{prefix}{table}.weight"))
             torch.testing.assert_close(state[key][new.rows[new_at]], old_state[key][old.rows[old_at]], rtol=0, atol=0)
             torch.testing.assert_close(state[key][new.capacity:], old_state[key][old.capacity:], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["keep", "extend"])
+def test_a_column_the_new_files_add_is_said_not_read_and_one_they_lack_refused(trained: dict[str, Any], tmp_path: Path, mode: str,
+                                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """Day 3 adds a column: the stored encoders name the columns, so keep and extend read it not, without a word."""
+    lines = (trained["root"] / "new.csv").read_text().splitlines()
+    (tmp_path / "day3.csv").write_text("\n".join([f"{lines[0]},device", *(f"{x},d{i % 3}" for i, x in enumerate(lines[1:]))]) + "\n")
+    fine_tune = [*trained["data"], f"data.path={tmp_path}/day3.csv", "checkpoint.resume=never",
+                 f"checkpoint.init_from={trained['checkpoint']}", f"data.vocabulary={mode}"]
+    with caplog.at_level(logging.WARNING, logger="recsys_runner"):
+        *_, c = _built(*fine_tune)
+    assert "device" not in c.loop.data.features.sparse_names
+    (said,) = [r.getMessage() for r in caplog.records if "do not read" in r.getMessage()]
+    assert said == (f"data.vocabulary={mode}: data.path={tmp_path}/day3.csv has 1 columns the encoders stored in {trained['checkpoint']} "
+                    f"do not read, so they are not read: device (a feature these files add). Fix: data.vocabulary=refit to infer "
+                    f"the schema anew and take them in (their tables start fresh, the other tables' rows are carried by id), or "
+                    f"data.infer.exclude=[device] to leave them out without this warning"), said
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="recsys_runner"):
+        _built(*fine_tune, "data.infer.exclude=[device]")
+    assert not [r for r in caplog.records if "do not read" in r.getMessage()]
+    (tmp_path / "no_item.csv").write_text("\n".join(",".join(x.split(",")[:2]) for x in lines) + "\n")
+    with pytest.raises(DataError, match=r"no_item.csv' has no column 'item'.*which the model was trained on"):
+        _built(*fine_tune[:-4], f"data.path={tmp_path}/no_item.csv", *fine_tune[-3:])
