@@ -223,13 +223,12 @@ def _extend(config: DataConfig, device: torch.device, checkpointer: Checkpointer
                         "sample shows, or the column is gone), so its vocabulary stays as stored: new ids read its OOV rows",
                         col.table_name)
             continue
-        vocabulary, added = grown(then, found[0])
+        vocabulary, _ = grown(then, found[0])
         for name in names:
             vocabularies[name] = vocabulary
         sizes[col.table_name] = vocabulary.capacity + vocabulary.oov_buckets
-        tables[col.table_name] = carry = carry_rows(then, vocabulary)
-        log.info("%s: %d trained ids keep their rows, %d new ids get fresh rows (%d -> %d rows)", col.table_name,
-                 carry.carried, added, then.capacity + then.oov_buckets, sizes[col.table_name])
+        # said once a table, when its rows are loaded (RowCarry.line), with the rows of its optimizer state
+        tables[col.table_name] = replace(carry_rows(then, vocabulary), grown_from=then.capacity + then.oov_buckets)
     schema = replace(old, sparse=[replace(c, num_embeddings=sizes.get(c.table_name, c.num_embeddings)) for c in old.sparse],
                      vocabularies=vocabularies)
     data: DataModule = config.build(device=device, encoders=replace(stored, schema=schema))

@@ -180,12 +180,18 @@ def test_refit_is_refused_when_resuming_and_must_be_keep_or_refit(trained: dict[
         validate(compose_entry("config", *new, "data.vocabulary=again"))
 
 
-def test_extend_keeps_every_trained_id_at_its_row_and_grows_the_tables_by_the_new_ids(trained: dict[str, Any]) -> None:
+def test_extend_keeps_every_trained_id_at_its_row_and_grows_the_tables_by_the_new_ids(trained: dict[str, Any],
+                                                                                     caplog: pytest.LogCaptureFixture) -> None:
     """The daily fine-tune: yesterday's encoders, each vocabulary grown by today's new ids. ``keep`` read them as OOV,
-    ``refit`` dropped the ids absent today (their trained rows left behind) and refitted every statistic."""
+    ``refit`` dropped the ids absent today (their trained rows left behind) and refitted every statistic. One line a
+    table says it (there were two: the grown vocabulary's and the carry's)."""
     old_state, old_vocab = _checkpoint(trained["checkpoint"])
     fine_tune = [*trained["data"], f"data.path={trained['root']}/new.csv", "checkpoint.resume=never"]
-    extended, *new_vocab, c = _built(*fine_tune, f"checkpoint.init_from={trained['checkpoint']}", "data.vocabulary=extend")
+    with caplog.at_level(logging.INFO, logger="recsys_runner"):
+        extended, *new_vocab, c = _built(*fine_tune, f"checkpoint.init_from={trained['checkpoint']}", "data.vocabulary=extend")
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith(("t_user:", "t_item:"))]
+    assert said == ["t_item: 40 trained ids keep their rows, 10 new ids get fresh rows (56 -> 66 rows)",
+                    "t_user: 60 trained ids keep their rows, 30 new ids get fresh rows (76 -> 106 rows)"], said
     record = json.loads(c.loop.checkpointer.files[REFIT_FILE])
     assert record["mode"] == "extend" and record["tables"]["t_user"] == {"carried": 60, "new": 30, "dropped": 0, "oov_carried": True}
     for column, new in zip(("user", "item"), new_vocab, strict=True):
