@@ -356,13 +356,15 @@ def _split_carried(path: Path, index: TensorIndex, ours: Mapping[str, Any], want
         carried[k] = (src, rows)
     fresh: dict[str, str] = {}  # table → an example of its state that cannot be carried
     for keys in states.values():
-        if any(wanted[k] not in index for k in keys):  # held by the other optimizer half, or none: the fine_tune rule says
-            rest |= {k: wanted[k] for k in keys}
+        weights = f"model/{_param_of(keys[0])}"
+        if weights not in carried or any(wanted[k] not in index for k in keys):
+            rest |= {k: wanted[k] for k in keys}  # weights not carried, or state of the other optimizer half: the fine_tune rule says
             continue
         table = carry.table_of(keys[0])
         assert table is not None
-        weight = index.get(wanted.get(f"model/{_param_of(keys[0])}", ""))
-        plans = {k: _carried_state(index[wanted[k]], _shape(ours[k]), carry.tables[table].old_rows, weight) for k in keys}
+        trained = index[carried[weights][0]]
+        assert trained is not None  # carried: 2-d
+        plans = {k: _carried_state(index[wanted[k]], _shape(ours[k]), carry.tables[table].old_rows, trained[0]) for k in keys}
         if stuck := [k for k, plan in plans.items() if isinstance(plan, str)]:
             fresh.setdefault(table, f"{stuck[0]}: {plans[stuck[0]]}")
             continue
@@ -382,18 +384,18 @@ def _split_carried(path: Path, index: TensorIndex, ours: Mapping[str, Any], want
     return rest, carried
 
 
-def _carried_state(theirs: list[int] | None, mine: list[int], rows: np.ndarray, weight: list[int] | None) -> np.ndarray | str | None:
+def _carried_state(theirs: list[int] | None, mine: list[int], rows: np.ndarray, old: int) -> np.ndarray | str | None:
     """How one optimizer state of a carried table loads: the checkpoint row of each of ours (as for the weights), ``None``
     to load it as it is (a value per table or shard, e.g. a step count, of the same shape both sides), or why it cannot
     be carried. ``rows``: the table's carry (:attr:`~recsys_runner.data.encoding.vocabulary.RowCarry.old_rows`);
-    ``weight``: the shape of the table's weights in the checkpoint.
+    ``old``: the rows of the table's weights in the checkpoint.
 
     A state per element (Adagrad's sum, Adam's moments) has the weights' shape, and its rows go as theirs. A state per
     row (row-wise Adagrad) has a row per table row, or, for a ``column_wise`` table, one block of rows per column shard
     (TorchRec's layout): each block's rows go as the weights', when both sides have as many blocks."""
-    new, old = len(rows), weight[0] if weight is not None and len(weight) == 2 else 0
-    if theirs is None or not old:
-        return "its table's weights are not carried"
+    new = len(rows)
+    if theirs is None:
+        return "a state of no shape there"
     if len(mine) == 2 and mine[0] == new and theirs == [old, mine[1]]:
         return rows
     if len(mine) == 1 and len(theirs) == 1 and mine[0] >= new and mine[0] % new == 0 and theirs[0] % old == 0 and theirs[0] >= old:
