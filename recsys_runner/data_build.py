@@ -86,6 +86,8 @@ def build_data(run: RunConfig, device: torch.device, source: Path | None, checkp
                         "map to other rows than the ones it trained", source)
     # a checkpoint without stored encoders was fitted on the files' first rows: fitted again so, its ids keep their rows
     data: DataModule = config.build(device=device, encoders=stored, fit_on_head=source is not None and stored is None)
+    if checkpointer is not None and stored is not None and not checkpointer.resuming():
+        say_unread_columns(config, data, stored, "keep")
     if checkpointer is not None:
         checkpointer.data_shards = data.shards_per_rank()
     if checkpointer is not None and (document := data.encoders_document()) is not None:  # evaluate/predict save nothing
@@ -93,6 +95,26 @@ def build_data(run: RunConfig, device: torch.device, source: Path | None, checkp
     if checkpointer is not None and (rate := negative_rate(config)) is not None:  # what evaluate/predict/export correct by
         checkpointer.files[SAMPLING_FILE] = sampling_document(rate)
     return data
+
+
+def say_unread_columns(config: DataConfig, data: DataModule, stored: StoredEncoders, mode: str) -> None:
+    """A fine-tune with the checkpoint's encoders (``data.vocabulary=keep|extend``) whose files hold columns its stored
+    schema does not read (a feature the new day adds) warns once, naming them and the fix: the stored encoders name the
+    columns, so they were silently not read. Only when the config leaves the columns to inference (no ``data.schema``,
+    ``data.sparse`` or ``data.dense``: a refit would take them in) and not in ``data.infer.exclude``. A column the
+    checkpoint read that the files lack is refused already (:func:`~recsys_runner.data.encoding.stored.check_columns`)."""
+    sampled = getattr(data, "sampled_columns", ())
+    if not isinstance(config, TabularDataConfig) or any(getattr(config, k, None) for k in ("schema", "sparse", "dense")):
+        return
+    read = set(stored.schema.columns) | set(config.infer.exclude)
+    unread = [c for c in sampled if c not in read]
+    if unread:
+        names = ",".join(unread)
+        log.warning("data.vocabulary=%s: data.path=%s has %d columns the encoders stored in %s do not read, so they are not "
+                    "read: %s (a feature these files add). Fix: data.vocabulary=refit to infer the schema anew and take them in "
+                    "(their tables start fresh, the other tables' rows are carried by id), or data.infer.exclude=[%s] to leave "
+                    "them out without this warning", mode, getattr(config, "path", None), len(unread), stored.source,
+                    ", ".join(unread[:8]) + (", …" if len(unread) > 8 else ""), names)
 
 
 REFIT_FILE = "vocabulary_refit.json"
@@ -201,16 +223,16 @@ def _extend(config: DataConfig, device: torch.device, checkpointer: Checkpointer
                         "sample shows, or the column is gone), so its vocabulary stays as stored: new ids read its OOV rows",
                         col.table_name)
             continue
-        vocabulary, added = grown(then, found[0])
+        vocabulary, _ = grown(then, found[0])
         for name in names:
             vocabularies[name] = vocabulary
         sizes[col.table_name] = vocabulary.capacity + vocabulary.oov_buckets
-        tables[col.table_name] = carry = carry_rows(then, vocabulary)
-        log.info("%s: %d trained ids keep their rows, %d new ids get fresh rows (%d -> %d rows)", col.table_name,
-                 carry.carried, added, then.capacity + then.oov_buckets, sizes[col.table_name])
+        # said once a table, when its rows are loaded (RowCarry.line), with the rows of its optimizer state
+        tables[col.table_name] = replace(carry_rows(then, vocabulary), grown_from=then.capacity + then.oov_buckets)
     schema = replace(old, sparse=[replace(c, num_embeddings=sizes.get(c.table_name, c.num_embeddings)) for c in old.sparse],
                      vocabularies=vocabularies)
     data: DataModule = config.build(device=device, encoders=replace(stored, schema=schema))
+    say_unread_columns(config, data, stored, "extend")
     extended = data.encoders_document()
     assert extended is not None
     _carry(checkpointer, source, tables, schema, extended, "extend")

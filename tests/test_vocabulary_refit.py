@@ -6,8 +6,8 @@ The scenario: DeepFM trained on a CSV of users ``u0..u59`` and items ``0..39`` (
 ``40..49`` are new, so ``t_user`` grows and ``t_item`` shrinks. The fine-tune shards ``t_user`` row-wise: a trained
 row is read from the table-wise checkpoint and lands at the id's new row in the row-wise shard. For every id in both
 vocabularies the new row (embedding and first-order weight) equals the trained one, a new id's row equals a fresh
-run's, the OOV rows are carried bucket by bucket, the optimizer state of those tables is fresh, and the run logs one
-line per table. That ``keep`` (the default) keeps the stored vocabulary is tested in test_stored_encoders.py.
+run's, the OOV rows are carried bucket by bucket, the rows of those tables' optimizer state (Adagrad's sums) go as the
+weights', and the run logs one line per table. That ``keep`` (the default) keeps the stored vocabulary is tested in test_stored_encoders.py.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from recsys_runner.data.encoding.stored import ENCODERS_FILE, from_json
 from recsys_runner.data.encoding.vocabulary import Vocabulary, carry_rows, grown
 from recsys_runner.data.files.tabular import sizes_not_used
 from recsys_runner.data_build import REFIT_FILE
-from recsys_runner.errors import ConfigError
+from recsys_runner.errors import ConfigError, DataError
 from tests.conftest import REPO, free_port
 from tests.test_evaluate import compose_entry
 from tests.test_stored_encoders import _rows
@@ -74,8 +74,7 @@ def _whole(t: Any) -> torch.Tensor:
     shards = t.local_shards()
     out = torch.zeros(list(t.metadata().size), dtype=shards[0].tensor.dtype)
     for shard in shards:
-        (r, c), (n, m) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-        out[r:r + n, c:c + m] = shard.tensor
+        out[tuple(slice(o, o + n) for o, n in zip(shard.metadata.shard_offsets, shard.metadata.shard_sizes, strict=True))] = shard.tensor
     return out
 
 
@@ -91,11 +90,19 @@ def _built(*overrides: str) -> tuple[dict[str, torch.Tensor], Vocabulary, Vocabu
 
 
 def _checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Vocabulary]]:
-    """The model tensors of a checkpoint, read with the project's DCP storage, and its stored vocabularies."""
+    """The model tensors and optimizer state of a checkpoint, read with the project's DCP storage, and its stored
+    vocabularies."""
     storage = DcpFileStorage()
-    state = {k: torch.empty(shape) for k, shape in storage.tensor_index(path).items() if k.startswith("model/") and shape}
+    state = {k: torch.empty(shape) for k, shape in storage.tensor_index(path).items() if k.startswith(("model/", "optim/")) and shape}
     storage.load_tensors(path, state)
     return state, from_json((path / ENCODERS_FILE).read_bytes(), "test")[0].vocabularies
+
+
+def _sums(state: dict[str, torch.Tensor], table: str) -> str:
+    """The key of ``table``'s Adagrad sums: the fused optimizer's ``momentum1`` (a sharded table) or the dense one's ``sum``
+    (a data_parallel table, as DeepFM's small first-order tables are planned)."""
+    (key,) = [k for k in state if re.fullmatch(rf"optim/(sparse\.\S+\.{table}\.weight/{table}\.momentum1|dense\.\S+\.{table}\.weight/sum)", k)]
+    return key
 
 
 def test_refit_carries_each_trained_row_to_its_ids_new_row(trained: dict[str, Any]) -> None:
@@ -122,8 +129,14 @@ def test_refit_carries_each_trained_row_to_its_ids_new_row(trained: dict[str, An
             torch.testing.assert_close(rows[new.rows[only_new]], fresh_rows[new.rows[only_new]], rtol=0, atol=0)
             torch.testing.assert_close(rows[oov_new], trained_rows[oov_old], rtol=0, atol=0)
             assert not torch.equal(rows[new.rows[new_at]], fresh_rows[new.rows[new_at]])
-        for key in (k for k in refit if k.startswith("optim/") and TABLES[column] in k):  # the tables' optimizer state: fresh
-            torch.testing.assert_close(refit[key], fresh[key], rtol=0, atol=0)
+        sums = [_sums(refit, f"{prefix}{TABLES[column]}") for prefix in ("", "first_order_")]
+        assert sums[0].startswith("optim/sparse.") and sums[1].startswith("optim/dense.")  # a fused table and a data_parallel one
+        for key in sums:
+            trained_sums, carried, started = old_state[key], refit[key], fresh[key]
+            torch.testing.assert_close(carried[new.rows[new_at]], trained_sums[old.rows[old_at]], rtol=0, atol=0)
+            torch.testing.assert_close(carried[oov_new], trained_sums[oov_old], rtol=0, atol=0)
+            assert trained_sums[old.rows[old_at]].any() and not started.any()  # Adagrad's sums start at 0 (fbgemm's, torch's)
+            assert not carried[new.rows[only_new]].any()  # a new id's row: the initial value
     dense = next(k for k in refit if k.startswith("model/") and k.endswith("deep.1.weight"))
     torch.testing.assert_close(refit[dense], old_state[dense], rtol=0, atol=0)  # the rest loads as for any init_from
 
@@ -167,12 +180,18 @@ def test_refit_is_refused_when_resuming_and_must_be_keep_or_refit(trained: dict[
         validate(compose_entry("config", *new, "data.vocabulary=again"))
 
 
-def test_extend_keeps_every_trained_id_at_its_row_and_grows_the_tables_by_the_new_ids(trained: dict[str, Any]) -> None:
+def test_extend_keeps_every_trained_id_at_its_row_and_grows_the_tables_by_the_new_ids(trained: dict[str, Any],
+                                                                                     caplog: pytest.LogCaptureFixture) -> None:
     """The daily fine-tune: yesterday's encoders, each vocabulary grown by today's new ids. ``keep`` read them as OOV,
-    ``refit`` dropped the ids absent today (their trained rows left behind) and refitted every statistic."""
+    ``refit`` dropped the ids absent today (their trained rows left behind) and refitted every statistic. One line a
+    table says it (there were two: the grown vocabulary's and the carry's)."""
     old_state, old_vocab = _checkpoint(trained["checkpoint"])
     fine_tune = [*trained["data"], f"data.path={trained['root']}/new.csv", "checkpoint.resume=never"]
-    extended, *new_vocab, c = _built(*fine_tune, f"checkpoint.init_from={trained['checkpoint']}", "data.vocabulary=extend")
+    with caplog.at_level(logging.INFO, logger="recsys_runner"):
+        extended, *new_vocab, c = _built(*fine_tune, f"checkpoint.init_from={trained['checkpoint']}", "data.vocabulary=extend")
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith(("t_user:", "t_item:"))]
+    assert said == ["t_item: 40 trained ids keep their rows, 10 new ids get fresh rows (56 -> 66 rows)",
+                    "t_user: 60 trained ids keep their rows, 30 new ids get fresh rows (76 -> 106 rows)"], said
     record = json.loads(c.loop.checkpointer.files[REFIT_FILE])
     assert record["mode"] == "extend" and record["tables"]["t_user"] == {"carried": 60, "new": 30, "dropped": 0, "oov_carried": True}
     for column, new in zip(("user", "item"), new_vocab, strict=True):
@@ -192,6 +211,12 @@ def test_extend_keeps_every_trained_id_at_its_row_and_grows_the_tables_by_the_ne
             torch.testing.assert_close(rows[new.capacity:], trained_rows[old.capacity:], rtol=0, atol=0)  # OOV rows
             started = rows[new.rows[added]]  # fresh: a first-order weight starts at 0, an embedding at none of the trained values
             assert (started == 0).all() if prefix else not torch.isin(started, trained_rows).any()
+            # Its optimizer state (Adagrad's sum) goes as its rows: a trained id keeps yesterday's, a new one starts at 0.
+            state = _sums(extended, f"{prefix}{TABLES[column]}")
+            sums, trained_sums = extended[state], old_state[state]
+            torch.testing.assert_close(sums[:old.capacity], trained_sums[:old.capacity], rtol=0, atol=0)
+            torch.testing.assert_close(sums[new.capacity:], trained_sums[old.capacity:], rtol=0, atol=0)
+            assert trained_sums[:old.capacity].any() and not sums[new.rows[added]].any()
 
 
 def test_refit_names_a_table_of_a_column_the_new_files_add_as_new(trained: dict[str, Any], tmp_path: Path,
@@ -264,11 +289,15 @@ def one_rank() -> Iterator[None]:
 def test_rows_land_in_each_local_shard_and_other_tables_follow_the_fine_tune_rule(one_rank: None, tmp_path: Path, split: str,
                                                                                   caplog: pytest.LogCaptureFixture) -> None:
     """The loader alone, on a ShardedTensor of two local shards split by rows or by columns: ``t_a``'s rows (and its
-    first-order ``wide_t_a``'s) go by id, ``t_x_t_a`` is another table and loads as it is, ``t_a``'s optimizer state
-    stays fresh, and a resized table without a vocabulary (``t_h``) keeps its fresh rows with a warning."""
+    first-order ``wide_t_a``'s) go by id, ``t_x_t_a`` is another table and loads as it is, and a resized table without a
+    vocabulary (``t_h``) keeps its fresh rows with a warning. The optimizer state goes by id too: ``t_a``'s row-wise sums
+    (one a row), ``wide_t_a``'s row-wise sums of a table column-wise sharded in two (TorchRec keeps a block of rows per
+    column shard) block by block, its step count as it is; ``t_b``'s, two blocks here and one there, starts fresh, said."""
     old_a, old_x, old_h = torch.arange(20.0).reshape(5, 4), torch.randn(5, 4), torch.randn(7, 4)
     dcp.save({"model/m.t_a.weight": old_a, "model/m.wide_t_a.weight": old_a + 100, "model/m.t_x_t_a.weight": old_x,
-              "model/m.t_h.weight": old_h, "optim/sparse.m.t_a.weight/t_a.momentum1": torch.ones(5)}, checkpoint_id=str(tmp_path))
+              "model/m.t_h.weight": old_h, "model/m.t_b.weight": old_a, "optim/sparse.m.t_a.weight/t_a.momentum1": torch.arange(5.0) + 1,
+              "optim/sparse.m.wide_t_a.weight/wide_t_a.momentum1": torch.arange(10.0) + 1, "optim/sparse.m.wide_t_a.weight/step": torch.tensor(7.0),
+              "optim/sparse.m.t_b.weight/t_b.momentum1": torch.ones(5)}, checkpoint_id=str(tmp_path))
     old = Vocabulary(np.array([10, 20, 30], dtype=np.uint64), np.array([0, 1, 2]), capacity=3, oov_buckets=2)
     new = Vocabulary(np.array([20, 30, 40, 50], dtype=np.uint64), np.array([1, 0, 2, 3]), capacity=4, oov_buckets=2)
     carry = carry_rows(old, new)
@@ -276,17 +305,28 @@ def test_rows_land_in_each_local_shard_and_other_tables_follow_the_fine_tune_rul
     pieces = [(0, 3, 0, 4), (3, 3, 0, 4)] if split == "rows" else [(0, 6, 0, 2), (0, 6, 2, 2)]
     shards = [Shard(torch.full((nr, nc), -1.0), ShardMetadata([r, c], [nr, nc], "rank:0/cpu")) for r, nr, c, nc in pieces]
     ours = {"model/m.t_a.weight": ShardedTensor._init_from_local_shards(shards, [6, 4]), "model/m.wide_t_a.weight": torch.full((6, 4), -1.0),
-            "model/m.t_x_t_a.weight": torch.zeros(5, 4), "model/m.t_h.weight": torch.zeros(9, 4),
-            "optim/sparse.m.t_a.weight/t_a.momentum1": torch.zeros(6)}
+            "model/m.t_x_t_a.weight": torch.zeros(5, 4), "model/m.t_h.weight": torch.zeros(9, 4), "model/m.t_b.weight": torch.zeros(6, 4),
+            "optim/sparse.m.t_a.weight/t_a.momentum1": ShardedTensor._init_from_local_shards(
+                [Shard(torch.zeros(n), ShardMetadata([r], [n], "rank:0/cpu")) for r, n in ((0, 2), (2, 4))], [6]),
+            "optim/sparse.m.wide_t_a.weight/wide_t_a.momentum1": torch.zeros(12), "optim/sparse.m.wide_t_a.weight/step": torch.tensor(0.0),
+            "optim/sparse.m.t_b.weight/t_b.momentum1": torch.zeros(12)}
     with caplog.at_level(logging.WARNING, logger="recsys_runner"):
         loaded = load_into(DcpFileStorage(), tmp_path, ours, rule="fine_tune",
-                           carry=CarriedRows({"t_a": carry}, frozenset({"t_a", "t_x_t_a", "t_h"})))
+                           carry=CarriedRows({"t_a": carry, "t_b": carry}, frozenset({"t_a", "t_x_t_a", "t_h", "t_b"})))
     expected = torch.cat([old_a[[2, 1]], torch.full((2, 4), -1.0), old_a[[3, 4]]])
     torch.testing.assert_close(_whole(ours["model/m.t_a.weight"]), expected, rtol=0, atol=0)
     torch.testing.assert_close(ours["model/m.wide_t_a.weight"], torch.where(expected < 0, expected, expected + 100), rtol=0, atol=0)
     torch.testing.assert_close(ours["model/m.t_x_t_a.weight"], old_x, rtol=0, atol=0)
-    assert not ours["model/m.t_h.weight"].any() and not ours["optim/sparse.m.t_a.weight/t_a.momentum1"].any()
-    assert set(loaded) == {"model/m.t_a.weight", "model/m.wide_t_a.weight", "model/m.t_x_t_a.weight"}
+    assert not ours["model/m.t_h.weight"].any()
+    assert _whole(ours["optim/sparse.m.t_a.weight/t_a.momentum1"]).tolist() == [3, 2, 0, 0, 4, 5]  # new ids: 0, as fbgemm starts
+    assert ours["optim/sparse.m.wide_t_a.weight/wide_t_a.momentum1"].tolist() == [3, 2, 0, 0, 4, 5, 8, 7, 0, 0, 9, 10]
+    assert ours["optim/sparse.m.wide_t_a.weight/step"].item() == 7 and not ours["optim/sparse.m.t_b.weight/t_b.momentum1"].any()
+    assert set(loaded) == {"model/m.t_a.weight", "model/m.wide_t_a.weight", "model/m.t_x_t_a.weight", "model/m.t_b.weight",
+                           "optim/sparse.m.t_a.weight/t_a.momentum1", "optim/sparse.m.wide_t_a.weight/wide_t_a.momentum1",
+                           "optim/sparse.m.wide_t_a.weight/step"}
+    (fresh,) = [r.getMessage() for r in caplog.records if "optimizer state of" in r.getMessage()]
+    assert "optimizer state of 1 carried tables starts fresh" in fresh and "t_b (optim/sparse.m.t_b.weight/t_b.momentum1: 1 " \
+           "row-wise blocks there, 2 here)" in fresh, fresh
     assert any("tensors of another shape there keep their fresh values" in r.getMessage() and "model/m.t_h.weight ([9, 4] here, "
                "[7, 4] there)" in r.getMessage() for r in caplog.records)
 
@@ -313,3 +353,28 @@ def test_two_ranks_carry_rows_into_shards_spread_over_them(trained: dict[str, An
             key = next(k for k in state if k.endswith(f".{prefix}{table}.weight"))
             torch.testing.assert_close(state[key][new.rows[new_at]], old_state[key][old.rows[old_at]], rtol=0, atol=0)
             torch.testing.assert_close(state[key][new.capacity:], old_state[key][old.capacity:], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["keep", "extend"])
+def test_a_column_the_new_files_add_is_said_not_read_and_one_they_lack_refused(trained: dict[str, Any], tmp_path: Path, mode: str,
+                                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """Day 3 adds a column: the stored encoders name the columns, so keep and extend read it not, without a word."""
+    lines = (trained["root"] / "new.csv").read_text().splitlines()
+    (tmp_path / "day3.csv").write_text("\n".join([f"{lines[0]},device", *(f"{x},d{i % 3}" for i, x in enumerate(lines[1:]))]) + "\n")
+    fine_tune = [*trained["data"], f"data.path={tmp_path}/day3.csv", "checkpoint.resume=never",
+                 f"checkpoint.init_from={trained['checkpoint']}", f"data.vocabulary={mode}"]
+    with caplog.at_level(logging.WARNING, logger="recsys_runner"):
+        *_, c = _built(*fine_tune)
+    assert "device" not in c.loop.data.features.sparse_names
+    (said,) = [r.getMessage() for r in caplog.records if "do not read" in r.getMessage()]
+    assert said == (f"data.vocabulary={mode}: data.path={tmp_path}/day3.csv has 1 columns the encoders stored in {trained['checkpoint']} "
+                    f"do not read, so they are not read: device (a feature these files add). Fix: data.vocabulary=refit to infer "
+                    f"the schema anew and take them in (their tables start fresh, the other tables' rows are carried by id), or "
+                    f"data.infer.exclude=[device] to leave them out without this warning"), said
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="recsys_runner"):
+        _built(*fine_tune, "data.infer.exclude=[device]")
+    assert not [r for r in caplog.records if "do not read" in r.getMessage()]
+    (tmp_path / "no_item.csv").write_text("\n".join(",".join(x.split(",")[:2]) for x in lines) + "\n")
+    with pytest.raises(DataError, match=r"no_item.csv' has no column 'item'.*which the model was trained on"):
+        _built(*fine_tune[:-4], f"data.path={tmp_path}/no_item.csv", *fine_tune[-3:])

@@ -8,9 +8,9 @@ One loader, three rules (:data:`Rule`), each refusing by name what it cannot loa
 * ``resume`` — every tensor asked for (model, optimizer, EMA) is in the checkpoint;
 * ``fine_tune`` — ``init_from``: names are renamed (``name_map``) and the ones the checkpoint lacks, or holds with
   another shape (a resized table, a changed width), keep their fresh values (a warning names them); refused only when
-  nothing of the model is shared. With vocabularies fitted anew (``data.vocabulary=refit``, :class:`CarriedRows`) each
+  nothing of the model is shared. With vocabularies fitted anew or grown (``data.vocabulary=refit|extend``, :class:`CarriedRows`) each
   such table's rows are carried over by id instead: every rank reads the whole trained table and copies the row of
-  each id into the id's new row of its own shards; those tables' optimizer state starts fresh.
+  each id into the id's new row of its own shards, and the rows of its optimizer state alike.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class CarriedRows:
     rows are carried over by id (:func:`~recsys_runner.data.encoding.vocabulary.carry_rows`), by the data's table name.
 
     A table's tensors are every checkpoint key whose parameter is ``…<table>.weight`` or ``…<prefix>_<table>.weight``
-    (the first-order / wide tables beside it): its weights and EMA weights are carried, its optimizer state starts fresh.
+    (the first-order / wide tables beside it): its weights, EMA weights and optimizer state are carried.
     """
 
     tables: Mapping[str, RowCarry]
@@ -324,21 +324,25 @@ def _other_optimizer(index: TensorIndex, missing: list[str]) -> dict[str, tuple[
 
 def _split_carried(path: Path, index: TensorIndex, ours: Mapping[str, Any], wanted: Mapping[str, str],
                    carry: CarriedRows) -> tuple[dict[str, str], dict[str, tuple[str, np.ndarray]]]:
-    """``wanted`` without the tensors of the carried tables, and those tables' weights: ours' key → (checkpoint key, the
-    checkpoint row of each of its rows). Their optimizer state is left out (fresh): the accumulated state of a row
-    belongs to the id that trained it, and Adagrad's sums would slow down every carried row on data it has not seen.
+    """``wanted`` without the tensors of the carried tables, and those tables' tensors carried by id: ours' key →
+    (checkpoint key, the checkpoint row of each of its rows). A table's weights and EMA weights are carried, and its
+    optimizer state the same way (:func:`_carried_state`): the accumulated state of a row belongs to the id that trained
+    it, which keeps its meaning, so Adagrad's sum or Adam's moments go with it; a new row keeps the optimizer's initial
+    value (fresh). A table whose state cannot be carried row by row starts its state fresh, with one warning.
 
     Raises:
         CheckpointError: the checkpoint's table has fewer rows than its stored vocabulary gives out.
     """
     rest: dict[str, str] = {}
     carried: dict[str, tuple[str, np.ndarray]] = {}
+    states: dict[str, list[str]] = {}  # a carried table's parameter's optimizer (optim/<half>.<param>) → its state keys
     for k, src in wanted.items():
         table = carry.table_of(k)
         if table is None:
             rest[k] = src
             continue
         if k.startswith("optim/"):
+            states.setdefault(k.rsplit("/", 1)[0], []).append(k)
             continue
         rows = carry.tables[table].old_rows
         theirs, mine = index.get(src), _shape(ours[k])
@@ -350,7 +354,58 @@ def _split_carried(path: Path, index: TensorIndex, ours: Mapping[str, Any], want
                                   f"out row {int(rows.max())}: its encoders.json does not belong to its weights. Fix: "
                                   f"checkpoint.init_from=<a checkpoint written by one training run>, or data.vocabulary=keep")
         carried[k] = (src, rows)
+    fresh: dict[str, str] = {}  # table → an example of its state that cannot be carried
+    for keys in states.values():
+        weights = f"model/{_param_of(keys[0])}"
+        if weights not in carried or any(wanted[k] not in index for k in keys):
+            rest |= {k: wanted[k] for k in keys}  # weights not carried, or state of the other optimizer half: the fine_tune rule says
+            continue
+        table = carry.table_of(keys[0])
+        assert table is not None
+        trained = index[carried[weights][0]]
+        assert trained is not None  # carried: 2-d
+        plans = {k: _carried_state(index[wanted[k]], _shape(ours[k]), carry.tables[table].old_rows, trained[0]) for k in keys}
+        if stuck := [k for k, plan in plans.items() if isinstance(plan, str)]:
+            fresh.setdefault(table, f"{stuck[0]}: {plans[stuck[0]]}")
+            continue
+        for k, plan in plans.items():
+            if plan is None:
+                rest[k] = wanted[k]
+            else:
+                assert not isinstance(plan, str)
+                carried[k] = (wanted[k], plan)
+    if fresh and (not dist.is_initialized() or dist.get_rank() == 0):
+        log.warning("init_from %s: the optimizer state of %d carried tables starts fresh (their weights are carried by id): "
+                    "its layout there cannot be carried row by row to this run's, e.g. %s. Row-wise state of a column_wise "
+                    "table is kept per column shard, so another number of column shards changes it. Fix: give the tables the "
+                    "checkpoint's sharding (its run's sharding_plan.txt; +distributed.tables={<table>: {sharding_types: [...]}}), "
+                    "or leave it: only these tables' accumulators restart", path, len(fresh),
+                    "; ".join(f"{t} ({why})" for t, why in sorted(fresh.items())[:3]))
     return rest, carried
+
+
+def _carried_state(theirs: list[int] | None, mine: list[int], rows: np.ndarray, old: int) -> np.ndarray | str | None:
+    """How one optimizer state of a carried table loads: the checkpoint row of each of ours (as for the weights), ``None``
+    to load it as it is (a value per table or shard, e.g. a step count, of the same shape both sides), or why it cannot
+    be carried. ``rows``: the table's carry (:attr:`~recsys_runner.data.encoding.vocabulary.RowCarry.old_rows`);
+    ``old``: the rows of the table's weights in the checkpoint.
+
+    A state per element (Adagrad's sum, Adam's moments) has the weights' shape, and its rows go as theirs. A state per
+    row (row-wise Adagrad) has a row per table row, or, for a ``column_wise`` table, one block of rows per column shard
+    (TorchRec's layout): each block's rows go as the weights', when both sides have as many blocks."""
+    new = len(rows)
+    if theirs is None:
+        return "a state of no shape there"
+    if len(mine) == 2 and mine[0] == new and theirs == [old, mine[1]]:
+        return rows
+    if len(mine) == 1 and len(theirs) == 1 and mine[0] >= new and mine[0] % new == 0 and theirs[0] % old == 0 and theirs[0] >= old:
+        blocks, there = mine[0] // new, theirs[0] // old
+        if blocks != there:
+            return f"{there} row-wise blocks there, {blocks} here"
+        return np.concatenate([np.where(rows >= 0, rows + b * old, -1) for b in range(blocks)])
+    if theirs == mine and (not mine or int(np.prod(mine)) < new):
+        return None
+    return f"shape {theirs} there, {mine} here"
 
 
 def _load_carried(storage: CheckpointStorage, path: Path, index: TensorIndex, ours: Mapping[str, Any],
@@ -370,14 +425,15 @@ def _load_carried(storage: CheckpointStorage, path: Path, index: TensorIndex, ou
         for (row, col), shard in _local_shards(ours[k]):
             picked = old_rows[row:row + shard.shape[0]]
             has = picked >= 0
-            shard[has] = whole[src][picked[has], col:col + shard.shape[1]].to(shard.device, shard.dtype)
+            values = whole[src][picked[has]] if shard.dim() == 1 else whole[src][picked[has], col:col + shard.shape[1]]
+            shard[has] = values.to(shard.device, shard.dtype)
 
 
 def _local_shards(t: Any) -> list[tuple[tuple[int, int], torch.Tensor]]:
-    """This rank's pieces of a 2-d tensor (a ShardedTensor's local shards, or the whole tensor), each with its offset
-    (row, column) in the whole."""
+    """This rank's pieces of a 1-d or 2-d tensor (a ShardedTensor's local shards, or the whole tensor), each with its
+    offset (row, column; 0 for a 1-d one) in the whole."""
     if hasattr(t, "local_shards"):
-        return [((int(s.metadata.shard_offsets[0]), int(s.metadata.shard_offsets[1])), s.tensor) for s in t.local_shards()]
+        return [((int(s.metadata.shard_offsets[0]), int(([*s.metadata.shard_offsets, 0])[1])), s.tensor) for s in t.local_shards()]
     if isinstance(t, DTensor):
         raise CheckpointError("data.vocabulary=refit carries rows into ShardedTensor shards (TorchRec's table-, row- and "
                               "column-wise sharding) and plain tensors (data-parallel), not into this table's DTensor. Fix: "

@@ -150,9 +150,15 @@ class RowCarry:
     """Ids only in the old vocabulary: their trained rows are left behind (such an id now reads an OOV row)."""
     oov_carried: bool
     """The OOV rows were carried over, bucket by bucket (the number of buckets is unchanged), else they start fresh."""
+    grown_from: int | None = None
+    """``data.vocabulary=extend``: the rows of the trained table the new one grows (every trained id keeps its row);
+    ``None`` for a refit."""
 
     def line(self, table: str) -> str:
-        """The log line of ``table``'s carry."""
+        """The log line of ``table``'s carry: one a table (an extend's says how the table grew)."""
+        if self.grown_from is not None:
+            return (f"{table}: {self.carried} trained ids keep their rows, {self.new} new ids get fresh rows "
+                    f"({self.grown_from} -> {len(self.old_rows)} rows)")
         oov = "its OOV rows carried over" if self.oov_carried else "its OOV rows start fresh"
         return (f"{table}: {self.carried} rows carried over, {self.new} new ids start fresh, {self.dropped} old ids not in the "
                 f"new vocabulary; {oov}")

@@ -67,6 +67,10 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         batch = next(iter(data.train_batches(epoch=0, rank=0, world_size=1)))
     """
 
+    sampled_columns: tuple[str, ...] = ()
+    """The columns of the files (a sample's) when built with a checkpoint's encoders, else none: a fine-tune names those
+    its stored schema does not read (:func:`recsys_runner.data_build.say_unread_columns`)."""
+
     def __init__(self, config: TabularDataConfig, schema: Schema, encoders: StoredEncoders | None = None) -> None:
         config = config.resolved()  # built by DataConfig.build, already; constructed directly, decided here
         assert isinstance(config.num_workers, int)

@@ -205,8 +205,9 @@ class ParquetData(TabularData):
         if encoders is not None:
             schema = checkpoint_schema(encoders, config)
             refuse_repeats(schema.columns)
-            schema = from_checkpoint(encoders, schema, ParquetSource(files, [], config.read_rows).sample(KIND_SAMPLE_ROWS),
-                                     f"data.path={config.path!r}")
+            sample = ParquetSource(files, [], config.read_rows).sample(KIND_SAMPLE_ROWS)
+            schema = from_checkpoint(encoders, schema, sample, f"data.path={config.path!r}")
+            self.sampled_columns = tuple(sample.column_names)
         elif stored is not None:
             check_stored_replaces(config, stored, head)
             schema = stored
@@ -270,7 +271,9 @@ class CsvData(TabularData):
         if encoders is not None:
             schema = checkpoint_schema(encoders, config)
             refuse_repeats(schema.columns)
-            schema = from_checkpoint(encoders, schema, self._sampler(config).sample(KIND_SAMPLE_ROWS), where)
+            sample = self._sampler(config).sample(KIND_SAMPLE_ROWS)
+            schema = from_checkpoint(encoders, schema, sample, where)
+            self.sampled_columns = tuple(sample.column_names)
         else:
             done, _ = config_schema(config, lambda: self._sampler(config).sample(config.infer.sample_rows, spread=not fit_on_head), where,
                                     lambda: self._sampler(config).header_names(), refuse_repeats)
