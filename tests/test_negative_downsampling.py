@@ -147,6 +147,19 @@ def test_a_command_that_states_another_rate_than_the_checkpoints_is_refused(trai
         evaluate.run(compose_entry("evaluate", *overrides, "data.negative_rate=0.5", f"load={checkpoint}"))
 
 
+@pytest.mark.parametrize("vocabulary", ["extend", "refit"])
+def test_a_fine_tune_that_extends_or_refits_the_vocabulary_stores_its_rate_too(trained: tuple[list[str], Path], tmp_path: Path,
+                                                                               vocabulary: str) -> None:
+    # refit/extend build the data their own way: their checkpoints lacked sampling.json, so evaluate, predict and
+    # export of the fine-tune (carrying data.negative_rate from its launch) refused it as 'trained with every negative'
+    overrides, checkpoint = trained
+    tuned = [*overrides, f"data.negative_rate={RATE}", "train.num_steps=2", f"checkpoint.dir={tmp_path}/ck"]
+    train(compose_entry("config", *tuned, f"checkpoint.init_from={checkpoint}", f"data.vocabulary={vocabulary}"))
+    (fine_tuned,) = sorted((tmp_path / "ck").glob("step_*"))
+    assert json.loads((fine_tuned / SAMPLING_FILE).read_text()) == {"negative_rate": RATE}
+    assert "eval/auc" in evaluate.run(compose_entry("evaluate", *tuned, f"load={fine_tuned}"))
+
+
 @pytest.mark.slow  # ~7 s: torch.export and the MLflow model's own check
 def test_the_export_and_its_mlflow_model_serve_the_corrected_probabilities(trained: tuple[list[str], Path], tmp_path: Path) -> None:
     overrides, checkpoint = trained
