@@ -17,6 +17,7 @@ import torch
 
 from recsys_runner import evaluate, export, predict
 from recsys_runner.__main__ import run as train
+from recsys_runner.build import _total_steps
 from recsys_runner.checkpoint.resume_changes import treatment
 from recsys_runner.config import validate
 from recsys_runner.configurable import make
@@ -94,6 +95,14 @@ def test_several_labels_and_models_other_than_one_binary_task_are_refused(tmp_pa
 def test_a_resume_refuses_another_rate() -> None:
     assert treatment("data.negative_rate", None, 0.5)[0] == "refuse"
     assert treatment("data.negative_rate", 0.5, 0.25)[0] == "refuse"
+
+
+def test_a_preset_counting_epochs_is_told_to_count_steps_and_drop_its_epochs(tmp_path: Path) -> None:
+    # experiment=criteo_tsv sets train.num_epochs=1: 'set train.num_steps' alone met 'both are set' on the next launch
+    run = validate(compose_entry("config", "experiment=criteo_tsv", f"data.path={tmp_path}/train.txt", "data.negative_rate=0.1",
+                                 "tracking=none"))
+    with pytest.raises(ConfigError, match=r"train.num_epochs=1 needs to know .*Fix: set train.num_steps=<steps> train.num_epochs=null,"):
+        _total_steps(run, None)
 
 
 def ctr_files(root: Path) -> Path:
