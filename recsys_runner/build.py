@@ -320,11 +320,13 @@ def _total_steps(run: RunConfig, steps_per_epoch: int | None, log_choice: bool =
         epochs = train.num_epochs or 1
         if not steps_per_epoch:
             what = f"train.num_epochs={epochs}" if train.num_epochs is not None else "the default length, one epoch of the data,"
+            # both set is refused too: name the pair, or the fix's first half meets that error next (a preset's epochs)
+            steps_fix = "train.num_steps=<steps> train.num_epochs=null" if train.num_epochs is not None else "train.num_steps=<steps>"
             raise ConfigError(
                 f"{what} needs to know how many steps an epoch has before reading the data, and this data does not say "
                 f"(its size is known only after reading: with data.on_bad_rows=skip, data.negative_rate or data.batch_tokens) or "
                 f"has no full step per rank. "
-                f"Fix: set train.num_steps=<steps>, or use more data / a smaller data.batch_size / train.grad_accum_steps"
+                f"Fix: set {steps_fix}, or use more data / a smaller data.batch_size / train.grad_accum_steps"
             )
         if log_choice and train.num_epochs is None:
             log.info("training one epoch of the data: %d steps (set train.num_epochs or train.num_steps to change)", steps_per_epoch)

@@ -66,6 +66,8 @@ def build_data(run: RunConfig, device: torch.device, source: Path | None, checkp
             refit = False
     elif refit and source is None:
         log.info("data.vocabulary=%s without checkpoint.init_from: the encoders are fitted on the files, as for any new run", mode)
+    if checkpointer is not None and (rate := negative_rate(config)) is not None:  # what evaluate/predict/export correct by,
+        checkpointer.files[SAMPLING_FILE] = sampling_document(rate)  # whichever way the encoders come (refit/extend too)
     stored = read_stored(source) if source is not None else None
     if refit and source is not None:
         assert checkpointer is not None
@@ -92,8 +94,6 @@ def build_data(run: RunConfig, device: torch.device, source: Path | None, checkp
         checkpointer.data_shards = data.shards_per_rank()
     if checkpointer is not None and (document := data.encoders_document()) is not None:  # evaluate/predict save nothing
         checkpointer.files[ENCODERS_FILE] = document  # the training run also logs it to MLflow (recsys_runner.__main__)
-    if checkpointer is not None and (rate := negative_rate(config)) is not None:  # what evaluate/predict/export correct by
-        checkpointer.files[SAMPLING_FILE] = sampling_document(rate)
     return data
 
 

@@ -136,12 +136,13 @@ def row_order(seed: int, rank: int, batch: int, feature: str, rows: int) -> torc
 
 def change_name(key: str) -> str:
     """The worse-is-positive change of eval metric ``key``: ``eval/auc`` → ``auc_drop``, ``eval/ctr/logloss`` →
-    ``ctr/logloss_rise``; a metric without a direction (``calibration``) → ``…_change`` (permuted minus base)."""
+    ``ctr/logloss_rise``; ``calibration``, best at 1, → ``calibration_error_rise`` (its distance from 1, permuted minus
+    base: a plain difference would read a shuffle that moves 0.94 to 0.96 as the feature helping)."""
     task = key.removeprefix("eval/").rpartition("/")[0]
     try:
         suffix = "drop" if higher_is_better(key) else "rise"
-    except ConfigError:
-        suffix = "change"
+    except ConfigError:  # best at a target value: calibration, at 1
+        suffix = "error_rise"
     return f"{task + '/' if task else ''}{key.rpartition('/')[2]}_{suffix}"
 
 
@@ -150,7 +151,12 @@ def changes(base: dict[str, float], permuted: dict[str, float]) -> dict[str, flo
     out = {}
     for key, value in base.items():
         name = change_name(key)
-        out[name] = value - permuted[key] if name.endswith("_drop") else permuted[key] - value
+        if name.endswith("_drop"):
+            out[name] = value - permuted[key]
+        elif name.endswith("_error_rise"):
+            out[name] = abs(permuted[key] - 1) - abs(value - 1)
+        else:
+            out[name] = permuted[key] - value
     return out
 
 

@@ -28,6 +28,7 @@ from recsys_runner.importance import (
     Feature,
     Importance,
     change_name,
+    changes,
     check_pointwise,
     input_features,
     metric_keys,
@@ -81,7 +82,11 @@ def test_ranking_models_refused_and_metric_names_kept_valid() -> None:
     with pytest.raises(ConfigError, match=r"eval has a full-corpus pass"):
         check_pointwise((BinaryTask(),), corpus=True)
     assert [change_name(k) for k in ("eval/ctr/auc", "eval/ctr/logloss", "eval/recall_at_10", "eval/calibration")] == \
-        ["ctr/auc_drop", "ctr/logloss_rise", "recall_at_10_drop", "calibration_change"]
+        ["ctr/auc_drop", "ctr/logloss_rise", "recall_at_10_drop", "calibration_error_rise"]
+    # calibration is best at 1: a shuffle that brings 0.94 to 0.96 makes it better, so the change is negative
+    moved = changes({"eval/calibration": 0.94, "eval/auc": 0.7}, {"eval/calibration": 0.96, "eval/auc": 0.69})
+    assert moved["calibration_error_rise"] == pytest.approx(-0.02) and moved["auc_drop"] == pytest.approx(0.01)
+    assert changes({"eval/calibration": 1.1}, {"eval/calibration": 0.8})["calibration_error_rise"] == pytest.approx(0.1)
     rows = [Importance(Feature(name, "sparse"), {}, {"auc_drop": 0.1}) for name in ("a:b/c", "a_b_c", "..")]
     assert list(metric_keys(rows)) == ["importance/a_b_c/auc_drop", "importance/a_b_c_2/auc_drop", "importance/__/auc_drop"]
 

@@ -17,6 +17,7 @@ import torch
 
 from recsys_runner import evaluate, export, predict
 from recsys_runner.__main__ import run as train
+from recsys_runner.build import _total_steps
 from recsys_runner.checkpoint.resume_changes import treatment
 from recsys_runner.config import validate
 from recsys_runner.configurable import make
@@ -96,6 +97,14 @@ def test_a_resume_refuses_another_rate() -> None:
     assert treatment("data.negative_rate", 0.5, 0.25)[0] == "refuse"
 
 
+def test_a_preset_counting_epochs_is_told_to_count_steps_and_drop_its_epochs(tmp_path: Path) -> None:
+    # experiment=criteo_tsv sets train.num_epochs=1: 'set train.num_steps' alone met 'both are set' on the next launch
+    run = validate(compose_entry("config", "experiment=criteo_tsv", f"data.path={tmp_path}/train.txt", "data.negative_rate=0.1",
+                                 "tracking=none"))
+    with pytest.raises(ConfigError, match=r"train.num_epochs=1 needs to know .*Fix: set train.num_steps=<steps> train.num_epochs=null,"):
+        _total_steps(run, None)
+
+
 def ctr_files(root: Path) -> Path:
     """Training and eval Parquet files whose labels are Bernoulli(:data:`CTR`) draws independent of the features."""
     rng = np.random.default_rng(7)
@@ -145,6 +154,19 @@ def test_a_command_that_states_another_rate_than_the_checkpoints_is_refused(trai
     overrides, checkpoint = trained
     with pytest.raises(ConfigError, match=rf"data.negative_rate=0.5, but checkpoint .* was trained with data.negative_rate={RATE}"):
         evaluate.run(compose_entry("evaluate", *overrides, "data.negative_rate=0.5", f"load={checkpoint}"))
+
+
+@pytest.mark.parametrize("vocabulary", ["extend", "refit"])
+def test_a_fine_tune_that_extends_or_refits_the_vocabulary_stores_its_rate_too(trained: tuple[list[str], Path], tmp_path: Path,
+                                                                               vocabulary: str) -> None:
+    # refit/extend build the data their own way: their checkpoints lacked sampling.json, so evaluate, predict and
+    # export of the fine-tune (carrying data.negative_rate from its launch) refused it as 'trained with every negative'
+    overrides, checkpoint = trained
+    tuned = [*overrides, f"data.negative_rate={RATE}", "train.num_steps=2", f"checkpoint.dir={tmp_path}/ck"]
+    train(compose_entry("config", *tuned, f"checkpoint.init_from={checkpoint}", f"data.vocabulary={vocabulary}"))
+    (fine_tuned,) = sorted((tmp_path / "ck").glob("step_*"))
+    assert json.loads((fine_tuned / SAMPLING_FILE).read_text()) == {"negative_rate": RATE}
+    assert "eval/auc" in evaluate.run(compose_entry("evaluate", *tuned, f"load={fine_tuned}"))
 
 
 @pytest.mark.slow  # ~7 s: torch.export and the MLflow model's own check
