@@ -105,6 +105,14 @@ def test_a_preset_counting_epochs_is_told_to_count_steps_and_drop_its_epochs(tmp
         _total_steps(run, None)
 
 
+def test_a_rate_of_one_trains_every_row_and_keeps_the_epochs_length(tmp_path: Path) -> None:
+    # a sweep's baseline (data.negative_rate=0.1,0.3,1): rate 1 drops nothing, so train.num_epochs must not be refused
+    root = id_files(tmp_path)
+    every, one = id_data(root, negative_rate=None), id_data(root, negative_rate=1.0)
+    assert one.num_train_batches(1) == every.num_train_batches(1) is not None
+    assert rows(one.train_batches(0, 0, 1)) == rows(every.train_batches(0, 0, 1))
+
+
 def ctr_files(root: Path) -> Path:
     """Training and eval Parquet files whose labels are Bernoulli(:data:`CTR`) draws independent of the features."""
     rng = np.random.default_rng(7)

@@ -67,7 +67,7 @@ class ShardReader:
         reported = [0, 0]
         reported_oov = {name: [0, 0] for name in encoder.oov}
         reported_cuts = dict.fromkeys(encoder.capped, 0)
-        sampling = _Sampling(cfg.seed, cfg.negative_rate) if train and cfg.negative_rate is not None else None
+        sampling = _Sampling(cfg.seed, cfg.negative_rate) if train and cfg.negative_rate is not None and cfg.drops_negatives else None
 
         def counts() -> tuple[int, int, dict[str, tuple[int, int]], dict[str, tuple[int, int]], int]:
             """Bad rows skipped, histories truncated, each vocabulary's (OOV values, values), each capped list's (rows cut,

@@ -195,7 +195,7 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         return self._batches(self._eval, 0, rank, world_size, train=False)
 
     def num_train_batches(self, world_size: int) -> int | None:
-        if self.config.on_bad_rows == "skip" or self.config.batch_tokens is not None or self.config.negative_rate is not None:
+        if self.config.on_bad_rows == "skip" or self.config.batch_tokens is not None or self.config.drops_negatives:
             return None  # skipped rows, rows per token batch and negatives kept are only known after reading
         return min(self._rank_batch_counts(self._train, world_size, train=True))
 
@@ -332,7 +332,7 @@ class TabularData(Catalogue, DataModule, abc.ABC):
         batches = self._to_batches(items, epoch, rank, train, rows)
         if not train:  # every eval row once: the evaluator keeps ranks with fewer batches in step (data.base.in_step)
             return batches
-        uneven = (self.config.on_bad_rows == "skip" or self.config.batch_tokens is not None or self.config.negative_rate is not None
+        uneven = (self.config.on_bad_rows == "skip" or self.config.batch_tokens is not None or self.config.drops_negatives
                   or len(set(self._rank_batch_counts(split, world_size, train))) > 1)
         if world_size > 1 and uneven:
             return synchronized(batches, on_dropped=self._count_dropped)

@@ -128,6 +128,12 @@ class TabularDataConfig(DataConfig):
             changes["funnel"] = list(needs.funnel)
         return replace(self, **changes) if changes else self
 
+    @property
+    def drops_negatives(self) -> bool:
+        """Whether training leaves negatives out (``negative_rate`` below 1): ``data.negative_rate=1``, a sweep's baseline,
+        trains every row, so its epochs keep their known length."""
+        return self.negative_rate is not None and self.negative_rate < 1
+
     def __post_init__(self) -> None:
         require(bool(self.path), "data.path is required: a file, a directory or a glob, e.g. data.path=/data/train/")
         super().__post_init__()
