@@ -2,8 +2,8 @@
 each), and what reading them needs of their Arrow types: dictionary columns read as their values (:func:`decoded`),
 and files read together agreeing on each column's kind of values (:func:`type_clash`).
 
-A footer tells a file's row groups and their row counts, so nothing is read to cut the files into units; a row group
-is read in tables of at most ``read_rows`` rows. The unit and what the sources share are in
+A file's footer tells its row groups and their row counts, so only the footers are read to cut the files into units; a
+row group is read in tables of at most ``read_rows`` rows. The unit and what the sources share are in
 :mod:`~recsys_runner.data.files.sources`; the delimited-text source is :mod:`~recsys_runner.data.files.csv_source`."""
 
 from __future__ import annotations
