@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from recsys_runner import stores, uris
+from recsys_runner.checkpoint.carried_rows import CarriedRows
 from recsys_runner.checkpoint.policy import Checkpointer
-from recsys_runner.checkpoint.weights import CarriedRows
 from recsys_runner.config import RunConfig
 from recsys_runner.data.base import DataConfig, DataModule
 from recsys_runner.data.encoding.stored import (

@@ -19,7 +19,7 @@ import yaml
 from recsys_runner.configurable import make
 from recsys_runner.data.__main__ import main as data_main
 from recsys_runner.data.encoding.fit import bucket_count
-from recsys_runner.data.files.sources import ParquetSource
+from recsys_runner.data.files.parquet_source import ParquetSource
 from recsys_runner.data.files.spread_sample import PARQUET_DECODE_FACTOR, group_runs, sampled_groups
 from recsys_runner.data.files.tabular import CsvData, ParquetData
 from recsys_runner.data.files.tabular_config import CsvDataConfig, ParquetDataConfig

@@ -267,7 +267,7 @@ def test_predict_says_the_lists_it_cuts_to_max_values(tmp_path: Path, caplog: py
     """Predict cuts a list to its column's max_values as training does (the cap travels with the model); training counts
     such rows in data/truncated_lists, predict says them in one line rather than silently."""
     from recsys_runner import scoring
-    from recsys_runner.data.files.sources import ParquetSource
+    from recsys_runner.data.files.parquet_source import ParquetSource
 
     tags = [list(range(40)), [1, 2], [3, 4, 5, 6], [7]]
     pq.write_table(pa.table({"label": [1, 0, 1, 0], "tags": tags, "item": [1, 2, 3, 4]}), tmp_path / "score.parquet")
@@ -310,7 +310,7 @@ def test_a_bool_column_as_a_sparse_feature_reads_ids_0_and_1_in_training_and_wit
 def test_an_empty_day_is_said_as_empty_not_as_a_schema_to_infer(tmp_path: Path) -> None:
     """A day partition whose part files hold no rows, fine-tuned on with the checkpoint's encoders (nothing inferred): the
     sample said "has no rows to infer a schema from"; it says what evaluate says of the same files."""
-    from recsys_runner.data.files.sources import ParquetSource
+    from recsys_runner.data.files.parquet_source import ParquetSource
     from recsys_runner.errors import DataError
 
     for i in range(2):

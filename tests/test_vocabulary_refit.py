@@ -31,8 +31,9 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardM
 
 from recsys_runner.__main__ import run as train
 from recsys_runner.build import Components, build
+from recsys_runner.checkpoint.carried_rows import CarriedRows
 from recsys_runner.checkpoint.storage import DcpFileStorage, list_checkpoints
-from recsys_runner.checkpoint.weights import CarriedRows, load_into
+from recsys_runner.checkpoint.weights import load_into
 from recsys_runner.config import validate
 from recsys_runner.data.encoding.stored import ENCODERS_FILE, from_json
 from recsys_runner.data.encoding.vocabulary import Vocabulary, carry_rows, grown

@@ -42,6 +42,7 @@ from torchrec.optim.keyed import CombinedOptimizer
 
 from recsys_runner import provenance, uris
 from recsys_runner.checkpoint import resume, resume_changes
+from recsys_runner.checkpoint.carried_rows import CarriedRows
 from recsys_runner.checkpoint.config import RESUME_WORDS, CheckpointConfig, TrainState
 from recsys_runner.checkpoint.guard import check_finite, finite_state, task_causes
 from recsys_runner.checkpoint.lock import DirectoryInUse, lock_for
@@ -54,7 +55,7 @@ from recsys_runner.checkpoint.storage import (
     checkpoint_name,
     step_of,
 )
-from recsys_runner.checkpoint.weights import CarriedRows, TrainingParts
+from recsys_runner.checkpoint.weights import TrainingParts
 from recsys_runner.distributed.env import decided_on_rank0
 from recsys_runner.distributed.peers import peer_gone
 from recsys_runner.errors import CheckpointError, CheckpointWriteFailed, ConfigError
@@ -100,7 +101,7 @@ class Checkpointer:
         """Readable files written into every checkpoint beside its tensors (the data's fitted encoders)."""
         self.carry: CarriedRows | None = None
         """For ``init_from`` with the vocabularies fitted anew (``data.vocabulary=refit``): the tables whose trained rows
-        are carried over by id (:class:`~recsys_runner.checkpoint.weights.CarriedRows`), set by the builder."""
+        are carried over by id (:class:`~recsys_runner.checkpoint.carried_rows.CarriedRows`), set by the builder."""
         self.resume_changes: tuple[str, ...] = ()
         """The settings changed since the launch that wrote the checkpoint resumed (``key: before -> now``), warned."""
         self.data_shards: int | None = None

@@ -30,9 +30,10 @@ import numpy as np
 import torch
 
 from recsys_runner import provenance, uris
+from recsys_runner.checkpoint.carried_rows import CarriedRows
 from recsys_runner.checkpoint.config import RESUME_WORDS, CheckpointConfig, TrainState
 from recsys_runner.checkpoint.storage import RUN_DIR_FOLDER, STEP_DIR, CheckpointStorage, TensorIndex, step_of
-from recsys_runner.checkpoint.weights import CarriedRows, TrainingParts, load_into
+from recsys_runner.checkpoint.weights import TrainingParts, load_into
 from recsys_runner.distributed.env import decided_on_rank0
 from recsys_runner.errors import CheckpointError, ConfigError, UserError
 
@@ -118,7 +119,7 @@ def load_run(storage: CheckpointStorage, path: Path, parts: TrainingParts, confi
              rank: int, world_size: int, carry: CarriedRows | None = None) -> TrainState:
     """Resume (``strict``: everything, optimizer, per-rank objects and RNG states included) or fine-tune from ``path``
     (its weights, renamed by ``name_map``; the optimizer's if ``load_optimizer``; the rows of the tables of ``carry``
-    carried over by id, :class:`~recsys_runner.checkpoint.weights.CarriedRows`); returns where training stands.
+    carried over by id, :class:`~recsys_runner.checkpoint.carried_rows.CarriedRows`); returns where training stands.
 
     Raises:
         CheckpointError: damaged, not this model, or its whole files fail to load (naming the one to choose instead).

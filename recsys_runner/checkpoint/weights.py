@@ -8,9 +8,10 @@ One loader, three rules (:data:`Rule`), each refusing by name what it cannot loa
 * ``resume`` — every tensor asked for (model, optimizer, EMA) is in the checkpoint;
 * ``fine_tune`` — ``init_from``: names are renamed (``name_map``) and the ones the checkpoint lacks, or holds with
   another shape (a resized table, a changed width), keep their fresh values (a warning names them); refused only when
-  nothing of the model is shared. With vocabularies fitted anew or grown (``data.vocabulary=refit|extend``, :class:`CarriedRows`) each
-  such table's rows are carried over by id instead: every rank reads the whole trained table and copies the row of
-  each id into the id's new row of its own shards, and the rows of its optimizer state alike.
+  nothing of the model is shared. With vocabularies fitted anew or grown (``data.vocabulary=refit|extend``) each
+  such table's rows are carried over by id instead (:mod:`~recsys_runner.checkpoint.carried_rows`): every rank reads
+  the whole trained table and copies the row of each id into the id's new row of its own shards, and the rows of its
+  optimizer state alike.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ from typing import Any, Literal
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 
+from recsys_runner.checkpoint.carried_rows import CarriedRows, load_carried, split_carried
 from recsys_runner.checkpoint.storage import CheckpointStorage, TensorIndex
-from recsys_runner.data.encoding.vocabulary import RowCarry
+from recsys_runner.checkpoint.tensor_keys import param_of, shape_of
 from recsys_runner.errors import CheckpointError, ConfigError
 from recsys_runner.models.collision import restore_collision_state
 
@@ -102,32 +103,6 @@ class TrainingParts:
                 o.load_state_dict(states[k])
 
 
-@dataclass(frozen=True)
-class CarriedRows:
-    """``init_from`` with the vocabularies fitted anew (``data.vocabulary=refit``): the embedding tables whose trained
-    rows are carried over by id (:func:`~recsys_runner.data.encoding.vocabulary.carry_rows`), by the data's table name.
-
-    A table's tensors are every checkpoint key whose parameter is ``…<table>.weight`` or ``…<prefix>_<table>.weight``
-    (the first-order / wide tables beside it): its weights, EMA weights and optimizer state are carried.
-    """
-
-    tables: Mapping[str, RowCarry]
-    """The tables carried, by the data's table name (``t_user``, or a shared ``table:``)."""
-    all_tables: frozenset[str]
-    """Every table of the data, so that ``t_a``'s tensors are told from those of a table ``t_x_t_a``."""
-
-    def table_of(self, key: str) -> str | None:
-        """The carried table checkpoint key ``key`` (``model/…``, ``ema/…``, ``optim/<param>/<state>``) belongs to, or ``None``."""
-        parts = key.split("/")
-        param = parts[1] if len(parts) > 1 else ""
-        if not param.endswith(".weight") or "." not in param.removesuffix(".weight"):
-            return None
-        name = param.removesuffix(".weight").rsplit(".", 1)[1]
-        owners = [t for t in self.all_tables if name == t or name.endswith(f"_{t}")]
-        owner = max(owners, key=len, default=None)
-        return owner if owner in self.tables else None
-
-
 def load_into(
     storage: CheckpointStorage, path: Path, ours: Mapping[str, Any], *, rule: Rule,
     sources: Callable[[TensorIndex], Mapping[str, str]] | None = None, world_size: int = 1, carry: CarriedRows | None = None,
@@ -138,8 +113,9 @@ def load_into(
 
     ``sources``, given the checkpoint's tensor index, says which checkpoint key each of ``ours`` is read from
     (default: its own): ``init_from``'s renames, export's EMA weights. Several of ours may read one source on one
-    rank. ``carry`` (``fine_tune`` only): the tables whose rows are carried over by id (:class:`CarriedRows`). Returns
-    ours' keys (those loaded) → the loaded values, for the optimizer and tensor holders (:meth:`TrainingParts.take`).
+    rank. ``carry`` (``fine_tune`` only): the tables whose rows are carried over by id
+    (:class:`~recsys_runner.checkpoint.carried_rows.CarriedRows`). Returns ours' keys (those loaded) → the loaded values,
+    for the optimizer and tensor holders (:meth:`TrainingParts.take`).
 
     A ``model/`` tensor stored in another dtype than ours (embedding tables of another ``precision.embedding_data_type``
     or ``embedding_data_type_by_feature``) is converted as it loads, with a warning naming the tables and the types
@@ -163,8 +139,8 @@ def load_into(
         if missing:
             raise CheckpointError(f"checkpoint {path} does not match this model/optimizer: it lacks {missing[:5]} "
                                   f"({len(missing)} in all); resume needs the same config (fine-tune with checkpoint.init_from)")
-        resized = [f"{k} is {index[k]} there, {_shape(v)} here" for k, v in ours.items()
-                   if k.startswith("model/") and index.get(k) is not None and index[k] != _shape(v)]
+        resized = [f"{k} is {index[k]} there, {shape_of(v)} here" for k, v in ours.items()
+                   if k.startswith("model/") and index.get(k) is not None and index[k] != shape_of(v)]
         if resized:  # by name, before DCP's own size check fails inside its load plan
             raise CheckpointError(f"checkpoint {path} does not match this model: {'; '.join(resized[:3])} ({len(resized)} in all): "
                                   f"a table's num_embeddings (a managed-collision table's slots) or a width changed. Fix: resume "
@@ -173,7 +149,7 @@ def load_into(
     carried: dict[str, tuple[str, np.ndarray]] = {}
     if rule == "fine_tune":
         if carry is not None:
-            wanted, carried = _split_carried(path, index, ours, wanted, carry)
+            wanted, carried = split_carried(path, index, ours, wanted, carry)
         wanted = _shared(path, index, ours, wanted, carried)
     if announce_conversion and rule != "resume":
         note_conversions(path, storage.tensor_dtypes(path), ours,
@@ -192,7 +168,7 @@ def load_into(
         _local(ours[k]).copy_(_local(to_load[src]))
     loaded = {k: to_load[src] for k, src in wanted.items()}
     if carried:
-        _load_carried(storage, path, index, ours, carried)
+        load_carried(storage, path, index, ours, carried)
         loaded |= {k: ours[k] for k in carried}
     return loaded
 
@@ -256,8 +232,8 @@ def _refuse_mismatch(path: Path, index: TensorIndex, wanted: Mapping[str, Any]) 
     """The ``exact`` rule: every tensor of ``wanted`` with the same shape, and no ``model/`` tensor beyond them."""
     missing = [k for k in wanted if k not in index]
     extra = [k for k in index if k.startswith("model/") and not k.startswith(TRAINING_ONLY) and k not in wanted]
-    shapes = [f"has {k} of shape {index[k]} where this model's is {_shape(wanted[k])}" for k in wanted
-              if index.get(k) is not None and index[k] != _shape(wanted[k])]
+    shapes = [f"has {k} of shape {index[k]} where this model's is {shape_of(wanted[k])}" for k in wanted
+              if index.get(k) is not None and index[k] != shape_of(wanted[k])]
     if missing or extra or shapes:
         parts = ([f"lacks {missing[:3]} ({len(missing)} in all)"] if missing else []) + \
                 ([f"has {extra[:3]} this model does not ({len(extra)} in all)"] if extra else []) + shapes[:3]
@@ -272,8 +248,8 @@ def _shared(path: Path, index: TensorIndex, ours: Mapping[str, Any], wanted: Map
     values (a warning each kind). An optimizer state of a parameter whose state is resized anywhere stays fresh as a whole
     (Adam's step count without its moments would be off). ``carried``: ours' keys whose rows are carried by id (shared)."""
     skipped = [k for k, src in wanted.items() if src not in index]
-    resized = {k: f"{k} ({_shape(ours[k])} here, {index[src]} there)" for k, src in wanted.items()
-               if src in index and index[src] is not None and hasattr(ours[k], "size") and index[src] != _shape(ours[k])}
+    resized = {k: f"{k} ({shape_of(ours[k])} here, {index[src]} there)" for k, src in wanted.items()
+               if src in index and index[src] is not None and hasattr(ours[k], "size") and index[src] != shape_of(ours[k])}
     stale = {k.rsplit("/", 1)[0] for k in resized if k.startswith("optim/")}
     resized |= {k: k for k in wanted if k.startswith("optim/") and k.rsplit("/", 1)[0] in stale and k not in resized}
     kept = [k for k in wanted if k not in resized and k not in skipped]
@@ -294,18 +270,13 @@ def _shared(path: Path, index: TensorIndex, ours: Mapping[str, Any], wanted: Map
                     "+distributed.tables={<table>: {sharding_types: [...]}}; its run's sharding_plan.txt lists them), or "
                     "checkpoint.load_optimizer=false to start every optimizer state fresh alike", path, len(moved),
                     *moved[sorted(moved)[0]], ", ".join(sorted(moved)[:3]))
-        skipped = [k for k in skipped if _param_of(wanted[k]) not in moved]
+        skipped = [k for k in skipped if param_of(wanted[k]) not in moved]
     if skipped:
         log.warning("init_from %s: %d tensors not in the checkpoint keep their fresh values, e.g. %s", path, len(skipped), skipped[:5])
     if resized:
         log.warning("init_from %s: %d tensors of another shape there keep their fresh values (a table resized, e.g. one sized "
                     "from the files with data.vocabulary=refit, or a width changed): %s", path, len(resized), "; ".join(list(resized.values())[:5]))
     return {k: wanted[k] for k in kept}
-
-
-def _param_of(key: str) -> str:
-    """The parameter an optimizer state key belongs to: ``optim/sparse.<param>/<state>`` → ``<param>``."""
-    return key.split("/")[1].split(".", 1)[-1] if key.startswith("optim/") and key.count("/") >= 2 else ""
 
 
 def _other_optimizer(index: TensorIndex, missing: list[str]) -> dict[str, tuple[str, str]]:
@@ -316,136 +287,10 @@ def _other_optimizer(index: TensorIndex, missing: list[str]) -> dict[str, tuple[
     moved: dict[str, tuple[str, str]] = {}
     for key in missing:
         half = key.split("/")[1].split(".", 1)[0] if key.startswith("optim/") and key.count("/") >= 2 else ""
-        param = _param_of(key)
+        param = param_of(key)
         if half in halves and any(k.startswith(f"optim/{halves[half]}.{param}/") for k in index):
             moved[param] = (halves[half], half)
     return moved
-
-
-def _split_carried(path: Path, index: TensorIndex, ours: Mapping[str, Any], wanted: Mapping[str, str],
-                   carry: CarriedRows) -> tuple[dict[str, str], dict[str, tuple[str, np.ndarray]]]:
-    """``wanted`` without the tensors of the carried tables, and those tables' tensors carried by id: ours' key →
-    (checkpoint key, the checkpoint row of each of its rows). A table's weights and EMA weights are carried, and its
-    optimizer state the same way (:func:`_carried_state`): the accumulated state of a row belongs to the id that trained
-    it, which keeps its meaning, so Adagrad's sum or Adam's moments go with it; a new row keeps the optimizer's initial
-    value (fresh). A table whose state cannot be carried row by row starts its state fresh, with one warning.
-
-    Raises:
-        CheckpointError: the checkpoint's table has fewer rows than its stored vocabulary gives out.
-    """
-    rest: dict[str, str] = {}
-    carried: dict[str, tuple[str, np.ndarray]] = {}
-    states: dict[str, list[str]] = {}  # a carried table's parameter's optimizer (optim/<half>.<param>) → its state keys
-    for k, src in wanted.items():
-        table = carry.table_of(k)
-        if table is None:
-            rest[k] = src
-            continue
-        if k.startswith("optim/"):
-            states.setdefault(k.rsplit("/", 1)[0], []).append(k)
-            continue
-        rows = carry.tables[table].old_rows
-        theirs, mine = index.get(src), _shape(ours[k])
-        if theirs is None or len(theirs) != 2 or mine[0] != len(rows) or theirs[1] != mine[1]:
-            rest[k] = src  # not there, or another width: the fine_tune rule decides (a warning names it)
-            continue
-        if len(rows) and int(rows.max()) >= theirs[0]:
-            raise CheckpointError(f"checkpoint {path}: {src} has {theirs[0]} rows, but its stored vocabulary of {table} gives "
-                                  f"out row {int(rows.max())}: its encoders.json does not belong to its weights. Fix: "
-                                  f"checkpoint.init_from=<a checkpoint written by one training run>, or data.vocabulary=keep")
-        carried[k] = (src, rows)
-    fresh: dict[str, str] = {}  # table → an example of its state that cannot be carried
-    for keys in states.values():
-        weights = f"model/{_param_of(keys[0])}"
-        if weights not in carried or any(wanted[k] not in index for k in keys):
-            rest |= {k: wanted[k] for k in keys}  # weights not carried, or state of the other optimizer half: the fine_tune rule says
-            continue
-        table = carry.table_of(keys[0])
-        assert table is not None
-        trained = index[carried[weights][0]]
-        assert trained is not None  # carried: 2-d
-        plans = {k: _carried_state(index[wanted[k]], _shape(ours[k]), carry.tables[table].old_rows, trained[0]) for k in keys}
-        if stuck := [k for k, plan in plans.items() if isinstance(plan, str)]:
-            fresh.setdefault(table, f"{stuck[0]}: {plans[stuck[0]]}")
-            continue
-        for k, plan in plans.items():
-            if plan is None:
-                rest[k] = wanted[k]
-            else:
-                assert not isinstance(plan, str)
-                carried[k] = (wanted[k], plan)
-    if fresh and (not dist.is_initialized() or dist.get_rank() == 0):
-        log.warning("init_from %s: the optimizer state of %d carried tables starts fresh (their weights are carried by id): "
-                    "its layout there cannot be carried row by row to this run's, e.g. %s. Row-wise state of a column_wise "
-                    "table is kept per column shard, so another number of column shards changes it. Fix: give the tables the "
-                    "checkpoint's sharding (its run's sharding_plan.txt; +distributed.tables={<table>: {sharding_types: [...]}}), "
-                    "or leave it: only these tables' accumulators restart", path, len(fresh),
-                    "; ".join(f"{t} ({why})" for t, why in sorted(fresh.items())[:3]))
-    return rest, carried
-
-
-def _carried_state(theirs: list[int] | None, mine: list[int], rows: np.ndarray, old: int) -> np.ndarray | str | None:
-    """How one optimizer state of a carried table loads: the checkpoint row of each of ours (as for the weights), ``None``
-    to load it as it is (a value per table or shard, e.g. a step count, of the same shape both sides), or why it cannot
-    be carried. ``rows``: the table's carry (:attr:`~recsys_runner.data.encoding.vocabulary.RowCarry.old_rows`);
-    ``old``: the rows of the table's weights in the checkpoint.
-
-    A state per element (Adagrad's sum, Adam's moments) has the weights' shape, and its rows go as theirs. A state per
-    row (row-wise Adagrad) has a row per table row, or, for a ``column_wise`` table, one block of rows per column shard
-    (TorchRec's layout): each block's rows go as the weights', when both sides have as many blocks."""
-    new = len(rows)
-    if theirs is None:
-        return "a state of no shape there"
-    if len(mine) == 2 and mine[0] == new and theirs == [old, mine[1]]:
-        return rows
-    if len(mine) == 1 and len(theirs) == 1 and mine[0] >= new and mine[0] % new == 0 and theirs[0] % old == 0 and theirs[0] >= old:
-        blocks, there = mine[0] // new, theirs[0] // old
-        if blocks != there:
-            return f"{there} row-wise blocks there, {blocks} here"
-        return np.concatenate([np.where(rows >= 0, rows + b * old, -1) for b in range(blocks)])
-    if theirs == mine and (not mine or int(np.prod(mine)) < new):
-        return None
-    return f"shape {theirs} there, {mine} here"
-
-
-def _load_carried(storage: CheckpointStorage, path: Path, index: TensorIndex, ours: Mapping[str, Any],
-                  carried: Mapping[str, tuple[str, np.ndarray]]) -> None:
-    """Copy each carried table's trained rows into the new rows of ours' shards (every rank reads the whole table)."""
-    whole: dict[str, Any] = {}
-    for k, (src, _) in carried.items():
-        if src not in whole:
-            theirs = index[src]
-            assert theirs is not None
-            with warnings.catch_warnings():  # a ShardedTensor's dtype warns that ShardedTensor is deprecated
-                warnings.simplefilter("ignore", FutureWarning)
-                whole[src] = torch.empty(theirs, dtype=ours[k].dtype)
-    storage.load_tensors(path, whole)
-    for k, (src, rows) in carried.items():
-        old_rows = torch.from_numpy(rows)
-        for (row, col), shard in _local_shards(ours[k]):
-            picked = old_rows[row:row + shard.shape[0]]
-            has = picked >= 0
-            values = whole[src][picked[has]] if shard.dim() == 1 else whole[src][picked[has], col:col + shard.shape[1]]
-            shard[has] = values.to(shard.device, shard.dtype)
-
-
-def _local_shards(t: Any) -> list[tuple[tuple[int, int], torch.Tensor]]:
-    """This rank's pieces of a 1-d or 2-d tensor (a ShardedTensor's local shards, or the whole tensor), each with its
-    offset (row, column; 0 for a 1-d one) in the whole."""
-    if hasattr(t, "local_shards"):
-        return [((int(s.metadata.shard_offsets[0]), int(([*s.metadata.shard_offsets, 0])[1])), s.tensor) for s in t.local_shards()]
-    if isinstance(t, DTensor):
-        raise CheckpointError("data.vocabulary=refit carries rows into ShardedTensor shards (TorchRec's table-, row- and "
-                              "column-wise sharding) and plain tensors (data-parallel), not into this table's DTensor. Fix: "
-                              "data.vocabulary=keep, or shard the table one of those ways (distributed.tables.<table>.sharding_types)")
-    return [((0, 0), t)]
-
-
-def _shape(t: Any) -> list[int]:
-    """The global shape of a tensor or ShardedTensor (whose ``size()`` warns that ShardedTensor is deprecated)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        return list(t.size())
 
 
 def _local(t: Any) -> torch.Tensor:

@@ -2,7 +2,8 @@
 (:mod:`~recsys_runner.data.files.csv_header`), its lines cut into units of ``block_rows`` lines by one newline scan
 (:mod:`~recsys_runner.data.files.csv_blocks`), each unit parsed as text (every field a string, converted by the encoder,
 which names the exact line of a bad field); a line that opens a quote it does not close, or that is not UTF-8, is named with
-its line and the fix. The unit and the Parquet source are in :mod:`~recsys_runner.data.files.sources`."""
+its line and the fix. The unit is in :mod:`~recsys_runner.data.files.sources`, the Parquet source in
+:mod:`~recsys_runner.data.files.parquet_source`."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Spark, Hive or pandas write a table, listed, checked and read as the training fi
 Why here: the catalogue's encoding (:mod:`recsys_runner.data.catalogue.item_files`) is the same for one file and for
 many; which files a setting names (:func:`~recsys_runner.data.locate.resolve_files`), which of them hold no rows
 (:func:`~recsys_runner.data.files.sources.skip_empty`) and whether Parquet parts agree on their columns' types
-(:func:`~recsys_runner.data.files.sources.type_clash`) are the file sources' concerns, shared with ``data.path``. The
+(:func:`~recsys_runner.data.files.parquet_source.type_clash`) are the file sources' concerns, shared with ``data.path``. The
 parts' digest goes into the run's dataset inputs (``split_files()["items"]``), so a catalogue folder that grew or changed
 since a checkpoint was trained is a warning at evaluate, predict and resume, not a silent change of the ranked items.
 
@@ -28,7 +28,8 @@ from recsys_runner import stores
 from recsys_runner.data.catalogue.item_files import ItemParts
 from recsys_runner.data.files.csv_source import CsvSource
 from recsys_runner.data.files.layout import looks_like_data, split_fields
-from recsys_runner.data.files.sources import PARQUET_MAGIC, read_head, skip_empty, type_clash
+from recsys_runner.data.files.parquet_source import type_clash
+from recsys_runner.data.files.sources import PARQUET_MAGIC, read_head, skip_empty
 from recsys_runner.data.files.tabular_config import CsvDataConfig, TabularDataConfig
 from recsys_runner.data.locate import PARQUET_SUFFIXES, resolve_files
 from recsys_runner.errors import DataError, UserError

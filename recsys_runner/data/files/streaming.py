@@ -41,8 +41,8 @@ from recsys_runner.data.base import DataModule, SplitFiles, batch_kjt, synchroni
 from recsys_runner.data.catalogue.item_files import Catalogue, item_columns
 from recsys_runner.data.encoding.stored import StoredEncoders, check_inputs, column_kinds, column_types, oov_counters, to_json
 from recsys_runner.data.files.item_parts import items_text, read_item_parts
+from recsys_runner.data.files.parquet_source import ParquetSource
 from recsys_runner.data.files.shard_stream import ShardReader, ShardStream
-from recsys_runner.data.files.sources import ParquetSource
 from recsys_runner.data.files.splits import Split, eval_mask, shard_ranges, split_key
 from recsys_runner.data.files.tabular_config import DEFAULT_EVAL_FRACTION, TabularDataConfig
 from recsys_runner.data.funnel import check_funnel

@@ -24,7 +24,8 @@ from recsys_runner.data.encoding.stored import StoredEncoders, check_inputs
 from recsys_runner.data.encoding.values import is_list
 from recsys_runner.data.files.csv_source import CsvSource
 from recsys_runner.data.files.npy_source import NpySource
-from recsys_runner.data.files.sources import PARQUET_REPEATS_FIX, ParquetSource, check_unique_names, plain_schema
+from recsys_runner.data.files.parquet_source import PARQUET_REPEATS_FIX, ParquetSource, plain_schema
+from recsys_runner.data.files.sources import check_unique_names
 from recsys_runner.data.files.splits import Split
 from recsys_runner.data.files.streaming import KIND_SAMPLE_ROWS, TabularData
 from recsys_runner.data.files.tabular_config import (
@@ -104,7 +105,7 @@ def check_column_types(schema: Schema, arrow: pa.Schema, path: str) -> None:
     column read as ids integers or text (or lists of them): not floats, and not a struct, a list of lists, bytes, a
     timestamp or a decimal, whose values the encoder named as ids out of range (``id {'a': 1} is outside [0, 10)``). Checked when the data is built, before the model: the encoder refuses the same columns, but only
     at the first read, after the model has been built and sharded. The other files of ``data.path`` and ``data.eval_path``
-    hold each column as the same kind of values (:func:`~recsys_runner.data.files.sources.type_clash`).
+    hold each column as the same kind of values (:func:`~recsys_runner.data.files.parquet_source.type_clash`).
 
     Raises:
         DataError: naming the file, the column, its type and the fix, which differs for a label
@@ -196,7 +197,7 @@ class ParquetData(TabularData):
         # the first file with rows speaks for the columns' types: an empty part (skipped when read) may hold a column of
         # text or lists as nulls only, as pandas writes an empty partition
         head = next((f for f in files if probe.has_rows(f)), files[0])
-        first = plain_schema(probe._open(head).schema_arrow)  # a dictionary column as its values (sources.decoded)
+        first = plain_schema(probe._open(head).schema_arrow)  # a dictionary column as its values (parquet_source.decoded)
         stored = None if (config.schema or config.sparse or config.dense or encoders) else stored_schema(head)
 
         def refuse_repeats(columns: Collection[str]) -> None:
