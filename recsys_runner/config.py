@@ -32,7 +32,8 @@ from recsys_runner.config_metrics import metric_mode
 from recsys_runner.configurable import Configurable, typed
 from recsys_runner.data.base import DataConfig
 from recsys_runner.data.collision import resolve_collision_modules
-from recsys_runner.data.files.tabular_config import CriteoDataConfig, CriteoNpyDataConfig, CsvDataConfig, ParquetDataConfig
+from recsys_runner.data.files.criteo_config import CriteoDataConfig, CriteoNpyDataConfig
+from recsys_runner.data.files.tabular_config import CsvDataConfig, ParquetDataConfig
 from recsys_runner.data.generated.synthetic_config import SyntheticDataConfig
 from recsys_runner.data.generated.synthetic_sequences import SyntheticSequencesConfig
 from recsys_runner.distributed.config import DistributedConfig, check_sharding_types, resolve_device_type

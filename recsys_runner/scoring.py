@@ -34,16 +34,11 @@ from recsys_runner.data.base import in_step, placeholder
 from recsys_runner.data.encoding.encoded_rows import Rows
 from recsys_runner.data.encoding.rows import Encoder, Location
 from recsys_runner.data.encoding.stored import oov_counters, oov_line, oov_rates
+from recsys_runner.data.files.criteo_config import CRITEO_COLUMNS, CriteoDataConfig
 from recsys_runner.data.files.csv_source import CsvSource
 from recsys_runner.data.files.sources import Unit
 from recsys_runner.data.files.streaming import TabularData
-from recsys_runner.data.files.tabular_config import (
-    CRITEO_COLUMNS,
-    CriteoDataConfig,
-    CsvDataConfig,
-    ParquetDataConfig,
-    TabularDataConfig,
-)
+from recsys_runner.data.files.tabular_config import CsvDataConfig, ParquetDataConfig, TabularDataConfig
 from recsys_runner.data.locate import PARQUET_SUFFIXES, resolve_files
 from recsys_runner.data.schema import Schema
 from recsys_runner.data.schema_files import read_schema_file

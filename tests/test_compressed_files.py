@@ -19,8 +19,9 @@ from recsys_runner.build import FEW_EPOCH_STEPS, _total_steps, build
 from recsys_runner.config import validate
 from recsys_runner.configurable import make
 from recsys_runner.data.files import compression
+from recsys_runner.data.files.criteo_config import CriteoDataConfig
 from recsys_runner.data.files.tabular import CriteoData, CsvData
-from recsys_runner.data.files.tabular_config import CriteoDataConfig, CsvDataConfig
+from recsys_runner.data.files.tabular_config import CsvDataConfig
 from recsys_runner.data.generated.generate import write_criteo_tsv
 from recsys_runner.errors import ConfigError, DataError
 

@@ -19,9 +19,10 @@ from recsys_runner.config import validate
 from recsys_runner.configurable import make
 from recsys_runner.data import inspect as inspect_module
 from recsys_runner.data.__main__ import main as data_main
+from recsys_runner.data.files.criteo_config import CriteoNpyDataConfig
 from recsys_runner.data.files.npy_source import NpySource
 from recsys_runner.data.files.tabular import CriteoNpyData, ParquetData
-from recsys_runner.data.files.tabular_config import CriteoNpyDataConfig, ParquetDataConfig
+from recsys_runner.data.files.tabular_config import ParquetDataConfig
 from recsys_runner.data.generated.generate import write_criteo_tsv
 from recsys_runner.data.inspect import BITMAP_IDS
 from recsys_runner.errors import ConfigError, DataError

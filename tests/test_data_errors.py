@@ -20,8 +20,9 @@ from recsys_runner.data.__main__ import main as data_main
 from recsys_runner.data.base import DataError
 from recsys_runner.data.encoding.keys import splitmix64
 from recsys_runner.data.encoding.rows import Encoder, Location
+from recsys_runner.data.files.criteo_config import CRITEO_COLUMNS, CriteoDataConfig
 from recsys_runner.data.files.tabular import CriteoData, CsvData, ParquetData
-from recsys_runner.data.files.tabular_config import CRITEO_COLUMNS, CriteoDataConfig, CsvDataConfig, ParquetDataConfig
+from recsys_runner.data.files.tabular_config import CsvDataConfig, ParquetDataConfig
 from recsys_runner.data.generated.generate import write_criteo_tsv
 from recsys_runner.data.schema import Schema, SparseColumn
 from recsys_runner.errors import ConfigError

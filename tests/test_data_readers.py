@@ -13,8 +13,9 @@ import pytest
 from recsys_runner.configurable import make
 from recsys_runner.data.__main__ import main as data_main
 from recsys_runner.data.encoding.stored import StoredEncoders, from_json, stored_types
+from recsys_runner.data.files.criteo_config import CriteoDataConfig
 from recsys_runner.data.files.tabular import CriteoData, CsvData, ParquetData
-from recsys_runner.data.files.tabular_config import CriteoDataConfig, CsvDataConfig, ParquetDataConfig
+from recsys_runner.data.files.tabular_config import CsvDataConfig, ParquetDataConfig
 from recsys_runner.data.generated.generate import write_criteo_parquet
 from recsys_runner.errors import ConfigError
 from recsys_runner.features import FeatureSpec, SparseFeature

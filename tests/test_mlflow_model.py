@@ -666,7 +666,7 @@ def test_a_criteo_model_serves_raw_lines_whose_empty_fields_are_missing_values(t
     number``."""
     import mlflow.pyfunc
 
-    from recsys_runner.data.files.tabular_config import CRITEO_COLUMNS
+    from recsys_runner.data.files.criteo_config import CRITEO_COLUMNS
     from recsys_runner.data.generated.generate import write_criteo_tsv
 
     write_criteo_tsv(str(tmp_path / "train.txt"), 400, cardinality=30)

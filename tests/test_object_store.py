@@ -32,11 +32,12 @@ from recsys_runner.checkpoint.lock import DirectoryInUse, ObjectStoreLock
 from recsys_runner.checkpoint.object_storage import DcpObjectStorage
 from recsys_runner.config import register_configs
 from recsys_runner.configurable import make
+from recsys_runner.data.files.criteo_config import CriteoDataConfig
 from recsys_runner.data.files.prefetch import read_ahead
 from recsys_runner.data.files.sources import Unit
 from recsys_runner.data.files.spread_sample import spread_lines, text_spans
 from recsys_runner.data.files.tabular import CriteoData, CsvData, ParquetData
-from recsys_runner.data.files.tabular_config import CriteoDataConfig, CsvDataConfig, ParquetDataConfig
+from recsys_runner.data.files.tabular_config import CsvDataConfig, ParquetDataConfig
 from recsys_runner.data.generated.generate import write_criteo_csv, write_criteo_parquet, write_criteo_tsv
 from recsys_runner.data.workers import worker_context
 from recsys_runner.errors import CheckpointError, DataError

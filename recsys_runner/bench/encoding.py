@@ -32,7 +32,7 @@ import torch
 from recsys_runner.bench import write_results
 from recsys_runner.bench.data import reader_rows_per_s
 from recsys_runner.bench.regimes import compose_run
-from recsys_runner.data.files.tabular_config import CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE
+from recsys_runner.data.files.criteo_config import CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE
 from recsys_runner.data.generated.generate import write_criteo_parquet
 
 TARGET = 0.95

@@ -56,7 +56,7 @@ import torch
 
 from recsys_runner.bench import write_results
 from recsys_runner.data.encoding.served_program import COMPILED_FILE
-from recsys_runner.data.files.tabular_config import CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE
+from recsys_runner.data.files.criteo_config import CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE
 from recsys_runner.data.generated.generate import write_criteo_csv
 from recsys_runner.distributed.env import auto_num_threads
 from recsys_runner.serving.mlflow_model import MODEL_DIR

@@ -22,17 +22,17 @@ import pyarrow.parquet as pq
 from recsys_runner.data.encoding.encoded_rows import Rows
 from recsys_runner.data.encoding.fit import InferConfig, complete_schema
 from recsys_runner.data.encoding.rows import Encoder, Location
-from recsys_runner.data.files.csv_source import CsvSource
-from recsys_runner.data.files.npy_source import NpySource
-from recsys_runner.data.files.sources import skip_empty
-from recsys_runner.data.files.tabular_config import (
+from recsys_runner.data.files.criteo_config import (
     CRITEO_COLUMNS,
     CRITEO_MISSING_TEXTS,
     CRITEO_NUM_SPARSE,
     criteo_columns,
     criteo_schema,
-    text_delimiter,
 )
+from recsys_runner.data.files.csv_source import CsvSource
+from recsys_runner.data.files.npy_source import NpySource
+from recsys_runner.data.files.sources import skip_empty
+from recsys_runner.data.files.tabular_config import text_delimiter
 from recsys_runner.data.locate import resolve_files
 from recsys_runner.data.schema import DenseColumn, Schema, SparseColumn
 from recsys_runner.data.schema_files import SCHEMA_METADATA_KEY, read_schema_file, schema_json, schema_yaml

@@ -19,9 +19,10 @@ from recsys_runner.data.encoding.fit import InferConfig
 from recsys_runner.data.encoding.roles import infer_column
 from recsys_runner.data.encoding.values import parse_numbers
 from recsys_runner.data.files.compression import detect, read_error
+from recsys_runner.data.files.criteo_config import CRITEO_COLUMNS
 from recsys_runner.data.files.npy_source import NpySource
 from recsys_runner.data.files.sources import PARQUET_MAGIC, read_head
-from recsys_runner.data.files.tabular_config import CRITEO_COLUMNS, text_delimiter
+from recsys_runner.data.files.tabular_config import text_delimiter
 from recsys_runner.data.locate import PARQUET_SUFFIXES, resolve_files
 from recsys_runner.data.schema import DenseColumn, SparseColumn
 from recsys_runner.data.schema_files import stored_schema

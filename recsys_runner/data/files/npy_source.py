@@ -5,7 +5,7 @@ example.
 
 The files are read by memory map in blocks of ``block_rows`` rows (a :class:`~recsys_runner.data.files.sources.Unit`
 each), so the rows are split between ranks and workers as a Parquet file's row groups are, and nothing loads a whole
-day. A block becomes an Arrow table of :data:`~recsys_runner.data.files.tabular_config.CRITEO_COLUMNS` (``label``,
+day. A block becomes an Arrow table of :data:`~recsys_runner.data.files.criteo_config.CRITEO_COLUMNS` (``label``,
 ``int_0…``, ``cat_0…``), which the encoder reads as it reads ``data=criteo``'s columns: the ids modulo their table's size
 (as TorchRec's ``InMemoryBinaryCriteoIterDataPipe`` takes them with ``hashes``), the dense values as they are.
 """
@@ -21,8 +21,8 @@ import numpy as np
 import pyarrow as pa
 
 from recsys_runner import uris
+from recsys_runner.data.files.criteo_config import CRITEO_COLUMNS, CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE
 from recsys_runner.data.files.sources import Unit, skip_empty
-from recsys_runner.data.files.tabular_config import CRITEO_COLUMNS, CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE
 from recsys_runner.errors import DataError
 
 NPY_KINDS = ("dense", "sparse", "labels")

@@ -22,6 +22,13 @@ from recsys_runner.data.encoding.number_columns import is_number_type, not_numbe
 from recsys_runner.data.encoding.rows import float_ids
 from recsys_runner.data.encoding.stored import StoredEncoders, check_inputs
 from recsys_runner.data.encoding.values import is_list
+from recsys_runner.data.files.criteo_config import (
+    CRITEO_COLUMNS,
+    CRITEO_NUM_SPARSE,
+    CriteoDataConfig,
+    CriteoNpyDataConfig,
+    criteo_columns,
+)
 from recsys_runner.data.files.csv_source import CsvSource
 from recsys_runner.data.files.npy_source import NpySource
 from recsys_runner.data.files.parquet_source import PARQUET_REPEATS_FIX, ParquetSource, plain_schema
@@ -29,15 +36,10 @@ from recsys_runner.data.files.sources import check_unique_names
 from recsys_runner.data.files.splits import Split
 from recsys_runner.data.files.streaming import KIND_SAMPLE_ROWS, TabularData
 from recsys_runner.data.files.tabular_config import (
-    CRITEO_COLUMNS,
-    CRITEO_NUM_SPARSE,
-    CriteoDataConfig,
-    CriteoNpyDataConfig,
     CsvDataConfig,
     ParquetDataConfig,
     SchemaFields,
     check_text_lists,
-    criteo_columns,
     mapping_option,
 )
 from recsys_runner.data.locate import PARQUET_SUFFIXES, resolve_files

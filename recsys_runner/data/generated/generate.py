@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from recsys_runner.data.files.tabular_config import CRITEO_COLUMNS, CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE, criteo_schema
+from recsys_runner.data.files.criteo_config import CRITEO_COLUMNS, CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE, criteo_schema
 from recsys_runner.data.schema import Schema
 from recsys_runner.data.schema_files import SCHEMA_METADATA_KEY, schema_json
 from recsys_runner.errors import require
