@@ -350,6 +350,7 @@ LABEL_TASK_KINDS: tuple[str, ...] = tuple(name for name, cls in TASK_KINDS.items
 """The kinds a labelled task may have (``model.task_kinds``): ``binary``, ``regression`` (MSE) and ``huber``."""
 
 SINGLE_TASK: tuple[Task, ...] = (BinaryTask(),)
+"""The task of every model without a ``tasks`` attribute: one unnamed binary output ``[B]``."""
 
 
 def logit_shift(negative_rate: float | None) -> float:
@@ -365,7 +366,6 @@ def calibrated(out: Any, shift: float) -> Any:
     if shift == 0.0:
         return out
     return {name: value + shift for name, value in out.items()} if isinstance(out, dict) else out + shift
-"""The task of every model without a ``tasks`` attribute: one unnamed binary output ``[B]``."""
 
 
 def task_kind(name: str, key: str, valid: Sequence[str] = LABEL_TASK_KINDS) -> type[Task]:

@@ -91,8 +91,7 @@ TURNED_ON: dict[str, str] = {
 checkpoint was written without the state they keep, so the loader would only find its tensors missing (``ema/…``), which
 names no setting; refused here instead, naming the key and the way on, as a :data:`RESUME_CHANGES` refusal is."""
 ADDED_KEYS: dict[str, Any] = {"precision.embedding_data_type": "fp32", "data.items.header": None, "data.items.column_names": None,
-                              "data.next_item": False, "data.funnel": None, "data.negative_rate": None,
-                              "data.last_day": "train", "data.last_day_half": None}
+                              "data.next_item": False, "data.funnel": None, "data.negative_rate": None}
 """Keys added after checkpoints began saving their composed config, each with the value every run before it trained with:
 such a checkpoint's missing key is compared as that value, so resuming it after an upgrade warns about no change."""
 RENAMED_KEYS: dict[str, str] = {}
