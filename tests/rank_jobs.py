@@ -39,3 +39,7 @@ def run_jobs() -> None:
         check_command_line("config")
         entry.main()
     end_rank_process()
+
+
+if __name__ == "__main__":  # ``torchrun -m tests.rank_jobs``: the runner's own jobs
+    run_jobs()
