@@ -2,17 +2,22 @@
 which forms the process group once and runs the runner's ``main`` for each job of ``$RANK_JOBS`` in turn, each in its own
 working directory, with its own environment variables and overrides after the launch's. Every job finds the group
 already formed, so it neither creates nor destroys it (:meth:`~recsys_runner.distributed.sharding.Distributed.close`):
-the launch pays the ranks' start-up (torch, torchrec, the group) once instead of once per job. For a test that compares
+the launch pays the ranks' start-up (torch, torchrec, the group) once instead of once per job. A job that exits 0 (a
+stopped run) goes on to the next; any other exit ends the launch with its status. For a test that compares
 jobs whose differences are in the config or in the rank module's own environment variables, not in the launch.
 
-``$RANK_JOBS``: a JSON list of ``{"dir": <folder>, "env": {<name>: <value>}, "args": [<override>, ...]}``; without it,
-one job, the launch's own command line (:func:`jobs`)."""
+``$RANK_JOBS``: a JSON list of ``{"dir": <folder>, "env": {<name>: <value>}, "args": [<override>, ...], "own_output": bool}``;
+without it, one job, the launch's own command line (:func:`jobs`). ``own_output``: the job's standard output and error
+(file descriptors 1 and 2, native writes included) go to ``<dir>/rank<r>.stdout`` and ``.stderr`` instead of the
+launch's, for a test that checks what one job of several said."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +28,32 @@ from recsys_runner.lifecycle import end_rank_process
 from recsys_runner.overrides import check_command_line
 
 
-def jobs(*specs: tuple[Path, dict[str, str], list[str]]) -> dict[str, str]:
+def jobs(*specs: tuple[Path, dict[str, str], list[str]], own_output: bool = False) -> dict[str, str]:
     """The environment entry that makes a launch run ``specs``: (working directory, environment variables, overrides)."""
-    return {"RANK_JOBS": json.dumps([{"dir": str(d), "env": env, "args": list(args)} for d, env, args in specs])}
+    return {"RANK_JOBS": json.dumps([{"dir": str(d), "env": env, "args": list(args), "own_output": own_output}
+                                     for d, env, args in specs])}
+
+
+@contextlib.contextmanager
+def _output_to(folder: Path | None) -> Iterator[None]:
+    """File descriptors 1 and 2 to ``folder/rank<r>.stdout`` and ``.stderr`` meanwhile (``None``: left as they are)."""
+    if folder is None:
+        yield
+        return
+    rank = os.environ.get("RANK", "0")
+    kept = [os.dup(1), os.dup(2)]
+    try:
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            (sys.stdout if fd == 1 else sys.stderr).flush()
+            with open(folder / f"rank{rank}.{name}", "a") as f:
+                os.dup2(f.fileno(), fd)
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, old in zip((1, 2), kept, strict=True):
+            os.dup2(old, fd)
+            os.close(old)
 
 
 def run_jobs() -> None:
@@ -36,8 +64,13 @@ def run_jobs() -> None:
         os.chdir(home / spec["dir"])
         os.environ.update(spec["env"])
         sys.argv = [*argv, *spec["args"]]
-        check_command_line("config")
-        entry.main()
+        with _output_to(Path.cwd() if spec.get("own_output") else None):
+            check_command_line("config")
+            try:
+                entry.main()
+            except SystemExit as e:  # a job that ends well by exiting (train.stop_after_steps: exit 0) lets the next run
+                if e.code not in (0, None):
+                    raise
     end_rank_process()
 
 
