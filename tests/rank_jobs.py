@@ -58,7 +58,9 @@ def _output_to(folder: Path | None) -> Iterator[None]:
 
 def run_jobs() -> None:
     specs: list[dict[str, Any]] = json.loads(os.environ.get("RANK_JOBS", "null")) or [{"dir": ".", "env": {}, "args": []}]
-    Distributed(DistributedConfig(device="cpu")).setup()  # the group every job finds, and leaves, formed
+    # the group every job finds, and leaves, formed; with the launch's distributed.timeout_s (a job's own would not reach it)
+    timeouts = [int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("distributed.timeout_s=")]
+    Distributed(DistributedConfig(device="cpu", **({"timeout_s": timeouts[-1]} if timeouts else {}))).setup()
     argv, home = list(sys.argv), Path.cwd()
     for spec in specs:
         os.chdir(home / spec["dir"])
