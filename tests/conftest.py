@@ -251,12 +251,13 @@ def hint_of(stderr: str) -> list[str] | None:
     return None
 
 
-def torchrun(*args: str, cwd: Path, module: str = "recsys_runner", timeout: int = 600) -> subprocess.CompletedProcess[str]:
+def torchrun(*args: str, cwd: Path, module: str = "recsys_runner", timeout: int = 600,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """``python -m torch.distributed.run --nproc_per_node=2 -m <module> *args`` on loopback in ``cwd``, capturing output:
-    the 2-rank gloo run of the multi-rank tests (this checkout's package first on the path)."""
+    the 2-rank gloo run of the multi-rank tests (this checkout's package first on the path; ``env``: more variables)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", "-m", module, *args]
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {}), "PYTHONPATH": str(REPO)})
 
 
 EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")

@@ -2,7 +2,7 @@
 directory, once training ends, each optimizer step's loss on this rank and the number of buckets the dense part's DDP
 all-reduced during it (counted by a comm hook that then all-reduces as DDP's default does). With ``RANK_SYNC_EVERY_MICRO=1``
 the step policy forgets its DDP, so every micro-batch all-reduces (the behaviour before ``no_sync``), for a test to
-compare the two (``tests/test_optim_accumulation.py``).
+compare the two (``tests/test_optim_accumulation.py``, which runs its four jobs in one launch: :mod:`tests.rank_jobs`).
 
 No ``from __future__ import annotations``: DDP checks the comm hook's annotations as objects."""
 
@@ -19,6 +19,7 @@ from torchrec.datasets.utils import Batch
 import recsys_runner.__main__ as entry
 from recsys_runner.train.loop import Loop
 from recsys_runner.train.stepping import dense_ddp
+from tests.rank_jobs import run_jobs
 
 _train = entry.train
 
@@ -56,4 +57,4 @@ def train_and_save(loop: Loop) -> dict[str, float]:
 
 if __name__ == "__main__":
     entry.train = train_and_save  # here only: importing this module must not change the runner's train
-    entry.main()
+    run_jobs()

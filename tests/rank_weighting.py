@@ -1,7 +1,8 @@
 """``python -m tests.rank_weighting [overrides]``: ``python -m recsys_runner`` that saves each rank's loss weighting to
 ``weighting_rank<r>.pt`` in the working directory once training ends: its tensors (log-variances, Pareto shares and
 weights) then, and ``steps``, the tensors as each training forward left them (before that step's optimizer update). A
-test compares the ranks of one torchrun launch with each other and with one process (:func:`record_steps`)."""
+test compares the ranks of one torchrun launch with each other and with one process (:func:`record_steps`). Several jobs
+may share the launch, each in its own folder (:mod:`tests.rank_jobs`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 import recsys_runner.__main__ as entry
 from recsys_runner.models.train_wrapper import TaskWeighting
 from recsys_runner.train.loop import Loop
+from tests.rank_jobs import run_jobs
 
 _train = entry.train
 
@@ -49,4 +51,4 @@ def train_and_save(loop: Loop) -> dict[str, float]:
 
 if __name__ == "__main__":
     entry.train = train_and_save  # here only: importing record_steps must not change the runner's train
-    entry.main()
+    run_jobs()

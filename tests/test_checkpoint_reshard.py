@@ -3,6 +3,10 @@ written by 1 rank resumes on 2, continuing the same MLflow run from the saved st
 
 torch.distributed.checkpoint stores every ShardedTensor (DMP embedding shards and the fused optimizer's state)
 as one global tensor with its shards' offsets, and loads into whatever sharding the new plan gives.
+
+Every 2-rank part of the module's four tests is a job of one torchrun launch (:func:`launched`, :mod:`tests.rank_jobs`),
+each job in its test's own folder with its own output files; the 1-rank parts run in this process, before the launch
+(checkpoints it resumes) or after it (resuming its checkpoints).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from recsys_runner.config import register_configs
 from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.train.signals import Interrupted
 from tests.conftest import REPO, TINY, LogWarnings, free_port
+from tests.rank_jobs import jobs, run_jobs
 
 pytestmark = pytest.mark.slow
 
@@ -44,11 +49,15 @@ def _overrides(tmp_path: Path, experiment: str) -> list[str]:
             f"tracking.experiment={experiment}", f"checkpoint.dir={tmp_path}/ckpt", "checkpoint.keep_last=null"]
 
 
-def _torchrun(tmp_path: Path, *overrides: str, module: str = "recsys_runner", column_wise: bool = True) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-           "-m", module, *(["distributed.sharding_types=[column_wise]"] if column_wise else []), "distributed.timeout_s=120",
-           f"hydra.run.dir={tmp_path}/run2", *overrides]
-    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=400, env={**os.environ, "PYTHONPATH": str(REPO)})
+def _job(tmp_path: Path, *overrides: str, column_wise: bool = True) -> tuple[Path, dict[str, str], list[str]]:
+    """A 2-rank job of :func:`launched` in ``tmp_path``."""
+    return tmp_path, {}, [*(["distributed.sharding_types=[column_wise]"] if column_wise else []), f"hydra.run.dir={tmp_path}/run2",
+                          *overrides]
+
+
+def _said(tmp_path: Path, stream: str = "stderr") -> str:
+    """What the 2-rank job in ``tmp_path`` wrote to ``stream`` (both ranks, rank 0 first)."""
+    return "".join((tmp_path / f"rank{r}.{stream}").read_text() for r in (0, 1))
 
 
 def _run_in_process(*overrides: str) -> float:
@@ -77,11 +86,11 @@ def _one_run(tmp_path: Path, experiment: str) -> tuple[object, list[int]]:
     return run, sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/loss"))
 
 
-def test_two_rank_checkpoint_resumes_on_one_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_two_rank_checkpoint_resumes_on_one_rank(launched: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path = _launched(launched, "2to1")
     args = _overrides(tmp_path, "reshard_2to1")
-    out = _torchrun(tmp_path, *args, f"train.stop_after_steps={SLICE}")
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert out.stderr.count("Resume this run from") == 1, out.stderr[-4000:]  # told by rank 0 alone: every rank agreed
+    stderr = _said(tmp_path)
+    assert stderr.count("Resume this run from") == 1, stderr[-4000:]  # told by rank 0 alone: every rank agreed
     (ckpt,) = list_checkpoints(tmp_path / "ckpt")
     saved = _saved(ckpt)
     meta = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
@@ -122,6 +131,60 @@ def test_two_rank_checkpoint_resumes_on_one_rank(tmp_path: Path, monkeypatch: py
     assert steps == list(range(1, STEPS + 1)), steps
 
 
+EPOCH_ROWS, BATCH = 4096, 256
+"""An epoch of 16 batches: 16 steps on 1 rank, 8 on each of 2."""
+PER_EPOCH = {r: EPOCH_ROWS // BATCH // r for r in (1, 2)}
+
+
+def _epoch_args(tmp_path: Path, saved_on: int, resumed_on: int) -> list[str]:
+    steps = PER_EPOCH[saved_on] + PER_EPOCH[resumed_on] + 1
+    return [*[a for a in TINY if not a.startswith(("train.", "data.num_train_rows", "data.batch_size"))],
+            f"data.num_train_rows={EPOCH_ROWS}", f"data.batch_size={BATCH}", f"train.num_steps={steps}", "train.log_every_steps=1",
+            "train.eval_every_steps=null", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "tracking.experiment=epoch_end",
+            f"checkpoint.dir={tmp_path}/ckpt"]
+
+
+def _in_process(*overrides: str) -> str:
+    """A 1-rank run in this process, stopped or not: the warnings it logged."""
+    with LogWarnings() as warned:
+        try:
+            _run_in_process(*overrides)
+        except Interrupted:
+            pass
+    return "\n".join(warned.messages)
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The module's one torchrun launch: a folder per test, the 1-rank checkpoints the launch resumes written before it
+    (``saved``: the checkpoints then, ``said``: the 1-rank run's warnings), the 2-rank checkpoints the tests resume after
+    it. ``returncode``: the launch's."""
+    root = tmp_path_factory.mktemp("reshard")
+    dirs = {name: root / name for name in ("2to1", "1to2", "epoch_1to2", "epoch_2to1")}
+    for d in dirs.values():
+        d.mkdir()
+    with pytest.raises(Interrupted):
+        _run_in_process(*_overrides(dirs["1to2"], "reshard_1to2"), f"train.stop_after_steps={SLICE}")
+    said = {"epoch_1to2": _in_process(*_epoch_args(dirs["epoch_1to2"], 1, 2), f"train.stop_after_steps={PER_EPOCH[1]}")}
+    saved = {name: list_checkpoints(dirs[name] / "ckpt") for name in ("1to2", "epoch_1to2")}
+    env = jobs(_job(dirs["2to1"], *_overrides(dirs["2to1"], "reshard_2to1"), f"train.stop_after_steps={SLICE}"),
+               _job(dirs["epoch_2to1"], *_epoch_args(dirs["epoch_2to1"], 2, 1), f"train.stop_after_steps={PER_EPOCH[2]}", column_wise=False),
+               _job(dirs["1to2"], *_overrides(dirs["1to2"], "reshard_1to2")),
+               _job(dirs["epoch_1to2"], *_epoch_args(dirs["epoch_1to2"], 1, 2), column_wise=False), own_output=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+           "-m", "tests.test_checkpoint_reshard", "distributed.timeout_s=120"]
+    out = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600, env={**os.environ, **env, "PYTHONPATH": str(REPO)})
+    return {"dirs": dirs, "saved": saved, "said": said, "returncode": out.returncode, "output": (out.stdout + out.stderr)[-4000:]}
+
+
+def _launched(launched: dict[str, Any], name: str) -> Path:
+    """The folder of test ``name``, once its 2-rank job ended well."""
+    d = launched["dirs"][name]
+    assert launched["returncode"] == 0, launched["output"] + "\n".join(
+        f"{f.name}: {f.read_text()[-3000:]}" for f in sorted(d.glob("rank*.std*")))
+    return d
+
+
 Pieces = list[tuple[list[int], torch.Tensor]]
 """One rank's pieces of a tensor, each with its offsets in the whole one."""
 
@@ -143,20 +206,17 @@ def _dump_loaded_then_train(loop: Any) -> dict[str, float]:
     return _real_train(loop)
 
 
-def test_one_rank_checkpoint_resumes_on_two_ranks(tmp_path: Path) -> None:
+def test_one_rank_checkpoint_resumes_on_two_ranks(launched: dict[str, Any]) -> None:
     """What the two ranks restored (each dumped it before its first step) is the one rank's saved tensors: every key on
     some rank (a table's optimizer state only where the table is), the sharded ones covered exactly once by the ranks'
     shards and the dense ones whole on both, every element equal, and every wide table's columns split between the ranks
     (:data:`WIDE`)."""
-    args = _overrides(tmp_path, "reshard_1to2")
-    with pytest.raises(Interrupted):
-        _run_in_process(*args, f"train.stop_after_steps={SLICE}")
-    (ckpt,) = list_checkpoints(tmp_path / "ckpt")
+    tmp_path = _launched(launched, "1to2")
+    (ckpt,) = launched["saved"]["1to2"]  # the 1-rank run's, before the launch
     saved = _saved(ckpt)
-    out = _torchrun(tmp_path, *args, module="tests.test_checkpoint_reshard")
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert f"resuming from {ckpt} at step {SLICE}" in out.stderr + out.stdout
-    assert "1 rank(s) x 1 shard(s) per rank then, 2 rank(s) x 1 now" in out.stderr + out.stdout
+    said = _said(tmp_path) + _said(tmp_path, "stdout")
+    assert f"resuming from {ckpt} at step {SLICE}" in said
+    assert "1 rank(s) x 1 shard(s) per rank then, 2 rank(s) x 1 now" in said
     ranks = [torch.load(tmp_path / f"loaded_rank{r}.pt", weights_only=False) for r in (0, 1)]
     assert [r["step"] for r in ranks] == [SLICE, SLICE]
     assert set(ranks[0]["tensors"]) | set(ranks[1]["tensors"]) == set(saved)
@@ -185,46 +245,31 @@ def test_one_rank_checkpoint_resumes_on_two_ranks(tmp_path: Path) -> None:
 
 _real_train = entry.train
 
-if __name__ == "__main__":  # a rank of test_one_rank_checkpoint_resumes_on_two_ranks' torchrun
+if __name__ == "__main__":  # a rank of the module's torchrun (:func:`launched`): its jobs dump what they restored
     entry.train = _dump_loaded_then_train
-    entry.main()
-
-
-EPOCH_ROWS, BATCH = 4096, 256
-"""An epoch of 16 batches: 16 steps on 1 rank, 8 on each of 2."""
+    run_jobs()
 
 
 @pytest.mark.parametrize("ranks", [(1, 2), (2, 1)], ids=["1to2", "2to1"])
-def test_a_checkpoint_at_an_epochs_end_resumes_on_other_ranks_at_the_next_epochs_start(tmp_path: Path, ranks: tuple[int, int]) -> None:
+def test_a_checkpoint_at_an_epochs_end_resumes_on_other_ranks_at_the_next_epochs_start(launched: dict[str, Any],
+                                                                                      ranks: tuple[int, int]) -> None:
     """A run stopped right after the last step of epoch 0 (``train.stop_after_steps`` = its steps per epoch) resumes on
     another number of ranks at the start of epoch 1: no "other shards" warning (the position is no epoch's middle), no
     batch of epoch 0 trained again (on 1 rank, 2 ranks' 8 steps are half of epoch 0's 16), none of epoch 1 skipped (on
     2 ranks, 1 rank's 16 steps are more than epoch 0's 8): every step after the resume is one of epoch 1, which is
     whole (the new ranks' steps per epoch), and then epoch 2 begins."""
     saved_on, resumed_on = ranks
-    per_epoch = {r: EPOCH_ROWS // BATCH // r for r in (1, 2)}
+    name = f"epoch_{saved_on}to{resumed_on}"
+    tmp_path = _launched(launched, name)
+    per_epoch = PER_EPOCH
     stop, steps = per_epoch[saved_on], per_epoch[saved_on] + per_epoch[resumed_on] + 1
-    args = [*[a for a in TINY if not a.startswith(("train.", "data.num_train_rows", "data.batch_size"))],
-            f"data.num_train_rows={EPOCH_ROWS}", f"data.batch_size={BATCH}", f"train.num_steps={steps}", "train.log_every_steps=1",
-            "train.eval_every_steps=null", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "tracking.experiment=epoch_end",
-            f"checkpoint.dir={tmp_path}/ckpt"]
-
-    def launch(on: int, *extra: str) -> str:
-        if on == 2:
-            out = _torchrun(tmp_path, *args, *extra, column_wise=False)
-            assert out.returncode == 0, out.stderr[-4000:]
-            return out.stdout + out.stderr
-        with LogWarnings() as warned:
-            try:
-                _run_in_process(*args, *extra)
-            except Interrupted:
-                pass
-        return "\n".join(warned.messages)
-
-    launch(saved_on, f"train.stop_after_steps={stop}")
-    (ckpt,) = list_checkpoints(tmp_path / "ckpt")
+    if saved_on == 1:  # saved in this process before the launch, resumed by it
+        (ckpt,) = launched["saved"][name]
+        said = _said(tmp_path, "stdout") + _said(tmp_path)
+    else:  # saved by the launch, resumed here
+        (ckpt,) = list_checkpoints(tmp_path / "ckpt")
+        said = _in_process(*_epoch_args(tmp_path, saved_on, resumed_on))
     assert ckpt.name == f"step_{stop:08d}"
-    said = launch(resumed_on)
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
     (run,) = client.search_runs([client.get_experiment_by_name("epoch_end").experiment_id])
     epochs = {m.step: int(m.value) for m in client.get_metric_history(run.info.run_id, "train/epoch")}

@@ -13,6 +13,7 @@ import pytest
 from recsys_runner.__main__ import run
 from recsys_runner.data.generated.generate import write_criteo_parquet, write_criteo_tsv
 from tests.conftest import REPO, free_port
+from tests.rank_jobs import jobs
 
 TRAIN = ["train.log_every_steps=10", "train.eval_every_steps=null", "distributed.device=cpu", "data.batch_size=256"]
 
@@ -40,21 +41,27 @@ def test_train_epochs_from_parquet_directory_with_workers(make_cfg, files: Path)
 
 
 
-def torchrun(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+def torchrun(tmp_path: Path, *overrides: str, module: str = "recsys_runner",
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-           "-m", "recsys_runner", "tracking=none", "distributed.sharding_types=[table_wise]", "distributed.timeout_s=120", *TRAIN, *overrides]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=400, env=env)
+           "-m", module, "tracking=none", "distributed.sharding_types=[table_wise]", "distributed.timeout_s=120", *TRAIN, *overrides]
+    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=400,
+                          env={**os.environ, **(env or {}), "PYTHONPATH": str(REPO)})
 
 
 @pytest.mark.slow
 def test_two_ranks_train_from_parquet_dir_and_criteo(tmp_path: Path, files: Path) -> None:
-    out = torchrun(tmp_path, "data=parquet", f"data.path={files}/pq", "data.num_workers=1", "train.num_steps=null", "train.num_epochs=1")
+    """Both jobs in one launch (:mod:`tests.rank_jobs`), one after the other; each one's last step is its own line."""
+    (tmp_path / "pq").mkdir()
+    (tmp_path / "tsv").mkdir()
+    env = jobs((tmp_path / "pq", {}, ["data=parquet", f"data.path={files}/pq", "data.num_workers=1", "train.num_steps=null",
+                                      "train.num_epochs=1", f"hydra.run.dir={tmp_path}/pq/run"]),
+               (tmp_path / "tsv", {}, ["data=criteo", f"data.path={files}/day_0.tsv", "data.num_embeddings=1000", "train.num_steps=30",
+                                       f"hydra.run.dir={tmp_path}/tsv/run"]))
+    out = torchrun(tmp_path, module="tests.rank_jobs", env=env)
     assert out.returncode == 0, out.stderr[-4000:]
     # 12000 rows, 10% held out, 2 ranks x 256: 21 full batches per rank in one epoch
     assert "step 21/21" in out.stderr + out.stdout
-    out = torchrun(tmp_path, "data=criteo", f"data.path={files}/day_0.tsv", "data.num_embeddings=1000", "train.num_steps=30")
-    assert out.returncode == 0, out.stderr[-4000:]
     assert "step 30/30" in out.stderr + out.stdout
 
 

@@ -25,6 +25,7 @@ from recsys_runner.train.loop import train
 from recsys_runner.train.signals import Interrupted
 from recsys_runner.train.weighting import LossWeightingConfig, ParetoWeighting, UncertaintyWeighting, min_norm_weights
 from tests.conftest import TINY, FixedHeads, torchrun
+from tests.rank_jobs import jobs
 from tests.rank_weighting import record_steps
 
 MULTITASK = ["model=mmoe", "data=synthetic_multitask", "model.num_experts=2", "model.expert_layer_sizes=[16]",
@@ -231,19 +232,22 @@ def first_step_on_the_union(cfg: DictConfig) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_weightings_train_on_two_ranks(make_cfg, tmp_path: Path) -> None:
-    """2-rank gloo runs: the Pareto Gram matrix and uncertainty's first losses are all-reduced inside the forward, so both
-    ranks train with the same weights at every step, and the first step's are those of one process on the union of the
-    ranks' batches. The tables are replicated (``data_parallel``), so that both ranks and the one process draw the same
+    """2-rank gloo runs (both kinds' jobs in one launch, :mod:`tests.rank_jobs`): the Pareto Gram matrix and uncertainty's
+    first losses are all-reduced inside the forward, so both ranks train with the same weights at every step, and the
+    first step's are those of one process on the union of the ranks' batches. The tables are replicated (``data_parallel``), so that both ranks and the one process draw the same
     initial rows: shards drawn per rank start another model (step-1 Pareto shares 0.5522 against 0.5545). Measured
     gaps to the one process: 2e-7; with each rank solving its own Gram matrix, 0.0026 in the shares; with each rank's
     own first losses, 0.0055 in the log-variances."""
-    for kind in ("pareto", "uncertainty"):
-        args = [*MULTITASK, *TINY, "train.num_steps=6", f"train.loss_weighting.kind={kind}", "tracking=none", "checkpoint=none",
-                "distributed.sharding_types=[data_parallel]"]
+    kinds = ("pareto", "uncertainty")
+    common = [*MULTITASK, *TINY, "train.num_steps=6", "tracking=none", "checkpoint=none", "distributed.sharding_types=[data_parallel]"]
+    for kind in kinds:
         (tmp_path / kind).mkdir()
-        out = torchrun(*args, f"hydra.run.dir={tmp_path}/{kind}/run", cwd=tmp_path / kind, module="tests.rank_weighting")
-        assert out.returncode == 0, out.stderr[-3000:]
-        assert "eval/ctr/auc=" in out.stdout + out.stderr
+    env = jobs(*[(tmp_path / kind, {}, [f"train.loss_weighting.kind={kind}", f"hydra.run.dir={tmp_path}/{kind}/run"]) for kind in kinds])
+    out = torchrun(*common, cwd=tmp_path, module="tests.rank_weighting", env=env)  # both kinds' jobs in one launch
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (out.stdout + out.stderr).count("eval/ctr/auc=") >= 2, (out.stdout + out.stderr)[-3000:]  # each job's final eval
+    for kind in kinds:
+        args = [*common, f"train.loss_weighting.kind={kind}"]
         ranks = [torch.load(tmp_path / kind / f"weighting_rank{r}.pt") for r in range(2)]
         assert len(ranks[0]["steps"]) == len(ranks[1]["steps"]) == 6
         for key in set(ranks[0]["steps"][0]) - {"losses"}:  # each rank's own losses differ; what they train with may not

@@ -26,6 +26,7 @@ from recsys_runner.models.dbmtl import DBMTLConfig, dependency_order, task_depen
 from recsys_runner.models.mmoe import MMoEConfig
 from recsys_runner.models.ple import PLEConfig
 from tests.conftest import TINY, run_in_process, torchrun
+from tests.rank_jobs import jobs
 from tests.test_evaluate import compose_entry
 from tests.test_export import check_export, export_cfg  # noqa: F401 - a fixture
 from tests.test_models import CPU, small_data
@@ -203,16 +204,19 @@ def test_trains_on_the_default_data_from_the_cli_and_evaluates_its_checkpoint(ml
 
 @pytest.mark.slow
 def test_two_ranks_train_both_models_and_one_rank_evaluates_the_same(tmp_path: Path) -> None:
-    """torchrun, 2 ranks (gloo), tables sharded across both: PLE and DBMTL train; each 2-rank checkpoint, evaluated on
-    1 rank (resharded by DCP), gives the 2-rank run's eval."""
+    """torchrun, 2 ranks (gloo), tables sharded across both: PLE and DBMTL train (two jobs of one launch,
+    :mod:`tests.rank_jobs`); each 2-rank checkpoint, evaluated on 1 rank (resharded by DCP), gives the 2-rank run's eval."""
     uri = f"sqlite:///{tmp_path}/mt.db"
-    for model in ("ple", "dbmtl"):
-        args = [*TINY, f"model={model}", "train.num_steps=16", f"checkpoint.dir={tmp_path}/{model}"]
-        out = torchrun(*args, f"tracking.uri={uri}", f"tracking.experiment={model}2", f"hydra.run.dir={tmp_path}/run_{model}", cwd=tmp_path)
-        assert out.returncode == 0, out.stderr[-4000:]
+    models = ("ple", "dbmtl")
+    args = {model: [f"model={model}", f"checkpoint.dir={tmp_path}/{model}"] for model in models}
+    env = jobs(*[(tmp_path, {}, [*args[model], f"tracking.experiment={model}2", f"hydra.run.dir={tmp_path}/run_{model}"])
+                 for model in models])
+    out = torchrun(*TINY, "train.num_steps=16", f"tracking.uri={uri}", cwd=tmp_path, module="tests.rank_jobs", env=env)
+    assert out.returncode == 0, out.stderr[-4000:]
+    for model in models:
         two = final_metrics(uri, f"{model}2")
         assert two["world_size"] == 2 and two["eval/ctr/auc"] > 0.55 and two["eval/cvr/auc"] > 0.55, two
-        one = evaluate.run(compose_entry("evaluate", *args, "tracking=none", f"load={tmp_path}/{model}"))
+        one = evaluate.run(compose_entry("evaluate", *TINY, "train.num_steps=16", *args[model], "tracking=none", f"load={tmp_path}/{model}"))
         for key in ("eval/ctr/auc", "eval/cvr/auc"):
             assert one[key] == pytest.approx(two[key], abs=1e-5), (model, key)
 
