@@ -57,10 +57,12 @@ def test_too_few_steps_is_refused(flag: str, tmp_path: Path, monkeypatch: pytest
 @pytest.mark.slow
 def test_quick_bench_writes_every_regime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """``python -m recsys_runner.bench --quick``, its ``__main__`` run in this process (runpy, as ``-m`` does): one
-    interpreter fewer to start; the startup regime still launches its own."""
+    interpreter fewer to start; the startup regime still launches its own. Batches of 32 rows and a Parquet file of
+    2,000 (not --quick's 128 and 20,000): the plumbing is checked, not the figures."""
     out = tmp_path / "bench.json"
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["recsys_runner.bench", "--quick", "--json", str(out)])
+    monkeypatch.setattr(sys, "argv", ["recsys_runner.bench", "--quick", "--batch-size", "32", "--parquet-rows", "2000",
+                                      "--json", str(out)])
     runpy.run_module("recsys_runner.bench", run_name="__main__", alter_sys=True)
     stdout = capsys.readouterr().out
     result = json.loads(out.read_text())

@@ -76,7 +76,7 @@ def test_evaluate_reproduces_final_eval_exactly(make_cfg: Callable[..., DictConf
 
 
 def test_evaluate_refuses_another_model_config(make_cfg: Callable[..., DictConfig], tmp_path: Path) -> None:
-    extra = ("train.num_steps=5", f"checkpoint.dir={tmp_path}/ck")
+    extra = ("train.num_steps=5", "train.eval_max_batches=1", f"checkpoint.dir={tmp_path}/ck")  # only the checkpoint matters
     overrides = _training_overrides(make_cfg, *extra)
     train(make_cfg(*extra))
     checkpoint = f"load={tmp_path}/ck"
@@ -120,14 +120,14 @@ def cli_trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     return root, re.findall(r"step \d+/\d+ eval/auc=([0-9.]+)", done.stdout + done.stderr)[-1]
 
 
-def _evaluate_cli(cwd: Path, *args: str, process: bool = False) -> subprocess.CompletedProcess[str]:
-    """``python -m recsys_runner.evaluate load=train/checkpoints *args`` in ``cwd``: as a process, or in this one as
-    ``python -m`` runs it (:func:`tests.conftest.run_in_process`: the module as ``__main__``, so the training's overrides
-    are carried as on the command line), without ~10 s of imports."""
+def _evaluate_cli(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m recsys_runner.evaluate load=train/checkpoints *args`` in ``cwd``, in this process as ``python -m`` runs
+    it (:func:`tests.conftest.run_in_process`: the module as ``__main__``, so the training's overrides are carried as on
+    the command line), without ~10 s of imports. The entry's real launch, a process of its own, is
+    :func:`test_two_ranks_evaluate_every_eval_row_once`'s torchrun, which also checks that it carries them."""
     from tests.conftest import run_in_process
 
-    argv = [sys.executable, "-m", "recsys_runner.evaluate", "load=train/checkpoints", *args]
-    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=300) if process else run_in_process(argv, cwd)
+    return run_in_process([sys.executable, "-m", "recsys_runner.evaluate", "load=train/checkpoints", *args], cwd)
 
 
 def test_cli_evaluate_takes_the_training_overrides_from_the_checkpoint(cli_trained: tuple[Path, str]) -> None:
@@ -138,7 +138,7 @@ def test_cli_evaluate_takes_the_training_overrides_from_the_checkpoint(cli_train
     meta = json.loads(next((root / "train" / "checkpoints").glob("step_*/meta.json")).read_text())
     assert "model=dlrm" in meta["overrides"] and "model.embedding_dim=8" in meta["overrides"]
 
-    out = _evaluate_cli(root, "tracking=none", "hydra.run.dir=eval", process=True)  # the entry point's real launch
+    out = _evaluate_cli(root, "tracking=none", "hydra.run.dir=eval")  # (a real launch: the 2-rank test's torchrun)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "using the overrides of the training launch" in out.stdout + out.stderr
     auc = re.search(r"evaluate .*: eval/auc=([0-9.]+)", out.stdout + out.stderr)
@@ -235,6 +235,8 @@ def test_two_ranks_evaluate_every_eval_row_once(cli_trained: tuple[Path, str]) -
                    "distributed.sharding_types=[table_wise]", "distributed.timeout_s=120", "evaluate.importance=permutation",
                    "evaluate.importance_features=[cat_3]", cwd=root, module="recsys_runner.evaluate")
     assert two.returncode == 0, two.stderr[-4000:]
+    # the entry's real launch (processes of their own, not run_in_process) carries the training's overrides too
+    assert "using the overrides of the training launch" in two.stdout + two.stderr
     (row,) = json.loads((root / "eval_odd2" / "importance.json").read_text())["features"]
     assert row["feature"] == "cat_3" and set(row["changes"]) == {"auc_drop", "logloss_rise"}
     assert all(math.isfinite(v) for v in row["changes"].values()), row

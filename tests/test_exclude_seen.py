@@ -36,9 +36,9 @@ from tests.test_next_item import SMALL
 NAMES = ["hr@1", "hr@10", "ndcg@10", "mrr"]
 
 
-def brute_force(scores: np.ndarray, targets: np.ndarray, seen: list[np.ndarray]) -> dict[str, float]:
-    """``NAMES`` in numpy: each row's seen items (not its target) dropped, then the target ranked among the rest (items
-    strictly higher, plus half the other ties)."""
+def brute_force(scores: np.ndarray, targets: np.ndarray, seen: list[np.ndarray], ks: tuple[int, ...] = (1, 10)) -> dict[str, float]:
+    """``NAMES`` in numpy (``hr@k`` for each of ``ks``, ndcg@10, mrr): each row's seen items (not its target) dropped,
+    then the target ranked among the rest (items strictly higher, plus half the other ties)."""
     ranks = []
     for row, t, s in zip(scores, targets, seen, strict=True):
         keep = np.ones(row.shape[0], bool)
@@ -47,7 +47,7 @@ def brute_force(scores: np.ndarray, targets: np.ndarray, seen: list[np.ndarray])
         rest = row[keep]
         ranks.append(float((rest > row[t]).sum() + 0.5 * ((rest == row[t]).sum() - 1)))
     r = np.array(ranks)
-    return {"hr@1": float((r < 1).mean()), "hr@10": float((r < 10).mean()),
+    return {**{f"hr@{k}": float((r < k).mean()) for k in ks},
             "ndcg@10": float(np.where(r < 10, 1 / np.log2(r + 2), 0).mean()), "mrr": float((1 / (r + 1)).mean())}
 
 
@@ -148,26 +148,37 @@ def _eval_rows(tmp_path: Path, overrides: list[str], checkpoint: Path) -> tuple[
 
 
 @pytest.mark.slow
-def test_two_ranks_exclude_seen_equals_a_brute_force_ranking(tmp_path: Path) -> None:
-    """torchrun, 2 ranks, the item table split column-wise (each rank holds half of every item vector), exclude_seen on:
-    the logged eval metrics equal numpy's ranking of the checkpoint's unmasked scores (one process) with the mask."""
+def test_two_ranks_with_the_item_table_sharded_column_wise_exclude_seen(tmp_path: Path) -> None:
+    """torchrun, 2 ranks, gloo: every table split column-wise (row-wise has no CPU kernel), so each rank holds a part of
+    every item vector and eval reads the whole table through the sharded EmbeddingCollection on both ranks; exclude_seen
+    on. One launch checks both: its final eval metrics (each rank half of the eval rows, sasrec's default hr@10, ndcg@10,
+    hr@50, mrr) equal ``evaluate`` of the same checkpoint on one process, and numpy's ranking of that checkpoint's
+    unmasked scores (one process) with the mask. (tests/test_next_item.py's 2-rank run, merged here: one launch fewer.)"""
     from recsys_runner.checkpoint.storage import list_checkpoints
 
     uri = f"sqlite:///{tmp_path}/seen.db"
     overrides = [*(o for o in SMALL if o != "checkpoint=none"), "train.num_steps=30", "distributed.sharding_types=[column_wise]",
-                 "model.embedding_dim=256", f"model.eval_metrics=[{','.join(NAMES)}]"]
-    out = torchrun(*overrides, "metrics.exclude_seen=true", f"checkpoint.dir={tmp_path}/ck", f"tracking.uri={uri}",
-                   "tracking.experiment=seen2", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+                 "model.embedding_dim=256"]  # two 128-wide column shards (TorchRec's smallest) of the item table, one per rank
+    out = torchrun(*overrides, "metrics.exclude_seen=true", f"checkpoint.dir={tmp_path}/ck", f"tracking.uri={uri}", "tracking.experiment=seen2",
+                   f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-4000:]
     client = MlflowClient(tracking_uri=uri)
     (logged,) = client.search_runs([client.get_experiment_by_name("seen2").experiment_id])
     assert logged.data.tags["world_size"] == "2"
+    plan = Path(client.download_artifacts(logged.info.run_id, "sharding_plan.txt", str(tmp_path))).read_text()
+    item_shards = [line for line in plan.splitlines() if line.startswith("item ")]
+    assert any("column_wise" in line for line in item_shards), plan
+    assert any("rank:0" in line for line in item_shards) and any("rank:1" in line for line in item_shards), plan
     two = {k: v for k, v in logged.data.metrics.items() if k.startswith("eval/")}
+    assert set(two) == {"eval/hr_at_10", "eval/ndcg_at_10", "eval/hr_at_50", "eval/mrr"} and two["eval/hr_at_10"] > 0.3, two
+    alone = evaluate.run(compose_entry("evaluate", *overrides, "metrics.exclude_seen=true", f"load={tmp_path}/ck", "tracking=none"))
+    assert alone == pytest.approx(two, abs=1e-6), "one process over all eval rows, the table on one rank"
     (checkpoint,) = list_checkpoints(tmp_path / "ck")
-    scores, targets, seen = _eval_rows(tmp_path, overrides, checkpoint)
-    expected = brute_force(scores, targets, seen)
+    scores, targets, seen = _eval_rows(tmp_path, overrides, checkpoint)  # without the mask
+    expected = brute_force(scores, targets, seen, ks=(10, 50))
     assert two == pytest.approx({f"eval/{k.replace('@', '_at_')}": v for k, v in expected.items()}, abs=1e-6)
-    full = brute_force(scores, targets, [np.zeros(0, np.int64)] * len(seen))
+    full = brute_force(scores, targets, [np.zeros(0, np.int64)] * len(seen), ks=(10, 50))
+    print(f"2 ranks, exclude_seen: {two}; one process without the mask: {full}")
     assert not math.isclose(full["mrr"], expected["mrr"]), "the mask changed the ranking"
 
 

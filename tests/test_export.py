@@ -171,20 +171,78 @@ def test_deepfm_export_loads_without_recsys_runner_and_scores_like_the_trained_m
         export.run(export_cfg(*SMALL, "model=dlrm", f"load={tmp_path / 'ck'}", f"export.dir={tmp_path / 'x'}"))
 
 
+EVERY_MODEL = ["dlrm", "dcn_v2", "wide_deep", "mmoe", "dssm"]
+DSSM_TOWERS = ["model.user_features=[cat_0,int_0,cat_2]", "model.item_features=[cat_1,int_3]"]
+"""DSSM: towers of two sparse features and a dense column, and of one of each, so each tower program selects both kinds."""
+
+
+def _composer(config_name: str, mlflow_uri: str, experiment: str) -> Callable[..., DictConfig]:
+    """``make_cfg``/``export_cfg`` for a module-scoped fixture: ``conf/<config_name>.yaml`` with TINY, the session's store
+    and ``experiment`` (unless ``tracking=none`` is among the overrides)."""
+    from recsys_runner.config import register_configs
+
+    register_configs()
+    export.register()
+
+    def _make(*overrides: str) -> DictConfig:
+        tracking = [] if "tracking=none" in overrides else [f"tracking.uri={mlflow_uri}", f"tracking.experiment={experiment}"]
+        with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
+            return compose(config_name=config_name, overrides=[*TINY, *tracking, *overrides])
+
+    return _make
+
+
+@pytest.fixture(scope="module")
+def every_model(mlflow_uri: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Each of :data:`EVERY_MODEL` trained a few steps and exported (a folder and an experiment each), then every program
+    (each model's ``model.pt2``, DSSM's tower programs too) run in one fresh interpreter that imports only torch: one
+    start for the five models, not five. Per model: its export folder, spec, batch, trained logits and the programs'
+    outputs, or the exception its training or export raised (re-raised by that model's test)."""
+    done: dict[str, Any] = {}
+    calls: list[tuple[str, tuple[torch.Tensor, ...]]] = []
+    for model in EVERY_MODEL:
+        root = tmp_path_factory.mktemp(f"export_{model}")
+        overrides = [f"model={model}", *(DSSM_TOWERS if model == "dssm" else [])]
+        try:
+            make_cfg = _composer("config", mlflow_uri, f"every_model_{model}")
+            batch, expected = train_and_score(make_cfg, root / "ck", *overrides)
+            out = export.run(_composer("export", mlflow_uri, f"every_model_{model}")(
+                *SMALL, *overrides, f"load={root / 'ck'}", f"export.dir={root / 'export'}"))
+            spec = json.loads((out / export.FEATURE_SPEC_FILE).read_text())
+        except Exception as e:  # noqa: BLE001 - the model's own test raises it
+            done[model] = e
+            continue
+        first = len(calls)
+        calls.append((str(out / export.MODEL_FILE), serving.serving_inputs(batch)))
+        if model == "dssm":
+            calls += [(str(out / spec["towers"][name]["file"]), tower_inputs(batch, spec, name)) for name in ("user", "item")]
+        done[model] = {"out": out, "spec": spec, "batch": batch, "expected": expected, "calls": range(first, len(calls))}
+    outputs = run_fresh(Path("/"), tmp_path_factory.mktemp("export_fresh"), calls) if calls else []
+    for entry in done.values():
+        if isinstance(entry, dict):
+            entry["outputs"] = [outputs[i] for i in entry["calls"]]
+    return done
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["dlrm", "dcn_v2", "wide_deep", "mmoe", "dssm"])
-def test_every_model_exports_and_scores_like_the_trained_model(make_cfg, export_cfg, tmp_path: Path, model: str) -> None:
-    # DSSM: towers of two sparse features and a dense column, and of one of each, so each tower program selects both kinds
-    towers = ["model.user_features=[cat_0,int_0,cat_2]", "model.item_features=[cat_1,int_3]"] if model == "dssm" else []
-    spec, batch, expected = check_export(make_cfg, export_cfg, tmp_path, f"model={model}", *towers)
+@pytest.mark.parametrize("model", EVERY_MODEL)
+def test_every_model_exports_and_scores_like_the_trained_model(every_model: dict[str, Any], model: str) -> None:
+    entry = every_model[model]
+    if isinstance(entry, Exception):
+        raise entry
+    spec, batch, expected = entry["spec"], entry["batch"], entry["expected"]
+    got = as_logits(entry["outputs"][0], spec)  # what check_export checks, the program run in the shared fresh process
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=RTOL)
+    assert spec["sparse_features"] and [f["name"] for f in spec["sparse_features"]] == list(batch.sparse_features.keys())
+    assert spec["inputs"]["lengths"]["shape"] == [len(batch.sparse_features.keys()), "B"] and spec["needs_torchrec"] is False
     kinds = {"mmoe": ["binary", "binary"], "dssm": ["retrieval"]}.get(model, ["binary"])
     assert [o["kind"] for o in spec["outputs"]] == kinds
     assert spec["output_type"] == ("dict[task name, Tensor]" if model == "mmoe" else "Tensor")
     assert ("towers" in spec) == (model == "dssm")
     if model == "dssm":  # each tower apart, fed only its own features: user · item / temperature is the model's score
         towers = spec["towers"]
-        user, item = run_fresh(tmp_path / "export", tmp_path, [(towers[name]["file"], tower_inputs(batch, spec, name))
-                                                               for name in ("user", "item")])
+        user, item = entry["outputs"][1:]
         assert isinstance(user, torch.Tensor) and isinstance(item, torch.Tensor)
         scores = user @ item.t() / towers["temperature"]
         torch.testing.assert_close(scores, expected, atol=ATOL, rtol=RTOL)

@@ -1,18 +1,15 @@
 """Next-item prediction (model=sasrec, block sasrec or hstu): hr@k / ndcg@k exact over the full item table and across
-ranks, the next-item task through the TrainWrapper, training that beats the popularity ranking, and a 2-rank run
-with the item table sharded row-wise."""
+ranks, the next-item task through the TrainWrapper, training that beats the popularity ranking. (The 2-rank run with
+the item table sharded column-wise is in tests/test_exclude_seen.py: one launch that checks exclude_seen too.)"""
 
 from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from mlflow.tracking import MlflowClient
@@ -35,6 +32,7 @@ from recsys_runner.models.sequence import History
 from recsys_runner.models.train_wrapper import TrainWrapper
 from recsys_runner.tasks import NextItemTask
 from tests.conftest import free_port
+from tests.rank_ranking import RANKING, rank_scores, ranking_values, ranking_worker
 
 SMALL = [
     "model=sasrec", "data=synthetic_sequences", "distributed.device=cpu", "checkpoint=none",
@@ -43,8 +41,6 @@ SMALL = [
     "train.eval_every_steps=null", "model.embedding_dim=32", "optim=adagrad", "optim.lr=0.05",
 ]
 """A next-item run of ~5-10 s on 2 CPU cores: 500 items, histories of up to 20 events, 150 steps of 128 rows."""
-
-RANKING = MetricsConfig(eval=["hr@1", "hr@3", "ndcg@3", "ndcg@10"], train=[])
 
 
 def test_ranks_count_strictly_higher_items_and_half_the_ties() -> None:
@@ -101,34 +97,11 @@ def test_ranking_metric_config_errors(kwargs: dict[str, list[str]], message: str
     assert metric_entry("ndcg@5").inputs == "ranking"
 
 
-def _rank_scores(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Rank ``rank``'s uneven batches of full-table scores (rounded: ties within rows) and true item ids."""
-    g = torch.Generator().manual_seed(7 + rank)
-    sizes = [9, 30] if rank == 0 else [41, 5, 17]
-    return [(torch.randn(n, 25, generator=g).round(decimals=1), torch.randint(0, 25, (n,), generator=g)) for n in sizes]
-
-
-def _ranking_values(shards: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> dict[str, float]:
-    metrics = build_eval_metrics(RANKING, torch.device("cpu"))
-    for shard in shards:
-        for scores, targets in shard:
-            metrics.update(scores, targets)
-    return {k: float(v) for k, v in metrics.compute().items()}
-
-
-def _ranking_worker(rank: int, port: int, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(_ranking_values([_rank_scores(rank)])))
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.slow
 def test_two_ranks_ranking_metrics_equal_one_process_over_both_halves(tmp_path: Path) -> None:
-    mp.spawn(_ranking_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
-    reference = _ranking_values([_rank_scores(0), _rank_scores(1)])
-    alone = [_ranking_values([_rank_scores(r)]) for r in range(2)]
+    mp.spawn(ranking_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    reference = ranking_values([rank_scores(0), rank_scores(1)])
+    alone = [ranking_values([rank_scores(r)]) for r in range(2)]
     for r in range(2):
         values = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert values == pytest.approx(reference, rel=1e-12)
@@ -268,32 +241,3 @@ def test_sasrec_beats_the_popularity_ranking(make_cfg, mlflow_uri: str, block: s
     print(f"{block}: eval/hr_at_10={objective:.4f} popularity={popularity:.4f} eval/ndcg_at_10={metrics['eval/ndcg_at_10']:.4f}")
     assert objective > popularity + 0.3, (objective, popularity)
     assert metrics["eval/hr_at_50"] >= metrics["eval/hr_at_10"] >= metrics["eval/ndcg_at_10"] > 0
-
-
-@pytest.mark.slow
-def test_two_ranks_with_the_item_table_sharded_column_wise(tmp_path: Path) -> None:
-    """torchrun, 2 ranks, gloo: every table split column-wise (row-wise has no CPU kernel), so each rank holds a part of
-    every item vector and eval reads the whole table through the sharded EmbeddingCollection on both ranks. Its final
-    eval metrics (each rank half of the eval rows) equal ``evaluate`` of the same checkpoint on one process."""
-    from recsys_runner import evaluate
-    from tests.test_evaluate import compose_entry
-
-    uri = f"sqlite:///{tmp_path}/sasrec.db"
-    overrides = [*(o for o in SMALL if o != "checkpoint=none"), "train.num_steps=40", "distributed.sharding_types=[column_wise]",
-                 "model.embedding_dim=256"]  # two 128-wide column shards (TorchRec's smallest) of the item table, one per rank
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", "-m", "recsys_runner", *overrides, f"checkpoint.dir={tmp_path}/ck",
-           f"tracking.uri={uri}", "tracking.experiment=sasrec2"]
-    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-4000:]
-    client = MlflowClient(tracking_uri=uri)
-    (logged,) = client.search_runs([client.get_experiment_by_name("sasrec2").experiment_id])
-    assert logged.data.tags["world_size"] == "2"
-    plan = Path(client.download_artifacts(logged.info.run_id, "sharding_plan.txt", str(tmp_path))).read_text()
-    item_shards = [line for line in plan.splitlines() if line.startswith("item ")]
-    assert any("column_wise" in line for line in item_shards), plan
-    assert any("rank:0" in line for line in item_shards) and any("rank:1" in line for line in item_shards), plan
-    final = {k: v for k, v in logged.data.metrics.items() if k.startswith("eval/")}
-    assert set(final) == {"eval/hr_at_10", "eval/ndcg_at_10", "eval/hr_at_50", "eval/mrr"} and final["eval/hr_at_10"] > 0.3, final
-    alone = evaluate.run(compose_entry("evaluate", *overrides, f"load={tmp_path}/ck", "tracking=none"))
-    assert alone == pytest.approx(final, abs=1e-6), "one process over all eval rows, the table on one rank"

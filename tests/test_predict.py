@@ -46,24 +46,27 @@ def _score_file(path: Path, num_rows: int, seed: int, row_group_size: int) -> pa
     return table
 
 
-@pytest.fixture
-def trained(tmp_path: Path) -> list[str]:
-    """A DeepFM trained a few steps on Parquet data, checkpointed; returns the training's overrides."""
-    (tmp_path / "train").mkdir()
-    write_criteo_parquet(str(tmp_path / "train" / "a.parquet"), 3000, seed=0, num_embeddings=1000)
-    overrides = _overrides(tmp_path, f"sqlite:///{tmp_path}/mlflow.db")
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+    """A DeepFM trained a few steps on Parquet data, checkpointed, once for the two tests that score with it (each logs
+    its predict run to an experiment of its own in this store); its directory and the training's overrides."""
+    root = tmp_path_factory.mktemp("predict_trained_8")
+    (root / "train").mkdir()
+    write_criteo_parquet(str(root / "train" / "a.parquet"), 3000, seed=0, num_embeddings=1000)
+    overrides = _overrides(root, f"sqlite:///{root}/mlflow.db")
     register_configs()
     with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
         train(compose(config_name="config", overrides=overrides))
-    return overrides
+    return root, overrides
 
 
-def test_predict_scores_are_the_models_in_input_order(trained: list[str], tmp_path: Path) -> None:
+def test_predict_scores_are_the_models_in_input_order(trained: tuple[Path, list[str]], tmp_path: Path) -> None:
+    root, trained_overrides = trained
     (tmp_path / "score").mkdir()
     # 1000 rows in row groups of 300: batches cross row groups and the last one (1000 = 7 x 128 + 104) is partial.
     table = _score_file(tmp_path / "score" / "b.parquet", 1000, seed=1, row_group_size=300)
-    load = f"load={tmp_path}/ck"
-    cfg = compose_entry("predict", *trained, load, f"predict.input={tmp_path}/score",
+    load = f"load={root}/ck"
+    cfg = compose_entry("predict", *trained_overrides, "tracking.experiment=predict_order", load, f"predict.input={tmp_path}/score",
                         f"predict.output={tmp_path}/out", "predict.columns=[request_id,label]")
     result = predict.run(cfg)
     assert result.rows == 1000 and result.parts == [tmp_path / "out" / "part-00000-00000.parquet"]
@@ -74,8 +77,8 @@ def test_predict_scores_are_the_models_in_input_order(trained: list[str], tmp_pa
     assert pq.read_schema(result.parts[0]).metadata[scoring.SOURCE_KEY] == str(tmp_path / "score" / "b.parquet").encode()
 
     # The model's own scores of those rows: the same checkpoint in the training's own graph, the file as eval data.
-    spec = validate(compose_entry("predict", *trained, load, f"data.eval_path={tmp_path}/score"))
-    c = build(spec, weights=tmp_path / "ck" / "step_00000008")
+    spec = validate(compose_entry("predict", *trained_overrides, load, f"data.eval_path={tmp_path}/score"))
+    c = build(spec, weights=root / "ck" / "step_00000008")
     try:
         model = c.loop.evaluator.model
         model.eval()
@@ -86,8 +89,8 @@ def test_predict_scores_are_the_models_in_input_order(trained: list[str], tmp_pa
     assert len(expected) == 1000
     np.testing.assert_array_equal(written["score"].to_numpy(), expected)
 
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
-    (run,) = client.search_runs([client.get_experiment_by_name("predict").experiment_id], "tags.entry = 'predict'")
+    client = MlflowClient(tracking_uri=f"sqlite:///{root}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("predict_order").experiment_id], "tags.entry = 'predict'")
     assert all(tag in run.data.tags for tag in MANIFEST_TAGS)
     assert run.data.tags["predict.output"] == str(tmp_path / "out")
     assert run.data.metrics["predict/rows"] == 1000 and run.data.metrics["predict/rows_per_s"] > 0
@@ -97,12 +100,13 @@ def test_predict_scores_are_the_models_in_input_order(trained: list[str], tmp_pa
         predict.run(cfg)
 
 
-def test_predict_two_ranks_write_disjoint_parts_covering_the_input(trained: list[str], tmp_path: Path) -> None:
+def test_predict_two_ranks_write_disjoint_parts_covering_the_input(trained: tuple[Path, list[str]], tmp_path: Path) -> None:
+    root, trained_overrides = trained
     (tmp_path / "score").mkdir()
     tables = [_score_file(tmp_path / "score" / f"{name}.parquet", n, seed=i + 1, row_group_size=200)
               for i, (name, n) in enumerate([("b", 900), ("c", 500)])]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", "-m", "recsys_runner.predict", *trained, f"load={tmp_path}/ck",
+           f"--master_port={free_port()}", "-m", "recsys_runner.predict", *trained_overrides, "tracking.experiment=predict_ranks", f"load={root}/ck",
            f"predict.input={tmp_path}/score", f"predict.output={tmp_path}/out", "predict.columns=[request_id]",
            "distributed.sharding_types=[column_wise]"]
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
@@ -119,8 +123,8 @@ def test_predict_two_ranks_write_disjoint_parts_covering_the_input(trained: list
     assert not rank0 & rank1
     # The parts in name order are the input rows in input order, each once.
     assert [i for part_ids in ids for i in part_ids] == [i for t in tables for i in t["request_id"].to_pylist()]
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
-    (run,) = client.search_runs([client.get_experiment_by_name("predict").experiment_id], "tags.entry = 'predict'")
+    client = MlflowClient(tracking_uri=f"sqlite:///{root}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("predict_ranks").experiment_id], "tags.entry = 'predict'")
     assert run.data.tags["manifest.world_size"] == "2" and run.data.metrics["predict/rows"] == 1400
 
 
