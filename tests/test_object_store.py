@@ -195,7 +195,7 @@ def test_missing_bucket_empty_prefix_and_wrong_credentials_name_the_uri(s3_env: 
 
 
 def test_reads_retry_then_fail_clearly_when_the_server_stops(s3_env: MotoServer, tmp_path: Path) -> None:
-    server = start_moto(tmp_path)  # its own server: this test stops it
+    server = s3_env  # the module's server, stopped (SIGSTOP) here and answering again at the end (s3_env)
     try:
         server.bucket("slow")
         pq.write_table(pa.table({"label": np.arange(1000) % 2, "rid": np.arange(1000)}), tmp_path / "a.parquet", row_group_size=50)
@@ -212,7 +212,7 @@ def test_reads_retry_then_fail_clearly_when_the_server_stops(s3_env: MotoServer,
             list(batches)
         assert time.monotonic() - started >= 1  # it waited and tried again before giving up
     finally:
-        server.stop()
+        server.resume()
 
 
 class _CountedReads:
@@ -347,8 +347,8 @@ def test_a_note_beside_the_checkpoints_is_written_and_read_back_in_a_bucket(s3_e
     assert storage.checkpoints(root) == [] and storage.unfinished(root) == []
 
 
-def test_a_failed_checkpoint_write_leaves_the_previous_one_usable(s3_env: MotoServer, tmp_path: Path) -> None:
-    server = start_moto(tmp_path)
+def test_a_failed_checkpoint_write_leaves_the_previous_one_usable(s3_env: MotoServer) -> None:
+    server = s3_env  # the module's server, stopped (SIGSTOP) here and answering again at the end (s3_env)
     try:
         server.bucket("ckpt")
         store_settings.configure(store_settings.StorageConfig(endpoint_url=server.endpoint, max_attempts=1, connect_timeout_s=1, request_timeout_s=1))
@@ -364,7 +364,7 @@ def test_a_failed_checkpoint_write_leaves_the_previous_one_usable(s3_env: MotoSe
         storage.load_tensors(root / "step_00000002", loaded)
         assert torch.equal(loaded["model/w"], good["model/w"]) and storage.damage(root / "step_00000002") is None
     finally:
-        server.stop()
+        server.resume()
 
 
 def _train_args(tmp: Path, data: str, ckpt: str, experiment: str) -> list[str]:

@@ -4,6 +4,7 @@ processes creating one new sqlite store together. The first two must stop the CL
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import shutil
@@ -138,35 +139,57 @@ def _without_root_powers() -> list[str]:
     return ["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner", "--"]
 
 
-@pytest.mark.parametrize("read_only", ["file", "directory"])
-def test_read_only_sqlite_store_stops_the_cli(read_only: str, store_template: Path, tmp_path: Path) -> None:
-    from tests.conftest import TINY
+_BOTH_IN_ONE_PROCESS = """
+import json, sys
+from pathlib import Path
+from tests.conftest import run_in_process
+done = [run_in_process(json.loads(argv), Path(cwd)) for argv, cwd in zip(sys.argv[1::2], sys.argv[2::2])]
+print(json.dumps([[d.returncode, d.stdout, d.stderr] for d in done]))
+"""
+"""Each ``python -m recsys_runner`` command given (JSON, then its directory) run in turn in one process, as ``python -m``
+runs it (:func:`tests.conftest.run_in_process`): its exit status and output, as JSON."""
 
-    store = tmp_path / "store"
-    store.mkdir()
-    db = store / "mlflow.db"
-    shutil.copy(store_template, db)
-    if read_only == "file":
-        db.chmod(0o444)
-    else:  # a writable file in a read-only directory: sqlite cannot create its journal next to it
-        store.chmod(0o555)
-    prefix = _without_root_powers()
+
+def test_read_only_sqlite_store_stops_the_cli(store_template: Path, tmp_path: Path) -> None:
+    """A read-only store file, and a writable file in a read-only directory (sqlite cannot create its journal next to
+    it). Both commands run in one process without root's powers over permission bits, one after the other, each as
+    ``python -m`` runs it (``_BOTH_IN_ONE_PROCESS``): ~10 s of imports once, not once per case."""
+    from tests.conftest import REPO, TINY
+
+    prefix, cases = _without_root_powers(), []
+    for read_only in ("file", "directory"):
+        store = tmp_path / read_only / "store"
+        store.mkdir(parents=True)
+        db = store / "mlflow.db"
+        shutil.copy(store_template, db)
+        if read_only == "file":
+            db.chmod(0o444)
+        else:  # a writable file in a read-only directory: sqlite cannot create its journal next to it
+            store.chmod(0o555)
+        cases.append((store, db))
     try:
-        write = f"import sqlite3; sqlite3.connect({str(db)!r}).execute('CREATE TABLE t (x)')"
-        probe = subprocess.run([*prefix, sys.executable, "-c", write], capture_output=True, text=True)
-        assert probe.returncode != 0 and "readonly" in probe.stderr, "the store must be read-only for the CLI's process"
-
-        uri = f"sqlite:///{db}"
-        result = subprocess.run(
-            [*prefix, sys.executable, "-m", "recsys_runner", *TINY, f"tracking.uri={uri}", f"tracking.experiment={EXPERIMENT}"],
-            cwd=tmp_path, env=_cli_env(), capture_output=True, text=True, timeout=240,
-        )
+        commands: list[str] = []
+        for store, db in cases:
+            write = f"import sqlite3; sqlite3.connect({str(db)!r}).execute('CREATE TABLE t (x)')"
+            probe = subprocess.run([*prefix, sys.executable, "-c", write], capture_output=True, text=True)
+            assert probe.returncode != 0 and "readonly" in probe.stderr, f"{db} must be read-only for the CLI's process"
+            argv = [sys.executable, "-m", "recsys_runner", *TINY, f"tracking.uri=sqlite:///{db}", f"tracking.experiment={EXPERIMENT}"]
+            commands += [json.dumps(argv), str(store.parent)]
+        both = subprocess.run([*prefix, sys.executable, "-c", _BOTH_IN_ONE_PROCESS, *commands], cwd=tmp_path,
+                              env={**_cli_env(), "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=240)
     finally:
-        store.chmod(0o755)
-    _assert_tracking_error(result, f"tracking store {uri} (tracking.uri) cannot be written",
-                         "attempt to write a readonly database", f"Fix: make {db} and its directory writable", "tracking=none")
-    with sqlite3.connect(db) as check:
-        assert check.execute("SELECT COUNT(*) FROM runs").fetchone() == (0,)
+        for store, _ in cases:
+            store.chmod(0o755)
+    assert both.returncode == 0, both.stderr[-3000:]
+    results = json.loads(both.stdout.strip().splitlines()[-1])
+    assert len(results) == len(cases), results
+    for (_, db), (code, out, err) in zip(cases, results, strict=True):
+        result = subprocess.CompletedProcess([], code, out, err)
+        uri = f"sqlite:///{db}"
+        _assert_tracking_error(result, f"tracking store {uri} (tracking.uri) cannot be written",
+                               "attempt to write a readonly database", f"Fix: make {db} and its directory writable", "tracking=none")
+        with sqlite3.connect(db) as check:
+            assert check.execute("SELECT COUNT(*) FROM runs").fetchone() == (0,)
 
 
 def _start_run(uri: str, index: int, barrier: Any, results: Any) -> None:
