@@ -24,6 +24,7 @@ from recsys_runner.lifecycle import (
     mark_finished,
     note_interrupted_runs,
     one_job,
+    skip_the_exit_collection,
     tracked_run,
 )
 from recsys_runner.noise import quiet_known_noise
@@ -143,12 +144,14 @@ def _note_resume(c: Components, launch: Launch) -> None:
 
 @hydra.main(config_path=CONFIG_PATH, config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float:
+    skip_the_exit_collection()  # a sweep job's process too (submitit's, which calls this function): lifecycle.py says why
     launch = Launch.from_hydra(TRAIN_MODULE, cfg)  # Hydra's runtime, read here once and handed down
     with exit_codes(launch):  # a signal: KILLED, what was kept and how to go on, exit 128 + signal (lifecycle.py)
         return run(cfg, launch)
 
 
 if __name__ == "__main__":
+    skip_the_exit_collection()  # the launching process of a sweep too, whose main() runs in its jobs
     check_command_line("config")  # a typo: one line with the closest valid name (overrides.py)
     main()
     end_rank_process()  # a rank of a multi-rank launch skips the native teardown (lifecycle.py says why)

@@ -4,7 +4,8 @@ into the same sweep dir; the requeued job resumes from ``<job dir>/checkpoints``
 
 Against the real test SLURM cluster (``scancel --signal=USR2``: what SLURM sends ahead of a time limit with
 ``--signal=USR2@<signal_delay_s>``; SLURM tests skip loudly where the cluster cannot run) and with
-``submitit_local`` (always on: the job's process gets SIGUSR2 directly, submitit's local controller restarts it).
+``submitit_local`` (always on: the job's process gets SIGUSR2 directly, submitit's local controller restarts it; that
+sweep also stands for every ``submitit_local`` sweep that ends well: its parent run found by the job, ended FINISHED).
 The SLURM sweep has a second job, preempted in its sanity eval, before any step or checkpoint (tests/job_hooks.py sends it
 SIGUSR2 there): its requeued launch has no checkpoint to resume and continues the MLflow run its first launch recorded
 in its checkpoint directory (tests/test_requeue.py has the rules, in one process without submitit).
@@ -146,13 +147,22 @@ def _local_task_pid(tmp_path: Path) -> int | None:
 
 
 def test_submitit_local_preemption_requeues_and_resumes_into_the_same_run(tmp_path: Path) -> None:
+    """Also what any ``submitit_local`` sweep that ends well shows (tests/test_sweeps.py has the failed job's side): the
+    job in its submitit subprocess found the parent run (the environment survived pickling and the subprocess), left its
+    result file, and the parent ended FINISHED with the best child's objective."""
     proc = _multirun(tmp_path, "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=10", *_args(tmp_path, "local_preempt"),
                      f"hydra.sweep.dir={tmp_path}/sweep")
     try:
         _wait_for("training step 5 in the local job's log", lambda: f"step 5/{STEPS}" in _job_logs(tmp_path), proc, 300, tmp_path)
         pid = _wait_for("the local job's process", lambda: _local_task_pid(tmp_path), proc, 30, tmp_path)
         os.kill(int(pid), signal.SIGUSR2)  # type: ignore[call-overload]
-        _check_resumed_from_a_checkpoint(tmp_path, "local_preempt", proc)
+        (child,) = _check_resumed_from_a_checkpoint(tmp_path, "local_preempt", proc).values()
+        client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+        (parent,) = [r for r in client.search_runs([client.get_experiment_by_name("local_preempt").experiment_id])
+                     if SWEEP_PARENT_TAG in r.data.tags]
+        assert child.data.tags.get("mlflow.parentRunId") == parent.info.run_id
+        assert parent.info.status == "FINISHED" and "best/eval/auc" in parent.data.metrics, (parent.info, parent.data.metrics)
+        assert list((tmp_path / "sweep" / ".submitit").glob("*/*_result.pkl"))
     finally:
         if proc.poll() is None:
             proc.kill()

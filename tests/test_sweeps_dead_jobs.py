@@ -33,11 +33,27 @@ pytestmark = pytest.mark.slow
 LONG = 3000
 
 
-def _multirun(tmp_path: Path, experiment: str, *launcher: str) -> subprocess.Popen[str]:
+FAST_SLURM_WATCH = '''"""Test hook (tests/test_sweeps_dead_jobs.py), in the sweep's launching process only."""
+import os
+import sys
+
+if sys.orig_argv[1:3] == ["-m", "recsys_runner"] and not os.environ.get("SUBMITIT_EXECUTOR"):
+    from submitit.slurm.slurm import SlurmJob
+
+    SlurmJob.watcher._delay_s = 2
+    SlurmJob._results_timeout_s = 1
+'''
+"""A ``sitecustomize`` for the SLURM sweep's launching process: submitit asks SLURM (``sacct``) for the state of a job
+that left no result 2, 4, 8, 16, 32, 64 s … after the submission, and then waits 15 s for a result a shared file
+system may show late; on this one node, whose files are local, a killed job is seen as SLURM ends it: every 2 s, and
+its missing result at once. What the launcher does with it is unchanged."""
+
+
+def _multirun(tmp_path: Path, experiment: str, *launcher: str, pythonpath: str = str(REPO)) -> subprocess.Popen[str]:
     args = [*[a for a in TINY if not a.startswith("train.")], f"train.num_steps=10,{LONG}", "train.log_every_steps=1",
             "train.eval_every_steps=null", "train.eval_max_batches=2", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
             f"tracking.experiment={experiment}", f"hydra.sweep.dir={tmp_path}/sweep"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": pythonpath}
     env.pop("HYDRA_FULL_ERROR", None)
     return subprocess.Popen([sys.executable, "-m", "recsys_runner", "-m", *launcher, *args], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -131,8 +147,11 @@ def test_submitit_local_job_killed_mid_training_leaves_no_running_run(tmp_path: 
 def test_slurm_job_killed_mid_training_leaves_no_running_run(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     """The same under SLURM with the waiting launcher: SLURM's account of the job (its state, as submitit reads it) is
     what the run's tag says."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(FAST_SLURM_WATCH)
     proc = _multirun(tmp_path, "slurm_killed", "hydra/launcher=submitit_slurm", "hydra.launcher.timeout_min=10",
-                     "hydra.launcher.cpus_per_task=1")
+                     "hydra.launcher.cpus_per_task=1", pythonpath=f"{hooks}{os.pathsep}{REPO}")
     try:
         _kill_the_long_job(tmp_path, "slurm_killed", proc)
         _check_killed_run(tmp_path, "slurm_killed", proc, "FAILED", "FAILED")

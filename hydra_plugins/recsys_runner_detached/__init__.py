@@ -264,13 +264,20 @@ def _job_end(job: Any, result: JobReturn, died: bool) -> Any:
 def _failures_are_results() -> Iterator[list[Any]]:
     """While the plugin's ``launch`` runs, a job that failed answers ``results()`` with a ``FAILED`` result (its error
     as the value) instead of raising, so the plugin waits for every job (as :func:`_results_are_job_ids` does). Yields
-    the submitted submitit jobs, in job order, once ``launch`` has submitted them."""
+    the submitted submitit jobs, in job order, once ``launch`` has submitted them. A local job that left no result (it
+    died) is said to have at once, without submitit's wait for a result a shared file system shows late."""
     import submitit
     from submitit.core.utils import FailedJobError, UncompletedJobError
+    from submitit.local.local import LocalJob
 
     class Failed:
         def __init__(self, job: Any) -> None:
             self.job = job
+            if isinstance(job, LocalJob):
+                # submitit waits _results_timeout_s (15 s) for a result that a shared file system may show late; a
+                # local job's result is written on this host by a process that has exited once the job is done, so
+                # one that is not there never comes (a job killed mid-training): said at once, not 15 s later.
+                job._results_timeout_s = 0
 
         def results(self) -> list[JobReturn]:
             try:
