@@ -61,7 +61,15 @@ from recsys_runner.data.encoding.stored import read_stored
 from recsys_runner.data.files.downsample import negative_rate, trained_rate
 from recsys_runner.errors import CheckpointError, ConfigError, require
 from recsys_runner.inference import LOAD_FIELD, carry_training_overrides, checkpoint_to_load, with_training_overrides
-from recsys_runner.lifecycle import RunStart, end_rank_process, exit_codes, link_tags, one_job, tracked_run
+from recsys_runner.lifecycle import (
+    RunStart,
+    end_rank_process,
+    exit_codes,
+    link_tags,
+    one_job,
+    skip_the_exit_collection,
+    tracked_run,
+)
 from recsys_runner.noise import quiet_known_noise
 from recsys_runner.overrides import check_command_line
 from recsys_runner.paths import CONFIG_PATH
@@ -241,6 +249,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    skip_the_exit_collection()  # the exit skips collecting what the command left (lifecycle.py says why)
     carry_training_overrides()  # before @hydra.main composes: the training's overrides, then this command's
     check_command_line("export")  # a typo: one line with the closest valid name (overrides.py)
     main()
