@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import itertools
 import re
 import shlex
@@ -102,6 +103,13 @@ def hydra_initialized() -> Iterator[None]:
         yield
 
 
+@functools.cache
+def _composed(config_name: str, overrides: tuple[str, ...] = ()) -> DictConfig:
+    """``conf/<config_name>.yaml`` composed with ``overrides``, once for the module (a composition costs ~0.3 s, and the
+    tests below compose the same ones: ``config``, each ``model=``, ``data=``): read, never changed (``validate`` copies)."""
+    return compose(config_name=config_name, overrides=list(overrides))
+
+
 @pytest.mark.parametrize(("where", "arguments"), CASES, ids=[where for where, _ in CASES])
 def test_a_documented_command_composes(hydra_initialized: None, where: str, arguments: str) -> None:
     for variable, value in SHELL_VARIABLES.items():
@@ -123,7 +131,7 @@ def test_a_documented_command_composes(hydra_initialized: None, where: str, argu
         overrides.append(word)
     if where in ON_A_GPU:
         overrides.append("distributed.device=cuda")
-    cfg = compose(config_name="config", overrides=overrides)
+    cfg = _composed("config", tuple(overrides))
     # an elided command may lack a required key (data.path); --cfg job prints the config without validating it
     if not any(mark in arguments for mark in ELIDED) and "--cfg" not in words:
         validate(cfg)
@@ -192,7 +200,7 @@ def _node(name: str, heading: str) -> DictConfig:
     config_name, overrides, path = section
     if config_name == "export":
         register_export_schema()
-    cfg = compose(config_name=config_name, overrides=overrides)
+    cfg = _composed(config_name, tuple(overrides))
     node = OmegaConf.select(cfg, path) if path else cfg
     assert isinstance(node, DictConfig)
     return node
@@ -316,7 +324,7 @@ def test_the_readme_names_every_option_of_each_group() -> None:
 
 def test_the_readme_names_only_keys_that_exist(hydra_initialized: None) -> None:
     """README.md's ``| `train` (keys) |`` rows: each key named in the second column is a key of that section."""
-    cfg = compose(config_name="config")
+    cfg = _composed("config")
     rows = [row.strip("|").split(" | ") for row in (REPO / "README.md").read_text().split("\n") if re.match(r"\| `\w+` \(keys\) \|", row)]
     assert len(rows) >= 2, "did README.md's table of groups change its layout?"
     wrong = [f"{section}.{key}" for section, keys, *_ in ((re.findall(r"`(\w+)`", r[0])[0], r[1]) for r in rows)
@@ -333,7 +341,7 @@ def test_the_schema_reference_names_the_file_options_keys_and_every_column_field
     assert len(rows) >= 9, "did the schema reference change its layout?"
     named = set(re.findall(r"`(\w+)`", section))
     for option in ("parquet", "csv", "criteo"):
-        data = compose(config_name="config", overrides=[f"data={option}"]).data
+        data = _composed("config", (f"data={option}",)).data
         assert not (missing := [k for k in data if k not in named and not k.startswith("_")]), \
             f"data={option}'s keys {missing} are in neither the schema reference nor its list of reading keys"
         if option != "criteo":
@@ -392,9 +400,17 @@ def test_every_inline_override_names_a_key(hydra_initialized: None) -> None:
     import recsys_runner.predict  # noqa: F401  (each stores its entry schema)
 
     register_export_schema()
-    configs = [compose(config_name=name) for name in ("config", "export", "predict", "evaluate")]
-    for group in ("model", "data", "optim", "optim/sparse", "optim/dense", "scheduler", "precision", "checkpoint", "tracking", "debug"):
-        configs += [compose(config_name="config", overrides=[f"{group}={p.stem}"]) for p in sorted((CONFIG_DIR / group).glob("*.yaml"))]
+    configs = [_composed(name) for name in ("config", "export", "predict", "evaluate")]
+    # every option of each group: model= and data= alone (the compositions the tests above made), the small groups several
+    # in one composition (a group's keys are its option's whatever the other groups choose): the i-th composition of a
+    # row takes the i-th option of each of its groups, which can be chosen together (debug's presets choose the
+    # checkpoint, optim's choose optim/sparse and /dense). 12 compositions for their 31 options, each ~0.3 s
+    for group in ("model", "data"):
+        configs += [_composed("config", (f"{group}={p.stem}",)) for p in sorted((CONFIG_DIR / group).glob("*.yaml"))]
+    for row in (("optim/sparse", "optim/dense", "scheduler", "precision", "tracking", "debug"), ("optim", "checkpoint")):
+        options = {group: sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml")) for group in row}
+        for i in range(max(len(o) for o in options.values())):
+            configs.append(_composed("config", tuple(f"{group}={o[i]}" for group, o in options.items() if i < len(o))))
     overrides = _inline_overrides()
     assert len(overrides) > 200, "the extraction found too few overrides: did the docs' layout change?"
     wrong = [f"{where}: {key}" for where, key in overrides if not any(_has_key(cfg, key) for cfg in configs)]

@@ -87,11 +87,21 @@ def test_columns_sized_alike_are_logged_once_in_the_inferred_schema_line(make_cf
 @pytest.mark.parametrize("tracking", ["mlflow", "none"])
 def test_every_preset_composes_and_validates(make_cfg, preset: str, tracking: str) -> None:
     """Each ``experiment=<preset>`` composes and passes every schema check as shipped (the file presets with a path),
-    also with tracking off: a preset names its MLflow experiment, which ``tracking=none`` ignores."""
+    also with tracking off: a preset names its MLflow experiment, which ``tracking=none`` ignores; those of
+    :data:`PRESET_BEST` train one epoch and keep the best checkpoint by their metric."""
     cfg = make_cfg(f"experiment={preset}", f"tracking={tracking}", tiny=False)
-    if "tabular" in str(cfg.data._target_):  # a preset for your own files: any path validates
-        cfg = make_cfg(f"experiment={preset}", f"tracking={tracking}", "data.path=train.parquet", tiny=False)
-    assert isinstance(validate(cfg), RunConfig)
+    if "tabular" in str(cfg.data._target_):  # a preset for your own files: any path validates (set as data.path=train.parquet
+        cfg.data.path = "train.parquet"  # would set it, without composing again)
+    spec = validate(cfg)
+    assert isinstance(spec, RunConfig)
+    assert set(PRESET_BEST) <= set(PRESETS), "a preset of PRESET_BEST was renamed"
+    if preset in PRESET_BEST:  # they train one epoch and keep the best checkpoint by the preset's own metric
+        assert spec.checkpoint.best_metric == PRESET_BEST[preset] and spec.train.num_epochs == 1
+
+
+PRESET_BEST = {"deepfm_criteo": "eval/auc", "dlrm_criteo": "eval/auc", "dcn_v2_criteo": "eval/auc", "wide_deep_criteo": "eval/auc",
+               "mmoe_taobao": "eval/ctr/auc", "dssm_taobao": "eval/recall_at_50"}
+"""Presets whose best-checkpoint metric is checked (tests/test_training_features.py checked them apart before)."""
 
 
 # --- presets compose with model= and data= (issue 30) ------------------------------------------------------------------
