@@ -13,6 +13,7 @@ import hydra
 from omegaconf import DictConfig
 
 from recsys_runner.build import Components, build
+from recsys_runner.collection import skip_the_exit_collection
 from recsys_runner.config import flatten, register_configs, to_yaml, validate
 from recsys_runner.data.encoding.stored import ENCODERS_FILE
 from recsys_runner.errors import ConfigError
@@ -24,7 +25,6 @@ from recsys_runner.lifecycle import (
     mark_finished,
     note_interrupted_runs,
     one_job,
-    skip_the_exit_collection,
     tracked_run,
 )
 from recsys_runner.noise import quiet_known_noise
@@ -144,7 +144,7 @@ def _note_resume(c: Components, launch: Launch) -> None:
 
 @hydra.main(config_path=CONFIG_PATH, config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float:
-    skip_the_exit_collection()  # a sweep job's process too (submitit's, which calls this function): lifecycle.py says why
+    skip_the_exit_collection()  # a sweep job's process too (submitit's, which calls this function): collection.py says why
     launch = Launch.from_hydra(TRAIN_MODULE, cfg)  # Hydra's runtime, read here once and handed down
     with exit_codes(launch):  # a signal: KILLED, what was kept and how to go on, exit 128 + signal (lifecycle.py)
         return run(cfg, launch)

@@ -1,16 +1,18 @@
 """Python's garbage collector around a job and around a round of forked DataLoader workers: what a job left in reference
 cycles is collected when the job ends (:func:`job_collected`), looking at the job's own objects only; a forked worker's
-collector never finalizes the training process's objects (:func:`frozen`, data/workers.py).
+collector never finalizes the training process's objects (:func:`frozen`, data/workers.py); and a command's exit does
+not collect what the process holds then (:func:`skip_the_exit_collection`).
 
 Both use :func:`gc.freeze`, which moves every object the collector tracks into a permanent generation that no collection
 looks at, in O(1), until :func:`gc.unfreeze` moves them all back; freezes do not nest (one unfreeze undoes them all), so
 the two take turns here: a round of workers that starts inside a job unfreezes the job's freeze with its own, and the
 job's end then collects everything, as it would without a freeze. A process that froze objects of its own keeps them
-frozen: neither unfreezes what it did not freeze.
+frozen: neither unfreezes what it did not freeze. The exit's freeze is never undone: it comes once the work is done.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 from collections.abc import Iterator
@@ -71,3 +73,17 @@ def frozen() -> Iterator[None]:
         if frozen_before == 0 or _job_froze:
             gc.unfreeze()
             _job_froze = False
+
+
+def skip_the_exit_collection() -> None:
+    """Let the interpreter's exit skip its collection of the objects that exist once the command is done.
+
+    With torch, torchrec and MLflow loaded (~490,000 objects) the garbage collections of the interpreter's teardown took
+    most of a process's end: 13.5 s of a loaded 2-core machine between the last line and the exit, where one full
+    collection takes 1.8 s; with the objects frozen (``gc.freeze`` as the last ``atexit`` handler) 1.8 s. Every command
+    and every sweep job pays it, a SLURM job holding its CPUs meanwhile. Nothing is left undone that the exit did: the
+    ``atexit`` handlers (MLflow's, logging's flush, temporary files' cleanup) still run, the standard streams are still
+    flushed; only cyclic garbage older than the exit is not collected before the process ends (its memory goes with it).
+    Registered once, however often called."""
+    atexit.unregister(gc.freeze)
+    atexit.register(gc.freeze)

@@ -56,6 +56,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from recsys_runner import provenance, stores
+from recsys_runner.collection import skip_the_exit_collection
 from recsys_runner.config import RunConfig, flatten, register_entry_schema, to_yaml, validate
 from recsys_runner.data.encoding.stored import read_stored
 from recsys_runner.data.files.downsample import negative_rate, trained_rate
@@ -67,7 +68,6 @@ from recsys_runner.lifecycle import (
     exit_codes,
     link_tags,
     one_job,
-    skip_the_exit_collection,
     tracked_run,
 )
 from recsys_runner.noise import quiet_known_noise
@@ -249,7 +249,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    skip_the_exit_collection()  # the exit skips collecting what the command left (lifecycle.py says why)
+    skip_the_exit_collection()  # the exit skips collecting what the command left (collection.py says why)
     carry_training_overrides()  # before @hydra.main composes: the training's overrides, then this command's
     check_command_line("export")  # a typo: one line with the closest valid name (overrides.py)
     main()

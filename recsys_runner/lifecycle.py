@@ -44,7 +44,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
-import gc
 import logging
 import os
 import signal
@@ -323,20 +322,6 @@ def _told_by_rank_zero(e: Interrupted) -> bool:
     so that the "Interrupted / Resume this run" block is printed once, not once per rank. A rank's own stop (a signal
     while it waited on the store, a second Ctrl-C, one during the build) is still told by each rank: they may differ."""
     return e.agreed and _multi_rank() and os.environ.get("RANK", "0") != "0"
-
-
-def skip_the_exit_collection() -> None:
-    """Let the interpreter's exit skip its collection of the objects that exist once the command is done.
-
-    With torch, torchrec and MLflow loaded (~490,000 objects) the garbage collections of the interpreter's teardown took
-    most of a process's end: 13.5 s of a loaded 2-core machine between the last line and the exit, where one full
-    collection takes 1.8 s; with the objects frozen (``gc.freeze`` as the last ``atexit`` handler) 1.8 s. Every command
-    and every sweep job pays it, a SLURM job holding its CPUs meanwhile. Nothing is left undone that the exit did: the
-    ``atexit`` handlers (MLflow's, logging's flush, temporary files' cleanup) still run, the standard streams are still
-    flushed; only cyclic garbage older than the exit is not collected before the process ends (its memory goes with it).
-    Registered once, however often called."""
-    atexit.unregister(gc.freeze)
-    atexit.register(gc.freeze)
 
 
 def end_rank_process() -> None:

@@ -55,6 +55,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from recsys_runner import store_settings, uris
+from recsys_runner.collection import skip_the_exit_collection
 from recsys_runner.config import register_entry_schema, validate
 from recsys_runner.data.base import SplitFiles
 from recsys_runner.data.files.streaming import TabularData
@@ -68,7 +69,7 @@ from recsys_runner.inference import (
     with_training_overrides,
 )
 from recsys_runner.inference_build import Inference, build_inference
-from recsys_runner.lifecycle import end_rank_process, exit_codes, one_job, skip_the_exit_collection, tracked_run
+from recsys_runner.lifecycle import end_rank_process, exit_codes, one_job, tracked_run
 from recsys_runner.noise import quiet_known_noise
 from recsys_runner.overrides import check_command_line
 from recsys_runner.paths import CONFIG_PATH
@@ -192,7 +193,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    skip_the_exit_collection()  # the exit skips collecting what the command left (lifecycle.py says why)
+    skip_the_exit_collection()  # the exit skips collecting what the command left (collection.py says why)
     carry_training_overrides()  # before @hydra.main composes: the training's overrides, then this command's
     check_command_line("predict")  # a typo: one line with the closest valid name (overrides.py)
     main()

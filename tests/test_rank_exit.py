@@ -40,7 +40,7 @@ def test_a_rank_of_a_multi_rank_launch_ends_after_the_python_exit_work(world_siz
 FROZEN_EXIT = """
 import atexit, gc, logging, sys
 from pathlib import Path
-from recsys_runner.lifecycle import skip_the_exit_collection
+from recsys_runner.collection import skip_the_exit_collection
 out = Path(sys.argv[1])
 freezes, freeze = [], gc.freeze
 gc.freeze = lambda: (freezes.append(1), freeze())  # what the function registers: counted
@@ -56,7 +56,7 @@ print("work done", end="")
 
 
 def test_the_exit_skips_collecting_the_objects_of_the_command_and_still_does_the_python_exit_work(tmp_path: Path) -> None:
-    """lifecycle.skip_the_exit_collection: once registered however often called, it freezes the objects as the last
+    """collection.skip_the_exit_collection: once registered however often called, it freezes the objects as the last
     ``atexit`` handler (the interpreter's teardown then does not collect them: seconds with torch loaded); the other
     handlers, logging's flush and the standard streams' still run, exit status 0."""
     result = subprocess.run([sys.executable, "-c", FROZEN_EXIT, str(tmp_path)], capture_output=True, text=True, timeout=120)
