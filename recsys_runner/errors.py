@@ -58,6 +58,13 @@ class TrackingError(UserError):
     label = "Tracking error"
 
 
+class LaunchError(UserError):
+    """The processes of a multi-process run cannot form their group where they were launched: the rendezvous port is
+    taken. The message names the address and port, where the port came from, and how to choose another."""
+
+    label = "Launch error"
+
+
 def require(condition: bool, message: str) -> None:
     """Raise :class:`ConfigError` with ``message`` unless ``condition`` holds.
 

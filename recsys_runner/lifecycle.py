@@ -60,7 +60,7 @@ from recsys_runner import stores, uris
 from recsys_runner.checkpoint.guard import NonFiniteLossError
 from recsys_runner.checkpoint.storage import CheckpointStorage
 from recsys_runner.collection import job_collected
-from recsys_runner.distributed.peers import EXIT_RANK_LOST, RankLost, peer_gone
+from recsys_runner.distributed.peers import EXIT_RANK_LOST, RANK_LOST_LABEL, RankLost, peer_gone
 from recsys_runner.errors import CheckpointError, CheckpointWriteFailed, UserError, fail, reported
 from recsys_runner.runtime import TRAIN_MODULE, Launch
 from recsys_runner.tracking import lineage, requeue
@@ -351,10 +351,10 @@ def rank_lost_message(launch: Launch, e: RankLost) -> str:
     """The survivor's account of a lost rank: which rank, where and the error (one line), then the command that resumes
     from the last complete checkpoint (:func:`resume_hint`), or, with none written, the command that runs it again."""
     if e.checkpoint is not None:
-        return f"Rank lost: {e}; the checkpoints written are intact\n{resume_hint(launch, e.checkpoint)}"
+        return f"{RANK_LOST_LABEL}: {e}; the checkpoints written are intact\n{resume_hint(launch, e.checkpoint)}"
     command = launch.command()
     again = f"; no checkpoint was written, run it again with:\n  {command}" if command else "; no checkpoint was written"
-    return f"Rank lost: {e}{again}"
+    return f"{RANK_LOST_LABEL}: {e}{again}"
 
 
 def interrupted_message(launch: Launch, e: Interrupted) -> str:

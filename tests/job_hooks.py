@@ -2,8 +2,8 @@
 tests/store_gone.py's store is): only in a submitit job (``SUBMITIT_EXECUTOR`` set), only in the job whose overrides
 hold the given one, nothing in recsys_runner changed for it.
 
-- :func:`crash_at_the_first_step`: the job crashes, an error of no kind the command knows (a bug), as its first training
-  batch is read: after its MLflow run has started, before any checkpoint.
+- :func:`crash_at_the_first_step`: the job (or one rank of it) crashes, an error of no kind the command knows (a bug), as
+  its first training batch is read: after its MLflow run has started, before any checkpoint.
 - :func:`preempted_in_the_sanity_eval`: the job's first launch gets SIGUSR2, submitit's preemption signal, as its sanity
   eval reads its first batch (before any step or checkpoint), as SLURM sends it ahead of a time limit; its requeued
   launch runs undisturbed.
@@ -42,14 +42,15 @@ def _this_job(override: str) -> bool:
     return override in list(HydraConfig.get().overrides.task)
 
 
-def crash_at_the_first_step(override: str) -> None:
-    """The job with ``override`` raises ``RuntimeError(CRASH)`` as its first training batch is read."""
+def crash_at_the_first_step(override: str, rank: int | None = None) -> None:
+    """The job with ``override`` raises ``RuntimeError(CRASH)`` as its first training batch is read: on every task, or
+    on its task of torch rank ``rank`` only."""
     from recsys_runner.train import loop
 
     real = loop.checked_batches
 
     def checked(batches: Iterable[Any], *args: Any) -> Iterator[Any]:
-        if _this_job(override):
+        if _this_job(override) and (rank is None or os.environ.get("RANK") == str(rank)):
             raise RuntimeError(CRASH)
         yield from real(batches, *args)
 

@@ -1,4 +1,4 @@
-"""Against a real SLURM cluster (tests/slurm_cluster.py): an array sweep, submit-and-exit + collect, one two-task job.
+"""Against a real SLURM cluster (tests/slurm_cluster.py): an array sweep, submit-and-exit + collect, two-task jobs.
 A job that fails its config check and one that crashes (a bug: tests/job_hooks.py, a ``sitecustomize`` hook in the job
 processes) ride along in the array sweep and in a detached one.
 
@@ -7,8 +7,10 @@ Every job logs to MLflow as a child of the multirun's parent run, from inside ``
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,20 @@ from tests.slurm_cluster import SlurmCluster, slurm_cluster_fixture  # noqa: F40
 pytestmark = pytest.mark.slow
 
 SLURM = ["hydra/launcher=submitit_slurm", "hydra.launcher.timeout_min=10", "hydra.launcher.cpus_per_task=1"]
+
+
+def _run_slurm(cluster: SlurmCluster, tmp_path: Path, *args: str, timeout: float,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``run_cli`` of a SLURM sweep; past ``timeout``, a failure that shows what SLURM and the jobs were doing (their
+    queue, the daemons' logs, the jobs' own logs), not only the sweep's first line."""
+    try:
+        return run_cli(*args, cwd=tmp_path, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as e:
+        jobs = "".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+                       for p in sorted((tmp_path / "multirun").glob("*/*/.submitit/*/*_log.*")))
+        said = e.output.decode(errors="replace") if isinstance(e.output, bytes) else e.output
+        pytest.fail(f"the sweep ran past {timeout} s, having said: {said}\n{cluster.squeue('--states=all')}\n{jobs}\n"
+                    f"{cluster.logs()}")
 
 
 def _sweep(uri: str, experiment: str) -> tuple[object, list]:
@@ -149,9 +165,9 @@ def test_two_task_slurm_job_is_one_two_rank_run(slurm_cluster: SlurmCluster, tmp
     """One job (a one-point sweep: the parent and its one child FINISHED) with ``tasks_per_node=2``: srun starts 2
     tasks, each maps SLURM's environment to a torch rank, one MLflow run. (A one-task job is the array sweep's.)"""
     uri = f"sqlite:///{tmp_path}/ranks.db"
-    out = run_cli("-m", *SLURM, "hydra.launcher.tasks_per_node=2", *TINY, "train.num_steps=10",
-                  "distributed.sharding_types=[column_wise]", f"tracking.uri={uri}", "tracking.experiment=slurm_ranks",
-                  cwd=tmp_path, timeout=600)
+    out = _run_slurm(slurm_cluster, tmp_path, "-m", *SLURM, "hydra.launcher.tasks_per_node=2", *TINY, "train.num_steps=10",
+                     "distributed.sharding_types=[column_wise]", f"tracking.uri={uri}", "tracking.experiment=slurm_ranks",
+                     timeout=600)
     assert out.returncode == 0, out.stderr[-3000:] + slurm_cluster.logs()
     parent, (child,) = _sweep(uri, "slurm_ranks")
     assert child.info.status == "FINISHED" and parent.info.status == "FINISHED" and child.data.tags["world_size"] == "2"
@@ -160,3 +176,52 @@ def test_two_task_slurm_job_is_one_two_rank_run(slurm_cluster: SlurmCluster, tmp
     # It really ran under SLURM: submitit's folder holds the sbatch script, and the job's log the eval it ran.
     (script,) = (tmp_path / "multirun").glob("*/*/.submitit/*/*_submission.sh")
     assert "#SBATCH" in script.read_text() and "eval/auc" in logs
+    port = int(logs.split("torch.distributed via localhost:")[1].split()[0])
+    assert 20000 <= port < 32768, f"the job's port {port} is drawn below the kernel's ephemeral ports (32768-60999)"
+
+
+def test_two_task_job_whose_rendezvous_port_is_taken_ends_at_once_naming_it(slurm_cluster: SlurmCluster,
+                                                                           tmp_path: Path) -> None:
+    """Rank 0 of a two-task job cannot open the group's store: another process listens on ``MASTER_PORT``. It fails with
+    one line naming the address, the port and the fix, not torch's traceback; srun (``--kill-on-bad-exit``) ends rank 1,
+    which otherwise waited on the rendezvous for ``distributed.timeout_s`` (30 min), the sweep waiting with it."""
+    uri = f"sqlite:///{tmp_path}/taken.db"
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        out = _run_slurm(slurm_cluster, tmp_path, "-m", *SLURM, "hydra.launcher.tasks_per_node=2",
+                         f'hydra.launcher.setup=["export MASTER_PORT={port}"]', *TINY, "train.num_steps=10",
+                         f"tracking.uri={uri}", "tracking.experiment=slurm_taken", timeout=400)
+        took = time.monotonic() - started
+    assert out.returncode == 1, out.stderr[-3000:] + slurm_cluster.logs()
+    assert (f"Job #0 failed: Launch error: rank 0 cannot open the process group's rendezvous on localhost:{port}: another "
+            "process on this host listens on that port (set in the environment). Fix: choose a free port for the job, "
+            """under submitit hydra.launcher.setup='["export MASTER_PORT=<free port>"]', else the environment's """
+            "MASTER_PORT") in out.stderr.splitlines(), out.stderr[-3000:]
+    assert took < 200, f"{took:.0f} s: rank 1 was ended with rank 0, not left waiting on the rendezvous"
+    (script,) = (tmp_path / "multirun").glob("*/*/.submitit/*/*_submission.sh")
+    assert "srun --unbuffered" in script.read_text() and "--kill-on-bad-exit=1" in script.read_text()
+    parent, children = _sweep(uri, "slurm_taken")
+    assert parent.info.status == "FAILED" and all(r.info.status != "RUNNING" for r in children)
+
+
+def test_two_task_job_whose_rank_1_crashes_ends_with_rank_0s_lost_rank_line(slurm_cluster: SlurmCluster,
+                                                                          tmp_path: Path) -> None:
+    """Rank 1 crashes at its first step (a bug, tests/job_hooks.py). srun's ``--kill-on-bad-exit`` ends the job, yet rank
+    0 still sees its peer gone first and ends as a lost rank (its line, exit 75); the job fails naming the crash, the run
+    ends FAILED, nothing waits."""
+    uri = f"sqlite:///{tmp_path}/crash.db"
+    hooks = job_hooks.install(tmp_path / "hooks", "crash_at_the_first_step('train.num_steps=10', rank=1)")
+    started = time.monotonic()
+    out = _run_slurm(slurm_cluster, tmp_path, "-m", *SLURM, "hydra.launcher.tasks_per_node=2", *TINY, "train.num_steps=10",
+                     f"tracking.uri={uri}", "tracking.experiment=slurm_crash", timeout=400, env={"PYTHONPATH": hooks})
+    took = time.monotonic() - started
+    assert out.returncode == 1, out.stderr[-3000:] + slurm_cluster.logs()
+    assert f"Job #0 failed: rank 1: RuntimeError: {job_hooks.CRASH}" in out.stderr.splitlines(), out.stderr[-3000:]
+    logs = "".join(p.read_text() for p in (tmp_path / "multirun").glob("*/*/.submitit/*/*_log.err"))
+    assert "Rank lost: rank 1 of 2 stopped: a collective on rank 0" in logs and "task 0: Exited with exit code 75" in logs
+    assert took < 200, f"{took:.0f} s: the job ended with its crashed rank, nothing waited"
+    parent, (child,) = _sweep(uri, "slurm_crash")
+    assert parent.info.status == "FAILED" and child.info.status == "FAILED"

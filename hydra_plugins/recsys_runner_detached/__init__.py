@@ -60,7 +60,23 @@ class _OwnFailuresAreErrors(BaseSubmititLauncher):
         return returned
 
 
-class DetachedSlurmLauncher(_OwnFailuresAreErrors, SlurmLauncher):
+SRUN_ARGS = ("--kill-on-bad-exit=1",)
+"""What every SLURM job's ``srun`` is given: a task that exits non-zero ends its job's other tasks (SIGTERM, then SIGKILL
+after SLURM's ``KillWait``), as torchrun ends a group's other workers. Without it a multi-task job whose rank 0 failed
+before the group formed (a config error, a taken ``MASTER_PORT``) kept its other ranks waiting on the rendezvous for
+``distributed.timeout_s`` (30 minutes), holding the allocation, the sweep waiting on them."""
+
+
+class _SlurmTasksEndTogether(SlurmLauncher):
+    """The plugin's SLURM launcher whose jobs run ``srun`` with :data:`SRUN_ARGS` (the plugin's schema has no
+    ``srun_args``; submitit's executor takes them)."""
+
+    def __init__(self, **params: Any) -> None:
+        super().__init__(**params)
+        self.params["srun_args"] = list(SRUN_ARGS)
+
+
+class DetachedSlurmLauncher(_OwnFailuresAreErrors, _SlurmTasksEndTogether):
     """``submitit_slurm`` that returns once the array is queued (submit-and-exit).
 
     Everything but the wait is the plugin's own ``launch``: executor, parameters, sweep dir, job
@@ -182,7 +198,7 @@ class WaitingSubmititLauncher(_OwnFailuresAreErrors):
         return returns
 
 
-class WaitingSlurmLauncher(WaitingSubmititLauncher, SlurmLauncher):
+class WaitingSlurmLauncher(WaitingSubmititLauncher, _SlurmTasksEndTogether):
     """``hydra/launcher=submitit_slurm``: the plugin's SLURM launcher, waiting for every job of the array
     (:class:`WaitingSubmititLauncher`)."""
 
@@ -193,14 +209,15 @@ class WaitingLocalLauncher(WaitingSubmititLauncher, LocalLauncher):
 
 
 def _error_line(job: Any, error: Exception) -> str:
-    """A failed job's own line: the first line of the message its own failure left as its result
-    (:func:`recsys_runner.tracking.sweep_jobs.own_failure`); else, from submitit's ``error`` (for a job that left no
-    result its stderr follows ``Error stream produced:``), the last line that is not srun's own, else its first line."""
-    from recsys_runner.tracking.sweep_jobs import last_own_line, own_failure
+    """A failed job's own line: the first line of the message its own failure left as its result, the rank that failed
+    first for a multi-task job (:func:`recsys_runner.tracking.sweep_jobs.job_failure`); else, from submitit's ``error``
+    (for a job that left no result its stderr follows ``Error stream produced:``), the last line that is not srun's
+    own, else its first line."""
+    from recsys_runner.tracking.sweep_jobs import job_failure, last_own_line
 
     text = str(error)
     own = last_own_line(text.split("Error stream produced:")[-1]) if "Error stream produced:" in text else None
-    return own_failure(job.paths.result_pickle) or own or text.strip().splitlines()[0]
+    return job_failure(job.paths.result_pickle) or own or text.strip().splitlines()[0]
 
 
 def _end_left_runs(config: Any, ends: Mapping[int, Any], overrides: Mapping[int, str], launched_ms: int, *,

@@ -33,6 +33,12 @@ resume command, or torchrun's ``--max-restarts``) gets past; apart from 1 (a cra
 error) and 128 + signal (stopped by a signal)."""
 
 
+RANK_LOST_LABEL = "Rank lost"
+"""How a survivor's line begins (``Rank lost: rank 1 of 2 stopped: …``, :func:`recsys_runner.lifecycle.exit_codes`): an
+echo of another rank's end, which a multi-task job's account of its failure looks past to the rank that ended first
+(:func:`recsys_runner.tracking.sweep_jobs.job_failure`)."""
+
+
 def peer_gone(error: BaseException) -> str | None:
     """How a peer was lost (``stopped``, ``stopped answering``) if ``error`` is a collective's failure because another
     rank is gone, else ``None``."""

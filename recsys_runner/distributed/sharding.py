@@ -27,7 +27,7 @@ from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardingEnv,
 
 from recsys_runner.distributed.config import DistributedConfig, foreign_environment, resolve_device_type
 from recsys_runner.distributed.env import DistEnv, auto_num_threads
-from recsys_runner.distributed.launch import elastic_store, map_submitit_env
+from recsys_runner.distributed.launch import elastic_store, map_submitit_env, port_taken
 from recsys_runner.distributed.plan_report import (
     CACHING_KERNELS,
     PlanReport,
@@ -100,6 +100,7 @@ class Distributed:
     # -- process group ---------------------------------------------------------------------------
     def setup(self) -> DistEnv:
         """Create the process group (unless the launcher already did) and pick the device."""
+        port_from = "set in the environment" if "MASTER_PORT" in os.environ else "drawn from the job id"
         map_submitit_env()  # inside a multi-task SLURM/submitit job: RANK, WORLD_SIZE, … from its environment
         rank = int(os.environ.get("RANK", 0))
         world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -119,8 +120,11 @@ class Distributed:
                 # A private in-process store: no port to pick, nothing to clash with other runs.
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
             else:  # under torchrun, a store of this restart (launch.elastic_store)
-                dist.init_process_group(backend, store=elastic_store(rank, world_size, timeout), rank=rank, world_size=world_size,
-                                        timeout=timeout)
+                try:
+                    dist.init_process_group(backend, store=elastic_store(rank, world_size, timeout), rank=rank,
+                                            world_size=world_size, timeout=timeout)
+                except dist.DistNetworkError as e:
+                    raise port_taken(e, port_from) or e from None
             self._owns_group = True
         self.env = DistEnv(rank, world_size, local_rank, local_world_size, device, backend)
         threads, why = (self.config.num_threads, "distributed.num_threads") if isinstance(self.config.num_threads, int) \

@@ -6,7 +6,8 @@ collect`` asks SLURM here which of them have ended, so a job that died before it
 once instead of waited for. A failed job is named with its own line: the first line of the message a failure of its own
 (a user error, a non-finite loss, a lost rank: :func:`recsys_runner.errors.fail`) left as the job's error result
 (:class:`JobFailed`, :func:`own_failure`), else the last line of its error output (:func:`last_own_line`); the waiting
-launchers name theirs the same way.
+launchers name theirs the same way. A multi-task job is named by the rank that failed first, not by the others' echoes
+of its end (:func:`job_failure`).
 
 A job killed from outside — ``scancel``, a time limit, an OOM kill, SIGKILL — never reaches the end of its run
 (:func:`recsys_runner.lifecycle.tracked_run`), which would stay RUNNING in MLflow for ever, without an end time. The side
@@ -32,7 +33,9 @@ that ends one (``python -m recsys_runner.tracking end``).
 
 from __future__ import annotations
 
+import glob
 import os
+import re
 import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
@@ -42,6 +45,7 @@ from typing import Any
 
 import yaml
 
+from recsys_runner.distributed.peers import RANK_LOST_LABEL
 from recsys_runner.errors import Failed
 from recsys_runner.tracking.outbox import UNSENT_DIR_TAG, unsent_file
 from recsys_runner.tracking.store import failure
@@ -322,7 +326,7 @@ def slurm_account(tags: Mapping[str, str]) -> SlurmAccount | None:
             if state != "UNKNOWN":
                 account.running[num] = state
             continue
-        error = None if state == _SLURM_OK else (own_failure(job.paths.result_pickle) or last_own_line(job.stderr() or "")
+        error = None if state == _SLURM_OK else (job_failure(job.paths.result_pickle) or last_own_line(job.stderr() or "")
                                                  or f"no error output ({job.paths.stderr})")
         account.ended.append(EndedJob(num, job.job_id, state, error, ended_at(job.paths.result_pickle)))
     return account
@@ -367,3 +371,21 @@ def own_failure(result_pickle: Path) -> str | None:
         return lines[-1] if lines else None
     message = trace.rpartition(JOB_FAILED_LINE)[2].strip()
     return message.splitlines()[0] if message else None
+
+
+def job_failure(result_pickle: Path) -> str | None:
+    """A failed job's line over all of its tasks (:func:`own_failure` of each; ``result_pickle`` is task 0's).
+
+    When one rank of a multi-task job crashes or fails on its own, the others end as lost ranks, their line an echo of
+    that end (``Rank lost: rank 1 of 2 stopped: …``), and task 0's is one of them. The job's line is the first task's
+    that is not such an echo, with its rank when that is not rank 0 (``rank 1: RuntimeError: …``); where every task
+    left only echoes (a rank killed from outside, no result of its own), task 0's."""
+    prefix = result_pickle.name.removesuffix("0_result.pkl")
+    own = re.compile(re.escape(prefix) + r"(\d+)_result\.pkl")
+    tasks = sorted(int(m.group(1)) for path in result_pickle.parent.glob(f"{glob.escape(prefix)}*_result.pkl")
+                   if (m := own.fullmatch(path.name)))
+    lines = [(task, line) for task in tasks if (line := own_failure(result_pickle.with_name(f"{prefix}{task}_result.pkl")))]
+    if not lines:
+        return None
+    task, line = next(((t, line) for t, line in lines if not line.startswith(f"{RANK_LOST_LABEL}:")), lines[0])
+    return line if task == 0 else f"rank {task}: {line}"
