@@ -193,14 +193,14 @@ def test_two_task_job_whose_rendezvous_port_is_taken_ends_at_once_naming_it(slur
         started = time.monotonic()
         out = _run_slurm(slurm_cluster, tmp_path, "-m", *SLURM, "hydra.launcher.tasks_per_node=2",
                          f'hydra.launcher.setup=["export MASTER_PORT={port}"]', *TINY, "train.num_steps=10",
-                         f"tracking.uri={uri}", "tracking.experiment=slurm_taken", timeout=400)
+                         f"tracking.uri={uri}", "tracking.experiment=slurm_taken", timeout=500)
         took = time.monotonic() - started
     assert out.returncode == 1, out.stderr[-3000:] + slurm_cluster.logs()
     assert (f"Job #0 failed: Launch error: rank 0 cannot open the process group's rendezvous on localhost:{port}: another "
-            "process on this host listens on that port (set in the environment). Fix: choose a free port for the job, "
-            """under submitit hydra.launcher.setup='["export MASTER_PORT=<free port>"]', else the environment's """
-            "MASTER_PORT") in out.stderr.splitlines(), out.stderr[-3000:]
-    assert took < 200, f"{took:.0f} s: rank 1 was ended with rank 0, not left waiting on the rendezvous"
+            "process on this host listens on that port (set in the environment). Fix: choose a free port for the job: "
+            """under SLURM hydra.launcher.setup='["export MASTER_PORT=<free port>"]', else MASTER_PORT=<free port> in the """
+            "command's environment") in out.stderr.splitlines(), out.stderr[-3000:]
+    assert took < 300, f"{took:.0f} s: rank 1 was ended with rank 0, not left waiting on the rendezvous (30 min)"
     (script,) = (tmp_path / "multirun").glob("*/*/.submitit/*/*_submission.sh")
     assert "srun --unbuffered" in script.read_text() and "--kill-on-bad-exit=1" in script.read_text()
     parent, children = _sweep(uri, "slurm_taken")
@@ -216,12 +216,12 @@ def test_two_task_job_whose_rank_1_crashes_ends_with_rank_0s_lost_rank_line(slur
     hooks = job_hooks.install(tmp_path / "hooks", "crash_at_the_first_step('train.num_steps=10', rank=1)")
     started = time.monotonic()
     out = _run_slurm(slurm_cluster, tmp_path, "-m", *SLURM, "hydra.launcher.tasks_per_node=2", *TINY, "train.num_steps=10",
-                     f"tracking.uri={uri}", "tracking.experiment=slurm_crash", timeout=400, env={"PYTHONPATH": hooks})
+                     f"tracking.uri={uri}", "tracking.experiment=slurm_crash", timeout=500, env={"PYTHONPATH": hooks})
     took = time.monotonic() - started
     assert out.returncode == 1, out.stderr[-3000:] + slurm_cluster.logs()
     assert f"Job #0 failed: rank 1: RuntimeError: {job_hooks.CRASH}" in out.stderr.splitlines(), out.stderr[-3000:]
     logs = "".join(p.read_text() for p in (tmp_path / "multirun").glob("*/*/.submitit/*/*_log.err"))
     assert "Rank lost: rank 1 of 2 stopped: a collective on rank 0" in logs and "task 0: Exited with exit code 75" in logs
-    assert took < 200, f"{took:.0f} s: the job ended with its crashed rank, nothing waited"
+    assert took < 300, f"{took:.0f} s: the job ended with its crashed rank, nothing waited"
     parent, (child,) = _sweep(uri, "slurm_crash")
     assert parent.info.status == "FAILED" and child.info.status == "FAILED"

@@ -82,8 +82,9 @@ def port_taken(error: BaseException, port_from: str) -> LaunchError | None:
         return None
     where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
     return LaunchError(f"rank 0 cannot open the process group's rendezvous on {where}: another process on this host "
-                       f"listens on that port ({port_from}). Fix: choose a free port for the job, under submitit "
-                       f"hydra.launcher.setup='[\"export MASTER_PORT=<free port>\"]', else the environment's MASTER_PORT")
+                       f"listens on that port ({port_from}). Fix: choose a free port for the job: under SLURM "
+                       f"hydra.launcher.setup='[\"export MASTER_PORT=<free port>\"]', else MASTER_PORT=<free port> in the "
+                       f"command's environment")
 
 
 def elastic_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store | None:
