@@ -16,8 +16,10 @@ optimizer's name, and nothing reads the composed ``DictConfig``: ``run`` is the 
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -52,8 +54,9 @@ from recsys_runner.optim.schedulers import lr_scheduler as make_lr_scheduler
 from recsys_runner.optim.sparse import apply_sparse_optimizer, sparse_accumulation_warning
 from recsys_runner.runtime import Launch
 from recsys_runner.tasks import SINGLE_TASK, logit_shift
+from recsys_runner.tracking import lineage
 from recsys_runner.tracking.tensorboard import LOGDIR_NAME, TensorBoardTracker
-from recsys_runner.tracking.tracker import NullTracker, Tracker
+from recsys_runner.tracking.tracker import MlflowTrackingConfig, NullTracker, Tracker
 from recsys_runner.train.compile import check_static_shapes, compile_dense
 from recsys_runner.train.config import TrainConfig
 from recsys_runner.train.ema import DenseEMA
@@ -132,7 +135,7 @@ def build(run: RunConfig, *, launch: Launch = Launch(), weights: Path | None = N
         if run.train.profile.enabled:
             check_trace_folder(profile_dir)
         checkpointer = run.checkpoint.build(rank=env.rank, world_size=env.world_size, device=env.device, nan_guard=run.train.nan_guard,
-                                            launch=launch)
+                                            launch=launch, run_checkpoints=init_from_runs(run))
         if weights is None:
             checkpointer.lock()
         precision = run.precision.build()
@@ -218,6 +221,14 @@ def build_tracker(run: RunConfig, launch: Launch) -> Tracker:
         elsewhere = "use another run directory (hydra.run.dir=<dir>)" if logdir is not None else "run from another directory"
         tracker = TensorBoardTracker(tracker, logdir or Path(LOGDIR_NAME), elsewhere)
     return tracker
+
+
+def init_from_runs(run: RunConfig) -> Callable[[str], Path | None]:
+    """How ``checkpoint.init_from=<MLflow run id>`` finds the run's checkpoints root: in the store this run logs to
+    (``tracking.uri``), as ``load=<run id>`` does (:func:`~recsys_runner.tracking.lineage.run_checkpoints`); with
+    ``tracking=none``, an error naming it. Asked only when the run starts from ``init_from`` (not on a resume)."""
+    runs = lineage.run_tags(run.tracking.uri) if isinstance(run.tracking, MlflowTrackingConfig) else None
+    return functools.partial(lineage.run_checkpoints, runs=runs, key="checkpoint.init_from")
 
 
 def _loss_weighting(run: RunConfig, model: torch.nn.Module) -> TaskWeighting | None:

@@ -44,7 +44,6 @@ from recsys_runner.runtime import Launch
 from recsys_runner.store_settings import StorageConfig
 from recsys_runner.tracking import datasets, lineage
 from recsys_runner.tracking.datasets import DataRecord
-from recsys_runner.tracking.store import resolve_uri
 
 log = logging.getLogger("recsys_runner")
 T = TypeVar("T")
@@ -81,7 +80,7 @@ def checkpoint_to_load(cfg: DictConfig) -> Path:
                           "else newest checkpoint), load=<…>/checkpoints/step_00001000, or load=<MLflow run id of the training run>")
     store_settings.configure(_storage(cfg))
     uri = OmegaConf.select(cfg, "tracking.uri", default=_NO_STORE)  # a tracking option without a uri (none) has no runs
-    lookup = lineage.run_tags(resolve_uri(uri)) if uri is not _NO_STORE else None
+    lookup = lineage.run_tags(uri) if uri is not _NO_STORE else None
     return lineage.resolve_checkpoint(str(spec), lookup_run=lookup)
 
 
@@ -182,7 +181,7 @@ def training_overrides(here: Sequence[str]) -> TrainingOverrides | None:
     return TrainingOverrides(checkpoint, carried, own, dropped)
 
 
-def _run_lookup(tracking: list[str]) -> Any:
+def _run_lookup(tracking: list[str]) -> lineage.RunTags | None:
     """A run-tags lookup in the MLflow store the command's tracking overrides (else the config's default) name; ``None``
     with ``tracking=none``. Composes the training config with those overrides alone (the others may need the
     training's options to compose)."""
@@ -194,7 +193,7 @@ def _run_lookup(tracking: list[str]) -> Any:
             cfg = compose(config_name="config", overrides=tracking)
     if OmegaConf.select(cfg, "tracking.uri", default="<none>") == "<none>":
         return None
-    return lineage.run_tags(resolve_uri(OmegaConf.select(cfg, "tracking.uri")))
+    return lineage.run_tags(OmegaConf.select(cfg, "tracking.uri"))
 
 
 def carry_into_argv(argv: list[str]) -> Carried | None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
+from omegaconf import DictConfig
 
 from recsys_runner.__main__ import run
 from recsys_runner.build import build
@@ -349,9 +350,10 @@ def test_dcp_storage_without_a_process_group_says_nothing_of_assuming_one_proces
     assert not alone and len(seen) == 1 and re.match(SINGLE_PROCESS, str(seen[0].message))
 
 
-def test_init_from_a_run_directory_or_a_run_id_names_the_checkpoints_folder_to_give(tmp_path: Path) -> None:
+def test_init_from_a_run_directory_names_the_checkpoints_folder_to_give(tmp_path: Path) -> None:
     """A daily fine-tune pointed at yesterday's run directory (``outputs/day1``, whose checkpoints are in its ``checkpoints/``)
-    or at its MLflow run id was refused with "no complete checkpoint there" alone; ``load=`` named the fix, init_from now too."""
+    was refused with "no complete checkpoint there" alone; ``load=`` named the fix, init_from now too. A path that is not
+    there names what init_from takes, a run id among them (looked up by the builder: the tests of init_from=<run id>)."""
     from recsys_runner.checkpoint.config import CheckpointConfig
     from recsys_runner.checkpoint.object_storage import storage_for
     from recsys_runner.checkpoint.resume import init_source
@@ -365,8 +367,9 @@ def test_init_from_a_run_directory_or_a_run_id_names_the_checkpoints_folder_to_g
     with pytest.raises(CheckpointError, match=re.escape(f"its checkpoints/ folder holds some: it is a training run's directory. "
                                                         f"Fix: checkpoint.init_from={tmp_path}/day1/checkpoints (its newest, step_00000005)")):
         init_source(CheckpointConfig(init_from=str(tmp_path / "day1")), storage)
-    with pytest.raises(CheckpointError, match=r"no such directory \(an MLflow run id\? init_from takes the run's checkpoint directory"):
-        init_source(CheckpointConfig(init_from="c1a3b77f33af4a7a8ff50ef9d54926f1"), storage)
+    with pytest.raises(CheckpointError, match=re.escape(f"checkpoint.init_from={tmp_path}/day0: no such directory. Fix: point it at a "
+                                                        f"step_* checkpoint, a checkpoints root or the training run's MLflow run id")):
+        init_source(CheckpointConfig(init_from=str(tmp_path / "day0")), storage)
 
 
 def test_init_from_a_root_whose_best_is_not_its_newest_says_which_it_starts_from(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -391,17 +394,54 @@ def test_init_from_a_root_whose_best_is_not_its_newest_says_which_it_starts_from
 @pytest.mark.slow
 def test_a_fine_tunes_mlflow_run_names_the_checkpoint_and_run_it_started_from(make_cfg, mlflow_uri: str, tmp_path: Path) -> None:
     """Day N's run, warm-started from day N-1's, named its start only by the ``checkpoint.init_from`` param as typed
-    (a relative root); the tags give the checkpoint, its step and the run that wrote it: the chain of days in MLflow."""
+    (a relative root); the tags give the checkpoint, its step and the run that wrote it: the chain of days in MLflow.
+    Day N-1's MLflow run id, as the UI shows it, starts from the same checkpoint: it was refused as "no such directory",
+    though ``load=`` took it."""
     run(make_cfg("train.num_steps=2", f"checkpoint.dir={tmp_path}/day1", "tracking.experiment=days"))
     (day1,) = list_checkpoints(tmp_path / "day1")
     run(make_cfg("train.num_steps=2", f"checkpoint.dir={tmp_path}/day2", f"checkpoint.init_from={tmp_path}/day1",
                  "tracking.experiment=days"))
     client = MlflowClient(tracking_uri=mlflow_uri)
-    runs = client.search_runs([client.get_experiment_by_name("days").experiment_id], order_by=["attributes.start_time ASC"])
-    first, second = runs
+    first, second = client.search_runs([client.get_experiment_by_name("days").experiment_id], order_by=["attributes.start_time ASC"])
     assert "init_from" not in first.data.tags
-    assert {k: second.data.tags[k] for k in ("init_from", "init_from_step", "init_from_run_id")} == {
-        "init_from": str(day1), "init_from_step": "2", "init_from_run_id": first.info.run_id}
+    lineage = {"init_from": str(day1), "init_from_step": "2", "init_from_run_id": first.info.run_id}
+    assert {k: second.data.tags[k] for k in lineage} == lineage
+    run(make_cfg("train.num_steps=2", f"checkpoint.dir={tmp_path}/day2b", f"checkpoint.init_from={first.info.run_id}",
+                 "tracking.experiment=days"))
+    *_, by_id = client.search_runs([client.get_experiment_by_name("days").experiment_id], order_by=["attributes.start_time ASC"])
+    assert {k: by_id.data.tags[k] for k in lineage} == lineage
+    assert by_id.data.params["checkpoint.init_from"] == first.info.run_id  # the param as typed, the tags as resolved
+
+
+def test_init_from_a_run_id_that_leads_to_no_checkpoint_names_the_run_the_store_and_the_fix(
+        make_cfg, mlflow_uri: str, tmp_path: Path) -> None:
+    """``checkpoint.init_from=<MLflow run id>`` is looked up as ``load=`` looks it up (its ``checkpoint_dir`` tag), in the
+    store the run logs to; where that leads nowhere, one line says so before anything is built."""
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    experiment = client.create_experiment(f"init_from_ids_{tmp_path.name}")
+    untagged = client.create_run(experiment).info.run_id
+    moved = client.create_run(experiment, tags={"checkpoint_dir": str(tmp_path / "gone")}).info.run_id
+    unknown = "0123456789abcdef0123456789abcdef"
+
+    tracked, untracked = make_cfg(f"checkpoint.dir={tmp_path}/tuned"), make_cfg(f"checkpoint.dir={tmp_path}/tuned", "tracking=none")
+
+    def refused(spec: str, cfg: DictConfig = tracked) -> str:
+        cfg.checkpoint.init_from = spec
+        with pytest.raises(CheckpointError) as e:
+            build(validate(cfg))  # as the command builds: the error comes before the data and the model
+        return str(e.value)
+
+    fix = "Fix: tracking.uri=<the store the training run logged to>, or checkpoint.init_from=<its checkpoint directory>"
+    assert refused(unknown) == (f"checkpoint.init_from={unknown} is neither a checkpoint directory nor a run in the MLflow store "
+                                f"{mlflow_uri} (tracking.uri). {fix}")
+    assert refused(untagged) == (f"MLflow run {untagged} in {mlflow_uri} (tracking.uri) has no 'checkpoint_dir' tag (it saved no "
+                                 f"checkpoints, or was made by an older recsys_runner); pass the checkpoint directory instead: "
+                                 f"checkpoint.init_from=<path>")
+    assert refused(moved) == (f"MLflow run {moved} in {mlflow_uri} (tracking.uri) wrote its checkpoints to {tmp_path}/gone, which "
+                              f"does not exist on this machine; copy them here and pass checkpoint.init_from=<path>")
+    assert refused(unknown, untracked).startswith(
+        f"checkpoint.init_from={unknown} looks like an MLflow run id, but this command has no MLflow store to look it up in "
+        f"(tracking=none). Fix: drop tracking=none")
 
 
 def test_init_from_a_checkpoint_whose_plan_trained_a_table_with_the_other_optimizer_says_so(caplog: pytest.LogCaptureFixture) -> None:

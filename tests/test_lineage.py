@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -82,13 +84,36 @@ def test_resolve_checkpoint_explains_what_is_missing(tmp_path: Path) -> None:
         lineage.resolve_checkpoint("163b30d3c36a434fba18973e152d27fc")
     with pytest.raises(CheckpointError, match=r"holds no complete checkpoint .*point load= at one"):
         lineage.resolve_checkpoint(str(tmp_path))
-    with pytest.raises(CheckpointError, match=r"has no 'checkpoint_dir' tag.*instead: load=<path>"):
-        lineage.resolve_checkpoint("abc123", lookup_run=lambda run_id: {})
+    with pytest.raises(CheckpointError, match=r"^MLflow run abc123 in sqlite:///runs.db \(tracking.uri\) has no 'checkpoint_dir' "
+                                              r"tag.*instead: load=<path>"):
+        lineage.resolve_checkpoint("abc123", lookup_run=StoredTags("sqlite:///runs.db"))
     with pytest.raises(CheckpointError, match=r"does not exist on this machine; copy them here and pass load=<path>"):
-        lineage.resolve_checkpoint("abc123", lookup_run=lambda run_id: {lineage.CHECKPOINT_DIR_TAG: str(tmp_path / "gone")})
+        lineage.resolve_checkpoint("abc123", lookup_run=StoredTags("sqlite:///runs.db", tags={lineage.CHECKPOINT_DIR_TAG: str(tmp_path / "gone")}))
+    # a store that is not there is not created to look in; one that does not answer is asked once, not for minutes
+    with pytest.raises(CheckpointError, match=rf"^load=abc123 is no checkpoint directory, and the MLflow store sqlite:///{tmp_path}/no.db "
+                                              rf"\(tracking.uri\) to look it up in as a run id is not there: {tmp_path}/no.db does not exist"):
+        lineage.resolve_checkpoint("abc123", lookup_run=lineage.run_tags(f"sqlite:///{tmp_path}/no.db"))
+    assert not (tmp_path / "no.db").exists()
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        server = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    with pytest.raises(CheckpointError, match=rf"^load=abc123 is no checkpoint directory, and the MLflow store {server} \(tracking.uri\), "
+                                              r"which would know it as a run id, did not answer \(ConnectionRefusedError: .*\)\. Fix: start "
+                                              r"the store, or tracking.uri=<the store the training run logged to>, or load=<its checkpoint"):
+        lineage.resolve_checkpoint("abc123", lookup_run=lineage.run_tags(server))
     # evaluate, predict and export take load=; no hint names the checkpoint= of another command
     source = Path(lineage.__file__).read_text()
     assert "checkpoint=<" not in source and "point checkpoint=" not in source
+
+
+@dataclass(frozen=True)
+class StoredTags(lineage.RunTags):
+    """A store whose every run has ``tags``."""
+
+    tags: dict[str, str] = field(default_factory=dict)
+
+    def read(self, run_id: str, key: str) -> dict[str, str]:
+        return self.tags
 
 
 def fake_checkpoint(path: Path, *, meta: bool = True) -> Path:

@@ -4,7 +4,9 @@ where training stands (what ``meta.json`` records)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,8 +45,9 @@ class CheckpointConfig(Configurable):
     """``auto``: continue from the newest checkpoint in ``dir`` if any; ``latest``: the same, but it is
     an error if there is none; ``never``: start fresh; or a path to one checkpoint directory."""
     init_from: str | None = None
-    """Fine-tune: start a new run from this checkpoint's weights (a checkpoint dir, or a checkpoints
-    root whose newest is used). Ignored when resuming."""
+    """Fine-tune: start a new run from this checkpoint's weights (a checkpoint dir, a checkpoints root whose newest is
+    used, or the MLflow run id of the training that wrote them: its ``checkpoint_dir`` tag's root, looked up in
+    ``tracking.uri``'s store). Ignored when resuming."""
     name_map: dict[str, str] = field(default_factory=dict)
     """For ``init_from``: ``{name in this model: name in the checkpoint}``; each key is replaced by its
     value as a substring of parameter names (TorchEasyRec's fine_tune_ckpt_param_map). On the command line add
@@ -71,12 +74,13 @@ class CheckpointConfig(Configurable):
 
     def build(
         self, *, rank: int, world_size: int, device: torch.device, nan_guard: bool, launch: Launch = Launch(),
+        run_checkpoints: Callable[[str], Path | None] | None = None,
     ) -> Checkpointer:
         """The :class:`~recsys_runner.checkpoint.policy.Checkpointer` for this process (``rank`` of ``world_size``,
         state on ``device``; ``nan_guard`` is ``train.nan_guard``; ``launch`` gives the default directory and the
-        overrides saved with each checkpoint)."""
+        overrides saved with each checkpoint; ``run_checkpoints`` finds the checkpoints of an ``init_from`` run id)."""
         built: Checkpointer = self.component_class()(self, rank=rank, world_size=world_size, device=device, nan_guard=nan_guard,
-                                                     launch=launch)
+                                                     launch=launch, run_checkpoints=run_checkpoints)
         return built
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -71,8 +71,12 @@ class Checkpointer:
     def __init__(
         self, config: CheckpointConfig, *, rank: int = 0, world_size: int = 1, device: torch.device | None = None,
         nan_guard: bool = True, launch: Launch = Launch(), storage: CheckpointStorage | None = None,
+        run_checkpoints: Callable[[str], Path | None] | None = None,
     ) -> None:
         self.config = config
+        self.run_checkpoints = run_checkpoints
+        """The checkpoints root of the MLflow run ``init_from`` names, ``None`` for a path: the builder's lookup
+        (:func:`recsys_runner.tracking.lineage.run_checkpoints`; this layer reads no tracking store); ``None``: paths only."""
         resolved = config.dir or launch.under_output_dir(RUN_DIR_FOLDER)
         if config.dir is None and resolved is not None and world_size > 1:
             # each rank names its Hydra run directory from its own clock: ranks started a second apart would write one
@@ -295,7 +299,7 @@ class Checkpointer:
         (the data's encoders) and the weights come from the same checkpoint."""
         if self._chosen is None:
             path, set_aside, changes = decided_on_rank0(self._choose, self.rank, self.world_size)
-            init = resume.init_source(self.config, self.storage) if path is None and self.config.init_from is not None else None
+            init = self._init_source() if path is None and self.config.init_from is not None else None
             self._chosen = (path, set_aside, init)
             self.resume_changes = changes
         return self._chosen[0] or self._chosen[2]
@@ -308,6 +312,14 @@ class Checkpointer:
             return None, set_aside, ()
         changes = resume_changes.check_changes(resume_changes.Launched.saved(self.storage.read_meta(path)), self.launched, path)
         return path, set_aside, tuple(c.line() for c in changes)
+
+    def _init_source(self) -> Path:
+        """``init_from``'s checkpoint, a run id looked up on rank 0 first: only for a run that does not resume, which so
+        never asks the store again (nor fails where it is down, or the source's checkpoints are gone since)."""
+        spec, find = self.config.init_from, self.run_checkpoints
+        assert spec is not None
+        root = decided_on_rank0(lambda: find(spec), self.rank, self.world_size) if find is not None else None
+        return resume.init_source(self.config, self.storage, root)
 
     def init_tags(self) -> dict[str, str]:
         """The MLflow tags of a fine-tune's lineage (``init_from``: the checkpoint started from, its step and the run that

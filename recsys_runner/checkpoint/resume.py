@@ -7,7 +7,8 @@ A damaged newest checkpoint (a file missing or shorter than DCP's index says) is
 with a warning naming it and the reason, and the newest whole one is used (what a write or removal cut off part-way
 left in an object store is no checkpoint: skipped with a warning, deleted by the next write, never moved aside); a checkpoint whose files are whole but fail
 to load is never guessed past: the error names it and the ``checkpoint.resume=<path>`` that picks another.
-``init_from=<path>`` instead starts a new run from another run's weights (fine-tuning), renaming parameters with
+``init_from=<path>`` (or the MLflow run id of the run that wrote it, looked up by the builder) instead starts a new run
+from another run's weights (fine-tuning), renaming parameters with
 ``name_map`` and optionally skipping the optimizer state.
 Evaluate and predict load a checkpoint's weights alone (:func:`load_weights`): strictly, and past one that a run
 still writing there rotated away meanwhile.
@@ -21,7 +22,6 @@ import difflib
 import functools
 import logging
 import random
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -38,10 +38,6 @@ from recsys_runner.distributed.env import decided_on_rank0
 from recsys_runner.errors import CheckpointError, ConfigError, UserError
 
 log = logging.getLogger(__name__)
-
-_RUN_ID = re.compile(r"[0-9a-f]{32}")
-"""An MLflow run id, which ``init_from`` may be given by mistake for a checkpoint (``load=`` takes one)."""
-
 
 def choose(config: CheckpointConfig, storage: CheckpointStorage, root: Path | None) -> tuple[Path | None, tuple[str, ...]]:
     """The checkpoint to resume from and the damaged newer ones moved aside on the way (run on rank 0)."""
@@ -83,34 +79,34 @@ def choose(config: CheckpointConfig, storage: CheckpointStorage, root: Path | No
     return None, ()
 
 
-def init_source(config: CheckpointConfig, storage: CheckpointStorage) -> Path:
-    """``init_from``'s checkpoint: the one named, or the newest under the directory named."""
+def init_source(config: CheckpointConfig, storage: CheckpointStorage, run_root: Path | None = None) -> Path:
+    """``init_from``'s checkpoint: the one named, or the newest under the directory named; ``run_root``: the checkpoints
+    root of the MLflow run ``init_from`` names, as the builder looked it up (this layer reads no tracking store)."""
     assert config.init_from is not None
-    source = uris.as_path(config.init_from)
+    source = run_root or uris.as_path(config.init_from)
+    named = config.init_from if run_root is None else f"{config.init_from} (the MLflow run's checkpoints, {run_root})"
     if storage.is_complete(source):
         return source
     found = storage.checkpoints(source)
     if not found:
-        raise CheckpointError(f"checkpoint.init_from={config.init_from}: {_no_init_checkpoint(source, storage)}")
+        raise CheckpointError(f"checkpoint.init_from={named}: {_no_init_checkpoint(source, storage)}")
     best = storage.checkpoints(source, best=True)
     if best and step_of(best[-1]) != step_of(found[-1]):  # load= of this root evaluates and exports the best one
         log.warning("checkpoint.init_from=%s starts from its newest checkpoint, %s, but evaluate, predict and export given "
                     "this root (load=) use its best, %s: the model you compared or served is not the one this run continues. "
-                    "Name the one you mean: checkpoint.init_from=%s", config.init_from, found[-1].name, best[-1].name, best[-1])
+                    "Name the one you mean: checkpoint.init_from=%s", named, found[-1].name, best[-1].name, best[-1])
     return found[-1]
 
 
 def _no_init_checkpoint(source: Path, storage: CheckpointStorage) -> str:
     """Why ``init_from`` names no checkpoint, and the fix where one is at hand: yesterday's run directory (its
-    checkpoints are in ``<run dir>/checkpoints``), or its MLflow run id, which ``load=`` takes but a training does not."""
+    checkpoints are in ``<run dir>/checkpoints``)."""
     inside = source / RUN_DIR_FOLDER
     if found := storage.checkpoints(inside):
         return (f"no checkpoint there, but its {RUN_DIR_FOLDER}/ folder holds some: it is a training run's directory. "
                 f"Fix: checkpoint.init_from={inside} (its newest, {found[-1].name})")
     if not storage.exists(source):
-        run_id = " (an MLflow run id? init_from takes the run's checkpoint directory, its checkpoint_dir tag)" if (
-            _RUN_ID.fullmatch(source.name) and str(source) == source.name) else ""
-        return f"no such directory{run_id}. Fix: point it at a step_* checkpoint or a checkpoints root"
+        return "no such directory. Fix: point it at a step_* checkpoint, a checkpoints root or the training run's MLflow run id"
     return ("no complete checkpoint there (a step_* directory with meta.json and .metadata, or a directory holding them). "
             "Fix: point it at one")
 

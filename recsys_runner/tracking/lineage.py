@@ -36,6 +36,7 @@ from recsys_runner import provenance, uris
 from recsys_runner.checkpoint.object_storage import storage_for
 from recsys_runner.checkpoint.storage import RUN_DIR_FOLDER, STEP_DIR, CheckpointStorage, step_of
 from recsys_runner.errors import CheckpointError
+from recsys_runner.tracking.store import failure, is_remote, missing_store, no_http_retries, resolve_uri, uri_source
 
 log = logging.getLogger(__name__)
 
@@ -222,11 +223,69 @@ class Located:
 
 
 _RUN_ID = re.compile(r"[0-9a-f]{32}")
-"""An MLflow run id (32 lowercase hex digits): a ``load=`` that is one, without a store to look it up in, is said to be one
-(it was "neither a directory nor a known MLflow run id", as if the id were wrong)."""
+"""An MLflow run id (32 lowercase hex digits): one given without a store to look it up in is said to be one (it was
+"neither a directory nor a known MLflow run id", as if the id were wrong)."""
 
 
-def resolve_checkpoint(spec: str, *, lookup_run: Any = None) -> Path:
+@dataclass(frozen=True)
+class RunTags:
+    """The MLflow store at ``uri``, read for a run's tags: how ``load=`` and ``checkpoint.init_from=`` find the checkpoints
+    of a run id (:func:`run_checkpoints`). Made by :func:`run_tags`."""
+
+    uri: str
+    source: str = "tracking.uri"
+    """Where ``uri`` came from, for messages (:func:`~recsys_runner.tracking.store.uri_source`)."""
+
+    def read(self, run_id: str, key: str) -> Mapping[str, str]:
+        """The tags of run ``run_id``. Raises :class:`CheckpointError` naming ``key=run_id``, the store and the fix when the
+        store is not there (a sqlite file or folder that does not exist: never created to look in), has no such run, or
+        does not answer (a server down: asked once, without MLflow's minutes of retries)."""
+        from mlflow.exceptions import MlflowException
+        from mlflow.tracking import MlflowClient
+
+        given, store = f"{key}={run_id} is", f"the MLflow store {self.uri} ({self.source})"
+        fix = f"tracking.uri=<the store the training run logged to>, or {key}=<its checkpoint directory>"
+        if (missing := missing_store(self.uri)) is not None:
+            raise CheckpointError(f"{given} no checkpoint directory, and {store} to look it up in as a run id is not there: "
+                                  f"{missing}. Fix: {fix}")
+        try:
+            with no_http_retries(is_remote(self.uri)):
+                return dict(MlflowClient(tracking_uri=self.uri).get_run(run_id).data.tags)
+        except MlflowException as e:
+            if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+                raise CheckpointError(f"{given} neither a checkpoint directory nor a run in {store}. Fix: {fix}") from None
+            raise CheckpointError(f"{given} no checkpoint directory, and {store}, which would know it as a run id, did not "
+                                  f"answer ({failure(e)}). Fix: start the store, or {fix}") from None
+
+
+def run_checkpoints(spec: str, runs: RunTags | None, *, key: str = "load") -> Path | None:
+    """The checkpoints root of the MLflow run ``spec`` names (its ``checkpoint_dir`` tag, as read from ``runs``); ``None``
+    when ``spec`` is a path: one that exists, or holds a ``/``. The one place a run id is told from a path and looked up,
+    for ``load=`` (:func:`locate_checkpoint`) and ``checkpoint.init_from=`` (:func:`recsys_runner.build.build`); ``key``
+    names the setting in the errors: a run id without a store (``runs`` ``None``: ``tracking=none``), and those of
+    :meth:`RunTags.read`, a run without the tag or whose checkpoints are gone."""
+    if _exists(uris.as_path(spec)) or "/" in spec:
+        return None
+    if runs is None:
+        if _RUN_ID.fullmatch(spec):
+            raise CheckpointError(f"{key}={spec} looks like an MLflow run id, but this command has no MLflow store to look it "
+                                  f"up in (tracking=none). Fix: drop tracking=none (the run is looked up at tracking.uri, by "
+                                  f"default ./mlflow.db, or the store the training logged to: tracking.uri=<it>), or {key}=<the "
+                                  f"run's checkpoint directory>")
+        return None
+    tags = runs.read(spec, key)
+    if CHECKPOINT_DIR_TAG not in tags:
+        raise CheckpointError(f"MLflow run {spec} in {runs.uri} ({runs.source}) has no {CHECKPOINT_DIR_TAG!r} tag (it saved no "
+                              f"checkpoints, or was made by an older recsys_runner); pass the checkpoint directory instead: "
+                              f"{key}=<path>")
+    path = uris.as_path(tags[CHECKPOINT_DIR_TAG])
+    if not _exists(path):
+        raise CheckpointError(f"MLflow run {spec} in {runs.uri} ({runs.source}) wrote its checkpoints to {path}, which does not "
+                              f"exist on this machine; copy them here and pass {key}=<path>")
+    return path
+
+
+def resolve_checkpoint(spec: str, *, lookup_run: RunTags | None = None) -> Path:
     """:func:`locate_checkpoint`'s checkpoint, with a warning naming the newer ones skipped on the way. Called once per
     command (:func:`recsys_runner.inference.checkpoint_to_load`); a second look-up of the same ``spec`` uses
     :func:`locate_checkpoint`, which says nothing, so the warning comes once."""
@@ -236,27 +295,13 @@ def resolve_checkpoint(spec: str, *, lookup_run: Any = None) -> Path:
     return found.path
 
 
-def locate_checkpoint(spec: str, *, lookup_run: Any = None) -> Located:
+def locate_checkpoint(spec: str, *, lookup_run: RunTags | None = None) -> Located:
     """The checkpoint directory ``spec`` names: a ``step_*`` directory, a checkpoints root (its newest complete best
     checkpoint if one was kept, else its newest complete one; those newer and incomplete are :attr:`Located.skipped`), or an
-    MLflow run id whose ``checkpoint_dir`` tag gives the root (``lookup_run(run_id) -> tags``, e.g. :func:`run_tags`).
+    MLflow run id whose ``checkpoint_dir`` tag gives the root (read from ``lookup_run``, :func:`run_checkpoints`).
     Raises :class:`CheckpointError` naming what was looked for and where, and the ``load=`` that works where one is at
     hand (:func:`_nothing_to_load`)."""
-    path = uris.as_path(spec)
-    if not _exists(path) and lookup_run is not None and "/" not in spec:
-        tags: Mapping[str, str] = lookup_run(spec)
-        if CHECKPOINT_DIR_TAG not in tags:
-            raise CheckpointError(f"MLflow run {spec} has no {CHECKPOINT_DIR_TAG!r} tag (it saved no checkpoints, or was "
-                                  f"made by an older recsys_runner); pass the checkpoint directory instead: load=<path>")
-        path = uris.as_path(tags[CHECKPOINT_DIR_TAG])
-        if not _exists(path):
-            raise CheckpointError(f"MLflow run {spec} wrote its checkpoints to {path}, which does not exist on this machine; "
-                                  f"copy them here and pass load=<path>")
-    if not _exists(path) and lookup_run is None and _RUN_ID.fullmatch(spec):
-        raise CheckpointError(f"load={spec} looks like an MLflow run id, but this command has no MLflow store to look it up in "
-                              f"(tracking=none). Fix: drop tracking=none (the run is looked up at tracking.uri, by default "
-                              f"./mlflow.db, or the store the training logged to: tracking.uri=<it>), or load=<the run's "
-                              f"checkpoint directory>")
+    path = run_checkpoints(spec, lookup_run) or uris.as_path(spec)
     if not _exists(path):
         raise CheckpointError(f"checkpoint {spec!r} is neither a directory nor a known MLflow run id; pass a step_* checkpoint "
                               f"directory, a checkpoints root, or the training run's id")
@@ -337,16 +382,7 @@ def _exists(path: Path) -> bool:
     return storage_for(path).exists(path)
 
 
-def run_tags(uri: str) -> Any:
-    """A ``lookup_run`` for :func:`resolve_checkpoint` reading run tags from the MLflow store at ``uri``."""
-
-    def lookup(run_id: str) -> Mapping[str, str]:
-        from mlflow.tracking import MlflowClient
-
-        try:
-            return dict(MlflowClient(tracking_uri=uri).get_run(run_id).data.tags)
-        except Exception as e:  # noqa: BLE001 - any failure means: not a run this store knows
-            raise CheckpointError(f"{run_id!r} is not a checkpoint directory, and the MLflow store {uri} has no such run "
-                                  f"({type(e).__name__}); pass load=<path to a checkpoint directory>") from e
-
-    return lookup
+def run_tags(uri: str | None) -> RunTags:
+    """The run lookup of :func:`locate_checkpoint` and :func:`run_checkpoints` in the MLflow store ``tracking.uri`` names
+    (``uri``; ``None``: ``$MLFLOW_TRACKING_URI``, else ``./mlflow.db``, :func:`~recsys_runner.tracking.store.resolve_uri`)."""
+    return RunTags(resolve_uri(uri), uri_source(uri))
