@@ -51,6 +51,7 @@ def test_next_item_mask_reads_the_rows_own_history_not_the_shuffled_input() -> N
         model.protocol_rows = None
         _, (_, masked_by_input, _) = wrapper(moved)
     own, shuffled = batch.sparse_features["hist_item_id"], moved.sparse_features["hist_item_id"]
+    differ = 0
     for row, (ids, other) in enumerate(zip(torch.split(own.values(), own.lengths().tolist()),
                                            torch.split(shuffled.values(), shuffled.lengths().tolist()), strict=True)):
         unseen = torch.ones(plain.shape[1], dtype=torch.bool)
@@ -59,11 +60,14 @@ def test_next_item_mask_reads_the_rows_own_history_not_the_shuffled_input() -> N
         assert torch.equal(masked[row][unseen], plain[row][unseen]) and bool(torch.isneginf(masked[row][~unseen]).all())
         if set(other.tolist()) - set(ids.tolist()) - {int(targets[row])}:
             assert not torch.equal(masked[row], masked_by_input[row])  # the input's history would have masked others
+            differ += 1
+    assert differ > batch.labels.shape[0] // 2
 
 
 @pytest.mark.slow
 def test_next_item_importance_is_the_historys(make_cfg: Callable[..., DictConfig], mlflow_uri: str, tmp_path: Path) -> None:
-    train_overrides = [o for o in SMALL if o != "checkpoint=none"] + ["metrics.exclude_seen=true", f"checkpoint.dir={tmp_path}/ck"]
+    train_overrides = [o for o in SMALL if o != "checkpoint=none"] + [
+        "train.num_steps=60", "data.num_eval_rows=1024", "metrics.exclude_seen=true", f"checkpoint.dir={tmp_path}/ck"]
     cfg = make_cfg(*train_overrides, tiny=False)
     train(cfg)
     overrides = [*train_overrides, f"tracking.uri={cfg.tracking.uri}", f"tracking.experiment={cfg.tracking.experiment}",
