@@ -17,8 +17,9 @@ child of the training run (:mod:`recsys_runner.inference`).
 
 ``evaluate.importance=permutation`` adds which features carry those metrics: one more pass per input feature, with
 that feature's values shuffled across each batch's rows (:mod:`recsys_runner.importance`); a table of each metric's
-change (AUC drop, log loss rise) per feature, most important first, printed, written to the run directory as
-``importance.csv``/``importance.json``, and logged as those artifacts and ``importance/<feature>/<metric>_drop|_rise``.
+change (AUC drop, log loss rise; a ranking model's HR@k/NDCG@k/recall@k/MRR drops, its query side only) per feature,
+most important first, printed, written to the run directory as ``importance.csv``/``importance.json``, and logged as
+those artifacts and ``importance/<feature>/<metric>_drop|_rise``.
 """
 
 from __future__ import annotations
@@ -112,8 +113,11 @@ def measured_features(built: Inference, settings: EvaluateConfig) -> list[import
     """The features whose importance ``settings`` asks for (none with ``evaluate.importance=none``), its cost said."""
     if settings.importance == "none":
         return []
-    importance.check_pointwise(built.tasks, corpus=built.evaluator is not None and built.evaluator.corpus is not None)
-    features = importance.selected(importance.input_features(built.data.features), settings.importance_features)
+    item = importance.item_side(built.model, built.tasks, built.data.features)
+    features = importance.selected(importance.input_features(built.data.features), settings.importance_features, item)
+    if item and built.env.is_main:
+        log.info("evaluate.importance=permutation: this model ranks items; its item side is never shuffled: %s",
+                 ", ".join(sorted(item)))
     if built.env.is_main:
         cap = built.evaluator.max_batches if built.evaluator is not None else None
         log.info("evaluate.importance=permutation: %d feature(s), so %d eval passes (the metrics, then one per feature "

@@ -2,16 +2,41 @@
 
 ``python -m recsys_runner.evaluate load=<checkpoint> evaluate.importance=permutation`` scores the eval data once as it is
 and once more per feature with that feature's values shuffled across the rows of each batch, everything else left as it
-was; a feature the model relies on loses it its metrics (AUC drops, log loss rises), one it ignores changes nothing. A
-feature is a dense column, a sparse feature (a row's whole list of ids, and their weights, moves together), or a history
-group (its features and event times, with the row's history length, move as one). Each rank shuffles its own rows, by
-a permutation drawn from ``evaluate.importance_seed``, the rank, the batch's number and the feature's name, so a rerun
-gives the same numbers and a feature's do not depend on which others are measured. The passes are the evaluator's own
-(``train.eval_max_batches``, the EMA weights), so the unshuffled pass is the evaluate's metrics.
+was; a feature the model relies on loses it its metrics (AUC drops, log loss rises, HR@k falls), one it ignores changes
+nothing. A feature is a dense column, a sparse feature (a row's whole list of ids, and their weights, moves together), or a
+history group (its features and event times, with the row's history length, move as one). Each rank shuffles its own
+rows, by a permutation drawn from ``evaluate.importance_seed``, the rank, the batch's number and the feature's name, so a
+rerun gives the same numbers and a feature's do not depend on which others are measured. The passes are the evaluator's
+own (``train.eval_max_batches``, the EMA weights, a two-tower model's full-corpus pass), so the unshuffled pass is the
+evaluate's metrics.
+
+**Models that rank items** (task kinds ``next_item``: SASRec/HSTU; ``retrieval``: DSSM, MIND, with or without a
+full-corpus pass): only the query side moves. The item each row is to find and the items it is ranked against never do:
+
+* a two-tower model's item-side features are its item tower's (``model.item_features``): they give the in-batch
+  candidates and the row's positive; the user tower's features, and any the model does not read, may be shuffled;
+* a next-item model's target is the row's candidate, the non-history feature that shares a table with a history feature
+  (``item_id`` beside ``hist_item_id``, ``category`` beside ``hist_category``:
+  :meth:`~recsys_runner.features.FeatureSpec.candidate_of`), which the data makes the true next item; those candidates
+  are the item side. The history holds the events before it, never the target, so a history group moves whole, as for
+  a pointwise model;
+* the catalogue (the item index, the next-item model's item table) is built from the model and the items alone: a
+  two-tower model's item index is built once for all the shuffled passes
+  (:meth:`~recsys_runner.train.corpus.CorpusEval.index_kept`).
+
+Naming an item-side feature in ``evaluate.importance_features`` is refused; ``[]`` measures every query-side one.
+
+**What stays each row's own.** The model reads the shuffled batch; the eval's bookkeeping reads the batch as it is: the
+labels, the grouping key of grouped metrics (GAUC's users), each row's target, and the seen items that
+``metrics.exclude_seen`` masks and ``model.eval_negatives`` draws around (a next-item model's ``protocol_rows``, the
+corpus pass's seen features). The mask and the sampled candidates are the eval's protocol, not an input of the model: a
+shuffled history must not change which items the row is ranked against, or its drop would mix what the model lost with a
+different question. So ``data.items.seen``, which only the mask reads, measures exactly 0.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import difflib
 import io
@@ -19,12 +44,12 @@ import json
 import logging
 import re
 import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -34,6 +59,7 @@ from recsys_runner.features import FeatureSpec
 from recsys_runner.metrics.registry import higher_is_better, metric_name
 from recsys_runner.progress import Progress
 from recsys_runner.tasks import Task
+from recsys_runner.train.corpus import inner_with
 from recsys_runner.train.evaluation import Evaluator
 
 log = logging.getLogger(__name__)
@@ -41,7 +67,7 @@ log = logging.getLogger(__name__)
 IMPORTANCE_FILE = "importance"
 """``importance.csv`` and ``importance.json``: the table, in the evaluate run's directory and as MLflow artifacts."""
 RANKING_KINDS = ("next_item", "retrieval")
-"""Task kinds whose eval ranks items: refused (a shuffled history or user feature moves the item to find with it)."""
+"""Task kinds whose eval ranks items: their item-side features are never shuffled (:func:`item_side`)."""
 
 
 @dataclass(frozen=True)
@@ -66,13 +92,38 @@ def input_features(features: FeatureSpec) -> list[Feature]:
     return out
 
 
-def selected(features: list[Feature], names: list[str]) -> list[Feature]:
-    """The features ``names`` lists (``evaluate.importance_features``; empty: all), in the data's order.
+def item_side(model: nn.Module, tasks: tuple[Task, ...], features: FeatureSpec) -> dict[str, str]:
+    """The input features a ranking model's eval must not move (the module docstring says why), each with the reason
+    printed when one is named; empty for a pointwise model.
+
+    Raises:
+        ConfigError: a retrieval task whose model does not say its towers' features.
+    """
+    kinds = {t.kind for t in tasks}
+    out: dict[str, str] = {}
+    if "retrieval" in kinds:
+        towers = inner_with(model, "tower_features")
+        if towers is None:
+            raise ConfigError("evaluate.importance=permutation shuffles a retrieval model's query side only, but this model "
+                              "names no towers' features (tower_features). Fix: evaluate.importance=none")
+        out |= {name: "an item-tower feature (model.item_features): the row's positive and the in-batch candidates"
+                for name in towers.tower_features["item"]}
+    if "next_item" in kinds:
+        out |= {c: f"the row's candidate (history feature {f}'s), which the eval ranks as the true next item"
+                for g in features.sequences for f in g.features if (c := features.candidate_of(f)) is not None}
+    return out
+
+
+def selected(features: list[Feature], names: list[str], item: dict[str, str] | None = None) -> list[Feature]:
+    """The features ``names`` lists (``evaluate.importance_features``; empty: all but the ``item`` side), in the data's
+    order. ``item``: :func:`item_side` (a history group is item-side when one of its features is).
 
     Raises:
         ConfigError: a name that is no input feature, with the closest one and the valid names; a column of a history
-            group, with the group's name.
+            group, with the group's name; an item-side feature, with why.
     """
+    item = item or {}
+    sides = {f.name: next((item[n] for n in (f.name, *f.keys) if n in item), None) for f in features}
     known = {f.name: f for f in features}
     for name in names:
         group = next((f.name for f in features if f.kind == "history" and name in f.keys), None)
@@ -84,18 +135,12 @@ def selected(features: list[Feature], names: list[str]) -> list[Feature]:
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise ConfigError(f"evaluate.importance_features names {name!r}, which is no input feature of the data{hint}; "
                               f"its features: {list(known)}. Fix: evaluate.importance_features=[<some of them>], or [] for all")
-    return [f for f in features if not names or f.name in names]
-
-
-def check_pointwise(tasks: tuple[Task, ...], corpus: bool = False) -> None:
-    """Refuse a model whose eval ranks items (next-item, two-tower) or has a full-corpus pass (``corpus``): its metrics
-    come from the catalogue, and the item each row is to find travels in the features a permutation would move."""
-    ranking = [t.kind for t in tasks if t.kind in RANKING_KINDS]
-    if ranking or corpus:
-        what = f"this model's task ranks items ({ranking[0]})" if ranking else "this model's eval has a full-corpus pass"
-        raise ConfigError(f"evaluate.importance=permutation measures a pointwise model's metrics (AUC, log loss) per task, but "
-                          f"{what}: its eval scores each row's true item against the catalogue, and the item travels in the "
-                          f"features a permutation moves. Fix: evaluate.importance=none")
+        if (why := sides[name]) is not None:
+            query = [n for n, side in sides.items() if side is None]
+            raise ConfigError(f"evaluate.importance_features names {name!r}, {why}: this model ranks items, and shuffling the "
+                              f"item side would move the item each row is to find. Only the query side is measured: {query}. "
+                              f"Fix: evaluate.importance_features=[<some of them>], or [] for all")
+    return [f for f in features if (f.name in names if names else sides[f.name] is None)]
 
 
 def permute_kjt_rows(kjt: KeyedJaggedTensor, keys: tuple[str, ...], order: torch.Tensor) -> KeyedJaggedTensor:
@@ -173,17 +218,19 @@ def measure(evaluator: Evaluator, features: list[Feature], *, seed: int, show: b
     """Each of ``features``' metrics with its rows shuffled in every eval batch of this rank (a collective: every rank
     measures the same features in the same order); ``show`` draws a progress bar per pass (rank 0)."""
     rank = evaluator.env.rank
-    out = []
-    for feature in features:
-        def shuffled(batches: Iterator[Batch], feature: Feature = feature) -> Iterator[Batch]:
-            for n, batch in enumerate(batches):
-                yield permute_rows(batch, feature, row_order(seed, rank, n, feature.name, batch.labels.shape[0]))
+    kept = evaluator.corpus.index_kept() if evaluator.corpus is not None else contextlib.nullcontext()
+    with kept:  # a two-tower model's item index: built by the first pass, reused by the others
+        return [Importance(feature, _shuffled_metrics(evaluator, feature, seed, rank, show), {}) for feature in features]
 
-        with evaluator.data.counters_kept(), Progress(evaluator.max_batches, enabled=show, unit="batch",
-                                                      desc=f"importance {feature.name}") as progress:
-            metrics = evaluator.evaluate(progress, transform=shuffled)
-        out.append(Importance(feature, metrics, {}))
-    return out
+
+def _shuffled_metrics(evaluator: Evaluator, feature: Feature, seed: int, rank: int, show: bool) -> dict[str, float]:
+    """The eval metrics with ``feature``'s rows shuffled in each of this rank's batches (:func:`row_order`)."""
+    def shuffled(n: int, batch: Batch) -> Batch:
+        return permute_rows(batch, feature, row_order(seed, rank, n, feature.name, batch.labels.shape[0]))
+
+    with evaluator.data.counters_kept(), Progress(evaluator.max_batches, enabled=show, unit="batch",
+                                                  desc=f"importance {feature.name}") as progress:
+        return evaluator.evaluate(progress, rewrite=shuffled)
 
 
 def ranked(base: dict[str, float], rows: list[Importance]) -> list[Importance]:

@@ -240,6 +240,9 @@ class SASRec(nn.Module):
         self.exclude_seen = False
         """Whether eval scores put each row's history items at ``-inf`` (except its target): ``metrics.exclude_seen``,
         set by the evaluation that reads them (:func:`recsys_runner.train.corpus.use_ranking_protocol`)."""
+        self.protocol_rows: KeyedJaggedTensor | None = None
+        """The eval batch's own features, whose history the protocol (the mask, ``eval_negatives``) reads instead of the
+        input's: the permutation importance's shuffled input (:mod:`recsys_runner.importance`); set by the evaluator."""
         event_dim = self.arch.group_dims[self.group.name]
         self.project = nn.Linear(event_dim, dim, device=dense_device) if event_dim != dim else nn.Identity()
         self.start = nn.Parameter(torch.empty(dim, device=dense_device).normal_(0, 0.02))
@@ -351,12 +354,11 @@ class SASRec(nn.Module):
 
     def full_scores(self, states: torch.Tensor, lengths: torch.Tensor, sparse: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(scores [B, C], true item ids [B])``: the state after each row's whole history against every candidate item
-        (ids ``0 … C-1``, :attr:`candidates`; a true item past them is no candidate, a miss: its index
-        :data:`NOT_A_CANDIDATE`); with :attr:`exclude_seen`
-        the row's history items score ``-inf`` except its true item. With ``eval_negatives`` ``n`` instead ``(scores
-        [B, 1 + n], zeros [B])``: column 0 the true item, then ``n`` sampled unseen candidates
-        (:func:`~recsys_runner.models.ranking_eval.sampled_negatives`; :data:`NOT_A_CANDIDATE` instead of 0 for a true item
-        that is no candidate). An exported program scores the whole table."""
+        (ids ``0 … C-1``, :attr:`candidates`; a true item past them is no candidate, a miss: its index :data:`NOT_A_CANDIDATE`);
+        with :attr:`exclude_seen` the row's history items (:attr:`protocol_rows`' when set) score ``-inf`` except its true
+        item. With ``eval_negatives`` ``n`` instead ``(scores [B, 1 + n], zeros [B])``: column 0 the true item, then ``n``
+        sampled unseen candidates (:func:`~recsys_runner.models.ranking_eval.sampled_negatives`; :data:`NOT_A_CANDIDATE`
+        instead of 0 for a true item that is no candidate). An exported program scores the whole table."""
         user = states[torch.arange(states.shape[0], device=states.device), lengths]
         targets, table = self._candidate_ids(sparse), self.item_table(sparse)
         if torch.compiler.is_exporting():
@@ -364,9 +366,8 @@ class SASRec(nn.Module):
         at = torch.where(targets < self.candidates, targets.long(), NOT_A_CANDIDATE)
         if not (self.exclude_seen or self.eval_negatives):
             return self.score(user, table[: self.candidates]), at
-        jagged = sparse[self.item_feature]
-        history = jagged.to_padded_dense(desired_length=max(int(jagged.lengths().max()) if lengths.numel() else 0, 1),
-                                         padding_value=-1)
+        jagged = (self.protocol_rows if self.protocol_rows is not None else sparse)[self.item_feature]
+        history = jagged.to_padded_dense(desired_length=max(int(jagged.lengths().max()) if lengths.numel() else 0, 1), padding_value=-1)
         seen = seen_ids(history, jagged.lengths(), targets)
         if self.eval_negatives:
             negatives = sampled_negatives(seen, targets, self.candidates, self.eval_negatives)
@@ -379,8 +380,7 @@ class SASRec(nn.Module):
 
     def use_candidates(self, count: int) -> None:
         """Rank eval rows against ids ``0 … count-1`` only: the items that may be recommended
-        (:func:`~recsys_runner.data.sequences.mapping.candidate_items`, set by the evaluation:
-        :func:`recsys_runner.train.corpus.use_ranking_protocol`).
+        (:func:`~recsys_runner.data.sequences.mapping.candidate_items`, set by the evaluation: :func:`recsys_runner.train.corpus.use_ranking_protocol`).
 
         Raises:
             ConfigError: ``model.eval_negatives`` above the candidates a row leaves unseen.

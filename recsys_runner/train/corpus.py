@@ -34,9 +34,10 @@ number of ranks and in any batch); the index is built and gathered all the same.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
@@ -65,10 +66,13 @@ from recsys_runner.tasks import Task
 from recsys_runner.train.candidates import Candidates, catalogue_candidates, check_eval_items, eval_mapped_files
 from recsys_runner.train.catalogue_rows import RowOf, seen_rows
 
-__all__ = ["CorpusEval", "TwoTower", "check_eval_negatives",
+__all__ = ["CorpusEval", "Rewrite", "TwoTower", "check_eval_negatives",
            "item_index", "mine", "inner_with", "sampled_ranks", "seen_features", "two_tower_of", "use_ranking_protocol"]
 
 log = logging.getLogger(__name__)
+
+
+Rewrite = Callable[[int, Batch], Batch]  # what the model reads of a rank's n-th eval batch (see Evaluator.evaluate)
 
 
 class TwoTower(Protocol):
@@ -210,6 +214,17 @@ class CorpusEval:
     index: str = "exact"
     seen: list[str] = field(default_factory=list)
     negatives: int = 0
+    kept: list[torch.Tensor] | None = field(default=None, repr=False)  # inside index_kept: the first pass's item index
+
+    @contextlib.contextmanager
+    def index_kept(self) -> Iterator[None]:
+        """Within the block, the item index is built by the first pass and reused by the next (the permutation importance's
+        passes over unchanged weights: the index reads the catalogue and the item tower alone); mining runs once."""
+        self.kept = []
+        try:
+            yield
+        finally:
+            self.kept = None
 
     @classmethod
     def for_run(cls, model: nn.Module, data: DataModule, tasks: tuple[Task, ...], spec: MetricsConfig,
@@ -272,13 +287,18 @@ class CorpusEval:
         return cls(table, candidates, wanted, spec, towers.corpus_chunk_rows, k, towers.corpus_index, seen, negatives)
 
     def evaluate(self, model: nn.Module, data: DataModule, env: DistEnv, batches: Iterable[Batch],
-                 progress: Progress | None = None, stop: Callable[[], None] | None = None) -> dict[str, float]:
+                 progress: Progress | None = None, stop: Callable[[], None] | None = None,
+                 rewrite: Rewrite | None = None) -> dict[str, float]:
         """Each task's catalogue metrics over ``batches`` (this rank's eval batches), combined over all ranks; ``stop``
-        is called between chunks and between query batches (see the module docstring)."""
+        is called between chunks and between query batches (see the module docstring). With ``rewrite`` the user tower
+        reads ``rewrite(n, batch)`` of the ``n``-th batch; its target and seen items stay the batch's own."""
         towers = two_tower_of(model)
         assert towers is not None, "CorpusEval.for_run checked the model's towers"
         features = data.features
-        whole = item_index(towers, self.table, features.kjt_keys, features.dense_names, self.chunk_rows, env, stop)
+        reused = bool(self.kept)
+        whole = self.kept[0] if self.kept else item_index(towers, self.table, features.kjt_keys, features.dense_names, self.chunk_rows, env, stop)
+        if self.kept is not None:
+            self.kept[:] = [whole]
         picked = self.candidates.rows
         index = whole if picked is None else whole[torch.as_tensor(picked, device=whole.device)]
         num_items = len(self.candidates.table)
@@ -286,11 +306,12 @@ class CorpusEval:
         ann = hnsw_index(index) if self.index == "faiss" else None
         metrics = [(task, {name: _metric(name, self.spec, env.device) for name in names}) for task, names in self.tasks]
         last: Batch | None = None
-        for own in in_step(batches):
+        for n, own in enumerate(in_step(batches)):
             batch = own.to(env.device, non_blocking=True) if own is not None else \
                 last if last is not None else placeholder(features).to(env.device)
             last = batch
-            queries = towers.tower("user", batch.dense_features, batch.sparse_features).float()  # a collective: every rank
+            read = rewrite(n, own).to(env.device, non_blocking=True) if rewrite is not None and own is not None else batch
+            queries = towers.tower("user", read.dense_features, read.sparse_features).float()  # a collective: every rank
             if own is None:  # a stand-in while another rank scores its last queries: none of its rows count
                 for _, by_name in metrics:
                     for metric in by_name.values():
@@ -312,7 +333,7 @@ class CorpusEval:
             if stop is not None:
                 stop()
         miner = _miner(data)
-        if miner is not None:  # the index refresh: the next training batches draw hard negatives from it (catalogue rows)
+        if miner is not None and not reused:  # the index refresh: the next training batches draw hard negatives from it (catalogue rows)
             mine(miner, whole, self.chunk_rows, env, stop)
         return {eval_key(task, name): float(m.compute()) for task, by_name in metrics for name, m in by_name.items()}
 

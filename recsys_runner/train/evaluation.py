@@ -28,7 +28,7 @@ from recsys_runner.models.collision import eval_counts_kept
 from recsys_runner.progress import Progress
 from recsys_runner.tasks import Task
 from recsys_runner.train.batch_checks import checked_batches
-from recsys_runner.train.corpus import CorpusEval
+from recsys_runner.train.corpus import CorpusEval, Rewrite, inner_with
 from recsys_runner.train.ema import DenseEMA
 from recsys_runner.train.pipeline import detached
 from recsys_runner.train.stepping import Pipeline
@@ -72,7 +72,7 @@ class Evaluator:
         return eval_metric_keys(self.metrics, self.tasks)
 
     def evaluate(self, progress: Progress | None = None, *, stop: Callable[[], None] | None = None,
-                 transform: Callable[[Iterator[Batch]], Iterator[Batch]] | None = None) -> dict[str, float]:
+                 rewrite: Rewrite | None = None) -> dict[str, float]:
         """Each task's eval metrics over this rank's eval batches, combined over all ranks; ``progress`` counts the
         batches (``python -m recsys_runner.evaluate``; during training the train bar shows the results instead).
 
@@ -86,8 +86,11 @@ class Evaluator:
         are collectives that every rank must finish). The EMA weights are swapped back, the pipeline reattached and the
         model put back in train mode all the same.
 
-        ``transform`` rewrites this rank's eval batches (on the host, before the forward): the permutation importance's
-        batches with one feature's rows shuffled (:mod:`recsys_runner.importance`, which refuses models with a corpus pass)."""
+        ``rewrite(n, batch)`` is what the model reads of this rank's ``n``-th eval batch (on the host, before the forward):
+        the permutation importance's batch with one feature's rows shuffled (:mod:`recsys_runner.importance`). The eval's
+        bookkeeping still reads the batch itself: the labels, the grouping key, a next-item model's seen items and sampled
+        negatives (its ``protocol_rows``), and in the corpus pass each query's target and seen items; only the query
+        vectors come from the rewritten batch."""
         metrics = TaskEvalMetrics(self.metrics, self.tasks, self.env.device)
         batches = self.data.eval_batches(self.env.rank, self.env.world_size)
         weights = self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext()
@@ -97,10 +100,11 @@ class Evaluator:
             try:
                 with torch.no_grad():
                     mine: Iterator[Batch] = itertools.islice(batches, self.max_batches)
-                    self._score(model, metrics, transform(mine) if transform is not None else mine, progress, stop)
+                    self._score(model, metrics, mine, progress, stop, rewrite)
                     if self.corpus is not None:  # a second pass: the user tower's queries against the whole catalogue
                         corpus = self.corpus.evaluate(model, self.data, self.env, itertools.islice(
-                            self.data.eval_batches(self.env.rank, self.env.world_size), self.max_batches), stop=stop)
+                            self.data.eval_batches(self.env.rank, self.env.world_size), self.max_batches), stop=stop,
+                            rewrite=rewrite)
             finally:
                 model.train()
         out = metrics.compute() | corpus
@@ -150,8 +154,9 @@ class Evaluator:
         return steps
 
     def _score(self, model: nn.Module, metrics: TaskEvalMetrics, batches: Iterable[Batch], progress: Progress | None,
-               stop: Callable[[], None] | None) -> int:
-        """Forward ``batches`` in step with the other ranks and update ``metrics`` with their rows; the steps taken.
+               stop: Callable[[], None] | None, rewrite: Rewrite | None = None) -> int:
+        """Forward ``batches`` (each as ``rewrite`` makes it, see :meth:`evaluate`) in step with the other ranks and update
+        ``metrics`` with their rows; the steps taken.
 
         Raises:
             DataError: no rank had an eval row (every metric would be NaN).
@@ -159,15 +164,23 @@ class Evaluator:
         key = self.metrics.grouping_key
         last: Batch | None = None
         steps = 0  # a step on every rank while any has a batch: none means no rank had an eval row
+        protocol = inner_with(model, "protocol_rows") if rewrite is not None else None
         # each batch's labels checked by the tasks on the host, before its copy to the device (no sync)
         for mine in in_step(checked_batches(batches, self.tasks, "eval batch")):
-            steps += 1
             # a rank out of batches steps with a stand-in while another scores its last ones: its rows count
             # nowhere (an update with none of them keeps this rank's metric states in the gathers)
             batch = mine.to(self.env.device, non_blocking=True) if mine is not None else \
                 last if last is not None else placeholder(self.data.features).to(self.env.device)
             last = batch
-            _, (_, logits, labels) = model(batch)
+            read = rewrite(steps, mine).to(self.env.device, non_blocking=True) if rewrite is not None and mine is not None else batch
+            steps += 1
+            if protocol is not None:  # the ranking protocol reads the row's own history, the model the rewritten one
+                protocol.protocol_rows = batch.sparse_features
+            try:
+                _, (_, logits, labels) = model(read)
+            finally:
+                if protocol is not None:
+                    protocol.protocol_rows = None
             rows = slice(None) if mine is not None else slice(0)
             groups = {"groups": grouping_ids(batch.sparse_features, key)[rows]} if key else {}
             metrics.update(logits[rows], labels[rows], **groups)
