@@ -19,7 +19,7 @@ import pyarrow as pa
 from recsys_runner.data.encoding.fit import Inferred, complete_schema
 from recsys_runner.data.encoding.keys import is_text
 from recsys_runner.data.encoding.number_columns import is_number_type, not_numbers
-from recsys_runner.data.encoding.rows import float_ids
+from recsys_runner.data.encoding.sparse_ids import float_ids
 from recsys_runner.data.encoding.stored import StoredEncoders, check_inputs
 from recsys_runner.data.encoding.values import is_list
 from recsys_runner.data.files.criteo_config import (
@@ -111,7 +111,7 @@ def check_column_types(schema: Schema, arrow: pa.Schema, path: str) -> None:
 
     Raises:
         DataError: naming the file, the column, its type and the fix, which differs for a label
-            (:func:`~recsys_runner.data.encoding.number_columns.not_numbers`, :func:`~recsys_runner.data.encoding.rows.float_ids`).
+            (:func:`~recsys_runner.data.encoding.number_columns.not_numbers`, :func:`~recsys_runner.data.encoding.sparse_ids.float_ids`).
     """
     for name, label in [*((c, True) for c in schema.label_columns), *((c.name, False) for c in schema.dense)]:
         if name in arrow.names and not is_number_type(t := arrow.field(name).type):
