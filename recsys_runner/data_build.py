@@ -29,7 +29,7 @@ from recsys_runner.data.encoding.stored import (
     read_stored,
     trained_on_generated_data,
 )
-from recsys_runner.data.encoding.vocabulary import RowCarry, carry_rows, grown
+from recsys_runner.data.encoding.vocabulary import RowCarry, Vocabulary, carry_rows, grown
 from recsys_runner.data.files.downsample import SAMPLING_FILE, negative_rate
 from recsys_runner.data.files.downsample import document as sampling_document
 from recsys_runner.data.files.tabular_config import TabularDataConfig
@@ -192,23 +192,34 @@ def _carry(checkpointer: Checkpointer, source: Path, tables: dict[str, RowCarry]
 def _extend(config: DataConfig, device: torch.device, checkpointer: Checkpointer, source: Path,
             stored: StoredEncoders) -> DataModule:
     """``data.vocabulary=extend`` with ``init_from`` ``source``: the data encoded by ``source``'s encoders (its table sizes,
-    boundaries and statistics), each vocabulary grown by the ids of these files it lacks (:func:`grown`; the ids a new
+    boundaries and statistics), each vocabulary grown by the ids of these files it lacks (:func:`_grown`; the ids a new
     run would fit on them), and the checkpointer's :class:`CarriedRows`: every trained id keeps its trained row, a new id
-    starts from a fresh one. A table whose column these files' fit gives no vocabulary (hashed: the sample does not
-    cover it) keeps its vocabulary as stored, with a warning."""
-    quiet = logging.getLogger("recsys_runner.data")  # the fit's inferred schema is not this run's: its encoders are source's
-    level = quiet.level
-    quiet.setLevel(max(logging.WARNING, quiet.getEffectiveLevel()))
-    try:
-        fitted = config.build(device=device)
-    finally:
-        quiet.setLevel(level)
-    log.info("data.vocabulary=extend: the encoders of %s, each vocabulary grown by the ids of data.path=%s it lacks",
-             source, getattr(config, "path", None))
-    document = fitted.encoders_document()
-    assert document is not None, "file data stores its encoders"
-    now = from_json(document, "the encoders fitted now")[0].vocabularies
-    old = stored.schema
+    starts from a fresh one.
+
+    The data module is built once: it fits these files as a new run would and hands that fit to ``grow``, whose encoders
+    it then reads them by (:meth:`~recsys_runner.data.base.DataConfig.build`). It was built twice, the first module only
+    to fit (its files indexed, its encoders document written out and read back for their vocabularies)."""
+    made: list[tuple[Schema, dict[str, RowCarry]]] = []
+
+    def grow(fitted: Schema) -> StoredEncoders:
+        log.info("data.vocabulary=extend: the encoders of %s, each vocabulary grown by the ids of data.path=%s it lacks",
+                 source, getattr(config, "path", None))
+        made.append(_grown(stored.schema, fitted.vocabularies))
+        return replace(stored, schema=made[-1][0])
+
+    data: DataModule = config.build(device=device, grow=grow)
+    ((schema, tables),) = made
+    say_unread_columns(config, data, stored, "extend")
+    extended = data.encoders_document()
+    assert extended is not None
+    _carry(checkpointer, source, tables, schema, extended, "extend")
+    return data
+
+
+def _grown(old: Schema, now: dict[str, Vocabulary]) -> tuple[Schema, dict[str, RowCarry]]:
+    """``old`` (the checkpoint's schema) with each vocabulary grown by ``now``'s (the fit of these files) ids it lacks
+    (:func:`grown`) and its table sized to it, and how each grown table's trained rows carry over. A table whose column
+    the fit gives no vocabulary (hashed: the sample does not cover it) keeps its vocabulary as stored, with a warning."""
     vocabularies = dict(old.vocabularies)
     sizes: dict[str, int] = {}
     tables: dict[str, RowCarry] = {}
@@ -231,9 +242,4 @@ def _extend(config: DataConfig, device: torch.device, checkpointer: Checkpointer
         tables[col.table_name] = replace(carry_rows(then, vocabulary), grown_from=then.capacity + then.oov_buckets)
     schema = replace(old, sparse=[replace(c, num_embeddings=sizes.get(c.table_name, c.num_embeddings)) for c in old.sparse],
                      vocabularies=vocabularies)
-    data: DataModule = config.build(device=device, encoders=replace(stored, schema=schema))
-    say_unread_columns(config, data, stored, "extend")
-    extended = data.encoders_document()
-    assert extended is not None
-    _carry(checkpointer, source, tables, schema, extended, "extend")
-    return data
+    return schema, tables

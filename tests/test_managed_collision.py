@@ -27,7 +27,7 @@ from recsys_runner.build import build
 from recsys_runner.checkpoint.storage import DcpFileStorage, list_checkpoints
 from recsys_runner.config import register_configs, validate
 from recsys_runner.configurable import make
-from recsys_runner.data.encoding.rows import _raw_text
+from recsys_runner.data.encoding.sparse_ids import raw_text
 from recsys_runner.data.generated.synthetic_config import SyntheticDataConfig
 from recsys_runner.data.schema import SparseColumn
 from recsys_runner.distributed.planner import _managed_types
@@ -181,7 +181,7 @@ def test_a_mapping_saved_by_two_shards_keeps_their_fallbacks_on_one() -> None:
 def test_raw_encoding_of_text_and_integers() -> None:
     col = SparseColumn(name="u", num_embeddings=10, managed_collision={"input_hash_size": 1000})
     assert col.encoding == "raw"
-    ids, wrong = _raw_text(pa.array(["12", "abc", "12", "abc"]), col)
+    ids, wrong = raw_text(pa.array(["12", "abc", "12", "abc"]), col)
     assert wrong is None and ids[0] == 12 and ids[1] == ids[3] and 0 <= ids[1] < 1000
     assert col.feature().managed_collision == ManagedCollision(input_hash_size=1000)
 
@@ -282,7 +282,7 @@ def test_file_column_with_text_ids_trains(tmp_path: Path) -> None:
             "data=parquet", f"data.path={tmp_path}/train.parquet", "data.eval_fraction=0.1", "data.batch_size=256", "data.label=label",
             f"data.sparse=[{column}, {{name: item, num_embeddings: 50}}]", "data.dense=[]", "model=wide_deep", "train.num_steps=10",
             "train.eval_max_batches=2", "distributed.device=cpu", "tracking=none", "checkpoint=none"])
-    raw, _ = _raw_text(pa.array([f"u{u}" for u in range(400)]), SparseColumn(name="user", num_embeddings=slots,
+    raw, _ = raw_text(pa.array([f"u{u}" for u in range(400)]), SparseColumn(name="user", num_embeddings=slots,
                                                                             managed_collision={"input_hash_size": 1000000}))
     raw_ids = torch.from_numpy(raw)
     assert raw_ids.unique().numel() == 400, "the users' text ids hash apart"

@@ -37,6 +37,7 @@ from recsys_runner.checkpoint.weights import load_into
 from recsys_runner.config import validate
 from recsys_runner.data.encoding.stored import ENCODERS_FILE, from_json
 from recsys_runner.data.encoding.vocabulary import Vocabulary, carry_rows, grown
+from recsys_runner.data.files.streaming import TabularData
 from recsys_runner.data.files.tabular import sizes_not_used
 from recsys_runner.data_build import REFIT_FILE
 from recsys_runner.errors import ConfigError, DataError
@@ -182,14 +183,25 @@ def test_refit_is_refused_when_resuming_and_must_be_keep_or_refit(trained: dict[
 
 
 def test_extend_keeps_every_trained_id_at_its_row_and_grows_the_tables_by_the_new_ids(trained: dict[str, Any],
-                                                                                     caplog: pytest.LogCaptureFixture) -> None:
+                                                                                     caplog: pytest.LogCaptureFixture,
+                                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The daily fine-tune: yesterday's encoders, each vocabulary grown by today's new ids. ``keep`` read them as OOV,
     ``refit`` dropped the ids absent today (their trained rows left behind) and refitted every statistic. One line a
-    table says it (there were two: the grown vocabulary's and the carry's)."""
+    table says it (there were two: the grown vocabulary's and the carry's). The data module is built once: a first one,
+    built only to fit the new files, indexed them and wrote its encoders out to read their vocabularies back."""
+    built: list[str] = []
+    init = TabularData.__init__
+
+    def counted(self: TabularData, *args: Any, **kwargs: Any) -> None:  # constructs it as ever, counting each one
+        built.append(type(self).__name__)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(TabularData, "__init__", counted)
     old_state, old_vocab = _checkpoint(trained["checkpoint"])
     fine_tune = [*trained["data"], f"data.path={trained['root']}/new.csv", "checkpoint.resume=never"]
     with caplog.at_level(logging.INFO, logger="recsys_runner"):
         extended, *new_vocab, c = _built(*fine_tune, f"checkpoint.init_from={trained['checkpoint']}", "data.vocabulary=extend")
+    assert built == ["CsvData"], built
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith(("t_user:", "t_item:"))]
     assert said == ["t_item: 40 trained ids keep their rows, 10 new ids get fresh rows (56 -> 66 rows)",
                     "t_user: 60 trained ids keep their rows, 30 new ids get fresh rows (76 -> 106 rows)"], said

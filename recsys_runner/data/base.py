@@ -24,6 +24,7 @@ from recsys_runner.host_lengths import with_longest_rows
 
 if TYPE_CHECKING:  # the annotation only: the stored encoders are handed in by the builder
     from recsys_runner.data.encoding.stored import StoredEncoders
+    from recsys_runner.data.schema import Schema
 
 __all__ = ["AUTO", "batch_kjt", "DataConfig", "DataError", "DataModule", "SplitFiles", "auto_workers", "data_device_type", "in_step", "placeholder",
            "synchronized"]  # DataError lives in errors.py with its siblings; importable from here too
@@ -198,7 +199,7 @@ class DataConfig(Configurable):
                 f"(data=synthetic_sequences, or data.sequences on Parquet/CSV files)")
 
     def build(self, *, device: torch.device | str | None = None, encoders: StoredEncoders | None = None,
-              fit_on_head: bool = False) -> DataModule:
+              fit_on_head: bool = False, grow: Callable[[Schema], StoredEncoders] | None = None) -> DataModule:
         """The data module this config describes, for a run on ``device`` (``None``: where ``distributed.device=auto``
         puts it): built from :meth:`resolved`, so that the module sees a number of workers and a pinning decision.
 
@@ -208,9 +209,17 @@ class DataConfig(Configurable):
         files: a checkpoint written before encoders were stored was fitted so, and fitting it otherwise again would move
         its ids to rows they never trained.
 
+        ``grow`` (``data.vocabulary=extend``, file data only): the files are encoded by the encoders ``grow`` makes of the
+        schema a new run would fit on them (the checkpoint's, each vocabulary grown by the fit's: :mod:`recsys_runner.data_build`),
+        so that the fit, which only ``grow`` reads, and the module are made once.
+
         Raises:
             CheckpointError: ``encoders`` for data that takes none (the checkpoint was trained on files).
         """
+        if grow is not None:
+            assert encoders is None and self.takes_encoders(), "grow makes the encoders of file data"
+            grown: DataModule = self.component_class()(self.resolved(device), grow=grow)
+            return grown
         if encoders is None:
             head = {"fit_on_head": True} if fit_on_head and self.takes_encoders() else {}
             data: DataModule = self.component_class()(self.resolved(device), **head)

@@ -35,7 +35,7 @@ import pyarrow.compute as pc
 
 from recsys_runner.data.encoding.keys import as_ids, value_keys
 from recsys_runner.data.encoding.roles import detect_label, infer_columns
-from recsys_runner.data.encoding.rows import float_ids
+from recsys_runner.data.encoding.sparse_ids import float_ids
 from recsys_runner.data.encoding.values import dense_transformed, is_list, parse_numbers, split_pairs
 from recsys_runner.data.encoding.vocab_file import read_vocab_file
 from recsys_runner.data.encoding.vocabulary import Vocabulary

@@ -4,8 +4,8 @@ each dense value filled, clipped, transformed and normalized; a value that is no
 (Parquet) column of a type that is not numbers is a schema mistake, named for the whole column (:func:`is_number_type`,
 :func:`not_numbers`, which the file data options also check when they start).
 
-Apart from :mod:`~recsys_runner.data.encoding.rows`, which keeps the sparse columns' ids, because numbers and ids share
-nothing but the bad-row bookkeeping the encoder hands in (``bad``, ``error``).
+Apart from :mod:`~recsys_runner.data.encoding.rows` and :mod:`~recsys_runner.data.encoding.sparse_ids`, which keep the
+sparse columns' ids, because numbers and ids share nothing but the bad-row bookkeeping the encoder hands in (``bad``, ``error``).
 
 **Standalone on purpose**, like :mod:`~recsys_runner.data.encoding.rows`: NumPy, PyArrow,
 :mod:`~recsys_runner.data.encoding.values` and :mod:`~recsys_runner.data.encoding.keys` only, and copied into the MLflow

@@ -2,24 +2,26 @@
 and serving.
 
 :class:`Encoder` turns one Arrow table of raw columns into :class:`~recsys_runner.data.encoding.encoded_rows.Rows` (NumPy
-arrays) by a schema (a
-:class:`~recsys_runner.data.schema.Schema`, or the plain objects the served model builds from ``encoders.json``) and
-checks every row; a bad row either raises the encoder's ``error`` naming the file, row and column (:class:`Location`),
-or is skipped and counted (``on_bad_rows: skip``). This module encodes the sparse columns' ids; labels and dense
-features are read as numbers by :mod:`~recsys_runner.data.encoding.number_columns`, a weighted entry's weights by
-:mod:`~recsys_runner.data.encoding.sparse_weights`, and histories are checked, truncated
-and given their event times by :class:`~recsys_runner.data.encoding.histories.HistoryEncoder`. The stable keys of values (hashes, crosses) and the
+arrays) by a schema (a :class:`~recsys_runner.data.schema.Schema`, or the plain objects the served model builds from
+``encoders.json``) and checks every row; a bad row either raises the encoder's ``error`` naming the file, row and column
+(:class:`Location`), or is skipped and counted (``on_bad_rows: skip``). This module reads the sparse columns' values
+into bags (lists, separators, nulls, ``max_values``, crosses) and keeps the bad-row bookkeeping; the ids of a flat array
+of values by the column's encoding, and what a value that is no id is told, are
+:mod:`~recsys_runner.data.encoding.sparse_ids`'. Labels and dense features are read as numbers by
+:mod:`~recsys_runner.data.encoding.number_columns`, a weighted entry's weights by
+:mod:`~recsys_runner.data.encoding.sparse_weights`, and histories are checked, truncated and given their event times by
+:class:`~recsys_runner.data.encoding.histories.HistoryEncoder`. The stable keys of values (hashes, crosses) and the
 hex/decimal parsing of ids are :mod:`~recsys_runner.data.encoding.keys`'s; numbers, bucket ids, vocabulary rows and
 ``id:weight`` pairs read from one flat array of values are :mod:`~recsys_runner.data.encoding.values`'.
 
 **Standalone on purpose.** This module imports NumPy, PyArrow, :mod:`~recsys_runner.data.encoding.keys`,
 :mod:`~recsys_runner.data.encoding.values`, :mod:`~recsys_runner.data.encoding.histories`,
-:mod:`~recsys_runner.data.encoding.number_columns`, :mod:`~recsys_runner.data.encoding.sparse_weights` and
-:mod:`~recsys_runner.data.encoding.encoded_rows` only: the MLflow model that ``export`` writes carries a copy of it (with
-those six, :mod:`~recsys_runner.data.encoding.vocabulary` and
-the ``served`` modules: :data:`~recsys_runner.data.encoding.served.SHIPPED`), so a
-server turns raw rows into exactly the ids training used without recsys_runner, TorchRec or fbgemm installed. The schema
-is read by attribute (duck-typed), never imported; training passes ``error=DataError``.
+:mod:`~recsys_runner.data.encoding.number_columns`, :mod:`~recsys_runner.data.encoding.sparse_ids`,
+:mod:`~recsys_runner.data.encoding.sparse_weights` and :mod:`~recsys_runner.data.encoding.encoded_rows` only: the MLflow
+model that ``export`` writes carries a copy of it (with those seven, :mod:`~recsys_runner.data.encoding.vocabulary` and
+the ``served`` modules: :data:`~recsys_runner.data.encoding.served.SHIPPED`), so a server turns raw rows into exactly
+the ids training used without recsys_runner, TorchRec or fbgemm installed. The schema is read by attribute
+(duck-typed), never imported; training passes ``error=DataError``.
 """
 
 from __future__ import annotations
@@ -36,25 +38,26 @@ import pyarrow.compute as pc
 if TYPE_CHECKING or __package__:
     from .encoded_rows import Rows
     from .histories import HistoryEncoder, truncate
-    from .keys import as_ids, cross_keys, fnv1a64, is_text, parse_hex, parse_int, raw_keys, splitmix64
+    from .keys import cross_keys, is_text, raw_keys
     from .number_columns import dense_values, label_values
+    from .sparse_ids import bad_id, flat_ids, float_ids, not_a_number
     from .sparse_weights import pair_weights, parallel_weights
-    from .values import bucket_ids, combined, is_list, parse_numbers, vocab_rows
+    from .values import bucket_ids, combined, is_list, parse_numbers
 else:  # inside the MLflow model: the copies of the modules it imports beside this one in its code/ directory
     _CODE = __name__.removeprefix("recsys_rows")  # "_<hash>": this copy's code set (served.SHIPPED says why)
     Rows = importlib.import_module(f"recsys_encoded_rows{_CODE}").Rows
     _histories = importlib.import_module(f"recsys_histories{_CODE}")
     HistoryEncoder, truncate = _histories.HistoryEncoder, _histories.truncate
     _keys = importlib.import_module(f"recsys_keys{_CODE}")
-    as_ids, cross_keys, fnv1a64, is_text = _keys.as_ids, _keys.cross_keys, _keys.fnv1a64, _keys.is_text
-    parse_hex, parse_int, raw_keys, splitmix64 = _keys.parse_hex, _keys.parse_int, _keys.raw_keys, _keys.splitmix64
+    cross_keys, is_text, raw_keys = _keys.cross_keys, _keys.is_text, _keys.raw_keys
     _numbers = importlib.import_module(f"recsys_number_columns{_CODE}")
     dense_values, label_values = _numbers.dense_values, _numbers.label_values
+    _sparse_ids = importlib.import_module(f"recsys_sparse_ids{_CODE}")
+    bad_id, flat_ids, float_ids, not_a_number = _sparse_ids.bad_id, _sparse_ids.flat_ids, _sparse_ids.float_ids, _sparse_ids.not_a_number
     _weights = importlib.import_module(f"recsys_sparse_weights{_CODE}")
     pair_weights, parallel_weights = _weights.pair_weights, _weights.parallel_weights
     _values = importlib.import_module(f"recsys_values{_CODE}")
-    bucket_ids, combined, is_list, parse_numbers, vocab_rows = (_values.bucket_ids, _values.combined, _values.is_list,
-                                                                _values.parse_numbers, _values.vocab_rows)
+    bucket_ids, combined, is_list, parse_numbers = _values.bucket_ids, _values.combined, _values.is_list, _values.parse_numbers
 
 BAD_ROW_MODES = ("fail", "skip")
 """``data.on_bad_rows``: ``fail`` stops at the first bad row, ``skip`` drops and counts bad rows."""
@@ -279,37 +282,8 @@ class Encoder:
             first_bad = {}
             for k in np.flatnonzero(wrong)[:1]:
                 first_bad[int(row_of[k])] = flat[int(k)].as_py()
-
-            def describe(i: int) -> str:
-                value = first_bad.get(i)
-                shown = f"{value!r}" if value is not None else "a value"
-                told = self.settings_fixes  # a served model's client gets what is wrong, not how to train another model
-                if _beyond_int64(value, col.hex):
-                    how = "hex=false encoding=hash" if col.hex else "encoding=hash"
-                    return (f"{shown} does not fit in a signed 64-bit integer: ids must lie in [-2**63, 2**63)" +
-                            (f". Hash such ids into the table with data.sparse[{col.name}].{how} (docs/data.md, 'Sparse column "
-                             f"fields')" if told else ""))
-                if col.encoding == "bucketize":
-                    return _not_a_number(shown, col, told)
-                if col.hex:
-                    return f"{shown} is not a hexadecimal string"
-                if col.encoding == "vocab":
-                    return f"{shown} is neither text nor an integer (encoding=vocab)"
-                if col.encoding == "raw":
-                    space = col.managed_collision.input_hash_size if col.managed_collision is not None else 0
-                    return (f"raw id {shown} is outside [0, {space})" + (f". Raise data.sparse[{col.name}].managed_collision."
-                            f"input_hash_size, or pass the ids as text (hashed into it)" if told else
-                            ": send the id as text, which the model hashes into that range"))
-                if col.encoding == "id" and isinstance(value, str) and parse_int(pa.array([value]))[1].any():
-                    return f"{shown} is not an integer, which encoding=id reads (ids in [0, {col.num_embeddings}))" + \
-                        ("; use encoding=hash for text" if told else "")
-                if col.encoding == "id":
-                    return (f"id {shown} is outside [0, {col.num_embeddings}) (encoding=id)" +
-                            (f". Raise data.sparse[{col.name}].num_embeddings, or use encoding=mod or hash" if told else
-                             f": the model's table for {col.name!r} has {col.num_embeddings} rows"))
-                return f"{shown} is not an integer (encoding={col.encoding})" + ("; use encoding=hash for strings" if told else "")
-
-            bad(col.name, row_bad, describe)
+            # settings_fixes: a served model's client gets what is wrong, not how to train another model
+            bad(col.name, row_bad, lambda i: bad_id(col, first_bad.get(i), self.settings_fixes))
             ids = np.where(wrong, 0, ids)
         return ids, lengths, weights
 
@@ -347,7 +321,7 @@ class Encoder:
         valid = np.asarray(arr.is_valid().to_numpy(zero_copy_only=False), dtype=bool) if arr.null_count else np.ones(n, bool)
         numbers, wrong = np.zeros(n, np.float64), np.zeros(n, bool)
         numbers[valid], wrong[valid] = parse_numbers(arr.drop_null() if arr.null_count else arr)
-        bad(col.name, wrong, lambda i: _not_a_number(repr(arr[i].as_py()), col, self.settings_fixes))
+        bad(col.name, wrong, lambda i: not_a_number(repr(arr[i].as_py()), col, self.settings_fixes))
         return bucket_ids(col, numbers, wrong), np.ones(n, dtype=np.int32)
 
     def _vocabulary(self, col: Any) -> Any:
@@ -373,82 +347,13 @@ class Encoder:
         return ids, np.ones(n, np.int32) if present is None else present.astype(np.int32)
 
     def _ids(self, col: Any, flat: pa.Array) -> tuple[np.ndarray, np.ndarray | None]:
-        """Encode a flat array of values to ids; also a mask of values that cannot be encoded."""
-        flat = as_ids(flat)  # booleans: the ids 0/1
-        is_text = pa.types.is_string(flat.type) or pa.types.is_large_string(flat.type)
-        if col.encoding == "bucketize":
-            numbers, not_numbers = parse_numbers(flat)
-            return bucket_ids(col, numbers, not_numbers), not_numbers
-        if col.encoding == "vocab":
-            vocabulary = self._vocabulary(col)
-            ids, wrong = vocab_rows(vocabulary, flat, col.hex)
+        """Encode a flat array of values to ids (:func:`~recsys_runner.data.encoding.sparse_ids.flat_ids`); also a mask of
+        values that cannot be encoded. A vocabulary's OOV values are counted in :attr:`oov`."""
+        vocabulary = self._vocabulary(col) if col.encoding == "vocab" else None
+        ids, wrong = flat_ids(col, flat, vocabulary)
+        if vocabulary is not None:
             self._count_oov(col, vocabulary, ids if wrong is None else ids[~wrong])
-            return ids, wrong
-        if col.encoding == "hash":
-            if is_text:
-                return (fnv1a64(flat) % np.uint64(col.size)).astype(np.int64), None
-            if not pa.types.is_integer(flat.type):
-                return np.zeros(len(flat), np.int64), np.ones(len(flat), bool)
-            v = np.asarray(flat.to_numpy(zero_copy_only=False), dtype=np.int64).view(np.uint64)
-            return (splitmix64(v) % np.uint64(col.size)).astype(np.int64), None
-        if col.hex:
-            if not is_text:
-                return np.zeros(len(flat), np.int64), np.ones(len(flat), bool)
-            values, wrong = parse_hex(flat)
-        elif is_text and col.encoding == "raw":
-            return _raw_text(flat, col)
-        elif is_text:
-            values, wrong = parse_int(flat)
-        elif pa.types.is_unsigned_integer(flat.type) and flat.type.bit_width == 64:
-            raw = np.asarray(flat.to_numpy(zero_copy_only=False), dtype=np.uint64)
-            wrong = raw > np.uint64(np.iinfo(np.int64).max)  # would wrap to a negative int64
-            values = np.where(wrong, np.uint64(0), raw).astype(np.int64)
-        elif pa.types.is_integer(flat.type):
-            values, wrong = np.asarray(flat.to_numpy(zero_copy_only=False), dtype=np.int64), None
-        else:
-            return np.zeros(len(flat), np.int64), np.ones(len(flat), bool)
-        if col.encoding == "mod":
-            return np.mod(values, col.size), wrong
-        limit = col.managed_collision.input_hash_size if col.managed_collision is not None else col.size
-        out = (values < 0) | (values >= limit)
-        return values, out if wrong is None else (out | wrong)
-
-
-def _raw_text(flat: pa.Array, col: Any) -> tuple[np.ndarray, None]:
-    """``encoding: raw`` text: a non-negative integer written as text is that id, any other value its FNV-1a hash, both modulo the
-    raw id space, so the managed-collision module sees every value as one stable id (never a bad row)."""
-    assert col.managed_collision is not None, "encoding=raw is a managed-collision column's"
-    space = col.managed_collision.input_hash_size
-    digits = pc.fill_null(pc.match_substring_regex(flat, r"^[0-9]{1,18}$"), False)
-    values = np.asarray(pc.if_else(digits, flat, "0").cast(pa.int64()).to_numpy(zero_copy_only=False), dtype=np.int64)
-    hashed = (fnv1a64(flat) % np.uint64(space)).astype(np.int64)
-    return np.where(np.asarray(digits.to_numpy(zero_copy_only=False), dtype=bool), np.mod(values, space), hashed), None
-
-
-def float_ids(col: Any, dtype: pa.DataType) -> str:
-    """Why a typed column of floats cannot be a sparse column's ids, and the ways out. Said once for the column: every
-    row would otherwise be a bad row reported as an id out of range (``82.0`` is not an id of any table)."""
-    return (f"column {col.name!r} holds {dtype} values, but data.sparse[{col.name}] "
-            f"(encoding={col.encoding}) reads ids: integers or text. Fix: write the column as int64 (pandas turns an id column "
-            f"with a missing value into float64; its nullable 'Int64' dtype keeps integers), move it to data.dense if it is a "
-            f"number, or bucketize it (data.sparse[{col.name}].boundaries or quantiles)")
-
-
-def _not_a_number(shown: str, col: Any, settings_fixes: bool = True) -> str:
-    if not settings_fixes:
-        return f"{shown} is not a number, which the model reads from this column (its values are bucketized)"
-    return (f"{shown} is not a number, which encoding=bucketize reads (data.sparse[{col.name}].boundaries/quantiles). Fix the value, "
-            f"or drop the boundaries to treat the column as ids")
-
-
-def _beyond_int64(value: object, hex_digits: bool) -> bool:
-    """Whether ``value`` (a raw sparse value from a file) is an integer outside int64's range."""
-    if isinstance(value, str):
-        try:
-            value = int(value, 16 if hex_digits else 10)
-        except ValueError:
-            return False
-    return isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**63
+        return ids, wrong
 
 
 def _column(table: pa.Table, name: str) -> pa.ChunkedArray:

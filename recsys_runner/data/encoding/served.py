@@ -6,8 +6,8 @@
 (``recsys_served_request_<hash>.py``: :mod:`~recsys_runner.data.encoding.served_request`), small requests encoded together
 (``recsys_served_small_<hash>.py``: :mod:`~recsys_runner.data.encoding.served_small`), the row encoder (``recsys_rows_<hash>.py``:
 :mod:`~recsys_runner.data.encoding.rows`, with its blocks of rows ``recsys_encoded_rows``, label and dense columns
-``recsys_number_columns``, weights ``recsys_sparse_weights``, histories ``recsys_histories``, values ``recsys_values`` and
-keys ``recsys_keys``) and the vocabulary lookup (``recsys_vocabulary``): :data:`SHIPPED`, each name ending in the hash of
+``recsys_number_columns``, the sparse columns' ids ``recsys_sparse_ids``, weights ``recsys_sparse_weights``, histories
+``recsys_histories``, values ``recsys_values`` and keys ``recsys_keys``) and the vocabulary lookup (``recsys_vocabulary``): :data:`SHIPPED`, each name ending in the hash of
 the whole set (:data:`SHIPPED` says why), and whose ``data/`` holds the
 ``torch.export`` program (and, when ``export`` compiled it, its AOTInductor package), the checkpoint's ``encoders.json``
 and ``serving.json`` (what the program takes and what its outputs mean). MLflow calls
@@ -63,8 +63,8 @@ else:  # inside the MLflow model: the copies in its code/ directory, never an in
 SPEC_FILE = "serving.json"
 ENCODERS_FILE = "encoders.json"
 SHIPPED = {"keys": "recsys_keys", "values": "recsys_values", "histories": "recsys_histories", "encoded_rows": "recsys_encoded_rows",
-           "number_columns": "recsys_number_columns", "sparse_weights": "recsys_sparse_weights", "rows": "recsys_rows",
-           "vocabulary": "recsys_vocabulary", "served_program": "recsys_served_program", "served_request": "recsys_served_request",
+           "number_columns": "recsys_number_columns", "sparse_ids": "recsys_sparse_ids", "sparse_weights": "recsys_sparse_weights",
+           "rows": "recsys_rows", "vocabulary": "recsys_vocabulary", "served_program": "recsys_served_program", "served_request": "recsys_served_request",
            "served_small": "recsys_served_small", "served": "recsys_served"}
 """This room's modules the MLflow model carries in ``code/``, by the stem of the names they are imported under there: each
 is written as ``<stem>_<hash>.py``, ``<hash>`` a digest of the whole set of files the model carries

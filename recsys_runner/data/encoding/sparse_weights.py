@@ -3,9 +3,10 @@
 one weight per value (``weights: <column>``, :func:`parallel_weights`); a value without its weight, or a weight that is
 not a finite number, makes its row bad.
 
-Apart from :mod:`~recsys_runner.data.encoding.rows`, which keeps the sparse columns' ids, because a weight is a number
-read beside an id: it shares with the ids only the rows it lies in and the bad-row bookkeeping the encoder hands in
-(``bad``, ``error``), as :mod:`~recsys_runner.data.encoding.number_columns` does for labels and dense features.
+Apart from :mod:`~recsys_runner.data.encoding.rows` and :mod:`~recsys_runner.data.encoding.sparse_ids`, which keep the
+sparse columns' ids, because a weight is a number read beside an id: it shares with the ids only the rows it lies in and
+the bad-row bookkeeping the encoder hands in (``bad``, ``error``), as :mod:`~recsys_runner.data.encoding.number_columns`
+does for labels and dense features.
 
 **Standalone on purpose**, like :mod:`~recsys_runner.data.encoding.rows`: NumPy, PyArrow,
 :mod:`~recsys_runner.data.encoding.keys` and :mod:`~recsys_runner.data.encoding.values` only, and copied into the

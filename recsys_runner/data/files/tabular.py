@@ -19,7 +19,7 @@ import pyarrow as pa
 from recsys_runner.data.encoding.fit import Inferred, complete_schema
 from recsys_runner.data.encoding.keys import is_text
 from recsys_runner.data.encoding.number_columns import is_number_type, not_numbers
-from recsys_runner.data.encoding.rows import float_ids
+from recsys_runner.data.encoding.sparse_ids import float_ids
 from recsys_runner.data.encoding.stored import StoredEncoders, check_inputs
 from recsys_runner.data.encoding.values import is_list
 from recsys_runner.data.files.criteo_config import (
@@ -111,7 +111,7 @@ def check_column_types(schema: Schema, arrow: pa.Schema, path: str) -> None:
 
     Raises:
         DataError: naming the file, the column, its type and the fix, which differs for a label
-            (:func:`~recsys_runner.data.encoding.number_columns.not_numbers`, :func:`~recsys_runner.data.encoding.rows.float_ids`).
+            (:func:`~recsys_runner.data.encoding.number_columns.not_numbers`, :func:`~recsys_runner.data.encoding.sparse_ids.float_ids`).
     """
     for name, label in [*((c, True) for c in schema.label_columns), *((c.name, False) for c in schema.dense)]:
         if name in arrow.names and not is_number_type(t := arrow.field(name).type):
@@ -177,6 +177,21 @@ def config_schema(config: Any, sample: Any, where: str, column_names: Any = None
     return done, reader
 
 
+def grown_encoders(grow: Callable[[Schema], StoredEncoders], fit: Callable[[], Schema]) -> StoredEncoders:
+    """The encoders ``grow`` makes of the schema ``fit()`` fits on the files (``data.vocabulary=extend``: the checkpoint's,
+    each vocabulary grown by the fit's; :meth:`~recsys_runner.data.base.DataConfig.build`). That schema is not the run's,
+    so the fit's info lines (its inferred schema above all, which would read as the run's) are left unsaid; its
+    warnings still show."""
+    quiet = logging.getLogger("recsys_runner.data")
+    level = quiet.level
+    quiet.setLevel(max(logging.WARNING, quiet.getEffectiveLevel()))
+    try:
+        schema = fit()
+    finally:
+        quiet.setLevel(level)
+    return grow(schema)
+
+
 def log_inferred(done: Inferred, where: str, reader: dict[str, Any] | None = None) -> None:
     """Log an inferred schema (rank 0) as a schema file the user can save and pass as ``data.schema=<file>``."""
     if not done.inferred or int(os.environ.get("RANK", "0")) != 0:
@@ -193,32 +208,40 @@ class ParquetData(TabularData):
     files; without that, one inferred from the files (:mod:`recsys_runner.data.encoding.fit`, logged).
     """
 
-    def __init__(self, config: ParquetDataConfig, encoders: StoredEncoders | None = None, fit_on_head: bool = False) -> None:
+    def __init__(self, config: ParquetDataConfig, encoders: StoredEncoders | None = None, fit_on_head: bool = False,
+                 grow: Callable[[Schema], StoredEncoders] | None = None) -> None:
         files = resolve_files(config.path, "data.path", PARQUET_SUFFIXES)
         probe = ParquetSource(files, [], config.read_rows)
         # the first file with rows speaks for the columns' types: an empty part (skipped when read) may hold a column of
         # text or lists as nulls only, as pandas writes an empty partition
         head = next((f for f in files if probe.has_rows(f)), files[0])
         first = plain_schema(probe._open(head).schema_arrow)  # a dictionary column as its values (parquet_source.decoded)
-        stored = None if (config.schema or config.sparse or config.dense or encoders) else stored_schema(head)
 
         def refuse_repeats(columns: Collection[str]) -> None:
             check_unique_names(head, first.names, "its schema", PARQUET_REPEATS_FIX, columns)
 
+        def fitted() -> Schema:
+            """The schema a run without encoders reads: the one ``convert`` stored in the files, else the config's
+            completed on a sample of them."""
+            stored = None if (config.schema or config.sparse or config.dense) else stored_schema(head)
+            if stored is not None:
+                check_stored_replaces(config, stored, head)
+                return stored
+            done, _ = config_schema(config, lambda: ParquetSource(files, [], config.read_rows).sample(config.infer.sample_rows, spread=not fit_on_head),
+                                    f"data.path={config.path!r}", lambda: first.names, refuse_repeats)
+            log_inferred(done, f"data.path={config.path!r}")
+            return done.schema
+
+        if grow is not None:
+            encoders = grown_encoders(grow, fitted)
         if encoders is not None:
             schema = checkpoint_schema(encoders, config)
             refuse_repeats(schema.columns)
             sample = ParquetSource(files, [], config.read_rows).sample(KIND_SAMPLE_ROWS)
             schema = from_checkpoint(encoders, schema, sample, f"data.path={config.path!r}")
             self.sampled_columns = tuple(sample.column_names)
-        elif stored is not None:
-            check_stored_replaces(config, stored, head)
-            schema = stored
         else:
-            done, _ = config_schema(config, lambda: ParquetSource(files, [], config.read_rows).sample(config.infer.sample_rows, spread=not fit_on_head),
-                                    f"data.path={config.path!r}", lambda: first.names, refuse_repeats)
-            log_inferred(done, f"data.path={config.path!r}")
-            schema = done.schema
+            schema = fitted()
         check_list_columns(schema, first, head)
         check_column_types(schema, first, head)
         super().__init__(config, schema, encoders)
@@ -257,7 +280,8 @@ class CsvData(TabularData):
     """``data=csv``: delimited text files (see :class:`CsvDataConfig`); the schema from ``data.schema``, the config's
     columns, or inferred from the files (:mod:`recsys_runner.data.encoding.fit`, logged)."""
 
-    def __init__(self, config: CsvDataConfig, encoders: StoredEncoders | None = None, fit_on_head: bool = False) -> None:
+    def __init__(self, config: CsvDataConfig, encoders: StoredEncoders | None = None, fit_on_head: bool = False,
+                 grow: Callable[[Schema], StoredEncoders] | None = None) -> None:
         where = f"data.path={config.path!r}"
         if config.schema is not None and (reader := read_schema_file(config.schema)[1]):
             config = replace(config, **reader)  # the schema file says how its files are read
@@ -271,6 +295,16 @@ class CsvData(TabularData):
         def refuse_repeats(columns: Collection[str]) -> None:
             self._sampler(config).header_names(columns)
 
+        def fitted() -> Schema:
+            """The config's schema completed on a sample of the files (a run without encoders reads it)."""
+            done, _ = config_schema(config, lambda: self._sampler(config).sample(config.infer.sample_rows, spread=not fit_on_head), where,
+                                    lambda: self._sampler(config).header_names(), refuse_repeats)
+            log_inferred(done, where, {"delimiter": config.delimiter, "header": config.header, "null_values": list(config.null_values),
+                                       **({"column_names": list(config.column_names)} if config.column_names else {})})
+            return done.schema
+
+        if grow is not None:
+            encoders = grown_encoders(grow, fitted)
         if encoders is not None:
             schema = checkpoint_schema(encoders, config)
             refuse_repeats(schema.columns)
@@ -278,11 +312,7 @@ class CsvData(TabularData):
             schema = from_checkpoint(encoders, schema, sample, where)
             self.sampled_columns = tuple(sample.column_names)
         else:
-            done, _ = config_schema(config, lambda: self._sampler(config).sample(config.infer.sample_rows, spread=not fit_on_head), where,
-                                    lambda: self._sampler(config).header_names(), refuse_repeats)
-            log_inferred(done, where, {"delimiter": config.delimiter, "header": config.header, "null_values": list(config.null_values),
-                                       **({"column_names": list(config.column_names)} if config.column_names else {})})
-            schema = done.schema
+            schema = fitted()
         check_text_lists(schema.sequences, schema.sparse, f"data.schema={config.schema!r}: sparse" if config.schema else "data.sparse")
         super().__init__(config, schema, encoders)
 
@@ -319,9 +349,12 @@ class CriteoData(TabularData):
     """``data=criteo``: raw Criteo TSV files (see :class:`CriteoDataConfig`); with ``data.num_embeddings=null`` each
     table is sized from a sample of the files (logged)."""
 
-    def __init__(self, config: CriteoDataConfig, encoders: StoredEncoders | None = None, fit_on_head: bool = False) -> None:
+    def __init__(self, config: CriteoDataConfig, encoders: StoredEncoders | None = None, fit_on_head: bool = False,
+                 grow: Callable[[Schema], StoredEncoders] | None = None) -> None:
         self.criteo = config
         """:attr:`config`, typed as this option's (its reader settings; set first: the base class opens the files)."""
+        if grow is not None:
+            encoders = grown_encoders(grow, lambda: self._fitted(config, fit_on_head))
         if encoders is not None:  # Criteo's columns are fixed: only the stored sizes and vocabularies matter
             log.info("data encoders: loaded from %s (fitted when it was trained; not fitted again)", encoders.source)
             per_feature = config.num_embeddings_per_feature
@@ -333,6 +366,10 @@ class CriteoData(TabularData):
                                                      f"{sorted({m for _, m in differ.values()})})"] if differ else [], encoders.source)
             super().__init__(config, encoders.schema, encoders)
             return
+        super().__init__(config, self._fitted(config, fit_on_head))
+
+    def _fitted(self, config: CriteoDataConfig, fit_on_head: bool) -> Schema:
+        """Criteo's columns, with what the config leaves open (table sizes, encodings) fitted on a sample of the files."""
         sizes: list[int | None] = [*config.num_embeddings_per_feature] if config.num_embeddings_per_feature else [config.num_embeddings] * CRITEO_NUM_SPARSE
         dense, sparse = self._columns(sizes)
         where = f"data.path={config.path!r}"
@@ -340,7 +377,7 @@ class CriteoData(TabularData):
                                sample=lambda: self.open_files(config.path, "data.path").sample(config.infer.sample_rows, spread=not fit_on_head),
                                config=config.infer, where=where)
         log_inferred(done, where)
-        super().__init__(config, done.schema)
+        return done.schema
 
     def _columns(self, sizes: list[int | None]) -> tuple[list[DenseColumn], list[SparseColumn]]:
         """Criteo's columns with these table sizes: hex ids in text."""
