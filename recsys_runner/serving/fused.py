@@ -101,7 +101,7 @@ class FusedEmbeddingBags(nn.Module):
     ``KeyedTensor`` (keys, widths and values in the collection's order).
 
     Args:
-        ebc: the collection (its weights are copied).
+        ebc: the collection (its rows are gathered; its float32 tables then read them from the fused ones, :class:`_Group`).
         keys: the keys of the ``KeyedJaggedTensor`` it is called with, in order (the served batch's).
         kind: ``export.quantize``: the groups' rows stored row-wise quantized (:class:`QuantizedRows`), a group whose
             width does not gain by it kept float32 (:func:`~recsys_runner.serving.quantized_rows.why_kept_float`).
