@@ -59,7 +59,7 @@ test-fast: $(STAMP) ## Run the tests except those marked slow
 	$(PY) -m pytest -q $(TEST_PARALLEL) -m "not slow"
 
 BENCH_ARGS ?=
-bench: $(STAMP) ## Runner vs hand loop (synthetic, Parquet, sequences, managed collision), start-up; negatives; object store; corpus eval; eval metrics at 2M rows; serving, encoders, Criteo transforms; jagged attention; every model's samples/s (docs/performance.md)
+bench: $(STAMP) ## Runner vs hand loop (synthetic, Parquet, sequences, managed collision), start-up; negatives; object store; corpus eval; eval metrics at 2M rows; serving, export's peak memory, encoders, Criteo transforms; jagged attention; every model's samples/s (docs/performance.md)
 	$(PY) -m recsys_runner.bench $(BENCH_ARGS)
 	$(PY) -m recsys_runner.bench.retrieval
 	$(PY) -m recsys_runner.bench.storage
@@ -68,6 +68,7 @@ bench: $(STAMP) ## Runner vs hand loop (synthetic, Parquet, sequences, managed c
 	$(PY) -m recsys_runner.bench.eval_scale
 	$(PY) -m recsys_runner.bench.serving
 	$(PY) -m recsys_runner.bench.serving --compiled
+	$(PY) -m recsys_runner.bench.export_memory
 	$(PY) -m recsys_runner.bench.encoding
 	$(PY) -m recsys_runner.bench.transforms
 	$(PY) -m recsys_runner.bench.sequences_rows

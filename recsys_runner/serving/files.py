@@ -233,15 +233,21 @@ def write_export(built: Unsharded, *, checkpoint: Path, meta: dict[str, Any], em
     (:class:`~recsys_runner.serving.program.ServingModule`), recorded in ``feature_spec.json``.
     With ``quantize`` (``export.quantize``, checked by :func:`~recsys_runner.serving.quantize.check_quantizable`) every file
     is of the model with its tables quantized, checked against that model, and ``feature_spec.json``'s ``quantize`` says
-    what it costs against the float one (:func:`~recsys_runner.serving.quantize.cost`)."""
+    what it costs against the float one (:func:`~recsys_runner.serving.quantize.cost`); ``built.model``'s float tables are
+    then released (:func:`~recsys_runner.serving.quantize.release_float_tables`) once the float scores are computed and the
+    quantized ones written, so the export holds the float tables and the quantized ones at once only while quantizing."""
     model, features, batch, items = built.model, built.features, built.batch, built.items
     load_weights(model, checkpoint, ema)
     keys = list(batch.sparse_features.keys())
-    float_model = model
-    if quantize != "none":
-        model = quantized.quantize_tables(float_model, keys, quantize)
-        built = replace(built, model=model)
     shift = logit_shift(negative_rate)
+    float_model, before = model, None
+    if quantize != "none":  # the float scores first, so that the float tables can go once quantized (docs/export.md, "Memory")
+        reference = ServingModule(float_model, keys, features.weighted, shift)
+        with torch.no_grad(), padded_reference(float_model):
+            before = reference(*reference.inputs(batch))
+        model = quantized.quantize_tables(float_model, keys, quantize)
+        quantized.release_float_tables(float_model)
+        built = replace(built, model=model)
     serving = ServingModule(model, keys, features.weighted, shift)
     program = export_program(serving, batch)
     inputs = serving.inputs(batch)
@@ -259,8 +265,6 @@ def write_export(built: Unsharded, *, checkpoint: Path, meta: dict[str, Any], em
                            f"is the model's logit + log({negative_rate:g}), whose sigmoid is the probability on all rows"}
            if negative_rate is not None else {})}
     if quantize != "none":
-        with torch.no_grad(), padded_reference(float_model):
-            before = ServingModule(float_model, keys, features.weighted, shift)(*inputs)
         described["quantize"] = quantized.cost(quantize, float_model, model, before, eager, tasks, batch.labels)
     if hasattr(model, "tower_features"):  # a two-tower model: each tower on its own as well (checked, then written)
         if features.weighted:
@@ -297,7 +301,7 @@ def write_mlflow_models(built: Unsharded, serving: ServingModule, keys: list[str
     if not two_tower:
         spec = base | {"input_columns": mlflow_model.input_columns(served.encoders), "dense": list(features.dense_names), "keys": keys,
                        "features": None, "tower": None, "outputs": mlflow_model.outputs(tasks), "weighted": features.weighted}
-        mlflow_model.write_model(out / mlflow_model.MODEL_DIR, serving, torch.export.load(str(out / MODEL_FILE)), served.document,
+        mlflow_model.write_model(out / mlflow_model.MODEL_DIR, serving, out / MODEL_FILE, served.document,
                                  served.encoders, spec, served.raw, compiled=compiled)
         return [mlflow_model.MODEL_DIR]
     written = []
@@ -313,7 +317,7 @@ def write_mlflow_models(built: Unsharded, serving: ServingModule, keys: list[str
             rows, request = raw_ids.raw_rows(served.raw, mapping, mapped)
             spec["raw_ids"] = mapped
         directory = mlflow_model.TOWER_DIR.format(name)
-        mlflow_model.write_model(out / directory, tower, torch.export.load(str(out / TOWER_FILE.format(name))), document,
+        mlflow_model.write_model(out / directory, tower, out / TOWER_FILE.format(name), document,
                                  served.encoders, spec, rows, compiled=compiled, request=request)
         written.append(directory)
     return written

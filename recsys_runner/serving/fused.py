@@ -10,8 +10,8 @@ training side; fbgemm's own inference kernels are not used because the served mo
 (docs/export.md). Sums and means pool the same ids in the same order as the per-table kernel, so the scores are the
 same (``tests/test_fused_serving.py`` compares every pointwise model's).
 
-Only what serving needs: no gradients, no variable batch per feature (``inverse_indices``), the tables' weights
-copied at :func:`for_serving` time (the training model is left as it was).
+Only what serving needs: no gradients, no variable batch per feature (``inverse_indices``); the tables' rows gathered
+at :func:`for_serving` time, the model's float32 tables then read from the fused ones (their values as they were).
 """
 
 from __future__ import annotations
@@ -24,17 +24,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torchrec.modules.embedding_configs import pooling_type_to_str
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from recsys_runner.serving.quantized_rows import QuantizedRows, why_kept_float
+from recsys_runner.serving.quantized_rows import QuantizedEmbeddings, QuantizedRows, why_kept_float
 
 __all__ = ["FusedEmbeddingBags", "for_serving", "fusion_groups"]
 
 
 class _Group(nn.Module):
     """The tables of one ``(width, pooling, dtype)``: ``weight`` their rows one table after another, ``base[k]`` the first
-    row of the table key ``k`` reads (0 for a key none of them reads, whose ids are looked up as row 0 and dropped)."""
+    row of the table key ``k`` reads (0 for a key none of them reads, whose ids are looked up as row 0 and dropped).
+
+    Float32 tables (``kind`` ``none``) are copied into ``weight`` one by one, and each of ``weights`` then becomes a view
+    of its rows there (``.data``: the same values, parameter objects and results), so the model and its served copy hold
+    the tables once; quantized ones are written table by table into the stored format
+    (:class:`~recsys_runner.serving.quantized_rows.QuantizedRows`), ``weights`` left as they are: the float reference."""
 
     base: torch.Tensor
     used: torch.Tensor
@@ -45,14 +50,18 @@ class _Group(nn.Module):
         super().__init__()
         starts = torch.tensor([0, *[w.shape[0] for w in weights]]).cumsum(0)
         self.mode = mode
-        self.rows = None if kind == "none" else QuantizedRows(torch.cat([w.detach() for w in weights]), kind)
-        """The rows quantized (``export.quantize``, :mod:`~recsys_runner.serving.quantized_rows`); ``None``: ``weight``."""
+        self.rows = None if kind == "none" else QuantizedRows([w.detach() for w in weights], kind)
+        """The rows quantized (``export.quantize``, :mod:`~recsys_runner.serving.quantized_rows`), table by table; ``None``:
+        ``weight``."""
         self.all_keys = sorted(key_table) == list(range(num_keys))
         """Every key of the batch is read by one of these tables: no id needs masking."""
         self.keys = sorted(key_table)
         """The keys read, in the batch's order: the order of this group's output slots."""
         if self.rows is None:
-            self.register_buffer("weight", torch.cat([w.detach() for w in weights]), persistent=True)
+            self.register_buffer("weight", weights[0].detach().new_empty(int(starts[-1]), weights[0].shape[1]), persistent=True)
+            for source, first, last in zip(weights, starts[:-1].tolist(), starts[1:].tolist(), strict=True):
+                self.weight[first:last].copy_(source.detach())
+                source.data = self.weight[first:last]  # the same rows where the fused table holds them: one copy, not two
         base = torch.zeros(num_keys, dtype=torch.long)
         used = torch.zeros(num_keys, dtype=torch.bool)
         for key, table in key_table.items():
@@ -92,7 +101,7 @@ class FusedEmbeddingBags(nn.Module):
     ``KeyedTensor`` (keys, widths and values in the collection's order).
 
     Args:
-        ebc: the collection (its weights are copied).
+        ebc: the collection (its rows are gathered; its float32 tables then read them from the fused ones, :class:`_Group`).
         keys: the keys of the ``KeyedJaggedTensor`` it is called with, in order (the served batch's).
         kind: ``export.quantize``: the groups' rows stored row-wise quantized (:class:`QuantizedRows`), a group whose
             width does not gain by it kept float32 (:func:`~recsys_runner.serving.quantized_rows.why_kept_float`).
@@ -169,12 +178,21 @@ def fusion_groups(ebc: EmbeddingBagCollection, keys: list[str]) -> dict[tuple[in
     return groups
 
 
+TABLES = (EmbeddingBagCollection, EmbeddingCollection, FusedEmbeddingBags, QuantizedEmbeddings)
+"""The modules whose tensors are a model's tables: :func:`for_serving`'s copy shares them."""
+
+
 def for_serving(model: nn.Module, keys: list[str], kind: str = "none") -> nn.Module:
     """A copy of ``model`` whose ``EmbeddingBagCollection`` modules are :class:`FusedEmbeddingBags` (module docstring), their
     rows stored in ``kind`` (``export.quantize``); a collection that cannot be fused (a feature outside ``keys``, a feature
     read twice in one group) stays as it is, which :func:`~recsys_runner.serving.quantize.check_quantizable` refuses before a
-    quantized export starts. ``model`` itself is not changed: the export checks the served program against it."""
-    served = copy.deepcopy(model)
+    quantized export starts. ``model``'s outputs are not changed: the export checks the served program against it.
+
+    The copy shares ``model``'s embedding tables (and an already fused or quantized model's) instead of copying them, and
+    ``model``'s float32 tables that a group fuses become views of that group's table (:class:`_Group`): an export holds
+    each table once whatever it serves (docs/export.md, "Memory")."""
+    tables = {id(t): t for m in model.modules() if isinstance(m, TABLES) for t in [*m.parameters(), *m.buffers()]}
+    served = copy.deepcopy(model, memo=tables)  # every module but the tables: those the copy shares, a copy fuses or quantizes them
     for name, module in list(served.named_modules()):
         if type(module) is not EmbeddingBagCollection:
             continue

@@ -25,6 +25,7 @@ import importlib
 import json
 import logging
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, cast
@@ -114,9 +115,11 @@ def input_columns(encoders: StoredEncoders, keep: set[str] | None = None) -> lis
     return [c for c in columns if keep is None or c in keep]
 
 
-def write_model(out: Path, module: ServingModule | TowerServing, program: torch.export.ExportedProgram, document: bytes,
+def write_model(out: Path, module: ServingModule | TowerServing, program: Path, document: bytes,
                 encoders: StoredEncoders, spec: dict[str, Any], raw: pa.Table, compiled: bool = False, request: pa.Table | None = None) -> None:
     """Write the MLflow model to ``out`` and check it (:func:`check_served`) on ``raw`` (rows of the training files).
+    ``program``: the program file export wrote (``model.pt2``, a tower's), copied as it is (what ``torch.export.save``
+    of it loaded would write, byte for byte, without a second copy of its tables in memory).
     ``compiled``: also compile the program with AOTInductor (:func:`~recsys_runner.serving.program.compile_program`:
     minutes of CPU, ~4 ms less per request), which the served model then runs; the check runs it too. ``request``: the
     same rows as a request sends them when that differs from ``raw`` (a tower served on the log's raw ids,
@@ -132,9 +135,9 @@ def write_model(out: Path, module: ServingModule | TowerServing, program: torch.
         data, code = stage / "data", stage / "code"
         data.mkdir()
         code.mkdir()
-        torch.export.save(program, str(data / served_program.PROGRAM_FILE))
+        shutil.copyfile(program, data / served_program.PROGRAM_FILE)
         if compiled:
-            compile_program(program, str(data / served_program.COMPILED_FILE))
+            compile_program(torch.export.load(str(program)), str(data / served_program.COMPILED_FILE))
         (data / served.ENCODERS_FILE).write_bytes(document)
         (data / served.SPEC_FILE).write_text(json.dumps(spec, indent=1) + "\n")
         names = copy_shipped(code)

@@ -3,9 +3,10 @@
 :func:`check_quantizable` refuses, before an export writes anything, a model whose tables the quantized path does not
 cover; :func:`quantize_tables` gives the model with its pooled tables (``EmbeddingBagCollection``, fused) and its history
 tables (``EmbeddingCollection``, one row per event) stored in int8, int4 or fp16 (:mod:`~recsys_runner.serving.fused`,
-:mod:`~recsys_runner.serving.quantized_rows`), which export then traces,
-checks and writes as it does the float model; :func:`cost` is what it costs — the tables' bytes before and after, and the
-scores on the example batch of the float model against the quantized one — for ``feature_spec.json`` and the log.
+:mod:`~recsys_runner.serving.quantized_rows`), which export then traces, checks and writes as it does the float model,
+the float tables released (:func:`release_float_tables`); :func:`cost` is what it costs — the tables' bytes before and
+after, and the scores on the example batch of the float model against the quantized one — for ``feature_spec.json`` and
+the log.
 """
 
 from __future__ import annotations
@@ -82,6 +83,22 @@ def quantize_tables(model: nn.Module, keys: list[str], kind: str) -> nn.Module:
     if left:  # check_quantizable ran before the export started; this is its invariant
         raise ConfigError(f"export.quantize={kind}: the collections {left} were not fused: this is a bug; please report it")
     return served.eval()
+
+
+def release_float_tables(model: nn.Module) -> None:
+    """Free the rows of ``model``'s ``EmbeddingBagCollection`` and ``EmbeddingCollection`` tables once
+    :func:`quantize_tables` has stored them and their scores are computed: each becomes a ``meta`` tensor of its shape and
+    dtype (what :func:`table_bytes` reads; reading its rows is then an error, never a silent zero).
+
+    Why: the float tables are the largest thing an export holds; kept beside the quantized model they would be there while
+    the program is traced, saved (``torch.export.save`` holds two copies of a tensor's bytes as it writes it) and checked
+    through the MLflow model. A table the quantized model serves in float32 (too narrow to gain) is not lost: the served
+    model holds its rows (:func:`~recsys_runner.serving.fused.for_serving`)."""
+    for collection in model.modules():
+        if type(collection) in (EmbeddingBagCollection, EmbeddingCollection):
+            for module in collection.modules():
+                for name, table in list(module.named_parameters(recurse=False)):
+                    module.register_parameter(name, nn.Parameter(torch.empty_like(table, device="meta"), requires_grad=False))
 
 
 def table_bytes(model: nn.Module) -> tuple[int, int]:

@@ -16,6 +16,7 @@ values fbgemm's ``FusedNBitRowwiseQuantizedSBHalfToFloat`` gives (``tests/test_e
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import cast
 
 import torch
@@ -54,29 +55,26 @@ def why_kept_float(width: int, kind: str) -> str | None:
 
 
 class QuantizedRows(nn.Module):
-    """``weight [N, D]`` float stored in ``kind`` (module docstring; ``none``: float32, as it is); called with ids ``[V]`` it
-    returns their rows ``[V, D]`` float32, dequantized."""
+    """``weight [N, D]`` float (or a fused group's tables, ``[N_i, D]`` each, whose rows it stores one table after another)
+    stored in ``kind`` (module docstring; ``none``: float32, as it is); called with ids ``[V]`` it returns their rows
+    ``[V, D]`` float32, dequantized."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     bias: torch.Tensor
 
-    def __init__(self, weight: torch.Tensor, kind: str) -> None:
+    def __init__(self, weight: torch.Tensor | Sequence[torch.Tensor], kind: str) -> None:
         super().__init__()
         if kind not in QUANTIZE:
             raise ValueError(f"no row-wise kind {kind!r}; one of {list(QUANTIZE)}")
-        self.kind, self.width = kind, int(weight.shape[1])
-        weight = weight.detach().float().contiguous()
+        tables = [weight] if isinstance(weight, torch.Tensor) else list(weight)
+        self.kind, self.width = kind, int(tables[0].shape[1])
         empty = torch.zeros(0, dtype=torch.float16)
-        if kind in ("none", "fp16"):
-            codes, scale, bias = (weight if kind == "none" else weight.half()), empty, empty
+        if kind == "none":  # a single float32 table is kept as it is, not copied
+            codes = torch.cat([t.detach().float() for t in tables]) if len(tables) > 1 else tables[0].detach().float().contiguous()
+            scale = bias = empty
         else:
-            import fbgemm_gpu  # noqa: F401 - registers torch.ops.fbgemm (TorchRec, which training runs, imports it too)
-
-            fused = torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf(weight, BITS[kind])
-            codes = fused[:, :-SCALE_BIAS_BYTES].contiguous()
-            scale_bias = fused[:, -SCALE_BIAS_BYTES:].contiguous().view(torch.float16)
-            scale, bias = scale_bias[:, 0].contiguous(), scale_bias[:, 1].contiguous()
+            codes, scale, bias = _stored(tables, kind)
         self.register_buffer("codes", codes)
         self.register_buffer("scale", scale)
         self.register_buffer("bias", bias)
@@ -93,6 +91,45 @@ class QuantizedRows(nn.Module):
         if self.kind == "int4":  # the even column in the low nibble, the odd one in the high
             codes = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(ids.shape[0], self.width)
         return codes.float() * self.scale.index_select(0, ids).float().unsqueeze(1) + self.bias.index_select(0, ids).float().unsqueeze(1)
+
+
+CHUNK_ROWS = 65_536
+"""Rows converted at a time: quantizing a table needs fbgemm's output for this many rows beside the stored result, not a
+float copy of the table or of a fused group (the rows are quantized one by one, so the codes are the same either way)."""
+
+
+def _stored(tables: list[torch.Tensor], kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(codes, scale, bias)`` of ``tables``' rows one after another in ``kind`` (``fp16``: the rows in float16 and no
+    scale or bias), written :data:`CHUNK_ROWS` rows at a time into tensors allocated once at their final size.
+
+    Why: a quantized export's memory is the float model, the quantized tables and this function's scratch; concatenating
+    a group's tables in float32 first, then quantizing the whole, then slicing the codes out took three more float-sized
+    tensors at once (docs/export.md, "Memory")."""
+    rows, width = sum(int(t.shape[0]) for t in tables), int(tables[0].shape[1])
+    if kind == "fp16":
+        codes = torch.empty(rows, width, dtype=torch.float16)
+        scale = bias = torch.zeros(0, dtype=torch.float16)
+    else:
+        import fbgemm_gpu  # noqa: F401 - registers torch.ops.fbgemm (TorchRec, which training runs, imports it too)
+
+        codes = torch.empty(rows, (width * BITS[kind] + 7) // 8, dtype=torch.uint8)
+        scale, bias = torch.empty(rows, dtype=torch.float16), torch.empty(rows, dtype=torch.float16)
+    start = 0
+    for table in tables:
+        table = table.detach()
+        for first in range(0, int(table.shape[0]), CHUNK_ROWS):
+            chunk = table[first:first + CHUNK_ROWS].float().contiguous()
+            end = start + int(chunk.shape[0])
+            if kind == "fp16":
+                codes[start:end].copy_(chunk)
+            else:
+                fused = torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf(chunk, BITS[kind])
+                codes[start:end].copy_(fused[:, :-SCALE_BIAS_BYTES])
+                scale_bias = fused[:, -SCALE_BIAS_BYTES:].contiguous().view(torch.float16)
+                scale[start:end].copy_(scale_bias[:, 0])
+                bias[start:end].copy_(scale_bias[:, 1])
+            start = end
+    return codes, scale, bias
 
 
 class QuantizedEmbeddings(nn.Module):
