@@ -109,7 +109,9 @@ def _resume(command: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.slow
-def test_sigterm_during_a_full_corpus_eval_stops_within_a_chunk_and_the_resume_logs_it_once(store_uri: str, tmp_path: Path) -> None:
+def test_sigterm_during_a_full_corpus_eval_stops_within_a_chunk_and_the_resume_logs_it_once(
+    store_uri: str, tmp_path: Path
+) -> None:
     uri = store_uri
     args = [*CORPUS, f"tracking.uri={uri}", "tracking.experiment=corpus_stop", f"hydra.run.dir={tmp_path}/run"]
     # 1 s after the last step: the final eval is ranking queries against the catalogue
@@ -149,8 +151,9 @@ the SIGTERM comes in the first batch of the periodic eval of step 2 (:func:`sigt
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", sorted(PERIODIC))
-def test_sigterm_during_a_periodic_eval_abandons_it_and_the_resume_evaluates_that_step_first(store_uri: str, tmp_path: Path, model: str,
-                                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sigterm_during_a_periodic_eval_abandons_it_and_the_resume_evaluates_that_step_first(
+    store_uri: str, tmp_path: Path, model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     uri = store_uri
     data, key = PERIODIC[model]
     args = [*data, "train.eval_max_batches=null", "train.num_steps=4", "train.log_every_steps=1", "train.eval_every_steps=2",
@@ -179,8 +182,9 @@ def test_sigterm_during_a_periodic_eval_abandons_it_and_the_resume_evaluates_tha
 
 @pytest.mark.slow
 @pytest.mark.parametrize("checkpoint_first", [False, True], ids=["checkpoint-after-eval", "checkpoint-before-eval"])
-def test_an_eval_logged_before_the_stop_is_not_evaluated_or_logged_again_by_the_resume(store_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                                        checkpoint_first: bool) -> None:
+def test_an_eval_logged_before_the_stop_is_not_evaluated_or_logged_again_by_the_resume(
+    store_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, checkpoint_first: bool
+) -> None:
     """The duplicate a user saw: the final eval completed and was logged, the signal stopped the run at its end (a signal
     that comes as the end checkpoint is written, or during an eval with several ranks), and the resume evaluated the
     same step again: two values of ``eval/auc`` at it. ``checkpoint-before-eval``: the checkpoint of that step was

@@ -147,7 +147,9 @@ def test_resume_takes_the_new_lr_not_the_saved_one(make_cfg, mlflow_uri: str, tm
     assert lrs[3] == pytest.approx(0.05) and lrs[4] == pytest.approx(0.01) and lrs[6] == pytest.approx(0.01)
 
 
-def test_resume_with_changed_settings_refuses_another_experiment_and_warns_and_tags_the_rest(store_uri: str, tmp_path: Path) -> None:
+def test_resume_with_changed_settings_refuses_another_experiment_and_warns_and_tags_the_rest(
+    store_uri: str, tmp_path: Path
+) -> None:
     # was: data.batch_size, seed … changed on resume were taken silently (another experiment in the same MLflow run, whose
     # params still showed the first launch's values), and so were optim.lr and train.num_steps
     uri = store_uri
@@ -178,7 +180,9 @@ def test_resume_with_changed_settings_refuses_another_experiment_and_warns_and_t
     assert mlrun.data.tags["resume_changes"] == f"at step 3: {line}" and mlrun.data.params["optim.lr"] != "0.01"
 
 
-def test_resume_compares_what_was_composed_so_a_yaml_edit_counts_and_a_respelling_does_not(store_uri: str, tmp_path: Path) -> None:
+def test_resume_compares_what_was_composed_so_a_yaml_edit_counts_and_a_respelling_does_not(
+    store_uri: str, tmp_path: Path
+) -> None:
     # was: only the command lines were compared, as text: a preset edited between a launch and its resume trained another
     # experiment into the same MLflow run without a word, while optim.lr=1e-1 for optim.lr=0.1 was warned about
     uri = store_uri

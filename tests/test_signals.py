@@ -3,7 +3,8 @@ checkpoints, the MLflow run ends KILLED, one message says what was kept and the 
 it, and the exit status is 128 + signal (143, 130). Real signals, as a user or a scheduler sends them; and a relaunch of the same command that notices an interrupted run in the default checkpoint place. The
 commands run in this process as ``python -m`` would run them (:func:`tests.conftest.run_in_process`), a SIGTERM sent by
 another thread (:func:`tests.conftest.signal_in_process`: a real signal, handled by the command's own handler as in a
-process of its own; in the final eval's first batch, sent by the eval itself); the SIGINT case is a process of its own, SIGINT's default action reset in it as at a terminal.
+process of its own; in the final eval's first batch, sent by the eval itself); the SIGINT case is a process of its own,
+SIGINT's default action reset in it as at a terminal.
 The printed command run as typed in a shell: test_run_safety.
 """
 
@@ -142,8 +143,8 @@ def four_steps(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_signal_during_evaluate_ends_its_run_killed_with_the_command_to_redo_it(store_uri: str, 
-    four_steps: Path, tmp_path: Path, signum: int, code: int
+def test_signal_during_evaluate_ends_its_run_killed_with_the_command_to_redo_it(
+    store_uri: str, four_steps: Path, tmp_path: Path, signum: int, code: int
 ) -> None:
     model = [a for a in TINY if a.startswith("data.")]
     checkpoint = four_steps
@@ -289,8 +290,8 @@ def test_sigterm_during_predict_leaves_no_part_and_ends_its_run_killed(
 
 
 # -- a second Ctrl-C while a checkpoint is written ------------------------------------------------------------------
-def test_a_second_sigint_while_a_checkpoint_is_written_ends_killed_naming_the_last_complete_one(store_uri: str, 
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_second_sigint_while_a_checkpoint_is_written_ends_killed_naming_the_last_complete_one(
+    store_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Ctrl-C twice, the second while DCP writes the step-4 checkpoint: DCP catches the ``KeyboardInterrupt`` on its
     rank and raises a ``CheckpointException`` instead (a ``BaseException``), which used to reach the user as a
