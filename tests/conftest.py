@@ -15,8 +15,10 @@ import random
 import re
 import runpy
 import shlex
+import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -64,6 +66,30 @@ TINY = [
 def mlflow_uri(tmp_path_factory: pytest.TempPathFactory) -> str:
     """One sqlite store for the session (creating one costs seconds of schema migration)."""
     return f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
+
+
+@pytest.fixture(scope="session")
+def created_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An empty sqlite MLflow store, created (its schema migrated: seconds, most of them alembic's) once per session, for
+    :func:`store_uri` to copy."""
+    from mlflow.tracking import MlflowClient
+
+    path = tmp_path_factory.mktemp("created_store") / "mlflow.db"
+    MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
+    return path
+
+
+@pytest.fixture
+def store_uri(created_store: Path, tmp_path: Path) -> str:
+    """``sqlite:///<tmp_path>/mlflow.db``: a store of this test's own, as a command run in ``tmp_path`` creates it on first
+    use, without the seconds of its schema migration (a copy of :func:`created_store`, its Default experiment's
+    artifacts moved to ``<tmp_path>/mlruns/0``, where the command would have put them). For tests whose point is not a
+    store being created (tests/test_tracking_faults.py's are)."""
+    path = tmp_path / "mlflow.db"
+    shutil.copyfile(created_store, path)
+    with contextlib.closing(sqlite3.connect(path)) as db, db:
+        db.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = 0", (str(tmp_path / "mlruns" / "0"),))
+    return f"sqlite:///{path}"
 
 
 @pytest.fixture

@@ -6,7 +6,8 @@ completed and was logged before the stop is not evaluated (nor logged) again by 
 step recorded it or, written before it, did not (then the MLflow run's history says so). Each MLflow history is read with
 ``MlflowClient.get_metric_history``: exactly one value per step. Every command runs in this process as ``python -m``
 would run it (:func:`tests.conftest.run_in_process`; a SIGTERM from another thread at a given log line:
-:func:`tests.conftest.signal_in_process`, or from the tracker itself right after it logged a metric): what the command
+:func:`tests.conftest.signal_in_process`, from the tracker itself right after it logged a metric, or from the eval
+itself as it reads its first batch: :func:`sigterm_in_eval`): what the command
 does with its arguments and the signal is the point here, not the interpreter; that the printed command works as typed
 in a shell is test_run_safety's ``..._executed_verbatim_...``.
 """
@@ -19,15 +20,18 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mlflow.tracking import MlflowClient
+from torchrec.datasets.utils import Batch
 
 from recsys_runner.checkpoint.storage import list_checkpoints
 from recsys_runner.tracking.tracker import MlflowTracker
+from recsys_runner.train import evaluation
 from tests.conftest import TINY, hint_of, run_in_process, signal_in_process, torchrun
 from tests.test_run_safety import runs
 
@@ -79,14 +83,36 @@ def _stopped_after(command: list[str], cwd: Path, monkeypatch: pytest.MonkeyPatc
     return done
 
 
+def sigterm_in_eval(patched: pytest.MonkeyPatch, nth: int) -> list[int]:
+    """A SIGTERM to this process as the ``nth`` eval of a command run in it reads its first batch (the sanity eval, which
+    every launch runs before its first step, is the first), once; the list it appends ``nth`` to when it sent it. The
+    signal lands inside the eval whatever the machine's load, so the eval need not last seconds for a signal sent from
+    outside at a log line to find it still under way: it is handled as one from outside (by the command's own handler,
+    in the main thread), and the eval is abandoned after the batch it came in."""
+    checked, evals, sent = evaluation.checked_batches, [], []
+
+    def signalled(batches: Iterable[Batch], *args: Any) -> Iterator[Batch]:
+        evals.append(1)
+        for i, batch in enumerate(checked(batches, *args)):
+            if len(evals) == nth and i == 0 and not sent:
+                sent.append(nth)
+                os.kill(os.getpid(), signal.SIGTERM)
+            yield batch
+
+    patched.setattr(evaluation, "checked_batches", signalled)
+    return sent
+
+
 def _resume(command: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     """A printed resume command, run in this process (no ~10 s of imports): exit status and output as a process's."""
     return run_in_process(command, cwd)
 
 
 @pytest.mark.slow
-def test_sigterm_during_a_full_corpus_eval_stops_within_a_chunk_and_the_resume_logs_it_once(tmp_path: Path) -> None:
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+def test_sigterm_during_a_full_corpus_eval_stops_within_a_chunk_and_the_resume_logs_it_once(
+    store_uri: str, tmp_path: Path
+) -> None:
+    uri = store_uri
     args = [*CORPUS, f"tracking.uri={uri}", "tracking.experiment=corpus_stop", f"hydra.run.dir={tmp_path}/run"]
     # 1 s after the last step: the final eval is ranking queries against the catalogue
     code, out, sent = _signal_after([sys.executable, "-m", "recsys_runner", *args], "step 2/2 train/loss", 1.0, tmp_path)
@@ -114,23 +140,30 @@ def test_sigterm_during_a_full_corpus_eval_stops_within_a_chunk_and_the_resume_l
 
 
 PERIODIC = {
-    "deepfm": ([*[a for a in TINY if not a.startswith("train.")], "data.num_eval_rows=200000"], "eval/auc"),
+    "deepfm": ([a for a in TINY if not a.startswith("train.")], "eval/auc"),
     "sasrec": (["model=sasrec", "data=synthetic_sequences", "data.batch_size=128", "data.num_items=20000", "data.max_len=20",
-                "data.num_train_rows=8192", "data.num_eval_rows=8192", "model.embedding_dim=32", "distributed.device=cpu"],
+                "data.num_train_rows=8192", "data.num_eval_rows=2048", "model.embedding_dim=32", "distributed.device=cpu"],
                "eval/hr_at_10"),
 }
-"""Evals of seconds: a DeepFM's 780 batches of AUC, a SASRec's 64 batches each scored against all 20k items (hr@k)."""
+"""Evals of several batches: a DeepFM's 32 batches of AUC, a SASRec's 16 batches each scored against all 20k items (hr@k);
+the SIGTERM comes in the first batch of the periodic eval of step 2 (:func:`sigterm_in_eval`), so the rest is abandoned."""
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", sorted(PERIODIC))
-def test_sigterm_during_a_periodic_eval_abandons_it_and_the_resume_evaluates_that_step_first(tmp_path: Path, model: str) -> None:
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+def test_sigterm_during_a_periodic_eval_abandons_it_and_the_resume_evaluates_that_step_first(
+    store_uri: str, tmp_path: Path, model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    uri = store_uri
     data, key = PERIODIC[model]
     args = [*data, "train.eval_max_batches=null", "train.num_steps=4", "train.log_every_steps=1", "train.eval_every_steps=2",
             f"tracking.uri={uri}", "tracking.experiment=periodic_stop", f"hydra.run.dir={tmp_path}/run"]
-    code, out, _ = _signal_after([sys.executable, "-m", "recsys_runner", *args], "step 2/4 train/loss", 0.3, tmp_path)
-    assert code == 143, out[-3000:]
+    with monkeypatch.context() as patched:
+        sent = sigterm_in_eval(patched, 2)  # the sanity eval, then the periodic eval of step 2
+        stopped = run_in_process([sys.executable, "-m", "recsys_runner", *args], tmp_path)
+    code, out = stopped.returncode, stopped.stdout + stopped.stderr
+    assert sent == [2] and code == 143, out[-3000:]
+    assert "step 2/4 train/loss" in out and "step 1/4 train/loss" in out, out[-3000:]  # the signal came after step 2
     assert "Interrupted: stopped by SIGTERM during the eval after step 2; checkpoint " in out, out[-3000:]
     assert f"step 2/4 {key}" not in out and "step 3/4" not in out  # abandoned, and no step after it
     command = hint_of(out)
@@ -149,13 +182,14 @@ def test_sigterm_during_a_periodic_eval_abandons_it_and_the_resume_evaluates_tha
 
 @pytest.mark.slow
 @pytest.mark.parametrize("checkpoint_first", [False, True], ids=["checkpoint-after-eval", "checkpoint-before-eval"])
-def test_an_eval_logged_before_the_stop_is_not_evaluated_or_logged_again_by_the_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                                        checkpoint_first: bool) -> None:
+def test_an_eval_logged_before_the_stop_is_not_evaluated_or_logged_again_by_the_resume(
+    store_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, checkpoint_first: bool
+) -> None:
     """The duplicate a user saw: the final eval completed and was logged, the signal stopped the run at its end (a signal
     that comes as the end checkpoint is written, or during an eval with several ranks), and the resume evaluated the
     same step again: two values of ``eval/auc`` at it. ``checkpoint-before-eval``: the checkpoint of that step was
     written by an earlier stop before the eval (it cannot record it), so the MLflow run's history is what says it."""
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = store_uri
     args = [*[a for a in TINY if not a.startswith("train.")], "train.num_steps=4", "train.log_every_steps=2",
             "train.eval_every_steps=null", f"tracking.uri={uri}", "tracking.experiment=once", f"hydra.run.dir={tmp_path}/run"]
     launch = [sys.executable, "-m", "recsys_runner", *args]

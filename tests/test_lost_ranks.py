@@ -268,8 +268,8 @@ def _only_run(uri: str, experiment: str):  # noqa: ANN202 - mlflow's Run
 
 
 @pytest.mark.slow
-def test_kill_9_of_one_rank_ends_the_survivor_with_one_line_and_its_command_resumes(tmp_path: Path) -> None:
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+def test_kill_9_of_one_rank_ends_the_survivor_with_one_line_and_its_command_resumes(store_uri: str, tmp_path: Path) -> None:
+    uri = store_uri
     # The default checkpoint dir (<Hydra run dir>/checkpoints, rank 0's for every rank), as a plain launch has it; the
     # run dir is given so that the test knows where it is.
     args = [*SHORT, f"tracking.uri={uri}", "tracking.experiment=lost", f"hydra.run.dir={tmp_path}/run"]
@@ -302,13 +302,13 @@ def test_kill_9_of_one_rank_ends_the_survivor_with_one_line_and_its_command_resu
 
 
 @pytest.mark.slow
-def test_a_survivor_blocked_on_a_peer_that_never_fails_ends_with_the_line_after_sigterm(tmp_path: Path) -> None:
+def test_a_survivor_blocked_on_a_peer_that_never_fails_ends_with_the_line_after_sigterm(store_uri: str, tmp_path: Path) -> None:
     """The flake of the kill -9 test above on a loaded machine: the survivor logged its checkpoint, then stayed blocked in a
     collective that never failed, where the SIGTERM torchrun sent it could not reach Python; torchrun killed it 30 s later
     (-9, no line). Here the peer is stopped (SIGSTOP) right after the checkpoint, so every collective of the survivor waits
     on it for ``distributed.timeout_s``, and the survivor gets torchrun's SIGTERM: it ends within
     ``distributed.stuck_after_signal_s`` with the lost rank's line, the whole checkpoint and exit 75, its run FAILED."""
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = store_uri
     args = [*SHORT, f"tracking.uri={uri}", "tracking.experiment=stuck", f"hydra.run.dir={tmp_path}/run",
             "distributed.stuck_after_signal_s=2"]
     proc = _kill_after_first_checkpoint(_torchrun("--log-dir=logs", "--redirects=3", "-m", "recsys_runner", *args),
@@ -376,10 +376,10 @@ def test_a_restarted_group_forms_on_the_store_of_its_own_attempt(tmp_path: Path)
 
 
 @pytest.mark.slow
-def test_torchrun_max_restarts_resumes_the_same_run_after_kill_9_of_rank_0(tmp_path: Path) -> None:
+def test_torchrun_max_restarts_resumes_the_same_run_after_kill_9_of_rank_0(store_uri: str, tmp_path: Path) -> None:
     """docs/launch.md's recommendation: with ``--max-restarts`` and a checkpoint.dir, torchrun restarts the group, which
     resumes from the last checkpoint into the same MLflow run and finishes. Rank 0 (the MLflow owner) is the one killed."""
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = store_uri
     args = [*SHORT, f"tracking.uri={uri}", "tracking.experiment=elastic", f"checkpoint.dir={tmp_path}/ckpt"]
     proc = _kill_after_first_checkpoint(
         _torchrun("--max-restarts=1", "--log-dir=logs", "--redirects=3", "-m", "recsys_runner", *args), "ckpt", rank=0, cwd=tmp_path)

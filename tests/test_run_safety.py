@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -22,6 +23,7 @@ from typing import cast
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 from mlflow.tracking import MlflowClient
 
 from recsys_runner.__main__ import run
@@ -29,7 +31,9 @@ from recsys_runner.checkpoint import resume_changes
 from recsys_runner.checkpoint.lock import DirectoryInUse, DirectoryLock
 from recsys_runner.checkpoint.storage import CheckpointStorage, damage, list_checkpoints
 from recsys_runner.checkpoint.weights import load_into
+from recsys_runner.config import register_configs
 from recsys_runner.errors import CheckpointError
+from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.train.signals import Interrupted
 from tests.conftest import REPO, TINY, hint_of, run_in_process
 
@@ -50,8 +54,8 @@ def steps_logged(uri: str, run_id: str, key: str = "train/loss") -> list[int]:
 
 
 # -- 1. the resume hint is true --------------------------------------------------------------------------------------
-def test_stop_hint_executed_verbatim_continues_the_same_mlflow_run(tmp_path: Path) -> None:
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+def test_stop_hint_executed_verbatim_continues_the_same_mlflow_run(store_uri: str, tmp_path: Path) -> None:
+    uri = store_uri
     first = run_in_process([*TRAIN, *SMALL, "train.num_steps=8", "train.stop_after_steps=5", f"tracking.uri={uri}",
                             "tracking.experiment=hint"], tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -77,11 +81,11 @@ def test_stop_hint_executed_verbatim_continues_the_same_mlflow_run(tmp_path: Pat
     assert steps_logged(uri, mlrun.info.run_id) == list(range(1, 9))
 
 
-def test_the_hint_of_a_run_that_resumes_never_still_resumes(tmp_path: Path) -> None:
+def test_the_hint_of_a_run_that_resumes_never_still_resumes(store_uri: str, tmp_path: Path) -> None:
     # checkpoint=none (as debug=fast, debug=profile) composes checkpoint.resume=never, yet a stop writes a checkpoint and
     # prints a command to resume it: that command must say checkpoint.resume=auto, or it starts over in a new MLflow run
     # (and writes its own step_00000003 over the one it was to resume from). Twice, so the second hint says it too.
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = store_uri
     launch = [*TRAIN, *SMALL, "checkpoint=none", "train.num_steps=7", "train.stop_after_steps=3", f"tracking.uri={uri}",
               "tracking.experiment=never", "hydra.run.dir=outputs/never"]
     first = run_in_process(launch, tmp_path)
@@ -102,8 +106,8 @@ def test_the_hint_of_a_run_that_resumes_never_still_resumes(tmp_path: Path) -> N
     assert steps_logged(uri, mlrun.info.run_id) == list(range(1, 8))
 
 
-def test_nan_guard_hint_resumes_from_a_truly_good_checkpoint(make_cfg, tmp_path: Path) -> None:
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+def test_nan_guard_hint_resumes_from_a_truly_good_checkpoint(store_uri: str, make_cfg, tmp_path: Path) -> None:
+    uri = store_uri
     # The lr jumps to 1e29 for the 5th update: the 5th loss is still finite, the weights after it are not good.
     blowup = ["optim=sgd", "scheduler=manual_step", "scheduler.boundaries=[4]", "scheduler.rates=[1.0,1e30]"]
     common = [*SMALL, "train.num_steps=10", "checkpoint.every_steps=1", f"tracking.uri={uri}", "tracking.experiment=nan_hint"]
@@ -143,10 +147,12 @@ def test_resume_takes_the_new_lr_not_the_saved_one(make_cfg, mlflow_uri: str, tm
     assert lrs[3] == pytest.approx(0.05) and lrs[4] == pytest.approx(0.01) and lrs[6] == pytest.approx(0.01)
 
 
-def test_resume_with_changed_settings_refuses_another_experiment_and_warns_and_tags_the_rest(tmp_path: Path) -> None:
+def test_resume_with_changed_settings_refuses_another_experiment_and_warns_and_tags_the_rest(
+    store_uri: str, tmp_path: Path
+) -> None:
     # was: data.batch_size, seed … changed on resume were taken silently (another experiment in the same MLflow run, whose
     # params still showed the first launch's values), and so were optim.lr and train.num_steps
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = store_uri
     first = run_in_process([*TRAIN, *SMALL, "train.num_steps=5", "train.stop_after_steps=3", f"tracking.uri={uri}",
                             "tracking.experiment=changed"], tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -174,10 +180,12 @@ def test_resume_with_changed_settings_refuses_another_experiment_and_warns_and_t
     assert mlrun.data.tags["resume_changes"] == f"at step 3: {line}" and mlrun.data.params["optim.lr"] != "0.01"
 
 
-def test_resume_compares_what_was_composed_so_a_yaml_edit_counts_and_a_respelling_does_not(tmp_path: Path) -> None:
+def test_resume_compares_what_was_composed_so_a_yaml_edit_counts_and_a_respelling_does_not(
+    store_uri: str, tmp_path: Path
+) -> None:
     # was: only the command lines were compared, as text: a preset edited between a launch and its resume trained another
     # experiment into the same MLflow run without a word, while optim.lr=1e-1 for optim.lr=0.1 was warned about
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = store_uri
     preset = tmp_path / "my_conf" / "experiment" / "mine.yaml"
     preset.parent.mkdir(parents=True)
     written = "# @package _global_\ndata:\n  seed: 1\ntrain:\n  clip_grad:\n    max: 1.0\n"
@@ -351,8 +359,8 @@ def test_a_checkpoint_dir_on_a_file_system_without_locks_is_refused_at_start_wit
 
 
 @pytest.mark.slow
-def test_second_live_writer_is_refused_and_a_killed_ones_lock_does_not_block_resume(tmp_path: Path) -> None:
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+def test_second_live_writer_is_refused_and_a_killed_ones_lock_does_not_block_resume(store_uri: str, tmp_path: Path) -> None:
+    uri = store_uri
     ckpt = tmp_path / "shared_ckpt"
     args = [*SMALL, "train.num_steps=100000", "checkpoint.every_steps=5", f"checkpoint.dir={ckpt}", f"tracking.uri={uri}",
             "tracking.experiment=lock"]
@@ -386,18 +394,37 @@ def test_second_live_writer_is_refused_and_a_killed_ones_lock_does_not_block_res
 
 
 # -- 5. damaged checkpoints -------------------------------------------------------------------------------------------
-def _three_checkpoints(make_cfg, tmp_path: Path, experiment: str = "damaged") -> list[Path]:
-    run(make_cfg("train.num_steps=6", "checkpoint.every_steps=2", f"checkpoint.dir={tmp_path}", f"tracking.experiment={experiment}"))
-    found = list_checkpoints(tmp_path)
+@pytest.fixture(scope="module")
+def three_checkpoints(tmp_path_factory: pytest.TempPathFactory, created_store: Path) -> Path:
+    """A TINY DeepFM trained 6 steps with a checkpoint every 2, once for the damaged-checkpoint tests, in a store of its
+    own (``mlflow.db`` next to ``ckpt/``, experiment ``damaged``): each test damages a copy of both
+    (:func:`_three_checkpoints`)."""
+    root = tmp_path_factory.mktemp("three_checkpoints")
+    shutil.copyfile(created_store, root / "mlflow.db")
+    register_configs()
+    with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
+        run(compose(config_name="config", overrides=[*TINY, "train.num_steps=6", "checkpoint.every_steps=2",
+                                                     f"checkpoint.dir={root}/ckpt", f"tracking.uri=sqlite:///{root}/mlflow.db",
+                                                     "tracking.experiment=damaged"]))
+    return root
+
+
+def _three_checkpoints(three_checkpoints: Path, tmp_path: Path) -> tuple[list[Path], str]:
+    """This test's copy of :func:`three_checkpoints`: its checkpoints (in ``<tmp_path>/ckpt``) and the URI of its store,
+    whose one run wrote them."""
+    shutil.copytree(three_checkpoints / "ckpt", tmp_path / "ckpt")
+    shutil.copyfile(three_checkpoints / "mlflow.db", tmp_path / "mlflow.db")
+    found = list_checkpoints(tmp_path / "ckpt")
     assert [p.name for p in found] == ["step_00000002", "step_00000004", "step_00000006"]
-    return found
+    return found, f"sqlite:///{tmp_path}/mlflow.db"
 
 
 @pytest.mark.parametrize("harm", ["truncate_data", "delete_data", "delete_metadata", "edit_meta"])
 def test_damaged_newest_checkpoint_falls_back_to_the_previous_one_with_a_warning(
-    make_cfg, mlflow_uri: str, tmp_path: Path, caplog: pytest.LogCaptureFixture, harm: str
+    make_cfg, three_checkpoints: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, harm: str
 ) -> None:
-    newest = _three_checkpoints(make_cfg, tmp_path, f"damaged_{harm}")[-1]
+    found, uri = _three_checkpoints(three_checkpoints, tmp_path)
+    newest, ckpt = found[-1], tmp_path / "ckpt"
     data = newest / "__0_0.distcp"
     if harm == "truncate_data":
         data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
@@ -410,27 +437,30 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one_with_a_warning
         del meta["epoch"]
         (newest / "meta.json").write_text(json.dumps(meta))
     assert damage(newest) is not None
-    cfg = make_cfg("train.num_steps=8", "checkpoint.every_steps=2", f"checkpoint.dir={tmp_path}", f"tracking.experiment=damaged_{harm}")
+    cfg = make_cfg("train.num_steps=8", "checkpoint.every_steps=2", f"checkpoint.dir={ckpt}", f"tracking.uri={uri}",
+                   "tracking.experiment=damaged")
     with caplog.at_level(logging.WARNING, logger="recsys_runner.checkpoint"):
         run(cfg)
     warned = " ".join(r.getMessage() for r in caplog.records)
     assert f"checkpoint {newest} is damaged" in warned and "falling back" in warned
     assert f"resuming from {newest.with_name('step_00000004')}" in warned
-    assert (tmp_path / "damaged-step_00000006").is_dir()  # kept for inspection, not deleted
-    assert [p.name for p in list_checkpoints(tmp_path)][-1] == "step_00000008"
-    (mlrun,) = runs(mlflow_uri, f"damaged_{harm}")
+    assert (ckpt / "damaged-step_00000006").is_dir()  # kept for inspection, not deleted
+    assert [p.name for p in list_checkpoints(ckpt)][-1] == "step_00000008"
+    (mlrun,) = runs(uri, "damaged")  # the run that wrote step 4, continued
     assert "step_00000006" in mlrun.data.tags["checkpoint_fallback"] and mlrun.info.status == "FINISHED"
 
 
-def test_all_damaged_or_a_damaged_explicit_choice_is_refused_with_the_way_out(make_cfg, tmp_path: Path) -> None:
-    found = _three_checkpoints(make_cfg, tmp_path)
+def test_all_damaged_or_a_damaged_explicit_choice_is_refused_with_the_way_out(make_cfg, three_checkpoints: Path,
+                                                                             tmp_path: Path) -> None:
+    found, _ = _three_checkpoints(three_checkpoints, tmp_path)
+    ckpt = tmp_path / "ckpt"
     (found[-1] / "rank0.pt").unlink()
     with pytest.raises(CheckpointError, match=r"checkpoint.resume=.*step_00000006: this checkpoint is damaged \(rank0.pt is missing\)\. "
                                               r"Fix: checkpoint.resume=.*step_00000004"):
-        run(make_cfg("train.num_steps=8", f"checkpoint.dir={tmp_path}", f"checkpoint.resume={found[-1]}", "tracking=none"))
+        run(make_cfg("train.num_steps=8", f"checkpoint.dir={ckpt}", f"checkpoint.resume={found[-1]}", "tracking=none"))
     for p in found[:-1]:
         (p / "meta.json").write_text("{not json")
     with pytest.raises(CheckpointError, match=r"every checkpoint in .* is damaged .* Fix: start over with checkpoint.resume=never"):
-        run(make_cfg("train.num_steps=8", f"checkpoint.dir={tmp_path}", "tracking=none"))
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("damaged-")) == [
+        run(make_cfg("train.num_steps=8", f"checkpoint.dir={ckpt}", "tracking=none"))
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("damaged-")) == [
         "damaged-step_00000002", "damaged-step_00000004", "damaged-step_00000006"]

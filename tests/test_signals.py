@@ -3,7 +3,8 @@ checkpoints, the MLflow run ends KILLED, one message says what was kept and the 
 it, and the exit status is 128 + signal (143, 130). Real signals, as a user or a scheduler sends them; and a relaunch of the same command that notices an interrupted run in the default checkpoint place. The
 commands run in this process as ``python -m`` would run them (:func:`tests.conftest.run_in_process`), a SIGTERM sent by
 another thread (:func:`tests.conftest.signal_in_process`: a real signal, handled by the command's own handler as in a
-process of its own); the SIGINT case is a process of its own, SIGINT's default action reset in it as at a terminal.
+process of its own; in the final eval's first batch, sent by the eval itself); the SIGINT case is a process of its own,
+SIGINT's default action reset in it as at a terminal.
 The printed command run as typed in a shell: test_run_safety.
 """
 
@@ -31,14 +32,15 @@ from recsys_runner.paths import CONFIG_PATH
 from recsys_runner.runtime import Launch
 from recsys_runner.train.signals import Interrupted, RaiseOnSignal, deferred, stopping
 from tests.conftest import REPO, TINY, hint_of, run_in_process, signal_in_process
+from tests.test_eval_stops import sigterm_in_eval
 from tests.test_predict import trained_once  # noqa: F401 - a fixture: a DeepFM trained on Parquet once
 from tests.test_run_safety import SMALL, runs
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 ENV.pop("HYDRA_FULL_ERROR", None)
 LONG_EVAL = ["data.num_eval_rows=200000", "train.eval_max_batches=null"]
-"""~780 eval batches: a final eval (or an evaluate) that lasts seconds, long enough to be hit by a signal sent 0.2-0.5 s
-into it (as test_eval_stops' DeepFM); the resume of the final-eval case runs it whole."""
+"""~780 eval batches: an evaluate that lasts seconds, long enough to be hit by a signal sent 0.2 s into it. The final-eval
+case needs none of it: its SIGTERM comes inside its eval (test_eval_stops' :func:`~tests.test_eval_stops.sigterm_in_eval`)."""
 
 
 def _sigint_as_at_a_terminal() -> None:
@@ -100,11 +102,16 @@ def _status(uri: str, run_id: str) -> str:
 
 # -- training: a signal during the final eval ---------------------------------------------------------------------
 @pytest.mark.slow
-def test_sigterm_during_the_final_eval_checkpoints_and_the_printed_command_resumes(tmp_path: Path) -> None:
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    args = [*SMALL, *LONG_EVAL, "train.num_steps=6", f"tracking.uri={uri}", "tracking.experiment=final_eval"]
-    code, out, _ = signal_in_process([sys.executable, "-m", "recsys_runner", *args], tmp_path, "step 6/6 train/loss", signal.SIGTERM, 0.5)
-    assert code == 143, out[-3000:]
+def test_sigterm_during_the_final_eval_checkpoints_and_the_printed_command_resumes(store_uri: str, tmp_path: Path,
+                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    uri = store_uri
+    args = [*SMALL, "train.eval_max_batches=null", "train.num_steps=6", f"tracking.uri={uri}", "tracking.experiment=final_eval"]
+    with monkeypatch.context() as patched:  # in the first batch of the final eval (of 32): the sanity eval, then it
+        sent = sigterm_in_eval(patched, 2)
+        stopped = run_in_process([sys.executable, "-m", "recsys_runner", *args], tmp_path)
+    code, out = stopped.returncode, stopped.stdout + stopped.stderr
+    assert sent == [2] and code == 143, out[-3000:]
+    assert "step 6/6 train/loss" in out, out[-3000:]
     assert "Interrupted: stopped by SIGTERM during the final eval after step 6; checkpoint " in out, out[-3000:]
     command = hint_of(out)
     assert command is not None, out[-3000:]
@@ -137,11 +144,11 @@ def four_steps(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_during_evaluate_ends_its_run_killed_with_the_command_to_redo_it(
-    four_steps: Path, tmp_path: Path, signum: int, code: int
+    store_uri: str, four_steps: Path, tmp_path: Path, signum: int, code: int
 ) -> None:
     model = [a for a in TINY if a.startswith("data.")]
     checkpoint = four_steps
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = store_uri
     args = [*model, *LONG_EVAL, "distributed.device=cpu", f"load={checkpoint}", f"tracking.uri={uri}", "tracking.experiment=ev"]
     # "loaded weights of" is logged while evaluate builds, before its MLflow run is opened (on a loaded machine, seconds
     # before): a signal there finds no run to end KILLED. It waits for the open run; the eval, ~780 batches, then lasts.
@@ -161,7 +168,7 @@ def test_signal_during_evaluate_ends_its_run_killed_with_the_command_to_redo_it(
 
 
 # -- a relaunch notices the interrupted run in the default place ----------------------------------------------------
-def test_a_relaunch_names_the_interrupted_run_of_the_same_command_and_how_to_resume_it(tmp_path: Path,
+def test_a_relaunch_names_the_interrupted_run_of_the_same_command_and_how_to_resume_it(store_uri: str, tmp_path: Path,
                                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Every launch in the same second, as when a launch takes under one: Hydra's run folder is to the second
     (``outputs/<date>/<time>``), and the relaunch shared it and silently resumed the first's checkpoints (a flaky failure
@@ -174,7 +181,7 @@ def test_a_relaunch_names_the_interrupted_run_of_the_same_command_and_how_to_res
             return cls(2026, 1, 2, 3, 4, 5)
 
     monkeypatch.setattr(hydra.core.utils, "datetime", SameSecond)  # what Hydra's ${now:…} reads
-    args = [*SMALL, "train.num_steps=6", "train.stop_after_steps=3", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
+    args = [*SMALL, "train.num_steps=6", "train.stop_after_steps=3", f"tracking.uri={store_uri}",
             "tracking.experiment=notice"]
     first = run_in_process([sys.executable, "-m", "recsys_runner", *args], tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -284,7 +291,7 @@ def test_sigterm_during_predict_leaves_no_part_and_ends_its_run_killed(
 
 # -- a second Ctrl-C while a checkpoint is written ------------------------------------------------------------------
 def test_a_second_sigint_while_a_checkpoint_is_written_ends_killed_naming_the_last_complete_one(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    store_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Ctrl-C twice, the second while DCP writes the step-4 checkpoint: DCP catches the ``KeyboardInterrupt`` on its
     rank and raises a ``CheckpointException`` instead (a ``BaseException``), which used to reach the user as a
@@ -311,7 +318,7 @@ def test_a_second_sigint_while_a_checkpoint_is_written_ends_killed_naming_the_la
 
     monkeypatch.setattr(DcpFileStorage, "write", arm_at_step_4)
     monkeypatch.setattr(filesystem, "_write_item", twice_at_the_second_checkpoint)
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = store_uri
     args = [*SMALL, "train.num_steps=8", "checkpoint.every_steps=2", f"tracking.uri={uri}", "tracking.experiment=twice"]
     out = run_in_process([sys.executable, "-m", "recsys_runner", *args], tmp_path)
     text = out.stdout + out.stderr
