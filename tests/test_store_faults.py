@@ -42,12 +42,19 @@ def store(server: MotoServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[MotoS
         yield server
 
 
+SLACK_S = 10
+"""What a call may take beyond the bound of the settings in force: a client made anew, the error's own calls, a loaded
+machine (6.7 s for a 2 s bound seen at the end of a full 2-worker run on 2 cores). It tells a bounded call from one left
+to botocore's defaults (60 s per connection and answer, retried: minutes), not a fast machine from a slow one."""
+
+
 def _fails_within_bound(call: Callable[[], object], error: type[UserError], pattern: str) -> float:
     started = time.monotonic()
     with pytest.raises(error, match=pattern):
         call()
     elapsed = time.monotonic() - started
-    assert elapsed <= store_settings.give_up_after_s() + 4, f"{elapsed:.1f} s > the bound {store_settings.give_up_after_s():.0f} s"
+    bound = store_settings.give_up_after_s()
+    assert elapsed <= bound + SLACK_S, f"{elapsed:.1f} s > the bound {bound:.0f} s + {SLACK_S} s"
     return elapsed
 
 
