@@ -4,6 +4,7 @@ as ``srun --kill-on-bad-exit`` ends a SLURM job's (tests/test_slurm.py)."""
 from __future__ import annotations
 
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from recsys_runner.distributed.local_tasks import KILL_WAIT_S, failed
+from recsys_runner.distributed.local_tasks import KILL_WAIT_S, _ours, failed
 from recsys_runner.tracking.sweep_summary import SWEEP_PARENT_TAG
 from tests.conftest import TINY
 
@@ -27,6 +28,16 @@ def test_only_a_failure_ends_the_other_tasks() -> None:
     then exits 144 for submitit to start the tasks again); an error, a lost rank and a kill are."""
     assert not any(failed(status) for status in (None, 0, 144, 128 + 12, 128 + 15, 128 + 2, 128 + 10))
     assert all(failed(status) for status in (1, 2, 75, 255, -9, -11))
+
+
+def test_the_controller_runs_in_place_of_submitits() -> None:
+    """submitit's controller command, a list or (after ``+hydra.launcher.setup`` lines) a shell line, names ours; one
+    that no longer names submitit's is refused, not run as submitit's."""
+    theirs = [sys.executable, "-m", "submitit.local._local", "/sweep/.submitit/%j"]
+    assert _ours(theirs) == [sys.executable, "-m", "recsys_runner.distributed.local_tasks", "/sweep/.submitit/%j"]
+    assert _ours(f"export A=1 && {shlex.join(theirs)}") == f"export A=1 && {shlex.join(_ours(theirs))}"
+    with pytest.raises(RuntimeError, match="no longer starts its local controller"):
+        _ours([sys.executable, "-m", "submitit.local.controller", "/sweep"])
 
 
 def _job_processes(root: Path) -> dict[int, str]:
@@ -78,8 +89,8 @@ def test_a_rank_that_fails_before_the_group_forms_ends_its_sibling(tmp_path: Pat
     assert any(line.startswith("Job #0 failed: Launch error: rank 0 cannot open the process group's rendezvous on ") and
                f":{port}: another process on this host listens on that port (set in the environment)" in line
                for line in said.splitlines()), said[-3000:]
-    controllers = [pid for pid, cmd in seen.items() if "-m recsys_runner.distributed.local_tasks " in cmd]
-    tasks = [pid for pid, cmd in seen.items() if "-m submitit.core._submit " in cmd]
+    controllers = [pid for pid, cmd in seen.items() if cmd.split()[1:3] == ["-m", "recsys_runner.distributed.local_tasks"]]
+    tasks = [pid for pid, cmd in seen.items() if cmd.split()[1:4] == ["-u", "-m", "submitit.core._submit"]]
     assert len(controllers) == 1 and len(tasks) == 2, seen
     left = _job_processes(tmp_path)
     assert not set(seen) & set(left) and not left, f"the job's processes still run: {left}"
