@@ -64,7 +64,8 @@ SRUN_ARGS = ("--kill-on-bad-exit=1",)
 """What every SLURM job's ``srun`` is given: a task that exits non-zero ends its job's other tasks (SIGTERM, then SIGKILL
 after SLURM's ``KillWait``), as torchrun ends a group's other workers. Without it a multi-task job whose rank 0 failed
 before the group formed (a config error, a taken ``MASTER_PORT``) kept its other ranks waiting on the rendezvous for
-``distributed.timeout_s`` (30 minutes), holding the allocation, the sweep waiting on them."""
+``distributed.timeout_s`` (30 minutes), holding the allocation, the sweep waiting on them. ``submitit_local``'s jobs do
+the same in their controller (:class:`_LocalTasksEndTogether`)."""
 
 
 class _SlurmTasksEndTogether(SlurmLauncher):
@@ -74,6 +75,21 @@ class _SlurmTasksEndTogether(SlurmLauncher):
     def __init__(self, **params: Any) -> None:
         super().__init__(**params)
         self.params["srun_args"] = list(SRUN_ARGS)
+
+
+class _LocalTasksEndTogether(LocalLauncher):
+    """The plugin's local launcher whose jobs' tasks end together, as :data:`SRUN_ARGS` has SLURM end a job's: each job's
+    controller process (submitit's, which starts the job's tasks and waits for them) is
+    :class:`recsys_runner.distributed.local_tasks.TasksEndTogether`, which sends the other tasks SIGTERM, then SIGKILL
+    30 s later, once one has failed (any exit but 0, a requeue, or a stop on a signal)."""
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        from submitit.local import local
+
+        from recsys_runner.distributed.local_tasks import start_controller
+
+        with patch.object(local, "start_controller", start_controller):  # submitit's own again on exit
+            return super().launch(job_overrides, initial_job_idx)
 
 
 class DetachedSlurmLauncher(_OwnFailuresAreErrors, _SlurmTasksEndTogether):
@@ -203,9 +219,10 @@ class WaitingSlurmLauncher(WaitingSubmititLauncher, _SlurmTasksEndTogether):
     (:class:`WaitingSubmititLauncher`)."""
 
 
-class WaitingLocalLauncher(WaitingSubmititLauncher, LocalLauncher):
+class WaitingLocalLauncher(WaitingSubmititLauncher, _LocalTasksEndTogether):
     """``hydra/launcher=submitit_local``: the plugin's local-subprocess launcher, waiting for every job
-    (:class:`WaitingSubmititLauncher`), as ``submitit_slurm`` and ``basic_keep_going`` do."""
+    (:class:`WaitingSubmititLauncher`), as ``submitit_slurm`` and ``basic_keep_going`` do, a job's tasks ending together
+    (:class:`_LocalTasksEndTogether`)."""
 
 
 def _error_line(job: Any, error: Exception) -> str:

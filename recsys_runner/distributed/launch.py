@@ -76,8 +76,9 @@ def port_taken(error: BaseException, port_from: str) -> LaunchError | None:
     """The one-line error for rank 0 of a group whose rendezvous port another process holds (``EADDRINUSE`` from the
     ``env://`` store torch opens on ``MASTER_ADDR:MASTER_PORT``), else ``None``; ``port_from`` says who chose the port.
 
-    The other ranks never learn of it: they wait for the store until ``distributed.timeout_s``, unless the launcher ends
-    them (torchrun; srun's ``--kill-on-bad-exit``, which ``hydra/launcher=submitit_slurm`` passes)."""
+    The other ranks never learn of it: they wait for the store until ``distributed.timeout_s`` (connected to the other
+    process on the port, longer), unless the launcher ends them (torchrun; srun's ``--kill-on-bad-exit``, which
+    ``hydra/launcher=submitit_slurm`` passes; ``submitit_local``'s controller, :mod:`recsys_runner.distributed.local_tasks`)."""
     if "EADDRINUSE" not in str(error) and "address already in use" not in str(error):
         return None
     where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
