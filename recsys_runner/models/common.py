@@ -26,7 +26,8 @@ from recsys_runner.features import DataNeeds, FeatureSpec
 from recsys_runner.models.lookup import concatenated_lookup, managed_feature_names, pooled_collections
 
 __all__ = ["LINEAR_ROW_WIDTH", "MLP", "DenseArch", "DenseFields", "FMInteraction", "FieldArch", "LinearArch", "ModelConfig",
-           "SparseArch", "check_layer_sizes", "embedding_width_rule", "materialize", "projection_sizes", "store_tables"]
+           "SparseArch", "check_eval_metrics", "check_layer_sizes", "embedding_width_rule", "materialize", "projection_sizes",
+           "store_tables"]
 
 LINEAR_ROW_WIDTH = 4
 """Floats per id in a :class:`LinearArch` table: fbgemm's fused kernels store rows in multiples of 4, so an
@@ -140,6 +141,19 @@ def check_layer_sizes(name: str, sizes: list[int], *, allow_empty: bool = False)
     positive = [s if s > 0 else 1 for s in sizes]
     require(all(s > 0 for s in sizes), f"model.{name}={sizes} has a non-positive layer size. Fix: every size at least 1, "
                                        f"e.g. model.{name}=[{','.join(str(s) for s in positive)}]")
+
+
+def check_eval_metrics(metrics: list[str], eval_negatives: int, items: str, example: str) -> None:
+    """A two-tower or next-item model's own ``model.eval_metrics``: at least one (its task reads an empty list as unset and
+    would log its default metrics, which the user did not ask for), and no ``coverage@<k>`` when ``eval_negatives`` ranks
+    each row against sampled items (coverage counts ``items``, e.g. ``catalogue items``, in the top k of all of them).
+    ``example`` is a list to suggest, e.g. ``hr@10,ndcg@10``."""
+    require(len(metrics) > 0, f"model.eval_metrics=[] lists no metric, and the eval would log the model's default ones instead. "
+                              f"Fix: list the metrics to log, e.g. model.eval_metrics=[{example}], or drop the override for the "
+                              f"default")
+    require(not (eval_negatives and any(m.startswith("coverage@") for m in metrics)),
+            f"model.eval_metrics={list(metrics)}: coverage@<k> counts {items} in the top k, which a ranking against "
+            f"model.eval_negatives={eval_negatives} sampled items has not. Fix: remove coverage@<k>, or model.eval_negatives=0")
 
 
 def projection_sizes(name: str, sizes: list[int | None], embedding_dim: int, model: str, why: str) -> list[int]:

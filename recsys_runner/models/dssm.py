@@ -36,7 +36,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.errors import ConfigError, require
 from recsys_runner.features import DataNeeds, FeatureSpec, check_embedding_dim
-from recsys_runner.models.common import MLP, ModelConfig, SparseArch, check_layer_sizes
+from recsys_runner.models.common import MLP, ModelConfig, SparseArch, check_eval_metrics, check_layer_sizes
 from recsys_runner.models.frequency import FrequencyEstimator, TableFrequency
 from recsys_runner.tasks import InBatchSoftmaxTask
 
@@ -124,13 +124,10 @@ class DSSMConfig(ModelConfig):
         n = self.eval_negatives
         require(n >= 0, f"model.eval_negatives must be >= 0 (0: rank against the whole catalogue), got {n}. Fix: model.eval_negatives=0, "
                 f"or e.g. 100")
+        check_eval_metrics(self.eval_metrics, n, "catalogue items", "inbatch_recall@10,recall@10")
         if not n:
             return
-        require(not any(m.startswith("coverage@") for m in self.eval_metrics),
-                f"model.eval_metrics={list(self.eval_metrics)}: coverage@<k> counts catalogue items in the top k of the whole "
-                f"catalogue, which a ranking against model.eval_negatives={n} sampled items has not. Fix: remove coverage@<k>, "
-                f"or model.eval_negatives=0")
-        require(not self.eval_metrics or any(not m.startswith("inbatch_") for m in self.eval_metrics),
+        require(any(not m.startswith("inbatch_") for m in self.eval_metrics),
                 f"model.eval_negatives={n} ranks each query's item against {n} sampled catalogue items in the full-corpus "
                 f"metrics, but model.eval_metrics={list(self.eval_metrics)} lists only in-batch ones, which it does not change. "
                 f"Fix: add recall@<k>, ndcg@<k> or mrr (e.g. model.eval_metrics=[recall@10,ndcg@10,mrr]), or model.eval_negatives=0")

@@ -43,7 +43,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.errors import ConfigError, require
 from recsys_runner.features import DataNeeds, FeatureSpec, SequenceGroup, check_embedding_dim
-from recsys_runner.models.common import ModelConfig
+from recsys_runner.models.common import ModelConfig, check_eval_metrics
 from recsys_runner.models.fixed_sizes import distinct_positives, flat_positions, real_positions
 from recsys_runner.models.hstu import HSTUBlock, query_and_key_times
 from recsys_runner.models.jagged import host_plus, take, tile
@@ -132,10 +132,7 @@ class SASRecConfig(ModelConfig):
         check_kernel(self.attention_kernel, self.block == "hstu" and self.attention_block > 0,
                      f"model.block={self.block}" if self.block != "hstu" else "model.attention_block=0")
         require(self.eval_negatives >= 0, f"model.eval_negatives must be >= 0 (0: the whole item table), got {self.eval_negatives}")
-        require(not (self.eval_negatives and any(m.startswith("coverage@") for m in self.eval_metrics)),
-                f"model.eval_metrics={list(self.eval_metrics)}: coverage@<k> counts items of the whole table in the top k, "
-                f"which a ranking against model.eval_negatives={self.eval_negatives} sampled items has not. Fix: remove "
-                f"coverage@<k>, or model.eval_negatives=0")
+        check_eval_metrics(self.eval_metrics, self.eval_negatives, "items of the whole table", "hr@10,ndcg@10")
 
     def data_needs(self) -> DataNeeds:
         """Histories whose rows' candidates are the true next items: generated data has no sampled negatives."""
