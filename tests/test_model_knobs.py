@@ -3,10 +3,13 @@ trying each model's keys at unusual and wrong values (dogfood6). Config-only che
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from recsys_runner.configurable import make
 from recsys_runner.errors import ConfigError
+from recsys_runner.models.bst import BSTConfig
 from recsys_runner.models.dssm import DSSMConfig
 from recsys_runner.models.mind import MINDConfig
 from recsys_runner.models.sasrec import SASRecConfig
@@ -19,3 +22,26 @@ def test_an_empty_eval_metrics_list_is_refused(cls: type) -> None:
                                           r"model.eval_metrics=\[\w+@10,"):
         make(cls, eval_metrics=[])
     assert make(cls, eval_metrics=["mrr"]).eval_metrics == ["mrr"]
+
+
+@pytest.mark.parametrize(("cls", "values", "unread", "setting", "read"), [
+    (BSTConfig, {"num_time_buckets": 8}, "model.num_time_buckets=8 has", "model.position=time_gap", {"position": "time_gap"}),
+    (SASRecConfig, {"time_buckets": 16}, "model.time_buckets=16 has", "model.block=hstu", {"block": "hstu"}),
+    (DSSMConfig, {"logq_correction": False, "logq_alpha": 0.1, "logq_buckets": 64},
+     "model.logq_buckets=64, model.logq_alpha=0.1 have", "model.logq_correction=true", {"logq_correction": True}),
+    (MINDConfig, {"logq_correction": False, "logq_source": "item_table"}, "model.logq_source=item_table has",
+     "model.logq_correction=true", {"logq_correction": True}),
+])
+def test_a_key_another_setting_leaves_unread_is_warned_of(caplog: pytest.LogCaptureFixture, cls: type, values: dict[str, object],
+                                                          unread: str, setting: str, read: dict[str, object]) -> None:
+    """A hyperparameter set where the model does not read it (BST's time buckets with recency positions, SASRec's with
+    its own block, the logQ estimator's without the correction) trained the same model as without it, without a word:
+    a sweep over it ran the same run N times. A warning, since an A/B of the setting with the others fixed is meant."""
+    with caplog.at_level(logging.WARNING, logger="recsys_runner.models.common"):
+        make(cls, **values)
+        assert [r.getMessage() for r in caplog.records] == [
+            f"{unread} no effect: the model reads {'it' if unread.endswith(' has') else 'them'} only with {setting}"]
+        caplog.clear()
+        make(cls, **{**values, **read})   # read: no warning
+        make(cls)
+    assert not caplog.records

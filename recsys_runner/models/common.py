@@ -7,8 +7,10 @@ pipelines) is :mod:`recsys_runner.models.train_wrapper`'s.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -27,7 +29,9 @@ from recsys_runner.models.lookup import concatenated_lookup, managed_feature_nam
 
 __all__ = ["LINEAR_ROW_WIDTH", "MLP", "DenseArch", "DenseFields", "FMInteraction", "FieldArch", "LinearArch", "ModelConfig",
            "SparseArch", "check_eval_metrics", "check_layer_sizes", "embedding_width_rule", "materialize", "projection_sizes",
-           "store_tables"]
+           "store_tables", "warn_unread"]
+
+log = logging.getLogger(__name__)
 
 LINEAR_ROW_WIDTH = 4
 """Floats per id in a :class:`LinearArch` table: fbgemm's fused kernels store rows in multiples of 4, so an
@@ -141,6 +145,18 @@ def check_layer_sizes(name: str, sizes: list[int], *, allow_empty: bool = False)
     positive = [s if s > 0 else 1 for s in sizes]
     require(all(s > 0 for s in sizes), f"model.{name}={sizes} has a non-positive layer size. Fix: every size at least 1, "
                                        f"e.g. model.{name}=[{','.join(str(s) for s in positive)}]")
+
+
+def warn_unread(config: ModelConfig, keys: Sequence[str], read: bool, setting: str) -> None:
+    """Warn of ``keys`` of ``config`` set away from their defaults when ``read`` is false: another setting (``setting``, the
+    one under which the model reads them, e.g. ``model.position=time_gap``) leaves them unread, so the run trains the same
+    model whatever their values. A warning, not an error: a sweep or a comparison may toggle that setting with the others
+    fixed (``model.logq_correction=true,false model.logq_alpha=0.05``), and its runs without it are meant."""
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    unread = [f"model.{k}={getattr(config, k)}" for k in keys if not read and getattr(config, k) != defaults[k]]
+    if unread:
+        log.warning("%s %s no effect: the model reads %s only with %s", ", ".join(unread), "has" if len(unread) == 1 else "have",
+                    "it" if len(unread) == 1 else "them", setting)
 
 
 def check_eval_metrics(metrics: list[str], eval_negatives: int, items: str, example: str) -> None:

@@ -36,7 +36,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.errors import ConfigError, require
 from recsys_runner.features import DataNeeds, FeatureSpec, check_embedding_dim
-from recsys_runner.models.common import MLP, ModelConfig, SparseArch, check_eval_metrics, check_layer_sizes
+from recsys_runner.models.common import MLP, ModelConfig, SparseArch, check_eval_metrics, check_layer_sizes, warn_unread
 from recsys_runner.models.frequency import FrequencyEstimator, TableFrequency
 from recsys_runner.tasks import InBatchSoftmaxTask
 
@@ -116,6 +116,7 @@ class DSSMConfig(ModelConfig):
                 "model.index=faiss needs the faiss package, which is not installed. Fix: pip install faiss-cpu, or model.index=exact")
         require(self.corpus_chunk_rows > 0, f"model.corpus_chunk_rows must be positive, got {self.corpus_chunk_rows}. Fix: "
                 f"model.corpus_chunk_rows=8192")
+        warn_unread(self, ["logq_source", "logq_buckets", "logq_alpha"], self.logq_correction, "model.logq_correction=true")
         self._check_eval_negatives()
 
     def _check_eval_negatives(self) -> None:

@@ -43,7 +43,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.errors import ConfigError, require
 from recsys_runner.features import DataNeeds, FeatureSpec, SequenceGroup, check_embedding_dim
-from recsys_runner.models.common import ModelConfig, check_eval_metrics
+from recsys_runner.models.common import ModelConfig, check_eval_metrics, warn_unread
 from recsys_runner.models.fixed_sizes import distinct_positives, flat_positions, real_positions
 from recsys_runner.models.hstu import HSTUBlock, query_and_key_times
 from recsys_runner.models.jagged import host_plus, take, tile
@@ -131,6 +131,7 @@ class SASRecConfig(ModelConfig):
         require(self.attention_block >= 0, f"model.attention_block must be >= 0 (0: padded), got {self.attention_block}")
         check_kernel(self.attention_kernel, self.block == "hstu" and self.attention_block > 0,
                      f"model.block={self.block}" if self.block != "hstu" else "model.attention_block=0")
+        warn_unread(self, ["time_buckets"], self.block == "hstu", "model.block=hstu")
         require(self.eval_negatives >= 0, f"model.eval_negatives must be >= 0 (0: the whole item table), got {self.eval_negatives}")
         check_eval_metrics(self.eval_metrics, self.eval_negatives, "items of the whole table", "hr@10,ndcg@10")
 
