@@ -10,7 +10,9 @@ import pytest
 from recsys_runner.configurable import make
 from recsys_runner.errors import ConfigError
 from recsys_runner.models.bst import BSTConfig
+from recsys_runner.features import FeatureSpec, SparseFeature
 from recsys_runner.models.dssm import DSSMConfig
+from recsys_runner.models.masknet import MaskNetConfig
 from recsys_runner.models.mind import MINDConfig
 from recsys_runner.models.sasrec import SASRecConfig
 
@@ -45,3 +47,16 @@ def test_a_key_another_setting_leaves_unread_is_warned_of(caplog: pytest.LogCapt
         make(cls, **{**values, **read})   # read: no warning
         make(cls)
     assert not caplog.records
+
+
+def test_a_masknet_reduction_ratio_that_leaves_no_aggregation_unit_is_refused() -> None:
+    """Each mask's aggregation layer is ``round(ratio × width)`` wide; a ratio that rounded to 0 was made 1 unit, silently.
+    Serial blocks of 8 at 0.05: the mask over the 12 fields' floats gets 0.6 units (1), over the first block's 8 0.4 (none)."""
+    features = FeatureSpec(dense_names=("x",), sparse=(SparseFeature("a", 10), SparseFeature("b", 10)))
+    config = make(MaskNetConfig, embedding_dim=4, structure="serial", block_sizes=[8, 8], reduction_ratio=0.05, deep_layer_sizes=[])
+    with pytest.raises(ConfigError, match=r"model.reduction_ratio=0.05 makes the aggregation layer of the mask over a 8-wide vector "
+                                          r"0.4 units wide, which rounds to none. Fix: model.reduction_ratio=0.12 or more"):
+        config.build(features=features)
+    model = make(MaskNetConfig, embedding_dim=4, structure="serial", block_sizes=[8, 8], reduction_ratio=0.125,
+                 deep_layer_sizes=[]).build(features=features)
+    assert [block.mask[0].out_features for block in model.blocks] == [2, 1]   # round(0.125 × 12), round(0.125 × 8)
