@@ -9,8 +9,8 @@ import pytest
 
 from recsys_runner.configurable import make
 from recsys_runner.errors import ConfigError
-from recsys_runner.models.bst import BSTConfig
 from recsys_runner.features import FeatureSpec, SparseFeature
+from recsys_runner.models.bst import BSTConfig
 from recsys_runner.models.dssm import DSSMConfig
 from recsys_runner.models.masknet import MaskNetConfig
 from recsys_runner.models.mind import MINDConfig
