@@ -14,6 +14,7 @@ from recsys_runner.models.bst import BSTConfig
 from recsys_runner.models.dssm import DSSMConfig
 from recsys_runner.models.masknet import MaskNetConfig
 from recsys_runner.models.mind import MINDConfig
+from recsys_runner.models.mmoe import MMoEConfig
 from recsys_runner.models.sasrec import SASRecConfig
 
 
@@ -24,6 +25,15 @@ def test_an_empty_eval_metrics_list_is_refused(cls: type) -> None:
                                           r"model.eval_metrics=\[\w+@10,"):
         make(cls, eval_metrics=[])
     assert make(cls, eval_metrics=["mrr"]).eval_metrics == ["mrr"]
+
+
+def test_an_empty_task_eval_metrics_list_is_refused() -> None:
+    """``model.task_specs.<task>.eval_metrics=[]`` logged the task kind's default metrics (or ``metrics.eval``), silently,
+    where the same task's ``train_metrics=[]`` means none."""
+    with pytest.raises(ConfigError, match=r"model.task_specs.ctr.eval_metrics=\[\] lists no metric.*Fix: list the metrics to log, "
+                                          r"e.g. model.task_specs.ctr.eval_metrics=\[auc\]"):
+        make(MMoEConfig, task_specs={"ctr": {"eval_metrics": []}})
+    assert make(MMoEConfig, task_specs={"ctr": {"eval_metrics": ["auc"], "train_metrics": []}}).task_specs["ctr"].train_metrics == []
 
 
 @pytest.mark.parametrize(("cls", "values", "unread", "setting", "read"), [
