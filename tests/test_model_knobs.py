@@ -8,6 +8,8 @@ import logging
 import pytest
 
 from recsys_runner.configurable import make
+from recsys_runner.distributed.config import DistributedConfig
+from recsys_runner.distributed.planner import table_constraints
 from recsys_runner.errors import ConfigError
 from recsys_runner.features import FeatureSpec, SparseFeature
 from recsys_runner.models.bst import BSTConfig
@@ -70,3 +72,19 @@ def test_a_masknet_reduction_ratio_that_leaves_no_aggregation_unit_is_refused() 
     model = make(MaskNetConfig, embedding_dim=4, structure="serial", block_sizes=[8, 8], reduction_ratio=0.125,
                  deep_layer_sizes=[]).build(features=features)
     assert [block.mask[0].out_features for block in model.blocks] == [2, 1]   # round(0.125 × 12), round(0.125 × 8)
+
+
+def test_a_sharding_type_a_history_table_cannot_take_is_a_config_error() -> None:
+    """A history's table (an EmbeddingCollection's: SASRec's, BST's ``item``) given ``table_column_wise``, which only pooled
+    tables take, reached TorchRec's planner: a RuntimeError ("No available sharding type and compute kernel combination
+    ... for item") after the model was built, naming no key. A type it can take among those given is kept."""
+    config = make(DistributedConfig, device="cpu", tables={"item": {"sharding_types": ["table_column_wise"]}})
+    with pytest.raises(ConfigError, match=r"table 'item' is read unpooled .*its sharder takes only \['table_wise', 'column_wise', "
+                                          r"'row_wise'\] on cpu, and the sharding types \['table_column_wise'\] leave nothing else. "
+                                          r"Fix: \+distributed.tables.item.sharding_types=\[table_wise\]"):
+        table_constraints(config, ["item", "t_user"], 1, unpooled={"item"})
+    config = make(DistributedConfig, device="cpu", tables={"item": {"sharding_types": ["table_column_wise", "column_wise"]},
+                                                           "t_user": {"sharding_types": ["table_column_wise"]}})
+    constraints = table_constraints(config, ["item", "t_user"], 1, unpooled={"item"})
+    assert constraints is not None
+    assert (constraints["item"].sharding_types, constraints["t_user"].sharding_types) == (["column_wise"], ["table_column_wise"])
