@@ -13,10 +13,14 @@ from recsys_runner.distributed.planner import table_constraints
 from recsys_runner.errors import ConfigError
 from recsys_runner.features import FeatureSpec, SparseFeature
 from recsys_runner.models.bst import BSTConfig
+from recsys_runner.models.dbmtl import DBMTLConfig
 from recsys_runner.models.dssm import DSSMConfig
+from recsys_runner.models.esmm import ESMMConfig
+from recsys_runner.models.hstu_rank import HSTURankConfig
 from recsys_runner.models.masknet import MaskNetConfig
 from recsys_runner.models.mind import MINDConfig
 from recsys_runner.models.mmoe import MMoEConfig
+from recsys_runner.models.ple import PLEConfig
 from recsys_runner.models.sasrec import SASRecConfig
 
 
@@ -88,3 +92,22 @@ def test_a_sharding_type_a_history_table_cannot_take_is_a_config_error() -> None
     constraints = table_constraints(config, ["item", "t_user"], 1, unpooled={"item"})
     assert constraints is not None
     assert (constraints["item"].sharding_types, constraints["t_user"].sharding_types) == (["column_wise"], ["table_column_wise"])
+
+
+@pytest.mark.parametrize(("cls", "values", "message"), [
+    (MMoEConfig, {"num_experts": 0}, "model.num_experts must be positive, got 0. Fix: e.g. model.num_experts=4"),
+    (MMoEConfig, {"loss_weights": [0, 0]}, "model.loss_weights=[0.0, 0.0] must be >= 0 and not all 0. Fix: e.g. model.loss_weights=null"),
+    (PLEConfig, {"num_levels": 0}, "model.num_levels must be at least 1, got 0. Fix: e.g. model.num_levels=2"),
+    (DBMTLConfig, {"num_experts": -1}, "model.num_experts must be 0 (no expert layer) or more, got -1. Fix: e.g. model.num_experts=0"),
+    (ESMMConfig, {"cvr_weight": -0.5}, "model.cvr_weight must be >= 0, got -0.5. Fix: e.g. model.cvr_weight=0 (that loss off)"),
+    (HSTURankConfig, {"time_buckets": -1}, "model.time_buckets must be >= 0, got -1. Fix: e.g. model.time_buckets=128"),
+    (SASRecConfig, {"num_blocks": 0}, "model.num_blocks must be positive, got 0. Fix: e.g. model.num_blocks=2"),
+    (SASRecConfig, {"attention_block": -1}, "model.attention_block must be >= 0 (0: padded), got -1. Fix: e.g. model.attention_block=32"),
+    (SASRecConfig, {"temperature": 0}, "model.temperature must be positive, got 0.0. Fix: e.g. model.temperature=0.05"),
+    (DSSMConfig, {"temperature": -1}, "model.temperature must be positive, got -1.0. Fix: e.g. model.temperature=0.05"),
+])
+def test_an_out_of_range_count_or_weight_names_the_fix(cls: type, values: dict[str, object], message: str) -> None:
+    """These said what was wrong but not what to set (``model.num_experts must be positive, got 0``), as the other keys do."""
+    with pytest.raises(ConfigError) as raised:
+        make(cls, **values)
+    assert str(raised.value) == message or str(raised.value).startswith(message), str(raised.value)

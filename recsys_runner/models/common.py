@@ -29,7 +29,7 @@ from recsys_runner.models.lookup import concatenated_lookup, managed_feature_nam
 
 __all__ = ["LINEAR_ROW_WIDTH", "MLP", "DenseArch", "DenseFields", "FMInteraction", "FieldArch", "LinearArch", "ModelConfig",
            "SparseArch", "check_eval_metrics", "check_layer_sizes", "embedding_width_rule", "materialize", "projection_sizes",
-           "store_tables", "warn_unread"]
+           "require_count", "store_tables", "warn_unread"]
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +145,14 @@ def check_layer_sizes(name: str, sizes: list[int], *, allow_empty: bool = False)
     positive = [s if s > 0 else 1 for s in sizes]
     require(all(s > 0 for s in sizes), f"model.{name}={sizes} has a non-positive layer size. Fix: every size at least 1, "
                                        f"e.g. model.{name}=[{','.join(str(s) for s in positive)}]")
+
+
+def require_count(config: ModelConfig, key: str, least: int, note: str = "") -> None:
+    """``model.<key>`` (a count) is at least ``least`` (0 or 1), else a :class:`ConfigError` naming the value and, as the fix,
+    the key's default; ``note`` says what the bound means, e.g. `` (0: padded)``."""
+    value, default = getattr(config, key), {f.name: f.default for f in dataclasses.fields(config)}[key]
+    require(value >= least, f"model.{key} must be {'positive' if least == 1 else f'>= {least}'}{note}, got {value}. Fix: e.g. "
+                            f"model.{key}={default}")
 
 
 def warn_unread(config: ModelConfig, keys: Sequence[str], read: bool, setting: str) -> None:

@@ -107,7 +107,7 @@ class DSSMConfig(ModelConfig):
         both = sorted(set(self.user_features) & set(self.item_features))
         require(not both, f"features {both} are in both model.user_features and model.item_features; each belongs to one tower")
         check_layer_sizes("tower_layer_sizes", self.tower_layer_sizes)
-        require(self.temperature > 0, f"model.temperature must be positive, got {self.temperature}")
+        require(self.temperature > 0, f"model.temperature must be positive, got {self.temperature}. Fix: e.g. model.temperature=0.05")
         require(self.logq_buckets is None or self.logq_buckets > 0, f"model.logq_buckets must be positive or null, got {self.logq_buckets}")
         require(self.logq_source in LOGQ_SOURCES, f"model.logq_source={self.logq_source!r} must be one of {list(LOGQ_SOURCES)}")
         require(0 < self.logq_alpha <= 1, f"model.logq_alpha must lie in (0, 1], got {self.logq_alpha}. Fix: model.logq_alpha=0.01")
