@@ -22,6 +22,7 @@ from recsys_runner.models.mind import MINDConfig
 from recsys_runner.models.mmoe import MMoEConfig
 from recsys_runner.models.ple import PLEConfig
 from recsys_runner.models.sasrec import SASRecConfig
+from recsys_runner.overrides import explain
 
 
 @pytest.mark.parametrize("cls", [DSSMConfig, MINDConfig, SASRecConfig])
@@ -111,3 +112,20 @@ def test_an_out_of_range_count_or_weight_names_the_fix(cls: type, values: dict[s
     with pytest.raises(ConfigError) as raised:
         make(cls, **values)
     assert str(raised.value) == message or str(raised.value).startswith(message), str(raised.value)
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    (["model.deep_layer_sizes=[null]"], "model.deep_layer_sizes=[null]: its entry model.deep_layer_sizes[0] (Invalid type assigned: "
+                                        "NoneType is not a subclass of int. value: None). Fix: e.g. its default "
+                                        "model.deep_layer_sizes=[256,128,64]"),
+    (["model=dlrm", "model.dense_arch_layer_sizes=null"], "model.dense_arch_layer_sizes=null: model.dense_arch_layer_sizes is a "
+                                                          "list, not null (field 'model.dense_arch_layer_sizes' is not Optional). "
+                                                          "Fix: e.g. its default model.dense_arch_layer_sizes=[64,null]"),
+])
+def test_a_layer_list_given_a_wrong_entry_or_null_names_a_list_that_composes(overrides: list[str], expected: str) -> None:
+    """An entry of the wrong type (``[null]``, ``[a]``, ``[64.5]``) was Hydra's multi-line "Error merging override" (exit 1);
+    ``null`` for the list was told to write ``[null]``, which fails so. Both now give the default as an override writes it
+    (it was printed as Python's ``[64, None]``)."""
+    with pytest.raises(ConfigError) as raised:
+        explain("config", overrides)
+    assert str(raised.value) == expected
