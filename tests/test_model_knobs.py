@@ -14,6 +14,7 @@ from recsys_runner.errors import ConfigError
 from recsys_runner.features import FeatureSpec, SparseFeature
 from recsys_runner.models.bst import BSTConfig
 from recsys_runner.models.dbmtl import DBMTLConfig
+from recsys_runner.models.din import DINConfig
 from recsys_runner.models.dssm import DSSMConfig
 from recsys_runner.models.esmm import ESMMConfig
 from recsys_runner.models.hstu_rank import HSTURankConfig
@@ -46,6 +47,8 @@ def test_an_empty_task_eval_metrics_list_is_refused() -> None:
 @pytest.mark.parametrize(("cls", "values", "unread", "setting", "read"), [
     (BSTConfig, {"num_time_buckets": 8}, "model.num_time_buckets=8 has", "model.position=time_gap", {"position": "time_gap"}),
     (SASRecConfig, {"time_buckets": 16}, "model.time_buckets=16 has", "model.block=hstu", {"block": "hstu"}),
+    (DINConfig, {"use_history": False, "attention_layer_sizes": [64, 8]}, "model.attention_layer_sizes=[64,8] has",
+     "model.use_history=true", {"use_history": True}),
     (DSSMConfig, {"logq_correction": False, "logq_alpha": 0.1, "logq_buckets": 64},
      "model.logq_buckets=64, model.logq_alpha=0.1 have", "model.logq_correction=true", {"logq_correction": True}),
     (MINDConfig, {"logq_correction": False, "logq_source": "item_table"}, "model.logq_source=item_table has",
@@ -54,7 +57,7 @@ def test_an_empty_task_eval_metrics_list_is_refused() -> None:
 def test_a_key_another_setting_leaves_unread_is_warned_of(caplog: pytest.LogCaptureFixture, cls: type, values: dict[str, object],
                                                           unread: str, setting: str, read: dict[str, object]) -> None:
     """A hyperparameter set where the model does not read it (BST's time buckets with recency positions, SASRec's with
-    its own block, the logQ estimator's without the correction) trained the same model as without it, without a word:
+    its own block, DIN's attention MLP in its ablation without history, the logQ estimator's without the correction) trained the same model as without it, without a word:
     a sweep over it ran the same run N times. A warning, since an A/B of the setting with the others fixed is meant."""
     with caplog.at_level(logging.WARNING, logger="recsys_runner.models.common"):
         make(cls, **values)

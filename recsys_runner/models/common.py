@@ -160,8 +160,9 @@ def warn_unread(config: ModelConfig, keys: Sequence[str], read: bool, setting: s
     one under which the model reads them, e.g. ``model.position=time_gap``) leaves them unread, so the run trains the same
     model whatever their values. A warning, not an error: a sweep or a comparison may toggle that setting with the others
     fixed (``model.logq_correction=true,false model.logq_alpha=0.05``), and its runs without it are meant."""
-    defaults = {f.name: f.default for f in dataclasses.fields(config)}
-    unread = [f"model.{k}={getattr(config, k)}" for k in keys if not read and getattr(config, k) != defaults[k]]
+    defaults = {f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory() for f in dataclasses.fields(config)}
+    shown = {k: f"[{','.join(map(str, v))}]" if isinstance(v := getattr(config, k), list) else v for k in keys}
+    unread = [f"model.{k}={shown[k]}" for k in keys if not read and getattr(config, k) != defaults[k]]
     if unread:
         log.warning("%s %s no effect: the model reads %s only with %s", ", ".join(unread), "has" if len(unread) == 1 else "have",
                     "it" if len(unread) == 1 else "them", setting)
