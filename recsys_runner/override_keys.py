@@ -123,8 +123,11 @@ def unknown_key(config_name: str, chosen: list[Override], single: list[str], key
 
 def wrong_type(config_name: str, chosen: list[Override], single: list[str], cause: ValidationError) -> str | None:
     """``key=value`` whose value the key's type cannot take (``data.batch_size=abc``; a list key given one value without
-    brackets): OmegaConf's reason and a value that fits, the default the config has without this override."""
-    key = str(cause.full_key)  # an entry of a map the override gives whole (+distributed.tables={t: x}): that override;
+    brackets; an entry of a list of the wrong type, ``model.deep_layer_sizes=[null]``, whose key OmegaConf gives as
+    ``model.deep_layer_sizes[0]``): OmegaConf's reason and a value that fits, the default the config has without this
+    override."""
+    key = re.sub(r"\[\d+\]$", "", str(cause.full_key))  # an entry of a list: the list's key
+    # an entry of a map the override gives whole (+distributed.tables={t: x}): that override;
     # not the group's choice (model=dlrm before model.embedding_dim=abc), whose key is a prefix too but whose value no map
     failed = [i for i, o in enumerate(chosen) if o.key_or_group == key
               or (key.startswith(f"{o.key_or_group}.") and isinstance(o.value(), dict))]
@@ -138,8 +141,11 @@ def wrong_type(config_name: str, chosen: list[Override], single: list[str], caus
                                    key, throw_on_missing=False)
     except Exception:  # noqa: BLE001 - the rest does not compose either: Hydra reports that
         return None
-    if isinstance(default, ListConfig) or "is not a ListConfig" in reason:
+    if (isinstance(default, ListConfig) or "is not a ListConfig" in reason) and value != "null" and not value.startswith("["):
         return f"{given}: {key} is a list ({reason}). Fix: {key}=[{value}] (a list in brackets, e.g. {key}=[a,b])"
+    if isinstance(default, ListConfig):  # null for the list, or an entry its type cannot take: the default is the example
+        what = f"its entry {cause.full_key}" if str(cause.full_key) != key else f"{key} is a list, not null"
+        return f"{given}: {what} ({reason}). Fix: e.g. its default {key}={_yaml(default)}"
     example = f", e.g. its default {key}={_yaml(default)}" if default is not None else ""
     return f"{given}: {reason}. Fix: give {key} a value of its type{example}"
 
@@ -168,6 +174,10 @@ def _yaml(value: object) -> str:
     """``value`` as an override writes it (``true``, ``0.05``, ``[64,null]``)."""
     if isinstance(value, ListConfig | DictConfig):
         value = OmegaConf.to_container(value)
+    if isinstance(value, list):  # YAML writes a list as a block, one entry a line: an override writes it in brackets
+        return f"[{','.join(_yaml(v) for v in value)}]"
+    if isinstance(value, dict):
+        return f"{{{', '.join(f'{k}: {_yaml(v)}' for k, v in value.items())}}}"
     text = OmegaConf.to_yaml({"v": value}, sort_keys=False).strip()[3:]
     return text if "\n" not in text else str(value)
 

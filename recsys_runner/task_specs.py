@@ -40,7 +40,7 @@ class TaskSpec:
     """A ``multiclass`` task's number of classes ``C >= 2`` (its label holds ``0..C-1``, its head outputs ``C`` logits);
     required for that kind, refused for any other."""
     eval_metrics: list[str] | None = None
-    """The task's own eval metrics (``[auc, gauc]``); ``null``: its kind's default, else ``metrics.eval``."""
+    """The task's own eval metrics (``[auc, gauc]``, at least one); ``null``: its kind's default, else ``metrics.eval``."""
     train_metrics: list[str] | None = None
     """The task's own decaying train metrics; ``null``: its kind's default, else ``metrics.train``."""
     sample_weight: str | None = None
@@ -57,7 +57,8 @@ def check_task_specs(names: Sequence[str], specs: Mapping[str, TaskSpec], kinds:
 
     Raises:
         ConfigError: naming the key: an unknown task, an unknown kind, a negative weight or all weights 0, a mask naming
-            an unknown or non-binary task or the task itself, a non-positive ``huber_delta``.
+            an unknown or non-binary task or the task itself, a non-positive ``huber_delta``, an empty
+            ``eval_metrics``.
     """
     unknown = sorted(set(specs) - set(names))
     require(not unknown, f"model.task_specs names {unknown}, which are not tasks (model.tasks={list(names)}). Fix: one entry per task")
@@ -72,6 +73,10 @@ def check_task_specs(names: Sequence[str], specs: Mapping[str, TaskSpec], kinds:
     _check_classes(names, specs, resolved_kinds)
     for name, spec in specs.items():
         require(spec.huber_delta > 0, f"model.task_specs.{name}.huber_delta must be positive, got {spec.huber_delta}")
+        require(spec.eval_metrics is None or len(spec.eval_metrics) > 0,
+                f"model.task_specs.{name}.eval_metrics=[] lists no metric, and the task's eval would log its kind's default ones "
+                f"(or metrics.eval) instead. Fix: list the metrics to log, e.g. model.task_specs.{name}.eval_metrics=[auc], or drop "
+                f"it for the default")
         gate = spec.only_where_positive
         if gate is None:
             continue

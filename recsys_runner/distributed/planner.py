@@ -297,8 +297,8 @@ bag instead of one per id (measured on CPU: the forward fails in ``split_with_si
 
 
 def _without_data_parallel(table: str, types: list[str], device_type: str, chosen: list[str] | None, unpooled: bool) -> list[str]:
-    """The sharding types a table that cannot be ``data_parallel`` may take: ``types`` (all its sharder offers on
-    ``device_type`` when empty) without ``data_parallel``. Two kinds of table: an ``unpooled`` one (an
+    """The sharding types a table that cannot be ``data_parallel`` may take: those of ``types`` (all when empty) its sharder
+    offers on ``device_type``, without ``data_parallel``. Two kinds of table: an ``unpooled`` one (an
     EmbeddingCollection's, :data:`_UNPOOLED_DATA_PARALLEL`) and an fp16 one trained by an optimizer with state
     (:data:`_HALF_DATA_PARALLEL`).
 
@@ -306,10 +306,13 @@ def _without_data_parallel(table: str, types: list[str], device_type: str, chose
         ConfigError: the configured types (``chosen``) leave none for the table.
     """
     sharder = EmbeddingCollectionSharder() if unpooled else EmbeddingBagCollectionSharder()
-    offered = types or sharder.sharding_types(device_type)
-    usable = [t for t in offered if t != ShardingType.DATA_PARALLEL.value]
+    own = sharder.sharding_types(device_type)
+    # an unpooled table's sharder offers fewer types than a pooled one's (no table_column_wise): the configured types
+    # it cannot take would otherwise reach TorchRec's planner, whose RuntimeError names no key
+    usable = [t for t in types or own if t != ShardingType.DATA_PARALLEL.value and t in own]
     if not usable:
-        why = _UNPOOLED_DATA_PARALLEL if unpooled else _HALF_DATA_PARALLEL
+        why = (f"{_UNPOOLED_DATA_PARALLEL}; its sharder takes only {[t for t in own if t != ShardingType.DATA_PARALLEL.value]} "
+               f"on {device_type}") if unpooled else _HALF_DATA_PARALLEL
         fix = "" if unpooled else ", or fp32 for its features (precision.embedding_data_type / embedding_data_type_by_feature), or optim/sparse=sgd"
         raise ConfigError(
             f"table {table!r} {why}, and the sharding types {chosen} leave nothing else. "

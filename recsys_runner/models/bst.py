@@ -52,7 +52,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.errors import ConfigError, require
 from recsys_runner.features import DataNeeds, FeatureSpec, SequenceGroup, check_embedding_dim
-from recsys_runner.models.common import MLP, ModelConfig, check_layer_sizes
+from recsys_runner.models.common import MLP, ModelConfig, check_layer_sizes, warn_unread
 from recsys_runner.models.jagged import Tiles, host_plus, row_starts, softmax_attention, tile
 from recsys_runner.models.sequence import History, JaggedHistory, SequenceArch, check_candidates, recency_positions
 
@@ -125,6 +125,7 @@ class BSTConfig(ModelConfig):
                 f"model.attention=jagged (one of {list(ATTENTIONS)})")
         require(self.attention_block >= 1, f"model.attention_block must be at least 1, got {self.attention_block}. "
                 f"Fix: model.attention_block=16")
+        warn_unread(self, ["num_time_buckets"], self.position == "time_gap", "model.position=time_gap")
 
     def data_needs(self) -> DataNeeds:
         """A history to encode: the default generated data becomes ``data=synthetic_sequences``."""

@@ -7,8 +7,10 @@ pipelines) is :mod:`recsys_runner.models.train_wrapper`'s.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -26,7 +28,10 @@ from recsys_runner.features import DataNeeds, FeatureSpec
 from recsys_runner.models.lookup import concatenated_lookup, managed_feature_names, pooled_collections
 
 __all__ = ["LINEAR_ROW_WIDTH", "MLP", "DenseArch", "DenseFields", "FMInteraction", "FieldArch", "LinearArch", "ModelConfig",
-           "SparseArch", "check_layer_sizes", "embedding_width_rule", "materialize", "projection_sizes", "store_tables"]
+           "SparseArch", "check_eval_metrics", "check_layer_sizes", "embedding_width_rule", "materialize", "projection_sizes",
+           "require_count", "store_tables", "warn_unread"]
+
+log = logging.getLogger(__name__)
 
 LINEAR_ROW_WIDTH = 4
 """Floats per id in a :class:`LinearArch` table: fbgemm's fused kernels store rows in multiples of 4, so an
@@ -140,6 +145,40 @@ def check_layer_sizes(name: str, sizes: list[int], *, allow_empty: bool = False)
     positive = [s if s > 0 else 1 for s in sizes]
     require(all(s > 0 for s in sizes), f"model.{name}={sizes} has a non-positive layer size. Fix: every size at least 1, "
                                        f"e.g. model.{name}=[{','.join(str(s) for s in positive)}]")
+
+
+def require_count(config: ModelConfig, key: str, least: int, note: str = "") -> None:
+    """``model.<key>`` (a count) is at least ``least`` (0 or 1), else a :class:`ConfigError` naming the value and, as the fix,
+    the key's default; ``note`` says what the bound means, e.g. `` (0: padded)``."""
+    value, default = getattr(config, key), {f.name: f.default for f in dataclasses.fields(config)}[key]
+    require(value >= least, f"model.{key} must be {'positive' if least == 1 else f'>= {least}'}{note}, got {value}. Fix: e.g. "
+                            f"model.{key}={default}")
+
+
+def warn_unread(config: ModelConfig, keys: Sequence[str], read: bool, setting: str) -> None:
+    """Warn of ``keys`` of ``config`` set away from their defaults when ``read`` is false: another setting (``setting``, the
+    one under which the model reads them, e.g. ``model.position=time_gap``) leaves them unread, so the run trains the same
+    model whatever their values. A warning, not an error: a sweep or a comparison may toggle that setting with the others
+    fixed (``model.logq_correction=true,false model.logq_alpha=0.05``), and its runs without it are meant."""
+    defaults = {f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory() for f in dataclasses.fields(config)}
+    shown = {k: f"[{','.join(map(str, v))}]" if isinstance(v := getattr(config, k), list) else v for k in keys}
+    unread = [f"model.{k}={shown[k]}" for k in keys if not read and getattr(config, k) != defaults[k]]
+    if unread:
+        log.warning("%s %s no effect: the model reads %s only with %s", ", ".join(unread), "has" if len(unread) == 1 else "have",
+                    "it" if len(unread) == 1 else "them", setting)
+
+
+def check_eval_metrics(metrics: list[str], eval_negatives: int, items: str, example: str) -> None:
+    """A two-tower or next-item model's own ``model.eval_metrics``: at least one (its task reads an empty list as unset and
+    would log its default metrics, which the user did not ask for), and no ``coverage@<k>`` when ``eval_negatives`` ranks
+    each row against sampled items (coverage counts ``items``, e.g. ``catalogue items``, in the top k of all of them).
+    ``example`` is a list to suggest, e.g. ``hr@10,ndcg@10``."""
+    require(len(metrics) > 0, f"model.eval_metrics=[] lists no metric, and the eval would log the model's default ones instead. "
+                              f"Fix: list the metrics to log, e.g. model.eval_metrics=[{example}], or drop the override for the "
+                              f"default")
+    require(not (eval_negatives and any(m.startswith("coverage@") for m in metrics)),
+            f"model.eval_metrics={list(metrics)}: coverage@<k> counts {items} in the top k, which a ranking against "
+            f"model.eval_negatives={eval_negatives} sampled items has not. Fix: remove coverage@<k>, or model.eval_negatives=0")
 
 
 def projection_sizes(name: str, sizes: list[int | None], embedding_dim: int, model: str, why: str) -> list[int]:

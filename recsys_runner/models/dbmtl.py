@@ -61,7 +61,8 @@ class DBMTLConfig(MultiTaskConfig):
         check_embedding_dim("model.embedding_dim", self.embedding_dim)
         require(all(s > 0 for s in self.bottom_layer_sizes),
                 f"model.bottom_layer_sizes={self.bottom_layer_sizes} has a non-positive layer size (use [] for no bottom MLP)")
-        require(self.num_experts >= 0, f"model.num_experts must be 0 (no expert layer) or more, got {self.num_experts}")
+        require(self.num_experts >= 0, f"model.num_experts must be 0 (no expert layer) or more, got {self.num_experts}. "
+                                       f"Fix: e.g. model.num_experts=0, or 3")
         check_layer_sizes("expert_layer_sizes", self.expert_layer_sizes)
         check_layer_sizes("tower_layer_sizes", self.tower_layer_sizes)
         check_layer_sizes("relation_layer_sizes", self.relation_layer_sizes)

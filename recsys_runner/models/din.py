@@ -31,7 +31,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.errors import require
 from recsys_runner.features import DataNeeds, FeatureSpec, check_embedding_dim
-from recsys_runner.models.common import MLP, ModelConfig, check_layer_sizes
+from recsys_runner.models.common import MLP, ModelConfig, check_layer_sizes, warn_unread
 from recsys_runner.models.sequence import SequenceArch, check_candidates
 
 __all__ = ["ATTENTIONS", "DIN", "DINConfig", "TargetAttention"]
@@ -63,6 +63,7 @@ class DINConfig(ModelConfig):
         check_embedding_dim("model.embedding_dim", self.embedding_dim)
         require(self.attention in ATTENTIONS, f"model.attention={self.attention!r} must be one of {list(ATTENTIONS)}")
         check_layer_sizes("attention_layer_sizes", self.attention_layer_sizes)
+        warn_unread(self, ["attention_layer_sizes"], self.use_history, "model.use_history=true")
         check_layer_sizes("deep_layer_sizes", self.deep_layer_sizes)
 
     def data_needs(self) -> DataNeeds:

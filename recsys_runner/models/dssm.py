@@ -36,7 +36,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.errors import ConfigError, require
 from recsys_runner.features import DataNeeds, FeatureSpec, check_embedding_dim
-from recsys_runner.models.common import MLP, ModelConfig, SparseArch, check_layer_sizes
+from recsys_runner.models.common import MLP, ModelConfig, SparseArch, check_eval_metrics, check_layer_sizes, warn_unread
 from recsys_runner.models.frequency import FrequencyEstimator, TableFrequency
 from recsys_runner.tasks import InBatchSoftmaxTask
 
@@ -107,7 +107,7 @@ class DSSMConfig(ModelConfig):
         both = sorted(set(self.user_features) & set(self.item_features))
         require(not both, f"features {both} are in both model.user_features and model.item_features; each belongs to one tower")
         check_layer_sizes("tower_layer_sizes", self.tower_layer_sizes)
-        require(self.temperature > 0, f"model.temperature must be positive, got {self.temperature}")
+        require(self.temperature > 0, f"model.temperature must be positive, got {self.temperature}. Fix: e.g. model.temperature=0.05")
         require(self.logq_buckets is None or self.logq_buckets > 0, f"model.logq_buckets must be positive or null, got {self.logq_buckets}")
         require(self.logq_source in LOGQ_SOURCES, f"model.logq_source={self.logq_source!r} must be one of {list(LOGQ_SOURCES)}")
         require(0 < self.logq_alpha <= 1, f"model.logq_alpha must lie in (0, 1], got {self.logq_alpha}. Fix: model.logq_alpha=0.01")
@@ -116,6 +116,7 @@ class DSSMConfig(ModelConfig):
                 "model.index=faiss needs the faiss package, which is not installed. Fix: pip install faiss-cpu, or model.index=exact")
         require(self.corpus_chunk_rows > 0, f"model.corpus_chunk_rows must be positive, got {self.corpus_chunk_rows}. Fix: "
                 f"model.corpus_chunk_rows=8192")
+        warn_unread(self, ["logq_source", "logq_buckets", "logq_alpha"], self.logq_correction, "model.logq_correction=true")
         self._check_eval_negatives()
 
     def _check_eval_negatives(self) -> None:
@@ -124,13 +125,10 @@ class DSSMConfig(ModelConfig):
         n = self.eval_negatives
         require(n >= 0, f"model.eval_negatives must be >= 0 (0: rank against the whole catalogue), got {n}. Fix: model.eval_negatives=0, "
                 f"or e.g. 100")
+        check_eval_metrics(self.eval_metrics, n, "catalogue items", "inbatch_recall@10,recall@10")
         if not n:
             return
-        require(not any(m.startswith("coverage@") for m in self.eval_metrics),
-                f"model.eval_metrics={list(self.eval_metrics)}: coverage@<k> counts catalogue items in the top k of the whole "
-                f"catalogue, which a ranking against model.eval_negatives={n} sampled items has not. Fix: remove coverage@<k>, "
-                f"or model.eval_negatives=0")
-        require(not self.eval_metrics or any(not m.startswith("inbatch_") for m in self.eval_metrics),
+        require(any(not m.startswith("inbatch_") for m in self.eval_metrics),
                 f"model.eval_negatives={n} ranks each query's item against {n} sampled catalogue items in the full-corpus "
                 f"metrics, but model.eval_metrics={list(self.eval_metrics)} lists only in-batch ones, which it does not change. "
                 f"Fix: add recall@<k>, ndcg@<k> or mrr (e.g. model.eval_metrics=[recall@10,ndcg@10,mrr]), or model.eval_negatives=0")

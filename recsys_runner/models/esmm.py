@@ -91,7 +91,8 @@ class ESMMConfig(ModelConfig):
                 f"whether each impression would convert if clicked. Fix: model.conversion_truth=cvr_if_clicked, or null")
         weights = {"ctr_weight": self.ctr_weight, "ctcvr_weight": self.ctcvr_weight, "cvr_weight": self.cvr_weight}
         negative = {k: v for k, v in weights.items() if v < 0}
-        require(not negative, f"model.{', model.'.join(negative)} must be >= 0, got {negative}")
+        require(not negative, f"model.{', model.'.join(negative)} must be >= 0, got {', '.join(map(str, negative.values()))}. Fix: e.g. "
+                              f"model.{next(iter(negative), '')}=0 (that loss off)")
         require(self.ctcvr_weight > 0 or self.cvr_weight > 0,
                 "model.ctcvr_weight=0 and model.cvr_weight=0: the CVR tower would get no gradient. Fix: model.ctcvr_weight=1 "
                 "(ESMM), or model.cvr_weight=1 with model.ctcvr_weight=0 (the naive CVR model on clicked rows)")

@@ -48,7 +48,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recsys_runner.errors import require
 from recsys_runner.features import DataNeeds, FeatureSpec, check_embedding_dim
 from recsys_runner.host_lengths import values_on_host
-from recsys_runner.models.common import check_layer_sizes
+from recsys_runner.models.common import check_layer_sizes, require_count
 from recsys_runner.models.hstu import HSTUBlock
 from recsys_runner.models.jagged import row_starts, tile
 from recsys_runner.models.jagged_kernels import check_kernel
@@ -198,10 +198,9 @@ class HSTURankConfig(MultiTaskConfig):
                     "model.loss_weights, model.task_kinds and model.task_specs describe tasks, but model.tasks=[] (the "
                     "data's one label). Fix: name the tasks, e.g. model.tasks=[ctr,cvr], or drop those keys")
         check_embedding_dim("model.embedding_dim", self.embedding_dim)
-        for key in ("num_layers", "num_heads", "attention_block"):
-            require(getattr(self, key) > 0, f"model.{key} must be positive, got {getattr(self, key)}")
-        require(0 <= self.dropout < 1, f"model.dropout must lie in [0, 1), got {self.dropout}")
-        require(self.time_buckets >= 0, f"model.time_buckets must be >= 0, got {self.time_buckets}")
+        for key, least in (("num_layers", 1), ("num_heads", 1), ("attention_block", 1), ("time_buckets", 0)):
+            require_count(self, key, least)
+        require(0 <= self.dropout < 1, f"model.dropout must lie in [0, 1), got {self.dropout}. Fix: e.g. model.dropout=0.1")
         require(self.attention in ATTENTIONS, f"model.attention={self.attention!r} must be one of {list(ATTENTIONS)}")
         check_kernel(self.attention_kernel, self.attention == "jagged", "model.attention=padded")
         check_layer_sizes("deep_layer_sizes", self.deep_layer_sizes)

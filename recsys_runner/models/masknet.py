@@ -92,8 +92,11 @@ class MaskBlock(nn.Module):
         emb_dim: ``W``, the width of ``v_emb`` (what every mask reads).
         in_dim: width of the masked input ``x`` (``W`` when it is the fields, else the previous block's output).
         out_dim: the block's output width.
-        reduction_ratio: aggregation width over ``in_dim``.
+        reduction_ratio: aggregation width over ``in_dim`` (rounded).
         device: device of the weights.
+
+    Raises:
+        ConfigError: a ratio whose aggregation layer rounds to no unit (it was made 1 wide, silently).
 
     Example::
 
@@ -106,7 +109,10 @@ class MaskBlock(nn.Module):
 
     def __init__(self, emb_dim: int, in_dim: int, out_dim: int, reduction_ratio: float, device: torch.device | None = None) -> None:
         super().__init__()
-        aggregation = max(1, round(reduction_ratio * in_dim))
+        aggregation = round(reduction_ratio * in_dim)
+        require(aggregation >= 1, f"model.reduction_ratio={reduction_ratio} makes the aggregation layer of the mask over a {in_dim}-wide "
+                f"vector {reduction_ratio * in_dim:.3g} units wide, which rounds to none. Fix: model.reduction_ratio="
+                f"{1 / in_dim:.2g} or more (one unit), e.g. model.reduction_ratio=3")
         self.mask = nn.Sequential(nn.Linear(emb_dim, aggregation, device=device), nn.ReLU(),
                                   nn.Linear(aggregation, in_dim, device=device))
         self.hidden = nn.Linear(in_dim, out_dim, bias=False, device=device)

@@ -19,9 +19,8 @@ import torch
 from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsys_runner.errors import require
 from recsys_runner.features import FeatureSpec, check_embedding_dim
-from recsys_runner.models.common import SparseArch, check_layer_sizes
+from recsys_runner.models.common import SparseArch, check_layer_sizes, require_count
 from recsys_runner.models.multitask import Experts, Gate, MultiTaskConfig, Tower
 
 
@@ -43,7 +42,7 @@ class MMoEConfig(MultiTaskConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_embedding_dim("model.embedding_dim", self.embedding_dim)
-        require(self.num_experts > 0, f"model.num_experts must be positive, got {self.num_experts}")
+        require_count(self, "num_experts", 1)
         check_layer_sizes("expert_layer_sizes", self.expert_layer_sizes)
         check_layer_sizes("tower_layer_sizes", self.tower_layer_sizes)
 

@@ -50,7 +50,7 @@ class MultiTaskConfig(ModelConfig):
                     f"model.loss_weights={self.loss_weights} has {len(self.loss_weights)} entries but model.tasks={self.tasks} "
                     f"has {len(self.tasks)}. Fix: one weight per task, or model.loss_weights=null")
             require(all(w >= 0 for w in self.loss_weights) and sum(self.loss_weights) > 0,
-                    f"model.loss_weights={self.loss_weights} must be >= 0 and not all 0")
+                    f"model.loss_weights={self.loss_weights} must be >= 0 and not all 0. Fix: e.g. model.loss_weights=null (all 1)")
         if self.task_kinds is not None:
             require(len(self.task_kinds) == len(self.tasks),
                     f"model.task_kinds={self.task_kinds} has {len(self.task_kinds)} entries but model.tasks={self.tasks} has "

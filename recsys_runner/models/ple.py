@@ -57,7 +57,7 @@ class PLEConfig(MultiTaskConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_embedding_dim("model.embedding_dim", self.embedding_dim)
-        require(self.num_levels >= 1, f"model.num_levels must be at least 1, got {self.num_levels}")
+        require(self.num_levels >= 1, f"model.num_levels must be at least 1, got {self.num_levels}. Fix: e.g. model.num_levels=2")
         require(self.num_shared_experts >= 1,
                 f"model.num_shared_experts={self.num_shared_experts}: every PLE level needs at least one shared expert (each task's "
                 f"gate mixes them, and they carry what the tasks share to the next level). Fix: model.num_shared_experts=1 or "

@@ -43,7 +43,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_runner.errors import ConfigError, require
 from recsys_runner.features import DataNeeds, FeatureSpec, SequenceGroup, check_embedding_dim
-from recsys_runner.models.common import ModelConfig
+from recsys_runner.models.common import ModelConfig, check_eval_metrics, require_count, warn_unread
 from recsys_runner.models.fixed_sizes import distinct_positives, flat_positions, real_positions
 from recsys_runner.models.hstu import HSTUBlock, query_and_key_times
 from recsys_runner.models.jagged import host_plus, take, tile
@@ -121,21 +121,17 @@ class SASRecConfig(ModelConfig):
     def __post_init__(self) -> None:
         check_embedding_dim("model.embedding_dim", self.embedding_dim)
         require(self.block in BLOCKS, f"model.block={self.block!r} must be one of {list(BLOCKS)}, e.g. model.block=hstu")
-        require(self.num_blocks > 0, f"model.num_blocks must be positive, got {self.num_blocks}")
-        require(self.num_heads > 0, f"model.num_heads must be positive, got {self.num_heads}")
+        for key, least, note in (("num_blocks", 1, ""), ("num_heads", 1, ""), ("time_buckets", 0, ""), ("attention_block", 0, " (0: padded)"),
+                                 ("eval_negatives", 0, " (0: the whole item table)")):
+            require_count(self, key, least, note)
         require(self.embedding_dim % self.num_heads == 0, f"model.num_heads={self.num_heads} must divide model.embedding_dim="
                 f"{self.embedding_dim} (each head takes an equal share). Fix: model.num_heads=1, or a divisor of it")
-        require(0 <= self.dropout < 1, f"model.dropout must lie in [0, 1), got {self.dropout}")
-        require(self.temperature > 0, f"model.temperature must be positive, got {self.temperature}")
-        require(self.time_buckets >= 0, f"model.time_buckets must be >= 0, got {self.time_buckets}")
-        require(self.attention_block >= 0, f"model.attention_block must be >= 0 (0: padded), got {self.attention_block}")
+        require(0 <= self.dropout < 1, f"model.dropout must lie in [0, 1), got {self.dropout}. Fix: e.g. model.dropout=0.2")
+        require(self.temperature > 0, f"model.temperature must be positive, got {self.temperature}. Fix: e.g. model.temperature=0.05")
         check_kernel(self.attention_kernel, self.block == "hstu" and self.attention_block > 0,
                      f"model.block={self.block}" if self.block != "hstu" else "model.attention_block=0")
-        require(self.eval_negatives >= 0, f"model.eval_negatives must be >= 0 (0: the whole item table), got {self.eval_negatives}")
-        require(not (self.eval_negatives and any(m.startswith("coverage@") for m in self.eval_metrics)),
-                f"model.eval_metrics={list(self.eval_metrics)}: coverage@<k> counts items of the whole table in the top k, "
-                f"which a ranking against model.eval_negatives={self.eval_negatives} sampled items has not. Fix: remove "
-                f"coverage@<k>, or model.eval_negatives=0")
+        warn_unread(self, ["time_buckets"], self.block == "hstu", "model.block=hstu")
+        check_eval_metrics(self.eval_metrics, self.eval_negatives, "items of the whole table", "hr@10,ndcg@10")
 
     def data_needs(self) -> DataNeeds:
         """Histories whose rows' candidates are the true next items: generated data has no sampled negatives."""
