@@ -1,7 +1,8 @@
 """Export for serving: the trained model as a torch.export program that a fresh process loads with torch alone.
 
 Each case trains a few real steps through the CLI's ``run``, exports the checkpoint, loads ``model.pt2``
-in a new Python process that imports only torch (asserted), and compares its output on an eval batch
+in a Python process of its own that imports only torch (asserted; one such process serves a test process's every
+export, :func:`run_fresh`), and compares its output on an eval batch
 with the trained model's: the sharded DistributedModelParallel model restored from the same checkpoint
 by the training build. Tolerance: ``atol=1e-5, rtol=1e-5`` (fbgemm's CPU embedding kernels, which the
 sharded model runs, may sum a bag in another order than ATen's ``embedding_bag``; the exported program
@@ -10,6 +11,7 @@ itself matches the eager unsharded model to ``EXACT_ATOL`` = 1e-6, checked by th
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import json
@@ -18,6 +20,8 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,20 +50,27 @@ SMALL = ["data.batch_size=64", "data.num_train_rows=1024", "data.num_eval_rows=2
          "train.log_every_steps=3", "train.eval_max_batches=1"]
 ATOL = RTOL = 1e-5
 
-# Runs in a fresh interpreter: torch only. Loads each program, runs it on its saved inputs, saves its output
-# (arguments: program, inputs, output, repeated), and fails if anything of recsys_runner, Hydra, TorchRec or
-# fbgemm_gpu was imported.
+# Runs in an interpreter of its own that imports torch only, started once per test process (:func:`run_fresh`): for each
+# request line from stdin (JSON: a list of [program, inputs, output] files) it loads each program anew, runs it on its
+# saved inputs and saves its output, then answers one line: "LOADED ok", or "LOADED " and the error, among them any
+# module of recsys_runner, Hydra, TorchRec or fbgemm_gpu found imported.
 LOADER = """
-import sys, torch
-args = sys.argv[1:]
-for program_file, inputs_file, output_file in zip(args[0::3], args[1::3], args[2::3]):
-    program = torch.export.load(program_file).module()
-    dense, values, lengths = torch.load(inputs_file)
-    with torch.no_grad():
-        torch.save(program(dense, values, lengths), output_file)
-leaked = sorted(m for m in sys.modules if m.split(".")[0] in ("recsys_runner", "hydra", "omegaconf", "torchrec", "fbgemm_gpu"))
-assert not leaked, leaked
+import json, sys, traceback, torch
+for request in sys.stdin:
+    try:
+        for program_file, inputs_file, output_file in json.loads(request):
+            program = torch.export.load(program_file).module()
+            dense, values, lengths = torch.load(inputs_file)
+            with torch.no_grad():
+                torch.save(program(dense, values, lengths), output_file)
+        leaked = sorted(m for m in sys.modules if m.split(".")[0] in ("recsys_runner", "hydra", "omegaconf", "torchrec", "fbgemm_gpu"))
+        answer = f"imported {leaked}" if leaked else "ok"
+    except Exception:
+        answer = traceback.format_exc()
+    print("LOADED " + json.dumps(answer), flush=True)
 """
+LOADER_TIMEOUT_S = 300
+"""How long one request to the loader may take (it loaded in a fresh process within ``subprocess.run``'s 300 s)."""
 
 
 @pytest.fixture
@@ -94,16 +105,60 @@ def train_and_score(make_cfg: Callable[..., DictConfig], checkpoints: Path, *ove
         c.close()
 
 
+class _TorchOnly:
+    """The :data:`LOADER` process of this test process: started on first use, in an empty directory of its own and without
+    ``PYTHONPATH`` (nothing of this checkout importable), ended when the test process exits. One interpreter start (torch
+    and torch.export's imports: ~10 s on a loaded 2-core machine) for every export this process checks, not one each;
+    each program is loaded anew from its file, and what the process has imported is checked after every request."""
+
+    process: subprocess.Popen[str] | None = None
+    stderr: Path | None = None
+
+    @classmethod
+    def run(cls, calls: list[list[str]]) -> None:
+        if cls.process is None or cls.process.poll() is not None:
+            home = Path(tempfile.mkdtemp(prefix="torch_only_"))
+            cls.stderr = home / "stderr"
+            env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+            with open(cls.stderr, "w") as err:
+                cls.process = subprocess.Popen([sys.executable, "-c", LOADER], cwd=home, env=env, stdin=subprocess.PIPE,
+                                               stdout=subprocess.PIPE, stderr=err, text=True)
+            atexit.register(cls.close)
+        process = cls.process
+        assert process.stdin is not None and process.stdout is not None
+        process.stdin.write(json.dumps(calls) + "\n")
+        process.stdin.flush()
+        watchdog = threading.Timer(LOADER_TIMEOUT_S, process.kill)  # stuck: killed, and its stdout ends
+        watchdog.start()
+        try:
+            line = process.stdout.readline()
+            while line and not line.startswith("LOADED "):  # anything else the programs printed
+                line = process.stdout.readline()
+        finally:
+            watchdog.cancel()
+        if not line:  # the next call starts a new one
+            cls.close()
+            raise AssertionError(f"the torch-only loader died or ran past {LOADER_TIMEOUT_S} s: "
+                                 f"{cls.stderr.read_text()[-3000:] if cls.stderr else ''}")
+        answer = json.loads(line.removeprefix("LOADED "))
+        assert answer == "ok", answer
+
+    @classmethod
+    def close(cls) -> None:
+        if cls.process is not None and cls.process.poll() is None:
+            cls.process.kill()
+            cls.process.wait()
+        cls.process = None
+
+
 def run_fresh(directory: Path, tmp_path: Path, calls: list[tuple[str, tuple[torch.Tensor, ...]]]) -> list[object]:
-    """Each ``(file, inputs)`` of ``calls``: the program ``directory/file`` run on ``inputs``, all in one new interpreter
-    that imports only torch; their outputs."""
-    args = []
+    """Each ``(file, inputs)`` of ``calls``: the program ``directory/file`` run on ``inputs`` in an interpreter that imports
+    only torch (:class:`_TorchOnly`); their outputs."""
+    files = []
     for i, (file, inputs) in enumerate(calls):
         torch.save(inputs, tmp_path / f"inputs{i}.pt")
-        args += [str(directory / file), str(tmp_path / f"inputs{i}.pt"), str(tmp_path / f"output{i}.pt")]
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run([sys.executable, "-c", LOADER, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+        files.append([str(directory / file), str(tmp_path / f"inputs{i}.pt"), str(tmp_path / f"output{i}.pt")])
+    _TorchOnly.run(files)
     return [torch.load(tmp_path / f"output{i}.pt") for i in range(len(calls))]
 
 
