@@ -188,14 +188,27 @@ def check_export(make_cfg, export_cfg, tmp_path: Path, *overrides: str, load: st
     return spec, batch, expected
 
 
+DEEPFM_EXPERIMENT = "test_deepfm_export_loads_without_recsys_runner_and_scores_like_the_trained_model"
+"""Where :func:`deepfm_trained` trains: the experiment that test's export (``export_cfg``: the test's name) logs to."""
+
+
+@pytest.fixture(scope="module")
+def deepfm_trained(mlflow_uri: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Batch, torch.Tensor]:
+    """DeepFM (the default model) trained with SMALL, once for the module's tests that export it: its checkpoints root,
+    the eval batch and the trained model's logits on it (:func:`train_and_score`)."""
+    root = tmp_path_factory.mktemp("deepfm")
+    batch, expected = train_and_score(_composer("config", mlflow_uri, DEEPFM_EXPERIMENT), root / "ck")
+    return root / "ck", batch, expected
+
+
 def test_deepfm_export_loads_without_recsys_runner_and_scores_like_the_trained_model(
-        make_cfg, export_cfg, mlflow_uri: str, tmp_path: Path) -> None:
-    batch, expected = train_and_score(make_cfg, tmp_path / "ck")
+        deepfm_trained: tuple[Path, Batch, torch.Tensor], export_cfg, mlflow_uri: str, tmp_path: Path) -> None:
+    checkpoints, batch, expected = deepfm_trained
     client = MlflowClient(tracking_uri=mlflow_uri)
     (experiment,) = [e for e in client.search_experiments() if e.name.startswith("test_deepfm_export")]
-    (trained,) = client.search_runs([experiment.experiment_id])
+    (trained,) = [r for r in client.search_runs([experiment.experiment_id]) if r.data.tags.get("entry") != "export"]
     source = trained.info.run_id
-    assert trained.data.tags["checkpoint_dir"] == str((tmp_path / "ck").absolute())
+    assert trained.data.tags["checkpoint_dir"] == str(checkpoints.absolute())
 
     # load= an MLflow run id: its checkpoint_dir tag names the checkpoints
     out = export.run(export_cfg(*SMALL, f"load={source}", f"export.dir={tmp_path / 'export'}"))
@@ -223,7 +236,7 @@ def test_deepfm_export_loads_without_recsys_runner_and_scores_like_the_trained_m
 
     # the same checkpoint under another model's config: refused, naming the fix
     with pytest.raises(CheckpointError, match="does not match this model config.*Fix: give the same model="):
-        export.run(export_cfg(*SMALL, "model=dlrm", f"load={tmp_path / 'ck'}", f"export.dir={tmp_path / 'x'}"))
+        export.run(export_cfg(*SMALL, "model=dlrm", f"load={checkpoints}", f"export.dir={tmp_path / 'x'}"))
 
 
 EVERY_MODEL = ["dlrm", "dcn_v2", "wide_deep", "mmoe", "dssm"]
@@ -371,13 +384,13 @@ def test_a_model_that_cannot_be_exported_is_named_with_the_reason() -> None:
 
 
 def test_export_refuses_a_used_dir_before_building_and_overwrite_replaces_the_whole_export(
-        make_cfg, export_cfg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    train_run(make_cfg(*SMALL, f"checkpoint.dir={tmp_path / 'ck'}"))
+        deepfm_trained: tuple[Path, Batch, torch.Tensor], export_cfg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    checkpoints = deepfm_trained[0]
     out = tmp_path / "export"
     out.mkdir()
     for stale in ("model.pt2", "feature_spec.json", "user_tower.pt2", "item_tower.pt2"):  # an earlier DSSM export
         (out / stale).write_text("dssm")
-    cfg = [*SMALL, f"load={tmp_path / 'ck'}", f"export.dir={out}"]
+    cfg = [*SMALL, f"load={checkpoints}", f"export.dir={out}"]
 
     def no_build(*_: object) -> None:
         raise AssertionError("the model was built before export.dir was refused")
@@ -389,11 +402,11 @@ def test_export_refuses_a_used_dir_before_building_and_overwrite_replaces_the_wh
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
     with pytest.raises(ConfigError, match=r"holds \['notes.txt'\], which no export writes; export.overwrite=true replaces only"):
-        export.run(export_cfg(*SMALL, f"load={tmp_path / 'ck'}", f"export.dir={tmp_path / 'other'}", "export.overwrite=true"))
+        export.run(export_cfg(*SMALL, f"load={checkpoints}", f"export.dir={tmp_path / 'other'}", "export.overwrite=true"))
     under_a_file = tmp_path / "other" / "notes.txt" / "export"  # not a raw NotADirectoryError once the model is traced
     with pytest.raises(ConfigError, match=rf"export.dir={under_a_file} cannot be written: a file is in the place of its parent "
                                           rf"folder {tmp_path / 'other' / 'notes.txt'}\. Fix: move or remove"):
-        export.run(export_cfg(*SMALL, f"load={tmp_path / 'ck'}", f"export.dir={under_a_file}"))
+        export.run(export_cfg(*SMALL, f"load={checkpoints}", f"export.dir={under_a_file}"))
     monkeypatch.undo()
 
     # overwrite: the DeepFM export replaces the DSSM one as a whole (no tower files left beside it)
@@ -401,7 +414,7 @@ def test_export_refuses_a_used_dir_before_building_and_overwrite_replaces_the_wh
     written = {"model.pt2", "feature_spec.json", "example.pt", "manifest.json"}
     assert {p.name for p in out.iterdir()} == written
     assert json.loads((out / export.FEATURE_SPEC_FILE).read_text())["model"] == "DeepFM"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "export", "other"]  # no temporary sibling left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "other"]  # no temporary sibling left
 
     # stopped after every file is written (Ctrl-C, or the lifecycle's SIGTERM) but before the move: the export in place
     # stays whole and the temporary directory is gone
@@ -417,7 +430,7 @@ def test_export_refuses_a_used_dir_before_building_and_overwrite_replaces_the_wh
     with pytest.raises(KeyboardInterrupt):
         export.run(export_cfg(*cfg, "export.overwrite=true"))
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "export", "other"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "other"]
 
 
 class StoppedWhileTraced(nn.Module):
