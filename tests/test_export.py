@@ -1,4 +1,4 @@
-"""Export for serving: the trained model as a torch.export program that a fresh process loads with torch alone.
+"""Export for serving: the trained model as a torch.export program that a process of torch alone loads.
 
 Each case trains a few real steps through the CLI's ``run``, exports the checkpoint, loads ``model.pt2``
 in a Python process of its own that imports only torch (asserted; one such process serves a test process's every
@@ -70,7 +70,7 @@ for request in sys.stdin:
     print("LOADED " + json.dumps(answer), flush=True)
 """
 LOADER_TIMEOUT_S = 300
-"""How long one request to the loader may take (it loaded in a fresh process within ``subprocess.run``'s 300 s)."""
+"""How long one request to the loader may take (a process per request had ``subprocess.run``'s 300 s)."""
 
 
 @pytest.fixture
@@ -263,8 +263,8 @@ def _composer(config_name: str, mlflow_uri: str, experiment: str) -> Callable[..
 @pytest.fixture(scope="module")
 def every_model(mlflow_uri: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Each of :data:`EVERY_MODEL` trained a few steps and exported (a folder and an experiment each), then every program
-    (each model's ``model.pt2``, DSSM's tower programs too) run in one fresh interpreter that imports only torch: one
-    start for the five models, not five. Per model: its export folder, spec, batch, trained logits and the programs'
+    (each model's ``model.pt2``, DSSM's tower programs too) run in one request to the process that imports only torch
+    (:func:`run_fresh`). Per model: its export folder, spec, batch, trained logits and the programs'
     outputs, or the exception its training or export raised (re-raised by that model's test)."""
     done: dict[str, Any] = {}
     calls: list[tuple[str, tuple[torch.Tensor, ...]]] = []
@@ -299,7 +299,7 @@ def test_every_model_exports_and_scores_like_the_trained_model(every_model: dict
     if isinstance(entry, Exception):
         raise entry
     spec, batch, expected = entry["spec"], entry["batch"], entry["expected"]
-    got = as_logits(entry["outputs"][0], spec)  # what check_export checks, the program run in the shared fresh process
+    got = as_logits(entry["outputs"][0], spec)  # what check_export checks, the program run by the torch-only process
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=RTOL)
     assert spec["sparse_features"] and [f["name"] for f in spec["sparse_features"]] == list(batch.sparse_features.keys())
