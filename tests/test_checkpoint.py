@@ -144,14 +144,22 @@ def _default_dir_on_rank(rank: int, port: int, out: str) -> None:
 
 def test_ranks_with_run_directories_of_their_own_checkpoint_into_rank_0s(tmp_path: Path) -> None:
     """Under torchrun each rank's Hydra run directory is named from its own clock: the default checkpoint.dir must be
-    one directory for all ranks, or one checkpoint is split in two and a resume finds it damaged."""
+    one directory for all ranks, or one checkpoint is split in two and a resume finds it damaged. The two ranks are forks
+    of this process, which has imported everything they need (spawned, each imported this module and the whole runner
+    afresh: half a minute on a loaded 2-core machine), with this process's garbage frozen first, as the data workers' fork
+    does (recsys_runner/data/workers.py): a child must not finalize an earlier test's process group."""
+    import gc
     import json
 
     import torch.multiprocessing as mp
 
     from tests.conftest import free_port
 
-    mp.spawn(_default_dir_on_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    gc.freeze()
+    try:
+        mp.start_processes(_default_dir_on_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True, start_method="fork")
+    finally:
+        gc.unfreeze()
     dirs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert dirs == [str(tmp_path / "run-of-rank0" / "checkpoints")] * 2
 

@@ -39,60 +39,88 @@ def test_train_epochs_from_parquet_directory_with_workers(make_cfg, files: Path)
     assert run(cfg) > 0.6
 
 
-
-
 def torchrun(tmp_path: Path, *overrides: str, module: str = "recsys_runner",
-             env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+             env: dict[str, str] | None = None, timeout: int = 400) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
            "-m", module, "tracking=none", "distributed.sharding_types=[table_wise]", "distributed.timeout_s=120", *TRAIN, *overrides]
-    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=400,
+    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {}), "PYTHONPATH": str(REPO)})
 
 
-@pytest.mark.slow
-def test_two_ranks_train_from_parquet_dir_and_criteo(tmp_path: Path, files: Path) -> None:
-    """Both jobs in one launch (:mod:`tests.rank_jobs`), one after the other; each one's last step is its own line."""
-    (tmp_path / "pq").mkdir()
-    (tmp_path / "tsv").mkdir()
-    env = jobs((tmp_path / "pq", {}, ["data=parquet", f"data.path={files}/pq", "data.num_workers=1", "train.num_steps=null",
-                                      "train.num_epochs=1", f"hydra.run.dir={tmp_path}/pq/run"]),
-               (tmp_path / "tsv", {}, ["data=criteo", f"data.path={files}/day_0.tsv", "data.num_embeddings=1000", "train.num_steps=30",
-                                       f"hydra.run.dir={tmp_path}/tsv/run"]))
-    out = torchrun(tmp_path, module="tests.rank_jobs", env=env)
-    assert out.returncode == 0, out.stderr[-4000:]
-    # 12000 rows, 10% held out, 2 ranks x 256: 21 full batches per rank in one epoch
-    assert "step 21/21" in out.stderr + out.stdout
-    assert "step 30/30" in out.stderr + out.stdout
+Launched = tuple[subprocess.CompletedProcess[str], dict[str, str], Path]
+"""What :func:`launched` gives: the launch's result, each job's output, the folder of the jobs' files."""
+LAUNCH_JOBS = ("pq", "tsv", "uneven", "bad")
+"""The 2-rank jobs of :func:`launched`, in the order they run: the one that fails last."""
 
 
-@pytest.mark.slow
-def test_uneven_ranks_end_together(tmp_path: Path, files: Path) -> None:
-    # Every other line of the first half is bad: rank 0's share yields far fewer batches than rank 1's.
+@pytest.fixture(scope="module")
+def launched(files: Path, tmp_path_factory: pytest.TempPathFactory) -> Launched:
+    """The module's four 2-rank jobs in one torchrun launch (:mod:`tests.rank_jobs`), one after the other, each in its own
+    folder with its own output (``rank<r>.stdout``/``.stderr`` there): Parquet files for an epoch, Criteo TSV, TSV whose
+    ranks yield uneven batch counts, and TSV with a bad row in rank 1's share, which ends the launch (last: a job that
+    fails ends it, so every job before it ran and exited 0). One start of torchrun and its ranks, not three. The launch's
+    result (its own output: torchrun's report of the failed ranks), each job's output (both ranks', stdout and stderr) and
+    the folder of the jobs' files."""
+    root = tmp_path_factory.mktemp("two_ranks")
     lines = (files / "day_0.tsv").read_text().splitlines(keepends=True)
-    for i in range(0, len(lines) // 2, 2):
-        lines[i] = "7" + lines[i][1:]
-    (tmp_path / "uneven.tsv").write_text("".join(lines))
-    out = torchrun(tmp_path, "data=criteo", f"data.path={tmp_path}/uneven.tsv", "data.num_embeddings=1000", "data.on_bad_rows=skip",
-                   "data.shuffle=false", "train.num_steps=50")
-    assert out.returncode == 0, out.stderr[-4000:]
-    logs = out.stderr + out.stdout
-    assert "step 50/50" in logs and "eval/auc=" in logs
+    # uneven: every other line of the first half is bad: rank 0's share yields far fewer batches than rank 1's
+    uneven = [("7" + line[1:]) if i < len(lines) // 2 and i % 2 == 0 else line for i, line in enumerate(lines)]
+    (root / "uneven.tsv").write_text("".join(uneven))
+    bad = list(lines)  # a bad label in rank 1's share only (the file's second half)
+    bad[11_000] = "7" + bad[11_000][1:]
+    (root / "bad.tsv").write_text("".join(bad))
+    args = {"pq": ["data=parquet", f"data.path={files}/pq", "data.num_workers=1", "train.num_steps=null", "train.num_epochs=1"],
+            "tsv": ["data=criteo", f"data.path={files}/day_0.tsv", "data.num_embeddings=1000", "train.num_steps=30"],
+            "uneven": ["data=criteo", f"data.path={root}/uneven.tsv", "data.num_embeddings=1000", "data.on_bad_rows=skip",
+                       "data.shuffle=false", "train.num_steps=50"],
+            "bad": ["data=criteo", f"data.path={root}/bad.tsv", "data.num_embeddings=1000", "train.num_steps=30"]}
+    for name in LAUNCH_JOBS:
+        (root / name).mkdir()
+    env = jobs(*((root / name, {}, [*args[name], f"hydra.run.dir={root}/{name}/run"]) for name in LAUNCH_JOBS), own_output=True)
+    out = torchrun(root, module="tests.rank_jobs", env=env, timeout=600)
+    said = {name: "".join((root / name / f"rank{r}.{stream}").read_text() for r in range(2) for stream in ("stdout", "stderr")
+                          if (root / name / f"rank{r}.{stream}").exists()) for name in LAUNCH_JOBS}
+    return out, said, root
+
+
+def _ran_to_the_last_job(launched: Launched) -> None:
+    """Every job before the last one ended well (exit 0) on both ranks: each rank went on to the last job, which a rank
+    does only once the job before it returned or exited 0 (:func:`tests.rank_jobs.run_jobs`)."""
+    out, _, root = launched
+    assert all((root / "bad" / f"rank{r}.stderr").exists() for r in range(2)), (out.stdout + out.stderr)[-4000:]
+
+
+@pytest.mark.slow
+def test_two_ranks_train_from_parquet_dir_and_criteo(launched: Launched) -> None:
+    """Both jobs in one launch (:func:`launched`), one after the other; each one's last step is its own line."""
+    _ran_to_the_last_job(launched)
+    said = launched[1]
+    # 12000 rows, 10% held out, 2 ranks x 256: 21 full batches per rank in one epoch
+    assert "step 21/21" in said["pq"], said["pq"][-4000:]
+    assert "step 30/30" in said["tsv"], said["tsv"][-4000:]
+
+
+@pytest.mark.slow
+def test_uneven_ranks_end_together(launched: Launched) -> None:
+    """Every other line of the first half is bad: rank 0's share yields far fewer batches than rank 1's; both end at
+    step 50 together, the skipped rows said (its job in :func:`launched`)."""
+    _ran_to_the_last_job(launched)
+    logs = launched[1]["uneven"]
+    assert "step 50/50" in logs and "eval/auc=" in logs, logs[-4000:]
     assert "skipped" in logs and "bad rows" in logs
 
 
 @pytest.mark.slow
-def test_a_bad_row_on_one_rank_stops_both_with_its_error(tmp_path: Path, files: Path) -> None:
-    """A bad label in rank 1's share only (the file's second half), with data.on_bad_rows=fail: rank 1 stops with the
-    data error naming the file, line and column and the user-error exit status (2) (or torchrun's signal, if rank 0's
-    report of the lost peer reached torchrun first); rank 0, in a collective with it, does not wait for it (it reports the lost peer, or torchrun stops it
-    first): the launch fails, not hangs (the helper's subprocess timeout)."""
-    lines = (files / "day_0.tsv").read_text().splitlines(keepends=True)
-    lines[11_000] = "7" + lines[11_000][1:]
-    (tmp_path / "bad.tsv").write_text("".join(lines))
-    out = torchrun(tmp_path, "data=criteo", f"data.path={tmp_path}/bad.tsv", "data.num_embeddings=1000", "train.num_steps=30")
-    logs = out.stderr + out.stdout
+def test_a_bad_row_on_one_rank_stops_both_with_its_error(launched: Launched) -> None:
+    """A bad label in rank 1's share only (the file's second half), with data.on_bad_rows=fail (the last job of
+    :func:`launched`): rank 1 stops with the data error naming the file, line and column and the user-error exit status
+    (2) (or torchrun's signal, if rank 0's report of the lost peer reached torchrun first); rank 0, in a collective with
+    it, does not wait for it (it reports the lost peer, or torchrun stops it first): the launch fails, not hangs (the
+    helper's subprocess timeout)."""
+    out, said, root = launched
+    logs = out.stdout + out.stderr + said["bad"]
     assert out.returncode != 0
-    assert f"Data error: bad row in {tmp_path}/bad.tsv, line 11001, column 'label': the label is 7" in logs, logs[-4000:]
+    assert f"Data error: bad row in {root}/bad.tsv, line 11001, column 'label': the label is 7" in logs, logs[-4000:]
     # rank 1 exits with the user-error status (2), unless rank 0 saw the lost peer first and torchrun stopped rank 1
     # with a signal while it was closing down (a race the launch cannot order): either way rank 1 is a listed failure
     assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s*\n\s*exitcode\s*: (2|-\d+) ", logs), logs[-4000:]

@@ -37,6 +37,7 @@ from recsys_runner.data.generated.synthetic import SyntheticData
 from recsys_runner.data.generated.synthetic_config import SyntheticDataConfig
 from recsys_runner.errors import ConfigError
 from recsys_runner.train.signals import Interrupted
+from tests.collecting_dataset import Collecting
 from tests.conftest import REPO, LogWarnings
 from tests.test_checkpoint import history
 from tests.test_sequence_files import columns, histories, write_csv
@@ -235,11 +236,31 @@ def _resumable(csv: Path, *extra: str) -> list[str]:
             "train.eval_every_steps=null", *extra]
 
 
-def test_a_resume_mid_epoch_with_workers_trains_the_uninterrupted_runs_batches(make_cfg: Any, mlflow_uri: str, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def forked_losses(mlflow_uri: str, tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    """The per-step losses of :func:`_resumable`'s 8 steps, uninterrupted, with 2 forked workers on :func:`_click_csv`'s
+    rows: what a resume mid-epoch must train again, step for step, whatever starts its workers (one run for the tests of
+    both; the constant schedule makes a 3-step run's losses the first 3 of these)."""
+    from hydra import compose, initialize_config_dir
+
+    from recsys_runner.config import register_configs
+    from recsys_runner.paths import CONFIG_PATH
+
+    root = tmp_path_factory.mktemp("workers_straight")
+    csv = _click_csv(root / "clicks.csv")
+    register_configs()
+    with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
+        run(compose(config_name="config", overrides=[*_resumable(csv, "data.num_workers=2", f"checkpoint.dir={root}/ck"),
+                                                     f"tracking.uri={mlflow_uri}", "tracking.experiment=workers_straight"]))
+    return history(mlflow_uri, "workers_straight")
+
+
+def test_a_resume_mid_epoch_with_workers_trains_the_uninterrupted_runs_batches(make_cfg: Any, mlflow_uri: str, tmp_path: Path,
+                                                                              forked_losses: dict[int, float]) -> None:
     """Each of 2 workers reads its own shard: the resumed run skips the batches its checkpoint trained in that same order,
-    so its losses are the uninterrupted run's, step for step (an epoch is ~33 steps: steps 6..8 are mid-epoch)."""
+    so its losses are the uninterrupted run's (:func:`forked_losses`), step for step (an epoch is ~33 steps: steps 6..8
+    are mid-epoch)."""
     csv = _click_csv(tmp_path / "clicks.csv")
-    run(make_cfg(*_resumable(csv, "data.num_workers=2", f"checkpoint.dir={tmp_path}/a", "tracking.experiment=workers_straight"), tiny=False))
     sliced = make_cfg(*_resumable(csv, "data.num_workers=2", f"checkpoint.dir={tmp_path}/b", "tracking.experiment=workers_sliced",
                                   "train.stop_after_steps=5"), tiny=False)
     with pytest.raises(Interrupted):
@@ -247,9 +268,9 @@ def test_a_resume_mid_epoch_with_workers_trains_the_uninterrupted_runs_batches(m
     with LogWarnings() as warned:
         run(sliced)
     assert not [m for m in warned.messages if "data.num_workers" in m]
-    expected, resumed = history(mlflow_uri, "workers_straight"), history(mlflow_uri, "workers_sliced")
+    resumed = history(mlflow_uri, "workers_sliced")
     assert sorted(resumed) == list(range(1, 9))
-    assert resumed == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    assert resumed == pytest.approx(forked_losses, rel=1e-5, abs=1e-6)
 
 
 def test_a_resume_mid_epoch_with_another_worker_count_says_its_epoch_is_cut_otherwise(make_cfg: Any, tmp_path: Path) -> None:
@@ -326,14 +347,6 @@ class _Finalized:
             log.write(f"{os.getpid()}\n")
 
 
-class _Collecting(torch.utils.data.IterableDataset):
-    """A worker-side dataset that runs the collector in the worker, as any allocating worker eventually does."""
-
-    def __iter__(self) -> Any:
-        gc.collect()
-        yield torch.tensor([os.getpid()])
-
-
 @pytest.mark.parametrize("start", ["fork", "forkserver"])
 def test_a_forked_worker_never_finalizes_the_training_processs_garbage(start: str, tmp_path: Path) -> None:
     """Garbage of the training process still uncollected when a round of workers starts (an earlier run's gloo process
@@ -343,7 +356,7 @@ def test_a_forked_worker_never_finalizes_the_training_processs_garbage(start: st
     gc.disable()
     try:
         _Finalized(log)
-        loader = data_workers.worker_loader(_Collecting(), num_workers=2, pin_memory=False, method=start)
+        loader = data_workers.worker_loader(Collecting(), num_workers=2, pin_memory=False, method=start)
         workers = {int(batch) for batch in loader}
     finally:
         gc.enable()
@@ -412,17 +425,17 @@ def test_worker_start_needs_no_platform_method_without_workers(monkeypatch: pyte
     assert data_workers.worker_context("fork", "m") is None
 
 
-def test_a_run_resumed_with_forkserver_workers_trains_the_forked_runs_batches(make_cfg: Any, mlflow_uri: str, tmp_path: Path) -> None:
+def test_a_run_resumed_with_forkserver_workers_trains_the_forked_runs_batches(make_cfg: Any, mlflow_uri: str, tmp_path: Path,
+                                                                              forked_losses: dict[int, float]) -> None:
     """Training with forkserver workers, stopped after step 2 and resumed in the middle of the epoch: its losses are those of
-    the same run with forked workers, step for step."""
+    the same run with forked workers (:func:`forked_losses`' first 3), step for step."""
     csv = _click_csv(tmp_path / "clicks.csv")
     short = ("train.num_steps=3", "data.num_workers=2")
-    run(make_cfg(*_resumable(csv, *short, f"checkpoint.dir={tmp_path}/a", "tracking.experiment=start_fork"), tiny=False))
     served = make_cfg(*_resumable(csv, *short, "data.worker_start=forkserver", f"checkpoint.dir={tmp_path}/b",
                                   "tracking.experiment=start_forkserver", "train.stop_after_steps=2"), tiny=False)
     with pytest.raises(Interrupted):
         run(served)
     run(served)
-    expected, resumed = history(mlflow_uri, "start_fork"), history(mlflow_uri, "start_forkserver")
+    resumed = history(mlflow_uri, "start_forkserver")
     assert sorted(resumed) == [1, 2, 3]
-    assert resumed == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    assert resumed == pytest.approx({step: forked_losses[step] for step in (1, 2, 3)}, rel=1e-5, abs=1e-6)

@@ -1,7 +1,8 @@
-"""Export for serving: the trained model as a torch.export program that a fresh process loads with torch alone.
+"""Export for serving: the trained model as a torch.export program that a process of torch alone loads.
 
 Each case trains a few real steps through the CLI's ``run``, exports the checkpoint, loads ``model.pt2``
-in a new Python process that imports only torch (asserted), and compares its output on an eval batch
+in a Python process of its own that imports only torch (asserted; one such process serves a test process's every
+export, :func:`run_fresh`), and compares its output on an eval batch
 with the trained model's: the sharded DistributedModelParallel model restored from the same checkpoint
 by the training build. Tolerance: ``atol=1e-5, rtol=1e-5`` (fbgemm's CPU embedding kernels, which the
 sharded model runs, may sum a bag in another order than ATen's ``embedding_bag``; the exported program
@@ -10,6 +11,7 @@ itself matches the eager unsharded model to ``EXACT_ATOL`` = 1e-6, checked by th
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import json
@@ -18,6 +20,8 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,20 +50,27 @@ SMALL = ["data.batch_size=64", "data.num_train_rows=1024", "data.num_eval_rows=2
          "train.log_every_steps=3", "train.eval_max_batches=1"]
 ATOL = RTOL = 1e-5
 
-# Runs in a fresh interpreter: torch only. Loads each program, runs it on its saved inputs, saves its output
-# (arguments: program, inputs, output, repeated), and fails if anything of recsys_runner, Hydra, TorchRec or
-# fbgemm_gpu was imported.
+# Runs in an interpreter of its own that imports torch only, started once per test process (:func:`run_fresh`): for each
+# request line from stdin (JSON: a list of [program, inputs, output] files) it loads each program anew, runs it on its
+# saved inputs and saves its output, then answers one line: "LOADED ok", or "LOADED " and the error, among them any
+# module of recsys_runner, Hydra, TorchRec or fbgemm_gpu found imported.
 LOADER = """
-import sys, torch
-args = sys.argv[1:]
-for program_file, inputs_file, output_file in zip(args[0::3], args[1::3], args[2::3]):
-    program = torch.export.load(program_file).module()
-    dense, values, lengths = torch.load(inputs_file)
-    with torch.no_grad():
-        torch.save(program(dense, values, lengths), output_file)
-leaked = sorted(m for m in sys.modules if m.split(".")[0] in ("recsys_runner", "hydra", "omegaconf", "torchrec", "fbgemm_gpu"))
-assert not leaked, leaked
+import json, sys, traceback, torch
+for request in sys.stdin:
+    try:
+        for program_file, inputs_file, output_file in json.loads(request):
+            program = torch.export.load(program_file).module()
+            dense, values, lengths = torch.load(inputs_file)
+            with torch.no_grad():
+                torch.save(program(dense, values, lengths), output_file)
+        leaked = sorted(m for m in sys.modules if m.split(".")[0] in ("recsys_runner", "hydra", "omegaconf", "torchrec", "fbgemm_gpu"))
+        answer = f"imported {leaked}" if leaked else "ok"
+    except Exception:
+        answer = traceback.format_exc()
+    print("LOADED " + json.dumps(answer), flush=True)
 """
+LOADER_TIMEOUT_S = 300
+"""How long one request to the loader may take (a process per request had ``subprocess.run``'s 300 s)."""
 
 
 @pytest.fixture
@@ -94,16 +105,60 @@ def train_and_score(make_cfg: Callable[..., DictConfig], checkpoints: Path, *ove
         c.close()
 
 
+class _TorchOnly:
+    """The :data:`LOADER` process of this test process: started on first use, in an empty directory of its own and without
+    ``PYTHONPATH`` (nothing of this checkout importable), ended when the test process exits. One interpreter start (torch
+    and torch.export's imports: ~10 s on a loaded 2-core machine) for every export this process checks, not one each;
+    each program is loaded anew from its file, and what the process has imported is checked after every request."""
+
+    process: subprocess.Popen[str] | None = None
+    stderr: Path | None = None
+
+    @classmethod
+    def run(cls, calls: list[list[str]]) -> None:
+        if cls.process is None or cls.process.poll() is not None:
+            home = Path(tempfile.mkdtemp(prefix="torch_only_"))
+            cls.stderr = home / "stderr"
+            env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+            with open(cls.stderr, "w") as err:
+                cls.process = subprocess.Popen([sys.executable, "-c", LOADER], cwd=home, env=env, stdin=subprocess.PIPE,
+                                               stdout=subprocess.PIPE, stderr=err, text=True)
+            atexit.register(cls.close)
+        process = cls.process
+        assert process.stdin is not None and process.stdout is not None
+        process.stdin.write(json.dumps(calls) + "\n")
+        process.stdin.flush()
+        watchdog = threading.Timer(LOADER_TIMEOUT_S, process.kill)  # stuck: killed, and its stdout ends
+        watchdog.start()
+        try:
+            line = process.stdout.readline()
+            while line and not line.startswith("LOADED "):  # anything else the programs printed
+                line = process.stdout.readline()
+        finally:
+            watchdog.cancel()
+        if not line:  # the next call starts a new one
+            cls.close()
+            raise AssertionError(f"the torch-only loader died or ran past {LOADER_TIMEOUT_S} s: "
+                                 f"{cls.stderr.read_text()[-3000:] if cls.stderr else ''}")
+        answer = json.loads(line.removeprefix("LOADED "))
+        assert answer == "ok", answer
+
+    @classmethod
+    def close(cls) -> None:
+        if cls.process is not None and cls.process.poll() is None:
+            cls.process.kill()
+            cls.process.wait()
+        cls.process = None
+
+
 def run_fresh(directory: Path, tmp_path: Path, calls: list[tuple[str, tuple[torch.Tensor, ...]]]) -> list[object]:
-    """Each ``(file, inputs)`` of ``calls``: the program ``directory/file`` run on ``inputs``, all in one new interpreter
-    that imports only torch; their outputs."""
-    args = []
+    """Each ``(file, inputs)`` of ``calls``: the program ``directory/file`` run on ``inputs`` in an interpreter that imports
+    only torch (:class:`_TorchOnly`); their outputs."""
+    files = []
     for i, (file, inputs) in enumerate(calls):
         torch.save(inputs, tmp_path / f"inputs{i}.pt")
-        args += [str(directory / file), str(tmp_path / f"inputs{i}.pt"), str(tmp_path / f"output{i}.pt")]
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run([sys.executable, "-c", LOADER, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+        files.append([str(directory / file), str(tmp_path / f"inputs{i}.pt"), str(tmp_path / f"output{i}.pt")])
+    _TorchOnly.run(files)
     return [torch.load(tmp_path / f"output{i}.pt") for i in range(len(calls))]
 
 
@@ -133,14 +188,27 @@ def check_export(make_cfg, export_cfg, tmp_path: Path, *overrides: str, load: st
     return spec, batch, expected
 
 
+DEEPFM_EXPERIMENT = "test_deepfm_export_loads_without_recsys_runner_and_scores_like_the_trained_model"
+"""Where :func:`deepfm_trained` trains: the experiment that test's export (``export_cfg``: the test's name) logs to."""
+
+
+@pytest.fixture(scope="module")
+def deepfm_trained(mlflow_uri: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Batch, torch.Tensor]:
+    """DeepFM (the default model) trained with SMALL, once for the module's tests that export it: its checkpoints root,
+    the eval batch and the trained model's logits on it (:func:`train_and_score`)."""
+    root = tmp_path_factory.mktemp("deepfm")
+    batch, expected = train_and_score(_composer("config", mlflow_uri, DEEPFM_EXPERIMENT), root / "ck")
+    return root / "ck", batch, expected
+
+
 def test_deepfm_export_loads_without_recsys_runner_and_scores_like_the_trained_model(
-        make_cfg, export_cfg, mlflow_uri: str, tmp_path: Path) -> None:
-    batch, expected = train_and_score(make_cfg, tmp_path / "ck")
+        deepfm_trained: tuple[Path, Batch, torch.Tensor], export_cfg, mlflow_uri: str, tmp_path: Path) -> None:
+    checkpoints, batch, expected = deepfm_trained
     client = MlflowClient(tracking_uri=mlflow_uri)
     (experiment,) = [e for e in client.search_experiments() if e.name.startswith("test_deepfm_export")]
-    (trained,) = client.search_runs([experiment.experiment_id])
+    (trained,) = [r for r in client.search_runs([experiment.experiment_id]) if r.data.tags.get("entry") != "export"]
     source = trained.info.run_id
-    assert trained.data.tags["checkpoint_dir"] == str((tmp_path / "ck").absolute())
+    assert trained.data.tags["checkpoint_dir"] == str(checkpoints.absolute())
 
     # load= an MLflow run id: its checkpoint_dir tag names the checkpoints
     out = export.run(export_cfg(*SMALL, f"load={source}", f"export.dir={tmp_path / 'export'}"))
@@ -168,7 +236,7 @@ def test_deepfm_export_loads_without_recsys_runner_and_scores_like_the_trained_m
 
     # the same checkpoint under another model's config: refused, naming the fix
     with pytest.raises(CheckpointError, match="does not match this model config.*Fix: give the same model="):
-        export.run(export_cfg(*SMALL, "model=dlrm", f"load={tmp_path / 'ck'}", f"export.dir={tmp_path / 'x'}"))
+        export.run(export_cfg(*SMALL, "model=dlrm", f"load={checkpoints}", f"export.dir={tmp_path / 'x'}"))
 
 
 EVERY_MODEL = ["dlrm", "dcn_v2", "wide_deep", "mmoe", "dssm"]
@@ -195,8 +263,8 @@ def _composer(config_name: str, mlflow_uri: str, experiment: str) -> Callable[..
 @pytest.fixture(scope="module")
 def every_model(mlflow_uri: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Each of :data:`EVERY_MODEL` trained a few steps and exported (a folder and an experiment each), then every program
-    (each model's ``model.pt2``, DSSM's tower programs too) run in one fresh interpreter that imports only torch: one
-    start for the five models, not five. Per model: its export folder, spec, batch, trained logits and the programs'
+    (each model's ``model.pt2``, DSSM's tower programs too) run in one request to the process that imports only torch
+    (:func:`run_fresh`). Per model: its export folder, spec, batch, trained logits and the programs'
     outputs, or the exception its training or export raised (re-raised by that model's test)."""
     done: dict[str, Any] = {}
     calls: list[tuple[str, tuple[torch.Tensor, ...]]] = []
@@ -231,7 +299,7 @@ def test_every_model_exports_and_scores_like_the_trained_model(every_model: dict
     if isinstance(entry, Exception):
         raise entry
     spec, batch, expected = entry["spec"], entry["batch"], entry["expected"]
-    got = as_logits(entry["outputs"][0], spec)  # what check_export checks, the program run in the shared fresh process
+    got = as_logits(entry["outputs"][0], spec)  # what check_export checks, the program run by the torch-only process
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=RTOL)
     assert spec["sparse_features"] and [f["name"] for f in spec["sparse_features"]] == list(batch.sparse_features.keys())
@@ -316,13 +384,13 @@ def test_a_model_that_cannot_be_exported_is_named_with_the_reason() -> None:
 
 
 def test_export_refuses_a_used_dir_before_building_and_overwrite_replaces_the_whole_export(
-        make_cfg, export_cfg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    train_run(make_cfg(*SMALL, f"checkpoint.dir={tmp_path / 'ck'}"))
+        deepfm_trained: tuple[Path, Batch, torch.Tensor], export_cfg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    checkpoints = deepfm_trained[0]
     out = tmp_path / "export"
     out.mkdir()
     for stale in ("model.pt2", "feature_spec.json", "user_tower.pt2", "item_tower.pt2"):  # an earlier DSSM export
         (out / stale).write_text("dssm")
-    cfg = [*SMALL, f"load={tmp_path / 'ck'}", f"export.dir={out}"]
+    cfg = [*SMALL, f"load={checkpoints}", f"export.dir={out}"]
 
     def no_build(*_: object) -> None:
         raise AssertionError("the model was built before export.dir was refused")
@@ -334,11 +402,11 @@ def test_export_refuses_a_used_dir_before_building_and_overwrite_replaces_the_wh
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
     with pytest.raises(ConfigError, match=r"holds \['notes.txt'\], which no export writes; export.overwrite=true replaces only"):
-        export.run(export_cfg(*SMALL, f"load={tmp_path / 'ck'}", f"export.dir={tmp_path / 'other'}", "export.overwrite=true"))
+        export.run(export_cfg(*SMALL, f"load={checkpoints}", f"export.dir={tmp_path / 'other'}", "export.overwrite=true"))
     under_a_file = tmp_path / "other" / "notes.txt" / "export"  # not a raw NotADirectoryError once the model is traced
     with pytest.raises(ConfigError, match=rf"export.dir={under_a_file} cannot be written: a file is in the place of its parent "
                                           rf"folder {tmp_path / 'other' / 'notes.txt'}\. Fix: move or remove"):
-        export.run(export_cfg(*SMALL, f"load={tmp_path / 'ck'}", f"export.dir={under_a_file}"))
+        export.run(export_cfg(*SMALL, f"load={checkpoints}", f"export.dir={under_a_file}"))
     monkeypatch.undo()
 
     # overwrite: the DeepFM export replaces the DSSM one as a whole (no tower files left beside it)
@@ -346,7 +414,7 @@ def test_export_refuses_a_used_dir_before_building_and_overwrite_replaces_the_wh
     written = {"model.pt2", "feature_spec.json", "example.pt", "manifest.json"}
     assert {p.name for p in out.iterdir()} == written
     assert json.loads((out / export.FEATURE_SPEC_FILE).read_text())["model"] == "DeepFM"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "export", "other"]  # no temporary sibling left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "other"]  # no temporary sibling left
 
     # stopped after every file is written (Ctrl-C, or the lifecycle's SIGTERM) but before the move: the export in place
     # stays whole and the temporary directory is gone
@@ -362,7 +430,7 @@ def test_export_refuses_a_used_dir_before_building_and_overwrite_replaces_the_wh
     with pytest.raises(KeyboardInterrupt):
         export.run(export_cfg(*cfg, "export.overwrite=true"))
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "export", "other"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "other"]
 
 
 class StoppedWhileTraced(nn.Module):

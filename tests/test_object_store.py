@@ -379,24 +379,40 @@ def _final_eval(output: str) -> str:
     return found[-1]
 
 
+REFERENCE_ARGS = ("checkpoint.keep_last=2", "train.eval_every_steps=6", "checkpoint.best_metric=eval/auc")
+"""What :func:`local_reference` trains with beyond :func:`_train_args`: the in-process resume's settings (an eval at step 6
+as well, a best checkpoint kept apart: neither changes what is trained)."""
+
+
+@pytest.fixture(scope="module")
+def local_reference(s3: MotoServer, mlflow_uri: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, float]:
+    """The final eval (step 12) of :func:`_train_args`' run on the bucket's files as local files, checkpoints on local
+    disk, uninterrupted: the reference that both runs resumed from a bucket must reach (one training for both tests)."""
+    tmp = tmp_path_factory.mktemp("local_reference")
+    register_configs()
+    overrides = [*_train_args(tmp, f"{s3.local}/train", f"{tmp}/ck", "local_reference"), f"tracking.uri={mlflow_uri}",  # type: ignore[attr-defined]
+                 *REFERENCE_ARGS]
+    with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
+        run(compose(config_name="config", overrides=overrides))
+    (reference,) = _mlflow_runs(mlflow_uri, "local_reference")
+    return {key: reference.data.metrics[key] for key in ("eval/auc", "eval/logloss")}
+
+
 @pytest.mark.slow
 def test_train_from_a_bucket_kill_9_resume_to_the_same_eval_then_predict_and_export_to_it(
-    s3_env: MotoServer, tmp_path: Path
+    s3_env: MotoServer, tmp_path: Path, local_reference: dict[str, float]
 ) -> None:
     """The CLI where a process is the point: the run killed with -9. Its resume, and predict and export carrying the
     training's overrides from the bucket, run their commands in this process as ``python -m`` would
     (:func:`tests.conftest.run_in_process`: the module as ``__main__``, so the overrides are carried as on the command
-    line), as does the local reference (interpreters fewer to start)."""
-    s3, local = s3_env, s3_env.local  # type: ignore[attr-defined]
+    line); the local reference is :func:`local_reference` (interpreters and trainings fewer to start)."""
+    s3 = s3_env
     env = {**os.environ, **s3.env, "PYTHONPATH": str(REPO)}
     uri = f"sqlite:///{tmp_path}/mlflow.db"
 
     def cli(*args: str, module: str = "recsys_runner") -> subprocess.CompletedProcess[str]:
         return run_in_process([sys.executable, "-m", module, *args], tmp_path, env=s3.env)
 
-    register_configs()
-    with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):  # the reference: local files, local checkpoints
-        run(compose(config_name="config", overrides=_train_args(tmp_path, f"{local}/train", f"{tmp_path}/ck", "local")))
     args = _train_args(tmp_path, "s3://data/train/*.parquet", "s3://data/runs/ck", "bucket")
     live = subprocess.Popen([sys.executable, "-m", "recsys_runner", *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -415,10 +431,10 @@ def test_train_from_a_bucket_kill_9_resume_to_the_same_eval_then_predict_and_exp
     out = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, out[-3000:]
     assert "previous holder" in out and re.search(r"resuming from s3://data/runs/ck/step_0000000[24]", out), out[-3000:]
-    (reference,), (bucket,) = _mlflow_runs(uri, "local"), _mlflow_runs(uri, "bucket")
+    (bucket,) = _mlflow_runs(uri, "bucket")
     assert bucket.data.tags.get("resumed") == "true" and bucket.data.metrics["eval/auc"] > 0  # the killed run, continued
     for key in ("eval/auc", "eval/logloss"):  # the final eval, logged at step 12 by each
-        assert bucket.data.metrics[key] == pytest.approx(reference.data.metrics[key], rel=1e-6), key
+        assert bucket.data.metrics[key] == pytest.approx(local_reference[key], rel=1e-6), key
     assert _final_eval(out).startswith(f"eval/auc={bucket.data.metrics['eval/auc']:.4g} ")  # the one the resumed run printed
     assert not s3.fs().exists("data/runs/ck/.lock")
 
@@ -441,15 +457,16 @@ def _mlflow_runs(uri: str, experiment: str) -> list:
     return client.search_runs([exp.experiment_id]) if exp else []
 
 
-def test_in_process_resume_from_a_bucket_matches_local(s3_env: MotoServer, tmp_path: Path, mlflow_uri: str) -> None:
-    """The done-when of the issue in one process: a checkpoint written to the bucket resumes to the eval a local one does."""
+def test_in_process_resume_from_a_bucket_matches_local(s3_env: MotoServer, tmp_path: Path, mlflow_uri: str,
+                                                       local_reference: dict[str, float]) -> None:
+    """The done-when of the issue in one process: a checkpoint written to the bucket resumes to the eval a local one does
+    (:func:`local_reference`, trained with the same settings)."""
     register_configs()
     local = s3_env.local  # type: ignore[attr-defined]
 
     def final(ckpt: str, experiment: str, *extra: str) -> float:
         overrides = [*_train_args(tmp_path, f"{local}/train", ckpt, experiment), f"tracking.uri={mlflow_uri}",
-                     f"storage.endpoint_url={s3_env.endpoint}", "checkpoint.keep_last=2", "train.eval_every_steps=6",
-                     "checkpoint.best_metric=eval/auc", *extra]
+                     f"storage.endpoint_url={s3_env.endpoint}", *REFERENCE_ARGS, *extra]
         with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
             return float(run(compose(config_name="config", overrides=overrides)))
 
@@ -458,7 +475,7 @@ def test_in_process_resume_from_a_bucket_matches_local(s3_env: MotoServer, tmp_p
     with pytest.raises(Interrupted):
         final("s3://data/inproc/ck", "inproc_bucket", "train.stop_after_steps=6")
     assert [p.name for p in DcpObjectStorage().checkpoints(uris.as_path("s3://data/inproc/ck"))][-1] == "step_00000006"
-    assert final("s3://data/inproc/ck", "inproc_bucket") == pytest.approx(final(f"{tmp_path}/ck", "inproc_local"), rel=1e-6)
+    assert final("s3://data/inproc/ck", "inproc_bucket") == pytest.approx(local_reference["eval/auc"], rel=1e-6)
     storage, root = DcpObjectStorage(), uris.as_path("s3://data/inproc/ck")
     assert [p.name for p in storage.checkpoints(root)] == ["step_00000010", "step_00000012"]  # keep_last=2 in the bucket
     assert len(storage.checkpoints(root, best=True)) == 1  # and the best one apart
