@@ -262,7 +262,9 @@ def exit_codes(launch: Launch) -> Iterator[None]:
     """Every command's exit: a user error is one line and status 2 (:func:`recsys_runner.errors.reported`); a signal
     (SIGTERM, SIGINT, SIGUSR1) stops the command where it is (:class:`~recsys_runner.train.signals.RaiseOnSignal`;
     training's loop stops after its step or final eval instead), which prints what was kept and the command that
-    resumes or redoes it (or hands a preempted job to submitit) and exits ``128 + signal``; a non-finite loss prints
+    resumes or redoes it (or hands a preempted job to submitit) and exits ``128 + signal`` (a preempted job's rank other
+    than 0 exits 0: rank 0 requeues the job, and srun's ``--kill-on-bad-exit`` would end rank 0 on a sibling's non-zero
+    exit, SIGKILL after ``KillWait``, before it did: docs/launch.md); a non-finite loss prints
     the last good checkpoint and exits 1; a collective that failed because another rank is gone prints which rank, the
     last checkpoint and the command that resumes (:func:`rank_lost_message`) and exits ``75``. These failures of the
     command's own end in :func:`~recsys_runner.errors.fail`, whose exit carries the message (a sweep's job names its
@@ -286,6 +288,10 @@ def exit_codes(launch: Launch) -> Iterator[None]:
     except Interrupted as e:
         if e.handover is not None:  # preempted inside submitit: its handler resubmits this job and requeues it
             print(f"Interrupted: {e}", file=sys.stderr)
+            if _rank_other_than_zero():  # submitit's handler only logs here: rank 0 requeues the job
+                e.handover()
+                print(f"Preempted: rank {os.environ['RANK']} leaves the requeue to rank 0 and exits 0", file=sys.stderr)
+                sys.exit(0)
             print("Preempted: handing over to submitit to requeue this job", file=sys.stderr)
             e.handover()
         elif not _told_by_rank_zero(e):
@@ -321,7 +327,12 @@ def _told_by_rank_zero(e: Interrupted) -> bool:
     rank agreed on (:attr:`~recsys_runner.train.signals.Interrupted.agreed`: the same step, checkpoint and command on each),
     so that the "Interrupted / Resume this run" block is printed once, not once per rank. A rank's own stop (a signal
     while it waited on the store, a second Ctrl-C, one during the build) is still told by each rank: they may differ."""
-    return e.agreed and _multi_rank() and os.environ.get("RANK", "0") != "0"
+    return e.agreed and _rank_other_than_zero()
+
+
+def _rank_other_than_zero() -> bool:
+    """Whether this process is a rank other than 0 of a multi-rank launch."""
+    return _multi_rank() and os.environ.get("RANK", "0") != "0"
 
 
 def end_rank_process() -> None:

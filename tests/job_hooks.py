@@ -7,12 +7,15 @@ hold the given one, nothing in recsys_runner changed for it.
 - :func:`preempted_in_the_sanity_eval`: the job's first launch gets SIGUSR2, submitit's preemption signal, as its sanity
   eval reads its first batch (before any step or checkpoint), as SLURM sends it ahead of a time limit; its requeued
   launch runs undisturbed.
+- :func:`slow_requeue`: rank 0's hand-over to submitit takes its time before ``scontrol requeue``, as a slow tracking
+  store or a busy SLURM controller makes it.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -72,3 +75,18 @@ def preempted_in_the_sanity_eval(override: str, marker: str) -> None:
             yield batch
 
     evaluation.checked_batches = checked  # type: ignore[assignment]
+
+
+def slow_requeue(seconds: float) -> None:
+    """On rank 0, submitit's preemption handler (which requeues the job; it runs only in a preempted launch) starts
+    ``seconds`` late."""
+    from submitit.core.job_environment import SignalHandler
+
+    real = SignalHandler.checkpoint_and_try_requeue
+
+    def late(self: SignalHandler, signum: int, frame: Any = None) -> None:
+        if os.environ.get("RANK") == "0":
+            time.sleep(seconds)
+        real(self, signum, frame)
+
+    SignalHandler.checkpoint_and_try_requeue = late  # type: ignore[method-assign]

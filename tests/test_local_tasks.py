@@ -24,8 +24,8 @@ machine; far below its job's ``timeout_min`` (10 minutes), which ended rank 1 be
 
 
 def test_only_a_failure_ends_the_other_tasks() -> None:
-    """A stop on a signal is not a failure (a preempted rank other than 0 exits 140 while rank 0 hands the job over,
-    then exits 144 for submitit to start the tasks again); an error, a lost rank and a kill are."""
+    """A stop on a signal (SIGTERM: every rank exits 143) and submitit's requeue (144: rank 0 of a preempted job, its
+    other ranks exit 0) are not failures; an error, a lost rank and a kill are."""
     assert not any(failed(status) for status in (None, 0, 144, 128 + 12, 128 + 15, 128 + 2, 128 + 10))
     assert all(failed(status) for status in (1, 2, 75, 255, -9, -11))
 

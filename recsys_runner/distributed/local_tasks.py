@@ -43,9 +43,9 @@ def failed(status: int | None) -> bool:
     """Whether a task's exit status (``Popen.returncode``; ``None``: still running) ends the job's other tasks: any but 0,
     submitit's requeue (144) and a stop on a signal the command took (``128 + n``: ``lifecycle.exit_codes``).
 
-    A stop on a signal is no failure: under a preemption a rank other than 0 exits 140 (SIGUSR2) while rank 0 still hands
-    the job over to submitit (then exits 144, and the controller starts the tasks again); a SIGTERM stops every rank, each
-    writing its own end. A task killed by a signal (a negative status: SIGKILL, an OOM kill, a segfault) failed."""
+    A stop on a signal is no failure: a SIGTERM stops every rank, each writing its own end. (Under a preemption a rank
+    other than 0 exits 0 while rank 0 still hands the job over to submitit, then exits 144 and the controller starts the
+    tasks again: ``lifecycle.exit_codes``, as srun's ``--kill-on-bad-exit`` would end rank 0 on any other status.) A task killed by a signal (a negative status: SIGKILL, an OOM kill, a segfault) failed."""
     if status is None or status in (0, LOCAL_REQUEUE_RETURN_CODE):
         return False
     return not 128 < status < 128 + signal.NSIG
