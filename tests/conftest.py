@@ -85,10 +85,16 @@ def store_uri(created_store: Path, tmp_path: Path) -> str:
     use, without the seconds of its schema migration (a copy of :func:`created_store`, its Default experiment's
     artifacts moved to ``<tmp_path>/mlruns/0``, where the command would have put them). For tests whose point is not a
     store being created (tests/test_tracking_faults.py's are)."""
-    path = tmp_path / "mlflow.db"
+    return copied_store(created_store, tmp_path)
+
+
+def copied_store(created_store: Path, folder: Path, name: str = "mlflow.db") -> str:
+    """:func:`store_uri`'s copy of :func:`created_store`, as ``<folder>/<name>``: for a fixture of a wider scope, or a test
+    that needs a second store."""
+    path = folder / name
     shutil.copyfile(created_store, path)
     with contextlib.closing(sqlite3.connect(path)) as db, db:
-        db.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = 0", (str(tmp_path / "mlruns" / "0"),))
+        db.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = 0", (str(folder / "mlruns" / "0"),))
     return f"sqlite:///{path}"
 
 

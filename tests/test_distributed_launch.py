@@ -65,10 +65,10 @@ def test_map_submitit_env_leaves_torchrun_and_single_tasks_alone(monkeypatch: py
 
 
 @pytest.mark.slow
-def test_submitit_local_two_tasks_shard_with_two_sharding_types(tmp_path: Path) -> None:
+def test_submitit_local_two_tasks_shard_with_two_sharding_types(tmp_path: Path, store_uri: str) -> None:
     """One submitit job of 2 tasks: each task maps its environment to a rank, they form a gloo group,
     and the plan mixes data-parallel (one table) with column-wise (the rest)."""
-    uri = f"sqlite:///{tmp_path}/two.db"
+    uri = store_uri
     out = run_cli("-m", "hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2", "hydra.launcher.timeout_min=5",
                   *TINY, "train.num_steps=20", "distributed.sharding_types=[column_wise]",
                   "+distributed.tables={t_cat_0: {sharding_types: [data_parallel]}}",
@@ -84,12 +84,12 @@ def test_submitit_local_two_tasks_shard_with_two_sharding_types(tmp_path: Path) 
 
 
 @pytest.mark.slow
-def test_torchrun_two_ranks_table_wise_with_a_data_parallel_table(tmp_path: Path) -> None:
+def test_torchrun_two_ranks_table_wise_with_a_data_parallel_table(tmp_path: Path, store_uri: str) -> None:
     """torchrun, 2 ranks: tables placed whole on either rank, one table replicated — two sharding types in one plan."""
     import subprocess
     import sys
 
-    uri = f"sqlite:///{tmp_path}/tw.db"
+    uri = store_uri
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
            "-m", "recsys_runner", *TINY, "train.num_steps=20", "distributed.sharding_types=[table_wise]",
            "+distributed.tables={t_cat_0: {sharding_types: [data_parallel]}}", f"tracking.uri={uri}", "tracking.experiment=tw"]

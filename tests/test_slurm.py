@@ -50,11 +50,11 @@ def _sweep(uri: str, experiment: str) -> tuple[object, list]:
     return parent, children
 
 
-def test_array_sweep_lands_in_mlflow_as_parent_and_children(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+def test_array_sweep_lands_in_mlflow_as_parent_and_children(slurm_cluster: SlurmCluster, tmp_path: Path, store_uri: str) -> None:
     """A 4-job array, one of them with an invalid value, one that crashes (a bug, tests/job_hooks.py): the others run
     and are compared; each failed one is named in a line (its own, or its error's; not submitit's traceback), and the
     parent ends FAILED naming them once every job has ended."""
-    uri = f"sqlite:///{tmp_path}/array.db"
+    uri = store_uri
     hooks = job_hooks.install(tmp_path / "hooks", "crash_at_the_first_step('optim.lr=0.05')")
     out = run_cli("-m", *SLURM, "optim.lr=0.01,-1,0.1,0.05", *TINY, "train.num_steps=10", f"tracking.uri={uri}",
                   "tracking.experiment=slurm_array", cwd=tmp_path, timeout=600, env={"PYTHONPATH": hooks})
@@ -102,9 +102,9 @@ def _crashed(tmp_path: Path, task: str) -> None:
     assert "JobState=FAILED" in job.stdout and "ExitCode=1:0" in job.stdout, job.stdout + job.stderr
 
 
-def test_submit_and_exit_then_collect(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+def test_submit_and_exit_then_collect(slurm_cluster: SlurmCluster, tmp_path: Path, store_uri: str) -> None:
     """``submitit_slurm_detached`` returns at once, leaving the parent RUNNING; ``compare collect`` finishes it."""
-    uri = f"sqlite:///{tmp_path}/detached.db"
+    uri = store_uri
     detached = ["hydra/launcher=submitit_slurm_detached", *SLURM[1:]]
     out = run_cli("-m", *detached, "optim.lr=0.01,0.1", *TINY, "train.num_steps=10", f"tracking.uri={uri}",
                   "tracking.experiment=slurm_detached", cwd=tmp_path, timeout=300)
@@ -124,7 +124,7 @@ def test_submit_and_exit_then_collect(slurm_cluster: SlurmCluster, tmp_path: Pat
 
 
 def test_collect_names_a_detached_job_that_died_before_its_mlflow_run_and_one_that_crashed(slurm_cluster: SlurmCluster,
-                                                                                          tmp_path: Path) -> None:
+                                                                                          tmp_path: Path, store_uri: str) -> None:
     """A detached sweep whose job #0 fails its config check (exit 2, before any MLflow run) and whose job #2 crashes (a
     bug, tests/job_hooks.py; its run ended FAILED): ``collect --wait`` waited for job #0's child until ``--timeout``, and
     counted job #2 among those that succeeded (SLURM said COMPLETED). SLURM's account says both ended FAILED: each is
@@ -132,7 +132,7 @@ def test_collect_names_a_detached_job_that_died_before_its_mlflow_run_and_one_th
     timeout."""
     import time
 
-    uri = f"sqlite:///{tmp_path}/died.db"
+    uri = store_uri
     detached = ["hydra/launcher=submitit_slurm_detached", *SLURM[1:]]
     hooks = job_hooks.install(tmp_path / "hooks", "crash_at_the_first_step('optim.lr=0.05')")
     out = run_cli("-m", *detached, "optim.lr=-1,0.1,0.05", *TINY, "train.num_steps=5", f"tracking.uri={uri}",
@@ -161,10 +161,10 @@ def test_collect_names_a_detached_job_that_died_before_its_mlflow_run_and_one_th
     _crashed(tmp_path, "2")
 
 
-def test_two_task_slurm_job_is_one_two_rank_run(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+def test_two_task_slurm_job_is_one_two_rank_run(slurm_cluster: SlurmCluster, tmp_path: Path, store_uri: str) -> None:
     """One job (a one-point sweep: the parent and its one child FINISHED) with ``tasks_per_node=2``: srun starts 2
     tasks, each maps SLURM's environment to a torch rank, one MLflow run. (A one-task job is the array sweep's.)"""
-    uri = f"sqlite:///{tmp_path}/ranks.db"
+    uri = store_uri
     out = _run_slurm(slurm_cluster, tmp_path, "-m", *SLURM, "hydra.launcher.tasks_per_node=2", *TINY, "train.num_steps=10",
                      "distributed.sharding_types=[column_wise]", f"tracking.uri={uri}", "tracking.experiment=slurm_ranks",
                      timeout=600)
@@ -181,11 +181,11 @@ def test_two_task_slurm_job_is_one_two_rank_run(slurm_cluster: SlurmCluster, tmp
 
 
 def test_two_task_job_whose_rendezvous_port_is_taken_ends_at_once_naming_it(slurm_cluster: SlurmCluster,
-                                                                           tmp_path: Path) -> None:
+                                                                           tmp_path: Path, store_uri: str) -> None:
     """Rank 0 of a two-task job cannot open the group's store: another process listens on ``MASTER_PORT``. It fails with
     one line naming the address, the port and the fix, not torch's traceback; srun (``--kill-on-bad-exit``) ends rank 1,
     which otherwise waited on the rendezvous for ``distributed.timeout_s`` (30 min), the sweep waiting with it."""
-    uri = f"sqlite:///{tmp_path}/taken.db"
+    uri = store_uri
     with socket.socket() as taken:
         taken.bind(("0.0.0.0", 0))
         taken.listen()
@@ -208,11 +208,11 @@ def test_two_task_job_whose_rendezvous_port_is_taken_ends_at_once_naming_it(slur
 
 
 def test_two_task_job_whose_rank_1_crashes_ends_with_rank_0s_lost_rank_line(slurm_cluster: SlurmCluster,
-                                                                          tmp_path: Path) -> None:
+                                                                          tmp_path: Path, store_uri: str) -> None:
     """Rank 1 crashes at its first step (a bug, tests/job_hooks.py). srun's ``--kill-on-bad-exit`` ends the job, yet rank
     0 still sees its peer gone first and ends as a lost rank (its line, exit 75); the job fails naming the crash, the run
     ends FAILED, nothing waits."""
-    uri = f"sqlite:///{tmp_path}/crash.db"
+    uri = store_uri
     hooks = job_hooks.install(tmp_path / "hooks", "crash_at_the_first_step('train.num_steps=10', rank=1)")
     started = time.monotonic()
     out = _run_slurm(slurm_cluster, tmp_path, "-m", *SLURM, "hydra.launcher.tasks_per_node=2", *TINY, "train.num_steps=10",

@@ -107,6 +107,7 @@ def _check_resumed_from_a_checkpoint(tmp_path: Path, experiment: str, proc: subp
     return _one_run_per_job(tmp_path, experiment, jobs)
 
 
+@pytest.mark.usefixtures("store_uri")  # the sweep's store, tmp_path/mlflow.db, made once per session
 def test_slurm_preemption_requeues_and_resumes_into_the_same_run(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     """In the sweep's default folder (``${new_dir:…}``, resolved once by the launch and carried to the requeued jobs):
     job #0 is preempted at step 5 and resumes from its checkpoint; job #1 is preempted in its sanity eval, with no
@@ -146,6 +147,7 @@ def _local_task_pid(tmp_path: Path) -> int | None:
     return None
 
 
+@pytest.mark.usefixtures("store_uri")  # the sweep's store, tmp_path/mlflow.db, made once per session
 def test_submitit_local_preemption_requeues_and_resumes_into_the_same_run(tmp_path: Path) -> None:
     """Also what any ``submitit_local`` sweep that ends well shows (tests/test_sweeps.py has the failed job's side): the
     job in its submitit subprocess found the parent run (the environment survived pickling and the subprocess), left its

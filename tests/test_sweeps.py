@@ -35,7 +35,7 @@ from recsys_runner.tracking.sweep_names import (
 )
 from recsys_runner.tracking.sweep_summary import SWEEP_PARENT_TAG, _override_pairs
 from recsys_runner.tracking.tracker import PARENT_RUN_ENV
-from tests.conftest import REPO, TINY, run_cli, run_in_process
+from tests.conftest import REPO, TINY, copied_store, run_cli, run_in_process
 
 TRAIN = [sys.executable, "-m", "recsys_runner"]
 
@@ -51,8 +51,8 @@ def _parent_and_children(uri: str, experiment: str) -> tuple[object, list]:
     return parent, children
 
 
-def test_optuna_sweep_logs_parent_with_best_trial(tmp_path: Path) -> None:
-    uri = f"sqlite:///{tmp_path}/optuna.db"
+def test_optuna_sweep_logs_parent_with_best_trial(tmp_path: Path, store_uri: str) -> None:
+    uri = store_uri
     out = run_in_process([*TRAIN, "-m", "--config-dir", str(REPO / "sweeps"), "--config-name", "optuna_lr", *TINY, "train.num_steps=10",
                           "hydra.sweeper.n_trials=3", f"tracking.uri={uri}"], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -82,10 +82,10 @@ def test_optuna_sweep_logs_parent_with_best_trial(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def grid(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+def grid(tmp_path_factory: pytest.TempPathFactory, created_store: Path) -> tuple[str, Path]:
     """One real 3-point grid (``optim.lr=0.01,0.05,0.1``) into a sqlite store, shared by the tests that read it."""
     tmp_path = tmp_path_factory.mktemp("grid")
-    uri = f"sqlite:///{tmp_path}/grid.db"
+    uri = copied_store(created_store, tmp_path, "grid.db")
     out = run_in_process([*TRAIN, "-m", "optim.lr=0.01,0.05,0.1", *TINY, "train.num_steps=10", f"tracking.uri={uri}",
                           "tracking.experiment=grid"], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -199,10 +199,10 @@ def test_override_pairs() -> None:
     assert _override_pairs("optim.lr=0.1 +x.y=2 model=dlrm bare") == [("optim.lr", "0.1"), ("x.y", "2"), ("model", "dlrm")]
 
 
-def test_a_failed_job_does_not_stop_the_sweep_and_the_parent_ends_failed_naming_it(tmp_path: Path) -> None:
+def test_a_failed_job_does_not_stop_the_sweep_and_the_parent_ends_failed_naming_it(tmp_path: Path, store_uri: str) -> None:
     """A job's config error (its exit 2) neither stops the jobs after it (KeepGoingLauncher) nor leaves the parent RUNNING
     (the multirun ends without ``on_multirun_end``). A fresh process, since the parent is ended at the process's exit."""
-    uri = f"sqlite:///{tmp_path}/failed.db"
+    uri = store_uri
     out = run_cli("-m", "optim.lr=-1,0.1", *TINY, "train.num_steps=5", "train.log_every_steps=5",
                   f"tracking.uri={uri}", "tracking.experiment=failed", cwd=tmp_path)
     assert out.returncode == 2, out.stderr[-3000:]
@@ -221,10 +221,10 @@ def test_a_failed_job_does_not_stop_the_sweep_and_the_parent_ends_failed_naming_
     assert [r["run_name"] for r in summary["runs"]] == ["lr=0.1"]
 
 
-def test_optuna_direction_against_the_objective_is_refused_before_any_run(tmp_path: Path) -> None:
+def test_optuna_direction_against_the_objective_is_refused_before_any_run(tmp_path: Path, store_uri: str) -> None:
     """The Optuna sweeper's default direction is minimize: with the default objective eval/auc it would search for the
     worst trials. Refused with one line before the parent run or any job exists."""
-    uri = f"sqlite:///{tmp_path}/direction.db"
+    uri = store_uri
     out = run_in_process([*TRAIN, "-m", "hydra/sweeper=optuna", "optim.lr=interval(0.01,0.1)", *TINY,
                           f"tracking.uri={uri}", "tracking.experiment=direction"], tmp_path)
     assert out.returncode == 2, out.stderr[-3000:]
@@ -235,7 +235,8 @@ def test_optuna_direction_against_the_objective_is_refused_before_any_run(tmp_pa
     assert MlflowClient(tracking_uri=uri).get_experiment_by_name("direction") is None
 
 
-def test_two_sweeps_started_in_the_same_second_get_folders_of_their_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_two_sweeps_started_in_the_same_second_get_folders_of_their_own(tmp_path: Path, store_uri: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Hydra's default sweep folder is to the second: a second sweep started in the same second got the first one's, and
     its job 0 resumed the first sweep's finished job 0 from its checkpoint (another lr, the same result, not a word).
     Each sweep's folder is its own (``${new_dir:…}``): ``<time>`` and ``<time>_2``, each job trained from step 0."""
@@ -249,7 +250,7 @@ def test_two_sweeps_started_in_the_same_second_get_folders_of_their_own(tmp_path
             return cls(2030, 1, 2, 3, 4, 5)
 
     monkeypatch.setattr(hydra.core.utils, "datetime", SameSecond)  # what Hydra's ${now:…} reads
-    uri = f"sqlite:///{tmp_path}/same.db"
+    uri = store_uri
     for lr in ("0.01", "0.1"):
         out = run_in_process([*TRAIN, "-m", f"optim.lr={lr}", *TINY, "train.num_steps=5", f"tracking.uri={uri}",
                               f"tracking.experiment=same_{lr}"], tmp_path)
@@ -273,10 +274,10 @@ def test_new_dir_claims_the_next_free_folder(tmp_path: Path, monkeypatch: pytest
     assert new_dir(str(base)) == f"{base}_4"
 
 
-def test_a_typo_in_a_swept_key_is_a_config_error_before_the_parent_run(tmp_path: Path) -> None:
+def test_a_typo_in_a_swept_key_is_a_config_error_before_the_parent_run(tmp_path: Path, store_uri: str) -> None:
     """``-m optim.lrr=0.1,0.2`` was Hydra's error when it composed the first job, after the sweep's parent run was
     created: an empty FAILED parent. Now one line naming the key and the closest one, before anything is created."""
-    uri = f"sqlite:///{tmp_path}/typo.db"
+    uri = store_uri
     for swept, key, fix in (("optim.lrr=0.1,0.2", "optim.lrr", "optim.lr"), ("+train.num_step=3,4", "train.num_step", "train.num_steps")):
         out = run_in_process([*TRAIN, "-m", swept, *TINY, f"tracking.uri={uri}", "tracking.experiment=typo"], tmp_path)
         assert out.returncode == 2, out.stderr[-3000:]
@@ -292,10 +293,10 @@ def test_a_typo_in_a_swept_key_is_a_config_error_before_the_parent_run(tmp_path:
     (["model=deepfm,dlrm", "model.deep_layer_sizes=[8]"], "model.deep_layer_sizes", "model.dense_arch_layer_sizes", "model=dlrm"),
 ])
 def test_a_key_an_option_of_a_swept_group_lacks_is_a_config_error_before_the_parent_run(
-        tmp_path: Path, sweep: list[str], key: str, fix: str, option: str) -> None:
+        tmp_path: Path, store_uri: str, sweep: list[str], key: str, fix: str, option: str) -> None:
     """A key under a swept group (a typo, or a key only some options have) was Hydra's error when it composed that
     option's first job, after the parent run existed (an empty FAILED parent). Each option's config is checked first."""
-    uri = f"sqlite:///{tmp_path}/group_typo.db"
+    uri = store_uri
     out = run_in_process([*TRAIN, "-m", *sweep, *TINY, f"tracking.uri={uri}", "tracking.experiment=group_typo"], tmp_path)
     assert out.returncode == 2, out.stderr[-3000:]
     (line,) = out.stderr.strip().splitlines()
@@ -321,13 +322,13 @@ def test_swept_keys_that_exist_or_go_into_free_form_maps_pass(make_cfg) -> None:
 
 
 @pytest.mark.slow
-def test_submitit_local_waits_for_every_job_and_names_a_failed_one(tmp_path: Path) -> None:
+def test_submitit_local_waits_for_every_job_and_names_a_failed_one(tmp_path: Path, store_uri: str) -> None:
     """``submitit_local`` stopped at the first failed job with submitit's traceback, the parent left RUNNING. Now it waits
     for every job, names the failed one in a line (its own error), and ends the parent FAILED naming it (exit 1), as
     ``submitit_slurm`` does. The failed job left its error as its result, read at once: its exit (a ``SystemExit``) left
     none, and the launcher waited submitit's 15 s for one before it read the job's stderr; that stderr holds the job's
     line, no traceback."""
-    uri = f"sqlite:///{tmp_path}/local_failed.db"
+    uri = store_uri
     out = run_cli("-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5", "optim.lr=-1,0.1", *TINY,
                   "train.num_steps=5", f"tracking.uri={uri}", "tracking.experiment=local_failed", cwd=tmp_path, timeout=600)
     assert out.returncode == 1, out.stderr[-3000:]
@@ -415,12 +416,12 @@ def test_detached_launcher_submits_without_waiting(tmp_path: Path) -> None:
     assert ran == [1], "the library's own debug job does run when its results are asked for"
 
 
-def test_sweep_objective_follows_train_objective_and_direction(tmp_path: Path) -> None:
+def test_sweep_objective_follows_train_objective_and_direction(tmp_path: Path, store_uri: str) -> None:
     from recsys_runner.metrics.registry import higher_is_better
 
     assert higher_is_better("eval/auc") and higher_is_better("eval/ctr/auc") and higher_is_better("eval/recall_at_10")
     assert not higher_is_better("eval/logloss") and not higher_is_better("eval/cvr/logloss") and not higher_is_better("eval/mse")
-    uri = f"sqlite:///{tmp_path}/obj.db"
+    uri = store_uri
     out = run_in_process([*TRAIN, "-m", "optim.lr=0.001,0.1", *TINY, "train.num_steps=10", "train.objective=eval/logloss",
                           f"tracking.uri={uri}", "tracking.experiment=obj"], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -446,10 +447,10 @@ def test_check_direction_follows_the_objective_the_jobs_report() -> None:
     check_direction(OmegaConf.create({"hydra": {"sweeper": {"direction": "minimize"}}}), "eval/watch/mse")
 
 
-def test_optuna_direction_is_checked_against_a_regression_models_default_objective(tmp_path: Path) -> None:
+def test_optuna_direction_is_checked_against_a_regression_models_default_objective(tmp_path: Path, store_uri: str) -> None:
     """Without train.objective, a regression model's jobs report eval/watch/mse: maximizing it is refused before any job,
     and Optuna's default (minimize) is what it wants."""
-    uri = f"sqlite:///{tmp_path}/direction.db"
+    uri = store_uri
     out = run_in_process([*TRAIN, "-m", "hydra/sweeper=optuna", "hydra.sweeper.direction=maximize", "optim.lr=interval(0.01,0.1)",
                           *REGRESSION, *TINY, f"tracking.uri={uri}", "tracking.experiment=regression_direction"], tmp_path)
     assert out.returncode == 2, out.stderr[-3000:]
@@ -473,10 +474,11 @@ def test_the_first_job_takes_each_swept_config_group_at_its_first_option() -> No
     (["model=mmoe,ple"], "eval/ctr/auc", max),  # a swept group: its first option's tasks (ctr, cvr), not the base model's
     (["optim.lr=0.01,0.1", "model=dssm"], "eval/inbatch_recall_at_1", max),  # dssm's eval_metrics: inbatch_recall@1, @10, @50
 ])
-def test_sweep_without_objective_ranks_by_the_jobs_default(tmp_path: Path, sweep: list[str], objective: str, best: Any) -> None:
+def test_sweep_without_objective_ranks_by_the_jobs_default(tmp_path: Path, store_uri: str, sweep: list[str], objective: str,
+                                                          best: Any) -> None:
     """A regression, a multi-task or a retrieval model's sweep without train.objective: the parent records the objective
     its jobs report and finds their best trial under it (eval/auc, which they never log, found none)."""
-    uri = f"sqlite:///{tmp_path}/default.db"
+    uri = store_uri
     out = run_in_process([*TRAIN, "-m", *sweep, *TINY, "train.num_steps=4", "data.num_eval_rows=1024", f"tracking.uri={uri}",
                           "tracking.experiment=default_objective"], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -488,10 +490,10 @@ def test_sweep_without_objective_ranks_by_the_jobs_default(tmp_path: Path, sweep
     assert parent.data.metrics[f"best/{objective}"] == pytest.approx(winner.data.metrics[objective])
 
 
-def test_a_sweep_whose_jobs_default_to_different_objectives_must_name_train_objective(tmp_path: Path) -> None:
+def test_a_sweep_whose_jobs_default_to_different_objectives_must_name_train_objective(tmp_path: Path, store_uri: str) -> None:
     """model=deepfm,dssm without train.objective: deepfm's jobs would report eval/auc, dssm's eval/inbatch_recall_at_1,
     and the parent ranked both by the first. Refused before any run, naming each job's default."""
-    uri = f"sqlite:///{tmp_path}/mixed.db"
+    uri = store_uri
     out = run_in_process([*TRAIN, "-m", "model=deepfm,dssm", *TINY, f"tracking.uri={uri}", "tracking.experiment=mixed"], tmp_path)
     assert out.returncode == 2, out.stderr[-3000:]
     (line,) = out.stderr.strip().splitlines()

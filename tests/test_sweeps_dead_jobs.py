@@ -129,6 +129,7 @@ def _check_killed_run(tmp_path: Path, experiment: str, proc: subprocess.Popen[st
     return out
 
 
+@pytest.mark.usefixtures("store_uri")  # the sweep's store, tmp_path/mlflow.db, made once per session
 def test_submitit_local_job_killed_mid_training_leaves_no_running_run(tmp_path: Path) -> None:
     """SIGKILL to a local job's process: submitit sees only that it left no result; its run ends KILLED, tagged DIED,
     and the parent ends KILLED naming the job (it stayed RUNNING for ever, the parent FAILED)."""
@@ -144,6 +145,7 @@ def test_submitit_local_job_killed_mid_training_leaves_no_running_run(tmp_path: 
             proc.wait()
 
 
+@pytest.mark.usefixtures("store_uri")  # the sweep's store, tmp_path/mlflow.db, made once per session
 def test_slurm_job_killed_mid_training_leaves_no_running_run(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     """The same under SLURM with the waiting launcher: SLURM's account of the job (its state, as submitit reads it) is
     what the run's tag says."""

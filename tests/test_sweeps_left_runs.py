@@ -33,14 +33,14 @@ from recsys_runner.tracking.sweep_jobs import (
 from recsys_runner.tracking.sweep_names import JOB_NUM_TAG
 from recsys_runner.tracking.sweep_summary import SWEEP_PARENT_TAG
 from recsys_runner.tracking.tracker import PARENT_RUN_ENV, MlflowTracker, MlflowTrackingConfig
-from tests.conftest import REPO, TINY, free_port, run_cli, run_in_process
+from tests.conftest import REPO, TINY, copied_store, free_port, run_cli, run_in_process
 from tests.slurm_cluster import SlurmCluster, slurm_cluster_fixture  # noqa: F401 - provides the slurm_cluster fixture
 from tests.store_gone import HOOK, refuse_run_ends
 
 
-def _store(tmp_path: Path, name: str, monkeypatch: pytest.MonkeyPatch) -> tuple[str, MlflowClient, str]:
+def _store(tmp_path: Path, name: str, monkeypatch: pytest.MonkeyPatch, created_store: Path) -> tuple[str, MlflowClient, str]:
     monkeypatch.chdir(tmp_path)  # the parent's summary table goes to ./mlruns
-    uri = f"sqlite:///{tmp_path}/{name}.db"
+    uri = copied_store(created_store, tmp_path, f"{name}.db")
     client = MlflowClient(tracking_uri=uri)
     return uri, client, client.create_experiment(name)
 
@@ -73,11 +73,12 @@ def _collect(uri: str, parent: str) -> int:
 
 
 def test_an_older_runners_runs_are_ended_where_the_jobs_overrides_single_them_out(
-        tmp_path: Path, slurm_states: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, slurm_states: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        created_store: Path) -> None:
     """A sweep started before runs carried ``sweep.job_num``: its dead jobs' runs were never found and stayed RUNNING.
     Each job's overrides, from its folder under the sweep dir, match exactly one run: that run is ended; the run of the
     job SLURM says still runs is not touched."""
-    uri, client, exp = _store(tmp_path, "older", monkeypatch)
+    uri, client, exp = _store(tmp_path, "older", monkeypatch, created_store)
     sweep_dir = tmp_path / "multirun"
     parent = _parent(client, exp, "9400", 3, sweep_dir)
     overrides = [["optim.lr=0.1", "seed=1"], ["optim.lr=0.2", "seed=1"], ["optim.lr=0.3", "seed=1"]]
@@ -96,11 +97,12 @@ def test_an_older_runners_runs_are_ended_where_the_jobs_overrides_single_them_ou
 
 @pytest.mark.parametrize("case", ["two jobs alike", "a job's folder missing"])
 def test_an_older_runners_runs_are_never_guessed(case: str, tmp_path: Path, slurm_states: Path,
-                                                 capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+                                                 capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                                                 created_store: Path) -> None:
     """Where the overrides do not single a run out — two jobs tried the same values, or a job's folder is missing (not
     started, or shared), so another job could carry the same ones — no run is ended: a note names the sweep, the jobs,
     the RUNNING runs and the command that ends one, once per collect, and that command ends it."""
-    uri, client, exp = _store(tmp_path, "guess", monkeypatch)
+    uri, client, exp = _store(tmp_path, "guess", monkeypatch, created_store)
     sweep_dir = tmp_path / "multirun"
     parent = _parent(client, exp, "9500", 2, sweep_dir)
     overrides = [["optim.lr=0.1"], ["optim.lr=0.1"]] if case == "two jobs alike" else [["optim.lr=0.1"], ["optim.lr=0.2"]]
@@ -137,10 +139,10 @@ def test_a_job_folder_shared_by_two_jobs_leaves_their_overrides_unknown(tmp_path
     assert overrides_on_disk(str(tmp_path / "none"), 1) is None
 
 
-def test_a_run_started_before_its_batch_was_launched_is_not_its_jobs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_run_started_before_its_batch_was_launched_is_not_its_jobs(tmp_path: Path, store_uri: str) -> None:
     """The waiting launcher knows its batch's overrides (an Optuna sweep launches batch after batch): an older runner's
     RUNNING run with the same overrides that started before the batch is an earlier trial's, never this job's."""
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/batch.db")
+    client = MlflowClient(tracking_uri=store_uri)
     exp = client.create_experiment("batch")
     parent = client.create_run(exp, run_name="sweep", tags={SWEEP_PARENT_TAG: "eval/auc"}).info.run_id
     earlier = _old_child(client, exp, parent, "optim.lr=0.1")
@@ -164,12 +166,13 @@ def _tracked_run_whose_end_is_lost(uri: str, job_num: int) -> str:
 
 
 def test_a_completed_jobs_run_left_running_waits_for_its_replay_else_is_ended_at_the_jobs_end(
-        tmp_path: Path, slurm_states: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, slurm_states: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        created_store: Path) -> None:
     """Two jobs SLURM says COMPLETED whose runs stayed RUNNING: the store was gone at their end. Job #0's end waits in its
     replay file: its run is left to the replay, collect says the command, and the sweep's summary waits. Job #1's file
     is gone: nothing else would end its run, so it is ended FINISHED at the job's end time, tagged why. Once the replay
     has run, collect summarizes the sweep."""
-    uri, client, exp = _store(tmp_path, "lost", monkeypatch)
+    uri, client, exp = _store(tmp_path, "lost", monkeypatch, created_store)
     sweep_dir = tmp_path / "multirun"
     parent = _parent(client, exp, "9600", 2, sweep_dir)
     monkeypatch.setenv(PARENT_RUN_ENV, parent)
@@ -205,14 +208,13 @@ def test_a_completed_jobs_run_left_running_waits_for_its_replay_else_is_ended_at
     assert p.info.status == "FINISHED" and p.data.tags["best.run_id"] == lost
 
 
-def _sweep_whose_store_is_gone_as_its_jobs_end(tmp_path: Path, *launcher: str,
+def _sweep_whose_store_is_gone_as_its_jobs_end(tmp_path: Path, uri: str, *launcher: str,
                                                 monkeypatch: pytest.MonkeyPatch | None = None) -> None:
     """Job #0's end waits in its replay file, so its run is left RUNNING and the replay command said once; job #1's file
     is lost, so its run, which nothing else would end, is ended FINISHED at the job's end, tagged why. Once the replay
     has run, ``collect`` summarizes the sweep. The store is tests/store_gone.py's: in the job processes (a
     ``sitecustomize`` hook) for a submitit ``launcher``; in this process, given ``monkeypatch``, for the default
     in-process launcher (``basic_keep_going``), run as ``python -m recsys_runner`` runs it."""
-    uri = f"sqlite:///{tmp_path}/gone.db"
     args = ["-m", *launcher, "optim.lr=0.01,0.1", *TINY, "train.num_steps=10", "tracking.flush_timeout_s=0",
             f"tracking.uri={uri}", "tracking.experiment=gone"]
     if monkeypatch is not None:
@@ -250,22 +252,22 @@ def _sweep_whose_store_is_gone_as_its_jobs_end(tmp_path: Path, *launcher: str,
     assert client.get_run(parent.info.run_id).info.status == "FINISHED"
 
 
-def test_in_process_sweep_whose_store_was_gone_as_its_jobs_ended(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_in_process_sweep_whose_store_was_gone_as_its_jobs_ended(tmp_path: Path, store_uri: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The default launcher (``basic_keep_going``) runs the jobs in this process: each job's end is known as it returns,
     and a run it left RUNNING is left to its replay file or ended, as the waiting launchers do."""
-    _sweep_whose_store_is_gone_as_its_jobs_end(tmp_path, monkeypatch=monkeypatch)
+    _sweep_whose_store_is_gone_as_its_jobs_end(tmp_path, store_uri, monkeypatch=monkeypatch)
 
 
 @pytest.mark.slow
-def test_submitit_local_sweep_whose_store_was_gone_as_its_jobs_ended(tmp_path: Path) -> None:
+def test_submitit_local_sweep_whose_store_was_gone_as_its_jobs_ended(tmp_path: Path, store_uri: str) -> None:
     """A real ``submitit_local`` sweep whose jobs complete while the tracking store is gone at their runs' end."""
-    _sweep_whose_store_is_gone_as_its_jobs_end(tmp_path, "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5")
+    _sweep_whose_store_is_gone_as_its_jobs_end(tmp_path, store_uri, "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5")
 
 
 @pytest.mark.slow
-def test_slurm_sweep_whose_store_was_gone_as_its_jobs_ended(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+def test_slurm_sweep_whose_store_was_gone_as_its_jobs_ended(slurm_cluster: SlurmCluster, tmp_path: Path, store_uri: str) -> None:
     """The same against the real test SLURM cluster (tests/slurm_cluster.py), with the waiting ``submitit_slurm``."""
-    _sweep_whose_store_is_gone_as_its_jobs_end(tmp_path, "hydra/launcher=submitit_slurm", "hydra.launcher.timeout_min=10",
+    _sweep_whose_store_is_gone_as_its_jobs_end(tmp_path, store_uri, "hydra/launcher=submitit_slurm", "hydra.launcher.timeout_min=10",
                                                "hydra.launcher.cpus_per_task=1")
 
 
@@ -295,10 +297,10 @@ def test_a_store_gone_at_the_sweeps_end_is_said_only_where_a_died_jobs_run_is_le
     assert "job(s) #1 (DIED) died" in err and f"python -m recsys_runner.tracking end <run id> --uri {uri}" in err
 
 
-def test_a_run_the_store_would_not_end_is_named_and_the_others_still_ended(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_run_the_store_would_not_end_is_named_and_the_others_still_ended(store_uri: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The store fails as one left run is ended: that run is named with the command that ends it (its status as the
     check would have set it), and the next job's run is still ended."""
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/flaky.db")
+    client = MlflowClient(tracking_uri=store_uri)
     exp = client.create_experiment("flaky")
     parent = client.create_run(exp, run_name="sweep", tags={SWEEP_PARENT_TAG: "eval/auc"}).info.run_id
     runs = [client.create_run(exp, run_name=f"lr=0.{num + 1}", tags={"mlflow.parentRunId": parent, JOB_NUM_TAG: str(num)})
