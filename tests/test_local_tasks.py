@@ -40,18 +40,20 @@ def test_the_controller_runs_in_place_of_submitits() -> None:
         _ours([sys.executable, "-m", "submitit.local.controller", "/sweep"])
 
 
-def _job_processes(root: Path) -> dict[int, str]:
+def _job_processes(root: Path) -> dict[int, tuple[str, int]]:
     """The processes whose command line names a path under ``root`` (a job's controller and tasks name submitit's folder
-    in the sweep's): pid → command line."""
+    in the sweep's): pid → (command line, parent pid). A task's fork (a ``subprocess`` call, before its exec) shows the
+    task's command line for a moment too: its parent tells it apart."""
     found = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and entry.name != str(os.getpid()):
             try:
                 cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
                 continue
             if str(root) in cmd:
-                found[int(entry.name)] = cmd
+                found[int(entry.name)] = (cmd, parent)
     return found
 
 
@@ -64,7 +66,7 @@ def test_a_rank_that_fails_before_the_group_forms_ends_its_sibling(tmp_path: Pat
     uri = f"sqlite:///{tmp_path}/taken.db"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     env.pop("HYDRA_FULL_ERROR", None)
-    seen: dict[int, str] = {}
+    seen: dict[int, tuple[str, int]] = {}
     with socket.socket() as taken, (tmp_path / "out.txt").open("w") as out:
         taken.bind(("0.0.0.0", 0))
         taken.listen()
@@ -89,8 +91,9 @@ def test_a_rank_that_fails_before_the_group_forms_ends_its_sibling(tmp_path: Pat
     assert any(line.startswith("Job #0 failed: Launch error: rank 0 cannot open the process group's rendezvous on ") and
                f":{port}: another process on this host listens on that port (set in the environment)" in line
                for line in said.splitlines()), said[-3000:]
-    controllers = [pid for pid, cmd in seen.items() if cmd.split()[1:3] == ["-m", "recsys_runner.distributed.local_tasks"]]
-    tasks = [pid for pid, cmd in seen.items() if cmd.split()[1:4] == ["-u", "-m", "submitit.core._submit"]]
+    controllers = [pid for pid, (cmd, _) in seen.items() if cmd.split()[1:3] == ["-m", "recsys_runner.distributed.local_tasks"]]
+    tasks = [pid for pid, (cmd, parent) in seen.items()
+             if cmd.split()[1:4] == ["-u", "-m", "submitit.core._submit"] and parent in controllers]
     assert len(controllers) == 1 and len(tasks) == 2, seen
     left = _job_processes(tmp_path)
     assert not set(seen) & set(left) and not left, f"the job's processes still run: {left}"
